@@ -1,0 +1,180 @@
+# libape build. `make help` lists the targets.
+#
+# Optional backends are detected and announced; override with WITH_OPENCL=yes|no|auto and
+# WITH_CUDA=yes|no|auto ("yes" makes a missing toolchain an error instead of a notice).
+# Every directory contributes through its own module.mk, so adding a backend edits no other rules.
+
+.DEFAULT_GOAL := all
+.SUFFIXES:
+.DELETE_ON_ERROR:
+.SECONDARY:
+
+BUILD      ?= build
+PREFIX     ?= /usr/local
+KSFT_DIR   ?= build/kselftest
+PYTHON     ?= /usr/bin/python3
+CC         ?= cc
+AR         ?= ar
+WITH_OPENCL ?= auto
+WITH_CUDA   ?= auto
+SANITIZE   ?=
+V          ?= 0
+
+ifeq ($(origin CC),default)
+CC := cc
+endif
+
+Q := $(if $(filter 1,$(V)),,@)
+
+# ------------------------------------------------------------------ flags
+WARN      := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla
+OPT       ?= -O2
+CSTD      := -std=gnu11
+CPPFLAGS  += -Iinclude -Iruntime -I$(BUILD)/gen -D_GNU_SOURCE
+LIB_CFLAGS = $(CSTD) $(OPT) -g $(WARN) -fPIC -fvisibility=hidden -DAPE_BUILDING_LIBRARY \
+             -MMD -MP $(SAN_FLAGS) $(CFLAGS)
+APP_CFLAGS = $(CSTD) $(OPT) -g $(WARN) -MMD -MP $(SAN_FLAGS) $(CFLAGS)
+LDLIBS    += -lm -lpthread -ldl
+
+ifeq ($(SANITIZE),1)
+SAN_FLAGS := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+LDFLAGS   += -fsanitize=address,undefined
+endif
+
+# ------------------------------------------------------------------ optional backends
+# OpenCL: the ICD loader and its headers.
+OPENCL_PROBE := $(shell $(CC) opencl/probe.c -o /dev/null -lOpenCL >/dev/null 2>&1 && echo yes)
+ifeq ($(WITH_OPENCL),no)
+HAVE_OPENCL :=
+OPENCL_WHY  := disabled at build time (WITH_OPENCL=no)
+else ifeq ($(OPENCL_PROBE),yes)
+HAVE_OPENCL := $(if $(wildcard opencl/module.mk),yes,)
+OPENCL_WHY  := $(if $(HAVE_OPENCL),,the OpenCL backend is not part of this source tree yet)
+else ifeq ($(WITH_OPENCL),yes)
+$(error WITH_OPENCL=yes but the OpenCL headers or ICD loader are missing: run `make deps`)
+else
+HAVE_OPENCL :=
+OPENCL_WHY  := OpenCL headers or ICD loader (libOpenCL) not found at build time
+endif
+
+# CUDA: nvcc builds the kernels; the driver (libcuda.so.1) is loaded at run time, never linked.
+CUDA_HOME ?= /usr/local/cuda
+NVCC      ?= $(shell command -v nvcc 2>/dev/null || { test -x $(CUDA_HOME)/bin/nvcc && echo $(CUDA_HOME)/bin/nvcc; })
+ifeq ($(WITH_CUDA),no)
+HAVE_CUDA :=
+CUDA_WHY  := disabled at build time (WITH_CUDA=no)
+else ifneq ($(and $(NVCC),$(wildcard $(dir $(NVCC))../include/cuda.h)),)
+HAVE_CUDA := $(if $(wildcard cuda/module.mk),yes,)
+CUDA_WHY  := $(if $(HAVE_CUDA),,the CUDA backend is not part of this source tree yet)
+else ifeq ($(WITH_CUDA),yes)
+$(error WITH_CUDA=yes but nvcc (or cuda.h next to it) was not found; set NVCC=/path/to/nvcc)
+else
+HAVE_CUDA :=
+CUDA_WHY  := nvcc not found at build time
+endif
+
+# Rebuild everything when the configuration changes.
+CONFIG := cc=$(CC) opt=$(OPT) san=$(SANITIZE) opencl=$(HAVE_OPENCL) cuda=$(HAVE_CUDA) nvcc=$(NVCC) cflags=$(CFLAGS)
+CONFIG_STAMP := $(BUILD)/config.stamp
+$(shell mkdir -p $(BUILD) && { test -f $(CONFIG_STAMP) && test "$$(cat $(CONFIG_STAMP))" = '$(CONFIG)' || echo '$(CONFIG)' > $(CONFIG_STAMP); })
+
+ifeq ($(filter deps help clean distclean,$(MAKECMDGOALS)),)
+ifeq ($(MAKELEVEL),0)
+$(info libape: OpenCL backend: $(if $(HAVE_OPENCL),yes,no ($(OPENCL_WHY))))
+$(info libape: CUDA backend:   $(if $(HAVE_CUDA),yes ($(NVCC)),no ($(CUDA_WHY))))
+endif
+endif
+
+# ------------------------------------------------------------------ modules
+LIB_SRCS :=
+LIB_ASM  :=
+LIB_LIBS :=
+TOOLS    :=
+TESTS    :=
+
+include runtime/module.mk
+-include opencl/module.mk
+-include cuda/module.mk
+include tools/module.mk
+include tests/module.mk
+
+LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/obj/%.o) $(LIB_ASM:%.S=$(BUILD)/obj/%.o)
+LIBA     := $(BUILD)/lib/libape.a
+LIBSO    := $(BUILD)/lib/libape.so.$(APE_SOVERSION)
+
+$(BUILD)/obj/%.o: %.c $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $<"
+	$(Q)$(CC) $(CPPFLAGS) $(LIB_CFLAGS) -c $< -o $@
+
+$(BUILD)/obj/%.o: %.S $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  AS      $<"
+	$(Q)$(CC) $(CPPFLAGS) -c $< -o $@
+
+$(LIBA): $(LIB_OBJS)
+	@mkdir -p $(dir $@)
+	@echo "  AR      $@"
+	$(Q)rm -f $@ && $(AR) rcs $@ $^
+
+$(LIBSO): $(LIB_OBJS)
+	@mkdir -p $(dir $@)
+	@echo "  LD      $@"
+	$(Q)$(CC) -shared -Wl,-soname,libape.so.$(APE_SOVERSION) -Wl,--no-undefined $(LDFLAGS) \
+		-o $@ $^ $(LIB_LIBS) $(LDLIBS)
+	$(Q)ln -sf libape.so.$(APE_SOVERSION) $(BUILD)/lib/libape.so
+
+all: $(LIBA) $(LIBSO) $(TOOLS)
+
+# ------------------------------------------------------------------ set-up, tests, the main job
+DEB_PACKAGES := build-essential pkg-config xz-utils ocl-icd-opencl-dev opencl-c-headers \
+                pocl-opencl-icd clinfo libhwloc-dev libhwloc-plugins libdrm-dev python3-numpy \
+                valgrind
+
+deps:
+	$(Q)tools/deps.sh "$(KSFT_DIR)" $(DEB_PACKAGES)
+
+check: all $(TESTS)
+	$(Q)tests/run-tests.sh $(BUILD) $(TESTS)
+
+sanitize:
+	$(Q)$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 OPT=-O1 check
+
+valgrind: all $(TESTS)
+	$(Q)APE_TEST_VALGRIND=1 tests/run-tests.sh --valgrind $(BUILD) $(TESTS)
+
+run: all
+	$(Q)$(BUILD)/bin/ape-bench --main-job
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include/ape $(DESTDIR)$(PREFIX)/bin \
+		$(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -m 644 $(LIBA) $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/
+	ln -sf libape.so.$(APE_SOVERSION) $(DESTDIR)$(PREFIX)/lib/libape.so
+	install -m 644 include/ape/ape.h $(DESTDIR)$(PREFIX)/include/ape/
+	install -m 755 $(TOOLS) $(DESTDIR)$(PREFIX)/bin/
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(APE_VERSION_STR)|' \
+		-e 's|@LIBS_PRIVATE@|$(LIB_LIBS) $(LDLIBS)|' libape.pc.in \
+		> $(DESTDIR)$(PREFIX)/lib/pkgconfig/libape.pc
+
+clean:
+	rm -rf $(BUILD)/obj $(BUILD)/lib $(BUILD)/bin $(BUILD)/tests $(BUILD)/gen $(BUILD)/asan \
+		$(BUILD)/config.stamp
+
+distclean:
+	rm -rf $(BUILD)
+
+help:
+	@echo "make deps       install the Debian packages and the Kselftest headers (root)"
+	@echo "make            library (static and shared) and tools"
+	@echo "make run        the main job: APE on a seed-sized input, checked against the reference"
+	@echo "make check      build and run every test; ends with 'N passed, N failed, N skipped'"
+	@echo "make sanitize   the tests under AddressSanitizer and UBSan"
+	@echo "make valgrind   the tests under valgrind memcheck (leaks are errors)"
+	@echo "make install PREFIX=/usr/local"
+	@echo "options: WITH_OPENCL=yes|no|auto WITH_CUDA=yes|no|auto V=1 OPT=-O2 BUILD=build"
+
+.PHONY: all deps check sanitize valgrind run install clean distclean help
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -1,0 +1,349 @@
+/* SPDX-License-Identifier: MIT */
+/**
+ * \file ape.h
+ * \brief libape: fused APE (adaptive positional encoding) attention on any accelerator.
+ *
+ * The operation is defined in docs/ape.md. In short, for head h, query row i and visible key row j,
+ * with n = pos_q(i) - pos_k(j):
+ *
+ *     alpha_i = 1 + lambda_h * sigmoid(-std(q_i))
+ *     dot     = sum_p rotate(k_j pair p, by n * rope_base^(-2p/D) / alpha_i) . q_i pair p
+ *     s_ij    = scale * dot / (1 + lambda_h |n|) - delta_h |n| - beta_h ln(1+|n|) - gamma_h sqrt(|n|)
+ *     O_i     = softmax_j(s_ij) V,   LSE_i = ln sum_j exp(s_ij)
+ *
+ * ## Error model
+ * Every function that can fail returns a negative `APE_E*` code (0 or a count on success). The code
+ * says what kind of failure it was; `ape_last_error()` gives a message for people that names the
+ * function, the argument, the head and the value ("ape_attention_forward: desc->lambda[3] = -0.5:
+ * must be >= 0"). Nothing aborts: a missing driver or a failing device is reported, never fatal.
+ * On failure, outputs are left untouched unless the function's documentation says otherwise.
+ *
+ * ## Threading
+ * libape has no global mutable state. The last-error message is per thread. A context may be used
+ * from several threads at once: `ape_device_list()`, `ape_device_get_info()`, `ape_backend_get_info()`,
+ * `ape_device_select()` and `ape_attention_forward()` are thread-safe, including several concurrent
+ * forward calls on the same device. `ape_context_create()` may be called concurrently;
+ * `ape_context_destroy()` must not race with any other call on the same context.
+ * The pure helpers (`ape_strerror()`, `ape_convert()`, descriptor init functions) are thread-safe.
+ */
+#ifndef APE_APE_H
+#define APE_APE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(APE_BUILDING_LIBRARY) && defined(__GNUC__)
+#define APE_API __attribute__((visibility("default")))
+#else
+#define APE_API
+#endif
+
+/** \name Version
+ * Releases with the same major number are ABI compatible. */
+/**@{*/
+#define APE_VERSION_MAJOR 0
+#define APE_VERSION_MINOR 1
+#define APE_VERSION_PATCH 0
+/** The version this header describes, as one comparable number. */
+#define APE_VERSION ((APE_VERSION_MAJOR << 16) | (APE_VERSION_MINOR << 8) | APE_VERSION_PATCH)
+
+/** \brief Version of the library actually loaded, encoded like `APE_VERSION`. */
+APE_API unsigned ape_version(void);
+/** \brief The loaded library's version as a string, e.g. "0.1.0". */
+APE_API const char *ape_version_string(void);
+/**@}*/
+
+/** \name Errors
+ * One table generates the codes, their names and their descriptions. Codes that match an errno
+ * value are that value negated; libape's own codes live in -4000..-4099. Codes are never renumbered.
+ */
+/**@{*/
+#define APE_ERRNO_MAP(XX)                                                                          \
+	XX(EIO, -5, "input/output error")                                                          \
+	XX(ENOMEM, -12, "out of memory")                                                           \
+	XX(EBUSY, -16, "resource busy")                                                            \
+	XX(ENODEV, -19, "no such device")                                                          \
+	XX(EINVAL, -22, "invalid argument")                                                        \
+	XX(ERANGE, -34, "value out of range")                                                      \
+	XX(EOVERFLOW, -75, "size or position overflows")                                           \
+	XX(ENOTSUP, -95, "operation not supported")                                                \
+	XX(EBACKEND, -4000, "backend driver error")                                                \
+	XX(EDEVLOST, -4001, "device lost")                                                         \
+	XX(EBUILD, -4002, "kernel build failed")                                                   \
+	XX(ENOBACKEND, -4003, "backend not available")                                             \
+	XX(EFORMAT, -4004, "malformed input file")
+
+typedef enum ape_status {
+	APE_OK = 0,
+#define APE__ERR_ENUM(name, value, text) APE_##name = (value),
+	APE_ERRNO_MAP(APE__ERR_ENUM)
+#undef APE__ERR_ENUM
+} ape_status;
+
+/** \brief Short description of an error code ("invalid argument"); "unknown error" for codes not
+ *  in the table. Never NULL, never allocates. */
+APE_API const char *ape_strerror(int err);
+/** \brief Symbolic name of an error code ("APE_EINVAL"); "APE_EUNKNOWN" for unknown codes. */
+APE_API const char *ape_err_name(int err);
+/**
+ * \brief Message describing the last failure of a libape call on the calling thread.
+ *
+ * Set whenever a function returns a negative code; not cleared by successful calls. The string is
+ * owned by the library and valid until the next libape call on this thread. Never NULL.
+ */
+APE_API const char *ape_last_error(void);
+/**@}*/
+
+/** \name Data types and tensors */
+/**@{*/
+typedef enum ape_dtype {
+	APE_F32 = 0, /**< IEEE binary32 */
+	APE_F16 = 1, /**< IEEE binary16 */
+	APE_BF16 = 2, /**< bfloat16: the upper half of a binary32 */
+} ape_dtype;
+
+/** \brief Bytes per element of \p dt, or 0 for an unknown type. */
+APE_API size_t ape_dtype_size(ape_dtype dt);
+/** \brief "f32", "f16", "bf16", or "?" for an unknown type. */
+APE_API const char *ape_dtype_name(ape_dtype dt);
+
+/**
+ * \brief Converts \p n elements between storage types, rounding to nearest even.
+ *
+ * Widening conversions are exact. \p dst and \p src must not overlap unless they are equal and the
+ * types have the same size.
+ * \return 0, or APE_EINVAL (unknown type, NULL pointer with n > 0).
+ */
+APE_API int ape_convert(void *dst, ape_dtype dst_type, const void *src, ape_dtype src_type, size_t n);
+
+/**
+ * \brief A host tensor: pointer, storage type, 4-D shape and strides.
+ *
+ * Shapes are `[B, H, L, D]` for Q and O and `[B, Hkv, L, D]` for K and V. Strides are in elements;
+ * if all four are 0 the tensor is contiguous row-major. Otherwise every stride must be >= 1 (a
+ * stride may describe, for instance, a `[B, L, H, D]` buffer or one slice of a packed QKV tensor).
+ * An output tensor must not overlap itself or any input.
+ */
+typedef struct ape_tensor {
+	void *data;
+	ape_dtype dtype;
+	int64_t shape[4];
+	int64_t strides[4];
+} ape_tensor;
+
+/** \brief Fills \p t as a contiguous tensor of the given shape. Never fails. */
+APE_API void ape_tensor_init(ape_tensor *t, void *data, ape_dtype dtype, int64_t d0, int64_t d1,
+			     int64_t d2, int64_t d3);
+/**@}*/
+
+/** \name Attention descriptor */
+/**@{*/
+typedef enum ape_rope_layout {
+	APE_ROPE_HALF = 0, /**< pairs (p, p + D/2): GPT-NeoX / LLaMA */
+	APE_ROPE_INTERLEAVED = 1, /**< pairs (2p, 2p + 1): GPT-J */
+} ape_rope_layout;
+
+/** \brief A per-head parameter: one value for every head, or an array of H values. */
+typedef struct ape_param {
+	float value; /**< used when per_head is NULL */
+	const float *per_head; /**< H values, read during the call only; NULL for one value */
+} ape_param;
+
+/**
+ * \brief Every parameter of the operation. Start from ape_attn_desc_init(), then change fields.
+ */
+typedef struct ape_attn_desc {
+	size_t struct_size; /**< set by ape_attn_desc_init(); lets later versions grow the struct */
+	ape_param delta; /**< linear decay; finite */
+	ape_param beta; /**< log decay; finite */
+	ape_param gamma; /**< square-root decay; finite */
+	ape_param lambda; /**< rotation and temperature adaptivity; finite, >= 0 */
+	double rope_base; /**< default 10000; finite, > 0 */
+	double scale; /**< used when scale_set; finite */
+	bool scale_set; /**< false: scale = 1/sqrt(D) (the default) */
+	bool causal; /**< default true: key j visible to query i iff pos_k(j) <= pos_q(i) */
+	ape_rope_layout layout; /**< default APE_ROPE_HALF */
+	int64_t k_start; /**< position of key row 0; default 0 */
+	int64_t q_start; /**< position of query row 0; used when q_start_set */
+	bool q_start_set; /**< false: q_start = k_start + Lk - Lq (queries end-aligned) */
+	double skip_tol; /**< far-key skipping tolerance; default 2^-24; 0 = never skip; finite, >= 0 */
+} ape_attn_desc;
+
+/**
+ * \brief Sets the defaults: all four decay/adaptivity parameters 0 (plain RoPE attention),
+ * rope_base 10000, scale 1/sqrt(D), causal, half layout, end-aligned queries, skip_tol 2^-24.
+ * Never fails.
+ */
+APE_API void ape_attn_desc_init(ape_attn_desc *desc);
+/**@}*/
+
+/** \name Contexts, backends and devices */
+/**@{*/
+typedef struct ape_context ape_context;
+typedef struct ape_device ape_device;
+
+/** Options for ape_context_create(). */
+typedef struct ape_context_options {
+	size_t struct_size; /**< set by ape_context_options_init() */
+	/** Comma-separated backends to load ("ref,opencl"), or NULL for every backend built in. */
+	const char *backends;
+	/** APE_CONTEXT_* flags. */
+	unsigned flags;
+} ape_context_options;
+
+/** Fill every device output buffer with NaN before each kernel runs, so a kernel that misses an
+ *  element is caught by tests. Costs one extra fill per call. */
+#define APE_CONTEXT_POISON_OUTPUTS (1u << 0)
+
+/** \brief Sets the defaults (every built backend, no flags). Never fails. */
+APE_API void ape_context_options_init(ape_context_options *opts);
+
+/**
+ * \brief Creates a context: loads the backends, probes their drivers and lists their devices.
+ *
+ * A backend whose driver is missing or which finds no device is not an error: it is recorded as
+ * unavailable with the reason (see ape_backend_get_info()), and the context has fewer devices.
+ * \param[out] out the new context; set to NULL on failure
+ * \param opts NULL for the defaults
+ * \return 0, APE_EINVAL (NULL out, unknown backend name in opts->backends), APE_ENOMEM.
+ */
+APE_API int ape_context_create(ape_context **out, const ape_context_options *opts);
+/** \brief Releases the context, its devices and their resources. Accepts NULL. */
+APE_API void ape_context_destroy(ape_context *ctx);
+
+typedef struct ape_backend_info {
+	char name[16]; /**< "ref", "opencl", "cuda" */
+	bool built; /**< compiled into this library */
+	bool available; /**< built, driver loaded, and at least one device found */
+	int device_count;
+	char reason[256]; /**< why it is not available ("libcuda.so.1 not found"); "" when it is */
+} ape_backend_info;
+
+/**
+ * \brief Number of backends libape knows of (built or not), when \p info is NULL; otherwise fills
+ * \p info for backend \p index.
+ * \return the count, 0 when filled, or APE_EINVAL (NULL ctx, index out of range).
+ */
+APE_API int ape_backend_get_info(const ape_context *ctx, int index, ape_backend_info *info);
+
+/**
+ * \brief Count-then-fill enumeration of the context's devices.
+ *
+ * With \p devs NULL, returns the number of devices. Otherwise stores up to \p cap device handles
+ * (owned by the context, valid until it is destroyed) and returns how many were stored.
+ * Devices are ordered by backend preference (CUDA, OpenCL GPUs, OpenCL CPUs, reference), then
+ * in the order their driver reports them; the order is stable for a given machine and build.
+ * \return a count >= 0, or APE_EINVAL (NULL ctx).
+ */
+APE_API int ape_device_list(ape_context *ctx, ape_device **devs, int cap);
+
+typedef enum ape_device_kind {
+	APE_DEVICE_CPU = 0,
+	APE_DEVICE_GPU = 1,
+	APE_DEVICE_ACCELERATOR = 2,
+	APE_DEVICE_HOST_REFERENCE = 3, /**< the plain-C reference; float64 accumulation; slow */
+} ape_device_kind;
+
+typedef struct ape_device_info {
+	char name[128];
+	char vendor[64];
+	char backend[16]; /**< backend that drives the device */
+	char driver_version[64];
+	ape_device_kind kind;
+	int index; /**< position in ape_device_list() */
+	int backend_index; /**< position among the devices of its backend */
+	int compute_units;
+	uint64_t global_mem_bytes; /**< 0 if unknown */
+	char pci_address[16]; /**< "0000:03:00.0", or "" when the device has none or does not say */
+} ape_device_info;
+
+/** \brief Describes \p dev. \return 0 or APE_EINVAL (NULL argument). */
+APE_API int ape_device_get_info(const ape_device *dev, ape_device_info *info);
+
+/** Result of ape_device_select(). */
+typedef struct ape_selection {
+	ape_device *device; /**< the device chosen */
+	/** True when a backend preferred over the chosen one was not available; `note` says why. */
+	bool passed_over;
+	/** Which backend was chosen and why the preferred ones were not: "ran on opencl:0 (...);
+	 *  passed over cuda: not built into this libape (nvcc not found at build time)". */
+	char note[768];
+} ape_selection;
+
+/**
+ * \brief Chooses a device by backend name and index, never falling back silently.
+ *
+ * \param backend "ref", "opencl", "cuda", or "auto"/NULL. For "auto" the environment variable
+ *        `APE_BACKEND`, when set and not "auto", names the backend to use; otherwise the most
+ *        preferred available device is chosen.
+ * \param index device index among that backend's devices (or, for "auto" without APE_BACKEND,
+ *        among all devices in ape_device_list() order); -1 for the first.
+ * \param[out] sel the device and an explanation
+ * \return 0; APE_EINVAL (unknown backend name, NULL pointer); APE_ENOBACKEND (the backend named
+ *         is not built or not available; the message says why); APE_ENODEV (index out of range,
+ *         or no device at all).
+ */
+APE_API int ape_device_select(ape_context *ctx, const char *backend, int index, ape_selection *sel);
+/**@}*/
+
+/** \name Attention */
+/**@{*/
+
+/** Statistics of one forward call. */
+typedef struct ape_stats {
+	size_t struct_size; /**< set by ape_stats_init() */
+	uint64_t pairs_visible; /**< (query, key) pairs the mask lets through, all batches and heads */
+	uint64_t pairs_computed; /**< pairs whose score was computed (visible minus skipped) */
+	double kernel_ms; /**< device time of the attention kernels (device events) */
+	double total_ms; /**< wall time of the whole call, copies included */
+	uint64_t bytes_to_device;
+	uint64_t bytes_from_device;
+	char backend[16];
+	char device[128];
+} ape_stats;
+
+/** \brief Zeroes \p st and sets struct_size. Never fails. */
+APE_API void ape_stats_init(ape_stats *st);
+
+/**
+ * \brief Computes APE attention O (and optionally LSE) on \p dev from host tensors.
+ *
+ * Everything is validated before any work: shapes (`q` `[B,H,Lq,D]`, `k` and `v` `[B,Hkv,Lk,D]`,
+ * `o` `[B,H,Lq,D]`, H % Hkv == 0, D even in 2..256), storage types (q, k, v the same; o the same or
+ * APE_F32), strides, every parameter and every head's value. A failure names the argument.
+ *
+ * \param dev a device of a live context
+ * \param desc the parameters (see ape_attn_desc_init())
+ * \param q,k,v inputs; read only
+ * \param o output; written only when the call succeeds
+ * \param lse NULL, or B*H*Lq floats (contiguous `[B,H,Lq]`), written only on success: ln of the
+ *        softmax denominator per row; -inf for rows with no visible key
+ * \param stats NULL, or statistics of the call (initialise with ape_stats_init())
+ * \return 0; APE_EINVAL (bad argument; outputs untouched); APE_EOVERFLOW (sizes or positions
+ *         overflow 64 bits); APE_ENOMEM; APE_EBACKEND, APE_EDEVLOST, APE_EBUILD (device failures;
+ *         outputs untouched).
+ * \note Inputs are not scanned: NaN or Inf in q, k or v gives NaN in the rows it reaches.
+ */
+APE_API int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, const ape_tensor *q,
+				  const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
+				  ape_stats *stats);
+
+/**
+ * \brief Number of (query, key) pairs the mask lets through for these shapes and positions.
+ *
+ * Visible pairs are the throughput unit of benchmarks (dense-equivalent FLOPs are 4*D per pair).
+ * \return 0 and \p *out, or APE_EINVAL.
+ */
+APE_API int ape_visible_pairs(const ape_attn_desc *desc, int64_t B, int64_t H, int64_t Lq,
+			      int64_t Lk, uint64_t *out);
+/**@}*/
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* APE_APE_H */

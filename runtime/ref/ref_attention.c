@@ -1,0 +1,151 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The oracle. Every formula is written the way docs/ape.md states it, in float64, with no
+ * shortcut: a sin and a cos per (query, key, pair), every visible key, an online softmax. Other
+ * backends are tested against this file, so it favours being obviously right over being fast.
+ */
+#include <math.h> /* sincos: a GNU extension, _GNU_SOURCE comes from the Makefile */
+#include <string.h>
+
+#define APE_REAL double
+#include "../ape_math.h"
+#include "../half.h"
+#include "ref.h"
+
+#define APE_REF_MAX_D 256
+
+static double load(const void *base, ape_dtype t, int64_t i)
+{
+	switch (t) {
+	case APE_F16:
+		return ape__f16_to_f32(((const uint16_t *)base)[i]);
+	case APE_BF16:
+		return ape__bf16_to_f32(((const uint16_t *)base)[i]);
+	case APE_F32:
+		break;
+	}
+	return ((const float *)base)[i];
+}
+
+static void store(void *base, ape_dtype t, int64_t i, double x)
+{
+	switch (t) {
+	case APE_F16:
+		((uint16_t *)base)[i] = ape__f32_to_f16((float)x);
+		return;
+	case APE_BF16:
+		((uint16_t *)base)[i] = ape__f32_to_bf16((float)x);
+		return;
+	case APE_F32:
+		break;
+	}
+	((float *)base)[i] = (float)x;
+}
+
+/* Component indices of pair p: (p, p + D/2) for the half layout, (2p, 2p + 1) interleaved. */
+static void pair_index(ape_rope_layout layout, int64_t D, int64_t p, int64_t *a, int64_t *b)
+{
+	if (layout == APE_ROPE_HALF) {
+		*a = p;
+		*b = p + D / 2;
+	} else {
+		*a = 2 * p;
+		*b = 2 * p + 1;
+	}
+}
+
+/* sigma = unbiased standard deviation of the D components of q. */
+static double row_sigma(const double *q, int64_t D)
+{
+	double mean = 0, ss = 0;
+
+	for (int64_t d = 0; d < D; d++)
+		mean += q[d];
+	mean /= (double)D;
+	for (int64_t d = 0; d < D; d++)
+		ss += (q[d] - mean) * (q[d] - mean);
+	return sqrt(ss / (double)(D - 1));
+}
+
+/* The rotated dot product of the spec for one (query, key) pair at distance n. */
+static double rotated_dot(const struct ape__launch *l, const double *q, const void *kbase,
+			  int64_t krow, double n, double alpha)
+{
+	double dot = 0;
+
+	for (int64_t p = 0; p < l->D / 2; p++) {
+		int64_t a, b;
+		double x, y, u, w, s, c;
+
+		pair_index(l->layout, l->D, p, &a, &b);
+		x = q[a];
+		y = q[b];
+		u = load(kbase, l->in_dtype, krow + a);
+		w = load(kbase, l->in_dtype, krow + b);
+		sincos(n * l->omega[p] / alpha, &s, &c);
+		dot += (x * u + y * w) * c + (x * w - y * u) * s;
+	}
+	return dot;
+}
+
+void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, const void *v,
+		   void *o, float *lse, uint64_t *pairs, int64_t row_begin, int64_t row_end)
+{
+	const int64_t D = l->D, group = l->H / l->Hkv;
+	double qrow[APE_REF_MAX_D], acc[APE_REF_MAX_D];
+
+	for (int64_t row = row_begin; row < row_end; row++) {
+		const int64_t i = row % l->Lq, bh = row / l->Lq;
+		const int64_t b = bh / l->H, h = bh % l->H;
+		const int64_t kvbase = (b * l->Hkv + h / group) * l->Lk * D;
+		const double delta = l->head_params[4 * h + 0], beta = l->head_params[4 * h + 1];
+		const double gamma = l->head_params[4 * h + 2], lambda = l->head_params[4 * h + 3];
+		const int64_t pos_q = l->q_start + i;
+		double alpha, m = -INFINITY, sum = 0;
+		bool bad = false;
+		uint64_t seen = 0;
+
+		for (int64_t d = 0; d < D; d++)
+			qrow[d] = load(q, l->in_dtype, row * D + d);
+		alpha = ape_alpha(lambda, row_sigma(qrow, D));
+		memset(acc, 0, sizeof(acc));
+
+		for (int64_t j = 0; j < l->Lk; j++) {
+			const int64_t n = pos_q - (l->k_start + j); /* validated: no overflow */
+			const double an = fabs((double)n);
+			double s, scale_old, w;
+
+			if (l->causal && n < 0)
+				continue;
+			s = ape_temp(lambda, an) * l->scale *
+				    rotated_dot(l, qrow, k, kvbase + j * D, (double)n, alpha) +
+			    ape_bias(delta, beta, gamma, an);
+			seen++;
+			if (!isfinite(s)) {
+				bad = true; /* NaN/Inf input: the whole row becomes NaN */
+				continue;
+			}
+			if (s > m) {
+				scale_old = exp(m - s);
+				for (int64_t d = 0; d < D; d++)
+					acc[d] *= scale_old;
+				sum *= scale_old;
+				m = s;
+			}
+			w = exp(s - m);
+			sum += w;
+			for (int64_t d = 0; d < D; d++)
+				acc[d] += w * load(v, l->in_dtype, kvbase + j * D + d);
+		}
+
+		for (int64_t d = 0; d < D; d++) {
+			double x = bad ? NAN : sum > 0 ? acc[d] / sum : 0.0;
+
+			store(o, l->out_dtype, row * D + d, x);
+		}
+		if (lse)
+			lse[row] = bad ? NAN : sum > 0 ? (float)(m + log(sum)) : -INFINITY;
+		if (pairs)
+			pairs[row] = seen;
+	}
+}

@@ -1,0 +1,173 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The reference backend: "device" memory is host memory and a queue runs each command when it is
+ * enqueued, on the calling thread. It exists so the core's path (pack, copy, launch, copy back) is
+ * the same for every backend, and so that every test has an oracle.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../error.h"
+#include "ref.h"
+
+struct ape__buf {
+	size_t size;
+	unsigned char bytes[]; /* follows a size_t: aligned enough for float and uint64 */
+};
+
+struct ape__queue {
+	struct ape_device *dev;
+};
+
+struct ape__event {
+	double ms; /* CLOCK_MONOTONIC at record time; commands before it have completed */
+};
+
+static int ref_probe(struct ape__backend *be, struct ape__probe_result *res)
+{
+	struct ape_device_info info;
+
+	(void)res;
+	memset(&info, 0, sizeof(info));
+	snprintf(info.name, sizeof(info.name), "reference (plain C, float64)");
+	snprintf(info.vendor, sizeof(info.vendor), "libape");
+	snprintf(info.driver_version, sizeof(info.driver_version), "%s", ape_version_string());
+	info.kind = APE_DEVICE_HOST_REFERENCE;
+	info.compute_units = 1;
+	return ape__device_add(be, &info, APE__RANK_REF, NULL);
+}
+
+static int ref_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
+{
+	struct ape__buf *b;
+
+	(void)dev;
+	if (bytes > SIZE_MAX - sizeof(*b) - 64)
+		return ape__error(APE_ENOMEM, "ref: %zu bytes is more than memory can hold", bytes);
+	b = malloc(sizeof(*b) + bytes);
+	if (!b)
+		return ape__error(APE_ENOMEM, "ref: out of host memory allocating %zu bytes", bytes);
+	b->size = bytes;
+	*out = b;
+	return 0;
+}
+
+static void ref_buf_free(struct ape_device *dev, struct ape__buf *buf)
+{
+	(void)dev;
+	free(buf);
+}
+
+static int ref_queue_create(struct ape_device *dev, struct ape__queue **out)
+{
+	struct ape__queue *q = calloc(1, sizeof(*q));
+
+	if (!q)
+		return ape__error(APE_ENOMEM, "ref: out of memory creating a queue");
+	q->dev = dev;
+	*out = q;
+	return 0;
+}
+
+static void ref_queue_destroy(struct ape__queue *q)
+{
+	free(q);
+}
+
+static int ref_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src,
+			size_t n)
+{
+	(void)q;
+	memcpy(dst->bytes + off, src, n);
+	return 0;
+}
+
+static int ref_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n)
+{
+	(void)q;
+	memcpy(dst, src->bytes + off, n);
+	return 0;
+}
+
+static int ref_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+		    size_t n)
+{
+	(void)q;
+	for (size_t i = 0; i < n; i += 4)
+		memcpy(dst->bytes + off + i, &pattern, 4);
+	return 0;
+}
+
+static double now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static int ref_event_record(struct ape__queue *q, struct ape__event **out)
+{
+	struct ape__event *e = malloc(sizeof(*e));
+
+	(void)q;
+	if (!e)
+		return ape__error(APE_ENOMEM, "ref: out of memory recording an event");
+	e->ms = now_ms();
+	*out = e;
+	return 0;
+}
+
+static int ref_event_wait(struct ape__queue *q, struct ape__event *e)
+{
+	(void)q;
+	(void)e; /* commands complete when enqueued: nothing can be pending */
+	return 0;
+}
+
+static int ref_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms)
+{
+	*ms = end->ms - start->ms;
+	return 0;
+}
+
+static void ref_event_destroy(struct ape__event *e)
+{
+	free(e);
+}
+
+static int ref_attention(struct ape__queue *q, const struct ape__launch *l)
+{
+	(void)q;
+	ape__ref_rows(l, l->q->bytes, l->k->bytes, l->v->bytes, l->o->bytes,
+		      l->lse ? (float *)l->lse->bytes : NULL,
+		      l->pairs ? (uint64_t *)l->pairs->bytes : NULL, 0, l->B * l->H * l->Lq);
+	return 0;
+}
+
+static int ref_synchronize(struct ape__queue *q)
+{
+	(void)q;
+	return 0;
+}
+
+const struct ape__backend_ops ape__ref_ops = {
+	.abi_version = APE__BACKEND_ABI,
+	.name = "ref",
+	.probe = ref_probe,
+	.buf_alloc = ref_buf_alloc,
+	.buf_free = ref_buf_free,
+	.queue_create = ref_queue_create,
+	.queue_destroy = ref_queue_destroy,
+	.copy_h2d = ref_copy_h2d,
+	.copy_d2h = ref_copy_d2h,
+	.fill = ref_fill,
+	.event_record = ref_event_record,
+	.event_wait = ref_event_wait,
+	.event_elapsed = ref_event_elapsed,
+	.event_destroy = ref_event_destroy,
+	.attention = ref_attention,
+	.synchronize = ref_synchronize,
+};

@@ -1,0 +1,34 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * A second evaluation of the APE spec, written independently of libape's reference backend so the
+ * two can check each other: long double, two passes per row (all scores first, then the softmax),
+ * the query rotated pair by pair as a 2x2 matrix, its own 16-bit float decoding.
+ */
+#ifndef APE_TEST_NAIVE_H
+#define APE_TEST_NAIVE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ape/ape.h"
+
+typedef struct naive_params {
+	const double *delta, *beta, *gamma, *lambda; /* H values each */
+	double rope_base;
+	double scale; /* NAN: 1/sqrt(D) */
+	bool causal;
+	bool interleaved;
+	int64_t q_start, k_start; /* q_start already resolved */
+} naive_params;
+
+/*
+ * o: B*H*Lq*D doubles, lse: B*H*Lq doubles (row-major). Reads q, k, v through their strides.
+ * Returns 0, or -1 if out of memory.
+ */
+int naive_attention(const naive_params *p, const ape_tensor *q, const ape_tensor *k,
+		    const ape_tensor *v, double *o, double *lse);
+
+/* Decodes one stored element, honouring strides, without libape's converters. */
+long double naive_get(const ape_tensor *t, int64_t b, int64_t h, int64_t l, int64_t d);
+
+#endif

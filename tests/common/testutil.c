@@ -1,0 +1,258 @@
+/* SPDX-License-Identifier: MIT */
+#include "testutil.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+void ape_rng_init(ape_rng *r, const char *name)
+{
+	const char *env = getenv("APE_TEST_SEED");
+	uint64_t seed;
+
+	if (env && *env) {
+		seed = strtoull(env, NULL, 0);
+	} else {
+		struct timespec ts;
+
+		clock_gettime(CLOCK_REALTIME, &ts);
+		seed = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 20) ^ ((uint64_t)getpid() << 40);
+	}
+	fprintf(stderr, "# %s: seed %llu (replay with APE_TEST_SEED=%llu)\n", name,
+		(unsigned long long)seed, (unsigned long long)seed);
+	r->s = seed;
+}
+
+uint64_t ape_rng_next(ape_rng *r) /* splitmix64 */
+{
+	uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
+
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+double ape_rng_uniform(ape_rng *r)
+{
+	return (double)(ape_rng_next(r) >> 11) * 0x1p-53;
+}
+
+double ape_rng_normal(ape_rng *r)
+{
+	double u1 = ape_rng_uniform(r), u2 = ape_rng_uniform(r);
+
+	return sqrt(-2.0 * log(1.0 - u1)) * cos(6.283185307179586 * u2);
+}
+
+int64_t ape_rng_range(ape_rng *r, int64_t lo, int64_t hi)
+{
+	return lo + (int64_t)(ape_rng_next(r) % (uint64_t)(hi - lo + 1));
+}
+
+bool ape_test_slow(void)
+{
+	const char *e = getenv("APE_TEST_VALGRIND");
+
+	return e && *e && strcmp(e, "0");
+}
+
+int test_tensor_empty(test_tensor *tt, ape_dtype dt, int64_t d0, int64_t d1, int64_t d2,
+		      int64_t d3)
+{
+	size_t bytes;
+
+	memset(tt, 0, sizeof(*tt));
+	bytes = (size_t)(d0 * d1 * d2 * d3) * ape_dtype_size(dt);
+	tt->alloc_bytes = bytes;
+	tt->alloc = malloc(bytes ? bytes : 1);
+	if (!tt->alloc)
+		return -1;
+	ape_tensor_init(&tt->t, tt->alloc, dt, d0, d1, d2, d3);
+	test_tensor_poison(&tt->t);
+	return 0;
+}
+
+int test_tensor_random(test_tensor *tt, ape_rng *r, ape_dtype dt, int64_t d0, int64_t d1,
+		       int64_t d2, int64_t d3, double sd)
+{
+	if (test_tensor_empty(tt, dt, d0, d1, d2, d3))
+		return -1;
+	for (int64_t b = 0; b < d0; b++)
+		for (int64_t h = 0; h < d1; h++)
+			for (int64_t l = 0; l < d2; l++)
+				for (int64_t d = 0; d < d3; d++)
+					test_tensor_set(&tt->t, b, h, l, d, sd * ape_rng_normal(r));
+	return 0;
+}
+
+int test_tensor_relayout(test_tensor *dst, const test_tensor *src, int64_t pad)
+{
+	const int64_t *s = src->t.shape;
+	const int64_t row = s[3] + pad;
+	size_t esz = ape_dtype_size(src->t.dtype);
+	size_t bytes = (size_t)(s[0] * s[2] * s[1] * row) * esz;
+
+	memset(dst, 0, sizeof(*dst));
+	dst->alloc_bytes = bytes;
+	dst->alloc = malloc(bytes ? bytes : 1);
+	if (!dst->alloc)
+		return -1;
+	memset(dst->alloc, 0xff, bytes); /* padding: NaN in every type, must never be read */
+	dst->t = src->t;
+	dst->t.data = dst->alloc;
+	dst->t.strides[3] = 1;
+	dst->t.strides[1] = row; /* [B, L, H, D + pad] */
+	dst->t.strides[2] = s[1] * row;
+	dst->t.strides[0] = s[2] * s[1] * row;
+	for (int64_t b = 0; b < s[0]; b++)
+		for (int64_t h = 0; h < s[1]; h++)
+			for (int64_t l = 0; l < s[2]; l++)
+				for (int64_t d = 0; d < s[3]; d++)
+					test_tensor_set(&dst->t, b, h, l, d,
+							test_tensor_get(&src->t, b, h, l, d));
+	return 0;
+}
+
+void test_tensor_free(test_tensor *tt)
+{
+	free(tt->alloc);
+	memset(tt, 0, sizeof(*tt));
+}
+
+static size_t offset(const ape_tensor *t, int64_t b, int64_t h, int64_t l, int64_t d)
+{
+	int64_t s[4];
+
+	if (!t->strides[0] && !t->strides[1] && !t->strides[2] && !t->strides[3]) {
+		s[3] = 1;
+		s[2] = t->shape[3];
+		s[1] = t->shape[2] * s[2];
+		s[0] = t->shape[1] * s[1];
+	} else {
+		memcpy(s, t->strides, sizeof(s));
+	}
+	return (size_t)(b * s[0] + h * s[1] + l * s[2] + d * s[3]);
+}
+
+double test_tensor_get(const ape_tensor *t, int64_t b, int64_t h, int64_t l, int64_t d)
+{
+	size_t i = offset(t, b, h, l, d);
+	float f;
+
+	if (t->dtype == APE_F32)
+		return ((const float *)t->data)[i];
+	ape_convert(&f, APE_F32, (const uint16_t *)t->data + i, t->dtype, 1);
+	return f;
+}
+
+void test_tensor_set(ape_tensor *t, int64_t b, int64_t h, int64_t l, int64_t d, double x)
+{
+	size_t i = offset(t, b, h, l, d);
+	float f = (float)x;
+
+	if (t->dtype == APE_F32)
+		((float *)t->data)[i] = f;
+	else
+		ape_convert((uint16_t *)t->data + i, t->dtype, &f, APE_F32, 1);
+}
+
+void test_tensor_poison(ape_tensor *t)
+{
+	for (int64_t b = 0; b < t->shape[0]; b++)
+		for (int64_t h = 0; h < t->shape[1]; h++)
+			for (int64_t l = 0; l < t->shape[2]; l++)
+				for (int64_t d = 0; d < t->shape[3]; d++)
+					test_tensor_set(t, b, h, l, d, NAN);
+}
+
+double test_tensor_maxabs(const ape_tensor *t)
+{
+	double m = 0;
+
+	for (int64_t b = 0; b < t->shape[0]; b++)
+		for (int64_t h = 0; h < t->shape[1]; h++)
+			for (int64_t l = 0; l < t->shape[2]; l++)
+				for (int64_t d = 0; d < t->shape[3]; d++)
+					m = fmax(m, fabs(test_tensor_get(t, b, h, l, d)));
+	return m;
+}
+
+double test_tol_o(ape_dtype storage)
+{
+	return storage == APE_F32 ? 1e-4 : storage == APE_F16 ? 5e-3 : 2e-2;
+}
+
+double test_tol_lse(ape_dtype storage)
+{
+	return storage == APE_F32 ? 1e-4 : storage == APE_F16 ? 1e-3 : 5e-3;
+}
+
+static double diff(double a, double b)
+{
+	if (isnan(a) || isnan(b))
+		return INFINITY;
+	if (a == b) /* also two infinities of one sign */
+		return 0;
+	return fabs(a - b);
+}
+
+double test_max_err_o(const ape_tensor *a, const ape_tensor *b)
+{
+	double m = 0;
+
+	for (int64_t i = 0; i < 4; i++)
+		if (a->shape[i] != b->shape[i])
+			return INFINITY;
+	for (int64_t bb = 0; bb < a->shape[0]; bb++)
+		for (int64_t h = 0; h < a->shape[1]; h++)
+			for (int64_t l = 0; l < a->shape[2]; l++)
+				for (int64_t d = 0; d < a->shape[3]; d++)
+					m = fmax(m, diff(test_tensor_get(a, bb, h, l, d),
+							 test_tensor_get(b, bb, h, l, d)));
+	return m;
+}
+
+double test_max_err_lse(const float *a, const float *b, size_t n)
+{
+	double m = 0;
+
+	for (size_t i = 0; i < n; i++)
+		m = fmax(m, diff(a[i], b[i]));
+	return m;
+}
+
+double test_max_rel_err_lse(const float *a, const float *b, size_t n)
+{
+	double m = 0;
+
+	for (size_t i = 0; i < n; i++)
+		m = fmax(m, diff(a[i], b[i]) / fmax(1.0, isfinite(b[i]) ? fabs(b[i]) : 1.0));
+	return m;
+}
+
+ape_context *test_context(const char *backends)
+{
+	ape_context_options o;
+	ape_context *ctx = NULL;
+
+	ape_context_options_init(&o);
+	o.backends = backends;
+	o.flags = APE_CONTEXT_POISON_OUTPUTS;
+	if (ape_context_create(&ctx, &o))
+		fprintf(stderr, "# test_context(%s): %s\n", backends, ape_last_error());
+	return ctx;
+}
+
+ape_device *test_device(ape_context *ctx, const char *backend)
+{
+	ape_selection sel;
+
+	if (!ctx || ape_device_select(ctx, backend, 0, &sel)) {
+		fprintf(stderr, "# test_device(%s): %s\n", backend, ape_last_error());
+		return NULL;
+	}
+	return sel.device;
+}

@@ -1,0 +1,66 @@
+/* SPDX-License-Identifier: MIT */
+/* Helpers shared by the tests: seeded randomness, tensors, comparisons with the spec's tolerances. */
+#ifndef APE_TESTUTIL_H
+#define APE_TESTUTIL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ape/ape.h"
+
+/* ---- randomness: fresh each run, reproducible with APE_TEST_SEED=<printed seed> */
+typedef struct ape_rng {
+	uint64_t s;
+} ape_rng;
+
+/* Seed from APE_TEST_SEED or the clock; prints "# <name>: seed N" so a failure can be replayed. */
+void ape_rng_init(ape_rng *r, const char *name);
+uint64_t ape_rng_next(ape_rng *r);
+double ape_rng_uniform(ape_rng *r); /* [0, 1) */
+double ape_rng_normal(ape_rng *r);
+int64_t ape_rng_range(ape_rng *r, int64_t lo, int64_t hi); /* inclusive */
+
+/* True when running under valgrind (APE_TEST_VALGRIND set): tests shrink their sizes. */
+bool ape_test_slow(void);
+
+/* ---- tensors owned by the tests */
+typedef struct test_tensor {
+	ape_tensor t;
+	void *alloc; /* the allocation (data may point inside it for strided layouts) */
+	size_t alloc_bytes;
+} test_tensor;
+
+/* Contiguous [d0,d1,d2,d3], elements drawn N(0, sd) and rounded to dtype. */
+int test_tensor_random(test_tensor *tt, ape_rng *r, ape_dtype dt, int64_t d0, int64_t d1,
+		       int64_t d2, int64_t d3, double sd);
+/* The same logical tensor stored as [d0, d2, d1, d3] (the "BLHD" layout most models use), with
+ * `pad` unused elements after each row; returns the tensor with strides describing it. */
+int test_tensor_relayout(test_tensor *dst, const test_tensor *src, int64_t pad);
+/* Uninitialised (poisoned with NaN) tensor of the given shape. */
+int test_tensor_empty(test_tensor *tt, ape_dtype dt, int64_t d0, int64_t d1, int64_t d2,
+		      int64_t d3);
+void test_tensor_free(test_tensor *tt);
+/* Element (b,h,l,d) as double, honouring strides. */
+double test_tensor_get(const ape_tensor *t, int64_t b, int64_t h, int64_t l, int64_t d);
+void test_tensor_set(ape_tensor *t, int64_t b, int64_t h, int64_t l, int64_t d, double x);
+/* Fills every element (strides honoured) with NaN. */
+void test_tensor_poison(ape_tensor *t);
+double test_tensor_maxabs(const ape_tensor *t);
+
+/* ---- the spec's accuracy table */
+double test_tol_o(ape_dtype storage); /* times max|V| */
+double test_tol_lse(ape_dtype storage); /* times max(1, |LSE|) */
+
+/* Largest |a - b| over O, and over LSE (two -inf count as equal; NaN on either side is +inf). */
+double test_max_err_o(const ape_tensor *a, const ape_tensor *b);
+double test_max_err_lse(const float *a, const float *b, size_t n);
+/* Largest |a - b| / max(1, |b|) over LSE. */
+double test_max_rel_err_lse(const float *a, const float *b, size_t n);
+
+/* ---- contexts */
+/* A context with only the named backends and output poisoning on; aborts the test on failure. */
+ape_context *test_context(const char *backends);
+ape_device *test_device(ape_context *ctx, const char *backend);
+
+#endif

@@ -1,0 +1,21 @@
+# Kselftest programs: tests/test_*.c, each linked with the static library (so internal pieces can
+# be tested too), the tools' helpers and tests/common/.
+TEST_SRCS        := $(wildcard tests/test_*.c)
+TEST_COMMON_SRCS := $(wildcard tests/common/*.c)
+TESTS            := $(TEST_SRCS:tests/%.c=$(BUILD)/tests/%)
+TEST_CFLAGS       = -isystem $(KSFT_DIR) -Itests -Itools $(APP_CFLAGS) -Wno-missing-prototypes
+
+$(KSFT_DIR)/kselftest_harness.h:
+	@echo "The Kselftest headers are missing from $(KSFT_DIR): run 'make deps' first." >&2
+	@exit 1
+
+$(BUILD)/tests-obj/%.o: %.c $(CONFIG_STAMP) | $(KSFT_DIR)/kselftest_harness.h
+	@mkdir -p $(dir $@)
+	@echo "  CC      $<"
+	$(Q)$(CC) $(CPPFLAGS) $(TEST_CFLAGS) -c $< -o $@
+
+$(BUILD)/tests/%: $(BUILD)/tests-obj/tests/%.o $(TEST_COMMON_SRCS:%.c=$(BUILD)/tests-obj/%.o) \
+		  $(TOOLS_LIB) $(LIBA)
+	@mkdir -p $(dir $@)
+	@echo "  LD      $@"
+	$(Q)$(CC) $(LDFLAGS) -o $@ $(filter %.o,$^) $(TOOLS_LIB) $(LIBA) $(LIB_LIBS) $(LDLIBS)

@@ -1,0 +1,20 @@
+# Command-line tools (tools/ape-*.c, one program each) and the helpers they share
+# (tools/common/: .npy files, argument parsing, reference checks on sampled rows).
+TOOLS_LIB_SRCS := $(wildcard tools/common/*.c)
+TOOLS_LIB      := $(BUILD)/lib/libapetools.a
+TOOLS          := $(patsubst tools/%.c,$(BUILD)/bin/%,$(wildcard tools/ape-*.c))
+
+$(BUILD)/tools-obj/%.o: %.c $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $<"
+	$(Q)$(CC) $(CPPFLAGS) -Itools $(APP_CFLAGS) -c $< -o $@
+
+$(TOOLS_LIB): $(TOOLS_LIB_SRCS:%.c=$(BUILD)/tools-obj/%.o)
+	@mkdir -p $(dir $@)
+	@echo "  AR      $@"
+	$(Q)rm -f $@ && $(AR) rcs $@ $^
+
+$(BUILD)/bin/%: $(BUILD)/tools-obj/tools/%.o $(TOOLS_LIB) $(LIBA)
+	@mkdir -p $(dir $@)
+	@echo "  LD      $@"
+	$(Q)$(CC) $(LDFLAGS) -o $@ $< $(TOOLS_LIB) $(LIBA) $(LIB_LIBS) $(LDLIBS)
