@@ -65,10 +65,17 @@ static void copy_rows(void *packed, const ape_tensor *t, const int64_t s[4], boo
 			}
 }
 
+/* Row-major without gaps; the stride of a dimension of size 1 does not matter. */
 static bool is_contiguous(const ape_tensor *t, const int64_t s[4])
 {
-	return s[3] == 1 && s[2] == t->shape[3] && s[1] == t->shape[2] * s[2] &&
-	       s[0] == t->shape[1] * s[1];
+	int64_t want = 1;
+
+	for (int d = 3; d >= 0; d--) {
+		if (t->shape[d] > 1 && s[d] != want)
+			return false;
+		want *= t->shape[d];
+	}
+	return true;
 }
 
 /* Host source of an input: the caller's memory when contiguous, else a packed copy. */

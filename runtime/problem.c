@@ -58,11 +58,18 @@ static int resolve_strides(const char *fn, const char *name, const ape_tensor *t
 						  fn, name);
 		}
 	} else {
+		/* A dimension of size 0 or 1 is never stepped along, so its stride may be anything
+		 * >= 0 (PyTorch gives such dimensions arbitrary strides); so may every stride of an
+		 * empty tensor. */
+		bool empty = !t->shape[0] || !t->shape[1] || !t->shape[2] || !t->shape[3];
+
 		for (int d = 0; d < 4; d++) {
-			if (t->strides[d] < 1)
+			if (t->strides[d] < 0 ||
+			    (t->strides[d] == 0 && t->shape[d] > 1 && !empty))
 				return ape__error(APE_EINVAL,
 						  "%s: %s->strides[%d] = %" PRId64
-						  ": must be >= 1 (or all four 0 for contiguous)",
+						  ": must be >= 1 (0 only along a dimension of size 0 "
+						  "or 1; all four 0 means contiguous)",
 						  fn, name, d, t->strides[d]);
 			s[d] = t->strides[d];
 		}
@@ -102,6 +109,8 @@ static int check_no_self_overlap(const char *fn, const char *name, const ape_ten
 	int order[4] = { 0, 1, 2, 3 };
 	int64_t reach = 1; /* elements addressed by the dimensions sorted so far */
 
+	if (!t->shape[0] || !t->shape[1] || !t->shape[2] || !t->shape[3])
+		return 0; /* nothing is written */
 	for (int i = 1; i < 4; i++)
 		for (int j = i; j > 0 && s[order[j - 1]] > s[order[j]]; j--) {
 			int tmp = order[j];
