@@ -92,6 +92,10 @@ LIB_LIBS :=
 TOOLS    :=
 TESTS    :=
 
+# Paths used in the modules' prerequisite lists: defined before the modules are read.
+LIBA     = $(BUILD)/lib/libape.a
+LIBSO    = $(BUILD)/lib/libape.so.$(APE_SOVERSION)
+
 include runtime/module.mk
 -include opencl/module.mk
 -include cuda/module.mk
@@ -99,8 +103,6 @@ include tools/module.mk
 include tests/module.mk
 
 LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/obj/%.o) $(LIB_ASM:%.S=$(BUILD)/obj/%.o)
-LIBA     := $(BUILD)/lib/libape.a
-LIBSO    := $(BUILD)/lib/libape.so.$(APE_SOVERSION)
 
 $(BUILD)/obj/%.o: %.c $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)

@@ -288,8 +288,8 @@ static int select_in_backend(ape_context *ctx, const char *name, const char *why
 				  "auto, cuda, opencl, ref)",
 				  name, why);
 	if (!cb->info.available)
-		return ape__error(APE_ENOBACKEND, "backend %s%s is not available: %s", name, why,
-				  cb->info.reason);
+		return ape__error(APE_ENOBACKEND, "ape_device_select: backend %s%s is not available: %s",
+				  name, why, cb->info.reason);
 	if (index < 0)
 		index = 0;
 	for (int i = 0; i < ctx->ndevices; i++) {
@@ -308,28 +308,35 @@ static int select_in_backend(ape_context *ctx, const char *name, const char *why
 
 int ape_device_select(ape_context *ctx, const char *backend, int index, ape_selection *sel)
 {
+	ape_selection s; /* *sel is written only on success */
 	const char *env;
 	struct ape_device *d;
+	int ret;
 
 	if (!ctx)
 		return ape__error(APE_EINVAL, "ape_device_select: ctx = NULL");
 	if (!sel)
 		return ape__error(APE_EINVAL, "ape_device_select: sel = NULL");
-	memset(sel, 0, sizeof(*sel));
-	if (backend && strcmp(backend, "auto"))
-		return select_in_backend(ctx, backend, " by request", index, sel);
+	memset(&s, 0, sizeof(s));
 	env = getenv("APE_BACKEND");
-	if (env && *env && strcmp(env, "auto"))
-		return select_in_backend(ctx, env, " by APE_BACKEND", index, sel);
-	if (ctx->ndevices == 0)
-		return ape__error(APE_ENODEV, "ape_device_select: no device in any backend");
-	if (index >= ctx->ndevices)
-		return ape__error(APE_ENODEV, "ape_device_select: index = %d: there are %d device(s)",
-				  index, ctx->ndevices);
-	d = ctx->devices[index < 0 ? 0 : index];
-	sel->device = d;
-	snprintf(sel->note, sizeof(sel->note), "%s:%d (%s), chosen by auto", d->info.backend,
-		 d->info.backend_index, d->info.name);
-	note_passed_over(ctx, d->be, sel);
-	return 0;
+	if (backend && strcmp(backend, "auto")) {
+		ret = select_in_backend(ctx, backend, " by request", index, &s);
+	} else if (env && *env && strcmp(env, "auto")) {
+		ret = select_in_backend(ctx, env, " by APE_BACKEND", index, &s);
+	} else if (ctx->ndevices == 0) {
+		ret = ape__error(APE_ENODEV, "ape_device_select: no device in any backend");
+	} else if (index >= ctx->ndevices) {
+		ret = ape__error(APE_ENODEV, "ape_device_select: index = %d: there are %d device(s)",
+				 index, ctx->ndevices);
+	} else {
+		d = ctx->devices[index < 0 ? 0 : index];
+		s.device = d;
+		snprintf(s.note, sizeof(s.note), "%s:%d (%s), chosen by auto", d->info.backend,
+			 d->info.backend_index, d->info.name);
+		note_passed_over(ctx, d->be, &s);
+		ret = 0;
+	}
+	if (!ret)
+		*sel = s;
+	return ret;
 }

@@ -4,5 +4,5 @@ APE_VERSION_STR := $(shell sed -n 's/^\#define APE_VERSION_\(MAJOR\|MINOR\|PATCH
 
 LIB_SRCS += $(wildcard runtime/*.c) $(wildcard runtime/ref/*.c)
 
-CPPFLAGS += $(if $(HAVE_OPENCL),-DAPE_HAVE_OPENCL,-DAPE_OPENCL_NOT_BUILT='"$(OPENCL_WHY)"')
-CPPFLAGS += $(if $(HAVE_CUDA),-DAPE_HAVE_CUDA,-DAPE_CUDA_NOT_BUILT='"$(CUDA_WHY)"')
+CPPFLAGS += $(if $(HAVE_OPENCL),-DAPE_HAVE_OPENCL,-DAPE_OPENCL_NOT_BUILT='"not built into this libape ($(OPENCL_WHY))"')
+CPPFLAGS += $(if $(HAVE_CUDA),-DAPE_HAVE_CUDA,-DAPE_CUDA_NOT_BUILT='"not built into this libape ($(CUDA_WHY))"')

@@ -91,6 +91,11 @@ static int resolve_strides(const char *fn, const char *name, const ape_tensor *t
 		*span_bytes = 0;
 		return 0;
 	}
+	/* Inputs may have overlapping rows, so the element count can exceed the span: the packed
+	 * copy the core makes must fit too. */
+	if ((uint64_t)elems > SIZE_MAX / esz || (uint64_t)elems > (uint64_t)INT64_MAX / esz)
+		return ape__error(APE_EOVERFLOW, "%s: %s: %" PRId64 " elements do not fit in memory",
+				  fn, name, elems);
 	if ((uint64_t)span > SIZE_MAX / esz || (uint64_t)span > (uint64_t)INT64_MAX / esz)
 		return ape__error(APE_EOVERFLOW, "%s: %s: %" PRId64 " elements do not fit in memory",
 				  fn, name, span);
@@ -440,6 +445,10 @@ int ape_visible_pairs(const ape_attn_desc *desc, int64_t B, int64_t H, int64_t L
 	p.Lk = Lk;
 	p.k_start = desc->k_start;
 	p.causal = desc->causal;
+	if (B == 0 || H == 0) {
+		*out = 0; /* no head at all, however long the sequences */
+		return 0;
+	}
 	if (ape__head_visible_pairs(&p, &per_head) ||
 	    __builtin_mul_overflow(per_head, (uint64_t)B, &total) ||
 	    __builtin_mul_overflow(total, (uint64_t)H, &total))

@@ -19,3 +19,14 @@ $(BUILD)/tests/%: $(BUILD)/tests-obj/tests/%.o $(TEST_COMMON_SRCS:%.c=$(BUILD)/t
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"
 	$(Q)$(CC) $(LDFLAGS) -o $@ $(filter %.o,$^) $(TOOLS_LIB) $(LIBA) $(LIB_LIBS) $(LDLIBS)
+
+# Tests find the source tree (fixtures, README) and the build tree (tools, example) through these.
+TEST_CFLAGS += -DAPE_SOURCE_DIR='"$(CURDIR)"' -DAPE_BUILD_DIR='"$(abspath $(BUILD))"'
+
+# docs/example.c is the README's example: built and run by tests/test_example.c.
+EXAMPLE := $(BUILD)/examples/example
+$(EXAMPLE): docs/example.c $(LIBA) $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $<"
+	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS)
+$(BUILD)/tests/test_example: $(EXAMPLE)

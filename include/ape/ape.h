@@ -14,8 +14,8 @@
  * ## Error model
  * Every function that can fail returns a negative `APE_E*` code (0 or a count on success). The code
  * says what kind of failure it was; `ape_last_error()` gives a message for people that names the
- * function, the argument, the head and the value ("ape_attention_forward: desc->lambda[3] = -0.5:
- * must be >= 0"). Nothing aborts: a missing driver or a failing device is reported, never fatal.
+ * function, the argument, the head and the value ("ape_attention_forward: desc->lambda.per_head[3] =
+ * -0.5: must be >= 0"). Nothing aborts: a missing driver or a failing device is reported, never fatal.
  * On failure, outputs are left untouched unless the function's documentation says otherwise.
  *
  * ## Threading
@@ -125,9 +125,12 @@ APE_API int ape_convert(void *dst, ape_dtype dst_type, const void *src, ape_dtyp
  * \brief A host tensor: pointer, storage type, 4-D shape and strides.
  *
  * Shapes are `[B, H, L, D]` for Q and O and `[B, Hkv, L, D]` for K and V. Strides are in elements;
- * if all four are 0 the tensor is contiguous row-major. Otherwise every stride must be >= 1 (a
- * stride may describe, for instance, a `[B, L, H, D]` buffer or one slice of a packed QKV tensor).
- * An output tensor must not overlap itself or any input.
+ * if all four are 0 the tensor is contiguous row-major. Otherwise every stride must be >= 1, except
+ * along a dimension of size 0 or 1 (never stepped along), where 0 is accepted too. Strides may
+ * describe, for instance, a `[B, L, H, D]` buffer or one slice of a packed QKV tensor; input rows
+ * may even overlap. An output must not overlap an input, and its own elements must be provably
+ * distinct: sorted by stride, each stride must reach past everything the smaller ones address
+ * (a conservative rule that rejects a few exotic non-overlapping layouts).
  */
 typedef struct ape_tensor {
 	void *data;
@@ -337,7 +340,8 @@ APE_API int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, co
  * \brief Number of (query, key) pairs the mask lets through for these shapes and positions.
  *
  * Visible pairs are the throughput unit of benchmarks (dense-equivalent FLOPs are 4*D per pair).
- * \return 0 and \p *out, or APE_EINVAL.
+ * \return 0 and \p *out; APE_EINVAL (NULL argument, negative size, bad desc); APE_EOVERFLOW (the
+ *         count, or a position, does not fit in 64 bits).
  */
 APE_API int ape_visible_pairs(const ape_attn_desc *desc, int64_t B, int64_t H, int64_t Lq,
 			      int64_t Lk, uint64_t *out);

@@ -8,18 +8,9 @@
 #include <stdint.h>
 
 #include "ape/ape.h"
+#include "common/rng.h"
 
-/* ---- randomness: fresh each run, reproducible with APE_TEST_SEED=<printed seed> */
-typedef struct ape_rng {
-	uint64_t s;
-} ape_rng;
-
-/* Seed from APE_TEST_SEED or the clock; prints "# <name>: seed N" so a failure can be replayed. */
-void ape_rng_init(ape_rng *r, const char *name);
-uint64_t ape_rng_next(ape_rng *r);
-double ape_rng_uniform(ape_rng *r); /* [0, 1) */
-double ape_rng_normal(ape_rng *r);
-int64_t ape_rng_range(ape_rng *r, int64_t lo, int64_t hi); /* inclusive */
+/* Randomness comes from tools/common/rng.h: fresh each run, replayed with APE_TEST_SEED. */
 
 /* True when running under valgrind (APE_TEST_VALGRIND set): tests shrink their sizes. */
 bool ape_test_slow(void);

@@ -1,0 +1,607 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * ape-run as users run it: a subprocess in a fresh directory. Its results must match a direct
+ * ape_attention_forward() call with the same parameters, and every bad argument or input file
+ * must give the documented exit status, a message naming the culprit, and no output file.
+ */
+#include <dirent.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ape_test.h"
+#include "common/npy.h"
+
+/* What ape-run uses when not told: the seed's delta = 2^(-4/3), beta = gamma = delta / 10. */
+#define SEED_DELTA 0.3968502629920499
+#define SEED_LAMBDA 0.1
+
+FIXTURE(run)
+{
+	char base[64]; /* ours: the tool's captured stdout and stderr */
+	char work[96]; /* the tool's working directory: inputs and outputs only */
+	char tool[PATH_MAX];
+	char out[16384];
+	char err[16384];
+	int ninputs; /* files in work before the tool runs */
+	ape_rng rng;
+	test_tensor q, k, v;
+};
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+	(void)st;
+	(void)flag;
+	(void)ftw;
+	return remove(path);
+}
+
+static int count_entries(const char *dir)
+{
+	DIR *d = opendir(dir);
+	struct dirent *e;
+	int n = 0;
+
+	if (!d)
+		return -1;
+	while ((e = readdir(d)))
+		n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+	closedir(d);
+	return n;
+}
+
+FIXTURE_SETUP(run)
+{
+	char exe[PATH_MAX];
+	ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+
+	/* this test is BUILD/tests/test_ape_run; the tool is BUILD/bin/ape-run */
+	ASSERT_GT(n, 0);
+	exe[n] = '\0';
+	*strrchr(exe, '/') = '\0';
+	ASSERT_LT(strlen(exe) + 16, sizeof(self->tool));
+	snprintf(self->tool, sizeof(self->tool), "%.*s/../bin/ape-run", PATH_MAX - 16, exe);
+	ASSERT_EQ(0, access(self->tool, X_OK)) TH_LOG("%s is not built", self->tool);
+	snprintf(self->base, sizeof(self->base), "/tmp/ape-test-run.XXXXXX");
+	ASSERT_NE(NULL, mkdtemp(self->base));
+	snprintf(self->work, sizeof(self->work), "%s/work", self->base);
+	ASSERT_EQ(0, mkdir(self->work, 0755));
+	ape_rng_init(&self->rng, _metadata->name);
+}
+
+FIXTURE_TEARDOWN(run)
+{
+	test_tensor_free(&self->q);
+	test_tensor_free(&self->k);
+	test_tensor_free(&self->v);
+	nftw(self->base, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+}
+
+/* ------------------------------------------------------------------ helpers */
+
+static void read_text(const char *path, char *buf, size_t cap)
+{
+	FILE *f = fopen(path, "r");
+	size_t n = 0;
+
+	if (f) {
+		n = fread(buf, 1, cap - 1, f);
+		fclose(f);
+	}
+	buf[n] = '\0';
+}
+
+/* Runs ape-run with args (NULL-terminated) in self->work; returns its exit status. */
+static int run_tool(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
+		    const char *const *args)
+{
+	char *argv[64], outp[128], errp[128];
+	int n = 0, status;
+	pid_t pid;
+
+	argv[n++] = self->tool;
+	while (*args && n < 63)
+		argv[n++] = (char *)*args++;
+	argv[n] = NULL;
+	snprintf(outp, sizeof(outp), "%s/stdout", self->base);
+	snprintf(errp, sizeof(errp), "%s/stderr", self->base);
+	fflush(stdout);
+	fflush(stderr);
+	pid = fork();
+	ASSERT_LE(0, pid);
+	if (pid == 0) {
+		int fo = open(outp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+		int fe = open(errp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+
+		if (fo < 0 || fe < 0 || dup2(fo, 1) < 0 || dup2(fe, 2) < 0 || chdir(self->work))
+			_exit(126);
+		execv(argv[0], argv);
+		_exit(127);
+	}
+	ASSERT_EQ(pid, waitpid(pid, &status, 0));
+	read_text(outp, self->out, sizeof(self->out));
+	read_text(errp, self->err, sizeof(self->err));
+	return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+#define RUN(...) run_tool(_metadata, self, (const char *const[]){ __VA_ARGS__, NULL })
+#define WORDS(...) ((const char *const[]){ __VA_ARGS__, NULL })
+#define FILES "-q", "Q.npy", "-k", "K.npy", "-v", "V.npy", "-o", "O.npy", "--lse", "LSE.npy"
+#define BASIC FILES, "--backend", "ref"
+
+static void write_input(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
+			const char *name, test_tensor *t, ape_dtype dt, const int64_t s[4],
+			bool three_d)
+{
+	char path[160], err[512];
+
+	test_tensor_free(t);
+	ASSERT_EQ(0, test_tensor_random(t, &self->rng, dt, s[0], s[1], s[2], s[3], 1.0));
+	snprintf(path, sizeof(path), "%s/%s", self->work, name);
+	ASSERT_EQ(0, npy_save(path, dt, three_d ? 3 : 4, s + three_d, t->t.data, err,
+			      sizeof(err))) TH_LOG("%s", err);
+	self->ninputs = count_entries(self->work);
+}
+
+/* Q [B, H, Lq, D], K and V [B, Hkv, Lk, D], random, saved as Q.npy, K.npy and V.npy. */
+static void write_inputs(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
+			 ape_dtype dt, int64_t B, int64_t H, int64_t Hkv, int64_t Lq, int64_t Lk,
+			 int64_t D, bool three_d)
+{
+	const int64_t qs[4] = { B, H, Lq, D }, ks[4] = { B, Hkv, Lk, D };
+
+	write_input(_metadata, self, "Q.npy", &self->q, dt, qs, three_d);
+	write_input(_metadata, self, "K.npy", &self->k, dt, ks, three_d);
+	write_input(_metadata, self, "V.npy", &self->v, dt, ks, three_d);
+}
+
+static void seed_desc(ape_attn_desc *d)
+{
+	ape_attn_desc_init(d);
+	d->delta.value = (float)SEED_DELTA;
+	d->beta.value = (float)(SEED_DELTA / 10);
+	d->gamma.value = (float)(SEED_DELTA / 10);
+	d->lambda.value = (float)SEED_LAMBDA;
+}
+
+static void convert_copy(struct __test_metadata *_metadata, test_tensor *dst,
+			 const test_tensor *src, ape_dtype dt)
+{
+	const int64_t *s = src->t.shape;
+
+	ASSERT_EQ(0, test_tensor_empty(dst, dt, s[0], s[1], s[2], s[3]));
+	ASSERT_EQ(0, ape_convert(dst->t.data, dt, src->t.data, src->t.dtype,
+				 (size_t)(s[0] * s[1] * s[2] * s[3])));
+}
+
+/* O (float32) and LSE from the library itself, on the inputs stored as `storage`. */
+static void direct(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
+		   const ape_attn_desc *desc, ape_dtype storage, test_tensor *o, float *lse)
+{
+	const int64_t *s = self->q.t.shape;
+	ape_context *ctx = test_context("ref");
+	ape_device *dev = test_device(ctx, "ref");
+	test_tensor q, k, v;
+
+	ASSERT_NE(NULL, dev);
+	convert_copy(_metadata, &q, &self->q, storage);
+	convert_copy(_metadata, &k, &self->k, storage);
+	convert_copy(_metadata, &v, &self->v, storage);
+	ASSERT_EQ(0, test_tensor_empty(o, APE_F32, s[0], s[1], s[2], s[3]));
+	ASSERT_EQ(0, ape_attention_forward(dev, desc, &q.t, &k.t, &v.t, &o->t, lse, NULL))
+		TH_LOG("%s", ape_last_error());
+	test_tensor_free(&q);
+	test_tensor_free(&k);
+	test_tensor_free(&v);
+	ape_context_destroy(ctx);
+}
+
+/* Loads work/name and checks its dtype, shape and values (within tol) against want. */
+static void expect_npy(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
+		       const char *name, ape_dtype dt, int ndim, const int64_t *shape,
+		       const float *want, double tol)
+{
+	struct npy_array arr;
+	char path[160], err[512];
+	double worst = 0;
+
+	snprintf(path, sizeof(path), "%s/%s", self->work, name);
+	ASSERT_EQ(0, npy_load(path, &arr, err, sizeof(err))) TH_LOG("%s", err);
+	EXPECT_EQ(dt, arr.info.dtype);
+	ASSERT_EQ(ndim, arr.info.ndim);
+	for (int i = 0; i < ndim; i++) {
+		ASSERT_EQ(shape[i], arr.info.shape[i]);
+	}
+	for (size_t i = 0; i < arr.info.count; i++) {
+		float got;
+
+		ape_convert(&got, APE_F32, (const char *)arr.data + i * ape_dtype_size(dt), dt, 1);
+		if (got != want[i])
+			worst = fmax(worst, isnan(got) ? INFINITY : fabs(got - want[i]));
+	}
+	EXPECT_LE(worst, tol) TH_LOG("%s: largest difference %g", name, worst);
+	npy_free(&arr);
+}
+
+/* O and LSE as files must match the direct call. */
+static void expect_outputs(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
+			   const ape_attn_desc *desc, ape_dtype storage, ape_dtype file_dt,
+			   bool three_d)
+{
+	const int64_t *s = self->q.t.shape;
+	const size_t rows = (size_t)(s[0] * s[1] * s[2]), n = rows * (size_t)s[3];
+	test_tensor o;
+	float *lse = malloc(rows * sizeof(float) + 1);
+
+	ASSERT_NE(NULL, lse);
+	direct(_metadata, self, desc, storage, &o, lse);
+	/* the tool writes O rounded to the file's type, once */
+	if (file_dt == APE_F16)
+		for (size_t i = 0; i < n; i++) {
+			uint16_t h;
+
+			ape_convert(&h, APE_F16, (float *)o.t.data + i, APE_F32, 1);
+			ape_convert((float *)o.t.data + i, APE_F32, &h, APE_F16, 1);
+		}
+	expect_npy(_metadata, self, "O.npy", file_dt, three_d ? 3 : 4, s + three_d, o.t.data,
+		   1e-6 * fmax(1, test_tensor_maxabs(&self->v.t)));
+	expect_npy(_metadata, self, "LSE.npy", APE_F32, three_d ? 2 : 3, s + three_d, lse, 1e-6);
+	test_tensor_free(&o);
+	free(lse);
+}
+
+/* The exit status, the words in the message, and nothing new in the directory. */
+static void expect_refused(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self, int got,
+			   int status, const char *const *words)
+{
+	EXPECT_EQ(status, got) TH_LOG("stderr: %s", self->err);
+	for (; *words; words++) {
+		EXPECT_NE(NULL, strstr(self->err, *words)) TH_LOG("'%s' not in: %s", *words,
+								  self->err);
+	}
+	EXPECT_EQ(self->ninputs, count_entries(self->work))
+		TH_LOG("outputs or temporary files left behind");
+}
+
+static void patch_file(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
+		       const char *name, const char *from, const char *to)
+{
+	char path[160], buf[256];
+	size_t len = strlen(from);
+	FILE *f;
+	char *at;
+
+	snprintf(path, sizeof(path), "%s/%s", self->work, name);
+	f = fopen(path, "r+b");
+	ASSERT_NE(NULL, f);
+	ASSERT_EQ(sizeof(buf), fread(buf, 1, sizeof(buf), f));
+	at = memmem(buf, sizeof(buf), from, len);
+	ASSERT_NE(NULL, at);
+	ASSERT_EQ(0, fseek(f, at - buf, SEEK_SET));
+	ASSERT_EQ(len, fwrite(to, 1, len, f));
+	ASSERT_EQ(0, fclose(f));
+}
+
+static void shorten_file(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
+			 const char *name, off_t by)
+{
+	char path[160];
+	struct stat st;
+
+	snprintf(path, sizeof(path), "%s/%s", self->work, name);
+	ASSERT_EQ(0, stat(path, &st));
+	ASSERT_EQ(0, truncate(path, st.st_size - by));
+}
+
+/* A backend this machine does not have, or NULL when it has them all. */
+static const char *unavailable_backend(void)
+{
+	static const char *const names[] = { "cuda", "opencl" };
+	const char *found = NULL;
+	ape_context *ctx = NULL;
+	ape_backend_info info;
+	int n;
+
+	if (ape_context_create(&ctx, NULL))
+		return NULL;
+	n = ape_backend_get_info(ctx, 0, NULL);
+	for (int i = 0; i < n && !found; i++)
+		if (!ape_backend_get_info(ctx, i, &info) && !info.available)
+			for (int j = 0; j < 2; j++)
+				if (!strcmp(info.name, names[j]))
+					found = names[j];
+	ape_context_destroy(ctx);
+	return found;
+}
+
+/* ------------------------------------------------------------------ results */
+
+TEST_F(run, matches_the_library_with_seed_defaults)
+{
+	ape_attn_desc desc;
+
+	write_inputs(_metadata, self, APE_F32, 2, 4, 2, 5, 9, 16, false);
+	ASSERT_EQ(0, RUN(BASIC)) TH_LOG("%s", self->err);
+	EXPECT_STREQ("", self->err);
+	EXPECT_EQ(self->ninputs + 2, count_entries(self->work));
+	seed_desc(&desc);
+	expect_outputs(_metadata, self, &desc, APE_F32, APE_F32, false);
+}
+
+TEST_F(run, three_d_inputs)
+{
+	ape_attn_desc desc;
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 7, 7, 8, true);
+	ASSERT_EQ(0, RUN(BASIC)) TH_LOG("%s", self->err);
+	seed_desc(&desc);
+	expect_outputs(_metadata, self, &desc, APE_F32, APE_F32, true);
+}
+
+TEST_F(run, per_head_lists_and_every_flag)
+{
+	static const float delta[3] = { 0.1f, 0.2f, 0.3f }, beta[3] = { 0, 0.01f, -0.02f };
+	static const float lambda[3] = { 0.5f, 0, 0.25f };
+	ape_attn_desc desc;
+
+	write_inputs(_metadata, self, APE_F32, 1, 3, 3, 6, 8, 8, false);
+	ASSERT_EQ(0, RUN(BASIC, "--delta", "0.1,0.2,0.3", "--beta=0,0.01,-0.02", "--gamma", "0.05",
+			 "--lambda", "0.5,0,0.25", "--rope-base", "500", "--scale", "0.3",
+			 "--no-causal", "--layout", "interleaved", "--q-start", "100", "--k-start",
+			 "90", "--skip-tol", "0", "--device", "0"))
+		TH_LOG("%s", self->err);
+	ape_attn_desc_init(&desc);
+	desc.delta.per_head = delta;
+	desc.beta.per_head = beta;
+	desc.gamma.value = 0.05f;
+	desc.lambda.per_head = lambda;
+	desc.rope_base = 500;
+	desc.scale = 0.3;
+	desc.scale_set = true;
+	desc.causal = false;
+	desc.layout = APE_ROPE_INTERLEAVED;
+	desc.q_start = 100;
+	desc.q_start_set = true;
+	desc.k_start = 90;
+	desc.skip_tol = 0;
+	expect_outputs(_metadata, self, &desc, APE_F32, APE_F32, false);
+}
+
+TEST_F(run, f16_in_f16_out)
+{
+	ape_attn_desc desc;
+
+	write_inputs(_metadata, self, APE_F16, 1, 2, 2, 4, 6, 8, false);
+	ASSERT_EQ(0, RUN(BASIC)) TH_LOG("%s", self->err);
+	seed_desc(&desc);
+	expect_outputs(_metadata, self, &desc, APE_F16, APE_F16, false);
+
+	/* computed in f32 from the same f16 files: O is still '<f2' */
+	ASSERT_EQ(0, RUN(BASIC, "--dtype", "f32")) TH_LOG("%s", self->err);
+	expect_outputs(_metadata, self, &desc, APE_F32, APE_F16, false);
+}
+
+TEST_F(run, dtype_converts_f32_input)
+{
+	static const char *const names[2] = { "bf16", "f16" };
+	static const ape_dtype types[2] = { APE_BF16, APE_F16 };
+	ape_attn_desc desc;
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 5, 5, 8, false);
+	seed_desc(&desc);
+	for (int i = 0; i < 2; i++) {
+		ASSERT_EQ(0, RUN(BASIC, "--dtype", names[i])) TH_LOG("%s", self->err);
+		expect_outputs(_metadata, self, &desc, types[i], APE_F32, false);
+	}
+}
+
+TEST_F(run, stats_and_help)
+{
+	char want[64];
+	ape_attn_desc desc;
+	uint64_t pairs;
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 2, 4, 6, 8, false);
+	ASSERT_EQ(0, RUN(BASIC, "--stats")) TH_LOG("%s", self->err);
+	seed_desc(&desc);
+	ASSERT_EQ(0, ape_visible_pairs(&desc, 1, 2, 4, 6, &pairs));
+	snprintf(want, sizeof(want), "pairs visible %llu,", (unsigned long long)pairs);
+	EXPECT_NE(NULL, strstr(self->err, "backend ref")) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, want)) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "computed")) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "total_ms")) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "kernel_ms")) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "pairs/s")) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "chosen by request")) TH_LOG("%s", self->err);
+
+	EXPECT_EQ(0, RUN("--help"));
+	EXPECT_NE(NULL, strstr(self->out, "usage: ape-run"));
+	EXPECT_NE(NULL, strstr(self->out, "0.3968502629920499"));
+	EXPECT_NE(NULL, strstr(self->out, "ape_attn_desc_init"));
+	EXPECT_STREQ("", self->err);
+}
+
+TEST_F(run, auto_never_falls_back_silently)
+{
+	ape_context *ctx = NULL;
+	ape_selection sel;
+
+	write_inputs(_metadata, self, APE_F32, 1, 1, 1, 3, 3, 4, false);
+	unsetenv("APE_BACKEND");
+	ASSERT_EQ(0, ape_context_create(&ctx, NULL));
+	ASSERT_EQ(0, ape_device_select(ctx, "auto", -1, &sel));
+	ape_context_destroy(ctx);
+	ASSERT_EQ(0, RUN(FILES)) TH_LOG("%s", self->err);
+	self->ninputs = count_entries(self->work);
+	if (sel.passed_over) {
+		EXPECT_NE(NULL, strstr(self->err, "passed over")) TH_LOG("%s", self->err);
+	}
+	/* APE_BACKEND chooses for auto */
+	setenv("APE_BACKEND", "ref", 1);
+	ASSERT_EQ(0, RUN(FILES, "--stats")) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "by APE_BACKEND")) TH_LOG("%s", self->err);
+	setenv("APE_BACKEND", "nosuch", 1);
+	expect_refused(_metadata, self, RUN(FILES), 2, WORDS("nosuch"));
+	unsetenv("APE_BACKEND");
+}
+
+/* ------------------------------------------------------------------ refusals */
+
+TEST_F(run, bad_files)
+{
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	patch_file(_metadata, self, "K.npy", "\x93NUMPY", "\x93NUMPZ");
+	expect_refused(_metadata, self, RUN(BASIC), 2, WORDS("K.npy", "magic"));
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	patch_file(_metadata, self, "Q.npy", "False", "True ");
+	expect_refused(_metadata, self, RUN(BASIC), 2, WORDS("Q.npy", "Fortran"));
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	patch_file(_metadata, self, "V.npy", "'<f4'", "'<i4'");
+	expect_refused(_metadata, self, RUN(BASIC), 2, WORDS("V.npy", "'<i4'", "'<f4'"));
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	patch_file(_metadata, self, "V.npy", "'<f4'", "'<f8'");
+	expect_refused(_metadata, self, RUN(BASIC), 2, WORDS("V.npy", "'<f8'"));
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	shorten_file(_metadata, self, "K.npy", 10);
+	expect_refused(_metadata, self, RUN(BASIC), 2, WORDS("K.npy", "truncated", "needs 128"));
+
+	/* the last -v wins */
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	expect_refused(_metadata, self, RUN(BASIC, "-v", "missing.npy"), 2,
+		       WORDS("missing.npy", "No such file"));
+	expect_refused(_metadata, self, RUN(BASIC, "-k", "."), 2, WORDS("not a regular file"));
+}
+
+TEST_F(run, files_that_do_not_fit_together)
+{
+	const int64_t kv16[4] = { 1, 1, 4, 16 }, kv_b2[4] = { 2, 1, 4, 8 };
+	const int64_t v_l5[4] = { 1, 1, 5, 8 }, kv8[4] = { 1, 1, 4, 8 }, q2d[4] = { 1, 1, 4, 8 };
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	write_input(_metadata, self, "K.npy", &self->k, APE_F32, kv16, false);
+	write_input(_metadata, self, "V.npy", &self->v, APE_F32, kv16, false);
+	expect_refused(_metadata, self, RUN(BASIC), 2, WORDS("K.npy", "D = 16", "Q.npy", "D = 8"));
+
+	write_input(_metadata, self, "K.npy", &self->k, APE_F32, kv_b2, false);
+	write_input(_metadata, self, "V.npy", &self->v, APE_F32, kv_b2, false);
+	expect_refused(_metadata, self, RUN(BASIC), 2, WORDS("K.npy", "batch size B = 2"));
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	write_input(_metadata, self, "V.npy", &self->v, APE_F32, v_l5, false);
+	expect_refused(_metadata, self, RUN(BASIC), 2, WORDS("V.npy", "Lk = 5", "K.npy"));
+
+	write_inputs(_metadata, self, APE_F32, 1, 3, 2, 4, 4, 8, false);
+	expect_refused(_metadata, self, RUN(BASIC), 2, WORDS("H = 3", "Hkv = 2", "multiple"));
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 7, false);
+	expect_refused(_metadata, self, RUN(BASIC), 2, WORDS("Q.npy", "D = 7", "odd"));
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	write_input(_metadata, self, "K.npy", &self->k, APE_F16, kv8, false);
+	expect_refused(_metadata, self, RUN(BASIC), 2,
+		       WORDS("K.npy", "'<f2' (float16)", "'<f4' (float32)"));
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	{
+		char path[160], err[256];
+
+		snprintf(path, sizeof(path), "%s/Q.npy", self->work);
+		ASSERT_EQ(0, npy_save(path, APE_F32, 2, q2d + 2, self->q.t.data, err,
+				      sizeof(err)));
+	}
+	expect_refused(_metadata, self, RUN(BASIC), 2, WORDS("Q.npy", "(4, 8)", "4-D"));
+}
+
+TEST_F(run, bad_arguments)
+{
+	write_inputs(_metadata, self, APE_F32, 1, 4, 2, 4, 4, 8, false);
+	expect_refused(_metadata, self, RUN(BASIC, "--frobnicate"), 2, WORDS("--frobnicate"));
+	expect_refused(_metadata, self, RUN(BASIC, "extra"), 2, WORDS("'extra'"));
+	expect_refused(_metadata, self, RUN(BASIC, "--delta", "abc"), 2,
+		       WORDS("--delta", "'abc'", "not a number"));
+	expect_refused(_metadata, self, RUN(BASIC, "--delta", "nan"), 2,
+		       WORDS("--delta", "'nan'", "finite"));
+	expect_refused(_metadata, self, RUN(BASIC, "--gamma", "1e39"), 2,
+		       WORDS("--gamma", "float"));
+	expect_refused(_metadata, self, RUN(BASIC, "--beta", "0.1,,0.2,0.3"), 2,
+		       WORDS("--beta", "empty"));
+	expect_refused(_metadata, self, RUN(BASIC, "--lambda", "0.1,0.2"), 2,
+		       WORDS("--lambda", "2 values", "H = 4"));
+	expect_refused(_metadata, self, RUN(BASIC, "--lambda", "-0.5"), 2, WORDS("lambda", "-0.5"));
+	expect_refused(_metadata, self, RUN(BASIC, "--rope-base", "0"), 2, WORDS("rope_base"));
+	expect_refused(_metadata, self, RUN(BASIC, "--scale", "inf"), 2, WORDS("--scale"));
+	expect_refused(_metadata, self, RUN(BASIC, "--q-start", "1.5"), 2,
+		       WORDS("--q-start", "integer"));
+	expect_refused(_metadata, self, RUN(BASIC, "--k-start", "99999999999999999999"), 2,
+		       WORDS("--k-start", "64 bits"));
+	expect_refused(_metadata, self, RUN(BASIC, "--layout", "diagonal"), 2,
+		       WORDS("--layout", "half, interleaved"));
+	expect_refused(_metadata, self, RUN(BASIC, "--dtype", "f64"), 2, WORDS("--dtype", "f64"));
+	expect_refused(_metadata, self, RUN(BASIC, "--device", "-1"), 2, WORDS("--device"));
+	expect_refused(_metadata, self, RUN(BASIC, "--device"), 2, WORDS("--device", "value"));
+	expect_refused(_metadata, self, RUN(BASIC, "--stats=yes"), 2, WORDS("--stats"));
+	expect_refused(_metadata, self, RUN("-q", "Q.npy", "-k", "K.npy", "-v", "V.npy"), 2,
+		       WORDS("missing -o"));
+	expect_refused(_metadata, self, RUN(BASIC, "--lse", "O.npy"), 2, WORDS("O.npy"));
+	expect_refused(_metadata, self, RUN(BASIC, "--backend", "nosuch"), 2, WORDS("nosuch"));
+}
+
+TEST_F(run, unavailable_backend_or_device)
+{
+	const char *missing = unavailable_backend();
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	expect_refused(_metadata, self, RUN(BASIC, "--device", "99"), 3, WORDS("index = 99"));
+	if (!missing)
+		SKIP(return, "every backend is available here");
+	expect_refused(_metadata, self, RUN(FILES, "--backend", missing), 3,
+		       WORDS(missing, "not available"));
+}
+
+TEST_F(run, failures_do_not_clobber_outputs)
+{
+	static const char old[] = "an earlier result";
+	char path[160], buf[64];
+	FILE *f;
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	snprintf(path, sizeof(path), "%s/O.npy", self->work);
+	f = fopen(path, "w");
+	ASSERT_NE(NULL, f);
+	fputs(old, f);
+	ASSERT_EQ(0, fclose(f));
+	self->ninputs++;
+
+	expect_refused(_metadata, self, RUN(BASIC, "--lambda", "-1"), 2, WORDS("lambda"));
+	expect_refused(_metadata, self, RUN(BASIC, "--lse", "nosuch/LSE.npy"), 2,
+		       WORDS("--lse nosuch/LSE.npy", "directory nosuch/ does not exist"));
+	/* O's temporary file is complete before LSE's cannot be created */
+	expect_refused(_metadata, self, RUN(BASIC, "--lse", "/proc/LSE.npy"), 1,
+		       WORDS("/proc/LSE.npy", "temporary file"));
+	expect_refused(_metadata, self, RUN(BASIC, "--lse", "O.npy/LSE.npy"), 2,
+		       WORDS("--lse O.npy/LSE.npy", "Not a directory"));
+	snprintf(path, sizeof(path), "%s/LSE.npy", self->work);
+	ASSERT_EQ(0, mkdir(path, 0755));
+	self->ninputs++;
+	expect_refused(_metadata, self, RUN(BASIC), 2, WORDS("LSE.npy", "directory"));
+
+	snprintf(path, sizeof(path), "%s/O.npy", self->work);
+	f = fopen(path, "r");
+	ASSERT_NE(NULL, f);
+	ASSERT_NE(NULL, fgets(buf, sizeof(buf), f));
+	fclose(f);
+	EXPECT_STREQ(old, buf);
+}
+
+TEST_HARNESS_MAIN

@@ -1,0 +1,509 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * ape-bench: times the forward pass on chosen shapes and backends.
+ *
+ * For every (sequence length, skip tolerance) it runs warm-up calls, then timed repeats, and
+ * reports the median and spread of the wall time, visible pairs per second, dense-equivalent
+ * GFLOP/s (4 * D FLOPs per visible pair, the FlashAttention convention), the pairs actually
+ * computed after skipping, and the largest error against the float64 reference on sampled rows.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ape/ape.h"
+#include "common/cli.h"
+#include "common/refcheck.h"
+#include "common/rng.h"
+
+#define MAX_LIST 16
+
+struct bench_opts {
+	const char *backend;
+	int device;
+	int64_t B, H, Hkv, D, Lq; /* Lq 0: Lq = L */
+	int64_t L[MAX_LIST];
+	int nL;
+	double skip[MAX_LIST];
+	int nskip;
+	ape_dtype dtype;
+	bool causal;
+	float delta, beta, gamma, lambda;
+	int warmup, repeats, check_rows;
+	bool json;
+	uint64_t seed;
+	bool seeded;
+};
+
+struct bench_row {
+	int64_t L, Lq;
+	double skip_tol;
+	double median_ms, min_ms, max_ms, kernel_ms;
+	uint64_t pairs_visible, pairs_computed;
+	struct refcheck_result check;
+};
+
+enum {
+	OPT_BACKEND = 1,
+	OPT_DEVICE,
+	OPT_B,
+	OPT_H,
+	OPT_HKV,
+	OPT_D,
+	OPT_L,
+	OPT_LQ,
+	OPT_DTYPE,
+	OPT_NO_CAUSAL,
+	OPT_SKIP,
+	OPT_DELTA,
+	OPT_BETA,
+	OPT_GAMMA,
+	OPT_LAMBDA,
+	OPT_WARMUP,
+	OPT_REPEATS,
+	OPT_CHECK,
+	OPT_JSON,
+	OPT_SEED,
+	OPT_HELP,
+};
+
+static const struct cli_option options[] = {
+	{ "--backend", NULL, true, OPT_BACKEND }, { "--device", NULL, true, OPT_DEVICE },
+	{ "--batch", "-B", true, OPT_B },	  { "--heads", "-H", true, OPT_H },
+	{ "--kv-heads", NULL, true, OPT_HKV },	  { "--head-dim", "-D", true, OPT_D },
+	{ "--len", "-L", true, OPT_L },		  { "--lq", NULL, true, OPT_LQ },
+	{ "--dtype", NULL, true, OPT_DTYPE },	  { "--no-causal", NULL, false, OPT_NO_CAUSAL },
+	{ "--skip-tol", NULL, true, OPT_SKIP },	  { "--delta", NULL, true, OPT_DELTA },
+	{ "--beta", NULL, true, OPT_BETA },	  { "--gamma", NULL, true, OPT_GAMMA },
+	{ "--lambda", NULL, true, OPT_LAMBDA },	  { "--warmup", NULL, true, OPT_WARMUP },
+	{ "--repeats", NULL, true, OPT_REPEATS }, { "--check-rows", NULL, true, OPT_CHECK },
+	{ "--json", NULL, false, OPT_JSON },	  { "--seed", NULL, true, OPT_SEED },
+	{ "--help", "-h", false, OPT_HELP },	  { NULL, NULL, false, 0 },
+};
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+		"usage: ape-bench [options]\n"
+		"  --backend auto|ref|opencl|cuda   device to time (default auto; APE_BACKEND too)\n"
+		"  --device N                       index among that backend's devices\n"
+		"  -B N -H N --kv-heads N -D N      shape (default 1, 6, H, 64: the seed's model)\n"
+		"  -L N[,N...]                      key lengths (default 1024,4096,16384)\n"
+		"  --lq N                           query rows (default: L, queries end-aligned)\n"
+		"  --dtype f32|f16|bf16             storage type (default f32)\n"
+		"  --no-causal                      attend to every key (default causal)\n"
+		"  --skip-tol X[,X...]              far-key skipping tolerances (default 2^-24,0)\n"
+		"  --delta --beta --gamma --lambda  APE parameters (default the seed's: 2^(-4/3),\n"
+		"                                   delta/10, delta/10, 0.1)\n"
+		"  --warmup N --repeats N           untimed and timed calls (default 1, 5)\n"
+		"  --check-rows N                   rows checked against the reference (default 16;\n"
+		"                                   0 = no check)\n"
+		"  --seed N                         inputs' random seed (default: fresh)\n"
+		"  --json                           one JSON object instead of the table\n"
+		"Throughput counts visible (query, key) pairs; dense-equivalent GFLOP/s counts 4*D\n"
+		"FLOPs per visible pair even when skipping computed fewer.\n");
+}
+
+/* "1024,4096": whole numbers for -L */
+static int parse_len_list(const char *text, struct bench_opts *o, char *err, size_t errlen)
+{
+	char *copy = strdup(text), *save = NULL, *tok;
+	int ret = 0;
+
+	if (!copy)
+		return APE_ENOMEM;
+	o->nL = 0;
+	for (tok = strtok_r(copy, ",", &save); tok && !ret; tok = strtok_r(NULL, ",", &save)) {
+		if (o->nL == MAX_LIST) {
+			snprintf(err, errlen, "-L: at most %d values", MAX_LIST);
+			ret = APE_EINVAL;
+		} else {
+			ret = cli_parse_int64("-L", tok, 1, (int64_t)1 << 40, &o->L[o->nL++], err,
+					      errlen);
+		}
+	}
+	if (!ret && o->nL == 0) {
+		snprintf(err, errlen, "-L: no value");
+		ret = APE_EINVAL;
+	}
+	free(copy);
+	return ret;
+}
+
+static int parse_skip_list(const char *text, struct bench_opts *o, char *err, size_t errlen)
+{
+	char *copy = strdup(text), *save = NULL, *tok;
+	int ret = 0;
+
+	if (!copy)
+		return APE_ENOMEM;
+	o->nskip = 0;
+	for (tok = strtok_r(copy, ",", &save); tok && !ret; tok = strtok_r(NULL, ",", &save)) {
+		if (o->nskip == MAX_LIST) {
+			snprintf(err, errlen, "--skip-tol: at most %d values", MAX_LIST);
+			ret = APE_EINVAL;
+		} else {
+			ret = cli_parse_finite("--skip-tol", tok, &o->skip[o->nskip++], err, errlen);
+		}
+	}
+	if (!ret && o->nskip == 0) {
+		snprintf(err, errlen, "--skip-tol: no value");
+		ret = APE_EINVAL;
+	}
+	free(copy);
+	return ret;
+}
+
+static int parse_param(const char *flag, const char *text, float *out, char *err, size_t errlen)
+{
+	double x;
+	int ret = cli_parse_finite(flag, text, &x, err, errlen);
+
+	*out = (float)x;
+	return ret;
+}
+
+static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, size_t errlen)
+{
+	static const char *const dtypes[] = { "f32", "f16", "bf16", NULL };
+	const char *val;
+	int idx = 1, id, ret = 0, ch;
+	int64_t x;
+
+	while ((id = cli_next(argc, argv, &idx, options, &val, err, errlen)) > 0 && !ret) {
+		switch (id) {
+		case OPT_BACKEND:
+			o->backend = val;
+			break;
+		case OPT_DEVICE:
+			ret = cli_parse_int64("--device", val, 0, 1 << 20, &x, err, errlen);
+			o->device = (int)x;
+			break;
+		case OPT_B:
+			ret = cli_parse_int64("-B", val, 1, 1 << 20, &o->B, err, errlen);
+			break;
+		case OPT_H:
+			ret = cli_parse_int64("-H", val, 1, 1 << 20, &o->H, err, errlen);
+			break;
+		case OPT_HKV:
+			ret = cli_parse_int64("--kv-heads", val, 1, 1 << 20, &o->Hkv, err, errlen);
+			break;
+		case OPT_D:
+			ret = cli_parse_int64("-D", val, 2, 256, &o->D, err, errlen);
+			break;
+		case OPT_L:
+			ret = parse_len_list(val, o, err, errlen);
+			break;
+		case OPT_LQ:
+			ret = cli_parse_int64("--lq", val, 1, (int64_t)1 << 30, &o->Lq, err, errlen);
+			break;
+		case OPT_DTYPE:
+			ret = cli_parse_choice("--dtype", val, dtypes, &ch, err, errlen);
+			o->dtype = (ape_dtype)ch;
+			break;
+		case OPT_NO_CAUSAL:
+			o->causal = false;
+			break;
+		case OPT_SKIP:
+			ret = parse_skip_list(val, o, err, errlen);
+			break;
+		case OPT_DELTA:
+			ret = parse_param("--delta", val, &o->delta, err, errlen);
+			break;
+		case OPT_BETA:
+			ret = parse_param("--beta", val, &o->beta, err, errlen);
+			break;
+		case OPT_GAMMA:
+			ret = parse_param("--gamma", val, &o->gamma, err, errlen);
+			break;
+		case OPT_LAMBDA:
+			ret = parse_param("--lambda", val, &o->lambda, err, errlen);
+			break;
+		case OPT_WARMUP:
+			ret = cli_parse_int64("--warmup", val, 0, 1000, &x, err, errlen);
+			o->warmup = (int)x;
+			break;
+		case OPT_REPEATS:
+			ret = cli_parse_int64("--repeats", val, 1, 100000, &x, err, errlen);
+			o->repeats = (int)x;
+			break;
+		case OPT_CHECK:
+			ret = cli_parse_int64("--check-rows", val, 0, 1 << 20, &x, err, errlen);
+			o->check_rows = (int)x;
+			break;
+		case OPT_JSON:
+			o->json = true;
+			break;
+		case OPT_SEED:
+			ret = cli_parse_int64("--seed", val, 0, INT64_MAX, &x, err, errlen);
+			o->seed = (uint64_t)x;
+			o->seeded = true;
+			break;
+		case OPT_HELP:
+			usage(stdout);
+			exit(0);
+		}
+	}
+	if (id < 0)
+		return id;
+	if (ret)
+		return ret;
+	if (o->D % 2) {
+		snprintf(err, errlen, "-D %" PRId64 ": the head dimension must be even", o->D);
+		return APE_EINVAL;
+	}
+	if (!o->Hkv)
+		o->Hkv = o->H;
+	if (o->H % o->Hkv) {
+		snprintf(err, errlen, "--kv-heads %" PRId64 ": must divide -H %" PRId64, o->Hkv, o->H);
+		return APE_EINVAL;
+	}
+	return 0;
+}
+
+static double median(double *x, int n)
+{
+	for (int i = 1; i < n; i++) /* insertion sort: n is small */
+		for (int j = i; j > 0 && x[j - 1] > x[j]; j--) {
+			double t = x[j];
+
+			x[j] = x[j - 1];
+			x[j - 1] = t;
+		}
+	return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+struct inputs {
+	void *q, *k, *v, *o;
+	float *lse;
+	ape_tensor tq, tk, tv, to;
+};
+
+static void free_inputs(struct inputs *in)
+{
+	free(in->q);
+	free(in->k);
+	free(in->v);
+	free(in->o);
+	free(in->lse);
+}
+
+static int fill_random(void *dst, ape_dtype dt, size_t n, ape_rng *rng)
+{
+	float buf[1024];
+
+	for (size_t i = 0; i < n; i += 1024) {
+		size_t m = n - i < 1024 ? n - i : 1024;
+
+		for (size_t j = 0; j < m; j++)
+			buf[j] = (float)ape_rng_normal(rng);
+		if (ape_convert((char *)dst + i * ape_dtype_size(dt), dt, buf, APE_F32, m))
+			return -1;
+	}
+	return 0;
+}
+
+static int make_inputs(const struct bench_opts *o, int64_t L, int64_t Lq, ape_rng *rng,
+		       struct inputs *in)
+{
+	const size_t esz = ape_dtype_size(o->dtype);
+	const size_t nq = (size_t)(o->B * o->H * Lq * o->D), nk = (size_t)(o->B * o->Hkv * L * o->D);
+
+	memset(in, 0, sizeof(*in));
+	in->q = malloc(nq * esz + 1);
+	in->k = malloc(nk * esz + 1);
+	in->v = malloc(nk * esz + 1);
+	in->o = malloc(nq * esz + 1);
+	in->lse = malloc(sizeof(float) * (size_t)(o->B * o->H * Lq) + 1);
+	if (!in->q || !in->k || !in->v || !in->o || !in->lse ||
+	    fill_random(in->q, o->dtype, nq, rng) || fill_random(in->k, o->dtype, nk, rng) ||
+	    fill_random(in->v, o->dtype, nk, rng)) {
+		free_inputs(in);
+		return APE_ENOMEM;
+	}
+	ape_tensor_init(&in->tq, in->q, o->dtype, o->B, o->H, Lq, o->D);
+	ape_tensor_init(&in->tk, in->k, o->dtype, o->B, o->Hkv, L, o->D);
+	ape_tensor_init(&in->tv, in->v, o->dtype, o->B, o->Hkv, L, o->D);
+	ape_tensor_init(&in->to, in->o, o->dtype, o->B, o->H, Lq, o->D);
+	return 0;
+}
+
+/* Times one (L, skip_tol) configuration. */
+static int bench_one(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
+		     double skip_tol, ape_rng *rng, struct bench_row *row)
+{
+	struct inputs in;
+	ape_attn_desc desc;
+	ape_stats st;
+	double times[1024], kernel[1024];
+	int64_t Lq = o->Lq && o->Lq < L ? o->Lq : L;
+	int n = o->repeats > 1024 ? 1024 : o->repeats, ret;
+
+	memset(row, 0, sizeof(*row));
+	row->L = L;
+	row->Lq = Lq;
+	row->skip_tol = skip_tol;
+	ret = make_inputs(o, L, Lq, rng, &in);
+	if (ret)
+		return ret;
+	ape_attn_desc_init(&desc);
+	desc.delta.value = o->delta;
+	desc.beta.value = o->beta;
+	desc.gamma.value = o->gamma;
+	desc.lambda.value = o->lambda;
+	desc.causal = o->causal;
+	desc.skip_tol = skip_tol;
+	for (int i = 0; i < o->warmup + n; i++) {
+		ape_stats_init(&st);
+		ret = ape_attention_forward(dev, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse, &st);
+		if (ret)
+			goto out_free;
+		if (i >= o->warmup) {
+			times[i - o->warmup] = st.total_ms;
+			kernel[i - o->warmup] = st.kernel_ms;
+		}
+	}
+	row->pairs_visible = st.pairs_visible;
+	row->pairs_computed = st.pairs_computed;
+	row->min_ms = row->max_ms = times[0];
+	for (int i = 0; i < n; i++) {
+		row->min_ms = fmin(row->min_ms, times[i]);
+		row->max_ms = fmax(row->max_ms, times[i]);
+	}
+	row->median_ms = median(times, n);
+	row->kernel_ms = median(kernel, n);
+	if (o->check_rows > 0)
+		ret = refcheck_sampled(ref, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse,
+				       o->check_rows, rng, &row->check);
+out_free:
+	free_inputs(&in);
+	return ret;
+}
+
+static void print_table(const ape_device_info *info, const struct bench_opts *o,
+			const struct bench_row *rows, int n)
+{
+	printf("ape-bench: %s:%d %s (%s)\n", info->backend, info->backend_index, info->name,
+	       info->driver_version);
+	printf("shape B=%" PRId64 " H=%" PRId64 " Hkv=%" PRId64 " D=%" PRId64
+	       " %s %s; delta=%g beta=%g gamma=%g lambda=%g; %d repeats\n",
+	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype),
+	       o->causal ? "causal" : "non-causal", (double)o->delta, (double)o->beta,
+	       (double)o->gamma, (double)o->lambda, o->repeats);
+	printf("%8s %10s %10s %8s %11s %9s %9s %9s %10s %10s\n", "L", "skip_tol", "median_ms",
+	       "spread", "kernel_ms", "Mpairs/s", "GFLOP/s", "computed", "err_O", "err_LSE");
+	for (int i = 0; i < n; i++) {
+		const struct bench_row *r = &rows[i];
+		double sec = r->median_ms * 1e-3;
+		double pps = sec > 0 ? (double)r->pairs_visible / sec : 0;
+
+		printf("%8" PRId64 " %10.3g %10.2f %7.1f%% %11.2f %9.1f %9.1f %8.2f%%", r->L,
+		       r->skip_tol, r->median_ms,
+		       r->median_ms > 0 ? 100 * (r->max_ms - r->min_ms) / r->median_ms : 0,
+		       r->kernel_ms, pps * 1e-6, pps * 4.0 * (double)o->D * 1e-9,
+		       r->pairs_visible ? 100.0 * (double)r->pairs_computed / (double)r->pairs_visible
+					: 0);
+		if (r->check.rows_checked)
+			printf(" %10.2e %10.2e%s\n", r->check.max_err_o, r->check.max_err_lse,
+			       r->check.within_tol ? "" : "  OUT OF TOLERANCE");
+		else
+			printf(" %10s %10s\n", "-", "-");
+	}
+}
+
+static void print_json(const ape_device_info *info, const struct bench_opts *o,
+		       const struct bench_row *rows, int n)
+{
+	printf("{\"device\": {\"backend\": \"%s\", \"index\": %d, \"name\": \"%s\", \"driver\": "
+	       "\"%s\"},\n",
+	       info->backend, info->backend_index, info->name, info->driver_version);
+	printf(" \"shape\": {\"B\": %" PRId64 ", \"H\": %" PRId64 ", \"Hkv\": %" PRId64
+	       ", \"D\": %" PRId64 ", \"dtype\": \"%s\", \"causal\": %s},\n",
+	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype), o->causal ? "true" : "false");
+	printf(" \"params\": {\"delta\": %.9g, \"beta\": %.9g, \"gamma\": %.9g, \"lambda\": %.9g},\n",
+	       (double)o->delta, (double)o->beta, (double)o->gamma, (double)o->lambda);
+	printf(" \"results\": [");
+	for (int i = 0; i < n; i++) {
+		const struct bench_row *r = &rows[i];
+		double sec = r->median_ms * 1e-3;
+		double pps = sec > 0 ? (double)r->pairs_visible / sec : 0;
+
+		printf("%s\n  {\"L\": %" PRId64 ", \"Lq\": %" PRId64 ", \"skip_tol\": %.9g, "
+		       "\"median_ms\": %.6g, \"min_ms\": %.6g, \"max_ms\": %.6g, \"kernel_ms\": %.6g, "
+		       "\"pairs_visible\": %" PRIu64 ", \"pairs_computed\": %" PRIu64
+		       ", \"pairs_per_s\": %.6g, \"dense_gflops\": %.6g, \"rows_checked\": %d, "
+		       "\"max_err_o\": %.6g, \"max_err_lse\": %.6g, \"within_tol\": %s}",
+		       i ? "," : "", r->L, r->Lq, r->skip_tol, r->median_ms, r->min_ms, r->max_ms,
+		       r->kernel_ms, r->pairs_visible, r->pairs_computed, pps,
+		       pps * 4.0 * (double)o->D * 1e-9, r->check.rows_checked, r->check.max_err_o,
+		       r->check.max_err_lse, r->check.within_tol || !r->check.rows_checked ? "true"
+											   : "false");
+	}
+	printf("\n ]}\n");
+}
+
+int main(int argc, char **argv)
+{
+	struct bench_opts o = {
+		.backend = "auto", .device = -1, .B = 1, .H = 6, .D = 64,
+		.L = { 1024, 4096, 16384 }, .nL = 3, .skip = { 0x1p-24, 0 }, .nskip = 2,
+		.dtype = APE_F32, .causal = true, .warmup = 1, .repeats = 5, .check_rows = 16,
+	};
+	struct bench_row rows[MAX_LIST * MAX_LIST];
+	ape_context *ctx = NULL;
+	ape_selection sel, refsel;
+	ape_device_info info;
+	ape_rng rng;
+	char err[512] = "";
+	int ret, nrows = 0, bad = 0;
+
+	o.delta = (float)pow(2.0, -4.0 / 3.0);
+	o.beta = o.gamma = o.delta / 10;
+	o.lambda = 0.1f;
+	ret = parse_args(argc, argv, &o, err, sizeof(err));
+	if (ret) {
+		fprintf(stderr, "ape-bench: %s\n", err[0] ? err : ape_strerror(ret));
+		return 2;
+	}
+	if (o.seeded)
+		ape_rng_seed(&rng, o.seed);
+	else
+		ape_rng_init(&rng, "ape-bench");
+	if (ape_context_create(&ctx, NULL)) {
+		fprintf(stderr, "ape-bench: %s\n", ape_last_error());
+		return 1;
+	}
+	ret = ape_device_select(ctx, o.backend, o.device, &sel);
+	if (!ret)
+		ret = ape_device_select(ctx, "ref", 0, &refsel);
+	if (ret) {
+		fprintf(stderr, "ape-bench: %s\n", ape_last_error());
+		ape_context_destroy(ctx);
+		return ret == APE_EINVAL ? 2 : 3;
+	}
+	if (sel.passed_over || !o.json)
+		fprintf(stderr, "ape-bench: ran on %s\n", sel.note);
+	ape_device_get_info(sel.device, &info);
+	for (int i = 0; i < o.nL && !ret; i++)
+		for (int j = 0; j < o.nskip && !ret; j++) {
+			ret = bench_one(sel.device, refsel.device, &o, o.L[i], o.skip[j], &rng,
+					&rows[nrows]);
+			if (ret)
+				break;
+			bad += rows[nrows].check.rows_checked && !rows[nrows].check.within_tol;
+			nrows++;
+		}
+	if (ret) {
+		fprintf(stderr, "ape-bench: %s\n", ape_last_error());
+		ape_context_destroy(ctx);
+		return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : 1;
+	}
+	if (o.json)
+		print_json(&info, &o, rows, nrows);
+	else
+		print_table(&info, &o, rows, nrows);
+	ape_context_destroy(ctx);
+	return bad ? 1 : 0;
+}

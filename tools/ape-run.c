@@ -1,0 +1,683 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * ape-run: APE attention on NumPy .npy files, the way users run libape on their own data.
+ *
+ * Exit status: 0 success; 2 bad arguments or input files (and parameters or shapes the library
+ * refuses); 3 the backend or device asked for is not available; 1 anything else. Outputs are
+ * written to temporary files and renamed into place only once all of them are complete, so a
+ * failing run never leaves a partial or stale-looking output behind.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ape/ape.h"
+#include "common/cli.h"
+#include "common/npy.h"
+
+/* The seed's suggested initial values (APE-SPEC.md, "Parameters"): delta = 2^(-4/3), ALiBi's
+ * slope, beta = gamma = delta / 10, lambda = 0.1. ape_attn_desc_init() has no preference: 0. */
+#define SEED_DELTA 0.3968502629920499
+#define SEED_LAMBDA 0.1
+
+enum { RUN_OK = 0, RUN_FAIL = 1, RUN_USAGE = 2, RUN_NODEV = 3, RUN_HELP = -1 };
+
+enum {
+	OPT_Q = 1, OPT_K, OPT_V, OPT_O, OPT_LSE, OPT_BACKEND, OPT_DEVICE,
+	OPT_DELTA, OPT_BETA, OPT_GAMMA, OPT_LAMBDA, /* in this order: they index run_args.param */
+	OPT_ROPE_BASE, OPT_SCALE, OPT_NO_CAUSAL, OPT_LAYOUT, OPT_Q_START, OPT_K_START,
+	OPT_SKIP_TOL, OPT_DTYPE, OPT_STATS, OPT_HELP,
+};
+
+static const struct cli_option options[] = {
+	{ "-q", NULL, true, OPT_Q },
+	{ "-k", NULL, true, OPT_K },
+	{ "-v", NULL, true, OPT_V },
+	{ "-o", NULL, true, OPT_O },
+	{ "--lse", NULL, true, OPT_LSE },
+	{ "--backend", NULL, true, OPT_BACKEND },
+	{ "--device", NULL, true, OPT_DEVICE },
+	{ "--delta", NULL, true, OPT_DELTA },
+	{ "--beta", NULL, true, OPT_BETA },
+	{ "--gamma", NULL, true, OPT_GAMMA },
+	{ "--lambda", NULL, true, OPT_LAMBDA },
+	{ "--rope-base", NULL, true, OPT_ROPE_BASE },
+	{ "--scale", NULL, true, OPT_SCALE },
+	{ "--no-causal", NULL, false, OPT_NO_CAUSAL },
+	{ "--layout", NULL, true, OPT_LAYOUT },
+	{ "--q-start", NULL, true, OPT_Q_START },
+	{ "--k-start", NULL, true, OPT_K_START },
+	{ "--skip-tol", NULL, true, OPT_SKIP_TOL },
+	{ "--dtype", NULL, true, OPT_DTYPE },
+	{ "--stats", NULL, false, OPT_STATS },
+	{ "--help", "-h", false, OPT_HELP },
+	{ NULL, NULL, false, 0 },
+};
+
+static void usage(void)
+{
+	printf("usage: ape-run -q Q.npy -k K.npy -v V.npy -o O.npy [--lse LSE.npy] [options]\n"
+	       "\n"
+	       "APE attention, O = softmax(S) V (see docs/ape.md), on NumPy .npy files.\n"
+	       "\n"
+	       "Files: '<f4' (float32) or '<f2' (float16); Q, K and V of the same dtype.\n"
+	       "  -q FILE        queries [B, H, Lq, D]; a 3-D [H, Lq, D] file means B = 1\n"
+	       "  -k FILE        keys [B, Hkv, Lk, D] (3-D likewise); H a multiple of Hkv\n"
+	       "  -v FILE        values, the shape of K\n"
+	       "  -o FILE        output O: Q's shape, Q's dtype\n"
+	       "  --lse FILE     also write LSE, ln of each row's softmax denominator:\n"
+	       "                 '<f4', [B, H, Lq] ([H, Lq] for 3-D input)\n"
+	       "  Outputs appear complete and together, or not at all.\n"
+	       "\n"
+	       "APE parameters: one value for every head, or H comma-separated values.\n"
+	       "  --delta X      linear decay (default 2^(-4/3) = %.16g)\n"
+	       "  --beta X       log decay (default delta/10 = %.16g)\n"
+	       "  --gamma X      square-root decay (default delta/10 = %.16g)\n"
+	       "  --lambda X     rotation and temperature adaptivity, >= 0 (default %g)\n"
+	       "  These defaults are the initial values the APE seed suggests for training.\n"
+	       "  The library's differ: ape_attn_desc_init() sets all four to 0, which is\n"
+	       "  plain RoPE attention.\n"
+	       "\n"
+	       "Other parameters:\n"
+	       "  --rope-base X  RoPE base (default 10000)\n"
+	       "  --scale X      score scale (default 1/sqrt(D))\n"
+	       "  --no-causal    every query sees every key (default: causal)\n"
+	       "  --layout L     rotary pairs: half, (p, p + D/2), the default, or\n"
+	       "                 interleaved, (2p, 2p + 1)\n"
+	       "  --q-start N    position of query row 0 (default k-start + Lk - Lq)\n"
+	       "  --k-start N    position of key row 0 (default 0)\n"
+	       "  --skip-tol X   far-key skipping tolerance (default 2^-24; 0: never skip)\n"
+	       "\n"
+	       "Computation:\n"
+	       "  --dtype T      storage type to compute in: f32, f16 or bf16 (default: the\n"
+	       "                 input's). Inputs are converted, rounding to nearest even.\n"
+	       "                 O keeps the input's dtype; as npy has no bf16, '<f4' input\n"
+	       "                 with --dtype bf16 gives a '<f4' O.\n"
+	       "  --backend B    auto (the default), ref, opencl or cuda. auto honours the\n"
+	       "                 APE_BACKEND environment variable, and says so on stderr\n"
+	       "                 when it passes over a preferred backend.\n"
+	       "  --device N     device index within the backend, or with auto among all\n"
+	       "                 devices, most preferred first (default: the first)\n"
+	       "  --stats        print device, times and (query, key) pair counts to stderr\n"
+	       "  -h, --help     print this text\n"
+	       "\n"
+	       "Exit status: 0 success; 2 bad arguments or input files; 3 the backend or\n"
+	       "device is not available; 1 any other failure.\n",
+	       SEED_DELTA, SEED_DELTA / 10, SEED_DELTA / 10, SEED_LAMBDA);
+}
+
+/* A per-head parameter as given on the command line; checked against H once Q is read. */
+struct head_param {
+	const char *flag;
+	float def;
+	float *vals; /* NULL: not given */
+	size_t n;
+};
+
+struct run_args {
+	const char *q, *k, *v, *o, *lse;
+	const char *backend;
+	int device; /* -1: the first */
+	struct head_param param[4]; /* delta, beta, gamma, lambda */
+	ape_attn_desc desc; /* everything but the per-head parameters */
+	int dtype; /* an ape_dtype, or -1 for the input's */
+	bool stats;
+};
+
+/* One input file, its shape seen as [B, H, L, D], and its data in the computation's type. */
+struct input {
+	const char *path;
+	ape_dtype file_dtype;
+	int ndim; /* 3 or 4, as in the file */
+	int64_t shape[4]; /* as in the file */
+	uint64_t count;
+	void *data;
+	ape_tensor t;
+};
+
+/* ------------------------------------------------------------------ arguments */
+
+static int head_param(struct head_param *p, const char *val, char *msg, size_t len)
+{
+	free(p->vals);
+	p->vals = NULL;
+	return cli_parse_float_list(p->flag, val, &p->vals, &p->n, msg, len) ? RUN_USAGE : 0;
+}
+
+/* Where an option that is just a string goes; NULL for the others. */
+static const char **string_slot(struct run_args *a, int id)
+{
+	switch (id) {
+	case OPT_Q:
+		return &a->q;
+	case OPT_K:
+		return &a->k;
+	case OPT_V:
+		return &a->v;
+	case OPT_O:
+		return &a->o;
+	case OPT_LSE:
+		return &a->lse;
+	case OPT_BACKEND:
+		return &a->backend;
+	}
+	return NULL;
+}
+
+/* Options whose value is a number or a word from a list. */
+static int parse_value(struct run_args *a, int id, const char *val, char *msg, size_t len)
+{
+	static const char *const layouts[] = { "half", "interleaved", NULL };
+	static const char *const dtypes[] = { "f32", "f16", "bf16", NULL };
+	static const ape_dtype dtype_of[] = { APE_F32, APE_F16, APE_BF16 };
+	ape_attn_desc *d = &a->desc;
+	int64_t n = 0;
+	int idx = 0;
+
+	switch (id) {
+	case OPT_ROPE_BASE:
+		return cli_parse_finite("--rope-base", val, &d->rope_base, msg, len);
+	case OPT_SKIP_TOL:
+		return cli_parse_finite("--skip-tol", val, &d->skip_tol, msg, len);
+	case OPT_SCALE:
+		d->scale_set = true;
+		return cli_parse_finite("--scale", val, &d->scale, msg, len);
+	case OPT_Q_START:
+		d->q_start_set = true;
+		return cli_parse_int64("--q-start", val, INT64_MIN, INT64_MAX, &d->q_start, msg,
+				       len);
+	case OPT_K_START:
+		return cli_parse_int64("--k-start", val, INT64_MIN, INT64_MAX, &d->k_start, msg,
+				       len);
+	case OPT_DEVICE:
+		if (cli_parse_int64("--device", val, 0, INT_MAX, &n, msg, len))
+			return APE_EINVAL;
+		a->device = (int)n;
+		return 0;
+	case OPT_LAYOUT:
+		if (cli_parse_choice("--layout", val, layouts, &idx, msg, len))
+			return APE_EINVAL;
+		d->layout = idx ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+		return 0;
+	case OPT_DTYPE:
+		if (cli_parse_choice("--dtype", val, dtypes, &idx, msg, len))
+			return APE_EINVAL;
+		a->dtype = (int)dtype_of[idx];
+		return 0;
+	}
+	return 0;
+}
+
+static int parse_option(struct run_args *a, int id, const char *val, char *msg, size_t len)
+{
+	const char **slot = string_slot(a, id);
+
+	if (slot) {
+		*slot = val;
+		return 0;
+	}
+	switch (id) {
+	case OPT_HELP:
+		return RUN_HELP;
+	case OPT_STATS:
+		a->stats = true;
+		return 0;
+	case OPT_NO_CAUSAL:
+		a->desc.causal = false;
+		return 0;
+	case OPT_DELTA:
+	case OPT_BETA:
+	case OPT_GAMMA:
+	case OPT_LAMBDA:
+		return head_param(&a->param[id - OPT_DELTA], val, msg, len);
+	}
+	return parse_value(a, id, val, msg, len) ? RUN_USAGE : 0;
+}
+
+static void args_init(struct run_args *a)
+{
+	static const char *const flags[4] = { "--delta", "--beta", "--gamma", "--lambda" };
+	static const float defs[4] = { (float)SEED_DELTA, (float)(SEED_DELTA / 10),
+				       (float)(SEED_DELTA / 10), (float)SEED_LAMBDA };
+
+	memset(a, 0, sizeof(*a));
+	a->backend = "auto";
+	a->device = -1;
+	a->dtype = -1;
+	for (int i = 0; i < 4; i++) {
+		a->param[i].flag = flags[i];
+		a->param[i].def = defs[i];
+	}
+	ape_attn_desc_init(&a->desc);
+}
+
+static void args_free(struct run_args *a)
+{
+	for (int i = 0; i < 4; i++)
+		free(a->param[i].vals);
+}
+
+static int parse_args(int argc, char **argv, struct run_args *a, char *msg, size_t len)
+{
+	const char *val;
+	int i = 1, id, ret;
+
+	while ((id = cli_next(argc, argv, &i, options, &val, msg, len)) != 0) {
+		if (id < 0)
+			return RUN_USAGE;
+		ret = parse_option(a, id, val, msg, len);
+		if (ret)
+			return ret;
+	}
+	if (!a->q || !a->k || !a->v || !a->o) {
+		snprintf(msg, len, "missing %s (see --help)",
+			 !a->q ? "-q Q.npy" : !a->k ? "-k K.npy" : !a->v ? "-v V.npy" : "-o O.npy");
+		return RUN_USAGE;
+	}
+	return 0;
+}
+
+/* ------------------------------------------------------------------ device */
+
+static int exit_code(int err)
+{
+	switch (err) {
+	case 0:
+		return RUN_OK;
+	case APE_EINVAL:
+	case APE_EOVERFLOW:
+	case APE_EFORMAT:
+		return RUN_USAGE;
+	case APE_ENOBACKEND:
+	case APE_ENODEV:
+		return RUN_NODEV;
+	default:
+		return RUN_FAIL;
+	}
+}
+
+static int open_device(const struct run_args *a, ape_context **ctx, ape_selection *sel, char *msg,
+		       size_t len)
+{
+	ape_context_options opts;
+	int ret;
+
+	ape_context_options_init(&opts);
+	/* A named backend is the only one probed: `--backend ref` need not start GPU drivers. */
+	if (strcmp(a->backend, "auto"))
+		opts.backends = a->backend;
+	ret = ape_context_create(ctx, &opts);
+	if (ret) {
+		snprintf(msg, len, "--backend %s: %s", a->backend, ape_last_error());
+		return exit_code(ret);
+	}
+	ret = ape_device_select(*ctx, a->backend, a->device, sel);
+	if (ret) {
+		snprintf(msg, len, "%s", ape_last_error());
+		ape_context_destroy(*ctx);
+		*ctx = NULL;
+		return exit_code(ret);
+	}
+	/* auto never falls back silently */
+	if (a->stats || sel->passed_over)
+		fprintf(stderr, "ape-run: device: %s\n", sel->note);
+	return 0;
+}
+
+/* ------------------------------------------------------------------ inputs */
+
+/* Reads one file; `dims` names its last three dimensions for messages ("H, Lq, D"). */
+static int load_input(struct input *in, const char *what, const char *dims, char *msg,
+		      size_t len)
+{
+	struct npy_array arr;
+	char shp[256];
+	int ret;
+
+	ret = npy_load(in->path, &arr, msg, len);
+	if (ret)
+		return ret == APE_ENOMEM ? RUN_FAIL : RUN_USAGE;
+	in->file_dtype = arr.info.dtype;
+	in->ndim = arr.info.ndim;
+	in->count = arr.info.count;
+	in->data = arr.data;
+	if (in->ndim != 3 && in->ndim != 4) {
+		npy_format_shape(arr.info.shape, arr.info.ndim, shp, sizeof(shp));
+		snprintf(msg, len, "%s: shape %s: %s must be 4-D [B, %s] or 3-D [%s]", in->path,
+			 shp, what, dims, dims);
+		return RUN_USAGE;
+	}
+	memcpy(in->shape, arr.info.shape, sizeof(in->shape));
+	in->t.shape[0] = 1; /* a 3-D file is one batch */
+	for (int i = 0; i < in->ndim; i++)
+		in->t.shape[4 - in->ndim + i] = arr.info.shape[i];
+	return 0;
+}
+
+static int load_inputs(const struct run_args *a, struct input in[3], char *msg, size_t len)
+{
+	static const char *const what[3] = { "Q", "K", "V" };
+	static const char *const dims[3] = { "H, Lq, D", "Hkv, Lk, D", "Hkv, Lk, D" };
+	int ret;
+
+	in[0].path = a->q;
+	in[1].path = a->k;
+	in[2].path = a->v;
+	for (int i = 0; i < 3; i++) {
+		ret = load_input(&in[i], what[i], dims[i], msg, len);
+		if (ret)
+			return ret;
+	}
+	return 0;
+}
+
+static const char *npy_descr(ape_dtype dt)
+{
+	return dt == APE_F16 ? "'<f2' (float16)" : "'<f4' (float32)";
+}
+
+static int mismatch(char *msg, size_t len, const struct input *x, const struct input *y,
+		    const char *what, int dim)
+{
+	snprintf(msg, len, "%s: %s = %" PRId64 " differs from %s's %s = %" PRId64, x->path, what,
+		 x->t.shape[dim], y->path, what, y->t.shape[dim]);
+	return RUN_USAGE;
+}
+
+/* The checks whose failure is best explained in terms of the files; the library checks the rest
+ * (sizes, D in 2..256, every parameter) and says so in its own words. */
+static int check_inputs(const struct input in[3], char *msg, size_t len)
+{
+	const struct input *q = &in[0], *k = &in[1], *v = &in[2];
+	const int64_t H = q->t.shape[1], Hkv = k->t.shape[1];
+
+	for (int i = 1; i < 3; i++)
+		if (in[i].file_dtype != q->file_dtype) {
+			snprintf(msg, len,
+				 "%s: dtype %s differs from %s's %s: Q, K and V must have the same "
+				 "dtype", in[i].path, npy_descr(in[i].file_dtype), q->path,
+				 npy_descr(q->file_dtype));
+			return RUN_USAGE;
+		}
+	if (k->t.shape[0] != q->t.shape[0])
+		return mismatch(msg, len, k, q, "batch size B", 0);
+	if (k->t.shape[3] != q->t.shape[3])
+		return mismatch(msg, len, k, q, "head dimension D", 3);
+	for (int i = 0; i < 4; i++)
+		if (v->t.shape[i] != k->t.shape[i])
+			return mismatch(msg, len, v, k, i == 0 ? "B" : i == 1 ? "Hkv" :
+					i == 2 ? "Lk" : "D", i);
+	if (q->t.shape[3] % 2) {
+		snprintf(msg, len, "%s: head dimension D = %" PRId64 " is odd: rotary pairs need "
+			 "an even D", q->path, q->t.shape[3]);
+		return RUN_USAGE;
+	}
+	if (Hkv > 0 && H % Hkv) {
+		snprintf(msg, len,
+			 "%s has H = %" PRId64 " heads and %s has Hkv = %" PRId64 ": H must be a "
+			 "multiple of Hkv", q->path, H, k->path, Hkv);
+		return RUN_USAGE;
+	}
+	return 0;
+}
+
+/* Converts every input to the computation's storage type. */
+static int stage_inputs(struct input in[3], ape_dtype storage, char *msg, size_t len)
+{
+	for (int i = 0; i < 3; i++) {
+		const int64_t *s = in[i].t.shape;
+		void *conv;
+
+		if (in[i].file_dtype != storage) {
+			conv = malloc(in[i].count ? in[i].count * ape_dtype_size(storage) : 1);
+			if (!conv) {
+				snprintf(msg, len, "%s: out of memory converting to %s", in[i].path,
+					 ape_dtype_name(storage));
+				return RUN_FAIL;
+			}
+			ape_convert(conv, storage, in[i].data, in[i].file_dtype, in[i].count);
+			free(in[i].data);
+			in[i].data = conv;
+		}
+		ape_tensor_init(&in[i].t, in[i].data, storage, s[0], s[1], s[2], s[3]);
+	}
+	return 0;
+}
+
+static int set_head_params(struct run_args *a, const struct input *q, char *msg, size_t len)
+{
+	ape_param *dst[4] = { &a->desc.delta, &a->desc.beta, &a->desc.gamma, &a->desc.lambda };
+	const int64_t H = q->t.shape[1];
+
+	for (int i = 0; i < 4; i++) {
+		const struct head_param *p = &a->param[i];
+
+		dst[i]->per_head = NULL;
+		dst[i]->value = p->vals ? p->vals[0] : p->def;
+		if (!p->vals || p->n == 1)
+			continue;
+		if ((int64_t)p->n != H) {
+			snprintf(msg, len,
+				 "%s: %zu values given, but %s has H = %" PRId64 " heads: give "
+				 "one value or exactly %" PRId64, p->flag, p->n, q->path, H, H);
+			return RUN_USAGE;
+		}
+		dst[i]->per_head = p->vals;
+	}
+	return 0;
+}
+
+/* ------------------------------------------------------------------ outputs */
+
+/*
+ * Refuses an output path that cannot work before any time is spent computing, and so that a
+ * rename cannot fail after the other output has been renamed into place: the path must not be a
+ * directory, and must lie in an existing directory under a name the system accepts.
+ */
+static int check_output(const char *flag, const char *path, char *msg, size_t len)
+{
+	const char *slash = strrchr(path, '/');
+	int dirlen = slash ? (int)(slash - path + 1) : 1;
+	const char *dir = slash ? path : ".";
+	char dirbuf[PATH_MAX];
+	struct stat st;
+
+	if (!stat(path, &st)) {
+		if (!S_ISDIR(st.st_mode))
+			return 0;
+		snprintf(msg, len, "%s %s: is a directory", flag, path);
+		return RUN_USAGE;
+	}
+	if (errno != ENOENT) {
+		snprintf(msg, len, "%s %s: %s", flag, path, strerror(errno));
+		return RUN_USAGE;
+	}
+	snprintf(dirbuf, sizeof(dirbuf), "%.*s", dirlen, dir);
+	if (stat(dirbuf, &st) || !S_ISDIR(st.st_mode)) {
+		snprintf(msg, len, "%s %s: directory %.*s does not exist", flag, path, dirlen, dir);
+		return RUN_USAGE;
+	}
+	return 0;
+}
+
+static int check_outputs(const struct run_args *a, char *msg, size_t len)
+{
+	int ret;
+
+	if (a->lse && !strcmp(a->o, a->lse)) {
+		snprintf(msg, len, "-o and --lse both name %s", a->o);
+		return RUN_USAGE;
+	}
+	ret = check_output("-o", a->o, msg, len);
+	if (!ret && a->lse)
+		ret = check_output("--lse", a->lse, msg, len);
+	return ret;
+}
+
+static void print_stats(const ape_stats *st)
+{
+	double secs = st->total_ms / 1e3;
+
+	fprintf(stderr, "ape-run: backend %s, device %s\n", st->backend, st->device);
+	fprintf(stderr, "ape-run: time total_ms %.3f, kernel_ms %.3f\n", st->total_ms,
+		st->kernel_ms);
+	fprintf(stderr,
+		"ape-run: pairs visible %" PRIu64 ", computed %" PRIu64 ", %.4g visible pairs/s "
+		"(over total_ms)\n", st->pairs_visible, st->pairs_computed,
+		secs > 0 ? (double)st->pairs_visible / secs : 0.0);
+}
+
+/*
+ * Writes O in Q's dtype and LSE to temporary files, then renames both. Should the second rename
+ * fail despite check_outputs(), the first output is removed again: O without its LSE would look
+ * like the result of a complete run.
+ */
+static int write_outputs(const struct run_args *a, const struct input *q, const float *o,
+			 const float *lse, char *msg, size_t len)
+{
+	struct npy_pending po, pl = { NULL, NULL };
+	const void *odata = o;
+	void *o16 = NULL;
+	int ret;
+
+	if (q->file_dtype == APE_F16) {
+		o16 = malloc(q->count ? q->count * 2 : 1);
+		if (!o16) {
+			snprintf(msg, len, "%s: out of memory", a->o);
+			return RUN_FAIL;
+		}
+		ape_convert(o16, APE_F16, o, APE_F32, q->count);
+		odata = o16;
+	}
+	ret = npy_write_pending(&po, a->o, q->file_dtype, q->ndim, q->shape, odata, 0, msg, len);
+	if (ret)
+		goto out_free_o16;
+	if (lse) {
+		ret = npy_write_pending(&pl, a->lse, APE_F32, q->ndim - 1, q->shape, lse, 0, msg,
+					len);
+		if (ret)
+			goto out_discard_o;
+	}
+	ret = npy_commit(&po, msg, len);
+	if (ret)
+		goto out_discard_lse;
+	ret = lse ? npy_commit(&pl, msg, len) : 0;
+	if (ret)
+		unlink(a->o);
+	free(o16);
+	return exit_code(ret);
+
+out_discard_lse:
+	npy_discard(&pl);
+out_discard_o:
+	npy_discard(&po);
+out_free_o16:
+	free(o16);
+	return exit_code(ret);
+}
+
+static int compute(const struct run_args *a, ape_device *dev, const struct input in[3],
+		   char *msg, size_t len)
+{
+	const int64_t *s = in[0].t.shape;
+	size_t rows = (size_t)(s[0] * s[1] * s[2]);
+	ape_tensor ot;
+	ape_stats st;
+	float *o, *lse = NULL;
+	int ret;
+
+	o = malloc(in[0].count ? in[0].count * sizeof(float) : 1);
+	if (!o) {
+		snprintf(msg, len, "out of memory for O (%" PRIu64 " floats)", in[0].count);
+		return RUN_FAIL;
+	}
+	if (a->lse) {
+		lse = malloc(rows ? rows * sizeof(float) : 1);
+		if (!lse) {
+			snprintf(msg, len, "out of memory for LSE (%zu floats)", rows);
+			ret = RUN_FAIL;
+			goto out_free;
+		}
+	}
+	/* O in float32 whatever the storage, which the library allows for every type, so that one
+	 * path serves all: write_outputs() rounds it to f16 for an '<f2' file, just as a backend
+	 * asked for an f16 O rounds its float32 result */
+	ape_tensor_init(&ot, o, APE_F32, s[0], s[1], s[2], s[3]);
+	ape_stats_init(&st);
+	ret = ape_attention_forward(dev, &a->desc, &in[0].t, &in[1].t, &in[2].t, &ot, lse, &st);
+	if (ret) {
+		snprintf(msg, len, "%s", ape_last_error());
+		ret = exit_code(ret);
+		goto out_free;
+	}
+	if (a->stats)
+		print_stats(&st);
+	ret = write_outputs(a, &in[0], o, lse, msg, len);
+out_free:
+	free(lse);
+	free(o);
+	return ret;
+}
+
+/* ------------------------------------------------------------------ main */
+
+static int run(struct run_args *a, char *msg, size_t len)
+{
+	struct input in[3];
+	ape_context *ctx = NULL;
+	ape_selection sel;
+	int ret;
+
+	memset(in, 0, sizeof(in));
+	ret = check_outputs(a, msg, len);
+	if (ret)
+		return ret;
+	ret = open_device(a, &ctx, &sel, msg, len);
+	if (ret)
+		return ret;
+	ret = load_inputs(a, in, msg, len);
+	if (ret)
+		goto out_free_inputs;
+	ret = check_inputs(in, msg, len);
+	if (ret)
+		goto out_free_inputs;
+	ret = set_head_params(a, &in[0], msg, len);
+	if (ret)
+		goto out_free_inputs;
+	ret = stage_inputs(in, a->dtype < 0 ? in[0].file_dtype : (ape_dtype)a->dtype, msg, len);
+	if (ret)
+		goto out_free_inputs;
+	ret = compute(a, sel.device, in, msg, len);
+out_free_inputs:
+	for (int i = 0; i < 3; i++)
+		free(in[i].data);
+	ape_context_destroy(ctx);
+	return ret;
+}
+
+int main(int argc, char **argv)
+{
+	struct run_args a;
+	char msg[2048] = "";
+	int ret;
+
+	args_init(&a);
+	ret = parse_args(argc, argv, &a, msg, sizeof(msg));
+	if (ret == RUN_HELP) {
+		usage();
+		ret = fflush(stdout) ? RUN_FAIL : RUN_OK;
+		goto out;
+	}
+	if (!ret)
+		ret = run(&a, msg, sizeof(msg));
+	if (ret)
+		fprintf(stderr, "ape-run: %s\n", msg);
+out:
+	args_free(&a);
+	return ret;
+}

@@ -1,0 +1,58 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Command-line helpers shared by the tools: an option walker and number parsers whose messages
+ * name the flag and quote the text that was wrong ("--delta: 'abc' is not a number").
+ *
+ * Every function returns 0 or APE_EINVAL (APE_ENOMEM for the list parser), filling `err` with
+ * the message when errlen > 0.
+ */
+#ifndef APE_TOOLS_CLI_H
+#define APE_TOOLS_CLI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* One option a tool accepts; a table of them ends with an entry whose name is NULL. */
+struct cli_option {
+	const char *name; /* "--delta" */
+	const char *alias; /* "-q", or NULL */
+	bool takes_value;
+	int id; /* > 0: what cli_next() returns for it */
+};
+
+/**
+ * Steps through argv from *idx (start at 1). Values are taken from "--name VALUE" or
+ * "--name=VALUE".
+ * \param[out] value the option's value, or NULL for an option without one
+ * \return the option's id; 0 when argv is exhausted; APE_EINVAL for an unknown option, a missing
+ *         or unexpected value, or an argument that is not an option.
+ */
+int cli_next(int argc, char *const argv[], int *idx, const struct cli_option *opts,
+	     const char **value, char *err, size_t errlen);
+
+/* Any double strtod() accepts, Inf and NaN included; no surrounding blanks or trailing text. */
+int cli_parse_double(const char *flag, const char *text, double *out, char *err, size_t errlen);
+
+/* The same, refusing Inf and NaN. */
+int cli_parse_finite(const char *flag, const char *text, double *out, char *err, size_t errlen);
+
+/* A decimal integer in [min, max]; says so when it overflows 64 bits. */
+int cli_parse_int64(const char *flag, const char *text, int64_t min, int64_t max, int64_t *out,
+		    char *err, size_t errlen);
+
+/**
+ * Comma-separated finite numbers that fit a float: "0.1,0.2,0.3".
+ * \param[out] vals a new array of *n floats (free() it); NULL on failure
+ */
+int cli_parse_float_list(const char *flag, const char *text, float **vals, size_t *n, char *err,
+			 size_t errlen);
+
+/**
+ * One of a NULL-terminated list of words.
+ * \param[out] index its position in \p choices
+ */
+int cli_parse_choice(const char *flag, const char *text, const char *const *choices, int *index,
+		     char *err, size_t errlen);
+
+#endif
