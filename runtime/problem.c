@@ -457,6 +457,18 @@ int ape_visible_pairs(const ape_attn_desc *desc, int64_t B, int64_t H, int64_t L
 	return 0;
 }
 
+void ape_tensor_strides(const ape_tensor *t, int64_t s[4])
+{
+	if (t->strides[0] || t->strides[1] || t->strides[2] || t->strides[3]) {
+		memcpy(s, t->strides, 4 * sizeof(s[0]));
+		return;
+	}
+	s[3] = 1;
+	s[2] = t->shape[3];
+	s[1] = t->shape[2] * s[2];
+	s[0] = t->shape[1] * s[1];
+}
+
 void ape_tensor_init(ape_tensor *t, void *data, ape_dtype dtype, int64_t d0, int64_t d1,
 		     int64_t d2, int64_t d3)
 {

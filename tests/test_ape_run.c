@@ -4,9 +4,7 @@
  * ape_attention_forward() call with the same parameters, and every bad argument or input file
  * must give the documented exit status, a message naming the culprit, and no output file.
  */
-#include <dirent.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -35,28 +33,6 @@ FIXTURE(run)
 	test_tensor q, k, v;
 };
 
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-	(void)st;
-	(void)flag;
-	(void)ftw;
-	return remove(path);
-}
-
-static int count_entries(const char *dir)
-{
-	DIR *d = opendir(dir);
-	struct dirent *e;
-	int n = 0;
-
-	if (!d)
-		return -1;
-	while ((e = readdir(d)))
-		n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
-	closedir(d);
-	return n;
-}
-
 FIXTURE_SETUP(run)
 {
 	char exe[PATH_MAX];
@@ -81,7 +57,7 @@ FIXTURE_TEARDOWN(run)
 	test_tensor_free(&self->q);
 	test_tensor_free(&self->k);
 	test_tensor_free(&self->v);
-	nftw(self->base, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+	test_rmtree(self->base);
 }
 
 /* ------------------------------------------------------------------ helpers */
@@ -147,7 +123,7 @@ static void write_input(struct __test_metadata *_metadata, FIXTURE_DATA(run) *se
 	snprintf(path, sizeof(path), "%s/%s", self->work, name);
 	ASSERT_EQ(0, npy_save(path, dt, three_d ? 3 : 4, s + three_d, t->t.data, err,
 			      sizeof(err))) TH_LOG("%s", err);
-	self->ninputs = count_entries(self->work);
+	self->ninputs = test_count_entries(self->work, NULL, 0);
 }
 
 /* Q [B, H, Lq, D], K and V [B, Hkv, Lk, D], random, saved as Q.npy, K.npy and V.npy. */
@@ -266,7 +242,7 @@ static void expect_refused(struct __test_metadata *_metadata, FIXTURE_DATA(run) 
 		EXPECT_NE(NULL, strstr(self->err, *words)) TH_LOG("'%s' not in: %s", *words,
 								  self->err);
 	}
-	EXPECT_EQ(self->ninputs, count_entries(self->work))
+	EXPECT_EQ(self->ninputs, test_count_entries(self->work, NULL, 0))
 		TH_LOG("outputs or temporary files left behind");
 }
 
@@ -330,7 +306,7 @@ TEST_F(run, matches_the_library_with_seed_defaults)
 	write_inputs(_metadata, self, APE_F32, 2, 4, 2, 5, 9, 16, false);
 	ASSERT_EQ(0, RUN(BASIC)) TH_LOG("%s", self->err);
 	EXPECT_STREQ("", self->err);
-	EXPECT_EQ(self->ninputs + 2, count_entries(self->work));
+	EXPECT_EQ(self->ninputs + 2, test_count_entries(self->work, NULL, 0));
 	seed_desc(&desc);
 	expect_outputs(_metadata, self, &desc, APE_F32, APE_F32, false);
 }
@@ -439,7 +415,7 @@ TEST_F(run, auto_never_falls_back_silently)
 	ASSERT_EQ(0, ape_device_select(ctx, "auto", -1, &sel));
 	ape_context_destroy(ctx);
 	ASSERT_EQ(0, RUN(FILES)) TH_LOG("%s", self->err);
-	self->ninputs = count_entries(self->work);
+	self->ninputs = test_count_entries(self->work, NULL, 0);
 	if (sel.passed_over) {
 		EXPECT_NE(NULL, strstr(self->err, "passed over")) TH_LOG("%s", self->err);
 	}

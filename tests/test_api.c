@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "ape_test.h"
+#include "common/naive.h"
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -710,23 +711,6 @@ TEST(tensor_init_and_dtypes)
 
 /* ---------------------------------------------------------------- storage conversion */
 
-/* 16-bit floats decoded arithmetically (not by moving bits, as libape does). */
-static long double decode16(uint16_t bits, bool bf16)
-{
-	int ebits = bf16 ? 8 : 5, mbits = bf16 ? 7 : 10;
-	int bias = (1 << (ebits - 1)) - 1;
-	int e = (bits >> mbits) & ((1 << ebits) - 1);
-	int m = bits & ((1 << mbits) - 1);
-	long double x;
-
-	if (e == (1 << ebits) - 1)
-		x = m ? NAN : INFINITY;
-	else if (e == 0)
-		x = ldexpl((long double)m, 1 - bias - mbits);
-	else
-		x = ldexpl((long double)(m + (1 << mbits)), e - bias - mbits);
-	return (bits & 0x8000) ? -x : x;
-}
 
 static bool is_nan16(uint16_t bits, bool bf16)
 {
@@ -773,7 +757,7 @@ static void check_roundtrip(struct __test_metadata *_metadata, ape_dtype dt)
 	ASSERT_EQ(0, ape_convert(f, APE_F32, h, dt, 65536));
 	ASSERT_EQ(0, ape_convert(back, dt, f, APE_F32, 65536));
 	for (uint32_t i = 0; i < 65536; i++) {
-		long double want = decode16(h[i], bf16);
+		long double want = naive_decode16(h[i], bf16);
 
 		if (is_nan16(h[i], bf16)) {
 			bad_value += !isnan(f[i]);
@@ -818,8 +802,8 @@ static void check_ties(struct __test_metadata *_metadata, ape_dtype dt)
 
 	for (uint32_t lo = 0; lo <= max_finite; lo++) {
 		const uint16_t hi = (uint16_t)(lo + 1);
-		long double a = decode16((uint16_t)lo, bf16);
-		long double b = hi == inf ? ldexpl(1, bf16 ? 128 : 16) : decode16(hi, bf16);
+		long double a = naive_decode16((uint16_t)lo, bf16);
+		long double b = hi == inf ? ldexpl(1, bf16 ? 128 : 16) : naive_decode16(hi, bf16);
 		long double mid = (a + b) / 2;
 		float m = (float)mid, below = nextafterf(m, 0), above = nextafterf(m, INFINITY);
 		uint16_t even = (lo & 1) ? hi : (uint16_t)lo;
@@ -904,7 +888,7 @@ static long double *value_table(bool bf16, uint32_t *count)
 	long double *v = malloc(n * sizeof(*v));
 
 	for (uint32_t i = 0; v && i < n; i++)
-		v[i] = decode16((uint16_t)i, bf16);
+		v[i] = naive_decode16((uint16_t)i, bf16);
 	*count = n;
 	return v;
 }
@@ -955,7 +939,7 @@ static float random_float(ape_rng *r, bool bf16)
 	}
 	default: { /* a few ulps around a midpoint of two adjacent 16-bit values */
 		uint32_t m = (uint32_t)ape_rng_range(r, 0, bf16 ? 0x7f7e : 0x7bfe);
-		long double a = decode16((uint16_t)m, bf16), b = decode16((uint16_t)(m + 1), bf16);
+		long double a = naive_decode16((uint16_t)m, bf16), b = naive_decode16((uint16_t)(m + 1), bf16);
 		float f = (float)((a + b) / 2);
 
 		u = f32_bits(f) + (uint32_t)ape_rng_range(r, -3, 3);

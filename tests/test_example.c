@@ -11,31 +11,10 @@
 
 extern char **environ;
 
-static char *slurp(const char *path)
-{
-	FILE *f = fopen(path, "rb");
-	char *buf = NULL;
-	long n;
-
-	if (!f)
-		return NULL;
-	if (fseek(f, 0, SEEK_END) == 0 && (n = ftell(f)) >= 0 && fseek(f, 0, SEEK_SET) == 0) {
-		buf = malloc((size_t)n + 1);
-		if (buf && fread(buf, 1, (size_t)n, f) == (size_t)n)
-			buf[n] = 0;
-		else {
-			free(buf);
-			buf = NULL;
-		}
-	}
-	fclose(f);
-	return buf;
-}
-
 TEST(readme_shows_docs_example_verbatim)
 {
-	char *readme = slurp(APE_SOURCE_DIR "/README.md");
-	char *example = slurp(APE_SOURCE_DIR "/docs/example.c");
+	char *readme = (char *)test_read_file(APE_SOURCE_DIR "/README.md", NULL);
+	char *example = (char *)test_read_file(APE_SOURCE_DIR "/docs/example.c", NULL);
 
 	ASSERT_NE(NULL, readme);
 	ASSERT_NE(NULL, example);
@@ -60,7 +39,7 @@ TEST(example_runs)
 	ASSERT_EQ(pid, waitpid(pid, &status, 0));
 	posix_spawn_file_actions_destroy(&fa);
 	close(fd);
-	text = slurp(out);
+	text = (char *)test_read_file(out, NULL);
 	unlink(out);
 	ASSERT_NE(NULL, text);
 	EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);

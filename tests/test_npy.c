@@ -3,8 +3,6 @@
  * The .npy reader and writer: round trips, the bytes NumPy writes, and every kind of malformed
  * file we can think of, each refused with APE_EFORMAT and a message that names the problem.
  */
-#include <dirent.h>
-#include <ftw.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,59 +57,6 @@ static int parse_dict_str(const char *dict, size_t n, struct npy_info *info, cha
 	return ret;
 }
 
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-	(void)st;
-	(void)flag;
-	(void)ftw;
-	return remove(path);
-}
-
-static void rmtree(const char *dir)
-{
-	nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
-}
-
-/* Number of entries in dir, . and .. aside; the first name found is copied to `name`. */
-static int count_entries(const char *dir, char *name, size_t namelen)
-{
-	DIR *d = opendir(dir);
-	struct dirent *e;
-	int n = 0;
-
-	if (!d)
-		return -1;
-	while ((e = readdir(d)))
-		if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-			if (!n && name)
-				snprintf(name, namelen, "%s", e->d_name);
-			n++;
-		}
-	closedir(d);
-	return n;
-}
-
-static unsigned char *read_whole(const char *path, size_t *len)
-{
-	struct stat st;
-	unsigned char *p;
-	FILE *f;
-
-	if (stat(path, &st))
-		return NULL;
-	f = fopen(path, "rb");
-	if (!f)
-		return NULL;
-	p = malloc((size_t)st.st_size + 1);
-	if (p && fread(p, 1, (size_t)st.st_size, f) != (size_t)st.st_size) {
-		free(p);
-		p = NULL;
-	}
-	fclose(f);
-	*len = (size_t)st.st_size;
-	return p;
-}
-
 static int write_whole(const char *path, const void *p, size_t n)
 {
 	FILE *f = fopen(path, "wb");
@@ -136,7 +81,7 @@ FIXTURE_SETUP(tmpdir)
 
 FIXTURE_TEARDOWN(tmpdir)
 {
-	rmtree(self->path);
+	test_rmtree(self->path);
 }
 
 /* ------------------------------------------------------------------ writing */
@@ -221,7 +166,7 @@ static void round_trip(struct __test_metadata *_metadata, const char *dir, ape_d
 	ASSERT_EQ(0, arr.info.data_offset % 64);
 	ASSERT_EQ(0, memcmp(data, arr.data, nbytes));
 
-	file = read_whole(path, &len);
+	file = test_read_file(path, &len);
 	ASSERT_NE(NULL, file);
 	ASSERT_EQ(0, npy_parse(file, len, &info, err, sizeof(err))) TH_LOG("%s", err);
 	ASSERT_EQ(arr.info.data_offset + nbytes, len);
@@ -264,7 +209,7 @@ TEST_F(tmpdir, replaces_target_with_umask_mode)
 	ASSERT_EQ(0, npy_save(path, APE_F32, 1, shape, b, err, sizeof(err))) TH_LOG("%s", err);
 	ASSERT_EQ(0, stat(path, &st));
 	ASSERT_EQ(0640, st.st_mode & 0777);
-	ASSERT_EQ(1, count_entries(self->path, name, sizeof(name)));
+	ASSERT_EQ(1, test_count_entries(self->path, name, sizeof(name)));
 	ASSERT_STREQ("o.npy", name);
 	ASSERT_EQ(0, npy_load(path, &arr, err, sizeof(err)));
 	ASSERT_EQ(0, memcmp(b, arr.data, sizeof(b)));
@@ -281,7 +226,7 @@ TEST_F(tmpdir, failed_writes_leave_nothing)
 	snprintf(path, sizeof(path), "%s/nosuch/o.npy", self->path);
 	ASSERT_EQ(APE_EIO, npy_save(path, APE_F32, 2, shape, data, err, sizeof(err)));
 	ASSERT_NE(NULL, strstr(err, "nosuch/o.npy")) TH_LOG("%s", err);
-	ASSERT_EQ(0, count_entries(self->path, NULL, 0));
+	ASSERT_EQ(0, test_count_entries(self->path, NULL, 0));
 
 	/* arguments the writer refuses before creating anything */
 	snprintf(path, sizeof(path), "%s/o.npy", self->path);
@@ -292,14 +237,14 @@ TEST_F(tmpdir, failed_writes_leave_nothing)
 				       sizeof(err)));
 	snprintf(path, sizeof(path), "%s/", self->path);
 	ASSERT_EQ(APE_EINVAL, npy_save(path, APE_F32, 2, shape, data, err, sizeof(err)));
-	ASSERT_EQ(0, count_entries(self->path, NULL, 0));
+	ASSERT_EQ(0, test_count_entries(self->path, NULL, 0));
 
 	/* the target is a directory: the temporary file is written, the rename fails */
 	snprintf(path, sizeof(path), "%s/d.npy", self->path);
 	ASSERT_EQ(0, mkdir(path, 0755));
 	ASSERT_EQ(APE_EIO, npy_save(path, APE_F32, 2, shape, data, err, sizeof(err)));
 	ASSERT_NE(NULL, strstr(err, "rename")) TH_LOG("%s", err);
-	ASSERT_EQ(1, count_entries(self->path, NULL, 0));
+	ASSERT_EQ(1, test_count_entries(self->path, NULL, 0));
 
 	/* discarding a pending file removes it */
 	{
@@ -308,10 +253,10 @@ TEST_F(tmpdir, failed_writes_leave_nothing)
 		snprintf(path, sizeof(path), "%s/p.npy", self->path);
 		ASSERT_EQ(0, npy_write_pending(&p, path, APE_F32, 2, shape, data, 0, err,
 					       sizeof(err)));
-		ASSERT_EQ(2, count_entries(self->path, NULL, 0));
+		ASSERT_EQ(2, test_count_entries(self->path, NULL, 0));
 		npy_discard(&p);
 		npy_discard(&p);
-		ASSERT_EQ(1, count_entries(self->path, NULL, 0));
+		ASSERT_EQ(1, test_count_entries(self->path, NULL, 0));
 	}
 }
 
@@ -339,9 +284,9 @@ TEST_F(tmpdir, failed_write_keeps_old_target)
 	ASSERT_EQ(0, setrlimit(RLIMIT_FSIZE, &saved));
 	ASSERT_EQ(APE_EIO, ret);
 	ASSERT_NE(NULL, strstr(err, "write failed")) TH_LOG("%s", err);
-	ASSERT_EQ(1, count_entries(self->path, name, sizeof(name)));
+	ASSERT_EQ(1, test_count_entries(self->path, name, sizeof(name)));
 	ASSERT_STREQ("o.npy", name);
-	back = read_whole(path, &len);
+	back = test_read_file(path, &len);
 	ASSERT_NE(NULL, back);
 	ASSERT_EQ(sizeof(old), len);
 	ASSERT_EQ(0, memcmp(back, old, len));

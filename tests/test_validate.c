@@ -212,14 +212,7 @@ static size_t elem_index(const ape_tensor *t, int64_t b, int64_t h, int64_t l, i
 {
 	int64_t s[4];
 
-	if (!t->strides[0] && !t->strides[1] && !t->strides[2] && !t->strides[3]) {
-		s[3] = 1;
-		s[2] = t->shape[3];
-		s[1] = t->shape[2] * s[2];
-		s[0] = t->shape[1] * s[1];
-	} else {
-		memcpy(s, t->strides, sizeof(s));
-	}
+	ape_tensor_strides(t, s);
 	return (size_t)(b * s[0] + h * s[1] + l * s[2] + d * s[3]);
 }
 

@@ -142,6 +142,10 @@ typedef struct ape_tensor {
 /** \brief Fills \p t as a contiguous tensor of the given shape. Never fails. */
 APE_API void ape_tensor_init(ape_tensor *t, void *data, ape_dtype dtype, int64_t d0, int64_t d1,
 			     int64_t d2, int64_t d3);
+
+/** \brief The element strides libape uses for \p t: its own, or the row-major ones when all four
+ *  are 0. Does not validate them. Never fails. */
+APE_API void ape_tensor_strides(const ape_tensor *t, int64_t strides[4]);
 /**@}*/
 
 /** \name Attention descriptor */

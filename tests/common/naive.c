@@ -6,7 +6,7 @@
 #include <string.h>
 
 /* IEEE binary16 and bfloat16 decoded arithmetically, not by bit moves as libape does. */
-static long double decode16(uint16_t bits, bool bf16)
+long double naive_decode16(uint16_t bits, bool bf16)
 {
 	int sign = bits >> 15;
 	int ebits = bf16 ? 8 : 5, mbits = bf16 ? 7 : 10;
@@ -42,7 +42,7 @@ long double naive_get(const ape_tensor *t, int64_t b, int64_t h, int64_t l, int6
 		memcpy(&f, (const char *)t->data + 4 * i, 4);
 		return f;
 	}
-	return decode16(((const uint16_t *)t->data)[i], t->dtype == APE_BF16);
+	return naive_decode16(((const uint16_t *)t->data)[i], t->dtype == APE_BF16);
 }
 
 int naive_attention(const naive_params *p, const ape_tensor *q, const ape_tensor *k,

@@ -28,6 +28,9 @@ typedef struct naive_params {
 int naive_attention(const naive_params *p, const ape_tensor *q, const ape_tensor *k,
 		    const ape_tensor *v, double *o, double *lse);
 
+/* IEEE binary16 (bf16 false) or bfloat16 bits decoded arithmetically, not by moving bits. */
+long double naive_decode16(uint16_t bits, bool bf16);
+
 /* Decodes one stored element, honouring strides, without libape's converters. */
 long double naive_get(const ape_tensor *t, int64_t b, int64_t h, int64_t l, int64_t d);
 

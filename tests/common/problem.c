@@ -12,23 +12,29 @@
 /* The row padding of strided layouts: a test that reads or writes it sees NaN or a changed byte. */
 #define PAD 3
 
+/* Stores `dense` as is, or relaid out as padded [B, L, H, D] when strided; takes ownership. */
+static int place_tensor(test_tensor *tt, test_tensor *dense, bool strided)
+{
+	int ret = 0;
+
+	if (!strided) {
+		*tt = *dense;
+		return 0;
+	}
+	if (test_tensor_relayout(tt, dense, PAD))
+		ret = -1;
+	test_tensor_free(dense);
+	return ret;
+}
+
+/* An output: NaN everywhere it will be written, 0xff bytes in its padding. */
 static int alloc_tensor(test_tensor *tt, ape_dtype dt, const int64_t s[4], bool strided)
 {
 	test_tensor dense;
 
 	if (test_tensor_empty(&dense, dt, s[0], s[1], s[2], s[3]))
 		return -1;
-	if (!strided) {
-		*tt = dense;
-		return 0;
-	}
-	if (test_tensor_relayout(tt, &dense, PAD)) {
-		test_tensor_free(&dense);
-		return -1;
-	}
-	test_tensor_free(&dense);
-	test_tensor_poison(&tt->t);
-	return 0;
+	return place_tensor(tt, &dense, strided);
 }
 
 static int random_tensor(test_tensor *tt, ape_rng *r, ape_dtype dt, const int64_t s[4],
@@ -38,16 +44,7 @@ static int random_tensor(test_tensor *tt, ape_rng *r, ape_dtype dt, const int64_
 
 	if (test_tensor_random(&dense, r, dt, s[0], s[1], s[2], s[3], sd))
 		return -1;
-	if (!strided) {
-		*tt = dense;
-		return 0;
-	}
-	if (test_tensor_relayout(tt, &dense, PAD)) {
-		test_tensor_free(&dense);
-		return -1;
-	}
-	test_tensor_free(&dense);
-	return 0;
+	return place_tensor(tt, &dense, strided);
 }
 
 static void point_params(test_problem *tp)
@@ -354,16 +351,9 @@ double test_problem_rel_err_lse(const test_problem *tp)
 static ape_tensor slice_rows(const ape_tensor *t, int64_t l0, int64_t n)
 {
 	ape_tensor s = *t;
-	int64_t stride = t->strides[2];
 
-	if (!t->strides[0] && !t->strides[1] && !t->strides[2] && !t->strides[3]) {
-		s.strides[3] = 1;
-		s.strides[2] = t->shape[3];
-		s.strides[1] = t->shape[2] * t->shape[3];
-		s.strides[0] = t->shape[1] * s.strides[1];
-		stride = s.strides[2];
-	}
-	s.data = (char *)t->data + (size_t)(l0 * stride) * ape_dtype_size(t->dtype);
+	ape_tensor_strides(t, s.strides);
+	s.data = (char *)t->data + (size_t)(l0 * s.strides[2]) * ape_dtype_size(t->dtype);
 	s.shape[2] = n;
 	return s;
 }

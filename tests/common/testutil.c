@@ -5,6 +5,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <ftw.h>
+#include <sys/stat.h>
 
 bool ape_test_slow(void)
 {
@@ -80,14 +83,7 @@ static size_t offset(const ape_tensor *t, int64_t b, int64_t h, int64_t l, int64
 {
 	int64_t s[4];
 
-	if (!t->strides[0] && !t->strides[1] && !t->strides[2] && !t->strides[3]) {
-		s[3] = 1;
-		s[2] = t->shape[3];
-		s[1] = t->shape[2] * s[2];
-		s[0] = t->shape[1] * s[1];
-	} else {
-		memcpy(s, t->strides, sizeof(s));
-	}
+	ape_tensor_strides(t, s);
 	return (size_t)(b * s[0] + h * s[1] + l * s[2] + d * s[3]);
 }
 
@@ -209,4 +205,58 @@ ape_device *test_device(ape_context *ctx, const char *backend)
 		return NULL;
 	}
 	return sel.device;
+}
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+	(void)st;
+	(void)flag;
+	(void)ftw;
+	return remove(path);
+}
+
+void test_rmtree(const char *dir)
+{
+	nftw(dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+}
+
+int test_count_entries(const char *dir, char *first, size_t firstlen)
+{
+	DIR *d = opendir(dir);
+	struct dirent *e;
+	int n = 0;
+
+	if (!d)
+		return -1;
+	while ((e = readdir(d)))
+		if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+			if (!n && first)
+				snprintf(first, firstlen, "%s", e->d_name);
+			n++;
+		}
+	closedir(d);
+	return n;
+}
+
+unsigned char *test_read_file(const char *path, size_t *len)
+{
+	FILE *f = fopen(path, "rb");
+	unsigned char *buf = NULL;
+	long n;
+
+	if (!f)
+		return NULL;
+	if (fseek(f, 0, SEEK_END) == 0 && (n = ftell(f)) >= 0 && fseek(f, 0, SEEK_SET) == 0) {
+		buf = malloc((size_t)n + 1);
+		if (buf && fread(buf, 1, (size_t)n, f) == (size_t)n) {
+			buf[n] = 0;
+			if (len)
+				*len = (size_t)n;
+		} else {
+			free(buf);
+			buf = NULL;
+		}
+	}
+	fclose(f);
+	return buf;
 }

@@ -49,6 +49,16 @@ double test_max_err_lse(const float *a, const float *b, size_t n);
 /* Largest |a - b| / max(1, |b|) over LSE. */
 double test_max_rel_err_lse(const float *a, const float *b, size_t n);
 
+/* ---- files */
+/* Removes a directory tree (ignores errors). */
+void test_rmtree(const char *dir);
+/* Entries of dir other than . and ..; the first name found goes to `first` when not NULL.
+ * -1 if dir cannot be opened. */
+int test_count_entries(const char *dir, char *first, size_t firstlen);
+/* The whole file, NUL-terminated (free() it), its length in *len when len is not NULL; NULL on
+ * any error. */
+unsigned char *test_read_file(const char *path, size_t *len);
+
 /* ---- contexts */
 /* A context with only the named backends and output poisoning on; aborts the test on failure. */
 ape_context *test_context(const char *backends);

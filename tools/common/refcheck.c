@@ -14,18 +14,6 @@ double refcheck_tol_lse(ape_dtype storage)
 	return storage == APE_F32 ? 1e-4 : storage == APE_F16 ? 1e-3 : 5e-3;
 }
 
-static void strides_of(const ape_tensor *t, int64_t s[4])
-{
-	if (!t->strides[0] && !t->strides[1] && !t->strides[2] && !t->strides[3]) {
-		s[3] = 1;
-		s[2] = t->shape[3];
-		s[1] = t->shape[2] * s[2];
-		s[0] = t->shape[1] * s[1];
-	} else {
-		memcpy(s, t->strides, 4 * sizeof(s[0]));
-	}
-}
-
 static float get(const ape_tensor *t, const int64_t s[4], int64_t b, int64_t h, int64_t l,
 		 int64_t d)
 {
@@ -84,10 +72,10 @@ int refcheck_sampled(ape_device *ref, const ape_attn_desc *desc, const ape_tenso
 	res->within_tol = true;
 	if (total == 0)
 		return 0;
-	strides_of(q, qs);
-	strides_of(k, ks);
-	strides_of(v, vs);
-	strides_of(o, os);
+	ape_tensor_strides(q, qs);
+	ape_tensor_strides(k, ks);
+	ape_tensor_strides(v, vs);
+	ape_tensor_strides(o, os);
 	vmax = fmax(1e-30, max_abs_v(v, vs));
 	for (int r = 0; r < nrows && r < total; r++) {
 		/* first and last rows always: the edges are where tiles go wrong */
