@@ -136,7 +136,7 @@ DEB_PACKAGES := build-essential pkg-config xz-utils ocl-icd-opencl-dev opencl-c-
 deps:
 	$(Q)tools/deps.sh "$(KSFT_DIR)" $(DEB_PACKAGES)
 
-check: all $(TESTS)
+check: all $(TESTS) $(TESTS_BUILD_ONLY)
 	$(Q)tests/run-tests.sh $(BUILD) $(TESTS)
 
 sanitize:

@@ -30,3 +30,12 @@ $(EXAMPLE): docs/example.c $(LIBA) $(CONFIG_STAMP)
 	@echo "  CC      $<"
 	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS)
 $(BUILD)/tests/test_example: $(EXAMPLE)
+
+# The public header must compile as C++ (warnings as errors, pedantic).
+CXX ?= g++
+CXX_HEADER_CHECK := $(BUILD)/tests-obj/cxx_header.o
+$(CXX_HEADER_CHECK): tests/cxx_header.cc include/ape/ape.h $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CXX     $<"
+	$(Q)$(CXX) -std=c++11 -Wall -Wextra -Werror -pedantic -Iinclude -c $< -o $@
+TESTS_BUILD_ONLY += $(CXX_HEADER_CHECK) $(EXAMPLE)

@@ -8,7 +8,7 @@
 set -u
 wrap=""
 if [ "${1:-}" = "--valgrind" ]; then
-	wrap="valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite,indirect --show-leak-kinds=definite,indirect --track-origins=yes"
+	wrap="valgrind -q --suppressions=$(dirname "$0")/valgrind.supp --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite,indirect --show-leak-kinds=definite,indirect --track-origins=yes"
 	shift
 fi
 build=$1

@@ -1,0 +1,19 @@
+// SPDX-License-Identifier: MIT
+// Compiled (not run) by `make check`: ape.h must be usable from C++ as it is from C.
+#include <ape/ape.h>
+
+int ape_cxx_header_check(void);
+
+int ape_cxx_header_check(void)
+{
+	ape_attn_desc desc;
+	ape_tensor t;
+	ape_stats st;
+	float x = 0;
+
+	ape_attn_desc_init(&desc);
+	ape_tensor_init(&t, &x, APE_F32, 1, 1, 1, 1);
+	ape_stats_init(&st);
+	desc.causal = false;
+	return ape_version() == APE_VERSION && APE_EINVAL < 0 && ape_strerror(APE_ENOMEM) != nullptr;
+}
