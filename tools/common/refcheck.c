@@ -78,8 +78,12 @@ int refcheck_sampled(ape_device *ref, const ape_attn_desc *desc, const ape_tenso
 	ape_tensor_strides(o, os);
 	vmax = fmax(1e-30, max_abs_v(v, vs));
 	for (int r = 0; r < nrows && r < total; r++) {
-		/* first and last rows always: the edges are where tiles go wrong */
-		int64_t row = r == 0 ? 0 : r == 1 ? total - 1 : ape_rng_range(rng, 0, total - 1);
+		/* every row when they are few; else the first and last (the edges are where tiles
+		 * go wrong) and random ones */
+		int64_t row = nrows >= total ? r
+			      : r == 0	     ? 0
+			      : r == 1	     ? total - 1
+					     : ape_rng_range(rng, 0, total - 1);
 		int64_t b = row / (H * Lq), h = row / Lq % H, i = row % Lq, kh = h / (H / Hkv);
 		ape_tensor qv = view(q, qs, b, h, i, 1), kv = view(k, ks, b, kh, 0, Lk);
 		ape_tensor vv = view(v, vs, b, kh, 0, Lk), ov;

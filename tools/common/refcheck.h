@@ -22,7 +22,7 @@ struct refcheck_result {
 
 /*
  * Recomputes `nrows` rows chosen at random (always including the first and last row of the
- * tensor) on the reference device `ref` and compares them with `o` and `lse` (lse may be NULL).
+ * tensor; every row, in order, when nrows >= B * H * Lq) on the reference device `ref` and compares them with `o` and `lse` (lse may be NULL).
  * `desc`, `q`, `k`, `v` are those of the call that produced `o`. Returns 0, or the negative code
  * of a failed reference call (with ape_last_error() set).
  */

@@ -1,0 +1,319 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * ape-check: the portability test. Runs the same fresh random cases (awkward sizes, GQA, both
+ * rope layouts, causal and not, offsets, every storage type, strided layouts, skipping on and
+ * off) on every available device, compares each result with the float64 reference, and prints a
+ * matrix of the largest errors against the spec's tolerances. Exits 1 if any cell is out of
+ * tolerance (or a device fails a call), 0 otherwise.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ape/ape.h"
+#include "common/cli.h"
+#include "common/refcheck.h"
+#include "common/rng.h"
+
+#define MAX_DEVICES 32
+
+/* One kind of case; the data is fresh random each run. */
+struct case_spec {
+	const char *name;
+	int64_t B, H, Hkv, Lq, Lk, D;
+	ape_dtype dtype;
+	bool causal, interleaved, strided, per_head, negative_decay;
+	int64_t q_offset; /* q_start - k_start - (Lk - Lq): 0 = end-aligned */
+	int64_t shift; /* added to both q_start and k_start */
+	double skip_tol; /* < 0: the default 2^-24 */
+	int check_rows; /* 0: every row */
+};
+
+#define SEED_DELTA 0.3968502629920499 /* 2^(-4/3) */
+
+static const struct case_spec cases[] = {
+	/* name, B, H, Hkv, Lq, Lk, D, dtype, causal, interleaved, strided, per_head,
+	 * negative_decay, q_offset, shift, skip_tol, check_rows */
+	{ "one_row_d64_f32", 1, 1, 1, 1, 1, 64, APE_F32, true, false, false, false, false, 0, 0, -1, 0 },
+	{ "l7_gqa_interleaved_f16", 2, 4, 2, 7, 7, 64, APE_F16, true, true, false, true, false, 0, 0, -1, 0 },
+	{ "l63_noncausal_bf16", 1, 3, 1, 63, 63, 128, APE_BF16, false, false, false, false, false, 0, 0, -1, 0 },
+	{ "l100_d2_strided_f32", 1, 2, 2, 100, 100, 2, APE_F32, true, false, true, true, false, 0, 0, -1, 0 },
+	{ "l65_d66_generic_f16", 1, 2, 1, 65, 65, 66, APE_F16, true, true, false, false, false, 0, 0, -1, 0 },
+	{ "l33_d256_bf16", 1, 2, 2, 33, 33, 256, APE_BF16, true, false, true, false, false, 0, 0, -1, 0 },
+	{ "decode_16_of_3000", 1, 4, 1, 16, 3000, 128, APE_F32, true, false, false, true, false, 0, 0, -1, 0 },
+	{ "offset_2p40_f32", 1, 2, 1, 64, 64, 64, APE_F32, true, true, false, false, false, 0, (int64_t)1 << 40, -1, 0 },
+	{ "queries_before_keys", 1, 2, 2, 40, 40, 64, APE_F32, true, false, false, false, false, -20, 0, -1, 0 },
+	{ "noncausal_far_apart", 1, 2, 1, 31, 77, 64, APE_F16, false, false, false, true, false, 100000, 0, -1, 0 },
+	{ "negative_decay_f32", 1, 3, 3, 200, 200, 64, APE_F32, true, false, false, true, true, 0, 0, -1, 0 },
+	{ "l4097_skip_f32", 1, 2, 1, 4097, 4097, 64, APE_F32, true, false, false, false, false, 0, 0, -1, 24 },
+	{ "l4097_dense_f32", 1, 2, 1, 4097, 4097, 64, APE_F32, true, false, false, false, false, 0, 0, 0, 24 },
+	{ "l4097_skip_bf16_d128", 1, 2, 2, 4097, 4097, 128, APE_BF16, true, true, true, false, false, 0, 0, -1, 24 },
+};
+
+#define NCASES ((int)(sizeof(cases) / sizeof(cases[0])))
+
+struct cell {
+	bool ran;
+	int err; /* the forward call's code when it failed */
+	struct refcheck_result res;
+	uint64_t pairs_visible, pairs_computed;
+};
+
+/* Host buffers of one case: Q, K, V, O (strided layouts get padded rows) and LSE. */
+struct case_data {
+	void *buf[4];
+	ape_tensor t[4]; /* q, k, v, o */
+	float *lse;
+	float *params; /* 4 * H */
+	ape_attn_desc desc;
+};
+
+static void free_case(struct case_data *c)
+{
+	for (int i = 0; i < 4; i++)
+		free(c->buf[i]);
+	free(c->lse);
+	free(c->params);
+}
+
+/* A [B, heads, L, D] tensor, stored contiguously or as [B, L, heads, D + 3] with padding. */
+static int make_tensor(struct case_data *c, int i, const struct case_spec *s, int64_t heads,
+		       int64_t L, ape_rng *rng)
+{
+	const int64_t row = s->strided ? s->D + 3 : s->D;
+	const size_t n = (size_t)(s->B * heads * L * row), esz = ape_dtype_size(s->dtype);
+	float x;
+
+	c->buf[i] = malloc(n * esz + 1);
+	if (!c->buf[i])
+		return -1;
+	ape_tensor_init(&c->t[i], c->buf[i], s->dtype, s->B, heads, L, s->D);
+	if (s->strided) {
+		c->t[i].strides[3] = 1;
+		c->t[i].strides[1] = row;
+		c->t[i].strides[2] = heads * row;
+		c->t[i].strides[0] = L * heads * row;
+	}
+	for (size_t e = 0; e < n; e++) { /* outputs are overwritten; padding is never read */
+		x = i == 3 ? NAN : (float)ape_rng_normal(rng);
+		ape_convert((char *)c->buf[i] + e * esz, s->dtype, &x, APE_F32, 1);
+	}
+	return 0;
+}
+
+static int make_case(struct case_data *c, const struct case_spec *s, ape_rng *rng)
+{
+	memset(c, 0, sizeof(*c));
+	c->lse = malloc(sizeof(float) * (size_t)(s->B * s->H * s->Lq) + 1);
+	c->params = malloc(sizeof(float) * (size_t)(4 * s->H));
+	if (!c->lse || !c->params || make_tensor(c, 0, s, s->H, s->Lq, rng) ||
+	    make_tensor(c, 1, s, s->Hkv, s->Lk, rng) || make_tensor(c, 2, s, s->Hkv, s->Lk, rng) ||
+	    make_tensor(c, 3, s, s->H, s->Lq, rng))
+		return -1;
+	ape_attn_desc_init(&c->desc);
+	for (int64_t h = 0; h < s->H; h++) { /* the seed's values, varied per head when asked */
+		double f = s->per_head ? 0.5 + ape_rng_uniform(rng) : 1.0;
+
+		c->params[h] = (float)(SEED_DELTA * f);
+		c->params[s->H + h] = (float)(SEED_DELTA / 10 * f);
+		c->params[2 * s->H + h] = (float)(SEED_DELTA / 10 * f);
+		c->params[3 * s->H + h] = (float)(0.1 * f);
+	}
+	if (s->negative_decay)
+		c->params[s->H - 1] = -0.05f; /* one head: skipping must switch off everywhere */
+	c->desc.delta.per_head = c->params;
+	c->desc.beta.per_head = c->params + s->H;
+	c->desc.gamma.per_head = c->params + 2 * s->H;
+	c->desc.lambda.per_head = c->params + 3 * s->H;
+	c->desc.causal = s->causal;
+	c->desc.layout = s->interleaved ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+	c->desc.k_start = s->shift;
+	c->desc.q_start = s->shift + s->Lk - s->Lq + s->q_offset;
+	c->desc.q_start_set = true;
+	if (s->skip_tol >= 0)
+		c->desc.skip_tol = s->skip_tol;
+	return 0;
+}
+
+static void run_cell(ape_device *dev, ape_device *ref, const struct case_spec *s,
+		     struct case_data *c, ape_rng *rng, struct cell *cell)
+{
+	ape_stats st;
+	int64_t rows = s->B * s->H * s->Lq;
+
+	memset(cell, 0, sizeof(*cell));
+	cell->ran = true;
+	ape_stats_init(&st);
+	cell->err = ape_attention_forward(dev, &c->desc, &c->t[0], &c->t[1], &c->t[2], &c->t[3],
+					  c->lse, &st);
+	if (cell->err)
+		return;
+	cell->pairs_visible = st.pairs_visible;
+	cell->pairs_computed = st.pairs_computed;
+	cell->err = refcheck_sampled(ref, &c->desc, &c->t[0], &c->t[1], &c->t[2], &c->t[3], c->lse,
+				     s->check_rows ? s->check_rows : (int)rows, rng, &cell->res);
+}
+
+static bool cell_ok(const struct cell *c)
+{
+	return !c->ran || (!c->err && c->res.within_tol);
+}
+
+static void print_matrix(ape_device **devs, int ndev, struct cell (*cells)[MAX_DEVICES])
+{
+	ape_device_info info;
+
+	printf("%-28s", "case (max error / tolerance)");
+	for (int d = 0; d < ndev; d++) {
+		char name[32];
+
+		ape_device_get_info(devs[d], &info);
+		snprintf(name, sizeof(name), "%s:%d", info.backend, info.backend_index);
+		printf(" %22s", name);
+	}
+	printf("\n");
+	for (int i = 0; i < NCASES; i++) {
+		printf("%-28s", cases[i].name);
+		for (int d = 0; d < ndev; d++) {
+			const struct cell *c = &cells[i][d];
+			char txt[40];
+
+			if (c->err)
+				snprintf(txt, sizeof(txt), "FAIL %s", ape_err_name(c->err));
+			else
+				snprintf(txt, sizeof(txt), "O %.0e LSE %.0e %s",
+					 c->res.max_err_o / c->res.tol_o,
+					 c->res.max_err_lse / c->res.tol_lse, cell_ok(c) ? "ok" : "BAD");
+			printf(" %22s", txt);
+		}
+		printf("\n");
+	}
+	printf("cells show max error divided by the spec's tolerance for the storage type: "
+	       "ok <= 1\n");
+}
+
+static void print_json(ape_device **devs, int ndev, struct cell (*cells)[MAX_DEVICES], bool ok)
+{
+	ape_device_info info;
+
+	printf("{\"ok\": %s, \"devices\": [", ok ? "true" : "false");
+	for (int d = 0; d < ndev; d++) {
+		ape_device_get_info(devs[d], &info);
+		printf("%s{\"backend\": \"%s\", \"index\": %d, \"name\": \"%s\"}", d ? ", " : "",
+		       info.backend, info.backend_index, info.name);
+	}
+	printf("],\n \"cases\": [");
+	for (int i = 0; i < NCASES; i++) {
+		printf("%s\n  {\"name\": \"%s\", \"dtype\": \"%s\", \"results\": [", i ? "," : "",
+		       cases[i].name, ape_dtype_name(cases[i].dtype));
+		for (int d = 0; d < ndev; d++) {
+			const struct cell *c = &cells[i][d];
+
+			printf("%s{\"error\": \"%s\", \"rows_checked\": %d, \"max_err_o\": %.6g, "
+			       "\"max_err_lse\": %.6g, \"tol_o\": %g, \"tol_lse\": %g, "
+			       "\"pairs_visible\": %" PRIu64 ", \"pairs_computed\": %" PRIu64
+			       ", \"ok\": %s}",
+			       d ? ", " : "", c->err ? ape_err_name(c->err) : "", c->res.rows_checked,
+			       c->res.max_err_o, c->res.max_err_lse, c->res.tol_o, c->res.tol_lse,
+			       c->pairs_visible, c->pairs_computed, cell_ok(c) ? "true" : "false");
+		}
+		printf("]}");
+	}
+	printf("\n ]}\n");
+}
+
+enum { OPT_JSON = 1, OPT_SEED, OPT_HELP };
+
+static const struct cli_option options[] = {
+	{ "--json", NULL, false, OPT_JSON },
+	{ "--seed", NULL, true, OPT_SEED },
+	{ "--help", "-h", false, OPT_HELP },
+	{ NULL, NULL, false, 0 },
+};
+
+int main(int argc, char **argv)
+{
+	static struct cell cells[NCASES][MAX_DEVICES];
+	ape_device *all[MAX_DEVICES], *devs[MAX_DEVICES], *ref = NULL;
+	ape_context *ctx;
+	bool json = false, ok = true;
+	const char *val;
+	char err[256];
+	int idx = 1, id, n, ndev = 0;
+	int64_t seed = -1;
+	ape_rng rng;
+
+	while ((id = cli_next(argc, argv, &idx, options, &val, err, sizeof(err))) > 0) {
+		if (id == OPT_JSON) {
+			json = true;
+		} else if (id == OPT_SEED) {
+			if (cli_parse_int64("--seed", val, 0, INT64_MAX, &seed, err, sizeof(err)))
+				break;
+		} else {
+			printf("usage: ape-check [--json] [--seed N]\n"
+			       "Runs the same random cases on every available device and compares each\n"
+			       "with the float64 reference; exits 1 if any result is out of tolerance.\n");
+			return 0;
+		}
+	}
+	if (id < 0 || (id > 0 && seed < 0)) {
+		fprintf(stderr, "ape-check: %s\n", err);
+		return 2;
+	}
+	if (seed >= 0)
+		ape_rng_seed(&rng, (uint64_t)seed);
+	else
+		ape_rng_init(&rng, "ape-check");
+	if (ape_context_create(&ctx, NULL)) {
+		fprintf(stderr, "ape-check: %s\n", ape_last_error());
+		return 1;
+	}
+	n = ape_device_list(ctx, all, MAX_DEVICES);
+	for (int d = 0; d < n; d++) {
+		ape_device_info info;
+
+		ape_device_get_info(all[d], &info);
+		if (info.kind == APE_DEVICE_HOST_REFERENCE)
+			ref = all[d]; /* the oracle: not checked against itself */
+		else
+			devs[ndev++] = all[d];
+	}
+	for (int b = 0, nb = ape_backend_get_info(ctx, 0, NULL); b < nb; b++) {
+		ape_backend_info bi;
+
+		ape_backend_get_info(ctx, b, &bi);
+		if (!bi.available)
+			fprintf(stderr, "ape-check: %s not checked: %s\n", bi.name, bi.reason);
+	}
+	if (!ref || !ndev) {
+		fprintf(stderr, "ape-check: %s\n",
+			!ref ? "no reference device" : "no device besides the reference to check");
+		ape_context_destroy(ctx);
+		return ref ? 0 : 1;
+	}
+	for (int i = 0; i < NCASES; i++) {
+		struct case_data c;
+
+		if (make_case(&c, &cases[i], &rng)) {
+			fprintf(stderr, "ape-check: out of memory\n");
+			free_case(&c);
+			ape_context_destroy(ctx);
+			return 1;
+		}
+		for (int d = 0; d < ndev; d++) {
+			run_cell(devs[d], ref, &cases[i], &c, &rng, &cells[i][d]);
+			if (cells[i][d].err)
+				fprintf(stderr, "ape-check: %s: %s\n", cases[i].name, ape_last_error());
+			ok &= cell_ok(&cells[i][d]);
+		}
+		free_case(&c);
+	}
+	if (json)
+		print_json(devs, ndev, cells, ok);
+	else
+		print_matrix(devs, ndev, cells);
+	ape_context_destroy(ctx);
+	return ok ? 0 : 1;
+}
