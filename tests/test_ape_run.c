@@ -62,49 +62,15 @@ FIXTURE_TEARDOWN(run)
 
 /* ------------------------------------------------------------------ helpers */
 
-static void read_text(const char *path, char *buf, size_t cap)
-{
-	FILE *f = fopen(path, "r");
-	size_t n = 0;
-
-	if (f) {
-		n = fread(buf, 1, cap - 1, f);
-		fclose(f);
-	}
-	buf[n] = '\0';
-}
-
 /* Runs ape-run with args (NULL-terminated) in self->work; returns its exit status. */
 static int run_tool(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
 		    const char *const *args)
 {
-	char *argv[64], outp[128], errp[128];
-	int n = 0, status;
-	pid_t pid;
+	int status = test_run_tool("ape-run", args, self->work, self->out, sizeof(self->out),
+				   self->err, sizeof(self->err));
 
-	argv[n++] = self->tool;
-	while (*args && n < 63)
-		argv[n++] = (char *)*args++;
-	argv[n] = NULL;
-	snprintf(outp, sizeof(outp), "%s/stdout", self->base);
-	snprintf(errp, sizeof(errp), "%s/stderr", self->base);
-	fflush(stdout);
-	fflush(stderr);
-	pid = fork();
-	ASSERT_LE(0, pid);
-	if (pid == 0) {
-		int fo = open(outp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-		int fe = open(errp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-
-		if (fo < 0 || fe < 0 || dup2(fo, 1) < 0 || dup2(fe, 2) < 0 || chdir(self->work))
-			_exit(126);
-		execv(argv[0], argv);
-		_exit(127);
-	}
-	ASSERT_EQ(pid, waitpid(pid, &status, 0));
-	read_text(outp, self->out, sizeof(self->out));
-	read_text(errp, self->err, sizeof(self->err));
-	return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+	ASSERT_LE(0, status) TH_LOG("could not start %s", self->tool);
+	return status;
 }
 
 #define RUN(...) run_tool(_metadata, self, (const char *const[]){ __VA_ARGS__, NULL })
@@ -543,6 +509,27 @@ TEST_F(run, unavailable_backend_or_device)
 		SKIP(return, "every backend is available here");
 	expect_refused(_metadata, self, RUN(FILES, "--backend", missing), 3,
 		       WORDS(missing, "not available"));
+}
+
+/* --device takes a PCI address or "backend:N" too; the reference has no address here. */
+TEST_F(run, device_by_spec)
+{
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	ASSERT_EQ(0, RUN(FILES, "--device", "ref:0")) TH_LOG("stderr: %s", self->err);
+	ASSERT_EQ(0, RUN(FILES, "--backend", "ref", "--device", "0")) TH_LOG("%s", self->err);
+	for (int i = 0; i < 2; i++) { /* the refusals below must leave only the inputs */
+		char path[160];
+
+		snprintf(path, sizeof(path), "%s/%s", self->work, i ? "LSE.npy" : "O.npy");
+		ASSERT_EQ(0, unlink(path));
+	}
+	expect_refused(_metadata, self, RUN(FILES, "--device", "0000:fe:1f.7"), 3,
+		       WORDS("no device at PCI address 0000:fe:1f.7"));
+	expect_refused(_metadata, self, RUN(BASIC, "--device", "0000:fe:1f.7"), 3,
+		       WORDS("0000:fe:1f.7"));
+	expect_refused(_metadata, self, RUN(FILES, "--device", "0000:zz:00.0"), 2,
+		       WORDS("0000:zz:00.0", "PCI address"));
+	expect_refused(_metadata, self, RUN(FILES, "--device", "ref:7"), 3, WORDS("index = 7"));
 }
 
 TEST_F(run, failures_do_not_clobber_outputs)

@@ -7,7 +7,10 @@
 #include <string.h>
 #include <dirent.h>
 #include <ftw.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 bool ape_test_slow(void)
 {
@@ -259,4 +262,57 @@ unsigned char *test_read_file(const char *path, size_t *len)
 	}
 	fclose(f);
 	return buf;
+}
+
+/* Reads at most cap - 1 bytes of fd from its start. */
+static void read_back(int fd, char *buf, size_t cap)
+{
+	ssize_t n = pread(fd, buf, cap - 1, 0);
+
+	buf[n > 0 ? n : 0] = '\0';
+}
+
+int test_run_tool(const char *tool, const char *const *args, const char *cwd, char *out,
+		  size_t outcap, char *err, size_t errcap)
+{
+	char path[4096], fo_name[] = "/tmp/ape-tool-out-XXXXXX", fe_name[] = "/tmp/ape-tool-err-XXXXXX";
+	char *argv[64];
+	int n = 0, status = -1, fo, fe;
+	pid_t pid;
+
+	snprintf(path, sizeof(path), "%s/bin/%s", APE_BUILD_DIR, tool);
+	argv[n++] = path;
+	while (*args && n < 63)
+		argv[n++] = (char *)*args++;
+	argv[n] = NULL;
+	fo = mkstemp(fo_name);
+	fe = mkstemp(fe_name);
+	if (fo < 0 || fe < 0)
+		goto out_close;
+	unlink(fo_name); /* the descriptors keep them until we are done */
+	unlink(fe_name);
+	fflush(stdout);
+	fflush(stderr);
+	pid = fork();
+	if (pid < 0)
+		goto out_close;
+	if (pid == 0) {
+		if (dup2(fo, 1) < 0 || dup2(fe, 2) < 0 || (cwd && chdir(cwd)))
+			_exit(126);
+		execv(argv[0], argv);
+		_exit(127);
+	}
+	if (waitpid(pid, &status, 0) != pid) {
+		status = -1;
+		goto out_close;
+	}
+	status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+	read_back(fo, out, outcap);
+	read_back(fe, err, errcap);
+out_close:
+	if (fo >= 0)
+		close(fo);
+	if (fe >= 0)
+		close(fe);
+	return status;
 }

@@ -59,6 +59,15 @@ int test_count_entries(const char *dir, char *first, size_t firstlen);
  * any error. */
 unsigned char *test_read_file(const char *path, size_t *len);
 
+/* ---- tools */
+/*
+ * Runs APE_BUILD_DIR/bin/<tool> with args (NULL-terminated) in directory cwd (NULL: this one),
+ * capturing stdout and stderr (each cut to cap - 1 bytes and NUL-terminated). Returns the exit
+ * status, 128 + the signal if it was killed, or -1 if it could not be started.
+ */
+int test_run_tool(const char *tool, const char *const *args, const char *cwd, char *out,
+		  size_t outcap, char *err, size_t errcap);
+
 /* ---- contexts */
 /* A context with only the named backends and output poisoning on; aborts the test on failure. */
 ape_context *test_context(const char *backends);

@@ -1,0 +1,103 @@
+/* SPDX-License-Identifier: MIT */
+/* ape-bench and ape-check end to end: their output, their numbers, their exit codes. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ape_test.h"
+
+static char out[1 << 16], err[1 << 16];
+
+#define TOOL(name, ...) \
+	test_run_tool(name, (const char *const[]){ __VA_ARGS__, NULL }, NULL, out, sizeof(out), err, \
+		      sizeof(err))
+
+/* Counts the occurrences of needle in hay. */
+static int count(const char *hay, const char *needle)
+{
+	int n = 0;
+
+	for (const char *p = hay; (p = strstr(p, needle)); p += strlen(needle))
+		n++;
+	return n;
+}
+
+TEST(bench_json_counts_pairs_and_checks_rows)
+{
+	char want[64];
+
+	ASSERT_EQ(0, TOOL("ape-bench", "--backend", "ref", "-H", "2", "-D", "16", "-L", "64,100",
+			  "--warmup", "0", "--repeats", "1", "--check-rows", "4", "--json", "--seed",
+			  "7"))
+		TH_LOG("%s", err);
+	EXPECT_EQ(4, count(out, "\"L\": ")) TH_LOG("%s", out); /* 2 lengths x 2 skip tolerances */
+	EXPECT_EQ(4, count(out, "\"within_tol\": true"));
+	EXPECT_EQ(4, count(out, "\"rows_checked\": 4"));
+	/* causal, end-aligned: H * L (L + 1) / 2 visible pairs */
+	snprintf(want, sizeof(want), "\"pairs_visible\": %d,", 2 * 64 * 65 / 2);
+	EXPECT_EQ(2, count(out, want));
+	snprintf(want, sizeof(want), "\"pairs_visible\": %d,", 2 * 100 * 101 / 2);
+	EXPECT_EQ(2, count(out, want));
+	EXPECT_NE(NULL, strstr(out, "\"backend\": \"ref\""));
+}
+
+TEST(bench_table_names_device_and_columns)
+{
+	ASSERT_EQ(0, TOOL("ape-bench", "--backend", "ref", "-H", "1", "-D", "8", "-L", "32",
+			  "--repeats", "2", "--skip-tol", "0"))
+		TH_LOG("%s", err);
+	EXPECT_NE(NULL, strstr(out, "ref:0"));
+	EXPECT_NE(NULL, strstr(out, "Mpairs/s"));
+	EXPECT_NE(NULL, strstr(out, "GFLOP/s"));
+	EXPECT_NE(NULL, strstr(out, "computed"));
+	EXPECT_NE(NULL, strstr(err, "ran on ref:0")) TH_LOG("%s", err);
+}
+
+TEST(bench_bad_arguments)
+{
+	EXPECT_EQ(2, TOOL("ape-bench", "-D", "7"));
+	EXPECT_NE(NULL, strstr(err, "-D")) TH_LOG("%s", err);
+	EXPECT_EQ(2, TOOL("ape-bench", "--backend", "nosuch"));
+	EXPECT_NE(NULL, strstr(err, "nosuch")) TH_LOG("%s", err);
+	EXPECT_EQ(2, TOOL("ape-bench", "-L", "12,abc"));
+	EXPECT_EQ(2, TOOL("ape-bench", "--kv-heads", "4", "-H", "6"));
+	EXPECT_EQ(2, TOOL("ape-bench", "--frobnicate"));
+}
+
+TEST(bench_unavailable_backend_exits_3)
+{
+	ape_context *ctx = test_context(NULL);
+	ape_backend_info bi;
+	const char *missing = NULL;
+
+	ASSERT_NE(NULL, ctx);
+	for (int b = 0, n = ape_backend_get_info(ctx, 0, NULL); b < n && !missing; b++) {
+		ape_backend_get_info(ctx, b, &bi);
+		if (!bi.available)
+			missing = !strcmp(bi.name, "cuda") ? "cuda" : !strcmp(bi.name, "opencl") ? "opencl" : NULL;
+	}
+	ape_context_destroy(ctx);
+	if (!missing)
+		SKIP(return, "every backend is available on this machine");
+	EXPECT_EQ(3, TOOL("ape-bench", "--backend", missing, "-L", "8"));
+	EXPECT_NE(NULL, strstr(err, "not available")) TH_LOG("%s", err);
+}
+
+TEST(check_passes_on_every_device)
+{
+	int status = TOOL("ape-check", "--json");
+
+	EXPECT_EQ(0, status) TH_LOG("%s\n%s", out, err);
+	EXPECT_NE(NULL, strstr(out, "\"ok\": true")) TH_LOG("%s", out);
+	/* every device that is not the reference appears, with one result per case */
+	EXPECT_EQ(0, count(out, "\"ok\": false"));
+}
+
+TEST(check_bad_arguments)
+{
+	EXPECT_EQ(2, TOOL("ape-check", "--seed", "-4"));
+	EXPECT_EQ(2, TOOL("ape-check", "--nope"));
+}
+
+TEST_HARNESS_MAIN
