@@ -123,6 +123,18 @@ struct ape__backend_ops {
 	/* Required. Waits until everything enqueued on q has completed; reports asynchronous
 	 * failures (a kernel that faulted, a device lost). */
 	int (*synchronize)(struct ape__queue *q);
+
+	/*
+	 * Optional (NULL: host memory is used as it is). Pins `bytes` at `ptr`, page-aligned host
+	 * memory the core placed on the device's NUMA node (runtime/hostmem.c), so that copies
+	 * from and to it run at full speed (cuMemHostRegister, for instance). Sets *handle to
+	 * whatever host_unregister needs. A backend may decline (APE_ENOTSUP) where pinning does
+	 * not pay; any failure only costs speed: the core uses the memory unpinned. May be called
+	 * from several threads at once.
+	 */
+	int (*host_register)(struct ape_device *dev, void *ptr, size_t bytes, void **handle);
+	/* Optional, required with host_register. Undoes it; the memory is idle (no copy in flight). */
+	void (*host_unregister)(struct ape_device *dev, void *handle);
 };
 
 /* A backend as loaded in one context. */

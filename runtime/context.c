@@ -2,6 +2,8 @@
 /* Contexts: load the backends named in the registry, probe them, keep one ordered device list. */
 #include "context.h"
 
+#include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -84,6 +86,20 @@ int ape__device_add(struct ape__backend *be, const struct ape_device_info *info,
 	return 0;
 }
 
+/* Positions in the list and among the devices of each backend. */
+static void index_devices(struct ape_context *ctx)
+{
+	for (int i = 0; i < ctx->ndevices; i++) {
+		struct ape_device *d = ctx->devices[i];
+		int nth = 0;
+
+		d->info.index = i;
+		for (int j = 0; j < i; j++)
+			nth += ctx->devices[j]->be == d->be;
+		d->info.backend_index = nth;
+	}
+}
+
 /* Stable order: rank first (higher first), then probe order; insertion sort keeps it stable. */
 static void sort_devices(struct ape_context *ctx)
 {
@@ -97,15 +113,52 @@ static void sort_devices(struct ape_context *ctx)
 		}
 		ctx->devices[j] = d;
 	}
+	index_devices(ctx);
+}
+
+void ape__context_drop_devices(struct ape_context *ctx, const bool *drop, int *new_index,
+			       const char *why)
+{
+	int m = 0;
+
 	for (int i = 0; i < ctx->ndevices; i++) {
 		struct ape_device *d = ctx->devices[i];
-		int nth = 0;
 
-		d->info.index = i;
-		for (int j = 0; j < i; j++)
-			nth += ctx->devices[j]->be == d->be;
-		d->info.backend_index = nth;
+		new_index[i] = drop[i] ? -1 : m;
+		if (!drop[i]) {
+			ctx->devices[m++] = d;
+			continue;
+		}
+		for (int b = 0; b < ctx->nbackends; b++)
+			if (&ctx->backends[b].be == d->be)
+				ctx->backends[b].info.device_count--;
+		if (d->be->ops->device_release)
+			d->be->ops->device_release(d);
+		free(d);
 	}
+	ctx->ndevices = m;
+	index_devices(ctx);
+	for (int b = 0; b < ctx->nbackends; b++) {
+		struct ape__ctx_backend *cb = &ctx->backends[b];
+
+		if (cb->info.available && cb->info.device_count == 0) {
+			cb->info.available = false;
+			snprintf(cb->info.reason, sizeof(cb->info.reason), "%s", why);
+		}
+	}
+}
+
+void ape__warn_once(atomic_bool *flag, const char *fmt, ...)
+{
+	char msg[512];
+	va_list ap;
+
+	if (atomic_exchange(flag, true))
+		return;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	ape__warn("%s", msg);
 }
 
 static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registry_entry *reg,
@@ -147,17 +200,70 @@ static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registr
 			 res.reason[0] ? res.reason : "no device found");
 }
 
+/* The options struct as the caller's version of the header knows it: the first version ended
+ * at `flags`, later ones add fields at the end. */
+#define OPTIONS_V1_SIZE offsetof(ape_context_options, topology_xml)
+#define HAS_OPTION(o, field)                                                                       \
+	((o) && (o)->struct_size >= offsetof(ape_context_options, field) + sizeof((o)->field))
+
+static int parse_numa(const char *text, ape_numa_policy *out)
+{
+	static const char *const names[] = { "local", "interleave", "off" };
+
+	for (int i = 0; i < 3; i++)
+		if (!strcmp(text, names[i])) {
+			*out = (ape_numa_policy)(APE_NUMA_LOCAL + i);
+			return 0;
+		}
+	return APE_EINVAL;
+}
+
+/* Resolves the topology options from opts and the environment, before anything is probed. */
+static int resolve_setup(const ape_context_options *opts, struct ape__ctx_setup *su)
+{
+	const char *env;
+
+	memset(su, 0, sizeof(*su));
+	su->numa = APE_NUMA_LOCAL;
+	su->numa_from = "default";
+	if (HAS_OPTION(opts, topology_xml))
+		su->topology_xml = opts->topology_xml;
+	if (HAS_OPTION(opts, numa) && opts->numa != APE_NUMA_DEFAULT) {
+		if (opts->numa < APE_NUMA_LOCAL || opts->numa > APE_NUMA_OFF)
+			return ape__error(APE_EINVAL,
+					  "ape_context_create: opts->numa = %d: not an ape_numa_policy",
+					  (int)opts->numa);
+		su->numa = opts->numa;
+		su->numa_from = "ape_context_options.numa";
+	} else if ((env = getenv("APE_NUMA")) && *env) {
+		if (parse_numa(env, &su->numa))
+			return ape__error(APE_EINVAL,
+					  "ape_context_create: APE_NUMA = \"%.64s\": must be local, "
+					  "interleave or off", env);
+		su->numa_from = "APE_NUMA";
+	}
+	if (HAS_OPTION(opts, visible_devices) && opts->visible_devices) {
+		su->visible = opts->visible_devices;
+		su->visible_from = "ape_context_options.visible_devices";
+	} else {
+		su->visible = getenv("APE_VISIBLE_DEVICES");
+		su->visible_from = "APE_VISIBLE_DEVICES";
+	}
+	return 0;
+}
+
 int ape_context_create(ape_context **out, const ape_context_options *opts)
 {
 	struct ape_context *ctx;
 	const struct ape__registry_entry *reg;
+	struct ape__ctx_setup setup;
 	const char *only = NULL;
 	int nreg, err = 0;
 
 	if (!out)
 		return ape__error(APE_EINVAL, "ape_context_create: out = NULL");
 	*out = NULL;
-	if (opts && opts->struct_size != sizeof(*opts))
+	if (opts && opts->struct_size != sizeof(*opts) && opts->struct_size != OPTIONS_V1_SIZE)
 		return ape__error(APE_EINVAL,
 				  "ape_context_create: opts->struct_size = %zu: expected %zu "
 				  "(initialise with ape_context_options_init())",
@@ -168,6 +274,9 @@ int ape_context_create(ape_context **out, const ape_context_options *opts)
 			return err;
 		only = opts->backends;
 	}
+	err = resolve_setup(opts, &setup);
+	if (err)
+		return err;
 	ctx = calloc(1, sizeof(*ctx));
 	if (!ctx)
 		return ape__error(APE_ENOMEM, "ape_context_create: out of memory");
@@ -184,6 +293,11 @@ int ape_context_create(ape_context **out, const ape_context_options *opts)
 		return err;
 	}
 	sort_devices(ctx);
+	err = ape__physical_build(ctx, &setup);
+	if (err) {
+		ape_context_destroy(ctx);
+		return err;
+	}
 	*out = ctx;
 	return 0;
 }
@@ -192,6 +306,7 @@ void ape_context_destroy(ape_context *ctx)
 {
 	if (!ctx)
 		return;
+	ape__physical_free(ctx);
 	for (int i = 0; i < ctx->ndevices; i++) {
 		struct ape_device *d = ctx->devices[i];
 
@@ -247,96 +362,4 @@ int ape_device_get_info(const ape_device *dev, ape_device_info *info)
 		return ape__error(APE_EINVAL, "ape_device_get_info: info = NULL");
 	*info = dev->info;
 	return 0;
-}
-
-static const struct ape__ctx_backend *find_backend(const ape_context *ctx, const char *name)
-{
-	for (int i = 0; i < ctx->nbackends; i++)
-		if (!strcmp(ctx->backends[i].info.name, name))
-			return &ctx->backends[i];
-	return NULL;
-}
-
-/* Appends "; passed over NAME: REASON" for each backend preferred over `chosen` (registry order is
- * preference order) that is not available. */
-static void note_passed_over(const ape_context *ctx, const struct ape__backend *chosen,
-			     ape_selection *sel)
-{
-	for (int i = 0; i < ctx->nbackends; i++) {
-		const struct ape__ctx_backend *cb = &ctx->backends[i];
-		size_t len = strlen(sel->note);
-
-		if (&cb->be == chosen)
-			break;
-		if (cb->info.available)
-			continue;
-		sel->passed_over = true;
-		snprintf(sel->note + len, sizeof(sel->note) - len, "; passed over %s: %s",
-			 cb->info.name, cb->info.reason);
-	}
-}
-
-static int select_in_backend(ape_context *ctx, const char *name, const char *why, int index,
-			     ape_selection *sel)
-{
-	const struct ape__ctx_backend *cb = find_backend(ctx, name);
-	int nth = 0;
-
-	if (!cb)
-		return ape__error(APE_EINVAL,
-				  "ape_device_select: backend = \"%s\"%s: unknown backend (known: "
-				  "auto, cuda, opencl, ref)",
-				  name, why);
-	if (!cb->info.available)
-		return ape__error(APE_ENOBACKEND, "ape_device_select: backend %s%s is not available: %s",
-				  name, why, cb->info.reason);
-	if (index < 0)
-		index = 0;
-	for (int i = 0; i < ctx->ndevices; i++) {
-		struct ape_device *d = ctx->devices[i];
-
-		if (d->be != &cb->be || nth++ != index)
-			continue;
-		sel->device = d;
-		snprintf(sel->note, sizeof(sel->note), "%s:%d (%s), chosen%s", name, index,
-			 d->info.name, why);
-		return 0;
-	}
-	return ape__error(APE_ENODEV, "ape_device_select: index = %d: backend %s has %d device(s)",
-			  index, name, cb->info.device_count);
-}
-
-int ape_device_select(ape_context *ctx, const char *backend, int index, ape_selection *sel)
-{
-	ape_selection s; /* *sel is written only on success */
-	const char *env;
-	struct ape_device *d;
-	int ret;
-
-	if (!ctx)
-		return ape__error(APE_EINVAL, "ape_device_select: ctx = NULL");
-	if (!sel)
-		return ape__error(APE_EINVAL, "ape_device_select: sel = NULL");
-	memset(&s, 0, sizeof(s));
-	env = getenv("APE_BACKEND");
-	if (backend && strcmp(backend, "auto")) {
-		ret = select_in_backend(ctx, backend, " by request", index, &s);
-	} else if (env && *env && strcmp(env, "auto")) {
-		ret = select_in_backend(ctx, env, " by APE_BACKEND", index, &s);
-	} else if (ctx->ndevices == 0) {
-		ret = ape__error(APE_ENODEV, "ape_device_select: no device in any backend");
-	} else if (index >= ctx->ndevices) {
-		ret = ape__error(APE_ENODEV, "ape_device_select: index = %d: there are %d device(s)",
-				 index, ctx->ndevices);
-	} else {
-		d = ctx->devices[index < 0 ? 0 : index];
-		s.device = d;
-		snprintf(s.note, sizeof(s.note), "%s:%d (%s), chosen by auto", d->info.backend,
-			 d->info.backend_index, d->info.name);
-		note_passed_over(ctx, d->be, &s);
-		ret = 0;
-	}
-	if (!ret)
-		*sel = s;
-	return ret;
 }

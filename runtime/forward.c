@@ -13,6 +13,7 @@
 
 #include "context.h"
 #include "error.h"
+#include "hostmem.h"
 #include "problem.h"
 
 static const char fn[] = "ape_attention_forward";
@@ -78,21 +79,24 @@ static bool is_contiguous(const ape_tensor *t, const int64_t s[4])
 	return true;
 }
 
-/* Host source of an input: the caller's memory when contiguous, else a packed copy. */
-static int stage_input(const ape_tensor *t, const int64_t s[4], size_t bytes, const void **src,
-		       void **owned)
+/* Host source of an input: the caller's memory when contiguous, else a packed copy in a staging
+ * buffer on the device's NUMA node. */
+static int stage_input(struct ape_device *dev, const ape_tensor *t, const int64_t s[4],
+		       size_t bytes, const void **src, struct ape__hostmem *owned)
 {
-	*owned = NULL;
+	int ret;
+
+	memset(owned, 0, sizeof(*owned));
 	if (is_contiguous(t, s)) {
 		*src = t->data;
 		return 0;
 	}
-	*owned = malloc(bytes);
-	if (!*owned)
-		return ape__error(APE_ENOMEM, "%s: out of memory packing a strided input (%zu bytes)",
-				  fn, bytes);
-	copy_rows(*owned, t, s, false);
-	*src = *owned;
+	ret = ape__host_alloc(dev, bytes, owned);
+	if (ret)
+		return ape__error(ret, "%s: out of memory packing a strided input (%zu bytes)", fn,
+				  bytes);
+	copy_rows(owned->ptr, t, s, false);
+	*src = owned->ptr;
 	return 0;
 }
 
@@ -102,10 +106,10 @@ struct run {
 	struct ape__queue *queue;
 	struct ape__buf *q, *k, *v, *o, *lse, *pairs;
 	struct ape__event *start, *end;
-	void *q_owned, *k_owned, *v_owned;
-	void *o_host; /* staging: the caller's O is written only after success */
-	float *lse_host;
-	uint64_t *pairs_host;
+	/* staging buffers on the device's NUMA node (runtime/hostmem.c) */
+	struct ape__hostmem q_owned, k_owned, v_owned; /* packed strided inputs */
+	struct ape__hostmem o_host; /* the caller's O is written only after success */
+	struct ape__hostmem lse_host, pairs_host;
 };
 
 static void run_release(struct run *r)
@@ -121,12 +125,12 @@ static void run_release(struct run *r)
 	ops->buf_free(r->dev, r->o);
 	ops->buf_free(r->dev, r->lse);
 	ops->buf_free(r->dev, r->pairs);
-	free(r->q_owned);
-	free(r->k_owned);
-	free(r->v_owned);
-	free(r->o_host);
-	free(r->lse_host);
-	free(r->pairs_host);
+	ape__host_free(r->dev, &r->q_owned);
+	ape__host_free(r->dev, &r->k_owned);
+	ape__host_free(r->dev, &r->v_owned);
+	ape__host_free(r->dev, &r->o_host);
+	ape__host_free(r->dev, &r->lse_host);
+	ape__host_free(r->dev, &r->pairs_host);
 }
 
 static int alloc_buf(struct run *r, size_t bytes, struct ape__buf **out, const char *what)
@@ -183,15 +187,15 @@ static int run_device(struct run *r, const struct ape__problem *p, const ape_ten
 	double kernel_ms = 0;
 	int ret;
 
-	if ((ret = stage_input(q, p->qs, sz->q, &qsrc, &r->q_owned)) ||
-	    (ret = stage_input(k, p->ks, sz->kv, &ksrc, &r->k_owned)) ||
-	    (ret = stage_input(v, p->vs, sz->kv, &vsrc, &r->v_owned)))
+	if ((ret = stage_input(r->dev, q, p->qs, sz->q, &qsrc, &r->q_owned)) ||
+	    (ret = stage_input(r->dev, k, p->ks, sz->kv, &ksrc, &r->k_owned)) ||
+	    (ret = stage_input(r->dev, v, p->vs, sz->kv, &vsrc, &r->v_owned)))
 		return ret;
-	r->o_host = malloc(sz->o);
-	r->lse_host = malloc(sz->rows * sizeof(float));
-	r->pairs_host = want_pairs ? malloc(sz->rows * sizeof(uint64_t)) : NULL;
-	if (!r->o_host || !r->lse_host || (want_pairs && !r->pairs_host))
-		return ape__error(APE_ENOMEM, "%s: out of host memory for the outputs", fn);
+	if ((ret = ape__host_alloc(r->dev, sz->o, &r->o_host)) ||
+	    (ret = ape__host_alloc(r->dev, sz->rows * sizeof(float), &r->lse_host)) ||
+	    (want_pairs &&
+	     (ret = ape__host_alloc(r->dev, sz->rows * sizeof(uint64_t), &r->pairs_host))))
+		return ape__error(ret, "%s: out of host memory for the outputs", fn);
 
 	if ((ret = ops->queue_create(r->dev, &r->queue)))
 		return ape__error_prefix(ret, fn);
@@ -222,10 +226,10 @@ static int run_device(struct run *r, const struct ape__problem *p, const ape_ten
 	    (ret = ops->attention(r->queue, &launch)) ||
 	    (ret = ops->event_record(r->queue, &r->end)))
 		return ape__error_prefix(ret, fn);
-	if ((ret = ops->copy_d2h(r->queue, r->o_host, r->o, 0, sz->o)) ||
-	    (ret = ops->copy_d2h(r->queue, r->lse_host, r->lse, 0, sz->rows * sizeof(float))) ||
-	    (want_pairs &&
-	     (ret = ops->copy_d2h(r->queue, r->pairs_host, r->pairs, 0, sz->rows * sizeof(uint64_t)))))
+	if ((ret = ops->copy_d2h(r->queue, r->o_host.ptr, r->o, 0, sz->o)) ||
+	    (ret = ops->copy_d2h(r->queue, r->lse_host.ptr, r->lse, 0, sz->rows * sizeof(float))) ||
+	    (want_pairs && (ret = ops->copy_d2h(r->queue, r->pairs_host.ptr, r->pairs, 0,
+						sz->rows * sizeof(uint64_t)))))
 		return ape__error_prefix(ret, fn);
 	if ((ret = ops->synchronize(r->queue)) ||
 	    (ret = ops->event_elapsed(r->start, r->end, &kernel_ms)))
@@ -306,11 +310,13 @@ int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, const ape_
 	} else {
 		ret = run_device(&r, &p, q, k, v, &sz, stats != NULL, &st);
 		if (!ret) {
-			copy_rows(r.o_host, o, p.os, true);
+			const uint64_t *pairs = r.pairs_host.ptr;
+
+			copy_rows(r.o_host.ptr, o, p.os, true);
 			if (lse)
-				memcpy(lse, r.lse_host, sz.rows * sizeof(float));
+				memcpy(lse, r.lse_host.ptr, sz.rows * sizeof(float));
 			for (size_t i = 0; stats && i < sz.rows; i++)
-				st.pairs_computed += r.pairs_host[i];
+				st.pairs_computed += pairs[i];
 		}
 		run_release(&r);
 	}

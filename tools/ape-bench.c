@@ -15,6 +15,7 @@
 
 #include "ape/ape.h"
 #include "common/cli.h"
+#include "common/numa_bench.h"
 #include "common/refcheck.h"
 #include "common/rng.h"
 
@@ -35,6 +36,8 @@ struct bench_opts {
 	bool json;
 	uint64_t seed;
 	bool seeded;
+	bool numa; /* --numa: copy bandwidth per NUMA node instead of attention */
+	int64_t copy_mib;
 };
 
 struct bench_row {
@@ -66,6 +69,8 @@ enum {
 	OPT_CHECK,
 	OPT_JSON,
 	OPT_SEED,
+	OPT_NUMA,
+	OPT_COPY_MIB,
 	OPT_HELP,
 };
 
@@ -80,6 +85,7 @@ static const struct cli_option options[] = {
 	{ "--lambda", NULL, true, OPT_LAMBDA },	  { "--warmup", NULL, true, OPT_WARMUP },
 	{ "--repeats", NULL, true, OPT_REPEATS }, { "--check-rows", NULL, true, OPT_CHECK },
 	{ "--json", NULL, false, OPT_JSON },	  { "--seed", NULL, true, OPT_SEED },
+	{ "--numa", NULL, false, OPT_NUMA },	  { "--copy-mib", NULL, true, OPT_COPY_MIB },
 	{ "--help", "-h", false, OPT_HELP },	  { NULL, NULL, false, 0 },
 };
 
@@ -102,6 +108,10 @@ static void usage(FILE *f)
 		"                                   0 = no check)\n"
 		"  --seed N                         inputs' random seed (default: fresh)\n"
 		"  --json                           one JSON object instead of the table\n"
+		"  --numa                           instead: host-to-device copy bandwidth from\n"
+		"                                   staging buffers on the device's NUMA node and\n"
+		"                                   on every other node (needs two or more nodes)\n"
+		"  --copy-mib N                     --numa buffer size (default 256)\n"
 		"Throughput counts visible (query, key) pairs; dense-equivalent GFLOP/s counts 4*D\n"
 		"FLOPs per visible pair even when skipping computed fewer.\n");
 }
@@ -235,6 +245,13 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 			break;
 		case OPT_JSON:
 			o->json = true;
+			break;
+		case OPT_NUMA:
+			o->numa = true;
+			break;
+		case OPT_COPY_MIB:
+			ret = cli_parse_int64("--copy-mib", val, 1, 1 << 20, &o->copy_mib, err,
+					      errlen);
 			break;
 		case OPT_SEED:
 			ret = cli_parse_int64("--seed", val, 0, INT64_MAX, &x, err, errlen);
@@ -450,6 +467,7 @@ int main(int argc, char **argv)
 		.backend = "auto", .device = -1, .B = 1, .H = 6, .D = 64,
 		.L = { 1024, 4096, 16384 }, .nL = 3, .skip = { 0x1p-24, 0 }, .nskip = 2,
 		.dtype = APE_F32, .causal = true, .warmup = 1, .repeats = 5, .check_rows = 16,
+		.copy_mib = 256,
 	};
 	struct bench_row rows[MAX_LIST * MAX_LIST];
 	ape_context *ctx = NULL;
@@ -485,6 +503,11 @@ int main(int argc, char **argv)
 	}
 	if (sel.passed_over || !o.json)
 		fprintf(stderr, "ape-bench: ran on %s\n", sel.note);
+	if (o.numa) {
+		ret = numa_bench(ctx, sel.device, o.copy_mib << 20, o.repeats, o.json);
+		ape_context_destroy(ctx);
+		return ret;
+	}
 	ape_device_get_info(sel.device, &info);
 	for (int i = 0; i < o.nL && !ret; i++)
 		for (int j = 0; j < o.nskip && !ret; j++) {

@@ -102,7 +102,9 @@ static void usage(void)
 	       "                 APE_BACKEND environment variable, and says so on stderr\n"
 	       "                 when it passes over a preferred backend.\n"
 	       "  --device N     device index within the backend, or with auto among all\n"
-	       "                 devices, most preferred first (default: the first)\n"
+	       "                 devices, most preferred first (default: the first); or a\n"
+	       "                 PCI address (0000:03:00.0, see ape-info), run through its\n"
+	       "                 default backend or the one --backend names\n"
 	       "  --stats        print device, times and (query, key) pair counts to stderr\n"
 	       "  -h, --help     print this text\n"
 	       "\n"
@@ -123,6 +125,7 @@ struct run_args {
 	const char *q, *k, *v, *o, *lse;
 	const char *backend;
 	int device; /* -1: the first */
+	const char *device_spec; /* --device as a PCI address or "backend:N"; NULL for an index */
 	struct head_param param[4]; /* delta, beta, gamma, lambda */
 	ape_attn_desc desc; /* everything but the per-head parameters */
 	int dtype; /* an ape_dtype, or -1 for the input's */
@@ -195,6 +198,11 @@ static int parse_value(struct run_args *a, int id, const char *val, char *msg, s
 		return cli_parse_int64("--k-start", val, INT64_MIN, INT64_MAX, &d->k_start, msg,
 				       len);
 	case OPT_DEVICE:
+		/* a PCI address or "opencl:1" goes to ape_device_select_spec() as it is */
+		if (strchr(val, ':')) {
+			a->device_spec = val;
+			return 0;
+		}
 		if (cli_parse_int64("--device", val, 0, INT_MAX, &n, msg, len))
 			return APE_EINVAL;
 		a->device = (int)n;
@@ -316,7 +324,16 @@ static int open_device(const struct run_args *a, ape_context **ctx, ape_selectio
 		snprintf(msg, len, "--backend %s: %s", a->backend, ape_last_error());
 		return exit_code(ret);
 	}
-	ret = ape_device_select(*ctx, a->backend, a->device, sel);
+	if (a->device_spec) {
+		char spec[128];
+
+		/* "--backend opencl --device 0000:03:00.0": that GPU through OpenCL */
+		snprintf(spec, sizeof(spec), "%s%s%s", strcmp(a->backend, "auto") ? a->backend : "",
+			 strcmp(a->backend, "auto") ? ":" : "", a->device_spec);
+		ret = ape_device_select_spec(*ctx, spec, sel);
+	} else {
+		ret = ape_device_select(*ctx, a->backend, a->device, sel);
+	}
 	if (ret) {
 		snprintf(msg, len, "%s", ape_last_error());
 		ape_context_destroy(*ctx);

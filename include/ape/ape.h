@@ -21,8 +21,11 @@
  * ## Threading
  * libape has no global mutable state. The last-error message is per thread. A context may be used
  * from several threads at once: `ape_device_list()`, `ape_device_get_info()`, `ape_backend_get_info()`,
- * `ape_device_select()` and `ape_attention_forward()` are thread-safe, including several concurrent
- * forward calls on the same device. `ape_context_create()` may be called concurrently;
+ * `ape_device_select()`, `ape_device_select_spec()`, the physical-device and topology queries
+ * (`ape_physical_get_info()`, `ape_physical_link()`, `ape_topology_get_info()`,
+ * `ape_numa_get_info()`, `ape_numa_distance()`), `ape_device_measure_h2d()` and
+ * `ape_attention_forward()` are thread-safe, including several concurrent forward calls on the
+ * same device. `ape_context_create()` may be called concurrently;
  * `ape_context_destroy()` must not race with any other call on the same context.
  * The pure helpers (`ape_strerror()`, `ape_convert()`, descriptor init functions) are thread-safe.
  */
@@ -194,20 +197,56 @@ APE_API void ape_attn_desc_init(ape_attn_desc *desc);
 typedef struct ape_context ape_context;
 typedef struct ape_device ape_device;
 
-/** Options for ape_context_create(). */
+/**
+ * \brief Where host staging buffers and feeding threads of a device go (see "Devices and
+ * topology" in the README).
+ */
+typedef enum ape_numa_policy {
+	/** From the environment variable `APE_NUMA` (local, interleave or off); local when unset. */
+	APE_NUMA_DEFAULT = 0,
+	/** Staging buffers on the device's NUMA node, feeding threads on its local CPUs. A device
+	 *  local to several nodes (a CPU device) gets its buffers interleaved over them. */
+	APE_NUMA_LOCAL = 1,
+	/** Staging buffers interleaved over every node; threads not bound. */
+	APE_NUMA_INTERLEAVE = 2,
+	/** No placement: plain allocations, threads not bound. */
+	APE_NUMA_OFF = 3,
+} ape_numa_policy;
+
+/** Options for ape_context_create(). Fields are only ever added at the end; struct_size tells
+ *  the library which ones the caller knows of. */
 typedef struct ape_context_options {
 	size_t struct_size; /**< set by ape_context_options_init() */
 	/** Comma-separated backends to load ("ref,opencl"), or NULL for every backend built in. */
 	const char *backends;
 	/** APE_CONTEXT_* flags. */
 	unsigned flags;
+	/**
+	 * An hwloc XML topology file (`lstopo --of xml`), or NULL for this machine. The context then
+	 * describes the machine in that file: its physical device list holds the GPUs and
+	 * accelerators on that file's PCI bus with their NUMA nodes and local CPUs, none of them
+	 * usable. Backends are still probed, so the context still computes on this machine's
+	 * devices, but nothing is ever bound: buffers are plain allocations. For planning a
+	 * deployment and for tests.
+	 */
+	const char *topology_xml;
+	/** Placement policy; APE_NUMA_DEFAULT reads `APE_NUMA`. */
+	ape_numa_policy numa;
+	/**
+	 * Physical devices this context may use, as `APE_VISIBLE_DEVICES` takes them: comma-separated
+	 * physical indices (as listed without any filter) or PCI addresses, "1,0000:c1:00.0". NULL
+	 * reads `APE_VISIBLE_DEVICES`; NULL or "" with the variable unset or empty means every
+	 * device. The reference device is always visible.
+	 */
+	const char *visible_devices;
 } ape_context_options;
 
 /** Fill every device output buffer with NaN before each kernel runs, so a kernel that misses an
  *  element is caught by tests. Costs one extra fill per call. */
 #define APE_CONTEXT_POISON_OUTPUTS (1u << 0)
 
-/** \brief Sets the defaults (every built backend, no flags). Never fails. */
+/** \brief Sets the defaults (every built backend, no flags, this machine, APE_NUMA_DEFAULT, the
+ *  visible devices from the environment). Never fails. */
 APE_API void ape_context_options_init(ape_context_options *opts);
 
 /**
@@ -215,9 +254,15 @@ APE_API void ape_context_options_init(ape_context_options *opts);
  *
  * A backend whose driver is missing or which finds no device is not an error: it is recorded as
  * unavailable with the reason (see ape_backend_get_info()), and the context has fewer devices.
+ * It also reads the machine's topology with hwloc (or opts->topology_xml), enumerates DRM
+ * devices, and merges every device into the physical device list (ape_physical_get_info()).
  * \param[out] out the new context; set to NULL on failure
  * \param opts NULL for the defaults
- * \return 0, APE_EINVAL (NULL out, unknown backend name in opts->backends), APE_ENOMEM.
+ * \return 0; APE_EINVAL (NULL out, unknown backend name in opts->backends, bad struct_size or
+ *         numa policy, malformed `APE_NUMA` or visible-devices list, opts->topology_xml missing);
+ *         APE_ENODEV (the visible-devices list names a device that does not exist); APE_EIO
+ *         (opts->topology_xml cannot be read); APE_EFORMAT (it is not an hwloc XML topology);
+ *         APE_ENOMEM. Messages name the option or variable and the file.
  */
 APE_API int ape_context_create(ape_context **out, const ape_context_options *opts);
 /** \brief Releases the context, its devices and their resources. Accepts NULL. */
@@ -267,6 +312,11 @@ typedef struct ape_device_info {
 	int compute_units;
 	uint64_t global_mem_bytes; /**< 0 if unknown */
 	char pci_address[16]; /**< "0000:03:00.0", or "" when the device has none or does not say */
+	/** Position of the physical device it runs on in ape_physical_get_info(); -1 when the
+	 *  context describes another machine (topology XML). */
+	int physical_index;
+	int numa_node; /**< OS index of its NUMA node; -1 when unknown or local to several */
+	char cpuset[256]; /**< its local CPUs (OS indices), list format "0-7,16-23"; "" unknown */
 } ape_device_info;
 
 /** \brief Describes \p dev. \return 0 or APE_EINVAL (NULL argument). */
@@ -296,6 +346,183 @@ typedef struct ape_selection {
  *         or no device at all).
  */
 APE_API int ape_device_select(ape_context *ctx, const char *backend, int index, ape_selection *sel);
+
+/**
+ * \brief Chooses a device from a text specification, as `ape-run --device` takes it.
+ *
+ * \param spec one of:
+ *   - NULL, "" or "auto": as ape_device_select(ctx, "auto", -1, sel);
+ *   - a PCI address, "0000:03:00.0" or "03:00.0": that physical device, through its default
+ *     backend (ape_physical_info.backend);
+ *   - a number N: physical device N (ape_physical_get_info() order, by PCI address);
+ *   - a backend name, "opencl": as ape_device_select(ctx, "opencl", -1, sel);
+ *   - "BACKEND:N": device N of that backend, as ape_device_select(ctx, BACKEND, N, sel);
+ *   - "BACKEND:ADDRESS": the device at that PCI address through that backend, overriding its
+ *     default ("opencl:0000:03:00.0" runs an NVIDIA GPU through OpenCL).
+ * \param[out] sel the device and an explanation
+ * \return 0; APE_EINVAL (NULL ctx or sel, malformed spec or address, unknown backend);
+ *         APE_ENODEV (no such device or index); APE_ENOBACKEND (the device exists but no backend
+ *         of this context drives it, or not the one named; the message says why).
+ */
+APE_API int ape_device_select_spec(ape_context *ctx, const char *spec, ape_selection *sel);
+/**@}*/
+
+/** \name Physical devices, NUMA placement and topology
+ *
+ * A physical device is one piece of hardware: a GPU, an accelerator, the CPU, or the reference.
+ * A logical device (ape_device) is a physical device as one backend drives it. One GPU seen by
+ * CUDA, OpenCL and DRM is one physical device; two identical GPUs on different buses are two.
+ * Physical indices are stable: PCI devices ordered by PCI address (domain, bus, device,
+ * function), then devices without an address (GPUs whose driver does not say, then the CPU),
+ * then the reference.
+ */
+/**@{*/
+
+/** \name API flags of ape_physical_info.apis */
+/**@{*/
+#define APE_API_CUDA (1u << 0) /**< the CUDA driver reports it */
+#define APE_API_OPENCL (1u << 1) /**< an OpenCL platform reports it */
+#define APE_API_DRM (1u << 2) /**< the kernel's DRM has a render node for it */
+#define APE_API_HOST (1u << 3) /**< libape's own host code (the reference) */
+/**@}*/
+
+/** One physical device. */
+typedef struct ape_physical_info {
+	int index; /**< position in the physical list */
+	char name[128]; /**< from the driver, or "NVIDIA GPU [10de:2330]" when none reports it */
+	char vendor[64];
+	uint16_t pci_vendor_id; /**< 0 when unknown (not on PCI, or no one says) */
+	uint16_t pci_device_id; /**< 0 when unknown */
+	char pci_address[16]; /**< "0000:03:00.0", or "" when not on PCI or unknown */
+	ape_device_kind kind;
+	unsigned apis; /**< APE_API_* flags: what sees it; 0 for a device found only on the bus */
+	char render_node[64]; /**< "/dev/dri/renderD128", or "" */
+	/** A backend of this context drives it: ape_device_select_spec() can choose it. */
+	bool usable;
+	/**
+	 * Why it is not usable ("NVIDIA GPU at 0000:03:00.0 but cuda: libcuda.so.1 not found",
+	 * "AMD GPU at 0000:c1:00.0 but no OpenCL driver reports it"); for a usable device driven by
+	 * another backend than its vendor's preferred one, why ("cuda: ...; driven through
+	 * opencl"); otherwise "".
+	 */
+	char reason[256];
+	/** ape_device_list() index of the logical device used by default, or -1 when unusable. */
+	int device_index;
+	/** The default backend: "cuda" for NVIDIA GPUs CUDA reaches, "opencl" for other GPUs,
+	 *  accelerators and CPUs, "ref" for the reference; for an unusable device the backend that
+	 *  would drive it. */
+	char backend[16];
+	int numa_node; /**< OS index of its NUMA node; -1 when unknown or local to several */
+	char numa_nodes[64]; /**< every node it is local to, list format ("0", "0-1"); "" unknown */
+	char cpuset[256]; /**< its local CPUs (OS indices), list format "0-7,16-23"; "" unknown */
+	/** How host staging buffers for it are placed under the context's policy: APE_NUMA_LOCAL
+	 *  (bound to staging_nodes), APE_NUMA_INTERLEAVE (interleaved over staging_nodes) or
+	 *  APE_NUMA_OFF (a plain allocation: the node is unknown, or the policy is off). For a
+	 *  topology XML context, where they would be placed on that machine. */
+	ape_numa_policy staging_policy;
+	char staging_nodes[64]; /**< list format; "" for APE_NUMA_OFF */
+	uint64_t memory_bytes; /**< device memory; 0 when unknown */
+	int compute_units; /**< 0 when unknown */
+} ape_physical_info;
+
+/**
+ * \brief Count-then-fill enumeration of the physical devices: with \p info NULL, returns how
+ * many there are; otherwise fills \p info for physical device \p index.
+ *
+ * The list holds every device some API reports and every GPU or accelerator found on the PCI
+ * bus (display controllers of BMCs and virtual machines excepted), usable or not, less those
+ * `APE_VISIBLE_DEVICES` hides.
+ * \return the count, 0 when filled, or APE_EINVAL (NULL ctx, index out of range).
+ */
+APE_API int ape_physical_get_info(const ape_context *ctx, int index, ape_physical_info *info);
+
+/** How two physical devices are connected, in the words of `nvidia-smi topo -m`. */
+typedef enum ape_link {
+	APE_LINK_SELF = 0, /**< "X": the same device */
+	APE_LINK_PIX = 1, /**< "PIX": through at most one PCIe bridge or switch */
+	APE_LINK_PXB = 2, /**< "PXB": through several PCIe bridges, no host bridge */
+	APE_LINK_PHB = 3, /**< "PHB": through a PCIe host bridge (the CPU's root complex) */
+	APE_LINK_NODE = 4, /**< "NODE": between host bridges of one NUMA node */
+	APE_LINK_SYS = 5, /**< "SYS": across NUMA nodes, over the SMP interconnect */
+	APE_LINK_UNKNOWN = 6, /**< "-": not both on the PCI bus hwloc sees */
+} ape_link;
+
+/**
+ * \brief The connection between physical devices \p a and \p b.
+ * \return an ape_link (>= 0), or APE_EINVAL (NULL ctx, index out of range).
+ */
+APE_API int ape_physical_link(const ape_context *ctx, int a, int b);
+
+/** \brief "X", "PIX", "PXB", "PHB", "NODE", "SYS", "-" for \p link; "?" for other values. */
+APE_API const char *ape_link_name(int link);
+
+/** The machine a context describes. */
+typedef struct ape_topology_info {
+	/** The topology is this machine's: placement and binding are real. False for a topology
+	 *  XML file, or when hwloc could not read the machine. */
+	bool this_machine;
+	/** "this machine", "XML file FILE", or what went wrong ("this machine: hwloc: ...") */
+	char source[320];
+	int numa_nodes; /**< 0 when unknown */
+	int packages, cores, pus; /**< 0 when unknown */
+	ape_numa_policy numa_policy; /**< the policy in effect: LOCAL, INTERLEAVE or OFF */
+	/** How the policy plays out: "one NUMA node: every buffer is local", "APE_NUMA=off", ... */
+	char numa_note[256];
+	/** DRM enumeration: "2 DRM devices", "no DRM devices (/dev/dri absent)", "not scanned: ..." */
+	char drm_note[256];
+	/** The visible-devices filter in effect ("" for none) and where it came from. */
+	char visible_devices[256];
+} ape_topology_info;
+
+/** \brief Describes the machine \p ctx sees. \return 0 or APE_EINVAL (NULL argument). */
+APE_API int ape_topology_get_info(const ape_context *ctx, ape_topology_info *info);
+
+/** One NUMA node. */
+typedef struct ape_numa_info {
+	int index; /**< position among the nodes */
+	int os_index; /**< the number Linux gives it (numactl, /sys), used everywhere else */
+	uint64_t memory_bytes; /**< 0 when unknown */
+	char cpuset[256]; /**< its CPUs, list format; "" for a CPU-less node */
+} ape_numa_info;
+
+/**
+ * \brief Count-then-fill enumeration of the NUMA nodes: with \p info NULL, returns how many
+ * there are (0 when unknown); otherwise fills \p info for node \p index.
+ * \return the count, 0 when filled, or APE_EINVAL (NULL ctx, index out of range).
+ */
+APE_API int ape_numa_get_info(const ape_context *ctx, int index, ape_numa_info *info);
+
+/**
+ * \brief Relative memory access cost between NUMA nodes \p from and \p to (OS indices), as the
+ * firmware's table gives it (10 for a node to itself, 20 or more across sockets).
+ * \return the distance (> 0), 0 when the topology has no distance table, or APE_EINVAL (NULL
+ *         ctx, no such node).
+ */
+APE_API int ape_numa_distance(const ape_context *ctx, int from, int to);
+
+/** Result of ape_device_measure_h2d(). */
+typedef struct ape_copy_result {
+	double ms; /**< median wall time of one copy, synchronised */
+	double gbytes_per_s; /**< bytes per median copy time, in 10^9 bytes per second */
+	/** OS index of the node the buffer's pages were found on after the copies, checked with
+	 *  the kernel; -1 when they were spread over several or the kernel does not say. */
+	int numa_node;
+} ape_copy_result;
+
+/**
+ * \brief Measures host-to-device copy bandwidth from a host buffer placed on one NUMA node,
+ * allocated and pinned the way libape's staging buffers are.
+ *
+ * \param numa_node OS index of the node to place the buffer on; -1 for the device's staging
+ *        placement under the context's policy
+ * \param bytes buffer size, > 0
+ * \param repeats timed copies, >= 1 (one untimed copy comes first)
+ * \return 0; APE_EINVAL (NULL argument, bad size or count, no such node); APE_ENOTSUP (the
+ *         context describes another machine, or memory cannot be bound here); APE_ENOMEM;
+ *         device errors.
+ */
+APE_API int ape_device_measure_h2d(ape_device *dev, int numa_node, size_t bytes, int repeats,
+				   ape_copy_result *res);
 /**@}*/
 
 /** \name Attention */

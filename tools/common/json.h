@@ -1,0 +1,11 @@
+/* SPDX-License-Identifier: MIT */
+/* JSON output for the tools' --json modes: strings from drivers may hold anything. */
+#ifndef APE_TOOLS_JSON_H
+#define APE_TOOLS_JSON_H
+
+#include <stdio.h>
+
+/* Writes `s` as a JSON string literal, quotes included; NULL is written as null. */
+void json_string(FILE *f, const char *s);
+
+#endif
