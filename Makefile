@@ -146,7 +146,7 @@ valgrind: all $(TESTS)
 	$(Q)APE_TEST_VALGRIND=1 tests/run-tests.sh --valgrind $(BUILD) $(TESTS)
 
 run: all
-	$(Q)$(BUILD)/bin/ape-bench --main-job
+	$(Q)$(BUILD)/bin/ape-bench -L 1024 --warmup 1 --repeats 3 --check-rows 32
 
 install: all
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include/ape $(DESTDIR)$(PREFIX)/bin \
