@@ -62,7 +62,10 @@ int test_problem_make(test_problem *tp, ape_rng *r, const test_problem_shape *sh
 {
 	const int64_t qs[4] = { sh->B, sh->H, sh->Lq, sh->D };
 	const int64_t ks[4] = { sh->B, sh->Hkv, sh->Lk, sh->D };
-	double sd = ape_rng_uniform(r) < 0.2 ? 3.0 : 1.0; /* sometimes peaky softmaxes */
+	/* sometimes peaky softmaxes; with the scale below, |scale| |q| |k| stays under ~200, the
+	 * range where float32 kernels keep the spec's tolerance (docs/ape.md, "Storage and
+	 * accuracy") */
+	double sd = ape_rng_uniform(r) < 0.2 ? 2.5 : 1.0;
 
 	memset(tp, 0, sizeof(*tp));
 	tp->strided = strided;
@@ -122,7 +125,7 @@ void test_problem_random_params(test_problem *tp, ape_rng *r)
 	}
 	tp->desc.rope_base = bases[ape_rng_range(r, 0, 3)];
 	tp->desc.scale_set = ape_rng_uniform(r) < 0.4;
-	tp->desc.scale = ape_rng_uniform(r) * 4 - 2;
+	tp->desc.scale = (ape_rng_uniform(r) * 4 - 2) / sqrt((double)tp->q.t.shape[3]);
 	tp->desc.causal = ape_rng_uniform(r) < 0.7;
 	tp->desc.layout = ape_rng_uniform(r) < 0.5 ? APE_ROPE_HALF : APE_ROPE_INTERLEAVED;
 	tp->desc.k_start = ape_rng_range(r, -50, 50);

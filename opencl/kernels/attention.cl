@@ -1,0 +1,822 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The fused APE attention kernel (docs/kernels.md), OpenCL C 1.2.
+ *
+ * The host builds this file behind a short prelude (APE_REAL, the float64 pragma) and
+ * runtime/ape_math.h, with these compile-time parameters:
+ *   APE_D     64 or 128 (specialised: loop bounds known), or 0 (any even D <= 256, known at
+ *             run time)
+ *   APE_RW    query rows per row vector, carried in the lanes of a vector type: 16 on a CPU with
+ *             AVX-512 (PoCL compiles float16 arithmetic straight to zmm registers), 1 on a GPU
+ *   APE_RG    row vectors per work-item: 4 on a CPU (one work-item owns 64 rows and needs no
+ *             barrier), 1 on a GPU
+ *   APE_NWI   work-items per work-group (1 on a CPU, 64 on a GPU); a work-group owns
+ *             BQ = APE_RW * APE_RG * APE_NWI query rows
+ *   APE_BK    keys per key tile (<= 64: the rotation recurrence is reseeded at every tile start)
+ *   APE_SB    keys per score sub-block: APE_SB score vectors stay in registers while the pair
+ *             loop runs over them
+ *   APE_FP64  1 when the device has cl_khr_fp64 (seeds, alpha and the bias tables in float64)
+ *
+ * A work-group owns a query tile of BQ rows of one (batch, head) and walks the key tiles from the
+ * diagonal outward (backward only when causal, alternating sides otherwise). Per tile: K, V and
+ * the tile's per-distance temperature and bias go to local memory; each row vector is seeded
+ * at the tile's first key, scores the tile while rotating its query one key at a time, and
+ * takes one online-softmax update. With skipping allowed, a row vector stops a side once it has
+ * proved the rest of it negligible, and the work-group stops loading that side when all have.
+ *
+ * Everything per pair is float32. Scores live in a per-row shifted frame: c_row, the bias at the
+ * row's nearest visible distance (its largest bias when the decays are >= 0), is subtracted in
+ * float64, so that float32 keeps the differences between the scores that matter even when |n|
+ * is large; LSE adds c_row back in float64.
+ */
+
+#if APE_D
+#define APE_DMAX APE_D
+#define DIM APE_D
+#else
+#define APE_DMAX 256
+#define DIM (R->D) /* every function reaches the run-time D through its struct run *R */
+#endif
+#define APE_PMAX (APE_DMAX / 2)
+#define BQ (APE_RW * APE_RG * APE_NWI)
+
+/* Barriers only where several work-items share a tile: PoCL replicates the code that follows
+ * each barrier in a loop, which tripled this kernel's size and compile time on a CPU. */
+#if APE_NWI > 1
+#define WG_BARRIER() barrier(CLK_LOCAL_MEM_FENCE)
+#else
+#define WG_BARRIER() ((void)0)
+#endif
+
+/* Local memory: K as two pair-ordered halves and V, reused at the end to transpose the outputs */
+#define KV_TILE (2 * APE_BK * APE_DMAX)
+#define STAGE (APE_RW > 1 ? BQ * APE_DMAX : 0)
+#define KV_FLOATS (KV_TILE > STAGE ? KV_TILE : STAGE)
+
+/* Loops stay rolled unless unrolling keeps an array in registers: PoCL inlines every builtin,
+ * and fully unrolled loops made the work-group function take minutes to compile. */
+#define NOUNROLL _Pragma("unroll 1")
+
+/* Every helper is inlined: PoCL compiles with -Dinline=, and a helper left as a call passes its
+ * float16/double16 arguments through memory (measured: a fifth slower when the seed sincos
+ * stayed a call). */
+#define KFN static inline __attribute__((always_inline))
+
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+
+/* vf: APE_RW query rows of one float quantity; vr: the same in APE_REAL. */
+#if APE_RW == 1
+typedef float vf;
+typedef int vi;
+typedef APE_REAL vr;
+#define VL(p) (*(p))
+#define VS(v, p) (*(p) = (v))
+#define TO_VF(x) ((float)(x))
+#define TO_VI(x) ((int)(x))
+#define TO_VR(x) ((APE_REAL)(x))
+#else
+typedef CAT(float, APE_RW) vf;
+typedef CAT(int, APE_RW) vi;
+typedef CAT(APE_REAL, APE_RW) vr;
+#define VL(p) CAT(vload, APE_RW)(0, (p))
+#define VS(v, p) CAT(vstore, APE_RW)((v), 0, (p))
+#define TO_VF(x) CAT(convert_float, APE_RW)(x)
+#define TO_VI(x) CAT(convert_int, APE_RW)(x)
+#define TO_VR(x) CAT(CAT(convert_, APE_REAL), APE_RW)(x)
+#endif
+
+__constant int ape_iota[16] = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15 };
+#if APE_RW == 1
+#define IOTA 0
+#else
+#define IOTA VL(ape_iota) /* lane k holds k */
+#endif
+
+/* launch flags (ocl_attention.c) */
+#define F_DT_IN(f) ((f) & 3)
+#define F_DT_OUT(f) (((f) >> 2) & 3)
+#define F_CAUSAL 16
+#define F_INTERLEAVED 32
+#define F_LSE 64
+#define F_PAIRS 128
+#define F_SKIP 256
+#define F_KV_F32 512 /* K and V come from ape_kv_prep(): float32, K pair-ordered */
+
+/* storage types: ape_dtype values */
+#define DT_F16 1
+#define DT_BF16 2
+
+KFN float ld(__global const void *p, long i, int dt)
+{
+	if (dt == DT_F16)
+		return vload_half((size_t)i, (__global const half *)p);
+	if (dt == DT_BF16)
+		return as_float((uint)((__global const ushort *)p)[i] << 16);
+	return ((__global const float *)p)[i];
+}
+
+KFN ushort to_bf16(float f)
+{
+	uint u = as_uint(f);
+
+	if ((u & 0x7fffffffu) > 0x7f800000u)
+		return (ushort)((u >> 16) | 0x40u); /* a NaN stays a NaN */
+	u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest, ties to even */
+	return (ushort)(u >> 16);
+}
+
+KFN void st(__global void *p, long i, float x, int dt)
+{
+	if (dt == DT_F16)
+		vstore_half_rte(x, (size_t)i, (__global half *)p);
+	else if (dt == DT_BF16)
+		((__global ushort *)p)[i] = to_bf16(x);
+	else
+		((__global float *)p)[i] = x;
+}
+
+/*
+ * sin and cos of a seed angle (APE_REAL, any size): reduced by pi/2 in APE_REAL with a two-part
+ * constant, then Cephes' float polynomials on [-pi/4, pi/4] (error about 1 ulp there) and the
+ * quadrant's swap and signs. The builtin float sincos took a quarter of the whole kernel's time
+ * on PoCL (it reduces every argument again, large ones included); this is a dozen vector fmas.
+ */
+KFN vf seed_sincos(vr a, vf *cosine)
+{
+#if APE_FP64
+	const vr k = rint(a * 0.6366197723675814);
+	const vr rr = fma(-k, 6.123233995736766e-17, fma(-k, 1.5707963267948966, a));
+#else
+	const vr k = rint(a * 0.63661977236f);
+	const vr rr = fma(-k, -4.371139e-8f, fma(-k, 1.5707963705f, a));
+#endif
+	const vi q = TO_VI(k - 4 * floor(k * (APE_REAL)0.25)); /* k mod 4, exactly */
+	const vf r = TO_VF(rr), r2 = r * r;
+	const vf sr = fma(r * r2, fma(r2, fma(r2, -1.9515295891e-4f, 8.3321608736e-3f),
+				      -1.6666654611e-1f), r);
+	const vf cr = fma(r2 * r2, fma(r2, fma(r2, 2.443315711809948e-5f, -1.388731625493765e-3f),
+				       4.166664568298827e-2f), fma(r2, -0.5f, 1.0f));
+	const vi odd = (q & 1) != 0;
+	const vf s = select(sr, cr, odd), c = select(cr, sr, odd);
+
+	*cosine = select(c, -c, ((q + 1) & 2) != 0); /* negative in quadrants 1 and 2 */
+	return select(s, -s, (q & 2) != 0); /* negative in quadrants 2 and 3 */
+}
+
+/* Smallest |n| over the distances lo..hi. */
+KFN long min_abs(long lo, long hi)
+{
+	return lo > 0 ? lo : hi < 0 ? -hi : 0;
+}
+
+/* May a row stop walking in one direction? `count` keys remain there, none closer than `an`. */
+KFN int may_stop(APE_REAL lambda, APE_REAL delta, APE_REAL beta, APE_REAL gamma,
+		 APE_REAL abs_scale, APE_REAL qnorm, APE_REAL kmax, long an, long count,
+		 APE_REAL crow, float m, float l, float tol)
+{
+	APE_REAL u;
+
+	if (count <= 0)
+		return 1;
+	u = ape_score_bound(lambda, delta, beta, gamma, abs_scale, qnorm, kmax, (APE_REAL)an);
+	u -= crow;
+	return ape_tail_negligible(u, (APE_REAL)m, (APE_REAL)l, (APE_REAL)count, (APE_REAL)tol);
+}
+
+/* One K row into the pair-ordered halves (u = first, w = second component of each pair) and one
+ * V row, converted to float; the layout and type branches sit outside the loops. */
+KFN void load_kv_row(__global const void *K, __global const void *V, long base, int P,
+		     int dt, int inter, __local float *ku, __local float *kw,
+		     __local float *vrow)
+{
+	if (dt == 0) {
+		__global const float *k = (__global const float *)K + base;
+		__global const float *v = (__global const float *)V + base;
+
+		if (inter) {
+			for (int p = 0; p < P; p++) {
+				ku[p] = k[2 * p];
+				kw[p] = k[2 * p + 1];
+			}
+		} else {
+			for (int p = 0; p < P; p++) {
+				ku[p] = k[p];
+				kw[p] = k[p + P];
+			}
+		}
+		for (int d = 0; d < 2 * P; d++)
+			vrow[d] = v[d];
+		return;
+	}
+	for (int p = 0; p < P; p++) {
+		ku[p] = ld(K, base + (inter ? 2 * p : p), dt);
+		kw[p] = ld(K, base + (inter ? 2 * p + 1 : p + P), dt);
+	}
+	for (int d = 0; d < 2 * P; d++)
+		vrow[d] = ld(V, base + d, dt);
+}
+
+/* The launch's constants, gathered once and read by every helper. */
+struct run {
+	__global const void *Q, *K, *V;
+	__global const APE_REAL *omega; /* omega_p, P values */
+	long Lq, Lk, rel, ntk, qbase, kbase, bh, bkv, i0;
+	int D, wi, dtin, kvdt, inter, kvinter, causal, skip, flags;
+	APE_REAL delta, beta, gamma, lambda;
+	float scale, tol;
+};
+
+/* One row vector: APE_RW query rows of a work-item, from first query load to output. */
+struct rows {
+	long i; /* first row */
+	int rb; /* first row within the work-group's query tile */
+	vf xq[APE_PMAX], yq[APE_PMAX]; /* the query's pairs */
+	vf cw[APE_PMAX], sw[APE_PMAX]; /* cos, sin of the per-key step w_p = omega_p / alpha */
+	vf acc[APE_DMAX], m, l; /* online softmax: sum of weights * V, running maximum, sum */
+	vr ia, crow; /* 1 / alpha; the score shift c_row */
+	APE_REAL qn[APE_RW], crow_s[APE_RW]; /* |q| (rounded up), c_row: per lane */
+	long tlo, thi; /* key tiles scored: tlo .. thi */
+	int done_b, done_f; /* proved the rest negligible backward, forward */
+};
+
+/* Loads the rows, then what stays fixed per row: alpha, the steps, |q|, c_row. */
+KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
+{
+	const int P = DIM / 2;
+	float tx[APE_RW], ty[APE_RW];
+	APE_REAL tr[APE_RW], tc[APE_RW];
+	vr sum = (vr)0, ss = (vr)0, qq = (vr)0, mean, sig;
+
+	r->i = i;
+	r->rb = rb;
+	NOUNROLL
+	for (int p = 0; p < P; p++) {
+		const int a = R->inter ? 2 * p : p, c = R->inter ? 2 * p + 1 : p + P;
+
+		NOUNROLL
+		for (int k = 0; k < APE_RW; k++) {
+			const long row = R->qbase + (i + k) * DIM;
+
+			tx[k] = i + k < R->Lq ? ld(R->Q, row + a, R->dtin) : 0.0f;
+			ty[k] = i + k < R->Lq ? ld(R->Q, row + c, R->dtin) : 0.0f;
+		}
+		r->xq[p] = VL(tx);
+		r->yq[p] = VL(ty);
+		sum += TO_VR(r->xq[p]) + TO_VR(r->yq[p]);
+	}
+	/* sigma: two passes (mean, then squares), in APE_REAL: alpha's error becomes an angle error
+	 * proportional to |n| */
+	mean = sum / (APE_REAL)DIM;
+	NOUNROLL
+	for (int p = 0; p < P; p++) {
+		const vr x = TO_VR(r->xq[p]), y = TO_VR(r->yq[p]);
+
+		ss += (x - mean) * (x - mean) + (y - mean) * (y - mean);
+		qq += x * x + y * y;
+	}
+	sig = sqrt(ss / (APE_REAL)(DIM - 1));
+	VS(sig, tr);
+	VS(qq, tc);
+	NOUNROLL
+	for (int k = 0; k < APE_RW; k++) {
+		const long diag = R->rel + i + k; /* index of the key at n = 0 */
+		long an;
+
+		tr[k] = (APE_REAL)1 / ape_alpha(R->lambda, tr[k]);
+		r->qn[k] = sqrt(tc[k]) * (APE_REAL)(1 + 0x1p-20f);
+		/* c_row: the bias at the row's nearest visible distance */
+		if (R->causal)
+			an = diag < 0 ? 0 : diag - min(diag, R->Lk - 1);
+		else
+			an = min_abs(diag - (R->Lk - 1), diag);
+		r->crow_s[k] = ape_bias(R->delta, R->beta, R->gamma, (APE_REAL)an);
+	}
+	r->ia = VL(tr);
+	r->crow = VL(r->crow_s);
+	NOUNROLL
+	for (int p = 0; p < P; p++)
+		r->sw[p] = seed_sincos(R->omega[p] * r->ia, &r->cw[p]);
+	NOUNROLL
+	for (int d = 0; d < DIM; d++)
+		r->acc[d] = (vf)0.0f;
+	r->m = (vf)(-INFINITY);
+	r->l = (vf)0.0f;
+}
+
+/*
+ * A key tile into local memory (this work-item's share): K as pair-ordered halves, V, and the
+ * block's Bq + Bk - 1 distances' temperature and bias, the bias relative to the block's own
+ * reference bref so that float32 keeps its fine differences. The float64 values per distance
+ * are kept (raw, pairs of scale * temp and bias) so that the next tile takes the distances it
+ * shares with this one (half of them when the walk steps to a neighbour) instead of another
+ * log1p, sqrt and division each: the tables had cost a seventh of the dense kernel's time.
+ */
+KFN void tile_load(const struct run *R, long j0, int len, long nbase, APE_REAL bref,
+		   __local float *ku, __local float *kw, __local float *vt, __local float *ttab,
+		   __local float *btab, __local const APE_REAL *rold, __local APE_REAL *rnew,
+		   long shift, int reuse)
+{
+	const int P = DIM / 2;
+
+	NOUNROLL
+	for (int j = R->wi; j < APE_BK; j += APE_NWI) {
+		if (j < len) {
+			load_kv_row(R->K, R->V, R->kbase + (j0 + j) * DIM, P, R->kvdt, R->kvinter,
+				    ku + j * P, kw + j * P, vt + j * DIM);
+		} else { /* past the end: zeros, so that 0 * V stays 0 */
+			for (int p = 0; p < P; p++)
+				ku[j * P + p] = kw[j * P + p] = 0.0f;
+			for (int d = 0; d < DIM; d++)
+				vt[j * DIM + d] = 0.0f;
+		}
+	}
+	NOUNROLL
+	for (int e = R->wi; e < BQ + APE_BK - 1; e += APE_NWI) {
+		const long eo = e + shift; /* the same distance in the previous tile's table */
+		APE_REAL t, b;
+
+		if (reuse && eo >= 0 && eo < BQ + APE_BK - 1) {
+			t = rold[2 * eo];
+			b = rold[2 * eo + 1];
+		} else {
+			const long n = nbase + e - (APE_BK - 1);
+			const APE_REAL an = (APE_REAL)(n < 0 ? -n : n);
+
+			t = ape_temp(R->lambda, an) * (APE_REAL)R->scale;
+			b = ape_bias(R->delta, R->beta, R->gamma, an);
+		}
+		rnew[2 * e] = t;
+		rnew[2 * e + 1] = b;
+		ttab[e] = (float)t;
+		btab[e] = (float)(b - bref);
+	}
+}
+
+/*
+ * The scores of the rows against the tile into sc[]: seeds (the angle n * omega_p / alpha at the
+ * tile's first key, exactly reduced) rotate the query, which then walks the keys (n falls by one
+ * per key, so it turns by -w_p each step) while APE_SB score vectors stay in registers.
+ * Masked keys (past the tile's end, after the row's diagonal) get -inf.
+ */
+KFN void tile_scores(const struct run *R, const struct rows *r, long nbase, int len, int lim,
+		     int mask, APE_REAL bref, __local const float *ku, __local const float *kw,
+		     __local const float *ttab, __local const float *btab, vf *sc)
+{
+	const int P = DIM / 2;
+	const vi ii = r->rb + IOTA;
+	const vf cr = TO_VF((vr)bref - r->crow);
+	const vr n0 = (APE_REAL)(nbase + r->rb) + TO_VR(IOTA);
+	vf xr[APE_PMAX], yr[APE_PMAX];
+
+	NOUNROLL
+	for (int p = 0; p < P; p++) {
+		vf c, s = seed_sincos(n0 * (R->omega[p] * r->ia), &c);
+
+		xr[p] = r->xq[p] * c - r->yq[p] * s;
+		yr[p] = r->xq[p] * s + r->yq[p] * c;
+	}
+	NOUNROLL
+	for (int sb = 0; sb < APE_BK; sb += APE_SB) {
+		vf S[APE_SB];
+
+#pragma unroll
+		for (int jj = 0; jj < APE_SB; jj++)
+			S[jj] = (vf)0.0f;
+		NOUNROLL
+		for (int p = 0; p < P; p++) {
+			vf x = xr[p], y = yr[p];
+			const vf c = r->cw[p], s = r->sw[p];
+			__local const float *pu = ku + sb * P + p, *pw = kw + sb * P + p;
+
+#pragma unroll
+			for (int jj = 0; jj < APE_SB; jj++) {
+				const vf xn = fma(x, c, y * s);
+
+				S[jj] = fma(x, (vf)pu[jj * P], fma(y, (vf)pw[jj * P], S[jj]));
+				y = fma(y, c, -(x * s));
+				x = xn;
+			}
+			xr[p] = x;
+			yr[p] = y;
+		}
+#pragma unroll
+		for (int jj = 0; jj < APE_SB; jj++) {
+			const int j = sb + jj, e = r->rb - j + APE_BK - 1;
+			const vf s = fma(S[jj], VL(ttab + e), VL(btab + e) + cr);
+			const vi hide = (vi)(-(j >= len)) | (mask ? ii - j < lim : (vi)0);
+
+			/* a NaN or Inf input must not vanish into a zero weight: its non-finite
+			 * dot product makes the score NaN (a bias so large that it rounds to -inf
+			 * is only a zero weight) */
+			sc[j] = select(select((vf)NAN, s, isfinite(S[jj])), (vf)(-INFINITY), hide);
+		}
+	}
+}
+
+/*
+ * acc[d0 .. d0+W) += P V over the tile, after scaling by corr. In a block cut by the causal
+ * diagonal a masked key must add nothing at all, not 0 * V: V may hold a NaN that only the rows
+ * which see the key may receive.
+ */
+#define ACC_CHUNK(W)                                                                               \
+	do {                                                                                       \
+		vf a[W];                                                                           \
+		_Pragma("unroll") for (int dd = 0; dd < (W); dd++) a[dd] = r->acc[d0 + dd] * corr; \
+		if (!mask) {                                                                       \
+			NOUNROLL for (int j = 0; j < len; j++) {                                   \
+				const vf pj = sc[j];                                               \
+				__local const float *vv = vt + j * DIM + d0;                       \
+				_Pragma("unroll") for (int dd = 0; dd < (W); dd++) a[dd] =         \
+					fma(pj, (vf)vv[dd], a[dd]);                                \
+			}                                                                          \
+		} else {                                                                           \
+			NOUNROLL for (int j = 0; j < len; j++) {                                   \
+				const vf pj = sc[j];                                               \
+				const vi vis = ii - j >= lim;                                      \
+				__local const float *vv = vt + j * DIM + d0;                       \
+				_Pragma("unroll") for (int dd = 0; dd < (W); dd++) a[dd] =         \
+					fma(pj, select((vf)0.0f, (vf)vv[dd], vis), a[dd]);         \
+			}                                                                          \
+		}                                                                                  \
+		_Pragma("unroll") for (int dd = 0; dd < (W); dd++) r->acc[d0 + dd] = a[dd];        \
+	} while (0)
+
+/*
+ * One online-softmax update for the whole tile; '>' ignores NaN, exp() keeps it.
+ * Weights below e^-87 (where float turns subnormal) are exact zeros: they are 1e-38 of the
+ * row's largest and change nothing, but an x86 FMA with a subnormal operand takes a microcode
+ * assist, and a decaying bias makes every row meet a band of them: the dense kernel with the
+ * seed's parameters ran at less than half speed. A NaN score keeps its NaN (a comparison
+ * with NaN is false).
+ */
+KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int mask,
+		      __local const float *vt, vf *sc)
+{
+	const vi ii = r->rb + IOTA;
+	vf mt = r->m, corr, lsum = (vf)0.0f;
+	int d0 = 0;
+
+	NOUNROLL
+	for (int j = 0; j < len; j++)
+		mt = select(mt, sc[j], sc[j] > mt);
+	corr = select(select(exp(r->m - mt), (vf)0.0f, r->m - mt < -87.0f), (vf)1.0f, r->m == mt);
+	NOUNROLL
+	for (int j = 0; j < len; j++) {
+		const vf dj = sc[j] - mt; /* NaN for a masked key in a row with no key yet */
+		const vf pj = select(exp(dj), (vf)0.0f, dj < -87.0f || sc[j] == (vf)(-INFINITY));
+
+		sc[j] = pj;
+		lsum += pj;
+	}
+	r->l = r->l * corr + lsum;
+	r->m = mt;
+	NOUNROLL
+	for (; d0 + 16 <= DIM; d0 += 16)
+		ACC_CHUNK(16);
+	NOUNROLL
+	for (; d0 < DIM; d0 += 2)
+		ACC_CHUNK(2);
+}
+
+/*
+ * May every row of r stop walking backward (tiles 0..lo remain) / forward (tiles hi.. remain)?
+ * *cb and *cf come in as "still asked" and leave as the answers. The bound of docs/kernels.md:
+ * kb and kf are the largest key norms left on each side.
+ */
+KFN void rows_may_stop(const struct run *R, const struct rows *r, long lo, long hi,
+		       APE_REAL kb, APE_REAL kf, int *cb, int *cf)
+{
+	const APE_REAL as = fabs((APE_REAL)R->scale);
+	float ms[APE_RW], ls[APE_RW];
+
+	VS(r->m, ms);
+	VS(r->l, ls);
+	NOUNROLL
+	for (int k = 0; k < APE_RW && (*cb || *cf); k++) {
+		const long i = r->i + k, diag = R->rel + i;
+
+		if (i >= R->Lq)
+			continue; /* padding rows never hold the work-group back */
+		if (*cb) {
+			long cnt = (lo + 1) * APE_BK;
+
+			if (R->causal)
+				cnt = min(cnt, diag + 1);
+			*cb = may_stop(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k], kb,
+				       min_abs(diag - cnt + 1, diag), cnt, r->crow_s[k], ms[k],
+				       ls[k], R->tol);
+		}
+		if (*cf) {
+			const long cnt = R->Lk - hi * APE_BK;
+
+			*cf = may_stop(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k], kf,
+				       min_abs(diag - (R->Lk - 1), diag - hi * APE_BK), cnt,
+				       r->crow_s[k], ms[k], ls[k], R->tol);
+		}
+	}
+}
+
+/* LSE (c_row + m + ln l, -inf with no key) and the pairs computed, row by row; O = acc / l (0
+ * with no key, NaN stays NaN) straight out (one row per work-item) or into the transposing
+ * stage (rows in vector lanes). The visited keys are [jbeg, jend). */
+KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long jend,
+		     __global void *O, __global float *LSE, __global ulong *PAIRS,
+		     __local float *stage)
+{
+	const vf inv = select((vf)1.0f / r->l, (vf)0.0f, r->l == (vf)0.0f);
+	float ms[APE_RW], ls[APE_RW];
+
+	VS(r->m, ms);
+	VS(r->l, ls);
+	NOUNROLL
+	for (int k = 0; k < APE_RW; k++) {
+		const long i = r->i + k, diag = R->rel + i;
+
+		if (i >= R->Lq)
+			break;
+		if (R->flags & F_LSE)
+			LSE[R->bh * R->Lq + i] =
+				ls[k] > 0.0f ? (float)(r->crow_s[k] + (APE_REAL)ms[k] +
+						       log((APE_REAL)ls[k]))
+				: ls[k] == 0.0f ? -INFINITY
+						: NAN;
+		if (R->flags & F_PAIRS) {
+			const long seen = R->causal ? max(0L, min(jend, diag + 1) - jbeg)
+						    : jend - jbeg;
+
+			PAIRS[R->bh * R->Lq + i] = (ulong)seen;
+		}
+	}
+#if APE_RW == 1
+	if (r->i < R->Lq) {
+		NOUNROLL
+		for (int d = 0; d < DIM; d++)
+			st(O, R->qbase + r->i * DIM + d, r->acc[d] * inv, F_DT_OUT(R->flags));
+	}
+#else
+	NOUNROLL
+	for (int d = 0; d < DIM; d++)
+		VS(r->acc[d] * inv, stage + d * BQ + r->rb);
+#endif
+}
+
+__kernel __attribute__((reqd_work_group_size(APE_NWI, 1, 1))) void
+ape_attention(__global const void *Q, __global const void *K, __global const void *V,
+	      __global void *O, __global float *LSE, __global ulong *PAIRS,
+	      __global const APE_REAL *prm, __global const float *kpre,
+	      __global const float *ksuf, int D, long Lq, long Lk, int H, int group, long rel,
+	      float scale, float skip_tol, int flags)
+{
+	__local float kv[KV_FLOATS];
+	__local float ttab[BQ + APE_BK], btab[BQ + APE_BK];
+	__local APE_REAL rawtab[2][2 * (BQ + APE_BK)]; /* this tile's and the previous tile's */
+#if APE_NWI > 1
+	__local int slots[2 * APE_NWI];
+#endif
+	const int h = (int)(get_global_id(1) % H);
+	struct run run, *R = &run;
+	struct rows rg[APE_RG];
+	vf sc[APE_BK]; /* one tile's scores, then weights */
+
+	R->D = D;
+	const int P = DIM / 2; /* a constant in the specialised programs */
+	__local float *ku = kv, *kw = kv + APE_BK * P, *vt = kv + 2 * APE_BK * P;
+
+	R->Q = Q;
+	R->K = K;
+	R->V = V;
+	R->omega = prm;
+	R->Lq = Lq;
+	R->Lk = Lk;
+	R->rel = rel;
+	R->ntk = (Lk + APE_BK - 1) / APE_BK;
+	R->bh = get_global_id(1);
+	R->bkv = R->bh / H * (H / group) + h / group;
+	R->qbase = R->bh * Lq * DIM;
+	R->kbase = R->bkv * Lk * DIM;
+	/* the heaviest causal query tiles (the last ones) are handed out first */
+	R->i0 = ((long)get_num_groups(0) - 1 - (long)get_group_id(0)) * BQ;
+	R->wi = get_local_id(0);
+	R->flags = flags;
+	R->dtin = F_DT_IN(flags);
+	R->inter = (flags & F_INTERLEAVED) != 0;
+	R->kvdt = flags & F_KV_F32 ? 0 : R->dtin;
+	R->kvinter = flags & F_KV_F32 ? 0 : R->inter;
+	R->causal = (flags & F_CAUSAL) != 0;
+	R->skip = (flags & F_SKIP) != 0;
+	R->delta = prm[P + 4 * h];
+	R->beta = prm[P + 4 * h + 1];
+	R->gamma = prm[P + 4 * h + 2];
+	R->lambda = prm[P + 4 * h + 3];
+	R->scale = scale;
+	R->tol = skip_tol;
+
+	NOUNROLL
+	for (int g = 0; g < APE_RG; g++) {
+		const int rb = (R->wi * APE_RG + g) * APE_RW;
+
+		rows_init(R, &rg[g], R->i0 + rb, rb);
+	}
+
+	/* ---- the walk over key tiles, from the diagonal outward */
+	const long ilast = min(R->i0 + BQ, Lq) - 1;
+	/* causal and no row of the tile sees any key: one pass over an empty tile, so that the
+	 * loop has a single shape */
+	const int none = R->causal && rel + ilast < 0;
+	const long start = R->causal ? (none ? 0 : min(rel + ilast, Lk - 1) / APE_BK)
+				    : clamp(rel + (R->i0 + ilast) / 2, 0L, Lk - 1) / APE_BK;
+	long lo = start - 1, hi = start + 1, t = start, nprev = 0;
+	int back_done = 0, fwd_done = R->causal, next_back = 1, cur = 0;
+
+	NOUNROLL
+	for (int g = 0; g < APE_RG; g++) {
+		rg[g].tlo = rg[g].thi = start;
+		rg[g].done_b = 0;
+		rg[g].done_f = R->causal;
+	}
+	do {
+		const long j0 = t * APE_BK;
+		const int len = none ? 0 : (int)min((long)APE_BK, Lk - j0);
+		const long nbase = rel + R->i0 - j0; /* n of (row i0, key j0) */
+		/* causal: visible iff (row in tile) - (key in tile) >= lim */
+		const int lim = (int)clamp(-nbase, -2L * APE_BK, 2L * BQ);
+		const APE_REAL bref = ape_bias(R->delta, R->beta, R->gamma,
+					       (APE_REAL)(nbase < 0 ? -nbase : nbase));
+
+		WG_BARRIER(); /* the previous tile is no longer read */
+		tile_load(R, j0, len, nbase, bref, ku, kw, vt, ttab, btab, rawtab[cur ^ 1],
+			  rawtab[cur], nbase - nprev, t != start);
+		cur ^= 1;
+		nprev = nbase;
+		WG_BARRIER();
+		/* a row vector that has proved the rest of this side negligible sits it out */
+		NOUNROLL
+		for (int g = 0; g < APE_RG; g++) {
+			struct rows *r = &rg[g];
+			const int mask = R->causal && nbase + r->rb - (APE_BK - 1) < 0;
+
+			if ((t < r->tlo && r->done_b) || (t > r->thi && r->done_f))
+				continue;
+			tile_scores(R, r, nbase, len, lim, mask, bref, ku, kw, ttab, btab, sc);
+			tile_softmax(R, r, len, lim, mask, vt, sc);
+			r->tlo = min(r->tlo, t);
+			r->thi = max(r->thi, t);
+		}
+
+		/* far keys: each row vector stops a side once it has proved the rest of it
+		 * negligible (the doc's per-row rule, 16 rows at a time); the work-group stops
+		 * loading that side once all of its rows have */
+		{
+			const int can_back = R->skip && lo >= 0 && !back_done;
+			const int can_fwd = R->skip && hi < R->ntk && !fwd_done;
+			const APE_REAL kb = can_back ? kpre[R->bkv * (R->ntk + 1) + lo + 1] : 0;
+			const APE_REAL kf = can_fwd ? ksuf[R->bkv * (R->ntk + 1) + hi] : 0;
+			int cb = can_back, cf = can_fwd;
+
+			NOUNROLL
+			for (int g = 0; g < APE_RG; g++) {
+				struct rows *r = &rg[g];
+				int b = can_back && !r->done_b, f = can_fwd && !r->done_f;
+
+				if (b || f)
+					rows_may_stop(R, r, lo, hi, kb, kf, &b, &f);
+				r->done_b |= b;
+				r->done_f |= f;
+				cb &= r->done_b;
+				cf &= r->done_f;
+			}
+#if APE_NWI > 1
+			slots[2 * R->wi] = cb;
+			slots[2 * R->wi + 1] = cf;
+			/* unconditional even without skipping: under a branch, PoCL would copy
+			 * all the code after it */
+			barrier(CLK_LOCAL_MEM_FENCE);
+			cb = can_back;
+			cf = can_fwd;
+			for (int w = 0; w < APE_NWI; w++) {
+				cb &= slots[2 * w];
+				cf &= slots[2 * w + 1];
+			}
+#endif
+			back_done |= cb;
+			fwd_done |= cf;
+		}
+
+		/* next tile: alternate between the two sides while both are open */
+		{
+			const int ob = lo >= 0 && !back_done, of = hi < R->ntk && !fwd_done;
+
+			if (ob && (next_back || !of)) {
+				t = lo--;
+				next_back = 0;
+			} else if (of) {
+				t = hi++;
+				next_back = 1;
+			} else {
+				t = -1;
+			}
+		}
+	} while (t >= 0);
+
+	/* ---- outputs */
+	{
+		WG_BARRIER(); /* every work-item is done with the K/V tile: kv becomes the stage */
+		NOUNROLL
+		for (int g = 0; g < APE_RG; g++)
+			rows_finish(R, &rg[g], none ? 0 : rg[g].tlo * APE_BK,
+				    none ? 0 : min((rg[g].thi + 1) * APE_BK, Lk), O, LSE, PAIRS,
+				    kv);
+#if APE_RW > 1
+		/* lanes were rows: write whole rows from the transposing stage */
+		WG_BARRIER();
+		NOUNROLL
+		for (int rr = R->wi; rr < BQ; rr += APE_NWI) {
+			const long i = R->i0 + rr;
+
+			if (i >= Lq)
+				break;
+			NOUNROLL
+			for (int d = 0; d < DIM; d++)
+				st(O, R->qbase + i * DIM + d, kv[d * BQ + rr], F_DT_OUT(flags));
+		}
+#endif
+	}
+}
+
+/*
+ * K and V as float32, K's pairs in the half layout, once per call: every query tile reads each
+ * key tile again, and converting f16/bf16 (or de-interleaving) there cost more than the
+ * attention arithmetic on PoCL. One work-item per key row.
+ */
+__kernel void ape_kv_prep(__global const void *K, __global const void *V, int D, long rows, int dt,
+			  int inter, int do_v, __global float *Kp, __global float *Vf)
+{
+	const long row = get_global_id(0), base = row * D;
+	const int P = D / 2;
+
+	if (row >= rows)
+		return;
+	for (int p = 0; p < P; p++) {
+		Kp[base + p] = ld(K, base + (inter ? 2 * p : p), dt);
+		Kp[base + P + p] = ld(K, base + (inter ? 2 * p + 1 : p + P), dt);
+	}
+	if (do_v)
+		for (int d = 0; d < D; d++)
+			Vf[base + d] = ld(V, base + d, dt);
+}
+
+/*
+ * Skip pre-pass, part 1: the largest key norm of each key tile of each kv head, rounded up so
+ * that it stays a bound. A NaN or Inf anywhere in the tile's K or V gives +inf, so that such a
+ * tile is never skipped and its NaN reaches every row that sees it.
+ */
+__kernel void ape_kmax(__global const void *K, __global const void *V, int D, long Lk, int dt,
+		       long ntk, __global float *ktile)
+{
+	const long t = get_global_id(0), bkv = get_global_id(1);
+	const long j1 = min((t + 1) * APE_BK, Lk);
+	float mx = 0.0f;
+
+	if (t >= ntk)
+		return;
+	for (long j = t * APE_BK; j < j1; j++) {
+		const long base = (bkv * Lk + j) * D;
+		float s = 0.0f, vs = 0.0f;
+
+		for (int d = 0; d < D; d++) {
+			const float k = ld(K, base + d, dt);
+
+			s += k * k;
+			vs += 0.0f * ld(V, base + d, dt); /* NaN for any NaN or Inf */
+		}
+		s = sqrt(s) + vs;
+		if (!(s <= mx))
+			mx = isnan(s) ? INFINITY : s;
+	}
+	ktile[bkv * ntk + t] = mx * (1.0f + 0x1p-20f);
+}
+
+/* Skip pre-pass, part 2: prefix and suffix maxima, so that "the largest key norm among the
+ * tiles not visited yet in this direction" is one load: pre[t] over tiles < t, suf[t] over
+ * tiles >= t. */
+__kernel void ape_kscan(__global const float *ktile, long ntk, __global float *pre,
+			__global float *suf)
+{
+	const long bkv = get_global_id(0);
+	__global const float *kt = ktile + bkv * ntk;
+	__global float *pr = pre + bkv * (ntk + 1), *su = suf + bkv * (ntk + 1);
+	float run = 0.0f;
+
+	pr[0] = 0.0f;
+	for (long t = 0; t < ntk; t++) {
+		run = fmax(run, kt[t]);
+		pr[t + 1] = run;
+	}
+	run = 0.0f;
+	su[ntk] = 0.0f;
+	for (long t = ntk - 1; t >= 0; t--) {
+		run = fmax(run, kt[t]);
+		su[t] = run;
+	}
+}

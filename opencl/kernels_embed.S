@@ -1,0 +1,25 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The kernel sources, embedded at build time so that the library has no file-path dependency;
+ * the .cl files stay the one source of truth (opencl/module.mk rebuilds this when they change).
+ * Each string is NUL-terminated for clCreateProgramWithSource.
+ */
+	.section .rodata
+	.global ape__ocl_src_attention
+	.hidden ape__ocl_src_attention
+	.type ape__ocl_src_attention, @object
+ape__ocl_src_attention:
+	.incbin "opencl/kernels/attention.cl"
+	.byte 0
+	.size ape__ocl_src_attention, . - ape__ocl_src_attention
+
+	.global ape__ocl_src_math
+	.hidden ape__ocl_src_math
+	.type ape__ocl_src_math, @object
+ape__ocl_src_math:
+	.incbin "runtime/ape_math.h"
+	.byte 0
+	.size ape__ocl_src_math, . - ape__ocl_src_math
+
+	/* no executable stack */
+	.section .note.GNU-stack,"",@progbits

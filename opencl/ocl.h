@@ -1,0 +1,131 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The OpenCL backend's internal state, shared by its files (and by no one else).
+ *
+ * One OpenCL context per device; in-order profiling queues, one per ape__queue (the core makes
+ * one per forward call). Programs are built lazily per (device, D specialisation) under the
+ * device's mutex and kept for the context's life; kernel objects are made per launch, because
+ * clSetKernelArg on a shared cl_kernel is not thread-safe.
+ */
+#ifndef APE_OPENCL_OCL_H
+#define APE_OPENCL_OCL_H
+
+#include <CL/cl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "backend.h"
+#include "ocl_debug.h"
+
+#pragma GCC visibility push(hidden)
+
+/* Program variants: D = 64 and D = 128 specialised, every other even D <= 256 generic. */
+enum { APE__OCL_D64, APE__OCL_D128, APE__OCL_DGEN, APE__OCL_NVARIANTS };
+
+/* Compile-time shape of a variant's kernel (see kernels/attention.cl). */
+struct ape__ocl_tuning {
+	int rw; /* query rows per row vector (vector lanes) */
+	int rg; /* row vectors per work-item */
+	int nwi; /* work-items per work-group */
+	int bk; /* keys per key tile */
+	int sb; /* keys per score sub-block */
+};
+
+struct ape__ocl_program {
+	pthread_mutex_t lock; /* held while building, so that each variant is built once */
+	cl_program prog; /* NULL until built; never changes afterwards */
+	struct ape__ocl_tuning t;
+};
+
+struct ape__ocl_device {
+	cl_platform_id platform;
+	cl_device_id id;
+	cl_context ctx;
+	cl_device_type type;
+	char name[128];
+	char platform_name[128];
+	char platform_version[128];
+	char driver[64];
+	int fp64; /* cl_khr_fp64 */
+	size_t max_wg; /* CL_DEVICE_MAX_WORK_GROUP_SIZE */
+	cl_ulong local_mem; /* CL_DEVICE_LOCAL_MEM_SIZE */
+	cl_ulong max_alloc; /* CL_DEVICE_MAX_MEM_ALLOC_SIZE */
+	cl_uint vec_float; /* CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT */
+	struct ape__ocl_program progs[APE__OCL_NVARIANTS];
+	pthread_mutex_t lock; /* guards counters (builds of two variants may run at once) */
+	struct ape__ocl_debug_counters counters;
+};
+
+/* Every command enqueued on a queue, in order, for profiling and error reporting. Shared by the
+ * queue and the events recorded on it, so that either may be released first. */
+struct ape__ocl_timeline {
+	atomic_int refs;
+	size_t n, cap, checked; /* checked: commands whose status synchronize() has read */
+	cl_event *ev;
+};
+
+struct ape__buf {
+	cl_mem mem;
+	size_t size;
+};
+
+struct ape__queue {
+	struct ape_device *dev;
+	cl_command_queue cq;
+	struct ape__ocl_timeline *tl;
+};
+
+struct ape__event {
+	cl_event marker; /* for event_wait on other queues, and timing across queues */
+	struct ape__ocl_timeline *tl;
+	size_t idx; /* commands of tl enqueued before this event */
+};
+
+static inline struct ape__ocl_device *ape__ocl_dev(const struct ape_device *dev)
+{
+	return dev->priv;
+}
+
+/* ---- ocl_errors.c */
+const char *ape__ocl_err_name(cl_int err);
+/* The libape code for an OpenCL error (ENOMEM, EBUILD, ENODEV or EBACKEND). */
+int ape__ocl_err_code(cl_int err);
+/* Sets the message "opencl <device>: <what>: CL_NAME (code)" and returns the mapped code. */
+int ape__ocl_error(cl_int err, const struct ape_device *dev, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+/* ---- ocl_device.c */
+int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res);
+void ape__ocl_device_release(struct ape_device *dev);
+
+/* ---- ocl_mem.c */
+int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out);
+void ape__ocl_buf_free(struct ape_device *dev, struct ape__buf *buf);
+int ape__ocl_queue_create(struct ape_device *dev, struct ape__queue **out);
+void ape__ocl_queue_destroy(struct ape__queue *q);
+int ape__ocl_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src,
+		      size_t n);
+int ape__ocl_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n);
+int ape__ocl_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+		  size_t n);
+int ape__ocl_event_record(struct ape__queue *q, struct ape__event **out);
+int ape__ocl_event_wait(struct ape__queue *q, struct ape__event *e);
+int ape__ocl_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms);
+void ape__ocl_event_destroy(struct ape__event *e);
+int ape__ocl_synchronize(struct ape__queue *q);
+/* Records a command just enqueued on q (takes over the reference to ev). */
+int ape__ocl_track(struct ape__queue *q, cl_event ev);
+
+/* ---- ocl_program.c */
+/* The built program for head dimension D, building it on first use. */
+int ape__ocl_program_get(struct ape_device *dev, int64_t D, const struct ape__ocl_program **out);
+
+/* ---- ocl_attention.c */
+int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l);
+
+/* ---- kernels_embed.S: NUL-terminated sources embedded at build time */
+extern const char ape__ocl_src_attention[];
+extern const char ape__ocl_src_math[];
+
+#pragma GCC visibility pop
+#endif

@@ -1,0 +1,292 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * One attention launch: the skip pre-pass (when skipping is allowed) and the fused kernel.
+ * Kernel objects are created per launch (clSetKernelArg on a shared kernel is not thread-safe);
+ * the small parameter and scratch buffers are released right after they are enqueued, which
+ * OpenCL allows: the commands that use them keep them alive.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "ocl.h"
+
+/* Launch flags, mirrored in kernels/attention.cl. */
+#define F_CAUSAL 16
+#define F_INTERLEAVED 32
+#define F_LSE 64
+#define F_PAIRS 128
+#define F_SKIP 256
+#define F_KV_F32 512
+
+/* Heads per enqueue along dimension 1: GPU drivers bound a grid dimension (65535 on some). */
+#define OCL_MAX_DIM1 65535
+
+struct ocl_args {
+	cl_kernel k;
+	cl_uint n;
+	cl_int err;
+};
+
+static void arg(struct ocl_args *a, size_t size, const void *v)
+{
+	if (a->err == CL_SUCCESS)
+		a->err = clSetKernelArg(a->k, a->n, size, v);
+	a->n++;
+}
+
+/* Enqueues k over (n0, n1) with local size (l0, 1) (or the driver's choice when l0 is 0),
+ * splitting dimension 1 into chunks through the global offset. */
+static int ocl_enqueue(struct ape__queue *q, cl_kernel k, size_t n0, size_t l0, size_t n1,
+		       const char *what)
+{
+	for (size_t off = 0; off < n1; off += OCL_MAX_DIM1) {
+		const size_t goff[2] = { 0, off };
+		const size_t gsz[2] = { n0, n1 - off < OCL_MAX_DIM1 ? n1 - off : OCL_MAX_DIM1 };
+		const size_t lsz[2] = { l0, 1 };
+		cl_event ev;
+		cl_int err = clEnqueueNDRangeKernel(q->cq, k, 2, goff, gsz, l0 ? lsz : NULL, 0,
+						    NULL, &ev);
+		int ret;
+
+		if (err != CL_SUCCESS)
+			return ape__ocl_error(err, q->dev, "clEnqueueNDRangeKernel (%s)", what);
+		ret = ape__ocl_track(q, ev);
+		if (ret)
+			return ret;
+	}
+	return 0;
+}
+
+static cl_mem ocl_scratch(struct ape__queue *q, size_t bytes, void *init, cl_int *err)
+{
+	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
+
+	const cl_mem_flags flags =
+		init ? CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR : CL_MEM_READ_WRITE;
+
+	return clCreateBuffer(od->ctx, flags, bytes, init, err);
+}
+
+/* Per-head parameters in the kernel's APE_REAL: omega_p (P values), then delta, beta, gamma,
+ * lambda per head. */
+static cl_mem ocl_params(struct ape__queue *q, const struct ape__launch *l, int fp64, cl_int *err)
+{
+	const size_t P = (size_t)l->D / 2, n = P + 4 * (size_t)l->H;
+	const size_t esz = fp64 ? sizeof(double) : sizeof(float);
+	unsigned char *host = malloc(n * esz);
+	cl_mem mem;
+
+	if (!host) {
+		*err = CL_OUT_OF_HOST_MEMORY;
+		return NULL;
+	}
+	for (size_t i = 0; i < n; i++) {
+		double x = i < P ? l->omega[i] : (double)l->head_params[i - P];
+
+		if (fp64)
+			memcpy(host + i * esz, &x, esz);
+		else {
+			float f = (float)x;
+
+			memcpy(host + i * esz, &f, esz);
+		}
+	}
+	mem = ocl_scratch(q, n * esz, host, err);
+	free(host);
+	return mem;
+}
+
+/*
+ * K and V in the kernel's preferred form (float32, K pair-ordered in the half layout), made once
+ * per call by ape_kv_prep when the input is not already so. Sets *k, *v to the buffers the
+ * kernels should read (the inputs themselves when nothing needs converting) and returns 1 when
+ * they are in that form; 0 leaves the conversion to the attention kernel, when the float32 copy
+ * would not fit in one allocation.
+ */
+static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
+		       const struct ape__launch *l, cl_mem *kp, cl_mem *vf, cl_mem *k, cl_mem *v,
+		       int *ret)
+{
+	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
+	const cl_long rows = l->B * l->Hkv * l->Lk;
+	const size_t bytes = (size_t)rows * (size_t)l->D * sizeof(float);
+	const cl_int D = (cl_int)l->D, dt = (cl_int)l->in_dtype;
+	const cl_int inter = l->layout == APE_ROPE_INTERLEAVED, do_v = l->in_dtype != APE_F32;
+	const size_t local = od->max_wg >= 64 ? 64 : 1;
+	struct ocl_args a = { 0 };
+	cl_int err;
+
+	*ret = 0;
+	*k = l->k->mem;
+	*v = l->v->mem;
+	if (l->in_dtype == APE_F32 && !inter)
+		return 1;
+	if (bytes > od->max_alloc)
+		return 0;
+	*kp = ocl_scratch(q, bytes, NULL, &err);
+	if (*kp && do_v)
+		*vf = ocl_scratch(q, bytes, NULL, &err);
+	if (!*kp || (do_v && !*vf))
+		return 0;
+	a.k = clCreateKernel(pr->prog, "ape_kv_prep", &a.err);
+	arg(&a, sizeof(cl_mem), &l->k->mem);
+	arg(&a, sizeof(cl_mem), &l->v->mem);
+	arg(&a, sizeof(D), &D);
+	arg(&a, sizeof(rows), &rows);
+	arg(&a, sizeof(dt), &dt);
+	arg(&a, sizeof(inter), &inter);
+	arg(&a, sizeof(do_v), &do_v);
+	arg(&a, sizeof(cl_mem), kp);
+	arg(&a, sizeof(cl_mem), do_v ? vf : &l->v->mem);
+	if (a.err != CL_SUCCESS)
+		*ret = ape__ocl_error(a.err, q->dev, "setting up ape_kv_prep");
+	else /* rows rounded up: the kernel ignores the excess; PoCL wants whole work-groups */
+		*ret = ocl_enqueue(q, a.k, ((size_t)rows + local - 1) / local * local, local, 1,
+				   "ape_kv_prep");
+	if (a.k)
+		clReleaseKernel(a.k);
+	if (*ret)
+		return 0;
+	*k = *kp;
+	if (do_v)
+		*v = *vf;
+	return 1;
+}
+
+/* The skip pre-pass: per key tile the largest key norm, then prefix and suffix maxima. */
+static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
+		       const struct ape__launch *l, cl_mem k, cl_mem v, cl_int dt, cl_long ntk,
+		       cl_mem *pre, cl_mem *suf)
+{
+	const size_t bkv = (size_t)(l->B * l->Hkv), scan = bkv * (size_t)(ntk + 1) * sizeof(float);
+	const cl_int D = (cl_int)l->D;
+	const cl_long Lk = l->Lk;
+	cl_mem tiles;
+	cl_int err;
+	struct ocl_args a = { 0 };
+	int ret = 0;
+
+	tiles = ocl_scratch(q, bkv * (size_t)ntk * sizeof(float), NULL, &err);
+	if (tiles)
+		*pre = ocl_scratch(q, scan, NULL, &err);
+	if (*pre)
+		*suf = ocl_scratch(q, scan, NULL, &err);
+	if (!*suf) {
+		ret = ape__ocl_error(err, q->dev, "clCreateBuffer (skip pre-pass)");
+		goto out_release;
+	}
+
+	a.k = clCreateKernel(pr->prog, "ape_kmax", &a.err);
+	arg(&a, sizeof(cl_mem), &k);
+	arg(&a, sizeof(cl_mem), &v);
+	arg(&a, sizeof(D), &D);
+	arg(&a, sizeof(Lk), &Lk);
+	arg(&a, sizeof(dt), &dt);
+	arg(&a, sizeof(ntk), &ntk);
+	arg(&a, sizeof(cl_mem), &tiles);
+	if (a.err != CL_SUCCESS)
+		ret = ape__ocl_error(a.err, q->dev, "setting up ape_kmax");
+	else
+		ret = ocl_enqueue(q, a.k, (size_t)ntk, 0, bkv, "ape_kmax");
+	if (a.k)
+		clReleaseKernel(a.k);
+	if (ret)
+		goto out_release;
+
+	memset(&a, 0, sizeof(a));
+	a.k = clCreateKernel(pr->prog, "ape_kscan", &a.err);
+	arg(&a, sizeof(cl_mem), &tiles);
+	arg(&a, sizeof(ntk), &ntk);
+	arg(&a, sizeof(cl_mem), pre);
+	arg(&a, sizeof(cl_mem), suf);
+	if (a.err != CL_SUCCESS)
+		ret = ape__ocl_error(a.err, q->dev, "setting up ape_kscan");
+	else
+		ret = ocl_enqueue(q, a.k, bkv, 0, 1, "ape_kscan");
+	if (a.k)
+		clReleaseKernel(a.k);
+out_release:
+	if (tiles)
+		clReleaseMemObject(tiles);
+	return ret;
+}
+
+int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
+{
+	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
+	const struct ape__ocl_program *pr;
+	const cl_int D = (cl_int)l->D, H = (cl_int)l->H, group = (cl_int)(l->H / l->Hkv);
+	const cl_long Lq = l->Lq, Lk = l->Lk, rel = l->q_start - l->k_start;
+	const cl_float scale = (cl_float)l->scale, tol = (cl_float)l->skip_tol;
+	cl_int flags = (cl_int)l->in_dtype | (cl_int)l->out_dtype << 2;
+	cl_mem prm = NULL, pre = NULL, suf = NULL, none = NULL, kp = NULL, vf = NULL, kbuf, vbuf;
+	struct ocl_args a = { 0 };
+	size_t bq, nqt;
+	cl_long ntk;
+	cl_int err;
+	int ret;
+
+	ret = ape__ocl_program_get(q->dev, l->D, &pr);
+	if (ret)
+		return ret;
+	bq = (size_t)(pr->t.rw * pr->t.rg * pr->t.nwi);
+	nqt = ((size_t)l->Lq + bq - 1) / bq;
+	ntk = (l->Lk + pr->t.bk - 1) / pr->t.bk;
+	flags |= (l->causal ? F_CAUSAL : 0) | (l->lse ? F_LSE : 0) | (l->pairs ? F_PAIRS : 0);
+	flags |= l->layout == APE_ROPE_INTERLEAVED ? F_INTERLEAVED : 0;
+	/* the far-key bound needs decays >= 0; the core passes skip_tol = 0 otherwise */
+	if (l->skip_tol > 0 && l->decay_nonneg && tol > 0)
+		flags |= F_SKIP;
+
+	prm = ocl_params(q, l, od->fp64, &err);
+	if (!prm)
+		return ape__ocl_error(err, q->dev, "clCreateBuffer (parameters)");
+	if (ocl_kv_prep(q, pr, l, &kp, &vf, &kbuf, &vbuf, &ret))
+		flags |= F_KV_F32;
+	if (ret)
+		goto out_release;
+	if ((flags & F_SKIP) &&
+	    (ret = ocl_prepass(q, pr, l, kbuf, vbuf,
+			       (flags & F_KV_F32) ? (cl_int)APE_F32 : (cl_int)l->in_dtype, ntk,
+			       &pre, &suf)))
+		goto out_release;
+
+	a.k = clCreateKernel(pr->prog, "ape_attention", &a.err);
+	arg(&a, sizeof(cl_mem), &l->q->mem);
+	arg(&a, sizeof(cl_mem), &kbuf);
+	arg(&a, sizeof(cl_mem), &vbuf);
+	arg(&a, sizeof(cl_mem), &l->o->mem);
+	arg(&a, sizeof(cl_mem), l->lse ? &l->lse->mem : &none);
+	arg(&a, sizeof(cl_mem), l->pairs ? &l->pairs->mem : &none);
+	arg(&a, sizeof(cl_mem), &prm);
+	arg(&a, sizeof(cl_mem), &pre);
+	arg(&a, sizeof(cl_mem), &suf);
+	arg(&a, sizeof(D), &D);
+	arg(&a, sizeof(Lq), &Lq);
+	arg(&a, sizeof(Lk), &Lk);
+	arg(&a, sizeof(H), &H);
+	arg(&a, sizeof(group), &group);
+	arg(&a, sizeof(rel), &rel);
+	arg(&a, sizeof(scale), &scale);
+	arg(&a, sizeof(tol), &tol);
+	arg(&a, sizeof(flags), &flags);
+	if (a.err != CL_SUCCESS)
+		ret = ape__ocl_error(a.err, q->dev, "setting up ape_attention");
+	else
+		ret = ocl_enqueue(q, a.k, nqt * (size_t)pr->t.nwi, (size_t)pr->t.nwi,
+				  (size_t)(l->B * l->H), "ape_attention");
+	if (a.k)
+		clReleaseKernel(a.k);
+out_release:
+	clReleaseMemObject(prm);
+	if (kp)
+		clReleaseMemObject(kp);
+	if (vf)
+		clReleaseMemObject(vf);
+	if (pre)
+		clReleaseMemObject(pre);
+	if (suf)
+		clReleaseMemObject(suf);
+	return ret;
+}

@@ -1,0 +1,34 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Internal hooks of the OpenCL backend that tests observe (tests link the static library, where
+ * hidden symbols resolve). No OpenCL header needed.
+ */
+#ifndef APE_OPENCL_OCL_DEBUG_H
+#define APE_OPENCL_OCL_DEBUG_H
+
+#include <stdint.h>
+
+#pragma GCC visibility push(hidden)
+
+struct ape_device;
+
+/* How a probe that finds no OpenCL platform at all starts its reason: tests skip on it. */
+#define APE__OCL_NO_PLATFORM "no OpenCL platform"
+
+/* How this device's programs came to be, since the context was created. */
+struct ape__ocl_debug_counters {
+	unsigned builds; /* compiled from source */
+	unsigned cache_hits; /* loaded from the program cache and built from the binary */
+	unsigned cache_writes; /* entries written to the program cache */
+	unsigned cache_rejects; /* entries found but not used (corrupt, untrusted, or failed) */
+};
+
+/* 0, or -1 when dev is not an OpenCL device. */
+int ape__ocl_debug_counters(const struct ape_device *dev, struct ape__ocl_debug_counters *out);
+/* CL_DEVICE_MAX_MEM_ALLOC_SIZE, or 0 when dev is not an OpenCL device. */
+uint64_t ape__ocl_debug_max_alloc(const struct ape_device *dev);
+/* The program cache key of variant D on dev ("" when dev is not an OpenCL device). */
+void ape__ocl_debug_cache_key(const struct ape_device *dev, int64_t D, char *buf, unsigned cap);
+
+#pragma GCC visibility pop
+#endif

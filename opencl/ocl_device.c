@@ -1,0 +1,324 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Probing: every platform, every device (GPU, CPU, accelerator), one context per device. A
+ * machine without an OpenCL platform is a normal state: zero devices and a reason.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "ocl.h"
+
+/* Vendor queries for the PCI address, defined here because older headers lack them. */
+#ifndef CL_DEVICE_PCI_BUS_INFO_KHR
+#define CL_DEVICE_PCI_BUS_INFO_KHR 0x410F
+#endif
+#ifndef CL_DEVICE_PCI_BUS_ID_NV
+#define CL_DEVICE_PCI_BUS_ID_NV 0x4008
+#endif
+#ifndef CL_DEVICE_PCI_SLOT_ID_NV
+#define CL_DEVICE_PCI_SLOT_ID_NV 0x4009
+#endif
+#ifndef CL_DEVICE_PCI_DOMAIN_ID_NV
+#define CL_DEVICE_PCI_DOMAIN_ID_NV 0x400A
+#endif
+#ifndef CL_DEVICE_TOPOLOGY_AMD
+#define CL_DEVICE_TOPOLOGY_AMD 0x4037
+#endif
+#define OCL_TOPOLOGY_TYPE_PCIE_AMD 1
+#define OCL_PLATFORM_NOT_FOUND_KHR (-1001)
+
+struct ocl_pci_bus_info_khr {
+	cl_uint domain, bus, device, function;
+};
+
+union ocl_topology_amd {
+	struct {
+		cl_uint type;
+		cl_uint data[5];
+	} raw;
+	struct {
+		cl_uint type;
+		cl_char unused[17];
+		cl_char bus, device, function;
+	} pcie;
+};
+
+static void ocl_str(cl_device_id id, cl_device_info what, char *buf, size_t cap)
+{
+	buf[0] = '\0';
+	if (clGetDeviceInfo(id, what, cap - 1, buf, NULL) != CL_SUCCESS)
+		buf[0] = '\0';
+	buf[cap - 1] = '\0';
+}
+
+/* A device's extension string can be longer than any fixed buffer: ask for its size first. */
+static int ocl_has_ext(cl_device_id id, const char *ext)
+{
+	size_t n = 0;
+	char *s;
+	int found = 0;
+
+	if (clGetDeviceInfo(id, CL_DEVICE_EXTENSIONS, 0, NULL, &n) != CL_SUCCESS || n == 0)
+		return 0;
+	s = malloc(n + 1);
+	if (!s)
+		return 0;
+	if (clGetDeviceInfo(id, CL_DEVICE_EXTENSIONS, n, s, NULL) == CL_SUCCESS) {
+		size_t len = strlen(ext);
+
+		s[n] = '\0';
+		for (const char *p = strstr(s, ext); p && !found; p = strstr(p + 1, ext))
+			found = (p == s || p[-1] == ' ') && (p[len] == ' ' || p[len] == '\0');
+	}
+	free(s);
+	return found;
+}
+
+static void ocl_pci_address(cl_device_id id, char *out, size_t cap)
+{
+	out[0] = '\0';
+	if (ocl_has_ext(id, "cl_khr_pci_bus_info")) {
+		struct ocl_pci_bus_info_khr pi;
+
+		if (clGetDeviceInfo(id, CL_DEVICE_PCI_BUS_INFO_KHR, sizeof(pi), &pi, NULL) ==
+		    CL_SUCCESS) {
+			snprintf(out, cap, "%04x:%02x:%02x.%x", pi.domain & 0xffff, pi.bus & 0xff,
+				 pi.device & 0x1f, pi.function & 0x7);
+			return;
+		}
+	}
+	if (ocl_has_ext(id, "cl_nv_device_attribute_query")) {
+		cl_uint bus, slot, domain = 0;
+
+		if (clGetDeviceInfo(id, CL_DEVICE_PCI_BUS_ID_NV, sizeof(bus), &bus, NULL) ==
+			    CL_SUCCESS &&
+		    clGetDeviceInfo(id, CL_DEVICE_PCI_SLOT_ID_NV, sizeof(slot), &slot, NULL) ==
+			    CL_SUCCESS) {
+			/* older drivers do not know the domain query: domain 0 then */
+			if (clGetDeviceInfo(id, CL_DEVICE_PCI_DOMAIN_ID_NV, sizeof(domain), &domain,
+					    NULL) != CL_SUCCESS)
+				domain = 0;
+			snprintf(out, cap, "%04x:%02x:%02x.%x", domain & 0xffff, bus & 0xff,
+				 (slot >> 3) & 0x1f, slot & 0x7);
+			return;
+		}
+	}
+	if (ocl_has_ext(id, "cl_amd_device_attribute_query")) {
+		union ocl_topology_amd t;
+
+		if (clGetDeviceInfo(id, CL_DEVICE_TOPOLOGY_AMD, sizeof(t), &t, NULL) ==
+			    CL_SUCCESS &&
+		    t.raw.type == OCL_TOPOLOGY_TYPE_PCIE_AMD)
+			snprintf(out, cap, "0000:%02x:%02x.%x", (unsigned char)t.pcie.bus,
+				 (unsigned char)t.pcie.device & 0x1f,
+				 (unsigned char)t.pcie.function & 0x7);
+	}
+}
+
+static void ocl_dev_free(struct ape__ocl_device *od)
+{
+	for (int v = 0; v < APE__OCL_NVARIANTS; v++) {
+		if (od->progs[v].prog)
+			clReleaseProgram(od->progs[v].prog);
+		pthread_mutex_destroy(&od->progs[v].lock);
+	}
+	if (od->ctx)
+		clReleaseContext(od->ctx);
+	pthread_mutex_destroy(&od->lock);
+	free(od);
+}
+
+/* The device's mutexes; 0 or APE_ENOMEM (with od->lock and every lock it made destroyed). */
+static int ocl_dev_locks(struct ape__ocl_device *od)
+{
+	int v;
+
+	if (pthread_mutex_init(&od->lock, NULL))
+		return APE_ENOMEM;
+	for (v = 0; v < APE__OCL_NVARIANTS; v++)
+		if (pthread_mutex_init(&od->progs[v].lock, NULL))
+			break;
+	if (v == APE__OCL_NVARIANTS)
+		return 0;
+	while (v-- > 0)
+		pthread_mutex_destroy(&od->progs[v].lock);
+	pthread_mutex_destroy(&od->lock);
+	return APE_ENOMEM;
+}
+
+/* Adds one device: 1 when added, 0 when it cannot be used (with a note in `why`), or a
+ * negative code (out of memory). */
+static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_device_id id,
+			  char *why, size_t why_len)
+{
+	const cl_context_properties props[] = { CL_CONTEXT_PLATFORM, (cl_context_properties)plat,
+						0 };
+	struct ape__ocl_device *od;
+	struct ape_device_info info;
+	cl_bool avail = CL_FALSE, compiler = CL_FALSE;
+	cl_uint cu = 0;
+	cl_ulong gmem = 0;
+	cl_int err;
+	int rank, ret;
+
+	od = calloc(1, sizeof(*od));
+	if (!od)
+		return ape__error(APE_ENOMEM, "opencl: out of memory probing devices");
+	if (ocl_dev_locks(od)) {
+		free(od);
+		return ape__error(APE_ENOMEM, "opencl: cannot create a mutex");
+	}
+	od->platform = plat;
+	od->id = id;
+	ocl_str(id, CL_DEVICE_NAME, od->name, sizeof(od->name));
+	ocl_str(id, CL_DRIVER_VERSION, od->driver, sizeof(od->driver));
+	if (clGetPlatformInfo(plat, CL_PLATFORM_NAME, sizeof(od->platform_name) - 1,
+			      od->platform_name, NULL) != CL_SUCCESS)
+		od->platform_name[0] = '\0';
+	if (clGetPlatformInfo(plat, CL_PLATFORM_VERSION, sizeof(od->platform_version) - 1,
+			      od->platform_version, NULL) != CL_SUCCESS)
+		od->platform_version[0] = '\0';
+	clGetDeviceInfo(id, CL_DEVICE_AVAILABLE, sizeof(avail), &avail, NULL);
+	clGetDeviceInfo(id, CL_DEVICE_COMPILER_AVAILABLE, sizeof(compiler), &compiler, NULL);
+	if (!avail || !compiler) {
+		snprintf(why, why_len, "%s: %s", od->name,
+			 !avail ? "device not available" : "no OpenCL C compiler");
+		ocl_dev_free(od);
+		return 0;
+	}
+	clGetDeviceInfo(id, CL_DEVICE_TYPE, sizeof(od->type), &od->type, NULL);
+	clGetDeviceInfo(id, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof(od->max_wg), &od->max_wg, NULL);
+	clGetDeviceInfo(id, CL_DEVICE_LOCAL_MEM_SIZE, sizeof(od->local_mem), &od->local_mem, NULL);
+	clGetDeviceInfo(id, CL_DEVICE_MAX_MEM_ALLOC_SIZE, sizeof(od->max_alloc), &od->max_alloc,
+			NULL);
+	clGetDeviceInfo(id, CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT, sizeof(od->vec_float),
+			&od->vec_float, NULL);
+	clGetDeviceInfo(id, CL_DEVICE_MAX_COMPUTE_UNITS, sizeof(cu), &cu, NULL);
+	clGetDeviceInfo(id, CL_DEVICE_GLOBAL_MEM_SIZE, sizeof(gmem), &gmem, NULL);
+	od->fp64 = ocl_has_ext(id, "cl_khr_fp64");
+
+	od->ctx = clCreateContext(props, 1, &id, NULL, NULL, &err);
+	if (!od->ctx) {
+		snprintf(why, why_len, "%s: clCreateContext: %s", od->name, ape__ocl_err_name(err));
+		ocl_dev_free(od);
+		return 0;
+	}
+
+	memset(&info, 0, sizeof(info));
+	snprintf(info.name, sizeof(info.name), "%s", od->name);
+	ocl_str(id, CL_DEVICE_VENDOR, info.vendor, sizeof(info.vendor));
+	snprintf(info.driver_version, sizeof(info.driver_version), "%s", od->driver);
+	info.compute_units = (int)cu;
+	info.global_mem_bytes = gmem;
+	ocl_pci_address(id, info.pci_address, sizeof(info.pci_address));
+	if (od->type & CL_DEVICE_TYPE_GPU) {
+		info.kind = APE_DEVICE_GPU;
+		rank = APE__RANK_OPENCL_GPU;
+	} else if (od->type & CL_DEVICE_TYPE_CPU) {
+		info.kind = APE_DEVICE_CPU;
+		rank = APE__RANK_OPENCL_CPU;
+	} else {
+		info.kind = APE_DEVICE_ACCELERATOR;
+		rank = APE__RANK_OPENCL_ACCEL;
+	}
+	if (!od->fp64)
+		ape__warn("opencl %s: no float64 (cl_khr_fp64): rotation angles are exact only for "
+			  "distances |n| < 4096",
+			  od->name);
+	ret = ape__device_add(be, &info, rank, od);
+	if (ret) {
+		ocl_dev_free(od);
+		return ret;
+	}
+	return 1;
+}
+
+int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res)
+{
+	cl_platform_id *plats = NULL;
+	cl_uint np = 0;
+	cl_int err;
+	int added = 0, ret = 0;
+	char why[200] = "";
+
+	err = clGetPlatformIDs(0, NULL, &np);
+	if (err == OCL_PLATFORM_NOT_FOUND_KHR || (err == CL_SUCCESS && np == 0)) {
+		snprintf(res->reason, sizeof(res->reason),
+			 APE__OCL_NO_PLATFORM " (is an ICD such as pocl-opencl-icd installed?)");
+		return 0;
+	}
+	if (err != CL_SUCCESS) {
+		snprintf(res->reason, sizeof(res->reason), "clGetPlatformIDs: %s (%d)",
+			 ape__ocl_err_name(err), (int)err);
+		return 0;
+	}
+	plats = calloc(np, sizeof(*plats));
+	if (!plats)
+		return ape__error(APE_ENOMEM, "opencl: out of memory probing platforms");
+	err = clGetPlatformIDs(np, plats, NULL);
+	if (err != CL_SUCCESS) {
+		snprintf(res->reason, sizeof(res->reason), "clGetPlatformIDs: %s (%d)",
+			 ape__ocl_err_name(err), (int)err);
+		goto out_free;
+	}
+	for (cl_uint p = 0; p < np && !ret; p++) {
+		cl_uint nd = 0;
+		cl_device_id *devs;
+
+		if (clGetDeviceIDs(plats[p], CL_DEVICE_TYPE_ALL, 0, NULL, &nd) != CL_SUCCESS ||
+		    nd == 0)
+			continue;
+		devs = calloc(nd, sizeof(*devs));
+		if (!devs) {
+			ret = ape__error(APE_ENOMEM, "opencl: out of memory probing devices");
+			break;
+		}
+		if (clGetDeviceIDs(plats[p], CL_DEVICE_TYPE_ALL, nd, devs, NULL) == CL_SUCCESS) {
+			for (cl_uint d = 0; d < nd && !ret; d++) {
+				ret = ocl_add_device(be, plats[p], devs[d], why, sizeof(why));
+				added += ret > 0;
+				ret = ret > 0 ? 0 : ret;
+			}
+		}
+		free(devs);
+	}
+	if (!ret && !added)
+		snprintf(res->reason, sizeof(res->reason),
+			 "no usable OpenCL device on %u platform%s%s%s", np, np == 1 ? "" : "s",
+			 why[0] ? ": " : "", why);
+out_free:
+	free(plats);
+	return ret;
+}
+
+void ape__ocl_device_release(struct ape_device *dev)
+{
+	struct ape__ocl_device *od = ape__ocl_dev(dev);
+
+	if (!od)
+		return;
+	ocl_dev_free(od);
+	dev->priv = NULL;
+}
+
+int ape__ocl_debug_counters(const struct ape_device *dev, struct ape__ocl_debug_counters *out)
+{
+	struct ape__ocl_device *od;
+
+	if (!dev || strcmp(dev->info.backend, "opencl"))
+		return -1;
+	od = ape__ocl_dev(dev);
+	pthread_mutex_lock(&od->lock);
+	*out = od->counters;
+	pthread_mutex_unlock(&od->lock);
+	return 0;
+}
+
+uint64_t ape__ocl_debug_max_alloc(const struct ape_device *dev)
+{
+	if (!dev || strcmp(dev->info.backend, "opencl"))
+		return 0;
+	return ape__ocl_dev(dev)->max_alloc;
+}

@@ -1,0 +1,361 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Programs: chosen per device (tile shapes from its limits), built lazily per D specialisation,
+ * cached on disk as binaries (runtime/cache.c) and kept for the context's life.
+ *
+ * Build options: none beyond the shape. Measured on PoCL 3.1 (150 random f32 cases against the
+ * reference, NaN/Inf cases, dense L = 4096): -cl-mad-enable, -cl-fast-relaxed-math,
+ * -cl-finite-math-only, -cl-unsafe-math-optimizations and -cl-denorms-are-zero all left the
+ * results bit for bit the same (worst O error 2.3e-5 x max|V|, LSE 4.1e-5, NaN rows intact)
+ * and the speed within noise: the kernel already writes fma() and vector code where it
+ * matters. They stay out because they buy nothing here and license other compilers to break
+ * the spec: -cl-finite-math-only (implied by -cl-fast-relaxed-math) lets isfinite() fold to
+ * true, and then an Inf score would vanish instead of turning its row into NaN.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache.h"
+#include "error.h"
+#include "ocl.h"
+
+/* Ahead of ape_math.h: the arithmetic of the per-row and per-seed code (float64 when present). */
+static const char ocl_prelude[] = "#if APE_FP64\n"
+				  "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
+				  "#define APE_REAL double\n"
+				  "#else\n"
+				  "#define APE_REAL float\n"
+				  "#endif\n";
+
+static int ocl_variant(int64_t D)
+{
+	return D == 64 ? APE__OCL_D64 : D == 128 ? APE__OCL_D128 : APE__OCL_DGEN;
+}
+
+static int ocl_variant_dmax(int v)
+{
+	return v == APE__OCL_D64 ? 64 : v == APE__OCL_D128 ? 128 : 256;
+}
+
+/* Local memory the kernel declares for a shape (kernels/attention.cl: kv, ttab, btab, rawtab,
+ * slots), with float64 tables. */
+static size_t ocl_local_bytes(const struct ape__ocl_tuning *t, int dmax)
+{
+	size_t bq = (size_t)(t->rw * t->rg * t->nwi), kv = 2 * (size_t)t->bk * (size_t)dmax;
+	size_t stage = t->rw > 1 ? bq * (size_t)dmax : 0;
+
+	return 4 * ((kv > stage ? kv : stage) + 2 * (bq + (size_t)t->bk) + 2 * (size_t)t->nwi) +
+	       8 * 4 * (bq + (size_t)t->bk);
+}
+
+/*
+ * APE_OCL_TUNE="rw,rg,nwi,bk,sb" replaces the shape chosen below: for tuning experiments, and so
+ * that the tests run the GPU-shaped kernel (one row per work-item, barriers) on a CPU device.
+ * A value the kernel cannot take is refused with a warning; local memory still bounds it.
+ */
+static void ocl_tune_override(const struct ape__ocl_device *od, struct ape__ocl_tuning *t)
+{
+	const char *e = getenv("APE_OCL_TUNE");
+	struct ape__ocl_tuning o;
+
+	if (!e || !*e)
+		return;
+	if (sscanf(e, "%d,%d,%d,%d,%d", &o.rw, &o.rg, &o.nwi, &o.bk, &o.sb) != 5 ||
+	    !(o.rw == 1 || o.rw == 2 || o.rw == 4 || o.rw == 8 || o.rw == 16) || o.rg < 1 ||
+	    o.rg > 16 || o.nwi < 1 || (size_t)o.nwi > od->max_wg || o.sb < 1 || o.sb > 16 ||
+	    o.bk > 64 || o.bk < o.sb || o.bk % o.sb) {
+		/* sb = 32 crashes LLVM 15's inliner inside PoCL 3.1: not offered */
+		ape__warn("APE_OCL_TUNE=\"%s\" ignored: expected rw,rg,nwi,bk,sb with rw one of "
+			  "1, 2, 4, 8, 16, rg <= 16, nwi <= %zu, sb <= 16 dividing bk, bk <= 64",
+			  e, od->max_wg);
+		return;
+	}
+	*t = o;
+}
+
+/*
+ * Tile shapes from the device's properties (measured on PoCL 3.1, 2-core Zen 4, D = 64):
+ * CPU: the rows are the lanes of a float vector as wide as the device prefers (16 with AVX-512):
+ * PoCL turns each float16 operation into one zmm instruction, where its own vectorisation across
+ * work-items of scalar code gave a third of the speed (NOTES.md). One work-item owns 4 such row
+ * vectors (64 rows) and shares its K/V tile with no one, so the kernel has no barrier: 4
+ * work-items of 16 rows sharing a tile ran at the same speed but took 4 to 30 times longer to
+ * compile (PoCL replicates the code around barriers in loops); 2 row vectors per work-item were
+ * 7% slower (each tile load serves fewer rows), 8 were 3% faster dense but skipped less finely.
+ * Keys per tile: 64, the longest recurrence the accuracy budget allows (32 was 30% slower: the
+ * seeds and distance tables serve half as many keys), halved until the tile fits in local
+ * memory. GPU and others: one row per work-item, 64 work-items (or the device maximum).
+ */
+static void ocl_tune(const struct ape__ocl_device *od, int dmax, struct ape__ocl_tuning *t)
+{
+	if (od->type & CL_DEVICE_TYPE_CPU) {
+		t->rw = od->vec_float >= 16 ? 16 : od->vec_float >= 8 ? 8 : 4;
+		t->rg = 64 / t->rw;
+		t->sb = 4; /* measured: 8 score vectors were 4% slower, 16 (they spill) 8% */
+		t->nwi = 1;
+	} else {
+		t->rw = 1;
+		t->rg = 1;
+		t->sb = 16;
+		t->nwi = 64;
+	}
+	t->bk = 64;
+	ocl_tune_override(od, t);
+	while ((size_t)t->nwi > od->max_wg && t->nwi > 1)
+		t->nwi /= 2;
+	while (t->bk / 2 >= t->sb && t->bk / 2 % t->sb == 0 &&
+	       ocl_local_bytes(t, dmax) > od->local_mem)
+		t->bk /= 2;
+	while (t->nwi > 1 && ocl_local_bytes(t, dmax) > od->local_mem)
+		t->nwi /= 2;
+}
+
+static void ocl_options(const struct ape__ocl_device *od, int v, const struct ape__ocl_tuning *t,
+			char *buf, size_t cap)
+{
+	snprintf(buf, cap,
+		 "-cl-std=CL1.2 -DAPE_D=%d -DAPE_RW=%d -DAPE_RG=%d -DAPE_NWI=%d -DAPE_BK=%d "
+		 "-DAPE_SB=%d -DAPE_FP64=%d",
+		 v == APE__OCL_DGEN ? 0 : ocl_variant_dmax(v), t->rw, t->rg, t->nwi, t->bk, t->sb,
+		 od->fp64);
+}
+
+/* Everything a binary depends on: platform, device, driver, the exact source, the options. */
+static void ocl_cache_key(const struct ape__ocl_device *od, const char *opts, char *buf,
+			  size_t cap)
+{
+	uint64_t h = APE__FNV_OFFSET;
+
+	h = ape__fnv1a64(ocl_prelude, strlen(ocl_prelude), h);
+	h = ape__fnv1a64(ape__ocl_src_math, strlen(ape__ocl_src_math), h);
+	h = ape__fnv1a64(ape__ocl_src_attention, strlen(ape__ocl_src_attention), h);
+	snprintf(buf, cap,
+		 "libape opencl program 1\nplatform: %s\nplatform version: %s\ndevice: %s\n"
+		 "driver: %s\nsource fnv1a64: %016llx\noptions: %s\n",
+		 od->platform_name, od->platform_version, od->name, od->driver,
+		 (unsigned long long)h, opts);
+}
+
+/* The first part of the build log, for the error message. */
+static void ocl_build_log(const struct ape__ocl_device *od, cl_program prog, char *buf, size_t cap)
+{
+	size_t n = 0;
+
+	buf[0] = '\0';
+	if (clGetProgramBuildInfo(prog, od->id, CL_PROGRAM_BUILD_LOG, 0, NULL, &n) != CL_SUCCESS)
+		return;
+	if (n <= cap) {
+		if (clGetProgramBuildInfo(prog, od->id, CL_PROGRAM_BUILD_LOG, cap, buf, NULL) !=
+		    CL_SUCCESS)
+			buf[0] = '\0';
+	} else {
+		char *all = malloc(n);
+
+		if (all && clGetProgramBuildInfo(prog, od->id, CL_PROGRAM_BUILD_LOG, n, all,
+						 NULL) == CL_SUCCESS)
+			snprintf(buf, cap, "%s", all);
+		free(all);
+	}
+	buf[cap - 1] = '\0';
+}
+
+/*
+ * The kernels exist and the attention kernel fits the device as built (a GPU may allow fewer
+ * work-items per group than tuned once registers are counted); a cached binary that fails this
+ * is rebuilt. The work-group size is asked only when it can matter: PoCL compiles a work-group
+ * function to answer it, seconds of work that the first launch repeats for its own sizes.
+ */
+static int ocl_check_kernels(const struct ape__ocl_device *od, cl_program prog,
+			     const struct ape__ocl_tuning *t)
+{
+	static const char *const names[] = { "ape_attention", "ape_kmax", "ape_kscan",
+					       "ape_kv_prep" };
+
+	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+		cl_int err;
+		cl_kernel k = clCreateKernel(prog, names[i], &err);
+		size_t wg = 0;
+
+		if (!k)
+			return -1;
+		if (i == 0 && t->nwi > 1) {
+			err = clGetKernelWorkGroupInfo(k, od->id, CL_KERNEL_WORK_GROUP_SIZE,
+						       sizeof(wg), &wg, NULL);
+			if (err != CL_SUCCESS || wg < (size_t)t->nwi) {
+				clReleaseKernel(k);
+				return -1;
+			}
+		}
+		clReleaseKernel(k);
+	}
+	return 0;
+}
+
+static void ocl_count(struct ape__ocl_device *od, unsigned *counter)
+{
+	pthread_mutex_lock(&od->lock);
+	(*counter)++;
+	pthread_mutex_unlock(&od->lock);
+}
+
+static cl_program ocl_from_cache(struct ape__ocl_device *od, const char *key, const char *opts,
+				 const struct ape__ocl_tuning *t)
+{
+	void *blob;
+	size_t len;
+	cl_int err, status;
+	cl_program prog;
+	int ret = ape__cache_load(key, &blob, &len);
+
+	if (ret != APE__CACHE_HIT) {
+		if (ret == APE__CACHE_CORRUPT || ret == APE__CACHE_UNTRUSTED)
+			ocl_count(od, &od->counters.cache_rejects);
+		return NULL;
+	}
+	prog = clCreateProgramWithBinary(od->ctx, 1, &od->id, &len,
+					 (const unsigned char **)&blob, &status, &err);
+	free(blob);
+	if (prog && (clBuildProgram(prog, 1, &od->id, opts, NULL, NULL) != CL_SUCCESS ||
+		     ocl_check_kernels(od, prog, t))) {
+		clReleaseProgram(prog);
+		prog = NULL;
+	}
+	if (!prog) {
+		/* the driver refused it: rebuild and overwrite */
+		ocl_count(od, &od->counters.cache_rejects);
+		return NULL;
+	}
+	ocl_count(od, &od->counters.cache_hits);
+	return prog;
+}
+
+/* PoCL compiles a generic work-group function of every kernel to hand out a binary (2.5 s for
+ * the attention kernel): worth it only when the binary will really be stored. */
+static void ocl_to_cache(struct ape__ocl_device *od, cl_program prog, const char *key)
+{
+	size_t len = 0;
+	unsigned char *bin;
+
+	if (ape__cache_usable())
+		return;
+	if (clGetProgramInfo(prog, CL_PROGRAM_BINARY_SIZES, sizeof(len), &len, NULL) !=
+		    CL_SUCCESS ||
+	    len == 0)
+		return;
+	bin = malloc(len);
+	if (!bin)
+		return;
+	if (clGetProgramInfo(prog, CL_PROGRAM_BINARIES, sizeof(bin), &bin, NULL) == CL_SUCCESS &&
+	    ape__cache_store(key, bin, len) == 0)
+		ocl_count(od, &od->counters.cache_writes);
+	free(bin);
+}
+
+static int ocl_from_source(struct ape_device *dev, int v, const char *opts,
+			   const struct ape__ocl_tuning *t, cl_program *out)
+{
+	struct ape__ocl_device *od = ape__ocl_dev(dev);
+	const char *srcs[3] = { ocl_prelude, ape__ocl_src_math, ape__ocl_src_attention };
+	cl_program prog;
+	cl_int err;
+
+	prog = clCreateProgramWithSource(od->ctx, 3, srcs, NULL, &err);
+	if (!prog)
+		return ape__ocl_error(err, dev, "clCreateProgramWithSource");
+	err = clBuildProgram(prog, 1, &od->id, opts, NULL, NULL);
+	if (err != CL_SUCCESS) {
+		char log[1536];
+		int ret;
+
+		ocl_build_log(od, prog, log, sizeof(log));
+		ret = ape__error(ape__ocl_err_code(err),
+				 "opencl %s: building the attention kernel (D %s, options \"%s\"): "
+				 "%s (%d): %s",
+				 dev->info.name, v == APE__OCL_DGEN ? "generic" : "specialised",
+				 opts, ape__ocl_err_name(err), (int)err, log);
+		clReleaseProgram(prog);
+		return ret;
+	}
+	ocl_count(od, &od->counters.builds);
+	if (ocl_check_kernels(od, prog, t)) {
+		clReleaseProgram(prog);
+		return 1; /* built, but does not fit as tuned: caller retries smaller */
+	}
+	*out = prog;
+	return 0;
+}
+
+/* Called with the variant's lock held. */
+static int ocl_build(struct ape_device *dev, int v)
+{
+	struct ape__ocl_device *od = ape__ocl_dev(dev);
+	struct ape__ocl_tuning t;
+	char opts[256], key[1024];
+	cl_program prog = NULL;
+	int ret;
+
+	ocl_tune(od, ocl_variant_dmax(v), &t);
+	for (;;) {
+		ocl_options(od, v, &t, opts, sizeof(opts));
+		ocl_cache_key(od, opts, key, sizeof(key));
+		prog = ocl_from_cache(od, key, opts, &t);
+		if (prog)
+			break;
+		ret = ocl_from_source(dev, v, opts, &t, &prog);
+		if (ret < 0)
+			return ret;
+		if (ret == 0) {
+			ocl_to_cache(od, prog, key);
+			break;
+		}
+		/* the compiled kernel needs more per-work-item resources than the device has
+		 * for this work-group size (GPU registers): fewer work-items per group */
+		if (t.nwi == 1)
+			return ape__error(APE_EBUILD,
+					  "opencl %s: the attention kernel cannot run even with "
+					  "one work-item per work-group",
+					  dev->info.name);
+		t.nwi /= 2;
+	}
+	od->progs[v].prog = prog;
+	od->progs[v].t = t;
+	return 0;
+}
+
+int ape__ocl_program_get(struct ape_device *dev, int64_t D, const struct ape__ocl_program **out)
+{
+	struct ape__ocl_device *od = ape__ocl_dev(dev);
+	const int v = ocl_variant(D);
+	int ret = 0;
+
+	/* one lock per variant: a thread building D = 128 does not hold up one running D = 64 */
+	pthread_mutex_lock(&od->progs[v].lock);
+	if (!od->progs[v].prog)
+		ret = ocl_build(dev, v);
+	pthread_mutex_unlock(&od->progs[v].lock);
+	if (!ret)
+		*out = &od->progs[v];
+	return ret;
+}
+
+void ape__ocl_debug_cache_key(const struct ape_device *dev, int64_t D, char *buf, unsigned cap)
+{
+	struct ape__ocl_device *od;
+	struct ape__ocl_tuning t;
+	char opts[256];
+	int v = ocl_variant(D);
+
+	buf[0] = '\0';
+	if (!dev || strcmp(dev->info.backend, "opencl"))
+		return;
+	od = ape__ocl_dev(dev);
+	pthread_mutex_lock(&od->progs[v].lock);
+	if (od->progs[v].prog)
+		t = od->progs[v].t;
+	else
+		ocl_tune(od, ocl_variant_dmax(v), &t);
+	pthread_mutex_unlock(&od->progs[v].lock);
+	ocl_options(od, v, &t, opts, sizeof(opts));
+	ocl_cache_key(od, opts, buf, cap);
+}
