@@ -78,7 +78,8 @@ CONFIG := cc=$(CC) opt=$(OPT) san=$(SANITIZE) opencl=$(HAVE_OPENCL) cuda=$(HAVE_
 CONFIG_STAMP := $(BUILD)/config.stamp
 $(shell mkdir -p $(BUILD) && { test -f $(CONFIG_STAMP) && test "$$(cat $(CONFIG_STAMP))" = '$(CONFIG)' || echo '$(CONFIG)' > $(CONFIG_STAMP); })
 
-ifeq ($(filter deps help clean distclean,$(MAKECMDGOALS)),)
+# Announce the configuration for every goal that builds ("make", "make deps check", ...).
+ifneq ($(if $(MAKECMDGOALS),$(filter-out deps help clean distclean,$(MAKECMDGOALS)),all),)
 ifeq ($(MAKELEVEL),0)
 $(info libape: OpenCL backend: $(if $(HAVE_OPENCL),yes,no ($(OPENCL_WHY))))
 $(info libape: CUDA backend:   $(if $(HAVE_CUDA),yes ($(NVCC)),no ($(CUDA_WHY))))
