@@ -4,6 +4,18 @@
 # WITH_CUDA=yes|no|auto ("yes" makes a missing toolchain an error instead of a notice).
 # Every directory contributes through its own module.mk, so adding a backend edits no other rules.
 
+# `make deps check` on a fresh machine: what deps installs changes what the build detects (the
+# OpenCL loader, hwloc, libdrm), so the other goals run in a new make once deps has finished.
+ifneq ($(and $(filter deps,$(MAKECMDGOALS)),$(filter-out deps,$(MAKECMDGOALS))),)
+REST_GOALS := $(filter-out deps,$(MAKECMDGOALS))
+.PHONY: deps $(REST_GOALS)
+deps:
+	@$(MAKE) --no-print-directory deps
+	@$(MAKE) --no-print-directory $(REST_GOALS)
+$(REST_GOALS): deps
+	@:
+else
+
 .DEFAULT_GOAL := all
 .SUFFIXES:
 .DELETE_ON_ERROR:
@@ -181,3 +193,5 @@ help:
 .PHONY: all deps check sanitize valgrind run install clean distclean help
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
+
+endif # deps with other goals

@@ -15,20 +15,13 @@ HWLOC_CFLAGS := $(shell $(PKG_CONFIG) --cflags hwloc 2>/dev/null)
 HWLOC_LIBS   := $(shell $(PKG_CONFIG) --libs hwloc 2>/dev/null)
 DRM_CFLAGS   := $(shell $(PKG_CONFIG) --cflags libdrm 2>/dev/null)
 DRM_LIBS     := $(shell $(PKG_CONFIG) --libs libdrm 2>/dev/null)
-# With `make deps run` they are installed only after this file was read: Debian's flags then.
-DEPS_GOAL := $(filter deps help clean distclean,$(MAKECMDGOALS))
+ifeq ($(filter deps help clean distclean,$(MAKECMDGOALS)),)
 ifeq ($(HWLOC_LIBS),)
-ifeq ($(DEPS_GOAL),)
 $(error hwloc not found by $(PKG_CONFIG) (Debian: libhwloc-dev, libhwloc-plugins): run `make deps`)
 endif
-HWLOC_LIBS := -lhwloc
-endif
 ifeq ($(DRM_LIBS),)
-ifeq ($(DEPS_GOAL),)
 $(error libdrm not found by $(PKG_CONFIG) (Debian: libdrm-dev): run `make deps`)
 endif
-DRM_CFLAGS := -I/usr/include/libdrm
-DRM_LIBS   := -ldrm
 endif
 
 $(BUILD)/obj/runtime/numa.o: CPPFLAGS += $(HWLOC_CFLAGS)
