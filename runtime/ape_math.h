@@ -67,6 +67,23 @@ APE_FN int ape_tail_negligible(ape_real bound, ape_real m, ape_real l, ape_real 
 	return log(count) + (bound - m) <= log(tol) + log(l);
 }
 
+/*
+ * How many keys a tail of `count` keys can weigh, in units of the bound at its nearest distance.
+ * Skipping is only allowed with delta, beta, gamma >= 0; then the score bound falls by at least
+ * delta per unit of distance (temp falls, and every decay term does), and one row has one key per
+ * distance, so the tail's total weight is at most exp(U) / (1 - exp(-delta)) however many keys it
+ * holds. The 1.001 absorbs the rounding of this factor.
+ */
+APE_FN ape_real ape_tail_count(ape_real count, ape_real delta)
+{
+	ape_real geo;
+
+	if (!(delta > (ape_real)0))
+		return count;
+	geo = (ape_real)1.001 / -expm1(-delta);
+	return geo < count ? geo : count;
+}
+
 /* Merges a partial result (m2, l2) into (m, l) and returns the factors that rescale the two
  * accumulators: acc = acc * c1 + acc2 * c2. Both maxima may be -INFINITY (no key yet). */
 APE_FN ape_real ape_merge_max(ape_real m1, ape_real m2)

@@ -181,7 +181,8 @@ KFN int may_stop(APE_REAL lambda, APE_REAL delta, APE_REAL beta, APE_REAL gamma,
 		return 1;
 	u = ape_score_bound(lambda, delta, beta, gamma, abs_scale, qnorm, kmax, (APE_REAL)an);
 	u -= crow;
-	return ape_tail_negligible(u, (APE_REAL)m, (APE_REAL)l, (APE_REAL)count, (APE_REAL)tol);
+	return ape_tail_negligible(u, (APE_REAL)m, (APE_REAL)l,
+				   ape_tail_count((APE_REAL)count, delta), (APE_REAL)tol);
 }
 
 /* One K row into the pair-ordered halves (u = first, w = second component of each pair) and one
