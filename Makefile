@@ -85,8 +85,35 @@ HAVE_CUDA :=
 CUDA_WHY  := nvcc not found at build time
 endif
 
+# hwloc (topology, NUMA placement) and libdrm (DRM device listing), through pkg-config.
+PKG_CONFIG  ?= pkg-config
+WITH_HWLOC  ?= auto
+WITH_DRM    ?= auto
+HWLOC_CFLAGS := $(shell $(PKG_CONFIG) --cflags hwloc 2>/dev/null)
+HWLOC_LIBS   := $(shell $(PKG_CONFIG) --libs hwloc 2>/dev/null)
+DRM_CFLAGS   := $(shell $(PKG_CONFIG) --cflags libdrm 2>/dev/null)
+DRM_LIBS     := $(shell $(PKG_CONFIG) --libs libdrm 2>/dev/null)
+ifeq ($(WITH_HWLOC),no)
+HWLOC_WHY := disabled at build time (WITH_HWLOC=no)
+else ifneq ($(HWLOC_LIBS),)
+HAVE_HWLOC := yes
+else ifeq ($(WITH_HWLOC),yes)
+$(error WITH_HWLOC=yes but pkg-config finds no hwloc (Debian: libhwloc-dev): run `make deps`)
+else
+HWLOC_WHY := hwloc not found by pkg-config at build time
+endif
+ifeq ($(WITH_DRM),no)
+DRM_WHY := disabled at build time (WITH_DRM=no)
+else ifneq ($(DRM_LIBS),)
+HAVE_DRM := yes
+else ifeq ($(WITH_DRM),yes)
+$(error WITH_DRM=yes but pkg-config finds no libdrm (Debian: libdrm-dev): run `make deps`)
+else
+DRM_WHY := libdrm not found by pkg-config at build time
+endif
+
 # Rebuild everything when the configuration changes.
-CONFIG := cc=$(CC) opt=$(OPT) san=$(SANITIZE) opencl=$(HAVE_OPENCL) cuda=$(HAVE_CUDA) nvcc=$(NVCC) cflags=$(CFLAGS)
+CONFIG := cc=$(CC) opt=$(OPT) san=$(SANITIZE) opencl=$(HAVE_OPENCL) cuda=$(HAVE_CUDA) nvcc=$(NVCC) hwloc=$(HAVE_HWLOC) drm=$(HAVE_DRM) cflags=$(CFLAGS)
 CONFIG_STAMP := $(BUILD)/config.stamp
 $(shell mkdir -p $(BUILD) && { test -f $(CONFIG_STAMP) && test "$$(cat $(CONFIG_STAMP))" = '$(CONFIG)' || echo '$(CONFIG)' > $(CONFIG_STAMP); })
 
@@ -95,6 +122,8 @@ ifneq ($(if $(MAKECMDGOALS),$(filter-out deps help clean distclean,$(MAKECMDGOAL
 ifeq ($(MAKELEVEL),0)
 $(info libape: OpenCL backend: $(if $(HAVE_OPENCL),yes,no ($(OPENCL_WHY))))
 $(info libape: CUDA backend:   $(if $(HAVE_CUDA),yes ($(NVCC)),no ($(CUDA_WHY))))
+$(info libape: hwloc (NUMA):   $(if $(HAVE_HWLOC),yes,no ($(HWLOC_WHY))))
+$(info libape: libdrm:         $(if $(HAVE_DRM),yes,no ($(DRM_WHY))))
 endif
 endif
 
@@ -188,7 +217,7 @@ help:
 	@echo "make sanitize   the tests under AddressSanitizer and UBSan"
 	@echo "make valgrind   the tests under valgrind memcheck (leaks are errors)"
 	@echo "make install PREFIX=/usr/local"
-	@echo "options: WITH_OPENCL=yes|no|auto WITH_CUDA=yes|no|auto V=1 OPT=-O2 BUILD=build"
+	@echo "options: WITH_OPENCL, WITH_CUDA, WITH_HWLOC, WITH_DRM = yes|no|auto; V=1 OPT=-O2 BUILD=build"
 
 .PHONY: all deps check sanitize valgrind run install clean distclean help
 

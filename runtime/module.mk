@@ -7,23 +7,15 @@ LIB_SRCS += $(wildcard runtime/*.c) $(wildcard runtime/ref/*.c)
 CPPFLAGS += $(if $(HAVE_OPENCL),-DAPE_HAVE_OPENCL,-DAPE_OPENCL_NOT_BUILT='"not built into this libape ($(OPENCL_WHY))"')
 CPPFLAGS += $(if $(HAVE_CUDA),-DAPE_HAVE_CUDA,-DAPE_CUDA_NOT_BUILT='"not built into this libape ($(CUDA_WHY))"')
 
-# Required dependencies, found with pkg-config: hwloc (topology, NUMA placement) and libdrm (DRM
-# device enumeration). Only runtime/numa.c includes hwloc.h and only runtime/drm.c xf86drm.h, so
-# only they get the include flags. Targets that install them or clean up must work without them.
-PKG_CONFIG ?= pkg-config
-HWLOC_CFLAGS := $(shell $(PKG_CONFIG) --cflags hwloc 2>/dev/null)
-HWLOC_LIBS   := $(shell $(PKG_CONFIG) --libs hwloc 2>/dev/null)
-DRM_CFLAGS   := $(shell $(PKG_CONFIG) --cflags libdrm 2>/dev/null)
-DRM_LIBS     := $(shell $(PKG_CONFIG) --libs libdrm 2>/dev/null)
-ifeq ($(filter deps help clean distclean,$(MAKECMDGOALS)),)
-ifeq ($(HWLOC_LIBS),)
-$(error hwloc not found by $(PKG_CONFIG) (Debian: libhwloc-dev, libhwloc-plugins): run `make deps`)
-endif
-ifeq ($(DRM_LIBS),)
-$(error libdrm not found by $(PKG_CONFIG) (Debian: libdrm-dev): run `make deps`)
-endif
-endif
+# Optional dependencies, found with pkg-config and announced by the Makefile: hwloc (topology,
+# NUMA placement) and libdrm (DRM device enumeration). Only runtime/numa.c includes hwloc.h and
+# only runtime/drm.c xf86drm.h; without them, numa_none.c and drm_none.c stand in (no placement,
+# no DRM listing, and the context says why). WITH_HWLOC / WITH_DRM = yes makes them required.
+LIB_SRCS := $(filter-out runtime/numa.c runtime/numa_none.c runtime/drm.c runtime/drm_none.c,$(LIB_SRCS))
+LIB_SRCS += $(if $(HAVE_HWLOC),runtime/numa.c,runtime/numa_none.c)
+LIB_SRCS += $(if $(HAVE_DRM),runtime/drm.c,runtime/drm_none.c)
+CPPFLAGS += $(if $(HAVE_HWLOC),-DAPE_HAVE_HWLOC) $(if $(HAVE_DRM),-DAPE_HAVE_DRM)
 
 $(BUILD)/obj/runtime/numa.o: CPPFLAGS += $(HWLOC_CFLAGS)
 $(BUILD)/obj/runtime/drm.o: CPPFLAGS += $(DRM_CFLAGS)
-LIB_LIBS += $(HWLOC_LIBS) $(DRM_LIBS)
+LIB_LIBS += $(if $(HAVE_HWLOC),$(HWLOC_LIBS)) $(if $(HAVE_DRM),$(DRM_LIBS))

@@ -244,9 +244,12 @@ static void describe_machine(struct ape_context *ctx, const struct ape__ctx_setu
 	t->numa_policy = ctx->numa_policy;
 	if (!ctx->numa) {
 		snprintf(t->source, sizeof(t->source), "this machine: hwloc: %s", hwloc_note);
-		snprintf(t->numa_note, sizeof(t->numa_note),
-			 "%s, but the topology is unknown: buffers are plain allocations",
-			 policy_name(ctx->numa_policy));
+		if (ctx->numa_policy == APE_NUMA_OFF)
+			snprintf(t->numa_note, sizeof(t->numa_note), "off (%.240s)", hwloc_note);
+		else
+			snprintf(t->numa_note, sizeof(t->numa_note),
+				 "%s, but the topology is unknown: buffers are plain allocations",
+				 policy_name(ctx->numa_policy));
 		return;
 	}
 	t->this_machine = ape__numa_is_real(ctx->numa);
@@ -285,6 +288,8 @@ int ape__physical_build(struct ape_context *ctx, const struct ape__ctx_setup *su
 	ret = ape__numa_open(su->topology_xml, fn_create, &ctx->numa, note, sizeof(note));
 	if (ret && su->topology_xml)
 		return ret;
+	if (ret == APE_ENOTSUP) /* built without hwloc: placement is off by choice, silently */
+		ctx->numa_policy = APE_NUMA_OFF;
 	/* this machine's topology is a help, not a requirement: without it, no placement */
 	ctx->elsewhere = ctx->numa && !ape__numa_is_real(ctx->numa);
 	describe_machine(ctx, su, note);

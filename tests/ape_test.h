@@ -16,4 +16,36 @@
 
 #include "common/testutil.h"
 
+/*
+ * TEST_HARNESS_MAIN for a program whose every test needs something this build may lack: the
+ * program exits 4 (KSFT_SKIP) with the reason before running anything, so `make check` counts
+ * it as skipped, not passed.
+ */
+#define APE_TEST_MAIN_SKIP_UNLESS(cond, reason)                                                    \
+	static void __attribute__((constructor)) __constructor_order_last(void)                   \
+	{                                                                                          \
+		if (!__constructor_order)                                                          \
+			__constructor_order = _CONSTRUCTOR_ORDER_BACKWARD;                         \
+	}                                                                                          \
+	int main(int argc, char **argv)                                                            \
+	{                                                                                          \
+		if (!(cond))                                                                       \
+			ksft_exit_skip("%s\n", reason);                                            \
+		return test_harness_run(argc, argv);                                               \
+	}
+
+/* What optional dependencies this build has (the Makefile defines APE_HAVE_*). */
+#ifdef APE_HAVE_HWLOC
+#define APE_TEST_HAVE_HWLOC 1
+#else
+#define APE_TEST_HAVE_HWLOC 0
+#endif
+#ifdef APE_HAVE_DRM
+#define APE_TEST_HAVE_DRM 1
+#else
+#define APE_TEST_HAVE_DRM 0
+#endif
+#define APE_TEST_NO_HWLOC "hwloc is not built into this libape (WITH_HWLOC=no, or not found)"
+#define APE_TEST_NO_DRM "libdrm is not built into this libape (WITH_DRM=no, or not found)"
+
 #endif

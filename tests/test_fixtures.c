@@ -499,4 +499,4 @@ TEST(getters_refuse_bad_arguments)
 	ape_context_destroy(ctx);
 }
 
-TEST_HARNESS_MAIN
+APE_TEST_MAIN_SKIP_UNLESS(APE_TEST_HAVE_HWLOC, APE_TEST_NO_HWLOC)
