@@ -21,6 +21,7 @@
 #ifndef APE_RUNTIME_BACKEND_H
 #define APE_RUNTIME_BACKEND_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -31,7 +32,7 @@
 
 /* Bumped whenever the layout or contract of ape__backend_ops changes; the core refuses a backend
  * built against another value (see registry.c). */
-#define APE__BACKEND_ABI 1
+#define APE__BACKEND_ABI 2
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -135,6 +136,41 @@ struct ape__backend_ops {
 	int (*host_register)(struct ape_device *dev, void *ptr, size_t bytes, void **handle);
 	/* Optional, required with host_register. Undoes it; the memory is idle (no copy in flight). */
 	void (*host_unregister)(struct ape_device *dev, void *handle);
+
+	/* ---- ABI 2: optional ops of the streaming executor (runtime/stream.c). Each has a
+	 * fallback in the core, so a backend without them still computes correctly. */
+
+	/*
+	 * Optional (NULL: the core bounces through host staging, d2h then h2d on the same queue).
+	 * Asynchronous device-to-device copy of n > 0 bytes within or between buffers of one
+	 * device; the ranges do not overlap. Ordered like every other command of q. Used by the KV
+	 * cache to gather its blocks into one contiguous key chunk.
+	 */
+	int (*copy_d2d)(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
+			struct ape__buf *src, size_t src_off, size_t n);
+
+	/*
+	 * Optional (NULL: the core uses the host's clock, so traces show enqueue times, and it
+	 * reports no copy/compute overlap). The device time, in milliseconds, of the point e
+	 * stands for: when everything enqueued on its queue before e had completed (the end of a
+	 * marker). All queues of one device must share the clock, so that times of events on
+	 * different queues compare; its origin is arbitrary. e has completed (its queue was
+	 * synchronised past it).
+	 */
+	int (*event_timestamp)(struct ape__event *e, double *ms);
+
+	/*
+	 * Optional (NULL: the core assumes float32 copies of K and V plus skip tables, see
+	 * ape__scratch_estimate() in runtime/stream.c). Bytes of device memory the attention op
+	 * allocates for launch l beyond l's own buffers, held from the attention call until the
+	 * launch completes. The core counts them against the memory budget of streamed calls.
+	 * Called without the buffers: only the shape, dtypes, layout and skip_tol of l are set.
+	 */
+	uint64_t (*attention_scratch)(struct ape_device *dev, const struct ape__launch *l);
+
+	/* Optional (NULL: no limit but the device's memory). The largest single buffer_alloc the
+	 * device accepts (CL_DEVICE_MAX_MEM_ALLOC_SIZE); the planner keeps every chunk below it. */
+	uint64_t (*max_alloc)(struct ape_device *dev);
 };
 
 /* A backend as loaded in one context. */
@@ -150,6 +186,9 @@ struct ape_device {
 	struct ape_device_info info;
 	int rank; /* preference: higher is chosen first by "auto" */
 	void *priv; /* the backend's own state */
+	/* Core only: visible pairs per second this device reached in earlier streamed calls, as an
+	 * exponential average (runtime/multidev.c weighs multi-device splits by it); 0 unknown. */
+	atomic_uint_fast64_t pairs_per_s;
 };
 
 /* Device preference ranks used by backends. */

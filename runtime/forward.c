@@ -1,22 +1,30 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * One-shot forward: validate, pack the caller's tensors, copy them to the device, launch, copy the
- * results back, unpack. Outputs reach the caller only after every device step has succeeded, so a
- * failing device never leaves a half-written O behind.
+ * The forward entry points: validate, handle the shapes that need no device, hand the rest to
+ * the streaming executor (runtime/multidev.c, runtime/stream.c), report statistics.
+ *
+ * There is one code path. A problem that fits one chunk pair is the executor's single-chunk
+ * case: one query chunk, one key chunk, the same copies and the same launch as a one-shot
+ * call, and its outputs are written only once everything succeeded.
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "context.h"
 #include "error.h"
-#include "hostmem.h"
+#include "merge.h"
+#include "pack.h"
+#include "plan.h"
 #include "problem.h"
+#include "stream.h"
 
-static const char fn[] = "ape_attention_forward";
+#define MAX_DEVICES 64
 
 void ape_stats_init(ape_stats *st)
 {
@@ -24,6 +32,14 @@ void ape_stats_init(ape_stats *st)
 		return;
 	memset(st, 0, sizeof(*st));
 	st->struct_size = sizeof(*st);
+}
+
+void ape_exec_options_init(ape_exec_options *opts)
+{
+	if (!opts)
+		return;
+	memset(opts, 0, sizeof(*opts));
+	opts->struct_size = sizeof(*opts);
 }
 
 static double now_ms(void)
@@ -34,299 +50,279 @@ static double now_ms(void)
 	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
 }
 
-/* Calls fn(row pointer in t, row pointer in the packed buffer) for each of the B*H*L rows. */
-static void copy_rows(void *packed, const ape_tensor *t, const int64_t s[4], bool to_tensor)
+/* ------------------------------------------------------------------ validation */
+
+static int check_stats(const char *fn, const ape_stats *stats)
 {
-	const size_t esz = ape_dtype_size(t->dtype);
-	const int64_t D = t->shape[3];
-	unsigned char *pk = packed;
-
-	for (int64_t b = 0; b < t->shape[0]; b++)
-		for (int64_t h = 0; h < t->shape[1]; h++)
-			for (int64_t l = 0; l < t->shape[2]; l++) {
-				unsigned char *row = (unsigned char *)t->data +
-						     (size_t)(b * s[0] + h * s[1] + l * s[2]) * esz;
-
-				if (s[3] == 1) {
-					if (to_tensor)
-						memcpy(row, pk, (size_t)D * esz);
-					else
-						memcpy(pk, row, (size_t)D * esz);
-				} else {
-					for (int64_t d = 0; d < D; d++) {
-						unsigned char *e = row + (size_t)(d * s[3]) * esz;
-
-						if (to_tensor)
-							memcpy(e, pk + (size_t)d * esz, esz);
-						else
-							memcpy(pk + (size_t)d * esz, e, esz);
-					}
-				}
-				pk += (size_t)D * esz;
-			}
-}
-
-/* Row-major without gaps; the stride of a dimension of size 1 does not matter. */
-static bool is_contiguous(const ape_tensor *t, const int64_t s[4])
-{
-	int64_t want = 1;
-
-	for (int d = 3; d >= 0; d--) {
-		if (t->shape[d] > 1 && s[d] != want)
-			return false;
-		want *= t->shape[d];
-	}
-	return true;
-}
-
-/* Host source of an input: the caller's memory when contiguous, else a packed copy in a staging
- * buffer on the device's NUMA node. */
-static int stage_input(struct ape_device *dev, const ape_tensor *t, const int64_t s[4],
-		       size_t bytes, const void **src, struct ape__hostmem *owned)
-{
-	int ret;
-
-	memset(owned, 0, sizeof(*owned));
-	if (is_contiguous(t, s)) {
-		*src = t->data;
-		return 0;
-	}
-	ret = ape__host_alloc(dev, bytes, owned);
-	if (ret)
-		return ape__error(ret, "%s: out of memory packing a strided input (%zu bytes)", fn,
-				  bytes);
-	copy_rows(owned->ptr, t, s, false);
-	*src = owned->ptr;
-	return 0;
-}
-
-struct run {
-	struct ape_device *dev;
-	const struct ape__backend_ops *ops;
-	struct ape__queue *queue;
-	struct ape__buf *q, *k, *v, *o, *lse, *pairs;
-	struct ape__event *start, *end;
-	/* staging buffers on the device's NUMA node (runtime/hostmem.c) */
-	struct ape__hostmem q_owned, k_owned, v_owned; /* packed strided inputs */
-	struct ape__hostmem o_host; /* the caller's O is written only after success */
-	struct ape__hostmem lse_host, pairs_host;
-};
-
-static void run_release(struct run *r)
-{
-	const struct ape__backend_ops *ops = r->ops;
-
-	ops->event_destroy(r->start);
-	ops->event_destroy(r->end);
-	ops->queue_destroy(r->queue); /* waits for outstanding work before buffers go */
-	ops->buf_free(r->dev, r->q);
-	ops->buf_free(r->dev, r->k);
-	ops->buf_free(r->dev, r->v);
-	ops->buf_free(r->dev, r->o);
-	ops->buf_free(r->dev, r->lse);
-	ops->buf_free(r->dev, r->pairs);
-	ape__host_free(r->dev, &r->q_owned);
-	ape__host_free(r->dev, &r->k_owned);
-	ape__host_free(r->dev, &r->v_owned);
-	ape__host_free(r->dev, &r->o_host);
-	ape__host_free(r->dev, &r->lse_host);
-	ape__host_free(r->dev, &r->pairs_host);
-}
-
-static int alloc_buf(struct run *r, size_t bytes, struct ape__buf **out, const char *what)
-{
-	int ret = r->ops->buf_alloc(r->dev, bytes, out);
-
-	if (ret)
-		return ape__error_prefix(ret, what);
-	return 0;
-}
-
-static void fill_launch(struct ape__launch *l, const struct ape__problem *p, const struct run *r)
-{
-	memset(l, 0, sizeof(*l));
-	l->B = p->B;
-	l->H = p->H;
-	l->Hkv = p->Hkv;
-	l->Lq = p->Lq;
-	l->Lk = p->Lk;
-	l->D = p->D;
-	l->in_dtype = p->in_dtype;
-	l->out_dtype = p->out_dtype;
-	l->q = r->q;
-	l->k = r->k;
-	l->v = r->v;
-	l->o = r->o;
-	l->lse = r->lse;
-	l->pairs = r->pairs;
-	l->head_params = p->head_params;
-	l->decay_nonneg = p->decay_nonneg;
-	l->scale = p->scale;
-	l->rope_base = p->rope_base;
-	for (int64_t i = 0; i < p->D / 2; i++)
-		l->omega[i] = pow(p->rope_base, -2.0 * (double)i / (double)p->D);
-	l->causal = p->causal;
-	l->layout = p->layout;
-	l->q_start = p->q_start;
-	l->k_start = p->k_start;
-	l->skip_tol = p->decay_nonneg ? p->skip_tol : 0.0;
-}
-
-struct sizes {
-	size_t q, kv, o, rows;
-};
-
-/* Every device step, in order; any failure returns with the caller's outputs untouched. */
-static int run_device(struct run *r, const struct ape__problem *p, const ape_tensor *q,
-		      const ape_tensor *k, const ape_tensor *v, const struct sizes *sz,
-		      bool want_pairs, ape_stats *st)
-{
-	const struct ape__backend_ops *ops = r->ops;
-	const void *qsrc, *ksrc, *vsrc;
-	struct ape__launch launch;
-	double kernel_ms = 0;
-	int ret;
-
-	if ((ret = stage_input(r->dev, q, p->qs, sz->q, &qsrc, &r->q_owned)) ||
-	    (ret = stage_input(r->dev, k, p->ks, sz->kv, &ksrc, &r->k_owned)) ||
-	    (ret = stage_input(r->dev, v, p->vs, sz->kv, &vsrc, &r->v_owned)))
-		return ret;
-	if ((ret = ape__host_alloc(r->dev, sz->o, &r->o_host)) ||
-	    (ret = ape__host_alloc(r->dev, sz->rows * sizeof(float), &r->lse_host)) ||
-	    (want_pairs &&
-	     (ret = ape__host_alloc(r->dev, sz->rows * sizeof(uint64_t), &r->pairs_host))))
-		return ape__error(ret, "%s: out of host memory for the outputs", fn);
-
-	if ((ret = ops->queue_create(r->dev, &r->queue)))
-		return ape__error_prefix(ret, fn);
-	if ((ret = alloc_buf(r, sz->q, &r->q, "allocating q")) ||
-	    (ret = alloc_buf(r, sz->kv, &r->k, "allocating k")) ||
-	    (ret = alloc_buf(r, sz->kv, &r->v, "allocating v")) ||
-	    (ret = alloc_buf(r, sz->o, &r->o, "allocating o")) ||
-	    (ret = alloc_buf(r, sz->rows * sizeof(float), &r->lse, "allocating lse")) ||
-	    (want_pairs &&
-	     (ret = alloc_buf(r, sz->rows * sizeof(uint64_t), &r->pairs, "allocating stats"))))
-		return ape__error_prefix(ret, fn);
-
-	if ((ret = ops->copy_h2d(r->queue, r->q, 0, qsrc, sz->q)) ||
-	    (ret = ops->copy_h2d(r->queue, r->k, 0, ksrc, sz->kv)) ||
-	    (ret = ops->copy_h2d(r->queue, r->v, 0, vsrc, sz->kv)))
-		return ape__error_prefix(ret, fn);
-	if (r->dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS) {
-		/* 0x7fc00001: a quiet NaN in f32; as two halves, 0x7fc0 (NaN in f16 and bf16) */
-		const uint32_t poison = 0x7fc07fc0u;
-
-		if ((ret = ops->fill(r->queue, r->o, 0, poison, sz->o)) ||
-		    (ret = ops->fill(r->queue, r->lse, 0, poison, sz->rows * sizeof(float))))
-			return ape__error_prefix(ret, fn);
-	}
-
-	fill_launch(&launch, p, r);
-	if ((ret = ops->event_record(r->queue, &r->start)) ||
-	    (ret = ops->attention(r->queue, &launch)) ||
-	    (ret = ops->event_record(r->queue, &r->end)))
-		return ape__error_prefix(ret, fn);
-	if ((ret = ops->copy_d2h(r->queue, r->o_host.ptr, r->o, 0, sz->o)) ||
-	    (ret = ops->copy_d2h(r->queue, r->lse_host.ptr, r->lse, 0, sz->rows * sizeof(float))) ||
-	    (want_pairs && (ret = ops->copy_d2h(r->queue, r->pairs_host.ptr, r->pairs, 0,
-						sz->rows * sizeof(uint64_t)))))
-		return ape__error_prefix(ret, fn);
-	if ((ret = ops->synchronize(r->queue)) ||
-	    (ret = ops->event_elapsed(r->start, r->end, &kernel_ms)))
-		return ape__error_prefix(ret, fn);
-	if (st) {
-		st->kernel_ms = kernel_ms;
-		st->bytes_to_device = sz->q + 2 * sz->kv;
-		st->bytes_from_device = sz->o + sz->rows * sizeof(float);
-	}
-	return 0;
-}
-
-/* Rows with no key at all (Lk = 0): O = 0, LSE = -inf, no device needed. */
-static void write_empty(const struct ape__problem *p, ape_tensor *o, float *lse, size_t rows)
-{
-	size_t bytes = rows * (size_t)p->D * ape_dtype_size(p->out_dtype);
-	void *zeros = calloc(1, bytes ? bytes : 1);
-
-	if (zeros) {
-		copy_rows(zeros, o, p->os, true);
-		free(zeros);
-	} else { /* no memory for a block of zeros: write element by element */
-		const size_t esz = ape_dtype_size(p->out_dtype);
-
-		for (int64_t b = 0; b < p->B; b++)
-			for (int64_t h = 0; h < p->H; h++)
-				for (int64_t i = 0; i < p->Lq; i++)
-					for (int64_t d = 0; d < p->D; d++)
-						memset((unsigned char *)o->data +
-							       (size_t)(b * p->os[0] + h * p->os[1] +
-									i * p->os[2] + d * p->os[3]) *
-								       esz,
-						       0, esz);
-	}
-	for (size_t r = 0; lse && r < rows; r++)
-		lse[r] = -INFINITY;
-}
-
-int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, const ape_tensor *q,
-			  const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
-			  ape_stats *stats)
-{
-	const double t0 = now_ms();
-	struct ape__problem p;
-	struct run r;
-	struct sizes sz;
-	ape_stats st;
-	uint64_t per_head;
-	int ret;
-
-	if (!dev)
-		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
-	if (stats && stats->struct_size != sizeof(*stats))
+	if (stats && stats->struct_size != sizeof(*stats) &&
+	    stats->struct_size != APE_STATS_V1_SIZE)
 		return ape__error(APE_EINVAL,
 				  "%s: stats->struct_size = %zu: expected %zu (initialise with "
 				  "ape_stats_init())",
 				  fn, stats->struct_size, sizeof(*stats));
+	return 0;
+}
+
+static int check_devices(const char *fn, ape_device *const *devs, int ndev)
+{
+	if (!devs)
+		return ape__error(APE_EINVAL, "%s: devs = NULL", fn);
+	if (ndev < 1 || ndev > MAX_DEVICES)
+		return ape__error(APE_EINVAL, "%s: ndev = %d: must be 1..%d", fn, ndev, MAX_DEVICES);
+	for (int i = 0; i < ndev; i++)
+		if (!devs[i])
+			return ape__error(APE_EINVAL, "%s: devs[%d] = NULL", fn, i);
+	return 0;
+}
+
+/* The trace file's directory must exist: found out before any work, not after. */
+static int check_trace_path(const char *fn, const char *path)
+{
+	const char *slash;
+	char dir[4096];
+	struct stat st;
+
+	if (!*path)
+		return ape__error(APE_EINVAL, "%s: opts->trace_path = \"\": must name a file", fn);
+	slash = strrchr(path, '/');
+	if (!slash)
+		return 0;
+	snprintf(dir, sizeof(dir), "%.*s", (int)(slash - path) + 1, path);
+	if (stat(dir, &st) || !S_ISDIR(st.st_mode))
+		return ape__error(APE_EINVAL,
+				  "%s: opts->trace_path = \"%s\": directory %s does not exist", fn,
+				  path, dir);
+	if (slash[1] == '\0')
+		return ape__error(APE_EINVAL, "%s: opts->trace_path = \"%s\": is a directory", fn,
+				  path);
+	return 0;
+}
+
+static int check_options(const char *fn, const ape_exec_options *o, int ndev)
+{
+	if (!o)
+		return 0;
+	if (o->struct_size != sizeof(*o))
+		return ape__error(APE_EINVAL,
+				  "%s: opts->struct_size = %zu: expected %zu (initialise with "
+				  "ape_exec_options_init())",
+				  fn, o->struct_size, sizeof(*o));
+	if (o->chunk_q < 0 || o->chunk_k < 0)
+		return ape__error(APE_EINVAL,
+				  "%s: opts->%s = %" PRId64 ": must be >= 0 (0: %d rows)", fn,
+				  o->chunk_q < 0 ? "chunk_q" : "chunk_k",
+				  o->chunk_q < 0 ? o->chunk_q : o->chunk_k, APE__CHUNK_DEFAULT);
+	if (o->pipeline_depth < 0 || o->pipeline_depth > 3)
+		return ape__error(APE_EINVAL,
+				  "%s: opts->pipeline_depth = %d: must be 1, 2 or 3 (0: 3)", fn,
+				  o->pipeline_depth);
+	if (o->flags & ~APE_EXEC_ATOMIC_OUTPUTS)
+		return ape__error(APE_EINVAL, "%s: opts->flags = 0x%x: unknown flags 0x%x", fn,
+				  o->flags, o->flags & ~APE_EXEC_ATOMIC_OUTPUTS);
+	for (int i = 0; o->device_weights && i < ndev; i++)
+		if (!isfinite(o->device_weights[i]) || !(o->device_weights[i] > 0))
+			return ape__error(APE_EINVAL,
+					  "%s: opts->device_weights[%d] = %g: must be finite and > 0",
+					  fn, i, o->device_weights[i]);
+	if (o->trace_path)
+		return check_trace_path(fn, o->trace_path);
+	return 0;
+}
+
+/* ------------------------------------------------------------------ shapes without a device */
+
+/* Rows with no key at all (Lk = 0): O = 0, LSE = -inf. */
+static void write_empty(const struct ape__problem *p, ape_tensor *o, float *lse)
+{
+	ape__store_empty_rows(o, p->os, lse, p->Lq, 0, p->Lq);
+}
+
+/* ------------------------------------------------------------------ statistics */
+
+static void names(ape_stats *st, ape_device *const *devs, int ndev)
+{
+	size_t nb = 0, nd = 0;
+
+	st->backend[0] = st->device[0] = '\0';
+	for (int i = 0; i < ndev; i++) {
+		bool seen_be = false, seen_dev = false;
+
+		for (int j = 0; j < i; j++) {
+			seen_be |= !strcmp(devs[j]->info.backend, devs[i]->info.backend);
+			seen_dev |= devs[j] == devs[i];
+		}
+		if (!seen_be && nb < sizeof(st->backend))
+			nb += (size_t)snprintf(st->backend + nb, sizeof(st->backend) - nb, "%s%s",
+					       nb ? "+" : "", devs[i]->info.backend);
+		if (!seen_dev && nd < sizeof(st->device))
+			nd += (size_t)snprintf(st->device + nd, sizeof(st->device) - nd, "%s%s",
+					       nd ? " + " : "", devs[i]->info.name);
+	}
+}
+
+static void fill_stats(ape_stats *st, const struct ape__exec_result *res)
+{
+	st->pairs_computed = res->st.pairs_computed;
+	st->kernel_ms = res->st.kernel_ms;
+	st->bytes_to_device = res->st.h2d;
+	st->bytes_from_device = res->st.d2h;
+	st->bytes_device_to_device = res->st.d2d;
+	st->chunks = res->st.chunks;
+	st->chunks_skipped = res->st.chunks_skipped;
+	st->chunk_q = res->cq;
+	st->chunk_k = res->ck;
+	st->pipeline_depth = res->depth;
+	st->device_budget = res->budget;
+	st->peak_device_bytes = res->st.peak_bytes;
+	st->copy_ms = res->st.copy_ms;
+	st->overlap_ms = res->st.overlap_ms;
+}
+
+/* Copies what the caller's version of ape_stats has room for. */
+static void give_stats(ape_stats *stats, ape_stats *st)
+{
+	size_t size = stats->struct_size;
+
+	st->struct_size = size;
+	memcpy(stats, st, size);
+}
+
+/* ------------------------------------------------------------------ the call */
+
+/* Host copies of O and LSE that the call writes, for APE_EXEC_ATOMIC_OUTPUTS. */
+struct staged {
+	void *o;
+	float *lse;
+	ape_tensor t;
+	int64_t s[4];
+};
+
+static int stage_outputs(const char *fn, const struct ape__problem *p, bool lse,
+			 struct staged *sg)
+{
+	const size_t rows = (size_t)(p->B * p->H * p->Lq);
+
+	memset(sg, 0, sizeof(*sg));
+	sg->o = malloc(rows * (size_t)p->D * ape_dtype_size(p->out_dtype) + 1);
+	sg->lse = lse ? malloc(rows * sizeof(float) + 1) : NULL;
+	if (!sg->o || (lse && !sg->lse)) {
+		free(sg->o);
+		free(sg->lse);
+		return ape__error(APE_ENOMEM, "%s: out of host memory staging the outputs", fn);
+	}
+	ape_tensor_init(&sg->t, sg->o, p->out_dtype, p->B, p->H, p->Lq, p->D);
+	ape_tensor_strides(&sg->t, sg->s);
+	return 0;
+}
+
+static int run(const char *fn, ape_device *const *devs, int ndev, const ape_exec_options *opts,
+	       const struct ape__problem *p, const ape_tensor *q, const ape_tensor *k,
+	       const ape_tensor *v, ape_tensor *o, float *lse, bool want_pairs,
+	       struct ape__exec_result *res)
+{
+	const bool atomic_out = opts && (opts->flags & APE_EXEC_ATOMIC_OUTPUTS);
+	struct ape__problem pp = *p;
+	struct ape__exec_req r = {
+		.fn = fn,
+		.devs = devs,
+		.ndev = ndev,
+		.chunk_q = opts && opts->chunk_q ? opts->chunk_q : APE__CHUNK_DEFAULT,
+		.chunk_k = opts && opts->chunk_k ? opts->chunk_k : APE__CHUNK_DEFAULT,
+		.budget = opts ? opts->max_device_bytes : 0,
+		.depth = opts && opts->pipeline_depth ? opts->pipeline_depth : 3,
+		.weights = opts ? opts->device_weights : NULL,
+		.trace_path = opts ? opts->trace_path : NULL,
+		.p = &pp,
+		.q = q,
+		.k = k,
+		.v = v,
+		.o = o,
+		.lse = lse,
+		.want_pairs = want_pairs,
+	};
+	struct staged sg;
+	int ret;
+
+	if (!atomic_out)
+		return ape__exec_run(&r, res);
+	ret = stage_outputs(fn, p, lse != NULL, &sg);
+	if (ret)
+		return ret;
+	/* the executor writes the staging copy, laid out contiguously */
+	memcpy(pp.os, sg.s, sizeof(pp.os));
+	r.o = &sg.t;
+	r.lse = sg.lse;
+	r.staged = true;
+	ret = ape__exec_run(&r, res);
+	if (!ret) {
+		ape__unpack_rows(sg.o, o, p->os, 0, p->Lq);
+		if (lse)
+			memcpy(lse, sg.lse, (size_t)(p->B * p->H * p->Lq) * sizeof(float));
+	}
+	free(sg.o);
+	free(sg.lse);
+	return ret;
+}
+
+static int forward(const char *fn, ape_device *const *devs, int ndev,
+		   const ape_exec_options *opts, const ape_attn_desc *desc, const ape_tensor *q,
+		   const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
+		   ape_stats *stats)
+{
+	const double t0 = now_ms();
+	struct ape__exec_result res;
+	struct ape__problem p;
+	uint64_t per_head;
+	ape_stats st;
+	int ret;
+
+	if ((ret = check_stats(fn, stats)) || (ret = check_options(fn, opts, ndev)))
+		return ret;
 	if ((ret = ape__problem_init(&p, fn, desc, q, k, v, o, lse)))
 		return ret;
 	if (ape__head_visible_pairs(&p, &per_head)) {
 		ape__problem_fini(&p);
 		return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
 	}
-	sz.rows = (size_t)(p.B * p.H * p.Lq);
-	sz.q = sz.rows * (size_t)p.D * ape_dtype_size(p.in_dtype);
-	sz.o = sz.rows * (size_t)p.D * ape_dtype_size(p.out_dtype);
-	sz.kv = (size_t)(p.B * p.Hkv * p.Lk * p.D) * ape_dtype_size(p.in_dtype);
-
-	memset(&r, 0, sizeof(r));
-	r.dev = dev;
-	r.ops = dev->be->ops;
+	memset(&res, 0, sizeof(res));
 	ape_stats_init(&st);
-	if (sz.rows == 0) {
+	if (p.B * p.H * p.Lq == 0)
 		ret = 0; /* empty result: nothing to write */
-	} else if (p.Lk == 0) {
-		write_empty(&p, o, lse, sz.rows);
-		ret = 0;
-	} else {
-		ret = run_device(&r, &p, q, k, v, &sz, stats != NULL, &st);
-		if (!ret) {
-			const uint64_t *pairs = r.pairs_host.ptr;
-
-			copy_rows(r.o_host.ptr, o, p.os, true);
-			if (lse)
-				memcpy(lse, r.lse_host.ptr, sz.rows * sizeof(float));
-			for (size_t i = 0; stats && i < sz.rows; i++)
-				st.pairs_computed += pairs[i];
-		}
-		run_release(&r);
-	}
+	else if (p.Lk == 0)
+		write_empty(&p, o, lse);
+	else
+		ret = run(fn, devs, ndev, opts, &p, q, k, v, o, lse, stats != NULL, &res);
 	if (!ret && stats) {
-		snprintf(st.backend, sizeof(st.backend), "%s", dev->info.backend);
-		snprintf(st.device, sizeof(st.device), "%s", dev->info.name);
+		fill_stats(&st, &res);
+		names(&st, devs, ndev);
+		st.devices = p.B * p.H * p.Lq > 0 && p.Lk > 0 ? ndev : 0;
 		st.pairs_visible = per_head * (uint64_t)(p.B * p.H);
 		st.total_ms = now_ms() - t0;
-		*stats = st;
+		give_stats(stats, &st);
 	}
 	ape__problem_fini(&p);
 	return ret;
+}
+
+int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, const ape_tensor *q,
+			  const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
+			  ape_stats *stats)
+{
+	static const char fn[] = "ape_attention_forward";
+
+	if (!dev)
+		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
+	return forward(fn, &dev, 1, NULL, desc, q, k, v, o, lse, stats);
+}
+
+int ape_attention_forward_ex(ape_device *const *devs, int ndev, const ape_exec_options *opts,
+			     const ape_attn_desc *desc, const ape_tensor *q, const ape_tensor *k,
+			     const ape_tensor *v, ape_tensor *o, float *lse, ape_stats *stats)
+{
+	static const char fn[] = "ape_attention_forward_ex";
+	int ret = check_devices(fn, devs, ndev);
+
+	if (ret)
+		return ret;
+	return forward(fn, devs, ndev, opts, desc, q, k, v, o, lse, stats);
 }

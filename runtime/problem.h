@@ -45,6 +45,13 @@ static inline int64_t ape__row_visible_end(const struct ape__problem *p, int64_t
 	return last >= p->Lk ? p->Lk : last + 1;
 }
 
+/* One tensor of a KV-cache call: its dtype must be `dtype`, its shape `want` (-1: any; dims
+ * name them in messages); resolves its strides into s. */
+int ape__check_tensor(const char *fn, const char *name, const ape_tensor *t, ape_dtype dtype,
+		      const int64_t want[4], const char *const dims[4], int64_t s[4]);
+/* Every position and query-key distance of these rows fits in 64 bits. */
+int ape__check_positions(const char *fn, int64_t q_start, int64_t Lq, int64_t k_start, int64_t Lk);
+
 /* Visible pairs of one (b, h) head summed over its rows; -1 if the count overflows 64 bits. */
 int ape__head_visible_pairs(const struct ape__problem *p, uint64_t *out);
 

@@ -532,6 +532,112 @@ TEST_F(run, device_by_spec)
 	expect_refused(_metadata, self, RUN(FILES, "--device", "ref:7"), 3, WORDS("index = 7"));
 }
 
+/* ------------------------------------------------------------------ streaming */
+
+/* O and LSE as files against the direct one-shot call, within `tol` (chunks are merged by
+ * their LSE: equal to rounding, not bit for bit). */
+static void expect_outputs_near(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
+				const ape_attn_desc *desc, double tol)
+{
+	const int64_t *s = self->q.t.shape;
+	float *lse = malloc((size_t)(s[0] * s[1] * s[2]) * sizeof(float) + 1);
+	test_tensor o;
+
+	ASSERT_NE(NULL, lse);
+	direct(_metadata, self, desc, APE_F32, &o, lse);
+	expect_npy(_metadata, self, "O.npy", APE_F32, 4, s, o.t.data,
+		   tol * fmax(1, test_tensor_maxabs(&self->v.t)));
+	expect_npy(_metadata, self, "LSE.npy", APE_F32, 3, s, lse, tol);
+	test_tensor_free(&o);
+	free(lse);
+}
+
+TEST_F(run, chunks_budget_trace_and_stats)
+{
+	char cmd[512];
+	ape_attn_desc desc;
+
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 50, 50, 8, false);
+	seed_desc(&desc);
+	ASSERT_EQ(0, RUN(BASIC, "--chunk", "7", "--max-device-mem", "64K", "--trace", "T.json",
+			 "--stats"))
+		TH_LOG("%s", self->err);
+	expect_outputs_near(_metadata, self, &desc, 1e-5);
+	EXPECT_NE(NULL, strstr(self->err, "(7 x 7 rows")) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "chunks computed ")) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "bytes copied to device ")) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "peak device memory ")) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "(a budget of 65536 bytes)")) TH_LOG("%s", self->err);
+	if (!access("/usr/bin/python3", X_OK)) {
+		snprintf(cmd, sizeof(cmd),
+			 "/usr/bin/python3 -c 'import json,sys; d = json.load(open(sys.argv[1])); "
+			 "assert any(e[\"ph\"] == \"X\" for e in d[\"traceEvents\"])' %s/T.json",
+			 self->work);
+		EXPECT_EQ(0, system(cmd)) TH_LOG("T.json is not a trace");
+	}
+	/* several devices: the reference twice */
+	ASSERT_EQ(0, RUN(FILES, "--devices", "ref:0,ref", "--chunk", "16", "--stats"))
+		TH_LOG("%s", self->err);
+	expect_outputs_near(_metadata, self, &desc, 1e-5);
+	EXPECT_NE(NULL, strstr(self->err, "2 devices)")) TH_LOG("%s", self->err);
+}
+
+TEST_F(run, kv_cache_decoding_matches)
+{
+	ape_attn_desc desc;
+
+	write_inputs(_metadata, self, APE_F32, 1, 4, 2, 40, 40, 8, false);
+	seed_desc(&desc);
+	ASSERT_EQ(0, RUN(BASIC, "--kv-cache", "1", "--kv-block", "5", "--stats"))
+		TH_LOG("%s", self->err);
+	expect_outputs_near(_metadata, self, &desc, 1e-5);
+	EXPECT_NE(NULL, strstr(self->err, "chunks computed 40,")) TH_LOG("%s", self->err);
+	ASSERT_EQ(0, RUN(BASIC, "--kv-cache", "16", "--chunk", "9")) TH_LOG("%s", self->err);
+	expect_outputs_near(_metadata, self, &desc, 1e-5);
+	/* a strong decay: the oldest blocks go, and 40 tokens pass through a cache of 24 */
+	desc.delta.value = 4.0f;
+	ASSERT_EQ(0, RUN(BASIC, "--kv-cache", "1", "--kv-block", "4", "--kv-capacity", "24",
+			 "--kv-release", "--delta", "4"))
+		TH_LOG("%s", self->err);
+	expect_outputs_near(_metadata, self, &desc, 1e-5);
+	/* no decay, no release: the cache fills up */
+	self->ninputs = test_count_entries(self->work, NULL, 0);
+	expect_refused(_metadata, self,
+		       RUN(BASIC, "--kv-cache", "1", "--kv-block", "4", "--kv-capacity", "24",
+			   "--kv-release", "--delta", "0", "--beta", "0", "--gamma", "0"),
+		       1, WORDS("do not fit"));
+}
+
+TEST_F(run, streaming_bad_values)
+{
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 8, 8, 8, false);
+	expect_refused(_metadata, self, RUN(BASIC, "--chunk", "0"), 2, WORDS("--chunk"));
+	expect_refused(_metadata, self, RUN(BASIC, "--chunk", "x"), 2, WORDS("--chunk", "'x'"));
+	expect_refused(_metadata, self, RUN(BASIC, "--max-device-mem", "0"), 2,
+		       WORDS("--max-device-mem", "> 0"));
+	expect_refused(_metadata, self, RUN(BASIC, "--max-device-mem", "12Q"), 2,
+		       WORDS("--max-device-mem", "'12Q'"));
+	expect_refused(_metadata, self, RUN(BASIC, "--max-device-mem", "-5"), 2,
+		       WORDS("--max-device-mem"));
+	expect_refused(_metadata, self, RUN(BASIC, "--max-device-mem", "99999999999999T"), 2,
+		       WORDS("--max-device-mem", "out of range"));
+	expect_refused(_metadata, self, RUN(BASIC, "--trace", "nodir/T.json"), 2,
+		       WORDS("--trace", "does not exist"));
+	expect_refused(_metadata, self, RUN(BASIC, "--trace", "O.npy"), 2, WORDS("--trace"));
+	expect_refused(_metadata, self, RUN(BASIC, "--kv-cache", "0"), 2, WORDS("--kv-cache"));
+	expect_refused(_metadata, self, RUN(BASIC, "--kv-cache", "2", "--no-causal"), 2,
+		       WORDS("--kv-cache", "causal"));
+	expect_refused(_metadata, self, RUN(BASIC, "--kv-block", "8"), 2,
+		       WORDS("--kv-block", "needs --kv-cache"));
+	expect_refused(_metadata, self, RUN(BASIC, "--devices", "ref,,ref"), 2,
+		       WORDS("--devices", "empty"));
+	expect_refused(_metadata, self, RUN(BASIC, "--devices", "ref", "--device", "0"), 2,
+		       WORDS("--devices"));
+	/* a budget too small for one row each way: the library says what it needs */
+	expect_refused(_metadata, self, RUN(BASIC, "--max-device-mem", "100"), 1,
+		       WORDS("budget 100 bytes cannot hold one chunk", "needs"));
+}
+
 TEST_F(run, failures_do_not_clobber_outputs)
 {
 	static const char old[] = "an earlier result";

@@ -65,6 +65,42 @@ TEST(bench_bad_arguments)
 	EXPECT_EQ(2, TOOL("ape-bench", "--frobnicate"));
 }
 
+/* --stream: chunked under a budget; the peak stays under it, the rows check out, the
+ * back-to-back run is there for the overlap figure. */
+TEST(bench_stream_reports_budget_and_overlap)
+{
+	unsigned long long peak = 0, budget = 0;
+	const char *p;
+
+	ASSERT_EQ(0, TOOL("ape-bench", "--stream", "--backend", "ref", "-H", "1", "-D", "8", "-L",
+			  "300", "--chunk", "64", "--max-device-mem", "64K", "--check-rows", "2",
+			  "--json", "--seed", "3"))
+		TH_LOG("%s", err);
+	EXPECT_EQ(1, count(out, "\"L\": 300,")) TH_LOG("%s", out);
+	EXPECT_EQ(1, count(out, "\"within_tol\": true")) TH_LOG("%s", out);
+	EXPECT_EQ(1, count(out, "\"chunk\": 64,")) TH_LOG("%s", out);
+	EXPECT_EQ(1, count(out, "\"overlap_efficiency\": "));
+	EXPECT_EQ(0, count(out, "\"serial_ms\": 0,")) TH_LOG("the back-to-back run is missing");
+	p = strstr(out, "\"budget_bytes\": ");
+	ASSERT_NE(NULL, p);
+	EXPECT_EQ(1, sscanf(p, "\"budget_bytes\": %llu", &budget));
+	EXPECT_EQ(65536u, budget);
+	p = strstr(out, "\"peak_device_bytes\": ");
+	ASSERT_NE(NULL, p);
+	EXPECT_EQ(1, sscanf(p, "\"peak_device_bytes\": %llu", &peak));
+	EXPECT_GT(peak, 0u);
+	EXPECT_LE(peak, budget);
+	/* the table names its columns */
+	ASSERT_EQ(0, TOOL("ape-bench", "--stream", "--backend", "ref", "-H", "1", "-D", "8", "-L",
+			  "100", "--no-serial", "--check-rows", "0"))
+		TH_LOG("%s", err);
+	EXPECT_NE(NULL, strstr(out, "tokens/s")) TH_LOG("%s", out);
+	EXPECT_NE(NULL, strstr(out, "peak_MiB"));
+	EXPECT_EQ(2, TOOL("ape-bench", "--stream", "--max-device-mem", "lots"));
+	EXPECT_NE(NULL, strstr(err, "--max-device-mem")) TH_LOG("%s", err);
+	EXPECT_EQ(2, TOOL("ape-bench", "--stream", "--chunk", "0"));
+}
+
 TEST(bench_unavailable_backend_exits_3)
 {
 	ape_context *ctx = test_context(NULL);

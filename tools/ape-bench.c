@@ -38,6 +38,11 @@ struct bench_opts {
 	bool seeded;
 	bool numa; /* --numa: copy bandwidth per NUMA node instead of attention */
 	int64_t copy_mib;
+	bool stream; /* --stream: chunked execution under a budget, overlap and peak memory */
+	bool serial; /* --stream: also time copies and kernels back to back (--no-serial: not) */
+	int64_t chunk;
+	uint64_t max_mem;
+	bool warmup_set, repeats_set, check_set, L_set, skip_set;
 };
 
 struct bench_row {
@@ -71,6 +76,10 @@ enum {
 	OPT_SEED,
 	OPT_NUMA,
 	OPT_COPY_MIB,
+	OPT_STREAM,
+	OPT_CHUNK,
+	OPT_MAX_MEM,
+	OPT_NO_SERIAL,
 	OPT_HELP,
 };
 
@@ -86,6 +95,9 @@ static const struct cli_option options[] = {
 	{ "--repeats", NULL, true, OPT_REPEATS }, { "--check-rows", NULL, true, OPT_CHECK },
 	{ "--json", NULL, false, OPT_JSON },	  { "--seed", NULL, true, OPT_SEED },
 	{ "--numa", NULL, false, OPT_NUMA },	  { "--copy-mib", NULL, true, OPT_COPY_MIB },
+	{ "--stream", NULL, false, OPT_STREAM },  { "--chunk", NULL, true, OPT_CHUNK },
+	{ "--max-device-mem", NULL, true, OPT_MAX_MEM },
+	{ "--no-serial", NULL, false, OPT_NO_SERIAL },
 	{ "--help", "-h", false, OPT_HELP },	  { NULL, NULL, false, 0 },
 };
 
@@ -112,6 +124,16 @@ static void usage(FILE *f)
 		"                                   staging buffers on the device's NUMA node and\n"
 		"                                   on every other node (needs two or more nodes)\n"
 		"  --copy-mib N                     --numa buffer size (default 256)\n"
+		"  --stream                         instead: long sequences streamed in chunks\n"
+		"                                   under a device-memory budget; reports tokens/s,\n"
+		"                                   chunks, bytes copied, peak device memory and\n"
+		"                                   overlap efficiency (time with copies overlapping\n"
+		"                                   kernels against the same run back to back).\n"
+		"                                   Defaults: -L 65536,262144,1048576, skip-tol\n"
+		"                                   2^-24, 1 repeat, 2 rows checked\n"
+		"  --chunk N                        --stream: most tokens per chunk (default 4096)\n"
+		"  --max-device-mem BYTES           --stream: device budget (default 256M)\n"
+		"  --no-serial                      --stream: skip the back-to-back run\n"
 		"Throughput counts visible (query, key) pairs; dense-equivalent GFLOP/s counts 4*D\n"
 		"FLOPs per visible pair even when skipping computed fewer.\n");
 }
@@ -205,6 +227,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 			break;
 		case OPT_L:
 			ret = parse_len_list(val, o, err, errlen);
+			o->L_set = true;
 			break;
 		case OPT_LQ:
 			ret = cli_parse_int64("--lq", val, 1, (int64_t)1 << 30, &o->Lq, err, errlen);
@@ -218,6 +241,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 			break;
 		case OPT_SKIP:
 			ret = parse_skip_list(val, o, err, errlen);
+			o->skip_set = true;
 			break;
 		case OPT_DELTA:
 			ret = parse_param("--delta", val, &o->delta, err, errlen);
@@ -234,20 +258,36 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 		case OPT_WARMUP:
 			ret = cli_parse_int64("--warmup", val, 0, 1000, &x, err, errlen);
 			o->warmup = (int)x;
+			o->warmup_set = true;
 			break;
 		case OPT_REPEATS:
 			ret = cli_parse_int64("--repeats", val, 1, 100000, &x, err, errlen);
 			o->repeats = (int)x;
+			o->repeats_set = true;
 			break;
 		case OPT_CHECK:
 			ret = cli_parse_int64("--check-rows", val, 0, 1 << 20, &x, err, errlen);
 			o->check_rows = (int)x;
+			o->check_set = true;
 			break;
 		case OPT_JSON:
 			o->json = true;
 			break;
 		case OPT_NUMA:
 			o->numa = true;
+			break;
+		case OPT_STREAM:
+			o->stream = true;
+			break;
+		case OPT_NO_SERIAL:
+			o->serial = false;
+			break;
+		case OPT_CHUNK:
+			ret = cli_parse_int64("--chunk", val, 1, (int64_t)1 << 40, &o->chunk, err,
+					      errlen);
+			break;
+		case OPT_MAX_MEM:
+			ret = cli_parse_bytes("--max-device-mem", val, &o->max_mem, err, errlen);
 			break;
 		case OPT_COPY_MIB:
 			ret = cli_parse_int64("--copy-mib", val, 1, 1 << 20, &o->copy_mib, err,
@@ -461,13 +501,232 @@ static void print_json(const ape_device_info *info, const struct bench_opts *o,
 	printf("\n ]}\n");
 }
 
+/* ------------------------------------------------------------------ --stream */
+
+struct stream_row {
+	int64_t L;
+	double skip_tol;
+	double ms, serial_ms; /* wall time overlapped, and back to back (0: not run) */
+	ape_stats st, st_serial;
+	struct refcheck_result check;
+};
+
+/* What --stream measures unless told otherwise: long sequences, skipping on, one repeat. */
+static void stream_defaults(struct bench_opts *o)
+{
+	if (!o->L_set) {
+		o->L[0] = 65536;
+		o->L[1] = 262144;
+		o->L[2] = 1048576;
+		o->nL = 3;
+	}
+	if (!o->skip_set) {
+		o->skip[0] = 0x1p-24;
+		o->nskip = 1;
+	}
+	if (!o->repeats_set)
+		o->repeats = 1;
+	if (!o->warmup_set)
+		o->warmup = 0;
+	if (!o->check_set)
+		o->check_rows = 2;
+	if (!o->max_mem)
+		o->max_mem = 256u << 20;
+}
+
+/* Median wall time of `repeats` calls at one pipeline depth; stats of the last. */
+static int stream_time(ape_device *dev, const struct bench_opts *o, const ape_attn_desc *desc,
+		       struct inputs *in, int depth, double *ms, ape_stats *st)
+{
+	double t[1024];
+	int n = o->repeats > 1024 ? 1024 : o->repeats, ret = 0;
+	ape_exec_options eo;
+
+	ape_exec_options_init(&eo);
+	eo.chunk_q = eo.chunk_k = o->chunk;
+	eo.max_device_bytes = o->max_mem;
+	eo.pipeline_depth = depth;
+	for (int i = 0; i < o->warmup + n && !ret; i++) {
+		ape_stats_init(st);
+		ret = ape_attention_forward_ex(&dev, 1, &eo, desc, &in->tq, &in->tk, &in->tv,
+					       &in->to, in->lse, st);
+		if (i >= o->warmup)
+			t[i - o->warmup] = st->total_ms;
+	}
+	if (!ret)
+		*ms = median(t, n);
+	return ret;
+}
+
+static int stream_one(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
+		      double skip_tol, ape_rng *rng, struct stream_row *row)
+{
+	struct inputs in;
+	ape_attn_desc desc;
+	int ret;
+
+	memset(row, 0, sizeof(*row));
+	row->L = L;
+	row->skip_tol = skip_tol;
+	ret = make_inputs(o, L, L, rng, &in);
+	if (ret)
+		return ret;
+	ape_attn_desc_init(&desc);
+	desc.delta.value = o->delta;
+	desc.beta.value = o->beta;
+	desc.gamma.value = o->gamma;
+	desc.lambda.value = o->lambda;
+	desc.causal = o->causal;
+	desc.skip_tol = skip_tol;
+	if (o->serial)
+		ret = stream_time(dev, o, &desc, &in, 1, &row->serial_ms, &row->st_serial);
+	if (!ret)
+		ret = stream_time(dev, o, &desc, &in, 3, &row->ms, &row->st);
+	if (!ret && o->check_rows > 0)
+		ret = refcheck_sampled(ref, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse,
+				       o->check_rows, rng, &row->check);
+	free_inputs(&in);
+	return ret;
+}
+
+/*
+ * Overlap efficiency: how much of the work that could be hidden was hidden. Back to back, a
+ * run costs copies + kernels + host work; perfectly overlapped, the smaller of copies and
+ * kernels disappears. Efficiency = (back to back - overlapped) / min(copies, kernels), from the
+ * back-to-back run's device times; NAN when there is nothing to hide or no serial run.
+ */
+static double efficiency(const struct stream_row *r)
+{
+	double hideable = fmin(r->st_serial.copy_ms, r->st_serial.kernel_ms);
+
+	if (!r->serial_ms || !(hideable > 0))
+		return NAN;
+	return (r->serial_ms - r->ms) / hideable;
+}
+
+static void stream_print(const ape_device_info *info, const struct bench_opts *o,
+			 const struct stream_row *rows, int n)
+{
+	printf("ape-bench --stream: %s:%d %s (%s)\n", info->backend, info->backend_index,
+	       info->name, info->driver_version);
+	printf("shape B=%" PRId64 " H=%" PRId64 " Hkv=%" PRId64 " D=%" PRId64
+	       " %s %s; delta=%g beta=%g gamma=%g lambda=%g; chunk %" PRId64
+	       ", budget %" PRIu64 " bytes; %d repeat%s\n",
+	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype),
+	       o->causal ? "causal" : "non-causal", (double)o->delta, (double)o->beta,
+	       (double)o->gamma, (double)o->lambda, rows[0].st.chunk_q, o->max_mem, o->repeats,
+	       o->repeats == 1 ? "" : "s");
+	printf("%8s %9s %10s %10s %7s %11s %9s %8s %7s %7s %9s %10s %9s %8s %9s %9s\n", "L",
+	       "skip_tol", "ms", "serial_ms", "eff", "tokens/s", "Mpairs/s", "computed",
+	       "chunks", "skipped", "h2d_MiB", "peak_MiB", "kernel_ms", "copy_ms", "err_O",
+	       "err_LSE");
+	for (int i = 0; i < n; i++) {
+		const struct stream_row *r = &rows[i];
+		const double sec = r->ms * 1e-3, eff = efficiency(r);
+
+		printf("%8" PRId64 " %9.3g %10.1f %10.1f %6.0f%% %11.4g %9.1f %7.2f%% %7" PRIu64
+		       " %7" PRIu64 " %9.1f %10.2f %9.1f %8.1f",
+		       r->L, r->skip_tol, r->ms, r->serial_ms, isnan(eff) ? 0.0 : 100 * eff,
+		       sec > 0 ? (double)r->L / sec : 0,
+		       sec > 0 ? (double)r->st.pairs_visible / sec * 1e-6 : 0,
+		       r->st.pairs_visible ? 100.0 * (double)r->st.pairs_computed /
+						     (double)r->st.pairs_visible
+					   : 0,
+		       r->st.chunks, r->st.chunks_skipped,
+		       (double)r->st.bytes_to_device / (1 << 20),
+		       (double)r->st.peak_device_bytes / (1 << 20), r->st.kernel_ms, r->st.copy_ms);
+		if (r->check.rows_checked)
+			printf(" %9.2e %9.2e%s\n", r->check.max_err_o, r->check.max_err_lse,
+			       r->check.within_tol ? "" : "  OUT OF TOLERANCE");
+		else
+			printf(" %9s %9s\n", "-", "-");
+	}
+	printf("eff: (serial_ms - ms) / min(copy, kernel device time of the serial run): the share "
+	       "of the hideable time that overlap hid\n");
+}
+
+static void stream_json(const ape_device_info *info, const struct bench_opts *o,
+			const struct stream_row *rows, int n)
+{
+	printf("{\"device\": {\"backend\": \"%s\", \"index\": %d, \"name\": \"%s\", "
+	       "\"driver\": \"%s\"},\n",
+	       info->backend, info->backend_index, info->name, info->driver_version);
+	printf(" \"shape\": {\"B\": %" PRId64 ", \"H\": %" PRId64 ", \"Hkv\": %" PRId64
+	       ", \"D\": %" PRId64 ", \"dtype\": \"%s\", \"causal\": %s},\n",
+	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype), o->causal ? "true" : "false");
+	printf(" \"budget_bytes\": %" PRIu64 ",\n \"results\": [", o->max_mem);
+	for (int i = 0; i < n; i++) {
+		const struct stream_row *r = &rows[i];
+		const double eff = efficiency(r), sec = r->ms * 1e-3;
+
+		printf("%s\n  {\"L\": %" PRId64 ", \"skip_tol\": %.9g, \"ms\": %.6g, "
+		       "\"serial_ms\": %.6g, \"overlap_efficiency\": %.4g, \"tokens_per_s\": %.6g, "
+		       "\"pairs_visible\": %" PRIu64 ", \"pairs_computed\": %" PRIu64
+		       ", \"chunk\": %" PRId64 ", \"chunks\": %" PRIu64
+		       ", \"chunks_skipped\": %" PRIu64 ", \"bytes_to_device\": %" PRIu64
+		       ", \"bytes_from_device\": %" PRIu64 ", \"peak_device_bytes\": %" PRIu64
+		       ", \"kernel_ms\": %.6g, \"copy_ms\": %.6g, \"device_overlap_ms\": %.6g, "
+		       "\"rows_checked\": %d, \"max_err_o\": %.6g, \"max_err_lse\": %.6g, "
+		       "\"within_tol\": %s}",
+		       i ? "," : "", r->L, r->skip_tol, r->ms, r->serial_ms, isnan(eff) ? -1 : eff,
+		       sec > 0 ? (double)r->L / sec : 0, r->st.pairs_visible, r->st.pairs_computed,
+		       r->st.chunk_q, r->st.chunks, r->st.chunks_skipped, r->st.bytes_to_device,
+		       r->st.bytes_from_device, r->st.peak_device_bytes, r->st.kernel_ms,
+		       r->st.copy_ms, r->st.overlap_ms, r->check.rows_checked, r->check.max_err_o,
+		       r->check.max_err_lse,
+		       r->check.within_tol || !r->check.rows_checked ? "true" : "false");
+	}
+	printf("\n ]}\n");
+}
+
+static int stream_bench(ape_device *dev, ape_device *ref, const struct bench_opts *o,
+			ape_rng *rng)
+{
+	struct stream_row rows[MAX_LIST * MAX_LIST];
+	ape_device_info info;
+	int n = 0, bad = 0, ret = 0;
+
+	ape_device_get_info(dev, &info);
+	/* build the kernels before anything is timed */
+	{
+		struct bench_opts w = *o;
+		struct stream_row tmp;
+
+		w.repeats = 1;
+		w.warmup = 0;
+		w.check_rows = 0;
+		w.serial = false;
+		ret = stream_one(dev, ref, &w, 256, o->skip[0], rng, &tmp);
+	}
+	for (int i = 0; i < o->nL && !ret; i++)
+		for (int j = 0; j < o->nskip && !ret; j++) {
+			ret = stream_one(dev, ref, o, o->L[i], o->skip[j], rng, &rows[n]);
+			if (ret)
+				break;
+			bad += rows[n].check.rows_checked && !rows[n].check.within_tol;
+			if (!o->json) /* long runs: show each row as it comes */
+				fprintf(stderr, "ape-bench: L=%" PRId64 " done in %.1f ms\n", o->L[i],
+					rows[n].ms);
+			n++;
+		}
+	if (ret) {
+		fprintf(stderr, "ape-bench: %s\n", ape_last_error());
+		return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : 1;
+	}
+	if (o->json)
+		stream_json(&info, o, rows, n);
+	else
+		stream_print(&info, o, rows, n);
+	return bad ? 1 : 0;
+}
+
 int main(int argc, char **argv)
 {
 	struct bench_opts o = {
 		.backend = "auto", .device = -1, .B = 1, .H = 6, .D = 64,
 		.L = { 1024, 4096, 16384 }, .nL = 3, .skip = { 0x1p-24, 0 }, .nskip = 2,
 		.dtype = APE_F32, .causal = true, .warmup = 1, .repeats = 5, .check_rows = 16,
-		.copy_mib = 256,
+		.copy_mib = 256, .serial = true,
 	};
 	struct bench_row rows[MAX_LIST * MAX_LIST];
 	ape_context *ctx = NULL;
@@ -505,6 +764,12 @@ int main(int argc, char **argv)
 		fprintf(stderr, "ape-bench: ran on %s\n", sel.note);
 	if (o.numa) {
 		ret = numa_bench(ctx, sel.device, o.copy_mib << 20, o.repeats, o.json);
+		ape_context_destroy(ctx);
+		return ret;
+	}
+	if (o.stream) {
+		stream_defaults(&o);
+		ret = stream_bench(sel.device, refsel.device, &o, &rng);
 		ape_context_destroy(ctx);
 		return ret;
 	}

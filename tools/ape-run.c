@@ -10,10 +10,12 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "ape/ape.h"
@@ -31,8 +33,11 @@ enum {
 	OPT_Q = 1, OPT_K, OPT_V, OPT_O, OPT_LSE, OPT_BACKEND, OPT_DEVICE,
 	OPT_DELTA, OPT_BETA, OPT_GAMMA, OPT_LAMBDA, /* in this order: they index run_args.param */
 	OPT_ROPE_BASE, OPT_SCALE, OPT_NO_CAUSAL, OPT_LAYOUT, OPT_Q_START, OPT_K_START,
-	OPT_SKIP_TOL, OPT_DTYPE, OPT_STATS, OPT_HELP,
+	OPT_SKIP_TOL, OPT_DTYPE, OPT_STATS, OPT_CHUNK, OPT_MAX_MEM, OPT_TRACE, OPT_DEVICES,
+	OPT_KV_CACHE, OPT_KV_BLOCK, OPT_KV_CAPACITY, OPT_KV_RELEASE, OPT_HELP,
 };
+
+#define MAX_DEVICES 64
 
 static const struct cli_option options[] = {
 	{ "-q", NULL, true, OPT_Q },
@@ -55,6 +60,14 @@ static const struct cli_option options[] = {
 	{ "--skip-tol", NULL, true, OPT_SKIP_TOL },
 	{ "--dtype", NULL, true, OPT_DTYPE },
 	{ "--stats", NULL, false, OPT_STATS },
+	{ "--chunk", NULL, true, OPT_CHUNK },
+	{ "--max-device-mem", NULL, true, OPT_MAX_MEM },
+	{ "--trace", NULL, true, OPT_TRACE },
+	{ "--devices", NULL, true, OPT_DEVICES },
+	{ "--kv-cache", NULL, true, OPT_KV_CACHE },
+	{ "--kv-block", NULL, true, OPT_KV_BLOCK },
+	{ "--kv-capacity", NULL, true, OPT_KV_CAPACITY },
+	{ "--kv-release", NULL, false, OPT_KV_RELEASE },
 	{ "--help", "-h", false, OPT_HELP },
 	{ NULL, NULL, false, 0 },
 };
@@ -105,7 +118,29 @@ static void usage(void)
 	       "                 devices, most preferred first (default: the first); or a\n"
 	       "                 PCI address (0000:03:00.0, see ape-info), run through its\n"
 	       "                 default backend or the one --backend names\n"
-	       "  --stats        print device, times and (query, key) pair counts to stderr\n"
+	       "  --devices LIST several devices at once, comma-separated, each as --device\n"
+	       "                 takes it with a backend (opencl:0,opencl:1,ref); the query\n"
+	       "                 chunks are shared out by each device's speed\n"
+	       "  --stats        print device, times, (query, key) pair counts, chunks, bytes\n"
+	       "                 copied and peak device memory to stderr\n"
+	       "\n"
+	       "Long sequences: inputs of any length are streamed through the device in\n"
+	       "chunks, copies overlapping kernels, results merged by their LSE.\n"
+	       "  --chunk N      most tokens per chunk, queries and keys (default 4096)\n"
+	       "  --max-device-mem BYTES\n"
+	       "                 device memory the call may hold (e.g. 268435456 or 256M;\n"
+	       "                 default 3/4 of the device's); chunks shrink to fit\n"
+	       "  --trace FILE   write every chunk's copies and kernels as Chrome trace-event\n"
+	       "                 JSON (open in https://ui.perfetto.dev or chrome://tracing)\n"
+	       "\n"
+	       "KV cache: compute through ape_kv_cache the way a decoder does, causal only.\n"
+	       "  --kv-cache N   N query rows per attend (1: token by token); the keys up to\n"
+	       "                 each step's last query are appended just before it\n"
+	       "  --kv-block N   tokens per cache block (default 256)\n"
+	       "  --kv-capacity N  tokens the cache holds (default: all of K)\n"
+	       "  --kv-release   let the cache drop blocks the skip bound proves no later\n"
+	       "                 query can reach (needs delta > 0; the query norm bound is\n"
+	       "                 taken from Q)\n"
 	       "  -h, --help     print this text\n"
 	       "\n"
 	       "Exit status: 0 success; 2 bad arguments or input files; 3 the backend or\n"
@@ -130,6 +165,13 @@ struct run_args {
 	ape_attn_desc desc; /* everything but the per-head parameters */
 	int dtype; /* an ape_dtype, or -1 for the input's */
 	bool stats;
+	int64_t chunk; /* 0: the library's default */
+	uint64_t max_mem; /* 0: the library's default */
+	const char *trace;
+	const char *devices; /* --devices: comma-separated specs */
+	int64_t kv_step; /* 0: no KV cache */
+	int64_t kv_block, kv_capacity;
+	bool kv_release;
 };
 
 /* One input file, its shape seen as [B, H, L, D], and its data in the computation's type. */
@@ -168,6 +210,10 @@ static const char **string_slot(struct run_args *a, int id)
 		return &a->lse;
 	case OPT_BACKEND:
 		return &a->backend;
+	case OPT_TRACE:
+		return &a->trace;
+	case OPT_DEVICES:
+		return &a->devices;
 	}
 	return NULL;
 }
@@ -207,6 +253,17 @@ static int parse_value(struct run_args *a, int id, const char *val, char *msg, s
 			return APE_EINVAL;
 		a->device = (int)n;
 		return 0;
+	case OPT_CHUNK:
+		return cli_parse_int64("--chunk", val, 1, (int64_t)1 << 40, &a->chunk, msg, len);
+	case OPT_MAX_MEM:
+		return cli_parse_bytes("--max-device-mem", val, &a->max_mem, msg, len);
+	case OPT_KV_CACHE:
+		return cli_parse_int64("--kv-cache", val, 1, 1 << 20, &a->kv_step, msg, len);
+	case OPT_KV_BLOCK:
+		return cli_parse_int64("--kv-block", val, 1, 1 << 24, &a->kv_block, msg, len);
+	case OPT_KV_CAPACITY:
+		return cli_parse_int64("--kv-capacity", val, 1, (int64_t)1 << 40, &a->kv_capacity,
+				       msg, len);
 	case OPT_LAYOUT:
 		if (cli_parse_choice("--layout", val, layouts, &idx, msg, len))
 			return APE_EINVAL;
@@ -238,6 +295,9 @@ static int parse_option(struct run_args *a, int id, const char *val, char *msg, 
 	case OPT_NO_CAUSAL:
 		a->desc.causal = false;
 		return 0;
+	case OPT_KV_RELEASE:
+		a->kv_release = true;
+		return 0;
 	case OPT_DELTA:
 	case OPT_BETA:
 	case OPT_GAMMA:
@@ -257,6 +317,7 @@ static void args_init(struct run_args *a)
 	a->backend = "auto";
 	a->device = -1;
 	a->dtype = -1;
+	a->kv_block = 0;
 	for (int i = 0; i < 4; i++) {
 		a->param[i].flag = flags[i];
 		a->param[i].def = defs[i];
@@ -287,6 +348,25 @@ static int parse_args(int argc, char **argv, struct run_args *a, char *msg, size
 			 !a->q ? "-q Q.npy" : !a->k ? "-k K.npy" : !a->v ? "-v V.npy" : "-o O.npy");
 		return RUN_USAGE;
 	}
+	if (a->devices && (a->device >= 0 || a->device_spec)) {
+		snprintf(msg, len, "--device and --devices: give one of them");
+		return RUN_USAGE;
+	}
+	if (a->kv_step && !a->desc.causal) {
+		snprintf(msg, len, "--kv-cache: a KV cache computes causal attention (drop "
+			 "--no-causal)");
+		return RUN_USAGE;
+	}
+	if (a->kv_step && (a->devices || a->trace)) {
+		snprintf(msg, len, "--kv-cache runs on one device and writes no trace (drop %s)",
+			 a->devices ? "--devices" : "--trace");
+		return RUN_USAGE;
+	}
+	if (!a->kv_step && (a->kv_block || a->kv_capacity || a->kv_release)) {
+		snprintf(msg, len, "%s needs --kv-cache",
+			 a->kv_block ? "--kv-block" : a->kv_capacity ? "--kv-capacity" : "--kv-release");
+		return RUN_USAGE;
+	}
 	return 0;
 }
 
@@ -309,10 +389,49 @@ static int exit_code(int err)
 	}
 }
 
-static int open_device(const struct run_args *a, ape_context **ctx, ape_selection *sel, char *msg,
-		       size_t len)
+/* Each comma-separated spec of --devices, through ape_device_select_spec(). */
+static int select_list(const struct run_args *a, ape_context *ctx, ape_device **devs, int *ndev,
+		       char *msg, size_t len)
+{
+	const char *p = a->devices;
+
+	*ndev = 0;
+	while (*p) {
+		const char *comma = strchr(p, ',');
+		int n = comma ? (int)(comma - p) : (int)strlen(p);
+		ape_selection sel;
+		char spec[128];
+		int ret;
+
+		if (!n || n >= (int)sizeof(spec) || *ndev == MAX_DEVICES) {
+			snprintf(msg, len, "--devices %s: %s", a->devices,
+				 !n ? "an empty entry" : *ndev == MAX_DEVICES ? "more than 64 devices"
+									      : "an entry too long");
+			return RUN_USAGE;
+		}
+		snprintf(spec, sizeof(spec), "%.*s", n, p);
+		ret = ape_device_select_spec(ctx, spec, &sel);
+		if (ret) {
+			snprintf(msg, len, "--devices: %s", ape_last_error());
+			return exit_code(ret);
+		}
+		devs[(*ndev)++] = sel.device;
+		if (a->stats)
+			fprintf(stderr, "ape-run: device %d: %s\n", *ndev - 1, sel.note);
+		p += n + (comma ? 1 : 0);
+	}
+	if (!*ndev) {
+		snprintf(msg, len, "--devices: no device given");
+		return RUN_USAGE;
+	}
+	return 0;
+}
+
+static int open_devices(const struct run_args *a, ape_context **ctx, ape_device **devs,
+			int *ndev, char *msg, size_t len)
 {
 	ape_context_options opts;
+	ape_selection sel;
 	int ret;
 
 	ape_context_options_init(&opts);
@@ -324,15 +443,23 @@ static int open_device(const struct run_args *a, ape_context **ctx, ape_selectio
 		snprintf(msg, len, "--backend %s: %s", a->backend, ape_last_error());
 		return exit_code(ret);
 	}
+	if (a->devices) {
+		ret = select_list(a, *ctx, devs, ndev, msg, len);
+		if (ret) {
+			ape_context_destroy(*ctx);
+			*ctx = NULL;
+		}
+		return ret;
+	}
 	if (a->device_spec) {
 		char spec[128];
 
 		/* "--backend opencl --device 0000:03:00.0": that GPU through OpenCL */
 		snprintf(spec, sizeof(spec), "%s%s%s", strcmp(a->backend, "auto") ? a->backend : "",
 			 strcmp(a->backend, "auto") ? ":" : "", a->device_spec);
-		ret = ape_device_select_spec(*ctx, spec, sel);
+		ret = ape_device_select_spec(*ctx, spec, &sel);
 	} else {
-		ret = ape_device_select(*ctx, a->backend, a->device, sel);
+		ret = ape_device_select(*ctx, a->backend, a->device, &sel);
 	}
 	if (ret) {
 		snprintf(msg, len, "%s", ape_last_error());
@@ -341,8 +468,10 @@ static int open_device(const struct run_args *a, ape_context **ctx, ape_selectio
 		return exit_code(ret);
 	}
 	/* auto never falls back silently */
-	if (a->stats || sel->passed_over)
-		fprintf(stderr, "ape-run: device: %s\n", sel->note);
+	if (a->stats || sel.passed_over)
+		fprintf(stderr, "ape-run: device: %s\n", sel.note);
+	devs[0] = sel.device;
+	*ndev = 1;
 	return 0;
 }
 
@@ -530,15 +659,30 @@ static int check_outputs(const struct run_args *a, char *msg, size_t len)
 		snprintf(msg, len, "-o and --lse both name %s", a->o);
 		return RUN_USAGE;
 	}
+	if (a->trace && (!strcmp(a->o, a->trace) || (a->lse && !strcmp(a->lse, a->trace)))) {
+		snprintf(msg, len, "--trace %s: also an output file", a->trace);
+		return RUN_USAGE;
+	}
 	ret = check_output("-o", a->o, msg, len);
 	if (!ret && a->lse)
 		ret = check_output("--lse", a->lse, msg, len);
+	if (!ret && a->trace)
+		ret = check_output("--trace", a->trace, msg, len);
 	return ret;
+}
+
+static void print_budget(uint64_t budget, char *buf, size_t len)
+{
+	if (budget == UINT64_MAX)
+		snprintf(buf, len, "no budget");
+	else
+		snprintf(buf, len, "a budget of %" PRIu64 " bytes", budget);
 }
 
 static void print_stats(const ape_stats *st)
 {
 	double secs = st->total_ms / 1e3;
+	char budget[64];
 
 	fprintf(stderr, "ape-run: backend %s, device %s\n", st->backend, st->device);
 	fprintf(stderr, "ape-run: time total_ms %.3f, kernel_ms %.3f\n", st->total_ms,
@@ -547,6 +691,20 @@ static void print_stats(const ape_stats *st)
 		"ape-run: pairs visible %" PRIu64 ", computed %" PRIu64 ", %.4g visible pairs/s "
 		"(over total_ms)\n", st->pairs_visible, st->pairs_computed,
 		secs > 0 ? (double)st->pairs_visible / secs : 0.0);
+	fprintf(stderr,
+		"ape-run: chunks computed %" PRIu64 ", skipped %" PRIu64 " (%" PRId64 " x %" PRId64
+		" rows, %d in flight, %d device%s)\n",
+		st->chunks, st->chunks_skipped, st->chunk_q, st->chunk_k, st->pipeline_depth,
+		st->devices, st->devices == 1 ? "" : "s");
+	fprintf(stderr,
+		"ape-run: bytes copied to device %" PRIu64 ", from device %" PRIu64
+		", within device %" PRIu64 "\n",
+		st->bytes_to_device, st->bytes_from_device, st->bytes_device_to_device);
+	print_budget(st->device_budget, budget, sizeof(budget));
+	fprintf(stderr, "ape-run: peak device memory %" PRIu64 " bytes (%s)\n",
+		st->peak_device_bytes, budget);
+	fprintf(stderr, "ape-run: copies %.3f ms of device time, %.3f ms overlapped with kernels\n",
+		st->copy_ms, st->overlap_ms);
 }
 
 /*
@@ -598,11 +756,140 @@ out_free_o16:
 	return exit_code(ret);
 }
 
-static int compute(const struct run_args *a, ape_device *dev, const struct input in[3],
-		   char *msg, size_t len)
+/* Rows [l0, l0 + n) of t as a view. */
+static ape_tensor rows_of(const ape_tensor *t, int64_t l0, int64_t n)
+{
+	ape_tensor v = *t;
+
+	ape_tensor_strides(t, v.strides);
+	v.data = (char *)t->data + (size_t)(l0 * v.strides[2]) * ape_dtype_size(t->dtype);
+	v.shape[2] = n;
+	return v;
+}
+
+/* Largest Euclidean norm of a query row: the bound --kv-release promises the cache. */
+static double max_query_norm(const ape_tensor *q)
+{
+	const int64_t *s = q->shape;
+	float row[256];
+	double m = 0;
+
+	for (int64_t r = 0; r < s[0] * s[1] * s[2]; r++) {
+		double ss = 0;
+
+		ape_convert(row, APE_F32, (const char *)q->data + (size_t)(r * s[3]) *
+							 ape_dtype_size(q->dtype),
+			    q->dtype, (size_t)s[3]);
+		for (int64_t d = 0; d < s[3]; d++)
+			ss += (double)row[d] * row[d];
+		m = ss > m ? ss : m;
+	}
+	return sqrt(m) * (1 + 1e-6) + 1e-30;
+}
+
+/* Adds one attend's statistics to the running totals. */
+static void add_stats(ape_stats *tot, const ape_stats *st)
+{
+	tot->pairs_visible += st->pairs_visible;
+	tot->pairs_computed += st->pairs_computed;
+	tot->kernel_ms += st->kernel_ms;
+	tot->bytes_to_device += st->bytes_to_device;
+	tot->bytes_from_device += st->bytes_from_device;
+	tot->bytes_device_to_device += st->bytes_device_to_device;
+	tot->chunks += st->chunks;
+	tot->chunks_skipped += st->chunks_skipped;
+	tot->copy_ms += st->copy_ms;
+	tot->chunk_q = st->chunk_q;
+	tot->chunk_k = st->chunk_k;
+	tot->pipeline_depth = st->pipeline_depth;
+	tot->devices = st->devices;
+	tot->device_budget = st->device_budget;
+	if (st->peak_device_bytes > tot->peak_device_bytes)
+		tot->peak_device_bytes = st->peak_device_bytes;
+	snprintf(tot->backend, sizeof(tot->backend), "%s", st->backend);
+	snprintf(tot->device, sizeof(tot->device), "%s", st->device);
+}
+
+/*
+ * --kv-cache: the queries attend in steps through a cache, each step's keys (everything up to
+ * its last query's position) appended just before it, as a decoder runs.
+ */
+static int compute_kv(const struct run_args *a, ape_device *dev, const struct input in[3],
+		      ape_tensor *ot, float *lse, ape_stats *tot, char *msg, size_t len)
+{
+	const ape_tensor *q = &in[0].t, *k = &in[1].t, *v = &in[2].t;
+	const int64_t B = q->shape[0], H = q->shape[1], Lq = q->shape[2], Lk = k->shape[2];
+	const int64_t q_start = a->desc.q_start_set ? a->desc.q_start
+						    : a->desc.k_start + Lk - Lq;
+	struct timespec t0, t1;
+	ape_kv_cache_options o;
+	ape_kv_cache *cache;
+	float *step_lse;
+	int64_t appended = 0;
+	int ret;
+
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	ape_kv_cache_options_init(&o);
+	o.B = B;
+	o.H = H;
+	o.Hkv = k->shape[1];
+	o.D = q->shape[3];
+	o.dtype = q->dtype;
+	o.block_tokens = a->kv_block;
+	o.capacity_tokens = a->kv_capacity ? a->kv_capacity : Lk > 0 ? Lk : 1;
+	o.k_start = a->desc.k_start;
+	o.max_queries = a->kv_step;
+	o.attend_chunk = a->chunk;
+	o.max_device_bytes = a->max_mem;
+	o.allow_release = a->kv_release;
+	o.max_query_norm = max_query_norm(q);
+	step_lse = malloc(sizeof(float) * (size_t)(B * H * a->kv_step));
+	if (!step_lse) {
+		snprintf(msg, len, "out of memory");
+		return RUN_FAIL;
+	}
+	ret = ape_kv_cache_create(dev, &o, &cache);
+	for (int64_t i = 0; !ret && i < Lq; i += a->kv_step) {
+		const int64_t n = i + a->kv_step <= Lq ? a->kv_step : Lq - i;
+		/* keys at or before the step's last query: key j sits at k_start + j */
+		int64_t want = q_start + i + n - a->desc.k_start;
+		ape_attn_desc d = a->desc;
+		ape_tensor qt = rows_of(q, i, n), o_rows = rows_of(ot, i, n);
+		ape_stats st;
+
+		want = want < 0 ? 0 : want > Lk ? Lk : want;
+		if (want > appended) {
+			ape_tensor kt = rows_of(k, appended, want - appended);
+			ape_tensor vt = rows_of(v, appended, want - appended);
+
+			ret = ape_kv_cache_append(cache, &kt, &vt);
+			appended = want;
+		}
+		d.q_start_set = true;
+		d.q_start = q_start + i;
+		ape_stats_init(&st);
+		if (!ret)
+			ret = ape_kv_cache_attend(cache, &d, &qt, &o_rows, step_lse, &st);
+		for (int64_t bh = 0; !ret && lse && bh < B * H; bh++)
+			memcpy(lse + bh * Lq + i, step_lse + bh * n, (size_t)n * sizeof(float));
+		if (!ret)
+			add_stats(tot, &st);
+	}
+	if (ret)
+		snprintf(msg, len, "%s", ape_last_error());
+	ape_kv_cache_destroy(cache);
+	free(step_lse);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	tot->total_ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-6;
+	return exit_code(ret);
+}
+
+static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
+		   const struct input in[3], char *msg, size_t len)
 {
 	const int64_t *s = in[0].t.shape;
 	size_t rows = (size_t)(s[0] * s[1] * s[2]);
+	ape_exec_options eo;
 	ape_tensor ot;
 	ape_stats st;
 	float *o, *lse = NULL;
@@ -626,15 +913,28 @@ static int compute(const struct run_args *a, ape_device *dev, const struct input
 	 * asked for an f16 O rounds its float32 result */
 	ape_tensor_init(&ot, o, APE_F32, s[0], s[1], s[2], s[3]);
 	ape_stats_init(&st);
-	ret = ape_attention_forward(dev, &a->desc, &in[0].t, &in[1].t, &in[2].t, &ot, lse, &st);
-	if (ret) {
-		snprintf(msg, len, "%s", ape_last_error());
-		ret = exit_code(ret);
-		goto out_free;
+	if (a->kv_step) {
+		ret = compute_kv(a, devs[0], in, &ot, lse, &st, msg, len);
+		if (ret)
+			goto out_free;
+	} else {
+		ape_exec_options_init(&eo);
+		eo.chunk_q = eo.chunk_k = a->chunk;
+		eo.max_device_bytes = a->max_mem;
+		eo.trace_path = a->trace;
+		ret = ape_attention_forward_ex(devs, ndev, &eo, &a->desc, &in[0].t, &in[1].t,
+					       &in[2].t, &ot, lse, &st);
+		if (ret) {
+			snprintf(msg, len, "%s", ape_last_error());
+			ret = exit_code(ret);
+			goto out_free;
+		}
 	}
 	if (a->stats)
 		print_stats(&st);
 	ret = write_outputs(a, &in[0], o, lse, msg, len);
+	if (ret && a->trace)
+		unlink(a->trace); /* no output without the others */
 out_free:
 	free(lse);
 	free(o);
@@ -645,16 +945,16 @@ out_free:
 
 static int run(struct run_args *a, char *msg, size_t len)
 {
+	ape_device *devs[MAX_DEVICES];
 	struct input in[3];
 	ape_context *ctx = NULL;
-	ape_selection sel;
-	int ret;
+	int ret, ndev = 0;
 
 	memset(in, 0, sizeof(in));
 	ret = check_outputs(a, msg, len);
 	if (ret)
 		return ret;
-	ret = open_device(a, &ctx, &sel, msg, len);
+	ret = open_devices(a, &ctx, devs, &ndev, msg, len);
 	if (ret)
 		return ret;
 	ret = load_inputs(a, in, msg, len);
@@ -669,7 +969,7 @@ static int run(struct run_args *a, char *msg, size_t len)
 	ret = stage_inputs(in, a->dtype < 0 ? in[0].file_dtype : (ape_dtype)a->dtype, msg, len);
 	if (ret)
 		goto out_free_inputs;
-	ret = compute(a, sel.device, in, msg, len);
+	ret = compute(a, devs, ndev, in, msg, len);
 out_free_inputs:
 	for (int i = 0; i < 3; i++)
 		free(in[i].data);

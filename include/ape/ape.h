@@ -24,8 +24,9 @@
  * `ape_device_select()`, `ape_device_select_spec()`, the physical-device and topology queries
  * (`ape_physical_get_info()`, `ape_physical_link()`, `ape_topology_get_info()`,
  * `ape_numa_get_info()`, `ape_numa_distance()`), `ape_device_measure_h2d()` and
- * `ape_attention_forward()` are thread-safe, including several concurrent forward calls on the
- * same device. `ape_context_create()` may be called concurrently;
+ * `ape_attention_forward()` and `ape_attention_forward_ex()` are thread-safe, including several
+ * concurrent forward calls on the same device. A KV cache (`ape_kv_cache_*`) is used by one
+ * thread at a time. `ape_context_create()` may be called concurrently;
  * `ape_context_destroy()` must not race with any other call on the same context.
  * The pure helpers (`ape_strerror()`, `ape_convert()`, descriptor init functions) are thread-safe.
  */
@@ -528,18 +529,45 @@ APE_API int ape_device_measure_h2d(ape_device *dev, int numa_node, size_t bytes,
 /** \name Attention */
 /**@{*/
 
-/** Statistics of one forward call. */
+/**
+ * Statistics of one forward call (or KV-cache call). Fields are only ever added at the end:
+ * a caller built against an older header passes its smaller struct_size and gets the fields it
+ * knows of (0.1.0 ended at `device`: APE_STATS_V1_SIZE).
+ */
 typedef struct ape_stats {
 	size_t struct_size; /**< set by ape_stats_init() */
 	uint64_t pairs_visible; /**< (query, key) pairs the mask lets through, all batches and heads */
 	uint64_t pairs_computed; /**< pairs whose score was computed (visible minus skipped) */
-	double kernel_ms; /**< device time of the attention kernels (device events) */
+	double kernel_ms; /**< device time of the attention kernels (device events), all devices */
 	double total_ms; /**< wall time of the whole call, copies included */
-	uint64_t bytes_to_device;
-	uint64_t bytes_from_device;
-	char backend[16];
-	char device[128];
+	uint64_t bytes_to_device; /**< bytes copied host to device: every chunk of Q, K, V */
+	uint64_t bytes_from_device; /**< bytes copied back: partial O, LSE and pair counts */
+	char backend[16]; /**< "opencl"; several devices: their backends joined by '+' */
+	char device[128]; /**< the device's name; several: joined by " + " */
+	/* ---- since 0.2 */
+	uint64_t chunks; /**< (query chunk, key chunk) pairs computed, i.e. kernel launches */
+	/** Chunk pairs never copied nor computed because the skip bound proved their weight
+	 *  negligible (chunks the causal mask hides are not counted anywhere). */
+	uint64_t chunks_skipped;
+	int64_t chunk_q; /**< query rows per chunk the planner chose */
+	int64_t chunk_k; /**< key rows per chunk the planner chose */
+	int pipeline_depth; /**< chunks in flight per device (1: no overlap) */
+	int devices; /**< devices that took part */
+	/** The device-memory budget each device ran under, in bytes; UINT64_MAX: none. */
+	uint64_t device_budget;
+	/** Most device memory the call held at once on one device (the largest over the devices):
+	 *  every buffer the executor allocated plus the scratch the backend declares per launch in
+	 *  flight. Never above device_budget. */
+	uint64_t peak_device_bytes;
+	uint64_t bytes_device_to_device; /**< bytes copied within a device (KV-cache gathers) */
+	double copy_ms; /**< device time of the copies, both directions, summed over queues */
+	/** Device time during which copies and kernels ran at once, summed over devices; 0 when
+	 *  the backend cannot timestamp its events. */
+	double overlap_ms;
 } ape_stats;
+
+/** struct_size of the ape_stats of libape 0.1 (up to `device`), still accepted. */
+#define APE_STATS_V1_SIZE offsetof(ape_stats, chunks)
 
 /** \brief Zeroes \p st and sets struct_size. Never fails. */
 APE_API void ape_stats_init(ape_stats *st);
@@ -559,13 +587,93 @@ APE_API void ape_stats_init(ape_stats *st);
  *        softmax denominator per row; -inf for rows with no visible key
  * \param stats NULL, or statistics of the call (initialise with ape_stats_init())
  * \return 0; APE_EINVAL (bad argument; outputs untouched); APE_EOVERFLOW (sizes or positions
- *         overflow 64 bits); APE_ENOMEM; APE_EBACKEND, APE_EDEVLOST, APE_EBUILD (device failures;
- *         outputs untouched).
+ *         overflow 64 bits); APE_ENOMEM; APE_EBACKEND, APE_EDEVLOST, APE_EBUILD (device failures).
  * \note Inputs are not scanned: NaN or Inf in q, k or v gives NaN in the rows it reaches.
+ * \note This is ape_attention_forward_ex() on one device with default options: a problem
+ *       longer than 4096 queries or keys is streamed in chunks, and on a device failure the
+ *       query chunks already finished may have been written (see there). A problem of at most
+ *       4096 queries is one query chunk: its outputs are written only on success.
  */
 APE_API int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, const ape_tensor *q,
 				  const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
 				  ape_stats *stats);
+
+/** Options of ape_attention_forward_ex(). Fields are only ever added at the end; struct_size
+ *  tells the library which ones the caller knows of. */
+typedef struct ape_exec_options {
+	size_t struct_size; /**< set by ape_exec_options_init() */
+	/** Most query rows per chunk (>= 0); 0: 4096. The planner may choose fewer to fit the
+	 *  memory budget. */
+	int64_t chunk_q;
+	/** Most key rows per chunk (>= 0); 0: 4096. */
+	int64_t chunk_k;
+	/**
+	 * Device memory the call may hold at once on each device, in bytes: chunk buffers for
+	 * queries, keys and values, partial outputs, and the scratch the backend declares per
+	 * launch. 0: three quarters of the device's memory (no limit when the device does not
+	 * say, as the reference does not). With several devices (or one device listed twice)
+	 * each gets this budget.
+	 */
+	uint64_t max_device_bytes;
+	/** Chunks in flight per device: 1 (copies and kernels strictly back to back), 2 or 3;
+	 *  0: 3. The planner lowers it when the budget is tight. */
+	int pipeline_depth;
+	unsigned flags; /**< APE_EXEC_* */
+	/**
+	 * NULL, or a file to write a Chrome trace-event JSON to when the call succeeds: every
+	 * chunk's copies and kernels with device timestamps, one process per device and one
+	 * thread per queue (open it in https://ui.perfetto.dev or chrome://tracing). Written to a
+	 * temporary file next to it and renamed, so it appears complete or not at all. Its
+	 * directory must exist.
+	 */
+	const char *trace_path;
+	/** NULL: split query chunks over the devices by the speed each reached in earlier calls
+	 *  (equal shares until measured); else ndev relative speeds, each finite and > 0. Idle
+	 *  devices take chunks from busy ones at the end either way. */
+	const double *device_weights;
+} ape_exec_options;
+
+/** Keep the caller's outputs untouched unless the whole call succeeds, by staging all of O and
+ *  LSE in host memory first (costs one more copy of O in memory). Without it, a streamed call
+ *  writes each query chunk's rows as soon as they are final. */
+#define APE_EXEC_ATOMIC_OUTPUTS (1u << 0)
+
+/** \brief Sets the defaults: 4096-row chunks, 3/4 of device memory, depth 3, no flags, no
+ *  trace, measured device speeds. Never fails. */
+APE_API void ape_exec_options_init(ape_exec_options *opts);
+
+/**
+ * \brief ape_attention_forward() on host tensors of any length, streamed through one or more
+ *        devices in chunks under a device-memory budget.
+ *
+ * The call is planned as query chunks x key chunks (opts->chunk_q x opts->chunk_k rows, fewer
+ * when the budget demands). Each device takes query chunks and walks their key chunks from the
+ * diagonal outward; chunks move host to device through NUMA-local pinned staging buffers while
+ * the previous chunk computes (opts->pipeline_depth in flight), and the partial results of a
+ * query chunk are merged by their LSE (docs/ape.md, identity 4). A key chunk that no query of a
+ * query chunk can see (causal) is never copied, nor is one whose total weight the skip bound
+ * proves below desc->skip_tol (only when every head's delta, beta, gamma >= 0). Results equal
+ * ape_attention_forward() within the spec's tolerance for every chunk size and device set.
+ *
+ * \param devs ndev devices (1..64) of live contexts; one device may appear more than once
+ *        (it then runs several pipelines at once). With several devices, one worker thread
+ *        per device, bound to the device's local CPUs by the context's NUMA policy, feeds it.
+ * \param opts NULL for the defaults (see ape_exec_options_init())
+ * \param desc,q,k,v,o,lse,stats as ape_attention_forward()
+ * \return 0; APE_EINVAL (bad argument, naming it; outputs untouched); APE_EOVERFLOW;
+ *         APE_ENOMEM (host memory, or a budget too small for one chunk of one query row and one
+ *         key row: the message says how many bytes that needs; outputs untouched); APE_EIO
+ *         (the trace file could not be written; outputs complete); device failures.
+ * \note On a device failure, query chunks already finished have been written to o and lse,
+ *       the others are untouched, and the message says how many were written ("O and LSE
+ *       hold 3 of 8 query chunks"). Use APE_EXEC_ATOMIC_OUTPUTS to write nothing unless the
+ *       call succeeds. A call whose queries fit in one chunk writes only on success anyway.
+ * \note Thread-safe like ape_attention_forward().
+ */
+APE_API int ape_attention_forward_ex(ape_device *const *devs, int ndev,
+				     const ape_exec_options *opts, const ape_attn_desc *desc,
+				     const ape_tensor *q, const ape_tensor *k, const ape_tensor *v,
+				     ape_tensor *o, float *lse, ape_stats *stats);
 
 /**
  * \brief Number of (query, key) pairs the mask lets through for these shapes and positions.
@@ -576,6 +684,125 @@ APE_API int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, co
  */
 APE_API int ape_visible_pairs(const ape_attn_desc *desc, int64_t B, int64_t H, int64_t Lq,
 			      int64_t Lk, uint64_t *out);
+/**@}*/
+
+/** \name KV cache
+ *
+ * Keys and values of one sequence (and batch) kept on a device in fixed-size blocks, for
+ * decoding and chunked prefill: ape_kv_cache_append() adds tokens, ape_kv_cache_attend() runs
+ * new queries against everything cached. All device memory and host staging is allocated by
+ * ape_kv_cache_create(); appending within the capacity and attending allocate none.
+ * A cache is used by one thread at a time; different caches are independent.
+ */
+/**@{*/
+typedef struct ape_kv_cache ape_kv_cache;
+
+/** Options of ape_kv_cache_create(). Fields are only ever added at the end. */
+typedef struct ape_kv_cache_options {
+	size_t struct_size; /**< set by ape_kv_cache_options_init() */
+	int64_t B; /**< batch, >= 1 */
+	int64_t Hkv; /**< key/value heads, >= 1 */
+	int64_t H; /**< query heads of attends, a multiple of Hkv; 0: Hkv */
+	int64_t D; /**< head dimension: even, 2..256 */
+	ape_dtype dtype; /**< storage of keys, values and queries */
+	int64_t block_tokens; /**< tokens per block (>= 1); 0: 256 */
+	/** Tokens the cache holds at once (>= 1), rounded up to whole blocks. Appending more
+	 *  fails with APE_ENOMEM unless released blocks made room. */
+	int64_t capacity_tokens;
+	int64_t k_start; /**< position of the first token appended; default 0 */
+	int64_t max_queries; /**< most query rows of one attend (>= 1); 0: 16 */
+	int64_t append_chunk; /**< tokens staged per host-to-device step of an append; 0: 1024.
+				   Longer appends are split, never refused. */
+	int64_t attend_chunk; /**< keys per kernel launch of an attend; 0: 4096 */
+	/** Device memory the cache may hold (blocks, chunk buffers, partial outputs), bytes;
+	 *  0: no limit but the device's. */
+	uint64_t max_device_bytes;
+	/**
+	 * Let the cache drop its oldest blocks once the skip bound proves that no future query can
+	 * give them weight above skip_tol / 2 of the weight it gives the newest keys. Possible only
+	 * when every head's delta > 0 and beta, gamma >= 0, and only with max_query_norm. After a
+	 * release, an attend whose queries, parameters or norms would void that proof fails with
+	 * APE_EINVAL instead of computing a wrong answer.
+	 */
+	bool allow_release;
+	/** With allow_release: a bound on |q| (the Euclidean norm of each query row, as stored)
+	 *  of every future query; finite, > 0. Attends check it. */
+	double max_query_norm;
+} ape_kv_cache_options;
+
+/** \brief Defaults: block 256 tokens, max_queries 16, append_chunk 1024, attend_chunk 4096,
+ *  no budget, no release; B, Hkv, D, dtype and capacity_tokens must be set. Never fails. */
+APE_API void ape_kv_cache_options_init(ape_kv_cache_options *opts);
+
+/**
+ * \brief Creates an empty cache on \p dev, allocating every device block, chunk buffer and
+ *        staging buffer it will ever use.
+ * \return 0; APE_EINVAL (NULL argument, bad option, naming it); APE_ENOMEM (device or host
+ *         memory, or max_device_bytes too small: the message says what is needed); device
+ *         errors. *out is NULL on failure.
+ */
+APE_API int ape_kv_cache_create(ape_device *dev, const ape_kv_cache_options *opts,
+				ape_kv_cache **out);
+
+/** \brief Destroys the cache after its device work has finished. Accepts NULL. */
+APE_API void ape_kv_cache_destroy(ape_kv_cache *cache);
+
+/**
+ * \brief Appends n tokens: keys \p k and values \p v, host tensors `[B, Hkv, n, D]` of the
+ *        cache's dtype (strides allowed, n >= 0). They sit at the positions after the cached
+ *        ones. The copies run asynchronously; the tensors may be reused when this returns.
+ * \return 0; APE_EINVAL (bad tensor, naming it); APE_ENOMEM (the cache is full: nothing was
+ *         appended; the message says how many tokens fit); device errors (the cache is then
+ *         unusable: destroy it).
+ */
+APE_API int ape_kv_cache_append(ape_kv_cache *cache, const ape_tensor *k, const ape_tensor *v);
+
+/**
+ * \brief Attention of new queries over every cached token: as ape_attention_forward() with
+ *        the cache's keys and values.
+ *
+ * \p q is `[B, H, Lq, D]` with 1 <= Lq <= max_queries (Lq = 0 is an empty call), of the cache's
+ * dtype; \p o as in ape_attention_forward(). Key positions are the cache's; desc->k_start is
+ * ignored. Queries default to the end of the cache (q_start = position after the last cached
+ * token - Lq, so with causal masking each query sees itself and everything before it, as in
+ * decoding when its own key was appended first); desc->q_start_set places them explicitly.
+ * When the cache allows release, blocks the bound proves unreachable are released afterwards.
+ * \return as ape_attention_forward(); APE_EINVAL also when released blocks would be visible
+ *         to these queries (earlier positions, weaker decay, smaller skip_tol, larger norm).
+ */
+APE_API int ape_kv_cache_attend(ape_kv_cache *cache, const ape_attn_desc *desc,
+				const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats);
+
+/**
+ * \brief Releases the oldest blocks that the skip bound proves no future query can reach
+ *        (see ape_kv_cache_options.allow_release), as if future queries used \p desc.
+ *
+ * Future queries are assumed to sit at or after the earliest position a default attend of
+ * max_queries rows could have now; earlier ones are refused afterwards.
+ * \param[out] released NULL, or the number of tokens released by this call
+ * \return 0 (also when nothing could be proved); APE_EINVAL (NULL cache or desc, bad desc, or
+ *         the cache was created without allow_release).
+ */
+APE_API int ape_kv_cache_release_unreachable(ape_kv_cache *cache, const ape_attn_desc *desc,
+					     int64_t *released);
+
+/** State of a cache. */
+typedef struct ape_kv_cache_info {
+	int64_t tokens; /**< tokens appended since creation */
+	int64_t live_tokens; /**< tokens still held (tokens minus those released) */
+	int64_t first_live_position; /**< position of the oldest token held */
+	int64_t next_position; /**< position the next appended token gets */
+	int64_t capacity_tokens; /**< tokens it can hold at once (whole blocks) */
+	int64_t block_tokens;
+	int64_t blocks_live; /**< blocks holding live tokens */
+	int64_t blocks_released; /**< blocks released since creation */
+	/** Earliest position an attend may place a query at (after releases); INT64_MIN: any. */
+	int64_t min_query_position;
+	uint64_t device_bytes; /**< device memory the cache holds, all of it allocated at creation */
+} ape_kv_cache_info;
+
+/** \brief Describes \p cache. \return 0 or APE_EINVAL (NULL argument). */
+APE_API int ape_kv_cache_get_info(const ape_kv_cache *cache, ape_kv_cache_info *info);
 /**@}*/
 
 #ifdef __cplusplus

@@ -91,6 +91,14 @@ static int ref_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, s
 	return 0;
 }
 
+static int ref_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
+			struct ape__buf *src, size_t src_off, size_t n)
+{
+	(void)q;
+	memmove(dst->bytes + dst_off, src->bytes + src_off, n);
+	return 0;
+}
+
 static int ref_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
 		    size_t n)
 {
@@ -133,6 +141,21 @@ static int ref_event_elapsed(struct ape__event *start, struct ape__event *end, d
 	return 0;
 }
 
+/* Commands run when enqueued, so the record time is when everything before it completed. */
+static int ref_event_timestamp(struct ape__event *e, double *ms)
+{
+	*ms = e->ms;
+	return 0;
+}
+
+/* The reference computes straight from the launch's buffers. */
+static uint64_t ref_attention_scratch(struct ape_device *dev, const struct ape__launch *l)
+{
+	(void)dev;
+	(void)l;
+	return 0;
+}
+
 static void ref_event_destroy(struct ape__event *e)
 {
 	free(e);
@@ -170,4 +193,7 @@ const struct ape__backend_ops ape__ref_ops = {
 	.event_destroy = ref_event_destroy,
 	.attention = ref_attention,
 	.synchronize = ref_synchronize,
+	.copy_d2d = ref_copy_d2d,
+	.event_timestamp = ref_event_timestamp,
+	.attention_scratch = ref_attention_scratch,
 };

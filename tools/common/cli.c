@@ -123,6 +123,39 @@ int cli_parse_int64(const char *flag, const char *text, int64_t min, int64_t max
 	return 0;
 }
 
+int cli_parse_bytes(const char *flag, const char *text, uint64_t *out, char *err, size_t errlen)
+{
+	static const char *const units[] = { "", "K", "M", "G", "T" };
+	char *end;
+	unsigned long long v;
+	int shift = -1;
+
+	/* strtoull() would take a sign or a blank: neither is a size */
+	if (!isdigit((unsigned char)*text))
+		return fail(err, errlen, "%s: '%.*s' is not a size in bytes (e.g. 268435456, 256M)",
+			    flag, QUOTE_MAX, text);
+	errno = 0;
+	v = strtoull(text, &end, 10);
+	for (int i = 0; i < 5; i++) {
+		size_t n = strlen(units[i]);
+
+		if (strncmp(end, units[i], n))
+			continue;
+		/* "256M", "256MiB" and "256MB" all mean 256 x 2^20 */
+		if (!end[n] || (i && (!strcmp(end + n, "iB") || !strcmp(end + n, "B"))))
+			shift = 10 * i;
+	}
+	if (shift < 0)
+		return fail(err, errlen, "%s: '%.*s' is not a size in bytes (e.g. 268435456, 256M)",
+			    flag, QUOTE_MAX, text);
+	if (errno == ERANGE || (shift && v > (UINT64_MAX >> shift)))
+		return fail(err, errlen, "%s: '%.*s' is out of range", flag, QUOTE_MAX, text);
+	if (!v)
+		return fail(err, errlen, "%s: must be > 0", flag);
+	*out = (uint64_t)v << shift;
+	return 0;
+}
+
 /* One item of a list, copied out so that the number parsers see a terminated string. */
 static int parse_list_item(const char *flag, const char *item, size_t len, size_t nth,
 			   float *out, char *err, size_t errlen)

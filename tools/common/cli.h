@@ -41,6 +41,10 @@ int cli_parse_finite(const char *flag, const char *text, double *out, char *err,
 int cli_parse_int64(const char *flag, const char *text, int64_t min, int64_t max, int64_t *out,
 		    char *err, size_t errlen);
 
+/* A size in bytes, > 0: digits, optionally followed by K, M, G or T (powers of 1024; "KiB" and
+ * "KB" are read the same way). */
+int cli_parse_bytes(const char *flag, const char *text, uint64_t *out, char *err, size_t errlen);
+
 /**
  * Comma-separated finite numbers that fit a float: "0.1,0.2,0.3".
  * \param[out] vals a new array of *n floats (free() it); NULL on failure

@@ -1,0 +1,35 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Moving row ranges between the caller's (possibly strided) host tensors and packed staging
+ * buffers. Device tensors are contiguous [B, H, n, D]; a chunk of rows [l0, l0 + n) of every
+ * (b, h) is gathered into, or scattered from, that layout.
+ */
+#ifndef APE_RUNTIME_PACK_H
+#define APE_RUNTIME_PACK_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ape/ape.h"
+
+#pragma GCC visibility push(hidden)
+
+/* Rows [l0, l0 + n) of every (b, h) of t (element strides s) into dst as [B, H, n, D]. */
+void ape__pack_rows(void *dst, const ape_tensor *t, const int64_t s[4], int64_t l0, int64_t n);
+
+/* The reverse: src [B, H, n, D] of t's dtype into rows [l0, l0 + n) of t. */
+void ape__unpack_rows(const void *src, ape_tensor *t, const int64_t s[4], int64_t l0, int64_t n);
+
+/* One row (D elements of t's dtype) into element (b, h, l, 0..D-1) of t. */
+void ape__store_row(ape_tensor *t, const int64_t s[4], int64_t b, int64_t h, int64_t l,
+		    const void *row);
+
+/* Element (b, h, l, 0..D-1) of t as D floats. */
+void ape__load_row_f32(const ape_tensor *t, const int64_t s[4], int64_t b, int64_t h, int64_t l,
+		       float *row);
+
+/* Row-major without gaps (the stride of a dimension of size 1 does not matter). */
+bool ape__is_contiguous(const ape_tensor *t, const int64_t s[4]);
+
+#pragma GCC visibility pop
+#endif

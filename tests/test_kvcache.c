@@ -1,0 +1,612 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The KV cache: decoding token by token and chunked prefill equal a full recomputation; the
+ * hot path (append within capacity, attend) allocates no device memory and no staging; blocks
+ * are released only when allowed and provable, and an attend that would void the proof is
+ * refused; a full cache says so; the gather works without the backend's copy_d2d too.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ape_test.h"
+#include "common/problem.h"
+#include "common/wrapops.h"
+#include "context.h"
+
+FIXTURE(kv)
+{
+	ape_context *ctx;
+	ape_device *dev, *ref;
+};
+
+FIXTURE_VARIANT(kv)
+{
+	const char *backend;
+};
+
+FIXTURE_VARIANT_ADD(kv, ref)
+{
+	.backend = "ref",
+};
+
+FIXTURE_VARIANT_ADD(kv, opencl)
+{
+	.backend = "opencl",
+};
+
+FIXTURE_SETUP(kv)
+{
+	self->ctx = test_context("ref,opencl");
+	ASSERT_NE(NULL, self->ctx);
+	self->ref = test_device(self->ctx, "ref");
+	ASSERT_NE(NULL, self->ref);
+	self->dev = test_device(self->ctx, variant->backend);
+	if (!self->dev)
+		SKIP(return, "no %s device", variant->backend);
+}
+
+FIXTURE_TEARDOWN(kv)
+{
+	wrap_remove();
+	ape_context_destroy(self->ctx);
+}
+
+/* ---- helpers */
+
+/* Rows [l0, l0 + n) of t as a view. */
+static ape_tensor rows(const ape_tensor *t, int64_t l0, int64_t n)
+{
+	ape_tensor v = *t;
+
+	ape_tensor_strides(t, v.strides);
+	v.data = (char *)t->data + (size_t)(l0 * v.strides[2]) * ape_dtype_size(t->dtype);
+	v.shape[2] = n;
+	return v;
+}
+
+static ape_kv_cache_options cache_options(const test_problem *tp, int64_t block, int64_t cap)
+{
+	ape_kv_cache_options o;
+
+	ape_kv_cache_options_init(&o);
+	o.B = tp->q.t.shape[0];
+	o.H = tp->q.t.shape[1];
+	o.Hkv = tp->k.t.shape[1];
+	o.D = tp->q.t.shape[3];
+	o.dtype = tp->q.t.dtype;
+	o.block_tokens = block;
+	o.capacity_tokens = cap;
+	o.k_start = tp->desc.k_start;
+	return o;
+}
+
+/*
+ * Decodes tp (causal, Lq = Lk, end-aligned) through a cache: `step` query rows at a time, each
+ * step appending the keys up to its last query first; every step's rows go into tp's O and
+ * LSE. Returns 0 or the failing call's code.
+ */
+static int decode(test_problem *tp, ape_kv_cache *c, int64_t step, ape_stats *total)
+{
+	const int64_t L = tp->q.t.shape[2];
+	test_tensor ob;
+	float *lse;
+	int ret = 0;
+
+	lse = malloc(sizeof(float) * (size_t)(tp->q.t.shape[0] * tp->q.t.shape[1] * step) + 4);
+	if (!lse || test_tensor_empty(&ob, tp->o.t.dtype, tp->q.t.shape[0], tp->q.t.shape[1], step,
+				      tp->q.t.shape[3])) {
+		free(lse);
+		return APE_ENOMEM;
+	}
+	for (int64_t i = 0; i < L && !ret; i += step) {
+		const int64_t n = i + step <= L ? step : L - i;
+		ape_tensor kt = rows(&tp->k.t, i, n), vt = rows(&tp->v.t, i, n);
+		ape_tensor qt = rows(&tp->q.t, i, n), ot = rows(&tp->o.t, i, n);
+		ape_stats st;
+
+		ape_stats_init(&st);
+		ret = ape_kv_cache_append(c, &kt, &vt);
+		if (!ret)
+			ret = ape_kv_cache_attend(c, &tp->desc, &qt, &ot, lse, total ? &st : NULL);
+		for (int64_t bh = 0; !ret && bh < tp->q.t.shape[0] * tp->q.t.shape[1]; bh++)
+			memcpy(tp->lse + bh * L + i, lse + bh * n, (size_t)n * sizeof(float));
+		if (!ret && total) {
+			total->chunks += st.chunks;
+			total->chunks_skipped += st.chunks_skipped;
+			total->pairs_visible += st.pairs_visible;
+			total->pairs_computed += st.pairs_computed;
+		}
+	}
+	test_tensor_free(&ob);
+	free(lse);
+	return ret;
+}
+
+/* O error / max|V| and LSE error of tp against want, within the spec's tolerance? */
+static int close_enough(struct __test_metadata *_metadata, const test_problem *tp,
+			const test_problem *want, const char *what)
+{
+	const ape_dtype dt = tp->q.t.dtype;
+	double eo = test_max_err_o(&tp->o.t, &want->o.t) /
+		    fmax(test_tensor_maxabs(&tp->v.t), 1e-30);
+	double el = test_max_rel_err_lse(tp->lse, want->lse, tp->rows);
+
+	if (eo <= test_tol_o(dt) && el <= test_tol_lse(dt))
+		return 0;
+	TH_LOG("%s: O error %.3g (tolerance %g), LSE error %.3g (tolerance %g)", what, eo,
+	       test_tol_o(dt), el, test_tol_lse(dt));
+	return -1;
+}
+
+/* ---- decoding equals recomputation */
+
+TEST_F(kv, decode_step_by_step_equals_full_recomputation)
+{
+	static const int64_t steps[] = { 1, 3, 16 };
+	const int64_t L = ape_test_slow() ? 24 : 90;
+	ape_rng rng;
+
+	/* under valgrind every OpenCL launch is slow: one step size, one case */
+	const bool few = ape_test_slow() && strcmp(variant->backend, "ref");
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int s = few ? 2 : 0; s < 3; s++)
+		for (int c = 0; c < (few ? 1 : 2); c++) {
+			const test_problem_shape sh = { 1 + c, 4, 2, L, L, c ? 64 : 16 };
+			ape_kv_cache_options o;
+			test_problem tp, want;
+			ape_kv_cache *cache;
+			ape_stats total;
+
+			ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, c ? APE_F16 : APE_F32, c));
+			test_problem_random_params(&tp, &rng);
+			tp.desc.causal = true;
+			tp.desc.q_start_set = false;
+			ASSERT_EQ(0, test_problem_clone(&want, &tp));
+			ASSERT_EQ(0, test_problem_run(&want, self->ref)) TH_LOG("%s", ape_last_error());
+			o = cache_options(&tp, 7, L); /* blocks of 7: every gather is ragged */
+			o.attend_chunk = 20; /* several key chunks per attend, merged by LSE */
+			o.max_queries = 16;
+			o.append_chunk = 5;
+			ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache))
+				TH_LOG("%s", ape_last_error());
+			test_tensor_poison(&tp.o.t);
+			memset(&total, 0, sizeof(total));
+			ASSERT_EQ(0, decode(&tp, cache, steps[s], &total)) TH_LOG("%s", ape_last_error());
+			EXPECT_EQ(0, close_enough(_metadata, &tp, &want, "decode"))
+				TH_LOG("step %lld, case %d", (long long)steps[s], c);
+			EXPECT_EQ(want.rows ? 0 : 1, test_problem_padding_intact(&tp) != 0 && c);
+			EXPECT_GE(total.pairs_visible, total.pairs_computed);
+			ape_kv_cache_destroy(cache);
+			test_problem_free(&tp);
+			test_problem_free(&want);
+		}
+}
+
+/* A long prompt appended in pieces, attended in chunks of max_queries, then decoded. */
+TEST_F(kv, chunked_prefill_then_decode)
+{
+	const int64_t P = ape_test_slow() ? 40 : 150, L = P + 10;
+	const test_problem_shape sh = { 1, 2, 1, L, L, 32 };
+	ape_kv_cache_options o;
+	test_problem tp, want;
+	ape_kv_cache *cache;
+	ape_kv_cache_info info;
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	test_problem_random_params(&tp, &rng);
+	tp.desc.causal = true;
+	tp.desc.q_start_set = false;
+	tp.desc.k_start = 1000;
+	ASSERT_EQ(0, test_problem_clone(&want, &tp));
+	ASSERT_EQ(0, test_problem_run(&want, self->ref)) TH_LOG("%s", ape_last_error());
+	o = cache_options(&tp, 32, L);
+	o.max_queries = 64;
+	o.attend_chunk = 48;
+	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache)) TH_LOG("%s", ape_last_error());
+	test_tensor_poison(&tp.o.t);
+	/* prefill: append everything, then attend the prompt with explicit positions */
+	{
+		ape_tensor kt = rows(&tp.k.t, 0, P), vt = rows(&tp.v.t, 0, P);
+		float *lse = malloc(sizeof(float) * 2 * 64);
+
+		ASSERT_NE(NULL, lse);
+		ASSERT_EQ(0, ape_kv_cache_append(cache, &kt, &vt)) TH_LOG("%s", ape_last_error());
+		for (int64_t i = 0; i < P; i += 64) {
+			const int64_t n = i + 64 <= P ? 64 : P - i;
+			ape_tensor qt = rows(&tp.q.t, i, n), ot = rows(&tp.o.t, i, n);
+			ape_attn_desc d = tp.desc;
+
+			d.q_start_set = true;
+			d.q_start = tp.desc.k_start + i;
+			ASSERT_EQ(0, ape_kv_cache_attend(cache, &d, &qt, &ot, lse, NULL))
+				TH_LOG("%s", ape_last_error());
+			for (int64_t h = 0; h < 2; h++)
+				memcpy(tp.lse + h * L + i, lse + h * n, (size_t)n * sizeof(float));
+		}
+		free(lse);
+	}
+	ASSERT_EQ(0, ape_kv_cache_get_info(cache, &info));
+	EXPECT_EQ(P, info.tokens);
+	EXPECT_EQ(1000, info.first_live_position);
+	EXPECT_EQ(1000 + P, info.next_position);
+	/* then token by token */
+	for (int64_t i = P; i < L; i++) {
+		ape_tensor kt = rows(&tp.k.t, i, 1), vt = rows(&tp.v.t, i, 1);
+		ape_tensor qt = rows(&tp.q.t, i, 1), ot = rows(&tp.o.t, i, 1);
+		float lse[2];
+
+		ASSERT_EQ(0, ape_kv_cache_append(cache, &kt, &vt));
+		ASSERT_EQ(0, ape_kv_cache_attend(cache, &tp.desc, &qt, &ot, lse, NULL))
+			TH_LOG("%s", ape_last_error());
+		tp.lse[i] = lse[0];
+		tp.lse[L + i] = lse[1];
+	}
+	EXPECT_EQ(0, close_enough(_metadata, &tp, &want, "prefill + decode"));
+	ape_kv_cache_destroy(cache);
+	test_problem_free(&tp);
+	test_problem_free(&want);
+}
+
+/* The gather through host staging, for backends without copy_d2d, gives the same bits. */
+TEST_F(kv, gather_without_copy_d2d)
+{
+	const int64_t L = 40;
+	const test_problem_shape sh = { 1, 2, 2, L, L, 16 };
+	test_problem a, b;
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&a, &rng, &sh, APE_F32, false));
+	test_problem_random_params(&a, &rng);
+	a.desc.causal = true;
+	a.desc.q_start_set = false;
+	a.desc.skip_tol = 0; /* every key is gathered: the byte counts below are exact */
+	ASSERT_EQ(0, test_problem_clone(&b, &a));
+	for (int pass = 0; pass < 2; pass++) {
+		test_problem *tp = pass ? &b : &a;
+		ape_kv_cache_options o = cache_options(tp, 6, L);
+		ape_kv_cache *cache;
+		ape_stats st;
+
+		if (pass)
+			wrap_install(self->dev, WRAP_NO_COPY_D2D);
+		o.attend_chunk = 16;
+		ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, decode(tp, cache, 4, NULL)) TH_LOG("%s", ape_last_error());
+		/* the statistics say which way the keys went */
+		{
+			ape_tensor qt = rows(&tp->q.t, L - 1, 1), ot = rows(&tp->o.t, L - 1, 1);
+
+			ape_stats_init(&st);
+			ASSERT_EQ(0, ape_kv_cache_attend(cache, &tp->desc, &qt, &ot, NULL, &st));
+			if (pass || !self->dev->be->ops->copy_d2d) {
+				EXPECT_EQ(0u, st.bytes_device_to_device);
+				EXPECT_GT(st.bytes_to_device, (uint64_t)(2 * 2 * L * 16 * 4));
+			} else {
+				EXPECT_EQ((uint64_t)(2 * 2 * L * 16 * 4), st.bytes_device_to_device);
+			}
+		}
+		ape_kv_cache_destroy(cache);
+		wrap_remove();
+	}
+	EXPECT_EQ(0, memcmp(a.o.alloc, b.o.alloc, a.o.alloc_bytes));
+	EXPECT_EQ(0, memcmp(a.lse, b.lse, a.rows * sizeof(float)));
+	test_problem_free(&a);
+	test_problem_free(&b);
+}
+
+/* ---- the hot path allocates nothing */
+
+TEST_F(kv, no_allocation_on_the_hot_path)
+{
+	const int64_t L = 64;
+	const test_problem_shape sh = { 1, 4, 2, L, L, 16 };
+	ape_kv_cache_options o;
+	ape_kv_cache_info info;
+	struct wrap_counts wc;
+	ape_kv_cache *cache;
+	uint64_t staged;
+	test_problem tp;
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	test_problem_set_params(&tp, 0.2, 0.02, 0.02, 0.1);
+	tp.desc.causal = true;
+	tp.desc.q_start_set = false;
+	wrap_install(self->dev, 0);
+	o = cache_options(&tp, 16, L);
+	o.attend_chunk = 24;
+	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache)) TH_LOG("%s", ape_last_error());
+	wc = wrap_get();
+	EXPECT_GT(wc.allocs, 0u);
+	ASSERT_EQ(0, ape_kv_cache_get_info(cache, &info));
+	EXPECT_EQ(wc.live_bytes, info.device_bytes) TH_LOG("every device byte is the cache's");
+	wrap_reset();
+	staged = atomic_load(&self->ctx->staging_placed) + atomic_load(&self->ctx->staging_plain);
+	/* prefill, then decode with stats (the pair counts come back too) */
+	ASSERT_EQ(0, decode(&tp, cache, 5, NULL)) TH_LOG("%s", ape_last_error());
+	{
+		ape_tensor qt = rows(&tp.q.t, L - 1, 1), ot = rows(&tp.o.t, L - 1, 1);
+		ape_stats st;
+
+		ape_stats_init(&st);
+		ASSERT_EQ(0, ape_kv_cache_attend(cache, &tp.desc, &qt, &ot, NULL, &st));
+		EXPECT_GT(st.chunks, 1u);
+	}
+	wc = wrap_get();
+	EXPECT_EQ(0u, wc.allocs) TH_LOG("buf_alloc called on the hot path");
+	EXPECT_EQ(0u, wc.frees);
+	EXPECT_GT(wc.attention_calls, 0u);
+	EXPECT_EQ(staged, atomic_load(&self->ctx->staging_placed) +
+				  atomic_load(&self->ctx->staging_plain))
+		TH_LOG("a staging buffer was allocated on the hot path");
+	ape_kv_cache_destroy(cache);
+	wc = wrap_get();
+	EXPECT_EQ(0u, wc.live_bytes) TH_LOG("destroy frees every block");
+	test_problem_free(&tp);
+}
+
+/* ---- capacity and release */
+
+TEST_F(kv, full_cache_is_enomem_and_appends_nothing)
+{
+	const test_problem_shape sh = { 1, 2, 1, 30, 30, 8 };
+	ape_kv_cache_options o;
+	ape_kv_cache_info info;
+	ape_kv_cache *cache;
+	test_problem tp;
+	ape_rng rng;
+	int64_t rel;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	o = cache_options(&tp, 8, 20); /* 3 blocks: 24 tokens */
+	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache));
+	{
+		ape_tensor kt = rows(&tp.k.t, 0, 20), vt = rows(&tp.v.t, 0, 20);
+		ape_tensor k2 = rows(&tp.k.t, 20, 5), v2 = rows(&tp.v.t, 20, 5);
+
+		ASSERT_EQ(0, ape_kv_cache_append(cache, &kt, &vt));
+		EXPECT_EQ(APE_ENOMEM, ape_kv_cache_append(cache, &k2, &v2));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "5 tokens do not fit"))
+			TH_LOG("%s", ape_last_error());
+		EXPECT_NE(NULL, strstr(ape_last_error(), "room for 4"));
+	}
+	ASSERT_EQ(0, ape_kv_cache_get_info(cache, &info));
+	EXPECT_EQ(20, info.tokens);
+	EXPECT_EQ(24, info.capacity_tokens);
+	/* created without allow_release: asking to release is an error */
+	EXPECT_EQ(APE_EINVAL, ape_kv_cache_release_unreachable(cache, &tp.desc, &rel));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "allow_release"));
+	ape_kv_cache_destroy(cache);
+	test_problem_free(&tp);
+}
+
+/* Max |q| over every row of tp, the bound a caller would promise. */
+static double max_query_norm(const test_problem *tp)
+{
+	const int64_t *s = tp->q.t.shape;
+	double m = 0;
+
+	for (int64_t b = 0; b < s[0]; b++)
+		for (int64_t h = 0; h < s[1]; h++)
+			for (int64_t i = 0; i < s[2]; i++) {
+				double ss = 0;
+
+				for (int64_t d = 0; d < s[3]; d++)
+					ss += pow(test_tensor_get(&tp->q.t, b, h, i, d), 2);
+				m = fmax(m, sqrt(ss));
+			}
+	return m * 1.001;
+}
+
+/* Every row of t scaled to norm r: the release bound depends on the largest norms, which
+ * random data with a large spread would make arbitrary. */
+static void set_norms(ape_tensor *t, double r)
+{
+	const int64_t *s = t->shape;
+
+	for (int64_t b = 0; b < s[0]; b++)
+		for (int64_t h = 0; h < s[1]; h++)
+			for (int64_t i = 0; i < s[2]; i++) {
+				double ss = 0;
+
+				for (int64_t d = 0; d < s[3]; d++)
+					ss += pow(test_tensor_get(t, b, h, i, d), 2);
+				for (int64_t d = 0; d < s[3]; d++)
+					test_tensor_set(t, b, h, i, d,
+							test_tensor_get(t, b, h, i, d) * r /
+								sqrt(ss));
+			}
+}
+
+/*
+ * With a real decay the oldest blocks can no longer reach any future query: the cache releases
+ * them and reuses their room, so a sequence far longer than its capacity decodes, and still
+ * equals the full recomputation. Without delta > 0, or with allow_release off, nothing goes.
+ */
+TEST_F(kv, release_only_when_allowed_and_provable)
+{
+	const int64_t L = ape_test_slow() ? 120 : 400;
+	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
+	ape_kv_cache_info info;
+	test_problem tp, want;
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	set_norms(&tp.q.t, 4);
+	set_norms(&tp.k.t, 4);
+	test_problem_set_params(&tp, 1.2, 0.05, 0.05, 0.1);
+	tp.desc.causal = true;
+	tp.desc.q_start_set = false;
+	ASSERT_EQ(0, test_problem_clone(&want, &tp));
+	ASSERT_EQ(0, test_problem_run(&want, self->ref)) TH_LOG("%s", ape_last_error());
+
+	/* allowed and provable: 400 tokens through a cache of 96 */
+	{
+		ape_kv_cache_options o = cache_options(&tp, 16, 96);
+		ape_kv_cache *cache;
+
+		o.allow_release = true;
+		o.max_query_norm = max_query_norm(&tp);
+		o.max_queries = 4;
+		ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache));
+		test_tensor_poison(&tp.o.t);
+		ASSERT_EQ(0, decode(&tp, cache, 1, NULL)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, close_enough(_metadata, &tp, &want, "with release"));
+		ASSERT_EQ(0, ape_kv_cache_get_info(cache, &info));
+		EXPECT_EQ(L, info.tokens);
+		EXPECT_GT(info.blocks_released, (L - 96) / 16);
+		EXPECT_LE(info.live_tokens, 96);
+		/* releases come a block at a time: the floor is where the last one was proved */
+		EXPECT_GE(info.min_query_position, L - 32);
+		ksft_print_msg("released %lld blocks, %lld tokens live\n",
+			       (long long)info.blocks_released, (long long)info.live_tokens);
+		fflush(stdout);
+
+		/* what the proof excluded is refused, not computed wrongly */
+		{
+			ape_tensor qt = rows(&tp.q.t, L - 1, 1), ot = rows(&tp.o.t, L - 1, 1);
+			ape_attn_desc d = tp.desc;
+			test_tensor big;
+
+			d.q_start_set = true;
+			d.q_start = info.min_query_position - 1; /* earlier than promised */
+			EXPECT_EQ(APE_EINVAL, ape_kv_cache_attend(cache, &d, &qt, &ot, NULL, NULL));
+			EXPECT_NE(NULL, strstr(ape_last_error(), "released"));
+			d = tp.desc;
+			d.delta.per_head = NULL;
+			d.delta.value = 0.1f; /* weaker decay */
+			EXPECT_EQ(APE_EINVAL, ape_kv_cache_attend(cache, &d, &qt, &ot, NULL, NULL));
+			EXPECT_NE(NULL, strstr(ape_last_error(), "delta >="));
+			d = tp.desc;
+			d.skip_tol = 0; /* nothing may be left out */
+			EXPECT_EQ(APE_EINVAL, ape_kv_cache_attend(cache, &d, &qt, &ot, NULL, NULL));
+			EXPECT_NE(NULL, strstr(ape_last_error(), "skip_tol"));
+			ASSERT_EQ(0, test_tensor_random(&big, &rng, APE_F32, 1, 2, 1, 16, 100.0));
+			EXPECT_EQ(APE_EINVAL, ape_kv_cache_attend(cache, &tp.desc, &big.t, &ot, NULL,
+								  NULL));
+			EXPECT_NE(NULL, strstr(ape_last_error(), "max_query_norm"));
+			test_tensor_free(&big);
+		}
+		ape_kv_cache_destroy(cache);
+	}
+
+	/* allowed, but delta = 0: the bound cannot prove anything, the cache fills up */
+	{
+		ape_kv_cache_options o = cache_options(&tp, 16, 96);
+		ape_kv_cache *cache;
+		ape_tensor kt = rows(&tp.k.t, 0, 96), vt = rows(&tp.v.t, 0, 96);
+		ape_tensor qt = rows(&tp.q.t, 95, 1), ot = rows(&tp.o.t, 95, 1);
+		int64_t rel = -1;
+
+		test_problem_set_params(&tp, 0.0, 0.5, 0.5, 0.1);
+		o.allow_release = true;
+		o.max_query_norm = max_query_norm(&tp);
+		ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache));
+		ASSERT_EQ(0, ape_kv_cache_append(cache, &kt, &vt));
+		ASSERT_EQ(0, ape_kv_cache_attend(cache, &tp.desc, &qt, &ot, NULL, NULL));
+		ASSERT_EQ(0, ape_kv_cache_release_unreachable(cache, &tp.desc, &rel));
+		EXPECT_EQ(0, rel);
+		/* nor with a negative decay somewhere */
+		test_problem_set_params(&tp, 2.0, -0.01, 0.0, 0.1);
+		ASSERT_EQ(0, ape_kv_cache_release_unreachable(cache, &tp.desc, &rel));
+		EXPECT_EQ(0, rel);
+		/* nor with skip_tol = 0 */
+		test_problem_set_params(&tp, 2.0, 0.0, 0.0, 0.1);
+		tp.desc.skip_tol = 0;
+		ASSERT_EQ(0, ape_kv_cache_release_unreachable(cache, &tp.desc, &rel));
+		EXPECT_EQ(0, rel);
+		/* a strong decay proves it, explicitly asked */
+		tp.desc.skip_tol = 0x1p-24;
+		ASSERT_EQ(0, ape_kv_cache_release_unreachable(cache, &tp.desc, &rel));
+		EXPECT_GT(rel, 0);
+		EXPECT_EQ(0, rel % 16);
+		ASSERT_EQ(0, ape_kv_cache_get_info(cache, &info));
+		EXPECT_EQ(96 - rel, info.live_tokens);
+		ape_kv_cache_destroy(cache);
+	}
+	test_problem_free(&tp);
+	test_problem_free(&want);
+}
+
+/* ---- arguments */
+
+TEST_F(kv, arguments_are_validated)
+{
+	ape_kv_cache_options o;
+	ape_kv_cache *cache = (ape_kv_cache *)&o;
+	struct {
+		const char *what;
+		int field;
+	} cases[] = {
+		{ "opts->B = 0", 0 }, { "opts->Hkv = 0", 1 }, { "opts->H = 3", 2 },
+		{ "opts->D = 7", 3 }, { "opts->capacity_tokens = 0", 4 },
+		{ "opts->max_query_norm", 5 }, { "opts->struct_size", 6 }, { "opts->dtype", 7 },
+	};
+
+	for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+		ape_kv_cache_options_init(&o);
+		o.B = 1;
+		o.Hkv = 2;
+		o.D = 8;
+		o.capacity_tokens = 10;
+		switch (cases[c].field) {
+		case 0: o.B = 0; break;
+		case 1: o.Hkv = 0; break;
+		case 2: o.H = 3; break;
+		case 3: o.D = 7; break;
+		case 4: o.capacity_tokens = 0; break;
+		case 5: o.allow_release = true; break;
+		case 6: o.struct_size = 8; break;
+		case 7: o.dtype = (ape_dtype)9; break;
+		}
+		EXPECT_EQ(APE_EINVAL, ape_kv_cache_create(self->dev, &o, &cache));
+		EXPECT_EQ(NULL, cache);
+		EXPECT_NE(NULL, strstr(ape_last_error(), "ape_kv_cache_create: "));
+		EXPECT_NE(NULL, strstr(ape_last_error(), cases[c].what))
+			TH_LOG("\"%s\" does not name %s", ape_last_error(), cases[c].what);
+	}
+	EXPECT_EQ(APE_EINVAL, ape_kv_cache_create(NULL, &o, &cache));
+	EXPECT_EQ(APE_EINVAL, ape_kv_cache_create(self->dev, NULL, &cache));
+	EXPECT_EQ(APE_EINVAL, ape_kv_cache_append(NULL, NULL, NULL));
+	EXPECT_EQ(APE_EINVAL, ape_kv_cache_attend(NULL, NULL, NULL, NULL, NULL, NULL));
+	ape_kv_cache_destroy(NULL);
+
+	/* a valid cache, wrong tensors */
+	ape_kv_cache_options_init(&o);
+	o.B = 1;
+	o.Hkv = 2;
+	o.D = 8;
+	o.capacity_tokens = 10;
+	o.max_queries = 2;
+	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache)) TH_LOG("%s", ape_last_error());
+	{
+		float buf[3 * 2 * 8 * 2] = { 0 };
+		ape_tensor k, v, q, out;
+		ape_attn_desc d;
+
+		ape_attn_desc_init(&d);
+		ape_tensor_init(&k, buf, APE_F32, 1, 3, 1, 8);
+		ape_tensor_init(&v, buf, APE_F32, 1, 2, 1, 8);
+		EXPECT_EQ(APE_EINVAL, ape_kv_cache_append(cache, &k, &v));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "k->shape[1] = 3"));
+		ape_tensor_init(&k, buf, APE_F16, 1, 2, 1, 8);
+		EXPECT_EQ(APE_EINVAL, ape_kv_cache_append(cache, &k, &v));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "k->dtype = f16"));
+		ape_tensor_init(&q, buf, APE_F32, 1, 2, 3, 8);
+		ape_tensor_init(&out, buf + 48, APE_F32, 1, 2, 3, 8);
+		EXPECT_EQ(APE_EINVAL, ape_kv_cache_attend(cache, &d, &q, &out, NULL, NULL));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "max_queries = 2"));
+	}
+	ape_kv_cache_destroy(cache);
+}
+
+TEST_HARNESS_MAIN
