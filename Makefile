@@ -143,6 +143,11 @@ include runtime/module.mk
 -include cuda/module.mk
 include tools/module.mk
 include tests/module.mk
+# Hardening (issue 7): fuzz targets, fault injection, ThreadSanitizer. Each module appends the
+# goals 'make check' runs after the unit tests to CHECK_EXTRA (each prints its own summary line).
+CHECK_EXTRA :=
+-include tests/fuzz/module.mk
+-include tests/faults/module.mk
 
 LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/obj/%.o) $(LIB_ASM:%.S=$(BUILD)/obj/%.o)
 
@@ -180,6 +185,7 @@ deps:
 
 check: all $(TESTS) $(TESTS_BUILD_ONLY)
 	$(Q)tests/run-tests.sh $(BUILD) $(TESTS)
+	$(Q)$(foreach g,$(CHECK_EXTRA),$(MAKE) --no-print-directory $(g) &&) true
 
 sanitize:
 	$(Q)$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 OPT=-O1 check
