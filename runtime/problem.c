@@ -5,6 +5,7 @@
  * Nothing here touches the outputs.
  */
 #include "problem.h"
+#include "alloc.h"
 
 #include <inttypes.h>
 #include <math.h>
@@ -353,7 +354,7 @@ int ape__problem_init(struct ape__problem *p, const char *fn, const ape_attn_des
 		return ret;
 	if ((uint64_t)p->H > SIZE_MAX / (4 * sizeof(float)))
 		return ape__error(APE_EOVERFLOW, "%s: H = %" PRId64 ": too many heads", fn, p->H);
-	p->head_params = malloc((size_t)p->H * 4 * sizeof(float));
+	p->head_params = ape__malloc((size_t)p->H * 4 * sizeof(float));
 	if (!p->head_params)
 		return ape__error(APE_ENOMEM, "%s: out of memory for %" PRId64 " heads", fn, p->H);
 	if ((ret = resolve_param(fn, "delta", &desc->delta, p->H, false, p->head_params + 0)) ||
@@ -467,6 +468,37 @@ void ape_tensor_strides(const ape_tensor *t, int64_t s[4])
 	s[2] = t->shape[3];
 	s[1] = t->shape[2] * s[2];
 	s[0] = t->shape[1] * s[1];
+}
+
+int ape_tensor_rows(const ape_tensor *t, int64_t first, int64_t count, ape_tensor *out)
+{
+	ape_tensor v;
+	size_t esize;
+
+	if (!t || !out)
+		return ape__error(APE_EINVAL, "ape_tensor_rows: %s is NULL", t ? "out" : "t");
+	for (int i = 0; i < 4; i++)
+		if (t->shape[i] < 0 || t->strides[i] < 0)
+			return ape__error(APE_EINVAL,
+					  "ape_tensor_rows: t->%s[%d] = %" PRId64 " is negative",
+					  t->shape[i] < 0 ? "shape" : "strides", i,
+					  t->shape[i] < 0 ? t->shape[i] : t->strides[i]);
+	if (first < 0 || count < 0 || first > t->shape[2] || count > t->shape[2] - first)
+		return ape__error(APE_EINVAL,
+				  "ape_tensor_rows: rows [%" PRId64 ", %" PRId64 " + %" PRId64
+				  ") are not inside [0, %" PRId64 ")",
+				  first, first, count, t->shape[2]);
+	esize = ape_dtype_size(t->dtype);
+	if (!esize)
+		return ape__error(APE_EINVAL, "ape_tensor_rows: t->dtype = %d is not a storage type",
+				  (int)t->dtype);
+	v = *t;
+	ape_tensor_strides(t, v.strides);
+	/* in range: first <= L and the stride fit the caller's own allocation */
+	v.data = t->data ? (char *)t->data + (size_t)first * (size_t)v.strides[2] * esize : NULL;
+	v.shape[2] = count;
+	*out = v;
+	return 0;
 }
 
 void ape_tensor_init(ape_tensor *t, void *data, ape_dtype dtype, int64_t d0, int64_t d1,

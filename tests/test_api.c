@@ -709,6 +709,45 @@ TEST(tensor_init_and_dtypes)
 	EXPECT_STREQ("?", ape_dtype_name((ape_dtype)7));
 }
 
+TEST(tensor_rows_view)
+{
+	uint16_t buf[2 * 3 * 5 * 4];
+	ape_tensor t, v;
+
+	ape_tensor_init(&t, buf, APE_F16, 2, 3, 5, 4);
+	ASSERT_EQ(0, ape_tensor_rows(&t, 1, 3, &v));
+	EXPECT_EQ((void *)(buf + 4), v.data);
+	EXPECT_EQ(3, v.shape[2]);
+	EXPECT_EQ(60, v.strides[0]);
+	EXPECT_EQ(20, v.strides[1]);
+	EXPECT_EQ(4, v.strides[2]);
+	EXPECT_EQ(1, v.strides[3]);
+	/* a view of a view keeps the parent's strides */
+	ASSERT_EQ(0, ape_tensor_rows(&v, 2, 1, &v));
+	EXPECT_EQ((void *)(buf + 12), v.data);
+	EXPECT_EQ(20, v.strides[1]);
+	/* the empty ranges at either end are views too */
+	EXPECT_EQ(0, ape_tensor_rows(&t, 0, 0, &v));
+	EXPECT_EQ(0, ape_tensor_rows(&t, 5, 0, &v));
+
+	EXPECT_EQ(APE_EINVAL, ape_tensor_rows(&t, 4, 2, &v));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "rows [4, 4 + 2) are not inside [0, 5)"));
+	EXPECT_EQ(APE_EINVAL, ape_tensor_rows(&t, -1, 1, &v));
+	EXPECT_EQ(APE_EINVAL, ape_tensor_rows(&t, 6, 0, &v));
+	EXPECT_EQ(APE_EINVAL, ape_tensor_rows(&t, 1, INT64_MAX, &v));
+	EXPECT_EQ(APE_EINVAL, ape_tensor_rows(NULL, 0, 1, &v));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "t is NULL"));
+	EXPECT_EQ(APE_EINVAL, ape_tensor_rows(&t, 0, 1, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "out is NULL"));
+	t.strides[1] = -3;
+	EXPECT_EQ(APE_EINVAL, ape_tensor_rows(&t, 0, 1, &v));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "t->strides[1] = -3"));
+	t.strides[1] = 0;
+	t.dtype = (ape_dtype)9;
+	EXPECT_EQ(APE_EINVAL, ape_tensor_rows(&t, 0, 1, &v));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "t->dtype = 9"));
+}
+
 /* ---------------------------------------------------------------- storage conversion */
 
 

@@ -55,17 +55,6 @@ FIXTURE_TEARDOWN(kv)
 
 /* ---- helpers */
 
-/* Rows [l0, l0 + n) of t as a view. */
-static ape_tensor rows(const ape_tensor *t, int64_t l0, int64_t n)
-{
-	ape_tensor v = *t;
-
-	ape_tensor_strides(t, v.strides);
-	v.data = (char *)t->data + (size_t)(l0 * v.strides[2]) * ape_dtype_size(t->dtype);
-	v.shape[2] = n;
-	return v;
-}
-
 static ape_kv_cache_options cache_options(const test_problem *tp, int64_t block, int64_t cap)
 {
 	ape_kv_cache_options o;
@@ -102,8 +91,8 @@ static int decode(test_problem *tp, ape_kv_cache *c, int64_t step, ape_stats *to
 	}
 	for (int64_t i = 0; i < L && !ret; i += step) {
 		const int64_t n = i + step <= L ? step : L - i;
-		ape_tensor kt = rows(&tp->k.t, i, n), vt = rows(&tp->v.t, i, n);
-		ape_tensor qt = rows(&tp->q.t, i, n), ot = rows(&tp->o.t, i, n);
+		ape_tensor kt = test_rows(&tp->k.t, i, n), vt = test_rows(&tp->v.t, i, n);
+		ape_tensor qt = test_rows(&tp->q.t, i, n), ot = test_rows(&tp->o.t, i, n);
 		ape_stats st;
 
 		ape_stats_init(&st);
@@ -211,14 +200,14 @@ TEST_F(kv, chunked_prefill_then_decode)
 	test_tensor_poison(&tp.o.t);
 	/* prefill: append everything, then attend the prompt with explicit positions */
 	{
-		ape_tensor kt = rows(&tp.k.t, 0, P), vt = rows(&tp.v.t, 0, P);
+		ape_tensor kt = test_rows(&tp.k.t, 0, P), vt = test_rows(&tp.v.t, 0, P);
 		float *lse = malloc(sizeof(float) * 2 * 64);
 
 		ASSERT_NE(NULL, lse);
 		ASSERT_EQ(0, ape_kv_cache_append(cache, &kt, &vt)) TH_LOG("%s", ape_last_error());
 		for (int64_t i = 0; i < P; i += 64) {
 			const int64_t n = i + 64 <= P ? 64 : P - i;
-			ape_tensor qt = rows(&tp.q.t, i, n), ot = rows(&tp.o.t, i, n);
+			ape_tensor qt = test_rows(&tp.q.t, i, n), ot = test_rows(&tp.o.t, i, n);
 			ape_attn_desc d = tp.desc;
 
 			d.q_start_set = true;
@@ -236,8 +225,8 @@ TEST_F(kv, chunked_prefill_then_decode)
 	EXPECT_EQ(1000 + P, info.next_position);
 	/* then token by token */
 	for (int64_t i = P; i < L; i++) {
-		ape_tensor kt = rows(&tp.k.t, i, 1), vt = rows(&tp.v.t, i, 1);
-		ape_tensor qt = rows(&tp.q.t, i, 1), ot = rows(&tp.o.t, i, 1);
+		ape_tensor kt = test_rows(&tp.k.t, i, 1), vt = test_rows(&tp.v.t, i, 1);
+		ape_tensor qt = test_rows(&tp.q.t, i, 1), ot = test_rows(&tp.o.t, i, 1);
 		float lse[2];
 
 		ASSERT_EQ(0, ape_kv_cache_append(cache, &kt, &vt));
@@ -280,7 +269,7 @@ TEST_F(kv, gather_without_copy_d2d)
 		ASSERT_EQ(0, decode(tp, cache, 4, NULL)) TH_LOG("%s", ape_last_error());
 		/* the statistics say which way the keys went */
 		{
-			ape_tensor qt = rows(&tp->q.t, L - 1, 1), ot = rows(&tp->o.t, L - 1, 1);
+			ape_tensor qt = test_rows(&tp->q.t, L - 1, 1), ot = test_rows(&tp->o.t, L - 1, 1);
 
 			ape_stats_init(&st);
 			ASSERT_EQ(0, ape_kv_cache_attend(cache, &tp->desc, &qt, &ot, NULL, &st));
@@ -332,7 +321,7 @@ TEST_F(kv, no_allocation_on_the_hot_path)
 	/* prefill, then decode with stats (the pair counts come back too) */
 	ASSERT_EQ(0, decode(&tp, cache, 5, NULL)) TH_LOG("%s", ape_last_error());
 	{
-		ape_tensor qt = rows(&tp.q.t, L - 1, 1), ot = rows(&tp.o.t, L - 1, 1);
+		ape_tensor qt = test_rows(&tp.q.t, L - 1, 1), ot = test_rows(&tp.o.t, L - 1, 1);
 		ape_stats st;
 
 		ape_stats_init(&st);
@@ -369,8 +358,8 @@ TEST_F(kv, full_cache_is_enomem_and_appends_nothing)
 	o = cache_options(&tp, 8, 20); /* 3 blocks: 24 tokens */
 	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache));
 	{
-		ape_tensor kt = rows(&tp.k.t, 0, 20), vt = rows(&tp.v.t, 0, 20);
-		ape_tensor k2 = rows(&tp.k.t, 20, 5), v2 = rows(&tp.v.t, 20, 5);
+		ape_tensor kt = test_rows(&tp.k.t, 0, 20), vt = test_rows(&tp.v.t, 0, 20);
+		ape_tensor k2 = test_rows(&tp.k.t, 20, 5), v2 = test_rows(&tp.v.t, 20, 5);
 
 		ASSERT_EQ(0, ape_kv_cache_append(cache, &kt, &vt));
 		EXPECT_EQ(APE_ENOMEM, ape_kv_cache_append(cache, &k2, &v2));
@@ -473,7 +462,7 @@ TEST_F(kv, release_only_when_allowed_and_provable)
 
 		/* what the proof excluded is refused, not computed wrongly */
 		{
-			ape_tensor qt = rows(&tp.q.t, L - 1, 1), ot = rows(&tp.o.t, L - 1, 1);
+			ape_tensor qt = test_rows(&tp.q.t, L - 1, 1), ot = test_rows(&tp.o.t, L - 1, 1);
 			ape_attn_desc d = tp.desc;
 			test_tensor big;
 
@@ -503,8 +492,8 @@ TEST_F(kv, release_only_when_allowed_and_provable)
 	{
 		ape_kv_cache_options o = cache_options(&tp, 16, 96);
 		ape_kv_cache *cache;
-		ape_tensor kt = rows(&tp.k.t, 0, 96), vt = rows(&tp.v.t, 0, 96);
-		ape_tensor qt = rows(&tp.q.t, 95, 1), ot = rows(&tp.o.t, 95, 1);
+		ape_tensor kt = test_rows(&tp.k.t, 0, 96), vt = test_rows(&tp.v.t, 0, 96);
+		ape_tensor qt = test_rows(&tp.q.t, 95, 1), ot = test_rows(&tp.o.t, 95, 1);
 		int64_t rel = -1;
 
 		test_problem_set_params(&tp, 0.0, 0.5, 0.5, 0.1);

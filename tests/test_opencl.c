@@ -110,17 +110,6 @@ static int compare(struct __test_metadata *_metadata, const struct devs *d, test
 	return ret;
 }
 
-/* Rows [l0, l0 + n) of t as a view (same storage, explicit strides). */
-static ape_tensor rows_view(const ape_tensor *t, int64_t l0, int64_t n)
-{
-	ape_tensor v = *t;
-
-	ape_tensor_strides(t, v.strides);
-	v.data = (char *)t->data + (size_t)(l0 * v.strides[2]) * ape_dtype_size(t->dtype);
-	v.shape[2] = n;
-	return v;
-}
-
 /*
  * Checks sampled query rows of tp's last OpenCL result against the reference, each row computed
  * alone (the query sliced out with its own q_start, as the spec's identity 4 allows): long
@@ -142,7 +131,7 @@ static int compare_rows(struct __test_metadata *_metadata, const struct devs *d,
 	}
 	for (int s = 0; s < n && !ret; s++) {
 		const int64_t i = rows[s];
-		ape_tensor q1 = rows_view(&tp->q.t, i, 1), mine = rows_view(&tp->o.t, i, 1);
+		ape_tensor q1 = test_rows(&tp->q.t, i, 1), mine = test_rows(&tp->o.t, i, 1);
 		ape_attn_desc desc = tp->desc;
 		double eo, el = 0;
 

@@ -138,50 +138,32 @@ static void usage(FILE *f)
 		"FLOPs per visible pair even when skipping computed fewer.\n");
 }
 
-/* "1024,4096": whole numbers for -L */
-static int parse_len_list(const char *text, struct bench_opts *o, char *err, size_t errlen)
+/*
+ * A comma-separated list of at most MAX_LIST values: whole numbers >= 1 for -L ("1024,4096",
+ * into ints), finite numbers for --skip-tol ("5.96e-8,0", into reals).
+ */
+static int parse_list(const char *flag, const char *text, int64_t *ints, double *reals, int *n,
+		      char *err, size_t errlen)
 {
 	char *copy = strdup(text), *save = NULL, *tok;
 	int ret = 0;
 
 	if (!copy)
 		return APE_ENOMEM;
-	o->nL = 0;
+	*n = 0;
 	for (tok = strtok_r(copy, ",", &save); tok && !ret; tok = strtok_r(NULL, ",", &save)) {
-		if (o->nL == MAX_LIST) {
-			snprintf(err, errlen, "-L: at most %d values", MAX_LIST);
+		if (*n == MAX_LIST) {
+			snprintf(err, errlen, "%s: at most %d values", flag, MAX_LIST);
 			ret = APE_EINVAL;
-		} else {
-			ret = cli_parse_int64("-L", tok, 1, (int64_t)1 << 40, &o->L[o->nL++], err,
+		} else if (ints) {
+			ret = cli_parse_int64(flag, tok, 1, (int64_t)1 << 40, &ints[(*n)++], err,
 					      errlen);
-		}
-	}
-	if (!ret && o->nL == 0) {
-		snprintf(err, errlen, "-L: no value");
-		ret = APE_EINVAL;
-	}
-	free(copy);
-	return ret;
-}
-
-static int parse_skip_list(const char *text, struct bench_opts *o, char *err, size_t errlen)
-{
-	char *copy = strdup(text), *save = NULL, *tok;
-	int ret = 0;
-
-	if (!copy)
-		return APE_ENOMEM;
-	o->nskip = 0;
-	for (tok = strtok_r(copy, ",", &save); tok && !ret; tok = strtok_r(NULL, ",", &save)) {
-		if (o->nskip == MAX_LIST) {
-			snprintf(err, errlen, "--skip-tol: at most %d values", MAX_LIST);
-			ret = APE_EINVAL;
 		} else {
-			ret = cli_parse_finite("--skip-tol", tok, &o->skip[o->nskip++], err, errlen);
+			ret = cli_parse_finite(flag, tok, &reals[(*n)++], err, errlen);
 		}
 	}
-	if (!ret && o->nskip == 0) {
-		snprintf(err, errlen, "--skip-tol: no value");
+	if (!ret && *n == 0) {
+		snprintf(err, errlen, "%s: no value", flag);
 		ret = APE_EINVAL;
 	}
 	free(copy);
@@ -226,7 +208,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 			ret = cli_parse_int64("-D", val, 2, 256, &o->D, err, errlen);
 			break;
 		case OPT_L:
-			ret = parse_len_list(val, o, err, errlen);
+			ret = parse_list("-L", val, o->L, NULL, &o->nL, err, errlen);
 			o->L_set = true;
 			break;
 		case OPT_LQ:
@@ -240,7 +222,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 			o->causal = false;
 			break;
 		case OPT_SKIP:
-			ret = parse_skip_list(val, o, err, errlen);
+			ret = parse_list("--skip-tol", val, NULL, o->skip, &o->nskip, err, errlen);
 			o->skip_set = true;
 			break;
 		case OPT_DELTA:

@@ -756,17 +756,6 @@ out_free_o16:
 	return exit_code(ret);
 }
 
-/* Rows [l0, l0 + n) of t as a view. */
-static ape_tensor rows_of(const ape_tensor *t, int64_t l0, int64_t n)
-{
-	ape_tensor v = *t;
-
-	ape_tensor_strides(t, v.strides);
-	v.data = (char *)t->data + (size_t)(l0 * v.strides[2]) * ape_dtype_size(t->dtype);
-	v.shape[2] = n;
-	return v;
-}
-
 /* Largest Euclidean norm of a query row: the bound --kv-release promises the cache. */
 static double max_query_norm(const ape_tensor *q)
 {
@@ -854,15 +843,16 @@ static int compute_kv(const struct run_args *a, ape_device *dev, const struct in
 		/* keys at or before the step's last query: key j sits at k_start + j */
 		int64_t want = q_start + i + n - a->desc.k_start;
 		ape_attn_desc d = a->desc;
-		ape_tensor qt = rows_of(q, i, n), o_rows = rows_of(ot, i, n);
+		ape_tensor qt, o_rows, kt, vt;
 		ape_stats st;
 
 		want = want < 0 ? 0 : want > Lk ? Lk : want;
-		if (want > appended) {
-			ape_tensor kt = rows_of(k, appended, want - appended);
-			ape_tensor vt = rows_of(v, appended, want - appended);
-
-			ret = ape_kv_cache_append(cache, &kt, &vt);
+		ret = ape_tensor_rows(q, i, n, &qt);
+		ret = ret ? ret : ape_tensor_rows(ot, i, n, &o_rows);
+		if (!ret && want > appended) {
+			ret = ape_tensor_rows(k, appended, want - appended, &kt);
+			ret = ret ? ret : ape_tensor_rows(v, appended, want - appended, &vt);
+			ret = ret ? ret : ape_kv_cache_append(cache, &kt, &vt);
 			appended = want;
 		}
 		d.q_start_set = true;

@@ -150,6 +150,15 @@ APE_API void ape_tensor_init(ape_tensor *t, void *data, ape_dtype dtype, int64_t
 /** \brief The element strides libape uses for \p t: its own, or the row-major ones when all four
  *  are 0. Does not validate them. Never fails. */
 APE_API void ape_tensor_strides(const ape_tensor *t, int64_t strides[4]);
+
+/**
+ * \brief A view of rows [\p first, \p first + \p count) of \p t along its sequence axis (axis 2):
+ * the same storage, explicit strides. For feeding a long sequence piece by piece (a KV cache's
+ * appends, chunked prefill) without copying.
+ * \return 0, or APE_EINVAL (t or out NULL, a shape or stride < 0, or the rows outside [0, L)).
+ *         Thread-safe.
+ */
+APE_API int ape_tensor_rows(const ape_tensor *t, int64_t first, int64_t count, ape_tensor *out);
 /**@}*/
 
 /** \name Attention descriptor */

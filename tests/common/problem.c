@@ -350,17 +350,6 @@ double test_problem_rel_err_lse(const test_problem *tp)
 	return test_problem_rel_err_lse_vs(tp, tp->naive_lse);
 }
 
-/* A view of rows [l0, l0 + n) of t along L: same strides, shifted data. */
-static ape_tensor slice_rows(const ape_tensor *t, int64_t l0, int64_t n)
-{
-	ape_tensor s = *t;
-
-	ape_tensor_strides(t, s.strides);
-	s.data = (char *)t->data + (size_t)(l0 * s.strides[2]) * ape_dtype_size(t->dtype);
-	s.shape[2] = n;
-	return s;
-}
-
 int test_problem_split_keys(const test_problem *tp, ape_device *dev, int64_t chunk, double *err_o,
 			    double *err_lse)
 {
@@ -381,7 +370,7 @@ int test_problem_split_keys(const test_problem *tp, ape_device *dev, int64_t chu
 		m[r] = -INFINITY;
 	for (int64_t j0 = 0; j0 < Lk; j0 += chunk) {
 		int64_t n = j0 + chunk > Lk ? Lk - j0 : chunk;
-		ape_tensor kc = slice_rows(&tp->k.t, j0, n), vc = slice_rows(&tp->v.t, j0, n);
+		ape_tensor kc = test_rows(&tp->k.t, j0, n), vc = test_rows(&tp->v.t, j0, n);
 		const float *o = oc.t.data;
 		ape_attn_desc d = tp->desc;
 
@@ -432,7 +421,7 @@ int test_problem_split_queries(const test_problem *tp, ape_device *dev, int64_t 
 		return -1;
 	for (int64_t i0 = 0; i0 < s[2]; i0 += chunk) {
 		int64_t n = i0 + chunk > s[2] ? s[2] - i0 : chunk;
-		ape_tensor qc = slice_rows(&tp->q.t, i0, n), oc = slice_rows(&out.t, i0, n);
+		ape_tensor qc = test_rows(&tp->q.t, i0, n), oc = test_rows(&out.t, i0, n);
 		ape_attn_desc d = tp->desc;
 
 		d.q_start = tp->q_start + i0;

@@ -316,3 +316,14 @@ out_close:
 		close(fe);
 	return status;
 }
+
+ape_tensor test_rows(const ape_tensor *t, int64_t l0, int64_t n)
+{
+	ape_tensor v;
+
+	if (ape_tensor_rows(t, l0, n, &v)) {
+		fprintf(stderr, "test_rows: %s\n", ape_last_error());
+		abort();
+	}
+	return v;
+}

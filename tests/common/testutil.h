@@ -36,6 +36,8 @@ void test_tensor_free(test_tensor *tt);
 double test_tensor_get(const ape_tensor *t, int64_t b, int64_t h, int64_t l, int64_t d);
 void test_tensor_set(ape_tensor *t, int64_t b, int64_t h, int64_t l, int64_t d, double x);
 /* Fills every element (strides honoured) with NaN. */
+/* Rows [l0, l0 + n) of t along L (ape_tensor_rows); aborts on a bad range, a bug in the test. */
+ape_tensor test_rows(const ape_tensor *t, int64_t l0, int64_t n);
 void test_tensor_poison(ape_tensor *t);
 double test_tensor_maxabs(const ape_tensor *t);
 
