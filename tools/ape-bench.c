@@ -572,14 +572,16 @@ static int stream_one(ape_device *dev, ape_device *ref, const struct bench_opts 
 }
 
 /*
- * Overlap efficiency: how much of the work that could be hidden was hidden. Back to back, a
- * run costs copies + kernels + host work; perfectly overlapped, the smaller of copies and
- * kernels disappears. Efficiency = (back to back - overlapped) / min(copies, kernels), from the
- * back-to-back run's device times; NAN when there is nothing to hide or no serial run.
+ * Overlap efficiency: how much of the time that overlap could save it did save. Back to back, a
+ * run costs copies + kernels + host work (packing, merging); perfectly overlapped, only the
+ * longest of them remains, and no run can beat the kernels' or the copies' own device time.
+ * Efficiency = (back to back - overlapped) / (back to back - max(copies, kernels)), device times
+ * from the back-to-back run: 0 when nothing was hidden, 1 when the run is down to its longest
+ * part. NAN when there is no serial run or nothing to hide.
  */
 static double efficiency(const struct stream_row *r)
 {
-	double hideable = fmin(r->st_serial.copy_ms, r->st_serial.kernel_ms);
+	double hideable = r->serial_ms - fmax(r->st_serial.copy_ms, r->st_serial.kernel_ms);
 
 	if (!r->serial_ms || !(hideable > 0))
 		return NAN;
@@ -623,8 +625,8 @@ static void stream_print(const ape_device_info *info, const struct bench_opts *o
 		else
 			printf(" %9s %9s\n", "-", "-");
 	}
-	printf("eff: (serial_ms - ms) / min(copy, kernel device time of the serial run): the share "
-	       "of the hideable time that overlap hid\n");
+	printf("eff: (serial_ms - ms) / (serial_ms - max(copy, kernel)), device times of the serial "
+	       "run:\n     the share of the time overlap could save that it saved\n");
 }
 
 static void stream_json(const ape_device_info *info, const struct bench_opts *o,
