@@ -178,7 +178,7 @@ all: $(LIBA) $(LIBSO) $(TOOLS)
 # ------------------------------------------------------------------ set-up, tests, the main job
 DEB_PACKAGES := build-essential pkg-config xz-utils ocl-icd-opencl-dev opencl-c-headers \
                 pocl-opencl-icd clinfo libhwloc-dev libhwloc-plugins libdrm-dev python3-numpy \
-                valgrind
+                valgrind clang-14 libclang-rt-14-dev
 
 deps:
 	$(Q)tools/deps.sh "$(KSFT_DIR)" $(DEB_PACKAGES)
@@ -210,7 +210,7 @@ install: all
 
 clean:
 	rm -rf $(BUILD)/obj $(BUILD)/lib $(BUILD)/bin $(BUILD)/tests $(BUILD)/gen $(BUILD)/asan \
-		$(BUILD)/config.stamp
+		$(BUILD)/fuzz $(BUILD)/faults $(BUILD)/tsan $(BUILD)/config.stamp
 
 distclean:
 	rm -rf $(BUILD)
@@ -222,6 +222,9 @@ help:
 	@echo "make check      build and run every test; ends with 'N passed, N failed, N skipped'"
 	@echo "make sanitize   the tests under AddressSanitizer and UBSan"
 	@echo "make valgrind   the tests under valgrind memcheck (leaks are errors)"
+	@echo "make fuzz       each libFuzzer target for FUZZ_SECONDS (300); 'make check' runs a short pass"
+	@echo "make faults-ci  allocation- and device-failure injection under ASan (part of 'make check')"
+	@echo "make tsan-ci    the concurrency tests under ThreadSanitizer (part of 'make check')"
 	@echo "make install PREFIX=/usr/local"
 	@echo "options: WITH_OPENCL, WITH_CUDA, WITH_HWLOC, WITH_DRM = yes|no|auto; V=1 OPT=-O2 BUILD=build"
 

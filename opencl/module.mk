@@ -4,7 +4,7 @@ ifeq ($(HAVE_OPENCL),yes)
 OPENCL_SRCS := $(wildcard opencl/ocl_*.c)
 LIB_SRCS    += $(OPENCL_SRCS)
 LIB_ASM     += opencl/kernels_embed.S
-LIB_LIBS    += -lOpenCL
+# libOpenCL.so.1 is opened at run time (ocl_loader.c), never linked: programs start without it.
 
 # OpenCL 1.2 API (no deprecation warnings for clCreateCommandQueue; runs on every ICD).
 $(OPENCL_SRCS:%.c=$(BUILD)/obj/%.o): CPPFLAGS += -DCL_TARGET_OPENCL_VERSION=120

@@ -10,11 +10,11 @@
 #ifndef APE_OPENCL_OCL_H
 #define APE_OPENCL_OCL_H
 
-#include <CL/cl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 
 #include "backend.h"
+#include "ocl_api.h" /* <CL/cl.h>, every call through the loaded table */
 #include "ocl_debug.h"
 
 #pragma GCC visibility push(hidden)
@@ -108,6 +108,10 @@ int ape__ocl_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, co
 int ape__ocl_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n);
 int ape__ocl_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
 		  size_t n);
+int ape__ocl_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
+		      struct ape__buf *src, size_t src_off, size_t n);
+uint64_t ape__ocl_max_alloc(struct ape_device *dev);
+int ape__ocl_event_timestamp(struct ape__event *e, double *ms);
 int ape__ocl_event_record(struct ape__queue *q, struct ape__event **out);
 int ape__ocl_event_wait(struct ape__queue *q, struct ape__event *e);
 int ape__ocl_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms);

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "error.h"
+#include "alloc.h"
 #include "ocl.h"
 
 /* Launch flags, mirrored in kernels/attention.cl. */
@@ -18,6 +19,7 @@
 #define F_PAIRS 128
 #define F_SKIP 256
 #define F_KV_F32 512
+#define F_PRIOR 1024
 
 /* Heads per enqueue along dimension 1: GPU drivers bound a grid dimension (65535 on some). */
 #define OCL_MAX_DIM1 65535
@@ -74,7 +76,7 @@ static cl_mem ocl_params(struct ape__queue *q, const struct ape__launch *l, int 
 {
 	const size_t P = (size_t)l->D / 2, n = P + 4 * (size_t)l->H;
 	const size_t esz = fp64 ? sizeof(double) : sizeof(float);
-	unsigned char *host = malloc(n * esz);
+	unsigned char *host = ape__malloc(n * esz);
 	cl_mem mem;
 
 	if (!host) {
@@ -218,7 +220,8 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	const struct ape__ocl_program *pr;
 	const cl_int D = (cl_int)l->D, H = (cl_int)l->H, group = (cl_int)(l->H / l->Hkv);
 	const cl_long Lq = l->Lq, Lk = l->Lk, rel = l->q_start - l->k_start;
-	const cl_float scale = (cl_float)l->scale, tol = (cl_float)l->skip_tol;
+	const cl_float scale = (cl_float)l->scale, tol = (cl_float)l->skip_tol,
+		       prior_tol = (cl_float)l->prior_tol;
 	cl_int flags = (cl_int)l->in_dtype | (cl_int)l->out_dtype << 2;
 	cl_mem prm = NULL, pre = NULL, suf = NULL, none = NULL, kp = NULL, vf = NULL, kbuf, vbuf;
 	struct ocl_args a = { 0 };
@@ -237,7 +240,7 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	flags |= l->layout == APE_ROPE_INTERLEAVED ? F_INTERLEAVED : 0;
 	/* the far-key bound needs decays >= 0; the core passes skip_tol = 0 otherwise */
 	if (l->skip_tol > 0 && l->decay_nonneg && tol > 0)
-		flags |= F_SKIP;
+		flags |= F_SKIP | (l->lse_prior && prior_tol > 0 ? F_PRIOR : 0);
 
 	prm = ocl_params(q, l, od->fp64, &err);
 	if (!prm)
@@ -259,6 +262,7 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	arg(&a, sizeof(cl_mem), &l->o->mem);
 	arg(&a, sizeof(cl_mem), l->lse ? &l->lse->mem : &none);
 	arg(&a, sizeof(cl_mem), l->pairs ? &l->pairs->mem : &none);
+	arg(&a, sizeof(cl_mem), (flags & F_PRIOR) ? &l->lse_prior->mem : &none);
 	arg(&a, sizeof(cl_mem), &prm);
 	arg(&a, sizeof(cl_mem), &pre);
 	arg(&a, sizeof(cl_mem), &suf);
@@ -270,6 +274,7 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	arg(&a, sizeof(rel), &rel);
 	arg(&a, sizeof(scale), &scale);
 	arg(&a, sizeof(tol), &tol);
+	arg(&a, sizeof(prior_tol), &prior_tol);
 	arg(&a, sizeof(flags), &flags);
 	if (a.err != CL_SUCCESS)
 		ret = ape__ocl_error(a.err, q->dev, "setting up ape_attention");

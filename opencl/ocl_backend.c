@@ -20,4 +20,7 @@ const struct ape__backend_ops ape__opencl_ops = {
 	.event_destroy = ape__ocl_event_destroy,
 	.attention = ape__ocl_attention, /* ocl_attention.c */
 	.synchronize = ape__ocl_synchronize,
+	.copy_d2d = ape__ocl_copy_d2d, /* ocl_mem.c */
+	.event_timestamp = ape__ocl_event_timestamp,
+	.max_alloc = ape__ocl_max_alloc,
 };

@@ -3,11 +3,15 @@
  * Probing: every platform, every device (GPU, CPU, accelerator), one context per device. A
  * machine without an OpenCL platform is a normal state: zero devices and a reason.
  */
+#include <dirent.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "error.h"
+#include "alloc.h"
 #include "ocl.h"
 
 /* Vendor queries for the PCI address, defined here because older headers lack them. */
@@ -62,7 +66,7 @@ static int ocl_has_ext(cl_device_id id, const char *ext)
 
 	if (clGetDeviceInfo(id, CL_DEVICE_EXTENSIONS, 0, NULL, &n) != CL_SUCCESS || n == 0)
 		return 0;
-	s = malloc(n + 1);
+	s = ape__malloc(n + 1);
 	if (!s)
 		return 0;
 	if (clGetDeviceInfo(id, CL_DEVICE_EXTENSIONS, n, s, NULL) == CL_SUCCESS) {
@@ -163,7 +167,7 @@ static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_devic
 	cl_int err;
 	int rank, ret;
 
-	od = calloc(1, sizeof(*od));
+	od = ape__calloc(1, sizeof(*od));
 	if (!od)
 		return ape__error(APE_ENOMEM, "opencl: out of memory probing devices");
 	if (ocl_dev_locks(od)) {
@@ -235,6 +239,94 @@ static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_devic
 	return 1;
 }
 
+/* True, with the message in buf, when the .icd file names a library by a path that does not
+ * exist: a driver uninstalled without its vendor file. (A bare library name is looked up by the
+ * dynamic loader; only the ICD loader knows whether that worked.) */
+static bool ocl_icd_lib_missing(const char *icd, char *buf, size_t cap)
+{
+	FILE *f = fopen(icd, "re");
+	char lib[1024];
+	bool ok;
+
+	if (!f)
+		return false;
+	ok = fgets(lib, (int)sizeof(lib), f) != NULL;
+	fclose(f);
+	if (!ok)
+		return false;
+	lib[strcspn(lib, "\r\n")] = '\0';
+	if (lib[0] != '/' || !access(lib, F_OK))
+		return false;
+	/* paths cut short so that the reason (256 bytes) keeps its end */
+	snprintf(buf, cap, APE__OCL_NO_PLATFORM ": %.100s names %.100s, which does not exist", icd,
+		 lib);
+	return true;
+}
+
+/*
+ * Why the ICD loader found no platform, in words a person can act on (the loader itself says
+ * nothing): reads the vendor files as ocl-icd does (OCL_ICD_VENDORS: a directory of .icd files,
+ * or one .icd file; else /etc/OpenCL/vendors) and names the first whose library does not exist.
+ */
+static void ocl_explain_no_platform(char *buf, size_t cap)
+{
+	const char *env = getenv("OCL_ICD_VENDORS");
+	const char *dir = env && *env ? env : "/etc/OpenCL/vendors";
+	const char *via = env && *env ? " (OCL_ICD_VENDORS)" : "";
+	size_t n = strlen(dir);
+	char icd[4096 + 256];
+	struct dirent *e;
+	int files = 0;
+	DIR *d = NULL;
+
+	if (n > 4 && !strcmp(dir + n - 4, ".icd")) { /* one vendor file */
+		if (!ocl_icd_lib_missing(dir, buf, cap))
+			snprintf(buf, cap,
+				 APE__OCL_NO_PLATFORM ": the driver %.150s names gave none%s", dir,
+				 via);
+		return;
+	}
+	d = opendir(dir);
+	while (d && (e = readdir(d))) {
+		n = strlen(e->d_name);
+		if (n <= 4 || strcmp(e->d_name + n - 4, ".icd"))
+			continue;
+		files++;
+		snprintf(icd, sizeof(icd), "%s/%s", dir, e->d_name);
+		if (ocl_icd_lib_missing(icd, buf, cap)) {
+			closedir(d);
+			return;
+		}
+	}
+	if (d)
+		closedir(d);
+	if (!files)
+		snprintf(buf, cap,
+			 APE__OCL_NO_PLATFORM
+			 ": no ICD file (*.icd) in %.120s%s: install an OpenCL driver such as "
+			 "pocl-opencl-icd", dir, via);
+	else
+		snprintf(buf, cap,
+			 APE__OCL_NO_PLATFORM
+			 ": the %d driver%s listed in %.120s%s failed to load or report no "
+			 "platform", files, files == 1 ? "" : "s", dir, via);
+}
+
+/* A platform without devices: say which, and whether PoCL was told to show none. */
+static void ocl_explain_no_device(cl_platform_id plat, char *why, size_t cap)
+{
+	const char *pocl = getenv("POCL_DEVICES");
+	char name[128] = "";
+
+	if (clGetPlatformInfo(plat, CL_PLATFORM_NAME, sizeof(name) - 1, name, NULL) != CL_SUCCESS)
+		snprintf(name, sizeof(name), "a platform");
+	name[sizeof(name) - 1] = '\0';
+	if (pocl && strstr(name, "Portable Computing Language"))
+		snprintf(why, cap, "%.100s reports no device (POCL_DEVICES=%.40s)", name, pocl);
+	else
+		snprintf(why, cap, "%.100s reports no device", name);
+}
+
 int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res)
 {
 	cl_platform_id *plats = NULL;
@@ -243,10 +335,14 @@ int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res)
 	int added = 0, ret = 0;
 	char why[200] = "";
 
+	/* tests and tools recognise "no OpenCL platform" as "no OpenCL here", whatever the cause */
+	if (ape__ocl_load(why, sizeof(why))) {
+		snprintf(res->reason, sizeof(res->reason), APE__OCL_NO_PLATFORM ": %s", why);
+		return 0;
+	}
 	err = clGetPlatformIDs(0, NULL, &np);
 	if (err == OCL_PLATFORM_NOT_FOUND_KHR || (err == CL_SUCCESS && np == 0)) {
-		snprintf(res->reason, sizeof(res->reason),
-			 APE__OCL_NO_PLATFORM " (is an ICD such as pocl-opencl-icd installed?)");
+		ocl_explain_no_platform(res->reason, sizeof(res->reason));
 		return 0;
 	}
 	if (err != CL_SUCCESS) {
@@ -254,7 +350,7 @@ int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res)
 			 ape__ocl_err_name(err), (int)err);
 		return 0;
 	}
-	plats = calloc(np, sizeof(*plats));
+	plats = ape__calloc(np, sizeof(*plats));
 	if (!plats)
 		return ape__error(APE_ENOMEM, "opencl: out of memory probing platforms");
 	err = clGetPlatformIDs(np, plats, NULL);
@@ -268,9 +364,12 @@ int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res)
 		cl_device_id *devs;
 
 		if (clGetDeviceIDs(plats[p], CL_DEVICE_TYPE_ALL, 0, NULL, &nd) != CL_SUCCESS ||
-		    nd == 0)
+		    nd == 0) {
+			if (!why[0])
+				ocl_explain_no_device(plats[p], why, sizeof(why));
 			continue;
-		devs = calloc(nd, sizeof(*devs));
+		}
+		devs = ape__calloc(nd, sizeof(*devs));
 		if (!devs) {
 			ret = ape__error(APE_ENOMEM, "opencl: out of memory probing devices");
 			break;

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "error.h"
+#include "alloc.h"
 #include "ocl.h"
 
 static struct ape__ocl_timeline *tl_get(struct ape__ocl_timeline *tl)
@@ -36,7 +37,7 @@ int ape__ocl_track(struct ape__queue *q, cl_event ev)
 
 	if (tl->n == tl->cap) {
 		size_t cap = tl->cap ? 2 * tl->cap : 16;
-		cl_event *e = realloc(tl->ev, cap * sizeof(*e));
+		cl_event *e = ape__realloc(tl->ev, cap * sizeof(*e));
 
 		if (!e) {
 			/* keep the command's own reference alive until the queue is done */
@@ -63,7 +64,7 @@ int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **o
 				  "opencl %s: clCreateBuffer (%zu bytes): CL_INVALID_BUFFER_SIZE: "
 				  "more than CL_DEVICE_MAX_MEM_ALLOC_SIZE (%llu bytes)",
 				  dev->info.name, bytes, (unsigned long long)od->max_alloc);
-	b = calloc(1, sizeof(*b));
+	b = ape__calloc(1, sizeof(*b));
 	if (!b)
 		return ape__error(APE_ENOMEM, "opencl: out of host memory for a buffer");
 	b->mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE, bytes, NULL, &err);
@@ -94,10 +95,10 @@ int ape__ocl_queue_create(struct ape_device *dev, struct ape__queue **out)
 	struct ape__queue *q;
 	cl_int err;
 
-	q = calloc(1, sizeof(*q));
+	q = ape__calloc(1, sizeof(*q));
 	if (!q)
 		return ape__error(APE_ENOMEM, "opencl: out of memory creating a queue");
-	q->tl = calloc(1, sizeof(*q->tl));
+	q->tl = ape__calloc(1, sizeof(*q->tl));
 	if (!q->tl) {
 		free(q);
 		return ape__error(APE_ENOMEM, "opencl: out of memory creating a queue");
@@ -157,9 +158,26 @@ int ape__ocl_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32
 	return ape__ocl_track(q, ev);
 }
 
+int ape__ocl_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
+		      struct ape__buf *src, size_t src_off, size_t n)
+{
+	cl_event ev;
+	cl_int err = clEnqueueCopyBuffer(q->cq, src->mem, dst->mem, src_off, dst_off, n, 0, NULL,
+					 &ev);
+
+	if (err != CL_SUCCESS)
+		return ape__ocl_error(err, q->dev, "clEnqueueCopyBuffer (%zu bytes)", n);
+	return ape__ocl_track(q, ev);
+}
+
+uint64_t ape__ocl_max_alloc(struct ape_device *dev)
+{
+	return ape__ocl_dev(dev)->max_alloc;
+}
+
 int ape__ocl_event_record(struct ape__queue *q, struct ape__event **out)
 {
-	struct ape__event *e = calloc(1, sizeof(*e));
+	struct ape__event *e = ape__calloc(1, sizeof(*e));
 	cl_int err;
 
 	if (!e)
@@ -216,6 +234,21 @@ int ape__ocl_event_elapsed(struct ape__event *start, struct ape__event *end, dou
 		return ape__error(ape__ocl_err_code(err), "opencl: reading event timestamps: %s",
 				  ape__ocl_err_name(err));
 	*ms = t1 > t0 ? (double)(t1 - t0) * 1e-6 : 0.0;
+	return 0;
+}
+
+/* The device clock when the marker completed: every queue of a device shares it (OpenCL's
+ * profiling counter is per device), which is what traces need to show overlap. */
+int ape__ocl_event_timestamp(struct ape__event *e, double *ms)
+{
+	cl_ulong t = 0;
+	cl_int err = ocl_stamp(e->marker, CL_PROFILING_COMMAND_END, &t);
+
+	*ms = 0;
+	if (err != CL_SUCCESS)
+		return ape__error(ape__ocl_err_code(err), "opencl: reading an event timestamp: %s",
+				  ape__ocl_err_name(err));
+	*ms = (double)t * 1e-6;
 	return 0;
 }
 

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "cache.h"
+#include "alloc.h"
 #include "error.h"
 #include "ocl.h"
 
@@ -150,7 +151,7 @@ static void ocl_build_log(const struct ape__ocl_device *od, cl_program prog, cha
 		    CL_SUCCESS)
 			buf[0] = '\0';
 	} else {
-		char *all = malloc(n);
+		char *all = ape__malloc(n);
 
 		if (all && clGetProgramBuildInfo(prog, od->id, CL_PROGRAM_BUILD_LOG, n, all,
 						 NULL) == CL_SUCCESS)
@@ -243,7 +244,7 @@ static void ocl_to_cache(struct ape__ocl_device *od, cl_program prog, const char
 		    CL_SUCCESS ||
 	    len == 0)
 		return;
-	bin = malloc(len);
+	bin = ape__malloc(len);
 	if (!bin)
 		return;
 	if (clGetProgramInfo(prog, CL_PROGRAM_BINARIES, sizeof(bin), &bin, NULL) == CL_SUCCESS &&

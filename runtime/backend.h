@@ -48,6 +48,15 @@ struct ape__launch {
 	struct ape__buf *o; /* [B,H,Lq,D] of out_dtype */
 	struct ape__buf *lse; /* NULL, or [B,H,Lq] float */
 	struct ape__buf *pairs; /* NULL, or [B,H,Lq] uint64: visible pairs whose score was computed */
+	/*
+	 * NULL, or [B,H,Lq] float: for each row, the LSE of keys this launch does not see, already
+	 * computed by an earlier launch (the streaming executor passes the diagonal key chunk's).
+	 * Read only by the far-key bound, as weight already found: with it, a row whose keys here
+	 * are all provably negligible computes none of them. Backends may ignore it (then they
+	 * compute at least one key tile per row, still exact). NaN or -inf: nothing known.
+	 */
+	struct ape__buf *lse_prior;
+	double prior_tol; /* the whole-launch test with lse_prior: its own share of skip_tol */
 	/* per head h: head_params[4h + 0..3] = delta, beta, gamma, lambda (host memory, read during
 	 * the attention call only) */
 	const float *head_params;

@@ -4,6 +4,7 @@
  * degrades to "not cached", with one warning per process when the directory itself is unusable.
  */
 #include "cache.h"
+#include "alloc.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -270,7 +271,7 @@ int ape__cache_load(const char *key, void **blob, size_t *len)
 		close(fd);
 		return APE__CACHE_CORRUPT;
 	}
-	buf = malloc((size_t)st.st_size);
+	buf = ape__malloc((size_t)st.st_size);
 	if (!buf) {
 		close(fd);
 		return APE__CACHE_NOMEM;
@@ -318,7 +319,7 @@ int ape__cache_store(const char *key, const void *blob, size_t len)
 	ret = entry_path(key, true, path, sizeof(path));
 	if (ret)
 		return ret;
-	buf = malloc(need);
+	buf = ape__malloc(need);
 	if (!buf)
 		return APE__CACHE_NOMEM;
 	ape__cache_format(buf, need, key, blob, len);

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* Contexts: load the backends named in the registry, probe them, keep one ordered device list. */
 #include "context.h"
+#include "alloc.h"
 
 #include <stdarg.h>
 #include <stddef.h>
@@ -66,7 +67,7 @@ int ape__device_add(struct ape__backend *be, const struct ape_device_info *info,
 
 	if (ctx->ndevices == ctx->cap) {
 		int cap = ctx->cap ? 2 * ctx->cap : 8;
-		struct ape_device **d = realloc(ctx->devices, (size_t)cap * sizeof(*d));
+		struct ape_device **d = ape__realloc(ctx->devices, (size_t)cap * sizeof(*d));
 
 		if (!d)
 			return ape__error(APE_ENOMEM, "%s: out of memory adding a device",
@@ -74,7 +75,7 @@ int ape__device_add(struct ape__backend *be, const struct ape_device_info *info,
 		ctx->devices = d;
 		ctx->cap = cap;
 	}
-	dev = calloc(1, sizeof(*dev));
+	dev = ape__calloc(1, sizeof(*dev));
 	if (!dev)
 		return ape__error(APE_ENOMEM, "%s: out of memory adding a device", be->ops->name);
 	dev->be = be;
@@ -277,7 +278,7 @@ int ape_context_create(ape_context **out, const ape_context_options *opts)
 	err = resolve_setup(opts, &setup);
 	if (err)
 		return err;
-	ctx = calloc(1, sizeof(*ctx));
+	ctx = ape__calloc(1, sizeof(*ctx));
 	if (!ctx)
 		return ape__error(APE_ENOMEM, "ape_context_create: out of memory");
 	ctx->flags = opts ? opts->flags : 0;

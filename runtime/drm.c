@@ -13,6 +13,7 @@
 #include <xf86drm.h>
 
 #include "drm_devices.h"
+#include "alloc.h"
 #include "error.h"
 
 static void fill(struct ape__sighting *s, const drmDevice *d)
@@ -59,8 +60,8 @@ int ape__drm_scan(struct ape__sighting **out, char *note, size_t note_len)
 		snprintf(note, note_len, "no DRM devices listed: drmGetDevices2: %s", strerror(-n));
 		return 0;
 	}
-	devs = calloc((size_t)n, sizeof(*devs));
-	s = calloc((size_t)n, sizeof(*s));
+	devs = ape__calloc((size_t)n, sizeof(*devs));
+	s = ape__calloc((size_t)n, sizeof(*s));
 	if (!devs || !s) {
 		free(devs);
 		free(s);

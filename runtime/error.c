@@ -1,6 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 #include "error.h"
 
+#include "backend.h"
+
+#include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -62,6 +65,28 @@ int ape__error_prefix(int err, const char *ctx)
 	if (n < sizeof(last_error))
 		snprintf(last_error + n, sizeof(last_error) - n, "%s",
 			 tmp[0] ? tmp : ape_strerror(err));
+	return err;
+}
+
+int ape__error_on(int err, const struct ape_device *dev)
+{
+	char label[sizeof(dev->info.backend) + sizeof(dev->info.name) + 16];
+
+	if (strstr(last_error, dev->info.name))
+		return err;
+	snprintf(label, sizeof(label), "%s:%d %s", dev->info.backend, dev->info.backend_index,
+		 dev->info.name);
+	return ape__error_prefix(err, label);
+}
+
+int ape__error_written(int err, int64_t done, int64_t of)
+{
+	size_t n = strlen(last_error);
+
+	if (done > 0)
+		snprintf(last_error + n, sizeof(last_error) - n,
+			 "; O and LSE hold %" PRId64 " of %" PRId64 " query chunks, the rest untouched",
+			 done, of);
 	return err;
 }
 

@@ -4,6 +4,8 @@
 #ifndef APE_RUNTIME_ERROR_H
 #define APE_RUNTIME_ERROR_H
 
+#include <stdint.h>
+
 #include "ape/ape.h"
 
 #pragma GCC visibility push(hidden)
@@ -14,6 +16,16 @@ int ape__error(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3
 
 /* Prefixes the current message with "ctx: " (used when a lower layer already explained). */
 int ape__error_prefix(int err, const char *ctx);
+
+struct ape_device;
+/* Prefixes the current message with the device ("opencl:0 NAME: ") unless it already names it:
+ * a caller of a multi-device call, or of a cache on one of several devices, must learn which
+ * device failed, whichever layer below reported it. */
+int ape__error_on(int err, const struct ape_device *dev);
+
+/* Appends to the current message how much of O and LSE a failed call had already written
+ * ("; O and LSE hold 3 of 8 query chunks, the rest untouched"); nothing when done == 0. */
+int ape__error_written(int err, int64_t done, int64_t of);
 
 /* One-time warnings go to stderr with the "libape: " prefix; the caller keeps the once-flag. */
 void ape__warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -17,6 +17,7 @@
 #include <time.h>
 
 #include "context.h"
+#include "alloc.h"
 #include "error.h"
 #include "merge.h"
 #include "pack.h"
@@ -203,8 +204,8 @@ static int stage_outputs(const char *fn, const struct ape__problem *p, bool lse,
 	const size_t rows = (size_t)(p->B * p->H * p->Lq);
 
 	memset(sg, 0, sizeof(*sg));
-	sg->o = malloc(rows * (size_t)p->D * ape_dtype_size(p->out_dtype) + 1);
-	sg->lse = lse ? malloc(rows * sizeof(float) + 1) : NULL;
+	sg->o = ape__malloc(rows * (size_t)p->D * ape_dtype_size(p->out_dtype) + 1);
+	sg->lse = lse ? ape__malloc(rows * sizeof(float) + 1) : NULL;
 	if (!sg->o || (lse && !sg->lse)) {
 		free(sg->o);
 		free(sg->lse);

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "context.h"
+#include "alloc.h"
 #include "error.h"
 #include "hostmem.h"
 #include "numa.h"
@@ -114,7 +115,7 @@ int ape__host_alloc(struct ape_device *dev, size_t bytes, struct ape__hostmem *m
 			       "NUMA placement off: %s: staging buffers are plain allocations", why);
 	}
 	/* page-aligned like placed memory, so that a backend can pin either */
-	if (posix_memalign(&m->ptr, page > 0 ? (size_t)page : 4096, bytes)) {
+	if (ape__posix_memalign(&m->ptr, page > 0 ? (size_t)page : 4096, bytes)) {
 		m->ptr = NULL;
 		return ape__error(APE_ENOMEM, "out of host memory for a %zu-byte staging buffer",
 				  bytes);

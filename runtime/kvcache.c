@@ -23,6 +23,7 @@
 
 #define APE_REAL double
 #include "ape_math.h"
+#include "alloc.h"
 #include "context.h"
 #include "devmem.h"
 #include "error.h"
@@ -248,9 +249,9 @@ static int make_blocks(struct ape_kv_cache *c, const char *fn)
 {
 	int ret = 0;
 
-	c->bk = calloc((size_t)c->nblocks, sizeof(*c->bk));
-	c->bv = calloc((size_t)c->nblocks, sizeof(*c->bv));
-	c->bnorm = calloc((size_t)(c->nblocks * c->o.B * c->o.Hkv), sizeof(float));
+	c->bk = ape__calloc((size_t)c->nblocks, sizeof(*c->bk));
+	c->bv = ape__calloc((size_t)c->nblocks, sizeof(*c->bv));
+	c->bnorm = ape__calloc((size_t)(c->nblocks * c->o.B * c->o.Hkv), sizeof(float));
 	if (!c->bk || !c->bv || !c->bnorm)
 		return ape__error(APE_ENOMEM, "%s: out of memory for %" PRId64 " blocks", fn,
 				  c->nblocks);
@@ -282,10 +283,10 @@ static int make_appends(struct ape_kv_cache *c, const char *fn)
 			ret = ape__host_alloc(c->dev, (size_t)bytes, &c->astage[i]);
 	if (ret)
 		return ape__error_prefix(ret, fn);
-	c->rownorm = malloc((size_t)(c->o.B * c->o.Hkv * c->o.append_chunk) * sizeof(float));
-	c->rel_delta = calloc((size_t)c->o.H, sizeof(float));
-	c->rel_lambda = calloc((size_t)c->o.H, sizeof(float));
-	c->rel_kmax = calloc((size_t)(c->o.B * c->o.Hkv), sizeof(float));
+	c->rownorm = ape__malloc((size_t)(c->o.B * c->o.Hkv * c->o.append_chunk) * sizeof(float));
+	c->rel_delta = ape__calloc((size_t)c->o.H, sizeof(float));
+	c->rel_lambda = ape__calloc((size_t)c->o.H, sizeof(float));
+	c->rel_kmax = ape__calloc((size_t)(c->o.B * c->o.Hkv), sizeof(float));
 	if (!c->rownorm || !c->rel_delta || !c->rel_lambda || !c->rel_kmax)
 		return ape__error(APE_ENOMEM, "%s: out of memory", fn);
 	return ape__workq_create(&c->wq);
@@ -304,7 +305,7 @@ int ape_kv_cache_create(ape_device *dev, const ape_kv_cache_options *opts, ape_k
 		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
 	if ((ret = check_options(fn, opts)))
 		return ret;
-	c = calloc(1, sizeof(*c));
+	c = ape__calloc(1, sizeof(*c));
 	if (!c)
 		return ape__error(APE_ENOMEM, "%s: out of memory", fn);
 	c->dev = dev;
@@ -318,6 +319,7 @@ int ape_kv_cache_create(ape_device *dev, const ape_kv_cache_options *opts, ape_k
 	ape__devmem_init(&c->mem, dev, UINT64_MAX);
 	if ((ret = make_blocks(c, fn)) || (ret = make_appends(c, fn)) ||
 	    (ret = make_session(c, fn))) {
+		ape__error_on(ret, dev);
 		ape_kv_cache_destroy(c);
 		return ret;
 	}
@@ -337,10 +339,11 @@ void ape_kv_cache_destroy(ape_kv_cache *c)
 	}
 	for (int i = 0; i < DEPTH; i++)
 		ape__host_free(c->dev, &c->bounce[i]);
-	for (int64_t i = 0; c->bk && i < c->nblocks; i++) {
+	/* each table separately: a failed create may have one without the other */
+	for (int64_t i = 0; c->bk && i < c->nblocks; i++)
 		ape__devmem_free(&c->mem, &c->bk[i], c->blk_bytes);
+	for (int64_t i = 0; c->bv && i < c->nblocks; i++)
 		ape__devmem_free(&c->mem, &c->bv[i], c->blk_bytes);
-	}
 	ape__kmax_free(&c->km);
 	ape__workq_destroy(c->wq);
 	free(c->bk);
@@ -435,7 +438,7 @@ int ape_kv_cache_append(ape_kv_cache *c, const ape_tensor *k, const ape_tensor *
 		c->anext ^= 1;
 		if (c->apending[i]) { /* the last copy out of this staging buffer */
 			if ((ret = c->ops->synchronize(c->aq[i])))
-				return ape__error_prefix(ret, fn);
+				return ape__error_prefix(ape__error_on(ret, c->dev), fn);
 			c->apending[i] = false;
 		}
 		ape__pack_rows(st, k, ks, done, m);
@@ -445,7 +448,7 @@ int ape_kv_cache_append(ape_kv_cache *c, const ape_tensor *k, const ape_tensor *
 		c->alast[i] = NULL;
 		if ((ret = copy_piece(c, c->aq[i], st, c->t_end, m)) ||
 		    (ret = c->ops->event_record(c->aq[i], &c->alast[i])))
-			return ape__error_prefix(ret, fn);
+			return ape__error_prefix(ape__error_on(ret, c->dev), fn);
 		c->apending[i] = true;
 		c->t_end += m;
 		done += m;
@@ -673,8 +676,10 @@ int ape_kv_cache_attend(ape_kv_cache *c, const ape_attn_desc *desc, const ape_te
 		}
 		ape__workq_single(c->wq, call.nq);
 		ret = ape__stream_run(c->s, &call, 0, NULL, &ss);
-		if (ret)
-			ape__error_prefix(ret, fn);
+		if (ret) /* a lost device may fail the last step, after the rows were written */
+			ape__error_prefix(ape__error_written(ape__error_on(ret, c->dev),
+							     ss.qchunks_done, call.nq),
+					  fn);
 	}
 	if (!ret && c->o.allow_release)
 		try_release(c, &p, NULL);
@@ -761,7 +766,7 @@ static int try_release(struct ape_kv_cache *c, const struct ape__problem *p, int
 		*released = 0;
 	if (!c->o.allow_release || !p->decay_nonneg || !(tol > 0) || t_ref < c->lb_first * c->bt)
 		return 0;
-	if (!kr && !(kr = malloc((size_t)nbg * sizeof(float))))
+	if (!kr && !(kr = ape__malloc((size_t)nbg * sizeof(float))))
 		return 0; /* releasing is an optimisation: never fail over it */
 	/* whole blocks before the reference key, oldest first; each proof covers the whole
 	 * released prefix, so the last one made is the one attends must keep true */

@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "context.h"
+#include "alloc.h"
 #include "error.h"
 #include "hostmem.h"
 #include "numa.h"
@@ -112,7 +113,7 @@ int ape_device_measure_h2d(ape_device *dev, int numa_node, size_t bytes, int rep
 	ret = check_args(dev, numa_node, bytes, repeats, res);
 	if (ret)
 		return ret;
-	ms = calloc((size_t)repeats, sizeof(*ms));
+	ms = ape__calloc((size_t)repeats, sizeof(*ms));
 	if (!ms)
 		return ape__error(APE_ENOMEM, "%s: out of memory", fn);
 	ret = alloc_source(dev, numa_node, bytes, &m);

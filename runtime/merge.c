@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 #include "merge.h"
+#include "alloc.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -12,9 +13,9 @@ int ape__acc_alloc(struct ape__acc *a, int64_t rows, int64_t D)
 {
 	memset(a, 0, sizeof(*a));
 	a->D = D;
-	a->o = malloc((size_t)(rows * D) * sizeof(float) + 1);
-	a->m = malloc((size_t)rows * sizeof(double) + 1);
-	a->s = malloc((size_t)rows * sizeof(double) + 1);
+	a->o = ape__malloc((size_t)(rows * D) * sizeof(float) + 1);
+	a->m = ape__malloc((size_t)rows * sizeof(double) + 1);
+	a->s = ape__malloc((size_t)rows * sizeof(double) + 1);
 	if (!a->o || !a->m || !a->s) {
 		ape__acc_free(a);
 		return ape__error(APE_ENOMEM, "out of host memory merging %lld rows",

@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include "context.h"
+#include "alloc.h"
 #include "error.h"
 #include "hostmem.h"
 #include "stream.h"
@@ -56,7 +57,7 @@ int64_t ape__workq_next(struct ape__workq *w, int who)
 
 int ape__workq_create(struct ape__workq **out)
 {
-	struct ape__workq *w = calloc(1, sizeof(*w));
+	struct ape__workq *w = ape__calloc(1, sizeof(*w));
 
 	*out = w;
 	if (!w)
@@ -156,6 +157,8 @@ static int plan_all(const struct ape__exec_req *r, struct ape__plan *plans, uint
 				.max_buffer = dev->be->ops->max_alloc ? dev->be->ops->max_alloc(dev)
 								      : UINT64_MAX,
 				.scratch = plan_scratch, .scratch_arg = &sa[d],
+				.prior = p->decay_nonneg && p->skip_tol > 0 &&
+					 dev->be->ops->copy_d2d,
 			};
 			char fn[160];
 
@@ -221,7 +224,7 @@ static int split_work(const struct ape__exec_req *r, int64_t cq, int64_t nq, boo
 			weight[i] = nknown ? known / nknown : 1.0;
 		wsum += weight[i];
 	}
-	cost = malloc((size_t)nq * sizeof(double) + 1);
+	cost = ape__malloc((size_t)nq * sizeof(double) + 1);
 	if (!cost)
 		return ape__error(APE_ENOMEM, "%s: out of memory splitting the work", r->fn);
 	for (int64_t c = 0; c < nq; c++) {
@@ -291,6 +294,7 @@ static void *worker_main(void *arg)
 	ape__stream_destroy(s);
 	w->ms = now_ms() - t0;
 	if (w->ret < 0) {
+		ape__error_on(w->ret, dev);
 		snprintf(w->msg, sizeof(w->msg), "%s", ape_last_error());
 		atomic_store(&sh->abort, true);
 	}
@@ -403,18 +407,12 @@ static int finish(const struct ape__exec_req *r, struct worker *w, struct ape__e
 	for (int d = 0; d < r->ndev; d++)
 		sum_stats(&res->st, &w[d].st);
 	res->st.device_clock = w[0].st.device_clock;
-	if (ret && res->st.qchunks_done && !r->staged) {
-		char msg[1024];
-
-		snprintf(msg, sizeof(msg), "%s", ape_last_error());
-		ret = ape__error(ret, "%s; O and LSE hold %" PRId64 " of %" PRId64
-				 " query chunks, the rest untouched", msg, res->st.qchunks_done,
-				 res->nq);
-	}
+	if (ret && !r->staged)
+		ape__error_written(ret, res->st.qchunks_done, res->nq);
 	if (!ret) {
 		note_speeds(r, w);
 		if (r->trace_path) {
-			struct ape__trace_dev *t = malloc(sizeof(*t) * (size_t)r->ndev);
+			struct ape__trace_dev *t = ape__malloc(sizeof(*t) * (size_t)r->ndev);
 
 			if (!t)
 				return ape__error(APE_ENOMEM, "%s: out of memory writing the trace",
@@ -441,7 +439,7 @@ int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
 	int ret;
 
 	memset(res, 0, sizeof(*res));
-	w = calloc((size_t)r->ndev, sizeof(*w));
+	w = ape__calloc((size_t)r->ndev, sizeof(*w));
 	if (!w)
 		return ape__error(APE_ENOMEM, "%s: out of memory", r->fn);
 	res->budget = UINT64_MAX;

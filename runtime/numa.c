@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "error.h"
+#include "alloc.h"
 #include "numa.h"
 
 struct ape__numa {
@@ -90,7 +91,7 @@ static void load_distances(struct ape__numa *nm)
 	int n = hwloc_get_nbobjs_by_type(nm->topo, HWLOC_OBJ_NUMANODE);
 
 	nm->nnodes = n > 0 ? n : 0;
-	if (n <= 0 || !(nm->os = calloc((size_t)n, sizeof(*nm->os))))
+	if (n <= 0 || !(nm->os = ape__calloc((size_t)n, sizeof(*nm->os))))
 		return;
 	for (int i = 0; i < n; i++)
 		nm->os[i] = (int)node_obj(nm, i)->os_index;
@@ -103,7 +104,7 @@ static void load_distances(struct ape__numa *nm)
 			pick = k;
 			break;
 		}
-	nm->dist = calloc((size_t)n * (size_t)n, sizeof(*nm->dist));
+	nm->dist = ape__calloc((size_t)n * (size_t)n, sizeof(*nm->dist));
 	for (int i = 0; nm->dist && i < n; i++)
 		for (int j = 0; j < n; j++) {
 			int ia = hwloc_distances_obj_index(d[pick], node_obj(nm, i));
@@ -157,7 +158,7 @@ int ape__numa_open(const char *xml, const char *fn, struct ape__numa **out, char
 	note[0] = '\0';
 	if (xml && (ret = check_xml_file(xml, fn)))
 		return ret;
-	nm = calloc(1, sizeof(*nm));
+	nm = ape__calloc(1, sizeof(*nm));
 	if (!nm) {
 		snprintf(note, note_len, "out of memory");
 		return ape__error(APE_ENOMEM, "%s: out of memory loading the topology", fn);
@@ -263,7 +264,7 @@ int ape__numa_pci_scan(const struct ape__numa *nm, struct ape__sighting **out)
 			continue;
 		if (n == cap) {
 			cap = cap ? 2 * cap : 8;
-			x = realloc(s, (size_t)cap * sizeof(*s));
+			x = ape__realloc(s, (size_t)cap * sizeof(*s));
 			if (!x) {
 				free(s);
 				return ape__error(APE_ENOMEM, "out of memory scanning the PCI bus");
@@ -377,6 +378,10 @@ int ape__numa_alloc(struct ape__numa *nm, size_t bytes, ape_numa_policy policy, 
 	if (hwloc_bitmap_list_sscanf(set, nodes) || hwloc_bitmap_iszero(set)) {
 		hwloc_bitmap_free(set);
 		return APE_EINVAL;
+	}
+	if (ape__fault_alloc_hit()) { /* a test build failing this allocation (alloc.h) */
+		hwloc_bitmap_free(set);
+		return APE_ENOMEM;
 	}
 	errno = 0;
 	/* strict: a binding hwloc cannot enforce must fail here, not become a silent malloc */

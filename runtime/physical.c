@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "context.h"
+#include "alloc.h"
 #include "drm_devices.h"
 #include "error.h"
 #include "numa.h"
@@ -67,7 +68,7 @@ static int collect(struct ape_context *ctx, struct ape__sighting **out, int *n)
 		free(drm);
 		return nbus;
 	}
-	s = calloc((size_t)(ctx->ndevices + ndrm + nbus) + 1, sizeof(*s));
+	s = ape__calloc((size_t)(ctx->ndevices + ndrm + nbus) + 1, sizeof(*s));
 	if (!s) {
 		free(drm);
 		free(bus);
@@ -116,9 +117,9 @@ static int apply_visible(struct ape_context *ctx, const struct ape__ctx_setup *s
 		return 0;
 	snprintf(ctx->topo.visible_devices, sizeof(ctx->topo.visible_devices), "%s = \"%.200s\"",
 		 su->visible_from, su->visible);
-	keep = calloc((size_t)ctx->nphys + 1, sizeof(*keep));
-	drop = calloc((size_t)ctx->ndevices + 1, sizeof(*drop));
-	new_index = calloc((size_t)ctx->ndevices + 1, sizeof(*new_index));
+	keep = ape__calloc((size_t)ctx->nphys + 1, sizeof(*keep));
+	drop = ape__calloc((size_t)ctx->ndevices + 1, sizeof(*drop));
+	new_index = ape__calloc((size_t)ctx->ndevices + 1, sizeof(*new_index));
 	if (!keep || !drop || !new_index) {
 		ret = ape__error(APE_ENOMEM, "out of memory");
 		goto out_free;
@@ -296,7 +297,7 @@ int ape__physical_build(struct ape_context *ctx, const struct ape__ctx_setup *su
 	ret = collect(ctx, &s, &n);
 	if (ret)
 		goto out_free;
-	where = calloc((size_t)n + 1, sizeof(*where));
+	where = ape__calloc((size_t)n + 1, sizeof(*where));
 	if (!where) {
 		ret = ape__error(APE_ENOMEM, "out of memory");
 		goto out_free;

@@ -62,9 +62,10 @@ void ape__plan_sizes(const struct ape__plan_req *r, int64_t cq, int64_t ck, int 
 	p->out_bytes = sat_add(sat_add(p->o_bytes, p->lse_bytes), p->pairs_bytes);
 	p->scratch = r->scratch ? r->scratch(r->scratch_arg, cq, ck) : 0;
 	p->q_slots = p->nq > 1 && depth > 1 ? 2 : 1;
+	p->prior_bytes = r->prior && p->nk > 1 ? p->lse_bytes : 0;
 	jobs = sat_mul((uint64_t)p->nq, (uint64_t)p->nk);
 	per_job = sat_add(p->out_bytes, p->scratch);
-	p->fixed = sat_add(sat_mul((uint64_t)p->q_slots, p->q_bytes),
+	p->fixed = sat_add(sat_mul((uint64_t)p->q_slots, sat_add(p->q_bytes, p->prior_bytes)),
 			   sat_mul(jobs < (uint64_t)depth ? jobs : (uint64_t)depth, per_job));
 	p->kv_slots = (int)min64(depth, p->nk);
 	p->peak = sat_add(p->fixed, sat_mul((uint64_t)p->kv_slots, sat_mul(2, p->kv_bytes)));

@@ -32,6 +32,9 @@ struct ape__plan_req {
 	uint64_t budget; /* bytes; UINT64_MAX: none */
 	uint64_t max_buffer; /* largest single buffer; UINT64_MAX: none */
 	int max_kv_slots; /* resident key/value chunks at most; 0: as many as fit */
+	/* each query chunk keeps its diagonal launch's LSE on the device, for the skip bound of
+	 * the launches after it (skipping allowed and the backend copies device to device) */
+	bool prior;
 	/* device scratch the backend allocates per launch of lq x lk rows (NULL: none) */
 	uint64_t (*scratch)(void *arg, int64_t lq, int64_t lk);
 	void *scratch_arg;
@@ -48,6 +51,7 @@ struct ape__plan {
 	uint64_t kv_bytes; /* one key (or value) chunk */
 	uint64_t out_bytes; /* one partial output: O, LSE and pair counts */
 	uint64_t o_bytes, lse_bytes, pairs_bytes; /* its parts */
+	uint64_t prior_bytes; /* per query chunk buffer: its diagonal LSE (0: none kept) */
 	uint64_t scratch; /* the backend's scratch per launch */
 	uint64_t fixed; /* everything but the key/value chunks */
 	uint64_t peak; /* planned peak: fixed + kv_slots * 2 * kv_bytes, <= budget */

@@ -400,7 +400,8 @@ int ape__head_visible_pairs(const struct ape__problem *p, uint64_t *out)
 		last = a + p->Lq - 1 < p->Lk ? a + p->Lq - 1 : p->Lk;
 		if (last >= first)
 			sum += (first + last) * (last - first + 1) / 2;
-		first = a > p->Lk + 1 ? a : (__int128)p->Lk + 1; /* saturated: counts Lk */
+		/* in 128 bits: Lk may be INT64_MAX (found by tests/fuzz/fuzz_problem) */
+		first = a > (__int128)p->Lk + 1 ? a : (__int128)p->Lk + 1; /* saturated: counts Lk */
 		last = a + p->Lq - 1;
 		if (last >= first)
 			sum += (last - first + 1) * p->Lk;

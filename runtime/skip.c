@@ -5,6 +5,7 @@
  * sequence with real decay from O(L^2) copies into O(L).
  */
 #include "skip.h"
+#include "alloc.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -21,8 +22,8 @@ int ape__kmax_alloc(struct ape__kmax *km, int64_t nbg, int64_t nk)
 
 	km->nbg = nbg;
 	km->nk = nk;
-	km->pre = malloc(n * sizeof(float) + 1);
-	km->suf = malloc(n * sizeof(float) + 1);
+	km->pre = ape__malloc(n * sizeof(float) + 1);
+	km->suf = ape__malloc(n * sizeof(float) + 1);
 	if (!km->pre || !km->suf) {
 		ape__kmax_free(km);
 		return ape__error(APE_ENOMEM, "out of memory for key norms (%zu chunks)", n);

@@ -15,6 +15,7 @@
  * completed and nothing needs to wait for it any more.
  */
 #include "stream.h"
+#include "alloc.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -34,6 +35,9 @@ struct qslot {
 	struct ape__buf *buf;
 	struct ape__event *ready; /* its rows have arrived (borrowed from the query chunk) */
 	struct ape__event *used; /* the last kernel reading it (borrowed from a job) */
+	/* the LSE of its query chunk's diagonal launch, which the launches after it take as
+	 * lse_prior (plan.prior_bytes > 0); written and read on the compute queue only */
+	struct ape__buf *prior;
 };
 
 struct kvslot {
@@ -165,7 +169,7 @@ static int alloc_queues(struct ape__stream *s)
 int ape__stream_create(struct ape_device *dev, const struct ape__stream_geom *g,
 		       struct ape__stream **out)
 {
-	struct ape__stream *s = calloc(1, sizeof(*s));
+	struct ape__stream *s = ape__calloc(1, sizeof(*s));
 	int ret;
 
 	*out = NULL;
@@ -179,7 +183,7 @@ int ape__stream_create(struct ape_device *dev, const struct ape__stream_geom *g,
 	ape__devmem_init(&s->mem, dev, g->budget);
 	for (int i = 0; i <= MAX_DEPTH; i++)
 		s->qr[i].qc = -1;
-	s->kv = calloc((size_t)s->max_kv, sizeof(*s->kv));
+	s->kv = ape__calloc((size_t)s->max_kv, sizeof(*s->kv));
 	if (!s->kv) {
 		free(s);
 		return ape__error(APE_ENOMEM, "out of memory for a device session");
@@ -225,6 +229,9 @@ static int ensure_qslot(struct ape__stream *s, int i)
 	if (!s->qs[i].buf)
 		ret = ape__devmem_alloc(&s->mem, s->g.plan.q_bytes, &s->qs[i].buf,
 					"allocating a query chunk");
+	if (!ret && !s->qs[i].prior && s->g.plan.prior_bytes)
+		ret = ape__devmem_alloc(&s->mem, s->g.plan.prior_bytes, &s->qs[i].prior,
+					"allocating a query chunk's LSE");
 	if (!ret)
 		ret = ensure_host(s, &s->qst[i].mem, s->g.plan.q_bytes);
 	return ret;
@@ -260,7 +267,7 @@ static int ensure_qrec(struct ape__stream *s, struct qrec *r, bool merge, bool n
 			return ret;
 	}
 	if (norms && !r->qnorm) {
-		r->qnorm = malloc((size_t)rows * sizeof(float) + 1);
+		r->qnorm = ape__malloc((size_t)rows * sizeof(float) + 1);
 		if (!r->qnorm)
 			return ape__error(APE_ENOMEM, "out of memory for query norms");
 	}
@@ -307,6 +314,7 @@ void ape__stream_destroy(struct ape__stream *s)
 	for (int i = 0; i < 2; i++) {
 		ops->queue_destroy(s->qup[i]);
 		ape__devmem_free(&s->mem, &s->qs[i].buf, p->q_bytes);
+		ape__devmem_free(&s->mem, &s->qs[i].prior, p->prior_bytes);
 		ape__host_free(s->dev, &s->qst[i].mem);
 	}
 	for (int i = 0; i < MAX_DEPTH; i++) {
@@ -335,7 +343,7 @@ static void add_interval(struct ape__stream *s, double t0, double t1, bool kerne
 {
 	if (s->niv == s->capiv) {
 		size_t cap = s->capiv ? 2 * s->capiv : 64;
-		struct interval *iv = realloc(s->iv, cap * sizeof(*iv));
+		struct interval *iv = ape__realloc(s->iv, cap * sizeof(*iv));
 
 		if (!iv) /* only a statistic: stop measuring overlap */
 			return;
@@ -697,6 +705,14 @@ static int issue(struct ape__stream *s, struct qrec *r, int64_t kc)
 		return ret;
 	s->kv[j->kvs].busy++;
 	fill_launch(s, j, out, &l);
+	if (s->qs[r->slot].prior && r->jobs > 1) {
+		/* the b-th chunk from the diagonal tests against 2^-b of its share: the whole
+		 * direction stays within it however many chunks it has */
+		const int64_t b = kc > s->walk.diag ? kc - s->walk.diag : s->walk.diag - kc;
+
+		l.lse_prior = s->qs[r->slot].prior;
+		l.prior_tol = ldexp(l.skip_tol, b < 1000 ? -(int)b : -1000);
+	}
 	j->scratch = ape__scratch_of(s->dev, &l);
 	ape__devmem_hold(&s->mem, j->scratch);
 	ob = row_bytes(s, s->g.H, r->n, oesz);
@@ -717,6 +733,10 @@ static int issue(struct ape__stream *s, struct qrec *r, int64_t kc)
 		return ret;
 	s->kv[j->kvs].used = j->k1;
 	s->qs[r->slot].used = j->k1;
+	/* the diagonal launch (a walk's first): its LSE is the later launches' prior */
+	if (s->qs[r->slot].prior && r->jobs == 1 &&
+	    (ret = ops->copy_d2d(s->exec, s->qs[r->slot].prior, 0, l.lse, 0, (size_t)lb)))
+		return ret;
 
 	j->host_t[2] = now_ms();
 	j->out_bytes = ob + lb + (l.pairs ? lb * 2 : 0);
@@ -938,6 +958,10 @@ static void fill_template(struct ape__stream *s)
 	l->causal = p->causal;
 	l->layout = p->layout;
 	l->skip_tol = p->decay_nonneg ? c->tol_kernel : 0.0;
+	/* with a prior, the launches off the diagonal may leave out all their keys: that test
+	 * gets half of the kernels' share, and the walks inside the launches the other half */
+	if (c->merge && s->g.plan.prior_bytes)
+		l->skip_tol /= 2;
 
 	s->skip = (struct ape__skip_ctx){
 		.B = p->B,

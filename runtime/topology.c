@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "error.h"
+#include "alloc.h"
 #include "topology.h"
 
 static int api_slot(unsigned api)
@@ -340,8 +341,8 @@ int ape__topology_merge(const struct ape__merge_input *in, struct ape__phys **ou
 		where[i] = -1;
 	if (in->count == 0)
 		return 0;
-	p = calloc((size_t)in->count, sizeof(*p));
-	final = calloc((size_t)in->count, sizeof(*final));
+	p = ape__calloc((size_t)in->count, sizeof(*p));
+	final = ape__calloc((size_t)in->count, sizeof(*final));
 	if (!p || !final) {
 		free(p);
 		free(final);

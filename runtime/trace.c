@@ -5,6 +5,7 @@
  * to each other, devices are aligned to within the start-up of their workers.
  */
 #include "trace.h"
+#include "alloc.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -22,7 +23,7 @@ void ape__trace_add(struct ape__trace_dev *t, const char *what, int lane, double
 {
 	if (t->n == t->cap) {
 		size_t cap = t->cap ? 2 * t->cap : 256;
-		struct ape__trace_ev *e = realloc(t->ev, cap * sizeof(*e));
+		struct ape__trace_ev *e = ape__realloc(t->ev, cap * sizeof(*e));
 
 		if (!e) {
 			t->failed = true;
@@ -142,7 +143,7 @@ static int write_all(FILE *f, struct ape__trace_dev *devs, int n)
 int ape__trace_write(const char *path, const char *fn, struct ape__trace_dev *devs, int n)
 {
 	size_t len = strlen(path) + 48;
-	char *tmp = malloc(len);
+	char *tmp = ape__malloc(len);
 	FILE *f;
 	int fd, err;
 

@@ -28,7 +28,7 @@ static uint64_t recount(const struct ape__plan *p)
 {
 	uint64_t jobs = (uint64_t)(p->nq * p->nk);
 
-	return (uint64_t)p->q_slots * p->q_bytes +
+	return (uint64_t)p->q_slots * (p->q_bytes + p->prior_bytes) +
 	       (jobs < (uint64_t)p->depth ? jobs : (uint64_t)p->depth) * (p->out_bytes + p->scratch) +
 	       (uint64_t)p->kv_slots * 2 * p->kv_bytes;
 }
@@ -141,6 +141,32 @@ TEST(backend_scratch_is_counted)
 	EXPECT_LE(q.peak, r.budget);
 	EXPECT_EQ(recount(&q), q.peak);
 	EXPECT_LT(q.kv_slots * q.kv_bytes, p.kv_slots * p.kv_bytes + 1);
+}
+
+/* The diagonal LSE each query chunk keeps for the skip bound is counted, and only kept when
+ * there are several key chunks (a single one has no launch after the diagonal). */
+TEST(skip_prior_is_counted)
+{
+	struct ape__plan_req r = req(10000, UINT64_MAX);
+	struct ape__plan p, q;
+
+	ASSERT_EQ(0, ape__plan_make(&r, "t", &p));
+	EXPECT_EQ(0, p.prior_bytes);
+	r.prior = true;
+	ASSERT_EQ(0, ape__plan_make(&r, "t", &q));
+	EXPECT_EQ(q.lse_bytes, q.prior_bytes);
+	EXPECT_EQ(p.peak + 2 * q.lse_bytes, q.peak);
+	EXPECT_EQ(recount(&q), q.peak);
+	r = req(1000, UINT64_MAX);
+	r.prior = true;
+	ASSERT_EQ(0, ape__plan_make(&r, "t", &q));
+	EXPECT_EQ(0, q.prior_bytes);
+	/* under a budget it fits as everything else does */
+	r = req(10000, 50u << 20);
+	r.prior = true;
+	ASSERT_EQ(0, ape__plan_make(&r, "t", &q));
+	EXPECT_LE(q.peak, r.budget);
+	EXPECT_EQ(recount(&q), q.peak);
 }
 
 /* ---- the walk */

@@ -324,7 +324,7 @@ static void strong_decay(test_problem *tp)
  */
 TEST_F(dev, skipping_avoids_copies_and_only_when_allowed)
 {
-	const int64_t L = ape_test_slow() ? 400 : 1024;
+	const int64_t L = 1024; /* also under valgrind: smaller, the ratios below do not hold */
 	const test_problem_shape sh = { 1, 2, 1, 100, L, 16 };
 	ape_exec_options o = chunks(64, 64);
 	test_problem tp, want;
@@ -376,11 +376,64 @@ TEST_F(dev, skipping_avoids_copies_and_only_when_allowed)
 	test_problem_free(&tp);
 }
 
+/*
+ * A key chunk next to the diagonal is computed in a launch of its own, which takes the diagonal
+ * launch's LSE as weight already found (lse_prior, copied device to device): rows far from the
+ * chunk then compute none of it, and a chunked call computes about as few pairs as a one-shot
+ * one. Without copy_d2d (the wrapper hides it) there is no prior: each row scores at least
+ * the tile nearest to it in every launch, still exact.
+ */
+TEST(neighbour_chunks_start_from_the_diagonal_weight)
+{
+	ape_context *ctx = test_context("ref,opencl");
+	ape_device *ref = ctx ? test_device(ctx, "ref") : NULL;
+	ape_device *dev = ctx ? test_device(ctx, "opencl") : NULL;
+
+	const int64_t L = ape_test_slow() ? 512 : 2048, c = L / 8;
+	const test_problem_shape sh = { 1, 2, 1, L, L, 32 };
+	const ape_exec_options one = chunks(L, L), o = chunks(c, c);
+	test_problem tp, want;
+	ape_stats st1, with, without;
+	ape_rng rng;
+
+	ASSERT_NE(NULL, ref);
+	if (!dev) { /* the reference never skips: this is about the kernels */
+		ape_context_destroy(ctx);
+		SKIP(return, "no OpenCL device");
+	}
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	tp.desc.causal = true;
+	tp.desc.q_start_set = false;
+	tp.desc.skip_tol = 0x1p-24;
+	test_problem_set_params(&tp, 0.39685, 0.039685, 0.039685, 0.1); /* the seed's */
+	ASSERT_EQ(0, one_shot(&want, &tp, ref));
+	EXPECT_EQ(0, check_stream(_metadata, &tp, &want, dev, &one, "one shot", &st1));
+	EXPECT_EQ(0, check_stream(_metadata, &tp, &want, dev, &o, "prior", &with));
+	wrap_install(dev, WRAP_NO_COPY_D2D);
+	EXPECT_EQ(0, check_stream(_metadata, &tp, &want, dev, &o, "no prior", &without));
+	wrap_remove();
+	/* the chunked call visits 8 + 7 launches; each of the 7 off the diagonal would cost every
+	 * row a tile without the prior */
+	EXPECT_GT(with.chunks, 8);
+	EXPECT_LE(with.pairs_computed, st1.pairs_computed + st1.pairs_computed / 5)
+		TH_LOG("pairs computed: one shot %llu, chunked %llu",
+		       (unsigned long long)st1.pairs_computed,
+		       (unsigned long long)with.pairs_computed);
+	EXPECT_LT(with.pairs_computed + (uint64_t)(L / 2) * 2 * 32, without.pairs_computed)
+		TH_LOG("pairs computed: with the prior %llu, without %llu",
+		       (unsigned long long)with.pairs_computed,
+		       (unsigned long long)without.pairs_computed);
+	test_problem_free(&tp);
+	test_problem_free(&want);
+	ape_context_destroy(ctx);
+}
+
 /* Square problems under a budget that keeps only a few key chunks on the device: without
  * skipping, key chunks are copied again for every query chunk; with it, about once. */
 TEST_F(dev, skipping_saves_recopies_under_a_budget)
 {
-	const int64_t L = ape_test_slow() ? 256 : 1024;
+	const int64_t L = 1024; /* also under valgrind: smaller, every chunk stays resident */
 	const test_problem_shape sh = { 1, 1, 1, L, L, 16 };
 	ape_exec_options o = chunks(64, 64);
 	test_problem tp, want;

@@ -102,6 +102,7 @@ __constant int ape_iota[16] = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 #define F_PAIRS 128
 #define F_SKIP 256
 #define F_KV_F32 512 /* K and V come from ape_kv_prep(): float32, K pair-ordered */
+#define F_PRIOR 1024 /* PRIOR holds each row's LSE from earlier launches (for skipping) */
 
 /* storage types: ape_dtype values */
 #define DT_F16 1
@@ -173,16 +174,24 @@ KFN long min_abs(long lo, long hi)
 /* May a row stop walking in one direction? `count` keys remain there, none closer than `an`. */
 KFN int may_stop(APE_REAL lambda, APE_REAL delta, APE_REAL beta, APE_REAL gamma,
 		 APE_REAL abs_scale, APE_REAL qnorm, APE_REAL kmax, long an, long count,
-		 APE_REAL crow, float m, float l, float tol)
+		 APE_REAL crow, float m, float l, APE_REAL prior, float tol)
 {
-	APE_REAL u;
+	APE_REAL u, mm = m, ll = l;
 
 	if (count <= 0)
 		return 1;
+	/* the weight found so far: this launch's (m, l), and the earlier launches' LSE `prior`
+	 * (in this row's shifted frame; -inf or NaN when nothing is known, and then unused) */
+	if (prior > mm) {
+		ll = ll * exp(mm - prior) + 1;
+		mm = prior;
+	} else if (prior > -INFINITY) {
+		ll += exp(prior - mm);
+	}
 	u = ape_score_bound(lambda, delta, beta, gamma, abs_scale, qnorm, kmax, (APE_REAL)an);
 	u -= crow;
-	return ape_tail_negligible(u, (APE_REAL)m, (APE_REAL)l,
-				   ape_tail_count((APE_REAL)count, delta), (APE_REAL)tol);
+	return ape_tail_negligible(u, mm, ll, ape_tail_count((APE_REAL)count, delta),
+				   (APE_REAL)tol);
 }
 
 /* One K row into the pair-ordered halves (u = first, w = second component of each pair) and one
@@ -221,11 +230,12 @@ KFN void load_kv_row(__global const void *K, __global const void *V, long base, 
 /* The launch's constants, gathered once and read by every helper. */
 struct run {
 	__global const void *Q, *K, *V;
+	__global const float *prior; /* F_PRIOR: [B*H, Lq] LSE of earlier launches */
 	__global const APE_REAL *omega; /* omega_p, P values */
 	long Lq, Lk, rel, ntk, qbase, kbase, bh, bkv, i0;
 	int D, wi, dtin, kvdt, inter, kvinter, causal, skip, flags;
 	APE_REAL delta, beta, gamma, lambda;
-	float scale, tol;
+	float scale, tol, prior_tol;
 };
 
 /* One row vector: APE_RW query rows of a work-item, from first query load to output. */
@@ -237,6 +247,7 @@ struct rows {
 	vf acc[APE_DMAX], m, l; /* online softmax: sum of weights * V, running maximum, sum */
 	vr ia, crow; /* 1 / alpha; the score shift c_row */
 	APE_REAL qn[APE_RW], crow_s[APE_RW]; /* |q| (rounded up), c_row: per lane */
+	APE_REAL prior[APE_RW]; /* earlier launches' LSE - c_row per lane, or -inf */
 	long tlo, thi; /* key tiles scored: tlo .. thi */
 	int done_b, done_f; /* proved the rest negligible backward, forward */
 };
@@ -292,6 +303,9 @@ KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
 		else
 			an = min_abs(diag - (R->Lk - 1), diag);
 		r->crow_s[k] = ape_bias(R->delta, R->beta, R->gamma, (APE_REAL)an);
+		r->prior[k] = (R->flags & F_PRIOR) && i + k < R->Lq
+				      ? (APE_REAL)R->prior[R->bh * R->Lq + i + k] - r->crow_s[k]
+				      : -INFINITY;
 	}
 	r->ia = VL(tr);
 	r->crow = VL(r->crow_s);
@@ -506,16 +520,42 @@ KFN void rows_may_stop(const struct run *R, const struct rows *r, long lo, long 
 				cnt = min(cnt, diag + 1);
 			*cb = may_stop(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k], kb,
 				       min_abs(diag - cnt + 1, diag), cnt, r->crow_s[k], ms[k],
-				       ls[k], R->tol);
+				       ls[k], -INFINITY, R->tol);
 		}
 		if (*cf) {
 			const long cnt = R->Lk - hi * APE_BK;
 
 			*cf = may_stop(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k], kf,
 				       min_abs(diag - (R->Lk - 1), diag - hi * APE_BK), cnt,
-				       r->crow_s[k], ms[k], ls[k], R->tol);
+				       r->crow_s[k], ms[k], ls[k], -INFINITY, R->tol);
 		}
 	}
+}
+
+/*
+ * Before the walk, with the earlier launches' LSE: may the row vector leave out every key of
+ * this launch? (For the streaming executor's key chunks off the diagonal, most rows can: without
+ * this, each would score at least the tile nearest to it.) kall: the largest key norm of all.
+ * The test has its own tolerance, prior_tol: the executor shares its budget among the launches
+ * of a direction (the walk's own tests above stay relative to this launch's weight alone).
+ */
+KFN int rows_skip_all(const struct run *R, const struct rows *r, APE_REAL kall)
+{
+	const APE_REAL as = fabs((APE_REAL)R->scale);
+
+	NOUNROLL
+	for (int k = 0; k < APE_RW; k++) {
+		const long i = r->i + k, diag = R->rel + i;
+		const long cnt = R->causal ? clamp(diag + 1, 0L, R->Lk) : R->Lk;
+		const long an = R->causal ? diag - min(diag, R->Lk - 1)
+					  : min_abs(diag - (R->Lk - 1), diag);
+
+		if (i < R->Lq &&
+		    !may_stop(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k], kall, an, cnt,
+			      r->crow_s[k], -INFINITY, 0.0f, r->prior[k], R->prior_tol))
+			return 0;
+	}
+	return 1;
 }
 
 /* LSE (c_row + m + ln l, -inf with no key) and the pairs computed, row by row; O = acc / l (0
@@ -543,8 +583,7 @@ KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long 
 				: ls[k] == 0.0f ? -INFINITY
 						: NAN;
 		if (R->flags & F_PAIRS) {
-			const long seen = R->causal ? max(0L, min(jend, diag + 1) - jbeg)
-						    : jend - jbeg;
+			const long seen = max(0L, (R->causal ? min(jend, diag + 1) : jend) - jbeg);
 
 			PAIRS[R->bh * R->Lq + i] = (ulong)seen;
 		}
@@ -565,9 +604,9 @@ KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long 
 __kernel __attribute__((reqd_work_group_size(APE_NWI, 1, 1))) void
 ape_attention(__global const void *Q, __global const void *K, __global const void *V,
 	      __global void *O, __global float *LSE, __global ulong *PAIRS,
-	      __global const APE_REAL *prm, __global const float *kpre,
+	      __global const float *PRIOR, __global const APE_REAL *prm, __global const float *kpre,
 	      __global const float *ksuf, int D, long Lq, long Lk, int H, int group, long rel,
-	      float scale, float skip_tol, int flags)
+	      float scale, float skip_tol, float prior_tol, int flags)
 {
 	__local float kv[KV_FLOATS];
 	__local float ttab[BQ + APE_BK], btab[BQ + APE_BK];
@@ -585,6 +624,7 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 	__local float *ku = kv, *kw = kv + APE_BK * P, *vt = kv + 2 * APE_BK * P;
 
 	R->Q = Q;
+	R->prior = PRIOR;
 	R->K = K;
 	R->V = V;
 	R->omega = prm;
@@ -612,6 +652,7 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 	R->lambda = prm[P + 4 * h + 3];
 	R->scale = scale;
 	R->tol = skip_tol;
+	R->prior_tol = prior_tol;
 
 	NOUNROLL
 	for (int g = 0; g < APE_RG; g++) {
@@ -635,6 +676,14 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 		rg[g].tlo = rg[g].thi = start;
 		rg[g].done_b = 0;
 		rg[g].done_f = R->causal;
+		/* proved negligible in full by the earlier launches' weight: an empty range of
+		 * visited tiles (tlo > thi), both sides done, so the walk never scores it */
+		if (R->skip && (flags & F_PRIOR) &&
+		    rows_skip_all(R, &rg[g], kpre[R->bkv * (R->ntk + 1) + R->ntk])) {
+			rg[g].tlo = start + 1;
+			rg[g].thi = start - 1;
+			rg[g].done_b = rg[g].done_f = 1;
+		}
 	}
 	do {
 		const long j0 = t * APE_BK;

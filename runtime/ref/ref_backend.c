@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "../error.h"
+#include "../alloc.h"
 #include "ref.h"
 
 struct ape__buf {
@@ -46,7 +47,7 @@ static int ref_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf *
 	(void)dev;
 	if (bytes > SIZE_MAX - sizeof(*b) - 64)
 		return ape__error(APE_ENOMEM, "ref: %zu bytes is more than memory can hold", bytes);
-	b = malloc(sizeof(*b) + bytes);
+	b = ape__malloc(sizeof(*b) + bytes);
 	if (!b)
 		return ape__error(APE_ENOMEM, "ref: out of host memory allocating %zu bytes", bytes);
 	b->size = bytes;
@@ -62,7 +63,7 @@ static void ref_buf_free(struct ape_device *dev, struct ape__buf *buf)
 
 static int ref_queue_create(struct ape_device *dev, struct ape__queue **out)
 {
-	struct ape__queue *q = calloc(1, sizeof(*q));
+	struct ape__queue *q = ape__calloc(1, sizeof(*q));
 
 	if (!q)
 		return ape__error(APE_ENOMEM, "ref: out of memory creating a queue");
@@ -118,7 +119,7 @@ static double now_ms(void)
 
 static int ref_event_record(struct ape__queue *q, struct ape__event **out)
 {
-	struct ape__event *e = malloc(sizeof(*e));
+	struct ape__event *e = ape__malloc(sizeof(*e));
 
 	(void)q;
 	if (!e)

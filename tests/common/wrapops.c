@@ -14,18 +14,71 @@ static struct {
 	const struct ape__backend_ops *orig;
 	struct ape__backend_ops ops;
 	struct wrap_counts c;
-	uint64_t fail_at;
+	int fail_op; /* -1: none */
+	uint64_t fail_at; /* c.calls[fail_op] value that fails */
+	uint64_t total; /* fallible calls since install, for wrap_lose_device() */
+	uint64_t lost_at; /* 0: the device works */
 	struct sized {
 		struct ape__buf *b;
 		size_t n;
 	} *bufs;
 	size_t nbufs, cap;
-} w = { .lock = PTHREAD_MUTEX_INITIALIZER };
+} w = { .lock = PTHREAD_MUTEX_INITIALIZER, .fail_op = -1 };
+
+static const char *const op_names[WRAP_NOPS] = {
+	[WRAP_BUF_ALLOC] = "buf_alloc",
+	[WRAP_QUEUE_CREATE] = "queue_create",
+	[WRAP_COPY_H2D] = "copy_h2d",
+	[WRAP_COPY_D2H] = "copy_d2h",
+	[WRAP_COPY_D2D] = "copy_d2d",
+	[WRAP_FILL] = "fill",
+	[WRAP_EVENT_RECORD] = "event_record",
+	[WRAP_EVENT_WAIT] = "event_wait",
+	[WRAP_EVENT_ELAPSED] = "event_elapsed",
+	[WRAP_EVENT_TIMESTAMP] = "event_timestamp",
+	[WRAP_ATTENTION] = "attention",
+	[WRAP_SYNCHRONIZE] = "synchronize",
+	[WRAP_HOST_REGISTER] = "host_register",
+};
+
+const char *wrap_op_name(enum wrap_op op)
+{
+	return op < WRAP_NOPS ? op_names[op] : "?";
+}
+
+/*
+ * Counts one call of op and decides whether it fails. A failure reads like a backend's own:
+ * the op and the reason, not the device (the core must say which device; the tests check it).
+ */
+static int inject(enum wrap_op op)
+{
+	uint64_t n;
+	bool lost, fail;
+
+	pthread_mutex_lock(&w.lock);
+	n = ++w.c.calls[op];
+	w.total++;
+	lost = w.lost_at && w.total >= w.lost_at;
+	fail = lost || ((int)op == w.fail_op && n == w.fail_at);
+	w.c.failed += fail;
+	pthread_mutex_unlock(&w.lock);
+	if (!fail)
+		return 0;
+	if (lost)
+		return ape__error(APE_EDEVLOST, "wrapped backend: %s call %llu fails on purpose: "
+				  "device lost", op_names[op], (unsigned long long)n);
+	return ape__error(op == WRAP_BUF_ALLOC ? APE_ENOMEM : APE_EDEVLOST,
+			  "wrapped backend: %s call %llu fails on purpose", op_names[op],
+			  (unsigned long long)n);
+}
 
 static int w_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 {
-	int ret = w.orig->buf_alloc(dev, bytes, out);
+	int ret = inject(WRAP_BUF_ALLOC);
 
+	if (ret)
+		return ret;
+	ret = w.orig->buf_alloc(dev, bytes, out);
 	pthread_mutex_lock(&w.lock);
 	w.c.allocs++;
 	if (!ret) {
@@ -60,20 +113,6 @@ static void w_free(struct ape_device *dev, struct ape__buf *b)
 	w.orig->buf_free(dev, b);
 }
 
-static int w_attention(struct ape__queue *q, const struct ape__launch *l)
-{
-	bool fail;
-
-	pthread_mutex_lock(&w.lock);
-	w.c.attention_calls++;
-	fail = w.fail_at && w.c.attention_calls == w.fail_at;
-	pthread_mutex_unlock(&w.lock);
-	if (fail)
-		return ape__error(APE_EDEVLOST, "wrapped backend: launch %llu fails on purpose",
-				  (unsigned long long)w.fail_at);
-	return w.orig->attention(q, l);
-}
-
 static void bump(uint64_t *n)
 {
 	pthread_mutex_lock(&w.lock);
@@ -81,23 +120,100 @@ static void bump(uint64_t *n)
 	pthread_mutex_unlock(&w.lock);
 }
 
+static int w_attention(struct ape__queue *q, const struct ape__launch *l)
+{
+	int ret = inject(WRAP_ATTENTION);
+
+	bump(&w.c.attention_calls);
+	return ret ? ret : w.orig->attention(q, l);
+}
+
 static int w_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src, size_t n)
 {
+	int ret = inject(WRAP_COPY_H2D);
+
 	bump(&w.c.h2d_calls);
-	return w.orig->copy_h2d(q, dst, off, src, n);
+	return ret ? ret : w.orig->copy_h2d(q, dst, off, src, n);
 }
 
 static int w_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n)
 {
+	int ret = inject(WRAP_COPY_D2H);
+
 	bump(&w.c.d2h_calls);
-	return w.orig->copy_d2h(q, dst, src, off, n);
+	return ret ? ret : w.orig->copy_d2h(q, dst, src, off, n);
 }
 
 static int w_d2d(struct ape__queue *q, struct ape__buf *dst, size_t doff, struct ape__buf *src,
 		 size_t soff, size_t n)
 {
+	int ret = inject(WRAP_COPY_D2D);
+
 	bump(&w.c.d2d_calls);
-	return w.orig->copy_d2d(q, dst, doff, src, soff, n);
+	return ret ? ret : w.orig->copy_d2d(q, dst, doff, src, soff, n);
+}
+
+static int w_queue_create(struct ape_device *dev, struct ape__queue **out)
+{
+	int ret = inject(WRAP_QUEUE_CREATE);
+
+	return ret ? ret : w.orig->queue_create(dev, out);
+}
+
+static int w_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+		  size_t n)
+{
+	int ret = inject(WRAP_FILL);
+
+	return ret ? ret : w.orig->fill(q, dst, off, pattern, n);
+}
+
+static int w_event_record(struct ape__queue *q, struct ape__event **out)
+{
+	int ret = inject(WRAP_EVENT_RECORD);
+
+	return ret ? ret : w.orig->event_record(q, out);
+}
+
+static int w_event_wait(struct ape__queue *q, struct ape__event *e)
+{
+	int ret = inject(WRAP_EVENT_WAIT);
+
+	return ret ? ret : w.orig->event_wait(q, e);
+}
+
+static int w_event_elapsed(struct ape__event *a, struct ape__event *b, double *ms)
+{
+	int ret = inject(WRAP_EVENT_ELAPSED);
+
+	return ret ? ret : w.orig->event_elapsed(a, b, ms);
+}
+
+static int w_event_timestamp(struct ape__event *e, double *ms)
+{
+	int ret = inject(WRAP_EVENT_TIMESTAMP);
+
+	return ret ? ret : w.orig->event_timestamp(e, ms);
+}
+
+static int w_synchronize(struct ape__queue *q)
+{
+	int ret = inject(WRAP_SYNCHRONIZE);
+
+	/* a failed synchronisation still leaves the queue drained, as a real lost device's does
+	 * once the driver gives up: the core may then free buffers the queue was using */
+	if (ret) {
+		w.orig->synchronize(q);
+		return ret;
+	}
+	return w.orig->synchronize(q);
+}
+
+static int w_host_register(struct ape_device *dev, void *ptr, size_t bytes, void **handle)
+{
+	int ret = inject(WRAP_HOST_REGISTER);
+
+	return ret ? ret : w.orig->host_register(dev, ptr, bytes, handle);
 }
 
 void wrap_install(ape_device *dev, unsigned flags)
@@ -107,10 +223,18 @@ void wrap_install(ape_device *dev, unsigned flags)
 	w.ops = *w.orig;
 	w.ops.buf_alloc = w_alloc;
 	w.ops.buf_free = w_free;
+	w.ops.queue_create = w_queue_create;
 	w.ops.attention = w_attention;
 	w.ops.copy_h2d = w_h2d;
 	w.ops.copy_d2h = w_d2h;
 	w.ops.copy_d2d = w.orig->copy_d2d ? w_d2d : NULL;
+	w.ops.fill = w_fill;
+	w.ops.event_record = w_event_record;
+	w.ops.event_wait = w_event_wait;
+	w.ops.event_elapsed = w_event_elapsed;
+	w.ops.event_timestamp = w.orig->event_timestamp ? w_event_timestamp : NULL;
+	w.ops.synchronize = w_synchronize;
+	w.ops.host_register = w.orig->host_register ? w_host_register : NULL;
 	if (flags & WRAP_NO_COPY_D2D)
 		w.ops.copy_d2d = NULL;
 	if (flags & WRAP_NO_TIMESTAMP)
@@ -118,7 +242,8 @@ void wrap_install(ape_device *dev, unsigned flags)
 	if (flags & WRAP_NO_SCRATCH)
 		w.ops.attention_scratch = NULL;
 	memset(&w.c, 0, sizeof(w.c));
-	w.fail_at = 0;
+	w.fail_op = -1;
+	w.fail_at = w.total = w.lost_at = 0;
 	dev->be->ops = &w.ops;
 }
 
@@ -147,13 +272,28 @@ void wrap_reset(void)
 	pthread_mutex_lock(&w.lock);
 	w.c.allocs = w.c.frees = w.c.attention_calls = 0;
 	w.c.h2d_calls = w.c.d2h_calls = w.c.d2d_calls = 0;
+	memset(w.c.calls, 0, sizeof(w.c.calls));
+	w.c.failed = 0;
 	w.c.peak_bytes = w.c.live_bytes;
+	pthread_mutex_unlock(&w.lock);
+}
+
+void wrap_fail_op(enum wrap_op op, uint64_t n)
+{
+	pthread_mutex_lock(&w.lock);
+	w.fail_op = n ? (int)op : -1;
+	w.fail_at = n ? w.c.calls[op] + n : 0;
 	pthread_mutex_unlock(&w.lock);
 }
 
 void wrap_fail_attention(uint64_t n)
 {
+	wrap_fail_op(WRAP_ATTENTION, n);
+}
+
+void wrap_lose_device(uint64_t k)
+{
 	pthread_mutex_lock(&w.lock);
-	w.fail_at = n ? w.c.attention_calls + n : 0;
+	w.lost_at = k ? w.total + k : 0;
 	pthread_mutex_unlock(&w.lock);
 }

@@ -1,9 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * A backend seen through a wrapper, for tests of the streaming executor: counts every device
- * allocation (and the bytes held, and their peak), can make the Nth attention launch fail, and
- * can hide optional ops so that the core's fallbacks run. One wrapper per process at a time
- * (the harness forks each test).
+ * A backend seen through a wrapper, for tests of the streaming executor and of device failures
+ * (tests/faults/): counts every device allocation (and the bytes held, and their peak) and every
+ * call of each fallible op, can make the N-th call of any op fail or every op fail from the k-th
+ * call on (a device lost mid-run), and can hide optional ops so that the core's fallbacks run.
+ * One wrapper per process at a time (the harness forks each test); it wraps every device of one
+ * backend, so a multi-device test fails one device by pairing two backends.
  */
 #ifndef APE_TEST_WRAPOPS_H
 #define APE_TEST_WRAPOPS_H
@@ -17,11 +19,31 @@
 #define WRAP_NO_TIMESTAMP (1u << 1) /* hide event_timestamp */
 #define WRAP_NO_SCRATCH (1u << 2) /* hide attention_scratch */
 
+/* The ops that can fail, as the wrapper counts and fails them. */
+enum wrap_op {
+	WRAP_BUF_ALLOC,
+	WRAP_QUEUE_CREATE,
+	WRAP_COPY_H2D,
+	WRAP_COPY_D2H,
+	WRAP_COPY_D2D,
+	WRAP_FILL,
+	WRAP_EVENT_RECORD,
+	WRAP_EVENT_WAIT,
+	WRAP_EVENT_ELAPSED,
+	WRAP_EVENT_TIMESTAMP,
+	WRAP_ATTENTION,
+	WRAP_SYNCHRONIZE,
+	WRAP_HOST_REGISTER,
+	WRAP_NOPS
+};
+
 struct wrap_counts {
 	uint64_t allocs, frees; /* buf_alloc / buf_free calls */
 	uint64_t live_bytes, peak_bytes; /* device bytes held, and their peak since reset */
 	uint64_t attention_calls;
 	uint64_t h2d_calls, d2h_calls, d2d_calls;
+	uint64_t calls[WRAP_NOPS]; /* every call of each op, failed ones included */
+	uint64_t failed; /* calls the wrapper failed */
 };
 
 /* Puts the wrapper in front of dev's backend (every device of that backend in its context). */
@@ -33,5 +55,14 @@ struct wrap_counts wrap_get(void);
 void wrap_reset(void);
 /* Launch number n (1-based, counted from now) fails with APE_EDEVLOST; 0: none fails. */
 void wrap_fail_attention(uint64_t n);
+/* Call number n (1-based, counted from now) of op fails, with APE_ENOMEM for buf_alloc and
+ * APE_EDEVLOST for the rest, and a message naming the op; 0: none fails. Replaces any earlier
+ * wrap_fail_op() or wrap_fail_attention(). */
+void wrap_fail_op(enum wrap_op op, uint64_t n);
+/* The device is lost: from call number k (1-based, counted from now, over all fallible ops) on,
+ * every fallible op fails with APE_EDEVLOST; 0: the device works again. */
+void wrap_lose_device(uint64_t k);
+/* "buf_alloc", "copy_h2d", ...: the op's name in the backend interface and in the messages. */
+const char *wrap_op_name(enum wrap_op op);
 
 #endif

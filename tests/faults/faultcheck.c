@@ -1,0 +1,199 @@
+/* SPDX-License-Identifier: MIT */
+#include "faultcheck.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+static void poison(test_problem *tp)
+{
+	test_tensor_poison(&tp->o.t);
+	for (size_t i = 0; tp->lse && i < tp->rows; i++)
+		tp->lse[i] = NAN;
+}
+
+/* The tokens [from, from + n) of a contiguous [1, Hkv, L, D] tensor (B = Hkv = 1 here). */
+static ape_tensor slice(const ape_tensor *t, int64_t from, int64_t n)
+{
+	ape_tensor s;
+
+	ape_tensor_init(&s, (float *)t->data + from * t->shape[3], t->dtype, 1, 1, n, t->shape[3]);
+	return s;
+}
+
+static int run_kv(fx_call *c)
+{
+	test_problem *tp = &c->tp;
+	int64_t L = tp->k.t.shape[2], first = L * 3 / 5;
+	ape_kv_cache_options ko;
+	ape_kv_cache *cache = NULL;
+	ape_tensor k, v;
+	int ret;
+
+	ape_kv_cache_options_init(&ko);
+	ko.B = 1;
+	ko.H = tp->q.t.shape[1];
+	ko.Hkv = 1;
+	ko.D = tp->q.t.shape[3];
+	ko.dtype = APE_F32;
+	ko.block_tokens = 16; /* several blocks, gathered into several key chunks */
+	ko.capacity_tokens = L + 16;
+	ko.max_queries = tp->q.t.shape[2];
+	ko.append_chunk = 32;
+	ko.attend_chunk = 32;
+	ret = ape_kv_cache_create(c->devs[0], &ko, &cache);
+	if (ret)
+		return ret;
+	k = slice(&tp->k.t, 0, first);
+	v = slice(&tp->v.t, 0, first);
+	ret = ape_kv_cache_append(cache, &k, &v);
+	if (!ret) {
+		k = slice(&tp->k.t, first, L - first);
+		v = slice(&tp->v.t, first, L - first);
+		ret = ape_kv_cache_append(cache, &k, &v);
+	}
+	if (!ret)
+		ret = ape_kv_cache_attend(cache, &tp->desc, &tp->q.t, &tp->o.t, tp->lse, NULL);
+	ape_kv_cache_destroy(cache);
+	return ret;
+}
+
+int fx_call_run(fx_call *c)
+{
+	int ret;
+
+	poison(&c->tp);
+	c->msg[0] = 0;
+	if (c->kv)
+		ret = run_kv(c);
+	else
+		ret = ape_attention_forward_ex(c->devs, c->ndev, &c->eo, &c->tp.desc, &c->tp.q.t,
+					       &c->tp.k.t, &c->tp.v.t, &c->tp.o.t, c->tp.lse, NULL);
+	if (ret)
+		snprintf(c->msg, sizeof(c->msg), "%s", ape_last_error());
+	return ret;
+}
+
+int fx_call_init(fx_call *c, ape_device *const *devs, int ndev, bool kv, int64_t L, int64_t chunk)
+{
+	/* KV: a few decode-like queries after the cache; forward: a square problem */
+	const test_problem_shape sh = { 1, 2, kv ? 2 : 1, kv ? 4 : L, L, 16 };
+	ape_rng rng;
+	int ret;
+
+	memset(c, 0, sizeof(*c));
+	c->ndev = ndev;
+	c->kv = kv;
+	c->exact = ndev == 1;
+	for (int d = 0; d < ndev; d++)
+		c->devs[d] = devs[d];
+	ape_exec_options_init(&c->eo);
+	c->eo.chunk_q = c->eo.chunk_k = chunk;
+	c->cq = chunk && !kv ? chunk : sh.Lq;
+	ape_rng_init(&rng, "faults");
+	if (kv) /* the cache keeps one key head */
+		ret = test_problem_make(&c->tp, &rng,
+					&(test_problem_shape){ 1, 2, 1, sh.Lq, L, sh.D }, APE_F32,
+					false);
+	else
+		ret = test_problem_make(&c->tp, &rng, &sh, APE_F32, false);
+	if (ret)
+		return APE_ENOMEM;
+	test_problem_set_params(&c->tp, 0.3, 0.02, 0.02, 0.1);
+	c->tp.desc.skip_tol = 0; /* every chunk pair is launched: the most operations to break */
+	if (test_problem_clone(&c->inputs, &c->tp))
+		return APE_ENOMEM;
+	ret = fx_call_run(c);
+	if (ret)
+		return ret;
+	if (test_problem_clone(&c->want, &c->tp))
+		return APE_ENOMEM;
+	if (c->tp.lse) /* the clone allocates LSE without copying it */
+		memcpy(c->want.lse, c->tp.lse, c->tp.rows * sizeof(float));
+	return 0;
+}
+
+int fx_call_clone(fx_call *dst, const fx_call *src, ape_device *dev)
+{
+	*dst = *src;
+	dst->devs[0] = dev;
+	memset(&dst->want, 0, sizeof(dst->want));
+	memset(&dst->inputs, 0, sizeof(dst->inputs));
+	if (test_problem_clone(&dst->tp, &src->tp) || test_problem_clone(&dst->want, &src->want) ||
+	    test_problem_clone(&dst->inputs, &src->inputs))
+		return APE_ENOMEM;
+	if (src->want.lse) /* the clone allocates LSE without copying it */
+		memcpy(dst->want.lse, src->want.lse, src->want.rows * sizeof(float));
+	return 0;
+}
+
+void fx_call_free(fx_call *c)
+{
+	test_problem_free(&c->tp);
+	test_problem_free(&c->want);
+	test_problem_free(&c->inputs);
+}
+
+/* -1: every value of the row is NaN (untouched); 1: it equals the clean row; 0: neither. */
+static int row_state(const fx_call *c, int64_t h, int64_t i)
+{
+	const ape_tensor *o = &c->tp.o.t, *w = &c->want.o.t;
+	size_t r = (size_t)(h * o->shape[2] + i);
+	double scale = fmax(test_tensor_maxabs(&c->tp.v.t), 1e-30);
+	bool all_nan = true, same = true;
+
+	for (int64_t d = 0; d < o->shape[3]; d++) {
+		double got = test_tensor_get(o, 0, h, i, d), want = test_tensor_get(w, 0, h, i, d);
+
+		all_nan &= isnan(got);
+		same &= c->exact ? got == want : fabs(got - want) <= test_tol_o(APE_F32) * scale;
+	}
+	if (!c->tp.lse)
+		return all_nan ? -1 : same ? 1 : 0;
+	all_nan &= isnan(c->tp.lse[r]);
+	same &= c->exact ? c->tp.lse[r] == c->want.lse[r]
+			 : fabs(c->tp.lse[r] - c->want.lse[r]) <=
+				   test_tol_lse(APE_F32) * fmax(1, fabs(c->want.lse[r]));
+	return all_nan ? -1 : same ? 1 : 0;
+}
+
+const char *fx_call_verify(fx_call *c, int ret)
+{
+	static _Thread_local char why[256];
+	const test_tensor *now[3] = { &c->tp.q, &c->tp.k, &c->tp.v };
+	const test_tensor *then[3] = { &c->inputs.q, &c->inputs.k, &c->inputs.v };
+	int64_t H = c->tp.o.t.shape[1], Lq = c->tp.o.t.shape[2];
+	long long held = 0, of = 0, written = 0;
+	const char *m;
+
+	for (int i = 0; i < 3; i++)
+		if (memcmp(now[i]->alloc, then[i]->alloc, now[i]->alloc_bytes))
+			return "an input changed";
+	if (ret && !c->msg[0])
+		return "an error without a message";
+	m = ret ? strstr(c->msg, "O and LSE hold ") : NULL;
+	if (m && sscanf(m, "O and LSE hold %lld of %lld", &held, &of) != 2)
+		return "unreadable 'O and LSE hold' message";
+	for (int64_t q0 = 0; q0 < Lq; q0 += c->cq) {
+		int state = row_state(c, 0, q0);
+
+		for (int64_t h = 0; h < H; h++)
+			for (int64_t i = q0; i < q0 + c->cq && i < Lq; i++)
+				if (row_state(c, h, i) != state || state == 0) {
+					snprintf(why, sizeof(why),
+						 "head %lld row %lld: %s", (long long)h,
+						 (long long)i, state ? "a query chunk partly written"
+								     : "a row neither clean nor untouched");
+					return why;
+				}
+		written += state == 1;
+	}
+	if (!ret && written * c->cq < Lq)
+		return "a successful call left rows unwritten";
+	if (ret && written != held) {
+		snprintf(why, sizeof(why), "%lld query chunks written, the message says %lld",
+			 written, held);
+		return why;
+	}
+	return NULL;
+}

@@ -1,0 +1,146 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Allocation-failure injection: for a device enumeration, forward calls (one-shot and streamed,
+ * reference and OpenCL, one and two devices) and a KV-cache session, counts the library's host
+ * allocations of a clean run, then fails each one in turn. Every broken run must return
+ * APE_ENOMEM with a message (or, where the library has a fallback, succeed with the clean
+ * result), leave the inputs byte-identical and the outputs as README promises; the context must
+ * serve the next call; LeakSanitizer (make faults-ci builds with ASan) finds no leak.
+ * Needs a build with -DAPE_FAULT_INJECT (runtime/alloc.h); other builds skip.
+ */
+#include "kselftest_harness.h"
+
+#include "alloc.h"
+#include "faults/faultcheck.h"
+#include "faults/fixture.h"
+
+#ifndef APE_FAULT_INJECT
+int main(void)
+{
+	ksft_print_header();
+	ksft_exit_skip("libape built without -DAPE_FAULT_INJECT: run `make faults-ci`\n");
+}
+#else
+
+FX_FIXTURE(af)
+
+/* Fails each allocation of one run of c in turn (c's clean run came first, so lazily built state,
+ * the OpenCL program for one, is in place and every run allocates the same way). */
+static void sweep(struct __test_metadata *_metadata, fx_call *c, const char *what)
+{
+	uint64_t total, errors = 0, recovered = 0;
+	const char *bad;
+	int ret;
+
+	ape__fault_alloc_arm(0);
+	ASSERT_EQ(0, fx_call_run(c)) TH_LOG("%s", c->msg);
+	total = ape__fault_alloc_count();
+	ASSERT_GT(total, 0u);
+	for (uint64_t n = 1; n <= total; n++) {
+		ape__fault_alloc_arm(n);
+		ret = fx_call_run(c);
+		ape__fault_alloc_arm(0);
+		if (ret) {
+			errors++;
+			EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("%s: allocation %llu: %s", what,
+							  (unsigned long long)n, c->msg);
+		} else {
+			recovered++;
+		}
+		bad = fx_call_verify(c, ret);
+		EXPECT_EQ(NULL, bad) TH_LOG("%s: allocation %llu: %s (%s)", what,
+					    (unsigned long long)n, bad, c->msg);
+	}
+	/* the context serves the next call, with the clean result */
+	EXPECT_EQ(0, fx_call_run(c)) TH_LOG("%s", c->msg);
+	EXPECT_EQ(NULL, fx_call_verify(c, 0));
+	ksft_print_msg("%s: %llu allocations failed in turn: %llu errors, %llu runs recovered\n",
+		       what, (unsigned long long)total, (unsigned long long)errors,
+		       (unsigned long long)recovered);
+	fflush(stdout); /* the harness ends each test with _exit() */
+}
+
+/* Prepares the call (its clean run first) and sweeps it. */
+static void run_case(struct __test_metadata *_metadata, ape_device **devs, int ndev, bool kv,
+		     int64_t L, int64_t chunk, const char *what)
+{
+	fx_call c;
+
+	ASSERT_EQ(0, fx_call_init(&c, devs, ndev, kv, L, chunk)) TH_LOG("%s", c.msg);
+	sweep(_metadata, &c, what);
+	fx_call_free(&c);
+}
+
+TEST_F_TIMEOUT(af, one_shot, 300)
+{
+	run_case(_metadata, self->dev, 1, false, 64, 0, "one-shot forward");
+}
+
+TEST_F_TIMEOUT(af, streamed, 300)
+{
+	run_case(_metadata, self->dev, 1, false, 192, 64, "streamed forward, 3x3 chunks");
+}
+
+TEST_F_TIMEOUT(af, two_devices, 300)
+{
+	run_case(_metadata, self->dev, 2, false, 192, 64, "forward over two devices");
+}
+
+TEST_F_TIMEOUT(af, kv_cache, 300)
+{
+	run_case(_metadata, self->dev, 1, true, 80, 0, "KV cache create, append, attend");
+}
+
+/* Creating a context enumerates every device (drivers, DRM, hwloc, the merge into physical
+ * devices): each allocation failed in turn gives APE_ENOMEM and no context, or the same devices. */
+FIXTURE(enumeration)
+{
+	int unused;
+};
+
+FIXTURE_SETUP(enumeration)
+{
+}
+
+FIXTURE_TEARDOWN(enumeration)
+{
+}
+
+TEST_F_TIMEOUT(enumeration, context_create, 300)
+{
+	uint64_t total, errors = 0;
+	ape_context_options o;
+	ape_context *ctx;
+	int clean, ret;
+
+	ape_context_options_init(&o);
+	o.backends = "ref,opencl";
+	ape__fault_alloc_arm(0);
+	ASSERT_EQ(0, ape_context_create(&ctx, &o)) TH_LOG("%s", ape_last_error());
+	clean = ape_device_list(ctx, NULL, 0);
+	ape_context_destroy(ctx);
+	total = ape__fault_alloc_count();
+	for (uint64_t n = 1; n <= total; n++) {
+		ape__fault_alloc_arm(n);
+		ret = ape_context_create(&ctx, &o);
+		ape__fault_alloc_arm(0);
+		if (ret) {
+			errors++;
+			EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("allocation %llu: %s",
+							  (unsigned long long)n, ape_last_error());
+			EXPECT_NE(0, ape_last_error()[0]);
+			EXPECT_EQ(NULL, ctx);
+			continue;
+		}
+		EXPECT_EQ(clean, ape_device_list(ctx, NULL, 0))
+			TH_LOG("allocation %llu failed silently: a device went missing",
+			       (unsigned long long)n);
+		ape_context_destroy(ctx);
+	}
+	ksft_print_msg("context create: %llu allocations failed in turn: %llu errors\n",
+		       (unsigned long long)total, (unsigned long long)errors);
+	fflush(stdout);
+}
+
+TEST_HARNESS_MAIN
+#endif

@@ -1,0 +1,159 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Device-failure injection: a wrapper backend (tests/common/wrapops.c) in front of the reference
+ * or the OpenCL backend fails each fallible op at each of its occurrences in turn, then loses the
+ * device for good from each point of the run on, for a one-shot call, a streamed call (3 x 3
+ * chunks, pipelined), a call over two devices (the wrapped one failing, the other healthy) and a
+ * KV-cache session. Every broken run must return the injected error with a message that names
+ * the device and the operation, leave the inputs byte-identical and the outputs as README's
+ * 'Outputs on failure' says, and must not hang; the context must then serve the next call, on
+ * this device and the other one, with the clean result; ASan/LSan (make faults-ci) see no leak.
+ */
+#include "kselftest_harness.h"
+
+#include <string.h>
+
+#include "common/wrapops.h"
+#include "faults/faultcheck.h"
+#include "faults/fixture.h"
+
+FX_FIXTURE(df)
+
+/* Ops whose failure the library may absorb, because it has a fallback that only costs speed:
+ * pinning (plain memory works), a device buffer beyond the first key/value slots (fewer key
+ * chunks stay resident, runtime/stream.c). The result must still be the clean one. */
+static bool absorbable(enum wrap_op op)
+{
+	return op == WRAP_HOST_REGISTER || op == WRAP_BUF_ALLOC;
+}
+
+struct tally {
+	uint64_t points, errors, absorbed;
+};
+
+/* One broken run of c just happened (ret); `op` failed in it unless injected == 0 (-1: any op,
+ * the device was lost). Checks the report, the buffers, and that the next call works. */
+static void judge(struct __test_metadata *_metadata, fx_call *c, ape_device *healthy, int ret,
+		  int op, uint64_t injected, const char *what, uint64_t n, struct tally *t)
+{
+	const char *name = c->devs[0]->info.name, *bad;
+
+	if (!injected) {
+		EXPECT_EQ(0, ret) TH_LOG("%s #%llu: nothing injected, yet %s", what,
+					 (unsigned long long)n, c->msg);
+		return;
+	}
+	t->points++;
+	if (!ret) {
+		t->absorbed++;
+		EXPECT_TRUE(op >= 0 && absorbable((enum wrap_op)op))
+			TH_LOG("%s #%llu: a failure was swallowed", what, (unsigned long long)n);
+	} else {
+		t->errors++;
+		EXPECT_EQ(op == WRAP_BUF_ALLOC ? APE_ENOMEM : APE_EDEVLOST, ret)
+			TH_LOG("%s #%llu: %s", what, (unsigned long long)n, c->msg);
+		EXPECT_NE(NULL, strstr(c->msg, name))
+			TH_LOG("%s #%llu: the message does not name the device: %s", what,
+			       (unsigned long long)n, c->msg);
+		EXPECT_NE(NULL, strstr(c->msg, "fails on purpose"))
+			TH_LOG("%s #%llu: the message does not name the operation: %s", what,
+			       (unsigned long long)n, c->msg);
+		if (op >= 0)
+			EXPECT_NE(NULL, strstr(c->msg, wrap_op_name((enum wrap_op)op)))
+				TH_LOG("%s #%llu: %s", what, (unsigned long long)n, c->msg);
+	}
+	bad = fx_call_verify(c, ret);
+	EXPECT_EQ(NULL, bad) TH_LOG("%s #%llu: %s (%s)", what, (unsigned long long)n, bad, c->msg);
+	/* the context and the device serve the next call, and so does the other device */
+	EXPECT_EQ(0, fx_call_run(c)) TH_LOG("after %s #%llu: %s", what, (unsigned long long)n,
+					    c->msg);
+	EXPECT_EQ(NULL, fx_call_verify(c, 0));
+	if (healthy && c->ndev == 1 && n == 1) { /* once per op: the other backend is slow */
+		ape_device *keep = c->devs[0];
+
+		c->devs[0] = healthy;
+		c->exact = false; /* another backend: the clean result within tolerance */
+		EXPECT_EQ(0, fx_call_run(c)) TH_LOG("other device after %s: %s", what, c->msg);
+		EXPECT_EQ(NULL, fx_call_verify(c, 0));
+		c->devs[0] = keep;
+		c->exact = true;
+	}
+}
+
+/* Every op at every occurrence, then the device lost from every point on. */
+static void sweep(struct __test_metadata *_metadata, fx_call *c, ape_device *healthy,
+		  const char *what)
+{
+	struct tally t = { 0 };
+	struct wrap_counts wc;
+	uint64_t total = 0;
+	char label[128];
+	int ret;
+
+	wrap_install(c->devs[0], 0);
+	wrap_reset();
+	ASSERT_EQ(0, fx_call_run(c)) TH_LOG("%s", c->msg);
+	wc = wrap_get();
+	for (int op = 0; op < WRAP_NOPS; op++) {
+		total += wc.calls[op];
+		snprintf(label, sizeof(label), "%s: %s", what, wrap_op_name((enum wrap_op)op));
+		for (uint64_t n = 1; n <= wc.calls[op]; n++) {
+			uint64_t before = wrap_get().failed;
+
+			wrap_fail_op((enum wrap_op)op, n);
+			ret = fx_call_run(c);
+			wrap_fail_op((enum wrap_op)op, 0);
+			judge(_metadata, c, healthy, ret, op, wrap_get().failed - before, label, n,
+			      &t);
+		}
+	}
+	snprintf(label, sizeof(label), "%s: device lost at op", what);
+	for (uint64_t k = 1; k <= total; k++) {
+		uint64_t before = wrap_get().failed;
+
+		wrap_lose_device(k);
+		ret = fx_call_run(c);
+		wrap_lose_device(0);
+		judge(_metadata, c, healthy, ret, -1, wrap_get().failed - before, label, k, &t);
+	}
+	wrap_remove();
+	ksft_print_msg("%s: %llu failure points (%llu ops per clean run): %llu errors, %llu "
+		       "absorbed\n", what, (unsigned long long)t.points, (unsigned long long)total,
+		       (unsigned long long)t.errors, (unsigned long long)t.absorbed);
+	fflush(stdout); /* the harness ends each test with _exit() */
+}
+
+/* Prepares the call (its clean run first) and sweeps it. */
+static void run_case(struct __test_metadata *_metadata, ape_device **devs, int ndev, bool kv,
+		     int64_t L, int64_t chunk, ape_device *healthy, const char *what)
+{
+	fx_call c;
+
+	ASSERT_EQ(0, fx_call_init(&c, devs, ndev, kv, L, chunk)) TH_LOG("%s", c.msg);
+	sweep(_metadata, &c, healthy, what);
+	fx_call_free(&c);
+}
+
+TEST_F_TIMEOUT(df, one_shot, 600)
+{
+	run_case(_metadata, self->dev, 1, false, 64, 0, self->dev[1], "one-shot");
+}
+
+TEST_F_TIMEOUT(df, streamed, 600)
+{
+	run_case(_metadata, self->dev, 1, false, 192, 64, self->dev[1], "streamed 3x3");
+}
+
+/* The wrapped device fails, the other one is healthy: the call fails (no redistribution: the
+ * design stops every worker at the first failure) and names the failing device. */
+TEST_F_TIMEOUT(df, two_devices, 600)
+{
+	run_case(_metadata, self->dev, 2, false, 192, 64, NULL, "two devices");
+}
+
+TEST_F_TIMEOUT(df, kv_cache, 600)
+{
+	run_case(_metadata, self->dev, 1, true, 80, 0, self->dev[1], "KV cache");
+}
+
+TEST_HARNESS_MAIN

@@ -1,0 +1,132 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The threading contract (README 'Threads', include/ape/ape.h): 8 threads share one context and
+ * one device (reference, OpenCL) and run forward calls at once, one-shot and streamed, each
+ * result equal bit for bit to the serial run; 8 threads create contexts, compute and destroy
+ * them at once; 4 threads run two-device calls on one shared context at once (within the
+ * tolerance, since which device computes which chunk varies). `make tsan-ci` runs this under
+ * ThreadSanitizer, where any data race fails it.
+ */
+#include "kselftest_harness.h"
+
+#include <pthread.h>
+#include <string.h>
+
+#include "faults/faultcheck.h"
+#include "faults/fixture.h"
+
+enum { NT = 8, ROUNDS = 3 };
+
+struct job {
+	fx_call *c; /* a call prepared (and run once, serially) by the main thread */
+	const char *backend; /* contexts test: the backend to compute on */
+	const fx_call *want; /* contexts test: the serial result */
+	char err[512]; /* empty when everything matched */
+};
+
+static void *run_calls(void *arg)
+{
+	struct job *j = arg;
+
+	for (int r = 0; r < ROUNDS && !j->err[0]; r++) {
+		int ret = fx_call_run(j->c);
+		const char *bad = fx_call_verify(j->c, ret);
+
+		if (ret || bad)
+			snprintf(j->err, sizeof(j->err), "round %d: %.100s %.380s", r,
+				 bad ? bad : "", j->c->msg);
+	}
+	return NULL;
+}
+
+/* Joins the threads and reports what any of them found. */
+static void run_threads(struct __test_metadata *_metadata, struct job *jobs, int n,
+			void *(*fn)(void *))
+{
+	pthread_t t[NT];
+
+	for (int i = 0; i < n; i++)
+		ASSERT_EQ(0, pthread_create(&t[i], NULL, fn, &jobs[i]));
+	for (int i = 0; i < n; i++)
+		pthread_join(t[i], NULL);
+	for (int i = 0; i < n; i++) {
+		EXPECT_EQ(0, jobs[i].err[0]) TH_LOG("thread %d: %s", i, jobs[i].err);
+	}
+}
+
+FX_FIXTURE(th)
+
+/* One context, one device, 8 threads; half one-shot, half streamed (3 x 3 chunks). */
+TEST_F_TIMEOUT(th, shared_device, 300)
+{
+	fx_call c[NT];
+	struct job j[NT];
+
+	for (int i = 0; i < NT; i++) {
+		ASSERT_EQ(0, fx_call_init(&c[i], self->dev, 1, false, 96, i % 2 ? 32 : 0))
+			TH_LOG("%s", c[i].msg);
+		j[i] = (struct job){ .c = &c[i] };
+	}
+	run_threads(_metadata, j, NT, run_calls);
+	for (int i = 0; i < NT; i++)
+		fx_call_free(&c[i]);
+}
+
+/* One context, two devices per call, 4 threads at once. */
+TEST_F_TIMEOUT(th, two_devices, 300)
+{
+	fx_call c[NT / 2];
+	struct job j[NT / 2];
+
+	for (int i = 0; i < NT / 2; i++) {
+		ASSERT_EQ(0, fx_call_init(&c[i], self->dev, 2, false, 96, 32))
+			TH_LOG("%s", c[i].msg);
+		j[i] = (struct job){ .c = &c[i] };
+	}
+	run_threads(_metadata, j, NT / 2, run_calls);
+	for (int i = 0; i < NT / 2; i++)
+		fx_call_free(&c[i]);
+}
+
+/* Each thread: a context of its own, a call whose result must be the serial one, destroy. */
+static void *own_contexts(void *arg)
+{
+	struct job *j = arg;
+
+	for (int r = 0; r < 2 && !j->err[0]; r++) {
+		ape_context *ctx = test_context("ref,opencl");
+		ape_device *dev = ctx ? test_device(ctx, j->backend) : NULL;
+		fx_call c;
+		int ret;
+
+		if (!dev) {
+			snprintf(j->err, sizeof(j->err), "no context or device: %s",
+				 ape_last_error());
+			ape_context_destroy(ctx);
+			break;
+		}
+		ret = fx_call_clone(&c, j->want, dev);
+		if (!ret)
+			ret = fx_call_run(&c);
+		if (ret || fx_call_verify(&c, ret))
+			snprintf(j->err, sizeof(j->err), "not the serial result: %.100s %.380s",
+				 ret ? "" : fx_call_verify(&c, ret), c.msg);
+		fx_call_free(&c);
+		ape_context_destroy(ctx);
+	}
+	return NULL;
+}
+
+TEST_F_TIMEOUT(th, contexts_created_at_once, 300)
+{
+	struct job j[NT];
+	fx_call serial;
+
+	ASSERT_EQ(0, fx_call_init(&serial, self->dev, 1, false, 96, 32)) TH_LOG("%s", serial.msg);
+	for (int i = 0; i < NT; i++)
+		j[i] = (struct job){ .backend = variant->backend, .want = &serial };
+	run_threads(_metadata, j, NT, own_contexts);
+	fx_call_free(&serial);
+}
+
+TEST_HARNESS_MAIN

@@ -1,0 +1,356 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libFuzzer target: validation of forward calls (runtime/problem.c) through the internal entry
+ * point and the public ape_attention_forward() on the reference backend. The input describes a
+ * call: shapes (small, huge, negative, overflowing), strides (contiguous, padded, arbitrary),
+ * dtypes, every descriptor field (NaN, Inf, denormals, raw bit patterns), positions, aliasing.
+ *
+ * Promises checked:
+ * - a refused call returns a libape code with a message that names the function, and
+ *   ape_attention_forward() refuses it too, with the same code, before touching memory: the
+ *   tensors then point at addresses that are never mapped, so any access would crash;
+ * - an accepted call that is small enough to run in microseconds runs on the reference backend
+ *   over buffers exactly as large as the resolved strides address (AddressSanitizer catches a
+ *   read or write outside them) and succeeds, in one piece and streamed in chunks of a few rows
+ *   (ape_attention_forward_ex) under an arbitrary memory budget.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ape/ape.h"
+#include "problem.h"
+
+int LLVMFuzzerInitialize(int *argc, char ***argv);
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+static ape_context *ctx;
+static ape_device *ref;
+
+static void check(int cond, const char *what)
+{
+	if (!cond) {
+		fprintf(stderr, "fuzz_problem: broken promise: %s (last error: %s)\n", what,
+			ape_last_error());
+		abort();
+	}
+}
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+	ape_context_options o;
+	ape_selection sel;
+
+	(void)argc;
+	(void)argv;
+	ape_context_options_init(&o);
+	o.backends = "ref";
+	o.numa = APE_NUMA_OFF;
+	check(ape_context_create(&ctx, &o) == 0, "ape_context_create");
+	check(ape_device_select(ctx, "ref", -1, &sel) == 0, "ape_device_select(ref)");
+	ref = sel.device;
+	return 0;
+}
+
+/* ---------------------------------------------------------------- reading the input */
+
+struct in {
+	const uint8_t *p;
+	size_t n;
+};
+
+static uint64_t take(struct in *in, int bytes) /* little-endian; zeros once exhausted */
+{
+	uint64_t v = 0;
+
+	for (int i = 0; i < bytes && in->n; i++, in->n--)
+		v |= (uint64_t)*in->p++ << (8 * i);
+	return v;
+}
+
+/* Sizes, strides and positions: mostly small, sometimes at the edges of int64. */
+static int64_t take_int(struct in *in)
+{
+	static const int64_t edge[16] = {
+		-1, INT64_MIN, INT64_MAX, INT64_MAX - 1, (int64_t)1 << 31, (int64_t)1 << 32,
+		(int64_t)1 << 62, ((int64_t)1 << 62) + 1, 255, 256, 257, 258, -2, INT64_MIN + 1,
+		(int64_t)1 << 40, 3037000500 /* sqrt(2^63) */,
+	};
+	unsigned c = (unsigned)take(in, 1);
+
+	switch (c >> 5) {
+	case 5:
+		return (int64_t)take(in, 8);
+	case 6:
+		return edge[c & 15];
+	case 7:
+		return (int64_t)take(in, 2);
+	default:
+		return c & 31;
+	}
+}
+
+static float take_float(struct in *in)
+{
+	static const float special[16] = {
+		0.0f, 0.1f, 0.397f, -0.5f, 1.0f, 1e30f, -1e30f, FLT_MAX, -FLT_MAX, FLT_MIN,
+		1e-45f /* denormal */, 100.0f, -0.0f, 2.0f, 0.01f, 88.0f,
+	};
+	unsigned c = (unsigned)take(in, 1);
+	uint32_t bits;
+	float f;
+
+	if (c < 0xC0)
+		return special[c & 15];
+	if (c < 0xE0)
+		return c & 1 ? NAN : (c & 2 ? -INFINITY : INFINITY);
+	bits = (uint32_t)take(in, 4);
+	memcpy(&f, &bits, sizeof(f));
+	return f;
+}
+
+static double take_double(struct in *in)
+{
+	uint64_t bits;
+	double d;
+
+	if (take(in, 1) & 1)
+		return take_float(in);
+	bits = take(in, 8);
+	memcpy(&d, &bits, sizeof(d));
+	return d;
+}
+
+static ape_dtype take_dtype(struct in *in)
+{
+	unsigned c = (unsigned)take(in, 1);
+
+	return c < 0xF0 ? (ape_dtype)(c % 3) : (ape_dtype)(int)(int8_t)c;
+}
+
+/* ---------------------------------------------------------------- building the call */
+
+#define MAX_PER_HEAD 64
+
+struct call {
+	ape_attn_desc desc;
+	ape_tensor t[4]; /* q, k, v, o */
+	float per_head[4][MAX_PER_HEAD];
+	bool want_lse;
+};
+
+static void take_strides(struct in *in, ape_tensor *t)
+{
+	unsigned mode = (unsigned)take(in, 1) & 3;
+	uint64_t row;
+	int64_t pad;
+
+	if (mode == 0)
+		return; /* contiguous */
+	if (mode == 1) {
+		for (int d = 0; d < 4; d++)
+			t->strides[d] = take_int(in);
+		return;
+	}
+	/* the layouts real models use: [B, L, H, D] rows with padding, or padded [B, H, L, D] */
+	/* in uint64_t: absurd shapes wrap here (as a careless caller's would) instead of being
+	 * undefined behaviour in the harness */
+	pad = take_int(in);
+	row = (uint64_t)t->shape[3] + (uint64_t)pad;
+	t->strides[3] = 1;
+	if (mode == 2) {
+		t->strides[1] = (int64_t)row;
+		t->strides[2] = (int64_t)((uint64_t)t->shape[1] * row);
+	} else {
+		t->strides[2] = (int64_t)row;
+		t->strides[1] = (int64_t)((uint64_t)t->shape[2] * row);
+	}
+	t->strides[0] = (int64_t)((uint64_t)t->shape[1] * (uint64_t)t->shape[2] * row);
+}
+
+static void take_param(struct in *in, ape_param *prm, float *arr, int64_t H)
+{
+	prm->value = take_float(in);
+	if (H >= 1 && H <= MAX_PER_HEAD && (take(in, 1) & 1)) {
+		for (int64_t h = 0; h < H; h++)
+			arr[h] = take_float(in);
+		prm->per_head = arr;
+	}
+}
+
+static void take_call(struct in *in, struct call *c)
+{
+	int64_t B, H, Hkv, Lq, Lk, D;
+	unsigned flags, which;
+	ape_dtype dt;
+
+	B = take_int(in);
+	H = take_int(in);
+	Hkv = take_int(in);
+	Lq = take_int(in);
+	Lk = take_int(in);
+	/* D is even in every valid call: stay mostly there */
+	D = (int64_t)((uint64_t)take_int(in) * 2);
+	dt = take_dtype(in);
+	ape_tensor_init(&c->t[0], NULL, dt, B, H, Lq, D);
+	ape_tensor_init(&c->t[1], NULL, dt, B, Hkv, Lk, D);
+	ape_tensor_init(&c->t[2], NULL, dt, B, Hkv, Lk, D);
+	ape_tensor_init(&c->t[3], NULL, take(in, 1) & 1 ? APE_F32 : dt, B, H, Lq, D);
+	/* one field anywhere, any value: mismatched shapes, dtypes */
+	which = (unsigned)take(in, 1);
+	if (which & 0x80)
+		c->t[(which >> 4) & 3].shape[which & 3] = take_int(in);
+	if (which & 0x40)
+		c->t[(which >> 2) & 3].dtype = take_dtype(in);
+	for (int i = 0; i < 4; i++)
+		take_strides(in, &c->t[i]);
+
+	ape_attn_desc_init(&c->desc);
+	take_param(in, &c->desc.delta, c->per_head[0], H);
+	take_param(in, &c->desc.beta, c->per_head[1], H);
+	take_param(in, &c->desc.gamma, c->per_head[2], H);
+	take_param(in, &c->desc.lambda, c->per_head[3], H);
+	flags = (unsigned)take(in, 2);
+	c->desc.causal = flags & 1;
+	c->desc.q_start_set = flags & 2;
+	c->desc.scale_set = flags & 4;
+	c->want_lse = flags & 8;
+	if (flags & 16)
+		c->desc.layout = APE_ROPE_INTERLEAVED;
+	if (flags & 32)
+		c->desc.layout = (ape_rope_layout)(int)take_int(in);
+	if (flags & 64)
+		c->desc.rope_base = take_double(in);
+	if (flags & 128)
+		c->desc.skip_tol = take_double(in);
+	if (flags & 256)
+		c->desc.k_start = take_int(in);
+	if (flags & 512)
+		c->desc.q_start = take_int(in);
+	if (c->desc.scale_set)
+		c->desc.scale = take_double(in);
+	if (flags & 1024)
+		c->desc.struct_size = (size_t)take_int(in);
+}
+
+/* ---------------------------------------------------------------- running it */
+
+/* Elements addressed by tensor t with resolved strides s (0 when it has no element). */
+static uint64_t span_of(const ape_tensor *t, const int64_t s[4])
+{
+	uint64_t span = 1;
+
+	for (int d = 0; d < 4; d++) {
+		if (t->shape[d] == 0)
+			return 0;
+		span += (uint64_t)(t->shape[d] - 1) * (uint64_t)s[d];
+	}
+	return span;
+}
+
+/* Accepted and tiny: run it for real, over buffers exactly as large as the strides address. */
+static void run_accepted(const struct call *c, const struct ape__problem *p, struct in *in)
+{
+	const int64_t *s[4] = { p->qs, p->ks, p->vs, p->os };
+	ape_tensor t[4];
+	void *buf[4] = { NULL };
+	float *lse = NULL;
+	size_t lse_n = (size_t)(p->B * p->H * p->Lq);
+	ape_exec_options eo;
+	bool stream;
+	int ret;
+
+	/* read before the data, which takes the rest of the input */
+	ape_exec_options_init(&eo);
+	stream = take(in, 1) & 1;
+	eo.chunk_q = take(in, 1) & 31;
+	eo.chunk_k = take(in, 1) & 31;
+	eo.pipeline_depth = (int)(take(in, 1) & 3);
+	eo.flags = take(in, 1) & 1 ? APE_EXEC_ATOMIC_OUTPUTS : 0;
+	eo.max_device_bytes = take(in, 1) & 1 ? take(in, 3) : 0;
+
+	for (int i = 0; i < 4; i++) {
+		size_t bytes = span_of(&c->t[i], s[i]) * ape_dtype_size(c->t[i].dtype);
+
+		t[i] = c->t[i];
+		buf[i] = malloc(bytes ? bytes : 1);
+		check(buf[i] != NULL, "malloc");
+		/* inputs: what the input has left (raw bit patterns, NaN included), then zeros */
+		for (size_t b = 0; b < bytes; b++)
+			((uint8_t *)buf[i])[b] = (uint8_t)take(in, 1);
+		t[i].data = buf[i];
+	}
+	if (c->want_lse) {
+		lse = malloc((lse_n ? lse_n : 1) * sizeof(float));
+		check(lse != NULL, "malloc");
+	}
+	ret = ape_attention_forward(ref, &c->desc, &t[0], &t[1], &t[2], &t[3], lse, NULL);
+	check(ret == 0, "an accepted small call runs on the reference backend");
+	if (stream) {
+		/* the same call streamed in chunks of a few rows, under a budget */
+		ret = ape_attention_forward_ex(&ref, 1, &eo, &c->desc, &t[0], &t[1], &t[2], &t[3],
+					       lse, NULL);
+		check(ret == 0 || (ret == APE_ENOMEM && eo.max_device_bytes),
+		      "a streamed call succeeds, or says the budget is too small");
+	}
+	for (int i = 0; i < 4; i++)
+		free(buf[i]);
+	free(lse);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+	struct in in = { data, size };
+	struct ape__problem p;
+	struct call c;
+	uint64_t pairs, work;
+	float *lse;
+	int ret, fret;
+
+	memset(&c, 0, sizeof(c));
+	take_call(&in, &c);
+	/* The pure pair count takes the same descriptor and any sizes. */
+	ret = ape_visible_pairs(&c.desc, c.t[0].shape[0], c.t[0].shape[1], c.t[0].shape[2],
+				c.t[1].shape[2], &pairs);
+	check(ret == 0 || ret == APE_EINVAL || ret == APE_EOVERFLOW, "ape_visible_pairs' codes");
+
+	/* The per-head parameters are materialised (4 floats a head) before anything runs: a call
+	 * claiming millions of heads legitimately allocates that much, which is not what this
+	 * target is after. Every other field may be anything. */
+	if (c.t[0].shape[1] > (1 << 16))
+		return 0;
+
+	/* Addresses no one maps (the top of the lower half), distinct per tensor unless the input
+	 * asks for aliasing: validation must refuse or accept without touching them. */
+	for (int i = 0; i < 4; i++)
+		c.t[i].data = (void *)(uintptr_t)(0x7f0000000000ull + ((uint64_t)i << 36));
+	if (take(&in, 1) & 1)
+		c.t[3].data = (uint8_t *)c.t[(size_t)take(&in, 1) % 3].data + take(&in, 2);
+	if (take(&in, 1) & 1)
+		c.t[take(&in, 1) & 3].data = NULL;
+
+	lse = c.want_lse ? (float *)(uintptr_t)0x7ff000000000ull : NULL;
+	ret = ape__problem_init(&p, "fuzz", &c.desc, &c.t[0], &c.t[1], &c.t[2], &c.t[3], lse);
+	if (ret) {
+		check(ret == APE_EINVAL || ret == APE_EOVERFLOW,
+		      "validation fails with EINVAL or EOVERFLOW");
+		check(!strncmp(ape_last_error(), "fuzz: ", 6), "the message names the function");
+		fret = ape_attention_forward(ref, &c.desc, &c.t[0], &c.t[1], &c.t[2], &c.t[3], lse,
+					     NULL);
+		check(fret == ret, "ape_attention_forward refuses what validation refuses");
+		check(!strncmp(ape_last_error(), "ape_attention_forward: ", 23),
+		      "the public message names ape_attention_forward");
+		return 0;
+	}
+	/* Small enough to run in microseconds on the float64 reference. */
+	work = (uint64_t)p.B * (uint64_t)p.H * ((uint64_t)p.Lq + 1) * ((uint64_t)p.Lk + 1) *
+	       (uint64_t)p.D;
+	if (p.B <= 4 && p.H <= 16 && p.Lq <= 64 && p.Lk <= 64 && work <= (1u << 15) &&
+	    span_of(&c.t[0], p.qs) <= (1u << 16) && span_of(&c.t[1], p.ks) <= (1u << 16) &&
+	    span_of(&c.t[2], p.vs) <= (1u << 16) && span_of(&c.t[3], p.os) <= (1u << 16))
+		run_accepted(&c, &p, &in);
+	ape__problem_fini(&p);
+	return 0;
+}

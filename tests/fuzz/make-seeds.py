@@ -1,0 +1,103 @@
+#!/usr/bin/python3
+# Writes the seed corpus of the fuzz targets (tests/fuzz/corpus/<target>/): a few meaningful
+# inputs each, so that fuzzing starts from the formats' real shapes instead of from nothing.
+# The files are committed; run this again only to change them. The regress_* files beside them
+# are inputs that once found a bug, kept as the fuzzer wrote them.  usage: make-seeds.py [DIR]
+import io, os, struct, sys
+
+import numpy as np
+
+top = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "corpus")
+
+
+def put(target, name, data):
+    os.makedirs(os.path.join(top, target), exist_ok=True)
+    with open(os.path.join(top, target, name), "wb") as f:
+        f.write(data)
+
+
+# ---- npy: what NumPy itself writes, in every version, plus the refusals people meet
+def npy(arr, version=None, fortran=False):
+    b = io.BytesIO()
+    np.lib.format.write_array(b, np.asfortranarray(arr) if fortran else arr,
+                              version=version, allow_pickle=False)
+    return b.getvalue()
+
+
+a = np.arange(6, dtype="<f4").reshape(2, 3)
+put("npy", "v1_f4_2x3.npy", npy(a, (1, 0)))
+put("npy", "v2_f2_4.npy", npy(np.arange(4, dtype="<f2"), (2, 0)))
+put("npy", "v3_f4_2x2.npy", npy(np.ones((2, 2), "<f4"), (3, 0)))
+put("npy", "v1_f4_scalar.npy", npy(np.array(1.5, "<f4"), (1, 0)))
+put("npy", "v1_f4_empty_0x5.npy", npy(np.zeros((0, 5), "<f4"), (1, 0)))
+put("npy", "v1_f4_4d.npy", npy(np.zeros((1, 2, 3, 2), "<f4"), (1, 0)))
+put("npy", "fortran_order.npy", npy(np.arange(6, dtype="<f4").reshape(2, 3), (1, 0), True))
+put("npy", "truncated.npy", npy(a, (1, 0))[:-5])
+put("npy", "big_endian.npy", npy(a.astype(">f4"), (1, 0)))
+put("npy", "f8.npy", npy(a.astype("<f8"), (1, 0)))
+# Python 2 wrote long dimensions: accepted in versions 1 and 2
+hdr = b"{'descr': '<f4', 'fortran_order': False, 'shape': (2L, 1L), }"
+hdr += b" " * (64 - 10 - len(hdr) - 1) + b"\n"
+put("npy", "py2_long_dims.npy", b"\x93NUMPY\x01\x00" + struct.pack("<H", len(hdr)) + hdr +
+    np.zeros(2, "<f4").tobytes())
+
+# ---- problem: the byte encoding fuzz_problem.c reads (see take_call() there).
+# take_int: a byte below 0xA0 is its low 5 bits; take_float: a byte below 0xC0 picks special[],
+# index 1 = 0.1, 2 = 0.397, 4 = 1.0, 13 = 2.0, 14 = 0.01, 3 = -0.5, 0xC1 = NaN.
+# strides: per tensor, its mode byte followed by what that mode reads (mode 2, 3: a pad; 1: four
+# strides)
+def call(B, H, Hkv, Lq, Lk, Dhalf, dt=0, o_f32=0, which=0, strides=(b"\0",) * 4,
+         params=(2, 14, 14, 1), per_head=None, flags=1, tail=b""):
+    b = bytes([B, H, Hkv, Lq, Lk, Dhalf, dt, o_f32, which]) + b"".join(strides)
+    for i, p in enumerate(params):
+        b += bytes([p])
+        if per_head and per_head[i] is not None:
+            b += bytes([1]) + bytes(per_head[i])
+        else:
+            b += bytes([0])
+    return b + struct.pack("<H", flags) + tail
+
+
+# after the call: no aliasing, no NULL, then (accepted calls) the streamed run's options:
+# stream?, chunk_q, chunk_k, depth, atomic?, budget? [3 budget bytes], then the tensors' bytes
+put("problem", "f32_causal.bin",
+    call(1, 2, 1, 4, 4, 4) + b"\0\0" + bytes([1, 2, 3, 2, 1, 0]) + bytes(range(256)) * 4)
+# f16, GQA, [B, L, H, D] strides (mode 2, pad 0) for q and o, per-head lambda
+put("problem", "f16_gqa_blhd.bin",
+    call(2, 4, 2, 3, 5, 8, dt=1, strides=(b"\2\0", b"\0", b"\0", b"\2\0"), tail=b"\0\0",
+         per_head=(None, None, None, [1, 4, 13, 14])) + bytes([1, 1, 1, 0, 0, 1, 0, 0x40, 0]) +
+    bytes(512))
+# bf16 in, f32 out, interleaved, not causal, LSE wanted, explicit q_start and scale
+put("problem", "bf16_interleaved_lse.bin",
+    call(1, 1, 1, 2, 6, 2, dt=2, o_f32=1, flags=(8 | 16 | 2 | 4 | 512)) +
+    bytes([3]) + bytes([1, 4]) + b"\0\0" + bytes([1, 1, 0, 1, 0, 0]) + bytes(64))
+put("problem", "nan_delta.bin", call(1, 2, 1, 4, 4, 4, params=(0xC1, 0, 0, 0)))
+put("problem", "negative_lambda.bin", call(1, 2, 1, 4, 4, 4, params=(2, 0, 0, 3)))
+put("problem", "shape_overflow.bin", call(1, 0xC2, 1, 0xC2, 4, 4))
+put("problem", "padded_strides.bin", call(1, 2, 2, 4, 4, 4, strides=(b"\3\2", b"\3\1", b"\3\0", b"\3\3")) +
+    b"\0\0" + bytes([1, 3, 0, 0, 0, 0]) + bytes([1] * 8))
+
+# ---- cache: an entry for fuzz_cache.c's key, as ape__cache_format writes it, and damaged ones
+KEY = b"opencl|pthread-fuzz|PoCL 3.1|-cl-std=CL1.2 -DAPE_D=64|src=0123456789abcdef"
+
+
+def fnv(b):
+    h = 0xcbf29ce484222325
+    for x in b:
+        h = ((h ^ x) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def entry(payload, key=KEY):
+    return (b"APECACHE" + struct.pack("<IIQQ", 1, len(key), len(payload), fnv(payload)) + key +
+            payload)
+
+
+binary = b"\x7fELF\x02\x01\x01" + bytes(57) + b"pocl program binary " * 8
+put("cache", "valid.bin", entry(binary))
+put("cache", "valid_empty_payload.bin", entry(b""))
+put("cache", "truncated.bin", entry(binary)[:-7])
+bad = bytearray(entry(binary))
+bad[-1] ^= 1
+put("cache", "bad_checksum.bin", bytes(bad))
+put("cache", "other_key.bin", entry(binary, KEY[:-1] + b"0"))
