@@ -1,0 +1,205 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The CUDA backend's internal state, shared by its files (and by no one else).
+ *
+ * The driver (libcuda.so.1) is loaded at run time with dlopen and every entry point is resolved
+ * through cuGetProcAddress (cuda_loader.c), so libape links no CUDA library and runs where no
+ * NVIDIA driver is installed. The toolkit's cuda.h provides the types only.
+ *
+ * State: the loaded driver is per context (be->priv); per device (dev->priv) the primary context,
+ * retained on first use, and the kernel module, loaded on first launch, each under the device's
+ * mutex; buffers, queues and events are plain wrappers of driver handles. No global mutable state.
+ *
+ * Every driver call that needs a context runs between cu_enter() and cu_leave(), which push and
+ * pop the device's primary context on the calling thread: the caller's own current context (an
+ * application using the CUDA runtime, say) is left as it was.
+ */
+#ifndef APE_CUDA_CU_H
+#define APE_CUDA_CU_H
+
+#include <cuda.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#include "backend.h"
+#include "cuda_syms.h"
+#include "kernels/args.h"
+
+#pragma GCC visibility push(hidden)
+
+/* The driver version the embedded kernels need: the fatbin holds machine code built by this
+ * toolkit (nvcc CUDA_VERSION), which a driver of the same major version loads (CUDA's minor
+ * version compatibility), and compute_90 PTX, which only a driver at least as new as the
+ * toolkit can compile; PTX is used only on GPUs newer than Hopper, and a driver too old for it
+ * says so when the module loads (CUDA_ERROR_UNSUPPORTED_PTX_VERSION). */
+#define APE_CU_DRIVER_MIN ((CUDA_VERSION / 1000) * 1000)
+
+/* The function types of the table, and the table itself. */
+#define APE_CU_PFN(name, ver, req, params) typedef CUresult (*ape__pfn_##name) params;
+APE_CUDA_SYMBOLS(APE_CU_PFN)
+#undef APE_CU_PFN
+
+struct ape__cu_driver {
+	void *lib; /* dlopen handle */
+	char path[256]; /* what was loaded */
+	int version; /* cuDriverGetVersion: 13000 for CUDA 13.0 */
+	bool pinning; /* the optional host-registration symbols are there */
+	char missing_optional[128]; /* optional symbols the driver lacks, for ape-info */
+#define APE_CU_FIELD(name, ver, req, params) ape__pfn_##name p_##name;
+	APE_CUDA_SYMBOLS(APE_CU_FIELD)
+#undef APE_CU_FIELD
+};
+
+/* The fatbins, one per kernel file, each loaded as one module. */
+enum {
+	APE__CU_MOD_PREP,
+	APE__CU_MOD_WINDOW,
+	APE__CU_MOD_DECODE,
+	APE__CU_MOD_PREFILL,
+	APE__CU_NMODULES,
+};
+
+/* Kernels the backend launches (cuda_module.c names them). */
+enum ape__cu_kernel {
+	APE__CU_K_PREP,
+	APE__CU_K_SCAN,
+	APE__CU_K_WINDOW,
+	APE__CU_K_MERGE,
+	/* prefill: 4 head-size variants x 3 types, then decode likewise */
+	APE__CU_K_PREFILL,
+	APE__CU_K_DECODE = APE__CU_K_PREFILL + 12,
+	APE__CU_NKERNELS = APE__CU_K_DECODE + 12,
+};
+
+/* Head-size variants: D = 64 and 128 specialised, every other even D <= 256 generic. */
+enum { APE__CU_V_D64, APE__CU_V_D128, APE__CU_V_G128, APE__CU_V_G256, APE__CU_NVARIANTS };
+
+struct ape__cu_device {
+	const struct ape__cu_driver *drv;
+	CUdevice dev;
+	int ordinal;
+	char name[128];
+	int cc_major, cc_minor;
+	int sm_count;
+	int smem_optin; /* CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN */
+	bool mempools; /* cuMemAllocAsync works on it */
+	size_t total_mem;
+	char pci[16];
+
+	pthread_mutex_t lock; /* guards everything below while it is being set up */
+	atomic_int ctx_state; /* 0: not yet, 1: ready, < 0: failed (the libape code) */
+	CUcontext ctx; /* primary context, retained once */
+	CUevent epoch; /* recorded once: event_timestamp measures from it */
+	atomic_int mod_state; /* like ctx_state, for the modules */
+	CUmodule mod[APE__CU_NMODULES];
+	CUfunction fn[APE__CU_NKERNELS];
+	int fn_smem[APE__CU_NKERNELS]; /* dynamic shared memory the function was opened up to */
+	char init_error[320]; /* why ctx_state or mod_state failed, repeated to later callers */
+};
+
+struct ape__buf {
+	CUdeviceptr ptr;
+	size_t size;
+};
+
+struct ape__queue {
+	struct ape_device *dev;
+	CUstream s;
+};
+
+struct ape__event {
+	struct ape_device *dev;
+	CUevent ev;
+};
+
+static inline struct ape__cu_device *ape__cu_dev(const struct ape_device *dev)
+{
+	return dev->priv;
+}
+
+/* ---- cuda_loader.c */
+/* Loads the driver (APE_CUDA_LIBRARY or libcuda.so.1) and resolves every symbol. 0, or -1 with
+ * the reason ("libcuda.so.1 not found", "driver too old: ...") in why. Never aborts. */
+int ape__cu_driver_load(struct ape__cu_driver *drv, char *why, size_t cap);
+void ape__cu_driver_unload(struct ape__cu_driver *drv);
+/* "13.0" */
+void ape__cu_version_string(int version, char *buf, size_t cap);
+
+/* ---- cuda_errors.c */
+/* The libape code for a CUresult (ENOMEM, ENODEV, EDEVLOST, EBUILD or EBACKEND). */
+int ape__cu_err_code(CUresult r);
+/* "CUDA_ERROR_OUT_OF_MEMORY", from the driver when it knows the code, else from libape's own
+ * table, else "CUresult 1234". */
+const char *ape__cu_err_name(const struct ape__cu_driver *drv, CUresult r, char *buf, size_t cap);
+/* Sets the message "cuda <device> (<pci>): <what>: CUDA_ERROR_NAME (code): <driver's text>"
+ * and returns the mapped code. */
+int ape__cu_error(CUresult r, const struct ape_device *dev, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+/* ---- cuda_device.c */
+int ape__cu_probe(struct ape__backend *be, struct ape__probe_result *res);
+void ape__cu_teardown(struct ape__backend *be);
+void ape__cu_device_release(struct ape_device *dev);
+/* "dddd:bb:dd.0" from the driver's PCI domain, bus and device numbers. */
+void ape__cu_pci_address(int domain, int bus, int device, char *buf, size_t cap);
+/* Runs init(dev, cd) once per device under cd->lock and remembers the outcome in *state (1
+ * ready, < 0 its code): 0, or that code with the first attempt's message, to every caller. */
+int ape__cu_once(struct ape_device *dev, atomic_int *state,
+		 int (*init)(struct ape_device *dev, struct ape__cu_device *cd));
+/* Makes the device's primary context current on this thread (retaining it on first use). */
+int ape__cu_enter(struct ape_device *dev);
+void ape__cu_leave(struct ape_device *dev);
+
+/* ---- cuda_mem.c */
+int ape__cu_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out);
+void ape__cu_buf_free(struct ape_device *dev, struct ape__buf *buf);
+int ape__cu_queue_create(struct ape_device *dev, struct ape__queue **out);
+void ape__cu_queue_destroy(struct ape__queue *q);
+int ape__cu_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src,
+		     size_t n);
+int ape__cu_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n);
+int ape__cu_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
+		     struct ape__buf *src, size_t src_off, size_t n);
+int ape__cu_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+		 size_t n);
+int ape__cu_event_record(struct ape__queue *q, struct ape__event **out);
+int ape__cu_event_wait(struct ape__queue *q, struct ape__event *e);
+int ape__cu_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms);
+int ape__cu_event_timestamp(struct ape__event *e, double *ms);
+void ape__cu_event_destroy(struct ape__event *e);
+int ape__cu_synchronize(struct ape__queue *q);
+int ape__cu_host_register(struct ape_device *dev, void *ptr, size_t bytes, void **handle);
+void ape__cu_host_unregister(struct ape_device *dev, void *handle);
+uint64_t ape__cu_max_alloc(struct ape_device *dev);
+/* Scratch for one launch, freed in stream order after it (cuMemAllocAsync where the device has
+ * memory pools; otherwise a plain allocation freed once the stream is done with it). */
+int ape__cu_scratch_alloc(struct ape__queue *q, size_t bytes, CUdeviceptr *out);
+int ape__cu_scratch_free(struct ape__queue *q, CUdeviceptr p);
+
+/* ---- cuda_module.c */
+/* The modules' functions, loading them on first use. The caller has entered the device. */
+int ape__cu_module(struct ape_device *dev);
+/* Unloads whatever modules are loaded (device release; the context current). */
+void ape__cu_module_unload(struct ape__cu_device *cd);
+/* Kernel index of a prefill / decode variant. */
+int ape__cu_kernel_index(bool decode, int variant, int dtype);
+/* Launches kernel k over `blocks` blocks of APE_CU_THREADS threads (split into a 2-D grid when
+ * more than 2^31 - 1) with `smem` bytes of dynamic shared memory; params[0] is its argument
+ * struct. The caller has entered the device. */
+int ape__cu_launch(struct ape__queue *q, int k, int64_t blocks, unsigned smem, void *args,
+		   const char *what);
+extern const char *const ape__cu_kernel_names[APE__CU_NKERNELS];
+
+/* ---- cuda_attention.c */
+int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l);
+uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__launch *l);
+
+/* ---- fatbin_embed.S: the fatbins nvcc built, in APE__CU_MOD_* order */
+extern const unsigned char ape__cu_fatbin_prep[];
+extern const unsigned char ape__cu_fatbin_window[];
+extern const unsigned char ape__cu_fatbin_decode[];
+extern const unsigned char ape__cu_fatbin_prefill[];
+
+#pragma GCC visibility pop
+#endif /* APE_CUDA_CU_H */

@@ -1,0 +1,359 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * One attention launch: choose prefill or decode, size the grids and the scratch, run the
+ * pre-passes the launch needs, then the attention kernel(s), all on the queue's stream.
+ *
+ *   prefill (Lq > 16): [ape_prep: K as float32 pairs, V padded, key norms] [ape_kscan]
+ *                      ape_prefill_<variant>_<type>: one block per (query tile, batch, head)
+ *   decode (Lq <= 16): [ape_prep: key norms] [ape_kscan] [ape_dwindow: the proven key range]
+ *                      ape_decode_<variant>_<type>: one block per (split, batch, kv head)
+ *                      ape_dmerge: the splits merged by their LSE
+ * (bracketed steps only when needed: ape_prep runs for the prefill unless K is already float32
+ * in the half layout and D is 64 or 128, and for skipping.)
+ *
+ * Scratch is one stream-ordered allocation per launch, freed in stream order after the last
+ * kernel: the memory is held from the attention call until the launch completes, which is what
+ * attention_scratch() reports to the streaming executor.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "alloc.h"
+#include "cu.h"
+#include "error.h"
+
+/* Decode splits: enough blocks to fill the GPU twice, each split at least this many keys. */
+#define SPLIT_MIN_KEYS 256
+/* ... and their partial results within this many bytes. */
+#define SPLIT_MAX_BYTES (256u << 20)
+
+struct cu_plan {
+	bool decode, skip, exact, need_kp, need_vp;
+	int variant, dmax, vt;
+	int64_t bk; /* keys per tile of the skip pre-pass */
+	int64_t ntile; /* such tiles */
+	int64_t nbkv, rows, splits;
+	/* scratch layout: byte offsets, 0 when absent (offset 0 is never a region's) */
+	size_t kp, vp, ktile, pre, suf, hp, win, po, pml, pp;
+	size_t total;
+};
+
+static size_t align_up(size_t x)
+{
+	return (x + 255) & ~(size_t)255;
+}
+
+/* Reserves `bytes` in the scratch layout; returns the region's offset. */
+static size_t take(struct cu_plan *p, size_t bytes)
+{
+	const size_t off = p->total;
+
+	p->total += align_up(bytes);
+	return off;
+}
+
+static void plan_launch(const struct ape__cu_device *cd, const struct ape__launch *l,
+			struct cu_plan *p)
+{
+	const size_t esz = l->in_dtype == APE_F32 ? 4 : 2;
+
+	memset(p, 0, sizeof(*p));
+	p->total = 256; /* no region at offset 0 */
+	p->vt = (int)l->in_dtype;
+	p->decode = l->Lq <= APE_DC_MAX_LQ;
+	p->skip = l->skip_tol > 0 && l->decay_nonneg;
+	p->variant = l->D == 64	   ? APE__CU_V_D64
+		     : l->D == 128 ? APE__CU_V_D128
+		     : l->D <= 128 ? APE__CU_V_G128
+				   : APE__CU_V_G256;
+	p->dmax = p->variant == APE__CU_V_D64 ? 64 : p->variant == APE__CU_V_G256 ? 256 : 128;
+	p->exact = l->D == p->dmax;
+	p->nbkv = l->B * l->Hkv;
+	p->rows = l->B * l->H * l->Lq;
+	p->bk = p->decode ? APE_DC_NORM_TILE : APE_PF_BK(p->dmax);
+	p->ntile = (l->Lk + p->bk - 1) / p->bk;
+	if (!p->decode) {
+		p->need_kp = !(p->exact && l->in_dtype == APE_F32 && l->layout == APE_ROPE_HALF);
+		p->need_vp = !p->exact;
+		if (p->need_kp)
+			p->kp = take(p, (size_t)(p->nbkv * l->Lk) * (size_t)p->dmax * 4);
+		if (p->need_vp)
+			p->vp = take(p, (size_t)(p->nbkv * l->Lk) * (size_t)p->dmax * esz);
+	}
+	if (p->skip) {
+		p->ktile = take(p, (size_t)(p->nbkv * p->ntile) * 4);
+		p->pre = take(p, (size_t)(p->nbkv * (p->ntile + 1)) * 4);
+		p->suf = take(p, (size_t)(p->nbkv * (p->ntile + 1)) * 4);
+	}
+	if (l->H > APE_CU_INLINE_HEADS)
+		p->hp = take(p, (size_t)l->H * 4 * sizeof(float));
+	if (p->decode) {
+		const int64_t rel = l->q_start - l->k_start;
+		int64_t keys = l->causal ? rel + l->Lq : l->Lk, s;
+		const size_t per_split = (size_t)p->rows * ((size_t)l->D + 4) * 4;
+
+		keys = keys < 0 ? 0 : keys > l->Lk ? l->Lk : keys;
+		s = (2 * (int64_t)cd->sm_count + p->nbkv - 1) / p->nbkv;
+		if (s > (keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS)
+			s = (keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS;
+		if ((size_t)s * per_split > SPLIT_MAX_BYTES)
+			s = (int64_t)(SPLIT_MAX_BYTES / per_split);
+		p->splits = s < 1 ? 1 : s;
+		if (p->skip)
+			p->win = take(p, (size_t)p->nbkv * 2 * sizeof(int64_t));
+		p->po = take(p, (size_t)p->splits * (size_t)p->rows * (size_t)l->D * 4);
+		p->pml = take(p, (size_t)p->splits * (size_t)p->rows * 2 * 4);
+		p->pp = take(p, (size_t)p->splits * (size_t)p->rows * 8);
+	}
+}
+
+uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__launch *l)
+{
+	struct cu_plan p;
+
+	if (l->B * l->H * l->Lq == 0 || l->Lk == 0)
+		return 0;
+	plan_launch(ape__cu_dev(dev), l, &p);
+	return p.total;
+}
+
+/* What every kernel's ape_cu_common holds. */
+static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CUdeviceptr scratch,
+			struct ape_cu_common *c)
+{
+	memset(c, 0, sizeof(*c));
+	c->q = l->q->ptr;
+	c->k = l->k->ptr;
+	c->v = l->v->ptr;
+	c->o = l->o->ptr;
+	c->lse = l->lse ? l->lse->ptr : 0;
+	c->pairs = l->pairs ? l->pairs->ptr : 0;
+	c->hparams = p->hp ? scratch + p->hp : 0;
+	c->Lq = l->Lq;
+	c->Lk = l->Lk;
+	c->rel = l->q_start - l->k_start;
+	for (int i = 0; i < l->D / 2; i++)
+		c->omega[i] = l->omega[i];
+	c->scale = l->scale;
+	/* the kernels split it between the two sides of the diagonal when not causal */
+	c->tol = p->skip ? l->skip_tol : 0.0;
+	c->B = (int32_t)l->B;
+	c->H = (int32_t)l->H;
+	c->Hkv = (int32_t)l->Hkv;
+	c->D = (int32_t)l->D;
+	c->dt_in = (int32_t)l->in_dtype;
+	c->dt_out = (int32_t)l->out_dtype;
+	c->flags = (l->causal ? APE_CU_F_CAUSAL : 0) |
+		   (l->layout == APE_ROPE_INTERLEAVED ? APE_CU_F_INTERLEAVED : 0) |
+		   (l->lse ? APE_CU_F_LSE : 0) | (l->pairs ? APE_CU_F_PAIRS : 0) |
+		   (p->skip ? APE_CU_F_SKIP : 0);
+	if (l->H <= APE_CU_INLINE_HEADS)
+		memcpy(c->hp, l->head_params, (size_t)l->H * 4 * sizeof(float));
+}
+
+static void CUDA_CB cu_free_host(void *p)
+{
+	free(p);
+}
+
+/* More heads than the argument struct carries: their parameters go through the scratch. The
+ * host copy is freed by the stream once the copy has run. */
+static int upload_head_params(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst)
+{
+	const struct ape__cu_driver *drv = ape__cu_dev(q->dev)->drv;
+	const size_t bytes = (size_t)l->H * 4 * sizeof(float);
+	void *copy = ape__malloc(bytes);
+	CUresult r;
+
+	if (!copy)
+		return ape__error(APE_ENOMEM, "cuda: out of host memory for %lld heads' parameters",
+				  (long long)l->H);
+	memcpy(copy, l->head_params, bytes);
+	r = drv->p_cuMemcpyHtoDAsync(dst, copy, bytes, q->s);
+	if (r != CUDA_SUCCESS) {
+		free(copy);
+		return ape__cu_error(r, q->dev, "cuMemcpyHtoDAsync (head parameters)");
+	}
+	r = drv->p_cuLaunchHostFunc(q->s, cu_free_host, copy);
+	if (r != CUDA_SUCCESS) {
+		/* the copy may still read it: wait for it before freeing */
+		drv->p_cuStreamSynchronize(q->s);
+		free(copy);
+		return ape__cu_error(r, q->dev, "cuLaunchHostFunc");
+	}
+	return 0;
+}
+
+/* The skip pre-pass and the prefill's K/V conversion. */
+static int run_prep(struct ape__queue *q, const struct ape__launch *l, const struct cu_plan *p,
+		    CUdeviceptr scratch)
+{
+	struct ape_cu_prep_args a;
+	struct ape_cu_scan_args s;
+	int ret;
+
+	if (!p->need_kp && !p->need_vp && !p->skip)
+		return 0;
+	memset(&a, 0, sizeof(a));
+	a.k = l->k->ptr;
+	a.v = l->v->ptr;
+	a.kp = p->need_kp ? scratch + p->kp : 0;
+	a.vp = p->need_vp ? scratch + p->vp : 0;
+	a.ktile = p->skip ? scratch + p->ktile : 0;
+	a.Lk = l->Lk;
+	a.nbkv = p->nbkv;
+	a.ntile = p->ntile;
+	a.D = (int32_t)l->D;
+	a.dmax = p->dmax;
+	a.tile = (int32_t)p->bk;
+	a.dt = (int32_t)l->in_dtype;
+	a.interleaved = l->layout == APE_ROPE_INTERLEAVED;
+	ret = ape__cu_launch(q, APE__CU_K_PREP, p->nbkv * p->ntile, APE_CU_PREP_SMEM, &a, "ape_prep");
+	if (ret || !p->skip)
+		return ret;
+	memset(&s, 0, sizeof(s));
+	s.ktile = scratch + p->ktile;
+	s.pre = scratch + p->pre;
+	s.suf = scratch + p->suf;
+	s.ntile = p->ntile;
+	s.nbkv = p->nbkv;
+	return ape__cu_launch(q, APE__CU_K_SCAN, (p->nbkv + APE_CU_THREADS - 1) / APE_CU_THREADS, 0,
+			      &s, "ape_kscan");
+}
+
+static int run_prefill(struct ape__queue *q, const struct ape__launch *l, const struct cu_plan *p,
+		       CUdeviceptr scratch)
+{
+	struct ape_cu_prefill_args a;
+	const int64_t bq = APE_PF_BQ(p->dmax);
+
+	memset(&a, 0, sizeof(a));
+	fill_common(l, p, scratch, &a.c);
+	a.kp = p->need_kp ? scratch + p->kp : l->k->ptr;
+	a.vp = p->need_vp ? scratch + p->vp : l->v->ptr;
+	a.pre = p->skip ? scratch + p->pre : 0;
+	a.suf = p->skip ? scratch + p->suf : 0;
+	a.nqt = (l->Lq + bq - 1) / bq;
+	a.ntk = (l->Lk + APE_PF_BK(p->dmax) - 1) / APE_PF_BK(p->dmax);
+	return ape__cu_launch(q, ape__cu_kernel_index(false, p->variant, p->vt),
+			      a.nqt * l->B * l->H, (unsigned)APE_PF_SMEM(p->dmax, p->vt), &a,
+			      "prefill");
+}
+
+static int run_decode(struct ape__queue *q, const struct ape__launch *l, const struct cu_plan *p,
+		      CUdeviceptr scratch)
+{
+	struct ape_cu_decode_args a;
+	struct ape_cu_merge_args mg;
+	int ret;
+
+	if (p->skip) {
+		struct ape_cu_window_args w;
+
+		memset(&w, 0, sizeof(w));
+		fill_common(l, p, scratch, &w.c);
+		w.pre = scratch + p->pre;
+		w.suf = scratch + p->suf;
+		w.window = scratch + p->win;
+		w.ntile = p->ntile;
+		ret = ape__cu_launch(q, APE__CU_K_WINDOW, p->nbkv, APE_DC_WINDOW_SMEM, &w,
+				     "ape_dwindow");
+		if (ret)
+			return ret;
+	}
+	memset(&a, 0, sizeof(a));
+	fill_common(l, p, scratch, &a.c);
+	a.window = p->skip ? scratch + p->win : 0;
+	a.part_o = scratch + p->po;
+	a.part_ml = scratch + p->pml;
+	a.part_pairs = scratch + p->pp;
+	a.splits = p->splits;
+	ret = ape__cu_launch(q, ape__cu_kernel_index(true, p->variant, p->vt),
+			     p->splits * p->nbkv, (unsigned)APE_DC_SMEM(p->dmax, p->vt, p->exact),
+			     &a, "decode");
+	if (ret)
+		return ret;
+	memset(&mg, 0, sizeof(mg));
+	fill_common(l, p, scratch, &mg.c);
+	mg.part_o = a.part_o;
+	mg.part_ml = a.part_ml;
+	mg.part_pairs = a.part_pairs;
+	mg.splits = p->splits;
+	mg.rows = p->rows;
+	return ape__cu_launch(q, APE__CU_K_MERGE,
+			      (p->rows + APE_CU_THREADS / 32 - 1) / (APE_CU_THREADS / 32), 0, &mg,
+			      "ape_dmerge");
+}
+
+/* No key at all: O = 0, LSE = -inf, no pairs, by fills. */
+static int run_empty(struct ape__queue *q, const struct ape__launch *l)
+{
+	const size_t rows = (size_t)(l->B * l->H * l->Lq);
+	const size_t ob = rows * (size_t)l->D * ape_dtype_size(l->out_dtype);
+	int ret = ape__cu_fill(q, l->o, 0, 0u, ob & ~(size_t)3);
+
+	/* an odd count of 16-bit elements leaves 2 bytes: O's size is even in elements (D is) */
+	if (!ret && l->lse)
+		ret = ape__cu_fill(q, l->lse, 0, 0xff800000u, rows * 4);
+	if (!ret && l->pairs)
+		ret = ape__cu_fill(q, l->pairs, 0, 0u, rows * 8);
+	return ret;
+}
+
+static int check_launch(const struct ape_device *dev, const struct ape__launch *l)
+{
+	if (l->D < 2 || l->D > 256 || l->D % 2 || l->B < 1 || l->H < 1 || l->Hkv < 1 ||
+	    l->H % l->Hkv || l->Lq < 0 || l->Lk < 0 || (unsigned)l->in_dtype > APE_BF16 ||
+	    (l->out_dtype != l->in_dtype && l->out_dtype != APE_F32))
+		return ape__error(APE_EINVAL,
+				  "cuda %s: launch B=%lld H=%lld Hkv=%lld Lq=%lld Lk=%lld D=%lld "
+				  "is not one the kernels take",
+				  dev->info.name, (long long)l->B, (long long)l->H, (long long)l->Hkv,
+				  (long long)l->Lq, (long long)l->Lk, (long long)l->D);
+	/* rows, keys and heads are 32-bit inside the kernels; no GPU holds more in one launch */
+	if (l->Lq > INT32_MAX || l->Lk > INT32_MAX || l->B * l->H > INT32_MAX ||
+	    (l->H / l->Hkv) * APE_DC_MAX_LQ > INT32_MAX)
+		return ape__error(APE_EINVAL,
+				  "cuda %s: Lq=%lld, Lk=%lld: more rows than one launch takes "
+				  "(2^31 - 1); use smaller chunks",
+				  dev->info.name, (long long)l->Lq, (long long)l->Lk);
+	return 0;
+}
+
+int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
+{
+	struct ape__cu_device *cd = ape__cu_dev(q->dev);
+	CUdeviceptr scratch = 0;
+	struct cu_plan p;
+	int ret, ret2;
+
+	ret = check_launch(q->dev, l);
+	if (ret || l->B * l->H * l->Lq == 0)
+		return ret;
+	ret = ape__cu_enter(q->dev);
+	if (ret)
+		return ret;
+	if (l->Lk == 0) {
+		ret = run_empty(q, l);
+		goto out_leave;
+	}
+	ret = ape__cu_module(q->dev);
+	if (ret)
+		goto out_leave;
+	plan_launch(cd, l, &p);
+	ret = ape__cu_scratch_alloc(q, p.total, &scratch);
+	if (ret)
+		goto out_leave;
+	if (p.hp)
+		ret = upload_head_params(q, l, scratch + p.hp);
+	if (!ret)
+		ret = run_prep(q, l, &p, scratch);
+	if (!ret)
+		ret = p.decode ? run_decode(q, l, &p, scratch) : run_prefill(q, l, &p, scratch);
+	ret2 = ape__cu_scratch_free(q, scratch);
+	ret = ret ? ret : ret2;
+out_leave:
+	ape__cu_leave(q->dev);
+	return ret;
+}

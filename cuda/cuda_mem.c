@@ -1,0 +1,308 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Buffers, queues (streams), copies, fills, events and host-memory pinning: each op is one or two
+ * driver calls between cu_enter() and cu_leave().
+ *
+ * Queues are non-blocking streams, so they never wait for the legacy default stream an
+ * application may use. Events are created with timing; event_timestamp measures from the
+ * device's epoch event, so events of every queue of a device share one clock (float
+ * milliseconds, 0.5 us resolution: enough for the traces of one call).
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "alloc.h"
+#include "cu.h"
+#include "error.h"
+
+#define DRV(dev) (ape__cu_dev(dev)->drv)
+
+int ape__cu_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
+{
+	struct ape__buf *b = ape__calloc(1, sizeof(*b));
+	CUresult r;
+	int ret;
+
+	if (!b)
+		return ape__error(APE_ENOMEM, "cuda: out of host memory for a buffer");
+	ret = ape__cu_enter(dev);
+	if (ret) {
+		free(b);
+		return ret;
+	}
+	r = DRV(dev)->p_cuMemAlloc(&b->ptr, bytes);
+	ape__cu_leave(dev);
+	if (r != CUDA_SUCCESS) {
+		free(b);
+		return ape__cu_error(r, dev, "cuMemAlloc (%zu bytes)", bytes);
+	}
+	b->size = bytes;
+	*out = b;
+	return 0;
+}
+
+void ape__cu_buf_free(struct ape_device *dev, struct ape__buf *buf)
+{
+	if (!buf)
+		return;
+	if (!ape__cu_enter(dev)) {
+		DRV(dev)->p_cuMemFree(buf->ptr);
+		ape__cu_leave(dev);
+	}
+	free(buf);
+}
+
+int ape__cu_queue_create(struct ape_device *dev, struct ape__queue **out)
+{
+	struct ape__queue *q = ape__calloc(1, sizeof(*q));
+	CUresult r;
+	int ret;
+
+	if (!q)
+		return ape__error(APE_ENOMEM, "cuda: out of memory creating a queue");
+	ret = ape__cu_enter(dev);
+	if (ret) {
+		free(q);
+		return ret;
+	}
+	r = DRV(dev)->p_cuStreamCreate(&q->s, CU_STREAM_NON_BLOCKING);
+	ape__cu_leave(dev);
+	if (r != CUDA_SUCCESS) {
+		free(q);
+		return ape__cu_error(r, dev, "cuStreamCreate");
+	}
+	q->dev = dev;
+	*out = q;
+	return 0;
+}
+
+void ape__cu_queue_destroy(struct ape__queue *q)
+{
+	if (!q)
+		return;
+	if (!ape__cu_enter(q->dev)) {
+		/* buffers may be freed right after: nothing may still use them */
+		DRV(q->dev)->p_cuStreamSynchronize(q->s);
+		DRV(q->dev)->p_cuStreamDestroy(q->s);
+		ape__cu_leave(q->dev);
+	}
+	free(q);
+}
+
+/* Leaves the device entered for one driver call and reports its result. */
+static int __attribute__((format(printf, 3, 4)))
+cu_done(struct ape_device *dev, CUresult r, const char *fmt, ...)
+{
+	char what[256];
+	va_list ap;
+
+	ape__cu_leave(dev);
+	if (r == CUDA_SUCCESS)
+		return 0;
+	va_start(ap, fmt);
+	vsnprintf(what, sizeof(what), fmt, ap);
+	va_end(ap);
+	return ape__cu_error(r, dev, "%s", what);
+}
+
+int ape__cu_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src,
+		     size_t n)
+{
+	int ret = ape__cu_enter(q->dev);
+
+	if (ret)
+		return ret;
+	return cu_done(q->dev, DRV(q->dev)->p_cuMemcpyHtoDAsync(dst->ptr + off, src, n, q->s),
+		       "cuMemcpyHtoDAsync (%zu bytes)", n);
+}
+
+int ape__cu_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n)
+{
+	int ret = ape__cu_enter(q->dev);
+
+	if (ret)
+		return ret;
+	return cu_done(q->dev, DRV(q->dev)->p_cuMemcpyDtoHAsync(dst, src->ptr + off, n, q->s),
+		       "cuMemcpyDtoHAsync (%zu bytes)", n);
+}
+
+int ape__cu_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
+		     struct ape__buf *src, size_t src_off, size_t n)
+{
+	int ret = ape__cu_enter(q->dev);
+
+	if (ret)
+		return ret;
+	return cu_done(q->dev,
+		       DRV(q->dev)->p_cuMemcpyDtoDAsync(dst->ptr + dst_off, src->ptr + src_off, n,
+							q->s),
+		       "cuMemcpyDtoDAsync (%zu bytes)", n);
+}
+
+int ape__cu_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+		 size_t n)
+{
+	int ret = ape__cu_enter(q->dev);
+
+	if (ret)
+		return ret;
+	return cu_done(q->dev, DRV(q->dev)->p_cuMemsetD32Async(dst->ptr + off, pattern, n / 4, q->s),
+		       "cuMemsetD32Async (%zu bytes)", n);
+}
+
+int ape__cu_event_record(struct ape__queue *q, struct ape__event **out)
+{
+	const struct ape__cu_driver *drv = DRV(q->dev);
+	struct ape__event *e = ape__calloc(1, sizeof(*e));
+	CUresult r;
+	int ret;
+
+	if (!e)
+		return ape__error(APE_ENOMEM, "cuda: out of memory recording an event");
+	ret = ape__cu_enter(q->dev);
+	if (ret) {
+		free(e);
+		return ret;
+	}
+	r = drv->p_cuEventCreate(&e->ev, CU_EVENT_DEFAULT);
+	if (r == CUDA_SUCCESS) {
+		r = drv->p_cuEventRecord(e->ev, q->s);
+		if (r != CUDA_SUCCESS)
+			drv->p_cuEventDestroy(e->ev);
+	}
+	ape__cu_leave(q->dev);
+	if (r != CUDA_SUCCESS) {
+		free(e);
+		return ape__cu_error(r, q->dev, "recording an event");
+	}
+	e->dev = q->dev;
+	*out = e;
+	return 0;
+}
+
+int ape__cu_event_wait(struct ape__queue *q, struct ape__event *e)
+{
+	int ret = ape__cu_enter(q->dev);
+
+	if (ret)
+		return ret;
+	return cu_done(q->dev, DRV(q->dev)->p_cuStreamWaitEvent(q->s, e->ev, 0),
+		       "cuStreamWaitEvent");
+}
+
+static int cu_elapsed(struct ape_device *dev, CUevent a, CUevent b, double *ms)
+{
+	const struct ape__cu_driver *drv = DRV(dev);
+	float f = 0;
+	CUresult r;
+	int ret = ape__cu_enter(dev);
+
+	*ms = 0;
+	if (ret)
+		return ret;
+	r = drv->p_cuEventSynchronize(b);
+	if (r == CUDA_SUCCESS)
+		r = drv->p_cuEventElapsedTime(&f, a, b);
+	ape__cu_leave(dev);
+	if (r != CUDA_SUCCESS)
+		return ape__cu_error(r, dev, "cuEventElapsedTime");
+	*ms = f > 0 ? (double)f : 0.0;
+	return 0;
+}
+
+int ape__cu_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms)
+{
+	return cu_elapsed(start->dev, start->ev, end->ev, ms);
+}
+
+int ape__cu_event_timestamp(struct ape__event *e, double *ms)
+{
+	return cu_elapsed(e->dev, ape__cu_dev(e->dev)->epoch, e->ev, ms);
+}
+
+void ape__cu_event_destroy(struct ape__event *e)
+{
+	if (!e)
+		return;
+	if (!ape__cu_enter(e->dev)) {
+		DRV(e->dev)->p_cuEventDestroy(e->ev);
+		ape__cu_leave(e->dev);
+	}
+	free(e);
+}
+
+int ape__cu_synchronize(struct ape__queue *q)
+{
+	int ret = ape__cu_enter(q->dev);
+
+	if (ret)
+		return ret;
+	return cu_done(q->dev, DRV(q->dev)->p_cuStreamSynchronize(q->s), "cuStreamSynchronize");
+}
+
+int ape__cu_host_register(struct ape_device *dev, void *ptr, size_t bytes, void **handle)
+{
+	const struct ape__cu_driver *drv = DRV(dev);
+	CUresult r;
+	int ret;
+
+	if (!drv->pinning)
+		return ape__error(APE_ENOTSUP, "cuda %s: the driver lacks cuMemHostRegister",
+				  dev->info.name);
+	ret = ape__cu_enter(dev);
+	if (ret)
+		return ret;
+	r = drv->p_cuMemHostRegister(ptr, bytes, CU_MEMHOSTREGISTER_PORTABLE);
+	ape__cu_leave(dev);
+	if (r != CUDA_SUCCESS)
+		return ape__cu_error(r, dev, "cuMemHostRegister (%zu bytes)", bytes);
+	*handle = ptr;
+	return 0;
+}
+
+void ape__cu_host_unregister(struct ape_device *dev, void *handle)
+{
+	if (!DRV(dev)->pinning || ape__cu_enter(dev))
+		return;
+	DRV(dev)->p_cuMemHostUnregister(handle);
+	ape__cu_leave(dev);
+}
+
+uint64_t ape__cu_max_alloc(struct ape_device *dev)
+{
+	return ape__cu_dev(dev)->total_mem;
+}
+
+int ape__cu_scratch_alloc(struct ape__queue *q, size_t bytes, CUdeviceptr *out)
+{
+	const struct ape__cu_device *cd = ape__cu_dev(q->dev);
+	CUresult r;
+
+	if (cd->mempools)
+		r = cd->drv->p_cuMemAllocAsync(out, bytes, q->s);
+	else
+		r = cd->drv->p_cuMemAlloc(out, bytes);
+	if (r != CUDA_SUCCESS)
+		return ape__cu_error(r, q->dev, "%s (%zu bytes of scratch)",
+				     cd->mempools ? "cuMemAllocAsync" : "cuMemAlloc", bytes);
+	return 0;
+}
+
+int ape__cu_scratch_free(struct ape__queue *q, CUdeviceptr p)
+{
+	const struct ape__cu_device *cd = ape__cu_dev(q->dev);
+	CUresult r;
+
+	if (cd->mempools) {
+		r = cd->drv->p_cuMemFreeAsync(p, q->s);
+	} else {
+		/* without memory pools the launch must be over before the memory goes */
+		r = cd->drv->p_cuStreamSynchronize(q->s);
+		cd->drv->p_cuMemFree(p);
+	}
+	if (r != CUDA_SUCCESS)
+		return ape__cu_error(r, q->dev, "freeing scratch");
+	return 0;
+}

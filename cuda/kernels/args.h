@@ -1,0 +1,168 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * What the host passes to each CUDA kernel, and the tile shapes both sides must agree on.
+ *
+ * Shared by the host code (C11, cuda/cuda_attention.c) and the kernels (CUDA C++): plain structs
+ * of fixed-size fields, passed by value (cuLaunchKernel's kernelParams[0] points at one), 8-byte
+ * fields first so that C and C++ lay them out alike. Every kernel is `extern "C"` and takes
+ * exactly one of these structs, which also lets the test driver (tests/fake_cuda) run the
+ * kernels on the CPU.
+ */
+#ifndef APE_CUDA_KERNELS_ARGS_H
+#define APE_CUDA_KERNELS_ARGS_H
+
+#include <stdint.h>
+
+/* Storage types: the values of ape_dtype. */
+#define APE_CU_F32 0
+#define APE_CU_F16 1
+#define APE_CU_BF16 2
+
+/* Per-head parameters travel in the argument struct up to this many heads (read from constant
+ * memory, no copy); more heads go through a device buffer. */
+#define APE_CU_INLINE_HEADS 64
+
+/* Threads per block of the attention kernels. */
+#define APE_CU_THREADS 256
+
+/* ---- prefill tile shapes (cuda/kernels/prefill.cu explains the choice) */
+/* threads sharing one query row: each owns 8 of its pairs */
+#define APE_PF_TPR(dmax) ((dmax) / 16)
+/* query rows per block */
+#define APE_PF_BQ(dmax) (APE_CU_THREADS / APE_PF_TPR(dmax))
+/* keys per tile: the rotation recurrence restarts from an exact seed at every tile */
+#define APE_PF_BK(dmax) ((dmax) == 256 ? 32 : 64)
+/* V and P rows in shared memory are padded by 16 bytes for 16-bit types (ldmatrix without
+ * bank conflicts); float32 rows need no padding */
+#define APE_PF_VROW(dmax, vt) ((dmax) + ((vt) == APE_CU_F32 ? 0 : 8))
+#define APE_PF_PROW(dmax, vt) (APE_PF_BK(dmax) + ((vt) == APE_CU_F32 ? 4 : 8))
+#define APE_PF_VESZ(vt) ((vt) == APE_CU_F32 ? 4 : 2)
+
+/* float32 scores of a tile before the softmax: the P tile itself for float32 storage, a
+ * separate buffer otherwise */
+#define APE_PF_SROW(dmax) (APE_PF_BK(dmax) + 4)
+#define APE_PF_SBYTES(dmax, vt)                                                                    \
+	((vt) == APE_CU_F32 ? 0 : APE_PF_BQ(dmax) * APE_PF_SROW(dmax) * 4)
+
+/* Dynamic shared memory of one prefill block, in bytes: K (float32) and V tiles double-buffered,
+ * the P tile, the score tile, two distance tables, per-row factors and a few flags. */
+#define APE_PF_SMEM(dmax, vt)                                                                      \
+	(2 * APE_PF_BK(dmax) * (dmax) * 4 +                                                        \
+	 2 * APE_PF_BK(dmax) * APE_PF_VROW(dmax, vt) * APE_PF_VESZ(vt) +                           \
+	 APE_PF_BQ(dmax) * APE_PF_PROW(dmax, vt) * APE_PF_VESZ(vt) + APE_PF_SBYTES(dmax, vt) +     \
+	 2 * (APE_PF_BQ(dmax) + APE_PF_BK(dmax)) * 4 + 2 * APE_PF_BQ(dmax) * 4 + 64 + (dmax) * 4)
+
+/* ---- decode shapes (cuda/kernels/decode.cu) */
+/* threads per (query row, run of keys): each owns 8 pairs and dmax / TPR = 16 columns of V */
+#define APE_DC_TPR(dmax) ((dmax) / 16)
+/* keys between exact seeds of the rotation */
+#define APE_DC_RESEED 64
+/* stages of the per-thread cp.async ring (exact D only) and the 16-byte vectors one thread
+ * copies per key: its 8 K pairs and its 16 V columns */
+#define APE_DC_STAGES(vt) ((vt) == APE_CU_F32 ? 4 : 6)
+#define APE_DC_NVEC(vt) ((vt) == APE_CU_F32 ? 8 : 4)
+#define APE_DC_SMEM_RING(vt) (APE_DC_STAGES(vt) * APE_DC_NVEC(vt) * APE_CU_THREADS * 16)
+/* the block's per-run partial results, merged at the end: acc, m, l and pairs per group */
+#define APE_DC_SMEM_MERGE(dmax) ((APE_CU_THREADS / APE_DC_TPR(dmax)) * ((dmax) + 4) * 4)
+#define APE_DC_SMEM(dmax, vt, exact)                                                               \
+	(((exact) ? APE_DC_SMEM_RING(vt) : 0) > APE_DC_SMEM_MERGE(dmax)                           \
+		 ? ((exact) ? APE_DC_SMEM_RING(vt) : 0)                                            \
+		 : APE_DC_SMEM_MERGE(dmax))
+/* decode launches cover at most this many query rows per (batch, head) */
+#define APE_DC_MAX_LQ 16
+/* keys per tile of the skip pre-pass when decoding */
+#define APE_DC_NORM_TILE 64
+/* keys whose exact scores anchor a row's proven window */
+#define APE_DC_ANCHOR 64
+/* query rows the window kernel handles at once */
+#define APE_DC_WROWS 32
+/* ... with per row: the anchor's scores, and eight 8-byte values */
+#define APE_DC_WINDOW_SMEM (APE_DC_WROWS * (APE_DC_ANCHOR * 4 + 64) + 64)
+
+/* Launch flags. */
+#define APE_CU_F_CAUSAL (1u << 0)
+#define APE_CU_F_INTERLEAVED (1u << 1)
+#define APE_CU_F_LSE (1u << 2)
+#define APE_CU_F_PAIRS (1u << 3)
+#define APE_CU_F_SKIP (1u << 4)
+
+/* What every attention kernel needs: the problem, positions and parameters. */
+struct ape_cu_common {
+	uint64_t q, k, v; /* device pointers: inputs as the caller gave them */
+	uint64_t o, lse, pairs; /* outputs; lse, pairs 0 when not wanted */
+	uint64_t hparams; /* H * 4 floats (delta, beta, gamma, lambda per head), or 0: inline */
+	int64_t Lq, Lk;
+	int64_t rel; /* q_start - k_start: the distance of query row i to key j is rel + i - j */
+	double omega[128]; /* omega_p for p < D / 2, zeros after */
+	double scale;
+	double tol; /* skip tolerance per direction of the walk; 0: never skip */
+	int32_t B, H, Hkv, D;
+	int32_t dt_in, dt_out; /* APE_CU_F32, F16, BF16 */
+	uint32_t flags; /* APE_CU_F_* */
+	int32_t pad0;
+	float hp[4 * APE_CU_INLINE_HEADS]; /* per-head parameters when H <= APE_CU_INLINE_HEADS */
+};
+
+/* ape_prep: K as float32 pairs [u_0..u_{P-1}, 0.., w_0..w_{P-1}, 0..] of dmax floats per row,
+ * V padded to dmax columns, and the largest key norm per tile of `tile` keys. */
+struct ape_cu_prep_args {
+	uint64_t k, v; /* inputs, [B*Hkv*Lk][D] */
+	uint64_t kp; /* 0, or float [B*Hkv*Lk][dmax] */
+	uint64_t vp; /* 0, or [B*Hkv*Lk][dmax] of the input type */
+	uint64_t ktile; /* 0, or float [B*Hkv][ntile]: max |k| per tile, +inf with NaN/Inf */
+	int64_t Lk, nbkv, ntile;
+	int64_t block_base;
+	int32_t D, dmax, tile, dt, interleaved, pad0;
+};
+
+/* dynamic shared memory of ape_prep (a maximum per warp) and ape_dwindow */
+#define APE_CU_PREP_SMEM (APE_CU_THREADS / 32 * 4)
+
+/* ape_kscan: prefix and suffix maxima of the tile norms: pre[t] over tiles < t, suf[t] over
+ * tiles >= t, ntile + 1 entries each per (batch, kv head). */
+struct ape_cu_scan_args {
+	uint64_t ktile, pre, suf;
+	int64_t ntile, nbkv;
+};
+
+/* The prefill kernels: one block per (query tile, batch, head). */
+struct ape_cu_prefill_args {
+	struct ape_cu_common c;
+	uint64_t kp; /* float32 pair-ordered K rows of dmax floats (or K itself when it is so) */
+	uint64_t vp; /* V rows of dmax elements (V itself when D == dmax) */
+	uint64_t pre, suf; /* skip pre-pass, or 0 */
+	int64_t nqt; /* query tiles per (batch, head) */
+	int64_t ntk; /* key tiles */
+	int64_t block_base; /* first block of this launch (grids are split when huge) */
+};
+
+/* ape_dwindow: per (batch, kv head) the key range [lo, hi) the decode kernel must read. */
+struct ape_cu_window_args {
+	struct ape_cu_common c;
+	uint64_t pre, suf; /* skip pre-pass over tiles of APE_DC_NORM_TILE keys */
+	uint64_t window; /* int64 [B*Hkv][2] */
+	int64_t ntile;
+	int64_t block_base;
+};
+
+/* The decode kernels: one block per (split, batch, kv head), all query rows of the kv head. */
+struct ape_cu_decode_args {
+	struct ape_cu_common c;
+	uint64_t window; /* int64 [B*Hkv][2], or 0: every visible key */
+	uint64_t part_o; /* float [S][rows][D] */
+	uint64_t part_ml; /* float [S][rows][2]: m (log2 units, shifted frame), l */
+	uint64_t part_pairs; /* uint64 [S][rows] */
+	int64_t splits;
+	int64_t block_base;
+};
+
+/* ape_dmerge: the splits of every row merged by their LSE into O, LSE and pairs. */
+struct ape_cu_merge_args {
+	struct ape_cu_common c;
+	uint64_t part_o, part_ml, part_pairs;
+	int64_t splits;
+	int64_t rows; /* B * H * Lq */
+	int64_t block_base;
+};
+
+#endif /* APE_CUDA_KERNELS_ARGS_H */

@@ -1,0 +1,374 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * What every CUDA kernel file shares: the shared math of runtime/ape_math.h (in float64), the
+ * device primitives (barriers, shuffles, asynchronous copies, ldmatrix, mma, ex2), storage-type
+ * conversions, the exact seed sincos and the small helpers of the walk over key tiles.
+ *
+ * The primitives are the only place with inline PTX. Built with APE_CUDA_EMU defined (by
+ * tests/fake_cuda, with the host C++ compiler), the same kernels run on the CPU: cuda/emu/emu.h
+ * then provides each primitive with the semantics the PTX ISA documents (fragment layouts
+ * included), so that the tests exercise the kernels' indexing, masking and walk logic without
+ * a GPU.
+ */
+#ifndef APE_CUDA_KERNELS_COMMON_CUH
+#define APE_CUDA_KERNELS_COMMON_CUH
+
+#include <stdint.h>
+
+#include "args.h"
+
+#ifdef APE_CUDA_EMU
+#include "../emu/emu.h"
+#define APE_EMU_REGISTER(name, args_t) APE_EMU_KERNEL(name, args_t)
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#define APE_EMU_REGISTER(name, args_t)
+#endif
+
+/* The shared formulas in float64: seeds, alpha, |q|, the skip bound and LSE are per row or per
+ * tile, never per pair, so float64 costs nothing measurable on the GPUs this targets (A100,
+ * H100/H200: half the float32 rate). */
+#define APE_REAL double
+#include "ape_math.h"
+
+#define APE_INF __int_as_float(0x7f800000)
+#define APE_NAN __int_as_float(0x7fffffff)
+#define APE_LOG2E 1.4426950408889634
+#define APE_LN2 0.6931471805599453
+
+namespace ape {
+
+/* ------------------------------------------------------------------ device primitives */
+#ifndef APE_CUDA_EMU
+
+#define APE_DEV __device__ __forceinline__
+
+APE_DEV unsigned char *smem_base()
+{
+	extern __shared__ __align__(16) unsigned char ape_dyn_smem[];
+	return ape_dyn_smem;
+}
+
+APE_DEV void bar()
+{
+	__syncthreads();
+}
+
+APE_DEV int bar_or(int pred)
+{
+	return __syncthreads_or(pred);
+}
+
+APE_DEV float shfl_xor(float v, int m)
+{
+	return __shfl_xor_sync(0xffffffffu, v, m);
+}
+
+APE_DEV double shfl_xor(double v, int m)
+{
+	return __shfl_xor_sync(0xffffffffu, v, m);
+}
+
+APE_DEV int shfl_xor(int v, int m)
+{
+	return __shfl_xor_sync(0xffffffffu, v, m);
+}
+
+APE_DEV float shfl_idx(float v, int src)
+{
+	return __shfl_sync(0xffffffffu, v, src);
+}
+
+APE_DEV void warp_sync()
+{
+	__syncwarp();
+}
+
+APE_DEV unsigned smem_addr(const void *p)
+{
+	return (unsigned)__cvta_generic_to_shared(p);
+}
+
+/* 16 bytes from global to shared memory, asynchronously; the bytes past src_bytes (0 or 16)
+ * are zeros. Both addresses 16-byte aligned. */
+APE_DEV void cp_async16(void *sdst, const void *gsrc, unsigned src_bytes)
+{
+	asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(sdst)),
+		     "l"(gsrc), "r"(src_bytes)
+		     : "memory");
+}
+
+APE_DEV void cp_commit()
+{
+	asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+/* Waits until at most N of this thread's committed groups are still in flight. */
+template <int N> APE_DEV void cp_wait()
+{
+	asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* Four 8x8 matrices of 16-bit elements; lanes 8m..8m+7 give the row addresses of matrix m. */
+APE_DEV void ldsm_x4(uint32_t (&r)[4], const void *p)
+{
+	asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+		     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+		     : "r"(smem_addr(p)));
+}
+
+APE_DEV void ldsm_x4_trans(uint32_t (&r)[4], const void *p)
+{
+	asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+		     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+		     : "r"(smem_addr(p)));
+}
+
+/* D = A B + C on one 16x8x16 tile, float32 accumulators; VT picks f16 or bf16 operands. */
+template <int VT>
+APE_DEV void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
+{
+	if (VT == APE_CU_F16)
+		asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+			     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+			     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+			     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+	else
+		asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+			     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+			     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+			     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* 2^x, one MUFU instruction (relative error about 2^-22); subnormal results are 0. */
+APE_DEV float ex2(float x)
+{
+	float y;
+
+	asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+	return y;
+}
+
+APE_DEV float h2f(uint16_t h)
+{
+	return __half2float(__ushort_as_half(h));
+}
+
+APE_DEV float b2f(uint16_t h)
+{
+	return __uint_as_float((uint32_t)h << 16);
+}
+
+/* Two floats as one packed pair of VT (low half = lo), rounded to nearest even. */
+template <int VT> APE_DEV uint32_t pack2(float lo, float hi)
+{
+	if (VT == APE_CU_F16) {
+		__half2 v = __floats2half2_rn(lo, hi);
+
+		return *reinterpret_cast<uint32_t *>(&v);
+	} else {
+		__nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+
+		return *reinterpret_cast<uint32_t *>(&v);
+	}
+}
+
+APE_DEV uint16_t f2h(float x)
+{
+	return __half_as_ushort(__float2half_rn(x));
+}
+
+APE_DEV uint16_t f2b(float x)
+{
+	return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+/* A 16-byte read-only global load. */
+APE_DEV uint4 ldg16(const void *p)
+{
+	return __ldg(reinterpret_cast<const uint4 *>(p));
+}
+
+APE_DEV void atomic_or_shared(int *p, int v)
+{
+	atomicOr(p, v);
+}
+
+#endif /* !APE_CUDA_EMU */
+
+/* ------------------------------------------------------------------ helpers on top */
+
+APE_DEV int64_t block_linear()
+{
+	return (int64_t)blockIdx.y * (int64_t)gridDim.x + (int64_t)blockIdx.x;
+}
+
+APE_DEV int64_t imin(int64_t a, int64_t b)
+{
+	return a < b ? a : b;
+}
+
+APE_DEV int64_t imax(int64_t a, int64_t b)
+{
+	return a > b ? a : b;
+}
+
+/* Smallest |n| over the distances lo..hi (lo <= hi). */
+APE_DEV int64_t min_abs(int64_t lo, int64_t hi)
+{
+	return lo > 0 ? lo : hi < 0 ? -hi : 0;
+}
+
+APE_DEV int64_t iabs(int64_t n)
+{
+	return n < 0 ? -n : n;
+}
+
+/* Exchanges a and b when c holds; written on values (not as a choice between two array
+ * elements, which the compiler may turn into a computed address and put the array in local
+ * memory). */
+APE_DEV void swap_if(bool c, float &a, float &b)
+{
+	const float x = c ? b : a, y = c ? a : b;
+
+	a = x;
+	b = y;
+}
+
+/* Sum and maximum over the W consecutive lanes that share a query row (W a power of two). */
+template <int W, class T> APE_DEV T group_sum(T v)
+{
+#pragma unroll
+	for (int m = W / 2; m > 0; m >>= 1)
+		v += shfl_xor(v, m);
+	return v;
+}
+
+template <int W> APE_DEV float group_max(float v)
+{
+#pragma unroll
+	for (int m = W / 2; m > 0; m >>= 1)
+		v = fmaxf(v, shfl_xor(v, m));
+	return v;
+}
+
+/* One element of a global tensor of storage type dt, as float. */
+APE_DEV float load_el(const void *base, int64_t i, int dt)
+{
+	if (dt == APE_CU_F16)
+		return h2f(reinterpret_cast<const uint16_t *>(base)[i]);
+	if (dt == APE_CU_BF16)
+		return b2f(reinterpret_cast<const uint16_t *>(base)[i]);
+	return reinterpret_cast<const float *>(base)[i];
+}
+
+APE_DEV void store_el(void *base, int64_t i, float x, int dt)
+{
+	if (dt == APE_CU_F16)
+		reinterpret_cast<uint16_t *>(base)[i] = f2h(x);
+	else if (dt == APE_CU_BF16)
+		reinterpret_cast<uint16_t *>(base)[i] = f2b(x);
+	else
+		reinterpret_cast<float *>(base)[i] = x;
+}
+
+/* Two adjacent elements (index i even, so 4- or 8-byte aligned). */
+APE_DEV void store_el2(void *base, int64_t i, float x0, float x1, int dt)
+{
+	if (dt == APE_CU_F16)
+		reinterpret_cast<uint32_t *>(base)[i / 2] = pack2<APE_CU_F16>(x0, x1);
+	else if (dt == APE_CU_BF16)
+		reinterpret_cast<uint32_t *>(base)[i / 2] = pack2<APE_CU_BF16>(x0, x1);
+	else
+		reinterpret_cast<float2 *>(base)[i / 2] = make_float2(x0, x1);
+}
+
+/* A 16-bit element of a packed pair (k = 0: low half). */
+APE_DEV uint16_t half_of(uint32_t w, int k)
+{
+	return (uint16_t)(k ? w >> 16 : w & 0xffffu);
+}
+
+/*
+ * sin and cos of an angle given in float64, to float32: reduced by pi/2 in float64 with a
+ * two-part constant (exact for the angles of distances up to ~2^30 tokens at omega = 1), then
+ * Cephes' float polynomials on [-pi/4, pi/4] and the quadrant's swap and signs. The same
+ * evaluation as the OpenCL kernel's seed_sincos(), so both backends round alike.
+ */
+APE_DEV float seed_sincos(double a, float *cosine)
+{
+	const double k = rint(a * 0.6366197723675814);
+	const double rr = fma(-k, 6.123233995736766e-17, fma(-k, 1.5707963267948966, a));
+	const int q = (int)(k - 4.0 * floor(k * 0.25)); /* k mod 4, exactly */
+	const float r = (float)rr, r2 = r * r;
+	const float sr = fmaf(r * r2,
+			      fmaf(r2, fmaf(r2, -1.9515295891e-4f, 8.3321608736e-3f),
+				   -1.6666654611e-1f),
+			      r);
+	const float cr = fmaf(r2 * r2,
+			      fmaf(r2, fmaf(r2, 2.443315711809948e-5f, -1.388731625493765e-3f),
+				   4.166664568298827e-2f),
+			      fmaf(r2, -0.5f, 1.0f));
+	const bool odd = q & 1;
+	const float s = odd ? cr : sr, c = odd ? sr : cr;
+
+	*cosine = ((q + 1) & 2) ? -c : c; /* negative in quadrants 1 and 2 */
+	return (q & 2) ? -s : s; /* negative in quadrants 2 and 3 */
+}
+
+/* The four parameters of head h. */
+APE_DEV void head_params(const struct ape_cu_common &c, int h, float hp[4])
+{
+	const float *src = c.hparams ? reinterpret_cast<const float *>(c.hparams) + 4 * h
+				     : c.hp + 4 * h;
+#pragma unroll
+	for (int k = 0; k < 4; k++)
+		hp[k] = src[k];
+}
+
+/* The bias at a query row's nearest visible distance: the row's score frame (docs/kernels.md),
+ * so that float32 keeps the fine differences between the scores that matter at any |n|. */
+APE_DEV int64_t row_anchor_distance(int64_t diag, int64_t Lk, bool causal)
+{
+	if (causal)
+		return diag < 0 ? 0 : diag - imin(diag, Lk - 1);
+	return min_abs(diag - (Lk - 1), diag);
+}
+
+/*
+ * bias(a) - bias(aref) in float32, accurate to float32 rounding of the difference even where
+ * the bias itself is large: -delta d - beta log1p(d / (1 + aref)) - gamma d / (sqrt a + sqrt
+ * aref) with d = a - aref exact.
+ */
+APE_DEV float bias_diff(float delta, float beta, float gamma, int64_t a, int64_t aref)
+{
+	const float d = (float)(a - aref), af = (float)a, rf = (float)aref;
+	const float den = sqrtf(af) + sqrtf(rf);
+	const float g = den > 0.0f ? d / den : 0.0f;
+
+	return -(delta * d + beta * log1pf(d / (1.0f + rf)) + gamma * g);
+}
+
+/*
+ * May a query row leave out `count` keys, none nearer than distance an, whose norms are at most
+ * kmax? Its computed keys have maximum m2 (log2 units, relative to c_row) and denominator l.
+ * The bound of docs/kernels.md, in float64.
+ */
+APE_DEV bool may_stop(const float hp[4], double abs_scale, double qnorm, double kmax, int64_t an,
+		      int64_t count, double crow, float m2, float l, double tol)
+{
+	double u;
+
+	if (count <= 0)
+		return true;
+	if (!(l > 0.0f))
+		return false;
+	u = ape_score_bound(hp[3], hp[0], hp[1], hp[2], abs_scale, qnorm, kmax, (double)an) - crow;
+	return ape_tail_negligible(u, (double)m2 * APE_LN2, (double)l,
+				   ape_tail_count((double)count, hp[0]), tol);
+}
+
+} /* namespace ape */
+
+#endif /* APE_CUDA_KERNELS_COMMON_CUH */

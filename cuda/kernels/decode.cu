@@ -1,0 +1,436 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Decoding: 1 to 16 query rows per (batch, head) against a long key cache (flash-decoding).
+ *
+ * The keys a (batch, kv head) must read, [lo, hi) (the causally visible ones, or with skipping
+ * the window ape_dwindow proved), are split into S contiguous splits, one block each, so that a
+ * single query row still spreads over the whole GPU. A block serves every query row of its kv
+ * head (the GQA group's heads times Lq), so K and V cross HBM once per split, not once per head.
+ * Inside a block, 256 threads form groups of TPR = D / 16 lanes; a group owns one query row and
+ * one run of consecutive keys of the split, each lane 8 of the row's pairs and 16 of its output
+ * columns. Per key: the lanes' partial dot products are summed with shuffles, the row's score is
+ * formed with its temperature and bias, and one online-softmax step updates the lane's 16
+ * columns. At the end the runs of a row are merged in shared memory into the split's partial
+ * (O unnormalised, m, l, pairs); ape_dmerge merges the splits by their LSE.
+ *
+ * Bandwidth: each lane copies its own K and V bytes of the keys ahead with cp.async into a ring
+ * of 6 stages (4 for float32; 96 or 128 KB per block) in shared memory, laid out so that a warp's
+ * 16-byte accesses hit distinct banks; no block barrier is needed while streaming, since a lane
+ * reads only what it copied itself. With one 256-thread block per SM (about 180 registers per
+ * thread) that keeps 5 keys x 16 KB = 80 KB per SM in flight, three times what HBM3e needs at
+ * its latency (4.8 TB/s x ~0.7 us / 132 SMs = 25 KB). The arithmetic per key and row (the
+ * rotation recurrence of 8 pairs per lane, reseeded exactly every 64 keys, the temperature and
+ * bias) stays below the memory time for a single query row by about 3x on an H200.
+ */
+#include "common.cuh"
+
+namespace ape {
+
+template <int DMAX, bool EXACT, int VT> struct Decode {
+	static constexpr int NTH = APE_CU_THREADS;
+	static constexpr int TPR = APE_DC_TPR(DMAX);
+	static constexpr int PT = 8; /* pairs per lane */
+	static constexpr int VC = DMAX / TPR; /* V columns per lane: 16 */
+	static constexpr int NG = NTH / TPR; /* groups per block */
+	static constexpr int NVEC = APE_DC_NVEC(VT);
+	static constexpr int STAGES = APE_DC_STAGES(VT);
+	static constexpr int ESZ = VT == APE_CU_F32 ? 4 : 2;
+	static constexpr int PMAX = DMAX / 2;
+	static constexpr int MROW = DMAX + 4; /* merge area floats per group: acc, m, l, pairs */
+	static_assert(PT * TPR == PMAX && VC == 16, "decode lane shape");
+	static_assert(NVEC * 16 == (2 * PT + VC) * ESZ, "a lane's K and V bytes per key");
+	static_assert(NG * MROW * 4 <= APE_DC_SMEM(DMAX, VT, EXACT), "merge area");
+
+	/* The 16-byte ring slot of vector v of stage st for this thread. */
+	static APE_DEV unsigned char *slot(unsigned char *ring, int st, int v)
+	{
+		return ring + ((st * NVEC + v) * NTH + threadIdx.x) * 16;
+	}
+
+	/* Element offset, within a key row, of this lane's vector v (exact D only). */
+	static APE_DEV int vec_offset(int v, int c, bool inter)
+	{
+		constexpr int EPV = 16 / ESZ; /* elements per vector */
+		constexpr int KV = 2 * PT / EPV; /* vectors of K */
+
+		if (v >= KV) /* V: columns c*VC .. */
+			return c * VC + (v - KV) * EPV;
+		if (inter) /* (u, w) interleaved: 2*PT contiguous elements */
+			return 2 * PT * c + v * EPV;
+		/* half layout: u = K[c*PT ..], w = K[PMAX + c*PT ..], KV/2 vectors each */
+		return (v < KV / 2 ? 0 : PMAX) + c * PT + (v % (KV / 2)) * EPV;
+	}
+
+	/* Copies this lane's bytes of key `key` into stage st (zeros when !ok), one group. */
+	static APE_DEV void issue(const ape_cu_decode_args &a, unsigned char *ring, int st,
+				  int64_t bkv, int64_t key, bool ok, int c, bool inter)
+	{
+		const unsigned char *K = reinterpret_cast<const unsigned char *>(a.c.k);
+		const unsigned char *V = reinterpret_cast<const unsigned char *>(a.c.v);
+		const int64_t row = (bkv * a.c.Lk + (ok ? key : 0)) * DMAX;
+
+#pragma unroll
+		for (int v = 0; v < NVEC; v++) {
+			const bool isv = v >= 2 * PT * ESZ / 16;
+			const unsigned char *src = (isv ? V : K) + (row + vec_offset(v, c, inter)) * ESZ;
+
+			cp_async16(slot(ring, st, v), ok ? src : K, ok ? 16u : 0u);
+		}
+		cp_commit();
+	}
+
+	static APE_DEV float elem(const unsigned char *p, int k)
+	{
+		if (VT == APE_CU_F32)
+			return reinterpret_cast<const float *>(p)[k];
+		if (VT == APE_CU_F16)
+			return h2f(reinterpret_cast<const uint16_t *>(p)[k]);
+		return b2f(reinterpret_cast<const uint16_t *>(p)[k]);
+	}
+
+	/* This lane's K pairs and V columns of one key, from the ring or (generic D) from memory. */
+	static APE_DEV void fetch(const ape_cu_decode_args &a, unsigned char *ring, int st,
+				  int64_t bkv, int64_t key, bool ok, int c, bool inter, float (&u)[PT],
+				  float (&w)[PT], float (&vv)[VC])
+	{
+		if (EXACT) {
+			constexpr int EPV = 16 / ESZ;
+			constexpr int KV = 2 * PT / EPV;
+			unsigned char *b = slot(ring, st, 0);
+			const int stride = NTH * 16; /* bytes between a lane's vectors */
+
+#pragma unroll
+			for (int p = 0; p < PT; p++) {
+				if (inter) {
+					u[p] = elem(b + (2 * p / EPV) * stride, 2 * p % EPV);
+					w[p] = elem(b + ((2 * p + 1) / EPV) * stride, (2 * p + 1) % EPV);
+				} else {
+					u[p] = elem(b + (p / EPV) * stride, p % EPV);
+					w[p] = elem(b + (KV / 2 + p / EPV) * stride, p % EPV);
+				}
+			}
+#pragma unroll
+			for (int d = 0; d < VC; d++)
+				vv[d] = elem(b + (KV + d / EPV) * stride, d % EPV);
+		} else {
+			const int D = a.c.D, P = D / 2;
+			const int64_t row = (bkv * a.c.Lk + (ok ? key : 0)) * D;
+			const void *K = reinterpret_cast<const void *>(a.c.k);
+			const void *V = reinterpret_cast<const void *>(a.c.v);
+
+#pragma unroll
+			for (int p = 0; p < PT; p++) {
+				const int pg = c * PT + p;
+				const bool in = ok && pg < P;
+
+				u[p] = in ? load_el(K, row + (inter ? 2 * pg : pg), VT) : 0.0f;
+				w[p] = in ? load_el(K, row + (inter ? 2 * pg + 1 : pg + P), VT) : 0.0f;
+			}
+#pragma unroll
+			for (int d = 0; d < VC; d++) {
+				const int col = c * VC + d;
+
+				vv[d] = ok && col < D ? load_el(V, row + col, VT) : 0.0f;
+			}
+		}
+	}
+
+	static APE_DEV void run(const ape_cu_decode_args &a)
+	{
+		unsigned char *sm = smem_base();
+		const int tid = threadIdx.x, g = tid / TPR, c = tid % TPR;
+		const int64_t nbkv = (int64_t)a.c.B * a.c.Hkv, S = a.splits;
+		const int64_t blk = a.block_base + block_linear();
+
+		if (blk >= S * nbkv)
+			return;
+
+		const int64_t s = blk % S, bkv = blk / S;
+		const int64_t b = bkv / a.c.Hkv, kvh = bkv % a.c.Hkv;
+		const int gsz = a.c.H / a.c.Hkv;
+		const int64_t Lq = a.c.Lq, Lk = a.c.Lk, rel = a.c.rel;
+		const int G = gsz * (int)Lq;
+		const bool causal = a.c.flags & APE_CU_F_CAUSAL;
+		const bool inter = a.c.flags & APE_CU_F_INTERLEAVED;
+		const int D = EXACT ? DMAX : a.c.D, P = D / 2;
+		const int64_t rows = (int64_t)a.c.B * a.c.H * Lq;
+		int64_t lo = 0, hi = causal ? imax(0, imin(rel + Lq, Lk)) : Lk;
+
+		if (a.window) {
+			lo = reinterpret_cast<const int64_t *>(a.window)[2 * bkv];
+			hi = reinterpret_cast<const int64_t *>(a.window)[2 * bkv + 1];
+		}
+		hi = imax(hi, lo);
+		const int64_t ks = lo + (hi - lo) * s / S, ke = lo + (hi - lo) * (s + 1) / S;
+		const int RP = G < NG ? G : NG; /* rows per pass */
+		const int RUNS = NG / RP;
+		const int64_t niter = (ke - ks + RUNS - 1) / RUNS;
+		float *merge = reinterpret_cast<float *>(sm);
+
+		for (int pass0 = 0; pass0 < G; pass0 += RP) {
+			const int row_in = g % RP, run = g / RP;
+			const bool active = run < RUNS && pass0 + row_in < G;
+			const int grow = active ? pass0 + row_in : 0;
+			const int hg = grow / (int)Lq, i = grow % (int)Lq;
+			const int h = (int)kvh * gsz + hg;
+			const int64_t bh = b * a.c.H + h;
+			const int64_t rs = active ? ks + (ke - ks) * run / RUNS : ks;
+			const int64_t re = active ? ks + (ke - ks) * (run + 1) / RUNS : ks;
+			float hp[4];
+
+			head_params(a.c, h, hp);
+
+			/* ---- the row: pairs, sigma, alpha, the rotation step */
+			const void *Q = reinterpret_cast<const void *>(a.c.q);
+			const int64_t qrow = (bh * Lq + i) * D;
+			float qx[PT], qy[PT], cw[PT], sw[PT], xr[PT], yr[PT];
+			double sum = 0, ss = 0;
+
+#pragma unroll
+			for (int p = 0; p < PT; p++) {
+				const int pg = c * PT + p;
+				const bool ok = EXACT || pg < P;
+
+				qx[p] = ok ? load_el(Q, qrow + (inter ? 2 * pg : pg), a.c.dt_in) : 0.0f;
+				qy[p] = ok ? load_el(Q, qrow + (inter ? 2 * pg + 1 : pg + P), a.c.dt_in)
+					   : 0.0f;
+				sum += (double)qx[p] + (double)qy[p];
+			}
+			sum = group_sum<TPR>(sum);
+#pragma unroll
+			for (int p = 0; p < PT; p++) {
+				const double mean = sum / D, x = qx[p], y = qy[p];
+
+				if (EXACT || c * PT + p < P)
+					ss += (x - mean) * (x - mean) + (y - mean) * (y - mean);
+			}
+			ss = group_sum<TPR>(ss);
+			const double ia = 1.0 / ape_alpha((double)hp[3], sqrt(ss / (D - 1)));
+#pragma unroll
+			for (int p = 0; p < PT; p++) {
+				const int pg = c * PT + p;
+
+				sw[p] = seed_sincos((EXACT || pg < P ? a.c.omega[pg] : 0.0) * ia, &cw[p]);
+				xr[p] = yr[p] = 0.0f;
+			}
+			const int64_t diag = rel + i;
+			const int64_t an0 = row_anchor_distance(diag, Lk, causal);
+			const float sl2 = (float)(a.c.scale * APE_LOG2E);
+			float m = -APE_INF, l = 0.0f, acc[VC];
+			uint32_t cnt = 0;
+
+#pragma unroll
+			for (int d = 0; d < VC; d++)
+				acc[d] = 0.0f;
+
+			/* ---- stream the run's keys */
+			if (EXACT) {
+#pragma unroll
+				for (int st = 0; st < STAGES - 1; st++)
+					issue(a, sm, st, bkv, rs + st, active && st < niter && rs + st < re, c,
+					      inter);
+			}
+			for (int64_t jj = 0; jj < niter; jj++) {
+				const int64_t key = rs + jj;
+				const bool valid = active && key < re;
+				float u[PT], w[PT], vv[VC], dot0 = 0.0f, dot1 = 0.0f;
+
+				if (EXACT) {
+					const int64_t ahead = jj + STAGES - 1;
+
+					issue(a, sm, (int)(ahead % STAGES), bkv, rs + ahead,
+					      active && ahead < niter && rs + ahead < re, c, inter);
+					cp_wait<STAGES - 1>();
+				}
+				fetch(a, sm, (int)(jj % STAGES), bkv, key, valid, c, inter, u, w, vv);
+				if (jj % APE_DC_RESEED == 0) {
+					const double nia = (double)(diag - key) * ia;
+
+#pragma unroll
+					for (int p = 0; p < PT; p++) {
+						const int pg = c * PT + p;
+						float cs, sn = seed_sincos(nia * (EXACT || pg < P ? a.c.omega[pg]
+												 : 0.0),
+									   &cs);
+
+						xr[p] = qx[p] * cs - qy[p] * sn;
+						yr[p] = qx[p] * sn + qy[p] * cs;
+					}
+				}
+#pragma unroll
+				for (int p = 0; p < PT; p++) {
+					const float x = xr[p], y = yr[p];
+
+					if (p & 1)
+						dot1 = fmaf(y, w[p], fmaf(x, u[p], dot1));
+					else
+						dot0 = fmaf(y, w[p], fmaf(x, u[p], dot0));
+					xr[p] = fmaf(x, cw[p], y * sw[p]);
+					yr[p] = fmaf(y, cw[p], -(x * sw[p]));
+				}
+				const float dot = group_sum<TPR>(dot0 + dot1);
+				const int64_t n = diag - key;
+
+				if (valid && (!causal || n >= 0)) {
+					const int64_t an = iabs(n);
+					const float t = sl2 / fmaf(hp[3], (float)an, 1.0f);
+					float s2 = fmaf(dot, t,
+							bias_diff(hp[0], hp[1], hp[2], an, an0) * (float)APE_LOG2E);
+					float p;
+
+					s2 = isfinite(dot) ? s2 : APE_NAN;
+					if (s2 > m) {
+						const float corr = m == -APE_INF ? 0.0f : ex2(m - s2);
+
+						l *= corr;
+#pragma unroll
+						for (int d = 0; d < VC; d++)
+							acc[d] *= corr;
+						m = s2;
+					}
+					p = ex2(s2 - m); /* NaN stays NaN */
+					l += p;
+#pragma unroll
+					for (int d = 0; d < VC; d++)
+						acc[d] = fmaf(p, vv[d], acc[d]);
+					cnt++;
+				}
+			}
+			if (EXACT)
+				cp_wait<0>();
+			bar(); /* the ring becomes the merge area */
+
+			/* ---- merge the runs of each row into the split's partial */
+			{
+				float *my = merge + g * MROW;
+
+#pragma unroll
+				for (int d = 0; d < VC; d++)
+					my[c * VC + d] = acc[d];
+				if (c == 0) {
+					my[DMAX] = m;
+					my[DMAX + 1] = l;
+					reinterpret_cast<uint32_t *>(my)[DMAX + 2] = cnt;
+				}
+			}
+			bar();
+			for (int e = tid; e < RP * DMAX; e += NTH) {
+				const int r = e / DMAX, d = e % DMAX, row = pass0 + r;
+
+				if (row >= G || d >= D)
+					continue;
+				const int rh = (int)kvh * gsz + row / (int)Lq, ri = row % (int)Lq;
+				const int64_t out = (b * a.c.H + rh) * Lq + ri;
+				float mm = -APE_INF, ll = 0.0f, o = 0.0f;
+				uint32_t pc = 0;
+
+				for (int q = 0; q < RUNS; q++)
+					mm = fmaxf(mm, merge[(q * RP + r) * MROW + DMAX]);
+				for (int q = 0; q < RUNS; q++) {
+					const float *src = merge + (q * RP + r) * MROW;
+					const float f = src[DMAX] == -APE_INF ? 0.0f : ex2(src[DMAX] - mm);
+
+					ll = fmaf(src[DMAX + 1], f, ll);
+					o = fmaf(src[d], f, o);
+					pc += reinterpret_cast<const uint32_t *>(src)[DMAX + 2];
+				}
+				reinterpret_cast<float *>(a.part_o)[(s * rows + out) * D + d] = o;
+				if (d == 0) {
+					reinterpret_cast<float *>(a.part_ml)[2 * (s * rows + out)] = mm;
+					reinterpret_cast<float *>(a.part_ml)[2 * (s * rows + out) + 1] = ll;
+					reinterpret_cast<uint64_t *>(a.part_pairs)[s * rows + out] = pc;
+				}
+			}
+			bar(); /* the merge area becomes the ring of the next pass */
+		}
+	}
+};
+
+/*
+ * The splits of each row merged by their LSE: O = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s,
+ * LSE = c_row + ln 2 (M + log2 L). One warp per row, lanes along the columns.
+ */
+APE_DEV void dmerge(const ape_cu_merge_args &a)
+{
+	const int lane = threadIdx.x & 31;
+	const int64_t row = (a.block_base + block_linear()) * (APE_CU_THREADS / 32) + (threadIdx.x >> 5);
+
+	if (row >= a.rows)
+		return;
+	const int64_t S = a.splits, Lq = a.c.Lq;
+	const int D = a.c.D;
+	const float *ml = reinterpret_cast<const float *>(a.part_ml);
+	const float *po = reinterpret_cast<const float *>(a.part_o);
+	float M = -APE_INF, L = 0.0f;
+	uint64_t pairs = 0;
+
+	for (int64_t s = 0; s < S; s++)
+		M = fmaxf(M, ml[2 * (s * a.rows + row)]);
+	for (int64_t s = 0; s < S; s++) {
+		const float ms = ml[2 * (s * a.rows + row)];
+
+		L = fmaf(ml[2 * (s * a.rows + row) + 1], ms == -APE_INF ? 0.0f : ex2(ms - M), L);
+		pairs += reinterpret_cast<const uint64_t *>(a.part_pairs)[s * a.rows + row];
+	}
+	const float inv = L == 0.0f ? 0.0f : 1.0f / L; /* NaN stays NaN */
+
+	for (int d = lane; d < D; d += 32) {
+		float o = 0.0f;
+
+		for (int64_t s = 0; s < S; s++) {
+			const float ms = ml[2 * (s * a.rows + row)];
+
+			o = fmaf(po[(s * a.rows + row) * D + d], ms == -APE_INF ? 0.0f : ex2(ms - M), o);
+		}
+		store_el(reinterpret_cast<void *>(a.c.o), row * D + d, o * inv, a.c.dt_out);
+	}
+	if (lane == 0) {
+		const int64_t bh = row / Lq, i = row % Lq;
+		const int h = (int)(bh % a.c.H);
+		const bool causal = a.c.flags & APE_CU_F_CAUSAL;
+		float hp[4];
+
+		head_params(a.c, h, hp);
+		if (a.c.lse) {
+			const double crow = ape_bias((double)hp[0], hp[1], hp[2],
+						     (double)row_anchor_distance(a.c.rel + i, a.c.Lk,
+										 causal));
+
+			reinterpret_cast<float *>(a.c.lse)[row] =
+				L > 0.0f ? (float)(crow + ((double)M + log2((double)L)) * APE_LN2)
+				: L == 0.0f ? -APE_INF
+					    : APE_NAN;
+		}
+		if (a.c.pairs)
+			reinterpret_cast<uint64_t *>(a.c.pairs)[row] = pairs;
+	}
+}
+
+} /* namespace ape */
+
+#define APE_DECODE(name, dmax, exact, vt)                                                          \
+	extern "C" __global__ void __launch_bounds__(APE_CU_THREADS, 1)                           \
+		name(const struct ape_cu_decode_args a)                                            \
+	{                                                                                          \
+		ape::Decode<dmax, exact, vt>::run(a);                                              \
+	}                                                                                          \
+	APE_EMU_REGISTER(name, struct ape_cu_decode_args)
+
+APE_DECODE(ape_decode_d64_f32, 64, true, APE_CU_F32)
+APE_DECODE(ape_decode_d64_f16, 64, true, APE_CU_F16)
+APE_DECODE(ape_decode_d64_bf16, 64, true, APE_CU_BF16)
+APE_DECODE(ape_decode_d128_f32, 128, true, APE_CU_F32)
+APE_DECODE(ape_decode_d128_f16, 128, true, APE_CU_F16)
+APE_DECODE(ape_decode_d128_bf16, 128, true, APE_CU_BF16)
+APE_DECODE(ape_decode_g128_f32, 128, false, APE_CU_F32)
+APE_DECODE(ape_decode_g128_f16, 128, false, APE_CU_F16)
+APE_DECODE(ape_decode_g128_bf16, 128, false, APE_CU_BF16)
+APE_DECODE(ape_decode_g256_f32, 256, false, APE_CU_F32)
+APE_DECODE(ape_decode_g256_f16, 256, false, APE_CU_F16)
+APE_DECODE(ape_decode_g256_bf16, 256, false, APE_CU_BF16)
+
+extern "C" __global__ void __launch_bounds__(APE_CU_THREADS) ape_dmerge(const struct ape_cu_merge_args a)
+{
+	ape::dmerge(a);
+}
+APE_EMU_REGISTER(ape_dmerge, struct ape_cu_merge_args)

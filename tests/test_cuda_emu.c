@@ -1,0 +1,413 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The CUDA backend's real kernels (the .cu files of cuda/kernels) against the reference backend,
+ * with no GPU: the fake driver of tests/fake_cuda built with the emulator (cuda/emu) runs every
+ * launch on the CPU, fiber per thread, with the PTX semantics of the warp collectives, ldmatrix,
+ * mma and cp.async. What this proves and what it cannot (timing, memory ordering between real
+ * warps, the hardware's own rounding of ex2 and mma) is in docs/cuda.md.
+ *
+ * Fresh random inputs each run (APE_TEST_SEED replays one): awkward sizes, D = 64, 128 and
+ * generic ones, GQA, both rope layouts, causal or not, q_start/k_start offsets, f32/f16/bf16,
+ * LSE, the prefill (Lq > 16) and the decode kernels (Lq 1..16, split keys merged by LSE),
+ * skipping on (fewer pairs, error within tolerance) and off (every visible pair). Outputs are
+ * poisoned before each launch (the context's APE_CONTEXT_POISON_OUTPUTS and
+ * test_problem_run()), so an element no kernel wrote shows as NaN.
+ *
+ * Sizes are chosen for the emulator's speed: the whole program takes about 15 s on a 2-core
+ * machine.
+ *
+ * With APE_TEST_CUDA_DEVICE=1 the same tests run on this machine's own driver and GPU instead
+ * (tools/gpu-check.sh does that; the program exits 4 when there is no CUDA device), except the
+ * ones that need the fake driver's fault injection.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ape_test.h"
+#include "common/problem.h"
+
+#ifdef APE_HAVE_CUDA
+
+#define EMU_LIB APE_BUILD_DIR "/tests/cuda_emu/libcuda.so.1"
+
+/* APE_TEST_CUDA_DEVICE=1: the real driver and GPU, not the emulator */
+static bool real_device;
+
+struct pair_of_devices {
+	ape_context *ctx;
+	ape_device *cuda, *ref;
+};
+
+static void open_devices(struct __test_metadata *_metadata, struct pair_of_devices *d)
+{
+	d->ctx = test_context("cuda,ref");
+	ASSERT_NE(NULL, d->ctx);
+	d->cuda = test_device(d->ctx, "cuda");
+	d->ref = test_device(d->ctx, "ref");
+	ASSERT_NE(NULL, d->cuda) TH_LOG("no CUDA device (%s)", real_device ? "real" : EMU_LIB);
+	ASSERT_NE(NULL, d->ref);
+}
+
+/* What one comparison found, in units of the storage type's tolerance. */
+struct verdict {
+	double o_ratio, lse_ratio;
+	uint64_t visible, computed;
+};
+
+/* Any NaN in O or LSE? (the poison left where nothing was written) */
+static bool poisoned(const test_problem *tp)
+{
+	const ape_tensor *t = &tp->o.t;
+
+	for (size_t r = 0; tp->lse && r < tp->rows; r++)
+		if (isnan(tp->lse[r]))
+			return true;
+	for (int64_t b = 0; b < t->shape[0]; b++)
+		for (int64_t h = 0; h < t->shape[1]; h++)
+			for (int64_t l = 0; l < t->shape[2]; l++)
+				for (int64_t e = 0; e < t->shape[3]; e++)
+					if (isnan(test_tensor_get(t, b, h, l, e)))
+						return true;
+	return false;
+}
+
+/*
+ * Runs tp on the emulated CUDA device and a clone on the reference; fills v and returns 0 when
+ * both ran, the CUDA result has no NaN where the reference has none, and O and LSE are within
+ * the spec's tolerance of tp's storage type; otherwise logs why and returns -1.
+ */
+static int run_both(struct __test_metadata *_metadata, const struct pair_of_devices *d,
+		    test_problem *tp, struct verdict *v)
+{
+	const ape_dtype dt = tp->q.t.dtype;
+	const double vmax = fmax(test_tensor_maxabs(&tp->v.t), 1e-30);
+	char what[512];
+	test_problem ref;
+	ape_stats st;
+	int ret = 0;
+
+	memset(v, 0, sizeof(*v));
+	test_problem_describe(tp, what, sizeof(what));
+	if (test_problem_clone(&ref, tp))
+		return -1;
+	ape_stats_init(&st);
+	if (test_problem_run_stats(tp, d->cuda, &st)) {
+		TH_LOG("%s: cuda: %s", what, ape_last_error());
+		ret = -1;
+	} else if (test_problem_run(&ref, d->ref)) {
+		TH_LOG("%s: ref: %s", what, ape_last_error());
+		ret = -1;
+	}
+	if (!ret) {
+		v->o_ratio = test_max_err_o(&tp->o.t, &ref.o.t) / vmax / test_tol_o(dt);
+		v->lse_ratio = tp->lse ? test_max_rel_err_lse(tp->lse, ref.lse, tp->rows) /
+						 test_tol_lse(dt)
+				       : 0;
+		v->visible = st.pairs_visible;
+		v->computed = st.pairs_computed;
+		if (!(v->o_ratio <= 1) || !(v->lse_ratio <= 1)) {
+			TH_LOG("%s: O error %.3g, LSE error %.3g (x tolerance)", what, v->o_ratio,
+			       v->lse_ratio);
+			ret = -1;
+		}
+		if (!poisoned(&ref) && poisoned(tp)) {
+			TH_LOG("%s: NaN in the CUDA outputs (an element never written?)", what);
+			ret = -1;
+		}
+		if (tp->rows && tp->k.t.shape[2] && strcmp(st.backend, "cuda")) {
+			TH_LOG("%s: ran on \"%s\"", what, st.backend);
+			ret = -1;
+		}
+	}
+	test_problem_free(&ref);
+	return ret;
+}
+
+static int new_problem(test_problem *tp, ape_rng *rng, int64_t B, int64_t H, int64_t Hkv,
+		       int64_t Lq, int64_t Lk, int64_t D, ape_dtype dt)
+{
+	const test_problem_shape sh = { B, H, Hkv, Lq, Lk, D };
+
+	return test_problem_make(tp, rng, &sh, dt, false);
+}
+
+/* The seed's training parameters: a real decay, so far keys can be proven negligible. */
+static void seed_params(test_problem *tp)
+{
+	const double delta = pow(2.0, -4.0 / 3.0);
+
+	test_problem_set_params(tp, delta, delta / 10, delta / 10, 0.1);
+}
+
+static const ape_dtype all_types[] = { APE_F32, APE_F16, APE_BF16 };
+
+/* ---- random cases over the kernels' shapes */
+
+/*
+ * Every head-size variant (D = 64, 128 specialised; 40 and 96 through the generic 128 path,
+ * 130 through the generic 256 one), query lengths that hit the decode kernel (1, 7) and the
+ * prefill (63, and one longer length drawn from 130..300 per run), the storage types rotating
+ * over that grid, random parameters, layouts, causality and offsets.
+ */
+TEST(random_shapes_match_reference)
+{
+	static const int64_t dims[] = { 64, 128, 40, 96, 130 };
+	const int64_t lens[] = { 1, 7, 63, 0 };
+	struct pair_of_devices d;
+	double worst = 0;
+	int fails = 0, runs = 0;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_random");
+	for (size_t di = 0; di < sizeof(dims) / sizeof(dims[0]); di++)
+		for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
+			const int64_t D = dims[di];
+			const int64_t Lq = lens[li] ? lens[li] : ape_rng_range(&rng, 130, 300);
+			/* decode rows read a longer cache; prefill is square */
+			const int64_t Lk = Lq <= 16 ? ape_rng_range(&rng, Lq, 600) : Lq;
+			const int64_t Hkv = ape_rng_range(&rng, 1, 2), H = Hkv * ape_rng_range(&rng, 1, 3);
+			const ape_dtype dt = all_types[(di + li) % 3];
+			/* the longer lengths cost most: one head there */
+			const bool big = Lq > 100 || D > 128;
+			test_problem tp;
+			struct verdict v;
+
+			ASSERT_EQ(0, new_problem(&tp, &rng, 1, big ? 1 : H, big ? 1 : Hkv, Lq, Lk, D,
+						 dt));
+			test_problem_random_params(&tp, &rng);
+			if (ape_rng_uniform(&rng) < 0.3)
+				ASSERT_EQ(0, test_problem_set_out_dtype(&tp, APE_F32));
+			fails += run_both(_metadata, &d, &tp, &v) != 0;
+			worst = fmax(worst, fmax(v.o_ratio, v.lse_ratio));
+			runs++;
+			test_problem_free(&tp);
+		}
+	TH_LOG("%d cases, worst error %.3g of the tolerance", runs, worst);
+	EXPECT_EQ(0, fails);
+	ape_context_destroy(d.ctx);
+}
+
+/* test_problem_random()'s own mix (strided tensors, tiny and empty shapes, every D it draws). */
+TEST(problem_generator_cases_match_reference)
+{
+	struct pair_of_devices d;
+	int fails = 0;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_generator");
+	for (int n = 0; n < 12; n++) {
+		test_problem tp;
+		struct verdict v;
+
+		ASSERT_EQ(0, test_problem_random(&tp, &rng, 0));
+		fails += run_both(_metadata, &d, &tp, &v) != 0;
+		test_problem_free(&tp);
+	}
+	EXPECT_EQ(0, fails);
+	ape_context_destroy(d.ctx);
+}
+
+/* ---- the decode kernel: every query count, GQA groups, a cache longer than one split */
+
+TEST(decode_rows_1_to_16)
+{
+	struct pair_of_devices d;
+	int fails = 0;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_decode");
+	for (int64_t Lq = 1; Lq <= 16; Lq += (Lq < 4 ? 1 : 5)) {
+		const int64_t D = Lq % 2 ? 64 : 128;
+		test_problem tp;
+		struct verdict v;
+
+		ASSERT_EQ(0, new_problem(&tp, &rng, 2, 4, 2, Lq, ape_rng_range(&rng, 700, 1100), D,
+					 all_types[Lq % 3]));
+		test_problem_random_params(&tp, &rng);
+		tp.desc.skip_tol = 0; /* every visible pair, every split */
+		fails += run_both(_metadata, &d, &tp, &v) != 0;
+		EXPECT_EQ(v.visible, v.computed);
+		test_problem_free(&tp);
+	}
+	EXPECT_EQ(0, fails);
+	ape_context_destroy(d.ctx);
+}
+
+/* ---- skipping far keys: on, with a real decay; off, by tolerance 0 or a negative decay */
+
+/* How a skip case sets skipping: on (the default tolerance, a real decay), or off. */
+enum skip_mode { SKIP_ON, SKIP_TOL_0, SKIP_NEG_DECAY };
+
+struct skip_spec {
+	int64_t Lq, Lk, D;
+	ape_dtype dt;
+	bool causal;
+	enum skip_mode mode;
+};
+
+/* Prefill (Lq > 16) and decode (Lq <= 16, through ape_dwindow) cases. */
+static const struct skip_spec prefill_skips[] = {
+	{ 400, 400, 64, APE_F32, true, SKIP_ON },
+	{ 300, 300, 128, APE_F16, false, SKIP_ON },
+	{ 200, 200, 64, APE_BF16, true, SKIP_TOL_0 },
+	{ 200, 200, 64, APE_F32, false, SKIP_NEG_DECAY },
+};
+
+static const struct skip_spec decode_skips[] = {
+	{ 1, 3000, 128, APE_F16, true, SKIP_ON },
+	{ 9, 3000, 64, APE_F32, false, SKIP_ON },
+	{ 4, 1500, 64, APE_BF16, true, SKIP_TOL_0 },
+	{ 4, 1500, 64, APE_F32, true, SKIP_NEG_DECAY },
+};
+
+/* Skipping on: fewer pairs, error within tolerance; off: every visible pair. */
+static void skip_cases(struct __test_metadata *_metadata, const struct skip_spec *cs, size_t n,
+		       const char *rng_name)
+{
+	static const char *const mode_names[] = { "skip on", "skip_tol 0", "a negative decay" };
+	struct pair_of_devices d;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, rng_name);
+	for (const struct skip_spec *c = cs; c < cs + n; c++) {
+		test_problem tp;
+		struct verdict v;
+
+		ASSERT_EQ(0, new_problem(&tp, &rng, 1, 2, 1, c->Lq, c->Lk, c->D, c->dt));
+		seed_params(&tp);
+		tp.desc.causal = c->causal;
+		if (c->mode == SKIP_TOL_0)
+			tp.desc.skip_tol = 0;
+		if (c->mode == SKIP_NEG_DECAY) /* one negative decay turns skipping off */
+			test_problem_set_params(&tp, pow(2.0, -4.0 / 3.0), -0.01, 0.02, 0.1);
+		EXPECT_EQ(0, run_both(_metadata, &d, &tp, &v));
+		TH_LOG("Lq=%lld Lk=%lld D=%lld %s, %s: %llu of %llu visible pairs computed",
+		       (long long)c->Lq, (long long)c->Lk, (long long)c->D,
+		       c->causal ? "causal" : "non-causal", mode_names[c->mode],
+		       (unsigned long long)v.computed, (unsigned long long)v.visible);
+		if (c->mode == SKIP_ON) {
+			/* causal rows reach back about one tile; non-causal ones one each side */
+			EXPECT_LT(v.computed, c->causal ? v.visible / 2 : v.visible * 2 / 3);
+		} else {
+			EXPECT_EQ(v.visible, v.computed);
+		}
+		test_problem_free(&tp);
+	}
+	ape_context_destroy(d.ctx);
+}
+
+TEST(prefill_skipping_on_and_off)
+{
+	skip_cases(_metadata, prefill_skips, sizeof(prefill_skips) / sizeof(prefill_skips[0]),
+		   "cuda_emu_skip_prefill");
+}
+
+TEST(decode_skipping_on_and_off)
+{
+	skip_cases(_metadata, decode_skips, sizeof(decode_skips) / sizeof(decode_skips[0]),
+		   "cuda_emu_skip_decode");
+}
+
+/* ---- the launch's plumbing */
+
+/* Through the normal API: the registry lists the backend and "auto" prefers it. */
+TEST(auto_selection_prefers_cuda)
+{
+	ape_context *ctx = test_context(NULL);
+	ape_device_info info;
+	ape_selection sel;
+
+	ASSERT_NE(NULL, ctx);
+	ASSERT_EQ(0, ape_device_select(ctx, "auto", -1, &sel)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, ape_device_get_info(sel.device, &info));
+	EXPECT_STREQ("cuda", info.backend) TH_LOG("auto chose %s (%s)", info.name, sel.note);
+	ape_context_destroy(ctx);
+}
+
+/* More heads than the argument struct carries inline (their parameters go through scratch). */
+TEST(many_heads_parameters_through_scratch)
+{
+	struct pair_of_devices d;
+	test_problem tp;
+	struct verdict v;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_heads");
+	ASSERT_EQ(0, new_problem(&tp, &rng, 1, 72, 8, 3, 40, 64, APE_F16));
+	test_problem_random_params(&tp, &rng);
+	EXPECT_EQ(0, run_both(_metadata, &d, &tp, &v));
+	test_problem_free(&tp);
+	ape_context_destroy(d.ctx);
+}
+
+/* A kernel that faults: the call fails with APE_EDEVLOST naming the CUDA error, no abort. */
+TEST(device_fault_is_devlost)
+{
+	struct pair_of_devices d;
+	test_problem tp;
+	ape_rng rng;
+	int ret;
+
+	if (real_device)
+		SKIP(return, "fault injection needs the fake driver");
+	setenv("FAKE_CUDA_MODE", "fault", 1);
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_fault");
+	ASSERT_EQ(0, new_problem(&tp, &rng, 1, 2, 2, 20, 20, 64, APE_F32));
+	ret = test_problem_run(&tp, d.cuda);
+	EXPECT_EQ(APE_EDEVLOST, ret) TH_LOG("%s", ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), "CUDA_ERROR_ILLEGAL_ADDRESS"))
+	TH_LOG("%s", ape_last_error());
+	test_problem_free(&tp);
+	ape_context_destroy(d.ctx);
+}
+
+#endif /* APE_HAVE_CUDA */
+
+#ifdef APE_HAVE_CUDA
+/* The reason the real backend is absent, or NULL when it has a device. */
+static const char *real_cuda_absent(char *why, size_t cap)
+{
+	ape_context *ctx = test_context("cuda");
+	ape_backend_info bi;
+	bool ok;
+
+	snprintf(why, cap, "cannot create a context: %s", ape_last_error());
+	ok = ctx && !ape_backend_get_info(ctx, 0, &bi) && bi.available;
+	if (ctx && !ok)
+		snprintf(why, cap, "%s", bi.reason);
+	ape_context_destroy(ctx);
+	return ok ? NULL : why;
+}
+#endif
+
+int main(int argc, char **argv)
+{
+#ifndef APE_HAVE_CUDA
+	ksft_exit_skip("the CUDA backend is not built into this libape\n");
+#else
+	const char *real = getenv("APE_TEST_CUDA_DEVICE");
+	char why[300];
+
+	real_device = real && *real && strcmp(real, "0");
+	unsetenv("FAKE_CUDA_MODE");
+	if (!real_device && ape_test_slow())
+		ksft_exit_skip("the emulator under valgrind would take tens of minutes; "
+			       "make sanitize runs it under ASan and UBSan\n");
+	if (!real_device) {
+		/* every test (a forked child) drives the emulated driver, whatever this machine
+		 * has */
+		setenv("APE_CUDA_LIBRARY", EMU_LIB, 1);
+	} else if (real_cuda_absent(why, sizeof(why))) {
+		ksft_exit_skip("APE_TEST_CUDA_DEVICE is set but there is no CUDA device: %s\n", why);
+	}
+#endif
+	return test_harness_run(argc, argv);
+}
