@@ -375,8 +375,12 @@ static int span(struct ape__stream *s, struct ape__event *e0, struct ape__event 
 		s->st->copy_ms += ms;
 	t1 = host_t + ms;
 	if (ops->event_timestamp && (s->trace || !s->g.no_overlap)) {
-		if ((ret = ops->event_timestamp(e0, &t0)) || (ret = ops->event_timestamp(e1, &t1)))
+		/* the span's work ended at e1 and ran for ms: e0's own time would also count the
+		 * wait for what the queue was told to wait for, and overlap would exceed the
+		 * copies' and kernels' device times */
+		if ((ret = ops->event_timestamp(e1, &t1)))
 			return ret;
+		t0 = t1 - ms;
 		if (!s->g.no_overlap)
 			add_interval(s, t0, t1, lane == APE__LANE_KERNEL);
 	}
@@ -423,8 +427,8 @@ static double overlap_ms(struct ape__stream *s)
 	if (!s->niv)
 		return 0;
 	qsort(s->iv, s->niv, sizeof(*s->iv), cmp_interval);
-	return union_len(s->iv, s->niv, 0) + union_len(s->iv, s->niv, 1) -
-	       union_len(s->iv, s->niv, 2);
+	return fmax(0.0, union_len(s->iv, s->niv, 0) + union_len(s->iv, s->niv, 1) -
+			 union_len(s->iv, s->niv, 2));
 }
 
 /* ------------------------------------------------------------------ events */

@@ -389,7 +389,9 @@ TEST(neighbour_chunks_start_from_the_diagonal_weight)
 	ape_device *ref = ctx ? test_device(ctx, "ref") : NULL;
 	ape_device *dev = ctx ? test_device(ctx, "opencl") : NULL;
 
-	const int64_t L = ape_test_slow() ? 512 : 2048, c = L / 8;
+	/* chunks of 256: most rows of a query chunk lie well beyond the reach of the seed's decay
+	 * into the key chunk behind it (with chunks of one 64-key tile, none would) */
+	const int64_t c = 256, L = ape_test_slow() ? 4 * c : 8 * c;
 	const test_problem_shape sh = { 1, 2, 1, L, L, 32 };
 	const ape_exec_options one = chunks(L, L), o = chunks(c, c);
 	test_problem tp, want;
@@ -413,9 +415,9 @@ TEST(neighbour_chunks_start_from_the_diagonal_weight)
 	wrap_install(dev, WRAP_NO_COPY_D2D);
 	EXPECT_EQ(0, check_stream(_metadata, &tp, &want, dev, &o, "no prior", &without));
 	wrap_remove();
-	/* the chunked call visits 8 + 7 launches; each of the 7 off the diagonal would cost every
-	 * row a tile without the prior */
-	EXPECT_GT(with.chunks, 8);
+	/* the chunked call visits L / c diagonal launches and the ones next to them, each of which
+	 * would cost every row a tile without the prior */
+	EXPECT_GT(with.chunks, (uint64_t)(L / c));
 	EXPECT_LE(with.pairs_computed, st1.pairs_computed + st1.pairs_computed / 5)
 		TH_LOG("pairs computed: one shot %llu, chunked %llu",
 		       (unsigned long long)st1.pairs_computed,
@@ -761,7 +763,8 @@ TEST_F(dev, stats_count_chunks_and_bytes)
 	EXPECT_GE(st.kernel_ms, 0.0);
 	EXPECT_GE(st.copy_ms, 0.0);
 	EXPECT_GE(st.overlap_ms, 0.0);
-	EXPECT_LE(st.overlap_ms, st.copy_ms + 1e-9);
+	/* up to rounding: the intervals sit at device clock values of 1e6 ms and more */
+	EXPECT_LE(st.overlap_ms, st.copy_ms * (1 + 1e-6) + 1e-6);
 	EXPECT_STREQ(variant->backend, st.backend);
 
 	/* a caller built against libape 0.1 passes the old size and gets the old fields only */
