@@ -247,15 +247,34 @@ static void print_devices(const struct machine *m)
 			       m->phys[i].reason);
 }
 
+/* The driver version of the first device `backend` drives ("" when none says). */
+static void backend_driver(const struct machine *m, const char *backend, char *out, size_t cap)
+{
+	ape_device *devs[64];
+	int n = ape_device_list(m->ctx, devs, 64);
+	ape_device_info info;
+
+	out[0] = '\0';
+	for (int i = 0; i < n; i++)
+		if (!ape_device_get_info(devs[i], &info) && !strcmp(info.backend, backend) &&
+		    info.driver_version[0]) {
+			snprintf(out, cap, ", driver %s", info.driver_version);
+			return;
+		}
+}
+
 static void print_backends(const struct machine *m)
 {
+	char drv[96];
+
 	printf("\nbackends%s:\n", m->topo.this_machine ? "" : " (of this machine)");
 	for (int i = 0; i < m->nbackends; i++) {
 		const ape_backend_info *b = &m->backends[i];
 
+		backend_driver(m, b->name, drv, sizeof(drv));
 		if (b->available)
-			printf("  %-8s available: %d device%s\n", b->name, b->device_count,
-			       b->device_count == 1 ? "" : "s");
+			printf("  %-8s available: %d device%s%s\n", b->name, b->device_count,
+			       b->device_count == 1 ? "" : "s", drv);
 		else
 			printf("  %-8s not available: %s\n", b->name, b->reason);
 	}
