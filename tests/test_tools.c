@@ -4,6 +4,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+#include <sys/wait.h>
 
 #include "ape_test.h"
 
@@ -134,6 +136,40 @@ TEST(check_bad_arguments)
 {
 	EXPECT_EQ(2, TOOL("ape-check", "--seed", "-4"));
 	EXPECT_EQ(2, TOOL("ape-check", "--nope"));
+}
+
+/* tools/gpu-check.sh, where it can run here: its usage errors, and on a machine without an
+ * NVIDIA GPU the exit status 4 and the environment report, with nothing built. */
+static int run_gpu_check(const char *args)
+{
+	char cmd[1024];
+	size_t n;
+	FILE *p;
+	int st;
+
+	snprintf(cmd, sizeof(cmd), "cd '%s' && tools/gpu-check.sh %s 2>&1", APE_SOURCE_DIR, args);
+	p = popen(cmd, "r");
+	if (!p)
+		return -1;
+	n = fread(out, 1, sizeof(out) - 1, p);
+	out[n] = '\0';
+	st = pclose(p);
+	return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+TEST(gpu_check_script_without_a_gpu)
+{
+	char dir[] = "/tmp/ape-gpu-check-XXXXXX";
+
+	EXPECT_EQ(2, run_gpu_check("")) TH_LOG("%s", out);
+	EXPECT_NE(NULL, strstr(out, "usage: ")) TH_LOG("%s", out);
+	EXPECT_EQ(2, run_gpu_check("--help")) TH_LOG("%s", out);
+	if (!access("/dev/nvidiactl", F_OK))
+		SKIP(return, "an NVIDIA GPU is here: the script would run the whole check");
+	ASSERT_NE(NULL, mkdtemp(dir));
+	EXPECT_EQ(4, run_gpu_check(dir)) TH_LOG("%s", out);
+	EXPECT_NE(NULL, strstr(out, "no NVIDIA GPU here")) TH_LOG("%s", out);
+	test_rmtree(dir);
 }
 
 TEST_HARNESS_MAIN
