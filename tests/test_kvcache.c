@@ -12,46 +12,11 @@
 
 #include "ape_test.h"
 #include "common/problem.h"
+#include "common/ref_opencl_fixture.h"
 #include "common/wrapops.h"
 #include "context.h"
 
-FIXTURE(kv)
-{
-	ape_context *ctx;
-	ape_device *dev, *ref;
-};
-
-FIXTURE_VARIANT(kv)
-{
-	const char *backend;
-};
-
-FIXTURE_VARIANT_ADD(kv, ref)
-{
-	.backend = "ref",
-};
-
-FIXTURE_VARIANT_ADD(kv, opencl)
-{
-	.backend = "opencl",
-};
-
-FIXTURE_SETUP(kv)
-{
-	self->ctx = test_context("ref,opencl");
-	ASSERT_NE(NULL, self->ctx);
-	self->ref = test_device(self->ctx, "ref");
-	ASSERT_NE(NULL, self->ref);
-	self->dev = test_device(self->ctx, variant->backend);
-	if (!self->dev)
-		SKIP(return, "no %s device", variant->backend);
-}
-
-FIXTURE_TEARDOWN(kv)
-{
-	wrap_remove();
-	ape_context_destroy(self->ctx);
-}
+REF_OPENCL_FIXTURE(kv)
 
 /* ---- helpers */
 

@@ -15,6 +15,7 @@
 #include "ape_test.h"
 #include "common/problem.h"
 #include "common/refcheck.h"
+#include "common/ref_opencl_fixture.h"
 #include "common/wrapops.h"
 #include "context.h"
 
@@ -120,43 +121,7 @@ static int one_shot(test_problem *want, const test_problem *tp, ape_device *ref)
 
 /* ---- the devices each test runs on */
 
-FIXTURE(dev)
-{
-	ape_context *ctx;
-	ape_device *dev, *ref;
-};
-
-FIXTURE_VARIANT(dev)
-{
-	const char *backend;
-};
-
-FIXTURE_VARIANT_ADD(dev, ref)
-{
-	.backend = "ref",
-};
-
-FIXTURE_VARIANT_ADD(dev, opencl)
-{
-	.backend = "opencl",
-};
-
-FIXTURE_SETUP(dev)
-{
-	self->ctx = test_context("ref,opencl");
-	ASSERT_NE(NULL, self->ctx);
-	self->ref = test_device(self->ctx, "ref");
-	ASSERT_NE(NULL, self->ref);
-	self->dev = test_device(self->ctx, variant->backend);
-	if (!self->dev)
-		SKIP(return, "no %s device", variant->backend);
-}
-
-FIXTURE_TEARDOWN(dev)
-{
-	wrap_remove();
-	ape_context_destroy(self->ctx);
-}
+REF_OPENCL_FIXTURE(dev)
 
 /* ---- streaming equals one-shot */
 

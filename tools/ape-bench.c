@@ -370,6 +370,18 @@ static int make_inputs(const struct bench_opts *o, int64_t L, int64_t Lq, ape_rn
 }
 
 /* Times one (L, skip_tol) configuration. */
+/* The call every row times: the options' parameters and causality, this row's skip_tol. */
+static void bench_desc(const struct bench_opts *o, double skip_tol, ape_attn_desc *desc)
+{
+	ape_attn_desc_init(desc);
+	desc->delta.value = o->delta;
+	desc->beta.value = o->beta;
+	desc->gamma.value = o->gamma;
+	desc->lambda.value = o->lambda;
+	desc->causal = o->causal;
+	desc->skip_tol = skip_tol;
+}
+
 static int bench_one(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
 		     double skip_tol, ape_rng *rng, struct bench_row *row)
 {
@@ -387,13 +399,7 @@ static int bench_one(ape_device *dev, ape_device *ref, const struct bench_opts *
 	ret = make_inputs(o, L, Lq, rng, &in);
 	if (ret)
 		return ret;
-	ape_attn_desc_init(&desc);
-	desc.delta.value = o->delta;
-	desc.beta.value = o->beta;
-	desc.gamma.value = o->gamma;
-	desc.lambda.value = o->lambda;
-	desc.causal = o->causal;
-	desc.skip_tol = skip_tol;
+	bench_desc(o, skip_tol, &desc);
 	for (int i = 0; i < o->warmup + n; i++) {
 		ape_stats_init(&st);
 		ret = ape_attention_forward(dev, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse, &st);
@@ -553,13 +559,7 @@ static int stream_one(ape_device *dev, ape_device *ref, const struct bench_opts 
 	ret = make_inputs(o, L, L, rng, &in);
 	if (ret)
 		return ret;
-	ape_attn_desc_init(&desc);
-	desc.delta.value = o->delta;
-	desc.beta.value = o->beta;
-	desc.gamma.value = o->gamma;
-	desc.lambda.value = o->lambda;
-	desc.causal = o->causal;
-	desc.skip_tol = skip_tol;
+	bench_desc(o, skip_tol, &desc);
 	if (o->serial)
 		ret = stream_time(dev, o, &desc, &in, 1, &row->serial_ms, &row->st_serial);
 	if (!ret)
