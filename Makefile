@@ -183,9 +183,13 @@ DEB_PACKAGES := build-essential pkg-config xz-utils ocl-icd-opencl-dev opencl-c-
 deps:
 	$(Q)tools/deps.sh "$(KSFT_DIR)" $(DEB_PACKAGES)
 
+# Each suite prints its own line; the last line adds them all up (fuzz targets count as tests).
+CHECK_SUMMARY = $(abspath $(BUILD))/check-summary
 check: all $(TESTS) $(TESTS_BUILD_ONLY)
-	$(Q)tests/run-tests.sh $(BUILD) $(TESTS)
-	$(Q)$(foreach g,$(CHECK_EXTRA),$(MAKE) --no-print-directory $(g) &&) true
+	$(Q)rm -f $(CHECK_SUMMARY)
+	$(Q)APE_TEST_SUMMARY=$(CHECK_SUMMARY) tests/run-tests.sh $(BUILD) $(TESTS)
+	$(Q)$(foreach g,$(CHECK_EXTRA),APE_TEST_SUMMARY=$(CHECK_SUMMARY) $(MAKE) --no-print-directory $(g) &&) true
+	$(Q)$(if $(CHECK_EXTRA),tests/check-total.sh $(CHECK_SUMMARY),true)
 
 sanitize:
 	$(Q)$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 OPT=-O1 check

@@ -269,7 +269,7 @@ TEST(no_home_no_xdg_cache_home)
 	EXPECT_EQ(0, ref_forward_works(ctx)) TH_LOG("%s", ape_last_error());
 	ape_context_destroy(ctx);
 	EXPECT_EQ(0, ape_info()) TH_LOG("%s", err);
-	EXPECT_NE(NULL, strstr(out, "backends:")) TH_LOG("%s", out);
+	EXPECT_NE(NULL, strstr(out, "ref      available")) TH_LOG("%s", out);
 
 	/* HOME alone, or an XDG_CACHE_HOME that is not absolute (the XDG spec says to ignore it) */
 	setenv("HOME", "/nonexistent-home", 1);
@@ -392,9 +392,13 @@ TEST(opencl_loader_missing)
 	unloadable_lib("libOpenCL.so.1", dir, sizeof(dir), lib, sizeof(lib));
 	ASSERT_NE('\0', lib[0]);
 	EXPECT_EQ(0, ape_info()) TH_LOG("ape-info did not start: %s", err);
-	EXPECT_NE(NULL, strstr(out, "opencl   not available: no OpenCL platform: cannot load "
-				    "libOpenCL.so.1, the ICD loader ("))
-		TH_LOG("%s", out);
+	if (strstr(out, "opencl   not available: not built into this libape")) {
+		TH_LOG("the OpenCL backend is not built here: nothing to load");
+	} else {
+		EXPECT_NE(NULL, strstr(out, "opencl   not available: no OpenCL platform: cannot "
+					    "load libOpenCL.so.1, the ICD loader ("))
+			TH_LOG("%s", out);
+	}
 	EXPECT_NE(NULL, strstr(out, "ref      available")) TH_LOG("%s", out);
 	unlink(lib);
 	rmdir(dir);

@@ -32,7 +32,8 @@
 		ASSERT_NE(NULL, self->ref);                                                        \
 		self->dev = test_device(self->ctx, variant->backend);                              \
 		if (!self->dev)                                                                    \
-			SKIP(return, "no %s device", variant->backend);                            \
+			APE_SETUP_SKIP(ape_context_destroy(self->ctx), "no %s device",             \
+				       variant->backend);                                          \
 	}                                                                                          \
 	FIXTURE_TEARDOWN(fx)                                                                       \
 	{                                                                                          \

@@ -29,7 +29,7 @@
 		self->dev[0] = test_device(self->ctx, variant->backend);                           \
 		self->dev[1] = test_device(self->ctx, variant->other);                             \
 		if (!self->dev[0] || !self->dev[1])                                                \
-			SKIP(return, "no OpenCL device");                                          \
+			APE_SETUP_SKIP(ape_context_destroy(self->ctx), "no OpenCL device");        \
 	}                                                                                          \
 	FIXTURE_TEARDOWN(fx)                                                                       \
 	{                                                                                          \
