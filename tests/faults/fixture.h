@@ -8,6 +8,7 @@
 #ifndef APE_TEST_FAULTS_FIXTURE_H
 #define APE_TEST_FAULTS_FIXTURE_H
 
+#include "ape_test.h"
 #include "common/wrapops.h"
 
 #define FX_FIXTURE(fx)                                                                             \

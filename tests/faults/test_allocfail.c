@@ -8,7 +8,7 @@
  * serve the next call; LeakSanitizer (make faults-ci builds with ASan) finds no leak.
  * Needs a build with -DAPE_FAULT_INJECT (runtime/alloc.h); other builds skip.
  */
-#include "kselftest_harness.h"
+#include "ape_test.h"
 
 #include "alloc.h"
 #include "faults/faultcheck.h"

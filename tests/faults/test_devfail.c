@@ -9,7 +9,7 @@
  * 'Outputs on failure' says, and must not hang; the context must then serve the next call, on
  * this device and the other one, with the clean result; ASan/LSan (make faults-ci) see no leak.
  */
-#include "kselftest_harness.h"
+#include "ape_test.h"
 
 #include <string.h>
 

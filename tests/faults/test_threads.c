@@ -7,7 +7,7 @@
  * tolerance, since which device computes which chunk varies). `make tsan-ci` runs this under
  * ThreadSanitizer, where any data race fails it.
  */
-#include "kselftest_harness.h"
+#include "ape_test.h"
 
 #include <pthread.h>
 #include <string.h>
