@@ -22,7 +22,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 
-#include "backend.h"
+#include "core/backend.h"
 #include "cuda_syms.h"
 #include "kernels/args.h"
 

@@ -19,9 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "alloc.h"
+#include "core/alloc.h"
 #include "cu.h"
-#include "error.h"
+#include "core/error.h"
 
 /* Decode splits: enough blocks to fill the GPU twice, each split at least this many keys. */
 #define SPLIT_MIN_KEYS 256

@@ -10,9 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "alloc.h"
+#include "core/alloc.h"
 #include "cu.h"
-#include "error.h"
+#include "core/error.h"
 
 /* The kernels use cp.async, ldmatrix and bf16 mma: compute capability 8.0 or newer. */
 #define CC_MIN_MAJOR 8

@@ -13,9 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "alloc.h"
+#include "core/alloc.h"
 #include "cu.h"
-#include "error.h"
+#include "core/error.h"
 
 #define DRV(dev) (ape__cu_dev(dev)->drv)
 

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "cu.h"
-#include "error.h"
+#include "core/error.h"
 
 #define VARIANTS(kind)                                                                             \
 	"ape_" kind "_d64_f32", "ape_" kind "_d64_f16", "ape_" kind "_d64_bf16",                   \

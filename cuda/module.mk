@@ -13,7 +13,7 @@ CUDA_GEN   := $(BUILD)/gen/cuda
 CUDA_SRCS  := $(wildcard cuda/cuda_*.c)
 CUDA_KERNELS := prep window decode prefill
 CUDA_FATBINS := $(CUDA_KERNELS:%=$(CUDA_GEN)/%.fatbin)
-CUDA_KHDRS := cuda/kernels/common.cuh cuda/kernels/args.h runtime/ape_math.h
+CUDA_KHDRS := cuda/kernels/common.cuh cuda/kernels/args.h runtime/core/ape_math.h
 
 LIB_SRCS += $(CUDA_SRCS)
 LIB_ASM  += cuda/fatbin_embed.S
@@ -67,7 +67,7 @@ $(FAKE_CUDA_NOPA): tests/fake_cuda/fake_libcuda.c $(CONFIG_STAMP)
 	@echo "  CC      $@"
 	$(Q)$(CC) $(FAKE_CFLAGS) -DFAKE_CUDA_NO_PROCADDRESS -shared -o $@ $< -lpthread
 
-$(BUILD)/tests-obj/cuda_emu/%.o: cuda/kernels/%.cu $(CUDA_KHDRS) cuda/emu/emu.h runtime/half.h \
+$(BUILD)/tests-obj/cuda_emu/%.o: cuda/kernels/%.cu $(CUDA_KHDRS) cuda/emu/emu.h runtime/core/half.h \
 				  $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CXX     $< (CPU emulation)"
@@ -79,7 +79,7 @@ $(BUILD)/tests-obj/cuda_emu/emu.o: cuda/emu/emu.cc cuda/emu/emu.h cuda/emu/emu_a
 	$(Q)$(CXX) $(EMU_CXXFLAGS) -c $< -o $@
 
 # libape's 16-bit conversions, hidden inside the emulated driver
-$(BUILD)/tests-obj/cuda_emu/half.o: runtime/half.c runtime/half.h $(CONFIG_STAMP)
+$(BUILD)/tests-obj/cuda_emu/half.o: runtime/core/half.c runtime/core/half.h $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $< (for the emulator)"
 	$(Q)$(CC) $(FAKE_CFLAGS) -fvisibility=hidden -Iinclude -Iruntime -c $< -o $@

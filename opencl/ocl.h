@@ -13,7 +13,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
-#include "backend.h"
+#include "core/backend.h"
 #include "ocl_api.h" /* <CL/cl.h>, every call through the loaded table */
 #include "ocl_debug.h"
 

@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "alloc.h"
+#include "core/error.h"
+#include "core/alloc.h"
 #include "ocl.h"
 
 /* Launch flags, mirrored in kernels/attention.cl. */

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* The OpenCL backend's entry in the registry (runtime/registry.c): every op, and where it lives. */
+/* The OpenCL backend's entry in the registry (runtime/api/registry.c): every op, and where it lives. */
 #include "ocl.h"
 
 const struct ape__backend_ops ape__opencl_ops = {

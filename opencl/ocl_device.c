@@ -10,8 +10,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "error.h"
-#include "alloc.h"
+#include "core/error.h"
+#include "core/alloc.h"
 #include "ocl.h"
 
 /* Vendor queries for the PCI address, defined here because older headers lack them. */

@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "alloc.h"
+#include "core/error.h"
+#include "core/alloc.h"
 #include "ocl.h"
 
 static struct ape__ocl_timeline *tl_get(struct ape__ocl_timeline *tl)

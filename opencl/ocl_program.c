@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Programs: chosen per device (tile shapes from its limits), built lazily per D specialisation,
- * cached on disk as binaries (runtime/cache.c) and kept for the context's life.
+ * cached on disk as binaries (runtime/core/progcache.c) and kept for the context's life.
  *
  * Build options: none beyond the shape. Measured on PoCL 3.1 (150 random f32 cases against the
  * reference, NaN/Inf cases, dense L = 4096): -cl-mad-enable, -cl-fast-relaxed-math,
@@ -16,9 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cache.h"
-#include "alloc.h"
-#include "error.h"
+#include "core/progcache.h"
+#include "core/alloc.h"
+#include "core/error.h"
 #include "ocl.h"
 
 /* Ahead of ape_math.h: the arithmetic of the per-row and per-seed code (float64 when present). */
@@ -207,7 +207,7 @@ static cl_program ocl_from_cache(struct ape__ocl_device *od, const char *key, co
 	size_t len;
 	cl_int err, status;
 	cl_program prog;
-	int ret = ape__cache_load(key, &blob, &len);
+	int ret = ape__progcache_load(key, &blob, &len);
 
 	if (ret != APE__CACHE_HIT) {
 		if (ret == APE__CACHE_CORRUPT || ret == APE__CACHE_UNTRUSTED)
@@ -238,7 +238,7 @@ static void ocl_to_cache(struct ape__ocl_device *od, cl_program prog, const char
 	size_t len = 0;
 	unsigned char *bin;
 
-	if (ape__cache_usable())
+	if (ape__progcache_usable())
 		return;
 	if (clGetProgramInfo(prog, CL_PROGRAM_BINARY_SIZES, sizeof(len), &len, NULL) !=
 		    CL_SUCCESS ||
@@ -248,7 +248,7 @@ static void ocl_to_cache(struct ape__ocl_device *od, cl_program prog, const char
 	if (!bin)
 		return;
 	if (clGetProgramInfo(prog, CL_PROGRAM_BINARIES, sizeof(bin), &bin, NULL) == CL_SUCCESS &&
-	    ape__cache_store(key, bin, len) == 0)
+	    ape__progcache_store(key, bin, len) == 0)
 		ocl_count(od, &od->counters.cache_writes);
 	free(bin);
 }

@@ -20,7 +20,7 @@
 
 #ifdef APE_HAVE_CUDA
 #include "../cuda/cu.h"
-#include "error.h"
+#include "core/error.h"
 
 #define FAKE_DIR APE_BUILD_DIR "/tests/fake_cuda"
 #define FAKE_LIB FAKE_DIR "/libcuda.so.1"

@@ -12,8 +12,8 @@
 #include <unistd.h>
 
 #include "ape_test.h"
-#include "drm_devices.h"
-#include "topology.h"
+#include "topo/drm_devices.h"
+#include "topo/topology.h"
 
 TEST(scan_this_machine)
 {

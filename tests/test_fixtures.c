@@ -18,9 +18,9 @@
 
 #include "ape_test.h"
 #include "common/pages.h"
-#include "context.h"
-#include "hostmem.h"
-#include "topology.h"
+#include "core/context.h"
+#include "topo/hostmem.h"
+#include "topo/topology.h"
 
 #define FIXTURE_DIR APE_SOURCE_DIR "/tests/fixtures/"
 #define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))

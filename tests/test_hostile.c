@@ -23,7 +23,7 @@
 #include <dlfcn.h>
 
 #include "ape_test.h"
-#include "cache.h"
+#include "core/progcache.h"
 
 #define NOBODY 65534 /* the uid and gid Debian gives "nobody" */
 
@@ -140,10 +140,10 @@ static int cache_usable_as(int uid, const char *dir, char *msg, size_t cap)
 		if (uid >= 0 && (setgid((gid_t)uid) || setuid((uid_t)uid)))
 			_exit(100);
 		cache_env(dir);
-		ret = ape__cache_usable();
+		ret = ape__progcache_usable();
 		/* a store must refuse quietly (the one warning is already out) */
 		if (ret == APE__CACHE_UNUSABLE &&
-		    ape__cache_store("k", "x", 1) != APE__CACHE_UNUSABLE)
+		    ape__progcache_store("k", "x", 1) != APE__CACHE_UNUSABLE)
 			_exit(101);
 		_exit(ret);
 	}
@@ -229,21 +229,21 @@ TEST(cache_entry_untrusted)
 	make_dir(dir, sizeof(dir));
 	ASSERT_NE('\0', dir[0]);
 	cache_env(dir);
-	ASSERT_EQ(0, ape__cache_store("entry", "payload", 7));
-	ASSERT_EQ(0, ape__cache_path("entry", path, sizeof(path)));
-	ASSERT_EQ(APE__CACHE_HIT, ape__cache_load("entry", &blob, &len));
+	ASSERT_EQ(0, ape__progcache_store("entry", "payload", 7));
+	ASSERT_EQ(0, ape__progcache_path("entry", path, sizeof(path)));
+	ASSERT_EQ(APE__CACHE_HIT, ape__progcache_load("entry", &blob, &len));
 	free(blob);
 	ASSERT_EQ(0, chmod(path, 0666));
-	EXPECT_EQ(APE__CACHE_UNTRUSTED, ape__cache_load("entry", &blob, &len));
+	EXPECT_EQ(APE__CACHE_UNTRUSTED, ape__progcache_load("entry", &blob, &len));
 	EXPECT_EQ(NULL, blob);
 	if (geteuid() == 0) { /* another owner, with safe permissions */
 		ASSERT_EQ(0, chmod(path, 0600));
 		ASSERT_EQ(0, chown(path, NOBODY, NOBODY));
-		EXPECT_EQ(APE__CACHE_UNTRUSTED, ape__cache_load("entry", &blob, &len));
+		EXPECT_EQ(APE__CACHE_UNTRUSTED, ape__progcache_load("entry", &blob, &len));
 	}
 	/* the next store replaces it with our own */
-	EXPECT_EQ(0, ape__cache_store("entry", "payload", 7));
-	EXPECT_EQ(APE__CACHE_HIT, ape__cache_load("entry", &blob, &len));
+	EXPECT_EQ(0, ape__progcache_store("entry", "payload", 7));
+	EXPECT_EQ(APE__CACHE_HIT, ape__progcache_load("entry", &blob, &len));
 	free(blob);
 	test_rmtree(dir);
 }
@@ -257,9 +257,9 @@ TEST(no_home_no_xdg_cache_home)
 	cache_env(NULL);
 	unsetenv("XDG_CACHE_HOME");
 	unsetenv("HOME");
-	EXPECT_EQ(APE__CACHE_UNUSABLE, ape__cache_path("k", path, sizeof(path)));
+	EXPECT_EQ(APE__CACHE_UNUSABLE, ape__progcache_path("k", path, sizeof(path)));
 	capture_begin();
-	EXPECT_EQ(APE__CACHE_UNUSABLE, ape__cache_usable());
+	EXPECT_EQ(APE__CACHE_UNUSABLE, ape__progcache_usable());
 	msg = capture_end();
 	EXPECT_NE(NULL, strstr(msg, "program cache not used (neither APE_CACHE_DIR, XDG_CACHE_HOME "
 				    "nor HOME is set)"))
@@ -273,10 +273,10 @@ TEST(no_home_no_xdg_cache_home)
 
 	/* HOME alone, or an XDG_CACHE_HOME that is not absolute (the XDG spec says to ignore it) */
 	setenv("HOME", "/nonexistent-home", 1);
-	ASSERT_EQ(0, ape__cache_path("k", path, sizeof(path)));
+	ASSERT_EQ(0, ape__progcache_path("k", path, sizeof(path)));
 	EXPECT_EQ(0, strncmp(path, "/nonexistent-home/.cache/libape/", 32)) TH_LOG("%s", path);
 	setenv("XDG_CACHE_HOME", "relative/cache", 1);
-	ASSERT_EQ(0, ape__cache_path("k", path, sizeof(path)));
+	ASSERT_EQ(0, ape__progcache_path("k", path, sizeof(path)));
 	EXPECT_EQ(0, strncmp(path, "/nonexistent-home/.cache/libape/", 32)) TH_LOG("%s", path);
 }
 

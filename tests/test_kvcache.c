@@ -14,7 +14,7 @@
 #include "common/problem.h"
 #include "common/ref_opencl_fixture.h"
 #include "common/wrapops.h"
-#include "context.h"
+#include "core/context.h"
 
 REF_OPENCL_FIXTURE(kv)
 

@@ -1,11 +1,11 @@
 /* SPDX-License-Identifier: MIT */
-/* The shared pure math of runtime/ape_math.h, checked against brute force in float64. */
+/* The shared pure math of runtime/core/ape_math.h, checked against brute force in float64. */
 #include <math.h>
 
 #include "ape_test.h"
 
 #define APE_REAL double
-#include "ape_math.h"
+#include "core/ape_math.h"
 
 /*
  * The skip bound's tail: the summed weight of every key at distance >= n0 (one key per distance,

@@ -25,8 +25,8 @@
 
 #ifdef APE_HAVE_OPENCL
 #include "../opencl/ocl_debug.h"
-#include "backend.h"
-#include "cache.h"
+#include "core/backend.h"
+#include "core/progcache.h"
 
 /* ---- helpers */
 
@@ -710,7 +710,7 @@ static int forward_counted(struct ape__ocl_debug_counters *cnt)
 		ret = ape__ocl_debug_counters(dev, cnt);
 	if (!ret) {
 		ape__ocl_debug_cache_key(dev, 64, entry_key, sizeof(entry_key));
-		if (ape__cache_path(entry_key, entry_path, sizeof(entry_path)))
+		if (ape__progcache_path(entry_key, entry_path, sizeof(entry_path)))
 			entry_path[0] = '\0'; /* no usable cache: tests that need one check this */
 	}
 out:
@@ -728,7 +728,7 @@ static int cache_entry_valid(void)
 
 	if (!f)
 		return 0;
-	ret = ape__cache_parse(f, len, entry_key, &payload, &plen) == APE__CACHE_HIT && plen > 0;
+	ret = ape__progcache_parse(f, len, entry_key, &payload, &plen) == APE__CACHE_HIT && plen > 0;
 	free(f);
 	return ret;
 }
@@ -822,7 +822,7 @@ TEST(cache_refused_binary_is_rebuilt)
 
 	cache_dir_fresh(dir, sizeof(dir));
 	ASSERT_EQ(0, forward_counted(&c)) TH_LOG("%s", ape_last_error());
-	ASSERT_EQ(0, ape__cache_store(entry_key, junk, sizeof(junk)));
+	ASSERT_EQ(0, ape__progcache_store(entry_key, junk, sizeof(junk)));
 	ASSERT_TRUE(cache_entry_valid());
 	ASSERT_EQ(0, forward_counted(&c)) TH_LOG("%s", ape_last_error());
 	EXPECT_EQ(1, c.cache_rejects);
@@ -862,7 +862,7 @@ TEST(cache_untrusted_entry_is_not_used)
 		EXPECT_EQ(getuid(), st.st_uid);
 	} else {
 		ksft_print_msg("cache_untrusted_entry_is_not_used: not root, foreign owner checked "
-			       "through ape__cache_trusted() only\n");
+			       "through ape__progcache_trusted() only\n");
 		fflush(stdout);
 	}
 
@@ -883,16 +883,16 @@ TEST(cache_trust_rules)
 	memset(&st, 0, sizeof(st));
 	st.st_uid = 1000;
 	st.st_mode = S_IFREG | 0600;
-	EXPECT_TRUE(ape__cache_trusted(&st, 1000));
-	EXPECT_FALSE(ape__cache_trusted(&st, 1001)); /* another owner */
+	EXPECT_TRUE(ape__progcache_trusted(&st, 1000));
+	EXPECT_FALSE(ape__progcache_trusted(&st, 1001)); /* another owner */
 	st.st_mode = S_IFREG | 0644;
-	EXPECT_TRUE(ape__cache_trusted(&st, 1000)); /* readable by others is fine */
+	EXPECT_TRUE(ape__progcache_trusted(&st, 1000)); /* readable by others is fine */
 	st.st_mode = S_IFREG | 0620;
-	EXPECT_FALSE(ape__cache_trusted(&st, 1000));
+	EXPECT_FALSE(ape__progcache_trusted(&st, 1000));
 	st.st_mode = S_IFREG | 0602;
-	EXPECT_FALSE(ape__cache_trusted(&st, 1000));
+	EXPECT_FALSE(ape__progcache_trusted(&st, 1000));
 	st.st_mode = S_IFDIR | 0777;
-	EXPECT_FALSE(ape__cache_trusted(&st, 1000));
+	EXPECT_FALSE(ape__progcache_trusted(&st, 1000));
 }
 
 TEST(cache_disabled_writes_nothing)
@@ -961,22 +961,22 @@ TEST(cache_directory_resolution)
 	setenv("APE_CACHE_DIR", "/nonexistent/ape-a", 1);
 	setenv("XDG_CACHE_HOME", "/nonexistent/ape-b", 1);
 	setenv("HOME", "/nonexistent/ape-c", 1);
-	ASSERT_EQ(0, ape__cache_path("k", path, sizeof(path)));
+	ASSERT_EQ(0, ape__progcache_path("k", path, sizeof(path)));
 	EXPECT_EQ(0, strncmp(path, "/nonexistent/ape-a/", 19)) TH_LOG("%s", path);
 	unsetenv("APE_CACHE_DIR");
-	ASSERT_EQ(0, ape__cache_path("k", path, sizeof(path)));
+	ASSERT_EQ(0, ape__progcache_path("k", path, sizeof(path)));
 	EXPECT_EQ(0, strncmp(path, "/nonexistent/ape-b/libape/", 26)) TH_LOG("%s", path);
 	setenv("XDG_CACHE_HOME", "relative/is/ignored", 1); /* as the XDG spec says */
-	ASSERT_EQ(0, ape__cache_path("k", path, sizeof(path)));
+	ASSERT_EQ(0, ape__progcache_path("k", path, sizeof(path)));
 	EXPECT_EQ(0, strncmp(path, "/nonexistent/ape-c/.cache/libape/", 33)) TH_LOG("%s", path);
 	unsetenv("XDG_CACHE_HOME");
 	unsetenv("HOME");
-	EXPECT_EQ(APE__CACHE_UNUSABLE, ape__cache_path("k", path, sizeof(path)));
+	EXPECT_EQ(APE__CACHE_UNUSABLE, ape__progcache_path("k", path, sizeof(path)));
 	setenv("APE_CACHE_DIR", "/nonexistent/ape-a", 1);
 	setenv("APE_NO_CACHE", "1", 1);
-	EXPECT_EQ(APE__CACHE_DISABLED, ape__cache_path("k", path, sizeof(path)));
+	EXPECT_EQ(APE__CACHE_DISABLED, ape__progcache_path("k", path, sizeof(path)));
 	setenv("APE_NO_CACHE", "0", 1); /* "0" does not disable */
-	EXPECT_EQ(0, ape__cache_path("k", path, sizeof(path)));
+	EXPECT_EQ(0, ape__progcache_path("k", path, sizeof(path)));
 }
 
 /* The pure parser on malformed entries: every truncation, every flipped byte, other keys. */
@@ -989,12 +989,12 @@ TEST(cache_parse_malformed)
 
 	for (size_t i = 0; i < sizeof(payload); i++)
 		payload[i] = (unsigned char)(i * 7 + 1);
-	n = ape__cache_format(NULL, 0, key, payload, sizeof(payload));
+	n = ape__progcache_format(NULL, 0, key, payload, sizeof(payload));
 	ASSERT_EQ(APE__CACHE_HEADER + strlen(key) + sizeof(payload), n);
 	f = malloc(n + 1);
 	ASSERT_NE(NULL, f);
-	ASSERT_EQ(n, ape__cache_format(f, n, key, payload, sizeof(payload)));
-	ASSERT_EQ(APE__CACHE_HIT, ape__cache_parse(f, n, key, &p, &plen));
+	ASSERT_EQ(n, ape__progcache_format(f, n, key, payload, sizeof(payload)));
+	ASSERT_EQ(APE__CACHE_HIT, ape__progcache_parse(f, n, key, &p, &plen));
 	ASSERT_EQ(sizeof(payload), plen);
 	EXPECT_EQ(0, memcmp(p, payload, plen));
 
@@ -1004,35 +1004,35 @@ TEST(cache_parse_malformed)
 		g = malloc(len ? len : 1);
 		ASSERT_NE(NULL, g);
 		memcpy(g, f, len);
-		EXPECT_EQ(APE__CACHE_CORRUPT, ape__cache_parse(g, len, key, &p, &plen))
+		EXPECT_EQ(APE__CACHE_CORRUPT, ape__progcache_parse(g, len, key, &p, &plen))
 			TH_LOG("truncated to %zu bytes", len);
 		EXPECT_EQ(NULL, p);
 		free(g);
 	}
 	f[n] = 0; /* trailing garbage */
-	EXPECT_EQ(APE__CACHE_CORRUPT, ape__cache_parse(f, n + 1, key, &p, &plen));
+	EXPECT_EQ(APE__CACHE_CORRUPT, ape__progcache_parse(f, n + 1, key, &p, &plen));
 	for (size_t i = 0; i < n; i++) {
 		f[i] ^= 0x10;
-		EXPECT_EQ(APE__CACHE_CORRUPT, ape__cache_parse(f, n, key, &p, &plen))
+		EXPECT_EQ(APE__CACHE_CORRUPT, ape__progcache_parse(f, n, key, &p, &plen))
 			TH_LOG("byte %zu flipped", i);
 		f[i] ^= 0x10;
 	}
-	EXPECT_EQ(APE__CACHE_CORRUPT, ape__cache_parse(f, n, "libape test key", &p, &plen));
-	EXPECT_EQ(APE__CACHE_CORRUPT, ape__cache_parse(f, n, "", &p, &plen));
-	EXPECT_EQ(APE__CACHE_CORRUPT, ape__cache_parse(NULL, 0, key, &p, &plen));
+	EXPECT_EQ(APE__CACHE_CORRUPT, ape__progcache_parse(f, n, "libape test key", &p, &plen));
+	EXPECT_EQ(APE__CACHE_CORRUPT, ape__progcache_parse(f, n, "", &p, &plen));
+	EXPECT_EQ(APE__CACHE_CORRUPT, ape__progcache_parse(NULL, 0, key, &p, &plen));
 	/* sizes that would overflow if trusted */
 	memset(f + 16, 0xff, 8);
-	EXPECT_EQ(APE__CACHE_CORRUPT, ape__cache_parse(f, n, key, &p, &plen));
+	EXPECT_EQ(APE__CACHE_CORRUPT, ape__progcache_parse(f, n, key, &p, &plen));
 	memset(f + 12, 0xff, 4);
-	EXPECT_EQ(APE__CACHE_CORRUPT, ape__cache_parse(f, n, key, &p, &plen));
+	EXPECT_EQ(APE__CACHE_CORRUPT, ape__progcache_parse(f, n, key, &p, &plen));
 	free(f);
 
 	/* an empty payload is a valid entry */
-	n = ape__cache_format(NULL, 0, key, NULL, 0);
+	n = ape__progcache_format(NULL, 0, key, NULL, 0);
 	f = malloc(n);
 	ASSERT_NE(NULL, f);
-	ape__cache_format(f, n, key, NULL, 0);
-	EXPECT_EQ(APE__CACHE_HIT, ape__cache_parse(f, n, key, &p, &plen));
+	ape__progcache_format(f, n, key, NULL, 0);
+	EXPECT_EQ(APE__CACHE_HIT, ape__progcache_parse(f, n, key, &p, &plen));
 	EXPECT_EQ(0, plen);
 	free(f);
 }

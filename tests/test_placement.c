@@ -17,10 +17,10 @@
 
 #include "ape_test.h"
 #include "common/pages.h"
-#include "context.h"
-#include "hostmem.h"
-#include "numa.h"
-#include "topology.h"
+#include "core/context.h"
+#include "topo/hostmem.h"
+#include "topo/numa.h"
+#include "topo/topology.h"
 
 #define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
 #define BUF_BYTES (4u << 20)

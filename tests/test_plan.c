@@ -8,10 +8,10 @@
 #include <string.h>
 
 #include "ape_test.h"
-#include "merge.h"
-#include "plan.h"
-#include "skip.h"
-#include "stream.h"
+#include "exec/lse_merge.h"
+#include "exec/plan.h"
+#include "exec/skip.h"
+#include "exec/stream.h"
 
 static struct ape__plan_req req(int64_t L, uint64_t budget)
 {

@@ -17,7 +17,7 @@
 #include "common/refcheck.h"
 #include "common/ref_opencl_fixture.h"
 #include "common/wrapops.h"
-#include "context.h"
+#include "core/context.h"
 
 /* ---- helpers */
 

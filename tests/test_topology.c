@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The physical device list as pure logic (runtime/topology.c), on injected device lists: what
+ * The physical device list as pure logic (runtime/topo/topology.c), on injected device lists: what
  * CUDA, OpenCL, DRM and the PCI bus scan report about imaginary machines, and what the merge
  * must make of it. PCI addresses, the merge identity rules, the order, the reasons a user reads
  * when a GPU sits idle, the visible-devices filter, lookup by index and address, and the staging
@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "ape_test.h"
-#include "topology.h"
+#include "topo/topology.h"
 
 /* A sighting; device_index matters only for those of a compute API, which always give it. */
 #define SIGHT(...) ((struct ape__sighting){ __VA_ARGS__ })

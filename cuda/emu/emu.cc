@@ -463,7 +463,7 @@ reg::reg(const char *name, kernel_fn fn, size_t param_bytes)
 
 } /* namespace ape_emu */
 
-/* runtime/half.c comes with ape_convert(), which reports errors through libape's ape__error();
+/* runtime/core/half.c comes with ape_convert(), which reports errors through libape's ape__error();
  * the emulated driver does not link libape and never calls ape_convert(). */
 extern "C" __attribute__((visibility("hidden"))) int ape__error(int err, const char *fmt, ...)
 {

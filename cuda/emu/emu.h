@@ -20,9 +20,9 @@
 #include <cmath>
 #include <vector_functions.h>
 /* the storage conversions with the rounding the hardware's cvt.rn instructions have: libape's own
- * (runtime/half.c, linked into the emulated driver) */
+ * (runtime/core/half.c, linked into the emulated driver) */
 extern "C" {
-#include "half.h"
+#include "core/half.h"
 }
 #include <vector_types.h>
 

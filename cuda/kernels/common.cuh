@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * What every CUDA kernel file shares: the shared math of runtime/ape_math.h (in float64), the
+ * What every CUDA kernel file shares: the shared math of runtime/core/ape_math.h (in float64), the
  * device primitives (barriers, shuffles, asynchronous copies, ldmatrix, mma, ex2), storage-type
  * conversions, the exact seed sincos and the small helpers of the walk over key tiles.
  *
@@ -30,7 +30,7 @@
  * tile, never per pair, so float64 costs nothing measurable on the GPUs this targets (A100,
  * H100/H200: half the float32 rate). */
 #define APE_REAL double
-#include "ape_math.h"
+#include "core/ape_math.h"
 
 #define APE_INF __int_as_float(0x7f800000)
 #define APE_NAN __int_as_float(0x7fffffff)

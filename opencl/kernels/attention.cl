@@ -3,7 +3,7 @@
  * The fused APE attention kernel (docs/kernels.md), OpenCL C 1.2.
  *
  * The host builds this file behind a short prelude (APE_REAL, the float64 pragma) and
- * runtime/ape_math.h, with these compile-time parameters:
+ * runtime/core/ape_math.h, with these compile-time parameters:
  *   APE_D     64 or 128 (specialised: loop bounds known), or 0 (any even D <= 256, known at
  *             run time)
  *   APE_RW    query rows per row vector, carried in the lanes of a vector type: 16 on a CPU with

@@ -3,7 +3,7 @@
 #ifndef APE_REF_H
 #define APE_REF_H
 
-#include "../backend.h"
+#include "core/backend.h"
 
 #pragma GCC visibility push(hidden)
 

@@ -8,8 +8,8 @@
 #include <string.h>
 
 #define APE_REAL double
-#include "../ape_math.h"
-#include "../half.h"
+#include "core/ape_math.h"
+#include "core/half.h"
 #include "ref.h"
 
 #define APE_REF_MAX_D 256

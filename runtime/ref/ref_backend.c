@@ -9,8 +9,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "../error.h"
-#include "../alloc.h"
+#include "core/error.h"
+#include "core/alloc.h"
 #include "ref.h"
 
 struct ape__buf {

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
+#include "core/error.h"
 
 /* Test-only global state: the ops struct has no user pointer, and one wrapper is enough. */
 static struct {

@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 #include "ape/ape.h"
-#include "backend.h"
+#include "core/backend.h"
 
 #define WRAP_NO_COPY_D2D (1u << 0) /* hide copy_d2d */
 #define WRAP_NO_TIMESTAMP (1u << 1) /* hide event_timestamp */

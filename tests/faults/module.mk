@@ -1,6 +1,6 @@
 # Fault injection and concurrency (issue 7), each in a build of its own so that the normal build
 # stays untouched: `make faults-ci` builds libape with ASan and -DAPE_FAULT_INJECT (the counting
-# allocators of runtime/alloc.h) in $(BUILD)/faults and runs the allocation- and device-failure
+# allocators of runtime/core/alloc.h) in $(BUILD)/faults and runs the allocation- and device-failure
 # tests; `make tsan-ci` builds it with ThreadSanitizer in $(BUILD)/tsan and runs the concurrency
 # tests. Both leave CUDA out: no GPU reaches these tests here, and nvcc would double the build.
 FAULT_TESTS  := $(BUILD)/tests/faults/test_allocfail $(BUILD)/tests/faults/test_devfail

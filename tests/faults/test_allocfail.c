@@ -6,11 +6,11 @@
  * APE_ENOMEM with a message (or, where the library has a fallback, succeed with the clean
  * result), leave the inputs byte-identical and the outputs as README promises; the context must
  * serve the next call; LeakSanitizer (make faults-ci builds with ASan) finds no leak.
- * Needs a build with -DAPE_FAULT_INJECT (runtime/alloc.h); other builds skip.
+ * Needs a build with -DAPE_FAULT_INJECT (runtime/core/alloc.h); other builds skip.
  */
 #include "ape_test.h"
 
-#include "alloc.h"
+#include "core/alloc.h"
 #include "faults/faultcheck.h"
 #include "faults/fixture.h"
 

@@ -21,7 +21,7 @@ FX_FIXTURE(df)
 
 /* Ops whose failure the library may absorb, because it has a fallback that only costs speed:
  * pinning (plain memory works), a device buffer beyond the first key/value slots (fewer key
- * chunks stay resident, runtime/stream.c). The result must still be the clean one. */
+ * chunks stay resident, runtime/exec/stream.c). The result must still be the clean one. */
 static bool absorbable(enum wrap_op op)
 {
 	return op == WRAP_HOST_REGISTER || op == WRAP_BUF_ALLOC;

@@ -1,11 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * libFuzzer target: the program-cache entry reader (runtime/cache.c). A cache file may be damaged
+ * libFuzzer target: the program-cache entry reader (runtime/core/progcache.c). A cache file may be damaged
  * or planted, and what it hands out is run on a device, so the reader must refuse anything that
  * is not exactly an entry for the key asked. The input is the bytes of one entry file, checked
- * two ways: in memory (ape__cache_parse) and from disk through the loader the OpenCL backend
- * uses (ape__cache_load, with APE_CACHE_DIR pointing at a private directory). Promises checked:
- * both agree, a hit is exactly what ape__cache_format would write for that payload, and
+ * two ways: in memory (ape__progcache_parse) and from disk through the loader the OpenCL backend
+ * uses (ape__progcache_load, with APE_CACHE_DIR pointing at a private directory). Promises checked:
+ * both agree, a hit is exactly what ape__progcache_format would write for that payload, and
  * anything stored loads back unchanged.
  */
 #include <fcntl.h>
@@ -14,7 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "cache.h"
+#include "core/progcache.h"
 
 /* A key shaped like the OpenCL backend's (device, driver, options, source hash). */
 static const char key[] =
@@ -52,7 +52,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 	}
 	setenv("APE_CACHE_DIR", dir, 1);
 	unsetenv("APE_NO_CACHE");
-	check(ape__cache_path(key, entry, sizeof(entry)) == 0, "ape__cache_path");
+	check(ape__progcache_path(key, entry, sizeof(entry)) == 0, "ape__progcache_path");
 	atexit(remove_dir);
 	return 0;
 }
@@ -72,7 +72,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	void *blob;
 	int ret, lret;
 
-	ret = ape__cache_parse(data, size, key, &payload, &plen);
+	ret = ape__progcache_parse(data, size, key, &payload, &plen);
 	check(ret == APE__CACHE_HIT || ret == APE__CACHE_CORRUPT, "parse: HIT or CORRUPT");
 	if (ret == APE__CACHE_HIT) {
 		unsigned char *again = malloc(size ? size : 1);
@@ -80,17 +80,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		check((const uint8_t *)payload >= data && plen <= size &&
 			      (const uint8_t *)payload + plen == data + size,
 		      "the payload lies inside the entry and ends it");
-		check(again && ape__cache_format(again, size, key, payload, plen) == size &&
+		check(again && ape__progcache_format(again, size, key, payload, plen) == size &&
 			      !memcmp(again, data, size),
-		      "a hit is byte for byte what ape__cache_format writes");
+		      "a hit is byte for byte what ape__progcache_format writes");
 		free(again);
 	} else {
 		check(payload == NULL && plen == 0, "a refusal hands out nothing");
 	}
 
 	write_entry(data, size);
-	lret = ape__cache_load(key, &blob, &llen);
-	check(lret == ret, "ape__cache_load agrees with ape__cache_parse");
+	lret = ape__progcache_load(key, &blob, &llen);
+	check(lret == ret, "ape__progcache_load agrees with ape__progcache_parse");
 	check(lret == APE__CACHE_HIT ? llen == plen && (!plen || !memcmp(blob, payload, plen))
 				     : blob == NULL,
 	      "the loaded payload is the parsed one");
@@ -98,8 +98,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
 	/* The input as a payload: the writer's entry must load back unchanged (it replaces the
 	 * file atomically, so the reader never sees half of it). */
-	check(ape__cache_store(key, data, size) == 0, "ape__cache_store");
-	check(ape__cache_load(key, &blob, &llen) == APE__CACHE_HIT && llen == size &&
+	check(ape__progcache_store(key, data, size) == 0, "ape__progcache_store");
+	check(ape__progcache_load(key, &blob, &llen) == APE__CACHE_HIT && llen == size &&
 		      (!size || !memcmp(blob, data, size)),
 	      "a stored payload loads back");
 	free(blob);

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * libFuzzer target: validation of forward calls (runtime/problem.c) through the internal entry
+ * libFuzzer target: validation of forward calls (runtime/api/validate.c) through the internal entry
  * point and the public ape_attention_forward() on the reference backend. The input describes a
  * call: shapes (small, huge, negative, overflowing), strides (contiguous, padded, arbitrary),
  * dtypes, every descriptor field (NaN, Inf, denormals, raw bit patterns), positions, aliasing.
@@ -21,7 +21,7 @@
 #include <string.h>
 
 #include "ape/ape.h"
-#include "problem.h"
+#include "api/validate.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

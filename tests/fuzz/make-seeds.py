@@ -77,7 +77,7 @@ put("problem", "shape_overflow.bin", call(1, 0xC2, 1, 0xC2, 4, 4))
 put("problem", "padded_strides.bin", call(1, 2, 2, 4, 4, 4, strides=(b"\3\2", b"\3\1", b"\3\0", b"\3\3")) +
     b"\0\0" + bytes([1, 3, 0, 0, 0, 0]) + bytes([1] * 8))
 
-# ---- cache: an entry for fuzz_cache.c's key, as ape__cache_format writes it, and damaged ones
+# ---- cache: an entry for fuzz_cache.c's key, as ape__progcache_format writes it, and damaged ones
 KEY = b"opencl|pthread-fuzz|PoCL 3.1|-cl-std=CL1.2 -DAPE_D=64|src=0123456789abcdef"
 
 

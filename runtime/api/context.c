@@ -1,0 +1,266 @@
+/* SPDX-License-Identifier: MIT */
+/* Contexts: load the backends named in the registry, probe them, keep one ordered device list. */
+#include "core/context.h"
+#include "core/alloc.h"
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "api/registry.h"
+#include "topo/physical.h"
+
+void ape_context_options_init(ape_context_options *opts)
+{
+	if (!opts)
+		return;
+	memset(opts, 0, sizeof(*opts));
+	opts->struct_size = sizeof(*opts);
+}
+
+/* Is `name` one of the comma-separated words of `list`? */
+static bool list_has(const char *list, const char *name)
+{
+	size_t n = strlen(name);
+
+	for (const char *p = list; *p;) {
+		const char *end = strchr(p, ',');
+		size_t len = end ? (size_t)(end - p) : strlen(p);
+
+		if (len == n && !strncmp(p, name, n))
+			return true;
+		p += len + (end ? 1 : 0);
+	}
+	return false;
+}
+
+/* Rejects names in opts->backends that no registry entry has, before anything is probed. */
+static int check_backend_list(const char *list)
+{
+	int nreg;
+	const struct ape__registry_entry *reg = ape__registry(&nreg);
+
+	for (const char *p = list; *p;) {
+		const char *end = strchr(p, ',');
+		int len = end ? (int)(end - p) : (int)strlen(p);
+		bool known = false;
+
+		for (int i = 0; i < nreg; i++)
+			if ((int)strlen(reg[i].name) == len && !strncmp(p, reg[i].name, (size_t)len))
+				known = true;
+		if (!known)
+			return ape__error(APE_EINVAL,
+					  "ape_context_create: opts->backends = \"%s\": unknown backend "
+					  "\"%.*s\" (known: cuda, opencl, ref)",
+					  list, len, p);
+		p += len + (end ? 1 : 0);
+	}
+	return 0;
+}
+
+
+static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registry_entry *reg,
+			  const char *only, int *err)
+{
+	struct ape_context *ctx = cb->be.ctx;
+	struct ape__probe_result res;
+	int before = ctx->ndevices, ret;
+
+	snprintf(cb->info.name, sizeof(cb->info.name), "%s", reg->name);
+	cb->info.built = reg->ops != NULL;
+	if (!reg->ops) {
+		snprintf(cb->info.reason, sizeof(cb->info.reason), "%s", reg->not_built);
+		return;
+	}
+	if (only && !list_has(only, reg->name)) {
+		snprintf(cb->info.reason, sizeof(cb->info.reason),
+			 "not loaded: left out by ape_context_options.backends");
+		return;
+	}
+	if (reg->ops->abi_version != APE__BACKEND_ABI) {
+		snprintf(cb->info.reason, sizeof(cb->info.reason),
+			 "built for backend ABI %u, this core has ABI %u", reg->ops->abi_version,
+			 APE__BACKEND_ABI);
+		return;
+	}
+	cb->be.ops = reg->ops;
+	memset(&res, 0, sizeof(res));
+	ret = reg->ops->probe(&cb->be, &res);
+	cb->probed = true;
+	if (ret < 0) {
+		*err = ret;
+		return;
+	}
+	cb->info.device_count = ctx->ndevices - before;
+	cb->info.available = cb->info.device_count > 0;
+	if (!cb->info.available)
+		snprintf(cb->info.reason, sizeof(cb->info.reason), "%s",
+			 res.reason[0] ? res.reason : "no device found");
+}
+
+/* The options struct as the caller's version of the header knows it: the first version ended
+ * at `flags`, later ones add fields at the end. */
+#define OPTIONS_V1_SIZE offsetof(ape_context_options, topology_xml)
+#define HAS_OPTION(o, field)                                                                       \
+	((o) && (o)->struct_size >= offsetof(ape_context_options, field) + sizeof((o)->field))
+
+static int parse_numa(const char *text, ape_numa_policy *out)
+{
+	static const char *const names[] = { "local", "interleave", "off" };
+
+	for (int i = 0; i < 3; i++)
+		if (!strcmp(text, names[i])) {
+			*out = (ape_numa_policy)(APE_NUMA_LOCAL + i);
+			return 0;
+		}
+	return APE_EINVAL;
+}
+
+/* Resolves the topology options from opts and the environment, before anything is probed. */
+static int resolve_setup(const ape_context_options *opts, struct ape__ctx_setup *su)
+{
+	const char *env;
+
+	memset(su, 0, sizeof(*su));
+	su->numa = APE_NUMA_LOCAL;
+	su->numa_from = "default";
+	if (HAS_OPTION(opts, topology_xml))
+		su->topology_xml = opts->topology_xml;
+	if (HAS_OPTION(opts, numa) && opts->numa != APE_NUMA_DEFAULT) {
+		if (opts->numa < APE_NUMA_LOCAL || opts->numa > APE_NUMA_OFF)
+			return ape__error(APE_EINVAL,
+					  "ape_context_create: opts->numa = %d: not an ape_numa_policy",
+					  (int)opts->numa);
+		su->numa = opts->numa;
+		su->numa_from = "ape_context_options.numa";
+	} else if ((env = getenv("APE_NUMA")) && *env) {
+		if (parse_numa(env, &su->numa))
+			return ape__error(APE_EINVAL,
+					  "ape_context_create: APE_NUMA = \"%.64s\": must be local, "
+					  "interleave or off", env);
+		su->numa_from = "APE_NUMA";
+	}
+	if (HAS_OPTION(opts, visible_devices) && opts->visible_devices) {
+		su->visible = opts->visible_devices;
+		su->visible_from = "ape_context_options.visible_devices";
+	} else {
+		su->visible = getenv("APE_VISIBLE_DEVICES");
+		su->visible_from = "APE_VISIBLE_DEVICES";
+	}
+	return 0;
+}
+
+int ape_context_create(ape_context **out, const ape_context_options *opts)
+{
+	struct ape_context *ctx;
+	const struct ape__registry_entry *reg;
+	struct ape__ctx_setup setup;
+	const char *only = NULL;
+	int nreg, err = 0;
+
+	if (!out)
+		return ape__error(APE_EINVAL, "ape_context_create: out = NULL");
+	*out = NULL;
+	if (opts && opts->struct_size != sizeof(*opts) && opts->struct_size != OPTIONS_V1_SIZE)
+		return ape__error(APE_EINVAL,
+				  "ape_context_create: opts->struct_size = %zu: expected %zu "
+				  "(initialise with ape_context_options_init())",
+				  opts->struct_size, sizeof(*opts));
+	if (opts && opts->backends) {
+		err = check_backend_list(opts->backends);
+		if (err)
+			return err;
+		only = opts->backends;
+	}
+	err = resolve_setup(opts, &setup);
+	if (err)
+		return err;
+	ctx = ape__calloc(1, sizeof(*ctx));
+	if (!ctx)
+		return ape__error(APE_ENOMEM, "ape_context_create: out of memory");
+	ctx->flags = opts ? opts->flags : 0;
+	reg = ape__registry(&nreg);
+	for (int i = 0; i < nreg && i < APE__MAX_BACKENDS && !err; i++) {
+		ctx->backends[i].be.ctx = ctx;
+		ctx->nbackends = i + 1;
+		probe_backend(&ctx->backends[i], &reg[i], only, &err);
+	}
+	if (err) {
+		ape__error_prefix(err, "ape_context_create");
+		ape_context_destroy(ctx);
+		return err;
+	}
+	ape__context_sort_devices(ctx);
+	err = ape__physical_build(ctx, &setup);
+	if (err) {
+		ape_context_destroy(ctx);
+		return err;
+	}
+	*out = ctx;
+	return 0;
+}
+
+void ape_context_destroy(ape_context *ctx)
+{
+	if (!ctx)
+		return;
+	ape__physical_free(ctx);
+	for (int i = 0; i < ctx->ndevices; i++) {
+		struct ape_device *d = ctx->devices[i];
+
+		if (d->be->ops->device_release)
+			d->be->ops->device_release(d);
+		free(d);
+	}
+	free(ctx->devices);
+	/* reverse probe order: a later backend may share a driver library loaded by an earlier one */
+	for (int i = ctx->nbackends - 1; i >= 0; i--) {
+		struct ape__ctx_backend *cb = &ctx->backends[i];
+
+		if (cb->probed && cb->be.ops->teardown)
+			cb->be.ops->teardown(&cb->be);
+	}
+	free(ctx);
+}
+
+int ape_backend_get_info(const ape_context *ctx, int index, ape_backend_info *info)
+{
+	if (!ctx)
+		return ape__error(APE_EINVAL, "ape_backend_get_info: ctx = NULL");
+	if (!info)
+		return ctx->nbackends;
+	if (index < 0 || index >= ctx->nbackends)
+		return ape__error(APE_EINVAL, "ape_backend_get_info: index = %d: out of range 0..%d",
+				  index, ctx->nbackends - 1);
+	*info = ctx->backends[index].info;
+	return 0;
+}
+
+int ape_device_list(ape_context *ctx, ape_device **devs, int cap)
+{
+	int n;
+
+	if (!ctx)
+		return ape__error(APE_EINVAL, "ape_device_list: ctx = NULL");
+	if (!devs)
+		return ctx->ndevices;
+	if (cap < 0)
+		return ape__error(APE_EINVAL, "ape_device_list: cap = %d: must be >= 0", cap);
+	n = cap < ctx->ndevices ? cap : ctx->ndevices;
+	for (int i = 0; i < n; i++)
+		devs[i] = ctx->devices[i];
+	return n;
+}
+
+int ape_device_get_info(const ape_device *dev, ape_device_info *info)
+{
+	if (!dev)
+		return ape__error(APE_EINVAL, "ape_device_get_info: dev = NULL");
+	if (!info)
+		return ape__error(APE_EINVAL, "ape_device_get_info: info = NULL");
+	*info = dev->info;
+	return 0;
+}

@@ -1,0 +1,329 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The forward entry points: validate, handle the shapes that need no device, hand the rest to
+ * the streaming executor (runtime/exec/multidev.c, runtime/exec/stream.c), report statistics.
+ *
+ * There is one code path. A problem that fits one chunk pair is the executor's single-chunk
+ * case: one query chunk, one key chunk, the same copies and the same launch as a one-shot
+ * call, and its outputs are written only once everything succeeded.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "core/context.h"
+#include "core/alloc.h"
+#include "core/error.h"
+#include "exec/lse_merge.h"
+#include "exec/pack.h"
+#include "exec/plan.h"
+#include "api/validate.h"
+#include "exec/stream.h"
+
+#define MAX_DEVICES 64
+
+void ape_stats_init(ape_stats *st)
+{
+	if (!st)
+		return;
+	memset(st, 0, sizeof(*st));
+	st->struct_size = sizeof(*st);
+}
+
+void ape_exec_options_init(ape_exec_options *opts)
+{
+	if (!opts)
+		return;
+	memset(opts, 0, sizeof(*opts));
+	opts->struct_size = sizeof(*opts);
+}
+
+static double now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+/* ------------------------------------------------------------------ validation */
+
+static int check_stats(const char *fn, const ape_stats *stats)
+{
+	if (stats && stats->struct_size != sizeof(*stats) &&
+	    stats->struct_size != APE_STATS_V1_SIZE)
+		return ape__error(APE_EINVAL,
+				  "%s: stats->struct_size = %zu: expected %zu (initialise with "
+				  "ape_stats_init())",
+				  fn, stats->struct_size, sizeof(*stats));
+	return 0;
+}
+
+static int check_devices(const char *fn, ape_device *const *devs, int ndev)
+{
+	if (!devs)
+		return ape__error(APE_EINVAL, "%s: devs = NULL", fn);
+	if (ndev < 1 || ndev > MAX_DEVICES)
+		return ape__error(APE_EINVAL, "%s: ndev = %d: must be 1..%d", fn, ndev, MAX_DEVICES);
+	for (int i = 0; i < ndev; i++)
+		if (!devs[i])
+			return ape__error(APE_EINVAL, "%s: devs[%d] = NULL", fn, i);
+	return 0;
+}
+
+/* The trace file's directory must exist: found out before any work, not after. */
+static int check_trace_path(const char *fn, const char *path)
+{
+	const char *slash;
+	char dir[4096];
+	struct stat st;
+
+	if (!*path)
+		return ape__error(APE_EINVAL, "%s: opts->trace_path = \"\": must name a file", fn);
+	slash = strrchr(path, '/');
+	if (!slash)
+		return 0;
+	snprintf(dir, sizeof(dir), "%.*s", (int)(slash - path) + 1, path);
+	if (stat(dir, &st) || !S_ISDIR(st.st_mode))
+		return ape__error(APE_EINVAL,
+				  "%s: opts->trace_path = \"%s\": directory %s does not exist", fn,
+				  path, dir);
+	if (slash[1] == '\0')
+		return ape__error(APE_EINVAL, "%s: opts->trace_path = \"%s\": is a directory", fn,
+				  path);
+	return 0;
+}
+
+static int check_options(const char *fn, const ape_exec_options *o, int ndev)
+{
+	if (!o)
+		return 0;
+	if (o->struct_size != sizeof(*o))
+		return ape__error(APE_EINVAL,
+				  "%s: opts->struct_size = %zu: expected %zu (initialise with "
+				  "ape_exec_options_init())",
+				  fn, o->struct_size, sizeof(*o));
+	if (o->chunk_q < 0 || o->chunk_k < 0)
+		return ape__error(APE_EINVAL,
+				  "%s: opts->%s = %" PRId64 ": must be >= 0 (0: %d rows)", fn,
+				  o->chunk_q < 0 ? "chunk_q" : "chunk_k",
+				  o->chunk_q < 0 ? o->chunk_q : o->chunk_k, APE__CHUNK_DEFAULT);
+	if (o->pipeline_depth < 0 || o->pipeline_depth > 3)
+		return ape__error(APE_EINVAL,
+				  "%s: opts->pipeline_depth = %d: must be 1, 2 or 3 (0: 3)", fn,
+				  o->pipeline_depth);
+	if (o->flags & ~APE_EXEC_ATOMIC_OUTPUTS)
+		return ape__error(APE_EINVAL, "%s: opts->flags = 0x%x: unknown flags 0x%x", fn,
+				  o->flags, o->flags & ~APE_EXEC_ATOMIC_OUTPUTS);
+	for (int i = 0; o->device_weights && i < ndev; i++)
+		if (!isfinite(o->device_weights[i]) || !(o->device_weights[i] > 0))
+			return ape__error(APE_EINVAL,
+					  "%s: opts->device_weights[%d] = %g: must be finite and > 0",
+					  fn, i, o->device_weights[i]);
+	if (o->trace_path)
+		return check_trace_path(fn, o->trace_path);
+	return 0;
+}
+
+/* ------------------------------------------------------------------ shapes without a device */
+
+/* Rows with no key at all (Lk = 0): O = 0, LSE = -inf. */
+static void write_empty(const struct ape__problem *p, ape_tensor *o, float *lse)
+{
+	ape__store_empty_rows(o, p->os, lse, p->Lq, 0, p->Lq);
+}
+
+/* ------------------------------------------------------------------ statistics */
+
+static void names(ape_stats *st, ape_device *const *devs, int ndev)
+{
+	size_t nb = 0, nd = 0;
+
+	st->backend[0] = st->device[0] = '\0';
+	for (int i = 0; i < ndev; i++) {
+		bool seen_be = false, seen_dev = false;
+
+		for (int j = 0; j < i; j++) {
+			seen_be |= !strcmp(devs[j]->info.backend, devs[i]->info.backend);
+			seen_dev |= devs[j] == devs[i];
+		}
+		if (!seen_be && nb < sizeof(st->backend))
+			nb += (size_t)snprintf(st->backend + nb, sizeof(st->backend) - nb, "%s%s",
+					       nb ? "+" : "", devs[i]->info.backend);
+		if (!seen_dev && nd < sizeof(st->device))
+			nd += (size_t)snprintf(st->device + nd, sizeof(st->device) - nd, "%s%s",
+					       nd ? " + " : "", devs[i]->info.name);
+	}
+}
+
+static void fill_stats(ape_stats *st, const struct ape__exec_result *res)
+{
+	st->pairs_computed = res->st.pairs_computed;
+	st->kernel_ms = res->st.kernel_ms;
+	st->bytes_to_device = res->st.h2d;
+	st->bytes_from_device = res->st.d2h;
+	st->bytes_device_to_device = res->st.d2d;
+	st->chunks = res->st.chunks;
+	st->chunks_skipped = res->st.chunks_skipped;
+	st->chunk_q = res->cq;
+	st->chunk_k = res->ck;
+	st->pipeline_depth = res->depth;
+	st->device_budget = res->budget;
+	st->peak_device_bytes = res->st.peak_bytes;
+	st->copy_ms = res->st.copy_ms;
+	st->overlap_ms = res->st.overlap_ms;
+}
+
+/* Copies what the caller's version of ape_stats has room for. */
+static void give_stats(ape_stats *stats, ape_stats *st)
+{
+	size_t size = stats->struct_size;
+
+	st->struct_size = size;
+	memcpy(stats, st, size);
+}
+
+/* ------------------------------------------------------------------ the call */
+
+/* Host copies of O and LSE that the call writes, for APE_EXEC_ATOMIC_OUTPUTS. */
+struct staged {
+	void *o;
+	float *lse;
+	ape_tensor t;
+	int64_t s[4];
+};
+
+static int stage_outputs(const char *fn, const struct ape__problem *p, bool lse,
+			 struct staged *sg)
+{
+	const size_t rows = (size_t)(p->B * p->H * p->Lq);
+
+	memset(sg, 0, sizeof(*sg));
+	sg->o = ape__malloc(rows * (size_t)p->D * ape_dtype_size(p->out_dtype) + 1);
+	sg->lse = lse ? ape__malloc(rows * sizeof(float) + 1) : NULL;
+	if (!sg->o || (lse && !sg->lse)) {
+		free(sg->o);
+		free(sg->lse);
+		return ape__error(APE_ENOMEM, "%s: out of host memory staging the outputs", fn);
+	}
+	ape_tensor_init(&sg->t, sg->o, p->out_dtype, p->B, p->H, p->Lq, p->D);
+	ape_tensor_strides(&sg->t, sg->s);
+	return 0;
+}
+
+static int run(const char *fn, ape_device *const *devs, int ndev, const ape_exec_options *opts,
+	       const struct ape__problem *p, const ape_tensor *q, const ape_tensor *k,
+	       const ape_tensor *v, ape_tensor *o, float *lse, bool want_pairs,
+	       struct ape__exec_result *res)
+{
+	const bool atomic_out = opts && (opts->flags & APE_EXEC_ATOMIC_OUTPUTS);
+	struct ape__problem pp = *p;
+	struct ape__exec_req r = {
+		.fn = fn,
+		.devs = devs,
+		.ndev = ndev,
+		.chunk_q = opts && opts->chunk_q ? opts->chunk_q : APE__CHUNK_DEFAULT,
+		.chunk_k = opts && opts->chunk_k ? opts->chunk_k : APE__CHUNK_DEFAULT,
+		.budget = opts ? opts->max_device_bytes : 0,
+		.depth = opts && opts->pipeline_depth ? opts->pipeline_depth : 3,
+		.weights = opts ? opts->device_weights : NULL,
+		.trace_path = opts ? opts->trace_path : NULL,
+		.p = &pp,
+		.q = q,
+		.k = k,
+		.v = v,
+		.o = o,
+		.lse = lse,
+		.want_pairs = want_pairs,
+	};
+	struct staged sg;
+	int ret;
+
+	if (!atomic_out)
+		return ape__exec_run(&r, res);
+	ret = stage_outputs(fn, p, lse != NULL, &sg);
+	if (ret)
+		return ret;
+	/* the executor writes the staging copy, laid out contiguously */
+	memcpy(pp.os, sg.s, sizeof(pp.os));
+	r.o = &sg.t;
+	r.lse = sg.lse;
+	r.staged = true;
+	ret = ape__exec_run(&r, res);
+	if (!ret) {
+		ape__unpack_rows(sg.o, o, p->os, 0, p->Lq);
+		if (lse)
+			memcpy(lse, sg.lse, (size_t)(p->B * p->H * p->Lq) * sizeof(float));
+	}
+	free(sg.o);
+	free(sg.lse);
+	return ret;
+}
+
+static int forward(const char *fn, ape_device *const *devs, int ndev,
+		   const ape_exec_options *opts, const ape_attn_desc *desc, const ape_tensor *q,
+		   const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
+		   ape_stats *stats)
+{
+	const double t0 = now_ms();
+	struct ape__exec_result res;
+	struct ape__problem p;
+	uint64_t per_head;
+	ape_stats st;
+	int ret;
+
+	if ((ret = check_stats(fn, stats)) || (ret = check_options(fn, opts, ndev)))
+		return ret;
+	if ((ret = ape__problem_init(&p, fn, desc, q, k, v, o, lse)))
+		return ret;
+	if (ape__head_visible_pairs(&p, &per_head)) {
+		ape__problem_fini(&p);
+		return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
+	}
+	memset(&res, 0, sizeof(res));
+	ape_stats_init(&st);
+	if (p.B * p.H * p.Lq == 0)
+		ret = 0; /* empty result: nothing to write */
+	else if (p.Lk == 0)
+		write_empty(&p, o, lse);
+	else
+		ret = run(fn, devs, ndev, opts, &p, q, k, v, o, lse, stats != NULL, &res);
+	if (!ret && stats) {
+		fill_stats(&st, &res);
+		names(&st, devs, ndev);
+		st.devices = p.B * p.H * p.Lq > 0 && p.Lk > 0 ? ndev : 0;
+		st.pairs_visible = per_head * (uint64_t)(p.B * p.H);
+		st.total_ms = now_ms() - t0;
+		give_stats(stats, &st);
+	}
+	ape__problem_fini(&p);
+	return ret;
+}
+
+int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, const ape_tensor *q,
+			  const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
+			  ape_stats *stats)
+{
+	static const char fn[] = "ape_attention_forward";
+
+	if (!dev)
+		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
+	return forward(fn, &dev, 1, NULL, desc, q, k, v, o, lse, stats);
+}
+
+int ape_attention_forward_ex(ape_device *const *devs, int ndev, const ape_exec_options *opts,
+			     const ape_attn_desc *desc, const ape_tensor *q, const ape_tensor *k,
+			     const ape_tensor *v, ape_tensor *o, float *lse, ape_stats *stats)
+{
+	static const char fn[] = "ape_attention_forward_ex";
+	int ret = check_devices(fn, devs, ndev);
+
+	if (ret)
+		return ret;
+	return forward(fn, devs, ndev, opts, desc, q, k, v, o, lse, stats);
+}

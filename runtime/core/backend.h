@@ -1,0 +1,220 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The backend interface: what every backend (reference, OpenCL, CUDA, ...) provides to the core.
+ *
+ * A backend fills one `const struct ape__backend_ops` and is listed once in runtime/api/registry.c.
+ * The core never includes a backend's headers and a backend never includes another's, so adding a
+ * backend touches only its own directory, the registry and the build.
+ *
+ * Device tensors are always contiguous `[B, H, L, D]` (K/V: `[B, Hkv, L, D]`); the core packs and
+ * unpacks caller strides on the host, so kernels need no stride logic.
+ *
+ * Ordering model: a queue executes its commands in order; commands may run asynchronously from
+ * the host. Host pointers handed to copy_h2d/copy_d2h must stay valid until the queue has been
+ * synchronised (or an event recorded after the copy has completed). Events order work across
+ * queues of the same device.
+ *
+ * Locking: the core holds no lock while calling a backend. Every op except probe and teardown may
+ * be called from several threads at once, on different queues of the same device; a backend that
+ * has shared mutable state protects it itself.
+ */
+#ifndef APE_RUNTIME_BACKEND_H
+#define APE_RUNTIME_BACKEND_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ape/ape.h"
+
+#pragma GCC visibility push(hidden)
+
+/* Bumped whenever the layout or contract of ape__backend_ops changes; the core refuses a backend
+ * built against another value (see registry.c). */
+#define APE__BACKEND_ABI 2
+
+struct ape__backend;
+struct ape__buf; /* device memory: defined by each backend */
+struct ape__queue; /* in-order command queue / stream: defined by each backend */
+struct ape__event; /* a point in a queue: defined by each backend */
+
+/* One attention launch on device buffers. All tensors are contiguous and start at offset 0. */
+struct ape__launch {
+	int64_t B, H, Hkv, Lq, Lk, D;
+	ape_dtype in_dtype; /* q, k, v */
+	ape_dtype out_dtype; /* o: in_dtype or APE_F32 */
+	struct ape__buf *q, *k, *v; /* [B,H,Lq,D], [B,Hkv,Lk,D], [B,Hkv,Lk,D] */
+	struct ape__buf *o; /* [B,H,Lq,D] of out_dtype */
+	struct ape__buf *lse; /* NULL, or [B,H,Lq] float */
+	struct ape__buf *pairs; /* NULL, or [B,H,Lq] uint64: visible pairs whose score was computed */
+	/*
+	 * NULL, or [B,H,Lq] float: for each row, the LSE of keys this launch does not see, already
+	 * computed by an earlier launch (the streaming executor passes the diagonal key chunk's).
+	 * Read only by the far-key bound, as weight already found: with it, a row whose keys here
+	 * are all provably negligible computes none of them. Backends may ignore it (then they
+	 * compute at least one key tile per row, still exact). NaN or -inf: nothing known.
+	 */
+	struct ape__buf *lse_prior;
+	double prior_tol; /* the whole-launch test with lse_prior: its own share of skip_tol */
+	/* per head h: head_params[4h + 0..3] = delta, beta, gamma, lambda (host memory, read during
+	 * the attention call only) */
+	const float *head_params;
+	bool decay_nonneg; /* every head has delta, beta, gamma >= 0: skipping is allowed */
+	double scale; /* resolved: never "default" */
+	double rope_base;
+	double omega[128]; /* omega_p = rope_base^(-2p/D) for p < D/2, in float64 */
+	bool causal;
+	ape_rope_layout layout;
+	int64_t q_start, k_start; /* resolved absolute positions of row 0 */
+	double skip_tol; /* 0 when skipping is not allowed for this launch */
+};
+
+/* Result of probing a backend's driver. */
+struct ape__probe_result {
+	char reason[256]; /* when it adds no device: why ("libcuda.so.1 not found") */
+};
+
+struct ape__backend_ops {
+	unsigned abi_version; /* APE__BACKEND_ABI */
+	const char *name; /* "ref", "opencl", "cuda": lower case, <= 15 chars */
+
+	/*
+	 * Required. Loads the driver and adds every device it can drive with ape__device_add().
+	 * Called once per context, before any other op, from the thread creating the context.
+	 * Return 0 (with zero or more devices; when zero, say why in res->reason), or a negative
+	 * code only for failures that must fail the whole context (APE_ENOMEM). A missing driver
+	 * is not a failure. May set be->priv.
+	 */
+	int (*probe)(struct ape__backend *be, struct ape__probe_result *res);
+
+	/* Optional. Releases be->priv after all of the backend's devices were released. */
+	void (*teardown)(struct ape__backend *be);
+
+	/* Optional. Releases a device's private state (dev->priv). */
+	void (*device_release)(struct ape_device *dev);
+
+	/* Required. Device memory of at least `bytes` (> 0) bytes. APE_ENOMEM when it does not fit. */
+	int (*buf_alloc)(struct ape_device *dev, size_t bytes, struct ape__buf **out);
+	/* Required. Accepts NULL. The buffer must be idle (its queue synchronised). */
+	void (*buf_free)(struct ape_device *dev, struct ape__buf *buf);
+
+	/* Required. An in-order queue with timing enabled. */
+	int (*queue_create)(struct ape_device *dev, struct ape__queue **out);
+	/* Required. Accepts NULL. Waits for outstanding work first. */
+	void (*queue_destroy)(struct ape__queue *q);
+
+	/* Required. Asynchronous copies; see the ordering model above. n > 0. */
+	int (*copy_h2d)(struct ape__queue *q, struct ape__buf *dst, size_t dst_off, const void *src,
+			size_t n);
+	int (*copy_d2h)(struct ape__queue *q, void *dst, struct ape__buf *src, size_t src_off,
+			size_t n);
+	/* Required. Fills n bytes with a repeated 4-byte pattern (dst_off and n multiples of 4). */
+	int (*fill)(struct ape__queue *q, struct ape__buf *dst, size_t dst_off, uint32_t pattern,
+		    size_t n);
+
+	/* Required. Records an event at the current end of q. */
+	int (*event_record)(struct ape__queue *q, struct ape__event **out);
+	/* Required. Makes later work on q wait for e (which may belong to another queue). */
+	int (*event_wait)(struct ape__queue *q, struct ape__event *e);
+	/* Required. Milliseconds of device time between two completed events of one queue. */
+	int (*event_elapsed)(struct ape__event *start, struct ape__event *end, double *ms);
+	/* Required. Accepts NULL. */
+	void (*event_destroy)(struct ape__event *e);
+
+	/*
+	 * Required. Enqueues the attention kernel(s) for one launch. Must write every element of
+	 * l->o (and l->lse, l->pairs when not NULL) for every row, including rows with no visible
+	 * key (O = 0, LSE = -inf). May skip keys only as the spec's bound allows and only when
+	 * l->skip_tol > 0. Errors are returned, with ape__error() set, naming the device.
+	 */
+	int (*attention)(struct ape__queue *q, const struct ape__launch *l);
+
+	/* Required. Waits until everything enqueued on q has completed; reports asynchronous
+	 * failures (a kernel that faulted, a device lost). */
+	int (*synchronize)(struct ape__queue *q);
+
+	/*
+	 * Optional (NULL: host memory is used as it is). Pins `bytes` at `ptr`, page-aligned host
+	 * memory the core placed on the device's NUMA node (runtime/topo/hostmem.c), so that copies
+	 * from and to it run at full speed (cuMemHostRegister, for instance). Sets *handle to
+	 * whatever host_unregister needs. A backend may decline (APE_ENOTSUP) where pinning does
+	 * not pay; any failure only costs speed: the core uses the memory unpinned. May be called
+	 * from several threads at once.
+	 */
+	int (*host_register)(struct ape_device *dev, void *ptr, size_t bytes, void **handle);
+	/* Optional, required with host_register. Undoes it; the memory is idle (no copy in flight). */
+	void (*host_unregister)(struct ape_device *dev, void *handle);
+
+	/* ---- ABI 2: optional ops of the streaming executor (runtime/exec/stream.c). Each has a
+	 * fallback in the core, so a backend without them still computes correctly. */
+
+	/*
+	 * Optional (NULL: the core bounces through host staging, d2h then h2d on the same queue).
+	 * Asynchronous device-to-device copy of n > 0 bytes within or between buffers of one
+	 * device; the ranges do not overlap. Ordered like every other command of q. Used by the KV
+	 * cache to gather its blocks into one contiguous key chunk.
+	 */
+	int (*copy_d2d)(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
+			struct ape__buf *src, size_t src_off, size_t n);
+
+	/*
+	 * Optional (NULL: the core uses the host's clock, so traces show enqueue times, and it
+	 * reports no copy/compute overlap). The device time, in milliseconds, of the point e
+	 * stands for: when everything enqueued on its queue before e had completed (the end of a
+	 * marker). All queues of one device must share the clock, so that times of events on
+	 * different queues compare; its origin is arbitrary. e has completed (its queue was
+	 * synchronised past it).
+	 */
+	int (*event_timestamp)(struct ape__event *e, double *ms);
+
+	/*
+	 * Optional (NULL: the core assumes float32 copies of K and V plus skip tables, see
+	 * ape__scratch_estimate() in runtime/exec/stream.c). Bytes of device memory the attention op
+	 * allocates for launch l beyond l's own buffers, held from the attention call until the
+	 * launch completes. The core counts them against the memory budget of streamed calls.
+	 * Called without the buffers: only the shape, dtypes, layout and skip_tol of l are set.
+	 */
+	uint64_t (*attention_scratch)(struct ape_device *dev, const struct ape__launch *l);
+
+	/* Optional (NULL: no limit but the device's memory). The largest single buffer_alloc the
+	 * device accepts (CL_DEVICE_MAX_MEM_ALLOC_SIZE); the planner keeps every chunk below it. */
+	uint64_t (*max_alloc)(struct ape_device *dev);
+};
+
+/* A backend as loaded in one context. */
+struct ape__backend {
+	const struct ape__backend_ops *ops;
+	struct ape_context *ctx;
+	void *priv; /* the backend's own state */
+};
+
+/* A device: public handle, core-owned. Backends fill info through ape__device_add(). */
+struct ape_device {
+	struct ape__backend *be;
+	struct ape_device_info info;
+	int rank; /* preference: higher is chosen first by "auto" */
+	void *priv; /* the backend's own state */
+	/* Core only: visible pairs per second this device reached in earlier streamed calls, as an
+	 * exponential average (runtime/exec/multidev.c weighs multi-device splits by it); 0 unknown. */
+	atomic_uint_fast64_t pairs_per_s;
+};
+
+/* Device preference ranks used by backends. */
+enum {
+	APE__RANK_REF = 0,
+	APE__RANK_OPENCL_CPU = 100,
+	APE__RANK_OPENCL_ACCEL = 150,
+	APE__RANK_OPENCL_GPU = 200,
+	APE__RANK_CUDA = 300,
+};
+
+/*
+ * Adds a device to the context during probe. `info` needs name, vendor, kind, compute_units,
+ * global_mem_bytes, driver_version and pci_address; the core fills backend and the indices.
+ * Returns 0 or APE_ENOMEM (then priv is still the caller's to free).
+ */
+int ape__device_add(struct ape__backend *be, const struct ape_device_info *info, int rank, void *priv);
+
+#pragma GCC visibility pop
+#endif /* APE_RUNTIME_BACKEND_H */

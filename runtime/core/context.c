@@ -1,0 +1,116 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The context's device list as every layer maintains it: backends add their devices while they
+ * probe (ape__device_add), topology drops the invisible ones (ape__context_drop_devices), and the
+ * front end sorts them (ape__context_sort_devices). The public face is api/context.c.
+ */
+#include "core/context.h"
+#include "core/alloc.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "core/error.h"
+
+int ape__device_add(struct ape__backend *be, const struct ape_device_info *info, int rank, void *priv)
+{
+	struct ape_context *ctx = be->ctx;
+	struct ape_device *dev;
+
+	if (ctx->ndevices == ctx->cap) {
+		int cap = ctx->cap ? 2 * ctx->cap : 8;
+		struct ape_device **d = ape__realloc(ctx->devices, (size_t)cap * sizeof(*d));
+
+		if (!d)
+			return ape__error(APE_ENOMEM, "%s: out of memory adding a device",
+					  be->ops->name);
+		ctx->devices = d;
+		ctx->cap = cap;
+	}
+	dev = ape__calloc(1, sizeof(*dev));
+	if (!dev)
+		return ape__error(APE_ENOMEM, "%s: out of memory adding a device", be->ops->name);
+	dev->be = be;
+	dev->info = *info;
+	snprintf(dev->info.backend, sizeof(dev->info.backend), "%s", be->ops->name);
+	dev->rank = rank;
+	dev->priv = priv;
+	ctx->devices[ctx->ndevices++] = dev;
+	return 0;
+}
+
+/* Positions in the list and among the devices of each backend. */
+static void index_devices(struct ape_context *ctx)
+{
+	for (int i = 0; i < ctx->ndevices; i++) {
+		struct ape_device *d = ctx->devices[i];
+		int nth = 0;
+
+		d->info.index = i;
+		for (int j = 0; j < i; j++)
+			nth += ctx->devices[j]->be == d->be;
+		d->info.backend_index = nth;
+	}
+}
+
+/* Stable order: rank first (higher first), then probe order; insertion sort keeps it stable. */
+void ape__context_sort_devices(struct ape_context *ctx)
+{
+	for (int i = 1; i < ctx->ndevices; i++) {
+		struct ape_device *d = ctx->devices[i];
+		int j = i;
+
+		while (j > 0 && ctx->devices[j - 1]->rank < d->rank) {
+			ctx->devices[j] = ctx->devices[j - 1];
+			j--;
+		}
+		ctx->devices[j] = d;
+	}
+	index_devices(ctx);
+}
+
+void ape__context_drop_devices(struct ape_context *ctx, const bool *drop, int *new_index,
+			       const char *why)
+{
+	int m = 0;
+
+	for (int i = 0; i < ctx->ndevices; i++) {
+		struct ape_device *d = ctx->devices[i];
+
+		new_index[i] = drop[i] ? -1 : m;
+		if (!drop[i]) {
+			ctx->devices[m++] = d;
+			continue;
+		}
+		for (int b = 0; b < ctx->nbackends; b++)
+			if (&ctx->backends[b].be == d->be)
+				ctx->backends[b].info.device_count--;
+		if (d->be->ops->device_release)
+			d->be->ops->device_release(d);
+		free(d);
+	}
+	ctx->ndevices = m;
+	index_devices(ctx);
+	for (int b = 0; b < ctx->nbackends; b++) {
+		struct ape__ctx_backend *cb = &ctx->backends[b];
+
+		if (cb->info.available && cb->info.device_count == 0) {
+			cb->info.available = false;
+			snprintf(cb->info.reason, sizeof(cb->info.reason), "%s", why);
+		}
+	}
+}
+
+void ape__warn_once(atomic_bool *flag, const char *fmt, ...)
+{
+	char msg[512];
+	va_list ap;
+
+	if (atomic_exchange(flag, true))
+		return;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	ape__warn("%s", msg);
+}

@@ -1,0 +1,61 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The context object every layer reads: its backends, its ordered device list and the topology.
+ * api/context.c creates and destroys it; topo/physical.c builds its topology part; after
+ * ape_context_create() returns, it is read-only but for the atomics.
+ */
+#ifndef APE_RUNTIME_CONTEXT_H
+#define APE_RUNTIME_CONTEXT_H
+
+#include <stdatomic.h>
+
+#include "core/backend.h"
+
+#pragma GCC visibility push(hidden)
+
+#define APE__MAX_BACKENDS 8
+
+struct ape__numa;
+struct ape__phys;
+
+struct ape__ctx_backend {
+	struct ape__backend be;
+	bool probed; /* probe ran: teardown is owed */
+	struct ape_backend_info info;
+};
+
+struct ape_context {
+	unsigned flags; /* APE_CONTEXT_* */
+	int nbackends;
+	struct ape__ctx_backend backends[APE__MAX_BACKENDS];
+	int ndevices, cap;
+	struct ape_device **devices; /* sorted by rank, then probe order */
+
+	/* The topology (runtime/topo/physical.c): read-only once ape_context_create() returns. */
+	struct ape__numa *numa; /* NULL when hwloc could not read the machine */
+	ape_numa_policy numa_policy; /* in effect: LOCAL, INTERLEAVE or OFF */
+	bool elsewhere; /* describes another machine (topology XML): nothing is ever bound */
+	int nphys;
+	struct ape__phys *phys; /* the physical list */
+	ape_topology_info topo;
+
+	/* "Says so once": one warning per context and kind, from whichever thread gets there. */
+	atomic_bool warned_placement, warned_binding, warned_pinning;
+	/* Staging buffers placed as the policy says, and plain ones (read by tests). */
+	atomic_uint_fast64_t staging_placed, staging_plain;
+};
+
+/* Sorts the devices by rank (higher first), then probe order, and numbers them. */
+void ape__context_sort_devices(struct ape_context *ctx);
+
+/* Removes the logical devices drop[] marks (indexed by ape_device_list() position), releasing
+ * them, and renumbers the rest; new_index[old] receives each device's new position (-1 when
+ * dropped). Backends left without a device become unavailable, with `why` as the reason. */
+void ape__context_drop_devices(struct ape_context *ctx, const bool *drop, int *new_index,
+			       const char *why);
+
+/* Prints a warning unless this context already printed one of this kind. */
+void ape__warn_once(atomic_bool *flag, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+#pragma GCC visibility pop
+#endif

@@ -1,0 +1,102 @@
+/* SPDX-License-Identifier: MIT */
+#include "core/error.h"
+
+#include "core/backend.h"
+
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+/* Per-thread so that concurrent calls never see each other's messages; this is the only
+ * thread-local state in the library. */
+static _Thread_local char last_error[1024];
+
+const char *ape_strerror(int err)
+{
+	switch (err) {
+	case 0:
+		return "success";
+#define APE__ERR_TEXT(name, value, text)                                                           \
+	case value:                                                                                \
+		return text;
+		APE_ERRNO_MAP(APE__ERR_TEXT)
+#undef APE__ERR_TEXT
+	}
+	return "unknown error"; /* static: unlike uv_strerror, never allocates for unknown codes */
+}
+
+const char *ape_err_name(int err)
+{
+	switch (err) {
+	case 0:
+		return "APE_OK";
+#define APE__ERR_NAME(name, value, text)                                                           \
+	case value:                                                                                \
+		return "APE_" #name;
+		APE_ERRNO_MAP(APE__ERR_NAME)
+#undef APE__ERR_NAME
+	}
+	return "APE_EUNKNOWN";
+}
+
+const char *ape_last_error(void)
+{
+	return last_error;
+}
+
+int ape__error(int err, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(last_error, sizeof(last_error), fmt, ap);
+	va_end(ap);
+	return err;
+}
+
+int ape__error_prefix(int err, const char *ctx)
+{
+	char tmp[sizeof(last_error)];
+	size_t n;
+
+	memcpy(tmp, last_error, sizeof(tmp));
+	n = (size_t)snprintf(last_error, sizeof(last_error), "%s: ", ctx);
+	if (n < sizeof(last_error))
+		snprintf(last_error + n, sizeof(last_error) - n, "%s",
+			 tmp[0] ? tmp : ape_strerror(err));
+	return err;
+}
+
+int ape__error_on(int err, const struct ape_device *dev)
+{
+	char label[sizeof(dev->info.backend) + sizeof(dev->info.name) + 16];
+
+	if (strstr(last_error, dev->info.name))
+		return err;
+	snprintf(label, sizeof(label), "%s:%d %s", dev->info.backend, dev->info.backend_index,
+		 dev->info.name);
+	return ape__error_prefix(err, label);
+}
+
+int ape__error_written(int err, int64_t done, int64_t of)
+{
+	size_t n = strlen(last_error);
+
+	if (done > 0)
+		snprintf(last_error + n, sizeof(last_error) - n,
+			 "; O and LSE hold %" PRId64 " of %" PRId64 " query chunks, the rest untouched",
+			 done, of);
+	return err;
+}
+
+void ape__warn(const char *fmt, ...)
+{
+	va_list ap;
+
+	fputs("libape: ", stderr);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fputc('\n', stderr);
+}

@@ -1,0 +1,132 @@
+/* SPDX-License-Identifier: MIT */
+#include "exec/lse_merge.h"
+#include "core/alloc.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "exec/pack.h"
+
+int ape__acc_alloc(struct ape__acc *a, int64_t rows, int64_t D)
+{
+	memset(a, 0, sizeof(*a));
+	a->D = D;
+	a->o = ape__malloc((size_t)(rows * D) * sizeof(float) + 1);
+	a->m = ape__malloc((size_t)rows * sizeof(double) + 1);
+	a->s = ape__malloc((size_t)rows * sizeof(double) + 1);
+	if (!a->o || !a->m || !a->s) {
+		ape__acc_free(a);
+		return ape__error(APE_ENOMEM, "out of host memory merging %lld rows",
+				  (long long)rows);
+	}
+	return 0;
+}
+
+void ape__acc_free(struct ape__acc *a)
+{
+	free(a->o);
+	free(a->m);
+	free(a->s);
+	a->o = NULL;
+	a->m = a->s = NULL;
+}
+
+void ape__acc_reset(struct ape__acc *a, int64_t rows)
+{
+	a->rows = rows;
+	for (int64_t r = 0; r < rows; r++) {
+		a->m[r] = -INFINITY;
+		a->s[r] = 0;
+	}
+}
+
+void ape__acc_add(struct ape__acc *a, const float *o_c, const float *lse_c)
+{
+	const int64_t D = a->D;
+
+	for (int64_t r = 0; r < a->rows; r++) {
+		const double l = lse_c[r], m = a->m[r];
+		float *acc = a->o + r * D;
+		const float *oc = o_c + r * D;
+		double mn, c_old, c_new;
+
+		if (isnan(m) || l == -INFINITY)
+			continue; /* already NaN, or nothing visible in this chunk */
+		if (isnan(l) || l == INFINITY) {
+			a->m[r] = NAN; /* a NaN reached the row: it stays NaN */
+			continue;
+		}
+		if (m == -INFINITY) { /* first contribution: no accumulator to rescale */
+			a->m[r] = l;
+			a->s[r] = 1;
+			memcpy(acc, oc, (size_t)D * sizeof(float));
+			continue;
+		}
+		mn = l > m ? l : m;
+		c_old = exp(m - mn);
+		c_new = exp(l - mn);
+		for (int64_t d = 0; d < D; d++)
+			acc[d] = (float)(acc[d] * c_old + oc[d] * c_new);
+		a->s[r] = a->s[r] * c_old + c_new;
+		a->m[r] = mn;
+	}
+}
+
+double ape__acc_lse(const struct ape__acc *a, int64_t row)
+{
+	const double m = a->m[row];
+
+	return isnan(m) || m == -INFINITY ? m : m + log(a->s[row]);
+}
+
+void ape__acc_store(const struct ape__acc *a, ape_tensor *o, const int64_t os[4], float *lse,
+		    int64_t Lq, int64_t l0, int64_t n)
+{
+	const int64_t H = o->shape[1], D = a->D;
+	float row[256];
+	uint16_t row16[256];
+
+	for (int64_t r = 0; r < a->rows; r++) {
+		const int64_t bh = r / n, i = r % n, b = bh / H, h = bh % H;
+		const double m = a->m[r];
+		const float *acc = a->o + r * D;
+
+		if (isnan(m)) {
+			for (int64_t d = 0; d < D; d++)
+				row[d] = NAN;
+		} else if (m == -INFINITY) {
+			memset(row, 0, (size_t)D * sizeof(float));
+		} else {
+			const double inv = 1.0 / a->s[r];
+
+			for (int64_t d = 0; d < D; d++)
+				row[d] = (float)(acc[d] * inv);
+		}
+		if (o->dtype == APE_F32) {
+			ape__store_row(o, os, b, h, l0 + i, row);
+		} else {
+			ape_convert(row16, o->dtype, row, APE_F32, (size_t)D);
+			ape__store_row(o, os, b, h, l0 + i, row16);
+		}
+		if (lse)
+			lse[bh * Lq + l0 + i] = (float)ape__acc_lse(a, r);
+	}
+}
+
+void ape__store_empty_rows(ape_tensor *o, const int64_t os[4], float *lse, int64_t Lq,
+			   int64_t l0, int64_t n)
+{
+	const int64_t B = o->shape[0], H = o->shape[1];
+	static const float zeros[256];
+
+	/* zero bits are 0.0 in every storage type */
+	for (int64_t b = 0; b < B; b++)
+		for (int64_t h = 0; h < H; h++)
+			for (int64_t i = l0; i < l0 + n; i++) {
+				ape__store_row(o, os, b, h, i, zeros);
+				if (lse)
+					lse[(b * H + h) * Lq + i] = -INFINITY;
+			}
+}

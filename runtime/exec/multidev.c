@@ -1,0 +1,498 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * A streamed call over one or more devices: one plan per device (each under its own budget,
+ * all with the same chunking so that query chunks are interchangeable), one work queue of
+ * query chunks split by device speed, one worker per device. With several devices each worker
+ * is a thread bound to its device's local CPUs; with one, the calling thread does the work
+ * (binding it would change the caller's affinity for good).
+ *
+ * Speeds come from earlier calls (query x key rows launched per second, kept per device as an
+ * exponential average): no calibration run, and no global state. Until a device has been
+ * measured it gets the average share; at the end, idle workers take chunks from busy ones, so
+ * a wrong weight costs balance at the tail only.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/context.h"
+#include "core/alloc.h"
+#include "core/error.h"
+#include "topo/hostmem.h"
+#include "exec/stream.h"
+
+#define MAX_DEV 64
+
+struct ape__workq {
+	pthread_mutex_t lock;
+	int n;
+	int64_t begin[MAX_DEV], end[MAX_DEV];
+};
+
+int64_t ape__workq_next(struct ape__workq *w, int who)
+{
+	int64_t qc = -1;
+	int victim = -1;
+
+	pthread_mutex_lock(&w->lock);
+	if (w->begin[who] < w->end[who]) {
+		qc = w->begin[who]++;
+	} else {
+		for (int d = 0; d < w->n; d++)
+			if (w->end[d] > w->begin[d] &&
+			    (victim < 0 ||
+			     w->end[d] - w->begin[d] > w->end[victim] - w->begin[victim]))
+				victim = d;
+		/* the far end of its range: the victim keeps the chunks next to its own */
+		if (victim >= 0)
+			qc = --w->end[victim];
+	}
+	pthread_mutex_unlock(&w->lock);
+	return qc;
+}
+
+int ape__workq_create(struct ape__workq **out)
+{
+	struct ape__workq *w = ape__calloc(1, sizeof(*w));
+
+	*out = w;
+	if (!w)
+		return ape__error(APE_ENOMEM, "out of memory for a work queue");
+	pthread_mutex_init(&w->lock, NULL);
+	return 0;
+}
+
+void ape__workq_destroy(struct ape__workq *w)
+{
+	if (!w)
+		return;
+	pthread_mutex_destroy(&w->lock);
+	free(w);
+}
+
+void ape__workq_set(struct ape__workq *w, int n, const int64_t *bounds)
+{
+	w->n = n;
+	for (int i = 0; i < n; i++) {
+		w->begin[i] = bounds[i];
+		w->end[i] = bounds[i + 1];
+	}
+}
+
+void ape__workq_single(struct ape__workq *w, int64_t nq)
+{
+	const int64_t bounds[2] = { 0, nq };
+
+	ape__workq_set(w, 1, bounds);
+}
+
+static double now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+/* ------------------------------------------------------------------ planning */
+
+struct scratch_arg {
+	struct ape_device *dev;
+	const struct ape__problem *p;
+	double tol;
+};
+
+static uint64_t plan_scratch(void *arg, int64_t lq, int64_t lk)
+{
+	const struct scratch_arg *a = arg;
+	struct ape__launch l;
+
+	memset(&l, 0, sizeof(l));
+	l.B = a->p->B;
+	l.H = a->p->H;
+	l.Hkv = a->p->Hkv;
+	l.D = a->p->D;
+	l.Lq = lq;
+	l.Lk = lk;
+	l.in_dtype = a->p->in_dtype;
+	l.out_dtype = APE_F32;
+	l.layout = a->p->layout;
+	l.causal = a->p->causal;
+	l.decay_nonneg = a->p->decay_nonneg;
+	l.skip_tol = a->p->decay_nonneg ? a->tol : 0;
+	return ape__scratch_of(a->dev, &l);
+}
+
+static uint64_t default_budget(const struct ape_device *dev)
+{
+	/* a quarter stays for the driver, other users and the backend's own needs */
+	return dev->info.global_mem_bytes ? dev->info.global_mem_bytes / 4 * 3 : UINT64_MAX;
+}
+
+/* Plans every device with the same chunking: the smallest any device needs. */
+static int plan_all(const struct ape__exec_req *r, struct ape__plan *plans, uint64_t *budgets,
+		    struct scratch_arg *sa)
+{
+	const struct ape__problem *p = r->p;
+	int64_t cq = r->chunk_q, ck = r->chunk_k;
+	bool changed = true;
+	int ret;
+
+	while (changed) {
+		int64_t ncq = cq, nck = ck;
+
+		for (int d = 0; d < r->ndev; d++) {
+			struct ape_device *dev = r->devs[d];
+			struct ape__plan_req q = {
+				.B = p->B, .H = p->H, .Hkv = p->Hkv, .Lq = p->Lq, .Lk = p->Lk,
+				.D = p->D, .esz = ape_dtype_size(p->in_dtype),
+				.out_esz = ape_dtype_size(p->out_dtype),
+				.dtype_name = ape_dtype_name(p->in_dtype),
+				.pairs = r->want_pairs, .max_cq = cq, .max_ck = ck,
+				.depth = r->depth, .budget = budgets[d],
+				.max_buffer = dev->be->ops->max_alloc ? dev->be->ops->max_alloc(dev)
+								      : UINT64_MAX,
+				.scratch = plan_scratch, .scratch_arg = &sa[d],
+				.prior = p->decay_nonneg && p->skip_tol > 0 &&
+					 dev->be->ops->copy_d2d,
+			};
+			char fn[160];
+
+			snprintf(fn, sizeof(fn), "%s: %s:%d", r->fn, dev->info.backend,
+				 dev->info.backend_index);
+			ret = ape__plan_make(&q, fn, &plans[d]);
+			if (ret)
+				return ret;
+			ncq = plans[d].cq < ncq ? plans[d].cq : ncq;
+			nck = plans[d].ck < nck ? plans[d].ck : nck;
+		}
+		changed = ncq != cq || nck != ck;
+		for (int d = 0; d < r->ndev; d++)
+			changed |= plans[d].cq != ncq || plans[d].ck != nck;
+		cq = ncq;
+		ck = nck;
+	}
+	return 0;
+}
+
+/* ------------------------------------------------------------------ the split */
+
+/* Cost of a query chunk: its visible pairs, or just its rows when skipping makes every row
+ * cost about the same window. */
+static double chunk_cost(const struct ape__problem *p, int64_t i0, int64_t n, bool skipping)
+{
+	struct ape__problem sub = *p;
+	uint64_t pairs = 0;
+
+	if (skipping)
+		return (double)n;
+	sub.Lq = n;
+	sub.q_start = p->q_start + i0;
+	if (ape__head_visible_pairs(&sub, &pairs))
+		return (double)n * (double)p->Lk;
+	return (double)pairs + 1;
+}
+
+static int split_work(const struct ape__exec_req *r, int64_t cq, int64_t nq, bool skipping,
+		      struct ape__workq *w)
+{
+	double weight[MAX_DEV], bound[MAX_DEV], wsum = 0, known = 0, total = 0, acc = 0;
+	double share = 0;
+	double *cost;
+	int nknown = 0, d = 0;
+
+	w->n = r->ndev;
+	if (r->ndev == 1) {
+		w->begin[0] = 0;
+		w->end[0] = nq;
+		return 0;
+	}
+	for (int i = 0; i < r->ndev; i++) {
+		weight[i] = r->weights ? r->weights[i]
+				       : (double)atomic_load(&r->devs[i]->pairs_per_s);
+		if (weight[i] > 0) {
+			known += weight[i];
+			nknown++;
+		}
+	}
+	for (int i = 0; i < r->ndev; i++) {
+		if (!(weight[i] > 0)) /* not measured yet: the average of those that were */
+			weight[i] = nknown ? known / nknown : 1.0;
+		wsum += weight[i];
+	}
+	cost = ape__malloc((size_t)nq * sizeof(double) + 1);
+	if (!cost)
+		return ape__error(APE_ENOMEM, "%s: out of memory splitting the work", r->fn);
+	for (int64_t c = 0; c < nq; c++) {
+		int64_t i0 = c * cq, n = i0 + cq < r->p->Lq ? cq : r->p->Lq - i0;
+
+		cost[c] = chunk_cost(r->p, i0, n, skipping);
+		total += cost[c];
+	}
+	/* contiguous ranges (consecutive query chunks share key chunks), sized by weight: device
+	 * d's range ends where the cumulative cost passes its cumulative share */
+	for (int i = 0; i < r->ndev; i++) {
+		share += weight[i];
+		bound[i] = total * share / wsum;
+	}
+	w->begin[0] = 0;
+	for (int64_t c = 0; c < nq; c++) {
+		while (d < r->ndev - 1 && acc + cost[c] / 2 > bound[d]) {
+			w->end[d] = c;
+			w->begin[++d] = c;
+		}
+		acc += cost[c];
+	}
+	w->end[d] = nq;
+	while (++d < r->ndev)
+		w->begin[d] = w->end[d] = nq;
+	free(cost);
+	return 0;
+}
+
+/* ------------------------------------------------------------------ workers */
+
+struct shared {
+	const struct ape__exec_req *r;
+	struct ape__stream_call call;
+	atomic_bool abort;
+	double t0;
+};
+
+struct worker {
+	struct shared *sh;
+	int who;
+	struct ape__stream_geom geom;
+	struct ape__stream_stats st;
+	struct ape__trace_dev trace;
+	bool tracing;
+	int ret;
+	char msg[1024];
+	double ms; /* wall time of its run */
+	pthread_t thread;
+};
+
+static void *worker_main(void *arg)
+{
+	struct worker *w = arg;
+	struct shared *sh = w->sh;
+	struct ape_device *dev = sh->r->devs[w->who];
+	struct ape__stream *s = NULL;
+	double t0 = now_ms();
+
+	if (sh->r->ndev > 1)
+		ape__bind_thread(dev);
+	w->trace.host_start_ms = t0 - sh->t0;
+	w->ret = ape__stream_create(dev, &w->geom, &s);
+	if (!w->ret)
+		w->ret = ape__stream_run(s, &sh->call, w->who, w->tracing ? &w->trace : NULL,
+					 &w->st);
+	ape__stream_destroy(s);
+	w->ms = now_ms() - t0;
+	if (w->ret < 0) {
+		ape__error_on(w->ret, dev);
+		snprintf(w->msg, sizeof(w->msg), "%s", ape_last_error());
+		atomic_store(&sh->abort, true);
+	}
+	return NULL;
+}
+
+/* Remembers how fast each device went, for the next call's split. */
+static void note_speeds(const struct ape__exec_req *r, const struct worker *w)
+{
+	for (int d = 0; d < r->ndev; d++) {
+		atomic_uint_fast64_t *slot = &r->devs[d]->pairs_per_s;
+		uint64_t old, rate;
+
+		if (w[d].ret || w[d].ms < 1 || !w[d].st.work)
+			continue; /* too short to say anything */
+		rate = (uint64_t)((double)w[d].st.work / (w[d].ms * 1e-3));
+		old = atomic_load(slot);
+		atomic_store(slot, old ? old / 2 + rate / 2 : rate);
+	}
+}
+
+static void sum_stats(struct ape__stream_stats *to, const struct ape__stream_stats *from)
+{
+	to->pairs_computed += from->pairs_computed;
+	to->chunks += from->chunks;
+	to->chunks_skipped += from->chunks_skipped;
+	to->work += from->work;
+	to->h2d += from->h2d;
+	to->d2h += from->d2h;
+	to->d2d += from->d2d;
+	to->kernel_ms += from->kernel_ms;
+	to->copy_ms += from->copy_ms;
+	to->overlap_ms += from->overlap_ms;
+	to->qchunks_done += from->qchunks_done;
+	if (from->peak_bytes > to->peak_bytes)
+		to->peak_bytes = from->peak_bytes;
+}
+
+static void label(struct ape__trace_dev *t, const struct ape__exec_req *r, int d)
+{
+	const struct ape_device *dev = r->devs[d];
+	int dup = 0;
+
+	for (int i = 0; i < d; i++)
+		dup += r->devs[i] == dev;
+	snprintf(t->label, sizeof(t->label), "%s:%d %s%s", dev->info.backend,
+		 dev->info.backend_index, dev->info.name, dup ? " (again)" : "");
+}
+
+static int run_workers(struct shared *sh, struct worker *w)
+{
+	const struct ape__exec_req *r = sh->r;
+	int started = 0, ret = 0;
+
+	if (r->ndev == 1) {
+		worker_main(&w[0]);
+	} else {
+		for (; started < r->ndev; started++)
+			if (pthread_create(&w[started].thread, NULL, worker_main, &w[started])) {
+				atomic_store(&sh->abort, true);
+				ret = ape__error(APE_ENOMEM, "%s: cannot start a thread for device %d",
+						 r->fn, started);
+				break;
+			}
+		for (int d = 0; d < started; d++)
+			pthread_join(w[d].thread, NULL);
+	}
+	for (int d = 0; d < r->ndev && !ret; d++)
+		if (w[d].ret < 0) { /* the first failure, in device order */
+			ret = ape__error(w[d].ret, "%s", w[d].msg);
+			break;
+		}
+	return ret;
+}
+
+/* ------------------------------------------------------------------ the call */
+
+static void setup_call(struct shared *sh, const struct ape__plan *plan, const struct ape__kmax *km,
+		       struct ape__workq *wq)
+{
+	const struct ape__exec_req *r = sh->r;
+	const struct ape__problem *p = r->p;
+
+	memset(&sh->call, 0, sizeof(sh->call));
+	sh->call.p = p;
+	sh->call.q = r->q;
+	sh->call.k = r->k;
+	sh->call.v = r->v;
+	sh->call.o = r->o;
+	sh->call.lse = r->lse;
+	sh->call.cq = plan->cq;
+	sh->call.ck = plan->ck;
+	sh->call.nq = plan->nq;
+	sh->call.nk = plan->nk;
+	sh->call.merge = plan->merge;
+	sh->call.kmax = km->pre ? km : NULL;
+	/* the skip budget is shared: half for whole chunks (split over the walk's directions),
+	 * half for the kernels' own tiles, so that the total stays within skip_tol */
+	sh->call.tol_kernel = plan->nk > 1 ? p->skip_tol / 2 : p->skip_tol;
+	sh->call.tol_chunk = p->causal ? p->skip_tol / 2 : p->skip_tol / 4;
+	sh->call.want_pairs = r->want_pairs;
+	sh->call.poison = r->devs[0]->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS;
+	sh->call.wq = wq;
+	sh->call.abort = &sh->abort;
+}
+
+static int finish(const struct ape__exec_req *r, struct worker *w, struct ape__exec_result *res,
+		  int ret)
+{
+	for (int d = 0; d < r->ndev; d++)
+		sum_stats(&res->st, &w[d].st);
+	res->st.device_clock = w[0].st.device_clock;
+	if (ret && !r->staged)
+		ape__error_written(ret, res->st.qchunks_done, res->nq);
+	if (!ret) {
+		note_speeds(r, w);
+		if (r->trace_path) {
+			struct ape__trace_dev *t = ape__malloc(sizeof(*t) * (size_t)r->ndev);
+
+			if (!t)
+				return ape__error(APE_ENOMEM, "%s: out of memory writing the trace",
+						  r->fn);
+			for (int d = 0; d < r->ndev; d++)
+				t[d] = w[d].trace;
+			ret = ape__trace_write(r->trace_path, r->fn, t, r->ndev);
+			free(t);
+		}
+	}
+	return ret;
+}
+
+int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
+{
+	struct ape__plan plans[MAX_DEV];
+	uint64_t budgets[MAX_DEV];
+	struct scratch_arg sa[MAX_DEV];
+	struct ape__kmax km = { 0 };
+	struct ape__workq wq;
+	struct shared sh;
+	struct worker *w;
+	bool skipping;
+	int ret;
+
+	memset(res, 0, sizeof(*res));
+	w = ape__calloc((size_t)r->ndev, sizeof(*w));
+	if (!w)
+		return ape__error(APE_ENOMEM, "%s: out of memory", r->fn);
+	res->budget = UINT64_MAX;
+	for (int d = 0; d < r->ndev; d++) {
+		budgets[d] = r->budget ? r->budget : default_budget(r->devs[d]);
+		res->budget = budgets[d] < res->budget ? budgets[d] : res->budget;
+		/* the kernels' share of skip_tol, as setup_call() gives it when nk > 1 */
+		sa[d] = (struct scratch_arg){ r->devs[d], r->p, r->p->skip_tol / 2 };
+	}
+	ret = plan_all(r, plans, budgets, sa);
+	if (ret)
+		goto out_free;
+	res->cq = plans[0].cq;
+	res->ck = plans[0].ck;
+	res->nq = plans[0].nq;
+	res->depth = plans[0].depth;
+	skipping = r->p->decay_nonneg && r->p->skip_tol > 0 && plans[0].nk > 1;
+	if (skipping) {
+		ret = ape__kmax_from_tensor(&km, r->k, r->p->ks, plans[0].ck);
+		if (ret)
+			goto out_free;
+	}
+	memset(&wq, 0, sizeof(wq));
+	pthread_mutex_init(&wq.lock, NULL);
+	ret = split_work(r, plans[0].cq, plans[0].nq, skipping, &wq);
+	if (ret)
+		goto out_lock;
+
+	memset(&sh, 0, sizeof(sh));
+	sh.r = r;
+	sh.t0 = now_ms();
+	atomic_init(&sh.abort, false);
+	setup_call(&sh, &plans[0], &km, &wq);
+	for (int d = 0; d < r->ndev; d++) {
+		w[d].sh = &sh;
+		w[d].who = d;
+		w[d].tracing = r->trace_path != NULL;
+		label(&w[d].trace, r, d);
+		w[d].geom = (struct ape__stream_geom){
+			.B = r->p->B, .H = r->p->H, .Hkv = r->p->Hkv, .D = r->p->D,
+			.in_dtype = r->p->in_dtype, .plan = plans[d], .host_kv = true,
+			.budget = budgets[d],
+		};
+		res->depth = plans[d].depth < res->depth ? plans[d].depth : res->depth;
+	}
+	ret = run_workers(&sh, w);
+	ret = finish(r, w, res, ret);
+	for (int d = 0; d < r->ndev; d++)
+		ape__trace_free(&w[d].trace);
+out_lock:
+	pthread_mutex_destroy(&wq.lock);
+	ape__kmax_free(&km);
+out_free:
+	free(w);
+	return ret;
+}

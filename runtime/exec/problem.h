@@ -1,0 +1,43 @@
+/* SPDX-License-Identifier: MIT */
+/* A validated forward call, the executor's input: every default resolved, every argument
+ * checked (api/validate.h makes one). */
+#ifndef APE_RUNTIME_PROBLEM_H
+#define APE_RUNTIME_PROBLEM_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ape/ape.h"
+
+#pragma GCC visibility push(hidden)
+
+struct ape__problem {
+	int64_t B, H, Hkv, Lq, Lk, D;
+	ape_dtype in_dtype, out_dtype;
+	int64_t qs[4], ks[4], vs[4], os[4]; /* element strides, defaults resolved */
+	float *head_params; /* 4*H: delta, beta, gamma, lambda per head (owned) */
+	bool decay_nonneg; /* delta, beta, gamma >= 0 in every head */
+	double scale, rope_base, skip_tol;
+	bool causal;
+	ape_rope_layout layout;
+	int64_t q_start, k_start;
+};
+
+/* Keys of row i visible under the mask: [0, ape__row_visible_end) (causal) or all. */
+static inline int64_t ape__row_visible_end(const struct ape__problem *p, int64_t i)
+{
+	int64_t last; /* last visible key index: pos_k(j) <= pos_q(i) */
+
+	if (!p->causal)
+		return p->Lk;
+	last = p->q_start - p->k_start + i; /* validated not to overflow */
+	if (last < 0)
+		return 0;
+	return last >= p->Lk ? p->Lk : last + 1;
+}
+
+/* Visible pairs of one (b, h) head summed over its rows; -1 if the count overflows 64 bits. */
+int ape__head_visible_pairs(const struct ape__problem *p, uint64_t *out);
+
+#pragma GCC visibility pop
+#endif

@@ -1,0 +1,178 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Staging memory and feeding threads, placed by the context's NUMA policy. Placement is an
+ * optimisation, never a condition: when it cannot be done the context says so once, on stderr,
+ * and the work goes on with plain memory and unbound threads.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/context.h"
+#include "core/alloc.h"
+#include "core/error.h"
+#include "topo/hostmem.h"
+#include "topo/numa.h"
+#include "topo/topology.h"
+
+static const struct ape__phys *phys_of(const struct ape_device *dev)
+{
+	const struct ape_context *ctx = dev->be->ctx;
+	int i = dev->info.physical_index;
+
+	return i >= 0 && i < ctx->nphys ? &ctx->phys[i] : NULL;
+}
+
+static const char *err_text(int err)
+{
+	return err < 0 && err > -4000 ? strerror(-err) : ape_strerror(err);
+}
+
+/* Pinning is the backend's business and only ever a speed-up. */
+static void pin(struct ape_device *dev, struct ape__hostmem *m)
+{
+	const struct ape__backend_ops *ops = dev->be->ops;
+	int ret;
+
+	if (!ops->host_register || !ops->host_unregister)
+		return;
+	ret = ops->host_register(dev, m->ptr, m->bytes, &m->pin);
+	if (ret) {
+		m->pin = NULL;
+		if (ret != APE_ENOTSUP)
+			ape__warn_once(&dev->be->ctx->warned_pinning,
+				       "%s: cannot pin staging buffers (%s): copies run unpinned",
+				       dev->info.name, err_text(ret));
+	}
+}
+
+int ape__host_alloc_placed(struct ape_device *dev, size_t bytes, ape_numa_policy policy,
+			   const char *nodes, struct ape__hostmem *m)
+{
+	struct ape_context *ctx = dev->be->ctx;
+	int ret;
+
+	memset(m, 0, sizeof(*m));
+	if (!ctx->numa || ctx->elsewhere)
+		return APE_ENOTSUP;
+	ret = ape__numa_alloc(ctx->numa, bytes, policy, nodes, &m->ptr);
+	if (ret)
+		return ret;
+	m->bytes = bytes;
+	m->hwloc = true;
+	m->placed = policy;
+	snprintf(m->nodes, sizeof(m->nodes), "%s", nodes);
+	pin(dev, m);
+	return 0;
+}
+
+/* Why a staging buffer for `dev` will be plain; NULL when it can be placed (or the policy is
+ * off, which needs no explanation). */
+static const char *why_plain(const struct ape_device *dev, char *buf, size_t len)
+{
+	const struct ape_context *ctx = dev->be->ctx;
+	const struct ape__phys *p = phys_of(dev);
+
+	if (ctx->numa_policy == APE_NUMA_OFF)
+		return NULL;
+	if (!ctx->numa)
+		snprintf(buf, len, "the topology of this machine is unknown (%s)",
+			 ctx->topo.source);
+	else if (ctx->elsewhere)
+		snprintf(buf, len, "this context describes %s, not this machine", ctx->topo.source);
+	else if (!p || p->info.staging_policy == APE_NUMA_OFF)
+		snprintf(buf, len, "the NUMA node of %s is unknown", dev->info.name);
+	else
+		return NULL;
+	return buf;
+}
+
+int ape__host_alloc(struct ape_device *dev, size_t bytes, struct ape__hostmem *m)
+{
+	struct ape_context *ctx = dev->be->ctx;
+	const struct ape__phys *p = phys_of(dev);
+	char why[384];
+	long page = sysconf(_SC_PAGESIZE);
+	int ret;
+
+	memset(m, 0, sizeof(*m));
+	if (ctx->numa_policy != APE_NUMA_OFF && !why_plain(dev, why, sizeof(why))) {
+		ret = ape__host_alloc_placed(dev, bytes, p->info.staging_policy,
+					     p->info.staging_nodes, m);
+		if (!ret) {
+			atomic_fetch_add(&ctx->staging_placed, 1);
+			return 0;
+		}
+		ape__warn_once(&ctx->warned_placement,
+			       "NUMA placement off: binding memory to node%s %s failed (%s): staging "
+			       "buffers are plain allocations",
+			       ape__list_count(p->info.staging_nodes) > 1 ? "s" : "",
+			       p->info.staging_nodes, err_text(ret));
+	} else if (ctx->numa_policy != APE_NUMA_OFF) {
+		ape__warn_once(&ctx->warned_placement,
+			       "NUMA placement off: %s: staging buffers are plain allocations", why);
+	}
+	/* page-aligned like placed memory, so that a backend can pin either */
+	if (ape__posix_memalign(&m->ptr, page > 0 ? (size_t)page : 4096, bytes)) {
+		m->ptr = NULL;
+		return ape__error(APE_ENOMEM, "out of host memory for a %zu-byte staging buffer",
+				  bytes);
+	}
+	m->bytes = bytes;
+	m->placed = APE_NUMA_OFF;
+	atomic_fetch_add(&ctx->staging_plain, 1);
+	pin(dev, m);
+	return 0;
+}
+
+void ape__host_free(struct ape_device *dev, struct ape__hostmem *m)
+{
+	if (!m->ptr)
+		return;
+	if (m->pin)
+		dev->be->ops->host_unregister(dev, m->pin);
+	if (m->hwloc)
+		ape__numa_free(dev->be->ctx->numa, m->ptr, m->bytes);
+	else
+		free(m->ptr);
+	memset(m, 0, sizeof(*m));
+}
+
+int ape__bind_thread(struct ape_device *dev)
+{
+	struct ape_context *ctx;
+	const struct ape__phys *p;
+	char why[384];
+	int ret;
+
+	if (!dev)
+		return ape__error(APE_EINVAL, "ape__bind_thread: dev = NULL");
+	ctx = dev->be->ctx;
+	p = phys_of(dev);
+	if (ctx->numa_policy != APE_NUMA_LOCAL)
+		return 0;
+	if (why_plain(dev, why, sizeof(why)) || !p->info.cpuset[0]) {
+		if (p && !p->info.cpuset[0])
+			snprintf(why, sizeof(why), "the local CPUs of %s are unknown",
+				 dev->info.name);
+		ape__warn_once(&ctx->warned_binding, "threads feeding devices are not bound: %s",
+			       why);
+		return 0;
+	}
+	ret = ape__numa_bind_thread(ctx->numa, p->info.cpuset);
+	if (ret == -EXDEV) {
+		ape__warn_once(&ctx->warned_binding,
+			       "threads feeding devices are not bound: the local CPUs of %s (%s) are "
+			       "all outside the thread's affinity", dev->info.name, p->info.cpuset);
+		return 0;
+	}
+	if (ret) {
+		ape__warn_once(&ctx->warned_binding,
+			       "threads feeding devices are not bound: binding to CPUs %s failed (%s)",
+			       p->info.cpuset, err_text(ret));
+		return 0;
+	}
+	return 1;
+}
