@@ -647,6 +647,10 @@ typedef struct ape_exec_options {
  *  writes each query chunk's rows as soon as they are final. */
 #define APE_EXEC_ATOMIC_OUTPUTS (1u << 0)
 
+/** The most devices one ape_attention_forward_ex() call takes (`ndev`), counting a device
+ *  listed more than once each time: size device arrays passed to it by this. */
+#define APE_MAX_DEVICES 64
+
 /** \brief Sets the defaults: 4096-row chunks, 3/4 of device memory, depth 3, no flags, no
  *  trace, measured device speeds. Never fails. */
 APE_API void ape_exec_options_init(ape_exec_options *opts);
@@ -664,9 +668,10 @@ APE_API void ape_exec_options_init(ape_exec_options *opts);
  * proves below desc->skip_tol (only when every head's delta, beta, gamma >= 0). Results equal
  * ape_attention_forward() within the spec's tolerance for every chunk size and device set.
  *
- * \param devs ndev devices (1..64) of live contexts; one device may appear more than once
- *        (it then runs several pipelines at once). With several devices, one worker thread
- *        per device, bound to the device's local CPUs by the context's NUMA policy, feeds it.
+ * \param devs ndev devices (1..APE_MAX_DEVICES) of live contexts; one device may appear more
+ *        than once (it then runs several pipelines at once). With several devices, one worker
+ *        thread per device, bound to the device's local CPUs by the context's NUMA policy,
+ *        feeds it.
  * \param opts NULL for the defaults (see ape_exec_options_init())
  * \param desc,q,k,v,o,lse,stats as ape_attention_forward()
  * \return 0; APE_EINVAL (bad argument, naming it; outputs untouched); APE_EOVERFLOW;
