@@ -7,10 +7,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "core/error.h"
 #include "core/alloc.h"
+#include "core/clock.h"
 #include "ref.h"
 
 struct ape__buf {
@@ -109,14 +109,6 @@ static int ref_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint
 	return 0;
 }
 
-static double now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
 static int ref_event_record(struct ape__queue *q, struct ape__event **out)
 {
 	struct ape__event *e = ape__malloc(sizeof(*e));
@@ -124,7 +116,7 @@ static int ref_event_record(struct ape__queue *q, struct ape__event **out)
 	(void)q;
 	if (!e)
 		return ape__error(APE_ENOMEM, "ref: out of memory recording an event");
-	e->ms = now_ms();
+	e->ms = ape__now_ms();
 	*out = e;
 	return 0;
 }
