@@ -37,7 +37,6 @@ enum {
 	OPT_KV_CACHE, OPT_KV_BLOCK, OPT_KV_CAPACITY, OPT_KV_RELEASE, OPT_HELP,
 };
 
-#define MAX_DEVICES 64
 
 static const struct cli_option options[] = {
 	{ "-q", NULL, true, OPT_Q },
@@ -403,10 +402,14 @@ static int select_list(const struct run_args *a, ape_context *ctx, ape_device **
 		char spec[128];
 		int ret;
 
-		if (!n || n >= (int)sizeof(spec) || *ndev == MAX_DEVICES) {
+		if (n && *ndev == APE_MAX_DEVICES) {
+			snprintf(msg, len, "--devices %s: more than %d devices", a->devices,
+				 APE_MAX_DEVICES);
+			return RUN_USAGE;
+		}
+		if (!n || n >= (int)sizeof(spec)) {
 			snprintf(msg, len, "--devices %s: %s", a->devices,
-				 !n ? "an empty entry" : *ndev == MAX_DEVICES ? "more than 64 devices"
-									      : "an entry too long");
+				 !n ? "an empty entry" : "an entry too long");
 			return RUN_USAGE;
 		}
 		snprintf(spec, sizeof(spec), "%.*s", n, p);
@@ -935,7 +938,7 @@ out_free:
 
 static int run(struct run_args *a, char *msg, size_t len)
 {
-	ape_device *devs[MAX_DEVICES];
+	ape_device *devs[APE_MAX_DEVICES];
 	struct input in[3];
 	ape_context *ctx = NULL;
 	int ret, ndev = 0;
