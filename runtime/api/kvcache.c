@@ -270,30 +270,58 @@ void ape_kv_cache_destroy(ape_kv_cache *c)
 
 /* ------------------------------------------------------------------ appends */
 
-/* Copies tokens [t0, t0 + n) from packed staging (K then V, [B, Hkv, n, D] each) into their
- * blocks, one copy per (batch, kv head) and block segment. */
-static int copy_piece(struct ape_kv_cache *c, struct ape__queue *q, const char *src, int64_t t0,
-		      int64_t n)
+int ape__kv_each_seg(const struct ape_kv_cache *c, int64_t t0, int64_t n,
+		     int (*fn)(void *arg, const struct ape__kv_seg *sg), void *arg)
 {
 	const int64_t nbg = c->o.B * c->o.Hkv, D = c->o.D;
-	const size_t half = (size_t)(nbg * n * D) * c->esz;
 	int ret = 0;
 
 	for (int64_t bg = 0; bg < nbg && !ret; bg++)
 		for (int64_t t = t0; t < t0 + n && !ret;) {
 			const int64_t lb = t / c->bt, r = t % c->bt;
 			const int64_t seg = c->bt - r < t0 + n - t ? c->bt - r : t0 + n - t;
-			const size_t so = (size_t)((bg * n + (t - t0)) * D) * c->esz;
-			const size_t bytes = (size_t)(seg * D) * c->esz;
+			const struct ape__kv_seg sg = {
+				.blk = ape__kv_phys(c, lb),
+				.off = (size_t)((bg * n + (t - t0)) * D) * c->esz,
+				.blk_off = ape__kv_blk_off(c, bg, r),
+				.bytes = (size_t)(seg * D) * c->esz,
+			};
 
-			ret = c->ops->copy_h2d(q, c->bk[ape__kv_phys(c, lb)], ape__kv_blk_off(c, bg, r), src + so,
-					       bytes);
-			if (!ret)
-				ret = c->ops->copy_h2d(q, c->bv[ape__kv_phys(c, lb)], ape__kv_blk_off(c, bg, r),
-						       src + half + so, bytes);
+			ret = fn(arg, &sg);
 			t += seg;
 		}
 	return ret;
+}
+
+/* One append piece: packed staging (K then V, `half` bytes each) copied on queue q. */
+struct piece {
+	struct ape_kv_cache *c;
+	struct ape__queue *q;
+	const char *src;
+	size_t half;
+};
+
+static int copy_seg(void *arg, const struct ape__kv_seg *sg)
+{
+	const struct piece *p = arg;
+	struct ape_kv_cache *c = p->c;
+	int ret;
+
+	ret = c->ops->copy_h2d(p->q, c->bk[sg->blk], sg->blk_off, p->src + sg->off, sg->bytes);
+	if (!ret)
+		ret = c->ops->copy_h2d(p->q, c->bv[sg->blk], sg->blk_off,
+				       p->src + p->half + sg->off, sg->bytes);
+	return ret;
+}
+
+/* Copies tokens [t0, t0 + n) from packed staging (K then V, [B, Hkv, n, D] each) into their
+ * blocks, one copy per (batch, kv head) and block segment. */
+static int copy_piece(struct ape_kv_cache *c, struct ape__queue *q, const char *src, int64_t t0,
+		      int64_t n)
+{
+	struct piece p = { c, q, src, (size_t)(c->o.B * c->o.Hkv * n * c->o.D) * c->esz };
+
+	return ape__kv_each_seg(c, t0, n, copy_seg, &p);
 }
 
 /* Largest key norm of each block, kept on the host for skipping and release. */

@@ -91,6 +91,19 @@ static inline size_t ape__kv_blk_off(const struct ape_kv_cache *c, int64_t bg, i
 	return (size_t)((bg * c->bt + r) * c->o.D) * c->esz;
 }
 
+/* A run of tokens of one (batch, kv head) that lies in one block. */
+struct ape__kv_seg {
+	int64_t blk; /* physical block */
+	size_t off; /* byte offset in the range's packed [B, Hkv, n, D] buffer */
+	size_t blk_off; /* byte offset in the block */
+	size_t bytes;
+};
+
+/* Calls fn for each run of tokens [t0, t0 + n) (counted from the first appended) within one
+ * block, (batch, kv head) by (batch, kv head), until fn returns non-zero; returns that, or 0. */
+int ape__kv_each_seg(const struct ape_kv_cache *c, int64_t t0, int64_t n,
+		     int (*fn)(void *arg, const struct ape__kv_seg *sg), void *arg);
+
 /* ---- attends (kvcache_attend.c) */
 
 /* The attend session's key-chunk loader: gathers live tokens from the blocks. */

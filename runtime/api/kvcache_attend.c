@@ -20,6 +20,39 @@
 #include "api/stats.h"
 #include "api/validate.h"
 
+/* One gather: into dk, dv on queue q, through `bounce` (K then V, `half` bytes each) when the
+ * backend has no copy_d2d. */
+struct gather {
+	struct ape_kv_cache *c;
+	struct ape__queue *q;
+	struct ape__buf *dk, *dv;
+	char *bounce;
+	size_t half;
+	uint64_t *d2h, *d2d;
+};
+
+static int gather_seg(void *arg, const struct ape__kv_seg *sg)
+{
+	const struct gather *g = arg;
+	const struct ape__backend_ops *ops = g->c->ops;
+	struct ape__buf *sk = g->c->bk[sg->blk], *sv = g->c->bv[sg->blk];
+	int ret;
+
+	if (ops->copy_d2d) {
+		ret = ops->copy_d2d(g->q, g->dk, sg->off, sk, sg->blk_off, sg->bytes);
+		if (!ret)
+			ret = ops->copy_d2d(g->q, g->dv, sg->off, sv, sg->blk_off, sg->bytes);
+		*g->d2d += 2 * sg->bytes;
+	} else { /* through host staging; the queue keeps it in order */
+		ret = ops->copy_d2h(g->q, g->bounce + sg->off, sk, sg->blk_off, sg->bytes);
+		if (!ret)
+			ret = ops->copy_d2h(g->q, g->bounce + g->half + sg->off, sv, sg->blk_off,
+					    sg->bytes);
+		*g->d2h += 2 * sg->bytes;
+	}
+	return ret;
+}
+
 /* Gathers live tokens [j0, j0 + n) (counted from the oldest live one) into dk, dv. */
 int ape__kv_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t n,
 		 struct ape__buf *dk, struct ape__buf *dv, uint64_t *h2d, uint64_t *d2h,
@@ -27,42 +60,23 @@ int ape__kv_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t 
 {
 	struct ape_kv_cache *c = arg;
 	const struct ape__backend_ops *ops = c->ops;
-	const int64_t nbg = c->o.B * c->o.Hkv, D = c->o.D, t0 = c->lb_first * c->bt + j0;
-	const size_t half = (size_t)(nbg * n * D) * c->esz;
-	char *bounce = c->bounce[lane].ptr;
+	struct gather g = {
+		.c = c, .q = q, .dk = dk, .dv = dv, .bounce = c->bounce[lane].ptr,
+		.half = (size_t)(c->o.B * c->o.Hkv * n * c->o.D) * c->esz, .d2h = d2h, .d2d = d2d,
+	};
 	int ret = 0;
 
 	/* appends still copying on their own queues */
 	for (int i = 0; i < 2 && !ret; i++)
 		if (c->alast[i])
 			ret = ops->event_wait(q, c->alast[i]);
-	for (int64_t bg = 0; bg < nbg && !ret; bg++)
-		for (int64_t t = t0; t < t0 + n && !ret;) {
-			const int64_t lb = t / c->bt, r = t % c->bt;
-			const int64_t seg = c->bt - r < t0 + n - t ? c->bt - r : t0 + n - t;
-			const size_t dst = (size_t)((bg * n + (t - t0)) * D) * c->esz;
-			const size_t bytes = (size_t)(seg * D) * c->esz;
-			struct ape__buf *sk = c->bk[ape__kv_phys(c, lb)], *sv = c->bv[ape__kv_phys(c, lb)];
-
-			if (ops->copy_d2d) {
-				ret = ops->copy_d2d(q, dk, dst, sk, ape__kv_blk_off(c, bg, r), bytes);
-				if (!ret)
-					ret = ops->copy_d2d(q, dv, dst, sv, ape__kv_blk_off(c, bg, r), bytes);
-				*d2d += 2 * bytes;
-			} else { /* through host staging; the queue keeps it in order */
-				ret = ops->copy_d2h(q, bounce + dst, sk, ape__kv_blk_off(c, bg, r), bytes);
-				if (!ret)
-					ret = ops->copy_d2h(q, bounce + half + dst, sv,
-							    ape__kv_blk_off(c, bg, r), bytes);
-				*d2h += 2 * bytes;
-			}
-			t += seg;
-		}
+	if (!ret)
+		ret = ape__kv_each_seg(c, c->lb_first * c->bt + j0, n, gather_seg, &g);
 	if (!ret && !ops->copy_d2d) {
-		ret = ops->copy_h2d(q, dk, 0, bounce, half);
+		ret = ops->copy_h2d(q, dk, 0, g.bounce, g.half);
 		if (!ret)
-			ret = ops->copy_h2d(q, dv, 0, bounce + half, half);
-		*h2d += 2 * half;
+			ret = ops->copy_h2d(q, dv, 0, g.bounce + g.half, g.half);
+		*h2d += 2 * g.half;
 	}
 	return ret;
 }

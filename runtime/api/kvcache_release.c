@@ -44,7 +44,8 @@ static bool release_proved(const struct ape_kv_cache *c, const struct ape__probl
 {
 	const int64_t nbg = c->o.B * c->o.Hkv, group = c->o.H / c->o.Hkv;
 	const double dn = (double)(t_ref - (t_rel - 1));
-	const float *kref = c->bnorm + ape__kv_phys(c, t_ref / c->bt) * nbg; /* block max >= |k_ref| */
+	/* the block maximum >= |k_ref| */
+	const float *kref = c->bnorm + ape__kv_phys(c, t_ref / c->bt) * nbg;
 
 	for (int64_t b = 0; b < c->o.B; b++)
 		for (int64_t h = 0; h < c->o.H; h++) {
@@ -68,8 +69,8 @@ static bool release_proved(const struct ape_kv_cache *c, const struct ape__probl
 int ape__kv_try_release(struct ape_kv_cache *c, const struct ape__problem *p, int64_t *released)
 {
 	const int64_t nbg = c->o.B * c->o.Hkv;
-	const int64_t q_floor = ape__kv_next_position(c) - c->o.max_queries;
-	const int64_t ref = q_floor < ape__kv_next_position(c) - 1 ? q_floor : ape__kv_next_position(c) - 1;
+	const int64_t next = ape__kv_next_position(c), q_floor = next - c->o.max_queries;
+	const int64_t ref = q_floor < next - 1 ? q_floor : next - 1;
 	const int64_t t_ref = ref - c->o.k_start;
 	float kmax[256], *kr = nbg <= 256 ? kmax : NULL;
 	struct ape__skip_budget share;
