@@ -171,7 +171,7 @@ static int run_attend(struct ape_kv_cache *c, const char *fn, const struct ape__
 	call.wq = c->wq;
 	atomic_init(&abort_flag, false);
 	call.abort = &abort_flag;
-	if (p->decay_nonneg && p->skip_tol > 0 && nk > 1) {
+	if (ape__skip_allowed(p) && nk > 1) {
 		chunk_norms(c, ck, nk);
 		call.kmax = &c->km;
 	}

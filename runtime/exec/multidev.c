@@ -75,8 +75,7 @@ static int plan_all(const struct ape__exec_req *r, struct ape__plan *plans, uint
 				.max_buffer = dev->be->ops->max_alloc ? dev->be->ops->max_alloc(dev)
 								      : UINT64_MAX,
 				.scratch = plan_scratch, .scratch_arg = &sa[d],
-				.prior = p->decay_nonneg && p->skip_tol > 0 &&
-					 dev->be->ops->copy_d2d,
+				.prior = ape__skip_allowed(p) && dev->be->ops->copy_d2d,
 			};
 			char fn[160];
 
@@ -373,7 +372,7 @@ int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
 	res->ck = plans[0].ck;
 	res->nq = plans[0].nq;
 	res->depth = plans[0].depth;
-	skipping = r->p->decay_nonneg && r->p->skip_tol > 0 && plans[0].nk > 1;
+	skipping = ape__skip_allowed(r->p) && plans[0].nk > 1;
 	if (skipping) {
 		ret = ape__kmax_from_tensor(&km, r->k, r->p->ks, plans[0].ck);
 		if (ret)

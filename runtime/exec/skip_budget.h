@@ -10,7 +10,16 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "exec/problem.h"
+
 #pragma GCC visibility push(hidden)
+
+/* May any key of p be left out? Only with skip_tol > 0 and every head's delta, beta,
+ * gamma >= 0 (the bounds assume scores fall with distance). */
+static inline bool ape__skip_allowed(const struct ape__problem *p)
+{
+	return p->decay_nonneg && p->skip_tol > 0;
+}
 
 struct ape__skip_budget {
 	double release; /* the KV cache's release proof: weight the freed blocks may carry */
