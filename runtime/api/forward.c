@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The forward entry points: validate, handle the shapes that need no device, hand the rest to
- * the streaming executor (runtime/exec/multidev.c, runtime/exec/stream.c), report statistics.
+ * the streaming executor (runtime/exec/multidev.c, runtime/exec/stream*.c), report statistics
+ * (runtime/api/stats.c).
  *
  * There is one code path. A problem that fits one chunk pair is the executor's single-chunk
  * case: one query chunk, one key chunk, the same copies and the same launch as a one-shot
