@@ -225,7 +225,7 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 			.t0 = t0,
 		};
 
-		ape__stats_give(stats, &rep);
+		ape__stats_report(stats, &rep);
 	}
 	ape__problem_fini(&p);
 	return ret;

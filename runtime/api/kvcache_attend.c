@@ -203,7 +203,7 @@ static void report(const struct ape_kv_cache *c, struct ape__exec_result *res,
 	res->depth = c->geom.plan.depth;
 	res->budget = c->o.max_device_bytes ? c->o.max_device_bytes : UINT64_MAX;
 	res->st.peak_bytes += c->mem.cur;
-	ape__stats_give(stats, &rep);
+	ape__stats_report(stats, &rep);
 }
 
 int ape_kv_cache_attend(ape_kv_cache *c, const ape_attn_desc *desc, const ape_tensor *q,

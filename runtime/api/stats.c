@@ -50,7 +50,7 @@ static void names(ape_stats *st, ape_device *const *devs, int ndev)
 	}
 }
 
-void ape__stats_give(ape_stats *stats, const struct ape__call_report *r)
+void ape__stats_report(ape_stats *stats, const struct ape__call_report *r)
 {
 	const struct ape__exec_result *res = r->res;
 	ape_stats st;

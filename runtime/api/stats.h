@@ -27,7 +27,7 @@ int ape__stats_check(const char *fn, const ape_stats *stats);
 
 /* Fills *stats (its caller's struct_size, checked by ape__stats_check()) from what the call
  * reports; total_ms runs until now. */
-void ape__stats_give(ape_stats *stats, const struct ape__call_report *r);
+void ape__stats_report(ape_stats *stats, const struct ape__call_report *r);
 
 #pragma GCC visibility pop
 #endif
