@@ -107,16 +107,15 @@ static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registr
 #define HAS_OPTION(o, field)                                                                       \
 	((o) && (o)->struct_size >= offsetof(ape_context_options, field) + sizeof((o)->field))
 
+/* APE_NUMA names a policy; "default" would send it back to itself. */
 static int parse_numa(const char *text, ape_numa_policy *out)
 {
-	static const char *const names[] = { "local", "interleave", "off" };
+	int p = ape_numa_policy_from_name(text);
 
-	for (int i = 0; i < 3; i++)
-		if (!strcmp(text, names[i])) {
-			*out = (ape_numa_policy)(APE_NUMA_LOCAL + i);
-			return 0;
-		}
-	return APE_EINVAL;
+	if (p <= APE_NUMA_DEFAULT)
+		return APE_EINVAL;
+	*out = (ape_numa_policy)p;
+	return 0;
 }
 
 /* Resolves the topology options from opts and the environment, before anything is probed. */
