@@ -594,9 +594,10 @@ APE_API int ape_device_measure_h2d(ape_device *dev, int numa_node, size_t bytes,
 /**@{*/
 
 /**
- * Statistics of one forward call (or KV-cache call). Fields are only ever added at the end:
- * a caller built against an older header passes its smaller struct_size and gets the fields it
- * knows of (0.1.0 ended at `device`: APE_STATS_V1_SIZE).
+ * Statistics of one forward call (or KV-cache call). Fields are only ever added at the end.
+ * struct_size is sizeof(ape_stats) (ape_stats_init() sets it) or APE_STATS_V1_SIZE, the first
+ * layout, which ended at `device`: such a caller gets those fields only, and nothing past them
+ * is written. Any other value is refused with APE_EINVAL.
  */
 typedef struct ape_stats {
 	size_t struct_size; /**< set by ape_stats_init() */
@@ -608,7 +609,8 @@ typedef struct ape_stats {
 	uint64_t bytes_from_device; /**< bytes copied back: partial O, LSE and pair counts */
 	char backend[16]; /**< "opencl"; several devices: their backends joined by '+' */
 	char device[128]; /**< the device's name; several: joined by " + " */
-	/* ---- since 0.2 */
+	/* ---- added after the first layout (APE_STATS_V1_SIZE) with streaming execution; the
+	 * version number did not change: both layouts are libape 0.1.0's */
 	uint64_t chunks; /**< (query chunk, key chunk) pairs computed, i.e. kernel launches */
 	/** Chunk pairs never copied nor computed because the skip bound proved their weight
 	 *  negligible (chunks the causal mask hides are not counted anywhere). */
@@ -630,7 +632,7 @@ typedef struct ape_stats {
 	double overlap_ms;
 } ape_stats;
 
-/** struct_size of the ape_stats of libape 0.1 (up to `device`), still accepted. */
+/** struct_size of the first ape_stats layout (up to `device`), still accepted. */
 #define APE_STATS_V1_SIZE offsetof(ape_stats, chunks)
 
 /** \brief Zeroes \p st and sets struct_size. Never fails. */
@@ -662,8 +664,9 @@ APE_API int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, co
 				  const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
 				  ape_stats *stats);
 
-/** Options of ape_attention_forward_ex(). Fields are only ever added at the end; struct_size
- *  tells the library which ones the caller knows of. */
+/** Options of ape_attention_forward_ex(). Fields are only ever added at the end. There is one
+ *  layout so far: struct_size must be sizeof(ape_exec_options), as ape_exec_options_init()
+ *  sets it; any other value is refused with APE_EINVAL (naming opts->struct_size). */
 typedef struct ape_exec_options {
 	size_t struct_size; /**< set by ape_exec_options_init() */
 	/** Most query rows per chunk (>= 0); 0: 4096. The planner may choose fewer to fit the
