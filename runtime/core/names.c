@@ -70,55 +70,25 @@ static int index_of(const char *fn, const char *const *names, int n, const char 
 	return ape__error(APE_EINVAL, "%s: name = \"%.64s\": must be %s", fn, text, list);
 }
 
-const char *ape_dtype_name(ape_dtype dt)
-{
-	return name_of(dtype_names, COUNT(dtype_names), (long)dt);
-}
+/*
+ * The pair of public functions for one table. Written by one macro so that the name a message
+ * gives is always the function's own, and a new enum's pair cannot differ from the others.
+ */
+#define APE__NAME_PAIR(word, type, table)                                                          \
+	const char *ape_##word##_name(type value)                                                  \
+	{                                                                                          \
+		return name_of(table, COUNT(table), (long)value);                                  \
+	}                                                                                          \
+	int ape_##word##_from_name(const char *name)                                               \
+	{                                                                                          \
+		return index_of("ape_" #word "_from_name", table, COUNT(table), name);             \
+	}
 
-int ape_dtype_from_name(const char *name)
-{
-	return index_of("ape_dtype_from_name", dtype_names, COUNT(dtype_names), name);
-}
-
-const char *ape_rope_layout_name(ape_rope_layout layout)
-{
-	return name_of(layout_names, COUNT(layout_names), (long)layout);
-}
-
-int ape_rope_layout_from_name(const char *name)
-{
-	return index_of("ape_rope_layout_from_name", layout_names, COUNT(layout_names), name);
-}
-
-const char *ape_device_kind_name(ape_device_kind kind)
-{
-	return name_of(kind_names, COUNT(kind_names), (long)kind);
-}
-
-int ape_device_kind_from_name(const char *name)
-{
-	return index_of("ape_device_kind_from_name", kind_names, COUNT(kind_names), name);
-}
-
-const char *ape_numa_policy_name(ape_numa_policy policy)
-{
-	return name_of(numa_names, COUNT(numa_names), (long)policy);
-}
-
-int ape_numa_policy_from_name(const char *name)
-{
-	return index_of("ape_numa_policy_from_name", numa_names, COUNT(numa_names), name);
-}
-
-const char *ape_link_name(int link)
-{
-	return name_of(link_names, COUNT(link_names), link);
-}
-
-int ape_link_from_name(const char *name)
-{
-	return index_of("ape_link_from_name", link_names, COUNT(link_names), name);
-}
+APE__NAME_PAIR(dtype, ape_dtype, dtype_names)
+APE__NAME_PAIR(rope_layout, ape_rope_layout, layout_names)
+APE__NAME_PAIR(device_kind, ape_device_kind, kind_names)
+APE__NAME_PAIR(numa_policy, ape_numa_policy, numa_names)
+APE__NAME_PAIR(link, int, link_names)
 
 const char *ape_api_name(unsigned api)
 {
