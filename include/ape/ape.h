@@ -240,8 +240,9 @@ typedef enum ape_numa_policy {
 	APE_NUMA_OFF = 3,
 } ape_numa_policy;
 
-/** \brief "default", "local", "interleave", "off" (the words `APE_NUMA` takes), or "?" for
- *  another value. Also names ape_physical_info.staging_policy. Never NULL, never allocates. */
+/** \brief "default", "local", "interleave", "off" (the last three are what `APE_NUMA` takes),
+ *  or "?" for another value. Also names ape_physical_info.staging_policy. Never NULL, never
+ *  allocates. */
 APE_API const char *ape_numa_policy_name(ape_numa_policy policy);
 /**
  * \brief The policy ape_numa_policy_name() calls \p name (exact, case-sensitive).
