@@ -12,11 +12,30 @@
 #include "ape_test.h"
 
 /* Adapters: the name functions take their own enum types. */
-static const char *dtype_name(int v) { return ape_dtype_name((ape_dtype)v); }
-static const char *layout_name(int v) { return ape_rope_layout_name((ape_rope_layout)v); }
-static const char *kind_name(int v) { return ape_device_kind_name((ape_device_kind)v); }
-static const char *numa_name(int v) { return ape_numa_policy_name((ape_numa_policy)v); }
-static const char *api_name(int v) { return ape_api_name((unsigned)v); }
+static const char *dtype_name(int v)
+{
+	return ape_dtype_name((ape_dtype)v);
+}
+
+static const char *layout_name(int v)
+{
+	return ape_rope_layout_name((ape_rope_layout)v);
+}
+
+static const char *kind_name(int v)
+{
+	return ape_device_kind_name((ape_device_kind)v);
+}
+
+static const char *numa_name(int v)
+{
+	return ape_numa_policy_name((ape_numa_policy)v);
+}
+
+static const char *api_name(int v)
+{
+	return ape_api_name((unsigned)v);
+}
 
 struct table {
 	const char *fn; /* the from_name function, as its messages name it */
