@@ -97,7 +97,8 @@ TEST(unknown_values_are_a_static_question_mark)
 		for (int i = 0; i < 4; i++) {
 			const char *s = tables[t].name(tables[t].unknown[i]);
 
-			EXPECT_STREQ("?", s) TH_LOG("%s: value %d", tables[t].fn, tables[t].unknown[i]);
+			EXPECT_STREQ("?", s)
+				TH_LOG("%s: value %d", tables[t].fn, tables[t].unknown[i]);
 			EXPECT_EQ(s, tables[t].name(tables[t].unknown[i]));
 		}
 }
@@ -112,7 +113,8 @@ TEST(unknown_names_are_refused_with_the_list)
 		const struct table *tb = &tables[t];
 
 		for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-			EXPECT_EQ(APE_EINVAL, tb->from_name(bad[i])) TH_LOG("%s(\"%s\")", tb->fn, bad[i]);
+			EXPECT_EQ(APE_EINVAL, tb->from_name(bad[i]))
+				TH_LOG("%s(\"%s\")", tb->fn, bad[i]);
 			snprintf(want, sizeof(want), "%s: name = \"%s\": must be %s", tb->fn, bad[i],
 				 tb->list);
 			EXPECT_STREQ(want, ape_last_error());

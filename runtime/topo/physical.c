@@ -258,7 +258,8 @@ static void describe_machine(struct ape_context *ctx, const struct ape__ctx_setu
 			 "%s: placements are what that machine would get; nothing is bound here",
 			 ape_numa_policy_name(ctx->numa_policy));
 	else if (t->numa_nodes == 1)
-		snprintf(t->numa_note, sizeof(t->numa_note), "%s: one NUMA node, so every buffer is local",
+		snprintf(t->numa_note, sizeof(t->numa_note),
+			 "%s: one NUMA node, so every buffer is local",
 			 ape_numa_policy_name(ctx->numa_policy));
 	else if (ctx->numa_policy == APE_NUMA_LOCAL)
 		snprintf(t->numa_note, sizeof(t->numa_note),
