@@ -38,9 +38,10 @@
  *   - sets the thread's error message (ape__error) naming the device and the op:
  *     ape__op_error() in core/error.h turns the message of whatever failed below the op into
  *     "opencl:0 NAME: copy_h2d: clEnqueueWriteBuffer (64 bytes): CL_OUT_OF_RESOURCES (-5)";
- *     the core passes it on as it is (it adds the device only where a message lacks it);
+ *     the core passes it on to the caller, adding at most the public function and how much
+ *     of the outputs was written (and the device, where a message of its own lacks it);
  *   - leaves its out-parameters cleared: *out and *handle NULL, *ms 0 (so a cleanup path may
- *     release them unconditionally: every release op accepts NULL);
+ *     release them unconditionally: buf_free, queue_destroy and event_destroy accept NULL);
  *   - leaves nothing of its own behind (no half-created object);
  *   - may leave the queue unusable after a device loss, but queue_destroy, buf_free and
  *     event_destroy still work on it and on what it used.
