@@ -4,13 +4,15 @@
  * test wrapper (tests/common/wrapops.c): a failing op returns a negative code, names the device
  * ("ref:0 NAME") and the op ("buf_alloc") in the thread's message, and leaves its out-parameters
  * cleared (*out NULL, *ms 0). Real failures where a backend has them (more memory than the device
- * takes, copies the driver rejects), injected ones for every op kind through the wrapper.
+ * takes, copies the driver rejects, and, in the fault build of `make faults-ci`, every host
+ * allocation inside an op), injected ones for every op kind through the wrapper.
  */
 #include <stdio.h>
 #include <string.h>
 
 #include "ape_test.h"
 #include "common/wrapops.h"
+#include "core/alloc.h"
 #include "core/backend.h"
 #include "core/error.h"
 
@@ -116,6 +118,112 @@ TEST_F(be, rejected_copies_name_their_op)
 	self->ops->buf_free(self->dev, other);
 	self->ops->buf_free(self->dev, buf);
 }
+
+#ifdef APE_FAULT_INJECT
+/* The ops that allocate host memory in some backend (the first command of an OpenCL queue
+ * starts its timeline: an allocation). */
+enum { HM_BUF_ALLOC, HM_QUEUE_CREATE, HM_EVENT_RECORD, HM_COPY_H2D, HM_COPY_D2H, HM_FILL, HM_N };
+
+static const char *const hm_names[HM_N] = {
+	[HM_BUF_ALLOC] = "buf_alloc",	    [HM_QUEUE_CREATE] = "queue_create",
+	[HM_EVENT_RECORD] = "event_record", [HM_COPY_H2D] = "copy_h2d",
+	[HM_COPY_D2H] = "copy_d2h",	    [HM_FILL] = "fill",
+};
+
+/* Calls op once on q, a fresh queue; releases what it made; says whether a failure cleared
+ * the out-parameter. */
+static int hm_call(const struct ape__backend_ops *ops, ape_device *dev, int op,
+		   struct ape__queue *q, struct ape__buf *buf, bool *cleared)
+{
+	static char host[64];
+	struct ape__buf *b = STALE;
+	struct ape__queue *nq = STALE;
+	struct ape__event *e = STALE;
+	int ret = 0;
+
+	*cleared = true;
+	switch (op) {
+	case HM_BUF_ALLOC:
+		ret = ops->buf_alloc(dev, 64, &b);
+		*cleared = ret ? b == NULL : true;
+		if (!ret)
+			ops->buf_free(dev, b);
+		break;
+	case HM_QUEUE_CREATE:
+		ret = ops->queue_create(dev, &nq);
+		*cleared = ret ? nq == NULL : true;
+		if (!ret)
+			ops->queue_destroy(nq);
+		break;
+	case HM_EVENT_RECORD:
+		ret = ops->event_record(q, &e);
+		*cleared = ret ? e == NULL : true;
+		if (!ret)
+			ops->event_destroy(e);
+		break;
+	case HM_COPY_H2D:
+		ret = ops->copy_h2d(q, buf, 0, host, sizeof(host));
+		break;
+	case HM_COPY_D2H:
+		ret = ops->copy_d2h(q, host, buf, 0, sizeof(host));
+		break;
+	case HM_FILL:
+		ret = ops->fill(q, buf, 0, 0, sizeof(host));
+		break;
+	}
+	return ret;
+}
+
+/* Host memory running out inside an op: APE_ENOMEM, the out-parameter cleared, the message
+ * naming the device and the op, for each allocation of each op that makes any. */
+TEST_F(be, ops_out_of_host_memory_name_themselves)
+{
+	const struct ape__backend_ops *ops = self->ops;
+	struct ape__buf *buf = NULL;
+	int points = 0;
+
+	ASSERT_EQ(0, ops->buf_alloc(self->dev, 256, &buf)) TH_LOG("%s", ape_last_error());
+	for (int op = 0; op < HM_N; op++) {
+		bool fired = true;
+
+		for (uint64_t n = 1; fired; n++) {
+			struct ape__queue *q = NULL;
+			bool cleared;
+			int ret;
+
+			ASSERT_EQ(0, ops->queue_create(self->dev, &q)) TH_LOG("%s", ape_last_error());
+			ape__error(0, "stale");
+			ape__fault_alloc_arm(n);
+			ret = hm_call(ops, self->dev, op, q, buf, &cleared);
+			fired = ape__fault_alloc_fired();
+			ape__fault_alloc_arm(0);
+			if (fired) {
+				points++;
+				EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("%s, allocation %llu: %s",
+								  hm_names[op], (unsigned long long)n,
+								  ape_last_error());
+				EXPECT_TRUE(cleared) TH_LOG("%s: *out left set", hm_names[op]);
+				expect_named(_metadata, self->label, hm_names[op]);
+			} else {
+				EXPECT_EQ(0, ret) TH_LOG("%s: %s", hm_names[op], ape_last_error());
+			}
+			EXPECT_EQ(0, ops->synchronize(q)) TH_LOG("%s", ape_last_error());
+			ops->queue_destroy(q);
+		}
+	}
+	/* buf_alloc, queue_create and event_record allocate in every backend here */
+	EXPECT_GE(points, 3);
+	ksft_print_msg("%s: %d host allocations inside ops failed in turn\n", variant->backend,
+		       points);
+	fflush(stdout); /* the harness ends each test with _exit() */
+	ops->buf_free(self->dev, buf);
+}
+#else
+TEST_F(be, ops_out_of_host_memory_name_themselves)
+{
+	SKIP(return, "needs the fault build (make faults-ci: -DAPE_FAULT_INJECT)");
+}
+#endif
 
 /*
  * Calls op once through the ops in place (the wrapper, set to fail it); returns its result and
