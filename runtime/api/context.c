@@ -207,13 +207,8 @@ void ape_context_destroy(ape_context *ctx)
 	if (!ctx)
 		return;
 	ape__physical_free(ctx);
-	for (int i = 0; i < ctx->ndevices; i++) {
-		struct ape_device *d = ctx->devices[i];
-
-		if (d->be->ops->device_release)
-			d->be->ops->device_release(d);
-		free(d);
-	}
+	for (int i = 0; i < ctx->ndevices; i++)
+		ape__device_free(ctx->devices[i]);
 	free(ctx->devices);
 	/* reverse probe order: a later backend may share a driver library loaded by an earlier one */
 	for (int i = ctx->nbackends - 1; i >= 0; i--) {
