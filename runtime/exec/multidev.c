@@ -129,7 +129,7 @@ static int split_work(const struct ape__exec_req *r, int64_t cq, int64_t nq, boo
 	}
 	for (int i = 0; i < r->ndev; i++) {
 		weight[i] = r->weights ? r->weights[i]
-				       : (double)atomic_load(&r->devs[i]->pairs_per_s);
+				       : (double)atomic_load(ape__device_pairs_per_s(r->devs[i]));
 		if (weight[i] > 0) {
 			known += weight[i];
 			nknown++;
@@ -219,7 +219,7 @@ static void *worker_main(void *arg)
 static void note_speeds(const struct ape__exec_req *r, const struct worker *w)
 {
 	for (int d = 0; d < r->ndev; d++) {
-		atomic_uint_fast64_t *slot = &r->devs[d]->pairs_per_s;
+		atomic_uint_fast64_t *slot = ape__device_pairs_per_s(r->devs[d]);
 		uint64_t old, rate;
 
 		if (w[d].ret || w[d].ms < 1 || !w[d].st.work)
