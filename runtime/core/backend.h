@@ -194,7 +194,7 @@ struct ape__backend_ops {
 	/* Optional, required with host_register. Undoes it; the memory is idle (no copy in flight). */
 	void (*host_unregister)(struct ape_device *dev, void *handle);
 
-	/* ---- ABI 2: optional ops of the streaming executor (runtime/exec/stream.c). Each has a
+	/* ---- ABI 2: optional ops of the streaming executor (runtime/exec/stream*.c). Each has a
 	 * fallback in the core, so a backend without them still computes correctly. */
 
 	/*
@@ -218,10 +218,10 @@ struct ape__backend_ops {
 
 	/*
 	 * Optional (NULL: the core assumes float32 copies of K and V plus skip tables, see
-	 * ape__scratch_of() in runtime/exec/stream.c). Bytes of device memory the attention op
+	 * ape__scratch_of() in runtime/exec/launch.c). Bytes of device memory the attention op
 	 * allocates for launch l beyond l's own buffers, held from the attention call until the
 	 * launch completes. The core counts them against the memory budget of streamed calls.
-	 * Called without the buffers: only the shape, dtypes, layout and skip_tol of l are set.
+	 * Called without the buffers: only the shape, dtypes, layout and skip_tol of l count.
 	 * Cannot fail; may be called from any thread.
 	 */
 	uint64_t (*attention_scratch)(struct ape_device *dev, const struct ape__launch *l);
