@@ -22,8 +22,8 @@ static const struct {
 	{ "H (q->shape[1])", F_INT },  { "Hkv (k->shape[1])", F_INT },
 	{ "D (q->shape[3])", F_INT },  { "q->dtype", F_INT },
 	{ "o->dtype", F_INT },         { "desc->causal", F_INT },
-	{ "desc->layout", F_INT },     { "q_start (desc->q_start, or k_start)", F_INT },
-	{ "desc->k_start", F_INT },    { "scale (desc->scale, or 1/sqrt(D))", F_REAL },
+	{ "desc->layout", F_INT },     { "desc->k_start", F_INT },
+	{ "q_start (desc->q_start, or k_start)", F_INT }, { "scale (desc->scale, or 1/sqrt(D))", F_REAL },
 	{ "desc->rope_base", F_REAL }, { "desc->skip_tol", F_REAL },
 	{ "desc->delta", F_HEADS },    { "desc->beta", F_HEADS },
 	{ "desc->gamma", F_HEADS },    { "desc->lambda", F_HEADS },
@@ -78,8 +78,8 @@ void ape__mpi_digest_fill(struct ape__mpi_digest *dg, const ape_attn_desc *desc,
 	f[8] = o->dtype;
 	f[9] = desc->causal;
 	f[10] = desc->layout;
-	f[11] = desc->q_start_set ? desc->q_start : desc->k_start;
-	f[12] = desc->k_start;
+	f[11] = desc->k_start;
+	f[12] = desc->q_start_set ? desc->q_start : desc->k_start;
 	f[13] = real_bits(desc->scale_set ? desc->scale : 1.0 / sqrt((double)q->shape[3]));
 	f[14] = real_bits(desc->rope_base);
 	f[15] = real_bits(desc->skip_tol);
@@ -125,10 +125,17 @@ int ape__mpi_verdict(const struct ape__mpi_digest *all, int n)
 	char a[40], b[40];
 	int ref;
 
-	for (int r = 0; r < n; r++)
-		if (all[r].status)
-			return ape__mpi_error(all[r].status, "rank %d: %.*s", r, APE__MPI_MSG,
-					      all[r].msg);
+	for (int r = 0; r < n; r++) {
+		const char *m = all[r].msg;
+		const size_t pre = strlen(APE__MPI_FN ": ");
+
+		if (!all[r].status)
+			continue;
+		if (!strncmp(m, APE__MPI_FN ": ", pre))
+			m += pre; /* the function is named once, before the rank */
+		return ape__mpi_error(all[r].status, "%s: rank %d: %.*s", APE__MPI_FN, r,
+				      (int)strnlen(m, APE__MPI_MSG - pre), m);
+	}
 	for (int i = 0; i < NFIELDS; i++) {
 		int odd = odd_one(all, n, i, &ref);
 
