@@ -2,7 +2,8 @@
 # public API; libape itself never depends on MPI. WITH_MPI = auto (default), yes or no, announced
 # like the other options. Built with the C compiler and MPI's flags from pkg-config (Open MPI's
 # "mpi-c", MPICH's "mpich"); the tests need `mpirun` too.
-MPI_PKG    := $(firstword $(foreach p,mpi-c mpich,$(shell $(PKG_CONFIG) --exists $(p) 2>/dev/null && echo $(p))))
+MPI_PKG    := $(firstword $(foreach p,mpi-c mpich,\
+                $(shell $(PKG_CONFIG) --exists $(p) 2>/dev/null && echo $(p))))
 MPIRUN     ?= $(shell command -v mpirun 2>/dev/null)
 ifeq ($(WITH_MPI),no)
 MPI_WHY := disabled at build time (WITH_MPI=no)
@@ -29,7 +30,9 @@ MPI_LIBSO    := $(BUILD)/lib/libape_mpi.so.$(APE_SOVERSION)
 MPI_RUN      := $(BUILD)/bin/ape-mpi-run
 MPI_TESTS    := $(BUILD)/tests/mpi/test_mpi
 MPI_STAMP    := $(BUILD)/mpi.stamp
-$(shell mkdir -p $(BUILD) && { test -f $(MPI_STAMP) && test "$$(cat $(MPI_STAMP))" = '$(MPI_PKG) $(MPI_CFLAGS)' || echo '$(MPI_PKG) $(MPI_CFLAGS)' > $(MPI_STAMP); })
+MPI_CONFIG   := $(MPI_PKG) $(MPI_CFLAGS)
+$(shell mkdir -p $(BUILD) && { test -f $(MPI_STAMP) && test "$$(cat $(MPI_STAMP))" = '$(MPI_CONFIG)' \
+	|| echo '$(MPI_CONFIG)' > $(MPI_STAMP); })
 
 ifneq ($(HAVE_MPI),)
 $(BUILD)/mpi-obj/%.o: %.c $(CONFIG_STAMP) $(MPI_STAMP)
@@ -60,7 +63,8 @@ all: $(MPI_LIBA) $(MPI_LIBSO) $(MPI_RUN)
 
 # The test program calls the pure parts directly (so it links libape_mpi and MPI) and runs
 # everything distributed through mpirun and the driver.
-$(BUILD)/tests-obj/tests/mpi/%.o: tests/mpi/%.c $(CONFIG_STAMP) $(MPI_STAMP) | $(KSFT_DIR)/kselftest_harness.h
+$(BUILD)/tests-obj/tests/mpi/%.o: tests/mpi/%.c $(CONFIG_STAMP) $(MPI_STAMP) \
+		| $(KSFT_DIR)/kselftest_harness.h
 	@mkdir -p $(dir $@)
 	@echo "  CC      $<"
 	$(Q)$(CC) $(CPPFLAGS) $(MPI_CFLAGS) $(TEST_CFLAGS) -c $< -o $@
@@ -69,6 +73,14 @@ $(MPI_TESTS): $(BUILD)/tests-obj/tests/mpi/test_mpi.o $(MPI_LIBA) $(LIBA) $(MPI_
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"
 	$(Q)$(CC) $(LDFLAGS) -o $@ $< $(MPI_LIBA) $(LIBA) $(LIB_LIBS) $(MPI_LIBS) $(LDLIBS)
+
+install: install-mpi
+install-mpi: $(MPI_LIBA) $(MPI_LIBSO)
+	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include/ape
+	install -m 644 include/ape/ape_mpi.h $(DESTDIR)$(PREFIX)/include/ape/
+	install -m 644 $(MPI_LIBA) $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(MPI_LIBSO) $(DESTDIR)$(PREFIX)/lib/
+	ln -sf libape_mpi.so.$(APE_SOVERSION) $(DESTDIR)$(PREFIX)/lib/libape_mpi.so
 
 # the tests (a Kselftest program that starts mpirun; it never links MPI itself)
 mpi-ci: $(MPI_TESTS) $(MPI_RUN)
@@ -85,4 +97,4 @@ endif
 mpi-clean:
 	rm -rf $(BUILD)/mpi-obj $(MPI_STAMP)
 clean: mpi-clean
-.PHONY: mpi-ci mpi-clean
+.PHONY: mpi-ci mpi-clean install-mpi
