@@ -12,6 +12,9 @@
 
 #include "mpi_internal.h"
 
+#define APE_REAL double
+#include "core/ape_math.h"
+
 #define PIECE_BYTES ((size_t)1 << 30) /* MPI counts are ints: larger blocks go in pieces */
 
 /* A key block of one rank as this rank holds it: rows [c0, c1) of the global sequence. */
@@ -184,15 +187,11 @@ static void merge(struct call *c, int64_t off, int64_t n)
 				c->m[r] = NAN; /* a NaN reached the row: it stays NaN */
 				continue;
 			}
-			if (m == -INFINITY) {
-				c->m[r] = l;
-				c->s[r] = 1;
-				memcpy(acc, oc, (size_t)D * sizeof(float));
-				continue;
-			}
-			mn = fmax(l, m);
-			f_old = exp(m - mn);
-			f_new = exp(l - mn);
+			/* ape_math.h's merge: an empty side (m = -inf) weighs 0, and the
+			 * accumulators start at 0, so the first piece needs no case of its own */
+			mn = ape_merge_max(m, l);
+			f_old = ape_merge_factor(m, mn);
+			f_new = ape_merge_factor(l, mn);
 			for (int64_t d = 0; d < D; d++)
 				acc[d] = (float)(acc[d] * f_old + oc[d] * f_new);
 			c->s[r] = c->s[r] * f_old + f_new;
@@ -556,7 +555,7 @@ static int alloc_call(struct call *c, const ape_tensor *q, const ape_tensor *k)
 
 	c->m = malloc(nr * sizeof(double) + 1);
 	c->s = malloc(nr * sizeof(double) + 1);
-	c->acc = malloc(nr * (size_t)D * sizeof(float) + 1);
+	c->acc = calloc(nr * (size_t)D + 1, sizeof(float));
 	c->oc = malloc((size_t)(B * H * nq * D) * sizeof(float) + 1);
 	c->lc = malloc((size_t)(B * H * nq) * sizeof(float) + 1);
 	c->needs = malloc((size_t)c->size * 4 * sizeof(int64_t));
