@@ -88,7 +88,9 @@ int ape__mpi_query_summary(const struct ape__mpi_geom *g, const ape_tensor *q,
 			   double *lse_lb)
 {
 	/* Row i's own key (the same global row) is always on this rank: its score bounds the
-	 * row's log-denominator from below, with no computation. d = its distance. */
+	 * row's log-denominator from below, with no computation. d = its distance. It is always
+	 * computed: a tail holding it weighs at least exp(LB), so it can never be proved to weigh
+	 * below tol * exp(LB) with tol < 1. */
 	const int64_t d = g->q0 - g->k0, group = g->H / g->Hkv;
 	const bool visible = !g->causal || d >= 0;
 	const double an = fabs((double)d);

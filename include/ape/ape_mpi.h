@@ -111,13 +111,15 @@ APE_API void ape_mpi_stats_init(ape_mpi_stats *st);
  *
  * \param comm the ranks that share the sequence; every rank of it must call
  * \param dev the device local computations run on (any libape device)
- * \param opts NULL, or options for the local ape_attention_forward_ex() calls (chunking, budget)
+ * \param opts NULL, or options for every local ape_attention_forward_ex() call (chunking,
+ *        budget); a trace_path is rewritten by each of them
  * \param desc the parameters, as for ape_attention_forward()
  * \param shard this rank's rows, from ape_mpi_shard(shard->L, size of comm, rank in comm, ...)
  * \param q,k,v this rank's rows of the inputs; read only
  * \param o this rank's rows of the output; float32 or the inputs' type; written only on success
  * \param lse NULL, or B*H*rows floats (contiguous `[B, H, rows]`), written only on success
- * \param stats NULL, or this rank's statistics (initialise with ape_mpi_stats_init())
+ * \param stats NULL, or this rank's statistics (initialise with ape_mpi_stats_init()); written
+ *        only on success
  * \return 0 on every rank, or the same code on every rank:
  *         APE_EINVAL (an invalid argument on some rank, or ranks that disagree on a shape,
  *         type, parameter or the shard: the message names the rank and the field, on every
