@@ -300,21 +300,26 @@ static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_wh
 	char line[LINE], *all = NULL, desc[256];
 	struct run r;
 	ape_mpi_stats st;
-	double eo = 0, el = 0;
+	ape_exec_options eo;
+	double err_o = 0, err_lse = 0;
 	int ret, ok, all_ok;
 
 	ret = setup(c, &r);
 	if (!ret && corrupt_what && rank == corrupt_rank)
 		corrupt(corrupt_what, &r);
 	ape_mpi_stats_init(&st);
+	/* a budget too small for any chunk: the rank's arguments are valid, its computation fails */
+	ape_exec_options_init(&eo);
+	if (corrupt_what && rank == corrupt_rank && !strcmp(corrupt_what, "budget"))
+		eo.max_device_bytes = 1000;
 	if (!ret)
-		ret = ape_mpi_attention_forward(MPI_COMM_WORLD, dev, NULL, &r.desc, &r.sh, &r.tq,
+		ret = ape_mpi_attention_forward(MPI_COMM_WORLD, dev, &eo, &r.desc, &r.sh, &r.tq,
 						&r.tk, &r.tv, &r.to, r.lse, &st);
 	ok = ret == 0;
 	if (ok && c->check) {
-		int cr = check(c, &r, dev, &eo, &el);
+		int cr = check(c, &r, dev, &err_o, &err_lse);
 
-		ok = !cr && eo <= 1 && el <= 1;
+		ok = !cr && err_o <= 1 && err_lse <= 1;
 	}
 	snprintf(line, sizeof(line),
 		 "rank=%d rows=%" PRId64 " ret=%s ok=%d err_o=%.3g err_lse=%.3g bytes_sent=%" PRIu64
@@ -323,7 +328,7 @@ static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_wh
 		 " blocks_unneeded=%" PRIu64 " rows_unneeded=%" PRIu64 " peers=%d full_exchange=%d"
 		 " local_calls=%" PRIu64 " pairs_visible=%" PRIu64 " pairs_computed=%" PRIu64
 		 " total_ms=%.1f wait_ms=%.1f note=\"%s\" msg=\"%s\"",
-		 rank, r.sh.rows, ape_err_name(ret), ok, eo, el, st.bytes_sent, st.bytes_received,
+		 rank, r.sh.rows, ape_err_name(ret), ok, err_o, err_lse, st.bytes_sent, st.bytes_received,
 		 st.messages_sent, st.messages_received, st.blocks_sent, st.rows_sent,
 		 st.blocks_received, st.blocks_unneeded, st.rows_unneeded, st.peers,
 		 st.full_exchange, st.local_calls, st.pairs_visible, st.pairs_computed, st.total_ms,
@@ -436,7 +441,7 @@ static void usage(void)
 			"  -L N -B N -H N --hkv N -D N --dtype f32|f16|bf16 --out-f32\n"
 			"  --shard contiguous|zigzag --noncausal --decay seed|zero|DELTA\n"
 			"  --q-start N --k-start N --skip-tol X --backend ref|opencl|auto\n"
-			"  --check --seed N --corrupt delta|causal|k_start|kind|rank|stride|null|L\n"
+			"  --check --seed N --corrupt delta|causal|k_start|kind|rank|stride|null|L|budget\n"
 			"  --corrupt-rank R --quiet\n");
 }
 

@@ -410,17 +410,17 @@ static int exchange(struct call *c, const ape_tensor *k, const ape_tensor *v)
 	}
 	/* Every rank must have its buffers before any message moves, or a peer would wait for a
 	 * message that never comes: agree on that first (lowest failing rank). */
-	flag[0] = ret ? 1 : 0;
+	flag[0] = ret ? 0 : 1;
 	flag[1] = ret ? c->rank : c->size;
-	mret = MPI_Allreduce(flag, any, 2, MPI_INT64_T, MPI_MAX, c->comm);
+	mret = MPI_Allreduce(flag, any, 2, MPI_INT64_T, MPI_MIN, c->comm);
 	if (mret != MPI_SUCCESS) {
 		ret = ape__mpi_fail(mret, "MPI_Allreduce (buffers ready)");
 		goto out;
 	}
-	if (any[0]) {
-		ret = ape__mpi_error(APE_ENOMEM, "%s: out of host memory for the key blocks to "
-				     "exchange on rank %lld or another", APE__MPI_FN,
-				     (long long)any[1]);
+	if (!any[0]) {
+		ret = ape__mpi_error(APE_ENOMEM,
+				     "%s: rank %lld: out of host memory for the key rows to exchange",
+				     APE__MPI_FN, (long long)any[1]);
 		goto out;
 	}
 	for (int i = 0; i < nreq; i++)

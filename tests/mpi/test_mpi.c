@@ -291,6 +291,36 @@ TEST(mismatch_on_one_rank)
 	free(out);
 }
 
+/* Arguments valid everywhere, but one rank's computation fails (a device budget too small for
+ * any chunk, which only a device with a memory budget enforces: OpenCL here). Every rank returns
+ * that rank's error, after the exchange completed, and none hangs. */
+TEST(computation_fails_on_one_rank)
+{
+	char *out = malloc(OUT_CAP), line[2048], msg[1024], first[1024];
+	const int np = 3;
+	int rc;
+
+	NEED_MPIRUN();
+	ASSERT_NE(NULL, out);
+	rc = drive(np, "-L 40 --backend opencl --corrupt budget --corrupt-rank 1", out);
+	if (rc == 3) {
+		free(out);
+		SKIP(return, "no OpenCL device for the driver (it enforces the budget)");
+	}
+	ASSERT_EQ(1, rc);
+	for (int r = 0; r < np; r++) {
+		ASSERT_TRUE(rank_line(out, r, line, sizeof(line)));
+		ASSERT_NE(NULL, strstr(line, " ret=APE_ENOMEM "));
+		quoted(line, "msg", msg, sizeof(msg));
+		ASSERT_NE(NULL, strstr(msg, "rank 1: "));
+		ASSERT_NE(NULL, strstr(msg, "budget 1000 bytes"));
+		if (r == 0)
+			snprintf(first, sizeof(first), "%s", msg);
+		ASSERT_STREQ(first, msg);
+	}
+	free(out);
+}
+
 /* The target's shape at a size the reference backend finishes quickly: 4 ranks, zigzag, causal,
  * the seed's parameters. Every rank is within tolerance, sends at most two key blocks' worth of
  * K and V (a ring would send N - 1 blocks), and some visible rows were proved negligible. */
