@@ -82,7 +82,7 @@ install-mpi: $(MPI_LIBA) $(MPI_LIBSO)
 	install -m 755 $(MPI_LIBSO) $(DESTDIR)$(PREFIX)/lib/
 	ln -sf libape_mpi.so.$(APE_SOVERSION) $(DESTDIR)$(PREFIX)/lib/libape_mpi.so
 
-# the tests (a Kselftest program that starts mpirun; it never links MPI itself)
+# the tests: a Kselftest program that starts the driver under mpirun (APE_MPIRUN)
 mpi-ci: $(MPI_TESTS) $(MPI_RUN)
 	$(Q)APE_MPIRUN="$(MPIRUN)" tests/run-tests.sh $(BUILD) $(MPI_TESTS)
 else
