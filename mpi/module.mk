@@ -61,18 +61,21 @@ $(MPI_RUN): $(BUILD)/mpi-obj/mpi/ape-mpi-run.o $(MPI_LIBA) $(LIBA)
 
 all: $(MPI_LIBA) $(MPI_LIBSO) $(MPI_RUN)
 
-# The test program calls the pure parts directly (so it links libape_mpi and MPI) and runs
-# everything distributed through mpirun and the driver.
+# The test program calls the pure parts directly (the plan's internals too: it links libape_mpi,
+# MPI and tests/common/) and runs everything distributed through mpirun and the driver.
 $(BUILD)/tests-obj/tests/mpi/%.o: tests/mpi/%.c $(CONFIG_STAMP) $(MPI_STAMP) \
 		| $(KSFT_DIR)/kselftest_harness.h
 	@mkdir -p $(dir $@)
 	@echo "  CC      $<"
-	$(Q)$(CC) $(CPPFLAGS) $(MPI_CFLAGS) $(TEST_CFLAGS) -c $< -o $@
+	$(Q)$(CC) $(CPPFLAGS) -Impi $(MPI_CFLAGS) $(TEST_CFLAGS) -c $< -o $@
 
-$(MPI_TESTS): $(BUILD)/tests-obj/tests/mpi/test_mpi.o $(MPI_LIBA) $(LIBA) $(MPI_RUN)
+$(MPI_TESTS): $(BUILD)/tests-obj/tests/mpi/test_mpi.o \
+		$(TEST_COMMON_SRCS:%.c=$(BUILD)/tests-obj/%.o) $(MPI_LIBA) $(TOOLS_LIB) $(LIBA) \
+		$(MPI_RUN)
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"
-	$(Q)$(CC) $(LDFLAGS) -o $@ $< $(MPI_LIBA) $(LIBA) $(LIB_LIBS) $(MPI_LIBS) $(LDLIBS)
+	$(Q)$(CC) $(LDFLAGS) -o $@ $(filter %.o,$^) $(MPI_LIBA) $(TOOLS_LIB) $(LIBA) $(LIB_LIBS) \
+		$(MPI_LIBS) $(LDLIBS)
 
 install: install-mpi
 install-mpi: $(MPI_LIBA) $(MPI_LIBSO)

@@ -16,6 +16,8 @@
 
 #include "ape_test.h"
 #include "ape/ape_mpi.h"
+#include "common/naive.h"
+#include "mpi_internal.h"
 
 #define OUT_CAP (1 << 20)
 
@@ -188,6 +190,106 @@ TEST(forward_refuses_without_mpi_init)
 					NULL, NULL, NULL);
 	ASSERT_EQ(APE_EINVAL, ret);
 	ASSERT_NE(NULL, strstr(ape_mpi_last_error(), "MPI is not initialised"));
+}
+
+/*
+ * The plan's proof, checked against an independent evaluation (tests/common/naive.c, long
+ * double): for every query block, the keys outside the rows [lo, hi) the plan says it needs
+ * weigh at most the plan's share of skip_tol relative to the keys inside, in every row. The
+ * cases are chosen so that the plan does leave keys out (else the check would prove nothing).
+ */
+static void plan_case(struct __test_metadata *_metadata, bool causal, int64_t q0, int64_t k0,
+		      double delta, double tol, int *cut)
+{
+	enum { L = 240, NR = 3, B = 1, H = 2, HKV = 1, D = 16 };
+	const int nb = 2 * NR, nbg = B * HKV;
+	double dl[H], bt[H], gm[H], lm[H], qmax[B * H], lse_lb[B * H];
+	double *lse_all = malloc(sizeof(double) * B * H * L), *lse_in = NULL, *o = NULL;
+	float prm[4 * H], kmax[2 * NR * B * HKV];
+	struct ape__mpi_geom g = { .L = L, .B = B, .H = H, .Hkv = HKV, .D = D, .nranks = NR,
+				   .nblocks = nb, .kind = APE_MPI_SHARD_ZIGZAG, .q0 = q0, .k0 = k0,
+				   .causal = causal, .abs_scale = 1 / sqrt(D), .prm = prm,
+				   .can_skip = true, .tol_plan = tol };
+	naive_params np = { .delta = dl, .beta = bt, .gamma = gm, .lambda = lm, .rope_base = 1e4,
+			    .scale = NAN, .causal = causal, .q_start = q0, .k_start = k0 };
+	test_tensor q, k, v;
+	ape_rng rng;
+
+	ape_rng_init(&rng, "mpi_plan");
+	ASSERT_EQ(0, test_tensor_random(&q, &rng, APE_F32, B, H, L, D, 1.0));
+	ASSERT_EQ(0, test_tensor_random(&k, &rng, APE_F32, B, HKV, L, D, 1.0));
+	ASSERT_EQ(0, test_tensor_random(&v, &rng, APE_F32, B, HKV, L, D, 1.0));
+	for (int h = 0; h < H; h++) {
+		dl[h] = prm[4 * h] = (float)(delta * (1 + h)); /* per head */
+		bt[h] = prm[4 * h + 1] = (float)(delta / 10);
+		gm[h] = prm[4 * h + 2] = (float)(delta / 10);
+		lm[h] = prm[4 * h + 3] = 0.1f;
+		/* the naive evaluation gets the float values the plan sees */
+		dl[h] = prm[4 * h], bt[h] = prm[4 * h + 1], gm[h] = prm[4 * h + 2];
+		lm[h] = prm[4 * h + 3];
+	}
+	for (int b = 0; b < nb; b++) {
+		int64_t s, c;
+		int owner, lb;
+
+		ape__mpi_block(&g, b, &s, &c, &owner, &lb);
+		ape__mpi_key_max(&g, &k.t, s, c, kmax + b * nbg);
+	}
+	ASSERT_NE(NULL, lse_all);
+	o = malloc(sizeof(double) * B * H * L * D);
+	lse_in = malloc(sizeof(double) * B * H * L);
+	ASSERT_NE(NULL, o);
+	ASSERT_NE(NULL, lse_in);
+	ASSERT_EQ(0, naive_attention(&np, &q.t, &k.t, &v.t, o, lse_all));
+	for (int b = 0; b < nb; b++) {
+		int64_t s, c, lo, hi;
+		int owner, lb;
+		ape_tensor qv, kv, vv;
+		naive_params npb = np;
+
+		ape__mpi_block(&g, b, &s, &c, &owner, &lb);
+		ape__mpi_query_summary(&g, &q.t, &k.t, s, c, qmax, lse_lb);
+		ape__mpi_needed(&g, kmax, qmax, lse_lb, s, c, &lo, &hi);
+		ASSERT_LE(0, lo);
+		ASSERT_LE(lo, hi);
+		ASSERT_LE(hi, L);
+		*cut += lo > 0 || (!causal && hi < L);
+		if (hi == lo)
+			continue; /* nothing visible (queries before every key) */
+		qv = test_rows(&q.t, s, c);
+		kv = test_rows(&k.t, lo, hi - lo);
+		vv = test_rows(&v.t, lo, hi - lo);
+		npb.q_start = q0 + s;
+		npb.k_start = k0 + lo;
+		ASSERT_EQ(0, naive_attention(&npb, &qv, &kv, &vv, o, lse_in));
+		for (int64_t bh = 0; bh < B * H; bh++)
+			for (int64_t i = 0; i < c; i++) {
+				double all = lse_all[bh * L + s + i], in = lse_in[bh * c + i];
+
+				if (all == -INFINITY) /* no visible key: none to leave out */
+					continue;
+				/* skipped / computed = exp(all - in) - 1 */
+				ASSERT_LE(expm1(all - in), tol);
+			}
+	}
+	test_tensor_free(&q);
+	test_tensor_free(&k);
+	test_tensor_free(&v);
+	free(lse_all);
+	free(lse_in);
+	free(o);
+}
+
+TEST(plan_leaves_out_at_most_its_share)
+{
+	int cut = 0;
+
+	plan_case(_metadata, true, 0, 0, 1.0, 0x1p-25, &cut);
+	plan_case(_metadata, true, 100, 90, 1.0, 0x1p-25, &cut);
+	plan_case(_metadata, false, 0, 0, 1.5, 0x1p-26, &cut);
+	plan_case(_metadata, false, -7, 5, 0.7, 1e-3, &cut);
+	plan_case(_metadata, true, 0, 0, 0.3, 1e-3, &cut);
+	ASSERT_GT(cut, 0);
 }
 
 /* ---------------------------------------------------------------- under mpirun */
