@@ -21,6 +21,7 @@
 #include <time.h>
 
 #include "ape/ape_mpi.h"
+#include "common/cli.h"
 
 #define LINE 1024
 
@@ -433,89 +434,164 @@ static struct cfg random_case(uint64_t seed, int i)
 
 /* ---------------------------------------------------------------- main */
 
-static void usage(void)
+enum {
+	OPT_SUITE = 1, OPT_L, OPT_B, OPT_H, OPT_HKV, OPT_D, OPT_DTYPE, OPT_OUT_F32, OPT_SHARD,
+	OPT_NONCAUSAL, OPT_DECAY, OPT_Q_START, OPT_K_START, OPT_SKIP_TOL, OPT_BACKEND, OPT_CHECK,
+	OPT_SEED, OPT_CORRUPT, OPT_CORRUPT_RANK, OPT_QUIET, OPT_HELP
+};
+
+static const struct cli_option options[] = {
+	{ "--suite", NULL, true, OPT_SUITE },	      { "-L", NULL, true, OPT_L },
+	{ "-B", NULL, true, OPT_B },		      { "-H", NULL, true, OPT_H },
+	{ "--hkv", NULL, true, OPT_HKV },	      { "-D", NULL, true, OPT_D },
+	{ "--dtype", NULL, true, OPT_DTYPE },	      { "--out-f32", NULL, false, OPT_OUT_F32 },
+	{ "--shard", NULL, true, OPT_SHARD },	      { "--noncausal", NULL, false, OPT_NONCAUSAL },
+	{ "--decay", NULL, true, OPT_DECAY },	      { "--q-start", NULL, true, OPT_Q_START },
+	{ "--k-start", NULL, true, OPT_K_START },     { "--skip-tol", NULL, true, OPT_SKIP_TOL },
+	{ "--backend", NULL, true, OPT_BACKEND },     { "--check", NULL, false, OPT_CHECK },
+	{ "--seed", NULL, true, OPT_SEED },	      { "--corrupt", NULL, true, OPT_CORRUPT },
+	{ "--corrupt-rank", NULL, true, OPT_CORRUPT_RANK },
+	{ "--quiet", NULL, false, OPT_QUIET },	      { "--help", "-h", false, OPT_HELP },
+	{ NULL, NULL, false, 0 },
+};
+
+static const char *const corruptions[] = { "delta", "causal", "k_start", "kind", "rank",
+					    "stride", "null", "L", "budget" };
+
+static void usage(FILE *f)
 {
-	if (rank == 0)
-		fprintf(stderr,
-			"usage: mpirun -np N ape-mpi-run [--suite N | options]\n"
-			"  -L N -B N -H N --hkv N -D N --dtype f32|f16|bf16 --out-f32\n"
-			"  --shard contiguous|zigzag --noncausal --decay seed|zero|DELTA\n"
-			"  --q-start N --k-start N --skip-tol X --backend ref|opencl|auto\n"
-			"  --check --seed N --corrupt delta|causal|k_start|kind|rank|stride|null|L|budget\n"
-			"  --corrupt-rank R --quiet\n");
+	fprintf(f, "usage: mpirun -np N ape-mpi-run [--suite N | options]\n"
+		   "  -L N -B N -H N --hkv N -D N --dtype f32|f16|bf16 --out-f32\n"
+		   "  --shard contiguous|zigzag --noncausal --decay seed|zero|DELTA\n"
+		   "  --q-start N --k-start N --skip-tol X --backend ref|opencl|auto\n"
+		   "  --check --seed N --corrupt delta|causal|k_start|kind|rank|stride|null|L|budget\n"
+		   "  --corrupt-rank R --quiet --help --version\n");
 }
 
-static int parse(int argc, char **argv, struct cfg *c, int *suite, const char **backend,
-		 const char **corrupt_what, int *corrupt_rank, bool *quiet)
-{
-	for (int i = 1; i < argc; i++) {
-		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-		bool takes = true;
+struct args {
+	int suite, corrupt_rank;
+	const char *backend, *corrupt_what;
+	bool quiet, help;
+};
 
-		if (!strcmp(a, "--suite") && v)
-			*suite = atoi(v);
-		else if (!strcmp(a, "-L") && v)
-			c->L = atoll(v);
-		else if (!strcmp(a, "-B") && v)
-			c->B = atoll(v);
-		else if (!strcmp(a, "-H") && v)
-			c->H = atoll(v);
-		else if (!strcmp(a, "--hkv") && v)
-			c->Hkv = atoll(v);
-		else if (!strcmp(a, "-D") && v)
-			c->D = atoll(v);
-		else if (!strcmp(a, "--dtype") && v)
-			c->dt = c->odt = !strcmp(v, "f16") ? APE_F16 : !strcmp(v, "bf16") ? APE_BF16
-											  : APE_F32;
-		else if (!strcmp(a, "--shard") && v)
-			c->kind = !strcmp(v, "zigzag") ? APE_MPI_SHARD_ZIGZAG : APE_MPI_SHARD_CONTIGUOUS;
-		else if (!strcmp(a, "--decay") && v) {
-			c->delta = !strcmp(v, "seed") ? pow(2, -4.0 / 3) : !strcmp(v, "zero") ? 0 : atof(v);
-			c->beta = c->gamma = c->delta / 10;
-			c->lambda = !strcmp(v, "zero") ? 0 : 0.1;
-		} else if (!strcmp(a, "--q-start") && v) {
-			c->q_start_set = true;
-			c->q_start = atoll(v);
-		} else if (!strcmp(a, "--k-start") && v)
-			c->k_start = atoll(v);
-		else if (!strcmp(a, "--skip-tol") && v)
-			c->skip_tol = atof(v);
-		else if (!strcmp(a, "--backend") && v)
-			*backend = v;
-		else if (!strcmp(a, "--seed") && v)
-			c->seed = strtoull(v, NULL, 0);
-		else if (!strcmp(a, "--corrupt") && v)
-			*corrupt_what = v;
-		else if (!strcmp(a, "--corrupt-rank") && v)
-			*corrupt_rank = atoi(v);
-		else {
-			takes = false;
-			if (!strcmp(a, "--out-f32"))
-				c->odt = APE_F32;
-			else if (!strcmp(a, "--noncausal"))
-				c->causal = false;
-			else if (!strcmp(a, "--check"))
-				c->check = true;
-			else if (!strcmp(a, "--quiet"))
-				*quiet = true;
-			else
-				return -1;
+/* --decay: the seed's parameters, none, or a delta with the seed's ratios */
+static int parse_decay(const char *v, struct cfg *c, char *err, size_t len)
+{
+	double d;
+
+	if (!strcmp(v, "seed"))
+		d = pow(2, -4.0 / 3);
+	else if (!strcmp(v, "zero"))
+		d = 0;
+	else if (cli_parse_finite("--decay", v, &d, err, len))
+		return APE_EINVAL;
+	c->delta = d;
+	c->beta = c->gamma = d / 10;
+	c->lambda = !strcmp(v, "zero") ? 0 : 0.1;
+	return 0;
+}
+
+static int parse_word(const char *flag, const char *v, const char *const *words, size_t n,
+		      int *out, char *err, size_t len)
+{
+	for (size_t i = 0; i < n; i++)
+		if (!strcmp(v, words[i])) {
+			*out = (int)i;
+			return 0;
 		}
-		i += takes;
+	snprintf(err, len, "%s: '%s' is not one of the choices (see --help)", flag, v);
+	return APE_EINVAL;
+}
+
+static int parse_one(int id, const char *v, struct cfg *c, struct args *a, char *err, size_t len)
+{
+	static const char *const shards[] = { "contiguous", "zigzag" };
+	int64_t *dims[] = { [OPT_L] = &c->L, [OPT_B] = &c->B, [OPT_H] = &c->H,
+			    [OPT_HKV] = &c->Hkv, [OPT_D] = &c->D };
+	int64_t x;
+	int w;
+
+	switch (id) {
+	case OPT_L: case OPT_B: case OPT_H: case OPT_HKV: case OPT_D:
+		return cli_parse_int64(options[id - 1].name, v, id == OPT_L ? 0 : 1, INT64_MAX,
+				       dims[id], err, len);
+	case OPT_SUITE:
+	case OPT_CORRUPT_RANK:
+		if (cli_parse_int64(options[id - 1].name, v, 0, INT32_MAX, &x, err, len))
+			return APE_EINVAL;
+		*(id == OPT_SUITE ? &a->suite : &a->corrupt_rank) = (int)x;
+		return 0;
+	case OPT_DTYPE:
+		if (cli_parse_name("--dtype", v, ape_dtype_from_name, &w, err, len))
+			return APE_EINVAL;
+		c->dt = c->odt = (ape_dtype)w;
+		return 0;
+	case OPT_SHARD:
+		if (parse_word("--shard", v, shards, 2, &w, err, len))
+			return APE_EINVAL;
+		c->kind = w ? APE_MPI_SHARD_ZIGZAG : APE_MPI_SHARD_CONTIGUOUS;
+		return 0;
+	case OPT_DECAY:
+		return parse_decay(v, c, err, len);
+	case OPT_Q_START:
+		c->q_start_set = true;
+		return cli_parse_int64("--q-start", v, INT64_MIN, INT64_MAX, &c->q_start, err, len);
+	case OPT_K_START:
+		return cli_parse_int64("--k-start", v, INT64_MIN, INT64_MAX, &c->k_start, err, len);
+	case OPT_SKIP_TOL:
+		return cli_parse_finite("--skip-tol", v, &c->skip_tol, err, len);
+	case OPT_SEED:
+		if (cli_parse_int64("--seed", v, 0, INT64_MAX, &x, err, len))
+			return APE_EINVAL;
+		c->seed = (uint64_t)x;
+		return 0;
+	case OPT_CORRUPT:
+		if (parse_word("--corrupt", v, corruptions, sizeof(corruptions) /
+			       sizeof(corruptions[0]), &w, err, len))
+			return APE_EINVAL;
+		a->corrupt_what = corruptions[w];
+		return 0;
+	case OPT_BACKEND: a->backend = v; return 0;
+	case OPT_OUT_F32: c->odt = APE_F32; return 0;
+	case OPT_NONCAUSAL: c->causal = false; return 0;
+	case OPT_CHECK: c->check = true; return 0;
+	case OPT_QUIET: a->quiet = true; return 0;
+	case OPT_HELP: a->help = true; return 0;
 	}
 	return 0;
 }
 
+/* Every option through the tools' shared walker (--version answered there). 0, or APE_EINVAL
+ * with the message in err. */
+static int parse(int argc, char **argv, struct cfg *c, struct args *a, char *err, size_t len)
+{
+	const char *v;
+	int i = 1, id;
+
+	while ((id = cli_next(argc, argv, &i, options, &v, err, len)) > 0)
+		if (parse_one(id, v, c, a, err, len))
+			return APE_EINVAL;
+	return id;
+}
+
 int main(int argc, char **argv)
 {
-	const char *backend = "ref", *corrupt_what = NULL;
+	struct args a = { .suite = -1, .backend = "ref" };
 	struct cfg c, cases[32];
-	int suite = -1, corrupt_rank = 0, pass = 0, total = 0, ret;
-	bool quiet = false;
+	int pass = 0, total = 0, ret, bad;
 	ape_context *ctx = NULL;
 	ape_selection sel;
 	uint64_t seed;
+	char err[256];
 
+	/* Options are checked before MPI starts, so that --help and --version need no mpirun;
+	 * they are read again below, over the defaults of the run's seed. */
+	c = base(0);
+	bad = parse(argc, argv, &c, &a, err, sizeof(err));
+	if (!bad && a.help) {
+		usage(stdout);
+		return 0;
+	}
 	MPI_Init(&argc, &argv);
 	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 	MPI_Comm_size(MPI_COMM_WORLD, &nranks);
@@ -526,14 +602,17 @@ int main(int argc, char **argv)
 	c = base(seed);
 	c.check = false;
 	c.what = "run";
-	if (parse(argc, argv, &c, &suite, &backend, &corrupt_what, &corrupt_rank, &quiet)) {
-		usage();
+	if (bad) {
+		if (rank == 0)
+			fprintf(stderr, "ape-mpi-run: %s\n", err);
 		MPI_Finalize();
 		return 2;
 	}
+	a = (struct args){ .suite = -1, .backend = "ref" };
+	parse(argc, argv, &c, &a, err, sizeof(err)); /* accepted above */
 	ret = ape_context_create(&ctx, NULL);
 	if (!ret)
-		ret = ape_device_select(ctx, backend, -1, &sel);
+		ret = ape_device_select(ctx, a.backend, -1, &sel);
 	if (ret) {
 		if (rank == 0)
 			fprintf(stderr, "ape-mpi-run: %s: %s\n", ape_err_name(ret), ape_last_error());
@@ -543,13 +622,13 @@ int main(int argc, char **argv)
 	}
 	if (rank == 0)
 		printf("# ape-mpi-run: %d ranks, seed %" PRIu64 ", %s\n", nranks, seed, sel.note);
-	if (suite < 0) {
+	if (a.suite < 0) {
 		total = 1;
-		pass = run_case(&c, sel.device, corrupt_what, corrupt_rank, !quiet);
+		pass = run_case(&c, sel.device, a.corrupt_what, a.corrupt_rank, !a.quiet);
 	} else {
 		int n = builtin(seed, cases);
 
-		for (int i = 0; i < n + suite; i++, total++) {
+		for (int i = 0; i < n + a.suite; i++, total++) {
 			struct cfg cc = i < n ? cases[i] : random_case(seed, i);
 
 			pass += run_case(&cc, sel.device, NULL, 0, false);
