@@ -54,7 +54,7 @@ static void pair_index(ape_rope_layout layout, int64_t D, int64_t p, int64_t *a,
 	}
 }
 
-/* sigma = unbiased standard deviation of the D components of q. */
+/* sigma = unbiased standard deviation of the D components of q (ape_sigma()). */
 static double row_sigma(const double *q, int64_t D)
 {
 	double mean = 0, ss = 0;
@@ -64,7 +64,7 @@ static double row_sigma(const double *q, int64_t D)
 	mean /= (double)D;
 	for (int64_t d = 0; d < D; d++)
 		ss += (q[d] - mean) * (q[d] - mean);
-	return sqrt(ss / (double)(D - 1));
+	return ape_sigma(ss, (int)D);
 }
 
 /* The rotated dot product of the spec for one (query, key) pair at distance n. */
