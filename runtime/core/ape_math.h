@@ -32,7 +32,8 @@
 #define APE_FN static inline
 #endif
 
-/* float32 builtins: OpenCL C overloads the plain names, C and CUDA have the f-suffixed ones */
+/* float32 builtins (float32 arithmetic in C too): OpenCL C overloads the plain names, on vectors
+ * as well; C and CUDA have the f-suffixed ones */
 #if defined(__OPENCL_VERSION__)
 typedef long ape_long;
 #define APE_FMAF fma
@@ -185,11 +186,16 @@ APE_FN ape_vfloat ape_seed_sincos(ape_vreal a, ape_vfloat *cosine)
 #endif
 	const ape_vint q = APE_V_INT(k - (ape_real)4 * floor(k * (ape_real)0.25)); /* k mod 4 */
 	const ape_vfloat r = APE_V_FLOAT(rr), r2 = r * r;
-	const ape_vfloat sr = fma(r * r2, fma(r2, fma(r2, -1.9515295891e-4f, 8.3321608736e-3f),
-					      -1.6666654611e-1f), r);
-	const ape_vfloat cr = fma(r2 * r2, fma(r2, fma(r2, 2.443315711809948e-5f,
-						       -1.388731625493765e-3f),
-					       4.166664568298827e-2f), fma(r2, -0.5f, 1.0f));
+	const ape_vfloat sr = APE_FMAF(r * r2,
+				       APE_FMAF(r2, APE_FMAF(r2, -1.9515295891e-4f, 8.3321608736e-3f),
+						-1.6666654611e-1f),
+				       r);
+	const ape_vfloat cr = APE_FMAF(r2 * r2,
+				       APE_FMAF(r2,
+						APE_FMAF(r2, 2.443315711809948e-5f,
+							 -1.388731625493765e-3f),
+						4.166664568298827e-2f),
+				       APE_FMAF(r2, -0.5f, 1.0f));
 	const ape_vint odd = (q & 1) != 0;
 	const ape_vfloat s = APE_V_SELECT(sr, cr, odd), c = APE_V_SELECT(cr, sr, odd);
 
