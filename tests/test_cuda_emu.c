@@ -13,8 +13,9 @@
  * poisoned before each launch (the context's APE_CONTEXT_POISON_OUTPUTS and
  * test_problem_run()), so an element no kernel wrote shows as NaN.
  *
- * Sizes are chosen for the emulator's speed: the whole program takes about 15 s on a 2-core
- * machine.
+ * Sizes are chosen for the emulator's speed: the whole program took 14 to 22 s on a loaded
+ * 2-core machine (docs/cuda.md), the lse_prior tests (the streaming executor, OpenCL alongside)
+ * a third to a half of it.
  *
  * With APE_TEST_CUDA_DEVICE=1 the same tests run on this machine's own driver and GPU instead
  * (tools/gpu-check.sh does that; the program exits 4 when there is no CUDA device), except the
