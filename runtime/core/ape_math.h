@@ -15,8 +15,9 @@
 #ifndef APE_MATH_H
 #define APE_MATH_H
 
+/* no default: a host file that forgot it would silently compute in float */
 #ifndef APE_REAL
-#define APE_REAL float
+#error "define APE_REAL (double on the host, float or double in kernels) first"
 #endif
 
 #if defined(__CUDACC__)

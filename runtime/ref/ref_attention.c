@@ -126,13 +126,13 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 				continue;
 			}
 			if (s > m) {
-				scale_old = exp(m - s);
+				scale_old = ape_merge_factor(m, s);
 				for (int64_t d = 0; d < D; d++)
 					acc[d] *= scale_old;
 				sum *= scale_old;
 				m = s;
 			}
-			w = exp(s - m);
+			w = ape_merge_factor(s, m);
 			sum += w;
 			for (int64_t d = 0; d < D; d++)
 				acc[d] += w * load(v, l->in_dtype, kvbase + j * D + d);
