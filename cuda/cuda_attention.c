@@ -138,6 +138,11 @@ static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CU
 	c->scale = l->scale;
 	/* the kernels split it between the two sides of the diagonal when not causal */
 	c->tol = p->skip ? l->skip_tol : 0.0;
+	/* earlier launches' LSE: rows may leave out the whole launch against it (skipping only) */
+	if (p->skip && l->lse_prior && l->prior_tol > 0) {
+		c->prior = l->lse_prior->ptr;
+		c->prior_tol = l->prior_tol;
+	}
 	c->B = (int32_t)l->B;
 	c->H = (int32_t)l->H;
 	c->Hkv = (int32_t)l->Hkv;

@@ -13,8 +13,9 @@
  * poisoned before each launch (the context's APE_CONTEXT_POISON_OUTPUTS and
  * test_problem_run()), so an element no kernel wrote shows as NaN.
  *
- * Sizes are chosen for the emulator's speed: the whole program takes about 15 s on a 2-core
- * machine.
+ * Sizes are chosen for the emulator's speed: the whole program took 14 to 22 s on a loaded
+ * 2-core machine (docs/cuda.md), the lse_prior tests (the streaming executor, OpenCL alongside)
+ * a third to a half of it.
  *
  * With APE_TEST_CUDA_DEVICE=1 the same tests run on this machine's own driver and GPU instead
  * (tools/gpu-check.sh does that; the program exits 4 when there is no CUDA device), except the
@@ -27,6 +28,7 @@
 
 #include "ape_test.h"
 #include "common/problem.h"
+#include "common/wrapops.h"
 
 #ifdef APE_HAVE_CUDA
 
@@ -312,6 +314,140 @@ TEST(decode_skipping_on_and_off)
 {
 	skip_cases(_metadata, decode_skips, sizeof(decode_skips) / sizeof(decode_skips[0]),
 		   "cuda_emu_skip_decode");
+}
+
+/* ---- the streaming executor's lse_prior */
+
+/* Streams tp on dev in square chunks of c rows and keys (poisoned outputs first); 0 when it ran
+ * and O and LSE are within the tolerance of the reference's one-shot result `want`. */
+static int stream_chunks(struct __test_metadata *_metadata, test_problem *tp,
+			 const test_problem *want, ape_device *dev, int64_t c, const char *what,
+			 ape_stats *st)
+{
+	const ape_dtype dt = tp->q.t.dtype;
+	const double vmax = fmax(test_tensor_maxabs(&tp->v.t), 1e-30);
+	ape_exec_options o;
+	double eo, el;
+
+	ape_exec_options_init(&o);
+	o.chunk_q = o.chunk_k = c;
+	test_tensor_poison(&tp->o.t);
+	for (size_t r = 0; r < tp->rows; r++)
+		tp->lse[r] = NAN;
+	ape_stats_init(st);
+	if (ape_attention_forward_ex(&dev, 1, &o, &tp->desc, &tp->q.t, &tp->k.t, &tp->v.t,
+				     &tp->o.t, tp->lse, st)) {
+		TH_LOG("%s: %s", what, ape_last_error());
+		return -1;
+	}
+	eo = test_max_err_o(&tp->o.t, &want->o.t) / vmax / test_tol_o(dt);
+	el = test_max_rel_err_lse(tp->lse, want->lse, tp->rows) / test_tol_lse(dt);
+	if (!(eo <= 1) || !(el <= 1) || poisoned(tp)) {
+		TH_LOG("%s: O error %.3g, LSE error %.3g (x tolerance)%s", what, eo, el,
+		       poisoned(tp) ? ", NaN in the outputs" : "");
+		return -1;
+	}
+	return 0;
+}
+
+/*
+ * The launches of test_stream.c's neighbour_chunks_start_from_the_diagonal_weight: causal,
+ * chunks of 256, the seed's parameters, so that each key chunk next to the diagonal gets the
+ * diagonal launch's LSE as lse_prior. The CUDA kernels read it: on the launches that get a prior
+ * (counted by the wrapper) the emulated CUDA prefill computes no more pairs than the OpenCL
+ * kernel, and the whole call computes fewer pairs than without the prior (no copy_d2d), by more
+ * than a key tile per row of half the rows.
+ */
+TEST(prefill_honours_lse_prior)
+{
+	const int64_t c = 256, L = 4 * c;
+	const test_problem_shape sh = { 1, 2, 1, L, L, 32 };
+	ape_context *ctx = test_context("cuda,opencl,ref");
+	ape_device *cuda = ctx ? test_device(ctx, "cuda") : NULL;
+	ape_device *ocl = ctx ? test_device(ctx, "opencl") : NULL;
+	ape_device *ref = ctx ? test_device(ctx, "ref") : NULL;
+	struct wrap_counts wc_cuda, wc_ocl;
+	ape_stats with, without, st_ocl;
+	test_problem tp, want;
+	ape_rng rng;
+
+	ASSERT_NE(NULL, ref);
+	ASSERT_NE(NULL, cuda) TH_LOG("no CUDA device (%s)", real_device ? "real" : EMU_LIB);
+	if (!ocl) {
+		ape_context_destroy(ctx);
+		SKIP(return, "no OpenCL device to compare with");
+	}
+	ape_rng_init(&rng, "cuda_emu_prior");
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	tp.desc.causal = true;
+	tp.desc.q_start_set = false;
+	tp.desc.skip_tol = 0x1p-24;
+	test_problem_set_params(&tp, 0.39685, 0.039685, 0.039685, 0.1); /* the seed's */
+	ASSERT_EQ(0, test_problem_clone(&want, &tp));
+	ASSERT_EQ(0, test_problem_run(&want, ref));
+	wrap_install(ocl, 0);
+	EXPECT_EQ(0, stream_chunks(_metadata, &tp, &want, ocl, c, "opencl", &st_ocl));
+	wc_ocl = wrap_get();
+	wrap_remove();
+	wrap_install(cuda, 0);
+	EXPECT_EQ(0, stream_chunks(_metadata, &tp, &want, cuda, c, "cuda", &with));
+	wc_cuda = wrap_get();
+	wrap_remove();
+	wrap_install(cuda, WRAP_NO_COPY_D2D); /* no copy_d2d: no prior */
+	EXPECT_EQ(0, stream_chunks(_metadata, &tp, &want, cuda, c, "cuda, no prior", &without));
+	wrap_remove();
+
+	TH_LOG("launches with a prior: cuda %llu computing %llu pairs, opencl %llu computing %llu; "
+	       "whole call: cuda %llu pairs, %llu without the prior, opencl %llu",
+	       (unsigned long long)wc_cuda.prior_launches, (unsigned long long)wc_cuda.prior_pairs,
+	       (unsigned long long)wc_ocl.prior_launches, (unsigned long long)wc_ocl.prior_pairs,
+	       (unsigned long long)with.pairs_computed,
+	       (unsigned long long)without.pairs_computed,
+	       (unsigned long long)st_ocl.pairs_computed);
+	/* the same launches got a prior on both (chunk-level skipping is the executor's) */
+	EXPECT_GE(wc_cuda.prior_launches, (uint64_t)(L / c - 1));
+	EXPECT_EQ(wc_ocl.prior_launches, wc_cuda.prior_launches);
+	EXPECT_LE(wc_cuda.prior_pairs, wc_ocl.prior_pairs);
+	EXPECT_LT(with.pairs_computed + (uint64_t)(L / 2) * 2 * 64, without.pairs_computed);
+	test_problem_free(&tp);
+	test_problem_free(&want);
+	ape_context_destroy(ctx);
+}
+
+/* The decode path with a prior (the window kernel reads it): 16 rows next to a key chunk
+ * boundary, not causal, so that the chunk after the diagonal one is launched with the diagonal
+ * launch's LSE; the result stays within tolerance. */
+TEST(decode_with_lse_prior)
+{
+	const int64_t c = 256;
+	const test_problem_shape sh = { 1, 4, 2, 16, 4 * c, 64 };
+	struct pair_of_devices d;
+	struct wrap_counts wc;
+	test_problem tp, want;
+	ape_stats st;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_prior_decode");
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	tp.desc.causal = false;
+	tp.desc.q_start_set = true;
+	tp.desc.q_start = 2 * c - 12;
+	tp.desc.skip_tol = 0x1p-24;
+	seed_params(&tp);
+	ASSERT_EQ(0, test_problem_clone(&want, &tp));
+	ASSERT_EQ(0, test_problem_run(&want, d.ref));
+	wrap_install(d.cuda, 0);
+	EXPECT_EQ(0, stream_chunks(_metadata, &tp, &want, d.cuda, c, "cuda", &st));
+	wc = wrap_get();
+	wrap_remove();
+	EXPECT_GE(wc.prior_launches, 1);
+	TH_LOG("%llu launches, %llu with a prior; %llu of %llu visible pairs computed",
+	       (unsigned long long)st.chunks, (unsigned long long)wc.prior_launches,
+	       (unsigned long long)st.pairs_computed, (unsigned long long)st.pairs_visible);
+	test_problem_free(&tp);
+	test_problem_free(&want);
+	ape_context_destroy(d.ctx);
 }
 
 /* ---- the launch's plumbing */

@@ -90,12 +90,14 @@
 struct ape_cu_common {
 	uint64_t q, k, v; /* device pointers: inputs as the caller gave them */
 	uint64_t o, lse, pairs; /* outputs; lse, pairs 0 when not wanted */
+	uint64_t prior; /* lse_prior: float [B*H*Lq], the LSE of earlier launches; 0: none */
 	uint64_t hparams; /* H * 4 floats (delta, beta, gamma, lambda per head), or 0: inline */
 	int64_t Lq, Lk;
 	int64_t rel; /* q_start - k_start: the distance of query row i to key j is rel + i - j */
 	double omega[128]; /* omega_p for p < D / 2, zeros after */
 	double scale;
 	double tol; /* skip tolerance per direction of the walk; 0: never skip */
+	double prior_tol; /* the whole-launch test against prior (backend.h) */
 	int32_t B, H, Hkv, D;
 	int32_t dt_in, dt_out; /* APE_CU_F32, F16, BF16 */
 	uint32_t flags; /* APE_CU_F_* */

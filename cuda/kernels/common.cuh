@@ -2,7 +2,7 @@
 /*
  * What every CUDA kernel file shares: the shared math of runtime/core/ape_math.h (in float64), the
  * device primitives (barriers, shuffles, asynchronous copies, ldmatrix, mma, ex2), storage-type
- * conversions, the exact seed sincos and the small helpers of the walk over key tiles.
+ * conversions and the small helpers of the walk over key tiles.
  *
  * The primitives are the only place with inline PTX. Built with APE_CUDA_EMU defined (by
  * tests/fake_cuda, with the host C++ compiler), the same kernels run on the CPU: cuda/emu/emu.h
@@ -26,9 +26,10 @@
 #define APE_EMU_REGISTER(name, args_t)
 #endif
 
-/* The shared formulas in float64: seeds, alpha, |q|, the skip bound and LSE are per row or per
- * tile, never per pair, so float64 costs nothing measurable on the GPUs this targets (A100,
- * H100/H200: half the float32 rate). */
+/* The shared formulas (sigma, alpha, |q|, the anchor, the seed sincos, the distance tables, the
+ * skip test) in float64 where they take APE_REAL: seeds, alpha, |q|, the skip bound and LSE are
+ * per row or per tile, never per pair, so float64 costs nothing measurable on the GPUs this
+ * targets (A100, H100/H200: half the float32 rate). */
 #define APE_REAL double
 #include "core/ape_math.h"
 
@@ -214,12 +215,6 @@ APE_DEV int64_t imax(int64_t a, int64_t b)
 	return a > b ? a : b;
 }
 
-/* Smallest |n| over the distances lo..hi (lo <= hi). */
-APE_DEV int64_t min_abs(int64_t lo, int64_t hi)
-{
-	return lo > 0 ? lo : hi < 0 ? -hi : 0;
-}
-
 APE_DEV int64_t iabs(int64_t n)
 {
 	return n < 0 ? -n : n;
@@ -290,33 +285,6 @@ APE_DEV uint16_t half_of(uint32_t w, int k)
 	return (uint16_t)(k ? w >> 16 : w & 0xffffu);
 }
 
-/*
- * sin and cos of an angle given in float64, to float32: reduced by pi/2 in float64 with a
- * two-part constant (exact for the angles of distances up to ~2^30 tokens at omega = 1), then
- * Cephes' float polynomials on [-pi/4, pi/4] and the quadrant's swap and signs. The same
- * evaluation as the OpenCL kernel's seed_sincos(), so both backends round alike.
- */
-APE_DEV float seed_sincos(double a, float *cosine)
-{
-	const double k = rint(a * 0.6366197723675814);
-	const double rr = fma(-k, 6.123233995736766e-17, fma(-k, 1.5707963267948966, a));
-	const int q = (int)(k - 4.0 * floor(k * 0.25)); /* k mod 4, exactly */
-	const float r = (float)rr, r2 = r * r;
-	const float sr = fmaf(r * r2,
-			      fmaf(r2, fmaf(r2, -1.9515295891e-4f, 8.3321608736e-3f),
-				   -1.6666654611e-1f),
-			      r);
-	const float cr = fmaf(r2 * r2,
-			      fmaf(r2, fmaf(r2, 2.443315711809948e-5f, -1.388731625493765e-3f),
-				   4.166664568298827e-2f),
-			      fmaf(r2, -0.5f, 1.0f));
-	const bool odd = q & 1;
-	const float s = odd ? cr : sr, c = odd ? sr : cr;
-
-	*cosine = ((q + 1) & 2) ? -c : c; /* negative in quadrants 1 and 2 */
-	return (q & 2) ? -s : s; /* negative in quadrants 2 and 3 */
-}
-
 /* The four parameters of head h. */
 APE_DEV void head_params(const struct ape_cu_common &c, int h, float hp[4])
 {
@@ -327,46 +295,17 @@ APE_DEV void head_params(const struct ape_cu_common &c, int h, float hp[4])
 		hp[k] = src[k];
 }
 
-/* The bias at a query row's nearest visible distance: the row's score frame (docs/kernels.md),
- * so that float32 keeps the fine differences between the scores that matter at any |n|. */
-APE_DEV int64_t row_anchor_distance(int64_t diag, int64_t Lk, bool causal)
-{
-	if (causal)
-		return diag < 0 ? 0 : diag - imin(diag, Lk - 1);
-	return min_abs(diag - (Lk - 1), diag);
-}
-
-/*
- * bias(a) - bias(aref) in float32, accurate to float32 rounding of the difference even where
- * the bias itself is large: -delta d - beta log1p(d / (1 + aref)) - gamma d / (sqrt a + sqrt
- * aref) with d = a - aref exact.
- */
-APE_DEV float bias_diff(float delta, float beta, float gamma, int64_t a, int64_t aref)
-{
-	const float d = (float)(a - aref), af = (float)a, rf = (float)aref;
-	const float den = sqrtf(af) + sqrtf(rf);
-	const float g = den > 0.0f ? d / den : 0.0f;
-
-	return -(delta * d + beta * log1pf(d / (1.0f + rf)) + gamma * g);
-}
-
 /*
  * May a query row leave out `count` keys, none nearer than distance an, whose norms are at most
- * kmax? Its computed keys have maximum m2 (log2 units, relative to c_row) and denominator l.
- * The bound of docs/kernels.md, in float64.
+ * kmax? Its computed keys have maximum m2 (log2 units, relative to crow) and denominator l;
+ * prior: earlier launches' LSE relative to crow (natural log), or -inf. ape_may_skip() in this
+ * kernels' units.
  */
 APE_DEV bool may_stop(const float hp[4], double abs_scale, double qnorm, double kmax, int64_t an,
-		      int64_t count, double crow, float m2, float l, double tol)
+		      int64_t count, double crow, float m2, float l, double prior, double tol)
 {
-	double u;
-
-	if (count <= 0)
-		return true;
-	if (!(l > 0.0f))
-		return false;
-	u = ape_score_bound(hp[3], hp[0], hp[1], hp[2], abs_scale, qnorm, kmax, (double)an) - crow;
-	return ape_tail_negligible(u, (double)m2 * APE_LN2, (double)l,
-				   ape_tail_count((double)count, hp[0]), tol);
+	return ape_may_skip(hp[3], hp[0], hp[1], hp[2], abs_scale, qnorm, kmax, (double)an,
+			    (double)count, crow, (double)m2 * APE_LN2, (double)l, prior, tol);
 }
 
 } /* namespace ape */

@@ -205,16 +205,16 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 					ss += (x - mean) * (x - mean) + (y - mean) * (y - mean);
 			}
 			ss = group_sum<TPR>(ss);
-			const double ia = 1.0 / ape_alpha((double)hp[3], sqrt(ss / (D - 1)));
+			const double ia = ape_inv_alpha(hp[3], ss, D);
 #pragma unroll
 			for (int p = 0; p < PT; p++) {
 				const int pg = c * PT + p;
 
-				sw[p] = seed_sincos((EXACT || pg < P ? a.c.omega[pg] : 0.0) * ia, &cw[p]);
+				sw[p] = ape_seed_sincos((EXACT || pg < P ? a.c.omega[pg] : 0.0) * ia, &cw[p]);
 				xr[p] = yr[p] = 0.0f;
 			}
 			const int64_t diag = rel + i;
-			const int64_t an0 = row_anchor_distance(diag, Lk, causal);
+			const int64_t an0 = ape_anchor_distance(diag, Lk, causal);
 			const float sl2 = (float)(a.c.scale * APE_LOG2E);
 			float m = -APE_INF, l = 0.0f, acc[VC];
 			uint32_t cnt = 0;
@@ -249,7 +249,7 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 #pragma unroll
 					for (int p = 0; p < PT; p++) {
 						const int pg = c * PT + p;
-						float cs, sn = seed_sincos(nia * (EXACT || pg < P ? a.c.omega[pg]
+						float cs, sn = ape_seed_sincos(nia * (EXACT || pg < P ? a.c.omega[pg]
 												 : 0.0),
 									   &cs);
 
@@ -273,9 +273,9 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 
 				if (valid && (!causal || n >= 0)) {
 					const int64_t an = iabs(n);
-					const float t = sl2 / fmaf(hp[3], (float)an, 1.0f);
+					const float t = ape_temp_f(sl2, hp[3], an);
 					float s2 = fmaf(dot, t,
-							bias_diff(hp[0], hp[1], hp[2], an, an0) * (float)APE_LOG2E);
+							ape_bias_diff_f(hp[0], hp[1], hp[2], an, an0) * (float)APE_LOG2E);
 					float p;
 
 					s2 = isfinite(dot) ? s2 : APE_NAN;
@@ -393,7 +393,7 @@ APE_DEV void dmerge(const ape_cu_merge_args &a)
 		head_params(a.c, h, hp);
 		if (a.c.lse) {
 			const double crow = ape_bias((double)hp[0], hp[1], hp[2],
-						     (double)row_anchor_distance(a.c.rel + i, a.c.Lk,
+						     (double)ape_anchor_distance(a.c.rel + i, a.c.Lk,
 										 causal));
 
 			reinterpret_cast<float *>(a.c.lse)[row] =

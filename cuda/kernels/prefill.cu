@@ -33,6 +33,10 @@
  * pair; a masked key must add nothing at all (not 0 * V: V may hold a NaN the row must not
  * receive), so when such a tile's V holds a non-finite value, P V runs on CUDA cores with the
  * mask applied per element instead of on tensor cores.
+ *
+ * With skipping, a row may leave out every key of the launch before the walk when the LSE that
+ * earlier launches found (lse_prior) already outweighs them all (ape_may_skip()); it then scores
+ * nothing and holds no vote, and a block whose rows all may returns at once.
  */
 #include "common.cuh"
 
@@ -199,14 +203,14 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 		float *tt = reinterpret_cast<float *>(sm + M::OFF_T);
 		float *bt = reinterpret_cast<float *>(sm + M::OFF_B);
 		const int64_t nbase = a.c.rel + i0 - t * BK; /* n of (row 0, key 0) */
-		const int64_t aref = min_abs(nbase - (BK - 1), nbase + BQ - 1);
+		const int64_t aref = ape_min_abs(nbase - (BK - 1), nbase + BQ - 1);
 		const float sl2 = (float)(a.c.scale * APE_LOG2E);
 
 		for (int e = threadIdx.x; e < BQ + BK - 1; e += S::NTH) {
 			const int64_t an = iabs(nbase + e - (BK - 1));
 
-			tt[e] = sl2 / fmaf(hp[3], (float)an, 1.0f);
-			bt[e] = bias_diff(hp[0], hp[1], hp[2], an, aref) * (float)APE_LOG2E;
+			tt[e] = ape_temp_f(sl2, hp[3], an);
+			bt[e] = ape_bias_diff_f(hp[0], hp[1], hp[2], an, aref) * (float)APE_LOG2E;
 		}
 		if (threadIdx.x == 0)
 			*reinterpret_cast<double *>(sm + M::OFF_MISC) =
@@ -386,17 +390,17 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 		}
 		ss = group_sum<TPR>(ss);
 		qq = group_sum<TPR>(qq);
-		const double ia = 1.0 / ape_alpha((double)hp[3], sqrt(ss / (D - 1)));
-		const double qnorm = sqrt(qq) * (1.0 + 0x1p-20);
+		const double ia = ape_inv_alpha(hp[3], ss, D);
+		const double qnorm = ape_norm_bound(qq);
 		const int64_t diag = rel + i; /* the key at n = 0 */
 		const double crow = ape_bias((double)hp[0], hp[1], hp[2],
-					     (double)row_anchor_distance(diag, Lk, causal));
+					     (double)ape_anchor_distance(diag, Lk, causal));
 
 #pragma unroll
 		for (int p = 0; p < PT; p++) {
 			const int pg = c * PT + p;
 
-			sw[p] = seed_sincos((EXACT || pg < P ? a.c.omega[pg] : 0.0) * ia, &cw[p]);
+			sw[p] = ape_seed_sincos((EXACT || pg < P ? a.c.omega[pg] : 0.0) * ia, &cw[p]);
 		}
 
 		/* ---- the walk */
@@ -413,9 +417,21 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 		for (int n = 0; n < NTL; n++)
 			o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 		(void)dir_count;
-		if (causal && rel + ilast < 0) {
-			finish(a, sm, bh, i0, 0, 0, m, l, crow, row_ok, i, r, c, o, warp, lane, diag);
-			return; /* no row of the tile sees any key */
+		/* earlier launches' weight (lse_prior): a row whose keys here are all negligible
+		 * against it scores nothing (its scores are -inf), writes O = 0, LSE = -inf and no
+		 * pairs, and never holds the walk back; padding rows count as such rows */
+		const float *prior = skip ? reinterpret_cast<const float *>(a.c.prior) : nullptr;
+		const bool gone =
+			prior && (!row_ok ||
+				  may_stop(hp, fabs(a.c.scale), qnorm,
+					   reinterpret_cast<const float *>(a.pre)[bkv * (ntk + 1) + ntk],
+					   ape_anchor_distance(diag, Lk, causal),
+					   ape_visible_keys(diag, Lk, causal), crow, -APE_INF, 0.0f,
+					   prior[bh * Lq + i] - crow, a.c.prior_tol));
+		if ((causal && rel + ilast < 0) || (prior && !bar_or(!gone))) {
+			finish(a, sm, bh, i0, 0, 0, m, l, crow, row_ok, gone, i, r, c, o, warp, lane,
+			       diag);
+			return; /* no row of the tile sees any key, or needs one */
 		}
 		t = causal ? imin(rel + ilast, Lk - 1) / BK
 			   : imax(imin(rel + (i0 + ilast) / 2, Lk - 1), 0) / BK;
@@ -463,7 +479,7 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 
 #pragma unroll
 			for (int p = 0; p < PT; p++) {
-				float cs, sn = seed_sincos(nia * om[p], &cs);
+				float cs, sn = ape_seed_sincos(nia * om[p], &cs);
 
 				xr[p] = qx[p] * cs - qy[p] * sn;
 				yr[p] = qx[p] * sn + qy[p] * cs;
@@ -514,7 +530,7 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 
 					/* a NaN or Inf input must not vanish into a zero weight */
 					s = isfinite(d) ? s : APE_NAN;
-					if (j >= len || (causal && n0 - j < 0))
+					if (j >= len || (causal && n0 - j < 0) || gone)
 						s = -APE_INF;
 					ss[r * M::SROW + j] = s;
 				}
@@ -555,7 +571,7 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 				const float lrow = (can_back || can_fwd) ? group_sum<TPR>(l) : 0.0f;
 				int vote = 0;
 
-				if ((can_back || can_fwd) && row_ok && c == 0) {
+				if ((can_back || can_fwd) && row_ok && !gone && c == 0) {
 					const double as = fabs(a.c.scale);
 					const int64_t kb = bkv * (ntk + 1);
 
@@ -566,8 +582,8 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 							cnt = imin(cnt, diag + 1);
 						if (!may_stop(hp, as, qnorm,
 							      reinterpret_cast<const float *>(a.pre)[kb + w.lo + 1],
-							      min_abs(diag - cnt + 1, diag), cnt, crow, m, lrow,
-							      tol / dir_count))
+							      ape_min_abs(diag - cnt + 1, diag), cnt, crow, m, lrow,
+							      -APE_INF, tol / dir_count))
 							vote |= PF_NO_STOP_BACK;
 					}
 					if (can_fwd) {
@@ -575,8 +591,8 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 
 						if (!may_stop(hp, as, qnorm,
 							      reinterpret_cast<const float *>(a.suf)[kb + w.hi],
-							      min_abs(diag - (Lk - 1), diag - w.hi * BK), cnt, crow,
-							      m, lrow, tol / dir_count))
+							      ape_min_abs(diag - (Lk - 1), diag - w.hi * BK), cnt, crow,
+							      m, lrow, -APE_INF, tol / dir_count))
 							vote |= PF_NO_STOP_FWD;
 					}
 				}
@@ -640,15 +656,16 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 			tlo = imin(tlo, t);
 			thi = imax(thi, t);
 		}
-		finish(a, sm, bh, i0, tlo * BK, imin((thi + 1) * BK, Lk), m, l, crow, row_ok, i, r, c,
-		       o, warp, lane, diag);
+		finish(a, sm, bh, i0, tlo * BK, imin((thi + 1) * BK, Lk), m, l, crow, row_ok, gone, i,
+		       r, c, o, warp, lane, diag);
 	}
 
 	/* LSE and pairs per row (score role), then O = acc / l (P V role). Keys [jbeg, jend)
-	 * were computed. */
+	 * were computed, except by rows `gone` (none). O is 0 in a row with l = 0 (no key):
+	 * even a masked or gone key's 0 * V must not reach it. */
 	static APE_DEV void finish(const ape_cu_prefill_args &a, unsigned char *sm, int64_t bh,
 				   int64_t i0, int64_t jbeg, int64_t jend, float m, float l,
-				   double crow, bool row_ok, int64_t i, int r, int c,
+				   double crow, bool row_ok, bool gone, int64_t i, int r, int c,
 				   float (&o)[NTL][4], int warp, int lane, int64_t diag)
 	{
 		const float lrow = group_sum<TPR>(l);
@@ -666,8 +683,9 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 						       : APE_NAN;
 			if (row_ok && a.c.pairs) {
 				const bool causal = a.c.flags & APE_CU_F_CAUSAL;
-				const int64_t seen = causal ? imax(0, imin(jend, diag + 1) - jbeg)
-							    : jend - jbeg;
+				const int64_t seen = gone     ? 0
+						     : causal ? imax(0, imin(jend, diag + 1) - jbeg)
+							      : jend - jbeg;
 
 				reinterpret_cast<uint64_t *>(a.c.pairs)[bh * Lq + i] = (uint64_t)seen;
 			}
@@ -692,8 +710,10 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 					const int col = cg * S::CW + 8 * n + 2 * (lane & 3);
 
 					if (EXACT || col < D)
-						store_el2(O, (bh * Lq + ii) * D + col, o[n][2 * half] * s,
-							  o[n][2 * half + 1] * s, a.c.dt_out);
+						store_el2(O, (bh * Lq + ii) * D + col,
+							  s == 0.0f ? 0.0f : o[n][2 * half] * s,
+							  s == 0.0f ? 0.0f : o[n][2 * half + 1] * s,
+							  a.c.dt_out);
 				}
 			}
 		}

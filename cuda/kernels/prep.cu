@@ -91,7 +91,7 @@ APE_DEV void prep(const ape_cu_prep_args &a)
 		for (int w = 1; w < APE_CU_THREADS / 32; w++)
 			mx = fmaxf(mx, wmax[w]);
 		/* rounded up: float rounding of the norm stays below the bound */
-		reinterpret_cast<float *>(a.ktile)[bkv * a.ntile + t] = mx * (1.0f + 0x1p-20f);
+		reinterpret_cast<float *>(a.ktile)[bkv * a.ntile + t] = ape_norm_bound_f(mx);
 	}
 }
 

@@ -8,7 +8,9 @@
  * total weight below skip_tol times the anchor's weight (so below skip_tol times whatever the
  * decode kernel computes, which includes the anchor). The bound only grows as the left-out set
  * grows toward the anchor, so a binary search over tiles finds the nearest provable cut on each
- * side. The block's window is the union over its rows.
+ * side. The block's window is the union over its rows. A row whose keys are all negligible
+ * against the weight earlier launches found (lse_prior) adds nothing to it; when no row of the
+ * block adds anything, the decode kernel reads no key at all.
  */
 #include "common.cuh"
 
@@ -87,10 +89,10 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 				ss += (x - mean) * (x - mean);
 				qq += x * x;
 			}
-			r_ia[tid] = 1.0 / ape_alpha((double)hp[3], sqrt(ss / (D - 1)));
-			r_qn[tid] = sqrt(qq) * (1.0 + 0x1p-20);
+			r_ia[tid] = ape_inv_alpha(hp[3], ss, D);
+			r_qn[tid] = ape_norm_bound(qq);
 			r_diag[tid] = diag;
-			r_an0[tid] = row_anchor_distance(diag, Lk, causal);
+			r_an0[tid] = ape_anchor_distance(diag, Lk, causal);
 			r_crow[tid] = ape_bias((double)hp[0], hp[1], hp[2], (double)r_an0[tid]);
 			if (causal) {
 				r_ahi[tid] = imin(diag + 1, Lk);
@@ -121,12 +123,12 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 					const int ia_ = inter ? 2 * p : p, ib = inter ? 2 * p + 1 : p + P;
 					const float x = load_el(Q, qrow + ia_, dt), y = load_el(Q, qrow + ib, dt);
 					const float u = load_el(K, krow + ia_, dt), w = load_el(K, krow + ib, dt);
-					float cs, sn = seed_sincos(nia * a.c.omega[p], &cs);
+					float cs, sn = ape_seed_sincos(nia * a.c.omega[p], &cs);
 
 					dot += (x * cs - y * sn) * u + (x * sn + y * cs) * w;
 				}
-				s = (float)a.c.scale / fmaf(hp[3], (float)iabs(n), 1.0f) * dot +
-				    bias_diff(hp[0], hp[1], hp[2], iabs(n), r_an0[r]);
+				s = ape_temp_f((float)a.c.scale, hp[3], iabs(n)) * dot +
+				    ape_bias_diff_f(hp[0], hp[1], hp[2], iabs(n), r_an0[r]);
 				s = isfinite(dot) ? s : APE_NAN;
 			}
 			sc[r * AN + e % AN] = s;
@@ -145,7 +147,17 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 			double L = 0, lw;
 
 			head_params(a.c, h, hp);
-			if (ahi > alo) {
+			/* earlier launches' weight (lse_prior): a row whose keys here are all
+			 * negligible against it needs none of them */
+			const float *prior = reinterpret_cast<const float *>(a.c.prior);
+			const bool gone =
+				prior && may_stop(hp, as, r_qn[tid], pre[ntile], r_an0[tid],
+						  ape_visible_keys(diag, Lk, causal), r_crow[tid],
+						  -APE_INF, 0.0f,
+						  prior[(b * a.c.H + h) * Lq + row % (int)Lq] - r_crow[tid],
+						  a.c.prior_tol);
+
+			if (!gone && ahi > alo) {
 				for (int k = 0; k < AN; k++)
 					mx = fmaxf(mx, sc[tid * AN + k]);
 				for (int k = 0; k < AN; k++)
@@ -159,8 +171,8 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 				while (lo < hi) {
 					const int64_t mid = (lo + hi + 1) / 2, cnt = mid * T;
 
-					if (may_stop(hp, as, r_qn[tid], pre[mid], min_abs(diag - cnt + 1, diag),
-						     cnt, r_crow[tid], (float)(lw * APE_LOG2E), 1.0f, tol))
+					if (may_stop(hp, as, r_qn[tid], pre[mid], ape_min_abs(diag - cnt + 1, diag),
+						     cnt, r_crow[tid], (float)(lw * APE_LOG2E), 1.0f, -APE_INF, tol))
 						lo = mid;
 					else
 						hi = mid - 1;
@@ -176,8 +188,8 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 						const int64_t mid = (flo + fhi) / 2, cnt = Lk - mid * T;
 
 						if (may_stop(hp, as, r_qn[tid], suf[mid],
-							     min_abs(diag - (Lk - 1), diag - mid * T), cnt,
-							     r_crow[tid], (float)(lw * APE_LOG2E), 1.0f, tol))
+							     ape_min_abs(diag - (Lk - 1), diag - mid * T), cnt,
+							     r_crow[tid], (float)(lw * APE_LOG2E), 1.0f, -APE_INF, tol))
 							fhi = mid;
 						else
 							flo = mid + 1;

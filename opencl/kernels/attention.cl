@@ -65,24 +65,19 @@
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
-/* vf: APE_RW query rows of one float quantity; vr: the same in APE_REAL. */
+/* vf: APE_RW query rows of one float quantity; vr: the same in APE_REAL (ape_math.h's lane
+ * types). */
+typedef ape_vfloat vf;
+typedef ape_vint vi;
+typedef ape_vreal vr;
+#define TO_VF(x) APE_V_FLOAT(x)
 #if APE_RW == 1
-typedef float vf;
-typedef int vi;
-typedef APE_REAL vr;
 #define VL(p) (*(p))
 #define VS(v, p) (*(p) = (v))
-#define TO_VF(x) ((float)(x))
-#define TO_VI(x) ((int)(x))
 #define TO_VR(x) ((APE_REAL)(x))
 #else
-typedef CAT(float, APE_RW) vf;
-typedef CAT(int, APE_RW) vi;
-typedef CAT(APE_REAL, APE_RW) vr;
 #define VL(p) CAT(vload, APE_RW)(0, (p))
 #define VS(v, p) CAT(vstore, APE_RW)((v), 0, (p))
-#define TO_VF(x) CAT(convert_float, APE_RW)(x)
-#define TO_VI(x) CAT(convert_int, APE_RW)(x)
 #define TO_VR(x) CAT(CAT(convert_, APE_REAL), APE_RW)(x)
 #endif
 
@@ -135,63 +130,6 @@ KFN void st(__global void *p, long i, float x, int dt)
 		((__global ushort *)p)[i] = to_bf16(x);
 	else
 		((__global float *)p)[i] = x;
-}
-
-/*
- * sin and cos of a seed angle (APE_REAL, any size): reduced by pi/2 in APE_REAL with a two-part
- * constant, then Cephes' float polynomials on [-pi/4, pi/4] (error about 1 ulp there) and the
- * quadrant's swap and signs. The builtin float sincos took a quarter of the whole kernel's time
- * on PoCL (it reduces every argument again, large ones included); this is a dozen vector fmas.
- */
-KFN vf seed_sincos(vr a, vf *cosine)
-{
-#if APE_FP64
-	const vr k = rint(a * 0.6366197723675814);
-	const vr rr = fma(-k, 6.123233995736766e-17, fma(-k, 1.5707963267948966, a));
-#else
-	const vr k = rint(a * 0.63661977236f);
-	const vr rr = fma(-k, -4.371139e-8f, fma(-k, 1.5707963705f, a));
-#endif
-	const vi q = TO_VI(k - 4 * floor(k * (APE_REAL)0.25)); /* k mod 4, exactly */
-	const vf r = TO_VF(rr), r2 = r * r;
-	const vf sr = fma(r * r2, fma(r2, fma(r2, -1.9515295891e-4f, 8.3321608736e-3f),
-				      -1.6666654611e-1f), r);
-	const vf cr = fma(r2 * r2, fma(r2, fma(r2, 2.443315711809948e-5f, -1.388731625493765e-3f),
-				       4.166664568298827e-2f), fma(r2, -0.5f, 1.0f));
-	const vi odd = (q & 1) != 0;
-	const vf s = select(sr, cr, odd), c = select(cr, sr, odd);
-
-	*cosine = select(c, -c, ((q + 1) & 2) != 0); /* negative in quadrants 1 and 2 */
-	return select(s, -s, (q & 2) != 0); /* negative in quadrants 2 and 3 */
-}
-
-/* Smallest |n| over the distances lo..hi. */
-KFN long min_abs(long lo, long hi)
-{
-	return lo > 0 ? lo : hi < 0 ? -hi : 0;
-}
-
-/* May a row stop walking in one direction? `count` keys remain there, none closer than `an`. */
-KFN int may_stop(APE_REAL lambda, APE_REAL delta, APE_REAL beta, APE_REAL gamma,
-		 APE_REAL abs_scale, APE_REAL qnorm, APE_REAL kmax, long an, long count,
-		 APE_REAL crow, float m, float l, APE_REAL prior, float tol)
-{
-	APE_REAL u, mm = m, ll = l;
-
-	if (count <= 0)
-		return 1;
-	/* the weight found so far: this launch's (m, l), and the earlier launches' LSE `prior`
-	 * (in this row's shifted frame; -inf or NaN when nothing is known, and then unused) */
-	if (prior > mm) {
-		ll = ll * exp(mm - prior) + 1;
-		mm = prior;
-	} else if (prior > -INFINITY) {
-		ll += exp(prior - mm);
-	}
-	u = ape_score_bound(lambda, delta, beta, gamma, abs_scale, qnorm, kmax, (APE_REAL)an);
-	u -= crow;
-	return ape_tail_negligible(u, mm, ll, ape_tail_count((APE_REAL)count, delta),
-				   (APE_REAL)tol);
 }
 
 /* One K row into the pair-ordered halves (u = first, w = second component of each pair) and one
@@ -258,7 +196,7 @@ KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
 	const int P = DIM / 2;
 	float tx[APE_RW], ty[APE_RW];
 	APE_REAL tr[APE_RW], tc[APE_RW];
-	vr sum = (vr)0, ss = (vr)0, qq = (vr)0, mean, sig;
+	vr sum = (vr)0, ss = (vr)0, qq = (vr)0, mean;
 
 	r->i = i;
 	r->rb = rb;
@@ -277,8 +215,7 @@ KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
 		r->yq[p] = VL(ty);
 		sum += TO_VR(r->xq[p]) + TO_VR(r->yq[p]);
 	}
-	/* sigma: two passes (mean, then squares), in APE_REAL: alpha's error becomes an angle error
-	 * proportional to |n| */
+	/* sigma: two passes (mean, then squares; see ape_sigma()) */
 	mean = sum / (APE_REAL)DIM;
 	NOUNROLL
 	for (int p = 0; p < P; p++) {
@@ -287,21 +224,16 @@ KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
 		ss += (x - mean) * (x - mean) + (y - mean) * (y - mean);
 		qq += x * x + y * y;
 	}
-	sig = sqrt(ss / (APE_REAL)(DIM - 1));
-	VS(sig, tr);
+	VS(ss, tr);
 	VS(qq, tc);
 	NOUNROLL
 	for (int k = 0; k < APE_RW; k++) {
 		const long diag = R->rel + i + k; /* index of the key at n = 0 */
-		long an;
+		const long an = ape_anchor_distance(diag, R->Lk, R->causal);
 
-		tr[k] = (APE_REAL)1 / ape_alpha(R->lambda, tr[k]);
-		r->qn[k] = sqrt(tc[k]) * (APE_REAL)(1 + 0x1p-20f);
+		tr[k] = ape_inv_alpha(R->lambda, tr[k], DIM);
+		r->qn[k] = ape_norm_bound(tc[k]);
 		/* c_row: the bias at the row's nearest visible distance */
-		if (R->causal)
-			an = diag < 0 ? 0 : diag - min(diag, R->Lk - 1);
-		else
-			an = min_abs(diag - (R->Lk - 1), diag);
 		r->crow_s[k] = ape_bias(R->delta, R->beta, R->gamma, (APE_REAL)an);
 		r->prior[k] = (R->flags & F_PRIOR) && i + k < R->Lq
 				      ? (APE_REAL)R->prior[R->bh * R->Lq + i + k] - r->crow_s[k]
@@ -311,7 +243,7 @@ KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
 	r->crow = VL(r->crow_s);
 	NOUNROLL
 	for (int p = 0; p < P; p++)
-		r->sw[p] = seed_sincos(R->omega[p] * r->ia, &r->cw[p]);
+		r->sw[p] = ape_seed_sincos(R->omega[p] * r->ia, &r->cw[p]);
 	NOUNROLL
 	for (int d = 0; d < DIM; d++)
 		r->acc[d] = (vf)0.0f;
@@ -386,7 +318,7 @@ KFN void tile_scores(const struct run *R, const struct rows *r, long nbase, int 
 
 	NOUNROLL
 	for (int p = 0; p < P; p++) {
-		vf c, s = seed_sincos(n0 * (R->omega[p] * r->ia), &c);
+		vf c, s = ape_seed_sincos(n0 * (R->omega[p] * r->ia), &c);
 
 		xr[p] = r->xq[p] * c - r->yq[p] * s;
 		yr[p] = r->xq[p] * s + r->yq[p] * c;
@@ -518,16 +450,16 @@ KFN void rows_may_stop(const struct run *R, const struct rows *r, long lo, long 
 
 			if (R->causal)
 				cnt = min(cnt, diag + 1);
-			*cb = may_stop(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k], kb,
-				       min_abs(diag - cnt + 1, diag), cnt, r->crow_s[k], ms[k],
-				       ls[k], -INFINITY, R->tol);
+			*cb = ape_may_skip(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k],
+					   kb, ape_min_abs(diag - cnt + 1, diag), cnt, r->crow_s[k],
+					   ms[k], ls[k], -INFINITY, R->tol);
 		}
 		if (*cf) {
 			const long cnt = R->Lk - hi * APE_BK;
 
-			*cf = may_stop(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k], kf,
-				       min_abs(diag - (R->Lk - 1), diag - hi * APE_BK), cnt,
-				       r->crow_s[k], ms[k], ls[k], -INFINITY, R->tol);
+			*cf = ape_may_skip(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k],
+					   kf, ape_min_abs(diag - (R->Lk - 1), diag - hi * APE_BK),
+					   cnt, r->crow_s[k], ms[k], ls[k], -INFINITY, R->tol);
 		}
 	}
 }
@@ -546,13 +478,12 @@ KFN int rows_skip_all(const struct run *R, const struct rows *r, APE_REAL kall)
 	NOUNROLL
 	for (int k = 0; k < APE_RW; k++) {
 		const long i = r->i + k, diag = R->rel + i;
-		const long cnt = R->causal ? clamp(diag + 1, 0L, R->Lk) : R->Lk;
-		const long an = R->causal ? diag - min(diag, R->Lk - 1)
-					  : min_abs(diag - (R->Lk - 1), diag);
+		const long cnt = ape_visible_keys(diag, R->Lk, R->causal);
+		const long an = ape_anchor_distance(diag, R->Lk, R->causal);
 
 		if (i < R->Lq &&
-		    !may_stop(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k], kall, an, cnt,
-			      r->crow_s[k], -INFINITY, 0.0f, r->prior[k], R->prior_tol))
+		    !ape_may_skip(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k], kall, an,
+				  cnt, r->crow_s[k], -INFINITY, 0.0f, r->prior[k], R->prior_tol))
 			return 0;
 	}
 	return 1;
@@ -844,7 +775,7 @@ __kernel void ape_kmax(__global const void *K, __global const void *V, int D, lo
 		if (!(s <= mx))
 			mx = isnan(s) ? INFINITY : s;
 	}
-	ktile[bkv * ntk + t] = mx * (1.0f + 0x1p-20f);
+	ktile[bkv * ntk + t] = ape_norm_bound_f(mx);
 }
 
 /* Skip pre-pass, part 2: prefix and suffix maxima, so that "the largest key norm among the

@@ -1,29 +1,88 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The small pure pieces of APE that every backend shares, written once in the common subset of
- * C11, OpenCL C 1.2 and CUDA C++: temperature, decay bias, the skip bound and the LSE merge.
- * Kernels include this file (the build embeds it ahead of each kernel source), so a formula
- * changes in one place only.
+ * C11, OpenCL C 1.2 and CUDA C++: the query statistics (sigma, alpha, the norm slack),
+ * temperature and decay bias (and their float32 differences), a row's anchor distance, the
+ * exact-seed sincos of the rotation, the skip bound and test (with an earlier launch's LSE) and
+ * the LSE merge. Kernels include this file (the build embeds it ahead of each kernel source), so
+ * a formula changes in one place only; kernels keep their own tiling and loops around it.
  *
- * APE_REAL selects the arithmetic: double in the reference backend, float in kernels.
+ * APE_REAL selects the arithmetic: double in the reference backend and the CUDA kernels' per-row
+ * work, float or double in the OpenCL kernel (double when the device has cl_khr_fp64).
+ * APE_RW > 1 (OpenCL only): the kernel carries that many query rows in the lanes of a vector;
+ * the lane functions (ape_seed_sincos) then take such vectors.
  */
 #ifndef APE_MATH_H
 #define APE_MATH_H
 
+/* no default: a host file that forgot it would silently compute in float */
 #ifndef APE_REAL
-#define APE_REAL float
+#error "define APE_REAL (double on the host, float or double in kernels) first"
 #endif
 
 #if defined(__CUDACC__)
+#include <stdint.h>
 #define APE_FN static __host__ __device__ __forceinline__
 #elif defined(__OPENCL_VERSION__)
-#define APE_FN static inline
+/* always inlined: PoCL compiles with -Dinline=, and a call passes vector arguments through
+ * memory (a fifth slower when the seed sincos stayed a call) */
+#define APE_FN static inline __attribute__((always_inline))
 #else
 #include <math.h>
+#include <stdint.h>
 #define APE_FN static inline
 #endif
 
+/* float32 builtins (float32 arithmetic in C too): OpenCL C overloads the plain names, on vectors
+ * as well; C and CUDA have the f-suffixed ones */
+#if defined(__OPENCL_VERSION__)
+typedef long ape_long;
+#define APE_FMAF fma
+#define APE_SQRTF sqrt
+#define APE_LOG1PF log1p
+#else
+typedef int64_t ape_long;
+#define APE_FMAF fmaf
+#define APE_SQRTF sqrtf
+#define APE_LOG1PF log1pf
+#endif
+
+/* APE_REAL_BITS: 64 when APE_REAL is double (for constants that depend on the precision) */
+#define APE_REAL_BITS_double 64
+#define APE_REAL_BITS_float 32
+#define APE_REAL_BITS_(t) APE_REAL_BITS_##t
+#define APE_REAL_BITS__(t) APE_REAL_BITS_(t)
+#define APE_REAL_BITS APE_REAL_BITS__(APE_REAL)
+
 typedef APE_REAL ape_real;
+
+/* Lane types: one query row's value, or APE_RW rows' in the lanes of an OpenCL vector. */
+#if defined(__OPENCL_VERSION__) && defined(APE_RW) && APE_RW > 1
+#define APE_CAT_(a, b) a##b
+#define APE_CAT(a, b) APE_CAT_(a, b)
+typedef APE_CAT(float, APE_RW) ape_vfloat;
+typedef APE_CAT(int, APE_RW) ape_vint;
+typedef APE_CAT(APE_REAL, APE_RW) ape_vreal;
+#define APE_V_FLOAT(x) APE_CAT(convert_float, APE_RW)(x)
+#define APE_V_INT(x) APE_CAT(convert_int, APE_RW)(x)
+#define APE_V_SELECT(a, b, c) select((a), (b), (c)) /* c ? b : a, per lane */
+#else
+typedef float ape_vfloat;
+typedef int ape_vint;
+typedef ape_real ape_vreal;
+#define APE_V_FLOAT(x) ((float)(x))
+#define APE_V_INT(x) ((int)(x))
+#define APE_V_SELECT(a, b, c) ((c) ? (b) : (a))
+#endif
+
+/*
+ * sigma, the unbiased standard deviation of a query's D components, from ss = sum (q_d - mean)^2
+ * (two passes, mean first, in APE_REAL: alpha's error becomes an angle error proportional to |n|)
+ */
+APE_FN ape_real ape_sigma(ape_real ss, int D)
+{
+	return sqrt(ss / (ape_real)(D - 1));
+}
 
 /* temp(n) = 1 / (1 + lambda |n|); an = |n| */
 APE_FN ape_real ape_temp(ape_real lambda, ape_real an)
@@ -41,6 +100,108 @@ APE_FN ape_real ape_bias(ape_real delta, ape_real beta, ape_real gamma, ape_real
 APE_FN ape_real ape_alpha(ape_real lambda, ape_real sigma)
 {
 	return (ape_real)1 + lambda / ((ape_real)1 + exp(sigma));
+}
+
+/* 1 / alpha from ss as in ape_sigma(): the factor of the per-key step omega_p / alpha */
+APE_FN ape_real ape_inv_alpha(ape_real lambda, ape_real ss, int D)
+{
+	return (ape_real)1 / ape_alpha(lambda, ape_sigma(ss, D));
+}
+
+/* An upper bound of |x| from x . x: the root rounded up by 2^-20 (far more than the rounding of
+ * the sum and the root), so that the skip bound stays a bound. */
+APE_FN ape_real ape_norm_bound(ape_real sumsq)
+{
+	return sqrt(sumsq) * ((ape_real)1 + (ape_real)0x1p-20f);
+}
+
+/* The same slack on a float32 norm (the largest key norm of a tile) */
+APE_FN float ape_norm_bound_f(float norm)
+{
+	return norm * (1.0f + 0x1p-20f);
+}
+
+/* Smallest |n| over the distances lo..hi (lo <= hi) */
+APE_FN ape_long ape_min_abs(ape_long lo, ape_long hi)
+{
+	return lo > 0 ? lo : hi < 0 ? -hi : 0;
+}
+
+/*
+ * A query row's anchor distance: its nearest visible |n| (n = diag - j for keys j < Lk, diag the
+ * index of the key at n = 0). The bias there is the row's largest when the decays are >= 0: it
+ * is the row's score frame c_row (docs/kernels.md), subtracted in APE_REAL so that float32 keeps
+ * the fine differences between the scores that matter at any |n|.
+ */
+APE_FN ape_long ape_anchor_distance(ape_long diag, ape_long Lk, int causal)
+{
+	if (causal)
+		return diag < 0 ? 0 : diag - (diag < Lk - 1 ? diag : Lk - 1);
+	return ape_min_abs(diag - (Lk - 1), diag);
+}
+
+/* How many keys a row sees (keys 0..Lk-1; causal: those with n >= 0) */
+APE_FN ape_long ape_visible_keys(ape_long diag, ape_long Lk, int causal)
+{
+	if (!causal)
+		return Lk;
+	return diag + 1 < 0 ? 0 : diag + 1 > Lk ? Lk : diag + 1;
+}
+
+/*
+ * The distance terms in float32, for per-distance tables: scale * temp(|n|) with scale folded
+ * in, and bias(a) - bias(aref), accurate to float32 rounding of the difference even where the
+ * bias itself is large: -delta d - beta log1p(d / (1 + aref)) - gamma d / (sqrt a + sqrt aref)
+ * with d = a - aref exact.
+ */
+APE_FN float ape_temp_f(float scale, float lambda, ape_long an)
+{
+	return scale / APE_FMAF(lambda, (float)an, 1.0f);
+}
+
+APE_FN float ape_bias_diff_f(float delta, float beta, float gamma, ape_long a, ape_long aref)
+{
+	const float d = (float)(a - aref), af = (float)a, rf = (float)aref;
+	const float den = APE_SQRTF(af) + APE_SQRTF(rf);
+	const float g = den > 0.0f ? d / den : 0.0f;
+
+	return -(delta * d + beta * APE_LOG1PF(d / (1.0f + rf)) + gamma * g);
+}
+
+/*
+ * sin and cos of a seed angle a (APE_REAL, any size): reduced by pi/2 in APE_REAL with a
+ * two-part constant (exact for the angles of distances up to ~2^30 tokens at omega = 1 in
+ * double), then Cephes' float polynomials on [-pi/4, pi/4] (error about 1 ulp there) and the
+ * quadrant's swap and signs. Every backend seeds its rotation recurrence with this one, so they
+ * round alike; a builtin float sincos took a quarter of the OpenCL kernel's time on PoCL (it
+ * reduces every argument again, large ones included), this is a dozen fmas.
+ */
+APE_FN ape_vfloat ape_seed_sincos(ape_vreal a, ape_vfloat *cosine)
+{
+#if APE_REAL_BITS == 64
+	const ape_vreal k = rint(a * 0.6366197723675814);
+	const ape_vreal rr = fma(-k, 6.123233995736766e-17, fma(-k, 1.5707963267948966, a));
+#else
+	const ape_vreal k = rint(a * 0.63661977236f);
+	const ape_vreal rr = fma(-k, -4.371139e-8f, fma(-k, 1.5707963705f, a));
+#endif
+	const ape_vint q = APE_V_INT(k - (ape_real)4 * floor(k * (ape_real)0.25)); /* k mod 4 */
+	const ape_vfloat r = APE_V_FLOAT(rr), r2 = r * r;
+	const ape_vfloat sr = APE_FMAF(r * r2,
+				       APE_FMAF(r2, APE_FMAF(r2, -1.9515295891e-4f, 8.3321608736e-3f),
+						-1.6666654611e-1f),
+				       r);
+	const ape_vfloat cr = APE_FMAF(r2 * r2,
+				       APE_FMAF(r2,
+						APE_FMAF(r2, 2.443315711809948e-5f,
+							 -1.388731625493765e-3f),
+						4.166664568298827e-2f),
+				       APE_FMAF(r2, -0.5f, 1.0f));
+	const ape_vint odd = (q & 1) != 0;
+	const ape_vfloat s = APE_V_SELECT(sr, cr, odd), c = APE_V_SELECT(cr, sr, odd);
+
+	*cosine = APE_V_SELECT(c, -c, ((q + 1) & 2) != 0); /* negative in quadrants 1 and 2 */
+	return APE_V_SELECT(s, -s, (q & 2) != 0); /* negative in quadrants 2 and 3 */
 }
 
 /*
@@ -82,6 +243,33 @@ APE_FN ape_real ape_tail_count(ape_real count, ape_real delta)
 		return count;
 	geo = (ape_real)1.001 / -expm1(-delta);
 	return geo < count ? geo : count;
+}
+
+/*
+ * May a row leave out `count` keys, none nearer than distance an, whose norms are at most kmax
+ * (the bound of docs/kernels.md)? The row's own computed keys have maximum m and denominator l,
+ * in natural-log units and in the row's frame shifted by crow (c_row: scores minus crow); prior
+ * is the LSE that earlier launches found over other keys (lse_prior), in the same frame: -inf
+ * or NaN when nothing is known, and then unused. Both kinds of weight found count against the
+ * tail. Only valid with delta, beta, gamma >= 0.
+ */
+APE_FN int ape_may_skip(ape_real lambda, ape_real delta, ape_real beta, ape_real gamma,
+			ape_real abs_scale, ape_real qnorm, ape_real kmax, ape_real an,
+			ape_real count, ape_real crow, ape_real m, ape_real l, ape_real prior,
+			ape_real tol)
+{
+	ape_real u;
+
+	if (count <= (ape_real)0)
+		return 1;
+	if (prior > m) {
+		l = l * exp(m - prior) + (ape_real)1;
+		m = prior;
+	} else if (prior > -(ape_real)INFINITY) {
+		l += exp(prior - m);
+	}
+	u = ape_score_bound(lambda, delta, beta, gamma, abs_scale, qnorm, kmax, an) - crow;
+	return ape_tail_negligible(u, m, l, ape_tail_count(count, delta), tol);
 }
 
 /* Merges a partial result (m2, l2) into (m, l) and returns the factors that rescale the two

@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define APE_REAL double
+#include "core/ape_math.h"
 #include "core/error.h"
 #include "exec/pack.h"
 
@@ -64,9 +66,9 @@ void ape__acc_add(struct ape__acc *a, const float *o_c, const float *lse_c)
 			memcpy(acc, oc, (size_t)D * sizeof(float));
 			continue;
 		}
-		mn = l > m ? l : m;
-		c_old = exp(m - mn);
-		c_new = exp(l - mn);
+		mn = ape_merge_max(m, l);
+		c_old = ape_merge_factor(m, mn);
+		c_new = ape_merge_factor(l, mn);
 		for (int64_t d = 0; d < D; d++)
 			acc[d] = (float)(acc[d] * c_old + oc[d] * c_new);
 		a->s[r] = a->s[r] * c_old + c_new;

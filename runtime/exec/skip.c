@@ -128,17 +128,15 @@ bool ape__skip_tail(const struct ape__skip_ctx *c, const struct ape__skip_rows *
 
 			for (int64_t i = 0; i < r->n; i++) {
 				const int64_t row = (b * c->H + h) * r->n + i;
-				double count, nmin, bound, lse;
+				double count, nmin, lse;
 
 				if (!remaining(c, chunk, dir, r->pos0 + i, &count, &nmin))
 					continue;
 				lse = r->m[row] == -INFINITY ? -INFINITY : r->m[row] + log(r->s[row]);
-				bound = ape_score_bound(prm[3], prm[0], prm[1], prm[2], c->abs_scale,
-							r->qnorm[row], kmax, nmin);
-				/* one key per distance, each bound falling by delta: a geometric
-				 * series caps the count however long the tail */
-				count = ape_tail_count(count, prm[0]);
-				if (!ape_tail_negligible(bound, lse, 1.0, count, c->tol))
+				/* the kernels' test, on the row's LSE so far (frame 0, l = 1) */
+				if (!ape_may_skip(prm[3], prm[0], prm[1], prm[2], c->abs_scale,
+						  r->qnorm[row], kmax, nmin, count, 0.0, lse, 1.0,
+						  -INFINITY, c->tol))
 					return false;
 			}
 		}

@@ -54,7 +54,7 @@ static void pair_index(ape_rope_layout layout, int64_t D, int64_t p, int64_t *a,
 	}
 }
 
-/* sigma = unbiased standard deviation of the D components of q. */
+/* sigma = unbiased standard deviation of the D components of q (ape_sigma()). */
 static double row_sigma(const double *q, int64_t D)
 {
 	double mean = 0, ss = 0;
@@ -64,7 +64,7 @@ static double row_sigma(const double *q, int64_t D)
 	mean /= (double)D;
 	for (int64_t d = 0; d < D; d++)
 		ss += (q[d] - mean) * (q[d] - mean);
-	return sqrt(ss / (double)(D - 1));
+	return ape_sigma(ss, (int)D);
 }
 
 /* The rotated dot product of the spec for one (query, key) pair at distance n. */
@@ -126,13 +126,13 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 				continue;
 			}
 			if (s > m) {
-				scale_old = exp(m - s);
+				scale_old = ape_merge_factor(m, s);
 				for (int64_t d = 0; d < D; d++)
 					acc[d] *= scale_old;
 				sum *= scale_old;
 				m = s;
 			}
-			w = exp(s - m);
+			w = ape_merge_factor(s, m);
 			sum += w;
 			for (int64_t d = 0; d < D; d++)
 				acc[d] += w * load(v, l->in_dtype, kvbase + j * D + d);

@@ -166,12 +166,43 @@ static void bump(uint64_t *n)
 	pthread_mutex_unlock(&w.lock);
 }
 
+/* The pairs a finished launch with an lse_prior computed, into the counts. */
+static int count_prior_pairs(struct ape__queue *q, const struct ape__launch *l)
+{
+	const size_t rows = (size_t)(l->B * l->H * l->Lq);
+	uint64_t *p, sum = 0;
+	int ret;
+
+	p = malloc(rows * sizeof(*p) + 1);
+	if (!p)
+		return APE_ENOMEM;
+	ret = w.orig->synchronize(q);
+	if (!ret)
+		ret = w.orig->copy_d2h(q, p, l->pairs, 0, rows * sizeof(*p));
+	if (!ret)
+		ret = w.orig->synchronize(q);
+	for (size_t r = 0; !ret && r < rows; r++)
+		sum += p[r];
+	free(p);
+	if (!ret) {
+		pthread_mutex_lock(&w.lock);
+		w.c.prior_launches++;
+		w.c.prior_pairs += sum;
+		pthread_mutex_unlock(&w.lock);
+	}
+	return ret;
+}
+
 static int w_attention(struct ape__queue *q, const struct ape__launch *l)
 {
 	int ret = inject(WRAP_ATTENTION, owner_of(q));
 
 	bump(&w.c.attention_calls);
-	return ret ? ret : w.orig->attention(q, l);
+	if (!ret)
+		ret = w.orig->attention(q, l);
+	if (!ret && l->lse_prior && l->pairs)
+		ret = count_prior_pairs(q, l);
+	return ret;
 }
 
 static int w_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src, size_t n)
@@ -361,6 +392,7 @@ void wrap_reset(void)
 {
 	pthread_mutex_lock(&w.lock);
 	w.c.allocs = w.c.frees = w.c.attention_calls = 0;
+	w.c.prior_launches = w.c.prior_pairs = 0;
 	w.c.h2d_calls = w.c.d2h_calls = w.c.d2d_calls = 0;
 	memset(w.c.calls, 0, sizeof(w.c.calls));
 	w.c.failed = 0;

@@ -41,6 +41,9 @@ struct wrap_counts {
 	uint64_t allocs, frees; /* buf_alloc / buf_free calls */
 	uint64_t live_bytes, peak_bytes; /* device bytes held, and their peak since reset */
 	uint64_t attention_calls;
+	/* launches given an lse_prior, and the pairs they computed (read back after each such
+	 * launch that reports pairs: the wrapper waits for it) */
+	uint64_t prior_launches, prior_pairs;
 	uint64_t h2d_calls, d2h_calls, d2d_calls;
 	uint64_t calls[WRAP_NOPS]; /* every call of each op, failed ones included */
 	uint64_t failed; /* calls the wrapper failed */
