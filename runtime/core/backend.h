@@ -32,7 +32,7 @@
 
 /* Bumped whenever the layout or contract of ape__backend_ops changes; the core refuses a backend
  * built against another value (see registry.c). */
-#define APE__BACKEND_ABI 2
+#define APE__BACKEND_ABI 3
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -68,6 +68,32 @@ struct ape__launch {
 	ape_rope_layout layout;
 	int64_t q_start, k_start; /* resolved absolute positions of row 0 */
 	double skip_tol; /* 0 when skipping is not allowed for this launch */
+};
+
+/*
+ * One backward launch (APE-SPEC.md, "Gradients") on device buffers, contiguous, at offset 0.
+ * `f` holds what the forward launch held: shapes, dtypes, q, k, v, o (of f.out_dtype), the
+ * parameters and positions; f.lse is required: the rows' final LSE over every key of the row,
+ * not only those of this launch, so that P_ij = exp(s_ij - LSE_i) holds whatever subset of
+ * keys a launch sees. f.pairs and f.lse_prior are NULL and f.skip_tol is 0 (no backward skip
+ * bound exists yet).
+ *
+ * The gradient buffers are accumulators: the launch ADDS its contribution to what they hold,
+ * so that an executor can zero them once and run a query chunk against several key chunks
+ * (dq accumulates) or a key chunk against several query chunks (dk, dv accumulate), in a
+ * fixed order. Dl_i = dO_i . O_i is computed by the launch from dout and o, which must hold
+ * the whole rows (every key of the row), like lse.
+ */
+struct ape__bwd_launch {
+	struct ape__launch f;
+	ape_dtype dout_dtype; /* f.in_dtype or APE_F32 */
+	struct ape__buf *dout; /* [B,H,Lq,D] of dout_dtype */
+	struct ape__buf *dlse; /* NULL (dLSE = 0), or [B,H,Lq] float */
+	struct ape__buf *dq; /* NULL: not wanted, or [B,H,Lq,D] float, accumulated */
+	struct ape__buf *dk, *dv; /* each NULL or [B,Hkv,Lk,D] float, accumulated (GQA: summed
+				   * over the query heads of each kv head) */
+	struct ape__buf *dparams; /* NULL, or [H][4] double (delta, beta, gamma, lambda), summed
+				   * over batch, rows and keys of the launch, accumulated */
 };
 
 /* Result of probing a backend's driver. */
@@ -180,6 +206,24 @@ struct ape__backend_ops {
 	/* Optional (NULL: no limit but the device's memory). The largest single buffer_alloc the
 	 * device accepts (CL_DEVICE_MAX_MEM_ALLOC_SIZE); the planner keeps every chunk below it. */
 	uint64_t (*max_alloc)(struct ape_device *dev);
+
+	/* ---- ABI 3: the backward pass. */
+
+	/*
+	 * Optional (NULL: ape_attention_backward() on this backend's devices fails with
+	 * APE_ENOTSUP naming the device; the core never falls back to another backend). Enqueues
+	 * the gradients of one launch (struct ape__bwd_launch above): for every row with a visible
+	 * key among the launch's keys, ADDS to l->dq, l->dk, l->dv and l->dparams (each that is
+	 * not NULL; work for a NULL one is not done) this launch's contribution, the exact
+	 * derivatives of the spec, path through alpha included; rows without a visible key add
+	 * nothing. Touches no other byte of those buffers and writes no input. Reductions run in
+	 * a fixed order (no floating-point atomics), so two runs are bit-identical; dparams sums
+	 * are reduced in float64. Must not allocate device memory beyond l's buffers (the core's
+	 * budget counts none). Inputs are not scanned: NaN or Inf reach the gradients they touch.
+	 * Errors are returned with ape__error() set naming the device; the accumulators then hold
+	 * unspecified values (the core discards them).
+	 */
+	int (*attention_backward)(struct ape__queue *q, const struct ape__bwd_launch *l);
 };
 
 /* A backend as loaded in one context. */

@@ -14,5 +14,20 @@
 void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, const void *v,
 		   void *o, float *lse, uint64_t *pairs, int64_t row_begin, int64_t row_end);
 
+/* Host pointers of one backward launch (struct ape__bwd_launch: which are NULL, the layouts). */
+struct ape__ref_bwd_io {
+	const void *q, *k, *v, *o, *dout;
+	const float *lse, *dlse;
+	float *dq, *dk, *dv;
+	double *dparams;
+};
+
+/*
+ * The gradients of launch `l` (the contract of ape__backend_ops.attention_backward: each
+ * non-NULL output accumulated), in float64 with every visible key. Extra memory: a table of a
+ * few doubles per query row. Returns 0 or APE_ENOMEM (message set; nothing was added).
+ */
+int ape__ref_backward(const struct ape__bwd_launch *l, const struct ape__ref_bwd_io *io);
+
 #pragma GCC visibility pop
 #endif
