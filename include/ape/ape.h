@@ -814,6 +814,97 @@ typedef struct ape_kv_cache_info {
 APE_API int ape_kv_cache_get_info(const ape_kv_cache *cache, ape_kv_cache_info *info);
 /**@}*/
 
+/** \name Training: the backward pass
+ *
+ * The gradients of APE attention (docs/ape.md, "Gradients"; APE-SPEC.md, "Gradients"): given
+ * the forward's inputs, its saved O and LSE, the upstream gradient dO and optionally dLSE, the
+ * exact derivatives of the loss with respect to Q, K, V and every head's delta, beta, gamma and
+ * lambda. Each output is optional: NULL means not wanted, and its work is not done (frozen Q,
+ * K and V with only `dparams` wanted, the seed's "tune APE only" recipe, costs one pass over
+ * the pairs and computes no gradient vector).
+ *
+ * Today only the reference backend implements it (float64, every visible key); on a device of
+ * another backend the call fails with APE_ENOTSUP naming the device, and never falls back to
+ * another one. The call runs as one launch: every input and gradient buffer must fit the
+ * device-memory budget at once (streaming the backward in chunks is not implemented yet), and
+ * nothing is skipped (no bound for the backward exists yet, so skip_tol is not used).
+ */
+/**@{*/
+
+/**
+ * \brief The gradients of ape_attention_forward() on \p dev, from host tensors.
+ *
+ * The loss L is any function of O (and of LSE); the call returns its gradients with respect to
+ * the inputs of the forward call given dO = dL/dO (and dLSE = dL/dLSE):
+ * - dq = dL/dQ, including the path through alpha_i (0 through sigma_i for a constant row);
+ * - dk = dL/dK and dv = dL/dV, for grouped-query attention summed over the query heads that
+ *   share each kv head;
+ * - dparams[4h + 0..3] = dL/d(delta_h, beta_h, gamma_h, lambda_h), summed over the batch, the
+ *   rows and the keys. A parameter given once for every head (ape_param.per_head NULL) has the
+ *   sum over h of its entries as its gradient.
+ * Rows with no visible key contribute nothing. The result is deterministic: two calls give
+ * bit-identical gradients.
+ *
+ * Everything is validated before any work, as for ape_attention_forward() (q, k, v, o and desc
+ * are checked by the same rules, messages name the argument), and also: dout, dq shaped like q,
+ * dk and dv like k, each of q->dtype or APE_F32, strided like any tensor; no output overlapping
+ * any input or another output.
+ *
+ * \param dev a device of a live context
+ * \param desc the forward call's parameters
+ * \param q,k,v the forward call's inputs; read only
+ * \param o the forward's output O (q->dtype or APE_F32); read only
+ * \param lse the forward's LSE, B*H*Lq floats (contiguous `[B,H,Lq]`); required; read only
+ * \param dout dL/dO, shaped like q, of q->dtype or APE_F32; read only
+ * \param dlse NULL (dL/dLSE = 0), or B*H*Lq floats; read only
+ * \param[out] dq NULL, or shaped like q, of q->dtype or APE_F32: overwritten on success
+ * \param[out] dk,dv each NULL, or shaped like k, of q->dtype or APE_F32: overwritten on success
+ * \param[out] dparams NULL, or 4*H floats: per head h, dparams[4h + 0..3] = the gradients of
+ *        delta, beta, gamma, lambda, overwritten on success
+ * \param stats NULL, or statistics of the call (initialise with ape_stats_init()): the pairs
+ *        visible and computed, bytes moved, kernel and total time, peak device memory
+ * \return 0; APE_EINVAL (bad argument, naming it; also when dq, dk, dv and dparams are all
+ *         NULL: nothing to compute); APE_EOVERFLOW (sizes or positions overflow 64 bits);
+ *         APE_ENOTSUP (the device's backend has no backward pass yet; the message names the
+ *         device); APE_ENOMEM (host memory, or the call does not fit the device's budget as one
+ *         launch: the message says how many bytes it needs); APE_EBACKEND, APE_EDEVLOST (device
+ *         failures).
+ * \note On failure nothing is written: dq, dk, dv and dparams are untouched.
+ * \note Inputs are not scanned: NaN or Inf in an input reaches the gradients it touches. An
+ *       \p o or \p lse that is not the forward's gives gradients of nothing in particular.
+ * \note Thread-safe like ape_attention_forward().
+ */
+APE_API int ape_attention_backward(ape_device *dev, const ape_attn_desc *desc,
+				   const ape_tensor *q, const ape_tensor *k, const ape_tensor *v,
+				   const ape_tensor *o, const float *lse, const ape_tensor *dout,
+				   const float *dlse, ape_tensor *dq, ape_tensor *dk,
+				   ape_tensor *dv, float *dparams, ape_stats *stats);
+
+/**
+ * \brief ape_attention_backward() with execution options.
+ *
+ * For now: \p ndev must be 1 (several devices: APE_ENOTSUP); opts->max_device_bytes is the
+ * device budget the one launch must fit (0: three quarters of the device's memory; APE_ENOMEM
+ * says how many bytes it needs); opts->trace_path must be NULL (APE_ENOTSUP); opts->chunk_q,
+ * chunk_k, pipeline_depth and device_weights are validated as for ape_attention_forward_ex()
+ * but not used yet (no chunking); APE_EXEC_ATOMIC_OUTPUTS is what the call does anyway.
+ *
+ * \param devs,ndev the devices (ndev = 1)
+ * \param opts NULL for the defaults (see ape_exec_options_init())
+ * \param desc,q,k,v,o,lse,dout,dlse,dq,dk,dv,dparams,stats as ape_attention_backward()
+ * \return as ape_attention_backward(); APE_EINVAL also for a bad option (naming it) or device
+ *         list; APE_ENOTSUP also for ndev > 1 or a trace path.
+ * \note On failure nothing is written.
+ */
+APE_API int ape_attention_backward_ex(ape_device *const *devs, int ndev,
+				      const ape_exec_options *opts, const ape_attn_desc *desc,
+				      const ape_tensor *q, const ape_tensor *k,
+				      const ape_tensor *v, const ape_tensor *o, const float *lse,
+				      const ape_tensor *dout, const float *dlse, ape_tensor *dq,
+				      ape_tensor *dk, ape_tensor *dv, float *dparams,
+				      ape_stats *stats);
+/**@}*/
+
 #ifdef __cplusplus
 }
 #endif

@@ -24,6 +24,7 @@
 #include "exec/plan.h"
 #include "api/validate.h"
 #include "exec/stream.h"
+#include "api/forward.h"
 
 #define MAX_DEVICES 64
 
@@ -326,4 +327,22 @@ int ape_attention_forward_ex(ape_device *const *devs, int ndev, const ape_exec_o
 	if (ret)
 		return ret;
 	return forward(fn, devs, ndev, opts, desc, q, k, v, o, lse, stats);
+}
+
+/* ------------------------------------------------------------------ shared with api/backward.c */
+
+int ape__check_exec_call(const char *fn, ape_device *const *devs, int ndev,
+			 const ape_exec_options *opts, const ape_stats *stats)
+{
+	int ret = check_devices(fn, devs, ndev);
+
+	if (!ret)
+		ret = check_stats(fn, stats);
+	return ret ? ret : check_options(fn, opts, ndev);
+}
+
+void ape__stats_give(ape_stats *stats, ape_stats *st, ape_device *const *devs, int ndev)
+{
+	names(st, devs, ndev);
+	give_stats(stats, st);
 }
