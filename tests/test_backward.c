@@ -24,6 +24,9 @@
 #include "common/naive.h"
 #include "common/problem.h"
 
+#define APE_REAL double
+#include "core/ape_math.h"
+
 /* Bits of the `wanted` masks: which outputs a call asks for. */
 #define W_DQ 1u
 #define W_DK 2u
@@ -472,6 +475,64 @@ TEST(finite_differences_edge_cases)
 			bcase_free(&c);
 		}
 	ape_context_destroy(ctx);
+}
+
+/* The shared gradient pieces of core/ape_math.h against central differences of the forward
+ * pieces they differentiate, in float64. */
+#define EXPECT_NEAR(a, b, tol) EXPECT_LE(fabs((double)(a) - (double)(b)), (double)(tol))
+
+TEST(math_pieces)
+{
+	const double h = 1e-6;
+	ape_rng rng;
+
+	ape_rng_init(&rng, "math_pieces");
+	for (int c = 0; c < 500; c++) {
+		double lambda = ape_rng_uniform(&rng) * 2, sigma = ape_rng_uniform(&rng) * 3 + 0.01;
+		double an = (double)ape_rng_range(&rng, 0, 200), alpha = ape_alpha(lambda, sigma);
+		double x = ape_rng_normal(&rng), y = ape_rng_normal(&rng);
+		double u = ape_rng_normal(&rng), w = ape_rng_normal(&rng);
+		double nw = (double)ape_rng_range(&rng, -300, 300) * ape_rng_uniform(&rng);
+		double fd, th = nw / alpha;
+		double q[6], mean = 0, ss = 0, sig, qp[6];
+
+#define PAIR_DOT(a) ((x * u + y * w) * cos(nw / (a)) + (x * w - y * u) * sin(nw / (a)))
+		fd = (ape_alpha(lambda, sigma + h) - ape_alpha(lambda, sigma - h)) / (2 * h);
+		EXPECT_NEAR(fd, ape_grad_dalpha_dsigma(lambda, sigma), 1e-8);
+		fd = (ape_alpha(lambda + h, sigma) - ape_alpha(lambda - h, sigma)) / (2 * h);
+		EXPECT_NEAR(fd, ape_grad_gate(sigma), 1e-8);
+		fd = (ape_temp(lambda + h, an) - ape_temp(lambda - h, an)) / (2 * h);
+		EXPECT_NEAR(fd, ape_grad_dtemp_dlambda(lambda, an), 1e-6 * fmax(1, fabs(fd)));
+		fd = (PAIR_DOT(alpha + h) - PAIR_DOT(alpha - h)) / (2 * h);
+		EXPECT_NEAR(fd, ape_grad_ddot_dalpha(x, y, u, w, cos(th), sin(th), th, alpha),
+			    1e-5 * fmax(1, fabs(fd)));
+#undef PAIR_DOT
+		EXPECT_NEAR(ape_bias(1 + h, 0, 0, an) - ape_bias(1 - h, 0, 0, an),
+			    2 * h * ape_grad_dbias_ddelta(an), 1e-9 * fmax(1, an));
+		EXPECT_NEAR(ape_bias(0, 1 + h, 0, an) - ape_bias(0, 1 - h, 0, an),
+			    2 * h * ape_grad_dbias_dbeta(an), 1e-12 * fmax(1, an));
+		EXPECT_NEAR(ape_bias(0, 0, 1 + h, an) - ape_bias(0, 0, 1 - h, an),
+			    2 * h * ape_grad_dbias_dgamma(an), 1e-12 * fmax(1, an));
+		/* d(sigma)/d(q_0) = (q_0 - mean) * coef, sigma over 6 components */
+		for (int d = 0; d < 6; d++)
+			mean += (q[d] = ape_rng_normal(&rng)) / 6;
+		for (int d = 0; d < 6; d++)
+			ss += (q[d] - mean) * (q[d] - mean);
+		sig = sqrt(ss / 5);
+		for (int sgn = -1; sgn <= 1; sgn += 2) {
+			double m2 = 0, s2 = 0;
+
+			for (int d = 0; d < 6; d++)
+				qp[d] = q[d] + (d == 0 ? sgn * h : 0);
+			for (int d = 0; d < 6; d++)
+				m2 += qp[d] / 6;
+			for (int d = 0; d < 6; d++)
+				s2 += (qp[d] - m2) * (qp[d] - m2);
+			fd = sgn < 0 ? -sqrt(s2 / 5) : fd + sqrt(s2 / 5);
+		}
+		EXPECT_NEAR(fd / (2 * h), (q[0] - mean) * ape_grad_dsigma_coef(6, sig), 1e-7);
+	}
+	EXPECT_EQ(0.0, ape_grad_dsigma_coef(6, 0)); /* a constant row: 0 by the spec */
 }
 
 /* ---------------------------------------------------------------- determinism and options */
