@@ -537,6 +537,27 @@ TEST(math_pieces)
 
 /* ---------------------------------------------------------------- determinism and options */
 
+/* max |a - b| over a tensor, relative to max |b|. */
+static double rel_err(const ape_tensor *a, const ape_tensor *b)
+{
+	return test_max_err_o(a, b) / fmax(test_tensor_maxabs(b), 1e-30);
+}
+
+static double rel_err_params(const float *a, const float *b, int64_t H)
+{
+	double err = 0, m = 1e-30;
+
+	for (int64_t i = 0; i < 4 * H; i++) {
+		err = fmax(err, isnan(a[i]) ? INFINITY : fabs((double)a[i] - b[i]));
+		m = fmax(m, fabs((double)b[i]));
+	}
+	return err / m;
+}
+
+/* Chunked against one launch: the same float64 terms, summed over chunks in float32 (dK, dV
+ * on the device) or in float64 from float32 partials (dQ). */
+#define CHUNK_TOL 1e-5
+
 static bool same_bits(const test_tensor *a, const test_tensor *b)
 {
 	return a->alloc_bytes == b->alloc_bytes && !memcmp(a->alloc, b->alloc, a->alloc_bytes);
@@ -606,12 +627,6 @@ static int widen(test_tensor *dst, const test_tensor *src)
 					test_tensor_set(&dst->t, b, h, l, d,
 							test_tensor_get(&src->t, b, h, l, d));
 	return 0;
-}
-
-/* max |a - b| over a tensor, relative to max |b|. */
-static double rel_err(const ape_tensor *a, const ape_tensor *b)
-{
-	return test_max_err_o(a, b) / fmax(test_tensor_maxabs(b), 1e-30);
 }
 
 /* f16 and bf16 storage (gradients in the storage type and in float32) against the same
@@ -821,30 +836,106 @@ TEST(statistics_and_budget)
 	EXPECT_LT(0u, st.bytes_from_device);
 	EXPECT_LT(0u, st.peak_device_bytes);
 
-	/* a budget one byte short of that peak: refused before any work, saying what it needs */
+	/* a budget too small for one row each way: refused before any work, saying what it
+	 * needs; nothing written */
 	ape_exec_options_init(&eo);
-	eo.max_device_bytes = st.peak_device_bytes - 1;
+	eo.max_device_bytes = 100;
 	EXPECT_EQ(APE_ENOMEM,
 		  ape_attention_backward_ex(&dev, 1, &eo, &c.tp.desc, &c.tp.q.t, &c.tp.k.t,
 					    &c.tp.v.t, &c.tp.o.t, c.tp.lse, &c.dout.t, NULL,
 					    &fresh.dq.t, &fresh.dk.t, &fresh.dv.t, fresh.dparams,
 					    NULL));
-	EXPECT_NE(NULL, strstr(ape_last_error(), "not streamed in chunks yet"));
-	EXPECT_NE(NULL, strstr(ape_last_error(), "over the budget"));
-	grads_free(&fresh);
-	ASSERT_EQ(0, grads_alloc(&fresh, &c, APE_F32));
-	/* exactly the peak fits, with the same result */
-	eo.max_device_bytes = st.peak_device_bytes;
+	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_backward_ex: ref:0 "));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "budget 100 bytes cannot hold the backward "
+						 "pass's chunk of 1 query row and 1 key row"));
+	for (int64_t i = 0; i < 4 * sh.H; i++)
+		EXPECT_TRUE(isnan(fresh.dparams[i]));
+	/* one byte short of the one-launch peak: smaller chunks, within the budget */
+	eo.max_device_bytes = st.peak_device_bytes - 1;
 	ape_stats_init(&st);
 	EXPECT_EQ(0, ape_attention_backward_ex(&dev, 1, &eo, &c.tp.desc, &c.tp.q.t, &c.tp.k.t,
 					       &c.tp.v.t, &c.tp.o.t, c.tp.lse, &c.dout.t, NULL,
 					       &fresh.dq.t, &fresh.dk.t, &fresh.dv.t,
 					       fresh.dparams, &st));
-	EXPECT_TRUE(same_grads(&g, &fresh, W_ALL));
+	EXPECT_LT(1u, st.chunks);
+	EXPECT_LE(st.peak_device_bytes, eo.max_device_bytes);
 	EXPECT_EQ(eo.max_device_bytes, st.device_budget);
+	EXPECT_LE(rel_err(&fresh.dq.t, &g.dq.t), CHUNK_TOL);
+	EXPECT_LE(rel_err(&fresh.dk.t, &g.dk.t), CHUNK_TOL);
+	EXPECT_LE(rel_err(&fresh.dv.t, &g.dv.t), CHUNK_TOL);
+	EXPECT_LE(rel_err_params(fresh.dparams, g.dparams, sh.H), CHUNK_TOL);
 	grads_free(&g);
 	grads_free(&fresh);
 	bcase_free(&c);
+	ape_context_destroy(ctx);
+}
+
+static int run_chunked(bcase *c, ape_device *dev, grads *g, int64_t cq, int64_t ck,
+		       ape_stats *st)
+{
+	test_problem *tp = &c->tp;
+	ape_exec_options eo;
+
+	ape_exec_options_init(&eo);
+	eo.chunk_q = cq;
+	eo.chunk_k = ck;
+	return ape_attention_backward_ex(&dev, 1, &eo, &tp->desc, &tp->q.t, &tp->k.t, &tp->v.t,
+					 &tp->o.t, tp->lse, &c->dout.t, c->dlse, &g->dq.t,
+					 &g->dk.t, &g->dv.t, g->dparams, st);
+}
+
+/* Chunks of every size across the borders of the rows give the one-launch result, the same
+ * bits twice, and launch only the chunk pairs the mask lets through. */
+TEST(chunked_matches_one_launch)
+{
+	static const int64_t sizes[][2] = { { 1, 1 }, { 3, 5 }, { 4, 4 }, { 7, 16 }, { 13, 2 } };
+	const test_problem_shape sh = { 2, 4, 2, 13, 17, 8 };
+	ape_context *ctx = test_context("ref");
+	ape_device *dev = test_device(ctx, "ref");
+	ape_rng rng;
+
+	ASSERT_NE(NULL, dev);
+	ape_rng_init(&rng, "chunked_matches_one_launch");
+	for (int i = 0; i < 5; i++) {
+		const int64_t cq = sizes[i][0], ck = sizes[i][1];
+		int64_t pairs = 0;
+		ape_stats st;
+		bcase c;
+		grads one, g, again;
+
+		ASSERT_EQ(0, bcase_make(&c, &rng, &sh, i == 3 ? APE_BF16 : APE_F32, i % 2,
+					i != 2));
+		test_problem_random_params(&c.tp, &rng);
+		c.tp.desc.causal = i != 4;
+		ASSERT_EQ(0, bcase_forward(&c, dev));
+		ASSERT_EQ(0, grads_alloc(&one, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&again, &c, APE_F32));
+		ASSERT_EQ(0, run_backward(&c, dev, &one, W_ALL, NULL));
+		ape_stats_init(&st);
+		ASSERT_EQ(0, run_chunked(&c, dev, &g, cq, ck, &st));
+		ASSERT_EQ(0, run_chunked(&c, dev, &again, cq, ck, NULL));
+		EXPECT_TRUE(same_grads(&g, &again, W_ALL));
+		EXPECT_LE(rel_err(&g.dq.t, &one.dq.t), CHUNK_TOL);
+		EXPECT_LE(rel_err(&g.dk.t, &one.dk.t), CHUNK_TOL);
+		EXPECT_LE(rel_err(&g.dv.t, &one.dv.t), CHUNK_TOL);
+		EXPECT_LE(rel_err_params(g.dparams, one.dparams, sh.H), CHUNK_TOL);
+		/* chunk pairs with a visible (query, key) pair */
+		for (int64_t i0 = 0; i0 < sh.Lq; i0 += cq)
+			for (int64_t j0 = 0; j0 < sh.Lk; j0 += ck) {
+				int64_t last = i0 + cq < sh.Lq ? i0 + cq - 1 : sh.Lq - 1;
+
+				pairs += !c.tp.desc.causal ||
+					 c.tp.q_start + last >= c.tp.desc.k_start + j0;
+			}
+		EXPECT_EQ((uint64_t)pairs, st.chunks);
+		EXPECT_EQ(cq, st.chunk_q);
+		EXPECT_EQ(ck, st.chunk_k);
+		grads_free(&one);
+		grads_free(&g);
+		grads_free(&again);
+		bcase_free(&c);
+	}
 	ape_context_destroy(ctx);
 }
 

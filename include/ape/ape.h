@@ -825,9 +825,11 @@ APE_API int ape_kv_cache_get_info(const ape_kv_cache *cache, ape_kv_cache_info *
  *
  * Today only the reference backend implements it (float64, every visible key); on a device of
  * another backend the call fails with APE_ENOTSUP naming the device, and never falls back to
- * another one. The call runs as one launch: every input and gradient buffer must fit the
- * device-memory budget at once (streaming the backward in chunks is not implemented yet), and
- * nothing is skipped (no bound for the backward exists yet, so skip_tol is not used).
+ * another one. Long sequences are streamed as the forward's are, under the same device budget:
+ * key chunks x query chunks (at most 4096 rows each by default), dK and dV summed over the
+ * query chunks on the device, dQ over the key chunks on the host in float64, all in a fixed
+ * order; the chunks run one after another on one device (no pipelining, no multi-device split
+ * yet). Nothing is skipped: no bound for the backward exists yet, so skip_tol is not used.
  */
 /**@{*/
 
@@ -862,13 +864,13 @@ APE_API int ape_kv_cache_get_info(const ape_kv_cache *cache, ape_kv_cache_info *
  * \param[out] dparams NULL, or 4*H floats: per head h, dparams[4h + 0..3] = the gradients of
  *        delta, beta, gamma, lambda, overwritten on success
  * \param stats NULL, or statistics of the call (initialise with ape_stats_init()): the pairs
- *        visible and computed, bytes moved, kernel and total time, peak device memory
+ *        visible and computed, launches (`chunks`) and chunk sizes, bytes moved, kernel and
+ *        total time, the budget and the peak device memory
  * \return 0; APE_EINVAL (bad argument, naming it; also when dq, dk, dv and dparams are all
  *         NULL: nothing to compute); APE_EOVERFLOW (sizes or positions overflow 64 bits);
  *         APE_ENOTSUP (the device's backend has no backward pass yet; the message names the
- *         device); APE_ENOMEM (host memory, or the call does not fit the device's budget as one
- *         launch: the message says how many bytes it needs); APE_EBACKEND, APE_EDEVLOST (device
- *         failures).
+ *         device); APE_ENOMEM (host memory: the call keeps float32 copies of the gradients, and
+ *         dQ's sum in float64, until it succeeds); APE_EBACKEND, APE_EDEVLOST (device failures).
  * \note On failure nothing is written: dq, dk, dv and dparams are untouched.
  * \note Inputs are not scanned: NaN or Inf in an input reaches the gradients it touches. An
  *       \p o or \p lse that is not the forward's gives gradients of nothing in particular.
@@ -883,17 +885,20 @@ APE_API int ape_attention_backward(ape_device *dev, const ape_attn_desc *desc,
 /**
  * \brief ape_attention_backward() with execution options.
  *
- * For now: \p ndev must be 1 (several devices: APE_ENOTSUP); opts->max_device_bytes is the
- * device budget the one launch must fit (0: three quarters of the device's memory; APE_ENOMEM
- * says how many bytes it needs); opts->trace_path must be NULL (APE_ENOTSUP); opts->chunk_q,
- * chunk_k, pipeline_depth and device_weights are validated as for ape_attention_forward_ex()
- * but not used yet (no chunking); APE_EXEC_ATOMIC_OUTPUTS is what the call does anyway.
+ * opts->chunk_q and chunk_k are the most rows per chunk (0: 4096) and opts->max_device_bytes
+ * the device budget (0: three quarters of the device's memory), as for
+ * ape_attention_forward_ex(): the planner halves chunks until they fit. For now \p ndev must
+ * be 1 (several devices: APE_ENOTSUP), opts->trace_path must be NULL (APE_ENOTSUP), and
+ * pipeline_depth and device_weights are validated but not used (chunks run one after
+ * another); APE_EXEC_ATOMIC_OUTPUTS is what the call does anyway.
  *
  * \param devs,ndev the devices (ndev = 1)
  * \param opts NULL for the defaults (see ape_exec_options_init())
  * \param desc,q,k,v,o,lse,dout,dlse,dq,dk,dv,dparams,stats as ape_attention_backward()
  * \return as ape_attention_backward(); APE_EINVAL also for a bad option (naming it) or device
- *         list; APE_ENOTSUP also for ndev > 1 or a trace path.
+ *         list; APE_ENOTSUP also for ndev > 1 or a trace path; APE_ENOMEM also for a budget
+ *         too small for one chunk of 1 query row and 1 key row (the message says what that
+ *         needs).
  * \note On failure nothing is written.
  */
 APE_API int ape_attention_backward_ex(ape_device *const *devs, int ndev,

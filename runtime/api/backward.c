@@ -149,6 +149,7 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 	if (on_device) {
 		const struct ape__bwd_req r = {
 			.fn = fn, .dev = devs[0], .budget = opts ? opts->max_device_bytes : 0,
+			.chunk_q = opts ? opts->chunk_q : 0, .chunk_k = opts ? opts->chunk_k : 0,
 			.p = &p, .q = q, .k = k, .v = v, .o = o, .dout = a->dout,
 			.dout_s = a->dout_s, .lse = lse, .dlse = a->dlse,
 			.dq = a->dq, .dk = a->dk, .dv = a->dv,
@@ -167,9 +168,9 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 		st.kernel_ms = res.kernel_ms;
 		st.bytes_to_device = res.h2d;
 		st.bytes_from_device = res.d2h;
-		st.chunks = on_device ? 1 : 0;
-		st.chunk_q = p.Lq;
-		st.chunk_k = p.Lk;
+		st.chunks = res.launches;
+		st.chunk_q = res.cq;
+		st.chunk_k = res.ck;
 		st.pipeline_depth = 1;
 		st.devices = on_device ? 1 : 0;
 		st.device_budget = res.budget;

@@ -1,14 +1,23 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The backward pass on one device (exec/backward.h). The same path as a forward launch: pack
- * strided host tensors (exec/pack.c), count every device buffer against the budget
- * (exec/devmem.c), copy, launch, copy back. Everything the call could run out of (host
- * staging, device buffers) is taken before the launch and the caller's outputs are written
- * only after the final synchronisation, so that a failure writes nothing.
+ * The backward pass on one device (exec/backward.h), streamed in chunks under the device
+ * budget. The same path as the forward's: strided host rows packed into staging
+ * (exec/pack.c), every device buffer counted against the budget (exec/devmem.c), copies,
+ * launches, copies back.
  *
- * Not chunked yet. The backend op is an accumulator (core/backend.h) so that a later executor
- * can run query chunks x key chunks in a fixed order; this one zeroes the accumulators and runs
- * the whole call as one launch, which must fit the budget.
+ * Key chunks outer, query chunks inner, both in increasing order, one launch at a time:
+ * - a key chunk's K and V go to the device once, with zeroed dK and dV accumulators that every
+ *   query chunk's launch adds to (the op accumulates: core/backend.h); when its last query
+ *   chunk is done they come back into host copies of the whole dK and dV;
+ * - a query chunk's Q, O, dO, LSE and dLSE rows go with each launch; its dQ partial comes back
+ *   after each launch and is added, in float64 and in key-chunk order, to a host accumulator;
+ * - the parameter gradients accumulate on the device, in float64, over every launch.
+ * Every order is fixed, so two calls give the same bits. A (query chunk, key chunk) pair the
+ * causal mask hides entirely is never launched.
+ *
+ * The caller's outputs are written only after the last launch succeeded, from those host
+ * copies: a failure writes nothing. No pipelining yet: each launch is synchronised before the
+ * staging is reused.
  */
 #include "exec/backward.h"
 
@@ -20,195 +29,242 @@
 #include "core/error.h"
 #include "exec/devmem.h"
 #include "exec/pack.h"
+#include "exec/plan.h"
 #include "exec/stream.h"
 
-enum { IN_Q, IN_K, IN_V, IN_O, IN_DOUT, IN_LSE, IN_DLSE, N_IN };
-enum { OUT_DQ, OUT_DK, OUT_DV, N_OUT };
+/* Device chunk buffers, each with its host staging. Rows of the query side, then the key side. */
+enum { B_Q, B_O, B_DOUT, B_LSE, B_DLSE, B_DQ, B_K, B_V, B_DK, B_DV, NBUF };
 
-/* An input on its way to the device: the caller's memory when it is contiguous already, else
- * a packed copy. */
-struct upload {
+struct chunk_buf {
 	const char *what;
-	const void *host;
-	void *packed; /* owned, or NULL */
-	uint64_t bytes; /* 0: not sent (dlse not given) */
-	struct ape__buf *buf;
-};
-
-/* A gradient on its way back: a float32 accumulator on the device, its float32 host copy and,
- * for a 16-bit tensor, the converted rows. */
-struct download {
-	const char *what;
-	ape_tensor *t; /* NULL: not wanted */
+	const ape_tensor *t; /* the host tensor its rows come from (inputs), or NULL */
 	const int64_t *s;
-	uint64_t elems;
+	uint64_t row_bytes; /* bytes per row of one chunk, all (b, h) together */
+	bool used;
 	struct ape__buf *buf;
-	float *host;
-	void *conv; /* t->dtype != APE_F32 only */
+	void *host; /* staging of one chunk */
 };
 
 struct bwd_run {
 	const struct ape__bwd_req *r;
+	const struct ape__backend_ops *ops;
 	struct ape__devmem mem;
 	struct ape__queue *queue;
-	struct ape__event *ev[2];
-	struct upload in[N_IN];
-	struct download out[N_OUT];
+	int64_t cq, ck; /* rows per chunk */
+	struct chunk_buf b[NBUF];
+	ape_tensor lse_t, dlse_t; /* lse and dlse as [B, H, Lq, 1] float tensors */
+	int64_t lse_s[4];
 	struct ape__buf *dparams_buf;
 	double *dparams_host;
 	uint64_t dparams_bytes;
+	double *dq_acc; /* [B, H, Lq, D]: the sum of dQ over key chunks */
+	float *dk_all, *dv_all; /* [B, Hkv, Lk, D] */
+	struct ape__bwd_result *res;
 };
 
-static uint64_t elems_of(const ape_tensor *t)
+static uint64_t chunk_bytes(const struct bwd_run *x, int64_t cq, int64_t ck)
 {
-	return (uint64_t)(t->shape[0] * t->shape[1] * t->shape[2] * t->shape[3]);
+	uint64_t n = x->dparams_bytes;
+
+	for (int i = 0; i < NBUF; i++)
+		if (x->b[i].used)
+			n += x->b[i].row_bytes * (uint64_t)(i < B_K ? cq : ck);
+	return n;
 }
 
-static void set_upload(struct upload *u, const char *what, const ape_tensor *t,
-		       const int64_t s[4])
+static uint64_t largest_buffer(const struct bwd_run *x, int64_t cq, int64_t ck)
 {
-	u->what = what;
-	u->host = t->data;
-	u->bytes = elems_of(t) * ape_dtype_size(t->dtype);
-	if (!ape__is_contiguous(t, s))
-		u->host = NULL; /* packed in prepare_host() */
+	uint64_t m = x->dparams_bytes;
+
+	for (int i = 0; i < NBUF; i++) {
+		uint64_t n = x->b[i].row_bytes * (uint64_t)(i < B_K ? cq : ck);
+
+		m = x->b[i].used && n > m ? n : m;
+	}
+	return m;
 }
 
-static void set_download(struct download *d, const char *what, ape_tensor *t, const int64_t *s)
-{
-	d->what = what;
-	d->t = t;
-	d->s = s;
-	d->elems = t ? elems_of(t) : 0;
-}
-
-/* The sizes of the one launch, and whether they fit the budget and the largest buffer. */
-static int check_fit(struct bwd_run *x, uint64_t budget)
+/* Chunk sizes that fit: the most rows the caller allows, the larger side halved until the
+ * buffers fit the budget and the device's largest allocation. */
+static int plan(struct bwd_run *x, int64_t max_cq, int64_t max_ck, uint64_t budget)
 {
 	const struct ape__bwd_req *r = x->r;
+	const struct ape__problem *p = r->p;
 	struct ape_device *dev = r->dev;
-	uint64_t total = x->dparams_bytes, largest = x->dparams_bytes, max_buf;
+	const uint64_t max_buf = dev->be->ops->max_alloc ? dev->be->ops->max_alloc(dev) : UINT64_MAX;
+	int64_t cq = p->Lq < max_cq ? p->Lq : max_cq, ck = p->Lk < max_ck ? p->Lk : max_ck;
 
-	for (int i = 0; i < N_IN; i++) {
-		total += x->in[i].bytes;
-		largest = x->in[i].bytes > largest ? x->in[i].bytes : largest;
+	while (chunk_bytes(x, cq, ck) > budget || largest_buffer(x, cq, ck) > max_buf) {
+		if (cq == 1 && ck == 1)
+			return ape__error(APE_ENOMEM,
+					  "%s: %s:%d %s: budget %" PRIu64
+					  " bytes cannot hold the backward pass's chunk of 1 query row "
+					  "and 1 key row (B=%" PRId64 ", H=%" PRId64 ", Hkv=%" PRId64
+					  ", D=%" PRId64 ", %s): that needs %" PRIu64
+					  " bytes, in buffers of up to %" PRIu64 " bytes (largest "
+					  "allocation %" PRIu64 ")",
+					  r->fn, dev->info.backend, dev->info.backend_index,
+					  dev->info.name, budget, p->B, p->H, p->Hkv, p->D,
+					  ape_dtype_name(p->in_dtype), chunk_bytes(x, 1, 1),
+					  largest_buffer(x, 1, 1), max_buf);
+		if (cq >= ck)
+			cq = (cq + 1) / 2;
+		else
+			ck = (ck + 1) / 2;
 	}
-	for (int i = 0; i < N_OUT; i++) {
-		total += x->out[i].elems * sizeof(float);
-		largest = x->out[i].elems * sizeof(float) > largest ? x->out[i].elems * sizeof(float)
-								     : largest;
-	}
-	if (total > budget)
-		return ape__error(APE_ENOMEM,
-				  "%s: %s:%d %s: the backward pass runs as one launch (it is not "
-				  "streamed in chunks yet) and needs %" PRIu64
-				  " bytes of device memory for its inputs and gradients, over the "
-				  "budget of %" PRIu64 " bytes",
-				  r->fn, dev->info.backend, dev->info.backend_index, dev->info.name,
-				  total, budget);
-	max_buf = dev->be->ops->max_alloc ? dev->be->ops->max_alloc(dev) : UINT64_MAX;
-	if (largest > max_buf)
-		return ape__error(APE_ENOMEM,
-				  "%s: %s:%d %s: the backward pass runs as one launch (it is not "
-				  "streamed in chunks yet) and needs a buffer of %" PRIu64
-				  " bytes, over the device's largest allocation of %" PRIu64 " bytes",
-				  r->fn, dev->info.backend, dev->info.backend_index, dev->info.name,
-				  largest, max_buf);
+	x->cq = cq;
+	x->ck = ck;
 	return 0;
 }
 
-/* Host memory, all of it before any device work: packed inputs and gradient staging. */
+static void describe(struct bwd_run *x)
+{
+	const struct ape__bwd_req *r = x->r;
+	const struct ape__problem *p = r->p;
+	const uint64_t bh = (uint64_t)(p->B * p->H), bkv = (uint64_t)(p->B * p->Hkv);
+	const uint64_t D = (uint64_t)p->D, esz = ape_dtype_size(p->in_dtype);
+	const struct chunk_buf b[NBUF] = {
+		[B_Q] = { "q", r->q, p->qs, bh * D * esz, true, NULL, NULL },
+		[B_O] = { "o", r->o, p->os, bh * D * ape_dtype_size(p->out_dtype), true, NULL, NULL },
+		[B_DOUT] = { "dout", r->dout, r->dout_s, bh * D * ape_dtype_size(r->dout->dtype),
+			     true, NULL, NULL },
+		[B_LSE] = { "lse", &x->lse_t, x->lse_s, bh * sizeof(float), true, NULL, NULL },
+		[B_DLSE] = { "dlse", &x->dlse_t, x->lse_s, bh * sizeof(float), r->dlse != NULL,
+			     NULL, NULL },
+		[B_DQ] = { "dq", NULL, NULL, bh * D * sizeof(float), r->dq != NULL, NULL, NULL },
+		[B_K] = { "k", r->k, p->ks, bkv * D * esz, true, NULL, NULL },
+		[B_V] = { "v", r->v, p->vs, bkv * D * esz, true, NULL, NULL },
+		[B_DK] = { "dk", NULL, NULL, bkv * D * sizeof(float), r->dk != NULL, NULL, NULL },
+		[B_DV] = { "dv", NULL, NULL, bkv * D * sizeof(float), r->dv != NULL, NULL, NULL },
+	};
+
+	memcpy(x->b, b, sizeof(b));
+	/* LSE rows are a [B, H, Lq, 1] tensor to the packer */
+	ape_tensor_init(&x->lse_t, (void *)r->lse, APE_F32, p->B, p->H, p->Lq, 1);
+	ape_tensor_init(&x->dlse_t, (void *)r->dlse, APE_F32, p->B, p->H, p->Lq, 1);
+	ape_tensor_strides(&x->lse_t, x->lse_s);
+	x->dparams_bytes = r->dparams ? (uint64_t)p->H * 4 * sizeof(double) : 0;
+}
+
+/* Host memory, all of it before any device work: chunk staging and the gradients' copies. */
 static int prepare_host(struct bwd_run *x)
 {
 	const struct ape__bwd_req *r = x->r;
-	const ape_tensor *ts[IN_LSE] = { r->q, r->k, r->v, r->o, r->dout };
-	const int64_t *ss[IN_LSE] = { r->p->qs, r->p->ks, r->p->vs, r->p->os, r->dout_s };
+	const struct ape__problem *p = r->p;
+	const size_t qgrad = (size_t)(p->B * p->H * p->Lq * p->D);
+	const size_t kgrad = (size_t)(p->B * p->Hkv * p->Lk * p->D);
 
-	for (int i = 0; i < IN_LSE; i++) {
-		struct upload *u = &x->in[i];
+	for (int i = 0; i < NBUF; i++) {
+		struct chunk_buf *c = &x->b[i];
 
-		if (u->host)
-			continue;
-		u->packed = ape__malloc((size_t)u->bytes);
-		if (!u->packed)
-			goto out_nomem;
-		ape__pack_rows(u->packed, ts[i], ss[i], 0, ts[i]->shape[2]);
-		u->host = u->packed;
-	}
-	for (int i = 0; i < N_OUT; i++) {
-		struct download *d = &x->out[i];
-
-		if (!d->t)
-			continue;
-		d->host = ape__malloc((size_t)d->elems * sizeof(float));
-		if (!d->host)
-			goto out_nomem;
-		if (d->t->dtype != APE_F32) {
-			d->conv = ape__malloc((size_t)d->elems * ape_dtype_size(d->t->dtype));
-			if (!d->conv)
-				goto out_nomem;
-		}
-	}
-	if (r->dparams) {
-		x->dparams_host = ape__malloc((size_t)x->dparams_bytes);
-		if (!x->dparams_host)
+		if (c->used && !(c->host = ape__malloc((size_t)(c->row_bytes *
+								 (uint64_t)(i < B_K ? x->cq
+										    : x->ck)))))
 			goto out_nomem;
 	}
+	if (r->dq && !(x->dq_acc = ape__calloc(qgrad, sizeof(double))))
+		goto out_nomem;
+	if (r->dk && !(x->dk_all = ape__malloc(kgrad * sizeof(float))))
+		goto out_nomem;
+	if (r->dv && !(x->dv_all = ape__malloc(kgrad * sizeof(float))))
+		goto out_nomem;
+	if (r->dparams && !(x->dparams_host = ape__malloc((size_t)x->dparams_bytes)))
+		goto out_nomem;
 	return 0;
 out_nomem:
 	return ape__error(APE_ENOMEM, "%s: out of host memory staging the backward pass", r->fn);
 }
 
-/* Device buffers, copies in, zeroed accumulators, the launch, copies back, synchronised. */
-static int run_device(struct bwd_run *x, struct ape__bwd_result *res)
+static int alloc_device(struct bwd_run *x)
 {
-	const struct ape__bwd_req *r = x->r;
-	const struct ape__backend_ops *ops = r->dev->be->ops;
-	const struct ape__problem *p = r->p;
-	struct ape__bwd_launch l;
 	int ret;
 
-	if ((ret = ops->queue_create(r->dev, &x->queue)))
+	if ((ret = x->ops->queue_create(x->r->dev, &x->queue)))
 		return ret;
-	for (int i = 0; i < N_IN; i++) {
-		struct upload *u = &x->in[i];
+	for (int i = 0; i < NBUF; i++) {
+		struct chunk_buf *c = &x->b[i];
 
-		if (!u->bytes)
-			continue;
-		if ((ret = ape__devmem_alloc(&x->mem, u->bytes, &u->buf, u->what)) ||
-		    (ret = ops->copy_h2d(x->queue, u->buf, 0, u->host, (size_t)u->bytes)))
-			return ret;
-		res->h2d += u->bytes;
-	}
-	for (int i = 0; i < N_OUT; i++) {
-		struct download *d = &x->out[i];
-
-		if (!d->t)
-			continue;
-		if ((ret = ape__devmem_alloc(&x->mem, d->elems * sizeof(float), &d->buf,
-					     d->what)) ||
-		    (ret = ops->fill(x->queue, d->buf, 0, 0, (size_t)d->elems * sizeof(float))))
+		if (c->used && (ret = ape__devmem_alloc(&x->mem,
+							c->row_bytes *
+								(uint64_t)(i < B_K ? x->cq : x->ck),
+							&c->buf, c->what)))
 			return ret;
 	}
-	if (r->dparams &&
+	if (x->r->dparams &&
 	    ((ret = ape__devmem_alloc(&x->mem, x->dparams_bytes, &x->dparams_buf, "dparams")) ||
-	     (ret = ops->fill(x->queue, x->dparams_buf, 0, 0, (size_t)x->dparams_bytes))))
+	     (ret = x->ops->fill(x->queue, x->dparams_buf, 0, 0, (size_t)x->dparams_bytes))))
 		return ret;
+	return 0;
+}
+
+/* Rows [l0, l0 + n) of the inputs of one side (first..last) to the device. */
+static int upload_rows(struct bwd_run *x, int first, int last, int64_t l0, int64_t n)
+{
+	int ret;
+
+	for (int i = first; i <= last; i++) {
+		struct chunk_buf *c = &x->b[i];
+		const size_t bytes = (size_t)(c->row_bytes * (uint64_t)n);
+
+		if (!c->used || !c->t)
+			continue;
+		ape__pack_rows(c->host, c->t, c->s, l0, n);
+		if ((ret = x->ops->copy_h2d(x->queue, c->buf, 0, c->host, bytes)))
+			return ret;
+		x->res->h2d += bytes;
+	}
+	return 0;
+}
+
+/* Zeroes the accumulator of buffer i for n rows. */
+static int zero_rows(struct bwd_run *x, int i, int64_t n)
+{
+	struct chunk_buf *c = &x->b[i];
+
+	if (!c->used)
+		return 0;
+	return x->ops->fill(x->queue, c->buf, 0, 0, (size_t)(c->row_bytes * (uint64_t)n));
+}
+
+/* Copies buffer i's n rows back into its staging, and waits for it. */
+static int download_rows(struct bwd_run *x, int i, int64_t n)
+{
+	struct chunk_buf *c = &x->b[i];
+	const size_t bytes = (size_t)(c->row_bytes * (uint64_t)n);
+	int ret;
+
+	if (!c->used)
+		return 0;
+	if ((ret = x->ops->copy_d2h(x->queue, c->host, c->buf, 0, bytes)) ||
+	    (ret = x->ops->synchronize(x->queue)))
+		return ret;
+	x->res->d2h += bytes;
+	return 0;
+}
+
+/* The launch of query rows [i0, i0 + nq) against key rows [j0, j0 + nk). */
+static int launch(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t nk)
+{
+	const struct ape__problem *p = x->r->p;
+	struct ape__event *e0 = NULL, *e1 = NULL;
+	struct ape__bwd_launch l;
+	double ms = 0;
+	int ret;
 
 	memset(&l, 0, sizeof(l));
 	l.f.B = p->B;
 	l.f.H = p->H;
 	l.f.Hkv = p->Hkv;
-	l.f.Lq = p->Lq;
-	l.f.Lk = p->Lk;
+	l.f.Lq = nq;
+	l.f.Lk = nk;
 	l.f.D = p->D;
 	l.f.in_dtype = p->in_dtype;
 	l.f.out_dtype = p->out_dtype;
-	l.f.q = x->in[IN_Q].buf;
-	l.f.k = x->in[IN_K].buf;
-	l.f.v = x->in[IN_V].buf;
-	l.f.o = x->in[IN_O].buf;
-	l.f.lse = x->in[IN_LSE].buf;
+	l.f.q = x->b[B_Q].buf;
+	l.f.k = x->b[B_K].buf;
+	l.f.v = x->b[B_V].buf;
+	l.f.o = x->b[B_O].buf;
+	l.f.lse = x->b[B_LSE].buf;
 	l.f.head_params = p->head_params;
 	l.f.decay_nonneg = p->decay_nonneg;
 	l.f.scale = p->scale;
@@ -217,77 +273,168 @@ static int run_device(struct bwd_run *x, struct ape__bwd_result *res)
 		l.f.omega[i] = pow(p->rope_base, -2.0 * (double)i / (double)p->D);
 	l.f.causal = p->causal;
 	l.f.layout = p->layout;
-	l.f.q_start = p->q_start;
-	l.f.k_start = p->k_start;
+	l.f.q_start = p->q_start + i0; /* validated: positions of every row fit */
+	l.f.k_start = p->k_start + j0;
 	l.f.skip_tol = 0; /* no skip bound for the backward yet */
-	l.dout_dtype = r->dout->dtype;
-	l.dout = x->in[IN_DOUT].buf;
-	l.dlse = x->in[IN_DLSE].buf;
-	l.dq = x->out[OUT_DQ].buf;
-	l.dk = x->out[OUT_DK].buf;
-	l.dv = x->out[OUT_DV].buf;
+	l.dout_dtype = x->r->dout->dtype;
+	l.dout = x->b[B_DOUT].buf;
+	l.dlse = x->b[B_DLSE].buf;
+	l.dq = x->b[B_DQ].buf;
+	l.dk = x->b[B_DK].buf;
+	l.dv = x->b[B_DV].buf;
 	l.dparams = x->dparams_buf;
 
-	if ((ret = ops->event_record(x->queue, &x->ev[0])) ||
-	    (ret = ops->attention_backward(x->queue, &l)) ||
-	    (ret = ops->event_record(x->queue, &x->ev[1])))
-		return ret;
-	for (int i = 0; i < N_OUT; i++) {
-		struct download *d = &x->out[i];
-
-		if (d->t && (ret = ops->copy_d2h(x->queue, d->host, d->buf, 0,
-						 (size_t)d->elems * sizeof(float))))
-			return ret;
-		res->d2h += d->elems * sizeof(float);
+	if (!(ret = x->ops->event_record(x->queue, &e0)) &&
+	    !(ret = x->ops->attention_backward(x->queue, &l)) &&
+	    !(ret = x->ops->event_record(x->queue, &e1)) &&
+	    !(ret = x->ops->synchronize(x->queue)) &&
+	    !(ret = x->ops->event_elapsed(e0, e1, &ms))) {
+		x->res->kernel_ms += ms;
+		x->res->launches++;
 	}
-	if (r->dparams && (ret = ops->copy_d2h(x->queue, x->dparams_host, x->dparams_buf, 0,
-					       (size_t)x->dparams_bytes)))
-		return ret;
-	res->d2h += r->dparams ? x->dparams_bytes : 0;
-	if ((ret = ops->synchronize(x->queue)))
-		return ret;
-	return ops->event_elapsed(x->ev[0], x->ev[1], &res->kernel_ms);
+	x->ops->event_destroy(e0);
+	x->ops->event_destroy(e1);
+	return ret;
 }
 
-/* Only after everything succeeded: the caller's outputs, converted and laid out. */
-static void write_outputs(struct bwd_run *x)
+/* Adds a query chunk's dQ partial (staging, [B, H, nq, D] float) into the accumulator. */
+static void add_dq(struct bwd_run *x, int64_t i0, int64_t nq)
+{
+	const struct ape__problem *p = x->r->p;
+	const float *part = x->b[B_DQ].host;
+	const int64_t D = p->D;
+
+	for (int64_t bh = 0; bh < p->B * p->H; bh++)
+		for (int64_t i = 0; i < nq; i++)
+			for (int64_t d = 0; d < D; d++)
+				x->dq_acc[(bh * p->Lq + i0 + i) * D + d] += part[(bh * nq + i) * D + d];
+}
+
+/* A key chunk's finished dK or dV (staging, [B, Hkv, nk, D] float) into its host copy. */
+static void place_dkv(struct bwd_run *x, int i, float *all, int64_t j0, int64_t nk)
+{
+	const struct ape__problem *p = x->r->p;
+	ape_tensor t;
+	int64_t s[4];
+
+	if (!all)
+		return;
+	ape_tensor_init(&t, all, APE_F32, p->B, p->Hkv, p->Lk, p->D);
+	ape_tensor_strides(&t, s);
+	ape__unpack_rows(x->b[i].host, &t, s, j0, nk);
+}
+
+/* Whether any query of rows [i0, i0 + nq) sees any key of rows [j0, j0 + nk). */
+static bool chunk_visible(const struct ape__problem *p, int64_t i0, int64_t nq, int64_t j0)
+{
+	/* the last query against the first key; distances are validated to fit */
+	return !p->causal || p->q_start + (i0 + nq - 1) - (p->k_start + j0) >= 0;
+}
+
+static int run_chunks(struct bwd_run *x)
+{
+	const struct ape__problem *p = x->r->p;
+	int ret;
+
+	for (int64_t j0 = 0; j0 < p->Lk; j0 += x->ck) {
+		const int64_t nk = p->Lk - j0 < x->ck ? p->Lk - j0 : x->ck;
+
+		if ((ret = upload_rows(x, B_K, B_V, j0, nk)) || (ret = zero_rows(x, B_DK, nk)) ||
+		    (ret = zero_rows(x, B_DV, nk)))
+			return ret;
+		for (int64_t i0 = 0; i0 < p->Lq; i0 += x->cq) {
+			const int64_t nq = p->Lq - i0 < x->cq ? p->Lq - i0 : x->cq;
+
+			if (!chunk_visible(p, i0, nq, j0))
+				continue;
+			if ((ret = upload_rows(x, B_Q, B_DLSE, i0, nq)) ||
+			    (ret = zero_rows(x, B_DQ, nq)) || (ret = launch(x, i0, nq, j0, nk)) ||
+			    (ret = download_rows(x, B_DQ, nq)))
+				return ret;
+			if (x->dq_acc)
+				add_dq(x, i0, nq);
+		}
+		if ((ret = download_rows(x, B_DK, nk)) || (ret = download_rows(x, B_DV, nk)))
+			return ret;
+		place_dkv(x, B_DK, x->dk_all, j0, nk);
+		place_dkv(x, B_DV, x->dv_all, j0, nk);
+	}
+	if (x->r->dparams &&
+	    ((ret = x->ops->copy_d2h(x->queue, x->dparams_host, x->dparams_buf, 0,
+				     (size_t)x->dparams_bytes)) ||
+	     (ret = x->ops->synchronize(x->queue))))
+		return ret;
+	x->res->d2h += x->dparams_bytes;
+	return 0;
+}
+
+/*
+ * Only after every launch succeeded: the float32 copies (dQ rounded from its float64 sum),
+ * converted for 16-bit tensors, into the caller's layout. Every conversion buffer is taken
+ * before the first byte is written, so that running out of memory here writes nothing too.
+ */
+static int write_outputs(struct bwd_run *x)
 {
 	const struct ape__bwd_req *r = x->r;
+	const struct ape__problem *p = r->p;
+	const size_t nq = (size_t)(p->B * p->H * p->Lq * p->D);
+	ape_tensor *ts[3] = { r->dq, r->dk, r->dv };
+	const int64_t *ss[3] = { r->dq_s, r->dk_s, r->dv_s };
+	const float *all[3] = { NULL, x->dk_all, x->dv_all };
+	float *dq32 = NULL;
+	void *conv[3] = { NULL, NULL, NULL };
+	int ret = 0;
 
-	for (int i = 0; i < N_OUT; i++) {
-		struct download *d = &x->out[i];
-
-		if (!d->t)
-			continue;
-		if (d->conv) {
-			ape_convert(d->conv, d->t->dtype, d->host, APE_F32, (size_t)d->elems);
-			ape__unpack_rows(d->conv, d->t, d->s, 0, d->t->shape[2]);
-		} else {
-			ape__unpack_rows(d->host, d->t, d->s, 0, d->t->shape[2]);
-		}
+	if (r->dq) {
+		dq32 = ape__malloc(nq * sizeof(float) + 1);
+		if (!dq32)
+			goto out_nomem;
+		for (size_t i = 0; i < nq; i++)
+			dq32[i] = (float)x->dq_acc[i];
+		all[0] = dq32;
 	}
-	for (int64_t i = 0; r->dparams && i < 4 * r->p->H; i++)
+	for (int i = 0; i < 3; i++) {
+		size_t n;
+
+		if (!ts[i] || ts[i]->dtype == APE_F32)
+			continue;
+		n = (size_t)(ts[i]->shape[0] * ts[i]->shape[1] * ts[i]->shape[2] * ts[i]->shape[3]);
+		conv[i] = ape__malloc(n * ape_dtype_size(ts[i]->dtype) + 1);
+		if (!conv[i])
+			goto out_nomem;
+		ape_convert(conv[i], ts[i]->dtype, all[i], APE_F32, n);
+	}
+	for (int i = 0; i < 3; i++)
+		if (ts[i])
+			ape__unpack_rows(conv[i] ? conv[i] : all[i], ts[i], ss[i], 0,
+					 ts[i]->shape[2]);
+	for (int64_t i = 0; r->dparams && i < 4 * p->H; i++)
 		r->dparams[i] = (float)x->dparams_host[i];
+	goto out_free;
+out_nomem:
+	ret = ape__error(APE_ENOMEM, "%s: out of host memory converting the gradients", r->fn);
+out_free:
+	free(dq32);
+	for (int i = 0; i < 3; i++)
+		free(conv[i]);
+	return ret;
 }
 
 static void release(struct bwd_run *x)
 {
-	const struct ape__backend_ops *ops = x->r->dev->be->ops;
+	x->ops->queue_destroy(x->queue); /* waits for what is still in flight */
+	for (int i = 0; i < NBUF; i++) {
+		struct chunk_buf *c = &x->b[i];
 
-	ops->queue_destroy(x->queue); /* waits for what is still in flight */
-	for (int i = 0; i < 2; i++)
-		ops->event_destroy(x->ev[i]);
-	for (int i = 0; i < N_IN; i++) {
-		ape__devmem_free(&x->mem, &x->in[i].buf, x->in[i].bytes);
-		free(x->in[i].packed);
-	}
-	for (int i = 0; i < N_OUT; i++) {
-		ape__devmem_free(&x->mem, &x->out[i].buf, x->out[i].elems * sizeof(float));
-		free(x->out[i].host);
-		free(x->out[i].conv);
+		ape__devmem_free(&x->mem, &c->buf,
+				 c->row_bytes * (uint64_t)(i < B_K ? x->cq : x->ck));
+		free(c->host);
 	}
 	ape__devmem_free(&x->mem, &x->dparams_buf, x->dparams_bytes);
 	free(x->dparams_host);
+	free(x->dq_acc);
+	free(x->dk_all);
+	free(x->dv_all);
 }
 
 int ape__backward_supported(const char *fn, const struct ape_device *dev)
@@ -302,8 +449,6 @@ int ape__backward_supported(const char *fn, const struct ape_device *dev)
 int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res)
 {
 	struct ape_device *dev = r->dev;
-	const struct ape__problem *p = r->p;
-	const uint64_t rows = (uint64_t)(p->B * p->H * p->Lq);
 	struct bwd_run x;
 	int ret;
 
@@ -312,31 +457,26 @@ int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res
 		return ret;
 	memset(&x, 0, sizeof(x));
 	x.r = r;
+	x.ops = dev->be->ops;
+	x.res = res;
 	res->budget = r->budget ? r->budget : ape__default_budget(dev);
 	ape__devmem_init(&x.mem, dev, res->budget);
-	set_upload(&x.in[IN_Q], "q", r->q, p->qs);
-	set_upload(&x.in[IN_K], "k", r->k, p->ks);
-	set_upload(&x.in[IN_V], "v", r->v, p->vs);
-	set_upload(&x.in[IN_O], "o", r->o, p->os);
-	set_upload(&x.in[IN_DOUT], "dout", r->dout, r->dout_s);
-	x.in[IN_LSE] = (struct upload){ "lse", r->lse, NULL, rows * sizeof(float), NULL };
-	x.in[IN_DLSE] = (struct upload){ "dlse", r->dlse, NULL, r->dlse ? rows * sizeof(float) : 0,
-					 NULL };
-	set_download(&x.out[OUT_DQ], "dq", r->dq, r->dq_s);
-	set_download(&x.out[OUT_DK], "dk", r->dk, r->dk_s);
-	set_download(&x.out[OUT_DV], "dv", r->dv, r->dv_s);
-	x.dparams_bytes = r->dparams ? (uint64_t)p->H * 4 * sizeof(double) : 0;
-
-	ret = check_fit(&x, res->budget);
+	describe(&x);
+	ret = plan(&x, r->chunk_q ? r->chunk_q : APE__CHUNK_DEFAULT,
+		   r->chunk_k ? r->chunk_k : APE__CHUNK_DEFAULT, res->budget);
 	if (!ret)
 		ret = prepare_host(&x);
 	if (!ret) {
-		ret = run_device(&x, res);
+		ret = alloc_device(&x);
+		if (!ret)
+			ret = run_chunks(&x);
 		if (ret)
 			ret = ape__error_prefix(ape__error_on(ret, dev), r->fn);
 	}
 	if (!ret)
-		write_outputs(&x);
+		ret = write_outputs(&x);
+	res->cq = x.cq;
+	res->ck = x.ck;
 	res->peak = x.mem.peak;
 	release(&x);
 	return ret;
