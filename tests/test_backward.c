@@ -22,17 +22,11 @@
 
 #include "ape_test.h"
 #include "common/naive.h"
+#include "common/bwdcase.h"
 #include "common/problem.h"
 
 #define APE_REAL double
 #include "core/ape_math.h"
-
-/* Bits of the `wanted` masks: which outputs a call asks for. */
-#define W_DQ 1u
-#define W_DK 2u
-#define W_DV 4u
-#define W_DP 8u
-#define W_ALL 15u
 
 /* The spec's accuracy of gradients, times max |G_64|. */
 static double tol_grad(ape_dtype storage)
@@ -52,20 +46,6 @@ static double tol_grad(ape_dtype storage)
  */
 #define FD_TOL 1e-5
 
-/* A forward problem with its saved O and LSE, and the upstream gradients. */
-typedef struct bcase {
-	test_problem tp;
-	test_tensor dout;
-	float *dlse; /* NULL: not given */
-} bcase;
-
-/* Gradients of one call. */
-typedef struct grads {
-	test_tensor dq, dk, dv;
-	float *dparams; /* 4 * H */
-	int64_t H;
-} grads;
-
 static double quantize(double x, double step)
 {
 	return nearbyint(x / step) * step;
@@ -80,45 +60,6 @@ static void quantize_tensor(ape_tensor *t, double step)
 					test_tensor_set(t, b, h, l, d,
 							quantize(test_tensor_get(t, b, h, l, d),
 								 step));
-}
-
-/* Inputs and upstream gradients; the caller sets the parameters, then bcase_forward(). */
-static int bcase_make(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt,
-		      bool strided, bool with_dlse)
-{
-	const size_t rows = (size_t)(sh->B * sh->H * sh->Lq);
-
-	memset(c, 0, sizeof(*c));
-	if (test_problem_make(&c->tp, r, sh, dt, strided))
-		return -1;
-	if (test_tensor_random(&c->dout, r, dt, sh->B, sh->H, sh->Lq, sh->D, 1.0))
-		goto out_free;
-	if (with_dlse) {
-		c->dlse = malloc(sizeof(float) * (rows + 1));
-		if (!c->dlse)
-			goto out_free;
-		for (size_t i = 0; i < rows; i++)
-			c->dlse[i] = (float)ape_rng_normal(r);
-	}
-	return 0;
-out_free:
-	test_problem_free(&c->tp);
-	test_tensor_free(&c->dout);
-	return -1;
-}
-
-static void bcase_free(bcase *c)
-{
-	test_problem_free(&c->tp);
-	test_tensor_free(&c->dout);
-	free(c->dlse);
-	memset(c, 0, sizeof(*c));
-}
-
-/* The saved O and LSE, from the reference's forward. */
-static int bcase_forward(bcase *c, ape_device *dev)
-{
-	return test_problem_run(&c->tp, dev);
 }
 
 /* Exact in float32 for finite differences: inputs multiples of 2^-10, parameters of 2^-12. */
@@ -136,44 +77,6 @@ static void bcase_quantize(bcase *c)
 	tp->desc.beta.value = (float)quantize(tp->desc.beta.value, 0x1p-12);
 	tp->desc.gamma.value = (float)quantize(tp->desc.gamma.value, 0x1p-12);
 	tp->desc.lambda.value = (float)quantize(tp->desc.lambda.value, 0x1p-12);
-}
-
-static int grads_alloc(grads *g, const bcase *c, ape_dtype dt)
-{
-	const int64_t *qs = c->tp.q.t.shape, *ks = c->tp.k.t.shape;
-
-	memset(g, 0, sizeof(*g));
-	g->H = qs[1];
-	g->dparams = malloc(sizeof(float) * (size_t)(4 * g->H));
-	if (!g->dparams || test_tensor_empty(&g->dq, dt, qs[0], qs[1], qs[2], qs[3]) ||
-	    test_tensor_empty(&g->dk, dt, ks[0], ks[1], ks[2], ks[3]) ||
-	    test_tensor_empty(&g->dv, dt, ks[0], ks[1], ks[2], ks[3]))
-		return -1;
-	for (int64_t i = 0; i < 4 * g->H; i++)
-		g->dparams[i] = NAN;
-	return 0;
-}
-
-static void grads_free(grads *g)
-{
-	test_tensor_free(&g->dq);
-	test_tensor_free(&g->dk);
-	test_tensor_free(&g->dv);
-	free(g->dparams);
-	memset(g, 0, sizeof(*g));
-}
-
-/* The backward call of case c into the outputs of g that `wanted` names. */
-static int run_backward(bcase *c, ape_device *dev, grads *g, unsigned wanted, ape_stats *st)
-{
-	test_problem *tp = &c->tp;
-
-	return ape_attention_backward(dev, &tp->desc, &tp->q.t, &tp->k.t, &tp->v.t, &tp->o.t,
-				      tp->lse, &c->dout.t, c->dlse,
-				      wanted & W_DQ ? &g->dq.t : NULL,
-				      wanted & W_DK ? &g->dk.t : NULL,
-				      wanted & W_DV ? &g->dv.t : NULL,
-				      wanted & W_DP ? g->dparams : NULL, st);
 }
 
 /* ---------------------------------------------------------------- finite differences */
@@ -558,20 +461,6 @@ static double rel_err_params(const float *a, const float *b, int64_t H)
  * on the device) or in float64 from float32 partials (dQ). */
 #define CHUNK_TOL 1e-5
 
-static bool same_bits(const test_tensor *a, const test_tensor *b)
-{
-	return a->alloc_bytes == b->alloc_bytes && !memcmp(a->alloc, b->alloc, a->alloc_bytes);
-}
-
-static bool same_grads(const grads *a, const grads *b, unsigned wanted)
-{
-	return (!(wanted & W_DQ) || same_bits(&a->dq, &b->dq)) &&
-	       (!(wanted & W_DK) || same_bits(&a->dk, &b->dk)) &&
-	       (!(wanted & W_DV) || same_bits(&a->dv, &b->dv)) &&
-	       (!(wanted & W_DP) ||
-		!memcmp(a->dparams, b->dparams, sizeof(float) * (size_t)(4 * a->H)));
-}
-
 /* Each subset of the outputs: the wanted ones bit for bit as with all four, the others
  * untouched; and two runs give the same bits. */
 TEST(optional_outputs_and_determinism)
@@ -868,20 +757,6 @@ TEST(statistics_and_budget)
 	grads_free(&fresh);
 	bcase_free(&c);
 	ape_context_destroy(ctx);
-}
-
-static int run_chunked(bcase *c, ape_device *dev, grads *g, int64_t cq, int64_t ck,
-		       ape_stats *st)
-{
-	test_problem *tp = &c->tp;
-	ape_exec_options eo;
-
-	ape_exec_options_init(&eo);
-	eo.chunk_q = cq;
-	eo.chunk_k = ck;
-	return ape_attention_backward_ex(&dev, 1, &eo, &tp->desc, &tp->q.t, &tp->k.t, &tp->v.t,
-					 &tp->o.t, tp->lse, &c->dout.t, c->dlse, &g->dq.t,
-					 &g->dk.t, &g->dv.t, g->dparams, st);
 }
 
 /* Chunks of every size across the borders of the rows give the one-launch result, the same
