@@ -218,10 +218,12 @@ struct ape__backend_ops {
 	 * derivatives of the spec, path through alpha included; rows without a visible key add
 	 * nothing. Touches no other byte of those buffers and writes no input. Reductions run in
 	 * a fixed order (no floating-point atomics), so two runs are bit-identical; dparams sums
-	 * are reduced in float64. Must not allocate device memory beyond l's buffers (the core's
-	 * budget counts none). Inputs are not scanned: NaN or Inf reach the gradients they touch.
-	 * Errors are returned with ape__error() set naming the device; the accumulators then hold
-	 * unspecified values (the core discards them).
+	 * are reduced in float64. Skips no key (l->f.skip_tol is 0). Allocates no device memory
+	 * beyond l's buffers: the core's budget counts none (a backend that will need scratch
+	 * adds an op declaring it, as attention_scratch does for the forward). Inputs are not
+	 * scanned: NaN or Inf reach the gradients they touch. Errors are returned with
+	 * ape__error() set, naming the device; the accumulators then hold unspecified values
+	 * (the core discards them and writes nothing to the caller).
 	 */
 	int (*attention_backward)(struct ape__queue *q, const struct ape__bwd_launch *l);
 };
