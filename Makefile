@@ -148,6 +148,7 @@ include tests/module.mk
 CHECK_EXTRA :=
 -include tests/fuzz/module.mk
 -include tests/faults/module.mk
+include python/module.mk
 
 LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/obj/%.o) $(LIB_ASM:%.S=$(BUILD)/obj/%.o)
 
@@ -178,10 +179,11 @@ all: $(LIBA) $(LIBSO) $(TOOLS)
 # ------------------------------------------------------------------ set-up, tests, the main job
 DEB_PACKAGES := build-essential pkg-config xz-utils ocl-icd-opencl-dev opencl-c-headers \
                 pocl-opencl-icd clinfo libhwloc-dev libhwloc-plugins libdrm-dev python3-numpy \
-                valgrind clang-14 libclang-rt-14-dev
+                python3-venv valgrind clang-14 libclang-rt-14-dev
 
 deps:
 	$(Q)tools/deps.sh "$(KSFT_DIR)" $(DEB_PACKAGES)
+	$(Q)tools/deps-python.sh $(VENV) $(PY_PACKAGES)
 
 # Each suite prints its own line; the last line adds them all up (fuzz targets count as tests).
 CHECK_SUMMARY = $(abspath $(BUILD))/check-summary

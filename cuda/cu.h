@@ -132,8 +132,9 @@ int ape__cu_err_code(CUresult r);
 /* "CUDA_ERROR_OUT_OF_MEMORY", from the driver when it knows the code, else from libape's own
  * table, else "CUresult 1234". */
 const char *ape__cu_err_name(const struct ape__cu_driver *drv, CUresult r, char *buf, size_t cap);
-/* Sets the message "cuda <device> (<pci>): <what>: CUDA_ERROR_NAME (code): <driver's text>"
- * and returns the mapped code. */
+/* Sets the message "<what>: CUDA_ERROR_NAME (code): <driver's text>" and returns the mapped
+ * code; dev's driver names the error. The op that failed names itself and the device around it
+ * (cuda_backend.c). */
 int ape__cu_error(CUresult r, const struct ape_device *dev, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 

@@ -14,6 +14,9 @@
 #include "cu.h"
 #include "core/error.h"
 
+/* A GPU through its vendor's own API: chosen before any OpenCL device (ranks: core/backend.h). */
+#define CU_RANK 300
+
 /* The kernels use cp.async, ldmatrix and bf16 mma: compute capability 8.0 or newer. */
 #define CC_MIN_MAJOR 8
 
@@ -100,7 +103,7 @@ static int cu_add_device(struct ape__backend *be, const struct ape__cu_driver *d
 	info.compute_units = cd->sm_count;
 	info.global_mem_bytes = cd->total_mem;
 	snprintf(info.pci_address, sizeof(info.pci_address), "%s", cd->pci);
-	ret = ape__device_add(be, &info, APE__RANK_CUDA, cd);
+	ret = ape__device_add(be, &info, CU_RANK, cd);
 	if (ret) {
 		cu_dev_free(cd);
 		return ret;

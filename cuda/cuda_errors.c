@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * CUDA errors at the backend boundary: every CUresult becomes a libape code and a message naming
- * the device, the operation and the error (cuGetErrorName and cuGetErrorString). Nothing aborts.
+ * the driver call and the error (cuGetErrorName and cuGetErrorString); cuda_backend.c adds the
+ * device and the backend op around it. Nothing aborts.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -113,8 +114,7 @@ int ape__cu_error(CUresult r, const struct ape_device *dev, const char *fmt, ...
 	va_end(ap);
 	if (!drv || !drv->p_cuGetErrorString || drv->p_cuGetErrorString(r, &text) != CUDA_SUCCESS)
 		text = NULL;
-	return ape__error(ape__cu_err_code(r), "cuda %s (%s): %s: %s (%d)%s%s",
-			  dev ? dev->info.name : "?", cd && cd->pci[0] ? cd->pci : "no PCI address",
-			  what, ape__cu_err_name(drv, r, nbuf, sizeof(nbuf)), (int)r,
-			  text ? ": " : "", text ? text : "");
+	return ape__error(ape__cu_err_code(r), "%s: %s (%d)%s%s", what,
+			  ape__cu_err_name(drv, r, nbuf, sizeof(nbuf)), (int)r, text ? ": " : "",
+			  text ? text : "");
 }

@@ -25,8 +25,9 @@ int ape__cu_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **ou
 	CUresult r;
 	int ret;
 
+	*out = NULL;
 	if (!b)
-		return ape__error(APE_ENOMEM, "cuda: out of host memory for a buffer");
+		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
 	ret = ape__cu_enter(dev);
 	if (ret) {
 		free(b);
@@ -60,8 +61,9 @@ int ape__cu_queue_create(struct ape_device *dev, struct ape__queue **out)
 	CUresult r;
 	int ret;
 
+	*out = NULL;
 	if (!q)
-		return ape__error(APE_ENOMEM, "cuda: out of memory creating a queue");
+		return ape__error(APE_ENOMEM, "out of memory creating a queue");
 	ret = ape__cu_enter(dev);
 	if (ret) {
 		free(q);
@@ -159,8 +161,9 @@ int ape__cu_event_record(struct ape__queue *q, struct ape__event **out)
 	CUresult r;
 	int ret;
 
+	*out = NULL;
 	if (!e)
-		return ape__error(APE_ENOMEM, "cuda: out of memory recording an event");
+		return ape__error(APE_ENOMEM, "out of memory recording an event");
 	ret = ape__cu_enter(q->dev);
 	if (ret) {
 		free(e);
@@ -248,9 +251,9 @@ int ape__cu_host_register(struct ape_device *dev, void *ptr, size_t bytes, void 
 	CUresult r;
 	int ret;
 
+	*handle = NULL;
 	if (!drv->pinning)
-		return ape__error(APE_ENOTSUP, "cuda %s: the driver lacks cuMemHostRegister",
-				  dev->info.name);
+		return ape__error(APE_ENOTSUP, "the driver lacks cuMemHostRegister");
 	ret = ape__cu_enter(dev);
 	if (ret)
 		return ret;

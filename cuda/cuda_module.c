@@ -109,9 +109,8 @@ static int cu_smem(struct ape_device *dev, int k, unsigned smem)
 		return 0;
 	if ((int)smem > cd->smem_optin)
 		return ape__error(APE_ENOMEM,
-				  "cuda %s: %s needs %u bytes of shared memory per block, the GPU "
-				  "offers %d",
-				  dev->info.name, ape__cu_kernel_names[k], smem, cd->smem_optin);
+				  "%s needs %u bytes of shared memory per block, the GPU offers %d",
+				  ape__cu_kernel_names[k], smem, cd->smem_optin);
 	pthread_mutex_lock(&cd->lock);
 	if (cd->fn_smem[k] < (int)smem) {
 		r = cd->drv->p_cuFuncSetAttribute(cd->fn[k],
@@ -141,8 +140,8 @@ int ape__cu_launch(struct ape__queue *q, int k, int64_t blocks, unsigned smem, v
 	if (blocks <= 0)
 		return 0;
 	if (gy > 65535)
-		return ape__error(APE_EINVAL, "cuda %s: %s: %lld blocks are more than one launch takes",
-				  q->dev->info.name, what, (long long)blocks);
+		return ape__error(APE_EINVAL, "%s: %lld blocks are more than one launch takes",
+				  what, (long long)blocks);
 	ret = cu_smem(q->dev, k, smem);
 	if (ret)
 		return ret;

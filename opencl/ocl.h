@@ -76,6 +76,7 @@ struct ape__queue {
 };
 
 struct ape__event {
+	struct ape_device *dev; /* for the messages of event_elapsed and event_timestamp */
 	cl_event marker; /* for event_wait on other queues, and timing across queues */
 	struct ape__ocl_timeline *tl;
 	size_t idx; /* commands of tl enqueued before this event */
@@ -90,9 +91,9 @@ static inline struct ape__ocl_device *ape__ocl_dev(const struct ape_device *dev)
 const char *ape__ocl_err_name(cl_int err);
 /* The libape code for an OpenCL error (ENOMEM, EBUILD, ENODEV or EBACKEND). */
 int ape__ocl_err_code(cl_int err);
-/* Sets the message "opencl <device>: <what>: CL_NAME (code)" and returns the mapped code. */
-int ape__ocl_error(cl_int err, const struct ape_device *dev, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
+/* Sets the message "<what>: CL_NAME (code)" and returns the mapped code; the op that failed
+ * names itself and the device around it (ocl_backend.c). */
+int ape__ocl_error(cl_int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* ---- ocl_device.c */
 int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res);

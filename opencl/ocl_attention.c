@@ -52,7 +52,7 @@ static int ocl_enqueue(struct ape__queue *q, cl_kernel k, size_t n0, size_t l0, 
 		int ret;
 
 		if (err != CL_SUCCESS)
-			return ape__ocl_error(err, q->dev, "clEnqueueNDRangeKernel (%s)", what);
+			return ape__ocl_error(err, "clEnqueueNDRangeKernel (%s)", what);
 		ret = ape__ocl_track(q, ev);
 		if (ret)
 			return ret;
@@ -142,7 +142,7 @@ static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
 	arg(&a, sizeof(cl_mem), kp);
 	arg(&a, sizeof(cl_mem), do_v ? vf : &l->v->mem);
 	if (a.err != CL_SUCCESS)
-		*ret = ape__ocl_error(a.err, q->dev, "setting up ape_kv_prep");
+		*ret = ape__ocl_error(a.err, "setting up ape_kv_prep");
 	else /* rows rounded up: the kernel ignores the excess; PoCL wants whole work-groups */
 		*ret = ocl_enqueue(q, a.k, ((size_t)rows + local - 1) / local * local, local, 1,
 				   "ape_kv_prep");
@@ -175,7 +175,7 @@ static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 	if (*pre)
 		*suf = ocl_scratch(q, scan, NULL, &err);
 	if (!*suf) {
-		ret = ape__ocl_error(err, q->dev, "clCreateBuffer (skip pre-pass)");
+		ret = ape__ocl_error(err, "clCreateBuffer (skip pre-pass)");
 		goto out_release;
 	}
 
@@ -188,7 +188,7 @@ static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 	arg(&a, sizeof(ntk), &ntk);
 	arg(&a, sizeof(cl_mem), &tiles);
 	if (a.err != CL_SUCCESS)
-		ret = ape__ocl_error(a.err, q->dev, "setting up ape_kmax");
+		ret = ape__ocl_error(a.err, "setting up ape_kmax");
 	else
 		ret = ocl_enqueue(q, a.k, (size_t)ntk, 0, bkv, "ape_kmax");
 	if (a.k)
@@ -203,7 +203,7 @@ static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 	arg(&a, sizeof(cl_mem), pre);
 	arg(&a, sizeof(cl_mem), suf);
 	if (a.err != CL_SUCCESS)
-		ret = ape__ocl_error(a.err, q->dev, "setting up ape_kscan");
+		ret = ape__ocl_error(a.err, "setting up ape_kscan");
 	else
 		ret = ocl_enqueue(q, a.k, bkv, 0, 1, "ape_kscan");
 	if (a.k)
@@ -244,7 +244,7 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 
 	prm = ocl_params(q, l, od->fp64, &err);
 	if (!prm)
-		return ape__ocl_error(err, q->dev, "clCreateBuffer (parameters)");
+		return ape__ocl_error(err, "clCreateBuffer (parameters)");
 	if (ocl_kv_prep(q, pr, l, &kp, &vf, &kbuf, &vbuf, &ret))
 		flags |= F_KV_F32;
 	if (ret)
@@ -277,7 +277,7 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	arg(&a, sizeof(prior_tol), &prior_tol);
 	arg(&a, sizeof(flags), &flags);
 	if (a.err != CL_SUCCESS)
-		ret = ape__ocl_error(a.err, q->dev, "setting up ape_attention");
+		ret = ape__ocl_error(a.err, "setting up ape_attention");
 	else
 		ret = ocl_enqueue(q, a.k, nqt * (size_t)pr->t.nwi, (size_t)pr->t.nwi,
 				  (size_t)(l->B * l->H), "ape_attention");

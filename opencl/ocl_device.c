@@ -33,6 +33,14 @@
 #define OCL_TOPOLOGY_TYPE_PCIE_AMD 1
 #define OCL_PLATFORM_NOT_FOUND_KHR (-1001)
 
+/* Device ranks (core/backend.h): GPUs in the portable-GPU range, below CUDA's; CPUs and
+ * accelerators in the range below, above the reference. */
+enum {
+	OCL_RANK_CPU = 100,
+	OCL_RANK_ACCEL = 150,
+	OCL_RANK_GPU = 200,
+};
+
 struct ocl_pci_bus_info_khr {
 	cl_uint domain, bus, device, function;
 };
@@ -219,13 +227,13 @@ static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_devic
 	ocl_pci_address(id, info.pci_address, sizeof(info.pci_address));
 	if (od->type & CL_DEVICE_TYPE_GPU) {
 		info.kind = APE_DEVICE_GPU;
-		rank = APE__RANK_OPENCL_GPU;
+		rank = OCL_RANK_GPU;
 	} else if (od->type & CL_DEVICE_TYPE_CPU) {
 		info.kind = APE_DEVICE_CPU;
-		rank = APE__RANK_OPENCL_CPU;
+		rank = OCL_RANK_CPU;
 	} else {
 		info.kind = APE_DEVICE_ACCELERATOR;
-		rank = APE__RANK_OPENCL_ACCEL;
+		rank = OCL_RANK_ACCEL;
 	}
 	if (!od->fp64)
 		ape__warn("opencl %s: no float64 (cl_khr_fp64): rotation angles are exact only for "

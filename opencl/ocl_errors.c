@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * OpenCL error codes at the backend boundary: every cl_int failure becomes a libape code and a
- * message naming the device, the operation and the OpenCL error by name. Nothing aborts.
+ * message naming the driver call and the OpenCL error by name; ocl_backend.c adds the device and
+ * the backend op around it. Nothing aborts.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -107,7 +108,7 @@ int ape__ocl_err_code(cl_int err)
 	}
 }
 
-int ape__ocl_error(cl_int err, const struct ape_device *dev, const char *fmt, ...)
+int ape__ocl_error(cl_int err, const char *fmt, ...)
 {
 	char what[384];
 	va_list ap;
@@ -115,6 +116,6 @@ int ape__ocl_error(cl_int err, const struct ape_device *dev, const char *fmt, ..
 	va_start(ap, fmt);
 	vsnprintf(what, sizeof(what), fmt, ap);
 	va_end(ap);
-	return ape__error(ape__ocl_err_code(err), "opencl %s: %s: %s (%d)",
-			  dev ? dev->info.name : "?", what, ape__ocl_err_name(err), (int)err);
+	return ape__error(ape__ocl_err_code(err), "%s: %s (%d)", what, ape__ocl_err_name(err),
+			  (int)err);
 }

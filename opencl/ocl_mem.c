@@ -43,7 +43,7 @@ int ape__ocl_track(struct ape__queue *q, cl_event ev)
 			/* keep the command's own reference alive until the queue is done */
 			clWaitForEvents(1, &ev);
 			clReleaseEvent(ev);
-			return ape__error(APE_ENOMEM, "opencl: out of memory tracking a command");
+			return ape__error(APE_ENOMEM, "out of memory tracking a command");
 		}
 		tl->ev = e;
 		tl->cap = cap;
@@ -58,22 +58,23 @@ int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **o
 	struct ape__buf *b;
 	cl_int err;
 
+	*out = NULL;
 	/* checked here, not left to the driver: some allocate lazily and fail only at first use */
 	if (bytes > od->max_alloc)
 		return ape__error(APE_ENOMEM,
-				  "opencl %s: clCreateBuffer (%zu bytes): CL_INVALID_BUFFER_SIZE: "
-				  "more than CL_DEVICE_MAX_MEM_ALLOC_SIZE (%llu bytes)",
-				  dev->info.name, bytes, (unsigned long long)od->max_alloc);
+				  "clCreateBuffer (%zu bytes): CL_INVALID_BUFFER_SIZE: more than "
+				  "CL_DEVICE_MAX_MEM_ALLOC_SIZE (%llu bytes)",
+				  bytes, (unsigned long long)od->max_alloc);
 	b = ape__calloc(1, sizeof(*b));
 	if (!b)
-		return ape__error(APE_ENOMEM, "opencl: out of host memory for a buffer");
+		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
 	b->mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE, bytes, NULL, &err);
 	if (!b->mem) {
 		free(b);
 		if (err == CL_INVALID_BUFFER_SIZE) /* too large for this device: it does not fit */
-			return ape__error(APE_ENOMEM, "opencl %s: clCreateBuffer (%zu bytes): %s",
-					  dev->info.name, bytes, ape__ocl_err_name(err));
-		return ape__ocl_error(err, dev, "clCreateBuffer (%zu bytes)", bytes);
+			return ape__error(APE_ENOMEM, "clCreateBuffer (%zu bytes): %s", bytes,
+					  ape__ocl_err_name(err));
+		return ape__ocl_error(err, "clCreateBuffer (%zu bytes)", bytes);
 	}
 	b->size = bytes;
 	*out = b;
@@ -95,13 +96,14 @@ int ape__ocl_queue_create(struct ape_device *dev, struct ape__queue **out)
 	struct ape__queue *q;
 	cl_int err;
 
+	*out = NULL;
 	q = ape__calloc(1, sizeof(*q));
 	if (!q)
-		return ape__error(APE_ENOMEM, "opencl: out of memory creating a queue");
+		return ape__error(APE_ENOMEM, "out of memory creating a queue");
 	q->tl = ape__calloc(1, sizeof(*q->tl));
 	if (!q->tl) {
 		free(q);
-		return ape__error(APE_ENOMEM, "opencl: out of memory creating a queue");
+		return ape__error(APE_ENOMEM, "out of memory creating a queue");
 	}
 	atomic_init(&q->tl->refs, 1);
 	q->dev = dev;
@@ -109,7 +111,7 @@ int ape__ocl_queue_create(struct ape_device *dev, struct ape__queue **out)
 	if (!q->cq) {
 		tl_put(q->tl);
 		free(q);
-		return ape__ocl_error(err, dev, "clCreateCommandQueue");
+		return ape__ocl_error(err, "clCreateCommandQueue");
 	}
 	*out = q;
 	return 0;
@@ -132,7 +134,7 @@ int ape__ocl_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, co
 	cl_int err = clEnqueueWriteBuffer(q->cq, dst->mem, CL_FALSE, off, n, src, 0, NULL, &ev);
 
 	if (err != CL_SUCCESS)
-		return ape__ocl_error(err, q->dev, "clEnqueueWriteBuffer (%zu bytes)", n);
+		return ape__ocl_error(err, "clEnqueueWriteBuffer (%zu bytes)", n);
 	return ape__ocl_track(q, ev);
 }
 
@@ -142,7 +144,7 @@ int ape__ocl_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, siz
 	cl_int err = clEnqueueReadBuffer(q->cq, src->mem, CL_FALSE, off, n, dst, 0, NULL, &ev);
 
 	if (err != CL_SUCCESS)
-		return ape__ocl_error(err, q->dev, "clEnqueueReadBuffer (%zu bytes)", n);
+		return ape__ocl_error(err, "clEnqueueReadBuffer (%zu bytes)", n);
 	return ape__ocl_track(q, ev);
 }
 
@@ -154,7 +156,7 @@ int ape__ocl_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32
 					 NULL, &ev);
 
 	if (err != CL_SUCCESS)
-		return ape__ocl_error(err, q->dev, "clEnqueueFillBuffer (%zu bytes)", n);
+		return ape__ocl_error(err, "clEnqueueFillBuffer (%zu bytes)", n);
 	return ape__ocl_track(q, ev);
 }
 
@@ -166,7 +168,7 @@ int ape__ocl_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off
 					 &ev);
 
 	if (err != CL_SUCCESS)
-		return ape__ocl_error(err, q->dev, "clEnqueueCopyBuffer (%zu bytes)", n);
+		return ape__ocl_error(err, "clEnqueueCopyBuffer (%zu bytes)", n);
 	return ape__ocl_track(q, ev);
 }
 
@@ -180,13 +182,15 @@ int ape__ocl_event_record(struct ape__queue *q, struct ape__event **out)
 	struct ape__event *e = ape__calloc(1, sizeof(*e));
 	cl_int err;
 
+	*out = NULL;
 	if (!e)
-		return ape__error(APE_ENOMEM, "opencl: out of memory recording an event");
+		return ape__error(APE_ENOMEM, "out of memory recording an event");
 	err = clEnqueueMarkerWithWaitList(q->cq, 0, NULL, &e->marker);
 	if (err != CL_SUCCESS) {
 		free(e);
-		return ape__ocl_error(err, q->dev, "clEnqueueMarkerWithWaitList");
+		return ape__ocl_error(err, "clEnqueueMarkerWithWaitList");
 	}
+	e->dev = q->dev;
 	e->tl = tl_get(q->tl);
 	e->idx = q->tl->n;
 	*out = e;
@@ -198,7 +202,7 @@ int ape__ocl_event_wait(struct ape__queue *q, struct ape__event *e)
 	cl_int err = clEnqueueBarrierWithWaitList(q->cq, 1, &e->marker, NULL);
 
 	if (err != CL_SUCCESS)
-		return ape__ocl_error(err, q->dev, "clEnqueueBarrierWithWaitList");
+		return ape__ocl_error(err, "clEnqueueBarrierWithWaitList");
 	return 0;
 }
 
@@ -231,8 +235,7 @@ int ape__ocl_event_elapsed(struct ape__event *start, struct ape__event *end, dou
 			err = ocl_stamp(end->marker, CL_PROFILING_COMMAND_END, &t1);
 	}
 	if (err != CL_SUCCESS)
-		return ape__error(ape__ocl_err_code(err), "opencl: reading event timestamps: %s",
-				  ape__ocl_err_name(err));
+		return ape__ocl_error(err, "reading event timestamps");
 	*ms = t1 > t0 ? (double)(t1 - t0) * 1e-6 : 0.0;
 	return 0;
 }
@@ -246,8 +249,7 @@ int ape__ocl_event_timestamp(struct ape__event *e, double *ms)
 
 	*ms = 0;
 	if (err != CL_SUCCESS)
-		return ape__error(ape__ocl_err_code(err), "opencl: reading an event timestamp: %s",
-				  ape__ocl_err_name(err));
+		return ape__ocl_error(err, "reading an event timestamp");
 	*ms = (double)t * 1e-6;
 	return 0;
 }
@@ -267,7 +269,7 @@ int ape__ocl_synchronize(struct ape__queue *q)
 	cl_int err = clFinish(q->cq);
 
 	if (err != CL_SUCCESS)
-		return ape__ocl_error(err, q->dev, "clFinish");
+		return ape__ocl_error(err, "clFinish");
 	/* a command that failed while running says so only in its status */
 	for (; tl->checked < tl->n; tl->checked++) {
 		cl_int st = CL_COMPLETE;
@@ -275,9 +277,9 @@ int ape__ocl_synchronize(struct ape__queue *q)
 		err = clGetEventInfo(tl->ev[tl->checked], CL_EVENT_COMMAND_EXECUTION_STATUS,
 				     sizeof(st), &st, NULL);
 		if (err != CL_SUCCESS)
-			return ape__ocl_error(err, q->dev, "clGetEventInfo");
+			return ape__ocl_error(err, "clGetEventInfo");
 		if (st < 0)
-			return ape__ocl_error(st, q->dev, "command %zu of the queue failed",
+			return ape__ocl_error(st, "command %zu of the queue failed",
 					      tl->checked);
 	}
 	return 0;

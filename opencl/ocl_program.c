@@ -263,7 +263,7 @@ static int ocl_from_source(struct ape_device *dev, int v, const char *opts,
 
 	prog = clCreateProgramWithSource(od->ctx, 3, srcs, NULL, &err);
 	if (!prog)
-		return ape__ocl_error(err, dev, "clCreateProgramWithSource");
+		return ape__ocl_error(err, "clCreateProgramWithSource");
 	err = clBuildProgram(prog, 1, &od->id, opts, NULL, NULL);
 	if (err != CL_SUCCESS) {
 		char log[1536];
@@ -271,9 +271,9 @@ static int ocl_from_source(struct ape_device *dev, int v, const char *opts,
 
 		ocl_build_log(od, prog, log, sizeof(log));
 		ret = ape__error(ape__ocl_err_code(err),
-				 "opencl %s: building the attention kernel (D %s, options \"%s\"): "
+				 "building the attention kernel (D %s, options \"%s\"): "
 				 "%s (%d): %s",
-				 dev->info.name, v == APE__OCL_DGEN ? "generic" : "specialised",
+				 v == APE__OCL_DGEN ? "generic" : "specialised",
 				 opts, ape__ocl_err_name(err), (int)err, log);
 		clReleaseProgram(prog);
 		return ret;
@@ -314,9 +314,8 @@ static int ocl_build(struct ape_device *dev, int v)
 		 * for this work-group size (GPU registers): fewer work-items per group */
 		if (t.nwi == 1)
 			return ape__error(APE_EBUILD,
-					  "opencl %s: the attention kernel cannot run even with "
-					  "one work-item per work-group",
-					  dev->info.name);
+					  "the attention kernel cannot run even with one work-item "
+					  "per work-group");
 		t.nwi /= 2;
 	}
 	od->progs[v].prog = prog;

@@ -15,5 +15,8 @@ int ape_cxx_header_check(void)
 	ape_tensor_init(&t, &x, APE_F32, 1, 1, 1, 1);
 	ape_stats_init(&st);
 	desc.causal = false;
-	return ape_version() == APE_VERSION && APE_EINVAL < 0 && ape_strerror(APE_ENOMEM) != nullptr;
+	// the enum words: from_name gives an int (or an error), C++ converts it explicitly
+	desc.layout = static_cast<ape_rope_layout>(ape_rope_layout_from_name("interleaved"));
+	return ape_version() == APE_VERSION && APE_EINVAL < 0 && ape_strerror(APE_ENOMEM) != nullptr &&
+	       ape_dtype_name(APE_F16)[0] == 'f' && ape_rope_layout_name(desc.layout) != nullptr;
 }

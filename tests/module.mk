@@ -30,6 +30,11 @@ $(EXAMPLE): docs/example.c $(LIBA) $(CONFIG_STAMP)
 	@echo "  CC      $<"
 	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS)
 $(BUILD)/tests/test_example: $(EXAMPLE)
+# It also runs `make install` on this very tree, passing on the variables this make was given
+# (BUILD=..., SANITIZE=1, ...: the install must neither reconfigure nor rebuild the tree), made
+# safe for a C string in a shell word.
+$(BUILD)/tests-obj/tests/test_example.o: TEST_CFLAGS += \
+	-DAPE_MAKE_OVERRIDES='"$(subst ',,$(subst ",\",$(subst \,\\,$(MAKEOVERRIDES))))"'
 
 # The public header must compile as C++ (warnings as errors, pedantic).
 CXX ?= g++

@@ -220,6 +220,26 @@ TEST(refuses_bad_arguments)
 	EXPECT_STREQ("", r.out);
 }
 
+/* --numa takes the library's words for policies; "default" is what no --numa does: APE_NUMA. */
+TEST(numa_policy_words)
+{
+	static struct result r;
+
+	ASSERT_EQ(0, setenv("APE_NUMA", "off", 1));
+	run_info(&r, ARGS("--json", "--backends", "ref", "--numa", "default"));
+	EXPECT_EQ(0, r.status) TH_LOG("%s", r.err);
+	EXPECT_TRUE(strstr(r.out, "\"numa_policy\": \"off\"") != NULL) TH_LOG("%s", r.out);
+	run_info(&r, ARGS("--json", "--backends", "ref", "--numa", "interleave"));
+	EXPECT_EQ(0, r.status) TH_LOG("%s", r.err);
+	EXPECT_TRUE(strstr(r.out, "\"numa_policy\": \"interleave\"") != NULL) TH_LOG("%s", r.out);
+	unsetenv("APE_NUMA");
+	run_info(&r, ARGS("--numa", "Local"));
+	EXPECT_EQ(2, r.status);
+	EXPECT_TRUE(strstr(r.err, "--numa: ape_numa_policy_from_name: name = \"Local\": must be "
+			       "default, local, interleave or off") != NULL) TH_LOG("%s", r.err);
+	EXPECT_STREQ("", r.out);
+}
+
 TEST(bench_numa_measures_every_node)
 {
 	static struct result r;

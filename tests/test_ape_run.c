@@ -488,8 +488,9 @@ TEST_F(run, bad_arguments)
 	expect_refused(_metadata, self, RUN(BASIC, "--k-start", "99999999999999999999"), 2,
 		       WORDS("--k-start", "64 bits"));
 	expect_refused(_metadata, self, RUN(BASIC, "--layout", "diagonal"), 2,
-		       WORDS("--layout", "half, interleaved"));
-	expect_refused(_metadata, self, RUN(BASIC, "--dtype", "f64"), 2, WORDS("--dtype", "f64"));
+		       WORDS("--layout", "\"diagonal\"", "half or interleaved"));
+	expect_refused(_metadata, self, RUN(BASIC, "--dtype", "f64"), 2,
+		       WORDS("--dtype", "\"f64\"", "f32, f16 or bf16"));
 	expect_refused(_metadata, self, RUN(BASIC, "--device", "-1"), 2, WORDS("--device"));
 	expect_refused(_metadata, self, RUN(BASIC, "--device"), 2, WORDS("--device", "value"));
 	expect_refused(_metadata, self, RUN(BASIC, "--stats=yes"), 2, WORDS("--stats"));

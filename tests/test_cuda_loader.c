@@ -312,24 +312,29 @@ TEST(failing_call_reports_the_cuda_error)
 {
 	use_driver(FAKE_LIB, NULL);
 	forward_fails(_metadata, APE_EBACKEND,
-		      (const char *const[]){ "cuModuleGetFunction", "CUDA_ERROR_NOT_FOUND",
-					     "named symbol not found", "0000:42:00.0", NULL });
+		      (const char *const[]){ ": attention: cuModuleGetFunction",
+					     "CUDA_ERROR_NOT_FOUND", "named symbol not found",
+					     "0000:42:00.0", NULL });
 }
 
 TEST(device_out_of_memory_is_enomem)
 {
 	ape_context *ctx;
 	ape_device *dev;
-	struct ape__buf *buf = NULL;
+	struct ape__buf *buf = (struct ape__buf *)&ctx; /* stale: the op must clear it */
+	char label[320];
 
 	/* through the backend op: a forward's planner would refuse the size before any call */
 	use_driver(FAKE_LIB, NULL);
 	ctx = test_context("cuda");
 	dev = test_device(ctx, "cuda");
 	ASSERT_NE(NULL, dev);
-	EXPECT_EQ(APE_ENOMEM, ape__cu_buf_alloc(dev, (size_t)2 << 30, &buf));
+	EXPECT_EQ(APE_ENOMEM, dev->be->ops->buf_alloc(dev, (size_t)2 << 30, &buf));
 	EXPECT_EQ(NULL, buf);
-	EXPECT_NE(NULL, strstr(ape_last_error(), "cuMemAlloc (2147483648 bytes)"));
+	/* the contract's message: the device, the op, then what failed below */
+	snprintf(label, sizeof(label), "cuda:%d %s (%s): buf_alloc: cuMemAlloc (2147483648 bytes)",
+		 dev->info.backend_index, dev->info.name, dev->info.pci_address);
+	EXPECT_NE(NULL, strstr(ape_last_error(), label)) TH_LOG("want \"%s\"", label);
 	EXPECT_NE(NULL, strstr(ape_last_error(), "CUDA_ERROR_OUT_OF_MEMORY (2): out of memory"))
 	TH_LOG("%s", ape_last_error());
 	ASSERT_EQ(0, ape__cu_buf_alloc(dev, 4096, &buf)) TH_LOG("%s", ape_last_error());

@@ -306,6 +306,78 @@ TEST_F(kv, no_allocation_on_the_hot_path)
 	test_problem_free(&tp);
 }
 
+/* ---- statistics as a forward call reports them */
+
+/* A stretched device clock: every span between two events lasts STRETCH_MS longer than it did,
+ * so that the copies and kernels of any call overlap in time, whatever the device really did. */
+#define STRETCH_MS 1e4
+
+static const struct ape__backend_ops *stretch_orig;
+
+static int stretched_elapsed(struct ape__event *a, struct ape__event *b, double *ms)
+{
+	int ret = stretch_orig->event_elapsed(a, b, ms);
+
+	if (!ret)
+		*ms += STRETCH_MS;
+	return ret;
+}
+
+/* overlap_ms, total_ms and the names, reported by an attend as by a forward call. */
+TEST_F(kv, stats_as_a_forward_call_reports_them)
+{
+	const int64_t L = 64, n = 16;
+	const test_problem_shape sh = { 1, 4, 2, L, L, 16 };
+	static struct ape__backend_ops stretched;
+	ape_tensor kt, vt, qt, ot;
+	ape_kv_cache_options o;
+	ape_stats fw, st;
+	ape_kv_cache *cache;
+	test_problem tp;
+	ape_rng rng;
+
+	if (!self->dev->be->ops->event_timestamp)
+		SKIP(return, "the backend has no event timestamps: no overlap figure");
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	tp.desc.causal = true;
+	tp.desc.q_start_set = false;
+	stretch_orig = self->dev->be->ops;
+	stretched = *stretch_orig;
+	stretched.event_elapsed = stretched_elapsed;
+	self->dev->be->ops = &stretched;
+
+	ape_stats_init(&fw);
+	ASSERT_EQ(0, ape_attention_forward(self->dev, &tp.desc, &tp.q.t, &tp.k.t, &tp.v.t, &tp.o.t,
+					   tp.lse, &fw))
+		TH_LOG("%s", ape_last_error());
+	EXPECT_GT(fw.overlap_ms, 0.0) TH_LOG("the stretched clock makes copies and kernels overlap");
+
+	o = cache_options(&tp, 16, L);
+	o.attend_chunk = 24;
+	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache)) TH_LOG("%s", ape_last_error());
+	kt = test_rows(&tp.k.t, 0, L);
+	vt = test_rows(&tp.v.t, 0, L);
+	qt = test_rows(&tp.q.t, L - n, n);
+	ot = test_rows(&tp.o.t, L - n, n);
+	ASSERT_EQ(0, ape_kv_cache_append(cache, &kt, &vt)) TH_LOG("%s", ape_last_error());
+	ape_stats_init(&st);
+	ASSERT_EQ(0, ape_kv_cache_attend(cache, &tp.desc, &qt, &ot, NULL, &st))
+		TH_LOG("%s", ape_last_error());
+	EXPECT_GT(st.chunks, 1u);
+	EXPECT_GT(st.overlap_ms, 0.0) TH_LOG("the attend dropped overlap_ms");
+	/* up to rounding: the intervals sit at device clock values of 1e6 ms and more */
+	EXPECT_LE(st.overlap_ms, st.copy_ms * (1 + 1e-6) + 1e-6);
+	EXPECT_LE(st.overlap_ms, st.kernel_ms * (1 + 1e-6) + 1e-6);
+	EXPECT_GT(st.total_ms, 0.0);
+	EXPECT_EQ(fw.devices, st.devices);
+	EXPECT_STREQ(fw.backend, st.backend);
+	EXPECT_STREQ(fw.device, st.device);
+	ape_kv_cache_destroy(cache);
+	self->dev->be->ops = stretch_orig;
+	test_problem_free(&tp);
+}
+
 /* ---- capacity and release */
 
 TEST_F(kv, full_cache_is_enomem_and_appends_nothing)

@@ -13,6 +13,7 @@
 #include "ape_test.h"
 #include "common/problem.h"
 #include "common/wrapops.h"
+#include "core/context.h"
 
 struct devs {
 	ape_context *ctx;
@@ -203,9 +204,9 @@ TEST(speeds_are_remembered)
 	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
 	ape_exec_options_init(&o);
 	o.chunk_q = o.chunk_k = 50;
-	EXPECT_EQ(0u, (uint64_t)atomic_load(&d.ref->pairs_per_s));
+	EXPECT_EQ(0u, (uint64_t)atomic_load(ape__device_pairs_per_s(d.ref)));
 	ASSERT_EQ(0, run(&tp, set, 2, &o, NULL)) TH_LOG("%s", ape_last_error());
-	EXPECT_GT((uint64_t)atomic_load(&d.ref->pairs_per_s), 0u);
+	EXPECT_GT((uint64_t)atomic_load(ape__device_pairs_per_s(d.ref)), 0u);
 	test_problem_free(&tp);
 	ape_context_destroy(d.ctx);
 }

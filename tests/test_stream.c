@@ -803,4 +803,32 @@ TEST_F(dev, options_are_validated)
 	test_problem_free(&tp);
 }
 
+/* APE_MAX_DEVICES device entries are taken (here one device listed that often), one more is
+ * refused before any work, naming ndev and the limit. */
+TEST_F(dev, device_count_limit_is_ape_max_devices)
+{
+	const test_problem_shape sh = { 1, 2, 1, 40, 40, 8 };
+	ape_device *devs[APE_MAX_DEVICES + 1];
+	char want[64];
+	ape_exec_options o = chunks(4, 40);
+	test_problem tp;
+	ape_stats st;
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	for (int i = 0; i <= APE_MAX_DEVICES; i++)
+		devs[i] = self->dev;
+	snprintf(want, sizeof(want), "ndev = %d: must be 1..%d", APE_MAX_DEVICES + 1,
+		 APE_MAX_DEVICES);
+	EXPECT_EQ(APE_EINVAL, run_ex(&tp, devs, APE_MAX_DEVICES + 1, &o, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), want)) TH_LOG("%s", ape_last_error());
+	EXPECT_TRUE(isnan(test_tensor_get(&tp.o.t, 0, 0, 0, 0))) TH_LOG("O written");
+	ape_stats_init(&st);
+	ASSERT_EQ(0, run_ex(&tp, devs, APE_MAX_DEVICES, &o, &st)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(APE_MAX_DEVICES, st.devices);
+	EXPECT_EQ(10u, st.chunks) TH_LOG("10 query chunks of 4 rows, one key chunk each");
+	test_problem_free(&tp);
+}
+
 TEST_HARNESS_MAIN

@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* ape-bench and ape-check end to end: their output, their numbers, their exit codes. */
+#include <dirent.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -136,6 +137,41 @@ TEST(check_bad_arguments)
 {
 	EXPECT_EQ(2, TOOL("ape-check", "--seed", "-4"));
 	EXPECT_EQ(2, TOOL("ape-check", "--nope"));
+}
+
+/*
+ * Every tool (each ape-* in the build's bin/, so a new one is covered the day it is built)
+ * answers --version with the libape version it runs on and exits 0, lists it in --help, and
+ * refuses a value for it.
+ */
+TEST(every_tool_answers_version)
+{
+	static const char *const known[] = { "ape-run", "ape-bench", "ape-info", "ape-check" };
+	struct dirent *e;
+	char want[sizeof(e->d_name) + 64];
+	int tools = 0, found = 0;
+	DIR *d = opendir(APE_BUILD_DIR "/bin");
+
+	ASSERT_NE(NULL, d);
+	while ((e = readdir(d))) {
+		if (strncmp(e->d_name, "ape-", 4))
+			continue;
+		tools++;
+		for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++)
+			found += !strcmp(e->d_name, known[i]);
+		snprintf(want, sizeof(want), "%s (libape) %s\n", e->d_name, ape_version_string());
+		EXPECT_EQ(0, TOOL(e->d_name, "--version")) TH_LOG("%s: %s", e->d_name, err);
+		EXPECT_STREQ(want, out);
+		EXPECT_STREQ("", err);
+		EXPECT_EQ(0, TOOL(e->d_name, "--help")) TH_LOG("%s: %s", e->d_name, err);
+		EXPECT_NE(NULL, strstr(out, "--version")) TH_LOG("%s --help: %s", e->d_name, out);
+		EXPECT_EQ(2, TOOL(e->d_name, "--version=1"));
+		EXPECT_NE(NULL, strstr(err, "--version takes no value")) TH_LOG("%s", err);
+		EXPECT_STREQ("", out);
+	}
+	closedir(d);
+	EXPECT_EQ(4, found);
+	EXPECT_LE(4, tools);
 }
 
 /* tools/gpu-check.sh, where it can run here: its usage errors, and on a machine without an

@@ -134,6 +134,8 @@ static void usage(FILE *f)
 		"  --chunk N                        --stream: most tokens per chunk (default 4096)\n"
 		"  --max-device-mem BYTES           --stream: device budget (default 256M)\n"
 		"  --no-serial                      --stream: skip the back-to-back run\n"
+		"  -h, --help                       print this text\n"
+		"  --version                        print the libape version and exit\n"
 		"Throughput counts visible (query, key) pairs; dense-equivalent GFLOP/s counts 4*D\n"
 		"FLOPs per visible pair even when skipping computed fewer.\n");
 }
@@ -181,7 +183,6 @@ static int parse_param(const char *flag, const char *text, float *out, char *err
 
 static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, size_t errlen)
 {
-	static const char *const dtypes[] = { "f32", "f16", "bf16", NULL };
 	const char *val;
 	int idx = 1, id, ret = 0, ch;
 	int64_t x;
@@ -215,8 +216,8 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 			ret = cli_parse_int64("--lq", val, 1, (int64_t)1 << 30, &o->Lq, err, errlen);
 			break;
 		case OPT_DTYPE:
-			ret = cli_parse_choice("--dtype", val, dtypes, &ch, err, errlen);
-			o->dtype = (ape_dtype)ch;
+			ret = cli_parse_name("--dtype", val, ape_dtype_from_name, &ch, err, errlen);
+			o->dtype = ret ? o->dtype : (ape_dtype)ch;
 			break;
 		case OPT_NO_CAUSAL:
 			o->causal = false;

@@ -252,9 +252,10 @@ int main(int argc, char **argv)
 			if (cli_parse_int64("--seed", val, 0, INT64_MAX, &seed, err, sizeof(err)))
 				break;
 		} else {
-			printf("usage: ape-check [--json] [--seed N]\n"
+			printf("usage: ape-check [--json] [--seed N] [--version]\n"
 			       "Runs the same random cases on every available device and compares each\n"
-			       "with the float64 reference; exits 1 if any result is out of tolerance.\n");
+			       "with the float64 reference; exits 1 if any result is out of tolerance.\n"
+			       "  --version  print the libape version and exit\n");
 			return 0;
 		}
 	}

@@ -57,10 +57,12 @@ static void usage(void)
 	       "                       NUMA nodes, and where staging buffers go\n"
 	       "  --topology-xml FILE  describe the machine in an hwloc XML file (lstopo --of xml)\n"
 	       "                       instead of this one: its GPUs, their NUMA nodes and CPUs\n"
-	       "  --numa POLICY        local, interleave or off (default: APE_NUMA, else local)\n"
+	       "  --numa POLICY        local, interleave, off, or default: APE_NUMA, else local\n"
+	       "                       (the default)\n"
 	       "  --backends LIST      load only these backends (cuda,opencl,ref)\n"
 	       "  --json               one JSON object instead of the text\n"
 	       "  -h, --help           print this text\n"
+	       "  --version            print the libape version and exit\n"
 	       "\n"
 	       "APE_VISIBLE_DEVICES and APE_NUMA apply as they do to every libape program.\n"
 	       "Exit status: 0 success; 2 bad arguments or topology file; 1 any other failure.\n");
@@ -68,9 +70,8 @@ static void usage(void)
 
 static int parse_args(int argc, char **argv, struct info_args *a, char *msg, size_t len)
 {
-	static const char *const policies[] = { "local", "interleave", "off", NULL };
 	const char *val;
-	int i = 1, id, idx;
+	int i = 1, id, word;
 
 	memset(a, 0, sizeof(*a));
 	while ((id = cli_next(argc, argv, &i, options, &val, msg, len)) > 0) {
@@ -88,9 +89,9 @@ static int parse_args(int argc, char **argv, struct info_args *a, char *msg, siz
 			a->backends = val;
 			break;
 		case OPT_NUMA:
-			if (cli_parse_choice("--numa", val, policies, &idx, msg, len))
+			if (cli_parse_name("--numa", val, ape_numa_policy_from_name, &word, msg, len))
 				return 2;
-			a->numa = (ape_numa_policy)(APE_NUMA_LOCAL + idx);
+			a->numa = (ape_numa_policy)word;
 			break;
 		case OPT_HELP:
 			return -1;
@@ -135,37 +136,16 @@ static int gather(struct machine *m)
 
 /* ------------------------------------------------------------------ words */
 
-static const char *policy_name(ape_numa_policy p)
-{
-	return p == APE_NUMA_LOCAL ? "local" : p == APE_NUMA_INTERLEAVE ? "interleave" : "off";
-}
-
-static const char *kind_name(ape_device_kind k)
-{
-	switch (k) {
-	case APE_DEVICE_CPU:
-		return "cpu";
-	case APE_DEVICE_GPU:
-		return "gpu";
-	case APE_DEVICE_ACCELERATOR:
-		return "accelerator";
-	default:
-		return "reference";
-	}
-}
-
-static const char *const api_names[] = { "cuda", "opencl", "drm", "host" };
-
 /* "cuda,opencl,drm"; "-" when only the bus scan found it. */
 static void apis_text(unsigned apis, char *buf, size_t len)
 {
 	size_t n = 0;
 
 	buf[0] = '\0';
-	for (int i = 0; i < 4; i++)
-		if (apis & (1u << i))
+	for (unsigned api = 1; api <= APE_API_HOST; api <<= 1)
+		if (apis & api)
 			n += (size_t)snprintf(buf + n, n < len ? len - n : 0, "%s%s", n ? "," : "",
-					      api_names[i]);
+					      ape_api_name(api));
 	if (!buf[0])
 		snprintf(buf, len, "-");
 }
@@ -410,7 +390,7 @@ static void json_machine(const struct machine *m)
 	printf("\"this_machine\": %s, \"packages\": %d, \"cores\": %d, \"pus\": %d, "
 	       "\"numa_nodes\": %d, ", t->this_machine ? "true" : "false", t->packages, t->cores,
 	       t->pus, t->numa_nodes);
-	json_kv("numa_policy", policy_name(t->numa_policy), false);
+	json_kv("numa_policy", ape_numa_policy_name(t->numa_policy), false);
 	json_kv("numa_note", t->numa_note, false);
 	json_kv("drm", t->drm_note, false);
 	json_kv("visible_devices", t->visible_devices, true);
@@ -437,11 +417,11 @@ static void json_device(const struct machine *m, const ape_physical_info *p)
 	printf("\"pci_vendor_id\": %u, \"pci_device_id\": %u, ", p->pci_vendor_id,
 	       p->pci_device_id);
 	json_kv("pci_address", p->pci_address, false);
-	json_kv("kind", kind_name(p->kind), false);
+	json_kv("kind", ape_device_kind_name(p->kind), false);
 	printf("\"apis\": [");
-	for (int i = 0, n = 0; i < 4; i++)
-		if (p->apis & (1u << i))
-			printf("%s\"%s\"", n++ ? ", " : "", api_names[i]);
+	for (unsigned api = 1, n = 0; api <= APE_API_HOST; api <<= 1)
+		if (p->apis & api)
+			printf("%s\"%s\"", n++ ? ", " : "", ape_api_name(api));
 	printf("], ");
 	json_kv("render_node", p->render_node, false);
 	printf("\"usable\": %s, ", p->usable ? "true" : "false");
@@ -452,7 +432,7 @@ static void json_device(const struct machine *m, const ape_physical_info *p)
 	json_kv("numa_nodes", p->numa_nodes, false);
 	json_kv("cpuset", p->cpuset, false);
 	printf("\"staging\": {");
-	json_kv("policy", policy_name(p->staging_policy), false);
+	json_kv("policy", ape_numa_policy_name(p->staging_policy), false);
 	json_kv("nodes", p->staging_nodes, true);
 	printf("}, \"memory_bytes\": %" PRIu64 ", \"compute_units\": %d, \"links\": [",
 	       p->memory_bytes, p->compute_units);

@@ -6,28 +6,29 @@
  * refuses); 3 the backend or device asked for is not available; 1 anything else. Outputs are
  * written to temporary files and renamed into place only once all of them are complete, so a
  * failing run never leaves a partial or stale-looking output behind.
+ *
+ * This file holds the arguments, devices, files and the one-call mode; tools/run/ the --kv-cache
+ * mode and the statistics (tools/run/run.h).
  */
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "ape/ape.h"
 #include "common/cli.h"
 #include "common/npy.h"
+#include "run/run.h"
 
-/* The seed's suggested initial values (APE-SPEC.md, "Parameters"): delta = 2^(-4/3), ALiBi's
- * slope, beta = gamma = delta / 10, lambda = 0.1. ape_attn_desc_init() has no preference: 0. */
+/* The initial values the APE seed suggests for training (README.md, "Tools"; --help says so
+ * too): delta = 2^(-4/3), ALiBi's slope, beta = gamma = delta / 10, lambda = 0.1.
+ * ape_attn_desc_init() has no preference: 0. */
 #define SEED_DELTA 0.3968502629920499
 #define SEED_LAMBDA 0.1
-
-enum { RUN_OK = 0, RUN_FAIL = 1, RUN_USAGE = 2, RUN_NODEV = 3, RUN_HELP = -1 };
 
 enum {
 	OPT_Q = 1, OPT_K, OPT_V, OPT_O, OPT_LSE, OPT_BACKEND, OPT_DEVICE,
@@ -37,7 +38,6 @@ enum {
 	OPT_KV_CACHE, OPT_KV_BLOCK, OPT_KV_CAPACITY, OPT_KV_RELEASE, OPT_HELP,
 };
 
-#define MAX_DEVICES 64
 
 static const struct cli_option options[] = {
 	{ "-q", NULL, true, OPT_Q },
@@ -142,48 +142,12 @@ static void usage(void)
 	       "                 query can reach (needs delta > 0; the query norm bound is\n"
 	       "                 taken from Q)\n"
 	       "  -h, --help     print this text\n"
+	       "  --version      print the libape version and exit\n"
 	       "\n"
 	       "Exit status: 0 success; 2 bad arguments or input files; 3 the backend or\n"
 	       "device is not available; 1 any other failure.\n",
 	       SEED_DELTA, SEED_DELTA / 10, SEED_DELTA / 10, SEED_LAMBDA);
 }
-
-/* A per-head parameter as given on the command line; checked against H once Q is read. */
-struct head_param {
-	const char *flag;
-	float def;
-	float *vals; /* NULL: not given */
-	size_t n;
-};
-
-struct run_args {
-	const char *q, *k, *v, *o, *lse;
-	const char *backend;
-	int device; /* -1: the first */
-	const char *device_spec; /* --device as a PCI address or "backend:N"; NULL for an index */
-	struct head_param param[4]; /* delta, beta, gamma, lambda */
-	ape_attn_desc desc; /* everything but the per-head parameters */
-	int dtype; /* an ape_dtype, or -1 for the input's */
-	bool stats;
-	int64_t chunk; /* 0: the library's default */
-	uint64_t max_mem; /* 0: the library's default */
-	const char *trace;
-	const char *devices; /* --devices: comma-separated specs */
-	int64_t kv_step; /* 0: no KV cache */
-	int64_t kv_block, kv_capacity;
-	bool kv_release;
-};
-
-/* One input file, its shape seen as [B, H, L, D], and its data in the computation's type. */
-struct input {
-	const char *path;
-	ape_dtype file_dtype;
-	int ndim; /* 3 or 4, as in the file */
-	int64_t shape[4]; /* as in the file */
-	uint64_t count;
-	void *data;
-	ape_tensor t;
-};
 
 /* ------------------------------------------------------------------ arguments */
 
@@ -221,12 +185,9 @@ static const char **string_slot(struct run_args *a, int id)
 /* Options whose value is a number or a word from a list. */
 static int parse_value(struct run_args *a, int id, const char *val, char *msg, size_t len)
 {
-	static const char *const layouts[] = { "half", "interleaved", NULL };
-	static const char *const dtypes[] = { "f32", "f16", "bf16", NULL };
-	static const ape_dtype dtype_of[] = { APE_F32, APE_F16, APE_BF16 };
 	ape_attn_desc *d = &a->desc;
 	int64_t n = 0;
-	int idx = 0;
+	int word = 0;
 
 	switch (id) {
 	case OPT_ROPE_BASE:
@@ -265,15 +226,12 @@ static int parse_value(struct run_args *a, int id, const char *val, char *msg, s
 		return cli_parse_int64("--kv-capacity", val, 1, (int64_t)1 << 40, &a->kv_capacity,
 				       msg, len);
 	case OPT_LAYOUT:
-		if (cli_parse_choice("--layout", val, layouts, &idx, msg, len))
+		if (cli_parse_name("--layout", val, ape_rope_layout_from_name, &word, msg, len))
 			return APE_EINVAL;
-		d->layout = idx ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+		d->layout = (ape_rope_layout)word;
 		return 0;
 	case OPT_DTYPE:
-		if (cli_parse_choice("--dtype", val, dtypes, &idx, msg, len))
-			return APE_EINVAL;
-		a->dtype = (int)dtype_of[idx];
-		return 0;
+		return cli_parse_name("--dtype", val, ape_dtype_from_name, &a->dtype, msg, len);
 	}
 	return 0;
 }
@@ -372,7 +330,7 @@ static int parse_args(int argc, char **argv, struct run_args *a, char *msg, size
 
 /* ------------------------------------------------------------------ device */
 
-static int exit_code(int err)
+int run_exit_code(int err)
 {
 	switch (err) {
 	case 0:
@@ -403,17 +361,21 @@ static int select_list(const struct run_args *a, ape_context *ctx, ape_device **
 		char spec[128];
 		int ret;
 
-		if (!n || n >= (int)sizeof(spec) || *ndev == MAX_DEVICES) {
+		if (n && *ndev == APE_MAX_DEVICES) {
+			snprintf(msg, len, "--devices %s: more than %d devices", a->devices,
+				 APE_MAX_DEVICES);
+			return RUN_USAGE;
+		}
+		if (!n || n >= (int)sizeof(spec)) {
 			snprintf(msg, len, "--devices %s: %s", a->devices,
-				 !n ? "an empty entry" : *ndev == MAX_DEVICES ? "more than 64 devices"
-									      : "an entry too long");
+				 !n ? "an empty entry" : "an entry too long");
 			return RUN_USAGE;
 		}
 		snprintf(spec, sizeof(spec), "%.*s", n, p);
 		ret = ape_device_select_spec(ctx, spec, &sel);
 		if (ret) {
 			snprintf(msg, len, "--devices: %s", ape_last_error());
-			return exit_code(ret);
+			return run_exit_code(ret);
 		}
 		devs[(*ndev)++] = sel.device;
 		if (a->stats)
@@ -441,7 +403,7 @@ static int open_devices(const struct run_args *a, ape_context **ctx, ape_device 
 	ret = ape_context_create(ctx, &opts);
 	if (ret) {
 		snprintf(msg, len, "--backend %s: %s", a->backend, ape_last_error());
-		return exit_code(ret);
+		return run_exit_code(ret);
 	}
 	if (a->devices) {
 		ret = select_list(a, *ctx, devs, ndev, msg, len);
@@ -465,7 +427,7 @@ static int open_devices(const struct run_args *a, ape_context **ctx, ape_device 
 		snprintf(msg, len, "%s", ape_last_error());
 		ape_context_destroy(*ctx);
 		*ctx = NULL;
-		return exit_code(ret);
+		return run_exit_code(ret);
 	}
 	/* auto never falls back silently */
 	if (a->stats || sel.passed_over)
@@ -671,42 +633,6 @@ static int check_outputs(const struct run_args *a, char *msg, size_t len)
 	return ret;
 }
 
-static void print_budget(uint64_t budget, char *buf, size_t len)
-{
-	if (budget == UINT64_MAX)
-		snprintf(buf, len, "no budget");
-	else
-		snprintf(buf, len, "a budget of %" PRIu64 " bytes", budget);
-}
-
-static void print_stats(const ape_stats *st)
-{
-	double secs = st->total_ms / 1e3;
-	char budget[64];
-
-	fprintf(stderr, "ape-run: backend %s, device %s\n", st->backend, st->device);
-	fprintf(stderr, "ape-run: time total_ms %.3f, kernel_ms %.3f\n", st->total_ms,
-		st->kernel_ms);
-	fprintf(stderr,
-		"ape-run: pairs visible %" PRIu64 ", computed %" PRIu64 ", %.4g visible pairs/s "
-		"(over total_ms)\n", st->pairs_visible, st->pairs_computed,
-		secs > 0 ? (double)st->pairs_visible / secs : 0.0);
-	fprintf(stderr,
-		"ape-run: chunks computed %" PRIu64 ", skipped %" PRIu64 " (%" PRId64 " x %" PRId64
-		" rows, %d in flight, %d device%s)\n",
-		st->chunks, st->chunks_skipped, st->chunk_q, st->chunk_k, st->pipeline_depth,
-		st->devices, st->devices == 1 ? "" : "s");
-	fprintf(stderr,
-		"ape-run: bytes copied to device %" PRIu64 ", from device %" PRIu64
-		", within device %" PRIu64 "\n",
-		st->bytes_to_device, st->bytes_from_device, st->bytes_device_to_device);
-	print_budget(st->device_budget, budget, sizeof(budget));
-	fprintf(stderr, "ape-run: peak device memory %" PRIu64 " bytes (%s)\n",
-		st->peak_device_bytes, budget);
-	fprintf(stderr, "ape-run: copies %.3f ms of device time, %.3f ms overlapped with kernels\n",
-		st->copy_ms, st->overlap_ms);
-}
-
 /*
  * Writes O in Q's dtype and LSE to temporary files, then renames both. Should the second rename
  * fail despite check_outputs(), the first output is removed again: O without its LSE would look
@@ -745,7 +671,7 @@ static int write_outputs(const struct run_args *a, const struct input *q, const 
 	if (ret)
 		unlink(a->o);
 	free(o16);
-	return exit_code(ret);
+	return run_exit_code(ret);
 
 out_discard_lse:
 	npy_discard(&pl);
@@ -753,125 +679,7 @@ out_discard_o:
 	npy_discard(&po);
 out_free_o16:
 	free(o16);
-	return exit_code(ret);
-}
-
-/* Largest Euclidean norm of a query row: the bound --kv-release promises the cache. */
-static double max_query_norm(const ape_tensor *q)
-{
-	const int64_t *s = q->shape;
-	float row[256];
-	double m = 0;
-
-	for (int64_t r = 0; r < s[0] * s[1] * s[2]; r++) {
-		double ss = 0;
-
-		ape_convert(row, APE_F32, (const char *)q->data + (size_t)(r * s[3]) *
-							 ape_dtype_size(q->dtype),
-			    q->dtype, (size_t)s[3]);
-		for (int64_t d = 0; d < s[3]; d++)
-			ss += (double)row[d] * row[d];
-		m = ss > m ? ss : m;
-	}
-	return sqrt(m) * (1 + 1e-6) + 1e-30;
-}
-
-/* Adds one attend's statistics to the running totals. */
-static void add_stats(ape_stats *tot, const ape_stats *st)
-{
-	tot->pairs_visible += st->pairs_visible;
-	tot->pairs_computed += st->pairs_computed;
-	tot->kernel_ms += st->kernel_ms;
-	tot->bytes_to_device += st->bytes_to_device;
-	tot->bytes_from_device += st->bytes_from_device;
-	tot->bytes_device_to_device += st->bytes_device_to_device;
-	tot->chunks += st->chunks;
-	tot->chunks_skipped += st->chunks_skipped;
-	tot->copy_ms += st->copy_ms;
-	tot->chunk_q = st->chunk_q;
-	tot->chunk_k = st->chunk_k;
-	tot->pipeline_depth = st->pipeline_depth;
-	tot->devices = st->devices;
-	tot->device_budget = st->device_budget;
-	if (st->peak_device_bytes > tot->peak_device_bytes)
-		tot->peak_device_bytes = st->peak_device_bytes;
-	snprintf(tot->backend, sizeof(tot->backend), "%s", st->backend);
-	snprintf(tot->device, sizeof(tot->device), "%s", st->device);
-}
-
-/*
- * --kv-cache: the queries attend in steps through a cache, each step's keys (everything up to
- * its last query's position) appended just before it, as a decoder runs.
- */
-static int compute_kv(const struct run_args *a, ape_device *dev, const struct input in[3],
-		      ape_tensor *ot, float *lse, ape_stats *tot, char *msg, size_t len)
-{
-	const ape_tensor *q = &in[0].t, *k = &in[1].t, *v = &in[2].t;
-	const int64_t B = q->shape[0], H = q->shape[1], Lq = q->shape[2], Lk = k->shape[2];
-	const int64_t q_start = a->desc.q_start_set ? a->desc.q_start
-						    : a->desc.k_start + Lk - Lq;
-	struct timespec t0, t1;
-	ape_kv_cache_options o;
-	ape_kv_cache *cache;
-	float *step_lse;
-	int64_t appended = 0;
-	int ret;
-
-	clock_gettime(CLOCK_MONOTONIC, &t0);
-	ape_kv_cache_options_init(&o);
-	o.B = B;
-	o.H = H;
-	o.Hkv = k->shape[1];
-	o.D = q->shape[3];
-	o.dtype = q->dtype;
-	o.block_tokens = a->kv_block;
-	o.capacity_tokens = a->kv_capacity ? a->kv_capacity : Lk > 0 ? Lk : 1;
-	o.k_start = a->desc.k_start;
-	o.max_queries = a->kv_step;
-	o.attend_chunk = a->chunk;
-	o.max_device_bytes = a->max_mem;
-	o.allow_release = a->kv_release;
-	o.max_query_norm = max_query_norm(q);
-	step_lse = malloc(sizeof(float) * (size_t)(B * H * a->kv_step));
-	if (!step_lse) {
-		snprintf(msg, len, "out of memory");
-		return RUN_FAIL;
-	}
-	ret = ape_kv_cache_create(dev, &o, &cache);
-	for (int64_t i = 0; !ret && i < Lq; i += a->kv_step) {
-		const int64_t n = i + a->kv_step <= Lq ? a->kv_step : Lq - i;
-		/* keys at or before the step's last query: key j sits at k_start + j */
-		int64_t want = q_start + i + n - a->desc.k_start;
-		ape_attn_desc d = a->desc;
-		ape_tensor qt, o_rows, kt, vt;
-		ape_stats st;
-
-		want = want < 0 ? 0 : want > Lk ? Lk : want;
-		ret = ape_tensor_rows(q, i, n, &qt);
-		ret = ret ? ret : ape_tensor_rows(ot, i, n, &o_rows);
-		if (!ret && want > appended) {
-			ret = ape_tensor_rows(k, appended, want - appended, &kt);
-			ret = ret ? ret : ape_tensor_rows(v, appended, want - appended, &vt);
-			ret = ret ? ret : ape_kv_cache_append(cache, &kt, &vt);
-			appended = want;
-		}
-		d.q_start_set = true;
-		d.q_start = q_start + i;
-		ape_stats_init(&st);
-		if (!ret)
-			ret = ape_kv_cache_attend(cache, &d, &qt, &o_rows, step_lse, &st);
-		for (int64_t bh = 0; !ret && lse && bh < B * H; bh++)
-			memcpy(lse + bh * Lq + i, step_lse + bh * n, (size_t)n * sizeof(float));
-		if (!ret)
-			add_stats(tot, &st);
-	}
-	if (ret)
-		snprintf(msg, len, "%s", ape_last_error());
-	ape_kv_cache_destroy(cache);
-	free(step_lse);
-	clock_gettime(CLOCK_MONOTONIC, &t1);
-	tot->total_ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-6;
-	return exit_code(ret);
+	return run_exit_code(ret);
 }
 
 static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
@@ -904,7 +712,7 @@ static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
 	ape_tensor_init(&ot, o, APE_F32, s[0], s[1], s[2], s[3]);
 	ape_stats_init(&st);
 	if (a->kv_step) {
-		ret = compute_kv(a, devs[0], in, &ot, lse, &st, msg, len);
+		ret = run_kv(a, devs[0], in, &ot, lse, &st, msg, len);
 		if (ret)
 			goto out_free;
 	} else {
@@ -916,12 +724,12 @@ static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
 					       &in[2].t, &ot, lse, &st);
 		if (ret) {
 			snprintf(msg, len, "%s", ape_last_error());
-			ret = exit_code(ret);
+			ret = run_exit_code(ret);
 			goto out_free;
 		}
 	}
 	if (a->stats)
-		print_stats(&st);
+		run_stats_print(&st);
 	ret = write_outputs(a, &in[0], o, lse, msg, len);
 	if (ret && a->trace)
 		unlink(a->trace); /* no output without the others */
@@ -935,7 +743,7 @@ out_free:
 
 static int run(struct run_args *a, char *msg, size_t len)
 {
-	ape_device *devs[MAX_DEVICES];
+	ape_device *devs[APE_MAX_DEVICES];
 	struct input in[3];
 	ape_context *ctx = NULL;
 	int ret, ndev = 0;

@@ -17,4 +17,8 @@ $(TOOLS_LIB): $(TOOLS_LIB_SRCS:%.c=$(BUILD)/tools-obj/%.o)
 $(BUILD)/bin/%: $(BUILD)/tools-obj/tools/%.o $(TOOLS_LIB) $(LIBA)
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"
-	$(Q)$(CC) $(LDFLAGS) -o $@ $< $(TOOLS_LIB) $(LIBA) $(LIB_LIBS) $(LDLIBS)
+	$(Q)$(CC) $(LDFLAGS) -o $@ $(filter %.o,$^) $(TOOLS_LIB) $(LIBA) $(LIB_LIBS) $(LDLIBS)
+
+# A tool split by concern keeps its other files in a folder of its own, linked into it alone:
+# tools/run/ (the KV-cache mode, the statistics) for ape-run.
+$(BUILD)/bin/ape-run: $(patsubst %.c,$(BUILD)/tools-obj/%.o,$(wildcard tools/run/*.c))

@@ -28,7 +28,8 @@
  * concurrent forward calls on the same device. A KV cache (`ape_kv_cache_*`) is used by one
  * thread at a time. `ape_context_create()` may be called concurrently;
  * `ape_context_destroy()` must not race with any other call on the same context.
- * The pure helpers (`ape_strerror()`, `ape_convert()`, descriptor init functions) are thread-safe.
+ * The pure helpers (`ape_strerror()`, `ape_convert()`, the enum name functions `ape_*_name()` and
+ * `ape_*_from_name()`, descriptor init functions) are thread-safe.
  */
 #ifndef APE_APE_H
 #define APE_APE_H
@@ -113,8 +114,15 @@ typedef enum ape_dtype {
 
 /** \brief Bytes per element of \p dt, or 0 for an unknown type. */
 APE_API size_t ape_dtype_size(ape_dtype dt);
-/** \brief "f32", "f16", "bf16", or "?" for an unknown type. */
+/** \brief "f32", "f16", "bf16", or "?" for an unknown type. Never NULL, never allocates. */
 APE_API const char *ape_dtype_name(ape_dtype dt);
+/**
+ * \brief The storage type ape_dtype_name() calls \p name ("f32", "f16", "bf16"; exact,
+ * case-sensitive).
+ * \return the ape_dtype (>= 0), or APE_EINVAL (NULL or unknown name; the message lists the
+ *         names). Thread-safe.
+ */
+APE_API int ape_dtype_from_name(const char *name);
 
 /**
  * \brief Converts \p n elements between storage types, rounding to nearest even.
@@ -167,6 +175,15 @@ typedef enum ape_rope_layout {
 	APE_ROPE_HALF = 0, /**< pairs (p, p + D/2): GPT-NeoX / LLaMA */
 	APE_ROPE_INTERLEAVED = 1, /**< pairs (2p, 2p + 1): GPT-J */
 } ape_rope_layout;
+
+/** \brief "half", "interleaved", or "?" for another value. Never NULL, never allocates. */
+APE_API const char *ape_rope_layout_name(ape_rope_layout layout);
+/**
+ * \brief The layout ape_rope_layout_name() calls \p name (exact, case-sensitive).
+ * \return the ape_rope_layout (>= 0), or APE_EINVAL (NULL or unknown name; the message lists
+ *         the names). Thread-safe.
+ */
+APE_API int ape_rope_layout_from_name(const char *name);
 
 /** \brief A per-head parameter: one value for every head, or an array of H values. */
 typedef struct ape_param {
@@ -222,6 +239,18 @@ typedef enum ape_numa_policy {
 	/** No placement: plain allocations, threads not bound. */
 	APE_NUMA_OFF = 3,
 } ape_numa_policy;
+
+/** \brief "default", "local", "interleave", "off" (the last three are what `APE_NUMA` takes),
+ *  or "?" for another value. Also names ape_physical_info.staging_policy. Never NULL, never
+ *  allocates. */
+APE_API const char *ape_numa_policy_name(ape_numa_policy policy);
+/**
+ * \brief The policy ape_numa_policy_name() calls \p name (exact, case-sensitive).
+ * \return the ape_numa_policy (>= 0; "default" gives APE_NUMA_DEFAULT), or APE_EINVAL (NULL or
+ *         unknown name; the message lists the names). Thread-safe.
+ * \note `APE_NUMA` itself takes only local, interleave and off.
+ */
+APE_API int ape_numa_policy_from_name(const char *name);
 
 /** Options for ape_context_create(). Fields are only ever added at the end; struct_size tells
  *  the library which ones the caller knows of. */
@@ -311,6 +340,16 @@ typedef enum ape_device_kind {
 	APE_DEVICE_HOST_REFERENCE = 3, /**< the plain-C reference; float64 accumulation; slow */
 } ape_device_kind;
 
+/** \brief "cpu", "gpu", "accelerator", "reference", or "?" for another value. Never NULL, never
+ *  allocates. */
+APE_API const char *ape_device_kind_name(ape_device_kind kind);
+/**
+ * \brief The kind ape_device_kind_name() calls \p name (exact, case-sensitive).
+ * \return the ape_device_kind (>= 0), or APE_EINVAL (NULL or unknown name; the message lists
+ *         the names). Thread-safe.
+ */
+APE_API int ape_device_kind_from_name(const char *name);
+
 typedef struct ape_device_info {
 	char name[128];
 	char vendor[64];
@@ -396,6 +435,16 @@ APE_API int ape_device_select_spec(ape_context *ctx, const char *spec, ape_selec
 #define APE_API_HOST (1u << 3) /**< libape's own host code (the reference) */
 /**@}*/
 
+/** \brief "cuda", "opencl", "drm", "host" for one APE_API_* flag; "?" for 0, several flags or
+ *  an unknown one. Never NULL, never allocates. */
+APE_API const char *ape_api_name(unsigned api);
+/**
+ * \brief The APE_API_* flag ape_api_name() calls \p name (exact, case-sensitive).
+ * \return the flag (> 0), or APE_EINVAL (NULL or unknown name; the message lists the names).
+ *         Thread-safe.
+ */
+APE_API int ape_api_from_name(const char *name);
+
 /** One physical device. */
 typedef struct ape_physical_info {
 	int index; /**< position in the physical list */
@@ -463,8 +512,15 @@ typedef enum ape_link {
  */
 APE_API int ape_physical_link(const ape_context *ctx, int a, int b);
 
-/** \brief "X", "PIX", "PXB", "PHB", "NODE", "SYS", "-" for \p link; "?" for other values. */
+/** \brief "X", "PIX", "PXB", "PHB", "NODE", "SYS", "-" for \p link; "?" for other values.
+ *  Never NULL, never allocates. */
 APE_API const char *ape_link_name(int link);
+/**
+ * \brief The link ape_link_name() calls \p name (exact, case-sensitive: "PIX", "-").
+ * \return the ape_link (>= 0), or APE_EINVAL (NULL or unknown name; the message lists the
+ *         names). Thread-safe.
+ */
+APE_API int ape_link_from_name(const char *name);
 
 /** The machine a context describes. */
 typedef struct ape_topology_info {
@@ -539,9 +595,10 @@ APE_API int ape_device_measure_h2d(ape_device *dev, int numa_node, size_t bytes,
 /**@{*/
 
 /**
- * Statistics of one forward call (or KV-cache call). Fields are only ever added at the end:
- * a caller built against an older header passes its smaller struct_size and gets the fields it
- * knows of (0.1.0 ended at `device`: APE_STATS_V1_SIZE).
+ * Statistics of one forward call (or KV-cache call). Fields are only ever added at the end.
+ * struct_size is sizeof(ape_stats) (ape_stats_init() sets it) or APE_STATS_V1_SIZE, the first
+ * layout, which ended at `device`: such a caller gets those fields only, and nothing past them
+ * is written. Any other value is refused with APE_EINVAL.
  */
 typedef struct ape_stats {
 	size_t struct_size; /**< set by ape_stats_init() */
@@ -553,7 +610,8 @@ typedef struct ape_stats {
 	uint64_t bytes_from_device; /**< bytes copied back: partial O, LSE and pair counts */
 	char backend[16]; /**< "opencl"; several devices: their backends joined by '+' */
 	char device[128]; /**< the device's name; several: joined by " + " */
-	/* ---- since 0.2 */
+	/* ---- added after the first layout (APE_STATS_V1_SIZE) with streaming execution; the
+	 * version number did not change: both layouts are libape 0.1.0's */
 	uint64_t chunks; /**< (query chunk, key chunk) pairs computed, i.e. kernel launches */
 	/** Chunk pairs never copied nor computed because the skip bound proved their weight
 	 *  negligible (chunks the causal mask hides are not counted anywhere). */
@@ -575,7 +633,7 @@ typedef struct ape_stats {
 	double overlap_ms;
 } ape_stats;
 
-/** struct_size of the ape_stats of libape 0.1 (up to `device`), still accepted. */
+/** struct_size of the first ape_stats layout (up to `device`), still accepted. */
 #define APE_STATS_V1_SIZE offsetof(ape_stats, chunks)
 
 /** \brief Zeroes \p st and sets struct_size. Never fails. */
@@ -607,8 +665,9 @@ APE_API int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, co
 				  const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
 				  ape_stats *stats);
 
-/** Options of ape_attention_forward_ex(). Fields are only ever added at the end; struct_size
- *  tells the library which ones the caller knows of. */
+/** Options of ape_attention_forward_ex(). Fields are only ever added at the end. There is one
+ *  layout so far: struct_size must be sizeof(ape_exec_options), as ape_exec_options_init()
+ *  sets it; any other value is refused with APE_EINVAL (naming opts->struct_size). */
 typedef struct ape_exec_options {
 	size_t struct_size; /**< set by ape_exec_options_init() */
 	/** Most query rows per chunk (>= 0); 0: 4096. The planner may choose fewer to fit the
@@ -647,6 +706,10 @@ typedef struct ape_exec_options {
  *  writes each query chunk's rows as soon as they are final. */
 #define APE_EXEC_ATOMIC_OUTPUTS (1u << 0)
 
+/** The most devices one ape_attention_forward_ex() call takes (`ndev`), counting a device
+ *  listed more than once each time: size device arrays passed to it by this. */
+#define APE_MAX_DEVICES 64
+
 /** \brief Sets the defaults: 4096-row chunks, 3/4 of device memory, depth 3, no flags, no
  *  trace, measured device speeds. Never fails. */
 APE_API void ape_exec_options_init(ape_exec_options *opts);
@@ -664,9 +727,10 @@ APE_API void ape_exec_options_init(ape_exec_options *opts);
  * proves below desc->skip_tol (only when every head's delta, beta, gamma >= 0). Results equal
  * ape_attention_forward() within the spec's tolerance for every chunk size and device set.
  *
- * \param devs ndev devices (1..64) of live contexts; one device may appear more than once
- *        (it then runs several pipelines at once). With several devices, one worker thread
- *        per device, bound to the device's local CPUs by the context's NUMA policy, feeds it.
+ * \param devs ndev devices (1..APE_MAX_DEVICES) of live contexts; one device may appear more
+ *        than once (it then runs several pipelines at once). With several devices, one worker
+ *        thread per device, bound to the device's local CPUs by the context's NUMA policy,
+ *        feeds it.
  * \param opts NULL for the defaults (see ape_exec_options_init())
  * \param desc,q,k,v,o,lse,stats as ape_attention_forward()
  * \return 0; APE_EINVAL (bad argument, naming it; outputs untouched); APE_EOVERFLOW;

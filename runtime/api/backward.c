@@ -7,10 +7,11 @@
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
 #include "api/forward.h"
+#include "api/stats.h"
 #include "api/validate.h"
+#include "core/clock.h"
 #include "core/error.h"
 #include "exec/backward.h"
 #include "exec/pack.h"
@@ -23,14 +24,6 @@ struct bwd_args {
 	float *dparams;
 	int64_t dout_s[4], dq_s[4], dk_s[4], dv_s[4];
 };
-
-static double now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
 
 /*
  * dout, dq, dk, dv and dparams against the validated forward problem; then no output may
@@ -108,11 +101,10 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 		    const ape_tensor *k, const ape_tensor *v, const ape_tensor *o, const float *lse,
 		    struct bwd_args *a, ape_stats *stats)
 {
-	const double t0 = now_ms();
+	const double t0 = ape__now_ms();
 	struct ape__bwd_result res;
 	struct ape__problem p;
 	uint64_t per_head;
-	ape_stats st;
 	bool on_device;
 	int ret;
 
@@ -162,21 +154,25 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 		write_zeros(&p, a);
 	}
 	if (!ret && stats) {
-		ape_stats_init(&st);
-		st.pairs_visible = per_head * (uint64_t)(p.B * p.H);
-		st.pairs_computed = on_device ? st.pairs_visible : 0; /* nothing is skipped */
-		st.kernel_ms = res.kernel_ms;
-		st.bytes_to_device = res.h2d;
-		st.bytes_from_device = res.d2h;
-		st.chunks = res.launches;
-		st.chunk_q = res.cq;
-		st.chunk_k = res.ck;
-		st.pipeline_depth = 1;
-		st.devices = on_device ? 1 : 0;
-		st.device_budget = res.budget;
-		st.peak_device_bytes = res.peak;
-		st.total_ms = now_ms() - t0;
-		ape__stats_give(stats, &st, devs, ndev);
+		/* in the executor's terms, for the one statistics builder (api/stats.c) */
+		struct ape__exec_result er;
+		const struct ape__call_report rep = {
+			.res = &er, .devs = devs, .ndev = ndev, .devices = on_device ? 1 : 0,
+			.pairs_visible = per_head * (uint64_t)(p.B * p.H), .t0 = t0,
+		};
+
+		memset(&er, 0, sizeof(er));
+		er.st.pairs_computed = on_device ? rep.pairs_visible : 0; /* nothing is skipped */
+		er.st.kernel_ms = res.kernel_ms;
+		er.st.h2d = res.h2d;
+		er.st.d2h = res.d2h;
+		er.st.chunks = res.launches;
+		er.st.peak_bytes = res.peak;
+		er.cq = res.cq;
+		er.ck = res.ck;
+		er.depth = 1;
+		er.budget = res.budget;
+		ape__stats_report(stats, &rep);
 	}
 out_fini:
 	ape__problem_fini(&p);

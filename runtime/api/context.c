@@ -107,16 +107,15 @@ static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registr
 #define HAS_OPTION(o, field)                                                                       \
 	((o) && (o)->struct_size >= offsetof(ape_context_options, field) + sizeof((o)->field))
 
+/* APE_NUMA names a policy; "default" would send it back to itself. */
 static int parse_numa(const char *text, ape_numa_policy *out)
 {
-	static const char *const names[] = { "local", "interleave", "off" };
+	int p = ape_numa_policy_from_name(text);
 
-	for (int i = 0; i < 3; i++)
-		if (!strcmp(text, names[i])) {
-			*out = (ape_numa_policy)(APE_NUMA_LOCAL + i);
-			return 0;
-		}
-	return APE_EINVAL;
+	if (p <= APE_NUMA_DEFAULT)
+		return APE_EINVAL;
+	*out = (ape_numa_policy)p;
+	return 0;
 }
 
 /* Resolves the topology options from opts and the environment, before anything is probed. */
@@ -208,13 +207,8 @@ void ape_context_destroy(ape_context *ctx)
 	if (!ctx)
 		return;
 	ape__physical_free(ctx);
-	for (int i = 0; i < ctx->ndevices; i++) {
-		struct ape_device *d = ctx->devices[i];
-
-		if (d->be->ops->device_release)
-			d->be->ops->device_release(d);
-		free(d);
-	}
+	for (int i = 0; i < ctx->ndevices; i++)
+		ape__device_free(ctx->devices[i]);
 	free(ctx->devices);
 	/* reverse probe order: a later backend may share a driver library loaded by an earlier one */
 	for (int i = ctx->nbackends - 1; i >= 0; i--) {

@@ -40,13 +40,6 @@ int ape_physical_link(const ape_context *ctx, int a, int b)
 	return ape__numa_pci_link(ctx->numa, &pa->pci, &pb->pci);
 }
 
-const char *ape_link_name(int link)
-{
-	static const char *const names[] = { "X", "PIX", "PXB", "PHB", "NODE", "SYS", "-" };
-
-	return link >= 0 && link <= APE_LINK_UNKNOWN ? names[link] : "?";
-}
-
 int ape_topology_get_info(const ape_context *ctx, ape_topology_info *info)
 {
 	if (!ctx)

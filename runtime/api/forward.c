@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The forward entry points: validate, handle the shapes that need no device, hand the rest to
- * the streaming executor (runtime/exec/multidev.c, runtime/exec/stream.c), report statistics.
+ * the streaming executor (runtime/exec/multidev.c, runtime/exec/stream*.c), report statistics
+ * (runtime/api/stats.c).
  *
  * There is one code path. A problem that fits one chunk pair is the executor's single-chunk
  * case: one query chunk, one key chunk, the same copies and the same launch as a one-shot
@@ -14,27 +15,19 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 
-#include "core/context.h"
 #include "core/alloc.h"
+#include "core/clock.h"
+#include "core/context.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "exec/lse_merge.h"
+#include "exec/multidev.h"
 #include "exec/pack.h"
 #include "exec/plan.h"
-#include "api/validate.h"
-#include "exec/stream.h"
 #include "api/forward.h"
-
-#define MAX_DEVICES 64
-
-void ape_stats_init(ape_stats *st)
-{
-	if (!st)
-		return;
-	memset(st, 0, sizeof(*st));
-	st->struct_size = sizeof(*st);
-}
+#include "api/stats.h"
+#include "api/validate.h"
 
 void ape_exec_options_init(ape_exec_options *opts)
 {
@@ -44,33 +37,15 @@ void ape_exec_options_init(ape_exec_options *opts)
 	opts->struct_size = sizeof(*opts);
 }
 
-static double now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
 /* ------------------------------------------------------------------ validation */
-
-static int check_stats(const char *fn, const ape_stats *stats)
-{
-	if (stats && stats->struct_size != sizeof(*stats) &&
-	    stats->struct_size != APE_STATS_V1_SIZE)
-		return ape__error(APE_EINVAL,
-				  "%s: stats->struct_size = %zu: expected %zu (initialise with "
-				  "ape_stats_init())",
-				  fn, stats->struct_size, sizeof(*stats));
-	return 0;
-}
 
 static int check_devices(const char *fn, ape_device *const *devs, int ndev)
 {
 	if (!devs)
 		return ape__error(APE_EINVAL, "%s: devs = NULL", fn);
-	if (ndev < 1 || ndev > MAX_DEVICES)
-		return ape__error(APE_EINVAL, "%s: ndev = %d: must be 1..%d", fn, ndev, MAX_DEVICES);
+	if (ndev < 1 || ndev > APE_MAX_DEVICES)
+		return ape__error(APE_EINVAL, "%s: ndev = %d: must be 1..%d", fn, ndev,
+				  APE_MAX_DEVICES);
 	for (int i = 0; i < ndev; i++)
 		if (!devs[i])
 			return ape__error(APE_EINVAL, "%s: devs[%d] = NULL", fn, i);
@@ -114,10 +89,9 @@ static int check_options(const char *fn, const ape_exec_options *o, int ndev)
 				  "%s: opts->%s = %" PRId64 ": must be >= 0 (0: %d rows)", fn,
 				  o->chunk_q < 0 ? "chunk_q" : "chunk_k",
 				  o->chunk_q < 0 ? o->chunk_q : o->chunk_k, APE__CHUNK_DEFAULT);
-	if (o->pipeline_depth < 0 || o->pipeline_depth > 3)
-		return ape__error(APE_EINVAL,
-				  "%s: opts->pipeline_depth = %d: must be 1, 2 or 3 (0: 3)", fn,
-				  o->pipeline_depth);
+	if (o->pipeline_depth < 0 || o->pipeline_depth > APE__MAX_DEPTH)
+		return ape__error(APE_EINVAL, "%s: opts->pipeline_depth = %d: must be 1..%d (0: %d)",
+				  fn, o->pipeline_depth, APE__MAX_DEPTH, APE__DEFAULT_DEPTH);
 	if (o->flags & ~APE_EXEC_ATOMIC_OUTPUTS)
 		return ape__error(APE_EINVAL, "%s: opts->flags = 0x%x: unknown flags 0x%x", fn,
 				  o->flags, o->flags & ~APE_EXEC_ATOMIC_OUTPUTS);
@@ -137,56 +111,6 @@ static int check_options(const char *fn, const ape_exec_options *o, int ndev)
 static void write_empty(const struct ape__problem *p, ape_tensor *o, float *lse)
 {
 	ape__store_empty_rows(o, p->os, lse, p->Lq, 0, p->Lq);
-}
-
-/* ------------------------------------------------------------------ statistics */
-
-static void names(ape_stats *st, ape_device *const *devs, int ndev)
-{
-	size_t nb = 0, nd = 0;
-
-	st->backend[0] = st->device[0] = '\0';
-	for (int i = 0; i < ndev; i++) {
-		bool seen_be = false, seen_dev = false;
-
-		for (int j = 0; j < i; j++) {
-			seen_be |= !strcmp(devs[j]->info.backend, devs[i]->info.backend);
-			seen_dev |= devs[j] == devs[i];
-		}
-		if (!seen_be && nb < sizeof(st->backend))
-			nb += (size_t)snprintf(st->backend + nb, sizeof(st->backend) - nb, "%s%s",
-					       nb ? "+" : "", devs[i]->info.backend);
-		if (!seen_dev && nd < sizeof(st->device))
-			nd += (size_t)snprintf(st->device + nd, sizeof(st->device) - nd, "%s%s",
-					       nd ? " + " : "", devs[i]->info.name);
-	}
-}
-
-static void fill_stats(ape_stats *st, const struct ape__exec_result *res)
-{
-	st->pairs_computed = res->st.pairs_computed;
-	st->kernel_ms = res->st.kernel_ms;
-	st->bytes_to_device = res->st.h2d;
-	st->bytes_from_device = res->st.d2h;
-	st->bytes_device_to_device = res->st.d2d;
-	st->chunks = res->st.chunks;
-	st->chunks_skipped = res->st.chunks_skipped;
-	st->chunk_q = res->cq;
-	st->chunk_k = res->ck;
-	st->pipeline_depth = res->depth;
-	st->device_budget = res->budget;
-	st->peak_device_bytes = res->st.peak_bytes;
-	st->copy_ms = res->st.copy_ms;
-	st->overlap_ms = res->st.overlap_ms;
-}
-
-/* Copies what the caller's version of ape_stats has room for. */
-static void give_stats(ape_stats *stats, ape_stats *st)
-{
-	size_t size = stats->struct_size;
-
-	st->struct_size = size;
-	memcpy(stats, st, size);
 }
 
 /* ------------------------------------------------------------------ the call */
@@ -231,7 +155,7 @@ static int run(const char *fn, ape_device *const *devs, int ndev, const ape_exec
 		.chunk_q = opts && opts->chunk_q ? opts->chunk_q : APE__CHUNK_DEFAULT,
 		.chunk_k = opts && opts->chunk_k ? opts->chunk_k : APE__CHUNK_DEFAULT,
 		.budget = opts ? opts->max_device_bytes : 0,
-		.depth = opts && opts->pipeline_depth ? opts->pipeline_depth : 3,
+		.depth = opts && opts->pipeline_depth ? opts->pipeline_depth : APE__DEFAULT_DEPTH,
 		.weights = opts ? opts->device_weights : NULL,
 		.trace_path = opts ? opts->trace_path : NULL,
 		.p = &pp,
@@ -271,14 +195,13 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 		   const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
 		   ape_stats *stats)
 {
-	const double t0 = now_ms();
+	const double t0 = ape__now_ms();
 	struct ape__exec_result res;
 	struct ape__problem p;
 	uint64_t per_head;
-	ape_stats st;
 	int ret;
 
-	if ((ret = check_stats(fn, stats)) || (ret = check_options(fn, opts, ndev)))
+	if ((ret = ape__stats_check(fn, stats)) || (ret = check_options(fn, opts, ndev)))
 		return ret;
 	if ((ret = ape__problem_init(&p, fn, desc, q, k, v, o, lse)))
 		return ret;
@@ -287,7 +210,6 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 		return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
 	}
 	memset(&res, 0, sizeof(res));
-	ape_stats_init(&st);
 	if (p.B * p.H * p.Lq == 0)
 		ret = 0; /* empty result: nothing to write */
 	else if (p.Lk == 0)
@@ -295,12 +217,16 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 	else
 		ret = run(fn, devs, ndev, opts, &p, q, k, v, o, lse, stats != NULL, &res);
 	if (!ret && stats) {
-		fill_stats(&st, &res);
-		names(&st, devs, ndev);
-		st.devices = p.B * p.H * p.Lq > 0 && p.Lk > 0 ? ndev : 0;
-		st.pairs_visible = per_head * (uint64_t)(p.B * p.H);
-		st.total_ms = now_ms() - t0;
-		give_stats(stats, &st);
+		const struct ape__call_report rep = {
+			.res = &res,
+			.devs = devs,
+			.ndev = ndev,
+			.devices = p.B * p.H * p.Lq > 0 && p.Lk > 0 ? ndev : 0,
+			.pairs_visible = per_head * (uint64_t)(p.B * p.H),
+			.t0 = t0,
+		};
+
+		ape__stats_report(stats, &rep);
 	}
 	ape__problem_fini(&p);
 	return ret;
@@ -337,12 +263,6 @@ int ape__check_exec_call(const char *fn, ape_device *const *devs, int ndev,
 	int ret = check_devices(fn, devs, ndev);
 
 	if (!ret)
-		ret = check_stats(fn, stats);
+		ret = ape__stats_check(fn, stats);
 	return ret ? ret : check_options(fn, opts, ndev);
-}
-
-void ape__stats_give(ape_stats *stats, ape_stats *st, ape_device *const *devs, int ndev)
-{
-	names(st, devs, ndev);
-	give_stats(stats, st);
 }

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* What the forward entry points (api/forward.c) share with the other calls on host tensors
- * (api/backward.c): the checks of devices, options and statistics, and the statistics' names. */
+ * (api/backward.c): the checks of devices, options and statistics. */
 #ifndef APE_RUNTIME_API_FORWARD_H
 #define APE_RUNTIME_API_FORWARD_H
 
@@ -8,14 +8,10 @@
 
 #pragma GCC visibility push(hidden)
 
-/* devs (1..64, none NULL), stats->struct_size and every field of opts (NULL: defaults), as
+/* devs (1..APE_MAX_DEVICES, none NULL), stats->struct_size and every field of opts (NULL: defaults), as
  * ape_attention_forward_ex() checks them; messages start with fn and name the argument. */
 int ape__check_exec_call(const char *fn, ape_device *const *devs, int ndev,
 			 const ape_exec_options *opts, const ape_stats *stats);
-
-/* Names the backends and devices in *st, then copies what the caller's version of ape_stats
- * has room for into *stats. */
-void ape__stats_give(ape_stats *stats, ape_stats *st, ape_device *const *devs, int ndev);
 
 #pragma GCC visibility pop
 #endif

@@ -7,24 +7,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "core/context.h"
 #include "core/alloc.h"
+#include "core/clock.h"
 #include "core/error.h"
 #include "topo/hostmem.h"
 #include "topo/numa.h"
 #include "topo/topology.h"
 
 static const char fn[] = "ape_device_measure_h2d";
-
-static double now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -89,13 +81,13 @@ static int time_copies(ape_device *dev, const struct ape__hostmem *m, int repeat
 	if (!ret)
 		ret = ops->buf_alloc(dev, m->bytes, &buf);
 	for (int i = -1; !ret && i < repeats; i++) {
-		double t0 = now_ms();
+		double t0 = ape__now_ms();
 
 		ret = ops->copy_h2d(q, buf, 0, m->ptr, m->bytes);
 		if (!ret)
 			ret = ops->synchronize(q);
 		if (i >= 0)
-			ms[i] = now_ms() - t0;
+			ms[i] = ape__now_ms() - t0;
 	}
 	ops->queue_destroy(q);
 	ops->buf_free(dev, buf);

@@ -1,10 +1,15 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The backend interface: what every backend (reference, OpenCL, CUDA, ...) provides to the core.
+ * The backend interface: what every backend (reference, OpenCL, CUDA, ...) provides to the core,
+ * and the contract of each op, in the manner of the kernel's `struct drm_driver`.
  *
- * A backend fills one `const struct ape__backend_ops` and is listed once in runtime/api/registry.c.
- * The core never includes a backend's headers and a backend never includes another's, so adding a
- * backend touches only its own directory, the registry and the build.
+ * Adding a backend: give it a folder of its own (like opencl/ or cuda/) with a module.mk that
+ * adds its sources and defines APE_HAVE_<NAME> (see cuda/module.mk), fill one
+ * `const struct ape__backend_ops` there with designated initialisers, and add one line to the
+ * table in runtime/api/registry.c. A backend includes core/ headers only (this one,
+ * core/error.h, core/alloc.h, core/ape_math.h); the core never includes a backend's headers and
+ * a backend never includes another's, so nothing else changes. The backend states the ranks of
+ * its devices itself, in its own files, following the convention below.
  *
  * Device tensors are always contiguous `[B, H, L, D]` (K/V: `[B, Hkv, L, D]`); the core packs and
  * unpacks caller strides on the host, so kernels need no stride logic.
@@ -14,14 +19,37 @@
  * synchronised (or an event recorded after the copy has completed). Events order work across
  * queues of the same device.
  *
- * Locking: the core holds no lock while calling a backend. Every op except probe and teardown may
- * be called from several threads at once, on different queues of the same device; a backend that
- * has shared mutable state protects it itself.
+ * Threads and locks: the core holds no lock of its own while it calls an op, and an op returns
+ * with no lock held. probe runs on the thread creating the context; teardown and
+ * device_release on the thread destroying it (or creating it, when the topology drops a
+ * device), with no other op of that backend running. Every other op may be called from several
+ * threads at once, for different queues of one device or of several; a queue, and the events
+ * recorded on it, are used by one thread at a time. A backend protects its own shared mutable
+ * state (per-device program or module caches, say) itself.
+ *
+ * Ownership: what an op creates (*out of buf_alloc, queue_create, event_record; *handle of
+ * host_register) belongs to the core from a successful return until the core hands it back to
+ * its release op (buf_free, queue_destroy, event_destroy, host_unregister), exactly once. The
+ * backend owns dev->priv and be->priv.
+ *
+ * Failure, for every op that returns int: 0, or a negative libape code (APE_ENOMEM when memory
+ * of the device or of the host ran out, APE_EDEVLOST when the device stopped working,
+ * APE_EBUILD, APE_EBACKEND, ...). A failing op
+ *   - sets the thread's error message (ape__error) naming the device and the op:
+ *     ape__op_error() in core/error.h turns the message of whatever failed below the op into
+ *     "opencl:0 NAME: copy_h2d: clEnqueueWriteBuffer (64 bytes): CL_OUT_OF_RESOURCES (-5)";
+ *     the core passes it on to the caller, adding at most the public function and how much
+ *     of the outputs was written (and the device, where a message of its own lacks it);
+ *   - leaves its out-parameters cleared: *out and *handle NULL, *ms 0 (so a cleanup path may
+ *     release them unconditionally: buf_free, queue_destroy and event_destroy accept NULL);
+ *   - leaves nothing of its own behind (no half-created object);
+ *   - may leave the queue unusable after a device loss, but queue_destroy, buf_free and
+ *     event_destroy still work on it and on what it used.
+ * Ops that cannot fail on a backend (the reference's copies) return 0.
  */
 #ifndef APE_RUNTIME_BACKEND_H
 #define APE_RUNTIME_BACKEND_H
 
-#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -30,9 +58,11 @@
 
 #pragma GCC visibility push(hidden)
 
-/* Bumped whenever the layout or contract of ape__backend_ops changes; the core refuses a backend
- * built against another value (see registry.c). */
-#define APE__BACKEND_ABI 3
+/* Bumped whenever the layout or contract of ape__backend_ops (or of what it is handed: struct
+ * ape_device, struct ape__launch) changes; the core refuses a backend built against another value
+ * (runtime/api/context.c). 3: the contract on every op, struct ape_device without the core's
+ * fields, ranks stated by each backend. 4: attention_backward and struct ape__bwd_launch. */
+#define APE__BACKEND_ABI 4
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -101,6 +131,10 @@ struct ape__probe_result {
 	char reason[256]; /* when it adds no device: why ("libcuda.so.1 not found") */
 };
 
+/*
+ * The ops of one backend. "Required" ops must be set; an optional op left NULL gets the core's
+ * fallback, stated with it. Every op follows the failure rules at the top of this file.
+ */
 struct ape__backend_ops {
 	unsigned abi_version; /* APE__BACKEND_ABI */
 	const char *name; /* "ref", "opencl", "cuda": lower case, <= 15 chars */
@@ -109,28 +143,38 @@ struct ape__backend_ops {
 	 * Required. Loads the driver and adds every device it can drive with ape__device_add().
 	 * Called once per context, before any other op, from the thread creating the context.
 	 * Return 0 (with zero or more devices; when zero, say why in res->reason), or a negative
-	 * code only for failures that must fail the whole context (APE_ENOMEM). A missing driver
-	 * is not a failure. May set be->priv.
+	 * code only for failures that must fail the whole context (APE_ENOMEM), with a message
+	 * naming the backend. A missing driver is not a failure. May set be->priv; devices added
+	 * before a failure are released as usual (device_release, then teardown).
 	 */
 	int (*probe)(struct ape__backend *be, struct ape__probe_result *res);
 
-	/* Optional. Releases be->priv after all of the backend's devices were released. */
+	/* Optional (NULL: nothing to release). Releases be->priv; called once, after every device
+	 * of the backend was released, also when probe failed. */
 	void (*teardown)(struct ape__backend *be);
 
-	/* Optional. Releases a device's private state (dev->priv). */
+	/* Optional (NULL: nothing to release). Releases a device's private state (dev->priv), once
+	 * per device, after everything created on it was released. */
 	void (*device_release)(struct ape_device *dev);
 
-	/* Required. Device memory of at least `bytes` (> 0) bytes. APE_ENOMEM when it does not fit. */
+	/*
+	 * Required. Device memory of `bytes` (> 0) bytes or more, for *out. Aligned to at least
+	 * 8 bytes, enough for every element type a launch uses (the reference gives 8, OpenCL
+	 * CL_DEVICE_MEM_BASE_ADDR_ALIGN, at least 128 bytes; CUDA cuMemAlloc's 256). Contents are
+	 * undefined (no backend clears them): the core writes every byte before anything reads it.
+	 * APE_ENOMEM when it does not fit (more than max_alloc, or than the device has left).
+	 */
 	int (*buf_alloc)(struct ape_device *dev, size_t bytes, struct ape__buf **out);
-	/* Required. Accepts NULL. The buffer must be idle (its queue synchronised). */
+	/* Required. Accepts NULL. The buffer is idle: every queue that used it was synchronised. */
 	void (*buf_free)(struct ape_device *dev, struct ape__buf *buf);
 
-	/* Required. An in-order queue with timing enabled. */
+	/* Required. An in-order queue with timing enabled, for *out. */
 	int (*queue_create)(struct ape_device *dev, struct ape__queue **out);
-	/* Required. Accepts NULL. Waits for outstanding work first. */
+	/* Required. Accepts NULL. Waits for outstanding work first, ignoring its failures. Events
+	 * recorded on q may outlive it (and are destroyed later). */
 	void (*queue_destroy)(struct ape__queue *q);
 
-	/* Required. Asynchronous copies; see the ordering model above. n > 0. */
+	/* Required. Asynchronous copies, n > 0 bytes, inside the buffer; see the ordering model. */
 	int (*copy_h2d)(struct ape__queue *q, struct ape__buf *dst, size_t dst_off, const void *src,
 			size_t n);
 	int (*copy_d2h)(struct ape__queue *q, void *dst, struct ape__buf *src, size_t src_off,
@@ -139,11 +183,13 @@ struct ape__backend_ops {
 	int (*fill)(struct ape__queue *q, struct ape__buf *dst, size_t dst_off, uint32_t pattern,
 		    size_t n);
 
-	/* Required. Records an event at the current end of q. */
+	/* Required. Records an event at the current end of q, for *out. */
 	int (*event_record)(struct ape__queue *q, struct ape__event **out);
-	/* Required. Makes later work on q wait for e (which may belong to another queue). */
+	/* Required. Makes later work on q wait for e (which may belong to another queue of the
+	 * same device). */
 	int (*event_wait)(struct ape__queue *q, struct ape__event *e);
-	/* Required. Milliseconds of device time between two completed events of one queue. */
+	/* Required. Milliseconds of device time between two completed events of one queue, in
+	 * *ms (>= 0). */
 	int (*event_elapsed)(struct ape__event *start, struct ape__event *end, double *ms);
 	/* Required. Accepts NULL. */
 	void (*event_destroy)(struct ape__event *e);
@@ -152,12 +198,14 @@ struct ape__backend_ops {
 	 * Required. Enqueues the attention kernel(s) for one launch. Must write every element of
 	 * l->o (and l->lse, l->pairs when not NULL) for every row, including rows with no visible
 	 * key (O = 0, LSE = -inf). May skip keys only as the spec's bound allows and only when
-	 * l->skip_tol > 0. Errors are returned, with ape__error() set, naming the device.
+	 * l->skip_tol > 0. Scratch memory it allocates is its own, held no longer than the launch
+	 * (see attention_scratch); l->head_params is read during the call only.
 	 */
 	int (*attention)(struct ape__queue *q, const struct ape__launch *l);
 
 	/* Required. Waits until everything enqueued on q has completed; reports asynchronous
-	 * failures (a kernel that faulted, a device lost). */
+	 * failures (a kernel that faulted, a device lost). Whether it fails or not, nothing
+	 * enqueued on q is still running when it returns: the core frees the buffers next. */
 	int (*synchronize)(struct ape__queue *q);
 
 	/*
@@ -172,7 +220,7 @@ struct ape__backend_ops {
 	/* Optional, required with host_register. Undoes it; the memory is idle (no copy in flight). */
 	void (*host_unregister)(struct ape_device *dev, void *handle);
 
-	/* ---- ABI 2: optional ops of the streaming executor (runtime/exec/stream.c). Each has a
+	/* ---- ABI 2: optional ops of the streaming executor (runtime/exec/stream*.c). Each has a
 	 * fallback in the core, so a backend without them still computes correctly. */
 
 	/*
@@ -187,27 +235,29 @@ struct ape__backend_ops {
 	/*
 	 * Optional (NULL: the core uses the host's clock, so traces show enqueue times, and it
 	 * reports no copy/compute overlap). The device time, in milliseconds, of the point e
-	 * stands for: when everything enqueued on its queue before e had completed (the end of a
-	 * marker). All queues of one device must share the clock, so that times of events on
-	 * different queues compare; its origin is arbitrary. e has completed (its queue was
-	 * synchronised past it).
+	 * stands for, in *ms: when everything enqueued on its queue before e had completed (the
+	 * end of a marker). All queues of one device must share the clock, so that times of
+	 * events on different queues compare; its origin is arbitrary. e has completed (its queue
+	 * was synchronised past it).
 	 */
 	int (*event_timestamp)(struct ape__event *e, double *ms);
 
 	/*
 	 * Optional (NULL: the core assumes float32 copies of K and V plus skip tables, see
-	 * ape__scratch_estimate() in runtime/exec/stream.c). Bytes of device memory the attention op
+	 * ape__scratch_of() in runtime/exec/launch.c). Bytes of device memory the attention op
 	 * allocates for launch l beyond l's own buffers, held from the attention call until the
 	 * launch completes. The core counts them against the memory budget of streamed calls.
-	 * Called without the buffers: only the shape, dtypes, layout and skip_tol of l are set.
+	 * Called without the buffers: only the shape, dtypes, layout and skip_tol of l count.
+	 * Cannot fail; may be called from any thread.
 	 */
 	uint64_t (*attention_scratch)(struct ape_device *dev, const struct ape__launch *l);
 
-	/* Optional (NULL: no limit but the device's memory). The largest single buffer_alloc the
-	 * device accepts (CL_DEVICE_MAX_MEM_ALLOC_SIZE); the planner keeps every chunk below it. */
+	/* Optional (NULL: no limit but the device's memory). The largest single buf_alloc the
+	 * device accepts (CL_DEVICE_MAX_MEM_ALLOC_SIZE); the planner keeps every chunk below it.
+	 * Cannot fail; may be called from any thread. */
 	uint64_t (*max_alloc)(struct ape_device *dev);
 
-	/* ---- ABI 3: the backward pass. */
+	/* ---- ABI 4: the backward pass. */
 
 	/*
 	 * Optional (NULL: ape_attention_backward() on this backend's devices fails with
@@ -221,9 +271,9 @@ struct ape__backend_ops {
 	 * are reduced in float64. Skips no key (l->f.skip_tol is 0). Allocates no device memory
 	 * beyond l's buffers: the core's budget counts none (a backend that will need scratch
 	 * adds an op declaring it, as attention_scratch does for the forward). Inputs are not
-	 * scanned: NaN or Inf reach the gradients they touch. Errors are returned with
-	 * ape__error() set, naming the device; the accumulators then hold unspecified values
-	 * (the core discards them and writes nothing to the caller).
+	 * scanned: NaN or Inf reach the gradients they touch. Fails by the rules at the top of this
+	 * file (ape__op_error(ret, dev, "attention_backward")); the accumulators then hold
+	 * unspecified values (the core discards them and writes nothing to the caller).
 	 */
 	int (*attention_backward)(struct ape__queue *q, const struct ape__bwd_launch *l);
 };
@@ -235,30 +285,34 @@ struct ape__backend {
 	void *priv; /* the backend's own state */
 };
 
-/* A device: public handle, core-owned. Backends fill info through ape__device_add(). */
+/*
+ * A device as backends see it: the public handle (ape_device) is this struct, inside a larger
+ * one of the core's own (runtime/core/context.c), which backends never see. The core creates it
+ * in ape__device_add() and frees it after device_release.
+ */
 struct ape_device {
-	struct ape__backend *be;
-	struct ape_device_info info;
-	int rank; /* preference: higher is chosen first by "auto" */
-	void *priv; /* the backend's own state */
-	/* Core only: visible pairs per second this device reached in earlier streamed calls, as an
-	 * exponential average (runtime/exec/multidev.c weighs multi-device splits by it); 0 unknown. */
-	atomic_uint_fast64_t pairs_per_s;
-};
-
-/* Device preference ranks used by backends. */
-enum {
-	APE__RANK_REF = 0,
-	APE__RANK_OPENCL_CPU = 100,
-	APE__RANK_OPENCL_ACCEL = 150,
-	APE__RANK_OPENCL_GPU = 200,
-	APE__RANK_CUDA = 300,
+	struct ape__backend *be; /* the backend it belongs to (be->priv: the backend's state) */
+	struct ape_device_info info; /* read-only once the context is created */
+	void *priv; /* the backend's own state, released by device_release */
 };
 
 /*
- * Adds a device to the context during probe. `info` needs name, vendor, kind, compute_units,
- * global_mem_bytes, driver_version and pci_address; the core fills backend and the indices.
- * Returns 0 or APE_ENOMEM (then priv is still the caller's to free).
+ * Device ranks: "auto" chooses the device of highest rank (ties: probe order, which is the
+ * order of runtime/api/registry.c). Each backend states its ranks in its own files, in the
+ * range of what it drives, so that the preference stays CUDA > OpenCL GPU > OpenCL
+ * accelerator > OpenCL CPU > reference:
+ *   [300, 400)  GPUs through their vendor's own API (cuda: 300)
+ *   [200, 300)  GPUs through a portable API (opencl GPU: 200)
+ *   [100, 200)  CPUs and accelerators through a portable API (opencl accelerator: 150,
+ *               CPU: 100)
+ *   [0, 100)    the host without a driver (ref: 0)
+ */
+
+/*
+ * Adds a device to the context during probe, with its rank (above). `info` needs name, vendor,
+ * kind, compute_units, global_mem_bytes, driver_version and pci_address; the core fills backend
+ * and the indices. Returns 0, or APE_ENOMEM with the message set (then priv is still the
+ * caller's to free).
  */
 int ape__device_add(struct ape__backend *be, const struct ape_device_info *info, int rank, void *priv);
 

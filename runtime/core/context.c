@@ -8,15 +8,43 @@
 #include "core/alloc.h"
 
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "core/error.h"
 
+/* A device with what only the core reads: backends get the embedded struct ape_device, which is
+ * also the public handle, and never see the rest. */
+struct core_device {
+	struct ape_device dev;
+	int rank; /* preference: higher is chosen first by "auto" (core/backend.h) */
+	atomic_uint_fast64_t pairs_per_s;
+};
+
+static struct core_device *core_of(const struct ape_device *dev)
+{
+	return (struct core_device *)((char *)dev - offsetof(struct core_device, dev));
+}
+
+atomic_uint_fast64_t *ape__device_pairs_per_s(struct ape_device *dev)
+{
+	return &core_of(dev)->pairs_per_s;
+}
+
+void ape__device_free(struct ape_device *dev)
+{
+	if (!dev)
+		return;
+	if (dev->be->ops->device_release)
+		dev->be->ops->device_release(dev);
+	free(core_of(dev));
+}
+
 int ape__device_add(struct ape__backend *be, const struct ape_device_info *info, int rank, void *priv)
 {
 	struct ape_context *ctx = be->ctx;
-	struct ape_device *dev;
+	struct core_device *cd;
 
 	if (ctx->ndevices == ctx->cap) {
 		int cap = ctx->cap ? 2 * ctx->cap : 8;
@@ -28,15 +56,16 @@ int ape__device_add(struct ape__backend *be, const struct ape_device_info *info,
 		ctx->devices = d;
 		ctx->cap = cap;
 	}
-	dev = ape__calloc(1, sizeof(*dev));
-	if (!dev)
+	cd = ape__calloc(1, sizeof(*cd));
+	if (!cd)
 		return ape__error(APE_ENOMEM, "%s: out of memory adding a device", be->ops->name);
-	dev->be = be;
-	dev->info = *info;
-	snprintf(dev->info.backend, sizeof(dev->info.backend), "%s", be->ops->name);
-	dev->rank = rank;
-	dev->priv = priv;
-	ctx->devices[ctx->ndevices++] = dev;
+	cd->dev.be = be;
+	cd->dev.info = *info;
+	snprintf(cd->dev.info.backend, sizeof(cd->dev.info.backend), "%s", be->ops->name);
+	cd->dev.priv = priv;
+	cd->rank = rank;
+	atomic_init(&cd->pairs_per_s, 0);
+	ctx->devices[ctx->ndevices++] = &cd->dev;
 	return 0;
 }
 
@@ -61,7 +90,7 @@ void ape__context_sort_devices(struct ape_context *ctx)
 		struct ape_device *d = ctx->devices[i];
 		int j = i;
 
-		while (j > 0 && ctx->devices[j - 1]->rank < d->rank) {
+		while (j > 0 && core_of(ctx->devices[j - 1])->rank < core_of(d)->rank) {
 			ctx->devices[j] = ctx->devices[j - 1];
 			j--;
 		}
@@ -86,9 +115,7 @@ void ape__context_drop_devices(struct ape_context *ctx, const bool *drop, int *n
 		for (int b = 0; b < ctx->nbackends; b++)
 			if (&ctx->backends[b].be == d->be)
 				ctx->backends[b].info.device_count--;
-		if (d->be->ops->device_release)
-			d->be->ops->device_release(d);
-		free(d);
+		ape__device_free(d);
 	}
 	ctx->ndevices = m;
 	index_devices(ctx);

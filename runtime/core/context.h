@@ -45,6 +45,13 @@ struct ape_context {
 	atomic_uint_fast64_t staging_placed, staging_plain;
 };
 
+/* The device's speed in earlier streamed calls: visible pairs per second, as an exponential
+ * average (runtime/exec/multidev.c weighs multi-device splits by it); 0 until measured. */
+atomic_uint_fast64_t *ape__device_pairs_per_s(struct ape_device *dev);
+
+/* Releases a device (the backend's device_release, then the core's memory). Accepts NULL. */
+void ape__device_free(struct ape_device *dev);
+
 /* Sorts the devices by rank (higher first), then probe order, and numbers them. */
 void ape__context_sort_devices(struct ape_context *ctx);
 

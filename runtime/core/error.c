@@ -68,14 +68,38 @@ int ape__error_prefix(int err, const char *ctx)
 	return err;
 }
 
+/* "opencl:0 NAME" or, where the device has a PCI address, "cuda:0 NAME (0000:42:00.0)". */
+static void device_label(const struct ape_device *dev, char *buf, size_t cap)
+{
+	int n = snprintf(buf, cap, "%s:%d %s", dev->info.backend, dev->info.backend_index,
+			 dev->info.name);
+
+	if (dev->info.pci_address[0] && n >= 0 && (size_t)n < cap)
+		snprintf(buf + n, cap - (size_t)n, " (%s)", dev->info.pci_address);
+}
+
 int ape__error_on(int err, const struct ape_device *dev)
 {
-	char label[sizeof(dev->info.backend) + sizeof(dev->info.name) + 16];
+	char label[sizeof(dev->info.backend) + sizeof(dev->info.name) +
+		   sizeof(dev->info.pci_address) + 16];
 
 	if (strstr(last_error, dev->info.name))
 		return err;
-	snprintf(label, sizeof(label), "%s:%d %s", dev->info.backend, dev->info.backend_index,
-		 dev->info.name);
+	device_label(dev, label, sizeof(label));
+	return ape__error_prefix(err, label);
+}
+
+int ape__op_error(int err, const struct ape_device *dev, const char *op)
+{
+	char label[sizeof(dev->info.backend) + sizeof(dev->info.name) +
+		   sizeof(dev->info.pci_address) + 48];
+	size_t n;
+
+	if (!err)
+		return 0;
+	device_label(dev, label, sizeof(label));
+	n = strlen(label);
+	snprintf(label + n, sizeof(label) - n, ": %s", op);
 	return ape__error_prefix(err, label);
 }
 

@@ -23,6 +23,14 @@ struct ape_device;
  * device failed, whichever layer below reported it. */
 int ape__error_on(int err, const struct ape_device *dev);
 
+/*
+ * For backends (runtime/core/backend.h): reports that `op` failed on dev. Prefixes the thread's
+ * message, which the failing step below the op set ("clFinish: CL_OUT_OF_RESOURCES (-5)"), with
+ * the device and the op: "opencl:0 NAME (0000:03:00.0): synchronize: clFinish: ...". Returns
+ * err; 0 passes through untouched, so that an op may end `return ape__op_error(ret, dev, "x");`.
+ */
+int ape__op_error(int err, const struct ape_device *dev, const char *op);
+
 /* Appends to the current message how much of O and LSE a failed call had already written
  * ("; O and LSE hold 3 of 8 query chunks, the rest untouched"); nothing when done == 0. */
 int ape__error_written(int err, int64_t done, int64_t of);

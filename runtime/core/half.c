@@ -77,19 +77,6 @@ size_t ape_dtype_size(ape_dtype dt)
 	return 0;
 }
 
-const char *ape_dtype_name(ape_dtype dt)
-{
-	switch (dt) {
-	case APE_F32:
-		return "f32";
-	case APE_F16:
-		return "f16";
-	case APE_BF16:
-		return "bf16";
-	}
-	return "?";
-}
-
 static float load_f32(const void *src, ape_dtype t, size_t i)
 {
 	const uint16_t *s16 = src;

@@ -28,9 +28,9 @@
 #include "core/alloc.h"
 #include "core/error.h"
 #include "exec/devmem.h"
+#include "exec/multidev.h"
 #include "exec/pack.h"
 #include "exec/plan.h"
-#include "exec/stream.h"
 
 /* Device chunk buffers, each with its host staging. Rows of the query side, then the key side. */
 enum { B_Q, B_O, B_DOUT, B_LSE, B_DLSE, B_DQ, B_K, B_V, B_DK, B_DV, NBUF };

@@ -17,113 +17,31 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#include "core/context.h"
 #include "core/alloc.h"
+#include "core/clock.h"
+#include "core/context.h"
 #include "core/error.h"
+#include "core/limits.h"
+#include "exec/launch.h"
+#include "exec/multidev.h"
 #include "topo/hostmem.h"
-#include "exec/stream.h"
-
-#define MAX_DEV 64
-
-struct ape__workq {
-	pthread_mutex_t lock;
-	int n;
-	int64_t begin[MAX_DEV], end[MAX_DEV];
-};
-
-int64_t ape__workq_next(struct ape__workq *w, int who)
-{
-	int64_t qc = -1;
-	int victim = -1;
-
-	pthread_mutex_lock(&w->lock);
-	if (w->begin[who] < w->end[who]) {
-		qc = w->begin[who]++;
-	} else {
-		for (int d = 0; d < w->n; d++)
-			if (w->end[d] > w->begin[d] &&
-			    (victim < 0 ||
-			     w->end[d] - w->begin[d] > w->end[victim] - w->begin[victim]))
-				victim = d;
-		/* the far end of its range: the victim keeps the chunks next to its own */
-		if (victim >= 0)
-			qc = --w->end[victim];
-	}
-	pthread_mutex_unlock(&w->lock);
-	return qc;
-}
-
-int ape__workq_create(struct ape__workq **out)
-{
-	struct ape__workq *w = ape__calloc(1, sizeof(*w));
-
-	*out = w;
-	if (!w)
-		return ape__error(APE_ENOMEM, "out of memory for a work queue");
-	pthread_mutex_init(&w->lock, NULL);
-	return 0;
-}
-
-void ape__workq_destroy(struct ape__workq *w)
-{
-	if (!w)
-		return;
-	pthread_mutex_destroy(&w->lock);
-	free(w);
-}
-
-void ape__workq_set(struct ape__workq *w, int n, const int64_t *bounds)
-{
-	w->n = n;
-	for (int i = 0; i < n; i++) {
-		w->begin[i] = bounds[i];
-		w->end[i] = bounds[i + 1];
-	}
-}
-
-void ape__workq_single(struct ape__workq *w, int64_t nq)
-{
-	const int64_t bounds[2] = { 0, nq };
-
-	ape__workq_set(w, 1, bounds);
-}
-
-static double now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
 
 /* ------------------------------------------------------------------ planning */
 
+/* What the planner prices a launch of one device with: the call's template, with rows. */
 struct scratch_arg {
 	struct ape_device *dev;
-	const struct ape__problem *p;
-	double tol;
+	const struct ape__launch *tmpl;
 };
 
 static uint64_t plan_scratch(void *arg, int64_t lq, int64_t lk)
 {
 	const struct scratch_arg *a = arg;
-	struct ape__launch l;
+	struct ape__launch l = *a->tmpl;
 
-	memset(&l, 0, sizeof(l));
-	l.B = a->p->B;
-	l.H = a->p->H;
-	l.Hkv = a->p->Hkv;
-	l.D = a->p->D;
 	l.Lq = lq;
 	l.Lk = lk;
-	l.in_dtype = a->p->in_dtype;
-	l.out_dtype = APE_F32;
-	l.layout = a->p->layout;
-	l.causal = a->p->causal;
-	l.decay_nonneg = a->p->decay_nonneg;
-	l.skip_tol = a->p->decay_nonneg ? a->tol : 0;
 	return ape__scratch_of(a->dev, &l);
 }
 
@@ -157,8 +75,7 @@ static int plan_all(const struct ape__exec_req *r, struct ape__plan *plans, uint
 				.max_buffer = dev->be->ops->max_alloc ? dev->be->ops->max_alloc(dev)
 								      : UINT64_MAX,
 				.scratch = plan_scratch, .scratch_arg = &sa[d],
-				.prior = p->decay_nonneg && p->skip_tol > 0 &&
-					 dev->be->ops->copy_d2d,
+				.prior = ape__skip_allowed(p) && dev->be->ops->copy_d2d,
 			};
 			char fn[160];
 
@@ -200,20 +117,19 @@ static double chunk_cost(const struct ape__problem *p, int64_t i0, int64_t n, bo
 static int split_work(const struct ape__exec_req *r, int64_t cq, int64_t nq, bool skipping,
 		      struct ape__workq *w)
 {
-	double weight[MAX_DEV], bound[MAX_DEV], wsum = 0, known = 0, total = 0, acc = 0;
-	double share = 0;
+	double weight[APE_MAX_DEVICES], bound[APE_MAX_DEVICES];
+	double wsum = 0, known = 0, total = 0, acc = 0, share = 0;
+	int64_t bounds[APE_MAX_DEVICES + 1];
 	double *cost;
 	int nknown = 0, d = 0;
 
-	w->n = r->ndev;
 	if (r->ndev == 1) {
-		w->begin[0] = 0;
-		w->end[0] = nq;
+		ape__workq_single(w, nq);
 		return 0;
 	}
 	for (int i = 0; i < r->ndev; i++) {
 		weight[i] = r->weights ? r->weights[i]
-				       : (double)atomic_load(&r->devs[i]->pairs_per_s);
+				       : (double)atomic_load(ape__device_pairs_per_s(r->devs[i]));
 		if (weight[i] > 0) {
 			known += weight[i];
 			nknown++;
@@ -239,17 +155,15 @@ static int split_work(const struct ape__exec_req *r, int64_t cq, int64_t nq, boo
 		share += weight[i];
 		bound[i] = total * share / wsum;
 	}
-	w->begin[0] = 0;
+	bounds[0] = 0;
 	for (int64_t c = 0; c < nq; c++) {
-		while (d < r->ndev - 1 && acc + cost[c] / 2 > bound[d]) {
-			w->end[d] = c;
-			w->begin[++d] = c;
-		}
+		while (d < r->ndev - 1 && acc + cost[c] / 2 > bound[d])
+			bounds[++d] = c;
 		acc += cost[c];
 	}
-	w->end[d] = nq;
-	while (++d < r->ndev)
-		w->begin[d] = w->end[d] = nq;
+	while (++d <= r->ndev) /* the last range, and empty ones after it */
+		bounds[d] = nq;
+	ape__workq_set(w, r->ndev, bounds);
 	free(cost);
 	return 0;
 }
@@ -282,7 +196,7 @@ static void *worker_main(void *arg)
 	struct shared *sh = w->sh;
 	struct ape_device *dev = sh->r->devs[w->who];
 	struct ape__stream *s = NULL;
-	double t0 = now_ms();
+	double t0 = ape__now_ms();
 
 	if (sh->r->ndev > 1)
 		ape__bind_thread(dev);
@@ -292,7 +206,7 @@ static void *worker_main(void *arg)
 		w->ret = ape__stream_run(s, &sh->call, w->who, w->tracing ? &w->trace : NULL,
 					 &w->st);
 	ape__stream_destroy(s);
-	w->ms = now_ms() - t0;
+	w->ms = ape__now_ms() - t0;
 	if (w->ret < 0) {
 		ape__error_on(w->ret, dev);
 		snprintf(w->msg, sizeof(w->msg), "%s", ape_last_error());
@@ -305,7 +219,7 @@ static void *worker_main(void *arg)
 static void note_speeds(const struct ape__exec_req *r, const struct worker *w)
 {
 	for (int d = 0; d < r->ndev; d++) {
-		atomic_uint_fast64_t *slot = &r->devs[d]->pairs_per_s;
+		atomic_uint_fast64_t *slot = ape__device_pairs_per_s(r->devs[d]);
 		uint64_t old, rate;
 
 		if (w[d].ret || w[d].ms < 1 || !w[d].st.work)
@@ -391,10 +305,7 @@ static void setup_call(struct shared *sh, const struct ape__plan *plan, const st
 	sh->call.nk = plan->nk;
 	sh->call.merge = plan->merge;
 	sh->call.kmax = km->pre ? km : NULL;
-	/* the skip budget is shared: half for whole chunks (split over the walk's directions),
-	 * half for the kernels' own tiles, so that the total stays within skip_tol */
-	sh->call.tol_kernel = plan->nk > 1 ? p->skip_tol / 2 : p->skip_tol;
-	sh->call.tol_chunk = p->causal ? p->skip_tol / 2 : p->skip_tol / 4;
+	ape__skip_budget(p->skip_tol, p->causal, plan->nk, false, &sh->call.tol);
 	sh->call.want_pairs = r->want_pairs;
 	sh->call.poison = r->devs[0]->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS;
 	sh->call.wq = wq;
@@ -428,10 +339,12 @@ static int finish(const struct ape__exec_req *r, struct worker *w, struct ape__e
 
 int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
 {
-	struct ape__plan plans[MAX_DEV];
-	uint64_t budgets[MAX_DEV];
-	struct scratch_arg sa[MAX_DEV];
+	struct ape__plan plans[APE_MAX_DEVICES];
+	uint64_t budgets[APE_MAX_DEVICES];
+	struct scratch_arg sa[APE_MAX_DEVICES];
 	struct ape__kmax km = { 0 };
+	struct ape__skip_budget tol;
+	struct ape__launch tmpl;
 	struct ape__workq wq;
 	struct shared sh;
 	struct worker *w;
@@ -442,12 +355,15 @@ int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
 	w = ape__calloc((size_t)r->ndev, sizeof(*w));
 	if (!w)
 		return ape__error(APE_ENOMEM, "%s: out of memory", r->fn);
+	/* launches are priced with the kernels' share of skip_tol when there are several key
+	 * chunks (a launch with skipping needs the most scratch) */
+	ape__skip_budget(r->p->skip_tol, r->p->causal, 2, false, &tol);
+	ape__launch_init(&tmpl, r->p, APE_F32, tol.kernel);
 	res->budget = UINT64_MAX;
 	for (int d = 0; d < r->ndev; d++) {
 		budgets[d] = r->budget ? r->budget : default_budget(r->devs[d]);
 		res->budget = budgets[d] < res->budget ? budgets[d] : res->budget;
-		/* the kernels' share of skip_tol, as setup_call() gives it when nk > 1 */
-		sa[d] = (struct scratch_arg){ r->devs[d], r->p, r->p->skip_tol / 2 };
+		sa[d] = (struct scratch_arg){ r->devs[d], &tmpl };
 	}
 	ret = plan_all(r, plans, budgets, sa);
 	if (ret)
@@ -456,21 +372,20 @@ int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
 	res->ck = plans[0].ck;
 	res->nq = plans[0].nq;
 	res->depth = plans[0].depth;
-	skipping = r->p->decay_nonneg && r->p->skip_tol > 0 && plans[0].nk > 1;
+	skipping = ape__skip_allowed(r->p) && plans[0].nk > 1;
 	if (skipping) {
 		ret = ape__kmax_from_tensor(&km, r->k, r->p->ks, plans[0].ck);
 		if (ret)
 			goto out_free;
 	}
-	memset(&wq, 0, sizeof(wq));
-	pthread_mutex_init(&wq.lock, NULL);
+	ape__workq_init(&wq);
 	ret = split_work(r, plans[0].cq, plans[0].nq, skipping, &wq);
 	if (ret)
-		goto out_lock;
+		goto out_fini_wq;
 
 	memset(&sh, 0, sizeof(sh));
 	sh.r = r;
-	sh.t0 = now_ms();
+	sh.t0 = ape__now_ms();
 	atomic_init(&sh.abort, false);
 	setup_call(&sh, &plans[0], &km, &wq);
 	for (int d = 0; d < r->ndev; d++) {
@@ -489,8 +404,8 @@ int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
 	ret = finish(r, w, res, ret);
 	for (int d = 0; d < r->ndev; d++)
 		ape__trace_free(&w[d].trace);
-out_lock:
-	pthread_mutex_destroy(&wq.lock);
+out_fini_wq:
+	ape__workq_fini(&wq);
 	ape__kmax_free(&km);
 out_free:
 	free(w);

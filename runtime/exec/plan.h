@@ -28,7 +28,7 @@ struct ape__plan_req {
 	bool pairs; /* per-row pair counts come back too */
 	bool force_merge; /* partial outputs in float32 even when one key chunk covers Lk */
 	int64_t max_cq, max_ck; /* >= 1 */
-	int depth; /* 1..3 */
+	int depth; /* 1..APE__MAX_DEPTH (core/limits.h) */
 	uint64_t budget; /* bytes; UINT64_MAX: none */
 	uint64_t max_buffer; /* largest single buffer; UINT64_MAX: none */
 	int max_kv_slots; /* resident key/value chunks at most; 0: as many as fit */

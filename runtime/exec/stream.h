@@ -5,6 +5,11 @@
  * each, walks its key chunks from the diagonal outward, copying, computing and merging with up
  * to `depth` chunks in flight. Forward calls make a session per call and device; a KV cache
  * keeps one for its life.
+ *
+ * The executor of one device in files by concern: stream.c (the session and its buffers),
+ * stream_run.c (the pipeline: query chunks and their walks), stream_load.c (copies of query
+ * and key chunks), stream_job.c (one launch: issue, retire, merge), stream_time.c (device
+ * times, overlap, trace spans); their shared state is exec/stream_impl.h.
  */
 #ifndef APE_RUNTIME_STREAM_H
 #define APE_RUNTIME_STREAM_H
@@ -17,12 +22,13 @@
 #include "exec/plan.h"
 #include "exec/problem.h"
 #include "exec/skip.h"
+#include "exec/skip_budget.h"
 #include "exec/trace.h"
+#include "exec/workq.h"
 
 #pragma GCC visibility push(hidden)
 
 struct ape__stream;
-struct ape__workq;
 
 /* What a session is built for: the largest call it will run. */
 struct ape__stream_geom {
@@ -30,7 +36,6 @@ struct ape__stream_geom {
 	ape_dtype in_dtype;
 	struct ape__plan plan; /* cq, ck: most rows per chunk; depth; slots */
 	bool host_kv; /* keys and values come from host tensors (staging for them) */
-	bool no_overlap; /* do not record intervals for the overlap figure (no host allocation) */
 	uint64_t budget; /* UINT64_MAX: none */
 };
 
@@ -57,8 +62,7 @@ struct ape__stream_call {
 	int64_t cq, ck, nq, nk; /* this call's chunking, within the session's */
 	bool merge; /* partial outputs in float32, merged on the host (nk > 1) */
 	const struct ape__kmax *kmax; /* NULL: no chunk-level skipping */
-	double tol_chunk; /* skip weight allowed per direction of the walk */
-	double tol_kernel; /* skip_tol of every launch */
+	struct ape__skip_budget tol; /* the shares of skip_tol (exec/skip_budget.h) */
 	bool want_pairs;
 	bool poison; /* APE_CONTEXT_POISON_OUTPUTS */
 	struct ape__workq *wq;
@@ -75,12 +79,10 @@ struct ape__stream_stats {
 	bool device_clock; /* overlap_ms is measured (the backend timestamps events) */
 };
 
-/* Backend scratch per launch: the backend's own figure, or a conservative estimate. */
-uint64_t ape__scratch_of(struct ape_device *dev, const struct ape__launch *l);
-
 int ape__stream_create(struct ape_device *dev, const struct ape__stream_geom *g,
 		       struct ape__stream **out);
-/* Allocates every buffer the session may use now, so that runs allocate none (KV cache). */
+/* Allocates every buffer the session may use now, so that runs allocate none (KV cache);
+ * also room for the overlap figure's intervals of the largest run, as far as it is given. */
 int ape__stream_reserve(struct ape__stream *s);
 /*
  * Runs query chunks taken from c->wq as worker `who` until there are none left. Returns 0, a
@@ -93,52 +95,6 @@ int ape__stream_run(struct ape__stream *s, const struct ape__stream_call *c, int
 void ape__stream_destroy(struct ape__stream *s);
 /* Device memory the session holds now. */
 uint64_t ape__stream_device_bytes(const struct ape__stream *s);
-
-/* ---- work distribution and the whole streamed call (runtime/exec/multidev.c) */
-
-/* The next query chunk for worker `who`, or -1: query chunks are split into contiguous ranges,
- * one per worker; a worker whose range is empty takes the last chunk of the range with the
- * most left. */
-int64_t ape__workq_next(struct ape__workq *w, int who);
-/* A work queue of one worker (the KV cache's), set to chunks 0..nq-1 before each run. */
-int ape__workq_create(struct ape__workq **out);
-void ape__workq_destroy(struct ape__workq *w);
-void ape__workq_single(struct ape__workq *w, int64_t nq);
-/* n workers (<= 64), worker i taking chunks [bounds[i], bounds[i + 1]). */
-void ape__workq_set(struct ape__workq *w, int n, const int64_t *bounds);
-
-/* A streamed forward call, validated. */
-struct ape__exec_req {
-	const char *fn; /* for messages */
-	ape_device *const *devs;
-	int ndev;
-	int64_t chunk_q, chunk_k; /* most rows per chunk, >= 1 */
-	uint64_t budget; /* per device; 0: the device's default */
-	int depth; /* 1..3 */
-	const double *weights; /* NULL: measured */
-	const char *trace_path; /* NULL: none */
-	const struct ape__problem *p; /* Lq, Lk >= 1 */
-	const ape_tensor *q, *k, *v;
-	ape_tensor *o;
-	float *lse;
-	bool want_pairs;
-	bool staged; /* o and lse are the call's own staging (APE_EXEC_ATOMIC_OUTPUTS) */
-};
-
-struct ape__exec_result {
-	struct ape__stream_stats st; /* summed over devices; peak_bytes the largest */
-	int64_t cq, ck, nq;
-	int depth;
-	uint64_t budget; /* the smallest of the devices' budgets */
-};
-
-/* The budget of a device when the caller gives none: 3/4 of its memory, or none (UINT64_MAX)
- * when it does not say. The backward pass (exec/backward.c) uses it too. */
-uint64_t ape__default_budget(const struct ape_device *dev);
-
-/* Plans, runs on every device, merges the statistics, writes the trace. Returns 0 or a
- * negative code with the message set (naming how many query chunks were written). */
-int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res);
 
 #pragma GCC visibility pop
 #endif

@@ -2,20 +2,24 @@
 /*
  * The reference backend: "device" memory is host memory and a queue runs each command when it is
  * enqueued, on the calling thread. It exists so the core's path (pack, copy, launch, copy back) is
- * the same for every backend, and so that every test has an oracle.
+ * the same for every backend, and so that every test has an oracle. Only buf_alloc,
+ * queue_create and event_record can fail (host memory); the other ops cannot.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "core/error.h"
 #include "core/alloc.h"
+#include "core/clock.h"
 #include "ref.h"
+
+/* The last choice of "auto": the host without a driver (ranks: core/backend.h). */
+#define REF_RANK 0
 
 struct ape__buf {
 	size_t size;
-	unsigned char bytes[]; /* follows a size_t: aligned enough for float and uint64 */
+	unsigned char bytes[]; /* follows a size_t: 8-byte aligned, enough for float and uint64 */
 };
 
 struct ape__queue {
@@ -37,19 +41,23 @@ static int ref_probe(struct ape__backend *be, struct ape__probe_result *res)
 	snprintf(info.driver_version, sizeof(info.driver_version), "%s", ape_version_string());
 	info.kind = APE_DEVICE_HOST_REFERENCE;
 	info.compute_units = 1;
-	return ape__device_add(be, &info, APE__RANK_REF, NULL);
+	return ape__device_add(be, &info, REF_RANK, NULL);
 }
 
 static int ref_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 {
 	struct ape__buf *b;
 
-	(void)dev;
-	if (bytes > SIZE_MAX - sizeof(*b) - 64)
-		return ape__error(APE_ENOMEM, "ref: %zu bytes is more than memory can hold", bytes);
+	*out = NULL;
+	if (bytes > SIZE_MAX - sizeof(*b) - 64) {
+		ape__error(APE_ENOMEM, "%zu bytes is more than memory can hold", bytes);
+		return ape__op_error(APE_ENOMEM, dev, "buf_alloc");
+	}
 	b = ape__malloc(sizeof(*b) + bytes);
-	if (!b)
-		return ape__error(APE_ENOMEM, "ref: out of host memory allocating %zu bytes", bytes);
+	if (!b) {
+		ape__error(APE_ENOMEM, "out of host memory allocating %zu bytes", bytes);
+		return ape__op_error(APE_ENOMEM, dev, "buf_alloc");
+	}
 	b->size = bytes;
 	*out = b;
 	return 0;
@@ -65,8 +73,10 @@ static int ref_queue_create(struct ape_device *dev, struct ape__queue **out)
 {
 	struct ape__queue *q = ape__calloc(1, sizeof(*q));
 
+	*out = NULL;
 	if (!q)
-		return ape__error(APE_ENOMEM, "ref: out of memory creating a queue");
+		return ape__op_error(ape__error(APE_ENOMEM, "out of host memory"), dev,
+				     "queue_create");
 	q->dev = dev;
 	*out = q;
 	return 0;
@@ -109,22 +119,15 @@ static int ref_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint
 	return 0;
 }
 
-static double now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
 static int ref_event_record(struct ape__queue *q, struct ape__event **out)
 {
 	struct ape__event *e = ape__malloc(sizeof(*e));
 
-	(void)q;
+	*out = NULL;
 	if (!e)
-		return ape__error(APE_ENOMEM, "ref: out of memory recording an event");
-	e->ms = now_ms();
+		return ape__op_error(ape__error(APE_ENOMEM, "out of host memory"), q->dev,
+				     "event_record");
+	e->ms = ape__now_ms();
 	*out = e;
 	return 0;
 }
@@ -186,8 +189,7 @@ static int ref_attention_backward(struct ape__queue *q, const struct ape__bwd_la
 		.dv = bytes_of(l->dv), .dparams = bytes_of(l->dparams),
 	};
 
-	(void)q;
-	return ape__ref_backward(l, &io);
+	return ape__op_error(ape__ref_backward(l, &io), q->dev, "attention_backward");
 }
 
 static int ref_synchronize(struct ape__queue *q)

@@ -268,9 +268,8 @@ int ape__ref_backward(const struct ape__bwd_launch *l, const struct ape__ref_bwd
 	}
 	c.rows = ape__malloc(sizeof(*c.rows) * (size_t)(nrows ? nrows : 1));
 	if (!c.rows)
-		return ape__error(APE_ENOMEM,
-				  "ref: out of host memory for the row table of %" PRId64 " rows",
-				  nrows);
+		return ape__error(APE_ENOMEM, "out of host memory for the row table of %" PRId64
+					      " rows", nrows);
 	for (int64_t row = 0; row < nrows; row++)
 		row_info(&c, row);
 	if (c.dk || c.dv)

@@ -232,11 +232,6 @@ static void link_devices(struct ape_context *ctx)
 	}
 }
 
-static const char *policy_name(ape_numa_policy p)
-{
-	return p == APE_NUMA_LOCAL ? "local" : p == APE_NUMA_INTERLEAVE ? "interleave" : "off";
-}
-
 static void describe_machine(struct ape_context *ctx, const struct ape__ctx_setup *su,
 			     const char *hwloc_note)
 {
@@ -250,7 +245,7 @@ static void describe_machine(struct ape_context *ctx, const struct ape__ctx_setu
 		else
 			snprintf(t->numa_note, sizeof(t->numa_note),
 				 "%s, but the topology is unknown: buffers are plain allocations",
-				 policy_name(ctx->numa_policy));
+				 ape_numa_policy_name(ctx->numa_policy));
 		return;
 	}
 	t->this_machine = ape__numa_is_real(ctx->numa);
@@ -261,10 +256,11 @@ static void describe_machine(struct ape_context *ctx, const struct ape__ctx_setu
 	else if (!t->this_machine)
 		snprintf(t->numa_note, sizeof(t->numa_note),
 			 "%s: placements are what that machine would get; nothing is bound here",
-			 policy_name(ctx->numa_policy));
+			 ape_numa_policy_name(ctx->numa_policy));
 	else if (t->numa_nodes == 1)
-		snprintf(t->numa_note, sizeof(t->numa_note), "%s: one NUMA node, so every buffer is local",
-			 policy_name(ctx->numa_policy));
+		snprintf(t->numa_note, sizeof(t->numa_note),
+			 "%s: one NUMA node, so every buffer is local",
+			 ape_numa_policy_name(ctx->numa_policy));
 	else if (ctx->numa_policy == APE_NUMA_LOCAL)
 		snprintf(t->numa_note, sizeof(t->numa_note),
 			 "local: staging buffers on each device's node, feeding threads on its "

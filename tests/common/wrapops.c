@@ -23,6 +23,13 @@ static struct {
 		size_t n;
 	} *bufs;
 	size_t nbufs, cap;
+	/* the device of each queue and event made since install: a failing op names it, as the
+	 * contract asks (the wrapper cannot look inside the backend's queues and events) */
+	struct owner {
+		const void *h;
+		struct ape_device *dev;
+	} *owners;
+	size_t nowners, owners_cap;
 } w = { .lock = PTHREAD_MUTEX_INITIALIZER, .fail_op = -1 };
 
 static const char *const op_names[WRAP_NOPS] = {
@@ -46,14 +53,53 @@ const char *wrap_op_name(enum wrap_op op)
 	return op < WRAP_NOPS ? op_names[op] : "?";
 }
 
+static void owner_add(const void *h, struct ape_device *dev)
+{
+	pthread_mutex_lock(&w.lock);
+	if (w.nowners == w.owners_cap) {
+		w.owners_cap = w.owners_cap ? 2 * w.owners_cap : 64;
+		w.owners = realloc(w.owners, w.owners_cap * sizeof(*w.owners));
+		if (!w.owners)
+			abort();
+	}
+	w.owners[w.nowners++] = (struct owner){ h, dev };
+	pthread_mutex_unlock(&w.lock);
+}
+
+static void owner_drop(const void *h)
+{
+	pthread_mutex_lock(&w.lock);
+	for (size_t i = 0; i < w.nowners; i++)
+		if (w.owners[i].h == h) {
+			w.owners[i] = w.owners[--w.nowners];
+			break;
+		}
+	pthread_mutex_unlock(&w.lock);
+}
+
+/* NULL for a queue or event made before wrap_install(). */
+static struct ape_device *owner_of(const void *h)
+{
+	struct ape_device *dev = NULL;
+
+	pthread_mutex_lock(&w.lock);
+	for (size_t i = 0; i < w.nowners && !dev; i++)
+		if (w.owners[i].h == h)
+			dev = w.owners[i].dev;
+	pthread_mutex_unlock(&w.lock);
+	return dev;
+}
+
 /*
- * Counts one call of op and decides whether it fails. A failure reads like a backend's own:
- * the op and the reason, not the device (the core must say which device; the tests check it).
+ * Counts one call of op on dev and decides whether it fails. A failure reads like a backend's
+ * own: the device and the op (core/backend.h), then the reason; where the wrapper does not know
+ * the device (a queue made before wrap_install), the core's own report must name it.
  */
-static int inject(enum wrap_op op)
+static int inject(enum wrap_op op, struct ape_device *dev)
 {
 	uint64_t n;
 	bool lost, fail;
+	int ret;
 
 	pthread_mutex_lock(&w.lock);
 	n = ++w.c.calls[op];
@@ -64,20 +110,20 @@ static int inject(enum wrap_op op)
 	pthread_mutex_unlock(&w.lock);
 	if (!fail)
 		return 0;
-	if (lost)
-		return ape__error(APE_EDEVLOST, "wrapped backend: %s call %llu fails on purpose: "
-				  "device lost", op_names[op], (unsigned long long)n);
-	return ape__error(op == WRAP_BUF_ALLOC ? APE_ENOMEM : APE_EDEVLOST,
-			  "wrapped backend: %s call %llu fails on purpose", op_names[op],
-			  (unsigned long long)n);
+	ret = ape__error(lost || op != WRAP_BUF_ALLOC ? APE_EDEVLOST : APE_ENOMEM,
+			 "wrapped backend: %s call %llu fails on purpose%s", op_names[op],
+			 (unsigned long long)n, lost ? ": device lost" : "");
+	return dev ? ape__op_error(ret, dev, op_names[op]) : ret;
 }
 
 static int w_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 {
-	int ret = inject(WRAP_BUF_ALLOC);
+	int ret = inject(WRAP_BUF_ALLOC, dev);
 
-	if (ret)
+	if (ret) {
+		*out = NULL;
 		return ret;
+	}
 	ret = w.orig->buf_alloc(dev, bytes, out);
 	pthread_mutex_lock(&w.lock);
 	w.c.allocs++;
@@ -122,7 +168,7 @@ static void bump(uint64_t *n)
 
 static int w_attention(struct ape__queue *q, const struct ape__launch *l)
 {
-	int ret = inject(WRAP_ATTENTION);
+	int ret = inject(WRAP_ATTENTION, owner_of(q));
 
 	bump(&w.c.attention_calls);
 	return ret ? ret : w.orig->attention(q, l);
@@ -130,7 +176,7 @@ static int w_attention(struct ape__queue *q, const struct ape__launch *l)
 
 static int w_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src, size_t n)
 {
-	int ret = inject(WRAP_COPY_H2D);
+	int ret = inject(WRAP_COPY_H2D, owner_of(q));
 
 	bump(&w.c.h2d_calls);
 	return ret ? ret : w.orig->copy_h2d(q, dst, off, src, n);
@@ -138,7 +184,7 @@ static int w_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const v
 
 static int w_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n)
 {
-	int ret = inject(WRAP_COPY_D2H);
+	int ret = inject(WRAP_COPY_D2H, owner_of(q));
 
 	bump(&w.c.d2h_calls);
 	return ret ? ret : w.orig->copy_d2h(q, dst, src, off, n);
@@ -147,7 +193,7 @@ static int w_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t o
 static int w_d2d(struct ape__queue *q, struct ape__buf *dst, size_t doff, struct ape__buf *src,
 		 size_t soff, size_t n)
 {
-	int ret = inject(WRAP_COPY_D2D);
+	int ret = inject(WRAP_COPY_D2D, owner_of(q));
 
 	bump(&w.c.d2d_calls);
 	return ret ? ret : w.orig->copy_d2d(q, dst, doff, src, soff, n);
@@ -155,50 +201,85 @@ static int w_d2d(struct ape__queue *q, struct ape__buf *dst, size_t doff, struct
 
 static int w_queue_create(struct ape_device *dev, struct ape__queue **out)
 {
-	int ret = inject(WRAP_QUEUE_CREATE);
+	int ret = inject(WRAP_QUEUE_CREATE, dev);
 
-	return ret ? ret : w.orig->queue_create(dev, out);
+	if (ret) {
+		*out = NULL;
+		return ret;
+	}
+	ret = w.orig->queue_create(dev, out);
+	if (!ret)
+		owner_add(*out, dev);
+	return ret;
+}
+
+static void w_queue_destroy(struct ape__queue *q)
+{
+	owner_drop(q);
+	w.orig->queue_destroy(q);
 }
 
 static int w_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
 		  size_t n)
 {
-	int ret = inject(WRAP_FILL);
+	int ret = inject(WRAP_FILL, owner_of(q));
 
 	return ret ? ret : w.orig->fill(q, dst, off, pattern, n);
 }
 
 static int w_event_record(struct ape__queue *q, struct ape__event **out)
 {
-	int ret = inject(WRAP_EVENT_RECORD);
+	struct ape_device *dev = owner_of(q);
+	int ret = inject(WRAP_EVENT_RECORD, dev);
 
-	return ret ? ret : w.orig->event_record(q, out);
+	if (ret) {
+		*out = NULL;
+		return ret;
+	}
+	ret = w.orig->event_record(q, out);
+	if (!ret && dev)
+		owner_add(*out, dev);
+	return ret;
+}
+
+static void w_event_destroy(struct ape__event *e)
+{
+	owner_drop(e);
+	w.orig->event_destroy(e);
 }
 
 static int w_event_wait(struct ape__queue *q, struct ape__event *e)
 {
-	int ret = inject(WRAP_EVENT_WAIT);
+	int ret = inject(WRAP_EVENT_WAIT, owner_of(q));
 
 	return ret ? ret : w.orig->event_wait(q, e);
 }
 
 static int w_event_elapsed(struct ape__event *a, struct ape__event *b, double *ms)
 {
-	int ret = inject(WRAP_EVENT_ELAPSED);
+	int ret = inject(WRAP_EVENT_ELAPSED, owner_of(a));
 
-	return ret ? ret : w.orig->event_elapsed(a, b, ms);
+	if (ret) {
+		*ms = 0;
+		return ret;
+	}
+	return w.orig->event_elapsed(a, b, ms);
 }
 
 static int w_event_timestamp(struct ape__event *e, double *ms)
 {
-	int ret = inject(WRAP_EVENT_TIMESTAMP);
+	int ret = inject(WRAP_EVENT_TIMESTAMP, owner_of(e));
 
-	return ret ? ret : w.orig->event_timestamp(e, ms);
+	if (ret) {
+		*ms = 0;
+		return ret;
+	}
+	return w.orig->event_timestamp(e, ms);
 }
 
 static int w_synchronize(struct ape__queue *q)
 {
-	int ret = inject(WRAP_SYNCHRONIZE);
+	int ret = inject(WRAP_SYNCHRONIZE, owner_of(q));
 
 	/* a failed synchronisation still leaves the queue drained, as a real lost device's does
 	 * once the driver gives up: the core may then free buffers the queue was using */
@@ -211,9 +292,13 @@ static int w_synchronize(struct ape__queue *q)
 
 static int w_host_register(struct ape_device *dev, void *ptr, size_t bytes, void **handle)
 {
-	int ret = inject(WRAP_HOST_REGISTER);
+	int ret = inject(WRAP_HOST_REGISTER, dev);
 
-	return ret ? ret : w.orig->host_register(dev, ptr, bytes, handle);
+	if (ret) {
+		*handle = NULL;
+		return ret;
+	}
+	return w.orig->host_register(dev, ptr, bytes, handle);
 }
 
 void wrap_install(ape_device *dev, unsigned flags)
@@ -224,6 +309,8 @@ void wrap_install(ape_device *dev, unsigned flags)
 	w.ops.buf_alloc = w_alloc;
 	w.ops.buf_free = w_free;
 	w.ops.queue_create = w_queue_create;
+	w.ops.queue_destroy = w_queue_destroy;
+	w.ops.event_destroy = w_event_destroy;
 	w.ops.attention = w_attention;
 	w.ops.copy_h2d = w_h2d;
 	w.ops.copy_d2h = w_d2h;
@@ -255,6 +342,9 @@ void wrap_remove(void)
 	free(w.bufs);
 	w.bufs = NULL;
 	w.nbufs = w.cap = 0;
+	free(w.owners);
+	w.owners = NULL;
+	w.nowners = w.owners_cap = 0;
 }
 
 struct wrap_counts wrap_get(void)

@@ -56,7 +56,8 @@ void wrap_reset(void);
 /* Launch number n (1-based, counted from now) fails with APE_EDEVLOST; 0: none fails. */
 void wrap_fail_attention(uint64_t n);
 /* Call number n (1-based, counted from now) of op fails, with APE_ENOMEM for buf_alloc and
- * APE_EDEVLOST for the rest, and a message naming the op; 0: none fails. Replaces any earlier
+ * APE_EDEVLOST for the rest, as the backend contract says a failure must (a message naming the
+ * device and the op, out-parameters cleared); 0: none fails. Replaces any earlier
  * wrap_fail_op() or wrap_fail_attention(). */
 void wrap_fail_op(enum wrap_op op, uint64_t n);
 /* The device is lost: from call number k (1-based, counted from now, over all fallible ops) on,

@@ -3,8 +3,9 @@
 # allocators of runtime/core/alloc.h) in $(BUILD)/faults and runs the allocation- and device-failure
 # tests; `make tsan-ci` builds it with ThreadSanitizer in $(BUILD)/tsan and runs the concurrency
 # tests. Both leave CUDA out: no GPU reaches these tests here, and nvcc would double the build.
+# test_contract too: in that build, host allocations inside each backend op fail in turn
 FAULT_TESTS  := $(BUILD)/tests/faults/test_allocfail $(BUILD)/tests/faults/test_devfail \
-		$(BUILD)/tests/faults/test_bwdfail
+		$(BUILD)/tests/test_contract $(BUILD)/tests/faults/test_bwdfail
 THREAD_TESTS := $(BUILD)/tests/faults/test_threads
 FAULT_SUBMAKE = $(MAKE) --no-print-directory OPT=-O1 WITH_CUDA=no
 

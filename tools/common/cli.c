@@ -34,6 +34,20 @@ static bool name_is(const char *name, const char *arg, size_t len)
 	return name && strlen(name) == len && !strncmp(name, arg, len);
 }
 
+/* The tool and the library it runs on: one version while tools link libape statically, two
+ * should a tool ever load another libape than the header it was built with. */
+static void __attribute__((noreturn)) print_version(const char *argv0)
+{
+	const char *slash = strrchr(argv0, '/');
+	const char *name = slash ? slash + 1 : argv0;
+
+	printf("%s (libape) %s\n", *name ? name : "ape", ape_version_string());
+	if (ape_version() != APE_VERSION)
+		printf("built with the libape %d.%d.%d header\n", APE_VERSION_MAJOR,
+		       APE_VERSION_MINOR, APE_VERSION_PATCH);
+	exit(fflush(stdout) ? 1 : 0);
+}
+
 int cli_next(int argc, char *const argv[], int *idx, const struct cli_option *opts,
 	     const char **value, char *err, size_t errlen)
 {
@@ -48,6 +62,11 @@ int cli_next(int argc, char *const argv[], int *idx, const struct cli_option *op
 		return fail(err, errlen, "unexpected argument '%.*s' (see --help)", QUOTE_MAX, arg);
 	eq = arg[1] == '-' ? strchr(arg, '=') : NULL;
 	len = eq ? (size_t)(eq - arg) : strlen(arg);
+	if (name_is("--version", arg, len)) {
+		if (eq)
+			return fail(err, errlen, "--version takes no value");
+		print_version(argc > 0 && argv[0] ? argv[0] : "");
+	}
 	for (const struct cli_option *o = opts; o->name; o++) {
 		if (!name_is(o->name, arg, len) && !name_is(o->alias, arg, len))
 			continue;
@@ -212,20 +231,13 @@ int cli_parse_float_list(const char *flag, const char *text, float **vals, size_
 	return 0;
 }
 
-int cli_parse_choice(const char *flag, const char *text, const char *const *choices, int *index,
-		     char *err, size_t errlen)
+int cli_parse_name(const char *flag, const char *text, int (*from_name)(const char *), int *value,
+		   char *err, size_t errlen)
 {
-	char list[256] = "";
-	size_t used = 0;
+	int v = from_name(text);
 
-	for (int i = 0; choices[i]; i++) {
-		if (!strcmp(text, choices[i])) {
-			*index = i;
-			return 0;
-		}
-		if (used < sizeof(list))
-			used += (size_t)snprintf(list + used, sizeof(list) - used, "%s%s",
-						 i ? ", " : "", choices[i]);
-	}
-	return fail(err, errlen, "%s: '%.*s' is not one of: %s", flag, QUOTE_MAX, text, list);
+	if (v < 0)
+		return fail(err, errlen, "%s: %s", flag, ape_last_error());
+	*value = v;
+	return 0;
 }

@@ -23,7 +23,8 @@ struct cli_option {
 
 /**
  * Steps through argv from *idx (start at 1). Values are taken from "--name VALUE" or
- * "--name=VALUE".
+ * "--name=VALUE". "--version" is every tool's: it prints the tool's name (from argv[0]) and the
+ * libape version it runs on, and exits (0, or 1 when stdout cannot be written).
  * \param[out] value the option's value, or NULL for an option without one
  * \return the option's id; 0 when argv is exhausted; APE_EINVAL for an unknown option, a missing
  *         or unexpected value, or an argument that is not an option.
@@ -53,10 +54,11 @@ int cli_parse_float_list(const char *flag, const char *text, float **vals, size_
 			 size_t errlen);
 
 /**
- * One of a NULL-terminated list of words.
- * \param[out] index its position in \p choices
+ * A word of one of libape's name tables: \p from_name is ape_dtype_from_name() or another
+ * ape_*_from_name(). The message is the flag followed by the library's, which lists the words.
+ * \param[out] value what from_name returned for it (>= 0)
  */
-int cli_parse_choice(const char *flag, const char *text, const char *const *choices, int *index,
-		     char *err, size_t errlen);
+int cli_parse_name(const char *flag, const char *text, int (*from_name)(const char *), int *value,
+		   char *err, size_t errlen);
 
 #endif

@@ -1,0 +1,18 @@
+"""libape: APE attention (adaptive positional encoding) from Python, over the C library.
+
+    import numpy as np, libape
+    o = libape.attention(q, k, v)            # NumPy in, NumPy out; torch in, torch out
+    o, lse = libape.attention(q, k, v, lam=0.0, return_lse=True, device="ref")
+    libape.devices()                         # what ape-info lists
+
+Pure Python over libape.so through ctypes: no compiled extension. The library is found through
+LIBAPE_LIBRARY, else the copy `pip install ./python` bundled, else the installed one.
+"""
+from ._capi import LibraryError, path as library_path
+from ._core import (ApeError, ApeValueError, KVCache, SEED_BETA, SEED_DELTA, SEED_GAMMA,
+                    SEED_LAMBDA, attention, backends, devices, version)
+
+__version__ = "0.1.0"
+__all__ = ["attention", "devices", "backends", "version", "KVCache", "ApeError",
+           "ApeValueError", "LibraryError", "library_path", "SEED_DELTA", "SEED_BETA",
+           "SEED_GAMMA", "SEED_LAMBDA"]

@@ -1,0 +1,487 @@
+"""NumPy and PyTorch front end of libape's forward pass, devices and KV cache."""
+import atexit
+import ctypes
+import struct
+import threading
+
+import numpy as np
+
+from . import _capi
+from ._capi import lib
+
+SEED_DELTA = 2.0 ** (-4.0 / 3.0)
+SEED_BETA = SEED_DELTA / 10.0
+SEED_GAMMA = SEED_DELTA / 10.0
+SEED_LAMBDA = 0.1
+EINVAL = -22
+
+_KINDS = {0: "cpu", 1: "gpu", 2: "accelerator", 3: "reference"}
+_LAYOUTS = {"half": _capi.ROPE_HALF, "interleaved": _capi.ROPE_INTERLEAVED}
+
+
+class ApeError(RuntimeError):
+    """A libape call failed. `code` is the C code (negative), `name` its symbolic name
+    ("APE_EINVAL"), and the message is libape's own, naming the argument and value."""
+
+    def __init__(self, code, message):
+        self.code = code
+        self.name = lib.ape_err_name(code).decode()
+        super().__init__("%s: %s" % (self.name, message))
+
+
+class ApeValueError(ApeError, ValueError):
+    """A bad argument (APE_EINVAL): both an ApeError and a ValueError."""
+
+
+def _raise(code):
+    msg = lib.ape_last_error().decode(errors="replace")
+    raise (ApeValueError if code == EINVAL else ApeError)(code, msg)
+
+
+def _bad(msg):
+    """An argument the package itself refuses before calling libape: the same exception type
+    libape's own validation raises."""
+    raise ApeValueError(EINVAL, msg)
+
+
+# ------------------------------------------------------------------ the context and its devices
+
+class _Context:
+    """One libape context per process, created on first use, destroyed at exit. libape
+    contexts may be shared by threads; the lock only guards creation and the selection cache."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ctx = None
+        self._selected = {}
+
+    def get(self):
+        if self._ctx is None:
+            with self._lock:
+                if self._ctx is None:
+                    ctx = ctypes.c_void_p()
+                    err = lib.ape_context_create(ctypes.byref(ctx), None)
+                    if err:
+                        _raise(err)
+                    self._ctx = ctx
+                    atexit.register(self.close)
+        return self._ctx
+
+    def device(self, spec):
+        dev = self._selected.get(spec)
+        if dev is not None:
+            return dev
+        ctx = self.get()
+        sel = _capi.ApeSelection()
+        err = lib.ape_device_select_spec(ctx, spec.encode(), ctypes.byref(sel))
+        if err:
+            _raise(err)
+        with self._lock:
+            self._selected[spec] = sel.device
+        return sel.device
+
+    def close(self):
+        with self._lock:
+            if self._ctx is not None:
+                lib.ape_context_destroy(self._ctx)
+                self._ctx = None
+                self._selected.clear()
+
+
+_context = _Context()
+
+
+def _device_dict(dev):
+    info = _capi.ApeDeviceInfo()
+    err = lib.ape_device_get_info(dev, ctypes.byref(info))
+    if err:
+        _raise(err)
+    return {
+        "index": info.index,
+        "backend": info.backend.decode(),
+        "backend_index": info.backend_index,
+        "spec": "%s:%d" % (info.backend.decode(), info.backend_index),
+        "name": info.name.decode(errors="replace"),
+        "vendor": info.vendor.decode(errors="replace"),
+        "kind": _KINDS.get(info.kind, "?"),
+        "driver_version": info.driver_version.decode(errors="replace"),
+        "compute_units": info.compute_units,
+        "global_mem_bytes": info.global_mem_bytes,
+        "pci_address": info.pci_address.decode(),
+        "physical_index": info.physical_index,
+        "numa_node": info.numa_node,
+        "cpuset": info.cpuset.decode(),
+    }
+
+
+def devices():
+    """The devices libape can compute on, most preferred first, as dicts (what `ape-info`
+    lists): index, backend, spec (what `device=` takes), name, vendor, kind, driver_version,
+    compute_units, global_mem_bytes, pci_address, physical_index, numa_node, cpuset."""
+    ctx = _context.get()
+    n = lib.ape_device_list(ctx, None, 0)
+    if n < 0:
+        _raise(n)
+    arr = (ctypes.c_void_p * max(n, 1))()
+    n = lib.ape_device_list(ctx, arr, n)
+    if n < 0:
+        _raise(n)
+    return [_device_dict(arr[i]) for i in range(n)]
+
+
+def backends():
+    """Every backend libape knows of, as dicts: name, built, available, device_count, reason
+    (why it is not available)."""
+    ctx = _context.get()
+    n = lib.ape_backend_get_info(ctx, 0, None)
+    out = []
+    for i in range(n):
+        info = _capi.ApeBackendInfo()
+        err = lib.ape_backend_get_info(ctx, i, ctypes.byref(info))
+        if err:
+            _raise(err)
+        out.append({"name": info.name.decode(), "built": info.built, "available": info.available,
+                    "device_count": info.device_count, "reason": info.reason.decode()})
+    return out
+
+
+def version():
+    """The version of the loaded libape, "0.1.0"."""
+    return lib.ape_version_string().decode()
+
+
+# ------------------------------------------------------------------ arrays
+
+class _Array:
+    """A 4-D array as libape sees it: pointer, dtype code, shape, element strides, and the
+    object that owns the memory (kept alive for the call). `kind` is "numpy" or "torch"."""
+    __slots__ = ("obj", "kind", "np_dtype", "shape", "fields")
+
+    def __init__(self, obj, kind, np_dtype, ptr, code, shape, strides):
+        self.obj, self.kind, self.np_dtype, self.shape = obj, kind, np_dtype, shape
+        # struct ape_tensor's fields in order: data, dtype, shape[4], strides[4]
+        self.fields = (ptr, code) + tuple(shape) + tuple(strides)
+
+
+_NP_DTYPES = {np.dtype(np.float32): _capi.F32, np.dtype(np.float16): _capi.F16}
+# struct ape_tensor as bytes: void *data; ape_dtype dtype; int64_t shape[4], strides[4]
+_TENSOR = struct.Struct("Pi4x4q4q")
+assert _TENSOR.size == ctypes.sizeof(_capi.ApeTensor)
+
+
+def _torch():
+    import torch  # optional dependency: imported only for torch tensors
+    return torch
+
+
+def _torch_dtypes(torch):
+    return {torch.float32: _capi.F32, torch.float16: _capi.F16, torch.bfloat16: _capi.BF16}
+
+
+def _as_array(name, x):
+    if type(x) is not np.ndarray:
+        if type(x).__module__.startswith("torch"):
+            return _torch_array(name, x)
+        if isinstance(x, np.ndarray):
+            pass
+        elif hasattr(x, "__dlpack__"):
+            x = np.from_dlpack(x)
+        else:
+            _bad("%s: a %s is not an array: pass a NumPy array, a torch tensor or an object "
+                 "with __dlpack__" % (name, type(x).__name__))
+    if x.ndim != 4:
+        _bad("%s: shape %s: must be 4-D [B, H, L, D]" % (name, tuple(x.shape)))
+    code = _NP_DTYPES.get(x.dtype)
+    if code is None:
+        _bad("%s: dtype %s: libape stores float32, float16 or bfloat16 (a torch tensor); "
+             "convert it first, e.g. x.astype(np.float32)" % (name, x.dtype))
+    isz = x.itemsize
+    st = x.strides
+    if st[0] % isz or st[1] % isz or st[2] % isz or st[3] % isz or min(st) < 0:
+        x = np.ascontiguousarray(x)  # negative or unaligned strides: the layout demands a copy
+        st = x.strides
+    return _Array(x, "numpy", x.dtype, x.ctypes.data, code, x.shape,
+                  (st[0] // isz, st[1] // isz, st[2] // isz, st[3] // isz))
+
+
+def _torch_array(name, x):
+    torch = _torch()
+    if x.device.type != "cpu":
+        _bad("%s: a tensor on %s: libape takes host memory here; device-resident tensors need "
+             "libape's device API, which this version does not have yet: move it with .cpu()"
+             % (name, x.device))
+    if x.dim() != 4:
+        _bad("%s: shape %s: must be 4-D [B, H, L, D]" % (name, tuple(x.shape)))
+    code = _torch_dtypes(torch).get(x.dtype)
+    if code is None:
+        _bad("%s: dtype %s: libape stores float32, float16 or bfloat16; convert it first"
+             % (name, x.dtype))
+    if any(s < 0 for s in x.stride()):
+        x = x.contiguous()
+    return _Array(x, "torch", x.dtype, x.data_ptr(), code, tuple(x.shape), x.stride())
+
+
+class _Tensors:
+    """ape_tensor structs of one call, packed into one buffer per thread (building ctypes
+    structures field by field costs more than the C call's own validation)."""
+    _local = threading.local()
+
+    @classmethod
+    def pack(cls, arrays):
+        buf = getattr(cls._local, "buf", None)
+        if buf is None or len(buf) < _TENSOR.size * len(arrays):
+            buf = cls._local.buf = ctypes.create_string_buffer(_TENSOR.size * 8)
+        base = ctypes.addressof(buf)
+        out = []
+        for i, a in enumerate(arrays):
+            _TENSOR.pack_into(buf, i * _TENSOR.size, *a.fields)
+            out.append(base + i * _TENSOR.size)
+        return out
+
+
+def _tensor(a):
+    """One ape_tensor as a ctypes structure (for calls off the hot path)."""
+    f = a.fields
+    return _capi.ApeTensor(f[0], f[1], _I64x4(*f[2:6]), _I64x4(*f[6:10]))
+
+
+_I64x4 = ctypes.c_int64 * 4
+
+
+def _empty_like(a, shape):
+    """A new contiguous output of the inputs' kind and dtype."""
+    if a.kind == "torch":
+        return _as_array("o", _torch().empty(shape, dtype=a.np_dtype))
+    x = np.empty(shape, dtype=a.np_dtype)
+    # strides all 0: libape's "contiguous row-major", right for empty shapes too
+    return _Array(x, "numpy", a.np_dtype, x.ctypes.data, a.fields[1], shape, (0, 0, 0, 0))
+
+
+def _empty_lse(a, shape):
+    if a.kind == "torch":
+        torch = _torch()
+        t = torch.empty(shape, dtype=torch.float32)
+        return t, t.data_ptr()
+    arr = np.empty(shape, dtype=np.float32)
+    return arr, arr.ctypes.data
+
+
+# ------------------------------------------------------------------ parameters
+
+def _param(name, value, H, keep):
+    """An ape_param from a float or a per-head sequence; `keep` holds what must live for the
+    call."""
+    p = _capi.ApeParam()
+    if np.ndim(value) == 0:
+        p.value = float(value)
+        return p
+    arr = np.ascontiguousarray(np.asarray(value, dtype=np.float32).reshape(-1))
+    if arr.size != H:
+        _bad("%s: %d values: give one per query head (H = %d) or a single float"
+             % (name, arr.size, H))
+    keep.append(arr)
+    p.per_head = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    return p
+
+
+_SCALAR = (float, int)
+_desc_cache = {}
+
+
+def _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
+          skip_tol, keep):
+    """An ape_attn_desc; those of scalar parameters are cached (they never change once built,
+    and libape only reads them)."""
+    key = None
+    if (type(delta) in _SCALAR and type(beta) in _SCALAR and type(gamma) in _SCALAR and
+            type(lam) in _SCALAR):
+        key = (delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
+               skip_tol)
+        d = _desc_cache.get(key)
+        if d is not None:
+            return d
+    d = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
+                    k_start, skip_tol, keep)
+    if key is not None:
+        if len(_desc_cache) > 256:
+            _desc_cache.clear()
+        _desc_cache[key] = d
+    return d
+
+
+def _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
+                skip_tol, keep):
+    d = _capi.ApeAttnDesc()
+    lib.ape_attn_desc_init(ctypes.byref(d))
+    d.delta = _param("delta", delta, H, keep)
+    d.beta = _param("beta", beta, H, keep)
+    d.gamma = _param("gamma", gamma, H, keep)
+    d.lambda_ = _param("lam", lam, H, keep)
+    d.causal = bool(causal)
+    if scale is not None:
+        d.scale = float(scale)
+        d.scale_set = True
+    d.rope_base = float(rope_base)
+    lay = _LAYOUTS.get(layout)
+    if lay is None:
+        _bad("layout = %r: must be 'half' or 'interleaved'" % (layout,))
+    d.layout = lay
+    d.k_start = int(k_start)
+    if q_start is not None:
+        d.q_start = int(q_start)
+        d.q_start_set = True
+    d.skip_tol = float(skip_tol)
+    return d
+
+
+_forward = lib.ape_attention_forward
+
+
+def _device_spec(device):
+    if not isinstance(device, str):
+        _bad("device = %r: give a string such as 'auto', 'ref', 'opencl', 'opencl:0' or a PCI "
+             "address" % (device,))
+    return _context.device(device)
+
+
+# ------------------------------------------------------------------ attention
+
+def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
+              causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None, k_start=0,
+              skip_tol=2.0 ** -24, device="auto", return_lse=False):
+    """APE attention of q `[B, H, Lq, D]` over k, v `[B, Hkv, Lk, D]`; returns O `[B, H, Lq, D]`
+    (and LSE `[B, H, Lq]` float32 with return_lse=True).
+
+    Arrays: NumPy (float32, float16), torch CPU tensors (float32, float16, bfloat16), or any
+    object with __dlpack__; the result is of the same kind and dtype as q. Strided views are
+    passed without a copy. Parameters are floats or sequences of H values; the defaults are the
+    seed's initial values (delta = 2^(-4/3), beta = gamma = delta/10, lambda = 0.1).
+    Raises ApeValueError (a ValueError) for a bad argument, ApeError for other failures.
+    """
+    qa = _as_array("q", q)
+    ka = _as_array("k", k)
+    va = _as_array("v", v)
+    if not (qa.kind == ka.kind == va.kind):
+        _bad("q, k, v: mixed kinds (%s, %s, %s): pass all NumPy arrays or all torch tensors"
+             % (qa.kind, ka.kind, va.kind))
+    B, H, Lq, D = qa.shape
+    keep = []
+    desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
+                 skip_tol, keep)
+    dev = _device_spec(device)
+    oa = _empty_like(qa, (B, H, Lq, D))
+    lse, lse_ptr = _empty_lse(qa, (B, H, Lq)) if return_lse else (None, None)
+    tq, tk, tv, to = _Tensors.pack((qa, ka, va, oa))
+    err = _forward(dev, ctypes.byref(desc), tq, tk, tv, to, lse_ptr, None)
+    if err:
+        _raise(err)
+    return (oa.obj, lse) if return_lse else oa.obj
+
+
+# ------------------------------------------------------------------ KV cache
+
+class KVCache:
+    """Keys and values of one sequence kept on a device, for decoding and chunked prefill (see
+    ape_kv_cache_* in ape.h). `append(k, v)` adds tokens `[B, Hkv, n, D]`; `attend(q, ...)`
+    runs queries `[B, H, Lq, D]` (Lq <= max_queries) over every cached token and returns O
+    (and LSE). Use it from one thread at a time; `close()` (or a `with` block) frees it."""
+
+    _DTYPES = {"float32": _capi.F32, "float16": _capi.F16, "bfloat16": _capi.BF16}
+
+    def __init__(self, *, B=1, Hkv, D, capacity_tokens, H=0, dtype="float32", block_tokens=0,
+                 k_start=0, max_queries=0, append_chunk=0, attend_chunk=0, max_device_bytes=0,
+                 allow_release=False, max_query_norm=0.0, device="auto"):
+        code = self._DTYPES.get(str(dtype).replace("torch.", "").replace("numpy.", ""))
+        if code is None:
+            _bad("dtype = %r: must be float32, float16 or bfloat16" % (dtype,))
+        opts = _capi.ApeKvCacheOptions()
+        lib.ape_kv_cache_options_init(ctypes.byref(opts))
+        for field, val in (("B", B), ("Hkv", Hkv), ("H", H), ("D", D),
+                           ("block_tokens", block_tokens), ("capacity_tokens", capacity_tokens),
+                           ("k_start", k_start), ("max_queries", max_queries),
+                           ("append_chunk", append_chunk), ("attend_chunk", attend_chunk),
+                           ("max_device_bytes", max_device_bytes)):
+            setattr(opts, field, int(val))
+        opts.dtype = code
+        opts.allow_release = bool(allow_release)
+        opts.max_query_norm = float(max_query_norm)
+        self._dtype = code
+        self._H = int(H) or int(Hkv)
+        self._c = None
+        dev = _device_spec(device)
+        c = ctypes.c_void_p()
+        err = lib.ape_kv_cache_create(dev, ctypes.byref(opts), ctypes.byref(c))
+        if err:
+            _raise(err)
+        self._c = c
+
+    def _live(self):
+        if self._c is None:
+            _bad("KVCache: the cache was closed")
+        return self._c
+
+    def append(self, k, v):
+        c = self._live()
+        ka, va = _as_array("k", k), _as_array("v", v)
+        tk, tv = _tensor(ka), _tensor(va)
+        err = lib.ape_kv_cache_append(c, ctypes.byref(tk), ctypes.byref(tv))
+        if err:
+            _raise(err)
+
+    def attend(self, q, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
+               causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None,
+               skip_tol=2.0 ** -24, return_lse=False):
+        c = self._live()
+        qa = _as_array("q", q)
+        B, H, Lq, D = qa.shape
+        keep = []
+        desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, 0,
+                     skip_tol, keep)
+        oa = _empty_like(qa, (B, H, Lq, D))
+        lse, lse_ptr = _empty_lse(qa, (B, H, Lq)) if return_lse else (None, None)
+        tq, to = _tensor(qa), _tensor(oa)
+        err = lib.ape_kv_cache_attend(c, ctypes.byref(desc), ctypes.byref(tq), ctypes.byref(to),
+                                      lse_ptr, None)
+        if err:
+            _raise(err)
+        return (oa.obj, lse) if return_lse else oa.obj
+
+    def release_unreachable(self, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA,
+                            lam=SEED_LAMBDA, causal=True, scale=None, rope_base=10000.0,
+                            layout="half", skip_tol=2.0 ** -24):
+        """Releases the oldest blocks no future query with these parameters can reach; returns
+        how many tokens were released."""
+        c = self._live()
+        keep = []
+        desc = _desc(self._H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
+                     skip_tol, keep)
+        n = ctypes.c_int64()
+        err = lib.ape_kv_cache_release_unreachable(c, ctypes.byref(desc), ctypes.byref(n))
+        if err:
+            _raise(err)
+        return n.value
+
+    def info(self):
+        """The cache's state as a dict (ape_kv_cache_info's fields)."""
+        c = self._live()
+        i = _capi.ApeKvCacheInfo()
+        err = lib.ape_kv_cache_get_info(c, ctypes.byref(i))
+        if err:
+            _raise(err)
+        return {name: getattr(i, name) for name, _ in _capi.ApeKvCacheInfo._fields_}
+
+    def close(self):
+        if self._c is not None:
+            lib.ape_kv_cache_destroy(self._c)
+            self._c = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        # interpreter shutdown may have torn the module down already
+        if getattr(self, "_c", None) is not None and lib is not None:
+            self.close()

@@ -1,0 +1,52 @@
+"""APE attention in float64 NumPy, straight from the spec, for small test cases (no blocking):
+the package's results are compared with it."""
+import math
+
+import numpy as np
+
+
+def ape64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=10000.0,
+          layout="half", q_start=None, k_start=0):
+    """q [B,H,Lq,D], k, v [B,Hkv,Lk,D]; parameters floats or per-head sequences.
+    Returns O [B,H,Lq,D] and LSE [B,H,Lq] in float64."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    P = D // 2
+    prm = [np.broadcast_to(np.asarray(x, dtype=np.float64), (H,)) for x in (delta, beta, gamma, lam)]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if q_start is None:
+        q_start = k_start + Lk - Lq
+    if layout == "half":
+        ia, ib = np.arange(P), np.arange(P) + P
+    else:
+        ia, ib = 2 * np.arange(P), 2 * np.arange(P) + 1
+    omega = rope_base ** (-2.0 * np.arange(P) / D)
+    n = (q_start + np.arange(Lq))[:, None] - (k_start + np.arange(Lk))[None, :]
+    an = np.abs(n).astype(np.float64)
+    o = np.zeros((B, H, Lq, D))
+    lse = np.full((B, H, Lq), -np.inf)
+    for b in range(B):
+        for h in range(H):
+            dl, bt, gm, lm = (p[h] for p in prm)
+            kh = h // (H // Hkv)
+            qq, kk, vv = q[b, h], k[b, kh], v[b, kh]
+            sigma = qq.std(axis=-1, ddof=1)
+            alpha = 1.0 + lm / (1.0 + np.exp(sigma))
+            theta = n[:, :, None] * omega[None, None, :] / alpha[:, None, None]
+            x, y = qq[:, ia][:, None, :], qq[:, ib][:, None, :]
+            u, w = kk[:, ia][None, :, :], kk[:, ib][None, :, :]
+            dot = ((x * u + y * w) * np.cos(theta) + (x * w - y * u) * np.sin(theta)).sum(-1)
+            s = dot * scale / (1.0 + lm * an) - dl * an - bt * np.log1p(an) - gm * np.sqrt(an)
+            if causal:
+                s = np.where(n >= 0, s, -np.inf)
+            for i in range(Lq):
+                row = s[i]
+                if not np.isfinite(row).any():
+                    continue
+                m = row[np.isfinite(row)].max()
+                p = np.exp(row - m)
+                o[b, h, i] = p @ vv / p.sum()
+                lse[b, h, i] = m + math.log(p.sum())
+    return o, lse

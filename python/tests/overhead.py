@@ -1,0 +1,43 @@
+"""Python overhead of libape.attention over the C call it makes: a tiny problem on the reference,
+timed both ways alternately; the minimum over rounds of each, to see past a busy machine.
+Usage: overhead.py [ROUNDS] (prints one line; bench/RESULTS.md records it)."""
+import ctypes
+import sys
+import time
+
+import numpy as np
+
+import libape
+from libape import _capi, _core
+
+
+def main():
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    q = np.ones((1, 1, 1, 8), np.float32)
+    o = np.empty_like(q)
+    dev = _core._context.device("ref")
+    qa, oa = _core._as_array("q", q), _core._as_array("o", o)
+    tq, to = _core._tensor(qa), _core._tensor(oa)
+    d = _core._desc(1, libape.SEED_DELTA, libape.SEED_BETA, libape.SEED_GAMMA,
+                    libape.SEED_LAMBDA, True, None, 10000.0, "half", None, 0, 2.0 ** -24, [])
+    args = (dev, ctypes.byref(d), ctypes.addressof(tq), ctypes.addressof(tq),
+            ctypes.addressof(tq), ctypes.addressof(to), None, None)
+    fwd = _capi.lib.ape_attention_forward
+    n = 300
+    raw, wrapped = [], []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            fwd(*args)
+        raw.append((time.perf_counter() - t) / n)
+        t = time.perf_counter()
+        for _ in range(n):
+            libape.attention(q, q, q, device="ref")
+        wrapped.append((time.perf_counter() - t) / n)
+    print("tiny call (1x1x1x8, ref): C call through ctypes %.1f us, libape.attention %.1f us, "
+          "overhead %.1f us (minimum of %d rounds of %d)"
+          % (min(raw) * 1e6, min(wrapped) * 1e6, (min(wrapped) - min(raw)) * 1e6, rounds, n))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * KV-cache attends (api/kvcache.h): the desc and queries checked against the cache and against
+ * what an earlier release assumed, then the streaming executor run on the session made at
+ * creation, with one query chunk and key chunks gathered from the blocks on the device
+ * (copy_d2d, or through host staging when the backend lacks it) after the appends still in
+ * flight; the statistics as a forward call reports them.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <string.h>
+
+#include "core/clock.h"
+#include "core/context.h"
+#include "core/error.h"
+#include "exec/lse_merge.h"
+#include "exec/pack.h"
+#include "api/kvcache.h"
+#include "api/stats.h"
+#include "api/validate.h"
+
+/* One gather: into dk, dv on queue q, through `bounce` (K then V, `half` bytes each) when the
+ * backend has no copy_d2d. */
+struct gather {
+	struct ape_kv_cache *c;
+	struct ape__queue *q;
+	struct ape__buf *dk, *dv;
+	char *bounce;
+	size_t half;
+	uint64_t *d2h, *d2d;
+};
+
+static int gather_seg(void *arg, const struct ape__kv_seg *sg)
+{
+	const struct gather *g = arg;
+	const struct ape__backend_ops *ops = g->c->ops;
+	struct ape__buf *sk = g->c->bk[sg->blk], *sv = g->c->bv[sg->blk];
+	int ret;
+
+	if (ops->copy_d2d) {
+		ret = ops->copy_d2d(g->q, g->dk, sg->off, sk, sg->blk_off, sg->bytes);
+		if (!ret)
+			ret = ops->copy_d2d(g->q, g->dv, sg->off, sv, sg->blk_off, sg->bytes);
+		*g->d2d += 2 * sg->bytes;
+	} else { /* through host staging; the queue keeps it in order */
+		ret = ops->copy_d2h(g->q, g->bounce + sg->off, sk, sg->blk_off, sg->bytes);
+		if (!ret)
+			ret = ops->copy_d2h(g->q, g->bounce + g->half + sg->off, sv, sg->blk_off,
+					    sg->bytes);
+		*g->d2h += 2 * sg->bytes;
+	}
+	return ret;
+}
+
+/* Gathers live tokens [j0, j0 + n) (counted from the oldest live one) into dk, dv. */
+int ape__kv_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t n,
+		 struct ape__buf *dk, struct ape__buf *dv, uint64_t *h2d, uint64_t *d2h,
+		 uint64_t *d2d)
+{
+	struct ape_kv_cache *c = arg;
+	const struct ape__backend_ops *ops = c->ops;
+	struct gather g = {
+		.c = c, .q = q, .dk = dk, .dv = dv, .bounce = c->bounce[lane].ptr,
+		.half = (size_t)(c->o.B * c->o.Hkv * n * c->o.D) * c->esz, .d2h = d2h, .d2d = d2d,
+	};
+	int ret = 0;
+
+	/* appends still copying on their own queues */
+	for (int i = 0; i < 2 && !ret; i++)
+		if (c->alast[i])
+			ret = ops->event_wait(q, c->alast[i]);
+	if (!ret)
+		ret = ape__kv_each_seg(c, c->lb_first * c->bt + j0, n, gather_seg, &g);
+	if (!ret && !ops->copy_d2d) {
+		ret = ops->copy_h2d(q, dk, 0, g.bounce, g.half);
+		if (!ret)
+			ret = ops->copy_h2d(q, dv, 0, g.bounce + g.half, g.half);
+		*h2d += 2 * g.half;
+	}
+	return ret;
+}
+
+/* Largest key norm per (batch, kv head) and key chunk of an attend, from the block maxima
+ * (a chunk's blocks may hold a few keys outside it: still a bound). */
+static void chunk_norms(struct ape_kv_cache *c, int64_t ck, int64_t nk)
+{
+	const int64_t nbg = c->o.B * c->o.Hkv, t0 = c->lb_first * c->bt;
+
+	c->km.nk = nk;
+	for (int64_t bg = 0; bg < nbg; bg++)
+		for (int64_t ch = 0; ch < nk; ch++) {
+			const int64_t a = t0 + ch * ck, e = a + ck < c->t_end ? a + ck : c->t_end;
+			float m = 0;
+
+			for (int64_t lb = a / c->bt; lb <= (e - 1) / c->bt; lb++)
+				m = fmaxf(m, c->bnorm[ape__kv_phys(c, lb) * nbg + bg]);
+			c->km.pre[bg * nk + ch] = m;
+		}
+	ape__kmax_scan(&c->km);
+}
+
+/* The problem of an attend: the desc checked as a forward call over zero keys, then the
+ * cache's keys put in. */
+static int attend_problem(struct ape_kv_cache *c, const char *fn, const ape_attn_desc *desc,
+			  const ape_tensor *q, const ape_tensor *o, const float *lse,
+			  struct ape__problem *p)
+{
+	static const char *const dims[4] = { "B", "H", "Lq", "D" };
+	const int64_t want[4] = { c->o.B, c->o.H, -1, c->o.D };
+	ape_tensor none;
+	ape_attn_desc d;
+	int64_t s[4];
+	int ret;
+
+	if (!desc)
+		return ape__error(APE_EINVAL, "%s: desc = NULL", fn);
+	if ((ret = ape__check_tensor(fn, "q", q, c->o.dtype, want, dims, s)))
+		return ret;
+	if (q->shape[2] > c->o.max_queries)
+		return ape__error(APE_EINVAL,
+				  "%s: q->shape[2] = %" PRId64 ": more than max_queries = %" PRId64,
+				  fn, q->shape[2], c->o.max_queries);
+	d = *desc;
+	if (d.struct_size == sizeof(d)) {
+		d.k_start = ape__kv_first_live_position(c);
+		if (!d.q_start_set)
+			d.q_start = ape__kv_next_position(c) - q->shape[2];
+		d.q_start_set = true;
+	}
+	ape_tensor_init(&none, NULL, c->o.dtype, c->o.B, c->o.Hkv, 0, c->o.D);
+	if ((ret = ape__problem_init(p, fn, &d, q, &none, &none, o, lse)))
+		return ret;
+	p->Lk = ape__kv_live_tokens(c);
+	ret = ape__check_positions(fn, p->q_start, p->Lq, p->k_start, p->Lk);
+	if (!ret)
+		ret = ape__kv_check_release_terms(c, fn, p, q, p->qs);
+	if (ret)
+		ape__problem_fini(p);
+	return ret;
+}
+
+/*
+ * Runs the attend of p on the cache's session: its query rows in one chunk (or a few), its
+ * key chunks gathered from the blocks, partial results merged by LSE. Adds to *ss.
+ */
+static int run_attend(struct ape_kv_cache *c, const char *fn, const struct ape__problem *p,
+		      const ape_tensor *q, ape_tensor *o, float *lse, bool want_pairs,
+		      struct ape__stream_stats *ss)
+{
+	const int64_t ck = c->geom.plan.ck, nk = (p->Lk + ck - 1) / ck;
+	struct ape__stream_call call;
+	atomic_bool abort_flag;
+	int ret;
+
+	memset(&call, 0, sizeof(call));
+	call.p = p;
+	call.q = q;
+	call.loader = &c->loader;
+	call.o = o;
+	call.lse = lse;
+	call.cq = c->geom.plan.cq;
+	call.ck = ck;
+	call.nq = (p->Lq + call.cq - 1) / call.cq;
+	call.nk = nk;
+	call.merge = true;
+	/* with release allowed, a share of skip_tol stays for what release may drop */
+	ape__skip_budget(p->skip_tol, p->causal, nk, c->o.allow_release, &call.tol);
+	call.want_pairs = want_pairs;
+	call.poison = c->dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS;
+	call.wq = c->wq;
+	atomic_init(&abort_flag, false);
+	call.abort = &abort_flag;
+	if (ape__skip_allowed(p) && nk > 1) {
+		chunk_norms(c, ck, nk);
+		call.kmax = &c->km;
+	}
+	ape__workq_single(c->wq, call.nq);
+	ret = ape__stream_run(c->s, &call, 0, NULL, ss);
+	if (ret) /* a lost device may fail the last step, after the rows were written */
+		ape__error_prefix(ape__error_written(ape__error_on(ret, c->dev), ss->qchunks_done,
+						     call.nq),
+				  fn);
+	return ret;
+}
+
+/* The statistics of an attend: the session's plan, the cache's budget, and the blocks counted
+ * in the peak with the session's buffers. */
+static void report(const struct ape_kv_cache *c, struct ape__exec_result *res,
+		   uint64_t pairs_visible, double t0, ape_stats *stats)
+{
+	const struct ape__call_report rep = {
+		.res = res,
+		.devs = &c->dev,
+		.ndev = 1,
+		.devices = 1,
+		.pairs_visible = pairs_visible,
+		.t0 = t0,
+	};
+
+	res->cq = c->geom.plan.cq;
+	res->ck = c->geom.plan.ck;
+	res->depth = c->geom.plan.depth;
+	res->budget = c->o.max_device_bytes ? c->o.max_device_bytes : UINT64_MAX;
+	res->st.peak_bytes += c->mem.cur;
+	ape__stats_report(stats, &rep);
+}
+
+int ape_kv_cache_attend(ape_kv_cache *c, const ape_attn_desc *desc, const ape_tensor *q,
+			ape_tensor *o, float *lse, ape_stats *stats)
+{
+	static const char fn[] = "ape_kv_cache_attend";
+	const double t0 = ape__now_ms();
+	struct ape__exec_result res;
+	struct ape__problem p;
+	uint64_t per_head = 0;
+	int ret;
+
+	if (!c)
+		return ape__error(APE_EINVAL, "%s: cache = NULL", fn);
+	if ((ret = ape__stats_check(fn, stats)))
+		return ret;
+	if ((ret = attend_problem(c, fn, desc, q, o, lse, &p)))
+		return ret;
+	memset(&res, 0, sizeof(res));
+	ape__head_visible_pairs(&p, &per_head); /* validated: no overflow */
+	if (p.Lq == 0)
+		ret = 0;
+	else if (p.Lk == 0)
+		ape__store_empty_rows(o, p.os, lse, p.Lq, 0, p.Lq);
+	else
+		ret = run_attend(c, fn, &p, q, o, lse, stats != NULL, &res.st);
+	if (!ret && c->o.allow_release)
+		ape__kv_try_release(c, &p, NULL);
+	if (!ret && stats)
+		report(c, &res, per_head * (uint64_t)(p.B * p.H), t0, stats);
+	ape__problem_fini(&p);
+	return ret;
+}

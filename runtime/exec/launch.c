@@ -1,0 +1,41 @@
+/* SPDX-License-Identifier: MIT */
+/* Attention launches: the builder and the scratch each one needs (exec/launch.h). */
+#include "exec/launch.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "core/context.h"
+
+void ape__launch_init(struct ape__launch *l, const struct ape__problem *p, ape_dtype out_dtype,
+		      double skip_tol)
+{
+	memset(l, 0, sizeof(*l));
+	l->B = p->B;
+	l->H = p->H;
+	l->Hkv = p->Hkv;
+	l->D = p->D;
+	l->in_dtype = p->in_dtype;
+	l->out_dtype = out_dtype;
+	l->head_params = p->head_params;
+	l->decay_nonneg = p->decay_nonneg;
+	l->scale = p->scale;
+	l->rope_base = p->rope_base;
+	for (int64_t i = 0; p->rope_base > 0 && i < p->D / 2; i++)
+		l->omega[i] = pow(p->rope_base, -2.0 * (double)i / (double)p->D);
+	l->causal = p->causal;
+	l->layout = p->layout;
+	l->skip_tol = p->decay_nonneg ? skip_tol : 0.0;
+}
+
+uint64_t ape__scratch_of(struct ape_device *dev, const struct ape__launch *l)
+{
+	const uint64_t kv = (uint64_t)(l->B * l->Hkv);
+
+	if (dev->be->ops->attention_scratch)
+		return dev->be->ops->attention_scratch(dev, l);
+	/* what a backend may need without saying: float32 copies of K and V, per-tile key
+	 * norms with prefix and suffix maxima, per-head parameters in float64 */
+	return 2 * kv * (uint64_t)(l->Lk * l->D) * 4 + 12 * kv * (uint64_t)(l->Lk + 2) +
+	       8 * (uint64_t)(l->D / 2 + 4 * l->H) + 4096;
+}

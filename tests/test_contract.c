@@ -1,0 +1,371 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The backend contract (runtime/core/backend.h), op by op, on the backends built here and on the
+ * test wrapper (tests/common/wrapops.c): a failing op returns a negative code, names the device
+ * ("ref:0 NAME") and the op ("buf_alloc") in the thread's message, and leaves its out-parameters
+ * cleared (*out NULL, *ms 0). Real failures where a backend has them (more memory than the device
+ * takes, copies the driver rejects, and, in the fault build of `make faults-ci`, every host
+ * allocation inside an op), injected ones for every op kind through the wrapper.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "ape_test.h"
+#include "common/wrapops.h"
+#include "core/alloc.h"
+#include "core/backend.h"
+#include "core/error.h"
+
+/* Something no op returns: an out-parameter still holding it was not cleared. */
+static int sentinel;
+#define STALE ((void *)&sentinel)
+
+FIXTURE(be)
+{
+	ape_context *ctx;
+	ape_device *dev;
+	const struct ape__backend_ops *ops;
+	char label[256]; /* "ref:0 NAME": how a failing op names the device */
+};
+
+FIXTURE_VARIANT(be)
+{
+	const char *backend;
+};
+
+FIXTURE_VARIANT_ADD(be, ref)
+{
+	.backend = "ref",
+};
+
+FIXTURE_VARIANT_ADD(be, opencl)
+{
+	.backend = "opencl",
+};
+
+FIXTURE_SETUP(be)
+{
+	self->ctx = test_context(variant->backend);
+	self->dev = test_device(self->ctx, variant->backend);
+	if (!self->dev)
+		APE_SETUP_SKIP(ape_context_destroy(self->ctx), "no %s device", variant->backend);
+	self->ops = self->dev->be->ops;
+	snprintf(self->label, sizeof(self->label), "%s:%d %s", self->dev->info.backend,
+		 self->dev->info.backend_index, self->dev->info.name);
+}
+
+FIXTURE_TEARDOWN(be)
+{
+	ape_context_destroy(self->ctx);
+}
+
+/* The message after a failed `op`: it names the device and the op. */
+static void expect_named(struct __test_metadata *_metadata, const char *label, const char *op)
+{
+	char want[64];
+
+	snprintf(want, sizeof(want), ": %s: ", op);
+	EXPECT_NE(NULL, strstr(ape_last_error(), label))
+		TH_LOG("%s: the message does not name the device (%s): %s", op, label,
+		       ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), want))
+		TH_LOG("%s: the message does not name the op: %s", op, ape_last_error());
+}
+
+/* More than the device takes: APE_ENOMEM from the backend itself, *out cleared. */
+TEST_F(be, buf_alloc_beyond_the_device)
+{
+	uint64_t max = self->ops->max_alloc ? self->ops->max_alloc(self->dev) : 0;
+	size_t bytes = max && max < SIZE_MAX / 2 ? (size_t)max + 4096 : SIZE_MAX - 16;
+	struct ape__buf *buf = STALE;
+
+	ape__error(0, "stale");
+	EXPECT_EQ(APE_ENOMEM, self->ops->buf_alloc(self->dev, bytes, &buf));
+	EXPECT_EQ(NULL, buf);
+	expect_named(_metadata, self->label, "buf_alloc");
+	if (buf != STALE)
+		self->ops->buf_free(self->dev, buf);
+}
+
+/* Copies and fills the driver rejects (outside the buffer): each names its op. The reference's
+ * copies are memcpy and cannot fail, so there is nothing to provoke there. */
+TEST_F(be, rejected_copies_name_their_op)
+{
+	struct ape__buf *buf = NULL, *other = NULL;
+	struct ape__queue *q = NULL;
+	char host[64] = { 0 };
+
+	if (!strcmp(variant->backend, "ref"))
+		SKIP(return, "the reference's copies cannot fail");
+	ASSERT_EQ(0, self->ops->buf_alloc(self->dev, 256, &buf)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, self->ops->buf_alloc(self->dev, 256, &other)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, self->ops->queue_create(self->dev, &q)) TH_LOG("%s", ape_last_error());
+
+	EXPECT_GT(0, self->ops->copy_h2d(q, buf, 4096, host, sizeof(host)));
+	expect_named(_metadata, self->label, "copy_h2d");
+	EXPECT_GT(0, self->ops->copy_d2h(q, host, buf, 4096, sizeof(host)));
+	expect_named(_metadata, self->label, "copy_d2h");
+	EXPECT_GT(0, self->ops->fill(q, buf, 4096, 0, sizeof(host)));
+	expect_named(_metadata, self->label, "fill");
+	if (self->ops->copy_d2d) {
+		EXPECT_GT(0, self->ops->copy_d2d(q, other, 0, buf, 4096, sizeof(host)));
+		expect_named(_metadata, self->label, "copy_d2d");
+	}
+	/* nothing was enqueued: the queue still works */
+	EXPECT_EQ(0, self->ops->copy_h2d(q, buf, 0, host, sizeof(host)));
+	EXPECT_EQ(0, self->ops->synchronize(q)) TH_LOG("%s", ape_last_error());
+	self->ops->queue_destroy(q);
+	self->ops->buf_free(self->dev, other);
+	self->ops->buf_free(self->dev, buf);
+}
+
+#ifdef APE_FAULT_INJECT
+/* The ops that allocate host memory in some backend (the first command of an OpenCL queue
+ * starts its timeline: an allocation; the reference's backward pass its row table). */
+enum {
+	HM_BUF_ALLOC,
+	HM_QUEUE_CREATE,
+	HM_EVENT_RECORD,
+	HM_COPY_H2D,
+	HM_COPY_D2H,
+	HM_FILL,
+	HM_ATTENTION_BACKWARD,
+	HM_N
+};
+
+static const char *const hm_names[HM_N] = {
+	[HM_BUF_ALLOC] = "buf_alloc",	    [HM_QUEUE_CREATE] = "queue_create",
+	[HM_EVENT_RECORD] = "event_record", [HM_COPY_H2D] = "copy_h2d",
+	[HM_COPY_D2H] = "copy_d2h",	    [HM_FILL] = "fill",
+	[HM_ATTENTION_BACKWARD] = "attention_backward",
+};
+
+/* A backward launch of one row and one key, every tensor in buf (its contents do not matter
+ * here, only the failure path). */
+static int hm_backward(const struct ape__backend_ops *ops, struct ape__queue *q,
+		       struct ape__buf *buf)
+{
+	static const float params[4] = { 0 };
+	struct ape__bwd_launch l;
+
+	if (!ops->attention_backward)
+		return 0; /* optional: nothing to fail */
+	memset(&l, 0, sizeof(l));
+	l.f.B = l.f.H = l.f.Hkv = l.f.Lq = l.f.Lk = 1;
+	l.f.D = 2;
+	l.f.in_dtype = l.f.out_dtype = l.dout_dtype = APE_F32;
+	l.f.q = l.f.k = l.f.v = l.f.o = l.f.lse = l.dout = buf;
+	l.f.head_params = params;
+	l.f.scale = l.f.omega[0] = 1;
+	l.f.rope_base = 10000;
+	l.dq = l.dparams = buf;
+	return ops->attention_backward(q, &l);
+}
+
+/* Calls op once on q, a fresh queue; releases what it made; says whether a failure cleared
+ * the out-parameter. */
+static int hm_call(const struct ape__backend_ops *ops, ape_device *dev, int op,
+		   struct ape__queue *q, struct ape__buf *buf, bool *cleared)
+{
+	static char host[64];
+	struct ape__buf *b = STALE;
+	struct ape__queue *nq = STALE;
+	struct ape__event *e = STALE;
+	int ret = 0;
+
+	*cleared = true;
+	switch (op) {
+	case HM_BUF_ALLOC:
+		ret = ops->buf_alloc(dev, 64, &b);
+		*cleared = ret ? b == NULL : true;
+		if (!ret)
+			ops->buf_free(dev, b);
+		break;
+	case HM_QUEUE_CREATE:
+		ret = ops->queue_create(dev, &nq);
+		*cleared = ret ? nq == NULL : true;
+		if (!ret)
+			ops->queue_destroy(nq);
+		break;
+	case HM_EVENT_RECORD:
+		ret = ops->event_record(q, &e);
+		*cleared = ret ? e == NULL : true;
+		if (!ret)
+			ops->event_destroy(e);
+		break;
+	case HM_COPY_H2D:
+		ret = ops->copy_h2d(q, buf, 0, host, sizeof(host));
+		break;
+	case HM_COPY_D2H:
+		ret = ops->copy_d2h(q, host, buf, 0, sizeof(host));
+		break;
+	case HM_FILL:
+		ret = ops->fill(q, buf, 0, 0, sizeof(host));
+		break;
+	case HM_ATTENTION_BACKWARD:
+		ret = hm_backward(ops, q, buf);
+		break;
+	}
+	return ret;
+}
+
+/* Host memory running out inside an op: APE_ENOMEM, the out-parameter cleared, the message
+ * naming the device and the op, for each allocation of each op that makes any. */
+TEST_F(be, ops_out_of_host_memory_name_themselves)
+{
+	const struct ape__backend_ops *ops = self->ops;
+	struct ape__buf *buf = NULL;
+	int points = 0;
+
+	ASSERT_EQ(0, ops->buf_alloc(self->dev, 256, &buf)) TH_LOG("%s", ape_last_error());
+	for (int op = 0; op < HM_N; op++) {
+		bool fired = true;
+
+		for (uint64_t n = 1; fired; n++) {
+			struct ape__queue *q = NULL;
+			bool cleared;
+			int ret;
+
+			ASSERT_EQ(0, ops->queue_create(self->dev, &q)) TH_LOG("%s", ape_last_error());
+			ape__error(0, "stale");
+			ape__fault_alloc_arm(n);
+			ret = hm_call(ops, self->dev, op, q, buf, &cleared);
+			fired = ape__fault_alloc_fired();
+			ape__fault_alloc_arm(0);
+			if (fired) {
+				points++;
+				EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("%s, allocation %llu: %s",
+								  hm_names[op], (unsigned long long)n,
+								  ape_last_error());
+				EXPECT_TRUE(cleared) TH_LOG("%s: *out left set", hm_names[op]);
+				expect_named(_metadata, self->label, hm_names[op]);
+			} else {
+				EXPECT_EQ(0, ret) TH_LOG("%s: %s", hm_names[op], ape_last_error());
+			}
+			EXPECT_EQ(0, ops->synchronize(q)) TH_LOG("%s", ape_last_error());
+			ops->queue_destroy(q);
+		}
+	}
+	/* buf_alloc, queue_create and event_record allocate in every backend here */
+	EXPECT_GE(points, 3);
+	ksft_print_msg("%s: %d host allocations inside ops failed in turn\n", variant->backend,
+		       points);
+	fflush(stdout); /* the harness ends each test with _exit() */
+	ops->buf_free(self->dev, buf);
+}
+#else
+TEST_F(be, ops_out_of_host_memory_name_themselves)
+{
+	SKIP(return, "needs the fault build (make faults-ci: -DAPE_FAULT_INJECT)");
+}
+#endif
+
+/*
+ * Calls op once through the ops in place (the wrapper, set to fail it); returns its result and
+ * whether its out-parameters were cleared. NOT_THERE: the backend does not have the op.
+ */
+#define NOT_THERE 1
+
+static int call_op(const struct ape__backend_ops *ops, ape_device *dev, enum wrap_op op,
+		   struct ape__queue *q, struct ape__buf *buf, struct ape__event *e, bool *cleared)
+{
+	static char host[64];
+	struct ape__launch l;
+	struct ape__buf *b = STALE;
+	struct ape__queue *nq = STALE;
+	struct ape__event *ne = STALE;
+	void *handle = STALE;
+	double ms = -1;
+	int ret;
+
+	memset(&l, 0, sizeof(l));
+	*cleared = true;
+	switch (op) {
+	case WRAP_BUF_ALLOC:
+		ret = ops->buf_alloc(dev, 64, &b);
+		*cleared = b == NULL;
+		return ret;
+	case WRAP_QUEUE_CREATE:
+		ret = ops->queue_create(dev, &nq);
+		*cleared = nq == NULL;
+		return ret;
+	case WRAP_COPY_H2D:
+		return ops->copy_h2d(q, buf, 0, host, sizeof(host));
+	case WRAP_COPY_D2H:
+		return ops->copy_d2h(q, host, buf, 0, sizeof(host));
+	case WRAP_COPY_D2D:
+		return ops->copy_d2d ? ops->copy_d2d(q, buf, 0, buf, 64, 64) : NOT_THERE;
+	case WRAP_FILL:
+		return ops->fill(q, buf, 0, 0, 64);
+	case WRAP_EVENT_RECORD:
+		ret = ops->event_record(q, &ne);
+		*cleared = ne == NULL;
+		return ret;
+	case WRAP_EVENT_WAIT:
+		return ops->event_wait(q, e);
+	case WRAP_EVENT_ELAPSED:
+		ret = ops->event_elapsed(e, e, &ms);
+		*cleared = ms == 0;
+		return ret;
+	case WRAP_EVENT_TIMESTAMP:
+		if (!ops->event_timestamp)
+			return NOT_THERE;
+		ret = ops->event_timestamp(e, &ms);
+		*cleared = ms == 0;
+		return ret;
+	case WRAP_ATTENTION: /* fails before the backend sees the (empty) launch */
+		return ops->attention(q, &l);
+	case WRAP_SYNCHRONIZE:
+		return ops->synchronize(q);
+	case WRAP_HOST_REGISTER:
+		if (!ops->host_register)
+			return NOT_THERE;
+		ret = ops->host_register(dev, host, sizeof(host), &handle);
+		*cleared = handle == NULL;
+		return ret;
+	case WRAP_NOPS:
+		break;
+	}
+	return NOT_THERE;
+}
+
+/* Every op kind the wrapper can fail, failed once: the code, the message, the out-parameters. */
+TEST_F(be, every_failing_op_names_itself)
+{
+	struct ape__buf *buf = NULL;
+	struct ape__queue *q = NULL;
+	struct ape__event *e = NULL;
+	int tried = 0;
+
+	wrap_install(self->dev, 0);
+	ASSERT_EQ(0, self->dev->be->ops->queue_create(self->dev, &q)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, self->dev->be->ops->buf_alloc(self->dev, 256, &buf));
+	ASSERT_EQ(0, self->dev->be->ops->event_record(q, &e));
+	ASSERT_EQ(0, self->dev->be->ops->synchronize(q));
+	for (int op = 0; op < WRAP_NOPS; op++) {
+		bool cleared;
+		int ret;
+
+		wrap_fail_op((enum wrap_op)op, 1);
+		ape__error(0, "stale");
+		ret = call_op(self->dev->be->ops, self->dev, (enum wrap_op)op, q, buf, e, &cleared);
+		wrap_fail_op((enum wrap_op)op, 0);
+		if (ret == NOT_THERE)
+			continue;
+		tried++;
+		EXPECT_EQ(op == WRAP_BUF_ALLOC ? APE_ENOMEM : APE_EDEVLOST, ret)
+			TH_LOG("%s: %s", wrap_op_name((enum wrap_op)op), ape_last_error());
+		EXPECT_TRUE(cleared) TH_LOG("%s: an out-parameter was left set",
+					    wrap_op_name((enum wrap_op)op));
+		expect_named(_metadata, self->label, wrap_op_name((enum wrap_op)op));
+	}
+	/* the required ops at least: every op kind but the optional ones */
+	EXPECT_GE(tried, WRAP_NOPS - 3);
+	EXPECT_EQ(0, self->dev->be->ops->synchronize(q)) TH_LOG("%s", ape_last_error());
+	self->dev->be->ops->event_destroy(e);
+	self->dev->be->ops->queue_destroy(q);
+	self->dev->be->ops->buf_free(self->dev, buf);
+	wrap_remove();
+}
+
+TEST_HARNESS_MAIN

@@ -1,0 +1,73 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * ape-run's pieces: tools/ape-run.c (arguments, devices, files, the one-call mode),
+ * tools/run/kv.c (the --kv-cache mode) and tools/run/stats.c (the --stats report and the sum of
+ * a KV-cache run's per-step statistics). Linked into ape-run alone.
+ */
+#ifndef APE_TOOLS_RUN_H
+#define APE_TOOLS_RUN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ape/ape.h"
+
+/* Exit statuses; RUN_HELP is --help, never an exit status. */
+enum { RUN_OK = 0, RUN_FAIL = 1, RUN_USAGE = 2, RUN_NODEV = 3, RUN_HELP = -1 };
+
+/* A per-head parameter as given on the command line; checked against H once Q is read. */
+struct head_param {
+	const char *flag;
+	float def;
+	float *vals; /* NULL: not given */
+	size_t n;
+};
+
+struct run_args {
+	const char *q, *k, *v, *o, *lse;
+	const char *backend;
+	int device; /* -1: the first */
+	const char *device_spec; /* --device as a PCI address or "backend:N"; NULL for an index */
+	struct head_param param[4]; /* delta, beta, gamma, lambda */
+	ape_attn_desc desc; /* everything but the per-head parameters */
+	int dtype; /* an ape_dtype, or -1 for the input's */
+	bool stats;
+	int64_t chunk; /* 0: the library's default */
+	uint64_t max_mem; /* 0: the library's default */
+	const char *trace;
+	const char *devices; /* --devices: comma-separated specs */
+	int64_t kv_step; /* 0: no KV cache */
+	int64_t kv_block, kv_capacity;
+	bool kv_release;
+};
+
+/* One input file, its shape seen as [B, H, L, D], and its data in the computation's type. */
+struct input {
+	const char *path;
+	ape_dtype file_dtype;
+	int ndim; /* 3 or 4, as in the file */
+	int64_t shape[4]; /* as in the file */
+	uint64_t count;
+	void *data;
+	ape_tensor t;
+};
+
+/* The exit status for a libape error code. */
+int run_exit_code(int err);
+
+/*
+ * --kv-cache: Q, K, V (in[0..2]) through an ape_kv_cache on dev, a->kv_step queries per attend;
+ * O into ot (float32, Q's shape), LSE into lse when not NULL. *tot gets the statistics of every
+ * step added up and the wall time of the whole. Returns an exit status, msg filled on failure.
+ */
+int run_kv(const struct run_args *a, ape_device *dev, const struct input in[3], ape_tensor *ot,
+	   float *lse, ape_stats *tot, char *msg, size_t len);
+
+/* Adds one call's statistics to the running totals (a KV-cache run is many calls). */
+void run_stats_add(ape_stats *tot, const ape_stats *st);
+
+/* --stats: the report on stderr, one "ape-run: " line per subject. */
+void run_stats_print(const ape_stats *st);
+
+#endif
