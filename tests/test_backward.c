@@ -474,9 +474,7 @@ TEST(optional_outputs_and_determinism)
 
 	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "optional_outputs_and_determinism");
-	ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F32, false, true));
-	test_problem_random_params(&c.tp, &rng);
-	ASSERT_EQ(0, bcase_forward(&c, dev));
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F32, false, true, dev));
 	ASSERT_EQ(0, grads_alloc(&full, &c, APE_F32));
 	ASSERT_EQ(0, grads_alloc(&again, &c, APE_F32));
 	ASSERT_EQ(0, run_backward(&c, dev, &full, W_ALL, NULL));
@@ -502,20 +500,15 @@ TEST(optional_outputs_and_determinism)
 
 /* ---------------------------------------------------------------- storage and layouts */
 
-/* The same values as case c's, stored as float32. */
+/* The same values as a contiguous tensor's, stored as float32 (widening is exact). */
 static int widen(test_tensor *dst, const test_tensor *src)
 {
 	const int64_t *s = src->t.shape;
 
 	if (test_tensor_empty(dst, APE_F32, s[0], s[1], s[2], s[3]))
 		return -1;
-	for (int64_t b = 0; b < s[0]; b++)
-		for (int64_t h = 0; h < s[1]; h++)
-			for (int64_t l = 0; l < s[2]; l++)
-				for (int64_t d = 0; d < s[3]; d++)
-					test_tensor_set(&dst->t, b, h, l, d,
-							test_tensor_get(&src->t, b, h, l, d));
-	return 0;
+	return ape_convert(dst->t.data, APE_F32, src->t.data, src->t.dtype,
+			   (size_t)(s[0] * s[1] * s[2] * s[3]));
 }
 
 /* f16 and bf16 storage (gradients in the storage type and in float32) against the same
@@ -537,9 +530,7 @@ TEST(storage_types)
 			grads g16, g32;
 			bcase c;
 
-			ASSERT_EQ(0, bcase_make(&c, &rng, &sh, types[t], false, true));
-			test_problem_random_params(&c.tp, &rng);
-			ASSERT_EQ(0, bcase_forward(&c, dev));
+			ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, types[t], false, true, dev));
 			ASSERT_EQ(0, widen(&q32, &c.tp.q));
 			ASSERT_EQ(0, widen(&k32, &c.tp.k));
 			ASSERT_EQ(0, widen(&v32, &c.tp.v));
@@ -591,9 +582,7 @@ TEST(strided_tensors)
 
 	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "strided_tensors");
-	ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F32, false, true));
-	test_problem_random_params(&c.tp, &rng);
-	ASSERT_EQ(0, bcase_forward(&c, dev));
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F32, false, true, dev));
 	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
 	ASSERT_EQ(0, run_backward(&c, dev, &g, W_ALL, NULL));
 	/* the same case with every tensor strided */
@@ -708,9 +697,7 @@ TEST(statistics_and_budget)
 
 	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "statistics_and_budget");
-	ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F32, false, false));
-	test_problem_random_params(&c.tp, &rng);
-	ASSERT_EQ(0, bcase_forward(&c, dev));
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F32, false, false, dev));
 	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
 	ASSERT_EQ(0, grads_alloc(&fresh, &c, APE_F32));
 	ape_stats_init(&st);
@@ -889,9 +876,7 @@ TEST(invalid_arguments)
 
 	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "invalid_arguments");
-	ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F16, false, true));
-	test_problem_random_params(&c.tp, &rng);
-	ASSERT_EQ(0, bcase_forward(&c, dev));
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F16, false, true, dev));
 	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F16));
 	ok = (bargs){ dev,     &c.tp.desc, &c.tp.q.t, &c.tp.k.t, &c.tp.v.t, &c.tp.o.t,
 		      &c.dout.t, c.tp.lse,  c.dlse,    &g.dq.t,   &g.dk.t,   &g.dv.t,

@@ -490,19 +490,9 @@ void ape_tensor_init(ape_tensor *t, void *data, ape_dtype dtype, int64_t d0, int
 int ape__check_tensor(const char *fn, const char *name, const ape_tensor *t, ape_dtype dtype,
 		      const int64_t want[4], const char *const dims[4], int64_t s[4])
 {
-	uint64_t span;
-	int ret;
+	uintptr_t range[2];
 
-	if (!t)
-		return ape__error(APE_EINVAL, "%s: %s = NULL", fn, name);
-	if ((ret = check_dtype(fn, name, t->dtype)))
-		return ret;
-	if (t->dtype != dtype)
-		return ape__error(APE_EINVAL, "%s: %s->dtype = %s: must be %s", fn, name,
-				  ape_dtype_name(t->dtype), ape_dtype_name(dtype));
-	if ((ret = check_shape(fn, name, t, want, dims)))
-		return ret;
-	return resolve_strides(fn, name, t, s, &span);
+	return ape__check_tensor_span(fn, name, t, dtype, false, want, dims, false, s, range);
 }
 
 int ape__check_positions(const char *fn, int64_t q_start, int64_t Lq, int64_t k_start, int64_t Lk)

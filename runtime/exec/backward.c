@@ -22,12 +22,12 @@
 #include "exec/backward.h"
 
 #include <inttypes.h>
-#include <math.h>
 #include <string.h>
 
 #include "core/alloc.h"
 #include "core/error.h"
 #include "exec/devmem.h"
+#include "exec/launch.h"
 #include "exec/multidev.h"
 #include "exec/pack.h"
 #include "exec/plan.h"
@@ -252,30 +252,16 @@ static int launch(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t
 	int ret;
 
 	memset(&l, 0, sizeof(l));
-	l.f.B = p->B;
-	l.f.H = p->H;
-	l.f.Hkv = p->Hkv;
+	ape__launch_init(&l.f, p, p->out_dtype, 0); /* no skip bound for the backward yet */
 	l.f.Lq = nq;
 	l.f.Lk = nk;
-	l.f.D = p->D;
-	l.f.in_dtype = p->in_dtype;
-	l.f.out_dtype = p->out_dtype;
 	l.f.q = x->b[B_Q].buf;
 	l.f.k = x->b[B_K].buf;
 	l.f.v = x->b[B_V].buf;
 	l.f.o = x->b[B_O].buf;
 	l.f.lse = x->b[B_LSE].buf;
-	l.f.head_params = p->head_params;
-	l.f.decay_nonneg = p->decay_nonneg;
-	l.f.scale = p->scale;
-	l.f.rope_base = p->rope_base;
-	for (int64_t i = 0; i < p->D / 2; i++)
-		l.f.omega[i] = pow(p->rope_base, -2.0 * (double)i / (double)p->D);
-	l.f.causal = p->causal;
-	l.f.layout = p->layout;
 	l.f.q_start = p->q_start + i0; /* validated: positions of every row fit */
 	l.f.k_start = p->k_start + j0;
-	l.f.skip_tol = 0; /* no skip bound for the backward yet */
 	l.dout_dtype = x->r->dout->dtype;
 	l.dout = x->b[B_DOUT].buf;
 	l.dlse = x->b[B_DLSE].buf;

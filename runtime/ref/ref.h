@@ -4,8 +4,23 @@
 #define APE_REF_H
 
 #include "core/backend.h"
+#include "core/half.h"
 
 #pragma GCC visibility push(hidden)
+
+/* Element i of a contiguous tensor of storage type t, exactly, as a double. */
+static inline double ape__ref_load(const void *base, ape_dtype t, int64_t i)
+{
+	switch (t) {
+	case APE_F16:
+		return ape__f16_to_f32(((const uint16_t *)base)[i]);
+	case APE_BF16:
+		return ape__bf16_to_f32(((const uint16_t *)base)[i]);
+	case APE_F32:
+		break;
+	}
+	return ((const float *)base)[i];
+}
 
 /*
  * Computes rows [row_begin, row_end) of the flattened [B*H*Lq] output of launch `l` from contiguous

@@ -20,7 +20,6 @@
 #include "core/alloc.h"
 #include "core/ape_math.h"
 #include "core/error.h"
-#include "core/half.h"
 #include "ref.h"
 
 #define MAX_D 256
@@ -48,23 +47,10 @@ struct pair {
 	double dot, ddot_dalpha, an, t, P, dS;
 };
 
-static double load(const void *base, ape_dtype t, int64_t i)
-{
-	switch (t) {
-	case APE_F16:
-		return ape__f16_to_f32(((const uint16_t *)base)[i]);
-	case APE_BF16:
-		return ape__bf16_to_f32(((const uint16_t *)base)[i]);
-	case APE_F32:
-		break;
-	}
-	return ((const float *)base)[i];
-}
-
 static void load_row(double *dst, const void *base, ape_dtype t, int64_t row, int64_t D)
 {
 	for (int64_t d = 0; d < D; d++)
-		dst[d] = load(base, t, row * D + d);
+		dst[d] = ape__ref_load(base, t, row * D + d);
 }
 
 static double dot_d(const double *a, const double *b, int64_t D)

@@ -44,6 +44,15 @@ int bcase_forward(bcase *c, ape_device *dev)
 	return test_problem_run(&c->tp, dev);
 }
 
+int bcase_ready(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt, bool strided,
+		bool with_dlse, ape_device *dev)
+{
+	if (bcase_make(c, r, sh, dt, strided, with_dlse))
+		return -1;
+	test_problem_random_params(&c->tp, r);
+	return bcase_forward(c, dev);
+}
+
 int grads_alloc(grads *g, const bcase *c, ape_dtype dt)
 {
 	const int64_t *qs = c->tp.q.t.shape, *ks = c->tp.k.t.shape;

@@ -37,6 +37,9 @@ int bcase_make(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt,
 void bcase_free(bcase *c);
 /* The saved O and LSE, from the forward on dev; returns its code. */
 int bcase_forward(bcase *c, ape_device *dev);
+/* bcase_make(), random parameters (test_problem_random_params()), bcase_forward(). */
+int bcase_ready(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt, bool strided,
+		bool with_dlse, ape_device *dev);
 
 /* dq, dk, dv of type dt and dparams, every element NaN. -1 if out of memory. */
 int grads_alloc(grads *g, const bcase *c, ape_dtype dt);
