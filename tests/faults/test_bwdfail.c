@@ -92,6 +92,7 @@ static int bcall_init(struct bcall *b, ape_device *dev, int64_t chunk)
 	if (bcase_make(&b->c, &rng, &sh, APE_F16, true, true))
 		return -1;
 	test_problem_random_params(&b->c.tp, &rng);
+	b->c.tp.desc.q_start_set = false; /* end-aligned: every query row sees keys */
 	if (bcase_forward(&b->c, dev) || grads_alloc(&b->g, &b->c, APE_F16) ||
 	    grads_alloc(&b->clean, &b->c, APE_F16) || grads_alloc(&b->poisoned, &b->c, APE_F16))
 		return -1;
