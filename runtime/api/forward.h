@@ -8,8 +8,9 @@
 
 #pragma GCC visibility push(hidden)
 
-/* devs (1..APE_MAX_DEVICES, none NULL), stats->struct_size and every field of opts (NULL: defaults), as
- * ape_attention_forward_ex() checks them; messages start with fn and name the argument. */
+/* devs (1..APE_MAX_DEVICES, none NULL), stats->struct_size and every field of opts (NULL:
+ * defaults), as ape_attention_forward_ex() checks them; messages start with fn and name the
+ * argument. */
 int ape__check_exec_call(const char *fn, ape_device *const *devs, int ndev,
 			 const ape_exec_options *opts, const ape_stats *stats);
 
