@@ -595,7 +595,8 @@ APE_API int ape_device_measure_h2d(ape_device *dev, int numa_node, size_t bytes,
 /**@{*/
 
 /**
- * Statistics of one forward call (or KV-cache call). Fields are only ever added at the end.
+ * Statistics of one forward call (or KV-cache call, or backward call, whose `chunks` counts
+ * its launches). Fields are only ever added at the end.
  * struct_size is sizeof(ape_stats) (ape_stats_init() sets it) or APE_STATS_V1_SIZE, the first
  * layout, which ended at `device`: such a caller gets those fields only, and nothing past them
  * is written. Any other value is refused with APE_EINVAL.
