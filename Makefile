@@ -29,6 +29,7 @@ CC         ?= cc
 AR         ?= ar
 WITH_OPENCL ?= auto
 WITH_CUDA   ?= auto
+WITH_MPI    ?= auto
 SANITIZE   ?=
 V          ?= 0
 
@@ -149,6 +150,7 @@ CHECK_EXTRA :=
 -include tests/fuzz/module.mk
 -include tests/faults/module.mk
 include python/module.mk
+-include mpi/module.mk
 
 LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/obj/%.o) $(LIB_ASM:%.S=$(BUILD)/obj/%.o)
 
@@ -179,7 +181,7 @@ all: $(LIBA) $(LIBSO) $(TOOLS)
 # ------------------------------------------------------------------ set-up, tests, the main job
 DEB_PACKAGES := build-essential pkg-config xz-utils ocl-icd-opencl-dev opencl-c-headers \
                 pocl-opencl-icd clinfo libhwloc-dev libhwloc-plugins libdrm-dev python3-numpy \
-                python3-venv valgrind clang-14 libclang-rt-14-dev
+                python3-venv valgrind clang-14 libclang-rt-14-dev libopenmpi-dev openmpi-bin
 
 deps:
 	$(Q)tools/deps.sh "$(KSFT_DIR)" $(DEB_PACKAGES)
@@ -233,7 +235,8 @@ help:
 	@echo "make faults-ci  allocation- and device-failure injection under ASan (part of 'make check')"
 	@echo "make tsan-ci    the concurrency tests under ThreadSanitizer (part of 'make check')"
 	@echo "make install PREFIX=/usr/local"
-	@echo "options: WITH_OPENCL, WITH_CUDA, WITH_HWLOC, WITH_DRM = yes|no|auto; V=1 OPT=-O2 BUILD=build"
+	@echo "make mpi-ci     the MPI tests (libape_mpi over mpirun; part of 'make check')"
+	@echo "options: WITH_OPENCL, WITH_CUDA, WITH_HWLOC, WITH_DRM, WITH_MPI = yes|no|auto; V=1 OPT=-O2 BUILD=build"
 
 .PHONY: all deps check sanitize valgrind run install clean distclean help
 

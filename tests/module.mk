@@ -44,3 +44,11 @@ $(CXX_HEADER_CHECK): tests/cxx_header.cc include/ape/ape.h $(CONFIG_STAMP)
 	@echo "  CXX     $<"
 	$(Q)$(CXX) -std=c++11 -Wall -Wextra -Werror -pedantic -Iinclude -c $< -o $@
 TESTS_BUILD_ONLY += $(CXX_HEADER_CHECK) $(EXAMPLE)
+
+# The executor suites run on every backend (tests/common/backend_fixture.h), CUDA through the
+# emulated driver where the build has the CUDA backend.
+TESTS_ON_EVERY_BACKEND := $(BUILD)/tests/test_stream $(BUILD)/tests/test_kvcache \
+                          $(BUILD)/tests/test_multidev
+ifeq ($(HAVE_CUDA),yes)
+$(TESTS_ON_EVERY_BACKEND): $(CUDA_EMU)
+endif

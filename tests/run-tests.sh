@@ -36,6 +36,6 @@ for t in "$@"; do
 	pass=$((pass + p)) skip=$((skip + s)) fail=$((fail + f))
 done
 echo "$pass passed, $fail failed, $skip skipped"
-# `make check` adds every suite's counts up (tests/summary.sh)
+# `make check` adds every suite's counts up (tests/check-total.sh)
 [ -n "${APE_TEST_SUMMARY:-}" ] && echo "$pass $fail $skip" >>"$APE_TEST_SUMMARY"
 [ "$fail" -eq 0 ]

@@ -2,9 +2,11 @@
 /*
  * The streaming executor against one-shot calls: every chunk size (1, 7, 64, 4096) on awkward
  * lengths, causal and not, grouped-query attention, skipping on and off, shifted positions, on
- * the reference and on OpenCL; chunk-level skipping that really leaves chunks uncopied, and
- * never where it may not; the memory budget, counted by the executor and by a wrapper around
- * the backend; what a failure leaves in the outputs; the trace file; the statistics.
+ * every backend (the reference, OpenCL, and CUDA, on the emulator where there is no GPU: it runs
+ * kernels on the CPU, one fiber per GPU thread, so the cases that say so give it fewer launches
+ * or shorter sequences); chunk-level skipping that really leaves chunks uncopied, and never
+ * where it may not; the memory budget, counted by the executor and by a wrapper around the
+ * backend; what a failure leaves in the outputs; the trace file; the statistics.
  */
 #include <math.h>
 #include <stdio.h>
@@ -13,9 +15,9 @@
 #include <unistd.h>
 
 #include "ape_test.h"
+#include "common/backend_fixture.h"
 #include "common/problem.h"
 #include "common/refcheck.h"
-#include "common/ref_opencl_fixture.h"
 #include "common/wrapops.h"
 #include "core/context.h"
 
@@ -121,14 +123,13 @@ static int one_shot(test_problem *want, const test_problem *tp, ape_device *ref)
 
 /* ---- the devices each test runs on */
 
-REF_OPENCL_FIXTURE(dev)
+BACKEND_FIXTURE(dev)
 
 /* ---- streaming equals one-shot */
 
-/* A random case small enough for chunk size c: at most ~300 launches (~20 under valgrind). */
-static int random_case(test_problem *tp, ape_rng *rng, int64_t c)
+/* A random case small enough for chunk size c: at most ~`launches` launches. */
+static int random_case(test_problem *tp, ape_rng *rng, int64_t c, int64_t launches)
 {
-	const int64_t launches = ape_test_slow() ? 20 : 300;
 
 	for (;;) {
 		if (test_problem_random(tp, rng, 0))
@@ -143,7 +144,8 @@ static int random_case(test_problem *tp, ape_rng *rng, int64_t c)
 TEST_F(dev, every_chunk_size_matches_one_shot)
 {
 	static const int64_t sizes[] = { 1, 7, 64, 4096 };
-	const int ncases = ape_test_slow() ? 2 : 12;
+	const int ncases = ape_test_slow() ? 2 : self->emu ? 4 : 12;
+	const int64_t launches = ape_test_slow() ? 20 : self->emu ? 40 : 300;
 	ape_rng rng;
 	int failed = 0;
 
@@ -158,7 +160,7 @@ TEST_F(dev, every_chunk_size_matches_one_shot)
 			test_problem tp, want;
 			ape_stats st;
 
-			ASSERT_EQ(0, random_case(&tp, &rng, cs));
+			ASSERT_EQ(0, random_case(&tp, &rng, cs, launches));
 			if (c % 4 == 3)
 				tp.desc.skip_tol = 0;
 			ASSERT_EQ(0, one_shot(&want, &tp, self->ref)) TH_LOG("%s", ape_last_error());
@@ -187,9 +189,14 @@ TEST_F(dev, awkward_lengths)
 		for (int si = 0; si < 4; si++)
 			for (int causal = 0; causal < 2; causal++) {
 				const int64_t L = lens[li], cs = sizes[si];
-				/* 4097 keys: a few query rows, and no one-row chunks (4097^2 launches) */
-				const int64_t Lq = L > 1000 ? (ref || ape_test_slow() ? 5 : 300) : L;
-				const test_problem_shape sh = { 1, 4, 2, Lq, L, 32 };
+				/* 4097 keys: a few query rows, and no one-row chunks (4097^2
+				 * launches); the emulator: 2 heads on 1, and one row for 63 keys in
+				 * one-row chunks (each launch costs it about 10 ms) */
+				const bool few = ref || self->emu || ape_test_slow();
+				const int64_t Lq = L > 1000 ? (few ? 5 : 300)
+							    : self->emu && cs == 1 && L > 7 ? 1 : L;
+				const int64_t Hkv = self->emu ? 1 : 2;
+				const test_problem_shape sh = { 1, 2 * Hkv, Hkv, Lq, L, 32 };
 				ape_exec_options o = chunks(cs, cs);
 				test_problem tp, want;
 				ape_stats st;
@@ -221,7 +228,9 @@ TEST_F(dev, types_layouts_positions)
 	ape_rng_init(&rng, _metadata->name);
 	for (int t = 0; t < 3; t++)
 		for (int v = 0; v < 4; v++) {
-			const test_problem_shape sh = { 2, 2, 1, 40, 70, 16 };
+			/* the emulator: half the lengths */
+			const int64_t n = self->emu ? 2 : 1;
+			const test_problem_shape sh = { 2, 2, 1, 40 / n, 70 / n, 16 };
 			ape_exec_options o = chunks(16, 9);
 			test_problem tp, want;
 			ape_stats st;
@@ -247,7 +256,9 @@ TEST_F(dev, types_layouts_positions)
 /* The same chunks whatever the depth: copies and kernels back to back, or overlapped. */
 TEST_F(dev, pipeline_depths_agree_bit_for_bit)
 {
-	const test_problem_shape sh = { 1, 2, 2, 150, 150, 32 };
+	/* the emulator: 3 x 3 chunks */
+	const int64_t L = self->emu ? 96 : 150;
+	const test_problem_shape sh = { 1, 2, 2, L, L, 32 };
 	test_problem tp, first;
 	ape_rng rng;
 
@@ -289,9 +300,11 @@ static void strong_decay(test_problem *tp)
  */
 TEST_F(dev, skipping_avoids_copies_and_only_when_allowed)
 {
-	const int64_t L = 1024; /* also under valgrind: smaller, the ratios below do not hold */
-	const test_problem_shape sh = { 1, 2, 1, 100, L, 16 };
-	ape_exec_options o = chunks(64, 64);
+	/* also under valgrind: smaller, the ratios below do not hold; the emulator: half the keys
+	 * in 16 chunks still, 8 queries */
+	const int64_t L = self->emu ? 512 : 1024, c = L / 16;
+	const test_problem_shape sh = { 1, 2, 1, self->emu ? 8 : 100, L, 16 };
+	ape_exec_options o = chunks(c, c);
 	test_problem tp, want;
 	ape_stats on, off, neg;
 	ape_rng rng;
@@ -400,9 +413,11 @@ TEST(neighbour_chunks_start_from_the_diagonal_weight)
  * skipping, key chunks are copied again for every query chunk; with it, about once. */
 TEST_F(dev, skipping_saves_recopies_under_a_budget)
 {
-	const int64_t L = 1024; /* also under valgrind: smaller, every chunk stays resident */
+	/* also under valgrind: smaller, every chunk stays resident; the emulator: 3/8 of the rows
+	 * in 16 chunks still, the budget in proportion */
+	const int64_t L = self->emu ? 384 : 1024, c = L / 16;
 	const test_problem_shape sh = { 1, 1, 1, L, L, 16 };
-	ape_exec_options o = chunks(64, 64);
+	ape_exec_options o = chunks(c, c);
 	test_problem tp, want;
 	ape_stats on, off;
 	ape_rng rng;
@@ -412,7 +427,7 @@ TEST_F(dev, skipping_saves_recopies_under_a_budget)
 	strong_decay(&tp);
 	tp.desc.causal = true;
 	tp.desc.q_start_set = false;
-	o.max_device_bytes = 64 << 10;
+	o.max_device_bytes = (uint64_t)c << 10;
 	ASSERT_EQ(0, one_shot(&want, &tp, self->ref));
 	EXPECT_EQ(0, check_stream(_metadata, &tp, &want, self->dev, &o, "skip on", &on));
 	tp.desc.skip_tol = 0;
@@ -430,7 +445,7 @@ TEST_F(dev, skipping_saves_recopies_under_a_budget)
 /* A NaN or Inf key is never skipped, however far: its rows are NaN, as without chunks. */
 TEST_F(dev, nan_keys_are_never_skipped)
 {
-	const int64_t L = ape_test_slow() ? 300 : 600;
+	const int64_t L = ape_test_slow() || self->emu ? 300 : 600;
 	const test_problem_shape sh = { 1, 1, 1, L, L, 16 };
 	ape_exec_options o = chunks(64, 64);
 	test_problem tp, want;
@@ -458,7 +473,9 @@ TEST_F(dev, budget_is_respected_and_counted)
 {
 	const bool ref = !strcmp(variant->backend, "ref");
 	static const uint64_t budgets[] = { 48 << 10, 160 << 10, 1 << 20 };
-	const test_problem_shape sh = { 1, 2, 2, ape_test_slow() ? 300 : 1500, 1500, 32 };
+	/* the emulator: 32 queries, 750 keys (each run computes at most 48000 pairs) */
+	const test_problem_shape sh = { 1, 2, 2, self->emu ? 32 : ape_test_slow() ? 300 : 1500,
+					self->emu ? 750 : 1500, 32 };
 	test_problem tp, want;
 	ape_rng rng;
 
@@ -518,8 +535,9 @@ TEST_F(dev, budget_is_respected_and_counted)
 TEST_F(dev, long_sequence_small_budget)
 {
 	const bool ref = !strcmp(variant->backend, "ref");
-	const int64_t L = ref || ape_test_slow() ? 3000 : 65536;
-	const test_problem_shape sh = { 1, 1, 1, ref ? 8 : L, L, 64 };
+	/* the emulator: the last 8 queries of 16384 tokens, far enough to skip key chunks */
+	const int64_t L = ref || ape_test_slow() ? 3000 : self->emu ? 16384 : 65536;
+	const test_problem_shape sh = { 1, 1, 1, ref || self->emu ? 8 : L, L, 64 };
 	ape_exec_options o = chunks(2048, 2048);
 	struct refcheck_result rc;
 	test_problem tp;
@@ -557,7 +575,9 @@ TEST_F(dev, long_sequence_small_budget)
  * says how many; with APE_EXEC_ATOMIC_OUTPUTS nothing is written. */
 TEST_F(dev, failure_leaves_finished_chunks_or_nothing)
 {
-	const test_problem_shape sh = { 1, 2, 1, 256, 256, 16 };
+	/* 4 x 4 chunks; the emulator: half the rows */
+	const int64_t L = self->emu ? 128 : 256, c = L / 4;
+	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
 	test_problem tp, want;
 	ape_rng rng;
 
@@ -568,7 +588,7 @@ TEST_F(dev, failure_leaves_finished_chunks_or_nothing)
 	tp.desc.q_start_set = false;
 	tp.desc.skip_tol = 0; /* 1 + 2 + 3 + 4 launches */
 	{
-		ape_exec_options o = chunks(64, 64);
+		ape_exec_options o = chunks(c, c);
 
 		ASSERT_EQ(0, test_problem_clone(&want, &tp));
 		ASSERT_EQ(0, run_ex(&want, &self->dev, 1, &o, NULL)) TH_LOG("%s", ape_last_error());
@@ -576,7 +596,7 @@ TEST_F(dev, failure_leaves_finished_chunks_or_nothing)
 	wrap_install(self->dev, 0);
 	for (int atomic_out = 0; atomic_out < 2; atomic_out++)
 		for (uint64_t at = 1; at <= 10; at += 3) {
-			ape_exec_options o = chunks(64, 64);
+			ape_exec_options o = chunks(c, c);
 			long long held = 0, of = 0;
 			const char *m;
 			int ret;
@@ -593,9 +613,9 @@ TEST_F(dev, failure_leaves_finished_chunks_or_nothing)
 			if (atomic_out || at == 1)
 				EXPECT_EQ(NULL, m) TH_LOG("%s", ape_last_error());
 			for (int64_t h = 0; h < 2; h++)
-				for (int64_t i = 0; i < 256; i++) {
+				for (int64_t i = 0; i < L; i++) {
 					double got = test_tensor_get(&tp.o.t, 0, h, i, 0);
-					bool written = i < held * 64;
+					bool written = i < held * c;
 
 					EXPECT_EQ(written, !isnan(got))
 						TH_LOG("launch %d fails: row %lld (%lld chunks held)",
@@ -608,7 +628,7 @@ TEST_F(dev, failure_leaves_finished_chunks_or_nothing)
 		}
 	/* and with the flag, a successful call writes everything, the same bits */
 	{
-		ape_exec_options o = chunks(64, 64);
+		ape_exec_options o = chunks(c, c);
 
 		o.flags = APE_EXEC_ATOMIC_OUTPUTS;
 		EXPECT_EQ(0, run_ex(&tp, &self->dev, 1, &o, NULL)) TH_LOG("%s", ape_last_error());
@@ -652,7 +672,9 @@ static const char trace_script[] =
 
 TEST_F(dev, trace_is_chrome_trace_json)
 {
-	const test_problem_shape sh = { 1, 2, 1, 200, 200, 16 };
+	/* the emulator: 2 x 2 chunks */
+	const int64_t L = self->emu ? 100 : 200;
+	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
 	char dir[64], path[128], arg[160], first[256];
 	test_problem tp;
 	ape_rng rng;

@@ -1,0 +1,563 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * ape-mpi-run: drives ape_mpi_attention_forward() under mpirun, for the tests and the
+ * measurements (ape-run --mpi and ape-bench --mpi come later). Inputs are generated from a
+ * counter-based hash of (seed, tensor, b, h, global row, d), so every rank makes its own rows and
+ * the same sequence whatever the rank count. With --check each rank also runs its rows as one
+ * single-process ape_attention_forward() over the whole sequence and compares.
+ *
+ *   mpirun -np 4 ape-mpi-run -L 262144 -H 2 -D 64 --shard zigzag          # the target run
+ *   mpirun -np 3 ape-mpi-run --suite 20                                    # the tests' suite
+ *   mpirun -np 4 ape-mpi-run -L 64 --check --corrupt delta --corrupt-rank 2
+ *
+ * Rank 0 prints one line per rank (gathered, so lines never interleave): rank=R ret=NAME and
+ * key=value statistics, and for --suite one line per case and a total.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "ape/ape_mpi.h"
+
+#define LINE 1024
+
+struct cfg {
+	int64_t L, B, H, Hkv, D;
+	ape_dtype dt, odt;
+	ape_mpi_shard_kind kind;
+	bool causal, per_head, strided, check;
+	double delta, beta, gamma, lambda, skip_tol;
+	bool q_start_set;
+	int64_t q_start, k_start;
+	uint64_t seed;
+	const char *what;
+};
+
+struct run {
+	ape_mpi_shard_info sh;
+	void *q, *k, *v, *o;
+	float *lse, *params;
+	ape_tensor tq, tk, tv, to;
+	ape_attn_desc desc;
+};
+
+static int rank, nranks;
+
+/* ---------------------------------------------------------------- inputs */
+
+static uint64_t mix(uint64_t x)
+{
+	x += 0x9e3779b97f4a7c15ull;
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+	return x ^ (x >> 31);
+}
+
+/* N(0, 1) for element (b, h, l, d) of tensor t: the same on every rank for a global row l. */
+static float gen(uint64_t seed, int t, int64_t b, int64_t h, int64_t l, int64_t d)
+{
+	uint64_t x = mix(seed ^ mix((uint64_t)t << 56 ^ (uint64_t)b << 48 ^ (uint64_t)h << 36 ^
+				    (uint64_t)d << 26 ^ mix((uint64_t)l)));
+	double u1 = ((x >> 11) + 0.5) / 9007199254740992.0, u2 = (mix(x) >> 11) / 9007199254740992.0;
+
+	return (float)(sqrt(-2 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+static int64_t global_row(const ape_mpi_shard_info *sh, int64_t i)
+{
+	return i < sh->count[0] ? sh->start[0] + i : sh->start[1] + (i - sh->count[0]);
+}
+
+/* Element (b, h, l, d) of t as a double, through its strides and type. */
+static double get(const ape_tensor *t, int64_t b, int64_t h, int64_t l, int64_t d)
+{
+	int64_t s[4];
+	size_t es = ape_dtype_size(t->dtype);
+	const char *p;
+	float f;
+
+	ape_tensor_strides(t, s);
+	p = (const char *)t->data + (size_t)(b * s[0] + h * s[1] + l * s[2] + d * s[3]) * es;
+	ape_convert(&f, APE_F32, p, t->dtype, 1);
+	return f;
+}
+
+static void set(ape_tensor *t, int64_t b, int64_t h, int64_t l, int64_t d, float x)
+{
+	int64_t s[4];
+	size_t es = ape_dtype_size(t->dtype);
+
+	ape_tensor_strides(t, s);
+	ape_convert((char *)t->data + (size_t)(b * s[0] + h * s[1] + l * s[2] + d * s[3]) * es,
+		    t->dtype, &x, APE_F32, 1);
+}
+
+/* [B, H, L, D], or stored as [B, L, H, D] when strided; NULL data for no memory. */
+static void *alloc_tensor(ape_tensor *t, ape_dtype dt, int64_t B, int64_t H, int64_t L, int64_t D,
+			  bool strided)
+{
+	void *p = calloc((size_t)(B * H * L * D) + 1, ape_dtype_size(dt));
+
+	ape_tensor_init(t, p, dt, B, H, L, D);
+	if (strided) {
+		t->strides[0] = L * H * D;
+		t->strides[1] = D;
+		t->strides[2] = H * D;
+		t->strides[3] = 1;
+	}
+	return p;
+}
+
+static void fill(const struct cfg *c, ape_tensor *t, int id, const ape_mpi_shard_info *sh)
+{
+	for (int64_t b = 0; b < t->shape[0]; b++)
+		for (int64_t h = 0; h < t->shape[1]; h++)
+			for (int64_t i = 0; i < t->shape[2]; i++)
+				for (int64_t d = 0; d < t->shape[3]; d++)
+					set(t, b, h, i, d,
+					    gen(c->seed, id, b, h, sh ? global_row(sh, i) : i, d));
+}
+
+static void set_param(ape_param *p, float *store, double x, int64_t H, bool per_head)
+{
+	p->value = (float)x;
+	p->per_head = NULL;
+	if (!per_head)
+		return;
+	for (int64_t h = 0; h < H; h++)
+		store[h] = (float)(x * (1 + 0.25 * h)); /* a different value per head */
+	p->per_head = store;
+}
+
+static int setup(const struct cfg *c, struct run *r)
+{
+	ape_attn_desc *d = &r->desc;
+	int ret;
+
+	memset(r, 0, sizeof(*r));
+	if ((ret = ape_mpi_shard(c->L, nranks, rank, c->kind, &r->sh)))
+		return ret;
+	r->q = alloc_tensor(&r->tq, c->dt, c->B, c->H, r->sh.rows, c->D, c->strided);
+	r->k = alloc_tensor(&r->tk, c->dt, c->B, c->Hkv, r->sh.rows, c->D, c->strided);
+	r->v = alloc_tensor(&r->tv, c->dt, c->B, c->Hkv, r->sh.rows, c->D, c->strided);
+	r->o = alloc_tensor(&r->to, c->odt, c->B, c->H, r->sh.rows, c->D, c->strided);
+	r->lse = calloc((size_t)(c->B * c->H * r->sh.rows) + 1, sizeof(float));
+	r->params = calloc((size_t)(4 * c->H), sizeof(float));
+	if (!r->q || !r->k || !r->v || !r->o || !r->lse || !r->params)
+		return APE_ENOMEM;
+	fill(c, &r->tq, 0, &r->sh);
+	fill(c, &r->tk, 1, &r->sh);
+	fill(c, &r->tv, 2, &r->sh);
+	ape_attn_desc_init(d);
+	set_param(&d->delta, r->params, c->delta, c->H, c->per_head);
+	set_param(&d->beta, r->params + c->H, c->beta, c->H, c->per_head);
+	set_param(&d->gamma, r->params + 2 * c->H, c->gamma, c->H, c->per_head);
+	set_param(&d->lambda, r->params + 3 * c->H, c->lambda, c->H, c->per_head);
+	d->causal = c->causal;
+	d->skip_tol = c->skip_tol;
+	d->k_start = c->k_start;
+	d->q_start_set = c->q_start_set;
+	d->q_start = c->q_start;
+	return 0;
+}
+
+static void teardown(struct run *r)
+{
+	free(r->q);
+	free(r->k);
+	free(r->v);
+	free(r->o);
+	free(r->lse);
+	free(r->params);
+}
+
+/* ---------------------------------------------------------------- the check */
+
+static double tol_o(ape_dtype dt)
+{
+	return dt == APE_F32 ? 1e-4 : dt == APE_F16 ? 5e-3 : 2e-2;
+}
+
+static double tol_lse(ape_dtype dt)
+{
+	return dt == APE_F32 ? 1e-4 : dt == APE_F16 ? 1e-3 : 5e-3;
+}
+
+/*
+ * This rank's rows as one single-process call over the whole sequence computes them (each block
+ * of rows with its own q_start), against the distributed result. err_o in units of the spec's
+ * tolerance times max|V|; err_lse in units of its tolerance times max(1, |LSE|): pass <= 1.
+ */
+static int check(const struct cfg *c, struct run *r, ape_device *dev, double *err_o,
+		 double *err_lse)
+{
+	ape_tensor K, V, o1;
+	void *kb, *vb, *ob = NULL;
+	float *l1 = NULL;
+	double M = 0;
+	int ret = APE_ENOMEM;
+
+	*err_o = *err_lse = 0;
+	kb = alloc_tensor(&K, c->dt, c->B, c->Hkv, c->L, c->D, false);
+	vb = alloc_tensor(&V, c->dt, c->B, c->Hkv, c->L, c->D, false);
+	if (!kb || !vb)
+		goto out;
+	fill(c, &K, 1, NULL);
+	fill(c, &V, 2, NULL);
+	for (int64_t i = 0; i < c->B * c->Hkv * c->L * c->D; i++)
+		M = fmax(M, fabs(get(&V, 0, 0, 0, i)));
+	for (int lb = 0; lb < r->sh.nblocks; lb++) {
+		const int64_t n = r->sh.count[lb], off = lb ? r->sh.count[0] : 0;
+		ape_attn_desc d = r->desc;
+		ape_tensor qv;
+
+		if (n == 0)
+			continue;
+		free(ob);
+		free(l1);
+		ob = alloc_tensor(&o1, c->odt, c->B, c->H, n, c->D, false);
+		l1 = calloc((size_t)(c->B * c->H * n), sizeof(float));
+		ret = APE_ENOMEM;
+		if (!ob || !l1)
+			goto out;
+		d.q_start_set = true;
+		d.q_start = (c->q_start_set ? c->q_start : c->k_start) + r->sh.start[lb];
+		ape_tensor_rows(&r->tq, off, n, &qv);
+		if ((ret = ape_attention_forward(dev, &d, &qv, &K, &V, &o1, l1, NULL)))
+			goto out;
+		for (int64_t b = 0; b < c->B; b++)
+			for (int64_t h = 0; h < c->H; h++)
+				for (int64_t i = 0; i < n; i++) {
+					double a = l1[(b * c->H + h) * n + i];
+					double z = r->lse[(b * c->H + h) * r->sh.rows + off + i];
+					double e = a == z ? 0 : fabs(a - z); /* two -inf agree */
+
+					e = e == e ? e : INFINITY;
+					*err_lse = fmax(*err_lse,
+							e / (tol_lse(c->dt) * fmax(1, fabs(a))));
+					for (int64_t dd = 0; dd < c->D; dd++) {
+						e = fabs(get(&o1, b, h, i, dd) -
+							 get(&r->to, b, h, off + i, dd));
+						e = e == e ? e : INFINITY;
+						*err_o = fmax(*err_o,
+							      e / (tol_o(c->dt) * fmax(M, 1e-30)));
+					}
+				}
+	}
+	ret = 0;
+out:
+	free(kb);
+	free(vb);
+	free(ob);
+	free(l1);
+	return ret;
+}
+
+/* ---------------------------------------------------------------- one run */
+
+static void corrupt(const char *what, struct run *r)
+{
+	static const int64_t bad[4] = { 1, 1, -1, 1 };
+
+	if (!strcmp(what, "delta"))
+		r->desc.delta.value += 0.25f;
+	else if (!strcmp(what, "causal"))
+		r->desc.causal = !r->desc.causal;
+	else if (!strcmp(what, "k_start"))
+		r->desc.k_start += 1;
+	else if (!strcmp(what, "kind"))
+		ape_mpi_shard(r->sh.L, nranks, rank, !r->sh.kind, &r->sh);
+	else if (!strcmp(what, "rank"))
+		r->sh.rank = (rank + 1) % nranks;
+	else if (!strcmp(what, "stride"))
+		memcpy(r->tk.strides, bad, sizeof(bad));
+	else if (!strcmp(what, "null"))
+		r->tq.data = NULL;
+	else if (!strcmp(what, "L"))
+		r->sh.L += 1;
+}
+
+static void describe(const struct cfg *c, char *buf, size_t len)
+{
+	snprintf(buf, len,
+		 "%s L=%" PRId64 " B=%" PRId64 " H=%" PRId64 " Hkv=%" PRId64 " D=%" PRId64
+		 " %s->%s %s %s delta=%g%s%s q_start=%s%" PRId64 " k_start=%" PRId64,
+		 c->what ? c->what : "", c->L, c->B, c->H, c->Hkv, c->D, ape_dtype_name(c->dt),
+		 ape_dtype_name(c->odt), c->kind ? "zigzag" : "contiguous",
+		 c->causal ? "causal" : "non-causal", c->delta, c->per_head ? " per-head" : "",
+		 c->strided ? " strided" : "", c->q_start_set ? "" : "default:",
+		 c->q_start_set ? c->q_start : c->k_start, c->k_start);
+}
+
+/* Runs one case on every rank; rank 0 prints every rank's line. Returns 1 when the case passed
+ * on every rank (ret 0, within tolerance when checked), 0 otherwise. */
+static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_what,
+		    int corrupt_rank, bool print_ranks)
+{
+	char line[LINE], *all = NULL, desc[256];
+	struct run r;
+	ape_mpi_stats st;
+	ape_exec_options eo;
+	double err_o = 0, err_lse = 0;
+	int ret, ok, all_ok;
+
+	ret = setup(c, &r);
+	if (!ret && corrupt_what && rank == corrupt_rank)
+		corrupt(corrupt_what, &r);
+	ape_mpi_stats_init(&st);
+	/* a budget too small for any chunk: the rank's arguments are valid, its computation fails */
+	ape_exec_options_init(&eo);
+	if (corrupt_what && rank == corrupt_rank && !strcmp(corrupt_what, "budget"))
+		eo.max_device_bytes = 1000;
+	if (!ret)
+		ret = ape_mpi_attention_forward(MPI_COMM_WORLD, dev, &eo, &r.desc, &r.sh, &r.tq,
+						&r.tk, &r.tv, &r.to, r.lse, &st);
+	ok = ret == 0;
+	if (ok && c->check) {
+		int cr = check(c, &r, dev, &err_o, &err_lse);
+
+		ok = !cr && err_o <= 1 && err_lse <= 1;
+	}
+	snprintf(line, sizeof(line),
+		 "rank=%d rows=%" PRId64 " ret=%s ok=%d err_o=%.3g err_lse=%.3g bytes_sent=%" PRIu64
+		 " bytes_received=%" PRIu64 " messages_sent=%" PRIu64 " messages_received=%" PRIu64
+		 " blocks_sent=%" PRIu64 " rows_sent=%" PRIu64 " blocks_received=%" PRIu64
+		 " blocks_unneeded=%" PRIu64 " rows_unneeded=%" PRIu64 " peers=%d full_exchange=%d"
+		 " local_calls=%" PRIu64 " pairs_visible=%" PRIu64 " pairs_computed=%" PRIu64
+		 " total_ms=%.1f wait_ms=%.1f note=\"%s\" msg=\"%s\"",
+		 rank, r.sh.rows, ape_err_name(ret), ok, err_o, err_lse, st.bytes_sent, st.bytes_received,
+		 st.messages_sent, st.messages_received, st.blocks_sent, st.rows_sent,
+		 st.blocks_received, st.blocks_unneeded, st.rows_unneeded, st.peers,
+		 st.full_exchange, st.local_calls, st.pairs_visible, st.pairs_computed, st.total_ms,
+		 st.wait_ms, st.note, ret ? ape_mpi_last_error() : "");
+	teardown(&r);
+	if (rank == 0)
+		all = malloc((size_t)nranks * LINE);
+	MPI_Gather(line, LINE, MPI_CHAR, all, LINE, MPI_CHAR, 0, MPI_COMM_WORLD);
+	MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+	if (rank == 0) {
+		describe(c, desc, sizeof(desc));
+		printf("%s %s\n", all_ok ? "pass" : "FAIL", desc);
+		for (int i = 0; all && i < nranks && (print_ranks || !all_ok); i++)
+			printf("  %s\n", all + (size_t)i * LINE);
+		fflush(stdout);
+	}
+	free(all);
+	return all_ok;
+}
+
+/* ---------------------------------------------------------------- the suite */
+
+static struct cfg base(uint64_t seed)
+{
+	const double dlt = pow(2, -4.0 / 3); /* the seed's parameters */
+
+	return (struct cfg){ .L = 50, .B = 1, .H = 2, .Hkv = 2, .D = 16, .dt = APE_F32,
+			     .odt = APE_F32, .causal = true, .delta = dlt, .beta = dlt / 10,
+			     .gamma = dlt / 10, .lambda = 0.1, .skip_tol = 0x1p-24, .check = true,
+			     .seed = seed };
+}
+
+/* The cases every rank count runs: each feature of the issue at least once. */
+static int builtin(uint64_t seed, struct cfg *out)
+{
+	struct cfg c;
+	int n = 0;
+
+#define ADD(...)                                                                                   \
+	do {                                                                                       \
+		c = base(seed + n);                                                                \
+		__VA_ARGS__;                                                                       \
+		out[n++] = c;                                                                      \
+	} while (0)
+	ADD(c.what = "contiguous-causal", c.L = 53);
+	ADD(c.what = "zigzag-causal-gqa", c.kind = APE_MPI_SHARD_ZIGZAG, c.H = 4, c.Hkv = 2, c.L = 61);
+	ADD(c.what = "contiguous-noncausal-f16", c.causal = false, c.dt = c.odt = APE_F16, c.L = 45,
+	    c.Hkv = 1);
+	ADD(c.what = "zigzag-noncausal-bf16", c.kind = APE_MPI_SHARD_ZIGZAG, c.causal = false,
+	    c.dt = c.odt = APE_BF16, c.L = 47, c.D = 8);
+	ADD(c.what = "f16-out-f32-strided", c.kind = APE_MPI_SHARD_ZIGZAG, c.dt = APE_F16,
+	    c.strided = true, c.B = 2, c.L = 38);
+	ADD(c.what = "ranks-without-rows", c.L = 2);
+	ADD(c.what = "zigzag-blocks-without-rows", c.kind = APE_MPI_SHARD_ZIGZAG, c.L = 5);
+	ADD(c.what = "empty", c.L = 0);
+	ADD(c.what = "offsets", c.kind = APE_MPI_SHARD_ZIGZAG, c.q_start_set = true,
+	    c.q_start = 1000, c.k_start = 990, c.L = 43);
+	ADD(c.what = "queries-before-keys", c.q_start_set = true, c.q_start = -5, c.L = 40);
+	ADD(c.what = "shift-2^40", c.kind = APE_MPI_SHARD_ZIGZAG, c.q_start_set = true,
+	    c.q_start = (int64_t)1 << 40, c.k_start = (int64_t)1 << 40, c.L = 37);
+	ADD(c.what = "noncausal-offsets", c.causal = false, c.q_start_set = true, c.q_start = 7,
+	    c.k_start = -3, c.L = 41, c.dt = c.odt = APE_F16);
+	ADD(c.what = "zero-decay", c.delta = c.beta = c.gamma = c.lambda = 0, c.L = 44);
+	ADD(c.what = "negative-decay", c.delta = -0.05, c.kind = APE_MPI_SHARD_ZIGZAG, c.L = 44);
+	ADD(c.what = "strong-decay-per-head", c.delta = 2, c.beta = 0.2, c.gamma = 0.2,
+	    c.per_head = true, c.H = 3, c.Hkv = 1, c.L = 257, c.kind = APE_MPI_SHARD_ZIGZAG);
+	ADD(c.what = "strong-decay-noncausal", c.delta = 1.5, c.causal = false, c.L = 203);
+	ADD(c.what = "skip_tol-0", c.skip_tol = 0, c.delta = 2, c.L = 60);
+#undef ADD
+	return n;
+}
+
+static struct cfg random_case(uint64_t seed, int i)
+{
+	uint64_t x = mix(seed * 7919 + (uint64_t)i);
+	struct cfg c = base(seed + 1000 + (uint64_t)i);
+	static const int64_t hs[][2] = { { 1, 1 }, { 2, 1 }, { 4, 2 }, { 3, 3 } };
+	int hi = (int)(x % 4);
+
+	x = mix(x);
+	c.what = "random";
+	c.L = (int64_t)(x % 90);
+	c.H = hs[hi][0];
+	c.Hkv = hs[hi][1];
+	c.D = 2 * (int64_t)(1 + (x >> 8) % 12);
+	c.dt = (ape_dtype)((x >> 16) % 3);
+	c.odt = (x >> 20) % 4 == 0 ? APE_F32 : c.dt;
+	c.kind = (ape_mpi_shard_kind)((x >> 24) % 2);
+	c.causal = (x >> 25) % 3 != 0;
+	c.strided = (x >> 27) % 4 == 0;
+	c.per_head = (x >> 29) % 3 == 0;
+	c.delta = ((x >> 32) % 5) * 0.4;
+	c.beta = c.gamma = c.delta / 10;
+	c.lambda = ((x >> 36) % 3) * 0.1;
+	if ((x >> 40) % 3 == 0) {
+		c.q_start_set = true;
+		c.q_start = (int64_t)((x >> 44) % 21) - 10;
+	}
+	c.k_start = (int64_t)((x >> 50) % 11) - 5;
+	return c;
+}
+
+/* ---------------------------------------------------------------- main */
+
+static void usage(void)
+{
+	if (rank == 0)
+		fprintf(stderr,
+			"usage: mpirun -np N ape-mpi-run [--suite N | options]\n"
+			"  -L N -B N -H N --hkv N -D N --dtype f32|f16|bf16 --out-f32\n"
+			"  --shard contiguous|zigzag --noncausal --decay seed|zero|DELTA\n"
+			"  --q-start N --k-start N --skip-tol X --backend ref|opencl|auto\n"
+			"  --check --seed N --corrupt delta|causal|k_start|kind|rank|stride|null|L|budget\n"
+			"  --corrupt-rank R --quiet\n");
+}
+
+static int parse(int argc, char **argv, struct cfg *c, int *suite, const char **backend,
+		 const char **corrupt_what, int *corrupt_rank, bool *quiet)
+{
+	for (int i = 1; i < argc; i++) {
+		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+		bool takes = true;
+
+		if (!strcmp(a, "--suite") && v)
+			*suite = atoi(v);
+		else if (!strcmp(a, "-L") && v)
+			c->L = atoll(v);
+		else if (!strcmp(a, "-B") && v)
+			c->B = atoll(v);
+		else if (!strcmp(a, "-H") && v)
+			c->H = atoll(v);
+		else if (!strcmp(a, "--hkv") && v)
+			c->Hkv = atoll(v);
+		else if (!strcmp(a, "-D") && v)
+			c->D = atoll(v);
+		else if (!strcmp(a, "--dtype") && v)
+			c->dt = c->odt = !strcmp(v, "f16") ? APE_F16 : !strcmp(v, "bf16") ? APE_BF16
+											  : APE_F32;
+		else if (!strcmp(a, "--shard") && v)
+			c->kind = !strcmp(v, "zigzag") ? APE_MPI_SHARD_ZIGZAG : APE_MPI_SHARD_CONTIGUOUS;
+		else if (!strcmp(a, "--decay") && v) {
+			c->delta = !strcmp(v, "seed") ? pow(2, -4.0 / 3) : !strcmp(v, "zero") ? 0 : atof(v);
+			c->beta = c->gamma = c->delta / 10;
+			c->lambda = !strcmp(v, "zero") ? 0 : 0.1;
+		} else if (!strcmp(a, "--q-start") && v) {
+			c->q_start_set = true;
+			c->q_start = atoll(v);
+		} else if (!strcmp(a, "--k-start") && v)
+			c->k_start = atoll(v);
+		else if (!strcmp(a, "--skip-tol") && v)
+			c->skip_tol = atof(v);
+		else if (!strcmp(a, "--backend") && v)
+			*backend = v;
+		else if (!strcmp(a, "--seed") && v)
+			c->seed = strtoull(v, NULL, 0);
+		else if (!strcmp(a, "--corrupt") && v)
+			*corrupt_what = v;
+		else if (!strcmp(a, "--corrupt-rank") && v)
+			*corrupt_rank = atoi(v);
+		else {
+			takes = false;
+			if (!strcmp(a, "--out-f32"))
+				c->odt = APE_F32;
+			else if (!strcmp(a, "--noncausal"))
+				c->causal = false;
+			else if (!strcmp(a, "--check"))
+				c->check = true;
+			else if (!strcmp(a, "--quiet"))
+				*quiet = true;
+			else
+				return -1;
+		}
+		i += takes;
+	}
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	const char *backend = "ref", *corrupt_what = NULL;
+	struct cfg c, cases[32];
+	int suite = -1, corrupt_rank = 0, pass = 0, total = 0, ret;
+	bool quiet = false;
+	ape_context *ctx = NULL;
+	ape_selection sel;
+	uint64_t seed;
+
+	MPI_Init(&argc, &argv);
+	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+	MPI_Comm_size(MPI_COMM_WORLD, &nranks);
+	/* one seed for all ranks: rank 0's, from APE_TEST_SEED or the clock */
+	seed = getenv("APE_TEST_SEED") ? strtoull(getenv("APE_TEST_SEED"), NULL, 0)
+				       : (uint64_t)time(NULL);
+	MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+	c = base(seed);
+	c.check = false;
+	c.what = "run";
+	if (parse(argc, argv, &c, &suite, &backend, &corrupt_what, &corrupt_rank, &quiet)) {
+		usage();
+		MPI_Finalize();
+		return 2;
+	}
+	ret = ape_context_create(&ctx, NULL);
+	if (!ret)
+		ret = ape_device_select(ctx, backend, -1, &sel);
+	if (ret) {
+		if (rank == 0)
+			fprintf(stderr, "ape-mpi-run: %s: %s\n", ape_err_name(ret), ape_last_error());
+		ape_context_destroy(ctx);
+		MPI_Finalize();
+		return 3;
+	}
+	if (rank == 0)
+		printf("# ape-mpi-run: %d ranks, seed %" PRIu64 ", %s\n", nranks, seed, sel.note);
+	if (suite < 0) {
+		total = 1;
+		pass = run_case(&c, sel.device, corrupt_what, corrupt_rank, !quiet);
+	} else {
+		int n = builtin(seed, cases);
+
+		for (int i = 0; i < n + suite; i++, total++) {
+			struct cfg cc = i < n ? cases[i] : random_case(seed, i);
+
+			pass += run_case(&cc, sel.device, NULL, 0, false);
+		}
+	}
+	if (rank == 0)
+		printf("# %d of %d cases passed on %d ranks\n", pass, total, nranks);
+	ape_context_destroy(ctx);
+	MPI_Finalize();
+	return pass == total ? 0 : 1;
+}

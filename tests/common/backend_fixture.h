@@ -1,0 +1,61 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The fixture the executor tests run under (include after ape_test.h): one variant per backend,
+ * `ref`, `opencl` and `cuda` (on the CPU emulator where there is no GPU: common/backends.h);
+ * self->dev is the variant's device, self->ref the reference for the expected results, self->emu
+ * true on the emulated CUDA device, where kernels run slowly and tests that say so use smaller
+ * shapes. A variant whose backend is absent (not built, no driver, no platform) SKIPs with the
+ * reason the context gives. Teardown removes a wrapper a test may have installed
+ * (common/wrapops.h). A macro, because the harness needs the fixture defined in the test's own
+ * file.
+ */
+#ifndef APE_TEST_BACKEND_FIXTURE_H
+#define APE_TEST_BACKEND_FIXTURE_H
+
+#include <string.h>
+
+#include "common/backends.h"
+#include "common/testutil.h"
+#include "common/wrapops.h"
+
+#define BACKEND_FIXTURE(fx)                                                                        \
+	FIXTURE(fx)                                                                                \
+	{                                                                                          \
+		ape_context *ctx;                                                                  \
+		ape_device *dev, *ref;                                                             \
+		bool emu;                                                                          \
+	};                                                                                         \
+	FIXTURE_VARIANT(fx)                                                                        \
+	{                                                                                          \
+		const char *backend;                                                               \
+	};                                                                                         \
+	FIXTURE_VARIANT_ADD(fx, ref){ .backend = "ref" };                                          \
+	FIXTURE_VARIANT_ADD(fx, opencl){ .backend = "opencl" };                                    \
+	FIXTURE_VARIANT_ADD(fx, cuda){ .backend = "cuda" };                                        \
+	FIXTURE_SETUP(fx)                                                                          \
+	{                                                                                          \
+		const bool is_ref = !strcmp(variant->backend, "ref");                              \
+		char why[TEST_WHY_LEN], names[32];                                                 \
+                                                                                                   \
+		if (test_backend_prepare(variant->backend, NULL, why, sizeof(why)))                \
+			APE_SETUP_SKIP((void)0, "%s", why);                                        \
+		snprintf(names, sizeof(names), "ref%s%s", is_ref ? "" : ",",                       \
+			 is_ref ? "" : variant->backend);                                          \
+		self->ctx = test_context(names);                                                   \
+		ASSERT_NE(NULL, self->ctx);                                                        \
+		self->ref = test_device(self->ctx, "ref");                                         \
+		ASSERT_NE(NULL, self->ref);                                                        \
+		self->dev = test_device(self->ctx, variant->backend);                              \
+		if (!self->dev) {                                                                  \
+			test_backend_absent(self->ctx, variant->backend, why, sizeof(why));        \
+			APE_SETUP_SKIP(ape_context_destroy(self->ctx), "%s", why);                 \
+		}                                                                                  \
+		self->emu = !strcmp(variant->backend, "cuda") && test_cuda_emulated();             \
+	}                                                                                          \
+	FIXTURE_TEARDOWN(fx)                                                                       \
+	{                                                                                          \
+		wrap_remove();                                                                     \
+		ape_context_destroy(self->ctx);                                                    \
+	}
+
+#endif
