@@ -13,17 +13,21 @@
  * - 16-bit storage against the same values stored as float32, within the spec's tolerances;
  * - strided tensors against contiguous ones, bit for bit, padding untouched;
  * - optional outputs left NULL, two runs bit-identical, the shapes that need no device;
- * - every invalid argument: its code, its message, nothing written; APE_ENOTSUP on a backend
- *   without the op; APE_ENOMEM over the budget.
+ * - every invalid argument: its code, its message, nothing written; APE_ENOMEM over the
+ *   budget;
+ * - every backend (common/backend_fixture.h): one with the op against the reference at the
+ *   spec's tolerances, one without it APE_ENOTSUP naming the device.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ape_test.h"
-#include "common/naive.h"
+#include "common/backend_fixture.h"
 #include "common/bwdcase.h"
+#include "common/naive.h"
 #include "common/problem.h"
+#include "core/backend.h"
 
 #define APE_REAL double
 #include "core/ape_math.h"
@@ -1043,43 +1047,67 @@ TEST(invalid_arguments)
 	ape_context_destroy(ctx);
 }
 
-/* A backend without the op: APE_ENOTSUP naming the device, nothing written, no fallback. */
-TEST(not_supported_without_the_op)
+/* ---------------------------------------------------------------- every backend */
+
+BACKEND_FIXTURE(bwd)
+
+/*
+ * Every backend: one that has the backward op against the reference at the spec's tolerances,
+ * in one piece and in chunks, on every storage type; one that has not APE_ENOTSUP naming the
+ * device, nothing written, no fallback to another device.
+ */
+TEST_F(bwd, every_backend_against_the_reference)
 {
-	const test_problem_shape sh = { 1, 2, 1, 3, 4, 4 };
-	ape_context *ctx;
-	ape_device *dev = NULL;
+	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
+	const test_problem_shape small = { 1, 2, 1, 5, 7, 8 }, larger = { 2, 4, 2, 33, 47, 16 };
+	const test_problem_shape *sh = self->emu || ape_test_slow() ? &small : &larger;
+	const bool has_op = self->dev->be->ops->attention_backward != NULL;
+	ape_device_info info;
+	char label[256];
 	ape_rng rng;
-	bcase c;
-	grads g;
-	snapshot s;
 
-	if (ape_context_create(&ctx, NULL))
-		SKIP(return, "no context: %s", ape_last_error());
-	{
-		ape_selection sel;
+	ASSERT_EQ(0, ape_device_get_info(self->dev, &info));
+	snprintf(label, sizeof(label), "ape_attention_backward: %s:%d %s: ", info.backend,
+		 info.backend_index, info.name);
+	ape_rng_init(&rng, "every_backend_against_the_reference");
+	for (int t = 0; t < 3; t++) {
+		bcase c;
+		grads want, g, chunked;
 
-		if (!ape_device_select(ctx, "opencl", -1, &sel))
-			dev = sel.device;
+		ASSERT_EQ(0, bcase_ready(&c, &rng, sh, types[t], t == 1, true, self->ref));
+		ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&g, &c, types[t]));
+		ASSERT_EQ(0, grads_alloc(&chunked, &c, types[t]));
+		ASSERT_EQ(0, run_backward(&c, self->ref, &want, W_ALL, NULL));
+		if (!has_op) {
+			snapshot s;
+
+			snap(&s, &g);
+			EXPECT_EQ(APE_ENOTSUP, run_backward(&c, self->dev, &g, W_ALL, NULL));
+			EXPECT_NE(NULL, strstr(ape_last_error(), label)) TH_LOG("%s", ape_last_error());
+			EXPECT_NE(NULL, strstr(ape_last_error(), "the backward pass is not "
+								 "implemented on this backend yet"));
+			EXPECT_TRUE(unchanged(&s, &g));
+		} else {
+			EXPECT_EQ(0, run_backward(&c, self->dev, &g, W_ALL, NULL))
+				TH_LOG("%s", ape_last_error());
+			EXPECT_EQ(0, run_chunked(&c, self->dev, &chunked, 7, 16, NULL))
+				TH_LOG("%s", ape_last_error());
+			EXPECT_LE(rel_err(&g.dq.t, &want.dq.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err(&g.dk.t, &want.dk.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err(&g.dv.t, &want.dv.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err_params(g.dparams, want.dparams, sh->H), tol_grad(types[t]));
+			EXPECT_LE(rel_err(&chunked.dq.t, &want.dq.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err(&chunked.dk.t, &want.dk.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err(&chunked.dv.t, &want.dv.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err_params(chunked.dparams, want.dparams, sh->H),
+				  tol_grad(types[t]));
+		}
+		grads_free(&want);
+		grads_free(&g);
+		grads_free(&chunked);
+		bcase_free(&c);
 	}
-	if (!dev) {
-		ape_context_destroy(ctx);
-		SKIP(return, "no OpenCL device here: the only backend without the op");
-	}
-	ape_rng_init(&rng, "not_supported_without_the_op");
-	ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F32, false, false));
-	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
-	for (size_t i = 0; i < c.tp.rows; i++) /* never read: the call stops before */
-		c.tp.lse[i] = 0;
-	snap(&s, &g);
-	EXPECT_EQ(APE_ENOTSUP, run_backward(&c, dev, &g, W_ALL, NULL));
-	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_backward: opencl:0 "));
-	EXPECT_NE(NULL, strstr(ape_last_error(),
-			       "the backward pass is not implemented on this backend yet"));
-	EXPECT_TRUE(unchanged(&s, &g));
-	grads_free(&g);
-	bcase_free(&c);
-	ape_context_destroy(ctx);
 }
 
 TEST_HARNESS_MAIN
