@@ -321,6 +321,25 @@ static int check_fd(struct __test_metadata *_metadata, bcase *c, ape_device *dev
 	return bad;
 }
 
+/* The reference device, for the tests of the reference itself and of the API. */
+FIXTURE(rd)
+{
+	ape_context *ctx;
+	ape_device *dev;
+};
+
+FIXTURE_SETUP(rd)
+{
+	self->ctx = test_context("ref");
+	self->dev = test_device(self->ctx, "ref");
+	ASSERT_NE(NULL, self->dev);
+}
+
+FIXTURE_TEARDOWN(rd)
+{
+	ape_context_destroy(self->ctx);
+}
+
 /* One small random case: shape, parameters, a constant row now and then. */
 static int fd_case(struct __test_metadata *_metadata, ape_device *dev, ape_rng *r,
 		   const test_problem_shape *sh, int variant, const char *what)
@@ -364,7 +383,7 @@ out:
 }
 
 /* Random small cases, each variant (strided, 2^40, lambda = 0, constant row) in turn. */
-TEST(reference_matches_finite_differences)
+TEST_F(rd, reference_matches_finite_differences)
 {
 	static const test_problem_shape shapes[] = {
 		{ 1, 2, 2, 5, 7, 4 }, /* one kv head per query head */
@@ -372,28 +391,23 @@ TEST(reference_matches_finite_differences)
 		{ 1, 3, 1, 6, 5, 8 }, /* MQA */
 		{ 1, 2, 1, 3, 9, 2 }, /* D = 2: sigma over two components */
 	};
-	ape_context *ctx = test_context("ref");
-	ape_device *dev = test_device(ctx, "ref");
+	ape_device *dev = self->dev;
 	int ncases = ape_test_slow() ? 4 : 24, failed = 0;
 	ape_rng rng;
 
-	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "reference_matches_finite_differences");
 	for (int i = 0; i < ncases; i++)
 		failed += fd_case(_metadata, dev, &rng, &shapes[i % 4], i % 16, "random") != 0;
 	EXPECT_EQ(0, failed);
-	ape_context_destroy(ctx);
 }
 
 /* The named edge cases, each made sure of rather than left to chance. */
-TEST(finite_differences_edge_cases)
+TEST_F(rd, finite_differences_edge_cases)
 {
 	const test_problem_shape sh = { 1, 4, 2, 5, 6, 6 };
-	ape_context *ctx = test_context("ref");
-	ape_device *dev = test_device(ctx, "ref");
+	ape_device *dev = self->dev;
 	ape_rng rng;
 
-	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "finite_differences_edge_cases");
 	for (int layout = 0; layout < 2; layout++)
 		for (int causal = 0; causal < 2; causal++) {
@@ -434,7 +448,6 @@ TEST(finite_differences_edge_cases)
 			grads_free(&g);
 			bcase_free(&c);
 		}
-	ape_context_destroy(ctx);
 }
 
 /* The shared gradient pieces of core/ape_math.h against central differences of the forward
@@ -520,16 +533,14 @@ static double rel_err_params(const float *a, const float *b, int64_t H)
 
 /* Each subset of the outputs: the wanted ones bit for bit as with all four, the others
  * untouched; and two runs give the same bits. */
-TEST(optional_outputs_and_determinism)
+TEST_F(rd, optional_outputs_and_determinism)
 {
 	const test_problem_shape sh = { 2, 4, 2, 9, 11, 8 };
-	ape_context *ctx = test_context("ref");
-	ape_device *dev = test_device(ctx, "ref");
+	ape_device *dev = self->dev;
 	ape_rng rng;
 	bcase c;
 	grads full, again;
 
-	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "optional_outputs_and_determinism");
 	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F32, false, true, dev));
 	ASSERT_EQ(0, grads_alloc(&full, &c, APE_F32));
@@ -552,7 +563,6 @@ TEST(optional_outputs_and_determinism)
 	grads_free(&full);
 	grads_free(&again);
 	bcase_free(&c);
-	ape_context_destroy(ctx);
 }
 
 /* ---------------------------------------------------------------- storage and layouts */
@@ -570,15 +580,13 @@ static int widen(test_tensor *dst, const test_tensor *src)
 
 /* f16 and bf16 storage (gradients in the storage type and in float32) against the same
  * values stored as float32, within the spec's tolerances. */
-TEST(storage_types)
+TEST_F(rd, storage_types)
 {
 	static const ape_dtype types[] = { APE_F16, APE_BF16 };
 	const test_problem_shape sh = { 1, 4, 2, 13, 17, 16 };
-	ape_context *ctx = test_context("ref");
-	ape_device *dev = test_device(ctx, "ref");
+	ape_device *dev = self->dev;
 	ape_rng rng;
 
-	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "storage_types");
 	for (int t = 0; t < 2; t++)
 		for (int out_f32 = 0; out_f32 < 2; out_f32++) {
@@ -616,7 +624,6 @@ TEST(storage_types)
 			grads_free(&g32);
 			bcase_free(&c);
 		}
-	ape_context_destroy(ctx);
 }
 
 /* Padded [B, L, H, D] storage for a gradient: NaN where written, 0xff in the padding. */
@@ -626,18 +633,16 @@ static int strided_like(test_tensor *dst, const test_tensor *dense)
 }
 
 /* Strided inputs and outputs give the contiguous call's bits and leave the padding alone. */
-TEST(strided_tensors)
+TEST_F(rd, strided_tensors)
 {
 	const test_problem_shape sh = { 2, 4, 2, 7, 10, 8 };
-	ape_context *ctx = test_context("ref");
-	ape_device *dev = test_device(ctx, "ref");
+	ape_device *dev = self->dev;
 	test_tensor sdq, sdk, sdv, pristine;
 	ape_rng rng;
 	bcase c, cs;
 	grads g;
 	float *dp;
 
-	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "strided_tensors");
 	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F32, false, true, dev));
 	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
@@ -681,7 +686,6 @@ TEST(strided_tensors)
 	free(dp);
 	grads_free(&g);
 	bcase_free(&c);
-	ape_context_destroy(ctx);
 }
 
 /* ---------------------------------------------------------------- shapes without work */
@@ -698,18 +702,16 @@ static bool all_zero(const ape_tensor *t)
 }
 
 /* No keys, no queries, or no visible key at all: every gradient is exactly 0. */
-TEST(empty_and_invisible)
+TEST_F(rd, empty_and_invisible)
 {
 	static const test_problem_shape shapes[] = {
 		{ 1, 2, 1, 5, 0, 4 }, /* Lk = 0 */
 		{ 2, 2, 2, 0, 6, 4 }, /* Lq = 0 */
 		{ 1, 2, 1, 4, 6, 4 }, /* every query before every key (causal) */
 	};
-	ape_context *ctx = test_context("ref");
-	ape_device *dev = test_device(ctx, "ref");
+	ape_device *dev = self->dev;
 	ape_rng rng;
 
-	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "empty_and_invisible");
 	for (int i = 0; i < 3; i++) {
 		bcase c;
@@ -735,16 +737,14 @@ TEST(empty_and_invisible)
 		grads_free(&g);
 		bcase_free(&c);
 	}
-	ape_context_destroy(ctx);
 }
 
 /* ---------------------------------------------------------------- statistics and budget */
 
-TEST(statistics_and_budget)
+TEST_F(rd, statistics_and_budget)
 {
 	const test_problem_shape sh = { 1, 4, 2, 12, 20, 8 };
-	ape_context *ctx = test_context("ref");
-	ape_device *dev = test_device(ctx, "ref");
+	ape_device *dev = self->dev;
 	ape_exec_options eo;
 	uint64_t visible;
 	ape_stats st;
@@ -752,7 +752,6 @@ TEST(statistics_and_budget)
 	bcase c;
 	grads g, fresh;
 
-	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "statistics_and_budget");
 	ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F32, false, false));
 	test_problem_random_params(&c.tp, &rng);
@@ -803,20 +802,17 @@ TEST(statistics_and_budget)
 	grads_free(&g);
 	grads_free(&fresh);
 	bcase_free(&c);
-	ape_context_destroy(ctx);
 }
 
 /* Chunks of every size across the borders of the rows give the one-launch result, the same
  * bits twice, and launch only the chunk pairs the mask lets through. */
-TEST(chunked_matches_one_launch)
+TEST_F(rd, chunked_matches_one_launch)
 {
 	static const int64_t sizes[][2] = { { 1, 1 }, { 3, 5 }, { 4, 4 }, { 7, 16 }, { 13, 2 } };
 	const test_problem_shape sh = { 2, 4, 2, 13, 17, 8 };
-	ape_context *ctx = test_context("ref");
-	ape_device *dev = test_device(ctx, "ref");
+	ape_device *dev = self->dev;
 	ape_rng rng;
 
-	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "chunked_matches_one_launch");
 	for (int i = 0; i < 5; i++) {
 		const int64_t cq = sizes[i][0], ck = sizes[i][1];
@@ -858,7 +854,6 @@ TEST(chunked_matches_one_launch)
 		grads_free(&again);
 		bcase_free(&c);
 	}
-	ape_context_destroy(ctx);
 }
 
 /* ---------------------------------------------------------------- invalid arguments */
@@ -920,11 +915,10 @@ static bool unchanged(const snapshot *s, const grads *g)
 		EXPECT_TRUE(unchanged(&snap_, &g));                                                \
 	} while (0)
 
-TEST(invalid_arguments)
+TEST_F(rd, invalid_arguments)
 {
 	const test_problem_shape sh = { 1, 4, 2, 6, 8, 8 };
-	ape_context *ctx = test_context("ref");
-	ape_device *dev = test_device(ctx, "ref");
+	ape_device *dev = self->dev;
 	ape_tensor bad;
 	ape_attn_desc d;
 	ape_stats st;
@@ -934,7 +928,6 @@ TEST(invalid_arguments)
 	bargs ok, a;
 	float neg = -1.0f;
 
-	ASSERT_NE(NULL, dev);
 	ape_rng_init(&rng, "invalid_arguments");
 	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F16, false, true, dev));
 	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F16));
@@ -1044,7 +1037,6 @@ TEST(invalid_arguments)
 	EXPECT_EQ(0, call(&ok)) TH_LOG("%s", ape_last_error());
 	grads_free(&g);
 	bcase_free(&c);
-	ape_context_destroy(ctx);
 }
 
 /* ---------------------------------------------------------------- every backend */
