@@ -25,7 +25,8 @@
  * (`ape_physical_get_info()`, `ape_physical_link()`, `ape_topology_get_info()`,
  * `ape_numa_get_info()`, `ape_numa_distance()`), `ape_device_measure_h2d()` and
  * `ape_attention_forward()` and `ape_attention_forward_ex()` are thread-safe, including several
- * concurrent forward calls on the same device. A KV cache (`ape_kv_cache_*`) is used by one
+ * concurrent forward calls on the same device; so are `ape_attention_backward()` and
+ * `ape_attention_backward_ex()`. A KV cache (`ape_kv_cache_*`) is used by one
  * thread at a time. `ape_context_create()` may be called concurrently;
  * `ape_context_destroy()` must not race with any other call on the same context.
  * The pure helpers (`ape_strerror()`, `ape_convert()`, the enum name functions `ape_*_name()` and
