@@ -17,6 +17,11 @@ int ape_cxx_header_check(void)
 	desc.causal = false;
 	// the enum words: from_name gives an int (or an error), C++ converts it explicitly
 	desc.layout = static_cast<ape_rope_layout>(ape_rope_layout_from_name("interleaved"));
+	// the backward pass's declarations, as C++ sees them
+	auto backward = &ape_attention_backward;
+	auto backward_ex = &ape_attention_backward_ex;
+	(void)backward;
+	(void)backward_ex;
 	return ape_version() == APE_VERSION && APE_EINVAL < 0 && ape_strerror(APE_ENOMEM) != nullptr &&
 	       ape_dtype_name(APE_F16)[0] == 'f' && ape_rope_layout_name(desc.layout) != nullptr;
 }

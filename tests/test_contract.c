@@ -121,14 +121,46 @@ TEST_F(be, rejected_copies_name_their_op)
 
 #ifdef APE_FAULT_INJECT
 /* The ops that allocate host memory in some backend (the first command of an OpenCL queue
- * starts its timeline: an allocation). */
-enum { HM_BUF_ALLOC, HM_QUEUE_CREATE, HM_EVENT_RECORD, HM_COPY_H2D, HM_COPY_D2H, HM_FILL, HM_N };
+ * starts its timeline: an allocation; the reference's backward pass its row table). */
+enum {
+	HM_BUF_ALLOC,
+	HM_QUEUE_CREATE,
+	HM_EVENT_RECORD,
+	HM_COPY_H2D,
+	HM_COPY_D2H,
+	HM_FILL,
+	HM_ATTENTION_BACKWARD,
+	HM_N
+};
 
 static const char *const hm_names[HM_N] = {
 	[HM_BUF_ALLOC] = "buf_alloc",	    [HM_QUEUE_CREATE] = "queue_create",
 	[HM_EVENT_RECORD] = "event_record", [HM_COPY_H2D] = "copy_h2d",
 	[HM_COPY_D2H] = "copy_d2h",	    [HM_FILL] = "fill",
+	[HM_ATTENTION_BACKWARD] = "attention_backward",
 };
+
+/* A backward launch of one row and one key, every tensor in buf (its contents do not matter
+ * here, only the failure path). */
+static int hm_backward(const struct ape__backend_ops *ops, struct ape__queue *q,
+		       struct ape__buf *buf)
+{
+	static const float params[4] = { 0 };
+	struct ape__bwd_launch l;
+
+	if (!ops->attention_backward)
+		return 0; /* optional: nothing to fail */
+	memset(&l, 0, sizeof(l));
+	l.f.B = l.f.H = l.f.Hkv = l.f.Lq = l.f.Lk = 1;
+	l.f.D = 2;
+	l.f.in_dtype = l.f.out_dtype = l.dout_dtype = APE_F32;
+	l.f.q = l.f.k = l.f.v = l.f.o = l.f.lse = l.dout = buf;
+	l.f.head_params = params;
+	l.f.scale = l.f.omega[0] = 1;
+	l.f.rope_base = 10000;
+	l.dq = l.dparams = buf;
+	return ops->attention_backward(q, &l);
+}
 
 /* Calls op once on q, a fresh queue; releases what it made; says whether a failure cleared
  * the out-parameter. */
@@ -169,6 +201,9 @@ static int hm_call(const struct ape__backend_ops *ops, ape_device *dev, int op,
 		break;
 	case HM_FILL:
 		ret = ops->fill(q, buf, 0, 0, sizeof(host));
+		break;
+	case HM_ATTENTION_BACKWARD:
+		ret = hm_backward(ops, q, buf);
 		break;
 	}
 	return ret;

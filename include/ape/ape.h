@@ -25,7 +25,8 @@
  * (`ape_physical_get_info()`, `ape_physical_link()`, `ape_topology_get_info()`,
  * `ape_numa_get_info()`, `ape_numa_distance()`), `ape_device_measure_h2d()` and
  * `ape_attention_forward()` and `ape_attention_forward_ex()` are thread-safe, including several
- * concurrent forward calls on the same device. A KV cache (`ape_kv_cache_*`) is used by one
+ * concurrent forward calls on the same device; so are `ape_attention_backward()` and
+ * `ape_attention_backward_ex()`. A KV cache (`ape_kv_cache_*`) is used by one
  * thread at a time. `ape_context_create()` may be called concurrently;
  * `ape_context_destroy()` must not race with any other call on the same context.
  * The pure helpers (`ape_strerror()`, `ape_convert()`, the enum name functions `ape_*_name()` and
@@ -595,7 +596,8 @@ APE_API int ape_device_measure_h2d(ape_device *dev, int numa_node, size_t bytes,
 /**@{*/
 
 /**
- * Statistics of one forward call (or KV-cache call). Fields are only ever added at the end.
+ * Statistics of one forward call (or KV-cache call, or backward call, whose `chunks` counts
+ * its launches). Fields are only ever added at the end.
  * struct_size is sizeof(ape_stats) (ape_stats_init() sets it) or APE_STATS_V1_SIZE, the first
  * layout, which ended at `device`: such a caller gets those fields only, and nothing past them
  * is written. Any other value is refused with APE_EINVAL.
@@ -876,6 +878,102 @@ typedef struct ape_kv_cache_info {
 
 /** \brief Describes \p cache. \return 0 or APE_EINVAL (NULL argument). */
 APE_API int ape_kv_cache_get_info(const ape_kv_cache *cache, ape_kv_cache_info *info);
+/**@}*/
+
+/** \name Training: the backward pass
+ *
+ * The gradients of APE attention (docs/ape.md, "Gradients"; APE-SPEC.md, "Gradients"): given
+ * the forward's inputs, its saved O and LSE, the upstream gradient dO and optionally dLSE, the
+ * exact derivatives of the loss with respect to Q, K, V and every head's delta, beta, gamma and
+ * lambda. Each output is optional: NULL means not wanted, and its work is not done (frozen Q,
+ * K and V with only `dparams` wanted, the seed's "tune APE only" recipe, costs one pass over
+ * the pairs and computes no gradient vector).
+ *
+ * Today only the reference backend implements it (float64, every visible key); on a device of
+ * another backend the call fails with APE_ENOTSUP naming the device, and never falls back to
+ * another one. Long sequences are streamed as the forward's are, under the same device budget:
+ * key chunks x query chunks (at most 4096 rows each by default), dK and dV summed over the
+ * query chunks on the device, dQ over the key chunks on the host in float64, all in a fixed
+ * order; the chunks run one after another on one device (no pipelining, no multi-device split
+ * yet). Nothing is skipped: no bound for the backward exists yet, so skip_tol is not used.
+ */
+/**@{*/
+
+/**
+ * \brief The gradients of ape_attention_forward() on \p dev, from host tensors.
+ *
+ * The loss L is any function of O (and of LSE); the call returns its gradients with respect to
+ * the inputs of the forward call given dO = dL/dO (and dLSE = dL/dLSE):
+ * - dq = dL/dQ, including the path through alpha_i (0 through sigma_i for a constant row);
+ * - dk = dL/dK and dv = dL/dV, for grouped-query attention summed over the query heads that
+ *   share each kv head;
+ * - dparams[4h + 0..3] = dL/d(delta_h, beta_h, gamma_h, lambda_h), summed over the batch, the
+ *   rows and the keys. A parameter given once for every head (ape_param.per_head NULL) has the
+ *   sum over h of its entries as its gradient.
+ * Rows with no visible key contribute nothing. The result is deterministic: two calls give
+ * bit-identical gradients.
+ *
+ * Everything is validated before any work, as for ape_attention_forward() (q, k, v, o and desc
+ * are checked by the same rules, messages name the argument), and also: dout, dq shaped like q,
+ * dk and dv like k, each of q->dtype or APE_F32, strided like any tensor; no output overlapping
+ * any input or another output.
+ *
+ * \param dev a device of a live context
+ * \param desc the forward call's parameters
+ * \param q,k,v the forward call's inputs; read only
+ * \param o the forward's output O (q->dtype or APE_F32); read only
+ * \param lse the forward's LSE, B*H*Lq floats (contiguous `[B,H,Lq]`); required; read only
+ * \param dout dL/dO, shaped like q, of q->dtype or APE_F32; read only
+ * \param dlse NULL (dL/dLSE = 0), or B*H*Lq floats; read only
+ * \param[out] dq NULL, or shaped like q, of q->dtype or APE_F32: overwritten on success
+ * \param[out] dk,dv each NULL, or shaped like k, of q->dtype or APE_F32: overwritten on success
+ * \param[out] dparams NULL, or 4*H floats: per head h, dparams[4h + 0..3] = the gradients of
+ *        delta, beta, gamma, lambda, overwritten on success
+ * \param stats NULL, or statistics of the call (initialise with ape_stats_init()): the pairs
+ *        visible and computed, launches (`chunks`) and chunk sizes, bytes moved, kernel and
+ *        total time, the budget and the peak device memory
+ * \return 0; APE_EINVAL (bad argument, naming it; also when dq, dk, dv and dparams are all
+ *         NULL: nothing to compute); APE_EOVERFLOW (sizes or positions overflow 64 bits);
+ *         APE_ENOTSUP (the device's backend has no backward pass yet; the message names the
+ *         device); APE_ENOMEM (host memory: the call keeps float32 copies of the gradients, and
+ *         dQ's sum in float64, until it succeeds); APE_EBACKEND, APE_EDEVLOST (device failures).
+ * \note On failure nothing is written: dq, dk, dv and dparams are untouched.
+ * \note Inputs are not scanned: NaN or Inf in an input reaches the gradients it touches. An
+ *       \p o or \p lse that is not the forward's gives gradients of nothing in particular.
+ * \note Thread-safe like ape_attention_forward().
+ */
+APE_API int ape_attention_backward(ape_device *dev, const ape_attn_desc *desc,
+				   const ape_tensor *q, const ape_tensor *k, const ape_tensor *v,
+				   const ape_tensor *o, const float *lse, const ape_tensor *dout,
+				   const float *dlse, ape_tensor *dq, ape_tensor *dk,
+				   ape_tensor *dv, float *dparams, ape_stats *stats);
+
+/**
+ * \brief ape_attention_backward() with execution options.
+ *
+ * opts->chunk_q and chunk_k are the most rows per chunk (0: 4096) and opts->max_device_bytes
+ * the device budget (0: three quarters of the device's memory), as for
+ * ape_attention_forward_ex(): the planner halves chunks until they fit. For now \p ndev must
+ * be 1 (several devices: APE_ENOTSUP), opts->trace_path must be NULL (APE_ENOTSUP), and
+ * pipeline_depth and device_weights are validated but not used (chunks run one after
+ * another); APE_EXEC_ATOMIC_OUTPUTS is what the call does anyway.
+ *
+ * \param devs,ndev the devices (ndev = 1)
+ * \param opts NULL for the defaults (see ape_exec_options_init())
+ * \param desc,q,k,v,o,lse,dout,dlse,dq,dk,dv,dparams,stats as ape_attention_backward()
+ * \return as ape_attention_backward(); APE_EINVAL also for a bad option (naming it) or device
+ *         list; APE_ENOTSUP also for ndev > 1 or a trace path; APE_ENOMEM also for a budget
+ *         too small for one chunk of 1 query row and 1 key row (the message says what that
+ *         needs).
+ * \note On failure nothing is written.
+ */
+APE_API int ape_attention_backward_ex(ape_device *const *devs, int ndev,
+				      const ape_exec_options *opts, const ape_attn_desc *desc,
+				      const ape_tensor *q, const ape_tensor *k,
+				      const ape_tensor *v, const ape_tensor *o, const float *lse,
+				      const ape_tensor *dout, const float *dlse, ape_tensor *dq,
+				      ape_tensor *dk, ape_tensor *dv, float *dparams,
+				      ape_stats *stats);
 /**@}*/
 
 #ifdef __cplusplus

@@ -25,6 +25,7 @@
 #include "exec/multidev.h"
 #include "exec/pack.h"
 #include "exec/plan.h"
+#include "api/forward.h"
 #include "api/stats.h"
 #include "api/validate.h"
 
@@ -252,4 +253,16 @@ int ape_attention_forward_ex(ape_device *const *devs, int ndev, const ape_exec_o
 	if (ret)
 		return ret;
 	return forward(fn, devs, ndev, opts, desc, q, k, v, o, lse, stats);
+}
+
+/* ------------------------------------------------------------------ shared with api/backward.c */
+
+int ape__check_exec_call(const char *fn, ape_device *const *devs, int ndev,
+			 const ape_exec_options *opts, const ape_stats *stats)
+{
+	int ret = check_devices(fn, devs, ndev);
+
+	if (!ret)
+		ret = ape__stats_check(fn, stats);
+	return ret ? ret : check_options(fn, opts, ndev);
 }

@@ -490,19 +490,9 @@ void ape_tensor_init(ape_tensor *t, void *data, ape_dtype dtype, int64_t d0, int
 int ape__check_tensor(const char *fn, const char *name, const ape_tensor *t, ape_dtype dtype,
 		      const int64_t want[4], const char *const dims[4], int64_t s[4])
 {
-	uint64_t span;
-	int ret;
+	uintptr_t range[2];
 
-	if (!t)
-		return ape__error(APE_EINVAL, "%s: %s = NULL", fn, name);
-	if ((ret = check_dtype(fn, name, t->dtype)))
-		return ret;
-	if (t->dtype != dtype)
-		return ape__error(APE_EINVAL, "%s: %s->dtype = %s: must be %s", fn, name,
-				  ape_dtype_name(t->dtype), ape_dtype_name(dtype));
-	if ((ret = check_shape(fn, name, t, want, dims)))
-		return ret;
-	return resolve_strides(fn, name, t, s, &span);
+	return ape__check_tensor_span(fn, name, t, dtype, false, want, dims, false, s, range);
 }
 
 int ape__check_positions(const char *fn, int64_t q_start, int64_t Lq, int64_t k_start, int64_t Lk)
@@ -515,4 +505,37 @@ int ape__check_positions(const char *fn, int64_t q_start, int64_t Lq, int64_t k_
 	d.q_start = q_start;
 	d.k_start = k_start;
 	return resolve_positions(fn, &d, Lq, Lk, &qs);
+}
+
+int ape__check_tensor_span(const char *fn, const char *name, const ape_tensor *t, ape_dtype dtype,
+			   bool f32_ok, const int64_t want[4], const char *const dims[4],
+			   bool is_output, int64_t s[4], uintptr_t range[2])
+{
+	uint64_t span;
+	int ret;
+
+	if (!t)
+		return ape__error(APE_EINVAL, "%s: %s = NULL", fn, name);
+	if ((ret = check_dtype(fn, name, t->dtype)))
+		return ret;
+	if (t->dtype != dtype && !(f32_ok && t->dtype == APE_F32))
+		return ape__error(APE_EINVAL, "%s: %s->dtype = %s: must be %s%s", fn, name,
+				  ape_dtype_name(t->dtype), ape_dtype_name(dtype),
+				  f32_ok && dtype != APE_F32 ? " or f32" : "");
+	if ((ret = check_shape(fn, name, t, want, dims)) ||
+	    (ret = resolve_strides(fn, name, t, s, &span)))
+		return ret;
+	if (is_output && (ret = check_no_self_overlap(fn, name, t, s)))
+		return ret;
+	range[0] = (uintptr_t)t->data;
+	range[1] = (uintptr_t)t->data + (uintptr_t)span;
+	return 0;
+}
+
+int ape__check_disjoint(const char *fn, const char *out_name, const uintptr_t out[2],
+			const char *in_name, const uintptr_t in[2])
+{
+	const struct range o = { out_name, out[0], out[1] }, i = { in_name, in[0], in[1] };
+
+	return check_disjoint(fn, &o, &i);
 }

@@ -24,5 +24,20 @@ int ape__check_tensor(const char *fn, const char *name, const ape_tensor *t, ape
 /* Every position and query-key distance of these rows fits in 64 bits. */
 int ape__check_positions(const char *fn, int64_t q_start, int64_t Lq, int64_t k_start, int64_t Lk);
 
+/*
+ * One more tensor of a call, beyond the forward's q, k, v, o (the backward's dO, dQ, dK, dV):
+ * its dtype must be `dtype`, or APE_F32 too when f32_ok; its shape `want` (-1: any; dims name
+ * them in messages). Resolves its strides into s and the bytes it addresses into
+ * [range[0], range[1]) (empty for an empty tensor). An output (is_output) must not have two
+ * elements at one address.
+ */
+int ape__check_tensor_span(const char *fn, const char *name, const ape_tensor *t, ape_dtype dtype,
+			   bool f32_ok, const int64_t want[4], const char *const dims[4],
+			   bool is_output, int64_t s[4], uintptr_t range[2]);
+/* APE_EINVAL ("<fn>: <out_name> overlaps <in_name> in memory: ...") when the byte ranges
+ * [out[0], out[1]) and [in[0], in[1]) share a byte; empty ranges never do. */
+int ape__check_disjoint(const char *fn, const char *out_name, const uintptr_t out[2],
+			const char *in_name, const uintptr_t in[2]);
+
 #pragma GCC visibility pop
 #endif

@@ -285,4 +285,65 @@ APE_FN ape_real ape_merge_factor(ape_real m_old, ape_real m_new)
 	return m_old == -(ape_real)INFINITY ? (ape_real)0 : exp(m_old - m_new);
 }
 
+/* ---- Gradients (APE-SPEC.md, "Gradients"): the pure per-row and per-pair pieces of the
+ * backward pass. dS is the gradient of the loss with respect to one score s_ij. */
+
+/* sigmoid(-sigma) = 1 / (1 + exp(sigma)): alpha's gate, and d(alpha)/d(lambda) */
+APE_FN ape_real ape_grad_gate(ape_real sigma)
+{
+	return (ape_real)1 / ((ape_real)1 + exp(sigma));
+}
+
+/* d(alpha)/d(sigma) = -lambda sigmoid(-sigma) (1 - sigmoid(-sigma)) */
+APE_FN ape_real ape_grad_dalpha_dsigma(ape_real lambda, ape_real sigma)
+{
+	ape_real g = ape_grad_gate(sigma);
+
+	return -lambda * g * ((ape_real)1 - g);
+}
+
+/*
+ * d(sigma)/d(q_d) = (q_d - mean) / ((D - 1) sigma): this returns the factor 1 / ((D - 1) sigma)
+ * that multiplies (q_d - mean). 0 when sigma = 0 (a constant row), where sigma is not
+ * differentiable: the spec takes the derivative as 0 there.
+ */
+APE_FN ape_real ape_grad_dsigma_coef(ape_real D, ape_real sigma)
+{
+	return sigma > (ape_real)0 ? (ape_real)1 / ((D - (ape_real)1) * sigma) : (ape_real)0;
+}
+
+/*
+ * One pair's share of d(dot)/d(alpha): query pair (x, y), key pair (u, w), c = cos(theta),
+ * s = sin(theta), theta = n omega / alpha, so d(theta)/d(alpha) = -theta / alpha.
+ */
+APE_FN ape_real ape_grad_ddot_dalpha(ape_real x, ape_real y, ape_real u, ape_real w, ape_real c,
+				     ape_real s, ape_real theta, ape_real alpha)
+{
+	return ((x * u + y * w) * s - (x * w - y * u) * c) * theta / alpha;
+}
+
+/* d(temp)/d(lambda) = -|n| temp^2: the direct path of d_lambda (times dS scale dot) */
+APE_FN ape_real ape_grad_dtemp_dlambda(ape_real lambda, ape_real an)
+{
+	ape_real t = ape_temp(lambda, an);
+
+	return -an * t * t;
+}
+
+/* d(bias)/d(delta), d(bias)/d(beta), d(bias)/d(gamma) at distance an = |n| */
+APE_FN ape_real ape_grad_dbias_ddelta(ape_real an)
+{
+	return -an;
+}
+
+APE_FN ape_real ape_grad_dbias_dbeta(ape_real an)
+{
+	return -log1p(an);
+}
+
+APE_FN ape_real ape_grad_dbias_dgamma(ape_real an)
+{
+	return -sqrt(an);
+}
+
 #endif /* APE_MATH_H */

@@ -61,8 +61,8 @@
 /* Bumped whenever the layout or contract of ape__backend_ops (or of what it is handed: struct
  * ape_device, struct ape__launch) changes; the core refuses a backend built against another value
  * (runtime/api/context.c). 3: the contract on every op, struct ape_device without the core's
- * fields, ranks stated by each backend. */
-#define APE__BACKEND_ABI 3
+ * fields, ranks stated by each backend. 4: attention_backward and struct ape__bwd_launch. */
+#define APE__BACKEND_ABI 4
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -98,6 +98,32 @@ struct ape__launch {
 	ape_rope_layout layout;
 	int64_t q_start, k_start; /* resolved absolute positions of row 0 */
 	double skip_tol; /* 0 when skipping is not allowed for this launch */
+};
+
+/*
+ * One backward launch (APE-SPEC.md, "Gradients") on device buffers, contiguous, at offset 0.
+ * `f` holds what the forward launch held: shapes, dtypes, q, k, v, o (of f.out_dtype), the
+ * parameters and positions; f.lse is required: the rows' final LSE over every key of the row,
+ * not only those of this launch, so that P_ij = exp(s_ij - LSE_i) holds whatever subset of
+ * keys a launch sees. f.pairs and f.lse_prior are NULL and f.skip_tol is 0 (no backward skip
+ * bound exists yet).
+ *
+ * The gradient buffers are accumulators: the launch ADDS its contribution to what they hold,
+ * so that an executor can zero them once and run a query chunk against several key chunks
+ * (dq accumulates) or a key chunk against several query chunks (dk, dv accumulate), in a
+ * fixed order. Dl_i = dO_i . O_i is computed by the launch from dout and o, which must hold
+ * the whole rows (every key of the row), like lse.
+ */
+struct ape__bwd_launch {
+	struct ape__launch f;
+	ape_dtype dout_dtype; /* f.in_dtype or APE_F32 */
+	struct ape__buf *dout; /* [B,H,Lq,D] of dout_dtype */
+	struct ape__buf *dlse; /* NULL (dLSE = 0), or [B,H,Lq] float */
+	struct ape__buf *dq; /* NULL: not wanted, or [B,H,Lq,D] float, accumulated */
+	struct ape__buf *dk, *dv; /* each NULL or [B,Hkv,Lk,D] float, accumulated (GQA: summed
+				   * over the query heads of each kv head) */
+	struct ape__buf *dparams; /* NULL, or [H][4] double (delta, beta, gamma, lambda), summed
+				   * over batch, rows and keys of the launch, accumulated */
 };
 
 /* Result of probing a backend's driver. */
@@ -230,6 +256,26 @@ struct ape__backend_ops {
 	 * device accepts (CL_DEVICE_MAX_MEM_ALLOC_SIZE); the planner keeps every chunk below it.
 	 * Cannot fail; may be called from any thread. */
 	uint64_t (*max_alloc)(struct ape_device *dev);
+
+	/* ---- ABI 4: the backward pass. */
+
+	/*
+	 * Optional (NULL: ape_attention_backward() on this backend's devices fails with
+	 * APE_ENOTSUP naming the device; the core never falls back to another backend). Enqueues
+	 * the gradients of one launch (struct ape__bwd_launch above): for every row with a visible
+	 * key among the launch's keys, ADDS to l->dq, l->dk, l->dv and l->dparams (each that is
+	 * not NULL; work for a NULL one is not done) this launch's contribution, the exact
+	 * derivatives of the spec, path through alpha included; rows without a visible key add
+	 * nothing. Touches no other byte of those buffers and writes no input. Reductions run in
+	 * a fixed order (no floating-point atomics), so two runs are bit-identical; dparams sums
+	 * are reduced in float64. Skips no key (l->f.skip_tol is 0). Allocates no device memory
+	 * beyond l's buffers: the core's budget counts none (a backend that will need scratch
+	 * adds an op declaring it, as attention_scratch does for the forward). Inputs are not
+	 * scanned: NaN or Inf reach the gradients they touch. Fails by the rules at the top of this
+	 * file (ape__op_error(ret, dev, "attention_backward")); the accumulators then hold
+	 * unspecified values (the core discards them and writes nothing to the caller).
+	 */
+	int (*attention_backward)(struct ape__queue *q, const struct ape__bwd_launch *l);
 };
 
 /* A backend as loaded in one context. */

@@ -411,3 +411,8 @@ out_free:
 	free(w);
 	return ret;
 }
+
+uint64_t ape__default_budget(const struct ape_device *dev)
+{
+	return default_budget(dev);
+}

@@ -40,6 +40,10 @@ struct ape__exec_result {
 	uint64_t budget; /* the smallest of the devices' budgets */
 };
 
+/* The budget of a device when the caller gives none: 3/4 of its memory, or none (UINT64_MAX)
+ * when it does not say. The backward pass (exec/backward.c) uses it too. */
+uint64_t ape__default_budget(const struct ape_device *dev);
+
 /* Plans, runs on every device, merges the statistics, writes the trace. Returns 0 or a
  * negative code with the message set (naming how many query chunks were written). */
 int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res);

@@ -4,8 +4,23 @@
 #define APE_REF_H
 
 #include "core/backend.h"
+#include "core/half.h"
 
 #pragma GCC visibility push(hidden)
+
+/* Element i of a contiguous tensor of storage type t, exactly, as a double. */
+static inline double ape__ref_load(const void *base, ape_dtype t, int64_t i)
+{
+	switch (t) {
+	case APE_F16:
+		return ape__f16_to_f32(((const uint16_t *)base)[i]);
+	case APE_BF16:
+		return ape__bf16_to_f32(((const uint16_t *)base)[i]);
+	case APE_F32:
+		break;
+	}
+	return ((const float *)base)[i];
+}
 
 /*
  * Computes rows [row_begin, row_end) of the flattened [B*H*Lq] output of launch `l` from contiguous
@@ -13,6 +28,22 @@
  */
 void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, const void *v,
 		   void *o, float *lse, uint64_t *pairs, int64_t row_begin, int64_t row_end);
+
+/* Host pointers of one backward launch (struct ape__bwd_launch: which are NULL, the layouts). */
+struct ape__ref_bwd_io {
+	const void *q, *k, *v, *o, *dout;
+	const float *lse, *dlse;
+	float *dq, *dk, *dv;
+	double *dparams;
+};
+
+/*
+ * The gradients of launch `l` (the contract of ape__backend_ops.attention_backward: each
+ * non-NULL output accumulated), in float64 with every visible key. Extra memory: a table of a
+ * few doubles per query row. Returns 0 or APE_ENOMEM (message set, without the device or the
+ * op, which the caller adds; nothing was added).
+ */
+int ape__ref_backward(const struct ape__bwd_launch *l, const struct ape__ref_bwd_io *io);
 
 #pragma GCC visibility pop
 #endif

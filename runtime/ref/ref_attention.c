@@ -14,19 +14,6 @@
 
 #define APE_REF_MAX_D 256
 
-static double load(const void *base, ape_dtype t, int64_t i)
-{
-	switch (t) {
-	case APE_F16:
-		return ape__f16_to_f32(((const uint16_t *)base)[i]);
-	case APE_BF16:
-		return ape__bf16_to_f32(((const uint16_t *)base)[i]);
-	case APE_F32:
-		break;
-	}
-	return ((const float *)base)[i];
-}
-
 static void store(void *base, ape_dtype t, int64_t i, double x)
 {
 	switch (t) {
@@ -80,8 +67,8 @@ static double rotated_dot(const struct ape__launch *l, const double *q, const vo
 		pair_index(l->layout, l->D, p, &a, &b);
 		x = q[a];
 		y = q[b];
-		u = load(kbase, l->in_dtype, krow + a);
-		w = load(kbase, l->in_dtype, krow + b);
+		u = ape__ref_load(kbase, l->in_dtype, krow + a);
+		w = ape__ref_load(kbase, l->in_dtype, krow + b);
 		sincos(n * l->omega[p] / alpha, &s, &c);
 		dot += (x * u + y * w) * c + (x * w - y * u) * s;
 	}
@@ -106,7 +93,7 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 		uint64_t seen = 0;
 
 		for (int64_t d = 0; d < D; d++)
-			qrow[d] = load(q, l->in_dtype, row * D + d);
+			qrow[d] = ape__ref_load(q, l->in_dtype, row * D + d);
 		alpha = ape_alpha(lambda, row_sigma(qrow, D));
 		memset(acc, 0, sizeof(acc));
 
@@ -135,7 +122,7 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 			w = ape_merge_factor(s, m);
 			sum += w;
 			for (int64_t d = 0; d < D; d++)
-				acc[d] += w * load(v, l->in_dtype, kvbase + j * D + d);
+				acc[d] += w * ape__ref_load(v, l->in_dtype, kvbase + j * D + d);
 		}
 
 		for (int64_t d = 0; d < D; d++) {

@@ -174,6 +174,24 @@ static int ref_attention(struct ape__queue *q, const struct ape__launch *l)
 	return 0;
 }
 
+static void *bytes_of(struct ape__buf *b)
+{
+	return b ? b->bytes : NULL;
+}
+
+static int ref_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
+{
+	const struct ape__ref_bwd_io io = {
+		.q = bytes_of(l->f.q), .k = bytes_of(l->f.k), .v = bytes_of(l->f.v),
+		.o = bytes_of(l->f.o), .dout = bytes_of(l->dout),
+		.lse = bytes_of(l->f.lse), .dlse = bytes_of(l->dlse),
+		.dq = bytes_of(l->dq), .dk = bytes_of(l->dk),
+		.dv = bytes_of(l->dv), .dparams = bytes_of(l->dparams),
+	};
+
+	return ape__op_error(ape__ref_backward(l, &io), q->dev, "attention_backward");
+}
+
 static int ref_synchronize(struct ape__queue *q)
 {
 	(void)q;
@@ -200,4 +218,5 @@ const struct ape__backend_ops ape__ref_ops = {
 	.copy_d2d = ref_copy_d2d,
 	.event_timestamp = ref_event_timestamp,
 	.attention_scratch = ref_attention_scratch,
+	.attention_backward = ref_attention_backward,
 };

@@ -12,7 +12,9 @@
  * - an accepted call that is small enough to run in microseconds runs on the reference backend
  *   over buffers exactly as large as the resolved strides address (AddressSanitizer catches a
  *   read or write outside them) and succeeds, in one piece and streamed in chunks of a few rows
- *   (ape_attention_forward_ex) under an arbitrary memory budget.
+ *   (ape_attention_forward_ex) under an arbitrary memory budget;
+ * - the backward pass (ape_attention_backward) refuses what the forward refuses, without
+ *   touching memory, and runs every accepted tiny call, in one piece and streamed.
  */
 #include <float.h>
 #include <math.h>
@@ -250,6 +252,49 @@ static uint64_t span_of(const ape_tensor *t, const int64_t s[4])
 	return span;
 }
 
+/*
+ * The backward pass of an accepted tiny call, over its O and LSE: dO from what the input has
+ * left, every gradient wanted, each in the inputs' type or float32, contiguous; in one piece
+ * and, with eo, streamed under the fuzzed budget. ASan sees every buffer's bounds.
+ */
+static void run_backward(const struct call *c, const struct ape__problem *p, ape_tensor t[4],
+			 struct in *in, const ape_exec_options *eo)
+{
+	const size_t rows = (size_t)(p->B * p->H * p->Lq);
+	const size_t nq = rows * (size_t)p->D, nk = (size_t)(p->B * p->Hkv * p->Lk * p->D);
+	const ape_dtype gt = take(in, 1) & 1 ? APE_F32 : p->in_dtype;
+	const size_t esz = ape_dtype_size(p->in_dtype), gsz = ape_dtype_size(gt);
+	float *lse = malloc((rows + 1) * sizeof(float)), dparams[4 * 16];
+	void *dout = malloc(nq * esz + 1), *dq = malloc(nq * gsz + 1);
+	void *dk = malloc(nk * gsz + 1), *dv = malloc(nk * gsz + 1);
+	ape_tensor tdo, tdq, tdk, tdv;
+	int ret;
+
+	check(lse && dout && dq && dk && dv, "malloc");
+	for (size_t b = 0; b < nq * esz; b++)
+		((uint8_t *)dout)[b] = (uint8_t)take(in, 1);
+	ape_tensor_init(&tdo, dout, p->in_dtype, p->B, p->H, p->Lq, p->D);
+	ape_tensor_init(&tdq, dq, gt, p->B, p->H, p->Lq, p->D);
+	ape_tensor_init(&tdk, dk, gt, p->B, p->Hkv, p->Lk, p->D);
+	ape_tensor_init(&tdv, dv, gt, p->B, p->Hkv, p->Lk, p->D);
+	ret = ape_attention_forward(ref, &c->desc, &t[0], &t[1], &t[2], &t[3], lse, NULL);
+	check(ret == 0, "the forward of an accepted small call runs");
+	ret = ape_attention_backward(ref, &c->desc, &t[0], &t[1], &t[2], &t[3], lse, &tdo, NULL,
+				     &tdq, &tdk, &tdv, dparams, NULL);
+	check(ret == 0, "the backward of an accepted small call runs on the reference backend");
+	if (eo) {
+		ret = ape_attention_backward_ex(&ref, 1, eo, &c->desc, &t[0], &t[1], &t[2], &t[3],
+						lse, &tdo, lse, &tdq, &tdk, &tdv, dparams, NULL);
+		check(ret == 0 || (ret == APE_ENOMEM && eo->max_device_bytes),
+		      "a streamed backward succeeds, or says the budget is too small");
+	}
+	free(lse);
+	free(dout);
+	free(dq);
+	free(dk);
+	free(dv);
+}
+
 /* Accepted and tiny: run it for real, over buffers exactly as large as the strides address. */
 static void run_accepted(const struct call *c, const struct ape__problem *p, struct in *in)
 {
@@ -295,6 +340,7 @@ static void run_accepted(const struct call *c, const struct ape__problem *p, str
 		check(ret == 0 || (ret == APE_ENOMEM && eo.max_device_bytes),
 		      "a streamed call succeeds, or says the budget is too small");
 	}
+	run_backward(c, p, t, in, stream ? &eo : NULL);
 	for (int i = 0; i < 4; i++)
 		free(buf[i]);
 	free(lse);
@@ -342,6 +388,23 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		check(fret == ret, "ape_attention_forward refuses what validation refuses");
 		check(!strncmp(ape_last_error(), "ape_attention_forward: ", 23),
 		      "the public message names ape_attention_forward");
+		/* the backward validates q, k, v, o and desc by the same rules, and dO, a gradient
+		 * and dLSE (unmapped too) besides: refused as well, nothing touched */
+		{
+			ape_tensor tdo = c.t[0], tdq = c.t[0];
+
+			tdo.data = (void *)(uintptr_t)0x7f4000000000ull;
+			tdq.data = (void *)(uintptr_t)0x7f5000000000ull;
+			fret = ape_attention_backward(ref, &c.desc, &c.t[0], &c.t[1], &c.t[2],
+						      &c.t[3], (float *)(uintptr_t)0x7ff000000000ull,
+						      &tdo, (float *)(uintptr_t)0x7ff800000000ull,
+						      take(&in, 1) & 1 ? &tdq : NULL, NULL, NULL,
+						      (float *)(uintptr_t)0x7ffc00000000ull, NULL);
+			check(fret == APE_EINVAL || fret == APE_EOVERFLOW,
+			      "ape_attention_backward refuses it with EINVAL or EOVERFLOW");
+			check(!strncmp(ape_last_error(), "ape_attention_backward: ", 24),
+			      "the public message names ape_attention_backward");
+		}
 		return 0;
 	}
 	/* Small enough to run in microseconds on the float64 reference. */

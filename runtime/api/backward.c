@@ -1,0 +1,208 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The backward entry points (include/ape/ape.h, "Training: the backward pass"): validate with
+ * the forward's rules (api/validate.c) plus the gradients' own, handle the shapes that need no
+ * device, hand the rest to the executor (exec/backward.c), report statistics.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "api/forward.h"
+#include "api/stats.h"
+#include "api/validate.h"
+#include "core/clock.h"
+#include "core/error.h"
+#include "exec/backward.h"
+#include "exec/pack.h"
+
+/* Every argument of a backward call beyond the forward's, resolved. */
+struct bwd_args {
+	const ape_tensor *dout;
+	const float *dlse;
+	ape_tensor *dq, *dk, *dv;
+	float *dparams;
+	int64_t dout_s[4], dq_s[4], dk_s[4], dv_s[4];
+};
+
+/*
+ * dout, dq, dk, dv and dparams against the validated forward problem; then no output may
+ * overlap an input (q, k, v, o, lse, dout, dlse) or an output checked before it.
+ */
+static int check_gradients(const char *fn, const struct ape__problem *p, const ape_tensor *q,
+			   const ape_tensor *k, const ape_tensor *v, const ape_tensor *o,
+			   const float *lse, struct bwd_args *a)
+{
+	static const char *const qdims[4] = { "B", "H", "Lq", "D" };
+	static const char *const kdims[4] = { "B", "Hkv", "Lk", "D" };
+	const char *in_names[7] = { "q", "k", "v", "o", "lse", "dout", "dlse" };
+	const char *out_names[4] = { "dq", "dk", "dv", "dparams" };
+	const uintptr_t rows_bytes = (uintptr_t)(p->B * p->H * p->Lq) * sizeof(float);
+	uintptr_t in[7][2], out[4][2] = { { 0, 0 }, { 0, 0 }, { 0, 0 }, { 0, 0 } };
+	int64_t s[4];
+	int ret;
+
+	/* already valid: only their byte ranges are wanted */
+	if ((ret = ape__check_tensor_span(fn, "q", q, p->in_dtype, false, q->shape, qdims, false,
+					  s, in[0])) ||
+	    (ret = ape__check_tensor_span(fn, "k", k, p->in_dtype, false, k->shape, kdims, false,
+					  s, in[1])) ||
+	    (ret = ape__check_tensor_span(fn, "v", v, p->in_dtype, false, k->shape, kdims, false,
+					  s, in[2])) ||
+	    (ret = ape__check_tensor_span(fn, "o", o, p->out_dtype, false, q->shape, qdims, false,
+					  s, in[3])))
+		return ret;
+	in[4][0] = (uintptr_t)lse;
+	in[4][1] = (uintptr_t)lse + rows_bytes;
+	if ((ret = ape__check_tensor_span(fn, "dout", a->dout, p->in_dtype, true, q->shape, qdims,
+					  false, a->dout_s, in[5])))
+		return ret;
+	in[6][0] = (uintptr_t)a->dlse;
+	in[6][1] = a->dlse ? (uintptr_t)a->dlse + rows_bytes : (uintptr_t)a->dlse;
+	if ((a->dq && (ret = ape__check_tensor_span(fn, "dq", a->dq, p->in_dtype, true, q->shape,
+						    qdims, true, a->dq_s, out[0]))) ||
+	    (a->dk && (ret = ape__check_tensor_span(fn, "dk", a->dk, p->in_dtype, true, k->shape,
+						    kdims, true, a->dk_s, out[1]))) ||
+	    (a->dv && (ret = ape__check_tensor_span(fn, "dv", a->dv, p->in_dtype, true, k->shape,
+						    kdims, true, a->dv_s, out[2]))))
+		return ret;
+	out[3][0] = (uintptr_t)a->dparams;
+	out[3][1] = a->dparams ? (uintptr_t)(a->dparams + 4 * p->H) : (uintptr_t)a->dparams;
+	for (int i = 0; i < 4; i++) {
+		for (int j = 0; j < 7; j++)
+			if ((ret = ape__check_disjoint(fn, out_names[i], out[i], in_names[j], in[j])))
+				return ret;
+		for (int j = 0; j < i; j++)
+			if ((ret = ape__check_disjoint(fn, out_names[i], out[i], out_names[j],
+						       out[j])))
+				return ret;
+	}
+	return 0;
+}
+
+/* No key (Lk = 0) or no query row (Lq = 0): every wanted gradient is 0, no device needed. */
+static void write_zeros(const struct ape__problem *p, const struct bwd_args *a)
+{
+	static const unsigned char zero_row[256 * 4]; /* D <= 256 elements of at most 4 bytes */
+	ape_tensor *ts[3] = { a->dq, a->dk, a->dv };
+	const int64_t *ss[3] = { a->dq_s, a->dk_s, a->dv_s };
+
+	for (int t = 0; t < 3; t++)
+		for (int64_t bh = 0; ts[t] && bh < ts[t]->shape[0] * ts[t]->shape[1]; bh++)
+			for (int64_t l = 0; l < ts[t]->shape[2]; l++)
+				ape__store_row(ts[t], ss[t], bh / ts[t]->shape[1],
+					       bh % ts[t]->shape[1], l, zero_row);
+	if (a->dparams)
+		memset(a->dparams, 0, sizeof(float) * 4 * (size_t)p->H);
+}
+
+static int backward(const char *fn, ape_device *const *devs, int ndev,
+		    const ape_exec_options *opts, const ape_attn_desc *desc, const ape_tensor *q,
+		    const ape_tensor *k, const ape_tensor *v, const ape_tensor *o, const float *lse,
+		    struct bwd_args *a, ape_stats *stats)
+{
+	const double t0 = ape__now_ms();
+	struct ape__bwd_result res;
+	struct ape__problem p;
+	uint64_t per_head;
+	bool on_device;
+	int ret;
+
+	if ((ret = ape__check_exec_call(fn, devs, ndev, opts, stats)))
+		return ret;
+	if (ndev > 1)
+		return ape__error(APE_ENOTSUP,
+				  "%s: ndev = %d: the backward pass runs on one device for now", fn,
+				  ndev);
+	if (opts && opts->trace_path)
+		return ape__error(APE_ENOTSUP,
+				  "%s: opts->trace_path = \"%s\": the backward pass writes no trace "
+				  "yet",
+				  fn, opts->trace_path);
+	if (!lse)
+		return ape__error(APE_EINVAL, "%s: lse = NULL: the backward pass needs the "
+					      "forward's LSE", fn);
+	if (!a->dq && !a->dk && !a->dv && !a->dparams)
+		return ape__error(APE_EINVAL,
+				  "%s: dq, dk, dv and dparams are all NULL: no gradient is wanted", fn);
+	if ((ret = ape__problem_init(&p, fn, desc, q, k, v, o, lse)))
+		return ret;
+	if ((ret = check_gradients(fn, &p, q, k, v, o, lse, a)))
+		goto out_fini;
+	if (ape__head_visible_pairs(&p, &per_head)) {
+		ret = ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
+		goto out_fini;
+	}
+	if ((ret = ape__backward_supported(fn, devs[0])))
+		goto out_fini;
+
+	memset(&res, 0, sizeof(res));
+	on_device = p.Lq > 0 && p.Lk > 0;
+	if (on_device) {
+		const struct ape__bwd_req r = {
+			.fn = fn, .dev = devs[0], .budget = opts ? opts->max_device_bytes : 0,
+			.chunk_q = opts ? opts->chunk_q : 0, .chunk_k = opts ? opts->chunk_k : 0,
+			.p = &p, .q = q, .k = k, .v = v, .o = o, .dout = a->dout,
+			.dout_s = a->dout_s, .lse = lse, .dlse = a->dlse,
+			.dq = a->dq, .dk = a->dk, .dv = a->dv,
+			.dq_s = a->dq_s, .dk_s = a->dk_s, .dv_s = a->dv_s,
+			.dparams = a->dparams,
+		};
+
+		ret = ape__exec_backward(&r, &res);
+	} else {
+		write_zeros(&p, a);
+	}
+	if (!ret && stats) {
+		/* in the executor's terms, for the one statistics builder (api/stats.c) */
+		struct ape__exec_result er;
+		const struct ape__call_report rep = {
+			.res = &er, .devs = devs, .ndev = ndev, .devices = on_device ? 1 : 0,
+			.pairs_visible = per_head * (uint64_t)(p.B * p.H), .t0 = t0,
+		};
+
+		memset(&er, 0, sizeof(er));
+		er.st.pairs_computed = on_device ? rep.pairs_visible : 0; /* nothing is skipped */
+		er.st.kernel_ms = res.kernel_ms;
+		er.st.h2d = res.h2d;
+		er.st.d2h = res.d2h;
+		er.st.chunks = res.launches;
+		er.st.peak_bytes = res.peak;
+		er.cq = res.cq;
+		er.ck = res.ck;
+		er.depth = 1;
+		er.budget = res.budget;
+		ape__stats_report(stats, &rep);
+	}
+out_fini:
+	ape__problem_fini(&p);
+	return ret;
+}
+
+int ape_attention_backward(ape_device *dev, const ape_attn_desc *desc, const ape_tensor *q,
+			   const ape_tensor *k, const ape_tensor *v, const ape_tensor *o,
+			   const float *lse, const ape_tensor *dout, const float *dlse,
+			   ape_tensor *dq, ape_tensor *dk, ape_tensor *dv, float *dparams,
+			   ape_stats *stats)
+{
+	static const char fn[] = "ape_attention_backward";
+	struct bwd_args a = { .dout = dout, .dlse = dlse, .dq = dq, .dk = dk, .dv = dv,
+			      .dparams = dparams };
+
+	if (!dev)
+		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
+	return backward(fn, &dev, 1, NULL, desc, q, k, v, o, lse, &a, stats);
+}
+
+int ape_attention_backward_ex(ape_device *const *devs, int ndev, const ape_exec_options *opts,
+			      const ape_attn_desc *desc, const ape_tensor *q, const ape_tensor *k,
+			      const ape_tensor *v, const ape_tensor *o, const float *lse,
+			      const ape_tensor *dout, const float *dlse, ape_tensor *dq,
+			      ape_tensor *dk, ape_tensor *dv, float *dparams, ape_stats *stats)
+{
+	static const char fn[] = "ape_attention_backward_ex";
+	struct bwd_args a = { .dout = dout, .dlse = dlse, .dq = dq, .dk = dk, .dv = dv,
+			      .dparams = dparams };
+
+	return backward(fn, devs, ndev, opts, desc, q, k, v, o, lse, &a, stats);
+}

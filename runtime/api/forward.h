@@ -1,0 +1,18 @@
+/* SPDX-License-Identifier: MIT */
+/* What the forward entry points (api/forward.c) share with the other calls on host tensors
+ * (api/backward.c): the checks of devices, options and statistics. */
+#ifndef APE_RUNTIME_API_FORWARD_H
+#define APE_RUNTIME_API_FORWARD_H
+
+#include "ape/ape.h"
+
+#pragma GCC visibility push(hidden)
+
+/* devs (1..APE_MAX_DEVICES, none NULL), stats->struct_size and every field of opts (NULL:
+ * defaults), as ape_attention_forward_ex() checks them; messages start with fn and name the
+ * argument. */
+int ape__check_exec_call(const char *fn, ape_device *const *devs, int ndev,
+			 const ape_exec_options *opts, const ape_stats *stats);
+
+#pragma GCC visibility pop
+#endif

@@ -1,0 +1,55 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The backward pass on one device, streamed as key chunks x query chunks under the device
+ * budget: inputs packed and copied to device buffers counted against the budget,
+ * attention_backward launches into zeroed float32 (and float64) accumulators, gradients summed
+ * in a fixed order and written to the caller's tensors only once everything succeeded.
+ */
+#ifndef APE_RUNTIME_BACKWARD_H
+#define APE_RUNTIME_BACKWARD_H
+
+#include <stdint.h>
+
+#include "core/backend.h"
+#include "exec/problem.h"
+
+#pragma GCC visibility push(hidden)
+
+/* A validated backward call that needs a device: B*H >= 1, Lq >= 1, Lk >= 1. */
+struct ape__bwd_req {
+	const char *fn; /* for messages */
+	struct ape_device *dev;
+	uint64_t budget; /* device bytes; 0: the device's default */
+	int64_t chunk_q, chunk_k; /* most rows per chunk; 0: APE__CHUNK_DEFAULT */
+	const struct ape__problem *p; /* p->out_dtype is o's */
+	const ape_tensor *q, *k, *v, *o, *dout;
+	const int64_t *dout_s; /* dout's element strides; q, k, v, o's are in p */
+	const float *lse, *dlse; /* dlse may be NULL */
+	ape_tensor *dq, *dk, *dv; /* NULL: not wanted */
+	const int64_t *dq_s, *dk_s, *dv_s;
+	float *dparams; /* NULL or 4*H */
+};
+
+struct ape__bwd_result {
+	uint64_t h2d, d2h; /* bytes copied each way */
+	uint64_t peak; /* device bytes held at once */
+	uint64_t budget; /* the budget the call ran under; UINT64_MAX: none */
+	double kernel_ms; /* device time of the launches */
+	uint64_t launches; /* (query chunk, key chunk) pairs launched */
+	int64_t cq, ck; /* rows per chunk the planner chose */
+};
+
+/* 0 when dev's backend implements the backward pass; else APE_ENOTSUP naming the device
+ * ("<fn>: opencl:0 NAME: the backward pass is not implemented on this backend yet"). */
+int ape__backward_supported(const char *fn, const struct ape_device *dev);
+
+/*
+ * Runs the call. Returns 0 with every wanted output written, or a negative code with the
+ * message set and nothing written: APE_ENOTSUP (the backend has no attention_backward),
+ * APE_ENOMEM (host memory, or a budget too small for one query row and one key row: the
+ * message says what that needs), device errors.
+ */
+int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res);
+
+#pragma GCC visibility pop
+#endif

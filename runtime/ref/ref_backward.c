@@ -1,0 +1,267 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The reference backward pass: the formulas of APE-SPEC.md's "Gradients" section term by term,
+ * in float64, every visible key, no shortcut. Other backends' gradients are tested against this
+ * file, so, like ref_attention.c, it favours being obviously right over being fast.
+ *
+ * It has the shape the fused kernels will have, without their tiles: one pass with the keys
+ * outer (dK and dV of a key summed over every row that sees it, then added once), one with the
+ * rows outer (dQ, the alpha path A_i and the parameter sums of a row, then added once). Each
+ * pass recomputes the scores from q, k and the saved LSE; nothing of size Lq * Lk exists. A pass
+ * whose outputs are not wanted is not run: with only dparams wanted (frozen Q, K, V), the keys
+ * pass is skipped and the rows pass computes no dQ vector.
+ */
+#include <inttypes.h>
+#include <math.h> /* sincos: a GNU extension, _GNU_SOURCE comes from the Makefile */
+#include <stdlib.h>
+#include <string.h>
+
+#define APE_REAL double
+#include "core/alloc.h"
+#include "core/ape_math.h"
+#include "core/error.h"
+#include "ref.h"
+
+#define MAX_D 256
+
+/* What each row needs, computed once: sigma, alpha and Dl_i = dO_i . O_i over the whole row. */
+struct row_info {
+	double mean, sigma, alpha, lse, Dl, dlse;
+};
+
+/* One launch, decoded. */
+struct bwd {
+	const struct ape__bwd_launch *l;
+	const void *q, *k, *v, *o, *dout;
+	const float *lse, *dlse;
+	float *dq, *dk, *dv;
+	double *dparams;
+	int64_t D, P, group;
+	int64_t ia[MAX_D / 2], ib[MAX_D / 2]; /* components of pair p */
+	struct row_info *rows;
+};
+
+/* One (row, key) pair: the score's pieces and the gradient of the loss with respect to it. */
+struct pair {
+	double cs[MAX_D / 2], sn[MAX_D / 2]; /* cos and sin of theta_p */
+	double dot, ddot_dalpha, an, t, P, dS;
+};
+
+static void load_row(double *dst, const void *base, ape_dtype t, int64_t row, int64_t D)
+{
+	for (int64_t d = 0; d < D; d++)
+		dst[d] = ape__ref_load(base, t, row * D + d);
+}
+
+static double dot_d(const double *a, const double *b, int64_t D)
+{
+	double s = 0;
+
+	for (int64_t d = 0; d < D; d++)
+		s += a[d] * b[d];
+	return s;
+}
+
+static void row_info(struct bwd *c, int64_t row)
+{
+	const struct ape__launch *f = &c->l->f;
+	const int64_t D = c->D, h = row / f->Lq % f->H;
+	struct row_info *ri = &c->rows[row];
+	double q[MAX_D], o[MAX_D], dout[MAX_D], ss = 0;
+
+	load_row(q, c->q, f->in_dtype, row, D);
+	load_row(o, c->o, f->out_dtype, row, D);
+	load_row(dout, c->dout, c->l->dout_dtype, row, D);
+	ri->mean = 0;
+	for (int64_t d = 0; d < D; d++)
+		ri->mean += q[d];
+	ri->mean /= (double)D;
+	for (int64_t d = 0; d < D; d++)
+		ss += (q[d] - ri->mean) * (q[d] - ri->mean);
+	ri->sigma = sqrt(ss / (double)(D - 1));
+	ri->alpha = ape_alpha(f->head_params[4 * h + 3], ri->sigma);
+	ri->lse = c->lse[row];
+	ri->Dl = dot_d(dout, o, D);
+	ri->dlse = c->dlse ? c->dlse[row] : 0.0;
+}
+
+/*
+ * Score, probability and dS of query row `row` (components q, upstream gradient dout) against
+ * key row `krow` (components k, values v) at distance n, with every per-pair sin and cos kept
+ * for the derivatives. `alpha_path` asks for d(dot)/d(alpha) too.
+ */
+static void pair_eval(const struct bwd *c, int64_t row, const double *q, const double *dout,
+		      const double *k, const double *v, int64_t n, bool alpha_path,
+		      struct pair *pr)
+{
+	const struct ape__launch *f = &c->l->f;
+	const struct row_info *ri = &c->rows[row];
+	const float *prm = f->head_params + 4 * (row / f->Lq % f->H);
+	double s;
+
+	pr->dot = pr->ddot_dalpha = 0;
+	for (int64_t p = 0; p < c->P; p++) {
+		const double x = q[c->ia[p]], y = q[c->ib[p]], u = k[c->ia[p]], w = k[c->ib[p]];
+		const double theta = (double)n * f->omega[p] / ri->alpha;
+
+		sincos(theta, &pr->sn[p], &pr->cs[p]);
+		pr->dot += (x * u + y * w) * pr->cs[p] + (x * w - y * u) * pr->sn[p];
+		if (alpha_path)
+			pr->ddot_dalpha += ape_grad_ddot_dalpha(x, y, u, w, pr->cs[p], pr->sn[p],
+								theta, ri->alpha);
+	}
+	pr->an = fabs((double)n);
+	pr->t = ape_temp(prm[3], pr->an);
+	s = pr->t * f->scale * pr->dot + ape_bias(prm[0], prm[1], prm[2], pr->an);
+	pr->P = exp(s - ri->lse);
+	pr->dS = pr->P * (dot_d(dout, v, c->D) - ri->Dl + ri->dlse);
+}
+
+/* Distance of (row, key j) and whether the mask lets it through. */
+static bool visible(const struct ape__launch *f, int64_t row, int64_t j, int64_t *n)
+{
+	*n = (f->q_start + row % f->Lq) - (f->k_start + j); /* validated: no overflow */
+	return !f->causal || *n >= 0;
+}
+
+/* Keys outer: dV_j = sum_i P_ij dO_i and dK_j = sum_i dS_ij t c d(dot)/d(k_j), over every row of
+ * every query head sharing key j's kv head, summed in float64, then added to the accumulators. */
+static void keys_pass(struct bwd *c)
+{
+	const struct ape__launch *f = &c->l->f;
+	const int64_t D = c->D;
+	double k[MAX_D], v[MAX_D], q[MAX_D], dout[MAX_D], dk[MAX_D], dv[MAX_D];
+	struct pair pr;
+
+	for (int64_t bk = 0; bk < f->B * f->Hkv; bk++) { /* (b, kv head) */
+		const int64_t b = bk / f->Hkv, kh = bk % f->Hkv;
+
+		for (int64_t j = 0; j < f->Lk; j++) {
+			const int64_t krow = bk * f->Lk + j;
+
+			load_row(k, c->k, f->in_dtype, krow, D);
+			load_row(v, c->v, f->in_dtype, krow, D);
+			memset(dk, 0, sizeof(dk));
+			memset(dv, 0, sizeof(dv));
+			for (int64_t h = kh * c->group; h < (kh + 1) * c->group; h++)
+				for (int64_t i = 0; i < f->Lq; i++) {
+					const int64_t row = (b * f->H + h) * f->Lq + i;
+					double g;
+					int64_t n;
+
+					if (!visible(f, row, j, &n))
+						continue;
+					load_row(q, c->q, f->in_dtype, row, D);
+					load_row(dout, c->dout, c->l->dout_dtype, row, D);
+					pair_eval(c, row, q, dout, k, v, n, false, &pr);
+					for (int64_t d = 0; d < D; d++)
+						dv[d] += pr.P * dout[d];
+					g = pr.dS * pr.t * f->scale;
+					/* d(dot)/d(u, w): q's pair rotated by +theta */
+					for (int64_t p = 0; p < c->P; p++) {
+						const double x = q[c->ia[p]], y = q[c->ib[p]];
+
+						dk[c->ia[p]] += g * (x * pr.cs[p] - y * pr.sn[p]);
+						dk[c->ib[p]] += g * (y * pr.cs[p] + x * pr.sn[p]);
+					}
+				}
+			for (int64_t d = 0; c->dk && d < D; d++)
+				c->dk[krow * D + d] += (float)dk[d];
+			for (int64_t d = 0; c->dv && d < D; d++)
+				c->dv[krow * D + d] += (float)dv[d];
+		}
+	}
+}
+
+/* Rows outer: dQ_i (rotation and alpha paths) and the parameter gradients of row i. */
+static void rows_pass(struct bwd *c)
+{
+	const struct ape__launch *f = &c->l->f;
+	const int64_t D = c->D;
+	double q[MAX_D], dout[MAX_D], k[MAX_D], v[MAX_D], dq[MAX_D];
+	struct pair pr;
+
+	for (int64_t row = 0; row < f->B * f->H * f->Lq; row++) {
+		const int64_t b = row / (f->H * f->Lq), h = row / f->Lq % f->H;
+		const int64_t kvbase = (b * f->Hkv + h / c->group) * f->Lk;
+		const struct row_info *ri = &c->rows[row];
+		const double lambda = f->head_params[4 * h + 3];
+		double A = 0, dp[4] = { 0, 0, 0, 0 }, coef;
+		bool any = false;
+
+		load_row(q, c->q, f->in_dtype, row, D);
+		load_row(dout, c->dout, c->l->dout_dtype, row, D);
+		memset(dq, 0, sizeof(dq));
+		for (int64_t j = 0; j < f->Lk; j++) {
+			double g;
+			int64_t n;
+
+			if (!visible(f, row, j, &n))
+				continue;
+			any = true;
+			load_row(k, c->k, f->in_dtype, kvbase + j, D);
+			load_row(v, c->v, f->in_dtype, kvbase + j, D);
+			pair_eval(c, row, q, dout, k, v, n, true, &pr);
+			g = pr.dS * pr.t * f->scale;
+			A += g * pr.ddot_dalpha;
+			dp[0] += pr.dS * ape_grad_dbias_ddelta(pr.an);
+			dp[1] += pr.dS * ape_grad_dbias_dbeta(pr.an);
+			dp[2] += pr.dS * ape_grad_dbias_dgamma(pr.an);
+			dp[3] += pr.dS * f->scale * pr.dot * ape_grad_dtemp_dlambda(lambda, pr.an);
+			if (!c->dq)
+				continue;
+			/* d(dot)/d(x, y): k's pair rotated by -theta */
+			for (int64_t p = 0; p < c->P; p++) {
+				const double u = k[c->ia[p]], w = k[c->ib[p]];
+
+				dq[c->ia[p]] += g * (u * pr.cs[p] + w * pr.sn[p]);
+				dq[c->ib[p]] += g * (w * pr.cs[p] - u * pr.sn[p]);
+			}
+		}
+		if (!any)
+			continue; /* no visible key here: the row contributes nothing */
+		dp[3] += A * ape_grad_gate(ri->sigma); /* d(alpha)/d(lambda) */
+		if (c->dparams)
+			for (int x = 0; x < 4; x++)
+				c->dparams[4 * h + x] += dp[x];
+		if (!c->dq)
+			continue;
+		/* the path through alpha_i: A_i d(alpha)/d(sigma) d(sigma)/d(q) */
+		coef = A * ape_grad_dalpha_dsigma(lambda, ri->sigma) *
+		       ape_grad_dsigma_coef((double)D, ri->sigma);
+		for (int64_t d = 0; d < D; d++)
+			c->dq[row * D + d] += (float)(dq[d] + coef * (q[d] - ri->mean));
+	}
+}
+
+int ape__ref_backward(const struct ape__bwd_launch *l, const struct ape__ref_bwd_io *io)
+{
+	const struct ape__launch *f = &l->f;
+	const int64_t nrows = f->B * f->H * f->Lq;
+	struct bwd c = {
+		.l = l,
+		.q = io->q, .k = io->k, .v = io->v, .o = io->o, .dout = io->dout,
+		.lse = io->lse, .dlse = io->dlse,
+		.dq = io->dq, .dk = io->dk, .dv = io->dv, .dparams = io->dparams,
+		.D = f->D, .P = f->D / 2, .group = f->H / f->Hkv,
+	};
+
+	if (!c.dq && !c.dk && !c.dv && !c.dparams)
+		return 0;
+	for (int64_t p = 0; p < c.P; p++) {
+		c.ia[p] = f->layout == APE_ROPE_HALF ? p : 2 * p;
+		c.ib[p] = f->layout == APE_ROPE_HALF ? p + c.P : 2 * p + 1;
+	}
+	c.rows = ape__malloc(sizeof(*c.rows) * (size_t)(nrows ? nrows : 1));
+	if (!c.rows)
+		return ape__error(APE_ENOMEM, "out of host memory for the row table of %" PRId64
+					      " rows", nrows);
+	for (int64_t row = 0; row < nrows; row++)
+		row_info(&c, row);
+	if (c.dk || c.dv)
+		keys_pass(&c);
+	if (c.dq || c.dparams)
+		rows_pass(&c);
+	free(c.rows);
+	return 0;
+}

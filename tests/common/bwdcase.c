@@ -1,0 +1,118 @@
+/* SPDX-License-Identifier: MIT */
+#include "bwdcase.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Inputs and upstream gradients; the caller sets the parameters, then bcase_forward(). */
+int bcase_make(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt, bool strided,
+	       bool with_dlse)
+{
+	const size_t rows = (size_t)(sh->B * sh->H * sh->Lq);
+
+	memset(c, 0, sizeof(*c));
+	if (test_problem_make(&c->tp, r, sh, dt, strided))
+		return -1;
+	if (test_tensor_random(&c->dout, r, dt, sh->B, sh->H, sh->Lq, sh->D, 1.0))
+		goto out_free;
+	if (with_dlse) {
+		c->dlse = malloc(sizeof(float) * (rows + 1));
+		if (!c->dlse)
+			goto out_free;
+		for (size_t i = 0; i < rows; i++)
+			c->dlse[i] = (float)ape_rng_normal(r);
+	}
+	return 0;
+out_free:
+	test_problem_free(&c->tp);
+	test_tensor_free(&c->dout);
+	return -1;
+}
+
+void bcase_free(bcase *c)
+{
+	test_problem_free(&c->tp);
+	test_tensor_free(&c->dout);
+	free(c->dlse);
+	memset(c, 0, sizeof(*c));
+}
+
+/* The saved O and LSE, from the reference's forward. */
+int bcase_forward(bcase *c, ape_device *dev)
+{
+	return test_problem_run(&c->tp, dev);
+}
+
+int bcase_ready(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt, bool strided,
+		bool with_dlse, ape_device *dev)
+{
+	if (bcase_make(c, r, sh, dt, strided, with_dlse))
+		return -1;
+	test_problem_random_params(&c->tp, r);
+	return bcase_forward(c, dev);
+}
+
+int grads_alloc(grads *g, const bcase *c, ape_dtype dt)
+{
+	const int64_t *qs = c->tp.q.t.shape, *ks = c->tp.k.t.shape;
+
+	memset(g, 0, sizeof(*g));
+	g->H = qs[1];
+	g->dparams = malloc(sizeof(float) * (size_t)(4 * g->H));
+	if (!g->dparams || test_tensor_empty(&g->dq, dt, qs[0], qs[1], qs[2], qs[3]) ||
+	    test_tensor_empty(&g->dk, dt, ks[0], ks[1], ks[2], ks[3]) ||
+	    test_tensor_empty(&g->dv, dt, ks[0], ks[1], ks[2], ks[3]))
+		return -1;
+	for (int64_t i = 0; i < 4 * g->H; i++)
+		g->dparams[i] = NAN;
+	return 0;
+}
+
+void grads_free(grads *g)
+{
+	test_tensor_free(&g->dq);
+	test_tensor_free(&g->dk);
+	test_tensor_free(&g->dv);
+	free(g->dparams);
+	memset(g, 0, sizeof(*g));
+}
+
+/* The backward call of case c into the outputs of g that `wanted` names. */
+int run_backward(bcase *c, ape_device *dev, grads *g, unsigned wanted, ape_stats *st)
+{
+	test_problem *tp = &c->tp;
+
+	return ape_attention_backward(dev, &tp->desc, &tp->q.t, &tp->k.t, &tp->v.t, &tp->o.t,
+				      tp->lse, &c->dout.t, c->dlse, wanted & W_DQ ? &g->dq.t : NULL,
+				      wanted & W_DK ? &g->dk.t : NULL,
+				      wanted & W_DV ? &g->dv.t : NULL,
+				      wanted & W_DP ? g->dparams : NULL, st);
+}
+
+bool same_bits(const test_tensor *a, const test_tensor *b)
+{
+	return a->alloc_bytes == b->alloc_bytes && !memcmp(a->alloc, b->alloc, a->alloc_bytes);
+}
+
+bool same_grads(const grads *a, const grads *b, unsigned wanted)
+{
+	return (!(wanted & W_DQ) || same_bits(&a->dq, &b->dq)) &&
+	       (!(wanted & W_DK) || same_bits(&a->dk, &b->dk)) &&
+	       (!(wanted & W_DV) || same_bits(&a->dv, &b->dv)) &&
+	       (!(wanted & W_DP) ||
+		!memcmp(a->dparams, b->dparams, sizeof(float) * (size_t)(4 * a->H)));
+}
+
+int run_chunked(bcase *c, ape_device *dev, grads *g, int64_t cq, int64_t ck, ape_stats *st)
+{
+	test_problem *tp = &c->tp;
+	ape_exec_options eo;
+
+	ape_exec_options_init(&eo);
+	eo.chunk_q = cq;
+	eo.chunk_k = ck;
+	return ape_attention_backward_ex(&dev, 1, &eo, &tp->desc, &tp->q.t, &tp->k.t, &tp->v.t,
+					 &tp->o.t, tp->lse, &c->dout.t, c->dlse, &g->dq.t, &g->dk.t,
+					 &g->dv.t, g->dparams, st);
+}

@@ -1,0 +1,57 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * A backward-pass case for the tests: a random forward problem (common/problem.h) with its saved
+ * O and LSE, upstream gradients dO and dLSE, and gradient outputs poisoned with NaN. Shared by
+ * tests/test_backward.c and the fault tests (tests/faults/test_bwdfail.c).
+ */
+#ifndef APE_TEST_BWDCASE_H
+#define APE_TEST_BWDCASE_H
+
+#include "problem.h"
+
+/* Bits of the `wanted` masks: which outputs a call asks for. */
+#define W_DQ 1u
+#define W_DK 2u
+#define W_DV 4u
+#define W_DP 8u
+#define W_ALL 15u
+
+/* A forward problem with its saved O and LSE, and the upstream gradients. */
+typedef struct bcase {
+	test_problem tp;
+	test_tensor dout;
+	float *dlse; /* NULL: not given */
+} bcase;
+
+/* Gradients of one call. */
+typedef struct grads {
+	test_tensor dq, dk, dv;
+	float *dparams; /* 4 * H */
+	int64_t H;
+} grads;
+
+/* Inputs and upstream gradients (dO N(0,1) in dt, dLSE N(0,1) when with_dlse); the caller sets
+ * the parameters, then bcase_forward(). -1 if out of memory. */
+int bcase_make(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt, bool strided,
+	       bool with_dlse);
+void bcase_free(bcase *c);
+/* The saved O and LSE, from the forward on dev; returns its code. */
+int bcase_forward(bcase *c, ape_device *dev);
+/* bcase_make(), random parameters (test_problem_random_params()), bcase_forward(). */
+int bcase_ready(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt, bool strided,
+		bool with_dlse, ape_device *dev);
+
+/* dq, dk, dv of type dt and dparams, every element NaN. -1 if out of memory. */
+int grads_alloc(grads *g, const bcase *c, ape_dtype dt);
+void grads_free(grads *g);
+
+/* ape_attention_backward() of case c into the outputs of g that `wanted` (W_*) names. */
+int run_backward(bcase *c, ape_device *dev, grads *g, unsigned wanted, ape_stats *st);
+/* ape_attention_backward_ex() on dev alone, chunk_q = cq and chunk_k = ck, every output. */
+int run_chunked(bcase *c, ape_device *dev, grads *g, int64_t cq, int64_t ck, ape_stats *st);
+
+/* The same bytes; the outputs `wanted` names. */
+bool same_bits(const test_tensor *a, const test_tensor *b);
+bool same_grads(const grads *a, const grads *b, unsigned wanted);
+
+#endif

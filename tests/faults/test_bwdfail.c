@@ -1,0 +1,237 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Failures in the backward pass, on the reference, for a call run as one launch and one
+ * streamed in 3 x 3 chunks:
+ * - every host allocation of a clean call failed in turn (builds with -DAPE_FAULT_INJECT, that
+ *   is `make faults-ci`; other builds skip that test): APE_ENOMEM with a message;
+ * - every fallible device op failed at each of its occurrences, then the device lost from each
+ *   point of the run on (the wrapper backend of tests/common/wrapops.c): the injected error,
+ *   with a message naming the device and the operation.
+ * Every broken run writes no output and leaves the inputs byte-identical; the next call gives
+ * the clean result; ASan/LSan (make faults-ci) see no leak.
+ */
+#include "ape_test.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/bwdcase.h"
+#include "common/wrapops.h"
+#ifdef APE_FAULT_INJECT
+#include "core/alloc.h"
+#endif
+
+/* One backward call, its clean result and a copy of every input byte. */
+struct bcall {
+	bcase c;
+	grads g, clean, poisoned;
+	ape_device *dev;
+	int64_t chunk; /* rows per chunk both ways; 0: the default (one launch here) */
+	unsigned char *in;
+	size_t in_bytes;
+	char msg[1024];
+};
+
+static void inputs(struct bcall *b, const void *ptr[7], size_t n[7])
+{
+	const test_problem *tp = &b->c.tp;
+
+	ptr[0] = tp->q.alloc, n[0] = tp->q.alloc_bytes;
+	ptr[1] = tp->k.alloc, n[1] = tp->k.alloc_bytes;
+	ptr[2] = tp->v.alloc, n[2] = tp->v.alloc_bytes;
+	ptr[3] = tp->o.alloc, n[3] = tp->o.alloc_bytes;
+	ptr[4] = b->c.dout.alloc, n[4] = b->c.dout.alloc_bytes;
+	ptr[5] = tp->lse, n[5] = tp->rows * sizeof(float);
+	ptr[6] = b->c.dlse, n[6] = tp->rows * sizeof(float);
+}
+
+static int bcall_run(struct bcall *b)
+{
+	int ret;
+
+	test_tensor_poison(&b->g.dq.t);
+	test_tensor_poison(&b->g.dk.t);
+	test_tensor_poison(&b->g.dv.t);
+	for (int64_t i = 0; i < 4 * b->g.H; i++)
+		b->g.dparams[i] = NAN;
+	ret = run_chunked(&b->c, b->dev, &b->g, b->chunk, b->chunk, NULL);
+	snprintf(b->msg, sizeof(b->msg), "%s", ret ? ape_last_error() : "");
+	return ret;
+}
+
+/* NULL when the inputs are intact and the outputs are the clean result (ret == 0) or untouched
+ * (ret != 0); otherwise what is wrong. */
+static const char *bcall_verify(struct bcall *b, int ret)
+{
+	const void *ptr[7];
+	size_t n[7], off = 0;
+
+	inputs(b, ptr, n);
+	for (int i = 0; i < 7; i++) {
+		if (memcmp(b->in + off, ptr[i], n[i]))
+			return "an input changed";
+		off += n[i];
+	}
+	if (!ret)
+		return same_grads(&b->g, &b->clean, W_ALL) ? NULL : "not the clean result";
+	return same_grads(&b->g, &b->poisoned, W_ALL) ? NULL : "a failed call wrote an output";
+}
+
+static int bcall_init(struct bcall *b, ape_device *dev, int64_t chunk)
+{
+	const test_problem_shape sh = { 1, 4, 2, 12, 12, 8 };
+	const void *ptr[7];
+	size_t n[7], off = 0;
+	ape_rng rng;
+
+	memset(b, 0, sizeof(*b));
+	b->dev = dev;
+	b->chunk = chunk;
+	ape_rng_init(&rng, "bwdfail");
+	if (bcase_make(&b->c, &rng, &sh, APE_F16, true, true))
+		return -1;
+	test_problem_random_params(&b->c.tp, &rng);
+	b->c.tp.desc.q_start_set = false; /* end-aligned: every query row sees keys */
+	if (bcase_forward(&b->c, dev) || grads_alloc(&b->g, &b->c, APE_F16) ||
+	    grads_alloc(&b->clean, &b->c, APE_F16) || grads_alloc(&b->poisoned, &b->c, APE_F16))
+		return -1;
+	inputs(b, ptr, n);
+	for (int i = 0; i < 7; i++)
+		b->in_bytes += n[i];
+	b->in = malloc(b->in_bytes + 1);
+	if (!b->in)
+		return -1;
+	for (int i = 0; i < 7; i++) {
+		memcpy(b->in + off, ptr[i], n[i]);
+		off += n[i];
+	}
+	if (bcall_run(b))
+		return -1;
+	memcpy(b->clean.dq.alloc, b->g.dq.alloc, b->g.dq.alloc_bytes);
+	memcpy(b->clean.dk.alloc, b->g.dk.alloc, b->g.dk.alloc_bytes);
+	memcpy(b->clean.dv.alloc, b->g.dv.alloc, b->g.dv.alloc_bytes);
+	memcpy(b->clean.dparams, b->g.dparams, sizeof(float) * (size_t)(4 * b->g.H));
+	return 0;
+}
+
+static void bcall_free(struct bcall *b)
+{
+	bcase_free(&b->c);
+	grads_free(&b->g);
+	grads_free(&b->clean);
+	grads_free(&b->poisoned);
+	free(b->in);
+}
+
+#ifdef APE_FAULT_INJECT
+static void alloc_sweep(struct __test_metadata *_metadata, int64_t chunk, const char *what)
+{
+	ape_context *ctx = test_context("ref");
+	struct bcall b;
+	uint64_t total;
+	int ret;
+
+	ASSERT_EQ(0, bcall_init(&b, test_device(ctx, "ref"), chunk)) TH_LOG("%s", b.msg);
+	ape__fault_alloc_arm(0);
+	ASSERT_EQ(0, bcall_run(&b));
+	total = ape__fault_alloc_count();
+	ASSERT_GT(total, 0u);
+	for (uint64_t n = 1; n <= total; n++) {
+		ape__fault_alloc_arm(n);
+		ret = bcall_run(&b);
+		ape__fault_alloc_arm(0);
+		EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("%s: allocation %llu: %s", what,
+						  (unsigned long long)n, b.msg);
+		EXPECT_EQ(NULL, bcall_verify(&b, ret)) TH_LOG("%s: allocation %llu", what,
+							      (unsigned long long)n);
+		EXPECT_NE(0, b.msg[0]);
+	}
+	EXPECT_EQ(0, bcall_run(&b)) TH_LOG("%s", b.msg);
+	EXPECT_EQ(NULL, bcall_verify(&b, 0));
+	ksft_print_msg("%s: %llu allocations failed in turn\n", what, (unsigned long long)total);
+	fflush(stdout); /* the harness ends each test with _exit() */
+	bcall_free(&b);
+	ape_context_destroy(ctx);
+}
+#endif
+
+TEST(allocation_failures)
+{
+#ifdef APE_FAULT_INJECT
+	alloc_sweep(_metadata, 0, "backward, one launch");
+	alloc_sweep(_metadata, 4, "backward, 3 x 3 chunks");
+#else
+	SKIP(return, "libape built without -DAPE_FAULT_INJECT: run `make faults-ci`");
+#endif
+}
+
+/* One broken run: the injected code, a message naming the device and the operation, nothing
+ * written, and the next call clean. */
+static void judge(struct __test_metadata *_metadata, struct bcall *b, int ret, int expect,
+		  const char *op, const char *what, uint64_t n)
+{
+	EXPECT_EQ(expect, ret) TH_LOG("%s #%llu: %s", what, (unsigned long long)n, b->msg);
+	EXPECT_NE(NULL, strstr(b->msg, b->dev->info.name)) TH_LOG("%s: %s", what, b->msg);
+	EXPECT_NE(NULL, strstr(b->msg, "fails on purpose")) TH_LOG("%s: %s", what, b->msg);
+	if (op)
+		EXPECT_NE(NULL, strstr(b->msg, op)) TH_LOG("%s: %s", what, b->msg);
+	EXPECT_EQ(NULL, bcall_verify(b, ret)) TH_LOG("%s #%llu", what, (unsigned long long)n);
+	EXPECT_EQ(0, bcall_run(b)) TH_LOG("after %s #%llu: %s", what, (unsigned long long)n,
+					  b->msg);
+	EXPECT_EQ(NULL, bcall_verify(b, 0));
+}
+
+static void device_sweep(struct __test_metadata *_metadata, int64_t chunk, const char *what)
+{
+	static const enum wrap_op ops[] = { WRAP_BUF_ALLOC,    WRAP_QUEUE_CREATE,
+					    WRAP_COPY_H2D,     WRAP_COPY_D2H,
+					    WRAP_FILL,         WRAP_EVENT_RECORD,
+					    WRAP_EVENT_ELAPSED, WRAP_SYNCHRONIZE };
+	ape_context *ctx = test_context("ref");
+	ape_device *dev = test_device(ctx, "ref");
+	struct wrap_counts clean;
+	uint64_t total = 0, runs = 0;
+	struct bcall b;
+
+	wrap_install(dev, 0);
+	ASSERT_EQ(0, bcall_init(&b, dev, chunk)) TH_LOG("%s", b.msg);
+	wrap_reset();
+	ASSERT_EQ(0, bcall_run(&b));
+	clean = wrap_get();
+	for (size_t i = 0; i < sizeof(ops) / sizeof(ops[0]); i++) {
+		ASSERT_LT(0u, clean.calls[ops[i]]) TH_LOG("%s: no %s", what, wrap_op_name(ops[i]));
+		for (uint64_t n = 1; n <= clean.calls[ops[i]]; n++, runs++) {
+			int ret;
+
+			wrap_fail_op(ops[i], n);
+			ret = bcall_run(&b);
+			wrap_fail_op(ops[i], 0);
+			judge(_metadata, &b, ret,
+			      ops[i] == WRAP_BUF_ALLOC ? APE_ENOMEM : APE_EDEVLOST,
+			      wrap_op_name(ops[i]), what, n);
+		}
+		total += clean.calls[ops[i]];
+	}
+	for (uint64_t k = 1; k <= total; k++, runs++) { /* lost from call k on */
+		int ret;
+
+		wrap_lose_device(k);
+		ret = bcall_run(&b);
+		wrap_lose_device(0);
+		judge(_metadata, &b, ret, APE_EDEVLOST, "device lost", what, k);
+	}
+	ksft_print_msg("%s: %llu broken runs\n", what, (unsigned long long)runs);
+	fflush(stdout);
+	bcall_free(&b);
+	wrap_remove();
+	ape_context_destroy(ctx);
+}
+
+TEST(device_failures)
+{
+	device_sweep(_metadata, 0, "backward, one launch");
+	device_sweep(_metadata, 4, "backward, 3 x 3 chunks");
+}
+
+TEST_HARNESS_MAIN

@@ -1,0 +1,1105 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * ape_attention_backward() on the reference backend against the spec ("Gradients"):
+ *
+ * - every gradient (q, k, v, delta, beta, gamma, lambda) against central finite differences of
+ *   the loss sum(dO . O) + sum(dLSE . LSE), with O and LSE from tests/common/naive.c, the
+ *   independent long-double evaluation of the forward (the reference's own forward stores O in
+ *   float32, too coarse to difference; test_ref.c checks it against naive.c). Inputs and
+ *   parameters are multiples of 2^-10 and 2^-12, so that x +- h is exact in float32;
+ * - on small random cases across what the forward supports: GQA and MQA, both layouts, causal
+ *   and not, offsets up to 2^40, rows with no visible key, constant query rows (sigma = 0),
+ *   lambda = 0, negative decay, per-head and scalar parameters, with and without dLSE;
+ * - 16-bit storage against the same values stored as float32, within the spec's tolerances;
+ * - strided tensors against contiguous ones, bit for bit, padding untouched;
+ * - optional outputs left NULL, two runs bit-identical, the shapes that need no device;
+ * - every invalid argument: its code, its message, nothing written; APE_ENOMEM over the
+ *   budget;
+ * - every backend (common/backend_fixture.h): one with the op against the reference at the
+ *   spec's tolerances, one without it APE_ENOTSUP naming the device.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ape_test.h"
+#include "common/backend_fixture.h"
+#include "common/bwdcase.h"
+#include "common/naive.h"
+#include "common/problem.h"
+#include "core/backend.h"
+
+#define APE_REAL double
+#include "core/ape_math.h"
+
+/* The spec's accuracy of gradients, times max |G_64|. */
+static double tol_grad(ape_dtype storage)
+{
+	return storage == APE_F32 ? 1e-3 : storage == APE_F16 ? 1e-2 : 5e-2;
+}
+
+/*
+ * The reference against finite differences, relative to max |G|. The float32 O and LSE the
+ * API takes limit the reference to a few float32 ulps of the terms a gradient sums, which is
+ * far below any formula error but not always below 1e-5 of the gradient itself: a gradient
+ * can be a small difference of large terms (the sum over j of dS_ij is 0 without dLSE, so the
+ * parameter gradients are such differences; with every key of a row far, the rounding of O in
+ * Dl_i = dO_i . O_i is multiplied by |n|, which kernels inherit). So each comparison also
+ * allows twice the first-order bound of what that rounding can do (fd_rounding()), and the
+ * cases keep their keys within a few rows of the queries.
+ */
+#define FD_TOL 1e-5
+
+static double quantize(double x, double step)
+{
+	return nearbyint(x / step) * step;
+}
+
+static void quantize_tensor(ape_tensor *t, double step)
+{
+	for (int64_t b = 0; b < t->shape[0]; b++)
+		for (int64_t h = 0; h < t->shape[1]; h++)
+			for (int64_t l = 0; l < t->shape[2]; l++)
+				for (int64_t d = 0; d < t->shape[3]; d++)
+					test_tensor_set(t, b, h, l, d,
+							quantize(test_tensor_get(t, b, h, l, d),
+								 step));
+}
+
+/* Exact in float32 for finite differences: inputs multiples of 2^-10, parameters of 2^-12. */
+static void bcase_quantize(bcase *c)
+{
+	test_problem *tp = &c->tp;
+	const int64_t H = tp->q.t.shape[1];
+
+	quantize_tensor(&tp->q.t, 0x1p-10);
+	quantize_tensor(&tp->k.t, 0x1p-10);
+	quantize_tensor(&tp->v.t, 0x1p-10);
+	for (int64_t i = 0; i < 4 * H; i++)
+		tp->params[i] = (float)quantize(tp->params[i], 0x1p-12);
+	tp->desc.delta.value = (float)quantize(tp->desc.delta.value, 0x1p-12);
+	tp->desc.beta.value = (float)quantize(tp->desc.beta.value, 0x1p-12);
+	tp->desc.gamma.value = (float)quantize(tp->desc.gamma.value, 0x1p-12);
+	tp->desc.lambda.value = (float)quantize(tp->desc.lambda.value, 0x1p-12);
+}
+
+/* ---------------------------------------------------------------- finite differences */
+
+/* The loss whose gradient the call returns: sum dO . O + sum dLSE . LSE, forward in long
+ * double (rows with no visible key have LSE = -inf and depend on nothing: left out). */
+static double fd_loss(bcase *c)
+{
+	test_problem *tp = &c->tp;
+	const int64_t *s = tp->q.t.shape;
+	double L = 0;
+
+	if (test_problem_naive(tp))
+		return NAN;
+	for (int64_t b = 0; b < s[0]; b++)
+		for (int64_t h = 0; h < s[1]; h++)
+			for (int64_t i = 0; i < s[2]; i++) {
+				const int64_t row = (b * s[1] + h) * s[2] + i;
+
+				for (int64_t d = 0; d < s[3]; d++)
+					L += test_tensor_get(&c->dout.t, b, h, i, d) *
+					     tp->naive_o[row * s[3] + d];
+				if (c->dlse && isfinite(tp->naive_lse[row]))
+					L += c->dlse[row] * tp->naive_lse[row];
+			}
+	return L;
+}
+
+/* Central difference of the loss along one float: *x +- h, restored after. */
+static double fd_float(bcase *c, float *x, double h)
+{
+	const float x0 = *x;
+	double lp, lm;
+
+	*x = (float)(x0 + h);
+	lp = fd_loss(c);
+	*x = (float)(x0 - h);
+	lm = fd_loss(c);
+	*x = x0;
+	return (lp - lm) / (2 * h);
+}
+
+/* Central difference along element (b, h, l, d) of a float32 tensor. */
+static double fd_elem(bcase *c, ape_tensor *t, int64_t b, int64_t hh, int64_t l, int64_t d,
+		      double h)
+{
+	const double x0 = test_tensor_get(t, b, hh, l, d);
+	double lp, lm;
+
+	test_tensor_set(t, b, hh, l, d, x0 + h);
+	lp = fd_loss(c);
+	test_tensor_set(t, b, hh, l, d, x0 - h);
+	lm = fd_loss(c);
+	test_tensor_set(t, b, hh, l, d, x0);
+	return (lp - lm) / (2 * h);
+}
+
+/* A query row whose components are all equal: sigma = 0. */
+static bool row_constant(const ape_tensor *t, int64_t b, int64_t h, int64_t l)
+{
+	for (int64_t d = 1; d < t->shape[3]; d++)
+		if (test_tensor_get(t, b, h, l, d) != test_tensor_get(t, b, h, l, 0))
+			return false;
+	return true;
+}
+
+/* max |G - FD| over one gradient tensor, and max |FD|. */
+static void fd_tensor(bcase *c, ape_tensor *in, const ape_tensor *grad, bool is_q, double *err,
+		      double *scale)
+{
+	*err = *scale = 0;
+	for (int64_t b = 0; b < in->shape[0]; b++)
+		for (int64_t h = 0; h < in->shape[1]; h++)
+			for (int64_t l = 0; l < in->shape[2]; l++) {
+				/* at sigma = 0 the difference is off by O(h): a smaller step,
+				 * still exact for the constant 0.5 rows (0.5 +- 2^-22) */
+				const double step =
+					is_q && row_constant(in, b, h, l) ? 0x1p-22 : 0x1p-16;
+
+				for (int64_t d = 0; d < in->shape[3]; d++) {
+					double fd = fd_elem(c, in, b, h, l, d, step);
+					double g = test_tensor_get(grad, b, h, l, d);
+
+					*err = fmax(*err, isnan(g) ? INFINITY : fabs(g - fd));
+					*scale = fmax(*scale, fabs(fd));
+				}
+			}
+}
+
+/* Adds |a - b| / div, element by element, into acc ([B, H, L, D] row-major). */
+static void add_change(double *acc, const ape_tensor *a, const ape_tensor *b, double div)
+{
+	const int64_t *s = a->shape;
+	int64_t e = 0;
+
+	for (int64_t i = 0; i < s[0]; i++)
+		for (int64_t h = 0; h < s[1]; h++)
+			for (int64_t l = 0; l < s[2]; l++)
+				for (int64_t d = 0; d < s[3]; d++, e++)
+					acc[e] += fabs(test_tensor_get(a, i, h, l, d) -
+						       test_tensor_get(b, i, h, l, d)) /
+						  div;
+}
+
+/* One float32 step of x, 64 times over (0: x is exact at 0, nothing to move). */
+static float steps64(float x)
+{
+	return x == 0 ? x : x + 64 * (nextafterf(fabsf(x), INFINITY) - fabsf(x));
+}
+
+/*
+ * How far the float32 rounding of the O and LSE the reference is given can move each gradient,
+ * to first order: every element of O and every finite LSE moved alone by 64 float32 steps
+ * (so that the rounding of the float32 gradients is small against the change), the changes of
+ * each gradient element summed in absolute value, divided by 64 and halved (a rounding moves an
+ * element by at most half a step). noise[0..2]: the largest over dq, dk, dv; noise[3 + x]: over
+ * the heads' parameter x, or for a scalar parameter over the sum of the heads'.
+ */
+static int fd_rounding(bcase *c, ape_device *dev, const grads *g, double noise[7])
+{
+	test_problem *tp = &c->tp;
+	const int64_t *s = tp->o.t.shape, H = s[1];
+	const size_t nq = (size_t)(s[0] * s[1] * s[2] * s[3]);
+	const size_t nk = (size_t)(g->dk.t.shape[0] * g->dk.t.shape[1] * g->dk.t.shape[2] * s[3]);
+	double *acc = calloc(nq + 2 * nk + 8 * (size_t)H, sizeof(double));
+	double *aq = acc, *ak = acc + nq, *av = ak + nk, *ap = av + nk, *asum = ap + 4 * H;
+	const ape_param *prm[4] = { &tp->desc.delta, &tp->desc.beta, &tp->desc.gamma,
+				    &tp->desc.lambda };
+	size_t moves = nq + tp->rows;
+	grads gn;
+	int ret = -1;
+
+	memset(&gn, 0, sizeof(gn));
+	if (!acc || grads_alloc(&gn, c, APE_F32))
+		goto out;
+	for (size_t m = 0; m < moves; m++) {
+		const int64_t e = (int64_t)m, row = e / s[3];
+		float *lse = m >= nq ? &tp->lse[m - nq] : NULL, x;
+
+		if (lse) {
+			x = *lse;
+			if (!isfinite(x))
+				continue;
+			*lse = steps64(x);
+		} else {
+			x = (float)test_tensor_get(&tp->o.t, row / (H * s[2]), row / s[2] % H,
+						   row % s[2], e % s[3]);
+			test_tensor_set(&tp->o.t, row / (H * s[2]), row / s[2] % H, row % s[2],
+					e % s[3], steps64(x));
+		}
+		if (run_backward(c, dev, &gn, W_ALL, NULL))
+			goto out;
+		if (lse)
+			*lse = x;
+		else
+			test_tensor_set(&tp->o.t, row / (H * s[2]), row / s[2] % H, row % s[2],
+					e % s[3], x);
+		add_change(aq, &gn.dq.t, &g->dq.t, 128);
+		add_change(ak, &gn.dk.t, &g->dk.t, 128);
+		add_change(av, &gn.dv.t, &g->dv.t, 128);
+		for (int64_t x4 = 0; x4 < 4 * H; x4++)
+			ap[x4] += fabs((double)gn.dparams[x4] - g->dparams[x4]) / 128;
+		for (int x4 = 0; x4 < 4; x4++) {
+			double d = 0;
+
+			for (int64_t h = 0; h < H; h++)
+				d += (double)gn.dparams[4 * h + x4] - g->dparams[4 * h + x4];
+			asum[x4] += fabs(d) / 128;
+		}
+	}
+	for (int x = 0; x < 7; x++)
+		noise[x] = 0;
+	for (size_t e = 0; e < nq; e++)
+		noise[0] = fmax(noise[0], aq[e]);
+	for (size_t e = 0; e < nk; e++) {
+		noise[1] = fmax(noise[1], ak[e]);
+		noise[2] = fmax(noise[2], av[e]);
+	}
+	for (int x4 = 0; x4 < 4; x4++)
+		for (int64_t h = 0; h < H; h++)
+			noise[3 + x4] = fmax(noise[3 + x4], prm[x4]->per_head ? ap[4 * h + x4]
+									 : asum[x4]);
+	ret = 0;
+out:
+	grads_free(&gn);
+	free(acc);
+	return ret;
+}
+
+/* Every gradient of case c against finite differences; returns how many were off (-1: the
+ * rounding bound could not be run). */
+static int check_fd(struct __test_metadata *_metadata, bcase *c, ape_device *dev, const grads *g,
+		    const char *what)
+{
+	test_problem *tp = &c->tp;
+	ape_param *prm[4] = { &tp->desc.delta, &tp->desc.beta, &tp->desc.gamma, &tp->desc.lambda };
+	static const char *const pname[4] = { "delta", "beta", "gamma", "lambda" };
+	const int64_t H = tp->q.t.shape[1];
+	double err[7], scale[7], noise[7];
+	int bad = 0;
+	char desc[512];
+
+	fd_tensor(c, &tp->q.t, &g->dq.t, true, &err[0], &scale[0]);
+	fd_tensor(c, &tp->k.t, &g->dk.t, false, &err[1], &scale[1]);
+	fd_tensor(c, &tp->v.t, &g->dv.t, false, &err[2], &scale[2]);
+	for (int x = 0; x < 4; x++) {
+		err[3 + x] = scale[3 + x] = 0;
+		if (prm[x]->per_head) {
+			for (int64_t h = 0; h < H; h++) {
+				double fd = fd_float(c, &tp->params[x * H + h], 0x1p-16);
+				double gv = g->dparams[4 * h + x];
+
+				err[3 + x] = fmax(err[3 + x], isnan(gv) ? INFINITY : fabs(gv - fd));
+				scale[3 + x] = fmax(scale[3 + x], fabs(fd));
+			}
+		} else { /* one value for every head: its gradient is the sum over heads */
+			double fd = fd_float(c, &prm[x]->value, 0x1p-16), sum = 0;
+
+			for (int64_t h = 0; h < H; h++)
+				sum += g->dparams[4 * h + x];
+			err[3 + x] = isnan(sum) ? INFINITY : fabs(sum - fd);
+			scale[3 + x] = fabs(fd);
+		}
+	}
+	if (fd_rounding(c, dev, g, noise))
+		return -1;
+	test_problem_describe(tp, desc, sizeof(desc));
+	for (int x = 0; x < 7; x++) {
+		static const char *const names[3] = { "dq", "dk", "dv" };
+
+		if (err[x] <= FD_TOL * scale[x] + 2 * noise[x] + 1e-12)
+			continue;
+		TH_LOG("%s: %s%s: %s error %.3g, max |finite difference| %.3g, rounding noise %.3g",
+		       what, desc, c->dlse ? " dlse" : "", x < 3 ? names[x] : pname[x - 3], err[x],
+		       scale[x], noise[x]);
+		bad++;
+	}
+	return bad;
+}
+
+/* The reference device, for the tests of the reference itself and of the API. */
+FIXTURE(rd)
+{
+	ape_context *ctx;
+	ape_device *dev;
+};
+
+FIXTURE_SETUP(rd)
+{
+	self->ctx = test_context("ref");
+	self->dev = test_device(self->ctx, "ref");
+	ASSERT_NE(NULL, self->dev);
+}
+
+FIXTURE_TEARDOWN(rd)
+{
+	ape_context_destroy(self->ctx);
+}
+
+/* One small random case: shape, parameters, a constant row now and then. */
+static int fd_case(struct __test_metadata *_metadata, ape_device *dev, ape_rng *r,
+		   const test_problem_shape *sh, int variant, const char *what)
+{
+	bcase c;
+	grads g;
+	int bad = -1;
+
+	if (bcase_make(&c, r, sh, APE_F32, variant & 1, ape_rng_uniform(r) < 0.6))
+		goto out;
+	test_problem_random_params(&c.tp, r);
+	/* keys near the queries (see FD_TOL): rows see some keys, not others, or none */
+	c.tp.desc.q_start_set = true;
+	c.tp.desc.q_start = c.tp.desc.k_start + ape_rng_range(r, -3, sh->Lk - sh->Lq + 3);
+	if (variant & 2) { /* far from the origin: distances stay small, angles exact */
+		c.tp.desc.k_start += (int64_t)1 << 40;
+		c.tp.desc.q_start += (int64_t)1 << 40;
+	}
+	if (variant & 4) /* lambda = 0: alpha = 1 and temp = 1, but d_lambda is not 0 */
+		for (int64_t h = 0; h < sh->H; h++)
+			c.tp.params[3 * sh->H + h] = c.tp.desc.lambda.value = 0;
+	bcase_quantize(&c);
+	if (variant & 8) /* a constant query row: sigma = 0 */
+		for (int64_t d = 0; d < sh->D; d++)
+			test_tensor_set(&c.tp.q.t, 0, sh->H - 1, sh->Lq / 2, d, 0.5);
+	if (bcase_forward(&c, dev) || grads_alloc(&g, &c, APE_F32)) {
+		TH_LOG("%s: forward failed: %s", what, ape_last_error());
+		goto out_free;
+	}
+	if (run_backward(&c, dev, &g, W_ALL, NULL)) {
+		TH_LOG("%s: backward failed: %s", what, ape_last_error());
+		goto out_grads;
+	}
+	bad = check_fd(_metadata, &c, dev, &g, what);
+out_grads:
+	grads_free(&g);
+out_free:
+	bcase_free(&c);
+out:
+	return bad;
+}
+
+/* Random small cases, each variant (strided, 2^40, lambda = 0, constant row) in turn. */
+TEST_F(rd, reference_matches_finite_differences)
+{
+	static const test_problem_shape shapes[] = {
+		{ 1, 2, 2, 5, 7, 4 }, /* one kv head per query head */
+		{ 2, 4, 2, 4, 6, 6 }, /* GQA */
+		{ 1, 3, 1, 6, 5, 8 }, /* MQA */
+		{ 1, 2, 1, 3, 9, 2 }, /* D = 2: sigma over two components */
+	};
+	ape_device *dev = self->dev;
+	int ncases = ape_test_slow() ? 4 : 24, failed = 0;
+	ape_rng rng;
+
+	ape_rng_init(&rng, "reference_matches_finite_differences");
+	for (int i = 0; i < ncases; i++)
+		failed += fd_case(_metadata, dev, &rng, &shapes[i % 4], i % 16, "random") != 0;
+	EXPECT_EQ(0, failed);
+}
+
+/* The named edge cases, each made sure of rather than left to chance. */
+TEST_F(rd, finite_differences_edge_cases)
+{
+	const test_problem_shape sh = { 1, 4, 2, 5, 6, 6 };
+	ape_device *dev = self->dev;
+	ape_rng rng;
+
+	ape_rng_init(&rng, "finite_differences_edge_cases");
+	for (int layout = 0; layout < 2; layout++)
+		for (int causal = 0; causal < 2; causal++) {
+			bcase c;
+			grads g;
+
+			ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F32, false, true));
+			test_problem_random_params(&c.tp, &rng);
+			/* per-head parameters, one head with negative decays, one with
+			 * lambda = 0, and queries placed so that the first rows see no key
+			 * (causal) */
+			c.tp.desc.delta.per_head = c.tp.params;
+			c.tp.desc.beta.per_head = c.tp.params + sh.H;
+			c.tp.desc.gamma.per_head = c.tp.params + 2 * sh.H;
+			c.tp.desc.lambda.per_head = c.tp.params + 3 * sh.H;
+			c.tp.params[0] = -0.25f;
+			c.tp.params[sh.H] = -0.5f;
+			c.tp.params[2 * sh.H] = -0.125f;
+			c.tp.params[3 * sh.H + 1] = 0;
+			c.tp.params[3 * sh.H + 2] = 1.75f;
+			c.tp.desc.layout = layout ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+			c.tp.desc.causal = causal;
+			c.tp.desc.k_start = 10;
+			c.tp.desc.q_start = 8;
+			c.tp.desc.q_start_set = true;
+			bcase_quantize(&c);
+			for (int64_t d = 0; d < sh.D; d++) /* sigma = 0 where lambda is large */
+				test_tensor_set(&c.tp.q.t, 0, 2, 4, d, -0.5);
+			ASSERT_EQ(0, bcase_forward(&c, dev));
+			ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+			ASSERT_EQ(0, run_backward(&c, dev, &g, W_ALL, NULL));
+			EXPECT_EQ(0, check_fd(_metadata, &c, dev, &g, "edge"));
+			if (causal) /* rows 0 and 1 see no key: nothing flows back to them */
+				for (int64_t d = 0; d < sh.D; d++) {
+					EXPECT_EQ(0.0, test_tensor_get(&g.dq.t, 0, 0, 0, d));
+					EXPECT_EQ(0.0, test_tensor_get(&g.dq.t, 0, 3, 1, d));
+				}
+			grads_free(&g);
+			bcase_free(&c);
+		}
+}
+
+/* The shared gradient pieces of core/ape_math.h against central differences of the forward
+ * pieces they differentiate, in float64. */
+#define EXPECT_NEAR(a, b, tol) EXPECT_LE(fabs((double)(a) - (double)(b)), (double)(tol))
+
+TEST(math_pieces)
+{
+	const double h = 1e-6;
+	ape_rng rng;
+
+	ape_rng_init(&rng, "math_pieces");
+	for (int c = 0; c < 500; c++) {
+		double lambda = ape_rng_uniform(&rng) * 2, sigma = ape_rng_uniform(&rng) * 3 + 0.01;
+		double an = (double)ape_rng_range(&rng, 0, 200), alpha = ape_alpha(lambda, sigma);
+		double x = ape_rng_normal(&rng), y = ape_rng_normal(&rng);
+		double u = ape_rng_normal(&rng), w = ape_rng_normal(&rng);
+		double nw = (double)ape_rng_range(&rng, -300, 300) * ape_rng_uniform(&rng);
+		double fd, th = nw / alpha;
+		double q[6], mean = 0, ss = 0, sig, qp[6];
+
+#define PAIR_DOT(a) ((x * u + y * w) * cos(nw / (a)) + (x * w - y * u) * sin(nw / (a)))
+		fd = (ape_alpha(lambda, sigma + h) - ape_alpha(lambda, sigma - h)) / (2 * h);
+		EXPECT_NEAR(fd, ape_grad_dalpha_dsigma(lambda, sigma), 1e-8);
+		fd = (ape_alpha(lambda + h, sigma) - ape_alpha(lambda - h, sigma)) / (2 * h);
+		EXPECT_NEAR(fd, ape_grad_gate(sigma), 1e-8);
+		fd = (ape_temp(lambda + h, an) - ape_temp(lambda - h, an)) / (2 * h);
+		EXPECT_NEAR(fd, ape_grad_dtemp_dlambda(lambda, an), 1e-6 * fmax(1, fabs(fd)));
+		fd = (PAIR_DOT(alpha + h) - PAIR_DOT(alpha - h)) / (2 * h);
+		EXPECT_NEAR(fd, ape_grad_ddot_dalpha(x, y, u, w, cos(th), sin(th), th, alpha),
+			    1e-5 * fmax(1, fabs(fd)));
+#undef PAIR_DOT
+		EXPECT_NEAR(ape_bias(1 + h, 0, 0, an) - ape_bias(1 - h, 0, 0, an),
+			    2 * h * ape_grad_dbias_ddelta(an), 1e-9 * fmax(1, an));
+		EXPECT_NEAR(ape_bias(0, 1 + h, 0, an) - ape_bias(0, 1 - h, 0, an),
+			    2 * h * ape_grad_dbias_dbeta(an), 1e-12 * fmax(1, an));
+		EXPECT_NEAR(ape_bias(0, 0, 1 + h, an) - ape_bias(0, 0, 1 - h, an),
+			    2 * h * ape_grad_dbias_dgamma(an), 1e-12 * fmax(1, an));
+		/* d(sigma)/d(q_0) = (q_0 - mean) * coef, sigma over 6 components */
+		for (int d = 0; d < 6; d++)
+			mean += (q[d] = ape_rng_normal(&rng)) / 6;
+		for (int d = 0; d < 6; d++)
+			ss += (q[d] - mean) * (q[d] - mean);
+		sig = sqrt(ss / 5);
+		for (int sgn = -1; sgn <= 1; sgn += 2) {
+			double m2 = 0, s2 = 0;
+
+			for (int d = 0; d < 6; d++)
+				qp[d] = q[d] + (d == 0 ? sgn * h : 0);
+			for (int d = 0; d < 6; d++)
+				m2 += qp[d] / 6;
+			for (int d = 0; d < 6; d++)
+				s2 += (qp[d] - m2) * (qp[d] - m2);
+			fd = sgn < 0 ? -sqrt(s2 / 5) : fd + sqrt(s2 / 5);
+		}
+		EXPECT_NEAR(fd / (2 * h), (q[0] - mean) * ape_grad_dsigma_coef(6, sig), 1e-7);
+	}
+	EXPECT_EQ(0.0, ape_grad_dsigma_coef(6, 0)); /* a constant row: 0 by the spec */
+}
+
+/* ---------------------------------------------------------------- determinism and options */
+
+/* max |a - b| over a tensor, relative to max |b|. */
+static double rel_err(const ape_tensor *a, const ape_tensor *b)
+{
+	return test_max_err_o(a, b) / fmax(test_tensor_maxabs(b), 1e-30);
+}
+
+static double rel_err_params(const float *a, const float *b, int64_t H)
+{
+	double err = 0, m = 1e-30;
+
+	for (int64_t i = 0; i < 4 * H; i++) {
+		err = fmax(err, isnan(a[i]) ? INFINITY : fabs((double)a[i] - b[i]));
+		m = fmax(m, fabs((double)b[i]));
+	}
+	return err / m;
+}
+
+/* Chunked against one launch: the same float64 terms, summed over chunks in float32 (dK, dV
+ * on the device) or in float64 from float32 partials (dQ). */
+#define CHUNK_TOL 1e-5
+
+/* Each subset of the outputs: the wanted ones bit for bit as with all four, the others
+ * untouched; and two runs give the same bits. */
+TEST_F(rd, optional_outputs_and_determinism)
+{
+	const test_problem_shape sh = { 2, 4, 2, 9, 11, 8 };
+	ape_device *dev = self->dev;
+	ape_rng rng;
+	bcase c;
+	grads full, again;
+
+	ape_rng_init(&rng, "optional_outputs_and_determinism");
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F32, false, true, dev));
+	ASSERT_EQ(0, grads_alloc(&full, &c, APE_F32));
+	ASSERT_EQ(0, grads_alloc(&again, &c, APE_F32));
+	ASSERT_EQ(0, run_backward(&c, dev, &full, W_ALL, NULL));
+	ASSERT_EQ(0, run_backward(&c, dev, &again, W_ALL, NULL));
+	EXPECT_TRUE(same_grads(&full, &again, W_ALL));
+	for (unsigned w = 1; w < W_ALL; w++) {
+		grads g, untouched;
+
+		ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&untouched, &c, APE_F32));
+		ASSERT_EQ(0, run_backward(&c, dev, &g, w, NULL));
+		EXPECT_TRUE(same_grads(&g, &full, w));
+		/* NaN-poisoned: bits equal only if never written */
+		EXPECT_TRUE(same_grads(&g, &untouched, W_ALL & ~w)) TH_LOG("wanted 0x%x", w);
+		grads_free(&g);
+		grads_free(&untouched);
+	}
+	grads_free(&full);
+	grads_free(&again);
+	bcase_free(&c);
+}
+
+/* ---------------------------------------------------------------- storage and layouts */
+
+/* The same values as a contiguous tensor's, stored as float32 (widening is exact). */
+static int widen(test_tensor *dst, const test_tensor *src)
+{
+	const int64_t *s = src->t.shape;
+
+	if (test_tensor_empty(dst, APE_F32, s[0], s[1], s[2], s[3]))
+		return -1;
+	return ape_convert(dst->t.data, APE_F32, src->t.data, src->t.dtype,
+			   (size_t)(s[0] * s[1] * s[2] * s[3]));
+}
+
+/* f16 and bf16 storage (gradients in the storage type and in float32) against the same
+ * values stored as float32, within the spec's tolerances. */
+TEST_F(rd, storage_types)
+{
+	static const ape_dtype types[] = { APE_F16, APE_BF16 };
+	const test_problem_shape sh = { 1, 4, 2, 13, 17, 16 };
+	ape_device *dev = self->dev;
+	ape_rng rng;
+
+	ape_rng_init(&rng, "storage_types");
+	for (int t = 0; t < 2; t++)
+		for (int out_f32 = 0; out_f32 < 2; out_f32++) {
+			ape_dtype gt = out_f32 ? APE_F32 : types[t];
+			test_tensor q32, k32, v32, o32, dout32;
+			grads g16, g32;
+			bcase c;
+
+			ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, types[t], false, true, dev));
+			ASSERT_EQ(0, widen(&q32, &c.tp.q));
+			ASSERT_EQ(0, widen(&k32, &c.tp.k));
+			ASSERT_EQ(0, widen(&v32, &c.tp.v));
+			ASSERT_EQ(0, widen(&o32, &c.tp.o));
+			ASSERT_EQ(0, widen(&dout32, &c.dout));
+			ASSERT_EQ(0, grads_alloc(&g16, &c, gt));
+			ASSERT_EQ(0, grads_alloc(&g32, &c, APE_F32));
+			ASSERT_EQ(0, run_backward(&c, dev, &g16, W_ALL, NULL));
+			ASSERT_EQ(0, ape_attention_backward(dev, &c.tp.desc, &q32.t, &k32.t, &v32.t,
+							    &o32.t, c.tp.lse, &dout32.t, c.dlse,
+							    &g32.dq.t, &g32.dk.t, &g32.dv.t,
+							    g32.dparams, NULL));
+			EXPECT_LE(rel_err(&g16.dq.t, &g32.dq.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err(&g16.dk.t, &g32.dk.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err(&g16.dv.t, &g32.dv.t), tol_grad(types[t]));
+			/* the same float64 computation: only the storing of the outputs differs */
+			EXPECT_EQ(0, memcmp(g16.dparams, g32.dparams, sizeof(float) * 4 * sh.H));
+			if (out_f32) /* nothing rounds differently at all */
+				EXPECT_TRUE(same_grads(&g16, &g32, W_ALL));
+			test_tensor_free(&q32);
+			test_tensor_free(&k32);
+			test_tensor_free(&v32);
+			test_tensor_free(&o32);
+			test_tensor_free(&dout32);
+			grads_free(&g16);
+			grads_free(&g32);
+			bcase_free(&c);
+		}
+}
+
+/* Padded [B, L, H, D] storage for a gradient: NaN where written, 0xff in the padding. */
+static int strided_like(test_tensor *dst, const test_tensor *dense)
+{
+	return test_tensor_relayout(dst, dense, 3);
+}
+
+/* Strided inputs and outputs give the contiguous call's bits and leave the padding alone. */
+TEST_F(rd, strided_tensors)
+{
+	const test_problem_shape sh = { 2, 4, 2, 7, 10, 8 };
+	ape_device *dev = self->dev;
+	test_tensor sdq, sdk, sdv, pristine;
+	ape_rng rng;
+	bcase c, cs;
+	grads g;
+	float *dp;
+
+	ape_rng_init(&rng, "strided_tensors");
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F32, false, true, dev));
+	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+	ASSERT_EQ(0, run_backward(&c, dev, &g, W_ALL, NULL));
+	/* the same case with every tensor strided */
+	memset(&cs, 0, sizeof(cs));
+	ASSERT_EQ(0, test_tensor_relayout(&cs.tp.q, &c.tp.q, 3));
+	ASSERT_EQ(0, test_tensor_relayout(&cs.tp.k, &c.tp.k, 3));
+	ASSERT_EQ(0, test_tensor_relayout(&cs.tp.v, &c.tp.v, 3));
+	ASSERT_EQ(0, test_tensor_relayout(&cs.tp.o, &c.tp.o, 3));
+	ASSERT_EQ(0, test_tensor_relayout(&cs.dout, &c.dout, 3));
+	ASSERT_EQ(0, strided_like(&sdq, &g.dq));
+	ASSERT_EQ(0, strided_like(&sdk, &g.dk));
+	ASSERT_EQ(0, strided_like(&sdv, &g.dv));
+	ASSERT_EQ(0, strided_like(&pristine, &g.dq));
+	dp = malloc(sizeof(float) * 4 * sh.H);
+	ASSERT_NE(NULL, dp);
+	test_tensor_poison(&sdq.t);
+	test_tensor_poison(&sdk.t);
+	test_tensor_poison(&sdv.t);
+	test_tensor_poison(&pristine.t);
+	ASSERT_EQ(0, ape_attention_backward(dev, &c.tp.desc, &cs.tp.q.t, &cs.tp.k.t, &cs.tp.v.t,
+					    &cs.tp.o.t, c.tp.lse, &cs.dout.t, c.dlse, &sdq.t,
+					    &sdk.t, &sdv.t, dp, NULL));
+	EXPECT_EQ(0.0, test_max_err_o(&sdq.t, &g.dq.t));
+	EXPECT_EQ(0.0, test_max_err_o(&sdk.t, &g.dk.t));
+	EXPECT_EQ(0.0, test_max_err_o(&sdv.t, &g.dv.t));
+	EXPECT_EQ(0, memcmp(dp, g.dparams, sizeof(float) * 4 * sh.H));
+	/* every element NaN again: the whole allocation is then as it was, padding included */
+	test_tensor_poison(&sdq.t);
+	EXPECT_EQ(0, memcmp(sdq.alloc, pristine.alloc, sdq.alloc_bytes));
+	test_tensor_free(&sdq);
+	test_tensor_free(&sdk);
+	test_tensor_free(&sdv);
+	test_tensor_free(&pristine);
+	test_tensor_free(&cs.tp.q);
+	test_tensor_free(&cs.tp.k);
+	test_tensor_free(&cs.tp.v);
+	test_tensor_free(&cs.tp.o);
+	test_tensor_free(&cs.dout);
+	free(dp);
+	grads_free(&g);
+	bcase_free(&c);
+}
+
+/* ---------------------------------------------------------------- shapes without work */
+
+static bool all_zero(const ape_tensor *t)
+{
+	for (int64_t b = 0; b < t->shape[0]; b++)
+		for (int64_t h = 0; h < t->shape[1]; h++)
+			for (int64_t l = 0; l < t->shape[2]; l++)
+				for (int64_t d = 0; d < t->shape[3]; d++)
+					if (test_tensor_get(t, b, h, l, d) != 0.0)
+						return false;
+	return true;
+}
+
+/* No keys, no queries, or no visible key at all: every gradient is exactly 0. */
+TEST_F(rd, empty_and_invisible)
+{
+	static const test_problem_shape shapes[] = {
+		{ 1, 2, 1, 5, 0, 4 }, /* Lk = 0 */
+		{ 2, 2, 2, 0, 6, 4 }, /* Lq = 0 */
+		{ 1, 2, 1, 4, 6, 4 }, /* every query before every key (causal) */
+	};
+	ape_device *dev = self->dev;
+	ape_rng rng;
+
+	ape_rng_init(&rng, "empty_and_invisible");
+	for (int i = 0; i < 3; i++) {
+		bcase c;
+		grads g;
+		ape_stats st;
+
+		ASSERT_EQ(0, bcase_make(&c, &rng, &shapes[i], APE_F32, i == 2, true));
+		test_problem_random_params(&c.tp, &rng);
+		c.tp.desc.causal = true;
+		c.tp.desc.k_start = 100;
+		c.tp.desc.q_start = 0;
+		c.tp.desc.q_start_set = true;
+		ASSERT_EQ(0, bcase_forward(&c, dev));
+		ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+		ape_stats_init(&st);
+		ASSERT_EQ(0, run_backward(&c, dev, &g, W_ALL, &st));
+		EXPECT_TRUE(all_zero(&g.dq.t));
+		EXPECT_TRUE(all_zero(&g.dk.t));
+		EXPECT_TRUE(all_zero(&g.dv.t));
+		for (int64_t x = 0; x < 4 * shapes[i].H; x++)
+			EXPECT_EQ(0.0f, g.dparams[x]);
+		EXPECT_EQ(0u, st.pairs_visible);
+		grads_free(&g);
+		bcase_free(&c);
+	}
+}
+
+/* ---------------------------------------------------------------- statistics and budget */
+
+TEST_F(rd, statistics_and_budget)
+{
+	const test_problem_shape sh = { 1, 4, 2, 12, 20, 8 };
+	ape_device *dev = self->dev;
+	ape_exec_options eo;
+	uint64_t visible;
+	ape_stats st;
+	ape_rng rng;
+	bcase c;
+	grads g, fresh;
+
+	ape_rng_init(&rng, "statistics_and_budget");
+	ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F32, false, false));
+	test_problem_random_params(&c.tp, &rng);
+	c.tp.desc.q_start_set = false; /* end-aligned: some pair is visible, causal or not */
+	ASSERT_EQ(0, bcase_forward(&c, dev));
+	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+	ASSERT_EQ(0, grads_alloc(&fresh, &c, APE_F32));
+	ape_stats_init(&st);
+	ASSERT_EQ(0, run_backward(&c, dev, &g, W_ALL, &st));
+	ASSERT_EQ(0, ape_visible_pairs(&c.tp.desc, sh.B, sh.H, sh.Lq, sh.Lk, &visible));
+	EXPECT_EQ(visible, st.pairs_visible);
+	EXPECT_EQ(visible, st.pairs_computed);
+	EXPECT_STREQ("ref", st.backend);
+	EXPECT_EQ(1, st.devices);
+	EXPECT_EQ(1u, st.chunks);
+	EXPECT_LT(0u, st.bytes_to_device);
+	EXPECT_LT(0u, st.bytes_from_device);
+	EXPECT_LT(0u, st.peak_device_bytes);
+
+	/* a budget too small for one row each way: refused before any work, saying what it
+	 * needs; nothing written */
+	ape_exec_options_init(&eo);
+	eo.max_device_bytes = 100;
+	EXPECT_EQ(APE_ENOMEM,
+		  ape_attention_backward_ex(&dev, 1, &eo, &c.tp.desc, &c.tp.q.t, &c.tp.k.t,
+					    &c.tp.v.t, &c.tp.o.t, c.tp.lse, &c.dout.t, NULL,
+					    &fresh.dq.t, &fresh.dk.t, &fresh.dv.t, fresh.dparams,
+					    NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_backward_ex: ref:0 "));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "budget 100 bytes cannot hold the backward "
+						 "pass's chunk of 1 query row and 1 key row"));
+	for (int64_t i = 0; i < 4 * sh.H; i++)
+		EXPECT_TRUE(isnan(fresh.dparams[i]));
+	/* one byte short of the one-launch peak: smaller chunks, within the budget */
+	eo.max_device_bytes = st.peak_device_bytes - 1;
+	ape_stats_init(&st);
+	EXPECT_EQ(0, ape_attention_backward_ex(&dev, 1, &eo, &c.tp.desc, &c.tp.q.t, &c.tp.k.t,
+					       &c.tp.v.t, &c.tp.o.t, c.tp.lse, &c.dout.t, NULL,
+					       &fresh.dq.t, &fresh.dk.t, &fresh.dv.t,
+					       fresh.dparams, &st));
+	EXPECT_LT(1u, st.chunks);
+	EXPECT_LE(st.peak_device_bytes, eo.max_device_bytes);
+	EXPECT_EQ(eo.max_device_bytes, st.device_budget);
+	EXPECT_LE(rel_err(&fresh.dq.t, &g.dq.t), CHUNK_TOL);
+	EXPECT_LE(rel_err(&fresh.dk.t, &g.dk.t), CHUNK_TOL);
+	EXPECT_LE(rel_err(&fresh.dv.t, &g.dv.t), CHUNK_TOL);
+	EXPECT_LE(rel_err_params(fresh.dparams, g.dparams, sh.H), CHUNK_TOL);
+	grads_free(&g);
+	grads_free(&fresh);
+	bcase_free(&c);
+}
+
+/* Chunks of every size across the borders of the rows give the one-launch result, the same
+ * bits twice, and launch only the chunk pairs the mask lets through. */
+TEST_F(rd, chunked_matches_one_launch)
+{
+	static const int64_t sizes[][2] = { { 1, 1 }, { 3, 5 }, { 4, 4 }, { 7, 16 }, { 13, 2 } };
+	const test_problem_shape sh = { 2, 4, 2, 13, 17, 8 };
+	ape_device *dev = self->dev;
+	ape_rng rng;
+
+	ape_rng_init(&rng, "chunked_matches_one_launch");
+	for (int i = 0; i < 5; i++) {
+		const int64_t cq = sizes[i][0], ck = sizes[i][1];
+		int64_t pairs = 0;
+		ape_stats st;
+		bcase c;
+		grads one, g, again;
+
+		ASSERT_EQ(0, bcase_make(&c, &rng, &sh, i == 3 ? APE_BF16 : APE_F32, i % 2,
+					i != 2));
+		test_problem_random_params(&c.tp, &rng);
+		c.tp.desc.causal = i != 4;
+		ASSERT_EQ(0, bcase_forward(&c, dev));
+		ASSERT_EQ(0, grads_alloc(&one, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&again, &c, APE_F32));
+		ASSERT_EQ(0, run_backward(&c, dev, &one, W_ALL, NULL));
+		ape_stats_init(&st);
+		ASSERT_EQ(0, run_chunked(&c, dev, &g, cq, ck, &st));
+		ASSERT_EQ(0, run_chunked(&c, dev, &again, cq, ck, NULL));
+		EXPECT_TRUE(same_grads(&g, &again, W_ALL));
+		EXPECT_LE(rel_err(&g.dq.t, &one.dq.t), CHUNK_TOL);
+		EXPECT_LE(rel_err(&g.dk.t, &one.dk.t), CHUNK_TOL);
+		EXPECT_LE(rel_err(&g.dv.t, &one.dv.t), CHUNK_TOL);
+		EXPECT_LE(rel_err_params(g.dparams, one.dparams, sh.H), CHUNK_TOL);
+		/* chunk pairs with a visible (query, key) pair */
+		for (int64_t i0 = 0; i0 < sh.Lq; i0 += cq)
+			for (int64_t j0 = 0; j0 < sh.Lk; j0 += ck) {
+				int64_t last = i0 + cq < sh.Lq ? i0 + cq - 1 : sh.Lq - 1;
+
+				pairs += !c.tp.desc.causal ||
+					 c.tp.q_start + last >= c.tp.desc.k_start + j0;
+			}
+		EXPECT_EQ((uint64_t)pairs, st.chunks);
+		EXPECT_EQ(cq, st.chunk_q);
+		EXPECT_EQ(ck, st.chunk_k);
+		grads_free(&one);
+		grads_free(&g);
+		grads_free(&again);
+		bcase_free(&c);
+	}
+}
+
+/* ---------------------------------------------------------------- invalid arguments */
+
+/* The arguments of one call, each replaceable. */
+typedef struct bargs {
+	ape_device *dev;
+	const ape_attn_desc *desc;
+	const ape_tensor *q, *k, *v, *o, *dout;
+	const float *lse, *dlse;
+	ape_tensor *dq, *dk, *dv;
+	float *dparams;
+	ape_stats *stats;
+} bargs;
+
+static int call(const bargs *a)
+{
+	return ape_attention_backward(a->dev, a->desc, a->q, a->k, a->v, a->o, a->lse, a->dout,
+				      a->dlse, a->dq, a->dk, a->dv, a->dparams, a->stats);
+}
+
+/* Byte copies of the four outputs, to prove nothing was written. */
+typedef struct snapshot {
+	void *b[4];
+	size_t n[4];
+} snapshot;
+
+static void snap(snapshot *s, const grads *g)
+{
+	const void *src[4] = { g->dq.alloc, g->dk.alloc, g->dv.alloc, g->dparams };
+	const size_t n[4] = { g->dq.alloc_bytes, g->dk.alloc_bytes, g->dv.alloc_bytes,
+			      sizeof(float) * (size_t)(4 * g->H) };
+
+	for (int i = 0; i < 4; i++) {
+		s->n[i] = n[i];
+		s->b[i] = malloc(n[i] + 1);
+		memcpy(s->b[i], src[i], n[i]);
+	}
+}
+
+static bool unchanged(const snapshot *s, const grads *g)
+{
+	const void *cur[4] = { g->dq.alloc, g->dk.alloc, g->dv.alloc, g->dparams };
+	bool same = true;
+
+	for (int i = 0; i < 4; i++) {
+		same &= !memcmp(s->b[i], cur[i], s->n[i]);
+		free(s->b[i]);
+	}
+	return same;
+}
+
+#define EXPECT_REFUSED(args, code, text)                                                           \
+	do {                                                                                       \
+		snapshot snap_;                                                                    \
+		snap(&snap_, &g);                                                                  \
+		EXPECT_EQ(code, call(&(args)));                                                    \
+		EXPECT_NE(NULL, strstr(ape_last_error(), text)) TH_LOG("%s", ape_last_error());   \
+		EXPECT_TRUE(unchanged(&snap_, &g));                                                \
+	} while (0)
+
+TEST_F(rd, invalid_arguments)
+{
+	const test_problem_shape sh = { 1, 4, 2, 6, 8, 8 };
+	ape_device *dev = self->dev;
+	ape_tensor bad;
+	ape_attn_desc d;
+	ape_stats st;
+	ape_rng rng;
+	bcase c;
+	grads g;
+	bargs ok, a;
+	float neg = -1.0f;
+
+	ape_rng_init(&rng, "invalid_arguments");
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F16, false, true, dev));
+	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F16));
+	ok = (bargs){ dev,     &c.tp.desc, &c.tp.q.t, &c.tp.k.t, &c.tp.v.t, &c.tp.o.t,
+		      &c.dout.t, c.tp.lse,  c.dlse,    &g.dq.t,   &g.dk.t,   &g.dv.t,
+		      g.dparams, NULL };
+
+	a = ok, a.dev = NULL;
+	EXPECT_REFUSED(a, APE_EINVAL, "ape_attention_backward: dev = NULL");
+	a = ok, a.desc = NULL;
+	EXPECT_REFUSED(a, APE_EINVAL, "ape_attention_backward: desc = NULL");
+	d = c.tp.desc, d.lambda.per_head = NULL, d.lambda.value = neg;
+	a = ok, a.desc = &d;
+	EXPECT_REFUSED(a, APE_EINVAL, "desc->lambda.value = -1: must be >= 0");
+	a = ok, a.q = NULL;
+	EXPECT_REFUSED(a, APE_EINVAL, "ape_attention_backward: q = NULL");
+	a = ok, a.o = NULL;
+	EXPECT_REFUSED(a, APE_EINVAL, "ape_attention_backward: o = NULL");
+	a = ok, a.lse = NULL;
+	EXPECT_REFUSED(a, APE_EINVAL, "lse = NULL: the backward pass needs the forward's LSE");
+	a = ok, a.dout = NULL;
+	EXPECT_REFUSED(a, APE_EINVAL, "ape_attention_backward: dout = NULL");
+	a = ok, a.dq = NULL, a.dk = NULL, a.dv = NULL, a.dparams = NULL;
+	EXPECT_REFUSED(a, APE_EINVAL, "dq, dk, dv and dparams are all NULL");
+
+	bad = g.dq.t, bad.shape[2] = sh.Lq + 1;
+	a = ok, a.dq = &bad;
+	EXPECT_REFUSED(a, APE_EINVAL, "dq->shape[2] = 7: must equal Lq = 6");
+	bad = g.dk.t, bad.shape[1] = 4;
+	a = ok, a.dk = &bad;
+	EXPECT_REFUSED(a, APE_EINVAL, "dk->shape[1] = 4: must equal Hkv = 2");
+	bad = g.dv.t, bad.dtype = APE_BF16;
+	a = ok, a.dv = &bad;
+	EXPECT_REFUSED(a, APE_EINVAL, "dv->dtype = bf16: must be f16 or f32");
+	bad = c.dout.t, bad.dtype = (ape_dtype)7;
+	a = ok, a.dout = &bad;
+	EXPECT_REFUSED(a, APE_EINVAL, "dout->dtype = 7: not a libape storage type");
+	bad = c.dout.t, bad.shape[3] = 4;
+	a = ok, a.dout = &bad;
+	EXPECT_REFUSED(a, APE_EINVAL, "dout->shape[3] = 4: must equal D = 8");
+	bad = g.dq.t, bad.strides[0] = 1, bad.strides[1] = 1, bad.strides[2] = 1,
+	bad.strides[3] = 1;
+	a = ok, a.dq = &bad;
+	EXPECT_REFUSED(a, APE_EINVAL, "dq->strides[");
+	EXPECT_NE(NULL, strstr(ape_last_error(), "output elements would overlap"));
+	bad = g.dq.t, bad.data = NULL;
+	a = ok, a.dq = &bad;
+	EXPECT_REFUSED(a, APE_EINVAL, "dq->data = NULL");
+
+	/* outputs overlapping inputs or each other */
+	bad = g.dk.t, bad.data = c.tp.k.t.data;
+	a = ok, a.dk = &bad;
+	EXPECT_REFUSED(a, APE_EINVAL, "dk overlaps k in memory");
+	bad = g.dq.t, bad.data = c.dout.t.data;
+	a = ok, a.dq = &bad;
+	EXPECT_REFUSED(a, APE_EINVAL, "dq overlaps dout in memory");
+	bad = g.dv.t, bad.data = g.dk.t.data;
+	a = ok, a.dv = &bad;
+	EXPECT_REFUSED(a, APE_EINVAL, "dv overlaps dk in memory");
+	a = ok, a.dparams = c.tp.lse;
+	EXPECT_REFUSED(a, APE_EINVAL, "dparams overlaps lse in memory");
+	a = ok, a.dparams = c.dlse + 1;
+	EXPECT_REFUSED(a, APE_EINVAL, "dparams overlaps dlse in memory");
+	a = ok, a.dparams = (float *)g.dq.t.data;
+	EXPECT_REFUSED(a, APE_EINVAL, "dparams overlaps dq in memory");
+
+	/* the stats and the _ex options */
+	ape_stats_init(&st);
+	st.struct_size = 3;
+	a = ok, a.stats = &st;
+	EXPECT_REFUSED(a, APE_EINVAL, "stats->struct_size = 3");
+	{
+		ape_device *two[2] = { dev, dev };
+		ape_exec_options eo;
+		snapshot s;
+
+		ape_exec_options_init(&eo);
+		snap(&s, &g);
+		EXPECT_EQ(APE_ENOTSUP,
+			  ape_attention_backward_ex(two, 2, NULL, &c.tp.desc, &c.tp.q.t, &c.tp.k.t,
+						    &c.tp.v.t, &c.tp.o.t, c.tp.lse, &c.dout.t,
+						    NULL, &g.dq.t, NULL, NULL, NULL, NULL));
+		EXPECT_NE(NULL, strstr(ape_last_error(),
+				       "ape_attention_backward_ex: ndev = 2: the backward pass "
+				       "runs on one device for now"));
+		EXPECT_EQ(APE_EINVAL,
+			  ape_attention_backward_ex(two, 0, NULL, &c.tp.desc, &c.tp.q.t, &c.tp.k.t,
+						    &c.tp.v.t, &c.tp.o.t, c.tp.lse, &c.dout.t,
+						    NULL, &g.dq.t, NULL, NULL, NULL, NULL));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "ndev = 0"));
+		eo.trace_path = "/tmp/x.json";
+		EXPECT_EQ(APE_ENOTSUP,
+			  ape_attention_backward_ex(two, 1, &eo, &c.tp.desc, &c.tp.q.t, &c.tp.k.t,
+						    &c.tp.v.t, &c.tp.o.t, c.tp.lse, &c.dout.t,
+						    NULL, &g.dq.t, NULL, NULL, NULL, NULL));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "opts->trace_path"));
+		eo.trace_path = NULL;
+		eo.pipeline_depth = 9;
+		EXPECT_EQ(APE_EINVAL,
+			  ape_attention_backward_ex(two, 1, &eo, &c.tp.desc, &c.tp.q.t, &c.tp.k.t,
+						    &c.tp.v.t, &c.tp.o.t, c.tp.lse, &c.dout.t,
+						    NULL, &g.dq.t, NULL, NULL, NULL, NULL));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "opts->pipeline_depth = 9"));
+		EXPECT_TRUE(unchanged(&s, &g));
+	}
+	/* and the valid call, for contrast */
+	EXPECT_EQ(0, call(&ok)) TH_LOG("%s", ape_last_error());
+	grads_free(&g);
+	bcase_free(&c);
+}
+
+/* ---------------------------------------------------------------- every backend */
+
+BACKEND_FIXTURE(bwd)
+
+/*
+ * Every backend: one that has the backward op against the reference at the spec's tolerances,
+ * in one piece and in chunks, on every storage type; one that has not APE_ENOTSUP naming the
+ * device, nothing written, no fallback to another device.
+ */
+TEST_F(bwd, every_backend_against_the_reference)
+{
+	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
+	const test_problem_shape small = { 1, 2, 1, 5, 7, 8 }, larger = { 2, 4, 2, 33, 47, 16 };
+	const test_problem_shape *sh = self->emu || ape_test_slow() ? &small : &larger;
+	const bool has_op = self->dev->be->ops->attention_backward != NULL;
+	ape_device_info info;
+	char label[256];
+	ape_rng rng;
+
+	ASSERT_EQ(0, ape_device_get_info(self->dev, &info));
+	snprintf(label, sizeof(label), "ape_attention_backward: %s:%d %s: ", info.backend,
+		 info.backend_index, info.name);
+	ape_rng_init(&rng, "every_backend_against_the_reference");
+	for (int t = 0; t < 3; t++) {
+		bcase c;
+		grads want, g, chunked;
+
+		ASSERT_EQ(0, bcase_ready(&c, &rng, sh, types[t], t == 1, true, self->ref));
+		ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&g, &c, types[t]));
+		ASSERT_EQ(0, grads_alloc(&chunked, &c, types[t]));
+		ASSERT_EQ(0, run_backward(&c, self->ref, &want, W_ALL, NULL));
+		if (!has_op) {
+			snapshot s;
+
+			snap(&s, &g);
+			EXPECT_EQ(APE_ENOTSUP, run_backward(&c, self->dev, &g, W_ALL, NULL));
+			EXPECT_NE(NULL, strstr(ape_last_error(), label)) TH_LOG("%s", ape_last_error());
+			EXPECT_NE(NULL, strstr(ape_last_error(), "the backward pass is not "
+								 "implemented on this backend yet"));
+			EXPECT_TRUE(unchanged(&s, &g));
+		} else {
+			EXPECT_EQ(0, run_backward(&c, self->dev, &g, W_ALL, NULL))
+				TH_LOG("%s", ape_last_error());
+			EXPECT_EQ(0, run_chunked(&c, self->dev, &chunked, 7, 16, NULL))
+				TH_LOG("%s", ape_last_error());
+			EXPECT_LE(rel_err(&g.dq.t, &want.dq.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err(&g.dk.t, &want.dk.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err(&g.dv.t, &want.dv.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err_params(g.dparams, want.dparams, sh->H), tol_grad(types[t]));
+			EXPECT_LE(rel_err(&chunked.dq.t, &want.dq.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err(&chunked.dk.t, &want.dk.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err(&chunked.dv.t, &want.dv.t), tol_grad(types[t]));
+			EXPECT_LE(rel_err_params(chunked.dparams, want.dparams, sh->H),
+				  tol_grad(types[t]));
+		}
+		grads_free(&want);
+		grads_free(&g);
+		grads_free(&chunked);
+		bcase_free(&c);
+	}
+}
+
+TEST_HARNESS_MAIN
