@@ -19,7 +19,7 @@
 #include "ape_test.h"
 #include "common/pages.h"
 #include "core/context.h"
-#include "topo/hostmem.h"
+#include "topo/placement.h"
 #include "topo/topology.h"
 
 #define FIXTURE_DIR APE_SOURCE_DIR "/tests/fixtures/"

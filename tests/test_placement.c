@@ -18,7 +18,7 @@
 #include "ape_test.h"
 #include "common/pages.h"
 #include "core/context.h"
-#include "topo/hostmem.h"
+#include "topo/placement.h"
 #include "topo/numa.h"
 #include "topo/topology.h"
 

@@ -19,7 +19,7 @@
 #include "exec/problem.h"
 #include "exec/skip.h"
 #include "exec/stream.h"
-#include "topo/hostmem.h"
+#include "topo/placement.h"
 
 #pragma GCC visibility push(hidden)
 

@@ -12,7 +12,7 @@
 #include "core/alloc.h"
 #include "core/clock.h"
 #include "core/error.h"
-#include "topo/hostmem.h"
+#include "topo/placement.h"
 #include "topo/numa.h"
 #include "topo/topology.h"
 

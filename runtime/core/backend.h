@@ -210,7 +210,7 @@ struct ape__backend_ops {
 
 	/*
 	 * Optional (NULL: host memory is used as it is). Pins `bytes` at `ptr`, page-aligned host
-	 * memory the core placed on the device's NUMA node (runtime/topo/hostmem.c), so that copies
+	 * memory the core placed on the device's NUMA node (runtime/topo/placement.c), so that copies
 	 * from and to it run at full speed (cuMemHostRegister, for instance). Sets *handle to
 	 * whatever host_unregister needs. A backend may decline (APE_ENOTSUP) where pinning does
 	 * not pay; any failure only costs speed: the core uses the memory unpinned. May be called

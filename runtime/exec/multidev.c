@@ -25,7 +25,7 @@
 #include "core/limits.h"
 #include "exec/launch.h"
 #include "exec/multidev.h"
-#include "topo/hostmem.h"
+#include "topo/placement.h"
 
 /* ------------------------------------------------------------------ planning */
 

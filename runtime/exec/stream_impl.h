@@ -22,7 +22,7 @@
 #include "exec/devmem.h"
 #include "exec/lse_merge.h"
 #include "exec/stream.h"
-#include "topo/hostmem.h"
+#include "topo/placement.h"
 
 #pragma GCC visibility push(hidden)
 

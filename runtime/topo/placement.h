@@ -1,11 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Host memory that feeds a device: staging buffers allocated on the device's NUMA node under the
+ * Placement of what feeds a device: host staging buffers allocated on the device's NUMA node under the
  * context's policy and pinned through the backend when it can, and the binding of the threads
  * that fill them to the device's local CPUs.
  */
-#ifndef APE_RUNTIME_HOSTMEM_H
-#define APE_RUNTIME_HOSTMEM_H
+#ifndef APE_RUNTIME_PLACEMENT_H
+#define APE_RUNTIME_PLACEMENT_H
 
 #include <stdbool.h>
 #include <stddef.h>

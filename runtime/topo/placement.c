@@ -13,7 +13,7 @@
 #include "core/context.h"
 #include "core/alloc.h"
 #include "core/error.h"
-#include "topo/hostmem.h"
+#include "topo/placement.h"
 #include "topo/numa.h"
 #include "topo/topology.h"
 
