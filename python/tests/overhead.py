@@ -1,6 +1,8 @@
 """Python overhead of libape.attention over the C call it makes: a tiny problem on the reference,
 timed both ways alternately; the minimum over rounds of each, to see past a busy machine.
-Usage: overhead.py [ROUNDS] (prints one line; bench/RESULTS.md records it)."""
+Usage: overhead.py [ROUNDS] [--torch] (prints one line; bench/RESULTS.md records it). --torch
+adds a line for libape.torch.attention on torch tensors (the custom op's dispatch, forward only,
+no gradient wanted) against libape.attention on the same tensors."""
 import ctypes
 import sys
 import time
@@ -12,7 +14,8 @@ from libape import _capi, _core
 
 
 def main():
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    args = [a for a in sys.argv[1:] if a != "--torch"]
+    rounds = int(args[0]) if args else 30
     q = np.ones((1, 1, 1, 8), np.float32)
     o = np.empty_like(q)
     dev = _core._context.device("ref")
@@ -37,6 +40,27 @@ def main():
     print("tiny call (1x1x1x8, ref): C call through ctypes %.1f us, libape.attention %.1f us, "
           "overhead %.1f us (minimum of %d rounds of %d)"
           % (min(raw) * 1e6, min(wrapped) * 1e6, (min(wrapped) - min(raw)) * 1e6, rounds, n))
+    if "--torch" in sys.argv[1:]:
+        torch_overhead(rounds, n)
+
+
+def torch_overhead(rounds, n):
+    import torch
+    import libape.torch as apet
+    q = torch.ones((1, 1, 1, 8))
+    plain, op = [], []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            libape.attention(q, q, q, device="ref")
+        plain.append((time.perf_counter() - t) / n)
+        t = time.perf_counter()
+        for _ in range(n):
+            apet.attention(q, q, q, device="ref")
+        op.append((time.perf_counter() - t) / n)
+    print("tiny call, torch tensors: libape.attention %.1f us, libape.torch.attention (%s) "
+          "%.1f us, overhead %.1f us" % (min(plain) * 1e6, apet.IMPLEMENTATION, min(op) * 1e6,
+                                         (min(op) - min(plain)) * 1e6))
 
 
 if __name__ == "__main__":
