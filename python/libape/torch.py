@@ -184,11 +184,21 @@ class _Function(torch.autograd.Function):
 
 # ------------------------------------------------------------------ the public function
 
-def _as_param(x, like):
+_consts = {}
+
+
+def _as_param(x):
+    """A parameter as a tensor: tensors as they are; floats as cached scalar tensors (never
+    handed out, so never changed); sequences as a new [H] tensor."""
     if isinstance(x, torch.Tensor):
         return x
-    if isinstance(x, (int, float)):
-        return torch.tensor(float(x), dtype=torch.float32)
+    if type(x) in (int, float):
+        t = _consts.get(x)
+        if t is None:
+            if len(_consts) > 256:
+                _consts.clear()
+            t = _consts[x] = torch.tensor(float(x), dtype=torch.float32)
+        return t
     return torch.tensor(x, dtype=torch.float32)
 
 
@@ -210,7 +220,7 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     "auto" without gradients, "ref" with (see the module's doc); an explicit device is used for
     both passes. Nothing is skipped (skip_tol = 0): the gradients are those of the exact
     function."""
-    params = [_as_param(x, q) for x in (delta, beta, gamma, lam)]
+    params = [_as_param(x) for x in (delta, beta, gamma, lam)]
     dev = _pick_device(device, (q, k, v, *params))
     args = (q, k, v, *params, bool(causal), None if scale is None else float(scale),
             float(rope_base), layout, None if q_start is None else int(q_start), int(k_start),
