@@ -27,40 +27,36 @@ def main():
             ctypes.addressof(tq), ctypes.addressof(to), None, None)
     fwd = _capi.lib.ape_attention_forward
     n = 300
-    raw, wrapped = [], []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(n):
-            fwd(*args)
-        raw.append((time.perf_counter() - t) / n)
-        t = time.perf_counter()
-        for _ in range(n):
-            libape.attention(q, q, q, device="ref")
-        wrapped.append((time.perf_counter() - t) / n)
+    raw, wrapped = alternate(rounds, n, lambda: fwd(*args),
+                             lambda: libape.attention(q, q, q, device="ref"))
     print("tiny call (1x1x1x8, ref): C call through ctypes %.1f us, libape.attention %.1f us, "
           "overhead %.1f us (minimum of %d rounds of %d)"
-          % (min(raw) * 1e6, min(wrapped) * 1e6, (min(wrapped) - min(raw)) * 1e6, rounds, n))
+          % (raw * 1e6, wrapped * 1e6, (wrapped - raw) * 1e6, rounds, n))
     if "--torch" in sys.argv[1:]:
         torch_overhead(rounds, n)
+
+
+def alternate(rounds, n, *calls):
+    """The minimum over rounds of each call's time (seconds), the calls timed in turn."""
+    best = [float("inf")] * len(calls)
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
+            t = time.perf_counter()
+            for _ in range(n):
+                call()
+            best[i] = min(best[i], (time.perf_counter() - t) / n)
+    return best
 
 
 def torch_overhead(rounds, n):
     import torch
     import libape.torch as apet
     q = torch.ones((1, 1, 1, 8))
-    plain, op = [], []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(n):
-            libape.attention(q, q, q, device="ref")
-        plain.append((time.perf_counter() - t) / n)
-        t = time.perf_counter()
-        for _ in range(n):
-            apet.attention(q, q, q, device="ref")
-        op.append((time.perf_counter() - t) / n)
+    plain, op = alternate(rounds, n, lambda: libape.attention(q, q, q, device="ref"),
+                          lambda: apet.attention(q, q, q, device="ref"))
     print("tiny call, torch tensors: libape.attention %.1f us, libape.torch.attention (%s) "
-          "%.1f us, overhead %.1f us" % (min(plain) * 1e6, apet.IMPLEMENTATION, min(op) * 1e6,
-                                         (min(op) - min(plain)) * 1e6))
+          "%.1f us, overhead %.1f us" % (plain * 1e6, apet.IMPLEMENTATION, op * 1e6,
+                                         (op - plain) * 1e6))
 
 
 if __name__ == "__main__":
