@@ -3,6 +3,8 @@
     import numpy as np, libape
     o = libape.attention(q, k, v)            # NumPy in, NumPy out; torch in, torch out
     o, lse = libape.attention(q, k, v, lam=0.0, return_lse=True, device="ref")
+    dq, dk, dv, dparams = libape.attention_backward(q, k, v, o, lse, do, device="ref")
+    import libape.torch                      # autograd, torch.compile, APEAttention
     libape.devices()                         # what ape-info lists
 
 Pure Python over libape.so through ctypes: no compiled extension. The library is found through
@@ -10,9 +12,9 @@ LIBAPE_LIBRARY, else the copy `pip install ./python` bundled, else the installed
 """
 from ._capi import LibraryError, path as library_path
 from ._core import (ApeError, ApeValueError, KVCache, SEED_BETA, SEED_DELTA, SEED_GAMMA,
-                    SEED_LAMBDA, attention, backends, devices, version)
+                    SEED_LAMBDA, attention, attention_backward, backends, devices, version)
 
 __version__ = "0.1.0"
-__all__ = ["attention", "devices", "backends", "version", "KVCache", "ApeError",
+__all__ = ["attention", "attention_backward", "devices", "backends", "version", "KVCache", "ApeError",
            "ApeValueError", "LibraryError", "library_path", "SEED_DELTA", "SEED_BETA",
            "SEED_GAMMA", "SEED_LAMBDA"]

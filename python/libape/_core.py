@@ -197,11 +197,20 @@ def _as_array(name, x):
              "convert it first, e.g. x.astype(np.float32)" % (name, x.dtype))
     isz = x.itemsize
     st = x.strides
-    if st[0] % isz or st[1] % isz or st[2] % isz or st[3] % isz or min(st) < 0:
-        x = np.ascontiguousarray(x)  # negative or unaligned strides: the layout demands a copy
+    if (st[0] % isz or st[1] % isz or st[2] % isz or st[3] % isz or min(st) <= 0) and \
+            _needs_copy(st, x.shape, isz):
+        # negative, unaligned or broadcast (0) strides: the layout demands a copy
+        x = np.ascontiguousarray(x)
         st = x.strides
     return _Array(x, "numpy", x.dtype, x.ctypes.data, code, x.shape,
                   (st[0] // isz, st[1] // isz, st[2] // isz, st[3] // isz))
+
+
+def _needs_copy(strides, shape, isz=1):
+    """Strides libape cannot take as they are: negative, not whole elements, or 0 on a
+    dimension of more than one element (a broadcast view; all-0 strides mean "contiguous" to
+    libape)."""
+    return any(s < 0 or s % isz or (s == 0 and n > 1) for s, n in zip(strides, shape))
 
 
 def _torch_array(name, x):
@@ -216,7 +225,7 @@ def _torch_array(name, x):
     if code is None:
         _bad("%s: dtype %s: libape stores float32, float16 or bfloat16; convert it first"
              % (name, x.dtype))
-    if any(s < 0 for s in x.stride()):
+    if min(x.stride()) <= 0 and _needs_copy(x.stride(), x.shape):
         x = x.contiguous()
     return _Array(x, "torch", x.dtype, x.data_ptr(), code, tuple(x.shape), x.stride())
 
@@ -485,3 +494,73 @@ class KVCache:
         # interpreter shutdown may have torn the module down already
         if getattr(self, "_c", None) is not None and lib is not None:
             self.close()
+
+
+# ------------------------------------------------------------------ gradients
+
+_backward = lib.ape_attention_backward
+_WRT = ("q", "k", "v", "params")
+
+
+def _lse_buffer(name, x, kind, shape):
+    """LSE or dLSE as contiguous float32 `[B, H, Lq]`: (the object kept alive, its address)."""
+    if kind == "torch":
+        torch = _torch()
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+            _bad("%s: pass a torch CPU tensor like q" % name)
+        x = x.detach().to(torch.float32).contiguous()
+        got, ptr = tuple(x.shape), x.data_ptr()
+    else:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        got, ptr = x.shape, x.ctypes.data
+    if got != shape:
+        _bad("%s: shape %s: must be [B, H, Lq] = %s" % (name, got, shape))
+    return x, ptr
+
+
+def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, beta=SEED_BETA,
+                       gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True, scale=None,
+                       rope_base=10000.0, layout="half", q_start=None, k_start=0,
+                       wrt=_WRT, device="auto"):
+    """The gradients of `attention()` (ape_attention_backward()): given the forward's inputs and
+    parameters, its O and LSE (`return_lse=True`), dL/dO `dout` and optionally dL/dLSE `dlse`,
+    returns `(dq, dk, dv, dparams)`: dq like q, dk and dv like k (summed over the query heads
+    that share a kv head), dparams `[H, 4]` float32 (per head: d delta, d beta, d gamma,
+    d lambda; a parameter shared by all heads has the sum over h as its gradient).
+
+    `wrt` names what is wanted, of "q", "k", "v", "params"; the others are None and cost
+    nothing (frozen q, k, v with wrt=("params",) is one pass over the pairs). Arrays as for
+    `attention()`; the gradients have q's kind and dtype. `device` as for `attention()`: today
+    only the reference backend ("ref") has a backward pass; any other device raises ApeError
+    (APE_ENOTSUP) with libape's message naming it, and nothing falls back to another device.
+    """
+    want = set(wrt)
+    if not want or not want <= set(_WRT):
+        _bad("wrt = %r: name one or more of 'q', 'k', 'v', 'params'" % (wrt,))
+    qa, ka, va = _as_array("q", q), _as_array("k", k), _as_array("v", v)
+    oa, da = _as_array("o", o), _as_array("dout", dout)
+    if not (qa.kind == ka.kind == va.kind == oa.kind == da.kind):
+        _bad("q, k, v, o, dout: mixed kinds: pass all NumPy arrays or all torch tensors")
+    B, H, Lq, D = qa.shape
+    lse_keep, lse_ptr = _lse_buffer("lse", lse, qa.kind, (B, H, Lq))
+    dlse_keep, dlse_ptr = (None, None) if dlse is None else \
+        _lse_buffer("dlse", dlse, qa.kind, (B, H, Lq))
+    keep = []
+    desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
+                 0.0, keep)
+    dev = _device_spec(device)
+    dqa = _empty_like(qa, qa.shape) if "q" in want else None
+    dka = _empty_like(qa, ka.shape) if "k" in want else None
+    dva = _empty_like(qa, ka.shape) if "v" in want else None
+    dp, dp_ptr = _empty_lse(qa, (H, 4)) if "params" in want else (None, None)
+    arrays = [qa, ka, va, oa, da] + [a for a in (dqa, dka, dva) if a is not None]
+    ptrs = iter(_Tensors.pack(arrays))
+    tq, tk, tv, to, tdo = (next(ptrs) for _ in range(5))
+    tdq = next(ptrs) if dqa is not None else None
+    tdk = next(ptrs) if dka is not None else None
+    tdv = next(ptrs) if dva is not None else None
+    err = _backward(dev, ctypes.byref(desc), tq, tk, tv, to, lse_ptr, tdo, dlse_ptr, tdq, tdk,
+                    tdv, dp_ptr, None)
+    if err:
+        _raise(err)
+    return tuple(None if a is None else a.obj for a in (dqa, dka, dva)) + (dp,)

@@ -1,0 +1,288 @@
+"""APE attention as a differentiable PyTorch operation, and the seed's APEAttention module.
+
+    import libape.torch as apet
+    o = apet.attention(q, k, v, delta=d, beta=b, gamma=g, lam=l)   # autograd through libape
+    layer = apet.APEAttention(num_heads=6, head_dim=64)            # learnable delta..lambda_
+    o = layer(q, k, v)
+
+On PyTorch 2.4 or later the operation is `torch.ops.libape.attention` (torch.library.custom_op,
+with register_fake and register_autograd: torch.compile traces it without graph breaks, and
+torch.library.opcheck passes); on older PyTorch, or with LIBAPE_TORCH_FALLBACK=1 in the
+environment when this module is imported, it is a torch.autograd.Function. Both compute the
+forward with ape_attention_forward() and every gradient (q, k, v and the four parameters) with
+ape_attention_backward().
+
+Devices. `device=None` (the default) runs the forward on the best device ("auto") when no
+gradient is wanted, and forward and backward on the reference backend ("ref") when any input
+or parameter requires a gradient, because today only the reference backend has a backward
+pass. A device given explicitly is used for both passes: a backward on a device without one
+raises libape.ApeError (APE_ENOTSUP) naming it; nothing falls back to another device.
+CUDA tensors raise ApeValueError until libape has its device-resident API.
+"""
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from . import _core
+from ._core import SEED_BETA, SEED_DELTA, SEED_GAMMA, SEED_LAMBDA
+
+__all__ = ["attention", "APEAttention", "IMPLEMENTATION"]
+
+_HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op") and \
+    hasattr(torch.library, "register_autograd")
+_FALLBACK = os.environ.get("LIBAPE_TORCH_FALLBACK", "") not in ("", "0") or not _HAS_CUSTOM_OP
+#: "custom_op" (torch.ops.libape.attention) or "autograd.Function" (older PyTorch, or forced).
+IMPLEMENTATION = "autograd.Function" if _FALLBACK else "custom_op"
+
+
+# ------------------------------------------------------------------ the two C calls on tensors
+
+def _value(p):
+    """A parameter tensor as libape takes it: a float (shape [], shared by all heads) or one
+    float32 value per head (shape [H])."""
+    if p.dim() == 0:
+        return float(p)
+    return p.detach().to(torch.float32).contiguous().numpy()
+
+
+def _forward(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
+             k_start, device):
+    return _core.attention(q.detach(), k.detach(), v.detach(), delta=_value(delta),
+                           beta=_value(beta), gamma=_value(gamma), lam=_value(lam),
+                           causal=causal, scale=scale, rope_base=rope_base, layout=layout,
+                           q_start=q_start, k_start=k_start, skip_tol=0.0, device=device,
+                           return_lse=True)
+
+
+def _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale, rope_base,
+              layout, q_start, k_start, device, wrt):
+    """(dq, dk, dv, dparams [H, 4]); an unwanted gradient is an empty tensor (a custom op
+    returns tensors only)."""
+    got = _core.attention_backward(
+        q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do.detach(),
+        dlse=None if dlse is None else dlse.detach(), delta=_value(delta), beta=_value(beta),
+        gamma=_value(gamma), lam=_value(lam), causal=causal, scale=scale, rope_base=rope_base,
+        layout=layout, q_start=q_start, k_start=k_start, wrt=wrt, device=device)
+    return tuple(q.new_empty(0) if g is None else g for g in got[:3]) + \
+        (got[3] if got[3] is not None else torch.empty(0),)
+
+
+def _wrt(needs):
+    """The `wrt` of attention_backward from ctx.needs_input_grad over (q, k, v, delta, beta,
+    gamma, lam)."""
+    w = tuple(n for n, need in zip(("q", "k", "v"), needs[:3]) if need)
+    return w + ("params",) if any(needs[3:7]) else w
+
+
+def _param_grads(dparams, params, needs):
+    """The gradient of each parameter tensor from dparams [H, 4]: per head its column, for a
+    shared (shape []) parameter the column's sum; None where not needed."""
+    out = []
+    for i, (p, need) in enumerate(zip(params, needs)):
+        if not need:
+            out.append(None)
+            continue
+        col = dparams[:, i]
+        out.append((col.sum() if p.dim() == 0 else col).to(p.dtype))
+    return out
+
+
+def _snapshot(*params):
+    """The parameters' values as the forward used them (tiny copies: APEAttention projects
+    lambda_ in place on its next call, which must not disturb a pending backward)."""
+    return tuple(p.detach().clone() for p in params)
+
+
+def _unpack(ctx, do, dlse):
+    q, k, v, o, lse, *params = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    wrt = _wrt(needs)
+    if not wrt:
+        return (None,) * 7
+    if dlse is not None and not dlse.any():
+        dlse = None  # an unused LSE: its gradient is zeros, the default
+    dq, dk, dv, dp = _backward(q, k, v, o, lse, do, dlse, *params, *ctx.args, wrt)
+    grads = [g if need else None for g, need in zip((dq, dk, dv), needs[:3])]
+    return tuple(grads) + tuple(_param_grads(dp, params, needs[3:7]))
+
+
+# ------------------------------------------------------------------ custom_op (PyTorch >= 2.4)
+
+if not _FALLBACK:
+    @torch.library.custom_op("libape::attention", mutates_args=())
+    def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
+            beta: torch.Tensor, gamma: torch.Tensor, lam: torch.Tensor, causal: bool,
+            scale: Optional[float], rope_base: float, layout: str, q_start: Optional[int],
+            k_start: int, device: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        return _forward(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout,
+                        q_start, k_start, device)
+
+    @_op.register_fake
+    def _op_fake(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
+                 k_start, device):
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @torch.library.custom_op("libape::attention_backward", mutates_args=())
+    def _op_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor, do: torch.Tensor, dlse: Optional[torch.Tensor],
+                delta: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor, lam: torch.Tensor,
+                causal: bool, scale: Optional[float], rope_base: float, layout: str,
+                q_start: Optional[int], k_start: int, device: str,
+                wrt: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale,
+                         rope_base, layout, q_start, k_start, device, tuple(wrt.split(",")))
+
+    @_op_bwd.register_fake
+    def _op_bwd_fake(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale,
+                     rope_base, layout, q_start, k_start, device, wrt):
+        wrt = wrt.split(",")
+
+        def like(x, name):
+            return x.new_empty(x.shape, dtype=q.dtype) if name in wrt else q.new_empty(0)
+        dp = q.new_empty((q.shape[1], 4) if "params" in wrt else (0,), dtype=torch.float32)
+        return like(q, "q"), like(k, "k"), like(k, "v"), dp
+
+    def _setup_context(ctx, inputs, output):
+        q, k, v, delta, beta, gamma, lam = inputs[:7]
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse, *_snapshot(delta, beta, gamma, lam))
+        ctx.args = inputs[7:]
+
+    def _op_backward(ctx, do, dlse):
+        q, k, v, o, lse, *params = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        wrt = _wrt(needs)
+        if not wrt:
+            return (None,) * 7 + (None,) * 7
+        dq, dk, dv, dp = _op_bwd(q, k, v, o, lse, do.contiguous(), dlse, *params, *ctx.args,
+                                 ",".join(wrt))
+        grads = [g if need else None for g, need in zip((dq, dk, dv), needs[:3])]
+        return tuple(grads) + tuple(_param_grads(dp, params, needs[3:7])) + (None,) * 7
+
+    _op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------ autograd.Function (fallback)
+
+class _Function(torch.autograd.Function):
+    """The same operation for PyTorch before 2.4 (no torch.compile support)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout,
+                q_start, k_start, device):
+        o, lse = _forward(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout,
+                          q_start, k_start, device)
+        ctx.save_for_backward(q, k, v, o, lse, *_snapshot(delta, beta, gamma, lam))
+        ctx.args = (causal, scale, rope_base, layout, q_start, k_start, device)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return _unpack(ctx, do.contiguous(), dlse) + (None,) * 7
+
+
+# ------------------------------------------------------------------ the public function
+
+_consts = {}
+
+
+def _as_param(x):
+    """A parameter as a tensor: tensors as they are; floats as cached scalar tensors (never
+    handed out, so never changed); sequences as a new [H] tensor."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if type(x) in (int, float):
+        t = _consts.get(x)
+        if t is None:
+            if len(_consts) > 256:
+                _consts.clear()
+            t = _consts[x] = torch.tensor(float(x), dtype=torch.float32)
+        return t
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def _pick_device(device, tensors):
+    if device is not None:
+        return device
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "ref"  # the only backend with a backward pass today (see the module's doc)
+    return "auto"
+
+
+def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
+              causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None,
+              k_start=0, device=None, return_lse=False):
+    """APE attention of torch CPU tensors q `[B, H, Lq, D]`, k, v `[B, Hkv, Lk, D]`, returning
+    O (and LSE `[B, H, Lq]` float32 with return_lse=True), differentiable with respect to q, k,
+    v and the parameters. Parameters are floats, scalar tensors (shared by all heads: their
+    gradient is the sum over heads) or tensors of shape [H] (one per head). `device=None`:
+    "auto" without gradients, "ref" with (see the module's doc); an explicit device is used for
+    both passes. Nothing is skipped (skip_tol = 0): the gradients are those of the exact
+    function."""
+    params = [_as_param(x) for x in (delta, beta, gamma, lam)]
+    dev = _pick_device(device, (q, k, v, *params))
+    args = (q, k, v, *params, bool(causal), None if scale is None else float(scale),
+            float(rope_base), layout, None if q_start is None else int(q_start), int(k_start),
+            dev)
+    if _FALLBACK:
+        o, lse = _Function.apply(*args)
+    else:
+        o, lse = _op(*args)
+    return (o, lse) if return_lse else o
+
+
+# ------------------------------------------------------------------ the seed's module
+
+class APEAttention(torch.nn.Module):
+    """The seed's APE attention layer: `forward(q, k, v)` on `[B, H, L, D]` tensors (k, v may
+    have fewer heads, H % Hkv == 0) returns O `[B, H, L, D]`.
+
+    Learnable `delta`, `beta`, `gamma`, `lambda_`: one per head (shape [H], per_head=True) or
+    one shared by all heads (shape []), initialised as the seed says: delta = 2^(-4/3),
+    beta = gamma = delta / 10, lambda = 0.1. Gradients of all four come from libape's backward
+    pass (for a shared parameter, the sum over heads).
+
+    lambda >= 0 is kept by projection: every forward call first clamps `lambda_` in place to
+    [0, inf) (under no_grad), so an optimizer step that takes it below 0 is undone before the
+    next use, and its gradient at 0 still lets it grow again. The value read from `lambda_` is
+    always the one used. (delta, beta, gamma may be any finite value.)
+
+    `device` as for libape.torch.attention (None: "ref" while training, "auto" otherwise);
+    causal, scale, rope_base, layout as for libape.attention.
+    """
+
+    def __init__(self, num_heads, head_dim, *, per_head=True, causal=True, scale=None,
+                 rope_base=10000.0, layout="half", device=None, dtype=torch.float32):
+        super().__init__()
+        if head_dim % 2 or not 2 <= head_dim <= 256:
+            _core._bad("head_dim = %r: must be even, 2..256" % (head_dim,))
+        self.num_heads, self.head_dim, self.per_head = int(num_heads), int(head_dim), per_head
+        self.causal, self.scale, self.rope_base, self.layout = causal, scale, rope_base, layout
+        self.device_spec = device
+        shape = (self.num_heads,) if per_head else ()
+
+        def param(value):
+            return torch.nn.Parameter(torch.full(shape, value, dtype=dtype))
+
+        self.delta = param(SEED_DELTA)
+        self.beta = param(SEED_BETA)
+        self.gamma = param(SEED_GAMMA)
+        self.lambda_ = param(SEED_LAMBDA)
+
+    def forward(self, q, k, v):
+        if q.dim() != 4 or q.shape[1] != self.num_heads or q.shape[3] != self.head_dim:
+            _core._bad("q: shape %s: must be [B, %d, L, %d]"
+                       % (tuple(q.shape), self.num_heads, self.head_dim))
+        with torch.no_grad():
+            self.lambda_.clamp_(min=0.0)
+        return attention(q, k, v, delta=self.delta, beta=self.beta, gamma=self.gamma,
+                         lam=self.lambda_, causal=self.causal, scale=self.scale,
+                         rope_base=self.rope_base, layout=self.layout,
+                         device=self.device_spec)
+
+    def extra_repr(self):
+        return "num_heads=%d, head_dim=%d, per_head=%s, causal=%s, device=%s" % (
+            self.num_heads, self.head_dim, self.per_head, self.causal,
+            self.device_spec if self.device_spec is not None else "None (ref to train, auto)")
+

@@ -1,0 +1,272 @@
+"""libape.attention_backward and libape.torch: gradients against autograd of an eager float64
+PyTorch APE (apetorch.py) at the spec's tolerances, torch.library.opcheck, torch.compile, the
+APEAttention module, the autograd.Function fallback, and the examples."""
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import libape
+from aperef import ape64
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed here (make deps installs "
+                            "it)")
+import libape.torch as apet  # noqa: E402
+from apetorch import ape_torch64  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(HERE, "..", "examples")
+# The spec's gradient tolerances: max abs error <= tol * max|G_64|, per tensor and per head.
+GTOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+NAMES = ("q", "k", "v", "delta", "beta", "gamma", "lam")
+
+
+def inputs(seed, B=2, H=4, Hkv=2, Lq=13, Lk=17, D=16, dtype=torch.float32, per_head=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Lq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Lk, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, Lk, D, generator=g).to(dtype)
+    if per_head:
+        prm = [torch.tensor([0.3, 0.0, 0.1, 0.05][:H]), torch.tensor([0.02, 0.05, 0.0, 0.1][:H]),
+               torch.tensor([0.0, 0.01, 0.02, 0.03][:H]), torch.tensor([0.2, 0.1, 0.0, 0.4][:H])]
+    else:
+        prm = [torch.tensor(0.2), torch.tensor(0.03), torch.tensor(0.02), torch.tensor(0.25)]
+    return [q, k, v] + prm
+
+
+def reference_grads(args, loss_fn, **kw):
+    """Autograd of the float64 eager APE on the same stored values."""
+    x64 = [a.detach().double().requires_grad_() for a in args]
+    o, lse = ape_torch64(*x64, **kw)
+    loss_fn(o, lse).backward()
+    return [a.grad for a in x64]
+
+
+def check_grads(got, ref, dtype=torch.float32):
+    tol = GTOL[dtype]
+    for name, g, r in zip(NAMES, got, ref):
+        assert g is not None and g.shape == r.shape, name
+        if r.dim() == 1 and name not in "qkv":  # per head: each head's own scale
+            for h in range(r.shape[0]):
+                assert abs(g[h].double() - r[h]) <= tol * max(r[h].abs(), 1e-12), (name, h)
+        else:
+            err = (g.double() - r).abs().max()
+            assert err <= tol * r.abs().max(), (name, float(err), float(r.abs().max()))
+
+
+def loss_o_and_lse(o, lse):
+    w = torch.linspace(-1.0, 1.0, o.shape[-1], dtype=o.dtype)
+    return (o * w).square().sum() + 0.5 * lse.sum()
+
+
+# ------------------------------------------------------------------ libape.attention_backward
+
+def test_attention_backward_numpy_matches_float64():
+    args = inputs(1)
+    kw = dict(causal=True, layout="interleaved", q_start=10, k_start=2, scale=0.4, rope_base=500.)
+    q, k, v = (a.numpy() for a in args[:3])
+    prm = dict(delta=args[3].numpy(), beta=args[4].numpy(), gamma=args[5].numpy(),
+               lam=args[6].numpy())
+    o, lse = libape.attention(q, k, v, device="ref", return_lse=True, skip_tol=0.0, **prm, **kw)
+    g = np.random.default_rng(2)
+    do = g.standard_normal(o.shape).astype(np.float32)
+    dlse = g.standard_normal(lse.shape).astype(np.float32)
+    dq, dk, dv, dp = libape.attention_backward(q, k, v, o, lse, do, dlse=dlse, device="ref",
+                                               **prm, **kw)
+    assert dq.dtype == np.float32 and dp.shape == (4, 4) and dp.dtype == np.float32
+    ref = reference_grads(args, lambda o6, l6: (o6 * torch.from_numpy(do).double()).sum() +
+                          (l6 * torch.from_numpy(dlse).double()).sum(), **kw)
+    got = [torch.from_numpy(x) for x in (dq, dk, dv)] + [torch.from_numpy(dp[:, i])
+                                                        for i in range(4)]
+    check_grads(got, ref)
+    # what is not asked for is None, and the rest unchanged (deterministic)
+    n = libape.attention_backward(q, k, v, o, lse, do, dlse=dlse, device="ref", wrt=("params",),
+                                  **prm, **kw)
+    assert n[:3] == (None, None, None) and np.array_equal(n[3], dp)
+
+
+def test_attention_backward_errors():
+    q = np.random.default_rng(3).standard_normal((1, 2, 8, 8)).astype(np.float32)
+    o, lse = libape.attention(q, q, q, device="ref", return_lse=True)
+    with pytest.raises(ValueError, match="wrt"):
+        libape.attention_backward(q, q, q, o, lse, o, wrt=(), device="ref")
+    with pytest.raises(ValueError, match="lse"):
+        libape.attention_backward(q, q, q, o, lse[:, :1], o, device="ref")
+    others = [d["spec"] for d in libape.devices() if d["backend"] != "ref"]
+    for spec in others:  # never a silent fall-back: libape's own APE_ENOTSUP naming the device
+        with pytest.raises(libape.ApeError) as e:
+            libape.attention_backward(q, q, q, o, lse, o, device=spec)
+        assert e.value.name == "APE_ENOTSUP"
+
+
+# ------------------------------------------------------------------ libape.torch
+
+@pytest.mark.parametrize("per_head", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_grads_match_float64(per_head, causal):
+    args = [a.requires_grad_() for a in inputs(4, per_head=per_head)]
+    kw = dict(causal=causal, q_start=6, k_start=3, rope_base=300.0)
+    o, lse = apet.attention(*args[:3], delta=args[3], beta=args[4], gamma=args[5], lam=args[6],
+                            return_lse=True, **kw)
+    assert o.dtype == torch.float32 and lse.shape == (2, 4, 13)
+    loss_o_and_lse(o, lse).backward()
+    check_grads([a.grad for a in args], reference_grads(args, loss_o_and_lse, **kw))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_torch_grads_low_precision(dtype):
+    args = inputs(5, dtype=dtype)
+    args = [a.requires_grad_() for a in args]
+    o = apet.attention(*args[:3], delta=args[3], beta=args[4], gamma=args[5], lam=args[6])
+    assert o.dtype == dtype and args[0].grad is None
+    (o.float().square().sum()).backward()
+    assert args[0].grad.dtype == dtype
+    check_grads([a.grad for a in args],
+                reference_grads(args, lambda o6, l6: o6.square().sum()), dtype)
+
+
+def test_torch_device_choice_and_errors():
+    q = torch.randn(1, 2, 8, 8)
+    others = [d["spec"] for d in libape.devices() if d["backend"] != "ref"]
+    for spec in others:
+        x = q.clone().requires_grad_()
+        o = apet.attention(x, q, q, device=spec)  # the forward runs there ...
+        with pytest.raises(libape.ApeError, match="APE_ENOTSUP"):  # ... the backward cannot
+            o.sum().backward()
+    x = q.clone().requires_grad_()
+    apet.attention(x, q, q).sum().backward()  # device=None: training runs on "ref"
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    with torch.no_grad():
+        o = apet.attention(q, q, q)  # inference: the best device
+    assert torch.allclose(o, torch.from_numpy(libape.attention(q.numpy(), q.numpy(), q.numpy())),
+                          atol=1e-4)
+    if hasattr(torch, "cuda") and torch.cuda.is_available():  # pragma: no cover - no GPU here
+        with pytest.raises(ValueError, match="cpu"):
+            apet.attention(q.cuda(), q.cuda(), q.cuda())
+
+
+@pytest.mark.skipif(apet.IMPLEMENTATION != "custom_op", reason="PyTorch before 2.4")
+def test_opcheck():
+    args = inputs(6, B=1, H=2, Hkv=1, Lq=5, Lk=7, D=8)
+    args = [a.requires_grad_() for a in args[:3]] + [p[:2].clone().requires_grad_()
+                                                     for p in args[3:]]
+    rest = (True, None, 10000.0, "half", None, 0, "ref")
+    torch.library.opcheck(torch.ops.libape.attention.default, (*args, *rest))
+    shared = args[:3] + [torch.tensor(0.1, requires_grad=True) for _ in range(4)]
+    torch.library.opcheck(torch.ops.libape.attention.default,
+                          (*shared, False, 0.5, 100.0, "interleaved", 2, 1, "ref"))
+
+
+@pytest.mark.skipif(apet.IMPLEMENTATION != "custom_op", reason="PyTorch before 2.4")
+def test_torch_compile_no_graph_breaks():
+    layer = apet.APEAttention(2, 8)
+    q, k, v = (torch.randn(1, 2, 6, 8, requires_grad=True) for _ in range(3))
+
+    def step(q, k, v):
+        return layer(q, k, v).square().sum()
+
+    import torch._dynamo as dynamo
+    dynamo.reset()
+    explained = dynamo.explain(step)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    loss = compiled(q, k, v)
+    loss.backward()
+    g = [layer.delta.grad.clone(), q.grad.clone()]
+    layer.zero_grad()
+    q.grad = None
+    step(q, k, v).backward()
+    assert torch.equal(g[0], layer.delta.grad) and torch.equal(g[1], q.grad)
+
+
+# ------------------------------------------------------------------ APEAttention
+
+def test_module_init_and_shapes():
+    m = apet.APEAttention(3, 16)
+    for name, val in (("delta", libape.SEED_DELTA), ("beta", libape.SEED_BETA),
+                      ("gamma", libape.SEED_GAMMA), ("lambda_", 0.1)):
+        p = getattr(m, name)
+        assert p.shape == (3,) and torch.allclose(p, torch.full((3,), val)), name
+    assert apet.APEAttention(3, 16, per_head=False).lambda_.shape == ()
+    assert len(list(m.parameters())) == 4
+    q = torch.randn(2, 3, 5, 16)
+    assert m(q, q[:, :1], q[:, :1]).shape == (2, 3, 5, 16)
+    with pytest.raises(ValueError, match="q: shape"):
+        m(q[:, :2], q, q)
+    with pytest.raises(ValueError, match="head_dim"):
+        apet.APEAttention(2, 7)
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_module_frozen_qkv_trains_its_parameters(per_head):
+    torch.manual_seed(0)
+    H, D, L = 2, 8, 24
+    q, k, v = (torch.randn(1, H, L, D) for _ in range(3))  # frozen: no gradient wanted
+    true = dict(delta=0.15, beta=0.08, gamma=0.06, lam=0.3)
+    with torch.no_grad():
+        target = apet.attention(q, k, v, device="ref", **true)
+    m = apet.APEAttention(H, D, per_head=per_head)
+    opt = torch.optim.Adam(m.parameters(), lr=2e-2)
+    first = None
+    for _ in range(60):
+        loss = (m(q, k, v) - target).square().mean()
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        assert q.grad is None and m.delta.grad.shape == m.delta.shape
+        opt.step()
+    assert loss.item() < 0.2 * first
+    assert abs(m.delta.detach().mean() - true["delta"]) < abs(libape.SEED_DELTA - true["delta"])
+
+
+def test_module_keeps_lambda_non_negative():
+    m = apet.APEAttention(2, 8)
+    with torch.no_grad():
+        m.lambda_.fill_(-0.5)
+    q = torch.randn(1, 2, 4, 8)
+    o1 = m(q, q, q)  # projected to 0 before use: no APE_EINVAL
+    assert (m.lambda_ == 0).all()
+    o0 = apet.attention(q, q, q, delta=m.delta, beta=m.beta, gamma=m.gamma, lam=0.0)
+    assert torch.equal(o1, o0)
+    # a second forward before the backward projects again without disturbing the first
+    o2 = m(q, q, q)
+    (o1.sum() + o2.sum()).backward()
+    assert m.lambda_.grad is not None
+
+
+# ------------------------------------------------------------------ the fallback and examples
+
+def run_python(code_or_path, env_extra=None, args=(), timeout=300):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, ".."), HERE]),
+               **(env_extra or {}))
+    cmd = [sys.executable] + (["-c", code_or_path] if "\n" in code_or_path else
+                              [code_or_path]) + list(args)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+FALLBACK_CHECK = """
+import torch, libape.torch as apet
+import test_torch as t
+assert apet.IMPLEMENTATION == "autograd.Function", apet.IMPLEMENTATION
+assert not hasattr(torch.ops.libape, "attention")
+for per_head in (True, False):
+    t.test_torch_grads_match_float64(per_head, True)
+t.test_module_frozen_qkv_trains_its_parameters(False)
+t.test_module_keeps_lambda_non_negative()
+print("fallback ok")
+"""
+
+
+def test_autograd_function_fallback():
+    r = run_python(FALLBACK_CHECK, {"LIBAPE_TORCH_FALLBACK": "1"})
+    assert r.returncode == 0 and "fallback ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_fine_tune_example_small():
+    t = time.perf_counter()
+    r = run_python(os.path.join(EXAMPLES, "fine_tune_ape.py"), args=["--small"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "relative errors" in r.stdout and time.perf_counter() - t < 120, r.stdout
