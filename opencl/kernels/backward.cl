@@ -1,0 +1,372 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The APE backward pass (APE-SPEC.md, "Gradients"), OpenCL C 1.2, built after attention.cl in
+ * the same program (it uses its loads, ld(), and its lane types). Four kernels, enqueued in
+ * order by ocl_backward.c:
+ *
+ *   ape_bwd_rows     per query row: mean, sigma, alpha, the saved LSE and Dl_i - dLSE_i
+ *                    (Dl_i = dO_i . O_i), once, for the two sweeps;
+ *   ape_bwd_keys     keys outer: one work-item owns a key and sums dK_j and dV_j over every row
+ *                    of every query head that reads its kv head, then adds them once;
+ *   ape_bwd_queries  queries outer: one work-item owns a row and sums dQ_i, the alpha path A_i
+ *                    (applied to dQ_i at the end) and the row's four parameter sums;
+ *   ape_bwd_params   per head: the rows' parameter sums in float64, in row order, added to
+ *                    dparams.
+ *
+ * No float atomics anywhere: every sum has one owner and a fixed order, so two runs are bit
+ * for bit the same. Both sweeps recompute P_ij = exp(s_ij - LSE_i) from q, k and the saved
+ * LSE; nothing of size Lq * Lk exists. The rotation of one (row, key) pair is evaluated in
+ * vectors of APE_RW pairs: each angle n omega_p / alpha_i seeded exactly in APE_REAL by
+ * ape_seed_sincos (the forward's seed), the pair products in float32. The per-pair scalar work
+ * (temperature, bias, exp, the parameter terms) runs in APE_REAL through ape_math.h.
+ *
+ * Built only with APE_FP64: dparams are float64 sums, and the host refuses the backward pass
+ * on a device without cl_khr_fp64 (ocl_backward.c).
+ */
+#if APE_FP64
+
+/* Pair and component vectors: at most this many APE_RW-wide chunks (APE_DMAX, APE_PMAX are
+ * multiples of 16 >= APE_RW) */
+#define BPV (APE_PMAX / APE_RW)
+#define BDV (APE_DMAX / APE_RW)
+#if APE_D
+#define BD(D) APE_D
+#else
+#define BD(D) (D)
+#endif
+
+/* backward launch flags (ocl_backward.c) */
+#define B_DT_IN(f) ((f) & 3)
+#define B_DT_OUT(f) (((f) >> 2) & 3)
+#define B_DT_DO(f) (((f) >> 4) & 3)
+#define B_CAUSAL 64
+#define B_INTERLEAVED 128
+#define B_DLSE 256
+#define B_DQ 512
+#define B_DK 1024
+#define B_DV 2048
+#define B_DP 4096
+
+/* per-row values of ape_bwd_rows, in APE_REAL */
+#define RI_MEAN 0
+#define RI_SIGMA 1
+#define RI_ALPHA 2
+#define RI_LSE 3
+#define RI_DSUB 4 /* Dl_i - dLSE_i */
+#define RI_N 5
+
+KFN float bwd_hsum(vf v)
+{
+#if APE_RW == 1
+	return v;
+#elif APE_RW == 2
+	return v.s0 + v.s1;
+#elif APE_RW == 4
+	return (v.s0 + v.s1) + (v.s2 + v.s3);
+#elif APE_RW == 8
+	float4 a = v.lo + v.hi;
+
+	return (a.s0 + a.s1) + (a.s2 + a.s3);
+#else
+	float8 b = v.lo + v.hi;
+	float4 a = b.lo + b.hi;
+
+	return (a.s0 + a.s1) + (a.s2 + a.s3);
+#endif
+}
+
+/* The pairs (x_p, y_p) of row `base` (p < npad; zero past P, so padded lanes add nothing) */
+KFN void bwd_load_pairs(__global const void *src, long base, int P, int npad, int inter, int dt,
+			float *x, float *y)
+{
+	NOUNROLL for (int p = 0; p < npad; p++) {
+		x[p] = p < P ? ld(src, base + (inter ? 2 * p : p), dt) : 0.0f;
+		y[p] = p < P ? ld(src, base + (inter ? 2 * p + 1 : p + P), dt) : 0.0f;
+	}
+}
+
+/* The D components of row `base`, zero up to dpad */
+KFN void bwd_load_vec(__global const void *src, long base, int D, int dpad, int dt, float *v)
+{
+	NOUNROLL for (int d = 0; d < dpad; d++)
+		v[d] = d < D ? ld(src, base + d, dt) : 0.0f;
+}
+
+KFN float bwd_dot(const float *a, const float *b, int nvec)
+{
+	vf acc = 0.0f;
+
+	NOUNROLL for (int c = 0; c < nvec; c++)
+		acc = fma(VL(a + c * APE_RW), VL(b + c * APE_RW), acc);
+	return bwd_hsum(acc);
+}
+
+/*
+ * The rotated dot product of one (row, key) pair at nia = n / alpha_i, keeping each chunk's
+ * cos and sin; *ddt (when not NULL) gets sum_p APE_GRAD_DDOT_DALPHA_THETA, i.e. d(dot)/d(alpha)
+ * times alpha.
+ */
+KFN float bwd_pair(const float *x, const float *y, const float *u, const float *w,
+		   __global const APE_REAL *omega, APE_REAL nia, int npc, vf *cs, vf *sn,
+		   float *ddt)
+{
+	vf acc = 0.0f, accd = 0.0f;
+
+	NOUNROLL for (int c = 0; c < npc; c++) {
+		const int o = c * APE_RW;
+		const vr th = VL(omega + o) * nia;
+		const vf xv = VL(x + o), yv = VL(y + o), uv = VL(u + o), wv = VL(w + o);
+		vf co;
+		const vf s = ape_seed_sincos(th, &co);
+
+		acc += (xv * uv + yv * wv) * co + (xv * wv - yv * uv) * s;
+		if (ddt)
+			accd += APE_GRAD_DDOT_DALPHA_THETA(xv, yv, uv, wv, co, s, TO_VF(th));
+		cs[c] = co;
+		sn[c] = s;
+	}
+	if (ddt)
+		*ddt = bwd_hsum(accd);
+	return bwd_hsum(acc);
+}
+
+/* One launch's shape, as the kernels read it */
+struct bwd {
+	int D, P, npc, ndc, inter, dt_in, dt_do;
+	long Lq, Lk, rel;
+	float scale;
+};
+
+KFN struct bwd bwd_init(int D, long Lq, long Lk, long rel, float scale, int flags)
+{
+	struct bwd b;
+
+	b.D = BD(D);
+	b.P = b.D / 2;
+	b.npc = (b.P + APE_RW - 1) / APE_RW;
+	b.ndc = (b.D + APE_RW - 1) / APE_RW;
+	b.inter = (flags & B_INTERLEAVED) != 0;
+	b.dt_in = B_DT_IN(flags);
+	b.dt_do = B_DT_DO(flags);
+	b.Lq = Lq;
+	b.Lk = Lk;
+	b.rel = rel;
+	b.scale = scale;
+	return b;
+}
+
+/*
+ * P_ij and dS_ij of a pair whose rotated dot product is `dot`, at distance n, with the row's
+ * LSE and Dl - dLSE, and dov = dO_i . V_j. *t gets temp(n) * scale (dS times it is d/d(dot)).
+ */
+KFN float bwd_ds(__global const APE_REAL *hp, float dot, long n, __global const APE_REAL *ri,
+		 float dov, float scale, float *p_out, float *t_out)
+{
+	const APE_REAL an = (APE_REAL)(n < 0 ? -n : n);
+	const APE_REAL t = ape_temp(hp[3], an);
+	const APE_REAL s = t * (APE_REAL)scale * (APE_REAL)dot + ape_bias(hp[0], hp[1], hp[2], an);
+	const float p = exp((float)(s - ri[RI_LSE]));
+
+	*p_out = p;
+	*t_out = (float)t * scale;
+	return p * (dov - (float)ri[RI_DSUB]);
+}
+
+__kernel void ape_bwd_rows(__global const void *Q, __global const void *O,
+			   __global const void *DO, __global const float *LSE,
+			   __global const float *DLSE, __global const APE_REAL *prm, int npad,
+			   int D, int H, long Lq, int flags, __global APE_REAL *rinfo)
+{
+	const long i = get_global_id(0), bh = get_global_id(1);
+	const long row = bh * Lq + i, base = row * (long)BD(D);
+	const APE_REAL lambda = prm[npad + 4 * (bh % H) + 3];
+	APE_REAL mean = 0, ss = 0, dl = 0, sigma;
+	__global APE_REAL *ri = rinfo + row * RI_N;
+
+	if (i >= Lq)
+		return;
+	NOUNROLL for (int d = 0; d < BD(D); d++)
+		mean += (APE_REAL)ld(Q, base + d, B_DT_IN(flags));
+	mean /= (APE_REAL)BD(D);
+	NOUNROLL for (int d = 0; d < BD(D); d++) {
+		const APE_REAL e = (APE_REAL)ld(Q, base + d, B_DT_IN(flags)) - mean;
+
+		ss += e * e;
+		dl += (APE_REAL)ld(DO, base + d, B_DT_DO(flags)) *
+		      (APE_REAL)ld(O, base + d, B_DT_OUT(flags));
+	}
+	sigma = ape_sigma(ss, BD(D));
+	ri[RI_MEAN] = mean;
+	ri[RI_SIGMA] = sigma;
+	ri[RI_ALPHA] = ape_alpha(lambda, sigma);
+	ri[RI_LSE] = LSE[row];
+	ri[RI_DSUB] = dl - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
+}
+
+/* Keys outer: dV_j = sum_i P_ij dO_i, dK_j = sum_i dS_ij temp scale d(dot)/d(k_j) (q_i's pairs
+ * rotated by +theta), over the rows of every query head of key j's kv head. */
+__kernel void ape_bwd_keys(__global const void *Q, __global const void *K,
+			   __global const void *V, __global const void *DO,
+			   __global const APE_REAL *prm, int npad, __global const APE_REAL *rinfo,
+			   __global float *DK, __global float *DV, int D, int H, int group, long Lq,
+			   long Lk, long rel, float scale, int flags)
+{
+	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
+	const long j = get_global_id(0), bkv = get_global_id(1), Hkv = H / group;
+	const long krow = bkv * Lk + j, kbase = krow * b.D;
+	float u[APE_PMAX], w[APE_PMAX], v[APE_DMAX], x[APE_PMAX], y[APE_PMAX], dout[APE_DMAX];
+	float dku[APE_PMAX], dkw[APE_PMAX], dv[APE_DMAX];
+	vf cs[BPV], sn[BPV];
+	long i0;
+
+	if (j >= Lk)
+		return;
+	bwd_load_pairs(K, kbase, b.P, b.npc * APE_RW, b.inter, b.dt_in, u, w);
+	bwd_load_vec(V, kbase, b.D, b.ndc * APE_RW, b.dt_in, v);
+	NOUNROLL for (int p = 0; p < b.npc * APE_RW; p++)
+		dku[p] = dkw[p] = 0.0f;
+	NOUNROLL for (int d = 0; d < b.ndc * APE_RW; d++)
+		dv[d] = 0.0f;
+	/* causal: row i sees key j when n = rel + i - j >= 0 */
+	i0 = (flags & B_CAUSAL) ? j - rel : 0;
+	i0 = i0 < 0 ? 0 : i0;
+	for (long h = bkv % Hkv * group; h < (bkv % Hkv + 1) * group; h++) {
+		__global const APE_REAL *hp = prm + npad + 4 * h;
+		const long rbase = (bkv / Hkv * H + h) * Lq;
+
+		for (long i = i0; i < Lq; i++) {
+			const long row = rbase + i, n = rel + i - j;
+			__global const APE_REAL *ri = rinfo + row * RI_N;
+			float dot, p, t, ds, g;
+
+			bwd_load_pairs(Q, row * b.D, b.P, b.npc * APE_RW, b.inter, b.dt_in, x, y);
+			bwd_load_vec(DO, row * b.D, b.D, b.ndc * APE_RW, b.dt_do, dout);
+			dot = bwd_pair(x, y, u, w, prm, (APE_REAL)n / ri[RI_ALPHA], b.npc, cs, sn,
+				       0);
+			ds = bwd_ds(hp, dot, n, ri, bwd_dot(dout, v, b.ndc), b.scale, &p, &t);
+			g = ds * t;
+			NOUNROLL for (int c = 0; c < b.ndc; c++) {
+				const int o = c * APE_RW;
+
+				VS(fma((vf)p, VL(dout + o), VL(dv + o)), dv + o);
+			}
+			NOUNROLL for (int c = 0; c < b.npc; c++) {
+				const int o = c * APE_RW;
+				const vf xv = VL(x + o), yv = VL(y + o);
+
+				VS(fma((vf)g, xv * cs[c] - yv * sn[c], VL(dku + o)), dku + o);
+				VS(fma((vf)g, yv * cs[c] + xv * sn[c], VL(dkw + o)), dkw + o);
+			}
+		}
+	}
+	if (flags & B_DK)
+		NOUNROLL for (int p = 0; p < b.P; p++) {
+			DK[kbase + (b.inter ? 2 * p : p)] += dku[p];
+			DK[kbase + (b.inter ? 2 * p + 1 : p + b.P)] += dkw[p];
+		}
+	if (flags & B_DV)
+		NOUNROLL for (int d = 0; d < b.D; d++)
+			DV[kbase + d] += dv[d];
+}
+
+/*
+ * Queries outer: dQ_i (k_j's pairs rotated by -theta), the alpha path A_i = sum_j dS_ij temp
+ * scale d(dot_ij)/d(alpha_i), applied to dQ_i at the end, and the row's parameter sums, in
+ * APE_REAL, to PART[row][4] (zero for a row that sees no key of this launch: it adds nothing).
+ */
+__kernel void ape_bwd_queries(__global const void *Q, __global const void *K,
+			      __global const void *V, __global const void *DO,
+			      __global const APE_REAL *prm, int npad,
+			      __global const APE_REAL *rinfo, __global float *DQ,
+			      __global APE_REAL *PART, int D, int H, int group, long Lq, long Lk,
+			      long rel, float scale, int flags)
+{
+	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
+	const long i = get_global_id(0), bh = get_global_id(1), h = bh % H;
+	const long row = bh * Lq + i, qbase = row * b.D;
+	const long kvrows = (bh / H * (H / group) + h / group) * Lk;
+	__global const APE_REAL *hp = prm + npad + 4 * h;
+	__global const APE_REAL *ri = rinfo + row * RI_N;
+	float u[APE_PMAX], w[APE_PMAX], v[APE_DMAX], x[APE_PMAX], y[APE_PMAX], dout[APE_DMAX];
+	float dqx[APE_PMAX], dqy[APE_PMAX];
+	vf cs[BPV], sn[BPV];
+	APE_REAL A = 0, dp[4] = { 0, 0, 0, 0 }, coef, alpha;
+	long jend;
+
+	if (i >= Lq)
+		return;
+	alpha = ri[RI_ALPHA];
+	bwd_load_pairs(Q, qbase, b.P, b.npc * APE_RW, b.inter, b.dt_in, x, y);
+	bwd_load_vec(DO, qbase, b.D, b.ndc * APE_RW, b.dt_do, dout);
+	NOUNROLL for (int p = 0; p < b.npc * APE_RW; p++)
+		dqx[p] = dqy[p] = 0.0f;
+	/* causal: keys j <= rel + i */
+	jend = (flags & B_CAUSAL) ? (rel + i + 1 < Lk ? rel + i + 1 : Lk) : Lk;
+	for (long j = 0; j < jend; j++) {
+		const long n = rel + i - j, kbase = (kvrows + j) * b.D;
+		const APE_REAL an = (APE_REAL)(n < 0 ? -n : n);
+		float dot, ddt, p, t, ds, g;
+
+		bwd_load_pairs(K, kbase, b.P, b.npc * APE_RW, b.inter, b.dt_in, u, w);
+		bwd_load_vec(V, kbase, b.D, b.ndc * APE_RW, b.dt_in, v);
+		dot = bwd_pair(x, y, u, w, prm, (APE_REAL)n / alpha, b.npc, cs, sn, &ddt);
+		ds = bwd_ds(hp, dot, n, ri, bwd_dot(dout, v, b.ndc), b.scale, &p, &t);
+		g = ds * t;
+		A += (APE_REAL)g * (APE_REAL)ddt;
+		if (flags & B_DP) {
+			dp[0] += (APE_REAL)ds * ape_grad_dbias_ddelta(an);
+			dp[1] += (APE_REAL)ds * ape_grad_dbias_dbeta(an);
+			dp[2] += (APE_REAL)ds * ape_grad_dbias_dgamma(an);
+			dp[3] += (APE_REAL)ds * (APE_REAL)b.scale * (APE_REAL)dot *
+				 ape_grad_dtemp_dlambda(hp[3], an);
+		}
+		if (!(flags & B_DQ))
+			continue;
+		NOUNROLL for (int c = 0; c < b.npc; c++) {
+			const int o = c * APE_RW;
+			const vf uv = VL(u + o), wv = VL(w + o);
+
+			VS(fma((vf)g, uv * cs[c] + wv * sn[c], VL(dqx + o)), dqx + o);
+			VS(fma((vf)g, wv * cs[c] - uv * sn[c], VL(dqy + o)), dqy + o);
+		}
+	}
+	A /= alpha; /* the pairs summed d(dot)/d(alpha) times alpha */
+	dp[3] += A * ape_grad_gate(ri[RI_SIGMA]); /* d(alpha)/d(lambda) */
+	if (flags & B_DP)
+		for (int k = 0; k < 4; k++)
+			PART[row * 4 + k] = jend > 0 ? dp[k] : (APE_REAL)0;
+	if (!(flags & B_DQ) || jend <= 0)
+		return; /* no visible key here: the row adds nothing */
+	/* the path through alpha_i: A_i d(alpha)/d(sigma) d(sigma)/d(q) */
+	coef = A * ape_grad_dalpha_dsigma(hp[3], ri[RI_SIGMA]) *
+	       ape_grad_dsigma_coef((APE_REAL)b.D, ri[RI_SIGMA]);
+	NOUNROLL for (int p = 0; p < b.P; p++) {
+		const long ia = qbase + (b.inter ? 2 * p : p);
+		const long ib = qbase + (b.inter ? 2 * p + 1 : p + b.P);
+
+		DQ[ia] += (float)((APE_REAL)dqx[p] +
+				  coef * ((APE_REAL)ld(Q, ia, b.dt_in) - ri[RI_MEAN]));
+		DQ[ib] += (float)((APE_REAL)dqy[p] +
+				  coef * ((APE_REAL)ld(Q, ib, b.dt_in) - ri[RI_MEAN]));
+	}
+}
+
+/* Per head h: the parameter sums of its rows, batch by batch, row by row, added to
+ * dparams[h][4] (float64: the device has cl_khr_fp64, or the host does not launch this). */
+__kernel void ape_bwd_params(__global const APE_REAL *PART, long B, int H, long Lq,
+			     __global double *dparams)
+{
+	const int h = (int)get_global_id(0);
+	APE_REAL acc[4] = { 0, 0, 0, 0 };
+
+	if (h >= H)
+		return;
+	for (long b = 0; b < B; b++)
+		for (long i = 0; i < Lq; i++)
+			for (int k = 0; k < 4; k++)
+				acc[k] += PART[((b * H + h) * Lq + i) * 4 + k];
+	for (int k = 0; k < 4; k++)
+		dparams[4 * h + k] += (double)acc[k];
+}
+
+#endif /* APE_FP64 */

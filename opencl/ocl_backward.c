@@ -1,0 +1,201 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * One backward launch (core/backend.h, struct ape__bwd_launch): the per-row pre-pass, the keys
+ * sweep (dK, dV), the queries sweep (dQ, the alpha path, per-row parameter sums) and the
+ * per-head float64 reduction of those sums, all in kernels/backward.cl, in that order on the
+ * launch's queue. Only the sweeps whose outputs are wanted run.
+ *
+ * Scratch: the parameters (omega and the heads'), the row table (5 APE_REAL per query row) and
+ * the per-row parameter sums (4 per row, only with dparams): O(rows), never O(Lq * Lk),
+ * released right after they are enqueued (the commands keep them alive), like the forward's.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/alloc.h"
+#include "core/error.h"
+#include "ocl.h"
+
+/* Launch flags, mirrored in kernels/backward.cl. */
+#define B_CAUSAL 64
+#define B_INTERLEAVED 128
+#define B_DLSE 256
+#define B_DQ 512
+#define B_DK 1024
+#define B_DV 2048
+#define B_DP 4096
+
+#define RI_N 5 /* APE_REAL values per row in the row table */
+
+/* Work-items per work-group of the sweeps: whole groups, the excess returns at once. */
+#define BWD_LOCAL 16
+
+/* omega_p (padded with zeros to npad, whole lane vectors), then delta, beta, gamma, lambda per
+ * head, in float64 (the backward kernels exist only with cl_khr_fp64). */
+static cl_mem bwd_params(struct ape__queue *q, const struct ape__launch *f, int npad, cl_int *err)
+{
+	const size_t n = (size_t)npad + 4 * (size_t)f->H;
+	double *host = ape__malloc(n * sizeof(double));
+	cl_mem mem;
+
+	if (!host) {
+		*err = CL_OUT_OF_HOST_MEMORY;
+		return NULL;
+	}
+	for (size_t i = 0; i < n; i++)
+		host[i] = i < (size_t)npad ? (i < (size_t)f->D / 2 ? f->omega[i] : 0.0)
+					   : (double)f->head_params[i - (size_t)npad];
+	mem = ape__ocl_scratch(q, n * sizeof(double), host, err);
+	free(host);
+	return mem;
+}
+
+static size_t round_up(size_t n, size_t m)
+{
+	return (n + m - 1) / m * m;
+}
+
+/* Enqueues one kernel of the program with its arguments already set in a, then releases it. */
+static int bwd_run(struct ape__queue *q, struct ape__ocl_args *a, size_t n0, size_t l0, size_t n1,
+		   const char *name)
+{
+	int ret;
+
+	if (a->err != CL_SUCCESS)
+		ret = ape__ocl_error(a->err, "setting up %s", name);
+	else
+		ret = ape__ocl_enqueue(q, a->k, n0, l0, n1, name);
+	if (a->k)
+		clReleaseKernel(a->k);
+	return ret;
+}
+
+int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
+{
+	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
+	const struct ape__launch *f = &l->f;
+	const struct ape__ocl_program *pr;
+	const cl_int D = (cl_int)f->D, H = (cl_int)f->H, group = (cl_int)(f->H / f->Hkv);
+	const cl_long Lq = f->Lq, Lk = f->Lk, B = f->B, rel = f->q_start - f->k_start;
+	const cl_float scale = (cl_float)f->scale;
+	const size_t rows = (size_t)(f->B * f->H * f->Lq);
+	const size_t local = od->max_wg >= BWD_LOCAL ? BWD_LOCAL : 1;
+	cl_int flags = (cl_int)f->in_dtype | (cl_int)f->out_dtype << 2 | (cl_int)l->dout_dtype << 4;
+	cl_mem prm = NULL, rinfo = NULL, part = NULL, none = NULL;
+	struct ape__ocl_args a;
+	cl_int npad, err;
+	int ret;
+
+	if (!od->fp64)
+		return ape__error(APE_ENOTSUP, "the backward pass needs float64 (cl_khr_fp64, "
+					       "CL_DEVICE_DOUBLE_FP_CONFIG) for its parameter "
+					       "sums; this device has none");
+	if (!(l->dq || l->dk || l->dv || l->dparams) || rows == 0 || f->Lk == 0)
+		return 0;
+	ret = ape__ocl_program_get(q->dev, f->D, &pr);
+	if (ret)
+		return ret;
+	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)pr->t.rw);
+	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
+	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
+		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0);
+
+	prm = bwd_params(q, f, npad, &err);
+	if (prm)
+		rinfo = ape__ocl_scratch(q, rows * RI_N * sizeof(double), NULL, &err);
+	if (rinfo && l->dparams)
+		part = ape__ocl_scratch(q, rows * 4 * sizeof(double), NULL, &err);
+	if (!rinfo || (l->dparams && !part)) {
+		ret = ape__ocl_error(err, "clCreateBuffer (backward scratch)");
+		goto out_release;
+	}
+
+	memset(&a, 0, sizeof(a));
+	a.k = clCreateKernel(pr->prog, "ape_bwd_rows", &a.err);
+	ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &f->o->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->dout->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &f->lse->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->dlse ? &l->dlse->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
+	ape__ocl_arg(&a, sizeof(npad), &npad);
+	ape__ocl_arg(&a, sizeof(D), &D);
+	ape__ocl_arg(&a, sizeof(H), &H);
+	ape__ocl_arg(&a, sizeof(Lq), &Lq);
+	ape__ocl_arg(&a, sizeof(flags), &flags);
+	ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
+	ret = bwd_run(q, &a, round_up((size_t)Lq, local), local, (size_t)(B * H), "ape_bwd_rows");
+	if (ret)
+		goto out_release;
+
+	if (l->dk || l->dv) {
+		memset(&a, 0, sizeof(a));
+		a.k = clCreateKernel(pr->prog, "ape_bwd_keys", &a.err);
+		ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
+		ape__ocl_arg(&a, sizeof(cl_mem), &f->k->mem);
+		ape__ocl_arg(&a, sizeof(cl_mem), &f->v->mem);
+		ape__ocl_arg(&a, sizeof(cl_mem), &l->dout->mem);
+		ape__ocl_arg(&a, sizeof(cl_mem), &prm);
+		ape__ocl_arg(&a, sizeof(npad), &npad);
+		ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
+		ape__ocl_arg(&a, sizeof(cl_mem), l->dk ? &l->dk->mem : &none);
+		ape__ocl_arg(&a, sizeof(cl_mem), l->dv ? &l->dv->mem : &none);
+		ape__ocl_arg(&a, sizeof(D), &D);
+		ape__ocl_arg(&a, sizeof(H), &H);
+		ape__ocl_arg(&a, sizeof(group), &group);
+		ape__ocl_arg(&a, sizeof(Lq), &Lq);
+		ape__ocl_arg(&a, sizeof(Lk), &Lk);
+		ape__ocl_arg(&a, sizeof(rel), &rel);
+		ape__ocl_arg(&a, sizeof(scale), &scale);
+		ape__ocl_arg(&a, sizeof(flags), &flags);
+		ret = bwd_run(q, &a, round_up((size_t)Lk, local), local, (size_t)(B * f->Hkv),
+			      "ape_bwd_keys");
+		if (ret)
+			goto out_release;
+	}
+
+	if (l->dq || l->dparams) {
+		memset(&a, 0, sizeof(a));
+		a.k = clCreateKernel(pr->prog, "ape_bwd_queries", &a.err);
+		ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
+		ape__ocl_arg(&a, sizeof(cl_mem), &f->k->mem);
+		ape__ocl_arg(&a, sizeof(cl_mem), &f->v->mem);
+		ape__ocl_arg(&a, sizeof(cl_mem), &l->dout->mem);
+		ape__ocl_arg(&a, sizeof(cl_mem), &prm);
+		ape__ocl_arg(&a, sizeof(npad), &npad);
+		ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
+		ape__ocl_arg(&a, sizeof(cl_mem), l->dq ? &l->dq->mem : &none);
+		ape__ocl_arg(&a, sizeof(cl_mem), l->dparams ? &part : &none);
+		ape__ocl_arg(&a, sizeof(D), &D);
+		ape__ocl_arg(&a, sizeof(H), &H);
+		ape__ocl_arg(&a, sizeof(group), &group);
+		ape__ocl_arg(&a, sizeof(Lq), &Lq);
+		ape__ocl_arg(&a, sizeof(Lk), &Lk);
+		ape__ocl_arg(&a, sizeof(rel), &rel);
+		ape__ocl_arg(&a, sizeof(scale), &scale);
+		ape__ocl_arg(&a, sizeof(flags), &flags);
+		ret = bwd_run(q, &a, round_up((size_t)Lq, local), local, (size_t)(B * H),
+			      "ape_bwd_queries");
+		if (ret)
+			goto out_release;
+	}
+
+	if (l->dparams) {
+		memset(&a, 0, sizeof(a));
+		a.k = clCreateKernel(pr->prog, "ape_bwd_params", &a.err);
+		ape__ocl_arg(&a, sizeof(cl_mem), &part);
+		ape__ocl_arg(&a, sizeof(B), &B);
+		ape__ocl_arg(&a, sizeof(H), &H);
+		ape__ocl_arg(&a, sizeof(Lq), &Lq);
+		ape__ocl_arg(&a, sizeof(cl_mem), &l->dparams->mem);
+		ret = bwd_run(q, &a, (size_t)H, 0, 1, "ape_bwd_params");
+	}
+out_release:
+	if (prm)
+		clReleaseMemObject(prm);
+	if (rinfo)
+		clReleaseMemObject(rinfo);
+	if (part)
+		clReleaseMemObject(part);
+	return ret;
+}
