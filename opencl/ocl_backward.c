@@ -1,13 +1,16 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * One backward launch (core/backend.h, struct ape__bwd_launch): the per-row pre-pass, the keys
- * sweep (dK, dV), the queries sweep (dQ, the alpha path, per-row parameter sums) and the
- * per-head float64 reduction of those sums, all in kernels/backward.cl, in that order on the
- * launch's queue. Only the sweeps whose outputs are wanted run.
+ * One backward launch (core/backend.h, struct ape__bwd_launch): the pre-passes (Q with dO and
+ * K with V as float32 rows, the per-distance table, the per-row table), the keys sweep (dK,
+ * dV), the queries sweep (dQ, the alpha path, per-row parameter sums) and the per-head float64
+ * reduction of those sums, all in kernels/backward.cl, in that order on the launch's queue.
+ * Only the sweeps whose outputs are wanted run.
  *
- * Scratch: the parameters (omega and the heads'), the row table (5 APE_REAL per query row) and
- * the per-row parameter sums (4 per row, only with dparams): O(rows), never O(Lq * Lk),
- * released right after they are enqueued (the commands keep them alive), like the forward's.
+ * Scratch, released right after it is enqueued (the commands keep it alive), like the
+ * forward's: the parameters, float32 copies of Q+dO and K+V, the row table (5 APE_REAL per
+ * query row), the distance table (6 per head and distance, H (Lq + Lk - 1)) and the per-row
+ * parameter sums (4 per row, with dparams only): the size of the inputs, never O(Lq * Lk).
+ * The core does not count it yet (struct ape__backend_ops has no backward scratch op).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +29,10 @@
 #define B_DP 4096
 
 #define RI_N 5 /* APE_REAL values per row in the row table */
+#define TB_N 6 /* APE_REAL values per (head, distance) in the distance table */
+
+/* Keys per work-item of the keys sweep (kernels/backward.cl) */
+#define BWD_KT 8
 
 /* Work-items per work-group of the sweeps: whole groups, the excess returns at once. */
 #define BWD_LOCAL 16
@@ -70,6 +77,33 @@ static int bwd_run(struct ape__queue *q, struct ape__ocl_args *a, size_t n0, siz
 	return ret;
 }
 
+/* One of ape_bwd_prep's float32 row copies: pairs of a (first then second components), then b. */
+static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
+		    cl_mem b, cl_int dt_b, cl_long rows, cl_int D, cl_int npad, cl_int dpad,
+		    cl_int inter, size_t local, cl_mem *out)
+{
+	struct ape__ocl_args args = { 0 };
+	cl_int err;
+
+	*out = ape__ocl_scratch(q, (size_t)rows * (size_t)(2 * npad + dpad) * sizeof(float), NULL,
+				&err);
+	if (!*out)
+		return ape__ocl_error(err, "clCreateBuffer (backward rows of %lld)",
+				      (long long)rows);
+	args.k = clCreateKernel(pr->prog, "ape_bwd_prep", &args.err);
+	ape__ocl_arg(&args, sizeof(cl_mem), &a);
+	ape__ocl_arg(&args, sizeof(dt_a), &dt_a);
+	ape__ocl_arg(&args, sizeof(cl_mem), &b);
+	ape__ocl_arg(&args, sizeof(dt_b), &dt_b);
+	ape__ocl_arg(&args, sizeof(rows), &rows);
+	ape__ocl_arg(&args, sizeof(D), &D);
+	ape__ocl_arg(&args, sizeof(npad), &npad);
+	ape__ocl_arg(&args, sizeof(dpad), &dpad);
+	ape__ocl_arg(&args, sizeof(inter), &inter);
+	ape__ocl_arg(&args, sizeof(cl_mem), out);
+	return bwd_run(q, &args, round_up((size_t)rows, local), local, 1, "ape_bwd_prep");
+}
+
 int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
@@ -81,9 +115,11 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	const size_t rows = (size_t)(f->B * f->H * f->Lq);
 	const size_t local = od->max_wg >= BWD_LOCAL ? BWD_LOCAL : 1;
 	cl_int flags = (cl_int)f->in_dtype | (cl_int)f->out_dtype << 2 | (cl_int)l->dout_dtype << 4;
-	cl_mem prm = NULL, rinfo = NULL, part = NULL, none = NULL;
+	const cl_long nmin = rel - (Lk - 1), ndist = Lq + Lk - 1;
+	const cl_int inter = f->layout == APE_ROPE_INTERLEAVED;
+	cl_mem prm = NULL, rinfo = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL, none = NULL;
 	struct ape__ocl_args a;
-	cl_int npad, err;
+	cl_int npad, dpad, err;
 	int ret;
 
 	if (!od->fp64)
@@ -96,6 +132,7 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	if (ret)
 		return ret;
 	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)pr->t.rw);
+	dpad = (cl_int)round_up((size_t)f->D, (size_t)pr->t.rw);
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
 		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0);
@@ -103,12 +140,34 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	prm = bwd_params(q, f, npad, &err);
 	if (prm)
 		rinfo = ape__ocl_scratch(q, rows * RI_N * sizeof(double), NULL, &err);
-	if (rinfo && l->dparams)
+	if (rinfo)
+		tab = ape__ocl_scratch(q, (size_t)(H * ndist) * TB_N * sizeof(double), NULL, &err);
+	if (tab && l->dparams)
 		part = ape__ocl_scratch(q, rows * 4 * sizeof(double), NULL, &err);
-	if (!rinfo || (l->dparams && !part)) {
+	if (!tab || (l->dparams && !part)) {
 		ret = ape__ocl_error(err, "clCreateBuffer (backward scratch)");
 		goto out_release;
 	}
+	ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem, (cl_int)l->dout_dtype,
+		       (cl_long)rows, D, npad, dpad, inter, local, &qp);
+	if (!ret)
+		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
+			       (cl_int)f->in_dtype, B * f->Hkv * Lk, D, npad, dpad, inter, local,
+			       &kp);
+	if (ret)
+		goto out_release;
+
+	memset(&a, 0, sizeof(a));
+	a.k = clCreateKernel(pr->prog, "ape_bwd_dist", &a.err);
+	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
+	ape__ocl_arg(&a, sizeof(npad), &npad);
+	ape__ocl_arg(&a, sizeof(H), &H);
+	ape__ocl_arg(&a, sizeof(nmin), &nmin);
+	ape__ocl_arg(&a, sizeof(ndist), &ndist);
+	ape__ocl_arg(&a, sizeof(cl_mem), &tab);
+	ret = bwd_run(q, &a, round_up((size_t)ndist, local), local, (size_t)H, "ape_bwd_dist");
+	if (ret)
+		goto out_release;
 
 	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, "ape_bwd_rows", &a.err);
@@ -131,13 +190,12 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	if (l->dk || l->dv) {
 		memset(&a, 0, sizeof(a));
 		a.k = clCreateKernel(pr->prog, "ape_bwd_keys", &a.err);
-		ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
-		ape__ocl_arg(&a, sizeof(cl_mem), &f->k->mem);
-		ape__ocl_arg(&a, sizeof(cl_mem), &f->v->mem);
-		ape__ocl_arg(&a, sizeof(cl_mem), &l->dout->mem);
+		ape__ocl_arg(&a, sizeof(cl_mem), &qp);
+		ape__ocl_arg(&a, sizeof(cl_mem), &kp);
 		ape__ocl_arg(&a, sizeof(cl_mem), &prm);
 		ape__ocl_arg(&a, sizeof(npad), &npad);
 		ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
+		ape__ocl_arg(&a, sizeof(cl_mem), &tab);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dk ? &l->dk->mem : &none);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dv ? &l->dv->mem : &none);
 		ape__ocl_arg(&a, sizeof(D), &D);
@@ -148,8 +206,8 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		ape__ocl_arg(&a, sizeof(rel), &rel);
 		ape__ocl_arg(&a, sizeof(scale), &scale);
 		ape__ocl_arg(&a, sizeof(flags), &flags);
-		ret = bwd_run(q, &a, round_up((size_t)Lk, local), local, (size_t)(B * f->Hkv),
-			      "ape_bwd_keys");
+		ret = bwd_run(q, &a, round_up(((size_t)Lk + BWD_KT - 1) / BWD_KT, local), local,
+			      (size_t)(B * f->Hkv), "ape_bwd_keys");
 		if (ret)
 			goto out_release;
 	}
@@ -158,12 +216,12 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		memset(&a, 0, sizeof(a));
 		a.k = clCreateKernel(pr->prog, "ape_bwd_queries", &a.err);
 		ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
-		ape__ocl_arg(&a, sizeof(cl_mem), &f->k->mem);
-		ape__ocl_arg(&a, sizeof(cl_mem), &f->v->mem);
-		ape__ocl_arg(&a, sizeof(cl_mem), &l->dout->mem);
+		ape__ocl_arg(&a, sizeof(cl_mem), &qp);
+		ape__ocl_arg(&a, sizeof(cl_mem), &kp);
 		ape__ocl_arg(&a, sizeof(cl_mem), &prm);
 		ape__ocl_arg(&a, sizeof(npad), &npad);
 		ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
+		ape__ocl_arg(&a, sizeof(cl_mem), &tab);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dq ? &l->dq->mem : &none);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dparams ? &part : &none);
 		ape__ocl_arg(&a, sizeof(D), &D);
@@ -197,5 +255,11 @@ out_release:
 		clReleaseMemObject(rinfo);
 	if (part)
 		clReleaseMemObject(part);
+	if (tab)
+		clReleaseMemObject(tab);
+	if (qp)
+		clReleaseMemObject(qp);
+	if (kp)
+		clReleaseMemObject(kp);
 	return ret;
 }

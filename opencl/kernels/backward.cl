@@ -1,9 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The APE backward pass (APE-SPEC.md, "Gradients"), OpenCL C 1.2, built after attention.cl in
- * the same program (it uses its loads, ld(), and its lane types). Four kernels, enqueued in
+ * the same program (it uses its loads, ld(), and its lane types). Six kernels, enqueued in
  * order by ocl_backward.c:
  *
+ *   ape_bwd_prep     Q with dO, and K with V, as float32 rows in the sweeps' order (twice);
+ *   ape_bwd_dist     per head and distance: temp, bias and their parameter derivatives;
  *   ape_bwd_rows     per query row: mean, sigma, alpha, the saved LSE and Dl_i - dLSE_i
  *                    (Dl_i = dO_i . O_i), once, for the two sweeps;
  *   ape_bwd_keys     keys outer: one work-item owns a key and sums dK_j and dV_j over every row
@@ -75,24 +77,59 @@ KFN float bwd_hsum(vf v)
 #endif
 }
 
-/* The pairs (x_p, y_p) of row `base` (p < npad; zero past P, so padded lanes add nothing) */
-KFN void bwd_load_pairs(__global const void *src, long base, int P, int npad, int inter, int dt,
-			float *x, float *y)
+/*
+ * One row of Q with its dO, or of K with its V, as the sweeps read it: float32, the pairs'
+ * first components (npad of them, zero past P, so padded lanes add nothing), their second
+ * components, then the D components of the vector (zero up to dpad). Converting f16/bf16 or
+ * de-interleaving once per row, not once per pair.
+ */
+__kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void *Bv, int dt_b,
+			   long rows, int D, int npad, int dpad, int inter, __global float *out)
 {
-	NOUNROLL for (int p = 0; p < npad; p++) {
-		x[p] = p < P ? ld(src, base + (inter ? 2 * p : p), dt) : 0.0f;
-		y[p] = p < P ? ld(src, base + (inter ? 2 * p + 1 : p + P), dt) : 0.0f;
+	const long row = get_global_id(0), base = row * (long)BD(D);
+	const int P = BD(D) / 2;
+	__global float *o = out + row * (2 * npad + dpad);
+
+	if (row >= rows)
+		return;
+	for (int p = 0; p < npad; p++) {
+		o[p] = p < P ? ld(A, base + (inter ? 2 * p : p), dt_a) : 0.0f;
+		o[npad + p] = p < P ? ld(A, base + (inter ? 2 * p + 1 : p + P), dt_a) : 0.0f;
 	}
+	for (int d = 0; d < dpad; d++)
+		o[2 * npad + d] = d < BD(D) ? ld(Bv, base + d, dt_b) : 0.0f;
 }
 
-/* The D components of row `base`, zero up to dpad */
-KFN void bwd_load_vec(__global const void *src, long base, int D, int dpad, int dt, float *v)
+/* per (head, distance) values of ape_bwd_dist, in APE_REAL */
+#define TB_T 0 /* temp(n) */
+#define TB_BIAS 1 /* bias(n) */
+#define TB_DD 2 /* d(bias)/d(delta) */
+#define TB_DB 3 /* d(bias)/d(beta) */
+#define TB_DG 4 /* d(bias)/d(gamma) */
+#define TB_DTL 5 /* d(temp)/d(lambda) */
+#define TB_N 6
+
+/* The distance terms of each head at every distance n = nmin + idx a launch has, once: the
+ * sweeps look them up per pair instead of evaluating logs and roots in APE_REAL. */
+__kernel void ape_bwd_dist(__global const APE_REAL *prm, int npad, int H, long nmin, long ndist,
+			   __global APE_REAL *tab)
 {
-	NOUNROLL for (int d = 0; d < dpad; d++)
-		v[d] = d < D ? ld(src, base + d, dt) : 0.0f;
+	const long idx = get_global_id(0), h = get_global_id(1), n = nmin + idx;
+	__global const APE_REAL *hp = prm + npad + 4 * h;
+	__global APE_REAL *tb = tab + (h * ndist + idx) * TB_N;
+	const APE_REAL an = (APE_REAL)(n < 0 ? -n : n);
+
+	if (idx >= ndist || h >= H)
+		return;
+	tb[TB_T] = ape_temp(hp[3], an);
+	tb[TB_BIAS] = ape_bias(hp[0], hp[1], hp[2], an);
+	tb[TB_DD] = ape_grad_dbias_ddelta(an);
+	tb[TB_DB] = ape_grad_dbias_dbeta(an);
+	tb[TB_DG] = ape_grad_dbias_dgamma(an);
+	tb[TB_DTL] = ape_grad_dtemp_dlambda(hp[3], an);
 }
 
-KFN float bwd_dot(const float *a, const float *b, int nvec)
+KFN float bwd_dot(__global const float *a, __global const float *b, int nvec)
 {
 	vf acc = 0.0f;
 
@@ -102,26 +139,34 @@ KFN float bwd_dot(const float *a, const float *b, int nvec)
 }
 
 /*
- * The rotated dot product of one (row, key) pair at nia = n / alpha_i, keeping each chunk's
- * cos and sin; *ddt (when not NULL) gets sum_p APE_GRAD_DDOT_DALPHA_THETA, i.e. d(dot)/d(alpha)
- * times alpha.
+ * The rotated dot product of one (row, key) pair (prepared rows qr and kr) at nia = n / alpha_i.
+ * cs, sn hold each chunk's cos and sin of theta: seeded exactly from the angle when `seed`,
+ * otherwise those of the previous key (n + 1) turned back by one step (stc, sts: cos and sin
+ * of omega / alpha_i), the forward's short recurrence. *ddt (when not NULL) gets
+ * sum_p APE_GRAD_DDOT_DALPHA_THETA, i.e. d(dot)/d(alpha) times alpha.
  */
-KFN float bwd_pair(const float *x, const float *y, const float *u, const float *w,
+KFN float bwd_pair(__global const float *qr, __global const float *kr, int npad,
 		   __global const APE_REAL *omega, APE_REAL nia, int npc, vf *cs, vf *sn,
-		   float *ddt)
+		   const vf *stc, const vf *sts, int seed, float *ddt)
 {
 	vf acc = 0.0f, accd = 0.0f;
 
 	NOUNROLL for (int c = 0; c < npc; c++) {
 		const int o = c * APE_RW;
-		const vr th = VL(omega + o) * nia;
-		const vf xv = VL(x + o), yv = VL(y + o), uv = VL(u + o), wv = VL(w + o);
-		vf co;
-		const vf s = ape_seed_sincos(th, &co);
+		const vf xv = VL(qr + o), yv = VL(qr + npad + o);
+		const vf uv = VL(kr + o), wv = VL(kr + npad + o);
+		vf co, s;
 
+		if (seed) {
+			s = ape_seed_sincos(VL(omega + o) * nia, &co);
+		} else {
+			co = fma(cs[c], stc[c], sn[c] * sts[c]);
+			s = fma(sn[c], stc[c], -cs[c] * sts[c]);
+		}
 		acc += (xv * uv + yv * wv) * co + (xv * wv - yv * uv) * s;
 		if (ddt)
-			accd += APE_GRAD_DDOT_DALPHA_THETA(xv, yv, uv, wv, co, s, TO_VF(th));
+			accd += APE_GRAD_DDOT_DALPHA_THETA(xv, yv, uv, wv, co, s,
+							   TO_VF(VL(omega + o) * nia));
 		cs[c] = co;
 		sn[c] = s;
 	}
@@ -130,10 +175,17 @@ KFN float bwd_pair(const float *x, const float *y, const float *u, const float *
 	return bwd_hsum(acc);
 }
 
+/* cos and sin of each chunk's step omega / alpha (one key further: theta falls by it) */
+KFN void bwd_step(__global const APE_REAL *omega, APE_REAL inv_alpha, int npc, vf *stc, vf *sts)
+{
+	NOUNROLL for (int c = 0; c < npc; c++)
+		sts[c] = ape_seed_sincos(VL(omega + c * APE_RW) * inv_alpha, &stc[c]);
+}
+
 /* One launch's shape, as the kernels read it */
 struct bwd {
-	int D, P, npc, ndc, inter, dt_in, dt_do;
-	long Lq, Lk, rel;
+	int D, P, npc, ndc, npad, rs, inter;
+	long Lq, Lk, rel, nmin, ndist;
 	float scale;
 };
 
@@ -145,26 +197,28 @@ KFN struct bwd bwd_init(int D, long Lq, long Lk, long rel, float scale, int flag
 	b.P = b.D / 2;
 	b.npc = (b.P + APE_RW - 1) / APE_RW;
 	b.ndc = (b.D + APE_RW - 1) / APE_RW;
+	b.npad = b.npc * APE_RW;
+	b.rs = 2 * b.npad + b.ndc * APE_RW; /* floats per prepared row */
 	b.inter = (flags & B_INTERLEAVED) != 0;
-	b.dt_in = B_DT_IN(flags);
-	b.dt_do = B_DT_DO(flags);
 	b.Lq = Lq;
 	b.Lk = Lk;
 	b.rel = rel;
+	b.nmin = rel - (Lk - 1);
+	b.ndist = Lq + Lk - 1;
 	b.scale = scale;
 	return b;
 }
 
 /*
- * P_ij and dS_ij of a pair whose rotated dot product is `dot`, at distance n, with the row's
- * LSE and Dl - dLSE, and dov = dO_i . V_j. *t gets temp(n) * scale (dS times it is d/d(dot)).
+ * P_ij and dS_ij of a pair whose rotated dot product is `dot`, with its distance's table entry
+ * tb, the row's LSE and Dl - dLSE, and dov = dO_i . V_j. *t gets temp(n) * scale (dS times it
+ * is d/d(dot)).
  */
-KFN float bwd_ds(__global const APE_REAL *hp, float dot, long n, __global const APE_REAL *ri,
-		 float dov, float scale, float *p_out, float *t_out)
+KFN float bwd_ds(__global const APE_REAL *tb, float dot, __global const APE_REAL *ri, float dov,
+		 float scale, float *p_out, float *t_out)
 {
-	const APE_REAL an = (APE_REAL)(n < 0 ? -n : n);
-	const APE_REAL t = ape_temp(hp[3], an);
-	const APE_REAL s = t * (APE_REAL)scale * (APE_REAL)dot + ape_bias(hp[0], hp[1], hp[2], an);
+	const APE_REAL t = tb[TB_T];
+	const APE_REAL s = t * (APE_REAL)scale * (APE_REAL)dot + tb[TB_BIAS];
 	const float p = exp((float)(s - ri[RI_LSE]));
 
 	*p_out = p;
@@ -203,70 +257,95 @@ __kernel void ape_bwd_rows(__global const void *Q, __global const void *O,
 	ri[RI_DSUB] = dl - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
 }
 
+/* Keys per work-item of the keys sweep: each row's rotation is seeded at the first and turned
+ * one step per key after it, and the row's loads serve them all. */
+#define BWD_KT 8
+/* Keys between reseeds of the queries sweep's recurrence (the forward's longest tile). */
+#define BWD_RESEED 64
+
 /* Keys outer: dV_j = sum_i P_ij dO_i, dK_j = sum_i dS_ij temp scale d(dot)/d(k_j) (q_i's pairs
- * rotated by +theta), over the rows of every query head of key j's kv head. */
-__kernel void ape_bwd_keys(__global const void *Q, __global const void *K,
-			   __global const void *V, __global const void *DO,
+ * rotated by +theta), over the rows of every query head of key j's kv head, for BWD_KT keys
+ * j0.. of one kv head. QP, KP: the prepared rows of Q with dO and of K with V (ape_bwd_prep). */
+__kernel void ape_bwd_keys(__global const float *QP, __global const float *KP,
 			   __global const APE_REAL *prm, int npad, __global const APE_REAL *rinfo,
-			   __global float *DK, __global float *DV, int D, int H, int group, long Lq,
-			   long Lk, long rel, float scale, int flags)
+			   __global const APE_REAL *tab, __global float *DK, __global float *DV,
+			   int D, int H, int group, long Lq, long Lk, long rel, float scale,
+			   int flags)
 {
 	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
-	const long j = get_global_id(0), bkv = get_global_id(1), Hkv = H / group;
-	const long krow = bkv * Lk + j, kbase = krow * b.D;
-	float u[APE_PMAX], w[APE_PMAX], v[APE_DMAX], x[APE_PMAX], y[APE_PMAX], dout[APE_DMAX];
-	float dku[APE_PMAX], dkw[APE_PMAX], dv[APE_DMAX];
-	vf cs[BPV], sn[BPV];
+	const long j0 = get_global_id(0) * BWD_KT, bkv = get_global_id(1), Hkv = H / group;
+	const int nk = (int)(Lk - j0 < BWD_KT ? Lk - j0 : BWD_KT);
+	const int kstride = 2 * b.npad, vstride = b.ndc * APE_RW;
+	float dk[BWD_KT * 2 * APE_PMAX], dv[BWD_KT * APE_DMAX];
+	vf cs[BPV], sn[BPV], stc[BPV], sts[BPV];
 	long i0;
 
-	if (j >= Lk)
+	if (j0 >= Lk)
 		return;
-	bwd_load_pairs(K, kbase, b.P, b.npc * APE_RW, b.inter, b.dt_in, u, w);
-	bwd_load_vec(V, kbase, b.D, b.ndc * APE_RW, b.dt_in, v);
-	NOUNROLL for (int p = 0; p < b.npc * APE_RW; p++)
-		dku[p] = dkw[p] = 0.0f;
-	NOUNROLL for (int d = 0; d < b.ndc * APE_RW; d++)
-		dv[d] = 0.0f;
+	NOUNROLL for (int x = 0; x < nk * kstride; x++)
+		dk[x] = 0.0f;
+	NOUNROLL for (int x = 0; x < nk * vstride; x++)
+		dv[x] = 0.0f;
 	/* causal: row i sees key j when n = rel + i - j >= 0 */
-	i0 = (flags & B_CAUSAL) ? j - rel : 0;
+	i0 = (flags & B_CAUSAL) ? j0 - rel : 0;
 	i0 = i0 < 0 ? 0 : i0;
 	for (long h = bkv % Hkv * group; h < (bkv % Hkv + 1) * group; h++) {
-		__global const APE_REAL *hp = prm + npad + 4 * h;
 		const long rbase = (bkv / Hkv * H + h) * Lq;
+		__global const APE_REAL *th = tab + h * b.ndist * TB_N;
 
 		for (long i = i0; i < Lq; i++) {
-			const long row = rbase + i, n = rel + i - j;
+			const long row = rbase + i, n0 = rel + i - j0;
 			__global const APE_REAL *ri = rinfo + row * RI_N;
-			float dot, p, t, ds, g;
+			__global const float *qr = QP + row * b.rs, *dout = qr + 2 * b.npad;
+			const APE_REAL inv_alpha = (APE_REAL)1 / ri[RI_ALPHA];
+			int kend = nk;
 
-			bwd_load_pairs(Q, row * b.D, b.P, b.npc * APE_RW, b.inter, b.dt_in, x, y);
-			bwd_load_vec(DO, row * b.D, b.D, b.ndc * APE_RW, b.dt_do, dout);
-			dot = bwd_pair(x, y, u, w, prm, (APE_REAL)n / ri[RI_ALPHA], b.npc, cs, sn,
-				       0);
-			ds = bwd_ds(hp, dot, n, ri, bwd_dot(dout, v, b.ndc), b.scale, &p, &t);
-			g = ds * t;
-			NOUNROLL for (int c = 0; c < b.ndc; c++) {
-				const int o = c * APE_RW;
+			if ((flags & B_CAUSAL) && n0 + 1 < kend)
+				kend = (int)(n0 + 1); /* keys j0 + kt with n0 - kt >= 0 */
+			if (kend > 1)
+				bwd_step(prm, inv_alpha, b.npc, stc, sts);
+			for (int kt = 0; kt < kend; kt++) {
+				const long n = n0 - kt, krow = bkv * Lk + j0 + kt;
+				__global const float *kr = KP + krow * b.rs;
+				float *dkt = dk + kt * kstride, *dvt = dv + kt * vstride;
+				float dot, p, t, ds, g;
 
-				VS(fma((vf)p, VL(dout + o), VL(dv + o)), dv + o);
-			}
-			NOUNROLL for (int c = 0; c < b.npc; c++) {
-				const int o = c * APE_RW;
-				const vf xv = VL(x + o), yv = VL(y + o);
+				dot = bwd_pair(qr, kr, b.npad, prm, (APE_REAL)n * inv_alpha, b.npc,
+					       cs, sn, stc, sts, kt == 0, 0);
+				ds = bwd_ds(th + (n - b.nmin) * TB_N, dot, ri,
+					    bwd_dot(dout, kr + 2 * b.npad, b.ndc), b.scale, &p, &t);
+				g = ds * t;
+				NOUNROLL for (int c = 0; c < b.ndc; c++) {
+					const int o = c * APE_RW;
 
-				VS(fma((vf)g, xv * cs[c] - yv * sn[c], VL(dku + o)), dku + o);
-				VS(fma((vf)g, yv * cs[c] + xv * sn[c], VL(dkw + o)), dkw + o);
+					VS(fma((vf)p, VL(dout + o), VL(dvt + o)), dvt + o);
+				}
+				NOUNROLL for (int c = 0; c < b.npc; c++) {
+					const int o = c * APE_RW;
+					const vf xv = VL(qr + o), yv = VL(qr + b.npad + o);
+
+					VS(fma((vf)g, xv * cs[c] - yv * sn[c], VL(dkt + o)),
+					   dkt + o);
+					VS(fma((vf)g, yv * cs[c] + xv * sn[c],
+					       VL(dkt + b.npad + o)),
+					   dkt + b.npad + o);
+				}
 			}
 		}
 	}
-	if (flags & B_DK)
-		NOUNROLL for (int p = 0; p < b.P; p++) {
-			DK[kbase + (b.inter ? 2 * p : p)] += dku[p];
-			DK[kbase + (b.inter ? 2 * p + 1 : p + b.P)] += dkw[p];
-		}
-	if (flags & B_DV)
-		NOUNROLL for (int d = 0; d < b.D; d++)
-			DV[kbase + d] += dv[d];
+	for (int kt = 0; kt < nk; kt++) {
+		const long kbase = (bkv * Lk + j0 + kt) * b.D;
+
+		if (flags & B_DK)
+			NOUNROLL for (int p = 0; p < b.P; p++) {
+				DK[kbase + (b.inter ? 2 * p : p)] += dk[kt * kstride + p];
+				DK[kbase + (b.inter ? 2 * p + 1 : p + b.P)] +=
+					dk[kt * kstride + b.npad + p];
+			}
+		if (flags & B_DV)
+			NOUNROLL for (int d = 0; d < b.D; d++)
+				DV[kbase + d] += dv[kt * vstride + d];
+	}
 }
 
 /*
@@ -274,12 +353,11 @@ __kernel void ape_bwd_keys(__global const void *Q, __global const void *K,
  * scale d(dot_ij)/d(alpha_i), applied to dQ_i at the end, and the row's parameter sums, in
  * APE_REAL, to PART[row][4] (zero for a row that sees no key of this launch: it adds nothing).
  */
-__kernel void ape_bwd_queries(__global const void *Q, __global const void *K,
-			      __global const void *V, __global const void *DO,
-			      __global const APE_REAL *prm, int npad,
-			      __global const APE_REAL *rinfo, __global float *DQ,
-			      __global APE_REAL *PART, int D, int H, int group, long Lq, long Lk,
-			      long rel, float scale, int flags)
+__kernel void ape_bwd_queries(__global const void *Q, __global const float *QP,
+			      __global const float *KP, __global const APE_REAL *prm, int npad,
+			      __global const APE_REAL *rinfo, __global const APE_REAL *tab,
+			      __global float *DQ, __global APE_REAL *PART, int D, int H, int group,
+			      long Lq, long Lk, long rel, float scale, int flags)
 {
 	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
 	const long i = get_global_id(0), bh = get_global_id(1), h = bh % H;
@@ -287,44 +365,44 @@ __kernel void ape_bwd_queries(__global const void *Q, __global const void *K,
 	const long kvrows = (bh / H * (H / group) + h / group) * Lk;
 	__global const APE_REAL *hp = prm + npad + 4 * h;
 	__global const APE_REAL *ri = rinfo + row * RI_N;
-	float u[APE_PMAX], w[APE_PMAX], v[APE_DMAX], x[APE_PMAX], y[APE_PMAX], dout[APE_DMAX];
+	__global const APE_REAL *th = tab + h * b.ndist * TB_N;
+	__global const float *qr = QP + row * b.rs, *dout = qr + 2 * b.npad;
 	float dqx[APE_PMAX], dqy[APE_PMAX];
-	vf cs[BPV], sn[BPV];
-	APE_REAL A = 0, dp[4] = { 0, 0, 0, 0 }, coef, alpha;
+	vf cs[BPV], sn[BPV], stc[BPV], sts[BPV];
+	APE_REAL A = 0, dp[4] = { 0, 0, 0, 0 }, coef, alpha, inv_alpha;
 	long jend;
 
 	if (i >= Lq)
 		return;
 	alpha = ri[RI_ALPHA];
-	bwd_load_pairs(Q, qbase, b.P, b.npc * APE_RW, b.inter, b.dt_in, x, y);
-	bwd_load_vec(DO, qbase, b.D, b.ndc * APE_RW, b.dt_do, dout);
-	NOUNROLL for (int p = 0; p < b.npc * APE_RW; p++)
+	inv_alpha = (APE_REAL)1 / alpha;
+	NOUNROLL for (int p = 0; p < b.npad; p++)
 		dqx[p] = dqy[p] = 0.0f;
+	bwd_step(prm, inv_alpha, b.npc, stc, sts);
 	/* causal: keys j <= rel + i */
 	jend = (flags & B_CAUSAL) ? (rel + i + 1 < Lk ? rel + i + 1 : Lk) : Lk;
 	for (long j = 0; j < jend; j++) {
-		const long n = rel + i - j, kbase = (kvrows + j) * b.D;
-		const APE_REAL an = (APE_REAL)(n < 0 ? -n : n);
+		const long n = rel + i - j;
+		__global const float *kr = KP + (kvrows + j) * b.rs;
+		__global const APE_REAL *tb = th + (n - b.nmin) * TB_N;
 		float dot, ddt, p, t, ds, g;
 
-		bwd_load_pairs(K, kbase, b.P, b.npc * APE_RW, b.inter, b.dt_in, u, w);
-		bwd_load_vec(V, kbase, b.D, b.ndc * APE_RW, b.dt_in, v);
-		dot = bwd_pair(x, y, u, w, prm, (APE_REAL)n / alpha, b.npc, cs, sn, &ddt);
-		ds = bwd_ds(hp, dot, n, ri, bwd_dot(dout, v, b.ndc), b.scale, &p, &t);
+		dot = bwd_pair(qr, kr, b.npad, prm, (APE_REAL)n * inv_alpha, b.npc, cs, sn, stc,
+			       sts, j % BWD_RESEED == 0, &ddt);
+		ds = bwd_ds(tb, dot, ri, bwd_dot(dout, kr + 2 * b.npad, b.ndc), b.scale, &p, &t);
 		g = ds * t;
 		A += (APE_REAL)g * (APE_REAL)ddt;
 		if (flags & B_DP) {
-			dp[0] += (APE_REAL)ds * ape_grad_dbias_ddelta(an);
-			dp[1] += (APE_REAL)ds * ape_grad_dbias_dbeta(an);
-			dp[2] += (APE_REAL)ds * ape_grad_dbias_dgamma(an);
-			dp[3] += (APE_REAL)ds * (APE_REAL)b.scale * (APE_REAL)dot *
-				 ape_grad_dtemp_dlambda(hp[3], an);
+			dp[0] += (APE_REAL)ds * tb[TB_DD];
+			dp[1] += (APE_REAL)ds * tb[TB_DB];
+			dp[2] += (APE_REAL)ds * tb[TB_DG];
+			dp[3] += (APE_REAL)ds * (APE_REAL)b.scale * (APE_REAL)dot * tb[TB_DTL];
 		}
 		if (!(flags & B_DQ))
 			continue;
 		NOUNROLL for (int c = 0; c < b.npc; c++) {
 			const int o = c * APE_RW;
-			const vf uv = VL(u + o), wv = VL(w + o);
+			const vf uv = VL(kr + o), wv = VL(kr + b.npad + o);
 
 			VS(fma((vf)g, uv * cs[c] + wv * sn[c], VL(dqx + o)), dqx + o);
 			VS(fma((vf)g, wv * cs[c] - uv * sn[c], VL(dqy + o)), dqy + o);
@@ -345,9 +423,9 @@ __kernel void ape_bwd_queries(__global const void *Q, __global const void *K,
 		const long ib = qbase + (b.inter ? 2 * p + 1 : p + b.P);
 
 		DQ[ia] += (float)((APE_REAL)dqx[p] +
-				  coef * ((APE_REAL)ld(Q, ia, b.dt_in) - ri[RI_MEAN]));
+				  coef * ((APE_REAL)ld(Q, ia, B_DT_IN(flags)) - ri[RI_MEAN]));
 		DQ[ib] += (float)((APE_REAL)dqy[p] +
-				  coef * ((APE_REAL)ld(Q, ib, b.dt_in) - ri[RI_MEAN]));
+				  coef * ((APE_REAL)ld(Q, ib, B_DT_IN(flags)) - ri[RI_MEAN]));
 	}
 }
 
