@@ -31,8 +31,12 @@
 #define RI_N 5 /* APE_REAL values per row in the row table */
 #define TB_N 6 /* APE_REAL values per (head, distance) in the distance table */
 
-/* Keys per work-item of the keys sweep (kernels/backward.cl) */
-#define BWD_KT 8
+/* Keys per work-item of the keys sweep, as kernels/backward.cl's BWD_KT for the program
+ * variant of D (ocl_program.c: 64 and 128 specialised, every other D up to 256 generic) */
+static size_t bwd_kt(int64_t D)
+{
+	return D == 64 ? 16 : D == 128 ? 8 : 4;
+}
 
 /* Work-items per work-group of the sweeps: whole groups, the excess returns at once. */
 #define BWD_LOCAL 16
@@ -113,7 +117,7 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	const cl_long Lq = f->Lq, Lk = f->Lk, B = f->B, rel = f->q_start - f->k_start;
 	const cl_float scale = (cl_float)f->scale;
 	const size_t rows = (size_t)(f->B * f->H * f->Lq);
-	const size_t local = od->max_wg >= BWD_LOCAL ? BWD_LOCAL : 1;
+	const size_t local = od->max_wg >= BWD_LOCAL ? BWD_LOCAL : 1, kt = bwd_kt(f->D);
 	cl_int flags = (cl_int)f->in_dtype | (cl_int)f->out_dtype << 2 | (cl_int)l->dout_dtype << 4;
 	const cl_long nmin = rel - (Lk - 1), ndist = Lq + Lk - 1;
 	const cl_int inter = f->layout == APE_ROPE_INTERLEAVED;
@@ -206,7 +210,7 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		ape__ocl_arg(&a, sizeof(rel), &rel);
 		ape__ocl_arg(&a, sizeof(scale), &scale);
 		ape__ocl_arg(&a, sizeof(flags), &flags);
-		ret = bwd_run(q, &a, round_up(((size_t)Lk + BWD_KT - 1) / BWD_KT, local), local,
+		ret = bwd_run(q, &a, round_up(((size_t)Lk + kt - 1) / kt, local), local,
 			      (size_t)(B * f->Hkv), "ape_bwd_keys");
 		if (ret)
 			goto out_release;
