@@ -35,7 +35,7 @@
  * variant of D (ocl_program.c: 64 and 128 specialised, every other D up to 256 generic) */
 static size_t bwd_kt(int64_t D)
 {
-	return D == 64 ? 16 : D == 128 ? 8 : 4;
+	return D == 64 ? 8 : D == 128 ? 4 : 2;
 }
 
 /* Work-items per work-group of the sweeps: whole groups, the excess returns at once. */
@@ -210,8 +210,9 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		ape__ocl_arg(&a, sizeof(rel), &rel);
 		ape__ocl_arg(&a, sizeof(scale), &scale);
 		ape__ocl_arg(&a, sizeof(flags), &flags);
-		ret = bwd_run(q, &a, round_up(((size_t)Lk + kt - 1) / kt, local), local,
-			      (size_t)(B * f->Hkv), "ape_bwd_keys");
+		/* one work-item per group: its accumulators are large (kernels/backward.cl) */
+		ret = bwd_run(q, &a, ((size_t)Lk + kt - 1) / kt, 1, (size_t)(B * f->Hkv),
+			      "ape_bwd_keys");
 		if (ret)
 			goto out_release;
 	}

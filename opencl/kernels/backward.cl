@@ -257,16 +257,21 @@ __kernel void ape_bwd_rows(__global const void *Q, __global const void *O,
 	ri[RI_DSUB] = dl - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
 }
 
-/* Keys per work-item of the keys sweep: each row's rotation is seeded at the first and turned
- * one step per key after it, and the row's loads serve them all (16 measured 20% faster than 8
- * at D = 64; fewer for larger D, whose accumulators grow with it). ocl_backward.c mirrors it. */
-#define BWD_KT (APE_DMAX <= 64 ? 16 : APE_DMAX <= 128 ? 8 : 4)
+/* Keys per work-item of the keys sweep: its accumulators are APE_RW lanes wide per component,
+ * so fewer for larger D. ocl_backward.c mirrors it. */
+#define BWD_KT (APE_DMAX <= 64 ? 8 : APE_DMAX <= 128 ? 4 : 2)
 /* Keys between reseeds of the queries sweep's recurrence (the forward's longest tile). */
 #define BWD_RESEED 64
 
-/* Keys outer: dV_j = sum_i P_ij dO_i, dK_j = sum_i dS_ij temp scale d(dot)/d(k_j) (q_i's pairs
+/*
+ * Keys outer: dV_j = sum_i P_ij dO_i, dK_j = sum_i dS_ij temp scale d(dot)/d(k_j) (q_i's pairs
  * rotated by +theta), over the rows of every query head of key j's kv head, for BWD_KT keys
- * j0.. of one kv head. QP, KP: the prepared rows of Q with dO and of K with V (ape_bwd_prep). */
+ * j0.. of one kv head. As in the forward, APE_RW query rows ride in the lanes of a vector: per
+ * row vector, each pair's rotation is seeded at the first key and turned one step per key
+ * after it; the accumulators keep their lanes until the end, where each is summed once. Lanes
+ * past the last row, or that a key is hidden from, add nothing (a select, so that NaN in a
+ * row reaches only the keys it sees). QP, KP: the prepared rows (ape_bwd_prep).
+ */
 __kernel void ape_bwd_keys(__global const float *QP, __global const float *KP,
 			   __global const APE_REAL *prm, int npad, __global const APE_REAL *rinfo,
 			   __global const APE_REAL *tab, __global float *DK, __global float *DV,
@@ -276,76 +281,139 @@ __kernel void ape_bwd_keys(__global const float *QP, __global const float *KP,
 	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
 	const long j0 = get_global_id(0) * BWD_KT, bkv = get_global_id(1), Hkv = H / group;
 	const int nk = (int)(Lk - j0 < BWD_KT ? Lk - j0 : BWD_KT);
-	const int kstride = 2 * b.npad, vstride = b.ndc * APE_RW;
-	float dk[BWD_KT * 2 * APE_PMAX], dv[BWD_KT * APE_DMAX];
-	vf cs[BPV], sn[BPV], stc[BPV], sts[BPV];
+	const int causal = (flags & B_CAUSAL) != 0;
+	/* per key kt, component c: lanes at ((kt * D) + c) * APE_RW */
+	float dkacc[BWD_KT * APE_DMAX * APE_RW], dvacc[BWD_KT * APE_DMAX * APE_RW];
+	/* the row vector: pairs, dO, and per-lane row values */
+	float xs[APE_PMAX * APE_RW], ys[APE_PMAX * APE_RW], dos[APE_DMAX * APE_RW];
+	float dsub[APE_RW], okf[APE_RW], tl[APE_RW];
+	APE_REAL ia[APE_RW], lse[APE_RW], nn[APE_RW], tt[APE_RW], tbias[APE_RW];
+	long nl[APE_RW];
+	vf cs[APE_PMAX], sn[APE_PMAX], stc[APE_PMAX], sts[APE_PMAX];
 	long i0;
 
 	if (j0 >= Lk)
 		return;
-	NOUNROLL for (int x = 0; x < nk * kstride; x++)
-		dk[x] = 0.0f;
-	NOUNROLL for (int x = 0; x < nk * vstride; x++)
-		dv[x] = 0.0f;
+	NOUNROLL for (int x = 0; x < nk * b.D * APE_RW; x++)
+		dkacc[x] = dvacc[x] = 0.0f;
 	/* causal: row i sees key j when n = rel + i - j >= 0 */
-	i0 = (flags & B_CAUSAL) ? j0 - rel : 0;
+	i0 = causal ? j0 - rel : 0;
 	i0 = i0 < 0 ? 0 : i0;
 	for (long h = bkv % Hkv * group; h < (bkv % Hkv + 1) * group; h++) {
 		const long rbase = (bkv / Hkv * H + h) * Lq;
 		__global const APE_REAL *th = tab + h * b.ndist * TB_N;
 
-		for (long i = i0; i < Lq; i++) {
-			const long row = rbase + i, n0 = rel + i - j0;
-			__global const APE_REAL *ri = rinfo + row * RI_N;
-			__global const float *qr = QP + row * b.rs, *dout = qr + 2 * b.npad;
-			const APE_REAL inv_alpha = (APE_REAL)1 / ri[RI_ALPHA];
-			int kend = nk;
+		for (long r0 = i0; r0 < Lq; r0 += APE_RW) {
+			vr iav, nv;
 
-			if ((flags & B_CAUSAL) && n0 + 1 < kend)
-				kend = (int)(n0 + 1); /* keys j0 + kt with n0 - kt >= 0 */
-			if (kend > 1)
-				bwd_step(prm, inv_alpha, b.npc, stc, sts);
-			for (int kt = 0; kt < kend; kt++) {
-				const long n = n0 - kt, krow = bkv * Lk + j0 + kt;
-				__global const float *kr = KP + krow * b.rs;
-				float *dkt = dk + kt * kstride, *dvt = dv + kt * vstride;
-				float dot, p, t, ds, g;
+			NOUNROLL for (int l = 0; l < APE_RW; l++) {
+				const long i = r0 + l, ic = i < Lq ? i : Lq - 1, row = rbase + ic;
+				__global const APE_REAL *ri = rinfo + row * RI_N;
+				__global const float *qr = QP + row * b.rs;
+				const int ok = i < Lq;
 
-				dot = bwd_pair(qr, kr, b.npad, prm, (APE_REAL)n * inv_alpha, b.npc,
-					       cs, sn, stc, sts, kt == 0, 0);
-				ds = bwd_ds(th + (n - b.nmin) * TB_N, dot, ri,
-					    bwd_dot(dout, kr + 2 * b.npad, b.ndc), b.scale, &p, &t);
-				g = ds * t;
-				NOUNROLL for (int c = 0; c < b.ndc; c++) {
-					const int o = c * APE_RW;
-
-					VS(fma((vf)p, VL(dout + o), VL(dvt + o)), dvt + o);
+				ia[l] = (APE_REAL)1 / ri[RI_ALPHA];
+				lse[l] = ri[RI_LSE];
+				dsub[l] = (float)ri[RI_DSUB];
+				nl[l] = rel + ic - j0;
+				nn[l] = (APE_REAL)nl[l];
+				okf[l] = ok ? 1.0f : 0.0f;
+				NOUNROLL for (int p = 0; p < b.P; p++) {
+					xs[p * APE_RW + l] = ok ? qr[p] : 0.0f;
+					ys[p * APE_RW + l] = ok ? qr[b.npad + p] : 0.0f;
 				}
-				NOUNROLL for (int c = 0; c < b.npc; c++) {
-					const int o = c * APE_RW;
-					const vf xv = VL(qr + o), yv = VL(qr + b.npad + o);
+				NOUNROLL for (int d = 0; d < b.D; d++)
+					dos[d * APE_RW + l] = ok ? qr[2 * b.npad + d] : 0.0f;
+			}
+			iav = VL(ia);
+			nv = VL(nn) * iav;
+			NOUNROLL for (int p = 0; p < b.P; p++) {
+				sn[p] = ape_seed_sincos((vr)prm[p] * nv, &cs[p]);
+				if (nk > 1)
+					sts[p] = ape_seed_sincos((vr)prm[p] * iav, &stc[p]);
+			}
+			for (int kt = 0; kt < nk; kt++) {
+				__global const float *kr = KP + (bkv * Lk + j0 + kt) * b.rs;
+				float *dka = dkacc + kt * b.D * APE_RW, *dva = dvacc + kt * b.D * APE_RW;
+				vf dot = 0.0f, dov = 0.0f, p, g, okv;
+				vr sv;
 
-					VS(fma((vf)g, xv * cs[c] - yv * sn[c], VL(dkt + o)),
-					   dkt + o);
-					VS(fma((vf)g, yv * cs[c] + xv * sn[c],
-					       VL(dkt + b.npad + o)),
-					   dkt + b.npad + o);
+				NOUNROLL for (int l = 0; l < APE_RW; l++) {
+					__global const APE_REAL *tb =
+						th + (nl[l] - kt - b.nmin) * TB_N;
+
+					tt[l] = tb[TB_T];
+					tbias[l] = tb[TB_BIAS];
+					tl[l] = (float)(nl[l] - kt);
+				}
+				NOUNROLL for (int q = 0; q < b.P; q++) {
+					const float u = kr[q], w = kr[b.npad + q];
+					const vf x = VL(xs + q * APE_RW), y = VL(ys + q * APE_RW);
+
+					if (kt) { /* one key further: theta falls by one step */
+						const vf c = cs[q];
+
+						cs[q] = fma(c, stc[q], sn[q] * sts[q]);
+						sn[q] = fma(sn[q], stc[q], -c * sts[q]);
+					}
+					dot += (x * u + y * w) * cs[q] + (x * w - y * u) * sn[q];
+				}
+				NOUNROLL for (int d = 0; d < b.D; d++)
+					dov = fma(VL(dos + d * APE_RW), (vf)kr[2 * b.npad + d], dov);
+				sv = VL(tt) * (APE_REAL)b.scale * TO_VR(dot) + VL(tbias) - VL(lse);
+				p = exp(TO_VF(sv));
+				g = p * (dov - VL(dsub)) * TO_VF(VL(tt)) * b.scale;
+				if (r0 + APE_RW <= Lq && (!causal || r0 + rel - j0 - kt >= 0)) {
+					/* every lane's row exists and sees the key */
+					NOUNROLL for (int d = 0; d < b.D; d++)
+						VS(fma(p, VL(dos + d * APE_RW), VL(dva + d * APE_RW)),
+						   dva + d * APE_RW);
+					NOUNROLL for (int q = 0; q < b.P; q++) {
+						const vf x = VL(xs + q * APE_RW), y = VL(ys + q * APE_RW);
+						float *au = dka + q * APE_RW, *aw = dka + (b.P + q) * APE_RW;
+
+						VS(fma(g, x * cs[q] - y * sn[q], VL(au)), au);
+						VS(fma(g, y * cs[q] + x * sn[q], VL(aw)), aw);
+					}
+					continue;
+				}
+				/* a lane adds only where its row exists and sees the key: a select
+				 * on each product, so that NaN in a row reaches only keys it sees */
+				okv = VL(okf);
+				if (causal)
+					okv = APE_V_SELECT((vf)0.0f, okv, VL(tl) >= 0.0f);
+				NOUNROLL for (int d = 0; d < b.D; d++)
+					VS(VL(dva + d * APE_RW) +
+						   APE_V_SELECT((vf)0.0f, p * VL(dos + d * APE_RW),
+								okv > 0.5f),
+					   dva + d * APE_RW);
+				NOUNROLL for (int q = 0; q < b.P; q++) {
+					const vf x = VL(xs + q * APE_RW), y = VL(ys + q * APE_RW);
+					float *au = dka + q * APE_RW, *aw = dka + (b.P + q) * APE_RW;
+
+					VS(VL(au) + APE_V_SELECT((vf)0.0f, g * (x * cs[q] - y * sn[q]),
+								 okv > 0.5f),
+					   au);
+					VS(VL(aw) + APE_V_SELECT((vf)0.0f, g * (y * cs[q] + x * sn[q]),
+								 okv > 0.5f),
+					   aw);
 				}
 			}
 		}
 	}
 	for (int kt = 0; kt < nk; kt++) {
 		const long kbase = (bkv * Lk + j0 + kt) * b.D;
+		const float *dka = dkacc + kt * b.D * APE_RW, *dva = dvacc + kt * b.D * APE_RW;
 
 		if (flags & B_DK)
-			NOUNROLL for (int p = 0; p < b.P; p++) {
-				DK[kbase + (b.inter ? 2 * p : p)] += dk[kt * kstride + p];
-				DK[kbase + (b.inter ? 2 * p + 1 : p + b.P)] +=
-					dk[kt * kstride + b.npad + p];
+			NOUNROLL for (int q = 0; q < b.P; q++) {
+				DK[kbase + (b.inter ? 2 * q : q)] += bwd_hsum(VL(dka + q * APE_RW));
+				DK[kbase + (b.inter ? 2 * q + 1 : q + b.P)] +=
+					bwd_hsum(VL(dka + (b.P + q) * APE_RW));
 			}
 		if (flags & B_DV)
 			NOUNROLL for (int d = 0; d < b.D; d++)
-				DV[kbase + d] += dv[kt * vstride + d];
+				DV[kbase + d] += bwd_hsum(VL(dva + d * APE_RW));
 	}
 }
 
