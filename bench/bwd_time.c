@@ -3,8 +3,10 @@
  * Backward against forward, side by side: ape_attention_forward_ex() and
  * ape_attention_backward_ex() on the same inputs (random N(0,1) Q, K, V, dO, the seed's
  * parameters), alternating, median of the repeats, from ape_stats (kernel_ms: device time of
- * the kernels; total_ms: the whole call, copies included). Also the backward with only the
- * parameter gradients wanted (frozen Q, K, V).
+ * the kernels; total_ms: the whole call, copies included), and the median of each round's
+ * ratio to the forward of the same round (the machine is shared: rounds differ by 2x, ratios
+ * within a round much less). Also the backward with only the parameter gradients wanted
+ * (frozen Q, K, V).
  *
  *   bwd_time [backend [L [H [D [repeats [causal]]]]]]     (defaults: opencl 4096 6 64 3 1)
  *
@@ -58,7 +60,8 @@ int main(int argc, char **argv)
 	const int causal = argc > 6 ? atoi(argv[6]) : 1;
 	const size_t n = (size_t)(H * L * D);
 	float *q, *k, *v, *o, *dout, *dq, *dk, *dv, *lse, *dparams;
-	double t[4][2][MAXREP]; /* forward, backward, dparams only; kernel_ms, total_ms */
+	double t[3][2][MAXREP]; /* forward, backward, dparams only; kernel_ms, total_ms */
+	double ratio[3][2][MAXREP]; /* the same over the forward of the same round */
 	ape_tensor tq, tk, tv, to, tdo, tdq, tdk, tdv;
 	ape_context_options co;
 	ape_context *ctx;
@@ -120,23 +123,23 @@ int main(int argc, char **argv)
 		for (int x = 0; r >= 0 && x < 3; x++) {
 			t[x][0][r] = st[x].kernel_ms;
 			t[x][1][r] = st[x].total_ms;
+			ratio[x][0][r] = st[x].kernel_ms / st[0].kernel_ms;
+			ratio[x][1][r] = st[x].total_ms / st[0].total_ms;
 		}
 		fprintf(stderr, "round %d: forward %.1f ms, backward %.1f ms, dparams only %.1f ms\n",
 			r, st[0].total_ms, st[1].total_ms, st[2].total_ms);
 	}
 	{
 		static const char *const names[3] = { "forward", "backward", "backward, dparams only" };
-		double fk = median(t[0][0], reps), ft = median(t[0][1], reps);
-
 		printf("%s, B=1 H=%lld L=%lld D=%lld f32 %s skip_tol=0, median of %d\n",
 		       sel.device ? backend : "?", (long long)H, (long long)L, (long long)D,
 		       causal ? "causal" : "non-causal", reps);
 		for (int x = 0; x < 3; x++) {
 			double km = median(t[x][0], reps), tm = median(t[x][1], reps);
 
-			printf("%-24s kernel_ms %9.1f  total_ms %9.1f  (x forward: %.2f kernel, %.2f "
-			       "total)\n",
-			       names[x], km, tm, km / fk, tm / ft);
+			printf("%-24s kernel_ms %9.1f  total_ms %9.1f  (x forward, per round: "
+			       "%.2f kernel, %.2f total)\n",
+			       names[x], km, tm, median(ratio[x][0], reps), median(ratio[x][1], reps));
 		}
 	}
 	ape_context_destroy(ctx);
