@@ -81,6 +81,32 @@ static int bwd_run(struct ape__queue *q, struct ape__ocl_args *a, size_t n0, siz
 	return ret;
 }
 
+/* The arguments both sweeps take first, in kernels/backward.cl's order (BWD_SWEEP_ARGS). */
+struct bwd_sweep {
+	cl_mem qp, kp, prm, rinfo, tab;
+	cl_int npad, D, H, group, flags;
+	cl_long Lq, Lk, rel;
+	cl_float scale;
+};
+
+static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
+{
+	ape__ocl_arg(a, sizeof(cl_mem), &w->qp);
+	ape__ocl_arg(a, sizeof(cl_mem), &w->kp);
+	ape__ocl_arg(a, sizeof(cl_mem), &w->prm);
+	ape__ocl_arg(a, sizeof(w->npad), &w->npad);
+	ape__ocl_arg(a, sizeof(cl_mem), &w->rinfo);
+	ape__ocl_arg(a, sizeof(cl_mem), &w->tab);
+	ape__ocl_arg(a, sizeof(w->D), &w->D);
+	ape__ocl_arg(a, sizeof(w->H), &w->H);
+	ape__ocl_arg(a, sizeof(w->group), &w->group);
+	ape__ocl_arg(a, sizeof(w->Lq), &w->Lq);
+	ape__ocl_arg(a, sizeof(w->Lk), &w->Lk);
+	ape__ocl_arg(a, sizeof(w->rel), &w->rel);
+	ape__ocl_arg(a, sizeof(w->scale), &w->scale);
+	ape__ocl_arg(a, sizeof(w->flags), &w->flags);
+}
+
 /* One of ape_bwd_prep's float32 row copies: pairs of a (first then second components), then b. */
 static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
 		    cl_mem b, cl_int dt_b, cl_long rows, cl_int D, cl_int npad, cl_int dpad,
@@ -123,6 +149,7 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	const cl_int inter = f->layout == APE_ROPE_INTERLEAVED;
 	cl_mem prm = NULL, rinfo = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL, none = NULL;
 	struct ape__ocl_args a;
+	struct bwd_sweep w;
 	cl_int npad, dpad, err;
 	int ret;
 
@@ -191,25 +218,15 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	if (ret)
 		goto out_release;
 
+	w = (struct bwd_sweep){ .qp = qp, .kp = kp, .prm = prm, .rinfo = rinfo, .tab = tab,
+				.npad = npad, .D = D, .H = H, .group = group, .flags = flags,
+				.Lq = Lq, .Lk = Lk, .rel = rel, .scale = scale };
 	if (l->dk || l->dv) {
 		memset(&a, 0, sizeof(a));
 		a.k = clCreateKernel(pr->prog, "ape_bwd_keys", &a.err);
-		ape__ocl_arg(&a, sizeof(cl_mem), &qp);
-		ape__ocl_arg(&a, sizeof(cl_mem), &kp);
-		ape__ocl_arg(&a, sizeof(cl_mem), &prm);
-		ape__ocl_arg(&a, sizeof(npad), &npad);
-		ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
-		ape__ocl_arg(&a, sizeof(cl_mem), &tab);
+		bwd_sweep_args(&a, &w);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dk ? &l->dk->mem : &none);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dv ? &l->dv->mem : &none);
-		ape__ocl_arg(&a, sizeof(D), &D);
-		ape__ocl_arg(&a, sizeof(H), &H);
-		ape__ocl_arg(&a, sizeof(group), &group);
-		ape__ocl_arg(&a, sizeof(Lq), &Lq);
-		ape__ocl_arg(&a, sizeof(Lk), &Lk);
-		ape__ocl_arg(&a, sizeof(rel), &rel);
-		ape__ocl_arg(&a, sizeof(scale), &scale);
-		ape__ocl_arg(&a, sizeof(flags), &flags);
 		/* one work-item per group: its accumulators are large (kernels/backward.cl) */
 		ret = bwd_run(q, &a, ((size_t)Lk + kt - 1) / kt, 1, (size_t)(B * f->Hkv),
 			      "ape_bwd_keys");
@@ -220,23 +237,10 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	if (l->dq || l->dparams) {
 		memset(&a, 0, sizeof(a));
 		a.k = clCreateKernel(pr->prog, "ape_bwd_queries", &a.err);
+		bwd_sweep_args(&a, &w);
 		ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
-		ape__ocl_arg(&a, sizeof(cl_mem), &qp);
-		ape__ocl_arg(&a, sizeof(cl_mem), &kp);
-		ape__ocl_arg(&a, sizeof(cl_mem), &prm);
-		ape__ocl_arg(&a, sizeof(npad), &npad);
-		ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
-		ape__ocl_arg(&a, sizeof(cl_mem), &tab);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dq ? &l->dq->mem : &none);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dparams ? &part : &none);
-		ape__ocl_arg(&a, sizeof(D), &D);
-		ape__ocl_arg(&a, sizeof(H), &H);
-		ape__ocl_arg(&a, sizeof(group), &group);
-		ape__ocl_arg(&a, sizeof(Lq), &Lq);
-		ape__ocl_arg(&a, sizeof(Lk), &Lk);
-		ape__ocl_arg(&a, sizeof(rel), &rel);
-		ape__ocl_arg(&a, sizeof(scale), &scale);
-		ape__ocl_arg(&a, sizeof(flags), &flags);
 		ret = bwd_run(q, &a, round_up((size_t)Lq, local), local, (size_t)(B * H),
 			      "ape_bwd_queries");
 		if (ret)

@@ -257,6 +257,13 @@ __kernel void ape_bwd_rows(__global const void *Q, __global const void *O,
 	ri[RI_DSUB] = dl - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
 }
 
+/* The arguments both sweeps take first (ocl_backward.c: bwd_sweep_args()): the prepared rows,
+ * omega and the heads' parameters, the row and distance tables, the shape, the flags. */
+#define BWD_SWEEP_ARGS                                                                             \
+	__global const float *QP, __global const float *KP, __global const APE_REAL *prm,         \
+		int npad, __global const APE_REAL *rinfo, __global const APE_REAL *tab, int D,     \
+		int H, int group, long Lq, long Lk, long rel, float scale, int flags
+
 /* Keys per work-item of the keys sweep: its accumulators are APE_RW lanes wide per component,
  * so fewer for larger D. ocl_backward.c mirrors it. */
 #define BWD_KT (APE_DMAX <= 64 ? 8 : APE_DMAX <= 128 ? 4 : 2)
@@ -272,11 +279,7 @@ __kernel void ape_bwd_rows(__global const void *Q, __global const void *O,
  * past the last row, or that a key is hidden from, add nothing (a select, so that NaN in a
  * row reaches only the keys it sees). QP, KP: the prepared rows (ape_bwd_prep).
  */
-__kernel void ape_bwd_keys(__global const float *QP, __global const float *KP,
-			   __global const APE_REAL *prm, int npad, __global const APE_REAL *rinfo,
-			   __global const APE_REAL *tab, __global float *DK, __global float *DV,
-			   int D, int H, int group, long Lq, long Lk, long rel, float scale,
-			   int flags)
+__kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *DV)
 {
 	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
 	const long j0 = get_global_id(0) * BWD_KT, bkv = get_global_id(1), Hkv = H / group;
@@ -422,11 +425,8 @@ __kernel void ape_bwd_keys(__global const float *QP, __global const float *KP,
  * scale d(dot_ij)/d(alpha_i), applied to dQ_i at the end, and the row's parameter sums, in
  * APE_REAL, to PART[row][4] (zero for a row that sees no key of this launch: it adds nothing).
  */
-__kernel void ape_bwd_queries(__global const void *Q, __global const float *QP,
-			      __global const float *KP, __global const APE_REAL *prm, int npad,
-			      __global const APE_REAL *rinfo, __global const APE_REAL *tab,
-			      __global float *DQ, __global APE_REAL *PART, int D, int H, int group,
-			      long Lq, long Lk, long rel, float scale, int flags)
+__kernel void ape_bwd_queries(BWD_SWEEP_ARGS, __global const void *Q, __global float *DQ,
+			      __global APE_REAL *PART)
 {
 	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
 	const long i = get_global_id(0), bh = get_global_id(1), h = bh % H;
