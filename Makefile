@@ -143,6 +143,7 @@ include runtime/module.mk
 -include opencl/module.mk
 -include cuda/module.mk
 include tools/module.mk
+include bench/module.mk
 include tests/module.mk
 # Hardening (issue 7): fuzz targets, fault injection, ThreadSanitizer. Each module appends the
 # goals 'make check' runs after the unit tests to CHECK_EXTRA (each prints its own summary line).
@@ -228,6 +229,7 @@ help:
 	@echo "make deps       install the Debian packages and the Kselftest headers (root)"
 	@echo "make            library (static and shared) and tools"
 	@echo "make run        the main job: APE on a seed-sized input, checked against the reference"
+	@echo "make bench-bwd  bench/bwd_time: backward against forward, side by side (bench/RESULTS.md)"
 	@echo "make check      build and run every test; ends with 'N passed, N failed, N skipped'"
 	@echo "make sanitize   the tests under AddressSanitizer and UBSan"
 	@echo "make valgrind   the tests under valgrind memcheck (leaks are errors)"

@@ -21,5 +21,13 @@ ape__ocl_src_math:
 	.byte 0
 	.size ape__ocl_src_math, . - ape__ocl_src_math
 
+	.global ape__ocl_src_backward
+	.hidden ape__ocl_src_backward
+	.type ape__ocl_src_backward, @object
+ape__ocl_src_backward:
+	.incbin "opencl/kernels/backward.cl"
+	.byte 0
+	.size ape__ocl_src_backward, . - ape__ocl_src_backward
+
 	/* no executable stack */
 	.section .note.GNU-stack,"",@progbits

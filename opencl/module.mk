@@ -10,5 +10,6 @@ LIB_ASM     += opencl/kernels_embed.S
 $(OPENCL_SRCS:%.c=$(BUILD)/obj/%.o): CPPFLAGS += -DCL_TARGET_OPENCL_VERSION=120
 
 # .incbin is invisible to -MMD: the embedded sources are explicit prerequisites.
-$(BUILD)/obj/opencl/kernels_embed.o: opencl/kernels/attention.cl runtime/core/ape_math.h
+$(BUILD)/obj/opencl/kernels_embed.o: opencl/kernels/attention.cl opencl/kernels/backward.cl \
+				   runtime/core/ape_math.h
 endif

@@ -127,10 +127,27 @@ int ape__ocl_program_get(struct ape_device *dev, int64_t D, const struct ape__oc
 
 /* ---- ocl_attention.c */
 int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l);
+/* Kernel arguments set in order; the first failure sticks in err (checked once, after all). */
+struct ape__ocl_args {
+	cl_kernel k;
+	cl_uint n;
+	cl_int err;
+};
+void ape__ocl_arg(struct ape__ocl_args *a, size_t size, const void *v);
+/* Enqueues k over (n0, n1) with local size (l0, 1) (the driver's choice when l0 is 0),
+ * splitting dimension 1 into chunks through the global offset; tracks each command. */
+int ape__ocl_enqueue(struct ape__queue *q, cl_kernel k, size_t n0, size_t l0, size_t n1,
+		     const char *what);
+/* A buffer of the launch's own (read-only copy of init when init is not NULL). */
+cl_mem ape__ocl_scratch(struct ape__queue *q, size_t bytes, void *init, cl_int *err);
+
+/* ---- ocl_backward.c */
+int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l);
 
 /* ---- kernels_embed.S: NUL-terminated sources embedded at build time */
 extern const char ape__ocl_src_attention[];
 extern const char ape__ocl_src_math[];
+extern const char ape__ocl_src_backward[];
 
 #pragma GCC visibility pop
 #endif

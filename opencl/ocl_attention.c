@@ -24,13 +24,7 @@
 /* Heads per enqueue along dimension 1: GPU drivers bound a grid dimension (65535 on some). */
 #define OCL_MAX_DIM1 65535
 
-struct ocl_args {
-	cl_kernel k;
-	cl_uint n;
-	cl_int err;
-};
-
-static void arg(struct ocl_args *a, size_t size, const void *v)
+void ape__ocl_arg(struct ape__ocl_args *a, size_t size, const void *v)
 {
 	if (a->err == CL_SUCCESS)
 		a->err = clSetKernelArg(a->k, a->n, size, v);
@@ -39,8 +33,8 @@ static void arg(struct ocl_args *a, size_t size, const void *v)
 
 /* Enqueues k over (n0, n1) with local size (l0, 1) (or the driver's choice when l0 is 0),
  * splitting dimension 1 into chunks through the global offset. */
-static int ocl_enqueue(struct ape__queue *q, cl_kernel k, size_t n0, size_t l0, size_t n1,
-		       const char *what)
+int ape__ocl_enqueue(struct ape__queue *q, cl_kernel k, size_t n0, size_t l0, size_t n1,
+		     const char *what)
 {
 	for (size_t off = 0; off < n1; off += OCL_MAX_DIM1) {
 		const size_t goff[2] = { 0, off };
@@ -60,7 +54,7 @@ static int ocl_enqueue(struct ape__queue *q, cl_kernel k, size_t n0, size_t l0, 
 	return 0;
 }
 
-static cl_mem ocl_scratch(struct ape__queue *q, size_t bytes, void *init, cl_int *err)
+cl_mem ape__ocl_scratch(struct ape__queue *q, size_t bytes, void *init, cl_int *err)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
 
@@ -94,7 +88,7 @@ static cl_mem ocl_params(struct ape__queue *q, const struct ape__launch *l, int 
 			memcpy(host + i * esz, &f, esz);
 		}
 	}
-	mem = ocl_scratch(q, n * esz, host, err);
+	mem = ape__ocl_scratch(q, n * esz, host, err);
 	free(host);
 	return mem;
 }
@@ -116,7 +110,7 @@ static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
 	const cl_int D = (cl_int)l->D, dt = (cl_int)l->in_dtype;
 	const cl_int inter = l->layout == APE_ROPE_INTERLEAVED, do_v = l->in_dtype != APE_F32;
 	const size_t local = od->max_wg >= 64 ? 64 : 1;
-	struct ocl_args a = { 0 };
+	struct ape__ocl_args a = { 0 };
 	cl_int err;
 
 	*ret = 0;
@@ -126,25 +120,25 @@ static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
 		return 1;
 	if (bytes > od->max_alloc)
 		return 0;
-	*kp = ocl_scratch(q, bytes, NULL, &err);
+	*kp = ape__ocl_scratch(q, bytes, NULL, &err);
 	if (*kp && do_v)
-		*vf = ocl_scratch(q, bytes, NULL, &err);
+		*vf = ape__ocl_scratch(q, bytes, NULL, &err);
 	if (!*kp || (do_v && !*vf))
 		return 0;
 	a.k = clCreateKernel(pr->prog, "ape_kv_prep", &a.err);
-	arg(&a, sizeof(cl_mem), &l->k->mem);
-	arg(&a, sizeof(cl_mem), &l->v->mem);
-	arg(&a, sizeof(D), &D);
-	arg(&a, sizeof(rows), &rows);
-	arg(&a, sizeof(dt), &dt);
-	arg(&a, sizeof(inter), &inter);
-	arg(&a, sizeof(do_v), &do_v);
-	arg(&a, sizeof(cl_mem), kp);
-	arg(&a, sizeof(cl_mem), do_v ? vf : &l->v->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->k->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->v->mem);
+	ape__ocl_arg(&a, sizeof(D), &D);
+	ape__ocl_arg(&a, sizeof(rows), &rows);
+	ape__ocl_arg(&a, sizeof(dt), &dt);
+	ape__ocl_arg(&a, sizeof(inter), &inter);
+	ape__ocl_arg(&a, sizeof(do_v), &do_v);
+	ape__ocl_arg(&a, sizeof(cl_mem), kp);
+	ape__ocl_arg(&a, sizeof(cl_mem), do_v ? vf : &l->v->mem);
 	if (a.err != CL_SUCCESS)
 		*ret = ape__ocl_error(a.err, "setting up ape_kv_prep");
 	else /* rows rounded up: the kernel ignores the excess; PoCL wants whole work-groups */
-		*ret = ocl_enqueue(q, a.k, ((size_t)rows + local - 1) / local * local, local, 1,
+		*ret = ape__ocl_enqueue(q, a.k, ((size_t)rows + local - 1) / local * local, local, 1,
 				   "ape_kv_prep");
 	if (a.k)
 		clReleaseKernel(a.k);
@@ -166,31 +160,31 @@ static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 	const cl_long Lk = l->Lk;
 	cl_mem tiles;
 	cl_int err;
-	struct ocl_args a = { 0 };
+	struct ape__ocl_args a = { 0 };
 	int ret = 0;
 
-	tiles = ocl_scratch(q, bkv * (size_t)ntk * sizeof(float), NULL, &err);
+	tiles = ape__ocl_scratch(q, bkv * (size_t)ntk * sizeof(float), NULL, &err);
 	if (tiles)
-		*pre = ocl_scratch(q, scan, NULL, &err);
+		*pre = ape__ocl_scratch(q, scan, NULL, &err);
 	if (*pre)
-		*suf = ocl_scratch(q, scan, NULL, &err);
+		*suf = ape__ocl_scratch(q, scan, NULL, &err);
 	if (!*suf) {
 		ret = ape__ocl_error(err, "clCreateBuffer (skip pre-pass)");
 		goto out_release;
 	}
 
 	a.k = clCreateKernel(pr->prog, "ape_kmax", &a.err);
-	arg(&a, sizeof(cl_mem), &k);
-	arg(&a, sizeof(cl_mem), &v);
-	arg(&a, sizeof(D), &D);
-	arg(&a, sizeof(Lk), &Lk);
-	arg(&a, sizeof(dt), &dt);
-	arg(&a, sizeof(ntk), &ntk);
-	arg(&a, sizeof(cl_mem), &tiles);
+	ape__ocl_arg(&a, sizeof(cl_mem), &k);
+	ape__ocl_arg(&a, sizeof(cl_mem), &v);
+	ape__ocl_arg(&a, sizeof(D), &D);
+	ape__ocl_arg(&a, sizeof(Lk), &Lk);
+	ape__ocl_arg(&a, sizeof(dt), &dt);
+	ape__ocl_arg(&a, sizeof(ntk), &ntk);
+	ape__ocl_arg(&a, sizeof(cl_mem), &tiles);
 	if (a.err != CL_SUCCESS)
 		ret = ape__ocl_error(a.err, "setting up ape_kmax");
 	else
-		ret = ocl_enqueue(q, a.k, (size_t)ntk, 0, bkv, "ape_kmax");
+		ret = ape__ocl_enqueue(q, a.k, (size_t)ntk, 0, bkv, "ape_kmax");
 	if (a.k)
 		clReleaseKernel(a.k);
 	if (ret)
@@ -198,14 +192,14 @@ static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 
 	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, "ape_kscan", &a.err);
-	arg(&a, sizeof(cl_mem), &tiles);
-	arg(&a, sizeof(ntk), &ntk);
-	arg(&a, sizeof(cl_mem), pre);
-	arg(&a, sizeof(cl_mem), suf);
+	ape__ocl_arg(&a, sizeof(cl_mem), &tiles);
+	ape__ocl_arg(&a, sizeof(ntk), &ntk);
+	ape__ocl_arg(&a, sizeof(cl_mem), pre);
+	ape__ocl_arg(&a, sizeof(cl_mem), suf);
 	if (a.err != CL_SUCCESS)
 		ret = ape__ocl_error(a.err, "setting up ape_kscan");
 	else
-		ret = ocl_enqueue(q, a.k, bkv, 0, 1, "ape_kscan");
+		ret = ape__ocl_enqueue(q, a.k, bkv, 0, 1, "ape_kscan");
 	if (a.k)
 		clReleaseKernel(a.k);
 out_release:
@@ -224,7 +218,7 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 		       prior_tol = (cl_float)l->prior_tol;
 	cl_int flags = (cl_int)l->in_dtype | (cl_int)l->out_dtype << 2;
 	cl_mem prm = NULL, pre = NULL, suf = NULL, none = NULL, kp = NULL, vf = NULL, kbuf, vbuf;
-	struct ocl_args a = { 0 };
+	struct ape__ocl_args a = { 0 };
 	size_t bq, nqt;
 	cl_long ntk;
 	cl_int err;
@@ -256,30 +250,30 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 		goto out_release;
 
 	a.k = clCreateKernel(pr->prog, "ape_attention", &a.err);
-	arg(&a, sizeof(cl_mem), &l->q->mem);
-	arg(&a, sizeof(cl_mem), &kbuf);
-	arg(&a, sizeof(cl_mem), &vbuf);
-	arg(&a, sizeof(cl_mem), &l->o->mem);
-	arg(&a, sizeof(cl_mem), l->lse ? &l->lse->mem : &none);
-	arg(&a, sizeof(cl_mem), l->pairs ? &l->pairs->mem : &none);
-	arg(&a, sizeof(cl_mem), (flags & F_PRIOR) ? &l->lse_prior->mem : &none);
-	arg(&a, sizeof(cl_mem), &prm);
-	arg(&a, sizeof(cl_mem), &pre);
-	arg(&a, sizeof(cl_mem), &suf);
-	arg(&a, sizeof(D), &D);
-	arg(&a, sizeof(Lq), &Lq);
-	arg(&a, sizeof(Lk), &Lk);
-	arg(&a, sizeof(H), &H);
-	arg(&a, sizeof(group), &group);
-	arg(&a, sizeof(rel), &rel);
-	arg(&a, sizeof(scale), &scale);
-	arg(&a, sizeof(tol), &tol);
-	arg(&a, sizeof(prior_tol), &prior_tol);
-	arg(&a, sizeof(flags), &flags);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->q->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &kbuf);
+	ape__ocl_arg(&a, sizeof(cl_mem), &vbuf);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->o->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->lse ? &l->lse->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->pairs ? &l->pairs->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), (flags & F_PRIOR) ? &l->lse_prior->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
+	ape__ocl_arg(&a, sizeof(cl_mem), &pre);
+	ape__ocl_arg(&a, sizeof(cl_mem), &suf);
+	ape__ocl_arg(&a, sizeof(D), &D);
+	ape__ocl_arg(&a, sizeof(Lq), &Lq);
+	ape__ocl_arg(&a, sizeof(Lk), &Lk);
+	ape__ocl_arg(&a, sizeof(H), &H);
+	ape__ocl_arg(&a, sizeof(group), &group);
+	ape__ocl_arg(&a, sizeof(rel), &rel);
+	ape__ocl_arg(&a, sizeof(scale), &scale);
+	ape__ocl_arg(&a, sizeof(tol), &tol);
+	ape__ocl_arg(&a, sizeof(prior_tol), &prior_tol);
+	ape__ocl_arg(&a, sizeof(flags), &flags);
 	if (a.err != CL_SUCCESS)
 		ret = ape__ocl_error(a.err, "setting up ape_attention");
 	else
-		ret = ocl_enqueue(q, a.k, nqt * (size_t)pr->t.nwi, (size_t)pr->t.nwi,
+		ret = ape__ocl_enqueue(q, a.k, nqt * (size_t)pr->t.nwi, (size_t)pr->t.nwi,
 				  (size_t)(l->B * l->H), "ape_attention");
 	if (a.k)
 		clReleaseKernel(a.k);

@@ -68,6 +68,11 @@ static int ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	return ape__op_error(ape__ocl_attention(q, l), q->dev, "attention");
 }
 
+static int ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
+{
+	return ape__op_error(ape__ocl_attention_backward(q, l), q->dev, "attention_backward");
+}
+
 static int ocl_synchronize(struct ape__queue *q)
 {
 	return ape__op_error(ape__ocl_synchronize(q), q->dev, "synchronize");
@@ -94,4 +99,5 @@ const struct ape__backend_ops ape__opencl_ops = {
 	.copy_d2d = ocl_copy_d2d,
 	.event_timestamp = ocl_event_timestamp,
 	.max_alloc = ape__ocl_max_alloc,
+	.attention_backward = ocl_attention_backward, /* ocl_backward.c */
 };

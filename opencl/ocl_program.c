@@ -131,6 +131,7 @@ static void ocl_cache_key(const struct ape__ocl_device *od, const char *opts, ch
 	h = ape__fnv1a64(ocl_prelude, strlen(ocl_prelude), h);
 	h = ape__fnv1a64(ape__ocl_src_math, strlen(ape__ocl_src_math), h);
 	h = ape__fnv1a64(ape__ocl_src_attention, strlen(ape__ocl_src_attention), h);
+	h = ape__fnv1a64(ape__ocl_src_backward, strlen(ape__ocl_src_backward), h);
 	snprintf(buf, cap,
 		 "libape opencl program 1\nplatform: %s\nplatform version: %s\ndevice: %s\n"
 		 "driver: %s\nsource fnv1a64: %016llx\noptions: %s\n",
@@ -171,9 +172,14 @@ static int ocl_check_kernels(const struct ape__ocl_device *od, cl_program prog,
 			     const struct ape__ocl_tuning *t)
 {
 	static const char *const names[] = { "ape_attention", "ape_kmax", "ape_kscan",
-					       "ape_kv_prep" };
+					       "ape_kv_prep", "ape_bwd_prep", "ape_bwd_dist",
+					       "ape_bwd_rows", "ape_bwd_keys", "ape_bwd_queries",
+					       "ape_bwd_params" };
 
-	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+	/* the backward kernels exist only with float64 (kernels/backward.cl) */
+	const size_t nk = od->fp64 ? sizeof(names) / sizeof(names[0]) : 4;
+
+	for (size_t i = 0; i < nk; i++) {
 		cl_int err;
 		cl_kernel k = clCreateKernel(prog, names[i], &err);
 		size_t wg = 0;
@@ -257,11 +263,12 @@ static int ocl_from_source(struct ape_device *dev, int v, const char *opts,
 			   const struct ape__ocl_tuning *t, cl_program *out)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(dev);
-	const char *srcs[3] = { ocl_prelude, ape__ocl_src_math, ape__ocl_src_attention };
+	const char *srcs[4] = { ocl_prelude, ape__ocl_src_math, ape__ocl_src_attention,
+				ape__ocl_src_backward };
 	cl_program prog;
 	cl_int err;
 
-	prog = clCreateProgramWithSource(od->ctx, 3, srcs, NULL, &err);
+	prog = clCreateProgramWithSource(od->ctx, 4, srcs, NULL, &err);
 	if (!prog)
 		return ape__ocl_error(err, "clCreateProgramWithSource");
 	err = clBuildProgram(prog, 1, &od->id, opts, NULL, NULL);

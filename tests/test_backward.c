@@ -1102,4 +1102,98 @@ TEST_F(bwd, every_backend_against_the_reference)
 	}
 }
 
+/*
+ * Every backend with the op, on the named cases one after another against the reference:
+ * GQA and MQA, D = 2, 64 and one that no kernel specialises, both layouts, causal or not,
+ * offsets of 2^40, rows that see no key (their dQ exactly 0), a constant query row (sigma = 0)
+ * where lambda is large, lambda = 0, negative decays, per-head and scalar parameters, with and
+ * without dLSE, every storage type with dO in it or in float32; then two runs bit for bit the
+ * same, and the parameter gradients alone (the others left untouched).
+ */
+TEST_F(bwd, every_backend_edge_cases)
+{
+	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
+	static const test_problem_shape shapes[] = {
+		{ 1, 4, 2, 9, 13, 64 }, /* GQA, a specialised D */
+		{ 2, 3, 1, 7, 10, 6 }, /* MQA */
+		{ 1, 2, 2, 5, 8, 2 }, /* D = 2 */
+		{ 1, 2, 1, 40, 150, 66 }, /* a D no kernel specialises; more keys than a tile */
+	};
+	const int ncases = self->emu || ape_test_slow() ? 8 : 24;
+	ape_rng rng;
+
+	if (!self->dev->be->ops->attention_backward)
+		SKIP(return, "%s: no backward op (every_backend_against_the_reference checks that)",
+		     variant->backend);
+	ape_rng_init(&rng, "every_backend_edge_cases");
+	for (int i = 0; i < ncases; i++) {
+		const test_problem_shape *sh = &shapes[i % 4];
+		const ape_dtype dt = types[i / 4 % 3];
+		const int64_t H = sh->H;
+		bcase c;
+		grads want, g, again, only, untouched;
+
+		ASSERT_EQ(0, bcase_make(&c, &rng, sh, dt, false, i % 3 != 0));
+		test_problem_random_params(&c.tp, &rng);
+		c.tp.desc.layout = i & 1 ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+		c.tp.desc.causal = i % 5 != 4;
+		c.tp.desc.k_start = i % 7 == 2 ? ((int64_t)1 << 40) - i : -3 + i;
+		/* the first two rows see no key when causal */
+		c.tp.desc.q_start = c.tp.desc.k_start - 2;
+		c.tp.desc.q_start_set = true;
+		if (i % 2) { /* per head: head 0 with negative decays, head 1 with lambda = 0 */
+			c.tp.desc.delta.per_head = c.tp.params;
+			c.tp.desc.beta.per_head = c.tp.params + H;
+			c.tp.desc.gamma.per_head = c.tp.params + 2 * H;
+			c.tp.desc.lambda.per_head = c.tp.params + 3 * H;
+			c.tp.params[0] = -0.25f;
+			c.tp.params[H] = -0.5f;
+			c.tp.params[2 * H] = -0.125f;
+			c.tp.params[3 * H + 1] = 0;
+			c.tp.params[3 * H] = 1.75f;
+		} else if (i % 4 == 2) {
+			c.tp.desc.lambda = (ape_param){ 0, NULL };
+		}
+		for (int64_t d = 0; d < sh->D; d++) /* sigma = 0 */
+			test_tensor_set(&c.tp.q.t, 0, 0, sh->Lq - 1, d, 0.5);
+		if (dt != APE_F32 && i % 3 == 1) { /* dO in float32 */
+			test_tensor d32;
+
+			ASSERT_EQ(0, widen(&d32, &c.dout));
+			test_tensor_free(&c.dout);
+			c.dout = d32;
+		}
+		ASSERT_EQ(0, bcase_forward(&c, self->ref)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&again, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&only, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&untouched, &c, APE_F32));
+		ASSERT_EQ(0, run_backward(&c, self->ref, &want, W_ALL, NULL));
+		EXPECT_EQ(0, run_backward(&c, self->dev, &g, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, run_backward(&c, self->dev, &again, W_ALL, NULL));
+		EXPECT_EQ(0, run_backward(&c, self->dev, &only, W_DP, NULL));
+		EXPECT_LE(rel_err(&g.dq.t, &want.dq.t), tol_grad(dt)) TH_LOG("case %d", i);
+		EXPECT_LE(rel_err(&g.dk.t, &want.dk.t), tol_grad(dt)) TH_LOG("case %d", i);
+		EXPECT_LE(rel_err(&g.dv.t, &want.dv.t), tol_grad(dt)) TH_LOG("case %d", i);
+		EXPECT_LE(rel_err_params(g.dparams, want.dparams, H), tol_grad(dt))
+			TH_LOG("case %d", i);
+		EXPECT_LE(rel_err_params(only.dparams, want.dparams, H), tol_grad(dt))
+			TH_LOG("case %d", i);
+		EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: reruns differ", i);
+		EXPECT_TRUE(same_grads(&only, &untouched, W_ALL & ~W_DP)) TH_LOG("case %d", i);
+		if (c.tp.desc.causal)
+			for (int64_t d = 0; d < sh->D; d++) {
+				EXPECT_EQ(0.0, test_tensor_get(&g.dq.t, 0, 0, 0, d));
+				EXPECT_EQ(0.0, test_tensor_get(&g.dq.t, 0, H - 1, 1, d));
+			}
+		grads_free(&want);
+		grads_free(&g);
+		grads_free(&again);
+		grads_free(&only);
+		grads_free(&untouched);
+		bcase_free(&c);
+	}
+}
+
 TEST_HARNESS_MAIN

@@ -315,11 +315,16 @@ APE_FN ape_real ape_grad_dsigma_coef(ape_real D, ape_real sigma)
 /*
  * One pair's share of d(dot)/d(alpha): query pair (x, y), key pair (u, w), c = cos(theta),
  * s = sin(theta), theta = n omega / alpha, so d(theta)/d(alpha) = -theta / alpha.
+ * APE_GRAD_DDOT_DALPHA_THETA is the share times alpha, for any arithmetic type (the OpenCL
+ * kernel evaluates it on vectors of pairs and divides the row's sum by alpha once).
  */
+#define APE_GRAD_DDOT_DALPHA_THETA(x, y, u, w, c, s, theta)                                       \
+	((((x) * (u) + (y) * (w)) * (s) - ((x) * (w) - (y) * (u)) * (c)) * (theta))
+
 APE_FN ape_real ape_grad_ddot_dalpha(ape_real x, ape_real y, ape_real u, ape_real w, ape_real c,
 				     ape_real s, ape_real theta, ape_real alpha)
 {
-	return ((x * u + y * w) * s - (x * w - y * u) * c) * theta / alpha;
+	return APE_GRAD_DDOT_DALPHA_THETA(x, y, u, w, c, s, theta) / alpha;
 }
 
 /* d(temp)/d(lambda) = -|n| temp^2: the direct path of d_lambda (times dS scale dot) */

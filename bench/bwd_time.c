@@ -1,0 +1,148 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Backward against forward, side by side: ape_attention_forward_ex() and
+ * ape_attention_backward_ex() on the same inputs (random N(0,1) Q, K, V, dO, the seed's
+ * parameters), alternating, median of the repeats, from ape_stats (kernel_ms: device time of
+ * the kernels; total_ms: the whole call, copies included), and the median of each round's
+ * ratio to the forward of the same round (the machine is shared: rounds differ by 2x, ratios
+ * within a round much less). Also the backward with only the parameter gradients wanted
+ * (frozen Q, K, V).
+ *
+ *   bwd_time [backend [L [H [D [repeats [causal]]]]]]     (defaults: opencl 4096 6 64 3 1)
+ *
+ * Built by `make bench-bwd` ($(BUILD)/bench/bwd_time); float32, B = 1, skip_tol = 0.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ape/ape.h"
+
+static float *randn(size_t n, uint64_t *s)
+{
+	float *x = malloc(n * sizeof(float));
+
+	for (size_t i = 0; x && i < n; i++) { /* Box-Muller on a 64-bit LCG */
+		double u1, u2;
+
+		*s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
+		u1 = ((double)(*s >> 11) + 1) / 9007199254740993.0;
+		*s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
+		u2 = (double)(*s >> 11) / 9007199254740992.0;
+		x[i] = (float)(sqrt(-2 * log(u1)) * cos(6.283185307179586 * u2));
+	}
+	return x;
+}
+
+static int cmp(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n)
+{
+	qsort(v, (size_t)n, sizeof(double), cmp);
+	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+#define MAXREP 32
+
+int main(int argc, char **argv)
+{
+	const char *backend = argc > 1 ? argv[1] : "opencl";
+	const int64_t L = argc > 2 ? atoll(argv[2]) : 4096, H = argc > 3 ? atoll(argv[3]) : 6;
+	const int64_t D = argc > 4 ? atoll(argv[4]) : 64;
+	int reps = argc > 5 ? atoi(argv[5]) : 3;
+	const int causal = argc > 6 ? atoi(argv[6]) : 1;
+	const size_t n = (size_t)(H * L * D);
+	float *q, *k, *v, *o, *dout, *dq, *dk, *dv, *lse, *dparams;
+	double t[3][2][MAXREP]; /* forward, backward, dparams only; kernel_ms, total_ms */
+	double ratio[3][2][MAXREP]; /* the same over the forward of the same round */
+	ape_tensor tq, tk, tv, to, tdo, tdq, tdk, tdv;
+	ape_context_options co;
+	ape_context *ctx;
+	ape_selection sel;
+	ape_exec_options eo;
+	ape_attn_desc desc;
+	uint64_t seed = 12345;
+	int ret;
+
+	reps = reps < 1 ? 1 : reps > MAXREP ? MAXREP : reps;
+	q = randn(n, &seed), k = randn(n, &seed), v = randn(n, &seed), dout = randn(n, &seed);
+	o = malloc(n * sizeof(float)), dq = malloc(n * sizeof(float));
+	dk = malloc(n * sizeof(float)), dv = malloc(n * sizeof(float));
+	lse = malloc((size_t)(H * L) * sizeof(float)), dparams = malloc((size_t)(4 * H) * sizeof(float));
+	if (!q || !k || !v || !dout || !o || !dq || !dk || !dv || !lse || !dparams)
+		return 1;
+	ape_tensor_init(&tq, q, APE_F32, 1, H, L, D);
+	ape_tensor_init(&tk, k, APE_F32, 1, H, L, D);
+	ape_tensor_init(&tv, v, APE_F32, 1, H, L, D);
+	ape_tensor_init(&to, o, APE_F32, 1, H, L, D);
+	ape_tensor_init(&tdo, dout, APE_F32, 1, H, L, D);
+	ape_tensor_init(&tdq, dq, APE_F32, 1, H, L, D);
+	ape_tensor_init(&tdk, dk, APE_F32, 1, H, L, D);
+	ape_tensor_init(&tdv, dv, APE_F32, 1, H, L, D);
+	ape_attn_desc_init(&desc);
+	desc.delta.value = (float)pow(2, -4.0 / 3);
+	desc.beta.value = desc.gamma.value = desc.delta.value / 10;
+	desc.lambda.value = 0.1f;
+	desc.causal = causal;
+	desc.skip_tol = 0;
+	ape_exec_options_init(&eo);
+
+	ape_context_options_init(&co);
+	co.backends = backend;
+	if ((ret = ape_context_create(&ctx, &co)) || (ret = ape_device_select(ctx, backend, -1, &sel))) {
+		fprintf(stderr, "bwd_time: %s\n", ape_last_error());
+		return 1;
+	}
+	/* one untimed round: program builds, first-touch */
+	for (int r = -1; r < reps; r++) {
+		ape_stats st[3];
+
+		for (int x = 0; x < 3; x++)
+			ape_stats_init(&st[x]);
+		ret = ape_attention_forward_ex(&sel.device, 1, &eo, &desc, &tq, &tk, &tv, &to, lse,
+					       &st[0]);
+		if (!ret)
+			ret = ape_attention_backward_ex(&sel.device, 1, &eo, &desc, &tq, &tk, &tv, &to,
+							lse, &tdo, NULL, &tdq, &tdk, &tdv, dparams,
+							&st[1]);
+		if (!ret)
+			ret = ape_attention_backward_ex(&sel.device, 1, &eo, &desc, &tq, &tk, &tv, &to,
+							lse, &tdo, NULL, NULL, NULL, NULL, dparams,
+							&st[2]);
+		if (ret) {
+			fprintf(stderr, "bwd_time: %s\n", ape_last_error());
+			return 1;
+		}
+		for (int x = 0; r >= 0 && x < 3; x++) {
+			t[x][0][r] = st[x].kernel_ms;
+			t[x][1][r] = st[x].total_ms;
+			ratio[x][0][r] = st[x].kernel_ms / st[0].kernel_ms;
+			ratio[x][1][r] = st[x].total_ms / st[0].total_ms;
+		}
+		fprintf(stderr, "round %d: forward %.1f ms, backward %.1f ms, dparams only %.1f ms\n",
+			r, st[0].total_ms, st[1].total_ms, st[2].total_ms);
+	}
+	{
+		static const char *const names[3] = { "forward", "backward", "backward, dparams only" };
+		printf("%s, B=1 H=%lld L=%lld D=%lld f32 %s skip_tol=0, median of %d\n",
+		       sel.device ? backend : "?", (long long)H, (long long)L, (long long)D,
+		       causal ? "causal" : "non-causal", reps);
+		for (int x = 0; x < 3; x++) {
+			double km = median(t[x][0], reps), tm = median(t[x][1], reps);
+
+			printf("%-24s kernel_ms %9.1f  total_ms %9.1f  (x forward, per round: "
+			       "%.2f kernel, %.2f total)\n",
+			       names[x], km, tm, median(ratio[x][0], reps), median(ratio[x][1], reps));
+		}
+	}
+	ape_context_destroy(ctx);
+	free(q), free(k), free(v), free(o), free(dout), free(dq), free(dk), free(dv), free(lse), free(dparams);
+	return 0;
+}

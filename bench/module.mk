@@ -1,0 +1,12 @@
+# Benchmark drivers in C (bench/*.c, one program each), built on request only: `make bench-bwd`
+# builds $(BUILD)/bench/bwd_time, the backward pass timed side by side with the forward.
+BENCH_PROGS := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
+
+$(BUILD)/bench/%: bench/%.c $(LIBA) $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $<"
+	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS)
+
+bench-bwd: $(BUILD)/bench/bwd_time
+
+.PHONY: bench-bwd
