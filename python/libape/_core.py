@@ -530,9 +530,9 @@ def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, be
 
     `wrt` names what is wanted, of "q", "k", "v", "params"; the others are None and cost
     nothing (frozen q, k, v with wrt=("params",) is one pass over the pairs). Arrays as for
-    `attention()`; the gradients have q's kind and dtype. `device` as for `attention()`: today
-    only the reference backend ("ref") has a backward pass; any other device raises ApeError
-    (APE_ENOTSUP) with libape's message naming it, and nothing falls back to another device.
+    `attention()`; the gradients have q's kind and dtype. `device` as for `attention()`: the
+    reference and OpenCL backends have a backward pass, CUDA not yet; a device without one
+    raises ApeError (APE_ENOTSUP) with libape's message naming it, and nothing falls back.
     """
     want = set(wrt)
     if not want or not want <= set(_WRT):

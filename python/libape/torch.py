@@ -14,8 +14,9 @@ ape_attention_backward().
 
 Devices. `device=None` (the default) runs the forward on the best device ("auto") when no
 gradient is wanted, and forward and backward on the reference backend ("ref") when any input
-or parameter requires a gradient, because today only the reference backend has a backward
-pass. A device given explicitly is used for both passes: a backward on a device without one
+or parameter requires a gradient: the reference and OpenCL have a backward pass, CUDA not yet
+(so "auto" could pick a device without one), and OpenCL's is not tuned yet. A device given
+explicitly is used for both passes: a backward on a device without one
 raises libape.ApeError (APE_ENOTSUP) naming it; nothing falls back to another device.
 CUDA tensors raise ApeValueError until libape has its device-resident API.
 """
@@ -206,7 +207,7 @@ def _pick_device(device, tensors):
     if device is not None:
         return device
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "ref"  # the only backend with a backward pass today (see the module's doc)
+        return "ref"  # a backward on every machine (see the module's doc)
     return "auto"
 
 
