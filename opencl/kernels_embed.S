@@ -21,6 +21,14 @@ ape__ocl_src_math:
 	.byte 0
 	.size ape__ocl_src_math, . - ape__ocl_src_math
 
+	.global ape__ocl_src_bwd_layout
+	.hidden ape__ocl_src_bwd_layout
+	.type ape__ocl_src_bwd_layout, @object
+ape__ocl_src_bwd_layout:
+	.incbin "opencl/kernels/bwd_layout.h"
+	.byte 0
+	.size ape__ocl_src_bwd_layout, . - ape__ocl_src_bwd_layout
+
 	.global ape__ocl_src_backward
 	.hidden ape__ocl_src_backward
 	.type ape__ocl_src_backward, @object

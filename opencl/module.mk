@@ -11,5 +11,6 @@ $(OPENCL_SRCS:%.c=$(BUILD)/obj/%.o): CPPFLAGS += -DCL_TARGET_OPENCL_VERSION=120
 
 # .incbin is invisible to -MMD: the embedded sources are explicit prerequisites.
 $(BUILD)/obj/opencl/kernels_embed.o: opencl/kernels/attention.cl opencl/kernels/backward.cl \
+				   opencl/kernels/bwd_layout.h \
 				   runtime/core/ape_math.h
 endif

@@ -147,6 +147,7 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 /* ---- kernels_embed.S: NUL-terminated sources embedded at build time */
 extern const char ape__ocl_src_attention[];
 extern const char ape__ocl_src_math[];
+extern const char ape__ocl_src_bwd_layout[];
 extern const char ape__ocl_src_backward[];
 
 #pragma GCC visibility pop

@@ -17,19 +17,8 @@
 
 #include "core/alloc.h"
 #include "core/error.h"
+#include "kernels/bwd_layout.h"
 #include "ocl.h"
-
-/* Launch flags, mirrored in kernels/backward.cl. */
-#define B_CAUSAL 64
-#define B_INTERLEAVED 128
-#define B_DLSE 256
-#define B_DQ 512
-#define B_DK 1024
-#define B_DV 2048
-#define B_DP 4096
-
-#define RI_N 5 /* APE_REAL values per row in the row table */
-#define TB_N 6 /* APE_REAL values per (head, distance) in the distance table */
 
 /* Keys per work-item of the keys sweep, as kernels/backward.cl's BWD_KT for the program
  * variant of D (ocl_program.c: 64 and 128 specialised, every other D up to 256 generic) */
@@ -144,7 +133,7 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	const cl_float scale = (cl_float)f->scale;
 	const size_t rows = (size_t)(f->B * f->H * f->Lq);
 	const size_t local = od->max_wg >= BWD_LOCAL ? BWD_LOCAL : 1, kt = bwd_kt(f->D);
-	cl_int flags = (cl_int)f->in_dtype | (cl_int)f->out_dtype << 2 | (cl_int)l->dout_dtype << 4;
+	cl_int flags = B_DTYPES((cl_int)f->in_dtype, (cl_int)f->out_dtype, (cl_int)l->dout_dtype);
 	const cl_long nmin = rel - (Lk - 1), ndist = Lq + Lk - 1;
 	const cl_int inter = f->layout == APE_ROPE_INTERLEAVED;
 	cl_mem prm = NULL, rinfo = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL, none = NULL;

@@ -131,6 +131,7 @@ static void ocl_cache_key(const struct ape__ocl_device *od, const char *opts, ch
 	h = ape__fnv1a64(ocl_prelude, strlen(ocl_prelude), h);
 	h = ape__fnv1a64(ape__ocl_src_math, strlen(ape__ocl_src_math), h);
 	h = ape__fnv1a64(ape__ocl_src_attention, strlen(ape__ocl_src_attention), h);
+	h = ape__fnv1a64(ape__ocl_src_bwd_layout, strlen(ape__ocl_src_bwd_layout), h);
 	h = ape__fnv1a64(ape__ocl_src_backward, strlen(ape__ocl_src_backward), h);
 	snprintf(buf, cap,
 		 "libape opencl program 1\nplatform: %s\nplatform version: %s\ndevice: %s\n"
@@ -263,12 +264,12 @@ static int ocl_from_source(struct ape_device *dev, int v, const char *opts,
 			   const struct ape__ocl_tuning *t, cl_program *out)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(dev);
-	const char *srcs[4] = { ocl_prelude, ape__ocl_src_math, ape__ocl_src_attention,
-				ape__ocl_src_backward };
+	const char *srcs[] = { ocl_prelude, ape__ocl_src_math, ape__ocl_src_attention,
+			       ape__ocl_src_bwd_layout, ape__ocl_src_backward };
 	cl_program prog;
 	cl_int err;
 
-	prog = clCreateProgramWithSource(od->ctx, 4, srcs, NULL, &err);
+	prog = clCreateProgramWithSource(od->ctx, sizeof(srcs) / sizeof(srcs[0]), srcs, NULL, &err);
 	if (!prog)
 		return ape__ocl_error(err, "clCreateProgramWithSource");
 	err = clBuildProgram(prog, 1, &od->id, opts, NULL, NULL);

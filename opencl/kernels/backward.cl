@@ -37,25 +37,7 @@
 #define BD(D) (D)
 #endif
 
-/* backward launch flags (ocl_backward.c) */
-#define B_DT_IN(f) ((f) & 3)
-#define B_DT_OUT(f) (((f) >> 2) & 3)
-#define B_DT_DO(f) (((f) >> 4) & 3)
-#define B_CAUSAL 64
-#define B_INTERLEAVED 128
-#define B_DLSE 256
-#define B_DQ 512
-#define B_DK 1024
-#define B_DV 2048
-#define B_DP 4096
-
-/* per-row values of ape_bwd_rows, in APE_REAL */
-#define RI_MEAN 0
-#define RI_SIGMA 1
-#define RI_ALPHA 2
-#define RI_LSE 3
-#define RI_DSUB 4 /* Dl_i - dLSE_i */
-#define RI_N 5
+/* launch flags and table layouts: kernels/bwd_layout.h, embedded ahead of this file */
 
 KFN float bwd_hsum(vf v)
 {
@@ -99,15 +81,6 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 	for (int d = 0; d < dpad; d++)
 		o[2 * npad + d] = d < BD(D) ? ld(Bv, base + d, dt_b) : 0.0f;
 }
-
-/* per (head, distance) values of ape_bwd_dist, in APE_REAL */
-#define TB_T 0 /* temp(n) */
-#define TB_BIAS 1 /* bias(n) */
-#define TB_DD 2 /* d(bias)/d(delta) */
-#define TB_DB 3 /* d(bias)/d(beta) */
-#define TB_DG 4 /* d(bias)/d(gamma) */
-#define TB_DTL 5 /* d(temp)/d(lambda) */
-#define TB_N 6
 
 /* The distance terms of each head at every distance n = nmin + idx a launch has, once: the
  * sweeps look them up per pair instead of evaluating logs and roots in APE_REAL. */

@@ -1,0 +1,41 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * What the host (opencl/ocl_backward.c) and the backward kernels (kernels/backward.cl) must
+ * agree on: the launch flags and the layout of the row and distance tables. Plain macros, in the
+ * subset C and OpenCL C share; the build embeds this file ahead of backward.cl, and the host
+ * includes it, so the two cannot drift.
+ */
+#ifndef APE_OCL_BWD_LAYOUT_H
+#define APE_OCL_BWD_LAYOUT_H
+
+/* launch flags: the three storage types (ape_dtype, 2 bits each), then one bit each */
+#define B_DTYPES(in, out, dout) ((in) | (out) << 2 | (dout) << 4)
+#define B_DT_IN(f) ((f) & 3)
+#define B_DT_OUT(f) (((f) >> 2) & 3)
+#define B_DT_DO(f) (((f) >> 4) & 3)
+#define B_CAUSAL 64
+#define B_INTERLEAVED 128
+#define B_DLSE 256
+#define B_DQ 512
+#define B_DK 1024
+#define B_DV 2048
+#define B_DP 4096
+
+/* per-row values of ape_bwd_rows, RI_N of them per row, in APE_REAL */
+#define RI_MEAN 0
+#define RI_SIGMA 1
+#define RI_ALPHA 2
+#define RI_LSE 3
+#define RI_DSUB 4 /* Dl_i - dLSE_i */
+#define RI_N 5
+
+/* per (head, distance) values of ape_bwd_dist, TB_N of them, in APE_REAL */
+#define TB_T 0 /* temp(n) */
+#define TB_BIAS 1 /* bias(n) */
+#define TB_DD 2 /* d(bias)/d(delta) */
+#define TB_DB 3 /* d(bias)/d(beta) */
+#define TB_DG 4 /* d(bias)/d(gamma) */
+#define TB_DTL 5 /* d(temp)/d(lambda) */
+#define TB_N 6
+
+#endif
