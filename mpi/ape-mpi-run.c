@@ -574,6 +574,18 @@ static int parse(int argc, char **argv, struct cfg *c, struct args *a, char *err
 	return id;
 }
 
+/* This process is rank 0 of its launch, as Open MPI's or a PMI launcher's environment says, or
+ * was started without one. */
+static bool first_rank(void)
+{
+	static const char *const vars[] = { "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK" };
+
+	for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++)
+		if (getenv(vars[i]))
+			return atoi(getenv(vars[i])) == 0;
+	return true;
+}
+
 int main(int argc, char **argv)
 {
 	struct args a = { .suite = -1, .backend = "ref" };
@@ -592,6 +604,13 @@ int main(int argc, char **argv)
 		usage(stdout);
 		return 0;
 	}
+	if (bad) {
+		/* before MPI starts (nothing to finalise, nothing of MPI's left behind); once, from
+		 * the first rank as the launcher numbers them, or from a process started alone */
+		if (first_rank())
+			fprintf(stderr, "ape-mpi-run: %s\n", err);
+		return 2;
+	}
 	MPI_Init(&argc, &argv);
 	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 	MPI_Comm_size(MPI_COMM_WORLD, &nranks);
@@ -602,12 +621,6 @@ int main(int argc, char **argv)
 	c = base(seed);
 	c.check = false;
 	c.what = "run";
-	if (bad) {
-		if (rank == 0)
-			fprintf(stderr, "ape-mpi-run: %s\n", err);
-		MPI_Finalize();
-		return 2;
-	}
 	a = (struct args){ .suite = -1, .backend = "ref" };
 	parse(argc, argv, &c, &a, err, sizeof(err)); /* accepted above */
 	ret = ape_context_create(&ctx, NULL);
