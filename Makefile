@@ -182,7 +182,7 @@ all: $(LIBA) $(LIBSO) $(TOOLS)
 # ------------------------------------------------------------------ set-up, tests, the main job
 DEB_PACKAGES := build-essential pkg-config xz-utils ocl-icd-opencl-dev opencl-c-headers \
                 pocl-opencl-icd clinfo libhwloc-dev libhwloc-plugins libdrm-dev python3-numpy \
-                python3-venv valgrind clang-14 libclang-rt-14-dev libopenmpi-dev openmpi-bin
+                python3-venv valgrind clang-14 libclang-rt-14-dev libopenmpi-dev openmpi-bin libdlpack-dev
 
 deps:
 	$(Q)tools/deps.sh "$(KSFT_DIR)" $(DEB_PACKAGES)

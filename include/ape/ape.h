@@ -279,6 +279,16 @@ typedef struct ape_context_options {
 	 * device. The reference device is always visible.
 	 */
 	const char *visible_devices;
+	/**
+	 * Interop with the caller's OpenCL objects: a `cl_context` and one `cl_device_id` of it, or
+	 * both NULL. The OpenCL device libape lists for that cl_device_id is then built on the
+	 * caller's context (retained, never released beyond that), so that `cl_mem` objects and
+	 * command queues of it can be wrapped (ape_buffer_wrap_opencl(), ape_queue_wrap_opencl()).
+	 * ape_device_native() tells which device that is. APE_EINVAL when only one is set or the
+	 * device is not one of the context's; APE_ENODEV when the OpenCL backend is not loaded.
+	 */
+	void *opencl_context;
+	void *opencl_device; /**< see opencl_context */
 } ape_context_options;
 
 /** Fill every device output buffer with NaN before each kernel runs, so a kernel that misses an
@@ -878,6 +888,151 @@ typedef struct ape_kv_cache_info {
 
 /** \brief Describes \p cache. \return 0 or APE_EINVAL (NULL argument). */
 APE_API int ape_kv_cache_get_info(const ape_kv_cache *cache, ape_kv_cache_info *info);
+/**@}*/
+
+/** \name Device memory, queues and device-resident tensors
+ *
+ * For callers that already hold their tensors on a device and order their own work on a queue
+ * (frameworks, inference engines): libape computes on memory where it is, on the caller's
+ * queue, without copies to or from the host and without waiting. See docs/embedding.md.
+ *
+ * Lifetimes: a buffer or queue belongs to its device's context and must be freed or destroyed
+ * before the context. libape never frees or destroys what it wraps; it holds a reference
+ * (OpenCL retain) while the wrapper lives. Threads: a queue is used by one thread at a time;
+ * buffers may be shared by queues of one device, ordered by the caller.
+ */
+/**@{*/
+typedef struct ape_buffer ape_buffer;
+typedef struct ape_queue ape_queue;
+
+/**
+ * \brief Allocates \p bytes (> 0) of device memory on \p dev, for *out. Contents undefined.
+ * \return 0; APE_EINVAL (NULL argument, bytes 0); APE_ENOMEM (the device has not that much,
+ *         or more than its largest single allocation). Thread-safe.
+ */
+APE_API int ape_buffer_alloc(ape_device *dev, size_t bytes, ape_buffer **out);
+/**
+ * \brief Wraps \p bytes of host memory at \p ptr as a buffer of \p dev, without copying: for the
+ * reference device and OpenCL CPU devices, which compute on host memory in place.
+ * \return 0; APE_EINVAL (NULL argument, bytes 0); APE_ENOTSUP (a device that cannot read host
+ *         memory in place: a GPU). The memory stays the caller's; keep it alive until the
+ *         wrapper is freed and every queue that used it was synchronised.
+ */
+APE_API int ape_buffer_wrap_host(ape_device *dev, void *ptr, size_t bytes, ape_buffer **out);
+/**
+ * \brief Wraps the caller's OpenCL buffer (`cl_mem`) as a buffer of \p dev, which must be built on
+ * the cl_mem's context (ape_context_options.opencl_context). Its size is the cl_mem's.
+ * \return 0; APE_EINVAL (NULL argument, a cl_mem of another context, naming both);
+ *         APE_ENOTSUP (\p dev is not an OpenCL device).
+ */
+APE_API int ape_buffer_wrap_opencl(ape_device *dev, void *cl_mem, ape_buffer **out);
+/**
+ * \brief Wraps \p bytes of CUDA device memory at \p dptr (a `CUdeviceptr`, from cuMemAlloc,
+ * cudaMalloc or a framework's allocator in the device's primary context) as a buffer of \p dev.
+ * \return 0; APE_EINVAL (NULL out, dptr 0, bytes 0, or a range outside one allocation of the
+ *         device); APE_ENOTSUP (\p dev is not a CUDA device).
+ */
+APE_API int ape_buffer_wrap_cuda(ape_device *dev, uint64_t dptr, size_t bytes, ape_buffer **out);
+/** \brief Frees a buffer libape allocated (idle: every queue that used it synchronised), or
+ *  drops libape's hold on a wrapped one (which may still be in use). Accepts NULL. */
+APE_API void ape_buffer_free(ape_buffer *buf);
+/** \brief The buffer's size in bytes (0 for NULL). Thread-safe. */
+APE_API size_t ape_buffer_size(const ape_buffer *buf);
+/** \brief The buffer's device (NULL for NULL). Thread-safe. */
+APE_API ape_device *ape_buffer_device(const ape_buffer *buf);
+
+/**
+ * \brief Enqueues a copy of \p bytes from host memory \p src into \p dst at byte \p offset.
+ * Asynchronous: \p src must stay valid until the queue is synchronised.
+ * \return 0; APE_EINVAL (NULL argument, a buffer of another device, a range outside the
+ *         buffer, naming offset, bytes and size); device failures.
+ */
+APE_API int ape_buffer_write(ape_queue *queue, ape_buffer *dst, size_t offset, const void *src,
+			     size_t bytes);
+/** \brief Enqueues a copy of \p bytes from \p src at byte \p offset to host memory \p dst;
+ *  \p dst holds them once the queue is synchronised. Errors as ape_buffer_write(). */
+APE_API int ape_buffer_read(ape_queue *queue, void *dst, ape_buffer *src, size_t offset,
+			    size_t bytes);
+
+/** \brief A new in-order queue of \p dev, for *out. \return 0, APE_EINVAL, APE_ENOMEM, device
+ *  failures. */
+APE_API int ape_queue_create(ape_device *dev, ape_queue **out);
+/**
+ * \brief Wraps the caller's in-order `cl_command_queue`, of \p dev's context and device: libape
+ * enqueues its work there, after what the caller enqueued before and before what it enqueues
+ * after. \return 0; APE_EINVAL (NULL, another context or device, an out-of-order queue);
+ * APE_ENOTSUP (not an OpenCL device).
+ */
+APE_API int ape_queue_wrap_opencl(ape_device *dev, void *cl_command_queue, ape_queue **out);
+/**
+ * \brief Wraps the caller's `CUstream` (of \p dev's primary context; NULL: the legacy default
+ * stream). \return 0; APE_EINVAL; APE_ENOTSUP (not a CUDA device).
+ */
+APE_API int ape_queue_wrap_cuda(ape_device *dev, void *cu_stream, ape_queue **out);
+/** \brief Destroys a queue libape created (waiting for its work first), or drops libape's hold
+ *  on a wrapped one, without waiting. Accepts NULL. */
+APE_API void ape_queue_destroy(ape_queue *queue);
+/**
+ * \brief Waits until everything enqueued on \p queue has completed.
+ * \return 0, or the first failure that happened on the device since the last synchronisation,
+ *         its message naming the device and the call that enqueued the work
+ *         ("ape_attention_enqueue #3 on opencl:0 ..."); the queue may then be unusable.
+ */
+APE_API int ape_queue_synchronize(ape_queue *queue);
+/** \brief The queue's device (NULL for NULL). Thread-safe. */
+APE_API ape_device *ape_queue_device(const ape_queue *queue);
+
+/**
+ * \brief The native objects behind \p dev, to build the caller's own on: for an OpenCL device
+ * its `cl_context` and `cl_device_id`; for a CUDA device its primary `CUcontext` and its
+ * `CUdevice` (an int, as `(void *)(intptr_t)`); NULL and NULL for the reference.
+ * \return 0, or APE_EINVAL (NULL dev). Either pointer may be NULL. Thread-safe.
+ */
+APE_API int ape_device_native(const ape_device *dev, void **context, void **device);
+
+/**
+ * \brief A tensor in a buffer: the byte offset of element [0,0,0,0], the dtype, the shape and the
+ * strides in elements. Q, K, V and O are `[B, H, L, D]` (K, V: `[B, Hkv, L, D]`) with the D axis
+ * contiguous (strides[3] = 1); strides of B, H and L are free, so a `[B, L, H, D]` tensor or one
+ * slice of a packed QKV tensor is used as it is. All four strides 0: contiguous row-major.
+ * LSE is `[B, H, Lq, 1]` float32. The same overlap rules as ape_tensor.
+ */
+typedef struct ape_dtensor {
+	ape_buffer *buf;
+	uint64_t byte_offset; /**< a multiple of the element size */
+	ape_dtype dtype;
+	int64_t shape[4];
+	int64_t strides[4];
+} ape_dtensor;
+
+/** \brief Fills \p t as a contiguous tensor of the given shape at \p byte_offset of \p buf.
+ *  Never fails. */
+APE_API void ape_dtensor_init(ape_dtensor *t, ape_buffer *buf, uint64_t byte_offset,
+			      ape_dtype dtype, int64_t d0, int64_t d1, int64_t d2, int64_t d3);
+
+/**
+ * \brief The forward pass on device tensors, enqueued on \p queue: asynchronous, no copy to or
+ * from the host, no wait on the queue.
+ *
+ * Every argument is checked before anything is enqueued, by the rules of
+ * ape_attention_forward(), and also: every buffer belongs to the queue's device; every element
+ * a tensor addresses lies inside its buffer (offset, shape and strides against the buffer's
+ * size); o and lse overlap no input. Sequences whose scratch memory would not fit run as
+ * several launches over query rows, on the device. A failure on the device is reported by the
+ * next ape_queue_synchronize() on \p queue, naming the device and this call.
+ *
+ * \param queue a queue of the device to run on
+ * \param desc,q,k,v as ape_attention_forward(), as device tensors
+ * \param[out] o `[B, H, Lq, D]`, of q->dtype or APE_F32: written when the work completes
+ * \param[out] lse NULL, or `[B, H, Lq, 1]` APE_F32
+ * \return 0 (enqueued); APE_EINVAL (naming the argument and what is wrong); APE_EOVERFLOW;
+ *         APE_ENOMEM; APE_ENOTSUP; device failures met while enqueueing.
+ * \note On a validation error nothing is enqueued. Host memory the call reads (desc's
+ *       per-head parameters) is read before it returns.
+ */
+APE_API int ape_attention_enqueue(ape_queue *queue, const ape_attn_desc *desc,
+				  const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
+				  const ape_dtensor *o, const ape_dtensor *lse);
 /**@}*/
 
 /** \name Training: the backward pass

@@ -104,6 +104,7 @@ static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registr
 /* The options struct as the caller's version of the header knows it: the first version ended
  * at `flags`, later ones add fields at the end. */
 #define OPTIONS_V1_SIZE offsetof(ape_context_options, topology_xml)
+#define OPTIONS_V2_SIZE offsetof(ape_context_options, opencl_context)
 #define HAS_OPTION(o, field)                                                                       \
 	((o) && (o)->struct_size >= offsetof(ape_context_options, field) + sizeof((o)->field))
 
@@ -163,7 +164,8 @@ int ape_context_create(ape_context **out, const ape_context_options *opts)
 	if (!out)
 		return ape__error(APE_EINVAL, "ape_context_create: out = NULL");
 	*out = NULL;
-	if (opts && opts->struct_size != sizeof(*opts) && opts->struct_size != OPTIONS_V1_SIZE)
+	if (opts && opts->struct_size != sizeof(*opts) && opts->struct_size != OPTIONS_V1_SIZE &&
+	    opts->struct_size != OPTIONS_V2_SIZE)
 		return ape__error(APE_EINVAL,
 				  "ape_context_create: opts->struct_size = %zu: expected %zu "
 				  "(initialise with ape_context_options_init())",
@@ -177,6 +179,12 @@ int ape_context_create(ape_context **out, const ape_context_options *opts)
 	err = resolve_setup(opts, &setup);
 	if (err)
 		return err;
+	if (HAS_OPTION(opts, opencl_device) && !opts->opencl_context != !opts->opencl_device)
+		return ape__error(APE_EINVAL,
+				  "ape_context_create: opts->%s = NULL while opts->%s is set: give "
+				  "both (the caller's cl_context and one of its cl_device_id) or neither",
+				  opts->opencl_context ? "opencl_device" : "opencl_context",
+				  opts->opencl_context ? "opencl_context" : "opencl_device");
 	ctx = ape__calloc(1, sizeof(*ctx));
 	if (!ctx)
 		return ape__error(APE_ENOMEM, "ape_context_create: out of memory");
@@ -184,6 +192,17 @@ int ape_context_create(ape_context **out, const ape_context_options *opts)
 	reg = ape__registry(&nreg);
 	for (int i = 0; i < nreg && i < APE__MAX_BACKENDS && !err; i++) {
 		ctx->backends[i].be.ctx = ctx;
+		if (HAS_OPTION(opts, opencl_device) && opts->opencl_context &&
+		    !strcmp(reg[i].name, "opencl")) {
+			ctx->backends[i].be.import.context = opts->opencl_context;
+			ctx->backends[i].be.import.device = opts->opencl_device;
+			if (!reg[i].ops || (only && !list_has(only, "opencl")))
+				err = ape__error(APE_ENODEV,
+						 "ape_context_create: opts->opencl_context is set but "
+						 "the OpenCL backend is %s",
+						 reg[i].ops ? "left out by opts->backends"
+							    : "not built into this library");
+		}
 		ctx->nbackends = i + 1;
 		probe_backend(&ctx->backends[i], &reg[i], only, &err);
 	}

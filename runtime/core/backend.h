@@ -11,8 +11,11 @@
  * a backend never includes another's, so nothing else changes. The backend states the ranks of
  * its devices itself, in its own files, following the convention below.
  *
- * Device tensors are always contiguous `[B, H, L, D]` (K/V: `[B, Hkv, L, D]`); the core packs and
- * unpacks caller strides on the host, so kernels need no stride logic.
+ * Device tensors are `[B, H, L, D]` (K/V: `[B, Hkv, L, D]`). In launches the streaming executor
+ * makes they are contiguous at offset 0 (the core packs and unpacks caller strides on the host);
+ * in launches on the caller's memory (ape_attention_enqueue(), and host calls on devices that
+ * read host memory in place) Q, K, V, O and LSE are strided views (struct ape__view below), and
+ * the kernels read and write them where they are.
  *
  * Ordering model: a queue executes its commands in order; commands may run asynchronously from
  * the host. Host pointers handed to copy_h2d/copy_d2h must stay valid until the queue has been
@@ -61,15 +64,29 @@
 /* Bumped whenever the layout or contract of ape__backend_ops (or of what it is handed: struct
  * ape_device, struct ape__launch) changes; the core refuses a backend built against another value
  * (runtime/api/context.c). 3: the contract on every op, struct ape_device without the core's
- * fields, ranks stated by each backend. 4: attention_backward and struct ape__bwd_launch. */
-#define APE__BACKEND_ABI 4
+ * fields, ranks stated by each backend. 4: attention_backward and struct ape__bwd_launch.
+ * 5: strided views in struct ape__launch, buf_wrap, queue_wrap, ape__backend.import. */
+#define APE__BACKEND_ABI 5
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
 struct ape__queue; /* in-order command queue / stream: defined by each backend */
 struct ape__event; /* a point in a queue: defined by each backend */
 
-/* One attention launch on device buffers. All tensors are contiguous and start at offset 0. */
+/*
+ * Where one tensor of a launch lies in its buffer: the offset of element [0, 0, 0, 0] and the
+ * strides of the B, H and L axes, all in elements of the tensor's type; the D axis is
+ * contiguous (LSE has none). Strides may be 0 (a broadcast input) or describe any layout the
+ * core validated: every element addressed lies inside the buffer; outputs do not overlap
+ * themselves or an input.
+ */
+struct ape__view {
+	int64_t off, sb, sh, sl;
+};
+
+enum ape__tensor_id { APE__T_Q, APE__T_K, APE__T_V, APE__T_O, APE__T_LSE, APE__T_COUNT };
+
+/* One attention launch on device buffers. */
 struct ape__launch {
 	int64_t B, H, Hkv, Lq, Lk, D;
 	ape_dtype in_dtype; /* q, k, v */
@@ -98,7 +115,26 @@ struct ape__launch {
 	ape_rope_layout layout;
 	int64_t q_start, k_start; /* resolved absolute positions of row 0 */
 	double skip_tol; /* 0 when skipping is not allowed for this launch */
+	/*
+	 * false: q, k, v, o and lse are contiguous and start at offset 0 (view[] is ignored);
+	 * true: each lies where view[APE__T_*] says. pairs and lse_prior are always contiguous.
+	 * Backends read it through ape__launch_view() only. Backward launches are never strided.
+	 */
+	bool strided;
+	struct ape__view view[APE__T_COUNT];
 };
+
+/* The view of tensor t (enum ape__tensor_id) of launch l: its own when l->strided, else the
+ * contiguous one. */
+static inline struct ape__view ape__launch_view(const struct ape__launch *l, int t)
+{
+	const bool kv = t == APE__T_K || t == APE__T_V;
+	const int64_t heads = kv ? l->Hkv : l->H, rows = kv ? l->Lk : l->Lq;
+	const int64_t d = t == APE__T_LSE ? 1 : l->D;
+	struct ape__view c = { 0, heads * rows * d, rows * d, d };
+
+	return l->strided ? l->view[t] : c;
+}
 
 /*
  * One backward launch (APE-SPEC.md, "Gradients") on device buffers, contiguous, at offset 0.
@@ -276,13 +312,60 @@ struct ape__backend_ops {
 	 * unspecified values (the core discards them and writes nothing to the caller).
 	 */
 	int (*attention_backward)(struct ape__queue *q, const struct ape__bwd_launch *l);
+
+	/* ---- ABI 5: the caller's memory and queues (ape_buffer_wrap_*(), ape_queue_wrap_*()). */
+
+	/*
+	 * Optional (NULL: the backend wraps nothing: every kind gets APE_ENOTSUP from the core).
+	 * Wraps memory the caller owns, for *out, as a buffer every other op accepts:
+	 *   APE__MEM_HOST    `bytes` bytes at host address `handle`, only on devices that read
+	 *                    host memory in place (the reference; OpenCL CPU devices, through
+	 *                    CL_MEM_USE_HOST_PTR); other devices return APE_ENOTSUP;
+	 *   APE__MEM_OPENCL  the cl_mem `handle`, of the device's cl_context (else APE_EINVAL
+	 *                    naming both contexts); `bytes` 0 means the object's size, else must
+	 *                    not exceed it; the backend retains it;
+	 *   APE__MEM_CUDA    `bytes` bytes at the CUdeviceptr `(CUdeviceptr)(uintptr_t)handle`,
+	 *                    which must lie inside one allocation of the device's primary
+	 *                    context (else APE_EINVAL).
+	 * A kind the backend does not drive: APE_ENOTSUP, naming the kind and the device. *bytes_out
+	 * receives the buffer's usable size. buf_free on a wrapped buffer drops the backend's hold
+	 * and never frees the caller's memory; unlike an allocated one it may be called while
+	 * commands using it are in flight (they keep what they need alive, or the memory is the
+	 * caller's to keep alive until its queue is synchronised).
+	 */
+	int (*buf_wrap)(struct ape_device *dev, int kind, void *handle, size_t bytes,
+			struct ape__buf **out, size_t *bytes_out);
+
+	/*
+	 * Optional (NULL: APE_ENOTSUP). Wraps the caller's in-order queue for *out: a
+	 * cl_command_queue of the device's context and device (else APE_EINVAL; an out-of-order
+	 * queue: APE_EINVAL), retained; a CUstream of the device's primary context (NULL: the
+	 * legacy default stream). Timing may be unavailable on it (event_elapsed may fail with
+	 * APE_ENOTSUP). queue_destroy on a wrapped queue drops the hold without waiting: the
+	 * caller's work and libape's stay ordered on it; scratch memory libape enqueued work with
+	 * stays alive until that work completes.
+	 */
+	int (*queue_wrap)(struct ape_device *dev, void *handle, struct ape__queue **out);
+
+	/* Optional (NULL: both NULL). The native context and device behind dev, as
+	 * ape_device_native() returns them. Cannot fail; may be called from any thread. */
+	void (*native)(struct ape_device *dev, void **context, void **device);
 };
+
+/* Kinds of memory buf_wrap takes. */
+enum ape__mem_kind { APE__MEM_HOST = 1, APE__MEM_OPENCL = 2, APE__MEM_CUDA = 3 };
 
 /* A backend as loaded in one context. */
 struct ape__backend {
 	const struct ape__backend_ops *ops;
 	struct ape_context *ctx;
 	void *priv; /* the backend's own state */
+	/* The caller's own native context and device to build a device on
+	 * (ape_context_options.opencl_context, .opencl_device, for the OpenCL backend), or NULL:
+	 * set before probe, read by it. */
+	struct {
+		void *context, *device;
+	} import;
 };
 
 /*
