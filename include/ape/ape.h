@@ -761,6 +761,39 @@ APE_API int ape_attention_forward_ex(ape_device *const *devs, int ndev,
 				     ape_tensor *o, float *lse, ape_stats *stats);
 
 /**
+ * \brief ape_attention_forward_ex() that also returns the attention diagnostics of every row,
+ *        computed in the same pass as O (docs/diagnostics.md; APE-SPEC.md, "Attention entropy").
+ *
+ * - entropy: `ENT_i = -sum_j P_ij ln P_ij = LSE_i - sum_j P_ij s_ij` (natural log), within
+ *   the spec's LSE tolerance of the storage type (`1e-4 * max(1, |LSE_i|)` for float32) of the
+ *   float64 value;
+ * - mean_distance: `MD_i = sum_j P_ij |n|`, `n = pos_q(i) - pos_k(j)`, within the same
+ *   relative tolerance of `max(1, max |n|)` over the row's visible keys.
+ * Both are 0 for a row with one visible key (ENT) or none (both), NaN for a row a NaN reaches.
+ * Long calls are streamed and several devices split them as for ape_attention_forward_ex():
+ * partial results merge by their LSE (ENT = sum_c w_c (ENT_c - ln w_c), MD = sum_c w_c MD_c,
+ * w_c = exp(LSE_c - LSE)), so results do not depend on the chunk sizes or devices beyond the
+ * tolerance. Skipping far keys stays allowed, but the call runs under
+ * `min(desc->skip_tol, 2^-24)`, where the bound of docs/diagnostics.md keeps both within the
+ * tolerance (so O may be slightly more exact than a plain call with a larger skip_tol).
+ *
+ * \param entropy NULL, or B*H*Lq floats (contiguous `[B,H,Lq]`), written as lse is
+ * \param mean_distance NULL, or B*H*Lq floats (contiguous `[B,H,Lq]`), written as lse is
+ * \param devs,ndev,opts,desc,q,k,v,o,lse,stats as ape_attention_forward_ex() (both NULL: the
+ *        same call)
+ * \return as ape_attention_forward_ex(); APE_EINVAL also when entropy or mean_distance
+ *         overlaps q, k, v, o, lse or each other (naming both); APE_ENOTSUP when a device's
+ *         backend does not compute the diagnostics (the message names the device; today the
+ *         reference and OpenCL do, CUDA does not).
+ * \note On failure the same rules as for o and lse apply (APE_EXEC_ATOMIC_OUTPUTS: untouched).
+ */
+APE_API int ape_attention_forward_diag(ape_device *const *devs, int ndev,
+				       const ape_exec_options *opts, const ape_attn_desc *desc,
+				       const ape_tensor *q, const ape_tensor *k,
+				       const ape_tensor *v, ape_tensor *o, float *lse,
+				       float *entropy, float *mean_distance, ape_stats *stats);
+
+/**
  * \brief Number of (query, key) pairs the mask lets through for these shapes and positions.
  *
  * Visible pairs are the throughput unit of benchmarks (dense-equivalent FLOPs are 4*D per pair).
@@ -874,6 +907,20 @@ APE_API int ape_kv_cache_append_device(ape_kv_cache *cache, struct ape_queue *qu
  */
 APE_API int ape_kv_cache_attend(ape_kv_cache *cache, const ape_attn_desc *desc,
 				const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats);
+
+/**
+ * \brief ape_kv_cache_attend() that also returns each query row's entropy and mean attention
+ *        distance over the cached keys, as ape_attention_forward_diag() defines them.
+ *
+ * \param entropy,mean_distance each NULL, or B*H*Lq floats (contiguous `[B,H,Lq]`)
+ * \return as ape_kv_cache_attend(); APE_EINVAL also for an output overlapping another (naming
+ *         both); APE_ENOTSUP on a backend without the diagnostics. The call runs under
+ *         `min(desc->skip_tol, 2^-24)`: with released blocks, a larger skip_tol the release was
+ *         proved for fails with APE_EINVAL as a smaller one would in ape_kv_cache_attend().
+ */
+APE_API int ape_kv_cache_attend_diag(ape_kv_cache *cache, const ape_attn_desc *desc,
+				     const ape_tensor *q, ape_tensor *o, float *lse,
+				     float *entropy, float *mean_distance, ape_stats *stats);
 
 /**
  * \brief Releases the oldest blocks that the skip bound proves no future query can reach

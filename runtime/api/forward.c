@@ -30,6 +30,9 @@
 #include "api/stats.h"
 #include "api/validate.h"
 
+#define APE_REAL double
+#include "core/ape_math.h"
+
 void ape_exec_options_init(ape_exec_options *opts)
 {
 	if (!opts)
@@ -108,33 +111,63 @@ static int check_options(const char *fn, const ape_exec_options *o, int ndev)
 
 /* ------------------------------------------------------------------ shapes without a device */
 
-/* Rows with no key at all (Lk = 0): O = 0, LSE = -inf. */
-static void write_empty(const struct ape__problem *p, ape_tensor *o, float *lse)
+/* Rows with no key at all (Lk = 0): O = 0, LSE = -inf, ENT = MD = 0. */
+static void write_empty(const struct ape__problem *p, ape_tensor *o, float *lse,
+			const struct ape__diag_req *dg)
 {
-	ape__store_empty_rows(o, p->os, lse, p->Lq, 0, p->Lq);
+	ape__store_empty_rows(o, p->os, lse, dg->ent, dg->md, p->Lq, 0, p->Lq);
+}
+
+int ape__diag_prepare(const char *fn, ape_device *const *devs, int ndev,
+		      struct ape__problem *p, const struct ape__diag_req *dg)
+{
+	if (!dg->ent && !dg->md)
+		return 0;
+	for (int i = 0; i < ndev; i++)
+		if (!devs[i]->be->ops->attention_diag)
+			return ape__error(APE_ENOTSUP,
+					  "%s: %s:%d (%s) does not compute the diagnostics "
+					  "(entropy, mean_distance) yet",
+					  fn, devs[i]->info.backend, devs[i]->info.backend_index,
+					  devs[i]->info.name);
+	/* docs/diagnostics.md, "Skipping": the bound holds the diagnostics to the spec's
+	 * tolerance at this skip_tol */
+	if (p->skip_tol > APE_DIAG_SKIP_TOL)
+		p->skip_tol = APE_DIAG_SKIP_TOL;
+	return 0;
 }
 
 /* ------------------------------------------------------------------ the call */
 
-/* Host copies of O and LSE that the call writes, for APE_EXEC_ATOMIC_OUTPUTS. */
+/* Host copies of O, LSE and the diagnostics that the call writes, for
+ * APE_EXEC_ATOMIC_OUTPUTS. */
 struct staged {
 	void *o;
-	float *lse;
+	float *lse, *ent, *md;
 	ape_tensor t;
 	int64_t s[4];
 };
 
+static void unstage(struct staged *sg)
+{
+	free(sg->o);
+	free(sg->lse);
+	free(sg->ent);
+	free(sg->md);
+}
+
 static int stage_outputs(const char *fn, const struct ape__problem *p, bool lse,
-			 struct staged *sg)
+			 const struct ape__diag_req *dg, struct staged *sg)
 {
 	const size_t rows = (size_t)(p->B * p->H * p->Lq);
 
 	memset(sg, 0, sizeof(*sg));
 	sg->o = ape__malloc(rows * (size_t)p->D * ape_dtype_size(p->out_dtype) + 1);
 	sg->lse = lse ? ape__malloc(rows * sizeof(float) + 1) : NULL;
-	if (!sg->o || (lse && !sg->lse)) {
-		free(sg->o);
-		free(sg->lse);
+	sg->ent = dg->ent ? ape__malloc(rows * sizeof(float) + 1) : NULL;
+	sg->md = dg->md ? ape__malloc(rows * sizeof(float) + 1) : NULL;
+	if (!sg->o || (lse && !sg->lse) || (dg->ent && !sg->ent) || (dg->md && !sg->md)) {
+		unstage(sg);
 		return ape__error(APE_ENOMEM, "%s: out of host memory staging the outputs", fn);
 	}
 	ape_tensor_init(&sg->t, sg->o, p->out_dtype, p->B, p->H, p->Lq, p->D);
@@ -144,8 +177,8 @@ static int stage_outputs(const char *fn, const struct ape__problem *p, bool lse,
 
 static int run(const char *fn, ape_device *const *devs, int ndev, const ape_exec_options *opts,
 	       const struct ape__problem *p, const ape_tensor *q, const ape_tensor *k,
-	       const ape_tensor *v, ape_tensor *o, float *lse, bool want_pairs,
-	       struct ape__exec_result *res)
+	       const ape_tensor *v, ape_tensor *o, float *lse, const struct ape__diag_req *dg,
+	       bool want_pairs, struct ape__exec_result *res)
 {
 	const bool atomic_out = opts && (opts->flags & APE_EXEC_ATOMIC_OUTPUTS);
 	struct ape__problem pp = *p;
@@ -165,14 +198,17 @@ static int run(const char *fn, ape_device *const *devs, int ndev, const ape_exec
 		.v = v,
 		.o = o,
 		.lse = lse,
+		.ent = dg->ent,
+		.md = dg->md,
 		.want_pairs = want_pairs,
 	};
 	struct staged sg;
 	int ret;
 
 	/* on a device that computes on host memory: in place, one launch, no copy; chunk sizes, a
-	 * budget or a trace the caller asks for are the streaming executor's */
-	if (ndev == 1 && !atomic_out &&
+	 * budget or a trace the caller asks for are the streaming executor's, and so are the
+	 * diagnostics */
+	if (ndev == 1 && !atomic_out && !dg->ent && !dg->md &&
 	    !(opts && (opts->chunk_q || opts->chunk_k || opts->trace_path || opts->max_device_bytes))) {
 		ret = ape__resident_host_run(fn, devs[0], p, r.budget, q, k, v, o, lse, want_pairs,
 					     res);
@@ -181,29 +217,36 @@ static int run(const char *fn, ape_device *const *devs, int ndev, const ape_exec
 	}
 	if (!atomic_out)
 		return ape__exec_run(&r, res);
-	ret = stage_outputs(fn, p, lse != NULL, &sg);
+	ret = stage_outputs(fn, p, lse != NULL, dg, &sg);
 	if (ret)
 		return ret;
 	/* the executor writes the staging copy, laid out contiguously */
 	memcpy(pp.os, sg.s, sizeof(pp.os));
 	r.o = &sg.t;
 	r.lse = sg.lse;
+	r.ent = sg.ent;
+	r.md = sg.md;
 	r.staged = true;
 	ret = ape__exec_run(&r, res);
 	if (!ret) {
+		const size_t fb = (size_t)(p->B * p->H * p->Lq) * sizeof(float);
+
 		ape__unpack_rows(sg.o, o, p->os, 0, p->Lq);
 		if (lse)
-			memcpy(lse, sg.lse, (size_t)(p->B * p->H * p->Lq) * sizeof(float));
+			memcpy(lse, sg.lse, fb);
+		if (dg->ent)
+			memcpy(dg->ent, sg.ent, fb);
+		if (dg->md)
+			memcpy(dg->md, sg.md, fb);
 	}
-	free(sg.o);
-	free(sg.lse);
+	unstage(&sg);
 	return ret;
 }
 
 static int forward(const char *fn, ape_device *const *devs, int ndev,
 		   const ape_exec_options *opts, const ape_attn_desc *desc, const ape_tensor *q,
 		   const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
-		   ape_stats *stats)
+		   const struct ape__diag_req *dg, ape_stats *stats)
 {
 	const double t0 = ape__now_ms();
 	struct ape__exec_result res;
@@ -215,6 +258,11 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 		return ret;
 	if ((ret = ape__problem_init(&p, fn, desc, q, k, v, o, lse)))
 		return ret;
+	if ((ret = ape__check_diag_outputs(fn, &p, q, k, v, o, lse, dg->ent, dg->md)) ||
+	    (ret = ape__diag_prepare(fn, devs, ndev, &p, dg))) {
+		ape__problem_fini(&p);
+		return ret;
+	}
 	if (ape__head_visible_pairs(&p, &per_head)) {
 		ape__problem_fini(&p);
 		return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
@@ -223,9 +271,9 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 	if (p.B * p.H * p.Lq == 0)
 		ret = 0; /* empty result: nothing to write */
 	else if (p.Lk == 0)
-		write_empty(&p, o, lse);
+		write_empty(&p, o, lse, dg);
 	else
-		ret = run(fn, devs, ndev, opts, &p, q, k, v, o, lse, stats != NULL, &res);
+		ret = run(fn, devs, ndev, opts, &p, q, k, v, o, lse, dg, stats != NULL, &res);
 	if (!ret && stats) {
 		const struct ape__call_report rep = {
 			.res = &res,
@@ -248,9 +296,11 @@ int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, const ape_
 {
 	static const char fn[] = "ape_attention_forward";
 
+	const struct ape__diag_req none = { NULL, NULL };
+
 	if (!dev)
 		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
-	return forward(fn, &dev, 1, NULL, desc, q, k, v, o, lse, stats);
+	return forward(fn, &dev, 1, NULL, desc, q, k, v, o, lse, &none, stats);
 }
 
 int ape_attention_forward_ex(ape_device *const *devs, int ndev, const ape_exec_options *opts,
@@ -258,11 +308,27 @@ int ape_attention_forward_ex(ape_device *const *devs, int ndev, const ape_exec_o
 			     const ape_tensor *v, ape_tensor *o, float *lse, ape_stats *stats)
 {
 	static const char fn[] = "ape_attention_forward_ex";
+	const struct ape__diag_req none = { NULL, NULL };
 	int ret = check_devices(fn, devs, ndev);
 
 	if (ret)
 		return ret;
-	return forward(fn, devs, ndev, opts, desc, q, k, v, o, lse, stats);
+	return forward(fn, devs, ndev, opts, desc, q, k, v, o, lse, &none, stats);
+}
+
+int ape_attention_forward_diag(ape_device *const *devs, int ndev, const ape_exec_options *opts,
+			       const ape_attn_desc *desc, const ape_tensor *q,
+			       const ape_tensor *k, const ape_tensor *v, ape_tensor *o,
+			       float *lse, float *entropy, float *mean_distance,
+			       ape_stats *stats)
+{
+	static const char fn[] = "ape_attention_forward_diag";
+	const struct ape__diag_req dg = { entropy, mean_distance };
+	int ret = check_devices(fn, devs, ndev);
+
+	if (ret)
+		return ret;
+	return forward(fn, devs, ndev, opts, desc, q, k, v, o, lse, &dg, stats);
 }
 
 /* ------------------------------------------------------------------ shared with api/backward.c */

@@ -14,5 +14,17 @@
 int ape__check_exec_call(const char *fn, ape_device *const *devs, int ndev,
 			 const ape_exec_options *opts, const ape_stats *stats);
 
+/* The diagnostics a call wants (docs/diagnostics.md): each NULL, or B*H*Lq floats. */
+struct ape__diag_req {
+	float *ent, *md;
+};
+
+/* With diagnostics wanted: every device's backend declares attention_diag (else APE_ENOTSUP
+ * naming the first that does not), and p->skip_tol is tightened to APE_DIAG_SKIP_TOL (the skip
+ * bound of docs/diagnostics.md). Without: nothing. Shared with api/kvcache_attend.c. */
+struct ape__problem;
+int ape__diag_prepare(const char *fn, ape_device *const *devs, int ndev,
+		      struct ape__problem *p, const struct ape__diag_req *dg);
+
 #pragma GCC visibility pop
 #endif

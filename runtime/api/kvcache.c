@@ -123,6 +123,9 @@ static int make_session(struct ape_kv_cache *c, const char *fn)
 		.Lq = c->o.max_queries, .Lk = c->nblocks * c->bt,
 		.esz = c->esz, .out_esz = 4, .dtype_name = ape_dtype_name(c->o.dtype),
 		.pairs = true, .force_merge = true,
+		/* room for ape_kv_cache_attend_diag(): two floats per query row, on backends that
+		 * compute them */
+		.diag = ops->attention_diag,
 		.max_cq = c->o.max_queries, .max_ck = c->o.attend_chunk, .depth = APE__KV_DEPTH,
 		.budget = UINT64_MAX, .max_kv_slots = APE__KV_DEPTH,
 		.max_buffer = ops->max_alloc ? ops->max_alloc(c->dev) : UINT64_MAX,

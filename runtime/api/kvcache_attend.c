@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "exec/lse_merge.h"
 #include "exec/pack.h"
+#include "api/forward.h"
 #include "api/kvcache.h"
 #include "api/stats.h"
 #include "api/validate.h"
@@ -104,7 +105,7 @@ static void chunk_norms(struct ape_kv_cache *c, int64_t ck, int64_t nk)
  * cache's keys put in. */
 static int attend_problem(struct ape_kv_cache *c, const char *fn, const ape_attn_desc *desc,
 			  const ape_tensor *q, const ape_tensor *o, const float *lse,
-			  struct ape__problem *p)
+			  const struct ape__diag_req *dg, struct ape__problem *p)
 {
 	static const char *const dims[4] = { "B", "H", "Lq", "D" };
 	const int64_t want[4] = { c->o.B, c->o.H, -1, c->o.D };
@@ -134,6 +135,10 @@ static int attend_problem(struct ape_kv_cache *c, const char *fn, const ape_attn
 	p->Lk = ape__kv_live_tokens(c);
 	ret = ape__check_positions(fn, p->q_start, p->Lq, p->k_start, p->Lk);
 	if (!ret)
+		ret = ape__check_diag_outputs(fn, p, q, NULL, NULL, o, lse, dg->ent, dg->md);
+	if (!ret) /* tightens skip_tol first: the release proof is checked against it */
+		ret = ape__diag_prepare(fn, &c->dev, 1, p, dg);
+	if (!ret)
 		ret = ape__kv_check_release_terms(c, fn, p, q, p->qs);
 	if (ret)
 		ape__problem_fini(p);
@@ -145,7 +150,8 @@ static int attend_problem(struct ape_kv_cache *c, const char *fn, const ape_attn
  * key chunks gathered from the blocks, partial results merged by LSE. Adds to *ss.
  */
 static int run_attend(struct ape_kv_cache *c, const char *fn, const struct ape__problem *p,
-		      const ape_tensor *q, ape_tensor *o, float *lse, bool want_pairs,
+		      const ape_tensor *q, ape_tensor *o, float *lse,
+		      const struct ape__diag_req *dg, bool want_pairs,
 		      struct ape__stream_stats *ss)
 {
 	const int64_t ck = c->geom.plan.ck, nk = (p->Lk + ck - 1) / ck;
@@ -159,6 +165,8 @@ static int run_attend(struct ape_kv_cache *c, const char *fn, const struct ape__
 	call.loader = &c->loader;
 	call.o = o;
 	call.lse = lse;
+	call.ent = dg->ent;
+	call.md = dg->md;
 	call.cq = c->geom.plan.cq;
 	call.ck = ck;
 	call.nq = (p->Lq + call.cq - 1) / call.cq;
@@ -206,10 +214,10 @@ static void report(const struct ape_kv_cache *c, struct ape__exec_result *res,
 	ape__stats_report(stats, &rep);
 }
 
-int ape_kv_cache_attend(ape_kv_cache *c, const ape_attn_desc *desc, const ape_tensor *q,
-			ape_tensor *o, float *lse, ape_stats *stats)
+static int attend(ape_kv_cache *c, const char *fn, const ape_attn_desc *desc,
+		  const ape_tensor *q, ape_tensor *o, float *lse, const struct ape__diag_req *dg,
+		  ape_stats *stats)
 {
-	static const char fn[] = "ape_kv_cache_attend";
 	const double t0 = ape__now_ms();
 	struct ape__exec_result res;
 	struct ape__problem p;
@@ -220,20 +228,37 @@ int ape_kv_cache_attend(ape_kv_cache *c, const ape_attn_desc *desc, const ape_te
 		return ape__error(APE_EINVAL, "%s: cache = NULL", fn);
 	if ((ret = ape__stats_check(fn, stats)))
 		return ret;
-	if ((ret = attend_problem(c, fn, desc, q, o, lse, &p)))
+	if ((ret = attend_problem(c, fn, desc, q, o, lse, dg, &p)))
 		return ret;
 	memset(&res, 0, sizeof(res));
 	ape__head_visible_pairs(&p, &per_head); /* validated: no overflow */
 	if (p.Lq == 0)
 		ret = 0;
 	else if (p.Lk == 0)
-		ape__store_empty_rows(o, p.os, lse, p.Lq, 0, p.Lq);
+		ape__store_empty_rows(o, p.os, lse, dg->ent, dg->md, p.Lq, 0, p.Lq);
 	else
-		ret = run_attend(c, fn, &p, q, o, lse, stats != NULL, &res.st);
+		ret = run_attend(c, fn, &p, q, o, lse, dg, stats != NULL, &res.st);
 	if (!ret && c->o.allow_release)
 		ape__kv_try_release(c, &p, NULL);
 	if (!ret && stats)
 		report(c, &res, per_head * (uint64_t)(p.B * p.H), t0, stats);
 	ape__problem_fini(&p);
 	return ret;
+}
+
+int ape_kv_cache_attend(ape_kv_cache *c, const ape_attn_desc *desc, const ape_tensor *q,
+			ape_tensor *o, float *lse, ape_stats *stats)
+{
+	const struct ape__diag_req none = { NULL, NULL };
+
+	return attend(c, "ape_kv_cache_attend", desc, q, o, lse, &none, stats);
+}
+
+int ape_kv_cache_attend_diag(ape_kv_cache *c, const ape_attn_desc *desc, const ape_tensor *q,
+			     ape_tensor *o, float *lse, float *entropy, float *mean_distance,
+			     ape_stats *stats)
+{
+	const struct ape__diag_req dg = { entropy, mean_distance };
+
+	return attend(c, "ape_kv_cache_attend_diag", desc, q, o, lse, &dg, stats);
 }

@@ -539,3 +539,37 @@ int ape__check_disjoint(const char *fn, const char *out_name, const uintptr_t ou
 
 	return check_disjoint(fn, &o, &i);
 }
+
+/* ---------------------------------------------------------------- diagnostics */
+
+int ape__check_diag_outputs(const char *fn, const struct ape__problem *p, const ape_tensor *q,
+			    const ape_tensor *k, const ape_tensor *v, const ape_tensor *o,
+			    const float *lse, const float *ent, const float *md)
+{
+	const uint64_t bytes = (uint64_t)p->B * (uint64_t)p->H * (uint64_t)p->Lq * 4;
+	const ape_tensor *t[4] = { q, k, v, o };
+	static const char *const names[4] = { "q", "k", "v", "o" };
+	struct range other[6], mine[2];
+	int n = 0, ret;
+
+	for (int i = 0; i < 4; i++) {
+		int64_t s[4];
+		uint64_t span;
+
+		if (!t[i])
+			continue;
+		if ((ret = resolve_strides(fn, names[i], t[i], s, &span)))
+			return ret;
+		other[n++] = (struct range){ names[i], (uintptr_t)t[i]->data,
+					     (uintptr_t)t[i]->data + (t[i]->data ? span : 0) };
+	}
+	other[n++] = (struct range){ "lse", (uintptr_t)lse, (uintptr_t)lse + (lse ? bytes : 0) };
+	mine[0] = (struct range){ "entropy", (uintptr_t)ent, (uintptr_t)ent + (ent ? bytes : 0) };
+	mine[1] = (struct range){ "mean_distance", (uintptr_t)md,
+				  (uintptr_t)md + (md ? bytes : 0) };
+	for (int j = 0; j < 2; j++)
+		for (int i = 0; i < n; i++)
+			if ((ret = check_disjoint(fn, &mine[j], &other[i])))
+				return ret;
+	return check_disjoint(fn, &mine[1], &mine[0]);
+}

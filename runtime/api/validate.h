@@ -17,6 +17,14 @@ int ape__problem_init(struct ape__problem *p, const char *fn, const ape_attn_des
 		      const ape_tensor *o, const float *lse);
 void ape__problem_fini(struct ape__problem *p);
 
+/* The diagnostics' outputs of a validated call (p from ape__problem_init() with these tensors):
+ * ent and md (each NULL or B*H*Lq floats) overlap no tensor of the call, lse, or each other
+ * (APE_EINVAL naming both: "<fn>: entropy overlaps o in memory: ..."). k and v may be NULL
+ * (a KV-cache call: the cache's keys are on the device). */
+int ape__check_diag_outputs(const char *fn, const struct ape__problem *p, const ape_tensor *q,
+			    const ape_tensor *k, const ape_tensor *v, const ape_tensor *o,
+			    const float *lse, const float *ent, const float *md);
+
 /* One tensor of a KV-cache call: its dtype must be `dtype`, its shape `want` (-1: any; dims
  * name them in messages); resolves its strides into s. */
 int ape__check_tensor(const char *fn, const char *name, const ape_tensor *t, ape_dtype dtype,

@@ -285,6 +285,60 @@ APE_FN ape_real ape_merge_factor(ape_real m_old, ape_real m_new)
 	return m_old == -(ape_real)INFINITY ? (ape_real)0 : exp(m_old - m_new);
 }
 
+/* ---- Diagnostics (APE-SPEC.md, "Attention entropy"; docs/diagnostics.md): the row's entropy
+ * ENT = LSE - sum_j P_j s_j and mean distance MD = sum_j P_j |n_j|, from two running sums kept
+ * beside the softmax denominator l = sum_j exp(x_j), x_j = s_j - m (m the running maximum):
+ *     S1 = sum_j exp(x_j) x_j,   S2 = sum_j exp(x_j) |n_j|,
+ * so that ENT = ln l - S1 / l and MD = S2 / l (the frame m cancels: both stay O(ln L) and
+ * O(|n|) whatever the scores' size). One rule serves keys and partial results alike: a partial
+ * result (LSE_c, ENT_c, MD_c) of a set of keys enters as one "key" of score LSE_c that carries
+ * its own entropy, adding exp(x_c) (x_c - ENT_c) to S1 and exp(x_c) MD_c to S2, x_c = LSE_c - m
+ * (a single key is the case ENT_c = 0, MD_c = |n|). That is the merge rule
+ *     ENT = sum_c w_c (ENT_c - ln w_c),  MD = sum_c w_c MD_c,  w_c = exp(LSE_c - LSE). */
+
+/* S1 when the maximum moves from m_old to m_new >= m_old, with c = ape_merge_factor(m_old,
+ * m_new) and l the denominator before the move: exp(x - m_new) (x - m_new) summed = c (S1 +
+ * (m_old - m_new) l). S2 rescales like l (times c). Nothing yet (c = 0): 0, never NaN. */
+APE_FN ape_real ape_diag_rescale_s1(ape_real s1, ape_real l, ape_real c, ape_real m_old,
+				    ape_real m_new)
+{
+	return c > (ape_real)0 ? c * (s1 + (m_old - m_new) * l) : (ape_real)0;
+}
+
+/* One term of S1: weight e = exp(x) of a key (ent = 0) or partial result (ent = ENT_c) at
+ * x = score - m. */
+APE_FN ape_real ape_diag_s1_term(ape_real e, ape_real x, ape_real ent)
+{
+	return e > (ape_real)0 ? e * (x - ent) : (ape_real)0;
+}
+
+/* ENT = ln l - S1 / l, 0 without a visible key (l = 0); never below 0 (it is an entropy: only
+ * rounding could take it there). */
+APE_FN ape_real ape_diag_entropy(ape_real l, ape_real s1)
+{
+	ape_real e;
+
+	if (!(l > (ape_real)0))
+		return l == l ? (ape_real)0 : l;
+	e = log(l) - s1 / l;
+	return e > (ape_real)0 ? e : e == e ? (ape_real)0 : e;
+}
+
+/* MD = S2 / l, 0 without a visible key */
+APE_FN ape_real ape_diag_distance(ape_real l, ape_real s2)
+{
+	return l > (ape_real)0 ? s2 / l : l == l ? (ape_real)0 : l;
+}
+
+/*
+ * The skip_tol a call with diagnostics runs under (docs/diagnostics.md, "Skipping"): keys of
+ * total weight eta <= tol left out change ENT by at most eta (1 + ln(1/eta)) + eta ln Lk and MD
+ * by at most eta max|n|; at tol = 2^-24 that is below 4e-6 in ENT for any Lk < 2^63 (a
+ * twenty-fifth of the float32 LSE tolerance 1e-4) and 6e-8 max|n| in MD. A caller's larger
+ * skip_tol is tightened to this for calls that want diagnostics.
+ */
+#define APE_DIAG_SKIP_TOL 0x1p-24
+
 /* ---- Gradients (APE-SPEC.md, "Gradients"): the pure per-row and per-pair pieces of the
  * backward pass. dS is the gradient of the loss with respect to one score s_ij. */
 

@@ -65,8 +65,9 @@
  * ape_device, struct ape__launch) changes; the core refuses a backend built against another value
  * (runtime/api/context.c). 3: the contract on every op, struct ape_device without the core's
  * fields, ranks stated by each backend. 4: attention_backward and struct ape__bwd_launch.
- * 5: strided views in struct ape__launch, buf_wrap, queue_wrap, ape__backend.import. */
-#define APE__BACKEND_ABI 5
+ * 5: strided views in struct ape__launch, buf_wrap, queue_wrap, ape__backend.import.
+ * 6: the diagnostics ent and md in struct ape__launch, ape__backend_ops.attention_diag. */
+#define APE__BACKEND_ABI 6
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -95,6 +96,17 @@ struct ape__launch {
 	struct ape__buf *o; /* [B,H,Lq,D] of out_dtype */
 	struct ape__buf *lse; /* NULL, or [B,H,Lq] float */
 	struct ape__buf *pairs; /* NULL, or [B,H,Lq] uint64: visible pairs whose score was computed */
+	/*
+	 * The diagnostics (APE-SPEC.md, "Attention entropy"; docs/diagnostics.md): each NULL, or
+	 * [B,H,Lq] float, contiguous at offset 0 like pairs, for every row over this launch's keys:
+	 * ent the entropy LSE - sum_j P_j s_j, md the mean distance sum_j P_j |n|, both computed
+	 * in the same pass as O from running sums (ape_diag_*() in core/ape_math.h), 0 for a row
+	 * without a visible key, NaN for a NaN row. The core sets them only for a backend whose
+	 * ops declare attention_diag, and then lse is not NULL either (the merge needs it).
+	 * Keys a launch skips change them within docs/diagnostics.md's bound (the core has
+	 * already tightened skip_tol to APE_DIAG_SKIP_TOL for such launches).
+	 */
+	struct ape__buf *ent, *md;
 	/*
 	 * NULL, or [B,H,Lq] float: for each row, the LSE of keys this launch does not see, already
 	 * computed by an earlier launch (the streaming executor passes the diagonal key chunk's).
@@ -350,6 +362,14 @@ struct ape__backend_ops {
 	/* Optional (NULL: both NULL). The native context and device behind dev, as
 	 * ape_device_native() returns them. Cannot fail; may be called from any thread. */
 	void (*native)(struct ape_device *dev, void **context, void **device);
+
+	/* ---- ABI 6: diagnostics. */
+
+	/* true: attention writes l->ent and l->md when they are not NULL (struct ape__launch).
+	 * false: the core never hands the backend a launch with them, and a call that wants them
+	 * on its devices fails with APE_ENOTSUP naming the device (never falling back to another
+	 * backend). */
+	bool attention_diag;
 };
 
 /* Kinds of memory buf_wrap takes. */

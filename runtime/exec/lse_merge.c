@@ -11,14 +11,18 @@
 #include "core/error.h"
 #include "exec/pack.h"
 
-int ape__acc_alloc(struct ape__acc *a, int64_t rows, int64_t D)
+int ape__acc_alloc(struct ape__acc *a, int64_t rows, int64_t D, bool diag)
 {
 	memset(a, 0, sizeof(*a));
 	a->D = D;
 	a->o = ape__malloc((size_t)(rows * D) * sizeof(float) + 1);
 	a->m = ape__malloc((size_t)rows * sizeof(double) + 1);
 	a->s = ape__malloc((size_t)rows * sizeof(double) + 1);
-	if (!a->o || !a->m || !a->s) {
+	if (diag) {
+		a->s1 = ape__malloc((size_t)rows * sizeof(double) + 1);
+		a->s2 = ape__malloc((size_t)rows * sizeof(double) + 1);
+	}
+	if (!a->o || !a->m || !a->s || (diag && (!a->s1 || !a->s2))) {
 		ape__acc_free(a);
 		return ape__error(APE_ENOMEM, "out of host memory merging %lld rows",
 				  (long long)rows);
@@ -31,8 +35,10 @@ void ape__acc_free(struct ape__acc *a)
 	free(a->o);
 	free(a->m);
 	free(a->s);
+	free(a->s1);
+	free(a->s2);
 	a->o = NULL;
-	a->m = a->s = NULL;
+	a->m = a->s = a->s1 = a->s2 = NULL;
 }
 
 void ape__acc_reset(struct ape__acc *a, int64_t rows)
@@ -41,10 +47,13 @@ void ape__acc_reset(struct ape__acc *a, int64_t rows)
 	for (int64_t r = 0; r < rows; r++) {
 		a->m[r] = -INFINITY;
 		a->s[r] = 0;
+		if (a->s1)
+			a->s1[r] = a->s2[r] = 0;
 	}
 }
 
-void ape__acc_add(struct ape__acc *a, const float *o_c, const float *lse_c)
+void ape__acc_add(struct ape__acc *a, const float *o_c, const float *lse_c, const float *ent_c,
+		  const float *md_c)
 {
 	const int64_t D = a->D;
 
@@ -64,6 +73,10 @@ void ape__acc_add(struct ape__acc *a, const float *o_c, const float *lse_c)
 			a->m[r] = l;
 			a->s[r] = 1;
 			memcpy(acc, oc, (size_t)D * sizeof(float));
+			if (a->s1 && ent_c) {
+				a->s1[r] = ape_diag_s1_term(1, 0, ent_c[r]);
+				a->s2[r] = md_c[r];
+			}
 			continue;
 		}
 		mn = ape_merge_max(m, l);
@@ -71,6 +84,11 @@ void ape__acc_add(struct ape__acc *a, const float *o_c, const float *lse_c)
 		c_new = ape_merge_factor(l, mn);
 		for (int64_t d = 0; d < D; d++)
 			acc[d] = (float)(acc[d] * c_old + oc[d] * c_new);
+		if (a->s1 && ent_c) {
+			a->s1[r] = ape_diag_rescale_s1(a->s1[r], a->s[r], c_old, m, mn) +
+				   ape_diag_s1_term(c_new, l - mn, ent_c[r]);
+			a->s2[r] = a->s2[r] * c_old + c_new * md_c[r];
+		}
 		a->s[r] = a->s[r] * c_old + c_new;
 		a->m[r] = mn;
 	}
@@ -84,7 +102,7 @@ double ape__acc_lse(const struct ape__acc *a, int64_t row)
 }
 
 void ape__acc_store(const struct ape__acc *a, ape_tensor *o, const int64_t os[4], float *lse,
-		    int64_t Lq, int64_t l0, int64_t n)
+		    float *ent, float *md, int64_t Lq, int64_t l0, int64_t n)
 {
 	const int64_t H = o->shape[1], D = a->D;
 	float row[256];
@@ -114,11 +132,20 @@ void ape__acc_store(const struct ape__acc *a, ape_tensor *o, const int64_t os[4]
 		}
 		if (lse)
 			lse[bh * Lq + l0 + i] = (float)ape__acc_lse(a, r);
+		if (ent || md) {
+			/* m NaN: a NaN row; -inf: nothing visible (s = 0 gives 0) */
+			const double sr = isnan(m) ? NAN : m == -INFINITY ? 0 : a->s[r];
+
+			if (ent)
+				ent[bh * Lq + l0 + i] = (float)ape_diag_entropy(sr, a->s1[r]);
+			if (md)
+				md[bh * Lq + l0 + i] = (float)ape_diag_distance(sr, a->s2[r]);
+		}
 	}
 }
 
-void ape__store_empty_rows(ape_tensor *o, const int64_t os[4], float *lse, int64_t Lq,
-			   int64_t l0, int64_t n)
+void ape__store_empty_rows(ape_tensor *o, const int64_t os[4], float *lse, float *ent,
+			   float *md, int64_t Lq, int64_t l0, int64_t n)
 {
 	const int64_t B = o->shape[0], H = o->shape[1];
 	static const float zeros[256];
@@ -130,5 +157,9 @@ void ape__store_empty_rows(ape_tensor *o, const int64_t os[4], float *lse, int64
 				ape__store_row(o, os, b, h, i, zeros);
 				if (lse)
 					lse[(b * H + h) * Lq + i] = -INFINITY;
+				if (ent)
+					ent[(b * H + h) * Lq + i] = 0;
+				if (md)
+					md[(b * H + h) * Lq + i] = 0;
 			}
 }

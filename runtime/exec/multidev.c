@@ -70,7 +70,8 @@ static int plan_all(const struct ape__exec_req *r, struct ape__plan *plans, uint
 				.D = p->D, .esz = ape_dtype_size(p->in_dtype),
 				.out_esz = ape_dtype_size(p->out_dtype),
 				.dtype_name = ape_dtype_name(p->in_dtype),
-				.pairs = r->want_pairs, .max_cq = cq, .max_ck = ck,
+				.pairs = r->want_pairs, .diag = r->ent || r->md,
+				.max_cq = cq, .max_ck = ck,
 				.depth = r->depth, .budget = budgets[d],
 				.max_buffer = dev->be->ops->max_alloc ? dev->be->ops->max_alloc(dev)
 								      : UINT64_MAX,
@@ -299,6 +300,8 @@ static void setup_call(struct shared *sh, const struct ape__plan *plan, const st
 	sh->call.v = r->v;
 	sh->call.o = r->o;
 	sh->call.lse = r->lse;
+	sh->call.ent = r->ent;
+	sh->call.md = r->md;
 	sh->call.cq = plan->cq;
 	sh->call.ck = plan->ck;
 	sh->call.nq = plan->nq;

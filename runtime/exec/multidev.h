@@ -29,6 +29,9 @@ struct ape__exec_req {
 	const ape_tensor *q, *k, *v;
 	ape_tensor *o;
 	float *lse;
+	/* the diagnostics, [B, H, Lq] each, or NULL; only on devices whose backend declares
+	 * attention_diag (the API checked), and then p->skip_tol <= APE_DIAG_SKIP_TOL */
+	float *ent, *md;
 	bool want_pairs;
 	bool staged; /* o and lse are the call's own staging (APE_EXEC_ATOMIC_OUTPUTS) */
 };

@@ -3,7 +3,7 @@
  * Chunk planning. The budget counts every device buffer the executor holds at once:
  *
  *   q_slots x query chunk                          (2 when there is a next query chunk to load)
- * + min(depth, jobs) x (partial O + LSE + pairs + backend scratch)
+ * + min(depth, jobs) x (partial O + LSE + pairs + entropy + distance + backend scratch)
  * + kv_slots x (key chunk + value chunk)           (at least min(depth, nk))
  *
  * Large chunks keep kernels efficient, depth hides copies, resident key/value chunks save
@@ -59,7 +59,9 @@ void ape__plan_sizes(const struct ape__plan_req *r, int64_t cq, int64_t ck, int 
 	p->o_bytes = sat_mul(sat_mul(rows, (uint64_t)r->D), p->merge ? 4 : r->out_esz);
 	p->lse_bytes = sat_mul(rows, 4);
 	p->pairs_bytes = r->pairs ? sat_mul(rows, 8) : 0;
-	p->out_bytes = sat_add(sat_add(p->o_bytes, p->lse_bytes), p->pairs_bytes);
+	p->diag_bytes = r->diag ? p->lse_bytes : 0;
+	p->out_bytes = sat_add(sat_add(sat_add(p->o_bytes, p->lse_bytes), p->pairs_bytes),
+			       sat_mul(2, p->diag_bytes));
 	p->scratch = r->scratch ? r->scratch(r->scratch_arg, cq, ck) : 0;
 	p->q_slots = p->nq > 1 && depth > 1 ? 2 : 1;
 	p->prior_bytes = r->prior && p->nk > 1 ? p->lse_bytes : 0;

@@ -26,6 +26,7 @@ struct ape__plan_req {
 	size_t out_esz; /* bytes per element of the caller's o */
 	const char *dtype_name; /* for messages */
 	bool pairs; /* per-row pair counts come back too */
+	bool diag; /* per-row entropy and mean distance come back too (docs/diagnostics.md) */
 	bool force_merge; /* partial outputs in float32 even when one key chunk covers Lk */
 	int64_t max_cq, max_ck; /* >= 1 */
 	int depth; /* 1..APE__MAX_DEPTH (core/limits.h) */
@@ -51,6 +52,7 @@ struct ape__plan {
 	uint64_t kv_bytes; /* one key (or value) chunk */
 	uint64_t out_bytes; /* one partial output: O, LSE and pair counts */
 	uint64_t o_bytes, lse_bytes, pairs_bytes; /* its parts */
+	uint64_t diag_bytes; /* each of the entropy and the mean distance (0: not planned) */
 	uint64_t prior_bytes; /* per query chunk buffer: its diagonal LSE (0: none kept) */
 	uint64_t scratch; /* the backend's scratch per launch */
 	uint64_t fixed; /* everything but the key/value chunks */

@@ -74,6 +74,10 @@ int ape__stream_ensure_out(struct ape__stream *s, int i)
 		ret = ape__devmem_alloc(&s->mem, p->o_bytes, &o->o, "allocating a partial O");
 	if (!ret && !o->lse)
 		ret = ape__devmem_alloc(&s->mem, p->lse_bytes, &o->lse, "allocating a partial LSE");
+	if (!ret && !o->ent && p->diag_bytes)
+		ret = ape__devmem_alloc(&s->mem, p->diag_bytes, &o->ent, "allocating entropies");
+	if (!ret && !o->md && p->diag_bytes)
+		ret = ape__devmem_alloc(&s->mem, p->diag_bytes, &o->md, "allocating distances");
 	if (!ret && !o->pairs && p->pairs_bytes)
 		ret = ape__devmem_alloc(&s->mem, p->pairs_bytes, &o->pairs,
 					"allocating pair counts");
@@ -120,7 +124,7 @@ int ape__stream_ensure_qrec(struct ape__stream *s, struct qrec *r, bool merge, b
 	const int64_t rows = s->g.B * s->g.H * s->g.plan.cq;
 
 	if (merge && !r->acc.o) {
-		int ret = ape__acc_alloc(&r->acc, rows, s->g.D);
+		int ret = ape__acc_alloc(&r->acc, rows, s->g.D, s->g.plan.diag_bytes > 0);
 
 		if (ret)
 			return ret;
@@ -194,6 +198,8 @@ void ape__stream_destroy(struct ape__stream *s)
 		ape__devmem_free(&s->mem, &s->out[i].o, p->o_bytes);
 		ape__devmem_free(&s->mem, &s->out[i].lse, p->lse_bytes);
 		ape__devmem_free(&s->mem, &s->out[i].pairs, p->pairs_bytes);
+		ape__devmem_free(&s->mem, &s->out[i].ent, p->diag_bytes);
+		ape__devmem_free(&s->mem, &s->out[i].md, p->diag_bytes);
 		ape__host_free(s->dev, &s->out[i].host);
 		ape__host_free(s->dev, &s->kvst[i].mem);
 	}

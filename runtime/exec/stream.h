@@ -59,6 +59,10 @@ struct ape__stream_call {
 	const struct ape__kv_loader *loader;
 	ape_tensor *o; /* rows of finished query chunks are written here ... */
 	float *lse; /* ... and here ([B, H, Lq]); NULL: not wanted */
+	/* ... and the diagnostics here ([B, H, Lq] each; NULL: not wanted; only when the
+	 * session's plan has diag_bytes and its backend declares attention_diag; lse is then
+	 * computed on the device even when NULL here, for the merge) */
+	float *ent, *md;
 	int64_t cq, ck, nq, nk; /* this call's chunking, within the session's */
 	bool merge; /* partial outputs in float32, merged on the host (nk > 1) */
 	const struct ape__kmax *kmax; /* NULL: no chunk-level skipping */

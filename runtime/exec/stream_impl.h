@@ -43,8 +43,8 @@ struct kvslot {
 };
 
 struct outslot {
-	struct ape__buf *o, *lse, *pairs;
-	struct ape__hostmem host; /* O | LSE | pairs as they come back */
+	struct ape__buf *o, *lse, *pairs, *ent, *md;
+	struct ape__hostmem host; /* pairs | LSE | ENT | MD | O as they come back */
 };
 
 struct stage {

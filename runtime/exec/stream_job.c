@@ -57,9 +57,11 @@ int ape__stream_finish_query(struct ape__stream *s, struct qrec *r)
 	int ret = 0;
 
 	if (c->merge)
-		ape__acc_store(&r->acc, c->o, c->p->os, c->lse, c->p->Lq, r->i0, r->n);
+		ape__acc_store(&r->acc, c->o, c->p->os, c->lse, c->ent, c->md, c->p->Lq, r->i0,
+			       r->n);
 	else if (!r->jobs) /* direct writes happen per job; no job means no visible key */
-		ape__store_empty_rows(c->o, c->p->os, c->lse, c->p->Lq, r->i0, r->n);
+		ape__store_empty_rows(c->o, c->p->os, c->lse, c->ent, c->md, c->p->Lq, r->i0,
+				      r->n);
 	if (r->loaded) {
 		ret = ape__stream_span(s, r->e0, r->e1, APE__LANE_H2D_Q + r->slot, "h2d Q", r->qc,
 				       -1, r->bytes, r->host_t, NULL);
@@ -88,17 +90,33 @@ static void fill_launch(struct ape__stream *s, const struct job *j, int out,
 	l->o = s->out[out].o;
 	l->lse = s->out[out].lse;
 	l->pairs = c->want_pairs ? s->out[out].pairs : NULL;
+	l->ent = c->ent || c->md ? s->out[out].ent : NULL;
+	l->md = c->ent || c->md ? s->out[out].md : NULL;
 	l->q_start = c->p->q_start + r->i0;
 	l->k_start = c->p->k_start + j->j0;
 }
 
+static bool want_diag(const struct ape__stream_call *c)
+{
+	return c->ent || c->md;
+}
+
 /* Where a job's results land in its host staging: pair counts first (8-byte aligned at the
- * start of the page-aligned buffer), then LSE, then O. Offsets for `rows` rows. */
+ * start of the page-aligned buffer), then LSE, the entropies and distances (when wanted), then
+ * O. Offsets for `rows` rows; the entropies at lse_off + rows, the distances after them. */
 static void out_layout(const struct ape__stream *s, int64_t rows, size_t *lse_off,
 		       size_t *o_off)
 {
 	*lse_off = s->c->want_pairs ? (size_t)rows * sizeof(uint64_t) : 0;
-	*o_off = *lse_off + (size_t)rows * sizeof(float);
+	*o_off = *lse_off + (size_t)rows * sizeof(float) * (want_diag(s->c) ? 3 : 1);
+}
+
+/* Copies a job's [B*H, n] rows of one per-row output into the call's [B, H, Lq] array. */
+static void put_rows(const struct ape__stream_call *c, float *dst, const float *src, int64_t bh,
+		     const struct qrec *r)
+{
+	for (int64_t i = 0; dst && i < bh; i++)
+		memcpy(dst + i * c->p->Lq + r->i0, src + i * r->n, (size_t)r->n * sizeof(float));
 }
 
 int ape__stream_issue(struct ape__stream *s, struct qrec *r, int64_t kc)
@@ -151,7 +169,9 @@ int ape__stream_issue(struct ape__stream *s, struct qrec *r, int64_t kc)
 	if (c->poison) {
 		/* 0x7fc07fc0: a quiet NaN in f32, and two in f16 or bf16 */
 		if ((ret = ops->fill(s->exec, l.o, 0, 0x7fc07fc0u, (size_t)ob)) ||
-		    (ret = ops->fill(s->exec, l.lse, 0, 0x7fc07fc0u, (size_t)lb)))
+		    (ret = ops->fill(s->exec, l.lse, 0, 0x7fc07fc0u, (size_t)lb)) ||
+		    (l.ent && (ret = ops->fill(s->exec, l.ent, 0, 0x7fc07fc0u, (size_t)lb))) ||
+		    (l.md && (ret = ops->fill(s->exec, l.md, 0, 0x7fc07fc0u, (size_t)lb))))
 			return ret;
 	}
 	j->host_t[1] = ape__now_ms();
@@ -166,12 +186,14 @@ int ape__stream_issue(struct ape__stream *s, struct qrec *r, int64_t kc)
 		return ret;
 
 	j->host_t[2] = ape__now_ms();
-	j->out_bytes = ob + lb + (l.pairs ? lb * 2 : 0);
+	j->out_bytes = ob + lb + (l.pairs ? lb * 2 : 0) + (l.ent ? lb * 2 : 0);
 	out_layout(s, s->g.B * s->g.H * r->n, &lo, &oo);
 	if ((ret = ops->event_wait(down, j->k1)) || (ret = ops->event_record(down, &j->d0)) ||
 	    (ret = ops->copy_d2h(down, host + oo, l.o, 0, (size_t)ob)) ||
 	    (ret = ops->copy_d2h(down, host + lo, l.lse, 0, (size_t)lb)) ||
 	    (l.pairs && (ret = ops->copy_d2h(down, host, l.pairs, 0, (size_t)(2 * lb)))) ||
+	    (l.ent && (ret = ops->copy_d2h(down, host + lo + lb, l.ent, 0, (size_t)lb))) ||
+	    (l.md && (ret = ops->copy_d2h(down, host + lo + 2 * lb, l.md, 0, (size_t)lb))) ||
 	    (ret = ops->event_record(down, &j->d1)))
 		return ret;
 	s->st->d2h += j->out_bytes;
@@ -195,12 +217,15 @@ static void consume(struct ape__stream *s, const struct job *j, const void *host
 	lse = (const float *)((const char *)host + lo);
 	o = (const char *)host + oo;
 	if (c->merge) {
-		ape__acc_add(&r->acc, (const float *)o, lse);
+		ape__acc_add(&r->acc, (const float *)o, lse, want_diag(c) ? lse + rows : NULL,
+			     want_diag(c) ? lse + 2 * rows : NULL);
 	} else {
 		ape__unpack_rows(o, c->o, c->p->os, r->i0, r->n);
-		for (int64_t i = 0; c->lse && i < bh; i++)
-			memcpy(c->lse + i * c->p->Lq + r->i0, lse + i * r->n,
-			       (size_t)r->n * sizeof(float));
+		put_rows(c, c->lse, lse, bh, r);
+		if (want_diag(c)) {
+			put_rows(c, c->ent, lse + rows, bh, r);
+			put_rows(c, c->md, lse + 2 * rows, bh, r);
+		}
 	}
 	for (int64_t i = 0; c->want_pairs && i < rows; i++)
 		s->st->pairs_computed += pairs[i];

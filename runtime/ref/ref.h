@@ -24,10 +24,13 @@ static inline double ape__ref_load(const void *base, ape_dtype t, int64_t i)
 
 /*
  * Computes rows [row_begin, row_end) of the flattened [B*H*Lq] output of launch `l` from host
- * tensors laid out as ape__launch_view() says (pairs: contiguous). Extra memory is O(D) per row; no key is ever skipped.
+ * tensors laid out as ape__launch_view() says (pairs, ent, md: contiguous; each of lse, pairs,
+ * ent, md may be NULL). Extra memory is O(D) per row; no key is ever skipped. The diagnostics
+ * come from float64 running sums rescaled with the online softmax (ape_diag_*()).
  */
 void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, const void *v,
-		   void *o, float *lse, uint64_t *pairs, int64_t row_begin, int64_t row_end);
+		   void *o, float *lse, uint64_t *pairs, float *ent, float *md, int64_t row_begin,
+		   int64_t row_end);
 
 /* Host pointers of one backward launch (struct ape__bwd_launch: which are NULL, the layouts). */
 struct ape__ref_bwd_io {

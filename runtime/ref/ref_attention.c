@@ -76,7 +76,8 @@ static double rotated_dot(const struct ape__launch *l, const double *q, const vo
 }
 
 void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, const void *v,
-		   void *o, float *lse, uint64_t *pairs, int64_t row_begin, int64_t row_end)
+		   void *o, float *lse, uint64_t *pairs, float *ent, float *md, int64_t row_begin,
+		   int64_t row_end)
 {
 	const int64_t D = l->D, group = l->H / l->Hkv;
 	const struct ape__view qv = ape__launch_view(l, APE__T_Q), kv = ape__launch_view(l, APE__T_K);
@@ -94,7 +95,7 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 		const double delta = l->head_params[4 * h + 0], beta = l->head_params[4 * h + 1];
 		const double gamma = l->head_params[4 * h + 2], lambda = l->head_params[4 * h + 3];
 		const int64_t pos_q = l->q_start + i;
-		double alpha, m = -INFINITY, sum = 0;
+		double alpha, m = -INFINITY, sum = 0, s1 = 0, s2 = 0;
 		bool bad = false;
 		uint64_t seen = 0;
 
@@ -122,11 +123,15 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 				scale_old = ape_merge_factor(m, s);
 				for (int64_t d = 0; d < D; d++)
 					acc[d] *= scale_old;
+				s1 = ape_diag_rescale_s1(s1, sum, scale_old, m, s);
+				s2 *= scale_old;
 				sum *= scale_old;
 				m = s;
 			}
 			w = ape_merge_factor(s, m);
 			sum += w;
+			s1 += ape_diag_s1_term(w, s - m, 0);
+			s2 += w * an;
 			for (int64_t d = 0; d < D; d++)
 				acc[d] += w * ape__ref_load(v, l->in_dtype, vbase + j * vv.sl + d);
 		}
@@ -140,5 +145,9 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 			lse[lv.off + b * lv.sb + h * lv.sh + i * lv.sl] = bad ? NAN : sum > 0 ? (float)(m + log(sum)) : -INFINITY;
 		if (pairs)
 			pairs[row] = seen;
+		if (ent)
+			ent[row] = bad ? NAN : (float)ape_diag_entropy(sum, s1);
+		if (md)
+			md[row] = bad ? NAN : (float)ape_diag_distance(sum, s2);
 	}
 }

@@ -201,7 +201,9 @@ static int ref_attention(struct ape__queue *q, const struct ape__launch *l)
 	(void)q;
 	ape__ref_rows(l, l->q->bytes, l->k->bytes, l->v->bytes, l->o->bytes,
 		      l->lse ? (float *)l->lse->bytes : NULL,
-		      l->pairs ? (uint64_t *)l->pairs->bytes : NULL, 0, l->B * l->H * l->Lq);
+		      l->pairs ? (uint64_t *)l->pairs->bytes : NULL,
+		      l->ent ? (float *)l->ent->bytes : NULL, l->md ? (float *)l->md->bytes : NULL, 0,
+		      l->B * l->H * l->Lq);
 	return 0;
 }
 
@@ -251,5 +253,6 @@ const struct ape__backend_ops ape__ref_ops = {
 	.attention_scratch = ref_attention_scratch,
 	.attention_backward = ref_attention_backward,
 	.buf_wrap = ref_buf_wrap,
+	.attention_diag = true,
 	/* no queue_wrap: the reference has no native queue; no native: no native objects */
 };
