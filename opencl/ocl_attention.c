@@ -20,6 +20,7 @@
 #define F_SKIP 256
 #define F_KV_F32 512
 #define F_PRIOR 1024
+#define F_DIAG 2048
 
 /* Heads per enqueue along dimension 1: GPU drivers bound a grid dimension (65535 on some). */
 #define OCL_MAX_DIM1 65535
@@ -232,6 +233,7 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	ntk = (l->Lk + pr->t.bk - 1) / pr->t.bk;
 	flags |= (l->causal ? F_CAUSAL : 0) | (l->lse ? F_LSE : 0) | (l->pairs ? F_PAIRS : 0);
 	flags |= l->layout == APE_ROPE_INTERLEAVED ? F_INTERLEAVED : 0;
+	flags |= l->ent && l->md ? F_DIAG : 0; /* the core passes both or neither */
 	/* the far-key bound needs decays >= 0; the core passes skip_tol = 0 otherwise */
 	if (l->skip_tol > 0 && l->decay_nonneg && tol > 0)
 		flags |= F_SKIP | (l->lse_prior && prior_tol > 0 ? F_PRIOR : 0);
@@ -270,6 +272,8 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(tol), &tol);
 	ape__ocl_arg(&a, sizeof(prior_tol), &prior_tol);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
+	ape__ocl_arg(&a, sizeof(cl_mem), (flags & F_DIAG) ? &l->ent->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), (flags & F_DIAG) ? &l->md->mem : &none);
 	if (a.err != CL_SUCCESS)
 		ret = ape__ocl_error(a.err, "setting up ape_attention");
 	else

@@ -100,4 +100,5 @@ const struct ape__backend_ops ape__opencl_ops = {
 	.event_timestamp = ocl_event_timestamp,
 	.max_alloc = ape__ocl_max_alloc,
 	.attention_backward = ocl_attention_backward, /* ocl_backward.c */
+	.attention_diag = true, /* ENT and MD behind F_DIAG (kernels/attention.cl) */
 };

@@ -98,6 +98,7 @@ __constant int ape_iota[16] = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 #define F_SKIP 256
 #define F_KV_F32 512 /* K and V come from ape_kv_prep(): float32, K pair-ordered */
 #define F_PRIOR 1024 /* PRIOR holds each row's LSE from earlier launches (for skipping) */
+#define F_DIAG 2048 /* ENT and MDIST: the rows' entropy and mean distance (docs/diagnostics.md) */
 
 /* storage types: ape_dtype values */
 #define DT_F16 1
@@ -183,6 +184,7 @@ struct rows {
 	vf xq[APE_PMAX], yq[APE_PMAX]; /* the query's pairs */
 	vf cw[APE_PMAX], sw[APE_PMAX]; /* cos, sin of the per-key step w_p = omega_p / alpha */
 	vf acc[APE_DMAX], m, l; /* online softmax: sum of weights * V, running maximum, sum */
+	vf s1, s2; /* F_DIAG: sum of weights * (score - m), sum of weights * |n| (ape_diag_*()) */
 	vr ia, crow; /* 1 / alpha; the score shift c_row */
 	APE_REAL qn[APE_RW], crow_s[APE_RW]; /* |q| (rounded up), c_row: per lane */
 	APE_REAL prior[APE_RW]; /* earlier launches' LSE - c_row per lane, or -inf */
@@ -249,6 +251,7 @@ KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
 		r->acc[d] = (vf)0.0f;
 	r->m = (vf)(-INFINITY);
 	r->l = (vf)0.0f;
+	r->s1 = r->s2 = (vf)0.0f;
 }
 
 /*
@@ -397,7 +400,7 @@ KFN void tile_scores(const struct run *R, const struct rows *r, long nbase, int 
  * seed's parameters ran at less than half speed. A NaN score keeps its NaN (a comparison
  * with NaN is false).
  */
-KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int mask,
+KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int mask, long nbase,
 		      __local const float *vt, vf *sc)
 {
 	const vi ii = r->rb + IOTA;
@@ -408,13 +411,38 @@ KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int
 	for (int j = 0; j < len; j++)
 		mt = select(mt, sc[j], sc[j] > mt);
 	corr = select(select(exp(r->m - mt), (vf)0.0f, r->m - mt < -87.0f), (vf)1.0f, r->m == mt);
-	NOUNROLL
-	for (int j = 0; j < len; j++) {
-		const vf dj = sc[j] - mt; /* NaN for a masked key in a row with no key yet */
-		const vf pj = select(exp(dj), (vf)0.0f, dj < -87.0f || sc[j] == (vf)(-INFINITY));
+	if (R->flags & F_DIAG) {
+		/* the two running sums of the diagnostics (core/ape_math.h), rescaled with the
+		 * softmax: nothing yet (corr 0) stays 0; an unchanged maximum moves nothing */
+		const vf dm = select(r->m - mt, (vf)0.0f, r->m == mt);
+		const vf nf = TO_VF((APE_REAL)(nbase + r->rb) + TO_VR(IOTA)); /* n of key 0 */
+		vf s1 = select(APE_DIAG_RESCALE_S1(r->s1, r->l, corr, dm), (vf)0.0f,
+			       corr == (vf)0.0f);
+		vf s2 = r->s2 * corr;
 
-		sc[j] = pj;
-		lsum += pj;
+		NOUNROLL
+		for (int j = 0; j < len; j++) {
+			const vf dj = sc[j] - mt;
+			const vf pj = select(exp(dj), (vf)0.0f,
+					     dj < -87.0f || sc[j] == (vf)(-INFINITY));
+
+			sc[j] = pj;
+			lsum += pj;
+			s1 += select(pj * dj, (vf)0.0f, pj == (vf)0.0f); /* ape_diag_s1_term() */
+			s2 = fma(pj, fabs(nf - (float)j), s2);
+		}
+		r->s1 = s1;
+		r->s2 = s2;
+	} else {
+		NOUNROLL
+		for (int j = 0; j < len; j++) {
+			const vf dj = sc[j] - mt; /* NaN for a masked key in a row with no key yet */
+			const vf pj = select(exp(dj), (vf)0.0f,
+					     dj < -87.0f || sc[j] == (vf)(-INFINITY));
+
+			sc[j] = pj;
+			lsum += pj;
+		}
 	}
 	r->l = r->l * corr + lsum;
 	r->m = mt;
@@ -494,13 +522,15 @@ KFN int rows_skip_all(const struct run *R, const struct rows *r, APE_REAL kall)
  * stage (rows in vector lanes). The visited keys are [jbeg, jend). */
 KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long jend,
 		     __global void *O, __global float *LSE, __global ulong *PAIRS,
-		     __local float *stage)
+		     __global float *ENT, __global float *MDIST, __local float *stage)
 {
 	const vf inv = select((vf)1.0f / r->l, (vf)0.0f, r->l == (vf)0.0f);
-	float ms[APE_RW], ls[APE_RW];
+	float ms[APE_RW], ls[APE_RW], s1s[APE_RW], s2s[APE_RW];
 
 	VS(r->m, ms);
 	VS(r->l, ls);
+	VS(r->s1, s1s);
+	VS(r->s2, s2s);
 	NOUNROLL
 	for (int k = 0; k < APE_RW; k++) {
 		const long i = r->i + k, diag = R->rel + i;
@@ -513,6 +543,13 @@ KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long 
 						       log((APE_REAL)ls[k]))
 				: ls[k] == 0.0f ? -INFINITY
 						: NAN;
+		if (R->flags & F_DIAG) {
+			/* ls NaN (a NaN row) gives NaN in both */
+			ENT[R->bh * R->Lq + i] =
+				(float)ape_diag_entropy((APE_REAL)ls[k], (APE_REAL)s1s[k]);
+			MDIST[R->bh * R->Lq + i] =
+				(float)ape_diag_distance((APE_REAL)ls[k], (APE_REAL)s2s[k]);
+		}
 		if (R->flags & F_PAIRS) {
 			const long seen = max(0L, (R->causal ? min(jend, diag + 1) : jend) - jbeg);
 
@@ -537,7 +574,8 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 	      __global void *O, __global float *LSE, __global ulong *PAIRS,
 	      __global const float *PRIOR, __global const APE_REAL *prm, __global const float *kpre,
 	      __global const float *ksuf, int D, long Lq, long Lk, int H, int group, long rel,
-	      float scale, float skip_tol, float prior_tol, int flags)
+	      float scale, float skip_tol, float prior_tol, int flags, __global float *ENT,
+	      __global float *MDIST)
 {
 	__local float kv[KV_FLOATS];
 	__local float ttab[BQ + APE_BK], btab[BQ + APE_BK];
@@ -640,7 +678,7 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 			if ((t < r->tlo && r->done_b) || (t > r->thi && r->done_f))
 				continue;
 			tile_scores(R, r, nbase, len, lim, mask, bref, ku, kw, ttab, btab, sc);
-			tile_softmax(R, r, len, lim, mask, vt, sc);
+			tile_softmax(R, r, len, lim, mask, nbase, vt, sc);
 			r->tlo = min(r->tlo, t);
 			r->thi = max(r->thi, t);
 		}
@@ -707,7 +745,7 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 		for (int g = 0; g < APE_RG; g++)
 			rows_finish(R, &rg[g], none ? 0 : rg[g].tlo * APE_BK,
 				    none ? 0 : min((rg[g].thi + 1) * APE_BK, Lk), O, LSE, PAIRS,
-				    kv);
+				    ENT, MDIST, kv);
 #if APE_RW > 1
 		/* lanes were rows: write whole rows from the transposing stage */
 		WG_BARRIER();

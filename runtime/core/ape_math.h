@@ -298,11 +298,15 @@ APE_FN ape_real ape_merge_factor(ape_real m_old, ape_real m_new)
 
 /* S1 when the maximum moves from m_old to m_new >= m_old, with c = ape_merge_factor(m_old,
  * m_new) and l the denominator before the move: exp(x - m_new) (x - m_new) summed = c (S1 +
- * (m_old - m_new) l). S2 rescales like l (times c). Nothing yet (c = 0): 0, never NaN. */
+ * (m_old - m_new) l). S2 rescales like l (times c). Nothing yet (c = 0): 0, never NaN.
+ * APE_DIAG_RESCALE_S1 is the formula for any arithmetic type (the OpenCL kernel's vectors,
+ * which guard c = 0 and m_old = m_new themselves). */
+#define APE_DIAG_RESCALE_S1(s1, l, c, dm) ((c) * ((s1) + (dm) * (l))) /* any type; dm finite */
+
 APE_FN ape_real ape_diag_rescale_s1(ape_real s1, ape_real l, ape_real c, ape_real m_old,
 				    ape_real m_new)
 {
-	return c > (ape_real)0 ? c * (s1 + (m_old - m_new) * l) : (ape_real)0;
+	return c > (ape_real)0 ? APE_DIAG_RESCALE_S1(s1, l, c, m_old - m_new) : (ape_real)0;
 }
 
 /* One term of S1: weight e = exp(x) of a key (ent = 0) or partial result (ent = ENT_c) at

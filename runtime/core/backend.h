@@ -102,7 +102,8 @@ struct ape__launch {
 	 * ent the entropy LSE - sum_j P_j s_j, md the mean distance sum_j P_j |n|, both computed
 	 * in the same pass as O from running sums (ape_diag_*() in core/ape_math.h), 0 for a row
 	 * without a visible key, NaN for a NaN row. The core sets them only for a backend whose
-	 * ops declare attention_diag, and then lse is not NULL either (the merge needs it).
+	 * ops declare attention_diag, both or neither, and then lse is not NULL either (the merge
+ * needs it).
 	 * Keys a launch skips change them within docs/diagnostics.md's bound (the core has
 	 * already tightened skip_tol to APE_DIAG_SKIP_TOL for such launches).
 	 */

@@ -48,6 +48,13 @@ long double naive_get(const ape_tensor *t, int64_t b, int64_t h, int64_t l, int6
 int naive_attention(const naive_params *p, const ape_tensor *q, const ape_tensor *k,
 		    const ape_tensor *v, double *o, double *lse)
 {
+	return naive_attention_diag(p, q, k, v, o, lse, NULL, NULL, NULL);
+}
+
+int naive_attention_diag(const naive_params *p, const ape_tensor *q, const ape_tensor *k,
+			 const ape_tensor *v, double *o, double *lse, double *ent, double *md,
+			 double *mdmax)
+{
 	const int64_t B = q->shape[0], H = q->shape[1], Lq = q->shape[2], D = q->shape[3];
 	const int64_t Hkv = k->shape[1], Lk = k->shape[2], half = D / 2;
 	const long double scale = isnan(p->scale) ? 1.0L / sqrtl((long double)D) : p->scale;
@@ -123,6 +130,29 @@ int naive_attention(const naive_params *p, const ape_tensor *q, const ape_tensor
 					o[row * D + d] = bad ? NAN : any ? (double)(acc / den) : 0.0;
 				}
 				lse[row] = bad ? NAN : any ? (double)(mx + logl(den)) : -INFINITY;
+				if (ent || md || mdmax) {
+					long double e = 0, m = 0, far = 0;
+
+					for (int64_t j = 0; j < Lk; j++) {
+						const int64_t n = (p->q_start + i) - (p->k_start + j);
+						const long double an = n < 0 ? -(long double)n : (long double)n;
+						const long double pj = s[j] / den;
+
+						if (s[j] < 0)
+							continue; /* masked */
+						far = an > far ? an : far;
+						if (pj > 0) {
+							e -= pj * logl(pj);
+							m += pj * an;
+						}
+					}
+					if (ent)
+						ent[row] = bad ? NAN : (double)e;
+					if (md)
+						md[row] = bad ? NAN : (double)m;
+					if (mdmax)
+						mdmax[row] = (double)far;
+				}
 			}
 	free(s);
 	free(qv);

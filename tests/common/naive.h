@@ -28,6 +28,16 @@ typedef struct naive_params {
 int naive_attention(const naive_params *p, const ape_tensor *q, const ape_tensor *k,
 		    const ape_tensor *v, double *o, double *lse);
 
+/*
+ * naive_attention() and the diagnostics (docs/diagnostics.md) by their definitions, from the
+ * normalised weights P_j of pass 2: ent = -sum P ln P, md = sum P |n|, and mdmax the largest
+ * visible |n| of the row (the scale of md's tolerance); 0 for a row without a visible key, NaN
+ * for a NaN row. Each of ent, md, mdmax (B*H*Lq doubles) may be NULL.
+ */
+int naive_attention_diag(const naive_params *p, const ape_tensor *q, const ape_tensor *k,
+			 const ape_tensor *v, double *o, double *lse, double *ent, double *md,
+			 double *mdmax);
+
 /* IEEE binary16 (bf16 false) or bfloat16 bits decoded arithmetically, not by moving bits. */
 long double naive_decode16(uint16_t bits, bool bf16);
 

@@ -206,6 +206,7 @@ int test_problem_clone(test_problem *dst, const test_problem *src)
 	*dst = *src;
 	dst->q.alloc = dst->k.alloc = dst->v.alloc = dst->o.alloc = NULL;
 	dst->naive_o = dst->naive_lse = NULL;
+	dst->naive_ent = dst->naive_md = dst->naive_mdmax = NULL;
 	dst->params = malloc(sizeof(float) * (size_t)(4 * H));
 	dst->lse = src->lse ? malloc(sizeof(float) * (src->rows + 1)) : NULL;
 	if (!dst->params || (src->lse && !dst->lse) || clone_tensor(&dst->q, &src->q) ||
@@ -230,6 +231,9 @@ void test_problem_free(test_problem *tp)
 	free(tp->params);
 	free(tp->naive_o);
 	free(tp->naive_lse);
+	free(tp->naive_ent);
+	free(tp->naive_md);
+	free(tp->naive_mdmax);
 	memset(tp, 0, sizeof(*tp));
 }
 
@@ -282,9 +286,16 @@ int test_problem_naive(test_problem *tp)
 	resolve_q_start(tp);
 	free(tp->naive_o);
 	free(tp->naive_lse);
+	free(tp->naive_ent);
+	free(tp->naive_md);
+	free(tp->naive_mdmax);
 	tp->naive_o = malloc(sizeof(double) * (tp->rows * (size_t)tp->q.t.shape[3] + 1));
 	tp->naive_lse = malloc(sizeof(double) * (tp->rows + 1));
-	if (!prm || !tp->naive_o || !tp->naive_lse) {
+	tp->naive_ent = malloc(sizeof(double) * (tp->rows + 1));
+	tp->naive_md = malloc(sizeof(double) * (tp->rows + 1));
+	tp->naive_mdmax = malloc(sizeof(double) * (tp->rows + 1));
+	if (!prm || !tp->naive_o || !tp->naive_lse || !tp->naive_ent || !tp->naive_md ||
+	    !tp->naive_mdmax) {
 		free(prm);
 		return -1;
 	}
@@ -305,7 +316,8 @@ int test_problem_naive(test_problem *tp)
 	np.interleaved = tp->desc.layout == APE_ROPE_INTERLEAVED;
 	np.q_start = tp->q_start;
 	np.k_start = tp->desc.k_start;
-	ret = naive_attention(&np, &tp->q.t, &tp->k.t, &tp->v.t, tp->naive_o, tp->naive_lse);
+	ret = naive_attention_diag(&np, &tp->q.t, &tp->k.t, &tp->v.t, tp->naive_o, tp->naive_lse,
+				   tp->naive_ent, tp->naive_md, tp->naive_mdmax);
 	free(prm);
 	return ret;
 }

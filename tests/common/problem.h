@@ -22,6 +22,8 @@ typedef struct test_problem {
 	float *params; /* per-head storage: delta, beta, gamma, lambda, H each */
 	int64_t q_start; /* resolved after each run */
 	double *naive_o, *naive_lse; /* filled by test_problem_naive() */
+	/* the diagnostics' evaluation (naive_attention_diag()), also by test_problem_naive() */
+	double *naive_ent, *naive_md, *naive_mdmax;
 } test_problem;
 
 /* Flags for test_problem_random(). */

@@ -1,0 +1,533 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The attention diagnostics (docs/diagnostics.md): per-row entropy and mean distance from
+ * ape_attention_forward_diag() and ape_kv_cache_attend_diag(), on every backend, against the
+ * long-double evaluation of their definitions (tests/common/naive.c: -sum P ln P, sum P |n|) at
+ * the LSE tolerance of the storage type; the same across chunk sizes, device lists and the
+ * atomic-output path; with and without skipping, including a caller's loose skip_tol that the
+ * call must tighten; the merge rule on its own; bad arguments; a backend without them.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ape_test.h"
+#include "common/backend_fixture.h"
+#include "common/problem.h"
+
+#define APE_REAL double
+#include "core/ape_math.h"
+#include "exec/lse_merge.h"
+
+BACKEND_FIXTURE(dev)
+
+struct diag {
+	float *ent, *md;
+	size_t rows;
+};
+
+static int diag_alloc(struct diag *d, size_t rows)
+{
+	d->rows = rows;
+	d->ent = malloc(sizeof(float) * (rows + 1));
+	d->md = malloc(sizeof(float) * (rows + 1));
+	for (size_t i = 0; d->ent && d->md && i < rows; i++)
+		d->ent[i] = d->md[i] = NAN; /* poison: every row must be written */
+	return d->ent && d->md ? 0 : -1;
+}
+
+static void diag_free(struct diag *d)
+{
+	free(d->ent);
+	free(d->md);
+}
+
+static int run_diag(test_problem *tp, ape_device *const *devs, int ndev,
+		    const ape_exec_options *o, struct diag *d)
+{
+	test_tensor_poison(&tp->o.t);
+	return ape_attention_forward_diag(devs, ndev, o, &tp->desc, &tp->q.t, &tp->k.t, &tp->v.t,
+					  &tp->o.t, tp->lse, d->ent, d->md, NULL);
+}
+
+static double tol_of(const test_problem *tp)
+{
+	return test_tol_lse(tp->q.t.dtype);
+}
+
+/* NaN must meet NaN; else |a - b| / scale */
+static double rel(double a, double b, double scale)
+{
+	if (isnan(a) || isnan(b))
+		return isnan(a) && isnan(b) ? 0 : INFINITY;
+	return fabs(a - b) / scale;
+}
+
+/* Largest error of d against the naive evaluation, in units of the tolerance's scale:
+ * ENT relative to max(1, |LSE|), MD relative to max(1, the row's largest |n|). */
+static void err_naive(const test_problem *tp, const struct diag *d, double *ee, double *em)
+{
+	*ee = *em = 0;
+	for (size_t i = 0; i < tp->rows; i++) {
+		const double l = tp->naive_lse[i];
+		const double se = fmax(1, isfinite(l) ? fabs(l) : 1);
+
+		*ee = fmax(*ee, rel(d->ent[i], tp->naive_ent[i], se));
+		*em = fmax(*em, rel(d->md[i], tp->naive_md[i], fmax(1, tp->naive_mdmax[i])));
+	}
+}
+
+/* The same between two results of one problem (scales from the naive evaluation). */
+static void err_vs(const test_problem *tp, const struct diag *a, const struct diag *b, double *ee,
+		   double *em)
+{
+	*ee = *em = 0;
+	for (size_t i = 0; i < tp->rows; i++) {
+		const double l = tp->naive_lse[i];
+
+		*ee = fmax(*ee, rel(a->ent[i], b->ent[i], fmax(1, isfinite(l) ? fabs(l) : 1)));
+		*em = fmax(*em, rel(a->md[i], b->md[i], fmax(1, tp->naive_mdmax[i])));
+	}
+}
+
+static int small_case(test_problem *tp, ape_rng *rng, int64_t max_work)
+{
+	for (;;) {
+		if (test_problem_random(tp, rng, 0))
+			return -1;
+		if (tp->q.t.shape[0] * tp->q.t.shape[1] * tp->q.t.shape[2] * tp->k.t.shape[2] *
+			    tp->q.t.shape[3] <=
+		    max_work)
+			return test_problem_naive(tp);
+		test_problem_free(tp);
+	}
+}
+
+/* ---- against the definitions */
+
+TEST_F(dev, random_cases_match_the_definitions)
+{
+	const int ncases = ape_test_slow() ? 4 : self->emu ? 6 : 40;
+	ape_rng rng;
+	int failed = 0;
+
+	if (!self->dev->be->ops->attention_diag)
+		SKIP(return, "%s has no diagnostics (see unsupported_backend_says_so)",
+		     variant->backend);
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < ncases; c++) {
+		test_problem tp;
+		struct diag d;
+		double ee, em;
+		char desc[256];
+
+		ASSERT_EQ(0, small_case(&tp, &rng, self->emu ? 20000 : 200000));
+		ASSERT_EQ(0, diag_alloc(&d, tp.rows));
+		ASSERT_EQ(0, run_diag(&tp, &self->dev, 1, NULL, &d)) TH_LOG("%s", ape_last_error());
+		err_naive(&tp, &d, &ee, &em);
+		if (ee > tol_of(&tp) || em > tol_of(&tp)) {
+			test_problem_describe(&tp, desc, sizeof(desc));
+			TH_LOG("case %d %s: ENT error %.3g, MD error %.3g (tolerance %.3g)", c, desc,
+			       ee, em, tol_of(&tp));
+			failed++;
+		}
+		diag_free(&d);
+		test_problem_free(&tp);
+	}
+	EXPECT_EQ(0, failed);
+}
+
+/* Rows with one visible key have ENT = 0 and MD = |n| of that key; rows with none 0 and 0;
+ * Lk = 0 writes zeros too. */
+TEST_F(dev, one_key_and_empty_rows)
+{
+	const test_problem_shape sh = { 1, 2, 1, 5, 3, 8 };
+	test_problem tp;
+	struct diag d;
+	ape_rng rng;
+
+	if (!self->dev->be->ops->attention_diag)
+		SKIP(return, "%s has no diagnostics", variant->backend);
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	test_problem_set_params(&tp, 0.1, 0.01, 0.01, 0.1);
+	/* queries at positions -2..2 against keys 0..2, causal: rows 0, 1 see nothing, row 2 one
+	 * key */
+	tp.desc.causal = true;
+	tp.desc.q_start = -2;
+	tp.desc.q_start_set = true;
+	ASSERT_EQ(0, test_problem_naive(&tp));
+	ASSERT_EQ(0, diag_alloc(&d, tp.rows));
+	ASSERT_EQ(0, run_diag(&tp, &self->dev, 1, NULL, &d)) TH_LOG("%s", ape_last_error());
+	for (int h = 0; h < 2; h++) {
+		EXPECT_EQ(0.0f, d.ent[h * 5 + 0]);
+		EXPECT_EQ(0.0f, d.md[h * 5 + 0]);
+		EXPECT_EQ(0.0f, d.ent[h * 5 + 1]);
+		EXPECT_EQ(0.0f, d.md[h * 5 + 1]);
+		EXPECT_EQ(0.0f, d.ent[h * 5 + 2]); /* one key at n = 0 */
+		EXPECT_EQ(0.0f, d.md[h * 5 + 2]);
+		EXPECT_GT(d.ent[h * 5 + 4], 0.0f);
+	}
+	{
+		double ee, em;
+
+		err_naive(&tp, &d, &ee, &em);
+		EXPECT_LE(ee, tol_of(&tp));
+		EXPECT_LE(em, tol_of(&tp));
+	}
+	diag_free(&d);
+	test_problem_free(&tp);
+
+	/* no keys at all */
+	{
+		const test_problem_shape s0 = { 1, 1, 1, 3, 0, 4 };
+
+		ASSERT_EQ(0, test_problem_make(&tp, &rng, &s0, APE_F16, false));
+		ASSERT_EQ(0, diag_alloc(&d, tp.rows));
+		ASSERT_EQ(0, run_diag(&tp, &self->dev, 1, NULL, &d));
+		for (int i = 0; i < 3; i++) {
+			EXPECT_EQ(0.0f, d.ent[i]);
+			EXPECT_EQ(0.0f, d.md[i]);
+		}
+		diag_free(&d);
+		test_problem_free(&tp);
+	}
+}
+
+/* A NaN in a key reaches ENT and MD of the rows that see it, and only those. */
+TEST_F(dev, nan_rows)
+{
+	const test_problem_shape sh = { 1, 1, 1, 6, 6, 8 };
+	test_problem tp;
+	struct diag d;
+	ape_rng rng;
+
+	if (!self->dev->be->ops->attention_diag)
+		SKIP(return, "%s has no diagnostics", variant->backend);
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	tp.desc.causal = true;
+	test_tensor_set(&tp.k.t, 0, 0, 3, 1, NAN);
+	ASSERT_EQ(0, diag_alloc(&d, tp.rows));
+	ASSERT_EQ(0, run_diag(&tp, &self->dev, 1, NULL, &d)) TH_LOG("%s", ape_last_error());
+	for (int i = 0; i < 6; i++) {
+		EXPECT_EQ(i >= 3, isnan(d.ent[i])) TH_LOG("row %d: ENT %g", i, d.ent[i]);
+		EXPECT_EQ(i >= 3, isnan(d.md[i])) TH_LOG("row %d: MD %g", i, d.md[i]);
+	}
+	diag_free(&d);
+	test_problem_free(&tp);
+}
+
+/* ---- independent of chunks, devices and the output path */
+
+static ape_exec_options chunks(int64_t cq, int64_t ck)
+{
+	ape_exec_options o;
+
+	ape_exec_options_init(&o);
+	o.chunk_q = cq;
+	o.chunk_k = ck;
+	return o;
+}
+
+TEST_F(dev, chunk_sizes_and_devices_agree)
+{
+	static const int64_t sizes[] = { 1, 7, 64 };
+	const int ncases = ape_test_slow() ? 2 : self->emu ? 3 : 10;
+	ape_rng rng;
+	int failed = 0;
+
+	if (!self->dev->be->ops->attention_diag)
+		SKIP(return, "%s has no diagnostics", variant->backend);
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < ncases; c++) {
+		test_problem tp;
+		struct diag one, d;
+		ape_device *two[2] = { self->dev, self->ref };
+
+		ASSERT_EQ(0, small_case(&tp, &rng, self->emu ? 8000 : 60000));
+		ASSERT_EQ(0, diag_alloc(&one, tp.rows));
+		ASSERT_EQ(0, run_diag(&tp, &self->dev, 1, NULL, &one));
+		for (int si = 0; si < 3; si++) {
+			const int64_t cs = sizes[si];
+			ape_exec_options o = si == 0 ? chunks(4096, cs) : chunks(cs, cs);
+			double ee, em, ne, nm;
+
+			if (tp.q.t.shape[2] * tp.k.t.shape[2] > 400 * cs * cs)
+				continue; /* too many launches for this chunk size */
+			o.flags = c % 2 ? APE_EXEC_ATOMIC_OUTPUTS : 0;
+			ASSERT_EQ(0, diag_alloc(&d, tp.rows));
+			/* every other case on two devices: the device and the reference */
+			ASSERT_EQ(0, run_diag(&tp, two, c % 3 == 2 ? 2 : 1, &o, &d))
+			TH_LOG("%s", ape_last_error());
+			err_vs(&tp, &d, &one, &ee, &em);
+			err_naive(&tp, &d, &ne, &nm);
+			if (ee > tol_of(&tp) || em > tol_of(&tp) || ne > tol_of(&tp) ||
+			    nm > tol_of(&tp)) {
+				TH_LOG("case %d chunks %lld: vs one-shot ENT %.3g MD %.3g, vs naive "
+				       "ENT %.3g MD %.3g",
+				       c, (long long)cs, ee, em, ne, nm);
+				failed++;
+			}
+			diag_free(&d);
+		}
+		diag_free(&one);
+		test_problem_free(&tp);
+	}
+	EXPECT_EQ(0, failed);
+}
+
+/* ---- skipping */
+
+/*
+ * Strong decay: far keys carry little weight. With skip_tol 0 nothing is skipped; with the
+ * default, and with a loose 1e-2 that the call must tighten to 2^-24 (at 1e-2 the skipped keys
+ * would move ENT by ~1e-2), ENT and MD stay within the tolerance of the definitions, and key
+ * chunks really are skipped.
+ */
+TEST_F(dev, skipping_stays_within_the_bound)
+{
+	static const double tols[] = { 0, 0x1p-24, 1e-2 };
+	const int64_t L = self->emu ? 300 : 1500;
+	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
+	test_problem tp;
+	ape_rng rng;
+
+	if (!self->dev->be->ops->attention_diag)
+		SKIP(return, "%s has no diagnostics", variant->backend);
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	test_problem_set_params(&tp, 0.05, 0.01, 0.01, 0.1);
+	tp.desc.causal = false;
+	ASSERT_EQ(0, test_problem_naive(&tp));
+	for (int t = 0; t < 3; t++) {
+		const ape_exec_options o = chunks(64, 64); /* far chunks for the executor too */
+		struct diag d;
+		ape_stats st;
+		double ee, em;
+
+		tp.desc.skip_tol = tols[t];
+		ASSERT_EQ(0, diag_alloc(&d, tp.rows));
+		ape_stats_init(&st);
+		test_tensor_poison(&tp.o.t);
+		ASSERT_EQ(0, ape_attention_forward_diag(&self->dev, 1, &o, &tp.desc, &tp.q.t,
+							&tp.k.t, &tp.v.t, &tp.o.t, tp.lse, d.ent,
+							d.md, &st))
+		TH_LOG("%s", ape_last_error());
+		err_naive(&tp, &d, &ee, &em);
+		EXPECT_LE(ee, tol_of(&tp)) TH_LOG("skip_tol %g: ENT error %g", tols[t], ee);
+		EXPECT_LE(em, tol_of(&tp)) TH_LOG("skip_tol %g: MD error %g", tols[t], em);
+		if (t == 0) {
+			EXPECT_EQ(st.pairs_computed, st.pairs_visible);
+		} else {
+			EXPECT_LT(st.pairs_computed, st.pairs_visible);
+		}
+		diag_free(&d);
+	}
+	test_problem_free(&tp);
+}
+
+/* ---- the KV cache */
+
+TEST_F(dev, kv_cache_attend_matches_the_forward_call)
+{
+	const int64_t n = self->emu ? 100 : 700, Lq = 4;
+	const test_problem_shape sh = { 1, 4, 2, Lq, n, 16 };
+	ape_kv_cache_options ko;
+	ape_kv_cache *kc = NULL;
+	test_problem tp;
+	struct diag d, f;
+	ape_rng rng;
+	double ee, em;
+
+	if (!self->dev->be->ops->attention_diag)
+		SKIP(return, "%s has no diagnostics", variant->backend);
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F16, false));
+	test_problem_set_params(&tp, 0.01, 0.02, 0.01, 0.1);
+	ASSERT_EQ(0, test_problem_naive(&tp));
+	ape_kv_cache_options_init(&ko);
+	ko.B = 1;
+	ko.Hkv = 2;
+	ko.H = 4;
+	ko.D = 16;
+	ko.dtype = APE_F16;
+	ko.capacity_tokens = n;
+	ko.block_tokens = 64;
+	ko.attend_chunk = 128; /* several key chunks: the merge runs */
+	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &ko, &kc)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, ape_kv_cache_append(kc, &tp.k.t, &tp.v.t));
+	ASSERT_EQ(0, diag_alloc(&d, tp.rows));
+	ASSERT_EQ(0, diag_alloc(&f, tp.rows));
+	ASSERT_EQ(0, ape_kv_cache_attend_diag(kc, &tp.desc, &tp.q.t, &tp.o.t, tp.lse, d.ent,
+					      d.md, NULL))
+	TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, run_diag(&tp, &self->dev, 1, NULL, &f));
+	err_naive(&tp, &d, &ee, &em);
+	EXPECT_LE(ee, tol_of(&tp));
+	EXPECT_LE(em, tol_of(&tp));
+	err_vs(&tp, &d, &f, &ee, &em);
+	EXPECT_LE(ee, tol_of(&tp));
+	EXPECT_LE(em, tol_of(&tp));
+	/* only one of the two asked for */
+	ASSERT_EQ(0, ape_kv_cache_attend_diag(kc, &tp.desc, &tp.q.t, &tp.o.t, NULL, NULL, d.md,
+					      NULL));
+	/* the plain attend still works after a diagnostic one */
+	ASSERT_EQ(0, ape_kv_cache_attend(kc, &tp.desc, &tp.q.t, &tp.o.t, tp.lse, NULL));
+	ape_kv_cache_destroy(kc);
+	diag_free(&d);
+	diag_free(&f);
+	test_problem_free(&tp);
+}
+
+/* ---- bad arguments and backends without the diagnostics */
+
+TEST_F(dev, bad_arguments)
+{
+	const test_problem_shape sh = { 1, 2, 1, 8, 8, 8 };
+	test_problem tp;
+	struct diag d;
+	ape_rng rng;
+	int ret;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	ASSERT_EQ(0, diag_alloc(&d, tp.rows));
+	/* entropy inside o */
+	ret = ape_attention_forward_diag(&self->ref, 1, NULL, &tp.desc, &tp.q.t, &tp.k.t,
+					 &tp.v.t, &tp.o.t, tp.lse, (float *)tp.o.t.data, d.md,
+					 NULL);
+	EXPECT_EQ(APE_EINVAL, ret);
+	EXPECT_NE(NULL, strstr(ape_last_error(), "entropy overlaps o")) TH_LOG("%s",
+									       ape_last_error());
+	/* both outputs in one array */
+	ret = ape_attention_forward_diag(&self->ref, 1, NULL, &tp.desc, &tp.q.t, &tp.k.t,
+					 &tp.v.t, &tp.o.t, tp.lse, d.ent, d.ent + 1, NULL);
+	EXPECT_EQ(APE_EINVAL, ret);
+	EXPECT_NE(NULL, strstr(ape_last_error(), "mean_distance overlaps entropy"))
+	TH_LOG("%s", ape_last_error());
+	/* overlapping lse, an input */
+	ret = ape_attention_forward_diag(&self->ref, 1, NULL, &tp.desc, &tp.q.t, &tp.k.t,
+					 &tp.v.t, &tp.o.t, tp.lse, d.ent, tp.lse, NULL);
+	EXPECT_EQ(APE_EINVAL, ret);
+	ret = ape_attention_forward_diag(&self->ref, 1, NULL, &tp.desc, &tp.q.t, &tp.k.t,
+					 &tp.v.t, &tp.o.t, tp.lse, (float *)tp.k.t.data, NULL,
+					 NULL);
+	EXPECT_EQ(APE_EINVAL, ret);
+	EXPECT_NE(NULL, strstr(ape_last_error(), "entropy overlaps k"));
+	/* nothing was written on those failures */
+	for (size_t i = 0; i < tp.rows; i++)
+		ASSERT_TRUE(isnan(d.md[i]));
+	/* a bad device list and a bad desc are named as in ape_attention_forward_ex() */
+	EXPECT_EQ(APE_EINVAL, ape_attention_forward_diag(NULL, 1, NULL, &tp.desc, &tp.q.t,
+							 &tp.k.t, &tp.v.t, &tp.o.t, tp.lse,
+							 d.ent, d.md, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_forward_diag: devs = NULL"));
+	tp.desc.rope_base = NAN;
+	EXPECT_EQ(APE_EINVAL, ape_attention_forward_diag(&self->dev, 1, NULL, &tp.desc, &tp.q.t,
+							 &tp.k.t, &tp.v.t, &tp.o.t, tp.lse,
+							 d.ent, d.md, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "rope_base"));
+	diag_free(&d);
+	test_problem_free(&tp);
+}
+
+/* A backend that does not declare attention_diag: APE_ENOTSUP naming the device, before any
+ * work, and nothing written; also in a list with a device that has them. */
+TEST_F(dev, unsupported_backend_says_so)
+{
+	const test_problem_shape sh = { 1, 1, 1, 4, 4, 8 };
+	ape_device *devs[2] = { self->ref, self->dev };
+	test_problem tp;
+	struct diag d;
+	ape_rng rng;
+	char name[64];
+
+	if (self->dev->be->ops->attention_diag)
+		SKIP(return, "%s computes the diagnostics", variant->backend);
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	ASSERT_EQ(0, diag_alloc(&d, tp.rows));
+	snprintf(name, sizeof(name), "%s:%d", self->dev->info.backend,
+		 self->dev->info.backend_index);
+	EXPECT_EQ(APE_ENOTSUP, run_diag(&tp, devs, 2, NULL, &d));
+	EXPECT_NE(NULL, strstr(ape_last_error(), name)) TH_LOG("%s", ape_last_error());
+	EXPECT_TRUE(isnan(d.ent[0]));
+	diag_free(&d);
+	test_problem_free(&tp);
+}
+
+/* ---- the merge rule alone (exec/lse_merge.c): rows split into key chunks in every way
+ * merge to the unsplit row's ENT and MD */
+
+TEST(merge_rule_equals_the_unsplit_row)
+{
+	enum { N = 40 };
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < 200; c++) {
+		double s[N], an[N], m = -INFINITY, l = 0, ent = 0, md = 0, lse;
+		const int n = (int)ape_rng_range(&rng, 1, N);
+		const int cuts = (int)ape_rng_range(&rng, 1, 5);
+		struct ape__acc a;
+		float o = 0, lse_c, ent_c, md_c, lse_out, ent_out, md_out;
+		ape_tensor ot;
+		int64_t os[4] = { 1, 1, 1, 1 };
+		int j0 = 0;
+
+		for (int j = 0; j < n; j++) {
+			s[j] = 10 * (ape_rng_uniform(&rng) - 0.5) * (c % 3 ? 1 : 20);
+			an[j] = (double)ape_rng_range(&rng, 0, 5000);
+			m = fmax(m, s[j]);
+		}
+		for (int j = 0; j < n; j++)
+			l += exp(s[j] - m);
+		lse = m + log(l);
+		for (int j = 0; j < n; j++) {
+			const double p = exp(s[j] - lse);
+
+			ent -= p > 0 ? p * log(p) : 0;
+			md += p * an[j];
+		}
+		ASSERT_EQ(0, ape__acc_alloc(&a, 1, 1, true));
+		ape__acc_reset(&a, 1);
+		for (int k = 0; k < cuts && j0 < n; k++) {
+			const int j1 = k == cuts - 1 ? n : (int)ape_rng_range(&rng, j0 + 1, n);
+			double mc = -INFINITY, lc = 0, s1 = 0, s2 = 0;
+
+			/* one chunk's partial result with the running sums, keys in order */
+			for (int j = j0; j < j1; j++) {
+				if (s[j] > mc) {
+					const double f = ape_merge_factor(mc, s[j]);
+
+					s1 = ape_diag_rescale_s1(s1, lc, f, mc, s[j]);
+					s2 *= f;
+					lc *= f;
+					mc = s[j];
+				}
+				{
+					const double w = ape_merge_factor(s[j], mc);
+
+					lc += w;
+					s1 += ape_diag_s1_term(w, s[j] - mc, 0);
+					s2 += w * an[j];
+				}
+			}
+			lse_c = (float)(mc + log(lc));
+			ent_c = (float)ape_diag_entropy(lc, s1);
+			md_c = (float)ape_diag_distance(lc, s2);
+			ape__acc_add(&a, &o, &lse_c, &ent_c, &md_c);
+			j0 = j1;
+		}
+		ape_tensor_init(&ot, &o, APE_F32, 1, 1, 1, 1);
+		ape__acc_store(&a, &ot, os, &lse_out, &ent_out, &md_out, 1, 0, 1);
+		EXPECT_LE(fabs(ent_out - ent), 1e-5 * fmax(1, fabs(lse)))
+		TH_LOG("case %d: %d keys: ENT %.9g, want %.9g", c, n, ent_out, ent);
+		EXPECT_LE(fabs(md_out - md), 1e-5 * fmax(1, md));
+		ape__acc_free(&a);
+	}
+}
+
+TEST_HARNESS_MAIN
