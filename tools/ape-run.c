@@ -36,6 +36,7 @@ enum {
 	OPT_ROPE_BASE, OPT_SCALE, OPT_NO_CAUSAL, OPT_LAYOUT, OPT_Q_START, OPT_K_START,
 	OPT_SKIP_TOL, OPT_DTYPE, OPT_STATS, OPT_CHUNK, OPT_MAX_MEM, OPT_TRACE, OPT_DEVICES,
 	OPT_KV_CACHE, OPT_KV_BLOCK, OPT_KV_CAPACITY, OPT_KV_RELEASE, OPT_HELP,
+	OPT_ENTROPY, OPT_MEAN_DISTANCE,
 };
 
 
@@ -45,6 +46,8 @@ static const struct cli_option options[] = {
 	{ "-v", NULL, true, OPT_V },
 	{ "-o", NULL, true, OPT_O },
 	{ "--lse", NULL, true, OPT_LSE },
+	{ "--entropy", NULL, true, OPT_ENTROPY },
+	{ "--mean-distance", NULL, true, OPT_MEAN_DISTANCE },
 	{ "--backend", NULL, true, OPT_BACKEND },
 	{ "--device", NULL, true, OPT_DEVICE },
 	{ "--delta", NULL, true, OPT_DELTA },
@@ -85,6 +88,11 @@ static void usage(void)
 	       "  -o FILE        output O: Q's shape, Q's dtype\n"
 	       "  --lse FILE     also write LSE, ln of each row's softmax denominator:\n"
 	       "                 '<f4', [B, H, Lq] ([H, Lq] for 3-D input)\n"
+	       "  --entropy FILE also write each row's attention entropy -sum_j P ln P\n"
+	       "                 (docs/diagnostics.md), shaped like LSE\n"
+	       "  --mean-distance FILE\n"
+	       "                 also write each row's mean attention distance\n"
+	       "                 sum_j P |pos_q - pos_k|, shaped like LSE\n"
 	       "  Outputs appear complete and together, or not at all.\n"
 	       "\n"
 	       "APE parameters: one value for every head, or H comma-separated values.\n"
@@ -172,6 +180,10 @@ static const char **string_slot(struct run_args *a, int id)
 		return &a->o;
 	case OPT_LSE:
 		return &a->lse;
+	case OPT_ENTROPY:
+		return &a->ent;
+	case OPT_MEAN_DISTANCE:
+		return &a->md;
 	case OPT_BACKEND:
 		return &a->backend;
 	case OPT_TRACE:
@@ -615,36 +627,38 @@ static int check_output(const char *flag, const char *path, char *msg, size_t le
 
 static int check_outputs(const struct run_args *a, char *msg, size_t len)
 {
-	int ret;
+	const char *const flags[5] = { "-o", "--lse", "--entropy", "--mean-distance", "--trace" };
+	const char *const paths[5] = { a->o, a->lse, a->ent, a->md, a->trace };
+	int ret = 0;
 
-	if (a->lse && !strcmp(a->o, a->lse)) {
-		snprintf(msg, len, "-o and --lse both name %s", a->o);
-		return RUN_USAGE;
-	}
-	if (a->trace && (!strcmp(a->o, a->trace) || (a->lse && !strcmp(a->lse, a->trace)))) {
-		snprintf(msg, len, "--trace %s: also an output file", a->trace);
-		return RUN_USAGE;
-	}
-	ret = check_output("-o", a->o, msg, len);
-	if (!ret && a->lse)
-		ret = check_output("--lse", a->lse, msg, len);
-	if (!ret && a->trace)
-		ret = check_output("--trace", a->trace, msg, len);
+	for (int i = 0; i < 5; i++)
+		for (int j = i + 1; paths[i] && j < 5; j++)
+			if (paths[j] && !strcmp(paths[i], paths[j])) {
+				snprintf(msg, len, "%s and %s both name %s", flags[i], flags[j],
+					 paths[i]);
+				return RUN_USAGE;
+			}
+	for (int i = 0; !ret && i < 5; i++)
+		if (paths[i])
+			ret = check_output(flags[i], paths[i], msg, len);
 	return ret;
 }
 
 /*
- * Writes O in Q's dtype and LSE to temporary files, then renames both. Should the second rename
- * fail despite check_outputs(), the first output is removed again: O without its LSE would look
- * like the result of a complete run.
+ * Writes O in Q's dtype, LSE and the diagnostics to temporary files, then renames them all.
+ * Should a later rename fail despite check_outputs(), the outputs already renamed are removed
+ * again: O without its LSE would look like the result of a complete run.
  */
 static int write_outputs(const struct run_args *a, const struct input *q, const float *o,
-			 const float *lse, char *msg, size_t len)
+			 const float *lse, const float *ent, const float *md, char *msg,
+			 size_t len)
 {
-	struct npy_pending po, pl = { NULL, NULL };
+	struct npy_pending po, pl = { NULL, NULL }, pd[2] = { { NULL, NULL }, { NULL, NULL } };
+	const char *const dpath[2] = { a->ent, a->md };
+	const float *const ddata[2] = { ent, md };
 	const void *odata = o;
 	void *o16 = NULL;
-	int ret;
+	int ret, nd = 0;
 
 	if (q->file_dtype == APE_F16) {
 		o16 = malloc(q->count ? q->count * 2 : 1);
@@ -664,16 +678,31 @@ static int write_outputs(const struct run_args *a, const struct input *q, const 
 		if (ret)
 			goto out_discard_o;
 	}
-	ret = npy_commit(&po, msg, len);
-	if (ret)
-		goto out_discard_lse;
-	ret = lse ? npy_commit(&pl, msg, len) : 0;
-	if (ret)
-		unlink(a->o);
-	free(o16);
-	return run_exit_code(ret);
+	for (; nd < 2; nd++)
+		if (ddata[nd] && (ret = npy_write_pending(&pd[nd], dpath[nd], APE_F32, q->ndim - 1,
+							  q->shape, ddata[nd], 0, msg, len)))
+			goto out_discard_lse;
+	{
+		struct npy_pending *const all[4] = { &po, &pl, &pd[0], &pd[1] };
+		const char *const target[4] = { a->o, a->lse, a->ent, a->md };
+		const char *done[4];
+		int ndone = 0;
 
+		for (int i = 0; !ret && i < 4; i++)
+			if (all[i]->tmp && !(ret = npy_commit(all[i], msg, len)))
+				done[ndone++] = target[i];
+		if (ret) /* no output without the others: remove those renamed into place */
+			while (ndone-- > 0)
+				unlink(done[ndone]);
+	}
+	nd = 2;
+	if (!ret) {
+		free(o16);
+		return RUN_OK;
+	}
 out_discard_lse:
+	while (nd-- > 0)
+		npy_discard(&pd[nd]);
 	npy_discard(&pl);
 out_discard_o:
 	npy_discard(&po);
@@ -690,7 +719,7 @@ static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
 	ape_exec_options eo;
 	ape_tensor ot;
 	ape_stats st;
-	float *o, *lse = NULL;
+	float *o, *lse = NULL, *ent = NULL, *md = NULL;
 	int ret;
 
 	o = malloc(in[0].count ? in[0].count * sizeof(float) : 1);
@@ -706,13 +735,19 @@ static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
 			goto out_free;
 		}
 	}
+	if ((a->ent && !(ent = malloc(rows ? rows * sizeof(float) : 1))) ||
+	    (a->md && !(md = malloc(rows ? rows * sizeof(float) : 1)))) {
+		snprintf(msg, len, "out of memory for the diagnostics (%zu floats)", rows);
+		ret = RUN_FAIL;
+		goto out_free;
+	}
 	/* O in float32 whatever the storage, which the library allows for every type, so that one
 	 * path serves all: write_outputs() rounds it to f16 for an '<f2' file, just as a backend
 	 * asked for an f16 O rounds its float32 result */
 	ape_tensor_init(&ot, o, APE_F32, s[0], s[1], s[2], s[3]);
 	ape_stats_init(&st);
 	if (a->kv_step) {
-		ret = run_kv(a, devs[0], in, &ot, lse, &st, msg, len);
+		ret = run_kv(a, devs[0], in, &ot, lse, ent, md, &st, msg, len);
 		if (ret)
 			goto out_free;
 	} else {
@@ -720,8 +755,11 @@ static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
 		eo.chunk_q = eo.chunk_k = a->chunk;
 		eo.max_device_bytes = a->max_mem;
 		eo.trace_path = a->trace;
-		ret = ape_attention_forward_ex(devs, ndev, &eo, &a->desc, &in[0].t, &in[1].t,
-					       &in[2].t, &ot, lse, &st);
+		ret = ent || md ? ape_attention_forward_diag(devs, ndev, &eo, &a->desc, &in[0].t,
+							     &in[1].t, &in[2].t, &ot, lse, ent, md,
+							     &st)
+				: ape_attention_forward_ex(devs, ndev, &eo, &a->desc, &in[0].t,
+							   &in[1].t, &in[2].t, &ot, lse, &st);
 		if (ret) {
 			snprintf(msg, len, "%s", ape_last_error());
 			ret = run_exit_code(ret);
@@ -730,10 +768,12 @@ static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
 	}
 	if (a->stats)
 		run_stats_print(&st);
-	ret = write_outputs(a, &in[0], o, lse, msg, len);
+	ret = write_outputs(a, &in[0], o, lse, ent, md, msg, len);
 	if (ret && a->trace)
 		unlink(a->trace); /* no output without the others */
 out_free:
+	free(ent);
+	free(md);
 	free(lse);
 	free(o);
 	return ret;

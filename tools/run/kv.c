@@ -19,6 +19,8 @@ struct kv_run {
 	ape_tensor *ot;
 	float *lse; /* the caller's, [B, H, Lq]; NULL: not wanted */
 	float *step_lse; /* one step's, [B, H, n] */
+	float *ent, *md; /* the caller's diagnostics, [B, H, Lq]; NULL: not wanted */
+	float *step_ent, *step_md; /* one step's, [B, H, n] */
 	int64_t q_start; /* position of query row 0 */
 	int64_t appended; /* key rows in the cache */
 	ape_stats *tot;
@@ -101,20 +103,30 @@ static int kv_step(struct kv_run *r, int64_t i, int64_t n)
 	d.q_start_set = true;
 	d.q_start = r->q_start + i;
 	ape_stats_init(&st);
-	ret = ape_kv_cache_attend(r->cache, &d, &qt, &o_rows, r->step_lse, &st);
+	ret = r->ent || r->md ? ape_kv_cache_attend_diag(r->cache, &d, &qt, &o_rows, r->step_lse,
+							 r->step_ent, r->step_md, &st)
+			      : ape_kv_cache_attend(r->cache, &d, &qt, &o_rows, r->step_lse, &st);
 	if (ret)
 		return ret;
-	for (int64_t bh = 0; r->lse && bh < BH; bh++)
-		memcpy(r->lse + bh * Lq + i, r->step_lse + bh * n, (size_t)n * sizeof(float));
+	for (int64_t bh = 0; bh < BH; bh++) {
+		const size_t at = (size_t)(bh * Lq + i), from = (size_t)(bh * n);
+
+		if (r->lse)
+			memcpy(r->lse + at, r->step_lse + from, (size_t)n * sizeof(float));
+		if (r->ent)
+			memcpy(r->ent + at, r->step_ent + from, (size_t)n * sizeof(float));
+		if (r->md)
+			memcpy(r->md + at, r->step_md + from, (size_t)n * sizeof(float));
+	}
 	run_stats_add(r->tot, &st);
 	return 0;
 }
 
 int run_kv(const struct run_args *a, ape_device *dev, const struct input in[3], ape_tensor *ot,
-	   float *lse, ape_stats *tot, char *msg, size_t len)
+	   float *lse, float *ent, float *md, ape_stats *tot, char *msg, size_t len)
 {
 	struct kv_run r = { .a = a, .q = &in[0].t, .k = &in[1].t, .v = &in[2].t, .ot = ot,
-			    .lse = lse, .tot = tot };
+			    .lse = lse, .ent = ent, .md = md, .tot = tot };
 	const int64_t Lq = r.q->shape[2], Lk = r.k->shape[2];
 	struct timespec t0, t1;
 	ape_kv_cache_options o;
@@ -124,7 +136,12 @@ int run_kv(const struct run_args *a, ape_device *dev, const struct input in[3], 
 	r.q_start = a->desc.q_start_set ? a->desc.q_start : a->desc.k_start + Lk - Lq;
 	kv_options(a, r.q, r.k, &o);
 	r.step_lse = malloc(sizeof(float) * (size_t)(o.B * o.H * a->kv_step));
-	if (!r.step_lse) {
+	r.step_ent = malloc(sizeof(float) * (size_t)(o.B * o.H * a->kv_step));
+	r.step_md = malloc(sizeof(float) * (size_t)(o.B * o.H * a->kv_step));
+	if (!r.step_lse || !r.step_ent || !r.step_md) {
+		free(r.step_lse);
+		free(r.step_ent);
+		free(r.step_md);
 		snprintf(msg, len, "out of memory");
 		return RUN_FAIL;
 	}
@@ -135,6 +152,8 @@ int run_kv(const struct run_args *a, ape_device *dev, const struct input in[3], 
 		snprintf(msg, len, "%s", ape_last_error());
 	ape_kv_cache_destroy(r.cache);
 	free(r.step_lse);
+	free(r.step_ent);
+	free(r.step_md);
 	clock_gettime(CLOCK_MONOTONIC, &t1);
 	tot->total_ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 +
 			(double)(t1.tv_nsec - t0.tv_nsec) * 1e-6;

@@ -26,6 +26,7 @@ struct head_param {
 
 struct run_args {
 	const char *q, *k, *v, *o, *lse;
+	const char *ent, *md; /* --entropy, --mean-distance; NULL: not wanted */
 	const char *backend;
 	int device; /* -1: the first */
 	const char *device_spec; /* --device as a PCI address or "backend:N"; NULL for an index */
@@ -58,11 +59,12 @@ int run_exit_code(int err);
 
 /*
  * --kv-cache: Q, K, V (in[0..2]) through an ape_kv_cache on dev, a->kv_step queries per attend;
- * O into ot (float32, Q's shape), LSE into lse when not NULL. *tot gets the statistics of every
- * step added up and the wall time of the whole. Returns an exit status, msg filled on failure.
+ * O into ot (float32, Q's shape), LSE into lse, the diagnostics into ent and md when not NULL
+ * (ape_kv_cache_attend_diag()). *tot gets the statistics of every step added up and the wall
+ * time of the whole. Returns an exit status, msg filled on failure.
  */
 int run_kv(const struct run_args *a, ape_device *dev, const struct input in[3], ape_tensor *ot,
-	   float *lse, ape_stats *tot, char *msg, size_t len);
+	   float *lse, float *ent, float *md, ape_stats *tot, char *msg, size_t len);
 
 /* Adds one call's statistics to the running totals (a KV-cache run is many calls). */
 void run_stats_add(ape_stats *tot, const ape_stats *st);
