@@ -8,5 +8,7 @@ $(BUILD)/bench/%: bench/%.c $(LIBA) $(CONFIG_STAMP)
 	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS)
 
 bench-bwd: $(BUILD)/bench/bwd_time
+# the diagnostics' cost: forward with and without entropy and mean distance (bench/RESULTS.md)
+bench-diag: $(BUILD)/bench/diag_time
 
-.PHONY: bench-bwd
+.PHONY: bench-bwd bench-diag

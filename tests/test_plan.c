@@ -327,13 +327,13 @@ TEST(merge_by_lse_is_identity_4)
 	int64_t s[4];
 	double w1, w2;
 
-	ASSERT_EQ(0, ape__acc_alloc(&a, 1, 2));
+	ASSERT_EQ(0, ape__acc_alloc(&a, 1, 2, false));
 	ape__acc_reset(&a, 1);
-	ape__acc_add(&a, o1, &l1);
-	ape__acc_add(&a, o2, &l2);
+	ape__acc_add(&a, o1, &l1, NULL, NULL);
+	ape__acc_add(&a, o2, &l2, NULL, NULL);
 	ape_tensor_init(&t, out, APE_F32, 1, 1, 1, 2);
 	ape_tensor_strides(&t, s);
-	ape__acc_store(&a, &t, s, &lse, 1, 0, 1);
+	ape__acc_store(&a, &t, s, &lse, NULL, NULL, 1, 0, 1);
 	w1 = exp(l1) / (exp(l1) + exp(l2));
 	w2 = 1 - w1;
 	EXPECT_LT(fabs(out[0] - (w1 * 1 + w2 * 3)), 1e-6);
@@ -345,14 +345,14 @@ TEST(merge_by_lse_is_identity_4)
 	{
 		const float ninf = -INFINITY, nan = NAN;
 
-		ape__acc_add(&a, o1, &ninf);
-		ape__acc_store(&a, &t, s, &lse, 1, 0, 1);
+		ape__acc_add(&a, o1, &ninf, NULL, NULL);
+		ape__acc_store(&a, &t, s, &lse, NULL, NULL, 1, 0, 1);
 		EXPECT_EQ(0.0f, out[0]);
 		EXPECT_TRUE(isinf(lse) && lse < 0);
-		ape__acc_add(&a, o1, &l1);
-		ape__acc_add(&a, o2, &nan);
-		ape__acc_add(&a, o2, &l2);
-		ape__acc_store(&a, &t, s, &lse, 1, 0, 1);
+		ape__acc_add(&a, o1, &l1, NULL, NULL);
+		ape__acc_add(&a, o2, &nan, NULL, NULL);
+		ape__acc_add(&a, o2, &l2, NULL, NULL);
+		ape__acc_store(&a, &t, s, &lse, NULL, NULL, 1, 0, 1);
 		EXPECT_TRUE(isnan(out[0]));
 		EXPECT_TRUE(isnan(lse));
 	}
