@@ -19,35 +19,7 @@
 #include <string.h>
 
 #include "ape/ape.h"
-
-static float *randn(size_t n, uint64_t *s)
-{
-	float *x = malloc(n * sizeof(float));
-
-	for (size_t i = 0; x && i < n; i++) { /* Box-Muller on a 64-bit LCG */
-		double u1, u2;
-
-		*s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
-		u1 = ((double)(*s >> 11) + 1) / 9007199254740993.0;
-		*s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
-		u2 = (double)(*s >> 11) / 9007199254740992.0;
-		x[i] = (float)(sqrt(-2 * log(u1)) * cos(6.283185307179586 * u2));
-	}
-	return x;
-}
-
-static int cmp(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-
-	return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-	qsort(v, (size_t)n, sizeof(double), cmp);
-	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+#include "bench_util.h"
 
 #define MAXREP 32
 
@@ -72,7 +44,7 @@ int main(int argc, char **argv)
 	int ret;
 
 	reps = reps < 1 ? 1 : reps > MAXREP ? MAXREP : reps;
-	q = randn(n, &seed), k = randn(n, &seed), v = randn(n, &seed), dout = randn(n, &seed);
+	q = bench_randn(n, &seed), k = bench_randn(n, &seed), v = bench_randn(n, &seed), dout = bench_randn(n, &seed);
 	o = malloc(n * sizeof(float)), dq = malloc(n * sizeof(float));
 	dk = malloc(n * sizeof(float)), dv = malloc(n * sizeof(float));
 	lse = malloc((size_t)(H * L) * sizeof(float)), dparams = malloc((size_t)(4 * H) * sizeof(float));
@@ -135,11 +107,11 @@ int main(int argc, char **argv)
 		       sel.device ? backend : "?", (long long)H, (long long)L, (long long)D,
 		       causal ? "causal" : "non-causal", reps);
 		for (int x = 0; x < 3; x++) {
-			double km = median(t[x][0], reps), tm = median(t[x][1], reps);
+			double km = bench_median(t[x][0], reps), tm = bench_median(t[x][1], reps);
 
 			printf("%-24s kernel_ms %9.1f  total_ms %9.1f  (x forward, per round: "
 			       "%.2f kernel, %.2f total)\n",
-			       names[x], km, tm, median(ratio[x][0], reps), median(ratio[x][1], reps));
+			       names[x], km, tm, bench_median(ratio[x][0], reps), bench_median(ratio[x][1], reps));
 		}
 	}
 	ape_context_destroy(ctx);

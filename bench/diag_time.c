@@ -21,35 +21,7 @@
 #include <string.h>
 
 #include "ape/ape.h"
-
-static float *randn(size_t n, uint64_t *s)
-{
-	float *x = malloc(n * sizeof(float));
-
-	for (size_t i = 0; x && i < n; i++) { /* Box-Muller on a 64-bit LCG */
-		double u1, u2;
-
-		*s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
-		u1 = ((double)(*s >> 11) + 1) / 9007199254740993.0;
-		*s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
-		u2 = (double)(*s >> 11) / 9007199254740992.0;
-		x[i] = (float)(sqrt(-2 * log(u1)) * cos(6.283185307179586 * u2));
-	}
-	return x;
-}
-
-static int cmp(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-
-	return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-	qsort(v, (size_t)n, sizeof(double), cmp);
-	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+#include "bench_util.h"
 
 #define MAXREP 64
 
@@ -61,7 +33,7 @@ int main(int argc, char **argv)
 	int reps = argc > 5 ? atoi(argv[5]) : 7;
 	const size_t n = (size_t)(H * L * D), rows = (size_t)(H * L);
 	uint64_t seed = 7;
-	float *q = randn(n, &seed), *k = randn(n, &seed), *v = randn(n, &seed);
+	float *q = bench_randn(n, &seed), *k = bench_randn(n, &seed), *v = bench_randn(n, &seed);
 	float *o = malloc(n * sizeof(float)), *lse = malloc(rows * sizeof(float));
 	float *ent = malloc(rows * sizeof(float)), *md = malloc(rows * sizeof(float));
 	ape_context_options co;
@@ -121,8 +93,8 @@ int main(int argc, char **argv)
 			r[i] = b.kernel_ms / a.kernel_ms;
 		}
 		printf("| %s | %.2f | %.2f | %.3f | %.2f | %.2f |\n",
-		       mode ? "skipping (2^-24)" : "dense", median(kp, reps), median(kd, reps),
-		       median(r, reps), median(tp, reps), median(td, reps));
+		       mode ? "skipping (2^-24)" : "dense", bench_median(kp, reps), bench_median(kd, reps),
+		       bench_median(r, reps), bench_median(tp, reps), bench_median(td, reps));
 	}
 	ret = 0;
 out:

@@ -2,7 +2,7 @@
 # builds $(BUILD)/bench/bwd_time, the backward pass timed side by side with the forward.
 BENCH_PROGS := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
 
-$(BUILD)/bench/%: bench/%.c $(LIBA) $(CONFIG_STAMP)
+$(BUILD)/bench/%: bench/%.c bench/bench_util.h $(LIBA) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $<"
 	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS)

@@ -104,6 +104,16 @@ static int small_case(test_problem *tp, ape_rng *rng, int64_t max_work)
 	}
 }
 
+/* A case of shape sh and storage dt, N(0,1) inputs, plain RoPE parameters, seeded by `name` */
+static int fixed_case(test_problem *tp, const char *name, const test_problem_shape *sh,
+		      ape_dtype dt)
+{
+	ape_rng rng;
+
+	ape_rng_init(&rng, name);
+	return test_problem_make(tp, &rng, sh, dt, false);
+}
+
 /* ---- against the definitions */
 
 TEST_F(dev, random_cases_match_the_definitions)
@@ -145,12 +155,10 @@ TEST_F(dev, one_key_and_empty_rows)
 	const test_problem_shape sh = { 1, 2, 1, 5, 3, 8 };
 	test_problem tp;
 	struct diag d;
-	ape_rng rng;
 
 	if (!self->dev->be->ops->attention_diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
-	ape_rng_init(&rng, _metadata->name);
-	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	test_problem_set_params(&tp, 0.1, 0.01, 0.01, 0.1);
 	/* queries at positions -2..2 against keys 0..2, causal: rows 0, 1 see nothing, row 2 one
 	 * key */
@@ -183,7 +191,7 @@ TEST_F(dev, one_key_and_empty_rows)
 	{
 		const test_problem_shape s0 = { 1, 1, 1, 3, 0, 4 };
 
-		ASSERT_EQ(0, test_problem_make(&tp, &rng, &s0, APE_F16, false));
+		ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &s0, APE_F16));
 		ASSERT_EQ(0, diag_alloc(&d, tp.rows));
 		ASSERT_EQ(0, run_diag(&tp, &self->dev, 1, NULL, &d));
 		for (int i = 0; i < 3; i++) {
@@ -201,12 +209,10 @@ TEST_F(dev, nan_rows)
 	const test_problem_shape sh = { 1, 1, 1, 6, 6, 8 };
 	test_problem tp;
 	struct diag d;
-	ape_rng rng;
 
 	if (!self->dev->be->ops->attention_diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
-	ape_rng_init(&rng, _metadata->name);
-	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	tp.desc.causal = true;
 	test_tensor_set(&tp.k.t, 0, 0, 3, 1, NAN);
 	ASSERT_EQ(0, diag_alloc(&d, tp.rows));
@@ -221,15 +227,7 @@ TEST_F(dev, nan_rows)
 
 /* ---- independent of chunks, devices and the output path */
 
-static ape_exec_options chunks(int64_t cq, int64_t ck)
-{
-	ape_exec_options o;
-
-	ape_exec_options_init(&o);
-	o.chunk_q = cq;
-	o.chunk_k = ck;
-	return o;
-}
+#define chunks test_chunks
 
 TEST_F(dev, chunk_sizes_and_devices_agree)
 {
@@ -292,12 +290,10 @@ TEST_F(dev, skipping_stays_within_the_bound)
 	const int64_t L = self->emu ? 300 : 1500;
 	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
 	test_problem tp;
-	ape_rng rng;
 
 	if (!self->dev->be->ops->attention_diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
-	ape_rng_init(&rng, _metadata->name);
-	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	test_problem_set_params(&tp, 0.05, 0.01, 0.01, 0.1);
 	tp.desc.causal = false;
 	ASSERT_EQ(0, test_problem_naive(&tp));
@@ -338,13 +334,11 @@ TEST_F(dev, kv_cache_attend_matches_the_forward_call)
 	ape_kv_cache *kc = NULL;
 	test_problem tp;
 	struct diag d, f;
-	ape_rng rng;
 	double ee, em;
 
 	if (!self->dev->be->ops->attention_diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
-	ape_rng_init(&rng, _metadata->name);
-	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F16, false));
+	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F16));
 	test_problem_set_params(&tp, 0.01, 0.02, 0.01, 0.1);
 	ASSERT_EQ(0, test_problem_naive(&tp));
 	ape_kv_cache_options_init(&ko);
@@ -388,11 +382,9 @@ TEST_F(dev, bad_arguments)
 	const test_problem_shape sh = { 1, 2, 1, 8, 8, 8 };
 	test_problem tp;
 	struct diag d;
-	ape_rng rng;
 	int ret;
 
-	ape_rng_init(&rng, _metadata->name);
-	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	ASSERT_EQ(0, diag_alloc(&d, tp.rows));
 	/* entropy inside o */
 	ret = ape_attention_forward_diag(&self->ref, 1, NULL, &tp.desc, &tp.q.t, &tp.k.t,
@@ -441,13 +433,11 @@ TEST_F(dev, unsupported_backend_says_so)
 	ape_device *devs[2] = { self->ref, self->dev };
 	test_problem tp;
 	struct diag d;
-	ape_rng rng;
 	char name[64];
 
 	if (self->dev->be->ops->attention_diag)
 		SKIP(return, "%s computes the diagnostics", variant->backend);
-	ape_rng_init(&rng, _metadata->name);
-	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	ASSERT_EQ(0, diag_alloc(&d, tp.rows));
 	snprintf(name, sizeof(name), "%s:%d", self->dev->info.backend,
 		 self->dev->info.backend_index);

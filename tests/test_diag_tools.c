@@ -156,12 +156,23 @@ static double max_diff(const float *a, const float *b, size_t n)
 	return w;
 }
 
+/* work/name holds n float32 values within tol of want */
+static void expect_file(struct __test_metadata *_metadata, FIXTURE_DATA(tools) *self,
+			const char *name, const float *want, size_t n, double tol)
+{
+	float *got = load(_metadata, self, name, n);
+
+	ASSERT_NE(NULL, got);
+	EXPECT_LE(max_diff(got, want, n), tol) TH_LOG("%s", name);
+	free(got);
+}
+
 /* ---- ape-run */
 
 TEST_F(tools, ape_run_writes_the_library_figures)
 {
 	const int64_t H = 4, L = 40, rows = H * L;
-	float ent[160], md[160], *fe, *fm, *lse;
+	float ent[160], md[160], *lse;
 	ape_attn_desc desc;
 
 	inputs(_metadata, self, H, 2, L, 16);
@@ -170,35 +181,20 @@ TEST_F(tools, ape_run_writes_the_library_figures)
 	ASSERT_EQ(0, RUN(FILES, "--lse", "LSE.npy", "--entropy", "E.npy", "--mean-distance",
 			 "M.npy", "--backend", "ref"))
 	TH_LOG("%s", self->err);
-	fe = load(_metadata, self, "E.npy", (size_t)rows);
-	fm = load(_metadata, self, "M.npy", (size_t)rows);
-	lse = load(_metadata, self, "LSE.npy", (size_t)rows);
-	ASSERT_NE(NULL, fe);
-	ASSERT_NE(NULL, fm);
+	expect_file(_metadata, self, "E.npy", ent, (size_t)rows, 1e-6);
+	expect_file(_metadata, self, "M.npy", md, (size_t)rows, 1e-6 * L);
+	lse = load(_metadata, self, "LSE.npy", (size_t)rows); /* written with them */
 	ASSERT_NE(NULL, lse);
-	EXPECT_LE(max_diff(fe, ent, (size_t)rows), 1e-6);
-	EXPECT_LE(max_diff(fm, md, (size_t)rows), 1e-6 * L);
-	/* only one of them, streamed in chunks of 7, on the KV cache token by token */
-	free(fe);
-	free(fm);
+	free(lse);
+	/* only one of them, streamed in chunks of 7; then on the KV cache, 3 tokens a step */
 	ASSERT_EQ(0, RUN(FILES, "--mean-distance", "M2.npy", "--chunk", "7", "--backend", "ref"))
 	TH_LOG("%s", self->err);
-	fm = load(_metadata, self, "M2.npy", (size_t)rows);
-	ASSERT_NE(NULL, fm);
-	EXPECT_LE(max_diff(fm, md, (size_t)rows), 1e-4 * L);
-	free(fm);
+	expect_file(_metadata, self, "M2.npy", md, (size_t)rows, 1e-4 * L);
 	ASSERT_EQ(0, RUN(FILES, "--entropy", "E3.npy", "--mean-distance", "M3.npy", "--kv-cache",
 			 "3", "--backend", "ref"))
 	TH_LOG("%s", self->err);
-	fe = load(_metadata, self, "E3.npy", (size_t)rows);
-	fm = load(_metadata, self, "M3.npy", (size_t)rows);
-	ASSERT_NE(NULL, fe);
-	ASSERT_NE(NULL, fm);
-	EXPECT_LE(max_diff(fe, ent, (size_t)rows), 1e-4);
-	EXPECT_LE(max_diff(fm, md, (size_t)rows), 1e-4 * L);
-	free(fe);
-	free(fm);
-	free(lse);
+	expect_file(_metadata, self, "E3.npy", ent, (size_t)rows, 1e-4);
+	expect_file(_metadata, self, "M3.npy", md, (size_t)rows, 1e-4 * L);
 }
 
 static void expect_refused(struct __test_metadata *_metadata, FIXTURE_DATA(tools) *self, int got,

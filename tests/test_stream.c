@@ -47,12 +47,7 @@ static int run_ex(test_problem *tp, ape_device *const *devs, int ndev, const ape
 
 static ape_exec_options chunks(int64_t cq, int64_t ck)
 {
-	ape_exec_options o;
-
-	ape_exec_options_init(&o);
-	o.chunk_q = cq;
-	o.chunk_k = ck;
-	return o;
+	return test_chunks(cq, ck);
 }
 
 /* O error in units of max|V| and LSE error relative to max(1, |LSE|), a against b; NaN must

@@ -118,6 +118,8 @@ _PROTOS = {
     "ape_device_select_spec": (ctypes.c_int, [vp, ctypes.c_char_p, P(ApeSelection)]),
     # tensors by address: the front end packs them into one buffer (see _core._Tensors)
     "ape_attention_forward": (ctypes.c_int, [vp, P(ApeAttnDesc), vp, vp, vp, vp, vp, P(ApeStats)]),
+    "ape_attention_forward_diag": (ctypes.c_int, [P(vp), ctypes.c_int, vp, P(ApeAttnDesc), vp, vp,
+                                                  vp, vp, vp, vp, vp, P(ApeStats)]),
     "ape_attention_backward": (ctypes.c_int, [vp, P(ApeAttnDesc), vp, vp, vp, vp, vp, vp, vp, vp,
                                               vp, vp, vp, P(ApeStats)]),
     "ape_kv_cache_options_init": (None, [P(ApeKvCacheOptions)]),

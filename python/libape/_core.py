@@ -344,6 +344,7 @@ def _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_
 
 
 _forward = lib.ape_attention_forward
+_forward_diag = lib.ape_attention_forward_diag
 
 
 def _device_spec(device):
@@ -385,6 +386,37 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     if err:
         _raise(err)
     return (oa.obj, lse) if return_lse else oa.obj
+
+
+def attention_diagnostics(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA,
+                          lam=SEED_LAMBDA, causal=True, scale=None, rope_base=10000.0,
+                          layout="half", q_start=None, k_start=0, skip_tol=2.0 ** -24,
+                          device="auto"):
+    """`attention()` that also returns each row's attention entropy -sum_j P ln P and mean
+    attention distance sum_j P |pos_q - pos_k| (docs/diagnostics.md), computed in the same
+    pass: returns (O, LSE, entropy, mean_distance), the last three `[B, H, Lq]` float32 of q's
+    kind. Arguments as attention(); the call runs under min(skip_tol, 2^-24), where the
+    diagnostics stay within the spec's tolerance. Raises ApeError on a device whose backend
+    does not compute them (CUDA, today)."""
+    qa = _as_array("q", q)
+    ka = _as_array("k", k)
+    va = _as_array("v", v)
+    if not (qa.kind == ka.kind == va.kind):
+        _bad("q, k, v: mixed kinds (%s, %s, %s): pass all NumPy arrays or all torch tensors"
+             % (qa.kind, ka.kind, va.kind))
+    B, H, Lq, D = qa.shape
+    keep = []
+    desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
+                 skip_tol, keep)
+    devs = (ctypes.c_void_p * 1)(_device_spec(device))
+    oa = _empty_like(qa, (B, H, Lq, D))
+    outs = [_empty_lse(qa, (B, H, Lq)) for _ in range(3)]
+    tq, tk, tv, to = _Tensors.pack((qa, ka, va, oa))
+    err = _forward_diag(devs, 1, None, ctypes.byref(desc), tq, tk, tv, to,
+                        *(ptr for _, ptr in outs), None)
+    if err:
+        _raise(err)
+    return (oa.obj,) + tuple(arr for arr, _ in outs)
 
 
 # ------------------------------------------------------------------ KV cache

@@ -6,9 +6,10 @@ import numpy as np
 
 
 def ape64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=10000.0,
-          layout="half", q_start=None, k_start=0):
+          layout="half", q_start=None, k_start=0, diag=False):
     """q [B,H,Lq,D], k, v [B,Hkv,Lk,D]; parameters floats or per-head sequences.
-    Returns O [B,H,Lq,D] and LSE [B,H,Lq] in float64."""
+    Returns O [B,H,Lq,D] and LSE [B,H,Lq] in float64; with diag=True also the entropy
+    -sum P ln P and the mean distance sum P |n| of every row [B,H,Lq] (0 with no visible key)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -27,6 +28,7 @@ def ape64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=1
     an = np.abs(n).astype(np.float64)
     o = np.zeros((B, H, Lq, D))
     lse = np.full((B, H, Lq), -np.inf)
+    ent, md = np.zeros((B, H, Lq)), np.zeros((B, H, Lq))
     for b in range(B):
         for h in range(H):
             dl, bt, gm, lm = (p[h] for p in prm)
@@ -49,4 +51,7 @@ def ape64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=1
                 p = np.exp(row - m)
                 o[b, h, i] = p @ vv / p.sum()
                 lse[b, h, i] = m + math.log(p.sum())
-    return o, lse
+                pn = p / p.sum()
+                ent[b, h, i] = -(pn[pn > 0] * np.log(pn[pn > 0])).sum()
+                md[b, h, i] = (pn * an[i]).sum()
+    return (o, lse, ent, md) if diag else (o, lse)

@@ -138,6 +138,16 @@ double test_tol_o(ape_dtype storage)
 	return storage == APE_F32 ? 1e-4 : storage == APE_F16 ? 5e-3 : 2e-2;
 }
 
+ape_exec_options test_chunks(int64_t cq, int64_t ck)
+{
+	ape_exec_options o;
+
+	ape_exec_options_init(&o);
+	o.chunk_q = cq;
+	o.chunk_k = ck;
+	return o;
+}
+
 double test_tol_lse(ape_dtype storage)
 {
 	return storage == APE_F32 ? 1e-4 : storage == APE_F16 ? 1e-3 : 5e-3;

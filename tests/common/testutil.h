@@ -44,6 +44,8 @@ double test_tensor_maxabs(const ape_tensor *t);
 /* ---- the spec's accuracy table */
 double test_tol_o(ape_dtype storage); /* times max|V| */
 double test_tol_lse(ape_dtype storage); /* times max(1, |LSE|) */
+/* Execution options with the given most rows per query and key chunk, the rest default. */
+ape_exec_options test_chunks(int64_t cq, int64_t ck);
 
 /* Largest |a - b| over O, and over LSE (two -inf count as equal; NaN on either side is +inf). */
 double test_max_err_o(const ape_tensor *a, const ape_tensor *b);
