@@ -493,17 +493,17 @@ TEST(many_heads_parameters_through_scratch)
  * more heads than travel inline (their parameters through scratch), both layouts, causal or
  * not, offsets up to 2^40 with rows that see no key (their dQ untouched: exactly 0 here),
  * per-head parameters with negative decays and lambda = 0, with and without dLSE, the storage
- * types rotating. Each case also runs twice (bit-identical) and with dparams alone (the other
- * outputs never written).
+ * types rotating. Every other case runs twice (bit-identical), the others with dparams alone as
+ * well (the other outputs never written). About 10 s on the emulator (2 loaded cores).
  */
 TEST(backward_matches_reference)
 {
 	static const test_problem_shape shapes[] = {
-		{ 1, 2, 1, 70, 67, 64 }, /* d64: two row blocks, two stages of 64 */
-		{ 1, 4, 2, 33, 65, 128 }, /* d128, GQA: borders at 32 */
-		{ 2, 3, 3, 33, 40, 40 }, /* g128 */
-		{ 1, 2, 1, 17, 33, 130 }, /* g256: borders at 16 */
-		{ 1, 66, 2, 6, 20, 8 }, /* groups of 33 heads, their parameters through scratch */
+		{ 1, 1, 1, 66, 65, 64 }, /* d64: two row blocks, two stages of 64 */
+		{ 1, 2, 1, 33, 40, 128 }, /* d128, GQA: borders at 32 */
+		{ 2, 2, 2, 33, 20, 40 }, /* g128 */
+		{ 1, 1, 1, 17, 20, 130 }, /* g256: borders at 16 */
+		{ 1, 66, 2, 5, 7, 8 }, /* groups of 33 heads, their parameters through scratch */
 	};
 	const int nshapes = sizeof(shapes) / sizeof(shapes[0]), ncases = real_device ? 30 : 10;
 	struct pair_of_devices d;
@@ -541,13 +541,14 @@ TEST(backward_matches_reference)
 		test_problem_describe(&c.tp, what, sizeof(what));
 		ASSERT_EQ(0, run_backward(&c, d.ref, &want, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
 		EXPECT_EQ(0, run_backward(&c, d.cuda, &g, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
-		EXPECT_EQ(0, run_backward(&c, d.cuda, &again, W_ALL, NULL));
-		EXPECT_EQ(0, run_backward(&c, d.cuda, &only, W_DP, NULL));
+		/* the emulator is slow: the rerun and dparams alone on every other case */
+		EXPECT_EQ(0, run_backward(&c, d.cuda, i % 2 ? &again : &only, i % 2 ? W_ALL : W_DP,
+					  NULL));
 		e[0] = grads_rel_err(&g.dq.t, &want.dq.t);
 		e[1] = grads_rel_err(&g.dk.t, &want.dk.t);
 		e[2] = grads_rel_err(&g.dv.t, &want.dv.t);
 		e[3] = grads_rel_err_params(g.dparams, want.dparams, sh->H);
-		e[4] = grads_rel_err_params(only.dparams, want.dparams, sh->H);
+		e[4] = i % 2 ? 0 : grads_rel_err_params(only.dparams, want.dparams, sh->H);
 		for (int x = 0; x < 5; x++) {
 			static const char *const names[5] = { "dq", "dk", "dv", "dparams",
 							      "dparams alone" };
@@ -559,8 +560,12 @@ TEST(backward_matches_reference)
 				fails++;
 			}
 		}
-		EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: %s: reruns differ", i, what);
-		EXPECT_TRUE(same_grads(&only, &untouched, W_ALL & ~W_DP)) TH_LOG("case %d", i);
+		if (i % 2) {
+			EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: %s: reruns differ",
+									 i, what);
+		} else {
+			EXPECT_TRUE(same_grads(&only, &untouched, W_ALL & ~W_DP)) TH_LOG("case %d", i);
+		}
 		if (c.tp.desc.causal) /* row 0 sees no key */
 			for (int64_t dd = 0; dd < sh->D; dd++)
 				EXPECT_EQ(0.0, test_tensor_get(&g.dq.t, 0, sh->H - 1, 0, dd));
