@@ -8,7 +8,7 @@
  * runs the row table, the queries sweep without its dQ work, and the reduction.
  *
  * Scratch, one stream-ordered allocation freed in stream order after the last kernel: the row
- * table (32 bytes per query row), the queries sweep's per-block parameter sums (32 bytes per
+ * table (24 bytes per query row), the queries sweep's per-block parameter sums (32 bytes per
  * block of APE_BW_ROWS query rows) and, past APE_CU_INLINE_HEADS heads, their parameters: a
  * few bytes per query row, never O(Lq * Lk) nor O(L * D). The core does not count it yet
  * (struct ape__backend_ops has no backward scratch op), as for the OpenCL backend.

@@ -519,6 +519,7 @@ TEST(backward_matches_reference)
 		const double tol = grads_tol(dt);
 		bcase c;
 		grads want, g, again, only, untouched;
+		grads *const all[5] = { &want, &g, &again, &only, &untouched };
 		double e[5];
 		char what[512];
 
@@ -533,11 +534,8 @@ TEST(backward_matches_reference)
 		if (i % 5 == 2)
 			bcase_edge_heads(&c);
 		ASSERT_EQ(0, bcase_forward(&c, d.ref)) TH_LOG("%s", ape_last_error());
-		ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
-		ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
-		ASSERT_EQ(0, grads_alloc(&again, &c, APE_F32));
-		ASSERT_EQ(0, grads_alloc(&only, &c, APE_F32));
-		ASSERT_EQ(0, grads_alloc(&untouched, &c, APE_F32));
+		for (int x = 0; x < 5; x++)
+			ASSERT_EQ(0, grads_alloc(all[x], &c, APE_F32));
 		test_problem_describe(&c.tp, what, sizeof(what));
 		ASSERT_EQ(0, run_backward(&c, d.ref, &want, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
 		EXPECT_EQ(0, run_backward(&c, d.cuda, &g, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
@@ -569,11 +567,8 @@ TEST(backward_matches_reference)
 		if (c.tp.desc.causal) /* row 0 sees no key */
 			for (int64_t dd = 0; dd < sh->D; dd++)
 				EXPECT_EQ(0.0, test_tensor_get(&g.dq.t, 0, sh->H - 1, 0, dd));
-		grads_free(&want);
-		grads_free(&g);
-		grads_free(&again);
-		grads_free(&only);
-		grads_free(&untouched);
+		for (int x = 0; x < 5; x++)
+			grads_free(all[x]);
 		bcase_free(&c);
 	}
 	TH_LOG("%d cases, worst error %.3g of the tolerance", ncases, worst);

@@ -3,9 +3,9 @@
  * The fused APE backward pass (APE-SPEC.md, "Gradients"; docs/cuda.md), FlashAttention-2's
  * structure with APE's rotation. Four kernels, enqueued in this order by cuda_backward.c:
  *
- *   ape_bwd_rows       one warp per query row: mean, sigma and alpha of q_i (float64, as the
- *                      forward computes them) and Dl_i - dLSE_i, Dl_i = dO_i . O_i, to a row
- *                      table (scratch, 32 bytes per row);
+ *   ape_bwd_rows       one warp per query row: mean and sigma of q_i (float64, as the forward
+ *                      computes them; the sweeps derive alpha_i from sigma_i) and Dl_i - dLSE_i,
+ *                      Dl_i = dO_i . O_i, to a row table (scratch, 24 bytes per row);
  *   ape_bwd_keys_*     keys outer (only when dK or dV is wanted): one block per (tile of key
  *                      rows, batch, kv head); TPR threads share a key row and keep its K and V
  *                      and its dK and dV accumulators in registers (8 pairs each) while query
@@ -80,6 +80,31 @@ APE_DEV int64_t comp_x(int p, bool inter)
 APE_DEV int64_t comp_y(int p, int P, bool inter)
 {
 	return inter ? 2 * p + 1 : p + P;
+}
+
+/* One pair's share of the rotated dot product: query pair (x, y), key pair (u, w), c and s the
+ * cosine and sine of theta (APE-SPEC.md, "The score") */
+APE_DEV float pair_dot(float x, float y, float u, float w, float c, float s)
+{
+	return (x * u + y * w) * c + (x * w - y * u) * s;
+}
+
+/* P_ij = exp(s_ij - LSE_i) from the row's dot product and its distance's table entries (temp *
+ * scale, bias): the difference in float64, where the bias and LSE carry magnitude */
+APE_DEV float pair_prob(float tsc, double bias, float dot, double lse)
+{
+	return expf((float)((double)(tsc * dot) + bias - lse));
+}
+
+/* The (tile, group) of this block, tiles outer; false for the blocks past ntile * ngroups that
+ * the grid's rounding adds. */
+APE_DEV bool block_tile(int64_t ntile, int64_t ngroups, int64_t &tile, int64_t &grp)
+{
+	const int64_t blk = block_linear();
+
+	tile = blk / ngroups;
+	grp = blk % ngroups;
+	return blk < ntile * ngroups;
 }
 
 APE_DEV const float *bwd_head(const ape_cu_bwd_args &a, int64_t h)
@@ -171,14 +196,13 @@ template <int DMAX, bool EXACT> struct Bwd {
 	/* ---------------------------------------------------------------- keys outer */
 	static APE_DEV void keys(const ape_cu_bwd_args &a)
 	{
-		unsigned char *sm = smem_base();
-		const int tid = threadIdx.x, kk = tid / TPR, c = tid % TPR;
-		const int64_t NB = (int64_t)a.B * a.Hkv, blk = block_linear();
+		int64_t kt, bkv;
 
-		if (blk >= a.nkt * NB)
+		if (!block_tile(a.nkt, (int64_t)a.B * a.Hkv, kt, bkv))
 			return;
 
-		const int64_t kt = blk / NB, bkv = blk % NB;
+		unsigned char *sm = smem_base();
+		const int tid = threadIdx.x, kk = tid / TPR, c = tid % TPR;
 		const int64_t b = bkv / a.Hkv, kh = bkv % a.Hkv, group = a.H / a.Hkv;
 		const int64_t Lq = a.Lq, Lk = a.Lk, rel = a.rel, j0 = kt * ROWS, j = j0 + kk;
 		const int D = EXACT ? DMAX : a.D;
@@ -227,7 +251,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 							   row * APE_BW_RI_N;
 
 					reinterpret_cast<double *>(sm + S::OFF_RIA)[tid] =
-						1.0 / ri[APE_BW_RI_ALPHA];
+						1.0 / ape_alpha(hp[3], ri[APE_BW_RI_SIGMA]);
 					reinterpret_cast<float *>(sm + S::OFF_RL)[tid] =
 						reinterpret_cast<const float *>(a.lse)[row];
 					reinterpret_cast<float *>(sm + S::OFF_RD)[tid] =
@@ -248,8 +272,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 						const float x = qx[p], y = qy[p];
 
 						sn[p] = ape_seed_sincos(nia * om[p], &cs[p]);
-						dot += (x * u[p] + y * w[p]) * cs[p] +
-						       (x * w[p] - y * u[p]) * sn[p];
+						dot += pair_dot(x, y, u[p], w[p], cs[p], sn[p]);
 						dov = fmaf(ox[p], vx[p], fmaf(oy[p], vy[p], dov));
 					}
 					dot = group_sum<TPR>(dot);
@@ -258,8 +281,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 						continue; /* adds nothing, not 0 * x */
 
 					const int e = r - kk + ROWS - 1;
-					const float pr = expf((float)((double)(tt[e] * dot) + tb[e] -
-								      (double)rl[r]));
+					const float pr = pair_prob(tt[e], tb[e], dot, rl[r]);
 					const float g = pr * (dov - rd[r]) * tt[e];
 
 #pragma unroll
@@ -306,15 +328,15 @@ template <int DMAX, bool EXACT> struct Bwd {
 	/* ---------------------------------------------------------------- queries outer */
 	static APE_DEV void queries(const ape_cu_bwd_args &a)
 	{
+		int64_t qt, bh;
+
+		if (!block_tile(a.nqt, (int64_t)a.B * a.H, qt, bh))
+			return;
+		qt = a.nqt - 1 - qt; /* causal: the heaviest blocks first */
+
 		unsigned char *sm = smem_base();
 		const int tid = threadIdx.x, r = tid / TPR, c = tid % TPR;
-		const int64_t BH = (int64_t)a.B * a.H, blk = block_linear();
-
-		if (blk >= a.nqt * BH)
-			return;
-
-		const int64_t qt = a.nqt - 1 - blk / BH; /* causal: the heaviest blocks first */
-		const int64_t bh = blk % BH, h = bh % a.H;
+		const int64_t h = bh % a.H;
 		const int64_t bkv = bh / a.H * a.Hkv + h / (a.H / a.Hkv);
 		const int64_t Lq = a.Lq, Lk = a.Lk, rel = a.rel, i0 = qt * ROWS, i = i0 + r;
 		const int D = EXACT ? DMAX : a.D, P = D / 2;
@@ -325,7 +347,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 		const int64_t row = bh * Lq + (row_ok ? i : 0);
 		const float *hp = bwd_head(a, h);
 		const double *ri = reinterpret_cast<const double *>(a.rinfo) + row * APE_BW_RI_N;
-		const double alpha = ri[APE_BW_RI_ALPHA], sigma = ri[APE_BW_RI_SIGMA];
+		const double sigma = ri[APE_BW_RI_SIGMA], alpha = ape_alpha(hp[3], sigma);
 		const double ia = 1.0 / alpha;
 		const float dsub = (float)ri[APE_BW_RI_DSUB];
 		const double lse = reinterpret_cast<const float *>(a.lse)[row];
@@ -394,8 +416,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 						cs[p] = fmaf(c0, stc[p], sn[p] * sts[p]);
 						sn[p] = fmaf(sn[p], stc[p], -c0 * sts[p]);
 					}
-					dot += (x[p] * uu + y[p] * ww) * cs[p] +
-					       (x[p] * ww - y[p] * uu) * sn[p];
+					dot += pair_dot(x[p], y[p], uu, ww, cs[p], sn[p]);
 					ddt += APE_GRAD_DDOT_DALPHA_THETA(x[p], y[p], uu, ww, cs[p],
 									  sn[p], omf[p] * niaf);
 					dov = fmaf(ox[p], vx[p], fmaf(oy[p], vy[p], dov));
@@ -406,8 +427,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 					continue; /* adds nothing, not 0 * x */
 
 				const int e = r - jj + STAGE - 1;
-				const float pr =
-					expf((float)((double)(tt[e] * dot) + tb[e] - lse));
+				const float pr = pair_prob(tt[e], tb[e], dot, lse);
 				const float ds = pr * (dov - dsub), g = ds * tt[e];
 
 				A += (double)g * (double)ddt; /* this lane's pairs' share */
@@ -475,7 +495,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 
 /* ---------------------------------------------------------------- per row, per head */
 
-/* One warp per query row: the row table (mean, sigma, alpha, Dl - dLSE) */
+/* One warp per query row: the row table (sigma, mean, Dl - dLSE) */
 APE_DEV void bwd_rows(const ape_cu_bwd_args &a)
 {
 	const int lane = threadIdx.x & 31;
@@ -489,7 +509,6 @@ APE_DEV void bwd_rows(const ape_cu_bwd_args &a)
 	const void *Q = reinterpret_cast<const void *>(a.q);
 	const void *O = reinterpret_cast<const void *>(a.o);
 	const void *DO = reinterpret_cast<const void *>(a.dout);
-	const float *hp = bwd_head(a, row / a.Lq % a.H);
 	double sum = 0.0, ss = 0.0, dl = 0.0, mean, sigma;
 
 	for (int d = lane; d < D; d += 32)
@@ -508,7 +527,6 @@ APE_DEV void bwd_rows(const ape_cu_bwd_args &a)
 	if (lane == 0) {
 		double *ri = reinterpret_cast<double *>(a.rinfo) + row * APE_BW_RI_N;
 
-		ri[APE_BW_RI_ALPHA] = ape_alpha(hp[3], sigma);
 		ri[APE_BW_RI_SIGMA] = sigma;
 		ri[APE_BW_RI_MEAN] = mean;
 		ri[APE_BW_RI_DSUB] =

@@ -34,12 +34,12 @@
 /* Query rows per block of ape_bwd_rows (one warp each) */
 #define APE_BW_ROWS_PER_BLOCK (APE_CU_THREADS / 32)
 
-/* The row table ape_bwd_rows writes: per query row, these doubles */
-#define APE_BW_RI_ALPHA 0
-#define APE_BW_RI_SIGMA 1
-#define APE_BW_RI_MEAN 2
-#define APE_BW_RI_DSUB 3 /* Dl_i - dLSE_i, Dl_i = dO_i . O_i */
-#define APE_BW_RI_N 4
+/* The row table ape_bwd_rows writes: per query row, these doubles (alpha_i follows from sigma_i
+ * and the head's lambda where it is used) */
+#define APE_BW_RI_SIGMA 0
+#define APE_BW_RI_MEAN 1
+#define APE_BW_RI_DSUB 2 /* Dl_i - dLSE_i, Dl_i = dO_i . O_i */
+#define APE_BW_RI_N 3
 
 /* Launch flags (the forward's APE_CU_F_CAUSAL and APE_CU_F_INTERLEAVED, then these) */
 #define APE_BW_F_DLSE (1u << 8)
