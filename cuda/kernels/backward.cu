@@ -208,7 +208,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 		const int D = EXACT ? DMAX : a.D;
 		const bool causal = a.flags & APE_CU_F_CAUSAL;
 		const bool inter = a.flags & APE_CU_F_INTERLEAVED;
-		const bool want_dk = a.flags & APE_BW_F_DK;
+		const bool want_dk = a.flags & APE_BW_F_DK, want_dv = a.flags & APE_BW_F_DV;
 		const bool key_ok = j < Lk;
 		const float *A = reinterpret_cast<const float *>(sm + S::OFF_A);
 		const float *B = reinterpret_cast<const float *>(sm + S::OFF_B);
@@ -288,8 +288,10 @@ template <int DMAX, bool EXACT> struct Bwd {
 					for (int p = 0; p < PT; p++) {
 						const float x = qx[p], y = qy[p];
 
-						dvx[p] = fmaf(pr, ox[p], dvx[p]);
-						dvy[p] = fmaf(pr, oy[p], dvy[p]);
+						if (want_dv) {
+							dvx[p] = fmaf(pr, ox[p], dvx[p]);
+							dvy[p] = fmaf(pr, oy[p], dvy[p]);
+						}
 						if (want_dk) { /* q's pair rotated by +theta */
 							dku[p] = fmaf(g, x * cs[p] - y * sn[p], dku[p]);
 							dkw[p] = fmaf(g, y * cs[p] + x * sn[p], dkw[p]);
