@@ -578,6 +578,56 @@ TEST(backward_matches_reference)
 	ape_context_destroy(d.ctx);
 }
 
+/* Where NaN lands in a gradient tensor matches: NaN in a exactly where in b. */
+static bool same_nans(const ape_tensor *a, const ape_tensor *b)
+{
+	for (int64_t i = 0; i < a->shape[0]; i++)
+		for (int64_t h = 0; h < a->shape[1]; h++)
+			for (int64_t l = 0; l < a->shape[2]; l++)
+				for (int64_t e = 0; e < a->shape[3]; e++)
+					if (isnan(test_tensor_get(a, i, h, l, e)) !=
+					    isnan(test_tensor_get(b, i, h, l, e)))
+						return false;
+	return true;
+}
+
+/*
+ * Inputs are not scanned: a NaN in the last key's V reaches, through Dl_i = dO_i . O_i, the rows
+ * that see that key (causal: the last ones) and the keys those rows see, and nothing else: the
+ * rows before it keep finite gradients, as in the reference (a masked pair adds nothing, not
+ * 0 * NaN). Several query blocks and key blocks, so that masked pairs sit inside the tiles.
+ */
+TEST(backward_nan_reaches_only_what_it_touches)
+{
+	const test_problem_shape sh = { 1, 2, 1, 40, 40, 40 };
+	struct pair_of_devices d;
+	grads want, g;
+	bcase c;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_backward_nan");
+	ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F32, false, false));
+	test_problem_random_params(&c.tp, &rng);
+	c.tp.desc.causal = true;
+	c.tp.desc.q_start_set = false; /* aligned to the end: row i sees keys 0..i */
+	test_tensor_set(&c.tp.v.t, 0, 0, sh.Lk - 1, 3, NAN);
+	ASSERT_EQ(0, bcase_forward(&c, d.ref)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
+	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+	ASSERT_EQ(0, run_backward(&c, d.ref, &want, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, run_backward(&c, d.cuda, &g, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
+	EXPECT_TRUE(isnan(test_tensor_get(&want.dq.t, 0, 1, sh.Lq - 1, 0)));
+	EXPECT_FALSE(isnan(test_tensor_get(&want.dq.t, 0, 1, sh.Lq - 2, 0)));
+	EXPECT_TRUE(same_nans(&g.dq.t, &want.dq.t));
+	EXPECT_TRUE(same_nans(&g.dk.t, &want.dk.t));
+	EXPECT_TRUE(same_nans(&g.dv.t, &want.dv.t));
+	grads_free(&want);
+	grads_free(&g);
+	bcase_free(&c);
+	ape_context_destroy(d.ctx);
+}
+
 /* A kernel that faults: the call fails with APE_EDEVLOST naming the CUDA error, no abort. */
 TEST(device_fault_is_devlost)
 {

@@ -96,6 +96,13 @@ APE_DEV float pair_prob(float tsc, double bias, float dot, double lse)
 	return expf((float)((double)(tsc * dot) + bias - lse));
 }
 
+/* dot and dO . V of one (row, key) pair from the shares of the W lanes that hold its pairs */
+template <int W> APE_DEV void pair_sums(float &dot, float &dov)
+{
+	dot = group_sum<W>(dot);
+	dov = group_sum<W>(dov);
+}
+
 /* The (tile, group) of this block, tiles outer; false for the blocks past ntile * ngroups that
  * the grid's rounding adds. */
 APE_DEV bool block_tile(int64_t ntile, int64_t ngroups, int64_t &tile, int64_t &grp)
@@ -275,8 +282,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 						dot += pair_dot(x, y, u[p], w[p], cs[p], sn[p]);
 						dov = fmaf(ox[p], vx[p], fmaf(oy[p], vy[p], dov));
 					}
-					dot = group_sum<TPR>(dot);
-					dov = group_sum<TPR>(dov);
+					pair_sums<TPR>(dot, dov);
 					if (!key_ok || (causal && n < 0))
 						continue; /* adds nothing, not 0 * x */
 
@@ -423,8 +429,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 									  sn[p], omf[p] * niaf);
 					dov = fmaf(ox[p], vx[p], fmaf(oy[p], vy[p], dov));
 				}
-				dot = group_sum<TPR>(dot);
-				dov = group_sum<TPR>(dov);
+				pair_sums<TPR>(dot, dov);
 				if (!row_ok || (causal && n < 0))
 					continue; /* adds nothing, not 0 * x */
 
