@@ -488,14 +488,14 @@ TEST(many_heads_parameters_through_scratch)
 
 /*
  * The backward kernels against the reference backend at the spec's tolerances (APE-SPEC.md,
- * "Gradients"): every head-size variant (64 and 128 specialised, 40 and 130 generic), lengths
+ * "Gradients"): every head-size variant (64 and 128 specialised, 40, 130 and 256 generic), lengths
  * across the sweeps' block and stage borders (bwd_args.h: 64, 32, 32 and 16 rows), GQA, MQA and
  * more heads than travel inline (their parameters through scratch), both layouts, causal or
  * not, offsets up to 2^40 with rows that see no key (their dQ untouched: exactly 0 here),
  * per-head parameters with negative decays and lambda = 0, with and without dLSE, the storage
- * types rotating. Every other case runs twice (bit-identical), the others once more with a
+ * types rotating, O saved in float32 from 16-bit inputs. Every other case runs twice (bit-identical), the others once more with a
  * subset of the outputs (dparams alone, dq, dk, dv, dq and dk): those bit for bit as with all
- * four, the others never written. About 10 s on the emulator (2 loaded cores).
+ * four, the others never written. 12 to 16 s on the emulator (2 cores, load average 7).
  */
 TEST(backward_matches_reference)
 {
@@ -504,9 +504,10 @@ TEST(backward_matches_reference)
 		{ 1, 2, 1, 33, 40, 128 }, /* d128, GQA: borders at 32 */
 		{ 2, 2, 2, 33, 20, 40 }, /* g128 */
 		{ 1, 1, 1, 17, 20, 130 }, /* g256: borders at 16 */
+		{ 1, 2, 2, 17, 18, 256 }, /* g256 at its full width */
 		{ 1, 66, 2, 5, 7, 8 }, /* groups of 33 heads, their parameters through scratch */
 	};
-	const int nshapes = sizeof(shapes) / sizeof(shapes[0]), ncases = real_device ? 30 : 10;
+	const int nshapes = sizeof(shapes) / sizeof(shapes[0]), ncases = real_device ? 36 : 12;
 	struct pair_of_devices d;
 	double worst = 0;
 	int fails = 0;
@@ -516,7 +517,7 @@ TEST(backward_matches_reference)
 	ape_rng_init(&rng, "cuda_emu_backward");
 	for (int i = 0; i < ncases; i++) {
 		const test_problem_shape *sh = &shapes[i % nshapes];
-		const ape_dtype dt = all_types[i % 3];
+		const ape_dtype dt = all_types[(i + i / nshapes) % 3]; /* each shape, two types */
 		const double tol = grads_tol(dt);
 		bcase c;
 		grads want, g, again, only, untouched;
@@ -537,6 +538,8 @@ TEST(backward_matches_reference)
 		c.tp.desc.q_start_set = true;
 		if (i % 5 == 2)
 			bcase_edge_heads(&c);
+		if (dt != APE_F32 && i % 4 == 1) /* O saved in float32 */
+			ASSERT_EQ(0, test_problem_set_out_dtype(&c.tp, APE_F32));
 		ASSERT_EQ(0, bcase_forward(&c, d.ref)) TH_LOG("%s", ape_last_error());
 		for (int x = 0; x < 5; x++)
 			ASSERT_EQ(0, grads_alloc(all[x], &c, APE_F32));
