@@ -31,7 +31,7 @@
  * (cos, sin) of theta by one step per key (the forward's recurrence), seeded exactly by
  * ape_seed_sincos() at every stage of APE_BW_STAGE keys. The keys sweep meets a new alpha_i with
  * every query row, so it seeds every (row, key, pair) angle exactly: no recurrence, the most
- * accurate angle at the cost of a dozen float operations and three float64 ones per pair.
+ * accurate angle, at the cost of a dozen float operations and a few float64 ones per pair.
  *
  * Masking: a pair a row cannot see (causal, or past the last key) adds nothing at all (not
  * 0 * x: an input may hold a NaN the gradient must not receive); rows with no visible key add
