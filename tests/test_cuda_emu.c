@@ -653,6 +653,36 @@ TEST(device_fault_is_devlost)
 	ape_context_destroy(d.ctx);
 }
 
+/* A backward kernel that faults: APE_EDEVLOST naming the call, the device and the CUDA error;
+ * nothing written. */
+TEST(backward_fault_is_devlost)
+{
+	const test_problem_shape sh = { 1, 2, 1, 9, 9, 16 };
+	struct pair_of_devices d;
+	grads g, untouched;
+	bcase c;
+	ape_rng rng;
+
+	if (real_device)
+		SKIP(return, "fault injection needs the fake driver");
+	setenv("FAKE_CUDA_MODE", "fault", 1);
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_backward_fault");
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F32, false, true, d.ref));
+	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+	ASSERT_EQ(0, grads_alloc(&untouched, &c, APE_F32));
+	EXPECT_EQ(APE_EDEVLOST, run_backward(&c, d.cuda, &g, W_ALL, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_backward: cuda:0"))
+	TH_LOG("%s", ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), "CUDA_ERROR_ILLEGAL_ADDRESS"))
+	TH_LOG("%s", ape_last_error());
+	EXPECT_TRUE(same_grads(&g, &untouched, W_ALL));
+	grads_free(&g);
+	grads_free(&untouched);
+	bcase_free(&c);
+	ape_context_destroy(d.ctx);
+}
+
 #endif /* APE_HAVE_CUDA */
 
 #ifdef APE_HAVE_CUDA
