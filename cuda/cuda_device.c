@@ -291,3 +291,13 @@ void ape__cu_leave(struct ape_device *dev)
 
 	ape__cu_dev(dev)->drv->p_cuCtxPopCurrent(&prev);
 }
+
+void ape__cu_native(struct ape_device *dev, void **context, void **device)
+{
+	struct ape__cu_device *cd = ape__cu_dev(dev);
+
+	if (device)
+		*device = (void *)(intptr_t)cd->dev;
+	if (context)
+		*context = ape__cu_once(dev, &cd->ctx_state, cu_context_init) ? NULL : cd->ctx;
+}
