@@ -35,6 +35,8 @@
 #include "../cuda/cu.h"
 #include "core/error.h"
 #include "core/half.h"
+#include "api/validate.h"
+#include "exec/launch.h"
 #include "fake_cuda/fake_cuda.h"
 
 #define EMU_LIB APE_BUILD_DIR "/tests/cuda_emu/libcuda.so.1"
@@ -140,19 +142,23 @@ static void open_devs(struct __test_metadata *_metadata, struct devs *d)
 	ASSERT_NE(NULL, d->ref);
 }
 
-/* The logical inputs of a case, contiguous, and its launch parameters. */
+/* The logical inputs of a case, contiguous, and its launch, built by the core's own builders
+ * (validation, then ape__launch_init()). */
 struct inputs {
 	test_problem tp;
-	float hp[4 * 64];
+	struct ape__problem p;
 	struct ape__launch l; /* no buffers yet, not strided */
 };
+
+static void inputs_free(struct inputs *in)
+{
+	ape__problem_fini(&in->p);
+	test_problem_free(&in->tp);
+}
 
 static int make_inputs(struct inputs *in, ape_rng *rng, const struct scase *c)
 {
 	const test_problem_shape sh = { c->B, c->H, c->Hkv, c->Lq, c->Lk, c->D };
-	const ape_param *ps[4];
-	struct ape__launch *l = &in->l;
-	bool nonneg = true;
 
 	memset(in, 0, sizeof(*in));
 	if (test_problem_make(&in->tp, rng, &sh, c->dt, false))
@@ -161,35 +167,19 @@ static int make_inputs(struct inputs *in, ape_rng *rng, const struct scase *c)
 		test_problem_set_params(&in->tp, pow(2.0, -4.0 / 3.0), 0.04, 0.04, 0.1);
 	else
 		test_problem_random_params(&in->tp, rng);
-	ps[0] = &in->tp.desc.delta;
-	ps[1] = &in->tp.desc.beta;
-	ps[2] = &in->tp.desc.gamma;
-	ps[3] = &in->tp.desc.lambda;
-	for (int64_t h = 0; h < c->H; h++)
-		for (int k = 0; k < 4; k++) {
-			in->hp[4 * h + k] = ps[k]->per_head ? ps[k]->per_head[h] : ps[k]->value;
-			nonneg &= k == 3 || in->hp[4 * h + k] >= 0;
-		}
-	l->B = c->B;
-	l->H = c->H;
-	l->Hkv = c->Hkv;
-	l->Lq = c->Lq;
-	l->Lk = c->Lk;
-	l->D = c->D;
-	l->in_dtype = c->dt;
-	l->out_dtype = c->odt;
-	l->head_params = in->hp;
-	l->decay_nonneg = nonneg;
-	l->scale = in->tp.desc.scale_set ? in->tp.desc.scale : 1.0 / sqrt((double)c->D);
-	l->rope_base = in->tp.desc.rope_base;
-	for (int64_t i = 0; i < c->D / 2; i++)
-		l->omega[i] = pow(l->rope_base, -2.0 * (double)i / (double)c->D);
-	l->causal = c->causal;
-	l->layout = c->layout;
-	l->k_start = in->tp.desc.k_start;
-	l->q_start = in->tp.desc.q_start_set ? in->tp.desc.q_start
-					     : l->k_start + c->Lk - c->Lq;
-	l->skip_tol = c->skip && nonneg ? ldexp(1.0, -24) : 0.0;
+	in->tp.desc.causal = c->causal;
+	in->tp.desc.layout = c->layout;
+	if (test_problem_set_out_dtype(&in->tp, c->odt) ||
+	    ape__problem_init(&in->p, "test", &in->tp.desc, &in->tp.q.t, &in->tp.k.t, &in->tp.v.t,
+			      &in->tp.o.t, in->tp.lse)) {
+		test_problem_free(&in->tp);
+		return -1;
+	}
+	ape__launch_init(&in->l, &in->p, c->odt, c->skip ? in->p.skip_tol : 0.0);
+	in->l.Lq = c->Lq;
+	in->l.Lk = c->Lk;
+	in->l.q_start = in->p.q_start;
+	in->l.k_start = in->p.k_start;
 	return 0;
 }
 
@@ -390,7 +380,7 @@ static int check_case(struct __test_metadata *_metadata, const struct devs *d, a
 	    run_case(_metadata, d->cuda, &in, c, false, &k) ||
 	    run_case(_metadata, d->ref, &in, c, false, &r)) {
 		TH_LOG("%s: a run failed", what);
-		test_problem_free(&in.tp);
+		inputs_free(&in);
 		return 1;
 	}
 	if (!s.gaps_intact) {
@@ -442,7 +432,7 @@ static int check_case(struct __test_metadata *_metadata, const struct devs *d, a
 	outputs_free(&s);
 	outputs_free(&k);
 	outputs_free(&r);
-	test_problem_free(&in.tp);
+	inputs_free(&in);
 	return fails;
 }
 
@@ -765,7 +755,7 @@ static void wrapped_launch(struct __test_metadata *_metadata, bool null_stream, 
 		EXPECT_EQ(CUDA_SUCCESS, f.stream_destroy(s));
 		f.pop(&prev);
 	}
-	test_problem_free(&in.tp);
+	inputs_free(&in);
 	ape_context_destroy(d.ctx);
 }
 
