@@ -731,11 +731,12 @@ static CUresult fk_cuStreamSynchronize(CUstream s)
 
 static CUresult fk_cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags)
 {
-	(void)s;
+	CUresult r = need_ctx();
+
 	(void)flags;
 	if (!e)
 		return CUDA_ERROR_INVALID_HANDLE;
-	return need_ctx();
+	return r ? r : check_stream(s);
 }
 
 static CUresult fk_cuEventCreate(CUevent *e, unsigned flags)
