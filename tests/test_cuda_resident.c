@@ -514,6 +514,8 @@ struct fake_fns {
 	CUresult (*stream_destroy)(CUstream s);
 	CUresult (*push)(CUcontext c);
 	CUresult (*pop)(CUcontext *c);
+	CUresult (*mem_alloc)(CUdeviceptr *p, size_t n);
+	CUresult (*mem_free)(CUdeviceptr p);
 };
 
 /* The fake driver libape loaded, and its entry points. */
@@ -535,6 +537,8 @@ static void fake_fns(struct __test_metadata *_metadata, struct fake_fns *f)
 	ASSERT_EQ(CUDA_SUCCESS, gpa("cuStreamDestroy", (void **)&f->stream_destroy, 4000, 0));
 	ASSERT_EQ(CUDA_SUCCESS, gpa("cuCtxPushCurrent", (void **)&f->push, 4000, 0));
 	ASSERT_EQ(CUDA_SUCCESS, gpa("cuCtxPopCurrent", (void **)&f->pop, 4000, 0));
+	ASSERT_EQ(CUDA_SUCCESS, gpa("cuMemAlloc", (void **)&f->mem_alloc, 3020, 0));
+	ASSERT_EQ(CUDA_SUCCESS, gpa("cuMemFree", (void **)&f->mem_free, 3020, 0));
 	dlclose(lib); /* libape still holds it */
 }
 
@@ -786,6 +790,151 @@ TEST(queue_wrap_refuses_a_bad_stream)
 	EXPECT_EQ(NULL, q);
 	TH_LOG("%s", ape_last_error());
 	EXPECT_NE(NULL, strstr(ape_last_error(), "queue_wrap"));
+	ape_context_destroy(d.ctx);
+}
+
+/* ------------------------------------------------------------------ through the public API */
+
+/* Elements a host tensor's view spans, from its data pointer. */
+static size_t span_elems(const ape_tensor *t)
+{
+	int64_t st[4];
+	size_t last = 0;
+
+	ape_tensor_strides(t, st);
+	for (int d = 0; d < 4; d++)
+		last += (size_t)((t->shape[d] - 1) * st[d]);
+	return last + 1;
+}
+
+/*
+ * What a framework does: its own allocation (cuMemAlloc in the primary context) holding Q, K,
+ * V, O and LSE at offsets as padded [B, L, H, D] tensors, its own stream; libape wraps both
+ * (ape_buffer_wrap_cuda, ape_queue_wrap_cuda) and enqueues there. The result equals the host
+ * call's on the same device bit for bit; every launch ran on the caller's stream; destroying
+ * libape's queue left the stream alone.
+ */
+TEST(public_api_on_the_callers_memory_and_stream)
+{
+	static const struct {
+		int64_t B, H, Hkv, Lq, Lk, D;
+		ape_dtype dt;
+	} cs[] = { { 2, 4, 2, 33, 57, 64, APE_F16 }, { 1, 2, 1, 1, 70, 128, APE_BF16 },
+		   { 1, 3, 3, 5, 20, 40, APE_F32 } };
+	struct fake_fns f;
+	struct devs d;
+	void *ctx = NULL, *devh = NULL;
+	CUcontext prev;
+	ape_rng rng;
+
+	open_devs(_metadata, &d);
+	fake_fns(_metadata, &f);
+	ASSERT_EQ(0, ape_device_native(d.cuda, &ctx, &devh));
+	ASSERT_NE(NULL, ctx);
+	EXPECT_EQ(0, (int)(intptr_t)devh);
+	ape_rng_init(&rng, "cuda_resident_api");
+	for (size_t c = 0; c < sizeof(cs) / sizeof(cs[0]); c++) {
+		const test_problem_shape sh = { cs[c].B, cs[c].H, cs[c].Hkv, cs[c].Lq, cs[c].Lk, cs[c].D };
+		const size_t esz = ape_dtype_size(cs[c].dt);
+		test_problem a, b;
+		const ape_tensor *ht[4];
+		ape_buffer *buf[5] = { NULL };
+		ape_dtensor dt[5];
+		size_t at[5], n[5], total = 0, nl;
+		CUdeviceptr mem = 0;
+		CUstream s = NULL;
+		ape_queue *wq = NULL;
+		const struct fake_launch_rec *log;
+		size_t nlog = 0;
+		int destroyed = 0, synced = 0, on_s = 0;
+		int64_t bad = 0;
+
+		ASSERT_EQ(0, test_problem_make(&a, &rng, &sh, cs[c].dt, true));
+		test_problem_random_params(&a, &rng);
+		if (!a.lse) { /* always ask for LSE here */
+			a.lse = calloc(a.rows, sizeof(float));
+			ASSERT_NE(NULL, a.lse);
+		}
+		ASSERT_EQ(0, test_problem_clone(&b, &a));
+		ASSERT_EQ(0, test_problem_run(&a, d.cuda)) TH_LOG("%s", ape_last_error());
+
+		/* the framework's arena: each tensor 64 bytes past a 256-byte boundary */
+		ht[0] = &b.q.t;
+		ht[1] = &b.k.t;
+		ht[2] = &b.v.t;
+		ht[3] = &b.o.t;
+		nl = b.rows;
+		for (int t = 0; t < 5; t++) {
+			n[t] = t < 4 ? span_elems(ht[t]) * (t == 3 ? ape_dtype_size(b.o.t.dtype) : esz)
+				     : nl * sizeof(float);
+			at[t] = total + 64;
+			total = (at[t] + n[t] + 255) & ~(size_t)255;
+		}
+		ASSERT_EQ(CUDA_SUCCESS, f.push((CUcontext)ctx));
+		ASSERT_EQ(CUDA_SUCCESS, f.mem_alloc(&mem, total));
+		ASSERT_EQ(CUDA_SUCCESS, f.stream_create(&s, CU_STREAM_NON_BLOCKING));
+		f.pop(&prev);
+
+		ASSERT_EQ(0, ape_queue_wrap_cuda(d.cuda, s, &wq)) TH_LOG("%s", ape_last_error());
+		for (int t = 0; t < 5; t++) {
+			/* Q whole at its pointer; the others wrapped 16 bytes early, at byte offset 16 */
+			const size_t early = t ? 16 : 0;
+
+			ASSERT_EQ(0, ape_buffer_wrap_cuda(d.cuda, mem + at[t] - early, n[t] + early,
+							  &buf[t]))
+				TH_LOG("%s", ape_last_error());
+			if (t < 4) {
+				const ape_tensor *h = ht[t];
+
+				ape_dtensor_init(&dt[t], buf[t], early, h->dtype, h->shape[0], h->shape[1],
+						 h->shape[2], h->shape[3]);
+				ape_tensor_strides(h, dt[t].strides);
+				ASSERT_EQ(0, ape_buffer_write(wq, buf[t], early, h->data, n[t]));
+			} else {
+				ape_dtensor_init(&dt[t], buf[t], early, APE_F32, sh.B, sh.H, sh.Lq, 1);
+			}
+		}
+		f.clear();
+		ASSERT_EQ(0, ape_attention_enqueue(wq, &b.desc, &dt[0], &dt[1], &dt[2], &dt[3], &dt[4]))
+			TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, ape_buffer_read(wq, b.o.t.data, buf[3], 16, n[3]));
+		ASSERT_EQ(0, ape_buffer_read(wq, b.lse, buf[4], 16, n[4]));
+		ASSERT_EQ(0, ape_queue_synchronize(wq)) TH_LOG("%s", ape_last_error());
+
+		log = f.log(&nlog);
+		for (size_t i = 0; i < nlog; i++)
+			on_s += log[i].stream == s && log[i].ctx_ordinal == 0;
+		EXPECT_LT(0u, nlog);
+		EXPECT_EQ((int)nlog, on_s);
+		f.clear();
+		ape_queue_destroy(wq);
+		f.stream_calls(s, &destroyed, &synced);
+		EXPECT_EQ(0, destroyed + synced);
+		for (int t = 0; t < 5; t++)
+			ape_buffer_free(buf[t]);
+
+		for (int64_t i0 = 0; i0 < sh.B; i0++)
+			for (int64_t i1 = 0; i1 < sh.H; i1++)
+				for (int64_t i2 = 0; i2 < sh.Lq; i2++)
+					for (int64_t i3 = 0; i3 < sh.D; i3++) {
+						const double x = test_tensor_get(&a.o.t, i0, i1, i2, i3);
+						const double y = test_tensor_get(&b.o.t, i0, i1, i2, i3);
+
+						bad += !(x == y || (isnan(x) && isnan(y)));
+					}
+		for (size_t i = 0; i < nl; i++)
+			bad += memcmp(&a.lse[i], &b.lse[i], sizeof(float)) != 0;
+		EXPECT_EQ(0, bad) TH_LOG("case %zu: %lld elements differ from the host call's", c,
+					 (long long)bad);
+
+		/* the caller's stream and memory are still the caller's */
+		ASSERT_EQ(CUDA_SUCCESS, f.push((CUcontext)ctx));
+		EXPECT_EQ(CUDA_SUCCESS, f.stream_destroy(s));
+		EXPECT_EQ(CUDA_SUCCESS, f.mem_free(mem));
+		f.pop(&prev);
+		test_problem_free(&a);
+		test_problem_free(&b);
+	}
 	ape_context_destroy(d.ctx);
 }
 
