@@ -793,6 +793,60 @@ TEST(queue_wrap_refuses_a_bad_stream)
 	ape_context_destroy(d.ctx);
 }
 
+/* Two GPUs: memory and streams of one are refused by the other. */
+TEST(wraps_of_another_device_are_refused)
+{
+	ape_device *devs[8], *g[2] = { NULL, NULL };
+	const struct ape__backend_ops *ops;
+	struct ape__buf *own = NULL, *w = (struct ape__buf *)1;
+	struct ape__queue *q = (struct ape__queue *)1;
+	struct fake_fns f;
+	CUstream s = NULL;
+	CUcontext prev;
+	void *ctx1 = NULL, *dev1 = NULL;
+	ape_context *ctx;
+	size_t got;
+	int n, k = 0;
+
+	setenv("FAKE_CUDA_MODE", "two-devices", 1);
+	ctx = test_context("cuda");
+	ASSERT_NE(NULL, ctx);
+	n = ape_device_list(ctx, devs, 8);
+	for (int i = 0; i < n && k < 2; i++)
+		if (!strcmp(devs[i]->info.backend, "cuda"))
+			g[k++] = devs[i];
+	ASSERT_EQ(2, k);
+	fake_fns(_metadata, &f);
+	ops = g[0]->be->ops;
+	ops->native(g[1], &ctx1, &dev1);
+	ASSERT_NE(NULL, ctx1);
+	EXPECT_EQ(1, (int)(intptr_t)dev1);
+
+	ASSERT_EQ(0, ops->buf_alloc(g[1], 1024, &own));
+	EXPECT_EQ(APE_EINVAL, ops->buf_wrap(g[0], APE__MEM_CUDA, (void *)(uintptr_t)own->ptr, 1024,
+					    &w, &got));
+	TH_LOG("%s", ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), "memory of CUDA device 1, not of device 0"));
+	EXPECT_EQ(NULL, w);
+	EXPECT_EQ(0, ops->buf_wrap(g[1], APE__MEM_CUDA, (void *)(uintptr_t)own->ptr, 1024, &w, &got));
+	ops->buf_free(g[1], w);
+
+	ASSERT_EQ(CUDA_SUCCESS, f.push((CUcontext)ctx1));
+	ASSERT_EQ(CUDA_SUCCESS, f.stream_create(&s, 0));
+	f.pop(&prev);
+	EXPECT_EQ(APE_EINVAL, ops->queue_wrap(g[0], s, &q));
+	TH_LOG("%s", ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), "not to the device's primary context"));
+	EXPECT_EQ(NULL, q);
+	EXPECT_EQ(0, ops->queue_wrap(g[1], s, &q));
+	ops->queue_destroy(q);
+	ASSERT_EQ(CUDA_SUCCESS, f.push((CUcontext)ctx1));
+	EXPECT_EQ(CUDA_SUCCESS, f.stream_destroy(s));
+	f.pop(&prev);
+	ops->buf_free(g[1], own);
+	ape_context_destroy(ctx);
+}
+
 /* ------------------------------------------------------------------ through the public API */
 
 /* Elements a host tensor's view spans, from its data pointer. */
