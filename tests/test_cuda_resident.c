@@ -18,9 +18,14 @@
  *                      stream) in the device's primary context; queue_destroy neither
  *                      synchronises nor destroys it; events on it carry no timing.
  *   native             the primary context and the CUdevice.
+ *   two GPUs           memory and streams of one device refused by the other.
+ *   public API         ape_buffer_wrap_cuda(), ape_queue_wrap_cuda() and ape_attention_enqueue()
+ *                      on a caller's arena and stream: the host call's result bit for bit, and
+ *                      every launch on the caller's stream.
  *
- * The launches go through the backend's ops directly (the core's public API over them is
- * tested where it lives); the reference runs the same launch, contiguous, through its own ops.
+ * Most launches go through the backend's ops directly (the core's public API over them is
+ * tested in tests/test_resident.c on every backend); the reference runs the same launch,
+ * contiguous, through its own ops.
  */
 #include <dlfcn.h>
 #include <math.h>
@@ -790,6 +795,49 @@ TEST(queue_wrap_refuses_a_bad_stream)
 	EXPECT_EQ(NULL, q);
 	TH_LOG("%s", ape_last_error());
 	EXPECT_NE(NULL, strstr(ape_last_error(), "queue_wrap"));
+	ape_context_destroy(d.ctx);
+}
+
+/* A wrapped pointer that is not aligned to its elements: APE_EINVAL naming the tensor, before
+ * any kernel runs. */
+TEST(misaligned_elements_are_refused)
+{
+	const struct scase c = { 1, 2, 1, 20, 30, 64, F32, F32, HALF, true, false, false, K_BLHD };
+	const struct ape__backend_ops *ops;
+	struct ape__buf *own = NULL, *w = NULL;
+	struct ape__queue *q = NULL;
+	struct fake_fns f;
+	struct inputs in;
+	size_t got, nlog = 1;
+	struct devs d;
+	ape_rng rng;
+
+	open_devs(_metadata, &d);
+	fake_fns(_metadata, &f);
+	ops = d.cuda->be->ops;
+	ape_rng_init(&rng, "cuda_resident_align");
+	ASSERT_EQ(0, make_inputs(&in, &rng, &c));
+	ASSERT_EQ(0, ops->queue_create(d.cuda, &q));
+	ASSERT_EQ(0, ops->buf_alloc(d.cuda, 65536, &own));
+	ASSERT_EQ(0, ops->buf_wrap(d.cuda, APE__MEM_CUDA, (void *)(uintptr_t)(own->ptr + 2), 60000,
+				   &w, &got));
+	in.l.q = in.l.k = in.l.v = own;
+	in.l.o = w; /* float32 O two bytes off */
+	for (int t = 0; t < 4; t++)
+		in.l.view[t] = ape__launch_view(&in.l, t); /* the contiguous views */
+	in.l.strided = true;
+	in.l.view[APE__T_O].off = 64;
+	f.clear();
+	EXPECT_EQ(APE_EINVAL, ops->attention(q, &in.l));
+	TH_LOG("%s", ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), "o at 0x"));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "not aligned to its 4-byte elements"));
+	f.log(&nlog);
+	EXPECT_EQ(0u, nlog);
+	ops->buf_free(d.cuda, w);
+	ops->buf_free(d.cuda, own);
+	ops->queue_destroy(q);
+	inputs_free(&in);
 	ape_context_destroy(d.ctx);
 }
 
