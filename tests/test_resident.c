@@ -459,4 +459,93 @@ TEST_F(resident, host_memory_in_place)
 	}
 }
 
+/* A KV cache fed from device tensors ([B, L, Hkv, D] in one buffer, in pieces that cross block
+ * borders) attends exactly as one fed the same tokens from the host. */
+TEST_F(resident, kv_cache_appends_from_device)
+{
+	const int64_t B = 2, Hkv = 2, H = 4, D = 16, L = self->emu ? 37 : 301, Lq = 3;
+	const size_t n = (size_t)(B * L * Hkv * D);
+	float *kh = malloc(n * 4), *vh = malloc(n * 4), *q = malloc((size_t)(B * H * Lq * D) * 4);
+	float *o1 = malloc((size_t)(B * H * Lq * D) * 4), *o2 = malloc((size_t)(B * H * Lq * D) * 4);
+	ape_kv_cache *c1 = NULL, *c2 = NULL;
+	ape_kv_cache_options ko;
+	ape_buffer *bk = NULL, *bv = NULL;
+	ape_queue *qu = NULL;
+	ape_tensor tk, tv, tq, to;
+	ape_attn_desc desc;
+	ape_kv_cache_info info;
+	ape_rng rng;
+	const int64_t s[4] = { L * Hkv * D, D, Hkv * D, 1 };
+
+	ASSERT_TRUE(kh && vh && q && o1 && o2);
+	ape_rng_init(&rng, _metadata->name);
+	for (size_t i = 0; i < n; i++) {
+		kh[i] = (float)ape_rng_normal(&rng);
+		vh[i] = (float)ape_rng_normal(&rng);
+	}
+	for (int64_t i = 0; i < B * H * Lq * D; i++)
+		q[i] = (float)ape_rng_normal(&rng);
+	ape_kv_cache_options_init(&ko);
+	ko.B = B, ko.Hkv = Hkv, ko.H = H, ko.D = D, ko.dtype = APE_F32;
+	ko.block_tokens = 16, ko.capacity_tokens = L, ko.append_chunk = 50;
+	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &ko, &c1)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &ko, &c2)) TH_LOG("%s", ape_last_error());
+	ape_tensor_init(&tk, kh, APE_F32, B, Hkv, L, D);
+	memcpy(tk.strides, s, sizeof(s));
+	tv = tk;
+	tv.data = vh;
+	ASSERT_EQ(0, ape_kv_cache_append(c1, &tk, &tv)) TH_LOG("%s", ape_last_error());
+
+	ASSERT_EQ(0, ape_queue_create(self->dev, &qu));
+	ASSERT_EQ(0, ape_buffer_alloc(self->dev, n * 4, &bk));
+	ASSERT_EQ(0, ape_buffer_alloc(self->dev, n * 4, &bv));
+	ASSERT_EQ(0, ape_buffer_write(qu, bk, 0, kh, n * 4));
+	ASSERT_EQ(0, ape_buffer_write(qu, bv, 0, vh, n * 4));
+	for (int64_t t0 = 0, step = 1; t0 < L; t0 += step, step = step * 3 + 1) {
+		const int64_t m = L - t0 < step ? L - t0 : step;
+		ape_dtensor dk, dv;
+
+		ape_dtensor_init(&dk, bk, (uint64_t)(t0 * Hkv * D) * 4, APE_F32, B, Hkv, m, D);
+		memcpy(dk.strides, s, sizeof(s));
+		dv = dk;
+		dv.buf = bv;
+		ASSERT_EQ(0, ape_kv_cache_append_device(c2, qu, &dk, &dv)) TH_LOG("%s", ape_last_error());
+	}
+	ASSERT_EQ(0, ape_kv_cache_get_info(c2, &info));
+	EXPECT_EQ(L, info.tokens);
+	ape_attn_desc_init(&desc);
+	desc.delta.value = 0.3f;
+	desc.lambda.value = 0.1f;
+	ape_tensor_init(&tq, q, APE_F32, B, H, Lq, D);
+	ape_tensor_init(&to, o1, APE_F32, B, H, Lq, D);
+	ASSERT_EQ(0, ape_kv_cache_attend(c1, &desc, &tq, &to, NULL, NULL)) TH_LOG("%s", ape_last_error());
+	to.data = o2;
+	ASSERT_EQ(0, ape_kv_cache_attend(c2, &desc, &tq, &to, NULL, NULL)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, memcmp(o1, o2, (size_t)(B * H * Lq * D) * 4));
+	{ /* refusals */
+		ape_dtensor dk;
+
+		ape_dtensor_init(&dk, bk, n * 4 - 4, APE_F32, B, Hkv, 1, D);
+		EXPECT_EQ(APE_EINVAL, ape_kv_cache_append_device(c2, qu, &dk, &dk));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "k: offset"));
+		ape_dtensor_init(&dk, bk, 0, APE_F16, B, Hkv, 1, D);
+		EXPECT_EQ(APE_EINVAL, ape_kv_cache_append_device(c2, qu, &dk, &dk));
+		EXPECT_EQ(APE_EINVAL, ape_kv_cache_append_device(c2, NULL, &dk, &dk));
+		ape_dtensor_init(&dk, bk, 0, APE_F32, B, Hkv, info.capacity_tokens - L + 1, D);
+		memcpy(dk.strides, s, sizeof(s));
+		EXPECT_EQ(APE_ENOMEM, ape_kv_cache_append_device(c2, qu, &dk, &dk));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "do not fit"));
+	}
+	ape_queue_destroy(qu);
+	ape_buffer_free(bk);
+	ape_buffer_free(bv);
+	ape_kv_cache_destroy(c1);
+	ape_kv_cache_destroy(c2);
+	free(kh);
+	free(vh);
+	free(q);
+	free(o1);
+	free(o2);
+}
+
 TEST_HARNESS_MAIN
