@@ -921,6 +921,29 @@ TEST_F(run, backward_bad_arguments_and_files)
 #undef BWD
 }
 
+/* A backend without a backward pass (the emulated CUDA device, for now): exit 3 naming the
+ * device, and not even O is written. */
+TEST_F(run, backward_on_a_backend_without_one)
+{
+	const char *emu = APE_BUILD_DIR "/tests/cuda_emu/libcuda.so.1";
+	struct bwd_files f = { 0 };
+	int got;
+
+	if (access(emu, F_OK))
+		SKIP(return, "this build has no CUDA backend, so no emulated device");
+	write_inputs(_metadata, self, APE_F32, 1, 2, 1, 4, 4, 8, false);
+	write_bwd_inputs(_metadata, self, &f, APE_F32, false);
+	ASSERT_EQ(0, setenv("APE_CUDA_LIBRARY", emu, 1));
+	got = RUN(FILES, "--backend", "cuda", "--backward", "DO.npy", "--dq", "DQ.npy");
+	unsetenv("APE_CUDA_LIBRARY");
+	if (!got)
+		SKIP(return, "the CUDA backend has a backward pass now: update this test");
+	expect_refused(_metadata, self, got, 3,
+		       WORDS("--backward: ", "cuda:0", "not implemented"));
+	test_tensor_free(&f.dout);
+	test_tensor_free(&f.dlse);
+}
+
 /* All or nothing: the last output failing leaves none of the others behind, old files intact. */
 TEST_F(run, backward_outputs_all_or_nothing)
 {

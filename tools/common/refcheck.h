@@ -34,4 +34,38 @@ int refcheck_sampled(ape_device *ref, const ape_attn_desc *desc, const ape_tenso
 double refcheck_tol_o(ape_dtype storage);
 double refcheck_tol_lse(ape_dtype storage);
 
+/* The spec's accuracy of gradients ("Gradients"): max |G - G_64| <= tol * max |G_64|. */
+double refcheck_tol_grad(ape_dtype storage);
+
+enum { REFCHECK_DQ, REFCHECK_DK, REFCHECK_DV, REFCHECK_DPARAMS, REFCHECK_NGRADS };
+
+/*
+ * The spec's bound, max |G - G_64| <= tol * max |G_64|, is taken with max |G_64| no smaller than
+ * refcheck_tol_o(APE_F32) * D * max |dO| * max |V|: float32's forward accuracy (kernels compute
+ * in float32 whatever the storage) applied to the largest term dP_ij = dO_i . V_j, of which
+ * every gradient is a difference (dS_ij = P_ij (dP_ij - dO_i . O_i)). Without that floor a
+ * gradient that is exactly zero (dQ and dK of a row with one visible key, whose softmax is 1:
+ * dP_ij - dO_i . O_i cancels) would be held to no rounding at all; on the other cases max |G_64|
+ * is well above the floor, which then changes nothing.
+ */
+struct refcheck_grads {
+	/* max |G - G_ref| / max(floor, max |G_ref|) per gradient (dparams as one [H, 4] tensor);
+	 * -1 for a gradient not given */
+	double err[REFCHECK_NGRADS];
+	double tol; /* refcheck_tol_grad(q->dtype) */
+	bool within_tol;
+};
+
+/*
+ * Recomputes every gradient of a backward call on the reference device `ref` (all of them:
+ * dK and dV need every row) from the same inputs, O and LSE, and compares the ones given (dq,
+ * dk, dv, dparams; NULL: not checked) with it. Returns 0, or the negative code of a failed
+ * reference call (with ape_last_error() set); APE_ENOMEM for host memory.
+ */
+int refcheck_backward(ape_device *ref, const ape_attn_desc *desc, const ape_tensor *q,
+		      const ape_tensor *k, const ape_tensor *v, const ape_tensor *o,
+		      const float *lse, const ape_tensor *dout, const float *dlse,
+		      const ape_tensor *dq, const ape_tensor *dk, const ape_tensor *dv,
+		      const float *dparams, struct refcheck_grads *res);
+
 #endif
