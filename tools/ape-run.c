@@ -83,6 +83,8 @@ static const struct cli_option options[] = {
 static void usage(void)
 {
 	printf("usage: ape-run -q Q.npy -k K.npy -v V.npy -o O.npy [--lse LSE.npy] [options]\n"
+	       "       ape-run ... --backward DO.npy [--dq DQ.npy] [--dk DK.npy] [--dv DV.npy]\n"
+	       "               [--dparams DP.npy] [--dlse DLSE.npy]\n"
 	       "\n"
 	       "APE attention, O = softmax(S) V (see docs/ape.md), on NumPy .npy files.\n"
 	       "\n"
@@ -161,14 +163,15 @@ static void usage(void)
 	       "  --dlse FILE    dL/dLSE, '<f4', LSE's shape (default: zero)\n"
 	       "  -o and --lse are written as without --backward; with --stats the backward\n"
 	       "  call's statistics follow the forward's. One device, no --kv-cache; the\n"
-	       "  backward pass skips nothing (--skip-tol is the forward's). A backend with\n"
-	       "  no backward pass exits with 3.\n"
+	       "  backward takes the forward's parameters and --chunk, --max-device-mem.\n"
+	       "  A backend with no backward pass exits with 3.\n"
 	       "\n"
 	       "  -h, --help     print this text\n"
 	       "  --version      print the libape version and exit\n"
 	       "\n"
 	       "Exit status: 0 success; 2 bad arguments or input files; 3 the backend or\n"
-	       "device is not available; 1 any other failure.\n",
+	       "device is not available (with --backward: or has no backward pass); 1 any\n"
+	       "other failure. A failed run leaves no output file, gradients included.\n",
 	       SEED_DELTA, SEED_DELTA / 10, SEED_DELTA / 10, SEED_LAMBDA);
 }
 
