@@ -377,52 +377,53 @@ static int fill_random(void *dst, ape_dtype dt, size_t n, ape_rng *rng)
 	return 0;
 }
 
+/* A [B, heads, L, D] tensor of the storage type, uninitialised; NULL data when out of memory. */
+static void *new_tensor(ape_tensor *t, const struct bench_opts *o, int64_t heads, int64_t L)
+{
+	void *p = malloc((size_t)(o->B * heads * L * o->D) * ape_dtype_size(o->dtype) + 1);
+
+	ape_tensor_init(t, p, o->dtype, o->B, heads, L, o->D);
+	return p;
+}
+
+static int fill_tensor(const ape_tensor *t, ape_rng *rng)
+{
+	const int64_t *s = t->shape;
+
+	return fill_random(t->data, t->dtype, (size_t)(s[0] * s[1] * s[2] * s[3]), rng);
+}
+
 /* --backward: a random dO and room for every gradient. */
 static int make_grads(const struct bench_opts *o, int64_t L, int64_t Lq, ape_rng *rng,
 		      struct inputs *in)
 {
-	const size_t esz = ape_dtype_size(o->dtype);
-	const size_t nq = (size_t)(o->B * o->H * Lq * o->D), nk = (size_t)(o->B * o->Hkv * L * o->D);
-
-	in->dout = malloc(nq * esz + 1);
-	in->dq = malloc(nq * esz + 1);
-	in->dk = malloc(nk * esz + 1);
-	in->dv = malloc(nk * esz + 1);
+	in->dout = new_tensor(&in->tdout, o, o->H, Lq);
+	in->dq = new_tensor(&in->tdq, o, o->H, Lq);
+	in->dk = new_tensor(&in->tdk, o, o->Hkv, L);
+	in->dv = new_tensor(&in->tdv, o, o->Hkv, L);
 	in->dparams = malloc(sizeof(float) * 4 * (size_t)o->H);
 	if (!in->dout || !in->dq || !in->dk || !in->dv || !in->dparams ||
-	    fill_random(in->dout, o->dtype, nq, rng)) {
+	    fill_tensor(&in->tdout, rng)) {
 		free_inputs(in);
 		return APE_ENOMEM;
 	}
-	ape_tensor_init(&in->tdout, in->dout, o->dtype, o->B, o->H, Lq, o->D);
-	ape_tensor_init(&in->tdq, in->dq, o->dtype, o->B, o->H, Lq, o->D);
-	ape_tensor_init(&in->tdk, in->dk, o->dtype, o->B, o->Hkv, L, o->D);
-	ape_tensor_init(&in->tdv, in->dv, o->dtype, o->B, o->Hkv, L, o->D);
 	return 0;
 }
 
 static int make_inputs(const struct bench_opts *o, int64_t L, int64_t Lq, ape_rng *rng,
 		       struct inputs *in)
 {
-	const size_t esz = ape_dtype_size(o->dtype);
-	const size_t nq = (size_t)(o->B * o->H * Lq * o->D), nk = (size_t)(o->B * o->Hkv * L * o->D);
-
 	memset(in, 0, sizeof(*in));
-	in->q = malloc(nq * esz + 1);
-	in->k = malloc(nk * esz + 1);
-	in->v = malloc(nk * esz + 1);
-	in->o = malloc(nq * esz + 1);
+	in->q = new_tensor(&in->tq, o, o->H, Lq);
+	in->k = new_tensor(&in->tk, o, o->Hkv, L);
+	in->v = new_tensor(&in->tv, o, o->Hkv, L);
+	in->o = new_tensor(&in->to, o, o->H, Lq);
 	in->lse = malloc(sizeof(float) * (size_t)(o->B * o->H * Lq) + 1);
-	if (!in->q || !in->k || !in->v || !in->o || !in->lse ||
-	    fill_random(in->q, o->dtype, nq, rng) || fill_random(in->k, o->dtype, nk, rng) ||
-	    fill_random(in->v, o->dtype, nk, rng)) {
+	if (!in->q || !in->k || !in->v || !in->o || !in->lse || fill_tensor(&in->tq, rng) ||
+	    fill_tensor(&in->tk, rng) || fill_tensor(&in->tv, rng)) {
 		free_inputs(in);
 		return APE_ENOMEM;
 	}
-	ape_tensor_init(&in->tq, in->q, o->dtype, o->B, o->H, Lq, o->D);
-	ape_tensor_init(&in->tk, in->k, o->dtype, o->B, o->Hkv, L, o->D);
-	ape_tensor_init(&in->tv, in->v, o->dtype, o->B, o->Hkv, L, o->D);
-	ape_tensor_init(&in->to, in->o, o->dtype, o->B, o->H, Lq, o->D);
 	return o->backward ? make_grads(o, L, Lq, rng, in) : 0;
 }
 

@@ -255,11 +255,13 @@ static double worst_grad(const struct cell *c)
 	return w;
 }
 
-static void print_bwd_matrix(ape_device **devs, int ndev, struct cell (*cells)[MAX_DEVICES])
+/* A matrix's first line: its title, then each device's backend:index. */
+static void print_header(const char *title, ape_device **devs, int ndev)
 {
-	printf("\n%-28s", "backward (max error / tol)");
+	ape_device_info info;
+
+	printf("%-28s", title);
 	for (int d = 0; d < ndev; d++) {
-		ape_device_info info;
 		char name[32];
 
 		ape_device_get_info(devs[d], &info);
@@ -267,6 +269,12 @@ static void print_bwd_matrix(ape_device **devs, int ndev, struct cell (*cells)[M
 		printf(" %22s", name);
 	}
 	printf("\n");
+}
+
+static void print_bwd_matrix(ape_device **devs, int ndev, struct cell (*cells)[MAX_DEVICES])
+{
+	printf("\n");
+	print_header("backward (max error / tol)", devs, ndev);
 	for (int i = 0; i < NCASES && ndev; i++) {
 		if (!has_backward_cell(&cases[i]))
 			continue;
@@ -295,17 +303,7 @@ static void print_bwd_matrix(ape_device **devs, int ndev, struct cell (*cells)[M
 
 static void print_matrix(ape_device **devs, int ndev, struct cell (*cells)[MAX_DEVICES])
 {
-	ape_device_info info;
-
-	printf("%-28s", "case (max error / tolerance)");
-	for (int d = 0; d < ndev; d++) {
-		char name[32];
-
-		ape_device_get_info(devs[d], &info);
-		snprintf(name, sizeof(name), "%s:%d", info.backend, info.backend_index);
-		printf(" %22s", name);
-	}
-	printf("\n");
+	print_header("case (max error / tolerance)", devs, ndev);
 	for (int i = 0; i < NCASES && ndev; i++) {
 		if (!selected(&cases[i]))
 			continue;
