@@ -316,12 +316,33 @@ TEST(refcheck_backward_catches_errors)
 	EXPECT_FALSE(res.within_tol);
 	EXPECT_EQ(-1, res.err[REFCHECK_DK]);
 	EXPECT_EQ(INFINITY, res.err[REFCHECK_DPARAMS]);
+	for (int i = 0; i < 3; i++)
+		test_tensor_free(&g[i]);
+
+	/* one row, one key: dQ and dK are exactly 0; an error is measured against
+	 * 1e-4 * D * max |dO| * max |V| */
+	q.t.shape[2] = k.t.shape[2] = v.t.shape[2] = o.t.shape[2] = dout.t.shape[2] = 1;
+	q.t.shape[1] = o.t.shape[1] = dout.t.shape[1] = 1;
+	ASSERT_EQ(0, test_tensor_empty(&g[0], APE_F32, 1, 1, 1, 8));
+	ASSERT_EQ(0, test_tensor_empty(&g[1], APE_F32, 1, 1, 1, 8));
+	ASSERT_EQ(0, ape_attention_forward(ref, &desc, &q.t, &k.t, &v.t, &o.t, lse, NULL));
+	ASSERT_EQ(0, ape_attention_backward(ref, &desc, &q.t, &k.t, &v.t, &o.t, lse, &dout.t, NULL,
+					    &g[0].t, &g[1].t, NULL, NULL, NULL));
+	EXPECT_EQ(0, test_tensor_maxabs(&g[0].t));
+	((float *)g[0].t.data)[2] = 1e-3f;
+	ASSERT_EQ(0, refcheck_backward(ref, &desc, &q.t, &k.t, &v.t, &o.t, lse, &dout.t, NULL,
+				       &g[0].t, &g[1].t, NULL, NULL, &res));
+	m = 1e-4 * 8 * test_tensor_maxabs(&dout.t) * test_tensor_maxabs(&v.t);
+	EXPECT_LT(fabs(1e-3f / m - res.err[REFCHECK_DQ]), 1e-6 / m);
+	EXPECT_EQ(0, res.err[REFCHECK_DK]);
+	EXPECT_EQ(-1, res.err[REFCHECK_DV]);
+	EXPECT_EQ(res.err[REFCHECK_DQ] <= res.tol, res.within_tol);
 	test_tensor_free(&q);
 	test_tensor_free(&k);
 	test_tensor_free(&v);
 	test_tensor_free(&o);
 	test_tensor_free(&dout);
-	for (int i = 0; i < 3; i++)
+	for (int i = 0; i < 2; i++)
 		test_tensor_free(&g[i]);
 	ape_context_destroy(ctx);
 }

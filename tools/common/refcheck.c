@@ -137,11 +137,17 @@ static double abs_err(double got, double want)
 	return fabs(got - want);
 }
 
-/* max |t - want| / max(floor, max |want|); want is a contiguous float32 tensor of t's shape. */
-static double rel_err(const ape_tensor *t, const float *want, double floor)
+/* max |got - want| / max |want|, or / zero_scale where want is 0 everywhere (refcheck.h). */
+static double scaled(double err, double max_want, double zero_scale)
+{
+	return err / (max_want > 0 ? max_want : zero_scale);
+}
+
+/* max |t - want| over max |want| (scaled()); want is a contiguous float32 tensor of t's shape. */
+static double rel_err(const ape_tensor *t, const float *want, double zero_scale)
 {
 	const int64_t *n = t->shape;
-	double err = 0, m = floor;
+	double err = 0, m = 0;
 	int64_t s[4];
 	size_t i = 0;
 
@@ -153,7 +159,7 @@ static double rel_err(const ape_tensor *t, const float *want, double floor)
 					err = fmax(err, abs_err(get(t, s, b, h, l, d), want[i]));
 					m = fmax(m, fabs(want[i]));
 				}
-	return err / m;
+	return scaled(err, m, zero_scale);
 }
 
 static size_t count4(const ape_tensor *t)
@@ -172,7 +178,7 @@ int refcheck_backward(ape_device *ref, const ape_attn_desc *desc, const ape_tens
 	float *buf = malloc(sizeof(float) * (nq + 2 * nk + 4 * (size_t)H) + 1);
 	float *rq = buf, *rk = buf + nq, *rv = rk + nk, *rp = rv + nk;
 	ape_tensor tq, tk, tv;
-	double m, err = 0, floor;
+	double m = 0, err = 0, zero_scale;
 	int64_t s[4];
 	int ret;
 
@@ -191,25 +197,24 @@ int refcheck_backward(ape_device *ref, const ape_attn_desc *desc, const ape_tens
 		free(buf);
 		return ret;
 	}
-	/* the floor under max |G_64| (see refcheck.h) */
+	/* the scale of a gradient that is exactly zero (see refcheck.h) */
 	ape_tensor_strides(dout, s);
-	floor = max_abs_v(dout, s);
+	zero_scale = max_abs_v(dout, s);
 	ape_tensor_strides(v, s);
-	floor = fmax(1e-30, refcheck_tol_o(APE_F32) * (double)q->shape[3] * floor *
-				    max_abs_v(v, s));
-	m = floor;
+	zero_scale = fmax(1e-30, refcheck_tol_o(APE_F32) * (double)q->shape[3] * zero_scale *
+					 max_abs_v(v, s));
 	if (dq)
-		res->err[REFCHECK_DQ] = rel_err(dq, rq, floor);
+		res->err[REFCHECK_DQ] = rel_err(dq, rq, zero_scale);
 	if (dk)
-		res->err[REFCHECK_DK] = rel_err(dk, rk, floor);
+		res->err[REFCHECK_DK] = rel_err(dk, rk, zero_scale);
 	if (dv)
-		res->err[REFCHECK_DV] = rel_err(dv, rv, floor);
+		res->err[REFCHECK_DV] = rel_err(dv, rv, zero_scale);
 	if (dparams) {
 		for (int64_t i = 0; i < 4 * H; i++) {
 			err = fmax(err, abs_err(dparams[i], rp[i]));
 			m = fmax(m, fabs(rp[i]));
 		}
-		res->err[REFCHECK_DPARAMS] = err / m;
+		res->err[REFCHECK_DPARAMS] = scaled(err, m, zero_scale);
 	}
 	res->within_tol = true;
 	for (int i = 0; i < REFCHECK_NGRADS; i++)

@@ -40,17 +40,16 @@ double refcheck_tol_grad(ape_dtype storage);
 enum { REFCHECK_DQ, REFCHECK_DK, REFCHECK_DV, REFCHECK_DPARAMS, REFCHECK_NGRADS };
 
 /*
- * The spec's bound, max |G - G_64| <= tol * max |G_64|, is taken with max |G_64| no smaller than
- * refcheck_tol_o(APE_F32) * D * max |dO| * max |V|: float32's forward accuracy (kernels compute
- * in float32 whatever the storage) applied to the largest term dP_ij = dO_i . V_j, of which
- * every gradient is a difference (dS_ij = P_ij (dP_ij - dO_i . O_i)). Without that floor a
- * gradient that is exactly zero (dQ and dK of a row with one visible key, whose softmax is 1:
- * dP_ij - dO_i . O_i cancels) would be held to no rounding at all; on the other cases max |G_64|
- * is well above the floor, which then changes nothing.
+ * The spec's bound, max |G - G_64| <= tol * max |G_64|, per gradient tensor. A gradient that is
+ * exactly zero in float64 (dQ and dK where every row sees one key, whose softmax is 1, so that
+ * dP_ij - dO_i . O_i cancels; every parameter gradient when all pairs have n = 0) has no scale of
+ * its own: its error is measured against refcheck_tol_o(APE_F32) * D * max |dO| * max |V|,
+ * float32's forward accuracy (kernels compute in float32 whatever the storage) applied to the
+ * largest term dP_ij = dO_i . V_j that cancelled.
  */
 struct refcheck_grads {
-	/* max |G - G_ref| / max(floor, max |G_ref|) per gradient (dparams as one [H, 4] tensor);
-	 * -1 for a gradient not given */
+	/* max |G - G_ref| / max |G_ref| per gradient (dparams as one [H, 4] tensor; the scale of
+	 * an all-zero G_ref as above); -1 for a gradient not given */
 	double err[REFCHECK_NGRADS];
 	double tol; /* refcheck_tol_grad(q->dtype) */
 	bool within_tol;
