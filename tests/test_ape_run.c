@@ -711,13 +711,13 @@ static void grads_free(struct grads *g)
 	free(g->dparams);
 }
 
-static void direct_backward(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
-			    const ape_attn_desc *desc, ape_dtype storage, struct bwd_files *f,
-			    bool with_dlse, struct grads *g)
+static void direct_backward_on(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
+			       const char *backend, const ape_attn_desc *desc, ape_dtype storage,
+			       struct bwd_files *f, bool with_dlse, struct grads *g)
 {
 	const int64_t *s = self->q.t.shape, *ks = self->k.t.shape;
-	ape_context *ctx = test_context("ref");
-	ape_device *dev = test_device(ctx, "ref");
+	ape_context *ctx = test_context(backend);
+	ape_device *dev = test_device(ctx, backend);
 	test_tensor q, k, v, dout, o;
 	float *lse = malloc(sizeof(float) * (size_t)(s[0] * s[1] * s[2]) + 1);
 
@@ -746,6 +746,13 @@ static void direct_backward(struct __test_metadata *_metadata, FIXTURE_DATA(run)
 	test_tensor_free(&o);
 	free(lse);
 	ape_context_destroy(ctx);
+}
+
+static void direct_backward(struct __test_metadata *_metadata, FIXTURE_DATA(run) *self,
+			    const ape_attn_desc *desc, ape_dtype storage, struct bwd_files *f,
+			    bool with_dlse, struct grads *g)
+{
+	direct_backward_on(_metadata, self, "ref", desc, storage, f, with_dlse, g);
 }
 
 /* A float32 gradient as the tool writes it: rounded once to float16 for an '<f2' file. */
@@ -814,6 +821,20 @@ TEST_F(run, backward_matches_the_library)
 		TH_LOG("stderr: %s", self->err);
 	direct_backward(_metadata, self, &desc, APE_F32, &f, false, &g);
 	expect_grads(_metadata, self, &g, APE_F32, false, NULL, NULL, "DV2.npy", "DP.npy");
+
+	/* --chunk and --max-device-mem reach the backward: chunks of 3 rows, summed in another
+	 * order than one launch's, equal within float32 rounding */
+	ASSERT_EQ(0, RUN(BASIC, "--lambda", "0.1,0,0.3,0.05", "--layout", "interleaved",
+			 "--backward", "DO.npy", "--dq", "DQ3.npy", "--chunk", "3",
+			 "--max-device-mem", "1M", "--stats"))
+		TH_LOG("stderr: %s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "ape-run: backward: chunks computed "))
+		TH_LOG("stderr: %s", self->err);
+	EXPECT_NE(NULL, strstr(strstr(self->err, "backward: chunks") ?: "", "(3 x 3 rows"))
+		TH_LOG("stderr: %s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "backward: peak device memory "));
+	expect_npy(_metadata, self, "DQ3.npy", APE_F32, 4, g.dq.t.shape, g.dq.t.data,
+		   1e-5 * test_tensor_maxabs(&g.dq.t));
 	grads_free(&g);
 	test_tensor_free(&f.dout);
 	test_tensor_free(&f.dlse);
@@ -919,6 +940,32 @@ TEST_F(run, backward_bad_arguments_and_files)
 	test_tensor_free(&f.dout);
 	test_tensor_free(&f.dlse);
 #undef BWD
+}
+
+/* The OpenCL backward through the tool gives the library's own gradients on that device. */
+TEST_F(run, backward_on_opencl_matches_the_library)
+{
+	struct bwd_files f = { 0 };
+	struct grads g = { 0 };
+	ape_context *ctx = test_context("opencl");
+	ape_attn_desc desc;
+	bool have = test_device(ctx, "opencl") != NULL;
+
+	ape_context_destroy(ctx);
+	if (!have)
+		SKIP(return, "no OpenCL device here");
+	write_inputs(_metadata, self, APE_F16, 1, 4, 1, 37, 70, 64, false);
+	write_bwd_inputs(_metadata, self, &f, APE_F16, false);
+	ASSERT_EQ(0, RUN(FILES, "--backend", "opencl", "--backward", "DO.npy", "--dlse",
+			 "DLSE.npy", "--dq", "DQ.npy", "--dk", "DK.npy", "--dv", "DV.npy",
+			 "--dparams", "DP.npy"))
+		TH_LOG("stderr: %s", self->err);
+	seed_desc(&desc);
+	direct_backward_on(_metadata, self, "opencl", &desc, APE_F16, &f, true, &g);
+	expect_grads(_metadata, self, &g, APE_F16, false, "DQ.npy", "DK.npy", "DV.npy", "DP.npy");
+	grads_free(&g);
+	test_tensor_free(&f.dout);
+	test_tensor_free(&f.dlse);
 }
 
 /* A backend without a backward pass (the emulated CUDA device, for now): exit 3 naming the
