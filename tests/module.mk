@@ -52,3 +52,9 @@ TESTS_ON_EVERY_BACKEND := $(BUILD)/tests/test_stream $(BUILD)/tests/test_kvcache
 ifeq ($(HAVE_CUDA),yes)
 $(TESTS_ON_EVERY_BACKEND): $(CUDA_EMU)
 endif
+
+# The tools' tests run the tools on the emulated CUDA device too, where a backward pass is not
+# implemented yet: ape-run, ape-bench and ape-check must say so (exit 3, or SKIP cells).
+ifeq ($(HAVE_CUDA),yes)
+$(BUILD)/tests/test_tools $(BUILD)/tests/test_ape_run: $(CUDA_EMU)
+endif
