@@ -631,6 +631,13 @@ TEST(backward_nan_reaches_only_what_it_touches)
 	ape_context_destroy(d.ctx);
 }
 
+/* The devices with the fake driver in its fault mode: every kernel launch faults (sticky). */
+static void open_faulting_devices(struct __test_metadata *_metadata, struct pair_of_devices *d)
+{
+	setenv("FAKE_CUDA_MODE", "fault", 1);
+	open_devices(_metadata, d);
+}
+
 /* A kernel that faults: the call fails with APE_EDEVLOST naming the CUDA error, no abort. */
 TEST(device_fault_is_devlost)
 {
@@ -641,8 +648,7 @@ TEST(device_fault_is_devlost)
 
 	if (real_device)
 		SKIP(return, "fault injection needs the fake driver");
-	setenv("FAKE_CUDA_MODE", "fault", 1);
-	open_devices(_metadata, &d);
+	open_faulting_devices(_metadata, &d);
 	ape_rng_init(&rng, "cuda_emu_fault");
 	ASSERT_EQ(0, new_problem(&tp, &rng, 1, 2, 2, 20, 20, 64, APE_F32));
 	ret = test_problem_run(&tp, d.cuda);
@@ -665,8 +671,7 @@ TEST(backward_fault_is_devlost)
 
 	if (real_device)
 		SKIP(return, "fault injection needs the fake driver");
-	setenv("FAKE_CUDA_MODE", "fault", 1);
-	open_devices(_metadata, &d);
+	open_faulting_devices(_metadata, &d);
 	ape_rng_init(&rng, "cuda_emu_backward_fault");
 	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F32, false, true, d.ref));
 	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
