@@ -6,12 +6,17 @@
  * reports the median and spread of the wall time, visible pairs per second, dense-equivalent
  * GFLOP/s (4 * D FLOPs per visible pair, the FlashAttention convention), the pairs actually
  * computed after skipping, and the largest error against the float64 reference on sampled rows.
+ *
+ * --resident times the device-resident call instead, beside the host call on the same inputs:
+ * the tensors are written to device buffers once (ape_buffer_alloc, ape_buffer_write), then
+ * each timed call is ape_attention_enqueue() + ape_queue_synchronize().
  */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ape/ape.h"
 #include "common/cli.h"
@@ -39,6 +44,7 @@ struct bench_opts {
 	bool numa; /* --numa: copy bandwidth per NUMA node instead of attention */
 	int64_t copy_mib;
 	bool stream; /* --stream: chunked execution under a budget, overlap and peak memory */
+	bool resident; /* --resident: ape_attention_enqueue on device buffers beside the host call */
 	bool serial; /* --stream: also time copies and kernels back to back (--no-serial: not) */
 	int64_t chunk;
 	uint64_t max_mem;
@@ -80,6 +86,7 @@ enum {
 	OPT_CHUNK,
 	OPT_MAX_MEM,
 	OPT_NO_SERIAL,
+	OPT_RESIDENT,
 	OPT_HELP,
 };
 
@@ -98,6 +105,7 @@ static const struct cli_option options[] = {
 	{ "--stream", NULL, false, OPT_STREAM },  { "--chunk", NULL, true, OPT_CHUNK },
 	{ "--max-device-mem", NULL, true, OPT_MAX_MEM },
 	{ "--no-serial", NULL, false, OPT_NO_SERIAL },
+	{ "--resident", NULL, false, OPT_RESIDENT },
 	{ "--help", "-h", false, OPT_HELP },	  { NULL, NULL, false, 0 },
 };
 
@@ -134,6 +142,12 @@ static void usage(FILE *f)
 		"  --chunk N                        --stream: most tokens per chunk (default 4096)\n"
 		"  --max-device-mem BYTES           --stream: device budget (default 256M)\n"
 		"  --no-serial                      --stream: skip the back-to-back run\n"
+		"  --resident                       instead: inputs already in device buffers\n"
+		"                                   (written once), each call ape_attention_enqueue\n"
+		"                                   + ape_queue_synchronize, beside the host call on\n"
+		"                                   the same inputs: wall time, bytes copied per call\n"
+		"                                   and overhead (wall time minus the kernel time\n"
+		"                                   the host call's ape_stats reports)\n"
 		"  -h, --help                       print this text\n"
 		"  --version                        print the libape version and exit\n"
 		"Throughput counts visible (query, key) pairs; dense-equivalent GFLOP/s counts 4*D\n"
@@ -265,6 +279,9 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 		case OPT_NO_SERIAL:
 			o->serial = false;
 			break;
+		case OPT_RESIDENT:
+			o->resident = true;
+			break;
 		case OPT_CHUNK:
 			ret = cli_parse_int64("--chunk", val, 1, (int64_t)1 << 40, &o->chunk, err,
 					      errlen);
@@ -290,6 +307,10 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 		return id;
 	if (ret)
 		return ret;
+	if (o->resident + o->stream + o->numa > 1) {
+		snprintf(err, errlen, "--resident, --stream and --numa: one at a time");
+		return APE_EINVAL;
+	}
 	if (o->D % 2) {
 		snprintf(err, errlen, "-D %" PRId64 ": the head dimension must be even", o->D);
 		return APE_EINVAL;
@@ -488,6 +509,225 @@ static void print_json(const ape_device_info *info, const struct bench_opts *o,
 											   : "false");
 	}
 	printf("\n ]}\n");
+}
+
+/* ------------------------------------------------------------------ --resident */
+
+struct resident_row {
+	int64_t L, Lq;
+	double skip_tol;
+	double host_ms, host_kernel_ms; /* host call: median wall time, median kernel time */
+	uint64_t host_bytes; /* host call: bytes copied to and from the device, per call */
+	double res_ms, res_min_ms, res_max_ms; /* enqueue + synchronize: median, spread */
+	struct refcheck_result check;
+};
+
+static double now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+/* Device buffers holding in's tensors (written once, waited for), and their views. */
+struct resident_bufs {
+	ape_buffer *b[5];
+	ape_dtensor t[5];
+};
+
+static void resident_free(struct resident_bufs *r)
+{
+	for (int i = 0; i < 5; i++)
+		ape_buffer_free(r->b[i]);
+}
+
+static int resident_make(ape_queue *q, const struct inputs *in, struct resident_bufs *r)
+{
+	const ape_tensor *t[4] = { &in->tq, &in->tk, &in->tv, &in->to };
+	ape_device *dev = ape_queue_device(q);
+	int ret = 0;
+
+	memset(r, 0, sizeof(*r));
+	for (int i = 0; i < 5 && !ret; i++) {
+		const int64_t *d = i < 4 ? t[i]->shape : in->to.shape;
+		const ape_dtype dt = i < 4 ? t[i]->dtype : APE_F32;
+		const size_t bytes = (size_t)(d[0] * d[1] * d[2] * (i < 4 ? d[3] : 1)) *
+				     ape_dtype_size(dt);
+
+		ret = ape_buffer_alloc(dev, bytes, &r->b[i]);
+		if (!ret)
+			ape_dtensor_init(&r->t[i], r->b[i], 0, dt, d[0], d[1], d[2],
+					 i < 4 ? d[3] : 1);
+		if (!ret && i < 3)
+			ret = ape_buffer_write(q, r->b[i], 0, t[i]->data, bytes);
+	}
+	if (!ret)
+		ret = ape_queue_synchronize(q);
+	if (ret)
+		resident_free(r);
+	return ret;
+}
+
+static int resident_one(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
+			double skip_tol, ape_rng *rng, struct resident_row *row)
+{
+	const int n = o->repeats > 1024 ? 1024 : o->repeats;
+	double times[1024], kernel[1024];
+	struct resident_bufs rb;
+	struct inputs in;
+	ape_attn_desc desc;
+	ape_queue *q = NULL;
+	ape_stats st;
+	int64_t Lq = o->Lq && o->Lq < L ? o->Lq : L;
+	int ret;
+
+	memset(row, 0, sizeof(*row));
+	row->L = L;
+	row->Lq = Lq;
+	row->skip_tol = skip_tol;
+	ret = make_inputs(o, L, Lq, rng, &in);
+	if (ret)
+		return ret;
+	bench_desc(o, skip_tol, &desc);
+	/* the host call on the same inputs: its wall time, kernel time and copies */
+	for (int i = 0; i < o->warmup + n && !ret; i++) {
+		ape_stats_init(&st);
+		ret = ape_attention_forward(dev, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse, &st);
+		if (!ret && i >= o->warmup) {
+			times[i - o->warmup] = st.total_ms;
+			kernel[i - o->warmup] = st.kernel_ms;
+		}
+	}
+	if (ret)
+		goto out_free;
+	row->host_ms = median(times, n);
+	row->host_kernel_ms = median(kernel, n);
+	row->host_bytes = st.bytes_to_device + st.bytes_from_device;
+	/* the resident call: inputs on the device once, then enqueue + synchronize */
+	if ((ret = ape_queue_create(dev, &q)))
+		goto out_free;
+	if ((ret = resident_make(q, &in, &rb)))
+		goto out_queue;
+	for (int i = 0; i < o->warmup + n && !ret; i++) {
+		double t0 = now_ms();
+
+		ret = ape_attention_enqueue(q, &desc, &rb.t[0], &rb.t[1], &rb.t[2], &rb.t[3],
+					    &rb.t[4]);
+		if (!ret)
+			ret = ape_queue_synchronize(q);
+		if (!ret && i >= o->warmup)
+			times[i - o->warmup] = now_ms() - t0;
+	}
+	if (!ret) {
+		row->res_min_ms = row->res_max_ms = times[0];
+		for (int i = 0; i < n; i++) {
+			row->res_min_ms = fmin(row->res_min_ms, times[i]);
+			row->res_max_ms = fmax(row->res_max_ms, times[i]);
+		}
+		row->res_ms = median(times, n);
+		/* the resident call's own O and LSE, read back after the timing, are checked */
+		ret = ape_buffer_read(q, in.o, rb.b[3], 0, ape_buffer_size(rb.b[3]));
+		if (!ret)
+			ret = ape_buffer_read(q, in.lse, rb.b[4], 0, ape_buffer_size(rb.b[4]));
+		if (!ret)
+			ret = ape_queue_synchronize(q);
+	}
+	if (!ret && o->check_rows > 0)
+		ret = refcheck_sampled(ref, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse,
+				       o->check_rows, rng, &row->check);
+	resident_free(&rb);
+out_queue:
+	ape_queue_destroy(q);
+out_free:
+	free_inputs(&in);
+	return ret;
+}
+
+static void resident_print(const ape_device_info *info, const struct bench_opts *o,
+			   const struct resident_row *rows, int n)
+{
+	printf("ape-bench --resident: %s:%d %s (%s)\n", info->backend, info->backend_index,
+	       info->name, info->driver_version);
+	printf("shape B=%" PRId64 " H=%" PRId64 " Hkv=%" PRId64 " D=%" PRId64
+	       " %s %s; %d repeats; medians\n",
+	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype),
+	       o->causal ? "causal" : "non-causal", o->repeats);
+	printf("%8s %9s %10s %11s %10s %11s %11s %10s %9s %11s %9s %9s\n", "L", "skip_tol",
+	       "kernel_ms", "host_ms", "host_MiB", "host_ovh_ms", "resident_ms", "spread",
+	       "res_MiB", "res_ovh_ms", "err_O", "err_LSE");
+	for (int i = 0; i < n; i++) {
+		const struct resident_row *r = &rows[i];
+
+		printf("%8" PRId64 " %9.3g %10.3f %11.3f %10.2f %11.3f %11.3f %9.1f%% %9.2f %11.3f", r->L,
+		       r->skip_tol, r->host_kernel_ms, r->host_ms,
+		       (double)r->host_bytes / (1 << 20), r->host_ms - r->host_kernel_ms, r->res_ms,
+		       r->res_ms > 0 ? 100 * (r->res_max_ms - r->res_min_ms) / r->res_ms : 0, 0.0,
+		       r->res_ms - r->host_kernel_ms);
+		if (r->check.rows_checked)
+			printf(" %9.2e %9.2e%s\n", r->check.max_err_o, r->check.max_err_lse,
+			       r->check.within_tol ? "" : "  OUT OF TOLERANCE");
+		else
+			printf(" %9s %9s\n", "-", "-");
+	}
+	printf("kernel_ms: the host call's ape_stats.kernel_ms (same problem); *_MiB: bytes copied "
+	       "per call\n(resident: none, the timed loop enqueues no copy); *_ovh_ms: wall time "
+	       "minus kernel_ms\n");
+}
+
+static void resident_json(const ape_device_info *info, const struct bench_opts *o,
+			  const struct resident_row *rows, int n)
+{
+	printf("{\"device\": {\"backend\": \"%s\", \"index\": %d, \"name\": \"%s\", "
+	       "\"driver\": \"%s\"},\n",
+	       info->backend, info->backend_index, info->name, info->driver_version);
+	printf(" \"shape\": {\"B\": %" PRId64 ", \"H\": %" PRId64 ", \"Hkv\": %" PRId64
+	       ", \"D\": %" PRId64 ", \"dtype\": \"%s\", \"causal\": %s},\n \"results\": [",
+	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype), o->causal ? "true" : "false");
+	for (int i = 0; i < n; i++) {
+		const struct resident_row *r = &rows[i];
+
+		printf("%s\n  {\"L\": %" PRId64 ", \"Lq\": %" PRId64 ", \"skip_tol\": %.9g, "
+		       "\"kernel_ms\": %.6g, \"host_ms\": %.6g, \"host_bytes_copied\": %" PRIu64
+		       ", \"host_overhead_ms\": %.6g, \"resident_ms\": %.6g, "
+		       "\"resident_min_ms\": %.6g, \"resident_max_ms\": %.6g, "
+		       "\"resident_bytes_copied\": 0, \"resident_overhead_ms\": %.6g, "
+		       "\"rows_checked\": %d, \"max_err_o\": %.6g, \"max_err_lse\": %.6g, "
+		       "\"within_tol\": %s}",
+		       i ? "," : "", r->L, r->Lq, r->skip_tol, r->host_kernel_ms, r->host_ms,
+		       r->host_bytes, r->host_ms - r->host_kernel_ms, r->res_ms, r->res_min_ms,
+		       r->res_max_ms, r->res_ms - r->host_kernel_ms, r->check.rows_checked,
+		       r->check.max_err_o, r->check.max_err_lse,
+		       r->check.within_tol || !r->check.rows_checked ? "true" : "false");
+	}
+	printf("\n ]}\n");
+}
+
+static int resident_bench(ape_device *dev, ape_device *ref, const struct bench_opts *o,
+			  ape_rng *rng)
+{
+	struct resident_row rows[MAX_LIST * MAX_LIST];
+	ape_device_info info;
+	int n = 0, bad = 0, ret = 0;
+
+	ape_device_get_info(dev, &info);
+	for (int i = 0; i < o->nL && !ret; i++)
+		for (int j = 0; j < o->nskip && !ret; j++) {
+			ret = resident_one(dev, ref, o, o->L[i], o->skip[j], rng, &rows[n]);
+			if (!ret) {
+				bad += rows[n].check.rows_checked && !rows[n].check.within_tol;
+				n++;
+			}
+		}
+	if (ret) {
+		fprintf(stderr, "ape-bench: %s\n", ape_last_error());
+		return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : 1;
+	}
+	if (o->json)
+		resident_json(&info, o, rows, n);
+	else
+		resident_print(&info, o, rows, n);
+	return bad ? 1 : 0;
 }
 
 /* ------------------------------------------------------------------ --stream */
@@ -749,6 +989,11 @@ int main(int argc, char **argv)
 		fprintf(stderr, "ape-bench: ran on %s\n", sel.note);
 	if (o.numa) {
 		ret = numa_bench(ctx, sel.device, o.copy_mib << 20, o.repeats, o.json);
+		ape_context_destroy(ctx);
+		return ret;
+	}
+	if (o.resident) {
+		ret = resident_bench(sel.device, refsel.device, &o, &rng);
 		ape_context_destroy(ctx);
 		return ret;
 	}
