@@ -53,8 +53,16 @@ ifeq ($(HAVE_CUDA),yes)
 $(TESTS_ON_EVERY_BACKEND): $(CUDA_EMU)
 endif
 
-# tests/test_dlpack.c makes its own cl_mem objects and queues on the device's cl_context.
+# tests/test_dlpack.c makes its own cl_mem objects and queues on the device's cl_context, and
+# runs docs/embed_example.c (docs/embedding.md's example: an application's own OpenCL context).
 ifeq ($(HAVE_OPENCL),yes)
+EMBED_EXAMPLE := $(BUILD)/examples/embed_example
+$(EMBED_EXAMPLE): docs/embed_example.c $(LIBA) $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $<"
+	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS) -lOpenCL
 $(BUILD)/tests/test_dlpack: LDLIBS += -lOpenCL
+$(BUILD)/tests/test_dlpack: $(EMBED_EXAMPLE)
 $(BUILD)/tests-obj/tests/test_dlpack.o: TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
+TESTS_BUILD_ONLY += $(EMBED_EXAMPLE)
 endif

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include "ape/ape_dlpack.h"
 #include "ape_test.h"
@@ -719,6 +720,53 @@ TEST(cuda_tensors)
 	 */
 	SKIP(return, "kDLCUDA tensors need the CUDA backend's buf_wrap and queue_wrap (not in this "
 		     "build) and a CUDA device or the emulator: not tested here yet");
+}
+
+/* ---- docs/embedding.md's example */
+
+/* The page shows docs/embed_example.c word for word. */
+TEST(embedding_md_shows_embed_example_verbatim)
+{
+	char *doc = (char *)test_read_file(APE_SOURCE_DIR "/docs/embedding.md", NULL);
+	char *example = (char *)test_read_file(APE_SOURCE_DIR "/docs/embed_example.c", NULL);
+
+	ASSERT_NE(NULL, doc);
+	ASSERT_NE(NULL, example);
+	EXPECT_NE(NULL, strstr(doc, example))
+	TH_LOG("docs/embedding.md's example differs from docs/embed_example.c");
+	free(doc);
+	free(example);
+}
+
+/* It runs: the application's own cl_context, queue and cl_mem objects, O as the host call's.
+ * Exit 77: it cannot run on this machine or with this OpenCL backend (its message says why). */
+TEST(embed_example_runs)
+{
+#ifndef APE_HAVE_OPENCL
+	SKIP(return, "the OpenCL backend is not built into this libape: the example needs it");
+#else
+	char out[4096] = "", err[4096] = "", cmd[512];
+	FILE *p;
+	int status;
+
+	snprintf(cmd, sizeof(cmd), "%s/examples/embed_example 2>&1", APE_BUILD_DIR);
+#ifdef __SANITIZE_ADDRESS__
+	/* PoCL and LLVM keep allocations past exit (this test's child only) */
+	setenv("LSAN_OPTIONS", "suppressions=" APE_SOURCE_DIR "/tests/lsan.supp", 1);
+#endif
+	p = popen(cmd, "r");
+	ASSERT_NE(NULL, p);
+	fread(out, 1, sizeof(out) - 1, p);
+	status = pclose(p);
+	ASSERT_TRUE(WIFEXITED(status)) TH_LOG("%s", out);
+	if (WEXITSTATUS(status) == 77) {
+		snprintf(err, sizeof(err), "%s", out);
+		err[strcspn(err, "\n")] = 0;
+		SKIP(return, "the example cannot run here: %s", err);
+	}
+	EXPECT_EQ(0, WEXITSTATUS(status)) TH_LOG("%s", out);
+	EXPECT_NE(NULL, strstr(out, "max |O - host call|")) TH_LOG("%s", out);
+#endif
 }
 
 TEST_HARNESS_MAIN
