@@ -745,7 +745,7 @@ TEST(embed_example_runs)
 #ifndef APE_HAVE_OPENCL
 	SKIP(return, "the OpenCL backend is not built into this libape: the example needs it");
 #else
-	char out[4096] = "", err[4096] = "", cmd[512];
+	char out[4096] = "", err[512] = "", cmd[512];
 	FILE *p;
 	int status;
 
@@ -760,7 +760,7 @@ TEST(embed_example_runs)
 	status = pclose(p);
 	ASSERT_TRUE(WIFEXITED(status)) TH_LOG("%s", out);
 	if (WEXITSTATUS(status) == 77) {
-		snprintf(err, sizeof(err), "%s", out);
+		snprintf(err, sizeof(err), "%.500s", out);
 		err[strcspn(err, "\n")] = 0;
 		SKIP(return, "the example cannot run here: %s", err);
 	}
