@@ -66,3 +66,8 @@ $(BUILD)/tests/test_dlpack: $(EMBED_EXAMPLE)
 $(BUILD)/tests-obj/tests/test_dlpack.o: TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
 TESTS_BUILD_ONLY += $(EMBED_EXAMPLE)
 endif
+# ... and drives the CUDA backend through the emulated driver (kDLCUDA tensors)
+ifeq ($(HAVE_CUDA),yes)
+$(BUILD)/tests/test_dlpack: $(CUDA_EMU)
+$(BUILD)/tests/test_dlpack: LDLIBS += -ldl
+endif

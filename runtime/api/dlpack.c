@@ -130,10 +130,11 @@ static int check_device(const char *name, const DLTensor *t, const DLTensor *q,
 	if (type == kDLOpenCL) {
 		want_id = dev->info.backend_index;
 	} else if (type == kDLCUDA) {
-		void *cudev = NULL;
+		void *cuctx = NULL, *cudev = NULL;
 
-		ape_device_native(dev, NULL, &cudev);
-		want_id = (int)(intptr_t)cudev;
+		/* the CUdevice ordinal; a backend without native objects: its own numbering */
+		ape_device_native(dev, &cuctx, &cudev);
+		want_id = cuctx ? (int)(intptr_t)cudev : dev->info.backend_index;
 	}
 	if (id != want_id)
 		return ape__error(APE_EINVAL, "%s: %s->device.device_id = %d: dev (%s:%d) is %s %d",
