@@ -279,37 +279,32 @@ static struct dlcase random_case(ape_rng *r, enum layout layout, ape_dtype dt)
 	return c;
 }
 
-TEST_F(ref, contiguous_every_dtype_bit_identical)
+/* Nine random cases of one layout, three of each dtype. */
+static void check_layout(struct __test_metadata *_metadata, FIXTURE_DATA(ref) * self,
+			 enum layout layout)
 {
 	const ape_dtype dts[3] = { APE_F32, APE_F16, APE_BF16 };
 
 	for (int i = 0; i < 9; i++) {
-		struct dlcase c = random_case(&self->rng, COMPACT, dts[i % 3]);
+		struct dlcase c = random_case(&self->rng, layout, dts[i % 3]);
 
 		check_case(_metadata, self, &c);
 	}
+}
+
+TEST_F(ref, contiguous_every_dtype_bit_identical)
+{
+	check_layout(_metadata, self, COMPACT);
 }
 
 TEST_F(ref, blhd_strides_bit_identical)
 {
-	const ape_dtype dts[3] = { APE_F32, APE_F16, APE_BF16 };
-
-	for (int i = 0; i < 9; i++) {
-		struct dlcase c = random_case(&self->rng, BLHD, dts[i % 3]);
-
-		check_case(_metadata, self, &c);
-	}
+	check_layout(_metadata, self, BLHD);
 }
 
 TEST_F(ref, packed_qkv_slices_and_byte_offset_bit_identical)
 {
-	const ape_dtype dts[3] = { APE_F32, APE_F16, APE_BF16 };
-
-	for (int i = 0; i < 9; i++) {
-		struct dlcase c = random_case(&self->rng, PACKED, dts[i % 3]);
-
-		check_case(_metadata, self, &c);
-	}
+	check_layout(_metadata, self, PACKED);
 }
 
 TEST_F(ref, strided_lse_bit_identical)
@@ -364,6 +359,16 @@ TEST_F(ref, no_keys_and_no_queries)
 		EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_forward_dlpack"));        \
 	} while (0)
 
+/* A fresh valid call of that layout, changed by `change`, refused naming what fmt (with the
+ * tensor's name) says; in refusals_name_the_tensor only (self, x, dev, what, i). */
+#define REFUSED_AFTER(layout, change, fmt)                                                         \
+	do {                                                                                       \
+		fresh(self, layout);                                                               \
+		change;                                                                            \
+		snprintf(what, sizeof(what), fmt, tname[i]);                                       \
+		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));                         \
+	} while (0)
+
 static void fresh(FIXTURE_DATA(ref) * self, enum layout layout)
 {
 	struct dlcase c = { 1, 2, 2, 4, 4, 8, APE_F32, APE_F32, layout, true, false };
@@ -379,58 +384,24 @@ TEST_F(ref, refusals_name_the_tensor)
 	char what[64];
 
 	for (int i = 0; i < 5; i++) {
-		fresh(self, COMPACT);
-		x->t[i].device.device_type = kDLCUDA;
-		snprintf(what, sizeof(what), "%s->device", tname[i]);
-		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));
-		x->t[i].device.device_type = kDLCPU;
-		x->t[i].device.device_id = 1;
-		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));
+		const DLDataType i32 = { kDLInt, 32, 1 }, f64 = { kDLFloat, 64, 1 };
+		const DLDataType f32x2 = { kDLFloat, 32, 2 };
 
-		fresh(self, COMPACT);
-		x->t[i].dtype = (DLDataType){ kDLInt, 32, 1 };
-		snprintf(what, sizeof(what), "%s->dtype", tname[i]);
-		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));
-		x->t[i].dtype = (DLDataType){ kDLFloat, 64, 1 };
-		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));
-		x->t[i].dtype = (DLDataType){ kDLFloat, 32, 2 };
-		snprintf(what, sizeof(what), "%s->dtype.lanes", tname[i]);
-		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));
-
-		fresh(self, COMPACT);
-		x->t[i].ndim = i == 4 ? 4 : 3;
-		snprintf(what, sizeof(what), "%s->ndim", tname[i]);
-		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));
-
-		fresh(self, COMPACT);
-		x->t[i].shape = NULL;
-		snprintf(what, sizeof(what), "%s->shape", tname[i]);
-		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));
-
-		fresh(self, COMPACT);
-		x->shp[i][2]++; /* L (lse: Lq) one longer than the others */
-		snprintf(what, sizeof(what), "%s", tname[i]);
-		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));
-
-		fresh(self, COMPACT);
-		x->shp[i][1] = -1;
-		snprintf(what, sizeof(what), "%s->shape[1]", tname[i]);
-		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));
-
-		fresh(self, COMPACT);
-		x->t[i].byte_offset += 2; /* half an element */
-		snprintf(what, sizeof(what), "%s->byte_offset", tname[i]);
-		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));
-
-		fresh(self, COMPACT);
-		x->t[i].data = (unsigned char *)x->t[i].data + 2; /* a misaligned pointer */
-		snprintf(what, sizeof(what), "%s: data + byte_offset", tname[i]);
-		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));
-
-		fresh(self, COMPACT);
-		x->t[i].data = NULL;
-		snprintf(what, sizeof(what), "%s->data = NULL", tname[i]);
-		EXPECT_REFUSED(APE_EINVAL, what, dlcall_run(dev, x, NULL));
+		REFUSED_AFTER(COMPACT, x->t[i].device.device_type = kDLCUDA, "%s->device");
+		REFUSED_AFTER(COMPACT, x->t[i].device.device_id = 1, "%s->device");
+		REFUSED_AFTER(COMPACT, x->t[i].dtype = i32, "%s->dtype");
+		REFUSED_AFTER(COMPACT, x->t[i].dtype = f64, "%s->dtype");
+		REFUSED_AFTER(COMPACT, x->t[i].dtype = f32x2, "%s->dtype.lanes");
+		REFUSED_AFTER(COMPACT, x->t[i].ndim = i == 4 ? 4 : 3, "%s->ndim");
+		REFUSED_AFTER(COMPACT, x->t[i].shape = NULL, "%s->shape");
+		/* L (lse: Lq) one longer than the others' */
+		REFUSED_AFTER(COMPACT, x->shp[i][2]++, "%s");
+		REFUSED_AFTER(COMPACT, x->shp[i][1] = -1, "%s->shape[1]");
+		/* half an element; a misaligned pointer; none */
+		REFUSED_AFTER(COMPACT, x->t[i].byte_offset += 2, "%s->byte_offset");
+		REFUSED_AFTER(COMPACT, x->t[i].data = (unsigned char *)x->t[i].data + 2,
+			      "%s: data + byte_offset");
+		REFUSED_AFTER(COMPACT, x->t[i].data = NULL, "%s->data = NULL");
 
 		/* strides: negative, out of range, beyond the address space */
 		fresh(self, BLHD);

@@ -13,6 +13,7 @@
  */
 #include <inttypes.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -404,49 +405,153 @@ static void bench_desc(const struct bench_opts *o, double skip_tol, ape_attn_des
 	desc->skip_tol = skip_tol;
 }
 
-static int bench_one(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
-		     double skip_tol, ape_rng *rng, struct bench_row *row)
+/* One (L, skip_tol) row of a mode, into *out (the mode's own row struct). */
+typedef int (*row_fn)(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
+		      double skip_tol, ape_rng *rng, void *out);
+
+/*
+ * Every (L, skip_tol) of o in order through `one`, into rows of `size` bytes each whose
+ * refcheck_result lies at byte `check_at`; *bad counts the rows out of tolerance; `done` (or
+ * NULL) sees each row as it comes. 0, or the first failure (*n rows done before it).
+ */
+static int run_rows(ape_device *dev, ape_device *ref, const struct bench_opts *o, ape_rng *rng,
+		    row_fn one, void *rows, size_t size, size_t check_at,
+		    void (*done)(const struct bench_opts *o, const void *row), int *n, int *bad)
 {
+	int ret = 0;
+
+	*n = *bad = 0;
+	for (int i = 0; i < o->nL && !ret; i++)
+		for (int j = 0; j < o->nskip && !ret; j++) {
+			char *row = (char *)rows + (size_t)*n * size;
+			const struct refcheck_result *c = (const void *)(row + check_at);
+
+			ret = one(dev, ref, o, o->L[i], o->skip[j], rng, row);
+			if (ret)
+				break;
+			*bad += c->rows_checked && !c->within_tol;
+			if (done)
+				done(o, row);
+			(*n)++;
+		}
+	return ret;
+}
+
+/* Wall-time figures of n timed calls: median, fastest, slowest (t is sorted). */
+static void summarize(double *t, int n, double *med, double *min, double *max)
+{
+	*med = median(t, n);
+	*min = t[0];
+	*max = t[n - 1];
+}
+
+/* Host calls of one configuration: o->warmup untimed, then o->repeats (at most 1024) timed. */
+struct host_times {
+	double median_ms, min_ms, max_ms, kernel_ms; /* wall time, and the kernels' (medians) */
+	ape_stats last; /* the last call's statistics */
+};
+
+static int time_host_calls(ape_device *dev, const struct bench_opts *o, const ape_attn_desc *desc,
+			   struct inputs *in, struct host_times *ht)
+{
+	const int n = o->repeats > 1024 ? 1024 : o->repeats;
+	double times[1024], kernel[1024];
+	int ret = 0;
+
+	for (int i = 0; i < o->warmup + n && !ret; i++) {
+		ape_stats_init(&ht->last);
+		ret = ape_attention_forward(dev, desc, &in->tq, &in->tk, &in->tv, &in->to, in->lse,
+					    &ht->last);
+		if (!ret && i >= o->warmup) {
+			times[i - o->warmup] = ht->last.total_ms;
+			kernel[i - o->warmup] = ht->last.kernel_ms;
+		}
+	}
+	if (ret)
+		return ret;
+	summarize(times, n, &ht->median_ms, &ht->min_ms, &ht->max_ms);
+	ht->kernel_ms = median(kernel, n);
+	return 0;
+}
+
+/* What a row of the host call and of --resident start from: fresh inputs of the row's shape,
+ * its desc, and the host calls timed on them (inputs freed on failure). */
+static int host_row(ape_device *dev, const struct bench_opts *o, int64_t L, int64_t Lq,
+		    double skip_tol, ape_rng *rng, struct inputs *in, ape_attn_desc *desc,
+		    struct host_times *ht)
+{
+	int ret = make_inputs(o, L, Lq, rng, in);
+
+	if (ret)
+		return ret;
+	bench_desc(o, skip_tol, desc);
+	ret = time_host_calls(dev, o, desc, in, ht);
+	if (ret)
+		free_inputs(in);
+	return ret;
+}
+
+static int bench_one(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
+		     double skip_tol, ape_rng *rng, void *out)
+{
+	struct bench_row *row = out;
+	struct host_times ht;
 	struct inputs in;
 	ape_attn_desc desc;
-	ape_stats st;
-	double times[1024], kernel[1024];
 	int64_t Lq = o->Lq && o->Lq < L ? o->Lq : L;
-	int n = o->repeats > 1024 ? 1024 : o->repeats, ret;
+	int ret;
 
 	memset(row, 0, sizeof(*row));
 	row->L = L;
 	row->Lq = Lq;
 	row->skip_tol = skip_tol;
-	ret = make_inputs(o, L, Lq, rng, &in);
-	if (ret)
+	if ((ret = host_row(dev, o, L, Lq, skip_tol, rng, &in, &desc, &ht)))
 		return ret;
-	bench_desc(o, skip_tol, &desc);
-	for (int i = 0; i < o->warmup + n; i++) {
-		ape_stats_init(&st);
-		ret = ape_attention_forward(dev, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse, &st);
-		if (ret)
-			goto out_free;
-		if (i >= o->warmup) {
-			times[i - o->warmup] = st.total_ms;
-			kernel[i - o->warmup] = st.kernel_ms;
-		}
-	}
-	row->pairs_visible = st.pairs_visible;
-	row->pairs_computed = st.pairs_computed;
-	row->min_ms = row->max_ms = times[0];
-	for (int i = 0; i < n; i++) {
-		row->min_ms = fmin(row->min_ms, times[i]);
-		row->max_ms = fmax(row->max_ms, times[i]);
-	}
-	row->median_ms = median(times, n);
-	row->kernel_ms = median(kernel, n);
+	row->pairs_visible = ht.last.pairs_visible;
+	row->pairs_computed = ht.last.pairs_computed;
+	row->median_ms = ht.median_ms;
+	row->min_ms = ht.min_ms;
+	row->max_ms = ht.max_ms;
+	row->kernel_ms = ht.kernel_ms;
 	if (o->check_rows > 0)
 		ret = refcheck_sampled(ref, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse,
 				       o->check_rows, rng, &row->check);
-out_free:
 	free_inputs(&in);
 	return ret;
+}
+
+/* What every mode's JSON starts with: the device and the shape. */
+static void json_head(const ape_device_info *info, const struct bench_opts *o)
+{
+	printf("{\"device\": {\"backend\": \"%s\", \"index\": %d, \"name\": \"%s\", \"driver\": "
+	       "\"%s\"},\n",
+	       info->backend, info->backend_index, info->name, info->driver_version);
+	printf(" \"shape\": {\"B\": %" PRId64 ", \"H\": %" PRId64 ", \"Hkv\": %" PRId64
+	       ", \"D\": %" PRId64 ", \"dtype\": \"%s\", \"causal\": %s},\n",
+	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype), o->causal ? "true" : "false");
+}
+
+/* The table's last two columns, err_O and err_LSE, each `width` wide, and the line's end. */
+static void print_check(const struct refcheck_result *c, int width)
+{
+	if (c->rows_checked)
+		printf(" %*.2e %*.2e%s\n", width, c->max_err_o, width, c->max_err_lse,
+		       c->within_tol ? "" : "  OUT OF TOLERANCE");
+	else
+		printf(" %*s %*s\n", width, "-", width, "-");
+}
+
+/* "true" when the sampled rows were within tolerance, or none was checked. */
+static const char *json_within_tol(const struct refcheck_result *c)
+{
+	return c->within_tol || !c->rows_checked ? "true" : "false";
+}
+
+/* A mode that failed: the message, and the exit status (2: bad arguments, 1: the rest). */
+static int bench_failed(int ret)
+{
+	fprintf(stderr, "ape-bench: %s\n", ape_last_error());
+	return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : 1;
 }
 
 static void print_table(const ape_device_info *info, const struct bench_opts *o,
@@ -472,23 +577,14 @@ static void print_table(const ape_device_info *info, const struct bench_opts *o,
 		       r->kernel_ms, pps * 1e-6, pps * 4.0 * (double)o->D * 1e-9,
 		       r->pairs_visible ? 100.0 * (double)r->pairs_computed / (double)r->pairs_visible
 					: 0);
-		if (r->check.rows_checked)
-			printf(" %10.2e %10.2e%s\n", r->check.max_err_o, r->check.max_err_lse,
-			       r->check.within_tol ? "" : "  OUT OF TOLERANCE");
-		else
-			printf(" %10s %10s\n", "-", "-");
+		print_check(&r->check, 10);
 	}
 }
 
 static void print_json(const ape_device_info *info, const struct bench_opts *o,
 		       const struct bench_row *rows, int n)
 {
-	printf("{\"device\": {\"backend\": \"%s\", \"index\": %d, \"name\": \"%s\", \"driver\": "
-	       "\"%s\"},\n",
-	       info->backend, info->backend_index, info->name, info->driver_version);
-	printf(" \"shape\": {\"B\": %" PRId64 ", \"H\": %" PRId64 ", \"Hkv\": %" PRId64
-	       ", \"D\": %" PRId64 ", \"dtype\": \"%s\", \"causal\": %s},\n",
-	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype), o->causal ? "true" : "false");
+	json_head(info, o);
 	printf(" \"params\": {\"delta\": %.9g, \"beta\": %.9g, \"gamma\": %.9g, \"lambda\": %.9g},\n",
 	       (double)o->delta, (double)o->beta, (double)o->gamma, (double)o->lambda);
 	printf(" \"results\": [");
@@ -505,8 +601,7 @@ static void print_json(const ape_device_info *info, const struct bench_opts *o,
 		       i ? "," : "", r->L, r->Lq, r->skip_tol, r->median_ms, r->min_ms, r->max_ms,
 		       r->kernel_ms, r->pairs_visible, r->pairs_computed, pps,
 		       pps * 4.0 * (double)o->D * 1e-9, r->check.rows_checked, r->check.max_err_o,
-		       r->check.max_err_lse, r->check.within_tol || !r->check.rows_checked ? "true"
-											   : "false");
+		       r->check.max_err_lse, json_within_tol(&r->check));
 	}
 	printf("\n ]}\n");
 }
@@ -570,15 +665,16 @@ static int resident_make(ape_queue *q, const struct inputs *in, struct resident_
 }
 
 static int resident_one(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
-			double skip_tol, ape_rng *rng, struct resident_row *row)
+			double skip_tol, ape_rng *rng, void *out)
 {
+	struct resident_row *row = out;
 	const int n = o->repeats > 1024 ? 1024 : o->repeats;
-	double times[1024], kernel[1024];
+	double times[1024];
+	struct host_times ht;
 	struct resident_bufs rb;
 	struct inputs in;
 	ape_attn_desc desc;
 	ape_queue *q = NULL;
-	ape_stats st;
 	int64_t Lq = o->Lq && o->Lq < L ? o->Lq : L;
 	int ret;
 
@@ -586,24 +682,12 @@ static int resident_one(ape_device *dev, ape_device *ref, const struct bench_opt
 	row->L = L;
 	row->Lq = Lq;
 	row->skip_tol = skip_tol;
-	ret = make_inputs(o, L, Lq, rng, &in);
-	if (ret)
+	/* the host call on the same inputs as the resident one: wall time, kernel time, copies */
+	if ((ret = host_row(dev, o, L, Lq, skip_tol, rng, &in, &desc, &ht)))
 		return ret;
-	bench_desc(o, skip_tol, &desc);
-	/* the host call on the same inputs: its wall time, kernel time and copies */
-	for (int i = 0; i < o->warmup + n && !ret; i++) {
-		ape_stats_init(&st);
-		ret = ape_attention_forward(dev, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse, &st);
-		if (!ret && i >= o->warmup) {
-			times[i - o->warmup] = st.total_ms;
-			kernel[i - o->warmup] = st.kernel_ms;
-		}
-	}
-	if (ret)
-		goto out_free;
-	row->host_ms = median(times, n);
-	row->host_kernel_ms = median(kernel, n);
-	row->host_bytes = st.bytes_to_device + st.bytes_from_device;
+	row->host_ms = ht.median_ms;
+	row->host_kernel_ms = ht.kernel_ms;
+	row->host_bytes = ht.last.bytes_to_device + ht.last.bytes_from_device;
 	/* the resident call: inputs on the device once, then enqueue + synchronize */
 	if ((ret = ape_queue_create(dev, &q)))
 		goto out_free;
@@ -620,12 +704,7 @@ static int resident_one(ape_device *dev, ape_device *ref, const struct bench_opt
 			times[i - o->warmup] = now_ms() - t0;
 	}
 	if (!ret) {
-		row->res_min_ms = row->res_max_ms = times[0];
-		for (int i = 0; i < n; i++) {
-			row->res_min_ms = fmin(row->res_min_ms, times[i]);
-			row->res_max_ms = fmax(row->res_max_ms, times[i]);
-		}
-		row->res_ms = median(times, n);
+		summarize(times, n, &row->res_ms, &row->res_min_ms, &row->res_max_ms);
 		/* the resident call's own O and LSE, read back after the timing, are checked */
 		ret = ape_buffer_read(q, in.o, rb.b[3], 0, ape_buffer_size(rb.b[3]));
 		if (!ret)
@@ -664,11 +743,7 @@ static void resident_print(const ape_device_info *info, const struct bench_opts 
 		       (double)r->host_bytes / (1 << 20), r->host_ms - r->host_kernel_ms, r->res_ms,
 		       r->res_ms > 0 ? 100 * (r->res_max_ms - r->res_min_ms) / r->res_ms : 0, 0.0,
 		       r->res_ms - r->host_kernel_ms);
-		if (r->check.rows_checked)
-			printf(" %9.2e %9.2e%s\n", r->check.max_err_o, r->check.max_err_lse,
-			       r->check.within_tol ? "" : "  OUT OF TOLERANCE");
-		else
-			printf(" %9s %9s\n", "-", "-");
+		print_check(&r->check, 9);
 	}
 	printf("kernel_ms: the host call's ape_stats.kernel_ms (same problem); *_MiB: bytes copied "
 	       "per call\n(resident: none, the timed loop enqueues no copy); *_ovh_ms: wall time "
@@ -678,12 +753,8 @@ static void resident_print(const ape_device_info *info, const struct bench_opts 
 static void resident_json(const ape_device_info *info, const struct bench_opts *o,
 			  const struct resident_row *rows, int n)
 {
-	printf("{\"device\": {\"backend\": \"%s\", \"index\": %d, \"name\": \"%s\", "
-	       "\"driver\": \"%s\"},\n",
-	       info->backend, info->backend_index, info->name, info->driver_version);
-	printf(" \"shape\": {\"B\": %" PRId64 ", \"H\": %" PRId64 ", \"Hkv\": %" PRId64
-	       ", \"D\": %" PRId64 ", \"dtype\": \"%s\", \"causal\": %s},\n \"results\": [",
-	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype), o->causal ? "true" : "false");
+	json_head(info, o);
+	printf(" \"results\": [");
 	for (int i = 0; i < n; i++) {
 		const struct resident_row *r = &rows[i];
 
@@ -698,7 +769,7 @@ static void resident_json(const ape_device_info *info, const struct bench_opts *
 		       r->host_bytes, r->host_ms - r->host_kernel_ms, r->res_ms, r->res_min_ms,
 		       r->res_max_ms, r->res_ms - r->host_kernel_ms, r->check.rows_checked,
 		       r->check.max_err_o, r->check.max_err_lse,
-		       r->check.within_tol || !r->check.rows_checked ? "true" : "false");
+		       json_within_tol(&r->check));
 	}
 	printf("\n ]}\n");
 }
@@ -708,21 +779,13 @@ static int resident_bench(ape_device *dev, ape_device *ref, const struct bench_o
 {
 	struct resident_row rows[MAX_LIST * MAX_LIST];
 	ape_device_info info;
-	int n = 0, bad = 0, ret = 0;
+	int n, bad, ret;
 
 	ape_device_get_info(dev, &info);
-	for (int i = 0; i < o->nL && !ret; i++)
-		for (int j = 0; j < o->nskip && !ret; j++) {
-			ret = resident_one(dev, ref, o, o->L[i], o->skip[j], rng, &rows[n]);
-			if (!ret) {
-				bad += rows[n].check.rows_checked && !rows[n].check.within_tol;
-				n++;
-			}
-		}
-	if (ret) {
-		fprintf(stderr, "ape-bench: %s\n", ape_last_error());
-		return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : 1;
-	}
+	ret = run_rows(dev, ref, o, rng, resident_one, rows, sizeof(rows[0]),
+		       offsetof(struct resident_row, check), NULL, &n, &bad);
+	if (ret)
+		return bench_failed(ret);
 	if (o->json)
 		resident_json(&info, o, rows, n);
 	else
@@ -788,8 +851,9 @@ static int stream_time(ape_device *dev, const struct bench_opts *o, const ape_at
 }
 
 static int stream_one(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
-		      double skip_tol, ape_rng *rng, struct stream_row *row)
+		      double skip_tol, ape_rng *rng, void *out)
 {
+	struct stream_row *row = out;
 	struct inputs in;
 	ape_attn_desc desc;
 	int ret;
@@ -860,11 +924,7 @@ static void stream_print(const ape_device_info *info, const struct bench_opts *o
 		       r->st.chunks, r->st.chunks_skipped,
 		       (double)r->st.bytes_to_device / (1 << 20),
 		       (double)r->st.peak_device_bytes / (1 << 20), r->st.kernel_ms, r->st.copy_ms);
-		if (r->check.rows_checked)
-			printf(" %9.2e %9.2e%s\n", r->check.max_err_o, r->check.max_err_lse,
-			       r->check.within_tol ? "" : "  OUT OF TOLERANCE");
-		else
-			printf(" %9s %9s\n", "-", "-");
+		print_check(&r->check, 9);
 	}
 	printf("eff: (serial_ms - ms) / (serial_ms - max(copy, kernel)), device times of the serial "
 	       "run:\n     the share of the time overlap could save that it saved\n");
@@ -873,12 +933,7 @@ static void stream_print(const ape_device_info *info, const struct bench_opts *o
 static void stream_json(const ape_device_info *info, const struct bench_opts *o,
 			const struct stream_row *rows, int n)
 {
-	printf("{\"device\": {\"backend\": \"%s\", \"index\": %d, \"name\": \"%s\", "
-	       "\"driver\": \"%s\"},\n",
-	       info->backend, info->backend_index, info->name, info->driver_version);
-	printf(" \"shape\": {\"B\": %" PRId64 ", \"H\": %" PRId64 ", \"Hkv\": %" PRId64
-	       ", \"D\": %" PRId64 ", \"dtype\": \"%s\", \"causal\": %s},\n",
-	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype), o->causal ? "true" : "false");
+	json_head(info, o);
 	printf(" \"budget_bytes\": %" PRIu64 ",\n \"results\": [", o->max_mem);
 	for (int i = 0; i < n; i++) {
 		const struct stream_row *r = &rows[i];
@@ -899,9 +954,18 @@ static void stream_json(const ape_device_info *info, const struct bench_opts *o,
 		       r->st.bytes_from_device, r->st.peak_device_bytes, r->st.kernel_ms,
 		       r->st.copy_ms, r->st.overlap_ms, r->check.rows_checked, r->check.max_err_o,
 		       r->check.max_err_lse,
-		       r->check.within_tol || !r->check.rows_checked ? "true" : "false");
+		       json_within_tol(&r->check));
 	}
 	printf("\n ]}\n");
+}
+
+/* Long runs: each row shown as it comes. */
+static void stream_done(const struct bench_opts *o, const void *row)
+{
+	const struct stream_row *r = row;
+
+	(void)o;
+	fprintf(stderr, "ape-bench: L=%" PRId64 " done in %.1f ms\n", r->L, r->ms);
 }
 
 static int stream_bench(ape_device *dev, ape_device *ref, const struct bench_opts *o,
@@ -923,21 +987,12 @@ static int stream_bench(ape_device *dev, ape_device *ref, const struct bench_opt
 		w.serial = false;
 		ret = stream_one(dev, ref, &w, 256, o->skip[0], rng, &tmp);
 	}
-	for (int i = 0; i < o->nL && !ret; i++)
-		for (int j = 0; j < o->nskip && !ret; j++) {
-			ret = stream_one(dev, ref, o, o->L[i], o->skip[j], rng, &rows[n]);
-			if (ret)
-				break;
-			bad += rows[n].check.rows_checked && !rows[n].check.within_tol;
-			if (!o->json) /* long runs: show each row as it comes */
-				fprintf(stderr, "ape-bench: L=%" PRId64 " done in %.1f ms\n", o->L[i],
-					rows[n].ms);
-			n++;
-		}
-	if (ret) {
-		fprintf(stderr, "ape-bench: %s\n", ape_last_error());
-		return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : 1;
-	}
+	if (!ret)
+		ret = run_rows(dev, ref, o, rng, stream_one, rows, sizeof(rows[0]),
+			       offsetof(struct stream_row, check), o->json ? NULL : stream_done, &n,
+			       &bad);
+	if (ret)
+		return bench_failed(ret);
 	if (o->json)
 		stream_json(&info, o, rows, n);
 	else
@@ -1004,19 +1059,11 @@ int main(int argc, char **argv)
 		return ret;
 	}
 	ape_device_get_info(sel.device, &info);
-	for (int i = 0; i < o.nL && !ret; i++)
-		for (int j = 0; j < o.nskip && !ret; j++) {
-			ret = bench_one(sel.device, refsel.device, &o, o.L[i], o.skip[j], &rng,
-					&rows[nrows]);
-			if (ret)
-				break;
-			bad += rows[nrows].check.rows_checked && !rows[nrows].check.within_tol;
-			nrows++;
-		}
+	ret = run_rows(sel.device, refsel.device, &o, &rng, bench_one, rows, sizeof(rows[0]),
+		       offsetof(struct bench_row, check), NULL, &nrows, &bad);
 	if (ret) {
-		fprintf(stderr, "ape-bench: %s\n", ape_last_error());
 		ape_context_destroy(ctx);
-		return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : 1;
+		return bench_failed(ret);
 	}
 	if (o.json)
 		print_json(&info, &o, rows, nrows);
