@@ -315,6 +315,24 @@ TEST_F(ref, strided_lse_bit_identical)
 	check_case(_metadata, self, &c);
 }
 
+/* The stride of an axis of one element addresses nothing: frameworks leave any value there
+ * (even a negative one), and the call takes it. */
+TEST_F(ref, strides_of_one_element_axes_are_ignored)
+{
+	struct dlcase c = random_case(&self->rng, BLHD, APE_F32);
+	struct dlcall *x = &self->x;
+
+	c.B = 1;
+	c.with_lse = c.strided_lse = true;
+	dlcall_make(x, &c, &self->rng);
+	ASSERT_EQ(0, dlcall_reference(self->dev, x)) TH_LOG("%s", ape_last_error());
+	x->str[0][0] = -7; /* B = 1 */
+	x->str[3][0] = INT64_MAX;
+	x->str[4][0] = -1;
+	ASSERT_EQ(0, dlcall_run(self->dev, x, NULL)) TH_LOG("%s", ape_last_error());
+	dlcall_compare(_metadata, x);
+}
+
 /* A sequence with no key: O = 0, LSE = -inf; k and v may then have no data at all. */
 TEST_F(ref, no_keys_and_no_queries)
 {

@@ -27,7 +27,8 @@ extern "C" {
  *
  * q, k, v, o are 4-D `[B, H, L, D]` (k, v `[B, Hkv, Lk, D]`), lse NULL or 3-D `[B, H, Lq]`
  * float32; float32, float16 or bfloat16 (`kDLFloat` 32 or 16, `kDLBfloat` 16; lanes 1);
- * strides in elements (NULL: compact row-major), non-negative, the last one 1 (D contiguous);
+ * strides in elements (NULL: compact row-major), non-negative, the last one 1 (D contiguous;
+ * the stride of an axis of one element is ignored, whatever its value);
  * `byte_offset` honoured and a multiple of the element size. Every tensor on one device, where
  * \p dev computes:
  *   - `kDLCPU`, `device_id` 0, on the reference and on OpenCL CPU devices: computed in place,

@@ -175,12 +175,12 @@ static int read_tensor(const char *name, const DLTensor *t, int ndim, struct dl_
 	}
 	if (ndim == 3)
 		in->dt.shape[3] = 1;
-	/* the strides given, or compact row-major ones */
+	/* the strides given, or compact row-major ones; the stride of an axis of one element
+	 * addresses nothing (frameworks leave any value there): 0 */
 	s[3] = 1;
-	s[ndim - 1] = t->strides ? t->strides[ndim - 1] : 1;
 	for (int d = ndim - 1; d >= 0; d--) {
 		if (t->strides)
-			s[d] = t->strides[d];
+			s[d] = t->shape[d] > 1 ? t->strides[d] : d == 3 ? 1 : 0;
 		else if (d < ndim - 1 &&
 			 __builtin_mul_overflow(s[d + 1], t->shape[d + 1] ? t->shape[d + 1] : 1, &s[d]))
 			return ape__error(APE_EOVERFLOW, "%s: %s: more elements than 64 bits count", fn,
@@ -193,9 +193,9 @@ static int read_tensor(const char *name, const DLTensor *t, int ndim, struct dl_
 	}
 	if (t->strides) {
 		memcpy(in->dt.strides, s, sizeof(in->dt.strides));
-		/* a dimension of one element has no stride to speak of: 1 keeps D "contiguous" and
-		 * the strides from reading as ape_dtensor's "all 0: compact" */
-		if (in->dt.shape[3] == 1)
+		/* D of one element: 1 keeps it "contiguous" and the strides from reading as
+		 * ape_dtensor's "all 0: compact" */
+		if (in->dt.shape[3] <= 1)
 			in->dt.strides[3] = 1;
 	}
 	in->dt.dtype = in->dtype;
@@ -213,10 +213,10 @@ static int read_tensor(const char *name, const DLTensor *t, int ndim, struct dl_
 	}
 	uint64_t bytes = (last + 1) * in->esz, lo;
 
-	if (kind_of((int)t->device.device_type) == APE__MEM_OPENCL)
-		return 0; /* addressed inside its cl_mem: checked against the object's size */
 	if (!t->data)
 		return ape__error(APE_EINVAL, "%s: %s->data = NULL", fn, name);
+	if (kind_of((int)t->device.device_type) == APE__MEM_OPENCL)
+		return 0; /* addressed inside its cl_mem: checked against the object's size */
 	if (__builtin_add_overflow((uint64_t)(uintptr_t)t->data, t->byte_offset, &lo) ||
 	    __builtin_add_overflow(lo, bytes, &bytes) || bytes > UINTPTR_MAX)
 		return ape__error(APE_EINVAL,
