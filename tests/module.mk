@@ -71,3 +71,8 @@ ifeq ($(HAVE_CUDA),yes)
 $(BUILD)/tests/test_dlpack: $(CUDA_EMU)
 $(BUILD)/tests/test_dlpack: LDLIBS += -ldl
 endif
+# The tools' tests run the tools on the emulated CUDA device too, where a backward pass is not
+# implemented yet: ape-run, ape-bench and ape-check must say so (exit 3, or SKIP cells).
+ifeq ($(HAVE_CUDA),yes)
+$(BUILD)/tests/test_tools $(BUILD)/tests/test_ape_run: $(CUDA_EMU)
+endif

@@ -759,23 +759,120 @@ static bool cu_open(struct cu *cu)
  * memory. Until this build's CUDA backend wraps memory (buf_wrap), the call must say so
  * (APE_ENOTSUP naming q) and the computing part is skipped.
  */
+/* The first byte of x's O arena outside O (padding, offset, slack) that is no longer 0x5a, or
+ * -1: O's elements are where the layout says (see dlcall_make()). */
+static long o_bytes_outside_written(const struct dlcall *x)
+{
+	const struct dlcase *c = &x->c;
+	const size_t n = x->out_bytes / x->oesz, osz = (size_t)(c->B * c->H * c->Lq * c->D);
+
+	for (size_t e = 0; e < n; e++) {
+		bool in_o = c->layout == BLHD	 ? e < osz + (size_t)(c->B * c->H * c->Lq * 3) &&
+							 e % (size_t)(c->D + 3) < (size_t)c->D
+			    : c->layout == PACKED ? e >= 8 && e < 8 + osz
+						  : e < osz;
+
+		for (size_t b = 0; !in_o && b < x->oesz; b++)
+			if (x->out[e * x->oesz + b] != 0x5a)
+				return (long)(e * x->oesz + b);
+	}
+	return -1;
+}
+
+/* One case in device memory at the same offsets as in the host arenas, on the legacy default
+ * stream; the first also checks the refusals that need memory. Returns the CUDA backend's
+ * answer to a wrap (APE_ENOTSUP: it wraps no memory, and the call must say so). */
+static int cuda_case(struct __test_metadata *_metadata, ape_device *dev, ape_device *refdev,
+		     const struct cu *cu, int ordinal, const struct dlcase *c, ape_rng *rng,
+		     bool refusals)
+{
+	unsigned long long mem[5] = { 0 };
+	ape_buffer *probe = NULL;
+	size_t bytes[5];
+	struct dlcall x;
+	int ret;
+
+	dlcall_make(&x, c, rng);
+	ret = dlcall_reference(refdev, &x);
+	EXPECT_EQ(0, ret) TH_LOG("%s", ape_last_error());
+	bytes[0] = bytes[1] = bytes[2] = x.in_bytes;
+	bytes[3] = x.out_bytes;
+	bytes[4] = x.lse_len * sizeof(float);
+	for (int i = 0; i < 5 && !ret; i++) {
+		const void *host = i < 3 ? (void *)x.in : i == 3 ? (void *)x.out : (void *)x.lse;
+		unsigned char *base = i < 3 ? x.in : i == 3 ? x.out : (unsigned char *)x.lse;
+
+		ret = cu->alloc(&mem[i], bytes[i]) || cu->h2d(mem[i], host, bytes[i], NULL);
+		EXPECT_EQ(0, ret) TH_LOG("the emulated driver's cuMemAlloc or copy failed");
+		x.t[i].byte_offset += (uint64_t)((unsigned char *)x.t[i].data - base);
+		x.t[i].data = (void *)(uintptr_t)mem[i];
+		x.t[i].device = (DLDevice){ kDLCUDA, ordinal };
+	}
+	if (!ret)
+		ret = cu->sync(NULL);
+	if (!ret && refusals) {
+		/* another ordinal; a kDLOpenCL tensor among them: refused, naming the tensor */
+		for (int i = 0; i < 5; i++)
+			x.t[i].device.device_id = ordinal + 1;
+		EXPECT_REFUSED(APE_EINVAL, "q->device.device_id", dlcall_run(dev, &x, NULL));
+		for (int i = 0; i < 5; i++)
+			x.t[i].device.device_id = ordinal;
+		x.t[3].device.device_type = kDLOpenCL;
+		EXPECT_REFUSED(APE_EINVAL, "o->device", dlcall_run(dev, &x, NULL));
+		x.t[3].device.device_type = kDLCUDA;
+	}
+	if (!ret) {
+		ret = ape_buffer_wrap_cuda(dev, mem[0], bytes[0], &probe);
+		ape_buffer_free(probe);
+	}
+	if (ret == APE_ENOTSUP) {
+		EXPECT_REFUSED(APE_ENOTSUP, "q", dlcall_run(dev, &x, NULL));
+	} else if (!ret) {
+		ape_tensor got;
+		double lse_scale = 1;
+
+		ASSERT_EQ(0, dlcall_run(dev, &x, NULL)) TH_LOG("%s", ape_last_error());
+		/* asynchronous: the legacy stream orders the reads after the work */
+		ASSERT_EQ(0, cu->d2h(x.out, mem[3], bytes[3], NULL));
+		ASSERT_EQ(0, cu->d2h(x.lse, mem[4], bytes[4], NULL));
+		ASSERT_EQ(0, cu->sync(NULL));
+		got = x.h[3];
+		got.data = x.out + ((unsigned char *)x.h[3].data - x.out_ref);
+		EXPECT_LE(test_max_err_o(&got, &x.h[3]),
+			  test_tol_o(c->dt) * fmax(test_tensor_maxabs(&x.h[2]), 1e-30));
+		for (size_t i = 0; i < x.lse_len; i++)
+			lse_scale = fmax(lse_scale, fabs(x.lse_ref[i]));
+		EXPECT_LE(test_max_err_lse(x.lse, x.lse_ref, x.lse_len),
+			  test_tol_lse(c->dt) * lse_scale);
+		/* the bytes around O (row padding, the offset before it, the end) untouched */
+		EXPECT_EQ(-1, o_bytes_outside_written(&x)) TH_LOG("o: a byte outside it written");
+	}
+	for (int i = 0; i < 5; i++)
+		if (mem[i])
+			cu->free(mem[i]);
+	dlcall_free(&x);
+	return ret;
+}
+
+/*
+ * kDLCUDA tensors in device memory of the CUDA device's primary context, on the legacy default
+ * stream (stream NULL), against the reference's host call: every layout and dtype; and the
+ * refusals. Until this build's CUDA backend wraps memory (buf_wrap), the call must say so
+ * (APE_ENOTSUP naming q) and the computing part is skipped.
+ */
 TEST(cuda_tensors_on_the_emulated_driver)
 {
 #ifndef APE_HAVE_CUDA
 	SKIP(return, "the CUDA backend is not built into this libape");
 #else
-	struct dlcase c = { 1, 2, 1, 5, 7, 16, APE_F32, APE_F32, COMPACT, true, false };
-	struct dlcall x;
+	const ape_dtype dts[3] = { APE_F32, APE_F16, APE_BF16 };
 	struct cu cu = { 0 };
-	unsigned long long mem[5] = { 0 };
-	size_t bytes[5];
 	void *cuctx = NULL, *ordinal = NULL, *popped;
 	ape_context *ctx;
 	ape_device *dev, *refdev;
-	ape_buffer *probe = NULL;
 	ape_rng rng;
 	bool retained = false;
-	int ret;
+	int ret = 0;
 
 	if (ape_test_slow())
 		SKIP(return, "the emulator under valgrind is too slow; make sanitize runs it");
@@ -793,59 +890,17 @@ TEST(cuda_tensors_on_the_emulated_driver)
 		retained = true;
 	}
 	ape_rng_init(&rng, "test_dlpack_cuda");
-	dlcall_make(&x, &c, &rng);
-	ASSERT_EQ(0, dlcall_reference(refdev, &x)) TH_LOG("%s", ape_last_error());
-	/* the tensors in device memory, at the same offsets as in the host arenas */
 	ASSERT_EQ(0, cu.push(cuctx));
-	bytes[0] = bytes[1] = bytes[2] = x.in_bytes;
-	bytes[3] = x.out_bytes;
-	bytes[4] = x.lse_len * sizeof(float);
-	for (int i = 0; i < 5; i++) {
-		const void *host = i < 3 ? (void *)x.in : i == 3 ? (void *)x.out : (void *)x.lse;
+	for (int i = 0; i < 6 && ret != APE_ENOTSUP && _metadata->passed; i++) {
+		struct dlcase c = random_case(&rng, (enum layout)(i % 3), dts[i / 2 % 3]);
 
-		ASSERT_EQ(0, cu.alloc(&mem[i], bytes[i]));
-		ASSERT_EQ(0, cu.h2d(mem[i], host, bytes[i], NULL));
+		c.with_lse = true;
+		c.strided_lse = false;
+		ret = cuda_case(_metadata, dev, refdev, &cu, (int)(intptr_t)ordinal, &c, &rng, i == 0);
 	}
-	ASSERT_EQ(0, cu.sync(NULL));
-	for (int i = 0; i < 5; i++) {
-		unsigned char *base = i < 3 ? x.in : i == 3 ? x.out : (unsigned char *)x.lse;
-
-		x.t[i].byte_offset += (uint64_t)((unsigned char *)x.t[i].data - base);
-		x.t[i].data = (void *)(uintptr_t)mem[i];
-		x.t[i].device = (DLDevice){ kDLCUDA, (int)(intptr_t)ordinal + 1 };
-	}
-	/* another ordinal; CPU tensors on a CUDA device; a kDLOpenCL one: refused, naming it */
-	EXPECT_REFUSED(APE_EINVAL, "q->device.device_id", dlcall_run(dev, &x, NULL));
-	for (int i = 0; i < 5; i++)
-		x.t[i].device.device_id = (int)(intptr_t)ordinal;
-	x.t[3].device.device_type = kDLOpenCL;
-	EXPECT_REFUSED(APE_EINVAL, "o->device", dlcall_run(dev, &x, NULL));
-	x.t[3].device.device_type = kDLCUDA;
-	ret = ape_buffer_wrap_cuda(dev, mem[0], bytes[0], &probe);
-	ape_buffer_free(probe);
-	if (ret == APE_ENOTSUP) {
-		EXPECT_REFUSED(APE_ENOTSUP, "q", dlcall_run(dev, &x, NULL));
-	} else {
-		ape_tensor got;
-
-		ASSERT_EQ(0, ret) TH_LOG("%s", ape_last_error());
-		ASSERT_EQ(0, dlcall_run(dev, &x, NULL)) TH_LOG("%s", ape_last_error());
-		/* asynchronous: the legacy stream orders the read after the work */
-		ASSERT_EQ(0, cu.d2h(x.out, mem[3], bytes[3], NULL));
-		ASSERT_EQ(0, cu.d2h(x.lse, mem[4], bytes[4], NULL));
-		ASSERT_EQ(0, cu.sync(NULL));
-		got = x.h[3];
-		got.data = x.out + ((unsigned char *)x.h[3].data - x.out_ref);
-		EXPECT_LE(test_max_err_o(&got, &x.h[3]),
-			  test_tol_o(c.dt) * fmax(test_tensor_maxabs(&x.h[2]), 1e-30));
-		EXPECT_LE(test_max_err_lse(x.lse, x.lse_ref, x.lse_len), test_tol_lse(c.dt) * 64);
-	}
-	for (int i = 0; i < 5; i++)
-		cu.free(mem[i]);
 	cu.pop(&popped);
 	if (retained)
 		cu.release(0);
-	dlcall_free(&x);
 	ape_context_destroy(ctx);
 	if (ret == APE_ENOTSUP)
 		SKIP_UNLESS_FAILED("kDLCUDA tensors are refused (APE_ENOTSUP, as they must be) by "

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * ape-bench: times the forward pass on chosen shapes and backends.
+ * ape-bench: times the forward pass on chosen shapes and backends (with --backward, the forward
+ * and the backward pass on the same inputs, side by side).
  *
  * For every (sequence length, skip tolerance) it runs warm-up calls, then timed repeats, and
  * reports the median and spread of the wall time, visible pairs per second, dense-equivalent
@@ -44,6 +45,7 @@ struct bench_opts {
 	bool seeded;
 	bool numa; /* --numa: copy bandwidth per NUMA node instead of attention */
 	int64_t copy_mib;
+	bool backward; /* --backward: time ape_attention_backward() after each forward */
 	bool stream; /* --stream: chunked execution under a budget, overlap and peak memory */
 	bool resident; /* --resident: ape_attention_enqueue on device buffers beside the host call */
 	bool serial; /* --stream: also time copies and kernels back to back (--no-serial: not) */
@@ -58,6 +60,11 @@ struct bench_row {
 	double median_ms, min_ms, max_ms, kernel_ms;
 	uint64_t pairs_visible, pairs_computed;
 	struct refcheck_result check;
+	/* --backward: the same statistics of the backward call, and the median over the rounds
+	 * of each round's backward / forward wall time (a round's two calls run back to back, so
+	 * their ratio varies less on a shared machine than either time) */
+	double bwd_median_ms, bwd_min_ms, bwd_max_ms, bwd_kernel_ms, ratio;
+	uint64_t bwd_pairs_computed;
 };
 
 enum {
@@ -88,6 +95,7 @@ enum {
 	OPT_MAX_MEM,
 	OPT_NO_SERIAL,
 	OPT_RESIDENT,
+	OPT_BACKWARD,
 	OPT_HELP,
 };
 
@@ -107,6 +115,7 @@ static const struct cli_option options[] = {
 	{ "--max-device-mem", NULL, true, OPT_MAX_MEM },
 	{ "--no-serial", NULL, false, OPT_NO_SERIAL },
 	{ "--resident", NULL, false, OPT_RESIDENT },
+	{ "--backward", NULL, false, OPT_BACKWARD },
 	{ "--help", "-h", false, OPT_HELP },	  { NULL, NULL, false, 0 },
 };
 
@@ -129,6 +138,12 @@ static void usage(FILE *f)
 		"                                   0 = no check)\n"
 		"  --seed N                         inputs' random seed (default: fresh)\n"
 		"  --json                           one JSON object instead of the table\n"
+		"  --backward                       also time the backward pass after each forward\n"
+		"                                   (random dO, no dLSE, every gradient: dQ, dK, dV\n"
+		"                                   and the parameters'): both times and the median\n"
+		"                                   of each repeat's backward/forward ratio; the\n"
+		"                                   check stays the forward's (ape-check checks the\n"
+		"                                   gradients)\n"
 		"  --numa                           instead: host-to-device copy bandwidth from\n"
 		"                                   staging buffers on the device's NUMA node and\n"
 		"                                   on every other node (needs two or more nodes)\n"
@@ -277,6 +292,9 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 		case OPT_STREAM:
 			o->stream = true;
 			break;
+		case OPT_BACKWARD:
+			o->backward = true;
+			break;
 		case OPT_NO_SERIAL:
 			o->serial = false;
 			break;
@@ -312,6 +330,11 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 		snprintf(err, errlen, "--resident, --stream and --numa: one at a time");
 		return APE_EINVAL;
 	}
+	if (o->backward && (o->stream || o->numa || o->resident)) {
+		snprintf(err, errlen, "--backward times the one-call forward and backward: drop %s",
+			 o->stream ? "--stream" : o->numa ? "--numa" : "--resident");
+		return APE_EINVAL;
+	}
 	if (o->D % 2) {
 		snprintf(err, errlen, "-D %" PRId64 ": the head dimension must be even", o->D);
 		return APE_EINVAL;
@@ -341,6 +364,10 @@ struct inputs {
 	void *q, *k, *v, *o;
 	float *lse;
 	ape_tensor tq, tk, tv, to;
+	/* --backward: dO and the gradients, in the storage type; NULL otherwise */
+	void *dout, *dq, *dk, *dv;
+	float *dparams;
+	ape_tensor tdout, tdq, tdk, tdv;
 };
 
 static void free_inputs(struct inputs *in)
@@ -350,6 +377,11 @@ static void free_inputs(struct inputs *in)
 	free(in->v);
 	free(in->o);
 	free(in->lse);
+	free(in->dout);
+	free(in->dq);
+	free(in->dk);
+	free(in->dv);
+	free(in->dparams);
 }
 
 static int fill_random(void *dst, ape_dtype dt, size_t n, ape_rng *rng)
@@ -367,29 +399,54 @@ static int fill_random(void *dst, ape_dtype dt, size_t n, ape_rng *rng)
 	return 0;
 }
 
-static int make_inputs(const struct bench_opts *o, int64_t L, int64_t Lq, ape_rng *rng,
-		       struct inputs *in)
+/* A [B, heads, L, D] tensor of the storage type, uninitialised; NULL data when out of memory. */
+static void *new_tensor(ape_tensor *t, const struct bench_opts *o, int64_t heads, int64_t L)
 {
-	const size_t esz = ape_dtype_size(o->dtype);
-	const size_t nq = (size_t)(o->B * o->H * Lq * o->D), nk = (size_t)(o->B * o->Hkv * L * o->D);
+	void *p = malloc((size_t)(o->B * heads * L * o->D) * ape_dtype_size(o->dtype) + 1);
 
-	memset(in, 0, sizeof(*in));
-	in->q = malloc(nq * esz + 1);
-	in->k = malloc(nk * esz + 1);
-	in->v = malloc(nk * esz + 1);
-	in->o = malloc(nq * esz + 1);
-	in->lse = malloc(sizeof(float) * (size_t)(o->B * o->H * Lq) + 1);
-	if (!in->q || !in->k || !in->v || !in->o || !in->lse ||
-	    fill_random(in->q, o->dtype, nq, rng) || fill_random(in->k, o->dtype, nk, rng) ||
-	    fill_random(in->v, o->dtype, nk, rng)) {
+	ape_tensor_init(t, p, o->dtype, o->B, heads, L, o->D);
+	return p;
+}
+
+static int fill_tensor(const ape_tensor *t, ape_rng *rng)
+{
+	const int64_t *s = t->shape;
+
+	return fill_random(t->data, t->dtype, (size_t)(s[0] * s[1] * s[2] * s[3]), rng);
+}
+
+/* --backward: a random dO and room for every gradient. */
+static int make_grads(const struct bench_opts *o, int64_t L, int64_t Lq, ape_rng *rng,
+		      struct inputs *in)
+{
+	in->dout = new_tensor(&in->tdout, o, o->H, Lq);
+	in->dq = new_tensor(&in->tdq, o, o->H, Lq);
+	in->dk = new_tensor(&in->tdk, o, o->Hkv, L);
+	in->dv = new_tensor(&in->tdv, o, o->Hkv, L);
+	in->dparams = malloc(sizeof(float) * 4 * (size_t)o->H);
+	if (!in->dout || !in->dq || !in->dk || !in->dv || !in->dparams ||
+	    fill_tensor(&in->tdout, rng)) {
 		free_inputs(in);
 		return APE_ENOMEM;
 	}
-	ape_tensor_init(&in->tq, in->q, o->dtype, o->B, o->H, Lq, o->D);
-	ape_tensor_init(&in->tk, in->k, o->dtype, o->B, o->Hkv, L, o->D);
-	ape_tensor_init(&in->tv, in->v, o->dtype, o->B, o->Hkv, L, o->D);
-	ape_tensor_init(&in->to, in->o, o->dtype, o->B, o->H, Lq, o->D);
 	return 0;
+}
+
+static int make_inputs(const struct bench_opts *o, int64_t L, int64_t Lq, ape_rng *rng,
+		       struct inputs *in)
+{
+	memset(in, 0, sizeof(*in));
+	in->q = new_tensor(&in->tq, o, o->H, Lq);
+	in->k = new_tensor(&in->tk, o, o->Hkv, L);
+	in->v = new_tensor(&in->tv, o, o->Hkv, L);
+	in->o = new_tensor(&in->to, o, o->H, Lq);
+	in->lse = malloc(sizeof(float) * (size_t)(o->B * o->H * Lq) + 1);
+	if (!in->q || !in->k || !in->v || !in->o || !in->lse || fill_tensor(&in->tq, rng) ||
+	    fill_tensor(&in->tk, rng) || fill_tensor(&in->tv, rng)) {
+		free_inputs(in);
+		return APE_ENOMEM;
+	}
+	return o->backward ? make_grads(o, L, Lq, rng, in) : 0;
 }
 
 /* Times one (L, skip_tol) configuration. */
@@ -449,28 +506,48 @@ static void summarize(double *t, int n, double *med, double *min, double *max)
 struct host_times {
 	double median_ms, min_ms, max_ms, kernel_ms; /* wall time, and the kernels' (medians) */
 	ape_stats last; /* the last call's statistics */
+	/* --backward: the same of the backward call run after each forward, and the median of
+	 * each round's backward / forward wall time */
+	double bwd_median_ms, bwd_min_ms, bwd_max_ms, bwd_kernel_ms, ratio;
+	ape_stats bwd_last;
 };
 
 static int time_host_calls(ape_device *dev, const struct bench_opts *o, const ape_attn_desc *desc,
 			   struct inputs *in, struct host_times *ht)
 {
 	const int n = o->repeats > 1024 ? 1024 : o->repeats;
-	double times[1024], kernel[1024];
+	double times[1024], kernel[1024], btimes[1024], bkernel[1024], ratio[1024];
 	int ret = 0;
 
+	memset(ht, 0, sizeof(*ht));
 	for (int i = 0; i < o->warmup + n && !ret; i++) {
 		ape_stats_init(&ht->last);
+		ape_stats_init(&ht->bwd_last);
 		ret = ape_attention_forward(dev, desc, &in->tq, &in->tk, &in->tv, &in->to, in->lse,
 					    &ht->last);
+		if (!ret && o->backward)
+			ret = ape_attention_backward(dev, desc, &in->tq, &in->tk, &in->tv, &in->to,
+						     in->lse, &in->tdout, NULL, &in->tdq, &in->tdk,
+						     &in->tdv, in->dparams, &ht->bwd_last);
 		if (!ret && i >= o->warmup) {
 			times[i - o->warmup] = ht->last.total_ms;
 			kernel[i - o->warmup] = ht->last.kernel_ms;
+			btimes[i - o->warmup] = ht->bwd_last.total_ms;
+			bkernel[i - o->warmup] = ht->bwd_last.kernel_ms;
+			ratio[i - o->warmup] = ht->last.total_ms > 0
+						       ? ht->bwd_last.total_ms / ht->last.total_ms
+						       : 0;
 		}
 	}
 	if (ret)
 		return ret;
 	summarize(times, n, &ht->median_ms, &ht->min_ms, &ht->max_ms);
 	ht->kernel_ms = median(kernel, n);
+	if (o->backward) {
+		summarize(btimes, n, &ht->bwd_median_ms, &ht->bwd_min_ms, &ht->bwd_max_ms);
+		ht->bwd_kernel_ms = median(bkernel, n);
+		ht->ratio = median(ratio, n);
+	}
 	return 0;
 }
 
@@ -513,6 +590,12 @@ static int bench_one(ape_device *dev, ape_device *ref, const struct bench_opts *
 	row->min_ms = ht.min_ms;
 	row->max_ms = ht.max_ms;
 	row->kernel_ms = ht.kernel_ms;
+	row->bwd_pairs_computed = ht.bwd_last.pairs_computed;
+	row->bwd_median_ms = ht.bwd_median_ms;
+	row->bwd_min_ms = ht.bwd_min_ms;
+	row->bwd_max_ms = ht.bwd_max_ms;
+	row->bwd_kernel_ms = ht.bwd_kernel_ms;
+	row->ratio = ht.ratio;
 	if (o->check_rows > 0)
 		ret = refcheck_sampled(ref, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse,
 				       o->check_rows, rng, &row->check);
@@ -531,14 +614,19 @@ static void json_head(const ape_device_info *info, const struct bench_opts *o)
 	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype), o->causal ? "true" : "false");
 }
 
-/* The table's last two columns, err_O and err_LSE, each `width` wide, and the line's end. */
+/* The table's columns err_O and err_LSE, each `width` wide. */
 static void print_check(const struct refcheck_result *c, int width)
 {
 	if (c->rows_checked)
-		printf(" %*.2e %*.2e%s\n", width, c->max_err_o, width, c->max_err_lse,
-		       c->within_tol ? "" : "  OUT OF TOLERANCE");
+		printf(" %*.2e %*.2e", width, c->max_err_o, width, c->max_err_lse);
 	else
-		printf(" %*s %*s\n", width, "-", width, "-");
+		printf(" %*s %*s", width, "-", width, "-");
+}
+
+/* What ends a table's line: a warning when the sampled rows were out of tolerance. */
+static const char *tol_note(const struct refcheck_result *c)
+{
+	return !c->rows_checked || c->within_tol ? "" : "  OUT OF TOLERANCE";
 }
 
 /* "true" when the sampled rows were within tolerance, or none was checked. */
@@ -547,11 +635,12 @@ static const char *json_within_tol(const struct refcheck_result *c)
 	return c->within_tol || !c->rows_checked ? "true" : "false";
 }
 
-/* A mode that failed: the message, and the exit status (2: bad arguments, 1: the rest). */
+/* A mode that failed: the message, and the exit status (2: bad arguments; 3: the device cannot,
+ * e.g. --backward on a backend without a backward pass; 1: the rest). */
 static int bench_failed(int ret)
 {
 	fprintf(stderr, "ape-bench: %s\n", ape_last_error());
-	return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : 1;
+	return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : ret == APE_ENOTSUP ? 3 : 1;
 }
 
 static void print_table(const ape_device_info *info, const struct bench_opts *o,
@@ -564,8 +653,12 @@ static void print_table(const ape_device_info *info, const struct bench_opts *o,
 	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype),
 	       o->causal ? "causal" : "non-causal", (double)o->delta, (double)o->beta,
 	       (double)o->gamma, (double)o->lambda, o->repeats);
-	printf("%8s %10s %10s %8s %11s %9s %9s %9s %10s %10s\n", "L", "skip_tol", "median_ms",
+	printf("%8s %10s %10s %8s %11s %9s %9s %9s %10s %10s", "L", "skip_tol", "median_ms",
 	       "spread", "kernel_ms", "Mpairs/s", "GFLOP/s", "computed", "err_O", "err_LSE");
+	if (o->backward)
+		printf(" %10s %8s %11s %9s %8s", "bwd_ms", "spread", "bwd_kernel", "computed",
+		       "bwd/fwd");
+	printf("\n");
 	for (int i = 0; i < n; i++) {
 		const struct bench_row *r = &rows[i];
 		double sec = r->median_ms * 1e-3;
@@ -578,7 +671,21 @@ static void print_table(const ape_device_info *info, const struct bench_opts *o,
 		       r->pairs_visible ? 100.0 * (double)r->pairs_computed / (double)r->pairs_visible
 					: 0);
 		print_check(&r->check, 10);
+		if (o->backward)
+			printf(" %10.2f %7.1f%% %11.2f %8.2f%% %8.2f", r->bwd_median_ms,
+			       r->bwd_median_ms > 0 ? 100 * (r->bwd_max_ms - r->bwd_min_ms) /
+							     r->bwd_median_ms
+						    : 0,
+			       r->bwd_kernel_ms,
+			       r->pairs_visible ? 100.0 * (double)r->bwd_pairs_computed /
+							  (double)r->pairs_visible
+						: 0,
+			       r->ratio);
+		printf("%s\n", tol_note(&r->check));
 	}
+	if (o->backward)
+		printf("bwd/fwd: the median over the repeats of each repeat's backward / forward "
+		       "wall time\n");
 }
 
 static void print_json(const ape_device_info *info, const struct bench_opts *o,
@@ -597,11 +704,18 @@ static void print_json(const ape_device_info *info, const struct bench_opts *o,
 		       "\"median_ms\": %.6g, \"min_ms\": %.6g, \"max_ms\": %.6g, \"kernel_ms\": %.6g, "
 		       "\"pairs_visible\": %" PRIu64 ", \"pairs_computed\": %" PRIu64
 		       ", \"pairs_per_s\": %.6g, \"dense_gflops\": %.6g, \"rows_checked\": %d, "
-		       "\"max_err_o\": %.6g, \"max_err_lse\": %.6g, \"within_tol\": %s}",
+		       "\"max_err_o\": %.6g, \"max_err_lse\": %.6g, \"within_tol\": %s",
 		       i ? "," : "", r->L, r->Lq, r->skip_tol, r->median_ms, r->min_ms, r->max_ms,
 		       r->kernel_ms, r->pairs_visible, r->pairs_computed, pps,
 		       pps * 4.0 * (double)o->D * 1e-9, r->check.rows_checked, r->check.max_err_o,
 		       r->check.max_err_lse, json_within_tol(&r->check));
+		if (o->backward)
+			printf(", \"backward\": {\"median_ms\": %.6g, \"min_ms\": %.6g, "
+			       "\"max_ms\": %.6g, \"kernel_ms\": %.6g, \"pairs_computed\": %" PRIu64
+			       ", \"ratio_to_forward\": %.6g}",
+			       r->bwd_median_ms, r->bwd_min_ms, r->bwd_max_ms, r->bwd_kernel_ms,
+			       r->bwd_pairs_computed, r->ratio);
+		printf("}");
 	}
 	printf("\n ]}\n");
 }
@@ -744,6 +858,7 @@ static void resident_print(const ape_device_info *info, const struct bench_opts 
 		       r->res_ms > 0 ? 100 * (r->res_max_ms - r->res_min_ms) / r->res_ms : 0, 0.0,
 		       r->res_ms - r->host_kernel_ms);
 		print_check(&r->check, 9);
+		printf("%s\n", tol_note(&r->check));
 	}
 	printf("kernel_ms: the host call's ape_stats.kernel_ms (same problem); *_MiB: bytes copied "
 	       "per call\n(resident: none, the timed loop enqueues no copy); *_ovh_ms: wall time "
@@ -925,6 +1040,7 @@ static void stream_print(const ape_device_info *info, const struct bench_opts *o
 		       (double)r->st.bytes_to_device / (1 << 20),
 		       (double)r->st.peak_device_bytes / (1 << 20), r->st.kernel_ms, r->st.copy_ms);
 		print_check(&r->check, 9);
+		printf("%s\n", tol_note(&r->check));
 	}
 	printf("eff: (serial_ms - ms) / (serial_ms - max(copy, kernel)), device times of the serial "
 	       "run:\n     the share of the time overlap could save that it saved\n");

@@ -181,8 +181,10 @@ static int read_tensor(const char *name, const DLTensor *t, int ndim, struct dl_
 	for (int d = ndim - 1; d >= 0; d--) {
 		if (t->strides)
 			s[d] = t->shape[d] > 1 ? t->strides[d] : d == 3 ? 1 : 0;
-		else if (d < ndim - 1 &&
-			 __builtin_mul_overflow(s[d + 1], t->shape[d + 1] ? t->shape[d + 1] : 1, &s[d]))
+		else if (d == ndim - 1)
+			s[d] = 1;
+		else if (__builtin_mul_overflow(s[d + 1], t->shape[d + 1] ? t->shape[d + 1] : 1,
+						&s[d]))
 			return ape__error(APE_EOVERFLOW, "%s: %s: more elements than 64 bits count", fn,
 					  name);
 		if (s[d] < 0)

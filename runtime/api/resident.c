@@ -405,6 +405,24 @@ static int view_of(const char *fn, const char *name, const ape_dtensor *t, const
 	return 0;
 }
 
+int ape__check_dtensor(const char *fn, const char *name, const ape_dtensor *t,
+		       const ape_device *dev, ape_dtype dtype, const int64_t want[4],
+		       const char *const dims[4], struct ape__view *v)
+{
+	const ape_buffer *bufs[APE__T_COUNT] = { 0 };
+	ape_tensor host;
+	int64_t s[4];
+	int ret;
+
+	if (!t)
+		return ape__error(APE_EINVAL, "%s: %s = NULL", fn, name);
+	bufs[0] = t->buf;
+	if ((ret = check_dtensor(fn, name, t, dev, bufs, &host)) ||
+	    (ret = ape__check_tensor(fn, name, &host, dtype, want, dims, s)))
+		return ret;
+	return view_of(fn, name, t, s, v);
+}
+
 int ape__check_resident(const char *fn, const ape_device *dev, const ape_attn_desc *desc,
 			const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
 			const ape_dtensor *o, const ape_dtensor *lse, struct ape__problem *p,

@@ -36,6 +36,12 @@ int ape__buffer_wrap(const char *fn, ape_device *dev, int kind, void *handle, si
 int ape__queue_wrap(const char *fn, ape_device *dev, const char *api, void *handle,
 		    ape_queue **out);
 
+/* One device tensor of dev: of `dtype`, shaped `want` (-1: any; dims name them), D contiguous,
+ * inside its buffer; its element view in *v. */
+int ape__check_dtensor(const char *fn, const char *name, const ape_dtensor *t,
+		       const ape_device *dev, ape_dtype dtype, const int64_t want[4],
+		       const char *const dims[4], struct ape__view *v);
+
 /*
  * Validates a forward call on device tensors (lse may be NULL) for dev: the host call's rules
  * (api/validate.h) plus every buffer dev's, offsets multiples of the element size, D

@@ -3,6 +3,7 @@
 #include "exec/resident.h"
 
 #include <inttypes.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -100,6 +101,30 @@ static size_t span_of(const ape_tensor *t, const int64_t s[4])
 	return (size_t)(last + 1) * ape_dtype_size(t->dtype);
 }
 
+/* APE_CONTEXT_POISON_OUTPUTS where the device's memory is the caller's: NaN in every element of
+ * O and LSE the kernel must write, so that one it misses shows. */
+static void poison_host(const struct ape__problem *p, ape_tensor *o, float *lse)
+{
+	const size_t esz = ape_dtype_size(p->out_dtype);
+	const uint16_t half = p->out_dtype == APE_F16 ? 0x7e00 : 0x7fc0;
+	const float nan = NAN;
+
+	for (int64_t b = 0; b < p->B; b++)
+		for (int64_t h = 0; h < p->H; h++)
+			for (int64_t i = 0; i < p->Lq; i++) {
+				unsigned char *row = (unsigned char *)o->data +
+						     (size_t)(b * p->os[0] + h * p->os[1] +
+							      i * p->os[2]) * esz;
+
+				for (int64_t d = 0; d < p->D; d++)
+					memcpy(row + (size_t)d * esz,
+					       esz == 4 ? (const void *)&nan : (const void *)&half,
+					       esz);
+			}
+	for (int64_t i = 0; lse && i < p->B * p->H * p->Lq; i++)
+		lse[i] = nan;
+}
+
 int ape__resident_host_run(const char *fn, struct ape_device *dev, const struct ape__problem *p,
 			   uint64_t budget, const ape_tensor *q, const ape_tensor *k,
 			   const ape_tensor *v, ape_tensor *o, float *lse, bool want_pairs,
@@ -116,7 +141,7 @@ int ape__resident_host_run(const char *fn, struct ape_device *dev, const struct 
 	size_t got;
 	int ret = 0;
 
-	if (!ops->buf_wrap || (dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS))
+	if (!ops->buf_wrap)
 		return 1;
 	for (int i = 0; i < 4; i++)
 		if (s[i][3] != 1)
@@ -146,6 +171,8 @@ int ape__resident_host_run(const char *fn, struct ape_device *dev, const struct 
 					    &r.pairs, &got)
 			    : ape__error(APE_ENOMEM, "%s: out of host memory", fn);
 	}
+	if (!ret && (dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS))
+		poison_host(p, o, lse);
 	if (!ret)
 		ret = ops->queue_create(dev, &r.q);
 	if (!ret)

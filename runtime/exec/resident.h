@@ -49,7 +49,7 @@ struct ape__exec_result;
  * reads and writes them, and the call waits for it. No staging, no copy. Fills *res as the
  * streaming executor does (one chunk, no bytes moved, the kernel's time).
  * Returns 1, having done nothing, where it does not apply (a device that cannot, strides with
- * D not contiguous, a budget that needs several launches, outputs to be poisoned): the caller
+ * D not contiguous, a budget that needs several launches): the caller
  * then streams. Else 0, or a negative code (message set); O and LSE are then unspecified.
  */
 int ape__resident_host_run(const char *fn, struct ape_device *dev, const struct ape__problem *p,
