@@ -753,12 +753,7 @@ static bool cu_open(struct cu *cu)
 }
 #endif
 
-/*
- * kDLCUDA tensors in device memory of the CUDA device's primary context, on the legacy default
- * stream (stream NULL), against the reference's host call; and the refusals that need no
- * memory. Until this build's CUDA backend wraps memory (buf_wrap), the call must say so
- * (APE_ENOTSUP naming q) and the computing part is skipped.
- */
+#ifdef APE_HAVE_CUDA
 /* The first byte of x's O arena outside O (padding, offset, slack) that is no longer 0x5a, or
  * -1: O's elements are where the layout says (see dlcall_make()). */
 static long o_bytes_outside_written(const struct dlcall *x)
@@ -853,6 +848,7 @@ static int cuda_case(struct __test_metadata *_metadata, ape_device *dev, ape_dev
 	dlcall_free(&x);
 	return ret;
 }
+#endif
 
 /*
  * kDLCUDA tensors in device memory of the CUDA device's primary context, on the legacy default
