@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The forward pass on DLPack tensors (include/ape/ape_dlpack.h): each DLTensor becomes an
- * ape_dtensor over a wrapper of the caller's memory (ape__buffer_wrap()), the call is checked by
- * ape__check_resident() (messages naming this function and the tensor) and enqueued by
- * ape_attention_enqueue() on a queue: libape's own, synchronised before returning (kDLCPU, and
+ * ape_dtensor over a wrapper of the caller's memory (ape__buffer_wrap()), and the call is checked
+ * and enqueued by ape__attention_enqueue() (ape_attention_enqueue()'s path, its messages naming
+ * this function and the tensor) on a queue: libape's own, synchronised before returning (kDLCPU, and
  * kDLOpenCL without a stream), or a wrapper of the caller's stream. Every wrapper is released
  * before returning, which the backend contract allows while the work is in flight (buf_wrap,
  * queue_wrap in runtime/core/backend.h).
@@ -314,9 +314,6 @@ int ape_attention_forward_dlpack(ape_device *dev, const ape_attn_desc *desc, con
 	struct dl_in in[NT];
 	ape_buffer *wrap[NT] = { NULL };
 	ape_queue *queue = NULL;
-	struct ape__problem p;
-	struct ape__buf *bufs[NT];
-	struct ape__view views[NT];
 	int kind, ret = 0;
 
 	if (!dev)
@@ -342,11 +339,6 @@ int ape_attention_forward_dlpack(ape_device *dev, const ape_attn_desc *desc, con
 		goto out;
 	for (int i = 0; i < n; i++)
 		in[i].dt.buf = wrap[in[i].group];
-	ret = ape__check_resident(fn, dev, desc, &in[0].dt, &in[1].dt, &in[2].dt, &in[3].dt,
-				  lse ? &in[4].dt : NULL, &p, bufs, views);
-	if (ret)
-		goto out;
-	ape__problem_fini(&p);
 	if (kind == APE__MEM_CUDA)
 		ret = ape__queue_wrap(fn, dev, "cuda", stream, &queue);
 	else if (kind == APE__MEM_OPENCL && stream)
@@ -355,12 +347,11 @@ int ape_attention_forward_dlpack(ape_device *dev, const ape_attn_desc *desc, con
 		ret = ape__error_prefix(ret, fn);
 	if (ret)
 		goto out;
-	/* on failure, ape_queue_destroy() waits for what was enqueued before it */
-	ret = ape_attention_enqueue(queue, desc, &in[0].dt, &in[1].dt, &in[2].dt, &in[3].dt,
-				    lse ? &in[4].dt : NULL);
-	if (!ret && !queue->wrapped)
-		ret = ape_queue_synchronize(queue);
-	if (ret)
+	/* validated, then enqueued; on failure, ape_queue_destroy() waits for what was enqueued
+	 * before it */
+	ret = ape__attention_enqueue(fn, queue, desc, &in[0].dt, &in[1].dt, &in[2].dt, &in[3].dt,
+				     lse ? &in[4].dt : NULL);
+	if (!ret && !queue->wrapped && (ret = ape_queue_synchronize(queue)))
 		ape__error_prefix(ret, fn);
 out:
 	ape_queue_destroy(queue);
