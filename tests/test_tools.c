@@ -155,6 +155,29 @@ TEST(bench_stream_reports_budget_and_overlap)
 	EXPECT_EQ(2, TOOL("ape-bench", "--stream", "--chunk", "0"));
 }
 
+/* --resident: inputs written to device buffers once, timed enqueue + synchronize beside the
+ * host call; the resident call's own O and LSE are read back and checked. */
+TEST(bench_resident_beside_the_host_call)
+{
+	ASSERT_EQ(0, TOOL("ape-bench", "--resident", "--backend", "ref", "-H", "2", "--kv-heads",
+			  "1", "-D", "8", "-L", "32,40", "--warmup", "0", "--repeats", "2",
+			  "--check-rows", "4", "--json", "--seed", "5"))
+		TH_LOG("%s", err);
+	EXPECT_EQ(4, count(out, "\"resident_bytes_copied\": 0,")) TH_LOG("%s", out);
+	EXPECT_EQ(4, count(out, "\"host_bytes_copied\": ")) TH_LOG("%s", out);
+	EXPECT_EQ(4, count(out, "\"resident_overhead_ms\": ")) TH_LOG("%s", out);
+	EXPECT_EQ(4, count(out, "\"rows_checked\": 4,")) TH_LOG("%s", out);
+	EXPECT_EQ(4, count(out, "\"within_tol\": true")) TH_LOG("%s", out);
+	ASSERT_EQ(0, TOOL("ape-bench", "--resident", "--backend", "ref", "-H", "1", "-D", "8", "-L",
+			  "16", "--repeats", "1", "--skip-tol", "0"))
+		TH_LOG("%s", err);
+	EXPECT_NE(NULL, strstr(out, "resident_ms")) TH_LOG("%s", out);
+	EXPECT_NE(NULL, strstr(out, "res_ovh_ms"));
+	EXPECT_NE(NULL, strstr(out, "kernel_ms"));
+	EXPECT_EQ(2, TOOL("ape-bench", "--resident", "--stream"));
+	EXPECT_NE(NULL, strstr(err, "one at a time")) TH_LOG("%s", err);
+}
+
 TEST(bench_unavailable_backend_exits_3)
 {
 	ape_context *ctx = test_context(NULL);
