@@ -45,7 +45,7 @@ struct ape__cu_driver {
 	char path[256]; /* what was loaded */
 	int version; /* cuDriverGetVersion: 13000 for CUDA 13.0 */
 	bool pinning; /* the optional host-registration symbols are there */
-	char missing_optional[128]; /* optional symbols the driver lacks, for ape-info */
+	char missing_optional[256]; /* optional symbols the driver lacks, for ape-info */
 #define APE_CU_FIELD(name, ver, req, params) ape__pfn_##name p_##name;
 	APE_CUDA_SYMBOLS(APE_CU_FIELD)
 #undef APE_CU_FIELD
@@ -57,6 +57,7 @@ enum {
 	APE__CU_MOD_WINDOW,
 	APE__CU_MOD_DECODE,
 	APE__CU_MOD_PREFILL,
+	APE__CU_MOD_BACKWARD,
 	APE__CU_NMODULES,
 };
 
@@ -69,7 +70,13 @@ enum ape__cu_kernel {
 	/* prefill: 4 head-size variants x 3 types, then decode likewise */
 	APE__CU_K_PREFILL,
 	APE__CU_K_DECODE = APE__CU_K_PREFILL + 12,
-	APE__CU_NKERNELS = APE__CU_K_DECODE + 12,
+	/* the backward pass (cuda_backward.c): rows, params, then keys and queries sweeps for
+	 * each head-size variant */
+	APE__CU_K_BWD_ROWS = APE__CU_K_DECODE + 12,
+	APE__CU_K_BWD_PARAMS,
+	APE__CU_K_BWD_KEYS,
+	APE__CU_K_BWD_QUERIES = APE__CU_K_BWD_KEYS + 4,
+	APE__CU_NKERNELS = APE__CU_K_BWD_QUERIES + 4,
 };
 
 /* Head-size variants: D = 64 and 128 specialised, every other even D <= 256 generic. */
@@ -101,16 +108,19 @@ struct ape__cu_device {
 struct ape__buf {
 	CUdeviceptr ptr;
 	size_t size;
+	bool wrapped; /* the caller's memory (buf_wrap): never freed here */
 };
 
 struct ape__queue {
 	struct ape_device *dev;
-	CUstream s;
+	CUstream s; /* NULL: the legacy default stream (a wrapped one only) */
+	bool wrapped; /* the caller's stream (queue_wrap): never synchronised or destroyed here */
 };
 
 struct ape__event {
 	struct ape_device *dev;
 	CUevent ev;
+	bool timed; /* created with timing (not on a wrapped stream) */
 };
 
 static inline struct ape__cu_device *ape__cu_dev(const struct ape_device *dev)
@@ -151,6 +161,9 @@ int ape__cu_once(struct ape_device *dev, atomic_int *state,
 /* Makes the device's primary context current on this thread (retaining it on first use). */
 int ape__cu_enter(struct ape_device *dev);
 void ape__cu_leave(struct ape_device *dev);
+/* The native op: the primary context (retained on first use; NULL if that fails) and the
+ * CUdevice as (void *)(intptr_t). */
+void ape__cu_native(struct ape_device *dev, void **context, void **device);
 
 /* ---- cuda_mem.c */
 int ape__cu_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out);
@@ -173,6 +186,9 @@ int ape__cu_synchronize(struct ape__queue *q);
 int ape__cu_host_register(struct ape_device *dev, void *ptr, size_t bytes, void **handle);
 void ape__cu_host_unregister(struct ape_device *dev, void *handle);
 uint64_t ape__cu_max_alloc(struct ape_device *dev);
+int ape__cu_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
+		     struct ape__buf **out, size_t *bytes_out);
+int ape__cu_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out);
 /* Scratch for one launch, freed in stream order after it (cuMemAllocAsync where the device has
  * memory pools; otherwise a plain allocation freed once the stream is done with it). */
 int ape__cu_scratch_alloc(struct ape__queue *q, size_t bytes, CUdeviceptr *out);
@@ -195,12 +211,19 @@ extern const char *const ape__cu_kernel_names[APE__CU_NKERNELS];
 /* ---- cuda_attention.c */
 int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l);
 uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__launch *l);
+/* More heads than an argument struct carries (APE_CU_INLINE_HEADS): l->head_params copied to
+ * dst, on the queue, from a host copy the stream frees once the copy has run. */
+int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst);
+
+/* ---- cuda_backward.c */
+int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l);
 
 /* ---- fatbin_embed.S: the fatbins nvcc built, in APE__CU_MOD_* order */
 extern const unsigned char ape__cu_fatbin_prep[];
 extern const unsigned char ape__cu_fatbin_window[];
 extern const unsigned char ape__cu_fatbin_decode[];
 extern const unsigned char ape__cu_fatbin_prefill[];
+extern const unsigned char ape__cu_fatbin_backward[];
 
 #pragma GCC visibility pop
 #endif /* APE_CUDA_CU_H */
