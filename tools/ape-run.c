@@ -4,9 +4,9 @@
  *
  * Exit status: 0 success; 2 bad arguments or input files (and parameters or shapes the library
  * refuses); 3 the backend or device asked for is not available (or, with --backward, has no
- * backward pass); 1 anything else. Outputs (O, LSE, the diagnostics, the gradients, the trace) are written to
- * temporary files and renamed into place only once all of them are complete, so a failing run
- * never leaves a partial or stale-looking output behind.
+ * backward pass); 1 anything else. Outputs (O, LSE, the diagnostics, the gradients, the trace)
+ * are written to temporary files and renamed into place only once all of them are complete, so
+ * a failing run never leaves a partial or stale-looking output behind.
  *
  * This file holds the arguments, devices, files and the one-call mode; tools/run/ the --kv-cache
  * mode and the statistics (tools/run/run.h).
