@@ -356,6 +356,22 @@ def _device_spec(device):
 
 # ------------------------------------------------------------------ attention
 
+def _host_call(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
+               k_start, skip_tol):
+    """The host arrays of one call (all NumPy or all torch CPU) and its descriptor; `keep`
+    holds what the descriptor points to and must outlive the call."""
+    qa = _as_array("q", q)
+    ka = _as_array("k", k)
+    va = _as_array("v", v)
+    if not (qa.kind == ka.kind == va.kind):
+        _bad("q, k, v: mixed kinds (%s, %s, %s): pass all NumPy arrays or all torch tensors"
+             % (qa.kind, ka.kind, va.kind))
+    keep = []
+    desc = _desc(qa.shape[1], delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
+                 k_start, skip_tol, keep)
+    return qa, ka, va, desc, keep
+
+
 def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
               causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None, k_start=0,
               skip_tol=2.0 ** -24, device="auto", return_lse=False):
@@ -371,16 +387,9 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     if _is_torch_cuda(q) or _is_torch_cuda(k) or _is_torch_cuda(v):
         return _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base,
                                layout, q_start, k_start, skip_tol, device, return_lse)
-    qa = _as_array("q", q)
-    ka = _as_array("k", k)
-    va = _as_array("v", v)
-    if not (qa.kind == ka.kind == va.kind):
-        _bad("q, k, v: mixed kinds (%s, %s, %s): pass all NumPy arrays or all torch tensors"
-             % (qa.kind, ka.kind, va.kind))
+    qa, ka, va, desc, keep = _host_call(q, k, v, delta, beta, gamma, lam, causal, scale,
+                                        rope_base, layout, q_start, k_start, skip_tol)
     B, H, Lq, D = qa.shape
-    keep = []
-    desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-                 skip_tol, keep)
     dev = _device_spec(device)
     oa = _empty_like(qa, (B, H, Lq, D))
     lse, lse_ptr = _empty_lse(qa, (B, H, Lq)) if return_lse else (None, None)
@@ -490,16 +499,9 @@ def attention_diagnostics(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SE
     kind. Arguments as attention(); the call runs under min(skip_tol, 2^-24), where the
     diagnostics stay within the spec's tolerance. Raises ApeError on a device whose backend
     does not compute them (CUDA, today)."""
-    qa = _as_array("q", q)
-    ka = _as_array("k", k)
-    va = _as_array("v", v)
-    if not (qa.kind == ka.kind == va.kind):
-        _bad("q, k, v: mixed kinds (%s, %s, %s): pass all NumPy arrays or all torch tensors"
-             % (qa.kind, ka.kind, va.kind))
+    qa, ka, va, desc, keep = _host_call(q, k, v, delta, beta, gamma, lam, causal, scale,
+                                        rope_base, layout, q_start, k_start, skip_tol)
     B, H, Lq, D = qa.shape
-    keep = []
-    desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-                 skip_tol, keep)
     devs = (ctypes.c_void_p * 1)(_device_spec(device))
     oa = _empty_like(qa, (B, H, Lq, D))
     outs = [_empty_lse(qa, (B, H, Lq)) for _ in range(3)]
