@@ -375,6 +375,102 @@ TEST_F(dev, kv_cache_attend_matches_the_forward_call)
 	test_problem_free(&tp);
 }
 
+/*
+ * A cache that releases its oldest blocks: at the default skip_tol the diagnostics of a decoding
+ * run match the forward call over all keys (the released keys are within the bound); after a
+ * release proved at a looser skip_tol, the diagnostic attend (which runs at 2^-24) is refused
+ * by the release check, naming skip_tol, and writes nothing.
+ */
+TEST_F(dev, kv_cache_release_and_the_tightened_tolerance)
+{
+	const int64_t n = 96, D = 8;
+	const test_problem_shape sh = { 1, 2, 2, n, n, D };
+	ape_kv_cache_options ko;
+	ape_kv_cache *kc = NULL;
+	test_problem tp;
+	struct diag d;
+	ape_kv_cache_info info;
+	double worst_e = 0, worst_m = 0;
+
+	if (!self->dev->be->ops->attention_diag)
+		SKIP(return, "%s has no diagnostics", variant->backend);
+	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
+	test_problem_set_params(&tp, 4.0, 0.0, 0.0, 0.0);
+	ASSERT_EQ(0, test_problem_naive(&tp));
+	ape_kv_cache_options_init(&ko);
+	ko.B = 1;
+	ko.Hkv = ko.H = 2;
+	ko.D = D;
+	ko.dtype = APE_F32;
+	ko.block_tokens = 4;
+	ko.capacity_tokens = 24;
+	ko.max_queries = 1;
+	ko.allow_release = true;
+	ko.max_query_norm = 0;
+	for (int64_t h = 0; h < 2; h++) /* the bound on |q| the release proof needs */
+		for (int64_t i = 0; i < n; i++) {
+			double ss = 0;
+
+			for (int64_t e = 0; e < D; e++)
+				ss += pow(test_tensor_get(&tp.q.t, 0, h, i, e), 2);
+			ko.max_query_norm = fmax(ko.max_query_norm, sqrt(ss) * 1.001);
+		}
+	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &ko, &kc)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, diag_alloc(&d, 2));
+	for (int64_t i = 0; i < n; i++) {
+		ape_tensor kt, vt, qt, ot;
+		float lse[2];
+
+		ASSERT_EQ(0, ape_tensor_rows(&tp.k.t, i, 1, &kt));
+		ASSERT_EQ(0, ape_tensor_rows(&tp.v.t, i, 1, &vt));
+		ASSERT_EQ(0, ape_tensor_rows(&tp.q.t, i, 1, &qt));
+		ASSERT_EQ(0, ape_tensor_rows(&tp.o.t, i, 1, &ot));
+		ASSERT_EQ(0, ape_kv_cache_append(kc, &kt, &vt)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, ape_kv_cache_attend_diag(kc, &tp.desc, &qt, &ot, lse, d.ent, d.md, NULL))
+		TH_LOG("token %lld: %s", (long long)i, ape_last_error());
+		for (int h = 0; h < 2; h++) {
+			const size_t row = (size_t)(h * n + i);
+			const double l = tp.naive_lse[row];
+
+			worst_e = fmax(worst_e, fabs(d.ent[h] - tp.naive_ent[row]) /
+							fmax(1, fabs(l)));
+			worst_m = fmax(worst_m, fabs(d.md[h] - tp.naive_md[row]) /
+							fmax(1, tp.naive_mdmax[row]));
+		}
+	}
+	ASSERT_EQ(0, ape_kv_cache_get_info(kc, &info));
+	EXPECT_GT(info.blocks_released, 0); /* the 96 tokens went through a cache of 24 */
+	EXPECT_LE(worst_e, tol_of(&tp));
+	EXPECT_LE(worst_m, tol_of(&tp));
+	ape_kv_cache_destroy(kc);
+	/* a release proved at a looser tolerance: the diagnostic attend is refused */
+	{
+		ape_tensor qt, ot;
+		float lse[2];
+		int64_t released = 0;
+
+		ko.capacity_tokens = n;
+		ASSERT_EQ(0, ape_kv_cache_create(self->dev, &ko, &kc));
+		ASSERT_EQ(0, ape_kv_cache_append(kc, &tp.k.t, &tp.v.t));
+		tp.desc.skip_tol = 1e-3;
+		ASSERT_EQ(0, ape_tensor_rows(&tp.q.t, n - 1, 1, &qt));
+		ASSERT_EQ(0, ape_tensor_rows(&tp.o.t, n - 1, 1, &ot));
+		ASSERT_EQ(0, ape_kv_cache_release_unreachable(kc, &tp.desc, &released));
+		ASSERT_GT(released, 0);
+		d.ent[0] = NAN;
+		EXPECT_EQ(APE_EINVAL, ape_kv_cache_attend_diag(kc, &tp.desc, &qt, &ot, lse, d.ent,
+							       d.md, NULL));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "skip_tol")) TH_LOG("%s", ape_last_error());
+		EXPECT_TRUE(isnan(d.ent[0]));
+		/* the plain attend at that tolerance still runs */
+		EXPECT_EQ(0, ape_kv_cache_attend(kc, &tp.desc, &qt, &ot, lse, NULL))
+		TH_LOG("%s", ape_last_error());
+	}
+	ape_kv_cache_destroy(kc);
+	diag_free(&d);
+	test_problem_free(&tp);
+}
+
 /* ---- bad arguments and backends without the diagnostics */
 
 TEST_F(dev, bad_arguments)
