@@ -327,6 +327,27 @@ TEST_F(tools, ape_curve_formats_and_refusals)
 	TH_LOG("%s", self->err);
 	EXPECT_NE(NULL, strstr(self->out, "\"rows\": [")) TH_LOG("%s", self->out);
 	EXPECT_NE(NULL, strstr(self->out, "\"set\": \"rope\""));
+	/* a length's figures do not depend on the other lengths asked for */
+	{
+		static char one[sizeof(self->out)];
+		double f1[3], f2[3];
+
+		ASSERT_EQ(0, CURVE("--lengths", "8", "--params", "ape", "--csv", "--backend", "ref",
+				   "-H", "2", "-D", "8", "--seed", "3"));
+		snprintf(one, sizeof(one), "%s", self->out);
+		ASSERT_EQ(0, CURVE("--lengths", "8,20", "--params", "ape", "--csv", "--backend",
+				   "ref", "-H", "2", "-D", "8", "--seed", "3"));
+		for (long h = 0; h < 2; h++) {
+			ASSERT_EQ(0, csv_find(one, "ape", 8, h, f1));
+			ASSERT_EQ(0, csv_find(self->out, "ape", 8, h, f2));
+			EXPECT_EQ(0, memcmp(f1, f2, sizeof(f1)));
+		}
+		/* and another seed gives other inputs */
+		ASSERT_EQ(0, CURVE("--lengths", "8", "--params", "ape", "--csv", "--backend", "ref",
+				   "-H", "2", "-D", "8", "--seed", "4"));
+		ASSERT_EQ(0, csv_find(self->out, "ape", 8, 0, f2));
+		EXPECT_NE(f1[0], f2[0]);
+	}
 	ASSERT_EQ(0, CURVE("--help"));
 	EXPECT_NE(NULL, strstr(self->out, "usage: ape-curve"));
 	/* refusals: exit 2, a message naming the option */

@@ -78,7 +78,8 @@ static void usage(void)
 	       "  -H, --heads N     heads of the random inputs (default 4)\n"
 	       "  -D, --dim N       head dimension of the random inputs, even, 2..256 (default 64)\n"
 	       "  --seed N          seed of the random N(0,1) Q, K, V (default 1); each length\n"
-	       "                    takes the first L rows of the longest, so lengths nest\n"
+	       "                    takes the first L rows of the longest, so lengths nest, and\n"
+	       "                    a length's figures do not depend on the others listed\n"
 	       "  -q/-k/-v FILE     instead: Q [B, H, L, D], K and V [B, Hkv, L, D] '<f4' or\n"
 	       "                    '<f2' .npy files (3-D: B = 1); each length takes the first L\n"
 	       "                    rows of each (default lengths: the files' own L, once)\n"
@@ -364,17 +365,21 @@ static int make_inputs(struct args *a, struct inputs *in, char *err, size_t len)
 
 		for (int i = 0; i < a->nlengths; i++)
 			Lmax = a->lengths[i] > Lmax ? a->lengths[i] : Lmax;
-		ape_rng_seed(&rng, a->seed);
 		for (int i = 0; i < 3; i++) {
-			const size_t n = (size_t)(a->H * Lmax * a->D);
+			const size_t n = (size_t)(a->H * Lmax * a->D), per_head = n / (size_t)a->H;
 
 			in->rnd[i] = malloc(n * sizeof(float));
 			if (!in->rnd[i]) {
 				snprintf(err, len, "out of memory for the inputs (%zu floats)", 3 * n);
 				return CURVE_FAIL;
 			}
-			for (size_t j = 0; j < n; j++)
-				in->rnd[i][j] = (float)ape_rng_normal(&rng);
+			/* one stream per tensor and head, its rows in order: the first L rows are the
+			 * same whatever the other lengths asked for */
+			for (int64_t h = 0; h < a->H; h++) {
+				ape_rng_seed(&rng, a->seed * 0x9e3779b97f4a7c15ull + (uint64_t)(i * 4096 + h));
+				for (size_t j = 0; j < per_head; j++)
+					in->rnd[i][(size_t)h * per_head + j] = (float)ape_rng_normal(&rng);
+			}
 			ape_tensor_init(&in->t[i], in->rnd[i], APE_F32, 1, a->H, Lmax, a->D);
 		}
 	}
