@@ -506,3 +506,8 @@ int ape__ocl_synchronize(struct ape__queue *q)
 	tl_prune(tl); /* everything completed: a queue without live events holds nothing */
 	return 0;
 }
+
+unsigned long ape__ocl_debug_tracked(const struct ape__queue *q)
+{
+	return (unsigned long)q->tl->n;
+}
