@@ -116,6 +116,26 @@ int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **o
 }
 
 /*
+ * The checks of a caller's OpenCL object (`what`, "cl_mem" or "cl_command_queue", at obj):
+ * err, the status of the clGet*Info calls (`fn`) that read its context c, must be CL_SUCCESS,
+ * and c the device's context. 0, or APE_EINVAL naming the object and both contexts.
+ */
+static int ocl_check_object(const struct ape__ocl_device *od, const char *what, const void *obj,
+			    const char *fn, cl_int err, cl_context c)
+{
+	if (err != CL_SUCCESS)
+		return ape__error(APE_EINVAL, "the %s %p: %s: %s (%d)", what, obj, fn,
+				  ape__ocl_err_name(err), (int)err);
+	if (c != od->ctx)
+		return ape__error(APE_EINVAL,
+				  "the %s %p belongs to cl_context %p, not to the device's "
+				  "cl_context %p (build the device on it with "
+				  "ape_context_options.opencl_context)",
+				  what, obj, (void *)c, (void *)od->ctx);
+	return 0;
+}
+
+/*
  * buf_wrap (core/backend.h). Host memory only on CPU devices: clCreateBuffer with
  * CL_MEM_USE_HOST_PTR, on which PoCL (3.1, measured) computes in place: creating the buffer
  * over 256 MiB takes 0.01 ms, a kernel's writes are in host memory after clFinish with no map
@@ -157,6 +177,7 @@ int ape__ocl_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t byt
 		cl_context c = NULL;
 		cl_mem_object_type type = 0;
 		size_t size = 0;
+		int ret;
 
 		if (!handle)
 			return ape__error(APE_EINVAL, "the cl_mem is NULL");
@@ -165,15 +186,9 @@ int ape__ocl_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t byt
 			err = clGetMemObjectInfo(handle, CL_MEM_TYPE, sizeof(type), &type, NULL);
 		if (err == CL_SUCCESS)
 			err = clGetMemObjectInfo(handle, CL_MEM_SIZE, sizeof(size), &size, NULL);
-		if (err != CL_SUCCESS)
-			return ape__error(APE_EINVAL, "the cl_mem %p: clGetMemObjectInfo: %s (%d)",
-					  handle, ape__ocl_err_name(err), (int)err);
-		if (c != od->ctx)
-			return ape__error(APE_EINVAL,
-					  "the cl_mem %p belongs to cl_context %p, not to the "
-					  "device's cl_context %p (build the device on it with "
-					  "ape_context_options.opencl_context)",
-					  handle, (void *)c, (void *)od->ctx);
+		ret = ocl_check_object(od, "cl_mem", handle, "clGetMemObjectInfo", err, c);
+		if (ret)
+			return ret;
 		if (type != CL_MEM_OBJECT_BUFFER)
 			return ape__error(APE_EINVAL,
 					  "the cl_mem %p is not a buffer (CL_MEM_TYPE 0x%x)", handle,
@@ -271,6 +286,7 @@ int ape__ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue 
 	cl_command_queue_properties props = 0;
 	struct ape__queue *q;
 	cl_int err;
+	int ret;
 
 	*out = NULL;
 	if (!cq)
@@ -280,15 +296,9 @@ int ape__ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue 
 		err = clGetCommandQueueInfo(cq, CL_QUEUE_DEVICE, sizeof(d), &d, NULL);
 	if (err == CL_SUCCESS)
 		err = clGetCommandQueueInfo(cq, CL_QUEUE_PROPERTIES, sizeof(props), &props, NULL);
-	if (err != CL_SUCCESS)
-		return ape__error(APE_EINVAL, "the cl_command_queue %p: clGetCommandQueueInfo: %s (%d)",
-				  handle, ape__ocl_err_name(err), (int)err);
-	if (c != od->ctx)
-		return ape__error(APE_EINVAL,
-				  "the cl_command_queue %p belongs to cl_context %p, not to the "
-				  "device's cl_context %p (build the device on it with "
-				  "ape_context_options.opencl_context)",
-				  handle, (void *)c, (void *)od->ctx);
+	ret = ocl_check_object(od, "cl_command_queue", handle, "clGetCommandQueueInfo", err, c);
+	if (ret)
+		return ret;
 	if (d != od->id)
 		return ape__error(APE_EINVAL,
 				  "the cl_command_queue %p is for cl_device_id %p, not for this "
