@@ -196,10 +196,13 @@ TEST_F(mixed, one_backend_failing_fails_the_call)
 	o.chunk_q = o.chunk_k = 16;
 	o.device_weights = w;
 	ASSERT_EQ(0, ape_device_get_info(self->b, &info));
-	/* the wrapper fails a launch of any device of b's backend: two CUDA devices, either */
+	/* the wrapper fails any device of b's backend: two CUDA devices, either */
 	name = strcmp(variant->a, variant->b) ? info.name : variant->b;
+	/* a idles and takes b's query chunks (exec/workq.h), and may take all of them before b
+	 * launches anything: so b fails at its first call of any op (its session's first
+	 * allocation, whatever work it gets), as a device lost at the start would */
 	wrap_install(self->b, 0);
-	wrap_fail_attention(3);
+	wrap_lose_device(1);
 	ret = run(&tp, set, 2, &o, NULL);
 	EXPECT_EQ(APE_EDEVLOST, ret);
 	EXPECT_NE(NULL, strstr(ape_last_error(), "fails on purpose")) TH_LOG("%s", ape_last_error());

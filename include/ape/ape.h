@@ -842,6 +842,23 @@ APE_API void ape_kv_cache_destroy(ape_kv_cache *cache);
  */
 APE_API int ape_kv_cache_append(ape_kv_cache *cache, const ape_tensor *k, const ape_tensor *v);
 
+struct ape_queue;
+struct ape_dtensor;
+/**
+ * \brief Appends n tokens from device tensors \p k and \p v (`[B, Hkv, n, D]` of the cache's
+ *        dtype, D contiguous, in buffers of the cache's device), copied within the device, after
+ *        the work already enqueued on \p queue (which wrote them, say).
+ *
+ * The cache keeps each block's largest key norm on the host for skipping and release, so the
+ * appended keys (B * Hkv * n * D elements, not the values) are also read back; the call returns
+ * when the tokens are in the cache, and k and v may then be overwritten.
+ * \return as ape_kv_cache_append(); APE_EINVAL also for a queue or buffer of another device or
+ *         a tensor outside its buffer (naming it); APE_ENOTSUP on a backend without
+ *         device-to-device copies.
+ */
+APE_API int ape_kv_cache_append_device(ape_kv_cache *cache, struct ape_queue *queue,
+				       const struct ape_dtensor *k, const struct ape_dtensor *v);
+
 /**
  * \brief Attention of new queries over every cached token: as ape_attention_forward() with
  *        the cache's keys and values.

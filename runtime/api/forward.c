@@ -25,6 +25,7 @@
 #include "exec/multidev.h"
 #include "exec/pack.h"
 #include "exec/plan.h"
+#include "exec/resident.h"
 #include "api/forward.h"
 #include "api/stats.h"
 #include "api/validate.h"
@@ -169,6 +170,15 @@ static int run(const char *fn, ape_device *const *devs, int ndev, const ape_exec
 	struct staged sg;
 	int ret;
 
+	/* on a device that computes on host memory: in place, one launch, no copy; chunk sizes, a
+	 * budget or a trace the caller asks for are the streaming executor's */
+	if (ndev == 1 && !atomic_out &&
+	    !(opts && (opts->chunk_q || opts->chunk_k || opts->trace_path || opts->max_device_bytes))) {
+		ret = ape__resident_host_run(fn, devs[0], p, r.budget, q, k, v, o, lse, want_pairs,
+					     res);
+		if (ret <= 0)
+			return ret;
+	}
 	if (!atomic_out)
 		return ape__exec_run(&r, res);
 	ret = stage_outputs(fn, p, lse != NULL, &sg);

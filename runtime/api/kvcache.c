@@ -20,6 +20,7 @@
 #include "exec/launch.h"
 #include "exec/pack.h"
 #include "api/kvcache.h"
+#include "api/resident.h"
 #include "api/validate.h"
 
 void ape_kv_cache_options_init(ape_kv_cache_options *opts)
@@ -394,6 +395,124 @@ int ape_kv_cache_append(ape_kv_cache *c, const ape_tensor *k, const ape_tensor *
 		done += m;
 	}
 	return 0;
+}
+
+/* One device append piece: tokens [t0, t0 + n) of the source views, copied within the device. */
+struct dpiece {
+	struct ape_kv_cache *c;
+	struct ape__queue *q;
+	struct ape__buf *src[2]; /* k, v */
+	struct ape__view view[2];
+	int64_t t0; /* first source row of the piece */
+	int64_t n;
+};
+
+static int copy_seg_d2d(void *arg, const struct ape__kv_seg *sg)
+{
+	const struct dpiece *p = arg;
+	struct ape_kv_cache *c = p->c;
+	const int64_t D = c->o.D, bg = (int64_t)(sg->off / c->esz) / D / p->n;
+	const int64_t b = bg / c->o.Hkv, hk = bg % c->o.Hkv;
+	const int64_t row = (int64_t)(sg->off / c->esz) / D % p->n, rows = (int64_t)sg->bytes / c->esz / D;
+	int ret = 0;
+
+	for (int kv = 0; kv < 2 && !ret; kv++) {
+		const struct ape__view *v = &p->view[kv];
+		struct ape__buf *dst = kv ? c->bv[sg->blk] : c->bk[sg->blk];
+		const int64_t first = v->off + b * v->sb + hk * v->sh + (p->t0 + row) * v->sl;
+
+		if (v->sl == D) /* the rows follow each other: one copy */
+			ret = c->ops->copy_d2d(p->q, dst, sg->blk_off, p->src[kv],
+					       (size_t)first * c->esz, sg->bytes);
+		for (int64_t i = 0; v->sl != D && i < rows && !ret; i++)
+			ret = c->ops->copy_d2d(p->q, dst, sg->blk_off + (size_t)(i * D) * c->esz,
+					       p->src[kv], (size_t)(first + i * v->sl) * c->esz,
+					       (size_t)D * c->esz);
+	}
+	return ret;
+}
+
+int ape_kv_cache_append_device(ape_kv_cache *c, ape_queue *queue, const ape_dtensor *k,
+			       const ape_dtensor *v)
+{
+	static const char fn[] = "ape_kv_cache_append_device";
+	static const char *const dims[4] = { "B", "Hkv", "n", "D" };
+	struct dpiece dp = { 0 };
+	struct ape__event *ready = NULL;
+	int64_t want[4], n, room;
+	int ret;
+
+	if (!c)
+		return ape__error(APE_EINVAL, "%s: cache = NULL", fn);
+	if (!queue)
+		return ape__error(APE_EINVAL, "%s: queue = NULL", fn);
+	if (queue->dev != c->dev)
+		return ape__error(APE_EINVAL, "%s: the queue is of %s:%d, the cache of %s:%d", fn,
+				  queue->dev->info.backend, queue->dev->info.backend_index,
+				  c->dev->info.backend, c->dev->info.backend_index);
+	if (!c->ops->copy_d2d)
+		return ape__error_on(ape__error(APE_ENOTSUP, "%s: the %s backend has no "
+						"device-to-device copy", fn, c->dev->info.backend),
+				     c->dev);
+	want[0] = c->o.B;
+	want[1] = c->o.Hkv;
+	want[2] = -1;
+	want[3] = c->o.D;
+	if ((ret = ape__check_dtensor(fn, "k", k, c->dev, c->o.dtype, want, dims, &dp.view[0])))
+		return ret;
+	want[2] = k->shape[2];
+	if ((ret = ape__check_dtensor(fn, "v", v, c->dev, c->o.dtype, want, dims, &dp.view[1])))
+		return ret;
+	n = k->shape[2];
+	room = (c->lb_first + c->nblocks) * c->bt - c->t_end;
+	if (n > room)
+		return ape__error(APE_ENOMEM,
+				  "%s: %" PRId64 " tokens do not fit: the cache holds %" PRId64
+				  " of %" PRId64 " (room for %" PRId64 "); release blocks or make a "
+				  "larger cache",
+				  fn, n, ape__kv_live_tokens(c), c->nblocks * c->bt, room);
+	if (!n)
+		return 0;
+	dp.c = c;
+	dp.src[0] = k->buf->b;
+	dp.src[1] = v->buf->b;
+	/* the caller's work that wrote k and v comes first */
+	if ((ret = c->ops->event_record(queue->q, &ready)))
+		return ape__error_prefix(ape__error_on(ret, c->dev), fn);
+	for (int64_t done = 0; done < n && !ret;) {
+		const int64_t m = n - done < c->o.append_chunk ? n - done : c->o.append_chunk;
+		const int i = c->anext;
+		char *st = c->astage[i].ptr;
+
+		c->anext ^= 1;
+		dp.q = c->aq[i];
+		dp.t0 = done;
+		dp.n = m;
+		if ((ret = c->ops->event_wait(dp.q, ready)) ||
+		    (ret = ape__kv_each_seg(c, c->t_end, m, copy_seg_d2d, &dp)))
+			break;
+		/* the new keys, read back for their norms (skipping and release need them) */
+		for (int64_t bg = 0; bg < c->o.B * c->o.Hkv && !ret; bg++)
+			for (int64_t t = 0; t < m && !ret; t++) {
+				const struct ape__view *kv = &dp.view[0];
+				const int64_t e = kv->off + bg / c->o.Hkv * kv->sb +
+						  bg % c->o.Hkv * kv->sh + (done + t) * kv->sl;
+
+				ret = c->ops->copy_d2h(dp.q, st + (size_t)((bg * m + t) * c->o.D) * c->esz,
+						       dp.src[0], (size_t)e * c->esz,
+						       (size_t)c->o.D * c->esz);
+			}
+		if (!ret)
+			ret = c->ops->synchronize(dp.q);
+		if (ret)
+			break;
+		c->apending[i] = false;
+		note_norms(c, st, c->t_end, m);
+		c->t_end += m;
+		done += m;
+	}
+	c->ops->event_destroy(ready);
+	return ret ? ape__error_prefix(ape__error_on(ret, c->dev), fn) : 0;
 }
 
 int ape_kv_cache_get_info(const ape_kv_cache *c, ape_kv_cache_info *info)

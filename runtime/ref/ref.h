@@ -23,8 +23,8 @@ static inline double ape__ref_load(const void *base, ape_dtype t, int64_t i)
 }
 
 /*
- * Computes rows [row_begin, row_end) of the flattened [B*H*Lq] output of launch `l` from contiguous
- * host tensors. Extra memory is O(D) per row; no key is ever skipped.
+ * Computes rows [row_begin, row_end) of the flattened [B*H*Lq] output of launch `l` from host
+ * tensors laid out as ape__launch_view() says (pairs: contiguous). Extra memory is O(D) per row; no key is ever skipped.
  */
 void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, const void *v,
 		   void *o, float *lse, uint64_t *pairs, int64_t row_begin, int64_t row_end);

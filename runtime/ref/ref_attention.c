@@ -79,12 +79,18 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 		   void *o, float *lse, uint64_t *pairs, int64_t row_begin, int64_t row_end)
 {
 	const int64_t D = l->D, group = l->H / l->Hkv;
+	const struct ape__view qv = ape__launch_view(l, APE__T_Q), kv = ape__launch_view(l, APE__T_K);
+	const struct ape__view vv = ape__launch_view(l, APE__T_V), ov = ape__launch_view(l, APE__T_O);
+	const struct ape__view lv = ape__launch_view(l, APE__T_LSE);
 	double qrow[APE_REF_MAX_D], acc[APE_REF_MAX_D];
 
 	for (int64_t row = row_begin; row < row_end; row++) {
 		const int64_t i = row % l->Lq, bh = row / l->Lq;
-		const int64_t b = bh / l->H, h = bh % l->H;
-		const int64_t kvbase = (b * l->Hkv + h / group) * l->Lk * D;
+		const int64_t b = bh / l->H, h = bh % l->H, hk = h / group;
+		const int64_t qbase = qv.off + b * qv.sb + h * qv.sh + i * qv.sl;
+		const int64_t obase = ov.off + b * ov.sb + h * ov.sh + i * ov.sl;
+		const int64_t kbase = kv.off + b * kv.sb + hk * kv.sh;
+		const int64_t vbase = vv.off + b * vv.sb + hk * vv.sh;
 		const double delta = l->head_params[4 * h + 0], beta = l->head_params[4 * h + 1];
 		const double gamma = l->head_params[4 * h + 2], lambda = l->head_params[4 * h + 3];
 		const int64_t pos_q = l->q_start + i;
@@ -93,7 +99,7 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 		uint64_t seen = 0;
 
 		for (int64_t d = 0; d < D; d++)
-			qrow[d] = ape__ref_load(q, l->in_dtype, row * D + d);
+			qrow[d] = ape__ref_load(q, l->in_dtype, qbase + d);
 		alpha = ape_alpha(lambda, row_sigma(qrow, D));
 		memset(acc, 0, sizeof(acc));
 
@@ -105,7 +111,7 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 			if (l->causal && n < 0)
 				continue;
 			s = ape_temp(lambda, an) * l->scale *
-				    rotated_dot(l, qrow, k, kvbase + j * D, (double)n, alpha) +
+				    rotated_dot(l, qrow, k, kbase + j * kv.sl, (double)n, alpha) +
 			    ape_bias(delta, beta, gamma, an);
 			seen++;
 			if (!isfinite(s)) {
@@ -122,16 +128,16 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 			w = ape_merge_factor(s, m);
 			sum += w;
 			for (int64_t d = 0; d < D; d++)
-				acc[d] += w * ape__ref_load(v, l->in_dtype, kvbase + j * D + d);
+				acc[d] += w * ape__ref_load(v, l->in_dtype, vbase + j * vv.sl + d);
 		}
 
 		for (int64_t d = 0; d < D; d++) {
 			double x = bad ? NAN : sum > 0 ? acc[d] / sum : 0.0;
 
-			store(o, l->out_dtype, row * D + d, x);
+			store(o, l->out_dtype, obase + d, x);
 		}
 		if (lse)
-			lse[row] = bad ? NAN : sum > 0 ? (float)(m + log(sum)) : -INFINITY;
+			lse[lv.off + b * lv.sb + h * lv.sh + i * lv.sl] = bad ? NAN : sum > 0 ? (float)(m + log(sum)) : -INFINITY;
 		if (pairs)
 			pairs[row] = seen;
 	}

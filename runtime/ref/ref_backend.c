@@ -2,9 +2,11 @@
 /*
  * The reference backend: "device" memory is host memory and a queue runs each command when it is
  * enqueued, on the calling thread. It exists so the core's path (pack, copy, launch, copy back) is
- * the same for every backend, and so that every test has an oracle. Only buf_alloc,
- * queue_create and event_record can fail (host memory); the other ops cannot.
+ * the same for every backend, and so that every test has an oracle. Only buf_alloc, buf_wrap,
+ * queue_create and event_record can fail (host memory); the other ops cannot. Since its memory
+ * is host memory, it wraps the caller's host arrays as they are (buf_wrap, APE__MEM_HOST).
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,7 +21,9 @@
 
 struct ape__buf {
 	size_t size;
-	unsigned char bytes[]; /* follows a size_t: 8-byte aligned, enough for float and uint64 */
+	unsigned char *bytes; /* mem, or the caller's memory when wrapped */
+	bool wrapped;
+	max_align_t mem[]; /* the allocation itself (not wrapped): aligned for every type */
 };
 
 struct ape__queue {
@@ -59,7 +63,34 @@ static int ref_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf *
 		return ape__op_error(APE_ENOMEM, dev, "buf_alloc");
 	}
 	b->size = bytes;
+	b->bytes = (unsigned char *)b->mem;
+	b->wrapped = false;
 	*out = b;
+	return 0;
+}
+
+/* Host memory is this device's memory: wrapping it costs one small allocation. */
+static int ref_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
+			struct ape__buf **out, size_t *bytes_out)
+{
+	struct ape__buf *b;
+
+	*out = NULL;
+	*bytes_out = 0;
+	if (kind != APE__MEM_HOST)
+		return ape__op_error(ape__error(APE_ENOTSUP,
+						"the reference computes on host memory only, not "
+						"on %s memory",
+						kind == APE__MEM_OPENCL ? "OpenCL" : "CUDA"),
+				     dev, "buf_wrap");
+	b = ape__malloc(sizeof(*b));
+	if (!b)
+		return ape__op_error(ape__error(APE_ENOMEM, "out of host memory"), dev, "buf_wrap");
+	b->size = bytes;
+	b->bytes = handle;
+	b->wrapped = true;
+	*out = b;
+	*bytes_out = bytes;
 	return 0;
 }
 
@@ -219,4 +250,6 @@ const struct ape__backend_ops ape__ref_ops = {
 	.event_timestamp = ref_event_timestamp,
 	.attention_scratch = ref_attention_scratch,
 	.attention_backward = ref_attention_backward,
+	.buf_wrap = ref_buf_wrap,
+	/* no queue_wrap: the reference has no native queue; no native: no native objects */
 };
