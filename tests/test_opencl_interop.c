@@ -11,6 +11,8 @@
  * Without an OpenCL device the program skips (exit 4) with the reason.
  */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +20,7 @@
 #include <unistd.h>
 
 #include "ape_test.h"
+#include "common/problem.h"
 
 #ifdef APE_HAVE_OPENCL
 #include <CL/cl.h>
@@ -928,6 +931,149 @@ TEST(context_import_of_a_device_not_in_the_context)
 	clReleaseContext(root_ctx);
 	for (cl_uint i = 0; i < nsub && i < 64; i++)
 		clReleaseDevice(sub[i]);
+	dev_close(&t);
+}
+
+/* ---- through the public API */
+
+struct gate_watch {
+	cl_event gate;
+	atomic_int opened_by_watchdog;
+	atomic_int stop;
+};
+
+/* Opens the gate after 20 s if the test has not: a call that waited on the caller's queue
+ * would otherwise wait forever. */
+static void *gate_watchdog(void *arg)
+{
+	struct gate_watch *w = arg;
+
+	for (int i = 0; i < 2000 && !atomic_load(&w->stop); i++)
+		usleep(10000);
+	if (!atomic_load(&w->stop)) {
+		atomic_store(&w->opened_by_watchdog, 1);
+		clSetUserEventStatus(w->gate, CL_COMPLETE);
+	}
+	return NULL;
+}
+
+/*
+ * ape_context_options.opencl_context/opencl_device from the test's own clCreateContext: the
+ * device reports that context (ape_device_native); ape_attention_enqueue() on the test's own
+ * queue and cl_mem objects equals the host call bit for bit, and keeps its place in the queue:
+ * the test's writes of Q, K and V, held back by a user event, come before libape's kernels, its
+ * reads of O and LSE after them. ape_attention_enqueue() itself must not wait for the gate.
+ */
+TEST(public_api_on_the_callers_context_and_queue)
+{
+	const test_problem_shape sh = { 2, 4, 2, 37, 53, 64 };
+	const cl_uint nan_bits = 0xffffffffu;
+	struct dev t;
+	ape_context_options opts;
+	ape_context *ctx = NULL;
+	ape_device *devs[16], *d = NULL;
+	ape_queue *qu = NULL;
+	ape_buffer *bufs[5] = { 0 };
+	ape_dtensor dt[5];
+	cl_mem m[5];
+	cl_context mine;
+	cl_command_queue cq;
+	struct gate_watch w = { 0 };
+	pthread_t watchdog;
+	test_problem a, b;
+	size_t bytes[5];
+	void *host[5];
+	cl_int err;
+	ape_rng rng;
+	int n;
+
+	ASSERT_EQ(0, dev_open(_metadata, &t));
+	mine = clCreateContext(NULL, 1, &t.cdev, NULL, NULL, &err);
+	ASSERT_NE(NULL, mine);
+	ape_context_options_init(&opts);
+	opts.backends = "opencl";
+	opts.opencl_context = mine;
+	opts.opencl_device = t.cdev;
+	ASSERT_EQ(0, ape_context_create(&ctx, &opts)) TH_LOG("%s", ape_last_error());
+	n = ape_device_list(ctx, devs, 16);
+	for (int i = 0; i < n && i < 16 && !d; i++) {
+		void *c = NULL, *dv = NULL;
+
+		ASSERT_EQ(0, ape_device_native(devs[i], &c, &dv));
+		if (dv == (void *)t.cdev) {
+			EXPECT_EQ((void *)mine, c);
+			d = devs[i];
+		}
+	}
+	ASSERT_NE(NULL, d) TH_LOG("no device of the context reports the test's cl_device_id");
+
+	ape_rng_init(&rng, "public_api_on_the_callers_context_and_queue");
+	ASSERT_EQ(0, test_problem_make(&a, &rng, &sh, APE_F16, false));
+	test_problem_set_params(&a, pow(2.0, -4.0 / 3.0), pow(2.0, -4.0 / 3.0) / 10,
+				pow(2.0, -4.0 / 3.0) / 10, 0.1);
+	ASSERT_EQ(0, test_problem_clone(&b, &a));
+	ASSERT_NE(NULL, b.lse);
+	ASSERT_EQ(0, test_problem_run(&a, d)) TH_LOG("host call: %s", ape_last_error());
+
+	host[0] = b.q.t.data;
+	host[1] = b.k.t.data;
+	host[2] = b.v.t.data;
+	host[3] = b.o.t.data;
+	host[4] = b.lse;
+	bytes[0] = (size_t)(sh.B * sh.H * sh.Lq * sh.D) * 2;
+	bytes[1] = bytes[2] = (size_t)(sh.B * sh.Hkv * sh.Lk * sh.D) * 2;
+	bytes[3] = (size_t)(sh.B * sh.H * sh.Lq * sh.D) * ape_dtype_size(b.o.t.dtype);
+	bytes[4] = b.rows * sizeof(float);
+	cq = clCreateCommandQueue(mine, t.cdev, 0, &err);
+	ASSERT_NE(NULL, cq);
+	w.gate = clCreateUserEvent(mine, &err);
+	ASSERT_NE(NULL, w.gate);
+	for (int i = 0; i < 5; i++) {
+		m[i] = clCreateBuffer(mine, CL_MEM_READ_WRITE, bytes[i], NULL, &err);
+		ASSERT_NE(NULL, m[i]);
+		ASSERT_EQ(CL_SUCCESS, clEnqueueFillBuffer(cq, m[i], &nan_bits, 4, 0, bytes[i], 0,
+							  NULL, NULL));
+		ASSERT_EQ(CL_SUCCESS, clFinish(cq));
+		ASSERT_EQ(0, ape_buffer_wrap_opencl(d, m[i], &bufs[i])) TH_LOG("%s",
+										 ape_last_error());
+		EXPECT_EQ(bytes[i], ape_buffer_size(bufs[i]));
+	}
+	for (int i = 0; i < 3; i++)
+		ASSERT_EQ(CL_SUCCESS, clEnqueueWriteBuffer(cq, m[i], CL_FALSE, 0, bytes[i], host[i],
+							   1, &w.gate, NULL));
+	ASSERT_EQ(0, pthread_create(&watchdog, NULL, gate_watchdog, &w));
+	ASSERT_EQ(0, ape_queue_wrap_opencl(d, cq, &qu)) TH_LOG("%s", ape_last_error());
+	ape_dtensor_init(&dt[0], bufs[0], 0, APE_F16, sh.B, sh.H, sh.Lq, sh.D);
+	ape_dtensor_init(&dt[1], bufs[1], 0, APE_F16, sh.B, sh.Hkv, sh.Lk, sh.D);
+	ape_dtensor_init(&dt[2], bufs[2], 0, APE_F16, sh.B, sh.Hkv, sh.Lk, sh.D);
+	ape_dtensor_init(&dt[3], bufs[3], 0, b.o.t.dtype, sh.B, sh.H, sh.Lq, sh.D);
+	ape_dtensor_init(&dt[4], bufs[4], 0, APE_F32, sh.B, sh.H, sh.Lq, 1);
+	EXPECT_EQ(0, ape_attention_enqueue(qu, &b.desc, &dt[0], &dt[1], &dt[2], &dt[3], &dt[4]))
+	TH_LOG("%s", ape_last_error());
+	for (int i = 3; i < 5; i++)
+		ASSERT_EQ(CL_SUCCESS, clEnqueueReadBuffer(cq, m[i], CL_FALSE, 0, bytes[i], host[i],
+							  0, NULL, NULL));
+	EXPECT_EQ(0, atomic_load(&w.opened_by_watchdog))
+	TH_LOG("ape_attention_enqueue waited on the caller's queue");
+	atomic_store(&w.stop, 1);
+	pthread_join(watchdog, NULL);
+	if (!atomic_load(&w.opened_by_watchdog))
+		ASSERT_EQ(CL_SUCCESS, clSetUserEventStatus(w.gate, CL_COMPLETE));
+	EXPECT_EQ(0, ape_queue_synchronize(qu)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, memcmp(a.o.t.data, b.o.t.data, bytes[3]));
+	EXPECT_EQ(0, memcmp(a.lse, b.lse, bytes[4]));
+	ape_queue_destroy(qu);
+	for (int i = 0; i < 5; i++) {
+		ape_buffer_free(bufs[i]);
+		clReleaseMemObject(m[i]);
+	}
+	clReleaseEvent(w.gate);
+	clReleaseCommandQueue(cq);
+	test_problem_free(&a);
+	test_problem_free(&b);
+	ape_context_destroy(ctx);
+	EXPECT_EQ(1, ctx_refs(mine));
+	clReleaseContext(mine);
 	dev_close(&t);
 }
 
