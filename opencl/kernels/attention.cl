@@ -762,12 +762,13 @@ __kernel void ape_kv_prep(__global const void *K, __global const void *V, int D,
 			  long Lk, long4 vk, long4 vv)
 {
 	const long row = get_global_id(0), base = row * D;
-	const long j = row % Lk, bh = row / Lk, b = bh / Hkv, h = bh % Hkv;
-	const long kb = VIEW_ROW(vk, b, h) + j * vk.w, vb = VIEW_ROW(vv, b, h) + j * vv.w;
 	const int P = D / 2;
 
 	if (row >= rows)
 		return;
+	const long j = row % Lk, bh = row / Lk, b = bh / Hkv, h = bh % Hkv;
+	const long kb = VIEW_ROW(vk, b, h) + j * vk.w, vb = VIEW_ROW(vv, b, h) + j * vv.w;
+
 	for (int p = 0; p < P; p++) {
 		Kp[base + p] = ld(K, kb + (inter ? 2 * p : p), dt);
 		Kp[base + P + p] = ld(K, kb + (inter ? 2 * p + 1 : p + P), dt);
