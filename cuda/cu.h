@@ -45,7 +45,7 @@ struct ape__cu_driver {
 	char path[256]; /* what was loaded */
 	int version; /* cuDriverGetVersion: 13000 for CUDA 13.0 */
 	bool pinning; /* the optional host-registration symbols are there */
-	char missing_optional[128]; /* optional symbols the driver lacks, for ape-info */
+	char missing_optional[256]; /* optional symbols the driver lacks, for ape-info */
 #define APE_CU_FIELD(name, ver, req, params) ape__pfn_##name p_##name;
 	APE_CUDA_SYMBOLS(APE_CU_FIELD)
 #undef APE_CU_FIELD
@@ -101,16 +101,19 @@ struct ape__cu_device {
 struct ape__buf {
 	CUdeviceptr ptr;
 	size_t size;
+	bool wrapped; /* the caller's memory (buf_wrap): never freed here */
 };
 
 struct ape__queue {
 	struct ape_device *dev;
-	CUstream s;
+	CUstream s; /* NULL: the legacy default stream (a wrapped one only) */
+	bool wrapped; /* the caller's stream (queue_wrap): never synchronised or destroyed here */
 };
 
 struct ape__event {
 	struct ape_device *dev;
 	CUevent ev;
+	bool timed; /* created with timing (not on a wrapped stream) */
 };
 
 static inline struct ape__cu_device *ape__cu_dev(const struct ape_device *dev)
@@ -151,6 +154,9 @@ int ape__cu_once(struct ape_device *dev, atomic_int *state,
 /* Makes the device's primary context current on this thread (retaining it on first use). */
 int ape__cu_enter(struct ape_device *dev);
 void ape__cu_leave(struct ape_device *dev);
+/* The native op: the primary context (retained on first use; NULL if that fails) and the
+ * CUdevice as (void *)(intptr_t). */
+void ape__cu_native(struct ape_device *dev, void **context, void **device);
 
 /* ---- cuda_mem.c */
 int ape__cu_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out);
@@ -173,6 +179,9 @@ int ape__cu_synchronize(struct ape__queue *q);
 int ape__cu_host_register(struct ape_device *dev, void *ptr, size_t bytes, void **handle);
 void ape__cu_host_unregister(struct ape_device *dev, void *handle);
 uint64_t ape__cu_max_alloc(struct ape_device *dev);
+int ape__cu_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
+		     struct ape__buf **out, size_t *bytes_out);
+int ape__cu_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out);
 /* Scratch for one launch, freed in stream order after it (cuMemAllocAsync where the device has
  * memory pools; otherwise a plain allocation freed once the stream is done with it). */
 int ape__cu_scratch_alloc(struct ape__queue *q, size_t bytes, CUdeviceptr *out);

@@ -14,6 +14,17 @@
  * Scratch is one stream-ordered allocation per launch, freed in stream order after the last
  * kernel: the memory is held from the attention call until the launch completes, which is what
  * attention_scratch() reports to the streaming executor.
+ *
+ * Strided launches (core/backend.h, struct ape__view): every kernel addresses Q, K, V, O and LSE
+ * through the views in its argument struct (struct ape_cu_view, args.h), so a [B, L, H, D]
+ * tensor or one slice of a packed QKV tensor is read and written where it is. Scalar loads take
+ * any layout; what reads K or V rows with 16-byte cp.async (the prefill's K tiles when K is
+ * float32 in the half layout, its V tiles, the decode kernels at D = 64 and 128) reads them in
+ * place only when every row of the view is 16-byte aligned; otherwise ape_prep copies them to
+ * contiguous scratch (prefill) or the decode runs its generic-D variant (scalar loads). O is
+ * stored two elements at a time unless the view's pairs are misaligned (APE_CU_F_O_SCALAR).
+ * A strided launch with no key writes O = 0 and LSE = -inf through ape_dmerge over zero splits
+ * (fills only reach contiguous outputs).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -53,8 +64,38 @@ static size_t take(struct cu_plan *p, size_t bytes)
 	return off;
 }
 
-static void plan_launch(const struct ape__cu_device *cd, const struct ape__launch *l,
-			struct cu_plan *p)
+/*
+ * Are all rows of tensor t of l aligned to `align` bytes in its buffer at `base` (strides of axes
+ * of extent 1 do not count)? base == 0: the buffer is not known (attention_scratch): a strided
+ * view is assumed misaligned, a contiguous one aligned like cuMemAlloc's memory.
+ */
+static bool view_aligned(const struct ape__launch *l, int t, CUdeviceptr base, size_t align)
+{
+	const struct ape__view v = ape__launch_view(l, t);
+	const bool kv = t == APE__T_K || t == APE__T_V;
+	const size_t esz = t == APE__T_LSE ? 4 : ape_dtype_size(t == APE__T_O ? l->out_dtype
+									      : l->in_dtype);
+	const int64_t heads = kv ? l->Hkv : l->H, rows = kv ? l->Lk : l->Lq;
+	uint64_t bits = 0;
+
+	if (!base)
+		return !l->strided;
+	bits |= (uint64_t)base + (uint64_t)v.off * esz;
+	bits |= l->B > 1 ? (uint64_t)v.sb * esz : 0;
+	bits |= heads > 1 ? (uint64_t)v.sh * esz : 0;
+	bits |= rows > 1 ? (uint64_t)v.sl * esz : 0;
+	return bits % align == 0;
+}
+
+/* K and V rows that cp.async may read in place (see the top of this file), or not known. */
+static void kv_aligned(const struct ape__launch *l, bool buffers, bool *k16, bool *v16)
+{
+	*k16 = view_aligned(l, APE__T_K, buffers ? l->k->ptr : 0, 16);
+	*v16 = view_aligned(l, APE__T_V, buffers ? l->v->ptr : 0, 16);
+}
+
+static void plan_launch(const struct ape__cu_device *cd, const struct ape__launch *l, bool k16,
+			bool v16, struct cu_plan *p)
 {
 	const size_t esz = l->in_dtype == APE_F32 ? 4 : 2;
 
@@ -67,15 +108,25 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 		     : l->D == 128 ? APE__CU_V_D128
 		     : l->D <= 128 ? APE__CU_V_G128
 				   : APE__CU_V_G256;
+	/* the decode kernels at D = 64 and 128 copy K and V rows with cp.async */
+	if (p->decode && !(k16 && v16) && p->variant != APE__CU_V_G256)
+		p->variant = APE__CU_V_G128;
 	p->dmax = p->variant == APE__CU_V_D64 ? 64 : p->variant == APE__CU_V_G256 ? 256 : 128;
 	p->exact = l->D == p->dmax;
 	p->nbkv = l->B * l->Hkv;
 	p->rows = l->B * l->H * l->Lq;
 	p->bk = p->decode ? APE_DC_NORM_TILE : APE_PF_BK(p->dmax);
 	p->ntile = (l->Lk + p->bk - 1) / p->bk;
+	if (l->Lk == 0) { /* strided, no key: ape_dmerge alone, and the heads' parameters */
+		p->skip = false;
+		if (l->H > APE_CU_INLINE_HEADS)
+			p->hp = take(p, (size_t)l->H * 4 * sizeof(float));
+		return;
+	}
 	if (!p->decode) {
-		p->need_kp = !(p->exact && l->in_dtype == APE_F32 && l->layout == APE_ROPE_HALF);
-		p->need_vp = !p->exact;
+		p->need_kp = !(p->exact && l->in_dtype == APE_F32 && l->layout == APE_ROPE_HALF &&
+			       k16);
+		p->need_vp = !(p->exact && v16);
 		if (p->need_kp)
 			p->kp = take(p, (size_t)(p->nbkv * l->Lk) * (size_t)p->dmax * 4);
 		if (p->need_vp)
@@ -111,11 +162,26 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__launch *l)
 {
 	struct cu_plan p;
+	bool k16, v16;
 
-	if (l->B * l->H * l->Lq == 0 || l->Lk == 0)
+	if (l->B * l->H * l->Lq == 0 || (l->Lk == 0 && !l->strided))
 		return 0;
-	plan_launch(ape__cu_dev(dev), l, &p);
+	kv_aligned(l, false, &k16, &v16);
+	plan_launch(ape__cu_dev(dev), l, k16, v16, &p);
 	return p.total;
+}
+
+static struct ape_cu_view cu_view(const struct ape__launch *l, int t)
+{
+	const struct ape__view v = ape__launch_view(l, t);
+
+	return (struct ape_cu_view){ v.off, v.sb, v.sh, v.sl };
+}
+
+/* The rows of ape_prep's output in scratch: [B][Hkv][Lk][dmax]. */
+static struct ape_cu_view scratch_view(const struct ape__launch *l, const struct cu_plan *p)
+{
+	return (struct ape_cu_view){ 0, l->Hkv * l->Lk * p->dmax, l->Lk * p->dmax, p->dmax };
 }
 
 /* What every kernel's ape_cu_common holds. */
@@ -143,6 +209,11 @@ static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CU
 		c->prior = l->lse_prior->ptr;
 		c->prior_tol = l->prior_tol;
 	}
+	c->vq = cu_view(l, APE__T_Q);
+	c->vk = cu_view(l, APE__T_K);
+	c->vv = cu_view(l, APE__T_V);
+	c->vo = cu_view(l, APE__T_O);
+	c->vlse = cu_view(l, APE__T_LSE);
 	c->B = (int32_t)l->B;
 	c->H = (int32_t)l->H;
 	c->Hkv = (int32_t)l->Hkv;
@@ -152,7 +223,10 @@ static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CU
 	c->flags = (l->causal ? APE_CU_F_CAUSAL : 0) |
 		   (l->layout == APE_ROPE_INTERLEAVED ? APE_CU_F_INTERLEAVED : 0) |
 		   (l->lse ? APE_CU_F_LSE : 0) | (l->pairs ? APE_CU_F_PAIRS : 0) |
-		   (p->skip ? APE_CU_F_SKIP : 0);
+		   (p->skip ? APE_CU_F_SKIP : 0) |
+		   (view_aligned(l, APE__T_O, l->o->ptr, 2 * ape_dtype_size(l->out_dtype))
+			    ? 0
+			    : APE_CU_F_O_SCALAR);
 	if (l->H <= APE_CU_INLINE_HEADS)
 		memcpy(c->hp, l->head_params, (size_t)l->H * 4 * sizeof(float));
 }
@@ -214,6 +288,9 @@ static int run_prep(struct ape__queue *q, const struct ape__launch *l, const str
 	a.tile = (int32_t)p->bk;
 	a.dt = (int32_t)l->in_dtype;
 	a.interleaved = l->layout == APE_ROPE_INTERLEAVED;
+	a.vk = cu_view(l, APE__T_K);
+	a.vv = cu_view(l, APE__T_V);
+	a.Hkv = (int32_t)l->Hkv;
 	ret = ape__cu_launch(q, APE__CU_K_PREP, p->nbkv * p->ntile, APE_CU_PREP_SMEM, &a, "ape_prep");
 	if (ret || !p->skip)
 		return ret;
@@ -237,6 +314,8 @@ static int run_prefill(struct ape__queue *q, const struct ape__launch *l, const 
 	fill_common(l, p, scratch, &a.c);
 	a.kp = p->need_kp ? scratch + p->kp : l->k->ptr;
 	a.vp = p->need_vp ? scratch + p->vp : l->v->ptr;
+	a.vkp = p->need_kp ? scratch_view(l, p) : cu_view(l, APE__T_K);
+	a.vvp = p->need_vp ? scratch_view(l, p) : cu_view(l, APE__T_V);
 	a.pre = p->skip ? scratch + p->pre : 0;
 	a.suf = p->skip ? scratch + p->suf : 0;
 	a.nqt = (l->Lq + bq - 1) / bq;
@@ -246,11 +325,28 @@ static int run_prefill(struct ape__queue *q, const struct ape__launch *l, const 
 			      "prefill");
 }
 
+/* ape_dmerge over `splits` partial results in the scratch (0: none, every row has no key). */
+static int run_merge(struct ape__queue *q, const struct ape__launch *l, const struct cu_plan *p,
+		     CUdeviceptr scratch, int64_t splits)
+{
+	struct ape_cu_merge_args mg;
+
+	memset(&mg, 0, sizeof(mg));
+	fill_common(l, p, scratch, &mg.c);
+	mg.part_o = splits ? scratch + p->po : 0;
+	mg.part_ml = splits ? scratch + p->pml : 0;
+	mg.part_pairs = splits ? scratch + p->pp : 0;
+	mg.splits = splits;
+	mg.rows = p->rows;
+	return ape__cu_launch(q, APE__CU_K_MERGE,
+			      (p->rows + APE_CU_THREADS / 32 - 1) / (APE_CU_THREADS / 32), 0, &mg,
+			      "ape_dmerge");
+}
+
 static int run_decode(struct ape__queue *q, const struct ape__launch *l, const struct cu_plan *p,
 		      CUdeviceptr scratch)
 {
 	struct ape_cu_decode_args a;
-	struct ape_cu_merge_args mg;
 	int ret;
 
 	if (p->skip) {
@@ -279,16 +375,7 @@ static int run_decode(struct ape__queue *q, const struct ape__launch *l, const s
 			     &a, "decode");
 	if (ret)
 		return ret;
-	memset(&mg, 0, sizeof(mg));
-	fill_common(l, p, scratch, &mg.c);
-	mg.part_o = a.part_o;
-	mg.part_ml = a.part_ml;
-	mg.part_pairs = a.part_pairs;
-	mg.splits = p->splits;
-	mg.rows = p->rows;
-	return ape__cu_launch(q, APE__CU_K_MERGE,
-			      (p->rows + APE_CU_THREADS / 32 - 1) / (APE_CU_THREADS / 32), 0, &mg,
-			      "ape_dmerge");
+	return run_merge(q, l, p, scratch, p->splits);
 }
 
 /* No key at all: O = 0, LSE = -inf, no pairs, by fills. */
@@ -323,6 +410,21 @@ static int check_launch(const struct ape_device *dev, const struct ape__launch *
 				  "cuda %s: Lq=%lld, Lk=%lld: more rows than one launch takes "
 				  "(2^31 - 1); use smaller chunks",
 				  dev->info.name, (long long)l->Lq, (long long)l->Lk);
+	/* the caller's memory (wrapped buffers): each tensor at its elements' own alignment */
+	for (int t = 0; t < APE__T_COUNT; t++) {
+		static const char *const names[APE__T_COUNT] = { "q", "k", "v", "o", "lse" };
+		const struct ape__buf *b = t == APE__T_Q ? l->q : t == APE__T_K ? l->k
+					   : t == APE__T_V ? l->v : t == APE__T_O ? l->o : l->lse;
+		const size_t esz = t == APE__T_LSE ? 4 : ape_dtype_size(t == APE__T_O ? l->out_dtype
+										     : l->in_dtype);
+
+		if (b && !view_aligned(l, t, b->ptr, esz))
+			return ape__error(APE_EINVAL,
+					  "cuda %s: %s at 0x%llx + %lld elements is not aligned to "
+					  "its %zu-byte elements",
+					  dev->info.name, names[t], (unsigned long long)b->ptr,
+					  (long long)ape__launch_view(l, t).off, esz);
+	}
 	return 0;
 }
 
@@ -331,6 +433,7 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 	struct ape__cu_device *cd = ape__cu_dev(q->dev);
 	CUdeviceptr scratch = 0;
 	struct cu_plan p;
+	bool k16, v16;
 	int ret, ret2;
 
 	ret = check_launch(q->dev, l);
@@ -339,22 +442,25 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 	ret = ape__cu_enter(q->dev);
 	if (ret)
 		return ret;
-	if (l->Lk == 0) {
+	if (l->Lk == 0 && !l->strided) {
 		ret = run_empty(q, l);
 		goto out_leave;
 	}
 	ret = ape__cu_module(q->dev);
 	if (ret)
 		goto out_leave;
-	plan_launch(cd, l, &p);
+	kv_aligned(l, true, &k16, &v16);
+	plan_launch(cd, l, k16, v16, &p);
 	ret = ape__cu_scratch_alloc(q, p.total, &scratch);
 	if (ret)
 		goto out_leave;
 	if (p.hp)
 		ret = upload_head_params(q, l, scratch + p.hp);
-	if (!ret)
+	if (!ret && l->Lk == 0)
+		ret = run_merge(q, l, &p, scratch, 0);
+	else if (!ret)
 		ret = run_prep(q, l, &p, scratch);
-	if (!ret)
+	if (!ret && l->Lk > 0)
 		ret = p.decode ? run_decode(q, l, &p, scratch) : run_prefill(q, l, &p, scratch);
 	ret2 = ape__cu_scratch_free(q, scratch);
 	ret = ret ? ret : ret2;

@@ -13,6 +13,18 @@ static int cuda_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf 
 	return ape__op_error(ape__cu_buf_alloc(dev, bytes, out), dev, "buf_alloc");
 }
 
+static int cuda_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
+			 struct ape__buf **out, size_t *bytes_out)
+{
+	return ape__op_error(ape__cu_buf_wrap(dev, kind, handle, bytes, out, bytes_out), dev,
+			     "buf_wrap");
+}
+
+static int cuda_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out)
+{
+	return ape__op_error(ape__cu_queue_wrap(dev, handle, out), dev, "queue_wrap");
+}
+
 static int cuda_queue_create(struct ape_device *dev, struct ape__queue **out)
 {
 	return ape__op_error(ape__cu_queue_create(dev, out), dev, "queue_create");
@@ -103,4 +115,7 @@ const struct ape__backend_ops ape__cuda_ops = {
 	.event_timestamp = cuda_event_timestamp,
 	.attention_scratch = ape__cu_attention_scratch, /* cuda_attention.c */
 	.max_alloc = ape__cu_max_alloc, /* cuda_mem.c */
+	.buf_wrap = cuda_buf_wrap, /* cuda_mem.c */
+	.queue_wrap = cuda_queue_wrap,
+	.native = ape__cu_native, /* cuda_device.c */
 };

@@ -165,8 +165,12 @@ int ape__cu_probe(struct ape__backend *be, struct ape__probe_result *res)
 		snprintf(res->reason, sizeof(res->reason), "no usable CUDA device among %d: %s", n,
 			 why);
 	if (!ret && added && drv->missing_optional[0])
-		ape__warn("cuda: driver CUDA %s lacks %s: host memory is not pinned", ver,
-			  drv->missing_optional);
+		ape__warn("cuda: driver CUDA %s lacks %s:%s%s%s", ver, drv->missing_optional,
+			  drv->pinning ? "" : " host memory is not pinned;",
+			  drv->p_cuMemGetAddressRange ? "" : " device memory cannot be wrapped;",
+			  drv->p_cuPointerGetAttribute && drv->p_cuStreamGetCtx
+				  ? ""
+				  : " wrapped pointers and streams are not checked against the device");
 	return ret;
 }
 
@@ -290,4 +294,14 @@ void ape__cu_leave(struct ape_device *dev)
 	CUcontext prev;
 
 	ape__cu_dev(dev)->drv->p_cuCtxPopCurrent(&prev);
+}
+
+void ape__cu_native(struct ape_device *dev, void **context, void **device)
+{
+	struct ape__cu_device *cd = ape__cu_dev(dev);
+
+	if (device)
+		*device = (void *)(intptr_t)cd->dev;
+	if (context)
+		*context = ape__cu_once(dev, &cd->ctx_state, cu_context_init) ? NULL : cd->ctx;
 }

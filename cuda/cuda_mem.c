@@ -7,6 +7,14 @@
  * application may use. Events are created with timing; event_timestamp measures from the
  * device's epoch event, so events of every queue of a device share one clock (float
  * milliseconds, 0.5 us resolution: enough for the traces of one call).
+ *
+ * The caller's own memory and streams (buf_wrap, queue_wrap): a wrapped buffer is a pointer
+ * checked to lie inside one allocation of the device, never freed here; a wrapped queue is the
+ * caller's CUstream (NULL: the legacy default stream), never synchronised or destroyed by
+ * queue_destroy. Events recorded on a wrapped stream carry no timing (CU_EVENT_DISABLE_TIMING:
+ * they only order work, at no cost to the caller's stream), so event_elapsed and
+ * event_timestamp answer APE_ENOTSUP for them. Scratch memory of launches on a wrapped stream
+ * is freed in stream order (ape__cu_scratch_free()).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -48,7 +56,7 @@ void ape__cu_buf_free(struct ape_device *dev, struct ape__buf *buf)
 {
 	if (!buf)
 		return;
-	if (!ape__cu_enter(dev)) {
+	if (!buf->wrapped && !ape__cu_enter(dev)) {
 		DRV(dev)->p_cuMemFree(buf->ptr);
 		ape__cu_leave(dev);
 	}
@@ -84,7 +92,8 @@ void ape__cu_queue_destroy(struct ape__queue *q)
 {
 	if (!q)
 		return;
-	if (!ape__cu_enter(q->dev)) {
+	/* the caller's stream: its work and ours stay ordered on it (backend.h, queue_wrap) */
+	if (!q->wrapped && !ape__cu_enter(q->dev)) {
 		/* buffers may be freed right after: nothing may still use them */
 		DRV(q->dev)->p_cuStreamSynchronize(q->s);
 		DRV(q->dev)->p_cuStreamDestroy(q->s);
@@ -169,7 +178,8 @@ int ape__cu_event_record(struct ape__queue *q, struct ape__event **out)
 		free(e);
 		return ret;
 	}
-	r = drv->p_cuEventCreate(&e->ev, CU_EVENT_DEFAULT);
+	e->timed = !q->wrapped;
+	r = drv->p_cuEventCreate(&e->ev, e->timed ? CU_EVENT_DEFAULT : CU_EVENT_DISABLE_TIMING);
 	if (r == CUDA_SUCCESS) {
 		r = drv->p_cuEventRecord(e->ev, q->s);
 		if (r != CUDA_SUCCESS)
@@ -215,13 +225,24 @@ static int cu_elapsed(struct ape_device *dev, CUevent a, CUevent b, double *ms)
 	return 0;
 }
 
+static int untimed(double *ms)
+{
+	*ms = 0;
+	return ape__error(APE_ENOTSUP,
+			  "the event was recorded on a wrapped stream: such events carry no timing");
+}
+
 int ape__cu_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms)
 {
+	if (!start->timed || !end->timed)
+		return untimed(ms);
 	return cu_elapsed(start->dev, start->ev, end->ev, ms);
 }
 
 int ape__cu_event_timestamp(struct ape__event *e, double *ms)
 {
+	if (!e->timed)
+		return untimed(ms);
 	return cu_elapsed(e->dev, ape__cu_dev(e->dev)->epoch, e->ev, ms);
 }
 
@@ -301,11 +322,139 @@ int ape__cu_scratch_free(struct ape__queue *q, CUdeviceptr p)
 	if (cd->mempools) {
 		r = cd->drv->p_cuMemFreeAsync(p, q->s);
 	} else {
-		/* without memory pools the launch must be over before the memory goes */
+		/* without memory pools the launch must be over before the memory goes: the host
+		 * waits for the stream, on a wrapped one for the caller's earlier work too (the
+		 * attention call then returns once the launch has run: correct, not asynchronous) */
 		r = cd->drv->p_cuStreamSynchronize(q->s);
 		cd->drv->p_cuMemFree(p);
 	}
 	if (r != CUDA_SUCCESS)
 		return ape__cu_error(r, q->dev, "freeing scratch");
+	return 0;
+}
+
+static const char *mem_kind_name(int kind)
+{
+	return kind == APE__MEM_HOST ? "host" : kind == APE__MEM_OPENCL ? "OpenCL" : "unknown";
+}
+
+/* [ptr, ptr + bytes) inside one allocation of dev? 0, or APE_EINVAL / the driver's failure. The
+ * device's context is current. */
+static int check_range(struct ape_device *dev, CUdeviceptr ptr, size_t bytes)
+{
+	const struct ape__cu_device *cd = ape__cu_dev(dev);
+	const struct ape__cu_driver *drv = cd->drv;
+	CUdeviceptr base = 0;
+	size_t size = 0;
+	CUresult r;
+
+	r = drv->p_cuMemGetAddressRange(&base, &size, ptr);
+	if (r == CUDA_ERROR_NOT_FOUND || r == CUDA_ERROR_INVALID_VALUE)
+		return ape__error(APE_EINVAL,
+				  "cuda %s: 0x%llx is not device memory of any allocation (%s)",
+				  dev->info.name, (unsigned long long)ptr,
+				  ape__cu_err_name(drv, r, (char[48]){ 0 }, 48));
+	if (r != CUDA_SUCCESS)
+		return ape__cu_error(r, dev, "cuMemGetAddressRange (0x%llx)", (unsigned long long)ptr);
+	if (bytes > size - (size_t)(ptr - base))
+		return ape__error(APE_EINVAL,
+				  "cuda %s: [0x%llx, 0x%llx) (%zu bytes) runs past its allocation "
+				  "[0x%llx, 0x%llx) (%zu bytes)",
+				  dev->info.name, (unsigned long long)ptr,
+				  (unsigned long long)(ptr + bytes), bytes, (unsigned long long)base,
+				  (unsigned long long)(base + size), size);
+	if (drv->p_cuPointerGetAttribute) {
+		int ordinal = -1;
+
+		r = drv->p_cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr);
+		if (r == CUDA_SUCCESS && ordinal != cd->ordinal)
+			return ape__error(APE_EINVAL,
+					  "cuda %s: 0x%llx is memory of CUDA device %d, not of "
+					  "device %d",
+					  dev->info.name, (unsigned long long)ptr, ordinal, cd->ordinal);
+	}
+	return 0;
+}
+
+int ape__cu_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
+		     struct ape__buf **out, size_t *bytes_out)
+{
+	const CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)handle;
+	struct ape__buf *b;
+	int ret;
+
+	*out = NULL;
+	if (bytes_out)
+		*bytes_out = 0;
+	if (kind != APE__MEM_CUDA)
+		return ape__error(APE_ENOTSUP,
+				  "cuda %s: cannot wrap %s memory (kind %d): CUDA devices wrap "
+				  "CUDA device pointers only",
+				  dev->info.name, mem_kind_name(kind), kind);
+	if (!ptr || !bytes)
+		return ape__error(APE_EINVAL, "cuda %s: wrapping %zu bytes at 0x%llx: %s",
+				  dev->info.name, bytes, (unsigned long long)ptr,
+				  ptr ? "no bytes" : "a NULL device pointer");
+	if (!ape__cu_dev(dev)->drv->p_cuMemGetAddressRange)
+		return ape__error(APE_ENOTSUP,
+				  "cuda %s: the driver lacks cuMemGetAddressRange: device pointers "
+				  "cannot be checked, so none is wrapped",
+				  dev->info.name);
+	b = ape__calloc(1, sizeof(*b));
+	if (!b)
+		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
+	ret = ape__cu_enter(dev);
+	if (!ret) {
+		ret = check_range(dev, ptr, bytes);
+		ape__cu_leave(dev);
+	}
+	if (ret) {
+		free(b);
+		return ret;
+	}
+	b->ptr = ptr;
+	b->size = bytes;
+	b->wrapped = true;
+	*out = b;
+	if (bytes_out)
+		*bytes_out = bytes;
+	return 0;
+}
+
+int ape__cu_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out)
+{
+	const struct ape__cu_device *cd = ape__cu_dev(dev);
+	struct ape__queue *q;
+	CUcontext sctx = NULL;
+	CUresult r = CUDA_SUCCESS;
+	int ret;
+
+	*out = NULL;
+	ret = ape__cu_enter(dev);
+	if (ret)
+		return ret;
+	/* the legacy default stream belongs to whichever context is current: ours */
+	if (handle && cd->drv->p_cuStreamGetCtx)
+		r = cd->drv->p_cuStreamGetCtx((CUstream)handle, &sctx);
+	ape__cu_leave(dev);
+	if (r != CUDA_SUCCESS)
+		return r == CUDA_ERROR_INVALID_HANDLE || r == CUDA_ERROR_INVALID_VALUE ||
+				       r == CUDA_ERROR_INVALID_CONTEXT
+			       ? ape__error(APE_EINVAL, "cuda %s: stream %p is not a valid CUstream (%s)",
+					    dev->info.name, handle,
+					    ape__cu_err_name(cd->drv, r, (char[48]){ 0 }, 48))
+			       : ape__cu_error(r, dev, "cuStreamGetCtx (stream %p)", handle);
+	if (sctx && sctx != cd->ctx)
+		return ape__error(APE_EINVAL,
+				  "cuda %s: stream %p belongs to context %p, not to the device's "
+				  "primary context %p",
+				  dev->info.name, handle, (void *)sctx, (void *)cd->ctx);
+	q = ape__calloc(1, sizeof(*q));
+	if (!q)
+		return ape__error(APE_ENOMEM, "out of memory wrapping a stream");
+	q->dev = dev;
+	q->s = (CUstream)handle;
+	q->wrapped = true;
+	*out = q;
 	return 0;
 }

@@ -7,7 +7,9 @@
  *
  * X(name, version, requirement, return type, parameters)
  *   REQ: missing means the backend is unavailable, naming the symbol;
- *   OPT: missing only turns off its feature (host memory pinning).
+ *   OPT: missing only turns off its feature (host memory pinning; wrapping the caller's memory
+ *        without cuMemGetAddressRange; the checks that a wrapped pointer or stream is the
+ *        device's without cuPointerGetAttribute and cuStreamGetCtx).
  * Signatures are written out here, not taken from cuda.h: cuda.h renames most functions to their
  * newest variant (cuMemAlloc -> cuMemAlloc_v2, cuGetProcAddress -> cuGetProcAddress_v2), which is
  * the wrong type for an older version number.
@@ -64,6 +66,11 @@
 	   void **extra))                                                                          \
 	X(cuLaunchHostFunc, 10000, APE_CU_REQ, (CUstream h, CUhostFn fn, void *data))              \
 	X(cuMemHostRegister, 6050, APE_CU_OPT, (void *p, size_t bytes, unsigned int flags))        \
-	X(cuMemHostUnregister, 4000, APE_CU_OPT, (void *p))
+	X(cuMemHostUnregister, 4000, APE_CU_OPT, (void *p))                                        \
+	X(cuMemGetAddressRange, 3020, APE_CU_OPT,                                                  \
+	  (CUdeviceptr * pbase, size_t *psize, CUdeviceptr dptr))                                  \
+	X(cuPointerGetAttribute, 4000, APE_CU_OPT,                                                 \
+	  (void *data, CUpointer_attribute attribute, CUdeviceptr ptr))                            \
+	X(cuStreamGetCtx, 9020, APE_CU_OPT, (CUstream h, CUcontext * pctx))
 
 #endif /* APE_CUDA_SYMS_H */

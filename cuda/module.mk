@@ -46,23 +46,25 @@ $(BUILD)/obj/cuda/fatbin_embed.o: $(CUDA_FATBINS) $(CUDA_GEN)/ptxas.txt
 $(BUILD)/obj/cuda/fatbin_embed.o: CPPFLAGS += -Wa,-I$(CUDA_GEN)
 $(CUDA_SRCS:%.c=$(BUILD)/obj/%.o): CPPFLAGS += -I$(CUDA_INC)
 
-# ---- tests without a GPU (tests/test_cuda_loader.c, tests/test_cuda_emu.c)
+# ---- tests without a GPU (tests/test_cuda_loader.c, tests/test_cuda_emu.c,
+# tests/test_cuda_resident.c)
 # A fake libcuda.so.1, host C compiler only, whose behaviour FAKE_CUDA_MODE chooses; a variant
 # without cuGetProcAddress; and the same fake running the real kernels on the CPU (cuda/emu).
 FAKE_CUDA_DIR  := $(BUILD)/tests/fake_cuda
 FAKE_CUDA      := $(FAKE_CUDA_DIR)/libcuda.so.1
 FAKE_CUDA_NOPA := $(FAKE_CUDA_DIR)/noproc/libcuda.so.1
 CUDA_EMU       := $(BUILD)/tests/cuda_emu/libcuda.so.1
+FAKE_CUDA_HDRS := tests/fake_cuda/fake_cuda.h cuda/kernels/args.h
 FAKE_CFLAGS     = $(CSTD) $(OPT) -g $(WARN) -fPIC -I$(CUDA_INC) -Icuda $(SAN_FLAGS) $(CFLAGS)
 EMU_CXXFLAGS    = -std=c++17 $(OPT) -g -Wall -Wextra -Werror -Wno-unknown-pragmas -fPIC \
                   -DAPE_CUDA_EMU -Iruntime -Icuda/kernels -I$(CUDA_INC) $(SAN_FLAGS)
 
-$(FAKE_CUDA): tests/fake_cuda/fake_libcuda.c $(CONFIG_STAMP)
+$(FAKE_CUDA): tests/fake_cuda/fake_libcuda.c $(FAKE_CUDA_HDRS) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $@"
 	$(Q)$(CC) $(FAKE_CFLAGS) -shared -o $@ $< -lpthread
 
-$(FAKE_CUDA_NOPA): tests/fake_cuda/fake_libcuda.c $(CONFIG_STAMP)
+$(FAKE_CUDA_NOPA): tests/fake_cuda/fake_libcuda.c $(FAKE_CUDA_HDRS) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $@"
 	$(Q)$(CC) $(FAKE_CFLAGS) -DFAKE_CUDA_NO_PROCADDRESS -shared -o $@ $< -lpthread
@@ -84,7 +86,8 @@ $(BUILD)/tests-obj/cuda_emu/half.o: runtime/core/half.c runtime/core/half.h $(CO
 	@echo "  CC      $< (for the emulator)"
 	$(Q)$(CC) $(FAKE_CFLAGS) -fvisibility=hidden -Iinclude -Iruntime -c $< -o $@
 
-$(BUILD)/tests-obj/cuda_emu/fake_libcuda.o: tests/fake_cuda/fake_libcuda.c $(CONFIG_STAMP)
+$(BUILD)/tests-obj/cuda_emu/fake_libcuda.o: tests/fake_cuda/fake_libcuda.c $(FAKE_CUDA_HDRS) \
+					     $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $< (with the emulator)"
 	$(Q)$(CC) $(FAKE_CFLAGS) -DFAKE_CUDA_EMU -Icuda/emu -c $< -o $@
@@ -100,5 +103,6 @@ $(CUDA_EMU): $(BUILD)/tests-obj/cuda_emu/fake_libcuda.o $(BUILD)/tests-obj/cuda_
 $(BUILD)/tests-obj/tests/test_cuda_%.o: CPPFLAGS += -I$(CUDA_INC)
 $(BUILD)/tests/test_cuda_loader: $(FAKE_CUDA) $(FAKE_CUDA_NOPA)
 $(BUILD)/tests/test_cuda_emu: $(CUDA_EMU)
+$(BUILD)/tests/test_cuda_resident: $(CUDA_EMU)
 TESTS_BUILD_ONLY += $(FAKE_CUDA) $(FAKE_CUDA_NOPA) $(CUDA_EMU)
 endif

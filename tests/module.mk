@@ -53,6 +53,12 @@ ifeq ($(HAVE_CUDA),yes)
 $(TESTS_ON_EVERY_BACKEND): $(CUDA_EMU)
 endif
 
+# The tools' tests run the tools on the emulated CUDA device too, where a backward pass is not
+# implemented yet: ape-run, ape-bench and ape-check must say so (exit 3, or SKIP cells).
+ifeq ($(HAVE_CUDA),yes)
+$(BUILD)/tests/test_tools $(BUILD)/tests/test_ape_run: $(CUDA_EMU)
+endif
+
 # The OpenCL interop test makes its own cl_context, queues and buffers: it links the ICD loader
 # (libape itself opens it at run time, the same library, so the objects are shared).
 ifeq ($(HAVE_OPENCL),yes)

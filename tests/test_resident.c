@@ -368,7 +368,7 @@ TEST_F(resident, buffer_and_queue_checks)
 {
 	ape_buffer *b = (ape_buffer *)1;
 	ape_queue *qu = NULL;
-	char host[64];
+	char host[64], src[64];
 	void *c = (void *)1, *d = (void *)1;
 
 	EXPECT_EQ(APE_EINVAL, ape_buffer_alloc(self->dev, 0, &b));
@@ -391,9 +391,9 @@ TEST_F(resident, buffer_and_queue_checks)
 	EXPECT_EQ(APE_EINVAL, ape_buffer_read(qu, host, b, 65, 0));
 	EXPECT_EQ(APE_EINVAL, ape_buffer_read(NULL, host, b, 0, 1));
 	EXPECT_EQ(APE_EINVAL, ape_buffer_read(qu, NULL, b, 0, 1));
-	memset(host, 3, sizeof(host));
-	ASSERT_EQ(0, ape_buffer_write(qu, b, 0, host, sizeof(host)));
+	memset(src, 3, sizeof(src)); /* the write reads src until the queue is synchronised */
 	memset(host, 0, sizeof(host));
+	ASSERT_EQ(0, ape_buffer_write(qu, b, 0, src, sizeof(src)));
 	ASSERT_EQ(0, ape_buffer_read(qu, host, b, 0, sizeof(host)));
 	ASSERT_EQ(0, ape_queue_synchronize(qu));
 	EXPECT_EQ(3, host[63]);

@@ -2,6 +2,7 @@
 /* ape-bench and ape-check end to end: their output, their numbers, their exit codes. */
 #include <dirent.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,6 +10,7 @@
 #include <sys/wait.h>
 
 #include "ape_test.h"
+#include "common/refcheck.h"
 
 static char out[1 << 16], err[1 << 16];
 
@@ -55,6 +57,55 @@ TEST(bench_table_names_device_and_columns)
 	EXPECT_NE(NULL, strstr(out, "GFLOP/s"));
 	EXPECT_NE(NULL, strstr(out, "computed"));
 	EXPECT_NE(NULL, strstr(err, "ran on ref:0")) TH_LOG("%s", err);
+}
+
+/* --backward: both passes timed on the same inputs, the backward's pairs all computed (no
+ * skipping in the backward), the ratio consistent with the two medians' order of magnitude. */
+TEST(bench_backward_reports_both)
+{
+	char want[96];
+	const char *p;
+	double fwd = 0, bwd = 0, ratio = 0;
+
+	ASSERT_EQ(0, TOOL("ape-bench", "--backend", "ref", "-H", "2", "-D", "16", "-L", "64",
+			  "--warmup", "0", "--repeats", "3", "--check-rows", "4", "--json", "--seed",
+			  "7", "--backward"))
+		TH_LOG("%s", err);
+	EXPECT_EQ(2, count(out, "\"backward\": {")) TH_LOG("%s", out);
+	snprintf(want, sizeof(want), "\"pairs_computed\": %d, \"ratio_to_forward\": ",
+		 2 * 64 * 65 / 2);
+	EXPECT_EQ(2, count(out, want)) TH_LOG("%s", out);
+	EXPECT_EQ(2, count(out, "\"within_tol\": true"));
+	p = strstr(out, "\"median_ms\": ");
+	ASSERT_NE(NULL, p);
+	EXPECT_EQ(1, sscanf(p, "\"median_ms\": %lf", &fwd));
+	p = strstr(p, "\"backward\": {\"median_ms\": ");
+	ASSERT_NE(NULL, p);
+	EXPECT_EQ(1, sscanf(p, "\"backward\": {\"median_ms\": %lf", &bwd));
+	p = strstr(p, "\"ratio_to_forward\": ");
+	ASSERT_NE(NULL, p);
+	EXPECT_EQ(1, sscanf(p, "\"ratio_to_forward\": %lf", &ratio));
+	EXPECT_GT(fwd, 0);
+	EXPECT_GT(bwd, 0);
+	/* a median of ratios, not the ratio of medians: within the spread of three repeats */
+	EXPECT_LT(ratio, 3 * bwd / fwd);
+	EXPECT_GT(ratio, bwd / fwd / 3);
+	/* without --backward, no trace of it */
+	ASSERT_EQ(0, TOOL("ape-bench", "--backend", "ref", "-H", "1", "-D", "8", "-L", "32",
+			  "--repeats", "1", "--json"));
+	EXPECT_EQ(0, count(out, "backward"));
+	/* the table */
+	ASSERT_EQ(0, TOOL("ape-bench", "--backend", "ref", "-H", "1", "-D", "8", "-L", "32",
+			  "--repeats", "2", "--skip-tol", "0", "--backward"))
+		TH_LOG("%s", err);
+	EXPECT_NE(NULL, strstr(out, "bwd_ms")) TH_LOG("%s", out);
+	EXPECT_NE(NULL, strstr(out, "bwd/fwd"));
+	EXPECT_EQ(2, TOOL("ape-bench", "--backward", "--stream"));
+	EXPECT_NE(NULL, strstr(err, "--backward")) TH_LOG("%s", err);
+	EXPECT_NE(NULL, strstr(err, "--stream"));
+	EXPECT_EQ(2, TOOL("ape-bench", "--backward", "--numa"));
+	EXPECT_NE(NULL, strstr(err, "--numa")) TH_LOG("%s", err);
+	EXPECT_EQ(2, TOOL("ape-bench", "--backward=yes"));
 }
 
 TEST(bench_bad_arguments)
@@ -137,6 +188,163 @@ TEST(check_bad_arguments)
 {
 	EXPECT_EQ(2, TOOL("ape-check", "--seed", "-4"));
 	EXPECT_EQ(2, TOOL("ape-check", "--nope"));
+	EXPECT_EQ(2, TOOL("ape-check", "--backend", "ref"));
+	EXPECT_NE(NULL, strstr(err, "--backend ref")) TH_LOG("%s", err);
+	EXPECT_EQ(3, TOOL("ape-check", "--backend", "nosuch"));
+	EXPECT_NE(NULL, strstr(err, "--backend nosuch")) TH_LOG("%s", err);
+	EXPECT_EQ(2, TOOL("ape-check", "--quick=1"));
+}
+
+/* The devices ape-check checks: every one but the reference. */
+static int checked_devices(void)
+{
+	ape_context *ctx = test_context(NULL);
+	ape_device *all[32];
+	ape_device_info info;
+	int n, checked = 0;
+
+	if (!ctx)
+		return -1;
+	n = ape_device_list(ctx, all, 32);
+	for (int d = 0; d < n; d++) {
+		ape_device_get_info(all[d], &info);
+		checked += info.kind != APE_DEVICE_HOST_REFERENCE;
+	}
+	ape_context_destroy(ctx);
+	return checked;
+}
+
+/* Cases of ape-check with a backward cell: those of at most 2^20 pairs (every one --quick runs). */
+#define BWD_CELLS 11
+
+TEST(check_has_backward_cells)
+{
+	int ndev = checked_devices();
+
+	ASSERT_LE(0, ndev);
+	ASSERT_EQ(0, TOOL("ape-check", "--quick", "--json", "--seed", "5")) TH_LOG("%s\n%s", out, err);
+	EXPECT_EQ(BWD_CELLS, count(out, "{\"name\": ")) TH_LOG("%s", out);
+	/* one backward per device and case, each passing or skipped, and said so */
+	EXPECT_EQ(BWD_CELLS * ndev, count(out, "\"backward\": {\"status\": \"ok\"") +
+					    count(out, "\"backward\": {\"status\": \"skip\""))
+		TH_LOG("%s", out);
+	EXPECT_EQ(BWD_CELLS * ndev, count(out, "\"max_err_dparams\": ") +
+					    count(out, "\"status\": \"skip\""));
+	EXPECT_EQ(count(out, "\"status\": \"skip\"") > 0, strstr(err, "SKIP") != NULL)
+		TH_LOG("%s", err);
+	if (!ndev)
+		SKIP(return, "no device besides the reference: no cell to look at");
+	ASSERT_EQ(0, TOOL("ape-check", "--quick", "--seed", "5"));
+	EXPECT_NE(NULL, strstr(out, "backward (max error / tol)")) TH_LOG("%s", out);
+	EXPECT_EQ(BWD_CELLS * ndev, count(out, "dQ dK dV dP ") + count(out, "SKIP no backward"));
+}
+
+/* A backend without a backward pass: SKIP cells with the reason, exit 0 (ape-check); exit 3
+ * naming the device (ape-bench --backward). The emulated CUDA device has no backward yet. */
+TEST(backward_on_a_backend_without_one)
+{
+	const char *emu = APE_BUILD_DIR "/tests/cuda_emu/libcuda.so.1";
+
+	if (access(emu, F_OK))
+		SKIP(return, "this build has no CUDA backend, so no emulated device");
+	ASSERT_EQ(0, setenv("APE_CUDA_LIBRARY", emu, 1));
+	EXPECT_EQ(0, TOOL("ape-check", "--backend", "cuda", "--quick", "--json", "--seed", "2"))
+		TH_LOG("%s\n%s", out, err);
+	if (count(out, "\"status\": \"ok\"") > 0) {
+		unsetenv("APE_CUDA_LIBRARY");
+		SKIP(return, "the CUDA backend has a backward pass now: update this test");
+	}
+	EXPECT_EQ(BWD_CELLS, count(out, "\"backward\": {\"status\": \"skip\", \"error\": "
+				       "\"APE_ENOTSUP\"}")) TH_LOG("%s", out);
+	EXPECT_EQ(1, count(err, "SKIP")) TH_LOG("%s", err);
+	EXPECT_NE(NULL, strstr(err, "backward on cuda:0 skipped (SKIP): ")) TH_LOG("%s", err);
+	EXPECT_NE(NULL, strstr(err, "not implemented")) TH_LOG("%s", err);
+	EXPECT_NE(NULL, strstr(out, "\"ok\": true"));
+	EXPECT_EQ(3, TOOL("ape-bench", "--backend", "cuda", "-H", "1", "-D", "8", "-L", "16",
+			  "--backward", "--repeats", "1", "--check-rows", "0"));
+	EXPECT_NE(NULL, strstr(err, "ape_attention_backward: cuda:0")) TH_LOG("%s", err);
+	unsetenv("APE_CUDA_LIBRARY");
+}
+
+/* ape-check's comparison can fail: a gradient off by twice the tolerance is caught, and each
+ * gradient is compared with its own reference. */
+TEST(refcheck_backward_catches_errors)
+{
+	ape_context *ctx = test_context("ref");
+	ape_device *ref = test_device(ctx, "ref");
+	test_tensor q, k, v, o, dout, g[3];
+	float lse[2 * 9], dp[8];
+	struct refcheck_grads res;
+	ape_attn_desc desc;
+	ape_rng rng;
+	double m = 0;
+
+	ASSERT_NE(NULL, ref);
+	ape_rng_init(&rng, "refcheck_backward_catches_errors");
+	ASSERT_EQ(0, test_tensor_random(&q, &rng, APE_F32, 1, 2, 9, 8, 1.0));
+	ASSERT_EQ(0, test_tensor_random(&k, &rng, APE_F32, 1, 1, 9, 8, 1.0));
+	ASSERT_EQ(0, test_tensor_random(&v, &rng, APE_F32, 1, 1, 9, 8, 1.0));
+	ASSERT_EQ(0, test_tensor_random(&dout, &rng, APE_F32, 1, 2, 9, 8, 1.0));
+	ASSERT_EQ(0, test_tensor_empty(&o, APE_F32, 1, 2, 9, 8));
+	ASSERT_EQ(0, test_tensor_empty(&g[0], APE_F32, 1, 2, 9, 8));
+	ASSERT_EQ(0, test_tensor_empty(&g[1], APE_F32, 1, 1, 9, 8));
+	ASSERT_EQ(0, test_tensor_empty(&g[2], APE_F32, 1, 1, 9, 8));
+	ape_attn_desc_init(&desc);
+	desc.delta.value = 0.4f;
+	desc.lambda.value = 0.1f;
+	ASSERT_EQ(0, ape_attention_forward(ref, &desc, &q.t, &k.t, &v.t, &o.t, lse, NULL));
+	ASSERT_EQ(0, ape_attention_backward(ref, &desc, &q.t, &k.t, &v.t, &o.t, lse, &dout.t, NULL,
+					    &g[0].t, &g[1].t, &g[2].t, dp, NULL));
+	ASSERT_EQ(0, refcheck_backward(ref, &desc, &q.t, &k.t, &v.t, &o.t, lse, &dout.t, NULL,
+				       &g[0].t, &g[1].t, &g[2].t, dp, &res));
+	EXPECT_TRUE(res.within_tol);
+	EXPECT_EQ(1e-3, res.tol);
+	for (int i = 0; i < REFCHECK_NGRADS; i++)
+		EXPECT_EQ(0, res.err[i]);
+	/* dK off by twice the tolerance at one element */
+	m = test_tensor_maxabs(&g[1].t);
+	((float *)g[1].t.data)[5] += (float)(2.5e-3 * m);
+	ASSERT_EQ(0, refcheck_backward(ref, &desc, &q.t, &k.t, &v.t, &o.t, lse, &dout.t, NULL,
+				       &g[0].t, &g[1].t, &g[2].t, dp, &res));
+	EXPECT_FALSE(res.within_tol);
+	EXPECT_EQ(0, res.err[REFCHECK_DQ]);
+	EXPECT_LT(2e-3, res.err[REFCHECK_DK]);
+	/* a NaN in dparams; dK not given is not checked */
+	dp[3] = NAN;
+	ASSERT_EQ(0, refcheck_backward(ref, &desc, &q.t, &k.t, &v.t, &o.t, lse, &dout.t, NULL,
+				       &g[0].t, NULL, &g[2].t, dp, &res));
+	EXPECT_FALSE(res.within_tol);
+	EXPECT_EQ(-1, res.err[REFCHECK_DK]);
+	EXPECT_EQ(INFINITY, res.err[REFCHECK_DPARAMS]);
+	for (int i = 0; i < 3; i++)
+		test_tensor_free(&g[i]);
+
+	/* one row, one key: dQ and dK are exactly 0; an error is measured against
+	 * 1e-4 * D * max |dO| * max |V| */
+	q.t.shape[2] = k.t.shape[2] = v.t.shape[2] = o.t.shape[2] = dout.t.shape[2] = 1;
+	q.t.shape[1] = o.t.shape[1] = dout.t.shape[1] = 1;
+	ASSERT_EQ(0, test_tensor_empty(&g[0], APE_F32, 1, 1, 1, 8));
+	ASSERT_EQ(0, test_tensor_empty(&g[1], APE_F32, 1, 1, 1, 8));
+	ASSERT_EQ(0, ape_attention_forward(ref, &desc, &q.t, &k.t, &v.t, &o.t, lse, NULL));
+	ASSERT_EQ(0, ape_attention_backward(ref, &desc, &q.t, &k.t, &v.t, &o.t, lse, &dout.t, NULL,
+					    &g[0].t, &g[1].t, NULL, NULL, NULL));
+	EXPECT_EQ(0, test_tensor_maxabs(&g[0].t));
+	((float *)g[0].t.data)[2] = 1e-3f;
+	ASSERT_EQ(0, refcheck_backward(ref, &desc, &q.t, &k.t, &v.t, &o.t, lse, &dout.t, NULL,
+				       &g[0].t, &g[1].t, NULL, NULL, &res));
+	m = 1e-4 * 8 * test_tensor_maxabs(&dout.t) * test_tensor_maxabs(&v.t);
+	EXPECT_LT(fabs(1e-3f / m - res.err[REFCHECK_DQ]), 1e-6 / m);
+	EXPECT_EQ(0, res.err[REFCHECK_DK]);
+	EXPECT_EQ(-1, res.err[REFCHECK_DV]);
+	EXPECT_EQ(res.err[REFCHECK_DQ] <= res.tol, res.within_tol);
+	test_tensor_free(&q);
+	test_tensor_free(&k);
+	test_tensor_free(&v);
+	test_tensor_free(&o);
+	test_tensor_free(&dout);
+	for (int i = 0; i < 2; i++)
+		test_tensor_free(&g[i]);
+	ape_context_destroy(ctx);
 }
 
 /*

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * ape-bench: times the forward pass on chosen shapes and backends.
+ * ape-bench: times the forward pass on chosen shapes and backends (with --backward, the forward
+ * and the backward pass on the same inputs, side by side).
  *
  * For every (sequence length, skip tolerance) it runs warm-up calls, then timed repeats, and
  * reports the median and spread of the wall time, visible pairs per second, dense-equivalent
@@ -38,6 +39,7 @@ struct bench_opts {
 	bool seeded;
 	bool numa; /* --numa: copy bandwidth per NUMA node instead of attention */
 	int64_t copy_mib;
+	bool backward; /* --backward: time ape_attention_backward() after each forward */
 	bool stream; /* --stream: chunked execution under a budget, overlap and peak memory */
 	bool serial; /* --stream: also time copies and kernels back to back (--no-serial: not) */
 	int64_t chunk;
@@ -51,6 +53,11 @@ struct bench_row {
 	double median_ms, min_ms, max_ms, kernel_ms;
 	uint64_t pairs_visible, pairs_computed;
 	struct refcheck_result check;
+	/* --backward: the same statistics of the backward call, and the median over the rounds
+	 * of each round's backward / forward wall time (a round's two calls run back to back, so
+	 * their ratio varies less on a shared machine than either time) */
+	double bwd_median_ms, bwd_min_ms, bwd_max_ms, bwd_kernel_ms, ratio;
+	uint64_t bwd_pairs_computed;
 };
 
 enum {
@@ -80,6 +87,7 @@ enum {
 	OPT_CHUNK,
 	OPT_MAX_MEM,
 	OPT_NO_SERIAL,
+	OPT_BACKWARD,
 	OPT_HELP,
 };
 
@@ -98,6 +106,7 @@ static const struct cli_option options[] = {
 	{ "--stream", NULL, false, OPT_STREAM },  { "--chunk", NULL, true, OPT_CHUNK },
 	{ "--max-device-mem", NULL, true, OPT_MAX_MEM },
 	{ "--no-serial", NULL, false, OPT_NO_SERIAL },
+	{ "--backward", NULL, false, OPT_BACKWARD },
 	{ "--help", "-h", false, OPT_HELP },	  { NULL, NULL, false, 0 },
 };
 
@@ -120,6 +129,12 @@ static void usage(FILE *f)
 		"                                   0 = no check)\n"
 		"  --seed N                         inputs' random seed (default: fresh)\n"
 		"  --json                           one JSON object instead of the table\n"
+		"  --backward                       also time the backward pass after each forward\n"
+		"                                   (random dO, no dLSE, every gradient: dQ, dK, dV\n"
+		"                                   and the parameters'): both times and the median\n"
+		"                                   of each repeat's backward/forward ratio; the\n"
+		"                                   check stays the forward's (ape-check checks the\n"
+		"                                   gradients)\n"
 		"  --numa                           instead: host-to-device copy bandwidth from\n"
 		"                                   staging buffers on the device's NUMA node and\n"
 		"                                   on every other node (needs two or more nodes)\n"
@@ -262,6 +277,9 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 		case OPT_STREAM:
 			o->stream = true;
 			break;
+		case OPT_BACKWARD:
+			o->backward = true;
+			break;
 		case OPT_NO_SERIAL:
 			o->serial = false;
 			break;
@@ -290,6 +308,11 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 		return id;
 	if (ret)
 		return ret;
+	if (o->backward && (o->stream || o->numa)) {
+		snprintf(err, errlen, "--backward times the one-call forward and backward: drop %s",
+			 o->stream ? "--stream" : "--numa");
+		return APE_EINVAL;
+	}
 	if (o->D % 2) {
 		snprintf(err, errlen, "-D %" PRId64 ": the head dimension must be even", o->D);
 		return APE_EINVAL;
@@ -319,6 +342,10 @@ struct inputs {
 	void *q, *k, *v, *o;
 	float *lse;
 	ape_tensor tq, tk, tv, to;
+	/* --backward: dO and the gradients, in the storage type; NULL otherwise */
+	void *dout, *dq, *dk, *dv;
+	float *dparams;
+	ape_tensor tdout, tdq, tdk, tdv;
 };
 
 static void free_inputs(struct inputs *in)
@@ -328,6 +355,11 @@ static void free_inputs(struct inputs *in)
 	free(in->v);
 	free(in->o);
 	free(in->lse);
+	free(in->dout);
+	free(in->dq);
+	free(in->dk);
+	free(in->dv);
+	free(in->dparams);
 }
 
 static int fill_random(void *dst, ape_dtype dt, size_t n, ape_rng *rng)
@@ -345,29 +377,54 @@ static int fill_random(void *dst, ape_dtype dt, size_t n, ape_rng *rng)
 	return 0;
 }
 
-static int make_inputs(const struct bench_opts *o, int64_t L, int64_t Lq, ape_rng *rng,
-		       struct inputs *in)
+/* A [B, heads, L, D] tensor of the storage type, uninitialised; NULL data when out of memory. */
+static void *new_tensor(ape_tensor *t, const struct bench_opts *o, int64_t heads, int64_t L)
 {
-	const size_t esz = ape_dtype_size(o->dtype);
-	const size_t nq = (size_t)(o->B * o->H * Lq * o->D), nk = (size_t)(o->B * o->Hkv * L * o->D);
+	void *p = malloc((size_t)(o->B * heads * L * o->D) * ape_dtype_size(o->dtype) + 1);
 
-	memset(in, 0, sizeof(*in));
-	in->q = malloc(nq * esz + 1);
-	in->k = malloc(nk * esz + 1);
-	in->v = malloc(nk * esz + 1);
-	in->o = malloc(nq * esz + 1);
-	in->lse = malloc(sizeof(float) * (size_t)(o->B * o->H * Lq) + 1);
-	if (!in->q || !in->k || !in->v || !in->o || !in->lse ||
-	    fill_random(in->q, o->dtype, nq, rng) || fill_random(in->k, o->dtype, nk, rng) ||
-	    fill_random(in->v, o->dtype, nk, rng)) {
+	ape_tensor_init(t, p, o->dtype, o->B, heads, L, o->D);
+	return p;
+}
+
+static int fill_tensor(const ape_tensor *t, ape_rng *rng)
+{
+	const int64_t *s = t->shape;
+
+	return fill_random(t->data, t->dtype, (size_t)(s[0] * s[1] * s[2] * s[3]), rng);
+}
+
+/* --backward: a random dO and room for every gradient. */
+static int make_grads(const struct bench_opts *o, int64_t L, int64_t Lq, ape_rng *rng,
+		      struct inputs *in)
+{
+	in->dout = new_tensor(&in->tdout, o, o->H, Lq);
+	in->dq = new_tensor(&in->tdq, o, o->H, Lq);
+	in->dk = new_tensor(&in->tdk, o, o->Hkv, L);
+	in->dv = new_tensor(&in->tdv, o, o->Hkv, L);
+	in->dparams = malloc(sizeof(float) * 4 * (size_t)o->H);
+	if (!in->dout || !in->dq || !in->dk || !in->dv || !in->dparams ||
+	    fill_tensor(&in->tdout, rng)) {
 		free_inputs(in);
 		return APE_ENOMEM;
 	}
-	ape_tensor_init(&in->tq, in->q, o->dtype, o->B, o->H, Lq, o->D);
-	ape_tensor_init(&in->tk, in->k, o->dtype, o->B, o->Hkv, L, o->D);
-	ape_tensor_init(&in->tv, in->v, o->dtype, o->B, o->Hkv, L, o->D);
-	ape_tensor_init(&in->to, in->o, o->dtype, o->B, o->H, Lq, o->D);
 	return 0;
+}
+
+static int make_inputs(const struct bench_opts *o, int64_t L, int64_t Lq, ape_rng *rng,
+		       struct inputs *in)
+{
+	memset(in, 0, sizeof(*in));
+	in->q = new_tensor(&in->tq, o, o->H, Lq);
+	in->k = new_tensor(&in->tk, o, o->Hkv, L);
+	in->v = new_tensor(&in->tv, o, o->Hkv, L);
+	in->o = new_tensor(&in->to, o, o->H, Lq);
+	in->lse = malloc(sizeof(float) * (size_t)(o->B * o->H * Lq) + 1);
+	if (!in->q || !in->k || !in->v || !in->o || !in->lse || fill_tensor(&in->tq, rng) ||
+	    fill_tensor(&in->tk, rng) || fill_tensor(&in->tv, rng)) {
+		free_inputs(in);
+		return APE_ENOMEM;
+	}
+	return o->backward ? make_grads(o, L, Lq, rng, in) : 0;
 }
 
 /* Times one (L, skip_tol) configuration. */
@@ -388,8 +445,8 @@ static int bench_one(ape_device *dev, ape_device *ref, const struct bench_opts *
 {
 	struct inputs in;
 	ape_attn_desc desc;
-	ape_stats st;
-	double times[1024], kernel[1024];
+	ape_stats st, bst;
+	double times[1024], kernel[1024], btimes[1024], bkernel[1024], ratio[1024];
 	int64_t Lq = o->Lq && o->Lq < L ? o->Lq : L;
 	int n = o->repeats > 1024 ? 1024 : o->repeats, ret;
 
@@ -406,20 +463,39 @@ static int bench_one(ape_device *dev, ape_device *ref, const struct bench_opts *
 		ret = ape_attention_forward(dev, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse, &st);
 		if (ret)
 			goto out_free;
+		ape_stats_init(&bst);
+		if (o->backward)
+			ret = ape_attention_backward(dev, &desc, &in.tq, &in.tk, &in.tv, &in.to,
+						     in.lse, &in.tdout, NULL, &in.tdq, &in.tdk,
+						     &in.tdv, in.dparams, &bst);
+		if (ret)
+			goto out_free;
 		if (i >= o->warmup) {
 			times[i - o->warmup] = st.total_ms;
 			kernel[i - o->warmup] = st.kernel_ms;
+			btimes[i - o->warmup] = bst.total_ms;
+			bkernel[i - o->warmup] = bst.kernel_ms;
+			ratio[i - o->warmup] = st.total_ms > 0 ? bst.total_ms / st.total_ms : 0;
 		}
 	}
 	row->pairs_visible = st.pairs_visible;
 	row->pairs_computed = st.pairs_computed;
+	row->bwd_pairs_computed = bst.pairs_computed;
 	row->min_ms = row->max_ms = times[0];
+	row->bwd_min_ms = row->bwd_max_ms = btimes[0];
 	for (int i = 0; i < n; i++) {
 		row->min_ms = fmin(row->min_ms, times[i]);
 		row->max_ms = fmax(row->max_ms, times[i]);
+		row->bwd_min_ms = fmin(row->bwd_min_ms, btimes[i]);
+		row->bwd_max_ms = fmax(row->bwd_max_ms, btimes[i]);
 	}
 	row->median_ms = median(times, n);
 	row->kernel_ms = median(kernel, n);
+	if (o->backward) {
+		row->bwd_median_ms = median(btimes, n);
+		row->bwd_kernel_ms = median(bkernel, n);
+		row->ratio = median(ratio, n);
+	}
 	if (o->check_rows > 0)
 		ret = refcheck_sampled(ref, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse,
 				       o->check_rows, rng, &row->check);
@@ -438,8 +514,12 @@ static void print_table(const ape_device_info *info, const struct bench_opts *o,
 	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype),
 	       o->causal ? "causal" : "non-causal", (double)o->delta, (double)o->beta,
 	       (double)o->gamma, (double)o->lambda, o->repeats);
-	printf("%8s %10s %10s %8s %11s %9s %9s %9s %10s %10s\n", "L", "skip_tol", "median_ms",
+	printf("%8s %10s %10s %8s %11s %9s %9s %9s %10s %10s", "L", "skip_tol", "median_ms",
 	       "spread", "kernel_ms", "Mpairs/s", "GFLOP/s", "computed", "err_O", "err_LSE");
+	if (o->backward)
+		printf(" %10s %8s %11s %9s %8s", "bwd_ms", "spread", "bwd_kernel", "computed",
+		       "bwd/fwd");
+	printf("\n");
 	for (int i = 0; i < n; i++) {
 		const struct bench_row *r = &rows[i];
 		double sec = r->median_ms * 1e-3;
@@ -452,11 +532,25 @@ static void print_table(const ape_device_info *info, const struct bench_opts *o,
 		       r->pairs_visible ? 100.0 * (double)r->pairs_computed / (double)r->pairs_visible
 					: 0);
 		if (r->check.rows_checked)
-			printf(" %10.2e %10.2e%s\n", r->check.max_err_o, r->check.max_err_lse,
-			       r->check.within_tol ? "" : "  OUT OF TOLERANCE");
+			printf(" %10.2e %10.2e", r->check.max_err_o, r->check.max_err_lse);
 		else
-			printf(" %10s %10s\n", "-", "-");
+			printf(" %10s %10s", "-", "-");
+		if (o->backward)
+			printf(" %10.2f %7.1f%% %11.2f %8.2f%% %8.2f", r->bwd_median_ms,
+			       r->bwd_median_ms > 0 ? 100 * (r->bwd_max_ms - r->bwd_min_ms) /
+							     r->bwd_median_ms
+						    : 0,
+			       r->bwd_kernel_ms,
+			       r->pairs_visible ? 100.0 * (double)r->bwd_pairs_computed /
+							  (double)r->pairs_visible
+						: 0,
+			       r->ratio);
+		printf("%s\n", !r->check.rows_checked || r->check.within_tol ? ""
+									 : "  OUT OF TOLERANCE");
 	}
+	if (o->backward)
+		printf("bwd/fwd: the median over the repeats of each repeat's backward / forward "
+		       "wall time\n");
 }
 
 static void print_json(const ape_device_info *info, const struct bench_opts *o,
@@ -480,12 +574,19 @@ static void print_json(const ape_device_info *info, const struct bench_opts *o,
 		       "\"median_ms\": %.6g, \"min_ms\": %.6g, \"max_ms\": %.6g, \"kernel_ms\": %.6g, "
 		       "\"pairs_visible\": %" PRIu64 ", \"pairs_computed\": %" PRIu64
 		       ", \"pairs_per_s\": %.6g, \"dense_gflops\": %.6g, \"rows_checked\": %d, "
-		       "\"max_err_o\": %.6g, \"max_err_lse\": %.6g, \"within_tol\": %s}",
+		       "\"max_err_o\": %.6g, \"max_err_lse\": %.6g, \"within_tol\": %s",
 		       i ? "," : "", r->L, r->Lq, r->skip_tol, r->median_ms, r->min_ms, r->max_ms,
 		       r->kernel_ms, r->pairs_visible, r->pairs_computed, pps,
 		       pps * 4.0 * (double)o->D * 1e-9, r->check.rows_checked, r->check.max_err_o,
 		       r->check.max_err_lse, r->check.within_tol || !r->check.rows_checked ? "true"
 											   : "false");
+		if (o->backward)
+			printf(", \"backward\": {\"median_ms\": %.6g, \"min_ms\": %.6g, "
+			       "\"max_ms\": %.6g, \"kernel_ms\": %.6g, \"pairs_computed\": %" PRIu64
+			       ", \"ratio_to_forward\": %.6g}",
+			       r->bwd_median_ms, r->bwd_min_ms, r->bwd_max_ms, r->bwd_kernel_ms,
+			       r->bwd_pairs_computed, r->ratio);
+		printf("}");
 	}
 	printf("\n ]}\n");
 }
@@ -771,7 +872,8 @@ int main(int argc, char **argv)
 	if (ret) {
 		fprintf(stderr, "ape-bench: %s\n", ape_last_error());
 		ape_context_destroy(ctx);
-		return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : 1;
+		/* APE_ENOTSUP: --backward on a backend without a backward pass */
+		return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : ret == APE_ENOTSUP ? 3 : 1;
 	}
 	if (o.json)
 		print_json(&info, &o, rows, nrows);

@@ -3,9 +3,10 @@
  * ape-run: APE attention on NumPy .npy files, the way users run libape on their own data.
  *
  * Exit status: 0 success; 2 bad arguments or input files (and parameters or shapes the library
- * refuses); 3 the backend or device asked for is not available; 1 anything else. Outputs are
- * written to temporary files and renamed into place only once all of them are complete, so a
- * failing run never leaves a partial or stale-looking output behind.
+ * refuses); 3 the backend or device asked for is not available (or, with --backward, has no
+ * backward pass); 1 anything else. Outputs (O, LSE, the gradients, the trace) are written to
+ * temporary files and renamed into place only once all of them are complete, so a failing run
+ * never leaves a partial or stale-looking output behind.
  *
  * This file holds the arguments, devices, files and the one-call mode; tools/run/ the --kv-cache
  * mode and the statistics (tools/run/run.h).
@@ -35,7 +36,8 @@ enum {
 	OPT_DELTA, OPT_BETA, OPT_GAMMA, OPT_LAMBDA, /* in this order: they index run_args.param */
 	OPT_ROPE_BASE, OPT_SCALE, OPT_NO_CAUSAL, OPT_LAYOUT, OPT_Q_START, OPT_K_START,
 	OPT_SKIP_TOL, OPT_DTYPE, OPT_STATS, OPT_CHUNK, OPT_MAX_MEM, OPT_TRACE, OPT_DEVICES,
-	OPT_KV_CACHE, OPT_KV_BLOCK, OPT_KV_CAPACITY, OPT_KV_RELEASE, OPT_HELP,
+	OPT_KV_CACHE, OPT_KV_BLOCK, OPT_KV_CAPACITY, OPT_KV_RELEASE,
+	OPT_BACKWARD, OPT_DLSE, OPT_DQ, OPT_DK, OPT_DV, OPT_DPARAMS, OPT_HELP,
 };
 
 
@@ -68,6 +70,12 @@ static const struct cli_option options[] = {
 	{ "--kv-block", NULL, true, OPT_KV_BLOCK },
 	{ "--kv-capacity", NULL, true, OPT_KV_CAPACITY },
 	{ "--kv-release", NULL, false, OPT_KV_RELEASE },
+	{ "--backward", NULL, true, OPT_BACKWARD },
+	{ "--dlse", NULL, true, OPT_DLSE },
+	{ "--dq", NULL, true, OPT_DQ },
+	{ "--dk", NULL, true, OPT_DK },
+	{ "--dv", NULL, true, OPT_DV },
+	{ "--dparams", NULL, true, OPT_DPARAMS },
 	{ "--help", "-h", false, OPT_HELP },
 	{ NULL, NULL, false, 0 },
 };
@@ -75,6 +83,8 @@ static const struct cli_option options[] = {
 static void usage(void)
 {
 	printf("usage: ape-run -q Q.npy -k K.npy -v V.npy -o O.npy [--lse LSE.npy] [options]\n"
+	       "       ape-run ... --backward DO.npy [--dq DQ.npy] [--dk DK.npy] [--dv DV.npy]\n"
+	       "               [--dparams DP.npy] [--dlse DLSE.npy]\n"
 	       "\n"
 	       "APE attention, O = softmax(S) V (see docs/ape.md), on NumPy .npy files.\n"
 	       "\n"
@@ -141,11 +151,27 @@ static void usage(void)
 	       "  --kv-release   let the cache drop blocks the skip bound proves no later\n"
 	       "                 query can reach (needs delta > 0; the query norm bound is\n"
 	       "                 taken from Q)\n"
+	       "\n"
+	       "Training: the backward pass, after the forward, in the same call.\n"
+	       "  --backward FILE  dL/dO, Q's shape, '<f4' or '<f2'; then give one or more of:\n"
+	       "  --dq FILE      dL/dQ: Q's shape and dtype\n"
+	       "  --dk FILE      dL/dK: K's shape and dtype (GQA: summed over the query heads\n"
+	       "                 sharing each kv head)\n"
+	       "  --dv FILE      dL/dV: V's shape and dtype\n"
+	       "  --dparams FILE dL/d(delta, beta, gamma, lambda): '<f4' [H, 4], one row per\n"
+	       "                 head (a value given once for all heads: sum the column)\n"
+	       "  --dlse FILE    dL/dLSE, '<f4', LSE's shape (default: zero)\n"
+	       "  -o and --lse are written as without --backward; with --stats the backward\n"
+	       "  call's statistics follow the forward's. One device, no --kv-cache; the\n"
+	       "  backward takes the forward's parameters and --chunk, --max-device-mem.\n"
+	       "  A backend with no backward pass exits with 3.\n"
+	       "\n"
 	       "  -h, --help     print this text\n"
 	       "  --version      print the libape version and exit\n"
 	       "\n"
 	       "Exit status: 0 success; 2 bad arguments or input files; 3 the backend or\n"
-	       "device is not available; 1 any other failure.\n",
+	       "device is not available (with --backward: or has no backward pass); 1 any\n"
+	       "other failure. A failed run leaves no output file, gradients included.\n",
 	       SEED_DELTA, SEED_DELTA / 10, SEED_DELTA / 10, SEED_LAMBDA);
 }
 
@@ -178,6 +204,18 @@ static const char **string_slot(struct run_args *a, int id)
 		return &a->trace;
 	case OPT_DEVICES:
 		return &a->devices;
+	case OPT_BACKWARD:
+		return &a->dout;
+	case OPT_DLSE:
+		return &a->dlse;
+	case OPT_DQ:
+		return &a->dq;
+	case OPT_DK:
+		return &a->dk;
+	case OPT_DV:
+		return &a->dv;
+	case OPT_DPARAMS:
+		return &a->dparams;
 	}
 	return NULL;
 }
@@ -289,6 +327,34 @@ static void args_free(struct run_args *a)
 		free(a->param[i].vals);
 }
 
+/* --backward and its outputs: each output needs it, and it needs one of them. */
+static int check_backward_args(const struct run_args *a, char *msg, size_t len)
+{
+	const char *const flags[5] = { "--dq", "--dk", "--dv", "--dparams", "--dlse" };
+	const char *const vals[5] = { a->dq, a->dk, a->dv, a->dparams, a->dlse };
+
+	if (!a->dout) {
+		for (int i = 0; i < 5; i++)
+			if (vals[i]) {
+				snprintf(msg, len, "%s %s needs --backward DO.npy (dL/dO)", flags[i],
+					 vals[i]);
+				return RUN_USAGE;
+			}
+		return 0;
+	}
+	if (!a->dq && !a->dk && !a->dv && !a->dparams) {
+		snprintf(msg, len, "--backward %s: name the gradients wanted: one or more of --dq, "
+			 "--dk, --dv, --dparams", a->dout);
+		return RUN_USAGE;
+	}
+	if (a->kv_step || a->devices) {
+		snprintf(msg, len, "--backward %s runs on one device, without a KV cache (drop %s)",
+			 a->dout, a->kv_step ? "--kv-cache" : "--devices");
+		return RUN_USAGE;
+	}
+	return 0;
+}
+
 static int parse_args(int argc, char **argv, struct run_args *a, char *msg, size_t len)
 {
 	const char *val;
@@ -325,7 +391,7 @@ static int parse_args(int argc, char **argv, struct run_args *a, char *msg, size
 			 a->kv_block ? "--kv-block" : a->kv_capacity ? "--kv-capacity" : "--kv-release");
 		return RUN_USAGE;
 	}
-	return 0;
+	return check_backward_args(a, msg, len);
 }
 
 /* ------------------------------------------------------------------ device */
@@ -467,16 +533,18 @@ static int load_input(struct input *in, const char *what, const char *dims, char
 	return 0;
 }
 
-static int load_inputs(const struct run_args *a, struct input in[3], char *msg, size_t len)
+/* Q, K, V and, with --backward, dO as in[3]. */
+static int load_inputs(const struct run_args *a, struct input in[4], char *msg, size_t len)
 {
-	static const char *const what[3] = { "Q", "K", "V" };
-	static const char *const dims[3] = { "H, Lq, D", "Hkv, Lk, D", "Hkv, Lk, D" };
+	static const char *const what[4] = { "Q", "K", "V", "dO" };
+	static const char *const dims[4] = { "H, Lq, D", "Hkv, Lk, D", "Hkv, Lk, D", "H, Lq, D" };
 	int ret;
 
 	in[0].path = a->q;
 	in[1].path = a->k;
 	in[2].path = a->v;
-	for (int i = 0; i < 3; i++) {
+	in[3].path = a->dout;
+	for (int i = 0; i < (a->dout ? 4 : 3); i++) {
 		ret = load_input(&in[i], what[i], dims[i], msg, len);
 		if (ret)
 			return ret;
@@ -499,10 +567,11 @@ static int mismatch(char *msg, size_t len, const struct input *x, const struct i
 
 /* The checks whose failure is best explained in terms of the files; the library checks the rest
  * (sizes, D in 2..256, every parameter) and says so in its own words. */
-static int check_inputs(const struct input in[3], char *msg, size_t len)
+static int check_inputs(const struct input in[4], char *msg, size_t len)
 {
-	const struct input *q = &in[0], *k = &in[1], *v = &in[2];
+	const struct input *q = &in[0], *k = &in[1], *v = &in[2], *dout = &in[3];
 	const int64_t H = q->t.shape[1], Hkv = k->t.shape[1];
+	char got[256], want[256];
 
 	for (int i = 1; i < 3; i++)
 		if (in[i].file_dtype != q->file_dtype) {
@@ -531,13 +600,21 @@ static int check_inputs(const struct input in[3], char *msg, size_t len)
 			 "multiple of Hkv", q->path, H, k->path, Hkv);
 		return RUN_USAGE;
 	}
+	if (dout->path && (dout->ndim != q->ndim ||
+			   memcmp(dout->shape, q->shape, sizeof(int64_t) * (size_t)q->ndim))) {
+		npy_format_shape(dout->shape, dout->ndim, got, sizeof(got));
+		npy_format_shape(q->shape, q->ndim, want, sizeof(want));
+		snprintf(msg, len, "--backward %s: shape %s differs from %s's %s: dL/dO has Q's "
+			 "shape", dout->path, got, q->path, want);
+		return RUN_USAGE;
+	}
 	return 0;
 }
 
-/* Converts every input to the computation's storage type. */
-static int stage_inputs(struct input in[3], ape_dtype storage, char *msg, size_t len)
+/* Converts every input (dO too, when given) to the computation's storage type. */
+static int stage_inputs(struct input in[4], ape_dtype storage, char *msg, size_t len)
 {
-	for (int i = 0; i < 3; i++) {
+	for (int i = 0; i < (in[3].path ? 4 : 3); i++) {
 		const int64_t *s = in[i].t.shape;
 		void *conv;
 
@@ -613,77 +690,145 @@ static int check_output(const char *flag, const char *path, char *msg, size_t le
 	return 0;
 }
 
+/* Every file the run writes, by its option; unused entries have a NULL path. */
+#define NOUT 7
+
+static void output_names(const struct run_args *a, const char *flag[NOUT],
+			 const char *path[NOUT])
+{
+	static const char *const flags[NOUT] = { "-o", "--lse", "--dq", "--dk", "--dv",
+						 "--dparams", "--trace" };
+	const char *const paths[NOUT] = { a->o, a->lse, a->dq, a->dk, a->dv, a->dparams,
+					   a->trace };
+
+	for (int i = 0; i < NOUT; i++) {
+		flag[i] = flags[i];
+		path[i] = paths[i];
+	}
+}
+
 static int check_outputs(const struct run_args *a, char *msg, size_t len)
 {
-	int ret;
+	const char *flag[NOUT], *path[NOUT];
+	int ret = 0;
 
-	if (a->lse && !strcmp(a->o, a->lse)) {
-		snprintf(msg, len, "-o and --lse both name %s", a->o);
-		return RUN_USAGE;
-	}
-	if (a->trace && (!strcmp(a->o, a->trace) || (a->lse && !strcmp(a->lse, a->trace)))) {
-		snprintf(msg, len, "--trace %s: also an output file", a->trace);
-		return RUN_USAGE;
-	}
-	ret = check_output("-o", a->o, msg, len);
-	if (!ret && a->lse)
-		ret = check_output("--lse", a->lse, msg, len);
-	if (!ret && a->trace)
-		ret = check_output("--trace", a->trace, msg, len);
+	output_names(a, flag, path);
+	for (int i = 0; i < NOUT; i++)
+		for (int j = i + 1; path[i] && j < NOUT; j++)
+			if (path[j] && !strcmp(path[i], path[j])) {
+				snprintf(msg, len, "%s and %s both name %s: each output needs a "
+					 "file of its own", flag[i], flag[j], path[i]);
+				return RUN_USAGE;
+			}
+	for (int i = 0; !ret && i < NOUT; i++)
+		if (path[i])
+			ret = check_output(flag[i], path[i], msg, len);
 	return ret;
 }
 
-/*
- * Writes O in Q's dtype and LSE to temporary files, then renames both. Should the second rename
- * fail despite check_outputs(), the first output is removed again: O without its LSE would look
- * like the result of a complete run.
- */
-static int write_outputs(const struct run_args *a, const struct input *q, const float *o,
-			 const float *lse, char *msg, size_t len)
+/* One .npy output: float32 data, written in `dtype` (float16 rounded once from it). */
+struct out_file {
+	const char *path;
+	ape_dtype dtype;
+	int ndim;
+	int64_t shape[4];
+	const float *data;
+	uint64_t count;
+};
+
+static void out_like(struct out_file *f, const char *path, const struct input *in,
+		     const float *data)
 {
-	struct npy_pending po, pl = { NULL, NULL };
-	const void *odata = o;
-	void *o16 = NULL;
-	int ret;
+	f->path = path;
+	f->dtype = in->file_dtype;
+	f->ndim = in->ndim;
+	memcpy(f->shape, in->shape, sizeof(f->shape));
+	f->data = data;
+	f->count = in->count;
+}
 
-	if (q->file_dtype == APE_F16) {
-		o16 = malloc(q->count ? q->count * 2 : 1);
-		if (!o16) {
-			snprintf(msg, len, "%s: out of memory", a->o);
-			return RUN_FAIL;
+/* Writes f to a temporary file; *conv holds its float16 copy, if any, until the caller frees. */
+static int write_pending(struct npy_pending *p, const struct out_file *f, void **conv, char *msg,
+			 size_t len)
+{
+	const void *data = f->data;
+
+	if (f->dtype == APE_F16) {
+		*conv = malloc(f->count ? f->count * 2 : 1);
+		if (!*conv) {
+			snprintf(msg, len, "%s: out of memory", f->path);
+			return APE_ENOMEM;
 		}
-		ape_convert(o16, APE_F16, o, APE_F32, q->count);
-		odata = o16;
+		ape_convert(*conv, APE_F16, f->data, APE_F32, f->count);
+		data = *conv;
 	}
-	ret = npy_write_pending(&po, a->o, q->file_dtype, q->ndim, q->shape, odata, 0, msg, len);
-	if (ret)
-		goto out_free_o16;
-	if (lse) {
-		ret = npy_write_pending(&pl, a->lse, APE_F32, q->ndim - 1, q->shape, lse, 0, msg,
-					len);
-		if (ret)
-			goto out_discard_o;
-	}
-	ret = npy_commit(&po, msg, len);
-	if (ret)
-		goto out_discard_lse;
-	ret = lse ? npy_commit(&pl, msg, len) : 0;
-	if (ret)
-		unlink(a->o);
-	free(o16);
-	return run_exit_code(ret);
+	return npy_write_pending(p, f->path, f->dtype, f->ndim, f->shape, data, 0, msg, len);
+}
 
-out_discard_lse:
-	npy_discard(&pl);
-out_discard_o:
-	npy_discard(&po);
-out_free_o16:
-	free(o16);
+/*
+ * Writes every output to a temporary file, then renames them all. Should a rename fail despite
+ * check_outputs(), the outputs already renamed are removed again: O without its LSE, or O
+ * without the gradients asked for, would look like the result of a complete run.
+ */
+static int write_all(struct out_file *f, int n, char *msg, size_t len)
+{
+	struct npy_pending p[NOUT];
+	int ret = 0, i, done;
+
+	memset(p, 0, sizeof(p));
+	for (i = 0; !ret && i < n; i++) {
+		void *conv = NULL;
+
+		ret = write_pending(&p[i], &f[i], &conv, msg, len);
+		free(conv);
+	}
+	for (done = 0; !ret && done < n; done++)
+		ret = npy_commit(&p[done], msg, len);
+	if (ret) {
+		for (i = 0; i < done - 1; i++) /* p[done - 1] failed: npy_commit() removed it */
+			unlink(f[i].path);
+		for (i = 0; i < n; i++)
+			npy_discard(&p[i]);
+	}
 	return run_exit_code(ret);
 }
 
+static int write_outputs(const struct run_args *a, const struct input in[4], const float *o,
+			 const float *lse, const struct run_grads *g, char *msg, size_t len)
+{
+	struct out_file f[NOUT];
+	int n = 0;
+
+	memset(f, 0, sizeof(f));
+	out_like(&f[n++], a->o, &in[0], o);
+	if (a->lse) {
+		f[n] = f[0];
+		f[n].path = a->lse;
+		f[n].dtype = APE_F32;
+		f[n].ndim = in[0].ndim - 1;
+		f[n].data = lse;
+		f[n++].count = in[0].count / (uint64_t)in[0].t.shape[3];
+	}
+	if (a->dq)
+		out_like(&f[n++], a->dq, &in[0], g->dq);
+	if (a->dk)
+		out_like(&f[n++], a->dk, &in[1], g->dk);
+	if (a->dv)
+		out_like(&f[n++], a->dv, &in[2], g->dv);
+	if (a->dparams) {
+		f[n].path = a->dparams;
+		f[n].dtype = APE_F32;
+		f[n].ndim = 2;
+		f[n].shape[0] = in[0].t.shape[1];
+		f[n].shape[1] = 4;
+		f[n].data = g->dparams;
+		f[n++].count = (uint64_t)in[0].t.shape[1] * 4;
+	}
+	return write_all(f, n, msg, len);
+}
+
 static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
-		   const struct input in[3], char *msg, size_t len)
+		   const struct input in[4], struct run_grads *g, char *msg, size_t len)
 {
 	const int64_t *s = in[0].t.shape;
 	size_t rows = (size_t)(s[0] * s[1] * s[2]);
@@ -698,7 +843,7 @@ static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
 		snprintf(msg, len, "out of memory for O (%" PRIu64 " floats)", in[0].count);
 		return RUN_FAIL;
 	}
-	if (a->lse) {
+	if (a->lse || a->dout) { /* the backward needs the forward's LSE */
 		lse = malloc(rows ? rows * sizeof(float) : 1);
 		if (!lse) {
 			snprintf(msg, len, "out of memory for LSE (%zu floats)", rows);
@@ -729,8 +874,10 @@ static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
 		}
 	}
 	if (a->stats)
-		run_stats_print(&st);
-	ret = write_outputs(a, &in[0], o, lse, msg, len);
+		run_stats_print(&st, "");
+	ret = a->dout ? run_backward(a, devs[0], in, &ot, lse, g, msg, len) : 0;
+	if (!ret)
+		ret = write_outputs(a, in, o, lse, g, msg, len);
 	if (ret && a->trace)
 		unlink(a->trace); /* no output without the others */
 out_free:
@@ -744,11 +891,13 @@ out_free:
 static int run(struct run_args *a, char *msg, size_t len)
 {
 	ape_device *devs[APE_MAX_DEVICES];
-	struct input in[3];
+	struct input in[4]; /* Q, K, V, dO */
+	struct run_grads g;
 	ape_context *ctx = NULL;
 	int ret, ndev = 0;
 
 	memset(in, 0, sizeof(in));
+	memset(&g, 0, sizeof(g));
 	ret = check_outputs(a, msg, len);
 	if (ret)
 		return ret;
@@ -764,13 +913,17 @@ static int run(struct run_args *a, char *msg, size_t len)
 	ret = set_head_params(a, &in[0], msg, len);
 	if (ret)
 		goto out_free_inputs;
+	ret = run_load_dlse(a, &in[0], &g, msg, len);
+	if (ret)
+		goto out_free_inputs;
 	ret = stage_inputs(in, a->dtype < 0 ? in[0].file_dtype : (ape_dtype)a->dtype, msg, len);
 	if (ret)
 		goto out_free_inputs;
-	ret = compute(a, devs, ndev, in, msg, len);
+	ret = compute(a, devs, ndev, in, &g, msg, len);
 out_free_inputs:
-	for (int i = 0; i < 3; i++)
+	for (int i = 0; i < 4; i++)
 		free(in[i].data);
+	run_grads_free(&g);
 	ape_context_destroy(ctx);
 	return ret;
 }

@@ -6,7 +6,8 @@
 #
 #   1. what the machine has (nvidia-smi, nvcc, driver, python, torch) -> OUT_DIR/env.txt
 #   2. build (WITH_CUDA=yes; hwloc and libdrm only when pkg-config finds them)
-#   3. the CUDA tests on the real GPU (tests/test_cuda_emu with APE_TEST_CUDA_DEVICE=1)
+#   3. the CUDA tests on the real GPU (tests/test_resident and tests/test_cuda_emu with
+#      APE_TEST_CUDA_DEVICE=1)
 #   4. ape-check across every backend it finds (CUDA, OpenCL when an ICD is there, reference)
 #   5. the benchmark of issue 6 (bench/torch_ape.py: libape vs eager PyTorch APE vs SDPA; decode
 #      bandwidth), when python3 is there
@@ -131,8 +132,18 @@ have_ksft=no
 NO_KSFT="no Kselftest headers (build/kselftest, KSFT_DIR or /usr/src/linux-*): run 'make deps' where there is network, and bring build/kselftest along"
 if [ $have_ksft = yes ]; then
 	# shellcheck disable=SC2086
-	run gputests-build 120 make -j"$JOBS" $MAKEVARS KSFT_DIR="$KSFT" "$BUILD/tests/test_cuda_emu"
+	run gputests-build 120 make -j"$JOBS" $MAKEVARS KSFT_DIR="$KSFT" "$BUILD/tests/test_cuda_emu" \
+		"$BUILD/tests/test_resident"
 	if [ "$rc" -eq 0 ]; then
+		# device-resident calls (ape_attention_enqueue, KV-cache appends from device memory)
+		# on the GPU, against the host calls, bit for bit
+		run resident 60 env APE_TEST_CUDA_DEVICE=1 "$BUILD/tests/test_resident"
+		last=$(grep '^# Totals' "$OUT/resident.log" | tail -n 1)
+		case $rc in
+		0) note resident ok "test_resident (enqueue vs host call) on the real GPU: ${last#\# }" ;;
+		124) note resident TIMEOUT "test_resident on the real GPU" ;;
+		*) note resident FAIL "test_resident on the real GPU: ${last#\# }: see resident.log" ;;
+		esac
 		run gputests 90 env APE_TEST_CUDA_DEVICE=1 "$BUILD/tests/test_cuda_emu"
 		last=$(grep '^# Totals' "$OUT/gputests.log" | tail -n 1)
 		case $rc in

@@ -85,6 +85,19 @@
 #define APE_CU_F_LSE (1u << 2)
 #define APE_CU_F_PAIRS (1u << 3)
 #define APE_CU_F_SKIP (1u << 4)
+/* O's element pairs (2k, 2k + 1) of a row are not aligned for one 2-element store (a strided O
+ * at an odd offset or stride): the kernels store elements one by one */
+#define APE_CU_F_O_SCALAR (1u << 5)
+
+/*
+ * Where a tensor lies: element [b, h, i, 0] at off + b*sb + h*sh + i*sl (elements of its type,
+ * D contiguous; LSE: element [b, h, i]). The host fills every view, the contiguous ones of a
+ * non-strided launch included (core/backend.h, struct ape__view), so the kernels have one way
+ * to address a tensor. ape_vrow() in common.cuh.
+ */
+struct ape_cu_view {
+	int64_t off, sb, sh, sl;
+};
 
 /* What every attention kernel needs: the problem, positions and parameters. */
 struct ape_cu_common {
@@ -98,6 +111,7 @@ struct ape_cu_common {
 	double scale;
 	double tol; /* skip tolerance per direction of the walk; 0: never skip */
 	double prior_tol; /* the whole-launch test against prior (backend.h) */
+	struct ape_cu_view vq, vk, vv, vo, vlse; /* the tensors' views (vk, vv: kv heads) */
 	int32_t B, H, Hkv, D;
 	int32_t dt_in, dt_out; /* APE_CU_F32, F16, BF16 */
 	uint32_t flags; /* APE_CU_F_* */
@@ -108,13 +122,14 @@ struct ape_cu_common {
 /* ape_prep: K as float32 pairs [u_0..u_{P-1}, 0.., w_0..w_{P-1}, 0..] of dmax floats per row,
  * V padded to dmax columns, and the largest key norm per tile of `tile` keys. */
 struct ape_cu_prep_args {
-	uint64_t k, v; /* inputs, [B*Hkv*Lk][D] */
+	uint64_t k, v; /* inputs, [B][Hkv][Lk][D] where vk, vv say */
 	uint64_t kp; /* 0, or float [B*Hkv*Lk][dmax] */
 	uint64_t vp; /* 0, or [B*Hkv*Lk][dmax] of the input type */
 	uint64_t ktile; /* 0, or float [B*Hkv][ntile]: max |k| per tile, +inf with NaN/Inf */
 	int64_t Lk, nbkv, ntile;
 	int64_t block_base;
-	int32_t D, dmax, tile, dt, interleaved, pad0;
+	struct ape_cu_view vk, vv;
+	int32_t D, dmax, tile, dt, interleaved, Hkv;
 };
 
 /* dynamic shared memory of ape_prep (a maximum per warp) and ape_dwindow */
@@ -132,6 +147,8 @@ struct ape_cu_prefill_args {
 	struct ape_cu_common c;
 	uint64_t kp; /* float32 pair-ordered K rows of dmax floats (or K itself when it is so) */
 	uint64_t vp; /* V rows of dmax elements (V itself when D == dmax) */
+	struct ape_cu_view vkp, vvp; /* their rows: ape_prep's contiguous ones, or K's and V's own
+				      * (16-byte aligned: cp.async reads them) */
 	uint64_t pre, suf; /* skip pre-pass, or 0 */
 	int64_t nqt; /* query tiles per (batch, head) */
 	int64_t ntk; /* key tiles */

@@ -248,6 +248,12 @@ template <int W> APE_DEV float group_max(float v)
 	return v;
 }
 
+/* The element offset of row i of head h of batch b (core/backend.h, struct ape__view). */
+APE_DEV int64_t vrow(const ape_cu_view &v, int64_t b, int64_t h, int64_t i)
+{
+	return v.off + b * v.sb + h * v.sh + i * v.sl;
+}
+
 /* One element of a global tensor of storage type dt, as float. */
 APE_DEV float load_el(const void *base, int64_t i, int dt)
 {
@@ -277,6 +283,20 @@ APE_DEV void store_el2(void *base, int64_t i, float x0, float x1, int dt)
 		reinterpret_cast<uint32_t *>(base)[i / 2] = pack2<APE_CU_BF16>(x0, x1);
 	else
 		reinterpret_cast<float2 *>(base)[i / 2] = make_float2(x0, x1);
+}
+
+/* Two adjacent elements of O (i even), one store unless APE_CU_F_O_SCALAR says the pair is not
+ * aligned for it. */
+APE_DEV void store_o2(const ape_cu_common &c, int64_t i, float x0, float x1)
+{
+	void *o = reinterpret_cast<void *>(c.o);
+
+	if (c.flags & APE_CU_F_O_SCALAR) {
+		store_el(o, i, x0, c.dt_out);
+		store_el(o, i + 1, x1, c.dt_out);
+	} else {
+		store_el2(o, i, x0, x1, c.dt_out);
+	}
 }
 
 /* A 16-bit element of a packed pair (k = 0: low half). */

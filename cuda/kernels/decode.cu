@@ -61,18 +61,20 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 		return (v < KV / 2 ? 0 : PMAX) + c * PT + (v % (KV / 2)) * EPV;
 	}
 
-	/* Copies this lane's bytes of key `key` into stage st (zeros when !ok), one group. */
+	/* Copies this lane's bytes of key `key` into stage st (zeros when !ok), one group; kb, vb:
+	 * the element offsets of the kv head's key 0 in K and V. */
 	static APE_DEV void issue(const ape_cu_decode_args &a, unsigned char *ring, int st,
-				  int64_t bkv, int64_t key, bool ok, int c, bool inter)
+				  int64_t kb, int64_t vb, int64_t key, bool ok, int c, bool inter)
 	{
 		const unsigned char *K = reinterpret_cast<const unsigned char *>(a.c.k);
 		const unsigned char *V = reinterpret_cast<const unsigned char *>(a.c.v);
-		const int64_t row = (bkv * a.c.Lk + (ok ? key : 0)) * DMAX;
+		const int64_t kr = kb + (ok ? key : 0) * a.c.vk.sl, vr = vb + (ok ? key : 0) * a.c.vv.sl;
 
 #pragma unroll
 		for (int v = 0; v < NVEC; v++) {
 			const bool isv = v >= 2 * PT * ESZ / 16;
-			const unsigned char *src = (isv ? V : K) + (row + vec_offset(v, c, inter)) * ESZ;
+			const unsigned char *src =
+				isv ? V + (vr + vec_offset(v, c, inter)) * ESZ : K + (kr + vec_offset(v, c, inter)) * ESZ;
 
 			cp_async16(slot(ring, st, v), ok ? src : K, ok ? 16u : 0u);
 		}
@@ -90,7 +92,7 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 
 	/* This lane's K pairs and V columns of one key, from the ring or (generic D) from memory. */
 	static APE_DEV void fetch(const ape_cu_decode_args &a, unsigned char *ring, int st,
-				  int64_t bkv, int64_t key, bool ok, int c, bool inter, float (&u)[PT],
+				  int64_t kb, int64_t vb, int64_t key, bool ok, int c, bool inter, float (&u)[PT],
 				  float (&w)[PT], float (&vv)[VC])
 	{
 		if (EXACT) {
@@ -114,7 +116,8 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 				vv[d] = elem(b + (KV + d / EPV) * stride, d % EPV);
 		} else {
 			const int D = a.c.D, P = D / 2;
-			const int64_t row = (bkv * a.c.Lk + (ok ? key : 0)) * D;
+			const int64_t kr = kb + (ok ? key : 0) * a.c.vk.sl;
+			const int64_t vr = vb + (ok ? key : 0) * a.c.vv.sl;
 			const void *K = reinterpret_cast<const void *>(a.c.k);
 			const void *V = reinterpret_cast<const void *>(a.c.v);
 
@@ -123,14 +126,14 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 				const int pg = c * PT + p;
 				const bool in = ok && pg < P;
 
-				u[p] = in ? load_el(K, row + (inter ? 2 * pg : pg), VT) : 0.0f;
-				w[p] = in ? load_el(K, row + (inter ? 2 * pg + 1 : pg + P), VT) : 0.0f;
+				u[p] = in ? load_el(K, kr + (inter ? 2 * pg : pg), VT) : 0.0f;
+				w[p] = in ? load_el(K, kr + (inter ? 2 * pg + 1 : pg + P), VT) : 0.0f;
 			}
 #pragma unroll
 			for (int d = 0; d < VC; d++) {
 				const int col = c * VC + d;
 
-				vv[d] = ok && col < D ? load_el(V, row + col, VT) : 0.0f;
+				vv[d] = ok && col < D ? load_el(V, vr + col, VT) : 0.0f;
 			}
 		}
 	}
@@ -147,6 +150,7 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 
 		const int64_t s = blk % S, bkv = blk / S;
 		const int64_t b = bkv / a.c.Hkv, kvh = bkv % a.c.Hkv;
+		const int64_t kb = vrow(a.c.vk, b, kvh, 0), vb = vrow(a.c.vv, b, kvh, 0);
 		const int gsz = a.c.H / a.c.Hkv;
 		const int64_t Lq = a.c.Lq, Lk = a.c.Lk, rel = a.c.rel;
 		const int G = gsz * (int)Lq;
@@ -173,7 +177,6 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 			const int grow = active ? pass0 + row_in : 0;
 			const int hg = grow / (int)Lq, i = grow % (int)Lq;
 			const int h = (int)kvh * gsz + hg;
-			const int64_t bh = b * a.c.H + h;
 			const int64_t rs = active ? ks + (ke - ks) * run / RUNS : ks;
 			const int64_t re = active ? ks + (ke - ks) * (run + 1) / RUNS : ks;
 			float hp[4];
@@ -182,7 +185,7 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 
 			/* ---- the row: pairs, sigma, alpha, the rotation step */
 			const void *Q = reinterpret_cast<const void *>(a.c.q);
-			const int64_t qrow = (bh * Lq + i) * D;
+			const int64_t qrow = vrow(a.c.vq, b, h, i);
 			float qx[PT], qy[PT], cw[PT], sw[PT], xr[PT], yr[PT];
 			double sum = 0, ss = 0;
 
@@ -227,7 +230,7 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 			if (EXACT) {
 #pragma unroll
 				for (int st = 0; st < STAGES - 1; st++)
-					issue(a, sm, st, bkv, rs + st, active && st < niter && rs + st < re, c,
+					issue(a, sm, st, kb, vb, rs + st, active && st < niter && rs + st < re, c,
 					      inter);
 			}
 			for (int64_t jj = 0; jj < niter; jj++) {
@@ -238,11 +241,11 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 				if (EXACT) {
 					const int64_t ahead = jj + STAGES - 1;
 
-					issue(a, sm, (int)(ahead % STAGES), bkv, rs + ahead,
+					issue(a, sm, (int)(ahead % STAGES), kb, vb, rs + ahead,
 					      active && ahead < niter && rs + ahead < re, c, inter);
 					cp_wait<STAGES - 1>();
 				}
-				fetch(a, sm, (int)(jj % STAGES), bkv, key, valid, c, inter, u, w, vv);
+				fetch(a, sm, (int)(jj % STAGES), kb, vb, key, valid, c, inter, u, w, vv);
 				if (jj % APE_DC_RESEED == 0) {
 					const double nia = (double)(diag - key) * ia;
 
@@ -373,6 +376,10 @@ APE_DEV void dmerge(const ape_cu_merge_args &a)
 		pairs += reinterpret_cast<const uint64_t *>(a.part_pairs)[s * a.rows + row];
 	}
 	const float inv = L == 0.0f ? 0.0f : 1.0f / L; /* NaN stays NaN */
+	const int bh = (int)(row / Lq); /* B * H <= INT32_MAX (the host checks it) */
+	const int64_t i = row - (int64_t)bh * Lq;
+	const int b = bh / a.c.H, h = bh % a.c.H;
+	const int64_t orow = vrow(a.c.vo, b, h, i);
 
 	for (int d = lane; d < D; d += 32) {
 		float o = 0.0f;
@@ -382,11 +389,9 @@ APE_DEV void dmerge(const ape_cu_merge_args &a)
 
 			o = fmaf(po[(s * a.rows + row) * D + d], ms == -APE_INF ? 0.0f : ex2(ms - M), o);
 		}
-		store_el(reinterpret_cast<void *>(a.c.o), row * D + d, o * inv, a.c.dt_out);
+		store_el(reinterpret_cast<void *>(a.c.o), orow + d, o * inv, a.c.dt_out);
 	}
 	if (lane == 0) {
-		const int64_t bh = row / Lq, i = row % Lq;
-		const int h = (int)(bh % a.c.H);
 		const bool causal = a.c.flags & APE_CU_F_CAUSAL;
 		float hp[4];
 
@@ -396,7 +401,7 @@ APE_DEV void dmerge(const ape_cu_merge_args &a)
 						     (double)ape_anchor_distance(a.c.rel + i, a.c.Lk,
 										 causal));
 
-			reinterpret_cast<float *>(a.c.lse)[row] =
+			reinterpret_cast<float *>(a.c.lse)[vrow(a.c.vlse, b, h, i)] =
 				L > 0.0f ? (float)(crow + ((double)M + log2((double)L)) * APE_LN2)
 				: L == 0.0f ? -APE_INF
 					    : APE_NAN;

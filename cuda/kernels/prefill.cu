@@ -157,16 +157,18 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 	static constexpr int KPS = S::KPS, KPT = S::KPT, NVEC = S::NVEC, NTL = S::NTL;
 	static constexpr int PMAX = DMAX / 2;
 
-	/* Copies key tile t (K float32 pairs, V) into buffer buf; rows past Lk become zeros. */
-	static APE_DEV void load_tile(const ape_cu_prefill_args &a, unsigned char *sm, int64_t bkv,
-				      int64_t t, int buf)
+	/* Copies key tile t (K float32 pairs, V) into buffer buf; rows past Lk become zeros. kb, vb:
+	 * the element offsets of the kv head's key 0 in kp and vp. */
+	static APE_DEV void load_tile(const ape_cu_prefill_args &a, unsigned char *sm, int64_t kb,
+				      int64_t vb, int64_t t, int buf)
 	{
 		const int tid = threadIdx.x;
 		const int64_t j0 = t * BK;
 		const int len = (int)imin(BK, a.c.Lk - j0);
-		const float *kg = reinterpret_cast<const float *>(a.kp) + (bkv * a.c.Lk + j0) * DMAX;
+		const int64_t ksl = a.vkp.sl, vsl = a.vvp.sl;
+		const float *kg = reinterpret_cast<const float *>(a.kp) + kb + j0 * ksl;
 		const unsigned char *vg = reinterpret_cast<const unsigned char *>(a.vp) +
-					  (bkv * a.c.Lk + j0) * DMAX * M::VESZ;
+					  (vb + j0 * vsl) * M::VESZ;
 		float *ks = reinterpret_cast<float *>(sm + M::OFF_K + buf * M::K_BYTES);
 		unsigned char *vs = sm + M::OFF_V + buf * M::V_BYTES;
 		constexpr int KV4 = DMAX / 4; /* 16-byte vectors per K row */
@@ -183,13 +185,13 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 			const int k = (wpart ? NVEC / 2 : 0) + (p0 % PT) / 4;
 			float *dst = ks + j * DMAX + cc * 2 * PT + 4 * (k ^ (cc % NVEC));
 
-			cp_async16(dst, j < len ? kg + (int64_t)j * DMAX + 4 * g : kg, j < len ? 16 : 0);
+			cp_async16(dst, j < len ? kg + (int64_t)j * ksl + 4 * g : kg, j < len ? 16 : 0);
 		}
 		for (int e = tid; e < BK * VV; e += S::NTH) {
 			const int j = e / VV, g = e % VV;
 			unsigned char *dst = vs + (j * M::VROW) * M::VESZ + 16 * g;
 
-			cp_async16(dst, j < len ? vg + ((int64_t)j * DMAX) * M::VESZ + 16 * g : vg,
+			cp_async16(dst, j < len ? vg + ((int64_t)j * vsl) * M::VESZ + 16 * g : vg,
 				   j < len ? 16 : 0);
 		}
 		cp_commit();
@@ -343,7 +345,9 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 		const int64_t qt = a.nqt - 1 - blk / BH; /* the heaviest (causal: last) tiles first */
 		const int64_t bh = blk % BH;
 		const int h = (int)(bh % a.c.H);
-		const int64_t bkv = bh / a.c.H * a.c.Hkv + h / (a.c.H / a.c.Hkv);
+		const int64_t b = bh / a.c.H, kvh = h / (a.c.H / a.c.Hkv);
+		const int64_t bkv = b * a.c.Hkv + kvh;
+		const int64_t kbase = vrow(a.vkp, b, kvh, 0), vbase = vrow(a.vvp, b, kvh, 0);
 		const int64_t i0 = qt * BQ, Lq = a.c.Lq, Lk = a.c.Lk, rel = a.c.rel;
 		const int D = EXACT ? DMAX : a.c.D, P = D / 2;
 		const bool causal = a.c.flags & APE_CU_F_CAUSAL;
@@ -360,7 +364,7 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 		/* ---- the query row of this lane's role: its pairs, sigma, alpha, steps, c_row */
 		const int64_t i = i0 + r;
 		const bool row_ok = i < Lq;
-		const int64_t qrow = (bh * Lq + (row_ok ? i : 0)) * D;
+		const int64_t qrow = vrow(a.c.vq, b, h, row_ok ? i : 0);
 		const void *Q = reinterpret_cast<const void *>(a.c.q);
 		float qx[PT], qy[PT], cw[PT], sw[PT];
 		double sum = 0, ss = 0, qq = 0;
@@ -449,14 +453,14 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 		if (tid == 0)
 			flags[0] = flags[1] = 0;
 		tables(a, sm, t, i0, hp);
-		load_tile(a, sm, bkv, t, 0);
+		load_tile(a, sm, kbase, vbase, t, 0);
 		int64_t pred = w.peek();
 
 		for (;;) {
 			cp_wait<0>();
 			bar(); /* S1: tile t and its tables are in shared memory */
 			if (pred >= 0)
-				load_tile(a, sm, bkv, pred, buf ^ 1);
+				load_tile(a, sm, kbase, vbase, pred, buf ^ 1);
 
 			/* ---- scores, softmax, P */
 			const int64_t j0 = t * BK;
@@ -642,7 +646,7 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 				/* a side closed: the prefetched tile is not the next one */
 				cp_wait<0>();
 				bar();
-				load_tile(a, sm, bkv, next, buf ^ 1);
+				load_tile(a, sm, kbase, vbase, next, buf ^ 1);
 			}
 			if (next < 0) {
 				cp_wait<0>(); /* nothing may land after the block is gone */
@@ -676,7 +680,8 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 		if (c == 0) {
 			linv[r] = lrow == 0.0f ? 0.0f : 1.0f / lrow; /* NaN stays NaN */
 			if (row_ok && a.c.lse)
-				reinterpret_cast<float *>(a.c.lse)[bh * Lq + i] =
+				reinterpret_cast<float *>(a.c.lse)[vrow(a.c.vlse, (int)bh / a.c.H,
+									  (int)bh % a.c.H, i)] =
 					lrow > 0.0f ? (float)(crow + ((double)m + log2((double)lrow)) *
 									    APE_LN2)
 					: lrow == 0.0f ? -APE_INF
@@ -695,7 +700,6 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 			const int rg = warp % S::RGS, cg = warp / S::RGS;
 			const int ra = rg * 16 + (lane >> 2);
 			const int D = EXACT ? DMAX : a.c.D;
-			void *O = reinterpret_cast<void *>(a.c.o);
 
 #pragma unroll
 			for (int half = 0; half < 2; half++) {
@@ -705,15 +709,16 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 
 				if (ii >= Lq)
 					continue;
+				/* B * H <= INT32_MAX (the host checks it): 32-bit divisions */
+				const int64_t orow = vrow(a.c.vo, (int)bh / a.c.H, (int)bh % a.c.H, ii);
 #pragma unroll
 				for (int n = 0; n < NTL; n++) {
 					const int col = cg * S::CW + 8 * n + 2 * (lane & 3);
 
 					if (EXACT || col < D)
-						store_el2(O, (bh * Lq + ii) * D + col,
-							  s == 0.0f ? 0.0f : o[n][2 * half] * s,
-							  s == 0.0f ? 0.0f : o[n][2 * half + 1] * s,
-							  a.c.dt_out);
+						store_o2(a.c, orow + col,
+							 s == 0.0f ? 0.0f : o[n][2 * half] * s,
+							 s == 0.0f ? 0.0f : o[n][2 * half + 1] * s);
 				}
 			}
 		}

@@ -32,8 +32,11 @@ APE_DEV void prep(const ape_cu_prep_args &a)
 	const int64_t bkv = blk / a.ntile, t = blk % a.ntile;
 	const int64_t j0 = t * a.tile, j1 = imin(j0 + a.tile, a.Lk);
 
+	const int64_t b = bkv / a.Hkv, kvh = bkv % a.Hkv;
+
 	for (int64_t j = j0 + warp; j < j1; j += APE_CU_THREADS / 32) {
-		const int64_t row = bkv * a.Lk + j;
+		const int64_t row = bkv * a.Lk + j; /* of kp and vp: contiguous */
+		const int64_t kr = vrow(a.vk, b, kvh, j), vr = vrow(a.vv, b, kvh, j);
 		const void *K = reinterpret_cast<const void *>(a.k);
 		const void *V = reinterpret_cast<const void *>(a.v);
 		double ss = 0.0;
@@ -41,8 +44,8 @@ APE_DEV void prep(const ape_cu_prep_args &a)
 
 		for (int p = lane; p < PM; p += 32) {
 			const bool ok = p < P;
-			const float u = ok ? load_el(K, row * D + (a.interleaved ? 2 * p : p), a.dt) : 0.0f;
-			const float w = ok ? load_el(K, row * D + (a.interleaved ? 2 * p + 1 : p + P), a.dt)
+			const float u = ok ? load_el(K, kr + (a.interleaved ? 2 * p : p), a.dt) : 0.0f;
+			const float w = ok ? load_el(K, kr + (a.interleaved ? 2 * p + 1 : p + P), a.dt)
 					   : 0.0f;
 
 			if (a.kp) {
@@ -57,12 +60,12 @@ APE_DEV void prep(const ape_cu_prep_args &a)
 			const bool ok = d < D;
 
 			if (a.ktile && ok)
-				vs += 0.0f * load_el(V, row * D + d, a.dt); /* NaN for NaN or Inf */
+				vs += 0.0f * load_el(V, vr + d, a.dt); /* NaN for NaN or Inf */
 			if (a.vp) {
 				unsigned char *dst = reinterpret_cast<unsigned char *>(a.vp) +
 						     (row * a.dmax + d) * esz;
 				const unsigned char *src = reinterpret_cast<const unsigned char *>(a.v) +
-							   (row * D + d) * esz;
+							   (vr + d) * esz;
 
 				if (esz == 4)
 					*reinterpret_cast<uint32_t *>(dst) =

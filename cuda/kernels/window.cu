@@ -46,14 +46,15 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 	double *r_ia = reinterpret_cast<double *>(sm + WR * AN * 4);
 	double *r_qn = r_ia + WR, *r_crow = r_qn + WR;
 	int64_t *r_diag = reinterpret_cast<int64_t *>(r_crow + WR), *r_an0 = r_diag + WR;
-	int64_t *r_alo = r_an0 + WR, *r_ahi = r_alo + WR;
-	int64_t *win = r_ahi + WR; /* union: lo, hi */
+	int64_t *r_alo = r_an0 + WR, *r_ahi = r_alo + WR, *r_qrow = r_ahi + WR;
+	int64_t *win = r_qrow + WR; /* union: lo, hi */
 	const int64_t bkv = a.block_base + block_linear();
 	const int tid = threadIdx.x;
 
 	if (bkv >= (int64_t)a.c.B * a.c.Hkv)
 		return;
 	const int64_t b = bkv / a.c.Hkv, kvh = bkv % a.c.Hkv;
+	const int64_t kbase = vrow(a.c.vk, b, kvh, 0);
 	const int gsz = a.c.H / a.c.Hkv, D = a.c.D, P = D / 2;
 	const int64_t Lq = a.c.Lq, Lk = a.c.Lk, rel = a.c.rel;
 	const int G = gsz * (int)Lq;
@@ -74,7 +75,7 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 		/* ---- per row: alpha, |q|, c_row, the anchor keys */
 		if (tid < nr) {
 			const int row = r0 + tid, h = (int)kvh * gsz + row / (int)Lq;
-			const int64_t i = row % (int)Lq, qrow = ((b * a.c.H + h) * Lq + i) * D;
+			const int64_t i = row % (int)Lq, qrow = vrow(a.c.vq, b, h, i);
 			const int64_t diag = rel + i;
 			double sum = 0, ss = 0, qq = 0, mean;
 			float hp[4];
@@ -92,6 +93,7 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 			r_ia[tid] = ape_inv_alpha(hp[3], ss, D);
 			r_qn[tid] = ape_norm_bound(qq);
 			r_diag[tid] = diag;
+			r_qrow[tid] = qrow;
 			r_an0[tid] = ape_anchor_distance(diag, Lk, causal);
 			r_crow[tid] = ape_bias((double)hp[0], hp[1], hp[2], (double)r_an0[tid]);
 			if (causal) {
@@ -109,12 +111,11 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 		/* ---- the anchor's scores, one (row, key) per thread, exact angles */
 		for (int e = tid; e < nr * AN; e += APE_CU_THREADS) {
 			const int r = e / AN, row = r0 + r, h = (int)kvh * gsz + row / (int)Lq;
-			const int64_t key = r_alo[r] + e % AN;
-			const int64_t i = row % (int)Lq, qrow = ((b * a.c.H + h) * Lq + i) * D;
+			const int64_t key = r_alo[r] + e % AN, qrow = r_qrow[r];
 			float s = -APE_INF;
 
 			if (key < r_ahi[r]) {
-				const int64_t krow = (bkv * Lk + key) * D, n = r_diag[r] - key;
+				const int64_t krow = kbase + key * a.c.vk.sl, n = r_diag[r] - key;
 				const double nia = (double)n * r_ia[r];
 				float hp[4], dot = 0.0f;
 

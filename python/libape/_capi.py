@@ -9,7 +9,7 @@ import os
 
 __all__ = ["lib", "path", "ApeTensor", "ApeParam", "ApeAttnDesc", "ApeStats", "ApeDeviceInfo",
            "ApeBackendInfo", "ApeSelection", "ApeKvCacheOptions", "ApeKvCacheInfo",
-           "ApeContextOptions", "LibraryError"]
+           "ApeContextOptions", "DLTensor", "LibraryError"]
 
 # The major version whose struct layouts this package was written for.
 ABI_MAJOR = 0
@@ -59,7 +59,8 @@ class ApeStats(ctypes.Structure):
 class ApeContextOptions(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("backends", ctypes.c_char_p), ("flags", ctypes.c_uint),
                 ("topology_xml", ctypes.c_char_p), ("numa", ctypes.c_int),
-                ("visible_devices", ctypes.c_char_p)]
+                ("visible_devices", ctypes.c_char_p), ("opencl_context", ctypes.c_void_p),
+                ("opencl_device", ctypes.c_void_p)]
 
 
 class ApeBackendInfo(ctypes.Structure):
@@ -99,6 +100,25 @@ class ApeKvCacheInfo(ctypes.Structure):
                 ("device_bytes", ctypes.c_uint64)]
 
 
+# DLPack's unversioned DLTensor (dlpack/dlpack.h), for ape_attention_forward_dlpack()
+KDL_CPU, KDL_CUDA, KDL_OPENCL = 1, 2, 4
+KDL_FLOAT, KDL_BFLOAT = 2, 4
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", DLDataType), ("shape", ctypes.POINTER(c_int64)),
+                ("strides", ctypes.POINTER(c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
 P = ctypes.POINTER
 vp = ctypes.c_void_p
 _PROTOS = {
@@ -128,6 +148,11 @@ _PROTOS = {
                                            P(ApeStats)]),
     "ape_kv_cache_release_unreachable": (ctypes.c_int, [vp, P(ApeAttnDesc), P(c_int64)]),
     "ape_kv_cache_get_info": (ctypes.c_int, [vp, P(ApeKvCacheInfo)]),
+}
+# Calls a library built without them lacks: bound when present, else None.
+_OPTIONAL = {
+    "ape_attention_forward_dlpack": (ctypes.c_int, [vp, P(ApeAttnDesc), P(DLTensor), P(DLTensor),
+                                                    P(DLTensor), P(DLTensor), P(DLTensor), vp]),
 }
 
 
@@ -178,3 +203,10 @@ for _name, (_res, _args) in _PROTOS.items():
     _fn = getattr(lib, _name)
     _fn.restype = _res
     _fn.argtypes = _args
+optional = {}
+for _name, (_res, _args) in _OPTIONAL.items():
+    _fn = getattr(lib, _name, None)
+    if _fn is not None:
+        _fn.restype = _res
+        _fn.argtypes = _args
+    optional[_name] = _fn

@@ -216,9 +216,9 @@ def _needs_copy(strides, shape, isz=1):
 def _torch_array(name, x):
     torch = _torch()
     if x.device.type != "cpu":
-        _bad("%s: a tensor on %s: libape takes host memory here; device-resident tensors need "
-             "libape's device API, which this version does not have yet: move it with .cpu()"
-             % (name, x.device))
+        _bad("%s: a tensor on %s: this call takes CPU tensors (CUDA tensors go to libape's CUDA "
+             "device through libape.attention's DLPack path, forward only for now); move it "
+             "with .cpu()" % (name, x.device))
     if x.dim() != 4:
         _bad("%s: shape %s: must be 4-D [B, H, L, D]" % (name, tuple(x.shape)))
     code = _torch_dtypes(torch).get(x.dtype)
@@ -367,6 +367,9 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     seed's initial values (delta = 2^(-4/3), beta = gamma = delta/10, lambda = 0.1).
     Raises ApeValueError (a ValueError) for a bad argument, ApeError for other failures.
     """
+    if _is_torch_cuda(q) or _is_torch_cuda(k) or _is_torch_cuda(v):
+        return _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base,
+                               layout, q_start, k_start, skip_tol, device, return_lse)
     qa = _as_array("q", q)
     ka = _as_array("k", k)
     va = _as_array("v", v)
@@ -385,6 +388,95 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     if err:
         _raise(err)
     return (oa.obj, lse) if return_lse else oa.obj
+
+
+def _is_torch_cuda(x):
+    return type(x).__module__.startswith("torch") and getattr(x, "is_cuda", False)
+
+
+_DL_DTYPES = None
+
+
+def _dl_tensor(name, x, keep):
+    """A DLTensor describing torch tensor x where it is (no copy); its shape and strides arrays
+    go into `keep`, which must outlive the call."""
+    global _DL_DTYPES
+    torch = _torch()
+    if _DL_DTYPES is None:
+        _DL_DTYPES = {torch.float32: (_capi.KDL_FLOAT, 32), torch.float16: (_capi.KDL_FLOAT, 16),
+                      torch.bfloat16: (_capi.KDL_BFLOAT, 16)}
+    dt = _DL_DTYPES.get(x.dtype)
+    if dt is None:
+        _bad("%s: dtype %s: libape stores float32, float16 or bfloat16; convert it first"
+             % (name, x.dtype))
+    shape = (ctypes.c_int64 * x.dim())(*x.shape)
+    strides = (ctypes.c_int64 * x.dim())(*x.stride())
+    keep.extend((x, shape, strides))
+    kind = _capi.KDL_CUDA if x.is_cuda else _capi.KDL_CPU
+    return _capi.DLTensor(x.data_ptr(), _capi.DLDevice(kind, x.device.index or 0), x.dim(),
+                          _capi.DLDataType(dt[0], dt[1], 1), shape, strides, 0)
+
+
+def _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
+                    k_start, skip_tol, device, return_lse):
+    """CUDA tensors: libape's CUDA device of the same ordinal computes on them where they are,
+    on PyTorch's current stream (ape_attention_forward_dlpack()); nothing is copied and the call
+    returns once the work is enqueued, as PyTorch's own operations do."""
+    torch = _torch()
+    fn = _capi.optional["ape_attention_forward_dlpack"]
+    if fn is None:
+        _bad("q: a CUDA tensor, but %s has no ape_attention_forward_dlpack(): build libape with "
+             "libdlpack-dev (make deps) or move the tensors with .cpu()" % _capi.path)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not _is_torch_cuda(x) or x.device != q.device:
+            _bad("%s: on %s, q on %s: pass q, k and v on one CUDA device"
+                 % (name, getattr(x, "device", type(x).__name__), q.device))
+        if x.dim() != 4:
+            _bad("%s: shape %s: must be 4-D [B, H, L, D]" % (name, tuple(x.shape)))
+    if any(s <= 0 and n > 1 for x in (q, k, v) for s, n in zip(x.stride(), x.shape)) or \
+            any(x.stride(3) != 1 for x in (q, k, v)):
+        q, k, v = (x.contiguous() for x in (q, k, v))  # the layout demands a copy
+    B, H, Lq, D = q.shape
+    keep = []
+    desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
+                 skip_tol, keep)
+    spec = "cuda:%d" % q.device.index if device in (None, "auto") else device
+    dev = _device_spec(spec)
+    o = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device) if return_lse else None
+    tq, tk, tv, to = (_dl_tensor(n, x, keep) for n, x in (("q", q), ("k", k), ("v", v), ("o", o)))
+    tl = _dl_tensor("lse", lse, keep) if return_lse else None
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    err = fn(dev, ctypes.byref(desc), ctypes.byref(tq), ctypes.byref(tk), ctypes.byref(tv),
+             ctypes.byref(to), ctypes.byref(tl) if tl is not None else None,
+             ctypes.c_void_p(stream))
+    if err:
+        _raise(err)
+    return (o, lse) if return_lse else o
+
+
+def _dlpack_forward_cpu(dev, q, k, v, return_lse, **params):
+    """The DLPack path on CPU torch tensors (kDLCPU): what CUDA tensors take, exercised where
+    there is no GPU. For tests."""
+    torch = _torch()
+    fn = _capi.optional["ape_attention_forward_dlpack"]
+    B, H, Lq, D = q.shape
+    keep = []
+    desc = _desc(H, params.get("delta", SEED_DELTA), params.get("beta", SEED_BETA),
+                 params.get("gamma", SEED_GAMMA), params.get("lam", SEED_LAMBDA),
+                 params.get("causal", True), params.get("scale"), 10000.0, "half",
+                 params.get("q_start"), params.get("k_start", 0), params.get("skip_tol", 2.0 ** -24),
+                 keep)
+    o = torch.empty((B, H, Lq, D), dtype=q.dtype)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32) if return_lse else None
+    tq, tk, tv, to = (_dl_tensor(n, x, keep) for n, x in (("q", q), ("k", k), ("v", v), ("o", o)))
+    tl = _dl_tensor("lse", lse, keep) if return_lse else None
+    err = fn(_device_spec(dev), ctypes.byref(desc), ctypes.byref(tq), ctypes.byref(tk),
+             ctypes.byref(tv), ctypes.byref(to), ctypes.byref(tl) if tl is not None else None,
+             None)
+    if err:
+        _raise(err)
+    return (o, lse) if return_lse else o
 
 
 # ------------------------------------------------------------------ KV cache

@@ -18,7 +18,10 @@ or parameter requires a gradient: the reference and OpenCL have a backward pass,
 (so "auto" could pick a device without one), and OpenCL's is not tuned yet. A device given
 explicitly is used for both passes: a backward on a device without one
 raises libape.ApeError (APE_ENOTSUP) naming it; nothing falls back to another device.
-CUDA tensors raise ApeValueError until libape has its device-resident API.
+CUDA tensors run on libape's CUDA device of the same ordinal, where they are, on PyTorch's
+current stream (ape_attention_forward_dlpack()); forward only for now: libape's backward takes
+host tensors, so a CUDA tensor that needs a gradient raises ApeValueError saying so. (No GPU has
+run this path yet: it is tested on CPU tensors through the same DLPack call.)
 """
 import os
 from typing import Optional, Tuple
@@ -206,6 +209,8 @@ def _as_param(x):
 def _pick_device(device, tensors):
     if device is not None:
         return device
+    if tensors[0].is_cuda:
+        return "auto"  # the CUDA device of q's ordinal (libape._core._attention_cuda)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return "ref"  # a backward on every machine (see the module's doc)
     return "auto"

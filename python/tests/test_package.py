@@ -46,7 +46,11 @@ def test_struct_layouts_match_the_header(tmp_path):
                "ape_selection": _capi.ApeSelection,
                "ape_kv_cache_options": _capi.ApeKvCacheOptions,
                "ape_kv_cache_info": _capi.ApeKvCacheInfo}
-    lines = ["#include <stdio.h>", "#include <stddef.h>", "#include <ape/ape.h>", "int main(void){"]
+    lines = ["#include <stdio.h>", "#include <stddef.h>", "#include <ape/ape.h>"]
+    if os.path.exists("/usr/include/dlpack/dlpack.h"):
+        structs["DLTensor"] = _capi.DLTensor
+        lines.append("#include <dlpack/dlpack.h>")
+    lines.append("int main(void){")
     expect = []
     for cname, py in structs.items():
         lines.append('printf("%%zu\\n", sizeof(%s));' % cname)

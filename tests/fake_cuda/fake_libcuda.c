@@ -13,7 +13,9 @@
  *   zero-devices      cuInit succeeds, cuDeviceGetCount gives 0
  *   old-driver        cuDriverGetVersion says 11.4
  *   init-fails        cuInit answers CUDA_ERROR_OPERATING_SYSTEM
- *   missing-optional  cuGetProcAddress finds no cuMemHostRegister / cuMemHostUnregister
+ *   missing-optional  cuGetProcAddress finds none of the optional symbols (cuMemHostRegister,
+ *                     cuMemHostUnregister, cuMemGetAddressRange, cuPointerGetAttribute,
+ *                     cuStreamGetCtx)
  *   missing-required  cuGetProcAddress finds no cuLaunchKernel
  *   cc75              the device has compute capability 7.5
  *   two-devices       two devices, 0000:42:00.0 and 0000:43:00.0
@@ -26,6 +28,11 @@
  *
  * Built with FAKE_CUDA_NO_PROCADDRESS it exports no cuGetProcAddress at all (a pre-11.3 driver);
  * with FAKE_CUDA_EMU it runs libape's kernels on the CPU through cuda/emu.
+ *
+ * Streams: the handles cuStreamCreate gave, NULL (the legacy default stream, as are
+ * CU_STREAM_LEGACY and CU_STREAM_PER_THREAD); any other handle is CUDA_ERROR_INVALID_HANDLE.
+ * Every launch is logged (fake_cuda.h) with its stream, context and argument struct, and the
+ * streams destroyed or synchronised are counted, so tests see what reached the driver.
  */
 #include <cuda.h>
 #include <pthread.h>
@@ -34,6 +41,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "fake_cuda.h"
+#include "kernels/args.h"
 
 #ifdef FAKE_CUDA_EMU
 #include "emu_api.h"
@@ -60,6 +70,7 @@ struct fake_alloc {
 	uintptr_t p;
 	size_t n;
 	int pinned_host;
+	int ordinal; /* the device of the context it was allocated in */
 };
 
 struct fake_func {
@@ -77,7 +88,21 @@ struct fake_module {
 
 struct fake_stream {
 	int launches; /* a handle of its own; counted for no one but a debugger */
+	struct fake_ctx *ctx; /* the context current at its creation */
 };
+
+/* every stream created and not destroyed, and the calls on streams tests ask about */
+#define FAKE_MAX_STREAMS 256
+static struct fake_stream *streams[FAKE_MAX_STREAMS];
+static struct {
+	CUstream s;
+	int destroyed, synchronised;
+} stream_calls[FAKE_MAX_STREAMS];
+static size_t nstream_calls;
+static struct fake_launch_rec launch_log[FAKE_LOG_MAX];
+static size_t nlaunches; /* since the last clear; launch_log holds the latest FAKE_LOG_MAX */
+
+static CUresult check_stream(CUstream s);
 
 struct fake_event {
 	double ms;
@@ -384,7 +409,8 @@ static CUresult add_alloc(uintptr_t p, size_t n, int host)
 		allocs = a;
 		capallocs = cap;
 	}
-	allocs[nallocs++] = (struct fake_alloc){ p, n, host };
+	allocs[nallocs++] = (struct fake_alloc){ p, n, host,
+						 ctx_depth ? ctx_stack[ctx_depth - 1]->ordinal : -1 };
 	if (!host)
 		used_bytes += n;
 	pthread_mutex_unlock(&lock);
@@ -450,17 +476,19 @@ static CUresult fk_cuMemFree(CUdeviceptr p)
 
 static CUresult fk_cuMemAllocAsync(CUdeviceptr *p, size_t n, CUstream s)
 {
-	(void)s;
 	if (mode("no-mempool"))
 		return CUDA_ERROR_NOT_SUPPORTED;
+	if (check_stream(s))
+		return CUDA_ERROR_INVALID_HANDLE;
 	return fk_cuMemAlloc(p, n);
 }
 
 static CUresult fk_cuMemFreeAsync(CUdeviceptr p, CUstream s)
 {
-	(void)s;
 	if (mode("no-mempool"))
 		return CUDA_ERROR_NOT_SUPPORTED;
+	if (check_stream(s))
+		return CUDA_ERROR_INVALID_HANDLE;
 	return fk_cuMemFree(p);
 }
 
@@ -477,11 +505,99 @@ static CUresult fk_cuMemGetInfo(size_t *freeb, size_t *total)
 	return CUDA_SUCCESS;
 }
 
+static CUresult fk_cuMemGetAddressRange(CUdeviceptr *base, size_t *size, CUdeviceptr p)
+{
+	const struct fake_alloc *a;
+	CUresult r = need_ctx();
+
+	if (r)
+		return r;
+	a = find((uintptr_t)p, 1, 0);
+	if (!a)
+		return CUDA_ERROR_NOT_FOUND;
+	if (base)
+		*base = (CUdeviceptr)a->p;
+	if (size)
+		*size = a->n;
+	return CUDA_SUCCESS;
+}
+
+static CUresult fk_cuPointerGetAttribute(void *data, CUpointer_attribute attr, CUdeviceptr p)
+{
+	const struct fake_alloc *a;
+
+	if (!initialised)
+		return CUDA_ERROR_NOT_INITIALIZED;
+	a = find((uintptr_t)p, 1, 0);
+	if (!a)
+		return CUDA_ERROR_INVALID_VALUE;
+	if (attr != CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+		return CUDA_ERROR_NOT_SUPPORTED;
+	*(int *)data = a->ordinal;
+	return CUDA_SUCCESS;
+}
+
+/* A stream handle the fake gave (or a default stream), under lock. */
+static CUresult stream_ok(CUstream s)
+{
+	if (!s || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD)
+		return CUDA_SUCCESS;
+	for (size_t i = 0; i < FAKE_MAX_STREAMS; i++)
+		if (streams[i] == (struct fake_stream *)s)
+			return CUDA_SUCCESS;
+	return CUDA_ERROR_INVALID_HANDLE;
+}
+
+static CUresult check_stream(CUstream s)
+{
+	CUresult r;
+
+	pthread_mutex_lock(&lock);
+	r = stream_ok(s);
+	pthread_mutex_unlock(&lock);
+	return r;
+}
+
+/* Counts a call on stream s for fake_cuda_stream_calls(); under lock. */
+static void count_stream_call(CUstream s, int destroyed, int synchronised)
+{
+	size_t i;
+
+	for (i = 0; i < nstream_calls && stream_calls[i].s != s; i++)
+		;
+	if (i == FAKE_MAX_STREAMS)
+		return;
+	if (i == nstream_calls) {
+		stream_calls[i].s = s;
+		stream_calls[i].destroyed = stream_calls[i].synchronised = 0;
+		nstream_calls++;
+	}
+	stream_calls[i].destroyed += destroyed;
+	stream_calls[i].synchronised += synchronised;
+}
+
+static CUresult fk_cuStreamGetCtx(CUstream s, CUcontext *pctx)
+{
+	CUresult r = need_ctx();
+
+	if (r)
+		return r;
+	pthread_mutex_lock(&lock);
+	r = stream_ok(s);
+	if (!r)
+		*pctx = (CUcontext)(s && s != CU_STREAM_LEGACY && s != CU_STREAM_PER_THREAD
+					    ? ((struct fake_stream *)s)->ctx
+					    : ctx_stack[ctx_depth - 1]);
+	pthread_mutex_unlock(&lock);
+	return r;
+}
+
 static CUresult fk_cuMemcpyHtoDAsync(CUdeviceptr dst, const void *src, size_t n, CUstream s)
 {
 	CUresult r = need_ctx();
 
-	(void)s;
+	if (!r)
+		r = check_stream(s);
 	if (!r)
 		r = dev_range(dst, n);
 	if (!r)
@@ -493,7 +609,8 @@ static CUresult fk_cuMemcpyDtoHAsync(void *dst, CUdeviceptr src, size_t n, CUstr
 {
 	CUresult r = need_ctx();
 
-	(void)s;
+	if (!r)
+		r = check_stream(s);
 	if (!r)
 		r = dev_range(src, n);
 	if (!r)
@@ -505,7 +622,8 @@ static CUresult fk_cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, size_t n,
 {
 	CUresult r = need_ctx();
 
-	(void)s;
+	if (!r)
+		r = check_stream(s);
 	if (!r)
 		r = dev_range(dst, n);
 	if (!r)
@@ -519,7 +637,8 @@ static CUresult fk_cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, CUstr
 {
 	CUresult r = need_ctx();
 
-	(void)s;
+	if (!r)
+		r = check_stream(s);
 	if (!r)
 		r = dev_range(dst, n * 4);
 	if (!r && (dst & 3))
@@ -563,8 +682,18 @@ static CUresult fk_cuStreamCreate(CUstream *s, unsigned flags)
 	fs = calloc(1, sizeof(*fs));
 	if (!fs)
 		return CUDA_ERROR_OUT_OF_MEMORY;
-	*s = (CUstream)fs;
-	return CUDA_SUCCESS;
+	fs->ctx = ctx_stack[ctx_depth - 1];
+	pthread_mutex_lock(&lock);
+	for (size_t i = 0; i < FAKE_MAX_STREAMS; i++)
+		if (!streams[i]) {
+			streams[i] = fs;
+			*s = (CUstream)fs;
+			pthread_mutex_unlock(&lock);
+			return CUDA_SUCCESS;
+		}
+	pthread_mutex_unlock(&lock);
+	free(fs);
+	return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 static CUresult fk_cuStreamDestroy(CUstream s)
@@ -573,23 +702,41 @@ static CUresult fk_cuStreamDestroy(CUstream s)
 
 	if (r)
 		return r;
+	pthread_mutex_lock(&lock);
+	r = s && stream_ok(s) == CUDA_SUCCESS && s != CU_STREAM_LEGACY && s != CU_STREAM_PER_THREAD
+		    ? CUDA_SUCCESS
+		    : CUDA_ERROR_INVALID_HANDLE;
+	for (size_t i = 0; !r && i < FAKE_MAX_STREAMS; i++)
+		if (streams[i] == (struct fake_stream *)s)
+			streams[i] = NULL;
+	count_stream_call(s, 1, 0);
+	pthread_mutex_unlock(&lock);
+	if (r)
+		return r;
 	free(s);
 	return sticky_error();
 }
 
 static CUresult fk_cuStreamSynchronize(CUstream s)
 {
-	(void)s;
-	return need_ctx();
+	CUresult r = need_ctx();
+
+	if (!r)
+		r = check_stream(s);
+	pthread_mutex_lock(&lock);
+	count_stream_call(s, 0, 1);
+	pthread_mutex_unlock(&lock);
+	return r;
 }
 
 static CUresult fk_cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags)
 {
-	(void)s;
+	CUresult r = need_ctx();
+
 	(void)flags;
 	if (!e)
 		return CUDA_ERROR_INVALID_HANDLE;
-	return need_ctx();
+	return r ? r : check_stream(s);
 }
 
 static CUresult fk_cuEventCreate(CUevent *e, unsigned flags)
@@ -612,7 +759,8 @@ static CUresult fk_cuEventRecord(CUevent e, CUstream s)
 	struct fake_event *fe = (struct fake_event *)e;
 	CUresult r = need_ctx();
 
-	(void)s;
+	if (!r)
+		r = check_stream(s);
 	if (r)
 		return r;
 	fe->ms = now_ms();
@@ -720,6 +868,41 @@ static CUresult fk_cuFuncGetAttribute(int *v, CUfunction_attribute a, CUfunction
 	}
 }
 
+/* The size of kernel `name`'s argument struct (args.h), or 0. */
+static size_t args_size(const char *name)
+{
+	if (!strcmp(name, "ape_prep"))
+		return sizeof(struct ape_cu_prep_args);
+	if (!strcmp(name, "ape_kscan"))
+		return sizeof(struct ape_cu_scan_args);
+	if (!strcmp(name, "ape_dwindow"))
+		return sizeof(struct ape_cu_window_args);
+	if (!strcmp(name, "ape_dmerge"))
+		return sizeof(struct ape_cu_merge_args);
+	if (!strncmp(name, "ape_prefill_", 12))
+		return sizeof(struct ape_cu_prefill_args);
+	if (!strncmp(name, "ape_decode_", 11))
+		return sizeof(struct ape_cu_decode_args);
+	return 0;
+}
+
+static void log_launch(const char *name, CUstream s, void **params)
+{
+	struct fake_launch_rec *rec;
+	size_t n = args_size(name);
+
+	pthread_mutex_lock(&lock);
+	rec = &launch_log[nlaunches++ % FAKE_LOG_MAX];
+	memset(rec, 0, sizeof(*rec));
+	snprintf(rec->name, sizeof(rec->name), "%s", name);
+	rec->stream = s;
+	rec->ctx_ordinal = ctx_stack[ctx_depth - 1]->ordinal;
+	rec->args_size = n <= FAKE_ARGS_MAX ? n : 0;
+	if (params && params[0] && rec->args_size)
+		memcpy(rec->args, params[0], rec->args_size);
+	pthread_mutex_unlock(&lock);
+}
+
 static CUresult fk_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
 				  unsigned bx, unsigned by, unsigned bz, unsigned smem, CUstream s,
 				  void **params, void **extra)
@@ -737,8 +920,12 @@ static CUresult fk_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsign
 		return CUDA_ERROR_INVALID_VALUE;
 	if ((int)smem > ff->max_dyn_smem)
 		return CUDA_ERROR_INVALID_VALUE; /* above 48 KB only after cuFuncSetAttribute */
-	if (fs)
+	r = check_stream(s);
+	if (r)
+		return r;
+	if (fs && s != CU_STREAM_LEGACY && s != CU_STREAM_PER_THREAD)
 		fs->launches++;
+	log_launch(ff->name, s, params);
 	if (mode("fault")) {
 		set_sticky(CUDA_ERROR_ILLEGAL_ADDRESS);
 		return CUDA_SUCCESS; /* launches are asynchronous: the fault shows later */
@@ -763,7 +950,8 @@ static CUresult fk_cuLaunchHostFunc(CUstream s, CUhostFn fn, void *data)
 {
 	CUresult r = need_ctx();
 
-	(void)s;
+	if (!r)
+		r = check_stream(s);
 	if (r)
 		return r;
 	fn(data);
@@ -817,7 +1005,54 @@ static const struct {
 	FK(cuLaunchHostFunc),
 	FK(cuMemHostRegister),
 	FK(cuMemHostUnregister),
+	FK(cuMemGetAddressRange),
+	FK(cuPointerGetAttribute),
+	FK(cuStreamGetCtx),
 };
+
+/* ------------------------------------------------------------------ for tests (fake_cuda.h) */
+
+FAKE_API const struct fake_launch_rec *fake_cuda_log(size_t *n);
+FAKE_API void fake_cuda_log_clear(void);
+FAKE_API int fake_cuda_stream_calls(CUstream s, int *destroyed, int *synchronised);
+
+/* The latest launches, oldest first: the ring is rotated in place so that the array reads in
+ * order (the caller reads it before the next launch). */
+FAKE_API const struct fake_launch_rec *fake_cuda_log(size_t *n)
+{
+	static struct fake_launch_rec ordered[FAKE_LOG_MAX];
+
+	pthread_mutex_lock(&lock);
+	*n = nlaunches < FAKE_LOG_MAX ? nlaunches : FAKE_LOG_MAX;
+	for (size_t i = 0; i < *n; i++)
+		ordered[i] = launch_log[(nlaunches - *n + i) % FAKE_LOG_MAX];
+	pthread_mutex_unlock(&lock);
+	return ordered;
+}
+
+FAKE_API void fake_cuda_log_clear(void)
+{
+	pthread_mutex_lock(&lock);
+	nlaunches = 0;
+	nstream_calls = 0;
+	pthread_mutex_unlock(&lock);
+}
+
+FAKE_API int fake_cuda_stream_calls(CUstream s, int *destroyed, int *synchronised)
+{
+	int found = 0;
+
+	pthread_mutex_lock(&lock);
+	*destroyed = *synchronised = 0;
+	for (size_t i = 0; i < nstream_calls; i++)
+		if (stream_calls[i].s == s) {
+			*destroyed = stream_calls[i].destroyed;
+			*synchronised = stream_calls[i].synchronised;
+			found = 1;
+		}
+	pthread_mutex_unlock(&lock);
+	return found;
+}
 
 /* For tests that want to call the fake directly. */
 FAKE_API const void *fake_cuda_table(void)
@@ -832,7 +1067,9 @@ static CUresult lookup(const char *name, void **pfn, int version)
 	if (version < 2000)
 		return CUDA_ERROR_INVALID_VALUE;
 	if (mode("missing-optional") &&
-	    (!strcmp(name, "cuMemHostRegister") || !strcmp(name, "cuMemHostUnregister")))
+	    (!strcmp(name, "cuMemHostRegister") || !strcmp(name, "cuMemHostUnregister") ||
+	     !strcmp(name, "cuMemGetAddressRange") || !strcmp(name, "cuPointerGetAttribute") ||
+	     !strcmp(name, "cuStreamGetCtx")))
 		return CUDA_ERROR_NOT_FOUND;
 	if (mode("missing-required") && !strcmp(name, "cuLaunchKernel"))
 		return CUDA_ERROR_NOT_FOUND;

@@ -2,6 +2,7 @@
 #include "refcheck.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 double refcheck_tol_o(ape_dtype storage)
@@ -12,6 +13,11 @@ double refcheck_tol_o(ape_dtype storage)
 double refcheck_tol_lse(ape_dtype storage)
 {
 	return storage == APE_F32 ? 1e-4 : storage == APE_F16 ? 1e-3 : 5e-3;
+}
+
+double refcheck_tol_grad(ape_dtype storage)
+{
+	return storage == APE_F32 ? 1e-3 : storage == APE_F16 ? 1e-2 : 5e-2;
 }
 
 static float get(const ape_tensor *t, const int64_t s[4], int64_t b, int64_t h, int64_t l,
@@ -120,5 +126,99 @@ int refcheck_sampled(ape_device *ref, const ape_attn_desc *desc, const ape_tenso
 		res->rows_checked++;
 	}
 	res->within_tol = res->max_err_o <= res->tol_o && res->max_err_lse <= res->tol_lse;
+	return 0;
+}
+
+/* NaN anywhere the reference has none counts as an infinite error. */
+static double abs_err(double got, double want)
+{
+	if (isnan(got) || isnan(want))
+		return isnan(got) && isnan(want) ? 0 : INFINITY;
+	return fabs(got - want);
+}
+
+/* max |got - want| / max |want|, or / zero_scale where want is 0 everywhere (refcheck.h). */
+static double scaled(double err, double max_want, double zero_scale)
+{
+	return err / (max_want > 0 ? max_want : zero_scale);
+}
+
+/* max |t - want| over max |want| (scaled()); want is a contiguous float32 tensor of t's shape. */
+static double rel_err(const ape_tensor *t, const float *want, double zero_scale)
+{
+	const int64_t *n = t->shape;
+	double err = 0, m = 0;
+	int64_t s[4];
+	size_t i = 0;
+
+	ape_tensor_strides(t, s);
+	for (int64_t b = 0; b < n[0]; b++)
+		for (int64_t h = 0; h < n[1]; h++)
+			for (int64_t l = 0; l < n[2]; l++)
+				for (int64_t d = 0; d < n[3]; d++, i++) {
+					err = fmax(err, abs_err(get(t, s, b, h, l, d), want[i]));
+					m = fmax(m, fabs(want[i]));
+				}
+	return scaled(err, m, zero_scale);
+}
+
+static size_t count4(const ape_tensor *t)
+{
+	return (size_t)(t->shape[0] * t->shape[1] * t->shape[2] * t->shape[3]);
+}
+
+int refcheck_backward(ape_device *ref, const ape_attn_desc *desc, const ape_tensor *q,
+		      const ape_tensor *k, const ape_tensor *v, const ape_tensor *o,
+		      const float *lse, const ape_tensor *dout, const float *dlse,
+		      const ape_tensor *dq, const ape_tensor *dk, const ape_tensor *dv,
+		      const float *dparams, struct refcheck_grads *res)
+{
+	const int64_t *qn = q->shape, *kn = k->shape, H = q->shape[1];
+	const size_t nq = count4(q), nk = count4(k);
+	float *buf = malloc(sizeof(float) * (nq + 2 * nk + 4 * (size_t)H) + 1);
+	float *rq = buf, *rk = buf + nq, *rv = rk + nk, *rp = rv + nk;
+	ape_tensor tq, tk, tv;
+	double m = 0, err = 0, zero_scale;
+	int64_t s[4];
+	int ret;
+
+	for (int i = 0; i < REFCHECK_NGRADS; i++)
+		res->err[i] = -1;
+	res->tol = refcheck_tol_grad(q->dtype);
+	res->within_tol = false;
+	if (!buf)
+		return APE_ENOMEM;
+	ape_tensor_init(&tq, rq, APE_F32, qn[0], qn[1], qn[2], qn[3]);
+	ape_tensor_init(&tk, rk, APE_F32, kn[0], kn[1], kn[2], kn[3]);
+	ape_tensor_init(&tv, rv, APE_F32, kn[0], kn[1], kn[2], kn[3]);
+	ret = ape_attention_backward(ref, desc, q, k, v, o, lse, dout, dlse, &tq, &tk, &tv, rp,
+				     NULL);
+	if (ret) {
+		free(buf);
+		return ret;
+	}
+	/* the scale of a gradient that is exactly zero (see refcheck.h) */
+	ape_tensor_strides(dout, s);
+	zero_scale = max_abs_v(dout, s);
+	ape_tensor_strides(v, s);
+	zero_scale = fmax(1e-30, refcheck_tol_o(APE_F32) * (double)q->shape[3] * zero_scale *
+					 max_abs_v(v, s));
+	if (dq)
+		res->err[REFCHECK_DQ] = rel_err(dq, rq, zero_scale);
+	if (dk)
+		res->err[REFCHECK_DK] = rel_err(dk, rk, zero_scale);
+	if (dv)
+		res->err[REFCHECK_DV] = rel_err(dv, rv, zero_scale);
+	if (dparams) {
+		for (int64_t i = 0; i < 4 * H; i++) {
+			err = fmax(err, abs_err(dparams[i], rp[i]));
+			m = fmax(m, fabs(rp[i]));
+		}
+		res->err[REFCHECK_DPARAMS] = scaled(err, m, zero_scale);
+	}
+	res->within_tol = true;
+	for (int i = 0; i < REFCHECK_NGRADS; i++)
+		res->within_tol &= res->err[i] <= res->tol; /* -1: not given */
+	free(buf);
 	return 0;
 }

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * ape-run's pieces: tools/ape-run.c (arguments, devices, files, the one-call mode),
- * tools/run/kv.c (the --kv-cache mode) and tools/run/stats.c (the --stats report and the sum of
- * a KV-cache run's per-step statistics). Linked into ape-run alone.
+ * tools/run/kv.c (the --kv-cache mode), tools/run/backward.c (the --backward mode: dLSE, the
+ * gradients) and tools/run/stats.c (the --stats report and the sum of a KV-cache run's per-step
+ * statistics). Linked into ape-run alone.
  */
 #ifndef APE_TOOLS_RUN_H
 #define APE_TOOLS_RUN_H
@@ -40,6 +41,8 @@ struct run_args {
 	int64_t kv_step; /* 0: no KV cache */
 	int64_t kv_block, kv_capacity;
 	bool kv_release;
+	/* --backward DO.npy and its outputs; NULL: not given */
+	const char *dout, *dlse, *dq, *dk, *dv, *dparams;
 };
 
 /* One input file, its shape seen as [B, H, L, D], and its data in the computation's type. */
@@ -64,10 +67,38 @@ int run_exit_code(int err);
 int run_kv(const struct run_args *a, ape_device *dev, const struct input in[3], ape_tensor *ot,
 	   float *lse, ape_stats *tot, char *msg, size_t len);
 
+/* The gradients of a --backward run: float32, NULL where no file asked for them. */
+struct run_grads {
+	float *dq, *dk, *dv; /* Q's and K's shapes */
+	float *dparams; /* [H, 4] */
+	float *dlse; /* the input dL/dLSE, [B, H, Lq]; NULL: zero */
+};
+
+/*
+ * --dlse: reads the file into g->dlse, checking that it is '<f4' of LSE's shape for Q (q).
+ * Returns an exit status, msg filled on failure. Nothing to do without --dlse.
+ */
+int run_load_dlse(const struct run_args *a, const struct input *q, struct run_grads *g,
+		  char *msg, size_t len);
+
+/*
+ * The backward call after the forward: in[0..2] Q, K, V and in[3] dO in the computation's type,
+ * ot and lse the forward's O (float32) and LSE. Allocates the gradients the arguments ask for
+ * into g and fills them; prints the call's statistics with --stats. Returns an exit status
+ * (3 for a backend without a backward pass), msg filled on failure.
+ */
+int run_backward(const struct run_args *a, ape_device *dev, const struct input in[4],
+		 const ape_tensor *ot, const float *lse, struct run_grads *g, char *msg,
+		 size_t len);
+
+/* Frees what run_load_dlse() and run_backward() allocated. */
+void run_grads_free(struct run_grads *g);
+
 /* Adds one call's statistics to the running totals (a KV-cache run is many calls). */
 void run_stats_add(ape_stats *tot, const ape_stats *st);
 
-/* --stats: the report on stderr, one "ape-run: " line per subject. */
-void run_stats_print(const ape_stats *st);
+/* --stats: the report on stderr, one "ape-run: " line per subject, each after `label` (""
+ * for the forward, "backward: " for the backward call). */
+void run_stats_print(const ape_stats *st, const char *label);
 
 #endif

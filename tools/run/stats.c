@@ -35,30 +35,31 @@ static void print_budget(uint64_t budget, char *buf, size_t len)
 		snprintf(buf, len, "a budget of %" PRIu64 " bytes", budget);
 }
 
-void run_stats_print(const ape_stats *st)
+void run_stats_print(const ape_stats *st, const char *label)
 {
 	double secs = st->total_ms / 1e3;
 	char budget[64];
 
-	fprintf(stderr, "ape-run: backend %s, device %s\n", st->backend, st->device);
-	fprintf(stderr, "ape-run: time total_ms %.3f, kernel_ms %.3f\n", st->total_ms,
+	fprintf(stderr, "ape-run: %sbackend %s, device %s\n", label, st->backend, st->device);
+	fprintf(stderr, "ape-run: %stime total_ms %.3f, kernel_ms %.3f\n", label, st->total_ms,
 		st->kernel_ms);
 	fprintf(stderr,
-		"ape-run: pairs visible %" PRIu64 ", computed %" PRIu64 ", %.4g visible pairs/s "
-		"(over total_ms)\n", st->pairs_visible, st->pairs_computed,
+		"ape-run: %spairs visible %" PRIu64 ", computed %" PRIu64 ", %.4g visible pairs/s "
+		"(over total_ms)\n", label, st->pairs_visible, st->pairs_computed,
 		secs > 0 ? (double)st->pairs_visible / secs : 0.0);
 	fprintf(stderr,
-		"ape-run: chunks computed %" PRIu64 ", skipped %" PRIu64 " (%" PRId64 " x %" PRId64
+		"ape-run: %schunks computed %" PRIu64 ", skipped %" PRIu64 " (%" PRId64 " x %" PRId64
 		" rows, %d in flight, %d device%s)\n",
-		st->chunks, st->chunks_skipped, st->chunk_q, st->chunk_k, st->pipeline_depth,
+		label, st->chunks, st->chunks_skipped, st->chunk_q, st->chunk_k, st->pipeline_depth,
 		st->devices, st->devices == 1 ? "" : "s");
 	fprintf(stderr,
-		"ape-run: bytes copied to device %" PRIu64 ", from device %" PRIu64
+		"ape-run: %sbytes copied to device %" PRIu64 ", from device %" PRIu64
 		", within device %" PRIu64 "\n",
-		st->bytes_to_device, st->bytes_from_device, st->bytes_device_to_device);
+		label, st->bytes_to_device, st->bytes_from_device, st->bytes_device_to_device);
 	print_budget(st->device_budget, budget, sizeof(budget));
-	fprintf(stderr, "ape-run: peak device memory %" PRIu64 " bytes (%s)\n",
+	fprintf(stderr, "ape-run: %speak device memory %" PRIu64 " bytes (%s)\n", label,
 		st->peak_device_bytes, budget);
-	fprintf(stderr, "ape-run: copies %.3f ms of device time, %.3f ms overlapped with kernels\n",
-		st->copy_ms, st->overlap_ms);
+	fprintf(stderr,
+		"ape-run: %scopies %.3f ms of device time, %.3f ms overlapped with kernels\n",
+		label, st->copy_ms, st->overlap_ms);
 }
