@@ -5,7 +5,9 @@
  * GQA, f32/f16/bf16, both rope layouts, causal or not, with and without skipping) against
  * contiguous ones, bit for bit, writing nothing outside their views; buf_wrap of host memory
  * (computed in place) and of cl_mem objects the test makes itself; queue_wrap of the test's own
- * queues, whose order libape keeps; a context built on the test's own cl_context.
+ * queues, whose order libape keeps; a context built on the test's own cl_context; and, through
+ * the public API (ape_attention_enqueue() on the test's context, queue and cl_mem objects), the
+ * same against the host call, bit for bit.
  *
  * The test links libOpenCL itself (the same ICD loader libape opens, so the objects are shared).
  * Without an OpenCL device the program skips (exit 4) with the reason.
@@ -76,29 +78,25 @@ static void dev_close(struct dev *t)
 }
 
 /*
- * Reference counts of the test's own objects once libape let go: the driver may drop the holds
- * of completed commands a little later (PoCL frees an event, and its hold on its queue and
- * buffers, on a thread of its own), so the count is read until it reaches `want`, for 2 s.
+ * The reference count of one of the test's own objects (a cl_mem, a cl_command_queue or a
+ * cl_context, as `kind` says) once libape let go: the driver may drop the holds of completed
+ * commands a little later (PoCL frees an event, and its hold on its queue and buffers, on a
+ * thread of its own), so the count is read until it reaches `want`, for 2 s.
  */
-static cl_uint mem_refs(cl_mem m, cl_uint want)
+enum obj_kind { OBJ_MEM, OBJ_QUEUE, OBJ_CONTEXT };
+
+static cl_uint refs_when(enum obj_kind kind, void *obj, cl_uint want)
 {
 	cl_uint refs = 0;
 
 	for (int i = 0; i < 2000; i++) {
-		clGetMemObjectInfo(m, CL_MEM_REFERENCE_COUNT, sizeof(refs), &refs, NULL);
-		if (refs == want)
-			break;
-		usleep(1000);
-	}
-	return refs;
-}
-
-static cl_uint queue_refs(cl_command_queue q, cl_uint want)
-{
-	cl_uint refs = 0;
-
-	for (int i = 0; i < 2000; i++) {
-		clGetCommandQueueInfo(q, CL_QUEUE_REFERENCE_COUNT, sizeof(refs), &refs, NULL);
+		if (kind == OBJ_MEM)
+			clGetMemObjectInfo(obj, CL_MEM_REFERENCE_COUNT, sizeof(refs), &refs, NULL);
+		else if (kind == OBJ_QUEUE)
+			clGetCommandQueueInfo(obj, CL_QUEUE_REFERENCE_COUNT, sizeof(refs), &refs,
+					      NULL);
+		else
+			clGetContextInfo(obj, CL_CONTEXT_REFERENCE_COUNT, sizeof(refs), &refs, NULL);
 		if (refs == want)
 			break;
 		usleep(1000);
@@ -445,7 +443,7 @@ static int run_strided(struct __test_metadata *_metadata, const struct dev *t,
 	for (int i = 0; i < APE__T_COUNT; i++) {
 		t->ops->buf_free(t->d, b[i]);
 		if (cm[i]) { /* libape let go of it, and only of its own hold */
-			EXPECT_EQ(1, mem_refs(cm[i], 1));
+			EXPECT_EQ(1, refs_when(OBJ_MEM, cm[i], 1));
 			clReleaseMemObject(cm[i]);
 		}
 	}
@@ -723,7 +721,7 @@ TEST(wrap_queue_refusals_and_no_timing)
 	t.ops->event_destroy(e0);
 	t.ops->event_destroy(e1);
 	t.ops->queue_destroy(q);
-	EXPECT_EQ(1, queue_refs(plain, 1)); /* libape let go of it, and only of its own hold */
+	EXPECT_EQ(1, refs_when(OBJ_QUEUE, plain, 1)); /* libape let go of it, and only of its own hold */
 	clReleaseCommandQueue(plain);
 	dev_close(&t);
 }
@@ -865,24 +863,34 @@ static ape_device *device_of(ape_context *ctx, cl_device_id id, void **native_ct
 	return NULL;
 }
 
-/* The context's reference count, read until it is `want` (for 2 s; see mem_refs). */
-static cl_uint ctx_refs(cl_context c, cl_uint want)
+/* A cl_context of the test's own on t's device, and a libape context built on it
+ * (ape_context_options.opencl_context and .opencl_device). 0, or -1 after logging. */
+static int import_context(struct __test_metadata *_metadata, const struct dev *t,
+			  cl_context *mine, ape_context **ctx)
 {
-	cl_uint refs = 0;
+	ape_context_options o;
+	cl_int err;
 
-	for (int i = 0; i < 2000; i++) {
-		clGetContextInfo(c, CL_CONTEXT_REFERENCE_COUNT, sizeof(refs), &refs, NULL);
-		if (refs == want)
-			break;
-		usleep(1000);
+	*ctx = NULL;
+	*mine = clCreateContext(NULL, 1, &t->cdev, NULL, NULL, &err);
+	if (!*mine) {
+		TH_LOG("clCreateContext: %d", (int)err);
+		return -1;
 	}
-	return refs;
+	ape_context_options_init(&o);
+	o.backends = "opencl";
+	o.opencl_context = *mine;
+	o.opencl_device = t->cdev;
+	if (ape_context_create(ctx, &o)) {
+		TH_LOG("ape_context_create on the test's cl_context: %s", ape_last_error());
+		return -1;
+	}
+	return 0;
 }
 
 TEST(context_on_the_callers_cl_context)
 {
 	struct dev t;
-	ape_context_options o;
 	ape_context *ctx = NULL;
 	ape_device *d;
 	void *nctx = NULL;
@@ -893,17 +901,11 @@ TEST(context_on_the_callers_cl_context)
 	size_t got;
 
 	ASSERT_EQ(0, dev_open(_metadata, &t));
-	mine = clCreateContext(NULL, 1, &t.cdev, NULL, NULL, &err);
-	ASSERT_NE(NULL, mine);
-	ape_context_options_init(&o);
-	o.backends = "opencl";
-	o.opencl_context = mine;
-	o.opencl_device = t.cdev;
-	ASSERT_EQ(0, ape_context_create(&ctx, &o)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, import_context(_metadata, &t, &mine, &ctx));
 	d = device_of(ctx, t.cdev, &nctx);
 	ASSERT_NE(NULL, d);
 	EXPECT_EQ((void *)mine, nctx);
-	EXPECT_EQ(2, ctx_refs(mine, 2)); /* libape holds one */
+	EXPECT_EQ(2, refs_when(OBJ_CONTEXT, mine, 2)); /* libape holds one */
 	/* a cl_mem of that context is the device's; one of the first context's is not */
 	m = clCreateBuffer(mine, CL_MEM_READ_WRITE, 256, NULL, &err);
 	ASSERT_NE(NULL, m);
@@ -913,7 +915,7 @@ TEST(context_on_the_callers_cl_context)
 	EXPECT_EQ(APE_EINVAL, t.ops->buf_wrap(t.d, APE__MEM_OPENCL, m, 0, &b, &got));
 	clReleaseMemObject(m);
 	ape_context_destroy(ctx);
-	EXPECT_EQ(1, ctx_refs(mine, 1)); /* given back, and only that */
+	EXPECT_EQ(1, refs_when(OBJ_CONTEXT, mine, 1)); /* given back, and only that */
 	clReleaseContext(mine);
 	dev_close(&t);
 }
@@ -958,7 +960,7 @@ TEST(context_import_of_a_device_not_in_the_context)
 	EXPECT_EQ(APE_EINVAL, ape_context_create(&ctx, &o));
 	EXPECT_EQ(NULL, ctx);
 	EXPECT_NE(NULL, strstr(ape_last_error(), "opencl_device")) TH_LOG("%s", ape_last_error());
-	EXPECT_EQ(1, ctx_refs(root_ctx, 1));
+	EXPECT_EQ(1, refs_when(OBJ_CONTEXT, root_ctx, 1));
 	if (ctx)
 		ape_context_destroy(ctx);
 	clReleaseContext(root_ctx);
@@ -1002,7 +1004,6 @@ TEST(public_api_on_the_callers_context_and_queue)
 	const test_problem_shape sh = { 2, 4, 2, 37, 53, 64 };
 	const cl_uint nan_bits = 0xffffffffu;
 	struct dev t;
-	ape_context_options opts;
 	ape_context *ctx = NULL;
 	ape_device *devs[16], *d = NULL;
 	ape_queue *qu = NULL;
@@ -1021,13 +1022,7 @@ TEST(public_api_on_the_callers_context_and_queue)
 	int n;
 
 	ASSERT_EQ(0, dev_open(_metadata, &t));
-	mine = clCreateContext(NULL, 1, &t.cdev, NULL, NULL, &err);
-	ASSERT_NE(NULL, mine);
-	ape_context_options_init(&opts);
-	opts.backends = "opencl";
-	opts.opencl_context = mine;
-	opts.opencl_device = t.cdev;
-	ASSERT_EQ(0, ape_context_create(&ctx, &opts)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, import_context(_metadata, &t, &mine, &ctx));
 	n = ape_device_list(ctx, devs, 16);
 	for (int i = 0; i < n && i < 16 && !d; i++) {
 		void *c = NULL, *dv = NULL;
@@ -1105,7 +1100,7 @@ TEST(public_api_on_the_callers_context_and_queue)
 	test_problem_free(&a);
 	test_problem_free(&b);
 	ape_context_destroy(ctx);
-	EXPECT_EQ(1, ctx_refs(mine, 1));
+	EXPECT_EQ(1, refs_when(OBJ_CONTEXT, mine, 1));
 	clReleaseContext(mine);
 	dev_close(&t);
 }
