@@ -96,31 +96,34 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 	ape__ocl_arg(a, sizeof(w->flags), &w->flags);
 }
 
-/* One of ape_bwd_prep's float32 row copies: pairs of a (first then second components), then b. */
+/* One of ape_bwd_prep's float32 copies: pairs of a (first then second components), then b, for
+ * nbh (batch, head) pairs of L rows each, in blocks of `lanes` rows (kernels/backward.cl). */
 static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
-		    cl_mem b, cl_int dt_b, cl_long rows, cl_int D, cl_int npad, cl_int dpad,
-		    cl_int inter, size_t local, cl_mem *out)
+		    cl_mem b, cl_int dt_b, size_t nbh, cl_long L, cl_int lanes, cl_int D,
+		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem *out)
 {
+	const size_t padded = round_up((size_t)L, (size_t)lanes);
 	struct ape__ocl_args args = { 0 };
 	cl_int err;
 
-	*out = ape__ocl_scratch(q, (size_t)rows * (size_t)(2 * npad + dpad) * sizeof(float), NULL,
+	*out = ape__ocl_scratch(q, nbh * padded * (size_t)(2 * npad + dpad) * sizeof(float), NULL,
 				&err);
 	if (!*out)
 		return ape__ocl_error(err, "clCreateBuffer (backward rows of %lld)",
-				      (long long)rows);
+				      (long long)(nbh * padded));
 	args.k = clCreateKernel(pr->prog, "ape_bwd_prep", &args.err);
 	ape__ocl_arg(&args, sizeof(cl_mem), &a);
 	ape__ocl_arg(&args, sizeof(dt_a), &dt_a);
 	ape__ocl_arg(&args, sizeof(cl_mem), &b);
 	ape__ocl_arg(&args, sizeof(dt_b), &dt_b);
-	ape__ocl_arg(&args, sizeof(rows), &rows);
+	ape__ocl_arg(&args, sizeof(L), &L);
+	ape__ocl_arg(&args, sizeof(lanes), &lanes);
 	ape__ocl_arg(&args, sizeof(D), &D);
 	ape__ocl_arg(&args, sizeof(npad), &npad);
 	ape__ocl_arg(&args, sizeof(dpad), &dpad);
 	ape__ocl_arg(&args, sizeof(inter), &inter);
 	ape__ocl_arg(&args, sizeof(cl_mem), out);
-	return bwd_run(q, &args, round_up((size_t)rows, local), local, 1, "ape_bwd_prep");
+	return bwd_run(q, &args, round_up(padded, local), local, nbh, "ape_bwd_prep");
 }
 
 int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
@@ -139,7 +142,8 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	cl_mem prm = NULL, rinfo = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL, none = NULL;
 	struct ape__ocl_args a;
 	struct bwd_sweep w;
-	cl_int npad, dpad, err;
+	cl_int npad, dpad, rw, err;
+	size_t nblk;
 	int ret;
 
 	if (!od->fp64)
@@ -151,17 +155,21 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	ret = ape__ocl_program_get(q->dev, f->D, &pr);
 	if (ret)
 		return ret;
-	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)pr->t.rw);
-	dpad = (cl_int)round_up((size_t)f->D, (size_t)pr->t.rw);
+	rw = (cl_int)pr->t.rw; /* query rows per row vector (APE_RW) */
+	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)rw);
+	dpad = (cl_int)round_up((size_t)f->D, (size_t)rw);
+	nblk = ((size_t)Lq + (size_t)rw - 1) / (size_t)rw; /* row vectors per (batch, head) */
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
 		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0);
 
 	prm = bwd_params(q, f, npad, &err);
 	if (prm)
-		rinfo = ape__ocl_scratch(q, rows * RI_N * sizeof(double), NULL, &err);
-	if (rinfo)
-		tab = ape__ocl_scratch(q, (size_t)(H * ndist) * TB_N * sizeof(double), NULL, &err);
+		rinfo = ape__ocl_scratch(q, (size_t)(B * H) * nblk * (size_t)rw * RI_N *
+						    sizeof(double), NULL, &err);
+	if (rinfo) /* a row vector's load of the last distances reaches rw - 1 past them */
+		tab = ape__ocl_scratch(q, ((size_t)(H * ndist) * TB_N + (size_t)rw) * sizeof(double),
+				       NULL, &err);
 	if (tab && l->dparams)
 		part = ape__ocl_scratch(q, rows * 4 * sizeof(double), NULL, &err);
 	if (!tab || (l->dparams && !part)) {
@@ -169,11 +177,11 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		goto out_release;
 	}
 	ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem, (cl_int)l->dout_dtype,
-		       (cl_long)rows, D, npad, dpad, inter, local, &qp);
+		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, &qp);
 	if (!ret)
 		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
-			       (cl_int)f->in_dtype, B * f->Hkv * Lk, D, npad, dpad, inter, local,
-			       &kp);
+			       (cl_int)f->in_dtype, (size_t)(B * f->Hkv), Lk, 1, D, npad, dpad,
+			       inter, local, &kp);
 	if (ret)
 		goto out_release;
 
@@ -203,7 +211,8 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	ape__ocl_arg(&a, sizeof(Lq), &Lq);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
 	ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
-	ret = bwd_run(q, &a, round_up((size_t)Lq, local), local, (size_t)(B * H), "ape_bwd_rows");
+	ret = bwd_run(q, &a, round_up(nblk * (size_t)rw, local), local, (size_t)(B * H),
+		      "ape_bwd_rows");
 	if (ret)
 		goto out_release;
 
@@ -230,7 +239,8 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dq ? &l->dq->mem : &none);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dparams ? &part : &none);
-		ret = bwd_run(q, &a, round_up((size_t)Lq, local), local, (size_t)(B * H),
+		/* one work-item per row vector, one per group (its private arrays are large) */
+		ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H),
 			      "ape_bwd_queries");
 		if (ret)
 			goto out_release;

@@ -21,7 +21,11 @@
 #define B_DV 2048
 #define B_DP 4096
 
-/* per-row values of ape_bwd_rows, RI_N of them per row, in APE_REAL */
+/* per-row values of ape_bwd_rows, RI_N of them per row, in APE_REAL, in blocks of APE_RW rows
+ * (a row vector of the sweeps) per (batch, head), field-major inside a block: value `field` of
+ * row i of block blk (blk = bh * nblk + i / APE_RW, nblk = ceil(Lq / APE_RW)) sits at
+ * RI_AT(blk, field, rw) + i % APE_RW. Rows past Lq get alpha 1, LSE +inf, the rest 0. */
+#define RI_AT(blk, field, rw) (((blk) * RI_N + (field)) * (rw))
 #define RI_MEAN 0
 #define RI_SIGMA 1
 #define RI_ALPHA 2
@@ -29,7 +33,10 @@
 #define RI_DSUB 4 /* Dl_i - dLSE_i */
 #define RI_N 5
 
-/* per (head, distance) values of ape_bwd_dist, TB_N of them, in APE_REAL */
+/* per (head, distance) values of ape_bwd_dist, TB_N of them, in APE_REAL, one array per term:
+ * term `field` of head h at distance n = nmin + idx sits at TB_AT(h, field, ndist) + idx; the
+ * host allocates APE_RW values more (a row vector's load may reach past the last distance). */
+#define TB_AT(h, field, ndist) (((h) * TB_N + (field)) * (ndist))
 #define TB_T 0 /* temp(n) */
 #define TB_BIAS 1 /* bias(n) */
 #define TB_DD 2 /* d(bias)/d(delta) */
