@@ -24,7 +24,7 @@
  * variant of D (ocl_program.c: 64 and 128 specialised, every other D up to 256 generic) */
 static size_t bwd_kt(int64_t D)
 {
-	return D == 64 ? 8 : D == 128 ? 4 : 2;
+	return D == 64 ? 32 : D == 128 ? 16 : 8;
 }
 
 /* Work-items per work-group of the sweeps: whole groups, the excess returns at once. */
@@ -72,7 +72,7 @@ static int bwd_run(struct ape__queue *q, struct ape__ocl_args *a, size_t n0, siz
 
 /* The arguments both sweeps take first, in kernels/backward.cl's order (BWD_SWEEP_ARGS). */
 struct bwd_sweep {
-	cl_mem qp, kp, prm, rinfo, tab;
+	cl_mem qp, kp, prm, rinfo, step, tab;
 	cl_int npad, D, H, group, flags;
 	cl_long Lq, Lk, rel;
 	cl_float scale;
@@ -85,6 +85,7 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 	ape__ocl_arg(a, sizeof(cl_mem), &w->prm);
 	ape__ocl_arg(a, sizeof(w->npad), &w->npad);
 	ape__ocl_arg(a, sizeof(cl_mem), &w->rinfo);
+	ape__ocl_arg(a, sizeof(cl_mem), &w->step);
 	ape__ocl_arg(a, sizeof(cl_mem), &w->tab);
 	ape__ocl_arg(a, sizeof(w->D), &w->D);
 	ape__ocl_arg(a, sizeof(w->H), &w->H);
@@ -139,7 +140,8 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	cl_int flags = B_DTYPES((cl_int)f->in_dtype, (cl_int)f->out_dtype, (cl_int)l->dout_dtype);
 	const cl_long nmin = rel - (Lk - 1), ndist = Lq + Lk - 1;
 	const cl_int inter = f->layout == APE_ROPE_INTERLEAVED;
-	cl_mem prm = NULL, rinfo = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL, none = NULL;
+	cl_mem prm = NULL, rinfo = NULL, step = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL;
+	cl_mem none = NULL;
 	struct ape__ocl_args a;
 	struct bwd_sweep w;
 	cl_int npad, dpad, rw, err;
@@ -167,7 +169,10 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	if (prm)
 		rinfo = ape__ocl_scratch(q, (size_t)(B * H) * nblk * (size_t)rw * RI_N *
 						    sizeof(double), NULL, &err);
-	if (rinfo) /* a row vector's load of the last distances reaches rw - 1 past them */
+	if (rinfo) /* per row vector: cos, then sin, of each pair's step */
+		step = ape__ocl_scratch(q, (size_t)(B * H) * nblk * 2 * (size_t)npad * (size_t)rw *
+						   sizeof(float), NULL, &err);
+	if (step) /* a row vector's load of the last distances reaches rw - 1 past them */
 		tab = ape__ocl_scratch(q, ((size_t)(H * ndist) * TB_N + (size_t)rw) * sizeof(double),
 				       NULL, &err);
 	if (tab && l->dparams)
@@ -199,9 +204,8 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 
 	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, "ape_bwd_rows", &a.err);
-	ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &qp);
 	ape__ocl_arg(&a, sizeof(cl_mem), &f->o->mem);
-	ape__ocl_arg(&a, sizeof(cl_mem), &l->dout->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), &f->lse->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), l->dlse ? &l->dlse->mem : &none);
 	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
@@ -211,12 +215,14 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	ape__ocl_arg(&a, sizeof(Lq), &Lq);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
 	ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
-	ret = bwd_run(q, &a, round_up(nblk * (size_t)rw, local), local, (size_t)(B * H),
-		      "ape_bwd_rows");
+	ape__ocl_arg(&a, sizeof(cl_mem), &step);
+	/* one work-item per row vector */
+	ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H), "ape_bwd_rows");
 	if (ret)
 		goto out_release;
 
-	w = (struct bwd_sweep){ .qp = qp, .kp = kp, .prm = prm, .rinfo = rinfo, .tab = tab,
+	w = (struct bwd_sweep){ .qp = qp, .kp = kp, .prm = prm, .rinfo = rinfo, .step = step,
+				.tab = tab,
 				.npad = npad, .D = D, .H = H, .group = group, .flags = flags,
 				.Lq = Lq, .Lk = Lk, .rel = rel, .scale = scale };
 	if (l->dk || l->dv) {
@@ -261,6 +267,8 @@ out_release:
 		clReleaseMemObject(prm);
 	if (rinfo)
 		clReleaseMemObject(rinfo);
+	if (step)
+		clReleaseMemObject(step);
 	if (part)
 		clReleaseMemObject(part);
 	if (tab)

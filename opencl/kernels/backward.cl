@@ -158,41 +158,72 @@ KFN vi bwd_lanes(int lo, int hi)
 	return (IOTA >= lo) & (IOTA < hi);
 }
 
-__kernel void ape_bwd_rows(__global const void *Q, __global const void *O,
-			   __global const void *DO, __global const float *LSE,
-			   __global const float *DLSE, __global const APE_REAL *prm, int npad,
-			   int D, int H, long Lq, int flags, __global APE_REAL *rinfo)
+/*
+ * Per row vector (APE_RW rows of one (batch, head) in the lanes, from the prepared Q+dO): each
+ * row's mean, sigma and alpha (sums in the forward's order: pair by pair), its saved LSE and
+ * Dl_i - dLSE_i (Dl_i = dO_i . O_i), to the row table; and the cos and sin of each pair's
+ * per-key step omega_p / alpha_i, to STEP (per row vector: cos for the npad pairs, then sin,
+ * APE_RW lanes each), so that the sweeps seed only the rotation's start.
+ */
+__kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
+			   __global const float *LSE, __global const float *DLSE,
+			   __global const APE_REAL *prm, int npad, int D, int H, long Lq, int flags,
+			   __global APE_REAL *rinfo, __global float *STEP)
 {
-	const long i = get_global_id(0), bh = get_global_id(1), nblk = (Lq + APE_RW - 1) / APE_RW;
-	const long row = bh * Lq + i, base = row * (long)BD(D);
+	const long ib = get_global_id(0), bh = get_global_id(1), nblk = (Lq + APE_RW - 1) / APE_RW;
+	const long blk = bh * nblk + ib, i0 = ib * APE_RW;
+	const int P = BD(D) / 2, rs = 2 * npad + (BD(D) + APE_RW - 1) / APE_RW * APE_RW;
 	const APE_REAL lambda = prm[npad + 4 * (bh % H) + 3];
-	APE_REAL mean = 0, ss = 0, dl = 0, sigma;
-	__global APE_REAL *ri = rinfo + RI_AT(bh * nblk + i / APE_RW, 0, APE_RW) + i % APE_RW;
+	__global const float *qt = QP + blk * rs * APE_RW;
+	__global APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
+	__global float *st = STEP + blk * 2 * npad * APE_RW;
+	APE_REAL tm[APE_RW], tss[APE_RW], tia[APE_RW];
+	vr sum = (vr)0, ss = (vr)0, mean;
 
-	if (i >= nblk * APE_RW)
+	if (ib >= nblk)
 		return;
-	if (i >= Lq) { /* padding lanes of the last row vector */
-		ri[RI_MEAN * APE_RW] = ri[RI_SIGMA * APE_RW] = ri[RI_DSUB * APE_RW] = 0;
-		ri[RI_ALPHA * APE_RW] = 1;
-		ri[RI_LSE * APE_RW] = INFINITY;
-		return;
-	}
-	NOUNROLL for (int d = 0; d < BD(D); d++)
-		mean += (APE_REAL)ld(Q, base + d, B_DT_IN(flags));
-	mean /= (APE_REAL)BD(D);
-	NOUNROLL for (int d = 0; d < BD(D); d++) {
-		const APE_REAL e = (APE_REAL)ld(Q, base + d, B_DT_IN(flags)) - mean;
+	NOUNROLL for (int p = 0; p < P; p++)
+		sum += TO_VR(VL(qt + p * APE_RW)) + TO_VR(VL(qt + (npad + p) * APE_RW));
+	mean = sum / (APE_REAL)BD(D);
+	NOUNROLL for (int p = 0; p < P; p++) {
+		const vr x = TO_VR(VL(qt + p * APE_RW)) - mean;
+		const vr y = TO_VR(VL(qt + (npad + p) * APE_RW)) - mean;
 
-		ss += e * e;
-		dl += (APE_REAL)ld(DO, base + d, B_DT_DO(flags)) *
-		      (APE_REAL)ld(O, base + d, B_DT_OUT(flags));
+		ss += x * x + y * y;
 	}
-	sigma = ape_sigma(ss, BD(D));
-	ri[RI_MEAN * APE_RW] = mean;
-	ri[RI_SIGMA * APE_RW] = sigma;
-	ri[RI_ALPHA * APE_RW] = ape_alpha(lambda, sigma);
-	ri[RI_LSE * APE_RW] = LSE[row];
-	ri[RI_DSUB * APE_RW] = dl - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
+	VS(mean, tm);
+	VS(ss, tss);
+	NOUNROLL for (int l = 0; l < APE_RW; l++) {
+		const long i = i0 + l, row = bh * Lq + i;
+		APE_REAL sigma, dl = 0;
+
+		if (i >= Lq) { /* padding lanes of the last row vector */
+			ri[RI_MEAN * APE_RW + l] = ri[RI_SIGMA * APE_RW + l] = 0;
+			ri[RI_DSUB * APE_RW + l] = 0;
+			ri[RI_ALPHA * APE_RW + l] = tia[l] = 1;
+			ri[RI_LSE * APE_RW + l] = INFINITY;
+			continue;
+		}
+		sigma = ape_sigma(tss[l], BD(D));
+		NOUNROLL for (int d = 0; d < BD(D); d++)
+			dl += (APE_REAL)qt[(2 * npad + d) * APE_RW + l] *
+			      (APE_REAL)ld(O, row * BD(D) + d, B_DT_OUT(flags));
+		ri[RI_MEAN * APE_RW + l] = tm[l];
+		ri[RI_SIGMA * APE_RW + l] = sigma;
+		ri[RI_ALPHA * APE_RW + l] = ape_alpha(lambda, sigma);
+		tia[l] = (APE_REAL)1 / ri[RI_ALPHA * APE_RW + l];
+		ri[RI_LSE * APE_RW + l] = LSE[row];
+		ri[RI_DSUB * APE_RW + l] =
+			dl - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
+	}
+	NOUNROLL for (int p = 0; p < npad; p++) {
+		vf c = (vf)1.0f, sn = (vf)0.0f;
+
+		if (p < P)
+			sn = ape_seed_sincos(prm[p] * VL(tia), &c);
+		VS(c, st + p * APE_RW);
+		VS(sn, st + (npad + p) * APE_RW);
+	}
 }
 
 /* The arguments both sweeps take first (ocl_backward.c: bwd_sweep_args()): the prepared rows
@@ -200,20 +231,24 @@ __kernel void ape_bwd_rows(__global const void *Q, __global const void *O,
  * the row and distance tables, the shape, the flags. */
 #define BWD_SWEEP_ARGS                                                                             \
 	__global const float *QP, __global const float *KP, __global const APE_REAL *prm,         \
-		int npad, __global const APE_REAL *rinfo, __global const APE_REAL *tab, int D,     \
-		int H, int group, long Lq, long Lk, long rel, float scale, int flags
+		int npad, __global const APE_REAL *rinfo, __global const float *STEP,              \
+		__global const APE_REAL *tab, int D, int H, int group, long Lq, long Lk, long rel, \
+		float scale, int flags
 
-/* Keys per work-item of the keys sweep: its accumulators are APE_RW lanes wide per component,
- * so fewer for larger D. ocl_backward.c mirrors it. */
-#define BWD_KT (APE_DMAX <= 64 ? 8 : APE_DMAX <= 128 ? 4 : 2)
+/* Keys per work-item of the keys sweep: each row vector seeds its rotation once per work-item
+ * (the seeds had cost as much as the rest at 8 keys); its accumulators are APE_RW lanes wide
+ * per component, so fewer keys for larger D (256 KiB of them in all). ocl_backward.c mirrors
+ * it. */
+#define BWD_KT (APE_DMAX <= 64 ? 32 : APE_DMAX <= 128 ? 16 : 8)
 
 /*
  * Keys outer: dV_j = sum_i P_ij dO_i, dK_j = sum_i dS_ij temp scale d(dot)/d(k_j) (q_i's pairs
  * rotated by +theta), over the rows of every query head of key j's kv head, for BWD_KT keys
  * j0.. of one kv head. As in the forward, APE_RW query rows ride in the lanes of a vector (one
  * vector load per component from the prepared row vectors, the row and distance terms one
- * vector load each): per row vector, each pair's rotation is seeded at the first key and
- * turned one step per key after it; the accumulators keep their lanes until the end, where
+ * vector load each): per row vector, the query is rotated to the first key (seeded) and turned
+ * one step per key after it, so that the rotated query is both the dot product's operand and
+ * d(dot)/d(k_j); the accumulators keep their lanes until the end, where
  * each is summed once. Lanes past the last row, or that a key is hidden from, add nothing (a
  * select, so that NaN in a row reaches only the keys it sees).
  */
@@ -224,7 +259,7 @@ __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *D
 	const int nk = (int)(Lk - j0 < BWD_KT ? Lk - j0 : BWD_KT);
 	/* per key kt, component c: lanes at ((kt * D) + c) * APE_RW */
 	float dkacc[BWD_KT * APE_DMAX * APE_RW], dvacc[BWD_KT * APE_DMAX * APE_RW];
-	vf cs[APE_PMAX], sn[APE_PMAX], stc[APE_PMAX], sts[APE_PMAX];
+	vf xr[APE_PMAX], yr[APE_PMAX];
 	long i0;
 
 	if (j0 >= Lk)
@@ -243,16 +278,21 @@ __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *D
 			const long blk = bh * b.nblk + r0 / APE_RW, nl0 = rel + r0 - j0;
 			__global const float *qt = QP + blk * b.rs * APE_RW;
 			__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
+			__global const float *cw = STEP + blk * 2 * b.npad * APE_RW,
+					     *sw = cw + b.npad * APE_RW;
 			const vr iav = (APE_REAL)1 / VL(ri + RI_ALPHA * APE_RW);
 			const vr lse = VL(ri + RI_LSE * APE_RW);
 			const vf dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
 			const vr nv = ((APE_REAL)nl0 + TO_VR(IOTA)) * iav;
 			const int hi = (int)(Lq - r0 < APE_RW ? Lq - r0 : APE_RW);
 
+			/* the queries rotated to key j0 (by +theta) */
 			NOUNROLL for (int p = 0; p < b.P; p++) {
-				sn[p] = ape_seed_sincos((vr)prm[p] * nv, &cs[p]);
-				if (nk > 1)
-					sts[p] = ape_seed_sincos((vr)prm[p] * iav, &stc[p]);
+				const vf x = VL(qt + p * APE_RW), y = VL(qt + (b.npad + p) * APE_RW);
+				vf c, sn = ape_seed_sincos((vr)prm[p] * nv, &c);
+
+				xr[p] = x * c - y * sn;
+				yr[p] = x * sn + y * c;
 			}
 			for (int kt = 0; kt < nk; kt++) {
 				__global const float *kr = KP + (bkv * Lk + j0 + kt) * b.rs;
@@ -263,16 +303,18 @@ __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *D
 				vi okv;
 
 				NOUNROLL for (int q = 0; q < b.P; q++) {
-					const float u = kr[q], w = kr[b.npad + q];
-					const vf x = VL(qt + q * APE_RW), y = VL(qt + (b.npad + q) * APE_RW);
+					vf x = xr[q], y = yr[q];
 
 					if (kt) { /* one key further: theta falls by one step */
-						const vf c = cs[q];
+						const vf c = VL(cw + q * APE_RW), sn = VL(sw + q * APE_RW);
+						const vf xn = fma(x, c, y * sn);
 
-						cs[q] = fma(c, stc[q], sn[q] * sts[q]);
-						sn[q] = fma(sn[q], stc[q], -c * sts[q]);
+						y = fma(y, c, -(x * sn));
+						x = xn;
+						xr[q] = x;
+						yr[q] = y;
 					}
-					dot += (x * u + y * w) * cs[q] + (x * w - y * u) * sn[q];
+					dot = fma(x, (vf)kr[q], fma(y, (vf)kr[b.npad + q], dot));
 				}
 				NOUNROLL for (int d = 0; d < b.D; d++)
 					dov = fma(VL(qt + (2 * b.npad + d) * APE_RW),
@@ -286,12 +328,10 @@ __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *D
 						       VL(dva + d * APE_RW)),
 						   dva + d * APE_RW);
 					NOUNROLL for (int q = 0; q < b.P; q++) {
-						const vf x = VL(qt + q * APE_RW),
-							 y = VL(qt + (b.npad + q) * APE_RW);
 						float *au = dka + q * APE_RW, *aw = dka + (b.P + q) * APE_RW;
 
-						VS(fma(g, x * cs[q] - y * sn[q], VL(au)), au);
-						VS(fma(g, y * cs[q] + x * sn[q], VL(aw)), aw);
+						VS(fma(g, xr[q], VL(au)), au);
+						VS(fma(g, yr[q], VL(aw)), aw);
 					}
 					continue;
 				}
@@ -305,16 +345,10 @@ __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *D
 								okv),
 					   dva + d * APE_RW);
 				NOUNROLL for (int q = 0; q < b.P; q++) {
-					const vf x = VL(qt + q * APE_RW),
-						 y = VL(qt + (b.npad + q) * APE_RW);
 					float *au = dka + q * APE_RW, *aw = dka + (b.P + q) * APE_RW;
 
-					VS(VL(au) + APE_V_SELECT((vf)0.0f, g * (x * cs[q] - y * sn[q]),
-								 okv),
-					   au);
-					VS(VL(aw) + APE_V_SELECT((vf)0.0f, g * (y * cs[q] + x * sn[q]),
-								 okv),
-					   aw);
+					VS(VL(au) + APE_V_SELECT((vf)0.0f, g * xr[q], okv), au);
+					VS(VL(aw) + APE_V_SELECT((vf)0.0f, g * yr[q], okv), aw);
 				}
 			}
 		}
@@ -338,7 +372,7 @@ __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *D
 /* Keys per tile of the queries sweep (its rotation recurrence is reseeded at each tile start,
  * as the forward's) and per score sub-block (whose dot products and alpha sums stay in
  * registers while the pair loop runs over them). */
-#define QBK 32
+#define QBK 64
 #define QSB 8
 
 /*
@@ -377,7 +411,8 @@ __kernel void ape_bwd_queries(BWD_SWEEP_ARGS, __global const void *Q, __global f
 	dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
 	hi = (int)(Lq - i0 < APE_RW ? Lq - i0 : APE_RW);
 	NOUNROLL for (int p = 0; p < b.P; p++) {
-		sw[p] = ape_seed_sincos(prm[p] * ia, &cw[p]);
+		cw[p] = VL(STEP + (blk * 2 * b.npad + p) * APE_RW);
+		sw[p] = VL(STEP + (blk * 2 * b.npad + b.npad + p) * APE_RW);
 		dqx[p] = dqy[p] = (vf)0.0f;
 	}
 	/* causal: the last row sees keys j <= rel + i0 + hi - 1 */
