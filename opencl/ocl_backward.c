@@ -50,6 +50,23 @@ static cl_mem bwd_params(struct ape__queue *q, const struct ape__launch *f, int 
 	return mem;
 }
 
+/* Per (batch, kv head): the largest key norm bound, as float bits, zero until ape_bwd_prep
+ * raises it (an atomic max: the result does not depend on the order). */
+static cl_mem bwd_kmax(const struct ape__ocl_device *od, size_t n, cl_int *err)
+{
+	int *zero = ape__calloc(n, sizeof(int));
+	cl_mem mem;
+
+	if (!zero) {
+		*err = CL_OUT_OF_HOST_MEMORY;
+		return NULL;
+	}
+	mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, n * sizeof(int),
+			     zero, err);
+	free(zero);
+	return mem;
+}
+
 static size_t round_up(size_t n, size_t m)
 {
 	return (n + m - 1) / m * m;
@@ -101,7 +118,7 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
  * nbh (batch, head) pairs of L rows each, in blocks of `lanes` rows (kernels/backward.cl). */
 static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
 		    cl_mem b, cl_int dt_b, size_t nbh, cl_long L, cl_int lanes, cl_int D,
-		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem *out)
+		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, cl_mem *out)
 {
 	const size_t padded = round_up((size_t)L, (size_t)lanes);
 	struct ape__ocl_args args = { 0 };
@@ -124,6 +141,7 @@ static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_
 	ape__ocl_arg(&args, sizeof(dpad), &dpad);
 	ape__ocl_arg(&args, sizeof(inter), &inter);
 	ape__ocl_arg(&args, sizeof(cl_mem), out);
+	ape__ocl_arg(&args, sizeof(cl_mem), &kmax);
 	return bwd_run(q, &args, round_up(padded, local), local, nbh, "ape_bwd_prep");
 }
 
@@ -141,7 +159,8 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	const cl_long nmin = rel - (Lk - 1), ndist = Lq + Lk - 1;
 	const cl_int inter = f->layout == APE_ROPE_INTERLEAVED;
 	cl_mem prm = NULL, rinfo = NULL, step = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL;
-	cl_mem none = NULL;
+	cl_mem none = NULL, kmax = NULL;
+	cl_float tol = 0;
 	struct ape__ocl_args a;
 	struct bwd_sweep w;
 	cl_int npad, dpad, rw, err;
@@ -163,7 +182,17 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	nblk = ((size_t)Lq + (size_t)rw - 1) / (size_t)rw; /* row vectors per (batch, head) */
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
-		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0);
+		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0) | (f->pairs ? B_PAIRS : 0);
+	/* the skip bound of docs/kernels.md: only with every decay >= 0 */
+	if (f->skip_tol > 0 && f->decay_nonneg) {
+		flags |= B_SKIP;
+		tol = (cl_float)f->skip_tol;
+		kmax = bwd_kmax(od, (size_t)(B * f->Hkv), &err);
+		if (!kmax) {
+			ret = ape__ocl_error(err, "clCreateBuffer (backward key norms)");
+			goto out_release;
+		}
+	}
 
 	prm = bwd_params(q, f, npad, &err);
 	if (prm)
@@ -182,11 +211,11 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		goto out_release;
 	}
 	ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem, (cl_int)l->dout_dtype,
-		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, &qp);
+		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, &qp);
 	if (!ret)
 		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
 			       (cl_int)f->in_dtype, (size_t)(B * f->Hkv), Lk, 1, D, npad, dpad,
-			       inter, local, &kp);
+			       inter, local, kmax, &kp);
 	if (ret)
 		goto out_release;
 
@@ -216,6 +245,13 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	ape__ocl_arg(&a, sizeof(flags), &flags);
 	ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
 	ape__ocl_arg(&a, sizeof(cl_mem), &step);
+	ape__ocl_arg(&a, sizeof(cl_mem), &kmax);
+	ape__ocl_arg(&a, sizeof(group), &group);
+	ape__ocl_arg(&a, sizeof(Lk), &Lk);
+	ape__ocl_arg(&a, sizeof(rel), &rel);
+	ape__ocl_arg(&a, sizeof(scale), &scale);
+	ape__ocl_arg(&a, sizeof(tol), &tol);
+	ape__ocl_arg(&a, sizeof(cl_mem), f->pairs ? &f->pairs->mem : &none);
 	/* one work-item per row vector */
 	ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H), "ape_bwd_rows");
 	if (ret)
@@ -269,6 +305,8 @@ out_release:
 		clReleaseMemObject(rinfo);
 	if (step)
 		clReleaseMemObject(step);
+	if (kmax)
+		clReleaseMemObject(kmax);
 	if (part)
 		clReleaseMemObject(part);
 	if (tab)

@@ -71,7 +71,7 @@ KFN float bwd_hsum(vf v)
  */
 __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void *Bv, int dt_b,
 			   long L, int lanes, int D, int npad, int dpad, int inter,
-			   __global float *out)
+			   __global float *out, __global int *kmax)
 {
 	const long i = get_global_id(0), bh = get_global_id(1), base = (bh * L + i) * (long)BD(D);
 	const long nblk = (L + lanes - 1) / lanes;
@@ -80,13 +80,22 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 
 	if (i >= nblk * lanes)
 		return;
+	APE_REAL ss = 0;
+
 	for (int p = 0; p < npad; p++) {
-		o[p * lanes] = ok && p < P ? ld(A, base + (inter ? 2 * p : p), dt_a) : 0.0f;
-		o[(npad + p) * lanes] =
-			ok && p < P ? ld(A, base + (inter ? 2 * p + 1 : p + P), dt_a) : 0.0f;
+		const float x = ok && p < P ? ld(A, base + (inter ? 2 * p : p), dt_a) : 0.0f;
+		const float y = ok && p < P ? ld(A, base + (inter ? 2 * p + 1 : p + P), dt_a) : 0.0f;
+
+		o[p * lanes] = x;
+		o[(npad + p) * lanes] = y;
+		ss += (APE_REAL)x * x + (APE_REAL)y * y;
 	}
 	for (int d = 0; d < dpad; d++)
 		o[(2 * npad + d) * lanes] = ok && d < BD(D) ? ld(Bv, base + d, dt_b) : 0.0f;
+	/* kmax: the largest norm bound of a (batch, kv head)'s rows, for the skip bound (as
+	 * float bits: a non-negative float orders as its int; a NaN norm never skips there) */
+	if (kmax && ok)
+		atomic_max(kmax + bh, as_int((float)ape_norm_bound(ss)));
 }
 
 /* The distance terms of each head at every distance n = nmin + idx a launch has, once: the
@@ -165,10 +174,59 @@ KFN vi bwd_lanes(int lo, int hi)
  * per-key step omega_p / alpha_i, to STEP (per row vector: cos for the npad pairs, then sin,
  * APE_RW lanes each), so that the sweeps seed only the rotation's start.
  */
+/*
+ * The keys one row must compute, [*jlo, *jhi) of its visible keys [0, vend): with B_SKIP, the
+ * longest prefix of whole granules (keys at n >= 1) and suffix (n <= -1) whose weight the
+ * backward bound proves negligible (ape_bwd_may_skip(), docs/kernels.md). Binary searches:
+ * only a prefix or suffix that passed the test is left out.
+ */
+KFN void bwd_row_range(__global const APE_REAL *hp, float scale, APE_REAL qn, APE_REAL km,
+		       APE_REAL lse, float tol, long diag, long Lk, long vend, int causal,
+		       long *jlo, long *jhi)
+{
+	const APE_REAL as = fabs((APE_REAL)scale);
+	/* without the causal mask both sides may be left out: they share tol */
+	const float t = causal ? tol : tol / 2;
+	long lo = 0, hi, m0, e = diag < Lk ? diag : Lk;
+
+	*jlo = 0;
+	*jhi = vend;
+	/* prefix: granules m < M lie at n >= 1; lo passed (or is 0) */
+	hi = (e > 0 ? e / B_GRANULE : 0) + 1;
+	while (hi - lo > 1) {
+		const long mid = (lo + hi) / 2, cnt = mid * B_GRANULE;
+
+		if (ape_bwd_may_skip(hp[3], hp[0], hp[1], hp[2], as, qn, km,
+				     (APE_REAL)(diag - (cnt - 1)), (APE_REAL)cnt, lse, t))
+			lo = mid;
+		else
+			hi = mid;
+	}
+	*jlo = lo * B_GRANULE;
+	if (causal || diag + 1 >= Lk)
+		return;
+	/* suffix from granule m at n <= -1: m >= m0; hi passed (or leaves out nothing) */
+	m0 = diag + 1 > 0 ? (diag + 1 + B_GRANULE - 1) / B_GRANULE : 0;
+	hi = (Lk + B_GRANULE - 1) / B_GRANULE;
+	lo = m0 - 1;
+	while (hi - lo > 1) {
+		const long mid = (lo + hi) / 2, s0 = mid * B_GRANULE;
+
+		if (ape_bwd_may_skip(hp[3], hp[0], hp[1], hp[2], as, qn, km,
+				     (APE_REAL)(s0 - diag), (APE_REAL)(Lk - s0), lse, t))
+			hi = mid;
+		else
+			lo = mid;
+	}
+	*jhi = hi * B_GRANULE < Lk ? hi * B_GRANULE : Lk;
+}
+
 __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 			   __global const float *LSE, __global const float *DLSE,
 			   __global const APE_REAL *prm, int npad, int D, int H, long Lq, int flags,
-			   __global APE_REAL *rinfo, __global float *STEP)
+			   __global APE_REAL *rinfo, __global float *STEP, __global const int *kmax,
+			   int group, long Lk, long rel, float scale, float tol,
+			   __global ulong *PAIRS)
 {
 	const long ib = get_global_id(0), bh = get_global_id(1), nblk = (Lq + APE_RW - 1) / APE_RW;
 	const long blk = bh * nblk + ib, i0 = ib * APE_RW;
@@ -177,8 +235,10 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 	__global const float *qt = QP + blk * rs * APE_RW;
 	__global APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
 	__global float *st = STEP + blk * 2 * npad * APE_RW;
-	APE_REAL tm[APE_RW], tss[APE_RW], tia[APE_RW];
-	vr sum = (vr)0, ss = (vr)0, mean;
+	const int causal = (flags & B_CAUSAL) != 0;
+	APE_REAL tm[APE_RW], tss[APE_RW], tia[APE_RW], tqq[APE_RW];
+	vr sum = (vr)0, ss = (vr)0, qq = (vr)0, mean;
+	long vlo = LONG_MAX, vhi = 0;
 
 	if (ib >= nblk)
 		return;
@@ -189,10 +249,14 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 		const vr x = TO_VR(VL(qt + p * APE_RW)) - mean;
 		const vr y = TO_VR(VL(qt + (npad + p) * APE_RW)) - mean;
 
+		const vr xq = TO_VR(VL(qt + p * APE_RW)), yq = TO_VR(VL(qt + (npad + p) * APE_RW));
+
 		ss += x * x + y * y;
+		qq += xq * xq + yq * yq;
 	}
 	VS(mean, tm);
 	VS(ss, tss);
+	VS(qq, tqq);
 	NOUNROLL for (int l = 0; l < APE_RW; l++) {
 		const long i = i0 + l, row = bh * Lq + i;
 		APE_REAL sigma, dl = 0;
@@ -215,6 +279,35 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 		ri[RI_LSE * APE_RW + l] = LSE[row];
 		ri[RI_DSUB * APE_RW + l] =
 			dl - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
+		{ /* the keys it must compute; the row vector computes their union */
+			const long diag = rel + i;
+			const long vend = causal ? (diag + 1 < 0 ? 0 : diag + 1 < Lk ? diag + 1 : Lk)
+						 : Lk;
+			long jlo = 0, jhi = vend;
+
+			if ((flags & B_SKIP) && vend > 0)
+				bwd_row_range(prm + npad + 4 * (bh % H), scale,
+					      ape_norm_bound(tqq[l]),
+					      (APE_REAL)as_float(kmax[bh / H * (H / group) +
+								      bh % H / group]),
+					      LSE[row], tol, diag, Lk, vend, causal, &jlo, &jhi);
+			if (vend > 0 && jlo < jhi) {
+				vlo = jlo < vlo ? jlo : vlo;
+				vhi = jhi > vhi ? jhi : vhi;
+			}
+		}
+	}
+	if (vlo >= vhi)
+		vlo = vhi = 0;
+	NOUNROLL for (int l = 0; l < APE_RW; l++) {
+		const long i = i0 + l, diag = rel + i;
+		const long vend = causal ? (diag + 1 < 0 ? 0 : diag + 1 < Lk ? diag + 1 : Lk) : Lk;
+		const long e = vhi < vend ? vhi : vend;
+
+		ri[RI_JLO * APE_RW + l] = (APE_REAL)vlo;
+		ri[RI_JHI * APE_RW + l] = (APE_REAL)vhi;
+		if ((flags & B_PAIRS) && i < Lq) /* visible pairs computed */
+			PAIRS[bh * Lq + i] = (ulong)(e > vlo ? e - vlo : 0);
 	}
 	NOUNROLL for (int p = 0; p < npad; p++) {
 		vf c = (vf)1.0f, sn = (vf)0.0f;
@@ -285,6 +378,10 @@ __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *D
 			const vf dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
 			const vr nv = ((APE_REAL)nl0 + TO_VR(IOTA)) * iav;
 			const int hi = (int)(Lq - r0 < APE_RW ? Lq - r0 : APE_RW);
+
+			/* left out by the skip bound (or seen by no row of the vector) */
+			if (j0 + nk <= (long)ri[RI_JLO * APE_RW] || j0 >= (long)ri[RI_JHI * APE_RW])
+				continue;
 
 			/* the queries rotated to key j0 (by +theta) */
 			NOUNROLL for (int p = 0; p < b.P; p++) {
@@ -417,7 +514,10 @@ __kernel void ape_bwd_queries(BWD_SWEEP_ARGS, __global const void *Q, __global f
 	}
 	/* causal: the last row sees keys j <= rel + i0 + hi - 1 */
 	jend = b.causal ? (rel + i0 + hi < Lk ? rel + i0 + hi : Lk) : Lk;
-	for (long j0 = 0; j0 < jend; j0 += QBK) {
+	/* the row vector's computed keys (ape_bwd_rows: [0, jend) unless the skip bound left some
+	 * out) */
+	jend = (long)ri[RI_JHI * APE_RW] < jend ? (long)ri[RI_JHI * APE_RW] : jend;
+	for (long j0 = (long)ri[RI_JLO * APE_RW]; j0 < jend; j0 += QBK) {
 		const int len = (int)(jend - j0 < QBK ? jend - j0 : QBK);
 		const long nb = rel + i0 - j0; /* n of (lane 0, key j0) */
 		const vr n0 = (APE_REAL)nb + TO_VR(IOTA);
