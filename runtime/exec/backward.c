@@ -257,11 +257,14 @@ static int launch(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t
 	int ret;
 
 	memset(&l, 0, sizeof(l));
-	/* skip_tol shared by the key chunks a row meets: each launch leaves out at most its share
-	 * of the row's weight (docs/kernels.md, "Skipping in the backward pass"); 0 when the
-	 * decays do not allow it */
+	/* skip_tol shared by the nk key chunks a row meets: launch tests of t / (1 + t) each add
+	 * up to skip_tol / (1 + skip_tol) of the row's weight with t = skip_tol / (nk + skip_tol
+	 * (nk - 1)) (docs/kernels.md, "Skipping in the backward pass"); 0 when the decays do not
+	 * allow skipping */
 	ape__launch_init(&l.f, p, p->out_dtype,
-			 ape__skip_allowed(p) ? p->skip_tol / (double)x->nk_chunks : 0.0);
+			 ape__skip_allowed(p) ? p->skip_tol / ((double)x->nk_chunks +
+							       p->skip_tol * (double)(x->nk_chunks - 1))
+					      : 0.0);
 	l.f.pairs = x->b[B_PAIRS].buf;
 	l.f.Lq = nq;
 	l.f.Lk = nk;
