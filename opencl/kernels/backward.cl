@@ -334,26 +334,43 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
  * it. */
 #define BWD_KT (APE_DMAX <= 64 ? 32 : APE_DMAX <= 128 ? 16 : 8)
 
+/* Row vectors per group of the keys sweep (their P and dS wait in private memory while the
+ * group's dK and dV are added: the accumulators are read and written once per group) and keys
+ * per dot-product sub-block (their dot products stay in registers while the pairs run). */
+#define KR 8
+#define KSB 8
+
+/* The lanes of row vector g that see key kt of the block (causal: n = nl0 + lane - kt >= 0) */
+#define KEYS_VIS(g, kt)                                                                           \
+	bwd_lanes(b.causal ? (int)clamp((long)(kt) - nl0[g], 0L, (long)APE_RW) : 0, hi[g])
+
 /*
  * Keys outer: dV_j = sum_i P_ij dO_i, dK_j = sum_i dS_ij temp scale d(dot)/d(k_j) (q_i's pairs
  * rotated by +theta), over the rows of every query head of key j's kv head, for BWD_KT keys
  * j0.. of one kv head. As in the forward, APE_RW query rows ride in the lanes of a vector (one
  * vector load per component from the prepared row vectors, the row and distance terms one
- * vector load each): per row vector, the query is rotated to the first key (seeded) and turned
- * one step per key after it, so that the rotated query is both the dot product's operand and
- * d(dot)/d(k_j); the accumulators keep their lanes until the end, where
- * each is summed once. Lanes past the last row, or that a key is hidden from, add nothing (a
- * select, so that NaN in a row reaches only the keys it sees).
+ * vector load each). Row vectors go in groups of KR: first, per row vector, the query rotated
+ * to the first key (seeded), the dot products KSB keys at a time while the rotated query turns
+ * one step per key, then P and g = dS temp scale per key, kept; then the group's dV (P times
+ * dO) and dK (g times the rotated query, turned again from the first key: it is
+ * d(dot)/d(k_j)) into accumulators that keep their lanes until the end, where each is summed
+ * once. Lanes past the last row, or that a key is hidden from, add nothing (a select, so that
+ * NaN in a row reaches only the keys it sees). Row vectors the skip bound left out of the
+ * block's keys (ape_bwd_rows) are passed over.
  */
 __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *DV)
 {
 	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
 	const long j0 = get_global_id(0) * BWD_KT, bkv = get_global_id(1), Hkv = H / group;
 	const int nk = (int)(Lk - j0 < BWD_KT ? Lk - j0 : BWD_KT);
+	__global const float *kp = KP + (bkv * Lk + j0) * b.rs;
 	/* per key kt, component c: lanes at ((kt * D) + c) * APE_RW */
 	float dkacc[BWD_KT * APE_DMAX * APE_RW], dvacc[BWD_KT * APE_DMAX * APE_RW];
-	vf xr[APE_PMAX], yr[APE_PMAX];
-	long i0;
+	vf Pm[KR][BWD_KT], Gm[KR][BWD_KT], X0[KR][APE_PMAX], Y0[KR][APE_PMAX];
+	vf xs[APE_PMAX], ys[APE_PMAX];
+	__global const float *qtg[KR], *cwg[KR], *swg[KR];
+	long nl0[KR], i0;
+	int hi[KR], full[KR];
 
 	if (j0 >= Lk)
 		return;
@@ -367,87 +384,175 @@ __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *D
 		__global const APE_REAL *tt = tab + TB_AT(h, TB_T, b.ndist);
 		__global const APE_REAL *tbias = tab + TB_AT(h, TB_BIAS, b.ndist);
 
-		for (long r0 = i0; r0 < Lq; r0 += APE_RW) {
-			const long blk = bh * b.nblk + r0 / APE_RW, nl0 = rel + r0 - j0;
-			__global const float *qt = QP + blk * b.rs * APE_RW;
-			__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
-			__global const float *cw = STEP + blk * 2 * b.npad * APE_RW,
-					     *sw = cw + b.npad * APE_RW;
-			const vr iav = (APE_REAL)1 / VL(ri + RI_ALPHA * APE_RW);
-			const vr lse = VL(ri + RI_LSE * APE_RW);
-			const vf dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
-			const vr nv = ((APE_REAL)nl0 + TO_VR(IOTA)) * iav;
-			const int hi = (int)(Lq - r0 < APE_RW ? Lq - r0 : APE_RW);
+		for (long r0 = i0; r0 < Lq;) {
+			int nr = 0;
 
-			/* left out by the skip bound (or seen by no row of the vector) */
-			if (j0 + nk <= (long)ri[RI_JLO * APE_RW] || j0 >= (long)ri[RI_JHI * APE_RW])
-				continue;
+			/* P and g of up to KR row vectors */
+			for (; r0 < Lq && nr < KR; r0 += APE_RW) {
+				const long blk = bh * b.nblk + r0 / APE_RW;
+				__global const float *qt = QP + blk * b.rs * APE_RW;
+				__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
+				__global const float *cw = STEP + blk * 2 * b.npad * APE_RW,
+						     *sw = cw + b.npad * APE_RW;
+				vr iav, lse, nv;
+				vf dsub;
+				const int g = nr;
 
-			/* the queries rotated to key j0 (by +theta) */
-			NOUNROLL for (int p = 0; p < b.P; p++) {
-				const vf x = VL(qt + p * APE_RW), y = VL(qt + (b.npad + p) * APE_RW);
-				vf c, sn = ape_seed_sincos((vr)prm[p] * nv, &c);
-
-				xr[p] = x * c - y * sn;
-				yr[p] = x * sn + y * c;
-			}
-			for (int kt = 0; kt < nk; kt++) {
-				__global const float *kr = KP + (bkv * Lk + j0 + kt) * b.rs;
-				float *dka = dkacc + kt * b.D * APE_RW, *dva = dvacc + kt * b.D * APE_RW;
-				const long e = nl0 - kt - b.nmin; /* lane 0's distance in the table */
-				const long lo = b.causal ? kt - nl0 : 0; /* lanes >= lo see key kt */
-				vf dot = 0.0f, dov = 0.0f, p, g, tsc;
-				vi okv;
-
-				NOUNROLL for (int q = 0; q < b.P; q++) {
-					vf x = xr[q], y = yr[q];
-
-					if (kt) { /* one key further: theta falls by one step */
-						const vf c = VL(cw + q * APE_RW), sn = VL(sw + q * APE_RW);
-						const vf xn = fma(x, c, y * sn);
-
-						y = fma(y, c, -(x * sn));
-						x = xn;
-						xr[q] = x;
-						yr[q] = y;
-					}
-					dot = fma(x, (vf)kr[q], fma(y, (vf)kr[b.npad + q], dot));
-				}
-				NOUNROLL for (int d = 0; d < b.D; d++)
-					dov = fma(VL(qt + (2 * b.npad + d) * APE_RW),
-						  (vf)kr[2 * b.npad + d], dov);
-				p = bwd_p(VL(tt + e), VL(tbias + e), lse, dot, b.scale, &tsc);
-				g = p * (dov - dsub) * tsc;
-				if (hi == APE_RW && lo <= 0) {
-					/* every lane's row exists and sees the key */
-					NOUNROLL for (int d = 0; d < b.D; d++)
-						VS(fma(p, VL(qt + (2 * b.npad + d) * APE_RW),
-						       VL(dva + d * APE_RW)),
-						   dva + d * APE_RW);
-					NOUNROLL for (int q = 0; q < b.P; q++) {
-						float *au = dka + q * APE_RW, *aw = dka + (b.P + q) * APE_RW;
-
-						VS(fma(g, xr[q], VL(au)), au);
-						VS(fma(g, yr[q], VL(aw)), aw);
-					}
+				/* left out by the skip bound (or seen by no row of the vector) */
+				if (j0 + nk <= (long)ri[RI_JLO * APE_RW] ||
+				    j0 >= (long)ri[RI_JHI * APE_RW])
 					continue;
-				}
-				/* a lane adds only where its row exists and sees the key: a select
-				 * on each product, so that NaN in a row reaches only keys it sees */
-				okv = bwd_lanes((int)(lo < 0 ? 0 : lo > APE_RW ? APE_RW : lo), hi);
-				NOUNROLL for (int d = 0; d < b.D; d++)
-					VS(VL(dva + d * APE_RW) +
-						   APE_V_SELECT((vf)0.0f,
-								p * VL(qt + (2 * b.npad + d) * APE_RW),
-								okv),
-					   dva + d * APE_RW);
-				NOUNROLL for (int q = 0; q < b.P; q++) {
-					float *au = dka + q * APE_RW, *aw = dka + (b.P + q) * APE_RW;
+				nr++;
+				qtg[g] = qt;
+				cwg[g] = cw;
+				swg[g] = sw;
+				nl0[g] = rel + r0 - j0;
+				hi[g] = (int)(Lq - r0 < APE_RW ? Lq - r0 : APE_RW);
+				full[g] = hi[g] == APE_RW && (!b.causal || nl0[g] - (nk - 1) >= 0);
+				iav = (APE_REAL)1 / VL(ri + RI_ALPHA * APE_RW);
+				lse = VL(ri + RI_LSE * APE_RW);
+				dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
+				nv = ((APE_REAL)nl0[g] + TO_VR(IOTA)) * iav;
+				/* the queries rotated to key j0 (by +theta) */
+				NOUNROLL for (int p = 0; p < b.P; p++) {
+					const vf x = VL(qt + p * APE_RW),
+						 y = VL(qt + (b.npad + p) * APE_RW);
+					vf c, sn = ape_seed_sincos((vr)prm[p] * nv, &c);
 
-					VS(VL(au) + APE_V_SELECT((vf)0.0f, g * xr[q], okv), au);
-					VS(VL(aw) + APE_V_SELECT((vf)0.0f, g * yr[q], okv), aw);
+					xs[p] = X0[g][p] = x * c - y * sn;
+					ys[p] = Y0[g][p] = x * sn + y * c;
+				}
+				NOUNROLL for (int sb = 0; sb < nk; sb += KSB) {
+					__global const float *kr[KSB];
+					vf S[KSB];
+
+#pragma unroll
+					for (int jj = 0; jj < KSB; jj++) {
+						kr[jj] = kp + (sb + jj < nk ? sb + jj : nk - 1) * b.rs;
+						S[jj] = (vf)0.0f;
+					}
+					NOUNROLL for (int p = 0; p < b.P; p++) {
+						vf x = xs[p], y = ys[p];
+						const vf c = VL(cw + p * APE_RW), sn = VL(sw + p * APE_RW);
+
+#pragma unroll
+						for (int jj = 0; jj < KSB; jj++) {
+							const vf xn = fma(x, c, y * sn);
+
+							S[jj] = fma(x, (vf)kr[jj][p],
+								    fma(y, (vf)kr[jj][b.npad + p], S[jj]));
+							/* one key further: theta falls by one step */
+							y = fma(y, c, -(x * sn));
+							x = xn;
+						}
+						xs[p] = x;
+						ys[p] = y;
+					}
+#pragma unroll
+					for (int jj = 0; jj < KSB; jj++) {
+						const int kt = sb + jj;
+						const long e = nl0[g] - kt - b.nmin; /* lane 0's distance */
+						vf dov = (vf)0.0f, tsc, pv, gv;
+
+						if (kt >= nk)
+							break;
+						NOUNROLL for (int d = 0; d < b.D; d++)
+							dov = fma(VL(qt + (2 * b.npad + d) * APE_RW),
+								  (vf)kr[jj][2 * b.npad + d], dov);
+						pv = bwd_p(VL(tt + e), VL(tbias + e), lse, S[jj], b.scale,
+							   &tsc);
+						gv = pv * (dov - dsub) * tsc;
+						Pm[g][kt] = pv;
+						Gm[g][kt] = gv;
+					}
 				}
 			}
+			/* dV: P times dO, 16 components at a time in registers */
+			if (flags & B_DV)
+				NOUNROLL for (int kt = 0; kt < nk; kt++) {
+					NOUNROLL for (int d0 = 0; d0 < b.D; d0 += 2) {
+						float *acc = dvacc + (kt * b.D + d0) * APE_RW;
+						vf a0 = VL(acc), a1 = VL(acc + APE_RW);
+
+						NOUNROLL for (int g = 0; g < nr; g++) {
+							__global const float *o =
+								qtg[g] + (2 * b.npad + d0) * APE_RW;
+							const vf pv = Pm[g][kt];
+
+							if (full[g]) {
+								a0 = fma(pv, VL(o), a0);
+								a1 = fma(pv, VL(o + APE_RW), a1);
+							} else {
+								const vi ok = KEYS_VIS(g, kt);
+
+								a0 += APE_V_SELECT((vf)0.0f, pv * VL(o), ok);
+								a1 += APE_V_SELECT((vf)0.0f,
+										   pv * VL(o + APE_RW), ok);
+							}
+						}
+						VS(a0, acc);
+						VS(a1, acc + APE_RW);
+					}
+				}
+			/* dK: g times the rotated query, turned one step per key again */
+			if (flags & B_DK)
+				NOUNROLL for (int p = 0; p < b.P; p++) {
+					vf X[KR], Y[KR];
+
+					NOUNROLL for (int g = 0; g < nr; g++) {
+						X[g] = X0[g][p];
+						Y[g] = Y0[g][p];
+					}
+					NOUNROLL for (int kc = 0; kc < nk; kc += KSB) {
+						vf ax[KSB], ay[KSB];
+
+#pragma unroll
+						for (int jj = 0; jj < KSB; jj++) {
+							const int kt = kc + jj < nk ? kc + jj : nk - 1;
+
+							ax[jj] = VL(dkacc + (kt * b.D + p) * APE_RW);
+							ay[jj] = VL(dkacc + (kt * b.D + b.P + p) * APE_RW);
+						}
+						NOUNROLL for (int g = 0; g < nr; g++) {
+							vf x = X[g], y = Y[g];
+							const vf c = VL(cwg[g] + p * APE_RW);
+							const vf sn = VL(swg[g] + p * APE_RW);
+
+#pragma unroll
+							for (int jj = 0; jj < KSB; jj++) {
+								const int kt = kc + jj;
+								const vf xn = fma(x, c, y * sn);
+
+								if (kt >= nk)
+									break;
+								if (full[g]) {
+									ax[jj] = fma(Gm[g][kt], x, ax[jj]);
+									ay[jj] = fma(Gm[g][kt], y, ay[jj]);
+								} else {
+									const vi ok = KEYS_VIS(g, kt);
+
+									ax[jj] += APE_V_SELECT(
+										(vf)0.0f, Gm[g][kt] * x, ok);
+									ay[jj] += APE_V_SELECT(
+										(vf)0.0f, Gm[g][kt] * y, ok);
+								}
+								y = fma(y, c, -(x * sn));
+								x = xn;
+							}
+							X[g] = x;
+							Y[g] = y;
+						}
+#pragma unroll
+						for (int jj = 0; jj < KSB; jj++) {
+							const int kt = kc + jj;
+
+							if (kt >= nk)
+								break;
+							VS(ax[jj], dkacc + (kt * b.D + p) * APE_RW);
+							VS(ay[jj], dkacc + (kt * b.D + b.P + p) * APE_RW);
+						}
+					}
+				}
 		}
 	}
 	for (int kt = 0; kt < nk; kt++) {
