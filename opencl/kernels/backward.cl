@@ -118,6 +118,15 @@ __kernel void ape_bwd_dist(__global const APE_REAL *prm, int npad, int H, long n
 	tab[TB_AT(h, TB_DTL, ndist) + idx] = ape_grad_dtemp_dlambda(hp[3], an);
 }
 
+/* The rotated query one key further: theta falls by one step (c, s: cos and sin of it) */
+KFN void bwd_turn(vf *x, vf *y, vf c, vf s)
+{
+	const vf xn = fma(*x, c, *y * s);
+
+	*y = fma(*y, c, -(*x * s));
+	*x = xn;
+}
+
 /* One launch's shape, as the kernels read it */
 struct bwd {
 	int D, P, npad, rs, inter, causal;
@@ -437,13 +446,9 @@ __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *D
 
 #pragma unroll
 						for (int jj = 0; jj < KSB; jj++) {
-							const vf xn = fma(x, c, y * sn);
-
 							S[jj] = fma(x, (vf)kr[jj][p],
 								    fma(y, (vf)kr[jj][b.npad + p], S[jj]));
-							/* one key further: theta falls by one step */
-							y = fma(y, c, -(x * sn));
-							x = xn;
+							bwd_turn(&x, &y, c, sn);
 						}
 						xs[p] = x;
 						ys[p] = y;
@@ -521,7 +526,6 @@ __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *D
 #pragma unroll
 							for (int jj = 0; jj < KSB; jj++) {
 								const int kt = kc + jj;
-								const vf xn = fma(x, c, y * sn);
 
 								if (kt >= nk)
 									break;
@@ -536,8 +540,7 @@ __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *D
 									ay[jj] += APE_V_SELECT(
 										(vf)0.0f, Gm[g][kt] * y, ok);
 								}
-								y = fma(y, c, -(x * sn));
-								x = xn;
+								bwd_turn(&x, &y, c, sn);
 							}
 							X[g] = x;
 							Y[g] = y;
@@ -656,12 +659,10 @@ __kernel void ape_bwd_queries(BWD_SWEEP_ARGS, __global const void *Q, __global f
 #pragma unroll
 				for (int jj = 0; jj < QSB; jj++) {
 					const float u = kr[jj][p], w = kr[jj][b.npad + p];
-					const vf xn = fma(x, c, y * s);
 
 					S[jj] = fma(x, (vf)u, fma(y, (vf)w, S[jj]));
 					E[jj] = fma(y, (vf)(om * u), fma(x, (vf)(-om * w), E[jj]));
-					y = fma(y, c, -(x * s));
-					x = xn;
+					bwd_turn(&x, &y, c, s);
 				}
 				xr[p] = x;
 				yr[p] = y;
