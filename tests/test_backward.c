@@ -1239,14 +1239,21 @@ TEST_F(bwd, every_backend_edge_cases)
 /*
  * Skipping in the backward pass (docs/kernels.md, "Skipping in the backward pass"): with the
  * seed's parameters (delta = 2^(-4/3), beta = gamma = delta / 10, lambda = 0.1) and skip_tol =
- * 1e-4, long enough rows that whole key tiles lie far behind (causal) or on both sides: every
+ * 1e-4, long enough rows that whole key tiles lie far behind (causal) or on both sides (the
+ * third case: grouped heads and a D no kernel specialises): every
  * gradient within the spec's float32 tolerance of the reference's dense ones, in one launch and
  * in chunks, two runs bit for bit the same; a backend that counts the pairs it computed
  * (OpenCL) computed fewer than are visible, the others at most as many.
  */
 TEST_F(bwd, every_backend_skipping_within_tolerance)
 {
-	const test_problem_shape sh = { 1, 2, 1, 700, 700, 64 };
+	/* non-causal; causal; GQA with a D no kernel specialises, fewer queries than keys
+	 * (end-aligned: the queries are the last 300 positions) */
+	static const test_problem_shape shapes[] = {
+		{ 1, 2, 1, 700, 700, 64 },
+		{ 1, 2, 1, 700, 700, 64 },
+		{ 1, 4, 2, 300, 900, 66 },
+	};
 	const bool counts = strcmp(variant->backend, "opencl") == 0;
 	ape_rng rng;
 
@@ -1256,7 +1263,8 @@ TEST_F(bwd, every_backend_skipping_within_tolerance)
 	if (self->emu || ape_test_slow())
 		SKIP(return, "700 x 700 rows: too long for the emulated device or a slow run");
 	ape_rng_init(&rng, "every_backend_skipping_within_tolerance");
-	for (int causal = 0; causal < 2; causal++) {
+	for (int causal = 0; causal < 3; causal++) {
+		const test_problem_shape sh = shapes[causal];
 		const float delta = (float)pow(2, -4.0 / 3);
 		uint64_t visible;
 		ape_stats st;
@@ -1267,7 +1275,8 @@ TEST_F(bwd, every_backend_skipping_within_tolerance)
 		c.tp.desc.delta = (ape_param){ delta, NULL };
 		c.tp.desc.beta = c.tp.desc.gamma = (ape_param){ delta / 10, NULL };
 		c.tp.desc.lambda = (ape_param){ 0.1f, NULL };
-		c.tp.desc.causal = causal;
+		c.tp.desc.causal = causal != 0;
+		c.tp.desc.q_start_set = false; /* end-aligned */
 		c.tp.desc.skip_tol = 0;
 		ASSERT_EQ(0, bcase_forward(&c, self->ref)) TH_LOG("%s", ape_last_error());
 		ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
@@ -1284,22 +1293,22 @@ TEST_F(bwd, every_backend_skipping_within_tolerance)
 		ASSERT_EQ(0, ape_visible_pairs(&c.tp.desc, sh.B, sh.H, sh.Lq, sh.Lk, &visible));
 		EXPECT_EQ(visible, st.pairs_visible);
 		if (counts) {
-			EXPECT_LT(st.pairs_computed, visible) TH_LOG("causal %d", causal);
+			EXPECT_LT(st.pairs_computed, visible) TH_LOG("case %d", causal);
 		} else {
 			EXPECT_LE(st.pairs_computed, visible);
 		}
 		EXPECT_LT(0u, st.pairs_computed);
-		EXPECT_LE(rel_err(&g.dq.t, &want.dq.t), tol_grad(APE_F32)) TH_LOG("causal %d", causal);
-		EXPECT_LE(rel_err(&g.dk.t, &want.dk.t), tol_grad(APE_F32)) TH_LOG("causal %d", causal);
-		EXPECT_LE(rel_err(&g.dv.t, &want.dv.t), tol_grad(APE_F32)) TH_LOG("causal %d", causal);
+		EXPECT_LE(rel_err(&g.dq.t, &want.dq.t), tol_grad(APE_F32)) TH_LOG("case %d", causal);
+		EXPECT_LE(rel_err(&g.dk.t, &want.dk.t), tol_grad(APE_F32)) TH_LOG("case %d", causal);
+		EXPECT_LE(rel_err(&g.dv.t, &want.dv.t), tol_grad(APE_F32)) TH_LOG("case %d", causal);
 		EXPECT_LE(rel_err_params(g.dparams, want.dparams, sh.H), tol_grad(APE_F32))
-			TH_LOG("causal %d", causal);
+			TH_LOG("case %d", causal);
 		EXPECT_LE(rel_err(&chunked.dq.t, &want.dq.t), tol_grad(APE_F32));
 		EXPECT_LE(rel_err(&chunked.dk.t, &want.dk.t), tol_grad(APE_F32));
 		EXPECT_LE(rel_err(&chunked.dv.t, &want.dv.t), tol_grad(APE_F32));
 		EXPECT_LE(rel_err_params(chunked.dparams, want.dparams, sh.H), tol_grad(APE_F32));
-		EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("causal %d: reruns differ", causal);
-		TH_LOG("causal %d: %llu of %llu visible pairs computed; errors dq %.2e dk %.2e dv %.2e "
+		EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: reruns differ", causal);
+		TH_LOG("case %d: %llu of %llu visible pairs computed; errors dq %.2e dk %.2e dv %.2e "
 		       "dparams %.2e",
 		       causal, (unsigned long long)st.pairs_computed, (unsigned long long)visible,
 		       rel_err(&g.dq.t, &want.dq.t), rel_err(&g.dk.t, &want.dk.t),
