@@ -7,9 +7,11 @@
  * Only the sweeps whose outputs are wanted run.
  *
  * Scratch, released right after it is enqueued (the commands keep it alive), like the
- * forward's: the parameters, float32 copies of Q+dO and K+V, the row table (5 APE_REAL per
- * query row), the distance table (6 per head and distance, H (Lq + Lk - 1)) and the per-row
- * parameter sums (4 per row, with dparams only): the size of the inputs, never O(Lq * Lk).
+ * forward's: the parameters, float32 copies of Q+dO and K+V (Q's rows padded to whole row
+ * vectors), the row table (RI_N APE_REAL per query row), the per-row steps (2 floats per pair
+ * and row), the distance table (TB_N per head and distance, H (Lq + Lk - 1)), the per-row
+ * parameter sums (4 per row, with dparams only) and, with skipping, one key norm per (batch,
+ * kv head): the size of the inputs, never O(Lq * Lk).
  * The core does not count it yet (struct ape__backend_ops has no backward scratch op).
  */
 #include <stdlib.h>

@@ -4,23 +4,27 @@
  * the same program (it uses its loads, ld(), and its lane types). Six kernels, enqueued in
  * order by ocl_backward.c:
  *
- *   ape_bwd_prep     Q with dO, and K with V, as float32 rows in the sweeps' order (twice);
+ *   ape_bwd_prep     Q with dO (in row vectors), and K with V (a row per key), as float32 in
+ *                    the sweeps' order; with skipping, each kv head's largest key norm;
  *   ape_bwd_dist     per head and distance: temp, bias and their parameter derivatives;
- *   ape_bwd_rows     per query row: mean, sigma, alpha, the saved LSE and Dl_i - dLSE_i
- *                    (Dl_i = dO_i . O_i), once, for the two sweeps;
- *   ape_bwd_keys     keys outer: one work-item owns a key and sums dK_j and dV_j over every row
- *                    of every query head that reads its kv head, then adds them once;
- *   ape_bwd_queries  queries outer: one work-item owns a row and sums dQ_i, the alpha path A_i
- *                    (applied to dQ_i at the end) and the row's four parameter sums;
+ *   ape_bwd_rows     per row vector: mean, sigma, alpha, the saved LSE, Dl_i - dLSE_i
+ *                    (Dl_i = dO_i . O_i), the cos and sin of each pair's per-key step, and the
+ *                    keys the skip bound leaves to compute, once, for the two sweeps;
+ *   ape_bwd_keys     keys outer: one work-item owns BWD_KT keys and sums their dK_j and dV_j
+ *                    over every row of every query head that reads their kv head, then adds
+ *                    them once;
+ *   ape_bwd_queries  queries outer: one work-item owns a row vector and sums dQ_i, the alpha
+ *                    path A_i (applied to dQ_i at the end) and the rows' parameter sums;
  *   ape_bwd_params   per head: the rows' parameter sums in float64, in row order, added to
  *                    dparams.
  *
  * No float atomics anywhere: every sum has one owner and a fixed order, so two runs are bit
  * for bit the same. Both sweeps recompute P_ij = exp(s_ij - LSE_i) from q, k and the saved
- * LSE; nothing of size Lq * Lk exists. The rotation of one (row, key) pair is evaluated in
- * vectors of APE_RW pairs: each angle n omega_p / alpha_i seeded exactly in APE_REAL by
- * ape_seed_sincos (the forward's seed), the pair products in float32. The per-pair scalar work
- * (temperature, bias, exp, the parameter terms) runs in APE_REAL through ape_math.h.
+ * LSE; nothing of size Lq * Lk exists. Both use the forward's layout (docs/kernels.md): APE_RW
+ * query rows in the lanes of a vector, keys as scalars, each rotation seeded exactly in
+ * APE_REAL by ape_seed_sincos (the forward's seed) at the start of a key tile and turned one
+ * step per key after it, the pair products in float32; the per-distance terms come from a
+ * table of ape_math.h's values in APE_REAL, one vector load per key.
  *
  * Built only with APE_FP64: dparams are float64 sums, and the host refuses the backward pass
  * on a device without cl_khr_fp64 (ocl_backward.c).
