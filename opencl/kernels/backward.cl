@@ -96,10 +96,14 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 	}
 	for (int d = 0; d < dpad; d++)
 		o[(2 * npad + d) * lanes] = ok && d < BD(D) ? ld(Bv, base + d, dt_b) : 0.0f;
-	/* kmax: the largest norm bound of a (batch, kv head)'s rows, for the skip bound (as
-	 * float bits: a non-negative float orders as its int; a NaN norm never skips there) */
-	if (kmax && ok)
-		atomic_max(kmax + bh, as_int((float)ape_norm_bound(ss)));
+	/* kmax: the largest norm bound of a (batch, kv head)'s rows, for the skip bound, as float
+	 * bits (a non-negative float orders as its int); a NaN norm counts as +inf, so that no
+	 * key of that head is ever left out (a NaN's sign bit would make it the smallest int) */
+	if (kmax && ok) {
+		const float nb = (float)ape_norm_bound(ss);
+
+		atomic_max(kmax + bh, as_int(isnan(nb) ? INFINITY : nb));
+	}
 }
 
 /* The distance terms of each head at every distance n = nmin + idx a launch has, once: the
