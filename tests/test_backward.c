@@ -1268,21 +1268,21 @@ TEST_F(bwd, every_backend_skipping_within_tolerance)
 			EXPECT_LE(st.pairs_computed, visible);
 		}
 		EXPECT_LT(0u, st.pairs_computed);
-		EXPECT_LE(rel_err(&g.dq.t, &want.dq.t), tol_grad(APE_F32)) TH_LOG("case %d", causal);
-		EXPECT_LE(rel_err(&g.dk.t, &want.dk.t), tol_grad(APE_F32)) TH_LOG("case %d", causal);
-		EXPECT_LE(rel_err(&g.dv.t, &want.dv.t), tol_grad(APE_F32)) TH_LOG("case %d", causal);
-		EXPECT_LE(rel_err_params(g.dparams, want.dparams, sh.H), tol_grad(APE_F32))
+		EXPECT_LE(grads_rel_err(&g.dq.t, &want.dq.t), grads_tol(APE_F32)) TH_LOG("case %d", causal);
+		EXPECT_LE(grads_rel_err(&g.dk.t, &want.dk.t), grads_tol(APE_F32)) TH_LOG("case %d", causal);
+		EXPECT_LE(grads_rel_err(&g.dv.t, &want.dv.t), grads_tol(APE_F32)) TH_LOG("case %d", causal);
+		EXPECT_LE(grads_rel_err_params(g.dparams, want.dparams, sh.H), grads_tol(APE_F32))
 			TH_LOG("case %d", causal);
-		EXPECT_LE(rel_err(&chunked.dq.t, &want.dq.t), tol_grad(APE_F32));
-		EXPECT_LE(rel_err(&chunked.dk.t, &want.dk.t), tol_grad(APE_F32));
-		EXPECT_LE(rel_err(&chunked.dv.t, &want.dv.t), tol_grad(APE_F32));
-		EXPECT_LE(rel_err_params(chunked.dparams, want.dparams, sh.H), tol_grad(APE_F32));
+		EXPECT_LE(grads_rel_err(&chunked.dq.t, &want.dq.t), grads_tol(APE_F32));
+		EXPECT_LE(grads_rel_err(&chunked.dk.t, &want.dk.t), grads_tol(APE_F32));
+		EXPECT_LE(grads_rel_err(&chunked.dv.t, &want.dv.t), grads_tol(APE_F32));
+		EXPECT_LE(grads_rel_err_params(chunked.dparams, want.dparams, sh.H), grads_tol(APE_F32));
 		EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: reruns differ", causal);
 		TH_LOG("case %d: %llu of %llu visible pairs computed; errors dq %.2e dk %.2e dv %.2e "
 		       "dparams %.2e",
 		       causal, (unsigned long long)st.pairs_computed, (unsigned long long)visible,
-		       rel_err(&g.dq.t, &want.dq.t), rel_err(&g.dk.t, &want.dk.t),
-		       rel_err(&g.dv.t, &want.dv.t), rel_err_params(g.dparams, want.dparams, sh.H));
+		       grads_rel_err(&g.dq.t, &want.dq.t), grads_rel_err(&g.dk.t, &want.dk.t),
+		       grads_rel_err(&g.dv.t, &want.dv.t), grads_rel_err_params(g.dparams, want.dparams, sh.H));
 		/* a NaN in key 0, either sign (the saved O and LSE stay finite): the bound never
 		 * leaves out a key of its head, so it reaches dQ of the last row, 699 keys away,
 		 * as in the reference */
