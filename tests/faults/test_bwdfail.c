@@ -184,10 +184,11 @@ static void judge(struct __test_metadata *_metadata, struct bcall *b, int ret, i
 
 static void device_sweep(struct __test_metadata *_metadata, int64_t chunk, const char *what)
 {
-	static const enum wrap_op ops[] = { WRAP_BUF_ALLOC,    WRAP_QUEUE_CREATE,
-					    WRAP_COPY_H2D,     WRAP_COPY_D2H,
-					    WRAP_FILL,         WRAP_EVENT_RECORD,
-					    WRAP_EVENT_ELAPSED, WRAP_SYNCHRONIZE };
+	static const enum wrap_op ops[] = { WRAP_BUF_ALLOC,	     WRAP_QUEUE_CREATE,
+					    WRAP_COPY_H2D,	     WRAP_COPY_D2H,
+					    WRAP_FILL,		     WRAP_EVENT_RECORD,
+					    WRAP_EVENT_ELAPSED,	     WRAP_SYNCHRONIZE,
+					    WRAP_ATTENTION_BACKWARD };
 	ape_context *ctx = test_context("ref");
 	ape_device *dev = test_device(ctx, "ref");
 	struct wrap_counts clean;
