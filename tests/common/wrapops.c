@@ -319,9 +319,11 @@ static int w_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue 
 
 static void w_queue_destroy(struct ape__queue *q)
 {
-	w.orig->queue_destroy(q); /* waits for outstanding work */
+	/* before the handle goes (another thread may get its address next): queue_destroy waits
+	 * for the work, and nothing is allocated on q meanwhile */
 	scratch_release(q);
 	owner_drop(q);
+	w.orig->queue_destroy(q);
 }
 
 static int w_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,

@@ -20,8 +20,11 @@
 
 enum { NT = 8, ROUNDS = 3 };
 
+struct bjob;
+
 struct job {
 	fx_call *c; /* a call prepared (and run once, serially) by the main thread */
+	struct bjob *b; /* backward test: its call, prepared likewise */
 	const char *backend; /* contexts test: the backend to compute on */
 	const fx_call *want; /* contexts test: the serial result */
 	char err[512]; /* empty when everything matched */
@@ -138,7 +141,6 @@ struct bjob {
 	grads g, serial;
 	ape_device *dev;
 	int64_t chunk; /* rows per chunk both ways; 0: one launch */
-	char err[512]; /* empty when every round matched */
 };
 
 /* The call into g, its outputs poisoned first (so that a round that writes nothing shows). */
@@ -154,15 +156,15 @@ static int bjob_run(struct bjob *b)
 
 static void *run_backward_calls(void *arg)
 {
-	struct bjob *b = arg;
+	struct job *j = arg;
 
-	for (int r = 0; r < ROUNDS && !b->err[0]; r++) {
-		int ret = bjob_run(b);
+	for (int r = 0; r < ROUNDS && !j->err[0]; r++) {
+		int ret = bjob_run(j->b);
 
 		if (ret)
-			snprintf(b->err, sizeof(b->err), "round %d: %.400s", r, ape_last_error());
-		else if (!same_grads(&b->g, &b->serial, W_ALL))
-			snprintf(b->err, sizeof(b->err), "round %d: not the serial result", r);
+			snprintf(j->err, sizeof(j->err), "round %d: %.400s", r, ape_last_error());
+		else if (!same_grads(&j->b->g, &j->b->serial, W_ALL))
+			snprintf(j->err, sizeof(j->err), "round %d: not the serial result", r);
 	}
 	return NULL;
 }
@@ -173,7 +175,7 @@ TEST_F_TIMEOUT(th, shared_device_backward, 300)
 {
 	const test_problem_shape sh = { 1, 4, 2, 40, 48, 16 };
 	static struct bjob b[NT];
-	pthread_t t[NT];
+	struct job j[NT];
 	ape_rng rng;
 
 	ape_rng_init(&rng, "shared_device_backward");
@@ -191,13 +193,10 @@ TEST_F_TIMEOUT(th, shared_device_backward, 300)
 		memcpy(b[i].serial.dk.alloc, b[i].g.dk.alloc, b[i].g.dk.alloc_bytes);
 		memcpy(b[i].serial.dv.alloc, b[i].g.dv.alloc, b[i].g.dv.alloc_bytes);
 		memcpy(b[i].serial.dparams, b[i].g.dparams, sizeof(float) * (size_t)(4 * sh.H));
+		j[i] = (struct job){ .b = &b[i] };
 	}
-	for (int i = 0; i < NT; i++)
-		ASSERT_EQ(0, pthread_create(&t[i], NULL, run_backward_calls, &b[i]));
-	for (int i = 0; i < NT; i++)
-		pthread_join(t[i], NULL);
+	run_threads(_metadata, j, NT, run_backward_calls);
 	for (int i = 0; i < NT; i++) {
-		EXPECT_EQ(0, b[i].err[0]) TH_LOG("thread %d: %s", i, b[i].err);
 		bcase_free(&b[i].c);
 		grads_free(&b[i].g);
 		grads_free(&b[i].serial);
