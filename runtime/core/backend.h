@@ -391,7 +391,8 @@ struct ape__backend_ops {
 	 * launch l beyond l's own buffers, held from the call until the launch completes: at least
 	 * what it allocates, from the same sizing as the allocation. The core counts them against
 	 * the memory budget of streamed backward calls (runtime/exec/backward.c) and in their peak.
-	 * Called without the buffers: every buffer of l is NULL, and `parts` (APE__BWD_* bits,
+	 * Called before the buffers exist (the plan asks for chunk sizes it may not use): the op
+	 * reads none of l's buffer pointers (they may be NULL); `parts` (APE__BWD_* bits,
 	 * ape__bwd_parts() of the launch to come) says which outputs are wanted and which optional
 	 * inputs are given; only those, the shape, dtypes, layout and skip_tol of l count. The
 	 * figure must not decrease when l->f.Lq or l->f.Lk grow (the core sizes a plan by its
