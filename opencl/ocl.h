@@ -163,6 +163,11 @@ cl_mem ape__ocl_scratch(struct ape__queue *q, size_t bytes, void *init, cl_int *
 
 /* ---- ocl_backward.c */
 int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l);
+uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
+					     const struct ape__bwd_launch *l, unsigned parts);
+/* The most scratch bytes one backward launch of this process allocated: tests compare it with
+ * attention_backward_scratch. */
+extern atomic_uint_fast64_t ape__ocl_bwd_scratch_high;
 
 /* ---- kernels_embed.S: NUL-terminated sources embedded at build time */
 extern const char ape__ocl_src_attention[];

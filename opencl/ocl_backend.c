@@ -112,6 +112,7 @@ const struct ape__backend_ops ape__opencl_ops = {
 	.event_timestamp = ocl_event_timestamp,
 	.max_alloc = ape__ocl_max_alloc,
 	.attention_backward = ocl_attention_backward, /* ocl_backward.c */
+	.attention_backward_scratch = ape__ocl_attention_backward_scratch,
 	.buf_wrap = ocl_buf_wrap, /* ocl_mem.c */
 	.queue_wrap = ocl_queue_wrap,
 	.native = ape__ocl_native,

@@ -11,9 +11,11 @@
  * vectors), the row table (RI_N APE_REAL per query row), the per-row steps (2 floats per pair
  * and row), the distance table (TB_N per head and distance, H (Lq + Lk - 1)), the per-row
  * parameter sums (4 per row, with dparams only) and, with skipping, one key norm per (batch,
- * kv head): the size of the inputs, never O(Lq * Lk).
- * The core does not count it yet (struct ape__backend_ops has no backward scratch op).
+ * kv head): the size of the inputs, never O(Lq * Lk). bwd_scratch_size() sizes every buffer;
+ * the launch allocates exactly those sizes, and attention_backward_scratch reports their sum
+ * (core/backend.h), which the core counts against the budget of streamed calls.
  */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -32,12 +34,81 @@ static size_t bwd_kt(int64_t D)
 /* Work-items per work-group of the sweeps: whole groups, the excess returns at once. */
 #define BWD_LOCAL 16
 
-/* omega_p (padded with zeros to npad, whole lane vectors), then delta, beta, gamma, lambda per
- * head, in float64 (the backward kernels exist only with cl_khr_fp64). */
-static cl_mem bwd_params(struct ape__queue *q, const struct ape__launch *f, int npad, cl_int *err)
+/* The largest APE_RW a program takes (ocl_program.c: 1, 2, 4, 8 or 16). No size of
+ * bwd_scratch_size() shrinks as rw grows (a multiple of 16 is one of 8, of 4, ...), so the
+ * figure declared without the program at hand, sized with this, bounds every launch's. */
+#define BWD_RW_MAX 16
+
+atomic_uint_fast64_t ape__ocl_bwd_scratch_high;
+
+static size_t round_up(size_t n, size_t m)
 {
-	const size_t n = (size_t)npad + 4 * (size_t)f->H;
-	double *host = ape__malloc(n * sizeof(double));
+	return (n + m - 1) / m * m;
+}
+
+/* The bytes of each scratch buffer of one launch (0: not allocated). */
+struct bwd_scratch {
+	size_t prm, kmax, rinfo, step, tab, part, qp, kp;
+};
+
+/*
+ * The one sizing of a launch's scratch, for the launch (rw of its program) and for
+ * attention_backward_scratch (BWD_RW_MAX): fills s and returns the sum. parts: APE__BWD_* bits.
+ * A launch with nothing to do allocates nothing.
+ */
+static uint64_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, size_t rw,
+				 struct bwd_scratch *s)
+{
+	const unsigned outs = APE__BWD_DQ | APE__BWD_DK | APE__BWD_DV | APE__BWD_DPARAMS;
+	const size_t bh = (size_t)(f->B * f->H), bkv = (size_t)(f->B * f->Hkv);
+	const size_t npad = round_up((size_t)f->D / 2, rw), dpad = round_up((size_t)f->D, rw);
+	const size_t qrows = round_up((size_t)f->Lq, rw); /* whole row vectors */
+
+	memset(s, 0, sizeof(*s));
+	if (!(parts & outs) || bh * (size_t)f->Lq == 0 || f->Lk == 0)
+		return 0;
+	/* omega_p padded to npad, then delta, beta, gamma, lambda per head, in float64 */
+	s->prm = (npad + 4 * (size_t)f->H) * sizeof(double);
+	s->kmax = f->skip_tol > 0 && f->decay_nonneg ? bkv * sizeof(int) : 0;
+	s->rinfo = bh * qrows * RI_N * sizeof(double);
+	/* per row vector: cos, then sin, of each pair's step */
+	s->step = bh * qrows * 2 * npad * sizeof(float);
+	/* a row vector's load of the last distances reaches rw - 1 past them */
+	s->tab = ((size_t)f->H * (size_t)(f->Lq + f->Lk - 1) * TB_N + rw) * sizeof(double);
+	s->part = parts & APE__BWD_DPARAMS ? bh * (size_t)f->Lq * 4 * sizeof(double) : 0;
+	/* ape_bwd_prep's float32 rows: Q with dO in blocks of rw rows, K with V one by one */
+	s->qp = bh * qrows * (2 * npad + dpad) * sizeof(float);
+	s->kp = bkv * (size_t)f->Lk * (2 * npad + dpad) * sizeof(float);
+	return (uint64_t)s->prm + s->kmax + s->rinfo + s->step + s->tab + s->part + s->qp + s->kp;
+}
+
+uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
+					     const struct ape__bwd_launch *l, unsigned parts)
+{
+	struct bwd_scratch s;
+
+	if (!ape__ocl_dev(dev)->fp64) /* the launch fails before allocating */
+		return 0;
+	return bwd_scratch_size(&l->f, parts, BWD_RW_MAX, &s);
+}
+
+/* One scratch buffer of the launch, of a size bwd_scratch_size() gave, added to *held. */
+static cl_mem bwd_take(struct ape__queue *q, size_t bytes, void *init, uint64_t *held, cl_int *err)
+{
+	cl_mem mem = ape__ocl_scratch(q, bytes, init, err);
+
+	if (mem)
+		*held += bytes;
+	return mem;
+}
+
+/* omega_p (padded with zeros to npad, whole lane vectors), then delta, beta, gamma, lambda per
+ * head, in float64 (the backward kernels exist only with cl_khr_fp64), in `bytes`. */
+static cl_mem bwd_params(struct ape__queue *q, const struct ape__launch *f, int npad, size_t bytes,
+			 uint64_t *held, cl_int *err)
+{
+	const size_t n = bytes / sizeof(double);
+	double *host = ape__malloc(bytes);
 	cl_mem mem;
 
 	if (!host) {
@@ -47,31 +118,27 @@ static cl_mem bwd_params(struct ape__queue *q, const struct ape__launch *f, int 
 	for (size_t i = 0; i < n; i++)
 		host[i] = i < (size_t)npad ? (i < (size_t)f->D / 2 ? f->omega[i] : 0.0)
 					   : (double)f->head_params[i - (size_t)npad];
-	mem = ape__ocl_scratch(q, n * sizeof(double), host, err);
+	mem = bwd_take(q, bytes, host, held, err);
 	free(host);
 	return mem;
 }
 
 /* Per (batch, kv head): the largest key norm bound, as float bits, zero until ape_bwd_prep
- * raises it (an atomic max: the result does not depend on the order). */
-static cl_mem bwd_kmax(const struct ape__ocl_device *od, size_t n, cl_int *err)
+ * raises it (an atomic max: the result does not depend on the order), in `bytes`. */
+static cl_mem bwd_kmax(const struct ape__ocl_device *od, size_t bytes, uint64_t *held, cl_int *err)
 {
-	int *zero = ape__calloc(n, sizeof(int));
+	int *zero = ape__calloc(bytes, 1);
 	cl_mem mem;
 
 	if (!zero) {
 		*err = CL_OUT_OF_HOST_MEMORY;
 		return NULL;
 	}
-	mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, n * sizeof(int),
-			     zero, err);
+	mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, bytes, zero, err);
 	free(zero);
+	if (mem)
+		*held += bytes;
 	return mem;
-}
-
-static size_t round_up(size_t n, size_t m)
-{
-	return (n + m - 1) / m * m;
 }
 
 /* Enqueues one kernel of the program with its arguments already set in a, then releases it. */
@@ -116,18 +183,19 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 	ape__ocl_arg(a, sizeof(w->flags), &w->flags);
 }
 
-/* One of ape_bwd_prep's float32 copies: pairs of a (first then second components), then b, for
- * nbh (batch, head) pairs of L rows each, in blocks of `lanes` rows (kernels/backward.cl). */
+/* One of ape_bwd_prep's float32 copies, of `bytes` (bwd_scratch_size()): pairs of a (first then
+ * second components), then b, for nbh (batch, head) pairs of L rows each, in blocks of `lanes`
+ * rows (kernels/backward.cl). */
 static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
 		    cl_mem b, cl_int dt_b, size_t nbh, cl_long L, cl_int lanes, cl_int D,
-		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, cl_mem *out)
+		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, size_t bytes,
+		    uint64_t *held, cl_mem *out)
 {
 	const size_t padded = round_up((size_t)L, (size_t)lanes);
 	struct ape__ocl_args args = { 0 };
 	cl_int err;
 
-	*out = ape__ocl_scratch(q, nbh * padded * (size_t)(2 * npad + dpad) * sizeof(float), NULL,
-				&err);
+	*out = bwd_take(q, bytes, NULL, held, &err);
 	if (!*out)
 		return ape__ocl_error(err, "clCreateBuffer (backward rows of %lld)",
 				      (long long)(nbh * padded));
@@ -165,7 +233,9 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	cl_float tol = 0;
 	struct ape__ocl_args a;
 	struct bwd_sweep w;
+	struct bwd_scratch s;
 	cl_int npad, dpad, rw, err;
+	uint64_t held = 0, high;
 	size_t nblk;
 	int ret;
 
@@ -182,6 +252,7 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)rw);
 	dpad = (cl_int)round_up((size_t)f->D, (size_t)rw);
 	nblk = ((size_t)Lq + (size_t)rw - 1) / (size_t)rw; /* row vectors per (batch, head) */
+	bwd_scratch_size(f, ape__bwd_parts(l), (size_t)rw, &s);
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
 		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0) | (f->pairs ? B_PAIRS : 0);
@@ -189,35 +260,33 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	if (f->skip_tol > 0 && f->decay_nonneg) {
 		flags |= B_SKIP;
 		tol = (cl_float)f->skip_tol;
-		kmax = bwd_kmax(od, (size_t)(B * f->Hkv), &err);
+		kmax = bwd_kmax(od, s.kmax, &held, &err);
 		if (!kmax) {
 			ret = ape__ocl_error(err, "clCreateBuffer (backward key norms)");
 			goto out_release;
 		}
 	}
 
-	prm = bwd_params(q, f, npad, &err);
+	prm = bwd_params(q, f, npad, s.prm, &held, &err);
 	if (prm)
-		rinfo = ape__ocl_scratch(q, (size_t)(B * H) * nblk * (size_t)rw * RI_N *
-						    sizeof(double), NULL, &err);
-	if (rinfo) /* per row vector: cos, then sin, of each pair's step */
-		step = ape__ocl_scratch(q, (size_t)(B * H) * nblk * 2 * (size_t)npad * (size_t)rw *
-						   sizeof(float), NULL, &err);
-	if (step) /* a row vector's load of the last distances reaches rw - 1 past them */
-		tab = ape__ocl_scratch(q, ((size_t)(H * ndist) * TB_N + (size_t)rw) * sizeof(double),
-				       NULL, &err);
+		rinfo = bwd_take(q, s.rinfo, NULL, &held, &err);
+	if (rinfo)
+		step = bwd_take(q, s.step, NULL, &held, &err);
+	if (step)
+		tab = bwd_take(q, s.tab, NULL, &held, &err);
 	if (tab && l->dparams)
-		part = ape__ocl_scratch(q, rows * 4 * sizeof(double), NULL, &err);
+		part = bwd_take(q, s.part, NULL, &held, &err);
 	if (!tab || (l->dparams && !part)) {
 		ret = ape__ocl_error(err, "clCreateBuffer (backward scratch)");
 		goto out_release;
 	}
 	ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem, (cl_int)l->dout_dtype,
-		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, &qp);
+		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, s.qp, &held,
+		       &qp);
 	if (!ret)
 		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
 			       (cl_int)f->in_dtype, (size_t)(B * f->Hkv), Lk, 1, D, npad, dpad,
-			       inter, local, kmax, &kp);
+			       inter, local, kmax, s.kp, &held, &kp);
 	if (ret)
 		goto out_release;
 
@@ -301,6 +370,10 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		ret = bwd_run(q, &a, (size_t)H, 0, 1, "ape_bwd_params");
 	}
 out_release:
+	/* what this launch allocated, for the tests' comparison with the declared figure */
+	high = atomic_load(&ape__ocl_bwd_scratch_high);
+	while (held > high && !atomic_compare_exchange_weak(&ape__ocl_bwd_scratch_high, &high, held))
+		;
 	if (prm)
 		clReleaseMemObject(prm);
 	if (rinfo)
