@@ -217,6 +217,11 @@ int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l
 
 /* ---- cuda_backward.c */
 int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l);
+uint64_t ape__cu_attention_backward_scratch(struct ape_device *dev,
+					    const struct ape__bwd_launch *l, unsigned parts);
+/* The most scratch bytes one backward launch of this process allocated: tests compare it with
+ * attention_backward_scratch. */
+extern atomic_uint_fast64_t ape__cu_bwd_scratch_high;
 
 /* ---- fatbin_embed.S: the fatbins nvcc built, in APE__CU_MOD_* order */
 extern const unsigned char ape__cu_fatbin_prep[];

@@ -121,6 +121,7 @@ const struct ape__backend_ops ape__cuda_ops = {
 	.attention_scratch = ape__cu_attention_scratch, /* cuda_attention.c */
 	.max_alloc = ape__cu_max_alloc, /* cuda_mem.c */
 	.attention_backward = cuda_attention_backward, /* cuda_backward.c */
+	.attention_backward_scratch = ape__cu_attention_backward_scratch,
 	.buf_wrap = cuda_buf_wrap, /* cuda_mem.c */
 	.queue_wrap = cuda_queue_wrap,
 	.native = ape__cu_native, /* cuda_device.c */

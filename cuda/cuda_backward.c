@@ -9,10 +9,12 @@
  *
  * Scratch, one stream-ordered allocation freed in stream order after the last kernel: the row
  * table (24 bytes per query row), the queries sweep's per-block parameter sums (32 bytes per
- * block of APE_BW_ROWS query rows) and, past APE_CU_INLINE_HEADS heads, their parameters: a
- * few bytes per query row, never O(Lq * Lk) nor O(L * D). The core does not count it yet
- * (struct ape__backend_ops has no backward scratch op), as for the OpenCL backend.
+ * block of APE_BW_ROWS query rows, with dparams only) and, past APE_CU_INLINE_HEADS heads, their
+ * parameters: a few bytes per query row, never O(Lq * Lk) nor O(L * D). bwd_scratch_size()
+ * sizes it, for the launch and for attention_backward_scratch (core/backend.h), which the core
+ * counts against the budget of streamed calls.
  */
+#include <stdatomic.h>
 #include <string.h>
 
 #include "core/error.h"
@@ -53,6 +55,12 @@ static int bwd_check(const struct ape_device *dev, const struct ape__bwd_launch 
 	return 0;
 }
 
+/* Tiles of APE_BW_ROWS(dmax) rows over L rows. */
+static int64_t bwd_tiles(int64_t L, int dmax)
+{
+	return (L + APE_BW_ROWS(dmax) - 1) / APE_BW_ROWS(dmax);
+}
+
 static uint64_t ptr_of(const struct ape__buf *b)
 {
 	return b ? (uint64_t)b->ptr : 0;
@@ -62,7 +70,6 @@ static uint64_t ptr_of(const struct ape__buf *b)
 static void bwd_args(const struct ape__bwd_launch *l, int dmax, struct ape_cu_bwd_args *a)
 {
 	const struct ape__launch *f = &l->f;
-	const int64_t rows = APE_BW_ROWS(dmax);
 
 	*a = (struct ape_cu_bwd_args){
 		.q = ptr_of(f->q), .k = ptr_of(f->k), .v = ptr_of(f->v), .o = ptr_of(f->o),
@@ -70,7 +77,7 @@ static void bwd_args(const struct ape__bwd_launch *l, int dmax, struct ape_cu_bw
 		.dq = ptr_of(l->dq), .dk = ptr_of(l->dk), .dv = ptr_of(l->dv),
 		.dparams = ptr_of(l->dparams),
 		.Lq = f->Lq, .Lk = f->Lk, .rel = f->q_start - f->k_start,
-		.nqt = (f->Lq + rows - 1) / rows, .nkt = (f->Lk + rows - 1) / rows,
+		.nqt = bwd_tiles(f->Lq, dmax), .nkt = bwd_tiles(f->Lk, dmax),
 		.scale = f->scale,
 		.B = (int32_t)f->B, .H = (int32_t)f->H, .Hkv = (int32_t)f->Hkv, .D = (int32_t)f->D,
 		.dt_in = (int32_t)f->in_dtype, .dt_out = (int32_t)f->out_dtype,
@@ -123,35 +130,77 @@ static size_t align256(size_t x)
 	return (x + 255) & ~(size_t)255;
 }
 
+atomic_uint_fast64_t ape__cu_bwd_scratch_high;
+
+/* Where the pieces of a launch's scratch lie: the row table at 0, the block sums at part_off
+ * (with dparams), the heads' parameters at hp_off (0: inline in the arguments). */
+struct bwd_scratch {
+	size_t part_off, hp_off, total;
+};
+
+/*
+ * The one sizing of a launch's scratch, for the launch and for attention_backward_scratch:
+ * fills s, returns s->total. parts: APE__BWD_* bits. A launch with nothing to do allocates
+ * nothing (total 0).
+ */
+static size_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, struct bwd_scratch *s)
+{
+	const unsigned outs = APE__BWD_DQ | APE__BWD_DK | APE__BWD_DV | APE__BWD_DPARAMS;
+	const size_t bh = (size_t)(f->B * f->H);
+	int dmax;
+
+	memset(s, 0, sizeof(*s));
+	if (!(parts & outs) || bh * (size_t)f->Lq == 0 || f->Lk == 0)
+		return 0;
+	bwd_variant(f->D, &dmax);
+	s->part_off = align256(bh * (size_t)f->Lq * APE_BW_RI_N * sizeof(double));
+	s->hp_off = s->part_off;
+	if (parts & APE__BWD_DPARAMS)
+		s->hp_off += align256(bh * (size_t)bwd_tiles(f->Lq, dmax) * 4 * sizeof(double));
+	s->total = s->hp_off + (f->H > APE_CU_INLINE_HEADS ? (size_t)f->H * 4 * sizeof(float) : 0);
+	if (f->H <= APE_CU_INLINE_HEADS)
+		s->hp_off = 0;
+	return s->total;
+}
+
+uint64_t ape__cu_attention_backward_scratch(struct ape_device *dev,
+					    const struct ape__bwd_launch *l, unsigned parts)
+{
+	struct bwd_scratch s;
+
+	(void)dev;
+	return bwd_scratch_size(&l->f, parts, &s);
+}
+
 int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
 {
 	const struct ape__launch *f = &l->f;
 	struct ape_cu_bwd_args a;
+	struct bwd_scratch s;
 	CUdeviceptr scratch = 0;
-	size_t part_off, hp_off, total;
+	uint_fast64_t high;
 	int variant, dmax, ret, ret2;
 
 	ret = bwd_check(q->dev, l);
-	if (ret || !(l->dq || l->dk || l->dv || l->dparams) || f->B * f->H * f->Lq == 0 ||
-	    f->Lk == 0)
-		return ret; /* no row sees a key: nothing to add */
+	if (ret || !bwd_scratch_size(f, ape__bwd_parts(l), &s))
+		return ret; /* no row sees a key, or nothing wanted: nothing to add */
 	variant = bwd_variant(f->D, &dmax);
 	bwd_args(l, dmax, &a);
-	part_off = align256((size_t)(f->B * f->H * f->Lq) * APE_BW_RI_N * sizeof(double));
-	hp_off = part_off + align256((size_t)(f->B * f->H * a.nqt) * 4 * sizeof(double));
-	total = hp_off + (f->H > APE_CU_INLINE_HEADS ? (size_t)f->H * 4 * sizeof(float) : 0);
-	if (f->H <= APE_CU_INLINE_HEADS)
-		hp_off = 0;
 
 	ret = ape__cu_enter(q->dev);
 	if (ret)
 		return ret;
 	ret = ape__cu_module(q->dev);
 	if (!ret)
-		ret = ape__cu_scratch_alloc(q, total, &scratch);
+		ret = ape__cu_scratch_alloc(q, s.total, &scratch);
 	if (ret)
 		goto out_leave;
-	ret = bwd_run(q, l, variant, dmax, &a, scratch, part_off, hp_off);
+	/* what this launch allocated, for the tests' comparison with the declared figure */
+	high = atomic_load(&ape__cu_bwd_scratch_high);
+	while (s.total > high &&
+	       !atomic_compare_exchange_weak(&ape__cu_bwd_scratch_high, &high, s.total))
+		;
+	ret = bwd_run(q, l, variant, dmax, &a, scratch, s.part_off, s.hp_off);
 	ret2 = ape__cu_scratch_free(q, scratch);
 	ret = ret ? ret : ret2;
 out_leave:

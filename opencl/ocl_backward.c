@@ -7,11 +7,15 @@
  * Only the sweeps whose outputs are wanted run.
  *
  * Scratch, released right after it is enqueued (the commands keep it alive), like the
- * forward's: the parameters, float32 copies of Q+dO and K+V, the row table (5 APE_REAL per
- * query row), the distance table (6 per head and distance, H (Lq + Lk - 1)) and the per-row
- * parameter sums (4 per row, with dparams only): the size of the inputs, never O(Lq * Lk).
- * The core does not count it yet (struct ape__backend_ops has no backward scratch op).
+ * forward's: the parameters, float32 copies of Q+dO and K+V (Q's rows padded to whole row
+ * vectors), the row table (RI_N APE_REAL per query row), the per-row steps (2 floats per pair
+ * and row), the distance table (TB_N per head and distance, H (Lq + Lk - 1)), the per-row
+ * parameter sums (4 per row, with dparams only) and, with skipping, one key norm per (batch,
+ * kv head): the size of the inputs, never O(Lq * Lk). bwd_scratch_size() sizes every buffer;
+ * the launch allocates exactly those sizes, and attention_backward_scratch reports their sum
+ * (core/backend.h), which the core counts against the budget of streamed calls.
  */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -24,18 +28,87 @@
  * variant of D (ocl_program.c: 64 and 128 specialised, every other D up to 256 generic) */
 static size_t bwd_kt(int64_t D)
 {
-	return D == 64 ? 8 : D == 128 ? 4 : 2;
+	return D == 64 ? 32 : D == 128 ? 16 : 8;
 }
 
 /* Work-items per work-group of the sweeps: whole groups, the excess returns at once. */
 #define BWD_LOCAL 16
 
-/* omega_p (padded with zeros to npad, whole lane vectors), then delta, beta, gamma, lambda per
- * head, in float64 (the backward kernels exist only with cl_khr_fp64). */
-static cl_mem bwd_params(struct ape__queue *q, const struct ape__launch *f, int npad, cl_int *err)
+/* The largest APE_RW a program takes (ocl_program.c: 1, 2, 4, 8 or 16). No size of
+ * bwd_scratch_size() shrinks as rw grows (a multiple of 16 is one of 8, of 4, ...), so the
+ * figure declared without the program at hand, sized with this, bounds every launch's. */
+#define BWD_RW_MAX 16
+
+atomic_uint_fast64_t ape__ocl_bwd_scratch_high;
+
+static size_t round_up(size_t n, size_t m)
 {
-	const size_t n = (size_t)npad + 4 * (size_t)f->H;
-	double *host = ape__malloc(n * sizeof(double));
+	return (n + m - 1) / m * m;
+}
+
+/* The bytes of each scratch buffer of one launch (0: not allocated). */
+struct bwd_scratch {
+	size_t prm, kmax, rinfo, step, tab, part, qp, kp;
+};
+
+/*
+ * The one sizing of a launch's scratch, for the launch (rw of its program) and for
+ * attention_backward_scratch (BWD_RW_MAX): fills s and returns the sum. parts: APE__BWD_* bits.
+ * A launch with nothing to do allocates nothing.
+ */
+static uint64_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, size_t rw,
+				 struct bwd_scratch *s)
+{
+	const unsigned outs = APE__BWD_DQ | APE__BWD_DK | APE__BWD_DV | APE__BWD_DPARAMS;
+	const size_t bh = (size_t)(f->B * f->H), bkv = (size_t)(f->B * f->Hkv);
+	const size_t npad = round_up((size_t)f->D / 2, rw), dpad = round_up((size_t)f->D, rw);
+	const size_t qrows = round_up((size_t)f->Lq, rw); /* whole row vectors */
+
+	memset(s, 0, sizeof(*s));
+	if (!(parts & outs) || bh * (size_t)f->Lq == 0 || f->Lk == 0)
+		return 0;
+	/* omega_p padded to npad, then delta, beta, gamma, lambda per head, in float64 */
+	s->prm = (npad + 4 * (size_t)f->H) * sizeof(double);
+	s->kmax = f->skip_tol > 0 && f->decay_nonneg ? bkv * sizeof(int) : 0;
+	s->rinfo = bh * qrows * RI_N * sizeof(double);
+	/* per row vector: cos, then sin, of each pair's step */
+	s->step = bh * qrows * 2 * npad * sizeof(float);
+	/* a row vector's load of the last distances reaches rw - 1 past them */
+	s->tab = ((size_t)f->H * (size_t)(f->Lq + f->Lk - 1) * TB_N + rw) * sizeof(double);
+	s->part = parts & APE__BWD_DPARAMS ? bh * (size_t)f->Lq * 4 * sizeof(double) : 0;
+	/* ape_bwd_prep's float32 rows: Q with dO in blocks of rw rows, K with V one by one */
+	s->qp = bh * qrows * (2 * npad + dpad) * sizeof(float);
+	s->kp = bkv * (size_t)f->Lk * (2 * npad + dpad) * sizeof(float);
+	return (uint64_t)s->prm + s->kmax + s->rinfo + s->step + s->tab + s->part + s->qp + s->kp;
+}
+
+uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
+					     const struct ape__bwd_launch *l, unsigned parts)
+{
+	struct bwd_scratch s;
+
+	if (!ape__ocl_dev(dev)->fp64) /* the launch fails before allocating */
+		return 0;
+	return bwd_scratch_size(&l->f, parts, BWD_RW_MAX, &s);
+}
+
+/* One scratch buffer of the launch, of a size bwd_scratch_size() gave, added to *held. */
+static cl_mem bwd_take(struct ape__queue *q, size_t bytes, void *init, uint64_t *held, cl_int *err)
+{
+	cl_mem mem = ape__ocl_scratch(q, bytes, init, err);
+
+	if (mem)
+		*held += bytes;
+	return mem;
+}
+
+/* omega_p (padded with zeros to npad, whole lane vectors), then delta, beta, gamma, lambda per
+ * head, in float64 (the backward kernels exist only with cl_khr_fp64), in `bytes`. */
+static cl_mem bwd_params(struct ape__queue *q, const struct ape__launch *f, int npad, size_t bytes,
+			 uint64_t *held, cl_int *err)
+{
+	const size_t n = bytes / sizeof(double);
+	double *host = ape__malloc(bytes);
 	cl_mem mem;
 
 	if (!host) {
@@ -45,14 +118,27 @@ static cl_mem bwd_params(struct ape__queue *q, const struct ape__launch *f, int 
 	for (size_t i = 0; i < n; i++)
 		host[i] = i < (size_t)npad ? (i < (size_t)f->D / 2 ? f->omega[i] : 0.0)
 					   : (double)f->head_params[i - (size_t)npad];
-	mem = ape__ocl_scratch(q, n * sizeof(double), host, err);
+	mem = bwd_take(q, bytes, host, held, err);
 	free(host);
 	return mem;
 }
 
-static size_t round_up(size_t n, size_t m)
+/* Per (batch, kv head): the largest key norm bound, as float bits, zero until ape_bwd_prep
+ * raises it (an atomic max: the result does not depend on the order), in `bytes`. */
+static cl_mem bwd_kmax(const struct ape__ocl_device *od, size_t bytes, uint64_t *held, cl_int *err)
 {
-	return (n + m - 1) / m * m;
+	int *zero = ape__calloc(bytes, 1);
+	cl_mem mem;
+
+	if (!zero) {
+		*err = CL_OUT_OF_HOST_MEMORY;
+		return NULL;
+	}
+	mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, bytes, zero, err);
+	free(zero);
+	if (mem)
+		*held += bytes;
+	return mem;
 }
 
 /* Enqueues one kernel of the program with its arguments already set in a, then releases it. */
@@ -72,7 +158,7 @@ static int bwd_run(struct ape__queue *q, struct ape__ocl_args *a, size_t n0, siz
 
 /* The arguments both sweeps take first, in kernels/backward.cl's order (BWD_SWEEP_ARGS). */
 struct bwd_sweep {
-	cl_mem qp, kp, prm, rinfo, tab;
+	cl_mem qp, kp, prm, rinfo, step, tab;
 	cl_int npad, D, H, group, flags;
 	cl_long Lq, Lk, rel;
 	cl_float scale;
@@ -85,6 +171,7 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 	ape__ocl_arg(a, sizeof(cl_mem), &w->prm);
 	ape__ocl_arg(a, sizeof(w->npad), &w->npad);
 	ape__ocl_arg(a, sizeof(cl_mem), &w->rinfo);
+	ape__ocl_arg(a, sizeof(cl_mem), &w->step);
 	ape__ocl_arg(a, sizeof(cl_mem), &w->tab);
 	ape__ocl_arg(a, sizeof(w->D), &w->D);
 	ape__ocl_arg(a, sizeof(w->H), &w->H);
@@ -96,31 +183,36 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 	ape__ocl_arg(a, sizeof(w->flags), &w->flags);
 }
 
-/* One of ape_bwd_prep's float32 row copies: pairs of a (first then second components), then b. */
+/* One of ape_bwd_prep's float32 copies, of `bytes` (bwd_scratch_size()): pairs of a (first then
+ * second components), then b, for nbh (batch, head) pairs of L rows each, in blocks of `lanes`
+ * rows (kernels/backward.cl). */
 static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
-		    cl_mem b, cl_int dt_b, cl_long rows, cl_int D, cl_int npad, cl_int dpad,
-		    cl_int inter, size_t local, cl_mem *out)
+		    cl_mem b, cl_int dt_b, size_t nbh, cl_long L, cl_int lanes, cl_int D,
+		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, size_t bytes,
+		    uint64_t *held, cl_mem *out)
 {
+	const size_t padded = round_up((size_t)L, (size_t)lanes);
 	struct ape__ocl_args args = { 0 };
 	cl_int err;
 
-	*out = ape__ocl_scratch(q, (size_t)rows * (size_t)(2 * npad + dpad) * sizeof(float), NULL,
-				&err);
+	*out = bwd_take(q, bytes, NULL, held, &err);
 	if (!*out)
 		return ape__ocl_error(err, "clCreateBuffer (backward rows of %lld)",
-				      (long long)rows);
+				      (long long)(nbh * padded));
 	args.k = clCreateKernel(pr->prog, "ape_bwd_prep", &args.err);
 	ape__ocl_arg(&args, sizeof(cl_mem), &a);
 	ape__ocl_arg(&args, sizeof(dt_a), &dt_a);
 	ape__ocl_arg(&args, sizeof(cl_mem), &b);
 	ape__ocl_arg(&args, sizeof(dt_b), &dt_b);
-	ape__ocl_arg(&args, sizeof(rows), &rows);
+	ape__ocl_arg(&args, sizeof(L), &L);
+	ape__ocl_arg(&args, sizeof(lanes), &lanes);
 	ape__ocl_arg(&args, sizeof(D), &D);
 	ape__ocl_arg(&args, sizeof(npad), &npad);
 	ape__ocl_arg(&args, sizeof(dpad), &dpad);
 	ape__ocl_arg(&args, sizeof(inter), &inter);
 	ape__ocl_arg(&args, sizeof(cl_mem), out);
-	return bwd_run(q, &args, round_up((size_t)rows, local), local, 1, "ape_bwd_prep");
+	ape__ocl_arg(&args, sizeof(cl_mem), &kmax);
+	return bwd_run(q, &args, round_up(padded, local), local, nbh, "ape_bwd_prep");
 }
 
 int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
@@ -136,10 +228,15 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	cl_int flags = B_DTYPES((cl_int)f->in_dtype, (cl_int)f->out_dtype, (cl_int)l->dout_dtype);
 	const cl_long nmin = rel - (Lk - 1), ndist = Lq + Lk - 1;
 	const cl_int inter = f->layout == APE_ROPE_INTERLEAVED;
-	cl_mem prm = NULL, rinfo = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL, none = NULL;
+	cl_mem prm = NULL, rinfo = NULL, step = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL;
+	cl_mem none = NULL, kmax = NULL;
+	cl_float tol = 0;
 	struct ape__ocl_args a;
 	struct bwd_sweep w;
-	cl_int npad, dpad, err;
+	struct bwd_scratch s;
+	cl_int npad, dpad, rw, err;
+	uint64_t held = 0, high;
+	size_t nblk;
 	int ret;
 
 	if (!od->fp64)
@@ -151,29 +248,45 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	ret = ape__ocl_program_get(q->dev, f->D, &pr);
 	if (ret)
 		return ret;
-	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)pr->t.rw);
-	dpad = (cl_int)round_up((size_t)f->D, (size_t)pr->t.rw);
+	rw = (cl_int)pr->t.rw; /* query rows per row vector (APE_RW) */
+	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)rw);
+	dpad = (cl_int)round_up((size_t)f->D, (size_t)rw);
+	nblk = ((size_t)Lq + (size_t)rw - 1) / (size_t)rw; /* row vectors per (batch, head) */
+	bwd_scratch_size(f, ape__bwd_parts(l), (size_t)rw, &s);
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
-		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0);
+		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0) | (f->pairs ? B_PAIRS : 0);
+	/* the skip bound of docs/kernels.md: only with every decay >= 0 */
+	if (f->skip_tol > 0 && f->decay_nonneg) {
+		flags |= B_SKIP;
+		tol = (cl_float)f->skip_tol;
+		kmax = bwd_kmax(od, s.kmax, &held, &err);
+		if (!kmax) {
+			ret = ape__ocl_error(err, "clCreateBuffer (backward key norms)");
+			goto out_release;
+		}
+	}
 
-	prm = bwd_params(q, f, npad, &err);
+	prm = bwd_params(q, f, npad, s.prm, &held, &err);
 	if (prm)
-		rinfo = ape__ocl_scratch(q, rows * RI_N * sizeof(double), NULL, &err);
+		rinfo = bwd_take(q, s.rinfo, NULL, &held, &err);
 	if (rinfo)
-		tab = ape__ocl_scratch(q, (size_t)(H * ndist) * TB_N * sizeof(double), NULL, &err);
+		step = bwd_take(q, s.step, NULL, &held, &err);
+	if (step)
+		tab = bwd_take(q, s.tab, NULL, &held, &err);
 	if (tab && l->dparams)
-		part = ape__ocl_scratch(q, rows * 4 * sizeof(double), NULL, &err);
+		part = bwd_take(q, s.part, NULL, &held, &err);
 	if (!tab || (l->dparams && !part)) {
 		ret = ape__ocl_error(err, "clCreateBuffer (backward scratch)");
 		goto out_release;
 	}
 	ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem, (cl_int)l->dout_dtype,
-		       (cl_long)rows, D, npad, dpad, inter, local, &qp);
+		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, s.qp, &held,
+		       &qp);
 	if (!ret)
 		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
-			       (cl_int)f->in_dtype, B * f->Hkv * Lk, D, npad, dpad, inter, local,
-			       &kp);
+			       (cl_int)f->in_dtype, (size_t)(B * f->Hkv), Lk, 1, D, npad, dpad,
+			       inter, local, kmax, s.kp, &held, &kp);
 	if (ret)
 		goto out_release;
 
@@ -191,9 +304,8 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 
 	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, "ape_bwd_rows", &a.err);
-	ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &qp);
 	ape__ocl_arg(&a, sizeof(cl_mem), &f->o->mem);
-	ape__ocl_arg(&a, sizeof(cl_mem), &l->dout->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), &f->lse->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), l->dlse ? &l->dlse->mem : &none);
 	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
@@ -203,11 +315,21 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	ape__ocl_arg(&a, sizeof(Lq), &Lq);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
 	ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
-	ret = bwd_run(q, &a, round_up((size_t)Lq, local), local, (size_t)(B * H), "ape_bwd_rows");
+	ape__ocl_arg(&a, sizeof(cl_mem), &step);
+	ape__ocl_arg(&a, sizeof(cl_mem), &kmax);
+	ape__ocl_arg(&a, sizeof(group), &group);
+	ape__ocl_arg(&a, sizeof(Lk), &Lk);
+	ape__ocl_arg(&a, sizeof(rel), &rel);
+	ape__ocl_arg(&a, sizeof(scale), &scale);
+	ape__ocl_arg(&a, sizeof(tol), &tol);
+	ape__ocl_arg(&a, sizeof(cl_mem), f->pairs ? &f->pairs->mem : &none);
+	/* one work-item per row vector */
+	ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H), "ape_bwd_rows");
 	if (ret)
 		goto out_release;
 
-	w = (struct bwd_sweep){ .qp = qp, .kp = kp, .prm = prm, .rinfo = rinfo, .tab = tab,
+	w = (struct bwd_sweep){ .qp = qp, .kp = kp, .prm = prm, .rinfo = rinfo, .step = step,
+				.tab = tab,
 				.npad = npad, .D = D, .H = H, .group = group, .flags = flags,
 				.Lq = Lq, .Lk = Lk, .rel = rel, .scale = scale };
 	if (l->dk || l->dv) {
@@ -230,7 +352,8 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dq ? &l->dq->mem : &none);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dparams ? &part : &none);
-		ret = bwd_run(q, &a, round_up((size_t)Lq, local), local, (size_t)(B * H),
+		/* one work-item per row vector, one per group (its private arrays are large) */
+		ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H),
 			      "ape_bwd_queries");
 		if (ret)
 			goto out_release;
@@ -247,10 +370,18 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		ret = bwd_run(q, &a, (size_t)H, 0, 1, "ape_bwd_params");
 	}
 out_release:
+	/* what this launch allocated, for the tests' comparison with the declared figure */
+	high = atomic_load(&ape__ocl_bwd_scratch_high);
+	while (held > high && !atomic_compare_exchange_weak(&ape__ocl_bwd_scratch_high, &high, held))
+		;
 	if (prm)
 		clReleaseMemObject(prm);
 	if (rinfo)
 		clReleaseMemObject(rinfo);
+	if (step)
+		clReleaseMemObject(step);
+	if (kmax)
+		clReleaseMemObject(kmax);
 	if (part)
 		clReleaseMemObject(part);
 	if (tab)

@@ -8,7 +8,8 @@
 #   2. build (WITH_CUDA=yes; hwloc and libdrm only when pkg-config finds them)
 #   3. the CUDA tests on the real GPU (tests/test_resident and tests/test_cuda_emu with
 #      APE_TEST_CUDA_DEVICE=1)
-#   4. ape-check across every backend it finds (CUDA, OpenCL when an ICD is there, reference)
+#   4. ape-check across every backend it finds (CUDA, OpenCL when an ICD is there, reference);
+#      ape-bench --resident: device-resident calls beside host calls (prefill, decode step)
 #   5. the benchmark of issue 6 (bench/torch_ape.py: libape vs eager PyTorch APE vs SDPA; decode
 #      bandwidth), when python3 is there
 #   6. the whole test suite (make check's unit tests; on this machine the library's `auto`
@@ -168,6 +169,23 @@ case $rc in
 esac
 grep -q '^ape-check: cuda not checked' "$OUT/apecheck.log" &&
 	note ape-check FAIL "the CUDA backend was not checked: $(grep '^ape-check: cuda not checked' "$OUT/apecheck.log")"
+
+# ---- 4b. resident against host calls: inputs already on the GPU (ape_attention_enqueue) beside
+# the host call that copies them (issue 12), prefill and a decode step
+run resident-bench 60 "$BUILD/bin/ape-bench" --backend cuda --resident -L 4096,16384 --repeats 5 \
+	--seed 1
+case $rc in
+0) note resident-bench ok "ape-bench --resident (host vs resident, bytes copied, overhead): resident-bench.log" ;;
+124) note resident-bench TIMEOUT "see resident-bench.log" ;;
+*) note resident-bench FAIL "status $rc: see resident-bench.log" ;;
+esac
+run decode-bench 40 "$BUILD/bin/ape-bench" --backend cuda --resident -L 32768 --lq 1 \
+	--repeats 21 --seed 1
+case $rc in
+0) note decode-bench ok "ape-bench --resident --lq 1 (a decode step's overhead): decode-bench.log" ;;
+124) note decode-bench TIMEOUT "see decode-bench.log" ;;
+*) note decode-bench FAIL "status $rc: see decode-bench.log" ;;
+esac
 
 # ---- 5. the benchmark
 if command -v python3 >/dev/null 2>&1; then

@@ -66,8 +66,9 @@
  * (runtime/api/context.c). 3: the contract on every op, struct ape_device without the core's
  * fields, ranks stated by each backend. 4: attention_backward and struct ape__bwd_launch.
  * 5: strided views in struct ape__launch, buf_wrap, queue_wrap, ape__backend.import.
- * 6: the diagnostics ent and md in struct ape__launch, ape__backend_ops.attention_diag. */
-#define APE__BACKEND_ABI 6
+ * 6: attention_backward_scratch (enum ape__bwd_part); attention_backward may hold scratch.
+ * 7: the diagnostics ent and md in struct ape__launch, ape__backend_ops.attention_diag. */
+#define APE__BACKEND_ABI 7
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -174,6 +175,28 @@ struct ape__bwd_launch {
 	struct ape__buf *dparams; /* NULL, or [H][4] double (delta, beta, gamma, lambda), summed
 				   * over batch, rows and keys of the launch, accumulated */
 };
+
+/*
+ * The parts of a backward launch that may be absent, one bit each: what attention_backward_scratch
+ * is told instead of the buffers it does not see. A backend sizes its scratch from these bits,
+ * never from the buffer pointers, so that the figure and the launch agree.
+ */
+enum ape__bwd_part {
+	APE__BWD_DQ = 1u << 0, /* l->dq wanted */
+	APE__BWD_DK = 1u << 1, /* l->dk wanted */
+	APE__BWD_DV = 1u << 2, /* l->dv wanted */
+	APE__BWD_DPARAMS = 1u << 3, /* l->dparams wanted */
+	APE__BWD_DLSE = 1u << 4, /* l->dlse given */
+	APE__BWD_PAIRS = 1u << 5, /* l->f.pairs given */
+};
+
+/* The APE__BWD_* bits of a launch with its buffers. */
+static inline unsigned ape__bwd_parts(const struct ape__bwd_launch *l)
+{
+	return (l->dq ? APE__BWD_DQ : 0u) | (l->dk ? APE__BWD_DK : 0u) |
+	       (l->dv ? APE__BWD_DV : 0u) | (l->dparams ? APE__BWD_DPARAMS : 0u) |
+	       (l->dlse ? APE__BWD_DLSE : 0u) | (l->f.pairs ? APE__BWD_PAIRS : 0u);
+}
 
 /* Result of probing a backend's driver. */
 struct ape__probe_result {
@@ -317,9 +340,18 @@ struct ape__backend_ops {
 	 * derivatives of the spec, path through alpha included; rows without a visible key add
 	 * nothing. Touches no other byte of those buffers and writes no input. Reductions run in
 	 * a fixed order (no floating-point atomics), so two runs are bit-identical; dparams sums
-	 * are reduced in float64. Skips no key (l->f.skip_tol is 0). Allocates no device memory
-	 * beyond l's buffers: the core's budget counts none (a backend that will need scratch
-	 * adds an op declaring it, as attention_scratch does for the forward). Inputs are not
+	 * are reduced in float64. Skipping: with l->f.skip_tol > 0 (the core passes it only when
+	 * every head's delta, beta, gamma >= 0, as l->f.decay_nonneg says) a backend may leave a
+	 * key out of a row only where the backward bound of docs/kernels.md ("Skipping in the
+	 * backward pass", ape_bwd_may_skip() in core/ape_math.h) proves that the row's left-out
+	 * keys, each weighed by max(1, |n|), hold at most skip_tol / (1 + skip_tol) of its
+	 * weight; it may also skip nothing (the reference and CUDA do). l->f.pairs, when not NULL,
+	 * comes in holding each row's visible keys of the launch; a backend that skips writes
+	 * there the visible pairs it computed per row, one that does not may leave it as it is.
+	 * With skip_tol = 0 nothing is skipped. Device memory it allocates beyond l's buffers
+	 * (scratch) is its own, held no longer than the launch, and at most what
+	 * attention_backward_scratch (ABI 6) declares for l; without that op it allocates none.
+	 * Inputs are not
 	 * scanned: NaN or Inf reach the gradients they touch. Fails by the rules at the top of this
 	 * file (ape__op_error(ret, dev, "attention_backward")); the accumulators then hold
 	 * unspecified values (the core discards them and writes nothing to the caller).
@@ -364,7 +396,25 @@ struct ape__backend_ops {
 	 * ape_device_native() returns them. Cannot fail; may be called from any thread. */
 	void (*native)(struct ape_device *dev, void **context, void **device);
 
-	/* ---- ABI 6: diagnostics. */
+	/* ---- ABI 6: the backward pass's scratch. */
+
+	/*
+	 * Optional (NULL: attention_backward allocates no device memory beyond its launch's
+	 * buffers; the core counts none). Bytes of device memory attention_backward allocates for
+	 * launch l beyond l's own buffers, held from the call until the launch completes: at least
+	 * what it allocates, from the same sizing as the allocation. The core counts them against
+	 * the memory budget of streamed backward calls (runtime/exec/backward.c) and in their peak.
+	 * Called before the buffers exist (the plan asks for chunk sizes it may not use): the op
+	 * reads none of l's buffer pointers (they may be NULL); `parts` (APE__BWD_* bits,
+	 * ape__bwd_parts() of the launch to come) says which outputs are wanted and which optional
+	 * inputs are given; only those, the shape, dtypes, layout and skip_tol of l count. The
+	 * figure must not decrease when l->f.Lq or l->f.Lk grow (the core sizes a plan by its
+	 * largest launch). Cannot fail; may be called from any thread.
+	 */
+	uint64_t (*attention_backward_scratch)(struct ape_device *dev,
+					       const struct ape__bwd_launch *l, unsigned parts);
+
+	/* ---- ABI 7: diagnostics. */
 
 	/* true: attention writes l->ent and l->md when they are not NULL (struct ape__launch).
 	 * false: the core never hands the backend a launch with them, and a call that wants them

@@ -15,6 +15,10 @@
  * Every order is fixed, so two calls give the same bits. A (query chunk, key chunk) pair the
  * causal mask hides entirely is never launched.
  *
+ * The budget counts every chunk buffer and the scratch the backend declares for a launch
+ * (attention_backward_scratch, core/backend.h), held from the launch until its synchronisation:
+ * one launch is in flight at a time.
+ *
  * The caller's outputs are written only after the last launch succeeded, from those host
  * copies: a failure writes nothing. No pipelining yet: each launch is synchronised before the
  * staging is reused.
@@ -31,9 +35,10 @@
 #include "exec/multidev.h"
 #include "exec/pack.h"
 #include "exec/plan.h"
+#include "exec/skip_budget.h"
 
 /* Device chunk buffers, each with its host staging. Rows of the query side, then the key side. */
-enum { B_Q, B_O, B_DOUT, B_LSE, B_DLSE, B_DQ, B_K, B_V, B_DK, B_DV, NBUF };
+enum { B_Q, B_O, B_DOUT, B_LSE, B_DLSE, B_DQ, B_PAIRS, B_K, B_V, B_DK, B_DV, NBUF };
 
 struct chunk_buf {
 	const char *what;
@@ -62,9 +67,62 @@ struct bwd_run {
 	struct ape__bwd_result *res;
 };
 
+/* Key chunks of ck rows. */
+static int64_t key_chunks(const struct bwd_run *x, int64_t ck)
+{
+	return ck > 0 ? (x->r->p->Lk + ck - 1) / ck : 1;
+}
+
+/*
+ * Launch l of query rows [i0, i0 + nq) against key rows [j0, j0 + nk), in key chunks of ck rows,
+ * without its buffers: what the launch and the plan's scratch figure both start from.
+ */
+static void launch_shape(const struct bwd_run *x, int64_t ck, struct ape__bwd_launch *l,
+			 int64_t i0, int64_t nq, int64_t j0, int64_t nk)
+{
+	const struct ape__problem *p = x->r->p;
+	const double nkc = (double)key_chunks(x, ck);
+
+	memset(l, 0, sizeof(*l));
+	/* skip_tol shared by the nk key chunks a row meets: launch tests of t / (1 + t) each add
+	 * up to skip_tol / (1 + skip_tol) of the row's weight with t = skip_tol / (nk + skip_tol
+	 * (nk - 1)) (docs/kernels.md, "Skipping in the backward pass"); 0 when the decays do not
+	 * allow skipping */
+	ape__launch_init(&l->f, p, p->out_dtype,
+			 ape__skip_allowed(p) ? p->skip_tol / (nkc + p->skip_tol * (nkc - 1)) : 0.0);
+	l->f.Lq = nq;
+	l->f.Lk = nk;
+	l->f.q_start = p->q_start + i0; /* validated: positions of every row fit */
+	l->f.k_start = p->k_start + j0;
+	l->dout_dtype = x->r->dout->dtype;
+}
+
+/* The APE__BWD_* parts of every launch of the call. */
+static unsigned launch_parts(const struct bwd_run *x)
+{
+	return (x->b[B_DQ].used ? APE__BWD_DQ : 0u) | (x->b[B_DK].used ? APE__BWD_DK : 0u) |
+	       (x->b[B_DV].used ? APE__BWD_DV : 0u) | (x->r->dparams ? APE__BWD_DPARAMS : 0u) |
+	       (x->b[B_DLSE].used ? APE__BWD_DLSE : 0u) | (x->b[B_PAIRS].used ? APE__BWD_PAIRS : 0u);
+}
+
+/* The scratch the backend declares for a launch of nq query rows and nk key rows (0 without
+ * the op). */
+static uint64_t launch_scratch(const struct bwd_run *x, int64_t ck, int64_t nq, int64_t nk)
+{
+	struct ape_device *dev = x->r->dev;
+	struct ape__bwd_launch l;
+
+	if (!x->ops->attention_backward_scratch)
+		return 0;
+	launch_shape(x, ck, &l, 0, nq, 0, nk);
+	return x->ops->attention_backward_scratch(dev, &l, launch_parts(x));
+}
+
+/* Device bytes of chunks of cq query rows and ck key rows: the buffers and the largest
+ * launch's scratch (the figure does not decrease with the rows: core/backend.h). */
 static uint64_t chunk_bytes(const struct bwd_run *x, int64_t cq, int64_t ck)
 {
-	uint64_t n = x->dparams_bytes;
+	uint64_t n = x->dparams_bytes + launch_scratch(x, ck, cq, ck);
 
 	for (int i = 0; i < NBUF; i++)
 		if (x->b[i].used)
@@ -101,12 +159,13 @@ static int plan(struct bwd_run *x, int64_t max_cq, int64_t max_ck, uint64_t budg
 					  " bytes cannot hold the backward pass's chunk of 1 query row "
 					  "and 1 key row (B=%" PRId64 ", H=%" PRId64 ", Hkv=%" PRId64
 					  ", D=%" PRId64 ", %s): that needs %" PRIu64
-					  " bytes, in buffers of up to %" PRIu64 " bytes (largest "
-					  "allocation %" PRIu64 ")",
+					  " bytes (%" PRIu64 " of them the backend's scratch), in "
+					  "buffers of up to %" PRIu64 " bytes (largest allocation %" PRIu64
+					  ")",
 					  r->fn, dev->info.backend, dev->info.backend_index,
 					  dev->info.name, budget, p->B, p->H, p->Hkv, p->D,
 					  ape_dtype_name(p->in_dtype), chunk_bytes(x, 1, 1),
-					  largest_buffer(x, 1, 1), max_buf);
+					  launch_scratch(x, 1, 1, 1), largest_buffer(x, 1, 1), max_buf);
 		if (cq >= ck)
 			cq = (cq + 1) / 2;
 		else
@@ -132,6 +191,9 @@ static void describe(struct bwd_run *x)
 		[B_DLSE] = { "dlse", &x->dlse_t, x->lse_s, bh * sizeof(float), r->dlse != NULL,
 			     NULL, NULL },
 		[B_DQ] = { "dq", NULL, NULL, bh * D * sizeof(float), r->dq != NULL, NULL, NULL },
+		/* each row's pairs computed, when the launches may skip keys */
+		[B_PAIRS] = { "pairs", NULL, NULL, bh * sizeof(uint64_t), ape__skip_allowed(p),
+			      NULL, NULL },
 		[B_K] = { "k", r->k, p->ks, bkv * D * esz, true, NULL, NULL },
 		[B_V] = { "v", r->v, p->vs, bkv * D * esz, true, NULL, NULL },
 		[B_DK] = { "dk", NULL, NULL, bkv * D * sizeof(float), r->dk != NULL, NULL, NULL },
@@ -245,24 +307,19 @@ static int download_rows(struct bwd_run *x, int i, int64_t n)
 /* The launch of query rows [i0, i0 + nq) against key rows [j0, j0 + nk). */
 static int launch(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t nk)
 {
-	const struct ape__problem *p = x->r->p;
 	struct ape__event *e0 = NULL, *e1 = NULL;
 	struct ape__bwd_launch l;
+	uint64_t scratch;
 	double ms = 0;
 	int ret;
 
-	memset(&l, 0, sizeof(l));
-	ape__launch_init(&l.f, p, p->out_dtype, 0); /* no skip bound for the backward yet */
-	l.f.Lq = nq;
-	l.f.Lk = nk;
+	launch_shape(x, x->ck, &l, i0, nq, j0, nk);
+	l.f.pairs = x->b[B_PAIRS].buf;
 	l.f.q = x->b[B_Q].buf;
 	l.f.k = x->b[B_K].buf;
 	l.f.v = x->b[B_V].buf;
 	l.f.o = x->b[B_O].buf;
 	l.f.lse = x->b[B_LSE].buf;
-	l.f.q_start = p->q_start + i0; /* validated: positions of every row fit */
-	l.f.k_start = p->k_start + j0;
-	l.dout_dtype = x->r->dout->dtype;
 	l.dout = x->b[B_DOUT].buf;
 	l.dlse = x->b[B_DLSE].buf;
 	l.dq = x->b[B_DQ].buf;
@@ -270,6 +327,11 @@ static int launch(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t
 	l.dv = x->b[B_DV].buf;
 	l.dparams = x->dparams_buf;
 
+	/* the backend's scratch, held until the launch is synchronised: the plan made room */
+	scratch = x->ops->attention_backward_scratch
+			  ? x->ops->attention_backward_scratch(x->r->dev, &l, ape__bwd_parts(&l))
+			  : 0;
+	ape__devmem_hold(&x->mem, scratch);
 	if (!(ret = x->ops->event_record(x->queue, &e0)) &&
 	    !(ret = x->ops->attention_backward(x->queue, &l)) &&
 	    !(ret = x->ops->event_record(x->queue, &e1)) &&
@@ -278,9 +340,52 @@ static int launch(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t
 		x->res->kernel_ms += ms;
 		x->res->launches++;
 	}
+	/* synchronised, or failed: a queue that failed is destroyed, and waited for, before any
+	 * other buffer is freed (release()) */
+	ape__devmem_drop(&x->mem, scratch);
 	x->ops->event_destroy(e0);
 	x->ops->event_destroy(e1);
 	return ret;
+}
+
+/*
+ * The pairs buffer before a launch: each row's visible keys among the launch's, what a backend
+ * that skips nothing computes (it may leave the buffer as it is); after: their sum.
+ */
+static int pairs_before(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t nk)
+{
+	const struct ape__problem *p = x->r->p;
+	struct chunk_buf *c = &x->b[B_PAIRS];
+	uint64_t *h = c->host;
+	size_t bytes = (size_t)(c->row_bytes * (uint64_t)nq);
+	int ret;
+
+	if (!c->used)
+		return 0;
+	for (int64_t bh = 0; bh < p->B * p->H; bh++)
+		for (int64_t i = 0; i < nq; i++) {
+			/* causal: keys at n >= 0; distances are validated to fit */
+			int64_t v = p->q_start + i0 + i - (p->k_start + j0) + 1;
+
+			v = !p->causal ? nk : v < 0 ? 0 : v > nk ? nk : v;
+			h[bh * nq + i] = (uint64_t)v;
+		}
+	if ((ret = x->ops->copy_h2d(x->queue, c->buf, 0, h, bytes)))
+		return ret;
+	x->res->h2d += bytes;
+	return 0;
+}
+
+static void pairs_after(struct bwd_run *x, int64_t nq)
+{
+	const struct chunk_buf *c = &x->b[B_PAIRS];
+	const uint64_t *h = c->host;
+
+	if (!c->used)
+		return;
+	for (int64_t r = 0; r < x->r->p->B * x->r->p->H * nq; r++)
+		x->res->pairs_computed += h[r];
+	x->res->pairs_counted = true;
 }
 
 /* Adds a query chunk's dQ partial (staging, [B, H, nq, D] float) into the accumulator. */
@@ -334,9 +439,12 @@ static int run_chunks(struct bwd_run *x)
 			if (!chunk_visible(p, i0, nq, j0))
 				continue;
 			if ((ret = upload_rows(x, B_Q, B_DLSE, i0, nq)) ||
-			    (ret = zero_rows(x, B_DQ, nq)) || (ret = launch(x, i0, nq, j0, nk)) ||
-			    (ret = download_rows(x, B_DQ, nq)))
+			    (ret = zero_rows(x, B_DQ, nq)) ||
+			    (ret = pairs_before(x, i0, nq, j0, nk)) ||
+			    (ret = launch(x, i0, nq, j0, nk)) || (ret = download_rows(x, B_DQ, nq)) ||
+			    (ret = download_rows(x, B_PAIRS, nq)))
 				return ret;
+			pairs_after(x, nq);
 			if (x->dq_acc)
 				add_dq(x, i0, nq);
 		}

@@ -28,6 +28,7 @@ static struct {
 	struct owner {
 		const void *h;
 		struct ape_device *dev;
+		uint64_t scratch; /* a queue's: declared scratch of backward launches in flight */
 	} *owners;
 	size_t nowners, owners_cap;
 } w = { .lock = PTHREAD_MUTEX_INITIALIZER, .fail_op = -1 };
@@ -48,6 +49,7 @@ static const char *const op_names[WRAP_NOPS] = {
 	[WRAP_HOST_REGISTER] = "host_register",
 	[WRAP_BUF_WRAP] = "buf_wrap",
 	[WRAP_QUEUE_WRAP] = "queue_wrap",
+	[WRAP_ATTENTION_BACKWARD] = "attention_backward",
 };
 
 const char *wrap_op_name(enum wrap_op op)
@@ -64,7 +66,7 @@ static void owner_add(const void *h, struct ape_device *dev)
 		if (!w.owners)
 			abort();
 	}
-	w.owners[w.nowners++] = (struct owner){ h, dev };
+	w.owners[w.nowners++] = (struct owner){ h, dev, 0 };
 	pthread_mutex_unlock(&w.lock);
 }
 
@@ -75,6 +77,34 @@ static void owner_drop(const void *h)
 		if (w.owners[i].h == h) {
 			w.owners[i] = w.owners[--w.nowners];
 			break;
+		}
+	pthread_mutex_unlock(&w.lock);
+}
+
+/* Scratch of a launch on queue q, held until q is synchronised (a queue made before
+ * wrap_install() holds it until the next reset). */
+static void scratch_hold(const void *q, uint64_t bytes)
+{
+	pthread_mutex_lock(&w.lock);
+	for (size_t i = 0; i < w.nowners; i++)
+		if (w.owners[i].h == q)
+			w.owners[i].scratch += bytes;
+	w.c.live_bytes += bytes;
+	if (w.c.live_bytes > w.c.peak_bytes)
+		w.c.peak_bytes = w.c.live_bytes;
+	if (bytes > w.c.bwd_scratch_max)
+		w.c.bwd_scratch_max = bytes;
+	pthread_mutex_unlock(&w.lock);
+}
+
+/* q's launches have completed: their scratch is gone. */
+static void scratch_release(const void *q)
+{
+	pthread_mutex_lock(&w.lock);
+	for (size_t i = 0; i < w.nowners; i++)
+		if (w.owners[i].h == q) {
+			w.c.live_bytes -= w.owners[i].scratch;
+			w.owners[i].scratch = 0;
 		}
 	pthread_mutex_unlock(&w.lock);
 }
@@ -222,6 +252,18 @@ static int w_attention(struct ape__queue *q, const struct ape__launch *l)
 	return ret;
 }
 
+static int w_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
+{
+	struct ape_device *dev = owner_of(q);
+	int ret = inject(WRAP_ATTENTION_BACKWARD, dev);
+
+	if (ret)
+		return ret;
+	if (dev && w.orig->attention_backward_scratch)
+		scratch_hold(q, w.orig->attention_backward_scratch(dev, l, ape__bwd_parts(l)));
+	return w.orig->attention_backward(q, l);
+}
+
 static int w_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src, size_t n)
 {
 	int ret = inject(WRAP_COPY_H2D, owner_of(q));
@@ -277,6 +319,9 @@ static int w_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue 
 
 static void w_queue_destroy(struct ape__queue *q)
 {
+	/* before the handle goes (another thread may get its address next): queue_destroy waits
+	 * for the work, and nothing is allocated on q meanwhile */
+	scratch_release(q);
 	owner_drop(q);
 	w.orig->queue_destroy(q);
 }
@@ -347,9 +392,12 @@ static int w_synchronize(struct ape__queue *q)
 	 * once the driver gives up: the core may then free buffers the queue was using */
 	if (ret) {
 		w.orig->synchronize(q);
+		scratch_release(q);
 		return ret;
 	}
-	return w.orig->synchronize(q);
+	ret = w.orig->synchronize(q);
+	scratch_release(q); /* failed or not, nothing of q is still running */
+	return ret;
 }
 
 static int w_host_register(struct ape_device *dev, void *ptr, size_t bytes, void **handle)
@@ -386,6 +434,9 @@ void wrap_install(ape_device *dev, unsigned flags)
 	w.ops.host_register = w.orig->host_register ? w_host_register : NULL;
 	w.ops.buf_wrap = w.orig->buf_wrap ? w_buf_wrap : NULL;
 	w.ops.queue_wrap = w.orig->queue_wrap ? w_queue_wrap : NULL;
+	w.ops.attention_backward = w.orig->attention_backward ? w_attention_backward : NULL;
+	if (flags & WRAP_NO_BWD_SCRATCH)
+		w.ops.attention_backward_scratch = NULL;
 	if (flags & WRAP_NO_COPY_D2D)
 		w.ops.copy_d2d = NULL;
 	if (flags & WRAP_NO_TIMESTAMP)
@@ -429,6 +480,7 @@ void wrap_reset(void)
 	w.c.h2d_calls = w.c.d2h_calls = w.c.d2d_calls = 0;
 	memset(w.c.calls, 0, sizeof(w.c.calls));
 	w.c.failed = 0;
+	w.c.bwd_scratch_max = 0;
 	w.c.peak_bytes = w.c.live_bytes;
 	pthread_mutex_unlock(&w.lock);
 }

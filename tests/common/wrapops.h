@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * A backend seen through a wrapper, for tests of the streaming executor and of device failures
- * (tests/faults/): counts every device allocation (and the bytes held, and their peak) and every
+ * (tests/faults/): counts every device allocation (and the bytes held, with the scratch the
+ * backend declares for each backward launch in flight, and their peak) and every
  * call of each fallible op, can make the N-th call of any op fail or every op fail from the k-th
  * call on (a device lost mid-run), and can hide optional ops so that the core's fallbacks run.
  * One wrapper per process at a time (the harness forks each test); it wraps every device of one
@@ -18,6 +19,9 @@
 #define WRAP_NO_COPY_D2D (1u << 0) /* hide copy_d2d */
 #define WRAP_NO_TIMESTAMP (1u << 1) /* hide event_timestamp */
 #define WRAP_NO_SCRATCH (1u << 2) /* hide attention_scratch */
+/* hide attention_backward_scratch from the core (the wrapper still counts what the backend
+ * declares: a plan that ignores it shows) */
+#define WRAP_NO_BWD_SCRATCH (1u << 3)
 
 /* The ops that can fail, as the wrapper counts and fails them. */
 enum wrap_op {
@@ -36,12 +40,17 @@ enum wrap_op {
 	WRAP_HOST_REGISTER,
 	WRAP_BUF_WRAP, /* fails with APE_ENOMEM, as buf_alloc */
 	WRAP_QUEUE_WRAP,
+	WRAP_ATTENTION_BACKWARD,
 	WRAP_NOPS
 };
 
 struct wrap_counts {
 	uint64_t allocs, frees; /* buf_alloc / buf_free calls */
-	uint64_t live_bytes, peak_bytes; /* device bytes held, and their peak since reset */
+	/* device bytes held, and their peak since reset: buffers, and the scratch the backend
+	 * declares (attention_backward_scratch) for each backward launch, from the call until its
+	 * queue's next synchronize or queue_destroy */
+	uint64_t live_bytes, peak_bytes;
+	uint64_t bwd_scratch_max; /* the largest scratch declared for one backward launch */
 	uint64_t attention_calls;
 	/* launches given an lse_prior, and the pairs they computed (read back after each such
 	 * launch that reports pairs: the wrapper waits for it) */

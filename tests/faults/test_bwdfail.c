@@ -6,7 +6,9 @@
  *   is `make faults-ci`; other builds skip that test): APE_ENOMEM with a message;
  * - every fallible device op failed at each of its occurrences, then the device lost from each
  *   point of the run on (the wrapper backend of tests/common/wrapops.c): the injected error,
- *   with a message naming the device and the operation.
+ *   with a message naming the device and the operation;
+ * - each backward launch failed in turn on every backend with the op (OpenCL's holds scratch):
+ *   the same, and afterwards no device memory held, no buffer left allocated.
  * Every broken run writes no output and leaves the inputs byte-identical; the next call gives
  * the clean result; ASan/LSan (make faults-ci) see no leak.
  */
@@ -184,10 +186,11 @@ static void judge(struct __test_metadata *_metadata, struct bcall *b, int ret, i
 
 static void device_sweep(struct __test_metadata *_metadata, int64_t chunk, const char *what)
 {
-	static const enum wrap_op ops[] = { WRAP_BUF_ALLOC,    WRAP_QUEUE_CREATE,
-					    WRAP_COPY_H2D,     WRAP_COPY_D2H,
-					    WRAP_FILL,         WRAP_EVENT_RECORD,
-					    WRAP_EVENT_ELAPSED, WRAP_SYNCHRONIZE };
+	static const enum wrap_op ops[] = { WRAP_BUF_ALLOC,	     WRAP_QUEUE_CREATE,
+					    WRAP_COPY_H2D,	     WRAP_COPY_D2H,
+					    WRAP_FILL,		     WRAP_EVENT_RECORD,
+					    WRAP_EVENT_ELAPSED,	     WRAP_SYNCHRONIZE,
+					    WRAP_ATTENTION_BACKWARD };
 	ape_context *ctx = test_context("ref");
 	ape_device *dev = test_device(ctx, "ref");
 	struct wrap_counts clean;
@@ -232,6 +235,50 @@ TEST(device_failures)
 {
 	device_sweep(_metadata, 0, "backward, one launch");
 	device_sweep(_metadata, 4, "backward, 3 x 3 chunks");
+}
+
+/* Launch n of a streamed call fails, for each n, on the reference and OpenCL. */
+TEST(backward_launch_failures_on_every_backend)
+{
+	static const char *const backends[] = { "ref", "opencl" };
+	ape_context *ctx = test_context("ref,opencl");
+
+	ASSERT_NE(NULL, ctx);
+	for (size_t i = 0; i < sizeof(backends) / sizeof(backends[0]); i++) {
+		ape_device *dev = test_device(ctx, backends[i]);
+		struct wrap_counts clean, after;
+		struct bcall b;
+
+		if (!dev) {
+			ksft_print_msg("%s: no device, not tested\n", backends[i]);
+			continue;
+		}
+		wrap_install(dev, 0);
+		ASSERT_EQ(0, bcall_init(&b, dev, 4)) TH_LOG("%s: %s", backends[i], b.msg);
+		wrap_reset();
+		ASSERT_EQ(0, bcall_run(&b));
+		clean = wrap_get();
+		ASSERT_LT(1u, clean.calls[WRAP_ATTENTION_BACKWARD]);
+		for (uint64_t n = 1; n <= clean.calls[WRAP_ATTENTION_BACKWARD]; n++) {
+			int ret;
+
+			wrap_fail_op(WRAP_ATTENTION_BACKWARD, n);
+			ret = bcall_run(&b);
+			wrap_fail_op(WRAP_ATTENTION_BACKWARD, 0);
+			judge(_metadata, &b, ret, APE_EDEVLOST, "attention_backward", backends[i], n);
+		}
+		after = wrap_get();
+		EXPECT_EQ(0u, after.live_bytes) TH_LOG("%s: device memory still held", backends[i]);
+		EXPECT_EQ(after.allocs, after.frees) TH_LOG("%s", backends[i]);
+		ksft_print_msg("%s: %llu launches failed in turn, %llu bytes of scratch declared "
+			       "per launch at most\n",
+			       backends[i], (unsigned long long)clean.calls[WRAP_ATTENTION_BACKWARD],
+			       (unsigned long long)after.bwd_scratch_max);
+		fflush(stdout);
+		bcall_free(&b);
+		wrap_remove();
+	}
+	ape_context_destroy(ctx);
 }
 
 TEST_HARNESS_MAIN

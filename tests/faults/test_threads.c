@@ -4,21 +4,27 @@
  * one device (reference, OpenCL) and run forward calls at once, one-shot and streamed, each
  * result equal bit for bit to the serial run; 8 threads create contexts, compute and destroy
  * them at once; 4 threads run two-device calls on one shared context at once (within the
- * tolerance, since which device computes which chunk varies). `make tsan-ci` runs this under
- * ThreadSanitizer, where any data race fails it.
+ * tolerance, since which device computes which chunk varies); 8 threads run backward calls on
+ * one shared device at once, one-shot and streamed, each equal bit for bit to the serial run.
+ * `make tsan-ci` runs this under ThreadSanitizer, where any data race fails it.
  */
 #include "ape_test.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <string.h>
 
+#include "common/bwdcase.h"
 #include "faults/faultcheck.h"
 #include "faults/fixture.h"
 
 enum { NT = 8, ROUNDS = 3 };
 
+struct bjob;
+
 struct job {
 	fx_call *c; /* a call prepared (and run once, serially) by the main thread */
+	struct bjob *b; /* backward test: its call, prepared likewise */
 	const char *backend; /* contexts test: the backend to compute on */
 	const fx_call *want; /* contexts test: the serial result */
 	char err[512]; /* empty when everything matched */
@@ -127,6 +133,74 @@ TEST_F_TIMEOUT(th, contexts_created_at_once, 300)
 		j[i] = (struct job){ .backend = variant->backend, .want = &serial };
 	run_threads(_metadata, j, NT, own_contexts);
 	fx_call_free(&serial);
+}
+
+/* One backward call of its own, prepared and run once serially by the main thread. */
+struct bjob {
+	bcase c;
+	grads g, serial;
+	ape_device *dev;
+	int64_t chunk; /* rows per chunk both ways; 0: one launch */
+};
+
+/* The call into g, its outputs poisoned first (so that a round that writes nothing shows). */
+static int bjob_run(struct bjob *b)
+{
+	test_tensor_poison(&b->g.dq.t);
+	test_tensor_poison(&b->g.dk.t);
+	test_tensor_poison(&b->g.dv.t);
+	for (int64_t i = 0; i < 4 * b->g.H; i++)
+		b->g.dparams[i] = NAN;
+	return run_chunked(&b->c, b->dev, &b->g, b->chunk, b->chunk, NULL);
+}
+
+static void *run_backward_calls(void *arg)
+{
+	struct job *j = arg;
+
+	for (int r = 0; r < ROUNDS && !j->err[0]; r++) {
+		int ret = bjob_run(j->b);
+
+		if (ret)
+			snprintf(j->err, sizeof(j->err), "round %d: %.400s", r, ape_last_error());
+		else if (!same_grads(&j->b->g, &j->b->serial, W_ALL))
+			snprintf(j->err, sizeof(j->err), "round %d: not the serial result", r);
+	}
+	return NULL;
+}
+
+/* One context, one device, 8 threads of backward calls; half one-shot, half streamed (chunks
+ * of 16 rows both ways: 3 x 3 launches). */
+TEST_F_TIMEOUT(th, shared_device_backward, 300)
+{
+	const test_problem_shape sh = { 1, 4, 2, 40, 48, 16 };
+	static struct bjob b[NT];
+	struct job j[NT];
+	ape_rng rng;
+
+	ape_rng_init(&rng, "shared_device_backward");
+	for (int i = 0; i < NT; i++) {
+		memset(&b[i], 0, sizeof(b[i]));
+		b[i].dev = self->dev[0];
+		b[i].chunk = i % 2 ? 16 : 0;
+		ASSERT_EQ(0, bcase_ready(&b[i].c, &rng, &sh, APE_F32, false, i % 4 < 2,
+					 self->dev[0]))
+			TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, grads_alloc(&b[i].g, &b[i].c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&b[i].serial, &b[i].c, APE_F32));
+		ASSERT_EQ(0, bjob_run(&b[i])) TH_LOG("%s", ape_last_error());
+		memcpy(b[i].serial.dq.alloc, b[i].g.dq.alloc, b[i].g.dq.alloc_bytes);
+		memcpy(b[i].serial.dk.alloc, b[i].g.dk.alloc, b[i].g.dk.alloc_bytes);
+		memcpy(b[i].serial.dv.alloc, b[i].g.dv.alloc, b[i].g.dv.alloc_bytes);
+		memcpy(b[i].serial.dparams, b[i].g.dparams, sizeof(float) * (size_t)(4 * sh.H));
+		j[i] = (struct job){ .b = &b[i] };
+	}
+	run_threads(_metadata, j, NT, run_backward_calls);
+	for (int i = 0; i < NT; i++) {
+		bcase_free(&b[i].c);
+		grads_free(&b[i].g);
+		grads_free(&b[i].serial);
+	}
 }
 
 TEST_HARNESS_MAIN
