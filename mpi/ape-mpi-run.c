@@ -385,10 +385,11 @@ static double params_err(const struct cfg *c, const float *dp, const float *ref)
 }
 
 /* The distributed backward of this rank's rows after its forward; err[0..3]: dq, dk, dv,
- * dparams against the reference (with --check); *same: dparams bit-identical on every rank. */
+ * dparams against the reference (with --check); *same: dparams bit-identical on every rank;
+ * *hash: FNV-1a of dparams' bytes (two runs compare it). */
 static int backward_case(const struct cfg *c, struct run *r, ape_device *dev,
 			 const ape_exec_options *eo, const char *corrupt_what, ape_mpi_stats *st,
-			 double err[4], int *same)
+			 double err[4], int *same, uint64_t *hash)
 {
 	const int64_t B = c->B, H = c->H, rows = r->sh.rows;
 	struct grads g;
@@ -427,6 +428,9 @@ static int backward_case(const struct cfg *c, struct run *r, ape_device *dev,
 	*same = mret == MPI_SUCCESS;
 	for (int q = 0; q < nranks && *same; q++)
 		*same = !memcmp(g.dp_all, g.dp_all + 4 * H * q, (size_t)(4 * H) * sizeof(float));
+	*hash = 1469598103934665603ull;
+	for (size_t i = 0; i < (size_t)(4 * H) * sizeof(float); i++)
+		*hash = (*hash ^ ((const unsigned char *)g.dp)[i]) * 1099511628211ull;
 	if (!ret && c->check) {
 		err[0] = grad_err(c, r, &g.tdq, &g.tgq);
 		err[1] = grad_err(c, r, &g.tdk, &g.tgk);
@@ -486,6 +490,7 @@ static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_wh
 	ape_exec_options eo;
 	double err_o = 0, err_lse = 0, err_g[4] = { 0, 0, 0, 0 };
 	int ret, ok, all_ok, same = 1;
+	uint64_t hash = 0;
 	ape_device *devs[8];
 	const char *mine = corrupt_what && rank == corrupt_rank ? corrupt_what : NULL;
 
@@ -515,7 +520,7 @@ static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_wh
 	/* every rank that got here calls the backward (a collective), after a forward that
 	 * succeeded everywhere (ret is the same on every rank) */
 	if (!ret && c->backward) {
-		ret = backward_case(c, &r, dev, &eo, mine, &st, err_g, &same);
+		ret = backward_case(c, &r, dev, &eo, mine, &st, err_g, &same, &hash);
 		ok = ok && !ret && same && (!c->check || (err_g[0] <= 1 && err_g[1] <= 1 &&
 							  err_g[2] <= 1 && err_g[3] <= 1));
 	}
@@ -526,14 +531,14 @@ static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_wh
 		 " blocks_unneeded=%" PRIu64 " rows_unneeded=%" PRIu64 " peers=%d full_exchange=%d"
 		 " local_calls=%" PRIu64 " pairs_visible=%" PRIu64 " pairs_computed=%" PRIu64
 		 " grad_bytes_sent=%" PRIu64 " grad_bytes_received=%" PRIu64 " err_dq=%.3g"
-		 " err_dk=%.3g err_dv=%.3g err_dp=%.3g dp_same=%d"
+		 " err_dk=%.3g err_dv=%.3g err_dp=%.3g dp_same=%d dp_hash=%" PRIu64
 		 " total_ms=%.1f wait_ms=%.1f note=\"%s\" msg=\"%s\"",
 		 rank, r.sh.rows, ape_err_name(ret), ok, err_o, err_lse, st.bytes_sent, st.bytes_received,
 		 st.messages_sent, st.messages_received, st.blocks_sent, st.rows_sent,
 		 st.blocks_received, st.blocks_unneeded, st.rows_unneeded, st.peers,
 		 st.full_exchange, st.local_calls, st.pairs_visible, st.pairs_computed,
 		 st.grad_bytes_sent, st.grad_bytes_received, err_g[0], err_g[1], err_g[2], err_g[3],
-		 same, st.total_ms,
+		 same, hash, st.total_ms,
 		 st.wait_ms, st.note, ret ? ape_mpi_last_error() : "");
 	teardown(&r);
 	if (rank == 0)

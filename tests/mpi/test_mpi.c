@@ -297,18 +297,21 @@ TEST(plan_leaves_out_at_most_its_share)
 /* The built-in cases (both shard kinds, causal or not, GQA, every dtype, lengths not divisible
  * by the rank count, ranks and blocks without rows, offsets, strides, zero and negative decay)
  * plus random ones, each equal to the single-process call within the spec's tolerance. */
-static void suite(struct __test_metadata *_metadata, int np)
+/* The driver's suite on np ranks (extra: more driver options, e.g. --backward): every case
+ * passes, the named ones included. */
+static void suite(struct __test_metadata *_metadata, int np, const char *extra)
 {
 	static const char *const names[] = { "contiguous-causal", "zigzag-causal-gqa",
 					     "contiguous-noncausal-f16", "zigzag-noncausal-bf16",
 					     "ranks-without-rows", "offsets", "zero-decay",
 					     "strong-decay-noncausal" };
-	char *out = malloc(OUT_CAP), tail[64];
+	char *out = malloc(OUT_CAP), tail[64], args[128];
 	int rc, passed = -1, total = -2;
 	const char *p;
 
 	ASSERT_NE(NULL, out);
-	rc = drive(np, "--suite 12", out);
+	snprintf(args, sizeof(args), "--suite 12 %s", extra);
+	rc = drive(np, args, out);
 	if (rc)
 		TH_LOG("%s", out);
 	ASSERT_EQ(0, rc);
@@ -323,31 +326,33 @@ static void suite(struct __test_metadata *_metadata, int np)
 	ASSERT_EQ(2, sscanf(p, "\n# %d of %d cases passed", &passed, &total));
 	ASSERT_EQ(total, passed);
 	ASSERT_GE(total, 12 + (int)(sizeof(names) / sizeof(names[0])));
+	if (strstr(extra, "--backward")) /* the driver ran the backward in every case */
+		ASSERT_NE(NULL, strstr(out, " backward ndev="));
 	free(out);
 }
 
 TEST(suite_1_rank)
 {
 	NEED_MPIRUN();
-	suite(_metadata, 1);
+	suite(_metadata, 1, "");
 }
 
 TEST(suite_2_ranks)
 {
 	NEED_MPIRUN();
-	suite(_metadata, 2);
+	suite(_metadata, 2, "");
 }
 
 TEST(suite_3_ranks)
 {
 	NEED_MPIRUN();
-	suite(_metadata, 3);
+	suite(_metadata, 3, "");
 }
 
 TEST(suite_4_ranks)
 {
 	NEED_MPIRUN();
-	suite(_metadata, 4);
+	suite(_metadata, 4, "");
 }
 
 /* One rank passes something different or invalid: every rank returns the same APE_EINVAL with
@@ -510,6 +515,203 @@ TEST(zero_decay_full_exchange)
 		ASSERT_EQ(np - 1, field(line, "messages_sent"));
 		ASSERT_EQ(0, field(line, "rows_unneeded"));
 	}
+	free(out);
+}
+
+/* ---------------------------------------------------------------- the backward (item 3) */
+
+/* The suite with ape_mpi_attention_backward() after each forward: every case's dQ, dK, dV and
+ * dparams equal the single-process ape_attention_backward() of the whole sequence (on the same
+ * O and LSE) within APE-SPEC.md's gradient tolerances, dparams bit-identical on every rank (the
+ * driver's ok needs both); both shard kinds, causal and not, GQA, every dtype, lengths not
+ * divisible by the rank count, ranks and blocks without rows, offsets, strided tensors, with
+ * and without dLSE, the plan leaving rows out (strong decay) and the full exchange. */
+TEST(backward_suite_1_rank)
+{
+	NEED_MPIRUN();
+	suite(_metadata, 1, "--backward");
+}
+
+TEST(backward_suite_2_ranks)
+{
+	NEED_MPIRUN();
+	suite(_metadata, 2, "--backward");
+}
+
+TEST(backward_suite_3_ranks)
+{
+	NEED_MPIRUN();
+	suite(_metadata, 3, "--backward");
+}
+
+TEST(backward_suite_4_ranks)
+{
+	NEED_MPIRUN();
+	suite(_metadata, 4, "--backward");
+}
+
+/* Every rank checks the gradients and dparams agree bit for bit, in every case of a suite. */
+TEST(backward_dparams_identical_on_every_rank)
+{
+	char *out = malloc(OUT_CAP), line[2048], args[128];
+	const int np = 4;
+
+	NEED_MPIRUN();
+	ASSERT_NE(NULL, out);
+	snprintf(args, sizeof(args), "-L 203 --decay 1.5 --noncausal --check --backward --dlse");
+	ASSERT_EQ(0, drive(np, args, out));
+	for (int r = 0; r < np; r++) {
+		ASSERT_TRUE(rank_line(out, r, line, sizeof(line)));
+		ASSERT_EQ(1, field(line, "dp_same"));
+		ASSERT_GT(field(line, "rows_unneeded"), 0); /* the plan did leave rows out */
+		ASSERT_LE(field(line, "err_dp"), 1);
+		ASSERT_LE(field(line, "err_dk"), 1);
+	}
+	free(out);
+}
+
+/* Two runs of the same problem give bit-identical dparams (and on every rank). */
+TEST(backward_deterministic_across_runs)
+{
+	char *out = malloc(OUT_CAP), line[2048];
+	const char *args = "-L 300 -H 4 --hkv 2 --shard zigzag --backward --dlse --seed 5";
+	char hash[3][4][32];
+	const int np = 3;
+
+	NEED_MPIRUN();
+	ASSERT_NE(NULL, out);
+	for (int run = 0; run < 2; run++) {
+		ASSERT_EQ(0, drive(np, args, out));
+		for (int r = 0; r < np; r++) {
+			const char *p;
+
+			ASSERT_TRUE(rank_line(out, r, line, sizeof(line)));
+			ASSERT_EQ(1, field(line, "dp_same"));
+			p = strstr(line, " dp_hash=");
+			ASSERT_NE(NULL, p);
+			snprintf(hash[run][r], sizeof(hash[run][r]), "%.20s", p + 9);
+			hash[run][r][strcspn(hash[run][r], " ")] = 0;
+			ASSERT_STREQ(hash[0][0], hash[run][r]);
+		}
+	}
+	free(out);
+}
+
+/* The seed's decay at the target's shape (smaller L): the backward moves K and V exactly as the
+ * forward's plan does (at most two blocks' worth), and sends back the gradients of exactly the
+ * rows it received: grad_bytes_sent = bytes_received, grad_bytes_received = bytes_sent (f32
+ * inputs, float32 dK and dV). */
+TEST(backward_returns_gradients_of_planned_rows_only)
+{
+	const int np = 4;
+	const int64_t L = 2048, H = 2, D = 64, row_bytes = 2 * H * D * (int64_t)sizeof(float);
+	char *out = malloc(OUT_CAP), line[2048], args[256];
+
+	NEED_MPIRUN();
+	ASSERT_NE(NULL, out);
+	snprintf(args, sizeof(args),
+		 "-L %" PRId64 " -H %" PRId64 " -D %" PRId64 " --shard zigzag --check --backward",
+		 L, H, D);
+	ASSERT_EQ(0, drive(np, args, out));
+	for (int r = 0; r < np; r++) {
+		ape_mpi_shard_info sh;
+		int64_t biggest;
+
+		ASSERT_EQ(0, ape_mpi_shard(L, np, r, APE_MPI_SHARD_ZIGZAG, &sh));
+		biggest = sh.count[0] > sh.count[1] ? sh.count[0] : sh.count[1];
+		ASSERT_TRUE(rank_line(out, r, line, sizeof(line)));
+		TH_LOG("%s", line);
+		ASSERT_EQ(1, field(line, "ok"));
+		ASSERT_LE(field(line, "bytes_sent"), 2.0 * (double)(biggest * row_bytes));
+		ASSERT_EQ(field(line, "grad_bytes_sent"), field(line, "bytes_received"));
+		ASSERT_EQ(field(line, "grad_bytes_received"), field(line, "bytes_sent"));
+		ASSERT_GT(field(line, "rows_unneeded"), 0);
+	}
+	free(out);
+}
+
+/* Arguments of the backward wrong or different on one rank (after a forward that succeeded):
+ * every rank returns the same APE_EINVAL naming that rank and the field; nothing hangs. */
+TEST(backward_mismatch_on_one_rank)
+{
+	static const struct {
+		const char *corrupt, *names;
+		int np, rank;
+	} cases[] = {
+		{ "bwd-delta", "desc->delta", 3, 2 },
+		{ "bwd-dout", "dout", 4, 1 },
+		{ "bwd-want", "the gradients wanted", 2, 1 },
+		{ "bwd-want", "the gradients wanted", 3, 0 }, /* rank 0 is the odd one out */
+	};
+	char *out = malloc(OUT_CAP), args[256], line[2048], msg[1024], first[1024], want[32];
+
+	NEED_MPIRUN();
+	ASSERT_NE(NULL, out);
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		snprintf(args, sizeof(args), "-L 40 --check --backward --corrupt %s --corrupt-rank %d",
+			 cases[i].corrupt, cases[i].rank);
+		ASSERT_EQ(1, drive(cases[i].np, args, out)); /* 1: the case failed, cleanly */
+		snprintf(want, sizeof(want), "rank %d: ", cases[i].rank);
+		for (int r = 0; r < cases[i].np; r++) {
+			ASSERT_TRUE(rank_line(out, r, line, sizeof(line)));
+			ASSERT_NE(NULL, strstr(line, " ret=APE_EINVAL "));
+			quoted(line, "msg", msg, sizeof(msg));
+			if (!strstr(msg, want) || !strstr(msg, cases[i].names))
+				TH_LOG("%s on rank %d: %s", cases[i].corrupt, cases[i].rank, msg);
+			ASSERT_NE(NULL, strstr(msg, "ape_mpi_attention_backward: "));
+			ASSERT_NE(NULL, strstr(msg, want));
+			ASSERT_NE(NULL, strstr(msg, cases[i].names));
+			if (r == 0)
+				snprintf(first, sizeof(first), "%s", msg);
+			ASSERT_STREQ(first, msg);
+		}
+	}
+	free(out);
+}
+
+TEST(backward_refuses_without_mpi_init)
+{
+	ape_mpi_shard_info sh;
+	int ret;
+
+	ASSERT_EQ(0, ape_mpi_shard(4, 1, 0, APE_MPI_SHARD_CONTIGUOUS, &sh));
+	ret = ape_mpi_attention_backward(MPI_COMM_WORLD, NULL, NULL, NULL, &sh, NULL, NULL, NULL,
+					 NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
+	ASSERT_EQ(APE_EINVAL, ret);
+	ASSERT_NE(NULL, strstr(ape_mpi_last_error(), "ape_mpi_attention_backward: MPI is not "
+						     "initialised"));
+}
+
+/* ---------------------------------------------------------------- several devices per rank */
+
+/* ape_mpi_attention_forward_ex() with the same device twice per rank: the suite passes. */
+TEST(forward_two_devices_per_rank)
+{
+	NEED_MPIRUN();
+	suite(_metadata, 3, "--ndev 2");
+}
+
+/* Two OpenCL devices (the same one twice) per rank: each local piece is split over both by
+ * ape_attention_forward_ex(); the result equals the single-process call. */
+TEST(forward_two_opencl_devices_per_rank)
+{
+	char *out = malloc(OUT_CAP), line[2048];
+	const int np = 2;
+	int rc;
+
+	NEED_MPIRUN();
+	ASSERT_NE(NULL, out);
+	rc = drive(np, "-L 300 --check --ndev 2 --backend opencl --shard zigzag", out);
+	if (rc == 3) {
+		free(out);
+		SKIP(return, "no OpenCL device for the driver");
+	}
+	ASSERT_EQ(0, rc);
+	for (int r = 0; r < np; r++) {
+		ASSERT_TRUE(rank_line(out, r, line, sizeof(line)));
+		ASSERT_EQ(1, field(line, "ok"));
+	}
+	ASSERT_NE(NULL, strstr(out, " ndev=2"));
 	free(out);
 }
 
