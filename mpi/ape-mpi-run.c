@@ -22,6 +22,7 @@
 
 #include "ape/ape_mpi.h"
 #include "common/cli.h"
+#include "mpi_files.h"
 
 #define LINE 1024
 
@@ -644,15 +645,16 @@ enum {
 	OPT_SUITE = 1, OPT_L, OPT_B, OPT_H, OPT_HKV, OPT_D, OPT_DTYPE, OPT_OUT_F32, OPT_SHARD,
 	OPT_NONCAUSAL, OPT_DECAY, OPT_Q_START, OPT_K_START, OPT_SKIP_TOL, OPT_BACKEND, OPT_CHECK,
 	OPT_SEED, OPT_CORRUPT, OPT_CORRUPT_RANK, OPT_QUIET, OPT_HELP, OPT_BACKWARD, OPT_DLSE,
-	OPT_NDEV
+	OPT_NDEV, OPT_DELTA, OPT_BETA, OPT_GAMMA, OPT_LAMBDA
 };
 
 static const struct cli_option options[] = {
-	{ "--suite", NULL, true, OPT_SUITE },	      { "-L", NULL, true, OPT_L },
-	{ "-B", NULL, true, OPT_B },		      { "-H", NULL, true, OPT_H },
-	{ "--hkv", NULL, true, OPT_HKV },	      { "-D", NULL, true, OPT_D },
+	/* the second names are ape-bench's: ape-bench --mpi execs ape-mpi-run with its arguments */
+	{ "--suite", NULL, true, OPT_SUITE },	      { "-L", "--len", true, OPT_L },
+	{ "-B", "--batch", true, OPT_B },	      { "-H", "--heads", true, OPT_H },
+	{ "--hkv", "--kv-heads", true, OPT_HKV },     { "-D", "--head-dim", true, OPT_D },
 	{ "--dtype", NULL, true, OPT_DTYPE },	      { "--out-f32", NULL, false, OPT_OUT_F32 },
-	{ "--shard", NULL, true, OPT_SHARD },	      { "--noncausal", NULL, false, OPT_NONCAUSAL },
+	{ "--shard", NULL, true, OPT_SHARD },	      { "--noncausal", "--no-causal", false, OPT_NONCAUSAL },
 	{ "--decay", NULL, true, OPT_DECAY },	      { "--q-start", NULL, true, OPT_Q_START },
 	{ "--k-start", NULL, true, OPT_K_START },     { "--skip-tol", NULL, true, OPT_SKIP_TOL },
 	{ "--backend", NULL, true, OPT_BACKEND },     { "--check", NULL, false, OPT_CHECK },
@@ -661,6 +663,8 @@ static const struct cli_option options[] = {
 	{ "--quiet", NULL, false, OPT_QUIET },	      { "--help", "-h", false, OPT_HELP },
 	{ "--backward", NULL, false, OPT_BACKWARD },  { "--dlse", NULL, false, OPT_DLSE },
 	{ "--ndev", NULL, true, OPT_NDEV },
+	{ "--delta", NULL, true, OPT_DELTA },	      { "--beta", NULL, true, OPT_BETA },
+	{ "--gamma", NULL, true, OPT_GAMMA },	      { "--lambda", NULL, true, OPT_LAMBDA },
 	{ NULL, NULL, false, 0 },
 };
 
@@ -678,7 +682,11 @@ static void usage(FILE *f)
 		   "                             bwd-delta|bwd-dout|bwd-want\n"
 		   "  --corrupt-rank R --quiet --help --version\n"
 		   "  --backward (the distributed backward after the forward) --dlse (with dL/dLSE)\n"
-		   "  --ndev N (the forward on the selected device N times, 1..8)\n");
+		   "  --ndev N (the forward on the selected device N times, 1..8)\n"
+		   "  --delta X --beta X --gamma X --lambda X (after --decay, which sets all four)\n"
+		   "ape-bench --mpi runs this with ape-bench's arguments (--len, --heads, --kv-heads,\n"
+		   "--head-dim, --batch, --no-causal are the names above); ape-run --mpi runs\n"
+		   "'ape-mpi-run --files ARGS' (ape-run's options on .npy files: --files --help).\n");
 }
 
 struct args {
@@ -751,6 +759,11 @@ static int parse_one(int id, const char *v, struct cfg *c, struct args *a, char 
 		return 0;
 	case OPT_DECAY:
 		return parse_decay(v, c, err, len);
+	case OPT_DELTA: case OPT_BETA: case OPT_GAMMA: case OPT_LAMBDA: {
+		double *p[] = { &c->delta, &c->beta, &c->gamma, &c->lambda };
+
+		return cli_parse_finite(options[id - 1].name, v, p[id - OPT_DELTA], err, len);
+	}
 	case OPT_Q_START:
 		c->q_start_set = true;
 		return cli_parse_int64("--q-start", v, INT64_MIN, INT64_MAX, &c->q_start, err, len);
@@ -816,6 +829,11 @@ int main(int argc, char **argv)
 	uint64_t seed;
 	char err[256];
 
+	/* ape-run --mpi execs ape-mpi-run --files ARGS: ape-run's options on .npy files */
+	if (argc > 1 && !strcmp(argv[1], "--files")) {
+		argv[1] = argv[0];
+		return ape_mpi_files_main(argc - 1, argv + 1);
+	}
 	/* Options are checked before MPI starts, so that --help and --version need no mpirun;
 	 * they are read again below, over the defaults of the run's seed. */
 	c = base(0);
