@@ -49,6 +49,8 @@ struct run {
 };
 
 static int rank, nranks;
+static int last_ret; /* the last case's return code (the same on every rank) */
+static bool bench; /* run as ape-bench --mpi */
 
 /* ---------------------------------------------------------------- inputs */
 
@@ -512,6 +514,7 @@ static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_wh
 	else if (!ret)
 		ret = ape_mpi_attention_forward(MPI_COMM_WORLD, dev, &eo, &r.desc, &r.sh, &r.tq,
 						&r.tk, &r.tv, &r.to, r.lse, &st);
+	last_ret = ret;
 	ok = ret == 0;
 	if (ok && c->check) {
 		int cr = check(c, &r, dev, &err_o, &err_lse);
@@ -522,6 +525,7 @@ static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_wh
 	 * succeeded everywhere (ret is the same on every rank) */
 	if (!ret && c->backward) {
 		ret = backward_case(c, &r, dev, &eo, mine, &st, err_g, &same, &hash);
+		last_ret = ret;
 		ok = ok && !ret && same && (!c->check || (err_g[0] <= 1 && err_g[1] <= 1 &&
 							  err_g[2] <= 1 && err_g[3] <= 1));
 	}
@@ -542,6 +546,8 @@ static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_wh
 		 same, hash, st.total_ms,
 		 st.wait_ms, st.note, ret ? ape_mpi_last_error() : "");
 	teardown(&r);
+	if (bench && ret) /* every rank says why (the same message on every rank) */
+		fprintf(stderr, "ape-bench --mpi: rank %d: %s\n", rank, ape_mpi_last_error());
 	if (rank == 0)
 		all = malloc((size_t)nranks * LINE);
 	MPI_Gather(line, LINE, MPI_CHAR, all, LINE, MPI_CHAR, 0, MPI_COMM_WORLD);
@@ -834,6 +840,15 @@ int main(int argc, char **argv)
 		argv[1] = argv[0];
 		return ape_mpi_files_main(argc - 1, argv + 1);
 	}
+	/* ape-bench --mpi execs ape-mpi-run --bench ARGS: this driver, named as the tool, with
+	 * a message about bad input on every rank and exit status 2 for a case the library
+	 * refuses (bad input) */
+	if (argc > 1 && !strcmp(argv[1], "--bench")) {
+		argv[1] = argv[0];
+		argc--;
+		argv++;
+		bench = true;
+	}
 	/* Options are checked before MPI starts, so that --help and --version need no mpirun;
 	 * they are read again below, over the defaults of the run's seed. */
 	c = base(0);
@@ -841,6 +856,15 @@ int main(int argc, char **argv)
 	if (!bad && a.help) {
 		usage(stdout);
 		return 0;
+	}
+	if (bad && bench) {
+		/* ape-bench --mpi: every rank says it, so MPI starts first (mpirun ends the job at
+		 * the first non-zero exit status: every rank prints before any exits) */
+		MPI_Init(&argc, &argv);
+		fprintf(stderr, "ape-bench --mpi: %s\n", err);
+		MPI_Barrier(MPI_COMM_WORLD);
+		MPI_Finalize();
+		return 2;
 	}
 	if (bad) {
 		/* before MPI starts (nothing to finalise, nothing of MPI's left behind); once, from
@@ -893,5 +917,5 @@ int main(int argc, char **argv)
 		printf("# %d of %d cases passed on %d ranks\n", pass, total, nranks);
 	ape_context_destroy(ctx);
 	MPI_Finalize();
-	return pass == total ? 0 : 1;
+	return pass == total ? 0 : bench && last_ret == APE_EINVAL ? 2 : 1;
 }

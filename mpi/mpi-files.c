@@ -722,24 +722,26 @@ int ape_mpi_files_main(int argc, char **argv)
 	char msg[MSG] = "";
 	int ret;
 
-	/* arguments first: every rank reads the same ones, so every rank says the same */
+	/* arguments first (--help needs no MPI); every rank reads the same ones, so every rank
+	 * says the same, after MPI_Init so that all of them can */
 	ret = parse(argc, argv, &a, msg);
 	if (!ret && a.help) {
 		fusage();
 		return 0;
 	}
-	if (ret) {
-		fprintf(stderr, "ape-run --mpi: %s\n", msg);
-		for (int i = 0; i < 4; i++)
-			free(a.prm[i]);
-		return ret;
-	}
 	MPI_Init(&argc, &argv);
 	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 	MPI_Comm_size(MPI_COMM_WORLD, &nranks);
-	ret = run(&a, msg);
+	if (!ret)
+		ret = run(&a, msg);
+	else
+		for (int i = 0; i < 4; i++)
+			free(a.prm[i]);
 	if (ret)
 		fprintf(stderr, "ape-run --mpi: %s\n", msg);
+	/* every rank has said it before any exits (mpirun ends the job at the first non-zero
+	 * exit status) */
+	MPI_Barrier(MPI_COMM_WORLD);
 	MPI_Finalize();
 	return ret;
 }

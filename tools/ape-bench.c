@@ -824,7 +824,7 @@ int main(int argc, char **argv)
 	int ret, nrows = 0, bad = 0;
 
 	/* --mpi: generated inputs sharded over MPI ranks, by ape-mpi-run (docs/distributed.md) */
-	if ((ret = tools_mpi_exec("ape-bench", argc, argv, NULL)) >= 0)
+	if ((ret = tools_mpi_exec("ape-bench", argc, argv, "--bench")) >= 0)
 		return ret;
 	o.delta = (float)pow(2.0, -4.0 / 3.0);
 	o.beta = o.gamma = o.delta / 10;

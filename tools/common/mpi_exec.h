@@ -8,8 +8,8 @@
 #define APE_TOOLS_MPI_EXEC_H
 
 /**
- * When argv holds "--mpi", execs ape-mpi-run from this program's directory with \p mode (or
- * nothing, when NULL) and every other argument, in the same process (so under mpirun each rank
+ * When argv holds "--mpi", execs ape-mpi-run from this program's directory with \p mode
+ * ("--files" for ape-run, "--bench" for ape-bench) and every other argument, in the same process (so under mpirun each rank
  * becomes a rank of the driver). Returns -1 when there is no "--mpi"; otherwise only on failure,
  * with the exit status (3: this build has no MPI driver) after a message on stderr.
  */
