@@ -223,38 +223,58 @@ static void merge(struct call *c, int64_t off, int64_t n)
 		}
 }
 
+/* One piece, query block lq of this rank against key rows [j0, j1) of kb: its positions and its
+ * views of Q, K and V. */
+static void piece_views(const struct call *c, int lq, const struct kv_block *kb, int64_t j0,
+			int64_t j1, ape_attn_desc *d, ape_tensor *qv, ape_tensor *kv, ape_tensor *vv)
+{
+	*d = c->dglob;
+	d->q_start = c->g.q0 + c->sh->start[lq];
+	d->k_start = c->g.k0 + j0;
+	ape_tensor_rows(c->q, block_off(c->sh, lq), c->sh->count[lq], qv);
+	ape_tensor_rows(&kb->k, j0 - kb->c0, j1 - j0, kv);
+	ape_tensor_rows(&kb->v, j0 - kb->c0, j1 - j0, vv);
+}
+
+/* After a piece's libape call: its failure kept (named by its rows), or its statistics counted.
+ * True when it succeeded. */
+static bool piece_done(struct call *c, int lq, int64_t j0, int64_t j1, int ret,
+		       const ape_stats *st)
+{
+	const int64_t a = c->sh->start[lq], n = c->sh->count[lq];
+
+	if (ret) {
+		ape__mpi_error(ret, "%s: rows %lld..%lld against keys %lld..%lld: %s", APE__MPI_FN,
+			       (long long)a, (long long)(a + n - 1), (long long)j0,
+			       (long long)(j1 - 1), ape_last_error());
+		keep_error(c, ret);
+		return false;
+	}
+	c->st.local_calls++;
+	c->st.pairs_computed += st->pairs_computed;
+	return true;
+}
+
 /* Query block lq of this rank against key rows [j0, j1) of kb (which holds rows [kb->c0,..)). */
 static void compute(struct call *c, int lq, const struct kv_block *kb, int64_t j0, int64_t j1)
 {
 	const int64_t off = block_off(c->sh, lq), n = c->sh->count[lq];
 	ape_tensor qv, kv, vv, ov;
-	ape_attn_desc d = c->dglob;
+	ape_attn_desc d;
 	ape_stats st;
 	int ret;
 
 	if (c->err || j0 >= j1 || n == 0)
 		return;
-	d.q_start = c->g.q0 + c->sh->start[lq];
-	d.k_start = c->g.k0 + j0;
+	piece_views(c, lq, kb, j0, j1, &d, &qv, &kv, &vv);
 	/* half of skip_tol for the plan, half for the local calls (docs/distributed.md) */
 	d.skip_tol = c->dglob.skip_tol / 2;
-	ape_tensor_rows(c->q, off, n, &qv);
-	ape_tensor_rows(&kb->k, j0 - kb->c0, j1 - j0, &kv);
-	ape_tensor_rows(&kb->v, j0 - kb->c0, j1 - j0, &vv);
 	ape_tensor_init(&ov, c->oc, APE_F32, c->g.B, c->g.H, n, c->g.D);
 	ape_stats_init(&st);
 	ret = ape_attention_forward_ex(c->devs, c->ndev, c->opts, &d, &qv, &kv, &vv, &ov, c->lc,
 				       &st);
-	if (ret) {
-		ape__mpi_error(ret, "%s: rows %lld..%lld against keys %lld..%lld: %s", APE__MPI_FN,
-			       (long long)c->sh->start[lq], (long long)(c->sh->start[lq] + n - 1),
-			       (long long)j0, (long long)(j1 - 1), ape_last_error());
-		keep_error(c, ret);
-		return;
-	}
-	c->st.local_calls++;
-	c->st.pairs_computed += st.pairs_computed;
-	merge(c, off, n);
+	if (piece_done(c, lq, j0, j1, ret, &st))
+		merge(c, off, n);
 }
 
 /* Adds n rows of src (float32 [B, nh, n, D]) into rows [off, off + n) of dst ([B, nh, rows, D]
@@ -279,17 +299,13 @@ static void compute_bwd(struct call *c, int lq, const struct kv_block *kb, int64
 	const int64_t off = block_off(c->sh, lq), n = c->sh->count[lq], m = j1 - j0;
 	const int64_t rows = c->sh->rows, nbh = c->g.B * c->g.H;
 	ape_tensor qv, kv, vv, ov, dov, tq, tk, tv;
-	ape_attn_desc d = c->dglob;
+	ape_attn_desc d;
 	ape_stats st;
 	int ret;
 
 	if (c->err || j0 >= j1 || n == 0)
 		return;
-	d.q_start = c->g.q0 + c->sh->start[lq];
-	d.k_start = c->g.k0 + j0;
-	ape_tensor_rows(c->q, off, n, &qv);
-	ape_tensor_rows(&kb->k, j0 - kb->c0, m, &kv);
-	ape_tensor_rows(&kb->v, j0 - kb->c0, m, &vv);
+	piece_views(c, lq, kb, j0, j1, &d, &qv, &kv, &vv);
 	ape_tensor_rows(c->o, off, n, &ov);
 	ape_tensor_rows(c->dout, off, n, &dov);
 	for (int64_t bh = 0; bh < nbh; bh++) {
@@ -307,15 +323,8 @@ static void compute_bwd(struct call *c, int lq, const struct kv_block *kb, int64
 					c->want & APE__MPI_WANT_DK ? &tk : NULL,
 					c->want & APE__MPI_WANT_DV ? &tv : NULL,
 					c->want & APE__MPI_WANT_DP ? c->pp : NULL, &st);
-	if (ret) {
-		ape__mpi_error(ret, "%s: rows %lld..%lld against keys %lld..%lld: %s", APE__MPI_FN,
-			       (long long)c->sh->start[lq], (long long)(c->sh->start[lq] + n - 1),
-			       (long long)j0, (long long)(j1 - 1), ape_last_error());
-		keep_error(c, ret);
+	if (!piece_done(c, lq, j0, j1, ret, &st))
 		return;
-	}
-	c->st.local_calls++;
-	c->st.pairs_computed += st.pairs_computed;
 	if (c->want & APE__MPI_WANT_DQ)
 		add_rows(c, c->g.H, c->pq, n, c->gq, rows, off);
 	if (c->want & APE__MPI_WANT_DK)

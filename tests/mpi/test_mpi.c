@@ -356,14 +356,47 @@ TEST(suite_4_ranks)
 	suite(_metadata, 4, "");
 }
 
+/* One rank passes something different or invalid (the driver's --corrupt) on np ranks. */
+struct mismatch {
+	const char *corrupt, *names; /* what is corrupted; what the message must name */
+	int np, rank;
+};
+
+/* Each case fails cleanly: every rank returns the same APE_EINVAL with the same message, from
+ * fn, naming that rank and the field, and nothing hangs. extra: more driver options. */
+static void mismatches(struct __test_metadata *_metadata, const struct mismatch *cases, size_t n,
+		       const char *extra, const char *fn)
+{
+	char *out = malloc(OUT_CAP), args[256], line[2048], msg[1024], first[1024], want[32];
+
+	ASSERT_NE(NULL, out);
+	for (size_t i = 0; i < n; i++) {
+		snprintf(args, sizeof(args), "-L 40 --check %s --corrupt %s --corrupt-rank %d",
+			 extra, cases[i].corrupt, cases[i].rank);
+		ASSERT_EQ(1, drive(cases[i].np, args, out)); /* 1: the case failed, cleanly */
+		snprintf(want, sizeof(want), "rank %d: ", cases[i].rank);
+		for (int r = 0; r < cases[i].np; r++) {
+			ASSERT_TRUE(rank_line(out, r, line, sizeof(line)));
+			ASSERT_NE(NULL, strstr(line, " ret=APE_EINVAL "));
+			quoted(line, "msg", msg, sizeof(msg));
+			if (!strstr(msg, want) || !strstr(msg, cases[i].names))
+				TH_LOG("%s on rank %d: %s", cases[i].corrupt, cases[i].rank, msg);
+			ASSERT_NE(NULL, strstr(msg, fn));
+			ASSERT_NE(NULL, strstr(msg, want));
+			ASSERT_NE(NULL, strstr(msg, cases[i].names));
+			if (r == 0)
+				snprintf(first, sizeof(first), "%s", msg);
+			ASSERT_STREQ(first, msg);
+		}
+	}
+	free(out);
+}
+
 /* One rank passes something different or invalid: every rank returns the same APE_EINVAL with
  * the same message, naming that rank and the field, and nothing hangs. */
 TEST(mismatch_on_one_rank)
 {
-	static const struct {
-		const char *corrupt, *names;
-		int np, rank;
-	} cases[] = {
+	static const struct mismatch cases[] = {
 		{ "delta", "desc->delta", 3, 2 },
 		{ "causal", "desc->causal", 4, 1 },
 		{ "k_start", "desc->k_start", 2, 1 },
@@ -374,29 +407,10 @@ TEST(mismatch_on_one_rank)
 		{ "null", "q->data = NULL", 3, 1 },
 		{ "delta", "desc->delta", 3, 0 }, /* rank 0 is the odd one out */
 	};
-	char *out = malloc(OUT_CAP), args[256], line[2048], msg[1024], first[1024], want[32];
 
 	NEED_MPIRUN();
-	ASSERT_NE(NULL, out);
-	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-		snprintf(args, sizeof(args), "-L 40 --check --corrupt %s --corrupt-rank %d",
-			 cases[i].corrupt, cases[i].rank);
-		ASSERT_EQ(1, drive(cases[i].np, args, out)); /* 1: the case failed, cleanly */
-		snprintf(want, sizeof(want), "rank %d: ", cases[i].rank);
-		for (int r = 0; r < cases[i].np; r++) {
-			ASSERT_TRUE(rank_line(out, r, line, sizeof(line)));
-			ASSERT_NE(NULL, strstr(line, " ret=APE_EINVAL "));
-			quoted(line, "msg", msg, sizeof(msg));
-			if (!strstr(msg, want) || !strstr(msg, cases[i].names))
-				TH_LOG("%s on rank %d: %s", cases[i].corrupt, cases[i].rank, msg);
-			ASSERT_NE(NULL, strstr(msg, want));
-			ASSERT_NE(NULL, strstr(msg, cases[i].names));
-			if (r == 0)
-				snprintf(first, sizeof(first), "%s", msg);
-			ASSERT_STREQ(first, msg);
-		}
-	}
-	free(out);
+	mismatches(_metadata, cases, sizeof(cases) / sizeof(cases[0]), "",
+		   "ape_mpi_attention_forward: ");
 }
 
 /* Arguments valid everywhere, but one rank's computation fails (a device budget too small for
@@ -635,39 +649,16 @@ TEST(backward_returns_gradients_of_planned_rows_only)
  * every rank returns the same APE_EINVAL naming that rank and the field; nothing hangs. */
 TEST(backward_mismatch_on_one_rank)
 {
-	static const struct {
-		const char *corrupt, *names;
-		int np, rank;
-	} cases[] = {
+	static const struct mismatch cases[] = {
 		{ "bwd-delta", "desc->delta", 3, 2 },
 		{ "bwd-dout", "dout", 4, 1 },
 		{ "bwd-want", "the gradients wanted", 2, 1 },
 		{ "bwd-want", "the gradients wanted", 3, 0 }, /* rank 0 is the odd one out */
 	};
-	char *out = malloc(OUT_CAP), args[256], line[2048], msg[1024], first[1024], want[32];
 
 	NEED_MPIRUN();
-	ASSERT_NE(NULL, out);
-	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-		snprintf(args, sizeof(args), "-L 40 --check --backward --corrupt %s --corrupt-rank %d",
-			 cases[i].corrupt, cases[i].rank);
-		ASSERT_EQ(1, drive(cases[i].np, args, out)); /* 1: the case failed, cleanly */
-		snprintf(want, sizeof(want), "rank %d: ", cases[i].rank);
-		for (int r = 0; r < cases[i].np; r++) {
-			ASSERT_TRUE(rank_line(out, r, line, sizeof(line)));
-			ASSERT_NE(NULL, strstr(line, " ret=APE_EINVAL "));
-			quoted(line, "msg", msg, sizeof(msg));
-			if (!strstr(msg, want) || !strstr(msg, cases[i].names))
-				TH_LOG("%s on rank %d: %s", cases[i].corrupt, cases[i].rank, msg);
-			ASSERT_NE(NULL, strstr(msg, "ape_mpi_attention_backward: "));
-			ASSERT_NE(NULL, strstr(msg, want));
-			ASSERT_NE(NULL, strstr(msg, cases[i].names));
-			if (r == 0)
-				snprintf(first, sizeof(first), "%s", msg);
-			ASSERT_STREQ(first, msg);
-		}
-	}
-	free(out);
+	mismatches(_metadata, cases, sizeof(cases) / sizeof(cases[0]), "--backward",
+		   "ape_mpi_attention_backward: ");
 }
 
 TEST(backward_refuses_without_mpi_init)
