@@ -67,12 +67,15 @@ typedef struct ape_mpi_shard_info {
 APE_API int ape_mpi_shard(int64_t L, int nranks, int rank, ape_mpi_shard_kind kind,
 			  ape_mpi_shard_info *out);
 
-/** Statistics of one ape_mpi_attention_forward() call, for this rank. */
+/** Statistics of one ape_mpi_attention_forward() or ape_mpi_attention_backward() call, for this
+ *  rank (the backward: the same K and V transfers, its own calls and pairs, and the gradients
+ *  returned). */
 typedef struct ape_mpi_stats {
 	size_t struct_size; /**< set by ape_mpi_stats_init() */
 	uint64_t bytes_sent; /**< bytes of K and V this rank sent */
 	uint64_t bytes_received; /**< bytes of K and V this rank received */
-	uint64_t messages_sent; /**< point-to-point messages sent (a block over 1 GiB takes several) */
+	uint64_t messages_sent; /**< point-to-point messages sent (a block over 1 GiB takes several;
+				  *  the backward counts its gradient messages too) */
 	uint64_t messages_received;
 	uint64_t blocks_sent; /**< (key block, destination rank) transfers, whole or in part */
 	uint64_t rows_sent; /**< key rows sent, summed over destinations */
@@ -87,7 +90,7 @@ typedef struct ape_mpi_stats {
 	 *  decay): every visible block travels, as in a ring; note says why. */
 	bool full_exchange;
 	char note[192]; /**< what the plan did, in words */
-	uint64_t local_calls; /**< ape_attention_forward_ex() calls this rank made */
+	uint64_t local_calls; /**< ape_attention_forward_ex() (backward_ex) calls this rank made */
 	uint64_t pairs_visible; /**< pairs the mask lets through for this rank's rows */
 	uint64_t pairs_computed; /**< pairs computed by those calls (after their own skipping) */
 	/** Backward only: bytes of dK and dV (float32) this rank sent back to the owners of the
