@@ -33,6 +33,7 @@ struct cfg {
 	bool causal, per_head, strided, check;
 	bool backward, with_dlse; /* --backward: the distributed backward after the forward */
 	int ndev; /* devices per rank: the selected one, ndev times */
+	int64_t chunk; /* --chunk: opts->chunk_q and chunk_k (0: libape's default) */
 	double delta, beta, gamma, lambda, skip_tol;
 	bool q_start_set;
 	int64_t q_start, k_start;
@@ -473,13 +474,13 @@ static void describe(const struct cfg *c, char *buf, size_t len)
 {
 	snprintf(buf, len,
 		 "%s L=%" PRId64 " B=%" PRId64 " H=%" PRId64 " Hkv=%" PRId64 " D=%" PRId64
-		 " %s->%s %s %s delta=%g%s%s q_start=%s%" PRId64 " k_start=%" PRId64 "%s%s ndev=%d",
+		 " %s->%s %s %s delta=%g%s%s q_start=%s%" PRId64 " k_start=%" PRId64 "%s%s ndev=%d chunk=%" PRId64,
 		 c->what ? c->what : "", c->L, c->B, c->H, c->Hkv, c->D, ape_dtype_name(c->dt),
 		 ape_dtype_name(c->odt), c->kind ? "zigzag" : "contiguous",
 		 c->causal ? "causal" : "non-causal", c->delta, c->per_head ? " per-head" : "",
 		 c->strided ? " strided" : "", c->q_start_set ? "" : "default:",
 		 c->q_start_set ? c->q_start : c->k_start, c->k_start, c->backward ? " backward" : "",
-		 c->backward && c->with_dlse ? " dlse" : "", c->ndev);
+		 c->backward && c->with_dlse ? " dlse" : "", c->ndev, c->chunk);
 }
 
 /* Runs one case on every rank; rank 0 prints every rank's line. Returns 1 when the case passed
@@ -506,6 +507,7 @@ static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_wh
 	ape_mpi_stats_init(&st);
 	/* a budget too small for any chunk: the rank's arguments are valid, its computation fails */
 	ape_exec_options_init(&eo);
+	eo.chunk_q = eo.chunk_k = c->chunk;
 	if (corrupt_what && rank == corrupt_rank && !strcmp(corrupt_what, "budget"))
 		eo.max_device_bytes = 1000;
 	if (!ret && c->ndev > 1)
@@ -651,7 +653,7 @@ enum {
 	OPT_SUITE = 1, OPT_L, OPT_B, OPT_H, OPT_HKV, OPT_D, OPT_DTYPE, OPT_OUT_F32, OPT_SHARD,
 	OPT_NONCAUSAL, OPT_DECAY, OPT_Q_START, OPT_K_START, OPT_SKIP_TOL, OPT_BACKEND, OPT_CHECK,
 	OPT_SEED, OPT_CORRUPT, OPT_CORRUPT_RANK, OPT_QUIET, OPT_HELP, OPT_BACKWARD, OPT_DLSE,
-	OPT_NDEV, OPT_DELTA, OPT_BETA, OPT_GAMMA, OPT_LAMBDA
+	OPT_NDEV, OPT_DELTA, OPT_BETA, OPT_GAMMA, OPT_LAMBDA, OPT_CHUNK
 };
 
 static const struct cli_option options[] = {
@@ -671,6 +673,7 @@ static const struct cli_option options[] = {
 	{ "--ndev", NULL, true, OPT_NDEV },
 	{ "--delta", NULL, true, OPT_DELTA },	      { "--beta", NULL, true, OPT_BETA },
 	{ "--gamma", NULL, true, OPT_GAMMA },	      { "--lambda", NULL, true, OPT_LAMBDA },
+	{ "--chunk", NULL, true, OPT_CHUNK },
 	{ NULL, NULL, false, 0 },
 };
 
@@ -690,6 +693,7 @@ static void usage(FILE *f)
 		   "  --backward (the distributed backward after the forward) --dlse (with dL/dLSE)\n"
 		   "  --ndev N (the forward on the selected device N times, 1..8)\n"
 		   "  --delta X --beta X --gamma X --lambda X (after --decay, which sets all four)\n"
+		   "  --chunk N (most rows per chunk of each local call; the backward's sub-blocks)\n"
 		   "ape-bench --mpi runs this with ape-bench's arguments (--len, --heads, --kv-heads,\n"
 		   "--head-dim, --batch, --no-causal are the names above); ape-run --mpi runs\n"
 		   "'ape-mpi-run --files ARGS' (ape-run's options on .npy files: --files --help).\n");
@@ -742,6 +746,8 @@ static int parse_one(int id, const char *v, struct cfg *c, struct args *a, char 
 	case OPT_L: case OPT_B: case OPT_H: case OPT_HKV: case OPT_D:
 		return cli_parse_int64(options[id - 1].name, v, id == OPT_L ? 0 : 1, INT64_MAX,
 				       dims[id], err, len);
+	case OPT_CHUNK:
+		return cli_parse_int64("--chunk", v, 1, INT64_MAX, &c->chunk, err, len);
 	case OPT_NDEV:
 		if (cli_parse_int64("--ndev", v, 1, 8, &x, err, len))
 			return APE_EINVAL;
@@ -909,6 +915,7 @@ int main(int argc, char **argv)
 			cc.backward = c.backward;
 			cc.with_dlse = c.with_dlse || i % 2;
 			cc.ndev = c.ndev;
+			cc.chunk = c.chunk;
 
 			pass += run_case(&cc, sel.device, NULL, 0, false);
 		}

@@ -21,6 +21,7 @@
 #include "core/ape_math.h"
 
 #define PIECE_BYTES ((size_t)1 << 30) /* MPI counts are ints: larger blocks go in pieces */
+#define BWD_SUB 4096 /* the backward's query rows per piece, unless opts->chunk_q says */
 #define GRAD_TAG 16 /* + the owner's local block: the gradients of its rows, going back */
 
 /* A key block of one rank as this rank holds it: rows [c0, c1) of the global sequence. */
@@ -44,7 +45,7 @@ struct call {
 	int ndev;
 	const ape_exec_options *opts;
 	ape_attn_desc dglob; /* q_start resolved and set */
-	const ape_tensor *q;
+	const ape_tensor *q, *k;
 	size_t esize;
 	int64_t need[2][2]; /* this rank's query blocks: key rows [lo, hi) they need */
 	int64_t *needs; /* [size][4]: every rank's */
@@ -223,26 +224,25 @@ static void merge(struct call *c, int64_t off, int64_t n)
 		}
 }
 
-/* One piece, query block lq of this rank against key rows [j0, j1) of kb: its positions and its
- * views of Q, K and V. */
-static void piece_views(const struct call *c, int lq, const struct kv_block *kb, int64_t j0,
-			int64_t j1, ape_attn_desc *d, ape_tensor *qv, ape_tensor *kv, ape_tensor *vv)
+/* One piece, rows [s0, s0 + ns) of query block lq of this rank against key rows [j0, j1) of kb:
+ * its positions and its views of Q, K and V. */
+static void piece_views(const struct call *c, int lq, int64_t s0, int64_t ns,
+			const struct kv_block *kb, int64_t j0, int64_t j1, ape_attn_desc *d,
+			ape_tensor *qv, ape_tensor *kv, ape_tensor *vv)
 {
 	*d = c->dglob;
-	d->q_start = c->g.q0 + c->sh->start[lq];
+	d->q_start = c->g.q0 + c->sh->start[lq] + s0;
 	d->k_start = c->g.k0 + j0;
-	ape_tensor_rows(c->q, block_off(c->sh, lq), c->sh->count[lq], qv);
+	ape_tensor_rows(c->q, block_off(c->sh, lq) + s0, ns, qv);
 	ape_tensor_rows(&kb->k, j0 - kb->c0, j1 - j0, kv);
 	ape_tensor_rows(&kb->v, j0 - kb->c0, j1 - j0, vv);
 }
 
 /* After a piece's libape call: its failure kept (named by its rows), or its statistics counted.
  * True when it succeeded. */
-static bool piece_done(struct call *c, int lq, int64_t j0, int64_t j1, int ret,
+static bool piece_done(struct call *c, int64_t a, int64_t n, int64_t j0, int64_t j1, int ret,
 		       const ape_stats *st)
 {
-	const int64_t a = c->sh->start[lq], n = c->sh->count[lq];
-
 	if (ret) {
 		ape__mpi_error(ret, "%s: rows %lld..%lld against keys %lld..%lld: %s", APE__MPI_FN,
 			       (long long)a, (long long)(a + n - 1), (long long)j0,
@@ -266,14 +266,14 @@ static void compute(struct call *c, int lq, const struct kv_block *kb, int64_t j
 
 	if (c->err || j0 >= j1 || n == 0)
 		return;
-	piece_views(c, lq, kb, j0, j1, &d, &qv, &kv, &vv);
+	piece_views(c, lq, 0, n, kb, j0, j1, &d, &qv, &kv, &vv);
 	/* half of skip_tol for the plan, half for the local calls (docs/distributed.md) */
 	d.skip_tol = c->dglob.skip_tol / 2;
 	ape_tensor_init(&ov, c->oc, APE_F32, c->g.B, c->g.H, n, c->g.D);
 	ape_stats_init(&st);
 	ret = ape_attention_forward_ex(c->devs, c->ndev, c->opts, &d, &qv, &kv, &vv, &ov, c->lc,
 				       &st);
-	if (piece_done(c, lq, j0, j1, ret, &st))
+	if (piece_done(c, c->sh->start[lq], n, j0, j1, ret, &st))
 		merge(c, off, n);
 }
 
@@ -290,13 +290,13 @@ static void add_rows(const struct call *c, int64_t nh, const float *src, int64_t
 				dst[((bh * rows) + off + i) * D + d] += src[(bh * n + i) * D + d];
 }
 
-/* The backward of query block lq against key rows [j0, j1) of kb: one
+/* The backward of rows [s0, s0 + n) of query block lq against key rows [j0, j1) of kb: one
  * ape_attention_backward_ex() with the forward's O and LSE of these rows (so P_ij is the whole
  * sequence's), its gradients added to dQ, to kb's dK and dV and to the parameter gradients. */
-static void compute_bwd(struct call *c, int lq, const struct kv_block *kb, int64_t j0,
-			int64_t j1)
+static void compute_bwd(struct call *c, int lq, int64_t s0, int64_t n,
+			const struct kv_block *kb, int64_t j0, int64_t j1)
 {
-	const int64_t off = block_off(c->sh, lq), n = c->sh->count[lq], m = j1 - j0;
+	const int64_t off = block_off(c->sh, lq) + s0, m = j1 - j0;
 	const int64_t rows = c->sh->rows, nbh = c->g.B * c->g.H;
 	ape_tensor qv, kv, vv, ov, dov, tq, tk, tv;
 	ape_attn_desc d;
@@ -305,7 +305,7 @@ static void compute_bwd(struct call *c, int lq, const struct kv_block *kb, int64
 
 	if (c->err || j0 >= j1 || n == 0)
 		return;
-	piece_views(c, lq, kb, j0, j1, &d, &qv, &kv, &vv);
+	piece_views(c, lq, s0, n, kb, j0, j1, &d, &qv, &kv, &vv);
 	ape_tensor_rows(c->o, off, n, &ov);
 	ape_tensor_rows(c->dout, off, n, &dov);
 	for (int64_t bh = 0; bh < nbh; bh++) {
@@ -323,7 +323,7 @@ static void compute_bwd(struct call *c, int lq, const struct kv_block *kb, int64
 					c->want & APE__MPI_WANT_DK ? &tk : NULL,
 					c->want & APE__MPI_WANT_DV ? &tv : NULL,
 					c->want & APE__MPI_WANT_DP ? c->pp : NULL, &st);
-	if (!piece_done(c, lq, j0, j1, ret, &st))
+	if (!piece_done(c, c->sh->start[lq] + s0, n, j0, j1, ret, &st))
 		return;
 	if (c->want & APE__MPI_WANT_DQ)
 		add_rows(c, c->g.H, c->pq, n, c->gq, rows, off);
@@ -354,6 +354,36 @@ static void wanted(const int64_t *nd, int64_t ks, int64_t ke, int64_t *c0, int64
 		*c0 = *c1 = ks;
 }
 
+/*
+ * The backward of query block lq against the rows of kb it needs, in sub-blocks of at most
+ * opts->chunk_q rows (default BWD_SUB): each sub-block's key range is cut again by the plan's
+ * bound and share (ape__mpi_needed() holds for any rows), so that, as in the forward, far keys of
+ * a large block are not computed. The left-out keys of a row are then the longer of two tails
+ * each proved negligible within the plan's share: no more than the plan's share in all.
+ */
+static void compute_bwd_block(struct call *c, int lq, const struct kv_block *kb)
+{
+	const int64_t n = c->sh->count[lq], nbh = c->g.B * c->g.H;
+	const int64_t sub = c->opts && c->opts->chunk_q > 0 ? c->opts->chunk_q : BWD_SUB;
+
+	for (int64_t s0 = 0; s0 < n; s0 += sub) {
+		const int64_t ns = n - s0 < sub ? n - s0 : sub;
+		int64_t lo = c->need[lq][0], hi = c->need[lq][1], slo, shi;
+
+		if (c->g.can_skip && ns < n) {
+			ape__mpi_query_summary(&c->g, c->q, c->k, block_off(c->sh, lq) + s0, ns,
+					       c->qsum, c->qsum + nbh);
+			ape__mpi_needed(&c->g, c->kglob, c->qsum, c->qsum + nbh,
+					c->sh->start[lq] + s0, ns, &slo, &shi);
+			lo = slo > lo ? slo : lo;
+			hi = shi < hi ? shi : hi;
+		}
+		lo = kb->c0 > lo ? kb->c0 : lo;
+		hi = kb->c1 < hi ? kb->c1 : hi;
+		compute_bwd(c, lq, s0, ns, kb, lo, hi);
+	}
+}
+
 /* Computes every query block of this rank against the rows of kb it needs. */
 static void compute_block(struct call *c, const struct kv_block *kb)
 {
@@ -362,7 +392,7 @@ static void compute_block(struct call *c, const struct kv_block *kb)
 		int64_t j1 = c->need[lq][1] < kb->c1 ? c->need[lq][1] : kb->c1;
 
 		if (c->bwd)
-			compute_bwd(c, lq, kb, j0, j1);
+			compute_bwd_block(c, lq, kb);
 		else
 			compute(c, lq, kb, j0, j1);
 	}
@@ -1094,6 +1124,7 @@ static int run(struct call *c, MPI_Comm comm, const ape_attn_desc *desc,
 	size_t cap;
 
 	c->q = q;
+	c->k = k;
 	c->sh = shard;
 	ape_mpi_stats_init(&c->st);
 	if (MPI_Initialized(&flag) != MPI_SUCCESS || !flag)

@@ -183,7 +183,9 @@ APE_API int ape_mpi_attention_forward_ex(MPI_Comm comm, ape_device *const *devs,
  * fetched from their owners, the gradients of those rows are computed where the queries are and
  * sent back to the owners, and nothing else moves. Pairs the plan proved negligible in the
  * forward (a relative weight of at most skip_tol / 2 per row) are left out of the gradients too,
- * so the call equals the single-process backward within the spec's gradient tolerance
+ * and each sub-block of at most opts->chunk_q query rows (default 4096) has its key range cut
+ * again by the same bound and share (as the forward's local calls skip far keys), so the call
+ * equals the single-process backward within the spec's gradient tolerance
  * (docs/distributed.md, "The backward"); with skip_tol = 0 or no decay every visible pair is
  * computed. Each local piece is one ape_attention_backward_ex() on \p dev (the reference
  * backend today; another gives APE_ENOTSUP on every rank).

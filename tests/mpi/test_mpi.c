@@ -565,6 +565,43 @@ TEST(backward_suite_4_ranks)
 	suite(_metadata, 4, "--backward");
 }
 
+/* The backward in sub-blocks of 8 query rows (--chunk 8), each with its own cut: the suite
+ * still passes everywhere. */
+TEST(backward_suite_sub_blocks_3_ranks)
+{
+	NEED_MPIRUN();
+	suite(_metadata, 3, "--backward --chunk 8");
+}
+
+/* Sub-blocks leave far keys of a large block out (fewer pairs than one piece per block), within
+ * the tolerance: L = 2048 on 4 ranks, the seed's decay, 64-row sub-blocks. */
+TEST(backward_sub_blocks_cut_far_keys)
+{
+	char *out = malloc(OUT_CAP), line[2048];
+	const char *args[2] = { "-L 2048 -H 2 -D 64 --shard zigzag --check --backward --seed 4",
+				"-L 2048 -H 2 -D 64 --shard zigzag --check --backward --seed 4 "
+				"--chunk 64" };
+	double pairs[2] = { 0, 0 };
+	const int np = 4;
+
+	NEED_MPIRUN();
+	ASSERT_NE(NULL, out);
+	for (int i = 0; i < 2; i++) {
+		ASSERT_EQ(0, drive(np, args[i], out));
+		for (int r = 0; r < np; r++) {
+			ASSERT_TRUE(rank_line(out, r, line, sizeof(line)));
+			ASSERT_EQ(1, field(line, "ok"));
+			ASSERT_LE(field(line, "err_dk"), 1);
+			ASSERT_LE(field(line, "err_dp"), 1);
+			pairs[i] += field(line, "pairs_computed");
+		}
+	}
+	TH_LOG("pairs computed by the backward: %.0f in whole blocks, %.0f in sub-blocks", pairs[0],
+	       pairs[1]);
+	ASSERT_LT(pairs[1], 0.75 * pairs[0]);
+	free(out);
+}
+
 /* Every rank checks the gradients and dparams agree bit for bit, in every case of a suite. */
 TEST(backward_dparams_identical_on_every_rank)
 {
