@@ -27,6 +27,7 @@ static const struct {
 	{ "desc->rope_base", F_REAL }, { "desc->skip_tol", F_REAL },
 	{ "desc->delta", F_HEADS },    { "desc->beta", F_HEADS },
 	{ "desc->gamma", F_HEADS },    { "desc->lambda", F_HEADS },
+	{ "the gradients wanted (dq 1, dk 2, dv 4, dparams 8)", F_INT },
 };
 _Static_assert(sizeof(fields) / sizeof(fields[0]) ==
 		       sizeof(((struct ape__mpi_digest *)0)->field) / sizeof(int64_t),
@@ -62,7 +63,7 @@ static int64_t heads_hash(const ape_param *p, int64_t H)
 
 void ape__mpi_digest_fill(struct ape__mpi_digest *dg, const ape_attn_desc *desc,
 			  const ape_mpi_shard_info *sh, const ape_tensor *q, const ape_tensor *k,
-			  const ape_tensor *o)
+			  const ape_tensor *o, int want)
 {
 	const int64_t H = q->shape[1];
 	int64_t *f = dg->field;
@@ -87,6 +88,7 @@ void ape__mpi_digest_fill(struct ape__mpi_digest *dg, const ape_attn_desc *desc,
 	f[17] = heads_hash(&desc->beta, H);
 	f[18] = heads_hash(&desc->gamma, H);
 	f[19] = heads_hash(&desc->lambda, H);
+	f[20] = want;
 }
 
 static void show(char *buf, size_t len, int i, int64_t v)
@@ -127,11 +129,11 @@ int ape__mpi_verdict(const struct ape__mpi_digest *all, int n)
 
 	for (int r = 0; r < n; r++) {
 		const char *m = all[r].msg;
-		const size_t pre = strlen(APE__MPI_FN ": ");
+		const size_t pre = strlen(APE__MPI_FN) + 2;
 
 		if (!all[r].status)
 			continue;
-		if (!strncmp(m, APE__MPI_FN ": ", pre))
+		if (!strncmp(m, APE__MPI_FN, pre - 2) && !strncmp(m + pre - 2, ": ", 2))
 			m += pre; /* the function is named once, before the rank */
 		return ape__mpi_error(all[r].status, "%s: rank %d: %.*s", APE__MPI_FN, r,
 				      (int)strnlen(m, APE__MPI_MSG - pre), m);

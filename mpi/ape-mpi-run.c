@@ -22,6 +22,7 @@
 
 #include "ape/ape_mpi.h"
 #include "common/cli.h"
+#include "mpi_files.h"
 
 #define LINE 1024
 
@@ -30,6 +31,9 @@ struct cfg {
 	ape_dtype dt, odt;
 	ape_mpi_shard_kind kind;
 	bool causal, per_head, strided, check;
+	bool backward, with_dlse; /* --backward: the distributed backward after the forward */
+	int ndev; /* devices per rank: the selected one, ndev times */
+	int64_t chunk; /* --chunk: opts->chunk_q and chunk_k (0: libape's default) */
 	double delta, beta, gamma, lambda, skip_tol;
 	bool q_start_set;
 	int64_t q_start, k_start;
@@ -46,6 +50,8 @@ struct run {
 };
 
 static int rank, nranks;
+static int last_ret; /* the last case's return code (the same on every rank) */
+static bool bench; /* run as ape-bench --mpi */
 
 /* ---------------------------------------------------------------- inputs */
 
@@ -257,6 +263,189 @@ out:
 	return ret;
 }
 
+/* ---------------------------------------------------------------- the backward */
+
+static double tol_grad(ape_dtype dt) /* APE-SPEC.md, "Gradients" */
+{
+	return dt == APE_F32 ? 1e-3 : dt == APE_F16 ? 1e-2 : 5e-2;
+}
+
+struct grads {
+	void *dout, *dq, *dk, *dv;
+	ape_tensor tdout, tdq, tdk, tdv;
+	float *dlse, *dp, *dp_all;
+	/* the single-process reference over the whole sequence (with --check) */
+	void *rq, *rk, *rv, *ro, *rdout;
+	ape_tensor trq, trk, trv, tro, trdout, tgq, tgk, tgv;
+	float *rlse, *rdlse, *gq, *gk, *gv, rdp[4 * 64];
+};
+
+static void grads_free(struct grads *g)
+{
+	void *p[] = { g->dout, g->dq, g->dk, g->dv, g->dlse, g->dp, g->dp_all, g->rq, g->rk,
+		      g->rv, g->ro, g->rdout, g->rlse, g->rdlse, g->gq, g->gk, g->gv };
+
+	for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
+		free(p[i]);
+}
+
+/* dL/dLSE of (b, h, global row l): the same on every rank. */
+static float gen_dlse(const struct cfg *c, int64_t b, int64_t h, int64_t l)
+{
+	return 0.5f * gen(c->seed, 4, b, h, l, 0);
+}
+
+/*
+ * The single-process forward and backward over the whole sequence; this rank's rows of the
+ * reference O and LSE replace the distributed forward's, so that the distributed backward is
+ * compared with the single-process one on the same inputs.
+ */
+static int reference(const struct cfg *c, struct run *r, ape_device *dev, struct grads *g)
+{
+	const int64_t B = c->B, H = c->H, L = c->L, rows = r->sh.rows;
+	int ret;
+
+	g->rq = alloc_tensor(&g->trq, c->dt, B, H, L, c->D, false);
+	g->rk = alloc_tensor(&g->trk, c->dt, B, c->Hkv, L, c->D, false);
+	g->rv = alloc_tensor(&g->trv, c->dt, B, c->Hkv, L, c->D, false);
+	g->ro = alloc_tensor(&g->tro, c->odt, B, H, L, c->D, false);
+	g->rdout = alloc_tensor(&g->trdout, c->dt, B, H, L, c->D, false);
+	g->gq = alloc_tensor(&g->tgq, APE_F32, B, H, L, c->D, false);
+	g->gk = alloc_tensor(&g->tgk, APE_F32, B, c->Hkv, L, c->D, false);
+	g->gv = alloc_tensor(&g->tgv, APE_F32, B, c->Hkv, L, c->D, false);
+	g->rlse = calloc((size_t)(B * H * L) + 1, sizeof(float));
+	g->rdlse = calloc((size_t)(B * H * L) + 1, sizeof(float));
+	if (!g->rq || !g->rk || !g->rv || !g->ro || !g->rdout || !g->gq || !g->gk || !g->gv ||
+	    !g->rlse || !g->rdlse || H > 64)
+		return APE_ENOMEM;
+	fill(c, &g->trq, 0, NULL);
+	fill(c, &g->trk, 1, NULL);
+	fill(c, &g->trv, 2, NULL);
+	fill(c, &g->trdout, 3, NULL);
+	for (int64_t bh = 0; bh < B * H; bh++)
+		for (int64_t l = 0; l < L; l++)
+			g->rdlse[bh * L + l] = gen_dlse(c, bh / H, bh % H, l);
+	if ((ret = ape_attention_forward(dev, &r->desc, &g->trq, &g->trk, &g->trv, &g->tro, g->rlse,
+					 NULL)) ||
+	    (ret = ape_attention_backward(dev, &r->desc, &g->trq, &g->trk, &g->trv, &g->tro,
+					  g->rlse, &g->trdout, c->with_dlse ? g->rdlse : NULL,
+					  &g->tgq, &g->tgk, &g->tgv, g->rdp, NULL)))
+		return ret;
+	for (int64_t b = 0; b < B; b++)
+		for (int64_t h = 0; h < H; h++)
+			for (int64_t i = 0; i < rows; i++) {
+				const int64_t l = global_row(&r->sh, i);
+
+				r->lse[(b * H + h) * rows + i] = g->rlse[(b * H + h) * L + l];
+				for (int64_t d = 0; d < c->D; d++)
+					set(&r->to, b, h, i, d, (float)get(&g->tro, b, h, l, d));
+			}
+	return 0;
+}
+
+/* max |this rank's rows of t - the reference's| in units of tol * max|reference| */
+static double grad_err(const struct cfg *c, const struct run *r, const ape_tensor *t,
+		       const ape_tensor *ref)
+{
+	double M = 0, e = 0;
+
+	for (int64_t b = 0; b < ref->shape[0]; b++)
+		for (int64_t h = 0; h < ref->shape[1]; h++)
+			for (int64_t l = 0; l < ref->shape[2]; l++)
+				for (int64_t d = 0; d < c->D; d++)
+					M = fmax(M, fabs(get(ref, b, h, l, d)));
+	for (int64_t b = 0; b < t->shape[0]; b++)
+		for (int64_t h = 0; h < t->shape[1]; h++)
+			for (int64_t i = 0; i < t->shape[2]; i++)
+				for (int64_t d = 0; d < c->D; d++) {
+					double x = fabs(get(t, b, h, i, d) -
+							get(ref, b, h, global_row(&r->sh, i), d));
+
+					x = x == x ? x : INFINITY;
+					e = fmax(e, x == 0 ? 0 : x / (tol_grad(c->dt) * fmax(M, 1e-30)));
+				}
+	return e;
+}
+
+/* Each head's parameter gradients against the reference's, in units of tol * the largest of
+ * that head's four. */
+static double params_err(const struct cfg *c, const float *dp, const float *ref)
+{
+	double e = 0;
+
+	for (int64_t h = 0; h < c->H; h++) {
+		double M = 0;
+
+		for (int p = 0; p < 4; p++)
+			M = fmax(M, fabs(ref[4 * h + p]));
+		for (int p = 0; p < 4; p++) {
+			double x = fabs((double)dp[4 * h + p] - ref[4 * h + p]);
+
+			x = x == x ? x : INFINITY;
+			e = fmax(e, x == 0 ? 0 : x / (tol_grad(c->dt) * fmax(M, 1e-30)));
+		}
+	}
+	return e;
+}
+
+/* The distributed backward of this rank's rows after its forward; err[0..3]: dq, dk, dv,
+ * dparams against the reference (with --check); *same: dparams bit-identical on every rank;
+ * *hash: FNV-1a of dparams' bytes (two runs compare it). */
+static int backward_case(const struct cfg *c, struct run *r, ape_device *dev,
+			 const ape_exec_options *eo, const char *corrupt_what, ape_mpi_stats *st,
+			 double err[4], int *same, uint64_t *hash)
+{
+	const int64_t B = c->B, H = c->H, rows = r->sh.rows;
+	struct grads g;
+	bool no_dk = corrupt_what && !strcmp(corrupt_what, "bwd-want");
+	int ret = APE_ENOMEM, mret;
+
+	memset(&g, 0, sizeof(g));
+	*same = 0;
+	g.dout = alloc_tensor(&g.tdout, c->dt, B, H, rows, c->D, c->strided);
+	g.dq = alloc_tensor(&g.tdq, c->odt, B, H, rows, c->D, c->strided);
+	g.dk = alloc_tensor(&g.tdk, c->odt, B, c->Hkv, rows, c->D, c->strided);
+	g.dv = alloc_tensor(&g.tdv, c->odt, B, c->Hkv, rows, c->D, c->strided);
+	g.dlse = calloc((size_t)(B * H * rows) + 1, sizeof(float));
+	g.dp = calloc((size_t)(4 * H), sizeof(float));
+	g.dp_all = calloc((size_t)(4 * H * nranks), sizeof(float));
+	if (!g.dout || !g.dq || !g.dk || !g.dv || !g.dlse || !g.dp || !g.dp_all)
+		goto out;
+	fill(c, &g.tdout, 3, &r->sh);
+	for (int64_t bh = 0; bh < B * H; bh++)
+		for (int64_t i = 0; i < rows; i++)
+			g.dlse[bh * rows + i] = gen_dlse(c, bh / H, bh % H, global_row(&r->sh, i));
+	if (c->check && (ret = reference(c, r, dev, &g)))
+		goto out;
+	if (corrupt_what && !strcmp(corrupt_what, "bwd-delta"))
+		r->desc.delta.value += 0.25f;
+	if (corrupt_what && !strcmp(corrupt_what, "bwd-dout"))
+		g.tdout.strides[3] = -1;
+	ape_mpi_stats_init(st);
+	ret = ape_mpi_attention_backward(MPI_COMM_WORLD, dev, eo, &r->desc, &r->sh, &r->tq, &r->tk,
+					 &r->tv, &r->to, r->lse, &g.tdout,
+					 c->with_dlse ? g.dlse : NULL, &g.tdq, no_dk ? NULL : &g.tdk,
+					 &g.tdv, g.dp, st);
+	/* dparams on every rank, bit for bit */
+	mret = MPI_Allgather(g.dp, (int)(4 * H), MPI_FLOAT, g.dp_all, (int)(4 * H), MPI_FLOAT,
+			     MPI_COMM_WORLD);
+	*same = mret == MPI_SUCCESS;
+	for (int q = 0; q < nranks && *same; q++)
+		*same = !memcmp(g.dp_all, g.dp_all + 4 * H * q, (size_t)(4 * H) * sizeof(float));
+	*hash = 1469598103934665603ull;
+	for (size_t i = 0; i < (size_t)(4 * H) * sizeof(float); i++)
+		*hash = (*hash ^ ((const unsigned char *)g.dp)[i]) * 1099511628211ull;
+	if (!ret && c->check) {
+		err[0] = grad_err(c, r, &g.tdq, &g.tgq);
+		err[1] = grad_err(c, r, &g.tdk, &g.tgk);
+		err[2] = grad_err(c, r, &g.tdv, &g.tgv);
+		err[3] = params_err(c, g.dp, g.rdp);
+	}
+out:
+	grads_free(&g);
+	return ret;
+}
+
 /* ---------------------------------------------------------------- one run */
 
 static void corrupt(const char *what, struct run *r)
@@ -285,12 +474,13 @@ static void describe(const struct cfg *c, char *buf, size_t len)
 {
 	snprintf(buf, len,
 		 "%s L=%" PRId64 " B=%" PRId64 " H=%" PRId64 " Hkv=%" PRId64 " D=%" PRId64
-		 " %s->%s %s %s delta=%g%s%s q_start=%s%" PRId64 " k_start=%" PRId64,
+		 " %s->%s %s %s delta=%g%s%s q_start=%s%" PRId64 " k_start=%" PRId64 "%s%s ndev=%d chunk=%" PRId64,
 		 c->what ? c->what : "", c->L, c->B, c->H, c->Hkv, c->D, ape_dtype_name(c->dt),
 		 ape_dtype_name(c->odt), c->kind ? "zigzag" : "contiguous",
 		 c->causal ? "causal" : "non-causal", c->delta, c->per_head ? " per-head" : "",
 		 c->strided ? " strided" : "", c->q_start_set ? "" : "default:",
-		 c->q_start_set ? c->q_start : c->k_start, c->k_start);
+		 c->q_start_set ? c->q_start : c->k_start, c->k_start, c->backward ? " backward" : "",
+		 c->backward && c->with_dlse ? " dlse" : "", c->ndev, c->chunk);
 }
 
 /* Runs one case on every rank; rank 0 prints every rank's line. Returns 1 when the case passed
@@ -302,8 +492,14 @@ static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_wh
 	struct run r;
 	ape_mpi_stats st;
 	ape_exec_options eo;
-	double err_o = 0, err_lse = 0;
-	int ret, ok, all_ok;
+	double err_o = 0, err_lse = 0, err_g[4] = { 0, 0, 0, 0 };
+	int ret, ok, all_ok, same = 1;
+	uint64_t hash = 0;
+	ape_device *devs[8];
+	const char *mine = corrupt_what && rank == corrupt_rank ? corrupt_what : NULL;
+
+	for (int i = 0; i < 8; i++)
+		devs[i] = dev;
 
 	ret = setup(c, &r);
 	if (!ret && corrupt_what && rank == corrupt_rank)
@@ -311,16 +507,29 @@ static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_wh
 	ape_mpi_stats_init(&st);
 	/* a budget too small for any chunk: the rank's arguments are valid, its computation fails */
 	ape_exec_options_init(&eo);
+	eo.chunk_q = eo.chunk_k = c->chunk;
 	if (corrupt_what && rank == corrupt_rank && !strcmp(corrupt_what, "budget"))
 		eo.max_device_bytes = 1000;
-	if (!ret)
+	if (!ret && c->ndev > 1)
+		ret = ape_mpi_attention_forward_ex(MPI_COMM_WORLD, devs, c->ndev, &eo, &r.desc,
+						   &r.sh, &r.tq, &r.tk, &r.tv, &r.to, r.lse, &st);
+	else if (!ret)
 		ret = ape_mpi_attention_forward(MPI_COMM_WORLD, dev, &eo, &r.desc, &r.sh, &r.tq,
 						&r.tk, &r.tv, &r.to, r.lse, &st);
+	last_ret = ret;
 	ok = ret == 0;
 	if (ok && c->check) {
 		int cr = check(c, &r, dev, &err_o, &err_lse);
 
 		ok = !cr && err_o <= 1 && err_lse <= 1;
+	}
+	/* every rank that got here calls the backward (a collective), after a forward that
+	 * succeeded everywhere (ret is the same on every rank) */
+	if (!ret && c->backward) {
+		ret = backward_case(c, &r, dev, &eo, mine, &st, err_g, &same, &hash);
+		last_ret = ret;
+		ok = ok && !ret && same && (!c->check || (err_g[0] <= 1 && err_g[1] <= 1 &&
+							  err_g[2] <= 1 && err_g[3] <= 1));
 	}
 	snprintf(line, sizeof(line),
 		 "rank=%d rows=%" PRId64 " ret=%s ok=%d err_o=%.3g err_lse=%.3g bytes_sent=%" PRIu64
@@ -328,13 +537,19 @@ static int run_case(const struct cfg *c, ape_device *dev, const char *corrupt_wh
 		 " blocks_sent=%" PRIu64 " rows_sent=%" PRIu64 " blocks_received=%" PRIu64
 		 " blocks_unneeded=%" PRIu64 " rows_unneeded=%" PRIu64 " peers=%d full_exchange=%d"
 		 " local_calls=%" PRIu64 " pairs_visible=%" PRIu64 " pairs_computed=%" PRIu64
+		 " grad_bytes_sent=%" PRIu64 " grad_bytes_received=%" PRIu64 " err_dq=%.3g"
+		 " err_dk=%.3g err_dv=%.3g err_dp=%.3g dp_same=%d dp_hash=%" PRIu64
 		 " total_ms=%.1f wait_ms=%.1f note=\"%s\" msg=\"%s\"",
 		 rank, r.sh.rows, ape_err_name(ret), ok, err_o, err_lse, st.bytes_sent, st.bytes_received,
 		 st.messages_sent, st.messages_received, st.blocks_sent, st.rows_sent,
 		 st.blocks_received, st.blocks_unneeded, st.rows_unneeded, st.peers,
-		 st.full_exchange, st.local_calls, st.pairs_visible, st.pairs_computed, st.total_ms,
+		 st.full_exchange, st.local_calls, st.pairs_visible, st.pairs_computed,
+		 st.grad_bytes_sent, st.grad_bytes_received, err_g[0], err_g[1], err_g[2], err_g[3],
+		 same, hash, st.total_ms,
 		 st.wait_ms, st.note, ret ? ape_mpi_last_error() : "");
 	teardown(&r);
+	if (bench && ret) /* every rank says why (the same message on every rank) */
+		fprintf(stderr, "ape-bench --mpi: rank %d: %s\n", rank, ape_mpi_last_error());
 	if (rank == 0)
 		all = malloc((size_t)nranks * LINE);
 	MPI_Gather(line, LINE, MPI_CHAR, all, LINE, MPI_CHAR, 0, MPI_COMM_WORLD);
@@ -359,7 +574,7 @@ static struct cfg base(uint64_t seed)
 	return (struct cfg){ .L = 50, .B = 1, .H = 2, .Hkv = 2, .D = 16, .dt = APE_F32,
 			     .odt = APE_F32, .causal = true, .delta = dlt, .beta = dlt / 10,
 			     .gamma = dlt / 10, .lambda = 0.1, .skip_tol = 0x1p-24, .check = true,
-			     .seed = seed };
+			     .seed = seed, .ndev = 1 };
 }
 
 /* The cases every rank count runs: each feature of the issue at least once. */
@@ -437,26 +652,34 @@ static struct cfg random_case(uint64_t seed, int i)
 enum {
 	OPT_SUITE = 1, OPT_L, OPT_B, OPT_H, OPT_HKV, OPT_D, OPT_DTYPE, OPT_OUT_F32, OPT_SHARD,
 	OPT_NONCAUSAL, OPT_DECAY, OPT_Q_START, OPT_K_START, OPT_SKIP_TOL, OPT_BACKEND, OPT_CHECK,
-	OPT_SEED, OPT_CORRUPT, OPT_CORRUPT_RANK, OPT_QUIET, OPT_HELP
+	OPT_SEED, OPT_CORRUPT, OPT_CORRUPT_RANK, OPT_QUIET, OPT_HELP, OPT_BACKWARD, OPT_DLSE,
+	OPT_NDEV, OPT_DELTA, OPT_BETA, OPT_GAMMA, OPT_LAMBDA, OPT_CHUNK
 };
 
 static const struct cli_option options[] = {
-	{ "--suite", NULL, true, OPT_SUITE },	      { "-L", NULL, true, OPT_L },
-	{ "-B", NULL, true, OPT_B },		      { "-H", NULL, true, OPT_H },
-	{ "--hkv", NULL, true, OPT_HKV },	      { "-D", NULL, true, OPT_D },
+	/* the second names are ape-bench's: ape-bench --mpi execs ape-mpi-run with its arguments */
+	{ "--suite", NULL, true, OPT_SUITE },	      { "-L", "--len", true, OPT_L },
+	{ "-B", "--batch", true, OPT_B },	      { "-H", "--heads", true, OPT_H },
+	{ "--hkv", "--kv-heads", true, OPT_HKV },     { "-D", "--head-dim", true, OPT_D },
 	{ "--dtype", NULL, true, OPT_DTYPE },	      { "--out-f32", NULL, false, OPT_OUT_F32 },
-	{ "--shard", NULL, true, OPT_SHARD },	      { "--noncausal", NULL, false, OPT_NONCAUSAL },
+	{ "--shard", NULL, true, OPT_SHARD },	      { "--noncausal", "--no-causal", false, OPT_NONCAUSAL },
 	{ "--decay", NULL, true, OPT_DECAY },	      { "--q-start", NULL, true, OPT_Q_START },
 	{ "--k-start", NULL, true, OPT_K_START },     { "--skip-tol", NULL, true, OPT_SKIP_TOL },
 	{ "--backend", NULL, true, OPT_BACKEND },     { "--check", NULL, false, OPT_CHECK },
 	{ "--seed", NULL, true, OPT_SEED },	      { "--corrupt", NULL, true, OPT_CORRUPT },
 	{ "--corrupt-rank", NULL, true, OPT_CORRUPT_RANK },
 	{ "--quiet", NULL, false, OPT_QUIET },	      { "--help", "-h", false, OPT_HELP },
+	{ "--backward", NULL, false, OPT_BACKWARD },  { "--dlse", NULL, false, OPT_DLSE },
+	{ "--ndev", NULL, true, OPT_NDEV },
+	{ "--delta", NULL, true, OPT_DELTA },	      { "--beta", NULL, true, OPT_BETA },
+	{ "--gamma", NULL, true, OPT_GAMMA },	      { "--lambda", NULL, true, OPT_LAMBDA },
+	{ "--chunk", NULL, true, OPT_CHUNK },
 	{ NULL, NULL, false, 0 },
 };
 
 static const char *const corruptions[] = { "delta", "causal", "k_start", "kind", "rank",
-					    "stride", "null", "L", "budget" };
+					    "stride", "null", "L", "budget", "bwd-delta",
+					    "bwd-dout", "bwd-want" };
 
 static void usage(FILE *f)
 {
@@ -464,8 +687,16 @@ static void usage(FILE *f)
 		   "  -L N -B N -H N --hkv N -D N --dtype f32|f16|bf16 --out-f32\n"
 		   "  --shard contiguous|zigzag --noncausal --decay seed|zero|DELTA\n"
 		   "  --q-start N --k-start N --skip-tol X --backend ref|opencl|auto\n"
-		   "  --check --seed N --corrupt delta|causal|k_start|kind|rank|stride|null|L|budget\n"
-		   "  --corrupt-rank R --quiet --help --version\n");
+		   "  --check --seed N --corrupt delta|causal|k_start|kind|rank|stride|null|L|budget|\n"
+		   "                             bwd-delta|bwd-dout|bwd-want\n"
+		   "  --corrupt-rank R --quiet --help --version\n"
+		   "  --backward (the distributed backward after the forward) --dlse (with dL/dLSE)\n"
+		   "  --ndev N (the forward on the selected device N times, 1..8)\n"
+		   "  --delta X --beta X --gamma X --lambda X (after --decay, which sets all four)\n"
+		   "  --chunk N (most rows per chunk of each local call; the backward's sub-blocks)\n"
+		   "ape-bench --mpi runs this with ape-bench's arguments (--len, --heads, --kv-heads,\n"
+		   "--head-dim, --batch, --no-causal are the names above); ape-run --mpi runs\n"
+		   "'ape-mpi-run --files ARGS' (ape-run's options on .npy files: --files --help).\n");
 }
 
 struct args {
@@ -515,6 +746,13 @@ static int parse_one(int id, const char *v, struct cfg *c, struct args *a, char 
 	case OPT_L: case OPT_B: case OPT_H: case OPT_HKV: case OPT_D:
 		return cli_parse_int64(options[id - 1].name, v, id == OPT_L ? 0 : 1, INT64_MAX,
 				       dims[id], err, len);
+	case OPT_CHUNK:
+		return cli_parse_int64("--chunk", v, 1, INT64_MAX, &c->chunk, err, len);
+	case OPT_NDEV:
+		if (cli_parse_int64("--ndev", v, 1, 8, &x, err, len))
+			return APE_EINVAL;
+		c->ndev = (int)x;
+		return 0;
 	case OPT_SUITE:
 	case OPT_CORRUPT_RANK:
 		if (cli_parse_int64(options[id - 1].name, v, 0, INT32_MAX, &x, err, len))
@@ -533,6 +771,11 @@ static int parse_one(int id, const char *v, struct cfg *c, struct args *a, char 
 		return 0;
 	case OPT_DECAY:
 		return parse_decay(v, c, err, len);
+	case OPT_DELTA: case OPT_BETA: case OPT_GAMMA: case OPT_LAMBDA: {
+		double *p[] = { &c->delta, &c->beta, &c->gamma, &c->lambda };
+
+		return cli_parse_finite(options[id - 1].name, v, p[id - OPT_DELTA], err, len);
+	}
 	case OPT_Q_START:
 		c->q_start_set = true;
 		return cli_parse_int64("--q-start", v, INT64_MIN, INT64_MAX, &c->q_start, err, len);
@@ -555,6 +798,8 @@ static int parse_one(int id, const char *v, struct cfg *c, struct args *a, char 
 	case OPT_OUT_F32: c->odt = APE_F32; return 0;
 	case OPT_NONCAUSAL: c->causal = false; return 0;
 	case OPT_CHECK: c->check = true; return 0;
+	case OPT_BACKWARD: c->backward = true; return 0;
+	case OPT_DLSE: c->with_dlse = true; return 0;
 	case OPT_QUIET: a->quiet = true; return 0;
 	case OPT_HELP: a->help = true; return 0;
 	}
@@ -596,6 +841,20 @@ int main(int argc, char **argv)
 	uint64_t seed;
 	char err[256];
 
+	/* ape-run --mpi execs ape-mpi-run --files ARGS: ape-run's options on .npy files */
+	if (argc > 1 && !strcmp(argv[1], "--files")) {
+		argv[1] = argv[0];
+		return ape_mpi_files_main(argc - 1, argv + 1);
+	}
+	/* ape-bench --mpi execs ape-mpi-run --bench ARGS: this driver, named as the tool, with
+	 * a message about bad input on every rank and exit status 2 for a case the library
+	 * refuses (bad input) */
+	if (argc > 1 && !strcmp(argv[1], "--bench")) {
+		argv[1] = argv[0];
+		argc--;
+		argv++;
+		bench = true;
+	}
 	/* Options are checked before MPI starts, so that --help and --version need no mpirun;
 	 * they are read again below, over the defaults of the run's seed. */
 	c = base(0);
@@ -603,6 +862,15 @@ int main(int argc, char **argv)
 	if (!bad && a.help) {
 		usage(stdout);
 		return 0;
+	}
+	if (bad && bench) {
+		/* ape-bench --mpi: every rank says it, so MPI starts first (mpirun ends the job at
+		 * the first non-zero exit status: every rank prints before any exits) */
+		MPI_Init(&argc, &argv);
+		fprintf(stderr, "ape-bench --mpi: %s\n", err);
+		MPI_Barrier(MPI_COMM_WORLD);
+		MPI_Finalize();
+		return 2;
 	}
 	if (bad) {
 		/* before MPI starts (nothing to finalise, nothing of MPI's left behind); once, from
@@ -644,6 +912,11 @@ int main(int argc, char **argv)
 		for (int i = 0; i < n + a.suite; i++, total++) {
 			struct cfg cc = i < n ? cases[i] : random_case(seed, i);
 
+			cc.backward = c.backward;
+			cc.with_dlse = c.with_dlse || i % 2;
+			cc.ndev = c.ndev;
+			cc.chunk = c.chunk;
+
 			pass += run_case(&cc, sel.device, NULL, 0, false);
 		}
 	}
@@ -651,5 +924,5 @@ int main(int argc, char **argv)
 		printf("# %d of %d cases passed on %d ranks\n", pass, total, nranks);
 	ape_context_destroy(ctx);
 	MPI_Finalize();
-	return pass == total ? 0 : 1;
+	return pass == total ? 0 : bench && last_ret == APE_EINVAL ? 2 : 1;
 }

@@ -55,11 +55,14 @@ $(MPI_LIBSO): $(MPI_LIB_SRCS:%.c=$(BUILD)/mpi-obj/%.o) $(LIBSO)
 # the driver: a random problem (or a generated long one) over the ranks, checked against the
 # single-process call; the tests and the measurements in bench/RESULTS.md run it
 # (a tool like the others: its options go through tools/common/cli.c, --help and --version too)
-$(BUILD)/mpi-obj/mpi/ape-mpi-run.o: CPPFLAGS += -Itools
-$(MPI_RUN): $(BUILD)/mpi-obj/mpi/ape-mpi-run.o $(MPI_LIBA) $(TOOLS_LIB) $(LIBA)
+# (ape-run --mpi execs `ape-mpi-run --files ARGS`: mpi/mpi-files.c, ape-run's options on .npy
+# files; ape-bench --mpi execs it with ape-bench's arguments)
+MPI_RUN_OBJS := $(BUILD)/mpi-obj/mpi/ape-mpi-run.o $(BUILD)/mpi-obj/mpi/mpi-files.o
+$(MPI_RUN_OBJS): CPPFLAGS += -Itools
+$(MPI_RUN): $(MPI_RUN_OBJS) $(MPI_LIBA) $(TOOLS_LIB) $(LIBA)
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"
-	$(Q)$(CC) $(LDFLAGS) -o $@ $< $(MPI_LIBA) $(TOOLS_LIB) $(LIBA) $(LIB_LIBS) $(MPI_LIBS) \
+	$(Q)$(CC) $(LDFLAGS) -o $@ $(MPI_RUN_OBJS) $(MPI_LIBA) $(TOOLS_LIB) $(LIBA) $(LIB_LIBS) $(MPI_LIBS) \
 		$(LDLIBS)
 
 all: $(MPI_LIBA) $(MPI_LIBSO) $(MPI_RUN)

@@ -13,7 +13,10 @@
 
 #pragma GCC visibility push(hidden)
 
-#define APE__MPI_FN "ape_mpi_attention_forward"
+/* The public function being called on this thread ("ape_mpi_attention_forward" or
+ * "ape_mpi_attention_backward"): every message starts with it. */
+extern _Thread_local const char *ape__mpi_fn;
+#define APE__MPI_FN ape__mpi_fn
 
 /* Sets the per-thread message (printf format) and returns err. */
 int ape__mpi_error(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -32,14 +35,18 @@ void ape__mpi_part(int64_t L, int64_t m, int64_t i, int64_t *start, int64_t *cou
 struct ape__mpi_digest {
 	int32_t status;
 	int32_t rank;
-	int64_t field[20];
+	int64_t field[21];
 	char msg[APE__MPI_MSG];
 };
 
-/* Fills the digest's fields from this rank's arguments (already validated locally). */
+/* The gradients a backward call wants (a digest field; 0 for the forward). */
+enum { APE__MPI_WANT_DQ = 1, APE__MPI_WANT_DK = 2, APE__MPI_WANT_DV = 4, APE__MPI_WANT_DP = 8 };
+
+/* Fills the digest's fields from this rank's arguments (already validated locally); want: the
+ * gradients a backward call wants, 0 for the forward. */
 void ape__mpi_digest_fill(struct ape__mpi_digest *dg, const ape_attn_desc *desc,
 			  const ape_mpi_shard_info *sh, const ape_tensor *q, const ape_tensor *k,
-			  const ape_tensor *o);
+			  const ape_tensor *o, int want);
 /* Given every rank's digest: 0 when all are fine and agree; otherwise the same code and message
  * (set with ape__mpi_error) on every rank that looks at the same array. */
 int ape__mpi_verdict(const struct ape__mpi_digest *all, int n);

@@ -7,6 +7,7 @@
 #include "mpi_internal.h"
 
 static _Thread_local char msgbuf[768];
+_Thread_local const char *ape__mpi_fn = "ape_mpi_attention_forward";
 
 int ape__mpi_error(int err, const char *fmt, ...)
 {

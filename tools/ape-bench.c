@@ -22,6 +22,7 @@
 
 #include "ape/ape.h"
 #include "common/cli.h"
+#include "common/mpi_exec.h"
 #include "common/numa_bench.h"
 #include "common/refcheck.h"
 #include "common/rng.h"
@@ -1132,6 +1133,9 @@ int main(int argc, char **argv)
 	char err[512] = "";
 	int ret, nrows = 0, bad = 0;
 
+	/* --mpi: generated inputs sharded over MPI ranks, by ape-mpi-run (docs/distributed.md) */
+	if ((ret = tools_mpi_exec("ape-bench", argc, argv, "--bench")) >= 0)
+		return ret;
 	o.delta = (float)pow(2.0, -4.0 / 3.0);
 	o.beta = o.gamma = o.delta / 10;
 	o.lambda = 0.1f;

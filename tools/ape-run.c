@@ -22,6 +22,7 @@
 
 #include "ape/ape.h"
 #include "common/cli.h"
+#include "common/mpi_exec.h"
 #include "common/npy.h"
 #include "run/run.h"
 
@@ -968,6 +969,9 @@ int main(int argc, char **argv)
 	char msg[2048] = "";
 	int ret;
 
+	/* --mpi: the sequence sharded over MPI ranks, by ape-mpi-run (docs/distributed.md) */
+	if ((ret = tools_mpi_exec("ape-run", argc, argv, "--files")) >= 0)
+		return ret;
 	args_init(&a);
 	ret = parse_args(argc, argv, &a, msg, sizeof(msg));
 	if (ret == RUN_HELP) {

@@ -67,12 +67,15 @@ typedef struct ape_mpi_shard_info {
 APE_API int ape_mpi_shard(int64_t L, int nranks, int rank, ape_mpi_shard_kind kind,
 			  ape_mpi_shard_info *out);
 
-/** Statistics of one ape_mpi_attention_forward() call, for this rank. */
+/** Statistics of one ape_mpi_attention_forward() or ape_mpi_attention_backward() call, for this
+ *  rank (the backward: the same K and V transfers, its own calls and pairs, and the gradients
+ *  returned). */
 typedef struct ape_mpi_stats {
 	size_t struct_size; /**< set by ape_mpi_stats_init() */
 	uint64_t bytes_sent; /**< bytes of K and V this rank sent */
 	uint64_t bytes_received; /**< bytes of K and V this rank received */
-	uint64_t messages_sent; /**< point-to-point messages sent (a block over 1 GiB takes several) */
+	uint64_t messages_sent; /**< point-to-point messages sent (a block over 1 GiB takes several;
+				  *  the backward counts its gradient messages too) */
 	uint64_t messages_received;
 	uint64_t blocks_sent; /**< (key block, destination rank) transfers, whole or in part */
 	uint64_t rows_sent; /**< key rows sent, summed over destinations */
@@ -87,9 +90,13 @@ typedef struct ape_mpi_stats {
 	 *  decay): every visible block travels, as in a ring; note says why. */
 	bool full_exchange;
 	char note[192]; /**< what the plan did, in words */
-	uint64_t local_calls; /**< ape_attention_forward_ex() calls this rank made */
+	uint64_t local_calls; /**< ape_attention_forward_ex() (backward_ex) calls this rank made */
 	uint64_t pairs_visible; /**< pairs the mask lets through for this rank's rows */
 	uint64_t pairs_computed; /**< pairs computed by those calls (after their own skipping) */
+	/** Backward only: bytes of dK and dV (float32) this rank sent back to the owners of the
+	 *  key rows it received, and received for the rows it sent; 0 in the forward. */
+	uint64_t grad_bytes_sent;
+	uint64_t grad_bytes_received;
 	double total_ms; /**< wall time of the call on this rank */
 	double wait_ms; /**< time this rank spent waiting for data it had nothing else to do for */
 } ape_mpi_stats;
@@ -138,6 +145,71 @@ APE_API int ape_mpi_attention_forward(MPI_Comm comm, ape_device *dev, const ape_
 				      const ape_attn_desc *desc, const ape_mpi_shard_info *shard,
 				      const ape_tensor *q, const ape_tensor *k, const ape_tensor *v,
 				      ape_tensor *o, float *lse, ape_mpi_stats *stats);
+
+/**
+ * \brief ape_mpi_attention_forward() with several devices per rank.
+ *
+ * Each local computation (a query block against a range of key rows) is one
+ * ape_attention_forward_ex() call on \p devs, which splits it over those devices as it does in
+ * one process (one device may appear more than once; opts->device_weights, when set, has \p ndev
+ * entries). ape_mpi_attention_forward(comm, dev, ...) is this call with (&dev, 1). The device list
+ * is this rank's own: ranks may pass different lists (and different counts).
+ *
+ * \param devs,ndev this rank's devices, 1..APE_MAX_DEVICES; the rest as
+ *        ape_mpi_attention_forward()
+ * \return as ape_mpi_attention_forward(); APE_EINVAL also for a bad device list (NULL, ndev out
+ *         of range, a NULL entry), reported by every rank with the rank that has it.
+ */
+APE_API int ape_mpi_attention_forward_ex(MPI_Comm comm, ape_device *const *devs, int ndev,
+					 const ape_exec_options *opts, const ape_attn_desc *desc,
+					 const ape_mpi_shard_info *shard, const ape_tensor *q,
+					 const ape_tensor *k, const ape_tensor *v, ape_tensor *o,
+					 float *lse, ape_mpi_stats *stats);
+
+/**
+ * \brief The gradients of ape_mpi_attention_forward() (collective): ape_attention_backward() of
+ *        one sequence sharded over the ranks of \p comm.
+ *
+ * Every rank passes its own rows, as in the forward: \p q, \p o, \p dout `[B, H, rows, D]`,
+ * \p k, \p v `[B, Hkv, rows, D]`, \p lse (and \p dlse) B*H*rows floats (contiguous
+ * `[B, H, rows]`), where o and lse are the forward's results for these rows. It receives dQ for
+ * its rows and dK, dV for its key rows (summed over every rank's queries and, for grouped-query
+ * attention, over the query heads that share a kv head), and the parameter gradients of the
+ * whole sequence, summed over every rank in a fixed order: every rank gets bit-identical
+ * dparams, and two calls give bit-identical results.
+ *
+ * The plan is the forward's (the same key-norm bounds and the same proof: the call computes it
+ * again from the same inputs, so it is the same plan): the key rows a rank's queries need are
+ * fetched from their owners, the gradients of those rows are computed where the queries are and
+ * sent back to the owners, and nothing else moves. Pairs the plan proved negligible in the
+ * forward (a relative weight of at most skip_tol / 2 per row) are left out of the gradients too,
+ * and each sub-block of at most opts->chunk_q query rows (default 4096) has its key range cut
+ * again by the same bound and share (as the forward's local calls skip far keys), so the call
+ * equals the single-process backward within the spec's gradient tolerance
+ * (docs/distributed.md, "The backward"); with skip_tol = 0 or no decay every visible pair is
+ * computed. Each local piece is one ape_attention_backward_ex() on \p dev (the reference
+ * backend today; another gives APE_ENOTSUP on every rank).
+ *
+ * \param comm,dev,opts,desc,shard as ape_mpi_attention_forward() (opts->trace_path must be NULL)
+ * \param q,k,v,o,lse this rank's rows of the forward's inputs and results; read only
+ * \param dout dL/dO for this rank's rows, shaped like q; read only
+ * \param dlse NULL (dL/dLSE = 0 for this rank's rows), or B*H*rows floats; read only
+ * \param[out] dq,dk,dv NULL or this rank's rows (shaped like q, k, v; q->dtype or APE_F32)
+ * \param[out] dparams NULL or 4*H floats, the same on every rank
+ * \param stats NULL or this rank's statistics, as in the forward; grad_bytes_sent and
+ *        grad_bytes_received count the gradients returned
+ * \return 0 on every rank, or the same code on every rank, as ape_mpi_attention_forward(); every
+ *         rank must want the same gradients (which of dq, dk, dv, dparams are NULL).
+ * \note On failure nothing is written on any rank.
+ */
+APE_API int ape_mpi_attention_backward(MPI_Comm comm, ape_device *dev,
+				       const ape_exec_options *opts, const ape_attn_desc *desc,
+				       const ape_mpi_shard_info *shard, const ape_tensor *q,
+				       const ape_tensor *k, const ape_tensor *v,
+				       const ape_tensor *o, const float *lse,
+				       const ape_tensor *dout, const float *dlse, ape_tensor *dq,
+				       ape_tensor *dk, ape_tensor *dv, float *dparams,
+				       ape_mpi_stats *stats);
 
 /**
  * \brief Message describing the last failure of an ape_mpi_ call on the calling thread ("rank 2:
