@@ -7,6 +7,7 @@
  */
 #include "core/error.h"
 #include "ocl.h"
+#include "ocl_fast.h"
 
 static int ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 {
@@ -99,5 +100,6 @@ const struct ape__backend_ops ape__opencl_ops = {
 	.copy_d2d = ocl_copy_d2d,
 	.event_timestamp = ocl_event_timestamp,
 	.max_alloc = ape__ocl_max_alloc,
+	.attention_scratch = ape__ocl_attention_scratch, /* ocl_decode.c */
 	.attention_backward = ocl_attention_backward, /* ocl_backward.c */
 };
