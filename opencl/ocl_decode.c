@@ -7,6 +7,7 @@
  * order. Also the fast paths' shared pieces: parameters, views as arguments, flags, and the
  * backend's attention_scratch op.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -117,9 +118,14 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	const size_t rows = (size_t)(l->B * l->H * l->Lq);
 	struct ape__ocl_args a = { 0 };
 	cl_mem prm, part = NULL, none = NULL;
+	const int64_t nr = l->H / l->Hkv * l->Lq;
+	int rm = 1;
+	char name[32];
 	cl_int err;
 	int ret;
 
+	while (rm < nr)
+		rm *= 2; /* the kernel for up to rm rows per work-item: decode.cl */
 	ret = ape__ocl_program_get(q->dev, l->D, &pr);
 	if (ret)
 		return ret;
@@ -132,7 +138,8 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 		goto out;
 	}
 
-	a.k = clCreateKernel(pr->prog, "ape_decode", &a.err);
+	snprintf(name, sizeof(name), "ape_decode_%d", rm);
+	a.k = clCreateKernel(pr->prog, name, &a.err);
 	ape__ocl_arg(&a, sizeof(cl_mem), &l->q->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), &l->k->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), &l->v->mem);

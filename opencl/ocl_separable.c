@@ -1,23 +1,202 @@
 /* SPDX-License-Identifier: MIT */
+/*
+ * The separable path (kernels/separable.cl): launches whose every head has lambda = 0 and no
+ * decay but delta. Q and K are rotated once into scratch (K transposed, 16 keys to a vector),
+ * key-tile norms and their prefix maxima are taken for skipping, then ape_sep_attn runs the
+ * GEMM-shaped blocks. Scratch: the rotated Q and K, the norms (ape__ocl_separable_scratch counts
+ * them for the executor's budget).
+ */
+#include <string.h>
+
+#include "core/error.h"
 #include "ocl_fast.h"
 
-bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch *l)
+#define SEP_BQ 16 /* kernels/separable.cl */
+#define SEP_BK 16
+
+static int64_t round_up(int64_t x, int64_t m)
 {
-	(void)dev;
-	(void)l;
-	return false;
+	return (x + m - 1) / m * m;
 }
 
-int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
+/* Rotated Q, transposed K, the query norms, tile norms and their prefix maxima. */
+static void sep_sizes(const struct ape__launch *l, size_t *qr, size_t *kt, size_t *qn,
+		      size_t *tiles, size_t *pre)
 {
-	(void)q;
-	(void)l;
-	return APE_ENOTSUP;
+	const int64_t Lqp = round_up(l->Lq, SEP_BQ), Lkp = round_up(l->Lk, SEP_BK);
+	const int64_t bkv = l->B * l->Hkv, ntk = Lkp / SEP_BK;
+
+	*qr = (size_t)(l->B * l->H * Lqp * l->D) * sizeof(float);
+	*kt = (size_t)(bkv * Lkp * l->D) * sizeof(float);
+	*qn = (size_t)(l->B * l->H * Lqp) * sizeof(float);
+	*tiles = (size_t)(bkv * ntk) * sizeof(float);
+	*pre = (size_t)(bkv * (ntk + 1)) * sizeof(float);
 }
 
 uint64_t ape__ocl_separable_scratch(struct ape_device *dev, const struct ape__launch *l)
 {
+	size_t qr, kt, qn, tiles, pre;
+
 	(void)dev;
-	(void)l;
-	return 0;
+	if (l->D % 32 || l->D > 256 || l->Lq < 1 || l->Lk < 1)
+		return 0;
+	sep_sizes(l, &qr, &kt, &qn, &tiles, &pre);
+	return (uint64_t)(qr + kt + qn + tiles + pre) + 8 * (uint64_t)(l->D / 2 + 4 * l->H);
+}
+
+bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch *l)
+{
+	const struct ape__ocl_device *od = ape__ocl_dev(dev);
+	size_t qr, kt, qn, tiles, pre;
+
+	if (!(od->type & CL_DEVICE_TYPE_CPU) || l->D % 32 || l->D > 256 || l->Lq < 1 ||
+	    l->Lk < 1 || l->H % l->Hkv || l->Lk > ((int64_t)1 << 30))
+		return false;
+	for (int64_t h = 0; h < l->H; h++) /* lambda = 0, no decay but delta: every head */
+		if (l->head_params[4 * h + 1] != 0 || l->head_params[4 * h + 2] != 0 ||
+		    l->head_params[4 * h + 3] != 0)
+			return false;
+	sep_sizes(l, &qr, &kt, &qn, &tiles, &pre);
+	return qr <= od->max_alloc && kt <= od->max_alloc;
+}
+
+int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
+{
+	const struct ape__ocl_program *pr;
+	const int64_t Lqp_ = round_up(l->Lq, SEP_BQ), Lkp_ = round_up(l->Lk, SEP_BK);
+	const cl_int D = (cl_int)l->D, H = (cl_int)l->H, Hkv = (cl_int)l->Hkv,
+		     group = (cl_int)(l->H / l->Hkv);
+	const cl_long Lq = l->Lq, Lk = l->Lk, Lqp = Lqp_, Lkp = Lkp_, ntk = Lkp_ / SEP_BK;
+	const cl_long rel = l->q_start - l->k_start;
+	const cl_float scale = (cl_float)l->scale, tol = (cl_float)l->skip_tol;
+	cl_int flags = ape__ocl_fast_flags(l);
+	size_t sqr, skt, sqn, stiles, spre;
+	cl_mem prm, qr = NULL, kt = NULL, qn = NULL, tiles = NULL, pre = NULL, none = NULL;
+	struct ape__ocl_args a = { 0 };
+	cl_int err;
+	int ret;
+
+	/* the far-key bound needs decays >= 0; the core passes skip_tol = 0 otherwise */
+	if (l->skip_tol > 0 && l->decay_nonneg && tol > 0 && l->causal)
+		flags |= APE__FD_SKIP;
+	ret = ape__ocl_program_get(q->dev, l->D, &pr);
+	if (ret)
+		return ret;
+	sep_sizes(l, &sqr, &skt, &sqn, &stiles, &spre);
+	prm = ape__ocl_fast_params(q, l, &err);
+	if (prm)
+		qr = ape__ocl_scratch(q, sqr, NULL, &err);
+	if (qr)
+		kt = ape__ocl_scratch(q, skt, NULL, &err);
+	if (kt)
+		qn = ape__ocl_scratch(q, sqn, NULL, &err);
+	if (qn)
+		tiles = ape__ocl_scratch(q, stiles, NULL, &err);
+	if (tiles)
+		pre = ape__ocl_scratch(q, spre, NULL, &err);
+	if (!pre) {
+		ret = ape__ocl_error(err, "clCreateBuffer (separable scratch)");
+		goto out;
+	}
+
+	a.k = clCreateKernel(pr->prog, "ape_sep_rot_q", &a.err);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->q->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
+	ape__ocl_arg_view(&a, l, APE__T_Q);
+	ape__ocl_arg(&a, sizeof(D), &D);
+	ape__ocl_arg(&a, sizeof(Lq), &Lq);
+	ape__ocl_arg(&a, sizeof(Lqp), &Lqp);
+	ape__ocl_arg(&a, sizeof(H), &H);
+	ape__ocl_arg(&a, sizeof(rel), &rel);
+	ape__ocl_arg(&a, sizeof(scale), &scale);
+	ape__ocl_arg(&a, sizeof(flags), &flags);
+	ape__ocl_arg(&a, sizeof(cl_mem), &qr);
+	ape__ocl_arg(&a, sizeof(cl_mem), &qn);
+	ret = a.err != CL_SUCCESS ? ape__ocl_error(a.err, "setting up ape_sep_rot_q")
+				  : ape__ocl_enqueue(q, a.k, (size_t)Lqp, 16, (size_t)(l->B * l->H),
+						     "ape_sep_rot_q");
+	if (a.k)
+		clReleaseKernel(a.k);
+	if (ret)
+		goto out;
+
+	memset(&a, 0, sizeof(a));
+	a.k = clCreateKernel(pr->prog, "ape_sep_rot_k", &a.err);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->k->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->v->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
+	ape__ocl_arg_view(&a, l, APE__T_K);
+	ape__ocl_arg_view(&a, l, APE__T_V);
+	ape__ocl_arg(&a, sizeof(D), &D);
+	ape__ocl_arg(&a, sizeof(Lk), &Lk);
+	ape__ocl_arg(&a, sizeof(Lkp), &Lkp);
+	ape__ocl_arg(&a, sizeof(Hkv), &Hkv);
+	ape__ocl_arg(&a, sizeof(flags), &flags);
+	ape__ocl_arg(&a, sizeof(cl_mem), &kt);
+	ape__ocl_arg(&a, sizeof(cl_mem), &tiles);
+	ret = a.err != CL_SUCCESS ? ape__ocl_error(a.err, "setting up ape_sep_rot_k")
+				  : ape__ocl_enqueue(q, a.k, (size_t)ntk, 1, (size_t)(l->B * l->Hkv),
+						     "ape_sep_rot_k");
+	if (a.k)
+		clReleaseKernel(a.k);
+	if (ret)
+		goto out;
+
+	memset(&a, 0, sizeof(a));
+	a.k = clCreateKernel(pr->prog, "ape_sep_kscan", &a.err);
+	ape__ocl_arg(&a, sizeof(cl_mem), &tiles);
+	ape__ocl_arg(&a, sizeof(ntk), &ntk);
+	ape__ocl_arg(&a, sizeof(cl_mem), &pre);
+	ret = a.err != CL_SUCCESS ? ape__ocl_error(a.err, "setting up ape_sep_kscan")
+				  : ape__ocl_enqueue(q, a.k, (size_t)(l->B * l->Hkv), 1, 1,
+						     "ape_sep_kscan");
+	if (a.k)
+		clReleaseKernel(a.k);
+	if (ret)
+		goto out;
+
+	memset(&a, 0, sizeof(a));
+	a.k = clCreateKernel(pr->prog, "ape_sep_attn", &a.err);
+	ape__ocl_arg(&a, sizeof(cl_mem), &qr);
+	ape__ocl_arg(&a, sizeof(cl_mem), &kt);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->v->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->o->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->lse ? &l->lse->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->pairs ? &l->pairs->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
+	ape__ocl_arg(&a, sizeof(cl_mem), &qn);
+	ape__ocl_arg(&a, sizeof(cl_mem), &pre);
+	ape__ocl_arg_view(&a, l, APE__T_V);
+	ape__ocl_arg_view(&a, l, APE__T_O);
+	ape__ocl_arg_view(&a, l, APE__T_LSE);
+	ape__ocl_arg(&a, sizeof(D), &D);
+	ape__ocl_arg(&a, sizeof(Lq), &Lq);
+	ape__ocl_arg(&a, sizeof(Lqp), &Lqp);
+	ape__ocl_arg(&a, sizeof(Lk), &Lk);
+	ape__ocl_arg(&a, sizeof(Lkp), &Lkp);
+	ape__ocl_arg(&a, sizeof(H), &H);
+	ape__ocl_arg(&a, sizeof(group), &group);
+	ape__ocl_arg(&a, sizeof(rel), &rel);
+	ape__ocl_arg(&a, sizeof(scale), &scale);
+	ape__ocl_arg(&a, sizeof(tol), &tol);
+	ape__ocl_arg(&a, sizeof(flags), &flags);
+	ret = a.err != CL_SUCCESS ? ape__ocl_error(a.err, "setting up ape_sep_attn")
+				  : ape__ocl_enqueue(q, a.k, (size_t)(Lqp / SEP_BQ), 1,
+						     (size_t)(l->B * l->H), "ape_sep_attn");
+	if (a.k)
+		clReleaseKernel(a.k);
+out:
+	if (prm)
+		clReleaseMemObject(prm);
+	if (qr)
+		clReleaseMemObject(qr);
+	if (kt)
+		clReleaseMemObject(kt);
+	if (qn)
+		clReleaseMemObject(qn);
+	if (tiles)
+		clReleaseMemObject(tiles);
+	if (pre)
+		clReleaseMemObject(pre);
+	return ret;
 }

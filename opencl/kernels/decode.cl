@@ -100,11 +100,19 @@ KFN float16 dec_seed16(__global const APE_REAL *omega, int c, APE_REAL n, APE_RE
 	return vload16(0, s);
 }
 
-__kernel void ape_decode(__global const void *Q, __global const void *K, __global const void *V,
-			 __global const APE_REAL *prm, __global float *part, long qoff, long qsb,
-			 long qsh, long qsl, long koff, long ksb, long ksh, long ksl, long voff,
-			 long vsb, long vsh, long vsl, int D, long Lq, long Lk, int H, int group,
-			 long rel, float scale, int flags, long chunk, int nsplit)
+/* The work of one chunk for at most RM rows (a constant in each kernel below, so that the rows'
+ * arrays stay in registers once the row loops are unrolled). */
+#define DEC_ARGS                                                                                   \
+	__global const void *Q, __global const void *K, __global const void *V,                     \
+		__global const APE_REAL *prm, __global float *part, long qoff, long qsb, long qsh, \
+		long qsl, long koff, long ksb, long ksh, long ksl, long voff, long vsb, long vsh,  \
+		long vsl, int D, long Lq, long Lk, int H, int group, long rel, float scale,       \
+		int flags, long chunk, int nsplit
+#define DEC_NAMES                                                                                  \
+	Q, K, V, prm, part, qoff, qsb, qsh, qsl, koff, ksb, ksh, ksl, voff, vsb, vsh, vsl, D, Lq,  \
+		Lk, H, group, rel, scale, flags, chunk, nsplit
+
+KFN void dec_body(DEC_ARGS, const int RM)
 {
 	const int P = DEC_DIM / 2, C = P / 16, dt = FD_DT_IN(flags);
 	const int inter = (flags & FD_INTERLEAVED) != 0, causal = (flags & FD_CAUSAL) != 0;
@@ -126,9 +134,13 @@ __kernel void ape_decode(__global const void *Q, __global const void *K, __globa
 
 	if (s >= nsplit)
 		return;
-	for (int r = 0; r < nr; r++) {
+#pragma unroll
+	for (int r = 0; r < RM; r++) {
 		const int g = r / (int)Lq, h = kvh * group + g;
 		const long i = r % Lq;
+
+		if (r >= nr)
+			break;
 		const long qb = qoff + b * qsb + h * qsh + i * qsl;
 		APE_REAL sum = 0, ss = 0, mean;
 
@@ -170,8 +182,9 @@ __kernel void ape_decode(__global const void *Q, __global const void *K, __globa
 	}
 
 	for (long t0 = j0; t0 < kend; t0 += DEC_TILE) {
-		for (int r = 0; r < nr; r++)
-			for (int c = 0; c < C; c++) {
+#pragma unroll
+		for (int r = 0; r < RM; r++)
+			for (int c = 0; c < C && r < nr; c++) {
 				float16 co, si = dec_seed16(omega, c, (APE_REAL)(diag[r] - t0), ia[r],
 							    &co);
 
@@ -188,7 +201,10 @@ __kernel void ape_decode(__global const void *Q, __global const void *K, __globa
 
 				for (int c = 0; c < C; c++)
 					dec_pairs(K, kb, c, P, inter, dt, &u[c], &w[c]);
-				for (int r = 0; r < nr; r++) {
+#pragma unroll
+				for (int r = 0; r < RM; r++) {
+					if (r >= nr)
+						break;
 					float16 acc = (float16)0.0f;
 					const long n = diag[r] - j, an = n < 0 ? -n : n;
 					float dot, sv;
@@ -212,7 +228,10 @@ __kernel void ape_decode(__global const void *Q, __global const void *K, __globa
 			}
 			/* one online-softmax update per row for the block ('>' ignores NaN, exp keeps
 			 * it; weights below e^-87 are exact zeros, as in attention.cl) */
-			for (int r = 0; r < nr; r++) {
+#pragma unroll
+			for (int r = 0; r < RM; r++) {
+				if (r >= nr)
+					break;
 				float mt = M[r], lsum = 0.0f, corr;
 
 				for (int jj = 0; jj < len; jj++)
@@ -239,7 +258,10 @@ __kernel void ape_decode(__global const void *Q, __global const void *K, __globa
 
 				for (int c = 0; c < 2 * C; c++)
 					v[c] = dec_ld16(V, vb + 16 * c, dt);
-				for (int r = 0; r < nr; r++) {
+#pragma unroll
+				for (int r = 0; r < RM; r++) {
+					if (r >= nr)
+						break;
 					const float p = sc[r][jj];
 
 					if (j >= jend[r])
@@ -252,7 +274,10 @@ __kernel void ape_decode(__global const void *Q, __global const void *K, __globa
 	}
 
 	/* partials: [row][split][D + 2] = acc, max, sum (rows: (b*H + h)*Lq + i) */
-	for (int r = 0; r < nr; r++) {
+#pragma unroll
+	for (int r = 0; r < RM; r++) {
+		if (r >= nr)
+			break;
 		const int g = r / (int)Lq, h = kvh * group + g;
 		const long row = (b * H + h) * Lq + r % Lq;
 		__global float *pp = part + (row * nsplit + s) * (DEC_DIM + 2);
@@ -263,6 +288,20 @@ __kernel void ape_decode(__global const void *Q, __global const void *K, __globa
 		pp[DEC_DIM + 1] = L[r];
 	}
 }
+
+/* ape_decode_<RM>: chunks of launches with up to RM rows per work-item (group * Lq) */
+#define DEC_KERNEL(RM)                                                                             \
+	__kernel void ape_decode_##RM(DEC_ARGS)                                                    \
+	{                                                                                          \
+		dec_body(DEC_NAMES, RM);                                                           \
+	}
+DEC_KERNEL(1)
+DEC_KERNEL(2)
+DEC_KERNEL(4)
+DEC_KERNEL(8)
+#if DEC_RMAX >= 16
+DEC_KERNEL(16)
+#endif
 
 /* One work-item per query row (dimension 0: i, dimension 1: b*H + h): the chunks' partials
  * merged by LSE in chunk order (ape_merge_factor), then O, LSE and the pairs computed (every
