@@ -150,7 +150,7 @@ __kernel void ape_sep_kscan(__global const float *ktile, long ntk, __global floa
 }
 
 /* acc[r][c] += sum over keys j < len of p[r][j] V[j][16c ..], for the rows r that see j */
-KFN void sep_pv(__global const void *V, long vb, long vsl, int dt, int len, int masked,
+KFN void sep_pv(__global const void *V, long vb, long vsl, int D, int dt, int len, int masked,
 		int causal, const long *diag, long k0, float p[SEP_BQ][SEP_BK],
 		float16 acc[SEP_BQ][SEP_NCMAX])
 {
@@ -288,7 +288,7 @@ __kernel void ape_sep_attn(__global const float *Qr, __global const float *Kt,
 				for (int c = 0; c < DEC_DIM / 16; c++)
 					acc[r][c] *= corr;
 		}
-		sep_pv(V, vb + k0 * vsl, vsl, dt, len, masked, causal, diag, k0, p, acc);
+		sep_pv(V, vb + k0 * vsl, vsl, D, dt, len, masked, causal, diag, k0, p, acc);
 		tlo = min(tlo, t);
 		thi = max(thi, t);
 

@@ -1,0 +1,423 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The OpenCL fast paths (opencl/ocl_fast.h) against the reference backend: the split-K decode
+ * (a few query rows, many keys) and the separable path (every head with lambda = 0 and no
+ * decay but delta), on random awkward cases: every storage type, both rope layouts, GQA, causal
+ * or not, positions near 2^40, rows with no visible key, strided host tensors, per-head
+ * parameters and mixes of separable and other heads. Each case also asks the path's own
+ * predicate, so that a change which sends these shapes elsewhere fails here instead of passing
+ * untested. Skipping never leaves out what the bound does not allow (against a dense run of the
+ * same case), and two runs are bit-identical.
+ *
+ * SKIP only where there is no OpenCL platform at all (or libape lacks the backend).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ape_test.h"
+#include "common/problem.h"
+
+#ifdef APE_HAVE_OPENCL
+#include "../opencl/ocl_debug.h"
+#define CL_TARGET_OPENCL_VERSION 120 /* as opencl/module.mk builds the backend */
+#include "../opencl/ocl_fast.h"
+
+struct devs {
+	ape_context *ctx;
+	ape_device *ocl, *ref;
+};
+
+static void devs_open(struct __test_metadata *_metadata, struct devs *d)
+{
+	d->ctx = test_context("ref,opencl");
+	ASSERT_NE(NULL, d->ctx);
+	d->ocl = test_device(d->ctx, "opencl");
+	d->ref = test_device(d->ctx, "ref");
+	ASSERT_NE(NULL, d->ocl) TH_LOG("no OpenCL device although PoCL should be installed");
+	ASSERT_NE(NULL, d->ref);
+}
+
+/* Only a CPU device gets the fast paths (ocl_fast.h). */
+static int ocl_is_cpu(const struct devs *d)
+{
+	ape_device_info info;
+
+	return !ape_device_get_info(d->ocl, &info) && info.kind == APE_DEVICE_CPU;
+}
+
+/* The launch the core makes for tp in one piece (shape, parameters, skipping), enough for the
+ * fast paths' predicates. hp: 4 * H floats of the caller's. */
+static void launch_of(const test_problem *tp, float *hp, struct ape__launch *l)
+{
+	const int64_t H = tp->q.t.shape[1];
+	bool nonneg = true;
+
+	memset(l, 0, sizeof(*l));
+	l->B = tp->q.t.shape[0];
+	l->H = H;
+	l->Hkv = tp->k.t.shape[1];
+	l->Lq = tp->q.t.shape[2];
+	l->Lk = tp->k.t.shape[2];
+	l->D = tp->q.t.shape[3];
+	for (int64_t h = 0; h < H; h++) {
+		for (int p = 0; p < 4; p++) {
+			const ape_param *pp = p == 0 ? &tp->desc.delta : p == 1 ? &tp->desc.beta
+								 : p == 2 ? &tp->desc.gamma
+									  : &tp->desc.lambda;
+
+			hp[4 * h + p] = pp->per_head ? pp->per_head[h] : pp->value;
+		}
+		nonneg &= hp[4 * h] >= 0 && hp[4 * h + 1] >= 0 && hp[4 * h + 2] >= 0;
+	}
+	l->head_params = hp;
+	l->decay_nonneg = nonneg;
+	l->skip_tol = nonneg ? tp->desc.skip_tol : 0;
+	l->causal = tp->desc.causal;
+}
+
+/* O errors in units of max|V| (never 0) */
+static double v_scale(const test_problem *tp)
+{
+	return fmax(test_tensor_maxabs(&tp->v.t), 1e-30);
+}
+
+/* Runs tp on OpenCL and on the reference; 0 when within the spec's tolerance. */
+static int compare(struct __test_metadata *_metadata, const struct devs *d, test_problem *tp,
+		   ape_stats *st, const char *what)
+{
+	const ape_dtype dt = tp->q.t.dtype;
+	test_problem r;
+	double eo, el;
+	char desc[512];
+	int ret = 0;
+
+	if (test_problem_clone(&r, tp))
+		return -1;
+	ape_stats_init(st);
+	test_problem_describe(tp, desc, sizeof(desc));
+	if (test_problem_run_stats(tp, d->ocl, st) || test_problem_run(&r, d->ref)) {
+		TH_LOG("%s: %s: forward failed: %s", what, desc, ape_last_error());
+		test_problem_free(&r);
+		return -1;
+	}
+	eo = test_max_err_o(&tp->o.t, &r.o.t) / v_scale(tp);
+	el = tp->lse ? test_max_rel_err_lse(tp->lse, r.lse, tp->rows) : 0;
+	if (!(eo <= test_tol_o(dt)) || !(el <= test_tol_lse(dt))) {
+		TH_LOG("%s: %s: O error %.3g (x max|V|, tolerance %g), LSE error %.3g "
+		       "(tolerance %g)",
+		       what, desc, eo, test_tol_o(dt), el, test_tol_lse(dt));
+		ret = -1;
+	}
+	if (tp->strided && test_problem_padding_intact(tp)) {
+		TH_LOG("%s: %s: wrote outside O's elements", what, desc);
+		ret = -1;
+	}
+	test_problem_free(&r);
+	return ret;
+}
+
+static const int64_t fast_dims[] = { 32, 64, 96, 128, 256 };
+static const ape_dtype fast_types[] = { APE_F32, APE_F16, APE_BF16 };
+
+/* A random case with Lq query rows against Lk keys (-1: awkward ones), random parameters,
+ * positions, layout and causality. */
+static int fast_case(test_problem *tp, ape_rng *rng, int64_t Lq, int64_t Lk, int64_t max_group)
+{
+	static const int64_t lens[] = { 1, 2, 3, 7, 16, 17, 31, 33, 63, 64, 65, 100, 129, 300 };
+	test_problem_shape sh;
+
+	do {
+		const int64_t group = ape_rng_range(rng, 1, max_group);
+
+		sh.B = ape_rng_range(rng, 1, 2);
+		sh.Hkv = ape_rng_range(rng, 1, 3);
+		sh.H = sh.Hkv * group;
+		sh.Lq = Lq > 0 ? Lq : lens[ape_rng_range(rng, 0, 13)];
+		sh.Lk = Lk > 0 ? Lk : lens[ape_rng_range(rng, 0, 13)];
+		sh.D = fast_dims[ape_rng_range(rng, 0, 4)];
+	} while (sh.B * sh.H * sh.Lq * sh.Lk * sh.D > 1500000);
+	if (test_problem_make(tp, rng, &sh, fast_types[ape_rng_range(rng, 0, 2)],
+			      ape_rng_uniform(rng) < 0.3))
+		return -1;
+	test_problem_random_params(tp, rng);
+	if (ape_rng_uniform(rng) < 0.25) { /* far from the origin, distances small */
+		const int64_t shift = ((int64_t)1 << 40) - ape_rng_range(rng, 0, 1000);
+
+		tp->desc.k_start += shift;
+		tp->desc.q_start += shift;
+	}
+	if (ape_rng_uniform(rng) < 0.3 && test_problem_set_out_dtype(tp, APE_F32))
+		return -1;
+	if (ape_rng_uniform(rng) < 0.1) {
+		free(tp->lse);
+		tp->lse = NULL;
+	}
+	return 0;
+}
+
+/* Every head separable: lambda = beta = gamma = 0; delta per head, sometimes 0 (plain RoPE) or
+ * negative (no skipping allowed). */
+static void separable_params(test_problem *tp, ape_rng *rng)
+{
+	const int64_t H = tp->q.t.shape[1];
+	const int kind = (int)ape_rng_range(rng, 0, 2); /* 0: plain RoPE, 1: ALiBi-like, 2: mixed */
+
+	for (int64_t h = 0; h < H; h++) {
+		const double u = ape_rng_uniform(rng);
+
+		tp->params[h] = kind == 0 ? 0.0f : kind == 1 ? (float)(0.02 + u) : (float)(u - 0.3);
+		tp->params[H + h] = tp->params[2 * H + h] = tp->params[3 * H + h] = 0.0f;
+	}
+	tp->desc.delta = (ape_param){ 0, tp->params };
+	tp->desc.beta = (ape_param){ 0, tp->params + H };
+	tp->desc.gamma = (ape_param){ 0, tp->params + 2 * H };
+	tp->desc.lambda = (ape_param){ 0, tp->params + 3 * H };
+}
+
+/* ---- the split-K decode */
+
+TEST(decode_random_cases_match_reference)
+{
+	static const int64_t lqs[] = { 1, 1, 2, 3, 4, 8 };
+	static const int64_t lks[] = { 1, 5, 63, 64, 65, 300, 1000, 2500 };
+	const int ncases = ape_test_slow() ? 10 : 120;
+	int failed = 0, taken = 0;
+	struct devs d;
+	ape_rng rng;
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "decode_random_cases_match_reference");
+	for (int c = 0; c < ncases; c++) {
+		const int64_t Lq = lqs[ape_rng_range(&rng, 0, 5)];
+		test_problem tp;
+		struct ape__launch l;
+		float hp[4 * 24];
+		ape_stats st;
+		int took;
+
+		ASSERT_EQ(0, fast_case(&tp, &rng, Lq, lks[ape_rng_range(&rng, 0, 7)], Lq > 4 ? 2 : 3));
+		if (ape_rng_uniform(&rng) < 0.5)
+			tp.desc.skip_tol = 0; /* with decays, the decode takes only skip_tol 0 */
+		launch_of(&tp, hp, &l);
+		took = ocl_is_cpu(&d) && ape__ocl_decode_applies(d.ocl, &l);
+		taken += took;
+		failed += compare(_metadata, &d, &tp, &st, "decode") != 0;
+		if (took)
+			EXPECT_EQ(st.pairs_visible, st.pairs_computed); /* the decode skips nothing */
+		test_problem_free(&tp);
+	}
+	ksft_print_msg("decode: %d of %d cases took the decode\n", taken, ncases);
+	fflush(stdout);
+	EXPECT_EQ(0, failed);
+	if (ocl_is_cpu(&d))
+		EXPECT_GE(taken, ncases / 3) TH_LOG("the decode predicate refused most cases");
+	ape_context_destroy(d.ctx);
+}
+
+/* NaN and Inf in K or V reach exactly the rows that see them, in the decode's merge too. */
+TEST(decode_nan_reaches_its_rows)
+{
+	struct devs d;
+	ape_rng rng;
+	test_problem tp, r;
+	const test_problem_shape sh = { 1, 2, 1, 2, 700, 64 };
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "decode_nan_reaches_its_rows");
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	tp.desc.skip_tol = 0;
+	tp.desc.q_start_set = true;
+	tp.desc.k_start = 0;
+	tp.desc.q_start = 600; /* causal: row 0 sees keys 0..600, row 1 keys 0..601 */
+	test_tensor_set(&tp.v.t, 0, 0, 601, 3, NAN); /* only row 1 sees it */
+	ASSERT_EQ(0, test_problem_clone(&r, &tp));
+	ASSERT_EQ(0, test_problem_run(&tp, d.ocl)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, test_problem_run(&r, d.ref)) TH_LOG("%s", ape_last_error());
+	for (int64_t h = 0; h < 2; h++)
+		for (int64_t i = 0; i < 2; i++)
+			for (int64_t e = 0; e < 64; e++) {
+				const double a = test_tensor_get(&tp.o.t, 0, h, i, e);
+				const double w = test_tensor_get(&r.o.t, 0, h, i, e);
+
+				EXPECT_EQ(i == 1 && e == 3, isnan(a) != 0);
+				if (!isnan(w))
+					EXPECT_LE(fabs(a - w), test_tol_o(APE_F32) * 5);
+			}
+	test_problem_free(&r);
+	test_problem_free(&tp);
+	ape_context_destroy(d.ctx);
+}
+
+/* ---- the separable path */
+
+TEST(separable_random_cases_match_reference)
+{
+	const int ncases = ape_test_slow() ? 10 : 150;
+	int failed = 0, taken = 0;
+	struct devs d;
+	ape_rng rng;
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "separable_random_cases_match_reference");
+	for (int c = 0; c < ncases; c++) {
+		test_problem tp;
+		struct ape__launch l;
+		float hp[4 * 24];
+		ape_stats st;
+
+		ASSERT_EQ(0, fast_case(&tp, &rng, -1, -1, 3));
+		separable_params(&tp, &rng);
+		launch_of(&tp, hp, &l);
+		taken += ocl_is_cpu(&d) && !ape__ocl_decode_applies(d.ocl, &l) &&
+			 ape__ocl_separable_applies(d.ocl, &l);
+		failed += compare(_metadata, &d, &tp, &st, "separable") != 0;
+		EXPECT_LE(st.pairs_computed, st.pairs_visible);
+		test_problem_free(&tp);
+	}
+	ksft_print_msg("separable: %d of %d cases took the separable path\n", taken, ncases);
+	fflush(stdout);
+	EXPECT_EQ(0, failed);
+	if (ocl_is_cpu(&d))
+		EXPECT_GE(taken, ncases / 2) TH_LOG("the separable predicate refused most cases");
+	ape_context_destroy(d.ctx);
+}
+
+/* Some heads with lambda = 0 and others not, or with beta, gamma: every case still matches the
+ * reference, whichever kernel serves it (today the whole launch goes to the general kernel). */
+TEST(mixed_heads_match_reference)
+{
+	const int ncases = ape_test_slow() ? 5 : 40;
+	int failed = 0;
+	struct devs d;
+	ape_rng rng;
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "mixed_heads_match_reference");
+	for (int c = 0; c < ncases; c++) {
+		test_problem tp;
+		ape_stats st;
+		int64_t H;
+
+		ASSERT_EQ(0, fast_case(&tp, &rng, -1, -1, 3));
+		separable_params(&tp, &rng);
+		H = tp.q.t.shape[1];
+		tp.params[3 * H + ape_rng_range(&rng, 0, H - 1)] = 0.5f; /* one head is not */
+		if (ape_rng_uniform(&rng) < 0.3)
+			tp.params[H + ape_rng_range(&rng, 0, H - 1)] = 0.2f;
+		failed += compare(_metadata, &d, &tp, &st, "mixed") != 0;
+		test_problem_free(&tp);
+	}
+	EXPECT_EQ(0, failed);
+	ape_context_destroy(d.ctx);
+}
+
+/*
+ * ALiBi-style with skipping: within tolerance of the reference, never computing more than a
+ * dense run, and computing fewer pairs where the decay makes far keys negligible; the skipped
+ * result within tolerance of the dense one.
+ */
+TEST(separable_skipping_against_dense)
+{
+	const test_problem_shape sh = { 1, 3, 3, 700, 700, 64 };
+	struct devs d;
+	ape_rng rng;
+	test_problem tp, dense;
+	ape_stats st, sd;
+	double eo;
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "separable_skipping_against_dense");
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	test_problem_set_params(&tp, 0.5, 0, 0, 0);
+	tp.desc.skip_tol = 0x1p-24;
+	ASSERT_EQ(0, test_problem_clone(&dense, &tp));
+	dense.desc.skip_tol = 0;
+	ASSERT_EQ(0, compare(_metadata, &d, &tp, &st, "skip"));
+	ASSERT_EQ(0, compare(_metadata, &d, &dense, &sd, "dense"));
+	EXPECT_EQ(sd.pairs_visible, sd.pairs_computed);
+	EXPECT_EQ(st.pairs_visible, sd.pairs_visible);
+	ksft_print_msg("skipping: %llu of %llu visible pairs computed\n",
+		       (unsigned long long)st.pairs_computed, (unsigned long long)st.pairs_visible);
+	fflush(stdout);
+	if (ocl_is_cpu(&d)) /* measured 42% on 2026-12-01 */
+		EXPECT_LT(st.pairs_computed, st.pairs_visible / 2)
+	TH_LOG("delta = 0.5 over 700 keys: most of them are negligible");
+	eo = test_max_err_o(&tp.o.t, &dense.o.t) / v_scale(&tp);
+	EXPECT_LE(eo, test_tol_o(APE_F32));
+	EXPECT_LE(test_max_rel_err_lse(tp.lse, dense.lse, tp.rows), test_tol_lse(APE_F32));
+	test_problem_free(&tp);
+	test_problem_free(&dense);
+	ape_context_destroy(d.ctx);
+}
+
+/* Two runs of each path give the same bits. */
+TEST(fast_paths_deterministic)
+{
+	struct devs d;
+	ape_rng rng;
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "fast_paths_deterministic");
+	for (int path = 0; path < 2; path++) {
+		const test_problem_shape sh = { 2, 4, 2, path ? 300 : 2, 3000, 64 };
+		test_problem a, b;
+
+		ASSERT_EQ(0, test_problem_make(&a, &rng, &sh, APE_F16, false));
+		test_problem_set_params(&a, path ? 0.1 : 0, 0, 0, 0);
+		ASSERT_EQ(0, test_problem_clone(&b, &a));
+		ASSERT_EQ(0, test_problem_run(&a, d.ocl)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, test_problem_run(&b, d.ocl)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, memcmp(a.o.alloc, b.o.alloc, a.o.alloc_bytes));
+		EXPECT_EQ(0, memcmp(a.lse, b.lse, a.rows * sizeof(float)));
+		test_problem_free(&a);
+		test_problem_free(&b);
+	}
+	ape_context_destroy(d.ctx);
+}
+
+/* 0: an OpenCL platform answers; 4: none at all (test_opencl.c's probe, in a child) */
+static int opencl_platform_present(void)
+{
+	pid_t pid = fork();
+	int status;
+
+	if (pid == 0) {
+		ape_context_options o;
+		ape_backend_info bi;
+		ape_context *ctx;
+		int n;
+
+		ape_context_options_init(&o);
+		o.backends = "opencl";
+		if (ape_context_create(&ctx, &o))
+			_exit(1);
+		n = ape_backend_get_info(ctx, -1, NULL);
+		for (int i = 0; i < n; i++)
+			if (!ape_backend_get_info(ctx, i, &bi) && !strcmp(bi.name, "opencl"))
+				_exit(bi.available ? 0
+				      : !strncmp(bi.reason, APE__OCL_NO_PLATFORM,
+						 strlen(APE__OCL_NO_PLATFORM))
+					      ? 4
+					      : 1);
+		_exit(1);
+	}
+	if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status))
+		return 1;
+	return WEXITSTATUS(status);
+}
+#endif /* APE_HAVE_OPENCL */
+
+int main(int argc, char **argv)
+{
+#ifndef APE_HAVE_OPENCL
+	ksft_exit_skip("the OpenCL backend is not built into this libape\n");
+#else
+	if (opencl_platform_present() == 4)
+		ksft_exit_skip("no OpenCL platform on this machine (make deps installs PoCL)\n");
+#endif
+	return test_harness_run(argc, argv);
+}
