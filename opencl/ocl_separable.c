@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The separable path (kernels/separable.cl): launches whose every head has lambda = 0 and no
- * decay but delta. Q and K are rotated once into scratch (K transposed, 16 keys to a vector),
+ * decay but delta. Q and K are rotated once into scratch (Q transposed per block of 16 rows, the
+ * rows then being the lanes of a vector; V copied as float32),
  * key-tile norms and their prefix maxima are taken for skipping, then ape_sep_attn runs the
- * GEMM-shaped blocks. Scratch: the rotated Q and K, the norms (ape__ocl_separable_scratch counts
+ * GEMM-shaped blocks. Scratch: the rotated Q and K, V in float32, the norms (ape__ocl_separable_scratch counts
  * them for the executor's budget).
  */
 #include <string.h>
@@ -19,7 +20,8 @@ static int64_t round_up(int64_t x, int64_t m)
 	return (x + m - 1) / m * m;
 }
 
-/* Rotated Q, transposed K, the query norms, tile norms and their prefix maxima. */
+/* Rotated Q (transposed per block), rotated K and float32 V (each kt bytes), the query norms,
+ * tile norms and their prefix maxima. */
 static void sep_sizes(const struct ape__launch *l, size_t *qr, size_t *kt, size_t *qn,
 		      size_t *tiles, size_t *pre)
 {
@@ -41,7 +43,7 @@ uint64_t ape__ocl_separable_scratch(struct ape_device *dev, const struct ape__la
 	if (l->D % 32 || l->D > 256 || l->Lq < 1 || l->Lk < 1)
 		return 0;
 	sep_sizes(l, &qr, &kt, &qn, &tiles, &pre);
-	return (uint64_t)(qr + kt + qn + tiles + pre) + 8 * (uint64_t)(l->D / 2 + 4 * l->H);
+	return (uint64_t)(qr + 2 * kt + qn + tiles + pre) + 8 * (uint64_t)(l->D / 2 + 4 * l->H);
 }
 
 bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch *l)
@@ -71,7 +73,7 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	const cl_float scale = (cl_float)l->scale, tol = (cl_float)l->skip_tol;
 	cl_int flags = ape__ocl_fast_flags(l);
 	size_t sqr, skt, sqn, stiles, spre;
-	cl_mem prm, qr = NULL, kt = NULL, qn = NULL, tiles = NULL, pre = NULL, none = NULL;
+	cl_mem prm, qr = NULL, kt = NULL, vf = NULL, qn = NULL, tiles = NULL, pre = NULL, none = NULL;
 	struct ape__ocl_args a = { 0 };
 	cl_int err;
 	int ret;
@@ -89,6 +91,8 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	if (qr)
 		kt = ape__ocl_scratch(q, skt, NULL, &err);
 	if (kt)
+		vf = ape__ocl_scratch(q, skt, NULL, &err);
+	if (vf)
 		qn = ape__ocl_scratch(q, sqn, NULL, &err);
 	if (qn)
 		tiles = ape__ocl_scratch(q, stiles, NULL, &err);
@@ -133,6 +137,7 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(Hkv), &Hkv);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
 	ape__ocl_arg(&a, sizeof(cl_mem), &kt);
+	ape__ocl_arg(&a, sizeof(cl_mem), &vf);
 	ape__ocl_arg(&a, sizeof(cl_mem), &tiles);
 	ret = a.err != CL_SUCCESS ? ape__ocl_error(a.err, "setting up ape_sep_rot_k")
 				  : ape__ocl_enqueue(q, a.k, (size_t)ntk, 1, (size_t)(l->B * l->Hkv),
@@ -159,14 +164,13 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	a.k = clCreateKernel(pr->prog, "ape_sep_attn", &a.err);
 	ape__ocl_arg(&a, sizeof(cl_mem), &qr);
 	ape__ocl_arg(&a, sizeof(cl_mem), &kt);
-	ape__ocl_arg(&a, sizeof(cl_mem), &l->v->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &vf);
 	ape__ocl_arg(&a, sizeof(cl_mem), &l->o->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), l->lse ? &l->lse->mem : &none);
 	ape__ocl_arg(&a, sizeof(cl_mem), l->pairs ? &l->pairs->mem : &none);
 	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
 	ape__ocl_arg(&a, sizeof(cl_mem), &qn);
 	ape__ocl_arg(&a, sizeof(cl_mem), &pre);
-	ape__ocl_arg_view(&a, l, APE__T_V);
 	ape__ocl_arg_view(&a, l, APE__T_O);
 	ape__ocl_arg_view(&a, l, APE__T_LSE);
 	ape__ocl_arg(&a, sizeof(D), &D);
@@ -192,6 +196,8 @@ out:
 		clReleaseMemObject(qr);
 	if (kt)
 		clReleaseMemObject(kt);
+	if (vf)
+		clReleaseMemObject(vf);
 	if (qn)
 		clReleaseMemObject(qn);
 	if (tiles)
