@@ -42,11 +42,12 @@ bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l
 	return !(l->skip_tol > 0 && l->decay_nonneg && decays);
 }
 
-/* Keys per chunk: whole tiles, about 32 work-items per compute unit over the launch. */
+/* Keys per chunk: whole tiles (at least 4), about 512 work-items per compute unit over the
+ * launch: PoCL balances many small work-groups better than few (bench/RESULTS.md, 2026-12-01). */
 static int64_t dec_chunk(struct ape_device *dev, const struct ape__launch *l)
 {
 	const int64_t cu = dev->info.compute_units > 0 ? dev->info.compute_units : 1;
-	const int64_t items = 32 * cu, bkv = l->B * l->Hkv;
+	const int64_t items = 512 * cu, bkv = l->B * l->Hkv;
 	int64_t nsplit = (items + bkv - 1) / bkv, chunk;
 
 	if (nsplit < 1)

@@ -12,7 +12,8 @@
  *
  * The score is the forward kernel's: the query walks the keys by the rotation recurrence,
  * reseeded with ape_seed_sincos at every tile start; temperature and bias from ape_math.h's
- * float32 distance terms in the row's frame c_row (the bias at its anchor distance). Nothing is
+ * float32 distance terms in the row's frame c_row (the bias at its anchor distance); one
+ * online-softmax update per row and block of 16 keys, on a float16 of scores. Nothing is
  * skipped: the host sends here only launches where skipping is off or has nothing to gain.
  * Built after attention.cl in one program: ld(), st(), KFN, CAT and the DT_ values are its.
  * Needs D % 32 == 0 (whole float16 chunks of pairs in both layouts).
@@ -79,6 +80,40 @@ KFN float dec_hsum(float16 x)
 	const float2 c = b.lo + b.hi;
 
 	return c.x + c.y;
+}
+
+/*
+ * exp on 16 lanes for the weights (arguments <= 0; what is below -87 or -inf the caller zeroes):
+ * 2^n e^r with n = rint(x log2 e), r reduced with a two-part ln 2, e^r by its degree-6 Taylor
+ * polynomial (|r| <= ln2 / 2: relative error below 2e-7); arguments below -100 are clamped (the
+ * caller zeroes every weight below e^-87). PoCL's own vector exp rounds with a
+ * dozen instructions where this takes two (bench/RESULTS.md). A NaN stays NaN.
+ */
+KFN float16 dec_exp16(float16 x)
+{
+	/* n = rint(x log2 e) by the 1.5 * 2^23 shift (x >= -87 here; below, the caller's zero) */
+	const float16 t = fma(fmax(x, -100.0f), 1.44269504088896341f, 12582912.0f);
+	const float16 n = t - 12582912.0f;
+	const float16 r = fma(n, -1.42860677e-6f, fma(n, -0.693145752f, x));
+	float16 p = fma(r, 1.0f / 720, 1.0f / 120);
+
+	p = fma(p, r, 1.0f / 24);
+	p = fma(p, r, 1.0f / 6);
+	p = fma(p, r, 0.5f);
+	p = fma(p, r, 1.0f);
+	p = fma(p, r, 1.0f);
+	/* 2^n from the shifted value's low bits: as_int(t) - as_int(1.5 * 2^23) = n */
+	p *= as_float16((as_int16(t) - 0x4b400000 + 127) << 23);
+	return select(p, x, isnan(x));
+}
+
+KFN float dec_hmax(float16 x) /* fmax: a NaN lane is ignored, as '>' is in attention.cl */
+{
+	const float8 a = fmax(x.lo, x.hi);
+	const float4 b = fmax(a.lo, a.hi);
+	const float2 c = fmax(b.lo, b.hi);
+
+	return fmax(c.x, c.y);
 }
 
 /* sin and cos of ang * omega_p for the pairs 16c .. 16c+15 (ape_seed_sincos, APE_RW lanes at
@@ -194,6 +229,10 @@ KFN void dec_body(DEC_ARGS, const int RM)
 		for (long bb = t0; bb < min(t0 + DEC_TILE, kend); bb += DEC_BLK) {
 			const int len = (int)min((long)DEC_BLK, kend - bb);
 
+			if (len < DEC_BLK)
+				for (int r = 0; r < nr; r++)
+					for (int jj = len; jj < DEC_BLK; jj++)
+						sc[r][jj] = -INFINITY;
 			/* scores: each key row is loaded once for every query row */
 			for (int jj = 0; jj < len; jj++) {
 				const long j = bb + jj, kb = koff + b * ksb + kvh * ksh + j * ksl;
@@ -217,7 +256,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 						Y[r][c] = fma(y, CW[r][c], -(x * SW[r][c]));
 					}
 					dot = dec_hsum(acc);
-					sv = ape_temp_f(scale, rlambda[r], an) * dot;
+					sv = (rlambda[r] == 0.0f ? scale : ape_temp_f(scale, rlambda[r], an)) * dot;
 					if (decay[r])
 						sv += ape_bias_diff_f(rdelta[r], rbeta[r], rgamma[r],
 								      an, aref[r]);
@@ -232,19 +271,17 @@ KFN void dec_body(DEC_ARGS, const int RM)
 			for (int r = 0; r < RM; r++) {
 				if (r >= nr)
 					break;
-				float mt = M[r], lsum = 0.0f, corr;
+				const float16 sv = vload16(0, sc[r]);
+				const float mt = fmax(M[r], dec_hmax(sv));
+				const float corr = M[r] == mt ? 1.0f
+						   : M[r] - mt < -87.0f ? 0.0f
+									: exp(M[r] - mt);
+				const float16 dd = sv - mt;
+				const float16 pv = select(dec_exp16(dd), (float16)0.0f,
+							  dd < -87.0f || sv == (float16)(-INFINITY));
+				const float lsum = dec_hsum(pv);
 
-				for (int jj = 0; jj < len; jj++)
-					mt = sc[r][jj] > mt ? sc[r][jj] : mt;
-				corr = M[r] == mt ? 1.0f : M[r] - mt < -87.0f ? 0.0f : exp(M[r] - mt);
-				for (int jj = 0; jj < len; jj++) {
-					const float d = sc[r][jj] - mt;
-					const float p = d < -87.0f || sc[r][jj] == -INFINITY ? 0.0f
-											   : exp(d);
-
-					sc[r][jj] = p;
-					lsum += p;
-				}
+				vstore16(pv, 0, sc[r]);
 				L[r] = L[r] * corr + lsum;
 				M[r] = mt;
 				if (corr != 1.0f)

@@ -24,31 +24,6 @@
 
 __constant int sep_iota[16] = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15 };
 
-/*
- * exp on 16 lanes for the weights (arguments <= 0; what is below -87 or -inf the caller zeroes):
- * 2^n e^r with n = rint(x log2 e), r reduced with a two-part ln 2, e^r by its degree-6 Taylor
- * polynomial (|r| <= ln2 / 2: relative error below 2e-7); arguments below -100 are clamped (the
- * caller zeroes every weight below e^-87). PoCL's own vector exp cost more than
- * the whole dot product of the tile (bench/RESULTS.md). A NaN stays NaN.
- */
-KFN float16 sep_exp16(float16 x)
-{
-	/* n = rint(x log2 e) by the 1.5 * 2^23 shift (x >= -87 here; below, the caller's zero) */
-	const float16 t = fma(fmax(x, -100.0f), 1.44269504088896341f, 12582912.0f);
-	const float16 n = t - 12582912.0f;
-	const float16 r = fma(n, -1.42860677e-6f, fma(n, -0.693145752f, x));
-	float16 p = fma(r, 1.0f / 720, 1.0f / 120);
-
-	p = fma(p, r, 1.0f / 24);
-	p = fma(p, r, 1.0f / 6);
-	p = fma(p, r, 0.5f);
-	p = fma(p, r, 1.0f);
-	p = fma(p, r, 1.0f);
-	/* 2^n from the shifted value's low bits: as_int(t) - as_int(1.5 * 2^23) = n */
-	p *= as_float16((as_int16(t) - 0x4b400000 + 127) << 23);
-	return select(p, x, isnan(x));
-}
-
 /* Query rows, 16 to a block, rotated at their positions rel + i, times scale, transposed:
  * Qt[bh][block][d][16] (rows past Lq: zeros); and |q| rounded up (a bound, for skipping). */
 __kernel void ape_sep_rot_q(__global const void *Q, __global const APE_REAL *prm, long qoff,
@@ -283,13 +258,13 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 			S[j] = s;
 			mt = fmax(mt, s);
 		}
-		corr = select(select(sep_exp16(m - mt), (float16)0.0f, m - mt < -87.0f), (float16)1.0f,
+		corr = select(select(dec_exp16(m - mt), (float16)0.0f, m - mt < -87.0f), (float16)1.0f,
 			      m == mt);
 #pragma unroll
 		for (int j = 0; j < SEP_BK; j++) {
 			const float16 dd = S[j] - mt;
 
-			p[j] = select(sep_exp16(dd), (float16)0.0f,
+			p[j] = select(dec_exp16(dd), (float16)0.0f,
 				      dd < -87.0f || S[j] == (float16)(-INFINITY));
 			lsum += p[j];
 		}
