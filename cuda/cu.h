@@ -57,6 +57,7 @@ enum {
 	APE__CU_MOD_WINDOW,
 	APE__CU_MOD_DECODE,
 	APE__CU_MOD_PREFILL,
+	APE__CU_MOD_BACKWARD,
 	APE__CU_NMODULES,
 };
 
@@ -69,7 +70,13 @@ enum ape__cu_kernel {
 	/* prefill: 4 head-size variants x 3 types, then decode likewise */
 	APE__CU_K_PREFILL,
 	APE__CU_K_DECODE = APE__CU_K_PREFILL + 12,
-	APE__CU_NKERNELS = APE__CU_K_DECODE + 12,
+	/* the backward pass (cuda_backward.c): rows, params, then keys and queries sweeps for
+	 * each head-size variant */
+	APE__CU_K_BWD_ROWS = APE__CU_K_DECODE + 12,
+	APE__CU_K_BWD_PARAMS,
+	APE__CU_K_BWD_KEYS,
+	APE__CU_K_BWD_QUERIES = APE__CU_K_BWD_KEYS + 4,
+	APE__CU_NKERNELS = APE__CU_K_BWD_QUERIES + 4,
 };
 
 /* Head-size variants: D = 64 and 128 specialised, every other even D <= 256 generic. */
@@ -204,12 +211,19 @@ extern const char *const ape__cu_kernel_names[APE__CU_NKERNELS];
 /* ---- cuda_attention.c */
 int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l);
 uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__launch *l);
+/* More heads than an argument struct carries (APE_CU_INLINE_HEADS): l->head_params copied to
+ * dst, on the queue, from a host copy the stream frees once the copy has run. */
+int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst);
+
+/* ---- cuda_backward.c */
+int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l);
 
 /* ---- fatbin_embed.S: the fatbins nvcc built, in APE__CU_MOD_* order */
 extern const unsigned char ape__cu_fatbin_prep[];
 extern const unsigned char ape__cu_fatbin_window[];
 extern const unsigned char ape__cu_fatbin_decode[];
 extern const unsigned char ape__cu_fatbin_prefill[];
+extern const unsigned char ape__cu_fatbin_backward[];
 
 #pragma GCC visibility pop
 #endif /* APE_CUDA_CU_H */

@@ -238,7 +238,7 @@ static void CUDA_CB cu_free_host(void *p)
 
 /* More heads than the argument struct carries: their parameters go through the scratch. The
  * host copy is freed by the stream once the copy has run. */
-static int upload_head_params(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst)
+int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst)
 {
 	const struct ape__cu_driver *drv = ape__cu_dev(q->dev)->drv;
 	const size_t bytes = (size_t)l->H * 4 * sizeof(float);
@@ -455,7 +455,7 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 	if (ret)
 		goto out_leave;
 	if (p.hp)
-		ret = upload_head_params(q, l, scratch + p.hp);
+		ret = ape__cu_upload_head_params(q, l, scratch + p.hp);
 	if (!ret && l->Lk == 0)
 		ret = run_merge(q, l, &p, scratch, 0);
 	else if (!ret)

@@ -80,6 +80,11 @@ static int cuda_attention(struct ape__queue *q, const struct ape__launch *l)
 	return ape__op_error(ape__cu_attention(q, l), q->dev, "attention");
 }
 
+static int cuda_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
+{
+	return ape__op_error(ape__cu_attention_backward(q, l), q->dev, "attention_backward");
+}
+
 static int cuda_synchronize(struct ape__queue *q)
 {
 	return ape__op_error(ape__cu_synchronize(q), q->dev, "synchronize");
@@ -115,6 +120,7 @@ const struct ape__backend_ops ape__cuda_ops = {
 	.event_timestamp = cuda_event_timestamp,
 	.attention_scratch = ape__cu_attention_scratch, /* cuda_attention.c */
 	.max_alloc = ape__cu_max_alloc, /* cuda_mem.c */
+	.attention_backward = cuda_attention_backward, /* cuda_backward.c */
 	.buf_wrap = cuda_buf_wrap, /* cuda_mem.c */
 	.queue_wrap = cuda_queue_wrap,
 	.native = ape__cu_native, /* cuda_device.c */

@@ -19,6 +19,9 @@
 
 const char *const ape__cu_kernel_names[APE__CU_NKERNELS] = {
 	"ape_prep", "ape_kscan", "ape_dwindow", "ape_dmerge", VARIANTS("prefill"), VARIANTS("decode"),
+	"ape_bwd_rows", "ape_bwd_params", "ape_bwd_keys_d64", "ape_bwd_keys_d128", "ape_bwd_keys_g128",
+	"ape_bwd_keys_g256", "ape_bwd_queries_d64", "ape_bwd_queries_d128", "ape_bwd_queries_g128",
+	"ape_bwd_queries_g256",
 };
 
 int ape__cu_kernel_index(bool decode, int variant, int dtype)
@@ -28,6 +31,8 @@ int ape__cu_kernel_index(bool decode, int variant, int dtype)
 
 static int cu_kernel_module(int k)
 {
+	if (k >= APE__CU_K_BWD_ROWS)
+		return APE__CU_MOD_BACKWARD;
 	if (k == APE__CU_K_PREP || k == APE__CU_K_SCAN)
 		return APE__CU_MOD_PREP;
 	if (k == APE__CU_K_WINDOW)
@@ -42,6 +47,7 @@ static const unsigned char *const cu_images[APE__CU_NMODULES] = {
 	ape__cu_fatbin_window,
 	ape__cu_fatbin_decode,
 	ape__cu_fatbin_prefill,
+	ape__cu_fatbin_backward,
 };
 
 static void cu_modules_unload(struct ape__cu_device *cd)

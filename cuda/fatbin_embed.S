@@ -18,6 +18,7 @@ EMBED(ape__cu_fatbin_prep, "prep.fatbin")
 EMBED(ape__cu_fatbin_window, "window.fatbin")
 EMBED(ape__cu_fatbin_decode, "decode.fatbin")
 EMBED(ape__cu_fatbin_prefill, "prefill.fatbin")
+EMBED(ape__cu_fatbin_backward, "backward.fatbin")
 
 	/* no executable stack */
 	.section .note.GNU-stack,"",@progbits

@@ -2,8 +2,10 @@
 /*
  * The OpenCL backend's internal state, shared by its files (and by no one else).
  *
- * One OpenCL context per device; in-order profiling queues, one per ape__queue (the core makes
- * one per forward call). Programs are built lazily per (device, D specialisation) under the
+ * One OpenCL context per device (the caller's own for the device it names in
+ * ape_context_options.opencl_context/opencl_device, retained); in-order profiling queues, one
+ * per ape__queue (the core makes one per forward call), or the caller's own queue, retained
+ * (queue_wrap: in order, timing only when the caller enabled profiling). Programs are built lazily per (device, D specialisation) under the
  * device's mutex and kept for the context's life; kernel objects are made per launch, because
  * clSetKernelArg on a shared cl_kernel is not thread-safe.
  */
@@ -12,6 +14,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 
 #include "core/backend.h"
 #include "ocl_api.h" /* <CL/cl.h>, every call through the loaded table */
@@ -40,7 +43,8 @@ struct ape__ocl_program {
 struct ape__ocl_device {
 	cl_platform_id platform;
 	cl_device_id id;
-	cl_context ctx;
+	cl_context ctx; /* ours, or the caller's (imported): retained either way */
+	bool imported; /* ctx is the caller's (ape_context_options.opencl_context) */
 	cl_device_type type;
 	char name[128];
 	char platform_name[128];
@@ -56,12 +60,20 @@ struct ape__ocl_device {
 	struct ape__ocl_debug_counters counters;
 };
 
-/* Every command enqueued on a queue, in order, for profiling and error reporting. Shared by the
- * queue and the events recorded on it, so that either may be released first. */
+/*
+ * Every command enqueued on a queue, in order, for profiling and error reporting. Shared by the
+ * queue and the events recorded on it, so that either may be released first. A long-lived queue
+ * (the caller's, or one of the public API's) would hold every command's event forever: while no
+ * event of the queue is alive, commands that completed are dropped from the front
+ * (ocl_mem.c, tl_prune), a failure among them kept in `failed` for the next synchronize.
+ */
 struct ape__ocl_timeline {
 	atomic_int refs;
-	size_t n, cap, checked; /* checked: commands whose status synchronize() has read */
+	size_t n, cap, checked; /* checked: commands whose status was read (synchronize, prune) */
 	cl_event *ev;
+	cl_int failed; /* CL_SUCCESS, or the status of a failed command already dropped */
+	size_t failed_idx; /* that command's number in the queue */
+	size_t dropped; /* commands dropped from the front: ev[0] is command number `dropped` */
 };
 
 struct ape__buf {
@@ -73,6 +85,8 @@ struct ape__queue {
 	struct ape_device *dev;
 	cl_command_queue cq;
 	struct ape__ocl_timeline *tl;
+	bool wrapped; /* the caller's queue (queue_wrap): released without waiting */
+	bool timed; /* CL_QUEUE_PROFILING_ENABLE: event_elapsed and event_timestamp work */
 };
 
 struct ape__event {
@@ -80,6 +94,7 @@ struct ape__event {
 	cl_event marker; /* for event_wait on other queues, and timing across queues */
 	struct ape__ocl_timeline *tl;
 	size_t idx; /* commands of tl enqueued before this event */
+	bool timed; /* recorded on a queue with profiling (struct ape__queue.timed) */
 };
 
 static inline struct ape__ocl_device *ape__ocl_dev(const struct ape_device *dev)
@@ -112,6 +127,11 @@ int ape__ocl_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32
 int ape__ocl_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
 		      struct ape__buf *src, size_t src_off, size_t n);
 uint64_t ape__ocl_max_alloc(struct ape_device *dev);
+/* buf_wrap, queue_wrap and native (core/backend.h, ABI 5): the caller's memory and queues. */
+int ape__ocl_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
+		      struct ape__buf **out, size_t *bytes_out);
+int ape__ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out);
+void ape__ocl_native(struct ape_device *dev, void **context, void **device);
 int ape__ocl_event_timestamp(struct ape__event *e, double *ms);
 int ape__ocl_event_record(struct ape__queue *q, struct ape__event **out);
 int ape__ocl_event_wait(struct ape__queue *q, struct ape__event *e);

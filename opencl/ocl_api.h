@@ -20,10 +20,12 @@
 	X(clEnqueueBarrierWithWaitList) X(clEnqueueCopyBuffer) X(clEnqueueFillBuffer)               \
 	X(clEnqueueMarkerWithWaitList)                                                             \
 	X(clEnqueueNDRangeKernel) X(clEnqueueReadBuffer) X(clEnqueueWriteBuffer) X(clFinish)       \
+	X(clGetCommandQueueInfo) X(clGetContextInfo)                                               \
 	X(clGetDeviceIDs) X(clGetDeviceInfo) X(clGetEventInfo) X(clGetEventProfilingInfo)          \
-	X(clGetKernelWorkGroupInfo) X(clGetPlatformIDs) X(clGetPlatformInfo)                       \
+	X(clGetKernelWorkGroupInfo) X(clGetMemObjectInfo) X(clGetPlatformIDs) X(clGetPlatformInfo) \
 	X(clGetProgramBuildInfo) X(clGetProgramInfo) X(clReleaseCommandQueue) X(clReleaseContext)  \
 	X(clReleaseEvent) X(clReleaseKernel) X(clReleaseMemObject) X(clReleaseProgram)             \
+	X(clRetainCommandQueue) X(clRetainContext) X(clRetainMemObject)                            \
 	X(clSetKernelArg) X(clWaitForEvents)
 
 struct ape__ocl_api {
@@ -57,11 +59,14 @@ int ape__ocl_load(char *why, size_t cap);
 #define clEnqueueReadBuffer ape__ocl.clEnqueueReadBuffer
 #define clEnqueueWriteBuffer ape__ocl.clEnqueueWriteBuffer
 #define clFinish ape__ocl.clFinish
+#define clGetCommandQueueInfo ape__ocl.clGetCommandQueueInfo
+#define clGetContextInfo ape__ocl.clGetContextInfo
 #define clGetDeviceIDs ape__ocl.clGetDeviceIDs
 #define clGetDeviceInfo ape__ocl.clGetDeviceInfo
 #define clGetEventInfo ape__ocl.clGetEventInfo
 #define clGetEventProfilingInfo ape__ocl.clGetEventProfilingInfo
 #define clGetKernelWorkGroupInfo ape__ocl.clGetKernelWorkGroupInfo
+#define clGetMemObjectInfo ape__ocl.clGetMemObjectInfo
 #define clGetPlatformIDs ape__ocl.clGetPlatformIDs
 #define clGetPlatformInfo ape__ocl.clGetPlatformInfo
 #define clGetProgramBuildInfo ape__ocl.clGetProgramBuildInfo
@@ -72,6 +77,9 @@ int ape__ocl_load(char *why, size_t cap);
 #define clReleaseKernel ape__ocl.clReleaseKernel
 #define clReleaseMemObject ape__ocl.clReleaseMemObject
 #define clReleaseProgram ape__ocl.clReleaseProgram
+#define clRetainCommandQueue ape__ocl.clRetainCommandQueue
+#define clRetainContext ape__ocl.clRetainContext
+#define clRetainMemObject ape__ocl.clRetainMemObject
 #define clSetKernelArg ape__ocl.clSetKernelArg
 #define clWaitForEvents ape__ocl.clWaitForEvents
 #endif

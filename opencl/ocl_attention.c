@@ -1,6 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * One attention launch: the skip pre-pass (when skipping is allowed) and the fused kernel.
+ * One attention launch: the skip pre-pass (when skipping is allowed) and the fused kernel. Q, K,
+ * V, O and LSE are read and written where the launch's views say (core/backend.h, struct
+ * ape__view): each kernel takes them as element offsets and strides, never as cl_mem
+ * sub-buffers (whose origins must be aligned to CL_DEVICE_MEM_BASE_ADDR_ALIGN).
  * Kernel objects are created per launch (clSetKernelArg on a shared kernel is not thread-safe);
  * the small parameter and scratch buffers are released right after they are enqueued, which
  * OpenCL allows: the commands that use them keep them alive.
@@ -95,21 +98,49 @@ static cl_mem ocl_params(struct ape__queue *q, const struct ape__launch *l, int 
 }
 
 /*
+ * Where tensor t (enum ape__tensor_id) of l lies, as the kernels take it (kernels/attention.cl,
+ * VIEW_ROW): offset and the B, H, L strides in elements. dense: where it would lie contiguous
+ * at offset 0, as in the float32 copies ape_kv_prep makes.
+ */
+static cl_long4 ocl_view(const struct ape__launch *l, int t, bool dense)
+{
+	struct ape__view v;
+	cl_long4 r;
+
+	if (dense && l->strided) {
+		struct ape__launch c = *l;
+
+		c.strided = false;
+		v = ape__launch_view(&c, t);
+	} else {
+		v = ape__launch_view(l, t);
+	}
+	r.s[0] = v.off;
+	r.s[1] = v.sb;
+	r.s[2] = v.sh;
+	r.s[3] = v.sl;
+	return r;
+}
+
+/*
  * K and V in the kernel's preferred form (float32, K pair-ordered in the half layout), made once
  * per call by ape_kv_prep when the input is not already so. Sets *k, *v to the buffers the
- * kernels should read (the inputs themselves when nothing needs converting) and returns 1 when
- * they are in that form; 0 leaves the conversion to the attention kernel, when the float32 copy
- * would not fit in one allocation.
+ * kernels should read (the inputs themselves when nothing needs converting) and kv[0], kv[1] to
+ * their views (the inputs' own, or contiguous for the copies), and returns 1 when they are in
+ * that form; 0 leaves the conversion to the attention kernel, when the float32 copy would not
+ * fit in one allocation.
  */
 static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
 		       const struct ape__launch *l, cl_mem *kp, cl_mem *vf, cl_mem *k, cl_mem *v,
-		       int *ret)
+		       cl_long4 kv[2], int *ret)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
 	const cl_long rows = l->B * l->Hkv * l->Lk;
 	const size_t bytes = (size_t)rows * (size_t)l->D * sizeof(float);
-	const cl_int D = (cl_int)l->D, dt = (cl_int)l->in_dtype;
+	const cl_int D = (cl_int)l->D, dt = (cl_int)l->in_dtype, Hkv = (cl_int)l->Hkv;
+	const cl_long Lk = l->Lk;
 	const cl_int inter = l->layout == APE_ROPE_INTERLEAVED, do_v = l->in_dtype != APE_F32;
+	const cl_long4 vk = ocl_view(l, APE__T_K, false), vv = ocl_view(l, APE__T_V, false);
 	const size_t local = od->max_wg >= 64 ? 64 : 1;
 	struct ape__ocl_args a = { 0 };
 	cl_int err;
@@ -117,6 +148,8 @@ static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
 	*ret = 0;
 	*k = l->k->mem;
 	*v = l->v->mem;
+	kv[0] = vk;
+	kv[1] = vv;
 	if (l->in_dtype == APE_F32 && !inter)
 		return 1;
 	if (bytes > od->max_alloc)
@@ -136,6 +169,10 @@ static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
 	ape__ocl_arg(&a, sizeof(do_v), &do_v);
 	ape__ocl_arg(&a, sizeof(cl_mem), kp);
 	ape__ocl_arg(&a, sizeof(cl_mem), do_v ? vf : &l->v->mem);
+	ape__ocl_arg(&a, sizeof(Hkv), &Hkv);
+	ape__ocl_arg(&a, sizeof(Lk), &Lk);
+	ape__ocl_arg(&a, sizeof(vk), &vk);
+	ape__ocl_arg(&a, sizeof(vv), &vv);
 	if (a.err != CL_SUCCESS)
 		*ret = ape__ocl_error(a.err, "setting up ape_kv_prep");
 	else /* rows rounded up: the kernel ignores the excess; PoCL wants whole work-groups */
@@ -146,18 +183,21 @@ static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
 	if (*ret)
 		return 0;
 	*k = *kp;
-	if (do_v)
+	kv[0] = ocl_view(l, APE__T_K, true);
+	if (do_v) {
 		*v = *vf;
+		kv[1] = ocl_view(l, APE__T_V, true);
+	}
 	return 1;
 }
 
 /* The skip pre-pass: per key tile the largest key norm, then prefix and suffix maxima. */
 static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
-		       const struct ape__launch *l, cl_mem k, cl_mem v, cl_int dt, cl_long ntk,
-		       cl_mem *pre, cl_mem *suf)
+		       const struct ape__launch *l, cl_mem k, cl_mem v, const cl_long4 kv[2],
+		       cl_int dt, cl_long ntk, cl_mem *pre, cl_mem *suf)
 {
 	const size_t bkv = (size_t)(l->B * l->Hkv), scan = bkv * (size_t)(ntk + 1) * sizeof(float);
-	const cl_int D = (cl_int)l->D;
+	const cl_int D = (cl_int)l->D, Hkv = (cl_int)l->Hkv;
 	const cl_long Lk = l->Lk;
 	cl_mem tiles;
 	cl_int err;
@@ -182,6 +222,9 @@ static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 	ape__ocl_arg(&a, sizeof(dt), &dt);
 	ape__ocl_arg(&a, sizeof(ntk), &ntk);
 	ape__ocl_arg(&a, sizeof(cl_mem), &tiles);
+	ape__ocl_arg(&a, sizeof(Hkv), &Hkv);
+	ape__ocl_arg(&a, sizeof(kv[0]), &kv[0]);
+	ape__ocl_arg(&a, sizeof(kv[1]), &kv[1]);
 	if (a.err != CL_SUCCESS)
 		ret = ape__ocl_error(a.err, "setting up ape_kmax");
 	else
@@ -220,6 +263,9 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	cl_int flags = (cl_int)l->in_dtype | (cl_int)l->out_dtype << 2;
 	cl_mem prm = NULL, pre = NULL, suf = NULL, none = NULL, kp = NULL, vf = NULL, kbuf, vbuf;
 	struct ape__ocl_args a = { 0 };
+	const cl_long4 vq = ocl_view(l, APE__T_Q, false), vo = ocl_view(l, APE__T_O, false),
+		       vl = ocl_view(l, APE__T_LSE, false);
+	cl_long4 kv[2];
 	size_t bq, nqt;
 	cl_long ntk;
 	cl_int err;
@@ -244,12 +290,12 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	prm = ocl_params(q, l, od->fp64, &err);
 	if (!prm)
 		return ape__ocl_error(err, "clCreateBuffer (parameters)");
-	if (ocl_kv_prep(q, pr, l, &kp, &vf, &kbuf, &vbuf, &ret))
+	if (ocl_kv_prep(q, pr, l, &kp, &vf, &kbuf, &vbuf, kv, &ret))
 		flags |= F_KV_F32;
 	if (ret)
 		goto out_release;
 	if ((flags & F_SKIP) &&
-	    (ret = ocl_prepass(q, pr, l, kbuf, vbuf,
+	    (ret = ocl_prepass(q, pr, l, kbuf, vbuf, kv,
 			       (flags & F_KV_F32) ? (cl_int)APE_F32 : (cl_int)l->in_dtype, ntk,
 			       &pre, &suf)))
 		goto out_release;
@@ -275,6 +321,11 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(tol), &tol);
 	ape__ocl_arg(&a, sizeof(prior_tol), &prior_tol);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
+	ape__ocl_arg(&a, sizeof(vq), &vq);
+	ape__ocl_arg(&a, sizeof(kv[0]), &kv[0]);
+	ape__ocl_arg(&a, sizeof(kv[1]), &kv[1]);
+	ape__ocl_arg(&a, sizeof(vo), &vo);
+	ape__ocl_arg(&a, sizeof(vl), &vl);
 	if (a.err != CL_SUCCESS)
 		ret = ape__ocl_error(a.err, "setting up ape_attention");
 	else

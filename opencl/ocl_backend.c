@@ -14,6 +14,18 @@ static int ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf *
 	return ape__op_error(ape__ocl_buf_alloc(dev, bytes, out), dev, "buf_alloc");
 }
 
+static int ocl_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
+			struct ape__buf **out, size_t *bytes_out)
+{
+	return ape__op_error(ape__ocl_buf_wrap(dev, kind, handle, bytes, out, bytes_out), dev,
+			     "buf_wrap");
+}
+
+static int ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out)
+{
+	return ape__op_error(ape__ocl_queue_wrap(dev, handle, out), dev, "queue_wrap");
+}
+
 static int ocl_queue_create(struct ape_device *dev, struct ape__queue **out)
 {
 	return ape__op_error(ape__ocl_queue_create(dev, out), dev, "queue_create");
@@ -102,4 +114,7 @@ const struct ape__backend_ops ape__opencl_ops = {
 	.max_alloc = ape__ocl_max_alloc,
 	.attention_scratch = ape__ocl_attention_scratch, /* ocl_decode.c */
 	.attention_backward = ocl_attention_backward, /* ocl_backward.c */
+	.buf_wrap = ocl_buf_wrap, /* ocl_mem.c */
+	.queue_wrap = ocl_queue_wrap,
+	.native = ape__ocl_native,
 };

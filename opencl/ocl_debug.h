@@ -11,6 +11,7 @@
 #pragma GCC visibility push(hidden)
 
 struct ape_device;
+struct ape__queue;
 
 /* How a probe that finds no OpenCL platform at all starts its reason: tests skip on it. */
 #define APE__OCL_NO_PLATFORM "no OpenCL platform"
@@ -27,6 +28,9 @@ struct ape__ocl_debug_counters {
 int ape__ocl_debug_counters(const struct ape_device *dev, struct ape__ocl_debug_counters *out);
 /* CL_DEVICE_MAX_MEM_ALLOC_SIZE, or 0 when dev is not an OpenCL device. */
 uint64_t ape__ocl_debug_max_alloc(const struct ape_device *dev);
+/* Commands whose events the queue holds (its timeline, ocl.h): bounded on a long-lived queue
+ * while no event of it is alive (0 after a synchronize then). */
+unsigned long ape__ocl_debug_tracked(const struct ape__queue *q);
 /* The program cache key of variant D on dev ("" when dev is not an OpenCL device). */
 void ape__ocl_debug_cache_key(const struct ape_device *dev, int64_t D, char *buf, unsigned cap);
 

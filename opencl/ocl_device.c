@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Probing: every platform, every device (GPU, CPU, accelerator), one context per device. A
- * machine without an OpenCL platform is a normal state: zero devices and a reason.
+ * Probing: every platform, every device (GPU, CPU, accelerator), one context per device (or the
+ * caller's context, for the device it names). A machine without an OpenCL platform is a normal
+ * state: zero devices and a reason.
  */
 #include <dirent.h>
 #include <stdbool.h>
@@ -160,10 +161,11 @@ static int ocl_dev_locks(struct ape__ocl_device *od)
 	return APE_ENOMEM;
 }
 
-/* Adds one device: 1 when added, 0 when it cannot be used (with a note in `why`), or a
- * negative code (out of memory). */
+/* Adds one device, on a context of its own, or on `shared` (the caller's, retained) when not
+ * NULL: 1 when added, 0 when it cannot be used (with a note in `why`), or a negative code (out
+ * of memory). */
 static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_device_id id,
-			  char *why, size_t why_len)
+			  cl_context shared, char *why, size_t why_len)
 {
 	const cl_context_properties props[] = { CL_CONTEXT_PLATFORM, (cl_context_properties)plat,
 						0 };
@@ -211,7 +213,13 @@ static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_devic
 	clGetDeviceInfo(id, CL_DEVICE_GLOBAL_MEM_SIZE, sizeof(gmem), &gmem, NULL);
 	od->fp64 = ocl_has_ext(id, "cl_khr_fp64");
 
-	od->ctx = clCreateContext(props, 1, &id, NULL, NULL, &err);
+	if (shared) {
+		err = clRetainContext(shared);
+		od->ctx = err == CL_SUCCESS ? shared : NULL;
+		od->imported = od->ctx != NULL;
+	} else {
+		od->ctx = clCreateContext(props, 1, &id, NULL, NULL, &err);
+	}
 	if (!od->ctx) {
 		snprintf(why, why_len, "%s: clCreateContext: %s", od->name, ape__ocl_err_name(err));
 		ocl_dev_free(od);
@@ -335,9 +343,66 @@ static void ocl_explain_no_device(cl_platform_id plat, char *why, size_t cap)
 		snprintf(why, cap, "%.100s reports no device", name);
 }
 
+/*
+ * Is the caller's device (ape_context_options.opencl_device) one of the devices of its context
+ * (opencl_context)? 0, or APE_EINVAL naming both.
+ */
+static int ocl_import_check(cl_context c, cl_device_id id)
+{
+	size_t n = 0;
+	cl_device_id *devs;
+	cl_int err = clGetContextInfo(c, CL_CONTEXT_DEVICES, 0, NULL, &n);
+	bool found = false;
+
+	if (err != CL_SUCCESS || n < sizeof(*devs))
+		return ape__error(APE_EINVAL,
+				  "opencl: ape_context_options.opencl_context %p: clGetContextInfo "
+				  "(CL_CONTEXT_DEVICES): %s (%d)",
+				  (void *)c, err ? ape__ocl_err_name(err) : "no device", (int)err);
+	devs = ape__malloc(n);
+	if (!devs)
+		return ape__error(APE_ENOMEM, "opencl: out of memory probing devices");
+	err = clGetContextInfo(c, CL_CONTEXT_DEVICES, n, devs, NULL);
+	for (size_t i = 0; err == CL_SUCCESS && i < n / sizeof(*devs); i++)
+		found |= devs[i] == id;
+	free(devs);
+	if (err != CL_SUCCESS)
+		return ape__error(APE_EINVAL,
+				  "opencl: ape_context_options.opencl_context %p: clGetContextInfo "
+				  "(CL_CONTEXT_DEVICES): %s (%d)",
+				  (void *)c, ape__ocl_err_name(err), (int)err);
+	if (!found)
+		return ape__error(APE_EINVAL,
+				  "opencl: ape_context_options.opencl_device %p is not one of the "
+				  "%zu device(s) of opencl_context %p",
+				  (void *)id, n / sizeof(*devs), (void *)c);
+	return 0;
+}
+
+/* The result of ocl_add_device for the caller's device: a device that cannot be used fails
+ * the probe (APE_EINVAL, with why), since the caller asked for that one. */
+static int ocl_import_result(int ret, cl_device_id id, const char *why)
+{
+	if (ret)
+		return ret;
+	return ape__error(APE_EINVAL,
+			  "opencl: ape_context_options.opencl_device %p cannot be used: %s",
+			  (void *)id, why);
+}
+
+/*
+ * probe (core/backend.h): every device of every platform, each on a context of its own, except
+ * the device named by be->import (ape_context_options.opencl_context and .opencl_device), which
+ * is built on the caller's context, retained. Fails (and so fails ape_context_create()) with
+ * APE_EINVAL when that device is not one of that context's devices or cannot be used, and with
+ * APE_ENODEV when the ICD loader cannot be loaded although the caller has a context.
+ */
 int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res)
 {
 	cl_platform_id *plats = NULL;
+	cl_context imp_ctx = be->import.context;
+	cl_device_id imp_dev = be->import.device;
+	bool imp_done = !imp_ctx;
 	cl_uint np = 0;
 	cl_int err;
 	int added = 0, ret = 0;
@@ -345,18 +410,26 @@ int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res)
 
 	/* tests and tools recognise "no OpenCL platform" as "no OpenCL here", whatever the cause */
 	if (ape__ocl_load(why, sizeof(why))) {
+		if (imp_ctx)
+			return ape__error(APE_ENODEV,
+					  "opencl: ape_context_options.opencl_context is set, but "
+					  "%s", why);
 		snprintf(res->reason, sizeof(res->reason), APE__OCL_NO_PLATFORM ": %s", why);
 		return 0;
 	}
+	if (imp_ctx && (ret = ocl_import_check(imp_ctx, imp_dev)))
+		return ret;
 	err = clGetPlatformIDs(0, NULL, &np);
 	if (err == OCL_PLATFORM_NOT_FOUND_KHR || (err == CL_SUCCESS && np == 0)) {
 		ocl_explain_no_platform(res->reason, sizeof(res->reason));
-		return 0;
+		np = 0;
+		goto out_import;
 	}
 	if (err != CL_SUCCESS) {
 		snprintf(res->reason, sizeof(res->reason), "clGetPlatformIDs: %s (%d)",
 			 ape__ocl_err_name(err), (int)err);
-		return 0;
+		np = 0;
+		goto out_import;
 	}
 	plats = ape__calloc(np, sizeof(*plats));
 	if (!plats)
@@ -365,7 +438,7 @@ int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res)
 	if (err != CL_SUCCESS) {
 		snprintf(res->reason, sizeof(res->reason), "clGetPlatformIDs: %s (%d)",
 			 ape__ocl_err_name(err), (int)err);
-		goto out_free;
+		goto out_import;
 	}
 	for (cl_uint p = 0; p < np && !ret; p++) {
 		cl_uint nd = 0;
@@ -384,18 +457,36 @@ int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res)
 		}
 		if (clGetDeviceIDs(plats[p], CL_DEVICE_TYPE_ALL, nd, devs, NULL) == CL_SUCCESS) {
 			for (cl_uint d = 0; d < nd && !ret; d++) {
-				ret = ocl_add_device(be, plats[p], devs[d], why, sizeof(why));
+				const bool imp = imp_ctx && devs[d] == imp_dev;
+
+				ret = ocl_add_device(be, plats[p], devs[d], imp ? imp_ctx : NULL,
+						     why, sizeof(why));
+				if (imp) {
+					imp_done = true;
+					ret = ocl_import_result(ret, imp_dev, why);
+				}
 				added += ret > 0;
 				ret = ret > 0 ? 0 : ret;
 			}
 		}
 		free(devs);
 	}
-	if (!ret && !added)
+out_import:
+	/* the caller's device, when the platforms did not list it (a sub-device, say) */
+	if (!ret && !imp_done) {
+		cl_platform_id plat = NULL;
+
+		clGetDeviceInfo(imp_dev, CL_DEVICE_PLATFORM, sizeof(plat), &plat, NULL);
+		ret = ocl_import_result(ocl_add_device(be, plat, imp_dev, imp_ctx, why,
+						       sizeof(why)),
+					imp_dev, why);
+		added += ret > 0;
+		ret = ret > 0 ? 0 : ret;
+	}
+	if (!ret && !added && !res->reason[0])
 		snprintf(res->reason, sizeof(res->reason),
 			 "no usable OpenCL device on %u platform%s%s%s", np, np == 1 ? "" : "s",
 			 why[0] ? ": " : "", why);
-out_free:
 	free(plats);
 	return ret;
 }

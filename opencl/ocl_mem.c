@@ -31,10 +31,44 @@ static void tl_put(struct ape__ocl_timeline *tl)
 	free(tl);
 }
 
+/*
+ * Drops the commands at the front of tl that have completed (or failed: the first failure is
+ * kept in tl->failed for the next synchronize), so that a queue living for thousands of calls
+ * holds only the events of commands still in flight. Only while no event of the queue is alive
+ * (tl->refs == 1): an event's idx points into tl->ev. Never waits.
+ */
+static void tl_prune(struct ape__ocl_timeline *tl)
+{
+	size_t k = tl->checked;
+
+	if (atomic_load(&tl->refs) != 1)
+		return;
+	for (; k < tl->n; k++) {
+		cl_int st = CL_QUEUED;
+
+		if (clGetEventInfo(tl->ev[k], CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof(st), &st,
+				   NULL) != CL_SUCCESS ||
+		    st > CL_COMPLETE)
+			break; /* still in flight (or unknown: synchronize will ask again) */
+		if (st < 0 && tl->failed == CL_SUCCESS) {
+			tl->failed = st;
+			tl->failed_idx = tl->dropped + k;
+		}
+	}
+	for (size_t i = 0; i < k; i++)
+		clReleaseEvent(tl->ev[i]);
+	memmove(tl->ev, tl->ev + k, (tl->n - k) * sizeof(*tl->ev));
+	tl->n -= k;
+	tl->checked = 0;
+	tl->dropped += k;
+}
+
 int ape__ocl_track(struct ape__queue *q, cl_event ev)
 {
 	struct ape__ocl_timeline *tl = q->tl;
 
+	if (tl->n == tl->cap && tl->cap >= 64)
+		tl_prune(tl);
 	if (tl->n == tl->cap) {
 		size_t cap = tl->cap ? 2 * tl->cap : 16;
 		cl_event *e = ape__realloc(tl->ev, cap * sizeof(*e));
@@ -81,6 +115,124 @@ int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **o
 	return 0;
 }
 
+/*
+ * The checks of a caller's OpenCL object (`what`, "cl_mem" or "cl_command_queue", at obj):
+ * err, the status of the clGet*Info calls (`fn`) that read its context c, must be CL_SUCCESS,
+ * and c the device's context. 0, or APE_EINVAL naming the object and both contexts.
+ */
+static int ocl_check_object(const struct ape__ocl_device *od, const char *what, const void *obj,
+			    const char *fn, cl_int err, cl_context c)
+{
+	if (err != CL_SUCCESS)
+		return ape__error(APE_EINVAL, "the %s %p: %s: %s (%d)", what, obj, fn,
+				  ape__ocl_err_name(err), (int)err);
+	if (c != od->ctx)
+		return ape__error(APE_EINVAL,
+				  "the %s %p belongs to cl_context %p, not to the device's "
+				  "cl_context %p (build the device on it with "
+				  "ape_context_options.opencl_context)",
+				  what, obj, (void *)c, (void *)od->ctx);
+	return 0;
+}
+
+/*
+ * buf_wrap (core/backend.h). Host memory only on CPU devices: clCreateBuffer with
+ * CL_MEM_USE_HOST_PTR, on which PoCL (3.1, measured) computes in place: creating the buffer
+ * over 256 MiB takes 0.01 ms, a kernel's writes are in host memory after clFinish with no map
+ * or read, and the host's writes are seen by the next kernel; that holds for pointers at any
+ * 4-byte alignment (shifted by 4 and 64 bytes from a 4096-byte boundary: the same kernel time,
+ * no copy). A GPU driver would copy behind USE_HOST_PTR, which is why other device types get
+ * APE_ENOTSUP. A cl_mem is retained, after checking that it is a buffer of the device's
+ * context. buf_free releases either; OpenCL keeps the object alive for commands in flight.
+ */
+int ape__ocl_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
+		      struct ape__buf **out, size_t *bytes_out)
+{
+	struct ape__ocl_device *od = ape__ocl_dev(dev);
+	struct ape__buf *b;
+	cl_mem mem = NULL;
+	cl_int err;
+
+	*out = NULL;
+	*bytes_out = 0;
+	if (kind == APE__MEM_HOST) {
+		if (!(od->type & CL_DEVICE_TYPE_CPU))
+			return ape__error(APE_ENOTSUP,
+					  "host memory cannot be wrapped: not a CPU device, so its "
+					  "kernels do not read host memory in place");
+		if (!handle || !bytes)
+			return ape__error(APE_EINVAL, "host memory %p of %zu bytes: %s", handle,
+					  bytes, !handle ? "NULL pointer" : "0 bytes");
+		if (bytes > od->max_alloc)
+			return ape__error(APE_EINVAL,
+					  "host memory of %zu bytes: more than the device's "
+					  "largest buffer (CL_DEVICE_MAX_MEM_ALLOC_SIZE, %llu bytes)",
+					  bytes, (unsigned long long)od->max_alloc);
+		mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, bytes,
+				     handle, &err);
+		if (!mem)
+			return ape__ocl_error(err, "clCreateBuffer (CL_MEM_USE_HOST_PTR, %zu bytes)",
+					      bytes);
+	} else if (kind == APE__MEM_OPENCL) {
+		cl_context c = NULL;
+		cl_mem_object_type type = 0;
+		size_t size = 0;
+		int ret;
+
+		if (!handle)
+			return ape__error(APE_EINVAL, "the cl_mem is NULL");
+		err = clGetMemObjectInfo(handle, CL_MEM_CONTEXT, sizeof(c), &c, NULL);
+		if (err == CL_SUCCESS)
+			err = clGetMemObjectInfo(handle, CL_MEM_TYPE, sizeof(type), &type, NULL);
+		if (err == CL_SUCCESS)
+			err = clGetMemObjectInfo(handle, CL_MEM_SIZE, sizeof(size), &size, NULL);
+		ret = ocl_check_object(od, "cl_mem", handle, "clGetMemObjectInfo", err, c);
+		if (ret)
+			return ret;
+		if (type != CL_MEM_OBJECT_BUFFER)
+			return ape__error(APE_EINVAL,
+					  "the cl_mem %p is not a buffer (CL_MEM_TYPE 0x%x)", handle,
+					  (unsigned)type);
+		if (bytes > size)
+			return ape__error(APE_EINVAL,
+					  "%zu bytes of the cl_mem %p, which has only %zu", bytes,
+					  handle, size);
+		mem = handle;
+		err = clRetainMemObject(mem);
+		if (err != CL_SUCCESS)
+			return ape__ocl_error(err, "clRetainMemObject");
+		bytes = bytes ? bytes : size;
+	} else {
+		return ape__error(APE_ENOTSUP, "cannot wrap %s: an OpenCL device takes host "
+					       "memory (CPU devices) and cl_mem objects only",
+				  kind == APE__MEM_CUDA ? "CUDA device memory (APE__MEM_CUDA)"
+							: "memory of an unknown kind");
+	}
+	b = ape__calloc(1, sizeof(*b));
+	if (!b) {
+		clReleaseMemObject(mem);
+		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
+	}
+	b->mem = mem;
+	b->size = bytes;
+	*out = b;
+	*bytes_out = bytes;
+	return 0;
+}
+
+/* The device's cl_context and cl_device_id (the native op, core/backend.h). */
+void ape__ocl_native(struct ape_device *dev, void **context, void **device)
+{
+	const struct ape__ocl_device *od = ape__ocl_dev(dev);
+
+	if (context)
+		*context = od->ctx;
+	if (device)
+		*device = od->id;
+}
+
+/* Allocated or wrapped: releasing the cl_mem frees ours (idle) and drops the hold on the
+ * caller's, which OpenCL keeps alive for the commands still using it. */
 void ape__ocl_buf_free(struct ape_device *dev, struct ape__buf *buf)
 {
 	(void)dev;
@@ -107,6 +259,7 @@ int ape__ocl_queue_create(struct ape_device *dev, struct ape__queue **out)
 	}
 	atomic_init(&q->tl->refs, 1);
 	q->dev = dev;
+	q->timed = true;
 	q->cq = clCreateCommandQueue(od->ctx, od->id, CL_QUEUE_PROFILING_ENABLE, &err);
 	if (!q->cq) {
 		tl_put(q->tl);
@@ -117,11 +270,77 @@ int ape__ocl_queue_create(struct ape_device *dev, struct ape__queue **out)
 	return 0;
 }
 
+/*
+ * queue_wrap (core/backend.h): the caller's cl_command_queue, retained, once it is known to be
+ * of the device's context and device and in order. Timing follows the caller's choice of
+ * CL_QUEUE_PROFILING_ENABLE (without it event_elapsed and event_timestamp fail with
+ * APE_ENOTSUP). Commands are tracked as on a queue of ours (synchronize reports a failed one);
+ * the caller's own commands are not, but a failure clFinish reports still comes back.
+ */
+int ape__ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out)
+{
+	struct ape__ocl_device *od = ape__ocl_dev(dev);
+	cl_command_queue cq = handle;
+	cl_context c = NULL;
+	cl_device_id d = NULL;
+	cl_command_queue_properties props = 0;
+	struct ape__queue *q;
+	cl_int err;
+	int ret;
+
+	*out = NULL;
+	if (!cq)
+		return ape__error(APE_EINVAL, "the cl_command_queue is NULL");
+	err = clGetCommandQueueInfo(cq, CL_QUEUE_CONTEXT, sizeof(c), &c, NULL);
+	if (err == CL_SUCCESS)
+		err = clGetCommandQueueInfo(cq, CL_QUEUE_DEVICE, sizeof(d), &d, NULL);
+	if (err == CL_SUCCESS)
+		err = clGetCommandQueueInfo(cq, CL_QUEUE_PROPERTIES, sizeof(props), &props, NULL);
+	ret = ocl_check_object(od, "cl_command_queue", handle, "clGetCommandQueueInfo", err, c);
+	if (ret)
+		return ret;
+	if (d != od->id)
+		return ape__error(APE_EINVAL,
+				  "the cl_command_queue %p is for cl_device_id %p, not for this "
+				  "device's %p",
+				  handle, (void *)d, (void *)od->id);
+	if (props & CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE)
+		return ape__error(APE_EINVAL,
+				  "the cl_command_queue %p is out of order "
+				  "(CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE): libape orders its "
+				  "work by the queue's order, so it needs an in-order queue",
+				  handle);
+	q = ape__calloc(1, sizeof(*q));
+	if (q)
+		q->tl = ape__calloc(1, sizeof(*q->tl));
+	if (!q || !q->tl) {
+		free(q);
+		return ape__error(APE_ENOMEM, "out of memory wrapping a queue");
+	}
+	err = clRetainCommandQueue(cq);
+	if (err != CL_SUCCESS) {
+		free(q->tl);
+		free(q);
+		return ape__ocl_error(err, "clRetainCommandQueue");
+	}
+	atomic_init(&q->tl->refs, 1);
+	q->dev = dev;
+	q->cq = cq;
+	q->wrapped = true;
+	q->timed = (props & CL_QUEUE_PROFILING_ENABLE) != 0;
+	*out = q;
+	return 0;
+}
+
+/* Ours: waits first. The caller's: only drops the hold, without waiting; what libape enqueued
+ * there keeps its scratch alive by OpenCL's reference counts, and stays ordered with the
+ * caller's work. */
 void ape__ocl_queue_destroy(struct ape__queue *q)
 {
 	if (!q)
 		return;
-	clFinish(q->cq); /* buffers may be freed right after: nothing may still use them */
+	if (!q->wrapped)
+		clFinish(q->cq); /* buffers may be freed right after: nothing may still use them */
 	clReleaseCommandQueue(q->cq);
 	tl_put(q->tl);
 	free(q);
@@ -191,6 +410,7 @@ int ape__ocl_event_record(struct ape__queue *q, struct ape__event **out)
 		return ape__ocl_error(err, "clEnqueueMarkerWithWaitList");
 	}
 	e->dev = q->dev;
+	e->timed = q->timed;
 	e->tl = tl_get(q->tl);
 	e->idx = q->tl->n;
 	*out = e;
@@ -221,6 +441,9 @@ int ape__ocl_event_elapsed(struct ape__event *start, struct ape__event *end, dou
 	cl_int err;
 
 	*ms = 0;
+	if (!start->timed || !end->timed)
+		return ape__error(APE_ENOTSUP, "no timing: the caller's queue was created without "
+					       "CL_QUEUE_PROFILING_ENABLE");
 	if (start->tl == end->tl) {
 		const struct ape__ocl_timeline *tl = start->tl;
 
@@ -245,9 +468,13 @@ int ape__ocl_event_elapsed(struct ape__event *start, struct ape__event *end, dou
 int ape__ocl_event_timestamp(struct ape__event *e, double *ms)
 {
 	cl_ulong t = 0;
-	cl_int err = ocl_stamp(e->marker, CL_PROFILING_COMMAND_END, &t);
+	cl_int err;
 
 	*ms = 0;
+	if (!e->timed)
+		return ape__error(APE_ENOTSUP, "no timing: the caller's queue was created without "
+					       "CL_QUEUE_PROFILING_ENABLE");
+	err = ocl_stamp(e->marker, CL_PROFILING_COMMAND_END, &t);
 	if (err != CL_SUCCESS)
 		return ape__ocl_error(err, "reading an event timestamp");
 	*ms = (double)t * 1e-6;
@@ -270,6 +497,10 @@ int ape__ocl_synchronize(struct ape__queue *q)
 
 	if (err != CL_SUCCESS)
 		return ape__ocl_error(err, "clFinish");
+	if (tl->failed != CL_SUCCESS) /* found by tl_prune; reported again each time, like the
+				       * others (the queue may be unusable) */
+		return ape__ocl_error(tl->failed, "command %zu of the queue failed",
+				      tl->failed_idx);
 	/* a command that failed while running says so only in its status */
 	for (; tl->checked < tl->n; tl->checked++) {
 		cl_int st = CL_COMPLETE;
@@ -280,7 +511,13 @@ int ape__ocl_synchronize(struct ape__queue *q)
 			return ape__ocl_error(err, "clGetEventInfo");
 		if (st < 0)
 			return ape__ocl_error(st, "command %zu of the queue failed",
-					      tl->checked);
+					      tl->dropped + tl->checked);
 	}
+	tl_prune(tl); /* everything completed: a queue without live events holds nothing */
 	return 0;
+}
+
+unsigned long ape__ocl_debug_tracked(const struct ape__queue *q)
+{
+	return (unsigned long)q->tl->n;
 }

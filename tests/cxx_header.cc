@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: MIT
-// Compiled (not run) by `make check`: ape.h must be usable from C++ as it is from C.
+// Compiled (not run) by `make check`: ape.h and ape_dlpack.h must be usable from C++ as they are
+// from C.
 #include <ape/ape.h>
+#include <ape/ape_dlpack.h>
 
 int ape_cxx_header_check(void);
 
@@ -22,6 +24,11 @@ int ape_cxx_header_check(void)
 	auto backward_ex = &ape_attention_backward_ex;
 	(void)backward;
 	(void)backward_ex;
+	// the device-resident calls and the DLPack one
+	auto enqueue = &ape_attention_enqueue;
+	auto dlpack = &ape_attention_forward_dlpack;
+	(void)enqueue;
+	(void)dlpack;
 	return ape_version() == APE_VERSION && APE_EINVAL < 0 && ape_strerror(APE_ENOMEM) != nullptr &&
 	       ape_dtype_name(APE_F16)[0] == 'f' && ape_rope_layout_name(desc.layout) != nullptr;
 }

@@ -36,10 +36,10 @@ $(BUILD)/tests/test_example: $(EXAMPLE)
 $(BUILD)/tests-obj/tests/test_example.o: TEST_CFLAGS += \
 	-DAPE_MAKE_OVERRIDES='"$(subst ',,$(subst ",\",$(subst \,\\,$(MAKEOVERRIDES))))"'
 
-# The public header must compile as C++ (warnings as errors, pedantic).
+# The public headers (ape.h, ape_dlpack.h) must compile as C++ (warnings as errors, pedantic).
 CXX ?= g++
 CXX_HEADER_CHECK := $(BUILD)/tests-obj/cxx_header.o
-$(CXX_HEADER_CHECK): tests/cxx_header.cc include/ape/ape.h $(CONFIG_STAMP)
+$(CXX_HEADER_CHECK): tests/cxx_header.cc include/ape/ape.h include/ape/ape_dlpack.h $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CXX     $<"
 	$(Q)$(CXX) -std=c++11 -Wall -Wextra -Werror -pedantic -Iinclude -c $< -o $@
@@ -53,8 +53,33 @@ ifeq ($(HAVE_CUDA),yes)
 $(TESTS_ON_EVERY_BACKEND): $(CUDA_EMU)
 endif
 
+# tests/test_dlpack.c makes its own cl_mem objects and queues on the device's cl_context, and
+# runs docs/embed_example.c (docs/embedding.md's example: an application's own OpenCL context).
+ifeq ($(HAVE_OPENCL),yes)
+EMBED_EXAMPLE := $(BUILD)/examples/embed_example
+$(EMBED_EXAMPLE): docs/embed_example.c $(LIBA) $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $<"
+	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS) -lOpenCL
+$(BUILD)/tests/test_dlpack: LDLIBS += -lOpenCL
+$(BUILD)/tests/test_dlpack: $(EMBED_EXAMPLE)
+$(BUILD)/tests-obj/tests/test_dlpack.o: TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
+TESTS_BUILD_ONLY += $(EMBED_EXAMPLE)
+endif
+# ... and drives the CUDA backend through the emulated driver (kDLCUDA tensors)
+ifeq ($(HAVE_CUDA),yes)
+$(BUILD)/tests/test_dlpack: $(CUDA_EMU)
+$(BUILD)/tests/test_dlpack: LDLIBS += -ldl
+endif
 # The tools' tests run the tools on the emulated CUDA device too, where a backward pass is not
 # implemented yet: ape-run, ape-bench and ape-check must say so (exit 3, or SKIP cells).
 ifeq ($(HAVE_CUDA),yes)
 $(BUILD)/tests/test_tools $(BUILD)/tests/test_ape_run: $(CUDA_EMU)
+endif
+
+# The OpenCL interop test makes its own cl_context, queues and buffers: it links the ICD loader
+# (libape itself opens it at run time, the same library, so the objects are shared).
+ifeq ($(HAVE_OPENCL),yes)
+$(BUILD)/tests/test_opencl_interop: LDLIBS += -lOpenCL
+$(BUILD)/tests-obj/tests/test_opencl_interop.o: TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
 endif

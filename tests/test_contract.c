@@ -336,6 +336,21 @@ static int call_op(const struct ape__backend_ops *ops, ape_device *dev, enum wra
 		ret = ops->host_register(dev, host, sizeof(host), &handle);
 		*cleared = handle == NULL;
 		return ret;
+	case WRAP_BUF_WRAP: {
+		size_t got = 1;
+
+		if (!ops->buf_wrap)
+			return NOT_THERE;
+		ret = ops->buf_wrap(dev, APE__MEM_HOST, host, sizeof(host), &b, &got);
+		*cleared = b == NULL && got == 0;
+		return ret;
+	}
+	case WRAP_QUEUE_WRAP: /* fails before the backend sees the handle */
+		if (!ops->queue_wrap)
+			return NOT_THERE;
+		ret = ops->queue_wrap(dev, NULL, &nq);
+		*cleared = nq == NULL;
+		return ret;
 	case WRAP_NOPS:
 		break;
 	}
@@ -366,14 +381,16 @@ TEST_F(be, every_failing_op_names_itself)
 		if (ret == NOT_THERE)
 			continue;
 		tried++;
-		EXPECT_EQ(op == WRAP_BUF_ALLOC ? APE_ENOMEM : APE_EDEVLOST, ret)
-			TH_LOG("%s: %s", wrap_op_name((enum wrap_op)op), ape_last_error());
+		EXPECT_EQ(op == WRAP_BUF_ALLOC || op == WRAP_BUF_WRAP ? APE_ENOMEM : APE_EDEVLOST,
+			  ret)
+		TH_LOG("%s: %s", wrap_op_name((enum wrap_op)op), ape_last_error());
 		EXPECT_TRUE(cleared) TH_LOG("%s: an out-parameter was left set",
 					    wrap_op_name((enum wrap_op)op));
 		expect_named(_metadata, self->label, wrap_op_name((enum wrap_op)op));
 	}
-	/* the required ops at least: every op kind but the optional ones */
-	EXPECT_GE(tried, WRAP_NOPS - 3);
+	/* the required ops at least: every op kind but the optional ones (copy_d2d,
+	 * event_timestamp, host_register, buf_wrap, queue_wrap) */
+	EXPECT_GE(tried, WRAP_NOPS - 5);
 	EXPECT_EQ(0, self->dev->be->ops->synchronize(q)) TH_LOG("%s", ape_last_error());
 	self->dev->be->ops->event_destroy(e);
 	self->dev->be->ops->queue_destroy(q);

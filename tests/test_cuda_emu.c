@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "ape_test.h"
+#include "common/bwdcase.h"
 #include "common/problem.h"
 #include "common/wrapops.h"
 
@@ -483,6 +484,160 @@ TEST(many_heads_parameters_through_scratch)
 	ape_context_destroy(d.ctx);
 }
 
+/* ---- the backward pass (cuda/kernels/backward.cu) */
+
+/*
+ * The backward kernels against the reference backend at the spec's tolerances (APE-SPEC.md,
+ * "Gradients"): every head-size variant (64 and 128 specialised, 40, 130 and 256 generic), lengths
+ * across the sweeps' block and stage borders (bwd_args.h: 64, 32, 32 and 16 rows), GQA, MQA and
+ * more heads than travel inline (their parameters through scratch), both layouts, causal or
+ * not, offsets up to 2^40 with rows that see no key (their dQ untouched: exactly 0 here),
+ * per-head parameters with negative decays and lambda = 0, with and without dLSE, the storage
+ * types rotating, O saved in float32 from 16-bit inputs. Every other case runs twice (bit-identical), the others once more with a
+ * subset of the outputs (dparams alone, dq, dk, dv, dq and dk): those bit for bit as with all
+ * four, the others never written. 12 to 16 s on the emulator (2 cores, load average 7).
+ */
+TEST(backward_matches_reference)
+{
+	static const test_problem_shape shapes[] = {
+		{ 1, 1, 1, 66, 65, 64 }, /* d64: two row blocks, two stages of 64 */
+		{ 1, 2, 1, 33, 40, 128 }, /* d128, GQA: borders at 32 */
+		{ 2, 2, 2, 33, 20, 40 }, /* g128 */
+		{ 1, 1, 1, 17, 20, 130 }, /* g256: borders at 16 */
+		{ 1, 2, 2, 17, 18, 256 }, /* g256 at its full width */
+		{ 1, 66, 2, 5, 7, 8 }, /* groups of 33 heads, their parameters through scratch */
+	};
+	const int nshapes = sizeof(shapes) / sizeof(shapes[0]), ncases = real_device ? 36 : 12;
+	struct pair_of_devices d;
+	double worst = 0;
+	int fails = 0;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_backward");
+	for (int i = 0; i < ncases; i++) {
+		const test_problem_shape *sh = &shapes[i % nshapes];
+		const ape_dtype dt = all_types[(i + i / nshapes) % 3]; /* each shape, two types */
+		const double tol = grads_tol(dt);
+		bcase c;
+		grads want, g, again, only, untouched;
+		grads *const all[5] = { &want, &g, &again, &only, &untouched };
+		/* every other case, a subset of the outputs: those bit for bit as with all four */
+		static const unsigned subsets[5] = { W_DP, W_DQ, W_DK, W_DV, W_DQ | W_DK };
+		const unsigned w = subsets[i / 2 % 5];
+		double e[4];
+		char what[512];
+
+		ASSERT_EQ(0, bcase_make(&c, &rng, sh, dt, false, i % 2 == 0));
+		test_problem_random_params(&c.tp, &rng);
+		c.tp.desc.layout = i / 2 % 2 ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+		c.tp.desc.causal = i % 4 != 3;
+		c.tp.desc.k_start = i % 3 == 1 ? ((int64_t)1 << 40) + i : i - 5;
+		/* causal: the first rows see no key */
+		c.tp.desc.q_start = c.tp.desc.k_start - 2;
+		c.tp.desc.q_start_set = true;
+		if (i % 5 == 2)
+			bcase_edge_heads(&c);
+		if (dt != APE_F32 && i % 4 == 1) /* O saved in float32 */
+			ASSERT_EQ(0, test_problem_set_out_dtype(&c.tp, APE_F32));
+		ASSERT_EQ(0, bcase_forward(&c, d.ref)) TH_LOG("%s", ape_last_error());
+		for (int x = 0; x < 5; x++)
+			ASSERT_EQ(0, grads_alloc(all[x], &c, APE_F32));
+		test_problem_describe(&c.tp, what, sizeof(what));
+		ASSERT_EQ(0, run_backward(&c, d.ref, &want, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, run_backward(&c, d.cuda, &g, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
+		/* the emulator is slow: the rerun and the subset on every other case */
+		EXPECT_EQ(0, run_backward(&c, d.cuda, i % 2 ? &again : &only, i % 2 ? W_ALL : w, NULL));
+		e[0] = grads_rel_err(&g.dq.t, &want.dq.t);
+		e[1] = grads_rel_err(&g.dk.t, &want.dk.t);
+		e[2] = grads_rel_err(&g.dv.t, &want.dv.t);
+		e[3] = grads_rel_err_params(g.dparams, want.dparams, sh->H);
+		for (int x = 0; x < 4; x++) {
+			static const char *const names[4] = { "dq", "dk", "dv", "dparams" };
+
+			worst = fmax(worst, e[x] / tol);
+			if (!(e[x] <= tol)) {
+				TH_LOG("case %d: %s: %s error %.3g of max |G| (tolerance %.3g)", i,
+				       what, names[x], e[x], tol);
+				fails++;
+			}
+		}
+		if (i % 2) {
+			EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: %s: reruns differ",
+									 i, what);
+		} else {
+			EXPECT_TRUE(same_grads(&only, &g, w)) TH_LOG("case %d: wanted 0x%x", i, w);
+			EXPECT_TRUE(same_grads(&only, &untouched, W_ALL & ~w)) TH_LOG("case %d", i);
+		}
+		if (c.tp.desc.causal) /* row 0 sees no key */
+			for (int64_t dd = 0; dd < sh->D; dd++)
+				EXPECT_EQ(0.0, test_tensor_get(&g.dq.t, 0, sh->H - 1, 0, dd));
+		for (int x = 0; x < 5; x++)
+			grads_free(all[x]);
+		bcase_free(&c);
+	}
+	TH_LOG("%d cases, worst error %.3g of the tolerance", ncases, worst);
+	EXPECT_EQ(0, fails);
+	ape_context_destroy(d.ctx);
+}
+
+/* Where NaN lands in a gradient tensor matches: NaN in a exactly where in b. */
+static bool same_nans(const ape_tensor *a, const ape_tensor *b)
+{
+	for (int64_t i = 0; i < a->shape[0]; i++)
+		for (int64_t h = 0; h < a->shape[1]; h++)
+			for (int64_t l = 0; l < a->shape[2]; l++)
+				for (int64_t e = 0; e < a->shape[3]; e++)
+					if (isnan(test_tensor_get(a, i, h, l, e)) !=
+					    isnan(test_tensor_get(b, i, h, l, e)))
+						return false;
+	return true;
+}
+
+/*
+ * Inputs are not scanned: a NaN in the last key's V reaches, through Dl_i = dO_i . O_i, the rows
+ * that see that key (causal: the last ones) and the keys those rows see, and nothing else: the
+ * rows before it keep finite gradients, as in the reference (a masked pair adds nothing, not
+ * 0 * NaN). Several query blocks and key blocks, so that masked pairs sit inside the tiles.
+ */
+TEST(backward_nan_reaches_only_what_it_touches)
+{
+	const test_problem_shape sh = { 1, 2, 1, 40, 40, 40 };
+	struct pair_of_devices d;
+	grads want, g;
+	bcase c;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_backward_nan");
+	ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F32, false, false));
+	test_problem_random_params(&c.tp, &rng);
+	c.tp.desc.causal = true;
+	c.tp.desc.q_start_set = false; /* aligned to the end: row i sees keys 0..i */
+	test_tensor_set(&c.tp.v.t, 0, 0, sh.Lk - 1, 3, NAN);
+	ASSERT_EQ(0, bcase_forward(&c, d.ref)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
+	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+	ASSERT_EQ(0, run_backward(&c, d.ref, &want, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, run_backward(&c, d.cuda, &g, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
+	EXPECT_TRUE(isnan(test_tensor_get(&want.dq.t, 0, 1, sh.Lq - 1, 0)));
+	EXPECT_FALSE(isnan(test_tensor_get(&want.dq.t, 0, 1, sh.Lq - 2, 0)));
+	EXPECT_TRUE(same_nans(&g.dq.t, &want.dq.t));
+	EXPECT_TRUE(same_nans(&g.dk.t, &want.dk.t));
+	EXPECT_TRUE(same_nans(&g.dv.t, &want.dv.t));
+	grads_free(&want);
+	grads_free(&g);
+	bcase_free(&c);
+	ape_context_destroy(d.ctx);
+}
+
+/* The devices with the fake driver in its fault mode: every kernel launch faults (sticky). */
+static void open_faulting_devices(struct __test_metadata *_metadata, struct pair_of_devices *d)
+{
+	setenv("FAKE_CUDA_MODE", "fault", 1);
+	open_devices(_metadata, d);
+}
+
 /* A kernel that faults: the call fails with APE_EDEVLOST naming the CUDA error, no abort. */
 TEST(device_fault_is_devlost)
 {
@@ -493,8 +648,7 @@ TEST(device_fault_is_devlost)
 
 	if (real_device)
 		SKIP(return, "fault injection needs the fake driver");
-	setenv("FAKE_CUDA_MODE", "fault", 1);
-	open_devices(_metadata, &d);
+	open_faulting_devices(_metadata, &d);
 	ape_rng_init(&rng, "cuda_emu_fault");
 	ASSERT_EQ(0, new_problem(&tp, &rng, 1, 2, 2, 20, 20, 64, APE_F32));
 	ret = test_problem_run(&tp, d.cuda);
@@ -502,6 +656,35 @@ TEST(device_fault_is_devlost)
 	EXPECT_NE(NULL, strstr(ape_last_error(), "CUDA_ERROR_ILLEGAL_ADDRESS"))
 	TH_LOG("%s", ape_last_error());
 	test_problem_free(&tp);
+	ape_context_destroy(d.ctx);
+}
+
+/* A backward kernel that faults: APE_EDEVLOST naming the call, the device and the CUDA error;
+ * nothing written. */
+TEST(backward_fault_is_devlost)
+{
+	const test_problem_shape sh = { 1, 2, 1, 9, 9, 16 };
+	struct pair_of_devices d;
+	grads g, untouched;
+	bcase c;
+	ape_rng rng;
+
+	if (real_device)
+		SKIP(return, "fault injection needs the fake driver");
+	open_faulting_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_backward_fault");
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F32, false, true, d.ref));
+	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+	ASSERT_EQ(0, grads_alloc(&untouched, &c, APE_F32));
+	EXPECT_EQ(APE_EDEVLOST, run_backward(&c, d.cuda, &g, W_ALL, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_backward: cuda:0"))
+	TH_LOG("%s", ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), "CUDA_ERROR_ILLEGAL_ADDRESS"))
+	TH_LOG("%s", ape_last_error());
+	EXPECT_TRUE(same_grads(&g, &untouched, W_ALL));
+	grads_free(&g);
+	grads_free(&untouched);
+	bcase_free(&c);
 	ape_context_destroy(d.ctx);
 }
 

@@ -155,6 +155,29 @@ TEST(bench_stream_reports_budget_and_overlap)
 	EXPECT_EQ(2, TOOL("ape-bench", "--stream", "--chunk", "0"));
 }
 
+/* --resident: inputs written to device buffers once, timed enqueue + synchronize beside the
+ * host call; the resident call's own O and LSE are read back and checked. */
+TEST(bench_resident_beside_the_host_call)
+{
+	ASSERT_EQ(0, TOOL("ape-bench", "--resident", "--backend", "ref", "-H", "2", "--kv-heads",
+			  "1", "-D", "8", "-L", "32,40", "--warmup", "0", "--repeats", "2",
+			  "--check-rows", "4", "--json", "--seed", "5"))
+		TH_LOG("%s", err);
+	EXPECT_EQ(4, count(out, "\"resident_bytes_copied\": 0,")) TH_LOG("%s", out);
+	EXPECT_EQ(4, count(out, "\"host_bytes_copied\": ")) TH_LOG("%s", out);
+	EXPECT_EQ(4, count(out, "\"resident_overhead_ms\": ")) TH_LOG("%s", out);
+	EXPECT_EQ(4, count(out, "\"rows_checked\": 4,")) TH_LOG("%s", out);
+	EXPECT_EQ(4, count(out, "\"within_tol\": true")) TH_LOG("%s", out);
+	ASSERT_EQ(0, TOOL("ape-bench", "--resident", "--backend", "ref", "-H", "1", "-D", "8", "-L",
+			  "16", "--repeats", "1", "--skip-tol", "0"))
+		TH_LOG("%s", err);
+	EXPECT_NE(NULL, strstr(out, "resident_ms")) TH_LOG("%s", out);
+	EXPECT_NE(NULL, strstr(out, "res_ovh_ms"));
+	EXPECT_NE(NULL, strstr(out, "kernel_ms"));
+	EXPECT_EQ(2, TOOL("ape-bench", "--resident", "--stream"));
+	EXPECT_NE(NULL, strstr(err, "one at a time")) TH_LOG("%s", err);
+}
+
 TEST(bench_unavailable_backend_exits_3)
 {
 	ape_context *ctx = test_context(NULL);
@@ -239,9 +262,9 @@ TEST(check_has_backward_cells)
 	EXPECT_EQ(BWD_CELLS * ndev, count(out, "dQ dK dV dP ") + count(out, "SKIP no backward"));
 }
 
-/* A backend without a backward pass: SKIP cells with the reason, exit 0 (ape-check); exit 3
- * naming the device (ape-bench --backward). The emulated CUDA device has no backward yet. */
-TEST(backward_on_a_backend_without_one)
+/* The CUDA backward on the emulated device: every ape-check backward cell passes, and
+ * ape-bench --backward times it. */
+TEST(backward_on_the_emulated_cuda_device)
 {
 	const char *emu = APE_BUILD_DIR "/tests/cuda_emu/libcuda.so.1";
 
@@ -250,19 +273,12 @@ TEST(backward_on_a_backend_without_one)
 	ASSERT_EQ(0, setenv("APE_CUDA_LIBRARY", emu, 1));
 	EXPECT_EQ(0, TOOL("ape-check", "--backend", "cuda", "--quick", "--json", "--seed", "2"))
 		TH_LOG("%s\n%s", out, err);
-	if (count(out, "\"status\": \"ok\"") > 0) {
-		unsetenv("APE_CUDA_LIBRARY");
-		SKIP(return, "the CUDA backend has a backward pass now: update this test");
-	}
-	EXPECT_EQ(BWD_CELLS, count(out, "\"backward\": {\"status\": \"skip\", \"error\": "
-				       "\"APE_ENOTSUP\"}")) TH_LOG("%s", out);
-	EXPECT_EQ(1, count(err, "SKIP")) TH_LOG("%s", err);
-	EXPECT_NE(NULL, strstr(err, "backward on cuda:0 skipped (SKIP): ")) TH_LOG("%s", err);
-	EXPECT_NE(NULL, strstr(err, "not implemented")) TH_LOG("%s", err);
+	EXPECT_EQ(BWD_CELLS, count(out, "\"backward\": {\"status\": \"ok\"")) TH_LOG("%s", out);
+	EXPECT_EQ(0, count(err, "SKIP")) TH_LOG("%s", err);
 	EXPECT_NE(NULL, strstr(out, "\"ok\": true"));
-	EXPECT_EQ(3, TOOL("ape-bench", "--backend", "cuda", "-H", "1", "-D", "8", "-L", "16",
-			  "--backward", "--repeats", "1", "--check-rows", "0"));
-	EXPECT_NE(NULL, strstr(err, "ape_attention_backward: cuda:0")) TH_LOG("%s", err);
+	EXPECT_EQ(0, TOOL("ape-bench", "--backend", "cuda", "-H", "1", "-D", "8", "-L", "16",
+			  "--backward", "--repeats", "1", "--check-rows", "0"))
+		TH_LOG("%s", err);
 	unsetenv("APE_CUDA_LIBRARY");
 }
 

@@ -7,12 +7,18 @@
  * reports the median and spread of the wall time, visible pairs per second, dense-equivalent
  * GFLOP/s (4 * D FLOPs per visible pair, the FlashAttention convention), the pairs actually
  * computed after skipping, and the largest error against the float64 reference on sampled rows.
+ *
+ * --resident times the device-resident call instead, beside the host call on the same inputs:
+ * the tensors are written to device buffers once (ape_buffer_alloc, ape_buffer_write), then
+ * each timed call is ape_attention_enqueue() + ape_queue_synchronize().
  */
 #include <inttypes.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ape/ape.h"
 #include "common/cli.h"
@@ -41,6 +47,7 @@ struct bench_opts {
 	int64_t copy_mib;
 	bool backward; /* --backward: time ape_attention_backward() after each forward */
 	bool stream; /* --stream: chunked execution under a budget, overlap and peak memory */
+	bool resident; /* --resident: ape_attention_enqueue on device buffers beside the host call */
 	bool serial; /* --stream: also time copies and kernels back to back (--no-serial: not) */
 	int64_t chunk;
 	uint64_t max_mem;
@@ -87,6 +94,7 @@ enum {
 	OPT_CHUNK,
 	OPT_MAX_MEM,
 	OPT_NO_SERIAL,
+	OPT_RESIDENT,
 	OPT_BACKWARD,
 	OPT_HELP,
 };
@@ -106,6 +114,7 @@ static const struct cli_option options[] = {
 	{ "--stream", NULL, false, OPT_STREAM },  { "--chunk", NULL, true, OPT_CHUNK },
 	{ "--max-device-mem", NULL, true, OPT_MAX_MEM },
 	{ "--no-serial", NULL, false, OPT_NO_SERIAL },
+	{ "--resident", NULL, false, OPT_RESIDENT },
 	{ "--backward", NULL, false, OPT_BACKWARD },
 	{ "--help", "-h", false, OPT_HELP },	  { NULL, NULL, false, 0 },
 };
@@ -149,6 +158,12 @@ static void usage(FILE *f)
 		"  --chunk N                        --stream: most tokens per chunk (default 4096)\n"
 		"  --max-device-mem BYTES           --stream: device budget (default 256M)\n"
 		"  --no-serial                      --stream: skip the back-to-back run\n"
+		"  --resident                       instead: inputs already in device buffers\n"
+		"                                   (written once), each call ape_attention_enqueue\n"
+		"                                   + ape_queue_synchronize, beside the host call on\n"
+		"                                   the same inputs: wall time, bytes copied per call\n"
+		"                                   and overhead (wall time minus the kernel time\n"
+		"                                   the host call's ape_stats reports)\n"
 		"  -h, --help                       print this text\n"
 		"  --version                        print the libape version and exit\n"
 		"Throughput counts visible (query, key) pairs; dense-equivalent GFLOP/s counts 4*D\n"
@@ -283,6 +298,9 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 		case OPT_NO_SERIAL:
 			o->serial = false;
 			break;
+		case OPT_RESIDENT:
+			o->resident = true;
+			break;
 		case OPT_CHUNK:
 			ret = cli_parse_int64("--chunk", val, 1, (int64_t)1 << 40, &o->chunk, err,
 					      errlen);
@@ -308,9 +326,13 @@ static int parse_args(int argc, char **argv, struct bench_opts *o, char *err, si
 		return id;
 	if (ret)
 		return ret;
-	if (o->backward && (o->stream || o->numa)) {
+	if (o->resident + o->stream + o->numa > 1) {
+		snprintf(err, errlen, "--resident, --stream and --numa: one at a time");
+		return APE_EINVAL;
+	}
+	if (o->backward && (o->stream || o->numa || o->resident)) {
 		snprintf(err, errlen, "--backward times the one-call forward and backward: drop %s",
-			 o->stream ? "--stream" : "--numa");
+			 o->stream ? "--stream" : o->numa ? "--numa" : "--resident");
 		return APE_EINVAL;
 	}
 	if (o->D % 2) {
@@ -440,68 +462,185 @@ static void bench_desc(const struct bench_opts *o, double skip_tol, ape_attn_des
 	desc->skip_tol = skip_tol;
 }
 
-static int bench_one(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
-		     double skip_tol, ape_rng *rng, struct bench_row *row)
+/* One (L, skip_tol) row of a mode, into *out (the mode's own row struct). */
+typedef int (*row_fn)(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
+		      double skip_tol, ape_rng *rng, void *out);
+
+/*
+ * Every (L, skip_tol) of o in order through `one`, into rows of `size` bytes each whose
+ * refcheck_result lies at byte `check_at`; *bad counts the rows out of tolerance; `done` (or
+ * NULL) sees each row as it comes. 0, or the first failure (*n rows done before it).
+ */
+static int run_rows(ape_device *dev, ape_device *ref, const struct bench_opts *o, ape_rng *rng,
+		    row_fn one, void *rows, size_t size, size_t check_at,
+		    void (*done)(const struct bench_opts *o, const void *row), int *n, int *bad)
 {
+	int ret = 0;
+
+	*n = *bad = 0;
+	for (int i = 0; i < o->nL && !ret; i++)
+		for (int j = 0; j < o->nskip && !ret; j++) {
+			char *row = (char *)rows + (size_t)*n * size;
+			const struct refcheck_result *c = (const void *)(row + check_at);
+
+			ret = one(dev, ref, o, o->L[i], o->skip[j], rng, row);
+			if (ret)
+				break;
+			*bad += c->rows_checked && !c->within_tol;
+			if (done)
+				done(o, row);
+			(*n)++;
+		}
+	return ret;
+}
+
+/* Wall-time figures of n timed calls: median, fastest, slowest (t is sorted). */
+static void summarize(double *t, int n, double *med, double *min, double *max)
+{
+	*med = median(t, n);
+	*min = t[0];
+	*max = t[n - 1];
+}
+
+/* Host calls of one configuration: o->warmup untimed, then o->repeats (at most 1024) timed. */
+struct host_times {
+	double median_ms, min_ms, max_ms, kernel_ms; /* wall time, and the kernels' (medians) */
+	ape_stats last; /* the last call's statistics */
+	/* --backward: the same of the backward call run after each forward, and the median of
+	 * each round's backward / forward wall time */
+	double bwd_median_ms, bwd_min_ms, bwd_max_ms, bwd_kernel_ms, ratio;
+	ape_stats bwd_last;
+};
+
+static int time_host_calls(ape_device *dev, const struct bench_opts *o, const ape_attn_desc *desc,
+			   struct inputs *in, struct host_times *ht)
+{
+	const int n = o->repeats > 1024 ? 1024 : o->repeats;
+	double times[1024], kernel[1024], btimes[1024], bkernel[1024], ratio[1024];
+	int ret = 0;
+
+	memset(ht, 0, sizeof(*ht));
+	for (int i = 0; i < o->warmup + n && !ret; i++) {
+		ape_stats_init(&ht->last);
+		ape_stats_init(&ht->bwd_last);
+		ret = ape_attention_forward(dev, desc, &in->tq, &in->tk, &in->tv, &in->to, in->lse,
+					    &ht->last);
+		if (!ret && o->backward)
+			ret = ape_attention_backward(dev, desc, &in->tq, &in->tk, &in->tv, &in->to,
+						     in->lse, &in->tdout, NULL, &in->tdq, &in->tdk,
+						     &in->tdv, in->dparams, &ht->bwd_last);
+		if (!ret && i >= o->warmup) {
+			times[i - o->warmup] = ht->last.total_ms;
+			kernel[i - o->warmup] = ht->last.kernel_ms;
+			btimes[i - o->warmup] = ht->bwd_last.total_ms;
+			bkernel[i - o->warmup] = ht->bwd_last.kernel_ms;
+			ratio[i - o->warmup] = ht->last.total_ms > 0
+						       ? ht->bwd_last.total_ms / ht->last.total_ms
+						       : 0;
+		}
+	}
+	if (ret)
+		return ret;
+	summarize(times, n, &ht->median_ms, &ht->min_ms, &ht->max_ms);
+	ht->kernel_ms = median(kernel, n);
+	if (o->backward) {
+		summarize(btimes, n, &ht->bwd_median_ms, &ht->bwd_min_ms, &ht->bwd_max_ms);
+		ht->bwd_kernel_ms = median(bkernel, n);
+		ht->ratio = median(ratio, n);
+	}
+	return 0;
+}
+
+/* What a row of the host call and of --resident start from: fresh inputs of the row's shape,
+ * its desc, and the host calls timed on them (inputs freed on failure). */
+static int host_row(ape_device *dev, const struct bench_opts *o, int64_t L, int64_t Lq,
+		    double skip_tol, ape_rng *rng, struct inputs *in, ape_attn_desc *desc,
+		    struct host_times *ht)
+{
+	int ret = make_inputs(o, L, Lq, rng, in);
+
+	if (ret)
+		return ret;
+	bench_desc(o, skip_tol, desc);
+	ret = time_host_calls(dev, o, desc, in, ht);
+	if (ret)
+		free_inputs(in);
+	return ret;
+}
+
+static int bench_one(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
+		     double skip_tol, ape_rng *rng, void *out)
+{
+	struct bench_row *row = out;
+	struct host_times ht;
 	struct inputs in;
 	ape_attn_desc desc;
-	ape_stats st, bst;
-	double times[1024], kernel[1024], btimes[1024], bkernel[1024], ratio[1024];
 	int64_t Lq = o->Lq && o->Lq < L ? o->Lq : L;
-	int n = o->repeats > 1024 ? 1024 : o->repeats, ret;
+	int ret;
 
 	memset(row, 0, sizeof(*row));
 	row->L = L;
 	row->Lq = Lq;
 	row->skip_tol = skip_tol;
-	ret = make_inputs(o, L, Lq, rng, &in);
-	if (ret)
+	if ((ret = host_row(dev, o, L, Lq, skip_tol, rng, &in, &desc, &ht)))
 		return ret;
-	bench_desc(o, skip_tol, &desc);
-	for (int i = 0; i < o->warmup + n; i++) {
-		ape_stats_init(&st);
-		ret = ape_attention_forward(dev, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse, &st);
-		if (ret)
-			goto out_free;
-		ape_stats_init(&bst);
-		if (o->backward)
-			ret = ape_attention_backward(dev, &desc, &in.tq, &in.tk, &in.tv, &in.to,
-						     in.lse, &in.tdout, NULL, &in.tdq, &in.tdk,
-						     &in.tdv, in.dparams, &bst);
-		if (ret)
-			goto out_free;
-		if (i >= o->warmup) {
-			times[i - o->warmup] = st.total_ms;
-			kernel[i - o->warmup] = st.kernel_ms;
-			btimes[i - o->warmup] = bst.total_ms;
-			bkernel[i - o->warmup] = bst.kernel_ms;
-			ratio[i - o->warmup] = st.total_ms > 0 ? bst.total_ms / st.total_ms : 0;
-		}
-	}
-	row->pairs_visible = st.pairs_visible;
-	row->pairs_computed = st.pairs_computed;
-	row->bwd_pairs_computed = bst.pairs_computed;
-	row->min_ms = row->max_ms = times[0];
-	row->bwd_min_ms = row->bwd_max_ms = btimes[0];
-	for (int i = 0; i < n; i++) {
-		row->min_ms = fmin(row->min_ms, times[i]);
-		row->max_ms = fmax(row->max_ms, times[i]);
-		row->bwd_min_ms = fmin(row->bwd_min_ms, btimes[i]);
-		row->bwd_max_ms = fmax(row->bwd_max_ms, btimes[i]);
-	}
-	row->median_ms = median(times, n);
-	row->kernel_ms = median(kernel, n);
-	if (o->backward) {
-		row->bwd_median_ms = median(btimes, n);
-		row->bwd_kernel_ms = median(bkernel, n);
-		row->ratio = median(ratio, n);
-	}
+	row->pairs_visible = ht.last.pairs_visible;
+	row->pairs_computed = ht.last.pairs_computed;
+	row->median_ms = ht.median_ms;
+	row->min_ms = ht.min_ms;
+	row->max_ms = ht.max_ms;
+	row->kernel_ms = ht.kernel_ms;
+	row->bwd_pairs_computed = ht.bwd_last.pairs_computed;
+	row->bwd_median_ms = ht.bwd_median_ms;
+	row->bwd_min_ms = ht.bwd_min_ms;
+	row->bwd_max_ms = ht.bwd_max_ms;
+	row->bwd_kernel_ms = ht.bwd_kernel_ms;
+	row->ratio = ht.ratio;
 	if (o->check_rows > 0)
 		ret = refcheck_sampled(ref, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse,
 				       o->check_rows, rng, &row->check);
-out_free:
 	free_inputs(&in);
 	return ret;
+}
+
+/* What every mode's JSON starts with: the device and the shape. */
+static void json_head(const ape_device_info *info, const struct bench_opts *o)
+{
+	printf("{\"device\": {\"backend\": \"%s\", \"index\": %d, \"name\": \"%s\", \"driver\": "
+	       "\"%s\"},\n",
+	       info->backend, info->backend_index, info->name, info->driver_version);
+	printf(" \"shape\": {\"B\": %" PRId64 ", \"H\": %" PRId64 ", \"Hkv\": %" PRId64
+	       ", \"D\": %" PRId64 ", \"dtype\": \"%s\", \"causal\": %s},\n",
+	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype), o->causal ? "true" : "false");
+}
+
+/* The table's columns err_O and err_LSE, each `width` wide. */
+static void print_check(const struct refcheck_result *c, int width)
+{
+	if (c->rows_checked)
+		printf(" %*.2e %*.2e", width, c->max_err_o, width, c->max_err_lse);
+	else
+		printf(" %*s %*s", width, "-", width, "-");
+}
+
+/* What ends a table's line: a warning when the sampled rows were out of tolerance. */
+static const char *tol_note(const struct refcheck_result *c)
+{
+	return !c->rows_checked || c->within_tol ? "" : "  OUT OF TOLERANCE";
+}
+
+/* "true" when the sampled rows were within tolerance, or none was checked. */
+static const char *json_within_tol(const struct refcheck_result *c)
+{
+	return c->within_tol || !c->rows_checked ? "true" : "false";
+}
+
+/* A mode that failed: the message, and the exit status (2: bad arguments; 3: the device cannot,
+ * e.g. --backward on a backend without a backward pass; 1: the rest). */
+static int bench_failed(int ret)
+{
+	fprintf(stderr, "ape-bench: %s\n", ape_last_error());
+	return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : ret == APE_ENOTSUP ? 3 : 1;
 }
 
 static void print_table(const ape_device_info *info, const struct bench_opts *o,
@@ -531,10 +670,7 @@ static void print_table(const ape_device_info *info, const struct bench_opts *o,
 		       r->kernel_ms, pps * 1e-6, pps * 4.0 * (double)o->D * 1e-9,
 		       r->pairs_visible ? 100.0 * (double)r->pairs_computed / (double)r->pairs_visible
 					: 0);
-		if (r->check.rows_checked)
-			printf(" %10.2e %10.2e", r->check.max_err_o, r->check.max_err_lse);
-		else
-			printf(" %10s %10s", "-", "-");
+		print_check(&r->check, 10);
 		if (o->backward)
 			printf(" %10.2f %7.1f%% %11.2f %8.2f%% %8.2f", r->bwd_median_ms,
 			       r->bwd_median_ms > 0 ? 100 * (r->bwd_max_ms - r->bwd_min_ms) /
@@ -545,8 +681,7 @@ static void print_table(const ape_device_info *info, const struct bench_opts *o,
 							  (double)r->pairs_visible
 						: 0,
 			       r->ratio);
-		printf("%s\n", !r->check.rows_checked || r->check.within_tol ? ""
-									 : "  OUT OF TOLERANCE");
+		printf("%s\n", tol_note(&r->check));
 	}
 	if (o->backward)
 		printf("bwd/fwd: the median over the repeats of each repeat's backward / forward "
@@ -556,12 +691,7 @@ static void print_table(const ape_device_info *info, const struct bench_opts *o,
 static void print_json(const ape_device_info *info, const struct bench_opts *o,
 		       const struct bench_row *rows, int n)
 {
-	printf("{\"device\": {\"backend\": \"%s\", \"index\": %d, \"name\": \"%s\", \"driver\": "
-	       "\"%s\"},\n",
-	       info->backend, info->backend_index, info->name, info->driver_version);
-	printf(" \"shape\": {\"B\": %" PRId64 ", \"H\": %" PRId64 ", \"Hkv\": %" PRId64
-	       ", \"D\": %" PRId64 ", \"dtype\": \"%s\", \"causal\": %s},\n",
-	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype), o->causal ? "true" : "false");
+	json_head(info, o);
 	printf(" \"params\": {\"delta\": %.9g, \"beta\": %.9g, \"gamma\": %.9g, \"lambda\": %.9g},\n",
 	       (double)o->delta, (double)o->beta, (double)o->gamma, (double)o->lambda);
 	printf(" \"results\": [");
@@ -578,8 +708,7 @@ static void print_json(const ape_device_info *info, const struct bench_opts *o,
 		       i ? "," : "", r->L, r->Lq, r->skip_tol, r->median_ms, r->min_ms, r->max_ms,
 		       r->kernel_ms, r->pairs_visible, r->pairs_computed, pps,
 		       pps * 4.0 * (double)o->D * 1e-9, r->check.rows_checked, r->check.max_err_o,
-		       r->check.max_err_lse, r->check.within_tol || !r->check.rows_checked ? "true"
-											   : "false");
+		       r->check.max_err_lse, json_within_tol(&r->check));
 		if (o->backward)
 			printf(", \"backward\": {\"median_ms\": %.6g, \"min_ms\": %.6g, "
 			       "\"max_ms\": %.6g, \"kernel_ms\": %.6g, \"pairs_computed\": %" PRIu64
@@ -589,6 +718,194 @@ static void print_json(const ape_device_info *info, const struct bench_opts *o,
 		printf("}");
 	}
 	printf("\n ]}\n");
+}
+
+/* ------------------------------------------------------------------ --resident */
+
+struct resident_row {
+	int64_t L, Lq;
+	double skip_tol;
+	double host_ms, host_kernel_ms; /* host call: median wall time, median kernel time */
+	uint64_t host_bytes; /* host call: bytes copied to and from the device, per call */
+	double res_ms, res_min_ms, res_max_ms; /* enqueue + synchronize: median, spread */
+	struct refcheck_result check;
+};
+
+static double now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+/* Device buffers holding in's tensors (written once, waited for), and their views. */
+struct resident_bufs {
+	ape_buffer *b[5];
+	ape_dtensor t[5];
+};
+
+static void resident_free(struct resident_bufs *r)
+{
+	for (int i = 0; i < 5; i++)
+		ape_buffer_free(r->b[i]);
+}
+
+static int resident_make(ape_queue *q, const struct inputs *in, struct resident_bufs *r)
+{
+	const ape_tensor *t[4] = { &in->tq, &in->tk, &in->tv, &in->to };
+	ape_device *dev = ape_queue_device(q);
+	int ret = 0;
+
+	memset(r, 0, sizeof(*r));
+	for (int i = 0; i < 5 && !ret; i++) {
+		const int64_t *d = i < 4 ? t[i]->shape : in->to.shape;
+		const ape_dtype dt = i < 4 ? t[i]->dtype : APE_F32;
+		const size_t bytes = (size_t)(d[0] * d[1] * d[2] * (i < 4 ? d[3] : 1)) *
+				     ape_dtype_size(dt);
+
+		ret = ape_buffer_alloc(dev, bytes, &r->b[i]);
+		if (!ret)
+			ape_dtensor_init(&r->t[i], r->b[i], 0, dt, d[0], d[1], d[2],
+					 i < 4 ? d[3] : 1);
+		if (!ret && i < 3)
+			ret = ape_buffer_write(q, r->b[i], 0, t[i]->data, bytes);
+	}
+	if (!ret)
+		ret = ape_queue_synchronize(q);
+	if (ret)
+		resident_free(r);
+	return ret;
+}
+
+static int resident_one(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
+			double skip_tol, ape_rng *rng, void *out)
+{
+	struct resident_row *row = out;
+	const int n = o->repeats > 1024 ? 1024 : o->repeats;
+	double times[1024];
+	struct host_times ht;
+	struct resident_bufs rb;
+	struct inputs in;
+	ape_attn_desc desc;
+	ape_queue *q = NULL;
+	int64_t Lq = o->Lq && o->Lq < L ? o->Lq : L;
+	int ret;
+
+	memset(row, 0, sizeof(*row));
+	row->L = L;
+	row->Lq = Lq;
+	row->skip_tol = skip_tol;
+	/* the host call on the same inputs as the resident one: wall time, kernel time, copies */
+	if ((ret = host_row(dev, o, L, Lq, skip_tol, rng, &in, &desc, &ht)))
+		return ret;
+	row->host_ms = ht.median_ms;
+	row->host_kernel_ms = ht.kernel_ms;
+	row->host_bytes = ht.last.bytes_to_device + ht.last.bytes_from_device;
+	/* the resident call: inputs on the device once, then enqueue + synchronize */
+	if ((ret = ape_queue_create(dev, &q)))
+		goto out_free;
+	if ((ret = resident_make(q, &in, &rb)))
+		goto out_queue;
+	for (int i = 0; i < o->warmup + n && !ret; i++) {
+		double t0 = now_ms();
+
+		ret = ape_attention_enqueue(q, &desc, &rb.t[0], &rb.t[1], &rb.t[2], &rb.t[3],
+					    &rb.t[4]);
+		if (!ret)
+			ret = ape_queue_synchronize(q);
+		if (!ret && i >= o->warmup)
+			times[i - o->warmup] = now_ms() - t0;
+	}
+	if (!ret) {
+		summarize(times, n, &row->res_ms, &row->res_min_ms, &row->res_max_ms);
+		/* the resident call's own O and LSE, read back after the timing, are checked */
+		ret = ape_buffer_read(q, in.o, rb.b[3], 0, ape_buffer_size(rb.b[3]));
+		if (!ret)
+			ret = ape_buffer_read(q, in.lse, rb.b[4], 0, ape_buffer_size(rb.b[4]));
+		if (!ret)
+			ret = ape_queue_synchronize(q);
+	}
+	if (!ret && o->check_rows > 0)
+		ret = refcheck_sampled(ref, &desc, &in.tq, &in.tk, &in.tv, &in.to, in.lse,
+				       o->check_rows, rng, &row->check);
+	resident_free(&rb);
+out_queue:
+	ape_queue_destroy(q);
+out_free:
+	free_inputs(&in);
+	return ret;
+}
+
+static void resident_print(const ape_device_info *info, const struct bench_opts *o,
+			   const struct resident_row *rows, int n)
+{
+	printf("ape-bench --resident: %s:%d %s (%s)\n", info->backend, info->backend_index,
+	       info->name, info->driver_version);
+	printf("shape B=%" PRId64 " H=%" PRId64 " Hkv=%" PRId64 " D=%" PRId64
+	       " %s %s; %d repeats; medians\n",
+	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype),
+	       o->causal ? "causal" : "non-causal", o->repeats);
+	printf("%8s %9s %10s %11s %10s %11s %11s %10s %9s %11s %9s %9s\n", "L", "skip_tol",
+	       "kernel_ms", "host_ms", "host_MiB", "host_ovh_ms", "resident_ms", "spread",
+	       "res_MiB", "res_ovh_ms", "err_O", "err_LSE");
+	for (int i = 0; i < n; i++) {
+		const struct resident_row *r = &rows[i];
+
+		printf("%8" PRId64 " %9.3g %10.3f %11.3f %10.2f %11.3f %11.3f %9.1f%% %9.2f %11.3f", r->L,
+		       r->skip_tol, r->host_kernel_ms, r->host_ms,
+		       (double)r->host_bytes / (1 << 20), r->host_ms - r->host_kernel_ms, r->res_ms,
+		       r->res_ms > 0 ? 100 * (r->res_max_ms - r->res_min_ms) / r->res_ms : 0, 0.0,
+		       r->res_ms - r->host_kernel_ms);
+		print_check(&r->check, 9);
+		printf("%s\n", tol_note(&r->check));
+	}
+	printf("kernel_ms: the host call's ape_stats.kernel_ms (same problem); *_MiB: bytes copied "
+	       "per call\n(resident: none, the timed loop enqueues no copy); *_ovh_ms: wall time "
+	       "minus kernel_ms\n");
+}
+
+static void resident_json(const ape_device_info *info, const struct bench_opts *o,
+			  const struct resident_row *rows, int n)
+{
+	json_head(info, o);
+	printf(" \"results\": [");
+	for (int i = 0; i < n; i++) {
+		const struct resident_row *r = &rows[i];
+
+		printf("%s\n  {\"L\": %" PRId64 ", \"Lq\": %" PRId64 ", \"skip_tol\": %.9g, "
+		       "\"kernel_ms\": %.6g, \"host_ms\": %.6g, \"host_bytes_copied\": %" PRIu64
+		       ", \"host_overhead_ms\": %.6g, \"resident_ms\": %.6g, "
+		       "\"resident_min_ms\": %.6g, \"resident_max_ms\": %.6g, "
+		       "\"resident_bytes_copied\": 0, \"resident_overhead_ms\": %.6g, "
+		       "\"rows_checked\": %d, \"max_err_o\": %.6g, \"max_err_lse\": %.6g, "
+		       "\"within_tol\": %s}",
+		       i ? "," : "", r->L, r->Lq, r->skip_tol, r->host_kernel_ms, r->host_ms,
+		       r->host_bytes, r->host_ms - r->host_kernel_ms, r->res_ms, r->res_min_ms,
+		       r->res_max_ms, r->res_ms - r->host_kernel_ms, r->check.rows_checked,
+		       r->check.max_err_o, r->check.max_err_lse,
+		       json_within_tol(&r->check));
+	}
+	printf("\n ]}\n");
+}
+
+static int resident_bench(ape_device *dev, ape_device *ref, const struct bench_opts *o,
+			  ape_rng *rng)
+{
+	struct resident_row rows[MAX_LIST * MAX_LIST];
+	ape_device_info info;
+	int n, bad, ret;
+
+	ape_device_get_info(dev, &info);
+	ret = run_rows(dev, ref, o, rng, resident_one, rows, sizeof(rows[0]),
+		       offsetof(struct resident_row, check), NULL, &n, &bad);
+	if (ret)
+		return bench_failed(ret);
+	if (o->json)
+		resident_json(&info, o, rows, n);
+	else
+		resident_print(&info, o, rows, n);
+	return bad ? 1 : 0;
 }
 
 /* ------------------------------------------------------------------ --stream */
@@ -649,8 +966,9 @@ static int stream_time(ape_device *dev, const struct bench_opts *o, const ape_at
 }
 
 static int stream_one(ape_device *dev, ape_device *ref, const struct bench_opts *o, int64_t L,
-		      double skip_tol, ape_rng *rng, struct stream_row *row)
+		      double skip_tol, ape_rng *rng, void *out)
 {
+	struct stream_row *row = out;
 	struct inputs in;
 	ape_attn_desc desc;
 	int ret;
@@ -721,11 +1039,8 @@ static void stream_print(const ape_device_info *info, const struct bench_opts *o
 		       r->st.chunks, r->st.chunks_skipped,
 		       (double)r->st.bytes_to_device / (1 << 20),
 		       (double)r->st.peak_device_bytes / (1 << 20), r->st.kernel_ms, r->st.copy_ms);
-		if (r->check.rows_checked)
-			printf(" %9.2e %9.2e%s\n", r->check.max_err_o, r->check.max_err_lse,
-			       r->check.within_tol ? "" : "  OUT OF TOLERANCE");
-		else
-			printf(" %9s %9s\n", "-", "-");
+		print_check(&r->check, 9);
+		printf("%s\n", tol_note(&r->check));
 	}
 	printf("eff: (serial_ms - ms) / (serial_ms - max(copy, kernel)), device times of the serial "
 	       "run:\n     the share of the time overlap could save that it saved\n");
@@ -734,12 +1049,7 @@ static void stream_print(const ape_device_info *info, const struct bench_opts *o
 static void stream_json(const ape_device_info *info, const struct bench_opts *o,
 			const struct stream_row *rows, int n)
 {
-	printf("{\"device\": {\"backend\": \"%s\", \"index\": %d, \"name\": \"%s\", "
-	       "\"driver\": \"%s\"},\n",
-	       info->backend, info->backend_index, info->name, info->driver_version);
-	printf(" \"shape\": {\"B\": %" PRId64 ", \"H\": %" PRId64 ", \"Hkv\": %" PRId64
-	       ", \"D\": %" PRId64 ", \"dtype\": \"%s\", \"causal\": %s},\n",
-	       o->B, o->H, o->Hkv, o->D, ape_dtype_name(o->dtype), o->causal ? "true" : "false");
+	json_head(info, o);
 	printf(" \"budget_bytes\": %" PRIu64 ",\n \"results\": [", o->max_mem);
 	for (int i = 0; i < n; i++) {
 		const struct stream_row *r = &rows[i];
@@ -760,9 +1070,18 @@ static void stream_json(const ape_device_info *info, const struct bench_opts *o,
 		       r->st.bytes_from_device, r->st.peak_device_bytes, r->st.kernel_ms,
 		       r->st.copy_ms, r->st.overlap_ms, r->check.rows_checked, r->check.max_err_o,
 		       r->check.max_err_lse,
-		       r->check.within_tol || !r->check.rows_checked ? "true" : "false");
+		       json_within_tol(&r->check));
 	}
 	printf("\n ]}\n");
+}
+
+/* Long runs: each row shown as it comes. */
+static void stream_done(const struct bench_opts *o, const void *row)
+{
+	const struct stream_row *r = row;
+
+	(void)o;
+	fprintf(stderr, "ape-bench: L=%" PRId64 " done in %.1f ms\n", r->L, r->ms);
 }
 
 static int stream_bench(ape_device *dev, ape_device *ref, const struct bench_opts *o,
@@ -784,21 +1103,12 @@ static int stream_bench(ape_device *dev, ape_device *ref, const struct bench_opt
 		w.serial = false;
 		ret = stream_one(dev, ref, &w, 256, o->skip[0], rng, &tmp);
 	}
-	for (int i = 0; i < o->nL && !ret; i++)
-		for (int j = 0; j < o->nskip && !ret; j++) {
-			ret = stream_one(dev, ref, o, o->L[i], o->skip[j], rng, &rows[n]);
-			if (ret)
-				break;
-			bad += rows[n].check.rows_checked && !rows[n].check.within_tol;
-			if (!o->json) /* long runs: show each row as it comes */
-				fprintf(stderr, "ape-bench: L=%" PRId64 " done in %.1f ms\n", o->L[i],
-					rows[n].ms);
-			n++;
-		}
-	if (ret) {
-		fprintf(stderr, "ape-bench: %s\n", ape_last_error());
-		return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : 1;
-	}
+	if (!ret)
+		ret = run_rows(dev, ref, o, rng, stream_one, rows, sizeof(rows[0]),
+			       offsetof(struct stream_row, check), o->json ? NULL : stream_done, &n,
+			       &bad);
+	if (ret)
+		return bench_failed(ret);
 	if (o->json)
 		stream_json(&info, o, rows, n);
 	else
@@ -853,6 +1163,11 @@ int main(int argc, char **argv)
 		ape_context_destroy(ctx);
 		return ret;
 	}
+	if (o.resident) {
+		ret = resident_bench(sel.device, refsel.device, &o, &rng);
+		ape_context_destroy(ctx);
+		return ret;
+	}
 	if (o.stream) {
 		stream_defaults(&o);
 		ret = stream_bench(sel.device, refsel.device, &o, &rng);
@@ -860,20 +1175,11 @@ int main(int argc, char **argv)
 		return ret;
 	}
 	ape_device_get_info(sel.device, &info);
-	for (int i = 0; i < o.nL && !ret; i++)
-		for (int j = 0; j < o.nskip && !ret; j++) {
-			ret = bench_one(sel.device, refsel.device, &o, o.L[i], o.skip[j], &rng,
-					&rows[nrows]);
-			if (ret)
-				break;
-			bad += rows[nrows].check.rows_checked && !rows[nrows].check.within_tol;
-			nrows++;
-		}
+	ret = run_rows(sel.device, refsel.device, &o, &rng, bench_one, rows, sizeof(rows[0]),
+		       offsetof(struct bench_row, check), NULL, &nrows, &bad);
 	if (ret) {
-		fprintf(stderr, "ape-bench: %s\n", ape_last_error());
 		ape_context_destroy(ctx);
-		/* APE_ENOTSUP: --backward on a backend without a backward pass */
-		return ret == APE_EINVAL || ret == APE_EOVERFLOW ? 2 : ret == APE_ENOTSUP ? 3 : 1;
+		return bench_failed(ret);
 	}
 	if (o.json)
 		print_json(&info, &o, rows, nrows);

@@ -6,8 +6,10 @@
 #
 #   1. what the machine has (nvidia-smi, nvcc, driver, python, torch) -> OUT_DIR/env.txt
 #   2. build (WITH_CUDA=yes; hwloc and libdrm only when pkg-config finds them)
-#   3. the CUDA tests on the real GPU (tests/test_cuda_emu with APE_TEST_CUDA_DEVICE=1)
-#   4. ape-check across every backend it finds (CUDA, OpenCL when an ICD is there, reference)
+#   3. the CUDA tests on the real GPU (tests/test_resident and tests/test_cuda_emu with
+#      APE_TEST_CUDA_DEVICE=1)
+#   4. ape-check across every backend it finds (CUDA, OpenCL when an ICD is there, reference);
+#      ape-bench --resident: device-resident calls beside host calls (prefill, decode step)
 #   5. the benchmark of issue 6 (bench/torch_ape.py: libape vs eager PyTorch APE vs SDPA; decode
 #      bandwidth), when python3 is there
 #   6. the whole test suite (make check's unit tests; on this machine the library's `auto`
@@ -131,8 +133,18 @@ have_ksft=no
 NO_KSFT="no Kselftest headers (build/kselftest, KSFT_DIR or /usr/src/linux-*): run 'make deps' where there is network, and bring build/kselftest along"
 if [ $have_ksft = yes ]; then
 	# shellcheck disable=SC2086
-	run gputests-build 120 make -j"$JOBS" $MAKEVARS KSFT_DIR="$KSFT" "$BUILD/tests/test_cuda_emu"
+	run gputests-build 120 make -j"$JOBS" $MAKEVARS KSFT_DIR="$KSFT" "$BUILD/tests/test_cuda_emu" \
+		"$BUILD/tests/test_resident"
 	if [ "$rc" -eq 0 ]; then
+		# device-resident calls (ape_attention_enqueue, KV-cache appends from device memory)
+		# on the GPU, against the host calls, bit for bit
+		run resident 60 env APE_TEST_CUDA_DEVICE=1 "$BUILD/tests/test_resident"
+		last=$(grep '^# Totals' "$OUT/resident.log" | tail -n 1)
+		case $rc in
+		0) note resident ok "test_resident (enqueue vs host call) on the real GPU: ${last#\# }" ;;
+		124) note resident TIMEOUT "test_resident on the real GPU" ;;
+		*) note resident FAIL "test_resident on the real GPU: ${last#\# }: see resident.log" ;;
+		esac
 		run gputests 90 env APE_TEST_CUDA_DEVICE=1 "$BUILD/tests/test_cuda_emu"
 		last=$(grep '^# Totals' "$OUT/gputests.log" | tail -n 1)
 		case $rc in
@@ -157,6 +169,23 @@ case $rc in
 esac
 grep -q '^ape-check: cuda not checked' "$OUT/apecheck.log" &&
 	note ape-check FAIL "the CUDA backend was not checked: $(grep '^ape-check: cuda not checked' "$OUT/apecheck.log")"
+
+# ---- 4b. resident against host calls: inputs already on the GPU (ape_attention_enqueue) beside
+# the host call that copies them (issue 12), prefill and a decode step
+run resident-bench 60 "$BUILD/bin/ape-bench" --backend cuda --resident -L 4096,16384 --repeats 5 \
+	--seed 1
+case $rc in
+0) note resident-bench ok "ape-bench --resident (host vs resident, bytes copied, overhead): resident-bench.log" ;;
+124) note resident-bench TIMEOUT "see resident-bench.log" ;;
+*) note resident-bench FAIL "status $rc: see resident-bench.log" ;;
+esac
+run decode-bench 40 "$BUILD/bin/ape-bench" --backend cuda --resident -L 32768 --lq 1 \
+	--repeats 21 --seed 1
+case $rc in
+0) note decode-bench ok "ape-bench --resident --lq 1 (a decode step's overhead): decode-bench.log" ;;
+124) note decode-bench TIMEOUT "see decode-bench.log" ;;
+*) note decode-bench FAIL "status $rc: see decode-bench.log" ;;
+esac
 
 # ---- 5. the benchmark
 if command -v python3 >/dev/null 2>&1; then

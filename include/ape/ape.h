@@ -1106,8 +1106,8 @@ APE_API int ape_attention_enqueue(ape_queue *queue, const ape_attn_desc *desc,
  *        total time, the budget and the peak device memory
  * \return 0; APE_EINVAL (bad argument, naming it; also when dq, dk, dv and dparams are all
  *         NULL: nothing to compute); APE_EOVERFLOW (sizes or positions overflow 64 bits);
- *         APE_ENOTSUP (the device's backend has no backward pass yet; the message names the
- *         device); APE_ENOMEM (host memory: the call keeps float32 copies of the gradients, and
+ *         APE_ENOTSUP (the device cannot run the backward pass: its backend has none, or an
+ *         OpenCL device lacks float64; the message names the device); APE_ENOMEM (host memory: the call keeps float32 copies of the gradients, and
  *         dQ's sum in float64, until it succeeds); APE_EBACKEND, APE_EDEVLOST (device failures).
  * \note On failure nothing is written: dq, dk, dv and dparams are untouched.
  * \note Inputs are not scanned: NaN or Inf in an input reaches the gradients it touches. An

@@ -26,19 +26,31 @@ extern "C" {
  * \brief The forward pass on DLPack tensors, where they are.
  *
  * q, k, v, o are 4-D `[B, H, L, D]` (k, v `[B, Hkv, Lk, D]`), lse NULL or 3-D `[B, H, Lq]`
- * float32; float32, float16 or bfloat16 (lanes 1); strides in elements (NULL: compact
- * row-major), the last one 1 (D contiguous); `byte_offset` honoured and a multiple of the element
- * size. Every tensor must live where \p dev computes:
- *   - `kDLCPU` on the reference and on OpenCL CPU devices: computed in place, and the call
- *     returns when O is written (\p stream must be NULL);
- *   - `kDLOpenCL` (`data` is a `cl_mem` of the device's context) on OpenCL devices: \p stream is
- *     the caller's `cl_command_queue`, or NULL for libape's own queue, waited for before the call
- *     returns;
- *   - `kDLCUDA` (`data` a device pointer of the device's primary context, `device_id` its
- *     ordinal) on CUDA devices: \p stream is a `CUstream`, NULL meaning the legacy default
- *     stream; the call returns once the work is enqueued.
+ * float32; float32, float16 or bfloat16 (`kDLFloat` 32 or 16, `kDLBfloat` 16; lanes 1);
+ * strides in elements (NULL: compact row-major), non-negative, the last one 1 (D contiguous;
+ * the stride of an axis of one element is ignored, whatever its value);
+ * `byte_offset` honoured and a multiple of the element size. Every tensor on one device, where
+ * \p dev computes:
+ *   - `kDLCPU`, `device_id` 0, on the reference and on OpenCL CPU devices: computed in place,
+ *     and the call returns when O is written (\p stream must be NULL); `data + byte_offset`
+ *     aligned to the element size;
+ *   - `kDLOpenCL` (`data` a `cl_mem` of the device's context) on OpenCL devices, `device_id`
+ *     the device's ape_device_info.backend_index (the N of "opencl:N"): \p stream is the
+ *     caller's in-order `cl_command_queue`, libape's work ordered on it and the call returning
+ *     once it is enqueued; or NULL for libape's own queue, waited for before the call returns;
+ *   - `kDLCUDA` (`data` a device pointer of the device's primary context) on CUDA devices,
+ *     `device_id` the `CUdevice` ordinal (ape_device_native()): \p stream is a `CUstream`,
+ *     NULL meaning the legacy default stream; the call returns once the work is enqueued.
+ * Tensors whose bytes overlap (slices of one packed QKV tensor) are one memory to libape, so the
+ * host call's overlap rules apply exactly: inputs may share memory, an output shares none with
+ * an input or another output. libape keeps no reference to a tensor after the call returns
+ * (the caller keeps the memory alive until the work on \p stream has completed).
  * \return 0; APE_EINVAL naming the tensor and what is wrong (its device type or id, dtype,
- *         ndim, shape, a stride, the offset); the errors of ape_attention_enqueue().
+ *         lanes, ndim, shape, a stride, the offset, its alignment, an overlap), or a
+ *         non-NULL \p stream for kDLCPU tensors; APE_EOVERFLOW (sizes past 64 bits); APE_ENOTSUP
+ *         naming the tensor where the device cannot take that memory (kDLCPU on a GPU); the
+ *         errors of ape_attention_enqueue(), prefixed with this function's name.
+ * \note Thread-safe: each call wraps the memory and the stream for itself.
  */
 APE_API int ape_attention_forward_dlpack(ape_device *dev, const ape_attn_desc *desc,
 					 const DLTensor *q, const DLTensor *k, const DLTensor *v,

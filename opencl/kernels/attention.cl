@@ -132,15 +132,16 @@ KFN void st(__global void *p, long i, float x, int dt)
 		((__global float *)p)[i] = x;
 }
 
-/* One K row into the pair-ordered halves (u = first, w = second component of each pair) and one
- * V row, converted to float; the layout and type branches sit outside the loops. */
-KFN void load_kv_row(__global const void *K, __global const void *V, long base, int P,
+/* One K row (at element kb of K) into the pair-ordered halves (u = first, w = second component
+ * of each pair) and one V row (at element vb of V), converted to float; the layout and type
+ * branches sit outside the loops. */
+KFN void load_kv_row(__global const void *K, __global const void *V, long kb, long vb, int P,
 		     int dt, int inter, __local float *ku, __local float *kw,
 		     __local float *vrow)
 {
 	if (dt == 0) {
-		__global const float *k = (__global const float *)K + base;
-		__global const float *v = (__global const float *)V + base;
+		__global const float *k = (__global const float *)K + kb;
+		__global const float *v = (__global const float *)V + vb;
 
 		if (inter) {
 			for (int p = 0; p < P; p++) {
@@ -158,19 +159,30 @@ KFN void load_kv_row(__global const void *K, __global const void *V, long base, 
 		return;
 	}
 	for (int p = 0; p < P; p++) {
-		ku[p] = ld(K, base + (inter ? 2 * p : p), dt);
-		kw[p] = ld(K, base + (inter ? 2 * p + 1 : p + P), dt);
+		ku[p] = ld(K, kb + (inter ? 2 * p : p), dt);
+		kw[p] = ld(K, kb + (inter ? 2 * p + 1 : p + P), dt);
 	}
 	for (int d = 0; d < 2 * P; d++)
-		vrow[d] = ld(V, base + d, dt);
+		vrow[d] = ld(V, vb + d, dt);
 }
+
+/*
+ * Where the tensors lie (core/backend.h, struct ape__view): a view is (offset, B stride, H
+ * stride, L stride) in elements of the tensor's type, D contiguous. The host passes one per
+ * tensor as a long4 (x = offset, y, z, w = the strides of B, H, L): the caller's layout for the
+ * tensors of a strided launch, the contiguous one otherwise and for K and V made by ape_kv_prep.
+ * VIEW_ROW: element [b, h, 0, 0].
+ */
+#define VIEW_ROW(v, b, h) ((v).x + (long)(b) * (v).y + (long)(h) * (v).z)
 
 /* The launch's constants, gathered once and read by every helper. */
 struct run {
 	__global const void *Q, *K, *V;
 	__global const float *prior; /* F_PRIOR: [B*H, Lq] LSE of earlier launches */
 	__global const APE_REAL *omega; /* omega_p, P values */
-	long Lq, Lk, rel, ntk, qbase, kbase, bh, bkv, i0;
+	long Lq, Lk, rel, ntk, bh, bkv, i0;
+	/* element [b, h, 0, 0] of each tensor of this (batch, head) and its L stride */
+	long qbase, qsl, kbase, ksl, vbase, vsl, obase, osl, lbase, lsl;
 	int D, wi, dtin, kvdt, inter, kvinter, causal, skip, flags;
 	APE_REAL delta, beta, gamma, lambda;
 	float scale, tol, prior_tol;
@@ -206,7 +218,7 @@ KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
 
 		NOUNROLL
 		for (int k = 0; k < APE_RW; k++) {
-			const long row = R->qbase + (i + k) * DIM;
+			const long row = R->qbase + (i + k) * R->qsl;
 
 			tx[k] = i + k < R->Lq ? ld(R->Q, row + a, R->dtin) : 0.0f;
 			ty[k] = i + k < R->Lq ? ld(R->Q, row + c, R->dtin) : 0.0f;
@@ -269,7 +281,8 @@ KFN void tile_load(const struct run *R, long j0, int len, long nbase, APE_REAL b
 	NOUNROLL
 	for (int j = R->wi; j < APE_BK; j += APE_NWI) {
 		if (j < len) {
-			load_kv_row(R->K, R->V, R->kbase + (j0 + j) * DIM, P, R->kvdt, R->kvinter,
+			load_kv_row(R->K, R->V, R->kbase + (j0 + j) * R->ksl,
+				    R->vbase + (j0 + j) * R->vsl, P, R->kvdt, R->kvinter,
 				    ku + j * P, kw + j * P, vt + j * DIM);
 		} else { /* past the end: zeros, so that 0 * V stays 0 */
 			for (int p = 0; p < P; p++)
@@ -508,7 +521,7 @@ KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long 
 		if (i >= R->Lq)
 			break;
 		if (R->flags & F_LSE)
-			LSE[R->bh * R->Lq + i] =
+			LSE[R->lbase + i * R->lsl] =
 				ls[k] > 0.0f ? (float)(r->crow_s[k] + (APE_REAL)ms[k] +
 						       log((APE_REAL)ls[k]))
 				: ls[k] == 0.0f ? -INFINITY
@@ -523,7 +536,7 @@ KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long 
 	if (r->i < R->Lq) {
 		NOUNROLL
 		for (int d = 0; d < DIM; d++)
-			st(O, R->qbase + r->i * DIM + d, r->acc[d] * inv, F_DT_OUT(R->flags));
+			st(O, R->obase + r->i * R->osl + d, r->acc[d] * inv, F_DT_OUT(R->flags));
 	}
 #else
 	NOUNROLL
@@ -537,7 +550,8 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 	      __global void *O, __global float *LSE, __global ulong *PAIRS,
 	      __global const float *PRIOR, __global const APE_REAL *prm, __global const float *kpre,
 	      __global const float *ksuf, int D, long Lq, long Lk, int H, int group, long rel,
-	      float scale, float skip_tol, float prior_tol, int flags)
+	      float scale, float skip_tol, float prior_tol, int flags, long4 vq, long4 vk,
+	      long4 vv, long4 vo, long4 vl)
 {
 	__local float kv[KV_FLOATS];
 	__local float ttab[BQ + APE_BK], btab[BQ + APE_BK];
@@ -565,8 +579,20 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 	R->ntk = (Lk + APE_BK - 1) / APE_BK;
 	R->bh = get_global_id(1);
 	R->bkv = R->bh / H * (H / group) + h / group;
-	R->qbase = R->bh * Lq * DIM;
-	R->kbase = R->bkv * Lk * DIM;
+	{
+		const long b = R->bh / H, hk = h / group;
+
+		R->qbase = VIEW_ROW(vq, b, h);
+		R->qsl = vq.w;
+		R->kbase = VIEW_ROW(vk, b, hk);
+		R->ksl = vk.w;
+		R->vbase = VIEW_ROW(vv, b, hk);
+		R->vsl = vv.w;
+		R->obase = VIEW_ROW(vo, b, h);
+		R->osl = vo.w;
+		R->lbase = VIEW_ROW(vl, b, h);
+		R->lsl = vl.w;
+	}
 	/* the heaviest causal query tiles (the last ones) are handed out first */
 	R->i0 = ((long)get_num_groups(0) - 1 - (long)get_group_id(0)) * BQ;
 	R->wi = get_local_id(0);
@@ -719,7 +745,7 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 				break;
 			NOUNROLL
 			for (int d = 0; d < DIM; d++)
-				st(O, R->qbase + i * DIM + d, kv[d * BQ + rr], F_DT_OUT(flags));
+				st(O, R->obase + i * R->osl + d, kv[d * BQ + rr], F_DT_OUT(flags));
 		}
 #endif
 	}
@@ -728,23 +754,28 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 /*
  * K and V as float32, K's pairs in the half layout, once per call: every query tile reads each
  * key tile again, and converting f16/bf16 (or de-interleaving) there cost more than the
- * attention arithmetic on PoCL. One work-item per key row.
+ * attention arithmetic on PoCL. One work-item per key row, read where the views vk, vv say
+ * (Hkv heads of Lk rows per batch), written contiguous.
  */
 __kernel void ape_kv_prep(__global const void *K, __global const void *V, int D, long rows, int dt,
-			  int inter, int do_v, __global float *Kp, __global float *Vf)
+			  int inter, int do_v, __global float *Kp, __global float *Vf, int Hkv,
+			  long Lk, long4 vk, long4 vv)
 {
 	const long row = get_global_id(0), base = row * D;
 	const int P = D / 2;
 
 	if (row >= rows)
 		return;
+	const long j = row % Lk, bh = row / Lk, b = bh / Hkv, h = bh % Hkv;
+	const long kb = VIEW_ROW(vk, b, h) + j * vk.w, vb = VIEW_ROW(vv, b, h) + j * vv.w;
+
 	for (int p = 0; p < P; p++) {
-		Kp[base + p] = ld(K, base + (inter ? 2 * p : p), dt);
-		Kp[base + P + p] = ld(K, base + (inter ? 2 * p + 1 : p + P), dt);
+		Kp[base + p] = ld(K, kb + (inter ? 2 * p : p), dt);
+		Kp[base + P + p] = ld(K, kb + (inter ? 2 * p + 1 : p + P), dt);
 	}
 	if (do_v)
 		for (int d = 0; d < D; d++)
-			Vf[base + d] = ld(V, base + d, dt);
+			Vf[base + d] = ld(V, vb + d, dt);
 }
 
 /*
@@ -753,23 +784,24 @@ __kernel void ape_kv_prep(__global const void *K, __global const void *V, int D,
  * tile is never skipped and its NaN reaches every row that sees it.
  */
 __kernel void ape_kmax(__global const void *K, __global const void *V, int D, long Lk, int dt,
-		       long ntk, __global float *ktile)
+		       long ntk, __global float *ktile, int Hkv, long4 vk, long4 vv)
 {
 	const long t = get_global_id(0), bkv = get_global_id(1);
 	const long j1 = min((t + 1) * APE_BK, Lk);
+	const long kb = VIEW_ROW(vk, bkv / Hkv, bkv % Hkv), vb = VIEW_ROW(vv, bkv / Hkv, bkv % Hkv);
 	float mx = 0.0f;
 
 	if (t >= ntk)
 		return;
 	for (long j = t * APE_BK; j < j1; j++) {
-		const long base = (bkv * Lk + j) * D;
+		const long kj = kb + j * vk.w, vj = vb + j * vv.w;
 		float s = 0.0f, vs = 0.0f;
 
 		for (int d = 0; d < D; d++) {
-			const float k = ld(K, base + d, dt);
+			const float k = ld(K, kj + d, dt);
 
 			s += k * k;
-			vs += 0.0f * ld(V, base + d, dt); /* NaN for any NaN or Inf */
+			vs += 0.0f * ld(V, vj + d, dt); /* NaN for any NaN or Inf */
 		}
 		s = sqrt(s) + vs;
 		if (!(s <= mx))

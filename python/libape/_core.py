@@ -623,8 +623,9 @@ def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, be
     `wrt` names what is wanted, of "q", "k", "v", "params"; the others are None and cost
     nothing (frozen q, k, v with wrt=("params",) is one pass over the pairs). Arrays as for
     `attention()`; the gradients have q's kind and dtype. `device` as for `attention()`: the
-    reference and OpenCL backends have a backward pass, CUDA not yet; a device without one
-    raises ApeError (APE_ENOTSUP) with libape's message naming it, and nothing falls back.
+    reference, OpenCL and CUDA backends have a backward pass; a device without one (OpenCL
+    without float64) raises ApeError (APE_ENOTSUP) with libape's message naming it, and
+    nothing falls back.
     """
     want = set(wrt)
     if not want or not want <= set(_WRT):

@@ -14,8 +14,8 @@ ape_attention_backward().
 
 Devices. `device=None` (the default) runs the forward on the best device ("auto") when no
 gradient is wanted, and forward and backward on the reference backend ("ref") when any input
-or parameter requires a gradient: the reference and OpenCL have a backward pass, CUDA not yet
-(so "auto" could pick a device without one), and OpenCL's is not tuned yet. A device given
+or parameter requires a gradient: CUDA's backward has not yet run on a GPU (emulator only) and
+OpenCL's is not tuned yet. A device given
 explicitly is used for both passes: a backward on a device without one
 raises libape.ApeError (APE_ENOTSUP) naming it; nothing falls back to another device.
 CUDA tensors run on libape's CUDA device of the same ordinal, where they are, on PyTorch's

@@ -108,21 +108,27 @@ CUDA_EMU = os.path.join(BUILD, "tests", "cuda_emu", "libcuda.so.1")
 
 @pytest.mark.skipif(not os.path.exists(CUDA_EMU),
                     reason="no CUDA emulator in this build (nvcc was not found)")
-def test_backward_on_a_device_without_one_is_an_error():
-    """The CUDA backend (through the emulated driver) has no backward yet: libape's own
-    APE_ENOTSUP naming the device, never a silent fall-back."""
+def test_backward_on_the_emulated_cuda_device():
+    """The CUDA backend's backward kernels (through the emulated driver) against the
+    reference's gradients, at the spec's float32 tolerance; the parameters alone as well."""
     code = ("import libape, numpy as np\n"
-            "q = np.ones((1, 1, 4, 8), np.float32)\n"
-            "o, lse = libape.attention(q, q, q, device='cuda', return_lse=True)\n"
-            "try:\n"
-            "    libape.attention_backward(q, q, q, o, lse, o, device='cuda')\n"
-            "except libape.ApeError as e:\n"
-            "    print(e.name, e)\n")
+            "r = np.random.default_rng(5)\n"
+            "q, k, v = (r.standard_normal((1, 2, 9, 8)).astype(np.float32) for _ in range(3))\n"
+            "do = r.standard_normal((1, 2, 9, 8)).astype(np.float32)\n"
+            "kw = dict(delta=0.3, beta=0.05, gamma=0.05, lam=0.1)\n"
+            "o, lse = libape.attention(q, k, v, device='ref', return_lse=True, **kw)\n"
+            "want = libape.attention_backward(q, k, v, o, lse, do, device='ref', **kw)\n"
+            "got = libape.attention_backward(q, k, v, o, lse, do, device='cuda', **kw)\n"
+            "only = libape.attention_backward(q, k, v, o, lse, do, device='cuda',\n"
+            "                                 wrt=('params',), **kw)\n"
+            "err = [float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(got, want)]\n"
+            "err.append(float(np.abs(only[3] - want[3]).max() / np.abs(want[3]).max()))\n"
+            "print(max(err), only[:3] == (None, None, None))\n")
     env = dict(os.environ, APE_CUDA_LIBRARY=CUDA_EMU, PYTHONPATH=os.path.join(ROOT, "python"))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("APE_ENOTSUP") and "cuda:0" in r.stdout
-    assert "not implemented on this backend" in r.stdout
+    worst, nones = r.stdout.split()
+    assert float(worst) <= 1e-3 and nones == "True", r.stdout
 
 
 # ------------------------------------------------------------------ libape.torch

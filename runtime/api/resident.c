@@ -518,7 +518,13 @@ int ape_attention_enqueue(ape_queue *queue, const ape_attn_desc *desc, const ape
 			  const ape_dtensor *k, const ape_dtensor *v, const ape_dtensor *o,
 			  const ape_dtensor *lse)
 {
-	static const char fn[] = "ape_attention_enqueue";
+	return ape__attention_enqueue("ape_attention_enqueue", queue, desc, q, k, v, o, lse);
+}
+
+int ape__attention_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc *desc,
+			   const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
+			   const ape_dtensor *o, const ape_dtensor *lse)
+{
 	struct ape__resident_req r;
 	struct ape__problem p;
 	int64_t rows;

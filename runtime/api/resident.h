@@ -53,5 +53,10 @@ int ape__check_resident(const char *fn, const ape_device *dev, const ape_attn_de
 			const ape_dtensor *o, const ape_dtensor *lse, struct ape__problem *p,
 			struct ape__buf *buf[APE__T_COUNT], struct ape__view view[APE__T_COUNT]);
 
+/* ape_attention_enqueue() with its messages starting with fn (the DLPack call's). */
+int ape__attention_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc *desc,
+			   const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
+			   const ape_dtensor *o, const ape_dtensor *lse);
+
 #pragma GCC visibility pop
 #endif

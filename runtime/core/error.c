@@ -114,6 +114,14 @@ int ape__error_written(int err, int64_t done, int64_t of)
 	return err;
 }
 
+int ape__error_suffix(int err, const char *text)
+{
+	size_t n = strlen(last_error);
+
+	snprintf(last_error + n, sizeof(last_error) - n, "%s", text);
+	return err;
+}
+
 void ape__warn(const char *fmt, ...)
 {
 	va_list ap;

@@ -35,6 +35,9 @@ int ape__op_error(int err, const struct ape_device *dev, const char *op);
  * ("; O and LSE hold 3 of 8 query chunks, the rest untouched"); nothing when done == 0. */
 int ape__error_written(int err, int64_t done, int64_t of);
 
+/* Appends `text` to the current message; returns err. */
+int ape__error_suffix(int err, const char *text);
+
 /* One-time warnings go to stderr with the "libape: " prefix; the caller keeps the once-flag. */
 void ape__warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 

@@ -138,6 +138,7 @@ int ape__resident_host_run(const char *fn, struct ape_device *dev, const struct 
 	struct ape__event *e0 = NULL, *e1 = NULL;
 	uint64_t *pairs = NULL;
 	int64_t per_launch;
+	bool touched = false;
 	size_t got;
 	int ret = 0;
 
@@ -171,14 +172,16 @@ int ape__resident_host_run(const char *fn, struct ape_device *dev, const struct 
 					    &r.pairs, &got)
 			    : ape__error(APE_ENOMEM, "%s: out of host memory", fn);
 	}
-	if (!ret && (dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS))
-		poison_host(p, o, lse);
 	if (!ret)
 		ret = ops->queue_create(dev, &r.q);
 	if (!ret)
 		ret = ops->event_record(r.q, &e0);
-	if (!ret)
+	if (!ret) { /* from here on the caller's O and LSE are the device's */
+		touched = true;
+		if (dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS)
+			poison_host(p, o, lse);
 		ret = ape__resident_enqueue(&r, p->Lq);
+	}
 	if (!ret)
 		ret = ops->event_record(r.q, &e1);
 	if (r.q) {
@@ -210,5 +213,8 @@ int ape__resident_host_run(const char *fn, struct ape_device *dev, const struct 
 		ops->buf_free(dev, r.buf[i]);
 	ops->buf_free(dev, r.pairs);
 	free(pairs);
+	if (ret && touched)
+		ape__error_suffix(ret, "; O and LSE were computed in place and are unspecified "
+				       "(APE_EXEC_ATOMIC_OUTPUTS stages them)");
 	return ret ? ape__error_on(ret, dev) : 0;
 }

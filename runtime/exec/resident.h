@@ -50,7 +50,8 @@ struct ape__exec_result;
  * streaming executor does (one chunk, no bytes moved, the kernel's time).
  * Returns 1, having done nothing, where it does not apply (a device that cannot, strides with
  * D not contiguous, a budget that needs several launches): the caller
- * then streams. Else 0, or a negative code (message set); O and LSE are then unspecified.
+ * then streams. Else 0, or a negative code (message set); when the failure came after the
+ * launch was enqueued, O and LSE are unspecified and the message ends saying so.
  */
 int ape__resident_host_run(const char *fn, struct ape_device *dev, const struct ape__problem *p,
 			   uint64_t budget, const ape_tensor *q, const ape_tensor *k,

@@ -53,6 +53,23 @@ int bcase_ready(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt
 	return bcase_forward(c, dev);
 }
 
+void bcase_edge_heads(bcase *c)
+{
+	ape_attn_desc *d = &c->tp.desc;
+	float *prm = c->tp.params;
+	const int64_t H = c->tp.q.t.shape[1];
+
+	d->delta.per_head = prm;
+	d->beta.per_head = prm + H;
+	d->gamma.per_head = prm + 2 * H;
+	d->lambda.per_head = prm + 3 * H;
+	prm[0] = -0.25f;
+	prm[H] = -0.5f;
+	prm[2 * H] = -0.125f;
+	prm[3 * H + 1] = 0;
+	prm[3 * H] = 1.75f;
+}
+
 int grads_alloc(grads *g, const bcase *c, ape_dtype dt)
 {
 	const int64_t *qs = c->tp.q.t.shape, *ks = c->tp.k.t.shape;
@@ -88,6 +105,27 @@ int run_backward(bcase *c, ape_device *dev, grads *g, unsigned wanted, ape_stats
 				      wanted & W_DK ? &g->dk.t : NULL,
 				      wanted & W_DV ? &g->dv.t : NULL,
 				      wanted & W_DP ? g->dparams : NULL, st);
+}
+
+double grads_tol(ape_dtype storage)
+{
+	return storage == APE_F32 ? 1e-3 : storage == APE_F16 ? 1e-2 : 5e-2;
+}
+
+double grads_rel_err(const ape_tensor *a, const ape_tensor *b)
+{
+	return test_max_err_o(a, b) / fmax(test_tensor_maxabs(b), 1e-30);
+}
+
+double grads_rel_err_params(const float *a, const float *b, int64_t H)
+{
+	double err = 0, m = 1e-30;
+
+	for (int64_t i = 0; i < 4 * H; i++) {
+		err = fmax(err, isnan(a[i]) ? INFINITY : fabs((double)a[i] - b[i]));
+		m = fmax(m, fabs((double)b[i]));
+	}
+	return err / m;
 }
 
 bool same_bits(const test_tensor *a, const test_tensor *b)

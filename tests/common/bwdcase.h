@@ -41,6 +41,10 @@ int bcase_forward(bcase *c, ape_device *dev);
 int bcase_ready(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt, bool strided,
 		bool with_dlse, ape_device *dev);
 
+/* Per-head parameters (the drawn ones, in tp.params) with head 0's decays negative and its
+ * lambda large (1.75), head 1's lambda 0 (H >= 2). */
+void bcase_edge_heads(bcase *c);
+
 /* dq, dk, dv of type dt and dparams, every element NaN. -1 if out of memory. */
 int grads_alloc(grads *g, const bcase *c, ape_dtype dt);
 void grads_free(grads *g);
@@ -49,6 +53,14 @@ void grads_free(grads *g);
 int run_backward(bcase *c, ape_device *dev, grads *g, unsigned wanted, ape_stats *st);
 /* ape_attention_backward_ex() on dev alone, chunk_q = cq and chunk_k = ck, every output. */
 int run_chunked(bcase *c, ape_device *dev, grads *g, int64_t cq, int64_t ck, ape_stats *st);
+
+/* The spec's accuracy of gradients for a storage type, times max |G_64| (APE-SPEC.md,
+ * "Gradients"). */
+double grads_tol(ape_dtype storage);
+/* max |a - b| over a gradient tensor, relative to max |b|. */
+double grads_rel_err(const ape_tensor *a, const ape_tensor *b);
+/* The same over the 4 * H parameter gradients (a NaN in a counts as infinite). */
+double grads_rel_err_params(const float *a, const float *b, int64_t H);
 
 /* The same bytes; the outputs `wanted` names. */
 bool same_bits(const test_tensor *a, const test_tensor *b);

@@ -46,6 +46,8 @@ static const char *const op_names[WRAP_NOPS] = {
 	[WRAP_ATTENTION] = "attention",
 	[WRAP_SYNCHRONIZE] = "synchronize",
 	[WRAP_HOST_REGISTER] = "host_register",
+	[WRAP_BUF_WRAP] = "buf_wrap",
+	[WRAP_QUEUE_WRAP] = "queue_wrap",
 };
 
 const char *wrap_op_name(enum wrap_op op)
@@ -110,7 +112,8 @@ static int inject(enum wrap_op op, struct ape_device *dev)
 	pthread_mutex_unlock(&w.lock);
 	if (!fail)
 		return 0;
-	ret = ape__error(lost || op != WRAP_BUF_ALLOC ? APE_EDEVLOST : APE_ENOMEM,
+	ret = ape__error(lost || (op != WRAP_BUF_ALLOC && op != WRAP_BUF_WRAP) ? APE_EDEVLOST
+									      : APE_ENOMEM,
 			 "wrapped backend: %s call %llu fails on purpose%s", op_names[op],
 			 (unsigned long long)n, lost ? ": device lost" : "");
 	return dev ? ape__op_error(ret, dev, op_names[op]) : ret;
@@ -141,6 +144,20 @@ static int w_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 	}
 	pthread_mutex_unlock(&w.lock);
 	return ret;
+}
+
+/* A wrapper of the caller's memory: counted and failed like an op, not as device memory held. */
+static int w_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
+		      struct ape__buf **out, size_t *bytes_out)
+{
+	int ret = inject(WRAP_BUF_WRAP, dev);
+
+	if (ret) {
+		*out = NULL;
+		*bytes_out = 0;
+		return ret;
+	}
+	return w.orig->buf_wrap(dev, kind, handle, bytes, out, bytes_out);
 }
 
 static void w_free(struct ape_device *dev, struct ape__buf *b)
@@ -239,6 +256,20 @@ static int w_queue_create(struct ape_device *dev, struct ape__queue **out)
 		return ret;
 	}
 	ret = w.orig->queue_create(dev, out);
+	if (!ret)
+		owner_add(*out, dev);
+	return ret;
+}
+
+static int w_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out)
+{
+	int ret = inject(WRAP_QUEUE_WRAP, dev);
+
+	if (ret) {
+		*out = NULL;
+		return ret;
+	}
+	ret = w.orig->queue_wrap(dev, handle, out);
 	if (!ret)
 		owner_add(*out, dev);
 	return ret;
@@ -353,6 +384,8 @@ void wrap_install(ape_device *dev, unsigned flags)
 	w.ops.event_timestamp = w.orig->event_timestamp ? w_event_timestamp : NULL;
 	w.ops.synchronize = w_synchronize;
 	w.ops.host_register = w.orig->host_register ? w_host_register : NULL;
+	w.ops.buf_wrap = w.orig->buf_wrap ? w_buf_wrap : NULL;
+	w.ops.queue_wrap = w.orig->queue_wrap ? w_queue_wrap : NULL;
 	if (flags & WRAP_NO_COPY_D2D)
 		w.ops.copy_d2d = NULL;
 	if (flags & WRAP_NO_TIMESTAMP)

@@ -34,6 +34,8 @@ enum wrap_op {
 	WRAP_ATTENTION,
 	WRAP_SYNCHRONIZE,
 	WRAP_HOST_REGISTER,
+	WRAP_BUF_WRAP, /* fails with APE_ENOMEM, as buf_alloc */
+	WRAP_QUEUE_WRAP,
 	WRAP_NOPS
 };
 
@@ -59,7 +61,7 @@ void wrap_reset(void);
 /* Launch number n (1-based, counted from now) fails with APE_EDEVLOST; 0: none fails. */
 void wrap_fail_attention(uint64_t n);
 /* Call number n (1-based, counted from now) of op fails, with APE_ENOMEM for buf_alloc and
- * APE_EDEVLOST for the rest, as the backend contract says a failure must (a message naming the
+ * APE_EDEVLOST for the rest (buf_wrap: APE_ENOMEM too), as the backend contract says a failure must (a message naming the
  * device and the op, out-parameters cleared); 0: none fails. Replaces any earlier
  * wrap_fail_op() or wrap_fail_attention(). */
 void wrap_fail_op(enum wrap_op op, uint64_t n);

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Allocation-failure injection: for a device enumeration, forward calls (one-shot and streamed,
- * reference and OpenCL, one and two devices) and a KV-cache session, counts the library's host
+ * reference and OpenCL, one and two devices), a KV-cache session, the device-resident path
+ * (buffers, queue, ape_attention_enqueue) and the DLPack call, counts the library's host
  * allocations of a clean run, then fails each one in turn. Every broken run must return
  * APE_ENOMEM with a message (or, where the library has a fallback, succeed with the clean
  * result), leave the inputs byte-identical and the outputs as README promises; the context must
@@ -61,34 +62,51 @@ static void sweep(struct __test_metadata *_metadata, fx_call *c, const char *wha
 }
 
 /* Prepares the call (its clean run first) and sweeps it. */
-static void run_case(struct __test_metadata *_metadata, ape_device **devs, int ndev, bool kv,
-		     int64_t L, int64_t chunk, const char *what)
+static void run_case(struct __test_metadata *_metadata, ape_device **devs, int ndev,
+		     enum fx_mode mode, int64_t L, int64_t chunk, const char *what)
 {
 	fx_call c;
 
-	ASSERT_EQ(0, fx_call_init(&c, devs, ndev, kv, L, chunk)) TH_LOG("%s", c.msg);
+	ASSERT_EQ(0, fx_call_init(&c, devs, ndev, mode, L, chunk)) TH_LOG("%s", c.msg);
 	sweep(_metadata, &c, what);
 	fx_call_free(&c);
 }
 
 TEST_F_TIMEOUT(af, one_shot, 300)
 {
-	run_case(_metadata, self->dev, 1, false, 64, 0, "one-shot forward");
+	run_case(_metadata, self->dev, 1, FX_FORWARD, 64, 0, "one-shot forward");
 }
 
 TEST_F_TIMEOUT(af, streamed, 300)
 {
-	run_case(_metadata, self->dev, 1, false, 192, 64, "streamed forward, 3x3 chunks");
+	run_case(_metadata, self->dev, 1, FX_FORWARD, 192, 64, "streamed forward, 3x3 chunks");
 }
 
 TEST_F_TIMEOUT(af, two_devices, 300)
 {
-	run_case(_metadata, self->dev, 2, false, 192, 64, "forward over two devices");
+	run_case(_metadata, self->dev, 2, FX_FORWARD, 192, 64, "forward over two devices");
 }
 
 TEST_F_TIMEOUT(af, kv_cache, 300)
 {
-	run_case(_metadata, self->dev, 1, true, 80, 0, "KV cache create, append, attend");
+	run_case(_metadata, self->dev, 1, FX_KV, 80, 0, "KV cache create, append, attend");
+}
+
+/* The device-resident path: queue, five buffers, three writes, ape_attention_enqueue, two reads,
+ * a synchronisation. */
+TEST_F_TIMEOUT(af, enqueue, 300)
+{
+	run_case(_metadata, self->dev, 1, FX_ENQUEUE, 64, 0, "resident buffers and enqueue");
+}
+
+/* The DLPack call on kDLCPU tensors: wrappers, a queue, the enqueue, all released. */
+TEST_F_TIMEOUT(af, dlpack, 300)
+{
+	const char *why = fx_no_host_memory(self->dev[0]);
+
+	if (why)
+		SKIP(return, "kDLCPU tensors need a device computing on host memory: %s", why);
+	run_case(_metadata, self->dev, 1, FX_DLPACK, 64, 0, "DLPack call on kDLCPU tensors");
 }
 
 /* Creating a context enumerates every device (drivers, DRM, hwloc, the merge into physical

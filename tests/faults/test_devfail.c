@@ -3,8 +3,9 @@
  * Device-failure injection: a wrapper backend (tests/common/wrapops.c) in front of the reference
  * or the OpenCL backend fails each fallible op at each of its occurrences in turn, then loses the
  * device for good from each point of the run on, for a one-shot call, a streamed call (3 x 3
- * chunks, pipelined), a call over two devices (the wrapped one failing, the other healthy) and a
- * KV-cache session. Every broken run must return the injected error with a message that names
+ * chunks, pipelined), a call over two devices (the wrapped one failing, the other healthy), a
+ * KV-cache session, the device-resident path (buffers, queue, ape_attention_enqueue) and the
+ * DLPack call; and a device lost between ape_attention_enqueue() and ape_queue_synchronize(). Every broken run must return the injected error with a message that names
  * the device and the operation, leave the inputs byte-identical and the outputs as README's
  * 'Outputs on failure' says, and must not hang; the context must then serve the next call, on
  * this device and the other one, with the clean result; ASan/LSan (make faults-ci) see no leak.
@@ -50,7 +51,8 @@ static void judge(struct __test_metadata *_metadata, fx_call *c, ape_device *hea
 			TH_LOG("%s #%llu: a failure was swallowed", what, (unsigned long long)n);
 	} else {
 		t->errors++;
-		EXPECT_EQ(op == WRAP_BUF_ALLOC ? APE_ENOMEM : APE_EDEVLOST, ret)
+		EXPECT_EQ(op == WRAP_BUF_ALLOC || op == WRAP_BUF_WRAP ? APE_ENOMEM : APE_EDEVLOST,
+			  ret)
 			TH_LOG("%s #%llu: %s", what, (unsigned long long)n, c->msg);
 		EXPECT_NE(NULL, strstr(c->msg, name))
 			TH_LOG("%s #%llu: the message does not name the device: %s", what,
@@ -124,36 +126,110 @@ static void sweep(struct __test_metadata *_metadata, fx_call *c, ape_device *hea
 }
 
 /* Prepares the call (its clean run first) and sweeps it. */
-static void run_case(struct __test_metadata *_metadata, ape_device **devs, int ndev, bool kv,
-		     int64_t L, int64_t chunk, ape_device *healthy, const char *what)
+static void run_case(struct __test_metadata *_metadata, ape_device **devs, int ndev,
+		     enum fx_mode mode, int64_t L, int64_t chunk, ape_device *healthy,
+		     const char *what)
 {
 	fx_call c;
 
-	ASSERT_EQ(0, fx_call_init(&c, devs, ndev, kv, L, chunk)) TH_LOG("%s", c.msg);
+	ASSERT_EQ(0, fx_call_init(&c, devs, ndev, mode, L, chunk)) TH_LOG("%s", c.msg);
 	sweep(_metadata, &c, healthy, what);
 	fx_call_free(&c);
 }
 
 TEST_F_TIMEOUT(df, one_shot, 600)
 {
-	run_case(_metadata, self->dev, 1, false, 64, 0, self->dev[1], "one-shot");
+	run_case(_metadata, self->dev, 1, FX_FORWARD, 64, 0, self->dev[1], "one-shot");
 }
 
 TEST_F_TIMEOUT(df, streamed, 600)
 {
-	run_case(_metadata, self->dev, 1, false, 192, 64, self->dev[1], "streamed 3x3");
+	run_case(_metadata, self->dev, 1, FX_FORWARD, 192, 64, self->dev[1], "streamed 3x3");
 }
 
 /* The wrapped device fails, the other one is healthy: the call fails (no redistribution: the
  * design stops every worker at the first failure) and names the failing device. */
 TEST_F_TIMEOUT(df, two_devices, 600)
 {
-	run_case(_metadata, self->dev, 2, false, 192, 64, NULL, "two devices");
+	run_case(_metadata, self->dev, 2, FX_FORWARD, 192, 64, NULL, "two devices");
 }
 
 TEST_F_TIMEOUT(df, kv_cache, 600)
 {
-	run_case(_metadata, self->dev, 1, true, 80, 0, self->dev[1], "KV cache");
+	run_case(_metadata, self->dev, 1, FX_KV, 80, 0, self->dev[1], "KV cache");
+}
+
+/* The device-resident path: each op of queue, buffers, writes, enqueue, reads and
+ * synchronisation failed in turn, then the device lost from each point on. */
+TEST_F_TIMEOUT(df, enqueue, 600)
+{
+	run_case(_metadata, self->dev, 1, FX_ENQUEUE, 64, 0, self->dev[1], "resident");
+}
+
+/* The DLPack call on kDLCPU tensors (wrappers of host memory, libape's queue). */
+TEST_F_TIMEOUT(df, dlpack, 600)
+{
+	const char *why = fx_no_host_memory(self->dev[0]);
+
+	if (why)
+		SKIP(return, "kDLCPU tensors need a device computing on host memory: %s", why);
+	run_case(_metadata, self->dev, 1, FX_DLPACK, 64, 0, NULL, "DLPack");
+}
+
+/*
+ * The device is lost after ape_attention_enqueue() returned: the failure comes out of the next
+ * ape_queue_synchronize(), naming the device and the call that enqueued the work; the buffers
+ * and the queue are still released, and the device serves the next call once it works again.
+ */
+TEST_F_TIMEOUT(df, lost_after_enqueue_reported_at_synchronize, 600)
+{
+	ape_device *dev = self->dev[0];
+	const char *name = dev->info.name;
+	ape_buffer *b[4] = { NULL };
+	ape_dtensor t[4];
+	ape_queue *q = NULL;
+	fx_call c;
+	int ret;
+
+	ASSERT_EQ(0, fx_call_init(&c, self->dev, 1, FX_ENQUEUE, 32, 0)) TH_LOG("%s", c.msg);
+	wrap_install(dev, 0);
+	ASSERT_EQ(0, ape_queue_create(dev, &q)) TH_LOG("%s", ape_last_error());
+	for (int i = 0; i < 4; i++) {
+		const ape_tensor *h = i == 0 ? &c.tp.q.t : i == 1 ? &c.tp.k.t : i == 2 ? &c.tp.v.t
+										: &c.tp.o.t;
+		const size_t bytes = (size_t)(h->shape[0] * h->shape[1] * h->shape[2] * h->shape[3]) *
+				     sizeof(float);
+
+		ASSERT_EQ(0, ape_buffer_alloc(dev, bytes, &b[i])) TH_LOG("%s", ape_last_error());
+		ape_dtensor_init(&t[i], b[i], 0, APE_F32, h->shape[0], h->shape[1], h->shape[2],
+				 h->shape[3]);
+		if (i < 3)
+			ASSERT_EQ(0, ape_buffer_write(q, b[i], 0, h->data, bytes));
+	}
+	ASSERT_EQ(0, ape_queue_synchronize(q)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, ape_attention_enqueue(q, &c.tp.desc, &t[0], &t[1], &t[2], &t[3], NULL))
+	TH_LOG("%s", ape_last_error());
+	wrap_lose_device(1); /* from the next fallible op on */
+	ret = ape_queue_synchronize(q);
+	EXPECT_EQ(APE_EDEVLOST, ret);
+	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_queue_synchronize")) TH_LOG("%s",
+										    ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_enqueue #4"))
+	TH_LOG("the message does not name the call: %s", ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), name))
+	TH_LOG("the message does not name the device: %s", ape_last_error());
+	/* a lost device fails every later op too; release still works */
+	EXPECT_EQ(APE_EDEVLOST, ape_attention_enqueue(q, &c.tp.desc, &t[0], &t[1], &t[2], &t[3],
+						      NULL));
+	ape_queue_destroy(q);
+	for (int i = 0; i < 4; i++)
+		ape_buffer_free(b[i]);
+	wrap_lose_device(0);
+	EXPECT_EQ(0, wrap_get().live_bytes) TH_LOG("device buffers leaked");
+	EXPECT_EQ(0, fx_call_run(&c)) TH_LOG("%s", c.msg);
+	EXPECT_EQ(NULL, fx_call_verify(&c, 0));
+	wrap_remove();
+	fx_call_free(&c);
 }
 
 TEST_HARNESS_MAIN

@@ -25,74 +25,10 @@
 #include "ape/ape.h"
 #include "api/validate.h"
 
-int LLVMFuzzerInitialize(int *argc, char ***argv);
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-static ape_context *ctx;
-static ape_device *ref;
-
-static void check(int cond, const char *what)
-{
-	if (!cond) {
-		fprintf(stderr, "fuzz_problem: broken promise: %s (last error: %s)\n", what,
-			ape_last_error());
-		abort();
-	}
-}
-
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-	ape_context_options o;
-	ape_selection sel;
-
-	(void)argc;
-	(void)argv;
-	ape_context_options_init(&o);
-	o.backends = "ref";
-	o.numa = APE_NUMA_OFF;
-	check(ape_context_create(&ctx, &o) == 0, "ape_context_create");
-	check(ape_device_select(ctx, "ref", -1, &sel) == 0, "ape_device_select(ref)");
-	ref = sel.device;
-	return 0;
-}
+#define FUZZ_NAME "fuzz_problem"
+#include "fuzz/fuzz_input.h"
 
 /* ---------------------------------------------------------------- reading the input */
-
-struct in {
-	const uint8_t *p;
-	size_t n;
-};
-
-static uint64_t take(struct in *in, int bytes) /* little-endian; zeros once exhausted */
-{
-	uint64_t v = 0;
-
-	for (int i = 0; i < bytes && in->n; i++, in->n--)
-		v |= (uint64_t)*in->p++ << (8 * i);
-	return v;
-}
-
-/* Sizes, strides and positions: mostly small, sometimes at the edges of int64. */
-static int64_t take_int(struct in *in)
-{
-	static const int64_t edge[16] = {
-		-1, INT64_MIN, INT64_MAX, INT64_MAX - 1, (int64_t)1 << 31, (int64_t)1 << 32,
-		(int64_t)1 << 62, ((int64_t)1 << 62) + 1, 255, 256, 257, 258, -2, INT64_MIN + 1,
-		(int64_t)1 << 40, 3037000500 /* sqrt(2^63) */,
-	};
-	unsigned c = (unsigned)take(in, 1);
-
-	switch (c >> 5) {
-	case 5:
-		return (int64_t)take(in, 8);
-	case 6:
-		return edge[c & 15];
-	case 7:
-		return (int64_t)take(in, 2);
-	default:
-		return c & 31;
-	}
-}
 
 static float take_float(struct in *in)
 {

@@ -101,3 +101,31 @@ bad = bytearray(entry(binary))
 bad[-1] ^= 1
 put("cache", "bad_checksum.bin", bytes(bad))
 put("cache", "other_key.bin", entry(binary, KEY[:-1] + b"0"))
+
+
+# ---- resident: the byte encoding fuzz_resident.c reads (see take_shape(), fuzz_enqueue() and
+# fuzz_dlpack() there). Small ints are one byte below 160; floats in the buffers small and finite.
+def floats(n, seed):
+    return b"".join(struct.pack("<f", ((i * 37 + seed) % 17 - 8) / 8.0) for i in range(n))
+
+
+def shape(B, H, Hkv, Lq, Lk, Dhalf, dt=0, flags=2):
+    return bytes([B, H, Hkv, Lq, Lk, Dhalf, dt, flags])
+
+
+# enqueue: one buffer of 1024 bytes holding q, k, v, o, lse at element offsets 0, 48, 88, 128, 176
+put("resident", "enqueue_one_buffer.bin",
+    shape(1, 2, 1, 3, 5, 4) + b"\1" + b"\0" + struct.pack("<H", 1023) + floats(256, 1) +
+    b"".join(b"\0" + struct.pack("<H", off) + b"\0" for off in (0, 48, 88, 128, 176)) +
+    b"\0" + b"\0" + struct.pack("<H", 64))
+# enqueue: q, k, v in one buffer, o and lse in a second, [B, L, H, D] strides with padding
+put("resident", "enqueue_two_buffers_blhd.bin",
+    shape(1, 2, 2, 4, 4, 4) + b"\1" + b"\1" + struct.pack("<H", 1999) + floats(500, 2) +
+    struct.pack("<H", 999) + floats(250, 3) +
+    b"".join(bytes([w]) + struct.pack("<H", off) + b"\2\2" for w, off in
+             ((0, 0), (0, 100), (0, 200), (1, 0), (1, 100))) + b"\0" + b"\0\0\0")
+# DLPack: compact kDLCPU tensors, float32, blocks as large as each addresses
+put("resident", "dlpack_compact.bin",
+    shape(1, 2, 1, 3, 5, 4) + b"\0" +
+    b"".join(b"\0\0" + b"\0" + b"\0" + floats(n, i) for i, n in
+             enumerate((48, 40, 40, 48, 6))) + b"\0")

@@ -1,0 +1,71 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * What the host (cuda/cuda_backward.c) passes to the backward kernels (cuda/kernels/backward.cu),
+ * and the tile shapes both sides must agree on. Like args.h: plain fixed-size fields, 8-byte
+ * fields first, one struct by value per launch (all four backward kernels take the same one).
+ */
+#ifndef APE_CUDA_KERNELS_BWD_ARGS_H
+#define APE_CUDA_KERNELS_BWD_ARGS_H
+
+#include <stdint.h>
+
+#include "args.h"
+
+/* Threads sharing one key row (keys sweep) or one query row (queries sweep): each owns 8 pairs,
+ * their 16 components of K, V, Q, dO and of the gradient it accumulates. */
+#define APE_BW_TPR(dmax) ((dmax) / 16)
+/* Key rows per block of the keys sweep, query rows per block of the queries sweep */
+#define APE_BW_ROWS(dmax) (APE_CU_THREADS / APE_BW_TPR(dmax))
+/* Rows staged in shared memory per step: query rows (with dO) in the keys sweep, key rows (with
+ * V) in the queries sweep, float32 pairs; the rotation recurrence of the queries sweep restarts
+ * from an exact seed at every step. */
+#define APE_BW_STAGE(dmax) ((dmax) == 64 ? 64 : (dmax) == 128 ? 32 : 16)
+/* Distance table entries: every n between a block's rows and a stage's (one unused) */
+#define APE_BW_TBL(dmax) (APE_BW_ROWS(dmax) + APE_BW_STAGE(dmax))
+
+/* Dynamic shared memory of a sweep block, in bytes (backward.cu lays it out; below 48 KB, so no
+ * opt-in): two staged float32 tiles; per distance temp * scale (float), bias and the four
+ * parameter derivatives (double); per staged row 1 / alpha (double), LSE and Dl - dLSE (float);
+ * omega in double and float; the per-row parameter sums of the block (double). */
+#define APE_BW_SMEM(dmax)                                                                          \
+	(2 * APE_BW_STAGE(dmax) * (dmax) * 4 + APE_BW_TBL(dmax) * (4 + 8 + 32) +                  \
+	 APE_BW_STAGE(dmax) * 16 + ((dmax) / 2) * 12 + APE_BW_ROWS(dmax) * 32)
+
+/* Query rows per block of ape_bwd_rows (one warp each) */
+#define APE_BW_ROWS_PER_BLOCK (APE_CU_THREADS / 32)
+
+/* The row table ape_bwd_rows writes: per query row, these doubles (alpha_i follows from sigma_i
+ * and the head's lambda where it is used) */
+#define APE_BW_RI_SIGMA 0
+#define APE_BW_RI_MEAN 1
+#define APE_BW_RI_DSUB 2 /* Dl_i - dLSE_i, Dl_i = dO_i . O_i */
+#define APE_BW_RI_N 3
+
+/* Launch flags (the forward's APE_CU_F_CAUSAL and APE_CU_F_INTERLEAVED, then these) */
+#define APE_BW_F_DLSE (1u << 8)
+#define APE_BW_F_DQ (1u << 9)
+#define APE_BW_F_DK (1u << 10)
+#define APE_BW_F_DV (1u << 11)
+#define APE_BW_F_DP (1u << 12)
+
+/* Every backward kernel's arguments. */
+struct ape_cu_bwd_args {
+	uint64_t q, k, v, o, lse, dout, dlse; /* inputs (dlse 0: not given) */
+	uint64_t dq, dk, dv; /* float accumulators, 0 when not wanted */
+	uint64_t dparams; /* double [H][4] accumulator, 0 when not wanted */
+	uint64_t rinfo; /* scratch: double [B*H*Lq][APE_BW_RI_N] */
+	uint64_t part; /* scratch: double [B*H][nqt][4], the queries sweep's per-block sums */
+	uint64_t hparams; /* H * 4 floats (delta, beta, gamma, lambda per head), or 0: inline */
+	int64_t Lq, Lk;
+	int64_t rel; /* q_start - k_start */
+	int64_t nqt; /* query blocks of the queries sweep per (batch, head) */
+	int64_t nkt; /* key blocks of the keys sweep per (batch, kv head) */
+	double omega[128]; /* omega_p for p < D / 2, zeros after */
+	double scale;
+	int32_t B, H, Hkv, D;
+	int32_t dt_in, dt_out, dt_do; /* APE_CU_F32, F16, BF16 of q/k/v, o, dout */
+	uint32_t flags; /* APE_CU_F_CAUSAL, APE_CU_F_INTERLEAVED, APE_BW_F_* */
+	float hp[4 * APE_CU_INLINE_HEADS]; /* per-head parameters when H <= APE_CU_INLINE_HEADS */
+};
+
+#endif /* APE_CUDA_KERNELS_BWD_ARGS_H */
