@@ -101,6 +101,18 @@ void ape__ocl_arg_view(struct ape__ocl_args *a, const struct ape__launch *l, int
 		ape__ocl_arg(a, sizeof(cl_long), &x[i]);
 }
 
+int ape__ocl_fast_launch(struct ape__queue *q, struct ape__ocl_args *a, const char *what,
+			 size_t n0, size_t l0, size_t n1)
+{
+	int ret = a->err != CL_SUCCESS ? ape__ocl_error(a->err, "setting up %s", what)
+				       : ape__ocl_enqueue(q, a->k, n0, l0, n1, what);
+
+	if (a->k)
+		clReleaseKernel(a->k);
+	memset(a, 0, sizeof(*a));
+	return ret;
+}
+
 cl_int ape__ocl_fast_flags(const struct ape__launch *l)
 {
 	return (cl_int)l->in_dtype | (cl_int)l->out_dtype << 2 | (l->causal ? APE__FD_CAUSAL : 0) |
@@ -159,17 +171,10 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(flags), &flags);
 	ape__ocl_arg(&a, sizeof(ch), &ch);
 	ape__ocl_arg(&a, sizeof(nsplit), &nsplit);
-	if (a.err != CL_SUCCESS)
-		ret = ape__ocl_error(a.err, "setting up ape_decode");
-	else
-		ret = ape__ocl_enqueue(q, a.k, (size_t)nsplit, 1, (size_t)(l->B * l->Hkv),
-				       "ape_decode");
-	if (a.k)
-		clReleaseKernel(a.k);
+	ret = ape__ocl_fast_launch(q, &a, "ape_decode", (size_t)nsplit, 1, (size_t)(l->B * l->Hkv));
 	if (ret)
 		goto out;
 
-	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, "ape_decode_merge", &a.err);
 	ape__ocl_arg(&a, sizeof(cl_mem), &part);
 	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
@@ -185,13 +190,8 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(rel), &rel);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
 	ape__ocl_arg(&a, sizeof(nsplit), &nsplit);
-	if (a.err != CL_SUCCESS)
-		ret = ape__ocl_error(a.err, "setting up ape_decode_merge");
-	else
-		ret = ape__ocl_enqueue(q, a.k, (size_t)l->Lq, 1, (size_t)(l->B * l->H),
-				       "ape_decode_merge");
-	if (a.k)
-		clReleaseKernel(a.k);
+	ret = ape__ocl_fast_launch(q, &a, "ape_decode_merge", (size_t)l->Lq, 1,
+				   (size_t)(l->B * l->H));
 out:
 	if (prm)
 		clReleaseMemObject(prm);

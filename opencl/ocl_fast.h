@@ -35,6 +35,10 @@ uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape__launc
 cl_mem ape__ocl_fast_params(struct ape__queue *q, const struct ape__launch *l, cl_int *err);
 /* The view of tensor t as four kernel arguments (offset, B, H and L strides). */
 void ape__ocl_arg_view(struct ape__ocl_args *a, const struct ape__launch *l, int t);
+/* Enqueues a->k (arguments set through a) over (n0, n1) with local size l0, releases it and
+ * clears *a for the next kernel; the first failure, as ape__ocl_enqueue() reports it. */
+int ape__ocl_fast_launch(struct ape__queue *q, struct ape__ocl_args *a, const char *what,
+			 size_t n0, size_t l0, size_t n1);
 /* The flags every fast kernel takes. */
 cl_int ape__ocl_fast_flags(const struct ape__launch *l);
 

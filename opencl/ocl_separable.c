@@ -7,7 +7,6 @@
  * GEMM-shaped blocks. Scratch: the rotated Q and K, V in float32, the norms (ape__ocl_separable_scratch counts
  * them for the executor's budget).
  */
-#include <string.h>
 
 #include "core/error.h"
 #include "ocl_fast.h"
@@ -116,15 +115,10 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(flags), &flags);
 	ape__ocl_arg(&a, sizeof(cl_mem), &qr);
 	ape__ocl_arg(&a, sizeof(cl_mem), &qn);
-	ret = a.err != CL_SUCCESS ? ape__ocl_error(a.err, "setting up ape_sep_rot_q")
-				  : ape__ocl_enqueue(q, a.k, (size_t)Lqp, 16, (size_t)(l->B * l->H),
-						     "ape_sep_rot_q");
-	if (a.k)
-		clReleaseKernel(a.k);
+	ret = ape__ocl_fast_launch(q, &a, "ape_sep_rot_q", (size_t)Lqp, 16, (size_t)(l->B * l->H));
 	if (ret)
 		goto out;
 
-	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, "ape_sep_rot_k", &a.err);
 	ape__ocl_arg(&a, sizeof(cl_mem), &l->k->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), &l->v->mem);
@@ -139,28 +133,18 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(cl_mem), &kt);
 	ape__ocl_arg(&a, sizeof(cl_mem), &vf);
 	ape__ocl_arg(&a, sizeof(cl_mem), &tiles);
-	ret = a.err != CL_SUCCESS ? ape__ocl_error(a.err, "setting up ape_sep_rot_k")
-				  : ape__ocl_enqueue(q, a.k, (size_t)ntk, 1, (size_t)(l->B * l->Hkv),
-						     "ape_sep_rot_k");
-	if (a.k)
-		clReleaseKernel(a.k);
+	ret = ape__ocl_fast_launch(q, &a, "ape_sep_rot_k", (size_t)ntk, 1, (size_t)(l->B * l->Hkv));
 	if (ret)
 		goto out;
 
-	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, "ape_sep_kscan", &a.err);
 	ape__ocl_arg(&a, sizeof(cl_mem), &tiles);
 	ape__ocl_arg(&a, sizeof(ntk), &ntk);
 	ape__ocl_arg(&a, sizeof(cl_mem), &pre);
-	ret = a.err != CL_SUCCESS ? ape__ocl_error(a.err, "setting up ape_sep_kscan")
-				  : ape__ocl_enqueue(q, a.k, (size_t)(l->B * l->Hkv), 1, 1,
-						     "ape_sep_kscan");
-	if (a.k)
-		clReleaseKernel(a.k);
+	ret = ape__ocl_fast_launch(q, &a, "ape_sep_kscan", (size_t)(l->B * l->Hkv), 1, 1);
 	if (ret)
 		goto out;
 
-	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, "ape_sep_attn", &a.err);
 	ape__ocl_arg(&a, sizeof(cl_mem), &qr);
 	ape__ocl_arg(&a, sizeof(cl_mem), &kt);
@@ -184,11 +168,8 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(scale), &scale);
 	ape__ocl_arg(&a, sizeof(tol), &tol);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
-	ret = a.err != CL_SUCCESS ? ape__ocl_error(a.err, "setting up ape_sep_attn")
-				  : ape__ocl_enqueue(q, a.k, (size_t)(Lqp / SEP_BQ), 1,
-						     (size_t)(l->B * l->H), "ape_sep_attn");
-	if (a.k)
-		clReleaseKernel(a.k);
+	ret = ape__ocl_fast_launch(q, &a, "ape_sep_attn", (size_t)(Lqp / SEP_BQ), 1,
+				   (size_t)(l->B * l->H));
 out:
 	if (prm)
 		clReleaseMemObject(prm);

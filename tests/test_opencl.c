@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "ape_test.h"
+#include "common/opencl_present.h"
 #include "common/problem.h"
 
 #ifdef APE_HAVE_OPENCL
@@ -1220,40 +1221,6 @@ TEST(many_heads_split_launch)
 	ape_context_destroy(d.ctx);
 }
 
-/*
- * Is there any OpenCL platform? Asked in a child process: PoCL starts threads when loaded, and
- * the harness forks every test from this process, where those threads would not exist.
- * 0: yes; 4: none at all; 1: something else is wrong (the tests then run and fail).
- */
-static int opencl_platform_present(void)
-{
-	pid_t pid = fork();
-	int status;
-
-	if (pid == 0) {
-		ape_context_options o;
-		ape_backend_info bi;
-		ape_context *ctx;
-		int n;
-
-		ape_context_options_init(&o);
-		o.backends = "opencl";
-		if (ape_context_create(&ctx, &o))
-			_exit(1);
-		n = ape_backend_get_info(ctx, -1, NULL);
-		for (int i = 0; i < n; i++)
-			if (!ape_backend_get_info(ctx, i, &bi) && !strcmp(bi.name, "opencl"))
-				_exit(bi.available ? 0
-				      : !strncmp(bi.reason, APE__OCL_NO_PLATFORM,
-						 strlen(APE__OCL_NO_PLATFORM))
-					      ? 4
-					      : 1);
-		_exit(1);
-	}
-	if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status))
-		return 1;
-	return WEXITSTATUS(status);
-}
 #endif /* APE_HAVE_OPENCL */
 
 static void __attribute__((constructor)) __constructor_order_last(void)
@@ -1277,7 +1244,7 @@ int main(int argc, char **argv)
 #ifndef APE_HAVE_OPENCL
 	ksft_exit_skip("the OpenCL backend is not built into this libape\n");
 #else
-	if (opencl_platform_present() == 4)
+	if (test_opencl_platform_present() == 4)
 		ksft_exit_skip("no OpenCL platform on this machine (make deps installs PoCL)\n");
 	/* the programs these tests build go to a cache of their own, not the user's */
 	if (mkdtemp(cache_dir)) {
