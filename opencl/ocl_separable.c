@@ -13,6 +13,7 @@
 
 #define SEP_BQ 16 /* kernels/separable.cl */
 #define SEP_BK 16
+#define SEP_NB 4
 
 static int64_t round_up(int64_t x, int64_t m)
 {
@@ -168,7 +169,8 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(scale), &scale);
 	ape__ocl_arg(&a, sizeof(tol), &tol);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
-	ret = ape__ocl_fast_launch(q, &a, "ape_sep_attn", (size_t)(Lqp / SEP_BQ), 1,
+	ret = ape__ocl_fast_launch(q, &a, "ape_sep_attn",
+				   (size_t)((Lqp / SEP_BQ + SEP_NB - 1) / SEP_NB), 1,
 				   (size_t)(l->B * l->H));
 out:
 	if (prm)

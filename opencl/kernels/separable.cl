@@ -19,6 +19,7 @@
 
 #define SEP_BQ 16 /* query rows per work-item (ocl_separable.c mirrors it) */
 #define SEP_BK 16 /* keys per tile: one float16 */
+#define SEP_NB 4 /* row blocks per work-item, sharing each key tile (ocl_separable.c) */
 
 #define FS_SKIP 256 /* ocl_fast.h */
 
@@ -178,152 +179,173 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 			   float scale, float tol, int flags)
 {
 	/* the heaviest causal blocks (the last ones) are handed out first */
-	const long qb = (long)get_num_groups(0) - 1 - (long)get_group_id(0);
-	const long bh = get_global_id(1), b = bh / H, i0 = qb * SEP_BQ;
+	const long wg = (long)get_num_groups(0) - 1 - (long)get_group_id(0);
+	const long bh = get_global_id(1), b = bh / H;
 	const int h = (int)(bh % H), P = DEC_DIM / 2;
 	const int causal = (flags & FD_CAUSAL) != 0, skip = causal && (flags & FS_SKIP) != 0;
 	const long bkv = b * (H / group) + h / group, ntk = Lkp / SEP_BK;
-	const long nrow = min((long)SEP_BQ, Lq - i0);
-	__global const float *qt = Qt + (bh * Lqp + i0) * DEC_DIM;
 	__global const float *kr = Kr + bkv * Lkp * DEC_DIM;
 	__global const float *vf = Vf + bkv * Lkp * DEC_DIM;
 	const float delta = (float)prm[P + 4 * h];
 	const int16 iota = vload16(0, sep_iota);
-	/* lane r: the anchor key d0 (|n| - |n_anchor| = |d0 - j| for every visible key j) */
-	const int16 d0 = convert_int16(clamp(convert_long16(iota) + (rel + i0), 0L, Lk - 1));
-	float16 acc[DEC_DMAX], m = (float16)(-INFINITY), l = (float16)0.0f;
+	/* per row block g of the work-item: rows i0[g] .. i0[g] + 15 in the lanes */
+	float16 acc[SEP_NB][DEC_DMAX], m[SEP_NB], l[SEP_NB];
+	int16 d0[SEP_NB]; /* lane r: the anchor key (|n| - |n_anchor| = |d0 - j| when visible) */
+	long i0[SEP_NB], nrow[SEP_NB], tstart[SEP_NB], tlo[SEP_NB], thi[SEP_NB];
+	int done[SEP_NB];
+	APE_REAL crow[SEP_NB][SEP_BQ];
 	float16 p[SEP_BK];
 	int16 vis[SEP_BK];
-	APE_REAL crow[SEP_BQ];
 	float ms[SEP_BQ], ls[SEP_BQ];
-	long tstart, tend, tlo, thi;
+	long tfirst = -1, tend;
 
-	if (nrow <= 0)
-		return;
-	for (int r = 0; r < SEP_BQ; r++)
-		crow[r] = ape_bias((APE_REAL)prm[P + 4 * h], 0, 0,
-				   (APE_REAL)ape_anchor_distance(rel + i0 + r, Lk, causal));
-	for (int d = 0; d < DEC_DIM; d++)
-		acc[d] = (float16)0.0f;
-	/* tiles: causal from the last row's diagonal backward, else all of them in order */
-	if (causal) {
-		const long dl = rel + i0 + nrow - 1;
+	for (int g = 0; g < SEP_NB; g++) {
+		i0[g] = (wg * SEP_NB + g) * SEP_BQ;
+		nrow[g] = clamp(Lq - i0[g], 0L, (long)SEP_BQ);
+		d0[g] = convert_int16(clamp(convert_long16(iota) + (rel + i0[g]), 0L, Lk - 1));
+		for (int r = 0; r < SEP_BQ; r++)
+			crow[g][r] = ape_bias((APE_REAL)prm[P + 4 * h], 0, 0,
+					      (APE_REAL)ape_anchor_distance(rel + i0[g] + r, Lk,
+									    causal));
+		for (int d = 0; d < DEC_DIM; d++)
+			acc[g][d] = (float16)0.0f;
+		m[g] = (float16)(-INFINITY);
+		l[g] = (float16)0.0f;
+		/* tiles: causal from the block's last diagonal backward, else all in order */
+		if (causal) {
+			const long dl = rel + i0[g] + nrow[g] - 1;
 
-		tstart = dl < 0 ? -1 : min(dl, Lk - 1) / SEP_BK;
-		tend = -1;
-	} else {
-		tstart = 0;
-		tend = ntk;
+			tstart[g] = nrow[g] <= 0 || dl < 0 ? -1 : min(dl, Lk - 1) / SEP_BK;
+		} else {
+			tstart[g] = nrow[g] <= 0 ? -1 : 0;
+		}
+		tlo[g] = thi[g] = tstart[g];
+		done[g] = tstart[g] < 0;
+		tfirst = max(tfirst, tstart[g]);
 	}
-	tlo = thi = tstart;
-	for (long t = tstart; t != tend; t += causal ? -1 : 1) {
+	/* every block of the work-item takes a key tile while it is in L1 (no tile at all when no
+	 * row sees a key: the outputs below are still written) */
+	tend = causal || tfirst < 0 ? -1 : ntk;
+	for (long t = tfirst < 0 ? -1 : causal ? tfirst : 0; t != tend; t += causal ? -1 : 1) {
 		const long k0 = t * SEP_BK;
 		const int len = (int)min((long)SEP_BK, Lk - k0);
-		const int masked = len < SEP_BK || (causal && k0 + SEP_BK - 1 > rel + i0);
-		float16 S[SEP_BK], mt, corr, lsum = (float16)0.0f;
+		int all_done = 1;
 
-#pragma unroll
-		for (int j = 0; j < SEP_BK; j++)
-			S[j] = (float16)0.0f;
-		/* the scores: 16 rows (lanes) x 16 keys, one query vector per d */
-		NOUNROLL
-		for (int d = 0; d < DEC_DIM; d++) {
-			const float16 qv = vload16(0, qt + d * SEP_BQ);
+		for (int g = 0; g < SEP_NB; g++) {
+			__global const float *qt = Qt + (bh * Lqp + i0[g]) * DEC_DIM;
+			const int masked = len < SEP_BK || (causal && k0 + SEP_BK - 1 > rel + i0[g]);
+			float16 S[SEP_BK], mt, corr, lsum = (float16)0.0f;
 
+			if (done[g] || (causal && t > tstart[g]))
+				continue;
 #pragma unroll
 			for (int j = 0; j < SEP_BK; j++)
-				S[j] = fma(qv, (float16)kr[(k0 + j) * DEC_DIM + d], S[j]);
-		}
-		/* bias, masks, then one online-softmax update for the tile, lane-wise ('>' and
-		 * fmax ignore NaN, exp keeps it; a non-finite dot makes the score NaN) */
-		mt = m;
+				S[j] = (float16)0.0f;
+			/* the scores: 16 rows (lanes) x 16 keys, one query vector per d */
+			NOUNROLL
+			for (int d = 0; d < DEC_DIM; d++) {
+				const float16 qv = vload16(0, qt + d * SEP_BQ);
+
 #pragma unroll
-		for (int j = 0; j < SEP_BK; j++) {
-			float16 s = S[j];
-
-			if (delta != 0.0f) /* ape_bias_diff_f with beta = gamma = 0 */
-				s -= delta * convert_float16(abs(d0 - ((int)k0 + j)));
-			s = select((float16)NAN, s, isfinite(S[j]));
-			if (masked) {
-				/* lane r sees key k0 + j iff rel + i0 + r >= k0 + j */
-				const long need = k0 + j - (rel + i0);
-				const int16 v = j >= len		   ? (int16)0
-						: !causal || need <= 0 ? (int16)(-1)
-						: need < SEP_BQ	   ? iota >= (int16)(int)need
-								   : (int16)0;
-
-				vis[j] = v;
-				s = select((float16)(-INFINITY), s, v);
+				for (int j = 0; j < SEP_BK; j++)
+					S[j] = fma(qv, (float16)kr[(k0 + j) * DEC_DIM + d], S[j]);
 			}
-			S[j] = s;
-			mt = fmax(mt, s);
-		}
-		corr = select(select(dec_exp16(m - mt), (float16)0.0f, m - mt < -87.0f), (float16)1.0f,
-			      m == mt);
+			/* bias, masks, then one online-softmax update for the tile, lane-wise ('>'
+			 * and fmax ignore NaN, exp keeps it; a non-finite dot makes the score NaN) */
+			mt = m[g];
 #pragma unroll
-		for (int j = 0; j < SEP_BK; j++) {
-			const float16 dd = S[j] - mt;
+			for (int j = 0; j < SEP_BK; j++) {
+				float16 s = S[j];
 
-			p[j] = select(dec_exp16(dd), (float16)0.0f,
-				      dd < -87.0f || S[j] == (float16)(-INFINITY));
-			lsum += p[j];
-		}
-		l = l * corr + lsum;
-		m = mt;
-		sep_pv(vf + k0 * DEC_DIM, D, masked, corr, p, vis, acc);
-		tlo = min(tlo, t);
-		thi = max(thi, t);
+				if (delta != 0.0f) /* ape_bias_diff_f with beta = gamma = 0 */
+					s -= delta * convert_float16(abs(d0[g] - ((int)k0 + j)));
+				s = select((float16)NAN, s, isfinite(S[j]));
+				if (masked) {
+					/* lane r sees key k0 + j iff rel + i0 + r >= k0 + j */
+					const long need = k0 + j - (rel + i0[g]);
+					const int16 v = j >= len		   ? (int16)0
+							: !causal || need <= 0 ? (int16)(-1)
+							: need < SEP_BQ	   ? iota >= (int16)(int)need
+									   : (int16)0;
 
-		/* far keys (causal, walking backward): stop once every row may leave out the
-		 * keys before this tile */
-		if (skip && t > 0) {
-			const APE_REAL kb = kpre[bkv * (ntk + 1) + t];
-			int stop = 1;
-
-			vstore16(m, 0, ms);
-			vstore16(l, 0, ls);
-			for (int r = 0; r < nrow && stop; r++) {
-				const long diag = rel + i0 + r, cnt = min(k0, diag + 1);
-
-				if (cnt <= 0)
-					continue;
-				stop = ape_may_skip(0, prm[P + 4 * h], 0, 0, fabs((APE_REAL)scale),
-						    qn[bh * Lqp + i0 + r], kb,
-						    ape_min_abs(diag - cnt + 1, diag), cnt, crow[r],
-						    ms[r], ls[r], -INFINITY, tol);
+					vis[j] = v;
+					s = select((float16)(-INFINITY), s, v);
+				}
+				S[j] = s;
+				mt = fmax(mt, s);
 			}
-			if (stop)
-				break;
+			corr = select(select(dec_exp16(m[g] - mt), (float16)0.0f, m[g] - mt < -87.0f),
+				      (float16)1.0f, m[g] == mt);
+#pragma unroll
+			for (int j = 0; j < SEP_BK; j++) {
+				const float16 dd = S[j] - mt;
+
+				p[j] = select(dec_exp16(dd), (float16)0.0f,
+					      dd < -87.0f || S[j] == (float16)(-INFINITY));
+				lsum += p[j];
+			}
+			l[g] = l[g] * corr + lsum;
+			m[g] = mt;
+			sep_pv(vf + k0 * DEC_DIM, D, masked, corr, p, vis, acc[g]);
+			tlo[g] = min(tlo[g], t);
+			thi[g] = max(thi[g], t);
+
+			/* far keys (causal, walking backward): the block stops once every row may
+			 * leave out the keys before this tile */
+			if (skip && t > 0) {
+				const APE_REAL kb = kpre[bkv * (ntk + 1) + t];
+				int stop = 1;
+
+				vstore16(m[g], 0, ms);
+				vstore16(l[g], 0, ls);
+				for (int r = 0; r < nrow[g] && stop; r++) {
+					const long diag = rel + i0[g] + r, cnt = min(k0, diag + 1);
+
+					if (cnt <= 0)
+						continue;
+					stop = ape_may_skip(0, prm[P + 4 * h], 0, 0,
+							    fabs((APE_REAL)scale),
+							    qn[bh * Lqp + i0[g] + r], kb,
+							    ape_min_abs(diag - cnt + 1, diag), cnt,
+							    crow[g][r], ms[r], ls[r], -INFINITY, tol);
+				}
+				done[g] = stop;
+			}
+			all_done &= done[g];
 		}
+		if (skip && all_done)
+			break;
 	}
 
 	/* outputs: O = acc / l (0 with no key), LSE = c_row + m + ln l, the pairs computed */
-	{
-		const float16 inv = select((float16)1.0f / l, (float16)0.0f, l == (float16)0.0f);
+	for (int g = 0; g < SEP_NB; g++) {
+		const float16 inv = select((float16)1.0f / l[g], (float16)0.0f, l[g] == (float16)0.0f);
 		float o[SEP_BQ];
 
-		vstore16(m, 0, ms);
-		vstore16(l, 0, ls);
+		vstore16(m[g], 0, ms);
+		vstore16(l[g], 0, ls);
 		for (int d = 0; d < DEC_DIM; d++) {
-			vstore16(acc[d] * inv, 0, o);
-			for (int r = 0; r < nrow; r++)
-				st(O, ooff + b * osb + h * osh + (i0 + r) * osl + d, o[r],
+			vstore16(acc[g][d] * inv, 0, o);
+			for (int r = 0; r < nrow[g]; r++)
+				st(O, ooff + b * osb + h * osh + (i0[g] + r) * osl + d, o[r],
 				   FD_DT_OUT(flags));
 		}
-	}
-	for (int r = 0; r < nrow; r++) {
-		const long i = i0 + r, diag = rel + i;
+		for (int r = 0; r < nrow[g]; r++) {
+			const long i = i0[g] + r, diag = rel + i;
 
-		if (flags & FD_LSE)
-			LSE[loff + b * lsb + h * lsh + i * lsl] =
-				ls[r] > 0.0f ? (float)(crow[r] + (APE_REAL)ms[r] + log((APE_REAL)ls[r]))
-				: ls[r] == 0.0f ? -INFINITY
-						: NAN;
-		if (flags & FD_PAIRS) {
-			const long jb = tstart < 0 ? 0 : tlo * SEP_BK;
-			const long je = tstart < 0 ? 0 : min((thi + 1) * SEP_BK, Lk);
+			if (flags & FD_LSE)
+				LSE[loff + b * lsb + h * lsh + i * lsl] =
+					ls[r] > 0.0f ? (float)(crow[g][r] + (APE_REAL)ms[r] +
+							       log((APE_REAL)ls[r]))
+					: ls[r] == 0.0f ? -INFINITY
+							: NAN;
+			if (flags & FD_PAIRS) {
+				const long jb = tstart[g] < 0 ? 0 : tlo[g] * SEP_BK;
+				const long je = tstart[g] < 0 ? 0 : min((thi[g] + 1) * SEP_BK, Lk);
 
-			PAIRS[bh * Lq + i] = (ulong)max(0L, (causal ? min(je, diag + 1) : je) - jb);
+				PAIRS[bh * Lq + i] =
+					(ulong)max(0L, (causal ? min(je, diag + 1) : je) - jb);
+			}
 		}
 	}
 }
