@@ -26,21 +26,7 @@
 #include "../opencl/ocl_debug.h"
 #define CL_TARGET_OPENCL_VERSION 120 /* as opencl/module.mk builds the backend */
 #include "../opencl/ocl_fast.h"
-
-struct devs {
-	ape_context *ctx;
-	ape_device *ocl, *ref;
-};
-
-static void devs_open(struct __test_metadata *_metadata, struct devs *d)
-{
-	d->ctx = test_context("ref,opencl");
-	ASSERT_NE(NULL, d->ctx);
-	d->ocl = test_device(d->ctx, "opencl");
-	d->ref = test_device(d->ctx, "ref");
-	ASSERT_NE(NULL, d->ocl) TH_LOG("no OpenCL device although PoCL should be installed");
-	ASSERT_NE(NULL, d->ref);
-}
+#include "opencl_compare.h"
 
 /* Only a CPU device gets the fast paths (ocl_fast.h). */
 static int ocl_is_cpu(const struct devs *d)
@@ -78,47 +64,6 @@ static void launch_of(const test_problem *tp, float *hp, struct ape__launch *l)
 	l->decay_nonneg = nonneg;
 	l->skip_tol = nonneg ? tp->desc.skip_tol : 0;
 	l->causal = tp->desc.causal;
-}
-
-/* O errors in units of max|V| (never 0) */
-static double v_scale(const test_problem *tp)
-{
-	return fmax(test_tensor_maxabs(&tp->v.t), 1e-30);
-}
-
-/* Runs tp on OpenCL and on the reference; 0 when within the spec's tolerance. */
-static int compare(struct __test_metadata *_metadata, const struct devs *d, test_problem *tp,
-		   ape_stats *st, const char *what)
-{
-	const ape_dtype dt = tp->q.t.dtype;
-	test_problem r;
-	double eo, el;
-	char desc[512];
-	int ret = 0;
-
-	if (test_problem_clone(&r, tp))
-		return -1;
-	ape_stats_init(st);
-	test_problem_describe(tp, desc, sizeof(desc));
-	if (test_problem_run_stats(tp, d->ocl, st) || test_problem_run(&r, d->ref)) {
-		TH_LOG("%s: %s: forward failed: %s", what, desc, ape_last_error());
-		test_problem_free(&r);
-		return -1;
-	}
-	eo = test_max_err_o(&tp->o.t, &r.o.t) / v_scale(tp);
-	el = tp->lse ? test_max_rel_err_lse(tp->lse, r.lse, tp->rows) : 0;
-	if (!(eo <= test_tol_o(dt)) || !(el <= test_tol_lse(dt))) {
-		TH_LOG("%s: %s: O error %.3g (x max|V|, tolerance %g), LSE error %.3g "
-		       "(tolerance %g)",
-		       what, desc, eo, test_tol_o(dt), el, test_tol_lse(dt));
-		ret = -1;
-	}
-	if (tp->strided && test_problem_padding_intact(tp)) {
-		TH_LOG("%s: %s: wrote outside O's elements", what, desc);
-		ret = -1;
-	}
-	test_problem_free(&r);
-	return ret;
 }
 
 static const int64_t fast_dims[] = { 32, 64, 96, 128, 256 };
@@ -206,7 +151,7 @@ TEST(decode_random_cases_match_reference)
 		launch_of(&tp, hp, &l);
 		took = ocl_is_cpu(&d) && ape__ocl_decode_applies(d.ocl, &l);
 		taken += took;
-		failed += compare(_metadata, &d, &tp, &st, "decode") != 0;
+		failed += compare(_metadata, &d, &tp, &st, "decode", NULL) != 0;
 		if (took)
 			EXPECT_EQ(st.pairs_visible, st.pairs_computed); /* the decode skips nothing */
 		test_problem_free(&tp);
@@ -275,7 +220,7 @@ TEST(separable_random_cases_match_reference)
 		launch_of(&tp, hp, &l);
 		taken += ocl_is_cpu(&d) && !ape__ocl_decode_applies(d.ocl, &l) &&
 			 ape__ocl_separable_applies(d.ocl, &l);
-		failed += compare(_metadata, &d, &tp, &st, "separable") != 0;
+		failed += compare(_metadata, &d, &tp, &st, "separable", NULL) != 0;
 		EXPECT_LE(st.pairs_computed, st.pairs_visible);
 		test_problem_free(&tp);
 	}
@@ -309,7 +254,7 @@ TEST(mixed_heads_match_reference)
 		tp.params[3 * H + ape_rng_range(&rng, 0, H - 1)] = 0.5f; /* one head is not */
 		if (ape_rng_uniform(&rng) < 0.3)
 			tp.params[H + ape_rng_range(&rng, 0, H - 1)] = 0.2f;
-		failed += compare(_metadata, &d, &tp, &st, "mixed") != 0;
+		failed += compare(_metadata, &d, &tp, &st, "mixed", NULL) != 0;
 		test_problem_free(&tp);
 	}
 	EXPECT_EQ(0, failed);
@@ -337,8 +282,8 @@ TEST(separable_skipping_against_dense)
 	tp.desc.skip_tol = 0x1p-24;
 	ASSERT_EQ(0, test_problem_clone(&dense, &tp));
 	dense.desc.skip_tol = 0;
-	ASSERT_EQ(0, compare(_metadata, &d, &tp, &st, "skip"));
-	ASSERT_EQ(0, compare(_metadata, &d, &dense, &sd, "dense"));
+	ASSERT_EQ(0, compare(_metadata, &d, &tp, &st, "skip", NULL));
+	ASSERT_EQ(0, compare(_metadata, &d, &dense, &sd, "dense", NULL));
 	EXPECT_EQ(sd.pairs_visible, sd.pairs_computed);
 	EXPECT_EQ(st.pairs_visible, sd.pairs_visible);
 	ksft_print_msg("skipping: %llu of %llu visible pairs computed\n",
