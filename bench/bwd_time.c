@@ -8,9 +8,12 @@
  * within a round much less). Also the backward with only the parameter gradients wanted
  * (frozen Q, K, V).
  *
- *   bwd_time [backend [L [H [D [repeats [causal]]]]]]     (defaults: opencl 4096 6 64 3 1)
+ *   bwd_time [backend [L [H [D [repeats [causal [skip_tol]]]]]]]
+ *                                             (defaults: opencl 4096 6 64 3 1 0)
  *
- * Built by `make bench-bwd` ($(BUILD)/bench/bwd_time); float32, B = 1, skip_tol = 0.
+ * Built by `make bench-bwd` ($(BUILD)/bench/bwd_time); float32, B = 1. With skip_tol > 0 both
+ * calls may skip keys (the forward's and the backward's bounds); the pairs each computed are
+ * printed.
  */
 #include <math.h>
 #include <stdint.h>
@@ -58,10 +61,12 @@ int main(int argc, char **argv)
 	const int64_t D = argc > 4 ? atoll(argv[4]) : 64;
 	int reps = argc > 5 ? atoi(argv[5]) : 3;
 	const int causal = argc > 6 ? atoi(argv[6]) : 1;
+	const double skip_tol = argc > 7 ? atof(argv[7]) : 0;
 	const size_t n = (size_t)(H * L * D);
 	float *q, *k, *v, *o, *dout, *dq, *dk, *dv, *lse, *dparams;
 	double t[3][2][MAXREP]; /* forward, backward, dparams only; kernel_ms, total_ms */
 	double ratio[3][2][MAXREP]; /* the same over the forward of the same round */
+	uint64_t pairs[3] = { 0, 0, 0 }, visible[3] = { 0, 0, 0 };
 	ape_tensor tq, tk, tv, to, tdo, tdq, tdk, tdv;
 	ape_context_options co;
 	ape_context *ctx;
@@ -91,7 +96,7 @@ int main(int argc, char **argv)
 	desc.beta.value = desc.gamma.value = desc.delta.value / 10;
 	desc.lambda.value = 0.1f;
 	desc.causal = causal;
-	desc.skip_tol = 0;
+	desc.skip_tol = skip_tol;
 	ape_exec_options_init(&eo);
 
 	ape_context_options_init(&co);
@@ -121,6 +126,8 @@ int main(int argc, char **argv)
 			return 1;
 		}
 		for (int x = 0; r >= 0 && x < 3; x++) {
+			pairs[x] = st[x].pairs_computed;
+			visible[x] = st[x].pairs_visible;
 			t[x][0][r] = st[x].kernel_ms;
 			t[x][1][r] = st[x].total_ms;
 			ratio[x][0][r] = st[x].kernel_ms / st[0].kernel_ms;
@@ -131,15 +138,16 @@ int main(int argc, char **argv)
 	}
 	{
 		static const char *const names[3] = { "forward", "backward", "backward, dparams only" };
-		printf("%s, B=1 H=%lld L=%lld D=%lld f32 %s skip_tol=0, median of %d\n",
+		printf("%s, B=1 H=%lld L=%lld D=%lld f32 %s skip_tol=%g, median of %d\n",
 		       sel.device ? backend : "?", (long long)H, (long long)L, (long long)D,
-		       causal ? "causal" : "non-causal", reps);
+		       causal ? "causal" : "non-causal", skip_tol, reps);
 		for (int x = 0; x < 3; x++) {
 			double km = median(t[x][0], reps), tm = median(t[x][1], reps);
 
 			printf("%-24s kernel_ms %9.1f  total_ms %9.1f  (x forward, per round: "
-			       "%.2f kernel, %.2f total)\n",
-			       names[x], km, tm, median(ratio[x][0], reps), median(ratio[x][1], reps));
+			       "%.2f kernel, %.2f total)  pairs %llu of %llu\n",
+			       names[x], km, tm, median(ratio[x][0], reps), median(ratio[x][1], reps),
+			       (unsigned long long)pairs[x], (unsigned long long)visible[x]);
 		}
 	}
 	ape_context_destroy(ctx);

@@ -7,9 +7,11 @@
  * Only the sweeps whose outputs are wanted run.
  *
  * Scratch, released right after it is enqueued (the commands keep it alive), like the
- * forward's: the parameters, float32 copies of Q+dO and K+V, the row table (5 APE_REAL per
- * query row), the distance table (6 per head and distance, H (Lq + Lk - 1)) and the per-row
- * parameter sums (4 per row, with dparams only): the size of the inputs, never O(Lq * Lk).
+ * forward's: the parameters, float32 copies of Q+dO and K+V (Q's rows padded to whole row
+ * vectors), the row table (RI_N APE_REAL per query row), the per-row steps (2 floats per pair
+ * and row), the distance table (TB_N per head and distance, H (Lq + Lk - 1)), the per-row
+ * parameter sums (4 per row, with dparams only) and, with skipping, one key norm per (batch,
+ * kv head): the size of the inputs, never O(Lq * Lk).
  * The core does not count it yet (struct ape__backend_ops has no backward scratch op).
  */
 #include <stdlib.h>
@@ -24,7 +26,7 @@
  * variant of D (ocl_program.c: 64 and 128 specialised, every other D up to 256 generic) */
 static size_t bwd_kt(int64_t D)
 {
-	return D == 64 ? 8 : D == 128 ? 4 : 2;
+	return D == 64 ? 32 : D == 128 ? 16 : 8;
 }
 
 /* Work-items per work-group of the sweeps: whole groups, the excess returns at once. */
@@ -50,6 +52,23 @@ static cl_mem bwd_params(struct ape__queue *q, const struct ape__launch *f, int 
 	return mem;
 }
 
+/* Per (batch, kv head): the largest key norm bound, as float bits, zero until ape_bwd_prep
+ * raises it (an atomic max: the result does not depend on the order). */
+static cl_mem bwd_kmax(const struct ape__ocl_device *od, size_t n, cl_int *err)
+{
+	int *zero = ape__calloc(n, sizeof(int));
+	cl_mem mem;
+
+	if (!zero) {
+		*err = CL_OUT_OF_HOST_MEMORY;
+		return NULL;
+	}
+	mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, n * sizeof(int),
+			     zero, err);
+	free(zero);
+	return mem;
+}
+
 static size_t round_up(size_t n, size_t m)
 {
 	return (n + m - 1) / m * m;
@@ -72,7 +91,7 @@ static int bwd_run(struct ape__queue *q, struct ape__ocl_args *a, size_t n0, siz
 
 /* The arguments both sweeps take first, in kernels/backward.cl's order (BWD_SWEEP_ARGS). */
 struct bwd_sweep {
-	cl_mem qp, kp, prm, rinfo, tab;
+	cl_mem qp, kp, prm, rinfo, step, tab;
 	cl_int npad, D, H, group, flags;
 	cl_long Lq, Lk, rel;
 	cl_float scale;
@@ -85,6 +104,7 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 	ape__ocl_arg(a, sizeof(cl_mem), &w->prm);
 	ape__ocl_arg(a, sizeof(w->npad), &w->npad);
 	ape__ocl_arg(a, sizeof(cl_mem), &w->rinfo);
+	ape__ocl_arg(a, sizeof(cl_mem), &w->step);
 	ape__ocl_arg(a, sizeof(cl_mem), &w->tab);
 	ape__ocl_arg(a, sizeof(w->D), &w->D);
 	ape__ocl_arg(a, sizeof(w->H), &w->H);
@@ -96,31 +116,35 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 	ape__ocl_arg(a, sizeof(w->flags), &w->flags);
 }
 
-/* One of ape_bwd_prep's float32 row copies: pairs of a (first then second components), then b. */
+/* One of ape_bwd_prep's float32 copies: pairs of a (first then second components), then b, for
+ * nbh (batch, head) pairs of L rows each, in blocks of `lanes` rows (kernels/backward.cl). */
 static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
-		    cl_mem b, cl_int dt_b, cl_long rows, cl_int D, cl_int npad, cl_int dpad,
-		    cl_int inter, size_t local, cl_mem *out)
+		    cl_mem b, cl_int dt_b, size_t nbh, cl_long L, cl_int lanes, cl_int D,
+		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, cl_mem *out)
 {
+	const size_t padded = round_up((size_t)L, (size_t)lanes);
 	struct ape__ocl_args args = { 0 };
 	cl_int err;
 
-	*out = ape__ocl_scratch(q, (size_t)rows * (size_t)(2 * npad + dpad) * sizeof(float), NULL,
+	*out = ape__ocl_scratch(q, nbh * padded * (size_t)(2 * npad + dpad) * sizeof(float), NULL,
 				&err);
 	if (!*out)
 		return ape__ocl_error(err, "clCreateBuffer (backward rows of %lld)",
-				      (long long)rows);
+				      (long long)(nbh * padded));
 	args.k = clCreateKernel(pr->prog, "ape_bwd_prep", &args.err);
 	ape__ocl_arg(&args, sizeof(cl_mem), &a);
 	ape__ocl_arg(&args, sizeof(dt_a), &dt_a);
 	ape__ocl_arg(&args, sizeof(cl_mem), &b);
 	ape__ocl_arg(&args, sizeof(dt_b), &dt_b);
-	ape__ocl_arg(&args, sizeof(rows), &rows);
+	ape__ocl_arg(&args, sizeof(L), &L);
+	ape__ocl_arg(&args, sizeof(lanes), &lanes);
 	ape__ocl_arg(&args, sizeof(D), &D);
 	ape__ocl_arg(&args, sizeof(npad), &npad);
 	ape__ocl_arg(&args, sizeof(dpad), &dpad);
 	ape__ocl_arg(&args, sizeof(inter), &inter);
 	ape__ocl_arg(&args, sizeof(cl_mem), out);
-	return bwd_run(q, &args, round_up((size_t)rows, local), local, 1, "ape_bwd_prep");
+	ape__ocl_arg(&args, sizeof(cl_mem), &kmax);
+	return bwd_run(q, &args, round_up(padded, local), local, nbh, "ape_bwd_prep");
 }
 
 int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
@@ -136,10 +160,13 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	cl_int flags = B_DTYPES((cl_int)f->in_dtype, (cl_int)f->out_dtype, (cl_int)l->dout_dtype);
 	const cl_long nmin = rel - (Lk - 1), ndist = Lq + Lk - 1;
 	const cl_int inter = f->layout == APE_ROPE_INTERLEAVED;
-	cl_mem prm = NULL, rinfo = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL, none = NULL;
+	cl_mem prm = NULL, rinfo = NULL, step = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL;
+	cl_mem none = NULL, kmax = NULL;
+	cl_float tol = 0;
 	struct ape__ocl_args a;
 	struct bwd_sweep w;
-	cl_int npad, dpad, err;
+	cl_int npad, dpad, rw, err;
+	size_t nblk;
 	int ret;
 
 	if (!od->fp64)
@@ -151,17 +178,34 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	ret = ape__ocl_program_get(q->dev, f->D, &pr);
 	if (ret)
 		return ret;
-	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)pr->t.rw);
-	dpad = (cl_int)round_up((size_t)f->D, (size_t)pr->t.rw);
+	rw = (cl_int)pr->t.rw; /* query rows per row vector (APE_RW) */
+	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)rw);
+	dpad = (cl_int)round_up((size_t)f->D, (size_t)rw);
+	nblk = ((size_t)Lq + (size_t)rw - 1) / (size_t)rw; /* row vectors per (batch, head) */
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
-		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0);
+		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0) | (f->pairs ? B_PAIRS : 0);
+	/* the skip bound of docs/kernels.md: only with every decay >= 0 */
+	if (f->skip_tol > 0 && f->decay_nonneg) {
+		flags |= B_SKIP;
+		tol = (cl_float)f->skip_tol;
+		kmax = bwd_kmax(od, (size_t)(B * f->Hkv), &err);
+		if (!kmax) {
+			ret = ape__ocl_error(err, "clCreateBuffer (backward key norms)");
+			goto out_release;
+		}
+	}
 
 	prm = bwd_params(q, f, npad, &err);
 	if (prm)
-		rinfo = ape__ocl_scratch(q, rows * RI_N * sizeof(double), NULL, &err);
-	if (rinfo)
-		tab = ape__ocl_scratch(q, (size_t)(H * ndist) * TB_N * sizeof(double), NULL, &err);
+		rinfo = ape__ocl_scratch(q, (size_t)(B * H) * nblk * (size_t)rw * RI_N *
+						    sizeof(double), NULL, &err);
+	if (rinfo) /* per row vector: cos, then sin, of each pair's step */
+		step = ape__ocl_scratch(q, (size_t)(B * H) * nblk * 2 * (size_t)npad * (size_t)rw *
+						   sizeof(float), NULL, &err);
+	if (step) /* a row vector's load of the last distances reaches rw - 1 past them */
+		tab = ape__ocl_scratch(q, ((size_t)(H * ndist) * TB_N + (size_t)rw) * sizeof(double),
+				       NULL, &err);
 	if (tab && l->dparams)
 		part = ape__ocl_scratch(q, rows * 4 * sizeof(double), NULL, &err);
 	if (!tab || (l->dparams && !part)) {
@@ -169,11 +213,11 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		goto out_release;
 	}
 	ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem, (cl_int)l->dout_dtype,
-		       (cl_long)rows, D, npad, dpad, inter, local, &qp);
+		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, &qp);
 	if (!ret)
 		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
-			       (cl_int)f->in_dtype, B * f->Hkv * Lk, D, npad, dpad, inter, local,
-			       &kp);
+			       (cl_int)f->in_dtype, (size_t)(B * f->Hkv), Lk, 1, D, npad, dpad,
+			       inter, local, kmax, &kp);
 	if (ret)
 		goto out_release;
 
@@ -191,9 +235,8 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 
 	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, "ape_bwd_rows", &a.err);
-	ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &qp);
 	ape__ocl_arg(&a, sizeof(cl_mem), &f->o->mem);
-	ape__ocl_arg(&a, sizeof(cl_mem), &l->dout->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), &f->lse->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), l->dlse ? &l->dlse->mem : &none);
 	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
@@ -203,11 +246,21 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	ape__ocl_arg(&a, sizeof(Lq), &Lq);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
 	ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
-	ret = bwd_run(q, &a, round_up((size_t)Lq, local), local, (size_t)(B * H), "ape_bwd_rows");
+	ape__ocl_arg(&a, sizeof(cl_mem), &step);
+	ape__ocl_arg(&a, sizeof(cl_mem), &kmax);
+	ape__ocl_arg(&a, sizeof(group), &group);
+	ape__ocl_arg(&a, sizeof(Lk), &Lk);
+	ape__ocl_arg(&a, sizeof(rel), &rel);
+	ape__ocl_arg(&a, sizeof(scale), &scale);
+	ape__ocl_arg(&a, sizeof(tol), &tol);
+	ape__ocl_arg(&a, sizeof(cl_mem), f->pairs ? &f->pairs->mem : &none);
+	/* one work-item per row vector */
+	ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H), "ape_bwd_rows");
 	if (ret)
 		goto out_release;
 
-	w = (struct bwd_sweep){ .qp = qp, .kp = kp, .prm = prm, .rinfo = rinfo, .tab = tab,
+	w = (struct bwd_sweep){ .qp = qp, .kp = kp, .prm = prm, .rinfo = rinfo, .step = step,
+				.tab = tab,
 				.npad = npad, .D = D, .H = H, .group = group, .flags = flags,
 				.Lq = Lq, .Lk = Lk, .rel = rel, .scale = scale };
 	if (l->dk || l->dv) {
@@ -230,7 +283,8 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dq ? &l->dq->mem : &none);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dparams ? &part : &none);
-		ret = bwd_run(q, &a, round_up((size_t)Lq, local), local, (size_t)(B * H),
+		/* one work-item per row vector, one per group (its private arrays are large) */
+		ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H),
 			      "ape_bwd_queries");
 		if (ret)
 			goto out_release;
@@ -251,6 +305,10 @@ out_release:
 		clReleaseMemObject(prm);
 	if (rinfo)
 		clReleaseMemObject(rinfo);
+	if (step)
+		clReleaseMemObject(step);
+	if (kmax)
+		clReleaseMemObject(kmax);
 	if (part)
 		clReleaseMemObject(part);
 	if (tab)

@@ -502,6 +502,46 @@ TEST(math_pieces)
 	EXPECT_EQ(0.0, ape_grad_dsigma_coef(6, 0)); /* a constant row: 0 by the spec */
 }
 
+/* The backward's tail count against the sum it bounds, term by term: never below it, and
+ * close to it (the geometric closed form, or the exact sum when that is smaller). */
+TEST(backward_tail_count_bounds_the_sum)
+{
+	static const double deltas[] = { 0, 1e-3, 0.05, 0.397, 2 };
+	static const double ans[] = { 0, 1, 7, 300, 5000 };
+	static const double counts[] = { 1, 2, 64, 1000 };
+
+	for (int a = 0; a < 5; a++)
+		for (int b = 0; b < 5; b++)
+			for (int k = 0; k < 4; k++) {
+				double sum = 0, flat = 0, bound;
+
+				for (double j = 0; j < counts[k]; j++) {
+					sum += fmax(1, ans[b] + j) * exp(-deltas[a] * j);
+					flat += ans[b] + 1 + j;
+				}
+				bound = ape_bwd_tail_count(counts[k], ans[b], deltas[a]);
+				EXPECT_LE(sum, bound) TH_LOG("delta %g an %g count %g", deltas[a],
+							     ans[b], counts[k]);
+				/* never more than every key at its factor, plus one */
+				EXPECT_LE(bound, flat * (1 + 1e-12)) TH_LOG("delta %g an %g count %g",
+									    deltas[a], ans[b],
+									    counts[k]);
+				/* a long tail of a real decay: the sum, give or take one per
+				 * key's worth of weight (max(1, x) <= x + 1) */
+				if (deltas[a] >= 0.05 && counts[k] >= 1000)
+					EXPECT_LE(bound, 1.002 * sum + 1.01 / -expm1(-deltas[a]))
+						TH_LOG("delta %g an %g", deltas[a], ans[b]);
+			}
+	/* nothing to skip; no tolerance; a row without a finite LSE */
+	EXPECT_TRUE(ape_bwd_may_skip(0.1, 0.4, 0.04, 0.04, 0.125, 8, 8, 10, 0, 0, 1e-4));
+	EXPECT_FALSE(ape_bwd_may_skip(0.1, 0.4, 0.04, 0.04, 0.125, 8, 8, 1000, 64, 0, 0));
+	EXPECT_FALSE(ape_bwd_may_skip(0.1, 0.4, 0.04, 0.04, 0.125, 8, 8, 1000, 64, NAN, 1e-4));
+	EXPECT_FALSE(ape_bwd_may_skip(0.1, 0.4, 0.04, 0.04, 0.125, 8, 8, 1000, 64, -INFINITY, 1e-4));
+	/* far keys of the seed's decay: negligible; near ones not */
+	EXPECT_TRUE(ape_bwd_may_skip(0.1, 0.4, 0.04, 0.04, 0.125, 8, 8, 200, 64, 0, 1e-4));
+	EXPECT_FALSE(ape_bwd_may_skip(0.1, 0.4, 0.04, 0.04, 0.125, 8, 8, 5, 64, 0, 1e-4));
+}
+
 /* ---------------------------------------------------------------- determinism and options */
 
 /* Chunked against one launch: the same float64 terms, summed over chunks in float32 (dK, dV
@@ -1162,6 +1202,104 @@ TEST_F(bwd, every_backend_edge_cases)
 		grads_free(&again);
 		grads_free(&only);
 		grads_free(&untouched);
+		bcase_free(&c);
+	}
+}
+
+/*
+ * Skipping in the backward pass (docs/kernels.md, "Skipping in the backward pass"): with the
+ * seed's parameters (delta = 2^(-4/3), beta = gamma = delta / 10, lambda = 0.1) and skip_tol =
+ * 1e-4, long enough rows that whole key tiles lie far behind (causal) or on both sides (the
+ * third case: grouped heads and a D no kernel specialises): every
+ * gradient within the spec's float32 tolerance of the reference's dense ones, in one launch and
+ * in chunks, two runs bit for bit the same; a backend that counts the pairs it computed
+ * (OpenCL) computed fewer than are visible, the others at most as many.
+ */
+TEST_F(bwd, every_backend_skipping_within_tolerance)
+{
+	/* non-causal; causal; GQA with a D no kernel specialises, fewer queries than keys
+	 * (end-aligned: the queries are the last 300 positions) */
+	static const test_problem_shape shapes[] = {
+		{ 1, 2, 1, 700, 700, 64 },
+		{ 1, 2, 1, 700, 700, 64 },
+		{ 1, 4, 2, 300, 900, 66 },
+	};
+	const bool counts = strcmp(variant->backend, "opencl") == 0;
+	ape_rng rng;
+
+	if (!self->dev->be->ops->attention_backward)
+		SKIP(return, "%s: no backward op (every_backend_against_the_reference checks that)",
+		     variant->backend);
+	if (self->emu || ape_test_slow())
+		SKIP(return, "700 x 700 rows: too long for the emulated device or a slow run");
+	ape_rng_init(&rng, "every_backend_skipping_within_tolerance");
+	for (int causal = 0; causal < 3; causal++) {
+		const test_problem_shape sh = shapes[causal];
+		const float delta = (float)pow(2, -4.0 / 3);
+		uint64_t visible;
+		ape_stats st;
+		bcase c;
+		grads want, g, again, chunked;
+
+		ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F32, false, causal == 0));
+		c.tp.desc.delta = (ape_param){ delta, NULL };
+		c.tp.desc.beta = c.tp.desc.gamma = (ape_param){ delta / 10, NULL };
+		c.tp.desc.lambda = (ape_param){ 0.1f, NULL };
+		c.tp.desc.causal = causal != 0;
+		c.tp.desc.q_start_set = false; /* end-aligned */
+		c.tp.desc.skip_tol = 0;
+		ASSERT_EQ(0, bcase_forward(&c, self->ref)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&again, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&chunked, &c, APE_F32));
+		ASSERT_EQ(0, run_backward(&c, self->ref, &want, W_ALL, NULL));
+		c.tp.desc.skip_tol = 1e-4f;
+		ape_stats_init(&st);
+		EXPECT_EQ(0, run_backward(&c, self->dev, &g, W_ALL, &st)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, run_backward(&c, self->dev, &again, W_ALL, NULL));
+		EXPECT_EQ(0, run_chunked(&c, self->dev, &chunked, 256, 200, NULL))
+			TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, ape_visible_pairs(&c.tp.desc, sh.B, sh.H, sh.Lq, sh.Lk, &visible));
+		EXPECT_EQ(visible, st.pairs_visible);
+		if (counts) {
+			EXPECT_LT(st.pairs_computed, visible) TH_LOG("case %d", causal);
+		} else {
+			EXPECT_LE(st.pairs_computed, visible);
+		}
+		EXPECT_LT(0u, st.pairs_computed);
+		EXPECT_LE(rel_err(&g.dq.t, &want.dq.t), tol_grad(APE_F32)) TH_LOG("case %d", causal);
+		EXPECT_LE(rel_err(&g.dk.t, &want.dk.t), tol_grad(APE_F32)) TH_LOG("case %d", causal);
+		EXPECT_LE(rel_err(&g.dv.t, &want.dv.t), tol_grad(APE_F32)) TH_LOG("case %d", causal);
+		EXPECT_LE(rel_err_params(g.dparams, want.dparams, sh.H), tol_grad(APE_F32))
+			TH_LOG("case %d", causal);
+		EXPECT_LE(rel_err(&chunked.dq.t, &want.dq.t), tol_grad(APE_F32));
+		EXPECT_LE(rel_err(&chunked.dk.t, &want.dk.t), tol_grad(APE_F32));
+		EXPECT_LE(rel_err(&chunked.dv.t, &want.dv.t), tol_grad(APE_F32));
+		EXPECT_LE(rel_err_params(chunked.dparams, want.dparams, sh.H), tol_grad(APE_F32));
+		EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: reruns differ", causal);
+		TH_LOG("case %d: %llu of %llu visible pairs computed; errors dq %.2e dk %.2e dv %.2e "
+		       "dparams %.2e",
+		       causal, (unsigned long long)st.pairs_computed, (unsigned long long)visible,
+		       rel_err(&g.dq.t, &want.dq.t), rel_err(&g.dk.t, &want.dk.t),
+		       rel_err(&g.dv.t, &want.dv.t), rel_err_params(g.dparams, want.dparams, sh.H));
+		/* a NaN in key 0, either sign (the saved O and LSE stay finite): the bound never
+		 * leaves out a key of its head, so it reaches dQ of the last row, 699 keys away,
+		 * as in the reference */
+		for (int sign = 0; causal == 0 && sign < 2; sign++) {
+			const double nan = sign ? -NAN : NAN;
+
+			test_tensor_set(&c.tp.k.t, 0, 0, 0, 0, nan);
+			ASSERT_EQ(0, run_backward(&c, self->ref, &want, W_DQ, NULL));
+			EXPECT_EQ(0, run_backward(&c, self->dev, &g, W_DQ, NULL));
+			EXPECT_TRUE(isnan(test_tensor_get(&want.dq.t, 0, 0, sh.Lq - 1, 0)));
+			EXPECT_TRUE(isnan(test_tensor_get(&g.dq.t, 0, 0, sh.Lq - 1, 0)))
+				TH_LOG("sign %d", sign);
+		}
+		grads_free(&want);
+		grads_free(&g);
+		grads_free(&again);
+		grads_free(&chunked);
 		bcase_free(&c);
 	}
 }

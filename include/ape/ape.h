@@ -1067,7 +1067,12 @@ APE_API int ape_attention_enqueue(ape_queue *queue, const ape_attn_desc *desc,
  * key chunks x query chunks (at most 4096 rows each by default), dK and dV summed over the
  * query chunks on the device, dQ over the key chunks on the host in float64, all in a fixed
  * order; the chunks run one after another on one device (no pipelining, no multi-device split
- * yet). Nothing is skipped: no bound for the backward exists yet, so skip_tol is not used.
+ * yet). Skipping: with desc->skip_tol > 0 and every head's delta, beta, gamma >= 0 (lambda
+ * >= 0), a backend may leave out keys whose weights, each weighed by its distance, the
+ * backward's own bound proves below skip_tol of the row's computed weight (docs/kernels.md,
+ * "Skipping in the backward pass"): every gradient then differs from the dense one by at most
+ * skip_tol times that weight's share; OpenCL does, and counts the pairs it computed in
+ * ape_stats; the reference and CUDA compute every visible key. skip_tol = 0 skips nothing.
  */
 /**@{*/
 

@@ -4,23 +4,27 @@
  * the same program (it uses its loads, ld(), and its lane types). Six kernels, enqueued in
  * order by ocl_backward.c:
  *
- *   ape_bwd_prep     Q with dO, and K with V, as float32 rows in the sweeps' order (twice);
+ *   ape_bwd_prep     Q with dO (in row vectors), and K with V (a row per key), as float32 in
+ *                    the sweeps' order; with skipping, each kv head's largest key norm;
  *   ape_bwd_dist     per head and distance: temp, bias and their parameter derivatives;
- *   ape_bwd_rows     per query row: mean, sigma, alpha, the saved LSE and Dl_i - dLSE_i
- *                    (Dl_i = dO_i . O_i), once, for the two sweeps;
- *   ape_bwd_keys     keys outer: one work-item owns a key and sums dK_j and dV_j over every row
- *                    of every query head that reads its kv head, then adds them once;
- *   ape_bwd_queries  queries outer: one work-item owns a row and sums dQ_i, the alpha path A_i
- *                    (applied to dQ_i at the end) and the row's four parameter sums;
+ *   ape_bwd_rows     per row vector: mean, sigma, alpha, the saved LSE, Dl_i - dLSE_i
+ *                    (Dl_i = dO_i . O_i), the cos and sin of each pair's per-key step, and the
+ *                    keys the skip bound leaves to compute, once, for the two sweeps;
+ *   ape_bwd_keys     keys outer: one work-item owns BWD_KT keys and sums their dK_j and dV_j
+ *                    over every row of every query head that reads their kv head, then adds
+ *                    them once;
+ *   ape_bwd_queries  queries outer: one work-item owns a row vector and sums dQ_i, the alpha
+ *                    path A_i (applied to dQ_i at the end) and the rows' parameter sums;
  *   ape_bwd_params   per head: the rows' parameter sums in float64, in row order, added to
  *                    dparams.
  *
  * No float atomics anywhere: every sum has one owner and a fixed order, so two runs are bit
  * for bit the same. Both sweeps recompute P_ij = exp(s_ij - LSE_i) from q, k and the saved
- * LSE; nothing of size Lq * Lk exists. The rotation of one (row, key) pair is evaluated in
- * vectors of APE_RW pairs: each angle n omega_p / alpha_i seeded exactly in APE_REAL by
- * ape_seed_sincos (the forward's seed), the pair products in float32. The per-pair scalar work
- * (temperature, bias, exp, the parameter terms) runs in APE_REAL through ape_math.h.
+ * LSE; nothing of size Lq * Lk exists. Both use the forward's layout (docs/kernels.md): APE_RW
+ * query rows in the lanes of a vector, keys as scalars, each rotation seeded exactly in
+ * APE_REAL by ape_seed_sincos (the forward's seed) at the start of a key tile and turned one
+ * step per key after it, the pair products in float32; the per-distance terms come from a
+ * table of ape_math.h's values in APE_REAL, one vector load per key.
  *
  * Built only with APE_FP64: dparams are float64 sums, and the host refuses the backward pass
  * on a device without cl_khr_fp64 (ocl_backward.c).
@@ -60,105 +64,81 @@ KFN float bwd_hsum(vf v)
 }
 
 /*
- * One row of Q with its dO, or of K with its V, as the sweeps read it: float32, the pairs'
- * first components (npad of them, zero past P, so padded lanes add nothing), their second
- * components, then the D components of the vector (zero up to dpad). Converting f16/bf16 or
+ * Q with its dO, or K with its V, as the sweeps read them: float32, the pairs' first components
+ * (npad of them, zero past P, so padded lanes add nothing), their second components, then the
+ * D components of the vector (zero up to dpad): rs = 2 npad + dpad components per row. Rows go
+ * in blocks of `lanes` per (batch, head) bh, component-major inside a block:
+ * out[((bh * nblk + i / lanes) * rs + comp) * lanes + i % lanes], nblk = ceil(L / lanes), rows
+ * past L zero. With lanes = APE_RW (Q and dO) a row vector of the sweeps is one vector load per
+ * component; with lanes = 1 (K and V) a key is one contiguous row. Converting f16/bf16 and
  * de-interleaving once per row, not once per pair.
  */
 __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void *Bv, int dt_b,
-			   long rows, int D, int npad, int dpad, int inter, __global float *out)
+			   long L, int lanes, int D, int npad, int dpad, int inter,
+			   __global float *out, __global int *kmax)
 {
-	const long row = get_global_id(0), base = row * (long)BD(D);
-	const int P = BD(D) / 2;
-	__global float *o = out + row * (2 * npad + dpad);
+	const long i = get_global_id(0), bh = get_global_id(1), base = (bh * L + i) * (long)BD(D);
+	const long nblk = (L + lanes - 1) / lanes;
+	const int P = BD(D) / 2, rs = 2 * npad + dpad, ok = i < L;
+	__global float *o = out + ((bh * nblk + i / lanes) * rs) * lanes + i % lanes;
 
-	if (row >= rows)
+	if (i >= nblk * lanes)
 		return;
+	APE_REAL ss = 0;
+
 	for (int p = 0; p < npad; p++) {
-		o[p] = p < P ? ld(A, base + (inter ? 2 * p : p), dt_a) : 0.0f;
-		o[npad + p] = p < P ? ld(A, base + (inter ? 2 * p + 1 : p + P), dt_a) : 0.0f;
+		const float x = ok && p < P ? ld(A, base + (inter ? 2 * p : p), dt_a) : 0.0f;
+		const float y = ok && p < P ? ld(A, base + (inter ? 2 * p + 1 : p + P), dt_a) : 0.0f;
+
+		o[p * lanes] = x;
+		o[(npad + p) * lanes] = y;
+		ss += (APE_REAL)x * x + (APE_REAL)y * y;
 	}
 	for (int d = 0; d < dpad; d++)
-		o[2 * npad + d] = d < BD(D) ? ld(Bv, base + d, dt_b) : 0.0f;
+		o[(2 * npad + d) * lanes] = ok && d < BD(D) ? ld(Bv, base + d, dt_b) : 0.0f;
+	/* kmax: the largest norm bound of a (batch, kv head)'s rows, for the skip bound, as float
+	 * bits (a non-negative float orders as its int); a NaN norm counts as +inf, so that no
+	 * key of that head is ever left out (a NaN's sign bit would make it the smallest int) */
+	if (kmax && ok) {
+		const float nb = (float)ape_norm_bound(ss);
+
+		atomic_max(kmax + bh, as_int(isnan(nb) ? INFINITY : nb));
+	}
 }
 
 /* The distance terms of each head at every distance n = nmin + idx a launch has, once: the
- * sweeps look them up per pair instead of evaluating logs and roots in APE_REAL. */
+ * sweeps look them up instead of evaluating logs and roots. One array per term (TB_AT): the
+ * APE_RW rows of a row vector meet APE_RW consecutive distances, one vector load. */
 __kernel void ape_bwd_dist(__global const APE_REAL *prm, int npad, int H, long nmin, long ndist,
 			   __global APE_REAL *tab)
 {
 	const long idx = get_global_id(0), h = get_global_id(1), n = nmin + idx;
 	__global const APE_REAL *hp = prm + npad + 4 * h;
-	__global APE_REAL *tb = tab + (h * ndist + idx) * TB_N;
 	const APE_REAL an = (APE_REAL)(n < 0 ? -n : n);
 
 	if (idx >= ndist || h >= H)
 		return;
-	tb[TB_T] = ape_temp(hp[3], an);
-	tb[TB_BIAS] = ape_bias(hp[0], hp[1], hp[2], an);
-	tb[TB_DD] = ape_grad_dbias_ddelta(an);
-	tb[TB_DB] = ape_grad_dbias_dbeta(an);
-	tb[TB_DG] = ape_grad_dbias_dgamma(an);
-	tb[TB_DTL] = ape_grad_dtemp_dlambda(hp[3], an);
+	tab[TB_AT(h, TB_T, ndist) + idx] = ape_temp(hp[3], an);
+	tab[TB_AT(h, TB_BIAS, ndist) + idx] = ape_bias(hp[0], hp[1], hp[2], an);
+	tab[TB_AT(h, TB_DD, ndist) + idx] = ape_grad_dbias_ddelta(an);
+	tab[TB_AT(h, TB_DB, ndist) + idx] = ape_grad_dbias_dbeta(an);
+	tab[TB_AT(h, TB_DG, ndist) + idx] = ape_grad_dbias_dgamma(an);
+	tab[TB_AT(h, TB_DTL, ndist) + idx] = ape_grad_dtemp_dlambda(hp[3], an);
 }
 
-KFN float bwd_dot(__global const float *a, __global const float *b, int nvec)
+/* The rotated query one key further: theta falls by one step (c, s: cos and sin of it) */
+KFN void bwd_turn(vf *x, vf *y, vf c, vf s)
 {
-	vf acc = 0.0f;
+	const vf xn = fma(*x, c, *y * s);
 
-	NOUNROLL for (int c = 0; c < nvec; c++)
-		acc = fma(VL(a + c * APE_RW), VL(b + c * APE_RW), acc);
-	return bwd_hsum(acc);
-}
-
-/*
- * The rotated dot product of one (row, key) pair (prepared rows qr and kr) at nia = n / alpha_i.
- * cs, sn hold each chunk's cos and sin of theta: seeded exactly from the angle when `seed`,
- * otherwise those of the previous key (n + 1) turned back by one step (stc, sts: cos and sin
- * of omega / alpha_i), the forward's short recurrence. *ddt (when not NULL) gets
- * sum_p APE_GRAD_DDOT_DALPHA_THETA, i.e. d(dot)/d(alpha) times alpha.
- */
-KFN float bwd_pair(__global const float *qr, __global const float *kr, int npad,
-		   __global const APE_REAL *omega, APE_REAL nia, int npc, vf *cs, vf *sn,
-		   const vf *stc, const vf *sts, int seed, float *ddt)
-{
-	vf acc = 0.0f, accd = 0.0f;
-
-	NOUNROLL for (int c = 0; c < npc; c++) {
-		const int o = c * APE_RW;
-		const vf xv = VL(qr + o), yv = VL(qr + npad + o);
-		const vf uv = VL(kr + o), wv = VL(kr + npad + o);
-		vf co, s;
-
-		if (seed) {
-			s = ape_seed_sincos(VL(omega + o) * nia, &co);
-		} else {
-			co = fma(cs[c], stc[c], sn[c] * sts[c]);
-			s = fma(sn[c], stc[c], -cs[c] * sts[c]);
-		}
-		acc += (xv * uv + yv * wv) * co + (xv * wv - yv * uv) * s;
-		if (ddt)
-			accd += APE_GRAD_DDOT_DALPHA_THETA(xv, yv, uv, wv, co, s,
-							   TO_VF(VL(omega + o) * nia));
-		cs[c] = co;
-		sn[c] = s;
-	}
-	if (ddt)
-		*ddt = bwd_hsum(accd);
-	return bwd_hsum(acc);
-}
-
-/* cos and sin of each chunk's step omega / alpha (one key further: theta falls by it) */
-KFN void bwd_step(__global const APE_REAL *omega, APE_REAL inv_alpha, int npc, vf *stc, vf *sts)
-{
-	NOUNROLL for (int c = 0; c < npc; c++)
-		sts[c] = ape_seed_sincos(VL(omega + c * APE_RW) * inv_alpha, &stc[c]);
+	*y = fma(*y, c, -(*x * s));
+	*x = xn;
 }
 
 /* One launch's shape, as the kernels read it */
 struct bwd {
-	int D, P, npc, ndc, npad, rs, inter;
-	long Lq, Lk, rel, nmin, ndist;
+	int D, P, npad, rs, inter, causal;
+	long Lq, Lk, rel, nmin, ndist, nblk;
 	float scale;
 };
 
@@ -168,213 +148,422 @@ KFN struct bwd bwd_init(int D, long Lq, long Lk, long rel, float scale, int flag
 
 	b.D = BD(D);
 	b.P = b.D / 2;
-	b.npc = (b.P + APE_RW - 1) / APE_RW;
-	b.ndc = (b.D + APE_RW - 1) / APE_RW;
-	b.npad = b.npc * APE_RW;
-	b.rs = 2 * b.npad + b.ndc * APE_RW; /* floats per prepared row */
+	b.npad = (b.P + APE_RW - 1) / APE_RW * APE_RW;
+	b.rs = 2 * b.npad + (b.D + APE_RW - 1) / APE_RW * APE_RW; /* floats per prepared row */
 	b.inter = (flags & B_INTERLEAVED) != 0;
+	b.causal = (flags & B_CAUSAL) != 0;
 	b.Lq = Lq;
 	b.Lk = Lk;
 	b.rel = rel;
 	b.nmin = rel - (Lk - 1);
 	b.ndist = Lq + Lk - 1;
+	b.nblk = (Lq + APE_RW - 1) / APE_RW;
 	b.scale = scale;
 	return b;
 }
 
 /*
- * P_ij and dS_ij of a pair whose rotated dot product is `dot`, with its distance's table entry
- * tb, the row's LSE and Dl - dLSE, and dov = dO_i . V_j. *t gets temp(n) * scale (dS times it
- * is d/d(dot)).
+ * P_ij of a row vector against one key: its rotated dot products dot, the distance terms t =
+ * temp(n) and bias(n) (APE_REAL), the rows' LSE. The score relative to the LSE is formed in
+ * APE_REAL for bias - LSE (both may be large at large |n|), then in float32; *tsc gets
+ * temp(n) * scale (dS times it is d/d(dot)). Weights below e^-87 are exact zeros, as in the
+ * forward (a subnormal operand costs an x86 FMA a microcode assist); NaN stays NaN.
  */
-KFN float bwd_ds(__global const APE_REAL *tb, float dot, __global const APE_REAL *ri, float dov,
-		 float scale, float *p_out, float *t_out)
+KFN vf bwd_p(vr t, vr bias, vr lse, vf dot, float scale, vf *tsc)
 {
-	const APE_REAL t = tb[TB_T];
-	const APE_REAL s = t * (APE_REAL)scale * (APE_REAL)dot + tb[TB_BIAS];
-	const float p = exp((float)(s - ri[RI_LSE]));
+	const vf ts = TO_VF(t) * scale, x = fma(ts, dot, TO_VF(bias - lse));
 
-	*p_out = p;
-	*t_out = (float)t * scale;
-	return p * (dov - (float)ri[RI_DSUB]);
+	*tsc = ts;
+	return APE_V_SELECT(exp(x), (vf)0.0f, x < -87.0f);
 }
 
-__kernel void ape_bwd_rows(__global const void *Q, __global const void *O,
-			   __global const void *DO, __global const float *LSE,
-			   __global const float *DLSE, __global const APE_REAL *prm, int npad,
-			   int D, int H, long Lq, int flags, __global APE_REAL *rinfo)
+/* The lanes of a row vector (rows r0 + lane, lanes lo .. hi-1 real) that see a key: lane >= lo
+ * and lane < hi, as a lane mask (all bits set where true; 1 with APE_RW = 1) */
+KFN vi bwd_lanes(int lo, int hi)
 {
-	const long i = get_global_id(0), bh = get_global_id(1);
-	const long row = bh * Lq + i, base = row * (long)BD(D);
-	const APE_REAL lambda = prm[npad + 4 * (bh % H) + 3];
-	APE_REAL mean = 0, ss = 0, dl = 0, sigma;
-	__global APE_REAL *ri = rinfo + row * RI_N;
+	return (IOTA >= lo) & (IOTA < hi);
+}
 
-	if (i >= Lq)
-		return;
-	NOUNROLL for (int d = 0; d < BD(D); d++)
-		mean += (APE_REAL)ld(Q, base + d, B_DT_IN(flags));
-	mean /= (APE_REAL)BD(D);
-	NOUNROLL for (int d = 0; d < BD(D); d++) {
-		const APE_REAL e = (APE_REAL)ld(Q, base + d, B_DT_IN(flags)) - mean;
+/*
+ * Per row vector (APE_RW rows of one (batch, head) in the lanes, from the prepared Q+dO): each
+ * row's mean, sigma and alpha (sums in the forward's order: pair by pair), its saved LSE and
+ * Dl_i - dLSE_i (Dl_i = dO_i . O_i), to the row table; and the cos and sin of each pair's
+ * per-key step omega_p / alpha_i, to STEP (per row vector: cos for the npad pairs, then sin,
+ * APE_RW lanes each), so that the sweeps seed only the rotation's start.
+ */
+/*
+ * The keys one row must compute, [*jlo, *jhi) of its visible keys [0, vend): with B_SKIP, the
+ * longest prefix of whole granules (keys at n >= 1) and suffix (n <= -1) whose weight the
+ * backward bound proves negligible (ape_bwd_may_skip(), docs/kernels.md). Binary searches:
+ * only a prefix or suffix that passed the test is left out.
+ */
+KFN void bwd_row_range(__global const APE_REAL *hp, float scale, APE_REAL qn, APE_REAL km,
+		       APE_REAL lse, float tol, long diag, long Lk, long vend, int causal,
+		       long *jlo, long *jhi)
+{
+	const APE_REAL as = fabs((APE_REAL)scale);
+	/* without the causal mask both sides may be left out: they share tol */
+	const float t = causal ? tol : tol / 2;
+	long lo = 0, hi, m0, e = diag < Lk ? diag : Lk;
 
-		ss += e * e;
-		dl += (APE_REAL)ld(DO, base + d, B_DT_DO(flags)) *
-		      (APE_REAL)ld(O, base + d, B_DT_OUT(flags));
+	*jlo = 0;
+	*jhi = vend;
+	/* prefix: granules m < M lie at n >= 1; lo passed (or is 0) */
+	hi = (e > 0 ? e / B_GRANULE : 0) + 1;
+	while (hi - lo > 1) {
+		const long mid = (lo + hi) / 2, cnt = mid * B_GRANULE;
+
+		if (ape_bwd_may_skip(hp[3], hp[0], hp[1], hp[2], as, qn, km,
+				     (APE_REAL)(diag - (cnt - 1)), (APE_REAL)cnt, lse, t))
+			lo = mid;
+		else
+			hi = mid;
 	}
-	sigma = ape_sigma(ss, BD(D));
-	ri[RI_MEAN] = mean;
-	ri[RI_SIGMA] = sigma;
-	ri[RI_ALPHA] = ape_alpha(lambda, sigma);
-	ri[RI_LSE] = LSE[row];
-	ri[RI_DSUB] = dl - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
+	*jlo = lo * B_GRANULE;
+	if (causal || diag + 1 >= Lk)
+		return;
+	/* suffix from granule m at n <= -1: m >= m0; hi passed (or leaves out nothing) */
+	m0 = diag + 1 > 0 ? (diag + 1 + B_GRANULE - 1) / B_GRANULE : 0;
+	hi = (Lk + B_GRANULE - 1) / B_GRANULE;
+	lo = m0 - 1;
+	while (hi - lo > 1) {
+		const long mid = (lo + hi) / 2, s0 = mid * B_GRANULE;
+
+		if (ape_bwd_may_skip(hp[3], hp[0], hp[1], hp[2], as, qn, km,
+				     (APE_REAL)(s0 - diag), (APE_REAL)(Lk - s0), lse, t))
+			hi = mid;
+		else
+			lo = mid;
+	}
+	*jhi = hi * B_GRANULE < Lk ? hi * B_GRANULE : Lk;
 }
 
-/* The arguments both sweeps take first (ocl_backward.c: bwd_sweep_args()): the prepared rows,
- * omega and the heads' parameters, the row and distance tables, the shape, the flags. */
+__kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
+			   __global const float *LSE, __global const float *DLSE,
+			   __global const APE_REAL *prm, int npad, int D, int H, long Lq, int flags,
+			   __global APE_REAL *rinfo, __global float *STEP, __global const int *kmax,
+			   int group, long Lk, long rel, float scale, float tol,
+			   __global ulong *PAIRS)
+{
+	const long ib = get_global_id(0), bh = get_global_id(1), nblk = (Lq + APE_RW - 1) / APE_RW;
+	const long blk = bh * nblk + ib, i0 = ib * APE_RW;
+	const int P = BD(D) / 2, rs = 2 * npad + (BD(D) + APE_RW - 1) / APE_RW * APE_RW;
+	const APE_REAL lambda = prm[npad + 4 * (bh % H) + 3];
+	__global const float *qt = QP + blk * rs * APE_RW;
+	__global APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
+	__global float *st = STEP + blk * 2 * npad * APE_RW;
+	const int causal = (flags & B_CAUSAL) != 0;
+	APE_REAL tm[APE_RW], tss[APE_RW], tia[APE_RW], tqq[APE_RW];
+	vr sum = (vr)0, ss = (vr)0, qq = (vr)0, mean;
+	long vlo = LONG_MAX, vhi = 0;
+
+	if (ib >= nblk)
+		return;
+	NOUNROLL for (int p = 0; p < P; p++)
+		sum += TO_VR(VL(qt + p * APE_RW)) + TO_VR(VL(qt + (npad + p) * APE_RW));
+	mean = sum / (APE_REAL)BD(D);
+	NOUNROLL for (int p = 0; p < P; p++) {
+		const vr x = TO_VR(VL(qt + p * APE_RW)) - mean;
+		const vr y = TO_VR(VL(qt + (npad + p) * APE_RW)) - mean;
+
+		const vr xq = TO_VR(VL(qt + p * APE_RW)), yq = TO_VR(VL(qt + (npad + p) * APE_RW));
+
+		ss += x * x + y * y;
+		qq += xq * xq + yq * yq;
+	}
+	VS(mean, tm);
+	VS(ss, tss);
+	VS(qq, tqq);
+	NOUNROLL for (int l = 0; l < APE_RW; l++) {
+		const long i = i0 + l, row = bh * Lq + i;
+		APE_REAL sigma, dl = 0;
+
+		if (i >= Lq) { /* padding lanes of the last row vector */
+			ri[RI_MEAN * APE_RW + l] = ri[RI_SIGMA * APE_RW + l] = 0;
+			ri[RI_DSUB * APE_RW + l] = 0;
+			ri[RI_ALPHA * APE_RW + l] = tia[l] = 1;
+			ri[RI_LSE * APE_RW + l] = INFINITY;
+			continue;
+		}
+		sigma = ape_sigma(tss[l], BD(D));
+		NOUNROLL for (int d = 0; d < BD(D); d++)
+			dl += (APE_REAL)qt[(2 * npad + d) * APE_RW + l] *
+			      (APE_REAL)ld(O, row * BD(D) + d, B_DT_OUT(flags));
+		ri[RI_MEAN * APE_RW + l] = tm[l];
+		ri[RI_SIGMA * APE_RW + l] = sigma;
+		ri[RI_ALPHA * APE_RW + l] = ape_alpha(lambda, sigma);
+		tia[l] = (APE_REAL)1 / ri[RI_ALPHA * APE_RW + l];
+		ri[RI_LSE * APE_RW + l] = LSE[row];
+		ri[RI_DSUB * APE_RW + l] =
+			dl - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
+		{ /* the keys it must compute; the row vector computes their union */
+			const long diag = rel + i;
+			const long vend = causal ? (diag + 1 < 0 ? 0 : diag + 1 < Lk ? diag + 1 : Lk)
+						 : Lk;
+			long jlo = 0, jhi = vend;
+
+			if ((flags & B_SKIP) && vend > 0)
+				bwd_row_range(prm + npad + 4 * (bh % H), scale,
+					      ape_norm_bound(tqq[l]),
+					      (APE_REAL)as_float(kmax[bh / H * (H / group) +
+								      bh % H / group]),
+					      LSE[row], tol, diag, Lk, vend, causal, &jlo, &jhi);
+			if (vend > 0 && jlo < jhi) {
+				vlo = jlo < vlo ? jlo : vlo;
+				vhi = jhi > vhi ? jhi : vhi;
+			}
+		}
+	}
+	if (vlo >= vhi)
+		vlo = vhi = 0;
+	NOUNROLL for (int l = 0; l < APE_RW; l++) {
+		const long i = i0 + l, diag = rel + i;
+		const long vend = causal ? (diag + 1 < 0 ? 0 : diag + 1 < Lk ? diag + 1 : Lk) : Lk;
+		const long e = vhi < vend ? vhi : vend;
+
+		ri[RI_JLO * APE_RW + l] = (APE_REAL)vlo;
+		ri[RI_JHI * APE_RW + l] = (APE_REAL)vhi;
+		if ((flags & B_PAIRS) && i < Lq) /* visible pairs computed */
+			PAIRS[bh * Lq + i] = (ulong)(e > vlo ? e - vlo : 0);
+	}
+	NOUNROLL for (int p = 0; p < npad; p++) {
+		vf c = (vf)1.0f, sn = (vf)0.0f;
+
+		if (p < P)
+			sn = ape_seed_sincos(prm[p] * VL(tia), &c);
+		VS(c, st + p * APE_RW);
+		VS(sn, st + (npad + p) * APE_RW);
+	}
+}
+
+/* The arguments both sweeps take first (ocl_backward.c: bwd_sweep_args()): the prepared rows
+ * (Q+dO in row vectors, K+V one row per key: ape_bwd_prep), omega and the heads' parameters,
+ * the row and distance tables, the shape, the flags. */
 #define BWD_SWEEP_ARGS                                                                             \
 	__global const float *QP, __global const float *KP, __global const APE_REAL *prm,         \
-		int npad, __global const APE_REAL *rinfo, __global const APE_REAL *tab, int D,     \
-		int H, int group, long Lq, long Lk, long rel, float scale, int flags
+		int npad, __global const APE_REAL *rinfo, __global const float *STEP,              \
+		__global const APE_REAL *tab, int D, int H, int group, long Lq, long Lk, long rel, \
+		float scale, int flags
 
-/* Keys per work-item of the keys sweep: its accumulators are APE_RW lanes wide per component,
- * so fewer for larger D. ocl_backward.c mirrors it. */
-#define BWD_KT (APE_DMAX <= 64 ? 8 : APE_DMAX <= 128 ? 4 : 2)
-/* Keys between reseeds of the queries sweep's recurrence (the forward's longest tile). */
-#define BWD_RESEED 64
+/* Keys per work-item of the keys sweep: each row vector seeds its rotation once per work-item
+ * (the seeds had cost as much as the rest at 8 keys); its accumulators are APE_RW lanes wide
+ * per component, so fewer keys for larger D (256 KiB of them in all). ocl_backward.c mirrors
+ * it. */
+#define BWD_KT (APE_DMAX <= 64 ? 32 : APE_DMAX <= 128 ? 16 : 8)
+
+/* Row vectors per group of the keys sweep (their P and dS wait in private memory while the
+ * group's dK and dV are added: the accumulators are read and written once per group) and keys
+ * per dot-product sub-block (their dot products stay in registers while the pairs run). */
+#define KR 8
+#define KSB 8
+
+/* The lanes of row vector g that see key kt of the block (causal: n = nl0 + lane - kt >= 0) */
+#define KEYS_VIS(g, kt)                                                                           \
+	bwd_lanes(b.causal ? (int)clamp((long)(kt) - nl0[g], 0L, (long)APE_RW) : 0, hi[g])
 
 /*
  * Keys outer: dV_j = sum_i P_ij dO_i, dK_j = sum_i dS_ij temp scale d(dot)/d(k_j) (q_i's pairs
  * rotated by +theta), over the rows of every query head of key j's kv head, for BWD_KT keys
- * j0.. of one kv head. As in the forward, APE_RW query rows ride in the lanes of a vector: per
- * row vector, each pair's rotation is seeded at the first key and turned one step per key
- * after it; the accumulators keep their lanes until the end, where each is summed once. Lanes
- * past the last row, or that a key is hidden from, add nothing (a select, so that NaN in a
- * row reaches only the keys it sees). QP, KP: the prepared rows (ape_bwd_prep).
+ * j0.. of one kv head. As in the forward, APE_RW query rows ride in the lanes of a vector (one
+ * vector load per component from the prepared row vectors, the row and distance terms one
+ * vector load each). Row vectors go in groups of KR: first, per row vector, the query rotated
+ * to the first key (seeded), the dot products KSB keys at a time while the rotated query turns
+ * one step per key, then P and g = dS temp scale per key, kept; then the group's dV (P times
+ * dO) and dK (g times the rotated query, turned again from the first key: it is
+ * d(dot)/d(k_j)) into accumulators that keep their lanes until the end, where each is summed
+ * once. Lanes past the last row, or that a key is hidden from, add nothing (a select, so that
+ * NaN in a row reaches only the keys it sees). Row vectors the skip bound left out of the
+ * block's keys (ape_bwd_rows) are passed over.
  */
 __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *DV)
 {
 	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
 	const long j0 = get_global_id(0) * BWD_KT, bkv = get_global_id(1), Hkv = H / group;
 	const int nk = (int)(Lk - j0 < BWD_KT ? Lk - j0 : BWD_KT);
-	const int causal = (flags & B_CAUSAL) != 0;
+	__global const float *kp = KP + (bkv * Lk + j0) * b.rs;
 	/* per key kt, component c: lanes at ((kt * D) + c) * APE_RW */
 	float dkacc[BWD_KT * APE_DMAX * APE_RW], dvacc[BWD_KT * APE_DMAX * APE_RW];
-	/* the row vector: pairs, dO, and per-lane row values */
-	float xs[APE_PMAX * APE_RW], ys[APE_PMAX * APE_RW], dos[APE_DMAX * APE_RW];
-	float dsub[APE_RW], okf[APE_RW], tl[APE_RW];
-	APE_REAL ia[APE_RW], lse[APE_RW], nn[APE_RW], tt[APE_RW], tbias[APE_RW];
-	long nl[APE_RW];
-	vf cs[APE_PMAX], sn[APE_PMAX], stc[APE_PMAX], sts[APE_PMAX];
-	long i0;
+	vf Pm[KR][BWD_KT], Gm[KR][BWD_KT], X0[KR][APE_PMAX], Y0[KR][APE_PMAX];
+	vf xs[APE_PMAX], ys[APE_PMAX];
+	__global const float *qtg[KR], *cwg[KR], *swg[KR];
+	long nl0[KR], i0;
+	int hi[KR], full[KR];
 
 	if (j0 >= Lk)
 		return;
 	NOUNROLL for (int x = 0; x < nk * b.D * APE_RW; x++)
 		dkacc[x] = dvacc[x] = 0.0f;
-	/* causal: row i sees key j when n = rel + i - j >= 0 */
-	i0 = causal ? j0 - rel : 0;
-	i0 = i0 < 0 ? 0 : i0;
+	/* causal: row i sees key j when n = rel + i - j >= 0; from the row vector holding it */
+	i0 = b.causal ? j0 - rel : 0;
+	i0 = (i0 < 0 ? 0 : i0) / APE_RW * APE_RW;
 	for (long h = bkv % Hkv * group; h < (bkv % Hkv + 1) * group; h++) {
-		const long rbase = (bkv / Hkv * H + h) * Lq;
-		__global const APE_REAL *th = tab + h * b.ndist * TB_N;
+		const long bh = bkv / Hkv * H + h;
+		__global const APE_REAL *tt = tab + TB_AT(h, TB_T, b.ndist);
+		__global const APE_REAL *tbias = tab + TB_AT(h, TB_BIAS, b.ndist);
 
-		for (long r0 = i0; r0 < Lq; r0 += APE_RW) {
-			vr iav, nv;
+		for (long r0 = i0; r0 < Lq;) {
+			int nr = 0;
 
-			NOUNROLL for (int l = 0; l < APE_RW; l++) {
-				const long i = r0 + l, ic = i < Lq ? i : Lq - 1, row = rbase + ic;
-				__global const APE_REAL *ri = rinfo + row * RI_N;
-				__global const float *qr = QP + row * b.rs;
-				const int ok = i < Lq;
+			/* P and g of up to KR row vectors */
+			for (; r0 < Lq && nr < KR; r0 += APE_RW) {
+				const long blk = bh * b.nblk + r0 / APE_RW;
+				__global const float *qt = QP + blk * b.rs * APE_RW;
+				__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
+				__global const float *cw = STEP + blk * 2 * b.npad * APE_RW,
+						     *sw = cw + b.npad * APE_RW;
+				vr iav, lse, nv;
+				vf dsub;
+				const int g = nr;
 
-				ia[l] = (APE_REAL)1 / ri[RI_ALPHA];
-				lse[l] = ri[RI_LSE];
-				dsub[l] = (float)ri[RI_DSUB];
-				nl[l] = rel + ic - j0;
-				nn[l] = (APE_REAL)nl[l];
-				okf[l] = ok ? 1.0f : 0.0f;
-				NOUNROLL for (int p = 0; p < b.P; p++) {
-					xs[p * APE_RW + l] = ok ? qr[p] : 0.0f;
-					ys[p * APE_RW + l] = ok ? qr[b.npad + p] : 0.0f;
-				}
-				NOUNROLL for (int d = 0; d < b.D; d++)
-					dos[d * APE_RW + l] = ok ? qr[2 * b.npad + d] : 0.0f;
-			}
-			iav = VL(ia);
-			nv = VL(nn) * iav;
-			NOUNROLL for (int p = 0; p < b.P; p++) {
-				sn[p] = ape_seed_sincos((vr)prm[p] * nv, &cs[p]);
-				if (nk > 1)
-					sts[p] = ape_seed_sincos((vr)prm[p] * iav, &stc[p]);
-			}
-			for (int kt = 0; kt < nk; kt++) {
-				__global const float *kr = KP + (bkv * Lk + j0 + kt) * b.rs;
-				float *dka = dkacc + kt * b.D * APE_RW, *dva = dvacc + kt * b.D * APE_RW;
-				vf dot = 0.0f, dov = 0.0f, p, g, okv;
-				vr sv;
-
-				NOUNROLL for (int l = 0; l < APE_RW; l++) {
-					__global const APE_REAL *tb =
-						th + (nl[l] - kt - b.nmin) * TB_N;
-
-					tt[l] = tb[TB_T];
-					tbias[l] = tb[TB_BIAS];
-					tl[l] = (float)(nl[l] - kt);
-				}
-				NOUNROLL for (int q = 0; q < b.P; q++) {
-					const float u = kr[q], w = kr[b.npad + q];
-					const vf x = VL(xs + q * APE_RW), y = VL(ys + q * APE_RW);
-
-					if (kt) { /* one key further: theta falls by one step */
-						const vf c = cs[q];
-
-						cs[q] = fma(c, stc[q], sn[q] * sts[q]);
-						sn[q] = fma(sn[q], stc[q], -c * sts[q]);
-					}
-					dot += (x * u + y * w) * cs[q] + (x * w - y * u) * sn[q];
-				}
-				NOUNROLL for (int d = 0; d < b.D; d++)
-					dov = fma(VL(dos + d * APE_RW), (vf)kr[2 * b.npad + d], dov);
-				sv = VL(tt) * (APE_REAL)b.scale * TO_VR(dot) + VL(tbias) - VL(lse);
-				p = exp(TO_VF(sv));
-				g = p * (dov - VL(dsub)) * TO_VF(VL(tt)) * b.scale;
-				if (r0 + APE_RW <= Lq && (!causal || r0 + rel - j0 - kt >= 0)) {
-					/* every lane's row exists and sees the key */
-					NOUNROLL for (int d = 0; d < b.D; d++)
-						VS(fma(p, VL(dos + d * APE_RW), VL(dva + d * APE_RW)),
-						   dva + d * APE_RW);
-					NOUNROLL for (int q = 0; q < b.P; q++) {
-						const vf x = VL(xs + q * APE_RW), y = VL(ys + q * APE_RW);
-						float *au = dka + q * APE_RW, *aw = dka + (b.P + q) * APE_RW;
-
-						VS(fma(g, x * cs[q] - y * sn[q], VL(au)), au);
-						VS(fma(g, y * cs[q] + x * sn[q], VL(aw)), aw);
-					}
+				/* left out by the skip bound (or seen by no row of the vector) */
+				if (j0 + nk <= (long)ri[RI_JLO * APE_RW] ||
+				    j0 >= (long)ri[RI_JHI * APE_RW])
 					continue;
-				}
-				/* a lane adds only where its row exists and sees the key: a select
-				 * on each product, so that NaN in a row reaches only keys it sees */
-				okv = VL(okf);
-				if (causal)
-					okv = APE_V_SELECT((vf)0.0f, okv, VL(tl) >= 0.0f);
-				NOUNROLL for (int d = 0; d < b.D; d++)
-					VS(VL(dva + d * APE_RW) +
-						   APE_V_SELECT((vf)0.0f, p * VL(dos + d * APE_RW),
-								okv > 0.5f),
-					   dva + d * APE_RW);
-				NOUNROLL for (int q = 0; q < b.P; q++) {
-					const vf x = VL(xs + q * APE_RW), y = VL(ys + q * APE_RW);
-					float *au = dka + q * APE_RW, *aw = dka + (b.P + q) * APE_RW;
+				nr++;
+				qtg[g] = qt;
+				cwg[g] = cw;
+				swg[g] = sw;
+				nl0[g] = rel + r0 - j0;
+				hi[g] = (int)(Lq - r0 < APE_RW ? Lq - r0 : APE_RW);
+				full[g] = hi[g] == APE_RW && (!b.causal || nl0[g] - (nk - 1) >= 0);
+				iav = (APE_REAL)1 / VL(ri + RI_ALPHA * APE_RW);
+				lse = VL(ri + RI_LSE * APE_RW);
+				dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
+				nv = ((APE_REAL)nl0[g] + TO_VR(IOTA)) * iav;
+				/* the queries rotated to key j0 (by +theta) */
+				NOUNROLL for (int p = 0; p < b.P; p++) {
+					const vf x = VL(qt + p * APE_RW),
+						 y = VL(qt + (b.npad + p) * APE_RW);
+					vf c, sn = ape_seed_sincos((vr)prm[p] * nv, &c);
 
-					VS(VL(au) + APE_V_SELECT((vf)0.0f, g * (x * cs[q] - y * sn[q]),
-								 okv > 0.5f),
-					   au);
-					VS(VL(aw) + APE_V_SELECT((vf)0.0f, g * (y * cs[q] + x * sn[q]),
-								 okv > 0.5f),
-					   aw);
+					xs[p] = X0[g][p] = x * c - y * sn;
+					ys[p] = Y0[g][p] = x * sn + y * c;
+				}
+				NOUNROLL for (int sb = 0; sb < nk; sb += KSB) {
+					__global const float *kr[KSB];
+					vf S[KSB];
+
+#pragma unroll
+					for (int jj = 0; jj < KSB; jj++) {
+						kr[jj] = kp + (sb + jj < nk ? sb + jj : nk - 1) * b.rs;
+						S[jj] = (vf)0.0f;
+					}
+					NOUNROLL for (int p = 0; p < b.P; p++) {
+						vf x = xs[p], y = ys[p];
+						const vf c = VL(cw + p * APE_RW), sn = VL(sw + p * APE_RW);
+
+#pragma unroll
+						for (int jj = 0; jj < KSB; jj++) {
+							S[jj] = fma(x, (vf)kr[jj][p],
+								    fma(y, (vf)kr[jj][b.npad + p], S[jj]));
+							bwd_turn(&x, &y, c, sn);
+						}
+						xs[p] = x;
+						ys[p] = y;
+					}
+#pragma unroll
+					for (int jj = 0; jj < KSB; jj++) {
+						const int kt = sb + jj;
+						const long e = nl0[g] - kt - b.nmin; /* lane 0's distance */
+						vf dov = (vf)0.0f, tsc, pv, gv;
+
+						if (kt >= nk)
+							break;
+						NOUNROLL for (int d = 0; d < b.D; d++)
+							dov = fma(VL(qt + (2 * b.npad + d) * APE_RW),
+								  (vf)kr[jj][2 * b.npad + d], dov);
+						pv = bwd_p(VL(tt + e), VL(tbias + e), lse, S[jj], b.scale,
+							   &tsc);
+						gv = pv * (dov - dsub) * tsc;
+						Pm[g][kt] = pv;
+						Gm[g][kt] = gv;
+					}
 				}
 			}
+			/* dV: P times dO, 16 components at a time in registers */
+			if (flags & B_DV)
+				NOUNROLL for (int kt = 0; kt < nk; kt++) {
+					NOUNROLL for (int d0 = 0; d0 < b.D; d0 += 2) {
+						float *acc = dvacc + (kt * b.D + d0) * APE_RW;
+						vf a0 = VL(acc), a1 = VL(acc + APE_RW);
+
+						NOUNROLL for (int g = 0; g < nr; g++) {
+							__global const float *o =
+								qtg[g] + (2 * b.npad + d0) * APE_RW;
+							const vf pv = Pm[g][kt];
+
+							if (full[g]) {
+								a0 = fma(pv, VL(o), a0);
+								a1 = fma(pv, VL(o + APE_RW), a1);
+							} else {
+								const vi ok = KEYS_VIS(g, kt);
+
+								a0 += APE_V_SELECT((vf)0.0f, pv * VL(o), ok);
+								a1 += APE_V_SELECT((vf)0.0f,
+										   pv * VL(o + APE_RW), ok);
+							}
+						}
+						VS(a0, acc);
+						VS(a1, acc + APE_RW);
+					}
+				}
+			/* dK: g times the rotated query, turned one step per key again */
+			if (flags & B_DK)
+				NOUNROLL for (int p = 0; p < b.P; p++) {
+					vf X[KR], Y[KR];
+
+					NOUNROLL for (int g = 0; g < nr; g++) {
+						X[g] = X0[g][p];
+						Y[g] = Y0[g][p];
+					}
+					NOUNROLL for (int kc = 0; kc < nk; kc += KSB) {
+						vf ax[KSB], ay[KSB];
+
+#pragma unroll
+						for (int jj = 0; jj < KSB; jj++) {
+							const int kt = kc + jj < nk ? kc + jj : nk - 1;
+
+							ax[jj] = VL(dkacc + (kt * b.D + p) * APE_RW);
+							ay[jj] = VL(dkacc + (kt * b.D + b.P + p) * APE_RW);
+						}
+						NOUNROLL for (int g = 0; g < nr; g++) {
+							vf x = X[g], y = Y[g];
+							const vf c = VL(cwg[g] + p * APE_RW);
+							const vf sn = VL(swg[g] + p * APE_RW);
+
+#pragma unroll
+							for (int jj = 0; jj < KSB; jj++) {
+								const int kt = kc + jj;
+
+								if (kt >= nk)
+									break;
+								if (full[g]) {
+									ax[jj] = fma(Gm[g][kt], x, ax[jj]);
+									ay[jj] = fma(Gm[g][kt], y, ay[jj]);
+								} else {
+									const vi ok = KEYS_VIS(g, kt);
+
+									ax[jj] += APE_V_SELECT(
+										(vf)0.0f, Gm[g][kt] * x, ok);
+									ay[jj] += APE_V_SELECT(
+										(vf)0.0f, Gm[g][kt] * y, ok);
+								}
+								bwd_turn(&x, &y, c, sn);
+							}
+							X[g] = x;
+							Y[g] = y;
+						}
+#pragma unroll
+						for (int jj = 0; jj < KSB; jj++) {
+							const int kt = kc + jj;
+
+							if (kt >= nk)
+								break;
+							VS(ax[jj], dkacc + (kt * b.D + p) * APE_RW);
+							VS(ay[jj], dkacc + (kt * b.D + b.P + p) * APE_RW);
+						}
+					}
+				}
 		}
 	}
 	for (int kt = 0; kt < nk; kt++) {
@@ -393,81 +582,208 @@ __kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *D
 	}
 }
 
+/* Keys per tile of the queries sweep (its rotation recurrence is reseeded at each tile start,
+ * as the forward's) and per score sub-block (whose dot products and alpha sums stay in
+ * registers while the pair loop runs over them). */
+#define QBK 64
+#define QSB 8
+
 /*
- * Queries outer: dQ_i (k_j's pairs rotated by -theta), the alpha path A_i = sum_j dS_ij temp
- * scale d(dot_ij)/d(alpha_i), applied to dQ_i at the end, and the row's parameter sums, in
- * APE_REAL, to PART[row][4] (zero for a row that sees no key of this launch: it adds nothing).
+ * Queries outer, in the forward's layout: one work-item owns a row vector (APE_RW rows of one
+ * (batch, head) in the lanes) and walks the key tiles. Per tile: each pair's rotation is seeded
+ * at the tile's first key and the rotated query turns one step per key while QSB keys' dot
+ * products and alpha sums E_j = sum_p omega_p (yr_p u_p - xr_p w_p) (so that d(dot)/d(alpha)
+ * times alpha is n / alpha E_j) stay in registers; then per key: P, dS from one vector load per
+ * distance term, the parameter sums and the alpha path A_i in float32 for the tile, added to
+ * APE_REAL per tile; and dQ_i += sum_j g_ij R(-theta_ij) k_j by Horner's rule over the tile's
+ * keys, R(-theta_ij) = R(-theta_i0) R(w)^j (one rotation step per key, no sin or cos), turned by
+ * the tile's seed once. At the end A_i (through alpha) is applied to dQ_i and the row's
+ * parameter sums go to PART[row][4] (zero for a row that sees no key of this launch).
  */
 __kernel void ape_bwd_queries(BWD_SWEEP_ARGS, __global const void *Q, __global float *DQ,
 			      __global APE_REAL *PART)
 {
 	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
-	const long i = get_global_id(0), bh = get_global_id(1), h = bh % H;
-	const long row = bh * Lq + i, qbase = row * b.D;
+	const long ib = get_global_id(0), bh = get_global_id(1), h = bh % H, i0 = ib * APE_RW;
+	const long blk = bh * b.nblk + ib;
 	const long kvrows = (bh / H * (H / group) + h / group) * Lk;
 	__global const APE_REAL *hp = prm + npad + 4 * h;
-	__global const APE_REAL *ri = rinfo + row * RI_N;
-	__global const APE_REAL *th = tab + h * b.ndist * TB_N;
-	__global const float *qr = QP + row * b.rs, *dout = qr + 2 * b.npad;
-	float dqx[APE_PMAX], dqy[APE_PMAX];
-	vf cs[BPV], sn[BPV], stc[BPV], sts[BPV];
-	APE_REAL A = 0, dp[4] = { 0, 0, 0, 0 }, coef, alpha, inv_alpha;
+	__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
+	__global const APE_REAL *th = tab + TB_AT(h, 0, b.ndist);
+	__global const float *qt = QP + blk * b.rs * APE_RW, *kp = KP + kvrows * b.rs;
+	vf cw[APE_PMAX], sw[APE_PMAX], c0[APE_PMAX], s0[APE_PMAX], xr[APE_PMAX], yr[APE_PMAX];
+	vf dqx[APE_PMAX], dqy[APE_PMAX], g[QBK], dsub;
+	vr ia, lse, A = (vr)0, dp0 = (vr)0, dp1 = (vr)0, dp2 = (vr)0, dp3 = (vr)0;
 	long jend;
+	int hi;
 
-	if (i >= Lq)
+	if (ib >= b.nblk)
 		return;
-	alpha = ri[RI_ALPHA];
-	inv_alpha = (APE_REAL)1 / alpha;
-	NOUNROLL for (int p = 0; p < b.npad; p++)
-		dqx[p] = dqy[p] = 0.0f;
-	bwd_step(prm, inv_alpha, b.npc, stc, sts);
-	/* causal: keys j <= rel + i */
-	jend = (flags & B_CAUSAL) ? (rel + i + 1 < Lk ? rel + i + 1 : Lk) : Lk;
-	for (long j = 0; j < jend; j++) {
-		const long n = rel + i - j;
-		__global const float *kr = KP + (kvrows + j) * b.rs;
-		__global const APE_REAL *tb = th + (n - b.nmin) * TB_N;
-		float dot, ddt, p, t, ds, g;
+	ia = (APE_REAL)1 / VL(ri + RI_ALPHA * APE_RW);
+	lse = VL(ri + RI_LSE * APE_RW);
+	dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
+	hi = (int)(Lq - i0 < APE_RW ? Lq - i0 : APE_RW);
+	NOUNROLL for (int p = 0; p < b.P; p++) {
+		cw[p] = VL(STEP + (blk * 2 * b.npad + p) * APE_RW);
+		sw[p] = VL(STEP + (blk * 2 * b.npad + b.npad + p) * APE_RW);
+		dqx[p] = dqy[p] = (vf)0.0f;
+	}
+	/* causal: the last row sees keys j <= rel + i0 + hi - 1 */
+	jend = b.causal ? (rel + i0 + hi < Lk ? rel + i0 + hi : Lk) : Lk;
+	/* the row vector's computed keys (ape_bwd_rows: [0, jend) unless the skip bound left some
+	 * out) */
+	jend = (long)ri[RI_JHI * APE_RW] < jend ? (long)ri[RI_JHI * APE_RW] : jend;
+	for (long j0 = (long)ri[RI_JLO * APE_RW]; j0 < jend; j0 += QBK) {
+		const int len = (int)(jend - j0 < QBK ? jend - j0 : QBK);
+		const long nb = rel + i0 - j0; /* n of (lane 0, key j0) */
+		const vr n0 = (APE_REAL)nb + TO_VR(IOTA);
+		/* every lane's row exists and sees every key of the tile */
+		const int full = hi == APE_RW && (!b.causal || nb - (len - 1) >= 0);
+		vf Ad = (vf)0.0f, f0 = (vf)0.0f, f1 = (vf)0.0f, f2 = (vf)0.0f, f3 = (vf)0.0f;
 
-		dot = bwd_pair(qr, kr, b.npad, prm, (APE_REAL)n * inv_alpha, b.npc, cs, sn, stc,
-			       sts, j % BWD_RESEED == 0, &ddt);
-		ds = bwd_ds(tb, dot, ri, bwd_dot(dout, kr + 2 * b.npad, b.ndc), b.scale, &p, &t);
-		g = ds * t;
-		A += (APE_REAL)g * (APE_REAL)ddt;
-		if (flags & B_DP) {
-			dp[0] += (APE_REAL)ds * tb[TB_DD];
-			dp[1] += (APE_REAL)ds * tb[TB_DB];
-			dp[2] += (APE_REAL)ds * tb[TB_DG];
-			dp[3] += (APE_REAL)ds * (APE_REAL)b.scale * (APE_REAL)dot * tb[TB_DTL];
+		NOUNROLL for (int p = 0; p < b.P; p++) {
+			const vf x = VL(qt + p * APE_RW), y = VL(qt + (b.npad + p) * APE_RW);
+
+			s0[p] = ape_seed_sincos(n0 * (prm[p] * ia), &c0[p]);
+			xr[p] = x * c0[p] - y * s0[p];
+			yr[p] = x * s0[p] + y * c0[p];
 		}
+		NOUNROLL for (int sb = 0; sb < len; sb += QSB) {
+			__global const float *kr[QSB];
+			vf S[QSB], E[QSB];
+
+#pragma unroll
+			for (int jj = 0; jj < QSB; jj++) {
+				const long j = j0 + sb + jj;
+
+				kr[jj] = kp + (j < Lk ? j : Lk - 1) * b.rs;
+				S[jj] = E[jj] = (vf)0.0f;
+			}
+			NOUNROLL for (int p = 0; p < b.P; p++) {
+				vf x = xr[p], y = yr[p];
+				const vf c = cw[p], s = sw[p];
+				const float om = (float)prm[p];
+
+#pragma unroll
+				for (int jj = 0; jj < QSB; jj++) {
+					const float u = kr[jj][p], w = kr[jj][b.npad + p];
+
+					S[jj] = fma(x, (vf)u, fma(y, (vf)w, S[jj]));
+					E[jj] = fma(y, (vf)(om * u), fma(x, (vf)(-om * w), E[jj]));
+					bwd_turn(&x, &y, c, s);
+				}
+				xr[p] = x;
+				yr[p] = y;
+			}
+#pragma unroll
+			for (int jj = 0; jj < QSB; jj++) {
+				const int jt = sb + jj;
+				const long e = nb - jt - b.nmin; /* lane 0's distance in the table */
+				vf dov = (vf)0.0f, tsc, pr, ds, dot = S[jj], ea = E[jj];
+
+				if (jt >= len)
+					break;
+				NOUNROLL for (int d = 0; d < b.D; d++)
+					dov = fma(VL(qt + (2 * b.npad + d) * APE_RW),
+						  (vf)kr[jj][2 * b.npad + d], dov);
+				pr = bwd_p(VL(th + TB_T * b.ndist + e), VL(th + TB_BIAS * b.ndist + e),
+					   lse, dot, b.scale, &tsc);
+				ds = pr * (dov - dsub);
+				if (!full) { /* lanes that see the key: n = nb + lane - jt >= 0 */
+					const long lo = b.causal ? jt - nb : 0;
+					const vi vis = bwd_lanes(
+						(int)(lo < 0 ? 0 : lo > APE_RW ? APE_RW : lo), hi);
+
+					ds = APE_V_SELECT((vf)0.0f, ds, vis);
+					dot = APE_V_SELECT((vf)0.0f, dot, vis);
+					ea = APE_V_SELECT((vf)0.0f, ea, vis);
+				}
+				g[jt] = ds * tsc;
+				Ad = fma(g[jt] * TO_VF((n0 - (APE_REAL)jt) * ia), ea, Ad);
+				f0 = fma(ds, TO_VF(VL(th + TB_DD * b.ndist + e)), f0);
+				f1 = fma(ds, TO_VF(VL(th + TB_DB * b.ndist + e)), f1);
+				f2 = fma(ds, TO_VF(VL(th + TB_DG * b.ndist + e)), f2);
+				f3 = fma(ds * dot, TO_VF(VL(th + TB_DTL * b.ndist + e)), f3);
+			}
+		}
+		A += TO_VR(Ad);
+		dp0 += TO_VR(f0);
+		dp1 += TO_VR(f1);
+		dp2 += TO_VR(f2);
+		dp3 += TO_VR(f3) * (APE_REAL)b.scale;
 		if (!(flags & B_DQ))
 			continue;
-		NOUNROLL for (int c = 0; c < b.npc; c++) {
-			const int o = c * APE_RW;
-			const vf uv = VL(kr + o), wv = VL(kr + b.npad + o);
+		NOUNROLL for (int p = 0; p < b.P; p++) {
+			const vf c = cw[p], s = sw[p], ns = -s;
+			vf ax = (vf)0.0f, ay = (vf)0.0f;
 
-			VS(fma((vf)g, uv * cs[c] + wv * sn[c], VL(dqx + o)), dqx + o);
-			VS(fma((vf)g, wv * cs[c] - uv * sn[c], VL(dqy + o)), dqy + o);
+			NOUNROLL for (int jt = len - 1; jt >= 0; jt--) {
+				__global const float *k = kp + (j0 + jt) * b.rs;
+				vf gu = g[jt] * k[p], gw = g[jt] * k[b.npad + p];
+				const vf an = ax;
+
+				if (!full) { /* a hidden key's NaN must not reach the row */
+					gu = APE_V_SELECT(gu, (vf)0.0f, g[jt] == 0.0f);
+					gw = APE_V_SELECT(gw, (vf)0.0f, g[jt] == 0.0f);
+				}
+				/* (ax, ay) = R(w) (ax, ay) + g k */
+				ax = fma(ax, c, fma(ay, ns, gu));
+				ay = fma(an, s, fma(ay, c, gw));
+			}
+			/* R(-theta_0) */
+			dqx[p] += fma(ax, c0[p], ay * s0[p]);
+			dqy[p] += fma(ay, c0[p], -(ax * s0[p]));
 		}
 	}
-	A /= alpha; /* the pairs summed d(dot)/d(alpha) times alpha */
-	dp[3] += A * ape_grad_gate(ri[RI_SIGMA]); /* d(alpha)/d(lambda) */
-	if (flags & B_DP)
-		for (int k = 0; k < 4; k++)
-			PART[row * 4 + k] = jend > 0 ? dp[k] : (APE_REAL)0;
-	if (!(flags & B_DQ) || jend <= 0)
-		return; /* no visible key here: the row adds nothing */
-	/* the path through alpha_i: A_i d(alpha)/d(sigma) d(sigma)/d(q) */
-	coef = A * ape_grad_dalpha_dsigma(hp[3], ri[RI_SIGMA]) *
-	       ape_grad_dsigma_coef((APE_REAL)b.D, ri[RI_SIGMA]);
-	NOUNROLL for (int p = 0; p < b.P; p++) {
-		const long ia = qbase + (b.inter ? 2 * p : p);
-		const long ib = qbase + (b.inter ? 2 * p + 1 : p + b.P);
+	{
+		APE_REAL As[APE_RW], d0[APE_RW], d1[APE_RW], d2[APE_RW], d3[APE_RW], coef[APE_RW];
+		float tx[APE_RW], ty[APE_RW];
+		long cnt[APE_RW];
 
-		DQ[ia] += (float)((APE_REAL)dqx[p] +
-				  coef * ((APE_REAL)ld(Q, ia, B_DT_IN(flags)) - ri[RI_MEAN]));
-		DQ[ib] += (float)((APE_REAL)dqy[p] +
-				  coef * ((APE_REAL)ld(Q, ib, B_DT_IN(flags)) - ri[RI_MEAN]));
+		VS(A, As);
+		VS(dp0, d0);
+		VS(dp1, d1);
+		VS(dp2, d2);
+		VS(dp3, d3);
+		NOUNROLL for (int l = 0; l < hi; l++) {
+			const long i = i0 + l, row = bh * Lq + i;
+			const APE_REAL sigma = ri[RI_SIGMA * APE_RW + l];
+			const APE_REAL Ai = As[l] / ri[RI_ALPHA * APE_RW + l];
+
+			/* keys this row sees (causal: j <= rel + i) */
+			cnt[l] = b.causal ? (rel + i + 1 < Lk ? rel + i + 1 : Lk) : Lk;
+			/* the path through alpha_i: A_i d(alpha)/d(sigma) d(sigma)/d(q) */
+			coef[l] = Ai * ape_grad_dalpha_dsigma(hp[3], sigma) *
+				  ape_grad_dsigma_coef((APE_REAL)b.D, sigma);
+			if (flags & B_DP) {
+				const int ok = cnt[l] > 0;
+
+				PART[row * 4 + 0] = ok ? d0[l] : (APE_REAL)0;
+				PART[row * 4 + 1] = ok ? d1[l] : (APE_REAL)0;
+				PART[row * 4 + 2] = ok ? d2[l] : (APE_REAL)0;
+				/* d(alpha)/d(lambda) */
+				PART[row * 4 + 3] = ok ? d3[l] + Ai * ape_grad_gate(sigma) : (APE_REAL)0;
+			}
+		}
+		if (!(flags & B_DQ))
+			return;
+		NOUNROLL for (int p = 0; p < b.P; p++) {
+			VS(dqx[p], tx);
+			VS(dqy[p], ty);
+			NOUNROLL for (int l = 0; l < hi; l++) {
+				const long qb = (bh * Lq + i0 + l) * b.D;
+				const long ia_ = qb + (b.inter ? 2 * p : p);
+				const long ib_ = qb + (b.inter ? 2 * p + 1 : p + b.P);
+				const APE_REAL mean = ri[RI_MEAN * APE_RW + l];
+
+				if (cnt[l] <= 0)
+					continue; /* no visible key here: the row adds nothing */
+				DQ[ia_] += (float)((APE_REAL)tx[l] +
+						   coef[l] * ((APE_REAL)ld(Q, ia_, B_DT_IN(flags)) - mean));
+				DQ[ib_] += (float)((APE_REAL)ty[l] +
+						   coef[l] * ((APE_REAL)ld(Q, ib_, B_DT_IN(flags)) - mean));
+			}
+		}
 	}
 }
 

@@ -20,16 +20,31 @@
 #define B_DK 1024
 #define B_DV 2048
 #define B_DP 4096
+#define B_SKIP 8192 /* leave out key tiles the backward bound proves negligible (skip_tol) */
+#define B_PAIRS 16384 /* write each row's pairs computed */
 
-/* per-row values of ape_bwd_rows, RI_N of them per row, in APE_REAL */
+/* Keys per skip granule: a row vector's computed keys start and end at multiples of it (or at
+ * the ends of its visible keys); the sweeps' key tiles and blocks divide it. */
+#define B_GRANULE 64
+
+/* per-row values of ape_bwd_rows, RI_N of them per row, in APE_REAL, in blocks of APE_RW rows
+ * (a row vector of the sweeps) per (batch, head), field-major inside a block: value `field` of
+ * row i of block blk (blk = bh * nblk + i / APE_RW, nblk = ceil(Lq / APE_RW)) sits at
+ * RI_AT(blk, field, rw) + i % APE_RW. Rows past Lq get alpha 1, LSE +inf, the rest 0. */
+#define RI_AT(blk, field, rw) (((blk) * RI_N + (field)) * (rw))
 #define RI_MEAN 0
 #define RI_SIGMA 1
 #define RI_ALPHA 2
 #define RI_LSE 3
 #define RI_DSUB 4 /* Dl_i - dLSE_i */
-#define RI_N 5
+#define RI_JLO 5 /* the row vector's computed keys: [RI_JLO, RI_JHI), the same in every lane */
+#define RI_JHI 6
+#define RI_N 7
 
-/* per (head, distance) values of ape_bwd_dist, TB_N of them, in APE_REAL */
+/* per (head, distance) values of ape_bwd_dist, TB_N of them, in APE_REAL, one array per term:
+ * term `field` of head h at distance n = nmin + idx sits at TB_AT(h, field, ndist) + idx; the
+ * host allocates APE_RW values more (a row vector's load may reach past the last distance). */
+#define TB_AT(h, field, ndist) (((h) * TB_N + (field)) * (ndist))
 #define TB_T 0 /* temp(n) */
 #define TB_BIAS 1 /* bias(n) */
 #define TB_DD 2 /* d(bias)/d(delta) */

@@ -162,7 +162,10 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 		};
 
 		memset(&er, 0, sizeof(er));
-		er.st.pairs_computed = on_device ? rep.pairs_visible : 0; /* nothing is skipped */
+		/* counted by the launches when they could skip keys; else every visible pair */
+		er.st.pairs_computed = !on_device	   ? 0
+				       : res.pairs_counted ? res.pairs_computed
+							   : rep.pairs_visible;
 		er.st.kernel_ms = res.kernel_ms;
 		er.st.h2d = res.h2d;
 		er.st.d2h = res.d2h;

@@ -344,11 +344,24 @@ static void note_norms(struct ape_kv_cache *c, const char *packed, int64_t t0, i
 		}
 }
 
+/* n more tokens fit (after the blocks released so far), else APE_ENOMEM saying what does. */
+static int check_room(const struct ape_kv_cache *c, const char *fn, int64_t n)
+{
+	const int64_t room = (c->lb_first + c->nblocks) * c->bt - c->t_end;
+
+	if (n <= room)
+		return 0;
+	return ape__error(APE_ENOMEM,
+			  "%s: %" PRId64 " tokens do not fit: the cache holds %" PRId64 " of %" PRId64
+			  " (room for %" PRId64 "); release blocks or make a larger cache",
+			  fn, n, ape__kv_live_tokens(c), c->nblocks * c->bt, room);
+}
+
 int ape_kv_cache_append(ape_kv_cache *c, const ape_tensor *k, const ape_tensor *v)
 {
 	static const char fn[] = "ape_kv_cache_append";
 	static const char *const dims[4] = { "B", "Hkv", "n", "D" };
-	int64_t ks[4], vs[4], want[4], n, room;
+	int64_t ks[4], vs[4], want[4], n;
 	int ret;
 
 	if (!c)
@@ -363,13 +376,8 @@ int ape_kv_cache_append(ape_kv_cache *c, const ape_tensor *k, const ape_tensor *
 	if ((ret = ape__check_tensor(fn, "v", v, c->o.dtype, want, dims, vs)))
 		return ret;
 	n = k->shape[2];
-	room = (c->lb_first + c->nblocks) * c->bt - c->t_end;
-	if (n > room)
-		return ape__error(APE_ENOMEM,
-				  "%s: %" PRId64 " tokens do not fit: the cache holds %" PRId64
-				  " of %" PRId64 " (room for %" PRId64 "); release blocks or make a "
-				  "larger cache",
-				  fn, n, ape__kv_live_tokens(c), c->nblocks * c->bt, room);
+	if ((ret = check_room(c, fn, n)))
+		return ret;
 	for (int64_t done = 0; done < n;) {
 		const int64_t m = n - done < c->o.append_chunk ? n - done : c->o.append_chunk;
 		const int i = c->anext;
@@ -439,7 +447,7 @@ int ape_kv_cache_append_device(ape_kv_cache *c, ape_queue *queue, const ape_dten
 	static const char *const dims[4] = { "B", "Hkv", "n", "D" };
 	struct dpiece dp = { 0 };
 	struct ape__event *ready = NULL;
-	int64_t want[4], n, room;
+	int64_t want[4], n;
 	int ret;
 
 	if (!c)
@@ -464,13 +472,8 @@ int ape_kv_cache_append_device(ape_kv_cache *c, ape_queue *queue, const ape_dten
 	if ((ret = ape__check_dtensor(fn, "v", v, c->dev, c->o.dtype, want, dims, &dp.view[1])))
 		return ret;
 	n = k->shape[2];
-	room = (c->lb_first + c->nblocks) * c->bt - c->t_end;
-	if (n > room)
-		return ape__error(APE_ENOMEM,
-				  "%s: %" PRId64 " tokens do not fit: the cache holds %" PRId64
-				  " of %" PRId64 " (room for %" PRId64 "); release blocks or make a "
-				  "larger cache",
-				  fn, n, ape__kv_live_tokens(c), c->nblocks * c->bt, room);
+	if ((ret = check_room(c, fn, n)))
+		return ret;
 	if (!n)
 		return 0;
 	dp.c = c;

@@ -272,6 +272,52 @@ APE_FN int ape_may_skip(ape_real lambda, ape_real delta, ape_real beta, ape_real
 	return ape_tail_negligible(u, m, l, ape_tail_count(count, delta), tol);
 }
 
+/*
+ * The backward pass's tail count (docs/kernels.md, "Skipping in the backward pass"): an upper
+ * bound of sum_k max(1, an + k) exp(-delta k) over `count` keys at distances an, an + 1, ...
+ * (one key per distance, as in one row): the keys' weight, each key weighed by its distance
+ * (the parameter gradients and the alpha path weigh a pair by up to |n|), in units of the
+ * weight bound at the nearest distance an. The smaller of the plain sum of the factors and,
+ * with delta > 0, the geometric series' closed form (an + 1) / (1 - e^-delta) +
+ * e^-delta / (1 - e^-delta)^2; the 1.001 absorbs its rounding.
+ */
+APE_FN ape_real ape_bwd_tail_count(ape_real count, ape_real an, ape_real delta)
+{
+	const ape_real a1 = an + (ape_real)1;
+	const ape_real flat = count * a1 + count * (count - (ape_real)1) / (ape_real)2;
+	ape_real q, geo;
+
+	if (!(delta > (ape_real)0))
+		return flat;
+	q = -expm1(-delta);
+	geo = (ape_real)1.001 * (a1 / q + exp(-delta) / (q * q));
+	return geo < flat ? geo : flat;
+}
+
+/*
+ * May the backward pass leave out, for one row, `count` keys at distances an, an + 1, ...,
+ * whose norms are at most kmax (qnorm: the row's |q| bound, lse: its saved LSE)? True when
+ * their weights P_ij = exp(s_ij - LSE_i), each weighed by max(1, |n|), add up to at most
+ * tol / (1 + tol) of the row's whole weight (1): then every gradient's share of those keys is at
+ * most tol times what the row's computed keys carry (the bound and its proof: docs/kernels.md).
+ * Only valid with delta, beta, gamma >= 0 and lambda >= 0. A row whose LSE is not finite (no
+ * key, NaN) never skips.
+ */
+APE_FN int ape_bwd_may_skip(ape_real lambda, ape_real delta, ape_real beta, ape_real gamma,
+			    ape_real abs_scale, ape_real qnorm, ape_real kmax, ape_real an,
+			    ape_real count, ape_real lse, ape_real tol)
+{
+	ape_real u;
+
+	if (count <= (ape_real)0)
+		return 1;
+	if (!(tol > (ape_real)0) || !(lse > -(ape_real)INFINITY) || !(lse < (ape_real)INFINITY) ||
+	    !(lambda >= (ape_real)0))
+		return 0;
+	u = ape_score_bound(lambda, delta, beta, gamma, abs_scale, qnorm, kmax, an) - lse;
+	return u + log(ape_bwd_tail_count(count, an, delta)) <= log(tol) - log1p(tol);
+}
+
 /* Merges a partial result (m2, l2) into (m, l) and returns the factors that rescale the two
  * accumulators: acc = acc * c1 + acc2 * c2. Both maxima may be -INFINITY (no key yet). */
 APE_FN ape_real ape_merge_max(ape_real m1, ape_real m2)

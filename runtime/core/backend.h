@@ -304,7 +304,15 @@ struct ape__backend_ops {
 	 * derivatives of the spec, path through alpha included; rows without a visible key add
 	 * nothing. Touches no other byte of those buffers and writes no input. Reductions run in
 	 * a fixed order (no floating-point atomics), so two runs are bit-identical; dparams sums
-	 * are reduced in float64. Skips no key (l->f.skip_tol is 0). Allocates no device memory
+	 * are reduced in float64. Skipping: with l->f.skip_tol > 0 (the core passes it only when
+	 * every head's delta, beta, gamma >= 0, as l->f.decay_nonneg says) a backend may leave a
+	 * key out of a row only where the backward bound of docs/kernels.md ("Skipping in the
+	 * backward pass", ape_bwd_may_skip() in core/ape_math.h) proves that the row's left-out
+	 * keys, each weighed by max(1, |n|), hold at most skip_tol / (1 + skip_tol) of its
+	 * weight; it may also skip nothing (the reference and CUDA do). l->f.pairs, when not NULL,
+	 * comes in holding each row's visible keys of the launch; a backend that skips writes
+	 * there the visible pairs it computed per row, one that does not may leave it as it is.
+	 * With skip_tol = 0 nothing is skipped. Allocates no device memory
 	 * beyond l's buffers: the core's budget counts none (a backend that will need scratch
 	 * adds an op declaring it, as attention_scratch does for the forward). Inputs are not
 	 * scanned: NaN or Inf reach the gradients they touch. Fails by the rules at the top of this

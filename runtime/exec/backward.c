@@ -31,9 +31,10 @@
 #include "exec/multidev.h"
 #include "exec/pack.h"
 #include "exec/plan.h"
+#include "exec/skip_budget.h"
 
 /* Device chunk buffers, each with its host staging. Rows of the query side, then the key side. */
-enum { B_Q, B_O, B_DOUT, B_LSE, B_DLSE, B_DQ, B_K, B_V, B_DK, B_DV, NBUF };
+enum { B_Q, B_O, B_DOUT, B_LSE, B_DLSE, B_DQ, B_PAIRS, B_K, B_V, B_DK, B_DV, NBUF };
 
 struct chunk_buf {
 	const char *what;
@@ -51,6 +52,7 @@ struct bwd_run {
 	struct ape__devmem mem;
 	struct ape__queue *queue;
 	int64_t cq, ck; /* rows per chunk */
+	int64_t nk_chunks; /* key chunks */
 	struct chunk_buf b[NBUF];
 	ape_tensor lse_t, dlse_t; /* lse and dlse as [B, H, Lq, 1] float tensors */
 	int64_t lse_s[4];
@@ -132,6 +134,9 @@ static void describe(struct bwd_run *x)
 		[B_DLSE] = { "dlse", &x->dlse_t, x->lse_s, bh * sizeof(float), r->dlse != NULL,
 			     NULL, NULL },
 		[B_DQ] = { "dq", NULL, NULL, bh * D * sizeof(float), r->dq != NULL, NULL, NULL },
+		/* each row's pairs computed, when the launches may skip keys */
+		[B_PAIRS] = { "pairs", NULL, NULL, bh * sizeof(uint64_t), ape__skip_allowed(p),
+			      NULL, NULL },
 		[B_K] = { "k", r->k, p->ks, bkv * D * esz, true, NULL, NULL },
 		[B_V] = { "v", r->v, p->vs, bkv * D * esz, true, NULL, NULL },
 		[B_DK] = { "dk", NULL, NULL, bkv * D * sizeof(float), r->dk != NULL, NULL, NULL },
@@ -252,7 +257,15 @@ static int launch(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t
 	int ret;
 
 	memset(&l, 0, sizeof(l));
-	ape__launch_init(&l.f, p, p->out_dtype, 0); /* no skip bound for the backward yet */
+	/* skip_tol shared by the nk key chunks a row meets: launch tests of t / (1 + t) each add
+	 * up to skip_tol / (1 + skip_tol) of the row's weight with t = skip_tol / (nk + skip_tol
+	 * (nk - 1)) (docs/kernels.md, "Skipping in the backward pass"); 0 when the decays do not
+	 * allow skipping */
+	ape__launch_init(&l.f, p, p->out_dtype,
+			 ape__skip_allowed(p) ? p->skip_tol / ((double)x->nk_chunks +
+							       p->skip_tol * (double)(x->nk_chunks - 1))
+					      : 0.0);
+	l.f.pairs = x->b[B_PAIRS].buf;
 	l.f.Lq = nq;
 	l.f.Lk = nk;
 	l.f.q = x->b[B_Q].buf;
@@ -281,6 +294,46 @@ static int launch(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t
 	x->ops->event_destroy(e0);
 	x->ops->event_destroy(e1);
 	return ret;
+}
+
+/*
+ * The pairs buffer before a launch: each row's visible keys among the launch's, what a backend
+ * that skips nothing computes (it may leave the buffer as it is); after: their sum.
+ */
+static int pairs_before(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t nk)
+{
+	const struct ape__problem *p = x->r->p;
+	struct chunk_buf *c = &x->b[B_PAIRS];
+	uint64_t *h = c->host;
+	size_t bytes = (size_t)(c->row_bytes * (uint64_t)nq);
+	int ret;
+
+	if (!c->used)
+		return 0;
+	for (int64_t bh = 0; bh < p->B * p->H; bh++)
+		for (int64_t i = 0; i < nq; i++) {
+			/* causal: keys at n >= 0; distances are validated to fit */
+			int64_t v = p->q_start + i0 + i - (p->k_start + j0) + 1;
+
+			v = !p->causal ? nk : v < 0 ? 0 : v > nk ? nk : v;
+			h[bh * nq + i] = (uint64_t)v;
+		}
+	if ((ret = x->ops->copy_h2d(x->queue, c->buf, 0, h, bytes)))
+		return ret;
+	x->res->h2d += bytes;
+	return 0;
+}
+
+static void pairs_after(struct bwd_run *x, int64_t nq)
+{
+	const struct chunk_buf *c = &x->b[B_PAIRS];
+	const uint64_t *h = c->host;
+
+	if (!c->used)
+		return;
+	for (int64_t r = 0; r < x->r->p->B * x->r->p->H * nq; r++)
+		x->res->pairs_computed += h[r];
+	x->res->pairs_counted = true;
 }
 
 /* Adds a query chunk's dQ partial (staging, [B, H, nq, D] float) into the accumulator. */
@@ -334,9 +387,12 @@ static int run_chunks(struct bwd_run *x)
 			if (!chunk_visible(p, i0, nq, j0))
 				continue;
 			if ((ret = upload_rows(x, B_Q, B_DLSE, i0, nq)) ||
-			    (ret = zero_rows(x, B_DQ, nq)) || (ret = launch(x, i0, nq, j0, nk)) ||
-			    (ret = download_rows(x, B_DQ, nq)))
+			    (ret = zero_rows(x, B_DQ, nq)) ||
+			    (ret = pairs_before(x, i0, nq, j0, nk)) ||
+			    (ret = launch(x, i0, nq, j0, nk)) || (ret = download_rows(x, B_DQ, nq)) ||
+			    (ret = download_rows(x, B_PAIRS, nq)))
 				return ret;
+			pairs_after(x, nq);
 			if (x->dq_acc)
 				add_dq(x, i0, nq);
 		}
@@ -450,6 +506,7 @@ int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res
 	describe(&x);
 	ret = plan(&x, r->chunk_q ? r->chunk_q : APE__CHUNK_DEFAULT,
 		   r->chunk_k ? r->chunk_k : APE__CHUNK_DEFAULT, res->budget);
+	x.nk_chunks = x.ck > 0 ? (r->p->Lk + x.ck - 1) / x.ck : 1;
 	if (!ret)
 		ret = prepare_host(&x);
 	if (!ret) {

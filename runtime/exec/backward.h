@@ -36,6 +36,8 @@ struct ape__bwd_result {
 	uint64_t budget; /* the budget the call ran under; UINT64_MAX: none */
 	double kernel_ms; /* device time of the launches */
 	uint64_t launches; /* (query chunk, key chunk) pairs launched */
+	uint64_t pairs_computed; /* visible (query, key) pairs computed, when pairs_counted */
+	bool pairs_counted; /* the launches could skip keys and counted what they computed */
 	int64_t cq, ck; /* rows per chunk the planner chose */
 };
 
