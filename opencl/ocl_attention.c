@@ -275,6 +275,8 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 		return ape__ocl_decode(q, l);
 	if (ape__ocl_separable_applies(q->dev, l))
 		return ape__ocl_separable(q, l);
+	if (ape__ocl_split_applies(q->dev, l))
+		return ape__ocl_split(q, l);
 	ret = ape__ocl_program_get(q->dev, l->D, &pr);
 	if (ret)
 		return ret;

@@ -5,7 +5,8 @@
  *   decode     (ocl_decode.c, kernels/decode.cl): a few query rows against many keys, the keys
  *              split over work-items and the partial results merged by LSE;
  *   separable  (ocl_separable.c, kernels/separable.cl): every head with lambda = 0, where the
- *              rotation separates: Q and K rotated once, then a GEMM-shaped kernel.
+ *              rotation separates: Q and K rotated once, then a GEMM-shaped kernel; a launch
+ *              mixing such heads with others is split by runs of kv groups.
  * Each applies() predicate is conservative: a launch it does not recognise in full (an output or
  * option these kernels do not write) goes to the general kernel.
  */
@@ -46,6 +47,11 @@ cl_int ape__ocl_fast_flags(const struct ape__launch *l);
 bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch *l);
 int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l);
 uint64_t ape__ocl_separable_scratch(struct ape_device *dev, const struct ape__launch *l);
+/* Mixed launches (some kv groups all separable, others not; no pairs, no lse_prior): each run
+ * of consecutive kv groups of one kind as a sub-launch, its views moved along H. The separable
+ * path's scratch bounds the runs' together (it exceeds the general kernel's per head). */
+bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l);
+int ape__ocl_split(struct ape__queue *q, const struct ape__launch *l);
 
 /* The attention_scratch op (ocl_decode.c): the largest of what the general kernel and the fast
  * paths allocate for l. */

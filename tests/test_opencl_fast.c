@@ -2,9 +2,10 @@
 /*
  * The OpenCL fast paths (opencl/ocl_fast.h) against the reference backend: the split-K decode
  * (a few query rows, many keys) and the separable path (every head with lambda = 0 and no
- * decay but delta), on random awkward cases: every storage type, both rope layouts, GQA, causal
- * or not, positions near 2^40, rows with no visible key, strided host tensors, per-head
- * parameters and mixes of separable and other heads. Each case also asks the path's own
+ * decay but delta; launches mixing such kv groups with others, split by runs of kv groups), on
+ * random awkward cases: every storage type, both rope layouts, GQA, causal or not, positions
+ * near 2^40, rows with no visible key, strided host and device tensors, per-head parameters and
+ * mixes of separable and other heads. Each case also asks the path's own
  * predicate, so that a change which sends these shapes elsewhere fails here instead of passing
  * untested. Skipping never leaves out what the bound does not allow (against a dense run of the
  * same case), and two runs are bit-identical.
@@ -232,12 +233,16 @@ TEST(separable_random_cases_match_reference)
 	ape_context_destroy(d.ctx);
 }
 
-/* Some heads with lambda = 0 and others not, or with beta, gamma: every case still matches the
- * reference, whichever kernel serves it (today the whole launch goes to the general kernel). */
+/*
+ * Some kv groups whose heads all have lambda = beta = gamma = 0 and others not: the launch runs
+ * as sub-launches per run of kv groups (the separable path and the general kernel), when it asks
+ * no per-row pair counts (no statistics); with statistics, as one general launch. Both match the
+ * reference.
+ */
 TEST(mixed_heads_match_reference)
 {
-	const int ncases = ape_test_slow() ? 5 : 40;
-	int failed = 0;
+	const int ncases = ape_test_slow() ? 5 : 60;
+	int failed = 0, taken = 0;
 	struct devs d;
 	ape_rng rng;
 
@@ -245,6 +250,8 @@ TEST(mixed_heads_match_reference)
 	ape_rng_init(&rng, "mixed_heads_match_reference");
 	for (int c = 0; c < ncases; c++) {
 		test_problem tp;
+		struct ape__launch l;
+		float hp[4 * 24];
 		ape_stats st;
 		int64_t H;
 
@@ -254,10 +261,17 @@ TEST(mixed_heads_match_reference)
 		tp.params[3 * H + ape_rng_range(&rng, 0, H - 1)] = 0.5f; /* one head is not */
 		if (ape_rng_uniform(&rng) < 0.3)
 			tp.params[H + ape_rng_range(&rng, 0, H - 1)] = 0.2f;
-		failed += compare(_metadata, &d, &tp, &st, "mixed", NULL) != 0;
+		launch_of(&tp, hp, &l);
+		taken += ocl_is_cpu(&d) && !ape__ocl_decode_applies(d.ocl, &l) &&
+			 ape__ocl_split_applies(d.ocl, &l);
+		failed += compare(_metadata, &d, &tp, c % 3 ? NULL : &st, "mixed", NULL) != 0;
 		test_problem_free(&tp);
 	}
+	ksft_print_msg("mixed: %d of %d cases split by kv groups\n", taken, ncases);
+	fflush(stdout);
 	EXPECT_EQ(0, failed);
+	if (ocl_is_cpu(&d))
+		EXPECT_GE(taken, ncases / 4) TH_LOG("the split predicate refused most cases");
 	ape_context_destroy(d.ctx);
 }
 
