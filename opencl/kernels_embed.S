@@ -37,5 +37,21 @@ ape__ocl_src_backward:
 	.byte 0
 	.size ape__ocl_src_backward, . - ape__ocl_src_backward
 
+	.global ape__ocl_src_decode
+	.hidden ape__ocl_src_decode
+	.type ape__ocl_src_decode, @object
+ape__ocl_src_decode:
+	.incbin "opencl/kernels/decode.cl"
+	.byte 0
+	.size ape__ocl_src_decode, . - ape__ocl_src_decode
+
+	.global ape__ocl_src_separable
+	.hidden ape__ocl_src_separable
+	.type ape__ocl_src_separable, @object
+ape__ocl_src_separable:
+	.incbin "opencl/kernels/separable.cl"
+	.byte 0
+	.size ape__ocl_src_separable, . - ape__ocl_src_separable
+
 	/* no executable stack */
 	.section .note.GNU-stack,"",@progbits

@@ -11,6 +11,7 @@ $(OPENCL_SRCS:%.c=$(BUILD)/obj/%.o): CPPFLAGS += -DCL_TARGET_OPENCL_VERSION=120
 
 # .incbin is invisible to -MMD: the embedded sources are explicit prerequisites.
 $(BUILD)/obj/opencl/kernels_embed.o: opencl/kernels/attention.cl opencl/kernels/backward.cl \
+				   opencl/kernels/decode.cl opencl/kernels/separable.cl \
 				   opencl/kernels/bwd_layout.h \
 				   runtime/core/ape_math.h
 endif

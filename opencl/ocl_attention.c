@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/alloc.h"
 #include "ocl.h"
+#include "ocl_fast.h"
 
 /* Launch flags, mirrored in kernels/attention.cl. */
 #define F_CAUSAL 16
@@ -271,6 +272,12 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	cl_int err;
 	int ret;
 
+	if (ape__ocl_decode_applies(q->dev, l)) /* fast paths: ocl_fast.h */
+		return ape__ocl_decode(q, l);
+	if (ape__ocl_separable_applies(q->dev, l))
+		return ape__ocl_separable(q, l);
+	if (ape__ocl_split_applies(q->dev, l))
+		return ape__ocl_split(q, l);
 	ret = ape__ocl_program_get(q->dev, l->D, &pr);
 	if (ret)
 		return ret;

@@ -7,6 +7,7 @@
  */
 #include "core/error.h"
 #include "ocl.h"
+#include "ocl_fast.h"
 
 static int ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 {
@@ -111,6 +112,7 @@ const struct ape__backend_ops ape__opencl_ops = {
 	.copy_d2d = ocl_copy_d2d,
 	.event_timestamp = ocl_event_timestamp,
 	.max_alloc = ape__ocl_max_alloc,
+	.attention_scratch = ape__ocl_attention_scratch, /* ocl_decode.c */
 	.attention_backward = ocl_attention_backward, /* ocl_backward.c */
 	.attention_backward_scratch = ape__ocl_attention_backward_scratch,
 	.buf_wrap = ocl_buf_wrap, /* ocl_mem.c */

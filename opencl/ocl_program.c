@@ -20,6 +20,7 @@
 #include "core/alloc.h"
 #include "core/error.h"
 #include "ocl.h"
+#include "ocl_fast.h"
 
 /* Ahead of ape_math.h: the arithmetic of the per-row and per-seed code (float64 when present). */
 static const char ocl_prelude[] = "#if APE_FP64\n"
@@ -133,6 +134,8 @@ static void ocl_cache_key(const struct ape__ocl_device *od, const char *opts, ch
 	h = ape__fnv1a64(ape__ocl_src_attention, strlen(ape__ocl_src_attention), h);
 	h = ape__fnv1a64(ape__ocl_src_bwd_layout, strlen(ape__ocl_src_bwd_layout), h);
 	h = ape__fnv1a64(ape__ocl_src_backward, strlen(ape__ocl_src_backward), h);
+	h = ape__fnv1a64(ape__ocl_src_decode, strlen(ape__ocl_src_decode), h);
+	h = ape__fnv1a64(ape__ocl_src_separable, strlen(ape__ocl_src_separable), h);
 	snprintf(buf, cap,
 		 "libape opencl program 1\nplatform: %s\nplatform version: %s\ndevice: %s\n"
 		 "driver: %s\nsource fnv1a64: %016llx\noptions: %s\n",
@@ -265,7 +268,8 @@ static int ocl_from_source(struct ape_device *dev, int v, const char *opts,
 {
 	struct ape__ocl_device *od = ape__ocl_dev(dev);
 	const char *srcs[] = { ocl_prelude, ape__ocl_src_math, ape__ocl_src_attention,
-			       ape__ocl_src_bwd_layout, ape__ocl_src_backward };
+			       ape__ocl_src_bwd_layout, ape__ocl_src_backward,
+			       ape__ocl_src_decode, ape__ocl_src_separable };
 	cl_program prog;
 	cl_int err;
 

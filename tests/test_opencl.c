@@ -21,94 +21,16 @@
 #include <unistd.h>
 
 #include "ape_test.h"
+#include "common/opencl_present.h"
 #include "common/problem.h"
 
 #ifdef APE_HAVE_OPENCL
 #include "../opencl/ocl_debug.h"
 #include "core/backend.h"
 #include "core/progcache.h"
+#include "opencl_compare.h"
 
-/* ---- helpers */
-
-struct devs {
-	ape_context *ctx;
-	ape_device *ocl, *ref;
-};
-
-static void devs_open(struct __test_metadata *_metadata, struct devs *d)
-{
-	d->ctx = test_context("ref,opencl");
-	ASSERT_NE(NULL, d->ctx);
-	d->ocl = test_device(d->ctx, "opencl");
-	d->ref = test_device(d->ctx, "ref");
-	ASSERT_NE(NULL, d->ocl) TH_LOG("no OpenCL device although PoCL should be installed");
-	ASSERT_NE(NULL, d->ref);
-}
-
-/* The spec's scale for O errors: max |V| (never 0, so that an all-zero V still compares). */
-static double v_scale(const test_problem *tp)
-{
-	return fmax(test_tensor_maxabs(&tp->v.t), 1e-30);
-}
-
-static int has_nan(const ape_tensor *t, const float *lse, size_t rows)
-{
-	for (int64_t b = 0; b < t->shape[0]; b++)
-		for (int64_t h = 0; h < t->shape[1]; h++)
-			for (int64_t l = 0; l < t->shape[2]; l++)
-				for (int64_t d = 0; d < t->shape[3]; d++)
-					if (isnan(test_tensor_get(t, b, h, l, d)))
-						return 1;
-	for (size_t r = 0; lse && r < rows; r++)
-		if (isnan(lse[r]))
-			return 1;
-	return 0;
-}
-
-/*
- * Runs tp on OpenCL (results in tp) and on the reference (a clone), and measures the error in
- * the spec's units: O relative to max|V|, LSE relative to max(1, |LSE|). Returns 0, or -1 after
- * logging when a run fails or the error exceeds the tolerance of tp's storage type.
- */
-static int compare(struct __test_metadata *_metadata, const struct devs *d, test_problem *tp,
-		   ape_stats *st, const char *what, double *ratio)
-{
-	const ape_dtype dt = tp->q.t.dtype;
-	test_problem r;
-	double eo, el;
-	char desc[512];
-	int ret = 0;
-
-	if (test_problem_clone(&r, tp))
-		return -1;
-	ape_stats_init(st);
-	test_problem_describe(tp, desc, sizeof(desc));
-	if (test_problem_run_stats(tp, d->ocl, st) || test_problem_run(&r, d->ref)) {
-		TH_LOG("%s: %s: forward failed: %s", what, desc, ape_last_error());
-		test_problem_free(&r);
-		return -1;
-	}
-	eo = test_max_err_o(&tp->o.t, &r.o.t) / v_scale(tp);
-	el = tp->lse ? test_max_rel_err_lse(tp->lse, r.lse, tp->rows) : 0;
-	if (ratio)
-		*ratio = fmax(eo / test_tol_o(dt), el / test_tol_lse(dt));
-	if (eo > test_tol_o(dt) || el > test_tol_lse(dt)) {
-		TH_LOG("%s: %s: O error %.3g (x max|V|, tolerance %g), LSE error %.3g "
-		       "(tolerance %g)",
-		       what, desc, eo, test_tol_o(dt), el, test_tol_lse(dt));
-		ret = -1;
-	}
-	if (tp->rows && tp->k.t.shape[2] && strcmp(st->backend, "opencl")) {
-		TH_LOG("%s: ran on backend \"%s\", not opencl", what, st->backend);
-		ret = -1;
-	}
-	if (!has_nan(&r.o.t, r.lse, r.rows) && has_nan(&tp->o.t, tp->lse, tp->rows)) {
-		TH_LOG("%s: %s: NaN left in the outputs (an element not written?)", what, desc);
-		ret = -1;
-	}
-	test_problem_free(&r);
-	return ret;
-}
+/* ---- helpers (devs_open(), v_scale(), compare(): opencl_compare.h) */
 
 /*
  * Checks sampled query rows of tp's last OpenCL result against the reference, each row computed
@@ -1220,40 +1142,6 @@ TEST(many_heads_split_launch)
 	ape_context_destroy(d.ctx);
 }
 
-/*
- * Is there any OpenCL platform? Asked in a child process: PoCL starts threads when loaded, and
- * the harness forks every test from this process, where those threads would not exist.
- * 0: yes; 4: none at all; 1: something else is wrong (the tests then run and fail).
- */
-static int opencl_platform_present(void)
-{
-	pid_t pid = fork();
-	int status;
-
-	if (pid == 0) {
-		ape_context_options o;
-		ape_backend_info bi;
-		ape_context *ctx;
-		int n;
-
-		ape_context_options_init(&o);
-		o.backends = "opencl";
-		if (ape_context_create(&ctx, &o))
-			_exit(1);
-		n = ape_backend_get_info(ctx, -1, NULL);
-		for (int i = 0; i < n; i++)
-			if (!ape_backend_get_info(ctx, i, &bi) && !strcmp(bi.name, "opencl"))
-				_exit(bi.available ? 0
-				      : !strncmp(bi.reason, APE__OCL_NO_PLATFORM,
-						 strlen(APE__OCL_NO_PLATFORM))
-					      ? 4
-					      : 1);
-		_exit(1);
-	}
-	if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status))
-		return 1;
-	return WEXITSTATUS(status);
-}
 #endif /* APE_HAVE_OPENCL */
 
 static void __attribute__((constructor)) __constructor_order_last(void)
@@ -1277,7 +1165,7 @@ int main(int argc, char **argv)
 #ifndef APE_HAVE_OPENCL
 	ksft_exit_skip("the OpenCL backend is not built into this libape\n");
 #else
-	if (opencl_platform_present() == 4)
+	if (test_opencl_platform_present() == 4)
 		ksft_exit_skip("no OpenCL platform on this machine (make deps installs PoCL)\n");
 	/* the programs these tests build go to a cache of their own, not the user's */
 	if (mkdtemp(cache_dir)) {

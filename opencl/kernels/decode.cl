@@ -1,0 +1,391 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Split-K decode (docs/kernels.md, "Decode and the separable path"), OpenCL C 1.2.
+ *
+ * For launches with a few query rows and many keys (a decode step against a KV cache): the keys
+ * of each (batch, kv head) are split into chunks of whole 64-key tiles, one work-item per chunk
+ * (work-groups of one work-item: no barrier). A work-item serves every query row of every query
+ * head sharing its kv head (GQA), so it streams its K and V range once, as float16 vectors along
+ * D (f16 through vload_half16, bf16 by a shift), and keeps per row a partial O, maximum and sum.
+ * ape_decode_merge then combines the chunks of each row by LSE, in chunk order (deterministic),
+ * and writes O, LSE and the pairs computed.
+ *
+ * The score is the forward kernel's: the query walks the keys by the rotation recurrence,
+ * reseeded with ape_seed_sincos at every tile start; temperature and bias from ape_math.h's
+ * float32 distance terms in the row's frame c_row (the bias at its anchor distance); one
+ * online-softmax update per row and block of 16 keys, on a float16 of scores. Nothing is
+ * skipped: the host sends here only launches where skipping is off or has nothing to gain.
+ * Built after attention.cl in one program: ld(), st(), KFN, CAT and the DT_ values are its.
+ * Needs D % 32 == 0 (whole float16 chunks of pairs in both layouts).
+ */
+
+#if APE_D
+#define DEC_DMAX APE_D
+#define DEC_DIM APE_D
+#else
+#define DEC_DMAX 256
+#define DEC_DIM D
+#endif
+#define DEC_CMAX (DEC_DMAX / 32) /* float16 chunks of pairs per half */
+#define DEC_RMAX (DEC_DMAX <= 128 ? 16 : 8) /* rows per work-item (ocl_decode.c mirrors it) */
+#define DEC_TILE 64 /* keys per seed of the rotation recurrence */
+#define DEC_BLK 16 /* keys per online-softmax update */
+
+/* launch flags (ocl_fast.h) */
+#define FD_DT_IN(f) ((f) & 3)
+#define FD_DT_OUT(f) (((f) >> 2) & 3)
+#define FD_CAUSAL 16
+#define FD_INTERLEAVED 32
+#define FD_LSE 64
+#define FD_PAIRS 128
+
+#if APE_RW == 1
+#define DEC_VLR(p) (*(p))
+#define DEC_VSF(v, p) (*(p) = (v))
+#else
+#define DEC_VLR(p) CAT(vload, APE_RW)(0, (p))
+#define DEC_VSF(v, p) CAT(vstore, APE_RW)((v), 0, (p))
+#endif
+
+/* 16 consecutive elements from element index i, as float */
+KFN float16 dec_ld16(__global const void *p, long i, int dt)
+{
+	if (dt == DT_F16)
+		return vload_half16(0, (__global const half *)((__global const ushort *)p + i));
+	if (dt == DT_BF16)
+		return as_float16(convert_uint16(vload16(0, (__global const ushort *)p + i)) << 16);
+	return vload16(0, (__global const float *)p + i);
+}
+
+/* Pairs 16c .. 16c+15 of the row at element base: first components u, second w. */
+KFN void dec_pairs(__global const void *X, long base, int c, int P, int inter, int dt,
+		   float16 *u, float16 *w)
+{
+	if (inter) {
+		const float16 a = dec_ld16(X, base + 32 * c, dt);
+		const float16 b = dec_ld16(X, base + 32 * c + 16, dt);
+
+		*u = (float16)(a.even, b.even);
+		*w = (float16)(a.odd, b.odd);
+	} else {
+		*u = dec_ld16(X, base + 16 * c, dt);
+		*w = dec_ld16(X, base + P + 16 * c, dt);
+	}
+}
+
+KFN float dec_hsum(float16 x)
+{
+	const float8 a = x.lo + x.hi;
+	const float4 b = a.lo + a.hi;
+	const float2 c = b.lo + b.hi;
+
+	return c.x + c.y;
+}
+
+/*
+ * exp on 16 lanes for the weights (arguments <= 0; what is below -87 or -inf the caller zeroes):
+ * 2^n e^r with n = rint(x log2 e), r reduced with a two-part ln 2, e^r by its degree-6 Taylor
+ * polynomial (|r| <= ln2 / 2: relative error below 2e-7); arguments below -100 are clamped (the
+ * caller zeroes every weight below e^-87). PoCL's own vector exp rounds with a
+ * dozen instructions where this takes two (bench/RESULTS.md). A NaN stays NaN.
+ */
+KFN float16 dec_exp16(float16 x)
+{
+	/* n = rint(x log2 e) by the 1.5 * 2^23 shift (x >= -87 here; below, the caller's zero) */
+	const float16 t = fma(fmax(x, -100.0f), 1.44269504088896341f, 12582912.0f);
+	const float16 n = t - 12582912.0f;
+	const float16 r = fma(n, -1.42860677e-6f, fma(n, -0.693145752f, x));
+	float16 p = fma(r, 1.0f / 720, 1.0f / 120);
+
+	p = fma(p, r, 1.0f / 24);
+	p = fma(p, r, 1.0f / 6);
+	p = fma(p, r, 0.5f);
+	p = fma(p, r, 1.0f);
+	p = fma(p, r, 1.0f);
+	/* 2^n from the shifted value's low bits: as_int(t) - as_int(1.5 * 2^23) = n */
+	p *= as_float16((as_int16(t) - 0x4b400000 + 127) << 23);
+	return select(p, x, isnan(x));
+}
+
+KFN float dec_hmax(float16 x) /* fmax: a NaN lane is ignored, as '>' is in attention.cl */
+{
+	const float8 a = fmax(x.lo, x.hi);
+	const float4 b = fmax(a.lo, a.hi);
+	const float2 c = fmax(b.lo, b.hi);
+
+	return fmax(c.x, c.y);
+}
+
+/* sin and cos of ang * omega_p for the pairs 16c .. 16c+15 (ape_seed_sincos, APE_RW lanes at
+ * a time); ang = n / alpha (float64 when the device has it). */
+KFN float16 dec_seed16(__global const APE_REAL *omega, int c, APE_REAL n, APE_REAL ia,
+		       float16 *cosine)
+{
+	float s[16], co[16];
+
+	for (int k = 0; k < 16; k += APE_RW) {
+		ape_vfloat cv, sv = ape_seed_sincos((ape_vreal)n * (DEC_VLR(omega + 16 * c + k) *
+								    (ape_vreal)ia),
+						    &cv);
+
+		DEC_VSF(sv, s + k);
+		DEC_VSF(cv, co + k);
+	}
+	*cosine = vload16(0, co);
+	return vload16(0, s);
+}
+
+/* The work of one chunk for at most RM rows (a constant in each kernel below, so that the rows'
+ * arrays stay in registers once the row loops are unrolled). */
+#define DEC_ARGS                                                                                   \
+	__global const void *Q, __global const void *K, __global const void *V,                     \
+		__global const APE_REAL *prm, __global float *part, long qoff, long qsb, long qsh, \
+		long qsl, long koff, long ksb, long ksh, long ksl, long voff, long vsb, long vsh,  \
+		long vsl, int D, long Lq, long Lk, int H, int group, long rel, float scale,       \
+		int flags, long chunk, int nsplit
+#define DEC_NAMES                                                                                  \
+	Q, K, V, prm, part, qoff, qsb, qsh, qsl, koff, ksb, ksh, ksl, voff, vsb, vsh, vsl, D, Lq,  \
+		Lk, H, group, rel, scale, flags, chunk, nsplit
+
+KFN void dec_body(DEC_ARGS, const int RM)
+{
+	const int P = DEC_DIM / 2, C = P / 16, dt = FD_DT_IN(flags);
+	const int inter = (flags & FD_INTERLEAVED) != 0, causal = (flags & FD_CAUSAL) != 0;
+	const long s = get_global_id(0), bkv = get_global_id(1);
+	const int Hkv = H / group, kvh = (int)(bkv % Hkv), nr = group * (int)Lq;
+	const long b = bkv / Hkv, j0 = s * chunk, j1 = min(j0 + chunk, Lk);
+	__global const APE_REAL *omega = prm;
+
+	float16 X[DEC_RMAX][DEC_CMAX], Y[DEC_RMAX][DEC_CMAX]; /* the rotated query, as pairs */
+	float16 X0[DEC_RMAX][DEC_CMAX], Y0[DEC_RMAX][DEC_CMAX]; /* the query */
+	float16 CW[DEC_RMAX][DEC_CMAX], SW[DEC_RMAX][DEC_CMAX]; /* cos, sin of the per-key step */
+	float16 ACC[DEC_RMAX][2 * DEC_CMAX];
+	float M[DEC_RMAX], L[DEC_RMAX], sc[DEC_RMAX][DEC_BLK];
+	float rdelta[DEC_RMAX], rbeta[DEC_RMAX], rgamma[DEC_RMAX], rlambda[DEC_RMAX];
+	long diag[DEC_RMAX], aref[DEC_RMAX], jend[DEC_RMAX];
+	APE_REAL ia[DEC_RMAX];
+	int decay[DEC_RMAX];
+	long kend = j0;
+
+	if (s >= nsplit)
+		return;
+#pragma unroll
+	for (int r = 0; r < RM; r++) {
+		const int g = r / (int)Lq, h = kvh * group + g;
+		const long i = r % Lq;
+
+		if (r >= nr)
+			break;
+		const long qb = qoff + b * qsb + h * qsh + i * qsl;
+		APE_REAL sum = 0, ss = 0, mean;
+
+		for (int c = 0; c < C; c++) {
+			float16 x, y;
+
+			dec_pairs(Q, qb, c, P, inter, dt, &x, &y);
+			X0[r][c] = x;
+			Y0[r][c] = y;
+			sum += (APE_REAL)dec_hsum(x) + (APE_REAL)dec_hsum(y);
+		}
+		/* sigma in two passes, in APE_REAL (ape_sigma()) */
+		mean = sum / (APE_REAL)DEC_DIM;
+		for (int c = 0; c < C; c++) {
+			float xs[16], ys[16];
+
+			vstore16(X0[r][c], 0, xs);
+			vstore16(Y0[r][c], 0, ys);
+			for (int k = 0; k < 16; k++)
+				ss += ((APE_REAL)xs[k] - mean) * ((APE_REAL)xs[k] - mean) +
+				      ((APE_REAL)ys[k] - mean) * ((APE_REAL)ys[k] - mean);
+		}
+		rdelta[r] = (float)prm[P + 4 * h];
+		rbeta[r] = (float)prm[P + 4 * h + 1];
+		rgamma[r] = (float)prm[P + 4 * h + 2];
+		rlambda[r] = (float)prm[P + 4 * h + 3];
+		decay[r] = rdelta[r] != 0.0f || rbeta[r] != 0.0f || rgamma[r] != 0.0f;
+		ia[r] = ape_inv_alpha(prm[P + 4 * h + 3], ss, DEC_DIM);
+		diag[r] = rel + i;
+		aref[r] = ape_anchor_distance(diag[r], Lk, causal);
+		jend[r] = causal ? clamp(diag[r] + 1, j0, j1) : j1;
+		kend = max(kend, jend[r]);
+		for (int c = 0; c < C; c++)
+			SW[r][c] = dec_seed16(omega, c, (APE_REAL)1, ia[r], &CW[r][c]);
+		for (int c = 0; c < 2 * C; c++)
+			ACC[r][c] = (float16)0.0f;
+		M[r] = -INFINITY;
+		L[r] = 0.0f;
+	}
+
+	for (long t0 = j0; t0 < kend; t0 += DEC_TILE) {
+#pragma unroll
+		for (int r = 0; r < RM; r++)
+			for (int c = 0; c < C && r < nr; c++) {
+				float16 co, si = dec_seed16(omega, c, (APE_REAL)(diag[r] - t0), ia[r],
+							    &co);
+
+				X[r][c] = X0[r][c] * co - Y0[r][c] * si;
+				Y[r][c] = X0[r][c] * si + Y0[r][c] * co;
+			}
+		for (long bb = t0; bb < min(t0 + DEC_TILE, kend); bb += DEC_BLK) {
+			const int len = (int)min((long)DEC_BLK, kend - bb);
+
+			if (len < DEC_BLK)
+				for (int r = 0; r < nr; r++)
+					for (int jj = len; jj < DEC_BLK; jj++)
+						sc[r][jj] = -INFINITY;
+			/* scores: each key row is loaded once for every query row */
+			for (int jj = 0; jj < len; jj++) {
+				const long j = bb + jj, kb = koff + b * ksb + kvh * ksh + j * ksl;
+				float16 u[DEC_CMAX], w[DEC_CMAX];
+
+				for (int c = 0; c < C; c++)
+					dec_pairs(K, kb, c, P, inter, dt, &u[c], &w[c]);
+#pragma unroll
+				for (int r = 0; r < RM; r++) {
+					if (r >= nr)
+						break;
+					float16 acc = (float16)0.0f;
+					const long n = diag[r] - j, an = n < 0 ? -n : n;
+					float dot, sv;
+
+					for (int c = 0; c < C; c++) {
+						const float16 x = X[r][c], y = Y[r][c];
+
+						acc = fma(x, u[c], fma(y, w[c], acc));
+						X[r][c] = fma(x, CW[r][c], y * SW[r][c]);
+						Y[r][c] = fma(y, CW[r][c], -(x * SW[r][c]));
+					}
+					dot = dec_hsum(acc);
+					sv = (rlambda[r] == 0.0f ? scale : ape_temp_f(scale, rlambda[r], an)) * dot;
+					if (decay[r])
+						sv += ape_bias_diff_f(rdelta[r], rbeta[r], rgamma[r],
+								      an, aref[r]);
+					/* a non-finite dot product makes the score NaN (attention.cl) */
+					sv = isfinite(dot) ? sv : NAN;
+					sc[r][jj] = j < jend[r] ? sv : -INFINITY;
+				}
+			}
+			/* one online-softmax update per row for the block ('>' ignores NaN, exp keeps
+			 * it; weights below e^-87 are exact zeros, as in attention.cl) */
+#pragma unroll
+			for (int r = 0; r < RM; r++) {
+				if (r >= nr)
+					break;
+				const float16 sv = vload16(0, sc[r]);
+				const float mt = fmax(M[r], dec_hmax(sv));
+				const float corr = M[r] == mt ? 1.0f
+						   : M[r] - mt < -87.0f ? 0.0f
+									: exp(M[r] - mt);
+				const float16 dd = sv - mt;
+				const float16 pv = select(dec_exp16(dd), (float16)0.0f,
+							  dd < -87.0f || sv == (float16)(-INFINITY));
+				const float lsum = dec_hsum(pv);
+
+				vstore16(pv, 0, sc[r]);
+				L[r] = L[r] * corr + lsum;
+				M[r] = mt;
+				if (corr != 1.0f)
+					for (int c = 0; c < 2 * C; c++)
+						ACC[r][c] *= corr;
+			}
+			/* P V: a masked key adds nothing at all (its V may hold a NaN) */
+			for (int jj = 0; jj < len; jj++) {
+				const long j = bb + jj, vb = voff + b * vsb + kvh * vsh + j * vsl;
+				float16 v[2 * DEC_CMAX];
+
+				for (int c = 0; c < 2 * C; c++)
+					v[c] = dec_ld16(V, vb + 16 * c, dt);
+#pragma unroll
+				for (int r = 0; r < RM; r++) {
+					if (r >= nr)
+						break;
+					const float p = sc[r][jj];
+
+					if (j >= jend[r])
+						continue;
+					for (int c = 0; c < 2 * C; c++)
+						ACC[r][c] = fma((float16)p, v[c], ACC[r][c]);
+				}
+			}
+		}
+	}
+
+	/* partials: [row][split][D + 2] = acc, max, sum (rows: (b*H + h)*Lq + i) */
+#pragma unroll
+	for (int r = 0; r < RM; r++) {
+		if (r >= nr)
+			break;
+		const int g = r / (int)Lq, h = kvh * group + g;
+		const long row = (b * H + h) * Lq + r % Lq;
+		__global float *pp = part + (row * nsplit + s) * (DEC_DIM + 2);
+
+		for (int c = 0; c < 2 * C; c++)
+			vstore16(ACC[r][c], 0, pp + 16 * c);
+		pp[DEC_DIM] = M[r];
+		pp[DEC_DIM + 1] = L[r];
+	}
+}
+
+/* ape_decode_<RM>: chunks of launches with up to RM rows per work-item (group * Lq) */
+#define DEC_KERNEL(RM)                                                                             \
+	__kernel void ape_decode_##RM(DEC_ARGS)                                                    \
+	{                                                                                          \
+		dec_body(DEC_NAMES, RM);                                                           \
+	}
+DEC_KERNEL(1)
+DEC_KERNEL(2)
+DEC_KERNEL(4)
+DEC_KERNEL(8)
+#if DEC_RMAX >= 16
+DEC_KERNEL(16)
+#endif
+
+/* One work-item per query row (dimension 0: i, dimension 1: b*H + h): the chunks' partials
+ * merged by LSE in chunk order (ape_merge_factor), then O, LSE and the pairs computed (every
+ * visible key: the decode skips nothing). */
+__kernel void ape_decode_merge(__global const float *part, __global const APE_REAL *prm,
+			       __global void *O, __global float *LSE, __global ulong *PAIRS,
+			       long ooff, long osb, long osh, long osl, long loff, long lsb,
+			       long lsh, long lsl, int D, long Lq, long Lk, int H, long rel,
+			       int flags, int nsplit)
+{
+	const long i = get_global_id(0), bh = get_global_id(1);
+	const long b = bh / H, row = bh * Lq + i;
+	const int h = (int)(bh % H), P = DEC_DIM / 2, causal = (flags & FD_CAUSAL) != 0;
+	const long diag = rel + i;
+	__global const float *pp = part + row * nsplit * (DEC_DIM + 2);
+	APE_REAL mx = -INFINITY, sum = 0;
+	float acc[DEC_DMAX];
+
+	if (i >= Lq)
+		return;
+	for (int s = 0; s < nsplit; s++)
+		mx = ape_merge_max(mx, (APE_REAL)pp[s * (DEC_DIM + 2) + DEC_DIM]);
+	for (int d = 0; d < DEC_DIM; d++)
+		acc[d] = 0.0f;
+	for (int s = 0; s < nsplit; s++) {
+		__global const float *ps = pp + s * (DEC_DIM + 2);
+		const APE_REAL f = ape_merge_factor((APE_REAL)ps[DEC_DIM], mx);
+
+		/* no shortcut for f == 0: a chunk's NaN must reach the row (NaN * 0) */
+		sum += (APE_REAL)ps[DEC_DIM + 1] * f;
+		for (int d = 0; d < DEC_DIM; d++)
+			acc[d] = fma((float)f, ps[d], acc[d]);
+	}
+	{
+		const float inv = sum == 0 ? 0.0f : (float)(1 / sum);
+		const long ob = ooff + b * osb + h * osh + i * osl;
+
+		for (int d = 0; d < DEC_DIM; d++)
+			st(O, ob + d, acc[d] * inv, FD_DT_OUT(flags));
+	}
+	if (flags & FD_LSE) {
+		const APE_REAL crow = ape_bias(prm[P + 4 * h], prm[P + 4 * h + 1], prm[P + 4 * h + 2],
+					       (APE_REAL)ape_anchor_distance(diag, Lk, causal));
+
+		LSE[loff + b * lsb + h * lsh + i * lsl] =
+			sum > 0 ? (float)(crow + mx + log(sum)) : sum == 0 ? -INFINITY : NAN;
+	}
+	if (flags & FD_PAIRS)
+		PAIRS[row] = (ulong)ape_visible_keys(diag, Lk, causal);
+}

@@ -1,0 +1,222 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Split-K decode (kernels/decode.cl): a few query rows against many keys. The keys of each
+ * (batch, kv head) are cut into chunks of whole 64-key tiles, enough of them to keep every
+ * compute unit busy; one work-item per chunk serves all the rows of the query heads sharing the
+ * kv head, so K and V are read once; ape_decode_merge combines the chunks by LSE in a fixed
+ * order. Also the fast paths' shared pieces: parameters, views as arguments, flags, and the
+ * backend's attention_scratch op.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/alloc.h"
+#include "core/error.h"
+#include "ocl_fast.h"
+
+#define DEC_TILE 64 /* kernels/decode.cl */
+#define DEC_MAX_ROWS 8 /* query rows per launch row (Lq) the decode takes */
+
+/* Rows one work-item holds (kernels/decode.cl's DEC_RMAX): the specialised programs size their
+ * arrays for D, the generic one for 256. */
+static int64_t dec_rows_max(int64_t D)
+{
+	return D == 64 || D == 128 ? 16 : 8;
+}
+
+bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l)
+{
+	const struct ape__ocl_device *od = ape__ocl_dev(dev);
+	bool decays = false;
+
+	if (!(od->type & CL_DEVICE_TYPE_CPU) || l->Lq < 1 || l->Lq > DEC_MAX_ROWS ||
+	    l->D % 32 || l->D > 256 || l->H % l->Hkv || l->Lk < 1 ||
+	    (l->H / l->Hkv) * l->Lq > dec_rows_max(l->D))
+		return false;
+	for (int64_t h = 0; h < l->H; h++)
+		decays |= l->head_params[4 * h] != 0 || l->head_params[4 * h + 1] != 0 ||
+			  l->head_params[4 * h + 2] != 0;
+	/* the decode skips nothing: it takes launches where skipping is off, or where no head
+	 * has a decay to skip by (the bound then almost never holds) */
+	return !(l->skip_tol > 0 && l->decay_nonneg && decays);
+}
+
+/* Keys per chunk: whole tiles (at least 4), about 512 work-items per compute unit over the
+ * launch: PoCL balances many small work-groups better than few (bench/RESULTS.md, 2026-12-01). */
+static int64_t dec_chunk(struct ape_device *dev, const struct ape__launch *l)
+{
+	const int64_t cu = dev->info.compute_units > 0 ? dev->info.compute_units : 1;
+	const int64_t items = 512 * cu, bkv = l->B * l->Hkv;
+	int64_t nsplit = (items + bkv - 1) / bkv, chunk;
+
+	if (nsplit < 1)
+		nsplit = 1;
+	chunk = (l->Lk + nsplit - 1) / nsplit;
+	chunk = (chunk + DEC_TILE - 1) / DEC_TILE * DEC_TILE;
+	return chunk < 4 * DEC_TILE ? 4 * DEC_TILE : chunk;
+}
+
+uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape__launch *l)
+{
+	const int64_t chunk = dec_chunk(dev, l), nsplit = (l->Lk + chunk - 1) / chunk;
+
+	return (uint64_t)(l->B * l->H * l->Lq * nsplit * (l->D + 2)) * sizeof(float) +
+	       8 * (uint64_t)(l->D / 2 + 4 * l->H);
+}
+
+cl_mem ape__ocl_fast_params(struct ape__queue *q, const struct ape__launch *l, cl_int *err)
+{
+	const struct ape__ocl_device *od = ape__ocl_dev(q->dev);
+	const size_t P = (size_t)l->D / 2, n = P + 4 * (size_t)l->H;
+	double *dv = od->fp64 ? ape__malloc(n * sizeof(double)) : NULL;
+	float *fv = od->fp64 ? NULL : ape__malloc(n * sizeof(float));
+	cl_mem mem;
+
+	if (!dv && !fv) {
+		*err = CL_OUT_OF_HOST_MEMORY;
+		return NULL;
+	}
+	for (size_t i = 0; i < n; i++) {
+		const double x = i < P ? l->omega[i] : (double)l->head_params[i - P];
+
+		if (dv)
+			dv[i] = x;
+		else
+			fv[i] = (float)x;
+	}
+	mem = ape__ocl_scratch(q, n * (dv ? sizeof(double) : sizeof(float)),
+			       dv ? (void *)dv : (void *)fv, err);
+	free(dv);
+	free(fv);
+	return mem;
+}
+
+void ape__ocl_arg_view(struct ape__ocl_args *a, const struct ape__launch *l, int t)
+{
+	const struct ape__view v = ape__launch_view(l, t);
+	const cl_long x[4] = { v.off, v.sb, v.sh, v.sl };
+
+	for (int i = 0; i < 4; i++)
+		ape__ocl_arg(a, sizeof(cl_long), &x[i]);
+}
+
+int ape__ocl_fast_launch(struct ape__queue *q, struct ape__ocl_args *a, const char *what,
+			 size_t n0, size_t l0, size_t n1)
+{
+	int ret = a->err != CL_SUCCESS ? ape__ocl_error(a->err, "setting up %s", what)
+				       : ape__ocl_enqueue(q, a->k, n0, l0, n1, what);
+
+	if (a->k)
+		clReleaseKernel(a->k);
+	memset(a, 0, sizeof(*a));
+	return ret;
+}
+
+cl_int ape__ocl_fast_flags(const struct ape__launch *l)
+{
+	return (cl_int)l->in_dtype | (cl_int)l->out_dtype << 2 | (l->causal ? APE__FD_CAUSAL : 0) |
+	       (l->layout == APE_ROPE_INTERLEAVED ? APE__FD_INTERLEAVED : 0) |
+	       (l->lse ? APE__FD_LSE : 0) | (l->pairs ? APE__FD_PAIRS : 0);
+}
+
+int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
+{
+	const struct ape__ocl_program *pr;
+	const int64_t chunk = dec_chunk(q->dev, l);
+	const cl_int D = (cl_int)l->D, H = (cl_int)l->H, group = (cl_int)(l->H / l->Hkv);
+	const cl_int nsplit = (cl_int)((l->Lk + chunk - 1) / chunk), flags = ape__ocl_fast_flags(l);
+	const cl_long Lq = l->Lq, Lk = l->Lk, rel = l->q_start - l->k_start, ch = chunk;
+	const cl_float scale = (cl_float)l->scale;
+	const size_t rows = (size_t)(l->B * l->H * l->Lq);
+	struct ape__ocl_args a = { 0 };
+	cl_mem prm, part = NULL, none = NULL;
+	const int64_t nr = l->H / l->Hkv * l->Lq;
+	int rm = 1;
+	char name[32];
+	cl_int err;
+	int ret;
+
+	while (rm < nr)
+		rm *= 2; /* the kernel for up to rm rows per work-item: decode.cl */
+	ret = ape__ocl_program_get(q->dev, l->D, &pr);
+	if (ret)
+		return ret;
+	prm = ape__ocl_fast_params(q, l, &err);
+	if (prm)
+		part = ape__ocl_scratch(q, rows * (size_t)nsplit * (size_t)(D + 2) * sizeof(float),
+					NULL, &err);
+	if (!part) {
+		ret = ape__ocl_error(err, "clCreateBuffer (decode scratch)");
+		goto out;
+	}
+
+	snprintf(name, sizeof(name), "ape_decode_%d", rm);
+	a.k = clCreateKernel(pr->prog, name, &a.err);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->q->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->k->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->v->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
+	ape__ocl_arg(&a, sizeof(cl_mem), &part);
+	ape__ocl_arg_view(&a, l, APE__T_Q);
+	ape__ocl_arg_view(&a, l, APE__T_K);
+	ape__ocl_arg_view(&a, l, APE__T_V);
+	ape__ocl_arg(&a, sizeof(D), &D);
+	ape__ocl_arg(&a, sizeof(Lq), &Lq);
+	ape__ocl_arg(&a, sizeof(Lk), &Lk);
+	ape__ocl_arg(&a, sizeof(H), &H);
+	ape__ocl_arg(&a, sizeof(group), &group);
+	ape__ocl_arg(&a, sizeof(rel), &rel);
+	ape__ocl_arg(&a, sizeof(scale), &scale);
+	ape__ocl_arg(&a, sizeof(flags), &flags);
+	ape__ocl_arg(&a, sizeof(ch), &ch);
+	ape__ocl_arg(&a, sizeof(nsplit), &nsplit);
+	ret = ape__ocl_fast_launch(q, &a, "ape_decode", (size_t)nsplit, 1, (size_t)(l->B * l->Hkv));
+	if (ret)
+		goto out;
+
+	a.k = clCreateKernel(pr->prog, "ape_decode_merge", &a.err);
+	ape__ocl_arg(&a, sizeof(cl_mem), &part);
+	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->o->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->lse ? &l->lse->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->pairs ? &l->pairs->mem : &none);
+	ape__ocl_arg_view(&a, l, APE__T_O);
+	ape__ocl_arg_view(&a, l, APE__T_LSE);
+	ape__ocl_arg(&a, sizeof(D), &D);
+	ape__ocl_arg(&a, sizeof(Lq), &Lq);
+	ape__ocl_arg(&a, sizeof(Lk), &Lk);
+	ape__ocl_arg(&a, sizeof(H), &H);
+	ape__ocl_arg(&a, sizeof(rel), &rel);
+	ape__ocl_arg(&a, sizeof(flags), &flags);
+	ape__ocl_arg(&a, sizeof(nsplit), &nsplit);
+	ret = ape__ocl_fast_launch(q, &a, "ape_decode_merge", (size_t)l->Lq, 1,
+				   (size_t)(l->B * l->H));
+out:
+	if (prm)
+		clReleaseMemObject(prm);
+	if (part)
+		clReleaseMemObject(part);
+	return ret;
+}
+
+/* What ocl_attention.c allocates for the general kernel: float32 copies of K and V, per-tile
+ * key norms with prefix and suffix maxima, the parameters. */
+static uint64_t general_scratch(const struct ape__launch *l)
+{
+	/* ntk bounded by one key per tile (the tile can shrink to fit local memory) */
+	const uint64_t kv = (uint64_t)(l->B * l->Hkv), ntk = (uint64_t)l->Lk;
+
+	return 2 * kv * (uint64_t)(l->Lk * l->D) * 4 + 4 * kv * (3 * ntk + 2) +
+	       8 * (uint64_t)(l->D / 2 + 4 * l->H) + 4096;
+}
+
+uint64_t ape__ocl_attention_scratch(struct ape_device *dev, const struct ape__launch *l)
+{
+	/* shape-only: head_params are not known here, so each path that might run counts */
+	uint64_t s = general_scratch(l), d = ape__ocl_decode_scratch(dev, l),
+		 p = ape__ocl_separable_scratch(dev, l);
+
+	s = s > d ? s : d;
+	return s > p ? s : p;
+}

@@ -1,0 +1,65 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The OpenCL backend's fast paths, taken ahead of the general kernel (ocl_attention.c) for the
+ * launches they can serve exactly (docs/kernels.md, "Decode and the separable path"):
+ *   decode     (ocl_decode.c, kernels/decode.cl): a few query rows against many keys, the keys
+ *              split over work-items and the partial results merged by LSE;
+ *   separable  (ocl_separable.c, kernels/separable.cl): every head with lambda = 0, where the
+ *              rotation separates: Q and K rotated once, then a GEMM-shaped kernel; a launch
+ *              mixing such heads with others is split by runs of kv groups.
+ * Each applies() predicate is conservative: a launch it does not recognise in full (an output or
+ * option these kernels do not write) goes to the general kernel.
+ */
+#ifndef APE_OPENCL_OCL_FAST_H
+#define APE_OPENCL_OCL_FAST_H
+
+#include "ocl.h"
+
+#pragma GCC visibility push(hidden)
+
+/* Launch flags of the fast kernels (mirrored in kernels/decode.cl and kernels/separable.cl):
+ * bits 0-1 input dtype, 2-3 output dtype, then these. */
+#define APE__FD_CAUSAL 16
+#define APE__FD_INTERLEAVED 32
+#define APE__FD_LSE 64
+#define APE__FD_PAIRS 128
+#define APE__FD_SKIP 256
+
+/* ---- ocl_decode.c */
+bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l);
+int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l);
+/* Bytes of scratch the decode allocates for l (0 when it does not apply). */
+uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape__launch *l);
+
+/* omega_p (D/2 values), then delta, beta, gamma, lambda per head, in the kernels' APE_REAL, as a
+ * read-only buffer of the launch's own. */
+cl_mem ape__ocl_fast_params(struct ape__queue *q, const struct ape__launch *l, cl_int *err);
+/* The view of tensor t as four kernel arguments (offset, B, H and L strides). */
+void ape__ocl_arg_view(struct ape__ocl_args *a, const struct ape__launch *l, int t);
+/* Enqueues a->k (arguments set through a) over (n0, n1) with local size l0, releases it and
+ * clears *a for the next kernel; the first failure, as ape__ocl_enqueue() reports it. */
+int ape__ocl_fast_launch(struct ape__queue *q, struct ape__ocl_args *a, const char *what,
+			 size_t n0, size_t l0, size_t n1);
+/* The flags every fast kernel takes. */
+cl_int ape__ocl_fast_flags(const struct ape__launch *l);
+
+/* ---- ocl_separable.c */
+bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch *l);
+int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l);
+uint64_t ape__ocl_separable_scratch(struct ape_device *dev, const struct ape__launch *l);
+/* Mixed launches (some kv groups all separable, others not; no pairs, no lse_prior): each run
+ * of consecutive kv groups of one kind as a sub-launch, its views moved along H. The separable
+ * path's scratch bounds the runs' together (it exceeds the general kernel's per head). */
+bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l);
+int ape__ocl_split(struct ape__queue *q, const struct ape__launch *l);
+
+/* The attention_scratch op (ocl_decode.c): the largest of what the general kernel and the fast
+ * paths allocate for l. */
+uint64_t ape__ocl_attention_scratch(struct ape_device *dev, const struct ape__launch *l);
+
+/* ---- kernels_embed.S */
+extern const char ape__ocl_src_decode[];
+extern const char ape__ocl_src_separable[];
+
+#pragma GCC visibility pop
+#endif

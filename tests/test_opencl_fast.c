@@ -1,0 +1,494 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The OpenCL fast paths (opencl/ocl_fast.h) against the reference backend: the split-K decode
+ * (a few query rows, many keys) and the separable path (every head with lambda = 0 and no
+ * decay but delta; launches mixing such kv groups with others, split by runs of kv groups), on
+ * random awkward cases: every storage type, both rope layouts, GQA, causal or not, positions
+ * near 2^40, rows with no visible key, strided host and device tensors, per-head parameters and
+ * mixes of separable and other heads. Each case also asks the path's own
+ * predicate, so that a change which sends these shapes elsewhere fails here instead of passing
+ * untested. Skipping never leaves out what the bound does not allow (against a dense run of the
+ * same case), and two runs are bit-identical.
+ *
+ * SKIP only where there is no OpenCL platform at all (or libape lacks the backend).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ape_test.h"
+#include "common/opencl_present.h"
+#include "common/problem.h"
+
+#ifdef APE_HAVE_OPENCL
+#include "../opencl/ocl_debug.h"
+#define CL_TARGET_OPENCL_VERSION 120 /* as opencl/module.mk builds the backend */
+#include "../opencl/ocl_fast.h"
+#include "opencl_compare.h"
+
+/* Only a CPU device gets the fast paths (ocl_fast.h). */
+static int ocl_is_cpu(const struct devs *d)
+{
+	ape_device_info info;
+
+	return !ape_device_get_info(d->ocl, &info) && info.kind == APE_DEVICE_CPU;
+}
+
+/* The launch the core makes for tp in one piece (shape, parameters, skipping), enough for the
+ * fast paths' predicates. hp: 4 * H floats of the caller's. */
+static void launch_of(const test_problem *tp, float *hp, struct ape__launch *l)
+{
+	const int64_t H = tp->q.t.shape[1];
+	bool nonneg = true;
+
+	memset(l, 0, sizeof(*l));
+	l->B = tp->q.t.shape[0];
+	l->H = H;
+	l->Hkv = tp->k.t.shape[1];
+	l->Lq = tp->q.t.shape[2];
+	l->Lk = tp->k.t.shape[2];
+	l->D = tp->q.t.shape[3];
+	for (int64_t h = 0; h < H; h++) {
+		for (int p = 0; p < 4; p++) {
+			const ape_param *pp = p == 0 ? &tp->desc.delta : p == 1 ? &tp->desc.beta
+								 : p == 2 ? &tp->desc.gamma
+									  : &tp->desc.lambda;
+
+			hp[4 * h + p] = pp->per_head ? pp->per_head[h] : pp->value;
+		}
+		nonneg &= hp[4 * h] >= 0 && hp[4 * h + 1] >= 0 && hp[4 * h + 2] >= 0;
+	}
+	l->head_params = hp;
+	l->decay_nonneg = nonneg;
+	l->skip_tol = nonneg ? tp->desc.skip_tol : 0;
+	l->causal = tp->desc.causal;
+}
+
+static const int64_t fast_dims[] = { 32, 64, 96, 128, 256 };
+static const ape_dtype fast_types[] = { APE_F32, APE_F16, APE_BF16 };
+
+/* A random case with Lq query rows against Lk keys (-1: awkward ones), random parameters,
+ * positions, layout and causality. */
+static int fast_case(test_problem *tp, ape_rng *rng, int64_t Lq, int64_t Lk, int64_t max_group)
+{
+	static const int64_t lens[] = { 1, 2, 3, 7, 16, 17, 31, 33, 63, 64, 65, 100, 129, 300 };
+	test_problem_shape sh;
+
+	do {
+		const int64_t group = ape_rng_range(rng, 1, max_group);
+
+		sh.B = ape_rng_range(rng, 1, 2);
+		sh.Hkv = ape_rng_range(rng, 1, 3);
+		sh.H = sh.Hkv * group;
+		sh.Lq = Lq > 0 ? Lq : lens[ape_rng_range(rng, 0, 13)];
+		sh.Lk = Lk > 0 ? Lk : lens[ape_rng_range(rng, 0, 13)];
+		sh.D = fast_dims[ape_rng_range(rng, 0, 4)];
+	} while (sh.B * sh.H * sh.Lq * sh.Lk * sh.D > 1500000);
+	if (test_problem_make(tp, rng, &sh, fast_types[ape_rng_range(rng, 0, 2)],
+			      ape_rng_uniform(rng) < 0.3))
+		return -1;
+	test_problem_random_params(tp, rng);
+	if (ape_rng_uniform(rng) < 0.25) { /* far from the origin, distances small */
+		const int64_t shift = ((int64_t)1 << 40) - ape_rng_range(rng, 0, 1000);
+
+		tp->desc.k_start += shift;
+		tp->desc.q_start += shift;
+	}
+	if (ape_rng_uniform(rng) < 0.3 && test_problem_set_out_dtype(tp, APE_F32))
+		return -1;
+	if (ape_rng_uniform(rng) < 0.1) {
+		free(tp->lse);
+		tp->lse = NULL;
+	}
+	return 0;
+}
+
+/* Every head separable: lambda = beta = gamma = 0; delta per head, sometimes 0 (plain RoPE) or
+ * negative (no skipping allowed). */
+static void separable_params(test_problem *tp, ape_rng *rng)
+{
+	const int64_t H = tp->q.t.shape[1];
+	const int kind = (int)ape_rng_range(rng, 0, 2); /* 0: plain RoPE, 1: ALiBi-like, 2: mixed */
+
+	for (int64_t h = 0; h < H; h++) {
+		const double u = ape_rng_uniform(rng);
+
+		tp->params[h] = kind == 0 ? 0.0f : kind == 1 ? (float)(0.02 + u) : (float)(u - 0.3);
+		tp->params[H + h] = tp->params[2 * H + h] = tp->params[3 * H + h] = 0.0f;
+	}
+	tp->desc.delta = (ape_param){ 0, tp->params };
+	tp->desc.beta = (ape_param){ 0, tp->params + H };
+	tp->desc.gamma = (ape_param){ 0, tp->params + 2 * H };
+	tp->desc.lambda = (ape_param){ 0, tp->params + 3 * H };
+}
+
+/* ---- the split-K decode */
+
+TEST(decode_random_cases_match_reference)
+{
+	static const int64_t lqs[] = { 1, 1, 2, 3, 4, 8 };
+	static const int64_t lks[] = { 1, 5, 63, 64, 65, 300, 1000, 2500 };
+	const int ncases = ape_test_slow() ? 10 : 120;
+	int failed = 0, taken = 0;
+	struct devs d;
+	ape_rng rng;
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "decode_random_cases_match_reference");
+	for (int c = 0; c < ncases; c++) {
+		const int64_t Lq = lqs[ape_rng_range(&rng, 0, 5)];
+		test_problem tp;
+		struct ape__launch l;
+		float hp[4 * 24];
+		ape_stats st;
+		int took;
+
+		ASSERT_EQ(0, fast_case(&tp, &rng, Lq, lks[ape_rng_range(&rng, 0, 7)], Lq > 4 ? 2 : 3));
+		if (ape_rng_uniform(&rng) < 0.5)
+			tp.desc.skip_tol = 0; /* with decays, the decode takes only skip_tol 0 */
+		launch_of(&tp, hp, &l);
+		took = ocl_is_cpu(&d) && ape__ocl_decode_applies(d.ocl, &l);
+		taken += took;
+		failed += compare(_metadata, &d, &tp, &st, "decode", NULL) != 0;
+		if (took)
+			EXPECT_EQ(st.pairs_visible, st.pairs_computed); /* the decode skips nothing */
+		test_problem_free(&tp);
+	}
+	ksft_print_msg("decode: %d of %d cases took the decode\n", taken, ncases);
+	fflush(stdout);
+	EXPECT_EQ(0, failed);
+	if (ocl_is_cpu(&d))
+		EXPECT_GE(taken, ncases / 3) TH_LOG("the decode predicate refused most cases");
+	ape_context_destroy(d.ctx);
+}
+
+/* NaN and Inf in K or V reach exactly the rows that see them, in the decode's merge too. */
+TEST(decode_nan_reaches_its_rows)
+{
+	struct devs d;
+	ape_rng rng;
+	test_problem tp, r;
+	const test_problem_shape sh = { 1, 2, 1, 2, 700, 64 };
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "decode_nan_reaches_its_rows");
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	tp.desc.skip_tol = 0;
+	tp.desc.q_start_set = true;
+	tp.desc.k_start = 0;
+	tp.desc.q_start = 600; /* causal: row 0 sees keys 0..600, row 1 keys 0..601 */
+	test_tensor_set(&tp.v.t, 0, 0, 601, 3, NAN); /* only row 1 sees it */
+	ASSERT_EQ(0, test_problem_clone(&r, &tp));
+	ASSERT_EQ(0, test_problem_run(&tp, d.ocl)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, test_problem_run(&r, d.ref)) TH_LOG("%s", ape_last_error());
+	for (int64_t h = 0; h < 2; h++)
+		for (int64_t i = 0; i < 2; i++)
+			for (int64_t e = 0; e < 64; e++) {
+				const double a = test_tensor_get(&tp.o.t, 0, h, i, e);
+				const double w = test_tensor_get(&r.o.t, 0, h, i, e);
+
+				EXPECT_EQ(i == 1 && e == 3, isnan(a) != 0);
+				if (!isnan(w))
+					EXPECT_LE(fabs(a - w), test_tol_o(APE_F32) * 5);
+			}
+	test_problem_free(&r);
+	test_problem_free(&tp);
+	ape_context_destroy(d.ctx);
+}
+
+/* ---- the separable path */
+
+TEST(separable_random_cases_match_reference)
+{
+	const int ncases = ape_test_slow() ? 10 : 150;
+	int failed = 0, taken = 0;
+	struct devs d;
+	ape_rng rng;
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "separable_random_cases_match_reference");
+	for (int c = 0; c < ncases; c++) {
+		test_problem tp;
+		struct ape__launch l;
+		float hp[4 * 24];
+		ape_stats st;
+
+		ASSERT_EQ(0, fast_case(&tp, &rng, -1, -1, 3));
+		separable_params(&tp, &rng);
+		launch_of(&tp, hp, &l);
+		taken += ocl_is_cpu(&d) && !ape__ocl_decode_applies(d.ocl, &l) &&
+			 ape__ocl_separable_applies(d.ocl, &l);
+		failed += compare(_metadata, &d, &tp, &st, "separable", NULL) != 0;
+		EXPECT_LE(st.pairs_computed, st.pairs_visible);
+		test_problem_free(&tp);
+	}
+	ksft_print_msg("separable: %d of %d cases took the separable path\n", taken, ncases);
+	fflush(stdout);
+	EXPECT_EQ(0, failed);
+	if (ocl_is_cpu(&d))
+		EXPECT_GE(taken, ncases / 2) TH_LOG("the separable predicate refused most cases");
+	ape_context_destroy(d.ctx);
+}
+
+/*
+ * Some kv groups whose heads all have lambda = beta = gamma = 0 and others not: the launch runs
+ * as sub-launches per run of kv groups (the separable path and the general kernel), when it asks
+ * no per-row pair counts (no statistics); with statistics, as one general launch. Both match the
+ * reference.
+ */
+TEST(mixed_heads_match_reference)
+{
+	const int ncases = ape_test_slow() ? 5 : 60;
+	int failed = 0, taken = 0;
+	struct devs d;
+	ape_rng rng;
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "mixed_heads_match_reference");
+	for (int c = 0; c < ncases; c++) {
+		test_problem tp;
+		struct ape__launch l;
+		float hp[4 * 24];
+		ape_stats st;
+		int64_t H;
+
+		ASSERT_EQ(0, fast_case(&tp, &rng, -1, -1, 3));
+		separable_params(&tp, &rng);
+		H = tp.q.t.shape[1];
+		tp.params[3 * H + ape_rng_range(&rng, 0, H - 1)] = 0.5f; /* one head is not */
+		if (ape_rng_uniform(&rng) < 0.3)
+			tp.params[H + ape_rng_range(&rng, 0, H - 1)] = 0.2f;
+		launch_of(&tp, hp, &l);
+		taken += ocl_is_cpu(&d) && !ape__ocl_decode_applies(d.ocl, &l) &&
+			 ape__ocl_split_applies(d.ocl, &l);
+		failed += compare(_metadata, &d, &tp, c % 3 ? NULL : &st, "mixed", NULL) != 0;
+		test_problem_free(&tp);
+	}
+	ksft_print_msg("mixed: %d of %d cases split by kv groups\n", taken, ncases);
+	fflush(stdout);
+	EXPECT_EQ(0, failed);
+	if (ocl_is_cpu(&d))
+		EXPECT_GE(taken, ncases / 4) TH_LOG("the split predicate refused most cases");
+	ape_context_destroy(d.ctx);
+}
+
+/*
+ * ALiBi-style with skipping: within tolerance of the reference, never computing more than a
+ * dense run, and computing fewer pairs where the decay makes far keys negligible; the skipped
+ * result within tolerance of the dense one.
+ */
+TEST(separable_skipping_against_dense)
+{
+	const test_problem_shape sh = { 1, 3, 3, 700, 700, 64 };
+	struct devs d;
+	ape_rng rng;
+	test_problem tp, dense;
+	ape_stats st, sd;
+	double eo;
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "separable_skipping_against_dense");
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	test_problem_set_params(&tp, 0.5, 0, 0, 0);
+	tp.desc.skip_tol = 0x1p-24;
+	ASSERT_EQ(0, test_problem_clone(&dense, &tp));
+	dense.desc.skip_tol = 0;
+	ASSERT_EQ(0, compare(_metadata, &d, &tp, &st, "skip", NULL));
+	ASSERT_EQ(0, compare(_metadata, &d, &dense, &sd, "dense", NULL));
+	EXPECT_EQ(sd.pairs_visible, sd.pairs_computed);
+	EXPECT_EQ(st.pairs_visible, sd.pairs_visible);
+	ksft_print_msg("skipping: %llu of %llu visible pairs computed\n",
+		       (unsigned long long)st.pairs_computed, (unsigned long long)st.pairs_visible);
+	fflush(stdout);
+	if (ocl_is_cpu(&d)) /* measured 42% on 2026-12-01 */
+		EXPECT_LT(st.pairs_computed, st.pairs_visible / 2)
+	TH_LOG("delta = 0.5 over 700 keys: most of them are negligible");
+	eo = test_max_err_o(&tp.o.t, &dense.o.t) / v_scale(&tp);
+	EXPECT_LE(eo, test_tol_o(APE_F32));
+	EXPECT_LE(test_max_rel_err_lse(tp.lse, dense.lse, tp.rows), test_tol_lse(APE_F32));
+	test_problem_free(&tp);
+	test_problem_free(&dense);
+	ape_context_destroy(d.ctx);
+}
+
+/* Two runs of each path give the same bits. */
+TEST(fast_paths_deterministic)
+{
+	struct devs d;
+	ape_rng rng;
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "fast_paths_deterministic");
+	for (int path = 0; path < 2; path++) {
+		const test_problem_shape sh = { 2, 4, 2, path ? 300 : 2, 3000, 64 };
+		test_problem a, b;
+
+		ASSERT_EQ(0, test_problem_make(&a, &rng, &sh, APE_F16, false));
+		test_problem_set_params(&a, path ? 0.1 : 0, 0, 0, 0);
+		ASSERT_EQ(0, test_problem_clone(&b, &a));
+		ASSERT_EQ(0, test_problem_run(&a, d.ocl)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, test_problem_run(&b, d.ocl)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, memcmp(a.o.alloc, b.o.alloc, a.o.alloc_bytes));
+		EXPECT_EQ(0, memcmp(a.lse, b.lse, a.rows * sizeof(float)));
+		test_problem_free(&a);
+		test_problem_free(&b);
+	}
+	ape_context_destroy(d.ctx);
+}
+
+/* ---- strided device tensors through ape_attention_enqueue */
+
+/* t placed on dev as [B, L, H, D + 8] (heads interleaved along L, rows padded), at element
+ * offset 24, padding filled with 0x7f bytes; *out describes it. 0, or -1. */
+static int place(ape_queue *qu, ape_device *dev, const ape_tensor *t, ape_buffer **buf,
+		 ape_dtensor *out)
+{
+	const size_t esz = ape_dtype_size(t->dtype);
+	const int64_t B = t->shape[0], H = t->shape[1], L = t->shape[2], D = t->shape[3];
+	const int64_t Dp = D + 8, off = 24, n = off + B * L * H * Dp;
+	const bool dense = !t->strides[0] && !t->strides[1] && !t->strides[2] && !t->strides[3];
+	const int64_t ts[3] = { dense ? H * L * D : t->strides[0], dense ? L * D : t->strides[1],
+				dense ? D : t->strides[2] };
+	unsigned char *host = malloc((size_t)n * esz);
+	int ret;
+
+	if (!host)
+		return -1;
+	memset(host, 0x7f, (size_t)n * esz);
+	out->dtype = t->dtype;
+	out->byte_offset = (uint64_t)off * esz;
+	for (int i = 0; i < 4; i++)
+		out->shape[i] = t->shape[i];
+	out->strides[0] = L * H * Dp;
+	out->strides[1] = Dp;
+	out->strides[2] = H * Dp;
+	out->strides[3] = 1;
+	for (int64_t b = 0; b < B; b++)
+		for (int64_t h = 0; h < H; h++)
+			for (int64_t l = 0; l < L; l++)
+				memcpy(host + (size_t)(off + b * out->strides[0] + h * Dp +
+						       l * out->strides[2]) * esz,
+				       (const char *)t->data +
+					       (size_t)(b * ts[0] + h * ts[1] + l * ts[2]) * esz,
+				       (size_t)D * esz);
+	ret = ape_buffer_alloc(dev, (size_t)n * esz, buf);
+	if (!ret)
+		ret = ape_buffer_write(qu, *buf, 0, host, (size_t)n * esz);
+	if (!ret)
+		ret = ape_queue_synchronize(qu);
+	free(host);
+	out->buf = *buf;
+	return ret ? -1 : 0;
+}
+
+/* Both fast paths on device tensors in a padded, head-interleaved layout at an offset: O and
+ * LSE (every other float) match the reference's contiguous host call, padding stays intact. */
+TEST(enqueue_strided_views)
+{
+	struct devs d;
+	ape_rng rng;
+
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "enqueue_strided_views");
+	for (int c = 0; c < 4; c++) {
+		const int sep = c >= 2;
+		const test_problem_shape sh = { 2, 4, 2, sep ? 150 : 3, sep ? 150 : 900, 64 };
+		const ape_dtype dt = c % 2 ? APE_BF16 : APE_F32;
+		const int64_t rows = sh.B * sh.H * sh.Lq;
+		ape_buffer *bq = NULL, *bk = NULL, *bv = NULL, *bo = NULL, *bl = NULL;
+		ape_dtensor q, k, v, o, l;
+		ape_queue *qu = NULL;
+		test_problem tp, r;
+		float *ohost, *lhost;
+		size_t obytes;
+		struct ape__launch la;
+		float hp[4 * 8];
+
+		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, dt, false));
+		ASSERT_EQ(0, test_problem_set_out_dtype(&tp, APE_F32));
+		test_problem_set_params(&tp, sep ? 0.05 : 0, 0, 0, 0);
+		tp.desc.layout = c == 1 || c == 2 ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+		tp.desc.k_start = ((int64_t)1 << 40) + 5;
+		launch_of(&tp, hp, &la);
+		if (ocl_is_cpu(&d))
+			EXPECT_TRUE(sep ? ape__ocl_separable_applies(d.ocl, &la)
+					: ape__ocl_decode_applies(d.ocl, &la));
+		ASSERT_EQ(0, test_problem_clone(&r, &tp));
+		ASSERT_EQ(0, test_problem_run(&r, d.ref)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, ape_queue_create(d.ocl, &qu));
+		ASSERT_EQ(0, place(qu, d.ocl, &tp.q.t, &bq, &q));
+		ASSERT_EQ(0, place(qu, d.ocl, &tp.k.t, &bk, &k));
+		ASSERT_EQ(0, place(qu, d.ocl, &tp.v.t, &bv, &v));
+		ASSERT_EQ(0, place(qu, d.ocl, &tp.o.t, &bo, &o)); /* only its layout matters */
+		ASSERT_EQ(0, ape_buffer_alloc(d.ocl, (size_t)(2 * rows) * sizeof(float), &bl));
+		ape_dtensor_init(&l, bl, 0, APE_F32, sh.B, sh.H, sh.Lq, 1);
+		l.strides[0] = 2 * sh.H * sh.Lq;
+		l.strides[1] = 2 * sh.Lq;
+		l.strides[2] = 2;
+		ASSERT_EQ(0, ape_attention_enqueue(qu, &tp.desc, &q, &k, &v, &o, &l))
+		TH_LOG("%s", ape_last_error());
+		obytes = (size_t)(o.byte_offset / 4 + (uint64_t)(sh.B * sh.Lq * sh.H * 72)) * 4;
+		ohost = malloc(obytes);
+		lhost = malloc((size_t)(2 * rows) * sizeof(float));
+		ASSERT_NE(NULL, ohost);
+		ASSERT_NE(NULL, lhost);
+		ASSERT_EQ(0, ape_buffer_read(qu, ohost, bo, 0, obytes));
+		ASSERT_EQ(0, ape_buffer_read(qu, lhost, bl, 0, (size_t)(2 * rows) * sizeof(float)));
+		ASSERT_EQ(0, ape_queue_synchronize(qu)) TH_LOG("%s", ape_last_error());
+		{
+			double eo = 0, el = 0;
+			int pad_ok = 1;
+
+			for (int64_t b = 0; b < sh.B; b++)
+				for (int64_t h = 0; h < sh.H; h++)
+					for (int64_t i = 0; i < sh.Lq; i++) {
+						const float *row = ohost + o.byte_offset / 4 +
+								   b * o.strides[0] + h * o.strides[1] +
+								   i * o.strides[2];
+						const int64_t ri = (b * sh.H + h) * sh.Lq + i;
+						const double want = r.lse[ri];
+
+						for (int64_t e = 0; e < 64; e++)
+							eo = fmax(eo, fabs(row[e] - test_tensor_get(&r.o.t, b, h, i, e)));
+						for (int64_t e = 64; e < 72; e++) {
+							uint32_t u;
+
+							memcpy(&u, row + e, 4);
+							pad_ok &= u == 0x7f7f7f7fu;
+						}
+						el = fmax(el, fabs(lhost[2 * ri] - want) / fmax(1.0, fabs(want)));
+					}
+			EXPECT_TRUE(eo / v_scale(&tp) <= test_tol_o(dt) && el <= test_tol_lse(dt))
+			TH_LOG("case %d: O error %.3g (x max|V|), LSE error %.3g", c, eo / v_scale(&tp),
+			       el);
+			EXPECT_TRUE(pad_ok) TH_LOG("case %d: O's padding was written", c);
+		}
+		free(ohost);
+		free(lhost);
+		ape_queue_destroy(qu);
+		ape_buffer_free(bq);
+		ape_buffer_free(bk);
+		ape_buffer_free(bv);
+		ape_buffer_free(bo);
+		ape_buffer_free(bl);
+		test_problem_free(&tp);
+		test_problem_free(&r);
+	}
+	ape_context_destroy(d.ctx);
+}
+
+#endif /* APE_HAVE_OPENCL */
+
+int main(int argc, char **argv)
+{
+#ifndef APE_HAVE_OPENCL
+	ksft_exit_skip("the OpenCL backend is not built into this libape\n");
+#else
+	if (test_opencl_platform_present() == 4)
+		ksft_exit_skip("no OpenCL platform on this machine (make deps installs PoCL)\n");
+#endif
+	return test_harness_run(argc, argv);
+}
