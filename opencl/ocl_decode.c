@@ -30,7 +30,8 @@ bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
 	bool decays = false;
 
-	if (!(od->type & CL_DEVICE_TYPE_CPU) || l->Lq < 1 || l->Lq > DEC_MAX_ROWS ||
+	if (!(od->type & CL_DEVICE_TYPE_CPU) || !ape__ocl_fast_outputs(l) || l->Lq < 1 ||
+	    l->Lq > DEC_MAX_ROWS ||
 	    l->D % 32 || l->D > 256 || l->H % l->Hkv || l->Lk < 1 ||
 	    (l->H / l->Hkv) * l->Lq > dec_rows_max(l->D))
 		return false;

@@ -25,6 +25,13 @@
 #define APE__FD_PAIRS 128
 #define APE__FD_SKIP 256
 
+/* The outputs every fast kernel writes: O, LSE, pairs. A launch asking for the diagnostics
+ * (entropy, mean distance: l->ent, l->md) goes to the general kernel. */
+static inline bool ape__ocl_fast_outputs(const struct ape__launch *l)
+{
+	return !l->ent && !l->md;
+}
+
 /* ---- ocl_decode.c */
 bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l);
 int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l);

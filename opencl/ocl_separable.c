@@ -51,8 +51,8 @@ bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
 	size_t qr, kt, qn, tiles, pre;
 
-	if (!(od->type & CL_DEVICE_TYPE_CPU) || l->D % 32 || l->D > 256 || l->Lq < 1 ||
-	    l->Lk < 1 || l->H % l->Hkv || l->Lk > ((int64_t)1 << 30))
+	if (!(od->type & CL_DEVICE_TYPE_CPU) || !ape__ocl_fast_outputs(l) || l->D % 32 ||
+	    l->D > 256 || l->Lq < 1 || l->Lk < 1 || l->H % l->Hkv || l->Lk > ((int64_t)1 << 30))
 		return false;
 	for (int64_t h = 0; h < l->H; h++) /* lambda = 0, no decay but delta: every head */
 		if (l->head_params[4 * h + 1] != 0 || l->head_params[4 * h + 2] != 0 ||
@@ -208,7 +208,8 @@ bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l)
 	bool any_sep = false, any_other = false;
 
 	/* pairs and lse_prior are contiguous [B, H, Lq]: no view cuts a run of heads out of them */
-	if (!(od->type & CL_DEVICE_TYPE_CPU) || l->pairs || l->lse_prior || l->D % 32 ||
+	if (!(od->type & CL_DEVICE_TYPE_CPU) || !ape__ocl_fast_outputs(l) || l->pairs ||
+	    l->lse_prior || l->D % 32 ||
 	    l->D > 256 || l->Lq < 1 || l->Lk < 1 || l->Hkv < 1 || l->H % l->Hkv ||
 	    l->Lk > ((int64_t)1 << 30))
 		return false;

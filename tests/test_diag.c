@@ -150,6 +150,41 @@ TEST_F(dev, random_cases_match_the_definitions)
 
 /* Rows with one visible key have ENT = 0 and MD = |n| of that key; rows with none 0 and 0;
  * Lk = 0 writes zeros too. */
+/* The shapes the OpenCL fast paths take (docs/kernels.md): plain RoPE (separable: lambda = beta =
+ * gamma = 0), a delta-only mix, and decode (a few query rows over many keys). With diagnostics
+ * asked for, they must still be computed, by whichever kernel can. */
+TEST_F(dev, fast_path_shapes_still_give_diagnostics)
+{
+	static const test_problem_shape shapes[] = {
+		{ 1, 4, 2, 96, 96, 64 }, /* prefill, separable when every lambda, beta, gamma is 0 */
+		{ 1, 4, 2, 1, 300, 64 }, /* decode */
+		{ 2, 2, 1, 5, 160, 32 }, /* decode, several rows */
+	};
+	static const double params[][4] = { { 0, 0, 0, 0 }, { 0.2, 0, 0, 0 } };
+
+	if (!self->dev->be->ops->attention_diag)
+		SKIP(return, "%s has no diagnostics", variant->backend);
+	for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
+		for (size_t c = 0; c < 2; c++) {
+			test_problem tp;
+			struct diag d;
+			double ee, em;
+
+			ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &shapes[s], APE_F32));
+			test_problem_set_params(&tp, params[c][0], params[c][1], params[c][2],
+						params[c][3]);
+			ASSERT_EQ(0, test_problem_naive(&tp));
+			ASSERT_EQ(0, diag_alloc(&d, tp.rows));
+			ASSERT_EQ(0, run_diag(&tp, &self->dev, 1, NULL, &d))
+			TH_LOG("%s", ape_last_error());
+			err_naive(&tp, &d, &ee, &em);
+			EXPECT_LE(ee, tol_of(&tp)) TH_LOG("shape %zu params %zu: entropy", s, c);
+			EXPECT_LE(em, tol_of(&tp)) TH_LOG("shape %zu params %zu: distance", s, c);
+			diag_free(&d);
+			test_problem_free(&tp);
+		}
+}
+
 TEST_F(dev, one_key_and_empty_rows)
 {
 	const test_problem_shape sh = { 1, 2, 1, 5, 3, 8 };
