@@ -328,6 +328,14 @@ static int call_op(const struct ape__backend_ops *ops, ape_device *dev, enum wra
 		return ret;
 	case WRAP_ATTENTION: /* fails before the backend sees the (empty) launch */
 		return ops->attention(q, &l);
+	case WRAP_ATTENTION_BACKWARD: { /* likewise */
+		struct ape__bwd_launch bl;
+
+		if (!ops->attention_backward)
+			return NOT_THERE;
+		memset(&bl, 0, sizeof(bl));
+		return ops->attention_backward(q, &bl);
+	}
 	case WRAP_SYNCHRONIZE:
 		return ops->synchronize(q);
 	case WRAP_HOST_REGISTER:

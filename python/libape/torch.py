@@ -19,9 +19,9 @@ OpenCL's is not tuned yet. A device given
 explicitly is used for both passes: a backward on a device without one
 raises libape.ApeError (APE_ENOTSUP) naming it; nothing falls back to another device.
 CUDA tensors run on libape's CUDA device of the same ordinal, where they are, on PyTorch's
-current stream (ape_attention_forward_dlpack()); forward only for now: libape's backward takes
-host tensors, so a CUDA tensor that needs a gradient raises ApeValueError saying so. (No GPU has
-run this path yet: it is tested on CPU tensors through the same DLPack call.)
+current stream (ape_attention_forward_dlpack()). Their gradients come from libape's CUDA backward
+pass, which takes host tensors for now: the backward copies through host memory and back. (No
+GPU has run these paths yet: the forward is tested on CPU tensors through the same DLPack call.)
 """
 import os
 from typing import Optional, Tuple
@@ -47,7 +47,7 @@ def _value(p):
     float32 value per head (shape [H])."""
     if p.dim() == 0:
         return float(p)
-    return p.detach().to(torch.float32).contiguous().numpy()
+    return p.detach().to(torch.float32).cpu().contiguous().numpy()
 
 
 def _forward(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
@@ -62,14 +62,24 @@ def _forward(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout,
 def _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale, rope_base,
               layout, q_start, k_start, device, wrt):
     """(dq, dk, dv, dparams [H, 4]); an unwanted gradient is an empty tensor (a custom op
-    returns tensors only)."""
+    returns tensors only). CUDA tensors: libape's backward takes host tensors, so they go
+    through host memory to the CUDA device of their ordinal (copies both ways), and the
+    gradients come back to q's device."""
+    home = q.device
+    if q.is_cuda:
+        q, k, v, o, lse, do = (x.detach().cpu() for x in (q, k, v, o, lse, do))
+        dlse = None if dlse is None else dlse.detach().cpu()
+        if device in (None, "auto"):
+            device = "cuda:%d" % (home.index or 0)
     got = _core.attention_backward(
         q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do.detach(),
         dlse=None if dlse is None else dlse.detach(), delta=_value(delta), beta=_value(beta),
         gamma=_value(gamma), lam=_value(lam), causal=causal, scale=scale, rope_base=rope_base,
         layout=layout, q_start=q_start, k_start=k_start, wrt=wrt, device=device)
-    return tuple(q.new_empty(0) if g is None else g for g in got[:3]) + \
-        (got[3] if got[3] is not None else torch.empty(0),)
+    out = tuple(q.new_empty(0) if g is None else g for g in got[:3])
+    if home.type == "cuda":
+        out = tuple(g.to(home) for g in out)
+    return out + (got[3] if got[3] is not None else torch.empty(0),)  # to each param's device
 
 
 def _wrt(needs):
@@ -88,7 +98,7 @@ def _param_grads(dparams, params, needs):
             out.append(None)
             continue
         col = dparams[:, i]
-        out.append((col.sum() if p.dim() == 0 else col).to(p.dtype))
+        out.append((col.sum() if p.dim() == 0 else col).to(device=p.device, dtype=p.dtype))
     return out
 
 
