@@ -269,6 +269,7 @@ TEST(forward_uses_placed_staging)
 	ape_device *dev;
 	ape_rng rng;
 	float lse1[2 * 3 * 16], lse2[2 * 3 * 16];
+	ape_exec_options eo;
 
 	ASSERT_NE(NULL, ctx);
 	REQUIRE_MACHINE(ctx);
@@ -285,10 +286,16 @@ TEST(forward_uses_placed_staging)
 	desc.delta.value = 0.3f;
 	desc.lambda.value = 0.1f;
 
-	ASSERT_EQ(0, ape_attention_forward(dev, &desc, &q.t, &k.t, &v.t, &o1.t, lse1, NULL));
+	/* chunk sizes given: the streamed path with its staging (a plain host call on the
+	 * reference computes in place and stages nothing) */
+	ape_exec_options_init(&eo);
+	eo.chunk_q = eo.chunk_k = 4096;
+	ASSERT_EQ(0, ape_attention_forward_ex(&dev, 1, &eo, &desc, &q.t, &k.t, &v.t, &o1.t, lse1,
+					      NULL));
 	EXPECT_EQ(3u, (unsigned)atomic_load(&ctx->staging_placed)) TH_LOG("Q, K/V, outputs");
 	ape_stats_init(&st);
-	ASSERT_EQ(0, ape_attention_forward(dev, &desc, &q.t, &kr.t, &v.t, &o2.t, lse2, &st));
+	ASSERT_EQ(0, ape_attention_forward_ex(&dev, 1, &eo, &desc, &q.t, &kr.t, &v.t, &o2.t, lse2,
+					      &st));
 	EXPECT_EQ(6u, (unsigned)atomic_load(&ctx->staging_placed)) TH_LOG("the same again");
 	EXPECT_EQ(0u, (unsigned)atomic_load(&ctx->staging_plain));
 	EXPECT_EQ(0.0, test_max_err_o(&o1.t, &o2.t)) TH_LOG("the same problem, the same bits");

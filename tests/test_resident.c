@@ -124,7 +124,8 @@ static int64_t differing(const test_problem *a, const test_problem *b)
 /* ---- results */
 
 /* Random problems (strided [B, L, H, D] ones among them), at byte offsets, equal bit for bit to
- * the host call on the same device. */
+ * the host call on the same device (on CUDA, where a strided row may take another kernel path,
+ * within the spec's tolerance). */
 TEST_F(resident, enqueue_equals_host_call)
 {
 	const int cases = self->emu ? 6 : ape_test_slow() ? 4 : 24;
@@ -143,7 +144,22 @@ TEST_F(resident, enqueue_equals_host_call)
 		ASSERT_EQ(0, run_resident(&b, self->dev, (size_t)(c % 4) * 4))
 		TH_LOG("%s: %s", what, ape_last_error());
 		bad = differing(&a, &b);
-		EXPECT_EQ(0, bad) TH_LOG("case %d, %s: %lld elements differ", c, what, (long long)bad);
+		if (strcmp(variant->backend, "cuda")) {
+			EXPECT_EQ(0, bad)
+			TH_LOG("case %d, %s: %lld elements differ", c, what, (long long)bad);
+		} else if (bad) {
+			/* CUDA reads rows that its 16-byte vector loads cannot take in place through
+			 * a copy or its generic kernel (docs/kernels.md, "strided views"): another
+			 * summation order, the same result within the spec's tolerance */
+			const double vmax = fmax(test_tensor_maxabs(&a.v.t), 1e-30);
+
+			EXPECT_LE(test_max_err_o(&a.o.t, &b.o.t) / vmax, test_tol_o(a.q.t.dtype))
+			TH_LOG("case %d, %s", c, what);
+			if (a.lse)
+				EXPECT_LE(test_max_rel_err_lse(a.lse, b.lse, a.rows),
+					  test_tol_lse(a.q.t.dtype))
+				TH_LOG("case %d, %s", c, what);
+		}
 		if (b.strided)
 			EXPECT_EQ(0, test_problem_padding_intact(&b)) TH_LOG("%s: padding written", what);
 		test_problem_free(&a);
