@@ -57,7 +57,8 @@ static void tl_prune(struct ape__ocl_timeline *tl)
 	}
 	for (size_t i = 0; i < k; i++)
 		clReleaseEvent(tl->ev[i]);
-	memmove(tl->ev, tl->ev + k, (tl->n - k) * sizeof(*tl->ev));
+	if (k < tl->n) /* (tl->ev may be NULL when nothing is tracked) */
+		memmove(tl->ev, tl->ev + k, (tl->n - k) * sizeof(*tl->ev));
 	tl->n -= k;
 	tl->checked = 0;
 	tl->dropped += k;
