@@ -300,14 +300,14 @@ static int open_input(struct in_file *f, const char *path, bool rows_only, char 
 	f->path = path;
 	f->fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (f->fd < 0 || fstat(f->fd, &st) || !S_ISREG(st.st_mode)) {
-		snprintf(err, MSG, "%s: cannot open as a regular file: %s", path,
+		snprintf(err, MSG, "%.400s: cannot open as a regular file: %s", path,
 			 f->fd < 0 ? strerror(errno) : "not a regular file");
 		return EXIT_USAGE;
 	}
 	map = st.st_size ? mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, f->fd, 0)
 			 : MAP_FAILED;
 	if (map == MAP_FAILED) {
-		snprintf(err, MSG, "%s: cannot map the header: %s", path,
+		snprintf(err, MSG, "%.400s: cannot map the header: %s", path,
 			 st.st_size ? strerror(errno) : "empty file");
 		return EXIT_USAGE;
 	}
@@ -334,7 +334,7 @@ static int open_input(struct in_file *f, const char *path, bool rows_only, char 
 	f->D = f->info.shape[f->info.ndim - 1];
 	return 0;
 dims:
-	snprintf(err, MSG, "%s: %d dimensions: expected %s", path, f->info.ndim,
+	snprintf(err, MSG, "%.400s: %d dimensions: expected %s", path, f->info.ndim,
 		 rows_only ? "[B, H, L] or [H, L]" : "[B, H, L, D] or [H, L, D]");
 	return EXIT_USAGE;
 }
@@ -349,7 +349,7 @@ static int io_at(int fd, bool wr, void *buf, size_t n, off_t off, const char *pa
 		if (r < 0 && errno == EINTR)
 			continue;
 		if (r <= 0) {
-			snprintf(err, MSG, "%s: %s failed: %s", path, wr ? "write" : "read",
+			snprintf(err, MSG, "%.400s: %s failed: %s", path, wr ? "write" : "read",
 				 r < 0 ? strerror(errno) : "the file shrank");
 			return EXIT_FAIL;
 		}
@@ -390,7 +390,7 @@ static int read_rows(const struct in_file *f, const ape_mpi_shard_info *sh, void
 
 	*out = malloc((size_t)(f->B * f->Hx * sh->rows * f->D) * es + 1);
 	if (!*out) {
-		snprintf(err, MSG, "%s: out of memory for this rank's rows", f->path);
+		snprintf(err, MSG, "%.400s: out of memory for this rank's rows", f->path);
 		return EXIT_FAIL;
 	}
 	return rows_io(f->fd, false, f->path, f->info.data_offset, es, f->B, f->Hx, f->L, f->D, sh,
@@ -428,7 +428,7 @@ static int create_outputs(struct out_file *of, int n, char *err)
 		snprintf(of[i].tmp, sizeof(of[i].tmp), "%s.ape-mpi-XXXXXX", of[i].path);
 		fd = mkstemp(of[i].tmp);
 		if (fd < 0) {
-			snprintf(err, MSG, "%s: cannot create a temporary file next to it: %s",
+			snprintf(err, MSG, "%.400s: cannot create a temporary file next to it: %s",
 				 of[i].path, strerror(errno));
 			of[i].tmp[0] = 0;
 			return EXIT_FAIL;
@@ -437,11 +437,11 @@ static int create_outputs(struct out_file *of, int n, char *err)
 		ret = fchmod(fd, 0666 & ~um) || ftruncate(fd, (off_t)(hlen + bytes)) ? EXIT_FAIL
 			: io_at(fd, true, head, hlen, 0, of[i].tmp, err);
 		if (ret == EXIT_FAIL && !err[0])
-			snprintf(err, MSG, "%s: %s", of[i].tmp, strerror(errno));
+			snprintf(err, MSG, "%.400s: %s", of[i].tmp, strerror(errno));
 		if (!ret && !of[i].B)
 			ret = io_at(fd, true, (void *)of[i].data, bytes, (off_t)hlen, of[i].tmp, err);
 		if (close(fd) && !ret) {
-			snprintf(err, MSG, "%s: %s", of[i].tmp, strerror(errno));
+			snprintf(err, MSG, "%.400s: %s", of[i].tmp, strerror(errno));
 			ret = EXIT_FAIL;
 		}
 		if (ret)
@@ -460,13 +460,13 @@ static int write_rows(struct out_file *of, int n, const ape_mpi_shard_info *sh, 
 			continue;
 		fd = open(of[i].tmp, O_WRONLY | O_CLOEXEC);
 		if (fd < 0) {
-			snprintf(err, MSG, "%s: cannot open: %s", of[i].tmp, strerror(errno));
+			snprintf(err, MSG, "%.400s: cannot open: %s", of[i].tmp, strerror(errno));
 			return EXIT_FAIL;
 		}
 		ret = rows_io(fd, true, of[i].tmp, of[i].data_offset, ape_dtype_size(of[i].dt),
 			      of[i].B, of[i].Hx, sh->L, of[i].D, sh, (void *)of[i].data, err);
 		if (!ret && fsync(fd)) {
-			snprintf(err, MSG, "%s: fsync: %s", of[i].tmp, strerror(errno));
+			snprintf(err, MSG, "%.400s: fsync: %s", of[i].tmp, strerror(errno));
 			ret = EXIT_FAIL;
 		}
 		close(fd);
@@ -499,7 +499,7 @@ static int write_outputs(struct out_file *of, int n, const ape_mpi_shard_info *s
 		goto out;
 	for (int i = 0; rank == 0 && i < n && !ret; i++) {
 		if (rename(of[i].tmp, of[i].path)) {
-			snprintf(err, MSG, "%s: cannot rename %s into place: %s", of[i].path,
+			snprintf(err, MSG, "%.200s: cannot rename %.200s into place: %s", of[i].path,
 				 of[i].tmp, strerror(errno));
 			ret = EXIT_FAIL;
 		} else {
