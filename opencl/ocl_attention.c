@@ -272,7 +272,8 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	cl_int err;
 	int ret;
 
-	if (ape__ocl_decode_applies(q->dev, l)) /* fast paths: ocl_fast.h */
+	/* fast paths: ocl_fast.h; a launch with pages was accepted by the decode */
+	if (l->pages || ape__ocl_decode_applies(q->dev, l))
 		return ape__ocl_decode(q, l);
 	if (ape__ocl_separable_applies(q->dev, l))
 		return ape__ocl_separable(q, l);

@@ -142,10 +142,41 @@ KFN float16 dec_seed16(__global const APE_REAL *omega, int c, APE_REAL n, APE_RE
 		__global const APE_REAL *prm, __global float *part, long qoff, long qsb, long qsh, \
 		long qsl, long koff, long ksb, long ksh, long ksl, long voff, long vsb, long vsh,  \
 		long vsl, int D, long Lq, long Lk, int H, int group, long rel, float scale,       \
-		int flags, long chunk, int nsplit
+		int flags, long chunk, int nsplit, long pbt, long pnb, long pfirst, long prow,     \
+		long pblk
 #define DEC_NAMES                                                                                  \
 	Q, K, V, prm, part, qoff, qsb, qsh, qsl, koff, ksb, ksh, ksl, voff, vsb, vsh, vsl, D, Lq,  \
-		Lk, H, group, rel, scale, flags, chunk, nsplit
+		Lk, H, group, rel, scale, flags, chunk, nsplit, pbt, pnb, pfirst, prow, pblk
+
+/*
+ * Where keys bb .. bb + len - 1 start, relative to their (batch, kv head) base: j * ksl and
+ * j * vsl, or with pages (pbt > 0: a KV cache's blocks read in place, struct ape__kv_pages)
+ * key j is token prow + j from the start of physical block pfirst, the blocks a ring of pnb,
+ * each pblk elements; K and V share the geometry there (ksl = vsl = D). One division per
+ * 16 keys.
+ */
+KFN void dec_rows(long bb, int len, long ksl, long vsl, long pbt, long pnb, long pfirst,
+		  long prow, long pblk, long *rk, long *rv)
+{
+	if (!pbt) {
+		for (int jj = 0; jj < len; jj++) {
+			rk[jj] = (bb + jj) * ksl;
+			rv[jj] = (bb + jj) * vsl;
+		}
+		return;
+	}
+	const long t = prow + bb;
+	long lb = t / pbt, r = t - lb * pbt, base = (pfirst + lb) % pnb * pblk;
+
+	for (int jj = 0; jj < len; jj++) {
+		rk[jj] = rv[jj] = base + r * ksl;
+		if (++r == pbt) {
+			r = 0;
+			lb++;
+			base = (pfirst + lb) % pnb * pblk;
+		}
+	}
+}
 
 KFN void dec_body(DEC_ARGS, const int RM)
 {
@@ -228,6 +259,9 @@ KFN void dec_body(DEC_ARGS, const int RM)
 			}
 		for (long bb = t0; bb < min(t0 + DEC_TILE, kend); bb += DEC_BLK) {
 			const int len = (int)min((long)DEC_BLK, kend - bb);
+			long rk[DEC_BLK], rv[DEC_BLK];
+
+			dec_rows(bb, len, ksl, vsl, pbt, pnb, pfirst, prow, pblk, rk, rv);
 
 			if (len < DEC_BLK)
 				for (int r = 0; r < nr; r++)
@@ -235,7 +269,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 						sc[r][jj] = -INFINITY;
 			/* scores: each key row is loaded once for every query row */
 			for (int jj = 0; jj < len; jj++) {
-				const long j = bb + jj, kb = koff + b * ksb + kvh * ksh + j * ksl;
+				const long j = bb + jj, kb = koff + b * ksb + kvh * ksh + rk[jj];
 				float16 u[DEC_CMAX], w[DEC_CMAX];
 
 				for (int c = 0; c < C; c++)
@@ -290,7 +324,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 			}
 			/* P V: a masked key adds nothing at all (its V may hold a NaN) */
 			for (int jj = 0; jj < len; jj++) {
-				const long j = bb + jj, vb = voff + b * vsb + kvh * vsh + j * vsl;
+				const long j = bb + jj, vb = voff + b * vsb + kvh * vsh + rv[jj];
 				float16 v[2 * DEC_CMAX];
 
 				for (int c = 0; c < 2 * C; c++)
