@@ -139,8 +139,9 @@ int fx_call_init(fx_call *c, ape_device *const *devs, int ndev, enum fx_mode mod
 		 int64_t chunk)
 {
 	const bool kv = mode == FX_KV;
-	/* KV: a few decode-like queries after the cache; forward: a square problem */
-	const test_problem_shape sh = { 1, 2, kv ? 2 : 1, kv ? 4 : L, L, 16 };
+	/* KV: a few decode-like queries after the cache (D = 32: where the OpenCL decode reads
+	 * the blocks in place); forward: a square problem */
+	const test_problem_shape sh = { 1, 2, kv ? 2 : 1, kv ? 4 : L, L, kv ? 32 : 16 };
 	ape_rng rng;
 	int ret;
 
