@@ -49,8 +49,8 @@ bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l
 	return !(l->skip_tol > 0 && l->decay_nonneg && decays);
 }
 
-/* In place, skipping allowed or not: the alternative is a gather of every key the launch
- * covers, which costs about what the decode's own pass over them does (bench/RESULTS.md). */
+/* In place, skipping allowed or not (skipping nothing is exact): the alternative is a gather
+ * of every key chunk the chunk-level bound keeps, then the general kernel (docs/kernels.md). */
 bool ape__ocl_decode_pages(struct ape_device *dev, const struct ape__launch *l)
 {
 	return l->pages && dec_shape(dev, l);
