@@ -618,6 +618,20 @@ static bool expect_in_place(const ape_device *dev, const test_problem *tp)
 	       group * s[2] <= (s[3] == 64 || s[3] == 128 ? 16 : 8);
 }
 
+/* Whether the same attend gathered runs the decode kernel too (not the general one): skipping
+ * off, or allowed with nothing to skip by (opencl/ocl_decode.c). */
+static bool gathered_decodes(const test_problem *tp)
+{
+	const int64_t H = tp->q.t.shape[1];
+	bool decays = false, nonneg = true;
+
+	for (int64_t i = 0; i < 3 * H; i++) {
+		decays |= tp->params[i] != 0;
+		nonneg &= tp->params[i] >= 0;
+	}
+	return !(tp->desc.skip_tol > 0 && nonneg && decays);
+}
+
 /*
  * Decode-shaped attends on random cases: awkward block sizes, many blocks, a partly filled
  * last block, GQA, both layouts, positions, every storage type, 1 .. max_queries rows,
@@ -714,9 +728,35 @@ TEST_F(kv, decode_in_place_equals_reference)
 							  test_tensor_get(&o2.t, b, h, i, d))
 							TH_LOG("%s: rerun differs", what);
 		EXPECT_EQ(0, memcmp(tp.lse, lse2, tp.rows * sizeof(float))) TH_LOG("%s", what);
+		ape_kv_cache_destroy(cache);
+		/* in place or gathered, one launch over the same keys: the same bits
+		 * (attention_pages' contract) */
+		if (expect_in_place(self->dev, &tp) && sh.Lk <= o.attend_chunk &&
+		    gathered_decodes(&tp)) {
+			wrap_install(self->dev, WRAP_NO_PAGES);
+			ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache));
+			for (int64_t t = 0; t < sh.Lk; t += 50) {
+				const int64_t n = sh.Lk - t < 50 ? sh.Lk - t : 50;
+				ape_tensor kt = test_rows(&tp.k.t, t, n), vt = test_rows(&tp.v.t, t, n);
+
+				ASSERT_EQ(0, ape_kv_cache_append(cache, &kt, &vt));
+			}
+			ape_stats_init(&st);
+			ASSERT_EQ(0, ape_kv_cache_attend(cache, &tp.desc, &tp.q.t, &o2.t, lse2, &st));
+			EXPECT_GT(st.bytes_device_to_device, 0u) TH_LOG("%s: not gathered", what);
+			for (int64_t b = 0; b < sh.B; b++)
+				for (int64_t h = 0; h < sh.H; h++)
+					for (int64_t i = 0; i < sh.Lq; i++)
+						for (int64_t d = 0; d < sh.D; d++)
+							ASSERT_EQ(test_tensor_get(&tp.o.t, b, h, i, d),
+								  test_tensor_get(&o2.t, b, h, i, d))
+								TH_LOG("%s: gathered differs", what);
+			EXPECT_EQ(0, memcmp(tp.lse, lse2, tp.rows * sizeof(float))) TH_LOG("%s", what);
+			ape_kv_cache_destroy(cache);
+			wrap_remove();
+		}
 		free(lse2);
 		test_tensor_free(&o2);
-		ape_kv_cache_destroy(cache);
 		test_problem_free(&tp);
 		test_problem_free(&want);
 	}
