@@ -22,14 +22,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+def call_ms(fn):
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def median_ms(fn, repeats, mins, i):
     """Median of `repeats` timed calls (after one untimed); the fastest lowers mins[i]."""
     fn()
-    t = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        t.append((time.perf_counter() - t0) * 1e3)
+    t = [call_ms(fn) for _ in range(repeats)]
     mins[i] = min(mins[i], min(t))
     return statistics.median(t)
 

@@ -13,7 +13,9 @@
  * The score is the forward kernel's: the query walks the keys by the rotation recurrence,
  * reseeded with ape_seed_sincos at every tile start; temperature and bias from ape_math.h's
  * float32 distance terms in the row's frame c_row (the bias at its anchor distance); one
- * online-softmax update per row and block of 16 keys, on a float16 of scores. Nothing is
+ * online-softmax update per row and block of 16 keys, on a float16 of scores. Each block
+ * first touches its value rows, and the key rows of the next block before its P V, one byte
+ * per 64 (dec_touch): the loads of the rows that follow then find them on their way. Nothing is
  * skipped: the host sends here only launches where skipping is off or has nothing to gain.
  * Built after attention.cl in one program: ld(), st(), KFN, CAT and the DT_ values are its.
  * Needs D % 32 == 0 (whole float16 chunks of pairs in both layouts).
@@ -178,6 +180,25 @@ KFN void dec_rows(long bb, int len, long ksl, long vsl, long pbt, long pnb, long
 	}
 }
 
+/* Reads one byte of each 64 of len rows of n elements at base + off[jj] (inside the rows,
+ * whatever their alignment) and ORs it into *acc: the lines a later pass reads are requested
+ * together, their misses in flight at once, instead of a row at a time inside the pass
+ * (PoCL compiles prefetch() to nothing). */
+KFN void dec_touch(__global const void *X, long base, const long *off, int len, int n, int dt,
+		   uint *acc)
+{
+	const int bytes = n * (dt == DT_F16 || dt == DT_BF16 ? 2 : 4);
+	uint a = *acc;
+
+	for (int jj = 0; jj < len; jj++) {
+		__global const uchar *p = (__global const uchar *)X + (base + off[jj]) * (bytes / n);
+
+		for (int o = 0; o < bytes; o += 64)
+			a |= p[o];
+	}
+	*acc = a;
+}
+
 KFN void dec_body(DEC_ARGS, const int RM)
 {
 	const int P = DEC_DIM / 2, C = P / 16, dt = FD_DT_IN(flags);
@@ -197,6 +218,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 	APE_REAL ia[DEC_RMAX];
 	int decay[DEC_RMAX];
 	long kend = j0;
+	uint touched = 0; /* dec_touch()'s loads, kept by the volatile store at the end */
 
 	if (s >= nsplit)
 		return;
@@ -262,6 +284,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 			long rk[DEC_BLK], rv[DEC_BLK];
 
 			dec_rows(bb, len, ksl, vsl, pbt, pnb, pfirst, prow, pblk, rk, rv);
+			dec_touch(V, voff + b * vsb + kvh * vsh, rv, len, DEC_DIM, dt, &touched);
 
 			if (len < DEC_BLK)
 				for (int r = 0; r < nr; r++)
@@ -322,6 +345,16 @@ KFN void dec_body(DEC_ARGS, const int RM)
 					for (int c = 0; c < 2 * C; c++)
 						ACC[r][c] *= corr;
 			}
+			/* the next block's keys, requested while this one's values are summed */
+			if (bb + DEC_BLK < kend) {
+				const int len2 = (int)min((long)DEC_BLK, kend - bb - DEC_BLK);
+				long nk[DEC_BLK], nv[DEC_BLK];
+
+				dec_rows(bb + DEC_BLK, len2, ksl, vsl, pbt, pnb, pfirst, prow, pblk, nk,
+					 nv);
+				dec_touch(K, koff + b * ksb + kvh * ksh, nk, len2, DEC_DIM, dt,
+					  &touched);
+			}
 			/* P V: a masked key adds nothing at all (its V may hold a NaN) */
 			for (int jj = 0; jj < len; jj++) {
 				const long j = bb + jj, vb = voff + b * vsb + kvh * vsh + rv[jj];
@@ -344,6 +377,11 @@ KFN void dec_body(DEC_ARGS, const int RM)
 		}
 	}
 
+	{
+		volatile uint sink = touched;
+
+		(void)sink;
+	}
 	/* partials: [row][split][D + 2] = acc, max, sum (rows: (b*H + h)*Lq + i) */
 #pragma unroll
 	for (int r = 0; r < RM; r++) {
