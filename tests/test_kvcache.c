@@ -839,6 +839,54 @@ TEST_F(kv, decode_in_place_after_releases)
 	test_problem_free(&want);
 }
 
+/*
+ * Blocks in several slabs (a device whose largest buffer holds three of them): the cache
+ * gathers, since no launch can read blocks of several buffers in place, and still equals the
+ * recomputation.
+ */
+TEST_F(kv, blocks_in_several_slabs_are_gathered)
+{
+	const int64_t L = 75;
+	const test_problem_shape sh = { 1, 4, 2, L, L, 64 };
+	ape_kv_cache_options o;
+	ape_kv_cache_info info;
+	test_problem tp, want;
+	ape_kv_cache *cache;
+	ape_stats st;
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	test_problem_set_params(&tp, 0, 0, 0, 0);
+	tp.desc.causal = true;
+	tp.desc.q_start_set = false;
+	ASSERT_EQ(0, test_problem_clone(&want, &tp));
+	ASSERT_EQ(0, test_problem_run(&want, self->ref)) TH_LOG("%s", ape_last_error());
+	o = cache_options(&tp, 10, L); /* 8 blocks of 2 * 10 * 64 floats: slabs of 3, 3 and 2 */
+	o.max_queries = 1;
+	wrap_install(self->dev, 0);
+	wrap_max_alloc(3 * 2 * 10 * 64 * 4);
+	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(3, cache->nslabs);
+	test_tensor_poison(&tp.o.t);
+	ASSERT_EQ(0, decode(&tp, cache, 1, NULL)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, close_enough(_metadata, &tp, &want, "three slabs"));
+	{
+		ape_tensor qt = test_rows(&tp.q.t, L - 1, 1), ot = test_rows(&tp.o.t, L - 1, 1);
+
+		ape_stats_init(&st);
+		ASSERT_EQ(0, ape_kv_cache_attend(cache, &tp.desc, &qt, &ot, NULL, &st));
+		if (self->dev->be->ops->copy_d2d)
+			EXPECT_EQ((uint64_t)(2 * 2 * L * 64 * 4), st.bytes_device_to_device);
+	}
+	ASSERT_EQ(0, ape_kv_cache_get_info(cache, &info));
+	EXPECT_EQ(L, info.tokens);
+	ape_kv_cache_destroy(cache);
+	wrap_remove();
+	test_problem_free(&tp);
+	test_problem_free(&want);
+}
+
 /* ---- arguments */
 
 TEST_F(kv, arguments_are_validated)

@@ -65,6 +65,8 @@ struct wrap_counts {
 void wrap_install(ape_device *dev, unsigned flags);
 /* Restores the backend's own ops. */
 void wrap_remove(void);
+/* After wrap_install(): max_alloc says at most `bytes` (0: the backend's own figure again). */
+void wrap_max_alloc(uint64_t bytes);
 /* The counts so far; wrap_reset() zeroes them (peak_bytes restarts from live_bytes). */
 struct wrap_counts wrap_get(void);
 void wrap_reset(void);
