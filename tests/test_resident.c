@@ -417,7 +417,10 @@ TEST_F(resident, buffer_and_queue_checks)
 	ASSERT_EQ(0, ape_queue_synchronize(qu));
 	EXPECT_EQ(3, host[63]);
 	/* a queue wrapper of the wrong API */
-	EXPECT_EQ(APE_ENOTSUP, ape_queue_wrap_cuda(self->ref, NULL, &qu)) ape_queue_destroy(qu);
+	ape_queue_destroy(qu);
+	qu = (ape_queue *)1;
+	EXPECT_EQ(APE_ENOTSUP, ape_queue_wrap_cuda(self->ref, NULL, &qu));
+	EXPECT_EQ(NULL, qu);
 	EXPECT_EQ(0, ape_device_native(self->ref, &c, &d));
 	EXPECT_EQ(NULL, c);
 	EXPECT_EQ(NULL, d);
