@@ -9,7 +9,8 @@
  *   (ape_buffer_alloc: the reference's buffers are exact heap blocks, so AddressSanitizer sees
  *   any access outside them), each tensor with a fuzzed buffer, byte offset, dtype, shape and
  *   strides (compact, padded layouts, raw values at the edges of int64);
- * - ape_attention_forward_dlpack() on kDLCPU DLTensors with fuzzed data pointers (NULL,
+ * - ape_attention_forward_dlpack() (or ape_attention_forward_dlpack_diag(), with entropy and
+ *   mean distance DLTensors fuzzed like lse) on kDLCPU DLTensors with fuzzed data pointers (NULL,
  *   misaligned), byte offsets, ndim, shapes, strides (NULL, negative, huge), dtypes (codes,
  *   bits, lanes), devices and streams, over host blocks exactly as large as the tensor
  *   addresses.
@@ -257,17 +258,20 @@ out:
 
 static void fuzz_dlpack(struct in *in, const struct shape5 *s)
 {
-	DLTensor t[5];
-	int64_t shp[5][4], str[5][4];
-	void *block[5] = { NULL };
+	DLTensor t[7];
+	int64_t shp[7][4], str[7][4];
+	void *block[7] = { NULL };
 	bool runnable = tiny(s->B, s->H, s->Lq, s->Lk, s->D);
+	const unsigned diag = (unsigned)take(in, 1) & 3; /* 1: entropy, 2: mean distance */
+	const char *pub = diag ? "ape_attention_forward_dlpack_diag: "
+			       : "ape_attention_forward_dlpack: ";
 	void *stream = NULL;
 	ape_attn_desc desc;
 	int ret;
 
-	for (int i = 0; i < 5; i++) {
+	for (int i = 0; i < (diag ? 7 : 5); i++) {
 		unsigned which = (unsigned)take(in, 1), more = (unsigned)take(in, 1);
-		const int nd = i == 4 ? 3 : 4;
+		const int nd = i >= 4 ? 3 : 4;
 		uint64_t elems, esz;
 		int64_t s4[4];
 
@@ -276,10 +280,10 @@ static void fuzz_dlpack(struct in *in, const struct shape5 *s)
 		t[i].device = (DLDevice){ kDLCPU, 0 };
 		t[i].ndim = nd;
 		t[i].shape = shp[i];
-		t[i].dtype = (DLDataType){ s->dt == APE_F32 || i == 4 ? kDLFloat
+		t[i].dtype = (DLDataType){ s->dt == APE_F32 || i >= 4 ? kDLFloat
 					   : s->dt == APE_F16	  ? kDLFloat
 								  : kDLBfloat,
-					   s->dt == APE_F32 || i == 4 ? 32 : 16, 1 };
+					   s->dt == APE_F32 || i >= 4 ? 32 : 16, 1 };
 		if (which & 1)
 			t[i].dtype = (DLDataType){ (uint8_t)take(in, 1), (uint8_t)take(in, 1),
 						   (uint16_t)take(in, 2) };
@@ -357,17 +361,22 @@ static void fuzz_dlpack(struct in *in, const struct shape5 *s)
 	desc = s->desc;
 	if (!runnable)
 		desc.rope_base = -1;
-	ret = ape_attention_forward_dlpack(ref, &desc, &t[0], &t[1], &t[2], &t[3],
-					   s->want_lse ? &t[4] : NULL, stream);
+	if (diag)
+		ret = ape_attention_forward_dlpack_diag(ref, &desc, &t[0], &t[1], &t[2], &t[3],
+							s->want_lse ? &t[4] : NULL,
+							diag & 1 ? &t[5] : NULL,
+							diag & 2 ? &t[6] : NULL, stream);
+	else
+		ret = ape_attention_forward_dlpack(ref, &desc, &t[0], &t[1], &t[2], &t[3],
+						   s->want_lse ? &t[4] : NULL, stream);
 	check(runnable || ret, "a call with an invalid desc is refused");
 	if (ret) {
 		check(ret == APE_EINVAL || ret == APE_EOVERFLOW || ret == APE_ENOTSUP,
 		      "the DLPack call refuses with EINVAL, EOVERFLOW or ENOTSUP");
-		check(strstr(ape_last_error(), "ape_attention_forward_dlpack: ") != NULL,
-		      "the message names ape_attention_forward_dlpack");
+		check(strstr(ape_last_error(), pub) != NULL, "the message names the DLPack call");
 	}
 out:
-	for (int i = 0; i < 5; i++)
+	for (int i = 0; i < 7; i++)
 		free(block[i]);
 }
 
