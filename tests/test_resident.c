@@ -1057,7 +1057,8 @@ TEST_F(resident, enqueue_diag_refusals)
 	if (diag_on_device(self->dev))
 		wrap_install(self->dev, WRAP_NO_DIAG_VIEWS);
 	REFUSED(APE_ENOTSUP, name);
-	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_enqueue_diag")) TH_LOG("%s", ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_enqueue_diag"))
+	TH_LOG("%s", ape_last_error());
 	m.buf = NULL; /* checked first: the arguments */
 	REFUSED(APE_EINVAL, "mean_distance->buf = NULL");
 	EXPECT_EQ(0, wrap_get().calls[WRAP_ATTENTION]);

@@ -542,7 +542,7 @@ int ape__attention_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc
 	return ape__attention_enqueue_diag(fn, queue, desc, q, k, v, o, lse, NULL, NULL);
 }
 
-/* ------------------------------------------------------------------ diagnostics on device tensors */
+/* ------------------------------------------------------------------ diagnostics, device tensors */
 
 int ape__check_resident_diag(const char *fn, const ape_device *dev, const ape_attn_desc *desc,
 			     const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
