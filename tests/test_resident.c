@@ -1273,4 +1273,61 @@ TEST_F(resident, enqueue_diag_rows_split)
 	free(d2);
 }
 
+/* A loose skip_tol is tightened to 2^-24, as in the host calls (docs/diagnostics.md, "Skipping"):
+ * on a decaying, non-causal case where skipping at 1e-2 changes O (the plain call shows it),
+ * the diagnostics call at 1e-2 gives the same bits as at 2^-24. A backend that skips nothing
+ * cannot show it: SKIP. */
+TEST_F(resident, enqueue_diag_tightens_a_loose_skip_tol)
+{
+	const int64_t B = 1, H = 2, Hkv = 1, L = self->emu ? 300 : 1500, D = 16;
+	const double tols[2] = { 1e-2, 0x1p-24 };
+	struct dev_qkv s;
+	ape_buffer *bo = NULL, *bd = NULL;
+	ape_dtensor o, e, m;
+	float *out[2][2];
+	bool differs = false;
+
+	if (!diag_on_device(self->dev))
+		SKIP(return, "%s computes no diagnostics on device tensors", variant->backend);
+	ASSERT_EQ(0, dev_qkv_make(&s, self->dev, _metadata->name, B, H, Hkv, L, D));
+	s.desc.delta.value = 0.05f;
+	s.desc.beta.value = 0.01f;
+	s.desc.gamma.value = 0.01f;
+	s.desc.causal = false;
+	ASSERT_EQ(0, ape_buffer_alloc(self->dev, s.nq * 4, &bo));
+	ASSERT_EQ(0, ape_buffer_alloc(self->dev, s.rows * 8, &bd));
+	ape_dtensor_init(&o, bo, 0, APE_F32, B, H, L, D);
+	ape_dtensor_init(&e, bd, 0, APE_F32, B, H, L, 1);
+	ape_dtensor_init(&m, bd, s.rows * 4, APE_F32, B, H, L, 1);
+	for (int d = 0; d < 2; d++) { /* [0]: plain O; [1]: O, ENT and MD of the diagnostics */
+		for (int t = 0; t < 2; t++) {
+			out[d][t] = malloc(s.nq * 4 + s.rows * 8);
+			ASSERT_NE(NULL, out[d][t]);
+			s.desc.skip_tol = tols[t];
+			if (d) {
+				ASSERT_EQ(0, ape_attention_enqueue_diag(s.qu, &s.desc, &s.q, &s.k, &s.v,
+									&o, NULL, &e, &m));
+			} else {
+				ASSERT_EQ(0, ape_attention_enqueue(s.qu, &s.desc, &s.q, &s.k, &s.v, &o,
+								   NULL));
+			}
+			ASSERT_EQ(0, ape_buffer_read(s.qu, out[d][t], bo, 0, s.nq * 4));
+			ASSERT_EQ(0, ape_buffer_read(s.qu, out[d][t] + s.nq, bd, 0, s.rows * 8));
+			ASSERT_EQ(0, ape_queue_synchronize(s.qu));
+		}
+	}
+	differs = memcmp(out[0][0], out[0][1], s.nq * 4) != 0;
+	if (differs)
+		EXPECT_EQ(0, floats_differing(out[1][0], out[1][1], s.nq + 2 * s.rows));
+	dev_qkv_free(&s);
+	ape_buffer_free(bo);
+	ape_buffer_free(bd);
+	for (int d = 0; d < 2; d++)
+		for (int t = 0; t < 2; t++)
+			free(out[d][t]);
+	if (!differs)
+		SKIP(return, "%s skips nothing more at skip_tol 1e-2 than at 2^-24 here: the "
+			     "tightening cannot show", variant->backend);
+}
+
 TEST_HARNESS_MAIN
