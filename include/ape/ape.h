@@ -1097,6 +1097,36 @@ APE_API void ape_dtensor_init(ape_dtensor *t, ape_buffer *buf, uint64_t byte_off
 APE_API int ape_attention_enqueue(ape_queue *queue, const ape_attn_desc *desc,
 				  const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
 				  const ape_dtensor *o, const ape_dtensor *lse);
+
+/**
+ * \brief ape_attention_enqueue() that also writes each row's attention entropy and mean
+ * attention distance (docs/diagnostics.md), computed in the same fused pass: the device-resident
+ * twin of ape_attention_forward_diag().
+ *
+ * Asynchronous like ape_attention_enqueue(): no copy, no wait. The outputs are device tensors
+ * laid out like lse, strides free; each is checked by lse's rules (in its buffer, a buffer of
+ * the queue's device, offset a multiple of 4, no two rows at one address) and must overlap no
+ * other tensor of the call: q, k, v, o, lse and each other (APE_EINVAL,
+ * "ape_attention_enqueue_diag: entropy overlaps o in memory: ..."). As in
+ * ape_attention_forward_diag(), the call runs under `min(desc->skip_tol, 2^-24)`, where the
+ * diagnostics stay within the spec's tolerance. Every row is written: a row without a visible
+ * key (and every row when Lk = 0) gets 0 in both, a NaN row NaN. The results equal those of
+ * ape_attention_forward_diag() on the same device and inputs.
+ *
+ * \param queue,desc,q,k,v,o,lse as ape_attention_enqueue()
+ * \param[out] entropy NULL (not wanted), or `[B, H, Lq, 1]` APE_F32: `-sum_j P_ij ln P_ij`
+ * \param[out] mean_distance NULL (not wanted), or `[B, H, Lq, 1]` APE_F32: `sum_j P_ij |n|`
+ * \return as ape_attention_enqueue(); APE_ENOTSUP, naming the device, on a backend that does
+ *         not compute the diagnostics on device tensors (CUDA, today), before anything is
+ *         enqueued. With both NULL it is ape_attention_enqueue().
+ * \note On any error returned, nothing is enqueued except after a device failure while
+ *       enqueueing (outputs then unspecified, as for ape_attention_enqueue()).
+ */
+APE_API int ape_attention_enqueue_diag(ape_queue *queue, const ape_attn_desc *desc,
+				       const ape_dtensor *q, const ape_dtensor *k,
+				       const ape_dtensor *v, const ape_dtensor *o,
+				       const ape_dtensor *lse, const ape_dtensor *entropy,
+				       const ape_dtensor *mean_distance);
 /**@}*/
 
 /** \name Training: the backward pass
