@@ -152,7 +152,8 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 		/* in the executor's terms, for the one statistics builder (api/stats.c) */
 		struct ape__exec_result er;
 		const struct ape__call_report rep = {
-			.res = &er, .devs = devs, .ndev = ndev, .devices = on_device ? res.devices : 0,
+			.res = &er, .devs = devs, .ndev = ndev,
+			.devices = on_device ? res.devices : 0,
 			.pairs_visible = per_head * (uint64_t)(p.B * p.H), .t0 = t0,
 		};
 

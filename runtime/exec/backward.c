@@ -78,6 +78,7 @@ struct bwd_shared {
 	const struct ape__bwd_req *r;
 	float *dk_all, *dv_all; /* [B, Hkv, Lk, D]: each device writes its key chunks' rows */
 	atomic_bool abort; /* raised by a failing device: the others stop */
+	struct ape__trace_dev *traces; /* one per device, when tracing */
 	double t0; /* host clock at the start of the run */
 };
 
@@ -112,8 +113,7 @@ struct bwd_run {
 	struct ape__bwd_result res; /* its figures */
 	struct span span[MAX_SPANS];
 	int nspan;
-	struct ape__trace_dev trace;
-	bool tracing;
+	struct ape__trace_dev *trace; /* its recorder; NULL: not tracing */
 	int ret; /* its outcome: 0, negative (msg holds the message) or 1 (stopped) */
 	char msg[1024];
 };
@@ -324,11 +324,11 @@ static int span_add(struct bwd_run *x, struct ape__event *e0, struct ape__event 
 		x->res.kernel_ms += ms;
 	else
 		x->res.copy_ms += ms;
-	if (!x->tracing)
+	if (!x->trace)
 		return 0;
 	if (x->ops->event_timestamp && (ret = x->ops->event_timestamp(e1, &t1)))
 		return ret;
-	ape__trace_add(&x->trace, what, lane, t1 - ms, t1, qc, kc, bytes);
+	ape__trace_add(x->trace, what, lane, t1 - ms, t1, qc, kc, bytes);
 	return 0;
 }
 
@@ -423,6 +423,28 @@ static int download_rows(struct bwd_run *x, int i, int64_t n, uint64_t *bytes)
 		return ret;
 	*bytes += len;
 	return 0;
+}
+
+/* Buffers i and i2's n rows back into their staging (a span of the trace), and waits. */
+static int copy_back(struct bwd_run *x, int i, int i2, int64_t n, const char *what, int64_t qc,
+		     int64_t kc)
+{
+	struct ape__event *e0 = NULL;
+	uint64_t down = 0;
+	int ret;
+
+	if (!x->b[i].used && !x->b[i2].used)
+		return 0;
+	if ((ret = span_begin(x, &e0)))
+		return ret;
+	if ((ret = download_rows(x, i, n, &down)) || (ret = download_rows(x, i2, n, &down))) {
+		x->ops->event_destroy(e0);
+		return ret;
+	}
+	x->res.d2h += down;
+	if ((ret = span_end(x, e0, APE__LANE_D2H, what, qc, kc, down)))
+		return ret;
+	return sync(x);
 }
 
 /* The launch of query chunk qc, rows [i0, i0 + nq), against key chunk kc, rows [j0, j0 + nk). */
@@ -548,7 +570,7 @@ static int query_chunk(struct bwd_run *x, int64_t qc, int64_t kc, int64_t j0, in
 {
 	const int64_t Lq = x->r->p->Lq, i0 = qc * x->cq, nq = Lq - i0 < x->cq ? Lq - i0 : x->cq;
 	struct ape__event *e0 = NULL;
-	uint64_t up = 0, down = 0;
+	uint64_t up = 0;
 	int ret;
 
 	if ((ret = span_begin(x, &e0)))
@@ -562,19 +584,8 @@ static int query_chunk(struct bwd_run *x, int64_t qc, int64_t kc, int64_t j0, in
 	if ((ret = span_end(x, e0, APE__LANE_H2D_Q, "h2d Q/O/dO", qc, kc, up)) ||
 	    (ret = zero_rows(x, B_DQ, nq)) || (ret = launch(x, qc, i0, nq, kc, j0, nk)))
 		return ret;
-	if (x->b[B_DQ].used || x->b[B_PAIRS].used) {
-		if ((ret = span_begin(x, &e0)))
-			return ret;
-		if ((ret = download_rows(x, B_DQ, nq, &down)) ||
-		    (ret = download_rows(x, B_PAIRS, nq, &down))) {
-			x->ops->event_destroy(e0);
-			return ret;
-		}
-		x->res.d2h += down;
-		if ((ret = span_end(x, e0, APE__LANE_D2H, "d2h dQ", qc, kc, down)) ||
-		    (ret = sync(x)))
-			return ret;
-	}
+	if ((ret = copy_back(x, B_DQ, B_PAIRS, nq, "d2h dQ", qc, kc)))
+		return ret;
 	pairs_after(x, nq);
 	if (x->dq_acc)
 		add_dq(x, i0, nq);
@@ -587,7 +598,7 @@ static int key_chunk(struct bwd_run *x, int64_t kc)
 	const struct ape__problem *p = x->r->p;
 	const int64_t j0 = kc * x->ck, nk = p->Lk - j0 < x->ck ? p->Lk - j0 : x->ck;
 	struct ape__event *e0 = NULL;
-	uint64_t up = 0, down = 0;
+	uint64_t up = 0;
 	int ret;
 
 	if ((ret = span_begin(x, &e0)))
@@ -608,19 +619,8 @@ static int key_chunk(struct bwd_run *x, int64_t kc)
 		if (chunk_visible(p, i0, nq, j0) && (ret = query_chunk(x, qc, kc, j0, nk)))
 			return ret;
 	}
-	if (x->b[B_DK].used || x->b[B_DV].used) {
-		if ((ret = span_begin(x, &e0)))
-			return ret;
-		if ((ret = download_rows(x, B_DK, nk, &down)) ||
-		    (ret = download_rows(x, B_DV, nk, &down))) {
-			x->ops->event_destroy(e0);
-			return ret;
-		}
-		x->res.d2h += down;
-		if ((ret = span_end(x, e0, APE__LANE_D2H, "d2h dK/dV", -1, kc, down)) ||
-		    (ret = sync(x)))
-			return ret;
-	}
+	if ((ret = copy_back(x, B_DK, B_DV, nk, "d2h dK/dV", -1, kc)))
+		return ret;
 	place_dkv(x, B_DK, x->sh->dk_all, j0, nk);
 	place_dkv(x, B_DV, x->sh->dv_all, j0, nk);
 	return 0;
@@ -665,7 +665,6 @@ static void release_host(struct bwd_run *x)
 		free(x->b[i].host);
 	free(x->dparams_host);
 	free(x->dq_acc);
-	ape__trace_free(&x->trace);
 }
 
 /* The work of device d (ape__run_per_device()): a failure raises the abort flag and keeps its
@@ -674,7 +673,8 @@ static void device_main(void *arg, int d)
 {
 	struct bwd_run *x = &((struct bwd_run *)arg)[d];
 
-	x->trace.host_start_ms = ape__now_ms() - x->sh->t0;
+	if (x->trace)
+		x->trace->host_start_ms = ape__now_ms() - x->sh->t0;
 	if (x->kc0 < x->kc1) {
 		x->ret = alloc_device(x);
 		if (!x->ret)
@@ -863,21 +863,6 @@ static int finish(struct bwd_shared *sh, struct bwd_run *x, int n)
 	return write_outputs(sh, to->dq_acc, to->dparams_host);
 }
 
-/* The trace file: one process per device of the list. */
-static int write_trace(const struct ape__bwd_req *r, struct bwd_run *x)
-{
-	struct ape__trace_dev *t = ape__malloc(sizeof(*t) * (size_t)r->ndev);
-	int ret;
-
-	if (!t)
-		return ape__error(APE_ENOMEM, "%s: out of memory writing the trace", r->fn);
-	for (int d = 0; d < r->ndev; d++)
-		t[d] = x[d].trace;
-	ret = ape__trace_write(r->trace_path, r->fn, t, r->ndev);
-	free(t);
-	return ret;
-}
-
 int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res)
 {
 	const struct ape__problem *p = r->p;
@@ -894,8 +879,13 @@ int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res
 	sh.r = r;
 	atomic_init(&sh.abort, false);
 	x = ape__calloc((size_t)r->ndev, sizeof(*x));
-	if (!x)
+	if (r->trace_path)
+		sh.traces = ape__calloc((size_t)r->ndev, sizeof(*sh.traces));
+	if (!x || (r->trace_path && !sh.traces)) {
+		free(x);
+		free(sh.traces);
 		return ape__error(APE_ENOMEM, "%s: out of host memory", r->fn);
+	}
 	res->budget = UINT64_MAX;
 	for (int d = 0; d < r->ndev; d++) {
 		const uint64_t budget = r->budget ? r->budget : ape__default_budget(r->devs[d]);
@@ -904,9 +894,11 @@ int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res
 		x[d].sh = &sh;
 		x[d].dev = r->devs[d];
 		x[d].ops = r->devs[d]->be->ops;
-		x[d].tracing = r->trace_path != NULL;
-		ape__trace_label(&x[d].trace, r->devs, d);
-		x[d].trace.device_clock = x[d].ops->event_timestamp != NULL;
+		if (sh.traces) {
+			x[d].trace = &sh.traces[d];
+			ape__trace_label(x[d].trace, r->devs, d);
+			x[d].trace->device_clock = x[d].ops->event_timestamp != NULL;
+		}
 		ape__devmem_init(&x[d].mem, r->devs[d], budget);
 		res->budget = budget < res->budget ? budget : res->budget;
 		describe(&x[d]);
@@ -930,11 +922,15 @@ int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res
 	}
 	if (!ret)
 		ret = finish(&sh, x, r->ndev);
-	if (!ret && r->trace_path)
-		ret = write_trace(r, x);
+	if (!ret && sh.traces)
+		ret = ape__trace_write(r->trace_path, r->fn, sh.traces, r->ndev);
 	sum_results(x, r->ndev, res);
-	for (int d = 0; d < r->ndev; d++)
+	for (int d = 0; d < r->ndev; d++) {
 		release_host(&x[d]);
+		if (sh.traces)
+			ape__trace_free(&sh.traces[d]);
+	}
+	free(sh.traces);
 	free(sh.dk_all);
 	free(sh.dv_all);
 	free(x);
