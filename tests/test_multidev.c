@@ -468,6 +468,7 @@ TEST_F(multi, backward_weights_budget_and_trace)
 	ape_device *set[2] = { self->dev, self->dev };
 	char dir[64], path[128], cmd[2048];
 	grads one, many, small;
+	struct wrap_counts wc;
 	ape_exec_options o;
 	ape_stats st, st1;
 	ape_rng rng;
@@ -525,13 +526,23 @@ TEST_F(multi, backward_weights_budget_and_trace)
 			 path);
 		EXPECT_EQ(0, system(cmd));
 	}
-	/* one byte under the peak of one device: smaller chunks, each device within the budget */
+	/* one byte under the peak of one device: smaller chunks, each device within the budget;
+	 * the wrapper counts both entries' bytes (buffers and declared scratch) together */
 	o.trace_path = NULL;
 	o.chunk_q = o.chunk_k = 0;
 	o.max_device_bytes = st.peak_device_bytes - 1;
+	wrap_install(self->dev, 0);
 	ASSERT_EQ(0, run_bwd(&bc, set, 2, &o, &small, &st1)) TH_LOG("%s", ape_last_error());
+	wc = wrap_get();
+	wrap_remove();
 	EXPECT_LE(st1.peak_device_bytes, o.max_device_bytes);
 	EXPECT_EQ(o.max_device_bytes, st1.device_budget);
+	EXPECT_LE(wc.peak_bytes, 2 * o.max_device_bytes);
+	EXPECT_LE(st1.peak_device_bytes, wc.peak_bytes);
+	EXPECT_EQ(wc.allocs, wc.frees);
+	if (strcmp(variant->backend, "ref")) { /* OpenCL and CUDA declare backward scratch */
+		EXPECT_LT(0u, wc.bwd_scratch_max);
+	}
 	EXPECT_EQ(0, grads_close(_metadata, &small, &one, APE_F32, "budget"));
 	test_rmtree(dir);
 out:
@@ -579,7 +590,9 @@ TEST_F(mixed, backward_one_backend_failing_fails_the_call)
 {
 	const test_problem_shape sh = { 1, 2, 1, 16, 16, 8 };
 	ape_device *set[2] = { self->a, self->b };
+	struct wrap_counts wc;
 	ape_device_info info;
+	ape_stats st;
 	grads g, fresh;
 	ape_exec_options o;
 	const char *name;
@@ -595,6 +608,23 @@ TEST_F(mixed, backward_one_backend_failing_fails_the_call)
 	ASSERT_EQ(0, ape_device_get_info(self->b, &info));
 	name = strcmp(variant->a, variant->b) ? info.name : variant->b;
 	ape_exec_options_init(&o);
+	o.chunk_q = o.chunk_k = 4;
+	/* a budget one byte under what the pair took: b's bytes as the wrapper counts them
+	 * (buffers and declared scratch) stay within it */
+	ASSERT_EQ(0, run_bwd(&bc, set, 2, &o, &g, &st)) TH_LOG("%s", ape_last_error());
+	o.chunk_q = 0; /* key chunks stay 4 rows: b has 2 of them */
+	o.max_device_bytes = st.peak_device_bytes - 1;
+	wrap_install(self->b, 0);
+	ASSERT_EQ(0, run_bwd(&bc, set, 2, &o, &g, &st)) TH_LOG("%s", ape_last_error());
+	wc = wrap_get();
+	EXPECT_LE(st.peak_device_bytes, o.max_device_bytes);
+	EXPECT_LT(0u, wc.peak_bytes);
+	/* two CUDA devices: the wrapper counts both */
+	EXPECT_LE(wc.peak_bytes, (strcmp(variant->a, variant->b) ? 1 : 2) * o.max_device_bytes);
+	wrap_remove();
+	grads_free(&g);
+	ASSERT_EQ(0, grads_alloc(&g, &bc, APE_F32));
+	o.max_device_bytes = 0;
 	o.chunk_q = o.chunk_k = 4;
 	/* the split is fixed: b owns key chunks, whatever the timing */
 	wrap_install(self->b, 0);
