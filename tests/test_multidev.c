@@ -82,6 +82,29 @@ static void compare_sets(struct __test_metadata *_metadata, ape_device *single,
 	EXPECT_EQ(0, failed);
 }
 
+/*
+ * The trace at `path` checked by the Python lines `body` (0: they hold), with `ev` its events,
+ * `k` its kernel spans, and two processes (devices) asserted; 1 when they fail, -1 without
+ * /usr/bin/python3.
+ */
+static int check_trace(const char *path, const char *body)
+{
+	char cmd[2048];
+
+	if (access("/usr/bin/python3", X_OK))
+		return -1;
+	snprintf(cmd, sizeof(cmd),
+		 "/usr/bin/python3 -c 'import json,sys\n"
+		 "ev = json.load(open(sys.argv[1]))[\"traceEvents\"]\n"
+		 "pids = set(e[\"pid\"] for e in ev if e[\"ph\"] == \"M\" and "
+		 "e[\"name\"] == \"process_name\")\n"
+		 "k = [e for e in ev if e[\"ph\"] == \"X\" and e[\"cat\"] == \"kernel\"]\n"
+		 "assert pids == {0, 1}, pids\n"
+		 "%s' %s",
+		 body, path);
+	return system(cmd) ? 1 : 0;
+}
+
 /* ---- one backend's device, listed several times */
 
 BACKEND_FIXTURE(multi)
@@ -223,7 +246,7 @@ TEST_F(multi, weights_split_work_and_trace_shows_devices)
 	/* 8 x 8 chunks; the emulator: half the rows */
 	const int64_t L = self->emu ? 128 : 256;
 	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
-	char dir[64], path[128], cmd[1024];
+	char dir[64], path[128];
 	static const double w[2] = { 1, 1e6 };
 	ape_device *set[2];
 	test_problem tp, one;
@@ -248,23 +271,13 @@ TEST_F(multi, weights_split_work_and_trace_shows_devices)
 	EXPECT_EQ(0, same_within_tol(_metadata, &tp, &one, "weights"));
 	EXPECT_EQ(2, st.devices);
 	EXPECT_STREQ(variant->backend, st.backend);
-	if (!access("/usr/bin/python3", X_OK)) {
-		/* device 1 (weight 10^6) starts with every query chunk and takes them from the
-		 * front; device 0 has none of its own and takes from the back: whatever the timing,
-		 * each chunk is computed once and device 0's chunks all follow device 1's */
-		snprintf(cmd, sizeof(cmd),
-			 "/usr/bin/python3 -c 'import json,sys\n"
-			 "ev = json.load(open(sys.argv[1]))[\"traceEvents\"]\n"
-			 "pids = set(e[\"pid\"] for e in ev if e[\"ph\"] == \"M\" and e[\"name\"] == \"process_name\")\n"
-			 "k = [e for e in ev if e[\"ph\"] == \"X\" and e[\"cat\"] == \"kernel\"]\n"
-			 "assert pids == {0, 1}, pids\n"
-			 "q = [set(e[\"args\"][\"query_chunk\"] for e in k if e[\"pid\"] == p) for p in (0, 1)]\n"
-			 "assert not (q[0] & q[1]) and (q[0] | q[1]) == set(range(8)), q\n"
-			 "assert not q[0] or not q[1] or min(q[0]) > max(q[1]), q\n"
-			 "' %s",
-			 path);
-		EXPECT_EQ(0, system(cmd));
-	}
+	/* device 1 (weight 10^6) starts with every query chunk and takes them from the front;
+	 * device 0 has none of its own and takes from the back: whatever the timing, each chunk is
+	 * computed once and device 0's chunks all follow device 1's */
+	EXPECT_NE(1, check_trace(path,
+		"q = [set(e[\"args\"][\"query_chunk\"] for e in k if e[\"pid\"] == p) for p in (0, 1)]\n"
+		"assert not (q[0] & q[1]) and (q[0] | q[1]) == set(range(8)), q\n"
+		"assert not q[0] or not q[1] or min(q[0]) > max(q[1]), q\n"));
 	test_rmtree(dir);
 	test_problem_free(&tp);
 	test_problem_free(&one);
@@ -466,7 +479,7 @@ TEST_F(multi, backward_weights_budget_and_trace)
 	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
 	static const double w[2] = { 1, 3 };
 	ape_device *set[2] = { self->dev, self->dev };
-	char dir[64], path[128], cmd[2048];
+	char dir[64], path[128];
 	grads one, many, small;
 	struct wrap_counts wc;
 	ape_exec_options o;
@@ -505,27 +518,16 @@ TEST_F(multi, backward_weights_budget_and_trace)
 	/* the same copies but one more device's parameter sums (H = 2) */
 	EXPECT_EQ(st1.bytes_from_device, st.bytes_from_device - 2 * 4 * sizeof(double));
 	EXPECT_LT(0.0, st.kernel_ms);
-	if (!access("/usr/bin/python3", X_OK)) {
-		/* device 1 (weight 3) owns the last 6 key chunks, device 0 the first 2; every
-		 * launch of a key chunk on its owner, each of the 8 x 8 once; copies on their
-		 * lanes */
-		snprintf(cmd, sizeof(cmd),
-			 "/usr/bin/python3 -c 'import json,sys\n"
-			 "ev = json.load(open(sys.argv[1]))[\"traceEvents\"]\n"
-			 "pids = set(e[\"pid\"] for e in ev if e[\"ph\"] == \"M\" and e[\"name\"] == \"process_name\")\n"
-			 "assert pids == {0, 1}, pids\n"
-			 "k = [e for e in ev if e[\"ph\"] == \"X\" and e[\"cat\"] == \"kernel\"]\n"
-			 "assert all(e[\"name\"].startswith(\"attention backward\") for e in k)\n"
-			 "own = [set(e[\"args\"][\"key_chunk\"] for e in k if e[\"pid\"] == p) for p in (0, 1)]\n"
-			 "assert own == [set(range(2)), set(range(2, 8))], own\n"
-			 "pairs = sorted((e[\"args\"][\"query_chunk\"], e[\"args\"][\"key_chunk\"]) for e in k)\n"
-			 "assert pairs == [(q, c) for q in range(8) for c in range(8)], pairs\n"
-			 "lanes = set(e[\"tid\"] for e in ev if e[\"ph\"] == \"X\" and e[\"cat\"] == \"copy\")\n"
-			 "assert lanes == {10, 20, 30}, lanes\n"
-			 "' %s",
-			 path);
-		EXPECT_EQ(0, system(cmd));
-	}
+	/* device 1 (weight 3) owns the last 6 key chunks, device 0 the first 2; every launch of a
+	 * key chunk on its owner, each of the 8 x 8 once; copies on their lanes */
+	EXPECT_NE(1, check_trace(path,
+		"assert all(e[\"name\"].startswith(\"attention backward\") for e in k)\n"
+		"own = [set(e[\"args\"][\"key_chunk\"] for e in k if e[\"pid\"] == p) for p in (0, 1)]\n"
+		"assert own == [set(range(2)), set(range(2, 8))], own\n"
+		"pairs = sorted((e[\"args\"][\"query_chunk\"], e[\"args\"][\"key_chunk\"]) for e in k)\n"
+		"assert pairs == [(q, c) for q in range(8) for c in range(8)], pairs\n"
+		"lanes = set(e[\"tid\"] for e in ev if e[\"ph\"] == \"X\" and e[\"cat\"] == \"copy\")\n"
+		"assert lanes == {10, 20, 30}, lanes\n"));
 	/* one byte under the peak of one device: smaller chunks, each device within the budget;
 	 * the wrapper counts both entries' bytes (buffers and declared scratch) together */
 	o.trace_path = NULL;
