@@ -196,7 +196,8 @@ static uint64_t span_of(const ape_tensor *t, const int64_t s[4])
 /*
  * The backward pass of an accepted tiny call, over its O and LSE: dO from what the input has
  * left, every gradient wanted, each in the inputs' type or float32, contiguous; in one piece
- * and, with eo, streamed under the fuzzed budget. ASan sees every buffer's bounds.
+ * and, with eo, streamed under the fuzzed budget over 1 to 3 entries of the reference device
+ * (the key chunks split between them). ASan sees every buffer's bounds.
  */
 static void run_backward(const struct call *c, const struct ape__problem *p, ape_tensor t[4],
 			 struct in *in, const ape_exec_options *eo)
@@ -204,6 +205,8 @@ static void run_backward(const struct call *c, const struct ape__problem *p, ape
 	const size_t rows = (size_t)(p->B * p->H * p->Lq);
 	const size_t nq = rows * (size_t)p->D, nk = (size_t)(p->B * p->Hkv * p->Lk * p->D);
 	const ape_dtype gt = take(in, 1) & 1 ? APE_F32 : p->in_dtype;
+	const int ndev = 1 + (int)(take(in, 1) % 3);
+	ape_device *const devs[3] = { ref, ref, ref };
 	const size_t esz = ape_dtype_size(p->in_dtype), gsz = ape_dtype_size(gt);
 	float *lse = malloc((rows + 1) * sizeof(float)), dparams[4 * 16];
 	void *dout = malloc(nq * esz + 1), *dq = malloc(nq * gsz + 1);
@@ -224,8 +227,9 @@ static void run_backward(const struct call *c, const struct ape__problem *p, ape
 				     &tdq, &tdk, &tdv, dparams, NULL);
 	check(ret == 0, "the backward of an accepted small call runs on the reference backend");
 	if (eo) {
-		ret = ape_attention_backward_ex(&ref, 1, eo, &c->desc, &t[0], &t[1], &t[2], &t[3],
-						lse, &tdo, lse, &tdq, &tdk, &tdv, dparams, NULL);
+		ret = ape_attention_backward_ex(devs, ndev, eo, &c->desc, &t[0], &t[1], &t[2],
+						&t[3], lse, &tdo, lse, &tdq, &tdk, &tdv, dparams,
+						NULL);
 		check(ret == 0 || (ret == APE_ENOMEM && eo->max_device_bytes),
 		      "a streamed backward succeeds, or says the budget is too small");
 	}
