@@ -68,9 +68,11 @@
  * 5: strided views in struct ape__launch, buf_wrap, queue_wrap, ape__backend.import.
  * 6: attention_backward_scratch (enum ape__bwd_part); attention_backward may hold scratch.
  * 7: the diagnostics ent and md in struct ape__launch, ape__backend_ops.attention_diag.
- * 8: keys read in place from a KV cache's blocks: struct ape__kv_pages, ape__launch.pages,
+ * 8: struct ape__launch.diag_view, ape__backend_ops.attention_diag_views (the diagnostics on
+ * device tensors: strided, each optional, without lse).
+ * 9: keys read in place from a KV cache's blocks: struct ape__kv_pages, ape__launch.pages,
  * ape__backend_ops.attention_pages. */
-#define APE__BACKEND_ABI 8
+#define APE__BACKEND_ABI 9
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -122,7 +124,8 @@ struct ape__launch {
 	 * in the same pass as O from running sums (ape_diag_*() in core/ape_math.h), 0 for a row
 	 * without a visible key, NaN for a NaN row. The core sets them only for a backend whose
 	 * ops declare attention_diag, both or neither, and then lse is not NULL either (the merge
- * needs it).
+ * needs it); except on the device-resident call's launches, for a backend that declares
+	 * attention_diag_views (ABI 8, below): strided (diag_view), each optional, lse optional.
 	 * Keys a launch skips change them within docs/diagnostics.md's bound (the core has
 	 * already tightened skip_tol to APE_DIAG_SKIP_TOL for such launches).
 	 */
@@ -155,7 +158,14 @@ struct ape__launch {
 	bool strided;
 	struct ape__view view[APE__T_COUNT];
 	/*
-	 * NULL: k and v are as above. Else k and v are a KV cache's block pools, addressed as
+	 * ABI 8: where ent (diag_view[0]) and md (diag_view[1]) lie when strided, in floats (the
+	 * LSE's shape, no D axis). Set by the core only for a backend whose ops declare
+	 * attention_diag_views, which then reads them through ape__launch_diag_view(); every
+	 * other backend gets ent and md contiguous at offset 0 (strided false, or none at all).
+	 */
+	struct ape__view diag_view[2];
+	/*
+	 * ABI 9. NULL: k and v are as above. Else k and v are a KV cache's block pools, addressed as
 	 * struct ape__kv_pages says (view[APE__T_K] and view[APE__T_V] are then ignored). The core
 	 * sets it only where attention_pages accepted the launch.
 	 */
@@ -172,6 +182,15 @@ static inline struct ape__view ape__launch_view(const struct ape__launch *l, int
 	struct ape__view c = { 0, heads * rows * d, rows * d, d };
 
 	return l->strided ? l->view[t] : c;
+}
+
+/* Where ent (which 0) or md (which 1) of launch l lies: diag_view[which] when l->strided,
+ * else contiguous at offset 0 (ABI 8). */
+static inline struct ape__view ape__launch_diag_view(const struct ape__launch *l, int which)
+{
+	struct ape__view c = { 0, l->H * l->Lq, l->Lq, 1 };
+
+	return l->strided ? l->diag_view[which] : c;
 }
 
 /*
@@ -446,7 +465,16 @@ struct ape__backend_ops {
 	 * backend). */
 	bool attention_diag;
 
-	/* ---- ABI 8: decode in place. */
+	/* ---- ABI 8: the diagnostics on device tensors (ape_attention_enqueue_diag()). */
+
+	/* true (only with attention_diag): attention also takes the launches of the device-resident
+	 * call: strided, with ent and md where l->diag_view says (ape__launch_diag_view()), either
+	 * one NULL without the other, and lse possibly NULL (each such launch sees every key of
+	 * its rows: nothing is merged). false: the core never hands it such a launch, and
+	 * ape_attention_enqueue_diag() on its devices fails with APE_ENOTSUP naming the device. */
+	bool attention_diag_views;
+
+	/* ---- ABI 9: decode in place. */
 
 	/*
 	 * Optional (NULL: the core never passes l->pages; a KV cache then gathers its blocks into

@@ -457,6 +457,8 @@ void wrap_install(ape_device *dev, unsigned flags)
 		w.ops.event_timestamp = NULL;
 	if (flags & WRAP_NO_SCRATCH)
 		w.ops.attention_scratch = NULL;
+	if (flags & WRAP_NO_DIAG_VIEWS)
+		w.ops.attention_diag_views = false;
 	if (flags & WRAP_NO_PAGES)
 		w.ops.attention_pages = NULL;
 	memset(&w.c, 0, sizeof(w.c));

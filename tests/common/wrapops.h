@@ -22,7 +22,9 @@
 /* hide attention_backward_scratch from the core (the wrapper still counts what the backend
  * declares: a plan that ignores it shows) */
 #define WRAP_NO_BWD_SCRATCH (1u << 3)
-#define WRAP_NO_PAGES (1u << 4) /* hide attention_pages: KV caches gather */
+/* hide attention_diag_views: a backend without the diagnostics on device tensors */
+#define WRAP_NO_DIAG_VIEWS (1u << 4)
+#define WRAP_NO_PAGES (1u << 5) /* hide attention_pages: KV caches gather */
 
 /* The ops that can fail, as the wrapper counts and fails them. */
 enum wrap_op {
