@@ -87,7 +87,6 @@ struct ape__stream_stats {
 	uint64_t pairs_computed, chunks, chunks_skipped;
 	uint64_t work; /* query rows x key rows launched: the speed measure of multi-device splits */
 	uint64_t h2d, d2h, d2d; /* bytes */
-	uint64_t in_place; /* launches that read their keys in place (ape__kv_loader.pages) */
 	double kernel_ms, copy_ms, overlap_ms;
 	int64_t qchunks_done; /* query chunks whose rows were written */
 	uint64_t peak_bytes;

@@ -172,7 +172,6 @@ int ape__stream_issue(struct ape__stream *s, struct qrec *r, int64_t kc)
 	if (try_in_place(s, j, out, &l, &pg)) {
 		if ((ret = c->loader->wait(c->loader->arg, s->exec)))
 			return ret;
-		s->st->in_place++;
 	} else {
 		if ((ret = ape__stream_load_keys(s, j)))
 			return ret;
