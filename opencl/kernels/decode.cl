@@ -13,9 +13,10 @@
  * The score is the forward kernel's: the query walks the keys by the rotation recurrence,
  * reseeded with ape_seed_sincos at every tile start; temperature and bias from ape_math.h's
  * float32 distance terms in the row's frame c_row (the bias at its anchor distance); one
- * online-softmax update per row and block of 16 keys, on a float16 of scores. Each block
- * first touches its value rows, and the key rows of the next block before its P V, one byte
- * per 64 (dec_touch): the loads of the rows that follow then find them on their way. Nothing is
+ * online-softmax update per row and block of 16 keys, on a float16 of scores. With float32
+ * rows each block first touches its value rows, and the key rows of the next block before its
+ * P V, one byte per 64 (dec_touch): the loads of the rows that follow then find them on their
+ * way. Nothing is
  * skipped: the host sends here only launches where skipping is off or has nothing to gain.
  * Built after attention.cl in one program: ld(), st(), KFN, CAT and the DT_ values are its.
  * Needs D % 32 == 0 (whole float16 chunks of pairs in both layouts).
@@ -219,6 +220,9 @@ KFN void dec_body(DEC_ARGS, const int RM)
 	int decay[DEC_RMAX];
 	long kend = j0;
 	uint touched = 0; /* dec_touch()'s loads, kept by the volatile store at the end */
+	/* touching ahead pays for float32 rows; with f16 and bf16 (half the bytes) it costs more
+	 * than it saves (bench/RESULTS.md) */
+	const int touch = dt != DT_F16 && dt != DT_BF16;
 
 	if (s >= nsplit)
 		return;
@@ -284,7 +288,8 @@ KFN void dec_body(DEC_ARGS, const int RM)
 			long rk[DEC_BLK], rv[DEC_BLK];
 
 			dec_rows(bb, len, ksl, vsl, pbt, pnb, pfirst, prow, pblk, rk, rv);
-			dec_touch(V, voff + b * vsb + kvh * vsh, rv, len, DEC_DIM, dt, &touched);
+			if (touch)
+				dec_touch(V, voff + b * vsb + kvh * vsh, rv, len, DEC_DIM, dt, &touched);
 
 			if (len < DEC_BLK)
 				for (int r = 0; r < nr; r++)
@@ -346,7 +351,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 						ACC[r][c] *= corr;
 			}
 			/* the next block's keys, requested while this one's values are summed */
-			if (bb + DEC_BLK < kend) {
+			if (touch && bb + DEC_BLK < kend) {
 				const int len2 = (int)min((long)DEC_BLK, kend - bb - DEC_BLK);
 				long nk[DEC_BLK], nv[DEC_BLK];
 
