@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/alloc.h"
 #include "core/clock.h"
+#include "core/half.h"
 #include "ref.h"
 
 /* The last choice of "auto": the host without a driver (ranks: core/backend.h). */
@@ -225,6 +226,93 @@ static int ref_attention_backward(struct ape__queue *q, const struct ape__bwd_la
 	return ape__op_error(ape__ref_backward(l, &io), q->dev, "attention_backward");
 }
 
+/* Commands run when enqueued: queue-ordered memory is plain memory. */
+static int ref_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+{
+	return ref_buf_alloc(q->dev, bytes, out);
+}
+
+static int ref_scratch_free(struct ape__queue *q, struct ape__buf *buf)
+{
+	ref_buf_free(q->dev, buf);
+	return 0;
+}
+
+/* One element of type t (enum ape__elem) as a double, and back: exact both ways for every
+ * conversion copy_view takes (float64 to float32 rounds once, in the cast). */
+static double ref_load(const unsigned char *p, int t)
+{
+	uint16_t h;
+	float f;
+	double d;
+
+	switch (t) {
+	case APE__E_F16:
+		memcpy(&h, p, 2);
+		return ape__f16_to_f32(h);
+	case APE__E_BF16:
+		memcpy(&h, p, 2);
+		return ape__bf16_to_f32(h);
+	case APE__E_F64:
+		memcpy(&d, p, 8);
+		return d;
+	default:
+		memcpy(&f, p, 4);
+		return f;
+	}
+}
+
+static void ref_store(unsigned char *p, int t, double x)
+{
+	const float f = (float)x;
+	uint16_t h;
+
+	switch (t) {
+	case APE__E_F16:
+		h = ape__f32_to_f16(f);
+		memcpy(p, &h, 2);
+		break;
+	case APE__E_BF16:
+		h = ape__f32_to_bf16(f);
+		memcpy(p, &h, 2);
+		break;
+	case APE__E_F64:
+		memcpy(p, &x, 8);
+		break;
+	default:
+		memcpy(p, &f, 4);
+	}
+}
+
+static size_t ref_elem_size(int t)
+{
+	return t == APE__E_F64 ? 8 : t == APE__E_F32 ? 4 : 2;
+}
+
+static int ref_copy_view(struct ape__queue *q, const struct ape__copy *c)
+{
+	const size_t ds = ref_elem_size(c->dst_type), ss = ref_elem_size(c->src_type);
+
+	(void)q;
+	for (int64_t b = 0; b < c->B; b++)
+		for (int64_t h = 0; h < c->H; h++)
+			for (int64_t i = 0; i < c->L; i++) {
+				const int64_t so = c->sv.off + b * c->sv.sb + h * c->sv.sh + i * c->sv.sl;
+				const int64_t dof = c->dv.off + b * c->dv.sb + h * c->dv.sh + i * c->dv.sl;
+
+				for (int64_t d = 0; d < c->D; d++) {
+					const unsigned char *s = c->src->bytes + (size_t)(so + d) * ss;
+					unsigned char *t = c->dst->bytes + (size_t)(dof + d) * ds;
+
+					if (c->src_type == c->dst_type)
+						memcpy(t, s, ds); /* a bit copy: NaN payloads too */
+					else
+						ref_store(t, c->dst_type, ref_load(s, c->src_type));
+				}
+			}
+	return 0;
+}
+
 static int ref_synchronize(struct ape__queue *q)
 {
 	(void)q;
@@ -254,5 +342,8 @@ const struct ape__backend_ops ape__ref_ops = {
 	.attention_backward = ref_attention_backward,
 	.buf_wrap = ref_buf_wrap,
 	.attention_diag = true,
+	.scratch_alloc = ref_scratch_alloc,
+	.scratch_free = ref_scratch_free,
+	.copy_view = ref_copy_view,
 	/* no queue_wrap: the reference has no native queue; no native: no native objects */
 };
