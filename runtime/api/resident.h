@@ -87,5 +87,10 @@ int ape__check_resident_bwd(const char *fn, const struct ape_queue *queue,
 			    const ape_attn_desc *desc, const ape_dtensor *const t[APE__RB_COUNT],
 			    struct ape__problem *p, struct ape__resident_bwd_req *r);
 
+/* ape_attention_backward_enqueue() with its messages starting with fn (the DLPack call's); t in
+ * enum ape__rb_tensor order. */
+int ape__attention_backward_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc *desc,
+				    const ape_dtensor *const t[APE__RB_COUNT]);
+
 #pragma GCC visibility pop
 #endif

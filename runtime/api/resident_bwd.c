@@ -112,9 +112,15 @@ int ape_attention_backward_enqueue(ape_queue *queue, const ape_attn_desc *desc,
 				   const ape_dtensor *dq, const ape_dtensor *dk, const ape_dtensor *dv,
 				   const ape_dtensor *dparams)
 {
-	static const char fn[] = "ape_attention_backward_enqueue";
 	const ape_dtensor *const t[APE__RB_COUNT] = { q, k, v, o, lse, dout, dlse,
 						      dq, dk, dv, dparams };
+
+	return ape__attention_backward_enqueue("ape_attention_backward_enqueue", queue, desc, t);
+}
+
+int ape__attention_backward_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc *desc,
+				    const ape_dtensor *const t[APE__RB_COUNT])
+{
 	struct ape__resident_bwd_req r;
 	struct ape__problem p;
 	int64_t rows = 1;
