@@ -760,6 +760,20 @@ static bool cu_open(struct cu *cu)
 #endif
 
 #ifdef APE_HAVE_CUDA
+/* A context of the emulated driver's CUDA device (in *dev, NULL if absent) and the reference
+ * (*refdev); NULL if none could be made. */
+static ape_context *emu_context(ape_device **dev, ape_device **refdev)
+{
+	ape_context *ctx;
+
+	setenv("APE_CUDA_LIBRARY", EMU_LIB, 1); /* this test's child only */
+	unsetenv("FAKE_CUDA_MODE");
+	ctx = test_context("cuda,ref");
+	*dev = ctx ? test_device(ctx, "cuda") : NULL;
+	*refdev = ctx ? test_device(ctx, "ref") : NULL;
+	return ctx;
+}
+
 /* The first byte of x's O arena outside O (padding, offset, slack) that is no longer 0x5a, or
  * -1: O's elements are where the layout says (see dlcall_make()). */
 static long o_bytes_outside_written(const struct dlcall *x)
@@ -878,12 +892,8 @@ TEST(cuda_tensors_on_the_emulated_driver)
 
 	if (ape_test_slow())
 		SKIP(return, "the emulator under valgrind is too slow; make sanitize runs it");
-	setenv("APE_CUDA_LIBRARY", EMU_LIB, 1); /* this test's child only */
-	unsetenv("FAKE_CUDA_MODE");
-	ctx = test_context("cuda,ref");
+	ctx = emu_context(&dev, &refdev);
 	ASSERT_NE(NULL, ctx);
-	dev = test_device(ctx, "cuda");
-	refdev = test_device(ctx, "ref");
 	ASSERT_NE(NULL, dev) TH_LOG("no CUDA device from the emulated driver %s", EMU_LIB);
 	ASSERT_EQ(0, ape_device_native(dev, &cuctx, &ordinal));
 	ASSERT_TRUE(cu_open(&cu)) TH_LOG("%s: %s", EMU_LIB, dlerror());
@@ -1080,12 +1090,8 @@ TEST(backward_cuda_tensors_on_the_emulated_driver)
 
 	if (ape_test_slow())
 		SKIP(return, "the emulator under valgrind is too slow; make sanitize runs it");
-	setenv("APE_CUDA_LIBRARY", EMU_LIB, 1); /* this test's child only */
-	unsetenv("FAKE_CUDA_MODE");
-	ctx = test_context("cuda,ref");
+	ctx = emu_context(&dev, &refdev);
 	ASSERT_NE(NULL, ctx);
-	dev = test_device(ctx, "cuda");
-	refdev = test_device(ctx, "ref");
 	ASSERT_NE(NULL, dev) TH_LOG("no CUDA device from the emulated driver %s", EMU_LIB);
 	ASSERT_EQ(0, ape_device_native(dev, &cuctx, &ordinal));
 	ASSERT_NE(NULL, cuctx);

@@ -55,15 +55,21 @@ static void inputs(struct bcall *b, const void *ptr[7], size_t n[7])
 	ptr[6] = b->c.dlse, n[6] = tp->rows * sizeof(float);
 }
 
+/* Every element of g NaN. */
+static void poison(grads *g)
+{
+	test_tensor_poison(&g->dq.t);
+	test_tensor_poison(&g->dk.t);
+	test_tensor_poison(&g->dv.t);
+	for (int64_t i = 0; i < 4 * g->H; i++)
+		g->dparams[i] = NAN;
+}
+
 static int bcall_run(struct bcall *b)
 {
 	int ret;
 
-	test_tensor_poison(&b->g.dq.t);
-	test_tensor_poison(&b->g.dk.t);
-	test_tensor_poison(&b->g.dv.t);
-	for (int64_t i = 0; i < 4 * b->g.H; i++)
-		b->g.dparams[i] = NAN;
+	poison(&b->g);
 	ret = run_chunked(&b->c, b->dev, &b->g, b->chunk, b->chunk, NULL);
 	snprintf(b->msg, sizeof(b->msg), "%s", ret ? ape_last_error() : "");
 	return ret;
@@ -295,11 +301,7 @@ static int rcall_run(struct bcall *b)
 {
 	int ret;
 
-	test_tensor_poison(&b->g.dq.t);
-	test_tensor_poison(&b->g.dk.t);
-	test_tensor_poison(&b->g.dv.t);
-	for (int64_t i = 0; i < 4 * b->g.H; i++)
-		b->g.dparams[i] = NAN;
+	poison(&b->g);
 	ret = run_enqueue_backward(&b->c, b->dev, &b->g, W_ALL, 4);
 	snprintf(b->msg, sizeof(b->msg), "%s", ret ? ape_last_error() : "");
 	return ret;

@@ -137,6 +137,58 @@ static void dims_of(const struct shape5 *s, int i, int64_t d[4])
 	d[3] = i == 4 ? 1 : s->D;
 }
 
+/*
+ * The promises on one call, given validation's verdict ret (and, when it accepted, the problem
+ * p, released here): a refusal is EINVAL or EOVERFLOW, names the function, and the public call
+ * (made through `call` with a desc) refuses it alike, naming itself; an accepted small call is
+ * enqueued and runs; a larger one, given an invalid desc, is refused with nothing enqueued.
+ */
+typedef int (*public_call)(const void *args, ape_queue *queue, const ape_attn_desc *desc);
+
+static void judge(int ret, struct ape__problem *p, const ape_attn_desc *desc, ape_queue *queue,
+		  const char *name, public_call call, const void *args)
+{
+	const size_t n = strlen(name);
+	int eret;
+
+	if (ret) {
+		check(ret == APE_EINVAL || ret == APE_EOVERFLOW, "refused with EINVAL or EOVERFLOW");
+		check(!strncmp(ape_last_error(), "fuzz: ", 6), "the message names the function");
+		eret = call(args, queue, desc);
+		check(eret == ret, "the public call refuses what validation refuses");
+		check(!strncmp(ape_last_error(), name, n) && !strncmp(ape_last_error() + n, ": ", 2),
+		      "the public message names the public call");
+	} else {
+		ape_attn_desc bad = *desc;
+		bool run = tiny(p->B, p->H, p->Lq, p->Lk, p->D);
+
+		ape__problem_fini(p);
+		if (!run) /* too much work to run: refused by its desc alone, nothing enqueued */
+			bad.rope_base = -1;
+		eret = call(args, queue, &bad);
+		check(run ? eret == 0 : eret == APE_EINVAL,
+		      "an accepted small call is enqueued; a larger one with a bad desc refused");
+		check(ape_queue_synchronize(queue) == 0, "and runs");
+	}
+}
+
+/* args: the five tensor pointers (lse NULL where not wanted) */
+static int forward_call(const void *args, ape_queue *queue, const ape_attn_desc *desc)
+{
+	const ape_dtensor *const *t = args;
+
+	return ape_attention_enqueue(queue, desc, t[0], t[1], t[2], t[3], t[4]);
+}
+
+/* args: the eleven tensor pointers, NULL where absent */
+static int backward_call(const void *args, ape_queue *queue, const ape_attn_desc *desc)
+{
+	const ape_dtensor *const *t = args;
+
+	return ape_attention_backward_enqueue(queue, desc, t[0], t[1], t[2], t[3], t[4], t[5],
+					      t[6], t[7], t[8], t[9], t[10]);
+}
+
 /* ---------------------------------------------------------------- ape_attention_enqueue */
 
 /* One to three buffers of fuzzed sizes, filled from the input (then zeros); returns how many. */
@@ -191,7 +243,7 @@ static void fuzz_enqueue(struct in *in, const struct shape5 *s, ape_queue *queue
 	struct ape__problem p;
 	struct ape__buf *bb[APE__T_COUNT];
 	struct ape__view views[APE__T_COUNT];
-	int nbuf, ret, eret;
+	int nbuf, ret;
 
 	nbuf = take_buffers(in, queue, bufs);
 	for (int i = 0; i < 5; i++) {
@@ -208,26 +260,10 @@ static void fuzz_enqueue(struct in *in, const struct shape5 *s, ape_queue *queue
 		goto out;
 	ret = ape__check_resident("fuzz", ref, &s->desc, &t[0], &t[1], &t[2], &t[3],
 				  s->want_lse ? &t[4] : NULL, &p, bb, views);
-	if (ret) {
-		check(ret == APE_EINVAL || ret == APE_EOVERFLOW, "refused with EINVAL or EOVERFLOW");
-		check(!strncmp(ape_last_error(), "fuzz: ", 6), "the message names the function");
-		eret = ape_attention_enqueue(queue, &s->desc, &t[0], &t[1], &t[2], &t[3],
-					     s->want_lse ? &t[4] : NULL);
-		check(eret == ret, "ape_attention_enqueue refuses what validation refuses");
-		check(!strncmp(ape_last_error(), "ape_attention_enqueue: ", 23),
-		      "the public message names ape_attention_enqueue");
-	} else {
-		ape_attn_desc bad = s->desc;
-		bool run = tiny(p.B, p.H, p.Lq, p.Lk, p.D);
+	{
+		const ape_dtensor *tp[5] = { &t[0], &t[1], &t[2], &t[3], s->want_lse ? &t[4] : NULL };
 
-		ape__problem_fini(&p);
-		if (!run) /* too much work to run: refused by its desc alone, nothing enqueued */
-			bad.rope_base = -1;
-		eret = ape_attention_enqueue(queue, &bad, &t[0], &t[1], &t[2], &t[3],
-					     s->want_lse ? &t[4] : NULL);
-		check(run ? eret == 0 : eret == APE_EINVAL,
-		      "an accepted small call is enqueued; a larger one with a bad desc refused");
-		check(ape_queue_synchronize(queue) == 0, "and runs");
+		judge(ret, &p, &s->desc, queue, "ape_attention_enqueue", forward_call, tp);
 	}
 	/* copies of fuzzed ranges: refused outside the buffer, inside it otherwise */
 	{
@@ -266,7 +302,7 @@ static void fuzz_backward(struct in *in, const struct shape5 *s, ape_queue *queu
 	struct ape__resident_bwd_req r;
 	struct ape__problem p;
 	unsigned absent;
-	int nbuf, ret, eret;
+	int nbuf, ret;
 
 	nbuf = take_buffers(in, queue, bufs);
 	for (int i = 0; i < APE__RB_COUNT; i++) {
@@ -295,28 +331,7 @@ static void fuzz_backward(struct in *in, const struct shape5 *s, ape_queue *queu
 		goto out;
 	memset(&r, 0, sizeof(r));
 	ret = ape__check_resident_bwd("fuzz", queue, &s->desc, tp, &p, &r);
-	if (ret) {
-		check(ret == APE_EINVAL || ret == APE_EOVERFLOW, "refused with EINVAL or EOVERFLOW");
-		check(!strncmp(ape_last_error(), "fuzz: ", 6), "the message names the function");
-		eret = ape_attention_backward_enqueue(queue, &s->desc, tp[0], tp[1], tp[2], tp[3],
-						      tp[4], tp[5], tp[6], tp[7], tp[8], tp[9],
-						      tp[10]);
-		check(eret == ret, "ape_attention_backward_enqueue refuses what validation refuses");
-		check(!strncmp(ape_last_error(), "ape_attention_backward_enqueue: ", 32),
-		      "the public message names ape_attention_backward_enqueue");
-	} else {
-		ape_attn_desc bad = s->desc;
-		bool run = tiny(p.B, p.H, p.Lq, p.Lk, p.D);
-
-		ape__problem_fini(&p);
-		if (!run) /* too much work to run: refused by its desc alone, nothing enqueued */
-			bad.rope_base = -1;
-		eret = ape_attention_backward_enqueue(queue, &bad, tp[0], tp[1], tp[2], tp[3], tp[4],
-						      tp[5], tp[6], tp[7], tp[8], tp[9], tp[10]);
-		check(run ? eret == 0 : eret == APE_EINVAL,
-		      "an accepted small call is enqueued; a larger one with a bad desc refused");
-		check(ape_queue_synchronize(queue) == 0, "and runs");
-	}
+	judge(ret, &p, &s->desc, queue, "ape_attention_backward_enqueue", backward_call, tp);
 out:
 	for (int b = 0; b < nbuf; b++)
 		ape_buffer_free(bufs[b]);
