@@ -374,14 +374,17 @@ TEST_F(ref, no_keys_and_no_queries)
 	} while (0)
 
 /* The call fails with `err`, its message naming `what` (e.g. "k->dtype"). */
-#define EXPECT_REFUSED(err, what, call)                                                            \
+/* call returns err, its message naming `what` and the function fn */
+#define EXPECT_REFUSED_BY(fn, err, what, call)                                                     \
 	do {                                                                                       \
 		int ret_ = (call);                                                                 \
 		EXPECT_EQ(err, ret_) TH_LOG("%s: %s", what, ape_last_error());                     \
 		EXPECT_NE(NULL, strstr(ape_last_error(), what))                                   \
 		TH_LOG("message lacks \"%s\": %s", what, ape_last_error());                        \
-		EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_forward_dlpack"));        \
+		EXPECT_NE(NULL, strstr(ape_last_error(), fn));                                     \
 	} while (0)
+#define EXPECT_REFUSED(err, what, call)                                                            \
+	EXPECT_REFUSED_BY("ape_attention_forward_dlpack", err, what, call)
 
 /* A fresh valid call of that layout, changed by `change`, refused naming what fmt (with the
  * tensor's name) says; in refusals_name_the_tensor only (self, x, dev, what, i). */
@@ -1016,13 +1019,7 @@ TEST_F(ref, backward_kdlcpu_equals_host_call)
 }
 
 #define EXPECT_BWD_REFUSED(err, what, call)                                                        \
-	do {                                                                                       \
-		int ret_ = (call);                                                                 \
-		EXPECT_EQ(err, ret_) TH_LOG("%s: %s", what, ape_last_error());                     \
-		EXPECT_NE(NULL, strstr(ape_last_error(), what))                                   \
-		TH_LOG("message lacks \"%s\": %s", what, ape_last_error());                        \
-		EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_backward_dlpack"));       \
-	} while (0)
+	EXPECT_REFUSED_BY("ape_attention_backward_dlpack", err, what, call)
 
 /* Each refusal names the tensor; nothing is written. */
 TEST_F(ref, backward_refusals_name_the_tensor)
