@@ -13,6 +13,7 @@
  * - no query row or no key: zeros;
  * - query rows split under a small budget (exec/resident_bwd.c), and a budget too small for one
  *   row refused;
+ * - skipping allowed (OpenCL leaves keys out) and skip_tol = 0, as the host call;
  * - every refusal with its message, nothing enqueued (the outputs keep their sentinels).
  */
 #include <math.h>
@@ -104,6 +105,44 @@ TEST_F(rbwd, enqueue_equals_host_call)
 		ASSERT_EQ(0, run_enqueue_backward(&c, self->dev, &got, W_ALL, pad))
 		TH_LOG("%s: %s", what, ape_last_error());
 		expect_like_host(_metadata, &got, &host, W_ALL, dt, exact, what);
+		grads_free(&host);
+		grads_free(&got);
+		bcase_free(&c);
+	}
+}
+
+/* With skipping allowed (decays >= 0, a large skip_tol: OpenCL leaves far keys out) and with
+ * skip_tol = 0: the host call's gradients, as with the default. */
+TEST_F(rbwd, skipping_as_the_host_call)
+{
+	const test_problem_shape sh = { 1, 4, 2, self->emu ? 9 : 40, self->emu ? 30 : 300, 32 };
+	const bool exact = strcmp(variant->backend, "cuda") != 0;
+	static const double tols[2] = { 1e-3, 0.0 };
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int i = 0; i < 2; i++) {
+		grads host, got;
+		ape_stats st;
+		bcase c;
+
+		ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F32, false, true));
+		test_problem_set_params(&c.tp, 0.8, 0.08, 0.08, 0.1);
+		c.tp.desc.skip_tol = tols[i];
+		c.tp.desc.causal = false;
+		ASSERT_EQ(0, bcase_forward(&c, self->ref)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, grads_alloc(&host, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&got, &c, APE_F32));
+		ape_stats_init(&st);
+		ASSERT_EQ(0, run_backward(&c, self->dev, &host, W_ALL, &st))
+		TH_LOG("%s", ape_last_error());
+		/* OpenCL skips here (the point of the case); the others compute every pair */
+		if (!strcmp(variant->backend, "opencl") && i == 0)
+			EXPECT_LT(st.pairs_computed, st.pairs_visible);
+		ASSERT_EQ(0, run_enqueue_backward(&c, self->dev, &got, W_ALL, 4))
+		TH_LOG("%s", ape_last_error());
+		expect_like_host(_metadata, &got, &host, W_ALL, APE_F32, exact,
+				 i ? "skip_tol 0" : "skip_tol 1e-3");
 		grads_free(&host);
 		grads_free(&got);
 		bcase_free(&c);
