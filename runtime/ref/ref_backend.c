@@ -49,25 +49,31 @@ static int ref_probe(struct ape__backend *be, struct ape__probe_result *res)
 	return ape__device_add(be, &info, REF_RANK, NULL);
 }
 
-static int ref_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
+/* buf_alloc, or scratch_alloc (op names the one for messages) */
+static int ref_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out, const char *op)
 {
 	struct ape__buf *b;
 
 	*out = NULL;
 	if (bytes > SIZE_MAX - sizeof(*b) - 64) {
 		ape__error(APE_ENOMEM, "%zu bytes is more than memory can hold", bytes);
-		return ape__op_error(APE_ENOMEM, dev, "buf_alloc");
+		return ape__op_error(APE_ENOMEM, dev, op);
 	}
 	b = ape__malloc(sizeof(*b) + bytes);
 	if (!b) {
 		ape__error(APE_ENOMEM, "out of host memory allocating %zu bytes", bytes);
-		return ape__op_error(APE_ENOMEM, dev, "buf_alloc");
+		return ape__op_error(APE_ENOMEM, dev, op);
 	}
 	b->size = bytes;
 	b->bytes = (unsigned char *)b->mem;
 	b->wrapped = false;
 	*out = b;
 	return 0;
+}
+
+static int ref_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
+{
+	return ref_alloc(dev, bytes, out, "buf_alloc");
 }
 
 /* Host memory is this device's memory: wrapping it costs one small allocation. */
@@ -229,7 +235,7 @@ static int ref_attention_backward(struct ape__queue *q, const struct ape__bwd_la
 /* Commands run when enqueued: queue-ordered memory is plain memory. */
 static int ref_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
 {
-	return ref_buf_alloc(q->dev, bytes, out);
+	return ref_alloc(q->dev, bytes, out, "scratch_alloc");
 }
 
 static int ref_scratch_free(struct ape__queue *q, struct ape__buf *buf)
