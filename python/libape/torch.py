@@ -75,7 +75,8 @@ def _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale,
             device)
         if got is not None:  # computed on the device, on the current stream
             out = tuple(q.new_empty(0) if g is None else g for g in got[:3])
-            return out + (got[3] if got[3] is not None else torch.empty(0),)
+            return out + (got[3] if got[3] is not None
+                          else q.new_empty(0, dtype=torch.float32),)  # as the fake op says
         # a libape without ape_attention_backward_dlpack(): through host memory
         q, k, v, o, lse, do = (x.detach().cpu() for x in (q, k, v, o, lse, do))
         dlse = None if dlse is None else dlse.detach().cpu()
