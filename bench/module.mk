@@ -8,7 +8,9 @@ $(BUILD)/bench/%: bench/%.c bench/bench_util.h $(LIBA) $(CONFIG_STAMP)
 	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS)
 
 bench-bwd: $(BUILD)/bench/bwd_time
+# the backward on host tensors against ape_attention_backward_enqueue() (bench/RESULTS.md)
+bench-bwd-resident: $(BUILD)/bench/bwd_resident
 # the diagnostics' cost: forward with and without entropy and mean distance (bench/RESULTS.md)
 bench-diag: $(BUILD)/bench/diag_time
 
-.PHONY: bench-bwd bench-diag
+.PHONY: bench-bwd bench-diag bench-bwd-resident

@@ -76,7 +76,8 @@ enum ape__cu_kernel {
 	APE__CU_K_BWD_PARAMS,
 	APE__CU_K_BWD_KEYS,
 	APE__CU_K_BWD_QUERIES = APE__CU_K_BWD_KEYS + 4,
-	APE__CU_NKERNELS = APE__CU_K_BWD_QUERIES + 4,
+	APE__CU_K_COPY_VIEW = APE__CU_K_BWD_QUERIES + 4, /* copy_view (ABI 10) */
+	APE__CU_NKERNELS,
 };
 
 /* Head-size variants: D = 64 and 128 specialised, every other even D <= 256 generic. */
@@ -217,6 +218,10 @@ int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l
 
 /* ---- cuda_backward.c */
 int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l);
+/* ABI 10 (cuda_backward.c): queue-ordered scratch buffers and copy_view. */
+int ape__cu_scratch_buf_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out);
+int ape__cu_scratch_buf_free(struct ape__queue *q, struct ape__buf *buf);
+int ape__cu_copy_view(struct ape__queue *q, const struct ape__copy *c);
 uint64_t ape__cu_attention_backward_scratch(struct ape_device *dev,
 					    const struct ape__bwd_launch *l, unsigned parts);
 /* The most scratch bytes one backward launch of this process allocated: tests compare it with

@@ -95,6 +95,21 @@ static int cuda_host_register(struct ape_device *dev, void *ptr, size_t bytes, v
 	return ape__op_error(ape__cu_host_register(dev, ptr, bytes, handle), dev, "host_register");
 }
 
+static int cuda_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+{
+	return ape__op_error(ape__cu_scratch_buf_alloc(q, bytes, out), q->dev, "scratch_alloc");
+}
+
+static int cuda_scratch_free(struct ape__queue *q, struct ape__buf *buf)
+{
+	return ape__op_error(ape__cu_scratch_buf_free(q, buf), q->dev, "scratch_free");
+}
+
+static int cuda_copy_view(struct ape__queue *q, const struct ape__copy *c)
+{
+	return ape__op_error(ape__cu_copy_view(q, c), q->dev, "copy_view");
+}
+
 const struct ape__backend_ops ape__cuda_ops = {
 	.abi_version = APE__BACKEND_ABI,
 	.name = "cuda",
@@ -125,4 +140,7 @@ const struct ape__backend_ops ape__cuda_ops = {
 	.buf_wrap = cuda_buf_wrap, /* cuda_mem.c */
 	.queue_wrap = cuda_queue_wrap,
 	.native = ape__cu_native, /* cuda_device.c */
+	.scratch_alloc = cuda_scratch_alloc, /* cuda_backward.c */
+	.scratch_free = cuda_scratch_free,
+	.copy_view = cuda_copy_view,
 };

@@ -17,6 +17,7 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "core/error.h"
 #include "cu.h"
 #include "kernels/bwd_args.h"
@@ -204,6 +205,71 @@ int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launc
 	ret2 = ape__cu_scratch_free(q, scratch);
 	ret = ret ? ret : ret2;
 out_leave:
+	ape__cu_leave(q->dev);
+	return ret;
+}
+
+/* ------------------------------------------------------------------ the caller's memory */
+
+/* Queue-ordered buffers (core/backend.h, ABI 10): the launches' own stream-ordered scratch. */
+int ape__cu_scratch_buf_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+{
+	struct ape__buf *b = ape__calloc(1, sizeof(*b));
+	int ret;
+
+	*out = NULL;
+	if (!b)
+		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
+	ret = ape__cu_enter(q->dev);
+	if (!ret) {
+		ret = ape__cu_scratch_alloc(q, bytes, &b->ptr);
+		ape__cu_leave(q->dev);
+	}
+	if (ret) {
+		free(b);
+		return ret;
+	}
+	b->size = bytes;
+	*out = b;
+	return 0;
+}
+
+int ape__cu_scratch_buf_free(struct ape__queue *q, struct ape__buf *buf)
+{
+	int ret;
+
+	if (!buf)
+		return 0;
+	ret = ape__cu_enter(q->dev);
+	if (!ret) {
+		ret = ape__cu_scratch_free(q, buf->ptr);
+		ape__cu_leave(q->dev);
+	}
+	free(buf);
+	return ret;
+}
+
+int ape__cu_copy_view(struct ape__queue *q, const struct ape__copy *c)
+{
+	const struct ape_cu_copy_args a = {
+		.dst = c->dst->ptr, .src = c->src->ptr,
+		.doff = c->dv.off, .dsb = c->dv.sb, .dsh = c->dv.sh, .dsl = c->dv.sl,
+		.soff = c->sv.off, .ssb = c->sv.sb, .ssh = c->sv.sh, .ssl = c->sv.sl,
+		.H = c->H, .L = c->L, .D = c->D, .n = c->B * c->H * c->L * c->D,
+		.dt_dst = c->dst_type, .dt_src = c->src_type,
+	};
+	int ret;
+
+	if (!a.n)
+		return 0;
+	ret = ape__cu_enter(q->dev);
+	if (ret)
+		return ret;
+	ret = ape__cu_module(q->dev);
+	if (!ret)
+		ret = ape__cu_launch(q, APE__CU_K_COPY_VIEW,
+				     (a.n + APE_CU_THREADS - 1) / APE_CU_THREADS, 0, (void *)&a,
+				     "copy_view");
 	ape__cu_leave(q->dev);
 	return ret;
 }

@@ -21,7 +21,7 @@ const char *const ape__cu_kernel_names[APE__CU_NKERNELS] = {
 	"ape_prep", "ape_kscan", "ape_dwindow", "ape_dmerge", VARIANTS("prefill"), VARIANTS("decode"),
 	"ape_bwd_rows", "ape_bwd_params", "ape_bwd_keys_d64", "ape_bwd_keys_d128", "ape_bwd_keys_g128",
 	"ape_bwd_keys_g256", "ape_bwd_queries_d64", "ape_bwd_queries_d128", "ape_bwd_queries_g128",
-	"ape_bwd_queries_g256",
+	"ape_bwd_queries_g256", "ape_copy_view",
 };
 
 int ape__cu_kernel_index(bool decode, int variant, int dtype)

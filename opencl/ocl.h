@@ -163,6 +163,10 @@ cl_mem ape__ocl_scratch(struct ape__queue *q, size_t bytes, void *init, cl_int *
 
 /* ---- ocl_backward.c */
 int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l);
+/* ABI 10 (ocl_backward.c): queue-ordered scratch and copy_view. */
+int ape__ocl_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out);
+int ape__ocl_scratch_free(struct ape__queue *q, struct ape__buf *buf);
+int ape__ocl_copy_view(struct ape__queue *q, const struct ape__copy *c);
 uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
 					     const struct ape__bwd_launch *l, unsigned parts);
 /* The most scratch bytes one backward launch of this process allocated: tests compare it with

@@ -86,6 +86,16 @@ static int ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_la
 	return ape__op_error(ape__ocl_attention_backward(q, l), q->dev, "attention_backward");
 }
 
+static int ocl_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+{
+	return ape__op_error(ape__ocl_scratch_alloc(q, bytes, out), q->dev, "scratch_alloc");
+}
+
+static int ocl_copy_view(struct ape__queue *q, const struct ape__copy *c)
+{
+	return ape__op_error(ape__ocl_copy_view(q, c), q->dev, "copy_view");
+}
+
 static int ocl_synchronize(struct ape__queue *q)
 {
 	return ape__op_error(ape__ocl_synchronize(q), q->dev, "synchronize");
@@ -121,4 +131,7 @@ const struct ape__backend_ops ape__opencl_ops = {
 	.attention_diag = true, /* ENT and MD behind F_DIAG (kernels/attention.cl) */
 	.attention_diag_views = true, /* strided, each optional (ABI 8) */
 	.attention_pages = ape__ocl_decode_pages, /* ocl_decode.c */
+	.scratch_alloc = ocl_scratch_alloc, /* ocl_backward.c */
+	.scratch_free = ape__ocl_scratch_free,
+	.copy_view = ocl_copy_view,
 };

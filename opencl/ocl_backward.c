@@ -392,3 +392,56 @@ out_release:
 		clReleaseMemObject(kp);
 	return ret;
 }
+
+/* ------------------------------------------------------------------ the caller's memory */
+
+int ape__ocl_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+{
+	/* OpenCL keeps a released buffer alive for the commands using it: buf_free is ordered */
+	return ape__ocl_buf_alloc(q->dev, bytes, out);
+}
+
+int ape__ocl_scratch_free(struct ape__queue *q, struct ape__buf *buf)
+{
+	ape__ocl_buf_free(q->dev, buf);
+	return 0;
+}
+
+/* kernels/backward.cl's ape_copy_view, from the program of the call's head size (built with
+ * float64: the backward pass needs it, and the float64 sums are one of the sources). */
+int ape__ocl_copy_view(struct ape__queue *q, const struct ape__copy *c)
+{
+	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
+	const cl_int dt = c->dst_type, st = c->src_type;
+	const cl_long H = c->H, L = c->L, D = c->D;
+	const size_t rows = (size_t)(c->B * c->H * c->L);
+	const struct ape__ocl_program *pr;
+	struct ape__ocl_args a;
+	int ret;
+
+	if (!od->fp64)
+		return ape__error(APE_ENOTSUP, "the backward pass needs float64 (cl_khr_fp64); "
+					       "this device has none");
+	if (!rows || !c->D)
+		return 0;
+	if ((ret = ape__ocl_program_get(q->dev, c->head_D, &pr)))
+		return ret;
+	memset(&a, 0, sizeof(a));
+	a.k = clCreateKernel(pr->prog, "ape_copy_view", &a.err);
+	ape__ocl_arg(&a, sizeof(cl_mem), &c->dst->mem);
+	ape__ocl_arg(&a, sizeof(dt), &dt);
+	ape__ocl_arg(&a, sizeof(cl_long), &c->dv.off);
+	ape__ocl_arg(&a, sizeof(cl_long), &c->dv.sb);
+	ape__ocl_arg(&a, sizeof(cl_long), &c->dv.sh);
+	ape__ocl_arg(&a, sizeof(cl_long), &c->dv.sl);
+	ape__ocl_arg(&a, sizeof(cl_mem), &c->src->mem);
+	ape__ocl_arg(&a, sizeof(st), &st);
+	ape__ocl_arg(&a, sizeof(cl_long), &c->sv.off);
+	ape__ocl_arg(&a, sizeof(cl_long), &c->sv.sb);
+	ape__ocl_arg(&a, sizeof(cl_long), &c->sv.sh);
+	ape__ocl_arg(&a, sizeof(cl_long), &c->sv.sl);
+	ape__ocl_arg(&a, sizeof(H), &H);
+	ape__ocl_arg(&a, sizeof(L), &L);
+	ape__ocl_arg(&a, sizeof(D), &D);
+	return bwd_run(q, &a, (size_t)c->D, 0, rows, "ape_copy_view");
+}

@@ -119,6 +119,18 @@ TEST_F(be, rejected_copies_name_their_op)
 	self->ops->buf_free(self->dev, buf);
 }
 
+/* One copy_view (ABI 10) inside buf: 4 float32 from element 0 to element 16, for the program of
+ * head size 2 (the one hm_backward() builds). */
+static int copy_view_in(const struct ape__backend_ops *ops, struct ape__queue *q,
+			struct ape__buf *buf)
+{
+	const struct ape__copy c = { .B = 1, .H = 1, .L = 1, .D = 4, .dst = buf, .src = buf,
+				     .dst_type = APE__E_F32, .src_type = APE__E_F32,
+				     .dv = { 16, 4, 4, 4 }, .sv = { 0, 4, 4, 4 }, .head_D = 2 };
+
+	return ops->copy_view ? ops->copy_view(q, &c) : 0;
+}
+
 #ifdef APE_FAULT_INJECT
 /* The ops that allocate host memory in some backend (the first command of an OpenCL queue
  * starts its timeline: an allocation; the reference's backward pass its row table). */
@@ -130,6 +142,8 @@ enum {
 	HM_COPY_D2H,
 	HM_FILL,
 	HM_ATTENTION_BACKWARD,
+	HM_SCRATCH_ALLOC,
+	HM_COPY_VIEW,
 	HM_N
 };
 
@@ -138,6 +152,7 @@ static const char *const hm_names[HM_N] = {
 	[HM_EVENT_RECORD] = "event_record", [HM_COPY_H2D] = "copy_h2d",
 	[HM_COPY_D2H] = "copy_d2h",	    [HM_FILL] = "fill",
 	[HM_ATTENTION_BACKWARD] = "attention_backward",
+	[HM_SCRATCH_ALLOC] = "scratch_alloc",	[HM_COPY_VIEW] = "copy_view",
 };
 
 /* A backward launch of one row and one key, every tensor in buf (its contents do not matter
@@ -204,6 +219,17 @@ static int hm_call(const struct ape__backend_ops *ops, ape_device *dev, int op,
 		break;
 	case HM_ATTENTION_BACKWARD:
 		ret = hm_backward(ops, q, buf);
+		break;
+	case HM_SCRATCH_ALLOC:
+		if (!ops->scratch_alloc)
+			break;
+		ret = ops->scratch_alloc(q, 64, &b);
+		*cleared = ret ? b == NULL : true;
+		if (!ret)
+			ret = ops->scratch_free(q, b);
+		break;
+	case HM_COPY_VIEW:
+		ret = copy_view_in(ops, q, buf);
 		break;
 	}
 	return ret;
@@ -336,6 +362,14 @@ static int call_op(const struct ape__backend_ops *ops, ape_device *dev, enum wra
 		memset(&bl, 0, sizeof(bl));
 		return ops->attention_backward(q, &bl);
 	}
+	case WRAP_SCRATCH_ALLOC: /* fails before the backend allocates */
+		if (!ops->scratch_alloc)
+			return NOT_THERE;
+		ret = ops->scratch_alloc(q, 64, &b);
+		*cleared = b == NULL;
+		return ret;
+	case WRAP_COPY_VIEW:
+		return ops->copy_view ? copy_view_in(ops, q, buf) : NOT_THERE;
 	case WRAP_SYNCHRONIZE:
 		return ops->synchronize(q);
 	case WRAP_HOST_REGISTER:
@@ -389,7 +423,9 @@ TEST_F(be, every_failing_op_names_itself)
 		if (ret == NOT_THERE)
 			continue;
 		tried++;
-		EXPECT_EQ(op == WRAP_BUF_ALLOC || op == WRAP_BUF_WRAP ? APE_ENOMEM : APE_EDEVLOST,
+		EXPECT_EQ(op == WRAP_BUF_ALLOC || op == WRAP_BUF_WRAP || op == WRAP_SCRATCH_ALLOC
+				  ? APE_ENOMEM
+				  : APE_EDEVLOST,
 			  ret)
 		TH_LOG("%s: %s", wrap_op_name((enum wrap_op)op), ape_last_error());
 		EXPECT_TRUE(cleared) TH_LOG("%s: an out-parameter was left set",
@@ -397,8 +433,8 @@ TEST_F(be, every_failing_op_names_itself)
 		expect_named(_metadata, self->label, wrap_op_name((enum wrap_op)op));
 	}
 	/* the required ops at least: every op kind but the optional ones (copy_d2d,
-	 * event_timestamp, host_register, buf_wrap, queue_wrap) */
-	EXPECT_GE(tried, WRAP_NOPS - 5);
+	 * event_timestamp, host_register, buf_wrap, queue_wrap, scratch_alloc, copy_view) */
+	EXPECT_GE(tried, WRAP_NOPS - 7);
 	EXPECT_EQ(0, self->dev->be->ops->synchronize(q)) TH_LOG("%s", ape_last_error());
 	self->dev->be->ops->event_destroy(e);
 	self->dev->be->ops->queue_destroy(q);

@@ -9,6 +9,11 @@
  * cl_command_queue) and kDLCPU tensors on an OpenCL CPU device (PoCL); kDLCUDA: see the last
  * tests for what runs where.
  *
+ * ape_attention_backward_dlpack() likewise: kDLCPU tensors (compact and [B, L, H, D] with
+ * padding, every dtype, each subset of the outputs) against ape_attention_backward() on the
+ * reference, bit for bit; its refusals; kDLCUDA tensors on the emulated driver within the
+ * spec's tolerance.
+ *
  * Fresh random inputs each run (APE_TEST_SEED replays one).
  */
 #include <dlfcn.h>
@@ -20,6 +25,7 @@
 
 #include "ape/ape_dlpack.h"
 #include "ape_test.h"
+#include "common/bwdcase.h"
 
 #ifdef APE_HAVE_OPENCL
 #include <CL/cl.h>
@@ -368,14 +374,17 @@ TEST_F(ref, no_keys_and_no_queries)
 	} while (0)
 
 /* The call fails with `err`, its message naming `what` (e.g. "k->dtype"). */
-#define EXPECT_REFUSED(err, what, call)                                                            \
+/* call returns err, its message naming `what` and the function fn */
+#define EXPECT_REFUSED_BY(fn, err, what, call)                                                     \
 	do {                                                                                       \
 		int ret_ = (call);                                                                 \
 		EXPECT_EQ(err, ret_) TH_LOG("%s: %s", what, ape_last_error());                     \
 		EXPECT_NE(NULL, strstr(ape_last_error(), what))                                   \
 		TH_LOG("message lacks \"%s\": %s", what, ape_last_error());                        \
-		EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_forward_dlpack"));        \
+		EXPECT_NE(NULL, strstr(ape_last_error(), fn));                                     \
 	} while (0)
+#define EXPECT_REFUSED(err, what, call)                                                            \
+	EXPECT_REFUSED_BY("ape_attention_forward_dlpack", err, what, call)
 
 /* A fresh valid call of that layout, changed by `change`, refused naming what fmt (with the
  * tensor's name) says; in refusals_name_the_tensor only (self, x, dev, what, i). */
@@ -754,6 +763,20 @@ static bool cu_open(struct cu *cu)
 #endif
 
 #ifdef APE_HAVE_CUDA
+/* A context of the emulated driver's CUDA device (in *dev, NULL if absent) and the reference
+ * (*refdev); NULL if none could be made. */
+static ape_context *emu_context(ape_device **dev, ape_device **refdev)
+{
+	ape_context *ctx;
+
+	setenv("APE_CUDA_LIBRARY", EMU_LIB, 1); /* this test's child only */
+	unsetenv("FAKE_CUDA_MODE");
+	ctx = test_context("cuda,ref");
+	*dev = ctx ? test_device(ctx, "cuda") : NULL;
+	*refdev = ctx ? test_device(ctx, "ref") : NULL;
+	return ctx;
+}
+
 /* The first byte of x's O arena outside O (padding, offset, slack) that is no longer 0x5a, or
  * -1: O's elements are where the layout says (see dlcall_make()). */
 static long o_bytes_outside_written(const struct dlcall *x)
@@ -872,12 +895,8 @@ TEST(cuda_tensors_on_the_emulated_driver)
 
 	if (ape_test_slow())
 		SKIP(return, "the emulator under valgrind is too slow; make sanitize runs it");
-	setenv("APE_CUDA_LIBRARY", EMU_LIB, 1); /* this test's child only */
-	unsetenv("FAKE_CUDA_MODE");
-	ctx = test_context("cuda,ref");
+	ctx = emu_context(&dev, &refdev);
 	ASSERT_NE(NULL, ctx);
-	dev = test_device(ctx, "cuda");
-	refdev = test_device(ctx, "ref");
 	ASSERT_NE(NULL, dev) TH_LOG("no CUDA device from the emulated driver %s", EMU_LIB);
 	ASSERT_EQ(0, ape_device_native(dev, &cuctx, &ordinal));
 	ASSERT_TRUE(cu_open(&cu)) TH_LOG("%s: %s", EMU_LIB, dlerror());
@@ -982,6 +1001,217 @@ TEST_F(ref, diagnostics_twin)
 								&t[2], &t[3], NULL, &t[5], NULL,
 								NULL));
 	EXPECT_NE(NULL, strstr(ape_last_error(), "entropy->ndim = 4")) TH_LOG("%s", ape_last_error());
+}
+
+/* ---- the backward pass on DLPack tensors */
+
+/* A backward call's DLTensors over a bcase and its gradients (host memory, kDLCPU). */
+struct dlbwd {
+	int64_t shp[11][4], str[11][4];
+	DLTensor t[11]; /* q, k, v, o, lse, dout, dlse, dq, dk, dv, dparams */
+};
+
+/* DLTensor i over tensor tt (its own data and strides), ndim 4; or over n floats of x as
+ * [d0, d1(, d2)] when tt is NULL. */
+static void dl_over(struct dlbwd *b, int i, const ape_tensor *tt, float *x, int ndim,
+		    int64_t d0, int64_t d1, int64_t d2)
+{
+	DLTensor *t = &b->t[i];
+
+	memset(t, 0, sizeof(*t));
+	t->device = (DLDevice){ kDLCPU, 0 };
+	t->shape = b->shp[i];
+	if (tt) {
+		t->data = tt->data;
+		t->ndim = 4;
+		t->dtype = dl_dtype(tt->dtype);
+		memcpy(b->shp[i], tt->shape, sizeof(tt->shape));
+		ape_tensor_strides(tt, b->str[i]);
+		t->strides = b->str[i];
+	} else {
+		t->data = x;
+		t->ndim = ndim;
+		t->dtype = dl_dtype(APE_F32);
+		b->shp[i][0] = d0;
+		b->shp[i][1] = d1;
+		b->shp[i][2] = d2;
+	}
+}
+
+static void dlbwd_make(struct dlbwd *b, bcase *c, grads *g)
+{
+	test_problem *tp = &c->tp;
+	const int64_t B = tp->q.t.shape[0], H = tp->q.t.shape[1], Lq = tp->q.t.shape[2];
+
+	dl_over(b, 0, &tp->q.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 1, &tp->k.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 2, &tp->v.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 3, &tp->o.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 4, NULL, tp->lse, 3, B, H, Lq);
+	dl_over(b, 5, &c->dout.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 6, NULL, c->dlse, 3, B, H, Lq);
+	dl_over(b, 7, &g->dq.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 8, &g->dk.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 9, &g->dv.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 10, NULL, g->dparams, 2, H, 4, 0);
+}
+
+static int dlbwd_run(ape_device *dev, const bcase *c, struct dlbwd *b, unsigned wanted,
+		     void *stream)
+{
+	return ape_attention_backward_dlpack(dev, &c->tp.desc, &b->t[0], &b->t[1], &b->t[2],
+					     &b->t[3], &b->t[4], &b->t[5],
+					     c->dlse ? &b->t[6] : NULL,
+					     wanted & W_DQ ? &b->t[7] : NULL,
+					     wanted & W_DK ? &b->t[8] : NULL,
+					     wanted & W_DV ? &b->t[9] : NULL,
+					     wanted & W_DP ? &b->t[10] : NULL, stream);
+}
+
+/* kDLCPU tensors on the reference: the host call's gradients, bit for bit, in every dtype,
+ * compact and padded [B, L, H, D], each subset of the outputs (the others untouched). */
+TEST_F(ref, backward_kdlcpu_equals_host_call)
+{
+	static const ape_dtype dts[3] = { APE_F32, APE_F16, APE_BF16 };
+	static const unsigned subsets[] = { W_ALL, W_DP, W_DQ | W_DK, W_DV };
+	const test_problem_shape sh = { 2, 4, 2, 9, 13, 16 };
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int i = 0; i < 6; i++) {
+		const unsigned w = subsets[i % 4];
+		struct dlbwd b;
+		grads host, got;
+		bcase c;
+
+		ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, dts[i % 3], i >= 3, i % 2 == 0, self->dev));
+		ASSERT_EQ(0, grads_alloc(&host, &c, dts[i % 3]));
+		ASSERT_EQ(0, grads_alloc(&got, &c, dts[i % 3]));
+		ASSERT_EQ(0, run_backward(&c, self->dev, &host, w, NULL)) TH_LOG("%s", ape_last_error());
+		dlbwd_make(&b, &c, &got);
+		ASSERT_EQ(0, dlbwd_run(self->dev, &c, &b, w, NULL)) TH_LOG("%s", ape_last_error());
+		EXPECT_TRUE(same_grads(&got, &host, W_ALL)) TH_LOG("case %d, outputs %#x", i, w);
+		grads_free(&host);
+		grads_free(&got);
+		bcase_free(&c);
+	}
+}
+
+#define EXPECT_BWD_REFUSED(err, what, call)                                                        \
+	EXPECT_REFUSED_BY("ape_attention_backward_dlpack", err, what, call)
+
+/* Each refusal names the tensor; nothing is written. */
+TEST_F(ref, backward_refusals_name_the_tensor)
+{
+	const test_problem_shape sh = { 1, 2, 1, 5, 6, 8 };
+	struct dlbwd b;
+	grads g, untouched;
+	ape_rng rng;
+	bcase c;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F32, false, true, self->dev));
+	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+	ASSERT_EQ(0, grads_alloc(&untouched, &c, APE_F32));
+	dlbwd_make(&b, &c, &g);
+	b.t[10].ndim = 3;
+	EXPECT_BWD_REFUSED(APE_EINVAL, "dparams->ndim = 3: must be 2 ([H, 4])",
+			   dlbwd_run(self->dev, &c, &b, W_ALL, NULL));
+	dlbwd_make(&b, &c, &g);
+	b.shp[10][1] = 3;
+	EXPECT_BWD_REFUSED(APE_EINVAL, "dparams->shape[3] = 3",
+			   dlbwd_run(self->dev, &c, &b, W_ALL, NULL));
+	dlbwd_make(&b, &c, &g);
+	b.t[7].device = (DLDevice){ kDLCUDA, 0 };
+	EXPECT_BWD_REFUSED(APE_EINVAL, "dq->device", dlbwd_run(self->dev, &c, &b, W_ALL, NULL));
+	dlbwd_make(&b, &c, &g);
+	b.t[6].dtype = dl_dtype(APE_F16);
+	EXPECT_BWD_REFUSED(APE_EINVAL, "dlse->dtype", dlbwd_run(self->dev, &c, &b, W_ALL, NULL));
+	dlbwd_make(&b, &c, &g);
+	b.t[8].data = b.t[0].data; /* dK over Q */
+	EXPECT_BWD_REFUSED(APE_EINVAL, "dk overlaps q", dlbwd_run(self->dev, &c, &b, W_ALL, NULL));
+	dlbwd_make(&b, &c, &g);
+	EXPECT_BWD_REFUSED(APE_EINVAL, "stream", dlbwd_run(self->dev, &c, &b, W_ALL, &b));
+	EXPECT_BWD_REFUSED(APE_EINVAL, "dq, dk, dv and dparams are all NULL",
+			   dlbwd_run(self->dev, &c, &b, 0, NULL));
+	EXPECT_BWD_REFUSED(APE_EINVAL, "lse = NULL",
+			   ape_attention_backward_dlpack(self->dev, &c.tp.desc, &b.t[0], &b.t[1],
+							 &b.t[2], &b.t[3], NULL, &b.t[5], NULL,
+							 &b.t[7], NULL, NULL, NULL, NULL));
+	EXPECT_TRUE(same_grads(&g, &untouched, W_ALL));
+	grads_free(&g);
+	grads_free(&untouched);
+	bcase_free(&c);
+}
+
+/* kDLCUDA tensors (device memory of the emulated driver) on the legacy default stream: the
+ * reference's gradients within the spec's tolerance. */
+TEST(backward_cuda_tensors_on_the_emulated_driver)
+{
+#ifndef APE_HAVE_CUDA
+	SKIP(return, "the CUDA backend is not built into this libape");
+#else
+	const test_problem_shape sh = { 1, 4, 2, 7, 11, 16 };
+	struct cu cu = { 0 };
+	void *cuctx = NULL, *ordinal = NULL, *popped;
+	unsigned long long mem[11] = { 0 };
+	size_t bytes[11];
+	void *host[11];
+	ape_context *ctx;
+	ape_device *dev, *refdev;
+	struct dlbwd b;
+	grads want, got;
+	ape_rng rng;
+	bcase c;
+
+	if (ape_test_slow())
+		SKIP(return, "the emulator under valgrind is too slow; make sanitize runs it");
+	ctx = emu_context(&dev, &refdev);
+	ASSERT_NE(NULL, ctx);
+	ASSERT_NE(NULL, dev) TH_LOG("no CUDA device from the emulated driver %s", EMU_LIB);
+	ASSERT_EQ(0, ape_device_native(dev, &cuctx, &ordinal));
+	ASSERT_NE(NULL, cuctx);
+	ASSERT_TRUE(cu_open(&cu)) TH_LOG("%s: %s", EMU_LIB, dlerror());
+	ape_rng_init(&rng, "backward_cuda_tensors");
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F16, true, true, refdev));
+	ASSERT_EQ(0, grads_alloc(&want, &c, APE_F16));
+	ASSERT_EQ(0, grads_alloc(&got, &c, APE_F16));
+	ASSERT_EQ(0, run_backward(&c, refdev, &want, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
+	dlbwd_make(&b, &c, &got);
+	{ /* each tensor's whole host allocation to device memory, at the same offsets */
+		const test_tensor *tt[11] = { &c.tp.q, &c.tp.k, &c.tp.v, &c.tp.o, NULL, &c.dout,
+					      NULL, &got.dq, &got.dk, &got.dv, NULL };
+		const size_t rows = c.tp.rows * sizeof(float);
+
+		ASSERT_EQ(0, cu.push(cuctx));
+		for (int i = 0; i < 11; i++) {
+			host[i] = tt[i] ? tt[i]->alloc : b.t[i].data;
+			bytes[i] = tt[i] ? tt[i]->alloc_bytes : i == 10 ? 4 * (size_t)sh.H * 4 : rows;
+			ASSERT_EQ(0, cu.alloc(&mem[i], bytes[i]));
+			ASSERT_EQ(0, cu.h2d(mem[i], host[i], bytes[i], NULL));
+			b.t[i].byte_offset = (uint64_t)((char *)b.t[i].data - (char *)host[i]);
+			b.t[i].data = (void *)(uintptr_t)mem[i];
+			b.t[i].device = (DLDevice){ kDLCUDA, (int)(intptr_t)ordinal };
+		}
+		ASSERT_EQ(0, cu.sync(NULL));
+	}
+	ASSERT_EQ(0, dlbwd_run(dev, &c, &b, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
+	for (int i = 7; i < 11; i++) /* ordered after the work on the legacy stream */
+		ASSERT_EQ(0, cu.d2h(host[i], mem[i], bytes[i], NULL));
+	ASSERT_EQ(0, cu.sync(NULL));
+	EXPECT_LE(grads_rel_err(&got.dq.t, &want.dq.t), grads_tol(APE_F16));
+	EXPECT_LE(grads_rel_err(&got.dk.t, &want.dk.t), grads_tol(APE_F16));
+	EXPECT_LE(grads_rel_err(&got.dv.t, &want.dv.t), grads_tol(APE_F16));
+	EXPECT_LE(grads_rel_err_params(got.dparams, want.dparams, sh.H), grads_tol(APE_F16));
+	for (int i = 0; i < 11; i++)
+		if (mem[i])
+			cu.free(mem[i]);
+	cu.pop(&popped);
+	grads_free(&want);
+	grads_free(&got);
+	bcase_free(&c);
+	ape_context_destroy(ctx);
+#endif
 }
 
 /* ---- docs/embedding.md's example */

@@ -6,7 +6,8 @@
  * contiguous ones, bit for bit, writing nothing outside their views; buf_wrap of host memory
  * (computed in place) and of cl_mem objects the test makes itself; queue_wrap of the test's own
  * queues, whose order libape keeps; a context built on the test's own cl_context; and, through
- * the public API (ape_attention_enqueue() on the test's context, queue and cl_mem objects), the
+ * the public API (ape_attention_enqueue() and ape_attention_backward_enqueue() on the test's
+ * context, queue and cl_mem objects), the
  * same against the host call, bit for bit.
  *
  * The test links libOpenCL itself (the same ICD loader libape opens, so the objects are shared).
@@ -22,6 +23,7 @@
 #include <unistd.h>
 
 #include "ape_test.h"
+#include "common/bwdcase.h"
 #include "common/problem.h"
 
 #ifdef APE_HAVE_OPENCL
@@ -1099,6 +1101,123 @@ TEST(public_api_on_the_callers_context_and_queue)
 	clReleaseCommandQueue(cq);
 	test_problem_free(&a);
 	test_problem_free(&b);
+	ape_context_destroy(ctx);
+	EXPECT_EQ(1, refs_when(OBJ_CONTEXT, mine, 1));
+	clReleaseContext(mine);
+	dev_close(&t);
+}
+
+/*
+ * ape_attention_backward_enqueue() on the test's own cl_context, cl_command_queue and cl_mem
+ * objects: the host call's gradients bit for bit, every write of the inputs (held back by a
+ * user event) before libape's work and the reads of the gradients after it, and the call
+ * itself not waiting for the gate (its scratch is released in queue order, never waited for).
+ */
+TEST(backward_on_the_callers_context_and_queue)
+{
+	const test_problem_shape sh = { 1, 4, 2, 19, 29, 64 }; /* D = 64: a built program */
+	const cl_uint nan_bits = 0xffffffffu;
+	struct dev t;
+	ape_context *ctx = NULL;
+	ape_device *d;
+	void *nctx = NULL;
+	ape_queue *qu = NULL;
+	ape_buffer *bufs[11] = { 0 };
+	ape_dtensor dt[11];
+	cl_mem m[11] = { 0 };
+	cl_context mine;
+	cl_command_queue cq;
+	struct gate_watch w = { 0 };
+	pthread_t watchdog;
+	grads host, got;
+	ape_rng rng;
+	cl_int err;
+	bcase c;
+
+	ASSERT_EQ(0, dev_open(_metadata, &t));
+	ASSERT_EQ(0, import_context(_metadata, &t, &mine, &ctx));
+	d = device_of(ctx, t.cdev, &nctx);
+	ASSERT_NE(NULL, d);
+	ape_rng_init(&rng, "backward_on_the_callers_context_and_queue");
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F16, true, true, d)) TH_LOG("%s",
+										  ape_last_error());
+	ASSERT_EQ(0, grads_alloc(&host, &c, APE_F16));
+	ASSERT_EQ(0, grads_alloc(&got, &c, APE_F16));
+	ASSERT_EQ(0, run_backward(&c, d, &host, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
+	cq = clCreateCommandQueue(mine, t.cdev, 0, &err);
+	ASSERT_NE(NULL, cq);
+	w.gate = clCreateUserEvent(mine, &err);
+	ASSERT_NE(NULL, w.gate);
+	{
+		/* each tensor's whole host allocation in a cl_mem of its own, at its offsets */
+		const test_tensor *tt[11] = { &c.tp.q, &c.tp.k, &c.tp.v, &c.tp.o, NULL, &c.dout,
+					      NULL, &got.dq, &got.dk, &got.dv, NULL };
+		void *data[11] = { 0 };
+		size_t bytes[11];
+
+		data[4] = c.tp.lse;
+		data[6] = c.dlse;
+		data[10] = got.dparams;
+		for (int i = 0; i < 11; i++) {
+			void *base = tt[i] ? tt[i]->alloc : data[i];
+			const ape_tensor *x = tt[i] ? &tt[i]->t : NULL;
+
+			bytes[i] = tt[i] ? tt[i]->alloc_bytes
+				   : i == 10 ? (size_t)(4 * sh.H) * sizeof(float)
+					     : c.tp.rows * sizeof(float);
+			m[i] = clCreateBuffer(mine, CL_MEM_READ_WRITE, bytes[i], NULL, &err);
+			ASSERT_NE(NULL, m[i]);
+			ASSERT_EQ(CL_SUCCESS, clEnqueueFillBuffer(cq, m[i], &nan_bits, 4, 0, bytes[i],
+								  0, NULL, NULL));
+			ASSERT_EQ(0, ape_buffer_wrap_opencl(d, m[i], &bufs[i]))
+			TH_LOG("%s", ape_last_error());
+			if (x) {
+				ape_dtensor_init(&dt[i], bufs[i],
+						 (uint64_t)((char *)x->data - (char *)base), x->dtype,
+						 x->shape[0], x->shape[1], x->shape[2], x->shape[3]);
+				ape_tensor_strides(x, dt[i].strides);
+			} else if (i == 10) {
+				ape_dtensor_init(&dt[i], bufs[i], 0, APE_F32, 1, 1, sh.H, 4);
+			} else {
+				ape_dtensor_init(&dt[i], bufs[i], 0, APE_F32, sh.B, sh.H, sh.Lq, 1);
+			}
+		}
+		ASSERT_EQ(CL_SUCCESS, clFinish(cq));
+		for (int i = 0; i < 7; i++) /* the inputs, held back by the gate */
+			ASSERT_EQ(CL_SUCCESS,
+				  clEnqueueWriteBuffer(cq, m[i], CL_FALSE, 0, bytes[i],
+						       tt[i] ? tt[i]->alloc : data[i], 1, &w.gate,
+						       NULL));
+		ASSERT_EQ(0, pthread_create(&watchdog, NULL, gate_watchdog, &w));
+		ASSERT_EQ(0, ape_queue_wrap_opencl(d, cq, &qu)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, ape_attention_backward_enqueue(qu, &c.tp.desc, &dt[0], &dt[1], &dt[2],
+							    &dt[3], &dt[4], &dt[5], &dt[6], &dt[7],
+							    &dt[8], &dt[9], &dt[10]))
+		TH_LOG("%s", ape_last_error());
+		for (int i = 7; i < 11; i++)
+			ASSERT_EQ(CL_SUCCESS,
+				  clEnqueueReadBuffer(cq, m[i], CL_FALSE, 0, bytes[i],
+						      tt[i] ? tt[i]->alloc : data[i], 0, NULL,
+						      NULL));
+	}
+	EXPECT_EQ(0, atomic_load(&w.opened_by_watchdog))
+	TH_LOG("ape_attention_backward_enqueue waited on the caller's queue");
+	atomic_store(&w.stop, 1);
+	pthread_join(watchdog, NULL);
+	if (!atomic_load(&w.opened_by_watchdog))
+		ASSERT_EQ(CL_SUCCESS, clSetUserEventStatus(w.gate, CL_COMPLETE));
+	EXPECT_EQ(0, ape_queue_synchronize(qu)) TH_LOG("%s", ape_last_error());
+	EXPECT_TRUE(same_grads(&got, &host, W_ALL));
+	ape_queue_destroy(qu);
+	for (int i = 0; i < 11; i++) {
+		ape_buffer_free(bufs[i]);
+		clReleaseMemObject(m[i]);
+	}
+	clReleaseEvent(w.gate);
+	clReleaseCommandQueue(cq);
+	grads_free(&host);
+	grads_free(&got);
+	bcase_free(&c);
 	ape_context_destroy(ctx);
 	EXPECT_EQ(1, refs_when(OBJ_CONTEXT, mine, 1));
 	clReleaseContext(mine);

@@ -134,7 +134,7 @@ NO_KSFT="no Kselftest headers (build/kselftest, KSFT_DIR or /usr/src/linux-*): r
 if [ $have_ksft = yes ]; then
 	# shellcheck disable=SC2086
 	run gputests-build 120 make -j"$JOBS" $MAKEVARS KSFT_DIR="$KSFT" "$BUILD/tests/test_cuda_emu" \
-		"$BUILD/tests/test_resident"
+		"$BUILD/tests/test_resident" "$BUILD/tests/test_resident_bwd"
 	if [ "$rc" -eq 0 ]; then
 		# device-resident calls (ape_attention_enqueue, KV-cache appends from device memory)
 		# on the GPU, against the host calls, bit for bit
@@ -144,6 +144,15 @@ if [ $have_ksft = yes ]; then
 		0) note resident ok "test_resident (enqueue vs host call) on the real GPU: ${last#\# }" ;;
 		124) note resident TIMEOUT "test_resident on the real GPU" ;;
 		*) note resident FAIL "test_resident on the real GPU: ${last#\# }: see resident.log" ;;
+		esac
+		# the backward pass on device tensors (ape_attention_backward_enqueue) on the GPU,
+		# against the host call within the spec's tolerance
+		run resident-bwd 90 env APE_TEST_CUDA_DEVICE=1 "$BUILD/tests/test_resident_bwd"
+		last=$(grep '^# Totals' "$OUT/resident-bwd.log" | tail -n 1)
+		case $rc in
+		0) note resident-bwd ok "test_resident_bwd (backward enqueue vs host call) on the real GPU: ${last#\# }" ;;
+		124) note resident-bwd TIMEOUT "test_resident_bwd on the real GPU" ;;
+		*) note resident-bwd FAIL "test_resident_bwd on the real GPU: ${last#\# }: see resident-bwd.log" ;;
 		esac
 		run gputests 90 env APE_TEST_CUDA_DEVICE=1 "$BUILD/tests/test_cuda_emu"
 		last=$(grep '^# Totals' "$OUT/gputests.log" | tail -n 1)

@@ -580,6 +580,43 @@ extern "C" __global__ void __launch_bounds__(APE_CU_THREADS)
 }
 APE_EMU_REGISTER(ape_bwd_params, struct ape_cu_bwd_args)
 
+/* copy_view (core/backend.h, struct ape__copy): one thread per element, converted as the
+ * contract says (a bit copy, float32 to f16/bf16 rounded to nearest even, float64 to float32). */
+extern "C" __global__ void __launch_bounds__(APE_CU_THREADS)
+	ape_copy_view(const struct ape_cu_copy_args a)
+{
+	const int64_t e = ape::block_linear() * APE_CU_THREADS + (int64_t)threadIdx.x;
+	int64_t d, r, i, h, b, so, dof;
+
+	if (e >= a.n)
+		return;
+	d = e % a.D;
+	r = e / a.D;
+	i = r % a.L;
+	h = r / a.L % a.H;
+	b = r / a.L / a.H;
+	so = a.soff + b * a.ssb + h * a.ssh + i * a.ssl + d;
+	dof = a.doff + b * a.dsb + h * a.dsh + i * a.dsl + d;
+	if (a.dt_src == a.dt_dst) {
+		if (a.dt_dst == APE_CU_F64_ELEM)
+			reinterpret_cast<uint64_t *>(a.dst)[dof] =
+				reinterpret_cast<const uint64_t *>(a.src)[so];
+		else if (a.dt_dst == APE_CU_F32)
+			reinterpret_cast<uint32_t *>(a.dst)[dof] =
+				reinterpret_cast<const uint32_t *>(a.src)[so];
+		else
+			reinterpret_cast<uint16_t *>(a.dst)[dof] =
+				reinterpret_cast<const uint16_t *>(a.src)[so];
+	} else if (a.dt_src == APE_CU_F64_ELEM) {
+		reinterpret_cast<float *>(a.dst)[dof] =
+			(float)reinterpret_cast<const double *>(a.src)[so];
+	} else {
+		ape::store_el(reinterpret_cast<void *>(a.dst), dof,
+			      reinterpret_cast<const float *>(a.src)[so], a.dt_dst);
+	}
+}
+APE_EMU_REGISTER(ape_copy_view, struct ape_cu_copy_args)
+
 #define APE_BWD(name, dmax, exact)                                                                 \
 	extern "C" __global__ void __launch_bounds__(APE_CU_THREADS, 1)                           \
 		ape_bwd_keys_##name(const struct ape_cu_bwd_args a)                                \

@@ -68,4 +68,15 @@ struct ape_cu_bwd_args {
 	float hp[4 * APE_CU_INLINE_HEADS]; /* per-head parameters when H <= APE_CU_INLINE_HEADS */
 };
 
+/* ape_copy_view's arguments (core/backend.h, struct ape__copy): element views in elements of
+ * their types; types APE_CU_F32, F16, BF16, or APE_CU_F64_ELEM (float64). */
+#define APE_CU_F64_ELEM 3
+struct ape_cu_copy_args {
+	uint64_t dst, src;
+	int64_t doff, dsb, dsh, dsl;
+	int64_t soff, ssb, ssh, ssl;
+	int64_t H, L, D, n; /* n = B * H * L * D elements */
+	int32_t dt_dst, dt_src;
+};
+
 #endif /* APE_CUDA_KERNELS_BWD_ARGS_H */

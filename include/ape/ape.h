@@ -1246,6 +1246,60 @@ APE_API int ape_attention_backward_ex(ape_device *const *devs, int ndev,
 				      const ape_tensor *dout, const float *dlse, ape_tensor *dq,
 				      ape_tensor *dk, ape_tensor *dv, float *dparams,
 				      ape_stats *stats);
+
+/**
+ * \brief The gradients of ape_attention_forward() on device tensors, enqueued on \p queue:
+ * the device-resident twin of ape_attention_backward() (and of ape_attention_enqueue()).
+ * Asynchronous: no copy to or from the host, no wait on the queue; work enqueued on \p queue
+ * before it (an ape_attention_enqueue() that writes o and lse, say) is ordered before it.
+ *
+ * The gradients, their rules and every check are ape_attention_backward()'s (messages name the
+ * argument), plus ape_attention_enqueue()'s for device tensors: every buffer belongs to the
+ * queue's device, every element a tensor addresses lies inside its buffer, offsets are
+ * multiples of the element size, the D axis is contiguous; overlaps are judged within one
+ * buffer (two buffers never overlap). All checks run before anything is enqueued; on a
+ * validation error nothing is enqueued.
+ *
+ * How it runs: the backend's launches take contiguous buffers and float32/float64
+ * accumulators, so the call enqueues, in order, on \p queue: copies of the inputs into
+ * contiguous device scratch (none for an input already dense at offset 0), the zeroed
+ * accumulators (none for a float32 output dense at offset 0), the launches, and copies of the
+ * accumulators into the outputs, converted to their types (rounded to nearest even). The
+ * scratch is allocated and released in queue order (stream-ordered memory on CUDA with memory
+ * pools; without pools the release waits for the stream). Its size, with the backend's own
+ * scratch, is kept under the device's default budget (three quarters of its memory) by
+ * running several launches of fewer query rows, each against every key, in row order (dK, dV
+ * and dparams accumulate over them in that fixed order); when even one query row does not fit
+ * the call fails with APE_ENOMEM saying what one row needs. Deterministic: two calls give
+ * bit-identical gradients; with one launch they are those of ape_attention_backward() on the
+ * same device and tensors (bit for bit on the reference and OpenCL).
+ *
+ * \param queue a queue of the device to run on (its backend needs the backward pass and the
+ *        ops of core/backend.h ABI 10: the reference, OpenCL with float64, CUDA)
+ * \param desc,q,k,v,o as ape_attention_backward(), as device tensors; read only
+ * \param lse the forward's LSE, `[B, H, Lq, 1]` APE_F32; required; read only
+ * \param dout dL/dO, shaped like q, of q->dtype or APE_F32; read only
+ * \param dlse NULL (dL/dLSE = 0), or `[B, H, Lq, 1]` APE_F32; read only
+ * \param[out] dq NULL, or shaped like q, of q->dtype or APE_F32
+ * \param[out] dk,dv each NULL, or shaped like k, of q->dtype or APE_F32
+ * \param[out] dparams NULL, or a `[1, 1, H, 4]` APE_F32 device tensor (an `[H, 4]` array:
+ *        per head h, the gradients of delta, beta, gamma, lambda), strides free but the last
+ * \return 0 (enqueued); APE_EINVAL (naming the argument and what is wrong; also when dq, dk,
+ *         dv and dparams are all NULL); APE_EOVERFLOW; APE_ENOMEM (one query row's scratch
+ *         over the budget, or the device's memory); APE_ENOTSUP (the backend cannot run it,
+ *         naming the device); device failures met while enqueueing.
+ * \note Outputs are written when the work completes; a failure on the device is reported by
+ *       the next ape_queue_synchronize() on \p queue, naming the device and this call, and
+ *       leaves the outputs unspecified. Host memory the call reads (desc's per-head
+ *       parameters) is read before it returns.
+ */
+APE_API int ape_attention_backward_enqueue(ape_queue *queue, const ape_attn_desc *desc,
+					   const ape_dtensor *q, const ape_dtensor *k,
+					   const ape_dtensor *v, const ape_dtensor *o,
+					   const ape_dtensor *lse, const ape_dtensor *dout,
+					   const ape_dtensor *dlse, const ape_dtensor *dq,
+					   const ape_dtensor *dk, const ape_dtensor *dv,
+					   const ape_dtensor *dparams);
 /**@}*/
 
 #ifdef __cplusplus

@@ -75,6 +75,28 @@ APE_API int ape_attention_forward_dlpack_diag(ape_device *dev, const ape_attn_de
 					      DLTensor *entropy, DLTensor *mean_distance,
 					      void *stream);
 
+/**
+ * \brief The backward pass on DLPack tensors, where they are: ape_attention_backward_enqueue()
+ * (include/ape/ape.h) on the memory and stream the tensors come with.
+ *
+ * q, k, v, o, dout, dq, dk, dv are 4-D `[B, H, L, D]` (k, v, dk, dv `[B, Hkv, Lk, D]`); lse
+ * (required) and dlse (NULL: dL/dLSE = 0) 3-D `[B, H, Lq]` float32; dparams 2-D `[H, 4]`
+ * float32 (per head the gradients of delta, beta, gamma, lambda). dq, dk, dv and dparams are
+ * each optional (NULL: not computed; all four NULL: APE_EINVAL). Types, strides, devices,
+ * streams, memory sharing and what the call returns are as for ape_attention_forward_dlpack():
+ * on kDLCPU tensors it returns once the gradients are written, on kDLOpenCL with a stream and
+ * on kDLCUDA once the work is enqueued on \p stream. The rules of ape_attention_backward()
+ * apply (an output shares no byte with an input or another output).
+ * \return as ape_attention_forward_dlpack(), with the errors of
+ *         ape_attention_backward_enqueue() prefixed with this function's name.
+ */
+APE_API int ape_attention_backward_dlpack(ape_device *dev, const ape_attn_desc *desc,
+					  const DLTensor *q, const DLTensor *k, const DLTensor *v,
+					  const DLTensor *o, const DLTensor *lse,
+					  const DLTensor *dout, const DLTensor *dlse, DLTensor *dq,
+					  DLTensor *dk, DLTensor *dv, DLTensor *dparams,
+					  void *stream);
+
 #ifdef __cplusplus
 }
 #endif

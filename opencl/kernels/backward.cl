@@ -805,4 +805,36 @@ __kernel void ape_bwd_params(__global const APE_REAL *PART, long B, int H, long 
 		dparams[4 * h + k] += (double)acc[k];
 }
 
+/*
+ * copy_view (core/backend.h, struct ape__copy): element d of row r (r over B*H*L in b, h, i
+ * order) from SRC's view into DST's, converted: a bit copy when the types agree, float32 to
+ * f16/bf16 through st() (rounded to nearest even), float64 to float32. Types: ape_dtype values,
+ * 3 for float64.
+ */
+__kernel void ape_copy_view(__global void *DST, int dt_dst, long doff, long dsb, long dsh, long dsl,
+			    __global const void *SRC, int dt_src, long soff, long ssb, long ssh,
+			    long ssl, long H, long L, long D)
+{
+	const long d = (long)get_global_id(0), r = (long)get_global_id(1);
+	const long i = r % L, b = r / L / H, h = r / L % H;
+	long so, dof;
+
+	if (d >= D)
+		return;
+	so = soff + b * ssb + h * ssh + i * ssl + d;
+	dof = doff + b * dsb + h * dsh + i * dsl + d;
+	if (dt_src == dt_dst) {
+		if (dt_dst == 3)
+			((__global ulong *)DST)[dof] = ((__global const ulong *)SRC)[so];
+		else if (dt_dst == 0)
+			((__global uint *)DST)[dof] = ((__global const uint *)SRC)[so];
+		else
+			((__global ushort *)DST)[dof] = ((__global const ushort *)SRC)[so];
+	} else if (dt_src == 3) {
+		((__global float *)DST)[dof] = (float)((__global const double *)SRC)[so];
+	} else {
+		st(DST, dof, ((__global const float *)SRC)[so], dt_dst);
+	}
+}
+
 #endif /* APE_FP64 */

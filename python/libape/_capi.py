@@ -157,6 +157,8 @@ _OPTIONAL = {
                                                     P(DLTensor), P(DLTensor), P(DLTensor), vp]),
     "ape_attention_forward_dlpack_diag": (ctypes.c_int, [vp, P(ApeAttnDesc)] + [P(DLTensor)] * 7
                                           + [vp]),
+    "ape_attention_backward_dlpack": (ctypes.c_int, [vp, P(ApeAttnDesc)] + [P(DLTensor)] * 11 +
+                                      [vp]),
 }
 
 

@@ -494,6 +494,71 @@ def _dlpack_forward_cpu(dev, q, k, v, return_lse, diag=False, **params):
     return _dlpack_call(fn, _device_spec(dev), desc, keep, q, k, v, return_lse, diag, None)
 
 
+def _backward_dlpack(dev, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, causal, scale,
+                     rope_base, layout, q_start, k_start, wrt, stream):
+    """ape_attention_backward_dlpack() on torch tensors where they are (CPU: kDLCPU, returning
+    once written; CUDA: kDLCUDA on `stream`, returning once enqueued): (dq, dk, dv, dparams
+    [H, 4] float32), each None where `wrt` does not name it, allocated beside q."""
+    torch = _torch()
+    fn = _capi.optional["ape_attention_backward_dlpack"]
+    want = set(wrt)
+    if not want or not want <= set(_WRT):
+        _bad("wrt = %r: name one or more of 'q', 'k', 'v', 'params'" % (wrt,))
+    # what libape cannot address in place (broadcast or negative strides, as autograd's dO of a
+    # sum() is, or a D axis that is not contiguous) is copied into a dense tensor first
+    q, k, v, o, lse, dout, dlse = (
+        x if x is None or (x.stride(-1) == 1 and
+                           all(st > 0 or n <= 1 for st, n in zip(x.stride(), x.shape)))
+        else x.contiguous() for x in (q, k, v, o, lse, dout, dlse))
+    B, H, Lq, D = q.shape
+    keep = []
+    desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
+                 0.0, keep)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if "q" in want else None
+    dk = torch.empty(k.shape, dtype=q.dtype, device=q.device) if "k" in want else None
+    dv = torch.empty(k.shape, dtype=q.dtype, device=q.device) if "v" in want else None
+    dp = torch.empty((H, 4), dtype=torch.float32, device=q.device) if "params" in want else None
+    ts = [None if x is None else _dl_tensor(n, x, keep) for n, x in
+          (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("dout", dout),
+           ("dlse", dlse), ("dq", dq), ("dk", dk), ("dv", dv), ("dparams", dp))]
+    err = fn(_device_spec(dev), ctypes.byref(desc),
+             *(None if t is None else ctypes.byref(t) for t in ts),
+             None if stream is None else ctypes.c_void_p(stream))
+    if err:
+        _raise(err)
+    return dq, dk, dv, dp
+
+
+def _attention_backward_cuda(q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, causal,
+                             scale, rope_base, layout, q_start, k_start, wrt, device):
+    """CUDA tensors: the gradients computed where the tensors are, by libape's CUDA device of
+    their ordinal, on PyTorch's current stream (ape_attention_backward_dlpack()): nothing is
+    copied through host memory, and the call returns once the work is enqueued. None when this
+    libape has no ape_attention_backward_dlpack() (the caller copies through the host)."""
+    torch = _torch()
+    if _capi.optional["ape_attention_backward_dlpack"] is None:
+        return None
+    for name, x in (("k", k), ("v", v), ("o", o), ("lse", lse), ("dout", dout), ("dlse", dlse)):
+        if x is not None and (not _is_torch_cuda(x) or x.device != q.device):
+            _bad("%s: on %s, q on %s: pass every tensor on one CUDA device"
+                 % (name, getattr(x, "device", type(x).__name__), q.device))
+    spec = "cuda:%d" % (q.device.index or 0) if device in (None, "auto") else device
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    return _backward_dlpack(spec, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, causal,
+                            scale, rope_base, layout, q_start, k_start, wrt, stream)
+
+
+def _dlpack_backward_cpu(dev, q, k, v, o, lse, dout, dlse=None, wrt=("q", "k", "v", "params"),
+                         **params):
+    """The DLPack backward on CPU torch tensors (kDLCPU): what CUDA tensors take, exercised
+    where there is no GPU. For tests."""
+    return _backward_dlpack(dev, q, k, v, o, lse, dout, dlse, params.get("delta", SEED_DELTA),
+                            params.get("beta", SEED_BETA), params.get("gamma", SEED_GAMMA),
+                            params.get("lam", SEED_LAMBDA), params.get("causal", True),
+                            params.get("scale"), 10000.0, "half", params.get("q_start"),
+                            params.get("k_start", 0), wrt, None)
+
+
 def attention_diagnostics(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA,
                           lam=SEED_LAMBDA, causal=True, scale=None, rope_base=10000.0,
                           layout="half", q_start=None, k_start=0, skip_tol=2.0 ** -24,

@@ -19,9 +19,10 @@ OpenCL's is not tuned yet. A device given
 explicitly is used for both passes: a backward on a device without one
 raises libape.ApeError (APE_ENOTSUP) naming it; nothing falls back to another device.
 CUDA tensors run on libape's CUDA device of the same ordinal, where they are, on PyTorch's
-current stream (ape_attention_forward_dlpack()). Their gradients come from libape's CUDA backward
-pass, which takes host tensors for now: the backward copies through host memory and back. (No
-GPU has run these paths yet: the forward is tested on CPU tensors through the same DLPack call.)
+current stream (ape_attention_forward_dlpack()); so do their gradients
+(ape_attention_backward_dlpack(): no copy through host memory). (No GPU has run these paths yet:
+both are tested on CPU tensors through the same DLPack calls, and the C library's CUDA paths on
+the emulator.)
 """
 import os
 from typing import Optional, Tuple
@@ -62,11 +63,21 @@ def _forward(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout,
 def _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale, rope_base,
               layout, q_start, k_start, device, wrt):
     """(dq, dk, dv, dparams [H, 4]); an unwanted gradient is an empty tensor (a custom op
-    returns tensors only). CUDA tensors: libape's backward takes host tensors, so they go
-    through host memory to the CUDA device of their ordinal (copies both ways), and the
-    gradients come back to q's device."""
+    returns tensors only). CUDA tensors: computed where they are by the CUDA device of their
+    ordinal, on the current stream (ape_attention_backward_dlpack(); dparams then on q's
+    device too); with a libape that lacks it, through host memory (copies both ways)."""
     home = q.device
     if q.is_cuda:
+        got = _core._attention_backward_cuda(
+            q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do.detach(),
+            None if dlse is None else dlse.detach(), _value(delta), _value(beta),
+            _value(gamma), _value(lam), causal, scale, rope_base, layout, q_start, k_start, wrt,
+            device)
+        if got is not None:  # computed on the device, on the current stream
+            out = tuple(q.new_empty(0) if g is None else g for g in got[:3])
+            return out + (got[3] if got[3] is not None
+                          else q.new_empty(0, dtype=torch.float32),)  # as the fake op says
+        # a libape without ape_attention_backward_dlpack(): through host memory
         q, k, v, o, lse, do = (x.detach().cpu() for x in (q, k, v, o, lse, do))
         dlse = None if dlse is None else dlse.detach().cpu()
         if device in (None, "auto"):

@@ -72,3 +72,44 @@ def test_dlpack_diagnostics_refusal_names_the_call():
     with pytest.raises(libape.ApeError) as e:
         _core._dlpack_forward_cpu("ref", q, k[:, :, :, :16].contiguous(), v, True, diag=True)
     assert "ape_attention_forward_dlpack_diag" in str(e.value)
+
+
+
+def _bwd_case(dtype, layout, seed=1):
+    q, k, v = (x.to(dtype) for x in _qkv(layout=layout, seed=seed))
+    o, lse = libape.attention(q, k, v, device="ref", return_lse=True)
+    g = torch.Generator().manual_seed(seed + 100)
+    do = torch.randn(o.shape, generator=g).to(dtype)
+    dlse = torch.randn(lse.shape, generator=g)
+    return q, k, v, o, lse, do, dlse
+
+
+@pytest.mark.skipif(_capi.optional["ape_attention_backward_dlpack"] is None,
+                    reason="this libape has no ape_attention_backward_dlpack()")
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("wrt", [("q", "k", "v", "params"), ("params",), ("k", "v")])
+def test_dlpack_backward_equals_host_call(layout, dtype, wrt):
+    """The backward through DLPack (what the autograd backward of CUDA tensors takes) gives the
+    host call's gradients bit for bit; what is not wanted is None."""
+    q, k, v, o, lse, do, dlse = _bwd_case(dtype, layout)
+    want = libape.attention_backward(q, k, v, o, lse, do, dlse=dlse, device="ref", wrt=wrt)
+    got = _core._dlpack_backward_cpu("ref", q, k, v, o, lse, do, dlse, wrt=wrt)
+    for w, g in zip(want, got):
+        assert (w is None) == (g is None)
+        if w is not None:
+            assert torch.equal(w, g)
+
+
+@pytest.mark.skipif(_capi.optional["ape_attention_backward_dlpack"] is None,
+                    reason="this libape has no ape_attention_backward_dlpack()")
+def test_dlpack_backward_broadcast_dout_and_refusals():
+    """An expanded dO (autograd's of a sum()) is taken; a bad tensor is refused, named."""
+    q, k, v, o, lse, _, _ = _bwd_case(torch.float32, "bhld")
+    do = torch.ones(()).expand(o.shape)
+    want = libape.attention_backward(q, k, v, o, lse, do.contiguous(), device="ref")
+    got = _core._dlpack_backward_cpu("ref", q, k, v, o, lse, do)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    with pytest.raises(libape.ApeError) as e:
+        _core._dlpack_backward_cpu("ref", q, k, v, o, lse[:, :1].contiguous(), do)
+    assert "ape_attention_backward_dlpack: lse" in str(e.value)

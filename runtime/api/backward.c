@@ -11,6 +11,7 @@
 #include "api/forward.h"
 #include "api/stats.h"
 #include "api/validate.h"
+#include "api/backward.h"
 #include "core/clock.h"
 #include "core/error.h"
 #include "exec/backward.h"
@@ -25,49 +26,50 @@ struct bwd_args {
 	int64_t dout_s[4], dq_s[4], dk_s[4], dv_s[4];
 };
 
-/*
- * dout, dq, dk, dv and dparams against the validated forward problem; then no output may
- * overlap an input (q, k, v, o, lse, dout, dlse) or an output checked before it.
- */
-static int check_gradients(const char *fn, const struct ape__problem *p, const ape_tensor *q,
-			   const ape_tensor *k, const ape_tensor *v, const ape_tensor *o,
-			   const float *lse, struct bwd_args *a)
+int ape__check_backward_tensors(const char *fn, const struct ape__problem *p,
+				const ape_tensor *q, const ape_tensor *k, const ape_tensor *v,
+				const ape_tensor *o, const struct ape__bwd_tensors *t,
+				struct ape__bwd_strides *s)
 {
 	static const char *const qdims[4] = { "B", "H", "Lq", "D" };
 	static const char *const kdims[4] = { "B", "Hkv", "Lk", "D" };
+	static const char *const ldims[4] = { "B", "H", "Lq", "1" };
+	static const char *const pdims[4] = { "1", "1", "H", "4" };
 	const char *in_names[7] = { "q", "k", "v", "o", "lse", "dout", "dlse" };
 	const char *out_names[4] = { "dq", "dk", "dv", "dparams" };
-	const uintptr_t rows_bytes = (uintptr_t)(p->B * p->H * p->Lq) * sizeof(float);
+	const int64_t lshape[4] = { p->B, p->H, p->Lq, 1 }, pshape[4] = { 1, 1, p->H, 4 };
 	uintptr_t in[7][2], out[4][2] = { { 0, 0 }, { 0, 0 }, { 0, 0 }, { 0, 0 } };
-	int64_t s[4];
+	int64_t any[4];
 	int ret;
 
-	/* already valid: only their byte ranges are wanted */
+	memset(s, 0, sizeof(*s));
+	in[6][0] = in[6][1] = 0;
+	/* q, k, v, o already valid: only their byte ranges are wanted */
 	if ((ret = ape__check_tensor_span(fn, "q", q, p->in_dtype, false, q->shape, qdims, false,
-					  s, in[0])) ||
+					  any, in[0])) ||
 	    (ret = ape__check_tensor_span(fn, "k", k, p->in_dtype, false, k->shape, kdims, false,
-					  s, in[1])) ||
+					  any, in[1])) ||
 	    (ret = ape__check_tensor_span(fn, "v", v, p->in_dtype, false, k->shape, kdims, false,
-					  s, in[2])) ||
+					  any, in[2])) ||
 	    (ret = ape__check_tensor_span(fn, "o", o, p->out_dtype, false, q->shape, qdims, false,
-					  s, in[3])))
+					  any, in[3])) ||
+	    (ret = ape__check_tensor_span(fn, "lse", t->lse, APE_F32, false, lshape, ldims, false,
+					  s->lse, in[4])) ||
+	    (ret = ape__check_tensor_span(fn, "dout", t->dout, p->in_dtype, true, q->shape, qdims,
+					  false, s->dout, in[5])) ||
+	    (t->dlse && (ret = ape__check_tensor_span(fn, "dlse", t->dlse, APE_F32, false, lshape,
+						      ldims, false, s->dlse, in[6]))))
 		return ret;
-	in[4][0] = (uintptr_t)lse;
-	in[4][1] = (uintptr_t)lse + rows_bytes;
-	if ((ret = ape__check_tensor_span(fn, "dout", a->dout, p->in_dtype, true, q->shape, qdims,
-					  false, a->dout_s, in[5])))
+	if ((t->dq && (ret = ape__check_tensor_span(fn, "dq", t->dq, p->in_dtype, true, q->shape,
+						    qdims, true, s->dq, out[0]))) ||
+	    (t->dk && (ret = ape__check_tensor_span(fn, "dk", t->dk, p->in_dtype, true, k->shape,
+						    kdims, true, s->dk, out[1]))) ||
+	    (t->dv && (ret = ape__check_tensor_span(fn, "dv", t->dv, p->in_dtype, true, k->shape,
+						    kdims, true, s->dv, out[2]))) ||
+	    (t->dparams && (ret = ape__check_tensor_span(fn, "dparams", t->dparams, APE_F32, false,
+							 pshape, pdims, true, s->dparams,
+							 out[3]))))
 		return ret;
-	in[6][0] = (uintptr_t)a->dlse;
-	in[6][1] = a->dlse ? (uintptr_t)a->dlse + rows_bytes : (uintptr_t)a->dlse;
-	if ((a->dq && (ret = ape__check_tensor_span(fn, "dq", a->dq, p->in_dtype, true, q->shape,
-						    qdims, true, a->dq_s, out[0]))) ||
-	    (a->dk && (ret = ape__check_tensor_span(fn, "dk", a->dk, p->in_dtype, true, k->shape,
-						    kdims, true, a->dk_s, out[1]))) ||
-	    (a->dv && (ret = ape__check_tensor_span(fn, "dv", a->dv, p->in_dtype, true, k->shape,
-						    kdims, true, a->dv_s, out[2]))))
-		return ret;
-	out[3][0] = (uintptr_t)a->dparams;
-	out[3][1] = a->dparams ? (uintptr_t)(a->dparams + 4 * p->H) : (uintptr_t)a->dparams;
 	for (int i = 0; i < 4; i++) {
 		for (int j = 0; j < 7; j++)
 			if ((ret = ape__check_disjoint(fn, out_names[i], out[i], in_names[j], in[j])))
@@ -77,6 +79,35 @@ static int check_gradients(const char *fn, const struct ape__problem *p, const a
 						       out[j])))
 				return ret;
 	}
+	return 0;
+}
+
+/*
+ * dout, dq, dk, dv and dparams against the validated forward problem; then no output may
+ * overlap an input (q, k, v, o, lse, dout, dlse) or an output checked before it. lse, dlse and
+ * dparams are contiguous float arrays here.
+ */
+static int check_gradients(const char *fn, const struct ape__problem *p, const ape_tensor *q,
+			   const ape_tensor *k, const ape_tensor *v, const ape_tensor *o,
+			   const float *lse, struct bwd_args *a)
+{
+	ape_tensor lse_t, dlse_t, dp_t;
+	struct ape__bwd_tensors t = { .lse = &lse_t, .dout = a->dout,
+				      .dlse = a->dlse ? &dlse_t : NULL,
+				      .dq = a->dq, .dk = a->dk, .dv = a->dv,
+				      .dparams = a->dparams ? &dp_t : NULL };
+	struct ape__bwd_strides s;
+	int ret;
+
+	ape_tensor_init(&lse_t, (void *)lse, APE_F32, p->B, p->H, p->Lq, 1);
+	ape_tensor_init(&dlse_t, (void *)a->dlse, APE_F32, p->B, p->H, p->Lq, 1);
+	ape_tensor_init(&dp_t, a->dparams, APE_F32, 1, 1, p->H, 4);
+	if ((ret = ape__check_backward_tensors(fn, p, q, k, v, o, &t, &s)))
+		return ret;
+	memcpy(a->dout_s, s.dout, sizeof(s.dout));
+	memcpy(a->dq_s, s.dq, sizeof(s.dq));
+	memcpy(a->dk_s, s.dk, sizeof(s.dk));
+	memcpy(a->dv_s, s.dv, sizeof(s.dv));
 	return 0;
 }
 

@@ -1,10 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The forward pass on DLPack tensors (include/ape/ape_dlpack.h), with or without the diagnostics
- * (ape_attention_forward_dlpack_diag()): each DLTensor becomes an
+ * The forward pass (with or without the diagnostics: ape_attention_forward_dlpack_diag()) and the
+ * backward pass on DLPack tensors (include/ape/ape_dlpack.h): each DLTensor becomes an
  * ape_dtensor over a wrapper of the caller's memory (ape__buffer_wrap()), and the call is checked
- * and enqueued by ape__attention_enqueue() (ape_attention_enqueue()'s path, its messages naming
- * this function and the tensor) on a queue: libape's own, synchronised before returning (kDLCPU, and
+ * and enqueued by ape__attention_enqueue_diag() or ape__attention_backward_enqueue() (the
+ * resident calls' paths, their messages naming this function and the tensor) on a queue: libape's own, synchronised before returning (kDLCPU, and
  * kDLOpenCL without a stream), or a wrapper of the caller's stream. Every wrapper is released
  * before returning, which the backend contract allows while the work is in flight (buf_wrap,
  * queue_wrap in runtime/core/backend.h).
@@ -29,9 +29,7 @@
 #include "api/resident.h"
 #include "api/validate.h"
 
-#define NT (APE__T_COUNT + 2) /* q, k, v, o, lse, entropy, mean_distance */
-
-static const char *const names[NT] = { "q", "k", "v", "o", "lse", "entropy", "mean_distance" };
+#define NT APE__RB_COUNT /* the most tensors of a call: the backward's */
 
 static const char *devtype_name(int t)
 {
@@ -74,7 +72,8 @@ static int kind_of(int device_type)
 
 /* One tensor as read from its DLTensor, before any wrapper exists. */
 struct dl_in {
-	const DLTensor *t;
+	const DLTensor *t; /* NULL: absent (an optional tensor of the call) */
+	const char *name;
 	ape_dtype dtype;
 	size_t esz;
 	bool empty; /* no element: addresses nothing, its data is never used */
@@ -143,18 +142,27 @@ static int check_device(const char *fn, const char *name, const DLTensor *t, con
 	return 0;
 }
 
-/* Reads one DLTensor of ndim dimensions into in->dt (without a buffer) and its byte span. */
+/*
+ * Reads one DLTensor of ndim dimensions into in->dt (without a buffer) and its byte span:
+ * `[B, H, L, D]` (4), `[B, H, Lq]` (3: LSE, as `[B, H, Lq, 1]`) or `[H, 4]` (2: parameter
+ * gradients, as `[1, 1, H, 4]`).
+ */
 static int read_tensor(const char *fn, const char *name, const DLTensor *t, int ndim,
 		       struct dl_in *in)
 {
+	const int lead = ndim == 2 ? 2 : 0; /* in->dt's axis of t's axis 0 */
 	uint64_t last = 0; /* elements from the first addressed to the last */
 	int64_t s[4];
 
 	memset(in, 0, sizeof(*in));
 	in->t = t;
+	in->name = name;
 	if (t->ndim != ndim)
 		return ape__error(APE_EINVAL, "%s: %s->ndim = %d: must be %d (%s)", fn, name, t->ndim,
-				  ndim, ndim == 4 ? "[B, H, L, D]" : "[B, H, Lq]");
+				  ndim,
+				  ndim == 4   ? "[B, H, L, D]"
+				  : ndim == 3 ? "[B, H, Lq]"
+					      : "[H, 4]");
 	if (!t->shape)
 		return ape__error(APE_EINVAL, "%s: %s->shape = NULL", fn, name);
 	int ret = check_dtype(fn, name, t, &in->dtype);
@@ -172,10 +180,12 @@ static int read_tensor(const char *fn, const char *name, const DLTensor *t, int 
 			return ape__error(APE_EINVAL, "%s: %s->shape[%d] = %" PRId64 ": negative", fn,
 					  name, d, t->shape[d]);
 		in->empty |= t->shape[d] == 0;
-		in->dt.shape[d] = t->shape[d];
+		in->dt.shape[d + lead] = t->shape[d];
 	}
 	if (ndim == 3)
 		in->dt.shape[3] = 1;
+	if (ndim == 2)
+		in->dt.shape[0] = in->dt.shape[1] = 1;
 	/* the strides given, or compact row-major ones; the stride of an axis of one element
 	 * addresses nothing (frameworks leave any value there): 0 */
 	s[3] = 1;
@@ -195,7 +205,10 @@ static int read_tensor(const char *fn, const char *name, const DLTensor *t, int 
 					  fn, name, d, s[d]);
 	}
 	if (t->strides) {
-		memcpy(in->dt.strides, s, sizeof(in->dt.strides));
+		for (int d = 0; d < ndim; d++)
+			in->dt.strides[d + lead] = s[d];
+		if (ndim == 3)
+			in->dt.strides[3] = s[3];
 		/* D of one element: 1 keeps it "contiguous" and the strides from reading as
 		 * ape_dtensor's "all 0: compact" */
 		if (in->dt.shape[3] <= 1)
@@ -251,7 +264,7 @@ static void group_tensors(struct dl_in *in, int n, int kind)
 				const struct dl_in *a = &in[i], *b = &in[j];
 				bool same;
 
-				if (a->group == b->group || a->empty || b->empty)
+				if (a->group == b->group || !a->t || !b->t || a->empty || b->empty)
 					continue;
 				same = kind == APE__MEM_OPENCL ? a->t->data == b->t->data
 							       : a->lo < b->hi && b->lo < a->hi;
@@ -267,10 +280,9 @@ static void group_tensors(struct dl_in *in, int n, int kind)
 	}
 }
 
-/* Wraps the memory of group g (the tensors whose group is g; `name` the name of tensor g) for
- * every tensor in it. */
-static int wrap_group(const char *fn, const char *name, ape_device *dev, struct dl_in *in, int n,
-		      int g, int kind, ape_buffer **out)
+/* Wraps the memory of group g (the tensors whose group is g) for every tensor in it. */
+static int wrap_group(const char *fn, ape_device *dev, struct dl_in *in, int n, int g, int kind,
+		      ape_buffer **out)
 {
 	/* an empty tensor's data is never read (it may be NULL): a few bytes stand for it */
 	static unsigned char dummy[16] __attribute__((aligned(16)));
@@ -279,7 +291,7 @@ static int wrap_group(const char *fn, const char *name, ape_device *dev, struct 
 	int ret;
 
 	*out = NULL;
-	snprintf(what, sizeof(what), "%s: %s", fn, name);
+	snprintf(what, sizeof(what), "%s: %s", fn, in[g].name);
 	if (in[g].empty) {
 		in[g].dt.byte_offset = 0;
 		if (kind == APE__MEM_HOST)
@@ -307,72 +319,98 @@ static int wrap_group(const char *fn, const char *name, ape_device *dev, struct 
 	return ape__buffer_wrap(what, dev, kind, (void *)lo, hi - lo, out);
 }
 
-/* Both public calls: t[NT] (q .. o required, lse and the diagnostics NULL when not wanted). */
-static int forward_dlpack(const char *fn, ape_device *dev, const ape_attn_desc *desc,
-			  const DLTensor *const t[NT], void *stream)
-{
+/* A call's DLTensors as wrapped device tensors, and the queue to enqueue on. */
+struct dl_call {
+	const char *fn;
 	struct dl_in in[NT];
-	const ape_dtensor *dt[NT] = { NULL };
-	ape_buffer *wrap[NT] = { NULL };
-	ape_queue *queue = NULL;
-	int idx[NT], n = 0, kind, ret = 0;
+	ape_buffer *wrap[NT];
+	ape_queue *queue;
+	const ape_dtensor *dt[NT]; /* NULL where absent */
+};
 
-	if (!dev)
-		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
-	if (!desc)
-		return ape__error(APE_EINVAL, "%s: desc = NULL", fn);
-	for (int i = 0; i < APE__T_LSE; i++)
-		if (!t[i])
-			return ape__error(APE_EINVAL, "%s: %s = NULL", fn, names[i]);
-	/* the tensors given, in order: in[m] is t[idx[m]] */
-	for (int i = 0; i < NT; i++) {
-		if (!t[i])
-			continue;
-		if ((ret = check_device(fn, names[i], t[i], t[0], dev)) ||
-		    (ret = read_tensor(fn, names[i], t[i], i >= APE__T_LSE ? 3 : 4, &in[n])))
+/*
+ * Reads and wraps the n tensors t (NULL: absent; ndims[i] their dimensions) for dev, and makes
+ * the queue stream names (see the header). On failure the caller still calls dl_release().
+ */
+static int dl_prepare(struct dl_call *c, ape_device *dev, const DLTensor *const *t,
+		      const char *const *names, const int *ndims, int n, void *stream)
+{
+	const char *fn = c->fn;
+	const DLTensor *q = t[0];
+	int kind, ret = 0;
+
+	for (int i = 0; i < n; i++) {
+		c->in[i].t = NULL;
+		c->in[i].name = names[i];
+		if (t[i] && ((ret = check_device(fn, names[i], t[i], q, dev)) ||
+			     (ret = read_tensor(fn, names[i], t[i], ndims[i], &c->in[i]))))
 			return ret;
-		idx[n++] = i;
 	}
-	kind = kind_of((int)t[0]->device.device_type);
+	kind = kind_of((int)q->device.device_type);
 	if (kind == APE__MEM_HOST && stream)
 		return ape__error(APE_EINVAL, "%s: stream = %p: must be NULL for kDLCPU tensors", fn,
 				  stream);
-	group_tensors(in, n, kind);
-	for (int m = 0; m < n && !ret; m++)
-		if (in[m].group == m)
-			ret = wrap_group(fn, names[idx[m]], dev, in, n, m, kind, &wrap[m]);
+	group_tensors(c->in, n, kind);
+	for (int i = 0; i < n && !ret; i++)
+		if (c->in[i].t && c->in[i].group == i)
+			ret = wrap_group(fn, dev, c->in, n, i, kind, &c->wrap[i]);
 	if (ret)
-		goto out;
-	for (int m = 0; m < n; m++) {
-		in[m].dt.buf = wrap[in[m].group];
-		dt[idx[m]] = &in[m].dt;
+		return ret;
+	for (int i = 0; i < n; i++) {
+		c->in[i].dt.buf = c->wrap[c->in[i].group];
+		c->dt[i] = c->in[i].t ? &c->in[i].dt : NULL;
 	}
 	if (kind == APE__MEM_CUDA)
-		ret = ape__queue_wrap(fn, dev, "cuda", stream, &queue);
+		ret = ape__queue_wrap(fn, dev, "cuda", stream, &c->queue);
 	else if (kind == APE__MEM_OPENCL && stream)
-		ret = ape__queue_wrap(fn, dev, "opencl", stream, &queue);
-	else if ((ret = ape_queue_create(dev, &queue)))
+		ret = ape__queue_wrap(fn, dev, "opencl", stream, &c->queue);
+	else if ((ret = ape_queue_create(dev, &c->queue)))
 		ret = ape__error_prefix(ret, fn);
-	if (ret)
-		goto out;
-	/* validated, then enqueued; on failure, ape_queue_destroy() waits for what was enqueued
-	 * before it */
-	ret = ape__attention_enqueue_diag(fn, queue, desc, dt[0], dt[1], dt[2], dt[3], dt[4], dt[5],
-					  dt[6]);
-	if (!ret && !queue->wrapped && (ret = ape_queue_synchronize(queue)))
-		ape__error_prefix(ret, fn);
-out:
-	ape_queue_destroy(queue);
-	for (int i = 0; i < NT; i++)
-		ape_buffer_free(wrap[i]);
 	return ret;
+}
+
+/* After the enqueue (ret its code): libape's own queue waited for, everything released (on
+ * failure ape_queue_destroy() waits for what was enqueued before it). */
+static int dl_release(struct dl_call *c, int ret)
+{
+	if (!ret && c->queue && !c->queue->wrapped && (ret = ape_queue_synchronize(c->queue)))
+		ape__error_prefix(ret, c->fn);
+	ape_queue_destroy(c->queue);
+	for (int i = 0; i < NT; i++)
+		ape_buffer_free(c->wrap[i]);
+	return ret;
+}
+
+/* Both forward calls: t[7] (q .. o required; lse, entropy, mean_distance NULL when not
+ * wanted). */
+static int forward_dlpack(const char *fn, ape_device *dev, const ape_attn_desc *desc,
+			  const DLTensor *const t[7], void *stream)
+{
+	static const char *const names[7] = { "q", "k", "v", "o", "lse", "entropy",
+					      "mean_distance" };
+	static const int ndims[7] = { 4, 4, 4, 4, 3, 3, 3 };
+	struct dl_call c = { .fn = fn };
+	int ret;
+
+	if (!dev)
+		return ape__error(APE_EINVAL, "%s: dev = NULL", c.fn);
+	if (!desc)
+		return ape__error(APE_EINVAL, "%s: desc = NULL", c.fn);
+	for (int i = 0; i < APE__T_LSE; i++)
+		if (!t[i])
+			return ape__error(APE_EINVAL, "%s: %s = NULL", c.fn, names[i]);
+	ret = dl_prepare(&c, dev, t, names, ndims, 7, stream);
+	if (!ret)
+		ret = ape__attention_enqueue_diag(c.fn, c.queue, desc, c.dt[0], c.dt[1], c.dt[2],
+						  c.dt[3], c.dt[4], c.dt[5], c.dt[6]);
+	return dl_release(&c, ret);
 }
 
 int ape_attention_forward_dlpack(ape_device *dev, const ape_attn_desc *desc, const DLTensor *q,
 				 const DLTensor *k, const DLTensor *v, DLTensor *o, DLTensor *lse,
 				 void *stream)
 {
-	const DLTensor *const t[NT] = { q, k, v, o, lse, NULL, NULL };
+	const DLTensor *const t[7] = { q, k, v, o, lse, NULL, NULL };
 
 	return forward_dlpack("ape_attention_forward_dlpack", dev, desc, t, stream);
 }
@@ -382,7 +420,40 @@ int ape_attention_forward_dlpack_diag(ape_device *dev, const ape_attn_desc *desc
 				      DLTensor *o, DLTensor *lse, DLTensor *entropy,
 				      DLTensor *mean_distance, void *stream)
 {
-	const DLTensor *const t[NT] = { q, k, v, o, lse, entropy, mean_distance };
+	const DLTensor *const t[7] = { q, k, v, o, lse, entropy, mean_distance };
 
 	return forward_dlpack("ape_attention_forward_dlpack_diag", dev, desc, t, stream);
+}
+
+int ape_attention_backward_dlpack(ape_device *dev, const ape_attn_desc *desc, const DLTensor *q,
+				  const DLTensor *k, const DLTensor *v, const DLTensor *o,
+				  const DLTensor *lse, const DLTensor *dout, const DLTensor *dlse,
+				  DLTensor *dq, DLTensor *dk, DLTensor *dv, DLTensor *dparams,
+				  void *stream)
+{
+	static const char *const names[APE__RB_COUNT] = { "q",	  "k",	"v",  "o",  "lse", "dout",
+							  "dlse", "dq", "dk", "dv", "dparams" };
+	static const int ndims[APE__RB_COUNT] = { 4, 4, 4, 4, 3, 4, 3, 4, 4, 4, 2 };
+	const DLTensor *t[APE__RB_COUNT] = { q, k, v, o, lse, dout, dlse, dq, dk, dv, dparams };
+	struct dl_call c = { .fn = "ape_attention_backward_dlpack" };
+	int ret;
+
+	if (!dev)
+		return ape__error(APE_EINVAL, "%s: dev = NULL", c.fn);
+	if (!desc)
+		return ape__error(APE_EINVAL, "%s: desc = NULL", c.fn);
+	for (int i = 0; i <= APE__RB_DOUT; i++)
+		if (!t[i])
+			return ape__error(APE_EINVAL, "%s: %s = NULL%s", c.fn, names[i],
+					  i == APE__RB_LSE ? ": the backward pass needs the "
+							     "forward's LSE"
+							   : "");
+	if (!dq && !dk && !dv && !dparams)
+		return ape__error(APE_EINVAL,
+				  "%s: dq, dk, dv and dparams are all NULL: no gradient is wanted",
+				  c.fn);
+	ret = dl_prepare(&c, dev, t, names, ndims, APE__RB_COUNT, stream);
+	if (!ret)
+		ret = ape__attention_backward_enqueue(c.fn, c.queue, desc, c.dt);
+	return dl_release(&c, ret);
 }

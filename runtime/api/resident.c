@@ -166,7 +166,7 @@ static int check_copy(const char *fn, const ape_queue *queue, const ape_buffer *
 	return 0;
 }
 
-static void note_call(ape_queue *queue, const char *fn)
+void ape__queue_note_call(ape_queue *queue, const char *fn)
 {
 	queue->calls++;
 	snprintf(queue->last_call, sizeof(queue->last_call), "%s #%" PRIu64, fn, queue->calls);
@@ -180,7 +180,7 @@ int ape_buffer_write(ape_queue *queue, ape_buffer *dst, size_t offset, const voi
 
 	if (ret || !bytes)
 		return ret;
-	note_call(queue, fn);
+	ape__queue_note_call(queue, fn);
 	ret = queue->dev->be->ops->copy_h2d(queue->q, dst->b, offset, src, bytes);
 	return ret ? ape__error_prefix(ret, fn) : 0;
 }
@@ -192,7 +192,7 @@ int ape_buffer_read(ape_queue *queue, void *dst, ape_buffer *src, size_t offset,
 
 	if (ret || !bytes)
 		return ret;
-	note_call(queue, fn);
+	ape__queue_note_call(queue, fn);
 	ret = queue->dev->be->ops->copy_d2h(queue->q, dst, src->b, offset, bytes);
 	return ret ? ape__error_prefix(ret, fn) : 0;
 }
@@ -335,10 +335,8 @@ void ape_dtensor_init(ape_dtensor *t, ape_buffer *buf, uint64_t byte_offset, ape
  * validation's overlap rules apply within a buffer and never across two. */
 #define SLOT_SHIFT 44
 
-/* What ape__check_resident() needs of one tensor before the host rules run. */
-static int check_dtensor(const char *fn, const char *name, const ape_dtensor *t,
-			 const ape_device *dev, const ape_buffer *const bufs[APE__T_COUNT],
-			 ape_tensor *host)
+int ape__dtensor_host(const char *fn, const char *name, const ape_dtensor *t,
+		      const ape_device *dev, const ape_buffer *const *bufs, ape_tensor *host)
 {
 	const size_t esz = ape_dtype_size(t->dtype);
 	bool contiguous = true;
@@ -381,9 +379,8 @@ static int check_dtensor(const char *fn, const char *name, const ape_dtensor *t,
 	return 0;
 }
 
-/* The element view of a validated tensor, and its bytes within the buffer. */
-static int view_of(const char *fn, const char *name, const ape_dtensor *t, const int64_t s[4],
-		   struct ape__view *v)
+int ape__dtensor_view(const char *fn, const char *name, const ape_dtensor *t, const int64_t s[4],
+		      struct ape__view *v)
 {
 	const size_t esz = ape_dtype_size(t->dtype);
 	uint64_t last = 0; /* element offset of the last element, from element 0 */
@@ -418,15 +415,15 @@ int ape__check_dtensor(const char *fn, const char *name, const ape_dtensor *t,
 	if (!t)
 		return ape__error(APE_EINVAL, "%s: %s = NULL", fn, name);
 	bufs[0] = t->buf;
-	if ((ret = check_dtensor(fn, name, t, dev, bufs, &host)) ||
+	if ((ret = ape__dtensor_host(fn, name, t, dev, bufs, &host)) ||
 	    (ret = ape__check_tensor(fn, name, &host, dtype, want, dims, s)))
 		return ret;
-	return view_of(fn, name, t, s, v);
+	return ape__dtensor_view(fn, name, t, s, v);
 }
 
 /*
  * An output of one float per row ([B, H, Lq, 1] float32: lse, entropy, mean_distance; t, and h
- * its synthetic host tensor from check_dtensor()) of a call whose tensors host[0..n), named
+ * its synthetic host tensor from ape__dtensor_host()) of a call whose tensors host[0..n), named
  * names[], are validated: its dtype, shape and strides, no two rows at one address, inside its
  * buffer (its element view in *v), and no byte shared with any of them.
  */
@@ -444,7 +441,7 @@ static int check_row_output(const char *fn, const char *name, const ape_dtensor 
 
 	if ((ret = ape__check_tensor_span(fn, name, h, APE_F32, false, want, ldims, true, ls,
 					  rl)) ||
-	    (ret = view_of(fn, name, t, ls, v)))
+	    (ret = ape__dtensor_view(fn, name, t, ls, v)))
 		return ret;
 	for (int i = 0; i < n; i++) {
 		int64_t s2[4];
@@ -476,15 +473,15 @@ int ape__check_resident(const char *fn, const ape_device *dev, const ape_attn_de
 		bufs[i] = t[i] ? t[i]->buf : NULL;
 	}
 	for (int i = 0; i < APE__T_COUNT; i++)
-		if (t[i] && (ret = check_dtensor(fn, names[i], t[i], dev, bufs, &host[i])))
+		if (t[i] && (ret = ape__dtensor_host(fn, names[i], t[i], dev, bufs, &host[i])))
 			return ret;
 	if ((ret = ape__problem_init(p, fn, desc, &host[APE__T_Q], &host[APE__T_K],
 				     &host[APE__T_V], &host[APE__T_O], NULL)))
 		return ret;
-	if ((ret = view_of(fn, "q", q, p->qs, &view[APE__T_Q])) ||
-	    (ret = view_of(fn, "k", k, p->ks, &view[APE__T_K])) ||
-	    (ret = view_of(fn, "v", v, p->vs, &view[APE__T_V])) ||
-	    (ret = view_of(fn, "o", o, p->os, &view[APE__T_O])))
+	if ((ret = ape__dtensor_view(fn, "q", q, p->qs, &view[APE__T_Q])) ||
+	    (ret = ape__dtensor_view(fn, "k", k, p->ks, &view[APE__T_K])) ||
+	    (ret = ape__dtensor_view(fn, "v", v, p->vs, &view[APE__T_V])) ||
+	    (ret = ape__dtensor_view(fn, "o", o, p->os, &view[APE__T_O])))
 		goto fail;
 	memset(&view[APE__T_LSE], 0, sizeof(view[APE__T_LSE]));
 	if (lse && (ret = check_row_output(fn, "lse", lse, &host[APE__T_LSE], p, names, host,
@@ -571,7 +568,7 @@ int ape__check_resident_diag(const char *fn, const ape_device *dev, const ape_at
 	for (int i = 0; i < N; i++) {
 		if (!t[i])
 			continue;
-		if ((ret = check_dtensor(fn, names[i], t[i], dev, bufs, &host[i])))
+		if ((ret = ape__dtensor_host(fn, names[i], t[i], dev, bufs, &host[i])))
 			goto fail;
 		if (i >= APE__T_COUNT &&
 		    (ret = check_row_output(fn, names[i], t[i], &host[i], p, on, others, n,
@@ -643,7 +640,7 @@ int ape__attention_enqueue_diag(const char *fn, ape_queue *queue, const ape_attn
 		ape__problem_fini(&p);
 		return 0;
 	}
-	note_call(queue, fn);
+	ape__queue_note_call(queue, fn);
 	if (p.Lk == 0) {
 		ret = write_empty_rows(queue, &p, r.buf, r.view);
 		for (int d = 0; d < 2 && !ret; d++)

@@ -9,6 +9,7 @@
 
 #include "core/backend.h"
 #include "exec/problem.h"
+#include "exec/resident_bwd.h"
 
 #pragma GCC visibility push(hidden)
 
@@ -27,6 +28,10 @@ struct ape_queue {
 	char last_call[64]; /* "ape_attention_enqueue #3": named when a synchronisation fails */
 };
 
+/* Counts a call that enqueues work on queue, for the message of a failed synchronisation
+ * ("<fn> #3"). */
+void ape__queue_note_call(ape_queue *queue, const char *fn);
+
 /* A wrapper of the caller's memory (enum ape__mem_kind) as a public buffer; messages start with
  * fn. dev is not NULL. */
 int ape__buffer_wrap(const char *fn, ape_device *dev, int kind, void *handle, size_t bytes,
@@ -35,6 +40,20 @@ int ape__buffer_wrap(const char *fn, ape_device *dev, int kind, void *handle, si
  * "cuda"), else APE_ENOTSUP. */
 int ape__queue_wrap(const char *fn, ape_device *dev, const char *api, void *handle,
 		    ape_queue **out);
+
+/*
+ * What the host rules need of device tensor t (not NULL) of a call on dev: its buffer is dev's,
+ * its type a storage type, its offset a multiple of the element size inside the buffer, D
+ * contiguous; then *host is t at a synthetic address (each buffer of the call 2^44 bytes of its
+ * own: bufs lists the call's buffers, t's among them, the first occurrence naming the slot),
+ * so that api/validate.h's overlap rules apply within a buffer and never across two.
+ */
+int ape__dtensor_host(const char *fn, const char *name, const ape_dtensor *t,
+		      const ape_device *dev, const ape_buffer *const *bufs, ape_tensor *host);
+/* The element view of t once the host rules resolved its strides s; APE_EINVAL when an
+ * addressed element lies beyond its buffer. */
+int ape__dtensor_view(const char *fn, const char *name, const ape_dtensor *t, const int64_t s[4],
+		      struct ape__view *v);
 
 /* One device tensor of dev: of `dtype`, shaped `want` (-1: any; dims name them), D contiguous,
  * inside its buffer; its element view in *v. */
@@ -74,6 +93,22 @@ int ape__attention_enqueue_diag(const char *fn, ape_queue *queue, const ape_attn
 				const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
 				const ape_dtensor *o, const ape_dtensor *lse,
 				const ape_dtensor *ent, const ape_dtensor *md);
+
+
+/*
+ * Every check of ape_attention_backward_enqueue() (runtime/api/resident_bwd.c), before anything
+ * is enqueued: t holds its tensors in enum ape__rb_tensor order (NULL where absent). Fills *p
+ * (release with ape__problem_fini()) and r's buffers, views and types; the caller sets r's fn,
+ * dev, q and budget. Messages start with fn.
+ */
+int ape__check_resident_bwd(const char *fn, const struct ape_queue *queue,
+			    const ape_attn_desc *desc, const ape_dtensor *const t[APE__RB_COUNT],
+			    struct ape__problem *p, struct ape__resident_bwd_req *r);
+
+/* ape_attention_backward_enqueue() with its messages starting with fn (the DLPack call's); t in
+ * enum ape__rb_tensor order. */
+int ape__attention_backward_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc *desc,
+				    const ape_dtensor *const t[APE__RB_COUNT]);
 
 #pragma GCC visibility pop
 #endif

@@ -71,8 +71,10 @@
  * 8: struct ape__launch.diag_view, ape__backend_ops.attention_diag_views (the diagnostics on
  * device tensors: strided, each optional, without lse).
  * 9: keys read in place from a KV cache's blocks: struct ape__kv_pages, ape__launch.pages,
- * ape__backend_ops.attention_pages. */
-#define APE__BACKEND_ABI 9
+ * ape__backend_ops.attention_pages.
+ * 10: scratch_alloc, scratch_free and copy_view (struct ape__copy), for the backward pass on the
+ * caller's device memory. */
+#define APE__BACKEND_ABI 10
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -240,6 +242,28 @@ static inline unsigned ape__bwd_parts(const struct ape__bwd_launch *l)
 	       (l->dv ? APE__BWD_DV : 0u) | (l->dparams ? APE__BWD_DPARAMS : 0u) |
 	       (l->dlse ? APE__BWD_DLSE : 0u) | (l->f.pairs ? APE__BWD_PAIRS : 0u);
 }
+
+/* Element types of copy_view: the storage types (ape_dtype values), and float64 (the backward
+ * pass's parameter sums). */
+enum ape__elem { APE__E_F32 = APE_F32, APE__E_F16 = APE_F16, APE__E_BF16 = APE_BF16, APE__E_F64 = 3 };
+
+/*
+ * One copy_view command: the [B, H, L, D] elements of src, where sv says (struct ape__view, in
+ * src_type elements), into dst where dv says (in dst_type elements), D contiguous on both
+ * sides. Either src_type == dst_type (a bit copy), or src_type is APE__E_F32 and dst_type
+ * APE__E_F16 or APE__E_BF16 (rounded to nearest even, as ape_convert() does on the host; a NaN
+ * stays a NaN), or src_type is APE__E_F64 and dst_type APE__E_F32 (rounded to nearest even).
+ * The core validated both views (every element inside its buffer; dst does not overlap itself
+ * or src); sv's strides may be 0 (one source element for many destinations). head_D is the
+ * head size of the call it serves, for a backend that picks programs by it.
+ */
+struct ape__copy {
+	int64_t B, H, L, D;
+	struct ape__buf *dst, *src;
+	int dst_type, src_type; /* enum ape__elem */
+	struct ape__view dv, sv;
+	int64_t head_D;
+};
 
 /* Result of probing a backend's driver. */
 struct ape__probe_result {
@@ -489,6 +513,32 @@ struct ape__backend_ops {
 	 * rows.)
 	 */
 	bool (*attention_pages)(struct ape_device *dev, const struct ape__launch *l);
+
+	/* ---- ABI 10: the backward pass on the caller's device memory
+	 * (ape_attention_backward_enqueue(), runtime/exec/resident_bwd.c). All three or none: a
+	 * backend without them refuses that call with APE_ENOTSUP naming the device. */
+
+	/*
+	 * Optional. Device memory of `bytes` (> 0) bytes for *out, for commands enqueued on q from
+	 * now on: as buf_alloc's (alignment, undefined contents), but ordered on q (a stream-ordered
+	 * allocation where the device has one), so that the core never waits for it. Every op takes
+	 * it as a buffer. Released only by scratch_free on the same q.
+	 */
+	int (*scratch_alloc)(struct ape__queue *q, size_t bytes, struct ape__buf **out);
+	/*
+	 * Optional, required with scratch_alloc. Releases buf (NULL: nothing) after every command
+	 * enqueued on q so far, without waiting for them where the device allows it (OpenCL: the
+	 * commands keep the memory alive; CUDA with memory pools: cuMemFreeAsync; without pools it
+	 * waits for the stream, on a wrapped one the caller's earlier work too). The struct is
+	 * freed whatever happens; a failure (a device lost) is reported as usual.
+	 */
+	int (*scratch_free)(struct ape__queue *q, struct ape__buf *buf);
+	/*
+	 * Optional, required with scratch_alloc. Enqueues the copy c (struct ape__copy above) on q,
+	 * converting each element as stated there; touches no other byte of c->dst. Fails by the
+	 * rules at the top of this file (ape__op_error(ret, dev, "copy_view")).
+	 */
+	int (*copy_view)(struct ape__queue *q, const struct ape__copy *c);
 };
 
 /* Kinds of memory buf_wrap takes. */

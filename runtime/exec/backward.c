@@ -124,28 +124,31 @@ static int64_t key_chunks(const struct bwd_run *x, int64_t ck)
 	return ck > 0 ? (x->r->p->Lk + ck - 1) / ck : 1;
 }
 
-/*
- * Launch l of query rows [i0, i0 + nq) against key rows [j0, j0 + nk), in key chunks of ck rows,
- * without its buffers: what the launch and the plan's scratch figure both start from.
- */
-static void launch_shape(const struct bwd_run *x, int64_t ck, struct ape__bwd_launch *l,
-			 int64_t i0, int64_t nq, int64_t j0, int64_t nk)
+void ape__bwd_launch_shape(const struct ape__problem *p, ape_dtype dout_dtype, int64_t nkc,
+			   struct ape__bwd_launch *l, int64_t i0, int64_t nq, int64_t j0, int64_t nk)
 {
-	const struct ape__problem *p = x->r->p;
-	const double nkc = (double)key_chunks(x, ck);
-
 	memset(l, 0, sizeof(*l));
-	/* skip_tol shared by the nk key chunks a row meets: launch tests of t / (1 + t) each add
+	/* skip_tol shared by the nkc key chunks a row meets: launch tests of t / (1 + t) each add
 	 * up to skip_tol / (1 + skip_tol) of the row's weight with t = skip_tol / (nk + skip_tol
 	 * (nk - 1)) (docs/kernels.md, "Skipping in the backward pass"); 0 when the decays do not
 	 * allow skipping */
 	ape__launch_init(&l->f, p, p->out_dtype,
-			 ape__skip_allowed(p) ? p->skip_tol / (nkc + p->skip_tol * (nkc - 1)) : 0.0);
+			 ape__skip_allowed(p)
+				 ? p->skip_tol / ((double)nkc + p->skip_tol * ((double)nkc - 1))
+				 : 0.0);
 	l->f.Lq = nq;
 	l->f.Lk = nk;
 	l->f.q_start = p->q_start + i0; /* validated: positions of every row fit */
 	l->f.k_start = p->k_start + j0;
-	l->dout_dtype = x->r->dout->dtype;
+	l->dout_dtype = dout_dtype;
+}
+
+/* Launch l of query rows [i0, i0 + nq) against key rows [j0, j0 + nk), in key chunks of ck rows,
+ * without its buffers: what the launch and the plan's scratch figure both start from. */
+static void launch_shape(const struct bwd_run *x, int64_t ck, struct ape__bwd_launch *l,
+			 int64_t i0, int64_t nq, int64_t j0, int64_t nk)
+{
+	ape__bwd_launch_shape(x->r->p, x->r->dout->dtype, key_chunks(x, ck), l, i0, nq, j0, nk);
 }
 
 /* The APE__BWD_* parts of every launch of the call. */

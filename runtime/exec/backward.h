@@ -48,6 +48,14 @@ struct ape__bwd_result {
 	int64_t cq, ck; /* rows per chunk the planner chose */
 };
 
+/*
+ * The launch of query rows [i0, i0 + nq) against key rows [j0, j0 + nk) of the validated
+ * problem p, for a call whose rows meet nkc key chunks (the skip_tol share), without buffers:
+ * shapes, positions, parameters; the caller sets the buffers (and views).
+ */
+void ape__bwd_launch_shape(const struct ape__problem *p, ape_dtype dout_dtype, int64_t nkc,
+			   struct ape__bwd_launch *l, int64_t i0, int64_t nq, int64_t j0, int64_t nk);
+
 /* 0 when dev's backend implements the backward pass; else APE_ENOTSUP naming the device
  * ("<fn>: opencl:0 NAME: the backward pass is not implemented on this backend yet"). */
 int ape__backward_supported(const char *fn, const struct ape_device *dev);

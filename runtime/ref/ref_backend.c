@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/alloc.h"
 #include "core/clock.h"
+#include "core/half.h"
 #include "ref.h"
 
 /* The last choice of "auto": the host without a driver (ranks: core/backend.h). */
@@ -48,25 +49,31 @@ static int ref_probe(struct ape__backend *be, struct ape__probe_result *res)
 	return ape__device_add(be, &info, REF_RANK, NULL);
 }
 
-static int ref_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
+/* buf_alloc, or scratch_alloc (op names the one for messages) */
+static int ref_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out, const char *op)
 {
 	struct ape__buf *b;
 
 	*out = NULL;
 	if (bytes > SIZE_MAX - sizeof(*b) - 64) {
 		ape__error(APE_ENOMEM, "%zu bytes is more than memory can hold", bytes);
-		return ape__op_error(APE_ENOMEM, dev, "buf_alloc");
+		return ape__op_error(APE_ENOMEM, dev, op);
 	}
 	b = ape__malloc(sizeof(*b) + bytes);
 	if (!b) {
 		ape__error(APE_ENOMEM, "out of host memory allocating %zu bytes", bytes);
-		return ape__op_error(APE_ENOMEM, dev, "buf_alloc");
+		return ape__op_error(APE_ENOMEM, dev, op);
 	}
 	b->size = bytes;
 	b->bytes = (unsigned char *)b->mem;
 	b->wrapped = false;
 	*out = b;
 	return 0;
+}
+
+static int ref_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
+{
+	return ref_alloc(dev, bytes, out, "buf_alloc");
 }
 
 /* Host memory is this device's memory: wrapping it costs one small allocation. */
@@ -225,6 +232,93 @@ static int ref_attention_backward(struct ape__queue *q, const struct ape__bwd_la
 	return ape__op_error(ape__ref_backward(l, &io), q->dev, "attention_backward");
 }
 
+/* Commands run when enqueued: queue-ordered memory is plain memory. */
+static int ref_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+{
+	return ref_alloc(q->dev, bytes, out, "scratch_alloc");
+}
+
+static int ref_scratch_free(struct ape__queue *q, struct ape__buf *buf)
+{
+	ref_buf_free(q->dev, buf);
+	return 0;
+}
+
+/* One element of type t (enum ape__elem) as a double, and back: exact both ways for every
+ * conversion copy_view takes (float64 to float32 rounds once, in the cast). */
+static double ref_load(const unsigned char *p, int t)
+{
+	uint16_t h;
+	float f;
+	double d;
+
+	switch (t) {
+	case APE__E_F16:
+		memcpy(&h, p, 2);
+		return ape__f16_to_f32(h);
+	case APE__E_BF16:
+		memcpy(&h, p, 2);
+		return ape__bf16_to_f32(h);
+	case APE__E_F64:
+		memcpy(&d, p, 8);
+		return d;
+	default:
+		memcpy(&f, p, 4);
+		return f;
+	}
+}
+
+static void ref_store(unsigned char *p, int t, double x)
+{
+	const float f = (float)x;
+	uint16_t h;
+
+	switch (t) {
+	case APE__E_F16:
+		h = ape__f32_to_f16(f);
+		memcpy(p, &h, 2);
+		break;
+	case APE__E_BF16:
+		h = ape__f32_to_bf16(f);
+		memcpy(p, &h, 2);
+		break;
+	case APE__E_F64:
+		memcpy(p, &x, 8);
+		break;
+	default:
+		memcpy(p, &f, 4);
+	}
+}
+
+static size_t ref_elem_size(int t)
+{
+	return t == APE__E_F64 ? 8 : t == APE__E_F32 ? 4 : 2;
+}
+
+static int ref_copy_view(struct ape__queue *q, const struct ape__copy *c)
+{
+	const size_t ds = ref_elem_size(c->dst_type), ss = ref_elem_size(c->src_type);
+
+	(void)q;
+	for (int64_t b = 0; b < c->B; b++)
+		for (int64_t h = 0; h < c->H; h++)
+			for (int64_t i = 0; i < c->L; i++) {
+				const int64_t so = c->sv.off + b * c->sv.sb + h * c->sv.sh + i * c->sv.sl;
+				const int64_t dof = c->dv.off + b * c->dv.sb + h * c->dv.sh + i * c->dv.sl;
+
+				for (int64_t d = 0; d < c->D; d++) {
+					const unsigned char *s = c->src->bytes + (size_t)(so + d) * ss;
+					unsigned char *t = c->dst->bytes + (size_t)(dof + d) * ds;
+
+					if (c->src_type == c->dst_type)
+						memcpy(t, s, ds); /* a bit copy: NaN payloads too */
+					else
+						ref_store(t, c->dst_type, ref_load(s, c->src_type));
+				}
+			}
+	return 0;
+}
+
 static int ref_synchronize(struct ape__queue *q)
 {
 	(void)q;
@@ -255,5 +349,8 @@ const struct ape__backend_ops ape__ref_ops = {
 	.buf_wrap = ref_buf_wrap,
 	.attention_diag = true,
 	.attention_diag_views = true,
+	.scratch_alloc = ref_scratch_alloc,
+	.scratch_free = ref_scratch_free,
+	.copy_view = ref_copy_view,
 	/* no queue_wrap: the reference has no native queue; no native: no native objects */
 };

@@ -154,3 +154,109 @@ int run_chunked(bcase *c, ape_device *dev, grads *g, int64_t cq, int64_t ck, ape
 					 &tp->o.t, tp->lse, &c->dout.t, c->dlse, &g->dq.t, &g->dk.t,
 					 &g->dv.t, g->dparams, st);
 }
+
+/* ---------------------------------------------------------------- on device tensors */
+
+/* A device copy of t's whole allocation, `pad` bytes into a new buffer; *d views t in it. */
+static int up(ape_queue *qu, const test_tensor *t, size_t pad, ape_buffer **b, ape_dtensor *d)
+{
+	const size_t off = (size_t)((const char *)t->t.data - (const char *)t->alloc);
+	int ret = ape_buffer_alloc(ape_queue_device(qu), pad + t->alloc_bytes + 8, b);
+
+	if (ret)
+		return ret;
+	ape_dtensor_init(d, *b, pad + off, t->t.dtype, t->t.shape[0], t->t.shape[1],
+			 t->t.shape[2], t->t.shape[3]);
+	ape_tensor_strides(&t->t, d->strides);
+	return ape_buffer_write(qu, *b, pad, t->alloc, t->alloc_bytes);
+}
+
+/* n floats to a new buffer, `pad` bytes in, viewed as [d0, d1, d2, d3]. */
+int dcase_up_floats(ape_queue *qu, const float *x, size_t n, size_t pad, ape_buffer **b,
+		     ape_dtensor *d, int64_t d0, int64_t d1, int64_t d2, int64_t d3)
+{
+	int ret = ape_buffer_alloc(ape_queue_device(qu), pad + n * 4 + 8, b);
+
+	if (ret)
+		return ret;
+	ape_dtensor_init(d, *b, pad, APE_F32, d0, d1, d2, d3);
+	return n ? ape_buffer_write(qu, *b, pad, x, n * 4) : 0;
+}
+
+void dcase_free(dcase *x)
+{
+	for (int i = 0; i < NT; i++)
+		ape_buffer_free(x->b[i]);
+	memset(x, 0, sizeof(*x));
+}
+
+/* Uploads case c and the (poisoned) outputs of g, `pad` bytes into each buffer. */
+int dcase_up(dcase *x, ape_queue *qu, const bcase *c, const grads *g, size_t pad)
+{
+	const test_problem *tp = &c->tp;
+	const int64_t B = tp->q.t.shape[0], H = tp->q.t.shape[1], Lq = tp->q.t.shape[2];
+	const size_t rows = (size_t)(B * H * Lq);
+	int ret;
+
+	memset(x, 0, sizeof(*x));
+	x->pad = pad;
+	if ((ret = up(qu, &tp->q, pad, &x->b[T_Q], &x->d[T_Q])) ||
+	    (ret = up(qu, &tp->k, pad, &x->b[T_K], &x->d[T_K])) ||
+	    (ret = up(qu, &tp->v, pad, &x->b[T_V], &x->d[T_V])) ||
+	    (ret = up(qu, &tp->o, pad, &x->b[T_O], &x->d[T_O])) ||
+	    (ret = dcase_up_floats(qu, tp->lse, rows, pad, &x->b[T_LSE], &x->d[T_LSE], B, H, Lq, 1)) ||
+	    (ret = up(qu, &c->dout, pad, &x->b[T_DOUT], &x->d[T_DOUT])) ||
+	    (c->dlse && (ret = dcase_up_floats(qu, c->dlse, rows, pad, &x->b[T_DLSE], &x->d[T_DLSE], B,
+					 H, Lq, 1))) ||
+	    (ret = up(qu, &g->dq, pad, &x->b[T_DQ], &x->d[T_DQ])) ||
+	    (ret = up(qu, &g->dk, pad, &x->b[T_DK], &x->d[T_DK])) ||
+	    (ret = up(qu, &g->dv, pad, &x->b[T_DV], &x->d[T_DV])) ||
+	    (ret = dcase_up_floats(qu, g->dparams, (size_t)(4 * g->H), pad, &x->b[T_DP], &x->d[T_DP],
+			     1, 1, g->H, 4)))
+		return ret;
+	return 0;
+}
+
+/* The enqueue of the outputs `wanted` names (W_*). */
+int dcase_enqueue(dcase *x, ape_queue *qu, const bcase *c, unsigned wanted)
+{
+	return ape_attention_backward_enqueue(
+		qu, &c->tp.desc, &x->d[T_Q], &x->d[T_K], &x->d[T_V], &x->d[T_O], &x->d[T_LSE],
+		&x->d[T_DOUT], c->dlse ? &x->d[T_DLSE] : NULL, wanted & W_DQ ? &x->d[T_DQ] : NULL,
+		wanted & W_DK ? &x->d[T_DK] : NULL, wanted & W_DV ? &x->d[T_DV] : NULL,
+		wanted & W_DP ? &x->d[T_DP] : NULL);
+}
+
+/* Reads every output buffer back into g's allocations (padding included), and synchronises. */
+int dcase_down(dcase *x, ape_queue *qu, grads *g)
+{
+	int ret;
+
+	if ((ret = ape_buffer_read(qu, g->dq.alloc, x->b[T_DQ], x->pad, g->dq.alloc_bytes)) ||
+	    (ret = ape_buffer_read(qu, g->dk.alloc, x->b[T_DK], x->pad, g->dk.alloc_bytes)) ||
+	    (ret = ape_buffer_read(qu, g->dv.alloc, x->b[T_DV], x->pad, g->dv.alloc_bytes)) ||
+	    (ret = ape_buffer_read(qu, g->dparams, x->b[T_DP], x->pad,
+				   (size_t)(4 * g->H) * sizeof(float))))
+		return ret;
+	return ape_queue_synchronize(qu);
+}
+
+/* Case c enqueued on dev into g (outputs `wanted`), everything `pad` bytes into its buffer. */
+int run_enqueue_backward(const bcase *c, ape_device *dev, grads *g, unsigned wanted, size_t pad)
+{
+	ape_queue *qu = NULL;
+	dcase x;
+	int ret = ape_queue_create(dev, &qu);
+
+	memset(&x, 0, sizeof(x));
+	if (!ret)
+		ret = dcase_up(&x, qu, c, g, pad);
+	if (!ret)
+		ret = dcase_enqueue(&x, qu, c, wanted);
+	if (!ret)
+		ret = dcase_down(&x, qu, g);
+	ape_queue_destroy(qu);
+	dcase_free(&x);
+	return ret;
+}
+

@@ -66,4 +66,29 @@ double grads_rel_err_params(const float *a, const float *b, int64_t H);
 bool same_bits(const test_tensor *a, const test_tensor *b);
 bool same_grads(const grads *a, const grads *b, unsigned wanted);
 
+/* ---- the same case on device tensors (ape_attention_backward_enqueue()) */
+
+/* The device side of one case: every tensor in its own buffer. */
+enum dcase_tensor { T_Q, T_K, T_V, T_O, T_LSE, T_DOUT, T_DLSE, T_DQ, T_DK, T_DV, T_DP, NT };
+
+typedef struct dcase {
+	ape_buffer *b[NT];
+	ape_dtensor d[NT];
+	size_t pad;
+} dcase;
+
+/* n floats to a new buffer of qu's device, `pad` bytes in, viewed as [d0, d1, d2, d3]. */
+int dcase_up_floats(ape_queue *qu, const float *x, size_t n, size_t pad, ape_buffer **b,
+		    ape_dtensor *d, int64_t d0, int64_t d1, int64_t d2, int64_t d3);
+/* Case c and the outputs of g (each tensor's whole allocation) to buffers of their own, `pad`
+ * bytes in (x->d views them as c's and g's tensors); returns the first failure's code. */
+int dcase_up(dcase *x, ape_queue *qu, const bcase *c, const grads *g, size_t pad);
+/* ape_attention_backward_enqueue() of the outputs `wanted` names (W_*). */
+int dcase_enqueue(dcase *x, ape_queue *qu, const bcase *c, unsigned wanted);
+/* Every output buffer back into g's allocations (padding included), then synchronises. */
+int dcase_down(dcase *x, ape_queue *qu, grads *g);
+void dcase_free(dcase *x);
+/* All of it on a queue of its own: up, enqueue, down. */
+int run_enqueue_backward(const bcase *c, ape_device *dev, grads *g, unsigned wanted, size_t pad);
+
 #endif

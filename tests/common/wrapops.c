@@ -51,6 +51,8 @@ static const char *const op_names[WRAP_NOPS] = {
 	[WRAP_BUF_WRAP] = "buf_wrap",
 	[WRAP_QUEUE_WRAP] = "queue_wrap",
 	[WRAP_ATTENTION_BACKWARD] = "attention_backward",
+	[WRAP_SCRATCH_ALLOC] = "scratch_alloc",
+	[WRAP_COPY_VIEW] = "copy_view",
 };
 
 const char *wrap_op_name(enum wrap_op op)
@@ -143,11 +145,33 @@ static int inject(enum wrap_op op, struct ape_device *dev)
 	pthread_mutex_unlock(&w.lock);
 	if (!fail)
 		return 0;
-	ret = ape__error(lost || (op != WRAP_BUF_ALLOC && op != WRAP_BUF_WRAP) ? APE_EDEVLOST
+	ret = ape__error(lost || (op != WRAP_BUF_ALLOC && op != WRAP_BUF_WRAP &&
+				  op != WRAP_SCRATCH_ALLOC)
+				 ? APE_EDEVLOST
 									      : APE_ENOMEM,
 			 "wrapped backend: %s call %llu fails on purpose%s", op_names[op],
 			 (unsigned long long)n, lost ? ": device lost" : "");
 	return dev ? ape__op_error(ret, dev, op_names[op]) : ret;
+}
+
+/* A buffer made (ret 0) or not: counted, and held until freed. */
+static void count_alloc(int ret, struct ape__buf *b, size_t bytes)
+{
+	pthread_mutex_lock(&w.lock);
+	w.c.allocs++;
+	if (!ret) {
+		if (w.nbufs == w.cap) {
+			w.cap = w.cap ? 2 * w.cap : 256;
+			w.bufs = realloc(w.bufs, w.cap * sizeof(*w.bufs));
+			if (!w.bufs)
+				abort();
+		}
+		w.bufs[w.nbufs++] = (struct sized){ b, bytes };
+		w.c.live_bytes += bytes;
+		if (w.c.live_bytes > w.c.peak_bytes)
+			w.c.peak_bytes = w.c.live_bytes;
+	}
+	pthread_mutex_unlock(&w.lock);
 }
 
 static int w_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
@@ -159,21 +183,7 @@ static int w_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 		return ret;
 	}
 	ret = w.orig->buf_alloc(dev, bytes, out);
-	pthread_mutex_lock(&w.lock);
-	w.c.allocs++;
-	if (!ret) {
-		if (w.nbufs == w.cap) {
-			w.cap = w.cap ? 2 * w.cap : 256;
-			w.bufs = realloc(w.bufs, w.cap * sizeof(*w.bufs));
-			if (!w.bufs)
-				abort();
-		}
-		w.bufs[w.nbufs++] = (struct sized){ *out, bytes };
-		w.c.live_bytes += bytes;
-		if (w.c.live_bytes > w.c.peak_bytes)
-			w.c.peak_bytes = w.c.live_bytes;
-	}
-	pthread_mutex_unlock(&w.lock);
+	count_alloc(ret, *out, bytes);
 	return ret;
 }
 
@@ -191,7 +201,7 @@ static int w_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t byt
 	return w.orig->buf_wrap(dev, kind, handle, bytes, out, bytes_out);
 }
 
-static void w_free(struct ape_device *dev, struct ape__buf *b)
+static void count_free(struct ape__buf *b)
 {
 	pthread_mutex_lock(&w.lock);
 	if (b) {
@@ -204,7 +214,39 @@ static void w_free(struct ape_device *dev, struct ape__buf *b)
 			}
 	}
 	pthread_mutex_unlock(&w.lock);
+}
+
+static void w_free(struct ape_device *dev, struct ape__buf *b)
+{
+	count_free(b);
 	w.orig->buf_free(dev, b);
+}
+
+/* Queue-ordered scratch (ABI 10): counted and held like buffers, freed by scratch_free. */
+static int w_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+{
+	int ret = inject(WRAP_SCRATCH_ALLOC, owner_of(q));
+
+	if (ret) {
+		*out = NULL;
+		return ret;
+	}
+	ret = w.orig->scratch_alloc(q, bytes, out);
+	count_alloc(ret, *out, bytes);
+	return ret;
+}
+
+static int w_scratch_free(struct ape__queue *q, struct ape__buf *b)
+{
+	count_free(b);
+	return w.orig->scratch_free(q, b);
+}
+
+static int w_copy_view(struct ape__queue *q, const struct ape__copy *c)
+{
+	int ret = inject(WRAP_COPY_VIEW, owner_of(q));
+
+	return ret ? ret : w.orig->copy_view(q, c);
 }
 
 static void bump(uint64_t *n)
@@ -449,6 +491,9 @@ void wrap_install(ape_device *dev, unsigned flags)
 	w.ops.buf_wrap = w.orig->buf_wrap ? w_buf_wrap : NULL;
 	w.ops.queue_wrap = w.orig->queue_wrap ? w_queue_wrap : NULL;
 	w.ops.attention_backward = w.orig->attention_backward ? w_attention_backward : NULL;
+	w.ops.scratch_alloc = w.orig->scratch_alloc ? w_scratch_alloc : NULL;
+	w.ops.scratch_free = w.orig->scratch_free ? w_scratch_free : NULL;
+	w.ops.copy_view = w.orig->copy_view ? w_copy_view : NULL;
 	if (flags & WRAP_NO_BWD_SCRATCH)
 		w.ops.attention_backward_scratch = NULL;
 	if (flags & WRAP_NO_COPY_D2D)

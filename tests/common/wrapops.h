@@ -44,11 +44,13 @@ enum wrap_op {
 	WRAP_BUF_WRAP, /* fails with APE_ENOMEM, as buf_alloc */
 	WRAP_QUEUE_WRAP,
 	WRAP_ATTENTION_BACKWARD,
+	WRAP_SCRATCH_ALLOC, /* fails with APE_ENOMEM, as buf_alloc */
+	WRAP_COPY_VIEW,
 	WRAP_NOPS
 };
 
 struct wrap_counts {
-	uint64_t allocs, frees; /* buf_alloc / buf_free calls */
+	uint64_t allocs, frees; /* buf_alloc / buf_free calls (scratch_alloc / scratch_free too) */
 	/* device bytes held, and their peak since reset: buffers, and the scratch the backend
 	 * declares (attention_backward_scratch) for each backward launch, from the call until its
 	 * queue's next synchronize or queue_destroy */

@@ -12,6 +12,13 @@
  *   the same, and afterwards no device memory held, no buffer left allocated.
  * Every broken run writes no output and leaves the inputs byte-identical; the next call gives
  * the clean result; ASan/LSan (make faults-ci) see no leak.
+ *
+ * The same call on device tensors (ape_attention_backward_enqueue(), common/bwdcase.h's dcase):
+ * every host allocation in turn (fault-injection builds), then each scratch_alloc, copy_view,
+ * fill and attention_backward of a clean call failed in turn, then the device lost from each
+ * point on: the injected code (from the enqueue, or from ape_queue_synchronize()), a message
+ * naming the device, every queue-ordered scratch buffer released, the next call clean. (Its
+ * outputs are the caller's device memory, unspecified after a failure, as documented.)
  */
 #include "ape_test.h"
 
@@ -50,15 +57,21 @@ static void inputs(struct bcall *b, const void *ptr[7], size_t n[7])
 	ptr[6] = b->c.dlse, n[6] = tp->rows * sizeof(float);
 }
 
+/* Every element of g NaN. */
+static void poison(grads *g)
+{
+	test_tensor_poison(&g->dq.t);
+	test_tensor_poison(&g->dk.t);
+	test_tensor_poison(&g->dv.t);
+	for (int64_t i = 0; i < 4 * g->H; i++)
+		g->dparams[i] = NAN;
+}
+
 static int bcall_run(struct bcall *b)
 {
 	int ret;
 
-	test_tensor_poison(&b->g.dq.t);
-	test_tensor_poison(&b->g.dk.t);
-	test_tensor_poison(&b->g.dv.t);
-	for (int64_t i = 0; i < 4 * b->g.H; i++)
-		b->g.dparams[i] = NAN;
+	poison(&b->g);
 	if (b->ndev == 1) {
 		ret = run_chunked(&b->c, b->dev, &b->g, b->chunk, b->chunk, NULL);
 	} else {
@@ -300,6 +313,117 @@ TEST(backward_launch_failures_on_every_backend)
 		wrap_remove();
 	}
 	ape_context_destroy(ctx);
+}
+
+/* ---------------------------------------------------------------- on device tensors */
+
+/* One resident call of b's case into b->g (poisoned first); its message in b->msg. */
+static int rcall_run(struct bcall *b)
+{
+	int ret;
+
+	poison(&b->g);
+	ret = run_enqueue_backward(&b->c, b->dev, &b->g, W_ALL, 4);
+	snprintf(b->msg, sizeof(b->msg), "%s", ret ? ape_last_error() : "");
+	return ret;
+}
+
+/* A broken resident run: the code, the device named, every buffer and scratch released (the
+ * test's own buffers too: run_enqueue_backward() frees them), then a clean run. */
+static void rjudge(struct __test_metadata *_metadata, struct bcall *b, int ret, int expect,
+		   const char *op, uint64_t n)
+{
+	const struct wrap_counts c = wrap_get();
+
+	EXPECT_EQ(expect, ret) TH_LOG("%s #%llu: %s", op, (unsigned long long)n, b->msg);
+	EXPECT_NE(NULL, strstr(b->msg, b->dev->info.name)) TH_LOG("%s: %s", op, b->msg);
+	EXPECT_NE(NULL, strstr(b->msg, "fails on purpose")) TH_LOG("%s: %s", op, b->msg);
+	EXPECT_NE(NULL, strstr(b->msg, op)) TH_LOG("%s: %s", op, b->msg);
+	EXPECT_EQ(c.allocs, c.frees) TH_LOG("%s #%llu: device memory left", op,
+					     (unsigned long long)n);
+	EXPECT_EQ(0, rcall_run(b)) TH_LOG("after %s #%llu: %s", op, (unsigned long long)n, b->msg);
+	EXPECT_TRUE(same_grads(&b->g, &b->clean, W_ALL)) TH_LOG("after %s #%llu", op,
+								(unsigned long long)n);
+}
+
+TEST(resident_device_failures)
+{
+	static const enum wrap_op ops[] = { WRAP_SCRATCH_ALLOC, WRAP_COPY_VIEW, WRAP_FILL,
+					    WRAP_ATTENTION_BACKWARD };
+	ape_context *ctx = test_context("ref");
+	ape_device *dev = test_device(ctx, "ref");
+	struct wrap_counts clean;
+	uint64_t runs = 0, total = 0;
+	struct bcall b;
+
+	wrap_install(dev, 0);
+	ASSERT_EQ(0, bcall_init(&b, dev, 0)) TH_LOG("%s", b.msg);
+	/* the host call's gradients are the resident call's on the reference */
+	wrap_reset();
+	ASSERT_EQ(0, rcall_run(&b)) TH_LOG("%s", b.msg);
+	EXPECT_TRUE(same_grads(&b.g, &b.clean, W_ALL));
+	clean = wrap_get();
+	EXPECT_EQ(clean.allocs, clean.frees);
+	for (size_t i = 0; i < sizeof(ops) / sizeof(ops[0]); i++) {
+		ASSERT_LT(0u, clean.calls[ops[i]]) TH_LOG("no %s", wrap_op_name(ops[i]));
+		for (uint64_t n = 1; n <= clean.calls[ops[i]]; n++, runs++) {
+			int ret;
+
+			wrap_fail_op(ops[i], n);
+			ret = rcall_run(&b);
+			wrap_fail_op(ops[i], 0);
+			rjudge(_metadata, &b, ret,
+			       ops[i] == WRAP_SCRATCH_ALLOC ? APE_ENOMEM : APE_EDEVLOST,
+			       wrap_op_name(ops[i]), n);
+		}
+	}
+	for (int op = 0; op < WRAP_NOPS; op++)
+		total += clean.calls[op];
+	for (uint64_t k = 1; k <= total; k++, runs++) { /* lost from fallible call k on */
+		int ret;
+
+		wrap_lose_device(k);
+		ret = rcall_run(&b);
+		wrap_lose_device(0);
+		rjudge(_metadata, &b, ret, APE_EDEVLOST, "device lost", k);
+	}
+	ksft_print_msg("resident backward: %llu broken runs\n", (unsigned long long)runs);
+	fflush(stdout);
+	bcall_free(&b);
+	wrap_remove();
+	ape_context_destroy(ctx);
+}
+
+TEST(resident_allocation_failures)
+{
+#ifdef APE_FAULT_INJECT
+	ape_context *ctx = test_context("ref");
+	struct bcall b;
+	uint64_t total;
+	int ret;
+
+	ASSERT_EQ(0, bcall_init(&b, test_device(ctx, "ref"), 0)) TH_LOG("%s", b.msg);
+	ape__fault_alloc_arm(0);
+	ASSERT_EQ(0, rcall_run(&b));
+	total = ape__fault_alloc_count();
+	ASSERT_GT(total, 0u);
+	for (uint64_t n = 1; n <= total; n++) {
+		ape__fault_alloc_arm(n);
+		ret = rcall_run(&b);
+		ape__fault_alloc_arm(0);
+		EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("allocation %llu: %s", (unsigned long long)n, b.msg);
+		EXPECT_NE(0, b.msg[0]);
+	}
+	EXPECT_EQ(0, rcall_run(&b)) TH_LOG("%s", b.msg);
+	EXPECT_TRUE(same_grads(&b.g, &b.clean, W_ALL));
+	ksft_print_msg("resident backward: %llu allocations failed in turn\n",
+		       (unsigned long long)total);
+	fflush(stdout);
+	bcall_free(&b);
+	ape_context_destroy(ctx);
+#else
+	SKIP(return, "libape built without -DAPE_FAULT_INJECT: run `make faults-ci`");
+#endif
 }
 
 TEST_HARNESS_MAIN

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * libFuzzer target: the device-resident calls on the reference backend. The input describes a
- * call twice over:
+ * call three ways over:
  *
  * - ape_attention_enqueue() (or, when the input asks for entropy or mean distance,
  *   ape_attention_enqueue_diag(), whose two outputs are fuzzed like lse) on device tensors in
@@ -9,6 +9,8 @@
  *   (ape_buffer_alloc: the reference's buffers are exact heap blocks, so AddressSanitizer sees
  *   any access outside them), each tensor with a fuzzed buffer, byte offset, dtype, shape and
  *   strides (compact, padded layouts, raw values at the edges of int64);
+ * - ape_attention_backward_enqueue() likewise, on its eleven tensors (the optional ones
+ *   sometimes NULL);
  * - ape_attention_forward_dlpack() (or ape_attention_forward_dlpack_diag(), with entropy and
  *   mean distance DLTensors fuzzed like lse) on kDLCPU DLTensors with fuzzed data pointers (NULL,
  *   misaligned), byte offsets, ndim, shapes, strides (NULL, negative, huge), dtypes (codes,
@@ -138,7 +140,112 @@ static void dims_of(const struct shape5 *s, int i, int64_t d[4])
 	d[3] = i >= 4 ? 1 : s->D; /* lse, entropy, mean distance: [B, H, Lq, 1] */
 }
 
+/*
+ * The promises on one call, given validation's verdict ret (and, when it accepted, the problem
+ * p, released here): a refusal is EINVAL or EOVERFLOW, names the function, and the public call
+ * (made through `call` with a desc) refuses it alike, naming itself; an accepted small call is
+ * enqueued and runs; a larger one, given an invalid desc, is refused with nothing enqueued.
+ */
+typedef int (*public_call)(const void *args, ape_queue *queue, const ape_attn_desc *desc);
+
+static void judge(int ret, struct ape__problem *p, const ape_attn_desc *desc, ape_queue *queue,
+		  const char *name, public_call call, const void *args)
+{
+	const size_t n = strlen(name);
+	int eret;
+
+	if (ret) {
+		check(ret == APE_EINVAL || ret == APE_EOVERFLOW, "refused with EINVAL or EOVERFLOW");
+		check(!strncmp(ape_last_error(), "fuzz: ", 6), "the message names the function");
+		eret = call(args, queue, desc);
+		check(eret == ret, "the public call refuses what validation refuses");
+		check(!strncmp(ape_last_error(), name, n) && !strncmp(ape_last_error() + n, ": ", 2),
+		      "the public message names the public call");
+	} else {
+		ape_attn_desc bad = *desc;
+		bool run = tiny(p->B, p->H, p->Lq, p->Lk, p->D);
+
+		ape__problem_fini(p);
+		if (!run) /* too much work to run: refused by its desc alone, nothing enqueued */
+			bad.rope_base = -1;
+		eret = call(args, queue, &bad);
+		check(run ? eret == 0 : eret == APE_EINVAL,
+		      "an accepted small call is enqueued; a larger one with a bad desc refused");
+		check(ape_queue_synchronize(queue) == 0, "and runs");
+	}
+}
+
+/* args: the five tensor pointers (lse NULL where not wanted) */
+static int forward_call(const void *args, ape_queue *queue, const ape_attn_desc *desc)
+{
+	const ape_dtensor *const *t = args;
+
+	return ape_attention_enqueue(queue, desc, t[0], t[1], t[2], t[3], t[4]);
+}
+
+/* args: the seven tensor pointers (lse, entropy, mean distance NULL where not wanted) */
+static int diag_call(const void *args, ape_queue *queue, const ape_attn_desc *desc)
+{
+	const ape_dtensor *const *t = args;
+
+	return ape_attention_enqueue_diag(queue, desc, t[0], t[1], t[2], t[3], t[4], t[5], t[6]);
+}
+
+/* args: the eleven tensor pointers, NULL where absent */
+static int backward_call(const void *args, ape_queue *queue, const ape_attn_desc *desc)
+{
+	const ape_dtensor *const *t = args;
+
+	return ape_attention_backward_enqueue(queue, desc, t[0], t[1], t[2], t[3], t[4], t[5],
+					      t[6], t[7], t[8], t[9], t[10]);
+}
+
 /* ---------------------------------------------------------------- ape_attention_enqueue */
+
+/* One to three buffers of fuzzed sizes, filled from the input (then zeros); returns how many. */
+static int take_buffers(struct in *in, ape_queue *queue, ape_buffer *bufs[3])
+{
+	const int nbuf = 1 + (int)(take(in, 1) % 3);
+
+	for (int b = 0; b < nbuf; b++) {
+		size_t bytes = (size_t)(take(in, 2) % 20000) + 1;
+		uint8_t *host;
+
+		check(ape_buffer_alloc(ref, bytes, &bufs[b]) == 0, "ape_buffer_alloc");
+		/* the inputs: what the input has left, then zeros (never uninitialised) */
+		host = calloc(1, bytes);
+		check(host != NULL, "calloc");
+		for (size_t i = 0; i < bytes && in->n; i++)
+			host[i] = (uint8_t)take(in, 1);
+		check(ape_buffer_write(queue, bufs[b], 0, host, bytes) == 0,
+		      "ape_buffer_write inside the buffer");
+		check(ape_queue_synchronize(queue) == 0, "synchronize after a write");
+		free(host);
+	}
+	return nbuf;
+}
+
+/* A device tensor of dims d and type dt in one of the buffers, then fuzzed: its buffer, byte
+ * offset (small multiples of 4, or any), one shape entry, its dtype (float32 where f32_ok, or
+ * any byte), its strides. */
+static void take_dtensor(struct in *in, ape_dtensor *t, ape_buffer *const bufs[3], int nbuf,
+			 const int64_t d[4], ape_dtype dt, bool f32_ok)
+{
+	const unsigned which = (unsigned)take(in, 1);
+
+	ape_dtensor_init(t, bufs[which % (unsigned)nbuf], 0, dt, d[0], d[1], d[2], d[3]);
+	if (f32_ok && (which & 4))
+		t->dtype = APE_F32;
+	if (which & 8)
+		t->byte_offset = (uint64_t)take_int(in);
+	else
+		t->byte_offset = (take(in, 2) % 4096) * 4;
+	if (which & 16)
+		t->shape[which >> 6] = take_int(in);
+	if (which & 32)
+		t->dtype = (ape_dtype)(int)(int8_t)take(in, 1);
+	take_strides(in, t->shape, t->strides);
+}
 
 static void fuzz_enqueue(struct in *in, const struct shape5 *s, ape_queue *queue)
 {
@@ -149,44 +256,14 @@ static void fuzz_enqueue(struct in *in, const struct shape5 *s, ape_queue *queue
 	struct ape__view views[APE__T_COUNT], dv[2];
 	const unsigned diag = (unsigned)take(in, 1) & 3; /* 1: entropy, 2: mean distance */
 	const ape_dtensor *ent = NULL, *md = NULL;
-	const char *pub = diag ? "ape_attention_enqueue_diag: " : "ape_attention_enqueue: ";
-	int nbuf = 1 + (int)(take(in, 1) % 3), ret, eret;
+	int nbuf, ret;
 
-	for (int b = 0; b < nbuf; b++) {
-		size_t bytes = (size_t)(take(in, 2) % 20000) + 1;
-
-		check(ape_buffer_alloc(ref, bytes, &bufs[b]) == 0, "ape_buffer_alloc");
-		/* the inputs: what the input has left, then zeros (never uninitialised) */
-		{
-			uint8_t *host = calloc(1, bytes);
-
-			check(host != NULL, "calloc");
-			for (size_t i = 0; i < bytes && in->n; i++)
-				host[i] = (uint8_t)take(in, 1);
-			check(ape_buffer_write(queue, bufs[b], 0, host, bytes) == 0,
-			      "ape_buffer_write inside the buffer");
-			check(ape_queue_synchronize(queue) == 0, "synchronize after a write");
-			free(host);
-		}
-	}
+	nbuf = take_buffers(in, queue, bufs);
 	for (int i = 0; i < (diag ? 7 : 5); i++) {
 		int64_t d[4];
-		unsigned which = (unsigned)take(in, 1);
 
 		dims_of(s, i, d);
-		ape_dtensor_init(&t[i], bufs[which % nbuf], 0, i >= 4 ? APE_F32 : s->dt, d[0], d[1],
-				 d[2], d[3]);
-		if (i == 3 && (which & 4))
-			t[i].dtype = APE_F32;
-		if (which & 8)
-			t[i].byte_offset = (uint64_t)take_int(in);
-		else
-			t[i].byte_offset = (take(in, 2) % 4096) * 4;
-		if (which & 16)
-			t[i].shape[which >> 6] = take_int(in);
-		if (which & 32)
-			t[i].dtype = (ape_dtype)(int)(int8_t)take(in, 1);
-		take_strides(in, t[i].shape, t[i].strides);
+		take_dtensor(in, &t[i], bufs, nbuf, d, i >= 4 ? APE_F32 : s->dt, i == 3);
 	}
 	if (take(in, 1) & 1) /* a buffer nobody computes with, or none */
 		t[take(in, 1) % (diag ? 7 : 5)].buf = NULL;
@@ -207,30 +284,13 @@ static void fuzz_enqueue(struct in *in, const struct shape5 *s, ape_queue *queue
 		if (!ret2)
 			ape__problem_fini(&p2);
 	}
-	if (ret) {
-		check(ret == APE_EINVAL || ret == APE_EOVERFLOW, "refused with EINVAL or EOVERFLOW");
-		check(!strncmp(ape_last_error(), "fuzz: ", 6), "the message names the function");
-		eret = diag ? ape_attention_enqueue_diag(queue, &s->desc, &t[0], &t[1], &t[2], &t[3],
-							 s->want_lse ? &t[4] : NULL, ent, md)
-			    : ape_attention_enqueue(queue, &s->desc, &t[0], &t[1], &t[2], &t[3],
-						    s->want_lse ? &t[4] : NULL);
-		check(eret == ret, "the public call refuses what validation refuses");
-		check(!strncmp(ape_last_error(), pub, strlen(pub)),
-		      "the public message names the public call");
-	} else {
-		ape_attn_desc bad = s->desc;
-		bool run = tiny(p.B, p.H, p.Lq, p.Lk, p.D);
+	{
+		const ape_dtensor *tp[7] = { &t[0], &t[1], &t[2], &t[3],
+					     s->want_lse ? &t[4] : NULL, ent, md };
 
-		ape__problem_fini(&p);
-		if (!run) /* too much work to run: refused by its desc alone, nothing enqueued */
-			bad.rope_base = -1;
-		eret = diag ? ape_attention_enqueue_diag(queue, &bad, &t[0], &t[1], &t[2], &t[3],
-							 s->want_lse ? &t[4] : NULL, ent, md)
-			    : ape_attention_enqueue(queue, &bad, &t[0], &t[1], &t[2], &t[3],
-						    s->want_lse ? &t[4] : NULL);
-		check(run ? eret == 0 : eret == APE_EINVAL,
-		      "an accepted small call is enqueued; a larger one with a bad desc refused");
-		check(ape_queue_synchronize(queue) == 0, "and runs");
+		judge(ret, &p, &s->desc, queue,
+		      diag ? "ape_attention_enqueue_diag" : "ape_attention_enqueue",
+		      diag ? diag_call : forward_call, tp);
 	}
 	/* copies of fuzzed ranges: refused outside the buffer, inside it otherwise */
 	{
@@ -249,6 +309,56 @@ static void fuzz_enqueue(struct in *in, const struct shape5 *s, ape_queue *queue
 		check(ape_queue_synchronize(queue) == 0, "synchronize after copies");
 		free(host);
 	}
+out:
+	for (int b = 0; b < nbuf; b++)
+		ape_buffer_free(bufs[b]);
+}
+
+/* ---------------------------------------------------------------- ape_attention_backward_enqueue */
+
+/* The backward on device tensors: q, k, v, o, lse, dout, dlse, dq, dk, dv, dparams (enum
+ * ape__rb_tensor order), each fuzzed like the forward's, the optional ones sometimes NULL. The
+ * same promises as fuzz_enqueue(): ape__check_resident_bwd() and the public call agree, a
+ * refusal names the function and enqueues nothing, an accepted small call runs. */
+static void fuzz_backward(struct in *in, const struct shape5 *s, ape_queue *queue)
+{
+	static const int kind[APE__RB_COUNT] = { 0, 1, 1, 0, 4, 0, 4, 0, 1, 1, 5 };
+	ape_buffer *bufs[3] = { NULL };
+	ape_dtensor t[APE__RB_COUNT];
+	const ape_dtensor *tp[APE__RB_COUNT];
+	struct ape__resident_bwd_req r;
+	struct ape__problem p;
+	unsigned absent;
+	int nbuf, ret;
+
+	nbuf = take_buffers(in, queue, bufs);
+	for (int i = 0; i < APE__RB_COUNT; i++) {
+		int64_t d[4];
+		const bool f32 = kind[i] >= 4; /* lse, dlse, dparams */
+
+		if (kind[i] == 5) {
+			d[0] = d[1] = 1;
+			d[2] = s->H;
+			d[3] = 4;
+		} else {
+			dims_of(s, kind[i], d);
+		}
+		take_dtensor(in, &t[i], bufs, nbuf, d, f32 ? APE_F32 : s->dt,
+			     !f32 && i != APE__RB_Q && i != APE__RB_K && i != APE__RB_V);
+		tp[i] = &t[i];
+	}
+	/* dlse, dq, dk, dv, dparams each absent or not (all four outputs absent: refused) */
+	absent = (unsigned)take(in, 1);
+	for (int i = APE__RB_DLSE; i < APE__RB_COUNT; i++)
+		if (absent & (1u << (i - APE__RB_DLSE)))
+			tp[i] = NULL;
+	if (absent & 0x40) /* a buffer nobody computes with */
+		t[take(in, 1) % APE__RB_COUNT].buf = NULL;
+	if (t[0].shape[1] > (1 << 16)) /* millions of heads: see fuzz_enqueue() */
+		goto out;
+	memset(&r, 0, sizeof(r));
+	ret = ape__check_resident_bwd("fuzz", queue, &s->desc, tp, &p, &r);
+	judge(ret, &p, &s->desc, queue, "ape_attention_backward_enqueue", backward_call, tp);
 out:
 	for (int b = 0; b < nbuf; b++)
 		ape_buffer_free(bufs[b]);
@@ -385,12 +495,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	struct in in = { data, size };
 	struct shape5 s;
 	ape_queue *queue = NULL;
+	unsigned sel;
 
 	memset(&s, 0, sizeof(s));
 	take_shape(&in, &s);
-	if (take(&in, 1) & 1) {
+	sel = (unsigned)take(&in, 1);
+	if (sel & 1) {
 		check(ape_queue_create(ref, &queue) == 0, "ape_queue_create");
-		fuzz_enqueue(&in, &s, queue);
+		if (sel & 2)
+			fuzz_backward(&in, &s, queue);
+		else
+			fuzz_enqueue(&in, &s, queue);
 		ape_queue_destroy(queue);
 	} else {
 		fuzz_dlpack(&in, &s);

@@ -124,6 +124,12 @@ put("resident", "enqueue_two_buffers_blhd.bin",
     struct.pack("<H", 999) + floats(250, 3) +
     b"".join(bytes([w]) + struct.pack("<H", off) + b"\2\2" for w, off in
              ((0, 0), (0, 100), (0, 200), (1, 0), (1, 100))) + b"\0" + b"\0\0\0")
+# backward enqueue: one buffer of 1024 bytes holding q, k, v, o, lse, dout, dlse, dq, dk, dv,
+# dparams compact at element offsets 0, 24, 44, 64, 88, 94, 118, 124, 148, 168, 188 (D = 4)
+put("resident", "backward_one_buffer.bin",
+    shape(1, 2, 1, 3, 5, 2) + b"\3" + b"\0" + struct.pack("<H", 1023) + floats(256, 4) +
+    b"".join(b"\0" + struct.pack("<H", off) + b"\0" for off in
+             (0, 24, 44, 64, 88, 94, 118, 124, 148, 168, 188)) + b"\0")
 # DLPack: compact kDLCPU tensors, float32, blocks as large as each addresses
 put("resident", "dlpack_compact.bin",
     shape(1, 2, 1, 3, 5, 4) + b"\0" +

@@ -1,0 +1,323 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The backward pass on device views (exec/resident_bwd.h). The backend's attention_backward
+ * takes contiguous buffers at offset 0 and adds into float32 (dQ, dK, dV) and float64
+ * (dparams) accumulators (core/backend.h); the caller's tensors are strided views of any
+ * storage type. So, on the caller's queue, in this order:
+ *   1. queue-ordered scratch (scratch_alloc) for every tensor that is not already what the
+ *      launch takes: an input dense at offset 0 (and, on the query side, a call of one launch)
+ *      is used where it is, a float32 output likewise; the others get a contiguous copy
+ *      (inputs, by copy_view) or an accumulator (outputs);
+ *   2. the key side's accumulators zeroed (dK, dV, dparams), K and V gathered;
+ *   3. per launch of `rows` query rows, in row order: Q, O, dO, LSE, dLSE of those rows
+ *      gathered, dQ's accumulator zeroed, the launch against every key, dQ's rows copied out
+ *      (converted to dq's type);
+ *   4. dK, dV and dparams copied out (float32 to dk's and dv's types, float64 to float32);
+ *   5. the scratch released in queue order (scratch_free), never waited for.
+ * Every sum has a fixed order (one launch per query chunk, in order; the backend's own fixed
+ * order inside), so two calls give the same bits; with one launch the figures are those of
+ * ape_attention_backward() (whose dQ, summed in float64 over one key chunk, rounds to the same
+ * float32).
+ */
+#include "exec/resident_bwd.h"
+
+#include <inttypes.h>
+#include <string.h>
+
+#include "core/context.h"
+#include "core/error.h"
+#include "exec/backward.h"
+#include "exec/multidev.h"
+
+static bool query_side(int t)
+{
+	return t == APE__RB_Q || t == APE__RB_O || t == APE__RB_LSE || t == APE__RB_DOUT ||
+	       t == APE__RB_DLSE || t == APE__RB_DQ;
+}
+
+static bool is_output(int t)
+{
+	return t >= APE__RB_DQ;
+}
+
+/* Tensor t's shape with `rows` query rows. */
+static void shape_of(const struct ape__problem *p, int t, int64_t rows, int64_t sh[4])
+{
+	const bool one = t == APE__RB_LSE || t == APE__RB_DLSE;
+
+	if (t == APE__RB_DPARAMS) {
+		sh[0] = sh[1] = 1;
+		sh[2] = p->H;
+		sh[3] = 4;
+	} else if (query_side(t)) {
+		sh[0] = p->B;
+		sh[1] = p->H;
+		sh[2] = rows;
+		sh[3] = one ? 1 : p->D;
+	} else {
+		sh[0] = p->B;
+		sh[1] = p->Hkv;
+		sh[2] = p->Lk;
+		sh[3] = p->D;
+	}
+}
+
+/* The element type the launch takes for t (enum ape__elem). */
+static int launch_type(const struct ape__resident_bwd_req *r, int t)
+{
+	if (t == APE__RB_DPARAMS)
+		return APE__E_F64;
+	return is_output(t) ? APE__E_F32 : (int)r->dtype[t];
+}
+
+static size_t elem_size(int e)
+{
+	return e == APE__E_F64 ? 8 : e == APE__E_F32 ? 4 : 2;
+}
+
+static struct ape__view dense_view(const int64_t sh[4])
+{
+	return (struct ape__view){ 0, sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3] };
+}
+
+/* Whether the caller's tensor t is already what a launch of `rows` query rows takes. */
+static bool direct(const struct ape__resident_bwd_req *r, int t, int64_t rows)
+{
+	const struct ape__view *v = &r->view[t];
+	int64_t sh[4];
+	struct ape__view c;
+
+	if (query_side(t) && rows != r->p->Lq)
+		return false;
+	if (launch_type(r, t) != (int)r->dtype[t] || t == APE__RB_DPARAMS)
+		return false;
+	shape_of(r->p, t, rows, sh);
+	c = dense_view(sh);
+	return v->off == 0 && (sh[0] <= 1 || v->sb == c.sb) && (sh[1] <= 1 || v->sh == c.sh) &&
+	       (sh[2] <= 1 || v->sl == c.sl);
+}
+
+/* Bytes of scratch tensor t takes with launches of `rows` query rows (0: none). */
+static uint64_t scratch_of(const struct ape__resident_bwd_req *r, int t, int64_t rows)
+{
+	int64_t sh[4];
+
+	if (!r->buf[t] || direct(r, t, rows))
+		return 0;
+	shape_of(r->p, t, rows, sh);
+	return (uint64_t)(sh[0] * sh[1] * sh[2] * sh[3]) * elem_size(launch_type(r, t));
+}
+
+/* The launch of query rows [i0, i0 + rows), every key, without buffers. */
+static void launch_of(const struct ape__resident_bwd_req *r, struct ape__bwd_launch *l,
+		      int64_t i0, int64_t rows)
+{
+	ape__bwd_launch_shape(r->p, r->dtype[APE__RB_DOUT], 1, l, i0, rows, 0, r->p->Lk);
+}
+
+static unsigned parts_of(const struct ape__resident_bwd_req *r)
+{
+	return (r->buf[APE__RB_DQ] ? APE__BWD_DQ : 0u) | (r->buf[APE__RB_DK] ? APE__BWD_DK : 0u) |
+	       (r->buf[APE__RB_DV] ? APE__BWD_DV : 0u) |
+	       (r->buf[APE__RB_DPARAMS] ? APE__BWD_DPARAMS : 0u) |
+	       (r->buf[APE__RB_DLSE] ? APE__BWD_DLSE : 0u);
+}
+
+/* Every byte of device memory a call with launches of `rows` query rows holds at once. */
+static uint64_t call_bytes(const struct ape__resident_bwd_req *r, int64_t rows)
+{
+	const struct ape__backend_ops *ops = r->dev->be->ops;
+	struct ape__bwd_launch l;
+	uint64_t n = 0;
+
+	for (int t = 0; t < APE__RB_COUNT; t++)
+		n += scratch_of(r, t, rows);
+	if (ops->attention_backward_scratch) {
+		launch_of(r, &l, 0, rows);
+		n += ops->attention_backward_scratch(r->dev, &l, parts_of(r));
+	}
+	return n;
+}
+
+int ape__resident_bwd_plan(const struct ape__resident_bwd_req *r, int64_t *rows_per_launch)
+{
+	const uint64_t budget = r->budget ? r->budget : ape__default_budget(r->dev);
+	int64_t rows = r->p->Lq > 0 ? r->p->Lq : 1;
+
+	while (call_bytes(r, rows) > budget) {
+		if (rows == 1)
+			return ape__error(APE_ENOMEM,
+					  "%s: %s: one query row against %" PRId64
+					  " keys needs %" PRIu64 " bytes of device scratch (the "
+					  "keys' copies and accumulators included), over the budget "
+					  "of %" PRIu64,
+					  r->fn, r->dev->info.name, r->p->Lk, call_bytes(r, 1),
+					  budget);
+		rows = (rows + 1) / 2;
+	}
+	*rows_per_launch = rows;
+	return 0;
+}
+
+/* One call's state: the buffer each tensor has in the launches, and the scratch behind it. */
+struct rb_run {
+	const struct ape__resident_bwd_req *r;
+	const struct ape__backend_ops *ops;
+	struct ape__buf *scratch[APE__RB_COUNT];
+	struct ape__buf *use[APE__RB_COUNT];
+	int64_t rows;
+};
+
+/* Copies rows [i0, i0 + n) of tensor t between the caller's view and the launch's buffer
+ * (inputs in, outputs out); nothing for a tensor used where it is. */
+static int move_rows(struct rb_run *x, int t, int64_t i0, int64_t n)
+{
+	const struct ape__resident_bwd_req *r = x->r;
+	const int lt = launch_type(r, t);
+	struct ape__view user = r->view[t];
+	struct ape__copy c;
+	int64_t sh[4];
+
+	if (!x->scratch[t])
+		return 0;
+	shape_of(r->p, t, n, sh);
+	if (query_side(t))
+		user.off += i0 * user.sl;
+	memset(&c, 0, sizeof(c));
+	c.B = sh[0];
+	c.H = sh[1];
+	c.L = sh[2];
+	c.D = sh[3];
+	c.head_D = r->p->D;
+	if (is_output(t)) {
+		c.dst = r->buf[t];
+		c.dst_type = (int)r->dtype[t];
+		c.dv = user;
+		c.src = x->scratch[t];
+		c.src_type = lt;
+		c.sv = dense_view(sh);
+	} else {
+		c.dst = x->scratch[t];
+		c.dst_type = lt;
+		c.dv = dense_view(sh);
+		c.src = r->buf[t];
+		c.src_type = lt;
+		c.sv = user;
+	}
+	return x->ops->copy_view(r->q, &c);
+}
+
+/* Zeroes accumulator t for launches of n query rows. */
+static int zero_acc(struct rb_run *x, int t, int64_t n)
+{
+	int64_t sh[4];
+
+	if (!x->use[t])
+		return 0;
+	shape_of(x->r->p, t, n, sh);
+	return x->ops->fill(x->r->q, x->use[t], 0, 0,
+			    (size_t)(sh[0] * sh[1] * sh[2] * sh[3]) *
+				    elem_size(launch_type(x->r, t)));
+}
+
+static int launch(struct rb_run *x, int64_t i0, int64_t n)
+{
+	struct ape__bwd_launch l;
+	int ret;
+
+	for (int t = APE__RB_Q; t <= APE__RB_DLSE; t++)
+		if (query_side(t) && (ret = move_rows(x, t, i0, n)))
+			return ret;
+	if ((ret = zero_acc(x, APE__RB_DQ, n)))
+		return ret;
+	launch_of(x->r, &l, i0, n);
+	l.f.q = x->use[APE__RB_Q];
+	l.f.k = x->use[APE__RB_K];
+	l.f.v = x->use[APE__RB_V];
+	l.f.o = x->use[APE__RB_O];
+	l.f.lse = x->use[APE__RB_LSE];
+	l.dout = x->use[APE__RB_DOUT];
+	l.dlse = x->use[APE__RB_DLSE];
+	l.dq = x->use[APE__RB_DQ];
+	l.dk = x->use[APE__RB_DK];
+	l.dv = x->use[APE__RB_DV];
+	l.dparams = x->use[APE__RB_DPARAMS];
+	if ((ret = x->ops->attention_backward(x->r->q, &l)))
+		return ret;
+	return move_rows(x, APE__RB_DQ, i0, n);
+}
+
+static int run(struct rb_run *x)
+{
+	const struct ape__resident_bwd_req *r = x->r;
+	const struct ape__problem *p = r->p;
+	int ret;
+
+	for (int t = 0; t < APE__RB_COUNT; t++) {
+		const uint64_t bytes = scratch_of(r, t, x->rows);
+
+		if (bytes && (ret = x->ops->scratch_alloc(r->q, (size_t)bytes, &x->scratch[t])))
+			return ret;
+		x->use[t] = bytes ? x->scratch[t] : r->buf[t];
+	}
+	if ((ret = zero_acc(x, APE__RB_DK, 0)) || (ret = zero_acc(x, APE__RB_DV, 0)) ||
+	    (ret = zero_acc(x, APE__RB_DPARAMS, 0)) || (ret = move_rows(x, APE__RB_K, 0, 0)) ||
+	    (ret = move_rows(x, APE__RB_V, 0, 0)))
+		return ret;
+	for (int64_t i0 = 0; i0 < p->Lq; i0 += x->rows)
+		if ((ret = launch(x, i0, p->Lq - i0 < x->rows ? p->Lq - i0 : x->rows)))
+			return ret;
+	if ((ret = move_rows(x, APE__RB_DK, 0, 0)) || (ret = move_rows(x, APE__RB_DV, 0, 0)) ||
+	    (ret = move_rows(x, APE__RB_DPARAMS, 0, 0)))
+		return ret;
+	return 0;
+}
+
+/* No query row or no key: every gradient is 0, copied from zeros (a view of strides 0). */
+static int write_zeros(struct rb_run *x)
+{
+	const struct ape__resident_bwd_req *r = x->r;
+	struct ape__buf *zero = NULL;
+	int ret = x->ops->scratch_alloc(r->q, 256 * sizeof(float), &zero);
+
+	if (!ret)
+		ret = x->ops->fill(r->q, zero, 0, 0, 256 * sizeof(float));
+	for (int t = APE__RB_DQ; t < APE__RB_COUNT && !ret; t++) {
+		struct ape__copy c = { .dst = r->buf[t], .dst_type = (int)r->dtype[t],
+				       .dv = r->view[t], .src = zero, .src_type = APE__E_F32,
+				       .head_D = r->p->D };
+		int64_t sh[4];
+
+		if (!r->buf[t])
+			continue;
+		shape_of(r->p, t, r->p->Lq, sh);
+		c.B = sh[0];
+		c.H = sh[1];
+		c.L = sh[2];
+		c.D = sh[3];
+		if (c.B * c.H * c.L * c.D != 0)
+			ret = x->ops->copy_view(r->q, &c);
+	}
+	if (zero) {
+		const int fret = x->ops->scratch_free(r->q, zero);
+
+		ret = ret ? ret : fret;
+	}
+	return ret;
+}
+
+int ape__resident_bwd_enqueue(const struct ape__resident_bwd_req *r, int64_t rows)
+{
+	struct rb_run x = { .r = r, .ops = r->dev->be->ops, .rows = rows };
+	int ret;
+
+	if (r->p->B * r->p->H * r->p->Lq == 0 || r->p->Lk == 0)
+		return write_zeros(&x);
+	ret = run(&x);
+	for (int t = 0; t < APE__RB_COUNT; t++) {
+		const int fret = x.scratch[t] ? x.ops->scratch_free(r->q, x.scratch[t]) : 0;
+
+		ret = ret ? ret : fret;
+	}
+	return ret;
+}
