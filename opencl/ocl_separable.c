@@ -177,7 +177,9 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 		ape__ocl_arg(&a, sizeof(Lkp), &Lkp);
 		ape__ocl_arg(&a, sizeof(rel), &rel);
 		ape__ocl_arg(&a, sizeof(cl_mem), &tab);
-		ret = ape__ocl_fast_launch(q, &a, "ape_sep_btab", (size_t)ne, 1, (size_t)l->H);
+		/* work-groups of 64 (PoCL's cost per group dwarfs one log1p) */
+		ret = ape__ocl_fast_launch(q, &a, "ape_sep_btab", (size_t)round_up(ne, 64), 64,
+					   (size_t)l->H);
 		if (ret)
 			goto out;
 	}
