@@ -374,7 +374,8 @@ static void separable_params(test_problem *tp, ape_rng *rng, int kind)
 
 /*
  * Random separable launches (f16 and bf16, D = 64 and 128, GQA, both layouts, causal or not,
- * positions near 2^40 or rows before every key, LSE or not, f32 output, skipping on or off)
+ * positions near 2^40 or rows before every key, LSE or not, f32 output, strided tensors,
+ * skipping on or off)
  * within tolerance of the reference, each taking the separable path (its predicate asked); and
  * launches mixing lambda = 0 heads with others, which take the general kernel and match too.
  */
@@ -400,8 +401,10 @@ TEST(separable_matches_reference)
 		struct verdict v;
 		float hp[4 * 8];
 
-		ASSERT_EQ(0, new_problem(&tp, &rng, 1 + (c % 5 == 0), H, Hkv, Lq, Lk, D,
-					 types[(c / 2) % 2]));
+		const test_problem_shape sh = { 1 + (c % 5 == 0), H, Hkv, Lq, Lk, D };
+
+		/* every fourth strided: padded [B, L, H, D] views */
+		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, types[(c / 2) % 2], c % 4 == 3));
 		test_problem_random_params(&tp, &rng);
 		separable_params(&tp, &rng, c % 4);
 		if (c % 3 == 0) { /* far from the origin, distances small */
