@@ -227,6 +227,12 @@ int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l
 bool ape__cu_separable_applies(const struct ape__launch *l);
 uint64_t ape__cu_separable_scratch(const struct ape__launch *l);
 int ape__cu_separable(struct ape__queue *q, const struct ape__launch *l, bool o_scalar);
+/* Launches mixing kv groups whose heads all have lambda = 0 with others (the separable path's
+ * shape, no pairs): each run of consecutive kv groups of one kind as a sub-launch of its own
+ * (ape__launch_heads()) through ape__cu_attention(). The separable scratch of the whole launch
+ * bounds each run's. */
+bool ape__cu_split_applies(const struct ape__launch *l);
+int ape__cu_split(struct ape__queue *q, const struct ape__launch *l);
 
 /* ---- cuda_backward.c */
 int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l);

@@ -456,6 +456,10 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 						      2 * ape_dtype_size(l->out_dtype)));
 		goto out_leave;
 	}
+	if (l->Lk > 0 && ape__cu_split_applies(l)) { /* by runs of kv groups, each as above */
+		ret = ape__cu_split(q, l);
+		goto out_leave;
+	}
 	kv_aligned(l, true, &k16, &v16);
 	plan_launch(cd, l, k16, v16, &p);
 	ret = ape__cu_scratch_alloc(q, p.total, &scratch);

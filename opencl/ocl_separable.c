@@ -231,17 +231,6 @@ out:
 	return ret;
 }
 
-/* Every query head of kv group g is separable (lambda = 0). */
-static bool sep_group(const struct ape__launch *l, int64_t g)
-{
-	const int64_t G = l->H / l->Hkv;
-
-	for (int64_t h = g * G; h < (g + 1) * G; h++)
-		if (l->head_params[4 * h + 3] != 0)
-			return false;
-	return true;
-}
-
 bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l)
 {
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
@@ -254,7 +243,7 @@ bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l)
 	    l->Lk > ((int64_t)1 << 30))
 		return false;
 	for (int64_t g = 0; g < l->Hkv; g++) {
-		const bool s = sep_group(l, g);
+		const bool s = ape__launch_group_separable(l, g);
 
 		any_sep |= s;
 		any_other |= !s;
@@ -264,26 +253,16 @@ bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l)
 
 int ape__ocl_split(struct ape__queue *q, const struct ape__launch *l)
 {
-	const int64_t G = l->H / l->Hkv;
 	int64_t g1;
 
 	for (int64_t g0 = 0; g0 < l->Hkv; g0 = g1) {
-		const bool s = sep_group(l, g0);
-		struct ape__launch sub = *l;
+		const bool s = ape__launch_group_separable(l, g0);
+		struct ape__launch sub;
 		int ret;
 
-		for (g1 = g0 + 1; g1 < l->Hkv && sep_group(l, g1) == s; g1++)
+		for (g1 = g0 + 1; g1 < l->Hkv && ape__launch_group_separable(l, g1) == s; g1++)
 			;
-		sub.H = (g1 - g0) * G;
-		sub.Hkv = g1 - g0;
-		sub.head_params = l->head_params + 4 * g0 * G;
-		sub.strided = true;
-		for (int t = 0; t < APE__T_COUNT; t++) {
-			const bool kv = t == APE__T_K || t == APE__T_V;
-
-			sub.view[t] = ape__launch_view(l, t);
-			sub.view[t].off += (kv ? g0 : g0 * G) * sub.view[t].sh;
-		}
+		sub = ape__launch_heads(l, g0, g1);
 		/* a homogeneous run: the separable path, or whatever the rest takes */
 		ret = s ? ape__ocl_separable(q, &sub) : ape__ocl_attention(q, &sub);
 		if (ret)

@@ -323,8 +323,9 @@ TEST(decode_skipping_on_and_off)
 
 /* ---- the separable path (cuda/kernels/separable.cu): every head with lambda = 0 */
 
-/* What ape__cu_separable_applies() reads of the launch the core makes for tp in one piece. */
-static bool takes_separable(const test_problem *tp, float *hp)
+/* What the separable predicates read of the launch the core makes for tp in one piece (no
+ * pairs asked). */
+static void sep_launch(const test_problem *tp, float *hp, struct ape__launch *lp)
 {
 	struct ape__launch l;
 	const int64_t H = tp->q.t.shape[1];
@@ -346,6 +347,14 @@ static bool takes_separable(const test_problem *tp, float *hp)
 			hp[4 * h + p] = pp->per_head ? pp->per_head[h] : pp->value;
 		}
 	l.head_params = hp;
+	*lp = l;
+}
+
+static bool takes_separable(const test_problem *tp, float *hp)
+{
+	struct ape__launch l;
+
+	sep_launch(tp, hp, &l);
 	return ape__cu_separable_applies(&l);
 }
 
@@ -377,7 +386,8 @@ static void separable_params(test_problem *tp, ape_rng *rng, int kind)
  * positions near 2^40 or rows before every key, LSE or not, f32 output, strided tensors,
  * skipping on or off)
  * within tolerance of the reference, each taking the separable path (its predicate asked); and
- * launches mixing lambda = 0 heads with others, which take the general kernel and match too.
+ * launches mixing lambda = 0 heads with others, which (asking pair counts here) take the general
+ * kernel as a whole and match too.
  */
 TEST(separable_matches_reference)
 {
@@ -431,6 +441,54 @@ TEST(separable_matches_reference)
 		test_problem_free(&tp);
 	}
 	TH_LOG("%d cases (%d separable), worst error %.3g of the tolerance", ncases, taken, worst);
+	EXPECT_EQ(0, fails);
+	ape_context_destroy(d.ctx);
+}
+
+/*
+ * Launches mixing kv groups whose heads all have lambda = 0 with others: without pair counts
+ * they run as sub-launches per run of kv groups (the separable path and the general kernel, the
+ * views moved along H), within tolerance of the reference.
+ */
+TEST(separable_mixed_heads_split)
+{
+	struct pair_of_devices d;
+	int fails = 0;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_separable_mixed");
+	for (int c = 0; c < 4; c++) {
+		const int64_t Hkv = 3, H = Hkv * (1 + c % 2), D = c < 2 ? 64 : 128;
+		const ape_dtype dt = c % 2 ? APE_BF16 : APE_F16;
+		test_problem tp, r;
+		struct ape__launch l;
+		float hp[4 * 6];
+		double eo, el;
+
+		ASSERT_EQ(0, new_problem(&tp, &rng, 1 + c / 3, H, Hkv, ape_rng_range(&rng, 17, 140),
+					 ape_rng_range(&rng, 1, 140), D, dt));
+		test_problem_random_params(&tp, &rng);
+		separable_params(&tp, &rng, 2 + c % 2);
+		/* the middle kv group (or the outer ones) is not separable */
+		for (int64_t h = 0; h < H; h++)
+			if ((h / (H / Hkv) == 1) == (c < 2))
+				tp.params[3 * H + h] = 0.3f;
+		sep_launch(&tp, hp, &l);
+		EXPECT_TRUE(ape__cu_split_applies(&l));
+		EXPECT_FALSE(ape__cu_separable_applies(&l));
+		ASSERT_EQ(0, test_problem_clone(&r, &tp));
+		ASSERT_EQ(0, test_problem_run(&tp, d.cuda)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, test_problem_run(&r, d.ref)) TH_LOG("%s", ape_last_error());
+		eo = test_max_err_o(&tp.o.t, &r.o.t) / fmax(test_tensor_maxabs(&tp.v.t), 1e-30);
+		el = tp.lse ? test_max_rel_err_lse(tp.lse, r.lse, tp.rows) : 0;
+		if (!(eo <= test_tol_o(dt)) || !(el <= test_tol_lse(dt))) {
+			TH_LOG("case %d: O error %.3g, LSE error %.3g", c, eo, el);
+			fails++;
+		}
+		test_problem_free(&tp);
+		test_problem_free(&r);
+	}
 	EXPECT_EQ(0, fails);
 	ape_context_destroy(d.ctx);
 }

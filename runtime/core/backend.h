@@ -150,6 +150,40 @@ static inline struct ape__view ape__launch_view(const struct ape__launch *l, int
 	return l->strided ? l->view[t] : c;
 }
 
+/* True when every query head of kv group g of l has lambda = 0: alpha = temp = 1, so the
+ * rotation separates (the backends' separable paths, docs/kernels.md). */
+static inline bool ape__launch_group_separable(const struct ape__launch *l, int64_t g)
+{
+	const int64_t G = l->H / l->Hkv;
+
+	for (int64_t h = g * G; h < (g + 1) * G; h++)
+		if (l->head_params[4 * h + 3] != 0)
+			return false;
+	return true;
+}
+
+/* The sub-launch of l's kv groups g0 .. g1-1 (their query and kv heads, parameters, and every
+ * view moved along H; strided), for a backend that runs a launch's heads in pieces. pairs,
+ * lse_prior, ent and md are contiguous [B, H, Lq]: a launch with any of them cannot be cut so. */
+static inline struct ape__launch ape__launch_heads(const struct ape__launch *l, int64_t g0,
+						   int64_t g1)
+{
+	const int64_t G = l->H / l->Hkv;
+	struct ape__launch sub = *l;
+
+	sub.H = (g1 - g0) * G;
+	sub.Hkv = g1 - g0;
+	sub.head_params = l->head_params + 4 * g0 * G;
+	sub.strided = true;
+	for (int t = 0; t < APE__T_COUNT; t++) {
+		const bool kv = t == APE__T_K || t == APE__T_V;
+
+		sub.view[t] = ape__launch_view(l, t);
+		sub.view[t].off += (kv ? g0 : g0 * G) * sub.view[t].sh;
+	}
+	return sub;
+}
+
 /*
  * One backward launch (APE-SPEC.md, "Gradients") on device buffers, contiguous, at offset 0.
  * `f` holds what the forward launch held: shapes, dtypes, q, k, v, o (of f.out_dtype), the
