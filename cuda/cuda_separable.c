@@ -203,36 +203,18 @@ int ape__cu_separable(struct ape__queue *q, const struct ape__launch *l, bool o_
 
 bool ape__cu_split_applies(const struct ape__launch *l)
 {
-	bool any_sep = false, any_other = false;
-
 	/* pairs is contiguous [B, H, Lq]: no view cuts a run of heads out of it */
-	if (!sep_shape(l) || l->pairs)
-		return false;
-	for (int64_t g = 0; g < l->Hkv; g++) {
-		const bool s = ape__launch_group_separable(l, g);
+	return sep_shape(l) && !l->pairs && ape__launch_mixes_separable(l);
+}
 
-		any_sep |= s;
-		any_other |= !s;
-	}
-	return any_sep && any_other;
+/* A homogeneous run: the separable path, or the general kernels, as for any launch. */
+static int split_run(struct ape__queue *q, const struct ape__launch *sub, bool separable)
+{
+	(void)separable;
+	return ape__cu_attention(q, sub);
 }
 
 int ape__cu_split(struct ape__queue *q, const struct ape__launch *l)
 {
-	int64_t g1;
-
-	for (int64_t g0 = 0; g0 < l->Hkv; g0 = g1) {
-		const bool s = ape__launch_group_separable(l, g0);
-		struct ape__launch sub;
-		int ret;
-
-		for (g1 = g0 + 1; g1 < l->Hkv && ape__launch_group_separable(l, g1) == s; g1++)
-			;
-		sub = ape__launch_heads(l, g0, g1);
-		/* a homogeneous run: the separable path, or the general kernels */
-		ret = ape__cu_attention(q, &sub);
-		if (ret)
-			return ret;
-	}
-	return 0;
+	return ape__launch_split_runs(q, l, split_run);
 }

@@ -234,7 +234,6 @@ out:
 bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l)
 {
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
-	bool any_sep = false, any_other = false;
 
 	/* pairs and lse_prior are contiguous [B, H, Lq]: no view cuts a run of heads out of them */
 	if (!(od->type & CL_DEVICE_TYPE_CPU) || !ape__ocl_fast_outputs(l) || l->pairs ||
@@ -242,31 +241,16 @@ bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l)
 	    l->D > 256 || l->Lq < 1 || l->Lk < 1 || l->Hkv < 1 || l->H % l->Hkv ||
 	    l->Lk > ((int64_t)1 << 30))
 		return false;
-	for (int64_t g = 0; g < l->Hkv; g++) {
-		const bool s = ape__launch_group_separable(l, g);
+	return ape__launch_mixes_separable(l);
+}
 
-		any_sep |= s;
-		any_other |= !s;
-	}
-	return any_sep && any_other;
+/* A homogeneous run: the separable path, or whatever the rest takes. */
+static int split_run(struct ape__queue *q, const struct ape__launch *sub, bool separable)
+{
+	return separable ? ape__ocl_separable(q, sub) : ape__ocl_attention(q, sub);
 }
 
 int ape__ocl_split(struct ape__queue *q, const struct ape__launch *l)
 {
-	int64_t g1;
-
-	for (int64_t g0 = 0; g0 < l->Hkv; g0 = g1) {
-		const bool s = ape__launch_group_separable(l, g0);
-		struct ape__launch sub;
-		int ret;
-
-		for (g1 = g0 + 1; g1 < l->Hkv && ape__launch_group_separable(l, g1) == s; g1++)
-			;
-		sub = ape__launch_heads(l, g0, g1);
-		/* a homogeneous run: the separable path, or whatever the rest takes */
-		ret = s ? ape__ocl_separable(q, &sub) : ape__ocl_attention(q, &sub);
-		if (ret)
-			return ret;
-	}
-	return 0;
+	return ape__launch_split_runs(q, l, split_run);
 }

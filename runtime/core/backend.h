@@ -184,6 +184,43 @@ static inline struct ape__launch ape__launch_heads(const struct ape__launch *l, 
 	return sub;
 }
 
+/* True when l has both kv groups whose heads all have lambda = 0 and others. */
+static inline bool ape__launch_mixes_separable(const struct ape__launch *l)
+{
+	bool any_sep = false, any_other = false;
+
+	for (int64_t g = 0; g < l->Hkv; g++) {
+		const bool s = ape__launch_group_separable(l, g);
+
+		any_sep |= s;
+		any_other |= !s;
+	}
+	return any_sep && any_other;
+}
+
+/* Runs l as one sub-launch (ape__launch_heads()) per run of consecutive kv groups of one kind:
+ * run(q, sub, separable) in order; the first failure, or 0. */
+static inline int ape__launch_split_runs(struct ape__queue *q, const struct ape__launch *l,
+					 int (*run)(struct ape__queue *, const struct ape__launch *,
+						    bool))
+{
+	int64_t g1;
+
+	for (int64_t g0 = 0; g0 < l->Hkv; g0 = g1) {
+		const bool s = ape__launch_group_separable(l, g0);
+		struct ape__launch sub;
+		int ret;
+
+		for (g1 = g0 + 1; g1 < l->Hkv && ape__launch_group_separable(l, g1) == s; g1++)
+			;
+		sub = ape__launch_heads(l, g0, g1);
+		ret = run(q, &sub, s);
+		if (ret)
+			return ret;
+	}
+	return 0;
+}
+
 /*
  * One backward launch (APE-SPEC.md, "Gradients") on device buffers, contiguous, at offset 0.
  * `f` holds what the forward launch held: shapes, dtypes, q, k, v, o (of f.out_dtype), the
