@@ -67,8 +67,10 @@
  * fields, ranks stated by each backend. 4: attention_backward and struct ape__bwd_launch.
  * 5: strided views in struct ape__launch, buf_wrap, queue_wrap, ape__backend.import.
  * 6: attention_backward_scratch (enum ape__bwd_part); attention_backward may hold scratch.
- * 7: the diagnostics ent and md in struct ape__launch, ape__backend_ops.attention_diag. */
-#define APE__BACKEND_ABI 7
+ * 7: the diagnostics ent and md in struct ape__launch, ape__backend_ops.attention_diag.
+ * 8: struct ape__launch.diag_view, ape__backend_ops.attention_diag_views (the diagnostics on
+ * device tensors: strided, each optional, without lse). */
+#define APE__BACKEND_ABI 8
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -104,7 +106,8 @@ struct ape__launch {
 	 * in the same pass as O from running sums (ape_diag_*() in core/ape_math.h), 0 for a row
 	 * without a visible key, NaN for a NaN row. The core sets them only for a backend whose
 	 * ops declare attention_diag, both or neither, and then lse is not NULL either (the merge
- * needs it).
+ * needs it); except on the device-resident call's launches, for a backend that declares
+	 * attention_diag_views (ABI 8, below): strided (diag_view), each optional, lse optional.
 	 * Keys a launch skips change them within docs/diagnostics.md's bound (the core has
 	 * already tightened skip_tol to APE_DIAG_SKIP_TOL for such launches).
 	 */
@@ -136,6 +139,13 @@ struct ape__launch {
 	 */
 	bool strided;
 	struct ape__view view[APE__T_COUNT];
+	/*
+	 * ABI 8: where ent (diag_view[0]) and md (diag_view[1]) lie when strided, in floats (the
+	 * LSE's shape, no D axis). Set by the core only for a backend whose ops declare
+	 * attention_diag_views, which then reads them through ape__launch_diag_view(); every
+	 * other backend gets ent and md contiguous at offset 0 (strided false, or none at all).
+	 */
+	struct ape__view diag_view[2];
 };
 
 /* The view of tensor t (enum ape__tensor_id) of launch l: its own when l->strided, else the
@@ -148,6 +158,15 @@ static inline struct ape__view ape__launch_view(const struct ape__launch *l, int
 	struct ape__view c = { 0, heads * rows * d, rows * d, d };
 
 	return l->strided ? l->view[t] : c;
+}
+
+/* Where ent (which 0) or md (which 1) of launch l lies: diag_view[which] when l->strided,
+ * else contiguous at offset 0 (ABI 8). */
+static inline struct ape__view ape__launch_diag_view(const struct ape__launch *l, int which)
+{
+	struct ape__view c = { 0, l->H * l->Lq, l->Lq, 1 };
+
+	return l->strided ? l->diag_view[which] : c;
 }
 
 /* True when every query head of kv group g of l has lambda = 0: alpha = temp = 1, so the
@@ -492,6 +511,15 @@ struct ape__backend_ops {
 	 * on its devices fails with APE_ENOTSUP naming the device (never falling back to another
 	 * backend). */
 	bool attention_diag;
+
+	/* ---- ABI 8: the diagnostics on device tensors (ape_attention_enqueue_diag()). */
+
+	/* true (only with attention_diag): attention also takes the launches of the device-resident
+	 * call: strided, with ent and md where l->diag_view says (ape__launch_diag_view()), either
+	 * one NULL without the other, and lse possibly NULL (each such launch sees every key of
+	 * its rows: nothing is merged). false: the core never hands it such a launch, and
+	 * ape_attention_enqueue_diag() on its devices fails with APE_ENOTSUP naming the device. */
+	bool attention_diag_views;
 };
 
 /* Kinds of memory buf_wrap takes. */

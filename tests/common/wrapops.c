@@ -443,6 +443,8 @@ void wrap_install(ape_device *dev, unsigned flags)
 		w.ops.event_timestamp = NULL;
 	if (flags & WRAP_NO_SCRATCH)
 		w.ops.attention_scratch = NULL;
+	if (flags & WRAP_NO_DIAG_VIEWS)
+		w.ops.attention_diag_views = false;
 	memset(&w.c, 0, sizeof(w.c));
 	w.fail_op = -1;
 	w.fail_at = w.total = w.lost_at = 0;

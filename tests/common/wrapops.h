@@ -22,6 +22,8 @@
 /* hide attention_backward_scratch from the core (the wrapper still counts what the backend
  * declares: a plan that ignores it shows) */
 #define WRAP_NO_BWD_SCRATCH (1u << 3)
+/* hide attention_diag_views: a backend without the diagnostics on device tensors */
+#define WRAP_NO_DIAG_VIEWS (1u << 4)
 
 /* The ops that can fail, as the wrapper counts and fails them. */
 enum wrap_op {
