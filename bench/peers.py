@@ -6,6 +6,8 @@ Cases (B = 1, H = 6, D = 64, float32, causal, the same inputs for every contende
   alibi       ALiBi-style: delta = 2^(-4/3) only, skipping on (skip_tol 2^-24)
   ape-dense   APE with the seed's parameters, skip_tol 0
   ape-skip    APE with the seed's parameters, skipping on
+  sep-dense   the seed's delta, beta, gamma with lambda = 0 (the separable path), skip_tol 0
+  sep-skip    the same, skipping on
   decode      one query against Lk = 32768 keys, no decay; libape's keys are resident in a KV
               cache, SDPA's already rotated (as a cache holds them)
 Contenders: PyTorch's scaled_dot_product_attention on RoPE-rotated inputs (the rotation done
@@ -36,6 +38,7 @@ DELTA = 2.0 ** (-4.0 / 3.0)
 SEED = dict(delta=DELTA, beta=DELTA / 10, gamma=DELTA / 10, lam=0.1)
 ZERO = dict(delta=0.0, beta=0.0, gamma=0.0, lam=0.0)
 ALIBI = dict(delta=DELTA, beta=0.0, gamma=0.0, lam=0.0)
+SEP = dict(SEED, lam=0.0)  # every decay, no slow-down: the rotation separates
 
 
 def ensure_venv(venv):
@@ -100,7 +103,7 @@ def main():
     q, k, v = (torch.randn(1, H, 256, D, generator=g) for _ in range(3))
     err = (lib(q, k, v, ZERO, False) - sdpa_rope(q, k, v)).abs().max().item()
     assert err < 1e-4, "libape plain RoPE vs SDPA: max |diff| %g" % err
-    for name, p in (("alibi", ALIBI), ("ape", SEED)):
+    for name, p in (("alibi", ALIBI), ("ape", SEED), ("sep", SEP)):
         ref, _ = ape_eager(q, k, v, **p)
         err = (lib(q, k, v, p, True) - ref).abs().max().item()
         assert err < 1e-4, "libape %s vs eager PyTorch: max |diff| %g" % (name, err)
@@ -112,7 +115,8 @@ def main():
         rot = (rope_rotate(q, pos), rope_rotate(k, pos))
         t_sdpa = median_ms(lambda: sdpa_rope(q, k, v, rotated=rot), args.repeats)
         for case, p, skip in (("rope", ZERO, False), ("alibi", ALIBI, True),
-                              ("ape-dense", SEED, False), ("ape-skip", SEED, True)):
+                              ("ape-dense", SEED, False), ("ape-skip", SEED, True),
+                              ("sep-dense", SEP, False), ("sep-skip", SEP, True)):
             t_lib = median_ms(lambda: lib(q, k, v, p, skip), args.repeats)
             t_eager = None
             if L <= args.eager_max_L:  # one head, scaled by H

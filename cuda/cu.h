@@ -58,6 +58,7 @@ enum {
 	APE__CU_MOD_DECODE,
 	APE__CU_MOD_PREFILL,
 	APE__CU_MOD_BACKWARD,
+	APE__CU_MOD_SEPARABLE,
 	APE__CU_NMODULES,
 };
 
@@ -77,7 +78,10 @@ enum ape__cu_kernel {
 	APE__CU_K_BWD_KEYS,
 	APE__CU_K_BWD_QUERIES = APE__CU_K_BWD_KEYS + 4,
 	APE__CU_K_COPY_VIEW = APE__CU_K_BWD_QUERIES + 4, /* copy_view (ABI 10) */
-	APE__CU_NKERNELS,
+	/* the separable path (cuda_separable.c): the rotation, then d64 f16/bf16, d128 f16/bf16 */
+	APE__CU_K_SEP_ROT,
+	APE__CU_K_SEP,
+	APE__CU_NKERNELS = APE__CU_K_SEP + 4,
 };
 
 /* Head-size variants: D = 64 and 128 specialised, every other even D <= 256 generic. */
@@ -216,6 +220,21 @@ uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__lau
  * dst, on the queue, from a host copy the stream frees once the copy has run. */
 int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst);
 
+/* ---- cuda_separable.c: launches whose every head has lambda = 0 (f16/bf16, D 64 or 128, no
+ * lse_prior, no diagnostics, at most APE_CU_INLINE_HEADS heads): Q and K rotated once, then
+ * tensor-core tiles. applies() is conservative; the scratch counts the shape alone (0 when no
+ * launch of that shape could take the path). o_scalar: O's element pairs are not aligned for
+ * one 2-element store. The caller has entered the device and loaded the modules. */
+bool ape__cu_separable_applies(const struct ape__launch *l);
+uint64_t ape__cu_separable_scratch(const struct ape__launch *l);
+int ape__cu_separable(struct ape__queue *q, const struct ape__launch *l, bool o_scalar);
+/* Launches mixing kv groups whose heads all have lambda = 0 with others (the separable path's
+ * shape, no pairs): each run of consecutive kv groups of one kind as a sub-launch of its own
+ * (ape__launch_heads()) through ape__cu_attention(). The separable scratch of the whole launch
+ * bounds each run's. */
+bool ape__cu_split_applies(const struct ape__launch *l);
+int ape__cu_split(struct ape__queue *q, const struct ape__launch *l);
+
 /* ---- cuda_backward.c */
 int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l);
 /* ABI 10 (cuda_backward.c): queue-ordered scratch buffers and copy_view. */
@@ -234,6 +253,7 @@ extern const unsigned char ape__cu_fatbin_window[];
 extern const unsigned char ape__cu_fatbin_decode[];
 extern const unsigned char ape__cu_fatbin_prefill[];
 extern const unsigned char ape__cu_fatbin_backward[];
+extern const unsigned char ape__cu_fatbin_separable[];
 
 #pragma GCC visibility pop
 #endif /* APE_CUDA_CU_H */

@@ -168,7 +168,8 @@ uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__lau
 		return 0;
 	kv_aligned(l, false, &k16, &v16);
 	plan_launch(ape__cu_dev(dev), l, k16, v16, &p);
-	return p.total;
+	/* shape-only: the separable path may take it (cuda_separable.c) */
+	return p.total > ape__cu_separable_scratch(l) ? p.total : ape__cu_separable_scratch(l);
 }
 
 static struct ape_cu_view cu_view(const struct ape__launch *l, int t)
@@ -449,6 +450,16 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 	ret = ape__cu_module(q->dev);
 	if (ret)
 		goto out_leave;
+	if (l->Lk > 0 && ape__cu_separable_applies(l)) {
+		ret = ape__cu_separable(q, l,
+					!view_aligned(l, APE__T_O, l->o->ptr,
+						      2 * ape_dtype_size(l->out_dtype)));
+		goto out_leave;
+	}
+	if (l->Lk > 0 && ape__cu_split_applies(l)) { /* by runs of kv groups, each as above */
+		ret = ape__cu_split(q, l);
+		goto out_leave;
+	}
 	kv_aligned(l, true, &k16, &v16);
 	plan_launch(cd, l, k16, v16, &p);
 	ret = ape__cu_scratch_alloc(q, p.total, &scratch);

@@ -21,7 +21,8 @@ const char *const ape__cu_kernel_names[APE__CU_NKERNELS] = {
 	"ape_prep", "ape_kscan", "ape_dwindow", "ape_dmerge", VARIANTS("prefill"), VARIANTS("decode"),
 	"ape_bwd_rows", "ape_bwd_params", "ape_bwd_keys_d64", "ape_bwd_keys_d128", "ape_bwd_keys_g128",
 	"ape_bwd_keys_g256", "ape_bwd_queries_d64", "ape_bwd_queries_d128", "ape_bwd_queries_g128",
-	"ape_bwd_queries_g256", "ape_copy_view",
+	"ape_bwd_queries_g256", "ape_copy_view", "ape_sep_rot", "ape_sep_d64_f16", "ape_sep_d64_bf16",
+	"ape_sep_d128_f16", "ape_sep_d128_bf16",
 };
 
 int ape__cu_kernel_index(bool decode, int variant, int dtype)
@@ -31,6 +32,8 @@ int ape__cu_kernel_index(bool decode, int variant, int dtype)
 
 static int cu_kernel_module(int k)
 {
+	if (k >= APE__CU_K_SEP_ROT)
+		return APE__CU_MOD_SEPARABLE;
 	if (k >= APE__CU_K_BWD_ROWS)
 		return APE__CU_MOD_BACKWARD;
 	if (k == APE__CU_K_PREP || k == APE__CU_K_SCAN)
@@ -48,6 +51,7 @@ static const unsigned char *const cu_images[APE__CU_NMODULES] = {
 	ape__cu_fatbin_decode,
 	ape__cu_fatbin_prefill,
 	ape__cu_fatbin_backward,
+	ape__cu_fatbin_separable,
 };
 
 static void cu_modules_unload(struct ape__cu_device *cd)

@@ -19,6 +19,7 @@ EMBED(ape__cu_fatbin_window, "window.fatbin")
 EMBED(ape__cu_fatbin_decode, "decode.fatbin")
 EMBED(ape__cu_fatbin_prefill, "prefill.fatbin")
 EMBED(ape__cu_fatbin_backward, "backward.fatbin")
+EMBED(ape__cu_fatbin_separable, "separable.fatbin")
 
 	/* no executable stack */
 	.section .note.GNU-stack,"",@progbits

@@ -11,9 +11,10 @@ ifeq ($(HAVE_CUDA),yes)
 CUDA_INC   := $(abspath $(dir $(NVCC))../include)
 CUDA_GEN   := $(BUILD)/gen/cuda
 CUDA_SRCS  := $(wildcard cuda/cuda_*.c)
-CUDA_KERNELS := prep window decode prefill backward
+CUDA_KERNELS := prep window decode prefill backward separable
 CUDA_FATBINS := $(CUDA_KERNELS:%=$(CUDA_GEN)/%.fatbin)
 CUDA_KHDRS := cuda/kernels/common.cuh cuda/kernels/args.h cuda/kernels/bwd_args.h \
+              cuda/kernels/sep_args.h \
               runtime/core/ape_math.h
 
 LIB_SRCS += $(CUDA_SRCS)

@@ -24,6 +24,7 @@
 #define APE__FD_LSE 64
 #define APE__FD_PAIRS 128
 #define APE__FD_SKIP 256
+#define APE__FD_BIAS 512 /* separable: the bias from the per-distance table */
 
 /* The outputs every fast kernel writes: O, LSE, pairs. A launch asking for the diagnostics
  * (entropy, mean distance: l->ent, l->md) goes to the general kernel. */

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The separable path (kernels/separable.cl): launches whose every head has lambda = 0 and no
- * decay but delta. Q and K are rotated once into scratch (Q transposed per block of 16 rows, the
+ * The separable path (kernels/separable.cl): launches whose every head has lambda = 0 (any
+ * delta, beta, gamma; with beta or gamma != 0 the bias per distance comes from a table). Q and K are rotated once into scratch (Q transposed per block of 16 rows, the
  * rows then being the lanes of a vector; V copied as float32),
  * key-tile norms and their prefix maxima are taken for skipping, then ape_sep_attn runs the
  * GEMM-shaped blocks. Scratch: the rotated Q and K, V in float32, the norms (ape__ocl_separable_scratch counts
@@ -18,6 +18,21 @@
 static int64_t round_up(int64_t x, int64_t m)
 {
 	return (x + m - 1) / m * m;
+}
+
+/* A head has beta or gamma != 0: the kernel takes its bias from the per-distance table. */
+static bool sep_tabbed(const struct ape__launch *l)
+{
+	for (int64_t h = 0; h < l->H; h++)
+		if (l->head_params[4 * h + 1] != 0 || l->head_params[4 * h + 2] != 0)
+			return true;
+	return false;
+}
+
+/* The bias table's entries per head: every distance rows 0..Lqp-1 and keys 0..Lkp-1 span. */
+static int64_t sep_table_len(const struct ape__launch *l)
+{
+	return round_up(l->Lq, SEP_BQ) + round_up(l->Lk, SEP_BK) - 1;
 }
 
 /* Rotated Q (transposed per block), rotated K and float32 V (each kt bytes), the query norms,
@@ -43,7 +58,8 @@ uint64_t ape__ocl_separable_scratch(struct ape_device *dev, const struct ape__la
 	if (l->D % 32 || l->D > 256 || l->Lq < 1 || l->Lk < 1)
 		return 0;
 	sep_sizes(l, &qr, &kt, &qn, &tiles, &pre);
-	return (uint64_t)(qr + 2 * kt + qn + tiles + pre) + 8 * (uint64_t)(l->D / 2 + 4 * l->H);
+	return (uint64_t)(qr + 2 * kt + qn + tiles + pre) + 8 * (uint64_t)(l->D / 2 + 4 * l->H) +
+	       8 * (uint64_t)(l->H * sep_table_len(l)); /* the bias table, when tabbed */
 }
 
 bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch *l)
@@ -54,12 +70,12 @@ bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch
 	if (!(od->type & CL_DEVICE_TYPE_CPU) || !ape__ocl_fast_outputs(l) || l->D % 32 ||
 	    l->D > 256 || l->Lq < 1 || l->Lk < 1 || l->H % l->Hkv || l->Lk > ((int64_t)1 << 30))
 		return false;
-	for (int64_t h = 0; h < l->H; h++) /* lambda = 0, no decay but delta: every head */
-		if (l->head_params[4 * h + 1] != 0 || l->head_params[4 * h + 2] != 0 ||
-		    l->head_params[4 * h + 3] != 0)
+	for (int64_t h = 0; h < l->H; h++) /* lambda = 0: every head */
+		if (l->head_params[4 * h + 3] != 0)
 			return false;
 	sep_sizes(l, &qr, &kt, &qn, &tiles, &pre);
-	return qr <= od->max_alloc && kt <= od->max_alloc;
+	return qr <= od->max_alloc && kt <= od->max_alloc &&
+	       (uint64_t)(l->H * sep_table_len(l)) * 8 <= od->max_alloc;
 }
 
 int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
@@ -73,7 +89,10 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	const cl_float scale = (cl_float)l->scale, tol = (cl_float)l->skip_tol;
 	cl_int flags = ape__ocl_fast_flags(l);
 	size_t sqr, skt, sqn, stiles, spre;
+	const cl_long ne = sep_table_len(l);
+	const size_t real = ape__ocl_dev(q->dev)->fp64 ? sizeof(cl_double) : sizeof(cl_float);
 	cl_mem prm, qr = NULL, kt = NULL, vf = NULL, qn = NULL, tiles = NULL, pre = NULL, none = NULL;
+	cl_mem tab = NULL;
 	struct ape__ocl_args a = { 0 };
 	cl_int err;
 	int ret;
@@ -98,7 +117,11 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 		tiles = ape__ocl_scratch(q, stiles, NULL, &err);
 	if (tiles)
 		pre = ape__ocl_scratch(q, spre, NULL, &err);
-	if (!pre) {
+	if (pre && sep_tabbed(l)) {
+		flags |= APE__FD_BIAS;
+		tab = ape__ocl_scratch(q, (size_t)(l->H * ne) * real, NULL, &err);
+	}
+	if (!pre || ((flags & APE__FD_BIAS) && !tab)) {
 		ret = ape__ocl_error(err, "clCreateBuffer (separable scratch)");
 		goto out;
 	}
@@ -146,6 +169,21 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	if (ret)
 		goto out;
 
+	if (tab) {
+		a.k = clCreateKernel(pr->prog, "ape_sep_btab", &a.err);
+		ape__ocl_arg(&a, sizeof(cl_mem), &prm);
+		ape__ocl_arg(&a, sizeof(D), &D);
+		ape__ocl_arg(&a, sizeof(ne), &ne);
+		ape__ocl_arg(&a, sizeof(Lkp), &Lkp);
+		ape__ocl_arg(&a, sizeof(rel), &rel);
+		ape__ocl_arg(&a, sizeof(cl_mem), &tab);
+		/* work-groups of 64 (PoCL's cost per group dwarfs one log1p) */
+		ret = ape__ocl_fast_launch(q, &a, "ape_sep_btab", (size_t)round_up(ne, 64), 64,
+					   (size_t)l->H);
+		if (ret)
+			goto out;
+	}
+
 	a.k = clCreateKernel(pr->prog, "ape_sep_attn", &a.err);
 	ape__ocl_arg(&a, sizeof(cl_mem), &qr);
 	ape__ocl_arg(&a, sizeof(cl_mem), &kt);
@@ -156,6 +194,7 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
 	ape__ocl_arg(&a, sizeof(cl_mem), &qn);
 	ape__ocl_arg(&a, sizeof(cl_mem), &pre);
+	ape__ocl_arg(&a, sizeof(cl_mem), tab ? &tab : &none);
 	ape__ocl_arg_view(&a, l, APE__T_O);
 	ape__ocl_arg_view(&a, l, APE__T_LSE);
 	ape__ocl_arg(&a, sizeof(D), &D);
@@ -187,25 +226,14 @@ out:
 		clReleaseMemObject(tiles);
 	if (pre)
 		clReleaseMemObject(pre);
+	if (tab)
+		clReleaseMemObject(tab);
 	return ret;
-}
-
-/* Every query head of kv group g is separable (lambda = beta = gamma = 0). */
-static bool sep_group(const struct ape__launch *l, int64_t g)
-{
-	const int64_t G = l->H / l->Hkv;
-
-	for (int64_t h = g * G; h < (g + 1) * G; h++)
-		if (l->head_params[4 * h + 1] != 0 || l->head_params[4 * h + 2] != 0 ||
-		    l->head_params[4 * h + 3] != 0)
-			return false;
-	return true;
 }
 
 bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l)
 {
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
-	bool any_sep = false, any_other = false;
 
 	/* pairs and lse_prior are contiguous [B, H, Lq]: no view cuts a run of heads out of them */
 	if (!(od->type & CL_DEVICE_TYPE_CPU) || !ape__ocl_fast_outputs(l) || l->pairs ||
@@ -213,41 +241,16 @@ bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l)
 	    l->D > 256 || l->Lq < 1 || l->Lk < 1 || l->Hkv < 1 || l->H % l->Hkv ||
 	    l->Lk > ((int64_t)1 << 30))
 		return false;
-	for (int64_t g = 0; g < l->Hkv; g++) {
-		const bool s = sep_group(l, g);
+	return ape__launch_mixes_separable(l);
+}
 
-		any_sep |= s;
-		any_other |= !s;
-	}
-	return any_sep && any_other;
+/* A homogeneous run: the separable path, or whatever the rest takes. */
+static int split_run(struct ape__queue *q, const struct ape__launch *sub, bool separable)
+{
+	return separable ? ape__ocl_separable(q, sub) : ape__ocl_attention(q, sub);
 }
 
 int ape__ocl_split(struct ape__queue *q, const struct ape__launch *l)
 {
-	const int64_t G = l->H / l->Hkv;
-	int64_t g1;
-
-	for (int64_t g0 = 0; g0 < l->Hkv; g0 = g1) {
-		const bool s = sep_group(l, g0);
-		struct ape__launch sub = *l;
-		int ret;
-
-		for (g1 = g0 + 1; g1 < l->Hkv && sep_group(l, g1) == s; g1++)
-			;
-		sub.H = (g1 - g0) * G;
-		sub.Hkv = g1 - g0;
-		sub.head_params = l->head_params + 4 * g0 * G;
-		sub.strided = true;
-		for (int t = 0; t < APE__T_COUNT; t++) {
-			const bool kv = t == APE__T_K || t == APE__T_V;
-
-			sub.view[t] = ape__launch_view(l, t);
-			sub.view[t].off += (kv ? g0 : g0 * G) * sub.view[t].sh;
-		}
-		/* a homogeneous run: the separable path, or whatever the rest takes */
-		ret = s ? ape__ocl_separable(q, &sub) : ape__ocl_attention(q, &sub);
-		if (ret)
-			return ret;
-	}
-	return 0;
+	return ape__launch_split_runs(q, l, split_run);
 }

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The OpenCL fast paths (opencl/ocl_fast.h) against the reference backend: the split-K decode
- * (a few query rows, many keys) and the separable path (every head with lambda = 0 and no
- * decay but delta; launches mixing such kv groups with others, split by runs of kv groups), on
+ * (a few query rows, many keys) and the separable path (every head with lambda = 0, any decays
+ * delta, beta, gamma of either sign; launches mixing such kv groups with others, split by runs of kv groups), on
  * random awkward cases: every storage type, both rope layouts, GQA, causal or not, positions
  * near 2^40, rows with no visible key, strided host and device tensors, per-head parameters and
  * mixes of separable and other heads. Each case also asks the path's own
@@ -106,18 +106,30 @@ static int fast_case(test_problem *tp, ape_rng *rng, int64_t Lq, int64_t Lk, int
 	return 0;
 }
 
-/* Every head separable: lambda = beta = gamma = 0; delta per head, sometimes 0 (plain RoPE) or
- * negative (no skipping allowed). */
+/* Every head separable: lambda = 0. kind 0: plain RoPE; 1: ALiBi-like (delta > 0); 2: delta per
+ * head, sometimes negative (no skipping allowed); 3: delta, beta, gamma >= 0, each sometimes 0
+ * (skipping allowed); 4: delta, beta, gamma of either sign or 0 (the per-distance bias table). */
 static void separable_params(test_problem *tp, ape_rng *rng)
 {
 	const int64_t H = tp->q.t.shape[1];
-	const int kind = (int)ape_rng_range(rng, 0, 2); /* 0: plain RoPE, 1: ALiBi-like, 2: mixed */
+	const int kind = (int)ape_rng_range(rng, 0, 4);
 
 	for (int64_t h = 0; h < H; h++) {
 		const double u = ape_rng_uniform(rng);
+		float *beta = &tp->params[H + h], *gamma = &tp->params[2 * H + h];
 
 		tp->params[h] = kind == 0 ? 0.0f : kind == 1 ? (float)(0.02 + u) : (float)(u - 0.3);
-		tp->params[H + h] = tp->params[2 * H + h] = tp->params[3 * H + h] = 0.0f;
+		*beta = *gamma = tp->params[3 * H + h] = 0.0f;
+		if (kind == 3) {
+			tp->params[h] = ape_rng_uniform(rng) < 0.3 ? 0.0f : (float)(0.3 * u);
+			*beta = ape_rng_uniform(rng) < 0.3 ? 0.0f : (float)ape_rng_uniform(rng);
+			*gamma = ape_rng_uniform(rng) < 0.3 ? 0.0f : (float)(0.5 * ape_rng_uniform(rng));
+		} else if (kind == 4) {
+			tp->params[h] = ape_rng_uniform(rng) < 0.2 ? 0.0f : (float)(0.2 * (u - 0.3));
+			*beta = ape_rng_uniform(rng) < 0.2 ? 0.0f : (float)(2 * ape_rng_uniform(rng) - 1);
+			*gamma = ape_rng_uniform(rng) < 0.2 ? 0.0f
+							    : (float)(ape_rng_uniform(rng) - 0.5);
+		}
 	}
 	tp->desc.delta = (ape_param){ 0, tp->params };
 	tp->desc.beta = (ape_param){ 0, tp->params + H };
@@ -234,7 +246,7 @@ TEST(separable_random_cases_match_reference)
 }
 
 /*
- * Some kv groups whose heads all have lambda = beta = gamma = 0 and others not: the launch runs
+ * Some kv groups whose heads all have lambda = 0 and others not: the launch runs
  * as sub-launches per run of kv groups (the separable path and the general kernel), when it asks
  * no per-row pair counts (no statistics); with statistics, as one general launch. Both match the
  * reference.
@@ -259,7 +271,7 @@ TEST(mixed_heads_match_reference)
 		separable_params(&tp, &rng);
 		H = tp.q.t.shape[1];
 		tp.params[3 * H + ape_rng_range(&rng, 0, H - 1)] = 0.5f; /* one head is not */
-		if (ape_rng_uniform(&rng) < 0.3)
+		if (ape_rng_uniform(&rng) < 0.3) /* and a separable one may have beta too */
 			tp.params[H + ape_rng_range(&rng, 0, H - 1)] = 0.2f;
 		launch_of(&tp, hp, &l);
 		taken += ocl_is_cpu(&d) && !ape__ocl_decode_applies(d.ocl, &l) &&
@@ -276,41 +288,49 @@ TEST(mixed_heads_match_reference)
 }
 
 /*
- * ALiBi-style with skipping: within tolerance of the reference, never computing more than a
- * dense run, and computing fewer pairs where the decay makes far keys negligible; the skipped
- * result within tolerance of the dense one.
+ * Skipping, ALiBi-style (delta only) and with all three decays (the per-distance table): within
+ * tolerance of the reference, never computing more than a dense run, and computing fewer pairs
+ * where the decay makes far keys negligible; the skipped result within tolerance of the dense
+ * one.
  */
 TEST(separable_skipping_against_dense)
 {
 	const test_problem_shape sh = { 1, 3, 3, 700, 700, 64 };
 	struct devs d;
 	ape_rng rng;
-	test_problem tp, dense;
-	ape_stats st, sd;
-	double eo;
 
 	devs_open(_metadata, &d);
 	ape_rng_init(&rng, "separable_skipping_against_dense");
-	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
-	test_problem_set_params(&tp, 0.5, 0, 0, 0);
-	tp.desc.skip_tol = 0x1p-24;
-	ASSERT_EQ(0, test_problem_clone(&dense, &tp));
-	dense.desc.skip_tol = 0;
-	ASSERT_EQ(0, compare(_metadata, &d, &tp, &st, "skip", NULL));
-	ASSERT_EQ(0, compare(_metadata, &d, &dense, &sd, "dense", NULL));
-	EXPECT_EQ(sd.pairs_visible, sd.pairs_computed);
-	EXPECT_EQ(st.pairs_visible, sd.pairs_visible);
-	ksft_print_msg("skipping: %llu of %llu visible pairs computed\n",
-		       (unsigned long long)st.pairs_computed, (unsigned long long)st.pairs_visible);
-	fflush(stdout);
-	if (ocl_is_cpu(&d)) /* measured 42% on 2026-12-01 */
-		EXPECT_LT(st.pairs_computed, st.pairs_visible / 2)
-	TH_LOG("delta = 0.5 over 700 keys: most of them are negligible");
-	eo = test_max_err_o(&tp.o.t, &dense.o.t) / v_scale(&tp);
-	EXPECT_LE(eo, test_tol_o(APE_F32));
-	EXPECT_LE(test_max_rel_err_lse(tp.lse, dense.lse, tp.rows), test_tol_lse(APE_F32));
-	test_problem_free(&tp);
-	test_problem_free(&dense);
+	for (int c = 0; c < 2; c++) {
+		test_problem tp, dense;
+		ape_stats st, sd;
+		double eo;
+
+		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+		if (c == 0)
+			test_problem_set_params(&tp, 0.5, 0, 0, 0);
+		else
+			test_problem_set_params(&tp, 0.5, 0.8, 0.4, 0); /* more decay than case 0 */
+		tp.desc.skip_tol = 0x1p-24;
+		ASSERT_EQ(0, test_problem_clone(&dense, &tp));
+		dense.desc.skip_tol = 0;
+		ASSERT_EQ(0, compare(_metadata, &d, &tp, &st, "skip", NULL));
+		ASSERT_EQ(0, compare(_metadata, &d, &dense, &sd, "dense", NULL));
+		EXPECT_EQ(sd.pairs_visible, sd.pairs_computed);
+		EXPECT_EQ(st.pairs_visible, sd.pairs_visible);
+		ksft_print_msg("skipping (case %d): %llu of %llu visible pairs computed\n", c,
+			       (unsigned long long)st.pairs_computed,
+			       (unsigned long long)st.pairs_visible);
+		fflush(stdout);
+		if (ocl_is_cpu(&d)) /* measured 42% (delta 0.5) on 2026-12-01 */
+			EXPECT_LT(st.pairs_computed, st.pairs_visible / 2)
+		TH_LOG("case %d: delta = 0.5 (and more) over 700 keys: most are negligible", c);
+		eo = test_max_err_o(&tp.o.t, &dense.o.t) / v_scale(&tp);
+		EXPECT_LE(eo, test_tol_o(APE_F32));
+		EXPECT_LE(test_max_rel_err_lse(tp.lse, dense.lse, tp.rows), test_tol_lse(APE_F32));
+		test_problem_free(&tp);
+		test_problem_free(&dense);
+	}
 	ape_context_destroy(d.ctx);
 }
 

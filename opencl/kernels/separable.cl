@@ -2,12 +2,15 @@
 /*
  * The separable path (docs/kernels.md, "Decode and the separable path"), OpenCL C 1.2.
  *
- * For launches whose every head has lambda = 0 (alpha = 1, temp = 1) and no decay but delta
- * (plain RoPE, ALiBi-style): the rotation by n = (rel + i) - j separates into the query's at
+ * For launches whose every head has lambda = 0 (alpha = 1, temp = 1): plain RoPE, ALiBi-style,
+ * or any decays delta, beta, gamma: the rotation by n = (rel + i) - j separates into the query's at
  * rel + i and the key's at j, so Q and K are rotated once (ape_sep_rot_q, ape_sep_rot_k: O(L D)
  * into scratch: Q scaled and transposed per block of 16 rows so that the rows are the lanes of
  * one float16, K in pair-split order, V as float32), and the scores are a plain matrix product
- * plus -delta (|n| - |n_anchor|). ape_sep_attn gives one work-item a block of SEP_BQ = 16 query
+ * plus the bias relative to the row's anchor: -delta (|n| - |n_anchor|) when delta is the only
+ * decay, else from a per-distance table (ape_sep_btab: bias(|n|) in APE_REAL, each tile taking
+ * its 31 distances relative to its own reference, as the general kernel's tile tables do).
+ * ape_sep_attn gives one work-item a block of SEP_BQ = 16 query
  * rows (the lanes) and walks key tiles of SEP_BK = 16 keys: the 16 score vectors of a tile stay
  * in registers over the D loop (one Q vector load, 16 FMAs with a broadcast key element per
  * d), then the online softmax runs lane-wise (no horizontal reduction, one rescale per tile),
@@ -22,6 +25,7 @@
 #define SEP_NB 4 /* row blocks per work-item, sharing each key tile (ocl_separable.c) */
 
 #define FS_SKIP 256 /* ocl_fast.h */
+#define FS_BIAS 512 /* a head has beta or gamma != 0: the bias comes from ape_sep_btab's table */
 
 __constant int sep_iota[16] = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15 };
 
@@ -116,6 +120,21 @@ __kernel void ape_sep_rot_k(__global const void *K, __global const void *V,
 	ktile[bkv * ntk + t] = ape_norm_bound_f(mx);
 }
 
+/* The bias per distance, for launches with beta or gamma != 0: tab[h][e] = bias(|n|) in APE_REAL
+ * (as the general kernel's tile tables hold it) at n = rel + e - (Lkp - 1), e over the
+ * Lqp + Lkp - 1 distances that rows 0..Lqp-1 and keys 0..Lkp-1 (padding included) span. */
+__kernel void ape_sep_btab(__global const APE_REAL *prm, int D, long ne, long Lkp, long rel,
+			   __global APE_REAL *tab)
+{
+	const long e = get_global_id(0);
+	const int h = (int)get_global_id(1), P = D / 2;
+	const long n = rel + e - (Lkp - 1);
+
+	if (e < ne)
+		tab[h * ne + e] = ape_bias(prm[P + 4 * h], prm[P + 4 * h + 1], prm[P + 4 * h + 2],
+					   (APE_REAL)(n < 0 ? -n : n));
+}
+
 /* Prefix maxima of the tile norms: pre[t] over tiles < t (one work-item per kv head). */
 __kernel void ape_sep_kscan(__global const float *ktile, long ntk, __global float *pre)
 {
@@ -173,7 +192,8 @@ KFN void sep_pv(__global const float *vf, int D, int masked, const float16 corr,
 __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 			   __global const float *Vf, __global void *O, __global float *LSE,
 			   __global ulong *PAIRS, __global const APE_REAL *prm,
-			   __global const float *qn, __global const float *kpre, long ooff, long osb,
+			   __global const float *qn, __global const float *kpre,
+			   __global const APE_REAL *btab, long ooff, long osb,
 			   long osh, long osl, long loff, long lsb, long lsh, long lsl, int D,
 			   long Lq, long Lqp, long Lk, long Lkp, int H, int group, long rel,
 			   float scale, float tol, int flags)
@@ -187,6 +207,9 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 	__global const float *kr = Kr + bkv * Lkp * DEC_DIM;
 	__global const float *vf = Vf + bkv * Lkp * DEC_DIM;
 	const float delta = (float)prm[P + 4 * h];
+	const APE_REAL beta = prm[P + 4 * h + 1], gamma = prm[P + 4 * h + 2];
+	const int tabbed = (flags & FS_BIAS) != 0;
+	const long ne = Lqp + Lkp - 1; /* the bias table's length per head */
 	const int16 iota = vload16(0, sep_iota);
 	/* per row block g of the work-item: rows i0[g] .. i0[g] + 15 in the lanes */
 	float16 acc[SEP_NB][DEC_DMAX], m[SEP_NB], l[SEP_NB];
@@ -204,7 +227,7 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 		nrow[g] = clamp(Lq - i0[g], 0L, (long)SEP_BQ);
 		d0[g] = convert_int16(clamp(convert_long16(iota) + (rel + i0[g]), 0L, Lk - 1));
 		for (int r = 0; r < SEP_BQ; r++)
-			crow[g][r] = ape_bias((APE_REAL)prm[P + 4 * h], 0, 0,
+			crow[g][r] = ape_bias((APE_REAL)prm[P + 4 * h], beta, gamma,
 					      (APE_REAL)ape_anchor_distance(rel + i0[g] + r, Lk,
 									    causal));
 		for (int d = 0; d < DEC_DIM; d++)
@@ -234,7 +257,8 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 		for (int g = 0; g < SEP_NB; g++) {
 			__global const float *qt = Qt + (bh * Lqp + i0[g]) * DEC_DIM;
 			const int masked = len < SEP_BK || (causal && k0 + SEP_BK - 1 > rel + i0[g]);
-			float16 S[SEP_BK], mt, corr, lsum = (float16)0.0f;
+			float16 S[SEP_BK], mt, corr, cr, lsum = (float16)0.0f;
+			float bt[SEP_BQ + SEP_BK - 1];
 
 			if (done[g] || (causal && t > tstart[g]))
 				continue;
@@ -250,6 +274,23 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 				for (int j = 0; j < SEP_BK; j++)
 					S[j] = fma(qv, (float16)kr[(k0 + j) * DEC_DIM + d], S[j]);
 			}
+			/* the table's bias at the tile's 31 distances n = rel + i0 - k0 + e - 15,
+			 * relative to the one at e = 15 (bref: the general kernel's frame for a
+			 * block, float32 keeps the fine differences), and bref - c_row per lane */
+			if (tabbed) {
+				__global const APE_REAL *tb =
+					btab + h * ne + (i0[g] - k0 + Lkp - 1) - (SEP_BK - 1);
+				const APE_REAL bref = tb[SEP_BK - 1];
+				float c[SEP_BQ];
+
+#pragma unroll
+				for (int e = 0; e < SEP_BQ + SEP_BK - 1; e++)
+					bt[e] = (float)(tb[e] - bref);
+#pragma unroll
+				for (int r = 0; r < SEP_BQ; r++)
+					c[r] = (float)(bref - crow[g][r]);
+				cr = vload16(0, c);
+			}
 			/* bias, masks, then one online-softmax update for the tile, lane-wise ('>'
 			 * and fmax ignore NaN, exp keeps it; a non-finite dot makes the score NaN) */
 			mt = m[g];
@@ -257,7 +298,9 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 			for (int j = 0; j < SEP_BK; j++) {
 				float16 s = S[j];
 
-				if (delta != 0.0f) /* ape_bias_diff_f with beta = gamma = 0 */
+				if (tabbed) /* lane r: distance e = r - j + 15 */
+					s += vload16(0, bt + (SEP_BK - 1 - j)) + cr;
+				else if (delta != 0.0f) /* ape_bias_diff_f with beta = gamma = 0 */
 					s -= delta * convert_float16(abs(d0[g] - ((int)k0 + j)));
 				s = select((float16)NAN, s, isfinite(S[j]));
 				if (masked) {
@@ -303,7 +346,7 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 
 					if (cnt <= 0)
 						continue;
-					stop = ape_may_skip(0, prm[P + 4 * h], 0, 0,
+					stop = ape_may_skip(0, prm[P + 4 * h], beta, gamma,
 							    fabs((APE_REAL)scale),
 							    qn[bh * Lqp + i0[g] + r], kb,
 							    ape_min_abs(diag - cnt + 1, diag), cnt,

@@ -195,6 +195,77 @@ static inline struct ape__view ape__launch_diag_view(const struct ape__launch *l
 	return l->strided ? l->diag_view[which] : c;
 }
 
+/* True when every query head of kv group g of l has lambda = 0: alpha = temp = 1, so the
+ * rotation separates (the backends' separable paths, docs/kernels.md). */
+static inline bool ape__launch_group_separable(const struct ape__launch *l, int64_t g)
+{
+	const int64_t G = l->H / l->Hkv;
+
+	for (int64_t h = g * G; h < (g + 1) * G; h++)
+		if (l->head_params[4 * h + 3] != 0)
+			return false;
+	return true;
+}
+
+/* The sub-launch of l's kv groups g0 .. g1-1 (their query and kv heads, parameters, and every
+ * view moved along H; strided), for a backend that runs a launch's heads in pieces. pairs,
+ * lse_prior, ent and md are contiguous [B, H, Lq]: a launch with any of them cannot be cut so. */
+static inline struct ape__launch ape__launch_heads(const struct ape__launch *l, int64_t g0,
+						   int64_t g1)
+{
+	const int64_t G = l->H / l->Hkv;
+	struct ape__launch sub = *l;
+
+	sub.H = (g1 - g0) * G;
+	sub.Hkv = g1 - g0;
+	sub.head_params = l->head_params + 4 * g0 * G;
+	sub.strided = true;
+	for (int t = 0; t < APE__T_COUNT; t++) {
+		const bool kv = t == APE__T_K || t == APE__T_V;
+
+		sub.view[t] = ape__launch_view(l, t);
+		sub.view[t].off += (kv ? g0 : g0 * G) * sub.view[t].sh;
+	}
+	return sub;
+}
+
+/* True when l has both kv groups whose heads all have lambda = 0 and others. */
+static inline bool ape__launch_mixes_separable(const struct ape__launch *l)
+{
+	bool any_sep = false, any_other = false;
+
+	for (int64_t g = 0; g < l->Hkv; g++) {
+		const bool s = ape__launch_group_separable(l, g);
+
+		any_sep |= s;
+		any_other |= !s;
+	}
+	return any_sep && any_other;
+}
+
+/* Runs l as one sub-launch (ape__launch_heads()) per run of consecutive kv groups of one kind:
+ * run(q, sub, separable) in order; the first failure, or 0. */
+static inline int ape__launch_split_runs(struct ape__queue *q, const struct ape__launch *l,
+					 int (*run)(struct ape__queue *, const struct ape__launch *,
+						    bool))
+{
+	int64_t g1;
+
+	for (int64_t g0 = 0; g0 < l->Hkv; g0 = g1) {
+		const bool s = ape__launch_group_separable(l, g0);
+		struct ape__launch sub;
+		int ret;
+
+		for (g1 = g0 + 1; g1 < l->Hkv && ape__launch_group_separable(l, g1) == s; g1++)
+			;
+		sub = ape__launch_heads(l, g0, g1);
+		ret = run(q, &sub, s);
+		if (ret)
+			return ret;
+	}
+	return 0;
+}
+
 /*
  * One backward launch (APE-SPEC.md, "Gradients") on device buffers, contiguous, at offset 0.
  * `f` holds what the forward launch held: shapes, dtypes, q, k, v, o (of f.out_dtype), the
