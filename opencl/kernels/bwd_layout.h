@@ -53,4 +53,9 @@
 #define TB_DTL 5 /* d(temp)/d(lambda) */
 #define TB_N 6
 
+/* per (split, row vector) sums of ape_bwd_fused, RP_N of them, in APE_REAL, APE_RW lanes each:
+ * the alpha path's A, then the four parameter sums; slice s of row vector blk (as in RI_AT) at
+ * ((s * nrv + blk) * RP_N + field) * rw, nrv the row vectors of the launch */
+#define RP_N 5
+
 #endif
