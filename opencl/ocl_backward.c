@@ -99,9 +99,10 @@ static uint64_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, si
 	/* a row vector's load of the last distances reaches rw - 1 past them */
 	s->tab = ((size_t)f->H * (size_t)(f->Lq + f->Lk - 1) * TB_N + rw) * sizeof(double);
 	s->part = parts & APE__BWD_DPARAMS ? bh * (size_t)f->Lq * 4 * sizeof(double) : 0;
-	/* ape_bwd_prep's float32 rows: Q with dO in blocks of rw rows, K with V one by one */
+	/* ape_bwd_prep's float32 rows: Q with dO in blocks of rw rows, K with V (and omega_p
+	 * times K's pairs) one by one */
 	s->qp = bh * qrows * (2 * npad + dpad) * sizeof(float);
-	s->kp = bkv * (size_t)f->Lk * (2 * npad + dpad) * sizeof(float);
+	s->kp = bkv * (size_t)f->Lk * (4 * npad + dpad) * sizeof(float);
 	/* ape_bwd_fused's per-split slices: dQ in row vectors, the rows' five sums */
 	s->dqp = parts & APE__BWD_DQ ? nsplit * bh * qrows * (size_t)f->D * sizeof(float) : 0;
 	s->rp = parts & (APE__BWD_DQ | APE__BWD_DPARAMS) ? nsplit * bh * qrows * RP_N * sizeof(double)
@@ -232,12 +233,12 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 }
 
 /* One of ape_bwd_prep's float32 copies, of `bytes` (bwd_scratch_size()): pairs of a (first then
- * second components), then b, for nbh (batch, head) pairs of L rows each, in blocks of `lanes`
- * rows (kernels/backward.cl). */
+ * second components), then b (then, with om, omega_p times a's pairs), for nbh (batch, head)
+ * pairs of L rows each, in blocks of `lanes` rows (kernels/backward.cl). */
 static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
 		    cl_mem b, cl_int dt_b, size_t nbh, cl_long L, cl_int lanes, cl_int D,
-		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, size_t bytes,
-		    uint64_t *held, cl_mem *out)
+		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, cl_mem om,
+		    size_t bytes, uint64_t *held, cl_mem *out)
 {
 	const size_t padded = round_up((size_t)L, (size_t)lanes);
 	struct ape__ocl_args args = { 0 };
@@ -260,6 +261,7 @@ static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_
 	ape__ocl_arg(&args, sizeof(inter), &inter);
 	ape__ocl_arg(&args, sizeof(cl_mem), out);
 	ape__ocl_arg(&args, sizeof(cl_mem), &kmax);
+	ape__ocl_arg(&args, sizeof(cl_mem), &om);
 	return bwd_run(q, &args, round_up(padded, local), local, nbh, "ape_bwd_prep");
 }
 
@@ -336,12 +338,12 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		goto out_release;
 	}
 	ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem, (cl_int)l->dout_dtype,
-		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, s.qp, &held,
-		       &qp);
+		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, none, s.qp,
+		       &held, &qp);
 	if (!ret)
 		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
 			       (cl_int)f->in_dtype, (size_t)(B * f->Hkv), Lk, 1, D, npad, dpad,
-			       inter, local, kmax, s.kp, &held, &kp);
+			       inter, local, kmax, prm, s.kp, &held, &kp);
 	if (ret)
 		goto out_release;
 

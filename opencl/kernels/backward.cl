@@ -73,15 +73,17 @@ KFN float bwd_hsum(vf v)
  * out[((bh * nblk + i / lanes) * rs + comp) * lanes + i % lanes], nblk = ceil(L / lanes), rows
  * past L zero. With lanes = APE_RW (Q and dO) a row vector of the sweeps is one vector load per
  * component; with lanes = 1 (K and V) a key is one contiguous row. Converting f16/bf16 and
- * de-interleaving once per row, not once per pair.
+ * de-interleaving once per row, not once per pair. With om (omega_p, K's call), each row also
+ * gets omega_p times its first components, then minus omega_p times its second, after the rest
+ * (rs = 4 npad + dpad): the alpha sums' factors, one broadcast load each in the sweep.
  */
 __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void *Bv, int dt_b,
 			   long L, int lanes, int D, int npad, int dpad, int inter,
-			   __global float *out, __global int *kmax)
+			   __global float *out, __global int *kmax, __global const APE_REAL *om)
 {
 	const long i = get_global_id(0), bh = get_global_id(1), base = (bh * L + i) * (long)BD(D);
 	const long nblk = (L + lanes - 1) / lanes;
-	const int P = BD(D) / 2, rs = 2 * npad + dpad, ok = i < L;
+	const int P = BD(D) / 2, rs = 2 * npad + dpad + (om ? 2 * npad : 0), ok = i < L;
 	__global float *o = out + ((bh * nblk + i / lanes) * rs) * lanes + i % lanes;
 
 	if (i >= nblk * lanes)
@@ -94,6 +96,10 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 
 		o[p * lanes] = x;
 		o[(npad + p) * lanes] = y;
+		if (om) { /* as the sweep's float32 products */
+			o[(2 * npad + dpad + p) * lanes] = (float)om[p] * x;
+			o[(3 * npad + dpad + p) * lanes] = -((float)om[p] * y);
+		}
 		ss += (APE_REAL)x * x + (APE_REAL)y * y;
 	}
 	for (int d = 0; d < dpad; d++)
@@ -139,7 +145,7 @@ KFN void bwd_turn(vf *x, vf *y, vf c, vf s)
 
 /* One launch's shape, as the kernels read it */
 struct bwd {
-	int D, P, npad, rs, inter, causal;
+	int D, P, npad, rs, krs, inter, causal;
 	long Lq, Lk, rel, nmin, ndist, nblk;
 	float scale;
 };
@@ -152,6 +158,7 @@ KFN struct bwd bwd_init(int D, long Lq, long Lk, long rel, float scale, int flag
 	b.P = b.D / 2;
 	b.npad = (b.P + APE_RW - 1) / APE_RW * APE_RW;
 	b.rs = 2 * b.npad + (b.D + APE_RW - 1) / APE_RW * APE_RW; /* floats per prepared row */
+	b.krs = b.rs + 2 * b.npad; /* per prepared key: omega_p u_p, -omega_p w_p after */
 	b.inter = (flags & B_INTERLEAVED) != 0;
 	b.causal = (flags & B_CAUSAL) != 0;
 	b.Lq = Lq;
@@ -414,7 +421,7 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 		const long j0 = kb * BWD_KT;
 		const int nk = (int)(Lk - j0 < BWD_KT ? Lk - j0 : BWD_KT);
 		const int nkr = (nk + KSB - 1) / KSB * KSB; /* keys pass 1 turns through */
-		__global const float *kp = KP + (bkv * Lk + j0) * b.rs;
+		__global const float *kp = KP + (bkv * Lk + j0) * b.krs;
 		long i0;
 
 		NOUNROLL for (int x = 0; x < nk * b.D * APE_RW; x++)
@@ -472,28 +479,35 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 					}
 					NOUNROLL for (int sb = 0; sb < nk; sb += KSB) {
 						__global const float *kr[KSB];
-						vf S[KSB], E[KSB];
+						vf S[KSB], E[KSB], DOV[KSB];
 
 #pragma unroll
 						for (int jj = 0; jj < KSB; jj++) {
 							kr[jj] = kp + (sb + jj < nk ? sb + jj : nk - 1) *
-									      b.rs;
-							S[jj] = E[jj] = (vf)0.0f;
+									      b.krs;
+							S[jj] = E[jj] = DOV[jj] = (vf)0.0f;
+						}
+						/* dO_i . V_j of the sub-block's keys */
+						NOUNROLL for (int d = 0; d < b.D; d++) {
+							const vf o = VL(qt + (2 * b.npad + d) * APE_RW);
+
+#pragma unroll
+							for (int jj = 0; jj < KSB; jj++)
+								DOV[jj] = fma(o, (vf)kr[jj][2 * b.npad + d],
+									      DOV[jj]);
 						}
 						NOUNROLL for (int p = 0; p < b.P; p++) {
 							vf x = xs[p], y = ys[p];
 							const vf c = VL(cw + p * APE_RW),
 								 sn = VL(sw + p * APE_RW);
-							const float om = (float)prm[p];
 
 #pragma unroll
 							for (int jj = 0; jj < KSB; jj++) {
-								const float u = kr[jj][p],
-									    w = kr[jj][b.npad + p];
-
-								S[jj] = fma(x, (vf)u, fma(y, (vf)w, S[jj]));
-								E[jj] = fma(y, (vf)(om * u),
-									    fma(x, (vf)(-om * w), E[jj]));
+								S[jj] = fma(x, (vf)kr[jj][p],
+									    fma(y, (vf)kr[jj][b.npad + p], S[jj]));
+								E[jj] = fma(y, (vf)kr[jj][b.rs + p],
+									    fma(x, (vf)kr[jj][b.rs + b.npad + p],
+										E[jj]));
 								bwd_turn(&x, &y, c, sn);
 							}
 							xs[p] = x;
@@ -504,14 +518,11 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 							const int kt = sb + jj;
 							/* lane 0's distance in the table */
 							const long e = nl0[g] - kt - b.nmin;
-							vf dov = (vf)0.0f, tsc, pv, ds, gv, dot = S[jj],
-							   ea = E[jj];
+							const vf dov = DOV[jj];
+							vf tsc, pv, ds, gv, dot = S[jj], ea = E[jj];
 
 							if (kt >= nk)
 								break;
-							NOUNROLL for (int d = 0; d < b.D; d++)
-								dov = fma(VL(qt + (2 * b.npad + d) * APE_RW),
-									  (vf)kr[jj][2 * b.npad + d], dov);
 							pv = bwd_p(VL(th + TB_T * b.ndist + e),
 								   VL(th + TB_BIAS * b.ndist + e), lse, dot,
 								   b.scale, &tsc);
@@ -682,21 +693,31 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 							const vf c0 = C0[g][p], s0 = S0[g][p];
 							vf vx = (vf)0.0f, vy = (vf)0.0f;
 
-							NOUNROLL for (int kt = nk - 1; kt >= 0; kt--) {
-								__global const float *k = kp + kt * b.rs;
-								const vf gv = Gm[g][kt], an = vx;
-								vf gu = gv * k[p], gw = gv * k[b.npad + p];
+							if (full[g])
+#pragma unroll 8
+								for (int kt = nk - 1; kt >= 0; kt--) {
+									__global const float *k = kp + kt * b.krs;
+									const vf gv = Gm[g][kt], an = vx;
 
-								/* a hidden key's NaN must not reach the row */
-								if (!full[g]) {
-									gu = APE_V_SELECT(gu, (vf)0.0f,
-											  gv == 0.0f);
-									gw = APE_V_SELECT(gw, (vf)0.0f,
-											  gv == 0.0f);
+									vx = fma(vx, c, fma(vy, ns, gv * k[p]));
+									vy = fma(an, sn,
+										 fma(vy, c, gv * k[b.npad + p]));
 								}
-								vx = fma(vx, c, fma(vy, ns, gu));
-								vy = fma(an, sn, fma(vy, c, gw));
-							}
+							else
+								NOUNROLL for (int kt = nk - 1; kt >= 0; kt--) {
+									__global const float *k = kp + kt * b.krs;
+									const vf gv = Gm[g][kt], an = vx;
+									/* a hidden key's NaN must not reach
+									 * the row */
+									const vf gu = APE_V_SELECT(
+										gv * k[p], (vf)0.0f, gv == 0.0f);
+									const vf gw = APE_V_SELECT(
+										gv * k[b.npad + p], (vf)0.0f,
+										gv == 0.0f);
+
+									vx = fma(vx, c, fma(vy, ns, gu));
+									vy = fma(an, sn, fma(vy, c, gw));
+								}
 							VS(VL(dq + p * APE_RW) + fma(vx, c0, vy * s0),
 							   dq + p * APE_RW);
 							VS(VL(dq + (b.P + p) * APE_RW) +
