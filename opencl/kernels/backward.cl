@@ -370,6 +370,14 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 #define KEYS_VIS(g, kt)                                                                           \
 	bwd_lanes(b.causal ? (int)clamp((long)(kt) - nl0[g], 0L, (long)APE_RW) : 0, hi[g])
 
+/* Pair p of a row vector's dQ in a split's slice (ape_bwd_fused) += R(-theta_0) (vx, vy), the
+ * Horner walk's sum turned by the block's seed (c0, s0) */
+KFN void bwd_dq_add(__global float *dq, int p, int P, vf vx, vf vy, vf c0, vf s0)
+{
+	VS(VL(dq + p * APE_RW) + fma(vx, c0, vy * s0), dq + p * APE_RW);
+	VS(VL(dq + (P + p) * APE_RW) + fma(vy, c0, -(vx * s0)), dq + (P + p) * APE_RW);
+}
+
 /*
  * The one sweep of the backward pass, keys outer, each pair's score computed once. A work-item
  * is split `s` of a (batch, kv head): it owns the key blocks kb = s, s + nsplit, ... (BWD_KT
@@ -642,6 +650,16 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 								const vf c = VL(cwg[g] + p * APE_RW);
 								const vf sn = VL(swg[g] + p * APE_RW);
 
+								if (full[g] && kc + KSB <= nk)
+#pragma unroll
+									for (int jj = 0; jj < KSB; jj++) {
+										const vf gv = Gm[g][kc + jj];
+
+										ax[jj] = fma(gv, x, ax[jj]);
+										ay[jj] = fma(gv, y, ay[jj]);
+										bwd_turn(&x, &y, c, sn);
+									}
+								else
 #pragma unroll
 								for (int jj = 0; jj < KSB; jj++) {
 									const int kt = kc + jj;
@@ -681,48 +699,63 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 						}
 					}
 				/* dQ: Horner's rule over the block's keys in reverse,
-				 * V = R(w) V + g k_j, then R(-theta_0) V to the split's slice */
+				 * V = R(w) V + g k_j, then R(-theta_0) V to the split's slice; where
+				 * every lane sees every key two pairs' walks interleave (each step
+				 * waits on the last: one walk alone is bound by the FMA latency) */
 				if (flags & B_DQ)
 					NOUNROLL for (int g = 0; g < nr; g++) {
 						__global float *dq =
 							DQP + (s * nrv + blkg[g]) * b.D * APE_RW;
+						int p = 0;
 
-						NOUNROLL for (int p = 0; p < b.P; p++) {
-							const vf c = VL(cwg[g] + p * APE_RW);
-							const vf sn = VL(swg[g] + p * APE_RW), ns = -sn;
-							const vf c0 = C0[g][p], s0 = S0[g][p];
-							vf vx = (vf)0.0f, vy = (vf)0.0f;
+						if (full[g])
+							NOUNROLL for (; p + 1 < b.P; p += 2) {
+								const vf c = VL(cwg[g] + p * APE_RW);
+								const vf sn = VL(swg[g] + p * APE_RW), ns = -sn;
+								const vf c2 = VL(cwg[g] + (p + 1) * APE_RW);
+								const vf sn2 = VL(swg[g] + (p + 1) * APE_RW),
+									 ns2 = -sn2;
+								vf vx = (vf)0.0f, vy = (vf)0.0f, vx2 = (vf)0.0f,
+								   vy2 = (vf)0.0f;
 
-							if (full[g])
 #pragma unroll 8
 								for (int kt = nk - 1; kt >= 0; kt--) {
 									__global const float *k = kp + kt * b.krs;
-									const vf gv = Gm[g][kt], an = vx;
+									const vf gv = Gm[g][kt], an = vx,
+										 an2 = vx2;
 
 									vx = fma(vx, c, fma(vy, ns, gv * k[p]));
 									vy = fma(an, sn,
 										 fma(vy, c, gv * k[b.npad + p]));
+									vx2 = fma(vx2, c2,
+										  fma(vy2, ns2, gv * k[p + 1]));
+									vy2 = fma(an2, sn2,
+										  fma(vy2, c2,
+										      gv * k[b.npad + p + 1]));
 								}
-							else
-								NOUNROLL for (int kt = nk - 1; kt >= 0; kt--) {
-									__global const float *k = kp + kt * b.krs;
-									const vf gv = Gm[g][kt], an = vx;
-									/* a hidden key's NaN must not reach
-									 * the row */
-									const vf gu = APE_V_SELECT(
-										gv * k[p], (vf)0.0f, gv == 0.0f);
-									const vf gw = APE_V_SELECT(
-										gv * k[b.npad + p], (vf)0.0f,
-										gv == 0.0f);
+								bwd_dq_add(dq, p, b.P, vx, vy, C0[g][p], S0[g][p]);
+								bwd_dq_add(dq, p + 1, b.P, vx2, vy2, C0[g][p + 1],
+									   S0[g][p + 1]);
+							}
+						NOUNROLL for (; p < b.P; p++) {
+							const vf c = VL(cwg[g] + p * APE_RW);
+							const vf sn = VL(swg[g] + p * APE_RW), ns = -sn;
+							vf vx = (vf)0.0f, vy = (vf)0.0f;
 
-									vx = fma(vx, c, fma(vy, ns, gu));
-									vy = fma(an, sn, fma(vy, c, gw));
+							NOUNROLL for (int kt = nk - 1; kt >= 0; kt--) {
+								__global const float *k = kp + kt * b.krs;
+								const vf gv = Gm[g][kt], an = vx;
+								/* a hidden key's NaN must not reach the row */
+								vf gu = gv * k[p], gw = gv * k[b.npad + p];
+
+								if (!full[g]) {
+									gu = APE_V_SELECT(gu, (vf)0.0f, gv == 0.0f);
+									gw = APE_V_SELECT(gw, (vf)0.0f, gv == 0.0f);
 								}
-							VS(VL(dq + p * APE_RW) + fma(vx, c0, vy * s0),
-							   dq + p * APE_RW);
-							VS(VL(dq + (b.P + p) * APE_RW) +
-								   fma(vy, c0, -(vx * s0)),
-							   dq + (b.P + p) * APE_RW);
+								vx = fma(vx, c, fma(vy, ns, gu));
+								vy = fma(an, sn, fma(vy, c, gw));
+							}
+							bwd_dq_add(dq, p, b.P, vx, vy, C0[g][p], S0[g][p]);
 						}
 					}
 			}
