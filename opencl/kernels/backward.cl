@@ -354,17 +354,18 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 		__global const APE_REAL *tab, int D, int H, int group, long Lq, long Lk, long rel, \
 		float scale, int flags
 
-/* Keys per block of the fused sweep: each row vector seeds its rotation once per block (the
- * seeds had cost as much as the rest at 8 keys); the block's dK and dV accumulators are APE_RW
- * lanes wide per component, so fewer keys for larger D (256 KiB of them in all).
- * ocl_backward.c mirrors it. */
-#define BWD_KT (APE_DMAX <= 64 ? 32 : APE_DMAX <= 128 ? 16 : 8)
+/* Keys per block of the fused sweep: each row vector seeds its rotation once per block and
+ * per block a row vector is loaded and set up once (64 keys at D = 64: about 10 % less time at
+ * L = 4096 than 32); the block's dK and dV accumulators are APE_RW lanes wide per component
+ * (512 KiB of them at D = 64 on PoCL), so fewer keys for larger D. ocl_backward.c mirrors it. */
+#define BWD_KT (APE_DMAX <= 64 ? 64 : APE_DMAX <= 128 ? 16 : 8)
 
 /* Row vectors per group (their P and dS wait in private memory while the group's dK, dV and dQ
  * are added: the key accumulators are read and written once per group) and keys per
  * dot-product sub-block (their dot products stay in registers while the pairs run). */
 #define KR 8
 #define KSB 8
+#define KDC 4 /* keys per dK accumulator chunk */
 
 /* The lanes of row vector g that see key kt of the block (causal: n = nl0 + lane - kt >= 0) */
 #define KEYS_VIS(g, kt)                                                                           \
@@ -504,7 +505,40 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 								DOV[jj] = fma(o, (vf)kr[jj][2 * b.npad + d],
 									      DOV[jj]);
 						}
-						NOUNROLL for (int p = 0; p < b.P; p++) {
+						/* two pairs' walks interleaved (one alone waits on the
+						 * FMA latency), the sums in pair order as one by one */
+						int p = 0;
+
+						NOUNROLL for (; p + 1 < b.P; p += 2) {
+							vf x = xs[p], y = ys[p], x2 = xs[p + 1], y2 = ys[p + 1];
+							const vf c = VL(cw + p * APE_RW),
+								 sn = VL(sw + p * APE_RW);
+							const vf c2 = VL(cw + (p + 1) * APE_RW),
+								 sn2 = VL(sw + (p + 1) * APE_RW);
+
+#pragma unroll
+							for (int jj = 0; jj < KSB; jj++) {
+								__global const float *k = kr[jj];
+
+								S[jj] = fma(x2, (vf)k[p + 1],
+									    fma(y2, (vf)k[b.npad + p + 1],
+										fma(x, (vf)k[p],
+										    fma(y, (vf)k[b.npad + p],
+											S[jj]))));
+								E[jj] = fma(y2, (vf)k[b.rs + p + 1],
+									    fma(x2, (vf)k[b.rs + b.npad + p + 1],
+										fma(y, (vf)k[b.rs + p],
+										    fma(x, (vf)k[b.rs + b.npad + p],
+											E[jj]))));
+								bwd_turn(&x, &y, c, sn);
+								bwd_turn(&x2, &y2, c2, sn2);
+							}
+							xs[p] = x;
+							ys[p] = y;
+							xs[p + 1] = x2;
+							ys[p + 1] = y2;
+						}
+						NOUNROLL for (; p < b.P; p++) {
 							vf x = xs[p], y = ys[p];
 							const vf c = VL(cw + p * APE_RW),
 								 sn = VL(sw + p * APE_RW);
@@ -625,7 +659,10 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 								VS(a1[jj], acc + APE_RW);
 							}
 						}
-				/* dK: g times the rotated query, turned again from the first key */
+				/* dK: g times the rotated query, turned again from the first key, KDC keys'
+				 * accumulators in registers at a time; where both row vectors see every
+				 * key, two row vectors' walks interleave (one alone waits on the FMA
+				 * latency), each key's sum in the same order as one by one */
 				if (flags & B_DK)
 					NOUNROLL for (int p = 0; p < b.P; p++) {
 						vf X[KR], Y[KR];
@@ -634,11 +671,11 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 							X[g] = X0[g][p];
 							Y[g] = Y0[g][p];
 						}
-						NOUNROLL for (int kc = 0; kc < nk; kc += KSB) {
-							vf ax[KSB], ay[KSB];
+						NOUNROLL for (int kc = 0; kc < nk; kc += KDC) {
+							vf ax[KDC], ay[KDC];
 
 #pragma unroll
-							for (int jj = 0; jj < KSB; jj++) {
+							for (int jj = 0; jj < KDC; jj++) {
 								const int kt = kc + jj < nk ? kc + jj : nk - 1;
 
 								ax[jj] = VL(dkacc + (kt * b.D + p) * APE_RW);
@@ -650,44 +687,60 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 								const vf c = VL(cwg[g] + p * APE_RW);
 								const vf sn = VL(swg[g] + p * APE_RW);
 
-								if (full[g] && kc + KSB <= nk)
-#pragma unroll
-									for (int jj = 0; jj < KSB; jj++) {
-										const vf gv = Gm[g][kc + jj];
+								if (kc + KDC <= nk && full[g] && g + 1 < nr &&
+								    full[g + 1]) {
+									vf x2 = X[g + 1], y2 = Y[g + 1];
+									const vf c2 = VL(cwg[g + 1] + p * APE_RW);
+									const vf sn2 = VL(swg[g + 1] + p * APE_RW);
 
-										ax[jj] = fma(gv, x, ax[jj]);
-										ay[jj] = fma(gv, y, ay[jj]);
+#pragma unroll
+									for (int jj = 0; jj < KDC; jj++) {
+										const vf gv = Gm[g][kc + jj];
+										const vf gv2 = Gm[g + 1][kc + jj];
+
+										ax[jj] = fma(gv2, x2,
+											     fma(gv, x, ax[jj]));
+										ay[jj] = fma(gv2, y2,
+											     fma(gv, y, ay[jj]));
+										bwd_turn(&x, &y, c, sn);
+										bwd_turn(&x2, &y2, c2, sn2);
+									}
+									X[g + 1] = x2;
+									Y[g + 1] = y2;
+								} else {
+#pragma unroll
+									for (int jj = 0; jj < KDC; jj++) {
+										const int kt = kc + jj;
+
+										if (kt >= nk)
+											break;
+										if (full[g]) {
+											ax[jj] = fma(Gm[g][kt], x,
+												     ax[jj]);
+											ay[jj] = fma(Gm[g][kt], y,
+												     ay[jj]);
+										} else {
+											const vi ok =
+												KEYS_VIS(g, kt);
+
+											ax[jj] += APE_V_SELECT(
+												(vf)0.0f,
+												Gm[g][kt] * x, ok);
+											ay[jj] += APE_V_SELECT(
+												(vf)0.0f,
+												Gm[g][kt] * y, ok);
+										}
 										bwd_turn(&x, &y, c, sn);
 									}
-								else
-#pragma unroll
-								for (int jj = 0; jj < KSB; jj++) {
-									const int kt = kc + jj;
-
-									if (kt >= nk)
-										break;
-									if (full[g]) {
-										ax[jj] = fma(Gm[g][kt], x,
-											     ax[jj]);
-										ay[jj] = fma(Gm[g][kt], y,
-											     ay[jj]);
-									} else {
-										const vi ok = KEYS_VIS(g, kt);
-
-										ax[jj] += APE_V_SELECT(
-											(vf)0.0f,
-											Gm[g][kt] * x, ok);
-										ay[jj] += APE_V_SELECT(
-											(vf)0.0f,
-											Gm[g][kt] * y, ok);
-									}
-									bwd_turn(&x, &y, c, sn);
 								}
 								X[g] = x;
 								Y[g] = y;
+								if (kc + KDC <= nk && full[g] && g + 1 < nr &&
+								    full[g + 1])
+									g++;
 							}
 #pragma unroll
-							for (int jj = 0; jj < KSB; jj++) {
+							for (int jj = 0; jj < KDC; jj++) {
 								const int kt = kc + jj;
 
 								if (kt >= nk)
