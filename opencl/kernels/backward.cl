@@ -429,12 +429,13 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 	for (long kb = s; kb < nkb; kb += nsplit) {
 		const long j0 = kb * BWD_KT;
 		const int nk = (int)(Lk - j0 < BWD_KT ? Lk - j0 : BWD_KT);
-		const int nkr = (nk + KSB - 1) / KSB * KSB; /* keys pass 1 turns through */
 		__global const float *kp = KP + (bkv * Lk + j0) * b.krs;
 		long i0;
+		/* the accumulators hold nothing yet: the block's first group starts them from zero
+		 * instead of reading them (no clearing pass: with skipping, a block often meets a
+		 * group or two) */
+		int fresh = 1;
 
-		NOUNROLL for (int x = 0; x < nk * b.D * APE_RW; x++)
-			dkacc[x] = dvacc[x] = 0.0f;
 		/* causal: row i sees key j when n = rel + i - j >= 0; from the row vector holding it */
 		i0 = b.causal ? j0 - rel : 0;
 		i0 = (i0 < 0 ? 0 : i0) / APE_RW * APE_RW;
@@ -619,8 +620,8 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 								const float *acc =
 									dvacc + ((kc + jj) * b.D + d0) * APE_RW;
 
-								a0[jj] = VL(acc);
-								a1[jj] = VL(acc + APE_RW);
+								a0[jj] = fresh ? (vf)0.0f : VL(acc);
+								a1[jj] = fresh ? (vf)0.0f : VL(acc + APE_RW);
 							}
 							NOUNROLL for (int g = 0; g < nr; g++) {
 								__global const float *o =
@@ -678,8 +679,10 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 							for (int jj = 0; jj < KDC; jj++) {
 								const int kt = kc + jj < nk ? kc + jj : nk - 1;
 
-								ax[jj] = VL(dkacc + (kt * b.D + p) * APE_RW);
-								ay[jj] = VL(dkacc + (kt * b.D + b.P + p) *
+								ax[jj] = fresh ? (vf)0.0f
+									       : VL(dkacc + (kt * b.D + p) * APE_RW);
+								ay[jj] = fresh ? (vf)0.0f
+									       : VL(dkacc + (kt * b.D + b.P + p) *
 											    APE_RW);
 							}
 							NOUNROLL for (int g = 0; g < nr; g++) {
@@ -751,6 +754,7 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 							}
 						}
 					}
+				fresh = 0;
 				/* dQ: Horner's rule over the block's keys in reverse,
 				 * V = R(w) V + g k_j, then R(-theta_0) V to the split's slice; where
 				 * every lane sees every key two pairs' walks interleave (each step
@@ -813,7 +817,8 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 					}
 			}
 		}
-		for (int kt = 0; kt < nk; kt++) {
+		/* (a block no row sees adds nothing) */
+		for (int kt = 0; !fresh && kt < nk; kt++) {
 			const long kbase = (bkv * Lk + j0 + kt) * b.D;
 			const float *dka = dkacc + kt * b.D * APE_RW, *dva = dvacc + kt * b.D * APE_RW;
 
