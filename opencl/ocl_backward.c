@@ -54,7 +54,7 @@ static size_t bwd_nsplit(const struct ape_device *dev, const struct ape__launch 
 	return n > 0 ? n : 1;
 }
 
-/* Work-items per work-group of the sweeps: whole groups, the excess returns at once. */
+/* Work-items per work-group of the pre-passes: whole groups, the excess returns at once. */
 #define BWD_LOCAL 16
 
 /* The largest APE_RW a program takes (ocl_program.c: 1, 2, 4, 8 or 16). No size of
@@ -205,7 +205,7 @@ static int bwd_run(struct ape__queue *q, struct ape__ocl_args *a, size_t n0, siz
 	return ret;
 }
 
-/* The arguments both sweeps take first, in kernels/backward.cl's order (BWD_SWEEP_ARGS). */
+/* The arguments the sweep takes first, in kernels/backward.cl's order (BWD_SWEEP_ARGS). */
 struct bwd_sweep {
 	cl_mem qp, kp, prm, rinfo, step, tab;
 	cl_int npad, D, H, group, flags;

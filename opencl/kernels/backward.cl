@@ -5,7 +5,7 @@
  * order by ocl_backward.c:
  *
  *   ape_bwd_prep     Q with dO (in row vectors), and K with V (a row per key), as float32 in
- *                    the sweeps' order; with skipping, each kv head's largest key norm;
+ *                    the sweep's order; with skipping, each kv head's largest key norm;
  *   ape_bwd_dist     per head and distance: temp, bias and their parameter derivatives;
  *   ape_bwd_rows     per row vector: mean, sigma, alpha, the saved LSE, Dl_i - dLSE_i
  *                    (Dl_i = dO_i . O_i), the cos and sin of each pair's per-key step, and the
@@ -66,12 +66,12 @@ KFN float bwd_hsum(vf v)
 }
 
 /*
- * Q with its dO, or K with its V, as the sweeps read them: float32, the pairs' first components
+ * Q with its dO, or K with its V, as the sweep reads them: float32, the pairs' first components
  * (npad of them, zero past P, so padded lanes add nothing), their second components, then the
  * D components of the vector (zero up to dpad): rs = 2 npad + dpad components per row. Rows go
  * in blocks of `lanes` per (batch, head) bh, component-major inside a block:
  * out[((bh * nblk + i / lanes) * rs + comp) * lanes + i % lanes], nblk = ceil(L / lanes), rows
- * past L zero. With lanes = APE_RW (Q and dO) a row vector of the sweeps is one vector load per
+ * past L zero. With lanes = APE_RW (Q and dO) a row vector of the sweep is one vector load per
  * component; with lanes = 1 (K and V) a key is one contiguous row. Converting f16/bf16 and
  * de-interleaving once per row, not once per pair. With om (omega_p, K's call), each row also
  * gets omega_p times its first components, then minus omega_p times its second, after the rest
@@ -115,7 +115,7 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 }
 
 /* The distance terms of each head at every distance n = nmin + idx a launch has, once: the
- * sweeps look them up instead of evaluating logs and roots. One array per term (TB_AT): the
+ * sweep looks them up instead of evaluating logs and roots. One array per term (TB_AT): the
  * APE_RW rows of a row vector meet APE_RW consecutive distances, one vector load. */
 __kernel void ape_bwd_dist(__global const APE_REAL *prm, int npad, int H, long nmin, long ndist,
 			   __global APE_REAL *tab)
@@ -198,7 +198,7 @@ KFN vi bwd_lanes(int lo, int hi)
  * row's mean, sigma and alpha (sums in the forward's order: pair by pair), its saved LSE and
  * Dl_i - dLSE_i (Dl_i = dO_i . O_i), to the row table; and the cos and sin of each pair's
  * per-key step omega_p / alpha_i, to STEP (per row vector: cos for the npad pairs, then sin,
- * APE_RW lanes each), so that the sweeps seed only the rotation's start.
+ * APE_RW lanes each), so that the sweep seeds only the rotation's start.
  */
 /*
  * The keys one row must compute, [*jlo, *jhi) of its visible keys [0, vend): with B_SKIP, the
@@ -345,7 +345,7 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 	}
 }
 
-/* The arguments both sweeps take first (ocl_backward.c: bwd_sweep_args()): the prepared rows
+/* The arguments the sweep takes first (ocl_backward.c: bwd_sweep_args()): the prepared rows
  * (Q+dO in row vectors, K+V one row per key: ape_bwd_prep), omega and the heads' parameters,
  * the row and distance tables, the shape, the flags. */
 #define BWD_SWEEP_ARGS                                                                             \
