@@ -98,6 +98,18 @@ static cl_mem ocl_params(struct ape__queue *q, const struct ape__launch *l, int 
 	return mem;
 }
 
+/* A view as the kernels take it: x = offset, y, z, w = the B, H, L strides. */
+static cl_long4 long4_of(struct ape__view v)
+{
+	cl_long4 r;
+
+	r.s[0] = v.off;
+	r.s[1] = v.sb;
+	r.s[2] = v.sh;
+	r.s[3] = v.sl;
+	return r;
+}
+
 /*
  * Where tensor t (enum ape__tensor_id) of l lies, as the kernels take it (kernels/attention.cl,
  * VIEW_ROW): offset and the B, H, L strides in elements. dense: where it would lie contiguous
@@ -106,7 +118,6 @@ static cl_mem ocl_params(struct ape__queue *q, const struct ape__launch *l, int 
 static cl_long4 ocl_view(const struct ape__launch *l, int t, bool dense)
 {
 	struct ape__view v;
-	cl_long4 r;
 
 	if (dense && l->strided) {
 		struct ape__launch c = *l;
@@ -116,11 +127,13 @@ static cl_long4 ocl_view(const struct ape__launch *l, int t, bool dense)
 	} else {
 		v = ape__launch_view(l, t);
 	}
-	r.s[0] = v.off;
-	r.s[1] = v.sb;
-	r.s[2] = v.sh;
-	r.s[3] = v.sl;
-	return r;
+	return long4_of(v);
+}
+
+/* Where ent (which 0) or md (1) of l lies, as the kernel takes it (ape__launch_diag_view()). */
+static cl_long4 ocl_diag_view(const struct ape__launch *l, int which)
+{
+	return long4_of(ape__launch_diag_view(l, which));
 }
 
 /*
@@ -265,14 +278,16 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	cl_mem prm = NULL, pre = NULL, suf = NULL, none = NULL, kp = NULL, vf = NULL, kbuf, vbuf;
 	struct ape__ocl_args a = { 0 };
 	const cl_long4 vq = ocl_view(l, APE__T_Q, false), vo = ocl_view(l, APE__T_O, false),
-		       vl = ocl_view(l, APE__T_LSE, false);
+		       vl = ocl_view(l, APE__T_LSE, false), ve = ocl_diag_view(l, 0),
+		       vm = ocl_diag_view(l, 1);
 	cl_long4 kv[2];
 	size_t bq, nqt;
 	cl_long ntk;
 	cl_int err;
 	int ret;
 
-	if (ape__ocl_decode_applies(q->dev, l)) /* fast paths: ocl_fast.h */
+	/* fast paths: ocl_fast.h; a launch with pages was accepted by the decode */
+	if (l->pages || ape__ocl_decode_applies(q->dev, l))
 		return ape__ocl_decode(q, l);
 	if (ape__ocl_separable_applies(q->dev, l))
 		return ape__ocl_separable(q, l);
@@ -286,7 +301,8 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	ntk = (l->Lk + pr->t.bk - 1) / pr->t.bk;
 	flags |= (l->causal ? F_CAUSAL : 0) | (l->lse ? F_LSE : 0) | (l->pairs ? F_PAIRS : 0);
 	flags |= l->layout == APE_ROPE_INTERLEAVED ? F_INTERLEAVED : 0;
-	flags |= l->ent && l->md ? F_DIAG : 0; /* the core passes both or neither */
+	/* both or neither, except on the resident call's launches (attention_diag_views) */
+	flags |= l->ent || l->md ? F_DIAG : 0;
 	/* the far-key bound needs decays >= 0; the core passes skip_tol = 0 otherwise */
 	if (l->skip_tol > 0 && l->decay_nonneg && tol > 0)
 		flags |= F_SKIP | (l->lse_prior && prior_tol > 0 ? F_PRIOR : 0);
@@ -330,8 +346,10 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(kv[1]), &kv[1]);
 	ape__ocl_arg(&a, sizeof(vo), &vo);
 	ape__ocl_arg(&a, sizeof(vl), &vl);
-	ape__ocl_arg(&a, sizeof(cl_mem), (flags & F_DIAG) ? &l->ent->mem : &none);
-	ape__ocl_arg(&a, sizeof(cl_mem), (flags & F_DIAG) ? &l->md->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->ent ? &l->ent->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->md ? &l->md->mem : &none);
+	ape__ocl_arg(&a, sizeof(ve), &ve);
+	ape__ocl_arg(&a, sizeof(vm), &vm);
 	if (a.err != CL_SUCCESS)
 		ret = ape__ocl_error(a.err, "setting up ape_attention");
 	else

@@ -119,4 +119,6 @@ const struct ape__backend_ops ape__opencl_ops = {
 	.queue_wrap = ocl_queue_wrap,
 	.native = ape__ocl_native,
 	.attention_diag = true, /* ENT and MD behind F_DIAG (kernels/attention.cl) */
+	.attention_diag_views = true, /* strided, each optional (ABI 8) */
+	.attention_pages = ape__ocl_decode_pages, /* ocl_decode.c */
 };

@@ -25,15 +25,21 @@ static int64_t dec_rows_max(int64_t D)
 	return D == 64 || D == 128 ? 16 : 8;
 }
 
-bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l)
+/* The launches the decode kernel can compute: a few rows, D a multiple of 32, O, LSE, pairs. */
+static bool dec_shape(struct ape_device *dev, const struct ape__launch *l)
 {
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
+
+	return (od->type & CL_DEVICE_TYPE_CPU) && ape__ocl_fast_outputs(l) && l->Lq >= 1 &&
+	       l->Lq <= DEC_MAX_ROWS && l->D % 32 == 0 && l->D <= 256 && l->H % l->Hkv == 0 &&
+	       l->Lk >= 1 && (l->H / l->Hkv) * l->Lq <= dec_rows_max(l->D);
+}
+
+bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l)
+{
 	bool decays = false;
 
-	if (!(od->type & CL_DEVICE_TYPE_CPU) || !ape__ocl_fast_outputs(l) || l->Lq < 1 ||
-	    l->Lq > DEC_MAX_ROWS ||
-	    l->D % 32 || l->D > 256 || l->H % l->Hkv || l->Lk < 1 ||
-	    (l->H / l->Hkv) * l->Lq > dec_rows_max(l->D))
+	if (!dec_shape(dev, l))
 		return false;
 	for (int64_t h = 0; h < l->H; h++)
 		decays |= l->head_params[4 * h] != 0 || l->head_params[4 * h + 1] != 0 ||
@@ -41,6 +47,13 @@ bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l
 	/* the decode skips nothing: it takes launches where skipping is off, or where no head
 	 * has a decay to skip by (the bound then almost never holds) */
 	return !(l->skip_tol > 0 && l->decay_nonneg && decays);
+}
+
+/* In place, skipping allowed or not (skipping nothing is exact): the alternative is a gather
+ * of every key chunk the chunk-level bound keeps, then the general kernel (docs/kernels.md). */
+bool ape__ocl_decode_pages(struct ape_device *dev, const struct ape__launch *l)
+{
+	return l->pages && dec_shape(dev, l);
 }
 
 /* Keys per chunk: whole tiles (at least 4), about 512 work-items per compute unit over the
@@ -130,6 +143,12 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	const cl_long Lq = l->Lq, Lk = l->Lk, rel = l->q_start - l->k_start, ch = chunk;
 	const cl_float scale = (cl_float)l->scale;
 	const size_t rows = (size_t)(l->B * l->H * l->Lq);
+	const struct ape__kv_pages *pg = l->pages;
+	/* the pages (bt 0: none), and K and V as views of one block when there are pages */
+	const cl_long pbt = pg ? pg->block_tokens : 0, pnb = pg ? pg->nblocks : 0,
+		      pfirst = pg ? pg->first_block : 0, prow = pg ? pg->first_row : 0,
+		      pblk = l->B * l->Hkv * pbt * l->D;
+	const cl_long pview[4] = { 0, l->Hkv * pbt * l->D, pbt * l->D, l->D };
 	struct ape__ocl_args a = { 0 };
 	cl_mem prm, part = NULL, none = NULL;
 	const int64_t nr = l->H / l->Hkv * l->Lq;
@@ -160,8 +179,12 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
 	ape__ocl_arg(&a, sizeof(cl_mem), &part);
 	ape__ocl_arg_view(&a, l, APE__T_Q);
-	ape__ocl_arg_view(&a, l, APE__T_K);
-	ape__ocl_arg_view(&a, l, APE__T_V);
+	for (int t = APE__T_K; t <= APE__T_V; t++) {
+		if (!pg)
+			ape__ocl_arg_view(&a, l, t);
+		for (int i = 0; pg && i < 4; i++)
+			ape__ocl_arg(&a, sizeof(cl_long), &pview[i]);
+	}
 	ape__ocl_arg(&a, sizeof(D), &D);
 	ape__ocl_arg(&a, sizeof(Lq), &Lq);
 	ape__ocl_arg(&a, sizeof(Lk), &Lk);
@@ -172,6 +195,11 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(flags), &flags);
 	ape__ocl_arg(&a, sizeof(ch), &ch);
 	ape__ocl_arg(&a, sizeof(nsplit), &nsplit);
+	ape__ocl_arg(&a, sizeof(pbt), &pbt);
+	ape__ocl_arg(&a, sizeof(pnb), &pnb);
+	ape__ocl_arg(&a, sizeof(pfirst), &pfirst);
+	ape__ocl_arg(&a, sizeof(prow), &prow);
+	ape__ocl_arg(&a, sizeof(pblk), &pblk);
 	ret = ape__ocl_fast_launch(q, &a, "ape_decode", (size_t)nsplit, 1, (size_t)(l->B * l->Hkv));
 	if (ret)
 		goto out;
@@ -214,7 +242,10 @@ static uint64_t general_scratch(const struct ape__launch *l)
 
 uint64_t ape__ocl_attention_scratch(struct ape_device *dev, const struct ape__launch *l)
 {
-	/* shape-only: head_params are not known here, so each path that might run counts */
+	/* shape-only: head_params are not known here, so each path that might run counts; a
+	 * launch with pages runs the decode only (attention_pages) */
+	if (l->pages)
+		return ape__ocl_decode_scratch(dev, l);
 	uint64_t s = general_scratch(l), d = ape__ocl_decode_scratch(dev, l),
 		 p = ape__ocl_separable_scratch(dev, l);
 

@@ -35,6 +35,9 @@ static inline bool ape__ocl_fast_outputs(const struct ape__launch *l)
 /* ---- ocl_decode.c */
 bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l);
 int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l);
+/* The attention_pages op: the decode reads a KV cache's blocks in place (l->pages) for every
+ * launch of its shape, with skipping allowed or not (it skips nothing: exact). */
+bool ape__ocl_decode_pages(struct ape_device *dev, const struct ape__launch *l);
 /* Bytes of scratch the decode allocates for l (0 when it does not apply). */
 uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape__launch *l);
 

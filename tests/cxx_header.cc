@@ -27,8 +27,12 @@ int ape_cxx_header_check(void)
 	// the device-resident calls and the DLPack one
 	auto enqueue = &ape_attention_enqueue;
 	auto dlpack = &ape_attention_forward_dlpack;
+	auto enqueue_diag = &ape_attention_enqueue_diag;
+	auto dlpack_diag = &ape_attention_forward_dlpack_diag;
 	(void)enqueue;
 	(void)dlpack;
+	(void)enqueue_diag;
+	(void)dlpack_diag;
 	return ape_version() == APE_VERSION && APE_EINVAL < 0 && ape_strerror(APE_ENOMEM) != nullptr &&
 	       ape_dtype_name(APE_F16)[0] == 'f' && ape_rope_layout_name(desc.layout) != nullptr;
 }

@@ -835,6 +835,17 @@ TEST_F(run, backward_matches_the_library)
 	EXPECT_NE(NULL, strstr(self->err, "backward: peak device memory "));
 	expect_npy(_metadata, self, "DQ3.npy", APE_F32, 4, g.dq.t.shape, g.dq.t.data,
 		   1e-5 * test_tensor_maxabs(&g.dq.t));
+
+	/* --devices reach the backward: the key chunks (3 of 3 rows) split over both entries */
+	ASSERT_EQ(0, RUN(BASIC, "--lambda", "0.1,0,0.3,0.05", "--layout", "interleaved",
+			 "--backward", "DO.npy", "--dq", "DQ4.npy", "--chunk", "3", "--devices",
+			 "ref:0,ref", "--stats"))
+		TH_LOG("stderr: %s", self->err);
+	EXPECT_NE(NULL, strstr(strstr(self->err, "backward: chunks") ?: "", "(3 x 3 rows, 1 in "
+								       "flight, 2 devices)"))
+		TH_LOG("stderr: %s", self->err);
+	expect_npy(_metadata, self, "DQ4.npy", APE_F32, 4, g.dq.t.shape, g.dq.t.data,
+		   1e-5 * test_tensor_maxabs(&g.dq.t));
 	grads_free(&g);
 	test_tensor_free(&f.dout);
 	test_tensor_free(&f.dlse);
@@ -896,8 +907,6 @@ TEST_F(run, backward_bad_arguments_and_files)
 		       WORDS("--backward DO.npy", "name the gradients"));
 	expect_refused(_metadata, self, RUN(BWD, "--dq", "DQ.npy", "--kv-cache", "1"), 2,
 		       WORDS("--backward DO.npy", "--kv-cache"));
-	expect_refused(_metadata, self, RUN(BWD, "--dq", "DQ.npy", "--devices", "ref,ref"), 2,
-		       WORDS("--backward DO.npy", "--devices"));
 	expect_refused(_metadata, self, RUN(BWD, "--dq", "O.npy"), 2,
 		       WORDS("-o and --dq both name O.npy"));
 	expect_refused(_metadata, self, RUN(BWD, "--dq", "D.npy", "--dk", "D.npy"), 2,

@@ -905,6 +905,85 @@ TEST(cuda_tensors_on_the_emulated_driver)
 #endif
 }
 
+/* ape_attention_forward_dlpack_diag() on kDLCPU tensors: entropy and mean distance equal the
+ * host ape_attention_forward_diag() bit for bit, contiguous and as [B, Lq, H] strided views,
+ * each optional; an output over another tensor refused naming it, nothing written. */
+TEST_F(ref, diagnostics_twin)
+{
+	enum { B = 2, H = 3, L = 21, D = 16, NQ = B * H * L * D, R = B * H * L };
+	static float q[NQ], k[NQ], v[NQ], o[NQ], o2[NQ], lse[R], lse2[R], ent[R], md[R];
+	static float dent[R + 8], dmd[R + 8];
+	int64_t s4[4] = { B, H, L, D }, s3[3] = { B, H, L }, st3[3] = { L * H, 1, H };
+	DLTensor t[7];
+	ape_tensor hq, hk, hv, ho;
+	ape_attn_desc desc;
+
+	fill(&self->rng, q, APE_F32, NQ);
+	fill(&self->rng, k, APE_F32, NQ);
+	fill(&self->rng, v, APE_F32, NQ);
+	ape_attn_desc_init(&desc);
+	desc.delta.value = 0.4f;
+	desc.lambda.value = 0.1f;
+	ape_tensor_init(&hq, q, APE_F32, B, H, L, D);
+	ape_tensor_init(&hk, k, APE_F32, B, H, L, D);
+	ape_tensor_init(&hv, v, APE_F32, B, H, L, D);
+	ape_tensor_init(&ho, o, APE_F32, B, H, L, D);
+	ASSERT_EQ(0, ape_attention_forward_diag(&self->dev, 1, NULL, &desc, &hq, &hk, &hv, &ho, lse,
+						ent, md, NULL));
+	for (int strided = 0; strided < 2; strided++) {
+		void *data[7] = { q, k, v, o2, lse2, dent, dmd };
+
+		for (int i = 0; i < 7; i++)
+			t[i] = (DLTensor){ .data = data[i], .device = { kDLCPU, 0 },
+					   .ndim = i < 4 ? 4 : 3, .dtype = { kDLFloat, 32, 1 },
+					   .shape = i < 4 ? s4 : s3,
+					   .strides = i >= 5 && strided ? st3 : NULL };
+		for (int i = 0; i < R + 8; i++)
+			dent[i] = dmd[i] = NAN;
+		ASSERT_EQ(0, ape_attention_forward_dlpack_diag(self->dev, &desc, &t[0], &t[1], &t[2],
+							       &t[3], &t[4], &t[5], &t[6], NULL))
+		TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, memcmp(o, o2, sizeof(o)));
+		EXPECT_EQ(0, memcmp(lse, lse2, sizeof(lse)));
+		for (int b = 0; b < B; b++)
+			for (int h = 0; h < H; h++)
+				for (int i = 0; i < L; i++) {
+					const int r = (b * H + h) * L + i;
+					const int at = strided ? b * L * H + i * H + h : r;
+
+					ASSERT_EQ(ent[r], dent[at]) TH_LOG("row %d", r);
+					ASSERT_EQ(md[r], dmd[at]) TH_LOG("row %d", r);
+				}
+		EXPECT_TRUE(isnan(dent[R]) && isnan(dmd[R])); /* nothing past the end */
+	}
+	/* mean distance alone, no lse */
+	for (int i = 0; i < R; i++)
+		dmd[i] = NAN;
+	t[6].strides = NULL;
+	ASSERT_EQ(0, ape_attention_forward_dlpack_diag(self->dev, &desc, &t[0], &t[1], &t[2], &t[3],
+						       NULL, NULL, &t[6], NULL))
+	TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, memcmp(md, dmd, sizeof(md)));
+	/* the entropy over O: refused, naming both, nothing written */
+	for (int i = 0; i < R; i++)
+		dmd[i] = NAN;
+	t[5].data = o2;
+	t[5].strides = NULL;
+	EXPECT_EQ(APE_EINVAL, ape_attention_forward_dlpack_diag(self->dev, &desc, &t[0], &t[1],
+								&t[2], &t[3], &t[4], &t[5], &t[6],
+								NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_forward_dlpack_diag: entropy"))
+	TH_LOG("%s", ape_last_error());
+	EXPECT_TRUE(isnan(dmd[0]));
+	/* a 4-D entropy: refused naming it */
+	t[5] = t[3];
+	t[5].data = dent;
+	EXPECT_EQ(APE_EINVAL, ape_attention_forward_dlpack_diag(self->dev, &desc, &t[0], &t[1],
+								&t[2], &t[3], NULL, &t[5], NULL,
+								NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "entropy->ndim = 4")) TH_LOG("%s", ape_last_error());
+}
+
 /* ---- docs/embedding.md's example */
 
 /* The page shows docs/embed_example.c word for word. */

@@ -5,6 +5,10 @@
  * once; and devices of different backends together (the reference, OpenCL and CUDA in pairs, two
  * emulated CUDA devices). The result equals one device's within the spec's tolerance, work goes
  * where the weights say, speeds are remembered, and a failing device fails the call.
+ *
+ * The backward pass over the same sets: gradients within the spec's tolerance of one device's,
+ * the same bits twice, key chunks where the weights say (the trace shows it), each device under
+ * the budget, a failing device failing the call with nothing written.
  */
 #include <math.h>
 #include <stdio.h>
@@ -14,6 +18,7 @@
 
 #include "ape_test.h"
 #include "common/backend_fixture.h"
+#include "common/bwdcase.h"
 #include "common/problem.h"
 #include "common/wrapops.h"
 #include "core/context.h"
@@ -75,6 +80,29 @@ static void compare_sets(struct __test_metadata *_metadata, ape_device *single,
 		test_problem_free(&many);
 	}
 	EXPECT_EQ(0, failed);
+}
+
+/*
+ * The trace at `path` checked by the Python lines `body` (0: they hold), with `ev` its events,
+ * `k` its kernel spans, and two processes (devices) asserted; 1 when they fail, -1 without
+ * /usr/bin/python3.
+ */
+static int check_trace(const char *path, const char *body)
+{
+	char cmd[2048];
+
+	if (access("/usr/bin/python3", X_OK))
+		return -1;
+	snprintf(cmd, sizeof(cmd),
+		 "/usr/bin/python3 -c 'import json,sys\n"
+		 "ev = json.load(open(sys.argv[1]))[\"traceEvents\"]\n"
+		 "pids = set(e[\"pid\"] for e in ev if e[\"ph\"] == \"M\" and "
+		 "e[\"name\"] == \"process_name\")\n"
+		 "k = [e for e in ev if e[\"ph\"] == \"X\" and e[\"cat\"] == \"kernel\"]\n"
+		 "assert pids == {0, 1}, pids\n"
+		 "%s' %s",
+		 body, path);
+	return system(cmd) ? 1 : 0;
 }
 
 /* ---- one backend's device, listed several times */
@@ -218,7 +246,7 @@ TEST_F(multi, weights_split_work_and_trace_shows_devices)
 	/* 8 x 8 chunks; the emulator: half the rows */
 	const int64_t L = self->emu ? 128 : 256;
 	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
-	char dir[64], path[128], cmd[1024];
+	char dir[64], path[128];
 	static const double w[2] = { 1, 1e6 };
 	ape_device *set[2];
 	test_problem tp, one;
@@ -243,23 +271,13 @@ TEST_F(multi, weights_split_work_and_trace_shows_devices)
 	EXPECT_EQ(0, same_within_tol(_metadata, &tp, &one, "weights"));
 	EXPECT_EQ(2, st.devices);
 	EXPECT_STREQ(variant->backend, st.backend);
-	if (!access("/usr/bin/python3", X_OK)) {
-		/* device 1 (weight 10^6) starts with every query chunk and takes them from the
-		 * front; device 0 has none of its own and takes from the back: whatever the timing,
-		 * each chunk is computed once and device 0's chunks all follow device 1's */
-		snprintf(cmd, sizeof(cmd),
-			 "/usr/bin/python3 -c 'import json,sys\n"
-			 "ev = json.load(open(sys.argv[1]))[\"traceEvents\"]\n"
-			 "pids = set(e[\"pid\"] for e in ev if e[\"ph\"] == \"M\" and e[\"name\"] == \"process_name\")\n"
-			 "k = [e for e in ev if e[\"ph\"] == \"X\" and e[\"cat\"] == \"kernel\"]\n"
-			 "assert pids == {0, 1}, pids\n"
-			 "q = [set(e[\"args\"][\"query_chunk\"] for e in k if e[\"pid\"] == p) for p in (0, 1)]\n"
-			 "assert not (q[0] & q[1]) and (q[0] | q[1]) == set(range(8)), q\n"
-			 "assert not q[0] or not q[1] or min(q[0]) > max(q[1]), q\n"
-			 "' %s",
-			 path);
-		EXPECT_EQ(0, system(cmd));
-	}
+	/* device 1 (weight 10^6) starts with every query chunk and takes them from the front;
+	 * device 0 has none of its own and takes from the back: whatever the timing, each chunk is
+	 * computed once and device 0's chunks all follow device 1's */
+	EXPECT_NE(1, check_trace(path,
+		"q = [set(e[\"args\"][\"query_chunk\"] for e in k if e[\"pid\"] == p) for p in (0, 1)]\n"
+		"assert not (q[0] & q[1]) and (q[0] | q[1]) == set(range(8)), q\n"
+		"assert not q[0] or not q[1] or min(q[0]) > max(q[1]), q\n"));
 	test_rmtree(dir);
 	test_problem_free(&tp);
 	test_problem_free(&one);
@@ -310,6 +328,319 @@ TEST_F(multi, a_failing_device_fails_the_call)
 	EXPECT_NE(NULL, strstr(ape_last_error(), "query chunks"));
 	wrap_remove();
 	test_problem_free(&tp);
+}
+
+/* ---- the backward pass over several devices */
+
+/* Every gradient of case c, on devs, into g (fresh from grads_alloc(): all NaN). */
+static int run_bwd(bcase *c, ape_device *const *devs, int n, const ape_exec_options *o, grads *g,
+		   ape_stats *st)
+{
+	const test_problem *tp = &c->tp;
+
+	if (st)
+		ape_stats_init(st);
+	return ape_attention_backward_ex(devs, n, o, &tp->desc, &tp->q.t, &tp->k.t, &tp->v.t,
+					 &tp->o.t, tp->lse, &c->dout.t, c->dlse, &g->dq.t, &g->dk.t,
+					 &g->dv.t, g->dparams, st);
+}
+
+/* Two devices' gradients, each within the spec's tolerance of float64: within twice that of
+ * each other. */
+static int grads_close(struct __test_metadata *_metadata, const grads *a, const grads *b,
+		       ape_dtype dt, const char *what)
+{
+	const double tol = 2 * grads_tol(dt);
+	const double e[4] = { grads_rel_err(&a->dq.t, &b->dq.t), grads_rel_err(&a->dk.t, &b->dk.t),
+			      grads_rel_err(&a->dv.t, &b->dv.t),
+			      grads_rel_err_params(a->dparams, b->dparams, a->H) };
+
+	if (e[0] <= tol && e[1] <= tol && e[2] <= tol && e[3] <= tol)
+		return 0;
+	TH_LOG("%s (%s): errors dQ %.3g, dK %.3g, dV %.3g, dparams %.3g (tolerance %.3g)", what,
+	       ape_dtype_name(dt), e[0], e[1], e[2], e[3], tol);
+	return -1;
+}
+
+/*
+ * Backward cases on a set of devices against `single` alone: every storage type, GQA, random
+ * parameters, layouts, causality and offsets (test_problem_random_params()), small chunks so
+ * that every device has several key chunks, weights in every third case. Each set's result is
+ * run twice: the same bits. `alike`: every device of the set has single's backend, so the
+ * pairs computed are the same (backends skip keys differently). Returns 1 (with *why) when
+ * single has no backward pass.
+ */
+static int compare_backward(struct __test_metadata *_metadata, ape_device *single,
+			    ape_device *const *set, int n, bool alike, int ncases, bool emu,
+			    const char *what, char *why, size_t len)
+{
+	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
+	static const test_problem_shape big[] = {
+		{ 1, 4, 2, 37, 45, 16 }, { 2, 2, 1, 26, 31, 8 }, { 1, 3, 3, 40, 23, 32 } };
+	static const test_problem_shape small[] = { { 1, 2, 1, 12, 15, 8 },
+						    { 1, 2, 2, 9, 13, 16 } };
+	const test_problem_shape *shapes = emu ? small : big;
+	const int nshapes = emu ? 2 : 3;
+	static const double w[4] = { 1, 3, 2, 1 };
+	ape_rng rng;
+	int failed = 0;
+
+	ape_rng_init(&rng, what);
+	for (int c = 0; c < ncases; c++) {
+		const ape_dtype dt = types[c % 3];
+		const test_problem_shape *sh = &shapes[c % nshapes];
+		grads one, many, again;
+		ape_exec_options o;
+		ape_stats st, st1;
+		bcase bc;
+		int ret;
+
+		ASSERT_EQ(0, bcase_ready(&bc, &rng, sh, dt, c % 2, c % 2 == 0, single));
+		ASSERT_EQ(0, grads_alloc(&one, &bc, dt));
+		ASSERT_EQ(0, grads_alloc(&many, &bc, dt));
+		ASSERT_EQ(0, grads_alloc(&again, &bc, dt));
+		ape_exec_options_init(&o);
+		o.chunk_q = 3 + c % 5;
+		o.chunk_k = 2 + c % 3;
+		ret = run_bwd(&bc, &single, 1, &o, &one, &st1);
+		if (ret == APE_ENOTSUP) {
+			snprintf(why, len, "%s", ape_last_error());
+			failed = -1;
+		} else {
+			ASSERT_EQ(0, ret) TH_LOG("%s", ape_last_error());
+			o.device_weights = c % 3 == 2 ? w : NULL;
+			ASSERT_EQ(0, run_bwd(&bc, set, n, &o, &many, &st))
+				TH_LOG("%s", ape_last_error());
+			ASSERT_EQ(0, run_bwd(&bc, set, n, &o, &again, NULL))
+				TH_LOG("%s", ape_last_error());
+			failed += grads_close(_metadata, &many, &one, dt, what) != 0;
+			EXPECT_TRUE(same_grads(&many, &again, W_ALL))
+				TH_LOG("%s: case %d", what, c);
+			/* at least 4 key chunks: in equal shares each device has some (weights
+			 * give all to the heavier device when the first key chunk, seen by the
+			 * most queries, outweighs the lighter one's share); the same launches as
+			 * one device's (none when the offsets hide every key) */
+			if (o.device_weights) {
+				EXPECT_LE(1, st.devices);
+				EXPECT_GE(n, st.devices);
+			} else {
+				EXPECT_EQ(n, st.devices);
+			}
+			EXPECT_EQ(st1.chunks, st.chunks);
+			EXPECT_EQ(st1.pairs_visible, st.pairs_visible);
+			if (alike) {
+				EXPECT_EQ(st1.pairs_computed, st.pairs_computed);
+			} else {
+				EXPECT_LE(st.pairs_computed, st.pairs_visible);
+			}
+		}
+		grads_free(&one);
+		grads_free(&many);
+		grads_free(&again);
+		bcase_free(&bc);
+		if (failed < 0)
+			return 1;
+	}
+	EXPECT_EQ(0, failed);
+	return 0;
+}
+
+TEST_F(multi, backward_same_device_twice)
+{
+	ape_device *set[2] = { self->dev, self->dev };
+	char why[512];
+
+	if (compare_backward(_metadata, self->dev, set, 2, true,
+			     ape_test_slow() ? 3 : self->emu ? 3 : 9, self->emu,
+			     "backward_same_device_twice", why, sizeof(why)) == 1)
+		SKIP(return, "%s", why);
+}
+
+TEST_F(mixed, backward_together_match_one_device)
+{
+	ape_device *set[2] = { self->a, self->b };
+	char why[512];
+
+	if (compare_backward(_metadata, self->a, set, 2, !strcmp(variant->a, variant->b),
+			     ape_test_slow() ? 3 : self->emu ? 3 : 9,
+			     self->emu, "backward_together_match_one_device", why,
+			     sizeof(why)) == 1)
+		SKIP(return, "%s", why);
+}
+
+/*
+ * Weights decide which key chunks each device owns (contiguous, in order), each device stays
+ * under the budget, and the trace has one process per entry with its launches and copies.
+ */
+TEST_F(multi, backward_weights_budget_and_trace)
+{
+	/* 8 key chunks; the emulator: fewer rows */
+	const int64_t L = self->emu ? 24 : 64;
+	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
+	static const double w[2] = { 1, 3 };
+	ape_device *set[2] = { self->dev, self->dev };
+	char dir[64], path[128];
+	grads one, many, small;
+	struct wrap_counts wc;
+	ape_exec_options o;
+	ape_stats st, st1;
+	ape_rng rng;
+	bcase bc;
+	int ret;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, bcase_make(&bc, &rng, &sh, APE_F32, false, true));
+	test_problem_random_params(&bc.tp, &rng);
+	bc.tp.desc.causal = false; /* every key chunk seen by every query chunk */
+	bc.tp.desc.skip_tol = 0;
+	ASSERT_EQ(0, bcase_forward(&bc, self->dev));
+	ASSERT_EQ(0, grads_alloc(&one, &bc, APE_F32));
+	ASSERT_EQ(0, grads_alloc(&many, &bc, APE_F32));
+	ASSERT_EQ(0, grads_alloc(&small, &bc, APE_F32));
+	snprintf(dir, sizeof(dir), "/tmp/ape-test-multi.XXXXXX");
+	ASSERT_NE(NULL, mkdtemp(dir));
+	snprintf(path, sizeof(path), "%s/b.json", dir);
+	ape_exec_options_init(&o);
+	o.chunk_q = o.chunk_k = L / 8;
+	ret = run_bwd(&bc, set, 1, &o, &one, &st1);
+	if (ret == APE_ENOTSUP) {
+		test_rmtree(dir);
+		SKIP(goto out, "%s", ape_last_error());
+	}
+	ASSERT_EQ(0, ret) TH_LOG("%s", ape_last_error());
+	o.device_weights = w;
+	o.trace_path = path;
+	ASSERT_EQ(0, run_bwd(&bc, set, 2, &o, &many, &st)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, grads_close(_metadata, &many, &one, APE_F32, "weights"));
+	EXPECT_EQ(2, st.devices);
+	EXPECT_EQ(64u, st.chunks);
+	EXPECT_EQ(st1.pairs_computed, st.pairs_computed);
+	/* the same copies but one more device's parameter sums (H = 2) */
+	EXPECT_EQ(st1.bytes_from_device, st.bytes_from_device - 2 * 4 * sizeof(double));
+	EXPECT_LT(0.0, st.kernel_ms);
+	/* device 1 (weight 3) owns the last 6 key chunks, device 0 the first 2; every launch of a
+	 * key chunk on its owner, each of the 8 x 8 once; copies on their lanes */
+	EXPECT_NE(1, check_trace(path,
+		"assert all(e[\"name\"].startswith(\"attention backward\") for e in k)\n"
+		"own = [set(e[\"args\"][\"key_chunk\"] for e in k if e[\"pid\"] == p) for p in (0, 1)]\n"
+		"assert own == [set(range(2)), set(range(2, 8))], own\n"
+		"pairs = sorted((e[\"args\"][\"query_chunk\"], e[\"args\"][\"key_chunk\"]) for e in k)\n"
+		"assert pairs == [(q, c) for q in range(8) for c in range(8)], pairs\n"
+		"lanes = set(e[\"tid\"] for e in ev if e[\"ph\"] == \"X\" and e[\"cat\"] == \"copy\")\n"
+		"assert lanes == {10, 20, 30}, lanes\n"));
+	/* one byte under the peak of one device: smaller chunks, each device within the budget;
+	 * the wrapper counts both entries' bytes (buffers and declared scratch) together */
+	o.trace_path = NULL;
+	o.chunk_q = o.chunk_k = 0;
+	o.max_device_bytes = st.peak_device_bytes - 1;
+	wrap_install(self->dev, 0);
+	ASSERT_EQ(0, run_bwd(&bc, set, 2, &o, &small, &st1)) TH_LOG("%s", ape_last_error());
+	wc = wrap_get();
+	wrap_remove();
+	EXPECT_LE(st1.peak_device_bytes, o.max_device_bytes);
+	EXPECT_EQ(o.max_device_bytes, st1.device_budget);
+	EXPECT_LE(wc.peak_bytes, 2 * o.max_device_bytes);
+	EXPECT_LE(st1.peak_device_bytes, wc.peak_bytes);
+	EXPECT_EQ(wc.allocs, wc.frees);
+	if (strcmp(variant->backend, "ref")) { /* OpenCL and CUDA declare backward scratch */
+		EXPECT_LT(0u, wc.bwd_scratch_max);
+	}
+	EXPECT_EQ(0, grads_close(_metadata, &small, &one, APE_F32, "budget"));
+	test_rmtree(dir);
+out:
+	grads_free(&one);
+	grads_free(&many);
+	grads_free(&small);
+	bcase_free(&bc);
+}
+
+/* A device failing in the middle fails the call, with its message, and writes nothing. */
+TEST_F(multi, backward_a_failing_device_fails_the_call)
+{
+	const test_problem_shape sh = { 1, 2, 1, 24, 24, 8 };
+	ape_device *set[3] = { self->dev, self->dev, self->dev };
+	grads g, fresh;
+	ape_exec_options o;
+	ape_rng rng;
+	bcase bc;
+	int ret;
+
+	if (!self->dev->be->ops->attention_backward)
+		SKIP(return, "%s has no backward pass", variant->backend);
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, bcase_ready(&bc, &rng, &sh, APE_F32, false, true, self->dev));
+	ASSERT_EQ(0, grads_alloc(&g, &bc, APE_F32));
+	ASSERT_EQ(0, grads_alloc(&fresh, &bc, APE_F32));
+	ape_exec_options_init(&o);
+	o.chunk_q = o.chunk_k = 4;
+	wrap_install(self->dev, 0);
+	wrap_fail_op(WRAP_ATTENTION_BACKWARD, 5);
+	ret = run_bwd(&bc, set, 3, &o, &g, NULL);
+	EXPECT_EQ(APE_EDEVLOST, ret);
+	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_backward_ex: "))
+		TH_LOG("%s", ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), "fails on purpose")) TH_LOG("%s", ape_last_error());
+	EXPECT_TRUE(same_grads(&g, &fresh, W_ALL));
+	wrap_remove();
+	grads_free(&g);
+	grads_free(&fresh);
+	bcase_free(&bc);
+}
+
+/* b lost from its first op: the call fails naming b, nothing written; a alone still works. */
+TEST_F(mixed, backward_one_backend_failing_fails_the_call)
+{
+	const test_problem_shape sh = { 1, 2, 1, 16, 16, 8 };
+	ape_device *set[2] = { self->a, self->b };
+	struct wrap_counts wc;
+	ape_device_info info;
+	ape_stats st;
+	grads g, fresh;
+	ape_exec_options o;
+	const char *name;
+	ape_rng rng;
+	bcase bc;
+
+	if (!self->a->be->ops->attention_backward || !self->b->be->ops->attention_backward)
+		SKIP(return, "no backward pass on %s or %s", variant->a, variant->b);
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, bcase_ready(&bc, &rng, &sh, APE_F32, false, false, self->a));
+	ASSERT_EQ(0, grads_alloc(&g, &bc, APE_F32));
+	ASSERT_EQ(0, grads_alloc(&fresh, &bc, APE_F32));
+	ASSERT_EQ(0, ape_device_get_info(self->b, &info));
+	name = strcmp(variant->a, variant->b) ? info.name : variant->b;
+	ape_exec_options_init(&o);
+	o.chunk_q = o.chunk_k = 4;
+	/* a budget one byte under what the pair took: b's bytes as the wrapper counts them
+	 * (buffers and declared scratch) stay within it */
+	ASSERT_EQ(0, run_bwd(&bc, set, 2, &o, &g, &st)) TH_LOG("%s", ape_last_error());
+	o.chunk_q = 0; /* key chunks stay 4 rows: b has 2 of them */
+	o.max_device_bytes = st.peak_device_bytes - 1;
+	wrap_install(self->b, 0);
+	ASSERT_EQ(0, run_bwd(&bc, set, 2, &o, &g, &st)) TH_LOG("%s", ape_last_error());
+	wc = wrap_get();
+	EXPECT_LE(st.peak_device_bytes, o.max_device_bytes);
+	EXPECT_LT(0u, wc.peak_bytes);
+	/* two CUDA devices: the wrapper counts both */
+	EXPECT_LE(wc.peak_bytes, (strcmp(variant->a, variant->b) ? 1 : 2) * o.max_device_bytes);
+	wrap_remove();
+	grads_free(&g);
+	ASSERT_EQ(0, grads_alloc(&g, &bc, APE_F32));
+	o.max_device_bytes = 0;
+	o.chunk_q = o.chunk_k = 4;
+	/* the split is fixed: b owns key chunks, whatever the timing */
+	wrap_install(self->b, 0);
+	wrap_lose_device(1);
+	EXPECT_EQ(APE_EDEVLOST, run_bwd(&bc, set, 2, &o, &g, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "fails on purpose")) TH_LOG("%s", ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), name))
+		TH_LOG("\"%s\" does not name %s", ape_last_error(), name);
+	EXPECT_TRUE(same_grads(&g, &fresh, W_ALL));
+	wrap_remove();
+	EXPECT_EQ(0, run_bwd(&bc, &self->a, 1, &o, &g, NULL)) TH_LOG("%s", ape_last_error());
+	grads_free(&g);
+	grads_free(&fresh);
+	bcase_free(&bc);
 }
 
 TEST_HARNESS_MAIN

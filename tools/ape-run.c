@@ -171,8 +171,9 @@ static void usage(void)
 	       "                 head (a value given once for all heads: sum the column)\n"
 	       "  --dlse FILE    dL/dLSE, '<f4', LSE's shape (default: zero)\n"
 	       "  -o and --lse are written as without --backward; with --stats the backward\n"
-	       "  call's statistics follow the forward's. One device, no --kv-cache; the\n"
-	       "  backward takes the forward's parameters and --chunk, --max-device-mem.\n"
+	       "  call's statistics follow the forward's. No --kv-cache; the backward takes\n"
+	       "  the forward's parameters, --device or --devices (key chunks split over\n"
+	       "  them), --chunk, --max-device-mem; --trace traces the forward only.\n"
 	       "  A backend with no backward pass exits with 3.\n"
 	       "\n"
 	       "  --mpi          under mpirun: the sequence sharded over the ranks (each reads\n"
@@ -364,9 +365,8 @@ static int check_backward_args(const struct run_args *a, char *msg, size_t len)
 			 "--dk, --dv, --dparams", a->dout);
 		return RUN_USAGE;
 	}
-	if (a->kv_step || a->devices) {
-		snprintf(msg, len, "--backward %s runs on one device, without a KV cache (drop %s)",
-			 a->dout, a->kv_step ? "--kv-cache" : "--devices");
+	if (a->kv_step) {
+		snprintf(msg, len, "--backward %s runs without a KV cache (drop --kv-cache)", a->dout);
 		return RUN_USAGE;
 	}
 	return 0;
@@ -912,7 +912,7 @@ static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
 	}
 	if (a->stats)
 		run_stats_print(&st, "");
-	ret = a->dout ? run_backward(a, devs[0], in, &ot, lse, g, msg, len) : 0;
+	ret = a->dout ? run_backward(a, devs, ndev, in, &ot, lse, g, msg, len) : 0;
 	if (!ret)
 		ret = write_outputs(a, in, o, lse, ent, md, g, msg, len);
 	if (ret && a->trace)

@@ -1097,6 +1097,36 @@ APE_API void ape_dtensor_init(ape_dtensor *t, ape_buffer *buf, uint64_t byte_off
 APE_API int ape_attention_enqueue(ape_queue *queue, const ape_attn_desc *desc,
 				  const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
 				  const ape_dtensor *o, const ape_dtensor *lse);
+
+/**
+ * \brief ape_attention_enqueue() that also writes each row's attention entropy and mean
+ * attention distance (docs/diagnostics.md), computed in the same fused pass: the device-resident
+ * twin of ape_attention_forward_diag().
+ *
+ * Asynchronous like ape_attention_enqueue(): no copy, no wait. The outputs are device tensors
+ * laid out like lse, strides free; each is checked by lse's rules (in its buffer, a buffer of
+ * the queue's device, offset a multiple of 4, no two rows at one address) and must overlap no
+ * other tensor of the call: q, k, v, o, lse and each other (APE_EINVAL,
+ * "ape_attention_enqueue_diag: entropy overlaps o in memory: ..."). As in
+ * ape_attention_forward_diag(), the call runs under `min(desc->skip_tol, 2^-24)`, where the
+ * diagnostics stay within the spec's tolerance. Every row is written: a row without a visible
+ * key (and every row when Lk = 0) gets 0 in both, a NaN row NaN. The results equal those of
+ * ape_attention_forward_diag() on the same device and inputs.
+ *
+ * \param queue,desc,q,k,v,o,lse as ape_attention_enqueue()
+ * \param[out] entropy NULL (not wanted), or `[B, H, Lq, 1]` APE_F32: `-sum_j P_ij ln P_ij`
+ * \param[out] mean_distance NULL (not wanted), or `[B, H, Lq, 1]` APE_F32: `sum_j P_ij |n|`
+ * \return as ape_attention_enqueue(); APE_ENOTSUP, naming the device, on a backend that does
+ *         not compute the diagnostics on device tensors (CUDA, today), before anything is
+ *         enqueued. With both NULL it is ape_attention_enqueue().
+ * \note On any error returned, nothing is enqueued except after a device failure while
+ *       enqueueing (outputs then unspecified, as for ape_attention_enqueue()).
+ */
+APE_API int ape_attention_enqueue_diag(ape_queue *queue, const ape_attn_desc *desc,
+				       const ape_dtensor *q, const ape_dtensor *k,
+				       const ape_dtensor *v, const ape_dtensor *o,
+				       const ape_dtensor *lse, const ape_dtensor *entropy,
+				       const ape_dtensor *mean_distance);
 /**@}*/
 
 /** \name Training: the backward pass
@@ -1176,19 +1206,37 @@ APE_API int ape_attention_backward(ape_device *dev, const ape_attn_desc *desc,
  * \brief ape_attention_backward() with execution options.
  *
  * opts->chunk_q and chunk_k are the most rows per chunk (0: 4096) and opts->max_device_bytes
- * the device budget (0: three quarters of the device's memory), as for
- * ape_attention_forward_ex(): the planner halves chunks until they fit. For now \p ndev must
- * be 1 (several devices: APE_ENOTSUP), opts->trace_path must be NULL (APE_ENOTSUP), and
- * pipeline_depth and device_weights are validated but not used (chunks run one after
- * another); APE_EXEC_ATOMIC_OUTPUTS is what the call does anyway.
+ * the budget of each device (0: three quarters of its memory), as for
+ * ape_attention_forward_ex(): the planner halves chunks until they fit every device's budget,
+ * and all devices use the same chunk sizes.
  *
- * \param devs,ndev the devices (ndev = 1)
+ * Several devices (of one backend or several, as for ape_attention_forward_ex()) share the
+ * key chunks: each device owns a contiguous range of them, computes their dK and dV over every
+ * query chunk that sees them, and returns its dQ partials and parameter sums, which the host
+ * adds in float64 in device order (that is, key-chunk order). The split is fixed before any
+ * work: opts->device_weights gives each device's share (NULL: equal shares; measured speeds
+ * are not used, and idle devices do not take work from busy ones), so two calls with the same
+ * devices and options give bit-identical gradients; another device set gives the same
+ * gradients within rounding. A device that fails fails the call (the first failing device in
+ * list order names itself in the message) and the others stop. opts->trace_path writes the
+ * Chrome trace of the call as the forward does (one process per device: the launches, the
+ * copies of the query and key sides, the copies back), once the call succeeded, and only
+ * when there is device work (Lq, Lk >= 1). pipeline_depth is validated but not
+ * used: on each device the chunks run one after another, copies not overlapped with launches.
+ * APE_EXEC_ATOMIC_OUTPUTS is what the call does anyway.
+ *
+ * \param devs,ndev the devices (1..APE_MAX_DEVICES; one may be listed more than once);
+ *        each must have a backward pass
  * \param opts NULL for the defaults (see ape_exec_options_init())
- * \param desc,q,k,v,o,lse,dout,dlse,dq,dk,dv,dparams,stats as ape_attention_backward()
+ * \param desc,q,k,v,o,lse,dout,dlse,dq,dk,dv,dparams as ape_attention_backward()
+ * \param stats as ape_attention_backward(), over every device: bytes and times summed,
+ *        `devices` those that were given key chunks, peak_device_bytes the largest of one
+ *        device, device_budget the smallest
  * \return as ape_attention_backward(); APE_EINVAL also for a bad option (naming it) or device
- *         list; APE_ENOTSUP also for ndev > 1 or a trace path; APE_ENOMEM also for a budget
- *         too small for one chunk of 1 query row and 1 key row (the message says what that
- *         needs).
+ *         list; APE_ENOTSUP also when any device has no backward pass (naming it);
+ *         APE_ENOMEM also for a budget too small for one chunk of 1 query row and 1 key row
+ *         on a device (the message names it and says what that needs); APE_EIO when the
+ *         trace cannot be written.
  * \note On failure nothing is written.
  */
 APE_API int ape_attention_backward_ex(ape_device *const *devs, int ndev,

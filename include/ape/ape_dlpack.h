@@ -56,6 +56,25 @@ APE_API int ape_attention_forward_dlpack(ape_device *dev, const ape_attn_desc *d
 					 const DLTensor *q, const DLTensor *k, const DLTensor *v,
 					 DLTensor *o, DLTensor *lse, void *stream);
 
+/**
+ * \brief ape_attention_forward_dlpack() that also writes each row's attention entropy and mean
+ * attention distance (docs/diagnostics.md): the DLPack twin of ape_attention_enqueue_diag().
+ *
+ * \p entropy and \p mean_distance are each NULL (not wanted) or 3-D `[B, H, Lq]` float32 like
+ * lse, on the same device as the other tensors, by the same rules (strides, offsets,
+ * alignment; an output shares no byte with another tensor of the call). As
+ * ape_attention_enqueue_diag(), the call runs under `min(desc->skip_tol, 2^-24)`, and on a
+ * device whose backend does not compute the diagnostics on device tensors (CUDA, today) it
+ * returns APE_ENOTSUP naming the device, before anything is enqueued.
+ * \return as ape_attention_forward_dlpack(), messages naming this function and "entropy" or
+ *         "mean_distance"; APE_ENOTSUP as above.
+ */
+APE_API int ape_attention_forward_dlpack_diag(ape_device *dev, const ape_attn_desc *desc,
+					      const DLTensor *q, const DLTensor *k,
+					      const DLTensor *v, DLTensor *o, DLTensor *lse,
+					      DLTensor *entropy, DLTensor *mean_distance,
+					      void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -184,6 +184,7 @@ struct run {
 	long Lq, Lk, rel, ntk, bh, bkv, i0;
 	/* element [b, h, 0, 0] of each tensor of this (batch, head) and its L stride */
 	long qbase, qsl, kbase, ksl, vbase, vsl, obase, osl, lbase, lsl;
+	long ebase, esl, mbase, msl; /* F_DIAG: ENT and MDIST, as LSE (core/backend.h, ABI 8) */
 	int D, wi, dtin, kvdt, inter, kvinter, causal, skip, flags;
 	APE_REAL delta, beta, gamma, lambda;
 	float scale, tol, prior_tol;
@@ -557,11 +558,13 @@ KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long 
 				: ls[k] == 0.0f ? -INFINITY
 						: NAN;
 		if (R->flags & F_DIAG) {
-			/* ls NaN (a NaN row) gives NaN in both */
-			ENT[R->bh * R->Lq + i] =
-				(float)ape_diag_entropy((APE_REAL)ls[k], (APE_REAL)s1s[k]);
-			MDIST[R->bh * R->Lq + i] =
-				(float)ape_diag_distance((APE_REAL)ls[k], (APE_REAL)s2s[k]);
+			/* ls NaN (a NaN row) gives NaN in both; either may be absent (NULL) */
+			if (ENT)
+				ENT[R->ebase + i * R->esl] = (float)ape_diag_entropy(
+					(APE_REAL)ls[k], (APE_REAL)s1s[k]);
+			if (MDIST)
+				MDIST[R->mbase + i * R->msl] = (float)ape_diag_distance(
+					(APE_REAL)ls[k], (APE_REAL)s2s[k]);
 		}
 		if (R->flags & F_PAIRS) {
 			const long seen = max(0L, (R->causal ? min(jend, diag + 1) : jend) - jbeg);
@@ -588,7 +591,8 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 	      __global const float *PRIOR, __global const APE_REAL *prm, __global const float *kpre,
 	      __global const float *ksuf, int D, long Lq, long Lk, int H, int group, long rel,
 	      float scale, float skip_tol, float prior_tol, int flags, long4 vq, long4 vk,
-	      long4 vv, long4 vo, long4 vl, __global float *ENT, __global float *MDIST)
+	      long4 vv, long4 vo, long4 vl, __global float *ENT, __global float *MDIST, long4 ve,
+	      long4 vm)
 {
 	__local float kv[KV_FLOATS];
 	__local float ttab[BQ + APE_BK], btab[BQ + APE_BK];
@@ -629,6 +633,10 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 		R->osl = vo.w;
 		R->lbase = VIEW_ROW(vl, b, h);
 		R->lsl = vl.w;
+		R->ebase = VIEW_ROW(ve, b, h);
+		R->esl = ve.w;
+		R->mbase = VIEW_ROW(vm, b, h);
+		R->msl = vm.w;
 	}
 	/* the heaviest causal query tiles (the last ones) are handed out first */
 	R->i0 = ((long)get_num_groups(0) - 1 - (long)get_group_id(0)) * BQ;

@@ -13,7 +13,10 @@
  * The score is the forward kernel's: the query walks the keys by the rotation recurrence,
  * reseeded with ape_seed_sincos at every tile start; temperature and bias from ape_math.h's
  * float32 distance terms in the row's frame c_row (the bias at its anchor distance); one
- * online-softmax update per row and block of 16 keys, on a float16 of scores. Nothing is
+ * online-softmax update per row and block of 16 keys, on a float16 of scores. With float32
+ * rows each block first touches its value rows, and the key rows of the next block before its
+ * P V, one byte per 64 (dec_touch): the loads of the rows that follow then find them on their
+ * way. Nothing is
  * skipped: the host sends here only launches where skipping is off or has nothing to gain.
  * Built after attention.cl in one program: ld(), st(), KFN, CAT and the DT_ values are its.
  * Needs D % 32 == 0 (whole float16 chunks of pairs in both layouts).
@@ -142,10 +145,60 @@ KFN float16 dec_seed16(__global const APE_REAL *omega, int c, APE_REAL n, APE_RE
 		__global const APE_REAL *prm, __global float *part, long qoff, long qsb, long qsh, \
 		long qsl, long koff, long ksb, long ksh, long ksl, long voff, long vsb, long vsh,  \
 		long vsl, int D, long Lq, long Lk, int H, int group, long rel, float scale,       \
-		int flags, long chunk, int nsplit
+		int flags, long chunk, int nsplit, long pbt, long pnb, long pfirst, long prow,     \
+		long pblk
 #define DEC_NAMES                                                                                  \
 	Q, K, V, prm, part, qoff, qsb, qsh, qsl, koff, ksb, ksh, ksl, voff, vsb, vsh, vsl, D, Lq,  \
-		Lk, H, group, rel, scale, flags, chunk, nsplit
+		Lk, H, group, rel, scale, flags, chunk, nsplit, pbt, pnb, pfirst, prow, pblk
+
+/*
+ * Where keys bb .. bb + len - 1 start, relative to their (batch, kv head) base: j * ksl and
+ * j * vsl, or with pages (pbt > 0: a KV cache's blocks read in place, struct ape__kv_pages)
+ * key j is token prow + j from the start of physical block pfirst, the blocks a ring of pnb,
+ * each pblk elements; K and V share the geometry there (ksl = vsl = D). One division per
+ * 16 keys.
+ */
+KFN void dec_rows(long bb, int len, long ksl, long vsl, long pbt, long pnb, long pfirst,
+		  long prow, long pblk, long *rk, long *rv)
+{
+	if (!pbt) {
+		for (int jj = 0; jj < len; jj++) {
+			rk[jj] = (bb + jj) * ksl;
+			rv[jj] = (bb + jj) * vsl;
+		}
+		return;
+	}
+	const long t = prow + bb;
+	long lb = t / pbt, r = t - lb * pbt, base = (pfirst + lb) % pnb * pblk;
+
+	for (int jj = 0; jj < len; jj++) {
+		rk[jj] = rv[jj] = base + r * ksl;
+		if (++r == pbt) {
+			r = 0;
+			lb++;
+			base = (pfirst + lb) % pnb * pblk;
+		}
+	}
+}
+
+/* Reads one byte of each 64 of len rows of n elements at base + off[jj] (inside the rows,
+ * whatever their alignment) and ORs it into *acc: the lines a later pass reads are requested
+ * together, their misses in flight at once, instead of a row at a time inside the pass
+ * (PoCL compiles prefetch() to nothing). */
+KFN void dec_touch(__global const void *X, long base, const long *off, int len, int n, int dt,
+		   uint *acc)
+{
+	const int bytes = n * (dt == DT_F16 || dt == DT_BF16 ? 2 : 4);
+	uint a = *acc;
+
+	for (int jj = 0; jj < len; jj++) {
+		__global const uchar *p = (__global const uchar *)X + (base + off[jj]) * (bytes / n);
+
+		for (int o = 0; o < bytes; o += 64)
+			a |= p[o];
+	}
+	*acc = a;
+}
 
 KFN void dec_body(DEC_ARGS, const int RM)
 {
@@ -166,6 +219,10 @@ KFN void dec_body(DEC_ARGS, const int RM)
 	APE_REAL ia[DEC_RMAX];
 	int decay[DEC_RMAX];
 	long kend = j0;
+	uint touched = 0; /* dec_touch()'s loads, kept by the volatile store at the end */
+	/* touching ahead pays for float32 rows; with f16 and bf16 (half the bytes) it costs more
+	 * than it saves (bench/RESULTS.md) */
+	const int touch = dt != DT_F16 && dt != DT_BF16;
 
 	if (s >= nsplit)
 		return;
@@ -228,6 +285,11 @@ KFN void dec_body(DEC_ARGS, const int RM)
 			}
 		for (long bb = t0; bb < min(t0 + DEC_TILE, kend); bb += DEC_BLK) {
 			const int len = (int)min((long)DEC_BLK, kend - bb);
+			long rk[DEC_BLK], rv[DEC_BLK];
+
+			dec_rows(bb, len, ksl, vsl, pbt, pnb, pfirst, prow, pblk, rk, rv);
+			if (touch)
+				dec_touch(V, voff + b * vsb + kvh * vsh, rv, len, DEC_DIM, dt, &touched);
 
 			if (len < DEC_BLK)
 				for (int r = 0; r < nr; r++)
@@ -235,7 +297,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 						sc[r][jj] = -INFINITY;
 			/* scores: each key row is loaded once for every query row */
 			for (int jj = 0; jj < len; jj++) {
-				const long j = bb + jj, kb = koff + b * ksb + kvh * ksh + j * ksl;
+				const long j = bb + jj, kb = koff + b * ksb + kvh * ksh + rk[jj];
 				float16 u[DEC_CMAX], w[DEC_CMAX];
 
 				for (int c = 0; c < C; c++)
@@ -288,9 +350,19 @@ KFN void dec_body(DEC_ARGS, const int RM)
 					for (int c = 0; c < 2 * C; c++)
 						ACC[r][c] *= corr;
 			}
+			/* the next block's keys, requested while this one's values are summed */
+			if (touch && bb + DEC_BLK < kend) {
+				const int len2 = (int)min((long)DEC_BLK, kend - bb - DEC_BLK);
+				long nk[DEC_BLK], nv[DEC_BLK];
+
+				dec_rows(bb + DEC_BLK, len2, ksl, vsl, pbt, pnb, pfirst, prow, pblk, nk,
+					 nv);
+				dec_touch(K, koff + b * ksb + kvh * ksh, nk, len2, DEC_DIM, dt,
+					  &touched);
+			}
 			/* P V: a masked key adds nothing at all (its V may hold a NaN) */
 			for (int jj = 0; jj < len; jj++) {
-				const long j = bb + jj, vb = voff + b * vsb + kvh * vsh + j * vsl;
+				const long j = bb + jj, vb = voff + b * vsb + kvh * vsh + rv[jj];
 				float16 v[2 * DEC_CMAX];
 
 				for (int c = 0; c < 2 * C; c++)
@@ -310,6 +382,11 @@ KFN void dec_body(DEC_ARGS, const int RM)
 		}
 	}
 
+	{
+		volatile uint sink = touched;
+
+		(void)sink;
+	}
 	/* partials: [row][split][D + 2] = acc, max, sum (rows: (b*H + h)*Lq + i) */
 #pragma unroll
 	for (int r = 0; r < RM; r++) {

@@ -155,6 +155,8 @@ _PROTOS = {
 _OPTIONAL = {
     "ape_attention_forward_dlpack": (ctypes.c_int, [vp, P(ApeAttnDesc), P(DLTensor), P(DLTensor),
                                                     P(DLTensor), P(DLTensor), P(DLTensor), vp]),
+    "ape_attention_forward_dlpack_diag": (ctypes.c_int, [vp, P(ApeAttnDesc)] + [P(DLTensor)] * 7
+                                          + [vp]),
 }
 
 

@@ -428,15 +428,17 @@ def _dl_tensor(name, x, keep):
 
 
 def _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
-                    k_start, skip_tol, device, return_lse):
+                    k_start, skip_tol, device, return_lse, diag=False):
     """CUDA tensors: libape's CUDA device of the same ordinal computes on them where they are,
-    on PyTorch's current stream (ape_attention_forward_dlpack()); nothing is copied and the call
-    returns once the work is enqueued, as PyTorch's own operations do."""
+    on PyTorch's current stream (ape_attention_forward_dlpack(), or with diag
+    ape_attention_forward_dlpack_diag(), returning (O, LSE, entropy, mean_distance)); nothing is
+    copied and the call returns once the work is enqueued, as PyTorch's own operations do."""
     torch = _torch()
-    fn = _capi.optional["ape_attention_forward_dlpack"]
+    name = "ape_attention_forward_dlpack_diag" if diag else "ape_attention_forward_dlpack"
+    fn = _capi.optional[name]
     if fn is None:
-        _bad("q: a CUDA tensor, but %s has no ape_attention_forward_dlpack(): build libape with "
-             "libdlpack-dev (make deps) or move the tensors with .cpu()" % _capi.path)
+        _bad("q: a CUDA tensor, but %s has no %s(): build libape with libdlpack-dev (make deps) "
+             "or move the tensors with .cpu()" % (_capi.path, name))
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not _is_torch_cuda(x) or x.device != q.device:
             _bad("%s: on %s, q on %s: pass q, k and v on one CUDA device"
@@ -452,41 +454,44 @@ def _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, 
                  skip_tol, keep)
     spec = "cuda:%d" % q.device.index if device in (None, "auto") else device
     dev = _device_spec(spec)
-    o = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device) if return_lse else None
-    tq, tk, tv, to = (_dl_tensor(n, x, keep) for n, x in (("q", q), ("k", k), ("v", v), ("o", o)))
-    tl = _dl_tensor("lse", lse, keep) if return_lse else None
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    err = fn(dev, ctypes.byref(desc), ctypes.byref(tq), ctypes.byref(tk), ctypes.byref(tv),
-             ctypes.byref(to), ctypes.byref(tl) if tl is not None else None,
-             ctypes.c_void_p(stream))
+    return _dlpack_call(fn, dev, desc, keep, q, k, v, return_lse, diag, ctypes.c_void_p(stream))
+
+
+def _dlpack_call(fn, dev, desc, keep, q, k, v, return_lse, diag, stream):
+    """The DLPack call on torch tensors q, k, v (all on one device): allocates O (and LSE, and
+    with diag the entropy and mean distance) there and returns them as the public call does."""
+    torch = _torch()
+    B, H, Lq, D = q.shape
+    o = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    rows = [torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+            for _ in range(1 + 2 * bool(diag))] if return_lse or diag else []
+    tq, tk, tv, to = (_dl_tensor(n, x, keep) for n, x in (("q", q), ("k", k), ("v", v), ("o", o)))
+    trows = [_dl_tensor(n, x, keep) for n, x in zip(("lse", "entropy", "mean_distance"), rows)]
+    args = [ctypes.byref(t) for t in [tq, tk, tv, to] + trows]
+    if not rows:
+        args.append(None)  # lse not wanted
+    err = fn(dev, ctypes.byref(desc), *args, stream)
     if err:
         _raise(err)
-    return (o, lse) if return_lse else o
+    if diag:
+        return (o,) + tuple(rows)
+    return (o, rows[0]) if return_lse else o
 
 
-def _dlpack_forward_cpu(dev, q, k, v, return_lse, **params):
+def _dlpack_forward_cpu(dev, q, k, v, return_lse, diag=False, **params):
     """The DLPack path on CPU torch tensors (kDLCPU): what CUDA tensors take, exercised where
-    there is no GPU. For tests."""
-    torch = _torch()
-    fn = _capi.optional["ape_attention_forward_dlpack"]
-    B, H, Lq, D = q.shape
+    there is no GPU (with diag: attention_diagnostics()' path). For tests."""
+    fn = _capi.optional["ape_attention_forward_dlpack_diag" if diag else
+                        "ape_attention_forward_dlpack"]
+    H = q.shape[1]
     keep = []
     desc = _desc(H, params.get("delta", SEED_DELTA), params.get("beta", SEED_BETA),
                  params.get("gamma", SEED_GAMMA), params.get("lam", SEED_LAMBDA),
                  params.get("causal", True), params.get("scale"), 10000.0, "half",
                  params.get("q_start"), params.get("k_start", 0), params.get("skip_tol", 2.0 ** -24),
                  keep)
-    o = torch.empty((B, H, Lq, D), dtype=q.dtype)
-    lse = torch.empty((B, H, Lq), dtype=torch.float32) if return_lse else None
-    tq, tk, tv, to = (_dl_tensor(n, x, keep) for n, x in (("q", q), ("k", k), ("v", v), ("o", o)))
-    tl = _dl_tensor("lse", lse, keep) if return_lse else None
-    err = fn(_device_spec(dev), ctypes.byref(desc), ctypes.byref(tq), ctypes.byref(tk),
-             ctypes.byref(tv), ctypes.byref(to), ctypes.byref(tl) if tl is not None else None,
-             None)
-    if err:
-        _raise(err)
-    return (o, lse) if return_lse else o
+    return _dlpack_call(fn, _device_spec(dev), desc, keep, q, k, v, return_lse, diag, None)
 
 
 def attention_diagnostics(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA,
@@ -497,8 +502,12 @@ def attention_diagnostics(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SE
     attention distance sum_j P |pos_q - pos_k| (docs/diagnostics.md), computed in the same
     pass: returns (O, LSE, entropy, mean_distance), the last three `[B, H, Lq]` float32 of q's
     kind. Arguments as attention(); the call runs under min(skip_tol, 2^-24), where the
-    diagnostics stay within the spec's tolerance. Raises ApeError on a device whose backend
-    does not compute them (CUDA, today)."""
+    diagnostics stay within the spec's tolerance. torch CUDA tensors are computed where they
+    are, on PyTorch's current stream (ape_attention_forward_dlpack_diag()), as attention() does.
+    Raises ApeError on a device whose backend does not compute them (CUDA, today)."""
+    if _is_torch_cuda(q) or _is_torch_cuda(k) or _is_torch_cuda(v):
+        return _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base,
+                               layout, q_start, k_start, skip_tol, device, True, diag=True)
     qa, ka, va, desc, keep = _host_call(q, k, v, delta, beta, gamma, lam, causal, scale,
                                         rope_base, layout, q_start, k_start, skip_tol)
     B, H, Lq, D = qa.shape

@@ -47,3 +47,28 @@ def test_cuda_tensors_without_a_gpu():
     q, k, v = _qkv()
     # no CUDA tensor can exist here; the CPU path is untouched
     assert libape.attention(q, k, v, device="ref").shape == q.shape
+
+
+@pytest.mark.skipif(_capi.optional["ape_attention_forward_dlpack_diag"] is None,
+                    reason="this libape has no ape_attention_forward_dlpack_diag()")
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_dlpack_diagnostics_equal_host_call(layout):
+    """attention_diagnostics()' device-tensor path (what torch CUDA tensors take), on CPU tensors
+    through kDLCPU: O, LSE, entropy and mean distance equal the host call's bit for bit."""
+    q, k, v = _qkv(layout=layout, seed=3)
+    prm = dict(delta=0.4, lam=0.1)
+    want = libape.attention_diagnostics(q, k, v, device="ref", **prm)
+    got = _core._dlpack_forward_cpu("ref", q, k, v, True, diag=True, **prm)
+    assert len(got) == 4
+    for a, b in zip(want, got):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(_capi.optional["ape_attention_forward_dlpack_diag"] is None,
+                    reason="this libape has no ape_attention_forward_dlpack_diag()")
+def test_dlpack_diagnostics_refusal_names_the_call():
+    q, k, v = _qkv()
+    with pytest.raises(libape.ApeError) as e:
+        _core._dlpack_forward_cpu("ref", q, k[:, :, :, :16].contiguous(), v, True, diag=True)
+    assert "ape_attention_forward_dlpack_diag" in str(e.value)

@@ -110,15 +110,6 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 
 	if ((ret = ape__check_exec_call(fn, devs, ndev, opts, stats)))
 		return ret;
-	if (ndev > 1)
-		return ape__error(APE_ENOTSUP,
-				  "%s: ndev = %d: the backward pass runs on one device for now", fn,
-				  ndev);
-	if (opts && opts->trace_path)
-		return ape__error(APE_ENOTSUP,
-				  "%s: opts->trace_path = \"%s\": the backward pass writes no trace "
-				  "yet",
-				  fn, opts->trace_path);
 	if (!lse)
 		return ape__error(APE_EINVAL, "%s: lse = NULL: the backward pass needs the "
 					      "forward's LSE", fn);
@@ -133,14 +124,18 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 		ret = ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
 		goto out_fini;
 	}
-	if ((ret = ape__backward_supported(fn, devs[0])))
-		goto out_fini;
+	for (int d = 0; d < ndev; d++)
+		if ((ret = ape__backward_supported(fn, devs[d])))
+			goto out_fini;
 
 	memset(&res, 0, sizeof(res));
 	on_device = p.Lq > 0 && p.Lk > 0;
 	if (on_device) {
 		const struct ape__bwd_req r = {
-			.fn = fn, .dev = devs[0], .budget = opts ? opts->max_device_bytes : 0,
+			.fn = fn, .devs = devs, .ndev = ndev,
+			.weights = opts ? opts->device_weights : NULL,
+			.trace_path = opts ? opts->trace_path : NULL,
+			.budget = opts ? opts->max_device_bytes : 0,
 			.chunk_q = opts ? opts->chunk_q : 0, .chunk_k = opts ? opts->chunk_k : 0,
 			.p = &p, .q = q, .k = k, .v = v, .o = o, .dout = a->dout,
 			.dout_s = a->dout_s, .lse = lse, .dlse = a->dlse,
@@ -157,7 +152,8 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 		/* in the executor's terms, for the one statistics builder (api/stats.c) */
 		struct ape__exec_result er;
 		const struct ape__call_report rep = {
-			.res = &er, .devs = devs, .ndev = ndev, .devices = on_device ? 1 : 0,
+			.res = &er, .devs = devs, .ndev = ndev,
+			.devices = on_device ? res.devices : 0,
 			.pairs_visible = per_head * (uint64_t)(p.B * p.H), .t0 = t0,
 		};
 
@@ -167,6 +163,7 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 				       : res.pairs_counted ? res.pairs_computed
 							   : rep.pairs_visible;
 		er.st.kernel_ms = res.kernel_ms;
+		er.st.copy_ms = res.copy_ms;
 		er.st.h2d = res.h2d;
 		er.st.d2h = res.d2h;
 		er.st.chunks = res.launches;

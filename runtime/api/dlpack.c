@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The forward pass on DLPack tensors (include/ape/ape_dlpack.h): each DLTensor becomes an
+ * The forward pass on DLPack tensors (include/ape/ape_dlpack.h), with or without the diagnostics
+ * (ape_attention_forward_dlpack_diag()): each DLTensor becomes an
  * ape_dtensor over a wrapper of the caller's memory (ape__buffer_wrap()), and the call is checked
  * and enqueued by ape__attention_enqueue() (ape_attention_enqueue()'s path, its messages naming
  * this function and the tensor) on a queue: libape's own, synchronised before returning (kDLCPU, and
@@ -28,10 +29,9 @@
 #include "api/resident.h"
 #include "api/validate.h"
 
-#define NT APE__T_COUNT /* q, k, v, o, lse */
+#define NT (APE__T_COUNT + 2) /* q, k, v, o, lse, entropy, mean_distance */
 
-static const char fn[] = "ape_attention_forward_dlpack";
-static const char *const names[NT] = { "q", "k", "v", "o", "lse" };
+static const char *const names[NT] = { "q", "k", "v", "o", "lse", "entropy", "mean_distance" };
 
 static const char *devtype_name(int t)
 {
@@ -83,7 +83,7 @@ struct dl_in {
 	ape_dtensor dt;
 };
 
-static int check_dtype(const char *name, const DLTensor *t, ape_dtype *out)
+static int check_dtype(const char *fn, const char *name, const DLTensor *t, ape_dtype *out)
 {
 	const DLDataType d = t->dtype;
 
@@ -105,7 +105,7 @@ static int check_dtype(const char *name, const DLTensor *t, ape_dtype *out)
 }
 
 /* The device type and id every tensor must have to be computed on by dev (see the header). */
-static int check_device(const char *name, const DLTensor *t, const DLTensor *q,
+static int check_device(const char *fn, const char *name, const DLTensor *t, const DLTensor *q,
 			const ape_device *dev)
 {
 	const char *be = dev->info.backend;
@@ -144,7 +144,8 @@ static int check_device(const char *name, const DLTensor *t, const DLTensor *q,
 }
 
 /* Reads one DLTensor of ndim dimensions into in->dt (without a buffer) and its byte span. */
-static int read_tensor(const char *name, const DLTensor *t, int ndim, struct dl_in *in)
+static int read_tensor(const char *fn, const char *name, const DLTensor *t, int ndim,
+		       struct dl_in *in)
 {
 	uint64_t last = 0; /* elements from the first addressed to the last */
 	int64_t s[4];
@@ -156,7 +157,7 @@ static int read_tensor(const char *name, const DLTensor *t, int ndim, struct dl_
 				  ndim, ndim == 4 ? "[B, H, L, D]" : "[B, H, Lq]");
 	if (!t->shape)
 		return ape__error(APE_EINVAL, "%s: %s->shape = NULL", fn, name);
-	int ret = check_dtype(name, t, &in->dtype);
+	int ret = check_dtype(fn, name, t, &in->dtype);
 
 	if (ret)
 		return ret;
@@ -266,9 +267,10 @@ static void group_tensors(struct dl_in *in, int n, int kind)
 	}
 }
 
-/* Wraps the memory of group g (the tensors whose group is g) for every tensor in it. */
-static int wrap_group(ape_device *dev, struct dl_in *in, int n, int g, int kind,
-		      ape_buffer **out)
+/* Wraps the memory of group g (the tensors whose group is g; `name` the name of tensor g) for
+ * every tensor in it. */
+static int wrap_group(const char *fn, const char *name, ape_device *dev, struct dl_in *in, int n,
+		      int g, int kind, ape_buffer **out)
 {
 	/* an empty tensor's data is never read (it may be NULL): a few bytes stand for it */
 	static unsigned char dummy[16] __attribute__((aligned(16)));
@@ -277,7 +279,7 @@ static int wrap_group(ape_device *dev, struct dl_in *in, int n, int g, int kind,
 	int ret;
 
 	*out = NULL;
-	snprintf(what, sizeof(what), "%s: %s", fn, names[g]);
+	snprintf(what, sizeof(what), "%s: %s", fn, name);
 	if (in[g].empty) {
 		in[g].dt.byte_offset = 0;
 		if (kind == APE__MEM_HOST)
@@ -305,40 +307,46 @@ static int wrap_group(ape_device *dev, struct dl_in *in, int n, int g, int kind,
 	return ape__buffer_wrap(what, dev, kind, (void *)lo, hi - lo, out);
 }
 
-int ape_attention_forward_dlpack(ape_device *dev, const ape_attn_desc *desc, const DLTensor *q,
-				 const DLTensor *k, const DLTensor *v, DLTensor *o, DLTensor *lse,
-				 void *stream)
+/* Both public calls: t[NT] (q .. o required, lse and the diagnostics NULL when not wanted). */
+static int forward_dlpack(const char *fn, ape_device *dev, const ape_attn_desc *desc,
+			  const DLTensor *const t[NT], void *stream)
 {
-	const DLTensor *t[NT] = { q, k, v, o, lse };
-	const int n = lse ? NT : NT - 1;
 	struct dl_in in[NT];
+	const ape_dtensor *dt[NT] = { NULL };
 	ape_buffer *wrap[NT] = { NULL };
 	ape_queue *queue = NULL;
-	int kind, ret = 0;
+	int idx[NT], n = 0, kind, ret = 0;
 
 	if (!dev)
 		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
 	if (!desc)
 		return ape__error(APE_EINVAL, "%s: desc = NULL", fn);
-	for (int i = 0; i < NT - 1; i++)
+	for (int i = 0; i < APE__T_LSE; i++)
 		if (!t[i])
 			return ape__error(APE_EINVAL, "%s: %s = NULL", fn, names[i]);
-	for (int i = 0; i < n; i++)
-		if ((ret = check_device(names[i], t[i], q, dev)) ||
-		    (ret = read_tensor(names[i], t[i], i == APE__T_LSE ? 3 : 4, &in[i])))
+	/* the tensors given, in order: in[m] is t[idx[m]] */
+	for (int i = 0; i < NT; i++) {
+		if (!t[i])
+			continue;
+		if ((ret = check_device(fn, names[i], t[i], t[0], dev)) ||
+		    (ret = read_tensor(fn, names[i], t[i], i >= APE__T_LSE ? 3 : 4, &in[n])))
 			return ret;
-	kind = kind_of((int)q->device.device_type);
+		idx[n++] = i;
+	}
+	kind = kind_of((int)t[0]->device.device_type);
 	if (kind == APE__MEM_HOST && stream)
 		return ape__error(APE_EINVAL, "%s: stream = %p: must be NULL for kDLCPU tensors", fn,
 				  stream);
 	group_tensors(in, n, kind);
-	for (int i = 0; i < n && !ret; i++)
-		if (in[i].group == i)
-			ret = wrap_group(dev, in, n, i, kind, &wrap[i]);
+	for (int m = 0; m < n && !ret; m++)
+		if (in[m].group == m)
+			ret = wrap_group(fn, names[idx[m]], dev, in, n, m, kind, &wrap[m]);
 	if (ret)
 		goto out;
-	for (int i = 0; i < n; i++)
-		in[i].dt.buf = wrap[in[i].group];
+	for (int m = 0; m < n; m++) {
+		in[m].dt.buf = wrap[in[m].group];
+		dt[idx[m]] = &in[m].dt;
+	}
 	if (kind == APE__MEM_CUDA)
 		ret = ape__queue_wrap(fn, dev, "cuda", stream, &queue);
 	else if (kind == APE__MEM_OPENCL && stream)
@@ -349,8 +357,8 @@ int ape_attention_forward_dlpack(ape_device *dev, const ape_attn_desc *desc, con
 		goto out;
 	/* validated, then enqueued; on failure, ape_queue_destroy() waits for what was enqueued
 	 * before it */
-	ret = ape__attention_enqueue(fn, queue, desc, &in[0].dt, &in[1].dt, &in[2].dt, &in[3].dt,
-				     lse ? &in[4].dt : NULL);
+	ret = ape__attention_enqueue_diag(fn, queue, desc, dt[0], dt[1], dt[2], dt[3], dt[4], dt[5],
+					  dt[6]);
 	if (!ret && !queue->wrapped && (ret = ape_queue_synchronize(queue)))
 		ape__error_prefix(ret, fn);
 out:
@@ -358,4 +366,23 @@ out:
 	for (int i = 0; i < NT; i++)
 		ape_buffer_free(wrap[i]);
 	return ret;
+}
+
+int ape_attention_forward_dlpack(ape_device *dev, const ape_attn_desc *desc, const DLTensor *q,
+				 const DLTensor *k, const DLTensor *v, DLTensor *o, DLTensor *lse,
+				 void *stream)
+{
+	const DLTensor *const t[NT] = { q, k, v, o, lse, NULL, NULL };
+
+	return forward_dlpack("ape_attention_forward_dlpack", dev, desc, t, stream);
+}
+
+int ape_attention_forward_dlpack_diag(ape_device *dev, const ape_attn_desc *desc,
+				      const DLTensor *q, const DLTensor *k, const DLTensor *v,
+				      DLTensor *o, DLTensor *lse, DLTensor *entropy,
+				      DLTensor *mean_distance, void *stream)
+{
+	const DLTensor *const t[NT] = { q, k, v, o, lse, entropy, mean_distance };
+
+	return forward_dlpack("ape_attention_forward_dlpack_diag", dev, desc, t, stream);
 }

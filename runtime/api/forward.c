@@ -123,13 +123,23 @@ int ape__diag_prepare(const char *fn, ape_device *const *devs, int ndev,
 {
 	if (!dg->ent && !dg->md)
 		return 0;
-	for (int i = 0; i < ndev; i++)
-		if (!devs[i]->be->ops->attention_diag)
+	return ape__diag_devices(fn, devs, ndev, false, p);
+}
+
+int ape__diag_devices(const char *fn, ape_device *const *devs, int ndev, bool on_device,
+		      struct ape__problem *p)
+{
+	for (int i = 0; i < ndev; i++) {
+		const struct ape__backend_ops *ops = devs[i]->be->ops;
+
+		if (!ops->attention_diag || (on_device && !ops->attention_diag_views))
 			return ape__error(APE_ENOTSUP,
 					  "%s: %s:%d (%s) does not compute the diagnostics "
-					  "(entropy, mean_distance) yet",
+					  "(entropy, mean_distance)%s yet",
 					  fn, devs[i]->info.backend, devs[i]->info.backend_index,
-					  devs[i]->info.name);
+					  devs[i]->info.name,
+					  ops->attention_diag ? " on device tensors" : "");
+	}
 	/* docs/diagnostics.md, "Skipping": the bound holds the diagnostics to the spec's
 	 * tolerance at this skip_tol */
 	if (p->skip_tol > APE_DIAG_SKIP_TOL)

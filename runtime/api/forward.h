@@ -4,6 +4,8 @@
 #ifndef APE_RUNTIME_API_FORWARD_H
 #define APE_RUNTIME_API_FORWARD_H
 
+#include <stdbool.h>
+
 #include "ape/ape.h"
 
 #pragma GCC visibility push(hidden)
@@ -25,6 +27,11 @@ struct ape__diag_req {
 struct ape__problem;
 int ape__diag_prepare(const char *fn, ape_device *const *devs, int ndev,
 		      struct ape__problem *p, const struct ape__diag_req *dg);
+/* What ape__diag_prepare() does when diagnostics are wanted; on_device: for device-resident
+ * tensors (ape_attention_enqueue_diag()), where the backend must also declare
+ * attention_diag_views. */
+int ape__diag_devices(const char *fn, ape_device *const *devs, int ndev, bool on_device,
+		      struct ape__problem *p);
 
 #pragma GCC visibility pop
 #endif

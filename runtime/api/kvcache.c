@@ -157,31 +157,48 @@ static int make_session(struct ape_kv_cache *c, const char *fn)
 		if ((ret = ape__host_alloc(c->dev, (size_t)(2 * c->geom.plan.kv_bytes),
 					   &c->bounce[i])))
 			return ret;
-	c->loader = (struct ape__kv_loader){ ape__kv_load, c };
+	c->loader = (struct ape__kv_loader){
+		.load = ape__kv_load, .arg = c, .pages = ape__kv_pages, .wait = ape__kv_wait,
+	};
 	return ape__kmax_alloc(&c->km, c->o.B * c->o.Hkv, c->geom.plan.nk);
 }
 
+/* Bytes of slab i (the last may hold fewer blocks). */
+static uint64_t slab_bytes(const struct ape_kv_cache *c, int64_t i)
+{
+	const int64_t n = c->nblocks - i * c->per_slab;
+
+	return c->blk_bytes * (uint64_t)(n < c->per_slab ? n : c->per_slab);
+}
+
+/* The blocks, in as few slabs as the device's largest buffer allows (max_alloc). */
 static int make_blocks(struct ape_kv_cache *c, const char *fn)
 {
+	const uint64_t most = c->ops->max_alloc ? c->ops->max_alloc(c->dev) : UINT64_MAX;
 	int ret = 0;
 
-	c->bk = ape__calloc((size_t)c->nblocks, sizeof(*c->bk));
-	c->bv = ape__calloc((size_t)c->nblocks, sizeof(*c->bv));
+	c->per_slab = most / c->blk_bytes < (uint64_t)c->nblocks ? (int64_t)(most / c->blk_bytes)
+								 : c->nblocks;
+	if (c->per_slab < 1)
+		c->per_slab = 1;
+	c->nslabs = (c->nblocks + c->per_slab - 1) / c->per_slab;
+	c->sk = ape__calloc((size_t)c->nslabs, sizeof(*c->sk));
+	c->sv = ape__calloc((size_t)c->nslabs, sizeof(*c->sv));
 	c->bnorm = ape__calloc((size_t)(c->nblocks * c->o.B * c->o.Hkv), sizeof(float));
-	if (!c->bk || !c->bv || !c->bnorm)
+	if (!c->sk || !c->sv || !c->bnorm)
 		return ape__error(APE_ENOMEM, "%s: out of memory for %" PRId64 " blocks", fn,
 				  c->nblocks);
-	for (int64_t i = 0; !ret && i < c->nblocks; i++) {
-		if (c->o.max_device_bytes && 2 * c->blk_bytes * (uint64_t)(i + 1) >
-						     c->o.max_device_bytes)
-			return ape__error(APE_ENOMEM,
-					  "%s: opts->max_device_bytes = %" PRIu64 " cannot hold %" PRId64
-					  " blocks of %" PRIu64 " bytes (keys and values)",
-					  fn, c->o.max_device_bytes, c->nblocks, 2 * c->blk_bytes);
-		ret = ape__devmem_alloc(&c->mem, c->blk_bytes, &c->bk[i], "allocating a key block");
+	if (c->o.max_device_bytes && 2 * c->blk_bytes * (uint64_t)c->nblocks > c->o.max_device_bytes)
+		return ape__error(APE_ENOMEM,
+				  "%s: opts->max_device_bytes = %" PRIu64 " cannot hold %" PRId64
+				  " blocks of %" PRIu64 " bytes (keys and values)",
+				  fn, c->o.max_device_bytes, c->nblocks, 2 * c->blk_bytes);
+	for (int64_t i = 0; !ret && i < c->nslabs; i++) {
+		ret = ape__devmem_alloc(&c->mem, slab_bytes(c, i), &c->sk[i],
+					"allocating key blocks");
 		if (!ret)
-			ret = ape__devmem_alloc(&c->mem, c->blk_bytes, &c->bv[i],
-						"allocating a value block");
+			ret = ape__devmem_alloc(&c->mem, slab_bytes(c, i), &c->sv[i],
+						"allocating value blocks");
 	}
 	if (ret)
 		return ape__error_prefix(ret, fn);
@@ -256,14 +273,14 @@ void ape_kv_cache_destroy(ape_kv_cache *c)
 	for (int i = 0; i < APE__KV_DEPTH; i++)
 		ape__host_free(c->dev, &c->bounce[i]);
 	/* each table separately: a failed create may have one without the other */
-	for (int64_t i = 0; c->bk && i < c->nblocks; i++)
-		ape__devmem_free(&c->mem, &c->bk[i], c->blk_bytes);
-	for (int64_t i = 0; c->bv && i < c->nblocks; i++)
-		ape__devmem_free(&c->mem, &c->bv[i], c->blk_bytes);
+	for (int64_t i = 0; c->sk && i < c->nslabs; i++)
+		ape__devmem_free(&c->mem, &c->sk[i], slab_bytes(c, i));
+	for (int64_t i = 0; c->sv && i < c->nslabs; i++)
+		ape__devmem_free(&c->mem, &c->sv[i], slab_bytes(c, i));
 	ape__kmax_free(&c->km);
 	ape__workq_destroy(c->wq);
-	free(c->bk);
-	free(c->bv);
+	free(c->sk);
+	free(c->sv);
 	free(c->bnorm);
 	free(c->rownorm);
 	free(c->rel_delta);
@@ -311,10 +328,13 @@ static int copy_seg(void *arg, const struct ape__kv_seg *sg)
 	struct ape_kv_cache *c = p->c;
 	int ret;
 
-	ret = c->ops->copy_h2d(p->q, c->bk[sg->blk], sg->blk_off, p->src + sg->off, sg->bytes);
+	size_t bo;
+	struct ape__buf *bk = ape__kv_block(c, 0, sg->blk, &bo), *bv = ape__kv_block(c, 1, sg->blk, &bo);
+
+	ret = c->ops->copy_h2d(p->q, bk, bo + sg->blk_off, p->src + sg->off, sg->bytes);
 	if (!ret)
-		ret = c->ops->copy_h2d(p->q, c->bv[sg->blk], sg->blk_off,
-				       p->src + p->half + sg->off, sg->bytes);
+		ret = c->ops->copy_h2d(p->q, bv, bo + sg->blk_off, p->src + p->half + sg->off,
+				       sg->bytes);
 	return ret;
 }
 
@@ -429,14 +449,15 @@ static int copy_seg_d2d(void *arg, const struct ape__kv_seg *sg)
 
 	for (int kv = 0; kv < 2 && !ret; kv++) {
 		const struct ape__view *v = &p->view[kv];
-		struct ape__buf *dst = kv ? c->bv[sg->blk] : c->bk[sg->blk];
+		size_t bo;
+		struct ape__buf *dst = ape__kv_block(c, kv, sg->blk, &bo);
 		const int64_t first = v->off + b * v->sb + hk * v->sh + (p->t0 + row) * v->sl;
 
 		if (v->sl == D) /* the rows follow each other: one copy */
-			ret = c->ops->copy_d2d(p->q, dst, sg->blk_off, p->src[kv],
+			ret = c->ops->copy_d2d(p->q, dst, bo + sg->blk_off, p->src[kv],
 					       (size_t)first * c->esz, sg->bytes);
 		for (int64_t i = 0; v->sl != D && i < rows && !ret; i++)
-			ret = c->ops->copy_d2d(p->q, dst, sg->blk_off + (size_t)(i * D) * c->esz,
+			ret = c->ops->copy_d2d(p->q, dst, bo + sg->blk_off + (size_t)(i * D) * c->esz,
 					       p->src[kv], (size_t)(first + i * v->sl) * c->esz,
 					       (size_t)D * c->esz);
 	}

@@ -33,7 +33,10 @@ struct ape_kv_cache {
 	size_t esz;
 	uint64_t blk_bytes; /* one block of K (or V): [B, Hkv, bt, D] */
 	struct ape__devmem mem; /* the blocks */
-	struct ape__buf **bk, **bv;
+	/* the blocks in slabs of per_slab blocks each (one slab when the device takes a buffer
+	 * that large: then launches may read them in place, struct ape__kv_pages) */
+	struct ape__buf **sk, **sv;
+	int64_t nslabs, per_slab;
 	float *bnorm; /* [nblocks][B*Hkv]: largest key norm in each block */
 
 	int64_t t_end; /* tokens appended */
@@ -85,6 +88,15 @@ static inline int64_t ape__kv_phys(const struct ape_kv_cache *c, int64_t lb)
 	return lb % c->nblocks;
 }
 
+/* The buffer holding physical block blk of keys (kv 0) or values (kv 1), and the block's
+ * byte offset in it. */
+static inline struct ape__buf *ape__kv_block(const struct ape_kv_cache *c, int kv, int64_t blk,
+					     size_t *off)
+{
+	*off = (size_t)(blk % c->per_slab) * (size_t)c->blk_bytes;
+	return (kv ? c->sv : c->sk)[blk / c->per_slab];
+}
+
 /* Byte offset of row r of (batch, kv head) bg inside a block. */
 static inline size_t ape__kv_blk_off(const struct ape_kv_cache *c, int64_t bg, int64_t r)
 {
@@ -110,6 +122,12 @@ int ape__kv_each_seg(const struct ape_kv_cache *c, int64_t t0, int64_t n,
 int ape__kv_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t n,
 		 struct ape__buf *dk, struct ape__buf *dv, uint64_t *h2d, uint64_t *d2h,
 		 uint64_t *d2d);
+
+/* The loader in place (ape__kv_loader.pages, .wait): the blocks' slab and pages of live
+ * tokens [j0, j0 + n), when the blocks lie in one slab; the appends still copying. */
+bool ape__kv_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct ape__buf **v,
+		   struct ape__kv_pages *pg);
+int ape__kv_wait(void *arg, struct ape__queue *q);
 
 /* ---- release (kvcache_release.c) */
 

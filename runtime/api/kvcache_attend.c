@@ -14,6 +14,7 @@
 #include "core/clock.h"
 #include "core/context.h"
 #include "core/error.h"
+#include "exec/launch.h"
 #include "exec/lse_merge.h"
 #include "exec/pack.h"
 #include "api/forward.h"
@@ -36,19 +37,21 @@ static int gather_seg(void *arg, const struct ape__kv_seg *sg)
 {
 	const struct gather *g = arg;
 	const struct ape__backend_ops *ops = g->c->ops;
-	struct ape__buf *sk = g->c->bk[sg->blk], *sv = g->c->bv[sg->blk];
+	size_t bo;
+	struct ape__buf *sk = ape__kv_block(g->c, 0, sg->blk, &bo);
+	struct ape__buf *sv = ape__kv_block(g->c, 1, sg->blk, &bo);
+	const size_t at = bo + sg->blk_off;
 	int ret;
 
 	if (ops->copy_d2d) {
-		ret = ops->copy_d2d(g->q, g->dk, sg->off, sk, sg->blk_off, sg->bytes);
+		ret = ops->copy_d2d(g->q, g->dk, sg->off, sk, at, sg->bytes);
 		if (!ret)
-			ret = ops->copy_d2d(g->q, g->dv, sg->off, sv, sg->blk_off, sg->bytes);
+			ret = ops->copy_d2d(g->q, g->dv, sg->off, sv, at, sg->bytes);
 		*g->d2d += 2 * sg->bytes;
 	} else { /* through host staging; the queue keeps it in order */
-		ret = ops->copy_d2h(g->q, g->bounce + sg->off, sk, sg->blk_off, sg->bytes);
+		ret = ops->copy_d2h(g->q, g->bounce + sg->off, sk, at, sg->bytes);
 		if (!ret)
-			ret = ops->copy_d2h(g->q, g->bounce + g->half + sg->off, sv, sg->blk_off,
-					    sg->bytes);
+			ret = ops->copy_d2h(g->q, g->bounce + g->half + sg->off, sv, at, sg->bytes);
 		*g->d2h += 2 * sg->bytes;
 	}
 	return ret;
@@ -65,12 +68,8 @@ int ape__kv_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t 
 		.c = c, .q = q, .dk = dk, .dv = dv, .bounce = c->bounce[lane].ptr,
 		.half = (size_t)(c->o.B * c->o.Hkv * n * c->o.D) * c->esz, .d2h = d2h, .d2d = d2d,
 	};
-	int ret = 0;
+	int ret = ape__kv_wait(c, q);
 
-	/* appends still copying on their own queues */
-	for (int i = 0; i < 2 && !ret; i++)
-		if (c->alast[i])
-			ret = ops->event_wait(q, c->alast[i]);
 	if (!ret)
 		ret = ape__kv_each_seg(c, c->lb_first * c->bt + j0, n, gather_seg, &g);
 	if (!ret && !ops->copy_d2d) {
@@ -79,6 +78,38 @@ int ape__kv_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t 
 			ret = ops->copy_h2d(q, dv, 0, g.bounce + g.half, g.half);
 		*h2d += 2 * g.half;
 	}
+	return ret;
+}
+
+/* The attend session's loader, in place: live tokens [j0, j0 + n) where the blocks hold them,
+ * when they all lie in one slab. */
+bool ape__kv_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct ape__buf **v,
+		   struct ape__kv_pages *pg)
+{
+	const struct ape_kv_cache *c = arg;
+	const int64_t t = c->lb_first * c->bt + j0;
+
+	(void)n; /* live: appended and not released */
+	if (c->nslabs != 1)
+		return false;
+	*k = c->sk[0];
+	*v = c->sv[0];
+	pg->block_tokens = c->bt;
+	pg->nblocks = c->nblocks;
+	pg->first_block = ape__kv_phys(c, t / c->bt);
+	pg->first_row = t % c->bt;
+	return true;
+}
+
+/* Orders q after the appends still copying on their own queues. */
+int ape__kv_wait(void *arg, struct ape__queue *q)
+{
+	struct ape_kv_cache *c = arg;
+	int ret = 0;
+
+	for (int i = 0; i < 2 && !ret; i++)
+		if (c->alast[i])
+			ret = c->ops->event_wait(q, c->alast[i]);
 	return ret;
 }
 
@@ -145,6 +176,28 @@ static int attend_problem(struct ape_kv_cache *c, const char *fn, const ape_attn
 	return ret;
 }
 
+/* Whether the backend reads all of p's keys in place in one launch (one query chunk of at
+ * most cq rows, no diagnostics): then the attend takes them as one key chunk, which nothing
+ * has to hold, instead of chunks of the plan's size. */
+static bool whole_in_place(struct ape_kv_cache *c, const struct ape__problem *p,
+			   const struct ape__diag_req *dg, const struct ape__skip_budget *tol)
+{
+	struct ape__launch l;
+	struct ape__kv_pages pg;
+	struct ape__buf *k, *v;
+
+	if (!c->ops->attention_pages || dg->ent || dg->md || p->Lq > c->geom.plan.cq ||
+	    !ape__kv_pages(c, 0, p->Lk, &k, &v, &pg))
+		return false;
+	ape__launch_init(&l, p, APE_F32, ape__skip_launch_tol(tol, c->geom.plan.prior_bytes != 0));
+	l.Lq = p->Lq;
+	l.Lk = p->Lk;
+	l.q_start = p->q_start;
+	l.k_start = p->k_start;
+	l.pages = &pg;
+	return c->ops->attention_pages(c->dev, &l);
+}
+
 /*
  * Runs the attend of p on the cache's session: its query rows in one chunk (or a few), its
  * key chunks gathered from the blocks, partial results merged by LSE. Adds to *ss.
@@ -154,12 +207,20 @@ static int run_attend(struct ape_kv_cache *c, const char *fn, const struct ape__
 		      const struct ape__diag_req *dg, bool want_pairs,
 		      struct ape__stream_stats *ss)
 {
-	const int64_t ck = c->geom.plan.ck, nk = (p->Lk + ck - 1) / ck;
 	struct ape__stream_call call;
 	atomic_bool abort_flag;
+	int64_t ck = c->geom.plan.ck, nk;
 	int ret;
 
 	memset(&call, 0, sizeof(call));
+	/* with release allowed, a share of skip_tol stays for what release may drop */
+	ape__skip_budget(p->skip_tol, p->causal, (p->Lk + ck - 1) / ck, c->o.allow_release,
+			 &call.tol);
+	if (whole_in_place(c, p, dg, &call.tol)) {
+		ck = p->Lk;
+		ape__skip_budget(p->skip_tol, p->causal, 1, c->o.allow_release, &call.tol);
+	}
+	nk = (p->Lk + ck - 1) / ck;
 	call.p = p;
 	call.q = q;
 	call.loader = &c->loader;
@@ -172,8 +233,6 @@ static int run_attend(struct ape_kv_cache *c, const char *fn, const struct ape__
 	call.nq = (p->Lq + call.cq - 1) / call.cq;
 	call.nk = nk;
 	call.merge = true;
-	/* with release allowed, a share of skip_tol stays for what release may drop */
-	ape__skip_budget(p->skip_tol, p->causal, nk, c->o.allow_release, &call.tol);
 	call.want_pairs = want_pairs;
 	call.poison = c->dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS;
 	call.wq = c->wq;

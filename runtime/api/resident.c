@@ -14,6 +14,7 @@
 #include "core/alloc.h"
 #include "core/error.h"
 #include "exec/resident.h"
+#include "api/forward.h"
 #include "api/resident.h"
 #include "api/validate.h"
 
@@ -423,13 +424,46 @@ int ape__check_dtensor(const char *fn, const char *name, const ape_dtensor *t,
 	return view_of(fn, name, t, s, v);
 }
 
+/*
+ * An output of one float per row ([B, H, Lq, 1] float32: lse, entropy, mean_distance; t, and h
+ * its synthetic host tensor from check_dtensor()) of a call whose tensors host[0..n), named
+ * names[], are validated: its dtype, shape and strides, no two rows at one address, inside its
+ * buffer (its element view in *v), and no byte shared with any of them.
+ */
+static int check_row_output(const char *fn, const char *name, const ape_dtensor *t,
+			    const ape_tensor *h, const struct ape__problem *p,
+			    const char *const names[], const ape_tensor *host, int n,
+			    struct ape__view *v)
+{
+	static const char *const ldims[4] = { "B", "H", "Lq", "1" };
+	static const int64_t any[4] = { -1, -1, -1, -1 };
+	const int64_t want[4] = { p->B, p->H, p->Lq, 1 };
+	uintptr_t rl[2];
+	int64_t ls[4];
+	int ret;
+
+	if ((ret = ape__check_tensor_span(fn, name, h, APE_F32, false, want, ldims, true, ls,
+					  rl)) ||
+	    (ret = view_of(fn, name, t, ls, v)))
+		return ret;
+	for (int i = 0; i < n; i++) {
+		int64_t s2[4];
+		uintptr_t r[2];
+
+		if ((ret = ape__check_tensor_span(fn, names[i], &host[i], host[i].dtype, true, any,
+						  ldims, false, s2, r)) ||
+		    (ret = ape__check_disjoint(fn, name, rl, names[i], r)))
+			return ret;
+	}
+	return 0;
+}
+
 int ape__check_resident(const char *fn, const ape_device *dev, const ape_attn_desc *desc,
 			const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
 			const ape_dtensor *o, const ape_dtensor *lse, struct ape__problem *p,
 			struct ape__buf *buf[APE__T_COUNT], struct ape__view view[APE__T_COUNT])
 {
 	static const char *const names[APE__T_COUNT] = { "q", "k", "v", "o", "lse" };
-	static const char *const ldims[4] = { "B", "H", "Lq", "1" };
 	const ape_dtensor *t[APE__T_COUNT] = { q, k, v, o, lse };
 	const ape_buffer *bufs[APE__T_COUNT];
 	ape_tensor host[APE__T_COUNT];
@@ -453,29 +487,9 @@ int ape__check_resident(const char *fn, const ape_device *dev, const ape_attn_de
 	    (ret = view_of(fn, "o", o, p->os, &view[APE__T_O])))
 		goto fail;
 	memset(&view[APE__T_LSE], 0, sizeof(view[APE__T_LSE]));
-	if (lse) {
-		const int64_t want[4] = { p->B, p->H, p->Lq, 1 };
-		const char *const in[4] = { "q", "k", "v", "o" };
-		const ape_tensor *ins[4] = { &host[APE__T_Q], &host[APE__T_K], &host[APE__T_V],
-					     &host[APE__T_O] };
-		uintptr_t rl[2];
-		int64_t ls[4];
-
-		if ((ret = ape__check_tensor_span(fn, "lse", &host[APE__T_LSE], APE_F32, false, want,
-						  ldims, true, ls, rl)) ||
-		    (ret = view_of(fn, "lse", lse, ls, &view[APE__T_LSE])))
-			goto fail;
-		for (int i = 0; i < 4; i++) {
-			int64_t s2[4];
-			uintptr_t r[2];
-			const int64_t any[4] = { -1, -1, -1, -1 };
-
-			if ((ret = ape__check_tensor_span(fn, in[i], ins[i], ins[i]->dtype, true, any,
-							  ldims, false, s2, r)) ||
-			    (ret = ape__check_disjoint(fn, "lse", rl, in[i], r)))
-				goto fail;
-		}
-	}
+	if (lse && (ret = check_row_output(fn, "lse", lse, &host[APE__T_LSE], p, names, host,
+					   APE__T_LSE, &view[APE__T_LSE])))
+		goto fail;
 	for (int i = 0; i < APE__T_COUNT; i++)
 		buf[i] = t[i] ? t[i]->buf->b : NULL;
 	return 0;
@@ -525,6 +539,86 @@ int ape__attention_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc
 			   const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
 			   const ape_dtensor *o, const ape_dtensor *lse)
 {
+	return ape__attention_enqueue_diag(fn, queue, desc, q, k, v, o, lse, NULL, NULL);
+}
+
+/* ------------------------------------------------------------------ diagnostics, device tensors */
+
+int ape__check_resident_diag(const char *fn, const ape_device *dev, const ape_attn_desc *desc,
+			     const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
+			     const ape_dtensor *o, const ape_dtensor *lse, const ape_dtensor *ent,
+			     const ape_dtensor *md, struct ape__problem *p,
+			     struct ape__buf *buf[APE__T_COUNT], struct ape__view view[APE__T_COUNT],
+			     struct ape__buf *dbuf[2], struct ape__view dview[2])
+{
+	enum { N = APE__T_COUNT + 2 };
+	static const char *const names[N] = { "q",   "k",       "v",	   "o",
+					       "lse", "entropy", "mean_distance" };
+	const ape_dtensor *t[N] = { q, k, v, o, lse, ent, md };
+	const ape_buffer *bufs[N];
+	const char *on[N];
+	ape_tensor host[N], others[N];
+	int n = 0, ret;
+
+	memset(dview, 0, 2 * sizeof(*dview));
+	dbuf[0] = dbuf[1] = NULL;
+	if ((ret = ape__check_resident(fn, dev, desc, q, k, v, o, lse, p, buf, view)))
+		return ret;
+	for (int i = 0; i < N; i++)
+		bufs[i] = t[i] ? t[i]->buf : NULL;
+	/* every tensor's synthetic address again, now with the diagnostics' buffers among the
+	 * slots (those of q .. lse do not move: a buffer's slot is its first tensor's) */
+	for (int i = 0; i < N; i++) {
+		if (!t[i])
+			continue;
+		if ((ret = check_dtensor(fn, names[i], t[i], dev, bufs, &host[i])))
+			goto fail;
+		if (i >= APE__T_COUNT &&
+		    (ret = check_row_output(fn, names[i], t[i], &host[i], p, on, others, n,
+					    &dview[i - APE__T_COUNT])))
+			goto fail;
+		on[n] = names[i];
+		others[n++] = host[i];
+	}
+	for (int d = 0; d < 2; d++)
+		dbuf[d] = t[APE__T_COUNT + d] ? t[APE__T_COUNT + d]->buf->b : NULL;
+	return 0;
+fail:
+	ape__problem_fini(p);
+	return ret;
+}
+
+/* ENT = MD = 0 in every row of an output of the diagnostics ([B,H,Lq] float at v), for a call
+ * without keys (Lk = 0). */
+static int zero_rows(ape_queue *queue, const struct ape__problem *p, struct ape__buf *b,
+		     const struct ape__view *v)
+{
+	int ret = 0;
+
+	for (int64_t bb = 0; bb < p->B && !ret; bb++)
+		for (int64_t h = 0; h < p->H && !ret; h++)
+			for (int64_t i = 0; i < p->Lq && !ret; i++)
+				ret = queue->dev->be->ops->fill(
+					queue->q, b,
+					(size_t)(v->off + bb * v->sb + h * v->sh + i * v->sl) * 4, 0,
+					4);
+	return ret;
+}
+
+int ape_attention_enqueue_diag(ape_queue *queue, const ape_attn_desc *desc, const ape_dtensor *q,
+			       const ape_dtensor *k, const ape_dtensor *v, const ape_dtensor *o,
+			       const ape_dtensor *lse, const ape_dtensor *entropy,
+			       const ape_dtensor *mean_distance)
+{
+	return ape__attention_enqueue_diag("ape_attention_enqueue_diag", queue, desc, q, k, v, o,
+					   lse, entropy, mean_distance);
+}
+
+int ape__attention_enqueue_diag(const char *fn, ape_queue *queue, const ape_attn_desc *desc,
+				const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
+				const ape_dtensor *o, const ape_dtensor *lse,
+				const ape_dtensor *ent, const ape_dtensor *md)
+{
 	struct ape__resident_req r;
 	struct ape__problem p;
 	int64_t rows;
@@ -533,8 +627,14 @@ int ape__attention_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc
 	if (!queue)
 		return ape__error(APE_EINVAL, "%s: queue = NULL", fn);
 	memset(&r, 0, sizeof(r));
-	if ((ret = ape__check_resident(fn, queue->dev, desc, q, k, v, o, lse, &p, r.buf, r.view)))
+	if ((ret = ape__check_resident_diag(fn, queue->dev, desc, q, k, v, o, lse, ent, md, &p,
+					    r.buf, r.view, r.diag, r.diag_view)))
 		return ret;
+	/* the diagnostics' device check and skip tolerance (docs/diagnostics.md), before any work */
+	if ((ent || md) && (ret = ape__diag_devices(fn, &queue->dev, 1, true, &p))) {
+		ape__problem_fini(&p);
+		return ret;
+	}
 	r.fn = fn;
 	r.dev = queue->dev;
 	r.q = queue->q;
@@ -544,10 +644,14 @@ int ape__attention_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc
 		return 0;
 	}
 	note_call(queue, fn);
-	if (p.Lk == 0)
+	if (p.Lk == 0) {
 		ret = write_empty_rows(queue, &p, r.buf, r.view);
-	else if (!(ret = ape__resident_plan(&r, &rows)))
+		for (int d = 0; d < 2 && !ret; d++)
+			if (r.diag[d])
+				ret = zero_rows(queue, &p, r.diag[d], &r.diag_view[d]);
+	} else if (!(ret = ape__resident_plan(&r, &rows))) {
 		ret = ape__resident_enqueue(&r, rows);
+	}
 	ape__problem_fini(&p);
 	return ret ? ape__error_prefix(ret, fn) : 0;
 }

@@ -58,5 +58,22 @@ int ape__attention_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc
 			   const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
 			   const ape_dtensor *o, const ape_dtensor *lse);
 
+/* ape__check_resident() plus the diagnostics' outputs ent and md (each NULL, or [B,H,Lq,1]
+ * float32 like lse: in their buffers, of dev, sharing no byte with q, k, v, o, lse or each
+ * other); their backend buffers and element views in dbuf and dview (NULL and zero when not
+ * wanted). Messages start with fn and name them "entropy" and "mean_distance". */
+int ape__check_resident_diag(const char *fn, const ape_device *dev, const ape_attn_desc *desc,
+			     const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
+			     const ape_dtensor *o, const ape_dtensor *lse, const ape_dtensor *ent,
+			     const ape_dtensor *md, struct ape__problem *p,
+			     struct ape__buf *buf[APE__T_COUNT], struct ape__view view[APE__T_COUNT],
+			     struct ape__buf *dbuf[2], struct ape__view dview[2]);
+
+/* ape_attention_enqueue_diag() with its messages starting with fn (the DLPack call's). */
+int ape__attention_enqueue_diag(const char *fn, ape_queue *queue, const ape_attn_desc *desc,
+				const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
+				const ape_dtensor *o, const ape_dtensor *lse,
+				const ape_dtensor *ent, const ape_dtensor *md);
+
 #pragma GCC visibility pop
 #endif

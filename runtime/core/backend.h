@@ -67,8 +67,12 @@
  * fields, ranks stated by each backend. 4: attention_backward and struct ape__bwd_launch.
  * 5: strided views in struct ape__launch, buf_wrap, queue_wrap, ape__backend.import.
  * 6: attention_backward_scratch (enum ape__bwd_part); attention_backward may hold scratch.
- * 7: the diagnostics ent and md in struct ape__launch, ape__backend_ops.attention_diag. */
-#define APE__BACKEND_ABI 7
+ * 7: the diagnostics ent and md in struct ape__launch, ape__backend_ops.attention_diag.
+ * 8: struct ape__launch.diag_view, ape__backend_ops.attention_diag_views (the diagnostics on
+ * device tensors: strided, each optional, without lse).
+ * 9: keys read in place from a KV cache's blocks: struct ape__kv_pages, ape__launch.pages,
+ * ape__backend_ops.attention_pages. */
+#define APE__BACKEND_ABI 9
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -88,6 +92,22 @@ struct ape__view {
 
 enum ape__tensor_id { APE__T_Q, APE__T_K, APE__T_V, APE__T_O, APE__T_LSE, APE__T_COUNT };
 
+/*
+ * Keys and values read where a KV cache keeps them (runtime/api/kvcache.h): l->k and l->v are
+ * pools of `nblocks` blocks, each [B, Hkv, block_tokens, D] contiguous, block p starting at
+ * element p * B * Hkv * block_tokens * D of its pool (K and V pools alike). The launch's key j
+ * (0 <= j < Lk) is token first_row + j counted from the start of physical block first_block,
+ * the blocks following each other as a ring: logical block lb = (first_row + j) / block_tokens
+ * is physical block (first_block + lb) mod nblocks, row (first_row + j) mod block_tokens.
+ * Every block a launch addresses holds written keys; blocks outside its keys may hold anything
+ * (released or not yet appended) and are never read.
+ */
+struct ape__kv_pages {
+	int64_t block_tokens, nblocks; /* >= 1 */
+	int64_t first_block; /* 0 <= first_block < nblocks */
+	int64_t first_row; /* 0 <= first_row < block_tokens */
+};
+
 /* One attention launch on device buffers. */
 struct ape__launch {
 	int64_t B, H, Hkv, Lq, Lk, D;
@@ -104,7 +124,8 @@ struct ape__launch {
 	 * in the same pass as O from running sums (ape_diag_*() in core/ape_math.h), 0 for a row
 	 * without a visible key, NaN for a NaN row. The core sets them only for a backend whose
 	 * ops declare attention_diag, both or neither, and then lse is not NULL either (the merge
- * needs it).
+ * needs it); except on the device-resident call's launches, for a backend that declares
+	 * attention_diag_views (ABI 8, below): strided (diag_view), each optional, lse optional.
 	 * Keys a launch skips change them within docs/diagnostics.md's bound (the core has
 	 * already tightened skip_tol to APE_DIAG_SKIP_TOL for such launches).
 	 */
@@ -136,6 +157,19 @@ struct ape__launch {
 	 */
 	bool strided;
 	struct ape__view view[APE__T_COUNT];
+	/*
+	 * ABI 8: where ent (diag_view[0]) and md (diag_view[1]) lie when strided, in floats (the
+	 * LSE's shape, no D axis). Set by the core only for a backend whose ops declare
+	 * attention_diag_views, which then reads them through ape__launch_diag_view(); every
+	 * other backend gets ent and md contiguous at offset 0 (strided false, or none at all).
+	 */
+	struct ape__view diag_view[2];
+	/*
+	 * ABI 9. NULL: k and v are as above. Else k and v are a KV cache's block pools, addressed as
+	 * struct ape__kv_pages says (view[APE__T_K] and view[APE__T_V] are then ignored). The core
+	 * sets it only where attention_pages accepted the launch.
+	 */
+	const struct ape__kv_pages *pages;
 };
 
 /* The view of tensor t (enum ape__tensor_id) of launch l: its own when l->strided, else the
@@ -148,6 +182,15 @@ static inline struct ape__view ape__launch_view(const struct ape__launch *l, int
 	struct ape__view c = { 0, heads * rows * d, rows * d, d };
 
 	return l->strided ? l->view[t] : c;
+}
+
+/* Where ent (which 0) or md (which 1) of launch l lies: diag_view[which] when l->strided,
+ * else contiguous at offset 0 (ABI 8). */
+static inline struct ape__view ape__launch_diag_view(const struct ape__launch *l, int which)
+{
+	struct ape__view c = { 0, l->H * l->Lq, l->Lq, 1 };
+
+	return l->strided ? l->diag_view[which] : c;
 }
 
 /*
@@ -421,6 +464,31 @@ struct ape__backend_ops {
 	 * on its devices fails with APE_ENOTSUP naming the device (never falling back to another
 	 * backend). */
 	bool attention_diag;
+
+	/* ---- ABI 8: the diagnostics on device tensors (ape_attention_enqueue_diag()). */
+
+	/* true (only with attention_diag): attention also takes the launches of the device-resident
+	 * call: strided, with ent and md where l->diag_view says (ape__launch_diag_view()), either
+	 * one NULL without the other, and lse possibly NULL (each such launch sees every key of
+	 * its rows: nothing is merged). false: the core never hands it such a launch, and
+	 * ape_attention_enqueue_diag() on its devices fails with APE_ENOTSUP naming the device. */
+	bool attention_diag_views;
+
+	/* ---- ABI 9: decode in place. */
+
+	/*
+	 * Optional (NULL: the core never passes l->pages; a KV cache then gathers its blocks into
+	 * contiguous key chunks with copy_d2d, or through host staging, before each launch: the
+	 * reference and CUDA do that today). Whether attention takes launch l with l->pages set
+	 * (struct ape__kv_pages): true only when it will read K and V in place and compute what it
+	 * computes for the same keys gathered, bit for bit. false costs nothing but the gather:
+	 * the core then gathers and launches without pages. Reads only l's shape, dtypes, options,
+	 * positions, parameters and whether l->ent and l->md are set, never its buffers (the core
+	 * may ask with them NULL, to size its key chunks). Cannot fail, sets no error; may be
+	 * called from any thread. (OpenCL CPU devices: the decode of ocl_decode.c, a few query
+	 * rows.)
+	 */
+	bool (*attention_pages)(struct ape_device *dev, const struct ape__launch *l);
 };
 
 /* Kinds of memory buf_wrap takes. */

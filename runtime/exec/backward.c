@@ -1,41 +1,64 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The backward pass on one device (exec/backward.h), streamed in chunks under the device
- * budget. The same path as the forward's: strided host rows packed into staging
+ * The backward pass on one device or several (exec/backward.h), streamed in chunks under each
+ * device's budget. The same path as the forward's: strided host rows packed into staging
  * (exec/pack.c), every device buffer counted against the budget (exec/devmem.c), copies,
- * launches, copies back.
+ * launches, copies back; the forward's split (ape__split_ranges), threads
+ * (ape__run_per_device) and trace file (exec/trace.c).
  *
- * Key chunks outer, query chunks inner, both in increasing order, one launch at a time:
+ * Every device plans under its own budget; all then use the smallest chunk sizes any of them
+ * needs. The key chunks are split into contiguous ranges, one per device, by the weights
+ * (equal shares without them) and each key chunk's visible pairs. The split is fixed before
+ * any work, with no stealing at the tail as the forward does, so that the same devices with
+ * the same options compute the same chunks on the same backends and give the same bits.
+ *
+ * On each device, its key chunks outer, query chunks inner, both in increasing order, one
+ * launch at a time:
  * - a key chunk's K and V go to the device once, with zeroed dK and dV accumulators that every
  *   query chunk's launch adds to (the op accumulates: core/backend.h); when its last query
  *   chunk is done they come back into host copies of the whole dK and dV;
  * - a query chunk's Q, O, dO, LSE and dLSE rows go with each launch; its dQ partial comes back
- *   after each launch and is added, in float64 and in key-chunk order, to a host accumulator;
+ *   after each launch and is added, in float64 and in key-chunk order, to the device's host
+ *   accumulator;
  * - the parameter gradients accumulate on the device, in float64, over every launch.
- * Every order is fixed, so two calls give the same bits. A (query chunk, key chunk) pair the
- * causal mask hides entirely is never launched.
+ * Then, on the calling thread, the devices' dQ accumulators and parameter sums are added in
+ * float64 in device order (which is key-chunk order: the ranges are contiguous); dK and dV of a
+ * key chunk come from its one device. Every order is fixed, so two calls on the same devices
+ * give the same bits; another device set (or another split) groups the float64 sums
+ * differently, within rounding. A (query chunk, key chunk) pair the causal mask hides entirely
+ * is never launched.
  *
  * The budget counts every chunk buffer and the scratch the backend declares for a launch
  * (attention_backward_scratch, core/backend.h), held from the launch until its synchronisation:
  * one launch is in flight at a time.
  *
- * The caller's outputs are written only after the last launch succeeded, from those host
- * copies: a failure writes nothing. No pipelining yet: each launch is synchronised before the
- * staging is reused.
+ * The caller's outputs are written only after every device's last launch succeeded, from
+ * those host copies: a failure on any device stops the others and writes nothing. No
+ * pipelining yet (pipeline_depth is not used): each launch is synchronised before the staging
+ * is reused; devices run at the same time, each on its own thread.
+ *
+ * Copies and launches are timed with events (copy_ms, kernel_ms) and, with a trace path, are
+ * the spans of the forward's trace file: one process per device, a lane for the kernels, one
+ * for the query side's copies, one for the key side's, one for copies back.
  */
 #include "exec/backward.h"
 
 #include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/alloc.h"
+#include "core/clock.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "exec/devmem.h"
 #include "exec/launch.h"
 #include "exec/multidev.h"
 #include "exec/pack.h"
 #include "exec/plan.h"
 #include "exec/skip_budget.h"
+#include "exec/trace.h"
 
 /* Device chunk buffers, each with its host staging. Rows of the query side, then the key side. */
 enum { B_Q, B_O, B_DOUT, B_LSE, B_DLSE, B_DQ, B_PAIRS, B_K, B_V, B_DK, B_DV, NBUF };
@@ -50,21 +73,49 @@ struct chunk_buf {
 	void *host; /* staging of one chunk */
 };
 
+/* What the devices of a call share. */
+struct bwd_shared {
+	const struct ape__bwd_req *r;
+	float *dk_all, *dv_all; /* [B, Hkv, Lk, D]: each device writes its key chunks' rows */
+	atomic_bool abort; /* raised by a failing device: the others stop */
+	struct ape__trace_dev *traces; /* one per device, when tracing */
+	double t0; /* host clock at the start of the run */
+};
+
+/* Copies enqueued and timed by a pair of events, resolved at the queue's next synchronisation. */
+struct span {
+	struct ape__event *e0, *e1;
+	int lane;
+	const char *what;
+	int64_t qc, kc;
+	uint64_t bytes;
+};
+
+#define MAX_SPANS 4 /* copies enqueued between two synchronisations: at most 2 */
+
+/* One device's part of the call. */
 struct bwd_run {
 	const struct ape__bwd_req *r;
+	struct bwd_shared *sh;
+	struct ape_device *dev;
 	const struct ape__backend_ops *ops;
 	struct ape__devmem mem;
 	struct ape__queue *queue;
 	int64_t cq, ck; /* rows per chunk */
+	int64_t kc0, kc1; /* its key chunks [kc0, kc1) */
 	struct chunk_buf b[NBUF];
 	ape_tensor lse_t, dlse_t; /* lse and dlse as [B, H, Lq, 1] float tensors */
 	int64_t lse_s[4];
 	struct ape__buf *dparams_buf;
 	double *dparams_host;
 	uint64_t dparams_bytes;
-	double *dq_acc; /* [B, H, Lq, D]: the sum of dQ over key chunks */
-	float *dk_all, *dv_all; /* [B, Hkv, Lk, D] */
-	struct ape__bwd_result *res;
+	double *dq_acc; /* [B, H, Lq, D]: the sum of dQ over its key chunks */
+	struct ape__bwd_result res; /* its figures */
+	struct span span[MAX_SPANS];
+	int nspan;
+	struct ape__trace_dev *trace; /* its recorder; NULL: not tracing */
+	int ret; /* its outcome: 0, negative (msg holds the message) or 1 (stopped) */
+	char msg[1024];
 };
 
 /* Key chunks of ck rows. */
@@ -109,13 +160,12 @@ static unsigned launch_parts(const struct bwd_run *x)
  * the op). */
 static uint64_t launch_scratch(const struct bwd_run *x, int64_t ck, int64_t nq, int64_t nk)
 {
-	struct ape_device *dev = x->r->dev;
 	struct ape__bwd_launch l;
 
 	if (!x->ops->attention_backward_scratch)
 		return 0;
 	launch_shape(x, ck, &l, 0, nq, 0, nk);
-	return x->ops->attention_backward_scratch(dev, &l, launch_parts(x));
+	return x->ops->attention_backward_scratch(x->dev, &l, launch_parts(x));
 }
 
 /* Device bytes of chunks of cq query rows and ck key rows: the buffers and the largest
@@ -148,7 +198,7 @@ static int plan(struct bwd_run *x, int64_t max_cq, int64_t max_ck, uint64_t budg
 {
 	const struct ape__bwd_req *r = x->r;
 	const struct ape__problem *p = r->p;
-	struct ape_device *dev = r->dev;
+	struct ape_device *dev = x->dev;
 	const uint64_t max_buf = dev->be->ops->max_alloc ? dev->be->ops->max_alloc(dev) : UINT64_MAX;
 	int64_t cq = p->Lq < max_cq ? p->Lq : max_cq, ck = p->Lk < max_ck ? p->Lk : max_ck;
 
@@ -208,13 +258,13 @@ static void describe(struct bwd_run *x)
 	x->dparams_bytes = r->dparams ? (uint64_t)p->H * 4 * sizeof(double) : 0;
 }
 
-/* Host memory, all of it before any device work: chunk staging and the gradients' copies. */
+/* Host memory of one device with key chunks, before any device work: chunk staging, its dQ
+ * accumulator and its parameter sums. */
 static int prepare_host(struct bwd_run *x)
 {
 	const struct ape__bwd_req *r = x->r;
 	const struct ape__problem *p = r->p;
 	const size_t qgrad = (size_t)(p->B * p->H * p->Lq * p->D);
-	const size_t kgrad = (size_t)(p->B * p->Hkv * p->Lk * p->D);
 
 	for (int i = 0; i < NBUF; i++) {
 		struct chunk_buf *c = &x->b[i];
@@ -225,10 +275,6 @@ static int prepare_host(struct bwd_run *x)
 			goto out_nomem;
 	}
 	if (r->dq && !(x->dq_acc = ape__calloc(qgrad, sizeof(double))))
-		goto out_nomem;
-	if (r->dk && !(x->dk_all = ape__malloc(kgrad * sizeof(float))))
-		goto out_nomem;
-	if (r->dv && !(x->dv_all = ape__malloc(kgrad * sizeof(float))))
 		goto out_nomem;
 	if (r->dparams && !(x->dparams_host = ape__malloc((size_t)x->dparams_bytes)))
 		goto out_nomem;
@@ -241,7 +287,7 @@ static int alloc_device(struct bwd_run *x)
 {
 	int ret;
 
-	if ((ret = x->ops->queue_create(x->r->dev, &x->queue)))
+	if ((ret = x->ops->queue_create(x->dev, &x->queue)))
 		return ret;
 	for (int i = 0; i < NBUF; i++) {
 		struct chunk_buf *c = &x->b[i];
@@ -259,21 +305,97 @@ static int alloc_device(struct bwd_run *x)
 	return 0;
 }
 
-/* Rows [l0, l0 + n) of the inputs of one side (first..last) to the device. */
-static int upload_rows(struct bwd_run *x, int first, int last, int64_t l0, int64_t n)
+/* ------------------------------------------------------------------ timing and the trace */
+
+/*
+ * A copy or launch between events e0 and e1, both complete: its device time to copy_ms or
+ * kernel_ms and, when tracing, a span ending at e1's timestamp (the host clock now without
+ * timestamps): e0's own time would also count what the queue waited for.
+ */
+static int span_add(struct bwd_run *x, struct ape__event *e0, struct ape__event *e1, int lane,
+		    const char *what, int64_t qc, int64_t kc, uint64_t bytes)
+{
+	double ms = 0, t1 = ape__now_ms() - x->sh->t0;
+	int ret;
+
+	if ((ret = x->ops->event_elapsed(e0, e1, &ms)))
+		return ret;
+	if (lane == APE__LANE_KERNEL)
+		x->res.kernel_ms += ms;
+	else
+		x->res.copy_ms += ms;
+	if (!x->trace)
+		return 0;
+	if (x->ops->event_timestamp && (ret = x->ops->event_timestamp(e1, &t1)))
+		return ret;
+	ape__trace_add(x->trace, what, lane, t1 - ms, t1, qc, kc, bytes);
+	return 0;
+}
+
+/* The event before a group of copies. */
+static int span_begin(struct bwd_run *x, struct ape__event **e0)
+{
+	return x->ops->event_record(x->queue, e0);
+}
+
+/* The event after them: the span waits for the queue's next synchronisation. */
+static int span_end(struct bwd_run *x, struct ape__event *e0, int lane, const char *what,
+		    int64_t qc, int64_t kc, uint64_t bytes)
+{
+	struct ape__event *e1 = NULL;
+	int ret = x->ops->event_record(x->queue, &e1);
+
+	if (ret || x->nspan == MAX_SPANS) {
+		x->ops->event_destroy(e0);
+		x->ops->event_destroy(e1);
+		return ret;
+	}
+	x->span[x->nspan++] = (struct span){ e0, e1, lane, what, qc, kc, bytes };
+	return 0;
+}
+
+/* Drops the spans not yet resolved (a failed run). */
+static void spans_drop(struct bwd_run *x)
+{
+	for (int i = 0; i < x->nspan; i++) {
+		x->ops->event_destroy(x->span[i].e0);
+		x->ops->event_destroy(x->span[i].e1);
+	}
+	x->nspan = 0;
+}
+
+/* Waits for the queue, then resolves the spans enqueued before. */
+static int sync(struct bwd_run *x)
+{
+	int ret = x->ops->synchronize(x->queue);
+
+	for (int i = 0; !ret && i < x->nspan; i++) {
+		const struct span *s = &x->span[i];
+
+		ret = span_add(x, s->e0, s->e1, s->lane, s->what, s->qc, s->kc, s->bytes);
+	}
+	spans_drop(x);
+	return ret;
+}
+
+/* ------------------------------------------------------------------ one device's chunks */
+
+/* Rows [l0, l0 + n) of the inputs of one side (first..last) to the device; the bytes to *bytes. */
+static int upload_rows(struct bwd_run *x, int first, int last, int64_t l0, int64_t n,
+		       uint64_t *bytes)
 {
 	int ret;
 
 	for (int i = first; i <= last; i++) {
 		struct chunk_buf *c = &x->b[i];
-		const size_t bytes = (size_t)(c->row_bytes * (uint64_t)n);
+		const size_t len = (size_t)(c->row_bytes * (uint64_t)n);
 
 		if (!c->used || !c->t)
 			continue;
 		ape__pack_rows(c->host, c->t, c->s, l0, n);
-		if ((ret = x->ops->copy_h2d(x->queue, c->buf, 0, c->host, bytes)))
+		if ((ret = x->ops->copy_h2d(x->queue, c->buf, 0, c->host, len)))
 			return ret;
-		x->res->h2d += bytes;
+		*bytes += len;
 	}
 	return 0;
 }
@@ -288,29 +410,50 @@ static int zero_rows(struct bwd_run *x, int i, int64_t n)
 	return x->ops->fill(x->queue, c->buf, 0, 0, (size_t)(c->row_bytes * (uint64_t)n));
 }
 
-/* Copies buffer i's n rows back into its staging, and waits for it. */
-static int download_rows(struct bwd_run *x, int i, int64_t n)
+/* Enqueues the copy of buffer i's n rows back into its staging; the bytes to *bytes. */
+static int download_rows(struct bwd_run *x, int i, int64_t n, uint64_t *bytes)
 {
 	struct chunk_buf *c = &x->b[i];
-	const size_t bytes = (size_t)(c->row_bytes * (uint64_t)n);
+	const size_t len = (size_t)(c->row_bytes * (uint64_t)n);
 	int ret;
 
 	if (!c->used)
 		return 0;
-	if ((ret = x->ops->copy_d2h(x->queue, c->host, c->buf, 0, bytes)) ||
-	    (ret = x->ops->synchronize(x->queue)))
+	if ((ret = x->ops->copy_d2h(x->queue, c->host, c->buf, 0, len)))
 		return ret;
-	x->res->d2h += bytes;
+	*bytes += len;
 	return 0;
 }
 
-/* The launch of query rows [i0, i0 + nq) against key rows [j0, j0 + nk). */
-static int launch(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t nk)
+/* Buffers i and i2's n rows back into their staging (a span of the trace), and waits. */
+static int copy_back(struct bwd_run *x, int i, int i2, int64_t n, const char *what, int64_t qc,
+		     int64_t kc)
+{
+	struct ape__event *e0 = NULL;
+	uint64_t down = 0;
+	int ret;
+
+	if (!x->b[i].used && !x->b[i2].used)
+		return 0;
+	if ((ret = span_begin(x, &e0)))
+		return ret;
+	if ((ret = download_rows(x, i, n, &down)) || (ret = download_rows(x, i2, n, &down))) {
+		x->ops->event_destroy(e0);
+		return ret;
+	}
+	x->res.d2h += down;
+	if ((ret = span_end(x, e0, APE__LANE_D2H, what, qc, kc, down)))
+		return ret;
+	return sync(x);
+}
+
+/* The launch of query chunk qc, rows [i0, i0 + nq), against key chunk kc, rows [j0, j0 + nk). */
+static int launch(struct bwd_run *x, int64_t qc, int64_t i0, int64_t nq, int64_t kc, int64_t j0,
+		  int64_t nk)
 {
 	struct ape__event *e0 = NULL, *e1 = NULL;
 	struct ape__bwd_launch l;
 	uint64_t scratch;
-	double ms = 0;
 	int ret;
 
 	launch_shape(x, x->ck, &l, i0, nq, j0, nk);
@@ -329,19 +472,16 @@ static int launch(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t
 
 	/* the backend's scratch, held until the launch is synchronised: the plan made room */
 	scratch = x->ops->attention_backward_scratch
-			  ? x->ops->attention_backward_scratch(x->r->dev, &l, ape__bwd_parts(&l))
+			  ? x->ops->attention_backward_scratch(x->dev, &l, ape__bwd_parts(&l))
 			  : 0;
 	ape__devmem_hold(&x->mem, scratch);
 	if (!(ret = x->ops->event_record(x->queue, &e0)) &&
 	    !(ret = x->ops->attention_backward(x->queue, &l)) &&
-	    !(ret = x->ops->event_record(x->queue, &e1)) &&
-	    !(ret = x->ops->synchronize(x->queue)) &&
-	    !(ret = x->ops->event_elapsed(e0, e1, &ms))) {
-		x->res->kernel_ms += ms;
-		x->res->launches++;
-	}
+	    !(ret = x->ops->event_record(x->queue, &e1)) && !(ret = sync(x)) &&
+	    !(ret = span_add(x, e0, e1, APE__LANE_KERNEL, "attention backward", qc, kc, 0)))
+		x->res.launches++;
 	/* synchronised, or failed: a queue that failed is destroyed, and waited for, before any
-	 * other buffer is freed (release()) */
+	 * other buffer is freed (release_device()) */
 	ape__devmem_drop(&x->mem, scratch);
 	x->ops->event_destroy(e0);
 	x->ops->event_destroy(e1);
@@ -350,9 +490,11 @@ static int launch(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t
 
 /*
  * The pairs buffer before a launch: each row's visible keys among the launch's, what a backend
- * that skips nothing computes (it may leave the buffer as it is); after: their sum.
+ * that skips nothing computes (it may leave the buffer as it is), its bytes to *up; after: their
+ * sum.
  */
-static int pairs_before(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t nk)
+static int pairs_before(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, int64_t nk,
+			uint64_t *up)
 {
 	const struct ape__problem *p = x->r->p;
 	struct chunk_buf *c = &x->b[B_PAIRS];
@@ -372,7 +514,7 @@ static int pairs_before(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, i
 		}
 	if ((ret = x->ops->copy_h2d(x->queue, c->buf, 0, h, bytes)))
 		return ret;
-	x->res->h2d += bytes;
+	*up += bytes;
 	return 0;
 }
 
@@ -384,8 +526,8 @@ static void pairs_after(struct bwd_run *x, int64_t nq)
 	if (!c->used)
 		return;
 	for (int64_t r = 0; r < x->r->p->B * x->r->p->H * nq; r++)
-		x->res->pairs_computed += h[r];
-	x->res->pairs_counted = true;
+		x->res.pairs_computed += h[r];
+	x->res.pairs_counted = true;
 }
 
 /* Adds a query chunk's dQ partial (staging, [B, H, nq, D] float) into the accumulator. */
@@ -422,44 +564,128 @@ static bool chunk_visible(const struct ape__problem *p, int64_t i0, int64_t nq, 
 	return !p->causal || p->q_start + (i0 + nq - 1) - (p->k_start + j0) >= 0;
 }
 
-static int run_chunks(struct bwd_run *x)
+
+/* Query chunk qc against key chunk kc: the query side up, the launch, dQ and pairs back. */
+static int query_chunk(struct bwd_run *x, int64_t qc, int64_t kc, int64_t j0, int64_t nk)
 {
-	const struct ape__problem *p = x->r->p;
+	const int64_t Lq = x->r->p->Lq, i0 = qc * x->cq, nq = Lq - i0 < x->cq ? Lq - i0 : x->cq;
+	struct ape__event *e0 = NULL;
+	uint64_t up = 0;
 	int ret;
 
-	for (int64_t j0 = 0; j0 < p->Lk; j0 += x->ck) {
-		const int64_t nk = p->Lk - j0 < x->ck ? p->Lk - j0 : x->ck;
-
-		if ((ret = upload_rows(x, B_K, B_V, j0, nk)) || (ret = zero_rows(x, B_DK, nk)) ||
-		    (ret = zero_rows(x, B_DV, nk)))
-			return ret;
-		for (int64_t i0 = 0; i0 < p->Lq; i0 += x->cq) {
-			const int64_t nq = p->Lq - i0 < x->cq ? p->Lq - i0 : x->cq;
-
-			if (!chunk_visible(p, i0, nq, j0))
-				continue;
-			if ((ret = upload_rows(x, B_Q, B_DLSE, i0, nq)) ||
-			    (ret = zero_rows(x, B_DQ, nq)) ||
-			    (ret = pairs_before(x, i0, nq, j0, nk)) ||
-			    (ret = launch(x, i0, nq, j0, nk)) || (ret = download_rows(x, B_DQ, nq)) ||
-			    (ret = download_rows(x, B_PAIRS, nq)))
-				return ret;
-			pairs_after(x, nq);
-			if (x->dq_acc)
-				add_dq(x, i0, nq);
-		}
-		if ((ret = download_rows(x, B_DK, nk)) || (ret = download_rows(x, B_DV, nk)))
-			return ret;
-		place_dkv(x, B_DK, x->dk_all, j0, nk);
-		place_dkv(x, B_DV, x->dv_all, j0, nk);
+	if ((ret = span_begin(x, &e0)))
+		return ret;
+	if ((ret = upload_rows(x, B_Q, B_DLSE, i0, nq, &up)) ||
+	    (ret = pairs_before(x, i0, nq, j0, nk, &up))) {
+		x->ops->event_destroy(e0);
+		return ret;
 	}
+	x->res.h2d += up;
+	if ((ret = span_end(x, e0, APE__LANE_H2D_Q, "h2d Q/O/dO", qc, kc, up)) ||
+	    (ret = zero_rows(x, B_DQ, nq)) || (ret = launch(x, qc, i0, nq, kc, j0, nk)))
+		return ret;
+	if ((ret = copy_back(x, B_DQ, B_PAIRS, nq, "d2h dQ", qc, kc)))
+		return ret;
+	pairs_after(x, nq);
+	if (x->dq_acc)
+		add_dq(x, i0, nq);
+	return 0;
+}
+
+/* Key chunk kc: K and V up, zeroed dK and dV, every query chunk that sees it, dK and dV back. */
+static int key_chunk(struct bwd_run *x, int64_t kc)
+{
+	const struct ape__problem *p = x->r->p;
+	const int64_t j0 = kc * x->ck, nk = p->Lk - j0 < x->ck ? p->Lk - j0 : x->ck;
+	struct ape__event *e0 = NULL;
+	uint64_t up = 0;
+	int ret;
+
+	if ((ret = span_begin(x, &e0)))
+		return ret;
+	if ((ret = upload_rows(x, B_K, B_V, j0, nk, &up))) {
+		x->ops->event_destroy(e0);
+		return ret;
+	}
+	x->res.h2d += up;
+	if ((ret = span_end(x, e0, APE__LANE_H2D_KV, "h2d K/V", -1, kc, up)) ||
+	    (ret = zero_rows(x, B_DK, nk)) || (ret = zero_rows(x, B_DV, nk)))
+		return ret;
+	for (int64_t qc = 0; qc * x->cq < p->Lq; qc++) {
+		const int64_t i0 = qc * x->cq, nq = p->Lq - i0 < x->cq ? p->Lq - i0 : x->cq;
+
+		if (atomic_load(&x->sh->abort))
+			return 1;
+		if (chunk_visible(p, i0, nq, j0) && (ret = query_chunk(x, qc, kc, j0, nk)))
+			return ret;
+	}
+	if ((ret = copy_back(x, B_DK, B_DV, nk, "d2h dK/dV", -1, kc)))
+		return ret;
+	place_dkv(x, B_DK, x->sh->dk_all, j0, nk);
+	place_dkv(x, B_DV, x->sh->dv_all, j0, nk);
+	return 0;
+}
+
+/* One device's key chunks, then its parameter sums back. */
+static int run_chunks(struct bwd_run *x)
+{
+	int ret;
+
+	for (int64_t kc = x->kc0; kc < x->kc1; kc++)
+		if ((ret = key_chunk(x, kc)))
+			return ret;
 	if (x->r->dparams &&
 	    ((ret = x->ops->copy_d2h(x->queue, x->dparams_host, x->dparams_buf, 0,
 				     (size_t)x->dparams_bytes)) ||
-	     (ret = x->ops->synchronize(x->queue))))
+	     (ret = sync(x))))
 		return ret;
-	x->res->d2h += x->dparams_bytes;
+	x->res.d2h += x->dparams_bytes;
 	return 0;
+}
+
+/* Device buffers and the queue, freed by the device's own thread once its work is done. */
+static void release_device(struct bwd_run *x)
+{
+	if (x->queue)
+		x->ops->queue_destroy(x->queue); /* waits for what is still in flight */
+	x->queue = NULL;
+	spans_drop(x);
+	for (int i = 0; i < NBUF; i++) {
+		struct chunk_buf *c = &x->b[i];
+
+		ape__devmem_free(&x->mem, &c->buf,
+				 c->row_bytes * (uint64_t)(i < B_K ? x->cq : x->ck));
+	}
+	ape__devmem_free(&x->mem, &x->dparams_buf, x->dparams_bytes);
+}
+
+static void release_host(struct bwd_run *x)
+{
+	for (int i = 0; i < NBUF; i++)
+		free(x->b[i].host);
+	free(x->dparams_host);
+	free(x->dq_acc);
+}
+
+/* The work of device d (ape__run_per_device()): a failure raises the abort flag and keeps its
+ * message, naming the device. */
+static void device_main(void *arg, int d)
+{
+	struct bwd_run *x = &((struct bwd_run *)arg)[d];
+
+	if (x->trace)
+		x->trace->host_start_ms = ape__now_ms() - x->sh->t0;
+	if (x->kc0 < x->kc1) {
+		x->ret = alloc_device(x);
+		if (!x->ret)
+			x->ret = run_chunks(x);
+	}
+	release_device(x);
+	if (x->ret < 0) {
+		ape__error_prefix(ape__error_on(x->ret, x->dev), x->r->fn);
+		snprintf(x->msg, sizeof(x->msg), "%s", ape_last_error());
+		atomic_store(&x->sh->abort, true);
+	}
 }
 
 /*
@@ -467,14 +693,15 @@ static int run_chunks(struct bwd_run *x)
  * converted for 16-bit tensors, into the caller's layout. Every conversion buffer is taken
  * before the first byte is written, so that running out of memory here writes nothing too.
  */
-static int write_outputs(struct bwd_run *x)
+static int write_outputs(const struct bwd_shared *sh, const double *dq_acc,
+			 const double *dparams)
 {
-	const struct ape__bwd_req *r = x->r;
+	const struct ape__bwd_req *r = sh->r;
 	const struct ape__problem *p = r->p;
 	const size_t nq = (size_t)(p->B * p->H * p->Lq * p->D);
 	ape_tensor *ts[3] = { r->dq, r->dk, r->dv };
 	const int64_t *ss[3] = { r->dq_s, r->dk_s, r->dv_s };
-	const float *all[3] = { NULL, x->dk_all, x->dv_all };
+	const float *all[3] = { NULL, sh->dk_all, sh->dv_all };
 	float *dq32 = NULL;
 	void *conv[3] = { NULL, NULL, NULL };
 	int ret = 0;
@@ -484,7 +711,7 @@ static int write_outputs(struct bwd_run *x)
 		if (!dq32)
 			goto out_nomem;
 		for (size_t i = 0; i < nq; i++)
-			dq32[i] = (float)x->dq_acc[i];
+			dq32[i] = (float)dq_acc[i];
 		all[0] = dq32;
 	}
 	for (int i = 0; i < 3; i++) {
@@ -503,7 +730,7 @@ static int write_outputs(struct bwd_run *x)
 			ape__unpack_rows(conv[i] ? conv[i] : all[i], ts[i], ss[i], 0,
 					 ts[i]->shape[2]);
 	for (int64_t i = 0; r->dparams && i < 4 * p->H; i++)
-		r->dparams[i] = (float)x->dparams_host[i];
+		r->dparams[i] = (float)dparams[i];
 	goto out_free;
 out_nomem:
 	ret = ape__error(APE_ENOMEM, "%s: out of host memory converting the gradients", r->fn);
@@ -512,23 +739,6 @@ out_free:
 	for (int i = 0; i < 3; i++)
 		free(conv[i]);
 	return ret;
-}
-
-static void release(struct bwd_run *x)
-{
-	x->ops->queue_destroy(x->queue); /* waits for what is still in flight */
-	for (int i = 0; i < NBUF; i++) {
-		struct chunk_buf *c = &x->b[i];
-
-		ape__devmem_free(&x->mem, &c->buf,
-				 c->row_bytes * (uint64_t)(i < B_K ? x->cq : x->ck));
-		free(c->host);
-	}
-	ape__devmem_free(&x->mem, &x->dparams_buf, x->dparams_bytes);
-	free(x->dparams_host);
-	free(x->dq_acc);
-	free(x->dk_all);
-	free(x->dv_all);
 }
 
 int ape__backward_supported(const char *fn, const struct ape_device *dev)
@@ -540,38 +750,189 @@ int ape__backward_supported(const char *fn, const struct ape_device *dev)
 			  fn, dev->info.backend, dev->info.backend_index, dev->info.name);
 }
 
-int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res)
+/* ------------------------------------------------------------------ the call */
+
+/* Every device planned with the same chunk sizes: the smallest any of them needs (a plan
+ * only shrinks, so the second pass settles). */
+static int plan_all(struct bwd_run *x, int n)
 {
-	struct ape_device *dev = r->dev;
-	struct bwd_run x;
+	const struct ape__bwd_req *r = x[0].r;
+	int64_t cq = r->chunk_q ? r->chunk_q : APE__CHUNK_DEFAULT;
+	int64_t ck = r->chunk_k ? r->chunk_k : APE__CHUNK_DEFAULT;
+	bool settled = false;
 	int ret;
 
+	while (!settled) {
+		int64_t ncq = cq, nck = ck;
+
+		for (int d = 0; d < n; d++) {
+			if ((ret = plan(&x[d], cq, ck, x[d].mem.budget)))
+				return ret;
+			ncq = x[d].cq < ncq ? x[d].cq : ncq;
+			nck = x[d].ck < nck ? x[d].ck : nck;
+		}
+		settled = true;
+		for (int d = 0; d < n; d++)
+			settled &= x[d].cq == ncq && x[d].ck == nck;
+		cq = ncq;
+		ck = nck;
+	}
+	return 0;
+}
+
+/* Key chunks split into contiguous ranges by the weights and each chunk's visible pairs. */
+static int split_keys(struct bwd_run *x, int n)
+{
+	const struct ape__bwd_req *r = x[0].r;
+	const struct ape__problem *p = r->p;
+	const int64_t ck = x[0].ck, nk = key_chunks(&x[0], ck);
+	int64_t bounds[APE_MAX_DEVICES + 1];
+	double weight[APE_MAX_DEVICES];
+	double *cost;
+
+	if (n == 1) {
+		x[0].kc0 = 0;
+		x[0].kc1 = nk;
+		return 0;
+	}
+	cost = ape__malloc((size_t)nk * sizeof(double) + 1);
+	if (!cost)
+		return ape__error(APE_ENOMEM, "%s: out of memory splitting the work", r->fn);
+	for (int64_t c = 0; c < nk; c++) {
+		struct ape__problem sub = *p;
+		uint64_t pairs = 0;
+
+		sub.k_start = p->k_start + c * ck;
+		sub.Lk = p->Lk - c * ck < ck ? p->Lk - c * ck : ck;
+		cost[c] = ape__head_visible_pairs(&sub, &pairs) ? (double)p->Lq * (double)sub.Lk
+								 : (double)pairs + 1;
+	}
+	for (int d = 0; d < n; d++)
+		weight[d] = r->weights ? r->weights[d] : 1.0;
+	ape__split_ranges(weight, n, cost, nk, bounds);
+	free(cost);
+	for (int d = 0; d < n; d++) {
+		x[d].kc0 = bounds[d];
+		x[d].kc1 = bounds[d + 1];
+	}
+	return 0;
+}
+
+/* The devices' figures, summed (peak: the largest). */
+static void sum_results(const struct bwd_run *x, int n, struct ape__bwd_result *res)
+{
+	for (int d = 0; d < n; d++) {
+		const struct ape__bwd_result *f = &x[d].res;
+
+		res->h2d += f->h2d;
+		res->d2h += f->d2h;
+		res->peak = x[d].mem.peak > res->peak ? x[d].mem.peak : res->peak;
+		res->kernel_ms += f->kernel_ms;
+		res->copy_ms += f->copy_ms;
+		res->launches += f->launches;
+		res->pairs_computed += f->pairs_computed;
+		res->pairs_counted |= f->pairs_counted;
+		res->devices += x[d].kc0 < x[d].kc1;
+	}
+	res->cq = x[0].cq;
+	res->ck = x[0].ck;
+}
+
+/*
+ * The devices' dQ accumulators and parameter sums into the first one with key chunks, in device
+ * order, in float64; then the outputs. Returns 0 or APE_ENOMEM (nothing written).
+ */
+static int finish(struct bwd_shared *sh, struct bwd_run *x, int n)
+{
+	const struct ape__problem *p = sh->r->p;
+	const size_t qgrad = (size_t)(p->B * p->H * p->Lq * p->D);
+	struct bwd_run *to = NULL;
+
+	for (int d = 0; d < n; d++) {
+		if (x[d].kc0 == x[d].kc1)
+			continue;
+		if (!to) {
+			to = &x[d];
+			continue;
+		}
+		for (size_t i = 0; to->dq_acc && i < qgrad; i++)
+			to->dq_acc[i] += x[d].dq_acc[i];
+		for (int64_t i = 0; to->dparams_host && i < 4 * p->H; i++)
+			to->dparams_host[i] += x[d].dparams_host[i];
+	}
+	return write_outputs(sh, to->dq_acc, to->dparams_host);
+}
+
+int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res)
+{
+	const struct ape__problem *p = r->p;
+	const size_t kgrad = (size_t)(p->B * p->Hkv * p->Lk * p->D);
+	struct bwd_shared sh;
+	struct bwd_run *x;
+	int ret = 0;
+
 	memset(res, 0, sizeof(*res));
-	if ((ret = ape__backward_supported(r->fn, dev)))
-		return ret;
-	memset(&x, 0, sizeof(x));
-	x.r = r;
-	x.ops = dev->be->ops;
-	x.res = res;
-	res->budget = r->budget ? r->budget : ape__default_budget(dev);
-	ape__devmem_init(&x.mem, dev, res->budget);
-	describe(&x);
-	ret = plan(&x, r->chunk_q ? r->chunk_q : APE__CHUNK_DEFAULT,
-		   r->chunk_k ? r->chunk_k : APE__CHUNK_DEFAULT, res->budget);
+	for (int d = 0; d < r->ndev; d++)
+		if ((ret = ape__backward_supported(r->fn, r->devs[d])))
+			return ret;
+	memset(&sh, 0, sizeof(sh));
+	sh.r = r;
+	atomic_init(&sh.abort, false);
+	x = ape__calloc((size_t)r->ndev, sizeof(*x));
+	if (r->trace_path)
+		sh.traces = ape__calloc((size_t)r->ndev, sizeof(*sh.traces));
+	if (!x || (r->trace_path && !sh.traces)) {
+		free(x);
+		free(sh.traces);
+		return ape__error(APE_ENOMEM, "%s: out of host memory", r->fn);
+	}
+	res->budget = UINT64_MAX;
+	for (int d = 0; d < r->ndev; d++) {
+		const uint64_t budget = r->budget ? r->budget : ape__default_budget(r->devs[d]);
+
+		x[d].r = r;
+		x[d].sh = &sh;
+		x[d].dev = r->devs[d];
+		x[d].ops = r->devs[d]->be->ops;
+		if (sh.traces) {
+			x[d].trace = &sh.traces[d];
+			ape__trace_label(x[d].trace, r->devs, d);
+			x[d].trace->device_clock = x[d].ops->event_timestamp != NULL;
+		}
+		ape__devmem_init(&x[d].mem, r->devs[d], budget);
+		res->budget = budget < res->budget ? budget : res->budget;
+		describe(&x[d]);
+	}
+	ret = plan_all(x, r->ndev);
 	if (!ret)
-		ret = prepare_host(&x);
+		ret = split_keys(x, r->ndev);
+	for (int d = 0; d < r->ndev && !ret; d++)
+		if (x[d].kc0 < x[d].kc1)
+			ret = prepare_host(&x[d]);
+	if (!ret && ((r->dk && !(sh.dk_all = ape__malloc(kgrad * sizeof(float)))) ||
+		     (r->dv && !(sh.dv_all = ape__malloc(kgrad * sizeof(float))))))
+		ret = ape__error(APE_ENOMEM, "%s: out of host memory staging the backward pass",
+				 r->fn);
 	if (!ret) {
-		ret = alloc_device(&x);
-		if (!ret)
-			ret = run_chunks(&x);
-		if (ret)
-			ret = ape__error_prefix(ape__error_on(ret, dev), r->fn);
+		sh.t0 = ape__now_ms();
+		ret = ape__run_per_device(r->fn, r->devs, r->ndev, device_main, x, &sh.abort);
+		for (int d = 0; d < r->ndev && !ret; d++)
+			if (x[d].ret < 0) /* the first failure, in device order */
+				ret = ape__error(x[d].ret, "%s", x[d].msg);
 	}
 	if (!ret)
-		ret = write_outputs(&x);
-	res->cq = x.cq;
-	res->ck = x.ck;
-	res->peak = x.mem.peak;
-	release(&x);
+		ret = finish(&sh, x, r->ndev);
+	if (!ret && sh.traces)
+		ret = ape__trace_write(r->trace_path, r->fn, sh.traces, r->ndev);
+	sum_results(x, r->ndev, res);
+	for (int d = 0; d < r->ndev; d++) {
+		release_host(&x[d]);
+		if (sh.traces)
+			ape__trace_free(&sh.traces[d]);
+	}
+	free(sh.traces);
+	free(sh.dk_all);
+	free(sh.dv_all);
+	free(x);
 	return ret;
 }

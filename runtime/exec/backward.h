@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The backward pass on one device, streamed as key chunks x query chunks under the device
- * budget: inputs packed and copied to device buffers counted against the budget,
- * attention_backward launches into zeroed float32 (and float64) accumulators, gradients summed
- * in a fixed order and written to the caller's tensors only once everything succeeded.
+ * The backward pass on one device or several, streamed as key chunks x query chunks under each
+ * device's budget: key chunks split among the devices, inputs packed and copied to device
+ * buffers counted against the budget, attention_backward launches into zeroed float32 (and
+ * float64) accumulators, gradients summed in a fixed order and written to the caller's tensors
+ * only once every device succeeded.
  */
 #ifndef APE_RUNTIME_BACKWARD_H
 #define APE_RUNTIME_BACKWARD_H
@@ -18,8 +19,11 @@
 /* A validated backward call that needs a device: B*H >= 1, Lq >= 1, Lk >= 1. */
 struct ape__bwd_req {
 	const char *fn; /* for messages */
-	struct ape_device *dev;
-	uint64_t budget; /* device bytes; 0: the device's default */
+	struct ape_device *const *devs; /* each with a backward pass (ape__backward_supported) */
+	int ndev; /* 1..APE_MAX_DEVICES */
+	const double *weights; /* ndev shares of the key chunks, each > 0; NULL: equal shares */
+	const char *trace_path; /* NULL: no trace */
+	uint64_t budget; /* device bytes, per device; 0: each device's default */
 	int64_t chunk_q, chunk_k; /* most rows per chunk; 0: APE__CHUNK_DEFAULT */
 	const struct ape__problem *p; /* p->out_dtype is o's */
 	const ape_tensor *q, *k, *v, *o, *dout;
@@ -30,11 +34,14 @@ struct ape__bwd_req {
 	float *dparams; /* NULL or 4*H */
 };
 
+/* Summed over the devices, unless said otherwise. */
 struct ape__bwd_result {
 	uint64_t h2d, d2h; /* bytes copied each way */
-	uint64_t peak; /* device bytes held at once */
-	uint64_t budget; /* the budget the call ran under; UINT64_MAX: none */
+	uint64_t peak; /* device bytes held at once, on the device that held the most */
+	uint64_t budget; /* the smallest budget of the devices; UINT64_MAX: none */
 	double kernel_ms; /* device time of the launches */
+	double copy_ms; /* device time of the copies */
+	int devices; /* devices that were given key chunks */
 	uint64_t launches; /* (query chunk, key chunk) pairs launched */
 	uint64_t pairs_computed; /* visible (query, key) pairs computed, when pairs_counted */
 	bool pairs_counted; /* the launches could skip keys and counted what they computed */
@@ -46,10 +53,11 @@ struct ape__bwd_result {
 int ape__backward_supported(const char *fn, const struct ape_device *dev);
 
 /*
- * Runs the call. Returns 0 with every wanted output written, or a negative code with the
- * message set and nothing written: APE_ENOTSUP (the backend has no attention_backward),
- * APE_ENOMEM (host memory, or a budget too small for one query row and one key row: the
- * message says what that needs), device errors.
+ * Runs the call. Returns 0 with every wanted output written (and the trace, when asked for), or
+ * a negative code with the message set and nothing written: APE_ENOTSUP (a device's backend has
+ * no attention_backward), APE_ENOMEM (host memory, or a budget too small for one query row and
+ * one key row: the message names the device and says what that needs), device errors (the
+ * first failing device's, in list order, naming it), APE_EIO (the trace file).
  */
 int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res);
 

@@ -115,14 +115,38 @@ static double chunk_cost(const struct ape__problem *p, int64_t i0, int64_t n, bo
 	return (double)pairs + 1;
 }
 
+void ape__split_ranges(const double *weight, int ndev, const double *cost, int64_t n,
+		       int64_t *bounds)
+{
+	double bound[APE_MAX_DEVICES], wsum = 0, total = 0, acc = 0, share = 0;
+	int d = 0;
+
+	for (int i = 0; i < ndev; i++)
+		wsum += weight[i];
+	for (int64_t c = 0; c < n; c++)
+		total += cost[c];
+	/* device d's range ends where the cumulative cost passes its cumulative share */
+	for (int i = 0; i < ndev; i++) {
+		share += weight[i];
+		bound[i] = total * share / wsum;
+	}
+	bounds[0] = 0;
+	for (int64_t c = 0; c < n; c++) {
+		while (d < ndev - 1 && acc + cost[c] / 2 > bound[d])
+			bounds[++d] = c;
+		acc += cost[c];
+	}
+	while (++d <= ndev) /* the last range, and empty ones after it */
+		bounds[d] = n;
+}
+
 static int split_work(const struct ape__exec_req *r, int64_t cq, int64_t nq, bool skipping,
 		      struct ape__workq *w)
 {
-	double weight[APE_MAX_DEVICES], bound[APE_MAX_DEVICES];
-	double wsum = 0, known = 0, total = 0, acc = 0, share = 0;
+	double weight[APE_MAX_DEVICES], known = 0;
 	int64_t bounds[APE_MAX_DEVICES + 1];
 	double *cost;
-	int nknown = 0, d = 0;
+	int nknown = 0;
 
 	if (r->ndev == 1) {
 		ape__workq_single(w, nq);
@@ -136,11 +160,9 @@ static int split_work(const struct ape__exec_req *r, int64_t cq, int64_t nq, boo
 			nknown++;
 		}
 	}
-	for (int i = 0; i < r->ndev; i++) {
+	for (int i = 0; i < r->ndev; i++)
 		if (!(weight[i] > 0)) /* not measured yet: the average of those that were */
 			weight[i] = nknown ? known / nknown : 1.0;
-		wsum += weight[i];
-	}
 	cost = ape__malloc((size_t)nq * sizeof(double) + 1);
 	if (!cost)
 		return ape__error(APE_ENOMEM, "%s: out of memory splitting the work", r->fn);
@@ -148,22 +170,9 @@ static int split_work(const struct ape__exec_req *r, int64_t cq, int64_t nq, boo
 		int64_t i0 = c * cq, n = i0 + cq < r->p->Lq ? cq : r->p->Lq - i0;
 
 		cost[c] = chunk_cost(r->p, i0, n, skipping);
-		total += cost[c];
 	}
-	/* contiguous ranges (consecutive query chunks share key chunks), sized by weight: device
-	 * d's range ends where the cumulative cost passes its cumulative share */
-	for (int i = 0; i < r->ndev; i++) {
-		share += weight[i];
-		bound[i] = total * share / wsum;
-	}
-	bounds[0] = 0;
-	for (int64_t c = 0; c < nq; c++) {
-		while (d < r->ndev - 1 && acc + cost[c] / 2 > bound[d])
-			bounds[++d] = c;
-		acc += cost[c];
-	}
-	while (++d <= r->ndev) /* the last range, and empty ones after it */
-		bounds[d] = nq;
+	/* contiguous ranges: consecutive query chunks share key chunks */
+	ape__split_ranges(weight, r->ndev, cost, nq, bounds);
 	ape__workq_set(w, r->ndev, bounds);
 	free(cost);
 	return 0;
@@ -199,8 +208,6 @@ static void *worker_main(void *arg)
 	struct ape__stream *s = NULL;
 	double t0 = ape__now_ms();
 
-	if (sh->r->ndev > 1)
-		ape__bind_thread(dev);
 	w->trace.host_start_ms = t0 - sh->t0;
 	w->ret = ape__stream_create(dev, &w->geom, &s);
 	if (!w->ret)
@@ -248,35 +255,58 @@ static void sum_stats(struct ape__stream_stats *to, const struct ape__stream_sta
 		to->peak_bytes = from->peak_bytes;
 }
 
-static void label(struct ape__trace_dev *t, const struct ape__exec_req *r, int d)
-{
-	const struct ape_device *dev = r->devs[d];
-	int dup = 0;
+/* One thread of ape__run_per_device(). */
+struct per_device {
+	void (*body)(void *arg, int d);
+	void *arg;
+	int d;
+	struct ape_device *dev;
+	pthread_t thread;
+};
 
-	for (int i = 0; i < d; i++)
-		dup += r->devs[i] == dev;
-	snprintf(t->label, sizeof(t->label), "%s:%d %s%s", dev->info.backend,
-		 dev->info.backend_index, dev->info.name, dup ? " (again)" : "");
+static void *per_device_main(void *arg)
+{
+	struct per_device *t = arg;
+
+	ape__bind_thread(t->dev);
+	t->body(t->arg, t->d);
+	return NULL;
+}
+
+int ape__run_per_device(const char *fn, ape_device *const *devs, int ndev,
+			void (*body)(void *arg, int d), void *arg, atomic_bool *abort)
+{
+	struct per_device t[APE_MAX_DEVICES];
+	int started = 0, ret = 0;
+
+	if (ndev == 1) {
+		body(arg, 0);
+		return 0;
+	}
+	for (; started < ndev; started++) {
+		t[started] = (struct per_device){ body, arg, started, devs[started], 0 };
+		if (pthread_create(&t[started].thread, NULL, per_device_main, &t[started])) {
+			atomic_store(abort, true);
+			ret = ape__error(APE_ENOMEM, "%s: cannot start a thread for device %d", fn,
+					 started);
+			break;
+		}
+	}
+	for (int d = 0; d < started; d++)
+		pthread_join(t[d].thread, NULL);
+	return ret;
+}
+
+static void worker_body(void *arg, int d)
+{
+	worker_main(&((struct worker *)arg)[d]);
 }
 
 static int run_workers(struct shared *sh, struct worker *w)
 {
 	const struct ape__exec_req *r = sh->r;
-	int started = 0, ret = 0;
+	int ret = ape__run_per_device(r->fn, r->devs, r->ndev, worker_body, w, &sh->abort);
 
-	if (r->ndev == 1) {
-		worker_main(&w[0]);
-	} else {
-		for (; started < r->ndev; started++)
-			if (pthread_create(&w[started].thread, NULL, worker_main, &w[started])) {
-				atomic_store(&sh->abort, true);
-				ret = ape__error(APE_ENOMEM, "%s: cannot start a thread for device %d",
-						 r->fn, started);
-				break;
-			}
-		for (int d = 0; d < started; d++)
-			pthread_join(w[d].thread, NULL);
-	}
 	for (int d = 0; d < r->ndev && !ret; d++)
 		if (w[d].ret < 0) { /* the first failure, in device order */
 			ret = ape__error(w[d].ret, "%s", w[d].msg);
@@ -395,7 +425,7 @@ int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
 		w[d].sh = &sh;
 		w[d].who = d;
 		w[d].tracing = r->trace_path != NULL;
-		label(&w[d].trace, r, d);
+		ape__trace_label(&w[d].trace, r->devs, d);
 		w[d].geom = (struct ape__stream_geom){
 			.B = r->p->B, .H = r->p->H, .Hkv = r->p->Hkv, .D = r->p->D,
 			.in_dtype = r->p->in_dtype, .plan = plans[d], .host_kv = true,

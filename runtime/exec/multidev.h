@@ -7,6 +7,7 @@
 #ifndef APE_RUNTIME_MULTIDEV_H
 #define APE_RUNTIME_MULTIDEV_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -50,6 +51,23 @@ uint64_t ape__default_budget(const struct ape_device *dev);
 /* Plans, runs on every device, merges the statistics, writes the trace. Returns 0 or a
  * negative code with the message set (naming how many query chunks were written). */
 int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res);
+
+/*
+ * Contiguous ranges of n items for ndev devices: device d takes [bounds[d], bounds[d + 1]),
+ * the cumulative cost of the ranges following the cumulative share of the weights (each > 0).
+ * The forward splits query chunks with it, the backward (exec/backward.c) key chunks.
+ */
+void ape__split_ranges(const double *weight, int ndev, const double *cost, int64_t n,
+		       int64_t *bounds);
+
+/*
+ * Runs body(arg, d) for every d in 0..ndev-1: with one device on the calling thread (binding it
+ * would change the caller's affinity for good), else on one thread per device, bound to the
+ * device's local CPUs. Returns 0 once every body returned, or APE_ENOMEM naming fn when a
+ * thread could not start: *abort is raised first and the threads started are joined.
+ */
+int ape__run_per_device(const char *fn, ape_device *const *devs, int ndev,
+			void (*body)(void *arg, int d), void *arg, atomic_bool *abort);
 
 #pragma GCC visibility pop
 #endif

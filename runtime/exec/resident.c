@@ -32,6 +32,10 @@ static void template_of(const struct ape__resident_req *r, struct ape__launch *l
 	l->strided = true;
 	for (int t = 0; t < APE__T_COUNT; t++)
 		l->view[t] = r->view[t];
+	l->ent = r->diag[0];
+	l->md = r->diag[1];
+	l->diag_view[0] = r->diag_view[0];
+	l->diag_view[1] = r->diag_view[1];
 }
 
 /* The backend's scratch for launches of `rows` query rows. */
@@ -82,6 +86,8 @@ int ape__resident_enqueue(const struct ape__resident_req *r, int64_t rows)
 		l.view[APE__T_Q].off = r->view[APE__T_Q].off + i0 * r->view[APE__T_Q].sl;
 		l.view[APE__T_O].off = r->view[APE__T_O].off + i0 * r->view[APE__T_O].sl;
 		l.view[APE__T_LSE].off = r->view[APE__T_LSE].off + i0 * r->view[APE__T_LSE].sl;
+		for (int d = 0; d < 2; d++)
+			l.diag_view[d].off = r->diag_view[d].off + i0 * r->diag_view[d].sl;
 		ret = r->dev->be->ops->attention(r->q, &l);
 		if (ret)
 			return ret;

@@ -22,6 +22,10 @@ struct ape__resident_req {
 	struct ape__view view[APE__T_COUNT]; /* where each lies in its buffer, validated */
 	struct ape__buf *pairs; /* NULL, or [B,H,Lq] uint64, contiguous (statistics) */
 	uint64_t budget; /* device bytes the launches' scratch may take; 0: the device's default */
+	/* the diagnostics, entropy [0] and mean distance [1] ([B,H,Lq] float), each NULL or where
+	 * diag_view says; only for a backend that declares attention_diag_views */
+	struct ape__buf *diag[2];
+	struct ape__view diag_view[2];
 };
 
 /*

@@ -50,6 +50,16 @@ struct ape__kv_loader {
 		    struct ape__buf *dk, struct ape__buf *dv, uint64_t *h2d, uint64_t *d2h,
 		    uint64_t *d2d);
 	void *arg;
+	/*
+	 * Optional (NULL: every chunk is loaded). Where key rows [j0, j0 + n) lie on the device,
+	 * for a launch that reads them in place: sets *k, *v (block pools) and *pg and returns
+	 * true, or returns false (then the chunk is loaded). Enqueues nothing. The session asks
+	 * the backend's attention_pages next; when it accepts, wait() orders its compute queue
+	 * after whatever still writes those rows, and the launch reads them where they are.
+	 */
+	bool (*pages)(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct ape__buf **v,
+		      struct ape__kv_pages *pg);
+	int (*wait)(void *arg, struct ape__queue *q);
 };
 
 /* One call, read-only: the sessions of several devices share it. */

@@ -75,6 +75,7 @@ struct job {
 	int kvs; /* key/value slot */
 	int lane; /* copy queue of its load */
 	bool loaded; /* it copied its key chunk (up0, up1 are set) */
+	bool in_place; /* it reads its keys where the loader keeps them: no key/value slot */
 	struct ape__event *up0, *up1, *k0, *k1, *d0, *d1;
 	double host_t[3]; /* host clock at enqueue: load, kernel, read-back */
 	uint64_t h2d, out_bytes, scratch;

@@ -85,8 +85,8 @@ static void fill_launch(struct ape__stream *s, const struct job *j, int out,
 	l->Lq = r->n;
 	l->Lk = j->n;
 	l->q = s->qs[r->slot].buf;
-	l->k = s->kv[j->kvs].k;
-	l->v = s->kv[j->kvs].v;
+	l->k = j->in_place ? NULL : s->kv[j->kvs].k;
+	l->v = j->in_place ? NULL : s->kv[j->kvs].v;
 	l->o = s->out[out].o;
 	l->lse = s->out[out].lse;
 	l->pairs = c->want_pairs ? s->out[out].pairs : NULL;
@@ -94,6 +94,28 @@ static void fill_launch(struct ape__stream *s, const struct job *j, int out,
 	l->md = c->ent || c->md ? s->out[out].md : NULL;
 	l->q_start = c->p->q_start + r->i0;
 	l->k_start = c->p->k_start + j->j0;
+}
+
+/* Makes j a launch on keys where the loader keeps them, if the loader can say where and the
+ * backend takes such a launch: fills *l (its pages in *pg) and returns true. */
+static bool try_in_place(struct ape__stream *s, struct job *j, int out, struct ape__launch *l,
+			 struct ape__kv_pages *pg)
+{
+	const struct ape__kv_loader *ld = s->c->loader;
+	struct ape__buf *k, *v;
+
+	if (!ld || !ld->pages || !s->ops->attention_pages ||
+	    !ld->pages(ld->arg, j->j0, j->n, &k, &v, pg))
+		return false;
+	j->in_place = true;
+	fill_launch(s, j, out, l);
+	l->k = k;
+	l->v = v;
+	l->pages = pg;
+	if (s->ops->attention_pages(s->dev, l))
+		return true;
+	j->in_place = false;
+	return false;
 }
 
 static bool want_diag(const struct ape__stream_call *c)
@@ -128,6 +150,7 @@ int ape__stream_issue(struct ape__stream *s, struct qrec *r, int64_t kc)
 	struct job *j = &s->ring[out];
 	struct ape__queue *down = s->down[out];
 	struct ape__launch l;
+	struct ape__kv_pages pg;
 	uint64_t ob, lb;
 	size_t lo, oo;
 	char *host;
@@ -146,10 +169,15 @@ int ape__stream_issue(struct ape__stream *s, struct qrec *r, int64_t kc)
 	host = s->out[out].host.ptr;
 	if (!r->loaded && (ret = ape__stream_load_query(s, r)))
 		return ret;
-	if ((ret = ape__stream_load_keys(s, j)))
-		return ret;
-	s->kv[j->kvs].busy++;
-	fill_launch(s, j, out, &l);
+	if (try_in_place(s, j, out, &l, &pg)) {
+		if ((ret = c->loader->wait(c->loader->arg, s->exec)))
+			return ret;
+	} else {
+		if ((ret = ape__stream_load_keys(s, j)))
+			return ret;
+		s->kv[j->kvs].busy++;
+		fill_launch(s, j, out, &l);
+	}
 	if (s->qs[r->slot].prior && r->jobs > 1) {
 		/* the b-th chunk from the diagonal tests against 2^-b of its share: the whole
 		 * direction stays within it however many chunks it has */
@@ -164,7 +192,7 @@ int ape__stream_issue(struct ape__stream *s, struct qrec *r, int64_t kc)
 	lb = (uint64_t)(s->g.B * s->g.H * r->n) * sizeof(float);
 
 	if ((ret = ape__stream_wait_on(s, s->exec, s->qs[r->slot].ready)) ||
-	    (ret = ape__stream_wait_on(s, s->exec, s->kv[j->kvs].ready)))
+	    (!j->in_place && (ret = ape__stream_wait_on(s, s->exec, s->kv[j->kvs].ready))))
 		return ret;
 	if (c->poison) {
 		/* 0x7fc07fc0: a quiet NaN in f32, and two in f16 or bf16 */
@@ -178,7 +206,8 @@ int ape__stream_issue(struct ape__stream *s, struct qrec *r, int64_t kc)
 	if ((ret = ops->event_record(s->exec, &j->k0)) || (ret = ops->attention(s->exec, &l)) ||
 	    (ret = ops->event_record(s->exec, &j->k1)))
 		return ret;
-	s->kv[j->kvs].used = j->k1;
+	if (!j->in_place)
+		s->kv[j->kvs].used = j->k1;
 	s->qs[r->slot].used = j->k1;
 	/* the diagonal launch (a walk's first): its LSE is the later launches' prior */
 	if (s->qs[r->slot].prior && r->jobs == 1 &&
@@ -252,7 +281,8 @@ int ape__stream_retire(struct ape__stream *s)
 				       j->kc, j->out_bytes, fmax(j->host_t[2], t), NULL);
 	if (!ret)
 		consume(s, j, s->out[out].host.ptr);
-	s->kv[j->kvs].busy--;
+	if (!j->in_place)
+		s->kv[j->kvs].busy--;
 	ape__devmem_drop(&s->mem, j->scratch);
 	drop_job_events(s, j);
 	s->head = (s->head + 1) % s->depth;

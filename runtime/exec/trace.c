@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "ape/ape.h"
+#include "core/backend.h"
 #include "core/error.h"
 
 void ape__trace_add(struct ape__trace_dev *t, const char *what, int lane, double t0, double t1,
@@ -33,6 +34,17 @@ void ape__trace_add(struct ape__trace_dev *t, const char *what, int lane, double
 		t->cap = cap;
 	}
 	t->ev[t->n++] = (struct ape__trace_ev){ what, lane, t0, t1 > t0 ? t1 : t0, qc, kc, bytes };
+}
+
+void ape__trace_label(struct ape__trace_dev *t, struct ape_device *const *devs, int d)
+{
+	const struct ape_device *dev = devs[d];
+	int dup = 0;
+
+	for (int i = 0; i < d; i++)
+		dup += devs[i] == dev;
+	snprintf(t->label, sizeof(t->label), "%s:%d %s%s", dev->info.backend,
+		 dev->info.backend_index, dev->info.name, dup ? " (again)" : "");
 }
 
 void ape__trace_free(struct ape__trace_dev *t)

@@ -44,6 +44,10 @@ struct ape__trace_dev {
 void ape__trace_add(struct ape__trace_dev *t, const char *what, int lane, double t0, double t1,
 		    int64_t qc, int64_t kc, uint64_t bytes);
 void ape__trace_free(struct ape__trace_dev *t);
+/* The process name of entry d of a device list: "opencl:0 NAME", " (again)" when the same
+ * device came earlier in the list. */
+struct ape_device;
+void ape__trace_label(struct ape__trace_dev *t, struct ape_device *const *devs, int d);
 
 /* Writes the trace of `n` devices to `path` through a temporary file and a rename. Returns 0
  * or APE_EIO / APE_ENOMEM with a message naming `fn` and the file. */

@@ -24,8 +24,8 @@ static inline double ape__ref_load(const void *base, ape_dtype t, int64_t i)
 
 /*
  * Computes rows [row_begin, row_end) of the flattened [B*H*Lq] output of launch `l` from host
- * tensors laid out as ape__launch_view() says (pairs, ent, md: contiguous; each of lse, pairs,
- * ent, md may be NULL). Extra memory is O(D) per row; no key is ever skipped. The diagnostics
+ * tensors laid out as ape__launch_view() says (ent, md: as ape__launch_diag_view() says; pairs
+ * contiguous; each of lse, pairs, ent, md may be NULL). Extra memory is O(D) per row; no key is ever skipped. The diagnostics
  * come from float64 running sums rescaled with the online softmax (ape_diag_*()).
  */
 void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, const void *v,

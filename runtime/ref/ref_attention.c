@@ -83,6 +83,7 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 	const struct ape__view qv = ape__launch_view(l, APE__T_Q), kv = ape__launch_view(l, APE__T_K);
 	const struct ape__view vv = ape__launch_view(l, APE__T_V), ov = ape__launch_view(l, APE__T_O);
 	const struct ape__view lv = ape__launch_view(l, APE__T_LSE);
+	const struct ape__view ev = ape__launch_diag_view(l, 0), mv = ape__launch_diag_view(l, 1);
 	double qrow[APE_REF_MAX_D], acc[APE_REF_MAX_D];
 
 	for (int64_t row = row_begin; row < row_end; row++) {
@@ -146,8 +147,10 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 		if (pairs)
 			pairs[row] = seen;
 		if (ent)
-			ent[row] = bad ? NAN : (float)ape_diag_entropy(sum, s1);
+			ent[ev.off + b * ev.sb + h * ev.sh + i * ev.sl] =
+				bad ? NAN : (float)ape_diag_entropy(sum, s1);
 		if (md)
-			md[row] = bad ? NAN : (float)ape_diag_distance(sum, s2);
+			md[mv.off + b * mv.sb + h * mv.sh + i * mv.sl] =
+				bad ? NAN : (float)ape_diag_distance(sum, s2);
 	}
 }

@@ -254,5 +254,6 @@ const struct ape__backend_ops ape__ref_ops = {
 	.attention_backward = ref_attention_backward,
 	.buf_wrap = ref_buf_wrap,
 	.attention_diag = true,
+	.attention_diag_views = true,
 	/* no queue_wrap: the reference has no native queue; no native: no native objects */
 };

@@ -31,6 +31,7 @@ static struct {
 		uint64_t scratch; /* a queue's: declared scratch of backward launches in flight */
 	} *owners;
 	size_t nowners, owners_cap;
+	uint64_t max_alloc; /* wrap_max_alloc(): 0, the backend's own */
 } w = { .lock = PTHREAD_MUTEX_INITIALIZER, .fail_op = -1 };
 
 static const char *const op_names[WRAP_NOPS] = {
@@ -411,6 +412,19 @@ static int w_host_register(struct ape_device *dev, void *ptr, size_t bytes, void
 	return w.orig->host_register(dev, ptr, bytes, handle);
 }
 
+static uint64_t w_max_alloc(struct ape_device *dev)
+{
+	const uint64_t own = w.orig->max_alloc ? w.orig->max_alloc(dev) : UINT64_MAX;
+
+	return w.max_alloc && w.max_alloc < own ? w.max_alloc : own;
+}
+
+void wrap_max_alloc(uint64_t bytes)
+{
+	w.max_alloc = bytes;
+	w.ops.max_alloc = bytes ? w_max_alloc : w.orig->max_alloc;
+}
+
 void wrap_install(ape_device *dev, unsigned flags)
 {
 	w.be = dev->be;
@@ -443,7 +457,12 @@ void wrap_install(ape_device *dev, unsigned flags)
 		w.ops.event_timestamp = NULL;
 	if (flags & WRAP_NO_SCRATCH)
 		w.ops.attention_scratch = NULL;
+	if (flags & WRAP_NO_DIAG_VIEWS)
+		w.ops.attention_diag_views = false;
+	if (flags & WRAP_NO_PAGES)
+		w.ops.attention_pages = NULL;
 	memset(&w.c, 0, sizeof(w.c));
+	w.max_alloc = 0;
 	w.fail_op = -1;
 	w.fail_at = w.total = w.lost_at = 0;
 	dev->be->ops = &w.ops;

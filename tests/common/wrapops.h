@@ -22,6 +22,9 @@
 /* hide attention_backward_scratch from the core (the wrapper still counts what the backend
  * declares: a plan that ignores it shows) */
 #define WRAP_NO_BWD_SCRATCH (1u << 3)
+/* hide attention_diag_views: a backend without the diagnostics on device tensors */
+#define WRAP_NO_DIAG_VIEWS (1u << 4)
+#define WRAP_NO_PAGES (1u << 5) /* hide attention_pages: KV caches gather */
 
 /* The ops that can fail, as the wrapper counts and fails them. */
 enum wrap_op {
@@ -64,6 +67,8 @@ struct wrap_counts {
 void wrap_install(ape_device *dev, unsigned flags);
 /* Restores the backend's own ops. */
 void wrap_remove(void);
+/* After wrap_install(): max_alloc says at most `bytes` (0: the backend's own figure again). */
+void wrap_max_alloc(uint64_t bytes);
 /* The counts so far; wrap_reset() zeroes them (peak_bytes restarts from live_bytes). */
 struct wrap_counts wrap_get(void);
 void wrap_reset(void);

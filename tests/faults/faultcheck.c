@@ -3,15 +3,25 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ape/ape_dlpack.h"
 
-static void poison(test_problem *tp)
+static bool diag_mode(enum fx_mode m)
 {
+	return m == FX_DIAG || m == FX_KV_DIAG || m == FX_ENQUEUE_DIAG;
+}
+
+static void poison(fx_call *c)
+{
+	test_problem *tp = &c->tp;
+
 	test_tensor_poison(&tp->o.t);
 	for (size_t i = 0; tp->lse && i < tp->rows; i++)
 		tp->lse[i] = NAN;
+	for (size_t i = 0; c->ent && i < tp->rows; i++)
+		c->ent[i] = c->md[i] = NAN;
 }
 
 /* The tokens [from, from + n) of a contiguous [1, Hkv, L, D] tensor (B = Hkv = 1 here). */
@@ -54,25 +64,30 @@ static int run_kv(fx_call *c)
 		v = slice(&tp->v.t, first, L - first);
 		ret = ape_kv_cache_append(cache, &k, &v);
 	}
-	if (!ret)
+	if (!ret && c->ent)
+		ret = ape_kv_cache_attend_diag(cache, &tp->desc, &tp->q.t, &tp->o.t, tp->lse,
+					       c->ent, c->md, NULL);
+	else if (!ret)
 		ret = ape_kv_cache_attend(cache, &tp->desc, &tp->q.t, &tp->o.t, tp->lse, NULL);
 	ape_kv_cache_destroy(cache);
 	return ret;
 }
 
-/* The resident path: the inputs written to device buffers, the call enqueued, O and LSE read
- * back, then one synchronisation; everything released whatever failed. */
+/* The resident path: the inputs written to device buffers, the call enqueued, O and LSE (and
+ * the diagnostics) read back, then one synchronisation; everything released whatever failed. */
 static int run_enqueue(fx_call *c)
 {
 	test_problem *tp = &c->tp;
 	const ape_tensor *t[4] = { &tp->q.t, &tp->k.t, &tp->v.t, &tp->o.t };
-	ape_buffer *b[5] = { NULL };
-	ape_dtensor dt[5];
+	float *diag[2] = { c->ent, c->md };
+	ape_buffer *b[7] = { NULL };
+	ape_dtensor dt[7];
 	ape_queue *q = NULL;
-	size_t bytes[5];
+	size_t bytes[7];
+	const int nb = c->ent ? 7 : 5;
 	int ret = ape_queue_create(c->devs[0], &q);
 
-	for (int i = 0; i < 5 && !ret; i++) {
+	for (int i = 0; i < nb && !ret; i++) {
 		const int64_t *d = i < 4 ? t[i]->shape : tp->o.t.shape;
 
 		bytes[i] = (size_t)(d[0] * d[1] * d[2] * (i < 4 ? d[3] : 1)) * sizeof(float);
@@ -83,17 +98,22 @@ static int run_enqueue(fx_call *c)
 		if (!ret && i < 3)
 			ret = ape_buffer_write(q, b[i], 0, t[i]->data, bytes[i]);
 	}
-	if (!ret)
+	if (!ret && c->ent)
+		ret = ape_attention_enqueue_diag(q, &tp->desc, &dt[0], &dt[1], &dt[2], &dt[3],
+						 tp->lse ? &dt[4] : NULL, &dt[5], &dt[6]);
+	else if (!ret)
 		ret = ape_attention_enqueue(q, &tp->desc, &dt[0], &dt[1], &dt[2], &dt[3],
 					    tp->lse ? &dt[4] : NULL);
 	if (!ret)
 		ret = ape_buffer_read(q, tp->o.t.data, b[3], 0, bytes[3]);
 	if (!ret && tp->lse)
 		ret = ape_buffer_read(q, tp->lse, b[4], 0, bytes[4]);
+	for (int i = 5; i < nb && !ret; i++)
+		ret = ape_buffer_read(q, diag[i - 5], b[i], 0, bytes[i]);
 	if (!ret)
 		ret = ape_queue_synchronize(q);
 	ape_queue_destroy(q); /* waits for what was enqueued, before the buffers go */
-	for (int i = 0; i < 5; i++)
+	for (int i = 0; i < nb; i++)
 		ape_buffer_free(b[i]);
 	return ret;
 }
@@ -119,14 +139,18 @@ int fx_call_run(fx_call *c)
 {
 	int ret;
 
-	poison(&c->tp);
+	poison(c);
 	c->msg[0] = 0;
-	if (c->mode == FX_KV)
+	if (c->mode == FX_KV || c->mode == FX_KV_DIAG)
 		ret = run_kv(c);
-	else if (c->mode == FX_ENQUEUE)
+	else if (c->mode == FX_ENQUEUE || c->mode == FX_ENQUEUE_DIAG)
 		ret = run_enqueue(c);
 	else if (c->mode == FX_DLPACK)
 		ret = run_dlpack(c);
+	else if (c->mode == FX_DIAG)
+		ret = ape_attention_forward_diag(c->devs, c->ndev, &c->eo, &c->tp.desc, &c->tp.q.t,
+						 &c->tp.k.t, &c->tp.v.t, &c->tp.o.t, c->tp.lse,
+						 c->ent, c->md, NULL);
 	else
 		ret = ape_attention_forward_ex(c->devs, c->ndev, &c->eo, &c->tp.desc, &c->tp.q.t,
 					       &c->tp.k.t, &c->tp.v.t, &c->tp.o.t, c->tp.lse, NULL);
@@ -135,12 +159,26 @@ int fx_call_run(fx_call *c)
 	return ret;
 }
 
+/* The four arrays of the diagnostics modes, rows floats each. -1 when out of memory. */
+static int diag_alloc(fx_call *c, size_t rows)
+{
+	float **a[4] = { &c->ent, &c->md, &c->want_ent, &c->want_md };
+	int ret = 0;
+
+	for (int i = 0; i < 4; i++) {
+		*a[i] = malloc(rows * sizeof(float) + 4);
+		ret |= *a[i] ? 0 : -1;
+	}
+	return ret;
+}
+
 int fx_call_init(fx_call *c, ape_device *const *devs, int ndev, enum fx_mode mode, int64_t L,
 		 int64_t chunk)
 {
-	const bool kv = mode == FX_KV;
-	/* KV: a few decode-like queries after the cache; forward: a square problem */
-	const test_problem_shape sh = { 1, 2, kv ? 2 : 1, kv ? 4 : L, L, 16 };
+	const bool kv = mode == FX_KV || mode == FX_KV_DIAG;
+	/* KV: a few decode-like queries after the cache (D = 32: where the OpenCL decode reads
+	 * the blocks in place); forward: a square problem */
+	const test_problem_shape sh = { 1, 2, kv ? 2 : 1, kv ? 4 : L, L, kv ? 32 : 16 };
 	ape_rng rng;
 	int ret;
 
@@ -167,6 +205,8 @@ int fx_call_init(fx_call *c, ape_device *const *devs, int ndev, enum fx_mode mod
 	c->tp.desc.skip_tol = 0; /* every chunk pair is launched: the most operations to break */
 	if (test_problem_clone(&c->inputs, &c->tp))
 		return APE_ENOMEM;
+	if (diag_mode(mode) && diag_alloc(c, c->tp.rows))
+		return APE_ENOMEM;
 	ret = fx_call_run(c);
 	if (ret)
 		return ret;
@@ -174,6 +214,10 @@ int fx_call_init(fx_call *c, ape_device *const *devs, int ndev, enum fx_mode mod
 		return APE_ENOMEM;
 	if (c->tp.lse) /* the clone allocates LSE without copying it */
 		memcpy(c->want.lse, c->tp.lse, c->tp.rows * sizeof(float));
+	if (c->ent) {
+		memcpy(c->want_ent, c->ent, c->tp.rows * sizeof(float));
+		memcpy(c->want_md, c->md, c->tp.rows * sizeof(float));
+	}
 	return 0;
 }
 
@@ -188,6 +232,12 @@ int fx_call_clone(fx_call *dst, const fx_call *src, ape_device *dev)
 		return APE_ENOMEM;
 	if (src->want.lse) /* the clone allocates LSE without copying it */
 		memcpy(dst->want.lse, src->want.lse, src->want.rows * sizeof(float));
+	if (src->ent) {
+		if (diag_alloc(dst, src->tp.rows))
+			return APE_ENOMEM;
+		memcpy(dst->want_ent, src->want_ent, src->tp.rows * sizeof(float));
+		memcpy(dst->want_md, src->want_md, src->tp.rows * sizeof(float));
+	}
 	return 0;
 }
 
@@ -210,6 +260,10 @@ void fx_call_free(fx_call *c)
 	test_problem_free(&c->tp);
 	test_problem_free(&c->want);
 	test_problem_free(&c->inputs);
+	free(c->ent);
+	free(c->md);
+	free(c->want_ent);
+	free(c->want_md);
 }
 
 /* -1: every value of the row is NaN (untouched); 1: it equals the clean row; 0: neither. */
@@ -225,6 +279,15 @@ static int row_state(const fx_call *c, int64_t h, int64_t i)
 
 		all_nan &= isnan(got);
 		same &= c->exact ? got == want : fabs(got - want) <= test_tol_o(APE_F32) * scale;
+	}
+	if (c->ent) { /* the diagnostics (clean rows: no NaN) at LSE's tolerance, MD's scale L */
+		const double tol = test_tol_lse(APE_F32);
+
+		all_nan &= isnan(c->ent[r]) && isnan(c->md[r]);
+		same &= c->exact ? c->ent[r] == c->want_ent[r] && c->md[r] == c->want_md[r]
+				 : fabs(c->ent[r] - c->want_ent[r]) <= tol * 16 &&
+					   fabs(c->md[r] - c->want_md[r]) <=
+						   tol * (double)c->tp.k.t.shape[2];
 	}
 	if (!c->tp.lse)
 		return all_nan ? -1 : same ? 1 : 0;
@@ -249,7 +312,7 @@ const char *fx_call_verify(fx_call *c, int ret)
 			return "an input changed";
 	if (ret && !c->msg[0])
 		return "an error without a message";
-	if (ret && (c->mode == FX_ENQUEUE || c->mode == FX_DLPACK))
+	if (ret && (c->mode == FX_ENQUEUE || c->mode == FX_ENQUEUE_DIAG || c->mode == FX_DLPACK))
 		return NULL; /* O and LSE unspecified after a failure */
 	if (ret && strstr(c->msg, "computed in place and are unspecified"))
 		return NULL; /* a host call on a device computing on host memory: said so */

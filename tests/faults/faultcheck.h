@@ -22,6 +22,11 @@ enum fx_mode {
 	FX_ENQUEUE = 2, /* ape_queue_create, ape_buffer_alloc x5, writes, ape_attention_enqueue,
 			 * reads, ape_queue_synchronize, frees (one device) */
 	FX_DLPACK = 3, /* ape_attention_forward_dlpack() on kDLCPU tensors (one device) */
+	/* the same calls with both diagnostics (docs/diagnostics.md), whose rows must follow O's:
+	 * written and clean, or untouched */
+	FX_DIAG = 4, /* ape_attention_forward_diag() */
+	FX_KV_DIAG = 5, /* a KV-cache session attending with ape_kv_cache_attend_diag() */
+	FX_ENQUEUE_DIAG = 6, /* FX_ENQUEUE with ape_attention_enqueue_diag(), 7 buffers */
 };
 
 typedef struct fx_call {
@@ -36,6 +41,9 @@ typedef struct fx_call {
 	ape_exec_options eo;
 	int64_t cq; /* query rows per chunk, as the outputs are written */
 	char msg[1024]; /* ape_last_error() of the last failed run */
+	/* the diagnostics modes: entropy and mean distance of each run and of the clean one
+	 * (rows floats each; NULL in the other modes) */
+	float *ent, *md, *want_ent, *want_md;
 } fx_call;
 
 /* A forward call of Lq = Lk = L rows in chunks of `chunk` (0: one chunk) over ndev devices, a

@@ -2,7 +2,8 @@
 /*
  * Allocation-failure injection: for a device enumeration, forward calls (one-shot and streamed,
  * reference and OpenCL, one and two devices), a KV-cache session, the device-resident path
- * (buffers, queue, ape_attention_enqueue) and the DLPack call, counts the library's host
+ * (buffers, queue, ape_attention_enqueue), the DLPack call and the diagnostics calls
+ * (ape_attention_forward_diag, ape_kv_cache_attend_diag, ape_attention_enqueue_diag), counts the library's host
  * allocations of a clean run, then fails each one in turn. Every broken run must return
  * APE_ENOMEM with a message (or, where the library has a fallback, succeed with the clean
  * result), leave the inputs byte-identical and the outputs as README promises; the context must
@@ -107,6 +108,25 @@ TEST_F_TIMEOUT(af, dlpack, 300)
 	if (why)
 		SKIP(return, "kDLCPU tensors need a device computing on host memory: %s", why);
 	run_case(_metadata, self->dev, 1, FX_DLPACK, 64, 0, "DLPack call on kDLCPU tensors");
+}
+
+/* The diagnostics calls (docs/diagnostics.md): the streamed forward, the KV cache's attend and
+ * the resident call with entropy and mean distance, whose rows follow O's. */
+TEST_F_TIMEOUT(af, diag_streamed, 300)
+{
+	run_case(_metadata, self->dev, 1, FX_DIAG, 192, 64,
+		 "ape_attention_forward_diag, 3x3 chunks");
+}
+
+TEST_F_TIMEOUT(af, diag_kv_cache, 300)
+{
+	run_case(_metadata, self->dev, 1, FX_KV_DIAG, 80, 0, "KV cache, ape_kv_cache_attend_diag");
+}
+
+TEST_F_TIMEOUT(af, diag_enqueue, 300)
+{
+	run_case(_metadata, self->dev, 1, FX_ENQUEUE_DIAG, 64, 0,
+		 "resident buffers and ape_attention_enqueue_diag");
 }
 
 /* Creating a context enumerates every device (drivers, DRM, hwloc, the merge into physical

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Failures in the backward pass, on the reference, for a call run as one launch and one
- * streamed in 3 x 3 chunks:
+ * Failures in the backward pass, on the reference, for a call run as one launch, one
+ * streamed in 3 x 3 chunks, and one streamed in 3 x 3 chunks over two entries of the device
+ * (two threads, the key chunks split between them):
  * - every host allocation of a clean call failed in turn (builds with -DAPE_FAULT_INJECT, that
  *   is `make faults-ci`; other builds skip that test): APE_ENOMEM with a message;
  * - every fallible device op failed at each of its occurrences, then the device lost from each
@@ -29,6 +30,7 @@ struct bcall {
 	bcase c;
 	grads g, clean, poisoned;
 	ape_device *dev;
+	int ndev; /* dev listed ndev times: the key chunks split over as many threads */
 	int64_t chunk; /* rows per chunk both ways; 0: the default (one launch here) */
 	unsigned char *in;
 	size_t in_bytes;
@@ -57,7 +59,20 @@ static int bcall_run(struct bcall *b)
 	test_tensor_poison(&b->g.dv.t);
 	for (int64_t i = 0; i < 4 * b->g.H; i++)
 		b->g.dparams[i] = NAN;
-	ret = run_chunked(&b->c, b->dev, &b->g, b->chunk, b->chunk, NULL);
+	if (b->ndev == 1) {
+		ret = run_chunked(&b->c, b->dev, &b->g, b->chunk, b->chunk, NULL);
+	} else {
+		ape_device *devs[2] = { b->dev, b->dev };
+		const test_problem *tp = &b->c.tp;
+		ape_exec_options eo;
+
+		ape_exec_options_init(&eo);
+		eo.chunk_q = eo.chunk_k = b->chunk;
+		ret = ape_attention_backward_ex(devs, b->ndev, &eo, &tp->desc, &tp->q.t, &tp->k.t,
+						&tp->v.t, &tp->o.t, tp->lse, &b->c.dout.t,
+						b->c.dlse, &b->g.dq.t, &b->g.dk.t, &b->g.dv.t,
+						b->g.dparams, NULL);
+	}
 	snprintf(b->msg, sizeof(b->msg), "%s", ret ? ape_last_error() : "");
 	return ret;
 }
@@ -80,7 +95,7 @@ static const char *bcall_verify(struct bcall *b, int ret)
 	return same_grads(&b->g, &b->poisoned, W_ALL) ? NULL : "a failed call wrote an output";
 }
 
-static int bcall_init(struct bcall *b, ape_device *dev, int64_t chunk)
+static int bcall_init(struct bcall *b, ape_device *dev, int ndev, int64_t chunk)
 {
 	const test_problem_shape sh = { 1, 4, 2, 12, 12, 8 };
 	const void *ptr[7];
@@ -89,6 +104,7 @@ static int bcall_init(struct bcall *b, ape_device *dev, int64_t chunk)
 
 	memset(b, 0, sizeof(*b));
 	b->dev = dev;
+	b->ndev = ndev;
 	b->chunk = chunk;
 	ape_rng_init(&rng, "bwdfail");
 	if (bcase_make(&b->c, &rng, &sh, APE_F16, true, true))
@@ -127,14 +143,15 @@ static void bcall_free(struct bcall *b)
 }
 
 #ifdef APE_FAULT_INJECT
-static void alloc_sweep(struct __test_metadata *_metadata, int64_t chunk, const char *what)
+static void alloc_sweep(struct __test_metadata *_metadata, int ndev, int64_t chunk,
+			const char *what)
 {
 	ape_context *ctx = test_context("ref");
 	struct bcall b;
 	uint64_t total;
 	int ret;
 
-	ASSERT_EQ(0, bcall_init(&b, test_device(ctx, "ref"), chunk)) TH_LOG("%s", b.msg);
+	ASSERT_EQ(0, bcall_init(&b, test_device(ctx, "ref"), ndev, chunk)) TH_LOG("%s", b.msg);
 	ape__fault_alloc_arm(0);
 	ASSERT_EQ(0, bcall_run(&b));
 	total = ape__fault_alloc_count();
@@ -161,8 +178,9 @@ static void alloc_sweep(struct __test_metadata *_metadata, int64_t chunk, const 
 TEST(allocation_failures)
 {
 #ifdef APE_FAULT_INJECT
-	alloc_sweep(_metadata, 0, "backward, one launch");
-	alloc_sweep(_metadata, 4, "backward, 3 x 3 chunks");
+	alloc_sweep(_metadata, 1, 0, "backward, one launch");
+	alloc_sweep(_metadata, 1, 4, "backward, 3 x 3 chunks");
+	alloc_sweep(_metadata, 2, 4, "backward, 3 x 3 chunks, two devices");
 #else
 	SKIP(return, "libape built without -DAPE_FAULT_INJECT: run `make faults-ci`");
 #endif
@@ -184,7 +202,8 @@ static void judge(struct __test_metadata *_metadata, struct bcall *b, int ret, i
 	EXPECT_EQ(NULL, bcall_verify(b, 0));
 }
 
-static void device_sweep(struct __test_metadata *_metadata, int64_t chunk, const char *what)
+static void device_sweep(struct __test_metadata *_metadata, int ndev, int64_t chunk,
+			 const char *what)
 {
 	static const enum wrap_op ops[] = { WRAP_BUF_ALLOC,	     WRAP_QUEUE_CREATE,
 					    WRAP_COPY_H2D,	     WRAP_COPY_D2H,
@@ -198,7 +217,7 @@ static void device_sweep(struct __test_metadata *_metadata, int64_t chunk, const
 	struct bcall b;
 
 	wrap_install(dev, 0);
-	ASSERT_EQ(0, bcall_init(&b, dev, chunk)) TH_LOG("%s", b.msg);
+	ASSERT_EQ(0, bcall_init(&b, dev, ndev, chunk)) TH_LOG("%s", b.msg);
 	wrap_reset();
 	ASSERT_EQ(0, bcall_run(&b));
 	clean = wrap_get();
@@ -233,8 +252,10 @@ static void device_sweep(struct __test_metadata *_metadata, int64_t chunk, const
 
 TEST(device_failures)
 {
-	device_sweep(_metadata, 0, "backward, one launch");
-	device_sweep(_metadata, 4, "backward, 3 x 3 chunks");
+	device_sweep(_metadata, 1, 0, "backward, one launch");
+	device_sweep(_metadata, 1, 4, "backward, 3 x 3 chunks");
+	/* the two threads' calls interleave: the n-th call of an op falls in either */
+	device_sweep(_metadata, 2, 4, "backward, 3 x 3 chunks, two devices");
 }
 
 /* Launch n of a streamed call fails, for each n, on the reference and OpenCL. */
@@ -254,7 +275,7 @@ TEST(backward_launch_failures_on_every_backend)
 			continue;
 		}
 		wrap_install(dev, 0);
-		ASSERT_EQ(0, bcall_init(&b, dev, 4)) TH_LOG("%s: %s", backends[i], b.msg);
+		ASSERT_EQ(0, bcall_init(&b, dev, 1, 4)) TH_LOG("%s: %s", backends[i], b.msg);
 		wrap_reset();
 		ASSERT_EQ(0, bcall_run(&b));
 		clean = wrap_get();

@@ -4,8 +4,9 @@
  * or the OpenCL backend fails each fallible op at each of its occurrences in turn, then loses the
  * device for good from each point of the run on, for a one-shot call, a streamed call (3 x 3
  * chunks, pipelined), a call over two devices (the wrapped one failing, the other healthy), a
- * KV-cache session, the device-resident path (buffers, queue, ape_attention_enqueue) and the
- * DLPack call; and a device lost between ape_attention_enqueue() and ape_queue_synchronize(). Every broken run must return the injected error with a message that names
+ * KV-cache session, the device-resident path (buffers, queue, ape_attention_enqueue), the
+ * DLPack call, and the diagnostics calls (ape_attention_forward_diag, ape_kv_cache_attend_diag,
+ * ape_attention_enqueue_diag); and a device lost between ape_attention_enqueue() and ape_queue_synchronize(). Every broken run must return the injected error with a message that names
  * the device and the operation, leave the inputs byte-identical and the outputs as README's
  * 'Outputs on failure' says, and must not hang; the context must then serve the next call, on
  * this device and the other one, with the clean result; ASan/LSan (make faults-ci) see no leak.
@@ -174,6 +175,35 @@ TEST_F_TIMEOUT(df, dlpack, 600)
 	if (why)
 		SKIP(return, "kDLCPU tensors need a device computing on host memory: %s", why);
 	run_case(_metadata, self->dev, 1, FX_DLPACK, 64, 0, NULL, "DLPack");
+}
+
+/* The diagnostics calls (docs/diagnostics.md): one-shot and streamed forward, over two devices,
+ * the KV cache's attend and the resident call, each op failed in turn and the device lost from
+ * each point on; the entropy and mean distance rows follow O's (written and clean, or
+ * untouched). */
+TEST_F_TIMEOUT(df, diag_one_shot, 600)
+{
+	run_case(_metadata, self->dev, 1, FX_DIAG, 64, 0, self->dev[1], "diag one-shot");
+}
+
+TEST_F_TIMEOUT(df, diag_streamed, 600)
+{
+	run_case(_metadata, self->dev, 1, FX_DIAG, 192, 64, self->dev[1], "diag streamed 3x3");
+}
+
+TEST_F_TIMEOUT(df, diag_two_devices, 600)
+{
+	run_case(_metadata, self->dev, 2, FX_DIAG, 192, 64, NULL, "diag two devices");
+}
+
+TEST_F_TIMEOUT(df, diag_kv_cache, 600)
+{
+	run_case(_metadata, self->dev, 1, FX_KV_DIAG, 80, 0, self->dev[1], "diag KV cache");
+}
+
+TEST_F_TIMEOUT(df, diag_enqueue, 600)
+{
+	run_case(_metadata, self->dev, 1, FX_ENQUEUE_DIAG, 64, 0, self->dev[1], "diag resident");
 }
 
 /*

@@ -14,7 +14,12 @@
  *   read or write outside them) and succeeds, in one piece and streamed in chunks of a few rows
  *   (ape_attention_forward_ex) under an arbitrary memory budget;
  * - the backward pass (ape_attention_backward) refuses what the forward refuses, without
- *   touching memory, and runs every accepted tiny call, in one piece and streamed.
+ *   touching memory, and runs every accepted tiny call, in one piece and streamed;
+ * - the diagnostics call (ape_attention_forward_diag) refuses what the forward refuses, with the
+ *   same code; its entropy and mean-distance outputs, placed anywhere (unmapped, inside an
+ *   input, O or LSE, over each other), are refused exactly where ape__check_diag_outputs()
+ *   refuses them, before anything is touched; an accepted tiny call runs, in one piece and
+ *   streamed, every row written with an entropy in [0, ln Lk] (or NaN) and a distance >= 0.
  */
 #include <float.h>
 #include <math.h>
@@ -191,7 +196,8 @@ static uint64_t span_of(const ape_tensor *t, const int64_t s[4])
 /*
  * The backward pass of an accepted tiny call, over its O and LSE: dO from what the input has
  * left, every gradient wanted, each in the inputs' type or float32, contiguous; in one piece
- * and, with eo, streamed under the fuzzed budget. ASan sees every buffer's bounds.
+ * and, with eo, streamed under the fuzzed budget over 1 to 3 entries of the reference device
+ * (the key chunks split between them). ASan sees every buffer's bounds.
  */
 static void run_backward(const struct call *c, const struct ape__problem *p, ape_tensor t[4],
 			 struct in *in, const ape_exec_options *eo)
@@ -199,6 +205,8 @@ static void run_backward(const struct call *c, const struct ape__problem *p, ape
 	const size_t rows = (size_t)(p->B * p->H * p->Lq);
 	const size_t nq = rows * (size_t)p->D, nk = (size_t)(p->B * p->Hkv * p->Lk * p->D);
 	const ape_dtype gt = take(in, 1) & 1 ? APE_F32 : p->in_dtype;
+	const int ndev = 1 + (int)(take(in, 1) % 3);
+	ape_device *const devs[3] = { ref, ref, ref };
 	const size_t esz = ape_dtype_size(p->in_dtype), gsz = ape_dtype_size(gt);
 	float *lse = malloc((rows + 1) * sizeof(float)), dparams[4 * 16];
 	void *dout = malloc(nq * esz + 1), *dq = malloc(nq * gsz + 1);
@@ -219,8 +227,9 @@ static void run_backward(const struct call *c, const struct ape__problem *p, ape
 				     &tdq, &tdk, &tdv, dparams, NULL);
 	check(ret == 0, "the backward of an accepted small call runs on the reference backend");
 	if (eo) {
-		ret = ape_attention_backward_ex(&ref, 1, eo, &c->desc, &t[0], &t[1], &t[2], &t[3],
-						lse, &tdo, lse, &tdq, &tdk, &tdv, dparams, NULL);
+		ret = ape_attention_backward_ex(devs, ndev, eo, &c->desc, &t[0], &t[1], &t[2],
+						&t[3], lse, &tdo, lse, &tdq, &tdk, &tdv, dparams,
+						NULL);
 		check(ret == 0 || (ret == APE_ENOMEM && eo->max_device_bytes),
 		      "a streamed backward succeeds, or says the budget is too small");
 	}
@@ -230,6 +239,9 @@ static void run_backward(const struct call *c, const struct ape__problem *p, ape
 	free(dk);
 	free(dv);
 }
+
+static void run_diag(const struct call *c, const struct ape__problem *p, ape_tensor t[4],
+		     float *lse, const ape_exec_options *eo);
 
 /* Accepted and tiny: run it for real, over buffers exactly as large as the strides address. */
 static void run_accepted(const struct call *c, const struct ape__problem *p, struct in *in)
@@ -276,10 +288,84 @@ static void run_accepted(const struct call *c, const struct ape__problem *p, str
 		check(ret == 0 || (ret == APE_ENOMEM && eo.max_device_bytes),
 		      "a streamed call succeeds, or says the budget is too small");
 	}
+	run_diag(c, p, t, lse, stream ? &eo : NULL);
 	run_backward(c, p, t, in, stream ? &eo : NULL);
 	for (int i = 0; i < 4; i++)
 		free(buf[i]);
 	free(lse);
+}
+
+/*
+ * The diagnostics' outputs of a validated call (its tensors at unmapped addresses), placed by
+ * the input: apart, inside q, k, v, o or lse at a fuzzed offset, or the mean distance over the
+ * entropy. ape_attention_forward_diag() must give ape__check_diag_outputs()'s verdict, without
+ * touching memory: a placement it accepts is then run with an invalid desc (rope_base -1,
+ * found before any work) so that nothing is written either. False when the placement was
+ * refused (the call is done with).
+ */
+static bool check_diag_placement(struct call *c, const struct ape__problem *p, float *lse,
+				 struct in *in)
+{
+	float *out[2] = { (float *)(uintptr_t)0x7ff400000000ull,
+			  (float *)(uintptr_t)0x7ff600000000ull };
+	unsigned how = (unsigned)take(in, 1);
+	ape_attn_desc bad = c->desc;
+	int ret, fret;
+
+	for (int j = 0; j < 2; j++, how >>= 3) {
+		const unsigned w = how & 7;
+		uint8_t *at = w < 4 ? (uint8_t *)c->t[w].data : w == 4 ? (uint8_t *)lse : NULL;
+
+		if (at)
+			out[j] = (float *)(at + (take(in, 2) & ~(uint64_t)3));
+		else if (w == 5 && j == 1 && out[0])
+			out[1] = out[0] + (take(in, 1) & 15);
+		else if (w == 6)
+			out[j] = NULL;
+	}
+	ret = ape__check_diag_outputs("fuzz", p, &c->t[0], &c->t[1], &c->t[2], &c->t[3], lse,
+				      out[0], out[1]);
+	check(ret == 0 || ret == APE_EINVAL, "the diagnostics' placement: 0 or EINVAL");
+	bad.rope_base = -1;
+	fret = ape_attention_forward_diag(&ref, 1, NULL, ret ? &c->desc : &bad, &c->t[0],
+					  &c->t[1], &c->t[2], &c->t[3], lse, out[0], out[1], NULL);
+	if (ret) {
+		check(fret == ret, "ape_attention_forward_diag refuses a placement validation refuses");
+		check(strstr(ape_last_error(), "overlaps") != NULL, "the message says what overlaps");
+		return false;
+	}
+	check(fret == APE_EINVAL && strstr(ape_last_error(), "rope_base"),
+	      "an accepted placement with a bad desc is refused for the desc alone");
+	return true;
+}
+
+/* An accepted tiny call with both diagnostics, in one piece and streamed (eo): every row's
+ * entropy within [0, ln Lk] (NaN rows aside: NaN or Inf inputs) and its distance >= 0. */
+static void run_diag(const struct call *c, const struct ape__problem *p, ape_tensor t[4],
+		     float *lse, const ape_exec_options *eo)
+{
+	const size_t rows = (size_t)(p->B * p->H * p->Lq);
+	float *ent = malloc(rows * sizeof(float) + 4), *md = malloc(rows * sizeof(float) + 4);
+	const double emax = p->Lk > 1 ? log((double)p->Lk) + 1e-3 : 1e-3;
+	int ret;
+
+	check(ent && md, "malloc");
+	for (int pass = 0; pass < (eo ? 2 : 1); pass++) {
+		for (size_t r = 0; r < rows; r++)
+			ent[r] = md[r] = -1.0f; /* every row must be written */
+		ret = ape_attention_forward_diag(&ref, 1, pass ? eo : NULL, &c->desc, &t[0], &t[1],
+						 &t[2], &t[3], lse, ent, md, NULL);
+		if (pass && ret == APE_ENOMEM && eo->max_device_bytes)
+			break; /* the budget is too small, and it said so */
+		check(ret == 0, "an accepted small diagnostics call runs on the reference backend");
+		for (size_t r = 0; r < rows; r++) {
+			check(isnan(ent[r]) || (ent[r] >= -1e-3 && ent[r] <= emax),
+			      "entropy in [0, ln Lk] or NaN");
+			check(isnan(md[r]) || md[r] >= 0, "mean distance >= 0 or NaN");
+		}
+	}
+	free(ent);
+	free(md);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -324,6 +410,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		check(fret == ret, "ape_attention_forward refuses what validation refuses");
 		check(!strncmp(ape_last_error(), "ape_attention_forward: ", 23),
 		      "the public message names ape_attention_forward");
+		fret = ape_attention_forward_diag(&ref, 1, NULL, &c.desc, &c.t[0], &c.t[1], &c.t[2],
+						  &c.t[3], lse, (float *)(uintptr_t)0x7ff400000000ull,
+						  (float *)(uintptr_t)0x7ff600000000ull, NULL);
+		check(fret == ret, "ape_attention_forward_diag refuses what validation refuses");
+		check(!strncmp(ape_last_error(), "ape_attention_forward_diag: ", 28),
+		      "the public message names ape_attention_forward_diag");
 		/* the backward validates q, k, v, o and desc by the same rules, and dO, a gradient
 		 * and dLSE (unmapped too) besides: refused as well, nothing touched */
 		{
@@ -346,7 +438,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	/* Small enough to run in microseconds on the float64 reference. */
 	work = (uint64_t)p.B * (uint64_t)p.H * ((uint64_t)p.Lq + 1) * ((uint64_t)p.Lk + 1) *
 	       (uint64_t)p.D;
-	if (p.B <= 4 && p.H <= 16 && p.Lq <= 64 && p.Lk <= 64 && work <= (1u << 15) &&
+	if (check_diag_placement(&c, &p, lse, &in) &&
+	    p.B <= 4 && p.H <= 16 && p.Lq <= 64 && p.Lk <= 64 && work <= (1u << 15) &&
 	    span_of(&c.t[0], p.qs) <= (1u << 16) && span_of(&c.t[1], p.ks) <= (1u << 16) &&
 	    span_of(&c.t[2], p.vs) <= (1u << 16) && span_of(&c.t[3], p.os) <= (1u << 16))
 		run_accepted(&c, &p, &in);

@@ -3,19 +3,22 @@
  * libFuzzer target: the device-resident calls on the reference backend. The input describes a
  * call twice over:
  *
- * - ape_attention_enqueue() on device tensors in one to three buffers of fuzzed sizes
+ * - ape_attention_enqueue() (or, when the input asks for entropy or mean distance,
+ *   ape_attention_enqueue_diag(), whose two outputs are fuzzed like lse) on device tensors in
+ *   one to three buffers of fuzzed sizes
  *   (ape_buffer_alloc: the reference's buffers are exact heap blocks, so AddressSanitizer sees
  *   any access outside them), each tensor with a fuzzed buffer, byte offset, dtype, shape and
  *   strides (compact, padded layouts, raw values at the edges of int64);
- * - ape_attention_forward_dlpack() on kDLCPU DLTensors with fuzzed data pointers (NULL,
+ * - ape_attention_forward_dlpack() (or ape_attention_forward_dlpack_diag(), with entropy and
+ *   mean distance DLTensors fuzzed like lse) on kDLCPU DLTensors with fuzzed data pointers (NULL,
  *   misaligned), byte offsets, ndim, shapes, strides (NULL, negative, huge), dtypes (codes,
  *   bits, lanes), devices and streams, over host blocks exactly as large as the tensor
  *   addresses.
  *
  * Promises checked:
  * - a refused call returns APE_EINVAL, APE_EOVERFLOW or APE_ENOTSUP with a message naming the
- *   function (ape__check_resident() and ape_attention_enqueue() give the same verdict), and
- *   enqueues nothing;
+ *   function (ape__check_resident() / ape__check_resident_diag() and the public call give the
+ *   same verdict), and enqueues nothing;
  * - an accepted call small enough to run in microseconds runs (and ape_queue_synchronize()
  *   succeeds) without touching a byte outside its buffers;
  * - any other call (more work, or DLTensors over memory not backed: NULL, misaligned, unmapped
@@ -132,7 +135,7 @@ static void dims_of(const struct shape5 *s, int i, int64_t d[4])
 	d[0] = s->B;
 	d[1] = kv ? s->Hkv : s->H;
 	d[2] = kv ? s->Lk : s->Lq;
-	d[3] = i == 4 ? 1 : s->D;
+	d[3] = i >= 4 ? 1 : s->D; /* lse, entropy, mean distance: [B, H, Lq, 1] */
 }
 
 /* ---------------------------------------------------------------- ape_attention_enqueue */
@@ -140,10 +143,13 @@ static void dims_of(const struct shape5 *s, int i, int64_t d[4])
 static void fuzz_enqueue(struct in *in, const struct shape5 *s, ape_queue *queue)
 {
 	ape_buffer *bufs[3] = { NULL };
-	ape_dtensor t[5];
+	ape_dtensor t[7];
 	struct ape__problem p;
-	struct ape__buf *bb[APE__T_COUNT];
-	struct ape__view views[APE__T_COUNT];
+	struct ape__buf *bb[APE__T_COUNT], *db[2];
+	struct ape__view views[APE__T_COUNT], dv[2];
+	const unsigned diag = (unsigned)take(in, 1) & 3; /* 1: entropy, 2: mean distance */
+	const ape_dtensor *ent = NULL, *md = NULL;
+	const char *pub = diag ? "ape_attention_enqueue_diag: " : "ape_attention_enqueue: ";
 	int nbuf = 1 + (int)(take(in, 1) % 3), ret, eret;
 
 	for (int b = 0; b < nbuf; b++) {
@@ -163,12 +169,12 @@ static void fuzz_enqueue(struct in *in, const struct shape5 *s, ape_queue *queue
 			free(host);
 		}
 	}
-	for (int i = 0; i < 5; i++) {
+	for (int i = 0; i < (diag ? 7 : 5); i++) {
 		int64_t d[4];
 		unsigned which = (unsigned)take(in, 1);
 
 		dims_of(s, i, d);
-		ape_dtensor_init(&t[i], bufs[which % nbuf], 0, i == 4 ? APE_F32 : s->dt, d[0], d[1],
+		ape_dtensor_init(&t[i], bufs[which % nbuf], 0, i >= 4 ? APE_F32 : s->dt, d[0], d[1],
 				 d[2], d[3]);
 		if (i == 3 && (which & 4))
 			t[i].dtype = APE_F32;
@@ -183,21 +189,34 @@ static void fuzz_enqueue(struct in *in, const struct shape5 *s, ape_queue *queue
 		take_strides(in, t[i].shape, t[i].strides);
 	}
 	if (take(in, 1) & 1) /* a buffer nobody computes with, or none */
-		t[take(in, 1) % 5].buf = NULL;
+		t[take(in, 1) % (diag ? 7 : 5)].buf = NULL;
+	ent = diag & 1 ? &t[5] : NULL;
+	md = diag & 2 ? &t[6] : NULL;
 	/* per-head parameters are materialised (4 floats a head) before anything runs: a call
 	 * claiming millions of heads legitimately allocates that much (as in fuzz_problem.c) */
 	if (t[0].shape[1] > (1 << 16))
 		goto out;
-	ret = ape__check_resident("fuzz", ref, &s->desc, &t[0], &t[1], &t[2], &t[3],
-				  s->want_lse ? &t[4] : NULL, &p, bb, views);
+	ret = ape__check_resident_diag("fuzz", ref, &s->desc, &t[0], &t[1], &t[2], &t[3],
+				       s->want_lse ? &t[4] : NULL, ent, md, &p, bb, views, db, dv);
+	if (!diag) {
+		struct ape__problem p2;
+		int ret2 = ape__check_resident("fuzz", ref, &s->desc, &t[0], &t[1], &t[2], &t[3],
+					       s->want_lse ? &t[4] : NULL, &p2, bb, views);
+
+		check(ret2 == ret, "without diagnostics, the diag validation is the plain one");
+		if (!ret2)
+			ape__problem_fini(&p2);
+	}
 	if (ret) {
 		check(ret == APE_EINVAL || ret == APE_EOVERFLOW, "refused with EINVAL or EOVERFLOW");
 		check(!strncmp(ape_last_error(), "fuzz: ", 6), "the message names the function");
-		eret = ape_attention_enqueue(queue, &s->desc, &t[0], &t[1], &t[2], &t[3],
-					     s->want_lse ? &t[4] : NULL);
-		check(eret == ret, "ape_attention_enqueue refuses what validation refuses");
-		check(!strncmp(ape_last_error(), "ape_attention_enqueue: ", 23),
-		      "the public message names ape_attention_enqueue");
+		eret = diag ? ape_attention_enqueue_diag(queue, &s->desc, &t[0], &t[1], &t[2], &t[3],
+							 s->want_lse ? &t[4] : NULL, ent, md)
+			    : ape_attention_enqueue(queue, &s->desc, &t[0], &t[1], &t[2], &t[3],
+						    s->want_lse ? &t[4] : NULL);
+		check(eret == ret, "the public call refuses what validation refuses");
+		check(!strncmp(ape_last_error(), pub, strlen(pub)),
+		      "the public message names the public call");
 	} else {
 		ape_attn_desc bad = s->desc;
 		bool run = tiny(p.B, p.H, p.Lq, p.Lk, p.D);
@@ -205,8 +224,10 @@ static void fuzz_enqueue(struct in *in, const struct shape5 *s, ape_queue *queue
 		ape__problem_fini(&p);
 		if (!run) /* too much work to run: refused by its desc alone, nothing enqueued */
 			bad.rope_base = -1;
-		eret = ape_attention_enqueue(queue, &bad, &t[0], &t[1], &t[2], &t[3],
-					     s->want_lse ? &t[4] : NULL);
+		eret = diag ? ape_attention_enqueue_diag(queue, &bad, &t[0], &t[1], &t[2], &t[3],
+							 s->want_lse ? &t[4] : NULL, ent, md)
+			    : ape_attention_enqueue(queue, &bad, &t[0], &t[1], &t[2], &t[3],
+						    s->want_lse ? &t[4] : NULL);
 		check(run ? eret == 0 : eret == APE_EINVAL,
 		      "an accepted small call is enqueued; a larger one with a bad desc refused");
 		check(ape_queue_synchronize(queue) == 0, "and runs");
@@ -237,17 +258,20 @@ out:
 
 static void fuzz_dlpack(struct in *in, const struct shape5 *s)
 {
-	DLTensor t[5];
-	int64_t shp[5][4], str[5][4];
-	void *block[5] = { NULL };
+	DLTensor t[7];
+	int64_t shp[7][4], str[7][4];
+	void *block[7] = { NULL };
 	bool runnable = tiny(s->B, s->H, s->Lq, s->Lk, s->D);
+	const unsigned diag = (unsigned)take(in, 1) & 3; /* 1: entropy, 2: mean distance */
+	const char *pub = diag ? "ape_attention_forward_dlpack_diag: "
+			       : "ape_attention_forward_dlpack: ";
 	void *stream = NULL;
 	ape_attn_desc desc;
 	int ret;
 
-	for (int i = 0; i < 5; i++) {
+	for (int i = 0; i < (diag ? 7 : 5); i++) {
 		unsigned which = (unsigned)take(in, 1), more = (unsigned)take(in, 1);
-		const int nd = i == 4 ? 3 : 4;
+		const int nd = i >= 4 ? 3 : 4;
 		uint64_t elems, esz;
 		int64_t s4[4];
 
@@ -256,10 +280,10 @@ static void fuzz_dlpack(struct in *in, const struct shape5 *s)
 		t[i].device = (DLDevice){ kDLCPU, 0 };
 		t[i].ndim = nd;
 		t[i].shape = shp[i];
-		t[i].dtype = (DLDataType){ s->dt == APE_F32 || i == 4 ? kDLFloat
+		t[i].dtype = (DLDataType){ s->dt == APE_F32 || i >= 4 ? kDLFloat
 					   : s->dt == APE_F16	  ? kDLFloat
 								  : kDLBfloat,
-					   s->dt == APE_F32 || i == 4 ? 32 : 16, 1 };
+					   s->dt == APE_F32 || i >= 4 ? 32 : 16, 1 };
 		if (which & 1)
 			t[i].dtype = (DLDataType){ (uint8_t)take(in, 1), (uint8_t)take(in, 1),
 						   (uint16_t)take(in, 2) };
@@ -337,17 +361,22 @@ static void fuzz_dlpack(struct in *in, const struct shape5 *s)
 	desc = s->desc;
 	if (!runnable)
 		desc.rope_base = -1;
-	ret = ape_attention_forward_dlpack(ref, &desc, &t[0], &t[1], &t[2], &t[3],
-					   s->want_lse ? &t[4] : NULL, stream);
+	if (diag)
+		ret = ape_attention_forward_dlpack_diag(ref, &desc, &t[0], &t[1], &t[2], &t[3],
+							s->want_lse ? &t[4] : NULL,
+							diag & 1 ? &t[5] : NULL,
+							diag & 2 ? &t[6] : NULL, stream);
+	else
+		ret = ape_attention_forward_dlpack(ref, &desc, &t[0], &t[1], &t[2], &t[3],
+						   s->want_lse ? &t[4] : NULL, stream);
 	check(runnable || ret, "a call with an invalid desc is refused");
 	if (ret) {
 		check(ret == APE_EINVAL || ret == APE_EOVERFLOW || ret == APE_ENOTSUP,
 		      "the DLPack call refuses with EINVAL, EOVERFLOW or ENOTSUP");
-		check(strstr(ape_last_error(), "ape_attention_forward_dlpack: ") != NULL,
-		      "the message names ape_attention_forward_dlpack");
+		check(strstr(ape_last_error(), pub) != NULL, "the message names the DLPack call");
 	}
 out:
-	for (int i = 0; i < 5; i++)
+	for (int i = 0; i < 7; i++)
 		free(block[i]);
 }
 

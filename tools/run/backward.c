@@ -56,9 +56,9 @@ static float *grad_buffer(const char *flag, const char *path, uint64_t count, ch
 	return p;
 }
 
-int run_backward(const struct run_args *a, ape_device *dev, const struct input in[4],
-		 const ape_tensor *ot, const float *lse, struct run_grads *g, char *msg,
-		 size_t len)
+int run_backward(const struct run_args *a, ape_device *const *devs, int ndev,
+		 const struct input in[4], const ape_tensor *ot, const float *lse,
+		 struct run_grads *g, char *msg, size_t len)
 {
 	const int64_t *qs = in[0].t.shape, *ks = in[1].t.shape;
 	ape_tensor dq, dk, dv;
@@ -80,7 +80,7 @@ int run_backward(const struct run_args *a, ape_device *dev, const struct input i
 	eo.chunk_q = eo.chunk_k = a->chunk;
 	eo.max_device_bytes = a->max_mem;
 	ape_stats_init(&st);
-	ret = ape_attention_backward_ex(&dev, 1, &eo, &a->desc, &in[0].t, &in[1].t, &in[2].t, ot,
+	ret = ape_attention_backward_ex(devs, ndev, &eo, &a->desc, &in[0].t, &in[1].t, &in[2].t, ot,
 					lse, &in[3].t, g->dlse, g->dq ? &dq : NULL,
 					g->dk ? &dk : NULL, g->dv ? &dv : NULL, g->dparams, &st);
 	if (ret) {

@@ -84,14 +84,14 @@ int run_load_dlse(const struct run_args *a, const struct input *q, struct run_gr
 		  char *msg, size_t len);
 
 /*
- * The backward call after the forward: in[0..2] Q, K, V and in[3] dO in the computation's type,
- * ot and lse the forward's O (float32) and LSE. Allocates the gradients the arguments ask for
+ * The backward call after the forward, on the forward's devices: in[0..2] Q, K, V and in[3] dO
+ * in the computation's type, ot and lse the forward's O (float32) and LSE. Allocates the gradients the arguments ask for
  * into g and fills them; prints the call's statistics with --stats. Returns an exit status
  * (3 for a backend without a backward pass), msg filled on failure.
  */
-int run_backward(const struct run_args *a, ape_device *dev, const struct input in[4],
-		 const ape_tensor *ot, const float *lse, struct run_grads *g, char *msg,
-		 size_t len);
+int run_backward(const struct run_args *a, ape_device *const *devs, int ndev,
+		 const struct input in[4], const ape_tensor *ot, const float *lse,
+		 struct run_grads *g, char *msg, size_t len);
 
 /* Frees what run_load_dlse() and run_backward() allocated. */
 void run_grads_free(struct run_grads *g);

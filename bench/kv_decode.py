@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Decode through the KV cache against PyTorch SDPA, in one process, interleaved (issue 16).
+
+One query (B = 1, H = 6, D = 64, float32, no decay: all four parameters 0) against Lk keys held
+in a libape.KVCache, and PyTorch's scaled_dot_product_attention on the same keys rotated once
+(as a cache holds them); the two timed in alternation, --rounds rounds of --repeats calls each,
+so that load on the machine falls on both alike. Prints each round's medians, the median of
+the per-round ratios libape / SDPA, and the fastest call of each (on a loaded machine the
+fastest calls are the nearest to what a quiet one gives).
+
+usage: build/venv/bin/python bench/kv_decode.py [--build build] [--Lk 32768] [--rounds 5]
+       [--repeats 9] [--threads N]
+LIBAPE_LIBRARY, when set, names the libape shared library to load (an A/B of two builds).
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def call_ms(fn):
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def median_ms(fn, repeats, mins, i):
+    """Median of `repeats` timed calls (after one untimed); the fastest lowers mins[i]."""
+    fn()
+    t = [call_ms(fn) for _ in range(repeats)]
+    mins[i] = min(mins[i], min(t))
+    return statistics.median(t)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--device", default="opencl")
+    ap.add_argument("--Lk", type=int, default=32768)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    os.environ.setdefault("LIBAPE_LIBRARY", os.path.join(args.build, "lib", "libape.so.0"))
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    sys.path.insert(0, HERE)
+    import numpy as np
+    import torch
+    import libape
+    from torch_ape import rope_rotate
+
+    torch.set_num_threads(args.threads)
+    H, D, Lk = 6, 64, args.Lk
+    g = torch.Generator().manual_seed(Lk)
+    k, v = (torch.randn(1, H, Lk, D, generator=g) for _ in range(2))
+    q1 = torch.randn(1, H, 1, D, generator=g)
+    kr = rope_rotate(k, torch.arange(Lk))
+    qr = rope_rotate(q1, torch.tensor([Lk - 1]))
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qr, kr, v)  # noqa: E731
+    with libape.KVCache(B=1, Hkv=H, D=D, capacity_tokens=Lk, device=args.device) as cache:
+        cache.append(k.numpy(), v.numpy())
+        qn = q1.numpy()
+        att = lambda: cache.attend(qn, delta=0.0, beta=0.0, gamma=0.0, lam=0.0,  # noqa: E731
+                                   skip_tol=0.0)
+        err = np.abs(att() - sdpa().numpy()).max()
+        assert err < 1e-4, "decode: libape vs SDPA differ by %g" % err
+        ratios, mins = [], [float("inf"), float("inf")]
+        for r in range(args.rounds):
+            ts = median_ms(sdpa, args.repeats, mins, 0)
+            tl = median_ms(att, args.repeats, mins, 1)
+            ratios.append(tl / ts)
+            print("round %d: sdpa %.2f ms  libape %.2f ms  ratio %.2f" % (r, ts, tl, tl / ts))
+    print("median ratio libape / SDPA: %.2fx; fastest calls: sdpa %.2f ms, libape %.2f ms, "
+          "ratio %.2fx (%s, Lk %d, %d threads, max |diff| %.1e)" % (
+              statistics.median(ratios), mins[0], mins[1], mins[1] / mins[0],
+              os.environ["LIBAPE_LIBRARY"], Lk, args.threads, err))
+
+
+if __name__ == "__main__":
+    main()
