@@ -25,8 +25,9 @@
  * nothing of size Lq * Lk exists (the partial buffers are nsplit times Lq * D). It uses the
  * forward's layout (docs/kernels.md): APE_RW query rows in the lanes of a vector, keys as
  * scalars, each rotation seeded exactly in APE_REAL by ape_seed_sincos (the forward's seed) at
- * the start of a key block and turned one step per key after it, the pair products in float32; the per-distance terms come from a
- * table of ape_math.h's values in APE_REAL, one vector load per key.
+ * the start of a key block and turned one step per key after it, the pair products in
+ * float32; the per-distance terms come from a table of ape_math.h's values in APE_REAL, one
+ * vector load per key.
  *
  * Built only with APE_FP64: dparams are float64 sums, and the host refuses the backward pass
  * on a device without cl_khr_fp64 (ocl_backward.c).
