@@ -1,17 +1,20 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * One backward launch (core/backend.h, struct ape__bwd_launch): the pre-passes (Q with dO and
- * K with V as float32 rows, the per-distance table, the per-row table), the keys sweep (dK,
- * dV), the queries sweep (dQ, the alpha path, per-row parameter sums) and the per-head float64
- * reduction of those sums, all in kernels/backward.cl, in that order on the launch's queue.
- * Only the sweeps whose outputs are wanted run.
+ * K with V as float32 rows, the per-distance table, the per-row table), the fused sweep (dK,
+ * dV, and per split of the key blocks the partial dQ, alpha path and per-row parameter sums),
+ * the reduction of the splits in split order (dQ, per-row parameter sums) and the per-head
+ * float64 reduction of those sums, all in kernels/backward.cl, in that order on the launch's
+ * queue. The sweep computes only the wanted outputs; the reductions run only for dQ or dparams.
  *
  * Scratch, released right after it is enqueued (the commands keep it alive), like the
  * forward's: the parameters, float32 copies of Q+dO and K+V (Q's rows padded to whole row
  * vectors), the row table (RI_N APE_REAL per query row), the per-row steps (2 floats per pair
  * and row), the distance table (TB_N per head and distance, H (Lq + Lk - 1)), the per-row
- * parameter sums (4 per row, with dparams only) and, with skipping, one key norm per (batch,
- * kv head): the size of the inputs, never O(Lq * Lk). bwd_scratch_size() sizes every buffer;
+ * parameter sums (4 per row, with dparams only), the sweep's per-split partials (nsplit slices
+ * of Lq D floats for dQ and of RP_N APE_REAL per row for the rows' sums, nsplit <=
+ * BWD_SPLITS_MAX) and, with skipping, one key norm per (batch, kv head): the size of the
+ * inputs, never O(Lq * Lk). bwd_scratch_size() sizes every buffer;
  * the launch allocates exactly those sizes, and attention_backward_scratch reports their sum
  * (core/backend.h), which the core counts against the budget of streamed calls.
  */
@@ -24,14 +27,34 @@
 #include "kernels/bwd_layout.h"
 #include "ocl.h"
 
-/* Keys per work-item of the keys sweep, as kernels/backward.cl's BWD_KT for the program
- * variant of D (ocl_program.c: 64 and 128 specialised, every other D up to 256 generic) */
+/* Keys per block of the fused sweep, as kernels/backward.cl's BWD_KT for the program variant
+ * of D (ocl_program.c: 64 and 128 specialised, every other D up to 256 generic) */
 static size_t bwd_kt(int64_t D)
 {
-	return D == 64 ? 32 : D == 128 ? 16 : 8;
+	return D == 64 ? 64 : D == 128 ? 16 : 8;
 }
 
-/* Work-items per work-group of the sweeps: whole groups, the excess returns at once. */
+/* Splits of each (batch, kv head)'s key blocks in the fused sweep: enough work-items for about
+ * four per compute unit, at most one per key block and at most BWD_SPLITS_MAX (each split has
+ * its own slice of the dQ and row-sum partials: nsplit (Lq D floats + 5 Lq APE_REAL) per
+ * (batch, head)). The same device and shape always give the same count, so the same sums. */
+#define BWD_SPLITS_MAX 8
+
+static size_t bwd_nsplit(const struct ape_device *dev, const struct ape__launch *f)
+{
+	const size_t cu = dev->info.compute_units > 0 ? (size_t)dev->info.compute_units : 1;
+	const size_t bkv = (size_t)(f->B * f->Hkv) > 0 ? (size_t)(f->B * f->Hkv) : 1;
+	const size_t nkb = ((size_t)f->Lk + bwd_kt(f->D) - 1) / bwd_kt(f->D);
+	size_t n = (4 * cu + bkv - 1) / bkv;
+
+	if (n > BWD_SPLITS_MAX)
+		n = BWD_SPLITS_MAX;
+	if (n > nkb)
+		n = nkb;
+	return n > 0 ? n : 1;
+}
+
+/* Work-items per work-group of the pre-passes: whole groups, the excess returns at once. */
 #define BWD_LOCAL 16
 
 /* The largest APE_RW a program takes (ocl_program.c: 1, 2, 4, 8 or 16). No size of
@@ -48,7 +71,7 @@ static size_t round_up(size_t n, size_t m)
 
 /* The bytes of each scratch buffer of one launch (0: not allocated). */
 struct bwd_scratch {
-	size_t prm, kmax, rinfo, step, tab, part, qp, kp;
+	size_t prm, kmax, rinfo, step, tab, part, qp, kp, dqp, rp;
 };
 
 /*
@@ -57,7 +80,7 @@ struct bwd_scratch {
  * A launch with nothing to do allocates nothing.
  */
 static uint64_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, size_t rw,
-				 struct bwd_scratch *s)
+				 size_t nsplit, struct bwd_scratch *s)
 {
 	const unsigned outs = APE__BWD_DQ | APE__BWD_DK | APE__BWD_DV | APE__BWD_DPARAMS;
 	const size_t bh = (size_t)(f->B * f->H), bkv = (size_t)(f->B * f->Hkv);
@@ -76,10 +99,16 @@ static uint64_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, si
 	/* a row vector's load of the last distances reaches rw - 1 past them */
 	s->tab = ((size_t)f->H * (size_t)(f->Lq + f->Lk - 1) * TB_N + rw) * sizeof(double);
 	s->part = parts & APE__BWD_DPARAMS ? bh * (size_t)f->Lq * 4 * sizeof(double) : 0;
-	/* ape_bwd_prep's float32 rows: Q with dO in blocks of rw rows, K with V one by one */
+	/* ape_bwd_prep's float32 rows: Q with dO in blocks of rw rows, K with V (and omega_p
+	 * times K's pairs) one by one */
 	s->qp = bh * qrows * (2 * npad + dpad) * sizeof(float);
-	s->kp = bkv * (size_t)f->Lk * (2 * npad + dpad) * sizeof(float);
-	return (uint64_t)s->prm + s->kmax + s->rinfo + s->step + s->tab + s->part + s->qp + s->kp;
+	s->kp = bkv * (size_t)f->Lk * (4 * npad + dpad) * sizeof(float);
+	/* ape_bwd_fused's per-split slices: dQ in row vectors, the rows' five sums */
+	s->dqp = parts & APE__BWD_DQ ? nsplit * bh * qrows * (size_t)f->D * sizeof(float) : 0;
+	s->rp = parts & (APE__BWD_DQ | APE__BWD_DPARAMS) ? nsplit * bh * qrows * RP_N * sizeof(double)
+							   : 0;
+	return (uint64_t)s->prm + s->kmax + s->rinfo + s->step + s->tab + s->part + s->qp + s->kp +
+	       s->dqp + s->rp;
 }
 
 uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
@@ -89,7 +118,7 @@ uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
 
 	if (!ape__ocl_dev(dev)->fp64) /* the launch fails before allocating */
 		return 0;
-	return bwd_scratch_size(&l->f, parts, BWD_RW_MAX, &s);
+	return bwd_scratch_size(&l->f, parts, BWD_RW_MAX, bwd_nsplit(dev, &l->f), &s);
 }
 
 /* One scratch buffer of the launch, of a size bwd_scratch_size() gave, added to *held. */
@@ -141,6 +170,26 @@ static cl_mem bwd_kmax(const struct ape__ocl_device *od, size_t bytes, uint64_t 
 	return mem;
 }
 
+/* A scratch buffer of `bytes` (bwd_scratch_size()) filled with zeros on the queue, added to
+ * *held (the fused sweep's per-split partials: a split adds only to the rows it visits). */
+static cl_mem bwd_zeros(struct ape__queue *q, size_t bytes, uint64_t *held, cl_int *err)
+{
+	const cl_uint zero = 0;
+	cl_mem mem = bwd_take(q, bytes, NULL, held, err);
+	cl_event ev;
+
+	if (!mem)
+		return NULL;
+	*err = clEnqueueFillBuffer(q->cq, mem, &zero, sizeof(zero), 0, bytes, 0, NULL, &ev);
+	if (*err == CL_SUCCESS && ape__ocl_track(q, ev) == 0)
+		return mem;
+	if (*err == CL_SUCCESS) /* the fill is done, but the tracking had no memory */
+		*err = CL_OUT_OF_HOST_MEMORY;
+	clReleaseMemObject(mem);
+	*held -= bytes;
+	return NULL;
+}
+
 /* Enqueues one kernel of the program with its arguments already set in a, then releases it. */
 static int bwd_run(struct ape__queue *q, struct ape__ocl_args *a, size_t n0, size_t l0, size_t n1,
 		   const char *name)
@@ -156,7 +205,7 @@ static int bwd_run(struct ape__queue *q, struct ape__ocl_args *a, size_t n0, siz
 	return ret;
 }
 
-/* The arguments both sweeps take first, in kernels/backward.cl's order (BWD_SWEEP_ARGS). */
+/* The arguments the sweep takes first, in kernels/backward.cl's order (BWD_SWEEP_ARGS). */
 struct bwd_sweep {
 	cl_mem qp, kp, prm, rinfo, step, tab;
 	cl_int npad, D, H, group, flags;
@@ -184,12 +233,12 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 }
 
 /* One of ape_bwd_prep's float32 copies, of `bytes` (bwd_scratch_size()): pairs of a (first then
- * second components), then b, for nbh (batch, head) pairs of L rows each, in blocks of `lanes`
- * rows (kernels/backward.cl). */
+ * second components), then b (then, with om, omega_p times a's pairs), for nbh (batch, head)
+ * pairs of L rows each, in blocks of `lanes` rows (kernels/backward.cl). */
 static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
 		    cl_mem b, cl_int dt_b, size_t nbh, cl_long L, cl_int lanes, cl_int D,
-		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, size_t bytes,
-		    uint64_t *held, cl_mem *out)
+		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, cl_mem om,
+		    size_t bytes, uint64_t *held, cl_mem *out)
 {
 	const size_t padded = round_up((size_t)L, (size_t)lanes);
 	struct ape__ocl_args args = { 0 };
@@ -212,6 +261,7 @@ static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_
 	ape__ocl_arg(&args, sizeof(inter), &inter);
 	ape__ocl_arg(&args, sizeof(cl_mem), out);
 	ape__ocl_arg(&args, sizeof(cl_mem), &kmax);
+	ape__ocl_arg(&args, sizeof(cl_mem), &om);
 	return bwd_run(q, &args, round_up(padded, local), local, nbh, "ape_bwd_prep");
 }
 
@@ -224,19 +274,21 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	const cl_long Lq = f->Lq, Lk = f->Lk, B = f->B, rel = f->q_start - f->k_start;
 	const cl_float scale = (cl_float)f->scale;
 	const size_t rows = (size_t)(f->B * f->H * f->Lq);
-	const size_t local = od->max_wg >= BWD_LOCAL ? BWD_LOCAL : 1, kt = bwd_kt(f->D);
+	const size_t local = od->max_wg >= BWD_LOCAL ? BWD_LOCAL : 1;
 	cl_int flags = B_DTYPES((cl_int)f->in_dtype, (cl_int)f->out_dtype, (cl_int)l->dout_dtype);
 	const cl_long nmin = rel - (Lk - 1), ndist = Lq + Lk - 1;
 	const cl_int inter = f->layout == APE_ROPE_INTERLEAVED;
 	cl_mem prm = NULL, rinfo = NULL, step = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL;
-	cl_mem none = NULL, kmax = NULL;
+	cl_mem none = NULL, kmax = NULL, dqp = NULL, rp = NULL;
 	cl_float tol = 0;
 	struct ape__ocl_args a;
 	struct bwd_sweep w;
 	struct bwd_scratch s;
 	cl_int npad, dpad, rw, err;
 	uint64_t held = 0, high;
-	size_t nblk;
+	size_t nblk, nsplit;
+	cl_long nrv;
+	cl_int ns;
 	int ret;
 
 	if (!od->fp64)
@@ -252,7 +304,8 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)rw);
 	dpad = (cl_int)round_up((size_t)f->D, (size_t)rw);
 	nblk = ((size_t)Lq + (size_t)rw - 1) / (size_t)rw; /* row vectors per (batch, head) */
-	bwd_scratch_size(f, ape__bwd_parts(l), (size_t)rw, &s);
+	nsplit = bwd_nsplit(q->dev, f);
+	bwd_scratch_size(f, ape__bwd_parts(l), (size_t)rw, nsplit, &s);
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
 		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0) | (f->pairs ? B_PAIRS : 0);
@@ -276,17 +329,21 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 		tab = bwd_take(q, s.tab, NULL, &held, &err);
 	if (tab && l->dparams)
 		part = bwd_take(q, s.part, NULL, &held, &err);
-	if (!tab || (l->dparams && !part)) {
+	if (tab && (!l->dparams || part) && s.dqp)
+		dqp = bwd_zeros(q, s.dqp, &held, &err);
+	if (tab && (!l->dparams || part) && (!s.dqp || dqp) && s.rp)
+		rp = bwd_zeros(q, s.rp, &held, &err);
+	if (!tab || (l->dparams && !part) || (s.dqp && !dqp) || (s.rp && !rp)) {
 		ret = ape__ocl_error(err, "clCreateBuffer (backward scratch)");
 		goto out_release;
 	}
 	ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem, (cl_int)l->dout_dtype,
-		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, s.qp, &held,
-		       &qp);
+		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, none, s.qp,
+		       &held, &qp);
 	if (!ret)
 		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
 			       (cl_int)f->in_dtype, (size_t)(B * f->Hkv), Lk, 1, D, npad, dpad,
-			       inter, local, kmax, s.kp, &held, &kp);
+			       inter, local, kmax, prm, s.kp, &held, &kp);
 	if (ret)
 		goto out_release;
 
@@ -332,29 +389,44 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 				.tab = tab,
 				.npad = npad, .D = D, .H = H, .group = group, .flags = flags,
 				.Lq = Lq, .Lk = Lk, .rel = rel, .scale = scale };
-	if (l->dk || l->dv) {
-		memset(&a, 0, sizeof(a));
-		a.k = clCreateKernel(pr->prog, "ape_bwd_keys", &a.err);
-		bwd_sweep_args(&a, &w);
-		ape__ocl_arg(&a, sizeof(cl_mem), l->dk ? &l->dk->mem : &none);
-		ape__ocl_arg(&a, sizeof(cl_mem), l->dv ? &l->dv->mem : &none);
-		/* one work-item per group: its accumulators are large (kernels/backward.cl) */
-		ret = bwd_run(q, &a, ((size_t)Lk + kt - 1) / kt, 1, (size_t)(B * f->Hkv),
-			      "ape_bwd_keys");
-		if (ret)
-			goto out_release;
-	}
+	/* one work-item per split of a (batch, kv head): its accumulators are large
+	 * (kernels/backward.cl) */
+	ns = (cl_int)nsplit;
+	nrv = (cl_long)((size_t)(B * H) * nblk);
+	memset(&a, 0, sizeof(a));
+	a.k = clCreateKernel(pr->prog, "ape_bwd_fused", &a.err);
+	bwd_sweep_args(&a, &w);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->dk ? &l->dk->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->dv ? &l->dv->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), &dqp);
+	ape__ocl_arg(&a, sizeof(cl_mem), &rp);
+	ape__ocl_arg(&a, sizeof(ns), &ns);
+	ape__ocl_arg(&a, sizeof(nrv), &nrv);
+	ret = bwd_run(q, &a, nsplit, 1, (size_t)(B * f->Hkv), "ape_bwd_fused");
+	if (ret)
+		goto out_release;
 
 	if (l->dq || l->dparams) {
 		memset(&a, 0, sizeof(a));
-		a.k = clCreateKernel(pr->prog, "ape_bwd_queries", &a.err);
-		bwd_sweep_args(&a, &w);
+		a.k = clCreateKernel(pr->prog, "ape_bwd_reduce", &a.err);
+		ape__ocl_arg(&a, sizeof(cl_mem), &prm);
+		ape__ocl_arg(&a, sizeof(npad), &npad);
+		ape__ocl_arg(&a, sizeof(cl_mem), &rinfo);
+		ape__ocl_arg(&a, sizeof(D), &D);
+		ape__ocl_arg(&a, sizeof(H), &H);
+		ape__ocl_arg(&a, sizeof(Lq), &Lq);
+		ape__ocl_arg(&a, sizeof(Lk), &Lk);
+		ape__ocl_arg(&a, sizeof(rel), &rel);
+		ape__ocl_arg(&a, sizeof(flags), &flags);
+		ape__ocl_arg(&a, sizeof(cl_mem), &dqp);
+		ape__ocl_arg(&a, sizeof(cl_mem), &rp);
+		ape__ocl_arg(&a, sizeof(ns), &ns);
+		ape__ocl_arg(&a, sizeof(nrv), &nrv);
 		ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dq ? &l->dq->mem : &none);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dparams ? &part : &none);
-		/* one work-item per row vector, one per group (its private arrays are large) */
-		ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H),
-			      "ape_bwd_queries");
+		/* one work-item per row vector */
+		ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H), "ape_bwd_reduce");
 		if (ret)
 			goto out_release;
 	}
@@ -384,6 +456,10 @@ out_release:
 		clReleaseMemObject(kmax);
 	if (part)
 		clReleaseMemObject(part);
+	if (dqp)
+		clReleaseMemObject(dqp);
+	if (rp)
+		clReleaseMemObject(rp);
 	if (tab)
 		clReleaseMemObject(tab);
 	if (qp)

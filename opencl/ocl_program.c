@@ -177,7 +177,7 @@ static int ocl_check_kernels(const struct ape__ocl_device *od, cl_program prog,
 {
 	static const char *const names[] = { "ape_attention", "ape_kmax", "ape_kscan",
 					       "ape_kv_prep", "ape_bwd_prep", "ape_bwd_dist",
-					       "ape_bwd_rows", "ape_bwd_keys", "ape_bwd_queries",
+					       "ape_bwd_rows", "ape_bwd_fused", "ape_bwd_reduce",
 					       "ape_bwd_params", "ape_copy_view" };
 
 	/* the backward kernels exist only with float64 (kernels/backward.cl) */

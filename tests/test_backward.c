@@ -1226,6 +1226,75 @@ TEST_F(bwd, every_backend_edge_cases)
 }
 
 /*
+ * The borders of a backward that splits each (batch, kv head)'s key blocks among work-items and
+ * sums the splits' partial dQ and row sums afterwards (OpenCL: ape_bwd_fused, 64 keys a block
+ * at D = 64, 16 at D = 128, 8 otherwise, about four work-items per compute unit, so one kv head
+ * gets several splits): key counts not a multiple of the block nor of the split count, fewer
+ * blocks than splits, fewer keys than a block, grouped heads, both layouts, causal or not, rows
+ * that see no key. Against the reference; two runs bit for bit the same (the splits' sums meet
+ * in a fixed order: a reduction in the order the work-items finish would differ in the last
+ * bits between runs); and each output asked alone bit for bit as with all four.
+ */
+TEST_F(bwd, every_backend_split_borders)
+{
+	static const test_problem_shape shapes[] = {
+		{ 1, 2, 1, 37, 200, 64 }, /* 4 blocks of 64, the last of 8 keys */
+		{ 1, 3, 1, 33, 70, 128 }, /* GQA, 5 blocks of 16, the last of 6 */
+		{ 1, 2, 2, 20, 100, 64 }, /* 2 blocks: fewer than the work-items wanted */
+		{ 2, 2, 1, 45, 19, 64 }, /* fewer keys than a block */
+		{ 1, 2, 1, 23, 97, 10 }, /* a D no kernel specialises: 13 blocks of 8 */
+	};
+	static const unsigned alone[] = { W_DQ, W_DK, W_DV, W_DP };
+	const int ncases = self->emu || ape_test_slow() ? 5 : 10;
+	ape_rng rng;
+
+	if (!self->dev->be->ops->attention_backward)
+		SKIP(return, "%s: no backward op (every_backend_against_the_reference checks that)",
+		     variant->backend);
+	ape_rng_init(&rng, "every_backend_split_borders");
+	for (int i = 0; i < ncases; i++) {
+		const test_problem_shape *sh = &shapes[i % 5];
+		bcase c;
+		grads want, g, again;
+
+		ASSERT_EQ(0, bcase_make(&c, &rng, sh, APE_F32, false, i % 2 == 0));
+		test_problem_random_params(&c.tp, &rng);
+		c.tp.desc.layout = i & 1 ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+		c.tp.desc.causal = i < 5;
+		c.tp.desc.k_start = 5 * i;
+		/* causal: the first three rows see no key, the last ones all */
+		c.tp.desc.q_start = c.tp.desc.k_start - 3 + (sh->Lk > sh->Lq ? sh->Lk - sh->Lq : 0);
+		c.tp.desc.q_start_set = true;
+		ASSERT_EQ(0, bcase_forward(&c, self->ref)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&again, &c, APE_F32));
+		ASSERT_EQ(0, run_backward(&c, self->ref, &want, W_ALL, NULL));
+		EXPECT_EQ(0, run_backward(&c, self->dev, &g, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, run_backward(&c, self->dev, &again, W_ALL, NULL));
+		EXPECT_LE(grads_rel_err(&g.dq.t, &want.dq.t), grads_tol(APE_F32)) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err(&g.dk.t, &want.dk.t), grads_tol(APE_F32)) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err(&g.dv.t, &want.dv.t), grads_tol(APE_F32)) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err_params(g.dparams, want.dparams, sh->H), grads_tol(APE_F32))
+			TH_LOG("case %d", i);
+		EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: reruns differ", i);
+		for (int w = 0; w < 4; w++) {
+			grads one;
+
+			ASSERT_EQ(0, grads_alloc(&one, &c, APE_F32));
+			EXPECT_EQ(0, run_backward(&c, self->dev, &one, alone[w], NULL));
+			EXPECT_TRUE(same_grads(&one, &g, alone[w]))
+				TH_LOG("case %d: output 0x%x alone differs", i, alone[w]);
+			grads_free(&one);
+		}
+		grads_free(&want);
+		grads_free(&g);
+		grads_free(&again);
+		bcase_free(&c);
+	}
+}
+
+/*
  * Skipping in the backward pass (docs/kernels.md, "Skipping in the backward pass"): with the
  * seed's parameters (delta = 2^(-4/3), beta = gamma = delta / 10, lambda = 0.1) and skip_tol =
  * 1e-4, long enough rows that whole key tiles lie far behind (causal) or on both sides (the

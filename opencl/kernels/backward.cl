@@ -1,30 +1,33 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The APE backward pass (APE-SPEC.md, "Gradients"), OpenCL C 1.2, built after attention.cl in
- * the same program (it uses its loads, ld(), and its lane types). Six kernels, enqueued in
+ * the same program (it uses its loads, ld(), and its lane types). Seven kernels, enqueued in
  * order by ocl_backward.c:
  *
  *   ape_bwd_prep     Q with dO (in row vectors), and K with V (a row per key), as float32 in
- *                    the sweeps' order; with skipping, each kv head's largest key norm;
+ *                    the sweep's order; with skipping, each kv head's largest key norm;
  *   ape_bwd_dist     per head and distance: temp, bias and their parameter derivatives;
  *   ape_bwd_rows     per row vector: mean, sigma, alpha, the saved LSE, Dl_i - dLSE_i
  *                    (Dl_i = dO_i . O_i), the cos and sin of each pair's per-key step, and the
- *                    keys the skip bound leaves to compute, once, for the two sweeps;
- *   ape_bwd_keys     keys outer: one work-item owns BWD_KT keys and sums their dK_j and dV_j
- *                    over every row of every query head that reads their kv head, then adds
- *                    them once;
- *   ape_bwd_queries  queries outer: one work-item owns a row vector and sums dQ_i, the alpha
- *                    path A_i (applied to dQ_i at the end) and the rows' parameter sums;
+ *                    keys the skip bound leaves to compute, once, for the sweep;
+ *   ape_bwd_fused    the one sweep, keys outer, each pair's score computed once: a work-item
+ *                    is a split of a (batch, kv head)'s key blocks; per block it sums dK_j and
+ *                    dV_j over every row of every query head that reads the kv head and adds
+ *                    them once, and adds the rows' dQ_i, alpha path A_i and parameter sums to
+ *                    its split's slice of the partial buffers;
+ *   ape_bwd_reduce   per row vector: the splits' slices summed in split order, the alpha path
+ *                    applied to dQ_i, added to dQ; the rows' parameter sums;
  *   ape_bwd_params   per head: the rows' parameter sums in float64, in row order, added to
  *                    dparams.
  *
  * No float atomics anywhere: every sum has one owner and a fixed order, so two runs are bit
- * for bit the same. Both sweeps recompute P_ij = exp(s_ij - LSE_i) from q, k and the saved
- * LSE; nothing of size Lq * Lk exists. Both use the forward's layout (docs/kernels.md): APE_RW
- * query rows in the lanes of a vector, keys as scalars, each rotation seeded exactly in
- * APE_REAL by ape_seed_sincos (the forward's seed) at the start of a key tile and turned one
- * step per key after it, the pair products in float32; the per-distance terms come from a
- * table of ape_math.h's values in APE_REAL, one vector load per key.
+ * for bit the same. The sweep recomputes P_ij = exp(s_ij - LSE_i) from q, k and the saved LSE;
+ * nothing of size Lq * Lk exists (the partial buffers are nsplit times Lq * D). It uses the
+ * forward's layout (docs/kernels.md): APE_RW query rows in the lanes of a vector, keys as
+ * scalars, each rotation seeded exactly in APE_REAL by ape_seed_sincos (the forward's seed) at
+ * the start of a key block and turned one step per key after it, the pair products in
+ * float32; the per-distance terms come from a table of ape_math.h's values in APE_REAL, one
+ * vector load per key.
  *
  * Built only with APE_FP64: dparams are float64 sums, and the host refuses the backward pass
  * on a device without cl_khr_fp64 (ocl_backward.c).
@@ -64,22 +67,24 @@ KFN float bwd_hsum(vf v)
 }
 
 /*
- * Q with its dO, or K with its V, as the sweeps read them: float32, the pairs' first components
+ * Q with its dO, or K with its V, as the sweep reads them: float32, the pairs' first components
  * (npad of them, zero past P, so padded lanes add nothing), their second components, then the
  * D components of the vector (zero up to dpad): rs = 2 npad + dpad components per row. Rows go
  * in blocks of `lanes` per (batch, head) bh, component-major inside a block:
  * out[((bh * nblk + i / lanes) * rs + comp) * lanes + i % lanes], nblk = ceil(L / lanes), rows
- * past L zero. With lanes = APE_RW (Q and dO) a row vector of the sweeps is one vector load per
+ * past L zero. With lanes = APE_RW (Q and dO) a row vector of the sweep is one vector load per
  * component; with lanes = 1 (K and V) a key is one contiguous row. Converting f16/bf16 and
- * de-interleaving once per row, not once per pair.
+ * de-interleaving once per row, not once per pair. With om (omega_p, K's call), each row also
+ * gets omega_p times its first components, then minus omega_p times its second, after the rest
+ * (rs = 4 npad + dpad): the alpha sums' factors, one broadcast load each in the sweep.
  */
 __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void *Bv, int dt_b,
 			   long L, int lanes, int D, int npad, int dpad, int inter,
-			   __global float *out, __global int *kmax)
+			   __global float *out, __global int *kmax, __global const APE_REAL *om)
 {
 	const long i = get_global_id(0), bh = get_global_id(1), base = (bh * L + i) * (long)BD(D);
 	const long nblk = (L + lanes - 1) / lanes;
-	const int P = BD(D) / 2, rs = 2 * npad + dpad, ok = i < L;
+	const int P = BD(D) / 2, rs = 2 * npad + dpad + (om ? 2 * npad : 0), ok = i < L;
 	__global float *o = out + ((bh * nblk + i / lanes) * rs) * lanes + i % lanes;
 
 	if (i >= nblk * lanes)
@@ -92,6 +97,10 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 
 		o[p * lanes] = x;
 		o[(npad + p) * lanes] = y;
+		if (om) { /* as the sweep's float32 products */
+			o[(2 * npad + dpad + p) * lanes] = (float)om[p] * x;
+			o[(3 * npad + dpad + p) * lanes] = -((float)om[p] * y);
+		}
 		ss += (APE_REAL)x * x + (APE_REAL)y * y;
 	}
 	for (int d = 0; d < dpad; d++)
@@ -107,7 +116,7 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 }
 
 /* The distance terms of each head at every distance n = nmin + idx a launch has, once: the
- * sweeps look them up instead of evaluating logs and roots. One array per term (TB_AT): the
+ * sweep looks them up instead of evaluating logs and roots. One array per term (TB_AT): the
  * APE_RW rows of a row vector meet APE_RW consecutive distances, one vector load. */
 __kernel void ape_bwd_dist(__global const APE_REAL *prm, int npad, int H, long nmin, long ndist,
 			   __global APE_REAL *tab)
@@ -137,7 +146,7 @@ KFN void bwd_turn(vf *x, vf *y, vf c, vf s)
 
 /* One launch's shape, as the kernels read it */
 struct bwd {
-	int D, P, npad, rs, inter, causal;
+	int D, P, npad, rs, krs, inter, causal;
 	long Lq, Lk, rel, nmin, ndist, nblk;
 	float scale;
 };
@@ -150,6 +159,7 @@ KFN struct bwd bwd_init(int D, long Lq, long Lk, long rel, float scale, int flag
 	b.P = b.D / 2;
 	b.npad = (b.P + APE_RW - 1) / APE_RW * APE_RW;
 	b.rs = 2 * b.npad + (b.D + APE_RW - 1) / APE_RW * APE_RW; /* floats per prepared row */
+	b.krs = b.rs + 2 * b.npad; /* per prepared key: omega_p u_p, -omega_p w_p after */
 	b.inter = (flags & B_INTERLEAVED) != 0;
 	b.causal = (flags & B_CAUSAL) != 0;
 	b.Lq = Lq;
@@ -189,7 +199,7 @@ KFN vi bwd_lanes(int lo, int hi)
  * row's mean, sigma and alpha (sums in the forward's order: pair by pair), its saved LSE and
  * Dl_i - dLSE_i (Dl_i = dO_i . O_i), to the row table; and the cos and sin of each pair's
  * per-key step omega_p / alpha_i, to STEP (per row vector: cos for the npad pairs, then sin,
- * APE_RW lanes each), so that the sweeps seed only the rotation's start.
+ * APE_RW lanes each), so that the sweep seeds only the rotation's start.
  */
 /*
  * The keys one row must compute, [*jlo, *jhi) of its visible keys [0, vend): with B_SKIP, the
@@ -336,7 +346,7 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 	}
 }
 
-/* The arguments both sweeps take first (ocl_backward.c: bwd_sweep_args()): the prepared rows
+/* The arguments the sweep takes first (ocl_backward.c: bwd_sweep_args()): the prepared rows
  * (Q+dO in row vectors, K+V one row per key: ape_bwd_prep), omega and the heads' parameters,
  * the row and distance tables, the shape, the flags. */
 #define BWD_SWEEP_ARGS                                                                             \
@@ -345,444 +355,565 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 		__global const APE_REAL *tab, int D, int H, int group, long Lq, long Lk, long rel, \
 		float scale, int flags
 
-/* Keys per work-item of the keys sweep: each row vector seeds its rotation once per work-item
- * (the seeds had cost as much as the rest at 8 keys); its accumulators are APE_RW lanes wide
- * per component, so fewer keys for larger D (256 KiB of them in all). ocl_backward.c mirrors
- * it. */
-#define BWD_KT (APE_DMAX <= 64 ? 32 : APE_DMAX <= 128 ? 16 : 8)
+/* Keys per block of the fused sweep: each row vector seeds its rotation once per block and
+ * per block a row vector is loaded and set up once (64 keys at D = 64: about 10 % less time at
+ * L = 4096 than 32); the block's dK and dV accumulators are APE_RW lanes wide per component
+ * (512 KiB of them at D = 64 on PoCL), so fewer keys for larger D. ocl_backward.c mirrors it. */
+#define BWD_KT (APE_DMAX <= 64 ? 64 : APE_DMAX <= 128 ? 16 : 8)
 
-/* Row vectors per group of the keys sweep (their P and dS wait in private memory while the
- * group's dK and dV are added: the accumulators are read and written once per group) and keys
- * per dot-product sub-block (their dot products stay in registers while the pairs run). */
+/* Row vectors per group (their P and dS wait in private memory while the group's dK, dV and dQ
+ * are added: the key accumulators are read and written once per group) and keys per
+ * dot-product sub-block (their dot products stay in registers while the pairs run). */
 #define KR 8
 #define KSB 8
+#define KDC 4 /* keys per dK accumulator chunk */
 
 /* The lanes of row vector g that see key kt of the block (causal: n = nl0 + lane - kt >= 0) */
 #define KEYS_VIS(g, kt)                                                                           \
 	bwd_lanes(b.causal ? (int)clamp((long)(kt) - nl0[g], 0L, (long)APE_RW) : 0, hi[g])
 
+/* Pair p of a row vector's dQ in a split's slice (ape_bwd_fused) += R(-theta_0) (vx, vy), the
+ * Horner walk's sum turned by the block's seed (c0, s0) */
+KFN void bwd_dq_add(__global float *dq, int p, int P, vf vx, vf vy, vf c0, vf s0)
+{
+	VS(VL(dq + p * APE_RW) + fma(vx, c0, vy * s0), dq + p * APE_RW);
+	VS(VL(dq + (P + p) * APE_RW) + fma(vy, c0, -(vx * s0)), dq + (P + p) * APE_RW);
+}
+
 /*
- * Keys outer: dV_j = sum_i P_ij dO_i, dK_j = sum_i dS_ij temp scale d(dot)/d(k_j) (q_i's pairs
- * rotated by +theta), over the rows of every query head of key j's kv head, for BWD_KT keys
- * j0.. of one kv head. As in the forward, APE_RW query rows ride in the lanes of a vector (one
- * vector load per component from the prepared row vectors, the row and distance terms one
- * vector load each). Row vectors go in groups of KR: first, per row vector, the query rotated
- * to the first key (seeded), the dot products KSB keys at a time while the rotated query turns
- * one step per key, then P and g = dS temp scale per key, kept; then the group's dV (P times
- * dO) and dK (g times the rotated query, turned again from the first key: it is
- * d(dot)/d(k_j)) into accumulators that keep their lanes until the end, where each is summed
- * once. Lanes past the last row, or that a key is hidden from, add nothing (a select, so that
- * NaN in a row reaches only the keys it sees). Row vectors the skip bound left out of the
- * block's keys (ape_bwd_rows) are passed over.
+ * The one sweep of the backward pass, keys outer, each pair's score computed once. A work-item
+ * is split `s` of a (batch, kv head): it owns the key blocks kb = s, s + nsplit, ... (BWD_KT
+ * keys each; strided so that, causal, the splits get as many long blocks as short ones) and
+ * walks them in that order. Per block, over the rows of every query head that reads the kv head
+ * (row vectors the skip bound left out of the block's keys, ape_bwd_rows, are passed over), in
+ * groups of KR row vectors, as in the forward's layout (APE_RW rows in the lanes of a vector,
+ * keys as scalars, the row and distance terms one vector load each):
+ *
+ *   pass 1, per row vector: the query rotated to the block's first key (seeded exactly by
+ *   ape_seed_sincos), then KSB keys at a time the dot products and the alpha sums
+ *   E_j = sum_p omega_p (yr_p u_p - xr_p w_p) while the rotated query turns one step per key;
+ *   per key P, dS (zero in lanes that do not see the key), g = dS temp scale, kept; the alpha
+ *   path's sum A_i += g n / alpha E_j and the four parameter sums in float32 over the block,
+ *   added in APE_REAL to the split's RP;
+ *   dV: P times dO into accumulators that keep their lanes until the block's end;
+ *   pass 2, per pair component p, keys in reverse: the rotated query turned back one step per
+ *   key (it is d(dot)/d(k_j)), dK += g times it; dQ by Horner's rule,
+ *   V = R(w) V + g k_j, so that sum_j g_ij R(-theta_ij) k_j = R(-theta_i0) V (no sin or cos
+ *   past the seed), added to the split's DQP.
+ *
+ * At the block's end each dK_j and dV_j is summed over its lanes once and added to the output
+ * (one owner per key). DQP and RP have one slice per split (zero before the launch); only split
+ * s writes slice s, in its fixed block order, so no float atomics and two runs are bit for bit
+ * the same; ape_bwd_reduce sums the slices in split order. Lanes past the last row, or that a
+ * key is hidden from, add nothing (a select, so that NaN in a row reaches only the keys it sees
+ * and NaN in a key only the rows that see it). Only the wanted outputs are computed, each the
+ * same way whatever else is wanted.
  */
-__kernel void ape_bwd_keys(BWD_SWEEP_ARGS, __global float *DK, __global float *DV)
+__kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
+			    __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv)
 {
 	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
-	const long j0 = get_global_id(0) * BWD_KT, bkv = get_global_id(1), Hkv = H / group;
-	const int nk = (int)(Lk - j0 < BWD_KT ? Lk - j0 : BWD_KT);
-	__global const float *kp = KP + (bkv * Lk + j0) * b.rs;
+	const long s = get_global_id(0), bkv = get_global_id(1), Hkv = H / group;
+	const long nkb = (Lk + BWD_KT - 1) / BWD_KT;
+	const int wrow = (flags & (B_DQ | B_DP)) != 0; /* the rows' sums are wanted */
 	/* per key kt, component c: lanes at ((kt * D) + c) * APE_RW */
 	float dkacc[BWD_KT * APE_DMAX * APE_RW], dvacc[BWD_KT * APE_DMAX * APE_RW];
 	vf Pm[KR][BWD_KT], Gm[KR][BWD_KT], X0[KR][APE_PMAX], Y0[KR][APE_PMAX];
+	vf C0[KR][APE_PMAX], S0[KR][APE_PMAX];
 	vf xs[APE_PMAX], ys[APE_PMAX];
 	__global const float *qtg[KR], *cwg[KR], *swg[KR];
-	long nl0[KR], i0;
+	long nl0[KR], blkg[KR];
 	int hi[KR], full[KR];
 
-	if (j0 >= Lk)
+	if (s >= nsplit)
 		return;
-	NOUNROLL for (int x = 0; x < nk * b.D * APE_RW; x++)
-		dkacc[x] = dvacc[x] = 0.0f;
-	/* causal: row i sees key j when n = rel + i - j >= 0; from the row vector holding it */
-	i0 = b.causal ? j0 - rel : 0;
-	i0 = (i0 < 0 ? 0 : i0) / APE_RW * APE_RW;
-	for (long h = bkv % Hkv * group; h < (bkv % Hkv + 1) * group; h++) {
-		const long bh = bkv / Hkv * H + h;
-		__global const APE_REAL *tt = tab + TB_AT(h, TB_T, b.ndist);
-		__global const APE_REAL *tbias = tab + TB_AT(h, TB_BIAS, b.ndist);
+	for (long kb = s; kb < nkb; kb += nsplit) {
+		const long j0 = kb * BWD_KT;
+		const int nk = (int)(Lk - j0 < BWD_KT ? Lk - j0 : BWD_KT);
+		__global const float *kp = KP + (bkv * Lk + j0) * b.krs;
+		long i0;
+		/* the accumulators hold nothing yet: the block's first group starts them from zero
+		 * instead of reading them (no clearing pass: with skipping, a block often meets a
+		 * group or two) */
+		int fresh = 1;
 
-		for (long r0 = i0; r0 < Lq;) {
-			int nr = 0;
+		/* causal: row i sees key j when n = rel + i - j >= 0; from the row vector holding it */
+		i0 = b.causal ? j0 - rel : 0;
+		i0 = (i0 < 0 ? 0 : i0) / APE_RW * APE_RW;
+		for (long h = bkv % Hkv * group; h < (bkv % Hkv + 1) * group; h++) {
+			const long bh = bkv / Hkv * H + h;
+			__global const APE_REAL *th = tab + TB_AT(h, 0, b.ndist);
 
-			/* P and g of up to KR row vectors */
-			for (; r0 < Lq && nr < KR; r0 += APE_RW) {
-				const long blk = bh * b.nblk + r0 / APE_RW;
-				__global const float *qt = QP + blk * b.rs * APE_RW;
-				__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
-				__global const float *cw = STEP + blk * 2 * b.npad * APE_RW,
-						     *sw = cw + b.npad * APE_RW;
-				vr iav, lse, nv;
-				vf dsub;
-				const int g = nr;
+			for (long r0 = i0; r0 < Lq;) {
+				int nr = 0;
 
-				/* left out by the skip bound (or seen by no row of the vector) */
-				if (j0 + nk <= (long)ri[RI_JLO * APE_RW] ||
-				    j0 >= (long)ri[RI_JHI * APE_RW])
-					continue;
-				nr++;
-				qtg[g] = qt;
-				cwg[g] = cw;
-				swg[g] = sw;
-				nl0[g] = rel + r0 - j0;
-				hi[g] = (int)(Lq - r0 < APE_RW ? Lq - r0 : APE_RW);
-				full[g] = hi[g] == APE_RW && (!b.causal || nl0[g] - (nk - 1) >= 0);
-				iav = (APE_REAL)1 / VL(ri + RI_ALPHA * APE_RW);
-				lse = VL(ri + RI_LSE * APE_RW);
-				dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
-				nv = ((APE_REAL)nl0[g] + TO_VR(IOTA)) * iav;
-				/* the queries rotated to key j0 (by +theta) */
-				NOUNROLL for (int p = 0; p < b.P; p++) {
-					const vf x = VL(qt + p * APE_RW),
-						 y = VL(qt + (b.npad + p) * APE_RW);
-					vf c, sn = ape_seed_sincos((vr)prm[p] * nv, &c);
+				/* pass 1 for up to KR row vectors */
+				for (; r0 < Lq && nr < KR; r0 += APE_RW) {
+					const long blk = bh * b.nblk + r0 / APE_RW;
+					__global const float *qt = QP + blk * b.rs * APE_RW;
+					__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
+					__global const float *cw = STEP + blk * 2 * b.npad * APE_RW,
+							     *sw = cw + b.npad * APE_RW;
+					vf Ad = (vf)0.0f, f0 = (vf)0.0f, f1 = (vf)0.0f, f2 = (vf)0.0f,
+					   f3 = (vf)0.0f;
+					vr iav, lse, nv;
+					vf dsub;
+					const int g = nr;
 
-					xs[p] = X0[g][p] = x * c - y * sn;
-					ys[p] = Y0[g][p] = x * sn + y * c;
-				}
-				NOUNROLL for (int sb = 0; sb < nk; sb += KSB) {
-					__global const float *kr[KSB];
-					vf S[KSB];
-
-#pragma unroll
-					for (int jj = 0; jj < KSB; jj++) {
-						kr[jj] = kp + (sb + jj < nk ? sb + jj : nk - 1) * b.rs;
-						S[jj] = (vf)0.0f;
-					}
+					/* left out by the skip bound (or seen by no row of the vector) */
+					if (j0 + nk <= (long)ri[RI_JLO * APE_RW] ||
+					    j0 >= (long)ri[RI_JHI * APE_RW])
+						continue;
+					nr++;
+					qtg[g] = qt;
+					cwg[g] = cw;
+					swg[g] = sw;
+					blkg[g] = blk;
+					nl0[g] = rel + r0 - j0;
+					hi[g] = (int)(Lq - r0 < APE_RW ? Lq - r0 : APE_RW);
+					full[g] = hi[g] == APE_RW &&
+						  (!b.causal || nl0[g] - (nk - 1) >= 0);
+					iav = (APE_REAL)1 / VL(ri + RI_ALPHA * APE_RW);
+					lse = VL(ri + RI_LSE * APE_RW);
+					dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
+					nv = ((APE_REAL)nl0[g] + TO_VR(IOTA)) * iav;
+					/* the queries rotated to key j0 (by +theta) */
 					NOUNROLL for (int p = 0; p < b.P; p++) {
-						vf x = xs[p], y = ys[p];
-						const vf c = VL(cw + p * APE_RW), sn = VL(sw + p * APE_RW);
+						const vf x = VL(qt + p * APE_RW),
+							 y = VL(qt + (b.npad + p) * APE_RW);
+						vf c, sn = ape_seed_sincos((vr)prm[p] * nv, &c);
+
+						xs[p] = X0[g][p] = x * c - y * sn;
+						ys[p] = Y0[g][p] = x * sn + y * c;
+						C0[g][p] = c;
+						S0[g][p] = sn;
+					}
+					NOUNROLL for (int sb = 0; sb < nk; sb += KSB) {
+						__global const float *kr[KSB];
+						vf S[KSB], E[KSB], DOV[KSB];
 
 #pragma unroll
 						for (int jj = 0; jj < KSB; jj++) {
-							S[jj] = fma(x, (vf)kr[jj][p],
-								    fma(y, (vf)kr[jj][b.npad + p], S[jj]));
-							bwd_turn(&x, &y, c, sn);
+							kr[jj] = kp + (sb + jj < nk ? sb + jj : nk - 1) *
+									      b.krs;
+							S[jj] = E[jj] = DOV[jj] = (vf)0.0f;
 						}
-						xs[p] = x;
-						ys[p] = y;
-					}
-#pragma unroll
-					for (int jj = 0; jj < KSB; jj++) {
-						const int kt = sb + jj;
-						const long e = nl0[g] - kt - b.nmin; /* lane 0's distance */
-						vf dov = (vf)0.0f, tsc, pv, gv;
-
-						if (kt >= nk)
-							break;
-						NOUNROLL for (int d = 0; d < b.D; d++)
-							dov = fma(VL(qt + (2 * b.npad + d) * APE_RW),
-								  (vf)kr[jj][2 * b.npad + d], dov);
-						pv = bwd_p(VL(tt + e), VL(tbias + e), lse, S[jj], b.scale,
-							   &tsc);
-						gv = pv * (dov - dsub) * tsc;
-						Pm[g][kt] = pv;
-						Gm[g][kt] = gv;
-					}
-				}
-			}
-			/* dV: P times dO, 16 components at a time in registers */
-			if (flags & B_DV)
-				NOUNROLL for (int kt = 0; kt < nk; kt++) {
-					NOUNROLL for (int d0 = 0; d0 < b.D; d0 += 2) {
-						float *acc = dvacc + (kt * b.D + d0) * APE_RW;
-						vf a0 = VL(acc), a1 = VL(acc + APE_RW);
-
-						NOUNROLL for (int g = 0; g < nr; g++) {
-							__global const float *o =
-								qtg[g] + (2 * b.npad + d0) * APE_RW;
-							const vf pv = Pm[g][kt];
-
-							if (full[g]) {
-								a0 = fma(pv, VL(o), a0);
-								a1 = fma(pv, VL(o + APE_RW), a1);
-							} else {
-								const vi ok = KEYS_VIS(g, kt);
-
-								a0 += APE_V_SELECT((vf)0.0f, pv * VL(o), ok);
-								a1 += APE_V_SELECT((vf)0.0f,
-										   pv * VL(o + APE_RW), ok);
-							}
-						}
-						VS(a0, acc);
-						VS(a1, acc + APE_RW);
-					}
-				}
-			/* dK: g times the rotated query, turned one step per key again */
-			if (flags & B_DK)
-				NOUNROLL for (int p = 0; p < b.P; p++) {
-					vf X[KR], Y[KR];
-
-					NOUNROLL for (int g = 0; g < nr; g++) {
-						X[g] = X0[g][p];
-						Y[g] = Y0[g][p];
-					}
-					NOUNROLL for (int kc = 0; kc < nk; kc += KSB) {
-						vf ax[KSB], ay[KSB];
+						/* dO_i . V_j of the sub-block's keys */
+						NOUNROLL for (int d = 0; d < b.D; d++) {
+							const vf o = VL(qt + (2 * b.npad + d) * APE_RW);
 
 #pragma unroll
-						for (int jj = 0; jj < KSB; jj++) {
-							const int kt = kc + jj < nk ? kc + jj : nk - 1;
-
-							ax[jj] = VL(dkacc + (kt * b.D + p) * APE_RW);
-							ay[jj] = VL(dkacc + (kt * b.D + b.P + p) * APE_RW);
+							for (int jj = 0; jj < KSB; jj++)
+								DOV[jj] = fma(o, (vf)kr[jj][2 * b.npad + d],
+									      DOV[jj]);
 						}
-						NOUNROLL for (int g = 0; g < nr; g++) {
-							vf x = X[g], y = Y[g];
-							const vf c = VL(cwg[g] + p * APE_RW);
-							const vf sn = VL(swg[g] + p * APE_RW);
+						/* two pairs' walks interleaved (one alone waits on the
+						 * FMA latency), the sums in pair order as one by one */
+						int p = 0;
+
+						NOUNROLL for (; p + 1 < b.P; p += 2) {
+							vf x = xs[p], y = ys[p], x2 = xs[p + 1], y2 = ys[p + 1];
+							const vf c = VL(cw + p * APE_RW),
+								 sn = VL(sw + p * APE_RW);
+							const vf c2 = VL(cw + (p + 1) * APE_RW),
+								 sn2 = VL(sw + (p + 1) * APE_RW);
 
 #pragma unroll
 							for (int jj = 0; jj < KSB; jj++) {
+								__global const float *k = kr[jj];
+
+								S[jj] = fma(x2, (vf)k[p + 1],
+									    fma(y2, (vf)k[b.npad + p + 1],
+										fma(x, (vf)k[p],
+										    fma(y, (vf)k[b.npad + p],
+											S[jj]))));
+								E[jj] = fma(y2, (vf)k[b.rs + p + 1],
+									    fma(x2, (vf)k[b.rs + b.npad + p + 1],
+										fma(y, (vf)k[b.rs + p],
+										    fma(x, (vf)k[b.rs + b.npad + p],
+											E[jj]))));
+								bwd_turn(&x, &y, c, sn);
+								bwd_turn(&x2, &y2, c2, sn2);
+							}
+							xs[p] = x;
+							ys[p] = y;
+							xs[p + 1] = x2;
+							ys[p + 1] = y2;
+						}
+						NOUNROLL for (; p < b.P; p++) {
+							vf x = xs[p], y = ys[p];
+							const vf c = VL(cw + p * APE_RW),
+								 sn = VL(sw + p * APE_RW);
+
+#pragma unroll
+							for (int jj = 0; jj < KSB; jj++) {
+								S[jj] = fma(x, (vf)kr[jj][p],
+									    fma(y, (vf)kr[jj][b.npad + p], S[jj]));
+								E[jj] = fma(y, (vf)kr[jj][b.rs + p],
+									    fma(x, (vf)kr[jj][b.rs + b.npad + p],
+										E[jj]));
+								bwd_turn(&x, &y, c, sn);
+							}
+							xs[p] = x;
+							ys[p] = y;
+						}
+#pragma unroll
+						for (int jj = 0; jj < KSB; jj++) {
+							const int kt = sb + jj;
+							/* lane 0's distance in the table */
+							const long e = nl0[g] - kt - b.nmin;
+							const vf dov = DOV[jj];
+							vf tsc, pv, ds, gv, dot = S[jj], ea = E[jj];
+
+							if (kt >= nk)
+								break;
+							pv = bwd_p(VL(th + TB_T * b.ndist + e),
+								   VL(th + TB_BIAS * b.ndist + e), lse, dot,
+								   b.scale, &tsc);
+							ds = pv * (dov - dsub);
+							if (!full[g]) {
+								const vi vis = KEYS_VIS(g, kt);
+
+								ds = APE_V_SELECT((vf)0.0f, ds, vis);
+								dot = APE_V_SELECT((vf)0.0f, dot, vis);
+								ea = APE_V_SELECT((vf)0.0f, ea, vis);
+							}
+							gv = ds * tsc;
+							Pm[g][kt] = pv;
+							Gm[g][kt] = gv;
+							if (!wrow)
+								continue;
+							Ad = fma(gv * TO_VF(((APE_REAL)(nl0[g] - kt) +
+									     TO_VR(IOTA)) *
+									    iav),
+								 ea, Ad);
+							f0 = fma(ds, TO_VF(VL(th + TB_DD * b.ndist + e)),
+								 f0);
+							f1 = fma(ds, TO_VF(VL(th + TB_DB * b.ndist + e)),
+								 f1);
+							f2 = fma(ds, TO_VF(VL(th + TB_DG * b.ndist + e)),
+								 f2);
+							f3 = fma(ds * dot,
+								 TO_VF(VL(th + TB_DTL * b.ndist + e)), f3);
+						}
+					}
+					if (wrow) { /* the split's sums of these rows */
+						__global APE_REAL *rp =
+							RP + (s * nrv + blk) * RP_N * APE_RW;
+
+						VS(VL(rp) + TO_VR(Ad), rp);
+						VS(VL(rp + APE_RW) + TO_VR(f0), rp + APE_RW);
+						VS(VL(rp + 2 * APE_RW) + TO_VR(f1), rp + 2 * APE_RW);
+						VS(VL(rp + 3 * APE_RW) + TO_VR(f2), rp + 3 * APE_RW);
+						VS(VL(rp + 4 * APE_RW) +
+							   TO_VR(f3) * (APE_REAL)b.scale,
+						   rp + 4 * APE_RW);
+					}
+				}
+				/* dV: P times dO, KSB keys by 2 components in registers at a time */
+				if (flags & B_DV)
+					NOUNROLL for (int kc = 0; kc < nk; kc += KSB)
+						NOUNROLL for (int d0 = 0; d0 < b.D; d0 += 2) {
+							vf a0[KSB], a1[KSB];
+
+#pragma unroll
+							for (int jj = 0; jj < KSB; jj++) {
+								const float *acc =
+									dvacc + ((kc + jj) * b.D + d0) * APE_RW;
+
+								a0[jj] = fresh ? (vf)0.0f : VL(acc);
+								a1[jj] = fresh ? (vf)0.0f : VL(acc + APE_RW);
+							}
+							NOUNROLL for (int g = 0; g < nr; g++) {
+								__global const float *o =
+									qtg[g] + (2 * b.npad + d0) * APE_RW;
+								const vf o0 = VL(o), o1 = VL(o + APE_RW);
+
+								if (full[g]) {
+#pragma unroll
+									for (int jj = 0; jj < KSB; jj++) {
+										const vf pv = Pm[g][kc + jj];
+
+										a0[jj] = fma(pv, o0, a0[jj]);
+										a1[jj] = fma(pv, o1, a1[jj]);
+									}
+								} else {
+#pragma unroll
+									for (int jj = 0; jj < KSB; jj++) {
+										const vf pv = Pm[g][kc + jj];
+										const vi ok = KEYS_VIS(g, kc + jj);
+
+										a0[jj] += APE_V_SELECT(
+											(vf)0.0f, pv * o0, ok);
+										a1[jj] += APE_V_SELECT(
+											(vf)0.0f, pv * o1, ok);
+									}
+								}
+							}
+#pragma unroll
+							for (int jj = 0; jj < KSB; jj++) {
+								float *acc =
+									dvacc + ((kc + jj) * b.D + d0) * APE_RW;
+
+								if (kc + jj >= nk)
+									break;
+								VS(a0[jj], acc);
+								VS(a1[jj], acc + APE_RW);
+							}
+						}
+				/* dK: g times the rotated query, turned again from the first key, KDC keys'
+				 * accumulators in registers at a time; where both row vectors see every
+				 * key, two row vectors' walks interleave (one alone waits on the FMA
+				 * latency), each key's sum in the same order as one by one */
+				if (flags & B_DK)
+					NOUNROLL for (int p = 0; p < b.P; p++) {
+						vf X[KR], Y[KR];
+
+						NOUNROLL for (int g = 0; g < nr; g++) {
+							X[g] = X0[g][p];
+							Y[g] = Y0[g][p];
+						}
+						NOUNROLL for (int kc = 0; kc < nk; kc += KDC) {
+							vf ax[KDC], ay[KDC];
+
+#pragma unroll
+							for (int jj = 0; jj < KDC; jj++) {
+								const int kt = kc + jj < nk ? kc + jj : nk - 1;
+
+								ax[jj] = fresh ? (vf)0.0f
+									       : VL(dkacc + (kt * b.D + p) * APE_RW);
+								ay[jj] = fresh ? (vf)0.0f
+									       : VL(dkacc + (kt * b.D + b.P + p) *
+											    APE_RW);
+							}
+							NOUNROLL for (int g = 0; g < nr; g++) {
+								vf x = X[g], y = Y[g];
+								const vf c = VL(cwg[g] + p * APE_RW);
+								const vf sn = VL(swg[g] + p * APE_RW);
+
+								if (kc + KDC <= nk && full[g] && g + 1 < nr &&
+								    full[g + 1]) {
+									vf x2 = X[g + 1], y2 = Y[g + 1];
+									const vf c2 = VL(cwg[g + 1] + p * APE_RW);
+									const vf sn2 = VL(swg[g + 1] + p * APE_RW);
+
+#pragma unroll
+									for (int jj = 0; jj < KDC; jj++) {
+										const vf gv = Gm[g][kc + jj];
+										const vf gv2 = Gm[g + 1][kc + jj];
+
+										ax[jj] = fma(gv2, x2,
+											     fma(gv, x, ax[jj]));
+										ay[jj] = fma(gv2, y2,
+											     fma(gv, y, ay[jj]));
+										bwd_turn(&x, &y, c, sn);
+										bwd_turn(&x2, &y2, c2, sn2);
+									}
+									X[g + 1] = x2;
+									Y[g + 1] = y2;
+								} else {
+#pragma unroll
+									for (int jj = 0; jj < KDC; jj++) {
+										const int kt = kc + jj;
+
+										if (kt >= nk)
+											break;
+										if (full[g]) {
+											ax[jj] = fma(Gm[g][kt], x,
+												     ax[jj]);
+											ay[jj] = fma(Gm[g][kt], y,
+												     ay[jj]);
+										} else {
+											const vi ok =
+												KEYS_VIS(g, kt);
+
+											ax[jj] += APE_V_SELECT(
+												(vf)0.0f,
+												Gm[g][kt] * x, ok);
+											ay[jj] += APE_V_SELECT(
+												(vf)0.0f,
+												Gm[g][kt] * y, ok);
+										}
+										bwd_turn(&x, &y, c, sn);
+									}
+								}
+								X[g] = x;
+								Y[g] = y;
+								if (kc + KDC <= nk && full[g] && g + 1 < nr &&
+								    full[g + 1])
+									g++;
+							}
+#pragma unroll
+							for (int jj = 0; jj < KDC; jj++) {
 								const int kt = kc + jj;
 
 								if (kt >= nk)
 									break;
-								if (full[g]) {
-									ax[jj] = fma(Gm[g][kt], x, ax[jj]);
-									ay[jj] = fma(Gm[g][kt], y, ay[jj]);
-								} else {
-									const vi ok = KEYS_VIS(g, kt);
-
-									ax[jj] += APE_V_SELECT(
-										(vf)0.0f, Gm[g][kt] * x, ok);
-									ay[jj] += APE_V_SELECT(
-										(vf)0.0f, Gm[g][kt] * y, ok);
-								}
-								bwd_turn(&x, &y, c, sn);
+								VS(ax[jj], dkacc + (kt * b.D + p) * APE_RW);
+								VS(ay[jj],
+								   dkacc + (kt * b.D + b.P + p) * APE_RW);
 							}
-							X[g] = x;
-							Y[g] = y;
-						}
-#pragma unroll
-						for (int jj = 0; jj < KSB; jj++) {
-							const int kt = kc + jj;
-
-							if (kt >= nk)
-								break;
-							VS(ax[jj], dkacc + (kt * b.D + p) * APE_RW);
-							VS(ay[jj], dkacc + (kt * b.D + b.P + p) * APE_RW);
 						}
 					}
-				}
-		}
-	}
-	for (int kt = 0; kt < nk; kt++) {
-		const long kbase = (bkv * Lk + j0 + kt) * b.D;
-		const float *dka = dkacc + kt * b.D * APE_RW, *dva = dvacc + kt * b.D * APE_RW;
+				fresh = 0;
+				/* dQ: Horner's rule over the block's keys in reverse,
+				 * V = R(w) V + g k_j, then R(-theta_0) V to the split's slice; where
+				 * every lane sees every key two pairs' walks interleave (each step
+				 * waits on the last: one walk alone is bound by the FMA latency) */
+				if (flags & B_DQ)
+					NOUNROLL for (int g = 0; g < nr; g++) {
+						__global float *dq =
+							DQP + (s * nrv + blkg[g]) * b.D * APE_RW;
+						int p = 0;
 
-		if (flags & B_DK)
-			NOUNROLL for (int q = 0; q < b.P; q++) {
-				DK[kbase + (b.inter ? 2 * q : q)] += bwd_hsum(VL(dka + q * APE_RW));
-				DK[kbase + (b.inter ? 2 * q + 1 : q + b.P)] +=
-					bwd_hsum(VL(dka + (b.P + q) * APE_RW));
+						if (full[g])
+							NOUNROLL for (; p + 1 < b.P; p += 2) {
+								const vf c = VL(cwg[g] + p * APE_RW);
+								const vf sn = VL(swg[g] + p * APE_RW), ns = -sn;
+								const vf c2 = VL(cwg[g] + (p + 1) * APE_RW);
+								const vf sn2 = VL(swg[g] + (p + 1) * APE_RW),
+									 ns2 = -sn2;
+								vf vx = (vf)0.0f, vy = (vf)0.0f, vx2 = (vf)0.0f,
+								   vy2 = (vf)0.0f;
+
+#pragma unroll 8
+								for (int kt = nk - 1; kt >= 0; kt--) {
+									__global const float *k = kp + kt * b.krs;
+									const vf gv = Gm[g][kt], an = vx,
+										 an2 = vx2;
+
+									vx = fma(vx, c, fma(vy, ns, gv * k[p]));
+									vy = fma(an, sn,
+										 fma(vy, c, gv * k[b.npad + p]));
+									vx2 = fma(vx2, c2,
+										  fma(vy2, ns2, gv * k[p + 1]));
+									vy2 = fma(an2, sn2,
+										  fma(vy2, c2,
+										      gv * k[b.npad + p + 1]));
+								}
+								bwd_dq_add(dq, p, b.P, vx, vy, C0[g][p], S0[g][p]);
+								bwd_dq_add(dq, p + 1, b.P, vx2, vy2, C0[g][p + 1],
+									   S0[g][p + 1]);
+							}
+						NOUNROLL for (; p < b.P; p++) {
+							const vf c = VL(cwg[g] + p * APE_RW);
+							const vf sn = VL(swg[g] + p * APE_RW), ns = -sn;
+							vf vx = (vf)0.0f, vy = (vf)0.0f;
+
+							NOUNROLL for (int kt = nk - 1; kt >= 0; kt--) {
+								__global const float *k = kp + kt * b.krs;
+								const vf gv = Gm[g][kt], an = vx;
+								/* a hidden key's NaN must not reach the row */
+								vf gu = gv * k[p], gw = gv * k[b.npad + p];
+
+								if (!full[g]) {
+									gu = APE_V_SELECT(gu, (vf)0.0f, gv == 0.0f);
+									gw = APE_V_SELECT(gw, (vf)0.0f, gv == 0.0f);
+								}
+								vx = fma(vx, c, fma(vy, ns, gu));
+								vy = fma(an, sn, fma(vy, c, gw));
+							}
+							bwd_dq_add(dq, p, b.P, vx, vy, C0[g][p], S0[g][p]);
+						}
+					}
 			}
-		if (flags & B_DV)
-			NOUNROLL for (int d = 0; d < b.D; d++)
-				DV[kbase + d] += bwd_hsum(VL(dva + d * APE_RW));
+		}
+		/* (a block no row sees adds nothing) */
+		for (int kt = 0; !fresh && kt < nk; kt++) {
+			const long kbase = (bkv * Lk + j0 + kt) * b.D;
+			const float *dka = dkacc + kt * b.D * APE_RW, *dva = dvacc + kt * b.D * APE_RW;
+
+			if (flags & B_DK)
+				NOUNROLL for (int q = 0; q < b.P; q++) {
+					DK[kbase + (b.inter ? 2 * q : q)] +=
+						bwd_hsum(VL(dka + q * APE_RW));
+					DK[kbase + (b.inter ? 2 * q + 1 : q + b.P)] +=
+						bwd_hsum(VL(dka + (b.P + q) * APE_RW));
+				}
+			if (flags & B_DV)
+				NOUNROLL for (int d = 0; d < b.D; d++)
+					DV[kbase + d] += bwd_hsum(VL(dva + d * APE_RW));
+		}
 	}
 }
 
-/* Keys per tile of the queries sweep (its rotation recurrence is reseeded at each tile start,
- * as the forward's) and per score sub-block (whose dot products and alpha sums stay in
- * registers while the pair loop runs over them). */
-#define QBK 64
-#define QSB 8
-
 /*
- * Queries outer, in the forward's layout: one work-item owns a row vector (APE_RW rows of one
- * (batch, head) in the lanes) and walks the key tiles. Per tile: each pair's rotation is seeded
- * at the tile's first key and the rotated query turns one step per key while QSB keys' dot
- * products and alpha sums E_j = sum_p omega_p (yr_p u_p - xr_p w_p) (so that d(dot)/d(alpha)
- * times alpha is n / alpha E_j) stay in registers; then per key: P, dS from one vector load per
- * distance term, the parameter sums and the alpha path A_i in float32 for the tile, added to
- * APE_REAL per tile; and dQ_i += sum_j g_ij R(-theta_ij) k_j by Horner's rule over the tile's
- * keys, R(-theta_ij) = R(-theta_i0) R(w)^j (one rotation step per key, no sin or cos), turned by
- * the tile's seed once. At the end A_i (through alpha) is applied to dQ_i and the row's
- * parameter sums go to PART[row][4] (zero for a row that sees no key of this launch).
+ * Per row vector (one work-item): the splits' sums of ape_bwd_fused in split order: dQ_i, then
+ * the alpha path A_i applied to it (A_i d(alpha)/d(sigma) d(sigma)/d(q)), added to DQ; the rows'
+ * parameter sums (with d(alpha)/d(lambda)) to PART[row][4] (zero for a row that sees no key of
+ * this launch), for ape_bwd_params.
  */
-__kernel void ape_bwd_queries(BWD_SWEEP_ARGS, __global const void *Q, __global float *DQ,
-			      __global APE_REAL *PART)
+__kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
+			     __global const APE_REAL *rinfo, int D, int H, long Lq, long Lk,
+			     long rel, int flags, __global const float *DQP,
+			     __global const APE_REAL *RP, int nsplit, long nrv,
+			     __global const void *Q, __global float *DQ, __global APE_REAL *PART)
 {
-	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
-	const long ib = get_global_id(0), bh = get_global_id(1), h = bh % H, i0 = ib * APE_RW;
-	const long blk = bh * b.nblk + ib;
-	const long kvrows = (bh / H * (H / group) + h / group) * Lk;
-	__global const APE_REAL *hp = prm + npad + 4 * h;
+	const long ib = get_global_id(0), bh = get_global_id(1), nblk = (Lq + APE_RW - 1) / APE_RW;
+	const long blk = bh * nblk + ib, i0 = ib * APE_RW;
+	const int P = BD(D) / 2, causal = (flags & B_CAUSAL) != 0;
+	const int inter = (flags & B_INTERLEAVED) != 0;
+	__global const APE_REAL *hp = prm + npad + 4 * (bh % H);
 	__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
-	__global const APE_REAL *th = tab + TB_AT(h, 0, b.ndist);
-	__global const float *qt = QP + blk * b.rs * APE_RW, *kp = KP + kvrows * b.rs;
-	vf cw[APE_PMAX], sw[APE_PMAX], c0[APE_PMAX], s0[APE_PMAX], xr[APE_PMAX], yr[APE_PMAX];
-	vf dqx[APE_PMAX], dqy[APE_PMAX], g[QBK], dsub;
-	vr ia, lse, A = (vr)0, dp0 = (vr)0, dp1 = (vr)0, dp2 = (vr)0, dp3 = (vr)0;
-	long jend;
+	APE_REAL su[RP_N][APE_RW], coef[APE_RW], tx[APE_RW], ty[APE_RW];
+	long cnt[APE_RW];
 	int hi;
 
-	if (ib >= b.nblk)
+	if (ib >= nblk)
 		return;
-	ia = (APE_REAL)1 / VL(ri + RI_ALPHA * APE_RW);
-	lse = VL(ri + RI_LSE * APE_RW);
-	dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
 	hi = (int)(Lq - i0 < APE_RW ? Lq - i0 : APE_RW);
-	NOUNROLL for (int p = 0; p < b.P; p++) {
-		cw[p] = VL(STEP + (blk * 2 * b.npad + p) * APE_RW);
-		sw[p] = VL(STEP + (blk * 2 * b.npad + b.npad + p) * APE_RW);
-		dqx[p] = dqy[p] = (vf)0.0f;
+	NOUNROLL for (int f = 0; f < RP_N; f++) {
+		vr acc = (vr)0;
+
+		NOUNROLL for (int sp = 0; sp < nsplit; sp++)
+			acc += VL(RP + ((sp * nrv + blk) * RP_N + f) * APE_RW);
+		VS(acc, su[f]);
 	}
-	/* causal: the last row sees keys j <= rel + i0 + hi - 1 */
-	jend = b.causal ? (rel + i0 + hi < Lk ? rel + i0 + hi : Lk) : Lk;
-	/* the row vector's computed keys (ape_bwd_rows: [0, jend) unless the skip bound left some
-	 * out) */
-	jend = (long)ri[RI_JHI * APE_RW] < jend ? (long)ri[RI_JHI * APE_RW] : jend;
-	for (long j0 = (long)ri[RI_JLO * APE_RW]; j0 < jend; j0 += QBK) {
-		const int len = (int)(jend - j0 < QBK ? jend - j0 : QBK);
-		const long nb = rel + i0 - j0; /* n of (lane 0, key j0) */
-		const vr n0 = (APE_REAL)nb + TO_VR(IOTA);
-		/* every lane's row exists and sees every key of the tile */
-		const int full = hi == APE_RW && (!b.causal || nb - (len - 1) >= 0);
-		vf Ad = (vf)0.0f, f0 = (vf)0.0f, f1 = (vf)0.0f, f2 = (vf)0.0f, f3 = (vf)0.0f;
+	NOUNROLL for (int l = 0; l < hi; l++) {
+		const long i = i0 + l, row = bh * Lq + i;
+		const APE_REAL sigma = ri[RI_SIGMA * APE_RW + l];
+		const APE_REAL Ai = su[0][l] / ri[RI_ALPHA * APE_RW + l];
 
-		NOUNROLL for (int p = 0; p < b.P; p++) {
-			const vf x = VL(qt + p * APE_RW), y = VL(qt + (b.npad + p) * APE_RW);
+		/* keys this row sees (causal: j <= rel + i) */
+		cnt[l] = causal ? (rel + i + 1 < Lk ? rel + i + 1 : Lk) : Lk;
+		/* the path through alpha_i: A_i d(alpha)/d(sigma) d(sigma)/d(q) */
+		coef[l] = Ai * ape_grad_dalpha_dsigma(hp[3], sigma) *
+			  ape_grad_dsigma_coef((APE_REAL)BD(D), sigma);
+		if (flags & B_DP) {
+			const int ok = cnt[l] > 0;
 
-			s0[p] = ape_seed_sincos(n0 * (prm[p] * ia), &c0[p]);
-			xr[p] = x * c0[p] - y * s0[p];
-			yr[p] = x * s0[p] + y * c0[p];
-		}
-		NOUNROLL for (int sb = 0; sb < len; sb += QSB) {
-			__global const float *kr[QSB];
-			vf S[QSB], E[QSB];
-
-#pragma unroll
-			for (int jj = 0; jj < QSB; jj++) {
-				const long j = j0 + sb + jj;
-
-				kr[jj] = kp + (j < Lk ? j : Lk - 1) * b.rs;
-				S[jj] = E[jj] = (vf)0.0f;
-			}
-			NOUNROLL for (int p = 0; p < b.P; p++) {
-				vf x = xr[p], y = yr[p];
-				const vf c = cw[p], s = sw[p];
-				const float om = (float)prm[p];
-
-#pragma unroll
-				for (int jj = 0; jj < QSB; jj++) {
-					const float u = kr[jj][p], w = kr[jj][b.npad + p];
-
-					S[jj] = fma(x, (vf)u, fma(y, (vf)w, S[jj]));
-					E[jj] = fma(y, (vf)(om * u), fma(x, (vf)(-om * w), E[jj]));
-					bwd_turn(&x, &y, c, s);
-				}
-				xr[p] = x;
-				yr[p] = y;
-			}
-#pragma unroll
-			for (int jj = 0; jj < QSB; jj++) {
-				const int jt = sb + jj;
-				const long e = nb - jt - b.nmin; /* lane 0's distance in the table */
-				vf dov = (vf)0.0f, tsc, pr, ds, dot = S[jj], ea = E[jj];
-
-				if (jt >= len)
-					break;
-				NOUNROLL for (int d = 0; d < b.D; d++)
-					dov = fma(VL(qt + (2 * b.npad + d) * APE_RW),
-						  (vf)kr[jj][2 * b.npad + d], dov);
-				pr = bwd_p(VL(th + TB_T * b.ndist + e), VL(th + TB_BIAS * b.ndist + e),
-					   lse, dot, b.scale, &tsc);
-				ds = pr * (dov - dsub);
-				if (!full) { /* lanes that see the key: n = nb + lane - jt >= 0 */
-					const long lo = b.causal ? jt - nb : 0;
-					const vi vis = bwd_lanes(
-						(int)(lo < 0 ? 0 : lo > APE_RW ? APE_RW : lo), hi);
-
-					ds = APE_V_SELECT((vf)0.0f, ds, vis);
-					dot = APE_V_SELECT((vf)0.0f, dot, vis);
-					ea = APE_V_SELECT((vf)0.0f, ea, vis);
-				}
-				g[jt] = ds * tsc;
-				Ad = fma(g[jt] * TO_VF((n0 - (APE_REAL)jt) * ia), ea, Ad);
-				f0 = fma(ds, TO_VF(VL(th + TB_DD * b.ndist + e)), f0);
-				f1 = fma(ds, TO_VF(VL(th + TB_DB * b.ndist + e)), f1);
-				f2 = fma(ds, TO_VF(VL(th + TB_DG * b.ndist + e)), f2);
-				f3 = fma(ds * dot, TO_VF(VL(th + TB_DTL * b.ndist + e)), f3);
-			}
-		}
-		A += TO_VR(Ad);
-		dp0 += TO_VR(f0);
-		dp1 += TO_VR(f1);
-		dp2 += TO_VR(f2);
-		dp3 += TO_VR(f3) * (APE_REAL)b.scale;
-		if (!(flags & B_DQ))
-			continue;
-		NOUNROLL for (int p = 0; p < b.P; p++) {
-			const vf c = cw[p], s = sw[p], ns = -s;
-			vf ax = (vf)0.0f, ay = (vf)0.0f;
-
-			NOUNROLL for (int jt = len - 1; jt >= 0; jt--) {
-				__global const float *k = kp + (j0 + jt) * b.rs;
-				vf gu = g[jt] * k[p], gw = g[jt] * k[b.npad + p];
-				const vf an = ax;
-
-				if (!full) { /* a hidden key's NaN must not reach the row */
-					gu = APE_V_SELECT(gu, (vf)0.0f, g[jt] == 0.0f);
-					gw = APE_V_SELECT(gw, (vf)0.0f, g[jt] == 0.0f);
-				}
-				/* (ax, ay) = R(w) (ax, ay) + g k */
-				ax = fma(ax, c, fma(ay, ns, gu));
-				ay = fma(an, s, fma(ay, c, gw));
-			}
-			/* R(-theta_0) */
-			dqx[p] += fma(ax, c0[p], ay * s0[p]);
-			dqy[p] += fma(ay, c0[p], -(ax * s0[p]));
+			PART[row * 4 + 0] = ok ? su[1][l] : (APE_REAL)0;
+			PART[row * 4 + 1] = ok ? su[2][l] : (APE_REAL)0;
+			PART[row * 4 + 2] = ok ? su[3][l] : (APE_REAL)0;
+			/* d(alpha)/d(lambda) */
+			PART[row * 4 + 3] = ok ? su[4][l] + Ai * ape_grad_gate(sigma) : (APE_REAL)0;
 		}
 	}
-	{
-		APE_REAL As[APE_RW], d0[APE_RW], d1[APE_RW], d2[APE_RW], d3[APE_RW], coef[APE_RW];
-		float tx[APE_RW], ty[APE_RW];
-		long cnt[APE_RW];
+	if (!(flags & B_DQ))
+		return;
+	NOUNROLL for (int p = 0; p < P; p++) {
+		vr ax = (vr)0, ay = (vr)0;
 
-		VS(A, As);
-		VS(dp0, d0);
-		VS(dp1, d1);
-		VS(dp2, d2);
-		VS(dp3, d3);
+		NOUNROLL for (int sp = 0; sp < nsplit; sp++) {
+			__global const float *dq = DQP + (sp * nrv + blk) * BD(D) * APE_RW;
+
+			ax += TO_VR(VL(dq + p * APE_RW));
+			ay += TO_VR(VL(dq + (P + p) * APE_RW));
+		}
+		VS(ax, tx);
+		VS(ay, ty);
 		NOUNROLL for (int l = 0; l < hi; l++) {
-			const long i = i0 + l, row = bh * Lq + i;
-			const APE_REAL sigma = ri[RI_SIGMA * APE_RW + l];
-			const APE_REAL Ai = As[l] / ri[RI_ALPHA * APE_RW + l];
+			const long qb = (bh * Lq + i0 + l) * BD(D);
+			const long ia_ = qb + (inter ? 2 * p : p);
+			const long ib_ = qb + (inter ? 2 * p + 1 : p + P);
+			const APE_REAL mean = ri[RI_MEAN * APE_RW + l];
 
-			/* keys this row sees (causal: j <= rel + i) */
-			cnt[l] = b.causal ? (rel + i + 1 < Lk ? rel + i + 1 : Lk) : Lk;
-			/* the path through alpha_i: A_i d(alpha)/d(sigma) d(sigma)/d(q) */
-			coef[l] = Ai * ape_grad_dalpha_dsigma(hp[3], sigma) *
-				  ape_grad_dsigma_coef((APE_REAL)b.D, sigma);
-			if (flags & B_DP) {
-				const int ok = cnt[l] > 0;
-
-				PART[row * 4 + 0] = ok ? d0[l] : (APE_REAL)0;
-				PART[row * 4 + 1] = ok ? d1[l] : (APE_REAL)0;
-				PART[row * 4 + 2] = ok ? d2[l] : (APE_REAL)0;
-				/* d(alpha)/d(lambda) */
-				PART[row * 4 + 3] = ok ? d3[l] + Ai * ape_grad_gate(sigma) : (APE_REAL)0;
-			}
-		}
-		if (!(flags & B_DQ))
-			return;
-		NOUNROLL for (int p = 0; p < b.P; p++) {
-			VS(dqx[p], tx);
-			VS(dqy[p], ty);
-			NOUNROLL for (int l = 0; l < hi; l++) {
-				const long qb = (bh * Lq + i0 + l) * b.D;
-				const long ia_ = qb + (b.inter ? 2 * p : p);
-				const long ib_ = qb + (b.inter ? 2 * p + 1 : p + b.P);
-				const APE_REAL mean = ri[RI_MEAN * APE_RW + l];
-
-				if (cnt[l] <= 0)
-					continue; /* no visible key here: the row adds nothing */
-				DQ[ia_] += (float)((APE_REAL)tx[l] +
-						   coef[l] * ((APE_REAL)ld(Q, ia_, B_DT_IN(flags)) - mean));
-				DQ[ib_] += (float)((APE_REAL)ty[l] +
-						   coef[l] * ((APE_REAL)ld(Q, ib_, B_DT_IN(flags)) - mean));
-			}
+			if (cnt[l] <= 0)
+				continue; /* no visible key here: the row adds nothing */
+			DQ[ia_] += (float)(tx[l] + coef[l] * ((APE_REAL)ld(Q, ia_, B_DT_IN(flags)) -
+							      mean));
+			DQ[ib_] += (float)(ty[l] + coef[l] * ((APE_REAL)ld(Q, ib_, B_DT_IN(flags)) -
+							      mean));
 		}
 	}
 }

@@ -24,11 +24,11 @@
 #define B_PAIRS 16384 /* write each row's pairs computed */
 
 /* Keys per skip granule: a row vector's computed keys start and end at multiples of it (or at
- * the ends of its visible keys); the sweeps' key tiles and blocks divide it. */
+ * the ends of its visible keys); the sweep's key blocks divide it. */
 #define B_GRANULE 64
 
 /* per-row values of ape_bwd_rows, RI_N of them per row, in APE_REAL, in blocks of APE_RW rows
- * (a row vector of the sweeps) per (batch, head), field-major inside a block: value `field` of
+ * (a row vector of the sweep) per (batch, head), field-major inside a block: value `field` of
  * row i of block blk (blk = bh * nblk + i / APE_RW, nblk = ceil(Lq / APE_RW)) sits at
  * RI_AT(blk, field, rw) + i % APE_RW. Rows past Lq get alpha 1, LSE +inf, the rest 0. */
 #define RI_AT(blk, field, rw) (((blk) * RI_N + (field)) * (rw))
@@ -52,5 +52,10 @@
 #define TB_DG 4 /* d(bias)/d(gamma) */
 #define TB_DTL 5 /* d(temp)/d(lambda) */
 #define TB_N 6
+
+/* per (split, row vector) sums of ape_bwd_fused, RP_N of them, in APE_REAL, APE_RW lanes each:
+ * the alpha path's A, then the four parameter sums; slice s of row vector blk (as in RI_AT) at
+ * ((s * nrv + blk) * RP_N + field) * rw, nrv the row vectors of the launch */
+#define RP_N 5
 
 #endif
