@@ -167,25 +167,35 @@ static double fd_central(bcase *c, const fd_input *in, double x0, double h, doub
 }
 
 /*
- * The derivative of the loss along one input by a central difference D(h) (x +- h and x +- 2h
- * exact in float32: see bcase_quantize()), and *err, an estimate of the difference's own error,
+ * The derivative of the loss along one input by a central difference D(h) (x +- h, 2h, 4h exact
+ * in float32: see bcase_quantize()), and *err, an estimate of the difference's own error,
  * which the tolerance on the gradient does not cover, since it does not shrink with the
  * gradient:
- * - truncation: |D(h) - D(2h)|, three times the h^2 term where the loss is smooth, all of the
- *   O(h) term at a constant query row, where sigma has its kink (fd_tensor());
+ * - truncation: D(h) = f' + C h^2 + ... where the loss is smooth: |D(h) - D(2h)|, three times
+ *   the error. At a kink (a constant query row: sigma = 0 moves by |h|, fd_tensor()) D(h) =
+ *   f' + K h + C h^2 + ...: the derivative is R(h) = 2 D(h) - D(2h) = f' - 2 C h^2 + ..., and
+ *   |R(h) - R(2h)| three times its error;
  * - rounding: each loss is within 2^-52 of its sum of |terms| (the naive O and LSE rounded to
  *   double, 2^-53; the long-double sum of a few hundred terms far below), so D(h) is within
- *   2^-52 sum|terms| / h: 1e-7 for a sum of 100 at a constant row (h = 2^-22). Left out, it
- *   failed the test now and then: a constant row and a small scale (|scale| < 1e-3 makes dQ
- *   ~ 1e-4 and its tolerance ~ 1e-9, not the loss' rounding), dQ errors of 1e-9 to 6e-9.
+ *   2^-52 sum|terms| / h, R(h) within 2.5 times that. Left out, this failed the test now and
+ *   then when the kink was met with a step of 2^-22 and a double sum: a constant row and a
+ *   small scale (|scale| < 1e-3 makes dQ ~ 1e-4 and its tolerance ~ 1e-9, not the loss'
+ *   rounding), dQ errors of 1e-9 to 6e-9.
  */
-static double fd_diff(bcase *c, const fd_input *in, double h, double *err)
+static double fd_diff(bcase *c, const fd_input *in, double h, bool kink, double *err)
 {
 	const double x0 = fd_get(in);
-	double a1, a2, d1 = fd_central(c, in, x0, h, &a1), d2 = fd_central(c, in, x0, 2 * h, &a2);
+	double a1, a2, a4, d1 = fd_central(c, in, x0, h, &a1), d2 = fd_central(c, in, x0, 2 * h, &a2);
+	double r1, r2;
 
-	*err = fabs(d1 - d2) + 0x1p-52 * a1 / h;
-	return d1;
+	if (!kink) {
+		*err = fabs(d1 - d2) + 0x1p-52 * a1 / h;
+		return d1;
+	}
+	r1 = 2 * d1 - d2;
+	r2 = 2 * d2 - fd_central(c, in, x0, 4 * h, &a4);
+	*err = fabs(r1 - r2) + 2.5 * 0x1p-52 * fmax(a1, a2) / h;
+	return r1;
 }
 
 /* A query row whose components are all equal: sigma = 0. */
@@ -206,14 +216,12 @@ static void fd_tensor(bcase *c, ape_tensor *in, const ape_tensor *grad, bool is_
 	for (int64_t b = 0; b < in->shape[0]; b++)
 		for (int64_t h = 0; h < in->shape[1]; h++)
 			for (int64_t l = 0; l < in->shape[2]; l++) {
-				/* at sigma = 0 the difference is off by O(h): a smaller step,
-				 * still exact for the constant 0.5 rows (0.5 +- 2^-21) */
-				const double step =
-					is_q && row_constant(in, b, h, l) ? 0x1p-22 : 0x1p-16;
+				/* at sigma = 0 the difference is off by O(h): extrapolated */
+				const bool kink = is_q && row_constant(in, b, h, l);
 
 				for (int64_t d = 0; d < in->shape[3]; d++) {
 					const fd_input at = { NULL, in, b, h, l, d };
-					double e, fd = fd_diff(c, &at, step, &e);
+					double e, fd = fd_diff(c, &at, 0x1p-16, kink, &e);
 					double g = test_tensor_get(grad, b, h, l, d);
 
 					*err = fmax(*err, isnan(g) ? INFINITY : fabs(g - fd) - e);
@@ -344,7 +352,7 @@ static int check_fd(struct __test_metadata *_metadata, bcase *c, ape_device *dev
 		if (prm[x]->per_head) {
 			for (int64_t h = 0; h < H; h++) {
 				const fd_input at = { &tp->params[x * H + h], NULL, 0, 0, 0, 0 };
-				double e, fd = fd_diff(c, &at, 0x1p-16, &e);
+				double e, fd = fd_diff(c, &at, 0x1p-16, false, &e);
 				double gv = g->dparams[4 * h + x];
 
 				err[3 + x] = fmax(err[3 + x],
@@ -354,7 +362,7 @@ static int check_fd(struct __test_metadata *_metadata, bcase *c, ape_device *dev
 			}
 		} else { /* one value for every head: its gradient is the sum over heads */
 			const fd_input at = { &prm[x]->value, NULL, 0, 0, 0, 0 };
-			double e, fd = fd_diff(c, &at, 0x1p-16, &e), sum = 0;
+			double e, fd = fd_diff(c, &at, 0x1p-16, false, &e), sum = 0;
 
 			for (int64_t h = 0; h < H; h++)
 				sum += g->dparams[4 * h + x];
