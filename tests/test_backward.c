@@ -52,7 +52,9 @@ extern atomic_uint_fast64_t ape__cu_bwd_scratch_high;
  * parameter gradients are such differences; with every key of a row far, the rounding of O in
  * Dl_i = dO_i . O_i is multiplied by |n|, which kernels inherit). So each comparison also
  * allows twice the first-order bound of what that rounding can do (fd_rounding()), and the
- * cases keep their keys within a few rows of the queries.
+ * cases keep their keys within a few rows of the queries. Nor is the finite difference exact:
+ * each element's comparison first takes off the difference's own error (fd_diff()), which
+ * does not shrink with the gradient (a small scale makes dQ small, not the loss' rounding).
  */
 #define FD_TOL 1e-5
 
@@ -92,13 +94,16 @@ static void bcase_quantize(bcase *c)
 /* ---------------------------------------------------------------- finite differences */
 
 /* The loss whose gradient the call returns: sum dO . O + sum dLSE . LSE, forward in long
- * double (rows with no visible key have LSE = -inf and depend on nothing: left out). */
-static double fd_loss(bcase *c)
+ * double (rows with no visible key have LSE = -inf and depend on nothing: left out), summed in
+ * long double; *labs: the sum of the terms' absolute values, which bounds its rounding
+ * (fd_diff()). */
+static long double fd_loss(bcase *c, double *labs)
 {
 	test_problem *tp = &c->tp;
 	const int64_t *s = tp->q.t.shape;
-	double L = 0;
+	long double L = 0, A = 0;
 
+	*labs = 0;
 	if (test_problem_naive(tp))
 		return NAN;
 	for (int64_t b = 0; b < s[0]; b++)
@@ -106,42 +111,91 @@ static double fd_loss(bcase *c)
 			for (int64_t i = 0; i < s[2]; i++) {
 				const int64_t row = (b * s[1] + h) * s[2] + i;
 
-				for (int64_t d = 0; d < s[3]; d++)
-					L += test_tensor_get(&c->dout.t, b, h, i, d) *
-					     tp->naive_o[row * s[3] + d];
-				if (c->dlse && isfinite(tp->naive_lse[row]))
-					L += c->dlse[row] * tp->naive_lse[row];
+				for (int64_t d = 0; d < s[3]; d++) {
+					long double t = (long double)test_tensor_get(&c->dout.t, b,
+										     h, i, d) *
+							tp->naive_o[row * s[3] + d];
+
+					L += t;
+					A += fabsl(t);
+				}
+				if (c->dlse && isfinite(tp->naive_lse[row])) {
+					long double t = (long double)c->dlse[row] *
+							tp->naive_lse[row];
+
+					L += t;
+					A += fabsl(t);
+				}
 			}
+	*labs = (double)A;
 	return L;
 }
 
-/* Central difference of the loss along one float: *x +- h, restored after. */
-static double fd_float(bcase *c, float *x, double h)
-{
-	const float x0 = *x;
-	double lp, lm;
+/* What a finite difference moves: one float (x), or element (b, h, l, d) of a float32 tensor. */
+typedef struct {
+	float *x;
+	ape_tensor *t;
+	int64_t b, h, l, d;
+} fd_input;
 
-	*x = (float)(x0 + h);
-	lp = fd_loss(c);
-	*x = (float)(x0 - h);
-	lm = fd_loss(c);
-	*x = x0;
-	return (lp - lm) / (2 * h);
+static double fd_get(const fd_input *in)
+{
+	return in->x ? *in->x : test_tensor_get(in->t, in->b, in->h, in->l, in->d);
 }
 
-/* Central difference along element (b, h, l, d) of a float32 tensor. */
-static double fd_elem(bcase *c, ape_tensor *t, int64_t b, int64_t hh, int64_t l, int64_t d,
-		      double h)
+static void fd_put(const fd_input *in, double v)
 {
-	const double x0 = test_tensor_get(t, b, hh, l, d);
-	double lp, lm;
+	if (in->x)
+		*in->x = (float)v;
+	else
+		test_tensor_set(in->t, in->b, in->h, in->l, in->d, v);
+}
 
-	test_tensor_set(t, b, hh, l, d, x0 + h);
-	lp = fd_loss(c);
-	test_tensor_set(t, b, hh, l, d, x0 - h);
-	lm = fd_loss(c);
-	test_tensor_set(t, b, hh, l, d, x0);
-	return (lp - lm) / (2 * h);
+/* (L(x0 + h) - L(x0 - h)) / 2h, x0 restored after; *labs: the larger sum of |terms|. */
+static double fd_central(bcase *c, const fd_input *in, double x0, double h, double *labs)
+{
+	long double lp, lm;
+	double ap, am;
+
+	fd_put(in, x0 + h);
+	lp = fd_loss(c, &ap);
+	fd_put(in, x0 - h);
+	lm = fd_loss(c, &am);
+	fd_put(in, x0);
+	*labs = fmax(ap, am);
+	return (double)((lp - lm) / (2 * h));
+}
+
+/*
+ * The derivative of the loss along one input by a central difference D(h) (x +- h, 2h, 4h exact
+ * in float32: see bcase_quantize()), and *err, an estimate of the difference's own error,
+ * which the tolerance on the gradient does not cover, since it does not shrink with the
+ * gradient:
+ * - truncation: D(h) = f' + C h^2 + ... where the loss is smooth: |D(h) - D(2h)|, three times
+ *   the error. At a kink (a constant query row: sigma = 0 moves by |h|, fd_tensor()) D(h) =
+ *   f' + K h + C h^2 + ...: the derivative is R(h) = 2 D(h) - D(2h) = f' - 2 C h^2 + ..., and
+ *   |R(h) - R(2h)| three times its error;
+ * - rounding: each loss is within 2^-52 of its sum of |terms| (the naive O and LSE rounded to
+ *   double, 2^-53; the long-double sum of a few hundred terms far below), so D(h) is within
+ *   2^-52 sum|terms| / h, R(h) within 2.5 times that. Left out, this failed the test now and
+ *   then when the kink was met with a step of 2^-22 and a double sum: a constant row and a
+ *   small scale (|scale| < 1e-3 makes dQ ~ 1e-4 and its tolerance ~ 1e-9, not the loss'
+ *   rounding), dQ errors of 1e-9 to 6e-9.
+ */
+static double fd_diff(bcase *c, const fd_input *in, double h, bool kink, double *err)
+{
+	const double x0 = fd_get(in);
+	double a1, a2, a4, d1 = fd_central(c, in, x0, h, &a1), d2 = fd_central(c, in, x0, 2 * h, &a2);
+	double r1, r2;
+
+	if (!kink) {
+		*err = fabs(d1 - d2) + 0x1p-52 * a1 / h;
+		return d1;
+	}
+	r1 = 2 * d1 - d2;
+	r2 = 2 * d2 - fd_central(c, in, x0, 4 * h, &a4);
+	*err = fabs(r1 - r2) + 2.5 * 0x1p-52 * fmax(a1, a2) / h;
+	return r1;
 }
 
 /* A query row whose components are all equal: sigma = 0. */
@@ -153,25 +207,26 @@ static bool row_constant(const ape_tensor *t, int64_t b, int64_t h, int64_t l)
 	return true;
 }
 
-/* max |G - FD| over one gradient tensor, and max |FD|. */
+/* Over one gradient tensor: max of |G - FD| beyond the difference's own error (fd_diff()),
+ * max |FD|, and the largest such own error. */
 static void fd_tensor(bcase *c, ape_tensor *in, const ape_tensor *grad, bool is_q, double *err,
-		      double *scale)
+		      double *scale, double *fderr)
 {
-	*err = *scale = 0;
+	*err = *scale = *fderr = 0;
 	for (int64_t b = 0; b < in->shape[0]; b++)
 		for (int64_t h = 0; h < in->shape[1]; h++)
 			for (int64_t l = 0; l < in->shape[2]; l++) {
-				/* at sigma = 0 the difference is off by O(h): a smaller step,
-				 * still exact for the constant 0.5 rows (0.5 +- 2^-22) */
-				const double step =
-					is_q && row_constant(in, b, h, l) ? 0x1p-22 : 0x1p-16;
+				/* at sigma = 0 the difference is off by O(h): extrapolated */
+				const bool kink = is_q && row_constant(in, b, h, l);
 
 				for (int64_t d = 0; d < in->shape[3]; d++) {
-					double fd = fd_elem(c, in, b, h, l, d, step);
+					const fd_input at = { NULL, in, b, h, l, d };
+					double e, fd = fd_diff(c, &at, 0x1p-16, kink, &e);
 					double g = test_tensor_get(grad, b, h, l, d);
 
-					*err = fmax(*err, isnan(g) ? INFINITY : fabs(g - fd));
+					*err = fmax(*err, isnan(g) ? INFINITY : fabs(g - fd) - e);
 					*scale = fmax(*scale, fabs(fd));
+					*fderr = fmax(*fderr, e);
 				}
 			}
 }
@@ -285,30 +340,35 @@ static int check_fd(struct __test_metadata *_metadata, bcase *c, ape_device *dev
 	ape_param *prm[4] = { &tp->desc.delta, &tp->desc.beta, &tp->desc.gamma, &tp->desc.lambda };
 	static const char *const pname[4] = { "delta", "beta", "gamma", "lambda" };
 	const int64_t H = tp->q.t.shape[1];
-	double err[7], scale[7], noise[7];
+	double err[7], scale[7], noise[7], fderr[7];
 	int bad = 0;
 	char desc[512];
 
-	fd_tensor(c, &tp->q.t, &g->dq.t, true, &err[0], &scale[0]);
-	fd_tensor(c, &tp->k.t, &g->dk.t, false, &err[1], &scale[1]);
-	fd_tensor(c, &tp->v.t, &g->dv.t, false, &err[2], &scale[2]);
+	fd_tensor(c, &tp->q.t, &g->dq.t, true, &err[0], &scale[0], &fderr[0]);
+	fd_tensor(c, &tp->k.t, &g->dk.t, false, &err[1], &scale[1], &fderr[1]);
+	fd_tensor(c, &tp->v.t, &g->dv.t, false, &err[2], &scale[2], &fderr[2]);
 	for (int x = 0; x < 4; x++) {
-		err[3 + x] = scale[3 + x] = 0;
+		err[3 + x] = scale[3 + x] = fderr[3 + x] = 0;
 		if (prm[x]->per_head) {
 			for (int64_t h = 0; h < H; h++) {
-				double fd = fd_float(c, &tp->params[x * H + h], 0x1p-16);
+				const fd_input at = { &tp->params[x * H + h], NULL, 0, 0, 0, 0 };
+				double e, fd = fd_diff(c, &at, 0x1p-16, false, &e);
 				double gv = g->dparams[4 * h + x];
 
-				err[3 + x] = fmax(err[3 + x], isnan(gv) ? INFINITY : fabs(gv - fd));
+				err[3 + x] = fmax(err[3 + x],
+						  isnan(gv) ? INFINITY : fabs(gv - fd) - e);
 				scale[3 + x] = fmax(scale[3 + x], fabs(fd));
+				fderr[3 + x] = fmax(fderr[3 + x], e);
 			}
 		} else { /* one value for every head: its gradient is the sum over heads */
-			double fd = fd_float(c, &prm[x]->value, 0x1p-16), sum = 0;
+			const fd_input at = { &prm[x]->value, NULL, 0, 0, 0, 0 };
+			double e, fd = fd_diff(c, &at, 0x1p-16, false, &e), sum = 0;
 
 			for (int64_t h = 0; h < H; h++)
 				sum += g->dparams[4 * h + x];
-			err[3 + x] = isnan(sum) ? INFINITY : fabs(sum - fd);
+			err[3 + x] = isnan(sum) ? INFINITY : fmax(0, fabs(sum - fd) - e);
 			scale[3 + x] = fabs(fd);
+			fderr[3 + x] = e;
 		}
 	}
 	if (fd_rounding(c, dev, g, noise))
@@ -319,9 +379,10 @@ static int check_fd(struct __test_metadata *_metadata, bcase *c, ape_device *dev
 
 		if (err[x] <= FD_TOL * scale[x] + 2 * noise[x] + 1e-12)
 			continue;
-		TH_LOG("%s: %s%s: %s error %.3g, max |finite difference| %.3g, rounding noise %.3g",
+		TH_LOG("%s: %s%s: %s error %.3g beyond the finite difference's own error (up to "
+		       "%.3g), max |finite difference| %.3g, rounding noise %.3g",
 		       what, desc, c->dlse ? " dlse" : "", x < 3 ? names[x] : pname[x - 3], err[x],
-		       scale[x], noise[x]);
+		       fderr[x], scale[x], noise[x]);
 		bad++;
 	}
 	return bad;
