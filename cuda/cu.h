@@ -81,7 +81,12 @@ enum ape__cu_kernel {
 	/* the separable path (cuda_separable.c): the rotation, then d64 f16/bf16, d128 f16/bf16 */
 	APE__CU_K_SEP_ROT,
 	APE__CU_K_SEP,
-	APE__CU_NKERNELS = APE__CU_K_SEP + 4,
+	/* the forward kernels' twins that also write the diagnostics (ent, md): ape_dmerge_diag,
+	 * then prefill and decode as above */
+	APE__CU_K_MERGE_DIAG = APE__CU_K_SEP + 4,
+	APE__CU_K_PREFILL_DIAG,
+	APE__CU_K_DECODE_DIAG = APE__CU_K_PREFILL_DIAG + 12,
+	APE__CU_NKERNELS = APE__CU_K_DECODE_DIAG + 12,
 };
 
 /* Head-size variants: D = 64 and 128 specialised, every other even D <= 256 generic. */
@@ -205,7 +210,7 @@ int ape__cu_module(struct ape_device *dev);
 /* Unloads whatever modules are loaded (device release; the context current). */
 void ape__cu_module_unload(struct ape__cu_device *cd);
 /* Kernel index of a prefill / decode variant. */
-int ape__cu_kernel_index(bool decode, int variant, int dtype);
+int ape__cu_kernel_index(bool decode, int variant, int dtype, bool diag);
 /* Launches kernel k over `blocks` blocks of APE_CU_THREADS threads (split into a 2-D grid when
  * more than 2^31 - 1) with `smem` bytes of dynamic shared memory; params[0] is its argument
  * struct. The caller has entered the device. */

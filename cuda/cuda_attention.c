@@ -25,6 +25,11 @@
  * stored two elements at a time unless the view's pairs are misaligned (APE_CU_F_O_SCALAR).
  * A strided launch with no key writes O = 0 and LSE = -inf through ape_dmerge over zero splits
  * (fills only reach contiguous outputs).
+ *
+ * Diagnostics (l->ent and l->md, docs/diagnostics.md): the same steps with the _diag twins of
+ * the prefill, decode and merge kernels (a compile-time flag of the kernel templates, so that a
+ * launch without them runs exactly the kernels it ran before), plus the decode splits' running
+ * sums in scratch (part_sd). ENT and MD are contiguous [B*H*Lq] like pairs (core/backend.h).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -40,13 +45,13 @@
 #define SPLIT_MAX_BYTES (256u << 20)
 
 struct cu_plan {
-	bool decode, skip, exact, need_kp, need_vp;
+	bool decode, skip, exact, need_kp, need_vp, diag;
 	int variant, dmax, vt;
 	int64_t bk; /* keys per tile of the skip pre-pass */
 	int64_t ntile; /* such tiles */
 	int64_t nbkv, rows, splits;
 	/* scratch layout: byte offsets, 0 when absent (offset 0 is never a region's) */
-	size_t kp, vp, ktile, pre, suf, hp, win, po, pml, pp;
+	size_t kp, vp, ktile, pre, suf, hp, win, po, pml, pp, psd;
 	size_t total;
 };
 
@@ -95,7 +100,7 @@ static void kv_aligned(const struct ape__launch *l, bool buffers, bool *k16, boo
 }
 
 static void plan_launch(const struct ape__cu_device *cd, const struct ape__launch *l, bool k16,
-			bool v16, struct cu_plan *p)
+			bool v16, bool diag, struct cu_plan *p)
 {
 	const size_t esz = l->in_dtype == APE_F32 ? 4 : 2;
 
@@ -103,6 +108,7 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 	p->total = 256; /* no region at offset 0 */
 	p->vt = (int)l->in_dtype;
 	p->decode = l->Lq <= APE_DC_MAX_LQ;
+	p->diag = diag;
 	p->skip = l->skip_tol > 0 && l->decay_nonneg;
 	p->variant = l->D == 64	   ? APE__CU_V_D64
 		     : l->D == 128 ? APE__CU_V_D128
@@ -156,6 +162,8 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 		p->po = take(p, (size_t)p->splits * (size_t)p->rows * (size_t)l->D * 4);
 		p->pml = take(p, (size_t)p->splits * (size_t)p->rows * 2 * 4);
 		p->pp = take(p, (size_t)p->splits * (size_t)p->rows * 8);
+		if (p->diag)
+			p->psd = take(p, (size_t)p->splits * (size_t)p->rows * 2 * 4);
 	}
 }
 
@@ -167,7 +175,9 @@ uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__lau
 	if (l->B * l->H * l->Lq == 0 || (l->Lk == 0 && !l->strided))
 		return 0;
 	kv_aligned(l, false, &k16, &v16);
-	plan_launch(ape__cu_dev(dev), l, k16, v16, &p);
+	/* the figure may not depend on the diagnostics (core/backend.h: only the shape, types,
+	 * layout and skip_tol count): it includes the decode splits' diagnostic sums always */
+	plan_launch(ape__cu_dev(dev), l, k16, v16, true, &p);
 	/* shape-only: the separable path may take it (cuda_separable.c) */
 	return p.total > ape__cu_separable_scratch(l) ? p.total : ape__cu_separable_scratch(l);
 }
@@ -196,6 +206,8 @@ static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CU
 	c->o = l->o->ptr;
 	c->lse = l->lse ? l->lse->ptr : 0;
 	c->pairs = l->pairs ? l->pairs->ptr : 0;
+	c->ent = p->diag ? l->ent->ptr : 0;
+	c->md = p->diag ? l->md->ptr : 0;
 	c->hparams = p->hp ? scratch + p->hp : 0;
 	c->Lq = l->Lq;
 	c->Lk = l->Lk;
@@ -321,7 +333,7 @@ static int run_prefill(struct ape__queue *q, const struct ape__launch *l, const 
 	a.suf = p->skip ? scratch + p->suf : 0;
 	a.nqt = (l->Lq + bq - 1) / bq;
 	a.ntk = (l->Lk + APE_PF_BK(p->dmax) - 1) / APE_PF_BK(p->dmax);
-	return ape__cu_launch(q, ape__cu_kernel_index(false, p->variant, p->vt),
+	return ape__cu_launch(q, ape__cu_kernel_index(false, p->variant, p->vt, p->diag),
 			      a.nqt * l->B * l->H, (unsigned)APE_PF_SMEM(p->dmax, p->vt), &a,
 			      "prefill");
 }
@@ -337,9 +349,10 @@ static int run_merge(struct ape__queue *q, const struct ape__launch *l, const st
 	mg.part_o = splits ? scratch + p->po : 0;
 	mg.part_ml = splits ? scratch + p->pml : 0;
 	mg.part_pairs = splits ? scratch + p->pp : 0;
+	mg.part_sd = splits && p->diag ? scratch + p->psd : 0;
 	mg.splits = splits;
 	mg.rows = p->rows;
-	return ape__cu_launch(q, APE__CU_K_MERGE,
+	return ape__cu_launch(q, p->diag ? APE__CU_K_MERGE_DIAG : APE__CU_K_MERGE,
 			      (p->rows + APE_CU_THREADS / 32 - 1) / (APE_CU_THREADS / 32), 0, &mg,
 			      "ape_dmerge");
 }
@@ -370,16 +383,17 @@ static int run_decode(struct ape__queue *q, const struct ape__launch *l, const s
 	a.part_o = scratch + p->po;
 	a.part_ml = scratch + p->pml;
 	a.part_pairs = scratch + p->pp;
+	a.part_sd = p->diag ? scratch + p->psd : 0;
 	a.splits = p->splits;
-	ret = ape__cu_launch(q, ape__cu_kernel_index(true, p->variant, p->vt),
-			     p->splits * p->nbkv, (unsigned)APE_DC_SMEM(p->dmax, p->vt, p->exact),
-			     &a, "decode");
+	ret = ape__cu_launch(q, ape__cu_kernel_index(true, p->variant, p->vt, p->diag),
+			     p->splits * p->nbkv,
+			     (unsigned)APE_DC_SMEM(p->dmax, p->vt, p->exact, p->diag), &a, "decode");
 	if (ret)
 		return ret;
 	return run_merge(q, l, p, scratch, p->splits);
 }
 
-/* No key at all: O = 0, LSE = -inf, no pairs, by fills. */
+/* No key at all: O = 0, LSE = -inf, no pairs, ENT = MD = 0, by fills. */
 static int run_empty(struct ape__queue *q, const struct ape__launch *l)
 {
 	const size_t rows = (size_t)(l->B * l->H * l->Lq);
@@ -391,6 +405,11 @@ static int run_empty(struct ape__queue *q, const struct ape__launch *l)
 		ret = ape__cu_fill(q, l->lse, 0, 0xff800000u, rows * 4);
 	if (!ret && l->pairs)
 		ret = ape__cu_fill(q, l->pairs, 0, 0u, rows * 8);
+	if (!ret && l->ent && l->md) {
+		ret = ape__cu_fill(q, l->ent, 0, 0u, rows * 4);
+		if (!ret)
+			ret = ape__cu_fill(q, l->md, 0, 0u, rows * 4);
+	}
 	return ret;
 }
 
@@ -450,18 +469,20 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 	ret = ape__cu_module(q->dev);
 	if (ret)
 		goto out_leave;
-	if (l->Lk > 0 && ape__cu_separable_applies(l)) {
+	/* the separable path keeps no diagnostics: launches that want them take the _diag kernels
+	 * (docs/diagnostics.md, "CUDA") */
+	if (l->Lk > 0 && !l->ent && !l->md && ape__cu_separable_applies(l)) {
 		ret = ape__cu_separable(q, l,
 					!view_aligned(l, APE__T_O, l->o->ptr,
 						      2 * ape_dtype_size(l->out_dtype)));
 		goto out_leave;
 	}
-	if (l->Lk > 0 && ape__cu_split_applies(l)) { /* by runs of kv groups, each as above */
+	if (l->Lk > 0 && !l->ent && !l->md && ape__cu_split_applies(l)) { /* by runs of kv groups */
 		ret = ape__cu_split(q, l);
 		goto out_leave;
 	}
 	kv_aligned(l, true, &k16, &v16);
-	plan_launch(cd, l, k16, v16, &p);
+	plan_launch(cd, l, k16, v16, l->ent && l->md, &p); /* the core passes both or neither */
 	ret = ape__cu_scratch_alloc(q, p.total, &scratch);
 	if (ret)
 		goto out_leave;

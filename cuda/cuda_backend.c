@@ -143,4 +143,5 @@ const struct ape__backend_ops ape__cuda_ops = {
 	.scratch_alloc = cuda_scratch_alloc, /* cuda_backward.c */
 	.scratch_free = cuda_scratch_free,
 	.copy_view = cuda_copy_view,
+	.attention_diag = true, /* ENT and MD: the _diag kernels (cuda_attention.c) */
 };

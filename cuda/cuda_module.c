@@ -11,27 +11,38 @@
 #include "cu.h"
 #include "core/error.h"
 
-#define VARIANTS(kind)                                                                             \
-	"ape_" kind "_d64_f32", "ape_" kind "_d64_f16", "ape_" kind "_d64_bf16",                   \
-		"ape_" kind "_d128_f32", "ape_" kind "_d128_f16", "ape_" kind "_d128_bf16",        \
-		"ape_" kind "_g128_f32", "ape_" kind "_g128_f16", "ape_" kind "_g128_bf16",        \
-		"ape_" kind "_g256_f32", "ape_" kind "_g256_f16", "ape_" kind "_g256_bf16"
+/* the 12 kernels of one kind: head-size variant x storage type, names ending in suf */
+#define VARIANTS_(kind, suf)                                                                       \
+	"ape_" kind "_d64_f32" suf, "ape_" kind "_d64_f16" suf, "ape_" kind "_d64_bf16" suf,       \
+		"ape_" kind "_d128_f32" suf, "ape_" kind "_d128_f16" suf,                          \
+		"ape_" kind "_d128_bf16" suf, "ape_" kind "_g128_f32" suf,                         \
+		"ape_" kind "_g128_f16" suf, "ape_" kind "_g128_bf16" suf,                         \
+		"ape_" kind "_g256_f32" suf, "ape_" kind "_g256_f16" suf, "ape_" kind "_g256_bf16" suf
+#define VARIANTS(kind) VARIANTS_(kind, "")
 
 const char *const ape__cu_kernel_names[APE__CU_NKERNELS] = {
 	"ape_prep", "ape_kscan", "ape_dwindow", "ape_dmerge", VARIANTS("prefill"), VARIANTS("decode"),
 	"ape_bwd_rows", "ape_bwd_params", "ape_bwd_keys_d64", "ape_bwd_keys_d128", "ape_bwd_keys_g128",
 	"ape_bwd_keys_g256", "ape_bwd_queries_d64", "ape_bwd_queries_d128", "ape_bwd_queries_g128",
 	"ape_bwd_queries_g256", "ape_copy_view", "ape_sep_rot", "ape_sep_d64_f16", "ape_sep_d64_bf16",
-	"ape_sep_d128_f16", "ape_sep_d128_bf16",
+	"ape_sep_d128_f16", "ape_sep_d128_bf16", "ape_dmerge_diag",
+	VARIANTS_("prefill", "_diag"), VARIANTS_("decode", "_diag"),
 };
 
-int ape__cu_kernel_index(bool decode, int variant, int dtype)
+int ape__cu_kernel_index(bool decode, int variant, int dtype, bool diag)
 {
-	return (decode ? APE__CU_K_DECODE : APE__CU_K_PREFILL) + 3 * variant + dtype;
+	const int base = diag ? (decode ? APE__CU_K_DECODE_DIAG : APE__CU_K_PREFILL_DIAG)
+			      : (decode ? APE__CU_K_DECODE : APE__CU_K_PREFILL);
+
+	return base + 3 * variant + dtype;
 }
 
 static int cu_kernel_module(int k)
 {
+	if (k == APE__CU_K_MERGE_DIAG || k >= APE__CU_K_DECODE_DIAG)
+		return APE__CU_MOD_DECODE;
+	if (k >= APE__CU_K_PREFILL_DIAG)
+		return APE__CU_MOD_PREFILL;
 	if (k >= APE__CU_K_SEP_ROT)
 		return APE__CU_MOD_SEPARABLE;
 	if (k >= APE__CU_K_BWD_ROWS)

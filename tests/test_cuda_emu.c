@@ -722,6 +722,94 @@ TEST(many_heads_parameters_through_scratch)
 	ape_context_destroy(d.ctx);
 }
 
+/* ---- the diagnostics' kernel twins (docs/diagnostics.md, "CUDA") */
+
+/*
+ * The _diag twins of the prefill, decode and merge kernels change nothing but the two extra
+ * outputs: the same call with and without entropy and mean distance gives bit-identical O and
+ * LSE (the same launches; the twins' softmax, P V and merge are the plain kernels' code), on
+ * the prefill and the decode kernel, every storage type, skipping on (the seed's decay, at the
+ * default 2^-24 that diagnostics keep) and off; and the diagnostics are within the spec's
+ * tolerance of the long-double evaluation.
+ */
+TEST(diag_twins_leave_o_and_lse_bit_identical)
+{
+	static const test_problem_shape shapes[] = {
+		{ 1, 4, 2, 3, 900, 64 }, /* decode, several splits */
+		{ 1, 2, 1, 70, 90, 128 }, /* prefill */
+		{ 1, 2, 2, 20, 40, 40 }, /* prefill, generic D */
+	};
+	struct pair_of_devices d;
+	int fails = 0;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_diag");
+	for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
+		for (int t = 0; t < 3; t++) {
+			test_problem tp;
+			ape_exec_options o;
+			ape_tensor o2;
+			float *lse2 = NULL, *ent = NULL, *md = NULL;
+			void *obuf = NULL;
+			size_t ob;
+			char what[512];
+
+			ASSERT_EQ(0, test_problem_make(&tp, &rng, &shapes[s], all_types[t], false));
+			if (t == 1)
+				seed_params(&tp); /* skipping on */
+			else
+				test_problem_random_params(&tp, &rng);
+			tp.desc.skip_tol = 0x1p-24;
+			ASSERT_EQ(0, test_problem_naive(&tp));
+			test_problem_describe(&tp, what, sizeof(what));
+			ob = tp.o.alloc_bytes; /* contiguous: data is the allocation */
+			obuf = malloc(ob);
+			lse2 = malloc(sizeof(float) * tp.rows);
+			ent = malloc(sizeof(float) * tp.rows);
+			md = malloc(sizeof(float) * tp.rows);
+			ASSERT_TRUE(obuf && lse2 && ent && md);
+			o2 = tp.o.t;
+			o2.data = obuf;
+			memset(obuf, 0xff, ob);
+			ape_exec_options_init(&o);
+			ASSERT_EQ(0, ape_attention_forward_ex(&d.cuda, 1, &o, &tp.desc, &tp.q.t,
+							      &tp.k.t, &tp.v.t, &tp.o.t, tp.lse, NULL))
+			TH_LOG("%s: %s", what, ape_last_error());
+			ASSERT_EQ(0, ape_attention_forward_diag(&d.cuda, 1, &o, &tp.desc, &tp.q.t,
+								&tp.k.t, &tp.v.t, &o2, lse2, ent, md,
+								NULL))
+			TH_LOG("%s: %s", what, ape_last_error());
+			if (memcmp(obuf, tp.o.t.data, ob) ||
+			    memcmp(lse2, tp.lse, sizeof(float) * tp.rows)) {
+				TH_LOG("%s: O or LSE differ with the diagnostics", what);
+				fails++;
+			}
+			for (size_t r = 0; r < tp.rows; r++) {
+				const double l = tp.naive_lse[r];
+				const double ee = fabs(ent[r] - tp.naive_ent[r]) /
+						  fmax(1, isfinite(l) ? fabs(l) : 1);
+				const double em = fabs(md[r] - tp.naive_md[r]) /
+						  fmax(1, tp.naive_mdmax[r]);
+
+				if (!(ee <= test_tol_lse(tp.q.t.dtype)) ||
+				    !(em <= test_tol_lse(tp.q.t.dtype))) {
+					TH_LOG("%s: row %zu: ENT %.9g (want %.9g), MD %.9g (want %.9g)",
+					       what, r, ent[r], tp.naive_ent[r], md[r], tp.naive_md[r]);
+					fails++;
+					break;
+				}
+			}
+			free(obuf);
+			free(lse2);
+			free(ent);
+			free(md);
+			test_problem_free(&tp);
+		}
+	EXPECT_EQ(0, fails);
+	ape_context_destroy(d.ctx);
+}
+
 /* ---- the backward pass (cuda/kernels/backward.cu) */
 
 /*

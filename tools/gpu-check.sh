@@ -6,8 +6,8 @@
 #
 #   1. what the machine has (nvidia-smi, nvcc, driver, python, torch) -> OUT_DIR/env.txt
 #   2. build (WITH_CUDA=yes; hwloc and libdrm only when pkg-config finds them)
-#   3. the CUDA tests on the real GPU (tests/test_resident and tests/test_cuda_emu with
-#      APE_TEST_CUDA_DEVICE=1)
+#   3. the CUDA tests on the real GPU (tests/test_resident, tests/test_cuda_emu and
+#      tests/test_diag, the diagnostics kernels, with APE_TEST_CUDA_DEVICE=1)
 #   4. ape-check across every backend it finds (CUDA, OpenCL when an ICD is there, reference);
 #      ape-bench --resident: device-resident calls beside host calls (prefill, decode step)
 #   5. the benchmark of issue 6 (bench/torch_ape.py: libape vs eager PyTorch APE vs SDPA; decode
@@ -134,7 +134,8 @@ NO_KSFT="no Kselftest headers (build/kselftest, KSFT_DIR or /usr/src/linux-*): r
 if [ $have_ksft = yes ]; then
 	# shellcheck disable=SC2086
 	run gputests-build 120 make -j"$JOBS" $MAKEVARS KSFT_DIR="$KSFT" "$BUILD/tests/test_cuda_emu" \
-		"$BUILD/tests/test_resident" "$BUILD/tests/test_resident_bwd"
+		"$BUILD/tests/test_resident" "$BUILD/tests/test_resident_bwd" \
+		"$BUILD/tests/test_diag"
 	if [ "$rc" -eq 0 ]; then
 		# device-resident calls (ape_attention_enqueue, KV-cache appends from device memory)
 		# on the GPU, against the host calls, bit for bit
@@ -161,6 +162,15 @@ if [ $have_ksft = yes ]; then
 		4) note gputests FAIL "test_cuda_emu found no CUDA device: $(tail -n 1 "$OUT/gputests.log")" ;;
 		124) note gputests TIMEOUT "test_cuda_emu on the real GPU" ;;
 		*) note gputests FAIL "test_cuda_emu on the real GPU: ${last#\# }: see gputests.log" ;;
+		esac
+		# the diagnostics kernels (ENT, MD: the _diag twins of prefill, decode, dmerge); the
+		# other backends' variants of test_diag run too
+		run diag 60 env APE_TEST_CUDA_DEVICE=1 "$BUILD/tests/test_diag"
+		last=$(grep '^# Totals' "$OUT/diag.log" | tail -n 1)
+		case $rc in
+		0) note diag ok "test_diag (entropy, mean distance) on the real GPU: ${last#\# }" ;;
+		124) note diag TIMEOUT "test_diag on the real GPU" ;;
+		*) note diag FAIL "test_diag on the real GPU: ${last#\# }: see diag.log" ;;
 		esac
 	else
 		note gputests FAIL "building tests/test_cuda_emu: see gputests-build.log"

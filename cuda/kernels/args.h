@@ -62,12 +62,14 @@
 #define APE_DC_STAGES(vt) ((vt) == APE_CU_F32 ? 4 : 6)
 #define APE_DC_NVEC(vt) ((vt) == APE_CU_F32 ? 8 : 4)
 #define APE_DC_SMEM_RING(vt) (APE_DC_STAGES(vt) * APE_DC_NVEC(vt) * APE_CU_THREADS * 16)
-/* the block's per-run partial results, merged at the end: acc, m, l and pairs per group */
-#define APE_DC_SMEM_MERGE(dmax) ((APE_CU_THREADS / APE_DC_TPR(dmax)) * ((dmax) + 4) * 4)
-#define APE_DC_SMEM(dmax, vt, exact)                                                               \
-	(((exact) ? APE_DC_SMEM_RING(vt) : 0) > APE_DC_SMEM_MERGE(dmax)                           \
+/* the block's per-run partial results, merged at the end: acc, m, l and pairs per group, and
+ * with diagnostics (diag 1) the two running sums S1, S2 after a free slot */
+#define APE_DC_MROW(dmax, diag) ((dmax) + ((diag) ? 6 : 4))
+#define APE_DC_SMEM_MERGE(dmax, diag) ((APE_CU_THREADS / APE_DC_TPR(dmax)) * APE_DC_MROW(dmax, diag) * 4)
+#define APE_DC_SMEM(dmax, vt, exact, diag)                                                         \
+	(((exact) ? APE_DC_SMEM_RING(vt) : 0) > APE_DC_SMEM_MERGE(dmax, diag)                     \
 		 ? ((exact) ? APE_DC_SMEM_RING(vt) : 0)                                            \
-		 : APE_DC_SMEM_MERGE(dmax))
+		 : APE_DC_SMEM_MERGE(dmax, diag))
 /* decode launches cover at most this many query rows per (batch, head) */
 #define APE_DC_MAX_LQ 16
 /* keys per tile of the skip pre-pass when decoding */
@@ -103,6 +105,9 @@ struct ape_cu_view {
 struct ape_cu_common {
 	uint64_t q, k, v; /* device pointers: inputs as the caller gave them */
 	uint64_t o, lse, pairs; /* outputs; lse, pairs 0 when not wanted */
+	/* the diagnostics (docs/diagnostics.md): float [B*H*Lq] each, contiguous like pairs, read
+	 * only by the _diag kernels (both set for those, 0 for the others) */
+	uint64_t ent, md;
 	uint64_t prior; /* lse_prior: float [B*H*Lq], the LSE of earlier launches; 0: none */
 	uint64_t hparams; /* H * 4 floats (delta, beta, gamma, lambda per head), or 0: inline */
 	int64_t Lq, Lk;
@@ -171,6 +176,7 @@ struct ape_cu_decode_args {
 	uint64_t part_o; /* float [S][rows][D] */
 	uint64_t part_ml; /* float [S][rows][2]: m (log2 units, shifted frame), l */
 	uint64_t part_pairs; /* uint64 [S][rows] */
+	uint64_t part_sd; /* _diag kernels: float [S][rows][2]: S1 (log2 units, frame of m), S2 */
 	int64_t splits;
 	int64_t block_base;
 };
@@ -179,6 +185,7 @@ struct ape_cu_decode_args {
 struct ape_cu_merge_args {
 	struct ape_cu_common c;
 	uint64_t part_o, part_ml, part_pairs;
+	uint64_t part_sd; /* ape_dmerge_diag only */
 	int64_t splits;
 	int64_t rows; /* B * H * Lq */
 	int64_t block_base;

@@ -26,7 +26,14 @@
 
 namespace ape {
 
-template <int DMAX, bool EXACT, int VT> struct Decode {
+/*
+ * DIAG (the _diag kernels, docs/diagnostics.md): each group also keeps the running sums of the
+ * diagnostics, S1 = sum_j p_j x_j and S2 = sum_j p_j |n_j| (x_j = score - m, log2 units like m
+ * and l), rescaled with l when the maximum moves; runs and splits merge them by the same rule
+ * (APE_DIAG_RESCALE_S1: a partial result is a "key" carrying its own S1), the splits in
+ * ape_dmerge_diag, which writes ENT and MD. Without DIAG none of that code exists.
+ */
+template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 	static constexpr int NTH = APE_CU_THREADS;
 	static constexpr int TPR = APE_DC_TPR(DMAX);
 	static constexpr int PT = 8; /* pairs per lane */
@@ -36,10 +43,11 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 	static constexpr int STAGES = APE_DC_STAGES(VT);
 	static constexpr int ESZ = VT == APE_CU_F32 ? 4 : 2;
 	static constexpr int PMAX = DMAX / 2;
-	static constexpr int MROW = DMAX + 4; /* merge area floats per group: acc, m, l, pairs */
+	/* merge area floats per group: acc, m, l, pairs, (a free slot, S1, S2) */
+	static constexpr int MROW = APE_DC_MROW(DMAX, DIAG);
 	static_assert(PT * TPR == PMAX && VC == 16, "decode lane shape");
 	static_assert(NVEC * 16 == (2 * PT + VC) * ESZ, "a lane's K and V bytes per key");
-	static_assert(NG * MROW * 4 <= APE_DC_SMEM(DMAX, VT, EXACT), "merge area");
+	static_assert(NG * MROW * 4 <= APE_DC_SMEM(DMAX, VT, EXACT, DIAG), "merge area");
 
 	/* The 16-byte ring slot of vector v of stage st for this thread. */
 	static APE_DEV unsigned char *slot(unsigned char *ring, int st, int v)
@@ -220,6 +228,7 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 			const int64_t an0 = ape_anchor_distance(diag, Lk, causal);
 			const float sl2 = (float)(a.c.scale * APE_LOG2E);
 			float m = -APE_INF, l = 0.0f, acc[VC];
+			float e1 = 0.0f, e2 = 0.0f; /* DIAG: S1, S2 */
 			uint32_t cnt = 0;
 
 #pragma unroll
@@ -285,6 +294,12 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 					if (s2 > m) {
 						const float corr = m == -APE_INF ? 0.0f : ex2(m - s2);
 
+						if constexpr (DIAG) { /* core/ape_math.h */
+							e1 = corr > 0.0f
+								     ? APE_DIAG_RESCALE_S1(e1, l, corr, m - s2)
+								     : 0.0f;
+							e2 *= corr;
+						}
 						l *= corr;
 #pragma unroll
 						for (int d = 0; d < VC; d++)
@@ -293,6 +308,10 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 					}
 					p = ex2(s2 - m); /* NaN stays NaN */
 					l += p;
+					if constexpr (DIAG) {
+						e1 += ape_diag_s1_term_f(p, s2 - m);
+						e2 = fmaf(p, (float)an, e2);
+					}
 #pragma unroll
 					for (int d = 0; d < VC; d++)
 						acc[d] = fmaf(p, vv[d], acc[d]);
@@ -314,6 +333,10 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 					my[DMAX] = m;
 					my[DMAX + 1] = l;
 					reinterpret_cast<uint32_t *>(my)[DMAX + 2] = cnt;
+					if constexpr (DIAG) {
+						my[DMAX + 4] = e1;
+						my[DMAX + 5] = e2;
+					}
 				}
 			}
 			bar();
@@ -343,6 +366,25 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
 					reinterpret_cast<float *>(a.part_ml)[2 * (s * rows + out) + 1] = ll;
 					reinterpret_cast<uint64_t *>(a.part_pairs)[s * rows + out] = pc;
 				}
+				if constexpr (DIAG) {
+					if (d == 0) {
+						float f1 = 0.0f, f2 = 0.0f;
+
+						for (int q = 0; q < RUNS; q++) {
+							const float *src = merge + (q * RP + r) * MROW;
+							const float mq = src[DMAX];
+							const float f = mq == -APE_INF ? 0.0f : ex2(mq - mm);
+
+							f1 += f > 0.0f ? APE_DIAG_RESCALE_S1(src[DMAX + 4],
+											     src[DMAX + 1], f,
+											     mq - mm)
+								       : 0.0f;
+							f2 = fmaf(src[DMAX + 5], f, f2);
+						}
+						reinterpret_cast<float *>(a.part_sd)[2 * (s * rows + out)] = f1;
+						reinterpret_cast<float *>(a.part_sd)[2 * (s * rows + out) + 1] = f2;
+					}
+				}
 			}
 			bar(); /* the merge area becomes the ring of the next pass */
 		}
@@ -353,7 +395,7 @@ template <int DMAX, bool EXACT, int VT> struct Decode {
  * The splits of each row merged by their LSE: O = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s,
  * LSE = c_row + ln 2 (M + log2 L). One warp per row, lanes along the columns.
  */
-APE_DEV void dmerge(const ape_cu_merge_args &a)
+template <bool DIAG> APE_DEV void dmerge(const ape_cu_merge_args &a)
 {
 	const int lane = threadIdx.x & 31;
 	const int64_t row = (a.block_base + block_linear()) * (APE_CU_THREADS / 32) + (threadIdx.x >> 5);
@@ -408,18 +450,43 @@ APE_DEV void dmerge(const ape_cu_merge_args &a)
 		}
 		if (a.c.pairs)
 			reinterpret_cast<uint64_t *>(a.c.pairs)[row] = pairs;
+		if constexpr (DIAG) {
+			/* the splits' S1, S2 in the frame of M (core/ape_math.h); no split: 0, 0 */
+			const float *sd = reinterpret_cast<const float *>(a.part_sd);
+			float s1 = 0.0f, s2 = 0.0f;
+
+			for (int64_t s = 0; s < S; s++) {
+				const float ms = ml[2 * (s * a.rows + row)];
+				const float f = ms == -APE_INF ? 0.0f : ex2(ms - M);
+
+				s1 += f > 0.0f ? APE_DIAG_RESCALE_S1(sd[2 * (s * a.rows + row)],
+								     ml[2 * (s * a.rows + row) + 1], f,
+								     ms - M)
+					       : 0.0f;
+				s2 = fmaf(sd[2 * (s * a.rows + row) + 1], f, s2);
+			}
+			reinterpret_cast<float *>(a.c.ent)[row] =
+				(float)ape_diag_entropy((double)L, (double)s1 * APE_LN2);
+			reinterpret_cast<float *>(a.c.md)[row] =
+				(float)ape_diag_distance((double)L, (double)s2);
+		}
 	}
 }
 
 } /* namespace ape */
 
-#define APE_DECODE(name, dmax, exact, vt)                                                          \
+#define APE_DECODE1(name, dmax, exact, vt, diag)                                                   \
 	extern "C" __global__ void __launch_bounds__(APE_CU_THREADS, 1)                           \
 		name(const struct ape_cu_decode_args a)                                            \
 	{                                                                                          \
-		ape::Decode<dmax, exact, vt>::run(a);                                              \
+		ape::Decode<dmax, exact, vt, diag>::run(a);                                        \
 	}                                                                                          \
 	APE_EMU_REGISTER(name, struct ape_cu_decode_args)
+
+/* each kernel, and its twin with the diagnostics (name_diag) */
+#define APE_DECODE(name, dmax, exact, vt)                                                          \
+	APE_DECODE1(name, dmax, exact, vt, false)                                                  \
+	APE_DECODE1(name##_diag, dmax, exact, vt, true)
 
 APE_DECODE(ape_decode_d64_f32, 64, true, APE_CU_F32)
 APE_DECODE(ape_decode_d64_f16, 64, true, APE_CU_F16)
@@ -436,6 +503,13 @@ APE_DECODE(ape_decode_g256_bf16, 256, false, APE_CU_BF16)
 
 extern "C" __global__ void __launch_bounds__(APE_CU_THREADS) ape_dmerge(const struct ape_cu_merge_args a)
 {
-	ape::dmerge(a);
+	ape::dmerge<false>(a);
 }
 APE_EMU_REGISTER(ape_dmerge, struct ape_cu_merge_args)
+
+extern "C" __global__ void __launch_bounds__(APE_CU_THREADS)
+	ape_dmerge_diag(const struct ape_cu_merge_args a)
+{
+	ape::dmerge<true>(a);
+}
+APE_EMU_REGISTER(ape_dmerge_diag, struct ape_cu_merge_args)

@@ -150,7 +150,13 @@ struct Walk {
 	}
 };
 
-template <int DMAX, bool EXACT, int VT> struct Prefill {
+/*
+ * DIAG (the _diag kernels, docs/diagnostics.md): each lane also keeps its share of the two
+ * running sums of the diagnostics, S1 = sum_j p_j x_j and S2 = sum_j p_j |n_j| (x_j the score
+ * minus the row's maximum, log2 units like m and l), rescaled with l at every tile; finish()
+ * sums the row's lanes and writes ENT and MD. Without DIAG none of that code exists.
+ */
+template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 	using S = PfShape<DMAX>;
 	using M = PfSmem<DMAX, VT>;
 	static constexpr int TPR = S::TPR, PT = S::PT, BQ = S::BQ, BK = S::BK, SB = S::SB;
@@ -413,6 +419,7 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 		const int dir_count = causal ? 1 : 2;
 		const double tol = skip ? a.c.tol : 0.0;
 		float m = -APE_INF, l = 0.0f; /* this lane's share of l; m is the row's */
+		float e1 = 0.0f, e2 = 0.0f; /* DIAG: this lane's shares of S1 and S2 */
 		float o[NTL][4];
 		int64_t t, tlo, thi;
 		Walk w;
@@ -433,8 +440,8 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 					   ape_visible_keys(diag, Lk, causal), crow, -APE_INF, 0.0f,
 					   prior[bh * Lq + i] - crow, a.c.prior_tol));
 		if ((causal && rel + ilast < 0) || (prior && !bar_or(!gone))) {
-			finish(a, sm, bh, i0, 0, 0, m, l, crow, row_ok, gone, i, r, c, o, warp, lane,
-			       diag);
+			finish(a, sm, bh, i0, 0, 0, m, l, e1, e2, crow, row_ok, gone, i, r, c, o, warp,
+			       lane, diag);
 			return; /* no row of the tile sees any key, or needs one */
 		}
 		t = causal ? imin(rel + ilast, Lk - 1) / BK
@@ -554,10 +561,28 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 					mt = fmaxf(mt, sv[k]); /* ignores NaN: exp() keeps it */
 				mt = group_max<TPR>(mt);
 				corr = m == -APE_INF ? 0.0f : ex2(m - mt);
+				if constexpr (DIAG) {
+					/* core/ape_math.h: nothing yet (corr 0) stays 0 */
+					const float nf = (float)n0; /* n of the tile's first key */
+
+					e1 = corr > 0.0f ? APE_DIAG_RESCALE_S1(e1, l, corr, m - mt) : 0.0f;
+					e2 *= corr;
 #pragma unroll
-				for (int k = 0; k < KPT; k++) {
-					sv[k] = sv[k] == -APE_INF ? 0.0f : ex2(sv[k] - mt);
-					lsum += sv[k];
+					for (int k = 0; k < KPT; k++) {
+						const int j = (k / KPS) * SB + c * KPS + k % KPS;
+						const float x = sv[k] - mt;
+
+						sv[k] = sv[k] == -APE_INF ? 0.0f : ex2(x);
+						lsum += sv[k];
+						e1 += ape_diag_s1_term_f(sv[k], x);
+						e2 = fmaf(sv[k], fabsf(nf - (float)j), e2);
+					}
+				} else {
+#pragma unroll
+					for (int k = 0; k < KPT; k++) {
+						sv[k] = sv[k] == -APE_INF ? 0.0f : ex2(sv[k] - mt);
+						lsum += sv[k];
+					}
 				}
 				l = fmaf(l, corr, lsum);
 				m = mt;
@@ -660,19 +685,31 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 			tlo = imin(tlo, t);
 			thi = imax(thi, t);
 		}
-		finish(a, sm, bh, i0, tlo * BK, imin((thi + 1) * BK, Lk), m, l, crow, row_ok, gone, i,
-		       r, c, o, warp, lane, diag);
+		finish(a, sm, bh, i0, tlo * BK, imin((thi + 1) * BK, Lk), m, l, e1, e2, crow, row_ok,
+		       gone, i, r, c, o, warp, lane, diag);
 	}
 
 	/* LSE and pairs per row (score role), then O = acc / l (P V role). Keys [jbeg, jend)
 	 * were computed, except by rows `gone` (none). O is 0 in a row with l = 0 (no key):
-	 * even a masked or gone key's 0 * V must not reach it. */
+	 * even a masked or gone key's 0 * V must not reach it. DIAG: ENT and MD from the lanes'
+	 * shares e1, e2 of S1, S2 (0 and 0 in a row without a key, NaN in a NaN row). */
 	static APE_DEV void finish(const ape_cu_prefill_args &a, unsigned char *sm, int64_t bh,
-				   int64_t i0, int64_t jbeg, int64_t jend, float m, float l,
-				   double crow, bool row_ok, bool gone, int64_t i, int r, int c,
-				   float (&o)[NTL][4], int warp, int lane, int64_t diag)
+				   int64_t i0, int64_t jbeg, int64_t jend, float m, float l, float e1,
+				   float e2, double crow, bool row_ok, bool gone, int64_t i, int r,
+				   int c, float (&o)[NTL][4], int warp, int lane, int64_t diag)
 	{
 		const float lrow = group_sum<TPR>(l);
+
+		if constexpr (DIAG) {
+			e1 = group_sum<TPR>(e1);
+			e2 = group_sum<TPR>(e2);
+			if (c == 0 && row_ok) {
+				reinterpret_cast<float *>(a.c.ent)[bh * a.c.Lq + i] =
+					(float)ape_diag_entropy((double)lrow, (double)e1 * APE_LN2);
+				reinterpret_cast<float *>(a.c.md)[bh * a.c.Lq + i] =
+					(float)ape_diag_distance((double)lrow, (double)e2);
+			}
+		}
 		float *linv = reinterpret_cast<float *>(sm + M::OFF_LINV);
 		const int64_t Lq = a.c.Lq;
 
@@ -727,13 +764,18 @@ template <int DMAX, bool EXACT, int VT> struct Prefill {
 
 } /* namespace ape */
 
-#define APE_PREFILL(name, dmax, exact, vt)                                                         \
+#define APE_PREFILL1(name, dmax, exact, vt, diag)                                                  \
 	extern "C" __global__ void __launch_bounds__(APE_CU_THREADS, 1)                           \
 		name(const struct ape_cu_prefill_args a)                                           \
 	{                                                                                          \
-		ape::Prefill<dmax, exact, vt>::run(a);                                             \
+		ape::Prefill<dmax, exact, vt, diag>::run(a);                                       \
 	}                                                                                          \
 	APE_EMU_REGISTER(name, struct ape_cu_prefill_args)
+
+/* each kernel, and its twin with the diagnostics (name_diag) */
+#define APE_PREFILL(name, dmax, exact, vt)                                                         \
+	APE_PREFILL1(name, dmax, exact, vt, false)                                                 \
+	APE_PREFILL1(name##_diag, dmax, exact, vt, true)
 
 APE_PREFILL(ape_prefill_d64_f32, 64, true, APE_CU_F32)
 APE_PREFILL(ape_prefill_d64_f16, 64, true, APE_CU_F16)

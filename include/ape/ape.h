@@ -783,8 +783,8 @@ APE_API int ape_attention_forward_ex(ape_device *const *devs, int ndev,
  *        same call)
  * \return as ape_attention_forward_ex(); APE_EINVAL also when entropy or mean_distance
  *         overlaps q, k, v, o, lse or each other (naming both); APE_ENOTSUP when a device's
- *         backend does not compute the diagnostics (the message names the device; today the
- *         reference and OpenCL do, CUDA does not).
+ *         backend does not compute the diagnostics (the message names the device; the
+ *         reference, OpenCL and CUDA backends all do).
  * \note On failure the same rules as for o and lse apply (APE_EXEC_ATOMIC_OUTPUTS: untouched).
  */
 APE_API int ape_attention_forward_diag(ape_device *const *devs, int ndev,

@@ -362,6 +362,13 @@ APE_FN ape_real ape_diag_s1_term(ape_real e, ape_real x, ape_real ent)
 	return e > (ape_real)0 ? e * (x - ent) : (ape_real)0;
 }
 
+/* ape_diag_s1_term() of a key (ent = 0) in float32, for kernels that keep the sums in float
+ * (the CUDA kernels, in log2 units: the term is linear in x, so S1 scales with the units) */
+APE_FN float ape_diag_s1_term_f(float e, float x)
+{
+	return e > 0.0f ? e * x : 0.0f;
+}
+
 /* ENT = ln l - S1 / l, 0 without a visible key (l = 0); never below 0 (it is an entropy: only
  * rounding could take it there). */
 APE_FN ape_real ape_diag_entropy(ape_real l, ape_real s1)

@@ -506,6 +506,10 @@ void wrap_install(ape_device *dev, unsigned flags)
 		w.ops.attention_diag_views = false;
 	if (flags & WRAP_NO_PAGES)
 		w.ops.attention_pages = NULL;
+	if (flags & WRAP_NO_DIAG) {
+		w.ops.attention_diag = false;
+		w.ops.attention_diag_views = false;
+	}
 	memset(&w.c, 0, sizeof(w.c));
 	w.max_alloc = 0;
 	w.fail_op = -1;

@@ -25,6 +25,9 @@
 /* hide attention_diag_views: a backend without the diagnostics on device tensors */
 #define WRAP_NO_DIAG_VIEWS (1u << 4)
 #define WRAP_NO_PAGES (1u << 5) /* hide attention_pages: KV caches gather */
+/* declare no diagnostics at all (attention_diag and attention_diag_views false): the core's
+ * refusal runs on any backend */
+#define WRAP_NO_DIAG (1u << 6)
 
 /* The ops that can fail, as the wrapper counts and fails them. */
 enum wrap_op {
