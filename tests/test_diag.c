@@ -328,13 +328,16 @@ TEST_F(dev, skipping_stays_within_the_bound)
 {
 	static const double tols[] = { 0, 0x1p-24, 1e-2 };
 	const int64_t L = self->emu ? 300 : 1500;
+	/* the emulator's 300 keys: CUDA skips whole 64-key tiles or chunks, and at delta 0.05 a
+	 * key's weight falls below 2^-24 only ~330 keys away (OpenCL's smaller tiles skip some) */
+	const double delta = self->emu ? 0.15 : 0.05;
 	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
 	test_problem tp;
 
 	if (!self->dev->be->ops->attention_diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
-	test_problem_set_params(&tp, 0.05, 0.01, 0.01, 0.1);
+	test_problem_set_params(&tp, delta, 0.01, 0.01, 0.1);
 	tp.desc.causal = false;
 	ASSERT_EQ(0, test_problem_naive(&tp));
 	for (int t = 0; t < 3; t++) {
@@ -366,6 +369,21 @@ TEST_F(dev, skipping_stays_within_the_bound)
 
 /* ---- the KV cache */
 
+/* A cache for problem shape sh (its Lk keys) in blocks of 64 tokens, attended in chunks of 128
+ * keys (several key chunks: the merge runs). */
+static void kv_options(ape_kv_cache_options *ko, const test_problem_shape *sh, ape_dtype dt)
+{
+	ape_kv_cache_options_init(ko);
+	ko->B = sh->B;
+	ko->Hkv = sh->Hkv;
+	ko->H = sh->H;
+	ko->D = sh->D;
+	ko->dtype = dt;
+	ko->capacity_tokens = sh->Lk;
+	ko->block_tokens = 64;
+	ko->attend_chunk = 128;
+}
+
 TEST_F(dev, kv_cache_attend_matches_the_forward_call)
 {
 	const int64_t n = self->emu ? 100 : 700, Lq = 4;
@@ -381,15 +399,7 @@ TEST_F(dev, kv_cache_attend_matches_the_forward_call)
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F16));
 	test_problem_set_params(&tp, 0.01, 0.02, 0.01, 0.1);
 	ASSERT_EQ(0, test_problem_naive(&tp));
-	ape_kv_cache_options_init(&ko);
-	ko.B = 1;
-	ko.Hkv = 2;
-	ko.H = 4;
-	ko.D = 16;
-	ko.dtype = APE_F16;
-	ko.capacity_tokens = n;
-	ko.block_tokens = 64;
-	ko.attend_chunk = 128; /* several key chunks: the merge runs */
+	kv_options(&ko, &sh, APE_F16);
 	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &ko, &kc)) TH_LOG("%s", ape_last_error());
 	ASSERT_EQ(0, ape_kv_cache_append(kc, &tp.k.t, &tp.v.t));
 	ASSERT_EQ(0, diag_alloc(&d, tp.rows));
@@ -667,15 +677,7 @@ TEST(two_cuda_devices)
 		ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &kv, APE_F16));
 		test_problem_set_params(&tp, 0.01, 0.02, 0.01, 0.1);
 		ASSERT_EQ(0, test_problem_naive(&tp));
-		ape_kv_cache_options_init(&ko);
-		ko.B = 1;
-		ko.Hkv = 2;
-		ko.H = 4;
-		ko.D = 32;
-		ko.dtype = APE_F16;
-		ko.capacity_tokens = 300;
-		ko.block_tokens = 64;
-		ko.attend_chunk = 128;
+		kv_options(&ko, &kv, APE_F16);
 		ASSERT_EQ(0, ape_kv_cache_create(devs[1], &ko, &kc)) TH_LOG("%s", ape_last_error());
 		ASSERT_EQ(0, ape_kv_cache_append(kc, &tp.k.t, &tp.v.t));
 		ASSERT_EQ(0, diag_alloc(&d, tp.rows));
