@@ -29,7 +29,9 @@
  * Diagnostics (l->ent and l->md, docs/diagnostics.md): the same steps with the _diag twins of
  * the prefill, decode and merge kernels (a compile-time flag of the kernel templates, so that a
  * launch without them runs exactly the kernels it ran before), plus the decode splits' running
- * sums in scratch (part_sd). ENT and MD are contiguous [B*H*Lq] like pairs (core/backend.h).
+ * sums in scratch (part_sd). ENT and MD lie where ape__launch_diag_view() says (strided on the
+ * device-resident call's launches, ABI 8), each optional; the core gives the streamed calls
+ * both, contiguous.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -206,8 +208,8 @@ static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CU
 	c->o = l->o->ptr;
 	c->lse = l->lse ? l->lse->ptr : 0;
 	c->pairs = l->pairs ? l->pairs->ptr : 0;
-	c->ent = p->diag ? l->ent->ptr : 0;
-	c->md = p->diag ? l->md->ptr : 0;
+	c->ent = l->ent ? l->ent->ptr : 0;
+	c->md = l->md ? l->md->ptr : 0;
 	c->hparams = p->hp ? scratch + p->hp : 0;
 	c->Lq = l->Lq;
 	c->Lk = l->Lk;
@@ -227,6 +229,12 @@ static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CU
 	c->vv = cu_view(l, APE__T_V);
 	c->vo = cu_view(l, APE__T_O);
 	c->vlse = cu_view(l, APE__T_LSE);
+	{
+		const struct ape__view e = ape__launch_diag_view(l, 0), m = ape__launch_diag_view(l, 1);
+
+		c->vent = (struct ape_cu_view){ e.off, e.sb, e.sh, e.sl };
+		c->vmd = (struct ape_cu_view){ m.off, m.sb, m.sh, m.sl };
+	}
 	c->B = (int32_t)l->B;
 	c->H = (int32_t)l->H;
 	c->Hkv = (int32_t)l->Hkv;
@@ -405,11 +413,10 @@ static int run_empty(struct ape__queue *q, const struct ape__launch *l)
 		ret = ape__cu_fill(q, l->lse, 0, 0xff800000u, rows * 4);
 	if (!ret && l->pairs)
 		ret = ape__cu_fill(q, l->pairs, 0, 0u, rows * 8);
-	if (!ret && l->ent && l->md) {
+	if (!ret && l->ent) /* contiguous: a strided launch goes through ape_dmerge_diag */
 		ret = ape__cu_fill(q, l->ent, 0, 0u, rows * 4);
-		if (!ret)
-			ret = ape__cu_fill(q, l->md, 0, 0u, rows * 4);
-	}
+	if (!ret && l->md)
+		ret = ape__cu_fill(q, l->md, 0, 0u, rows * 4);
 	return ret;
 }
 
@@ -444,6 +451,16 @@ static int check_launch(const struct ape_device *dev, const struct ape__launch *
 					  "its %zu-byte elements",
 					  dev->info.name, names[t], (unsigned long long)b->ptr,
 					  (long long)ape__launch_view(l, t).off, esz);
+	}
+	/* ent and md: float views (in elements), so the buffer's base decides */
+	for (int w = 0; w < 2; w++) {
+		const struct ape__buf *b = w ? l->md : l->ent;
+
+		if (b && b->ptr % 4)
+			return ape__error(APE_EINVAL,
+					  "cuda %s: %s at 0x%llx is not aligned to its 4-byte elements",
+					  dev->info.name, w ? "md" : "ent",
+					  (unsigned long long)b->ptr);
 	}
 	return 0;
 }
@@ -482,7 +499,7 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 		goto out_leave;
 	}
 	kv_aligned(l, true, &k16, &v16);
-	plan_launch(cd, l, k16, v16, l->ent && l->md, &p); /* the core passes both or neither */
+	plan_launch(cd, l, k16, v16, l->ent || l->md, &p);
 	ret = ape__cu_scratch_alloc(q, p.total, &scratch);
 	if (ret)
 		goto out_leave;

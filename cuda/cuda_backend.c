@@ -144,4 +144,5 @@ const struct ape__backend_ops ape__cuda_ops = {
 	.scratch_free = cuda_scratch_free,
 	.copy_view = cuda_copy_view,
 	.attention_diag = true, /* ENT and MD: the _diag kernels (cuda_attention.c) */
+	.attention_diag_views = true, /* ... strided, each optional (ABI 8) */
 };

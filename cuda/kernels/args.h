@@ -105,8 +105,8 @@ struct ape_cu_view {
 struct ape_cu_common {
 	uint64_t q, k, v; /* device pointers: inputs as the caller gave them */
 	uint64_t o, lse, pairs; /* outputs; lse, pairs 0 when not wanted */
-	/* the diagnostics (docs/diagnostics.md): float [B*H*Lq] each, contiguous like pairs, read
-	 * only by the _diag kernels (both set for those, 0 for the others) */
+	/* the diagnostics (docs/diagnostics.md): float, where vent and vmd say (LSE's shape), each
+	 * 0 when not wanted; written only by the _diag kernels (0 and 0 for the others) */
 	uint64_t ent, md;
 	uint64_t prior; /* lse_prior: float [B*H*Lq], the LSE of earlier launches; 0: none */
 	uint64_t hparams; /* H * 4 floats (delta, beta, gamma, lambda per head), or 0: inline */
@@ -117,6 +117,7 @@ struct ape_cu_common {
 	double tol; /* skip tolerance per direction of the walk; 0: never skip */
 	double prior_tol; /* the whole-launch test against prior (backend.h) */
 	struct ape_cu_view vq, vk, vv, vo, vlse; /* the tensors' views (vk, vv: kv heads) */
+	struct ape_cu_view vent, vmd; /* ent's and md's (core/backend.h, ape__launch_diag_view()) */
 	int32_t B, H, Hkv, D;
 	int32_t dt_in, dt_out; /* APE_CU_F32, F16, BF16 */
 	uint32_t flags; /* APE_CU_F_* */

@@ -465,10 +465,12 @@ template <bool DIAG> APE_DEV void dmerge(const ape_cu_merge_args &a)
 					       : 0.0f;
 				s2 = fmaf(sd[2 * (s * a.rows + row) + 1], f, s2);
 			}
-			reinterpret_cast<float *>(a.c.ent)[row] =
-				(float)ape_diag_entropy((double)L, (double)s1 * APE_LN2);
-			reinterpret_cast<float *>(a.c.md)[row] =
-				(float)ape_diag_distance((double)L, (double)s2);
+			if (a.c.ent)
+				reinterpret_cast<float *>(a.c.ent)[vrow(a.c.vent, b, h, i)] =
+					(float)ape_diag_entropy((double)L, (double)s1 * APE_LN2);
+			if (a.c.md)
+				reinterpret_cast<float *>(a.c.md)[vrow(a.c.vmd, b, h, i)] =
+					(float)ape_diag_distance((double)L, (double)s2);
 		}
 	}
 }

@@ -703,12 +703,14 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 		if constexpr (DIAG) {
 			e1 = group_sum<TPR>(e1);
 			e2 = group_sum<TPR>(e2);
-			if (c == 0 && row_ok) {
-				reinterpret_cast<float *>(a.c.ent)[bh * a.c.Lq + i] =
+			if (c == 0 && row_ok && a.c.ent)
+				reinterpret_cast<float *>(a.c.ent)[vrow(a.c.vent, (int)bh / a.c.H,
+									  (int)bh % a.c.H, i)] =
 					(float)ape_diag_entropy((double)lrow, (double)e1 * APE_LN2);
-				reinterpret_cast<float *>(a.c.md)[bh * a.c.Lq + i] =
+			if (c == 0 && row_ok && a.c.md)
+				reinterpret_cast<float *>(a.c.md)[vrow(a.c.vmd, (int)bh / a.c.H,
+									 (int)bh % a.c.H, i)] =
 					(float)ape_diag_distance((double)lrow, (double)e2);
-			}
 		}
 		float *linv = reinterpret_cast<float *>(sm + M::OFF_LINV);
 		const int64_t Lq = a.c.Lq;

@@ -1117,8 +1117,8 @@ APE_API int ape_attention_enqueue(ape_queue *queue, const ape_attn_desc *desc,
  * \param[out] entropy NULL (not wanted), or `[B, H, Lq, 1]` APE_F32: `-sum_j P_ij ln P_ij`
  * \param[out] mean_distance NULL (not wanted), or `[B, H, Lq, 1]` APE_F32: `sum_j P_ij |n|`
  * \return as ape_attention_enqueue(); APE_ENOTSUP, naming the device, on a backend that does
- *         not compute the diagnostics on device tensors (CUDA, today), before anything is
- *         enqueued. With both NULL it is ape_attention_enqueue().
+ *         not compute the diagnostics on device tensors (the reference, OpenCL and CUDA
+ *         backends all do), before anything is enqueued. With both NULL it is ape_attention_enqueue().
  * \note On any error returned, nothing is enqueued except after a device failure while
  *       enqueueing (outputs then unspecified, as for ape_attention_enqueue()).
  */

@@ -64,8 +64,8 @@ APE_API int ape_attention_forward_dlpack(ape_device *dev, const ape_attn_desc *d
  * lse, on the same device as the other tensors, by the same rules (strides, offsets,
  * alignment; an output shares no byte with another tensor of the call). As
  * ape_attention_enqueue_diag(), the call runs under `min(desc->skip_tol, 2^-24)`, and on a
- * device whose backend does not compute the diagnostics on device tensors (CUDA, today) it
- * returns APE_ENOTSUP naming the device, before anything is enqueued.
+ * device whose backend does not compute the diagnostics on device tensors (every backend of
+ * libape does) it returns APE_ENOTSUP naming the device, before anything is enqueued.
  * \return as ape_attention_forward_dlpack(), messages naming this function and "entropy" or
  *         "mean_distance"; APE_ENOTSUP as above.
  */

@@ -569,7 +569,8 @@ def attention_diagnostics(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SE
     kind. Arguments as attention(); the call runs under min(skip_tol, 2^-24), where the
     diagnostics stay within the spec's tolerance. torch CUDA tensors are computed where they
     are, on PyTorch's current stream (ape_attention_forward_dlpack_diag()), as attention() does.
-    Raises ApeError on a device whose backend does not compute them (CUDA, today)."""
+    Raises ApeError on a device whose backend does not compute them (the reference, OpenCL
+    and CUDA backends all do; CUDA's kernels have run on the CPU emulator only)."""
     if _is_torch_cuda(q) or _is_torch_cuda(k) or _is_torch_cuda(v):
         return _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base,
                                layout, q_start, k_start, skip_tol, device, True, diag=True)
