@@ -821,9 +821,9 @@ static void dev_name(const ape_device *dev, char *buf, size_t len)
  * inputs and O) at byte offsets, the diagnostics in contiguous and in gapped [B, Lq, H] layouts:
  * O, LSE, ENT and MD equal to ape_attention_forward_diag() on the same device, bit for bit on
  * the reference and OpenCL; on a backend that does not compute the diagnostics on device
- * tensors, APE_ENOTSUP naming the device; on one that does and is neither (CUDA once it has
- * them), within the spec's tolerance of the naive evaluation. Asks the backend, so it checks
- * values as soon as a backend declares them.
+ * tensors, APE_ENOTSUP naming the device; on one that does and is neither (CUDA, on the
+ * emulator or a GPU), within the spec's tolerance of the naive evaluation. Asks the backend, so
+ * it checks values as soon as a backend declares them.
  */
 TEST_F(resident, enqueue_diag_equals_host_diag)
 {
@@ -1055,7 +1055,7 @@ TEST_F(resident, enqueue_diag_refusals)
 		m.buf = foreign;
 		REFUSED(APE_EINVAL, "mean_distance->buf is a buffer of ref:0");
 	}
-	/* a backend without them: its own (CUDA, today), or this one with the capability hidden */
+	/* a backend without them (none of libape's now): this one with the capability hidden */
 	dev_name(self->dev, name, sizeof(name));
 	if (diag_on_device(self->dev))
 		wrap_install(self->dev, WRAP_NO_DIAG_VIEWS);
