@@ -486,15 +486,15 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 	ret = ape__cu_module(q->dev);
 	if (ret)
 		goto out_leave;
-	/* the separable path keeps no diagnostics: launches that want them take the _diag kernels
-	 * (docs/diagnostics.md, "CUDA") */
-	if (l->Lk > 0 && !l->ent && !l->md && ape__cu_separable_applies(l)) {
+	/* (the separable path keeps no diagnostics: sep_shape() turns launches with them away, and
+	 * they take the _diag kernels below; docs/diagnostics.md, "CUDA") */
+	if (l->Lk > 0 && ape__cu_separable_applies(l)) {
 		ret = ape__cu_separable(q, l,
 					!view_aligned(l, APE__T_O, l->o->ptr,
 						      2 * ape_dtype_size(l->out_dtype)));
 		goto out_leave;
 	}
-	if (l->Lk > 0 && !l->ent && !l->md && ape__cu_split_applies(l)) { /* by runs of kv groups */
+	if (l->Lk > 0 && ape__cu_split_applies(l)) { /* by runs of kv groups, each as above */
 		ret = ape__cu_split(q, l);
 		goto out_leave;
 	}

@@ -156,15 +156,19 @@ TEST_F(dev, random_cases_match_the_definitions)
 /* Rows with one visible key have ENT = 0 and MD = |n| of that key; rows with none 0 and 0;
  * Lk = 0 writes zeros too. */
 /* The shapes the OpenCL fast paths take (docs/kernels.md): plain RoPE (separable: lambda = beta =
- * gamma = 0), a delta-only mix, and decode (a few query rows over many keys). With diagnostics
- * asked for, they must still be computed, by whichever kernel can. */
+ * gamma = 0), a delta-only mix, and decode (a few query rows over many keys); and CUDA's
+ * separable path (lambda = 0, D = 64 or 128, f16 or bf16, Lq > 16). With diagnostics asked
+ * for, they must still be computed, by whichever kernel can. */
 TEST_F(dev, fast_path_shapes_still_give_diagnostics)
 {
 	static const test_problem_shape shapes[] = {
 		{ 1, 4, 2, 96, 96, 64 }, /* prefill, separable when every lambda, beta, gamma is 0 */
 		{ 1, 4, 2, 1, 300, 64 }, /* decode */
 		{ 2, 2, 1, 5, 160, 32 }, /* decode, several rows */
+		{ 1, 2, 1, 40, 70, 64 }, /* CUDA's separable shape, in f16 */
+		{ 1, 2, 2, 24, 40, 128 }, /* ... and in bf16 */
 	};
+	static const ape_dtype types[] = { APE_F32, APE_F32, APE_F32, APE_F16, APE_BF16 };
 	static const double params[][4] = { { 0, 0, 0, 0 }, { 0.2, 0, 0, 0 } };
 
 	if (!self->dev->be->ops->attention_diag)
@@ -175,7 +179,7 @@ TEST_F(dev, fast_path_shapes_still_give_diagnostics)
 			struct diag d;
 			double ee, em;
 
-			ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &shapes[s], APE_F32));
+			ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &shapes[s], types[s]));
 			test_problem_set_params(&tp, params[c][0], params[c][1], params[c][2],
 						params[c][3]);
 			ASSERT_EQ(0, test_problem_naive(&tp));
