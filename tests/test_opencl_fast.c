@@ -359,6 +359,121 @@ TEST(fast_paths_deterministic)
 	ape_context_destroy(d.ctx);
 }
 
+/* ---- the separable path's work-group shape (GPU devices), forced on this device */
+
+/*
+ * APE_OCL_SEP_SHAPE=gpu (opencl/ocl_separable.c) gives the separable path's work-group kernel
+ * (ape_sep_attn_wg: rows over work-items, K and V tiles in local memory between barriers) to a
+ * CPU device: random cases against the reference (every head separable, or per-head mixes with
+ * a lambda != 0 head split off), skipping against a dense run, two runs bit-identical. PoCL
+ * compiles kernels with barriers slowly: the shapes stay small and D 128 (a program of its own)
+ * is left out.
+ */
+TEST(separable_wg_shape_matches_reference)
+{
+	const int ncases = ape_test_slow() ? 8 : 60;
+	int failed = 0, taken = 0, mixed = 0;
+	struct devs d;
+	ape_rng rng;
+
+	setenv("APE_OCL_SEP_SHAPE", "gpu", 1);
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "separable_wg_shape_matches_reference");
+	for (int c = 0; c < ncases; c++) {
+		const int mix = c % 3 == 2;
+		test_problem tp;
+		struct ape__launch l;
+		float hp[4 * 24];
+		ape_stats st;
+		int64_t H;
+
+		ASSERT_EQ(0, fast_case(&tp, &rng, -1, -1, 3));
+		if (tp.q.t.shape[3] == 128 || tp.q.t.shape[2] * tp.k.t.shape[2] > 40000) {
+			test_problem_free(&tp);
+			c--;
+			continue;
+		}
+		separable_params(&tp, &rng);
+		H = tp.q.t.shape[1];
+		if (mix) /* one head is not separable: the launch splits by kv groups */
+			tp.params[3 * H + ape_rng_range(&rng, 0, H - 1)] = 0.5f;
+		launch_of(&tp, hp, &l);
+		if (!ape__ocl_decode_applies(d.ocl, &l)) {
+			if (mix)
+				mixed += ape__ocl_split_applies(d.ocl, &l);
+			else
+				taken += ape__ocl_separable_applies(d.ocl, &l);
+		}
+		failed += compare(_metadata, &d, &tp, mix || c % 2 ? NULL : &st, "separable wg",
+				  NULL) != 0;
+		if (!mix && c % 2 == 0)
+			EXPECT_LE(st.pairs_computed, st.pairs_visible);
+		test_problem_free(&tp);
+	}
+	ksft_print_msg("separable wg: %d of %d cases took the separable path, %d of %d split\n",
+		       taken, ncases - ncases / 3, mixed, ncases / 3);
+	fflush(stdout);
+	EXPECT_EQ(0, failed);
+	EXPECT_GE(taken, ncases / 3) TH_LOG("the separable predicate refused most cases");
+	EXPECT_GE(mixed, ncases / 12) TH_LOG("the split predicate refused most mixed cases");
+	ape_context_destroy(d.ctx);
+	unsetenv("APE_OCL_SEP_SHAPE");
+}
+
+/* The work-group shape skips what the bound allows (fewer pairs than a dense run, within
+ * tolerance of it) and gives the same bits twice. */
+TEST(separable_wg_shape_skips_deterministic)
+{
+	const test_problem_shape sh = { 1, 2, 2, 300, 300, 64 };
+	struct devs d;
+	ape_rng rng;
+
+	setenv("APE_OCL_SEP_SHAPE", "gpu", 1);
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "separable_wg_shape_skips_deterministic");
+	for (int c = 0; c < 2; c++) {
+		test_problem tp, dense, again;
+		ape_stats st, sd;
+		struct ape__launch l;
+		float hp[4 * 8];
+		double eo;
+
+		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, c ? APE_BF16 : APE_F32, false));
+		if (c == 0)
+			test_problem_set_params(&tp, 0.5, 0, 0, 0);
+		else
+			test_problem_set_params(&tp, 0.5, 0.8, 0.4, 0);
+		tp.desc.skip_tol = 0x1p-24;
+		launch_of(&tp, hp, &l);
+		EXPECT_TRUE(ape__ocl_separable_applies(d.ocl, &l));
+		ASSERT_EQ(0, test_problem_clone(&dense, &tp));
+		ASSERT_EQ(0, test_problem_clone(&again, &tp));
+		dense.desc.skip_tol = 0;
+		ASSERT_EQ(0, compare(_metadata, &d, &tp, &st, "wg skip", NULL));
+		ASSERT_EQ(0, compare(_metadata, &d, &dense, &sd, "wg dense", NULL));
+		ASSERT_EQ(0, test_problem_run(&again, d.ocl)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, memcmp(tp.o.alloc, again.o.alloc, tp.o.alloc_bytes));
+		EXPECT_EQ(0, memcmp(tp.lse, again.lse, tp.rows * sizeof(float)));
+		EXPECT_EQ(sd.pairs_visible, sd.pairs_computed);
+		EXPECT_EQ(st.pairs_visible, sd.pairs_visible);
+		ksft_print_msg("wg skipping (case %d): %llu of %llu visible pairs computed\n", c,
+			       (unsigned long long)st.pairs_computed,
+			       (unsigned long long)st.pairs_visible);
+		fflush(stdout);
+		EXPECT_LT(st.pairs_computed, sd.pairs_visible * 3 / 4)
+		TH_LOG("case %d: delta = 0.5 (and more) over 300 keys: most are negligible", c);
+		eo = test_max_err_o(&tp.o.t, &dense.o.t) / v_scale(&tp);
+		EXPECT_LE(eo, test_tol_o(tp.q.t.dtype));
+		EXPECT_LE(test_max_rel_err_lse(tp.lse, dense.lse, tp.rows),
+			  test_tol_lse(tp.q.t.dtype));
+		test_problem_free(&tp);
+		test_problem_free(&dense);
+		test_problem_free(&again);
+	}
+	ape_context_destroy(d.ctx);
+	unsetenv("APE_OCL_SEP_SHAPE");
+}
+
 /* ---- strided device tensors through ape_attention_enqueue */
 
 /* t placed on dev as [B, L, H, D + 8] (heads interleaved along L, rows padded), at element
