@@ -388,7 +388,9 @@ TEST(separable_wg_shape_matches_reference)
 		int64_t H;
 
 		ASSERT_EQ(0, fast_case(&tp, &rng, -1, -1, 3));
-		if (tp.q.t.shape[3] == 128 || tp.q.t.shape[2] * tp.k.t.shape[2] > 40000) {
+		/* a mix needs two kv groups, one of them all separable */
+		if (tp.q.t.shape[3] == 128 || tp.q.t.shape[2] * tp.k.t.shape[2] > 40000 ||
+		    (mix && tp.k.t.shape[1] < 2)) {
 			test_problem_free(&tp);
 			c--;
 			continue;
@@ -439,8 +441,8 @@ TEST(separable_wg_shape_skips_deterministic)
 		double eo;
 
 		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, c ? APE_BF16 : APE_F32, false));
-		if (c == 0)
-			test_problem_set_params(&tp, 0.5, 0, 0, 0);
+		if (c == 0) /* delta = 0.5 alone: the bound keeps about 140 keys, too many here */
+			test_problem_set_params(&tp, 2.0, 0, 0, 0);
 		else
 			test_problem_set_params(&tp, 0.5, 0.8, 0.4, 0);
 		tp.desc.skip_tol = 0x1p-24;
@@ -461,7 +463,7 @@ TEST(separable_wg_shape_skips_deterministic)
 			       (unsigned long long)st.pairs_visible);
 		fflush(stdout);
 		EXPECT_LT(st.pairs_computed, sd.pairs_visible * 3 / 4)
-		TH_LOG("case %d: delta = 0.5 (and more) over 300 keys: most are negligible", c);
+		TH_LOG("case %d: delta = 2 (or 0.5 with beta, gamma) over 300 keys", c);
 		eo = test_max_err_o(&tp.o.t, &dense.o.t) / v_scale(&tp);
 		EXPECT_LE(eo, test_tol_o(tp.q.t.dtype));
 		EXPECT_LE(test_max_rel_err_lse(tp.lse, dense.lse, tp.rows),
