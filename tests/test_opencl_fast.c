@@ -29,7 +29,7 @@
 #include "../opencl/ocl_fast.h"
 #include "opencl_compare.h"
 
-/* Only a CPU device gets the fast paths (ocl_fast.h). */
+/* Only a CPU device gets the decode and the separable path's CPU shape (ocl_fast.h). */
 static int ocl_is_cpu(const struct devs *d)
 {
 	ape_device_info info;
@@ -472,6 +472,50 @@ TEST(separable_wg_shape_skips_deterministic)
 		test_problem_free(&dense);
 		test_problem_free(&again);
 	}
+	ape_context_destroy(d.ctx);
+	unsetenv("APE_OCL_SEP_SHAPE");
+}
+
+/* Under the work-group shape, a NaN in V reaches exactly the rows that see its key (the rows of
+ * two work-groups, the key mid-tile: a row that does not see it takes nothing, not 0 * NaN). */
+TEST(separable_wg_shape_nan_reaches_its_rows)
+{
+	const test_problem_shape sh = { 1, 2, 1, 100, 170, 64 };
+	struct devs d;
+	ape_rng rng;
+	test_problem tp, r;
+	struct ape__launch l;
+	float hp[4 * 2];
+
+	setenv("APE_OCL_SEP_SHAPE", "gpu", 1);
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "separable_wg_shape_nan_reaches_its_rows");
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	test_problem_set_params(&tp, 0.1, 0, 0, 0);
+	tp.desc.skip_tol = 0;
+	tp.desc.q_start_set = true;
+	tp.desc.k_start = 0;
+	tp.desc.q_start = 70; /* causal: row i sees keys 0..70 + i */
+	test_tensor_set(&tp.v.t, 0, 0, 107, 3, NAN); /* rows 37 and on see it */
+	launch_of(&tp, hp, &l);
+	EXPECT_TRUE(ape__ocl_separable_applies(d.ocl, &l));
+	ASSERT_EQ(0, test_problem_clone(&r, &tp));
+	ASSERT_EQ(0, test_problem_run(&tp, d.ocl)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, test_problem_run(&r, d.ref)) TH_LOG("%s", ape_last_error());
+	for (int64_t h = 0; h < 2; h++)
+		for (int64_t i = 0; i < 100; i++)
+			for (int64_t e = 0; e < 64; e++) {
+				const double a = test_tensor_get(&tp.o.t, 0, h, i, e);
+				const double w = test_tensor_get(&r.o.t, 0, h, i, e);
+
+				EXPECT_EQ(i >= 37 && e == 3, isnan(a) != 0)
+				TH_LOG("head %lld row %lld column %lld", (long long)h, (long long)i,
+				       (long long)e);
+				if (!isnan(w))
+					EXPECT_LE(fabs(a - w), test_tol_o(APE_F32) * 5);
+			}
+	test_problem_free(&r);
+	test_problem_free(&tp);
 	ape_context_destroy(d.ctx);
 	unsetenv("APE_OCL_SEP_SHAPE");
 }
