@@ -31,14 +31,13 @@
 static int sep_wg_shape(const struct ape__ocl_device *od, int64_t D)
 {
 	const char *e = getenv("APE_OCL_SEP_SHAPE");
-	const int64_t dmax = D == 64 || D == 128 ? D : 256; /* the program's DEC_DMAX */
 	int nwi = SEP_GNWI;
 
 	if ((od->type & CL_DEVICE_TYPE_CPU) && !(e && !strcmp(e, "gpu")))
 		return -1;
 	while ((size_t)nwi > od->max_wg && nwi > 1)
 		nwi /= 2;
-	return (uint64_t)(2 * SEP_GBK * dmax * 4 + 4) <= od->local_mem ? nwi : 0;
+	return (uint64_t)(2 * SEP_GBK * D * 4 + 64) <= od->local_mem ? nwi : 0;
 }
 
 static int64_t round_up(int64_t x, int64_t m)
@@ -244,6 +243,10 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(scale), &scale);
 	ape__ocl_arg(&a, sizeof(tol), &tol);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
+	if (nwi > 0) { /* the work-group shape's K and V tiles in local memory */
+		ape__ocl_arg(&a, (size_t)(SEP_GBK * D) * sizeof(float), NULL);
+		ape__ocl_arg(&a, (size_t)(SEP_GBK * D) * sizeof(float), NULL);
+	}
 	if (nwi > 0) /* the work-group shape: nwi rows per group */
 		ret = ape__ocl_fast_launch(q, &a, "ape_sep_attn_wg",
 					   (size_t)((Lq + nwi - 1) / nwi * nwi), (size_t)nwi,

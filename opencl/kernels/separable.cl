@@ -407,6 +407,9 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
  * Same arguments and outputs as ape_sep_attn.
  */
 #define SEP_GBK 16 /* keys per tile (ocl_separable.c mirrors it) */
+#if SEP_GBK != SEP_BK
+#error "ape_sep_attn_wg reads ape_sep_rot_k's padding and tile norms: its tiles must be theirs"
+#endif
 
 __kernel void ape_sep_attn_wg(__global const float *Qt, __global const float *Kr,
 			      __global const float *Vf, __global void *O, __global float *LSE,
@@ -415,9 +418,10 @@ __kernel void ape_sep_attn_wg(__global const float *Qt, __global const float *Kr
 			      __global const APE_REAL *btab, long ooff, long osb, long osh,
 			      long osl, long loff, long lsb, long lsh, long lsl, int D, long Lq,
 			      long Lqp, long Lk, long Lkp, int H, int group, long rel, float scale,
-			      float tol, int flags)
+			      float tol, int flags, __local float *kl, __local float *vl)
 {
-	__local float kl[SEP_GBK * DEC_DMAX], vl[SEP_GBK * DEC_DMAX];
+	/* kl, vl: SEP_GBK * D floats each, sized by the host (no local array sized for the
+	 * program's largest D: a device with little local memory still builds the program) */
 	__local int lstop;
 	const int lid = (int)get_local_id(0), nwi = (int)get_local_size(0);
 	/* the heaviest causal groups (the last ones) are handed out first */
