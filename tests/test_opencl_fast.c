@@ -177,37 +177,59 @@ TEST(decode_random_cases_match_reference)
 	ape_context_destroy(d.ctx);
 }
 
-/* NaN and Inf in K or V reach exactly the rows that see them, in the decode's merge too. */
-TEST(decode_nan_reaches_its_rows)
+/*
+ * A NaN in V at key `key` (column 3) reaches exactly the rows that see it: rows i with
+ * q_start + i >= key (causal, k_start 0, skipping off); elsewhere O within tolerance of the
+ * reference. sep: every head separable (lambda = 0, delta 0.1), and the separable path takes it.
+ */
+static void nan_case(struct __test_metadata *_metadata, const struct devs *d, const char *name,
+		     const test_problem_shape *sh, int64_t q_start, int64_t key, bool sep)
 {
-	struct devs d;
 	ape_rng rng;
 	test_problem tp, r;
-	const test_problem_shape sh = { 1, 2, 1, 2, 700, 64 };
+	struct ape__launch l;
+	float hp[4 * 8];
 
-	devs_open(_metadata, &d);
-	ape_rng_init(&rng, "decode_nan_reaches_its_rows");
-	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	ape_rng_init(&rng, name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, sh, APE_F32, false));
+	if (sep)
+		test_problem_set_params(&tp, 0.1, 0, 0, 0);
 	tp.desc.skip_tol = 0;
 	tp.desc.q_start_set = true;
 	tp.desc.k_start = 0;
-	tp.desc.q_start = 600; /* causal: row 0 sees keys 0..600, row 1 keys 0..601 */
-	test_tensor_set(&tp.v.t, 0, 0, 601, 3, NAN); /* only row 1 sees it */
+	tp.desc.q_start = q_start;
+	test_tensor_set(&tp.v.t, 0, 0, key, 3, NAN);
+	launch_of(&tp, hp, &l);
+	if (sep)
+		EXPECT_TRUE(ape__ocl_separable_applies(d->ocl, &l));
 	ASSERT_EQ(0, test_problem_clone(&r, &tp));
-	ASSERT_EQ(0, test_problem_run(&tp, d.ocl)) TH_LOG("%s", ape_last_error());
-	ASSERT_EQ(0, test_problem_run(&r, d.ref)) TH_LOG("%s", ape_last_error());
-	for (int64_t h = 0; h < 2; h++)
-		for (int64_t i = 0; i < 2; i++)
-			for (int64_t e = 0; e < 64; e++) {
+	ASSERT_EQ(0, test_problem_run(&tp, d->ocl)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, test_problem_run(&r, d->ref)) TH_LOG("%s", ape_last_error());
+	for (int64_t h = 0; h < sh->H; h++)
+		for (int64_t i = 0; i < sh->Lq; i++)
+			for (int64_t e = 0; e < sh->D; e++) {
 				const double a = test_tensor_get(&tp.o.t, 0, h, i, e);
 				const double w = test_tensor_get(&r.o.t, 0, h, i, e);
 
-				EXPECT_EQ(i == 1 && e == 3, isnan(a) != 0);
+				EXPECT_EQ(q_start + i >= key && e == 3, isnan(a) != 0)
+				TH_LOG("%s: head %lld row %lld column %lld", name, (long long)h,
+				       (long long)i, (long long)e);
 				if (!isnan(w))
 					EXPECT_LE(fabs(a - w), test_tol_o(APE_F32) * 5);
 			}
 	test_problem_free(&r);
 	test_problem_free(&tp);
+}
+
+/* NaN and Inf in K or V reach exactly the rows that see them, in the decode's merge too. */
+TEST(decode_nan_reaches_its_rows)
+{
+	/* causal: row 0 sees keys 0..600, row 1 keys 0..601: only row 1 sees key 601 */
+	const test_problem_shape sh = { 1, 2, 1, 2, 700, 64 };
+	struct devs d;
+
+	devs_open(_metadata, &d);
+	nan_case(_metadata, &d, "decode_nan_reaches_its_rows", &sh, 600, 601, false);
 	ape_context_destroy(d.ctx);
 }
 
@@ -480,42 +502,13 @@ TEST(separable_wg_shape_skips_deterministic)
  * two work-groups, the key mid-tile: a row that does not see it takes nothing, not 0 * NaN). */
 TEST(separable_wg_shape_nan_reaches_its_rows)
 {
+	/* causal: row i sees keys 0..70 + i: rows 37 and on see key 107 */
 	const test_problem_shape sh = { 1, 2, 1, 100, 170, 64 };
 	struct devs d;
-	ape_rng rng;
-	test_problem tp, r;
-	struct ape__launch l;
-	float hp[4 * 2];
 
 	setenv("APE_OCL_SEP_SHAPE", "gpu", 1);
 	devs_open(_metadata, &d);
-	ape_rng_init(&rng, "separable_wg_shape_nan_reaches_its_rows");
-	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
-	test_problem_set_params(&tp, 0.1, 0, 0, 0);
-	tp.desc.skip_tol = 0;
-	tp.desc.q_start_set = true;
-	tp.desc.k_start = 0;
-	tp.desc.q_start = 70; /* causal: row i sees keys 0..70 + i */
-	test_tensor_set(&tp.v.t, 0, 0, 107, 3, NAN); /* rows 37 and on see it */
-	launch_of(&tp, hp, &l);
-	EXPECT_TRUE(ape__ocl_separable_applies(d.ocl, &l));
-	ASSERT_EQ(0, test_problem_clone(&r, &tp));
-	ASSERT_EQ(0, test_problem_run(&tp, d.ocl)) TH_LOG("%s", ape_last_error());
-	ASSERT_EQ(0, test_problem_run(&r, d.ref)) TH_LOG("%s", ape_last_error());
-	for (int64_t h = 0; h < 2; h++)
-		for (int64_t i = 0; i < 100; i++)
-			for (int64_t e = 0; e < 64; e++) {
-				const double a = test_tensor_get(&tp.o.t, 0, h, i, e);
-				const double w = test_tensor_get(&r.o.t, 0, h, i, e);
-
-				EXPECT_EQ(i >= 37 && e == 3, isnan(a) != 0)
-				TH_LOG("head %lld row %lld column %lld", (long long)h, (long long)i,
-				       (long long)e);
-				if (!isnan(w))
-					EXPECT_LE(fabs(a - w), test_tol_o(APE_F32) * 5);
-			}
-	test_problem_free(&r);
-	test_problem_free(&tp);
+	nan_case(_metadata, &d, "separable_wg_shape_nan_reaches_its_rows", &sh, 70, 107, true);
 	ape_context_destroy(d.ctx);
 	unsetenv("APE_OCL_SEP_SHAPE");
 }
