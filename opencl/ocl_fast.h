@@ -5,8 +5,10 @@
  *   decode     (ocl_decode.c, kernels/decode.cl): a few query rows against many keys, the keys
  *              split over work-items and the partial results merged by LSE;
  *   separable  (ocl_separable.c, kernels/separable.cl): every head with lambda = 0, where the
- *              rotation separates: Q and K rotated once, then a GEMM-shaped kernel; a launch
- *              mixing such heads with others is split by runs of kv groups.
+ *              rotation separates: Q and K rotated once, then a GEMM-shaped kernel (a CPU
+ *              device's, ape_sep_attn, or the work-group shape, ape_sep_attn_wg, for other
+ *              devices and under APE_OCL_SEP_SHAPE=gpu); a launch mixing such heads with
+ *              others is split by runs of kv groups.
  * Each applies() predicate is conservative: a launch it does not recognise in full (an output or
  * option these kernels do not write) goes to the general kernel.
  */

@@ -55,6 +55,8 @@ static size_t ocl_local_bytes(const struct ape__ocl_tuning *t, int dmax)
  * APE_OCL_TUNE="rw,rg,nwi,bk,sb" replaces the shape chosen below: for tuning experiments, and so
  * that the tests run the GPU-shaped kernel (one row per work-item, barriers) on a CPU device.
  * A value the kernel cannot take is refused with a warning; local memory still bounds it.
+ * Its twin for the separable path: APE_OCL_SEP_SHAPE=gpu gives a CPU device the separable
+ * path's work-group kernel (ocl_separable.c, sep_wg_shape(); read at each launch, no rebuild).
  */
 static void ocl_tune_override(const struct ape__ocl_device *od, struct ape__ocl_tuning *t)
 {

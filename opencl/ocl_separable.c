@@ -8,12 +8,37 @@
  * them for the executor's budget).
  */
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "core/error.h"
 #include "ocl_fast.h"
 
 #define SEP_BQ 16 /* kernels/separable.cl */
 #define SEP_BK 16
 #define SEP_NB 4
+#define SEP_GBK 16 /* the work-group shape's keys per tile (ape_sep_attn_wg) */
+#define SEP_GNWI 64 /* its work-items (rows) per work-group, at most */
+
+/*
+ * The work-group shape (ape_sep_attn_wg: rows shared over a work-group, K and V tiles in local
+ * memory between barriers) for devices other than CPUs; APE_OCL_SEP_SHAPE=gpu gives it to a CPU
+ * device too, so that the tests run it on PoCL (as APE_OCL_TUNE does for the general kernel).
+ * Returns its work-items per group (the largest power of two up to SEP_GNWI that the device
+ * allows), 0 when the device's local memory cannot hold a K and a V tile (the launch then goes
+ * to the general kernel), -1 when the device takes the CPU shape (ape_sep_attn).
+ */
+static int sep_wg_shape(const struct ape__ocl_device *od, int64_t D)
+{
+	const char *e = getenv("APE_OCL_SEP_SHAPE");
+	int nwi = SEP_GNWI;
+
+	if ((od->type & CL_DEVICE_TYPE_CPU) && !(e && !strcmp(e, "gpu")))
+		return -1;
+	while ((size_t)nwi > od->max_wg && nwi > 1)
+		nwi /= 2;
+	return (uint64_t)(2 * SEP_GBK * D * 4 + 64) <= od->local_mem ? nwi : 0;
+}
 
 static int64_t round_up(int64_t x, int64_t m)
 {
@@ -67,7 +92,7 @@ bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
 	size_t qr, kt, qn, tiles, pre;
 
-	if (!(od->type & CL_DEVICE_TYPE_CPU) || !ape__ocl_fast_outputs(l) || l->D % 32 ||
+	if (!sep_wg_shape(od, l->D) || !ape__ocl_fast_outputs(l) || l->D % 32 ||
 	    l->D > 256 || l->Lq < 1 || l->Lk < 1 || l->H % l->Hkv || l->Lk > ((int64_t)1 << 30))
 		return false;
 	for (int64_t h = 0; h < l->H; h++) /* lambda = 0: every head */
@@ -93,6 +118,7 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	const size_t real = ape__ocl_dev(q->dev)->fp64 ? sizeof(cl_double) : sizeof(cl_float);
 	cl_mem prm, qr = NULL, kt = NULL, vf = NULL, qn = NULL, tiles = NULL, pre = NULL, none = NULL;
 	cl_mem tab = NULL;
+	int nwi = sep_wg_shape(ape__ocl_dev(q->dev), l->D);
 	struct ape__ocl_args a = { 0 };
 	cl_int err;
 	int ret;
@@ -184,7 +210,16 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 			goto out;
 	}
 
-	a.k = clCreateKernel(pr->prog, "ape_sep_attn", &a.err);
+	a.k = clCreateKernel(pr->prog, nwi > 0 ? "ape_sep_attn_wg" : "ape_sep_attn", &a.err);
+	if (nwi > 0 && a.k) { /* the compiled kernel may allow fewer work-items than the device */
+		size_t kwg = 0;
+
+		if (clGetKernelWorkGroupInfo(a.k, ape__ocl_dev(q->dev)->id,
+					     CL_KERNEL_WORK_GROUP_SIZE, sizeof(kwg), &kwg,
+					     NULL) == CL_SUCCESS && kwg > 0)
+			while ((size_t)nwi > kwg && nwi > 1)
+				nwi /= 2;
+	}
 	ape__ocl_arg(&a, sizeof(cl_mem), &qr);
 	ape__ocl_arg(&a, sizeof(cl_mem), &kt);
 	ape__ocl_arg(&a, sizeof(cl_mem), &vf);
@@ -208,9 +243,18 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(scale), &scale);
 	ape__ocl_arg(&a, sizeof(tol), &tol);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
-	ret = ape__ocl_fast_launch(q, &a, "ape_sep_attn",
-				   (size_t)((Lqp / SEP_BQ + SEP_NB - 1) / SEP_NB), 1,
-				   (size_t)(l->B * l->H));
+	if (nwi > 0) { /* the work-group shape's K and V tiles in local memory */
+		ape__ocl_arg(&a, (size_t)(SEP_GBK * D) * sizeof(float), NULL);
+		ape__ocl_arg(&a, (size_t)(SEP_GBK * D) * sizeof(float), NULL);
+	}
+	if (nwi > 0) /* the work-group shape: nwi rows per group */
+		ret = ape__ocl_fast_launch(q, &a, "ape_sep_attn_wg",
+					   (size_t)((Lq + nwi - 1) / nwi * nwi), (size_t)nwi,
+					   (size_t)(l->B * l->H));
+	else
+		ret = ape__ocl_fast_launch(q, &a, "ape_sep_attn",
+					   (size_t)((Lqp / SEP_BQ + SEP_NB - 1) / SEP_NB), 1,
+					   (size_t)(l->B * l->H));
 out:
 	if (prm)
 		clReleaseMemObject(prm);
@@ -236,7 +280,7 @@ bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l)
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
 
 	/* pairs and lse_prior are contiguous [B, H, Lq]: no view cuts a run of heads out of them */
-	if (!(od->type & CL_DEVICE_TYPE_CPU) || !ape__ocl_fast_outputs(l) || l->pairs ||
+	if (!sep_wg_shape(od, l->D) || !ape__ocl_fast_outputs(l) || l->pairs ||
 	    l->lse_prior || l->D % 32 ||
 	    l->D > 256 || l->Lq < 1 || l->Lk < 1 || l->Hkv < 1 || l->H % l->Hkv ||
 	    l->Lk > ((int64_t)1 << 30))

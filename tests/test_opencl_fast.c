@@ -29,7 +29,7 @@
 #include "../opencl/ocl_fast.h"
 #include "opencl_compare.h"
 
-/* Only a CPU device gets the fast paths (ocl_fast.h). */
+/* Only a CPU device gets the decode and the separable path's CPU shape (ocl_fast.h). */
 static int ocl_is_cpu(const struct devs *d)
 {
 	ape_device_info info;
@@ -177,37 +177,59 @@ TEST(decode_random_cases_match_reference)
 	ape_context_destroy(d.ctx);
 }
 
-/* NaN and Inf in K or V reach exactly the rows that see them, in the decode's merge too. */
-TEST(decode_nan_reaches_its_rows)
+/*
+ * A NaN in V at key `key` (column 3) reaches exactly the rows that see it: rows i with
+ * q_start + i >= key (causal, k_start 0, skipping off); elsewhere O within tolerance of the
+ * reference. sep: every head separable (lambda = 0, delta 0.1), and the separable path takes it.
+ */
+static void nan_case(struct __test_metadata *_metadata, const struct devs *d, const char *name,
+		     const test_problem_shape *sh, int64_t q_start, int64_t key, bool sep)
 {
-	struct devs d;
 	ape_rng rng;
 	test_problem tp, r;
-	const test_problem_shape sh = { 1, 2, 1, 2, 700, 64 };
+	struct ape__launch l;
+	float hp[4 * 8];
 
-	devs_open(_metadata, &d);
-	ape_rng_init(&rng, "decode_nan_reaches_its_rows");
-	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	ape_rng_init(&rng, name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, sh, APE_F32, false));
+	if (sep)
+		test_problem_set_params(&tp, 0.1, 0, 0, 0);
 	tp.desc.skip_tol = 0;
 	tp.desc.q_start_set = true;
 	tp.desc.k_start = 0;
-	tp.desc.q_start = 600; /* causal: row 0 sees keys 0..600, row 1 keys 0..601 */
-	test_tensor_set(&tp.v.t, 0, 0, 601, 3, NAN); /* only row 1 sees it */
+	tp.desc.q_start = q_start;
+	test_tensor_set(&tp.v.t, 0, 0, key, 3, NAN);
+	launch_of(&tp, hp, &l);
+	if (sep)
+		EXPECT_TRUE(ape__ocl_separable_applies(d->ocl, &l));
 	ASSERT_EQ(0, test_problem_clone(&r, &tp));
-	ASSERT_EQ(0, test_problem_run(&tp, d.ocl)) TH_LOG("%s", ape_last_error());
-	ASSERT_EQ(0, test_problem_run(&r, d.ref)) TH_LOG("%s", ape_last_error());
-	for (int64_t h = 0; h < 2; h++)
-		for (int64_t i = 0; i < 2; i++)
-			for (int64_t e = 0; e < 64; e++) {
+	ASSERT_EQ(0, test_problem_run(&tp, d->ocl)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, test_problem_run(&r, d->ref)) TH_LOG("%s", ape_last_error());
+	for (int64_t h = 0; h < sh->H; h++)
+		for (int64_t i = 0; i < sh->Lq; i++)
+			for (int64_t e = 0; e < sh->D; e++) {
 				const double a = test_tensor_get(&tp.o.t, 0, h, i, e);
 				const double w = test_tensor_get(&r.o.t, 0, h, i, e);
 
-				EXPECT_EQ(i == 1 && e == 3, isnan(a) != 0);
+				EXPECT_EQ(q_start + i >= key && e == 3, isnan(a) != 0)
+				TH_LOG("%s: head %lld row %lld column %lld", name, (long long)h,
+				       (long long)i, (long long)e);
 				if (!isnan(w))
 					EXPECT_LE(fabs(a - w), test_tol_o(APE_F32) * 5);
 			}
 	test_problem_free(&r);
 	test_problem_free(&tp);
+}
+
+/* NaN and Inf in K or V reach exactly the rows that see them, in the decode's merge too. */
+TEST(decode_nan_reaches_its_rows)
+{
+	/* causal: row 0 sees keys 0..600, row 1 keys 0..601: only row 1 sees key 601 */
+	const test_problem_shape sh = { 1, 2, 1, 2, 700, 64 };
+	struct devs d;
+
+	devs_open(_metadata, &d);
+	nan_case(_metadata, &d, "decode_nan_reaches_its_rows", &sh, 600, 601, false);
 	ape_context_destroy(d.ctx);
 }
 
@@ -357,6 +379,138 @@ TEST(fast_paths_deterministic)
 		test_problem_free(&b);
 	}
 	ape_context_destroy(d.ctx);
+}
+
+/* ---- the separable path's work-group shape (GPU devices), forced on this device */
+
+/*
+ * APE_OCL_SEP_SHAPE=gpu (opencl/ocl_separable.c) gives the separable path's work-group kernel
+ * (ape_sep_attn_wg: rows over work-items, K and V tiles in local memory between barriers) to a
+ * CPU device: random cases against the reference (every head separable, or per-head mixes with
+ * a lambda != 0 head split off), skipping against a dense run, two runs bit-identical. PoCL
+ * compiles kernels with barriers slowly: the shapes stay small and D 128 (a program of its own)
+ * is left out.
+ */
+TEST(separable_wg_shape_matches_reference)
+{
+	const int ncases = ape_test_slow() ? 8 : 60;
+	int failed = 0, taken = 0, mixed = 0;
+	struct devs d;
+	ape_rng rng;
+
+	setenv("APE_OCL_SEP_SHAPE", "gpu", 1);
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "separable_wg_shape_matches_reference");
+	for (int c = 0; c < ncases; c++) {
+		const int mix = c % 3 == 2;
+		test_problem tp;
+		struct ape__launch l;
+		float hp[4 * 24];
+		ape_stats st;
+		int64_t H;
+
+		ASSERT_EQ(0, fast_case(&tp, &rng, -1, -1, 3));
+		/* a mix needs two kv groups, one of them all separable */
+		if (tp.q.t.shape[3] == 128 || tp.q.t.shape[2] * tp.k.t.shape[2] > 40000 ||
+		    (mix && tp.k.t.shape[1] < 2)) {
+			test_problem_free(&tp);
+			c--;
+			continue;
+		}
+		separable_params(&tp, &rng);
+		H = tp.q.t.shape[1];
+		if (mix) /* one head is not separable: the launch splits by kv groups */
+			tp.params[3 * H + ape_rng_range(&rng, 0, H - 1)] = 0.5f;
+		launch_of(&tp, hp, &l);
+		if (!ape__ocl_decode_applies(d.ocl, &l)) {
+			if (mix)
+				mixed += ape__ocl_split_applies(d.ocl, &l);
+			else
+				taken += ape__ocl_separable_applies(d.ocl, &l);
+		}
+		failed += compare(_metadata, &d, &tp, mix || c % 2 ? NULL : &st, "separable wg",
+				  NULL) != 0;
+		if (!mix && c % 2 == 0)
+			EXPECT_LE(st.pairs_computed, st.pairs_visible);
+		test_problem_free(&tp);
+	}
+	ksft_print_msg("separable wg: %d of %d cases took the separable path, %d of %d split\n",
+		       taken, ncases - ncases / 3, mixed, ncases / 3);
+	fflush(stdout);
+	EXPECT_EQ(0, failed);
+	EXPECT_GE(taken, ncases / 3) TH_LOG("the separable predicate refused most cases");
+	EXPECT_GE(mixed, ncases / 12) TH_LOG("the split predicate refused most mixed cases");
+	ape_context_destroy(d.ctx);
+	unsetenv("APE_OCL_SEP_SHAPE");
+}
+
+/* The work-group shape skips what the bound allows (fewer pairs than a dense run, within
+ * tolerance of it) and gives the same bits twice. */
+TEST(separable_wg_shape_skips_deterministic)
+{
+	const test_problem_shape sh = { 1, 2, 2, 300, 300, 64 };
+	struct devs d;
+	ape_rng rng;
+
+	setenv("APE_OCL_SEP_SHAPE", "gpu", 1);
+	devs_open(_metadata, &d);
+	ape_rng_init(&rng, "separable_wg_shape_skips_deterministic");
+	for (int c = 0; c < 2; c++) {
+		test_problem tp, dense, again;
+		ape_stats st, sd;
+		struct ape__launch l;
+		float hp[4 * 8];
+		double eo;
+
+		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, c ? APE_BF16 : APE_F32, false));
+		if (c == 0) /* delta = 0.5 alone: the bound keeps about 140 keys, too many here */
+			test_problem_set_params(&tp, 2.0, 0, 0, 0);
+		else
+			test_problem_set_params(&tp, 0.5, 0.8, 0.4, 0);
+		tp.desc.skip_tol = 0x1p-24;
+		launch_of(&tp, hp, &l);
+		EXPECT_TRUE(ape__ocl_separable_applies(d.ocl, &l));
+		ASSERT_EQ(0, test_problem_clone(&dense, &tp));
+		ASSERT_EQ(0, test_problem_clone(&again, &tp));
+		dense.desc.skip_tol = 0;
+		ASSERT_EQ(0, compare(_metadata, &d, &tp, &st, "wg skip", NULL));
+		ASSERT_EQ(0, compare(_metadata, &d, &dense, &sd, "wg dense", NULL));
+		ASSERT_EQ(0, test_problem_run(&again, d.ocl)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, memcmp(tp.o.alloc, again.o.alloc, tp.o.alloc_bytes));
+		EXPECT_EQ(0, memcmp(tp.lse, again.lse, tp.rows * sizeof(float)));
+		EXPECT_EQ(sd.pairs_visible, sd.pairs_computed);
+		EXPECT_EQ(st.pairs_visible, sd.pairs_visible);
+		ksft_print_msg("wg skipping (case %d): %llu of %llu visible pairs computed\n", c,
+			       (unsigned long long)st.pairs_computed,
+			       (unsigned long long)st.pairs_visible);
+		fflush(stdout);
+		EXPECT_LT(st.pairs_computed, sd.pairs_visible * 3 / 4)
+		TH_LOG("case %d: delta = 2 (or 0.5 with beta, gamma) over 300 keys", c);
+		eo = test_max_err_o(&tp.o.t, &dense.o.t) / v_scale(&tp);
+		EXPECT_LE(eo, test_tol_o(tp.q.t.dtype));
+		EXPECT_LE(test_max_rel_err_lse(tp.lse, dense.lse, tp.rows),
+			  test_tol_lse(tp.q.t.dtype));
+		test_problem_free(&tp);
+		test_problem_free(&dense);
+		test_problem_free(&again);
+	}
+	ape_context_destroy(d.ctx);
+	unsetenv("APE_OCL_SEP_SHAPE");
+}
+
+/* Under the work-group shape, a NaN in V reaches exactly the rows that see its key (the rows of
+ * two work-groups, the key mid-tile: a row that does not see it takes nothing, not 0 * NaN). */
+TEST(separable_wg_shape_nan_reaches_its_rows)
+{
+	/* causal: row i sees keys 0..70 + i: rows 37 and on see key 107 */
+	const test_problem_shape sh = { 1, 2, 1, 100, 170, 64 };
+	struct devs d;
+
+	setenv("APE_OCL_SEP_SHAPE", "gpu", 1);
+	devs_open(_metadata, &d);
+	nan_case(_metadata, &d, "separable_wg_shape_nan_reaches_its_rows", &sh, 70, 107, true);
+	ape_context_destroy(d.ctx);
+	unsetenv("APE_OCL_SEP_SHAPE");
 }
 
 /* ---- strided device tensors through ape_attention_enqueue */

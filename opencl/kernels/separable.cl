@@ -392,3 +392,178 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 		}
 	}
 }
+
+/*
+ * The work-group shape (GPU devices, or any device under APE_OCL_SEP_SHAPE=gpu: ocl_separable.c):
+ * a work-group of nwi work-items (64, or fewer where the device allows fewer) takes nwi
+ * consecutive query rows, one row per work-item (its rotated, scaled query and its output row in
+ * registers), and walks key tiles of SEP_GBK keys which its work-items load together into local
+ * memory (K and V, float32, from ape_sep_rot_k's scratch) between barriers; each work-item then
+ * scores its row against the tile's keys (SEP_GBK dot products, the tile's keys read by every
+ * work-item alike), adds the bias as ape_sep_attn does (the per-distance table, or -delta (|n| -
+ * |n_anchor|)), and takes one online-softmax update per tile. Causal launches walk from the
+ * group's last diagonal tile backward and, when skipping is allowed, stop once every row of the
+ * group has proved the rest negligible (ape_may_skip, one vote per row through local memory).
+ * Same arguments and outputs as ape_sep_attn.
+ */
+#define SEP_GBK 16 /* keys per tile (ocl_separable.c mirrors it) */
+#if SEP_GBK != SEP_BK
+#error "ape_sep_attn_wg reads ape_sep_rot_k's padding and tile norms: its tiles must be theirs"
+#endif
+
+__kernel void ape_sep_attn_wg(__global const float *Qt, __global const float *Kr,
+			      __global const float *Vf, __global void *O, __global float *LSE,
+			      __global ulong *PAIRS, __global const APE_REAL *prm,
+			      __global const float *qn, __global const float *kpre,
+			      __global const APE_REAL *btab, long ooff, long osb, long osh,
+			      long osl, long loff, long lsb, long lsh, long lsl, int D, long Lq,
+			      long Lqp, long Lk, long Lkp, int H, int group, long rel, float scale,
+			      float tol, int flags, __local float *kl, __local float *vl)
+{
+	/* kl, vl: SEP_GBK * D floats each, sized by the host (no local array sized for the
+	 * program's largest D: a device with little local memory still builds the program) */
+	__local int lstop;
+	const int lid = (int)get_local_id(0), nwi = (int)get_local_size(0);
+	/* the heaviest causal groups (the last ones) are handed out first */
+	const long i0 = ((long)get_num_groups(0) - 1 - (long)get_group_id(0)) * nwi, i = i0 + lid;
+	const long bh = get_global_id(1), b = bh / H, diag = rel + i;
+	const int h = (int)(bh % H), P = DEC_DIM / 2, live = i < Lq;
+	const int causal = (flags & FD_CAUSAL) != 0, skip = causal && (flags & FS_SKIP) != 0;
+	const long bkv = b * (H / group) + h / group, ntk = Lkp / SEP_GBK;
+	__global const float *kr = Kr + bkv * Lkp * DEC_DIM;
+	__global const float *vf = Vf + bkv * Lkp * DEC_DIM;
+	const float delta = (float)prm[P + 4 * h];
+	const APE_REAL beta = prm[P + 4 * h + 1], gamma = prm[P + 4 * h + 2];
+	const int tabbed = (flags & FS_BIAS) != 0;
+	const long ne = Lqp + Lkp - 1; /* the bias table's length per head */
+	const long nlive = clamp(Lq - i0, 0L, (long)nwi);
+	/* the anchor key (|n| - |n_anchor| = |d0 - j| when visible) and the row's bias there */
+	const int d0 = (int)clamp(diag, 0L, Lk - 1);
+	const APE_REAL crow =
+		live ? ape_bias((APE_REAL)prm[P + 4 * h], beta, gamma,
+				(APE_REAL)ape_anchor_distance(diag, Lk, causal))
+		     : (APE_REAL)0;
+	float q[DEC_DMAX], acc[DEC_DMAX], m = -INFINITY, lsum = 0.0f;
+	long tlast, tlo = -1, thi = -1;
+
+	/* tiles: causal from the group's last diagonal backward, else all in order */
+	if (nlive <= 0)
+		tlast = -1;
+	else if (causal)
+		tlast = rel + i0 + nlive - 1 < 0 ? -1 : min(rel + i0 + nlive - 1, Lk - 1) / SEP_GBK;
+	else
+		tlast = ntk - 1;
+	for (int d = 0; d < DEC_DIM; d++) {
+		q[d] = live ? Qt[(bh * Lqp + i / SEP_BQ * SEP_BQ) * DEC_DIM + d * SEP_BQ + i % SEP_BQ]
+			    : 0.0f;
+		acc[d] = 0.0f;
+	}
+	for (long k = 0; k <= tlast; k++) {
+		const long t = causal ? tlast - k : k, k0 = t * SEP_GBK;
+		const int len = (int)min((long)SEP_GBK, Lk - k0);
+
+		barrier(CLK_LOCAL_MEM_FENCE); /* the previous tile is read */
+		for (int x = lid; x < SEP_GBK * DEC_DIM; x += nwi) {
+			kl[x] = kr[k0 * DEC_DIM + x];
+			vl[x] = vf[k0 * DEC_DIM + x];
+		}
+		if (lid == 0)
+			lstop = 1;
+		barrier(CLK_LOCAL_MEM_FENCE);
+		tlo = min(tlo < 0 ? t : tlo, t);
+		thi = max(thi, t);
+		if (live && (!causal || diag >= k0)) {
+			float s[SEP_GBK], p[SEP_GBK], mt = m, corr, ps = 0.0f;
+			uint vis = 0;
+
+			for (int j = 0; j < SEP_GBK; j++)
+				s[j] = 0.0f;
+			NOUNROLL
+			for (int d = 0; d < DEC_DIM; d++) {
+				const float qd = q[d];
+
+#pragma unroll
+				for (int j = 0; j < SEP_GBK; j++)
+					s[j] = fma(qd, kl[j * DEC_DIM + d], s[j]);
+			}
+			/* bias, masks ('>' and fmax ignore NaN, exp keeps it; a non-finite dot makes
+			 * the score NaN) */
+			for (int j = 0; j < SEP_GBK; j++) {
+				float x = s[j];
+
+				if (tabbed)
+					x += (float)(btab[h * ne + (i - (k0 + j) + Lkp - 1)] - crow);
+				else if (delta != 0.0f)
+					x -= delta * (float)abs(d0 - (int)(k0 + j));
+				x = isfinite(s[j]) ? x : NAN;
+				if (j < len && (!causal || k0 + j <= diag))
+					vis |= 1u << j;
+				else
+					x = -INFINITY;
+				s[j] = x;
+				mt = fmax(mt, x);
+			}
+			corr = m == mt ? 1.0f : m - mt < -87.0f ? 0.0f : exp(m - mt);
+			for (int j = 0; j < SEP_GBK; j++) {
+				const float dd = s[j] - mt;
+
+				p[j] = dd < -87.0f || s[j] == -INFINITY ? 0.0f : exp(dd);
+				ps += p[j];
+			}
+			lsum = lsum * corr + ps;
+			m = mt;
+			/* keys the row does not see give nothing, not 0 * V (V may hold a NaN) */
+			NOUNROLL
+			for (int d = 0; d < DEC_DIM; d++) {
+				float a = acc[d] * corr;
+
+				for (int j = 0; j < SEP_GBK; j++)
+					if (vis >> j & 1u)
+						a = fma(p[j], vl[j * DEC_DIM + d], a);
+				acc[d] = a;
+			}
+		}
+		/* far keys (causal, walking backward): the group stops once every row may leave
+		 * out the keys before this tile */
+		if (skip && t > 0) {
+			int stop = 1;
+
+			if (live) {
+				const long cnt = min(k0, diag + 1);
+
+				if (cnt > 0)
+					stop = ape_may_skip(0, prm[P + 4 * h], beta, gamma,
+							    fabs((APE_REAL)scale), qn[bh * Lqp + i],
+							    kpre[bkv * (ntk + 1) + t],
+							    ape_min_abs(diag - cnt + 1, diag), cnt, crow,
+							    m, lsum, -INFINITY, tol);
+			}
+			if (!stop)
+				lstop = 0;
+			barrier(CLK_LOCAL_MEM_FENCE);
+			if (lstop)
+				break;
+		}
+	}
+	if (!live)
+		return;
+
+	/* outputs: O = acc / l (0 with no key), LSE = c_row + m + ln l, the pairs computed */
+	{
+		const float inv = lsum == 0.0f ? 0.0f : 1.0f / lsum;
+
+		for (int d = 0; d < DEC_DIM; d++)
+			st(O, ooff + b * osb + h * osh + i * osl + d, acc[d] * inv, FD_DT_OUT(flags));
+		if (flags & FD_LSE)
+			LSE[loff + b * lsb + h * lsh + i * lsl] =
+				lsum > 0.0f ? (float)(crow + (APE_REAL)m + log((APE_REAL)lsum))
+				: lsum == 0.0f ? -INFINITY
+					       : NAN;
+		if (flags & FD_PAIRS) {
+			const long jb = tlo < 0 ? 0 : tlo * SEP_GBK;
+			const long je = tlo < 0 ? 0 : min((thi + 1) * SEP_GBK, Lk);
+
+			PAIRS[bh * Lq + i] = (ulong)max(0L, (causal ? min(je, diag + 1) : je) - jb);
+		}
+	}
+}
