@@ -53,6 +53,16 @@ int bcase_ready(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt
 	return bcase_forward(c, dev);
 }
 
+int bcase_ready_visible(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt,
+			bool strided, bool with_dlse, ape_device *dev)
+{
+	if (bcase_make(c, r, sh, dt, strided, with_dlse))
+		return -1;
+	test_problem_random_params(&c->tp, r);
+	c->tp.desc.q_start_set = false;
+	return bcase_forward(c, dev);
+}
+
 void bcase_edge_heads(bcase *c)
 {
 	ape_attn_desc *d = &c->tp.desc;

@@ -40,6 +40,11 @@ int bcase_forward(bcase *c, ape_device *dev);
 /* bcase_make(), random parameters (test_problem_random_params()), bcase_forward(). */
 int bcase_ready(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt, bool strided,
 		bool with_dlse, ape_device *dev);
+/* bcase_ready() with the queries end-aligned (q_start_set false), so that every query row sees
+ * keys and every device launches: for the tests that count on a launch happening (a fault, a
+ * failing launch), which random positions alone may hide entirely from the causal mask. */
+int bcase_ready_visible(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt,
+			bool strided, bool with_dlse, ape_device *dev);
 
 /* Per-head parameters (the drawn ones, in tp.params) with head 0's decays negative and its
  * lambda large (1.75), head 1's lambda 0 (H >= 2). */
