@@ -414,11 +414,11 @@ TEST_F(rbwd, empty_shapes_give_zeros)
 TEST_F(rbwd, query_rows_split_under_the_budget)
 {
 	const test_problem_shape sh = { 1, 4, 2, self->emu ? 13 : 45, self->emu ? 17 : 61, 16 };
-	static const char *const names[NT] = { "q", "k", "v", "o", "lse", "dout", "dlse",
+	static const char *const names[T_COUNT] = { "q", "k", "v", "o", "lse", "dout", "dlse",
 					       "dq", "dk", "dv", "dparams" };
 	struct ape__resident_bwd_req r;
 	struct ape__problem p;
-	const ape_dtensor *t[NT];
+	const ape_dtensor *t[T_COUNT];
 	grads one, split, again;
 	ape_queue *qu = NULL;
 	int64_t rows = 0;
@@ -436,7 +436,7 @@ TEST_F(rbwd, query_rows_split_under_the_budget)
 
 	ASSERT_EQ(0, ape_queue_create(self->dev, &qu));
 	ASSERT_EQ(0, dcase_up(&x, qu, &c, &split, 0));
-	for (int i = 0; i < NT; i++)
+	for (int i = 0; i < T_COUNT; i++)
 		t[i] = &x.d[i];
 	memset(&r, 0, sizeof(r));
 	ASSERT_EQ(0, ape__check_resident_bwd("test", qu, &c.tp.desc, t, &p, &r))
@@ -478,7 +478,7 @@ TEST_F(rbwd, query_rows_split_under_the_budget)
 TEST_F(rbwd, refusals_name_the_argument)
 {
 	const test_problem_shape sh = { 1, 2, 1, 5, 6, 8 };
-	ape_dtensor d[NT];
+	ape_dtensor d[T_COUNT];
 	ape_buffer *foreign = NULL;
 	ape_queue *qu = NULL;
 	ape_attn_desc desc;

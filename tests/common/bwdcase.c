@@ -195,7 +195,7 @@ int dcase_up_floats(ape_queue *qu, const float *x, size_t n, size_t pad, ape_buf
 
 void dcase_free(dcase *x)
 {
-	for (int i = 0; i < NT; i++)
+	for (int i = 0; i < T_COUNT; i++)
 		ape_buffer_free(x->b[i]);
 	memset(x, 0, sizeof(*x));
 }

@@ -74,11 +74,11 @@ bool same_grads(const grads *a, const grads *b, unsigned wanted);
 /* ---- the same case on device tensors (ape_attention_backward_enqueue()) */
 
 /* The device side of one case: every tensor in its own buffer. */
-enum dcase_tensor { T_Q, T_K, T_V, T_O, T_LSE, T_DOUT, T_DLSE, T_DQ, T_DK, T_DV, T_DP, NT };
+enum dcase_tensor { T_Q, T_K, T_V, T_O, T_LSE, T_DOUT, T_DLSE, T_DQ, T_DK, T_DV, T_DP, T_COUNT };
 
 typedef struct dcase {
-	ape_buffer *b[NT];
-	ape_dtensor d[NT];
+	ape_buffer *b[T_COUNT];
+	ape_dtensor d[T_COUNT];
 	size_t pad;
 } dcase;
 

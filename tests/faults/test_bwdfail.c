@@ -357,7 +357,7 @@ TEST(resident_device_failures)
 	struct bcall b;
 
 	wrap_install(dev, 0);
-	ASSERT_EQ(0, bcall_init(&b, dev, 0)) TH_LOG("%s", b.msg);
+	ASSERT_EQ(0, bcall_init(&b, dev, 1, 0)) TH_LOG("%s", b.msg);
 	/* the host call's gradients are the resident call's on the reference */
 	wrap_reset();
 	ASSERT_EQ(0, rcall_run(&b)) TH_LOG("%s", b.msg);
@@ -402,7 +402,7 @@ TEST(resident_allocation_failures)
 	uint64_t total;
 	int ret;
 
-	ASSERT_EQ(0, bcall_init(&b, test_device(ctx, "ref"), 0)) TH_LOG("%s", b.msg);
+	ASSERT_EQ(0, bcall_init(&b, test_device(ctx, "ref"), 1, 0)) TH_LOG("%s", b.msg);
 	ape__fault_alloc_arm(0);
 	ASSERT_EQ(0, rcall_run(&b));
 	total = ape__fault_alloc_count();
