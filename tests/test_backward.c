@@ -1503,6 +1503,11 @@ TEST_F(bwd, streamed_budget_counts_the_backend_scratch)
 	const test_problem_shape small = { 1, 2, 1, 12, 20, 8 }, larger = { 1, 4, 2, 40, 56, 16 };
 	const test_problem_shape *sh = self->emu || ape_test_slow() ? &small : &larger;
 	const bool ref = !strcmp(variant->backend, "ref");
+	/* chunked against one launch: CHUNK_TOL where the pair terms are float64 (the reference);
+	 * the kernels compute them in float32 from rotations seeded at each tile's first key, so
+	 * other chunk borders round differently and the spec's tolerance applies (the parameter
+	 * sums, over every pair, showed 1e-5 of their largest on the emulated CUDA device) */
+	const double ctol = ref ? CHUNK_TOL : grads_tol(APE_F32);
 	struct wrap_counts wc;
 	uint64_t one_peak, declared, allocated;
 	ape_stats st;
@@ -1558,10 +1563,11 @@ TEST_F(bwd, streamed_budget_counts_the_backend_scratch)
 		EXPECT_EQ(st.peak_device_bytes, wc.peak_bytes);
 		EXPECT_LE(allocated, wc.bwd_scratch_max);
 		EXPECT_EQ(wc.allocs, wc.frees);
-		EXPECT_LE(grads_rel_err(&g.dq.t, &want.dq.t), CHUNK_TOL);
-		EXPECT_LE(grads_rel_err(&g.dk.t, &want.dk.t), CHUNK_TOL);
-		EXPECT_LE(grads_rel_err(&g.dv.t, &want.dv.t), CHUNK_TOL);
-		EXPECT_LE(grads_rel_err_params(g.dparams, want.dparams, sh->H), CHUNK_TOL);
+		EXPECT_LE(grads_rel_err(&g.dq.t, &want.dq.t), ctol);
+		EXPECT_LE(grads_rel_err(&g.dk.t, &want.dk.t), ctol);
+		EXPECT_LE(grads_rel_err(&g.dv.t, &want.dv.t), ctol);
+		EXPECT_LE(grads_rel_err_params(g.dparams, want.dparams, sh->H), ctol)
+		TH_LOG("dparams rel err %.3g", grads_rel_err_params(g.dparams, want.dparams, sh->H));
 		ksft_print_msg("%s: budget %llu: chunks %lld x %lld (%llu), peak %llu, scratch "
 			       "declared %llu, allocated %llu\n",
 			       variant->backend, (unsigned long long)budget, (long long)st.chunk_q,

