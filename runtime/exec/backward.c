@@ -21,6 +21,10 @@
  *   after each launch and is added, in float64 and in key-chunk order, to the device's host
  *   accumulator;
  * - the parameter gradients accumulate on the device, in float64, over every launch.
+ * When a chunk covers a whole tensor, the copies skip the staging: a contiguous input goes up
+ * from the caller's array, the only key chunk's dK and dV and the only query chunk's dQ come
+ * back straight into the host copies; with one key chunk dQ is kept in float32 (one partial:
+ * its float64 sum rounded back is the partial, +0 for -0), the same bits.
  * Then, on the calling thread, the devices' dQ accumulators and parameter sums are added in
  * float64 in device order (which is key-chunk order: the ranges are contiguous); dK and dV of a
  * key chunk come from its one device. Every order is fixed, so two calls on the same devices
