@@ -102,31 +102,29 @@ static void CL_CALLBACK huge_free(cl_mem mem, void *host)
  * and advised as such (MADV_HUGEPAGE: the kernel backs it with 2 MiB pages where it can, so that
  * a kernel streaming it, the decode over a KV cache's blocks, misses the TLB once per 2 MiB
  * instead of once per 4 KiB; bench/RESULTS.md). PoCL computes in place on CL_MEM_USE_HOST_PTR
- * (ape__ocl_buf_wrap). APE_OCL_HUGE=0 in the environment turns it off (an A/B). 0 with *mem
- * NULL where this does not apply or the driver refuses: the caller then asks it as usual;
- * APE_ENOMEM when the host memory is not there.
+ * (ape__ocl_buf_wrap). APE_OCL_HUGE=0 in the environment turns it off (an A/B). NULL where
+ * this does not apply, or anything fails: the caller then asks the driver as usual.
  */
-static int huge_buffer(const struct ape__ocl_device *od, size_t bytes, cl_mem *mem)
+static cl_mem huge_buffer(const struct ape__ocl_device *od, size_t bytes)
 {
 	const size_t span = (bytes + 4095) / 4096 * 4096; /* what madvise takes */
 	const char *ev = getenv("APE_OCL_HUGE");
 	void *host = NULL;
+	cl_mem mem;
 	cl_int err;
 
-	*mem = NULL;
-	if ((ev && ev[0] == '0') || !(od->type & CL_DEVICE_TYPE_CPU) || bytes < HUGE_PAGE)
-		return 0;
-	if (ape__posix_memalign(&host, HUGE_PAGE, span))
-		return ape__error(APE_ENOMEM, "out of host memory for a buffer of %zu bytes", bytes);
+	if ((ev && ev[0] == '0') || !(od->type & CL_DEVICE_TYPE_CPU) || bytes < HUGE_PAGE ||
+	    ape__posix_memalign(&host, HUGE_PAGE, span))
+		return NULL;
 	(void)madvise(host, span, MADV_HUGEPAGE);
-	*mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, bytes, host, &err);
-	if (*mem && clSetMemObjectDestructorCallback(*mem, huge_free, host) != CL_SUCCESS) {
-		clReleaseMemObject(*mem); /* never used: nothing in flight */
-		*mem = NULL;
+	mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, bytes, host, &err);
+	if (mem && clSetMemObjectDestructorCallback(mem, huge_free, host) != CL_SUCCESS) {
+		clReleaseMemObject(mem);
+		mem = NULL;
 	}
-	if (!*mem)
+	if (!mem)
 		free(host);
-	return 0;
+	return mem;
 }
 
 int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
@@ -134,7 +132,6 @@ int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **o
 	struct ape__ocl_device *od = ape__ocl_dev(dev);
 	struct ape__buf *b;
 	cl_int err;
-	int ret;
 
 	*out = NULL;
 	/* checked here, not left to the driver: some allocate lazily and fail only at first use */
@@ -146,10 +143,7 @@ int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **o
 	b = ape__calloc(1, sizeof(*b));
 	if (!b)
 		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
-	if ((ret = huge_buffer(od, bytes, &b->mem))) {
-		free(b);
-		return ret;
-	}
+	b->mem = huge_buffer(od, bytes);
 	if (!b->mem)
 		b->mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE, bytes, NULL, &err);
 	if (!b->mem) {
