@@ -10,7 +10,6 @@
  */
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "core/error.h"
 #include "core/alloc.h"
@@ -88,45 +87,6 @@ int ape__ocl_track(struct ape__queue *q, cl_event ev)
 	return 0;
 }
 
-#define HUGE_PAGE ((size_t)2 << 20)
-
-/* Frees a huge_buffer's memory once OpenCL has destroyed the buffer over it. */
-static void CL_CALLBACK huge_free(cl_mem mem, void *host)
-{
-	(void)mem;
-	free(host);
-}
-
-/*
- * On a CPU device, a buffer of at least HUGE_PAGE bytes over host memory aligned to a huge page
- * and advised as such (MADV_HUGEPAGE: the kernel backs it with 2 MiB pages where it can, so that
- * a kernel streaming it, the decode over a KV cache's blocks, misses the TLB once per 2 MiB
- * instead of once per 4 KiB; bench/RESULTS.md). PoCL computes in place on CL_MEM_USE_HOST_PTR
- * (ape__ocl_buf_wrap). APE_OCL_HUGE=0 in the environment turns it off (an A/B). NULL where
- * this does not apply, or anything fails: the caller then asks the driver as usual.
- */
-static cl_mem huge_buffer(const struct ape__ocl_device *od, size_t bytes)
-{
-	const size_t span = (bytes + 4095) / 4096 * 4096; /* what madvise takes */
-	const char *ev = getenv("APE_OCL_HUGE");
-	void *host = NULL;
-	cl_mem mem;
-	cl_int err;
-
-	if ((ev && ev[0] == '0') || !(od->type & CL_DEVICE_TYPE_CPU) || bytes < HUGE_PAGE ||
-	    ape__posix_memalign(&host, HUGE_PAGE, span))
-		return NULL;
-	(void)madvise(host, span, MADV_HUGEPAGE);
-	mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, bytes, host, &err);
-	if (mem && clSetMemObjectDestructorCallback(mem, huge_free, host) != CL_SUCCESS) {
-		clReleaseMemObject(mem);
-		mem = NULL;
-	}
-	if (!mem)
-		free(host);
-	return mem;
-}
-
 int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(dev);
@@ -143,9 +103,7 @@ int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **o
 	b = ape__calloc(1, sizeof(*b));
 	if (!b)
 		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
-	b->mem = huge_buffer(od, bytes);
-	if (!b->mem)
-		b->mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE, bytes, NULL, &err);
+	b->mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE, bytes, NULL, &err);
 	if (!b->mem) {
 		free(b);
 		if (err == CL_INVALID_BUFFER_SIZE) /* too large for this device: it does not fit */
