@@ -26,7 +26,7 @@
 	X(clGetProgramBuildInfo) X(clGetProgramInfo) X(clReleaseCommandQueue) X(clReleaseContext)  \
 	X(clReleaseEvent) X(clReleaseKernel) X(clReleaseMemObject) X(clReleaseProgram)             \
 	X(clRetainCommandQueue) X(clRetainContext) X(clRetainMemObject)                            \
-	X(clSetKernelArg) X(clWaitForEvents)
+	X(clSetKernelArg) X(clSetMemObjectDestructorCallback) X(clWaitForEvents)
 
 struct ape__ocl_api {
 #define APE__OCL_MEMBER(f) __typeof__(f) *f;
@@ -81,6 +81,7 @@ int ape__ocl_load(char *why, size_t cap);
 #define clRetainContext ape__ocl.clRetainContext
 #define clRetainMemObject ape__ocl.clRetainMemObject
 #define clSetKernelArg ape__ocl.clSetKernelArg
+#define clSetMemObjectDestructorCallback ape__ocl.clSetMemObjectDestructorCallback
 #define clWaitForEvents ape__ocl.clWaitForEvents
 #endif
 

@@ -8,8 +8,10 @@
  * a marker "ends" when the work before it is done, which can be long before the next command
  * starts (the driver may compile a kernel for its work-group size just then).
  */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "core/error.h"
 #include "core/alloc.h"
@@ -87,11 +89,60 @@ int ape__ocl_track(struct ape__queue *q, cl_event ev)
 	return 0;
 }
 
+#define HUGE_PAGE ((size_t)2 << 20)
+
+/* Frees a huge_buffer's memory once OpenCL has destroyed the buffer over it. */
+static void CL_CALLBACK huge_free(cl_mem mem, void *host)
+{
+	(void)mem;
+	free(host);
+}
+
+/*
+ * On a CPU device, a buffer of at least HUGE_PAGE bytes over host memory advised for huge pages
+ * (MADV_HUGEPAGE: the kernel backs it with 2 MiB pages where it can, at most one more huge page
+ * per buffer for the stagger below), so that a kernel streaming it, the decode over a KV cache's blocks, misses the TLB once per 2 MiB
+ * instead of once per 4 KiB; bench/RESULTS.md). PoCL computes in place on CL_MEM_USE_HOST_PTR
+ * (ape__ocl_buf_wrap). APE_OCL_HUGE=0 in the environment turns it off (an A/B). 0 with *mem
+ * NULL where this does not apply or the driver refuses: the caller then asks it as usual;
+ * APE_ENOMEM when the host memory is not there.
+ */
+static int huge_buffer(const struct ape__ocl_device *od, size_t bytes, cl_mem *mem)
+{
+	const size_t span = (bytes + 4095) / 4096 * 4096; /* what madvise takes */
+	const char *ev = getenv("APE_OCL_HUGE");
+	void *host = NULL;
+	cl_int err;
+
+	*mem = NULL;
+	if ((ev && ev[0] == '0') || !(od->type & CL_DEVICE_TYPE_CPU) || bytes < HUGE_PAGE)
+		return 0;
+	/* staggered: buffers made one after another (a cache's K and V slabs) start at different
+	 * offsets modulo a huge page, so that rows read together do not share cache sets (at the
+	 * same offset the decode ran 15% slower than on 4 KiB pages; bench/RESULTS.md) */
+	static atomic_uint turn;
+	const size_t shift = (size_t)(atomic_fetch_add(&turn, 1) % 8) * (HUGE_PAGE / 8 + 4096 + 64);
+
+	if (ape__posix_memalign(&host, HUGE_PAGE, span + HUGE_PAGE))
+		return ape__error(APE_ENOMEM, "out of host memory for a buffer of %zu bytes", bytes);
+	(void)madvise(host, span + HUGE_PAGE, MADV_HUGEPAGE);
+	*mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, bytes,
+			      (char *)host + shift, &err);
+	if (*mem && clSetMemObjectDestructorCallback(*mem, huge_free, host) != CL_SUCCESS) {
+		clReleaseMemObject(*mem); /* never used: nothing in flight */
+		*mem = NULL;
+	}
+	if (!*mem)
+		free(host);
+	return 0;
+}
+
 int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(dev);
 	struct ape__buf *b;
 	cl_int err;
+	int ret;
 
 	*out = NULL;
 	/* checked here, not left to the driver: some allocate lazily and fail only at first use */
@@ -103,7 +154,12 @@ int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **o
 	b = ape__calloc(1, sizeof(*b));
 	if (!b)
 		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
-	b->mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE, bytes, NULL, &err);
+	if ((ret = huge_buffer(od, bytes, &b->mem))) {
+		free(b);
+		return ret;
+	}
+	if (!b->mem)
+		b->mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE, bytes, NULL, &err);
 	if (!b->mem) {
 		free(b);
 		if (err == CL_INVALID_BUFFER_SIZE) /* too large for this device: it does not fit */

@@ -769,6 +769,73 @@ TEST_F(kv, decode_in_place_equals_reference)
 		EXPECT_GT(in_place, 0);
 }
 
+/* Appends all of tp's keys to a new cache with options o, in chunks of 1000, and attends tp's
+ * queries into o_out and lse_out with statistics st. */
+static int fill_and_attend(ape_device *dev, const ape_kv_cache_options *o, test_problem *tp,
+			   ape_tensor *o_out, float *lse_out, ape_stats *st)
+{
+	const int64_t L = tp->k.t.shape[2];
+	ape_kv_cache *cache = NULL;
+	int ret = ape_kv_cache_create(dev, o, &cache);
+
+	for (int64_t t = 0; !ret && t < L; t += 1000) {
+		const int64_t n = L - t < 1000 ? L - t : 1000;
+		ape_tensor kt = test_rows(&tp->k.t, t, n), vt = test_rows(&tp->v.t, t, n);
+
+		ret = ape_kv_cache_append(cache, &kt, &vt);
+	}
+	if (!ret)
+		ret = ape_kv_cache_attend(cache, &tp->desc, &tp->q.t, o_out, lse_out, st);
+	if (cache)
+		ape_kv_cache_destroy(cache);
+	return ret;
+}
+
+/*
+ * A decode over slabs of more than 2 MiB, which the OpenCL backend on a CPU puts over host
+ * memory advised for huge pages (opencl/ocl_mem.c): equal to the reference, and bit for bit
+ * equal to the same cache over the driver's own buffers (APE_OCL_HUGE=0). Other backends ignore
+ * the variable: the same equalities hold there.
+ */
+TEST_F(kv, decode_over_large_slabs_equals_reference)
+{
+	const test_problem_shape sh = { .B = 1, .H = 4, .Hkv = 2, .D = 64, .Lq = 1, .Lk = 5003 };
+	test_problem tp, want;
+	ape_kv_cache_options o;
+	test_tensor o2;
+	ape_stats st;
+	float lse2[4];
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	test_problem_set_params(&tp, 0, 0, 0, 0);
+	tp.desc.skip_tol = 0;
+	tp.desc.q_start_set = false;
+	tp.desc.q_start = tp.desc.k_start + sh.Lk - sh.Lq;
+	ASSERT_EQ(0, test_problem_clone(&want, &tp));
+	ASSERT_EQ(0, test_problem_run(&want, self->ref)) TH_LOG("%s", ape_last_error());
+	o = cache_options(&tp, 256, sh.Lk + 117); /* K slab: 5120 x 2 x 64 x 4 B = 2.5 MiB */
+	ape_stats_init(&st);
+	ASSERT_EQ(0, fill_and_attend(self->dev, &o, &tp, &tp.o.t, tp.lse, &st))
+		TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, close_enough(_metadata, &tp, &want, "large slabs"));
+	if (expect_in_place(self->dev, &tp)) {
+		EXPECT_EQ(0u, st.bytes_device_to_device);
+		EXPECT_EQ(1u, st.chunks);
+	}
+	ASSERT_EQ(0, test_tensor_empty(&o2, APE_F32, sh.B, sh.H, sh.Lq, sh.D));
+	ASSERT_EQ(0, setenv("APE_OCL_HUGE", "0", 1));
+	EXPECT_EQ(0, fill_and_attend(self->dev, &o, &tp, &o2.t, lse2, NULL))
+		TH_LOG("%s", ape_last_error());
+	unsetenv("APE_OCL_HUGE");
+	EXPECT_TRUE(same_values(&tp.o.t, &o2.t)) TH_LOG("huge pages or not: O differs");
+	EXPECT_EQ(0, memcmp(tp.lse, lse2, sizeof(lse2))) TH_LOG("huge pages or not: LSE differs");
+	test_tensor_free(&o2);
+	test_problem_free(&tp);
+	test_problem_free(&want);
+}
+
 /*
  * In place after releases: a decay releases the oldest blocks while a long sequence decodes
  * through a small cache, the ring reusing their room; every step equals the recomputation,
