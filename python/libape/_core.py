@@ -3,6 +3,7 @@ import atexit
 import ctypes
 import struct
 import threading
+import weakref
 
 import numpy as np
 
@@ -54,6 +55,9 @@ class _Context:
         self._lock = threading.Lock()
         self._ctx = None
         self._selected = {}
+        # objects holding memory of the context (KV caches): closed before it is destroyed, so
+        # that one still open at exit is not freed after its context (a crash at shutdown)
+        self._owned = weakref.WeakSet()
 
     def get(self):
         if self._ctx is None:
@@ -80,7 +84,16 @@ class _Context:
             self._selected[spec] = sel.device
         return sel.device
 
+    def own(self, obj):
+        with self._lock:
+            self._owned.add(obj)
+
     def close(self):
+        with self._lock:
+            owned = list(self._owned)
+            self._owned = weakref.WeakSet()
+        for obj in owned:
+            obj.close()
         with self._lock:
             if self._ctx is not None:
                 lib.ape_context_destroy(self._ctx)
@@ -624,6 +637,7 @@ class KVCache:
         if err:
             _raise(err)
         self._c = c
+        _context.own(self)
 
     def _live(self):
         if self._c is None:

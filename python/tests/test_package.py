@@ -30,6 +30,19 @@ def test_missing_library_says_what_was_tried():
     assert "set LIBAPE_LIBRARY" in r.stderr
 
 
+@pytest.mark.parametrize("device", ["ref", "opencl"])
+def test_exit_with_a_kv_cache_open(device):
+    """A KV cache still open when the interpreter exits is closed before the context it lives
+    in (it was freed after it: a segfault at exit)."""
+    r = run_py("import numpy as np, libape\n"
+               "c = libape.KVCache(Hkv=2, D=16, capacity_tokens=64, device=%r)\n"
+               "x = np.ones((1, 2, 4, 16), np.float32)\n"
+               "c.append(x, x)\n"
+               "print('open at exit')\n" % device)
+    assert r.returncode == 0, r.stderr
+    assert "open at exit" in r.stdout
+
+
 def test_not_libape_is_refused():
     r = run_py("import libape", {"LIBAPE_LIBRARY": "libm.so.6"})
     assert r.returncode != 0 and "is not libape" in r.stderr
