@@ -21,10 +21,6 @@
  *   after each launch and is added, in float64 and in key-chunk order, to the device's host
  *   accumulator;
  * - the parameter gradients accumulate on the device, in float64, over every launch.
- * When a chunk covers a whole tensor, the copies skip the staging: a contiguous input goes up
- * from the caller's array, the only key chunk's dK and dV and the only query chunk's dQ come
- * back straight into the host copies; with one key chunk dQ is kept in float32 (one partial:
- * its float64 sum rounded back is the partial, +0 for -0), the same bits.
  * Then, on the calling thread, the devices' dQ accumulators and parameter sums are added in
  * float64 in device order (which is key-chunk order: the ranges are contiguous); dK and dV of a
  * key chunk come from its one device. Every order is fixed, so two calls on the same devices
@@ -114,7 +110,6 @@ struct bwd_run {
 	double *dparams_host;
 	uint64_t dparams_bytes;
 	double *dq_acc; /* [B, H, Lq, D]: the sum of dQ over its key chunks */
-	float *dq_one; /* instead, with one key chunk in the call: dQ itself, [B, H, Lq, D] */
 	struct ape__bwd_result res; /* its figures */
 	struct span span[MAX_SPANS];
 	int nspan;
@@ -282,11 +277,7 @@ static int prepare_host(struct bwd_run *x)
 										    : x->ck)))))
 			goto out_nomem;
 	}
-	/* one key chunk: each dQ element is one partial, 0.0 + (double)f rounded back is f + 0.0f
-	 * (the same bits, -0 included), so no float64 sum is kept */
-	if (r->dq && key_chunks(x, x->ck) == 1 && !(x->dq_one = ape__malloc(qgrad * sizeof(float))))
-		goto out_nomem;
-	if (r->dq && key_chunks(x, x->ck) > 1 && !(x->dq_acc = ape__calloc(qgrad, sizeof(double))))
+	if (r->dq && !(x->dq_acc = ape__calloc(qgrad, sizeof(double))))
 		goto out_nomem;
 	if (r->dparams && !(x->dparams_host = ape__malloc((size_t)x->dparams_bytes)))
 		goto out_nomem;
@@ -402,18 +393,10 @@ static int upload_rows(struct bwd_run *x, int first, int last, int64_t l0, int64
 		struct chunk_buf *c = &x->b[i];
 		const size_t len = (size_t)(c->row_bytes * (uint64_t)n);
 
-		const void *src;
-
 		if (!c->used || !c->t)
 			continue;
-		/* all rows of a contiguous tensor are already packed: copied from where they are */
-		if (l0 == 0 && n == c->t->shape[2] && ape__is_contiguous(c->t, c->s)) {
-			src = c->t->data;
-		} else {
-			ape__pack_rows(c->host, c->t, c->s, l0, n);
-			src = c->host;
-		}
-		if ((ret = x->ops->copy_h2d(x->queue, c->buf, 0, src, len)))
+		ape__pack_rows(c->host, c->t, c->s, l0, n);
+		if ((ret = x->ops->copy_h2d(x->queue, c->buf, 0, c->host, len)))
 			return ret;
 		*bytes += len;
 	}
@@ -430,9 +413,8 @@ static int zero_rows(struct bwd_run *x, int i, int64_t n)
 	return x->ops->fill(x->queue, c->buf, 0, 0, (size_t)(c->row_bytes * (uint64_t)n));
 }
 
-/* Enqueues the copy of buffer i's n rows back into dst (NULL: its staging); the bytes to
- * *bytes. */
-static int download_rows(struct bwd_run *x, int i, int64_t n, void *dst, uint64_t *bytes)
+/* Enqueues the copy of buffer i's n rows back into its staging; the bytes to *bytes. */
+static int download_rows(struct bwd_run *x, int i, int64_t n, uint64_t *bytes)
 {
 	struct chunk_buf *c = &x->b[i];
 	const size_t len = (size_t)(c->row_bytes * (uint64_t)n);
@@ -440,16 +422,15 @@ static int download_rows(struct bwd_run *x, int i, int64_t n, void *dst, uint64_
 
 	if (!c->used)
 		return 0;
-	if ((ret = x->ops->copy_d2h(x->queue, dst ? dst : c->host, c->buf, 0, len)))
+	if ((ret = x->ops->copy_d2h(x->queue, c->host, c->buf, 0, len)))
 		return ret;
 	*bytes += len;
 	return 0;
 }
 
-/* Buffers i and i2's n rows back into dst and dst2 (NULL: their staging; a span of the trace),
- * and waits. */
-static int copy_back(struct bwd_run *x, int i, int i2, int64_t n, void *dst, void *dst2,
-		     const char *what, int64_t qc, int64_t kc)
+/* Buffers i and i2's n rows back into their staging (a span of the trace), and waits. */
+static int copy_back(struct bwd_run *x, int i, int i2, int64_t n, const char *what, int64_t qc,
+		     int64_t kc)
 {
 	struct ape__event *e0 = NULL;
 	uint64_t down = 0;
@@ -459,8 +440,7 @@ static int copy_back(struct bwd_run *x, int i, int i2, int64_t n, void *dst, voi
 		return 0;
 	if ((ret = span_begin(x, &e0)))
 		return ret;
-	if ((ret = download_rows(x, i, n, dst, &down)) ||
-	    (ret = download_rows(x, i2, n, dst2, &down))) {
+	if ((ret = download_rows(x, i, n, &down)) || (ret = download_rows(x, i2, n, &down))) {
 		x->ops->event_destroy(e0);
 		return ret;
 	}
@@ -566,10 +546,8 @@ static void add_dq(struct bwd_run *x, int64_t i0, int64_t nq)
 				x->dq_acc[(bh * p->Lq + i0 + i) * D + d] += part[(bh * nq + i) * D + d];
 }
 
-/* A chunk's finished rows of buffer i (staging, [B, nh, n, D] float) into rows [l0, l0 + n)
- * of its host copy all, [B, nh, L, D]. */
-static void place_rows(struct bwd_run *x, int i, float *all, int64_t nh, int64_t L, int64_t l0,
-		       int64_t n)
+/* A key chunk's finished dK or dV (staging, [B, Hkv, nk, D] float) into its host copy. */
+static void place_dkv(struct bwd_run *x, int i, float *all, int64_t j0, int64_t nk)
 {
 	const struct ape__problem *p = x->r->p;
 	ape_tensor t;
@@ -577,16 +555,9 @@ static void place_rows(struct bwd_run *x, int i, float *all, int64_t nh, int64_t
 
 	if (!all)
 		return;
-	ape_tensor_init(&t, all, APE_F32, p->B, nh, L, p->D);
+	ape_tensor_init(&t, all, APE_F32, p->B, p->Hkv, p->Lk, p->D);
 	ape_tensor_strides(&t, s);
-	ape__unpack_rows(x->b[i].host, &t, s, l0, n);
-}
-
-/* dQ of one key chunk, as the float64 sum of that one partial would round it: +0 for -0. */
-static void dq_one_round(float *dq, size_t n)
-{
-	for (size_t i = 0; i < n; i++)
-		dq[i] += 0.0f;
+	ape__unpack_rows(x->b[i].host, &t, s, j0, nk);
 }
 
 /* Whether any query of rows [i0, i0 + nq) sees any key of rows [j0, j0 + nk). */
@@ -603,7 +574,6 @@ static int query_chunk(struct bwd_run *x, int64_t qc, int64_t kc, int64_t j0, in
 	const int64_t Lq = x->r->p->Lq, i0 = qc * x->cq, nq = Lq - i0 < x->cq ? Lq - i0 : x->cq;
 	struct ape__event *e0 = NULL;
 	uint64_t up = 0;
-	float *direct;
 	int ret;
 
 	if ((ret = span_begin(x, &e0)))
@@ -617,21 +587,11 @@ static int query_chunk(struct bwd_run *x, int64_t qc, int64_t kc, int64_t j0, in
 	if ((ret = span_end(x, e0, APE__LANE_H2D_Q, "h2d Q/O/dO", qc, kc, up)) ||
 	    (ret = zero_rows(x, B_DQ, nq)) || (ret = launch(x, qc, i0, nq, kc, j0, nk)))
 		return ret;
-	/* all query rows in one chunk: straight into the one key chunk's dQ */
-	direct = x->dq_one && nq == Lq ? x->dq_one : NULL;
-	if ((ret = copy_back(x, B_DQ, B_PAIRS, nq, direct, NULL, "d2h dQ", qc, kc)))
+	if ((ret = copy_back(x, B_DQ, B_PAIRS, nq, "d2h dQ", qc, kc)))
 		return ret;
 	pairs_after(x, nq);
 	if (x->dq_acc)
 		add_dq(x, i0, nq);
-	if (x->dq_one && !direct)
-		place_rows(x, B_DQ, x->dq_one, x->r->p->H, Lq, i0, nq);
-	if (x->dq_one) {
-		const size_t D = (size_t)x->r->p->D;
-
-		for (int64_t bh = 0; bh < x->r->p->B * x->r->p->H; bh++)
-			dq_one_round(x->dq_one + ((size_t)(bh * Lq + i0)) * D, (size_t)nq * D);
-	}
 	return 0;
 }
 
@@ -662,14 +622,10 @@ static int key_chunk(struct bwd_run *x, int64_t kc)
 		if (chunk_visible(p, i0, nq, j0) && (ret = query_chunk(x, qc, kc, j0, nk)))
 			return ret;
 	}
-	/* the only key chunk: straight into the host copies, which have its layout */
-	if (nk == p->Lk)
-		return copy_back(x, B_DK, B_DV, nk, x->sh->dk_all, x->sh->dv_all, "d2h dK/dV", -1,
-				 kc);
-	if ((ret = copy_back(x, B_DK, B_DV, nk, NULL, NULL, "d2h dK/dV", -1, kc)))
+	if ((ret = copy_back(x, B_DK, B_DV, nk, "d2h dK/dV", -1, kc)))
 		return ret;
-	place_rows(x, B_DK, x->sh->dk_all, p->Hkv, p->Lk, j0, nk);
-	place_rows(x, B_DV, x->sh->dv_all, p->Hkv, p->Lk, j0, nk);
+	place_dkv(x, B_DK, x->sh->dk_all, j0, nk);
+	place_dkv(x, B_DV, x->sh->dv_all, j0, nk);
 	return 0;
 }
 
@@ -712,7 +668,6 @@ static void release_host(struct bwd_run *x)
 		free(x->b[i].host);
 	free(x->dparams_host);
 	free(x->dq_acc);
-	free(x->dq_one);
 }
 
 /* The work of device d (ape__run_per_device()): a failure raises the abort flag and keeps its
@@ -741,7 +696,7 @@ static void device_main(void *arg, int d)
  * converted for 16-bit tensors, into the caller's layout. Every conversion buffer is taken
  * before the first byte is written, so that running out of memory here writes nothing too.
  */
-static int write_outputs(const struct bwd_shared *sh, const double *dq_acc, const float *dq_one,
+static int write_outputs(const struct bwd_shared *sh, const double *dq_acc,
 			 const double *dparams)
 {
 	const struct ape__bwd_req *r = sh->r;
@@ -754,9 +709,7 @@ static int write_outputs(const struct bwd_shared *sh, const double *dq_acc, cons
 	void *conv[3] = { NULL, NULL, NULL };
 	int ret = 0;
 
-	if (r->dq && dq_one) {
-		all[0] = dq_one;
-	} else if (r->dq) {
+	if (r->dq) {
 		dq32 = ape__malloc(nq * sizeof(float) + 1);
 		if (!dq32)
 			goto out_nomem;
@@ -910,8 +863,7 @@ static int finish(struct bwd_shared *sh, struct bwd_run *x, int n)
 		for (int64_t i = 0; to->dparams_host && i < 4 * p->H; i++)
 			to->dparams_host[i] += x[d].dparams_host[i];
 	}
-	/* dq_one: one key chunk, so one device with work and nothing to add */
-	return write_outputs(sh, to->dq_acc, to->dq_one, to->dparams_host);
+	return write_outputs(sh, to->dq_acc, to->dparams_host);
 }
 
 int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res)
