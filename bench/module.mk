@@ -12,5 +12,8 @@ bench-bwd: $(BUILD)/bench/bwd_time
 bench-bwd-resident: $(BUILD)/bench/bwd_resident
 # the diagnostics' cost: forward with and without entropy and mean distance (bench/RESULTS.md)
 bench-diag: $(BUILD)/bench/diag_time
+# how fast the cores read memory: the ceiling of a decode step (bench/RESULTS.md)
+bench-membw: $(BUILD)/bench/membw
+$(BUILD)/bench/membw: APP_CFLAGS += -O3 -march=native
 
-.PHONY: bench-bwd bench-diag bench-bwd-resident
+.PHONY: bench-bwd bench-diag bench-bwd-resident bench-membw

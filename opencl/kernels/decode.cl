@@ -14,9 +14,9 @@
  * reseeded with ape_seed_sincos at every tile start; temperature and bias from ape_math.h's
  * float32 distance terms in the row's frame c_row (the bias at its anchor distance); one
  * online-softmax update per row and block of 16 keys, on a float16 of scores. With float32
- * rows each block first touches its value rows, and the key rows of the next block before its
- * P V, one byte per 64 (dec_touch): the loads of the rows that follow then find them on their
- * way. Nothing is
+ * rows each block first prefetches its value rows, and the key rows of the next block before
+ * its P V (dec_touch; a distance measured best: further ahead was slower, bench/RESULTS.md):
+ * the loads of the rows that follow then find them on their way. Nothing is
  * skipped: the host sends here only launches where skipping is off or has nothing to gain.
  * Built after attention.cl in one program: ld(), st(), KFN, CAT and the DT_ values are its.
  * Needs D % 32 == 0 (whole float16 chunks of pairs in both layouts).
@@ -181,10 +181,18 @@ KFN void dec_rows(long bb, int len, long ksl, long vsl, long pbt, long pnb, long
 	}
 }
 
-/* Reads one byte of each 64 of len rows of n elements at base + off[jj] (inside the rows,
- * whatever their alignment) and ORs it into *acc: the lines a later pass reads are requested
- * together, their misses in flight at once, instead of a row at a time inside the pass
- * (PoCL compiles prefetch() to nothing). */
+/* Clang's __builtin_prefetch (PoCL compiles OpenCL's prefetch() to nothing, but this to
+ * prefetcht0 on x86); other compilers touch a byte of the line instead. */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_prefetch)
+#define DEC_PREFETCH 1
+#endif
+#endif
+
+/* Requests every 64-byte line of len rows of n elements at base + off[jj] (inside the rows,
+ * whatever their alignment): the lines a later pass reads then have their misses in flight
+ * together, instead of a row at a time inside the pass. With the prefetch instruction nothing
+ * is loaded; without it one byte of each line is read and OR-ed into *acc. */
 KFN void dec_touch(__global const void *X, long base, const long *off, int len, int n, int dt,
 		   uint *acc)
 {
@@ -195,7 +203,11 @@ KFN void dec_touch(__global const void *X, long base, const long *off, int len, 
 		__global const uchar *p = (__global const uchar *)X + (base + off[jj]) * (bytes / n);
 
 		for (int o = 0; o < bytes; o += 64)
+#ifdef DEC_PREFETCH
+			__builtin_prefetch(p + o, 0, 3);
+#else
 			a |= p[o];
+#endif
 	}
 	*acc = a;
 }
@@ -220,8 +232,8 @@ KFN void dec_body(DEC_ARGS, const int RM)
 	int decay[DEC_RMAX];
 	long kend = j0;
 	uint touched = 0; /* dec_touch()'s loads, kept by the volatile store at the end */
-	/* touching ahead pays for float32 rows; with f16 and bf16 (half the bytes) it costs more
-	 * than it saves (bench/RESULTS.md) */
+	/* requesting ahead pays for float32 rows; with f16 and bf16 (half the bytes) byte touches
+	 * cost more than they save and prefetches neither gain nor lose (bench/RESULTS.md) */
 	const int touch = dt != DT_F16 && dt != DT_BF16;
 
 	if (s >= nsplit)
