@@ -9,7 +9,7 @@ the per-round ratios libape / SDPA, and the fastest call of each (on a loaded ma
 fastest calls are the nearest to what a quiet one gives).
 
 usage: build/venv/bin/python bench/kv_decode.py [--build build] [--Lk 32768] [--rounds 5]
-       [--repeats 9] [--threads N] [--dtype float32]
+       [--repeats 9] [--threads N] [--dtype float32] [--alternate N]
 LIBAPE_LIBRARY, when set, names the libape shared library to load (an A/B of two builds).
 """
 import argparse
@@ -36,6 +36,31 @@ def median_ms(fn, repeats, mins, i):
     return statistics.median(t)
 
 
+def alternate(sdpa, att, args, err):
+    """--alternate: single calls in turn; percentiles of each and of the per-pair ratio."""
+    ts, tl = [], []
+    for _ in range(3):  # warm-up pairs, not counted
+        sdpa()
+        att()
+    for _ in range(args.alternate):
+        ts.append(call_ms(sdpa))
+        tl.append(call_ms(att))
+
+    def pct(v, q):
+        v = sorted(v)
+        return v[min(len(v) - 1, int(q * len(v)))]
+
+    for name, t in (("sdpa", ts), ("libape", tl)):
+        print("%-6s p10 %.2f  p25 %.2f  p50 %.2f  p75 %.2f  p90 %.2f ms" % (
+            (name,) + tuple(pct(t, q) for q in (0.1, 0.25, 0.5, 0.75, 0.9))))
+    r = [b / a for a, b in zip(ts, tl)]
+    print("alternating calls: median ratio libape / SDPA %.2fx (p25 %.2f, p75 %.2f; %d pairs, "
+          "%s, Lk %d, %s cache, %d threads, OMP_WAIT_POLICY=%s, max |diff| %.1e)" % (
+              pct(r, 0.5), pct(r, 0.25), pct(r, 0.75), args.alternate,
+              os.environ["LIBAPE_LIBRARY"], args.Lk, args.dtype, args.threads,
+              os.environ.get("OMP_WAIT_POLICY", "(unset)"), err))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -46,6 +71,10 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16"),
                     help="the cache's storage type (SDPA keeps float32: the same inputs)")
+    ap.add_argument("--alternate", type=int, default=0, metavar="N",
+                    help="instead of rounds: N pairs of single calls, SDPA then libape, each "
+                         "right after the other (as in a model where PyTorch ops and libape "
+                         "take turns); prints percentiles of each")
     args = ap.parse_args()
     os.environ.setdefault("LIBAPE_LIBRARY", os.path.join(args.build, "lib", "libape.so.0"))
     sys.path.insert(0, os.path.join(ROOT, "python"))
@@ -70,7 +99,11 @@ def main():
         att = lambda: cache.attend(qn, delta=0.0, beta=0.0, gamma=0.0, lam=0.0,  # noqa: E731
                                    skip_tol=0.0)
         err = np.abs(att() - sdpa().numpy()).max()
-        assert err < (1e-4 if args.dtype == "float32" else 5e-2), "decode: libape vs SDPA differ by %g" % err
+        assert err < (1e-4 if args.dtype == "float32" else 5e-2), \
+            "decode: libape vs SDPA differ by %g" % err
+        if args.alternate:
+            alternate(sdpa, att, args, err)
+            return
         ratios, mins = [], [float("inf"), float("inf")]
         for r in range(args.rounds):
             ts = median_ms(sdpa, args.repeats, mins, 0)
