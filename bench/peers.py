@@ -18,7 +18,9 @@ inputs and outputs in host memory). All use the same thread count (--threads, de
 machine's cores; PoCL uses every core).
 
 Every libape result is checked against SDPA (rope) or eager APE (the others, on a small length)
-before timing. The table gives median milliseconds and libape's time as a multiple of SDPA's.
+before timing. The table gives median milliseconds and libape's time as a multiple of SDPA's;
+the decode, a few milliseconds a step, in alternating rounds of 9 calls of each (the median of
+the rounds' medians).
 
 usage: bench/peers.py [--build build] [--device opencl] [-L 1024 4096 16384] [--repeats 3]
                       [--venv build/venv] [--quick]
