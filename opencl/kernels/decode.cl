@@ -312,6 +312,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 				const long j = bb + jj, kb = koff + b * ksb + kvh * ksh + rk[jj];
 				float16 u[DEC_CMAX], w[DEC_CMAX];
 
+#pragma unroll
 				for (int c = 0; c < C; c++)
 					dec_pairs(K, kb, c, P, inter, dt, &u[c], &w[c]);
 #pragma unroll
@@ -322,6 +323,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 					const long n = diag[r] - j, an = n < 0 ? -n : n;
 					float dot, sv;
 
+#pragma unroll
 					for (int c = 0; c < C; c++) {
 						const float16 x = X[r][c], y = Y[r][c];
 
@@ -358,9 +360,11 @@ KFN void dec_body(DEC_ARGS, const int RM)
 				vstore16(pv, 0, sc[r]);
 				L[r] = L[r] * corr + lsum;
 				M[r] = mt;
-				if (corr != 1.0f)
+				if (corr != 1.0f) {
+#pragma unroll
 					for (int c = 0; c < 2 * C; c++)
 						ACC[r][c] *= corr;
+				}
 			}
 			/* the next block's keys, requested while this one's values are summed */
 			if (touch && bb + DEC_BLK < kend) {
@@ -377,6 +381,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 				const long j = bb + jj, vb = voff + b * vsb + kvh * vsh + rv[jj];
 				float16 v[2 * DEC_CMAX];
 
+#pragma unroll
 				for (int c = 0; c < 2 * C; c++)
 					v[c] = dec_ld16(V, vb + 16 * c, dt);
 #pragma unroll
@@ -387,6 +392,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 
 					if (j >= jend[r])
 						continue;
+#pragma unroll
 					for (int c = 0; c < 2 * C; c++)
 						ACC[r][c] = fma((float16)p, v[c], ACC[r][c]);
 				}
