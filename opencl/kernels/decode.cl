@@ -14,8 +14,9 @@
  * reseeded with ape_seed_sincos at every tile start; temperature and bias from ape_math.h's
  * float32 distance terms in the row's frame c_row (the bias at its anchor distance); one
  * online-softmax update per row and block of 16 keys, on a float16 of scores. With float32
- * rows each block first prefetches its value rows, and the key rows of the next block before
- * its P V (dec_touch; a distance measured best: further ahead was slower, bench/RESULTS.md):
+ * rows (any rows where the compiler has __builtin_prefetch) each block first requests its
+ * value rows, and the key rows of the next block before its P V (dec_touch; a distance
+ * measured best: further ahead was slower, bench/RESULTS.md):
  * the loads of the rows that follow then find them on their way. Nothing is
  * skipped: the host sends here only launches where skipping is off or has nothing to gain.
  * Built after attention.cl in one program: ld(), st(), KFN, CAT and the DT_ values are its.
@@ -232,9 +233,13 @@ KFN void dec_body(DEC_ARGS, const int RM)
 	int decay[DEC_RMAX];
 	long kend = j0;
 	uint touched = 0; /* dec_touch()'s loads, kept by the volatile store at the end */
-	/* requesting ahead pays for float32 rows; with f16 and bf16 (half the bytes) byte touches
-	 * cost more than they save and prefetches neither gain nor lose (bench/RESULTS.md) */
+	/* requesting ahead pays for every type with prefetches; byte touches cost f16 and bf16 rows
+	 * (half the bytes) more than they save (bench/RESULTS.md) */
+#ifdef DEC_PREFETCH
+	const int touch = 1;
+#else
 	const int touch = dt != DT_F16 && dt != DT_BF16;
+#endif
 
 	if (s >= nsplit)
 		return;
