@@ -4,8 +4,10 @@
  * (batch, kv head) are cut into chunks of whole 64-key tiles, enough of them to keep every
  * compute unit busy; one work-item per chunk serves all the rows of the query heads sharing the
  * kv head, so K and V are read once; ape_decode_merge combines the chunks by LSE in a fixed
- * order. Also the fast paths' shared pieces: parameters, views as arguments, flags, and the
- * backend's attention_scratch op.
+ * order. Devices other than CPUs (and a CPU under APE_OCL_DEC_SHAPE=gpu) take the work-group
+ * shape instead: a group of 64 work-items per chunk, the same partials and merge (dec_wg()).
+ * Also the fast paths' shared pieces: parameters, views as arguments, flags, and the backend's
+ * attention_scratch op.
  */
 #include <stdio.h>
 #include <stdlib.h>
