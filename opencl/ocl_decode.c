@@ -4,8 +4,10 @@
  * (batch, kv head) are cut into chunks of whole 64-key tiles, enough of them to keep every
  * compute unit busy; one work-item per chunk serves all the rows of the query heads sharing the
  * kv head, so K and V are read once; ape_decode_merge combines the chunks by LSE in a fixed
- * order. Also the fast paths' shared pieces: parameters, views as arguments, flags, and the
- * backend's attention_scratch op.
+ * order. Devices other than CPUs (and a CPU under APE_OCL_DEC_SHAPE=gpu) take the work-group
+ * shape instead: a group of 64 work-items per chunk, the same partials and merge (dec_wg()).
+ * Also the fast paths' shared pieces: parameters, views as arguments, flags, and the backend's
+ * attention_scratch op.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +19,36 @@
 
 #define DEC_TILE 64 /* kernels/decode.cl */
 #define DEC_MAX_ROWS 8 /* query rows per launch row (Lq) the decode takes */
+#define DEC_GNWI 64 /* the work-group shape's work-items per group (kernels/decode.cl) */
+#define DEC_GRED 65 /* its floats of local memory per work-item for the partial dots */
+
+/*
+ * The work-group shape (ape_decode_wg_<RM>: a chunk's pairs spread over a group of DEC_GNWI
+ * work-items, partial dot products reduced through local memory) for devices other than CPUs;
+ * APE_OCL_DEC_SHAPE=gpu gives it to a CPU device too, so that the tests run it on PoCL (as
+ * APE_OCL_SEP_SHAPE does for the separable path). Read at each launch; no rebuild.
+ */
+static bool dec_wg(const struct ape__ocl_device *od)
+{
+	const char *e = getenv("APE_OCL_DEC_SHAPE");
+
+	return !(od->type & CL_DEVICE_TYPE_CPU) || (e && !strcmp(e, "gpu"));
+}
+
+/* Key streams (chunks) per group of the work-group shape: 64 / min(D / 2, 64). */
+static int64_t dec_wg_streams(int64_t D)
+{
+	return DEC_GNWI / (D / 2 < DEC_GNWI ? D / 2 : DEC_GNWI);
+}
+
+/* Local memory the work-group shape takes for D with up to 16 rows: the partial dots, scores
+ * and weights, the rows' maxima, their 1 / alpha (float64 at most). */
+static uint64_t dec_wg_local(int64_t D)
+{
+	const uint64_t ks = (uint64_t)dec_wg_streams(D);
+
+	return 4 * (DEC_GNWI * DEC_GRED + 2 * ks * 64 + 16 * ks) + 8 * 16;
+}
 
 /* Rows one work-item holds (kernels/decode.cl's DEC_RMAX): the specialised programs size their
  * arrays for D, the generic one for 256. */
@@ -25,12 +57,16 @@ static int64_t dec_rows_max(int64_t D)
 	return D == 64 || D == 128 ? 16 : 8;
 }
 
-/* The launches the decode kernel can compute: a few rows, D a multiple of 32, O, LSE, pairs. */
+/* The launches the decode kernel can compute: a few rows, D a multiple of 32, O, LSE, pairs;
+ * in the work-group shape, on a device that holds its group and local memory. */
 static bool dec_shape(struct ape_device *dev, const struct ape__launch *l)
 {
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
 
-	return (od->type & CL_DEVICE_TYPE_CPU) && ape__ocl_fast_outputs(l) && l->Lq >= 1 &&
+	/* the work-group shape needs a group of DEC_GNWI and its local memory */
+	if (dec_wg(od) && (od->max_wg < DEC_GNWI || dec_wg_local(l->D) > od->local_mem))
+		return false;
+	return ape__ocl_fast_outputs(l) && l->Lq >= 1 &&
 	       l->Lq <= DEC_MAX_ROWS && l->D % 32 == 0 && l->D <= 256 && l->H % l->Hkv == 0 &&
 	       l->Lk >= 1 && (l->H / l->Hkv) * l->Lq <= dec_rows_max(l->D);
 }
@@ -57,17 +93,23 @@ bool ape__ocl_decode_pages(struct ape_device *dev, const struct ape__launch *l)
 }
 
 /* Keys per chunk: whole tiles (at least 4), about 512 work-items per compute unit over the
- * launch: PoCL balances many small work-groups better than few (bench/RESULTS.md, 2026-12-01). */
+ * launch: PoCL balances many small work-groups better than few (bench/RESULTS.md, 2026-12-01).
+ * The work-group shape: whole tiles (at least 1), about 4 groups per compute unit (a guess: no
+ * GPU has timed it). */
 static int64_t dec_chunk(struct ape_device *dev, const struct ape__launch *l)
 {
 	const int64_t cu = dev->info.compute_units > 0 ? dev->info.compute_units : 1;
-	const int64_t items = 512 * cu, bkv = l->B * l->Hkv;
+	/* the work-group shape: about 4 groups (of dec_wg_streams() chunks) per compute unit */
+	const int64_t items = dec_wg(ape__ocl_dev(dev)) ? 4 * cu * dec_wg_streams(l->D) : 512 * cu;
+	const int64_t bkv = l->B * l->Hkv;
 	int64_t nsplit = (items + bkv - 1) / bkv, chunk;
 
 	if (nsplit < 1)
 		nsplit = 1;
 	chunk = (l->Lk + nsplit - 1) / nsplit;
 	chunk = (chunk + DEC_TILE - 1) / DEC_TILE * DEC_TILE;
+	if (dec_wg(ape__ocl_dev(dev))) /* any whole number of tiles: the group is the unit */
+		return chunk;
 	return chunk < 4 * DEC_TILE ? 4 * DEC_TILE : chunk;
 }
 
@@ -134,6 +176,39 @@ cl_int ape__ocl_fast_flags(const struct ape__launch *l)
 	       (l->lse ? APE__FD_LSE : 0) | (l->pairs ? APE__FD_PAIRS : 0);
 }
 
+/*
+ * The work-group shape's launch of a->k (its arguments but the local ones set): the local
+ * memory, then groups of DEC_GNWI over the chunks (dec_wg_streams() to a group) and B * Hkv.
+ * Fails with APE_ENOTSUP (the decode runs nothing) when the compiled kernel allows fewer
+ * work-items (a GPU short of registers for it: not seen, no GPU has run it).
+ */
+static int dec_wg_launch(struct ape__queue *q, struct ape__ocl_args *a, const struct ape__launch *l,
+			 cl_int nsplit)
+{
+	const int64_t ks = dec_wg_streams(l->D);
+	const size_t real = ape__ocl_dev(q->dev)->fp64 ? sizeof(cl_double) : sizeof(cl_float);
+	size_t kwg = 0;
+
+	/* asked of other devices only: PoCL compiles a work-group function to answer (seconds),
+	 * and a CPU device allows thousands */
+	if (a->k && !(ape__ocl_dev(q->dev)->type & CL_DEVICE_TYPE_CPU) &&
+	    clGetKernelWorkGroupInfo(a->k, ape__ocl_dev(q->dev)->id,
+					     CL_KERNEL_WORK_GROUP_SIZE, sizeof(kwg), &kwg,
+					     NULL) == CL_SUCCESS && kwg < DEC_GNWI) {
+		clReleaseKernel(a->k);
+		memset(a, 0, sizeof(*a));
+		return ape__error(APE_ENOTSUP, "ape_decode_wg: the device runs %zu work-items of it "
+				  "to a group, it needs %d", kwg, DEC_GNWI);
+	}
+	ape__ocl_arg(a, DEC_GNWI * DEC_GRED * sizeof(cl_float), NULL);
+	ape__ocl_arg(a, (size_t)(2 * ks * 64) * sizeof(cl_float), NULL);
+	ape__ocl_arg(a, (size_t)(16 * ks) * sizeof(cl_float), NULL);
+	ape__ocl_arg(a, 16 * real, NULL);
+	return ape__ocl_fast_launch(q, a, "ape_decode_wg",
+				    (size_t)((nsplit + ks - 1) / ks * DEC_GNWI), DEC_GNWI,
+				    (size_t)(l->B * l->Hkv));
+}
+
 int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 {
 	const struct ape__ocl_program *pr;
@@ -171,7 +246,8 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 		goto out;
 	}
 
-	snprintf(name, sizeof(name), "ape_decode_%d", rm);
+	snprintf(name, sizeof(name), dec_wg(ape__ocl_dev(q->dev)) ? "ape_decode_wg_%d"
+								     : "ape_decode_%d", rm);
 	a.k = clCreateKernel(pr->prog, name, &a.err);
 	ape__ocl_arg(&a, sizeof(cl_mem), &l->q->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), &l->k->mem);
@@ -200,7 +276,11 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(pfirst), &pfirst);
 	ape__ocl_arg(&a, sizeof(prow), &prow);
 	ape__ocl_arg(&a, sizeof(pblk), &pblk);
-	ret = ape__ocl_fast_launch(q, &a, "ape_decode", (size_t)nsplit, 1, (size_t)(l->B * l->Hkv));
+	if (dec_wg(ape__ocl_dev(q->dev)))
+		ret = dec_wg_launch(q, &a, l, nsplit);
+	else
+		ret = ape__ocl_fast_launch(q, &a, "ape_decode", (size_t)nsplit, 1,
+					   (size_t)(l->B * l->Hkv));
 	if (ret)
 		goto out;
 

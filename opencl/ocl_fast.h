@@ -3,7 +3,9 @@
  * The OpenCL backend's fast paths, taken ahead of the general kernel (ocl_attention.c) for the
  * launches they can serve exactly (docs/kernels.md, "Decode and the separable path"):
  *   decode     (ocl_decode.c, kernels/decode.cl): a few query rows against many keys, the keys
- *              split over work-items and the partial results merged by LSE;
+ *              split over work-items (a CPU device's shape) or work-groups (the work-group
+ *              shape, for other devices and under APE_OCL_DEC_SHAPE=gpu) and the partial
+ *              results merged by LSE;
  *   separable  (ocl_separable.c, kernels/separable.cl): every head with lambda = 0, where the
  *              rotation separates: Q and K rotated once, then a GEMM-shaped kernel (a CPU
  *              device's, ape_sep_attn, or the work-group shape, ape_sep_attn_wg, for other

@@ -607,14 +607,15 @@ static int poison_dead(ape_kv_cache *c)
 }
 
 /* Whether the device's backend reads a decode of this shape in place: the OpenCL decode's
- * rule (opencl/ocl_decode.c: CPU devices, D a multiple of 32 up to 256, at most 8 query rows,
- * at most 16 rows per kv head with D = 64 or 128, else 8). */
+ * rule (opencl/ocl_decode.c: CPU devices in its CPU shape, others in its work-group shape; D a
+ * multiple of 32 up to 256, at most 8 query rows, at most 16 rows per kv head with D = 64 or
+ * 128, else 8). */
 static bool expect_in_place(const ape_device *dev, const test_problem *tp)
 {
 	const int64_t *s = tp->q.t.shape, group = s[1] / tp->k.t.shape[1];
 
 	return dev->be->ops->attention_pages && !strcmp(dev->info.backend, "opencl") &&
-	       dev->info.kind == APE_DEVICE_CPU && s[3] % 32 == 0 && s[2] <= 8 &&
+	       s[3] % 32 == 0 && s[2] <= 8 &&
 	       group * s[2] <= (s[3] == 64 || s[3] == 128 ? 16 : 8);
 }
 
@@ -654,7 +655,8 @@ static bool gathered_decodes(const test_problem *tp)
  * everything outside them poisoned; a rerun gives the same bits; on a backend that reads
  * in place no key is copied.
  */
-TEST_F(kv, decode_in_place_equals_reference)
+static void in_place_cases(struct __test_metadata *_metadata, FIXTURE_DATA(kv) *self,
+			   const FIXTURE_VARIANT(kv) *variant)
 {
 	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
 	static const int64_t dims[] = { 32, 64, 64, 96, 128, 256 };
@@ -765,8 +767,24 @@ TEST_F(kv, decode_in_place_equals_reference)
 	}
 	ksft_print_msg("%d of %d cases read the blocks in place\n", in_place, cases);
 	fflush(stdout);
-	if (!strcmp(variant->backend, "opencl") && self->dev->info.kind == APE_DEVICE_CPU)
+	if (!strcmp(variant->backend, "opencl"))
 		EXPECT_GT(in_place, 0);
+}
+
+TEST_F(kv, decode_in_place_equals_reference)
+{
+	in_place_cases(_metadata, self, variant);
+}
+
+/* The same under APE_OCL_DEC_SHAPE=gpu: the OpenCL decode's work-group shape (GPU devices) on
+ * this device, reading the blocks in place too. */
+TEST_F(kv, decode_in_place_wg_shape_equals_reference)
+{
+	if (strcmp(variant->backend, "opencl"))
+		SKIP(return, "APE_OCL_DEC_SHAPE concerns the OpenCL backend only");
+	setenv("APE_OCL_DEC_SHAPE", "gpu", 1);
+	in_place_cases(_metadata, self, variant);
+	unsetenv("APE_OCL_DEC_SHAPE");
 }
 
 /* Appends all of tp's keys to a new cache with options o, in chunks of 1000, and attends tp's

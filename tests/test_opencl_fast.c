@@ -139,7 +139,12 @@ static void separable_params(test_problem *tp, ape_rng *rng)
 
 /* ---- the split-K decode */
 
-TEST(decode_random_cases_match_reference)
+/*
+ * The random decode cases against the reference, under the shape the environment gives
+ * (APE_OCL_DEC_SHAPE): Lq 1..8, GQA, every storage type, both layouts, causal or not, positions
+ * near 2^40; each asks the decode's predicate, which must take most of them.
+ */
+static void decode_cases(struct __test_metadata *_metadata, const char *what)
 {
 	static const int64_t lqs[] = { 1, 1, 2, 3, 4, 8 };
 	static const int64_t lks[] = { 1, 5, 63, 64, 65, 300, 1000, 2500 };
@@ -162,19 +167,23 @@ TEST(decode_random_cases_match_reference)
 		if (ape_rng_uniform(&rng) < 0.5)
 			tp.desc.skip_tol = 0; /* with decays, the decode takes only skip_tol 0 */
 		launch_of(&tp, hp, &l);
-		took = ocl_is_cpu(&d) && ape__ocl_decode_applies(d.ocl, &l);
+		took = ape__ocl_decode_applies(d.ocl, &l);
 		taken += took;
-		failed += compare(_metadata, &d, &tp, &st, "decode", NULL) != 0;
+		failed += compare(_metadata, &d, &tp, &st, what, NULL) != 0;
 		if (took)
 			EXPECT_EQ(st.pairs_visible, st.pairs_computed); /* the decode skips nothing */
 		test_problem_free(&tp);
 	}
-	ksft_print_msg("decode: %d of %d cases took the decode\n", taken, ncases);
+	ksft_print_msg("%s: %d of %d cases took the decode\n", what, taken, ncases);
 	fflush(stdout);
 	EXPECT_EQ(0, failed);
-	if (ocl_is_cpu(&d))
-		EXPECT_GE(taken, ncases / 3) TH_LOG("the decode predicate refused most cases");
+	EXPECT_GE(taken, ncases / 3) TH_LOG("the decode predicate refused most cases");
 	ape_context_destroy(d.ctx);
+}
+
+TEST(decode_random_cases_match_reference)
+{
+	decode_cases(_metadata, "decode");
 }
 
 /*
@@ -221,7 +230,8 @@ static void nan_case(struct __test_metadata *_metadata, const struct devs *d, co
 	test_problem_free(&tp);
 }
 
-/* NaN and Inf in K or V reach exactly the rows that see them, in the decode's merge too. */
+/* NaN and Inf in K or V reach exactly the rows that see them, in the decode's merge too; in the
+ * work-group shape as well (APE_OCL_DEC_SHAPE=gpu, below). */
 TEST(decode_nan_reaches_its_rows)
 {
 	/* causal: row 0 sees keys 0..600, row 1 keys 0..601: only row 1 sees key 601 */
@@ -230,7 +240,25 @@ TEST(decode_nan_reaches_its_rows)
 
 	devs_open(_metadata, &d);
 	nan_case(_metadata, &d, "decode_nan_reaches_its_rows", &sh, 600, 601, false);
+	setenv("APE_OCL_DEC_SHAPE", "gpu", 1);
+	nan_case(_metadata, &d, "decode_nan_reaches_its_rows (wg)", &sh, 600, 601, false);
+	unsetenv("APE_OCL_DEC_SHAPE");
 	ape_context_destroy(d.ctx);
+}
+
+/* ---- the decode's work-group shape (GPU devices), forced on this device */
+
+/*
+ * APE_OCL_DEC_SHAPE=gpu (opencl/ocl_decode.c) gives the decode's work-group kernel
+ * (ape_decode_wg_*: a chunk's pairs over 64 work-items, the partial dot products reduced through
+ * local memory) to a CPU device: the same random cases as decode_random_cases_match_reference
+ * (decode_nan_reaches_its_rows and fast_paths_deterministic run it too).
+ */
+TEST(decode_wg_shape_matches_reference)
+{
+	setenv("APE_OCL_DEC_SHAPE", "gpu", 1);
+	decode_cases(_metadata, "decode wg");
+	unsetenv("APE_OCL_DEC_SHAPE");
 }
 
 /* ---- the separable path */
@@ -364,12 +392,16 @@ TEST(fast_paths_deterministic)
 
 	devs_open(_metadata, &d);
 	ape_rng_init(&rng, "fast_paths_deterministic");
-	for (int path = 0; path < 2; path++) {
-		const test_problem_shape sh = { 2, 4, 2, path ? 300 : 2, 3000, 64 };
+	/* the decode, the separable path, the decode's work-group shape (several chunks, two key
+	 * streams a group at D 64, GQA rows) */
+	for (int path = 0; path < 3; path++) {
+		const test_problem_shape sh = { 2, 4, 2, path == 1 ? 300 : 2, 3000, 64 };
 		test_problem a, b;
 
+		if (path == 2)
+			setenv("APE_OCL_DEC_SHAPE", "gpu", 1);
 		ASSERT_EQ(0, test_problem_make(&a, &rng, &sh, APE_F16, false));
-		test_problem_set_params(&a, path ? 0.1 : 0, 0, 0, 0);
+		test_problem_set_params(&a, path == 1 ? 0.1 : 0, 0, 0, 0);
 		ASSERT_EQ(0, test_problem_clone(&b, &a));
 		ASSERT_EQ(0, test_problem_run(&a, d.ocl)) TH_LOG("%s", ape_last_error());
 		ASSERT_EQ(0, test_problem_run(&b, d.ocl)) TH_LOG("%s", ape_last_error());
@@ -378,6 +410,7 @@ TEST(fast_paths_deterministic)
 		test_problem_free(&a);
 		test_problem_free(&b);
 	}
+	unsetenv("APE_OCL_DEC_SHAPE");
 	ape_context_destroy(d.ctx);
 }
 

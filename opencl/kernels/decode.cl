@@ -489,3 +489,303 @@ __kernel void ape_decode_merge(__global const float *part, __global const APE_RE
 	if (flags & FD_PAIRS)
 		PAIRS[row] = (ulong)ape_visible_keys(diag, Lk, causal);
 }
+
+/*
+ * The work-group shape (devices other than CPUs, or any device under APE_OCL_DEC_SHAPE=gpu:
+ * ocl_decode.c): the same chunks, partials and merge, but a chunk is served by a group of
+ * DEC_GNWI work-items instead of one. The P pairs of a row are spread over PL = min(P, 64)
+ * lanes (pair pl, pl + 64; output columns pl, pl + PL, ...), so that a key row is read by
+ * adjacent work-items at adjacent addresses; where P < 64 the group holds KS = 64 / PL key
+ * streams, each a chunk of its own (chunk g * KS + ks: the partial layout and the merge are the
+ * plain decode's). Per block of 64 / RM keys (RM rows times the block: 64 scores):
+ *   1. each lane runs its pairs' rotation recurrence (reseeded with ape_seed_sincos at every
+ *      64-key tile start, as dec_body) and writes each (row, key)'s partial dot product to
+ *      local memory;
+ *   2. one work-item per score sums the lanes' partials in lane order and makes the score
+ *      (temperature, bias difference at the anchor distance, NaN for a non-finite dot, -inf
+ *      where masked);
+ *   3. one work-item per score takes its weight against the row's new maximum;
+ *   4. every lane rescales its columns and adds P V (a key its row does not see adds nothing).
+ * Three barriers a block; every work-item keeps the rows' m and l alike (same values, same
+ * order), lane 0 writes them. Fixed orders throughout: the same bits on every run.
+ */
+#define DEC_GNWI 64 /* work-items per group (ocl_decode.c mirrors it) */
+#define DEC_GRED (DEC_TILE + 1) /* a lane's partials in red: 64, one float apart (banks) */
+#define DEC_GWP (DEC_DMAX > 128 ? 2 : 1) /* pairs per lane: P <= 128 over PL = min(P, 64) */
+
+/* sin and cos of the angle a for one pair: ape_seed_sincos on APE_RW lanes, lane 0 kept (the
+ * GPU programs have APE_RW 1). */
+KFN float dec_seed1(APE_REAL a, float *cosine)
+{
+	float s[APE_RW], co[APE_RW];
+	ape_vfloat cv, sv = ape_seed_sincos((ape_vreal)a, &cv);
+
+	DEC_VSF(sv, s);
+	DEC_VSF(cv, co);
+	*cosine = co[0];
+	return s[0];
+}
+
+/* Where chunk s's keys end for the group's rows: j1, or causal, past the last row's diagonal. */
+KFN long dec_wg_kend(long s, long chunk, long Lk, long Lq, long rel, int causal, long *j0)
+{
+	const long a = min(s * chunk, Lk), e = min(a + chunk, Lk);
+
+	*j0 = a;
+	return causal ? clamp(rel + Lq, a, e) : e;
+}
+
+KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local float *lm,
+		     __local APE_REAL *lia, const int RM)
+{
+	const int BLK = DEC_TILE / RM; /* keys per update */
+	const int P = DEC_DIM / 2, dt = FD_DT_IN(flags);
+	const int inter = (flags & FD_INTERLEAVED) != 0, causal = (flags & FD_CAUSAL) != 0;
+	const int lid = (int)get_local_id(0), PL = min(P, DEC_GNWI), KS = DEC_GNWI / PL;
+	const int ks = lid / PL, pl = lid % PL, lane = ks < KS;
+	const long bkv = get_global_id(1), g0 = (long)get_group_id(0) * KS, s = g0 + ks;
+	const int Hkv = H / group, kvh = (int)(bkv % Hkv), nr = group * (int)Lq;
+	const long b = bkv / Hkv;
+	const long kb0 = koff + b * ksb + kvh * ksh, vb0 = voff + b * vsb + kvh * vsh;
+	__global const APE_REAL *omega = prm;
+	__local float *pw = sc + KS * DEC_TILE; /* the weights, as sc holds the scores */
+	float X[DEC_RMAX][DEC_GWP], Y[DEC_RMAX][DEC_GWP], X0[DEC_RMAX][DEC_GWP];
+	float Y0[DEC_RMAX][DEC_GWP], CW[DEC_RMAX][DEC_GWP], SW[DEC_RMAX][DEC_GWP];
+	float ACC[DEC_RMAX][2 * DEC_GWP], M[DEC_RMAX], L[DEC_RMAX];
+	long jend[DEC_RMAX], j0, nb = 0;
+	const long kend = dec_wg_kend(s, chunk, Lk, Lq, rel, causal, &j0);
+
+	/* the blocks of the group's longest stream: every work-item meets every barrier */
+	for (int k = 0; k < KS; k++) {
+		long a;
+		const long e = dec_wg_kend(g0 + k, chunk, Lk, Lq, rel, causal, &a);
+
+		nb = max(nb, (e - a + BLK - 1) / BLK);
+	}
+	/* each row's 1 / alpha from its sigma (two passes in APE_REAL, ape_sigma()) */
+	for (int r = lid; r < nr; r += DEC_GNWI) {
+		const int h = kvh * group + r / (int)Lq;
+		const long qb = qoff + b * qsb + h * qsh + (r % Lq) * qsl;
+		APE_REAL sum = 0, ss = 0, mean;
+
+		for (int d = 0; d < DEC_DIM; d++)
+			sum += (APE_REAL)ld(Q, qb + d, dt);
+		mean = sum / (APE_REAL)DEC_DIM;
+		for (int d = 0; d < DEC_DIM; d++) {
+			const APE_REAL x = (APE_REAL)ld(Q, qb + d, dt) - mean;
+
+			ss += x * x;
+		}
+		lia[r] = ape_inv_alpha(prm[P + 4 * h + 3], ss, DEC_DIM);
+	}
+	for (int e = lid; e < KS * RM; e += DEC_GNWI)
+		lm[e] = -INFINITY;
+	barrier(CLK_LOCAL_MEM_FENCE);
+#pragma unroll
+	for (int r = 0; r < RM; r++) {
+		if (r >= nr)
+			break;
+		const int h = kvh * group + r / (int)Lq;
+		const long i = r % Lq, qb = qoff + b * qsb + h * qsh + i * qsl, diag = rel + i;
+
+		for (int k = 0; k < DEC_GWP; k++) {
+			const int p = pl + DEC_GNWI * k;
+
+			X0[r][k] = Y0[r][k] = 0.0f;
+			SW[r][k] = CW[r][k] = 0.0f;
+			if (lane && p < P) {
+				X0[r][k] = ld(Q, qb + (inter ? 2 * p : p), dt);
+				Y0[r][k] = ld(Q, qb + (inter ? 2 * p + 1 : P + p), dt);
+				SW[r][k] = dec_seed1((APE_REAL)1 * (omega[p] * lia[r]), &CW[r][k]);
+			}
+		}
+		for (int k = 0; k < 2 * DEC_GWP; k++)
+			ACC[r][k] = 0.0f;
+		M[r] = -INFINITY;
+		L[r] = 0.0f;
+		jend[r] = causal ? clamp(diag + 1, j0, kend) : kend;
+	}
+
+	for (long blk = 0; blk < nb; blk++) {
+		const long bb = j0 + blk * BLK;
+		const int len = lane ? (int)clamp(kend - bb, 0L, (long)BLK) : 0;
+
+		/* 1. the partial dot products of this lane's pairs */
+		if (len > 0 && blk * BLK % DEC_TILE == 0) {
+#pragma unroll
+			for (int r = 0; r < RM; r++) {
+				if (r >= nr)
+					break;
+				const APE_REAL n = (APE_REAL)(rel + r % Lq - bb);
+
+				for (int k = 0; k < DEC_GWP; k++) {
+					const int p = min(pl + DEC_GNWI * k, P - 1);
+					float co, si = dec_seed1(n * (omega[p] * lia[r]), &co);
+
+					X[r][k] = X0[r][k] * co - Y0[r][k] * si;
+					Y[r][k] = X0[r][k] * si + Y0[r][k] * co;
+				}
+			}
+		}
+		for (int jj = 0; jj < len; jj++) {
+			long rk, rv;
+			float u[DEC_GWP], w[DEC_GWP];
+
+			dec_rows(bb + jj, 1, ksl, vsl, pbt, pnb, pfirst, prow, pblk, &rk, &rv);
+			for (int k = 0; k < DEC_GWP; k++) {
+				const int p = pl + DEC_GNWI * k;
+
+				u[k] = w[k] = 0.0f;
+				if (p < P) {
+					u[k] = ld(K, kb0 + rk + (inter ? 2 * p : p), dt);
+					w[k] = ld(K, kb0 + rk + (inter ? 2 * p + 1 : P + p), dt);
+				}
+			}
+#pragma unroll
+			for (int r = 0; r < RM; r++) {
+				if (r >= nr)
+					break;
+				float acc = 0.0f;
+
+				for (int k = 0; k < DEC_GWP; k++) {
+					const float x = X[r][k], y = Y[r][k];
+
+					acc = fma(x, u[k], fma(y, w[k], acc));
+					X[r][k] = fma(x, CW[r][k], y * SW[r][k]);
+					Y[r][k] = fma(y, CW[r][k], -(x * SW[r][k]));
+				}
+				red[lid * DEC_GRED + r * BLK + jj] = acc;
+			}
+		}
+		barrier(CLK_LOCAL_MEM_FENCE);
+
+		/* 2. the scores: one work-item each, the lanes' partials summed in lane order */
+		for (int e = lid; e < KS * DEC_TILE; e += DEC_GNWI) {
+			const int k2 = e / DEC_TILE, e2 = e % DEC_TILE, r = e2 / BLK;
+			long a;
+			const long e2end = dec_wg_kend(g0 + k2, chunk, Lk, Lq, rel, causal, &a);
+			const long j = a + blk * BLK + e2 % BLK, i = r % Lq, diag = rel + i;
+			float sv = -INFINITY;
+
+			if (r < nr && j < e2end && (!causal || j <= diag)) {
+				const int h = kvh * group + r / (int)Lq;
+				const float rdelta = (float)prm[P + 4 * h], rbeta = (float)prm[P + 4 * h + 1];
+				const float rgamma = (float)prm[P + 4 * h + 2];
+				const float rlambda = (float)prm[P + 4 * h + 3];
+				const long n = diag - j, an = n < 0 ? -n : n;
+				float dot = 0.0f;
+
+				for (int l = 0; l < PL; l++)
+					dot += red[(k2 * PL + l) * DEC_GRED + e2];
+				sv = (rlambda == 0.0f ? scale : ape_temp_f(scale, rlambda, an)) * dot;
+				if (rdelta != 0.0f || rbeta != 0.0f || rgamma != 0.0f)
+					sv += ape_bias_diff_f(rdelta, rbeta, rgamma, an,
+							      ape_anchor_distance(diag, Lk, causal));
+				/* a non-finite dot product makes the score NaN (attention.cl) */
+				sv = isfinite(dot) ? sv : NAN;
+			}
+			sc[e] = sv;
+		}
+		barrier(CLK_LOCAL_MEM_FENCE);
+
+		/* 3. the weights against the row's new maximum ('>' and fmax ignore NaN, exp keeps
+		 * it; below e^-87 an exact zero, as in dec_body) */
+		for (int e = lid; e < KS * DEC_TILE; e += DEC_GNWI) {
+			const int k2 = e / DEC_TILE, r = e % DEC_TILE / BLK;
+			const float sv = sc[e];
+			float mt = r < nr ? lm[k2 * RM + r] : -INFINITY, dd;
+
+			for (int jj = 0; jj < BLK && r < nr; jj++)
+				mt = fmax(mt, sc[k2 * DEC_TILE + r * BLK + jj]);
+			dd = sv - mt;
+			pw[e] = dd < -87.0f || sv == -INFINITY ? 0.0f : exp(dd);
+		}
+		barrier(CLK_LOCAL_MEM_FENCE);
+
+		/* 4. each lane: the rows' m and l, its columns rescaled, then P V */
+		if (len > 0) {
+#pragma unroll
+			for (int r = 0; r < RM; r++) {
+				if (r >= nr)
+					break;
+				__local const float *sr = sc + ks * DEC_TILE + r * BLK;
+				__local const float *pr = pw + ks * DEC_TILE + r * BLK;
+				float mt = M[r], lsum = 0.0f, corr;
+
+				for (int jj = 0; jj < BLK; jj++) {
+					mt = fmax(mt, sr[jj]);
+					lsum += pr[jj];
+				}
+				corr = M[r] == mt ? 1.0f : M[r] - mt < -87.0f ? 0.0f : exp(M[r] - mt);
+				L[r] = L[r] * corr + lsum;
+				M[r] = mt;
+				if (pl == 0)
+					lm[ks * RM + r] = mt;
+				if (corr != 1.0f)
+					for (int k = 0; k < 2 * DEC_GWP; k++)
+						ACC[r][k] *= corr;
+			}
+			/* a masked key adds nothing at all (its V may hold a NaN) */
+			for (int jj = 0; jj < len; jj++) {
+				const long j = bb + jj;
+				long rk, rv;
+				float v[2 * DEC_GWP];
+
+				dec_rows(j, 1, ksl, vsl, pbt, pnb, pfirst, prow, pblk, &rk, &rv);
+				for (int k = 0; k < 2 * DEC_GWP; k++) {
+					const int d = pl + PL * k;
+
+					v[k] = d < DEC_DIM ? ld(V, vb0 + rv + d, dt) : 0.0f;
+				}
+#pragma unroll
+				for (int r = 0; r < RM; r++) {
+					if (r >= nr)
+						break;
+					const float p = pw[ks * DEC_TILE + r * BLK + jj];
+
+					if (j >= jend[r])
+						continue;
+					for (int k = 0; k < 2 * DEC_GWP; k++)
+						ACC[r][k] = fma(p, v[k], ACC[r][k]);
+				}
+			}
+		}
+	}
+
+	/* partials, as dec_body writes them: [row][split][D + 2] = acc, max, sum */
+	if (!lane || s * chunk >= Lk)
+		return;
+#pragma unroll
+	for (int r = 0; r < RM; r++) {
+		if (r >= nr)
+			break;
+		const int h = kvh * group + r / (int)Lq;
+		const long row = (b * H + h) * Lq + r % Lq;
+		__global float *pp = part + (row * nsplit + s) * (DEC_DIM + 2);
+
+		for (int k = 0; k < 2 * DEC_GWP; k++)
+			if (pl + PL * k < DEC_DIM)
+				pp[pl + PL * k] = ACC[r][k];
+		if (pl == 0) {
+			pp[DEC_DIM] = M[r];
+			pp[DEC_DIM + 1] = L[r];
+		}
+	}
+}
+
+/* ape_decode_wg_<RM>: the work-group shape for up to RM rows (group * Lq), local size
+ * DEC_GNWI; local memory from the host: red DEC_GNWI * DEC_GRED floats, sc 2 * KS * 64 floats,
+ * lm KS * RM floats, lia RM APE_REALs (KS = 64 / min(P, 64)). */
+#define DEC_WG_KERNEL(RM)                                                                          \
+	__kernel void ape_decode_wg_##RM(DEC_ARGS, __local float *red, __local float *sc,          \
+					 __local float *lm, __local APE_REAL *lia)                 \
+	{                                                                                          \
+		dec_wg_body(DEC_NAMES, red, sc, lm, lia, RM);                                      \
+	}
+DEC_WG_KERNEL(1)
+DEC_WG_KERNEL(2)
+DEC_WG_KERNEL(4)
+DEC_WG_KERNEL(8)
+#if DEC_RMAX >= 16
+DEC_WG_KERNEL(16)
+#endif
