@@ -220,6 +220,21 @@ extern const char *const ape__cu_kernel_names[APE__CU_NKERNELS];
 
 /* ---- cuda_attention.c */
 int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l);
+/* Tensor t's view in l (APE__T_Q and the others) as the kernels' argument structs carry it. */
+struct ape_cu_view ape__cu_view(const struct ape__launch *l, int t);
+/* What ape_prep writes for a launch, in its scratch (0: not wanted): K as float32 pairs and V
+ * padded, [B*Hkv*Lk][dmax] (kp, vp; kernels/args.h), each (batch, kv head)'s largest key norm
+ * per tile of `tile` keys, ntile tiles (ktile), and, with ktile, ape_kscan's prefix and suffix
+ * maxima over those tiles (pre, suf). */
+struct ape__cu_prep {
+	CUdeviceptr kp, vp, ktile, pre, suf;
+	int64_t ntile, tile;
+	int dmax;
+};
+/* Launches ape_prep over l's keys, then, when p->ktile is wanted, ape_kscan. Returns 0, or the
+ * first failed launch's code (nothing after it is launched). */
+int ape__cu_prep_keys(struct ape__queue *q, const struct ape__launch *l,
+		      const struct ape__cu_prep *p);
 uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__launch *l);
 /* More heads than an argument struct carries (APE_CU_INLINE_HEADS): l->head_params copied to
  * dst, on the queue, from a host copy the stream frees once the copy has run. */

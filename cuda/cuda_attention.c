@@ -184,7 +184,7 @@ uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__lau
 	return p.total > ape__cu_separable_scratch(l) ? p.total : ape__cu_separable_scratch(l);
 }
 
-static struct ape_cu_view cu_view(const struct ape__launch *l, int t)
+struct ape_cu_view ape__cu_view(const struct ape__launch *l, int t)
 {
 	const struct ape__view v = ape__launch_view(l, t);
 
@@ -224,11 +224,11 @@ static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CU
 		c->prior = l->lse_prior->ptr;
 		c->prior_tol = l->prior_tol;
 	}
-	c->vq = cu_view(l, APE__T_Q);
-	c->vk = cu_view(l, APE__T_K);
-	c->vv = cu_view(l, APE__T_V);
-	c->vo = cu_view(l, APE__T_O);
-	c->vlse = cu_view(l, APE__T_LSE);
+	c->vq = ape__cu_view(l, APE__T_Q);
+	c->vk = ape__cu_view(l, APE__T_K);
+	c->vv = ape__cu_view(l, APE__T_V);
+	c->vo = ape__cu_view(l, APE__T_O);
+	c->vlse = ape__cu_view(l, APE__T_LSE);
 	{
 		const struct ape__view e = ape__launch_diag_view(l, 0), m = ape__launch_diag_view(l, 1);
 
@@ -286,43 +286,61 @@ int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l
 }
 
 /* The skip pre-pass and the prefill's K/V conversion. */
-static int run_prep(struct ape__queue *q, const struct ape__launch *l, const struct cu_plan *p,
-		    CUdeviceptr scratch)
+int ape__cu_prep_keys(struct ape__queue *q, const struct ape__launch *l,
+		      const struct ape__cu_prep *p)
 {
+	const int64_t nbkv = l->B * l->Hkv;
 	struct ape_cu_prep_args a;
 	struct ape_cu_scan_args s;
 	int ret;
 
-	if (!p->need_kp && !p->need_vp && !p->skip)
-		return 0;
 	memset(&a, 0, sizeof(a));
 	a.k = l->k->ptr;
 	a.v = l->v->ptr;
-	a.kp = p->need_kp ? scratch + p->kp : 0;
-	a.vp = p->need_vp ? scratch + p->vp : 0;
-	a.ktile = p->skip ? scratch + p->ktile : 0;
+	a.kp = p->kp;
+	a.vp = p->vp;
+	a.ktile = p->ktile;
 	a.Lk = l->Lk;
-	a.nbkv = p->nbkv;
+	a.nbkv = nbkv;
 	a.ntile = p->ntile;
 	a.D = (int32_t)l->D;
 	a.dmax = p->dmax;
-	a.tile = (int32_t)p->bk;
+	a.tile = (int32_t)p->tile;
 	a.dt = (int32_t)l->in_dtype;
 	a.interleaved = l->layout == APE_ROPE_INTERLEAVED;
-	a.vk = cu_view(l, APE__T_K);
-	a.vv = cu_view(l, APE__T_V);
+	a.vk = ape__cu_view(l, APE__T_K);
+	a.vv = ape__cu_view(l, APE__T_V);
 	a.Hkv = (int32_t)l->Hkv;
-	ret = ape__cu_launch(q, APE__CU_K_PREP, p->nbkv * p->ntile, APE_CU_PREP_SMEM, &a, "ape_prep");
-	if (ret || !p->skip)
+	ret = ape__cu_launch(q, APE__CU_K_PREP, nbkv * p->ntile, APE_CU_PREP_SMEM, &a, "ape_prep");
+	if (ret || !p->ktile)
 		return ret;
 	memset(&s, 0, sizeof(s));
-	s.ktile = scratch + p->ktile;
-	s.pre = scratch + p->pre;
-	s.suf = scratch + p->suf;
+	s.ktile = p->ktile;
+	s.pre = p->pre;
+	s.suf = p->suf;
 	s.ntile = p->ntile;
-	s.nbkv = p->nbkv;
-	return ape__cu_launch(q, APE__CU_K_SCAN, (p->nbkv + APE_CU_THREADS - 1) / APE_CU_THREADS, 0,
-			      &s, "ape_kscan");
+	s.nbkv = nbkv;
+	return ape__cu_launch(q, APE__CU_K_SCAN, (nbkv + APE_CU_THREADS - 1) / APE_CU_THREADS, 0, &s,
+			      "ape_kscan");
+}
+
+static int run_prep(struct ape__queue *q, const struct ape__launch *l, const struct cu_plan *p,
+		    CUdeviceptr scratch)
+{
+	const struct ape__cu_prep pp = {
+		.kp = p->need_kp ? scratch + p->kp : 0,
+		.vp = p->need_vp ? scratch + p->vp : 0,
+		.ktile = p->skip ? scratch + p->ktile : 0,
+		.pre = p->skip ? scratch + p->pre : 0,
+		.suf = p->skip ? scratch + p->suf : 0,
+		.ntile = p->ntile,
+		.tile = p->bk,
+		.dmax = p->dmax,
+	};
+
+	if (!p->need_kp && !p->need_vp && !p->skip)
+		return 0;
+	return ape__cu_prep_keys(q, l, &pp);
 }
 
 static int run_prefill(struct ape__queue *q, const struct ape__launch *l, const struct cu_plan *p,
@@ -335,8 +353,8 @@ static int run_prefill(struct ape__queue *q, const struct ape__launch *l, const 
 	fill_common(l, p, scratch, &a.c);
 	a.kp = p->need_kp ? scratch + p->kp : l->k->ptr;
 	a.vp = p->need_vp ? scratch + p->vp : l->v->ptr;
-	a.vkp = p->need_kp ? scratch_view(l, p) : cu_view(l, APE__T_K);
-	a.vvp = p->need_vp ? scratch_view(l, p) : cu_view(l, APE__T_V);
+	a.vkp = p->need_kp ? scratch_view(l, p) : ape__cu_view(l, APE__T_K);
+	a.vvp = p->need_vp ? scratch_view(l, p) : ape__cu_view(l, APE__T_V);
 	a.pre = p->skip ? scratch + p->pre : 0;
 	a.suf = p->skip ? scratch + p->suf : 0;
 	a.nqt = (l->Lq + bq - 1) / bq;

@@ -14,7 +14,7 @@
 #include "kernels/sep_args.h"
 
 struct sep_plan {
-	size_t qr, kr, vr, qn, ktile, pre, suf, total;
+	size_t qr, kr, vr, qn, qf, kf, ktile, pre, suf, total;
 	int64_t ntk;
 	bool skip;
 };
@@ -38,6 +38,7 @@ static bool sep_shape(const struct ape__launch *l)
 static void sep_plan(const struct ape__launch *l, struct sep_plan *p)
 {
 	const size_t esz = 2, nq = (size_t)(l->B * l->H * l->Lq), nk = (size_t)(l->B * l->Hkv * l->Lk);
+	const size_t nbkv = (size_t)(l->B * l->Hkv);
 
 	memset(p, 0, sizeof(*p));
 	p->total = 256; /* no region at offset 0 */
@@ -47,9 +48,9 @@ static void sep_plan(const struct ape__launch *l, struct sep_plan *p)
 	p->kr = sep_take(p, nk * 2 * (size_t)l->D * esz);
 	p->vr = sep_take(p, nk * (size_t)l->D * esz);
 	p->qn = sep_take(p, nq * sizeof(double));
+	p->qf = sep_take(p, nq * sizeof(float)); /* the f16 range's factors (sep_args.h) */
+	p->kf = sep_take(p, nbkv * (size_t)p->ntk * sizeof(float));
 	if (p->skip) {
-		const size_t nbkv = (size_t)(l->B * l->Hkv);
-
 		p->ktile = sep_take(p, nbkv * (size_t)p->ntk * 4);
 		p->pre = sep_take(p, nbkv * (size_t)(p->ntk + 1) * 4);
 		p->suf = sep_take(p, nbkv * (size_t)(p->ntk + 1) * 4);
@@ -76,19 +77,12 @@ uint64_t ape__cu_separable_scratch(const struct ape__launch *l)
 	return p.total;
 }
 
-static struct ape_cu_view sep_view(const struct ape__launch *l, int t)
-{
-	const struct ape__view v = ape__launch_view(l, t);
-
-	return (struct ape_cu_view){ v.off, v.sb, v.sh, v.sl };
-}
-
 static int sep_run(struct ape__queue *q, const struct ape__launch *l, const struct sep_plan *p,
 		   CUdeviceptr scratch, bool o_scalar)
 {
 	struct ape_cu_sep_rot_args r;
 	struct ape_cu_sep_args a;
-	const int64_t nq = l->B * l->H * l->Lq, nk = l->B * l->Hkv * l->Lk;
+	const int64_t nq = l->B * l->H * l->Lq, nbkv = l->B * l->Hkv;
 	const int64_t wpb = APE_CU_THREADS / 32;
 	const int variant = (l->D == 128 ? 2 : 0) + (l->in_dtype == APE_BF16);
 	int ret;
@@ -101,56 +95,40 @@ static int sep_run(struct ape__queue *q, const struct ape__launch *l, const stru
 	r.kr = scratch + p->kr;
 	r.vr = scratch + p->vr;
 	r.qn = scratch + p->qn;
+	r.qf = scratch + p->qf;
+	r.kf = scratch + p->kf;
 	r.rel = l->q_start - l->k_start;
 	r.Lq = l->Lq;
 	r.Lk = l->Lk;
 	r.nq = nq;
-	r.nk = nk;
+	r.nqb = (nq + wpb - 1) / wpb;
+	r.nbkv = nbkv;
+	r.ntk = p->ntk;
 	for (int i = 0; i < l->D / 2; i++)
 		r.omega[i] = l->omega[i];
-	r.vq = sep_view(l, APE__T_Q);
-	r.vk = sep_view(l, APE__T_K);
-	r.vv = sep_view(l, APE__T_V);
+	r.vq = ape__cu_view(l, APE__T_Q);
+	r.vk = ape__cu_view(l, APE__T_K);
+	r.vv = ape__cu_view(l, APE__T_V);
 	r.H = (int32_t)l->H;
 	r.Hkv = (int32_t)l->Hkv;
 	r.D = (int32_t)l->D;
 	r.dt = (int32_t)l->in_dtype;
 	r.interleaved = l->layout == APE_ROPE_INTERLEAVED;
-	ret = ape__cu_launch(q, APE__CU_K_SEP_ROT, (nq + nk + wpb - 1) / wpb, 0, &r, "ape_sep_rot");
+	ret = ape__cu_launch(q, APE__CU_K_SEP_ROT, r.nqb + nbkv * p->ntk, 0, &r, "ape_sep_rot");
 	if (ret)
 		return ret;
 
 	if (p->skip) { /* the key-tile norms and their prefix maxima, as the prefill takes them */
-		struct ape_cu_prep_args pa;
-		struct ape_cu_scan_args s;
-		const int64_t nbkv = l->B * l->Hkv;
+		const struct ape__cu_prep pp = {
+			.ktile = scratch + p->ktile,
+			.pre = scratch + p->pre,
+			.suf = scratch + p->suf,
+			.ntile = p->ntk,
+			.tile = APE_SEP_BK,
+			.dmax = (int)l->D,
+		};
 
-		memset(&pa, 0, sizeof(pa));
-		pa.k = l->k->ptr;
-		pa.v = l->v->ptr;
-		pa.ktile = scratch + p->ktile;
-		pa.Lk = l->Lk;
-		pa.nbkv = nbkv;
-		pa.ntile = p->ntk;
-		pa.vk = r.vk;
-		pa.vv = r.vv;
-		pa.D = pa.dmax = (int32_t)l->D;
-		pa.tile = APE_SEP_BK;
-		pa.dt = (int32_t)l->in_dtype;
-		pa.interleaved = r.interleaved;
-		pa.Hkv = (int32_t)l->Hkv;
-		ret = ape__cu_launch(q, APE__CU_K_PREP, nbkv * p->ntk, APE_CU_PREP_SMEM, &pa,
-				     "ape_prep");
-		if (ret)
-			return ret;
-		memset(&s, 0, sizeof(s));
-		s.ktile = scratch + p->ktile;
-		s.pre = scratch + p->pre;
-		s.suf = scratch + p->suf;
-		s.ntile = p->ntk;
-		s.nbkv = nbkv;
-		ret = ape__cu_launch(q, APE__CU_K_SCAN, (nbkv + APE_CU_THREADS - 1) / APE_CU_THREADS, 0,
-				     &s, "ape_kscan");
+		ret = ape__cu_prep_keys(q, l, &pp);
 		if (ret)
 			return ret;
 	}
@@ -160,6 +138,8 @@ static int sep_run(struct ape__queue *q, const struct ape__launch *l, const stru
 	a.kr = r.kr;
 	a.vr = r.vr;
 	a.qn = r.qn;
+	a.qf = r.qf;
+	a.kf = r.kf;
 	a.pre = p->skip ? scratch + p->pre : 0;
 	a.o = l->o->ptr;
 	a.lse = l->lse ? l->lse->ptr : 0;
@@ -171,8 +151,8 @@ static int sep_run(struct ape__queue *q, const struct ape__launch *l, const stru
 	a.ntk = p->ntk;
 	a.scale = l->scale;
 	a.tol = p->skip ? l->skip_tol : 0.0;
-	a.vo = sep_view(l, APE__T_O);
-	a.vlse = sep_view(l, APE__T_LSE);
+	a.vo = ape__cu_view(l, APE__T_O);
+	a.vlse = ape__cu_view(l, APE__T_LSE);
 	a.B = (int32_t)l->B;
 	a.H = (int32_t)l->H;
 	a.Hkv = (int32_t)l->Hkv;

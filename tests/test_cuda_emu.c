@@ -555,6 +555,80 @@ TEST(separable_skipping_and_nan)
 	ape_context_destroy(d.ctx);
 }
 
+/* f16's largest finite magnitude */
+#define F16_MAX 65504.0
+
+/*
+ * Fills t (f16) with rows of two kinds, random signs: "near the top", a quarter of the elements
+ * exactly 65504 and the others in [46400, 65504] (every pair's norm above 65504: a rotation
+ * takes it past f16's range at some angle), and "just below", all in [30000, 46300] (every
+ * pair's norm below 65504). Row l is near the top with probability 1/2, and, when
+ * tile_parity >= 0, only in the tiles of 64 rows (the separable path's key tiles) whose index
+ * has that parity: halved and plain rows, and tiles, meet in one launch.
+ */
+static void fill_near_f16_max(ape_tensor *t, ape_rng *rng, int tile_parity)
+{
+	for (int64_t b = 0; b < t->shape[0]; b++)
+		for (int64_t h = 0; h < t->shape[1]; h++)
+			for (int64_t l = 0; l < t->shape[2]; l++) {
+				const bool top = ape_rng_uniform(rng) < 0.5 &&
+						 (tile_parity < 0 || (l / 64) % 2 == tile_parity);
+
+				for (int64_t e = 0; e < t->shape[3]; e++) {
+					const double u = ape_rng_uniform(rng), w = ape_rng_uniform(rng);
+					const double m = !top	   ? 30000 + w * 16300
+							 : u < 0.25 ? F16_MAX
+								    : 46400 + w * (F16_MAX - 46400);
+
+					test_tensor_set(t, b, h, l, e, ape_rng_uniform(rng) < 0.5 ? m : -m);
+				}
+			}
+}
+
+/*
+ * f16 Q and K with components at and near +-65504 (a rotated pair then exceeds f16's range by
+ * up to sqrt(2)) in some rows and key tiles, just below the guard's threshold in the others,
+ * both layouts, causal or not, GQA, skipping on or off, D = 64 and 128: the separable path
+ * within tolerance of the reference, no NaN or Inf. The scale keeps |scale| |q| |k| at a few
+ * units, the range where the spec's tolerance holds (docs/ape.md).
+ */
+TEST(separable_f16_near_max_matches_reference)
+{
+	struct pair_of_devices d;
+	double worst = 0;
+	int fails = 0;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_separable_f16_max");
+	for (int c = 0; c < 8; c++) {
+		const int64_t D = c < 4 ? 64 : 128, Hkv = 1 + c % 2, H = 2 * Hkv;
+		test_problem tp;
+		struct verdict v;
+		float hp[4 * 4];
+
+		ASSERT_EQ(0, new_problem(&tp, &rng, 1, H, Hkv, ape_rng_range(&rng, 17, 140),
+					 ape_rng_range(&rng, c % 4 ? 65 : 1, 160), D, APE_F16));
+		test_problem_random_params(&tp, &rng);
+		separable_params(&tp, &rng, c % 4);
+		tp.desc.layout = c % 2 ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+		tp.desc.causal = (c / 2) % 2;
+		tp.desc.skip_tol = c % 3 ? 0x1p-20 : 0;
+		tp.desc.scale_set = true;
+		tp.desc.scale = (ape_rng_uniform(&rng) < 0.5 ? -1 : 1) * (1 + 3 * ape_rng_uniform(&rng)) /
+				((double)D * F16_MAX * F16_MAX);
+		fill_near_f16_max(&tp.q.t, &rng, -1);
+		fill_near_f16_max(&tp.k.t, &rng, c % 2);
+		ASSERT_TRUE(takes_separable(&tp, hp));
+		fails += run_both(_metadata, &d, &tp, &v) != 0;
+		worst = fmax(worst, fmax(v.o_ratio, v.lse_ratio));
+		test_problem_free(&tp);
+	}
+	TH_LOG("8 cases, worst error %.3g of the tolerance", worst);
+	EXPECT_EQ(0, fails);
+	ape_context_destroy(d.ctx);
+}
+
 /* ---- the streaming executor's lse_prior */
 
 /* Streams tp on dev in square chunks of c rows and keys (poisoned outputs first); 0 when it ran

@@ -7,14 +7,16 @@
  * a FlashAttention-2 kernel on tensor cores for f16 and bf16 storage (float32 storage goes to
  * the general prefill kernel).
  *
- *   ape_sep_rot   one warp per row: a query row rotated at rel + i, a key row at j (the exact
- *                 seed of ape_math.h, float64 angles), each rotated value x stored as two of the
- *                 storage type, hi = x rounded and lo = x - hi rounded; V copied; |q| for the
- *                 skip bound.
+ *   ape_sep_rot   one warp per query row, rotated at rel + i, one block per key tile, each key
+ *                 rotated at j (the exact seed of ape_math.h, float64 angles), each rotated
+ *                 value x stored as two of the storage type, hi = x rounded and lo = x - hi
+ *                 rounded; f16 rows, and key tiles, that a rotation could take past 65504
+ *                 halved (sep_args.h), with their factors; V copied; |q| for the skip bound.
  *   ape_sep_<d>_<type>  one block of 8 warps per (tile of 128 query rows, batch, head); each
  *                 warp owns 16 rows, its Q fragments in registers. Key tiles of 64 keys arrive
  *                 by cp.async into double buffers. S = Q K^T by mma.sync m16n8k16 (float32
- *                 accumulators), times scale, plus the tile's per-distance bias table
+ *                 accumulators), times scale (and the row's and the key tile's f16 range
+ *                 factors), plus the tile's per-distance bias table
  *                 (ape_bias_diff_f against the block-tile's nearest distance, as the general
  *                 kernel's tables; its float64 bias goes to bref, and each row adds
  *                 bref - c_row), then one online-softmax update per tile (log2 units, the rows'
@@ -47,50 +49,102 @@ APE_DEV void split(uint16_t *row, int e, int D, float x, int dt)
 	row[D + e] = dt == APE_CU_F16 ? f2h(r) : f2b(r);
 }
 
-/* One warp per row: query rows first, then key rows (see sep_args.h). */
-APE_DEV void sep_rot(const ape_cu_sep_rot_args &a)
+/* Pair p of the row at element src of X: (x, y) in the layout's order. */
+APE_DEV void load_pair(const void *X, int64_t src, int p, int P, bool interleaved, int dt,
+		       float &x, float &y)
 {
-	const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-	const int64_t row = (a.block_base + block_linear()) * (APE_CU_THREADS / 32) + warp;
-	const int D = a.D, P = D / 2, dt = a.dt;
-	const bool isq = row < a.nq;
+	x = load_el(X, src + (interleaved ? 2 * p : p), dt);
+	y = load_el(X, src + (interleaved ? 2 * p + 1 : p + P), dt);
+}
 
-	if (row >= a.nq + a.nk)
-		return;
-	const int64_t rr = isq ? row : row - a.nq;
-	const int64_t L = isq ? a.Lq : a.Lk, heads = isq ? a.H : a.Hkv;
-	const int64_t pos = rr % L, bh = rr / L;
-	const ape_cu_view &vw = isq ? a.vq : a.vk;
-	const int64_t src = vrow(vw, bh / heads, bh % heads, pos);
-	const void *X = reinterpret_cast<const void *>(isq ? a.q : a.k);
-	uint16_t *dst = reinterpret_cast<uint16_t *>(isq ? a.qr : a.kr) + rr * 2 * D;
-	const double at = isq ? (double)(a.rel + pos) : (double)pos;
+/* 1 when a pair of this lane's share of the f16 row at src has x^2 + y^2 > 65504^2, which a
+ * rotation could take past f16's range (sep_args.h); else 0. */
+APE_DEV int lane_big(const void *X, int64_t src, int P, bool interleaved, int lane)
+{
+	int big = 0;
+
+	for (int p = lane; p < P; p += 32) {
+		float x, y;
+
+		load_pair(X, src, p, P, interleaved, APE_CU_F16, x, y);
+		big |= (double)x * x + (double)y * y > APE_SEP_F16_BIG2;
+	}
+	return big;
+}
+
+/* The row at src of X rotated at `at`, times `shrink` (1 or APE_SEP_F16_SHRINK), into dst as
+ * hi and lo; returns this lane's share of |x|^2 (float64). */
+APE_DEV double rot_row(const ape_cu_sep_rot_args &a, const void *X, int64_t src, uint16_t *dst,
+		       double at, float shrink, int lane)
+{
+	const int D = a.D, P = D / 2;
 	double qq = 0.0;
 
 	for (int p = lane; p < P; p += 32) {
-		const float x = load_el(X, src + (a.interleaved ? 2 * p : p), dt);
-		const float y = load_el(X, src + (a.interleaved ? 2 * p + 1 : p + P), dt);
-		float c, s = ape_seed_sincos(at * a.omega[p], &c);
-		const float xr = x * c - y * s, yr = x * s + y * c;
+		float x, y, c, s = ape_seed_sincos(at * a.omega[p], &c);
 
-		split(dst, p, D, xr, dt);
-		split(dst, P + p, D, yr, dt);
+		load_pair(X, src, p, P, a.interleaved, a.dt, x, y);
+		split(dst, p, D, (x * c - y * s) * shrink, a.dt);
+		split(dst, P + p, D, (x * s + y * c) * shrink, a.dt);
 		qq += (double)x * x + (double)y * y;
 	}
-	if (isq) {
+	return qq;
+}
+
+/* Blocks of query rows (one warp per row), then one block per key tile (see sep_args.h). */
+APE_DEV void sep_rot(const ape_cu_sep_rot_args &a)
+{
+	constexpr int W = APE_CU_THREADS / 32;
+	const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	const int64_t blk = a.block_base + block_linear();
+	const int D = a.D, P = D / 2;
+	const bool f16 = a.dt == APE_CU_F16;
+
+	if (blk < a.nqb) {
+		const int64_t rr = blk * W + warp, pos = rr % a.Lq, bh = rr / a.Lq;
+
+		if (rr >= a.nq)
+			return;
+		const int64_t src = vrow(a.vq, bh / a.H, bh % a.H, pos);
+		const void *X = reinterpret_cast<const void *>(a.q);
+		const bool big = f16 && group_sum<32>(lane_big(X, src, P, a.interleaved, lane)) > 0;
+		double qq = rot_row(a, X, src, reinterpret_cast<uint16_t *>(a.qr) + rr * 2 * D,
+				    (double)(a.rel + pos), big ? APE_SEP_F16_SHRINK : 1.0f, lane);
+
 		qq = group_sum<32>(qq);
-		if (lane == 0)
+		if (lane == 0) {
 			reinterpret_cast<double *>(a.qn)[rr] = ape_norm_bound(qq);
+			reinterpret_cast<float *>(a.qf)[rr] = big ? 1.0f / APE_SEP_F16_SHRINK : 1.0f;
+		}
 		return;
 	}
-	{
-		const int64_t vs = vrow(a.vv, bh / heads, bh % heads, pos);
+
+	const int64_t kt = blk - a.nqb; /* (b, kv head) * ntk + tile */
+	if (kt >= a.nbkv * a.ntk)
+		return;
+	const int64_t bkv = kt / a.ntk, b = bkv / a.Hkv, kvh = bkv % a.Hkv;
+	const int64_t j0 = kt % a.ntk * APE_SEP_BK, len = imin(APE_SEP_BK, a.Lk - j0);
+	const void *X = reinterpret_cast<const void *>(a.k);
+	int big = 0;
+
+	if (f16) { /* the whole tile halved when one of its keys asks (uniform over the block) */
+		for (int64_t r = warp; r < len; r += W)
+			big |= lane_big(X, vrow(a.vk, b, kvh, j0 + r), P, a.interleaved, lane);
+		big = bar_or(big);
+	}
+	for (int64_t r = warp; r < len; r += W) {
+		const int64_t j = j0 + r, rr = bkv * a.Lk + j;
+		const int64_t vs = vrow(a.vv, b, kvh, j);
 		const uint16_t *V = reinterpret_cast<const uint16_t *>(a.v);
 		uint16_t *vd = reinterpret_cast<uint16_t *>(a.vr) + rr * D;
 
+		rot_row(a, X, vrow(a.vk, b, kvh, j), reinterpret_cast<uint16_t *>(a.kr) + rr * 2 * D,
+			(double)j, big ? APE_SEP_F16_SHRINK : 1.0f, lane);
 		for (int d = lane; d < D; d += 32)
 			vd[d] = V[vs + d];
 	}
+	if (threadIdx.x == 0)
+		reinterpret_cast<float *>(a.kf)[kt] = big ? 1.0f / APE_SEP_F16_SHRINK : 1.0f;
 }
 
 template <int DM, int VT> struct Sep {
@@ -107,7 +161,8 @@ template <int DM, int VT> struct Sep {
 	static constexpr int OFF_B = OFF_V + 2 * APE_SEP_VBYTES(DM);
 	static constexpr int OFF_MISC = OFF_B + (BQ + BK) * 4;
 	static constexpr int OFF_CROW = OFF_MISC + 16; /* c_row per row, float64 */
-	static constexpr int BYTES = OFF_CROW + BQ * 8;
+	static constexpr int OFF_QF = OFF_CROW + BQ * 8; /* the rows' factors (sep_args.h) */
+	static constexpr int BYTES = OFF_QF + BQ * 4;
 	static_assert(BYTES == APE_SEP_SMEM(DM), "sep_args.h and the kernel disagree");
 	static_assert(OFF_K % 16 == 0 && OFF_V % 16 == 0 && OFF_MISC % 8 == 0, "alignment");
 	static_assert(APE_CU_THREADS / 32 * 16 == BQ, "a warp per 16 rows");
@@ -158,9 +213,9 @@ template <int DM, int VT> struct Sep {
 	}
 
 	/* The bias of the block-tile's BQ + BK - 1 distances, (bias - bias(aref)) * log2(e) with
-	 * aref its smallest |n|; bias(aref) in float64 to bref. */
+	 * aref its smallest |n|; bias(aref) in float64 to bref, the key tile's factor after it. */
 	static APE_DEV void tables(const ape_cu_sep_args &a, unsigned char *sm, int64_t t,
-				   int64_t i0, const float hp[4])
+				   int64_t i0, int64_t bkv, const float hp[4])
 	{
 		float *bt = reinterpret_cast<float *>(sm + OFF_B);
 		const int64_t nbase = a.rel + i0 - t * BK;
@@ -169,9 +224,12 @@ template <int DM, int VT> struct Sep {
 		for (int e = threadIdx.x; e < BQ + BK - 1; e += APE_CU_THREADS)
 			bt[e] = ape_bias_diff_f(hp[0], hp[1], hp[2], iabs(nbase + e - (BK - 1)), aref) *
 				(float)APE_LOG2E;
-		if (threadIdx.x == 0)
+		if (threadIdx.x == 0) {
 			*reinterpret_cast<double *>(sm + OFF_MISC) =
 				ape_bias((double)hp[0], hp[1], hp[2], (double)aref);
+			*reinterpret_cast<float *>(sm + OFF_MISC + 8) =
+				reinterpret_cast<const float *>(a.kf)[bkv * a.ntk + t];
+		}
 	}
 
 	static APE_DEV float vget(const uint16_t *vs, int j, int col)
@@ -213,10 +271,14 @@ template <int DM, int VT> struct Sep {
 
 		/* c_row of the block's rows, in shared memory (registers are scarce at D = 128) */
 		double *crow = reinterpret_cast<double *>(sm + OFF_CROW);
+		float *qfac = reinterpret_cast<float *>(sm + OFF_QF);
 
-		for (int r = tid; r < BQ; r += APE_CU_THREADS)
+		for (int r = tid; r < BQ; r += APE_CU_THREADS) {
 			crow[r] = ape_bias((double)hp[0], hp[1], hp[2],
 					   (double)ape_anchor_distance(rel + i0 + r, Lk, causal));
+			qfac[r] = i0 + r < Lq ? reinterpret_cast<const float *>(a.qf)[bh * Lq + i0 + r]
+					      : 1.0f;
+		}
 
 		float o[NO][4], m[2] = { -APE_INF, -APE_INF }, l[2] = { 0.0f, 0.0f };
 		uint32_t qf[KS][4], ql[KS][4]; /* Q's fragments: hi, lo */
@@ -236,7 +298,7 @@ template <int DM, int VT> struct Sep {
 		}
 		t = causal ? imin(rel + ilast, Lk - 1) / BK : 0;
 		tlo = thi = t;
-		tables(a, sm, t, i0, hp);
+		tables(a, sm, t, i0, bkv, hp);
 		load_tile(a, sm, kvrow, t, 0);
 		cp_wait<0>();
 		bar(); /* Q's hi half, the first tile and its table */
@@ -268,6 +330,7 @@ template <int DM, int VT> struct Sep {
 				reinterpret_cast<const uint16_t *>(sm + OFF_V + buf * APE_SEP_VBYTES(DM));
 			const float *bt = reinterpret_cast<const float *>(sm + OFF_B);
 			const double bref = *reinterpret_cast<const double *>(sm + OFF_MISC);
+			const float kfac = *reinterpret_cast<const float *>(sm + OFF_MISC + 8);
 			float s[NT][4];
 
 			/* ---- S = Qhi Khi + Qhi Klo + Qlo Khi on tensor cores */
@@ -301,6 +364,8 @@ template <int DM, int VT> struct Sep {
 			for (int x = 0; x < 2; x++) {
 				const int r = ra + 8 * x;
 				const float shift = (float)((bref - crow[r]) * APE_LOG2E);
+				/* halved f16 rows and tiles (sep_rot): exact powers of two, 1 otherwise */
+				const float sr = sl2 * qfac[r] * kfac;
 				float mt = m[x], lsum = 0.0f;
 
 #pragma unroll
@@ -309,7 +374,7 @@ template <int DM, int VT> struct Sep {
 					for (int y = 0; y < 2; y++) {
 						const int j = 8 * n + 2 * (lane & 3) + y;
 						const float d = s[n][2 * x + y];
-						float v = fmaf(d, sl2, bt[r - j + BK - 1] + shift);
+						float v = fmaf(d, sr, bt[r - j + BK - 1] + shift);
 
 						/* a NaN or Inf input must not vanish into a zero weight */
 						v = isfinite(d) ? v : APE_NAN;
@@ -427,7 +492,7 @@ template <int DM, int VT> struct Sep {
 				cp_wait<0>(); /* nothing may land after the block is gone */
 				break;
 			}
-			tables(a, sm, next, i0, hp);
+			tables(a, sm, next, i0, bkv, hp);
 			cp_wait<0>();
 			bar(); /* the next tile and its table */
 			t = next;
