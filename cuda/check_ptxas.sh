@@ -10,9 +10,9 @@ log=$1
 
 # The kernels whose inner loops carry the time: the fused attention kernels with the head sizes
 # that are specialised (D = 64, 128) for every storage type, prefill and decode (and their _diag
-# twins, which also keep the diagnostics), and the backward
-# sweeps (cuda/kernels/backward.cu) of every head-size variant.
-HOT='^(ape_(prefill|decode)_d(64|128)_(f32|f16|bf16)(_diag)?|ape_sep_d(64|128)_(f16|bf16)|ape_bwd_(keys|queries)_(d64|d128|g128|g256))$'
+# twins, which also keep the diagnostics), and the backward's
+# fused sweep (cuda/kernels/backward.cu) of every head-size variant.
+HOT='^(ape_(prefill|decode)_d(64|128)_(f32|f16|bf16)(_diag)?|ape_sep_d(64|128)_(f16|bf16)|ape_bwd_fused_(d64|d128|g128|g256))$'
 
 awk -v hot="$HOT" -v log_name="$log" '
 /Compiling entry function/ {

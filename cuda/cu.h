@@ -71,13 +71,13 @@ enum ape__cu_kernel {
 	/* prefill: 4 head-size variants x 3 types, then decode likewise */
 	APE__CU_K_PREFILL,
 	APE__CU_K_DECODE = APE__CU_K_PREFILL + 12,
-	/* the backward pass (cuda_backward.c): rows, params, then keys and queries sweeps for
+	/* the backward pass (cuda_backward.c): rows, params, reduce, then the fused sweep for
 	 * each head-size variant */
 	APE__CU_K_BWD_ROWS = APE__CU_K_DECODE + 12,
 	APE__CU_K_BWD_PARAMS,
-	APE__CU_K_BWD_KEYS,
-	APE__CU_K_BWD_QUERIES = APE__CU_K_BWD_KEYS + 4,
-	APE__CU_K_COPY_VIEW = APE__CU_K_BWD_QUERIES + 4, /* copy_view (ABI 10) */
+	APE__CU_K_BWD_REDUCE,
+	APE__CU_K_BWD_FUSED,
+	APE__CU_K_COPY_VIEW = APE__CU_K_BWD_FUSED + 4, /* copy_view (ABI 10) */
 	/* the separable path (cuda_separable.c): the rotation, then d64 f16/bf16, d128 f16/bf16 */
 	APE__CU_K_SEP_ROT,
 	APE__CU_K_SEP,

@@ -1,18 +1,21 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * One backward launch (core/backend.h, struct ape__bwd_launch) on the queue's stream, in the
- * order of cuda/kernels/backward.cu: the row table (ape_bwd_rows), the keys sweep (dK, dV; only
- * when one of them is wanted), the queries sweep (dQ, the alpha path and the per-block parameter
- * sums; only when dQ or dparams is wanted) and the per-head float64 reduction of those sums
- * (ape_bwd_params; only with dparams). Frozen Q, K, V with only dparams wanted ("tune APE only")
- * runs the row table, the queries sweep without its dQ work, and the reduction.
+ * order of cuda/kernels/backward.cu: the row table (ape_bwd_rows), the fused sweep (dK and dV,
+ * and per split of the key tiles the partial dQ, alpha path and row parameter sums), the
+ * reduction of the splits in split order (ape_bwd_reduce: dQ and the per-block parameter sums;
+ * only when dQ or dparams is wanted) and the per-head float64 reduction of those sums
+ * (ape_bwd_params; only with dparams). Frozen Q, K, V with only dparams wanted ("tune APE
+ * only") runs the same kernels with the dK, dV and dQ work left out.
  *
  * Scratch, one stream-ordered allocation freed in stream order after the last kernel: the row
- * table (24 bytes per query row), the queries sweep's per-block parameter sums (32 bytes per
- * block of APE_BW_ROWS query rows, with dparams only) and, past APE_CU_INLINE_HEADS heads, their
- * parameters: a few bytes per query row, never O(Lq * Lk) nor O(L * D). bwd_scratch_size()
- * sizes it, for the launch and for attention_backward_scratch (core/backend.h), which the core
- * counts against the budget of streamed calls.
+ * table (24 bytes per query row), the splits' slices (with dQ, nsplit * Lq * D floats; with dQ
+ * or dparams, nsplit * Lq * APE_BW_RP_N doubles, per (batch, head); nsplit <=
+ * APE_BW_SPLITS_MAX), the per-block parameter sums (32 bytes per block of APE_BW_RED_ROWS query
+ * rows, with dparams only) and, past APE_CU_INLINE_HEADS heads, their parameters: O(nsplit * Lq
+ * * D), never O(Lq * Lk). bwd_scratch_size() sizes it, for the launch and for
+ * attention_backward_scratch (core/backend.h), which the core counts against the budget of
+ * streamed calls.
  */
 #include <stdatomic.h>
 #include <string.h>
@@ -56,10 +59,36 @@ static int bwd_check(const struct ape_device *dev, const struct ape__bwd_launch 
 	return 0;
 }
 
-/* Tiles of APE_BW_ROWS(dmax) rows over L rows. */
-static int64_t bwd_tiles(int64_t L, int dmax)
+/* Key tiles of the fused sweep over Lk keys. */
+static int64_t bwd_key_tiles(int64_t Lk, int dmax)
 {
-	return (L + APE_BW_ROWS(dmax) - 1) / APE_BW_ROWS(dmax);
+	return (Lk + APE_BW_ROWS(dmax) - 1) / APE_BW_ROWS(dmax);
+}
+
+/* Blocks of ape_bwd_reduce over Lq query rows. */
+static int64_t bwd_row_blocks(int64_t Lq)
+{
+	return (Lq + APE_BW_RED_ROWS - 1) / APE_BW_RED_ROWS;
+}
+
+/* Splits of each (batch, kv head)'s key tiles in the fused sweep: enough blocks for about four
+ * per multiprocessor, at most one per key tile and at most APE_BW_SPLITS_MAX (each split has its
+ * own slices: nsplit (Lq D floats + APE_BW_RP_N Lq doubles) per (batch, head)). The same device
+ * and shape always give the same count, so the same sums, whatever outputs are wanted. */
+static int bwd_nsplit(const struct ape_device *dev, const struct ape__launch *f)
+{
+	const int64_t cu = dev->info.compute_units > 0 ? dev->info.compute_units : 1;
+	const int64_t bkv = f->B * f->Hkv > 0 ? f->B * f->Hkv : 1;
+	int64_t n = (4 * cu + bkv - 1) / bkv, nkt;
+	int dmax;
+
+	bwd_variant(f->D, &dmax);
+	nkt = bwd_key_tiles(f->Lk, dmax);
+	if (n > APE_BW_SPLITS_MAX)
+		n = APE_BW_SPLITS_MAX;
+	if (n > nkt)
+		n = nkt;
+	return n > 0 ? (int)n : 1;
 }
 
 static uint64_t ptr_of(const struct ape__buf *b)
@@ -68,7 +97,8 @@ static uint64_t ptr_of(const struct ape__buf *b)
 }
 
 /* The arguments every backward kernel takes, scratch offsets aside. */
-static void bwd_args(const struct ape__bwd_launch *l, int dmax, struct ape_cu_bwd_args *a)
+static void bwd_args(const struct ape__bwd_launch *l, int dmax, int nsplit,
+		     struct ape_cu_bwd_args *a)
 {
 	const struct ape__launch *f = &l->f;
 
@@ -78,7 +108,7 @@ static void bwd_args(const struct ape__bwd_launch *l, int dmax, struct ape_cu_bw
 		.dq = ptr_of(l->dq), .dk = ptr_of(l->dk), .dv = ptr_of(l->dv),
 		.dparams = ptr_of(l->dparams),
 		.Lq = f->Lq, .Lk = f->Lk, .rel = f->q_start - f->k_start,
-		.nqt = bwd_tiles(f->Lq, dmax), .nkt = bwd_tiles(f->Lk, dmax),
+		.nqt = bwd_row_blocks(f->Lq), .nkt = bwd_key_tiles(f->Lk, dmax),
 		.scale = f->scale,
 		.B = (int32_t)f->B, .H = (int32_t)f->H, .Hkv = (int32_t)f->Hkv, .D = (int32_t)f->D,
 		.dt_in = (int32_t)f->in_dtype, .dt_out = (int32_t)f->out_dtype,
@@ -88,42 +118,11 @@ static void bwd_args(const struct ape__bwd_launch *l, int dmax, struct ape_cu_bw
 			 (l->dlse ? APE_BW_F_DLSE : 0) | (l->dq ? APE_BW_F_DQ : 0) |
 			 (l->dk ? APE_BW_F_DK : 0) | (l->dv ? APE_BW_F_DV : 0) |
 			 (l->dparams ? APE_BW_F_DP : 0),
+		.nsplit = nsplit, .kblk = APE_BW_ROWS(dmax),
 	};
 	memcpy(a->omega, f->omega, (size_t)(f->D / 2) * sizeof(double));
 	if (f->H <= APE_CU_INLINE_HEADS)
 		memcpy(a->hp, f->head_params, (size_t)f->H * 4 * sizeof(float));
-}
-
-/* The four kernels, in order, on the queue; scratch holds the row table at offset 0, then the
- * block sums at part_off, then the heads' parameters at hp_off (0: inline). */
-static int bwd_run(struct ape__queue *q, const struct ape__bwd_launch *l, int variant, int dmax,
-		   struct ape_cu_bwd_args *a, CUdeviceptr scratch, size_t part_off, size_t hp_off)
-{
-	const struct ape__launch *f = &l->f;
-	const int64_t rows = f->B * f->H * f->Lq;
-	const unsigned smem = APE_BW_SMEM(dmax);
-	int ret = 0;
-
-	a->rinfo = scratch;
-	a->part = l->dparams ? scratch + part_off : 0;
-	a->hparams = hp_off ? scratch + hp_off : 0;
-	if (hp_off)
-		ret = ape__cu_upload_head_params(q, f, scratch + hp_off);
-	if (!ret)
-		ret = ape__cu_launch(q, APE__CU_K_BWD_ROWS,
-				     (rows + APE_BW_ROWS_PER_BLOCK - 1) / APE_BW_ROWS_PER_BLOCK, 0, a,
-				     "ape_bwd_rows");
-	if (!ret && (l->dk || l->dv))
-		ret = ape__cu_launch(q, APE__CU_K_BWD_KEYS + variant, a->nkt * f->B * f->Hkv, smem, a,
-				     "backward keys sweep");
-	if (!ret && (l->dq || l->dparams))
-		ret = ape__cu_launch(q, APE__CU_K_BWD_QUERIES + variant, a->nqt * f->B * f->H, smem,
-				     a, "backward queries sweep");
-	if (!ret && l->dparams)
-		ret = ape__cu_launch(q, APE__CU_K_BWD_PARAMS,
-				     (f->H + APE_CU_THREADS - 1) / APE_CU_THREADS, 0, a,
-				     "ape_bwd_params");
-	return ret;
 }
 
 static size_t align256(size_t x)
@@ -133,35 +132,74 @@ static size_t align256(size_t x)
 
 atomic_uint_fast64_t ape__cu_bwd_scratch_high;
 
-/* Where the pieces of a launch's scratch lie: the row table at 0, the block sums at part_off
+/* Where the pieces of a launch's scratch lie: the row table at 0, the splits' dQ slices at
+ * dqp_off (with dQ), their row sums at rp_off (with dQ or dparams), the block sums at part_off
  * (with dparams), the heads' parameters at hp_off (0: inline in the arguments). */
 struct bwd_scratch {
-	size_t part_off, hp_off, total;
+	size_t dqp_off, rp_off, part_off, hp_off, total;
 };
 
 /*
  * The one sizing of a launch's scratch, for the launch and for attention_backward_scratch:
- * fills s, returns s->total. parts: APE__BWD_* bits. A launch with nothing to do allocates
- * nothing (total 0).
+ * fills s, returns s->total. parts: APE__BWD_* bits; nsplit: bwd_nsplit()'s. A launch with
+ * nothing to do allocates nothing (total 0).
  */
-static size_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, struct bwd_scratch *s)
+static size_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, int nsplit,
+			       struct bwd_scratch *s)
 {
 	const unsigned outs = APE__BWD_DQ | APE__BWD_DK | APE__BWD_DV | APE__BWD_DPARAMS;
-	const size_t bh = (size_t)(f->B * f->H);
-	int dmax;
+	const size_t bh = (size_t)(f->B * f->H), rows = bh * (size_t)f->Lq;
 
 	memset(s, 0, sizeof(*s));
-	if (!(parts & outs) || bh * (size_t)f->Lq == 0 || f->Lk == 0)
+	if (!(parts & outs) || rows == 0 || f->Lk == 0)
 		return 0;
-	bwd_variant(f->D, &dmax);
-	s->part_off = align256(bh * (size_t)f->Lq * APE_BW_RI_N * sizeof(double));
+	s->dqp_off = align256(rows * APE_BW_RI_N * sizeof(double));
+	s->rp_off = s->dqp_off;
+	if (parts & APE__BWD_DQ)
+		s->rp_off += align256((size_t)nsplit * rows * (size_t)f->D * sizeof(float));
+	s->part_off = s->rp_off;
+	if (parts & (APE__BWD_DQ | APE__BWD_DPARAMS))
+		s->part_off += align256((size_t)nsplit * rows * APE_BW_RP_N * sizeof(double));
 	s->hp_off = s->part_off;
 	if (parts & APE__BWD_DPARAMS)
-		s->hp_off += align256(bh * (size_t)bwd_tiles(f->Lq, dmax) * 4 * sizeof(double));
+		s->hp_off += align256(bh * (size_t)bwd_row_blocks(f->Lq) * 4 * sizeof(double));
 	s->total = s->hp_off + (f->H > APE_CU_INLINE_HEADS ? (size_t)f->H * 4 * sizeof(float) : 0);
 	if (f->H <= APE_CU_INLINE_HEADS)
 		s->hp_off = 0;
 	return s->total;
+}
+
+/* The four kernels, in order, on the queue; the scratch's pieces at s's offsets. */
+static int bwd_run(struct ape__queue *q, const struct ape__bwd_launch *l, int variant, int dmax,
+		   struct ape_cu_bwd_args *a, CUdeviceptr scratch, const struct bwd_scratch *s)
+{
+	const struct ape__launch *f = &l->f;
+	const int64_t rows = f->B * f->H * f->Lq;
+	int ret = 0;
+
+	a->rinfo = scratch;
+	a->part = l->dparams ? scratch + s->part_off : 0;
+	a->dqp = l->dq ? scratch + s->dqp_off : 0;
+	a->rp = l->dq || l->dparams ? scratch + s->rp_off : 0;
+	a->hparams = s->hp_off ? scratch + s->hp_off : 0;
+	if (s->hp_off)
+		ret = ape__cu_upload_head_params(q, f, scratch + s->hp_off);
+	if (!ret)
+		ret = ape__cu_launch(q, APE__CU_K_BWD_ROWS,
+				     (rows + APE_BW_ROWS_PER_BLOCK - 1) / APE_BW_ROWS_PER_BLOCK, 0, a,
+				     "ape_bwd_rows");
+	if (!ret)
+		ret = ape__cu_launch(q, APE__CU_K_BWD_FUSED + variant,
+				     (int64_t)a->nsplit * f->B * f->Hkv, APE_BW_SMEM(dmax), a,
+				     "backward fused sweep");
+	if (!ret && (l->dq || l->dparams))
+		ret = ape__cu_launch(q, APE__CU_K_BWD_REDUCE, a->nqt * f->B * f->H, APE_BW_RED_SMEM,
+				     a, "ape_bwd_reduce");
+	if (!ret && l->dparams)
+		ret = ape__cu_launch(q, APE__CU_K_BWD_PARAMS,
+				     (f->H + APE_CU_THREADS - 1) / APE_CU_THREADS, 0, a,
+				     "ape_bwd_params");
+	return ret;
 }
 
 uint64_t ape__cu_attention_backward_scratch(struct ape_device *dev,
@@ -169,8 +207,7 @@ uint64_t ape__cu_attention_backward_scratch(struct ape_device *dev,
 {
 	struct bwd_scratch s;
 
-	(void)dev;
-	return bwd_scratch_size(&l->f, parts, &s);
+	return bwd_scratch_size(&l->f, parts, bwd_nsplit(dev, &l->f), &s);
 }
 
 int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
@@ -180,13 +217,16 @@ int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launc
 	struct bwd_scratch s;
 	CUdeviceptr scratch = 0;
 	uint_fast64_t high;
-	int variant, dmax, ret, ret2;
+	int variant, dmax, nsplit, ret, ret2;
 
 	ret = bwd_check(q->dev, l);
-	if (ret || !bwd_scratch_size(f, ape__bwd_parts(l), &s))
-		return ret; /* no row sees a key, or nothing wanted: nothing to add */
+	if (ret)
+		return ret;
+	nsplit = bwd_nsplit(q->dev, f);
+	if (!bwd_scratch_size(f, ape__bwd_parts(l), nsplit, &s))
+		return 0; /* no row sees a key, or nothing wanted: nothing to add */
 	variant = bwd_variant(f->D, &dmax);
-	bwd_args(l, dmax, &a);
+	bwd_args(l, dmax, nsplit, &a);
 
 	ret = ape__cu_enter(q->dev);
 	if (ret)
@@ -201,7 +241,7 @@ int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launc
 	while (s.total > high &&
 	       !atomic_compare_exchange_weak(&ape__cu_bwd_scratch_high, &high, s.total))
 		;
-	ret = bwd_run(q, l, variant, dmax, &a, scratch, s.part_off, s.hp_off);
+	ret = bwd_run(q, l, variant, dmax, &a, scratch, &s);
 	ret2 = ape__cu_scratch_free(q, scratch);
 	ret = ret ? ret : ret2;
 out_leave:

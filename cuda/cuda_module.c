@@ -22,10 +22,9 @@
 
 const char *const ape__cu_kernel_names[APE__CU_NKERNELS] = {
 	"ape_prep", "ape_kscan", "ape_dwindow", "ape_dmerge", VARIANTS("prefill"), VARIANTS("decode"),
-	"ape_bwd_rows", "ape_bwd_params", "ape_bwd_keys_d64", "ape_bwd_keys_d128", "ape_bwd_keys_g128",
-	"ape_bwd_keys_g256", "ape_bwd_queries_d64", "ape_bwd_queries_d128", "ape_bwd_queries_g128",
-	"ape_bwd_queries_g256", "ape_copy_view", "ape_sep_rot", "ape_sep_d64_f16", "ape_sep_d64_bf16",
-	"ape_sep_d128_f16", "ape_sep_d128_bf16", "ape_dmerge_diag",
+	"ape_bwd_rows", "ape_bwd_params", "ape_bwd_reduce", "ape_bwd_fused_d64", "ape_bwd_fused_d128",
+	"ape_bwd_fused_g128", "ape_bwd_fused_g256", "ape_copy_view", "ape_sep_rot", "ape_sep_d64_f16",
+	"ape_sep_d64_bf16", "ape_sep_d128_f16", "ape_sep_d128_bf16", "ape_dmerge_diag",
 	VARIANTS_("prefill", "_diag"), VARIANTS_("decode", "_diag"),
 };
 

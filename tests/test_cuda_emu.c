@@ -889,7 +889,9 @@ TEST(diag_twins_leave_o_and_lse_bit_identical)
 /*
  * The backward kernels against the reference backend at the spec's tolerances (APE-SPEC.md,
  * "Gradients"): every head-size variant (64 and 128 specialised, 40, 130 and 256 generic), lengths
- * across the sweeps' block and stage borders (bwd_args.h: 64, 32, 32 and 16 rows), GQA, MQA and
+ * across the fused sweep's key tile and stage borders (bwd_args.h: tiles of 64, 32, 32 and 16
+ * keys, stages of 32, 32, 32 and 16 rows), more key tiles than splits (a split walks several,
+ * its slices written, then added to), GQA, MQA and
  * more heads than travel inline (their parameters through scratch), both layouts, causal or
  * not, offsets up to 2^40 with rows that see no key (their dQ untouched: exactly 0 here),
  * per-head parameters with negative decays and lambda = 0, with and without dLSE, the storage
@@ -906,8 +908,11 @@ TEST(backward_matches_reference)
 		{ 1, 1, 1, 17, 20, 130 }, /* g256: borders at 16 */
 		{ 1, 2, 2, 17, 18, 256 }, /* g256 at its full width */
 		{ 1, 66, 2, 5, 7, 8 }, /* groups of 33 heads, their parameters through scratch */
+		/* 10 key tiles of 16, at most 8 splits (bwd_nsplit()): two tiles for a split */
+		{ 1, 2, 2, 21, 150, 130 },
 	};
-	const int nshapes = sizeof(shapes) / sizeof(shapes[0]), ncases = real_device ? 36 : 12;
+	const int nshapes = sizeof(shapes) / sizeof(shapes[0]);
+	const int ncases = real_device ? 6 * nshapes : 2 * nshapes;
 	struct pair_of_devices d;
 	double worst = 0;
 	int fails = 0;
@@ -925,6 +930,7 @@ TEST(backward_matches_reference)
 		/* every other case, a subset of the outputs: those bit for bit as with all four */
 		static const unsigned subsets[5] = { W_DP, W_DQ, W_DK, W_DV, W_DQ | W_DK };
 		const unsigned w = subsets[i / 2 % 5];
+		const bool tail = sh->Lk > 4 * sh->Lq;
 		double e[4];
 		char what[512];
 
@@ -933,10 +939,11 @@ TEST(backward_matches_reference)
 		c.tp.desc.layout = i / 2 % 2 ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
 		c.tp.desc.causal = i % 4 != 3;
 		c.tp.desc.k_start = i % 3 == 1 ? ((int64_t)1 << 40) + i : i - 5;
-		/* causal: the first rows see no key */
-		c.tp.desc.q_start = c.tp.desc.k_start - 2;
+		/* causal: the first rows see no key; with many more keys than rows, the rows at
+		 * the keys' end instead, so that they see every tile */
+		c.tp.desc.q_start = c.tp.desc.k_start + (tail ? sh->Lk - sh->Lq : -2);
 		c.tp.desc.q_start_set = true;
-		if (i % 5 == 2)
+		if (i % 5 == 2 || tail) /* tail: negative decays, so that far tiles weigh */
 			bcase_edge_heads(&c);
 		if (dt != APE_F32 && i % 4 == 1) /* O saved in float32 */
 			ASSERT_EQ(0, test_problem_set_out_dtype(&c.tp, APE_F32));
@@ -969,7 +976,7 @@ TEST(backward_matches_reference)
 			EXPECT_TRUE(same_grads(&only, &g, w)) TH_LOG("case %d: wanted 0x%x", i, w);
 			EXPECT_TRUE(same_grads(&only, &untouched, W_ALL & ~w)) TH_LOG("case %d", i);
 		}
-		if (c.tp.desc.causal) /* row 0 sees no key */
+		if (c.tp.desc.causal && !tail) /* row 0 sees no key */
 			for (int64_t dd = 0; dd < sh->D; dd++)
 				EXPECT_EQ(0.0, test_tensor_get(&g.dq.t, 0, sh->H - 1, 0, dd));
 		for (int x = 0; x < 5; x++)

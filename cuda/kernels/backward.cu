@@ -1,37 +1,49 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The fused APE backward pass (APE-SPEC.md, "Gradients"; docs/cuda.md), FlashAttention-2's
- * structure with APE's rotation. Four kernels, enqueued in this order by cuda_backward.c:
+ * The APE backward pass (APE-SPEC.md, "Gradients"; docs/cuda.md), FlashAttention-2's structure
+ * with APE's rotation, in one fused sweep (keys outer, each pair's score computed once), as the
+ * OpenCL backend's (opencl/kernels/backward.cl). Four kernels, enqueued in this order by
+ * cuda_backward.c:
  *
  *   ape_bwd_rows       one warp per query row: mean and sigma of q_i (float64, as the forward
- *                      computes them; the sweeps derive alpha_i from sigma_i) and Dl_i - dLSE_i,
+ *                      computes them; the sweep derives alpha_i from sigma_i) and Dl_i - dLSE_i,
  *                      Dl_i = dO_i . O_i, to a row table (scratch, 24 bytes per row);
- *   ape_bwd_keys_*     keys outer (only when dK or dV is wanted): one block per (tile of key
- *                      rows, batch, kv head); TPR threads share a key row and keep its K and V
- *                      and its dK and dV accumulators in registers (8 pairs each) while query
- *                      rows of every query head of the kv head stream through shared memory,
- *                      in order; dK and dV are added to the accumulators once, at the end;
- *   ape_bwd_queries_*  queries outer (only when dQ or dparams is wanted): one block per (tile of
- *                      query rows, batch, head); TPR threads share a query row (its q, dO and dQ
- *                      in registers) while key tiles stream through shared memory; the alpha path
- *                      A_i = sum_j dS_ij temp scale d(dot_ij)/d(alpha_i) is summed alongside and
- *                      applied to dQ_i at the end; the row's parameter sums (float64) are added
- *                      up per block, in row order, to a per-block slot (scratch);
- *   ape_bwd_params     one thread per head: the blocks' sums in batch and block order, float64,
- *                      added to dparams.
+ *   ape_bwd_fused_*    keys outer: one block per (split, batch, kv head); a split owns the key
+ *                      tiles kt = s, s + nsplit, ... (APE_BW_ROWS keys each, dealt round-robin
+ *                      so that, causal, the splits get as many long tiles as short ones) and
+ *                      walks them in that order. Per tile, TPR threads share a key row and keep
+ *                      its K and V and its dK and dV accumulators in registers (8 pairs each)
+ *                      while query rows of every query head of the kv head stream through
+ *                      shared memory in stages, in order; dK and dV are added to the outputs
+ *                      once, at the tile's end (one writer per key). With dQ or dparams wanted,
+ *                      each stage's (row, key) dS, dot product and alpha sum wait in shared
+ *                      memory for a second pass in which TPR2 threads share a staged row: its
+ *                      dQ share sum_j g_ij R(-theta_ij) k_j over the tile's keys (the key tile
+ *                      in shared memory, the rotation turned one step per key from an exact
+ *                      seed), its alpha path A_i alpha_i and its four parameter sums (float64),
+ *                      written to the split's slice at the split's first tile, added after;
+ *   ape_bwd_reduce     (dQ or dparams only) one warp per query row: the splits' slices summed in
+ *                      split order, float64; the alpha path A_i d(alpha)/d(sigma) d(sigma)/d(q)
+ *                      applied to dQ_i, added to dQ; the rows' parameter sums (with
+ *                      d(alpha)/d(lambda)) summed per block of APE_BW_RED_ROWS rows in row order
+ *                      to a per-block slot (scratch);
+ *   ape_bwd_params     (dparams only) one thread per head: the blocks' sums in batch and block
+ *                      order, float64, added to dparams.
  *
- * No floating-point atomics: every sum has one owner and a fixed order (the lane reductions are
- * butterflies of shuffles, the same on every run), so two runs are bit-identical. Both sweeps
- * recompute P_ij = exp(s_ij - LSE_i) from q, k and the saved LSE; nothing of size Lq * Lk exists.
- * Per (row, key) the score's distance terms (temp * scale and the bias, and with dparams their
- * parameter derivatives) come from a per-stage table in shared memory, float64 where they carry
- * magnitude (the bias), so that s_ij - LSE_i keeps float32's relative accuracy at any |n|.
+ * No floating-point atomics: every sum has one owner and a fixed order (only split s writes
+ * slice s, in its fixed tile order; the lane reductions are butterflies of shuffles, the same on
+ * every run), so two runs are bit-identical. The sweep recomputes P_ij = exp(s_ij - LSE_i) from
+ * q, k and the saved LSE; nothing of size Lq * Lk exists (the slices are nsplit times Lq * D
+ * floats and Lq * APE_BW_RP_N doubles per (batch, head)). Per (row, key) the score's distance
+ * terms (temp * scale and the bias, and with dparams their parameter derivatives) come from a
+ * per-stage table in shared memory, float64 where they carry magnitude (the bias), so that
+ * s_ij - LSE_i keeps float32's relative accuracy at any |n|.
  *
- * The rotation: the queries sweep walks keys with a fixed alpha_i, so it turns each pair's
- * (cos, sin) of theta by one step per key (the forward's recurrence), seeded exactly by
- * ape_seed_sincos() at every stage of APE_BW_STAGE keys. The keys sweep meets a new alpha_i with
- * every query row, so it seeds every (row, key, pair) angle exactly: no recurrence, the most
- * accurate angle, at the cost of a dozen float operations and a few float64 ones per pair.
+ * The rotation: the first pass meets a new alpha_i with every query row, so it seeds every (row,
+ * key, pair) angle exactly (ape_seed_sincos()): no recurrence, the most accurate angle, at the
+ * cost of a dozen float operations and a few float64 ones per pair. The second pass walks the
+ * tile's keys with a fixed alpha_i, so it turns each pair's (cos, sin) one step per key (the
+ * forward's recurrence) from an exact seed at the tile's first key.
  *
  * Masking: a pair a row cannot see (causal, or past the last key) adds nothing at all (not
  * 0 * x: an input may hold a NaN the gradient must not receive); rows with no visible key add
@@ -47,28 +59,36 @@ template <int DMAX> struct BwShape {
 	static constexpr int NTH = APE_CU_THREADS;
 	static constexpr int TPR = APE_BW_TPR(DMAX);
 	static constexpr int PM = DMAX / 2; /* pairs of a padded row */
-	static constexpr int PT = PM / TPR; /* pairs per thread: 8 */
+	static constexpr int PT = PM / TPR; /* pairs per thread of the key pass: 8 */
 	static constexpr int ROWS = APE_BW_ROWS(DMAX);
 	static constexpr int STAGE = APE_BW_STAGE(DMAX);
 	static constexpr int TBL = APE_BW_TBL(DMAX);
-	/* shared memory: staged tiles A and B ([STAGE][x_0..x_PM-1 | y_0..y_PM-1] float32), the
-	 * distance table, omega, the staged rows' values, the block's per-row parameter sums */
+	static constexpr int TPR2 = APE_BW_TPR2(DMAX);
+	static constexpr int PT2 = APE_BW_PT2(DMAX); /* pairs per thread of the row pass */
+	/* shared memory: staged query rows A and their dO B ([STAGE][x_0..x_PM-1 | y_0..y_PM-1]
+	 * float32), the key tile K (the same, [ROWS]), per (staged row, key) dS, dot and the
+	 * alpha sum, the distance table, omega, the staged rows' values */
 	static constexpr int OFF_A = 0;
 	static constexpr int OFF_B = OFF_A + STAGE * DMAX * 4;
-	static constexpr int OFF_TB = OFF_B + STAGE * DMAX * 4; /* double [TBL]: bias */
+	static constexpr int OFF_K = OFF_B + STAGE * DMAX * 4;
+	static constexpr int OFF_DS = OFF_K + ROWS * DMAX * 4; /* float [STAGE][ROWS] */
+	static constexpr int OFF_DOT = OFF_DS + STAGE * ROWS * 4; /* float [STAGE][ROWS] */
+	static constexpr int OFF_DDT = OFF_DOT + STAGE * ROWS * 4; /* float [STAGE][ROWS] */
+	static constexpr int OFF_TB = OFF_DDT + STAGE * ROWS * 4; /* double [TBL]: bias */
 	static constexpr int OFF_TD = OFF_TB + TBL * 8; /* double [TBL][4]: derivatives */
 	static constexpr int OFF_OM = OFF_TD + TBL * 32; /* double [PM]: omega */
 	static constexpr int OFF_RIA = OFF_OM + PM * 8; /* double [STAGE]: 1 / alpha */
-	static constexpr int OFF_DP = OFF_RIA + STAGE * 8; /* double [ROWS][4] */
-	static constexpr int OFF_TT = OFF_DP + ROWS * 32; /* float [TBL]: temp * scale */
+	static constexpr int OFF_TT = OFF_RIA + STAGE * 8; /* float [TBL]: temp * scale */
 	static constexpr int OFF_OMF = OFF_TT + TBL * 4; /* float [PM]: omega */
 	static constexpr int OFF_RL = OFF_OMF + PM * 4; /* float [STAGE]: LSE */
 	static constexpr int OFF_RD = OFF_RL + STAGE * 4; /* float [STAGE]: Dl - dLSE */
 	static constexpr int BYTES = OFF_RD + STAGE * 4;
 	static_assert(BYTES == APE_BW_SMEM(DMAX), "bwd_args.h and the kernel disagree");
-	static_assert(BYTES <= 48 * 1024, "no opt-in to more shared memory");
+	static_assert(BYTES <= 99 * 1024, "within every sm_80+ GPU's opt-in");
 	static_assert(PT == 8 && (TPR & (TPR - 1)) == 0, "8 pairs per thread, TPR a power of two");
 	static_assert(TBL <= NTH, "one thread per table entry");
+	static_assert(TPR2 * STAGE == NTH && TPR2 <= 32 && PT2 * TPR2 == PM,
+		      "the row pass: one staged row per TPR2 threads of a warp");
 };
 
 /* The components of pair p of a row of D = 2P components (half or interleaved layout) */
@@ -96,13 +116,6 @@ APE_DEV float pair_prob(float tsc, double bias, float dot, double lse)
 	return expf((float)((double)(tsc * dot) + bias - lse));
 }
 
-/* dot and dO . V of one (row, key) pair from the shares of the W lanes that hold its pairs */
-template <int W> APE_DEV void pair_sums(float &dot, float &dov)
-{
-	dot = group_sum<W>(dot);
-	dov = group_sum<W>(dov);
-}
-
 /* The (tile, group) of this block, tiles outer; false for the blocks past ntile * ngroups that
  * the grid's rounding adds. */
 APE_DEV bool block_tile(int64_t ntile, int64_t ngroups, int64_t &tile, int64_t &grp)
@@ -119,10 +132,19 @@ APE_DEV const float *bwd_head(const ape_cu_bwd_args &a, int64_t h)
 	return a.hparams ? reinterpret_cast<const float *>(a.hparams) + 4 * h : a.hp + 4 * h;
 }
 
+/* The first query row the fused sweep visits with key tile kt (causal: the first that sees its
+ * first key, j0 <= rel + i; Lq or more: none). Every row visited with a later tile of a split
+ * is visited with its first, so split s has written row i of its slices iff s < nkt and
+ * i >= tile_row0(a, s): the sweep writes there and adds after, ape_bwd_reduce reads there. */
+APE_DEV int64_t tile_row0(const ape_cu_bwd_args &a, int64_t kt)
+{
+	return (a.flags & APE_CU_F_CAUSAL) ? imax(0, kt * a.kblk - a.rel) : 0;
+}
+
 template <int DMAX, bool EXACT> struct Bwd {
 	using S = BwShape<DMAX>;
 	static constexpr int TPR = S::TPR, PM = S::PM, PT = S::PT, ROWS = S::ROWS;
-	static constexpr int STAGE = S::STAGE;
+	static constexpr int STAGE = S::STAGE, TPR2 = S::TPR2, PT2 = S::PT2;
 
 	/* omega in double and float, for every thread's pairs (zeros past D / 2) */
 	static APE_DEV void omegas(const ape_cu_bwd_args &a, unsigned char *sm, int P)
@@ -136,7 +158,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 	}
 
 	/*
-	 * The distance table of one (block, stage) meeting: entry e holds n = nlo + e. temp * scale
+	 * The distance table of one (tile, stage) meeting: entry e holds n = nlo + e. temp * scale
 	 * (float), the bias (double) and, with `derivs`, d(bias)/d(delta, beta, gamma) and
 	 * d(temp)/d(lambda) (double).
 	 */
@@ -200,273 +222,252 @@ template <int DMAX, bool EXACT> struct Bwd {
 		}
 	}
 
-	/* ---------------------------------------------------------------- keys outer */
-	static APE_DEV void keys(const ape_cu_bwd_args &a)
+	/*
+	 * The row pass of one stage (rows i0 .. i0 + nr - 1 of (batch, head) bh against key tile
+	 * kt, keys j0 .. j0 + nk - 1): TPR2 threads share staged row r; from the first pass's dS,
+	 * dot and alpha sums (shared memory) the row's dQ share over the tile's keys, in key order,
+	 * and its five row sums (float64; the keys dealt to the TPR2 threads, then a butterfly),
+	 * written to split s's slices at the split's first tile (fresh), added after.
+	 */
+	static APE_DEV void row_pass(const ape_cu_bwd_args &a, const unsigned char *sm, int64_t s,
+				     int64_t bh, int64_t i0, int nr, int64_t j0, int nk, bool fresh)
 	{
-		int64_t kt, bkv;
-
-		if (!block_tile(a.nkt, (int64_t)a.B * a.Hkv, kt, bkv))
-			return;
-
-		unsigned char *sm = smem_base();
-		const int tid = threadIdx.x, kk = tid / TPR, c = tid % TPR;
-		const int64_t b = bkv / a.Hkv, kh = bkv % a.Hkv, group = a.H / a.Hkv;
-		const int64_t Lq = a.Lq, Lk = a.Lk, rel = a.rel, j0 = kt * ROWS, j = j0 + kk;
-		const int D = EXACT ? DMAX : a.D;
-		const bool causal = a.flags & APE_CU_F_CAUSAL;
-		const bool inter = a.flags & APE_CU_F_INTERLEAVED;
-		const bool want_dk = a.flags & APE_BW_F_DK, want_dv = a.flags & APE_BW_F_DV;
-		const bool key_ok = j < Lk;
-		const float *A = reinterpret_cast<const float *>(sm + S::OFF_A);
-		const float *B = reinterpret_cast<const float *>(sm + S::OFF_B);
-		const double *om = reinterpret_cast<const double *>(sm + S::OFF_OM) + c * PT;
-		const double *ria = reinterpret_cast<const double *>(sm + S::OFF_RIA);
-		const float *rl = reinterpret_cast<const float *>(sm + S::OFF_RL);
-		const float *rd = reinterpret_cast<const float *>(sm + S::OFF_RD);
-		const float *tt = reinterpret_cast<const float *>(sm + S::OFF_TT);
-		const double *tb = reinterpret_cast<const double *>(sm + S::OFF_TB);
-		float u[PT], w[PT], vx[PT], vy[PT], dku[PT], dkw[PT], dvx[PT], dvy[PT];
-
-		omegas(a, sm, D / 2);
-		pairs(reinterpret_cast<const void *>(a.k), a.dt_in, bkv * Lk + j, key_ok, c, D, inter,
-		      u, w);
-		pairs(reinterpret_cast<const void *>(a.v), a.dt_in, bkv * Lk + j, key_ok, c, D, inter,
-		      vx, vy);
-#pragma unroll
-		for (int p = 0; p < PT; p++)
-			dku[p] = dkw[p] = dvx[p] = dvy[p] = 0.0f;
-
-		/* causal: row i sees key j0 (the block's first, the most visible) from i = j0 - rel */
-		const int64_t ibeg = causal ? imax(0, j0 - rel) : 0;
-
-		for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
-			const int64_t bh = b * a.H + h;
-			const float *hp = bwd_head(a, h);
-
-			for (int64_t i0 = ibeg; i0 < Lq; i0 += STAGE) {
-				const int nr = (int)imin(STAGE, Lq - i0);
-
-				bar(); /* the previous stage is no longer read */
-				stage(sm, reinterpret_cast<const void *>(a.q), a.dt_in,
-				      reinterpret_cast<const void *>(a.dout), a.dt_do, bh * Lq + i0, nr,
-				      D, inter);
-				/* entry e = r - kk + ROWS - 1: n = rel + (i0 + r) - (j0 + kk) */
-				table(a, sm, rel + i0 - j0 - (ROWS - 1), hp, false);
-				if (tid < nr) {
-					const int64_t row = bh * Lq + i0 + tid;
-					const double *ri = reinterpret_cast<const double *>(a.rinfo) +
-							   row * APE_BW_RI_N;
-
-					reinterpret_cast<double *>(sm + S::OFF_RIA)[tid] =
-						1.0 / ape_alpha(hp[3], ri[APE_BW_RI_SIGMA]);
-					reinterpret_cast<float *>(sm + S::OFF_RL)[tid] =
-						reinterpret_cast<const float *>(a.lse)[row];
-					reinterpret_cast<float *>(sm + S::OFF_RD)[tid] =
-						(float)ri[APE_BW_RI_DSUB];
-				}
-				bar(); /* the stage is in */
-
-#pragma unroll 1
-				for (int r = 0; r < nr; r++) {
-					const int64_t n = rel + i0 + r - j;
-					const double nia = (double)n * ria[r];
-					const float *qx = A + r * DMAX + c * PT, *qy = qx + PM;
-					const float *ox = B + r * DMAX + c * PT, *oy = ox + PM;
-					float cs[PT], sn[PT], dot = 0.0f, dov = 0.0f;
-
-#pragma unroll
-					for (int p = 0; p < PT; p++) {
-						const float x = qx[p], y = qy[p];
-
-						sn[p] = ape_seed_sincos(nia * om[p], &cs[p]);
-						dot += pair_dot(x, y, u[p], w[p], cs[p], sn[p]);
-						dov = fmaf(ox[p], vx[p], fmaf(oy[p], vy[p], dov));
-					}
-					pair_sums<TPR>(dot, dov);
-					if (!key_ok || (causal && n < 0))
-						continue; /* adds nothing, not 0 * x */
-
-					const int e = r - kk + ROWS - 1;
-					const float pr = pair_prob(tt[e], tb[e], dot, rl[r]);
-					const float g = pr * (dov - rd[r]) * tt[e];
-
-#pragma unroll
-					for (int p = 0; p < PT; p++) {
-						const float x = qx[p], y = qy[p];
-
-						if (want_dv) {
-							dvx[p] = fmaf(pr, ox[p], dvx[p]);
-							dvy[p] = fmaf(pr, oy[p], dvy[p]);
-						}
-						if (want_dk) { /* q's pair rotated by +theta */
-							dku[p] = fmaf(g, x * cs[p] - y * sn[p], dku[p]);
-							dkw[p] = fmaf(g, y * cs[p] + x * sn[p], dkw[p]);
-						}
-					}
-				}
-			}
-		}
-		if (!key_ok)
-			return;
-
-		const int P = D / 2;
-		const int64_t kbase = (bkv * Lk + j) * D;
-
-#pragma unroll
-		for (int p = 0; p < PT; p++) {
-			const int pg = c * PT + p;
-
-			if (!EXACT && pg >= P)
-				break;
-			if (a.dk) {
-				float *dk = reinterpret_cast<float *>(a.dk) + kbase;
-
-				dk[comp_x(pg, inter)] += dku[p];
-				dk[comp_y(pg, P, inter)] += dkw[p];
-			}
-			if (a.dv) {
-				float *dv = reinterpret_cast<float *>(a.dv) + kbase;
-
-				dv[comp_x(pg, inter)] += dvx[p];
-				dv[comp_y(pg, P, inter)] += dvy[p];
-			}
-		}
-	}
-
-	/* ---------------------------------------------------------------- queries outer */
-	static APE_DEV void queries(const ape_cu_bwd_args &a)
-	{
-		int64_t qt, bh;
-
-		if (!block_tile(a.nqt, (int64_t)a.B * a.H, qt, bh))
-			return;
-		qt = a.nqt - 1 - qt; /* causal: the heaviest blocks first */
-
-		unsigned char *sm = smem_base();
-		const int tid = threadIdx.x, r = tid / TPR, c = tid % TPR;
-		const int64_t h = bh % a.H;
-		const int64_t bkv = bh / a.H * a.Hkv + h / (a.H / a.Hkv);
-		const int64_t Lq = a.Lq, Lk = a.Lk, rel = a.rel, i0 = qt * ROWS, i = i0 + r;
+		const int tid = threadIdx.x, r = tid / TPR2, c = tid % TPR2;
 		const int D = EXACT ? DMAX : a.D, P = D / 2;
 		const bool causal = a.flags & APE_CU_F_CAUSAL;
-		const bool inter = a.flags & APE_CU_F_INTERLEAVED;
-		const bool want_dq = a.flags & APE_BW_F_DQ, want_dp = a.flags & APE_BW_F_DP;
-		const bool row_ok = i < Lq;
-		const int64_t row = bh * Lq + (row_ok ? i : 0);
-		const float *hp = bwd_head(a, h);
-		const double *ri = reinterpret_cast<const double *>(a.rinfo) + row * APE_BW_RI_N;
-		const double sigma = ri[APE_BW_RI_SIGMA], alpha = ape_alpha(hp[3], sigma);
-		const double ia = 1.0 / alpha;
-		const float dsub = (float)ri[APE_BW_RI_DSUB];
-		const double lse = reinterpret_cast<const float *>(a.lse)[row];
-		const float *Kt = reinterpret_cast<const float *>(sm + S::OFF_A) + c * PT;
-		const float *Vt = reinterpret_cast<const float *>(sm + S::OFF_B) + c * PT;
-		const double *om = reinterpret_cast<const double *>(sm + S::OFF_OM) + c * PT;
-		const float *omf = reinterpret_cast<const float *>(sm + S::OFF_OMF) + c * PT;
+		const bool want_dp = a.flags & APE_BW_F_DP;
+		const bool row_ok = r < nr;
+		const int64_t i = i0 + r, n0 = a.rel + i - j0;
+		/* keys of the tile the row sees: causal, j <= rel + i */
+		const int kend = !row_ok ? 0 : causal ? (int)imax(0, imin(nk, n0 + 1)) : nk;
+		const float *Kt = reinterpret_cast<const float *>(sm + S::OFF_K) + c * PT2;
+		const float *sds = reinterpret_cast<const float *>(sm + S::OFF_DS) + r * ROWS;
+		const float *sdot = reinterpret_cast<const float *>(sm + S::OFF_DOT) + r * ROWS;
+		const float *sddt = reinterpret_cast<const float *>(sm + S::OFF_DDT) + r * ROWS;
 		const float *tt = reinterpret_cast<const float *>(sm + S::OFF_TT);
-		const double *tb = reinterpret_cast<const double *>(sm + S::OFF_TB);
 		const double *td = reinterpret_cast<const double *>(sm + S::OFF_TD);
-		float x[PT], y[PT], ox[PT], oy[PT], dqx[PT], dqy[PT], stc[PT], sts[PT];
-		double A = 0.0, dp[4] = { 0.0, 0.0, 0.0, 0.0 };
+		const double *om = reinterpret_cast<const double *>(sm + S::OFF_OM) + c * PT2;
+		const double ia = row_ok ? reinterpret_cast<const double *>(sm + S::OFF_RIA)[r] : 1.0;
+		const int64_t row = bh * a.Lq + i;
+		double rs[APE_BW_RP_N] = { 0.0, 0.0, 0.0, 0.0, 0.0 };
 
-		omegas(a, sm, P);
-		pairs(reinterpret_cast<const void *>(a.q), a.dt_in, row, row_ok, c, D, inter, x, y);
-		pairs(reinterpret_cast<const void *>(a.dout), a.dt_do, row, row_ok, c, D, inter, ox,
-		      oy);
-		bar(); /* omega is in */
-#pragma unroll
-		for (int p = 0; p < PT; p++) {
-			dqx[p] = dqy[p] = 0.0f;
-			/* one key further, theta falls by omega_p / alpha_i */
-			sts[p] = ape_seed_sincos(om[p] * ia, &stc[p]);
-		}
-
-		/* keys the block's rows may see: causal, j <= rel + (its last row) */
-		const int64_t ilast = imin(i0 + ROWS, Lq) - 1;
-		const int64_t jend = causal ? imax(0, imin(rel + ilast + 1, Lk)) : Lk;
-
-		for (int64_t j0 = 0; j0 < jend; j0 += STAGE) {
-			const int len = (int)imin(STAGE, jend - j0);
-
-			bar(); /* the previous stage is no longer read */
-			stage(sm, reinterpret_cast<const void *>(a.k), a.dt_in,
-			      reinterpret_cast<const void *>(a.v), a.dt_in, bkv * Lk + j0, len, D,
-			      inter);
-			/* entry e = r - jj + STAGE - 1: n = rel + (i0 + r) - (j0 + jj) */
-			table(a, sm, rel + i0 - j0 - (STAGE - 1), hp, want_dp);
-			bar(); /* the stage is in */
-
-			const int64_t n0 = rel + i - j0;
-			float cs[PT], sn[PT];
-
-			{
-				const double nia = (double)n0 * ia;
+		if (a.flags & APE_BW_F_DQ) {
+			float dqx[PT2], dqy[PT2], cs[PT2], sn[PT2], stc[PT2], sts[PT2];
+			const double nia = (double)n0 * ia;
 
 #pragma unroll
-				for (int p = 0; p < PT; p++)
-					sn[p] = ape_seed_sincos(nia * om[p], &cs[p]);
+			for (int p = 0; p < PT2; p++) {
+				dqx[p] = dqy[p] = 0.0f;
+				/* one key further, theta falls by omega_p / alpha_i */
+				sts[p] = ape_seed_sincos(om[p] * ia, &stc[p]);
+				sn[p] = ape_seed_sincos(nia * om[p], &cs[p]);
 			}
 #pragma unroll 1
-			for (int jj = 0; jj < len; jj++) {
-				const int64_t n = n0 - jj;
-				const float niaf = (float)((double)n * ia);
-				const float *ku = Kt + jj * DMAX, *kw = ku + PM;
-				const float *vx = Vt + jj * DMAX, *vy = vx + PM;
-				float dot = 0.0f, ddt = 0.0f, dov = 0.0f;
+			for (int kk = 0; kk < kend; kk++) {
+				const float g = sds[kk] * tt[r - kk + ROWS - 1];
+				const float *ku = Kt + kk * DMAX, *kw = ku + PM;
 
 #pragma unroll
-				for (int p = 0; p < PT; p++) {
+				for (int p = 0; p < PT2; p++) {
 					const float uu = ku[p], ww = kw[p];
 
-					if (jj) { /* one key further: theta falls by one step */
+					if (kk) { /* one key further: theta falls by one step */
 						const float c0 = cs[p];
 
 						cs[p] = fmaf(c0, stc[p], sn[p] * sts[p]);
 						sn[p] = fmaf(sn[p], stc[p], -c0 * sts[p]);
 					}
-					dot += pair_dot(x[p], y[p], uu, ww, cs[p], sn[p]);
-					ddt += APE_GRAD_DDOT_DALPHA_THETA(x[p], y[p], uu, ww, cs[p],
-									  sn[p], omf[p] * niaf);
-					dov = fmaf(ox[p], vx[p], fmaf(oy[p], vy[p], dov));
+					/* k's pair rotated by -theta */
+					dqx[p] = fmaf(g, uu * cs[p] + ww * sn[p], dqx[p]);
+					dqy[p] = fmaf(g, ww * cs[p] - uu * sn[p], dqy[p]);
 				}
-				pair_sums<TPR>(dot, dov);
-				if (!row_ok || (causal && n < 0))
-					continue; /* adds nothing, not 0 * x */
+			}
+			if (row_ok) {
+				float *dq = reinterpret_cast<float *>(a.dqp) +
+					    (s * a.B * a.H * a.Lq + row) * D;
 
-				const int e = r - jj + STAGE - 1;
-				const float pr = pair_prob(tt[e], tb[e], dot, lse);
-				const float ds = pr * (dov - dsub), g = ds * tt[e];
-
-				A += (double)g * (double)ddt; /* this lane's pairs' share */
-				if (want_dp) {
-					dp[0] += (double)ds * td[4 * e + 0];
-					dp[1] += (double)ds * td[4 * e + 1];
-					dp[2] += (double)ds * td[4 * e + 2];
-					dp[3] += (double)ds * a.scale * (double)dot * td[4 * e + 3];
-				}
-				if (want_dq) { /* k's pair rotated by -theta */
 #pragma unroll
-					for (int p = 0; p < PT; p++) {
-						const float uu = ku[p], ww = kw[p];
+				for (int p = 0; p < PT2; p++) {
+					const int pg = c * PT2 + p;
 
-						dqx[p] = fmaf(g, uu * cs[p] + ww * sn[p], dqx[p]);
-						dqy[p] = fmaf(g, ww * cs[p] - uu * sn[p], dqy[p]);
-					}
+					if (!EXACT && pg >= P)
+						break;
+					dq[pg] = fresh ? dqx[p] : dq[pg] + dqx[p];
+					dq[P + pg] = fresh ? dqy[p] : dq[P + pg] + dqy[p];
 				}
 			}
 		}
+#pragma unroll 1
+		for (int kk = c; kk < kend; kk += TPR2) {
+			const int e = r - kk + ROWS - 1;
+			const float ds = sds[kk], g = ds * tt[e];
 
-		/* the pairs summed d(dot)/d(alpha) times alpha: the row's A_i */
-		A = group_sum<TPR>(A) / alpha;
-		const bool any = row_ok && ape_visible_keys(rel + i, Lk, causal) > 0;
+			rs[0] += (double)g * (double)sddt[kk];
+			if (want_dp) {
+				rs[1] += (double)ds * td[4 * e + 0];
+				rs[2] += (double)ds * td[4 * e + 1];
+				rs[3] += (double)ds * td[4 * e + 2];
+				rs[4] += (double)ds * a.scale * (double)sdot[kk] * td[4 * e + 3];
+			}
+		}
+#pragma unroll
+		for (int k = 0; k < APE_BW_RP_N; k++)
+			rs[k] = group_sum<TPR2>(rs[k]);
+		if (row_ok && c == 0) {
+			double *rp = reinterpret_cast<double *>(a.rp) +
+				     (s * a.B * a.H * a.Lq + row) * APE_BW_RP_N;
 
-		dp[3] += A * ape_grad_gate(sigma); /* d(alpha)/d(lambda) */
-		if (want_dq && any) {
-			/* the path through alpha_i: A_i d(alpha)/d(sigma) d(sigma)/d(q) */
-			const double coef = A * ape_grad_dalpha_dsigma(hp[3], sigma) *
-					    ape_grad_dsigma_coef((double)D, sigma);
-			const double mean = ri[APE_BW_RI_MEAN];
-			float *dq = reinterpret_cast<float *>(a.dq) + row * D;
+#pragma unroll
+			for (int k = 0; k < APE_BW_RP_N; k++)
+				rp[k] = fresh ? rs[k] : rp[k] + rs[k];
+		}
+	}
+
+	/* ---------------------------------------------------------------- the fused sweep */
+	static APE_DEV void fused(const ape_cu_bwd_args &a)
+	{
+		int64_t s, bkv;
+
+		if (!block_tile(a.nsplit, (int64_t)a.B * a.Hkv, s, bkv))
+			return;
+
+		unsigned char *sm = smem_base();
+		const int tid = threadIdx.x, kk = tid / TPR, c = tid % TPR;
+		const int64_t b = bkv / a.Hkv, kh = bkv % a.Hkv, group = a.H / a.Hkv;
+		const int64_t Lq = a.Lq, Lk = a.Lk, rel = a.rel;
+		const int D = EXACT ? DMAX : a.D;
+		const bool causal = a.flags & APE_CU_F_CAUSAL;
+		const bool inter = a.flags & APE_CU_F_INTERLEAVED;
+		const bool want_dk = a.flags & APE_BW_F_DK, want_dv = a.flags & APE_BW_F_DV;
+		/* the rows' sums are wanted: the second pass */
+		const bool wrow = a.flags & (APE_BW_F_DQ | APE_BW_F_DP);
+		const float *A = reinterpret_cast<const float *>(sm + S::OFF_A);
+		const float *B = reinterpret_cast<const float *>(sm + S::OFF_B);
+		const double *om = reinterpret_cast<const double *>(sm + S::OFF_OM) + c * PT;
+		const float *omf = reinterpret_cast<const float *>(sm + S::OFF_OMF) + c * PT;
+		const double *ria = reinterpret_cast<const double *>(sm + S::OFF_RIA);
+		const float *rl = reinterpret_cast<const float *>(sm + S::OFF_RL);
+		const float *rd = reinterpret_cast<const float *>(sm + S::OFF_RD);
+		const float *tt = reinterpret_cast<const float *>(sm + S::OFF_TT);
+		const double *tb = reinterpret_cast<const double *>(sm + S::OFF_TB);
+		float *sds = reinterpret_cast<float *>(sm + S::OFF_DS);
+		float *sdot = reinterpret_cast<float *>(sm + S::OFF_DOT);
+		float *sddt = reinterpret_cast<float *>(sm + S::OFF_DDT);
+
+		omegas(a, sm, D / 2);
+		for (int64_t kt = s; kt < a.nkt; kt += a.nsplit) {
+			const int64_t j0 = kt * ROWS, j = j0 + kk;
+			const int nk = (int)imin(ROWS, Lk - j0);
+			const bool key_ok = j < Lk;
+			float u[PT], w[PT], vx[PT], vy[PT], dku[PT], dkw[PT], dvx[PT], dvy[PT];
+
+			pairs(reinterpret_cast<const void *>(a.k), a.dt_in, bkv * Lk + j, key_ok, c, D,
+			      inter, u, w);
+			pairs(reinterpret_cast<const void *>(a.v), a.dt_in, bkv * Lk + j, key_ok, c, D,
+			      inter, vx, vy);
+			bar(); /* the previous tile's key tile is no longer read */
+#pragma unroll
+			for (int p = 0; p < PT; p++) {
+				float *K = reinterpret_cast<float *>(sm + S::OFF_K) + kk * DMAX;
+
+				K[c * PT + p] = u[p];
+				K[PM + c * PT + p] = w[p];
+				dku[p] = dkw[p] = dvx[p] = dvy[p] = 0.0f;
+			}
+
+			for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+				const int64_t bh = b * a.H + h;
+				const float *hp = bwd_head(a, h);
+
+				for (int64_t i0 = tile_row0(a, kt); i0 < Lq; i0 += STAGE) {
+					const int nr = (int)imin(STAGE, Lq - i0);
+
+					bar(); /* the previous stage is no longer read */
+					stage(sm, reinterpret_cast<const void *>(a.q), a.dt_in,
+					      reinterpret_cast<const void *>(a.dout), a.dt_do,
+					      bh * Lq + i0, nr, D, inter);
+					/* entry e = r - kk + ROWS - 1: n = rel + (i0 + r) - (j0 + kk) */
+					table(a, sm, rel + i0 - j0 - (ROWS - 1), hp,
+					      a.flags & APE_BW_F_DP);
+					if (tid < nr) {
+						const int64_t row = bh * Lq + i0 + tid;
+						const double *ri = reinterpret_cast<const double *>(
+									   a.rinfo) +
+								   row * APE_BW_RI_N;
+
+						reinterpret_cast<double *>(sm + S::OFF_RIA)[tid] =
+							1.0 / ape_alpha(hp[3], ri[APE_BW_RI_SIGMA]);
+						reinterpret_cast<float *>(sm + S::OFF_RL)[tid] =
+							reinterpret_cast<const float *>(a.lse)[row];
+						reinterpret_cast<float *>(sm + S::OFF_RD)[tid] =
+							(float)ri[APE_BW_RI_DSUB];
+					}
+					bar(); /* the stage is in */
+
+#pragma unroll 1
+					for (int r = 0; r < nr; r++) {
+						const int64_t n = rel + i0 + r - j;
+						const double nia = (double)n * ria[r];
+						const float niaf = (float)nia;
+						const float *qx = A + r * DMAX + c * PT, *qy = qx + PM;
+						const float *ox = B + r * DMAX + c * PT, *oy = ox + PM;
+						float cs[PT], sn[PT], dot = 0.0f, dov = 0.0f, ddt = 0.0f;
+
+#pragma unroll
+						for (int p = 0; p < PT; p++) {
+							const float x = qx[p], y = qy[p];
+
+							sn[p] = ape_seed_sincos(nia * om[p], &cs[p]);
+							dot += pair_dot(x, y, u[p], w[p], cs[p], sn[p]);
+							dov = fmaf(ox[p], vx[p], fmaf(oy[p], vy[p], dov));
+							if (wrow)
+								ddt += APE_GRAD_DDOT_DALPHA_THETA(
+									x, y, u[p], w[p], cs[p], sn[p],
+									omf[p] * niaf);
+						}
+						dot = group_sum<TPR>(dot);
+						dov = group_sum<TPR>(dov);
+						if (wrow)
+							ddt = group_sum<TPR>(ddt);
+						if (!key_ok || (causal && n < 0))
+							continue; /* adds nothing, not 0 * x */
+
+						const int e = r - kk + ROWS - 1;
+						const float pr = pair_prob(tt[e], tb[e], dot, rl[r]);
+						const float ds = pr * (dov - rd[r]), g = ds * tt[e];
+
+						if (wrow && c == 0) { /* for the row pass */
+							sds[r * ROWS + kk] = ds;
+							sdot[r * ROWS + kk] = dot;
+							sddt[r * ROWS + kk] = ddt;
+						}
+#pragma unroll
+						for (int p = 0; p < PT; p++) {
+							const float x = qx[p], y = qy[p];
+
+							if (want_dv) {
+								dvx[p] = fmaf(pr, ox[p], dvx[p]);
+								dvy[p] = fmaf(pr, oy[p], dvy[p]);
+							}
+							if (want_dk) { /* q's pair rotated by +theta */
+								dku[p] = fmaf(g, x * cs[p] - y * sn[p],
+									      dku[p]);
+								dkw[p] = fmaf(g, y * cs[p] + x * sn[p],
+									      dkw[p]);
+							}
+						}
+					}
+					if (wrow) {
+						bar(); /* the stage's dS, dot and alpha sums are in */
+						row_pass(a, sm, s, bh, i0, nr, j0, nk, kt == s);
+					}
+				}
+			}
+			if (!key_ok)
+				continue;
+
+			const int P = D / 2;
+			const int64_t kbase = (bkv * Lk + j) * D;
 
 #pragma unroll
 			for (int p = 0; p < PT; p++) {
@@ -474,28 +475,19 @@ template <int DMAX, bool EXACT> struct Bwd {
 
 				if (!EXACT && pg >= P)
 					break;
-				dq[comp_x(pg, inter)] +=
-					(float)((double)dqx[p] + coef * ((double)x[p] - mean));
-				dq[comp_y(pg, P, inter)] +=
-					(float)((double)dqy[p] + coef * ((double)y[p] - mean));
+				if (a.dk) {
+					float *dk = reinterpret_cast<float *>(a.dk) + kbase;
+
+					dk[comp_x(pg, inter)] += dku[p];
+					dk[comp_y(pg, P, inter)] += dkw[p];
+				}
+				if (a.dv) {
+					float *dv = reinterpret_cast<float *>(a.dv) + kbase;
+
+					dv[comp_x(pg, inter)] += dvx[p];
+					dv[comp_y(pg, P, inter)] += dvy[p];
+				}
 			}
-		}
-		if (!want_dp)
-			return;
-		/* the block's rows in order, then one slot per block */
-		double *dps = reinterpret_cast<double *>(sm + S::OFF_DP);
-
-		if (c == 0)
-#pragma unroll
-			for (int k = 0; k < 4; k++)
-				dps[4 * r + k] = any ? dp[k] : 0.0;
-		bar();
-		if (tid < 4) {
-			double s = 0.0;
-
-			for (int rr = 0; rr < ROWS; rr++)
-				s += dps[4 * rr + tid];
-			reinterpret_cast<double *>(a.part)[(bh * a.nqt + qt) * 4 + tid] = s;
 		}
 	}
 };
@@ -543,7 +535,91 @@ APE_DEV void bwd_rows(const ape_cu_bwd_args &a)
 	}
 }
 
-/* One thread per head: the queries sweep's block sums, batch by batch, block by block, added to
+/*
+ * One block per APE_BW_RED_ROWS query rows of a (batch, head), a warp per row (every 8th): the
+ * splits' slices of the row in split order (those that visited it: tile_row0()), float64; the
+ * alpha path A_i d(alpha)/d(sigma) d(sigma)/d(q) applied to dQ_i, added to dq; the row's
+ * parameter sums (with d(alpha)/d(lambda); zero for a row that sees no key), summed over the
+ * block's rows in row order to its slot of part.
+ */
+APE_DEV void bwd_reduce(const ape_cu_bwd_args &a)
+{
+	int64_t qt, bh;
+
+	if (!block_tile(a.nqt, (int64_t)a.B * a.H, qt, bh))
+		return;
+
+	const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	const int D = a.D, P = D / 2;
+	const bool causal = a.flags & APE_CU_F_CAUSAL;
+	const bool inter = a.flags & APE_CU_F_INTERLEAVED;
+	const float *hp = bwd_head(a, bh % a.H);
+	const int64_t nrows = (int64_t)a.B * a.H * a.Lq, ns = imin(a.nsplit, a.nkt);
+	double *dps = reinterpret_cast<double *>(smem_base());
+
+	for (int rr = warp; rr < APE_BW_RED_ROWS; rr += APE_CU_THREADS / 32) {
+		const int64_t i = qt * APE_BW_RED_ROWS + rr, row = bh * a.Lq + i;
+		const bool any = i < a.Lq && ape_visible_keys(a.rel + i, a.Lk, causal) > 0;
+		double su[APE_BW_RP_N] = { 0.0, 0.0, 0.0, 0.0, 0.0 };
+
+		if (!any) { /* no visible key here: the row adds nothing */
+			if (lane < 4)
+				dps[4 * rr + lane] = 0.0;
+			continue;
+		}
+		const double *ri = reinterpret_cast<const double *>(a.rinfo) + row * APE_BW_RI_N;
+		const double sigma = ri[APE_BW_RI_SIGMA], mean = ri[APE_BW_RI_MEAN];
+		const double alpha = ape_alpha(hp[3], sigma);
+
+		for (int64_t s = 0; s < ns && i >= tile_row0(a, s); s++)
+#pragma unroll
+			for (int k = 0; k < APE_BW_RP_N; k++)
+				su[k] += reinterpret_cast<const double *>(
+					a.rp)[(s * nrows + row) * APE_BW_RP_N + k];
+
+		const double A = su[0] / alpha;
+
+		if (lane < 4) /* with d(alpha)/d(lambda) */
+			dps[4 * rr + lane] = lane == 0	 ? su[1]
+					     : lane == 1 ? su[2]
+					     : lane == 2 ? su[3]
+							 : su[4] + A * ape_grad_gate(sigma);
+		if (!(a.flags & APE_BW_F_DQ))
+			continue;
+		/* the path through alpha_i: A_i d(alpha)/d(sigma) d(sigma)/d(q) */
+		const double coef = A * ape_grad_dalpha_dsigma(hp[3], sigma) *
+				    ape_grad_dsigma_coef((double)D, sigma);
+		const void *Q = reinterpret_cast<const void *>(a.q);
+		float *dq = reinterpret_cast<float *>(a.dq) + row * D;
+
+		for (int p = lane; p < P; p += 32) {
+			const int64_t ix = comp_x(p, inter), iy = comp_y(p, P, inter);
+			double sx = 0.0, sy = 0.0;
+
+			for (int64_t s = 0; s < ns && i >= tile_row0(a, s); s++) {
+				const float *dqp = reinterpret_cast<const float *>(a.dqp) +
+						   (s * nrows + row) * D;
+
+				sx += (double)dqp[p];
+				sy += (double)dqp[P + p];
+			}
+			dq[ix] += (float)(sx + coef * ((double)load_el(Q, row * D + ix, a.dt_in) - mean));
+			dq[iy] += (float)(sy + coef * ((double)load_el(Q, row * D + iy, a.dt_in) - mean));
+		}
+	}
+	if (!(a.flags & APE_BW_F_DP))
+		return;
+	bar();
+	if (threadIdx.x < 4) {
+		double s = 0.0;
+
+		for (int rr = 0; rr < APE_BW_RED_ROWS; rr++)
+			s += dps[4 * rr + threadIdx.x];
+		reinterpret_cast<double *>(a.part)[(bh * a.nqt + qt) * 4 + threadIdx.x] = s;
+	}
+}
+
+/* One thread per head: ape_bwd_reduce's block sums, batch by batch, block by block, added to
  * dparams[h][4] */
 APE_DEV void bwd_params(const ape_cu_bwd_args &a)
 {
@@ -579,6 +655,13 @@ extern "C" __global__ void __launch_bounds__(APE_CU_THREADS)
 	ape::bwd_params(a);
 }
 APE_EMU_REGISTER(ape_bwd_params, struct ape_cu_bwd_args)
+
+extern "C" __global__ void __launch_bounds__(APE_CU_THREADS)
+	ape_bwd_reduce(const struct ape_cu_bwd_args a)
+{
+	ape::bwd_reduce(a);
+}
+APE_EMU_REGISTER(ape_bwd_reduce, struct ape_cu_bwd_args)
 
 /* copy_view (core/backend.h, struct ape__copy): one thread per element, converted as the
  * contract says (a bit copy, float32 to f16/bf16 rounded to nearest even, float64 to float32). */
@@ -619,17 +702,11 @@ APE_EMU_REGISTER(ape_copy_view, struct ape_cu_copy_args)
 
 #define APE_BWD(name, dmax, exact)                                                                 \
 	extern "C" __global__ void __launch_bounds__(APE_CU_THREADS, 1)                           \
-		ape_bwd_keys_##name(const struct ape_cu_bwd_args a)                                \
+		ape_bwd_fused_##name(const struct ape_cu_bwd_args a)                               \
 	{                                                                                          \
-		ape::Bwd<dmax, exact>::keys(a);                                                    \
+		ape::Bwd<dmax, exact>::fused(a);                                                   \
 	}                                                                                          \
-	APE_EMU_REGISTER(ape_bwd_keys_##name, struct ape_cu_bwd_args)                              \
-	extern "C" __global__ void __launch_bounds__(APE_CU_THREADS, 1)                           \
-		ape_bwd_queries_##name(const struct ape_cu_bwd_args a)                             \
-	{                                                                                          \
-		ape::Bwd<dmax, exact>::queries(a);                                                 \
-	}                                                                                          \
-	APE_EMU_REGISTER(ape_bwd_queries_##name, struct ape_cu_bwd_args)
+	APE_EMU_REGISTER(ape_bwd_fused_##name, struct ape_cu_bwd_args)
 
 APE_BWD(d64, 64, true)
 APE_BWD(d128, 128, true)

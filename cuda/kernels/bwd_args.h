@@ -2,7 +2,7 @@
 /*
  * What the host (cuda/cuda_backward.c) passes to the backward kernels (cuda/kernels/backward.cu),
  * and the tile shapes both sides must agree on. Like args.h: plain fixed-size fields, 8-byte
- * fields first, one struct by value per launch (all four backward kernels take the same one).
+ * fields first, one struct by value per launch (every backward kernel takes the same one).
  */
 #ifndef APE_CUDA_KERNELS_BWD_ARGS_H
 #define APE_CUDA_KERNELS_BWD_ARGS_H
@@ -11,25 +11,42 @@
 
 #include "args.h"
 
-/* Threads sharing one key row (keys sweep) or one query row (queries sweep): each owns 8 pairs,
- * their 16 components of K, V, Q, dO and of the gradient it accumulates. */
+/* Threads sharing one key row in the fused sweep: each owns 8 pairs, their 16 components of
+ * K and V and of the dK and dV it accumulates. */
 #define APE_BW_TPR(dmax) ((dmax) / 16)
-/* Key rows per block of the keys sweep, query rows per block of the queries sweep */
+/* Key rows per block (a key tile) of the fused sweep */
 #define APE_BW_ROWS(dmax) (APE_CU_THREADS / APE_BW_TPR(dmax))
-/* Rows staged in shared memory per step: query rows (with dO) in the keys sweep, key rows (with
- * V) in the queries sweep, float32 pairs; the rotation recurrence of the queries sweep restarts
- * from an exact seed at every step. */
-#define APE_BW_STAGE(dmax) ((dmax) == 64 ? 64 : (dmax) == 128 ? 32 : 16)
-/* Distance table entries: every n between a block's rows and a stage's (one unused) */
+/* Query rows (with dO) staged in shared memory per step of the fused sweep, float32 pairs */
+#define APE_BW_STAGE(dmax) ((dmax) <= 128 ? 32 : 16)
+/* Distance table entries: every n between a key tile's rows and a stage's (one unused) */
 #define APE_BW_TBL(dmax) (APE_BW_ROWS(dmax) + APE_BW_STAGE(dmax))
+/* The query-row pass of a stage (dQ and the rows' sums): threads per staged row, and the pairs
+ * each of them owns (4 at D = 64, 8 otherwise) */
+#define APE_BW_TPR2(dmax) (APE_CU_THREADS / APE_BW_STAGE(dmax))
+#define APE_BW_PT2(dmax) ((dmax) / 2 / APE_BW_TPR2(dmax))
 
-/* Dynamic shared memory of a sweep block, in bytes (backward.cu lays it out; below 48 KB, so no
- * opt-in): two staged float32 tiles; per distance temp * scale (float), bias and the four
- * parameter derivatives (double); per staged row 1 / alpha (double), LSE and Dl - dLSE (float);
- * omega in double and float; the per-row parameter sums of the block (double). */
+/* Dynamic shared memory of a fused-sweep block, in bytes (backward.cu lays it out; 54 to 64 KB,
+ * above the 48 KB default: cuda_module.c opts in): the staged query rows and their dO, the key
+ * tile (float32 pairs); per (staged row, key) dS, the dot product and the alpha sum (float);
+ * per distance temp * scale (float), bias and the four parameter derivatives (double); omega
+ * in double and float; per staged row 1 / alpha (double), LSE and Dl - dLSE (float). */
 #define APE_BW_SMEM(dmax)                                                                          \
-	(2 * APE_BW_STAGE(dmax) * (dmax) * 4 + APE_BW_TBL(dmax) * (4 + 8 + 32) +                  \
-	 APE_BW_STAGE(dmax) * 16 + ((dmax) / 2) * 12 + APE_BW_ROWS(dmax) * 32)
+	(2 * APE_BW_STAGE(dmax) * (dmax) * 4 + APE_BW_ROWS(dmax) * (dmax) * 4 +                   \
+	 3 * APE_BW_STAGE(dmax) * APE_BW_ROWS(dmax) * 4 + APE_BW_TBL(dmax) * (4 + 8 + 32) +        \
+	 ((dmax) / 2) * 12 + APE_BW_STAGE(dmax) * 16)
+
+/* Splits of a (batch, kv head)'s key tiles at most (each has its own slices of the partial dQ
+ * and row sums: cuda_backward.c) */
+#define APE_BW_SPLITS_MAX 8
+
+/* The per-split row sums of the fused sweep, float64 per query row: the alpha path A_i times
+ * alpha_i, then the four parameter sums (d_lambda's without the path through alpha) */
+#define APE_BW_RP_N 5
+
+/* Query rows per block of ape_bwd_reduce (its warps take every 8th row); its shared memory:
+ * the rows' parameter sums */
+#define APE_BW_RED_ROWS 32
+#define APE_BW_RED_SMEM (APE_BW_RED_ROWS * 4 * 8)
 
 /* Query rows per block of ape_bwd_rows (one warp each) */
 #define APE_BW_ROWS_PER_BLOCK (APE_CU_THREADS / 32)
@@ -54,17 +71,21 @@ struct ape_cu_bwd_args {
 	uint64_t dq, dk, dv; /* float accumulators, 0 when not wanted */
 	uint64_t dparams; /* double [H][4] accumulator, 0 when not wanted */
 	uint64_t rinfo; /* scratch: double [B*H*Lq][APE_BW_RI_N] */
-	uint64_t part; /* scratch: double [B*H][nqt][4], the queries sweep's per-block sums */
+	uint64_t part; /* scratch: double [B*H][nqt][4], ape_bwd_reduce's per-block sums */
+	uint64_t dqp; /* scratch: float [nsplit][B*H*Lq][D], the splits' dQ (pairs' x, then y) */
+	uint64_t rp; /* scratch: double [nsplit][B*H*Lq][APE_BW_RP_N], the splits' row sums */
 	uint64_t hparams; /* H * 4 floats (delta, beta, gamma, lambda per head), or 0: inline */
 	int64_t Lq, Lk;
 	int64_t rel; /* q_start - k_start */
-	int64_t nqt; /* query blocks of the queries sweep per (batch, head) */
-	int64_t nkt; /* key blocks of the keys sweep per (batch, kv head) */
+	int64_t nqt; /* blocks of APE_BW_RED_ROWS query rows per (batch, head) */
+	int64_t nkt; /* key tiles of the fused sweep per (batch, kv head) */
 	double omega[128]; /* omega_p for p < D / 2, zeros after */
 	double scale;
 	int32_t B, H, Hkv, D;
 	int32_t dt_in, dt_out, dt_do; /* APE_CU_F32, F16, BF16 of q/k/v, o, dout */
 	uint32_t flags; /* APE_CU_F_CAUSAL, APE_CU_F_INTERLEAVED, APE_BW_F_* */
+	int32_t nsplit; /* splits of the key tiles, 1 .. APE_BW_SPLITS_MAX */
+	int32_t kblk; /* keys per tile: APE_BW_ROWS of the launch's variant */
 	float hp[4 * APE_CU_INLINE_HEADS]; /* per-head parameters when H <= APE_CU_INLINE_HEADS */
 };
 

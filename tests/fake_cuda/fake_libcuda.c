@@ -451,6 +451,11 @@ static CUresult fk_cuMemAlloc(CUdeviceptr *p, size_t n)
 	/* exactly n bytes: a sanitizer sees a kernel reading past a buffer */
 	if (posix_memalign(&m, 256, n))
 		return CUDA_ERROR_OUT_OF_MEMORY;
+#ifdef FAKE_CUDA_EMU
+	/* NaN bytes, as a GPU's memory may hold anything: a kernel that reads what nothing wrote
+	 * gets NaN rather than a lucky zero */
+	memset(m, 0xff, n);
+#endif
 	r = add_alloc((uintptr_t)m, n, 0);
 	if (r) {
 		free(m);
