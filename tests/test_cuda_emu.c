@@ -910,6 +910,9 @@ TEST(backward_matches_reference)
 		{ 1, 66, 2, 5, 7, 8 }, /* groups of 33 heads, their parameters through scratch */
 		/* 10 key tiles of 16, at most 8 splits (bwd_nsplit()): two tiles for a split */
 		{ 1, 2, 2, 21, 150, 130 },
+		/* one (batch, kv head): 16 splits (4 per emulated multiprocessor, over OpenCL's 8)
+		 * of 19 key tiles, three splits walking two */
+		{ 1, 1, 1, 9, 300, 130 },
 	};
 	const int nshapes = sizeof(shapes) / sizeof(shapes[0]);
 	const int ncases = real_device ? 6 * nshapes : 2 * nshapes;

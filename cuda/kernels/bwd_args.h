@@ -36,8 +36,11 @@
 	 ((dmax) / 2) * 12 + APE_BW_STAGE(dmax) * 16)
 
 /* Splits of a (batch, kv head)'s key tiles at most (each has its own slices of the partial dQ
- * and row sums: cuda_backward.c) */
-#define APE_BW_SPLITS_MAX 8
+ * and row sums: cuda_backward.c). 32, not OpenCL's 8: a GPU has a hundred multiprocessors or
+ * more, and with few (batch, kv head) pairs (B = 1, Hkv = 6: 6 x 8 = 48 blocks on an H200's
+ * 132) the splits are the sweep's only parallelism; 32 gives 192 there, for nsplit x (Lq D
+ * floats + 5 Lq doubles) of scratch per (batch, head). Not measured on a GPU. */
+#define APE_BW_SPLITS_MAX 32
 
 /* The per-split row sums of the fused sweep, float64 per query row: the alpha path A_i times
  * alpha_i, then the four parameter sums (d_lambda's without the path through alpha) */
