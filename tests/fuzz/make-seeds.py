@@ -130,8 +130,23 @@ put("resident", "backward_one_buffer.bin",
     shape(1, 2, 1, 3, 5, 2) + b"\3" + b"\0" + struct.pack("<H", 1023) + floats(256, 4) +
     b"".join(b"\0" + struct.pack("<H", off) + b"\0" for off in
              (0, 24, 44, 64, 88, 94, 118, 124, 148, 168, 188)) + b"\0")
-# DLPack: compact kDLCPU tensors, float32, blocks as large as each addresses
+# DLPack: compact kDLCPU tensors, float32, blocks as large as each addresses (after the selector,
+# the byte that asks for the diagnostics; per tensor: which, more, strides mode, byte offset)
 put("resident", "dlpack_compact.bin",
-    shape(1, 2, 1, 3, 5, 4) + b"\0" +
+    shape(1, 2, 1, 3, 5, 4) + b"\0" + b"\0" +
     b"".join(b"\0\0" + b"\0" + b"\0" + floats(n, i) for i, n in
              enumerate((48, 40, 40, 48, 6))) + b"\0")
+# DLPack backward (selector 2): q, k, v, o, lse, dout, dlse, dq, dk, dv, dparams compact (D = 4),
+# then the absent mask, the alias byte and the stream byte; and the same with dq over q's memory
+# (alias 1: output dq, tensor 0), which must be refused
+BWD_ELEMS = (24, 20, 20, 24, 6, 24, 6, 24, 20, 20, 8)
+
+
+def dlpack_backward(alias):
+    return (shape(1, 2, 1, 3, 5, 2) + b"\2" + b"\0" +
+            b"".join(b"\0\0" + b"\0" + b"\0" + floats(n, i + 7) for i, n in
+                     enumerate(BWD_ELEMS)) + b"\0" + bytes([alias]) + b"\0")
+
+
+put("resident", "dlpack_backward_compact.bin", dlpack_backward(0))
+put("resident", "dlpack_backward_dq_over_q.bin", dlpack_backward(1))
