@@ -21,12 +21,16 @@
  * outputs are the caller's device memory, unspecified after a failure, as documented.)
  *
  * The same call on kDLCPU DLPack tensors (ape_attention_backward_dlpack(), common/bwdcase.h's
- * dlbwd) on the reference: every host allocation in turn (fault-injection builds), then every
- * fallible op of a clean call (buf_wrap, queue_create, scratch_alloc, fill, copy_view,
- * attention_backward, synchronize: whichever it makes) failed at each of its occurrences, then
- * the device lost from each point on: the injected code, a message naming the function (and,
- * for a device failure, the device and the operation), the inputs byte-identical, no output
- * written, every wrapper and scratch buffer released, the next call clean.
+ * dlbwd), on the reference and on an OpenCL CPU device: every host allocation in turn
+ * (fault-injection builds: nothing written), then every fallible op of a clean call (buf_wrap,
+ * queue_create, scratch_alloc, fill, copy_view, attention_backward, synchronize: whichever it
+ * makes) failed at each of its occurrences, then the device lost from each point on: the
+ * injected code, a message naming the function (and, for a device failure, the device and the
+ * operation), the inputs byte-identical, no device memory or scratch left, the next call clean.
+ * Its outputs are the caller's memory, computed in place and unspecified after a failure (as
+ * documented): the gradients are copied into them one by one after the launch, and the final
+ * synchronisation can fail after all of them; each must still be untouched or the clean
+ * result, and the test counts the broken runs that wrote any.
  */
 #include "ape_test.h"
 

@@ -15,7 +15,10 @@
  *   mean distance DLTensors fuzzed like lse) on kDLCPU DLTensors with fuzzed data pointers (NULL,
  *   misaligned), byte offsets, ndim, shapes, strides (NULL, negative, huge), dtypes (codes,
  *   bits, lanes), devices and streams, over host blocks exactly as large as the tensor
- *   addresses.
+ *   addresses;
+ * - ape_attention_backward_dlpack() likewise, on its eleven DLTensors (dlse and the outputs
+ *   sometimes NULL; dparams 2-D), and sometimes with an output over the memory of another
+ *   tensor of the call (a gradient over q, two gradients over one block).
  *
  * Promises checked:
  * - a refused call returns APE_EINVAL, APE_EOVERFLOW or APE_ENOTSUP with a message naming the
@@ -28,7 +31,9 @@
  *   every tensor was read and checked: it must be refused, without touching memory (ASan and
  *   the unmapped addresses would see it);
  * - buffer copies (ape_buffer_write / _read) of fuzzed ranges are refused outside the buffer and
- *   stay inside it otherwise.
+ *   stay inside it otherwise;
+ * - a refused DLPack call writes no byte of any block, and an output sharing memory with another
+ *   tensor of the call is refused unless one of the two has no element.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -364,6 +369,175 @@ out:
 		ape_buffer_free(bufs[b]);
 }
 
+/* ---------------------------------------------------------------- the KV cache */
+
+/* a * b, or UINT64_MAX when either is negative or the product passes 2^62 */
+static uint64_t small_mul(int64_t a, int64_t b)
+{
+	if (a < 0 || b < 0 || (b && (uint64_t)a > (1ull << 62) / (uint64_t)b))
+		return UINT64_MAX;
+	return (uint64_t)a * (uint64_t)b;
+}
+
+/* A contiguous host tensor [d0, d1, d2, d3] of type dt over a block of exactly its bytes (filled
+ * from the input), or, past 2^18 elements, over memory not backed (the call must refuse it: no
+ * cache fuzz_kv() creates takes that much at once). *block: what to free. */
+static void take_host(struct in *in, ape_tensor *t, void **block, ape_dtype dt, int64_t d0,
+		      int64_t d1, int64_t d2, int64_t d3)
+{
+	const uint64_t n = small_mul((int64_t)small_mul(d0, d1), (int64_t)small_mul(d2, d3));
+	const size_t esz = dt >= APE_F32 && dt <= APE_BF16 ? ape_dtype_size(dt) : 4;
+
+	*block = NULL;
+	if (n <= (1u << 18)) {
+		const size_t bytes = (size_t)n * esz + 1, from_input = bytes < in->n ? bytes : in->n;
+
+		*block = malloc(bytes);
+		check(*block != NULL, "malloc");
+		memcpy(*block, in->p, from_input);
+		memset((uint8_t *)*block + from_input, 0, bytes - from_input);
+		in->p += from_input;
+		in->n -= from_input;
+	}
+	ape_tensor_init(t, *block ? *block : (void *)(uintptr_t)0x7f0000000000ull, dt, d0, d1, d2,
+			d3);
+}
+
+/* ret is 0 or one of the codes a refusal may have, with a message naming fn. */
+static void refused_or_done(int ret, const char *fn)
+{
+	char what[128];
+
+	if (!ret)
+		return;
+	snprintf(what, sizeof(what), "%s refuses with EINVAL, EOVERFLOW, ENOMEM or ENOTSUP", fn);
+	check(ret == APE_EINVAL || ret == APE_EOVERFLOW || ret == APE_ENOMEM || ret == APE_ENOTSUP,
+	      what);
+	snprintf(what, sizeof(what), "the message names %s", fn);
+	check(strstr(ape_last_error(), fn) != NULL, what);
+}
+
+/*
+ * A KV-cache session on the reference with fuzzed options (within sizes whose host allocations
+ * stay small: the device memory under a fuzzed max_device_bytes of at most 8 MiB), then a host
+ * append, a device append (ape_kv_cache_append_device() of fuzzed device tensors), a release and
+ * an attend, each with fuzzed shapes (one entry of each tensor, the token and query counts),
+ * dtypes and descriptor. Every call succeeds or refuses with a message naming it; a refused
+ * append appends nothing (ape_kv_cache_get_info()); accepted calls run inside their memory.
+ */
+static void fuzz_kv(struct in *in, const struct shape5 *s, ape_queue *queue)
+{
+	const unsigned flags = (unsigned)take(in, 1);
+	ape_kv_cache_options o;
+	ape_kv_cache_info before, after;
+	ape_kv_cache *cache = (ape_kv_cache *)(uintptr_t)1; /* must be NULL after a failure */
+	ape_buffer *bufs[3] = { NULL };
+	void *blk[5] = { NULL };
+	ape_tensor k, v, q, out;
+	ape_dtensor dk, dv;
+	int64_t n, d[4];
+	int nbuf, ret;
+
+	ape_kv_cache_options_init(&o);
+	o.B = s->B;
+	o.Hkv = s->Hkv;
+	o.H = flags & 1 ? s->H : 0;
+	o.D = s->D;
+	o.dtype = s->dt;
+	o.block_tokens = take_int(in);
+	o.capacity_tokens = take_int(in);
+	if (flags & 2)
+		o.k_start = take_int(in);
+	o.max_queries = (int64_t)(take(in, 1) % 40);
+	o.append_chunk = (int64_t)(take(in, 1) % 40);
+	o.attend_chunk = (int64_t)(take(in, 1) % 80);
+	o.max_device_bytes = take(in, 3) % (8u << 20) + 1;
+	o.allow_release = flags & 4;
+	o.max_query_norm = flags & 8 ? (double)take_int(in) : 100.0;
+	/* the host allocations of a create (per-block norms, staging, per-head tables) stay small,
+	 * and so do the cache and the largest query: every tensor a call may accept has at most
+	 * 2^18 elements (take_host()). Negative and zero sizes are the create's to refuse; a
+	 * capacity past 2^40 tokens is refused before anything is allocated. */
+	{
+#define POS(x) ((x) > 0 ? (x) : 1)
+		const int64_t bt = POS(o.block_tokens), ac = o.append_chunk ? o.append_chunk : 1024;
+		const int64_t blocks = (o.capacity_tokens >> 41 ? 1 : POS(o.capacity_tokens)) / bt + 1;
+		const uint64_t bg = small_mul(POS(o.B), POS(o.Hkv));
+		const int64_t H = o.H > 0 ? o.H : o.Hkv;
+
+		if (bg > (1u << 12) || o.D > 256 || H > (1 << 16) ||
+		    small_mul((int64_t)small_mul(blocks, bt), (int64_t)bg * POS(o.D)) > (1u << 18) ||
+		    small_mul((int64_t)bg * ac, POS(o.D)) > (1u << 22) ||
+		    small_mul((int64_t)small_mul(POS(o.B), POS(H)), 40 * POS(o.D)) > (1u << 18))
+			return;
+#undef POS
+	}
+	ret = ape_kv_cache_create(ref, &o, &cache);
+	refused_or_done(ret, "ape_kv_cache_create");
+	if (ret) {
+		check(cache == NULL, "a failed create leaves *out NULL");
+		return;
+	}
+	check(ape_kv_cache_get_info(cache, &before) == 0, "ape_kv_cache_get_info");
+	/* a host append of n tokens, one entry of k's or v's shape perhaps fuzzed */
+	n = (int64_t)(take(in, 1) % 48);
+	d[0] = o.B, d[1] = o.Hkv, d[2] = n, d[3] = o.D;
+	if (flags & 16)
+		d[take(in, 1) & 3] = take_int(in);
+	take_host(in, &k, &blk[0], flags & 32 ? (ape_dtype)(take(in, 1) % 4) : o.dtype, d[0], d[1],
+		  d[2], d[3]);
+	take_host(in, &v, &blk[1], o.dtype, o.B, o.Hkv, d[2], o.D);
+	ret = ape_kv_cache_append(cache, &k, &v);
+	refused_or_done(ret, "ape_kv_cache_append");
+	check(ape_kv_cache_get_info(cache, &after) == 0, "ape_kv_cache_get_info");
+	check(after.tokens == before.tokens + (ret ? 0 : d[2]),
+	      "an append adds its tokens, a refused one none");
+	/* a device append from fuzzed device tensors */
+	before = after;
+	nbuf = take_buffers(in, queue, bufs);
+	d[0] = o.B, d[1] = o.Hkv, d[2] = (int64_t)(take(in, 1) % 24), d[3] = o.D;
+	take_dtensor(in, &dk, bufs, nbuf, d, o.dtype, false);
+	take_dtensor(in, &dv, bufs, nbuf, d, o.dtype, false);
+	if (dk.shape[1] <= (1 << 16)) {
+		ret = ape_kv_cache_append_device(cache, queue, &dk, &dv);
+		refused_or_done(ret, "ape_kv_cache_append_device");
+		check(ape_kv_cache_get_info(cache, &after) == 0, "ape_kv_cache_get_info");
+		check(after.tokens == before.tokens + (ret ? 0 : dk.shape[2]),
+		      "a device append adds its tokens, a refused one none");
+		check(ape_queue_synchronize(queue) == 0, "synchronize after a device append");
+	}
+	for (int b = 0; b < nbuf; b++)
+		ape_buffer_free(bufs[b]);
+	/* a release (refused without allow_release), then an attend of Lq queries */
+	if (flags & 64) {
+		int64_t released = -1;
+
+		ret = ape_kv_cache_release_unreachable(cache, &s->desc, &released);
+		refused_or_done(ret, "ape_kv_cache_release_unreachable");
+		check(ret || released >= 0, "a release says how many tokens it released");
+		check(ret || o.allow_release, "a release needs allow_release");
+	}
+	{
+		const int64_t H = o.H ? o.H : o.Hkv, Lq = (int64_t)(take(in, 1) % 24);
+		const uint64_t rows = small_mul((int64_t)small_mul(o.B, H), Lq);
+
+		d[0] = o.B, d[1] = H, d[2] = Lq, d[3] = o.D;
+		if (flags & 128)
+			d[take(in, 1) & 3] = take_int(in);
+		take_host(in, &q, &blk[2], o.dtype, d[0], d[1], d[2], d[3]);
+		take_host(in, &out, &blk[3], take(in, 1) & 1 ? APE_F32 : o.dtype, o.B, H, Lq, o.D);
+		if (rows <= (1u << 16) && s->want_lse) {
+			blk[4] = calloc(rows + 1, sizeof(float));
+			check(blk[4] != NULL, "calloc");
+		}
+		ret = ape_kv_cache_attend(cache, &s->desc, &q, &out, blk[4], NULL);
+		refused_or_done(ret, "ape_kv_cache_attend");
+	}
+	ape_kv_cache_destroy(cache);
+	for (int i = 0; i < 5; i++)
+		free(blk[i]);
+}
+
 /* ---------------------------------------------------------------- the DLPack calls */
 
 /* A DLPack call's tensors: the forward's q, k, v, o, lse, entropy, mean distance, or the
@@ -583,7 +757,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	sel = (unsigned)take(&in, 1);
 	if (sel & 1) {
 		check(ape_queue_create(ref, &queue) == 0, "ape_queue_create");
-		if (sel & 2)
+		if (sel & 4)
+			fuzz_kv(&in, &s, queue);
+		else if (sel & 2)
 			fuzz_backward(&in, &s, queue);
 		else
 			fuzz_enqueue(&in, &s, queue);

@@ -150,3 +150,13 @@ def dlpack_backward(alias):
 
 put("resident", "dlpack_backward_compact.bin", dlpack_backward(0))
 put("resident", "dlpack_backward_dq_over_q.bin", dlpack_backward(1))
+# KV cache (selector 5): H query heads, allow_release, a release; blocks of 4 tokens, 16 tokens,
+# max_queries 4, append_chunk 8, attend_chunk 8, 1 MiB of device memory; a host append of 6
+# tokens, a device append of 3 from one buffer of 256 bytes (k at 0, v 48 bytes in), an attend
+# of 2 queries
+put("resident", "kv_cache_session.bin",
+    shape(1, 2, 1, 2, 2, 2, flags=3) + b"\5" + bytes([1 | 4 | 64, 4, 16, 4, 8, 8]) +
+    b"\0\0\x10" + b"\6" + floats(24, 5) + b"\0" + floats(24, 6) + b"\0" +
+    b"\0" + struct.pack("<H", 255) + floats(64, 7) + b"\3" +
+    b"\0" + struct.pack("<H", 0) + b"\0" + b"\0" + struct.pack("<H", 12) + b"\0" +
+    b"\2" + floats(16, 8) + b"\0" + b"\0" + bytes(65))
