@@ -1014,6 +1014,17 @@ TEST_F(kv, arguments_are_validated)
 	o.append_chunk = 0;
 	o.B = o.Hkv = (int64_t)1 << 32;
 	EXPECT_EQ(APE_EOVERFLOW, ape_kv_cache_create(self->dev, &o, &cache));
+	o.B = o.Hkv = 1;
+	o.max_queries = ((int64_t)1 << 40) + 1;
+	EXPECT_EQ(APE_EINVAL, ape_kv_cache_create(self->dev, &o, &cache));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "opts->max_queries = 1099511627777"))
+	TH_LOG("%s", ape_last_error());
+	o.max_queries = 0;
+	o.k_start = INT64_MIN + 1; /* the release's earliest query would lie before INT64_MIN */
+	EXPECT_EQ(APE_EOVERFLOW, ape_kv_cache_create(self->dev, &o, &cache));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "opts->k_start = -9223372036854775807: too small"))
+	TH_LOG("%s", ape_last_error());
+	o.k_start = 0;
 	EXPECT_EQ(APE_EINVAL, ape_kv_cache_create(NULL, &o, &cache));
 	EXPECT_EQ(APE_EINVAL, ape_kv_cache_create(self->dev, NULL, &cache));
 	EXPECT_EQ(APE_EINVAL, ape_kv_cache_append(NULL, NULL, NULL));

@@ -827,8 +827,8 @@ typedef struct ape_kv_cache_options {
 	/** Tokens the cache holds at once (>= 1), rounded up to whole blocks. Appending more
 	 *  fails with APE_ENOMEM unless released blocks made room. */
 	int64_t capacity_tokens;
-	int64_t k_start; /**< position of the first token appended; default 0 */
-	int64_t max_queries; /**< most query rows of one attend (>= 1); 0: 16 */
+	int64_t k_start; /**< position of the first token appended, in [-2^62, 2^62); default 0 */
+	int64_t max_queries; /**< most query rows of one attend (1..2^40); 0: 16 */
 	int64_t append_chunk; /**< tokens staged per host-to-device step of an append; 0: 1024.
 				   Longer appends are split, never refused. */
 	int64_t attend_chunk; /**< keys per kernel launch of an attend; 0: 4096 */

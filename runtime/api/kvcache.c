@@ -78,13 +78,20 @@ static int check_options(const char *fn, const ape_kv_cache_options *o)
 				  "%s: opts->max_query_norm = %g: allow_release needs a finite bound "
 				  "> 0 on the norm of every future query",
 				  fn, o->max_query_norm);
-	if (o->k_start > INT64_MAX - ((int64_t)1 << 62))
-		return ape__error(APE_EOVERFLOW, "%s: opts->k_start = %" PRId64 ": too large", fn,
-				  o->k_start);
+	/* positions (k_start + tokens, minus max_queries for the release's earliest query) keep
+	 * 2^62 of headroom both ways (the fuzzer found k_start near INT64_MIN overflowing) */
+	if (o->k_start > INT64_MAX - ((int64_t)1 << 62) ||
+	    o->k_start < INT64_MIN + ((int64_t)1 << 62))
+		return ape__error(APE_EOVERFLOW, "%s: opts->k_start = %" PRId64 ": too %s", fn,
+				  o->k_start, o->k_start > 0 ? "large" : "small");
 	if (o->block_tokens > ((int64_t)1 << 40))
 		return ape__error(APE_EINVAL,
 				  "%s: opts->block_tokens = %" PRId64 ": must be in 0..2^40 (0: 256)",
 				  fn, o->block_tokens);
+	if (o->max_queries > ((int64_t)1 << 40))
+		return ape__error(APE_EINVAL,
+				  "%s: opts->max_queries = %" PRId64 ": must be in 0..2^40 (0: 16)", fn,
+				  o->max_queries);
 	/* what ape_kv_cache_create() sizes from them, in bytes at 8 per element: the blocks'
 	 * B * Hkv * block_tokens * D and the staging's 2 * B * Hkv * append_chunk * D elements,
 	 * and the nblocks * B * Hkv key norms (the fuzzer found B * Hkv * block_tokens * D

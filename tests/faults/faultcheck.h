@@ -53,8 +53,8 @@ typedef struct fx_call {
 } fx_call;
 
 /* A forward call of Lq = Lk = L rows in chunks of `chunk` (0: one chunk) over ndev devices, a
- * KV-cache session (FX_KV, FX_KV_DIAG, FX_KV_DEVICE: L cached tokens), or a resident or DLPack call of L rows (ndev 1,
- * chunk 0); runs it once cleanly. 0, or the clean run's error. */
+ * KV-cache session (FX_KV, FX_KV_DIAG, FX_KV_DEVICE: L cached tokens), or a resident or DLPack
+ * call of L rows (ndev 1, chunk 0); runs it once cleanly. 0, or the clean run's error. */
 int fx_call_init(fx_call *c, ape_device *const *devs, int ndev, enum fx_mode mode, int64_t L,
 		 int64_t chunk);
 /* A copy of src (same problem, same clean result) that runs on dev. 0 or APE_ENOMEM. */

@@ -5,11 +5,12 @@
  * (buffers, queue, ape_attention_enqueue), the DLPack call and the diagnostics calls
  * (ape_attention_forward_diag, ape_kv_cache_attend_diag, ape_attention_enqueue_diag,
  * ape_attention_forward_dlpack_diag) and a copy-bandwidth measurement (ape_device_measure_h2d),
- * counts the library's host allocations of a clean run, then fails each one in turn. Every broken run must return
- * APE_ENOMEM with a message (or, where the library has a fallback, succeed with the clean
- * result), leave the inputs byte-identical and the outputs as README promises; the context must
- * serve the next call; LeakSanitizer (make faults-ci builds with ASan) finds no leak.
- * Needs a build with -DAPE_FAULT_INJECT (runtime/core/alloc.h); other builds skip.
+ * counts the library's host allocations of a clean run, then fails each one in turn. Every
+ * broken run must return APE_ENOMEM with a message (or, where the library has a fallback,
+ * succeed with the clean result), leave the inputs byte-identical and the outputs as README
+ * promises; the context must serve the next call; LeakSanitizer (make faults-ci builds with
+ * ASan) finds no leak. Needs a build with -DAPE_FAULT_INJECT (runtime/core/alloc.h); other
+ * builds skip.
  */
 #include "ape_test.h"
 

@@ -1,17 +1,18 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Device-failure injection: a wrapper backend (tests/common/wrapops.c) in front of the reference
- * or the OpenCL backend fails each fallible op at each of its occurrences in turn, then loses the
- * device for good from each point of the run on, for a one-shot call, a streamed call (3 x 3
- * chunks, pipelined), a call over two devices (the wrapped one failing, the other healthy), a
- * KV-cache session, the device-resident path (buffers, queue, ape_attention_enqueue), the
- * DLPack call, and the diagnostics calls (ape_attention_forward_diag, ape_kv_cache_attend_diag,
- * ape_attention_enqueue_diag, ape_attention_forward_dlpack_diag), a copy-bandwidth measurement
- * (ape_device_measure_h2d); and a device lost between
- * ape_attention_enqueue() and ape_queue_synchronize(). Every broken run must return the injected
- * error with a message that names the device and the operation, leave the inputs byte-identical and the outputs as README's
- * 'Outputs on failure' says, and must not hang; the context must then serve the next call, on
- * this device and the other one, with the clean result; ASan/LSan (make faults-ci) see no leak.
+ * Device-failure injection: a wrapper backend (tests/common/wrapops.c) in front of the
+ * reference or the OpenCL backend fails each fallible op at each of its occurrences in turn,
+ * then loses the device for good from each point of the run on, for a one-shot call, a streamed
+ * call (3 x 3 chunks, pipelined), a call over two devices (the wrapped one failing, the other
+ * healthy), a KV-cache session, the device-resident path (buffers, queue,
+ * ape_attention_enqueue), the DLPack call, and the diagnostics calls
+ * (ape_attention_forward_diag, ape_kv_cache_attend_diag, ape_attention_enqueue_diag,
+ * ape_attention_forward_dlpack_diag), a copy-bandwidth measurement (ape_device_measure_h2d);
+ * and a device lost between ape_attention_enqueue() and ape_queue_synchronize(). Every broken
+ * run must return the injected error with a message that names the device and the operation,
+ * leave the inputs byte-identical and the outputs as README's 'Outputs on failure' says, and
+ * must not hang; the context must then serve the next call, on this device and the other one,
+ * with the clean result; ASan/LSan (make faults-ci) see no leak.
  */
 #include "ape_test.h"
 
