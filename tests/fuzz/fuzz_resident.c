@@ -421,8 +421,9 @@ static void refused_or_done(int ret, const char *fn)
  * A KV-cache session on the reference with fuzzed options (within sizes whose host allocations
  * stay small: the device memory under a fuzzed max_device_bytes of at most 8 MiB), then a host
  * append, a device append (ape_kv_cache_append_device() of fuzzed device tensors), a release and
- * an attend, each with fuzzed shapes (one entry of each tensor, the token and query counts),
- * dtypes and descriptor. Every call succeeds or refuses with a message naming it; a refused
+ * an attend (ape_kv_cache_attend_diag() when the input asks for entropy or mean distance),
+ * each with fuzzed shapes (one entry of each tensor, the token and query counts), dtypes and
+ * descriptor. Every call succeeds or refuses with a message naming it; a refused
  * append appends nothing (ape_kv_cache_get_info()); accepted calls run inside their memory.
  */
 static void fuzz_kv(struct in *in, const struct shape5 *s, ape_queue *queue)
@@ -432,7 +433,7 @@ static void fuzz_kv(struct in *in, const struct shape5 *s, ape_queue *queue)
 	ape_kv_cache_info before, after;
 	ape_kv_cache *cache = (ape_kv_cache *)(uintptr_t)1; /* must be NULL after a failure */
 	ape_buffer *bufs[3] = { NULL };
-	void *blk[5] = { NULL };
+	void *blk[7] = { NULL }; /* k, v, q, o, lse, entropy, mean distance */
 	ape_tensor k, v, q, out;
 	ape_dtensor dk, dv;
 	int64_t n, d[4];
@@ -525,16 +526,26 @@ static void fuzz_kv(struct in *in, const struct shape5 *s, ape_queue *queue)
 		if (flags & 128)
 			d[take(in, 1) & 3] = take_int(in);
 		take_host(in, &q, &blk[2], o.dtype, d[0], d[1], d[2], d[3]);
-		take_host(in, &out, &blk[3], take(in, 1) & 1 ? APE_F32 : o.dtype, o.B, H, Lq, o.D);
-		if (rows <= (1u << 16) && s->want_lse) {
-			blk[4] = calloc(rows + 1, sizeof(float));
-			check(blk[4] != NULL, "calloc");
+		const unsigned ob = (unsigned)take(in, 1); /* 1: O float32; 2, 4: entropy, distance */
+
+		take_host(in, &out, &blk[3], ob & 1 ? APE_F32 : o.dtype, o.B, H, Lq, o.D);
+		/* LSE and the diagnostics: rows floats each, where wanted and that is small */
+		for (int i = 0; i < 3 && rows <= (1u << 16); i++)
+			if (i == 0 ? s->want_lse : (ob & (2u << (i - 1))) != 0) {
+				blk[4 + i] = calloc(rows + 1, sizeof(float));
+				check(blk[4 + i] != NULL, "calloc");
+			}
+		if (ob & 6) {
+			ret = ape_kv_cache_attend_diag(cache, &s->desc, &q, &out, blk[4], blk[5],
+						       blk[6], NULL);
+			refused_or_done(ret, "ape_kv_cache_attend_diag");
+		} else {
+			ret = ape_kv_cache_attend(cache, &s->desc, &q, &out, blk[4], NULL);
+			refused_or_done(ret, "ape_kv_cache_attend");
 		}
-		ret = ape_kv_cache_attend(cache, &s->desc, &q, &out, blk[4], NULL);
-		refused_or_done(ret, "ape_kv_cache_attend");
 	}
 	ape_kv_cache_destroy(cache);
-	for (int i = 0; i < 5; i++)
+	for (int i = 0; i < 7; i++)
 		free(blk[i]);
 }
 
