@@ -225,10 +225,13 @@ static void alloc_sweep(struct __test_metadata *_metadata, const char *backend, 
 		EXPECT_EQ(NULL, bcall_verify(&b, ret)) TH_LOG("%s: allocation %llu", what,
 							      (unsigned long long)n);
 		EXPECT_NE(0, b.msg[0]);
-		if (dlpack) {
+		if (dlpack) { /* every host allocation comes before the launch: nothing written */
 			EXPECT_NE(NULL, strstr(b.msg, "ape_attention_backward_dlpack"))
 			TH_LOG("%s: allocation %llu: the message does not name the call: %s", what,
 			       (unsigned long long)n, b.msg);
+			EXPECT_TRUE(same_grads(&b.g, &b.poisoned, W_ALL))
+			TH_LOG("%s: allocation %llu: a failed call wrote an output", what,
+			       (unsigned long long)n);
 		}
 	}
 	EXPECT_EQ(0, bcall_run(&b)) TH_LOG("%s", b.msg);
