@@ -63,17 +63,6 @@ struct dlcall {
 
 static const char *const tname[5] = { "q", "k", "v", "o", "lse" };
 
-static DLDataType dl_dtype(ape_dtype dt)
-{
-	DLDataType d = { kDLFloat, 32, 1 };
-
-	if (dt == APE_F16)
-		d.bits = 16;
-	else if (dt == APE_BF16)
-		d = (DLDataType){ kDLBfloat, 16, 1 };
-	return d;
-}
-
 static void fill(ape_rng *r, void *dst, ape_dtype dt, size_t n)
 {
 	float *f = malloc(n * sizeof(float));
@@ -98,7 +87,7 @@ static void set_tensor(struct dlcall *x, int i, void *data, uint64_t off, ape_dt
 	*t = (DLTensor){ .data = data,
 			 .device = { kDLCPU, 0 },
 			 .ndim = nd,
-			 .dtype = dl_dtype(dt),
+			 .dtype = test_dl_dtype(dt),
 			 .shape = x->shp[i],
 			 .strides = s ? x->str[i] : NULL,
 			 .byte_offset = off };
@@ -1005,69 +994,6 @@ TEST_F(ref, diagnostics_twin)
 
 /* ---- the backward pass on DLPack tensors */
 
-/* A backward call's DLTensors over a bcase and its gradients (host memory, kDLCPU). */
-struct dlbwd {
-	int64_t shp[11][4], str[11][4];
-	DLTensor t[11]; /* q, k, v, o, lse, dout, dlse, dq, dk, dv, dparams */
-};
-
-/* DLTensor i over tensor tt (its own data and strides), ndim 4; or over n floats of x as
- * [d0, d1(, d2)] when tt is NULL. */
-static void dl_over(struct dlbwd *b, int i, const ape_tensor *tt, float *x, int ndim,
-		    int64_t d0, int64_t d1, int64_t d2)
-{
-	DLTensor *t = &b->t[i];
-
-	memset(t, 0, sizeof(*t));
-	t->device = (DLDevice){ kDLCPU, 0 };
-	t->shape = b->shp[i];
-	if (tt) {
-		t->data = tt->data;
-		t->ndim = 4;
-		t->dtype = dl_dtype(tt->dtype);
-		memcpy(b->shp[i], tt->shape, sizeof(tt->shape));
-		ape_tensor_strides(tt, b->str[i]);
-		t->strides = b->str[i];
-	} else {
-		t->data = x;
-		t->ndim = ndim;
-		t->dtype = dl_dtype(APE_F32);
-		b->shp[i][0] = d0;
-		b->shp[i][1] = d1;
-		b->shp[i][2] = d2;
-	}
-}
-
-static void dlbwd_make(struct dlbwd *b, bcase *c, grads *g)
-{
-	test_problem *tp = &c->tp;
-	const int64_t B = tp->q.t.shape[0], H = tp->q.t.shape[1], Lq = tp->q.t.shape[2];
-
-	dl_over(b, 0, &tp->q.t, NULL, 4, 0, 0, 0);
-	dl_over(b, 1, &tp->k.t, NULL, 4, 0, 0, 0);
-	dl_over(b, 2, &tp->v.t, NULL, 4, 0, 0, 0);
-	dl_over(b, 3, &tp->o.t, NULL, 4, 0, 0, 0);
-	dl_over(b, 4, NULL, tp->lse, 3, B, H, Lq);
-	dl_over(b, 5, &c->dout.t, NULL, 4, 0, 0, 0);
-	dl_over(b, 6, NULL, c->dlse, 3, B, H, Lq);
-	dl_over(b, 7, &g->dq.t, NULL, 4, 0, 0, 0);
-	dl_over(b, 8, &g->dk.t, NULL, 4, 0, 0, 0);
-	dl_over(b, 9, &g->dv.t, NULL, 4, 0, 0, 0);
-	dl_over(b, 10, NULL, g->dparams, 2, H, 4, 0);
-}
-
-static int dlbwd_run(ape_device *dev, const bcase *c, struct dlbwd *b, unsigned wanted,
-		     void *stream)
-{
-	return ape_attention_backward_dlpack(dev, &c->tp.desc, &b->t[0], &b->t[1], &b->t[2],
-					     &b->t[3], &b->t[4], &b->t[5],
-					     c->dlse ? &b->t[6] : NULL,
-					     wanted & W_DQ ? &b->t[7] : NULL,
-					     wanted & W_DK ? &b->t[8] : NULL,
-					     wanted & W_DV ? &b->t[9] : NULL,
-					     wanted & W_DP ? &b->t[10] : NULL, stream);
-}
-
 /* kDLCPU tensors on the reference: the host call's gradients, bit for bit, in every dtype,
  * compact and padded [B, L, H, D], each subset of the outputs (the others untouched). */
 TEST_F(ref, backward_kdlcpu_equals_host_call)
@@ -1080,7 +1006,7 @@ TEST_F(ref, backward_kdlcpu_equals_host_call)
 	ape_rng_init(&rng, _metadata->name);
 	for (int i = 0; i < 6; i++) {
 		const unsigned w = subsets[i % 4];
-		struct dlbwd b;
+		dlbwd b;
 		grads host, got;
 		bcase c;
 
@@ -1104,7 +1030,7 @@ TEST_F(ref, backward_kdlcpu_equals_host_call)
 TEST_F(ref, backward_refusals_name_the_tensor)
 {
 	const test_problem_shape sh = { 1, 2, 1, 5, 6, 8 };
-	struct dlbwd b;
+	dlbwd b;
 	grads g, untouched;
 	ape_rng rng;
 	bcase c;
@@ -1125,7 +1051,7 @@ TEST_F(ref, backward_refusals_name_the_tensor)
 	b.t[7].device = (DLDevice){ kDLCUDA, 0 };
 	EXPECT_BWD_REFUSED(APE_EINVAL, "dq->device", dlbwd_run(self->dev, &c, &b, W_ALL, NULL));
 	dlbwd_make(&b, &c, &g);
-	b.t[6].dtype = dl_dtype(APE_F16);
+	b.t[6].dtype = test_dl_dtype(APE_F16);
 	EXPECT_BWD_REFUSED(APE_EINVAL, "dlse->dtype", dlbwd_run(self->dev, &c, &b, W_ALL, NULL));
 	dlbwd_make(&b, &c, &g);
 	b.t[8].data = b.t[0].data; /* dK over Q */
@@ -1159,7 +1085,7 @@ TEST(backward_cuda_tensors_on_the_emulated_driver)
 	void *host[11];
 	ape_context *ctx;
 	ape_device *dev, *refdev;
-	struct dlbwd b;
+	dlbwd b;
 	grads want, got;
 	ape_rng rng;
 	bcase c;

@@ -1009,6 +1009,40 @@ TEST_F(kv, arguments_are_validated)
 		EXPECT_NE(NULL, strstr(ape_last_error(), cases[c].what))
 			TH_LOG("\"%s\" does not name %s", ape_last_error(), cases[c].what);
 	}
+	/* sizes past 64 bits (found by fuzz_resident): refused before anything is computed */
+	ape_kv_cache_options_init(&o);
+	o.B = 1;
+	o.Hkv = 2;
+	o.D = 8;
+	o.capacity_tokens = 10;
+	o.block_tokens = ((int64_t)1 << 40) + 1;
+	EXPECT_EQ(APE_EINVAL, ape_kv_cache_create(self->dev, &o, &cache));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "opts->block_tokens = 1099511627777"))
+	TH_LOG("%s", ape_last_error());
+	o.block_tokens = (int64_t)1 << 40;
+	o.B = (int64_t)1 << 20;
+	EXPECT_EQ(APE_EOVERFLOW, ape_kv_cache_create(self->dev, &o, &cache));
+	EXPECT_EQ(NULL, cache);
+	EXPECT_NE(NULL, strstr(ape_last_error(), "the cache's sizes pass 64 bits"))
+	TH_LOG("%s", ape_last_error());
+	o.block_tokens = 0;
+	o.B = 1;
+	o.append_chunk = INT64_MAX;
+	EXPECT_EQ(APE_EOVERFLOW, ape_kv_cache_create(self->dev, &o, &cache));
+	o.append_chunk = 0;
+	o.B = o.Hkv = (int64_t)1 << 32;
+	EXPECT_EQ(APE_EOVERFLOW, ape_kv_cache_create(self->dev, &o, &cache));
+	o.B = o.Hkv = 1;
+	o.max_queries = ((int64_t)1 << 40) + 1;
+	EXPECT_EQ(APE_EINVAL, ape_kv_cache_create(self->dev, &o, &cache));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "opts->max_queries = 1099511627777"))
+	TH_LOG("%s", ape_last_error());
+	o.max_queries = 0;
+	o.k_start = INT64_MIN + 1; /* the release's earliest query would lie before INT64_MIN */
+	EXPECT_EQ(APE_EOVERFLOW, ape_kv_cache_create(self->dev, &o, &cache));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "opts->k_start = -9223372036854775807: too small"))
+	TH_LOG("%s", ape_last_error());
+	o.k_start = 0;
 	EXPECT_EQ(APE_EINVAL, ape_kv_cache_create(NULL, &o, &cache));
 	EXPECT_EQ(APE_EINVAL, ape_kv_cache_create(self->dev, NULL, &cache));
 	EXPECT_EQ(APE_EINVAL, ape_kv_cache_append(NULL, NULL, NULL));

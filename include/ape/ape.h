@@ -823,12 +823,12 @@ typedef struct ape_kv_cache_options {
 	int64_t H; /**< query heads of attends, a multiple of Hkv; 0: Hkv */
 	int64_t D; /**< head dimension: even, 2..256 */
 	ape_dtype dtype; /**< storage of keys, values and queries */
-	int64_t block_tokens; /**< tokens per block (>= 1); 0: 256 */
+	int64_t block_tokens; /**< tokens per block (1..2^40); 0: 256 */
 	/** Tokens the cache holds at once (>= 1), rounded up to whole blocks. Appending more
 	 *  fails with APE_ENOMEM unless released blocks made room. */
 	int64_t capacity_tokens;
-	int64_t k_start; /**< position of the first token appended; default 0 */
-	int64_t max_queries; /**< most query rows of one attend (>= 1); 0: 16 */
+	int64_t k_start; /**< position of the first token appended, in [-2^62, 2^62); default 0 */
+	int64_t max_queries; /**< most query rows of one attend (1..2^40); 0: 16 */
 	int64_t append_chunk; /**< tokens staged per host-to-device step of an append; 0: 1024.
 				   Longer appends are split, never refused. */
 	int64_t attend_chunk; /**< keys per kernel launch of an attend; 0: 4096 */
@@ -855,8 +855,9 @@ APE_API void ape_kv_cache_options_init(ape_kv_cache_options *opts);
 /**
  * \brief Creates an empty cache on \p dev, allocating every device block, chunk buffer and
  *        staging buffer it will ever use.
- * \return 0; APE_EINVAL (NULL argument, bad option, naming it); APE_ENOMEM (device or host
- *         memory, or max_device_bytes too small: the message says what is needed); device
+ * \return 0; APE_EINVAL (NULL argument, bad option, naming it); APE_EOVERFLOW (sizes from B,
+ *         Hkv, block_tokens, append_chunk, D past 64 bits, naming them); APE_ENOMEM (device or
+ *         host memory, or max_device_bytes too small: the message says what is needed); device
  *         errors. *out is NULL on failure.
  */
 APE_API int ape_kv_cache_create(ape_device *dev, const ape_kv_cache_options *opts,

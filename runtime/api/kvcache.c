@@ -78,9 +78,39 @@ static int check_options(const char *fn, const ape_kv_cache_options *o)
 				  "%s: opts->max_query_norm = %g: allow_release needs a finite bound "
 				  "> 0 on the norm of every future query",
 				  fn, o->max_query_norm);
-	if (o->k_start > INT64_MAX - ((int64_t)1 << 62))
-		return ape__error(APE_EOVERFLOW, "%s: opts->k_start = %" PRId64 ": too large", fn,
-				  o->k_start);
+	/* positions (k_start + tokens, minus max_queries for the release's earliest query) keep
+	 * 2^62 of headroom both ways (the fuzzer found k_start near INT64_MIN overflowing) */
+	if (o->k_start > INT64_MAX - ((int64_t)1 << 62) ||
+	    o->k_start < INT64_MIN + ((int64_t)1 << 62))
+		return ape__error(APE_EOVERFLOW, "%s: opts->k_start = %" PRId64 ": too %s", fn,
+				  o->k_start, o->k_start > 0 ? "large" : "small");
+	if (o->block_tokens > ((int64_t)1 << 40))
+		return ape__error(APE_EINVAL,
+				  "%s: opts->block_tokens = %" PRId64 ": must be in 0..2^40 (0: 256)",
+				  fn, o->block_tokens);
+	if (o->max_queries > ((int64_t)1 << 40))
+		return ape__error(APE_EINVAL,
+				  "%s: opts->max_queries = %" PRId64 ": must be in 0..2^40 (0: 16)", fn,
+				  o->max_queries);
+	/* what ape_kv_cache_create() sizes from them, in bytes at 8 per element: the blocks'
+	 * B * Hkv * block_tokens * D and the staging's 2 * B * Hkv * append_chunk * D elements,
+	 * and the nblocks * B * Hkv key norms (the fuzzer found B * Hkv * block_tokens * D
+	 * overflowing) */
+	{
+		const int64_t bt = o->block_tokens ? o->block_tokens : 256;
+		const int64_t ac = o->append_chunk ? o->append_chunk : 1024;
+		int64_t bg, n;
+
+		if (__builtin_mul_overflow(o->B, o->Hkv, &bg) ||
+		    __builtin_mul_overflow(bg, bt > ac ? bt : ac, &n) ||
+		    __builtin_mul_overflow(n, o->D, &n) || __builtin_mul_overflow(n, (int64_t)16, &n) ||
+		    __builtin_mul_overflow(bg, o->capacity_tokens / bt + 1, &n))
+			return ape__error(APE_EOVERFLOW,
+					  "%s: opts->B = %" PRId64 ", Hkv = %" PRId64
+					  ", block_tokens = %" PRId64 ", append_chunk = %" PRId64
+					  ", D = %" PRId64 ": the cache's sizes pass 64 bits",
+					  fn, o->B, o->Hkv, o->block_tokens, o->append_chunk, o->D);
+	}
 	return 0;
 }
 
@@ -150,17 +180,19 @@ static int make_session(struct ape_kv_cache *c, const char *fn)
 	c->geom.in_dtype = c->o.dtype;
 	c->geom.host_kv = false;
 	c->geom.budget = r.budget;
+	/* the layers below name the device and what failed, not the call (fuzz_resident) */
 	if ((ret = ape__stream_create(c->dev, &c->geom, &c->s)) ||
 	    (ret = ape__stream_reserve(c->s)))
-		return ret;
+		return ape__error_prefix(ret, fn);
 	for (int i = 0; !ops->copy_d2d && i < APE__KV_DEPTH; i++)
 		if ((ret = ape__host_alloc(c->dev, (size_t)(2 * c->geom.plan.kv_bytes),
 					   &c->bounce[i])))
-			return ret;
+			return ape__error_prefix(ret, fn);
 	c->loader = (struct ape__kv_loader){
 		.load = ape__kv_load, .arg = c, .pages = ape__kv_pages, .wait = ape__kv_wait,
 	};
-	return ape__kmax_alloc(&c->km, c->o.B * c->o.Hkv, c->geom.plan.nk);
+	ret = ape__kmax_alloc(&c->km, c->o.B * c->o.Hkv, c->geom.plan.nk);
+	return ret ? ape__error_prefix(ret, fn) : 0;
 }
 
 /* Bytes of slab i (the last may hold fewer blocks). */

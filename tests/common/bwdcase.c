@@ -270,3 +270,73 @@ int run_enqueue_backward(const bcase *c, ape_device *dev, grads *g, unsigned wan
 	return ret;
 }
 
+/* ---------------------------------------------------------------- on DLPack tensors */
+
+DLDataType test_dl_dtype(ape_dtype dt)
+{
+	DLDataType d = { kDLFloat, 32, 1 };
+
+	if (dt == APE_F16)
+		d.bits = 16;
+	else if (dt == APE_BF16)
+		d = (DLDataType){ kDLBfloat, 16, 1 };
+	return d;
+}
+
+/* DLTensor i over tensor tt (its own data and strides), ndim 4; or over n floats of x as
+ * [d0, d1(, d2)] when tt is NULL. */
+static void dl_over(dlbwd *b, int i, const ape_tensor *tt, float *x, int ndim,
+		    int64_t d0, int64_t d1, int64_t d2)
+{
+	DLTensor *t = &b->t[i];
+
+	memset(t, 0, sizeof(*t));
+	t->device = (DLDevice){ kDLCPU, 0 };
+	t->shape = b->shp[i];
+	if (tt) {
+		t->data = tt->data;
+		t->ndim = 4;
+		t->dtype = test_dl_dtype(tt->dtype);
+		memcpy(b->shp[i], tt->shape, sizeof(tt->shape));
+		ape_tensor_strides(tt, b->str[i]);
+		t->strides = b->str[i];
+	} else {
+		t->data = x;
+		t->ndim = ndim;
+		t->dtype = test_dl_dtype(APE_F32);
+		b->shp[i][0] = d0;
+		b->shp[i][1] = d1;
+		b->shp[i][2] = d2;
+	}
+}
+
+/* See bwdcase.h. */
+void dlbwd_make(dlbwd *b, bcase *c, grads *g)
+{
+	test_problem *tp = &c->tp;
+	const int64_t B = tp->q.t.shape[0], H = tp->q.t.shape[1], Lq = tp->q.t.shape[2];
+
+	dl_over(b, 0, &tp->q.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 1, &tp->k.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 2, &tp->v.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 3, &tp->o.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 4, NULL, tp->lse, 3, B, H, Lq);
+	dl_over(b, 5, &c->dout.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 6, NULL, c->dlse, 3, B, H, Lq);
+	dl_over(b, 7, &g->dq.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 8, &g->dk.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 9, &g->dv.t, NULL, 4, 0, 0, 0);
+	dl_over(b, 10, NULL, g->dparams, 2, H, 4, 0);
+}
+
+int dlbwd_run(ape_device *dev, const bcase *c, dlbwd *b, unsigned wanted,
+		     void *stream)
+{
+	return ape_attention_backward_dlpack(dev, &c->tp.desc, &b->t[0], &b->t[1], &b->t[2],
+					     &b->t[3], &b->t[4], &b->t[5],
+					     c->dlse ? &b->t[6] : NULL,
+					     wanted & W_DQ ? &b->t[7] : NULL,
+					     wanted & W_DK ? &b->t[8] : NULL,
+					     wanted & W_DV ? &b->t[9] : NULL,
+					     wanted & W_DP ? &b->t[10] : NULL, stream);
+}

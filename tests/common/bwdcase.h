@@ -7,6 +7,7 @@
 #ifndef APE_TEST_BWDCASE_H
 #define APE_TEST_BWDCASE_H
 
+#include "ape/ape_dlpack.h"
 #include "problem.h"
 
 /* Bits of the `wanted` masks: which outputs a call asks for. */
@@ -95,5 +96,21 @@ int dcase_down(dcase *x, ape_queue *qu, grads *g);
 void dcase_free(dcase *x);
 /* All of it on a queue of its own: up, enqueue, down. */
 int run_enqueue_backward(const bcase *c, ape_device *dev, grads *g, unsigned wanted, size_t pad);
+
+/* ---- the same case on DLPack tensors (ape_attention_backward_dlpack(), kDLCPU) */
+
+/* The DLPack type of an ape_dtype (kDLFloat 32 or 16, kDLBfloat 16; lanes 1). */
+DLDataType test_dl_dtype(ape_dtype dt);
+
+/* A backward call's DLTensors over a bcase and its gradients (host memory, kDLCPU). */
+typedef struct dlbwd {
+	int64_t shp[11][4], str[11][4];
+	DLTensor t[11]; /* q, k, v, o, lse, dout, dlse, dq, dk, dv, dparams */
+} dlbwd;
+
+/* b's DLTensors over c's tensors and g's outputs, each with its own data and strides. */
+void dlbwd_make(dlbwd *b, bcase *c, grads *g);
+/* ape_attention_backward_dlpack() of the outputs `wanted` names (W_*), dlse where c has one. */
+int dlbwd_run(ape_device *dev, const bcase *c, dlbwd *b, unsigned wanted, void *stream);
 
 #endif

@@ -10,7 +10,7 @@
 
 static bool diag_mode(enum fx_mode m)
 {
-	return m == FX_DIAG || m == FX_KV_DIAG || m == FX_ENQUEUE_DIAG;
+	return m == FX_DIAG || m == FX_KV_DIAG || m == FX_ENQUEUE_DIAG || m == FX_DLPACK_DIAG;
 }
 
 static void poison(fx_call *c)
@@ -33,6 +33,32 @@ static ape_tensor slice(const ape_tensor *t, int64_t from, int64_t n)
 	return s;
 }
 
+/* ape_kv_cache_append_device() of the host tensors k and v (contiguous, [1, 1, n, D] float32):
+ * written to two buffers of dev on a queue of its own, appended, everything released. */
+static int append_device(ape_kv_cache *cache, ape_device *dev, const ape_tensor *k,
+			 const ape_tensor *v)
+{
+	const ape_tensor *h[2] = { k, v };
+	const size_t bytes = (size_t)(k->shape[2] * k->shape[3]) * sizeof(float);
+	ape_buffer *b[2] = { NULL, NULL };
+	ape_dtensor dt[2];
+	ape_queue *q = NULL;
+	int ret = ape_queue_create(dev, &q);
+
+	for (int i = 0; i < 2 && !ret; i++) {
+		ret = ape_buffer_alloc(dev, bytes, &b[i]);
+		if (!ret)
+			ret = ape_buffer_write(q, b[i], 0, h[i]->data, bytes);
+		ape_dtensor_init(&dt[i], b[i], 0, APE_F32, 1, 1, k->shape[2], k->shape[3]);
+	}
+	if (!ret)
+		ret = ape_kv_cache_append_device(cache, q, &dt[0], &dt[1]);
+	ape_queue_destroy(q); /* waits for what was enqueued, before the buffers go */
+	ape_buffer_free(b[0]);
+	ape_buffer_free(b[1]);
+	return ret;
+}
+
 static int run_kv(fx_call *c)
 {
 	test_problem *tp = &c->tp;
@@ -53,6 +79,10 @@ static int run_kv(fx_call *c)
 	ko.max_queries = tp->q.t.shape[2];
 	ko.append_chunk = 32;
 	ko.attend_chunk = 32;
+	if (c->mode == FX_KV_DEVICE) { /* releases nothing here: skip_tol is 0 */
+		ko.allow_release = true;
+		ko.max_query_norm = 1e30;
+	}
 	ret = ape_kv_cache_create(c->devs[0], &ko, &cache);
 	if (ret)
 		return ret;
@@ -62,8 +92,11 @@ static int run_kv(fx_call *c)
 	if (!ret) {
 		k = slice(&tp->k.t, first, L - first);
 		v = slice(&tp->v.t, first, L - first);
-		ret = ape_kv_cache_append(cache, &k, &v);
+		ret = c->mode == FX_KV_DEVICE ? append_device(cache, c->devs[0], &k, &v)
+					      : ape_kv_cache_append(cache, &k, &v);
 	}
+	if (!ret && c->mode == FX_KV_DEVICE)
+		ret = ape_kv_cache_release_unreachable(cache, &tp->desc, NULL);
 	if (!ret && c->ent)
 		ret = ape_kv_cache_attend_diag(cache, &tp->desc, &tp->q.t, &tp->o.t, tp->lse,
 					       c->ent, c->md, NULL);
@@ -118,19 +151,26 @@ static int run_enqueue(fx_call *c)
 	return ret;
 }
 
-/* The DLPack call on the problem's host tensors (contiguous: strides NULL). */
+/* The DLPack call on the problem's host tensors (contiguous: strides NULL); with entropy and
+ * mean distance (ape_attention_forward_dlpack_diag(), [B, H, Lq] like LSE) when c has them. */
 static int run_dlpack(fx_call *c)
 {
 	test_problem *tp = &c->tp;
-	ape_tensor *t[5] = { &tp->q.t, &tp->k.t, &tp->v.t, &tp->o.t, &tp->o.t };
-	DLTensor dl[5];
+	ape_tensor *t[4] = { &tp->q.t, &tp->k.t, &tp->v.t, &tp->o.t };
+	void *rows[3] = { tp->lse, c->ent, c->md };
+	DLTensor dl[7];
 
-	for (int i = 0; i < 5; i++)
-		dl[i] = (DLTensor){ .data = i < 4 ? t[i]->data : (void *)tp->lse,
+	/* q, k, v, o; then LSE, entropy, mean distance, each over o's first three dimensions */
+	for (int i = 0; i < 7; i++)
+		dl[i] = (DLTensor){ .data = i < 4 ? t[i]->data : rows[i - 4],
 				    .device = { kDLCPU, 0 },
 				    .ndim = i < 4 ? 4 : 3,
 				    .dtype = { kDLFloat, 32, 1 },
-				    .shape = t[i]->shape };
+				    .shape = t[i < 4 ? i : 3]->shape };
+	if (c->ent)
+		return ape_attention_forward_dlpack_diag(c->devs[0], &tp->desc, &dl[0], &dl[1],
+							 &dl[2], &dl[3], tp->lse ? &dl[4] : NULL,
+							 &dl[5], &dl[6], NULL);
 	return ape_attention_forward_dlpack(c->devs[0], &tp->desc, &dl[0], &dl[1], &dl[2], &dl[3],
 					    tp->lse ? &dl[4] : NULL, NULL);
 }
@@ -141,11 +181,11 @@ int fx_call_run(fx_call *c)
 
 	poison(c);
 	c->msg[0] = 0;
-	if (c->mode == FX_KV || c->mode == FX_KV_DIAG)
+	if (c->kv)
 		ret = run_kv(c);
 	else if (c->mode == FX_ENQUEUE || c->mode == FX_ENQUEUE_DIAG)
 		ret = run_enqueue(c);
-	else if (c->mode == FX_DLPACK)
+	else if (c->mode == FX_DLPACK || c->mode == FX_DLPACK_DIAG)
 		ret = run_dlpack(c);
 	else if (c->mode == FX_DIAG)
 		ret = ape_attention_forward_diag(c->devs, c->ndev, &c->eo, &c->tp.desc, &c->tp.q.t,
@@ -175,7 +215,7 @@ static int diag_alloc(fx_call *c, size_t rows)
 int fx_call_init(fx_call *c, ape_device *const *devs, int ndev, enum fx_mode mode, int64_t L,
 		 int64_t chunk)
 {
-	const bool kv = mode == FX_KV || mode == FX_KV_DIAG;
+	const bool kv = mode == FX_KV || mode == FX_KV_DIAG || mode == FX_KV_DEVICE;
 	/* KV: a few decode-like queries after the cache (D = 32: where the OpenCL decode reads
 	 * the blocks in place); forward: a square problem */
 	const test_problem_shape sh = { 1, 2, kv ? 2 : 1, kv ? 4 : L, L, kv ? 32 : 16 };
@@ -312,7 +352,8 @@ const char *fx_call_verify(fx_call *c, int ret)
 			return "an input changed";
 	if (ret && !c->msg[0])
 		return "an error without a message";
-	if (ret && (c->mode == FX_ENQUEUE || c->mode == FX_ENQUEUE_DIAG || c->mode == FX_DLPACK))
+	if (ret && (c->mode == FX_ENQUEUE || c->mode == FX_ENQUEUE_DIAG || c->mode == FX_DLPACK ||
+		    c->mode == FX_DLPACK_DIAG))
 		return NULL; /* O and LSE unspecified after a failure */
 	if (ret && strstr(c->msg, "computed in place and are unspecified"))
 		return NULL; /* a host call on a device computing on host memory: said so */

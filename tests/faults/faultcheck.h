@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The calls the fault-injection tests break (tests/faults/): a forward call (one-shot, streamed,
- * over one or two devices), a KV-cache session (create, two appends, one attend), a
+ * over one or two devices), a KV-cache session (create, two appends, one attend; the second
+ * append perhaps from device buffers, then a release), a
  * device-resident call (queue, buffers, writes, ape_attention_enqueue, reads, synchronize) or
- * the DLPack call on kDLCPU tensors, with its
+ * the DLPack call on kDLCPU tensors (with or without the diagnostics), with its
  * clean result and a copy of its inputs, and the check every broken run must pass: the inputs
  * are byte-identical, and the outputs hold either the clean result or, after a failure, exactly
  * what README's 'Outputs on failure' promises (whole query chunks, as many as the message says,
@@ -27,6 +28,11 @@ enum fx_mode {
 	FX_DIAG = 4, /* ape_attention_forward_diag() */
 	FX_KV_DIAG = 5, /* a KV-cache session attending with ape_kv_cache_attend_diag() */
 	FX_ENQUEUE_DIAG = 6, /* FX_ENQUEUE with ape_attention_enqueue_diag(), 7 buffers */
+	FX_DLPACK_DIAG = 7, /* ape_attention_forward_dlpack_diag() on kDLCPU tensors */
+	/* FX_KV with the second append from device buffers (ape_queue_create, ape_buffer_alloc x2,
+	 * writes, ape_kv_cache_append_device) and ape_kv_cache_release_unreachable() before the
+	 * attend (allow_release; nothing is released with skip_tol 0) */
+	FX_KV_DEVICE = 8,
 };
 
 typedef struct fx_call {
@@ -47,8 +53,8 @@ typedef struct fx_call {
 } fx_call;
 
 /* A forward call of Lq = Lk = L rows in chunks of `chunk` (0: one chunk) over ndev devices, a
- * KV-cache session (FX_KV: L cached tokens), or a resident or DLPack call of L rows (ndev 1,
- * chunk 0); runs it once cleanly. 0, or the clean run's error. */
+ * KV-cache session (FX_KV, FX_KV_DIAG, FX_KV_DEVICE: L cached tokens), or a resident or DLPack
+ * call of L rows (ndev 1, chunk 0); runs it once cleanly. 0, or the clean run's error. */
 int fx_call_init(fx_call *c, ape_device *const *devs, int ndev, enum fx_mode mode, int64_t L,
 		 int64_t chunk);
 /* A copy of src (same problem, same clean result) that runs on dev. 0 or APE_ENOMEM. */

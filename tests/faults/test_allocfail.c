@@ -3,12 +3,14 @@
  * Allocation-failure injection: for a device enumeration, forward calls (one-shot and streamed,
  * reference and OpenCL, one and two devices), a KV-cache session, the device-resident path
  * (buffers, queue, ape_attention_enqueue), the DLPack call and the diagnostics calls
- * (ape_attention_forward_diag, ape_kv_cache_attend_diag, ape_attention_enqueue_diag), counts the library's host
- * allocations of a clean run, then fails each one in turn. Every broken run must return
- * APE_ENOMEM with a message (or, where the library has a fallback, succeed with the clean
- * result), leave the inputs byte-identical and the outputs as README promises; the context must
- * serve the next call; LeakSanitizer (make faults-ci builds with ASan) finds no leak.
- * Needs a build with -DAPE_FAULT_INJECT (runtime/core/alloc.h); other builds skip.
+ * (ape_attention_forward_diag, ape_kv_cache_attend_diag, ape_attention_enqueue_diag,
+ * ape_attention_forward_dlpack_diag) and a copy-bandwidth measurement (ape_device_measure_h2d),
+ * counts the library's host allocations of a clean run, then fails each one in turn. Every
+ * broken run must return APE_ENOMEM with a message (or, where the library has a fallback,
+ * succeed with the clean result), leave the inputs byte-identical and the outputs as README
+ * promises; the context must serve the next call; LeakSanitizer (make faults-ci builds with
+ * ASan) finds no leak. Needs a build with -DAPE_FAULT_INJECT (runtime/core/alloc.h); other
+ * builds skip.
  */
 #include "ape_test.h"
 
@@ -93,6 +95,14 @@ TEST_F_TIMEOUT(af, kv_cache, 300)
 	run_case(_metadata, self->dev, 1, FX_KV, 80, 0, "KV cache create, append, attend");
 }
 
+/* The second append from device buffers (ape_kv_cache_append_device), then
+ * ape_kv_cache_release_unreachable, then the attend. */
+TEST_F_TIMEOUT(af, kv_cache_device_append, 300)
+{
+	run_case(_metadata, self->dev, 1, FX_KV_DEVICE, 80, 0,
+		 "KV cache, ape_kv_cache_append_device, release, attend");
+}
+
 /* The device-resident path: queue, five buffers, three writes, ape_attention_enqueue, two reads,
  * a synchronisation. */
 TEST_F_TIMEOUT(af, enqueue, 300)
@@ -108,6 +118,17 @@ TEST_F_TIMEOUT(af, dlpack, 300)
 	if (why)
 		SKIP(return, "kDLCPU tensors need a device computing on host memory: %s", why);
 	run_case(_metadata, self->dev, 1, FX_DLPACK, 64, 0, "DLPack call on kDLCPU tensors");
+}
+
+/* ape_attention_forward_dlpack_diag() on kDLCPU tensors: entropy and mean distance too. */
+TEST_F_TIMEOUT(af, dlpack_diag, 300)
+{
+	const char *why = fx_no_host_memory(self->dev[0]);
+
+	if (why)
+		SKIP(return, "kDLCPU tensors need a device computing on host memory: %s", why);
+	run_case(_metadata, self->dev, 1, FX_DLPACK_DIAG, 64, 0,
+		 "ape_attention_forward_dlpack_diag on kDLCPU tensors");
 }
 
 /* The diagnostics calls (docs/diagnostics.md): the streamed forward, the KV cache's attend and
@@ -127,6 +148,40 @@ TEST_F_TIMEOUT(af, diag_enqueue, 300)
 {
 	run_case(_metadata, self->dev, 1, FX_ENQUEUE_DIAG, 64, 0,
 		 "resident buffers and ape_attention_enqueue_diag");
+}
+
+/* ape_device_measure_h2d(): a NUMA-placed, pinned host buffer, a device buffer, a queue, timed
+ * copies; each allocation failed in turn gives APE_ENOMEM with a message, or a measurement (a
+ * fallback: plain memory), and the next measurement works. */
+TEST_F_TIMEOUT(af, measure_h2d, 300)
+{
+	uint64_t total, errors = 0;
+	ape_copy_result res;
+	int ret;
+
+	ape__fault_alloc_arm(0);
+	ASSERT_EQ(0, ape_device_measure_h2d(self->dev[0], -1, 1 << 16, 2, &res))
+	TH_LOG("%s", ape_last_error());
+	total = ape__fault_alloc_count();
+	if (!total)
+		SKIP(return, "ape_device_measure_h2d() made no counted allocation on %s",
+		     self->dev[0]->info.name);
+	for (uint64_t n = 1; n <= total; n++) {
+		ape__fault_alloc_arm(n);
+		ret = ape_device_measure_h2d(self->dev[0], -1, 1 << 16, 2, &res);
+		ape__fault_alloc_arm(0);
+		if (ret) {
+			errors++;
+			EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("allocation %llu: %s", (unsigned long long)n,
+							  ape_last_error());
+			EXPECT_NE(0, ape_last_error()[0]);
+		}
+	}
+	EXPECT_EQ(0, ape_device_measure_h2d(self->dev[0], -1, 1 << 16, 2, &res))
+	TH_LOG("%s", ape_last_error());
+	ksft_print_msg("measure_h2d: %llu allocations failed in turn: %llu errors\n",
+		       (unsigned long long)total, (unsigned long long)errors);
+	fflush(stdout);
 }
 
 /* Creating a context enumerates every device (drivers, DRM, hwloc, the merge into physical

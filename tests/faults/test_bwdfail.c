@@ -19,6 +19,18 @@
  * point on: the injected code (from the enqueue, or from ape_queue_synchronize()), a message
  * naming the device, every queue-ordered scratch buffer released, the next call clean. (Its
  * outputs are the caller's device memory, unspecified after a failure, as documented.)
+ *
+ * The same call on kDLCPU DLPack tensors (ape_attention_backward_dlpack(), common/bwdcase.h's
+ * dlbwd), on the reference and on an OpenCL CPU device: every host allocation in turn
+ * (fault-injection builds: nothing written), then every fallible op of a clean call (buf_wrap,
+ * queue_create, scratch_alloc, fill, copy_view, attention_backward, synchronize: whichever it
+ * makes) failed at each of its occurrences, then the device lost from each point on: the
+ * injected code, a message naming the function (and, for a device failure, the device and the
+ * operation), the inputs byte-identical, no device memory or scratch left, the next call clean.
+ * Its outputs are the caller's memory, computed in place and unspecified after a failure (as
+ * documented): the gradients are copied into them one by one after the launch, and the final
+ * synchronisation can fail after all of them; each must still be untouched or the clean
+ * result, and the test counts the broken runs that wrote any.
  */
 #include "ape_test.h"
 
@@ -39,6 +51,7 @@ struct bcall {
 	ape_device *dev;
 	int ndev; /* dev listed ndev times: the key chunks split over as many threads */
 	int64_t chunk; /* rows per chunk both ways; 0: the default (one launch here) */
+	bool dlpack; /* ape_attention_backward_dlpack() on kDLCPU tensors instead (ndev 1) */
 	unsigned char *in;
 	size_t in_bytes;
 	char msg[1024];
@@ -72,7 +85,12 @@ static int bcall_run(struct bcall *b)
 	int ret;
 
 	poison(&b->g);
-	if (b->ndev == 1) {
+	if (b->dlpack) {
+		dlbwd d;
+
+		dlbwd_make(&d, &b->c, &b->g);
+		ret = dlbwd_run(b->dev, &b->c, &d, W_ALL, NULL);
+	} else if (b->ndev == 1) {
 		ret = run_chunked(&b->c, b->dev, &b->g, b->chunk, b->chunk, NULL);
 	} else {
 		ape_device *devs[2] = { b->dev, b->dev };
@@ -90,8 +108,24 @@ static int bcall_run(struct bcall *b)
 	return ret;
 }
 
+/* The outputs after a failed DLPack call, which are the caller's memory computed in place and
+ * unspecified by ape_attention_backward_dlpack() once the work was launched (the gradients are
+ * copied into them one by one, and the final synchronisation can fail after all of them):
+ * each of dq, dk, dv and dparams must still be untouched or the clean result, never a mix or
+ * garbage. */
+static bool each_untouched_or_clean(const struct bcall *b)
+{
+	const size_t np = sizeof(float) * (size_t)(4 * b->g.H);
+
+	return (same_bits(&b->g.dq, &b->poisoned.dq) || same_bits(&b->g.dq, &b->clean.dq)) &&
+	       (same_bits(&b->g.dk, &b->poisoned.dk) || same_bits(&b->g.dk, &b->clean.dk)) &&
+	       (same_bits(&b->g.dv, &b->poisoned.dv) || same_bits(&b->g.dv, &b->clean.dv)) &&
+	       (!memcmp(b->g.dparams, b->poisoned.dparams, np) ||
+		!memcmp(b->g.dparams, b->clean.dparams, np));
+}
+
 /* NULL when the inputs are intact and the outputs are the clean result (ret == 0) or untouched
- * (ret != 0); otherwise what is wrong. */
+ * (ret != 0; the DLPack call: see each_untouched_or_clean()); otherwise what is wrong. */
 static const char *bcall_verify(struct bcall *b, int ret)
 {
 	const void *ptr[7];
@@ -105,10 +139,16 @@ static const char *bcall_verify(struct bcall *b, int ret)
 	}
 	if (!ret)
 		return same_grads(&b->g, &b->clean, W_ALL) ? NULL : "not the clean result";
+	if (b->dlpack)
+		return each_untouched_or_clean(b) ? NULL
+						  : "a failed call left an output neither untouched "
+						    "nor clean";
 	return same_grads(&b->g, &b->poisoned, W_ALL) ? NULL : "a failed call wrote an output";
 }
 
-static int bcall_init(struct bcall *b, ape_device *dev, int ndev, int64_t chunk)
+/* The call on dev (ndev entries of it; dlpack: the DLPack call, ndev 1, chunk 0), run once
+ * cleanly: 0, or -1 (its message in b->msg when the clean run failed). */
+static int bcall_init(struct bcall *b, ape_device *dev, int ndev, int64_t chunk, bool dlpack)
 {
 	const test_problem_shape sh = { 1, 4, 2, 12, 12, 8 };
 	const void *ptr[7];
@@ -119,6 +159,7 @@ static int bcall_init(struct bcall *b, ape_device *dev, int ndev, int64_t chunk)
 	b->dev = dev;
 	b->ndev = ndev;
 	b->chunk = chunk;
+	b->dlpack = dlpack;
 	ape_rng_init(&rng, "bwdfail");
 	if (bcase_make(&b->c, &rng, &sh, APE_F16, true, true))
 		return -1;
@@ -156,15 +197,21 @@ static void bcall_free(struct bcall *b)
 }
 
 #ifdef APE_FAULT_INJECT
-static void alloc_sweep(struct __test_metadata *_metadata, int ndev, int64_t chunk,
-			const char *what)
+static void alloc_sweep(struct __test_metadata *_metadata, const char *backend, int ndev,
+			int64_t chunk, bool dlpack, const char *what)
 {
-	ape_context *ctx = test_context("ref");
+	ape_context *ctx = test_context(backend);
+	ape_device *dev = test_device(ctx, backend);
 	struct bcall b;
 	uint64_t total;
 	int ret;
 
-	ASSERT_EQ(0, bcall_init(&b, test_device(ctx, "ref"), ndev, chunk)) TH_LOG("%s", b.msg);
+	if (!dev) {
+		ksft_print_msg("%s: no %s device, not tested\n", what, backend);
+		ape_context_destroy(ctx);
+		return;
+	}
+	ASSERT_EQ(0, bcall_init(&b, dev, ndev, chunk, dlpack)) TH_LOG("%s", b.msg);
 	ape__fault_alloc_arm(0);
 	ASSERT_EQ(0, bcall_run(&b));
 	total = ape__fault_alloc_count();
@@ -178,6 +225,14 @@ static void alloc_sweep(struct __test_metadata *_metadata, int ndev, int64_t chu
 		EXPECT_EQ(NULL, bcall_verify(&b, ret)) TH_LOG("%s: allocation %llu", what,
 							      (unsigned long long)n);
 		EXPECT_NE(0, b.msg[0]);
+		if (dlpack) { /* every host allocation comes before the launch: nothing written */
+			EXPECT_NE(NULL, strstr(b.msg, "ape_attention_backward_dlpack"))
+			TH_LOG("%s: allocation %llu: the message does not name the call: %s", what,
+			       (unsigned long long)n, b.msg);
+			EXPECT_TRUE(same_grads(&b.g, &b.poisoned, W_ALL))
+			TH_LOG("%s: allocation %llu: a failed call wrote an output", what,
+			       (unsigned long long)n);
+		}
 	}
 	EXPECT_EQ(0, bcall_run(&b)) TH_LOG("%s", b.msg);
 	EXPECT_EQ(NULL, bcall_verify(&b, 0));
@@ -191,9 +246,21 @@ static void alloc_sweep(struct __test_metadata *_metadata, int ndev, int64_t chu
 TEST(allocation_failures)
 {
 #ifdef APE_FAULT_INJECT
-	alloc_sweep(_metadata, 1, 0, "backward, one launch");
-	alloc_sweep(_metadata, 1, 4, "backward, 3 x 3 chunks");
-	alloc_sweep(_metadata, 2, 4, "backward, 3 x 3 chunks, two devices");
+	alloc_sweep(_metadata, "ref", 1, 0, false, "backward, one launch");
+	alloc_sweep(_metadata, "ref", 1, 4, false, "backward, 3 x 3 chunks");
+	alloc_sweep(_metadata, "ref", 2, 4, false, "backward, 3 x 3 chunks, two devices");
+#else
+	SKIP(return, "libape built without -DAPE_FAULT_INJECT: run `make faults-ci`");
+#endif
+}
+
+/* ape_attention_backward_dlpack() on kDLCPU tensors (wrappers, a queue, scratch, the launch), on
+ * the reference and on an OpenCL CPU device. */
+TEST(dlpack_allocation_failures)
+{
+#ifdef APE_FAULT_INJECT
+	alloc_sweep(_metadata, "ref", 1, 0, true, "backward on DLPack tensors, ref");
+	alloc_sweep(_metadata, "opencl", 1, 0, true, "backward on DLPack tensors, opencl");
 #else
 	SKIP(return, "libape built without -DAPE_FAULT_INJECT: run `make faults-ci`");
 #endif
@@ -209,32 +276,69 @@ static void judge(struct __test_metadata *_metadata, struct bcall *b, int ret, i
 	EXPECT_NE(NULL, strstr(b->msg, "fails on purpose")) TH_LOG("%s: %s", what, b->msg);
 	if (op)
 		EXPECT_NE(NULL, strstr(b->msg, op)) TH_LOG("%s: %s", what, b->msg);
-	EXPECT_EQ(NULL, bcall_verify(b, ret)) TH_LOG("%s #%llu", what, (unsigned long long)n);
+	if (b->dlpack) {
+		const struct wrap_counts c = wrap_get();
+
+		EXPECT_NE(NULL, strstr(b->msg, "ape_attention_backward_dlpack"))
+		TH_LOG("%s: the message does not name the call: %s", what, b->msg);
+		/* wrappers hold no device memory (LSan sees their host side) */
+		EXPECT_EQ(0u, c.live_bytes) TH_LOG("%s #%llu: device memory or scratch left", what,
+						   (unsigned long long)n);
+	}
+	EXPECT_EQ(NULL, bcall_verify(b, ret)) TH_LOG("%s: %s #%llu: %s", what, op ? op : "",
+						     (unsigned long long)n, bcall_verify(b, ret));
 	EXPECT_EQ(0, bcall_run(b)) TH_LOG("after %s #%llu: %s", what, (unsigned long long)n,
 					  b->msg);
 	EXPECT_EQ(NULL, bcall_verify(b, 0));
 }
 
-static void device_sweep(struct __test_metadata *_metadata, int ndev, int64_t chunk,
-			 const char *what)
+/* On the backend's device: the ops of ops[] (dlpack: every op the clean call makes) failed at
+ * each occurrence in turn, then the device lost from each point on. */
+static void device_sweep(struct __test_metadata *_metadata, const char *backend, int ndev,
+			 int64_t chunk, bool dlpack, const char *what)
 {
-	static const enum wrap_op ops[] = { WRAP_BUF_ALLOC,	     WRAP_QUEUE_CREATE,
+	static const enum wrap_op host_ops[] = { WRAP_BUF_ALLOC,	     WRAP_QUEUE_CREATE,
 					    WRAP_COPY_H2D,	     WRAP_COPY_D2H,
 					    WRAP_FILL,		     WRAP_EVENT_RECORD,
 					    WRAP_EVENT_ELAPSED,	     WRAP_SYNCHRONIZE,
 					    WRAP_ATTENTION_BACKWARD };
-	ape_context *ctx = test_context("ref");
-	ape_device *dev = test_device(ctx, "ref");
+	/* what the DLPack call must make at least (the others it makes are failed too) */
+	static const enum wrap_op dlpack_ops[] = { WRAP_BUF_WRAP, WRAP_QUEUE_CREATE,
+						   WRAP_ATTENTION_BACKWARD, WRAP_SYNCHRONIZE };
+	ape_context *ctx = test_context(backend);
+	ape_device *dev = test_device(ctx, backend);
 	struct wrap_counts clean;
-	uint64_t total = 0, runs = 0;
+	uint64_t total = 0, runs = 0, wrote = 0;
+	enum wrap_op ops[WRAP_NOPS];
+	size_t nops = 0;
 	struct bcall b;
 
+	if (!dev) {
+		ksft_print_msg("%s: no %s device, not tested\n", what, backend);
+		ape_context_destroy(ctx);
+		return;
+	}
 	wrap_install(dev, 0);
-	ASSERT_EQ(0, bcall_init(&b, dev, ndev, chunk)) TH_LOG("%s", b.msg);
+	ASSERT_EQ(0, bcall_init(&b, dev, ndev, chunk, dlpack)) TH_LOG("%s", b.msg);
 	wrap_reset();
 	ASSERT_EQ(0, bcall_run(&b));
 	clean = wrap_get();
-	for (size_t i = 0; i < sizeof(ops) / sizeof(ops[0]); i++) {
+	if (dlpack) {
+		for (size_t i = 0; i < sizeof(dlpack_ops) / sizeof(dlpack_ops[0]); i++) {
+			ASSERT_LT(0u, clean.calls[dlpack_ops[i]])
+			TH_LOG("%s: no %s", what, wrap_op_name(dlpack_ops[i]));
+		}
+		for (int op = 0; op < WRAP_NOPS; op++)
+			if (clean.calls[op]) {
+				ops[nops++] = (enum wrap_op)op;
+				ksft_print_msg("%s: %s x %llu\n", what, wrap_op_name((enum wrap_op)op),
+					       (unsigned long long)clean.calls[op]);
+			}
+	} else {
+		nops = sizeof(host_ops) / sizeof(host_ops[0]);
+		memcpy(ops, host_ops, sizeof(host_ops));
+	}
+	for (size_t i = 0; i < nops; i++) {
 		ASSERT_LT(0u, clean.calls[ops[i]]) TH_LOG("%s: no %s", what, wrap_op_name(ops[i]));
 		for (uint64_t n = 1; n <= clean.calls[ops[i]]; n++, runs++) {
 			int ret;
@@ -242,8 +346,12 @@ static void device_sweep(struct __test_metadata *_metadata, int ndev, int64_t ch
 			wrap_fail_op(ops[i], n);
 			ret = bcall_run(&b);
 			wrap_fail_op(ops[i], 0);
+			wrote += ret && !same_grads(&b.g, &b.poisoned, W_ALL);
 			judge(_metadata, &b, ret,
-			      ops[i] == WRAP_BUF_ALLOC ? APE_ENOMEM : APE_EDEVLOST,
+			      ops[i] == WRAP_BUF_ALLOC || ops[i] == WRAP_BUF_WRAP ||
+					      ops[i] == WRAP_SCRATCH_ALLOC
+				      ? APE_ENOMEM
+				      : APE_EDEVLOST,
 			      wrap_op_name(ops[i]), what, n);
 		}
 		total += clean.calls[ops[i]];
@@ -254,9 +362,11 @@ static void device_sweep(struct __test_metadata *_metadata, int ndev, int64_t ch
 		wrap_lose_device(k);
 		ret = bcall_run(&b);
 		wrap_lose_device(0);
+		wrote += ret && !same_grads(&b.g, &b.poisoned, W_ALL);
 		judge(_metadata, &b, ret, APE_EDEVLOST, "device lost", what, k);
 	}
-	ksft_print_msg("%s: %llu broken runs\n", what, (unsigned long long)runs);
+	ksft_print_msg("%s: %llu broken runs, %llu of them after outputs were written\n", what,
+		       (unsigned long long)runs, (unsigned long long)wrote);
 	fflush(stdout);
 	bcall_free(&b);
 	wrap_remove();
@@ -265,10 +375,19 @@ static void device_sweep(struct __test_metadata *_metadata, int ndev, int64_t ch
 
 TEST(device_failures)
 {
-	device_sweep(_metadata, 1, 0, "backward, one launch");
-	device_sweep(_metadata, 1, 4, "backward, 3 x 3 chunks");
+	device_sweep(_metadata, "ref", 1, 0, false, "backward, one launch");
+	device_sweep(_metadata, "ref", 1, 4, false, "backward, 3 x 3 chunks");
 	/* the two threads' calls interleave: the n-th call of an op falls in either */
-	device_sweep(_metadata, 2, 4, "backward, 3 x 3 chunks, two devices");
+	device_sweep(_metadata, "ref", 2, 4, false, "backward, 3 x 3 chunks, two devices");
+}
+
+/* ape_attention_backward_dlpack() on kDLCPU tensors, on the reference and on an OpenCL CPU
+ * device (both compute on host memory): each op of wrapping, queue, scratch, launch and
+ * synchronisation failed in turn, then the device lost from each point on. */
+TEST(dlpack_device_failures)
+{
+	device_sweep(_metadata, "ref", 1, 0, true, "backward on DLPack tensors, ref");
+	device_sweep(_metadata, "opencl", 1, 0, true, "backward on DLPack tensors, opencl");
 }
 
 /* Launch n of a streamed call fails, for each n, on the reference and OpenCL. */
@@ -288,7 +407,7 @@ TEST(backward_launch_failures_on_every_backend)
 			continue;
 		}
 		wrap_install(dev, 0);
-		ASSERT_EQ(0, bcall_init(&b, dev, 1, 4)) TH_LOG("%s: %s", backends[i], b.msg);
+		ASSERT_EQ(0, bcall_init(&b, dev, 1, 4, false)) TH_LOG("%s: %s", backends[i], b.msg);
 		wrap_reset();
 		ASSERT_EQ(0, bcall_run(&b));
 		clean = wrap_get();
@@ -357,7 +476,7 @@ TEST(resident_device_failures)
 	struct bcall b;
 
 	wrap_install(dev, 0);
-	ASSERT_EQ(0, bcall_init(&b, dev, 1, 0)) TH_LOG("%s", b.msg);
+	ASSERT_EQ(0, bcall_init(&b, dev, 1, 0, false)) TH_LOG("%s", b.msg);
 	/* the host call's gradients are the resident call's on the reference */
 	wrap_reset();
 	ASSERT_EQ(0, rcall_run(&b)) TH_LOG("%s", b.msg);
@@ -402,7 +521,7 @@ TEST(resident_allocation_failures)
 	uint64_t total;
 	int ret;
 
-	ASSERT_EQ(0, bcall_init(&b, test_device(ctx, "ref"), 1, 0)) TH_LOG("%s", b.msg);
+	ASSERT_EQ(0, bcall_init(&b, test_device(ctx, "ref"), 1, 0, false)) TH_LOG("%s", b.msg);
 	ape__fault_alloc_arm(0);
 	ASSERT_EQ(0, rcall_run(&b));
 	total = ape__fault_alloc_count();

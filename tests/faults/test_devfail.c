@@ -1,15 +1,18 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Device-failure injection: a wrapper backend (tests/common/wrapops.c) in front of the reference
- * or the OpenCL backend fails each fallible op at each of its occurrences in turn, then loses the
- * device for good from each point of the run on, for a one-shot call, a streamed call (3 x 3
- * chunks, pipelined), a call over two devices (the wrapped one failing, the other healthy), a
- * KV-cache session, the device-resident path (buffers, queue, ape_attention_enqueue), the
- * DLPack call, and the diagnostics calls (ape_attention_forward_diag, ape_kv_cache_attend_diag,
- * ape_attention_enqueue_diag); and a device lost between ape_attention_enqueue() and ape_queue_synchronize(). Every broken run must return the injected error with a message that names
- * the device and the operation, leave the inputs byte-identical and the outputs as README's
- * 'Outputs on failure' says, and must not hang; the context must then serve the next call, on
- * this device and the other one, with the clean result; ASan/LSan (make faults-ci) see no leak.
+ * Device-failure injection: a wrapper backend (tests/common/wrapops.c) in front of the
+ * reference or the OpenCL backend fails each fallible op at each of its occurrences in turn,
+ * then loses the device for good from each point of the run on, for a one-shot call, a streamed
+ * call (3 x 3 chunks, pipelined), a call over two devices (the wrapped one failing, the other
+ * healthy), a KV-cache session, the device-resident path (buffers, queue,
+ * ape_attention_enqueue), the DLPack call, and the diagnostics calls
+ * (ape_attention_forward_diag, ape_kv_cache_attend_diag, ape_attention_enqueue_diag,
+ * ape_attention_forward_dlpack_diag), a copy-bandwidth measurement (ape_device_measure_h2d);
+ * and a device lost between ape_attention_enqueue() and ape_queue_synchronize(). Every broken
+ * run must return the injected error with a message that names the device and the operation,
+ * leave the inputs byte-identical and the outputs as README's 'Outputs on failure' says, and
+ * must not hang; the context must then serve the next call, on this device and the other one,
+ * with the clean result; ASan/LSan (make faults-ci) see no leak.
  */
 #include "ape_test.h"
 
@@ -160,6 +163,14 @@ TEST_F_TIMEOUT(df, kv_cache, 600)
 	run_case(_metadata, self->dev, 1, FX_KV, 80, 0, self->dev[1], "KV cache");
 }
 
+/* The second append from device buffers (ape_kv_cache_append_device), then
+ * ape_kv_cache_release_unreachable, then the attend. */
+TEST_F_TIMEOUT(df, kv_cache_device_append, 600)
+{
+	run_case(_metadata, self->dev, 1, FX_KV_DEVICE, 80, 0, self->dev[1],
+		 "KV cache, device append");
+}
+
 /* The device-resident path: each op of queue, buffers, writes, enqueue, reads and
  * synchronisation failed in turn, then the device lost from each point on. */
 TEST_F_TIMEOUT(df, enqueue, 600)
@@ -175,6 +186,16 @@ TEST_F_TIMEOUT(df, dlpack, 600)
 	if (why)
 		SKIP(return, "kDLCPU tensors need a device computing on host memory: %s", why);
 	run_case(_metadata, self->dev, 1, FX_DLPACK, 64, 0, NULL, "DLPack");
+}
+
+/* ape_attention_forward_dlpack_diag() on kDLCPU tensors: entropy and mean distance too. */
+TEST_F_TIMEOUT(df, dlpack_diag, 600)
+{
+	const char *why = fx_no_host_memory(self->dev[0]);
+
+	if (why)
+		SKIP(return, "kDLCPU tensors need a device computing on host memory: %s", why);
+	run_case(_metadata, self->dev, 1, FX_DLPACK_DIAG, 64, 0, NULL, "DLPack diag");
 }
 
 /* The diagnostics calls (docs/diagnostics.md): one-shot and streamed forward, over two devices,
@@ -204,6 +225,70 @@ TEST_F_TIMEOUT(df, diag_kv_cache, 600)
 TEST_F_TIMEOUT(df, diag_enqueue, 600)
 {
 	run_case(_metadata, self->dev, 1, FX_ENQUEUE_DIAG, 64, 0, self->dev[1], "diag resident");
+}
+
+/*
+ * ape_device_measure_h2d(): each op of its buffers, queue, copies, events and synchronisation
+ * failed in turn, then the device lost from each point on: the injected code with a message
+ * naming the device and the operation (or, for a failed pinning, a measurement from plain
+ * memory), no device memory left, and the next measurement works.
+ */
+TEST_F_TIMEOUT(df, measure_h2d, 600)
+{
+	ape_device *dev = self->dev[0];
+	uint64_t total = 0, points = 0;
+	struct wrap_counts wc;
+	ape_copy_result res;
+	int ret;
+
+	wrap_install(dev, 0);
+	wrap_reset();
+	ASSERT_EQ(0, ape_device_measure_h2d(dev, -1, 1 << 16, 2, &res)) TH_LOG("%s",
+										 ape_last_error());
+	wc = wrap_get();
+	for (int op = 0; op < WRAP_NOPS; op++)
+		total += wc.calls[op];
+	for (int op = 0; op <= WRAP_NOPS; op++) {
+		/* op WRAP_NOPS: the device lost from each fallible call on */
+		const bool lost = op == WRAP_NOPS;
+		const char *what = lost ? "device lost" : wrap_op_name((enum wrap_op)op);
+
+		for (uint64_t n = 1; n <= (lost ? total : wc.calls[op]); n++, points++) {
+			const char *m;
+
+			if (lost)
+				wrap_lose_device(n);
+			else
+				wrap_fail_op((enum wrap_op)op, n);
+			ret = ape_device_measure_h2d(dev, -1, 1 << 16, 2, &res);
+			if (lost)
+				wrap_lose_device(0);
+			else
+				wrap_fail_op((enum wrap_op)op, 0);
+			m = ape_last_error();
+			if (!ret) {
+				EXPECT_TRUE(!lost && absorbable((enum wrap_op)op))
+				TH_LOG("%s #%llu: a failure was swallowed", what, (unsigned long long)n);
+			} else {
+				EXPECT_EQ(op == WRAP_BUF_ALLOC || op == WRAP_BUF_WRAP ? APE_ENOMEM
+										       : APE_EDEVLOST,
+					  ret)
+				TH_LOG("%s #%llu: %s", what, (unsigned long long)n, m);
+				EXPECT_NE(NULL, strstr(m, dev->info.name)) TH_LOG("%s", m);
+				EXPECT_NE(NULL, strstr(m, "fails on purpose")) TH_LOG("%s", m);
+				if (!lost)
+					EXPECT_NE(NULL, strstr(m, what)) TH_LOG("%s", m);
+			}
+			EXPECT_EQ(0u, wrap_get().live_bytes)
+			TH_LOG("%s #%llu: device memory left", what, (unsigned long long)n);
+			EXPECT_EQ(0, ape_device_measure_h2d(dev, -1, 1 << 16, 2, &res))
+			TH_LOG("after %s #%llu: %s", what, (unsigned long long)n, ape_last_error());
+		}
+	}
+	wrap_remove();
+	ksft_print_msg("measure_h2d: %llu failure points (%llu ops per clean run)\n",
+		       (unsigned long long)points, (unsigned long long)total);
+	fflush(stdout);
 }
 
 /*

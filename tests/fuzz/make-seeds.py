@@ -130,8 +130,33 @@ put("resident", "backward_one_buffer.bin",
     shape(1, 2, 1, 3, 5, 2) + b"\3" + b"\0" + struct.pack("<H", 1023) + floats(256, 4) +
     b"".join(b"\0" + struct.pack("<H", off) + b"\0" for off in
              (0, 24, 44, 64, 88, 94, 118, 124, 148, 168, 188)) + b"\0")
-# DLPack: compact kDLCPU tensors, float32, blocks as large as each addresses
+# DLPack: compact kDLCPU tensors, float32, blocks as large as each addresses (after the selector,
+# the byte that asks for the diagnostics; per tensor: which, more, strides mode, byte offset)
 put("resident", "dlpack_compact.bin",
-    shape(1, 2, 1, 3, 5, 4) + b"\0" +
+    shape(1, 2, 1, 3, 5, 4) + b"\0" + b"\0" +
     b"".join(b"\0\0" + b"\0" + b"\0" + floats(n, i) for i, n in
              enumerate((48, 40, 40, 48, 6))) + b"\0")
+# DLPack backward (selector 2): q, k, v, o, lse, dout, dlse, dq, dk, dv, dparams compact (D = 4),
+# then the absent mask, the alias byte and the stream byte; and the same with dq over q's memory
+# (alias 1: output dq, tensor 0), which must be refused
+BWD_ELEMS = (24, 20, 20, 24, 6, 24, 6, 24, 20, 20, 8)
+
+
+def dlpack_backward(alias):
+    return (shape(1, 2, 1, 3, 5, 2) + b"\2" + b"\0" +
+            b"".join(b"\0\0" + b"\0" + b"\0" + floats(n, i + 7) for i, n in
+                     enumerate(BWD_ELEMS)) + b"\0" + bytes([alias]) + b"\0")
+
+
+put("resident", "dlpack_backward_compact.bin", dlpack_backward(0))
+put("resident", "dlpack_backward_dq_over_q.bin", dlpack_backward(1))
+# KV cache (selector 5): H query heads, allow_release, a release; blocks of 4 tokens, 16 tokens,
+# max_queries 4, append_chunk 8, attend_chunk 8, 1 MiB of device memory; a host append of 6
+# tokens, a device append of 3 from one buffer of 256 bytes (k at 0, v 48 bytes in), an attend
+# of 2 queries
+put("resident", "kv_cache_session.bin",
+    shape(1, 2, 1, 2, 2, 2, flags=3) + b"\5" + bytes([1 | 4 | 64, 4, 16, 4, 8, 8]) +
+    b"\0\0\x10" + b"\6" + floats(24, 5) + b"\0" + floats(24, 6) + b"\0" +
+    b"\0" + struct.pack("<H", 255) + floats(64, 7) + b"\3" +
+    b"\0" + struct.pack("<H", 0) + b"\0" + b"\0" + struct.pack("<H", 12) + b"\0" +
+    b"\2" + floats(16, 8) + b"\0" + b"\0" + bytes(65))
