@@ -153,6 +153,16 @@ double test_tol_lse(ape_dtype storage)
 	return storage == APE_F32 ? 1e-4 : storage == APE_F16 ? 1e-3 : 5e-3;
 }
 
+double test_skip_tol_o(double skip_tol)
+{
+	return skip_tol > 0 ? 2 * skip_tol / (1 + skip_tol) : 0;
+}
+
+double test_skip_tol_lse(double skip_tol)
+{
+	return skip_tol > 0 ? log1p(skip_tol) : 0;
+}
+
 static double diff(double a, double b)
 {
 	if (isnan(a) || isnan(b))

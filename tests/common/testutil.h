@@ -44,6 +44,11 @@ double test_tensor_maxabs(const ape_tensor *t);
 /* ---- the spec's accuracy table */
 double test_tol_o(ape_dtype storage); /* times max|V| */
 double test_tol_lse(ape_dtype storage); /* times max(1, |LSE|) */
+/* What skipping may add on top of those (APE-SPEC.md, "Skipping far keys"): the keys a row
+ * leaves out weigh at most skip_tol of those it computes, so O moves by at most
+ * 2 skip_tol / (1 + skip_tol) times max|V| and LSE by at most log(1 + skip_tol). */
+double test_skip_tol_o(double skip_tol);
+double test_skip_tol_lse(double skip_tol);
 /* Execution options with the given most rows per query and key chunk, the rest default. */
 ape_exec_options test_chunks(int64_t cq, int64_t ck);
 
