@@ -32,6 +32,12 @@
  * (attention_backward_scratch, core/backend.h), held from the launch until its synchronisation:
  * one launch is in flight at a time.
  *
+ * On a device that reads host memory in place (buf_wrap takes it: OpenCL CPU devices, the
+ * reference), where one chunk covers a whole input laid out as its staging would be, the input
+ * is not copied: its buffer is the caller's tensor (wraps()); with one key chunk, dK and dV
+ * accumulate straight into their host copies, with one query chunk too dQ into a float32 one
+ * (wraps_output()). No device memory is counted for those.
+ *
  * The caller's outputs are written only after every device's last launch succeeded, from
  * those host copies: a failure on any device stops the others and writes nothing. No
  * pipelining yet (pipeline_depth is not used): each launch is synchronised before the staging
@@ -105,7 +111,7 @@ struct bwd_run {
 	int64_t cq, ck; /* rows per chunk */
 	int64_t kc0, kc1; /* its key chunks [kc0, kc1) */
 	struct chunk_buf b[NBUF];
-	bool may_wrap; /* the device wraps host memory (buf_wrap): its inputs may be read in place */
+	bool may_wrap; /* the device wraps host memory (probe_wrap()): wraps(), wraps_output() */
 	ape_tensor lse_t, dlse_t; /* lse and dlse as [B, H, Lq, 1] float tensors */
 	int64_t lse_s[4];
 	struct ape__buf *dparams_buf;
@@ -310,9 +316,8 @@ static uint64_t chunk_buf_bytes(const struct bwd_run *x, int i)
 
 /*
  * Host memory of one device with key chunks, before any device work: chunk staging, its dQ
- * accumulator and its parameter sums. An input whose one chunk is its whole tensor, already in
- * the staging's layout, gets no staging when the device wraps host memory (may_wrap):
- * alloc_device() wraps the tensor itself, or stages it after all where the device refuses.
+ * accumulator (or dq_all) and its parameter sums. Buffers that wraps() or wraps_output() get
+ * no staging: alloc_device() wraps the host memory itself.
  */
 static int prepare_host(struct bwd_run *x)
 {
@@ -351,13 +356,12 @@ static int wrap_host(struct bwd_run *x, struct chunk_buf *c, void *host, uint64_
 }
 
 /*
- * Whether the device wraps host memory in place (*yes), asked of buf_wrap with the LSE array
- * (a device that copies refuses with APE_ENOTSUP): the plan and the buffers follow it. 0, or
- * the op's failure.
+ * Whether the device wraps host memory in place (*yes), asked of buf_wrap with the LSE array's
+ * first element (a device that copies refuses with APE_ENOTSUP): the plan and the buffers
+ * follow it. 0, or the op's failure.
  */
 static int probe_wrap(struct bwd_run *x, bool *yes)
 {
-	const struct ape__problem *p = x->r->p;
 	struct ape__buf *b = NULL;
 	size_t got;
 	int ret;
@@ -365,8 +369,7 @@ static int probe_wrap(struct bwd_run *x, bool *yes)
 	*yes = false;
 	if (!x->ops->buf_wrap)
 		return 0;
-	ret = x->ops->buf_wrap(x->dev, APE__MEM_HOST, (void *)x->r->lse,
-			       (size_t)(p->B * p->H * p->Lq) * sizeof(float), &b, &got);
+	ret = x->ops->buf_wrap(x->dev, APE__MEM_HOST, (void *)x->r->lse, sizeof(float), &b, &got);
 	if (ret == APE_ENOTSUP) {
 		ape__error(0, "%s", ""); /* copied, as before */
 		return 0;
@@ -757,7 +760,7 @@ static void release_device(struct bwd_run *x)
 		struct chunk_buf *c = &x->b[i];
 
 		if (c->wrapped)
-			x->ops->buf_free(x->dev, c->buf); /* the caller's memory: only the hold */
+			x->ops->buf_free(x->dev, c->buf); /* host memory: only the hold */
 		else
 			ape__devmem_free(&x->mem, &c->buf, chunk_buf_bytes(x, i));
 		c->buf = NULL;
