@@ -836,7 +836,7 @@ TEST_F(rd, statistics_and_budget)
 	const test_problem_shape sh = { 1, 4, 2, 12, 20, 8 };
 	ape_device *dev = self->dev;
 	ape_exec_options eo;
-	uint64_t visible;
+	uint64_t visible, in_place_peak;
 	ape_stats st;
 	ape_rng rng;
 	bcase c;
@@ -857,9 +857,12 @@ TEST_F(rd, statistics_and_budget)
 	EXPECT_STREQ("ref", st.backend);
 	EXPECT_EQ(1, st.devices);
 	EXPECT_EQ(1u, st.chunks);
-	EXPECT_LT(0u, st.bytes_to_device);
+	/* one chunk each way: the reference reads the inputs where they lie (buf_wrap), so at most
+	 * the pair counts go to the device */
+	EXPECT_GE((uint64_t)(sh.B * sh.H * sh.Lq) * sizeof(uint64_t), st.bytes_to_device);
 	EXPECT_LT(0u, st.bytes_from_device);
 	EXPECT_LT(0u, st.peak_device_bytes);
+	in_place_peak = st.peak_device_bytes;
 
 	/* a budget too small for one row each way: refused before any work, saying what it
 	 * needs; nothing written */
@@ -875,13 +878,19 @@ TEST_F(rd, statistics_and_budget)
 						 "pass's chunk of 1 query row and 1 key row"));
 	for (int64_t i = 0; i < 4 * sh.H; i++)
 		EXPECT_TRUE(isnan(fresh.dparams[i]));
-	/* one byte short of the one-launch peak: smaller chunks, within the budget */
+	/* one byte short of the one-launch peak of a device that copies (buf_wrap hidden: in place,
+	 * one launch holds only dparams and the pair counts): smaller chunks, within the budget */
+	wrap_install(dev, WRAP_NO_BUF_WRAP);
+	ape_stats_init(&st);
+	ASSERT_EQ(0, run_backward(&c, dev, &fresh, W_ALL, &st));
+	EXPECT_LT(in_place_peak, st.peak_device_bytes) TH_LOG("the inputs were copied before");
 	eo.max_device_bytes = st.peak_device_bytes - 1;
 	ape_stats_init(&st);
 	EXPECT_EQ(0, ape_attention_backward_ex(&dev, 1, &eo, &c.tp.desc, &c.tp.q.t, &c.tp.k.t,
 					       &c.tp.v.t, &c.tp.o.t, c.tp.lse, &c.dout.t, NULL,
 					       &fresh.dq.t, &fresh.dk.t, &fresh.dv.t,
 					       fresh.dparams, &st));
+	wrap_remove();
 	EXPECT_LT(1u, st.chunks);
 	EXPECT_LE(st.peak_device_bytes, eo.max_device_bytes);
 	EXPECT_EQ(eo.max_device_bytes, st.device_budget);
@@ -1483,6 +1492,20 @@ static uint64_t allocated_scratch(const ape_device *dev)
 	return 0;
 }
 
+/* Whether dev reads host memory in place (buf_wrap of APE__MEM_HOST succeeds). */
+static bool wraps_host_memory(ape_device *dev)
+{
+	const struct ape__backend_ops *ops = dev->be->ops;
+	struct ape__buf *b = NULL;
+	float x = 0;
+	size_t got;
+
+	if (!ops->buf_wrap || ops->buf_wrap(dev, APE__MEM_HOST, &x, sizeof(x), &b, &got))
+		return false;
+	ops->buf_free(dev, b);
+	return true;
+}
+
 /*
  * Every backend with the op, streamed under budgets smaller than one launch needs: the device
  * bytes held at once (every buffer, and the scratch the backend declares for each launch in
@@ -1497,6 +1520,10 @@ static uint64_t allocated_scratch(const ape_device *dev)
  * may hide every pair (no launch to measure) or every pair of a split but one (st.chunks counts
  * launches, never the pairs the mask hides: ape.h), whatever the planner chose; the split itself
  * is checked on the chunk sizes the planner reports.
+ *
+ * The budgets are those of a device that copies its inputs (buf_wrap hidden): on one that reads
+ * host memory in place (the reference, OpenCL CPU devices) one launch holds no input buffer, so
+ * its peak is smaller, by the inputs, and is what the wrapper counts too; chunked calls stage.
  */
 TEST_F(bwd, streamed_budget_counts_the_backend_scratch)
 {
@@ -1508,8 +1535,9 @@ TEST_F(bwd, streamed_budget_counts_the_backend_scratch)
 	 * other chunk borders round differently and the spec's tolerance applies (the parameter
 	 * sums, over every pair, showed 1e-5 of their largest on the emulated CUDA device) */
 	const double ctol = ref ? CHUNK_TOL : grads_tol(APE_F32);
+	const bool in_place = wraps_host_memory(self->dev);
 	struct wrap_counts wc;
-	uint64_t one_peak, declared, allocated;
+	uint64_t one_peak, declared, allocated, in_place_peak;
 	ape_stats st;
 	ape_rng rng;
 	bcase c;
@@ -1525,8 +1553,17 @@ TEST_F(bwd, streamed_budget_counts_the_backend_scratch)
 	ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
 	ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
 
-	/* one launch: the peak with its scratch */
+	/* one launch reading its inputs in place where the device can: no input buffer held */
 	wrap_install(self->dev, 0);
+	ape_stats_init(&st);
+	ASSERT_EQ(0, run_backward(&c, self->dev, &g, W_ALL, &st)) TH_LOG("%s", ape_last_error());
+	wc = wrap_get();
+	in_place_peak = st.peak_device_bytes;
+	EXPECT_EQ(in_place_peak, wc.peak_bytes) TH_LOG("the executor and the wrapper count apart");
+	wrap_remove();
+
+	/* one launch with copies: the peak with its scratch */
+	wrap_install(self->dev, WRAP_NO_BUF_WRAP);
 	allocated_scratch(self->dev);
 	ape_stats_init(&st);
 	ASSERT_EQ(0, run_backward(&c, self->dev, &want, W_ALL, &st)) TH_LOG("%s", ape_last_error());
@@ -1543,6 +1580,16 @@ TEST_F(bwd, streamed_budget_counts_the_backend_scratch)
 		EXPECT_EQ(0u, declared);
 	} else {
 		EXPECT_LT(0u, allocated) TH_LOG("no scratch seen: the counter is broken");
+	}
+	if (in_place) {
+		EXPECT_LT(in_place_peak, one_peak) TH_LOG("inputs copied on a device that wraps");
+		/* the same launch, the same bits, whether the inputs were copied or not */
+		EXPECT_EQ(0, memcmp(g.dq.alloc, want.dq.alloc, g.dq.alloc_bytes));
+		EXPECT_EQ(0, memcmp(g.dk.alloc, want.dk.alloc, g.dk.alloc_bytes));
+		EXPECT_EQ(0, memcmp(g.dv.alloc, want.dv.alloc, g.dv.alloc_bytes));
+		EXPECT_EQ(0, memcmp(g.dparams, want.dparams, sizeof(float) * 4 * sh->H));
+	} else {
+		EXPECT_EQ(in_place_peak, one_peak);
 	}
 	ksft_print_msg("%s: one launch: peak %llu bytes, scratch declared %llu, allocated %llu\n",
 		       variant->backend, (unsigned long long)one_peak,
@@ -1583,7 +1630,7 @@ TEST_F(bwd, streamed_budget_counts_the_backend_scratch)
 		const uint64_t budget = one_peak - declared;
 
 		wrap_remove();
-		wrap_install(self->dev, WRAP_NO_BWD_SCRATCH);
+		wrap_install(self->dev, WRAP_NO_BWD_SCRATCH | WRAP_NO_BUF_WRAP);
 		ASSERT_EQ(0, budgeted(&c, self->dev, &g, budget, &st)) TH_LOG("%s", ape_last_error());
 		wc = wrap_get();
 		EXPECT_EQ(1u, st.chunks);
@@ -1592,7 +1639,7 @@ TEST_F(bwd, streamed_budget_counts_the_backend_scratch)
 		EXPECT_EQ(one_peak, wc.peak_bytes);
 		EXPECT_GT(wc.peak_bytes, budget);
 		wrap_remove();
-		wrap_install(self->dev, 0);
+		wrap_install(self->dev, WRAP_NO_BUF_WRAP);
 		ASSERT_EQ(0, budgeted(&c, self->dev, &g, budget, &st)) TH_LOG("%s", ape_last_error());
 		wc = wrap_get();
 		EXPECT_TRUE(st.chunk_q < sh->Lq || st.chunk_k < sh->Lk) TH_LOG("not split");

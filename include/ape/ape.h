@@ -1186,7 +1186,10 @@ APE_API int ape_attention_enqueue_diag(ape_queue *queue, const ape_attn_desc *de
  *        delta, beta, gamma, lambda, overwritten on success
  * \param stats NULL, or statistics of the call (initialise with ape_stats_init()): the pairs
  *        visible and computed, launches (`chunks`) and chunk sizes, bytes moved, kernel and
- *        total time, the budget and the peak device memory
+ *        total time, the budget and the peak device memory. On a device that reads host
+ *        memory in place (the reference, OpenCL CPU devices), a contiguous input that one chunk
+ *        covers is read where it lies and the gradients of one chunk accumulate in the call's
+ *        host copies: no bytes moved and no device memory for them (docs/streaming.md)
  * \return 0; APE_EINVAL (bad argument, naming it; also when dq, dk, dv and dparams are all
  *         NULL: nothing to compute); APE_EOVERFLOW (sizes or positions overflow 64 bits);
  *         APE_ENOTSUP (the device cannot run the backward pass: its backend has none, or an

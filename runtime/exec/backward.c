@@ -32,6 +32,12 @@
  * (attention_backward_scratch, core/backend.h), held from the launch until its synchronisation:
  * one launch is in flight at a time.
  *
+ * On a device that reads host memory in place (buf_wrap takes it: OpenCL CPU devices, the
+ * reference), where one chunk covers a whole input laid out as its staging would be, the input
+ * is not copied: its buffer is the caller's tensor (wraps()); with one key chunk, dK and dV
+ * accumulate straight into their host copies, with one query chunk too dQ into a float32 one
+ * (wraps_output()). No device memory is counted for those.
+ *
  * The caller's outputs are written only after every device's last launch succeeded, from
  * those host copies: a failure on any device stops the others and writes nothing. No
  * pipelining yet (pipeline_depth is not used): each launch is synchronised before the staging
@@ -69,6 +75,7 @@ struct chunk_buf {
 	const int64_t *s;
 	uint64_t row_bytes; /* bytes per row of one chunk, all (b, h) together */
 	bool used;
+	bool wrapped; /* buf is the host tensor itself (buf_wrap): no staging, no copy, not counted */
 	struct ape__buf *buf;
 	void *host; /* staging of one chunk */
 };
@@ -104,12 +111,14 @@ struct bwd_run {
 	int64_t cq, ck; /* rows per chunk */
 	int64_t kc0, kc1; /* its key chunks [kc0, kc1) */
 	struct chunk_buf b[NBUF];
+	bool may_wrap; /* the device wraps host memory (probe_wrap()): wraps(), wraps_output() */
 	ape_tensor lse_t, dlse_t; /* lse and dlse as [B, H, Lq, 1] float tensors */
 	int64_t lse_s[4];
 	struct ape__buf *dparams_buf;
 	double *dparams_host;
 	uint64_t dparams_bytes;
 	double *dq_acc; /* [B, H, Lq, D]: the sum of dQ over its key chunks */
+	float *dq_all; /* instead, where the DQ buffer wraps it (wraps_output()): dQ itself */
 	struct ape__bwd_result res; /* its figures */
 	struct span span[MAX_SPANS];
 	int nspan;
@@ -171,6 +180,41 @@ static uint64_t launch_scratch(const struct bwd_run *x, int64_t ck, int64_t nq, 
 	return x->ops->attention_backward_scratch(x->dev, &l, launch_parts(x));
 }
 
+/* Whether rows [0, n) of tensor t (strides s) lie in its memory as ape__pack_rows() would
+ * stage them: n is all of its rows, each (batch, head)'s rows contiguous, one after another. */
+static bool packed_in_place(const ape_tensor *t, const int64_t s[4], int64_t n)
+{
+	const int64_t H = t->shape[1], D = t->shape[3];
+
+	return n == t->shape[2] && s[3] == 1 && s[2] == D && (H == 1 || s[1] == n * D) &&
+	       (t->shape[0] == 1 || s[0] == H * n * D);
+}
+
+/* Whether buffer i, with chunks of `rows` rows, is the caller's input itself (buf_wrap): on a
+ * device that wraps host memory, an input whose one chunk is its whole tensor, already in the
+ * staging's layout. Such a buffer takes no device memory, no staging and no copy. */
+static bool wraps(const struct bwd_run *x, int i, int64_t rows)
+{
+	const struct chunk_buf *c = &x->b[i];
+
+	return x->may_wrap && c->t && packed_in_place(c->t, c->s, rows);
+}
+
+/*
+ * Whether output buffer i is a host copy of the whole gradient itself (buf_wrap), which the
+ * launches accumulate into in place: on a device that wraps host memory, dK and dV with one key
+ * chunk (the host copies dk_all and dv_all, in the staging's layout then), dQ with one key chunk
+ * and one query chunk (dq_all: the one partial is the sum). The caller's outputs are still
+ * written only at the end, from these copies.
+ */
+static bool wraps_output(const struct bwd_run *x, int i, int64_t cq, int64_t ck)
+{
+	const struct ape__problem *p = x->r->p;
+
+	return x->may_wrap && x->b[i].used && ck == p->Lk &&
+	       (i == B_DK || i == B_DV || (i == B_DQ && cq == p->Lq));
+}
+
 /* Device bytes of chunks of cq query rows and ck key rows: the buffers and the largest
  * launch's scratch (the figure does not decrease with the rows: core/backend.h). */
 static uint64_t chunk_bytes(const struct bwd_run *x, int64_t cq, int64_t ck)
@@ -178,7 +222,8 @@ static uint64_t chunk_bytes(const struct bwd_run *x, int64_t cq, int64_t ck)
 	uint64_t n = x->dparams_bytes + launch_scratch(x, ck, cq, ck);
 
 	for (int i = 0; i < NBUF; i++)
-		if (x->b[i].used)
+		if (x->b[i].used && !wraps(x, i, i < B_K ? cq : ck) &&
+		    !wraps_output(x, i, cq, ck))
 			n += x->b[i].row_bytes * (uint64_t)(i < B_K ? cq : ck);
 	return n;
 }
@@ -235,23 +280,25 @@ static void describe(struct bwd_run *x)
 	const struct ape__problem *p = r->p;
 	const uint64_t bh = (uint64_t)(p->B * p->H), bkv = (uint64_t)(p->B * p->Hkv);
 	const uint64_t D = (uint64_t)p->D, esz = ape_dtype_size(p->in_dtype);
+	/* what, the host tensor and its strides, row bytes, used */
+#define CB(w_, t_, s_, rb_, u_) \
+	{ .what = (w_), .t = (t_), .s = (s_), .row_bytes = (rb_), .used = (u_) }
 	const struct chunk_buf b[NBUF] = {
-		[B_Q] = { "q", r->q, p->qs, bh * D * esz, true, NULL, NULL },
-		[B_O] = { "o", r->o, p->os, bh * D * ape_dtype_size(p->out_dtype), true, NULL, NULL },
-		[B_DOUT] = { "dout", r->dout, r->dout_s, bh * D * ape_dtype_size(r->dout->dtype),
-			     true, NULL, NULL },
-		[B_LSE] = { "lse", &x->lse_t, x->lse_s, bh * sizeof(float), true, NULL, NULL },
-		[B_DLSE] = { "dlse", &x->dlse_t, x->lse_s, bh * sizeof(float), r->dlse != NULL,
-			     NULL, NULL },
-		[B_DQ] = { "dq", NULL, NULL, bh * D * sizeof(float), r->dq != NULL, NULL, NULL },
+		[B_Q] = CB("q", r->q, p->qs, bh * D * esz, true),
+		[B_O] = CB("o", r->o, p->os, bh * D * ape_dtype_size(p->out_dtype), true),
+		[B_DOUT] = CB("dout", r->dout, r->dout_s, bh * D * ape_dtype_size(r->dout->dtype),
+			      true),
+		[B_LSE] = CB("lse", &x->lse_t, x->lse_s, bh * sizeof(float), true),
+		[B_DLSE] = CB("dlse", &x->dlse_t, x->lse_s, bh * sizeof(float), r->dlse != NULL),
+		[B_DQ] = CB("dq", NULL, NULL, bh * D * sizeof(float), r->dq != NULL),
 		/* each row's pairs computed, when the launches may skip keys */
-		[B_PAIRS] = { "pairs", NULL, NULL, bh * sizeof(uint64_t), ape__skip_allowed(p),
-			      NULL, NULL },
-		[B_K] = { "k", r->k, p->ks, bkv * D * esz, true, NULL, NULL },
-		[B_V] = { "v", r->v, p->vs, bkv * D * esz, true, NULL, NULL },
-		[B_DK] = { "dk", NULL, NULL, bkv * D * sizeof(float), r->dk != NULL, NULL, NULL },
-		[B_DV] = { "dv", NULL, NULL, bkv * D * sizeof(float), r->dv != NULL, NULL, NULL },
+		[B_PAIRS] = CB("pairs", NULL, NULL, bh * sizeof(uint64_t), ape__skip_allowed(p)),
+		[B_K] = CB("k", r->k, p->ks, bkv * D * esz, true),
+		[B_V] = CB("v", r->v, p->vs, bkv * D * esz, true),
+		[B_DK] = CB("dk", NULL, NULL, bkv * D * sizeof(float), r->dk != NULL),
+		[B_DV] = CB("dv", NULL, NULL, bkv * D * sizeof(float), r->dv != NULL),
 	};
+#undef CB
 
 	memcpy(x->b, b, sizeof(b));
 	/* LSE rows are a [B, H, Lq, 1] tensor to the packer */
@@ -261,8 +308,17 @@ static void describe(struct bwd_run *x)
 	x->dparams_bytes = r->dparams ? (uint64_t)p->H * 4 * sizeof(double) : 0;
 }
 
-/* Host memory of one device with key chunks, before any device work: chunk staging, its dQ
- * accumulator and its parameter sums. */
+/* Bytes of buffer i's chunk. */
+static uint64_t chunk_buf_bytes(const struct bwd_run *x, int i)
+{
+	return x->b[i].row_bytes * (uint64_t)(i < B_K ? x->cq : x->ck);
+}
+
+/*
+ * Host memory of one device with key chunks, before any device work: chunk staging, its dQ
+ * accumulator (or dq_all) and its parameter sums. Buffers that wraps() or wraps_output() get
+ * no staging: alloc_device() wraps the host memory itself.
+ */
 static int prepare_host(struct bwd_run *x)
 {
 	const struct ape__bwd_req *r = x->r;
@@ -272,12 +328,15 @@ static int prepare_host(struct bwd_run *x)
 	for (int i = 0; i < NBUF; i++) {
 		struct chunk_buf *c = &x->b[i];
 
-		if (c->used && !(c->host = ape__malloc((size_t)(c->row_bytes *
-								 (uint64_t)(i < B_K ? x->cq
-										    : x->ck)))))
+		if (!c->used || wraps(x, i, i < B_K ? x->cq : x->ck) ||
+		    wraps_output(x, i, x->cq, x->ck))
+			continue;
+		if (!(c->host = ape__malloc((size_t)chunk_buf_bytes(x, i))))
 			goto out_nomem;
 	}
-	if (r->dq && !(x->dq_acc = ape__calloc(qgrad, sizeof(double))))
+	/* zeros: the rows of a query chunk the causal mask hides get no launch */
+	if (wraps_output(x, B_DQ, x->cq, x->ck) ? !(x->dq_all = ape__calloc(qgrad, sizeof(float)))
+				  : r->dq && !(x->dq_acc = ape__calloc(qgrad, sizeof(double))))
 		goto out_nomem;
 	if (r->dparams && !(x->dparams_host = ape__malloc((size_t)x->dparams_bytes)))
 		goto out_nomem;
@@ -286,19 +345,63 @@ out_nomem:
 	return ape__error(APE_ENOMEM, "%s: out of host memory staging the backward pass", r->fn);
 }
 
+/* Buffer c over the host memory at host (wraps(), wraps_output(): no staging). */
+static int wrap_host(struct bwd_run *x, struct chunk_buf *c, void *host, uint64_t bytes)
+{
+	size_t got;
+	int ret = x->ops->buf_wrap(x->dev, APE__MEM_HOST, host, (size_t)bytes, &c->buf, &got);
+
+	c->wrapped = ret == 0;
+	return ret;
+}
+
+/*
+ * Whether the device wraps host memory in place (*yes), asked of buf_wrap with the LSE array's
+ * first element (a device that copies refuses with APE_ENOTSUP): the plan and the buffers
+ * follow it. 0, or the op's failure.
+ */
+static int probe_wrap(struct bwd_run *x, bool *yes)
+{
+	struct ape__buf *b = NULL;
+	size_t got;
+	int ret;
+
+	*yes = false;
+	if (!x->ops->buf_wrap)
+		return 0;
+	ret = x->ops->buf_wrap(x->dev, APE__MEM_HOST, (void *)x->r->lse, sizeof(float), &b, &got);
+	if (ret == APE_ENOTSUP) {
+		ape__error(0, "%s", ""); /* copied, as before */
+		return 0;
+	}
+	if (ret)
+		return ape__error_prefix(ape__error_on(ret, x->dev), x->r->fn);
+	x->ops->buf_free(x->dev, b);
+	*yes = true;
+	return 0;
+}
+
 static int alloc_device(struct bwd_run *x)
 {
+	float *const out[NBUF] = { [B_DQ] = x->dq_all, [B_DK] = x->sh->dk_all,
+				    [B_DV] = x->sh->dv_all };
 	int ret;
 
 	if ((ret = x->ops->queue_create(x->dev, &x->queue)))
 		return ret;
 	for (int i = 0; i < NBUF; i++) {
 		struct chunk_buf *c = &x->b[i];
+		const uint64_t bytes = chunk_buf_bytes(x, i);
 
-		if (c->used && (ret = ape__devmem_alloc(&x->mem,
-							c->row_bytes *
-								(uint64_t)(i < B_K ? x->cq : x->ck),
-							&c->buf, c->what)))
+		if (!c->used)
+			continue;
+		if (wraps(x, i, i < B_K ? x->cq : x->ck))
+			ret = wrap_host(x, c, c->t->data, bytes);
+		else if (wraps_output(x, i, x->cq, x->ck))
+			ret = wrap_host(x, c, out[i], bytes);
+		else
+			ret = ape__devmem_alloc(&x->mem, bytes, &c->buf, c->what);
+		if (ret)
 			return ret;
 	}
 	if (x->r->dparams &&
@@ -393,7 +496,7 @@ static int upload_rows(struct bwd_run *x, int first, int last, int64_t l0, int64
 		struct chunk_buf *c = &x->b[i];
 		const size_t len = (size_t)(c->row_bytes * (uint64_t)n);
 
-		if (!c->used || !c->t)
+		if (!c->used || !c->t || c->wrapped)
 			continue;
 		ape__pack_rows(c->host, c->t, c->s, l0, n);
 		if ((ret = x->ops->copy_h2d(x->queue, c->buf, 0, c->host, len)))
@@ -420,7 +523,7 @@ static int download_rows(struct bwd_run *x, int i, int64_t n, uint64_t *bytes)
 	const size_t len = (size_t)(c->row_bytes * (uint64_t)n);
 	int ret;
 
-	if (!c->used)
+	if (!c->used || c->wrapped) /* a wrapped one is there already */
 		return 0;
 	if ((ret = x->ops->copy_d2h(x->queue, c->host, c->buf, 0, len)))
 		return ret;
@@ -436,7 +539,7 @@ static int copy_back(struct bwd_run *x, int i, int i2, int64_t n, const char *wh
 	uint64_t down = 0;
 	int ret;
 
-	if (!x->b[i].used && !x->b[i2].used)
+	if ((!x->b[i].used || x->b[i].wrapped) && (!x->b[i2].used || x->b[i2].wrapped))
 		return 0;
 	if ((ret = span_begin(x, &e0)))
 		return ret;
@@ -553,7 +656,7 @@ static void place_dkv(struct bwd_run *x, int i, float *all, int64_t j0, int64_t 
 	ape_tensor t;
 	int64_t s[4];
 
-	if (!all)
+	if (!all || x->b[i].wrapped) /* the launches wrote it */
 		return;
 	ape_tensor_init(&t, all, APE_F32, p->B, p->Hkv, p->Lk, p->D);
 	ape_tensor_strides(&t, s);
@@ -656,8 +759,12 @@ static void release_device(struct bwd_run *x)
 	for (int i = 0; i < NBUF; i++) {
 		struct chunk_buf *c = &x->b[i];
 
-		ape__devmem_free(&x->mem, &c->buf,
-				 c->row_bytes * (uint64_t)(i < B_K ? x->cq : x->ck));
+		if (c->wrapped)
+			x->ops->buf_free(x->dev, c->buf); /* host memory: only the hold */
+		else
+			ape__devmem_free(&x->mem, &c->buf, chunk_buf_bytes(x, i));
+		c->buf = NULL;
+		c->wrapped = false;
 	}
 	ape__devmem_free(&x->mem, &x->dparams_buf, x->dparams_bytes);
 }
@@ -668,6 +775,7 @@ static void release_host(struct bwd_run *x)
 		free(x->b[i].host);
 	free(x->dparams_host);
 	free(x->dq_acc);
+	free(x->dq_all);
 }
 
 /* The work of device d (ape__run_per_device()): a failure raises the abort flag and keeps its
@@ -692,11 +800,12 @@ static void device_main(void *arg, int d)
 }
 
 /*
- * Only after every launch succeeded: the float32 copies (dQ rounded from its float64 sum),
- * converted for 16-bit tensors, into the caller's layout. Every conversion buffer is taken
- * before the first byte is written, so that running out of memory here writes nothing too.
+ * Only after every launch succeeded: the float32 copies (dQ rounded from its float64 sum, or
+ * dq_all, the one partial, with -0 made +0 as that sum makes it), converted for 16-bit tensors,
+ * into the caller's layout. Every conversion buffer is taken before the first byte is written,
+ * so that running out of memory here writes nothing too.
  */
-static int write_outputs(const struct bwd_shared *sh, const double *dq_acc,
+static int write_outputs(const struct bwd_shared *sh, const double *dq_acc, float *dq_all,
 			 const double *dparams)
 {
 	const struct ape__bwd_req *r = sh->r;
@@ -709,7 +818,12 @@ static int write_outputs(const struct bwd_shared *sh, const double *dq_acc,
 	void *conv[3] = { NULL, NULL, NULL };
 	int ret = 0;
 
-	if (r->dq) {
+	if (r->dq && dq_all) {
+		/* (float)(0.0 + (double)x) is x + 0.0f: x, but +0 for -0 */
+		for (size_t i = 0; i < nq; i++)
+			dq_all[i] += 0.0f;
+		all[0] = dq_all;
+	} else if (r->dq) {
 		dq32 = ape__malloc(nq * sizeof(float) + 1);
 		if (!dq32)
 			goto out_nomem;
@@ -863,7 +977,7 @@ static int finish(struct bwd_shared *sh, struct bwd_run *x, int n)
 		for (int64_t i = 0; to->dparams_host && i < 4 * p->H; i++)
 			to->dparams_host[i] += x[d].dparams_host[i];
 	}
-	return write_outputs(sh, to->dq_acc, to->dparams_host);
+	return write_outputs(sh, to->dq_acc, to->dq_all, to->dparams_host);
 }
 
 int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res)
@@ -906,7 +1020,10 @@ int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res
 		res->budget = budget < res->budget ? budget : res->budget;
 		describe(&x[d]);
 	}
-	ret = plan_all(x, r->ndev);
+	for (int d = 0; d < r->ndev && !ret; d++)
+		ret = probe_wrap(&x[d], &x[d].may_wrap);
+	if (!ret)
+		ret = plan_all(x, r->ndev);
 	if (!ret)
 		ret = split_keys(x, r->ndev);
 	for (int d = 0; d < r->ndev && !ret; d++)

@@ -205,9 +205,10 @@ static void count_free(struct ape__buf *b)
 {
 	pthread_mutex_lock(&w.lock);
 	if (b) {
-		w.c.frees++;
+		/* a buffer buf_alloc made: buf_wrap's are neither counted nor held */
 		for (size_t i = 0; i < w.nbufs; i++)
 			if (w.bufs[i].b == b) {
+				w.c.frees++;
 				w.c.live_bytes -= w.bufs[i].n;
 				w.bufs[i] = w.bufs[--w.nbufs];
 				break;
@@ -496,6 +497,8 @@ void wrap_install(ape_device *dev, unsigned flags)
 	w.ops.copy_view = w.orig->copy_view ? w_copy_view : NULL;
 	if (flags & WRAP_NO_BWD_SCRATCH)
 		w.ops.attention_backward_scratch = NULL;
+	if (flags & WRAP_NO_BUF_WRAP)
+		w.ops.buf_wrap = NULL;
 	if (flags & WRAP_NO_COPY_D2D)
 		w.ops.copy_d2d = NULL;
 	if (flags & WRAP_NO_TIMESTAMP)

@@ -28,6 +28,9 @@
 /* declare no diagnostics at all (attention_diag and attention_diag_views false): the core's
  * refusal runs on any backend */
 #define WRAP_NO_DIAG (1u << 6)
+/* hide buf_wrap: a device that cannot read host memory in place (the backward's host call then
+ * stages and copies its inputs) */
+#define WRAP_NO_BUF_WRAP (1u << 7)
 
 /* The ops that can fail, as the wrapper counts and fails them. */
 enum wrap_op {
@@ -53,7 +56,9 @@ enum wrap_op {
 };
 
 struct wrap_counts {
-	uint64_t allocs, frees; /* buf_alloc / buf_free calls (scratch_alloc / scratch_free too) */
+	/* buf_alloc / buf_free calls (scratch_alloc / scratch_free too); buffers buf_wrap made are
+	 * not counted when freed */
+	uint64_t allocs, frees;
 	/* device bytes held, and their peak since reset: buffers, and the scratch the backend
 	 * declares (attention_backward_scratch) for each backward launch, from the call until its
 	 * queue's next synchronize or queue_destroy */
