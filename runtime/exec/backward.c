@@ -612,10 +612,11 @@ static int pairs_before(struct bwd_run *x, int64_t i0, int64_t nq, int64_t j0, i
 		return 0;
 	for (int64_t bh = 0; bh < p->B * p->H; bh++)
 		for (int64_t i = 0; i < nq; i++) {
-			/* causal: keys at n >= 0; distances are validated to fit */
-			int64_t v = p->q_start + i0 + i - (p->k_start + j0) + 1;
+			/* causal: keys at n >= 0; distances are validated to fit, not one more
+			 * (fuzz_problem: a distance of INT64_MAX) */
+			const int64_t d = p->q_start + i0 + i - (p->k_start + j0);
+			const int64_t v = !p->causal ? nk : d < 0 ? 0 : d >= nk ? nk : d + 1;
 
-			v = !p->causal ? nk : v < 0 ? 0 : v > nk ? nk : v;
 			h[bh * nq + i] = (uint64_t)v;
 		}
 	if ((ret = x->ops->copy_h2d(x->queue, c->buf, 0, h, bytes)))
