@@ -375,7 +375,8 @@ void warp_op(wop op, const void *in, size_t n, void *out, size_t outn)
 		park(b, f); /* the launch is over */
 		return;
 	}
-	memcpy(w->in[f->lane], in, n);
+	if (n) /* a collective without input (a bare warp sync) may pass none */
+		memcpy(w->in[f->lane], in, n);
 	gen = w->gen;
 	if (++w->arrived == lanes) {
 		complete(w);

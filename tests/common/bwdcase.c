@@ -76,7 +76,8 @@ void bcase_edge_heads(bcase *c)
 	prm[0] = -0.25f;
 	prm[H] = -0.5f;
 	prm[2 * H] = -0.125f;
-	prm[3 * H + 1] = 0;
+	if (H > 1) /* a second head, if any, at lambda = 0 */
+		prm[3 * H + 1] = 0;
 	prm[3 * H] = 1.75f;
 }
 

@@ -48,7 +48,7 @@ int bcase_ready_visible(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_
 			bool strided, bool with_dlse, ape_device *dev);
 
 /* Per-head parameters (the drawn ones, in tp.params) with head 0's decays negative and its
- * lambda large (1.75), head 1's lambda 0 (H >= 2). */
+ * lambda large (1.75), head 1's lambda 0 (when there is a head 1). */
 void bcase_edge_heads(bcase *c);
 
 /* dq, dk, dv of type dt and dparams, every element NaN. -1 if out of memory. */
