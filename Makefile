@@ -191,6 +191,7 @@ deps:
 # Each suite prints its own line; the last line adds them all up (fuzz targets count as tests).
 CHECK_SUMMARY = $(abspath $(BUILD))/check-summary
 check: all $(TESTS) $(TESTS_BUILD_ONLY)
+	$(Q)tools/check-layers.sh --self-test
 	$(Q)tools/check-layers.sh
 	$(Q)rm -f $(CHECK_SUMMARY)
 	$(Q)APE_TEST_SUMMARY=$(CHECK_SUMMARY) tests/run-tests.sh $(BUILD) $(TESTS)

@@ -86,7 +86,9 @@ enum ape__cu_kernel {
 	APE__CU_K_MERGE_DIAG = APE__CU_K_SEP + 4,
 	APE__CU_K_PREFILL_DIAG,
 	APE__CU_K_DECODE_DIAG = APE__CU_K_PREFILL_DIAG + 12,
-	APE__CU_NKERNELS = APE__CU_K_DECODE_DIAG + 12,
+	/* attention_merge (ABI 11) */
+	APE__CU_K_LMERGE = APE__CU_K_DECODE_DIAG + 12,
+	APE__CU_NKERNELS,
 };
 
 /* Head-size variants: D = 64 and 128 specialised, every other even D <= 256 generic. */
@@ -122,16 +124,19 @@ struct ape__buf {
 };
 
 struct ape__queue {
-	struct ape_device *dev;
+	struct ape_device *dev; /* first, as every backend's (core/backend.h, "Objects") */
 	CUstream s; /* NULL: the legacy default stream (a wrapped one only) */
 	bool wrapped; /* the caller's stream (queue_wrap): never synchronised or destroyed here */
 };
 
 struct ape__event {
-	struct ape_device *dev;
+	struct ape_device *dev; /* first, likewise */
 	CUevent ev;
 	bool timed; /* created with timing (not on a wrapped stream) */
 };
+
+_Static_assert(offsetof(struct ape__queue, dev) == 0 && offsetof(struct ape__event, dev) == 0,
+	       "core/backend.h: queues and events begin with their device");
 
 static inline struct ape__cu_device *ape__cu_dev(const struct ape_device *dev)
 {
@@ -153,8 +158,8 @@ int ape__cu_err_code(CUresult r);
  * table, else "CUresult 1234". */
 const char *ape__cu_err_name(const struct ape__cu_driver *drv, CUresult r, char *buf, size_t cap);
 /* Sets the message "<what>: CUDA_ERROR_NAME (code): <driver's text>" and returns the mapped
- * code; dev's driver names the error. The op that failed names itself and the device around it
- * (cuda_backend.c). */
+ * code; dev's driver names the error. The core's table names the op that failed and the device
+ * around it (core/backend.h, "Failure"). */
 int ape__cu_error(CUresult r, const struct ape_device *dev, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 
@@ -195,7 +200,6 @@ void ape__cu_event_destroy(struct ape__event *e);
 int ape__cu_synchronize(struct ape__queue *q);
 int ape__cu_host_register(struct ape_device *dev, void *ptr, size_t bytes, void **handle);
 void ape__cu_host_unregister(struct ape_device *dev, void *handle);
-uint64_t ape__cu_max_alloc(struct ape_device *dev);
 int ape__cu_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
 		     struct ape__buf **out, size_t *bytes_out);
 int ape__cu_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out);
@@ -238,6 +242,9 @@ int ape__cu_prep_keys(struct ape__queue *q, const struct ape__launch *l,
 uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__launch *l);
 /* More heads than an argument struct carries (APE_CU_INLINE_HEADS): l->head_params copied to
  * dst, on the queue, from a host copy the stream frees once the copy has run. */
+/* Where a launch's kernels find the heads' float32 parameters: in the call's table when the core
+ * uploaded one (struct ape__launch.params[1]), else at `slot` (ape__cu_upload_head_params()). */
+CUdeviceptr ape__cu_head_params_at(const struct ape__launch *l, CUdeviceptr slot);
 int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst);
 
 /* ---- cuda_separable.c: launches whose every head has lambda = 0 (f16/bf16, D 64 or 128, no
@@ -261,6 +268,8 @@ int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launc
 int ape__cu_scratch_buf_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out);
 int ape__cu_scratch_buf_free(struct ape__queue *q, struct ape__buf *buf);
 int ape__cu_copy_view(struct ape__queue *q, const struct ape__copy *c);
+/* attention_merge (cuda_merge.c) */
+int ape__cu_attention_merge(struct ape__queue *q, const struct ape__merge *m);
 uint64_t ape__cu_attention_backward_scratch(struct ape_device *dev,
 					    const struct ape__bwd_launch *l, unsigned parts);
 /* The most scratch bytes one backward launch of this process allocated: tests compare it with

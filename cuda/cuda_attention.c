@@ -210,7 +210,7 @@ static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CU
 	c->pairs = l->pairs ? l->pairs->ptr : 0;
 	c->ent = l->ent ? l->ent->ptr : 0;
 	c->md = l->md ? l->md->ptr : 0;
-	c->hparams = p->hp ? scratch + p->hp : 0;
+	c->hparams = p->hp ? ape__cu_head_params_at(l, scratch + p->hp) : 0;
 	c->Lq = l->Lq;
 	c->Lk = l->Lk;
 	c->rel = l->q_start - l->k_start;
@@ -257,8 +257,17 @@ static void CUDA_CB cu_free_host(void *p)
 	free(p);
 }
 
-/* More heads than the argument struct carries: their parameters go through the scratch. The
- * host copy is freed by the stream once the copy has run. */
+CUdeviceptr ape__cu_head_params_at(const struct ape__launch *l, CUdeviceptr slot)
+{
+	/* the call's float32 table (struct ape__launch.params): omega first, then the heads' */
+	if (l->params[1])
+		return l->params[1]->ptr + (CUdeviceptr)(l->D / 2) * sizeof(float);
+	return slot;
+}
+
+/* More heads than the argument struct carries: their parameters go through the scratch, unless
+ * the core uploaded the call's table (ape__cu_head_params_at()). The host copy is freed by the
+ * stream once the copy has run. */
 int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst)
 {
 	const struct ape__cu_driver *drv = ape__cu_dev(q->dev)->drv;
@@ -521,7 +530,7 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 	ret = ape__cu_scratch_alloc(q, p.total, &scratch);
 	if (ret)
 		goto out_leave;
-	if (p.hp)
+	if (p.hp && !l->params[1])
 		ret = ape__cu_upload_head_params(q, l, scratch + p.hp);
 	if (!ret && l->Lk == 0)
 		ret = run_merge(q, l, &p, scratch, 0);

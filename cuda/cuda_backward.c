@@ -181,8 +181,8 @@ static int bwd_run(struct ape__queue *q, const struct ape__bwd_launch *l, int va
 	a->part = l->dparams ? scratch + s->part_off : 0;
 	a->dqp = l->dq ? scratch + s->dqp_off : 0;
 	a->rp = l->dq || l->dparams ? scratch + s->rp_off : 0;
-	a->hparams = s->hp_off ? scratch + s->hp_off : 0;
-	if (s->hp_off)
+	a->hparams = s->hp_off ? ape__cu_head_params_at(f, scratch + s->hp_off) : 0;
+	if (s->hp_off && !f->params[1])
 		ret = ape__cu_upload_head_params(q, f, scratch + s->hp_off);
 	if (!ret)
 		ret = ape__cu_launch(q, APE__CU_K_BWD_ROWS,

@@ -50,6 +50,7 @@ static int cu_add_device(struct ape__backend *be, const struct ape__cu_driver *d
 {
 	struct ape__cu_device *cd;
 	struct ape_device_info info;
+	struct ape__dev_caps caps;
 	char nbuf[32], ver[16];
 	CUresult res;
 	int ret;
@@ -103,7 +104,16 @@ static int cu_add_device(struct ape__backend *be, const struct ape__cu_driver *d
 	info.compute_units = cd->sm_count;
 	info.global_mem_bytes = cd->total_mem;
 	snprintf(info.pci_address, sizeof(info.pci_address), "%s", cd->pci);
-	ret = ape__device_add(be, &info, CU_RANK, cd);
+	caps = (struct ape__dev_caps){
+		.diag = true, /* ENT and MD: the _diag kernels (cuda_attention.c) */
+		.diag_views = true, /* ... strided, each optional */
+		.backward = true, /* cuda_backward.c */
+		.resident_backward = true, /* scratch and copy_view, cuda_backward.c */
+		.timestamps = true, /* against the device's epoch event (cuda_mem.c) */
+		/* no host_memory: kernels read device memory only; one buffer may take it all */
+		.max_alloc = cd->total_mem,
+	};
+	ret = ape__device_add(be, &info, &caps, CU_RANK, cd);
 	if (ret) {
 		cu_dev_free(cd);
 		return ret;

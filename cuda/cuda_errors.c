@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * CUDA errors at the backend boundary: every CUresult becomes a libape code and a message naming
- * the driver call and the error (cuGetErrorName and cuGetErrorString); cuda_backend.c adds the
- * device and the backend op around it. Nothing aborts.
+ * the driver call and the error (cuGetErrorName and cuGetErrorString); the core's table adds
+ * the device and the backend op around it (core/backend.h, "Failure"). Nothing aborts.
  */
 #include <stdarg.h>
 #include <stdio.h>

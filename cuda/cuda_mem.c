@@ -294,11 +294,6 @@ void ape__cu_host_unregister(struct ape_device *dev, void *handle)
 	ape__cu_leave(dev);
 }
 
-uint64_t ape__cu_max_alloc(struct ape_device *dev)
-{
-	return ape__cu_dev(dev)->total_mem;
-}
-
 int ape__cu_scratch_alloc(struct ape__queue *q, size_t bytes, CUdeviceptr *out)
 {
 	const struct ape__cu_device *cd = ape__cu_dev(q->dev);

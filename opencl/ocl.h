@@ -82,7 +82,7 @@ struct ape__buf {
 };
 
 struct ape__queue {
-	struct ape_device *dev;
+	struct ape_device *dev; /* first, as every backend's (core/backend.h, "Objects") */
 	cl_command_queue cq;
 	struct ape__ocl_timeline *tl;
 	bool wrapped; /* the caller's queue (queue_wrap): released without waiting */
@@ -90,12 +90,15 @@ struct ape__queue {
 };
 
 struct ape__event {
-	struct ape_device *dev; /* for the messages of event_elapsed and event_timestamp */
+	struct ape_device *dev; /* first, likewise */
 	cl_event marker; /* for event_wait on other queues, and timing across queues */
 	struct ape__ocl_timeline *tl;
 	size_t idx; /* commands of tl enqueued before this event */
 	bool timed; /* recorded on a queue with profiling (struct ape__queue.timed) */
 };
+
+_Static_assert(offsetof(struct ape__queue, dev) == 0 && offsetof(struct ape__event, dev) == 0,
+	       "core/backend.h: queues and events begin with their device");
 
 static inline struct ape__ocl_device *ape__ocl_dev(const struct ape_device *dev)
 {
@@ -106,8 +109,8 @@ static inline struct ape__ocl_device *ape__ocl_dev(const struct ape_device *dev)
 const char *ape__ocl_err_name(cl_int err);
 /* The libape code for an OpenCL error (ENOMEM, EBUILD, ENODEV or EBACKEND). */
 int ape__ocl_err_code(cl_int err);
-/* Sets the message "<what>: CL_NAME (code)" and returns the mapped code; the op that failed
- * names itself and the device around it (ocl_backend.c). */
+/* Sets the message "<what>: CL_NAME (code)" and returns the mapped code; the core's table
+ * names the op that failed and the device around it (core/backend.h, "Failure"). */
 int ape__ocl_error(cl_int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* ---- ocl_device.c */
@@ -126,7 +129,6 @@ int ape__ocl_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32
 		  size_t n);
 int ape__ocl_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
 		      struct ape__buf *src, size_t src_off, size_t n);
-uint64_t ape__ocl_max_alloc(struct ape_device *dev);
 /* buf_wrap, queue_wrap and native (core/backend.h, ABI 5): the caller's memory and queues. */
 int ape__ocl_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
 		      struct ape__buf **out, size_t *bytes_out);
@@ -147,6 +149,8 @@ int ape__ocl_program_get(struct ape_device *dev, int64_t D, const struct ape__oc
 
 /* ---- ocl_attention.c */
 int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l);
+/* attention_merge (ocl_merge.c) */
+int ape__ocl_attention_merge(struct ape__queue *q, const struct ape__merge *m);
 /* Kernel arguments set in order; the first failure sticks in err (checked once, after all). */
 struct ape__ocl_args {
 	cl_kernel k;

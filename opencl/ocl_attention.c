@@ -69,34 +69,6 @@ cl_mem ape__ocl_scratch(struct ape__queue *q, size_t bytes, void *init, cl_int *
 	return clCreateBuffer(od->ctx, flags, bytes, init, err);
 }
 
-/* Per-head parameters in the kernel's APE_REAL: omega_p (P values), then delta, beta, gamma,
- * lambda per head. */
-static cl_mem ocl_params(struct ape__queue *q, const struct ape__launch *l, int fp64, cl_int *err)
-{
-	const size_t P = (size_t)l->D / 2, n = P + 4 * (size_t)l->H;
-	const size_t esz = fp64 ? sizeof(double) : sizeof(float);
-	unsigned char *host = ape__malloc(n * esz);
-	cl_mem mem;
-
-	if (!host) {
-		*err = CL_OUT_OF_HOST_MEMORY;
-		return NULL;
-	}
-	for (size_t i = 0; i < n; i++) {
-		double x = i < P ? l->omega[i] : (double)l->head_params[i - P];
-
-		if (fp64)
-			memcpy(host + i * esz, &x, esz);
-		else {
-			float f = (float)x;
-
-			memcpy(host + i * esz, &f, esz);
-		}
-	}
-	mem = ape__ocl_scratch(q, n * esz, host, err);
-	free(host);
-	return mem;
-}
 
 /* A view as the kernels take it: x = offset, y, z, w = the B, H, L strides. */
 static cl_long4 long4_of(struct ape__view v)
@@ -268,7 +240,6 @@ out_release:
 
 int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 {
-	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
 	const struct ape__ocl_program *pr;
 	const cl_int D = (cl_int)l->D, H = (cl_int)l->H, group = (cl_int)(l->H / l->Hkv);
 	const cl_long Lq = l->Lq, Lk = l->Lk, rel = l->q_start - l->k_start;
@@ -307,7 +278,7 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	if (l->skip_tol > 0 && l->decay_nonneg && tol > 0)
 		flags |= F_SKIP | (l->lse_prior && prior_tol > 0 ? F_PRIOR : 0);
 
-	prm = ocl_params(q, l, od->fp64, &err);
+	prm = ape__ocl_fast_params(q, l, &err);
 	if (!prm)
 		return ape__ocl_error(err, "clCreateBuffer (parameters)");
 	if (ocl_kv_prep(q, pr, l, &kp, &vf, &kbuf, &vbuf, kv, &ret))

@@ -125,10 +125,17 @@ cl_mem ape__ocl_fast_params(struct ape__queue *q, const struct ape__launch *l, c
 {
 	const struct ape__ocl_device *od = ape__ocl_dev(q->dev);
 	const size_t P = (size_t)l->D / 2, n = P + 4 * (size_t)l->H;
-	double *dv = od->fp64 ? ape__malloc(n * sizeof(double)) : NULL;
-	float *fv = od->fp64 ? NULL : ape__malloc(n * sizeof(float));
+	const struct ape__buf *up = l->params[od->fp64 ? 0 : 1];
+	double *dv;
+	float *fv;
 	cl_mem mem;
 
+	if (up) { /* the call's table, uploaded once by the core: this launch's reference */
+		*err = clRetainMemObject(up->mem);
+		return *err == CL_SUCCESS ? up->mem : NULL;
+	}
+	dv = od->fp64 ? ape__malloc(n * sizeof(double)) : NULL;
+	fv = od->fp64 ? NULL : ape__malloc(n * sizeof(float));
 	if (!dv && !fv) {
 		*err = CL_OUT_OF_HOST_MEMORY;
 		return NULL;

@@ -171,6 +171,7 @@ static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_devic
 						0 };
 	struct ape__ocl_device *od;
 	struct ape_device_info info;
+	struct ape__dev_caps caps;
 	cl_bool avail = CL_FALSE, compiler = CL_FALSE;
 	cl_uint cu = 0;
 	cl_ulong gmem = 0;
@@ -247,7 +248,19 @@ static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_devic
 		ape__warn("opencl %s: no float64 (cl_khr_fp64): rotation angles are exact only for "
 			  "distances |n| < 4096",
 			  od->name);
-	ret = ape__device_add(be, &info, rank, od);
+	caps = (struct ape__dev_caps){
+		/* a CPU device's buffers can be host memory (CL_MEM_USE_HOST_PTR), which its
+		 * kernels read where it is (ape__ocl_buf_wrap) */
+		.host_memory = (od->type & CL_DEVICE_TYPE_CPU) != 0,
+		.diag = true, /* ENT and MD behind F_DIAG (kernels/attention.cl) */
+		.diag_views = true, /* ... strided, each optional */
+		/* ocl_backward.c: its kernels, copy_view's included, are built with float64 */
+		.backward = od->fp64 != 0,
+		.resident_backward = od->fp64 != 0, /* scratch and copy_view */
+		.timestamps = true, /* profiling queues (a wrapped queue may have none: ENOTSUP) */
+		.max_alloc = od->max_alloc, /* checked in buf_alloc: some drivers fail late */
+	};
+	ret = ape__device_add(be, &info, &caps, rank, od);
 	if (ret) {
 		ocl_dev_free(od);
 		return ret;

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * OpenCL error codes at the backend boundary: every cl_int failure becomes a libape code and a
- * message naming the driver call and the OpenCL error by name; ocl_backend.c adds the device and
- * the backend op around it. Nothing aborts.
+ * message naming the driver call and the OpenCL error by name; the core's table adds the device
+ * and the backend op around it (core/backend.h, "Failure"). Nothing aborts.
  */
 #include <stdarg.h>
 #include <stdio.h>

@@ -448,11 +448,6 @@ int ape__ocl_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off
 	return ape__ocl_track(q, ev);
 }
 
-uint64_t ape__ocl_max_alloc(struct ape_device *dev)
-{
-	return ape__ocl_dev(dev)->max_alloc;
-}
-
 int ape__ocl_event_record(struct ape__queue *q, struct ape__event **out)
 {
 	struct ape__event *e = ape__calloc(1, sizeof(*e));

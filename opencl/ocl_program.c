@@ -185,12 +185,12 @@ static int ocl_check_kernels(const struct ape__ocl_device *od, cl_program prog,
 			     const struct ape__ocl_tuning *t)
 {
 	static const char *const names[] = { "ape_attention", "ape_kmax", "ape_kscan",
-					       "ape_kv_prep", "ape_bwd_prep", "ape_bwd_dist",
+					       "ape_kv_prep", "ape_merge", "ape_bwd_prep", "ape_bwd_dist",
 					       "ape_bwd_rows", "ape_bwd_fused", "ape_bwd_reduce",
 					       "ape_bwd_params", "ape_copy_view" };
 
 	/* the backward kernels exist only with float64 (kernels/backward.cl) */
-	const size_t nk = od->fp64 ? sizeof(names) / sizeof(names[0]) : 4;
+	const size_t nk = od->fp64 ? sizeof(names) / sizeof(names[0]) : 5;
 
 	for (size_t i = 0; i < nk; i++) {
 		cl_int err;

@@ -836,12 +836,13 @@ TEST_F(run, backward_matches_the_library)
 	expect_npy(_metadata, self, "DQ3.npy", APE_F32, 4, g.dq.t.shape, g.dq.t.data,
 		   1e-5 * test_tensor_maxabs(&g.dq.t));
 
-	/* --devices reach the backward: the key chunks (3 of 3 rows) split over both entries */
+	/* --devices reach the backward: the key chunks (3 of 3 rows) split over both entries, each
+	 * pipelined as the forward is */
 	ASSERT_EQ(0, RUN(BASIC, "--lambda", "0.1,0,0.3,0.05", "--layout", "interleaved",
 			 "--backward", "DO.npy", "--dq", "DQ4.npy", "--chunk", "3", "--devices",
 			 "ref:0,ref", "--stats"))
 		TH_LOG("stderr: %s", self->err);
-	EXPECT_NE(NULL, strstr(strstr(self->err, "backward: chunks") ?: "", "(3 x 3 rows, 1 in "
+	EXPECT_NE(NULL, strstr(strstr(self->err, "backward: chunks") ?: "", "(3 x 3 rows, 3 in "
 								       "flight, 2 devices)"))
 		TH_LOG("stderr: %s", self->err);
 	expect_npy(_metadata, self, "DQ4.npy", APE_F32, 4, g.dq.t.shape, g.dq.t.data,

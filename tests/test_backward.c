@@ -1159,7 +1159,7 @@ TEST_F(bwd, every_backend_against_the_reference)
 	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
 	const test_problem_shape small = { 1, 2, 1, 5, 7, 8 }, larger = { 2, 4, 2, 33, 47, 16 };
 	const test_problem_shape *sh = self->emu || ape_test_slow() ? &small : &larger;
-	const bool has_op = self->dev->be->ops->attention_backward != NULL;
+	const bool has_op = self->dev->caps.backward;
 	ape_device_info info;
 	char label[256];
 	ape_rng rng;
@@ -1229,7 +1229,7 @@ TEST_F(bwd, every_backend_edge_cases)
 	const int ncases = ape_test_slow() ? 8 : self->emu ? 12 : 24;
 	ape_rng rng;
 
-	if (!self->dev->be->ops->attention_backward)
+	if (!self->dev->caps.backward)
 		SKIP(return, "%s: no backward op (every_backend_against_the_reference checks that)",
 		     variant->backend);
 	ape_rng_init(&rng, "every_backend_edge_cases");
@@ -1318,7 +1318,7 @@ TEST_F(bwd, every_backend_split_borders)
 	const int ncases = self->emu || ape_test_slow() ? 5 : 10;
 	ape_rng rng;
 
-	if (!self->dev->be->ops->attention_backward)
+	if (!self->dev->caps.backward)
 		SKIP(return, "%s: no backward op (every_backend_against_the_reference checks that)",
 		     variant->backend);
 	ape_rng_init(&rng, "every_backend_split_borders");
@@ -1385,7 +1385,7 @@ TEST_F(bwd, every_backend_skipping_within_tolerance)
 	const bool counts = strcmp(variant->backend, "opencl") == 0;
 	ape_rng rng;
 
-	if (!self->dev->be->ops->attention_backward)
+	if (!self->dev->caps.backward)
 		SKIP(return, "%s: no backward op (every_backend_against_the_reference checks that)",
 		     variant->backend);
 	if (self->emu || ape_test_slow())
@@ -1492,18 +1492,10 @@ static uint64_t allocated_scratch(const ape_device *dev)
 	return 0;
 }
 
-/* Whether dev reads host memory in place (buf_wrap of APE__MEM_HOST succeeds). */
-static bool wraps_host_memory(ape_device *dev)
+/* Whether dev reads host memory in place (its capabilities say so). */
+static bool wraps_host_memory(const ape_device *dev)
 {
-	const struct ape__backend_ops *ops = dev->be->ops;
-	struct ape__buf *b = NULL;
-	float x = 0;
-	size_t got;
-
-	if (!ops->buf_wrap || ops->buf_wrap(dev, APE__MEM_HOST, &x, sizeof(x), &b, &got))
-		return false;
-	ops->buf_free(dev, b);
-	return true;
+	return dev->caps.host_memory;
 }
 
 /*
@@ -1543,7 +1535,7 @@ TEST_F(bwd, streamed_budget_counts_the_backend_scratch)
 	bcase c;
 	grads want, g;
 
-	if (!self->dev->be->ops->attention_backward)
+	if (!self->dev->caps.backward)
 		SKIP(return, "no backward pass on %s", variant->backend);
 	ape_rng_init(&rng, "streamed_budget_counts_the_backend_scratch");
 	ASSERT_EQ(0, bcase_make(&c, &rng, sh, APE_F32, false, true));

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "ape_test.h"
+#include "api/registry.h"
 #include "common/wrapops.h"
 #include "core/alloc.h"
 #include "core/backend.h"
@@ -75,8 +76,8 @@ static void expect_named(struct __test_metadata *_metadata, const char *label, c
 /* More than the device takes: APE_ENOMEM from the backend itself, *out cleared. */
 TEST_F(be, buf_alloc_beyond_the_device)
 {
-	uint64_t max = self->ops->max_alloc ? self->ops->max_alloc(self->dev) : 0;
-	size_t bytes = max && max < SIZE_MAX / 2 ? (size_t)max + 4096 : SIZE_MAX - 16;
+	const uint64_t max = self->dev->caps.max_alloc;
+	size_t bytes = max < SIZE_MAX / 2 ? (size_t)max + 4096 : SIZE_MAX - 16;
 	struct ape__buf *buf = STALE;
 
 	ape__error(0, "stale");
@@ -370,6 +371,14 @@ static int call_op(const struct ape__backend_ops *ops, ape_device *dev, enum wra
 		return ret;
 	case WRAP_COPY_VIEW:
 		return ops->copy_view ? copy_view_in(ops, q, buf) : NOT_THERE;
+	case WRAP_ATTENTION_MERGE: { /* fails before the backend sees the (empty) merge */
+		struct ape__merge m;
+
+		if (!ops->attention_merge)
+			return NOT_THERE;
+		memset(&m, 0, sizeof(m));
+		return ops->attention_merge(q, &m);
+	}
 	case WRAP_SYNCHRONIZE:
 		return ops->synchronize(q);
 	case WRAP_HOST_REGISTER:
@@ -433,13 +442,233 @@ TEST_F(be, every_failing_op_names_itself)
 		expect_named(_metadata, self->label, wrap_op_name((enum wrap_op)op));
 	}
 	/* the required ops at least: every op kind but the optional ones (copy_d2d,
-	 * event_timestamp, host_register, buf_wrap, queue_wrap, scratch_alloc, copy_view) */
-	EXPECT_GE(tried, WRAP_NOPS - 7);
+	 * event_timestamp, host_register, buf_wrap, queue_wrap, scratch_alloc, copy_view,
+	 * attention_merge) */
+	EXPECT_GE(tried, WRAP_NOPS - 8);
 	EXPECT_EQ(0, self->dev->be->ops->synchronize(q)) TH_LOG("%s", ape_last_error());
 	self->dev->be->ops->event_destroy(e);
 	self->dev->be->ops->queue_destroy(q);
 	self->dev->be->ops->buf_free(self->dev, buf);
 	wrap_remove();
+}
+
+/* ---------------------------------------------------------------- registration */
+
+/* The compiled-in reference backend's table: a complete one, to break piece by piece. */
+static const struct ape__registry_entry *ref_entry(void)
+{
+	int n;
+	const struct ape__registry_entry *reg = ape__registry(&n);
+
+	for (int i = 0; i < n; i++)
+		if (!strcmp(reg[i].name, "ref"))
+			return &reg[i];
+	return NULL;
+}
+
+static int probes; /* calls of counting_probe() */
+
+static int counting_probe(struct ape__backend *be, struct ape__probe_result *res)
+{
+	probes++;
+	return ref_entry()->ops->probe(be, res);
+}
+
+/* Ops a broken table sets where it must not, or without their pair; never called. */
+static int lone_host_register(struct ape_device *dev, void *ptr, size_t bytes, void **handle)
+{
+	(void)dev;
+	(void)ptr;
+	(void)bytes;
+	*handle = NULL;
+	return APE_ENOTSUP;
+}
+
+static uint64_t own_max_alloc(struct ape_device *dev)
+{
+	(void)dev;
+	return 1;
+}
+
+/*
+ * A context over a table made of ref's with `t` first, registered as "broken": its backend
+ * info (the first entry), and whether the reference beside it still works.
+ */
+static void load_broken(struct __test_metadata *_metadata, const struct ape__backend_ops *t,
+			ape_backend_info *info)
+{
+	const struct ape__registry_entry reg[2] = { { "broken", t, NULL }, *ref_entry() };
+	ape_context *ctx = NULL;
+
+	ASSERT_EQ(0, ape__context_create(&ctx, NULL, reg, 2)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, ape_backend_get_info(ctx, 0, info));
+	/* a refused backend never breaks the rest */
+	EXPECT_NE(NULL, test_device(ctx, "ref"));
+	ape_context_destroy(ctx);
+}
+
+/* Each way a table can be incomplete: refused before its probe runs, with the reason
+ * ape_backend_get_info() and ape-info show; the complete table, loaded. */
+TEST(registration_checks_the_table)
+{
+	static const struct {
+		const char *breaks, *reason;
+	} cases[] = {
+		{ "none", NULL },
+		{ "queue_create", "refused: required op queue_create is missing" },
+		{ "attention", "refused: required op attention is missing" },
+		{ "scratch_free", "refused: scratch_alloc, scratch_free and copy_view come all or "
+				  "none: scratch_free is missing" },
+		{ "host_register", "refused: host_register and host_unregister come both or "
+				   "neither: host_unregister is missing" },
+		{ "max_alloc", "refused: sets max_alloc, which is the core's" },
+		{ "name", "refused: backend name \"\": must be 1 to 15 characters" },
+		{ "long name", "refused: backend name \"sixteen-letters!\": must be 1 to 15" },
+	};
+
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		struct ape__backend_ops t = *ref_entry()->ops;
+		const char *b = cases[i].breaks;
+		ape_backend_info info;
+
+		t.name = "broken";
+		t.probe = counting_probe;
+		if (!strcmp(b, "queue_create"))
+			t.queue_create = NULL;
+		else if (!strcmp(b, "attention"))
+			t.attention = NULL;
+		else if (!strcmp(b, "scratch_free"))
+			t.scratch_free = NULL;
+		else if (!strcmp(b, "host_register"))
+			t.host_register = lone_host_register;
+		else if (!strcmp(b, "max_alloc"))
+			t.max_alloc = own_max_alloc;
+		else if (!strcmp(b, "name"))
+			t.name = "";
+		else if (!strcmp(b, "long name"))
+			t.name = "sixteen-letters!";
+		probes = 0;
+		load_broken(_metadata, &t, &info);
+		if (!cases[i].reason) {
+			EXPECT_TRUE(info.available) TH_LOG("%s", info.reason);
+			EXPECT_EQ(1, probes);
+			continue;
+		}
+		EXPECT_TRUE(info.built);
+		EXPECT_FALSE(info.available) TH_LOG("%s: loaded", b);
+		EXPECT_EQ(0, info.device_count);
+		EXPECT_EQ(0, probes) TH_LOG("%s: probed", b);
+		EXPECT_EQ(0, strncmp(info.reason, cases[i].reason, strlen(cases[i].reason)))
+		TH_LOG("%s: \"%s\"", b, info.reason);
+	}
+}
+
+/* What claimant_probe() states, and what the backend saw released. */
+static struct ape__dev_caps claimed;
+static int released, torn_down;
+
+static int claimant_probe(struct ape__backend *be, struct ape__probe_result *res)
+{
+	struct ape_device_info info;
+
+	(void)res;
+	memset(&info, 0, sizeof(info));
+	snprintf(info.name, sizeof(info.name), "claimant");
+	info.kind = APE_DEVICE_CPU;
+	info.compute_units = 1;
+	return ape__device_add(be, &info, &claimed, 0, NULL);
+}
+
+static void claimant_release(struct ape_device *dev)
+{
+	(void)dev;
+	released++;
+}
+
+static void claimant_teardown(struct ape__backend *be)
+{
+	(void)be;
+	torn_down++;
+}
+
+/* A device claiming a capability its backend's ops cannot back: the backend refused after
+ * its probe, the device released and the backend torn down; the capability backed, loaded. */
+TEST(registration_checks_the_capabilities)
+{
+	static const struct {
+		struct ape__dev_caps claims;
+		bool ops; /* every op the capabilities name (else the backward op only for a case
+			   * about the scratch, none for the rest) */
+		const char *reason; /* NULL: loaded */
+	} cases[] = {
+		{ { .max_alloc = 0 }, false, NULL },
+		{ { .host_memory = true }, false, "capability host_memory without buf_wrap" },
+		{ { .diag_views = true }, false, "capability diag_views without diag" },
+		{ { .backward = true }, false, "capability backward without attention_backward" },
+		{ { .resident_backward = true }, false,
+		  "capability resident_backward without backward" },
+		{ { .backward = true, .resident_backward = true }, false,
+		  "capability resident_backward without scratch_alloc, scratch_free and copy_view" },
+		{ { .timestamps = true }, false, "capability timestamps without event_timestamp" },
+		{ { .host_memory = true, .diag = true, .diag_views = true, .backward = true,
+		    .resident_backward = true, .timestamps = true },
+		  true, NULL },
+	};
+
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		struct ape__backend_ops t = *ref_entry()->ops;
+		const struct ape__dev_caps *c = &cases[i].claims;
+		ape_backend_info info;
+
+		t.name = "broken";
+		t.probe = claimant_probe;
+		t.device_release = claimant_release;
+		t.teardown = claimant_teardown;
+		if (!cases[i].ops) {
+			t.buf_wrap = NULL;
+			if (!c->resident_backward)
+				t.attention_backward = NULL;
+			t.scratch_alloc = NULL;
+			t.scratch_free = NULL;
+			t.copy_view = NULL;
+			t.event_timestamp = NULL;
+		}
+		claimed = *c;
+		released = torn_down = 0;
+		load_broken(_metadata, &t, &info);
+		EXPECT_EQ(1, released) TH_LOG("case %zu: the device was not released once", i);
+		EXPECT_EQ(1, torn_down) TH_LOG("case %zu: the backend was not torn down once", i);
+		if (!cases[i].reason) {
+			EXPECT_TRUE(info.available) TH_LOG("case %zu: %s", i, info.reason);
+			EXPECT_EQ(1, info.device_count);
+			continue;
+		}
+		EXPECT_FALSE(info.available) TH_LOG("case %zu: loaded", i);
+		EXPECT_EQ(0, info.device_count);
+		EXPECT_EQ(0, strncmp(info.reason, "refused: device claimant: ", 26))
+		TH_LOG("case %zu: \"%s\"", i, info.reason);
+		EXPECT_NE(NULL, strstr(info.reason, cases[i].reason))
+		TH_LOG("case %zu: \"%s\"", i, info.reason);
+	}
+}
+
+/* The devices of the backends built here state their capabilities, and the core's table
+ * answers the callers written before them from those (max_alloc). */
+TEST_F(be, capabilities_as_stated)
+{
+	const struct ape__dev_caps *c = &self->dev->caps;
+
+	EXPECT_NE(0u, c->max_alloc);
+	ASSERT_NE(NULL, self->ops->max_alloc);
+	EXPECT_EQ(c->max_alloc, self->ops->max_alloc(self->dev));
+	EXPECT_EQ(self->dev->info.kind != APE_DEVICE_GPU, c->host_memory);
+	EXPECT_TRUE(c->diag && c->diag_views);
+	EXPECT_EQ(c->backward, c->resident_backward); /* OpenCL: both need float64 */
+	EXPECT_TRUE(c->timestamps);
+	if (!strcmp(variant->backend, "ref")) {
+		EXPECT_EQ(UINT64_MAX, c->max_alloc);
+		EXPECT_TRUE(c->backward);
+	}
 }
 
 TEST_HARNESS_MAIN

@@ -666,10 +666,10 @@ static int stream_chunks(struct __test_metadata *_metadata, test_problem *tp,
 /*
  * The launches of test_stream.c's neighbour_chunks_start_from_the_diagonal_weight: causal,
  * chunks of 256, the seed's parameters, so that each key chunk next to the diagonal gets the
- * diagonal launch's LSE as lse_prior. The CUDA kernels read it: on the launches that get a prior
- * (counted by the wrapper) the emulated CUDA prefill computes no more pairs than the OpenCL
- * kernel, and the whole call computes fewer pairs than without the prior (no copy_d2d), by more
- * than a key tile per row of half the rows.
+ * query chunk's merged LSE so far as lse_prior. The CUDA kernels read it: on the launches that get
+ * a prior (counted by the wrapper) the emulated CUDA prefill computes no more pairs than the
+ * OpenCL kernel, and the whole call computes fewer pairs than without the prior (no
+ * attention_merge), by more than a key tile per row of half the rows.
  */
 TEST(prefill_honours_lse_prior)
 {
@@ -706,7 +706,7 @@ TEST(prefill_honours_lse_prior)
 	EXPECT_EQ(0, stream_chunks(_metadata, &tp, &want, cuda, c, "cuda", &with));
 	wc_cuda = wrap_get();
 	wrap_remove();
-	wrap_install(cuda, WRAP_NO_COPY_D2D); /* no copy_d2d: no prior */
+	wrap_install(cuda, WRAP_NO_MERGE); /* no merge on the device: no prior */
 	EXPECT_EQ(0, stream_chunks(_metadata, &tp, &want, cuda, c, "cuda, no prior", &without));
 	wrap_remove();
 

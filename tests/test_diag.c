@@ -6,7 +6,7 @@
  * the LSE tolerance of the storage type; the same across chunk sizes, device lists and the
  * atomic-output path; with and without skipping, including a caller's loose skip_tol that the
  * call must tighten; the merge rule on its own; bad arguments; a backend without them (any
- * backend, its attention_diag hidden by tests/common/wrapops). On CUDA (the emulator, or a GPU
+ * backend, its capability diag hidden by tests/common/wrapops). On CUDA (the emulator, or a GPU
  * with APE_TEST_CUDA_DEVICE=1) the grid of kernel_shapes_every_dtype reaches every kernel a
  * diagnostic launch can take: the prefill (tensor-core P V for f16/bf16, CUDA cores for f32;
  * D = 64, 128 and generic), the decode kernel with its splits merged by ape_dmerge_diag, the
@@ -127,7 +127,7 @@ TEST_F(dev, random_cases_match_the_definitions)
 	ape_rng rng;
 	int failed = 0;
 
-	if (!self->dev->be->ops->attention_diag)
+	if (!self->dev->caps.diag)
 		SKIP(return, "%s has no diagnostics (see unsupported_backend_says_so)",
 		     variant->backend);
 	ape_rng_init(&rng, _metadata->name);
@@ -171,7 +171,7 @@ TEST_F(dev, fast_path_shapes_still_give_diagnostics)
 	static const ape_dtype types[] = { APE_F32, APE_F32, APE_F32, APE_F16, APE_BF16 };
 	static const double params[][4] = { { 0, 0, 0, 0 }, { 0.2, 0, 0, 0 } };
 
-	if (!self->dev->be->ops->attention_diag)
+	if (!self->dev->caps.diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
 		for (size_t c = 0; c < 2; c++) {
@@ -200,7 +200,7 @@ TEST_F(dev, one_key_and_empty_rows)
 	test_problem tp;
 	struct diag d;
 
-	if (!self->dev->be->ops->attention_diag)
+	if (!self->dev->caps.diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	test_problem_set_params(&tp, 0.1, 0.01, 0.01, 0.1);
@@ -254,7 +254,7 @@ TEST_F(dev, nan_rows)
 	test_problem tp;
 	struct diag d;
 
-	if (!self->dev->be->ops->attention_diag)
+	if (!self->dev->caps.diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	tp.desc.causal = true;
@@ -280,7 +280,7 @@ TEST_F(dev, chunk_sizes_and_devices_agree)
 	ape_rng rng;
 	int failed = 0;
 
-	if (!self->dev->be->ops->attention_diag)
+	if (!self->dev->caps.diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ape_rng_init(&rng, _metadata->name);
 	for (int c = 0; c < ncases; c++) {
@@ -338,7 +338,7 @@ TEST_F(dev, skipping_stays_within_the_bound)
 	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
 	test_problem tp;
 
-	if (!self->dev->be->ops->attention_diag)
+	if (!self->dev->caps.diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	test_problem_set_params(&tp, delta, 0.01, 0.01, 0.1);
@@ -398,7 +398,7 @@ TEST_F(dev, kv_cache_attend_matches_the_forward_call)
 	struct diag d, f;
 	double ee, em;
 
-	if (!self->dev->be->ops->attention_diag)
+	if (!self->dev->caps.diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F16));
 	test_problem_set_params(&tp, 0.01, 0.02, 0.01, 0.1);
@@ -446,7 +446,7 @@ TEST_F(dev, kv_cache_release_and_the_tightened_tolerance)
 	ape_kv_cache_info info;
 	double worst_e = 0, worst_m = 0;
 
-	if (!self->dev->be->ops->attention_diag)
+	if (!self->dev->caps.diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	test_problem_set_params(&tp, 4.0, 0.0, 0.0, 0.0);
@@ -552,7 +552,7 @@ TEST_F(dev, kernel_shapes_every_dtype)
 	ape_rng rng;
 	int failed = 0, runs = 0;
 
-	if (!self->dev->be->ops->attention_diag)
+	if (!self->dev->caps.diag)
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ape_rng_init(&rng, _metadata->name);
 	for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
@@ -748,7 +748,7 @@ TEST_F(dev, bad_arguments)
 	test_problem_free(&tp);
 }
 
-/* A backend that does not declare attention_diag (every backend does: the wrapper hides it):
+/* A device whose capabilities lack diag (every backend has it: the wrapper hides it):
  * APE_ENOTSUP naming the device, before any work, and nothing written; also in a list with a
  * device that has them. */
 TEST_F(dev, unsupported_backend_says_so)

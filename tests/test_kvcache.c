@@ -344,7 +344,7 @@ TEST_F(kv, stats_as_a_forward_call_reports_them)
 	test_problem tp;
 	ape_rng rng;
 
-	if (!self->dev->be->ops->event_timestamp)
+	if (!self->dev->caps.timestamps)
 		SKIP(return, "the backend has no event timestamps: no overlap figure");
 	ape_rng_init(&rng, _metadata->name);
 	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));

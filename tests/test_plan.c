@@ -13,24 +13,56 @@
 #include "exec/skip.h"
 #include "exec/stream.h"
 
+/* A forward-like pass of B = 1, H = 4, Hkv = 2, D = 64, float32 with pair counts: Q in the
+ * outer slots, K and V in the inner ones, O, LSE and pair counts per job; `prior`: the merged
+ * LSE each outer slot keeps when there are several inner chunks. */
+struct shape {
+	bool prior;
+	uint64_t (*scratch)(void *arg, int64_t co, int64_t ci);
+};
+
+static void bytes_fn(void *arg, int64_t co, int64_t ci, int64_t no, int64_t ni,
+		     struct ape__plan_bytes *b)
+{
+	const struct shape *sh = arg;
+	const uint64_t H = 4, Hkv = 2, D = 64;
+
+	(void)no;
+	b->outer = (uint64_t)co * H * D * 4 + (sh->prior && ni > 1 ? (uint64_t)co * H * 4 : 0);
+	b->inner = 2 * (uint64_t)ci * Hkv * D * 4;
+	b->job = (uint64_t)co * H * (D * 4 + 4 + 8);
+	b->call = 0;
+	b->largest = (uint64_t)co * H * D * 4;
+	if ((uint64_t)ci * Hkv * D * 4 > b->largest)
+		b->largest = (uint64_t)ci * Hkv * D * 4;
+}
+
+static uint64_t scratch_of(void *arg, int64_t co, int64_t ci)
+{
+	const struct shape *sh = arg;
+
+	return sh->scratch ? sh->scratch(NULL, co, ci) : 0;
+}
+
+static struct shape plain;
+
 static struct ape__plan_req req(int64_t L, uint64_t budget)
 {
 	return (struct ape__plan_req){
-		.B = 1, .H = 4, .Hkv = 2, .Lq = L, .Lk = L, .D = 64, .esz = 4, .out_esz = 4,
-		.dtype_name = "f32", .pairs = true, .max_cq = APE__CHUNK_DEFAULT,
-		.max_ck = APE__CHUNK_DEFAULT, .depth = 3, .budget = budget,
-		.max_buffer = UINT64_MAX,
+		.Lo = L, .Li = L, .max_co = APE__CHUNK_DEFAULT, .max_ci = APE__CHUNK_DEFAULT,
+		.depth = 3, .budget = budget, .max_buffer = UINT64_MAX, .bytes = bytes_fn,
+		.scratch = scratch_of, .arg = &plain, .what = "B=1, H=4, Hkv=2, D=64, f32",
 	};
 }
 
 /* What the plan says it holds, recomputed from its parts. */
 static uint64_t recount(const struct ape__plan *p)
 {
-	uint64_t jobs = (uint64_t)(p->nq * p->nk);
+	uint64_t jobs = (uint64_t)(p->no * p->ni);
 
-	return (uint64_t)p->q_slots * (p->q_bytes + p->prior_bytes) +
-	       (jobs < (uint64_t)p->depth ? jobs : (uint64_t)p->depth) * (p->out_bytes + p->scratch) +
-	       (uint64_t)p->kv_slots * 2 * p->kv_bytes;
+	return (uint64_t)p->o_slots * p->b.outer +
+	       (jobs < (uint64_t)p->depth ? jobs : (uint64_t)p->depth) * (p->b.job + p->scratch) +
+	       (uint64_t)p->i_slots * p->b.inner + p->b.call;
 }
 
 TEST(small_problem_is_one_chunk_pair)
@@ -39,13 +71,12 @@ TEST(small_problem_is_one_chunk_pair)
 	struct ape__plan p;
 
 	ASSERT_EQ(0, ape__plan_make(&r, "t", &p));
-	EXPECT_EQ(1000, p.cq);
-	EXPECT_EQ(1000, p.ck);
-	EXPECT_EQ(1, p.nq);
-	EXPECT_EQ(1, p.nk);
-	EXPECT_EQ(1, p.q_slots);
-	EXPECT_EQ(1, p.kv_slots);
-	EXPECT_FALSE(p.merge); /* O comes back in the caller's type, as a one-shot call's */
+	EXPECT_EQ(1000, p.co);
+	EXPECT_EQ(1000, p.ci);
+	EXPECT_EQ(1, p.no);
+	EXPECT_EQ(1, p.ni);
+	EXPECT_EQ(1, p.o_slots);
+	EXPECT_EQ(1, p.i_slots);
 	/* exactly what a one-shot call holds: Q, K, V, O, LSE, pair counts */
 	EXPECT_EQ((uint64_t)(4 * 1000 * 64 * 4 * 2 + 2 * 2 * 1000 * 64 * 4 + 4 * 1000 * 12),
 		  p.peak);
@@ -57,14 +88,13 @@ TEST(default_chunks_are_4096)
 	struct ape__plan p;
 
 	ASSERT_EQ(0, ape__plan_make(&r, "t", &p));
-	EXPECT_EQ(4096, p.cq);
-	EXPECT_EQ(4096, p.ck);
-	EXPECT_EQ(3, p.nq);
-	EXPECT_EQ(3, p.nk);
+	EXPECT_EQ(4096, p.co);
+	EXPECT_EQ(4096, p.ci);
+	EXPECT_EQ(3, p.no);
+	EXPECT_EQ(3, p.ni);
 	EXPECT_EQ(3, p.depth);
-	EXPECT_EQ(2, p.q_slots);
-	EXPECT_EQ(3, p.kv_slots); /* every key chunk resident: no budget */
-	EXPECT_TRUE(p.merge);
+	EXPECT_EQ(2, p.o_slots);
+	EXPECT_EQ(3, p.i_slots); /* every key chunk resident: no budget */
 	EXPECT_EQ(recount(&p), p.peak);
 }
 
@@ -82,15 +112,15 @@ TEST(budget_shrinks_chunks_then_depth)
 								  ape_last_error());
 		EXPECT_LE(p.peak, budgets[i]);
 		EXPECT_EQ(recount(&p), p.peak);
-		EXPECT_GE(p.kv_slots, p.depth < p.nk ? p.depth : p.nk);
+		EXPECT_GE(p.i_slots, p.depth < p.ni ? p.depth : p.ni);
 		if (i) { /* a smaller budget never gives larger chunks or more depth */
-			EXPECT_LE(p.cq, prev.cq);
-			EXPECT_LE(p.ck, prev.ck);
+			EXPECT_LE(p.co, prev.co);
+			EXPECT_LE(p.ci, prev.ci);
 			EXPECT_LE(p.depth, prev.depth);
 		}
 		/* chunks stay >= 256 rows while the depth is 3 */
 		if (p.depth == 3)
-			EXPECT_TRUE(p.cq >= 256 || p.ck >= 256);
+			EXPECT_TRUE(p.co >= 256 || p.ci >= 256);
 		prev = p;
 	}
 	EXPECT_EQ(1, prev.depth); /* 5000 bytes: one row each way, nothing in flight */
@@ -106,6 +136,13 @@ TEST(budget_too_small_says_what_it_needs)
 			       "fn: budget 1000 bytes cannot hold one chunk of 1 query row and 1 key "
 			       "row (B=1, H=4, Hkv=2, D=64, f32): that needs "))
 		TH_LOG("%s", ape_last_error());
+	/* a pass whose outer axis is the keys says the same, query rows first */
+	r.outer_is_key = true;
+	r.chunk = "the backward pass's chunk";
+	EXPECT_EQ(APE_ENOMEM, ape__plan_make(&r, "fn", &p));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "cannot hold the backward pass's chunk of 1 query "
+						 "row and 1 key row"))
+		TH_LOG("%s", ape_last_error());
 }
 
 TEST(largest_buffer_bounds_chunks)
@@ -115,9 +152,9 @@ TEST(largest_buffer_bounds_chunks)
 
 	r.max_buffer = 100000; /* bytes: fewer than 4096 rows of 4 heads x 64 floats */
 	ASSERT_EQ(0, ape__plan_make(&r, "t", &p));
-	EXPECT_LE(p.q_bytes, r.max_buffer);
-	EXPECT_LE(p.o_bytes, r.max_buffer);
-	EXPECT_LE(p.kv_bytes, r.max_buffer);
+	EXPECT_LE(p.b.largest, r.max_buffer);
+	EXPECT_LE((uint64_t)p.co * 4 * 64 * 4, r.max_buffer);
+	EXPECT_LE((uint64_t)p.ci * 2 * 64 * 4, r.max_buffer);
 	r.max_buffer = 100; /* not even one row */
 	EXPECT_EQ(APE_ENOMEM, ape__plan_make(&r, "t", &p));
 	EXPECT_NE(NULL, strstr(ape_last_error(), "more than the device's largest"));
@@ -132,41 +169,60 @@ static uint64_t scratch_fn(void *arg, int64_t lq, int64_t lk)
 TEST(backend_scratch_is_counted)
 {
 	struct ape__plan_req r = req(10000, 50u << 20);
+	struct shape sh = { .scratch = scratch_fn };
 	struct ape__plan p, q;
 
 	ASSERT_EQ(0, ape__plan_make(&r, "t", &p));
-	r.scratch = scratch_fn;
+	r.arg = &sh;
 	ASSERT_EQ(0, ape__plan_make(&r, "t", &q));
-	EXPECT_EQ((uint64_t)(q.cq + q.ck) * 1000, q.scratch);
+	EXPECT_EQ((uint64_t)(q.co + q.ci) * 1000, q.scratch);
 	EXPECT_LE(q.peak, r.budget);
 	EXPECT_EQ(recount(&q), q.peak);
-	EXPECT_LT(q.kv_slots * q.kv_bytes, p.kv_slots * p.kv_bytes + 1);
+	EXPECT_LT(q.i_slots * q.b.inner, p.i_slots * p.b.inner + 1);
 }
 
-/* The diagonal LSE each query chunk keeps for the skip bound is counted, and only kept when
- * there are several key chunks (a single one has no launch after the diagonal). */
-TEST(skip_prior_is_counted)
+/* What the pass holds per outer slot is counted once per slot, and may depend on the inner
+ * chunk count (the forward's merged LSE, kept only with several key chunks). */
+TEST(outer_slot_bytes_are_counted_per_slot)
 {
 	struct ape__plan_req r = req(10000, UINT64_MAX);
+	struct shape sh = { .prior = true };
 	struct ape__plan p, q;
 
 	ASSERT_EQ(0, ape__plan_make(&r, "t", &p));
-	EXPECT_EQ(0, p.prior_bytes);
-	r.prior = true;
+	r.arg = &sh;
 	ASSERT_EQ(0, ape__plan_make(&r, "t", &q));
-	EXPECT_EQ(q.lse_bytes, q.prior_bytes);
-	EXPECT_EQ(p.peak + 2 * q.lse_bytes, q.peak);
+	EXPECT_EQ(p.peak + 2 * (uint64_t)q.co * 4 * 4, q.peak);
 	EXPECT_EQ(recount(&q), q.peak);
 	r = req(1000, UINT64_MAX);
-	r.prior = true;
+	r.arg = &sh;
 	ASSERT_EQ(0, ape__plan_make(&r, "t", &q));
-	EXPECT_EQ(0, q.prior_bytes);
+	EXPECT_EQ((uint64_t)q.co * 4 * 64 * 4, q.b.outer);
 	/* under a budget it fits as everything else does */
 	r = req(10000, 50u << 20);
-	r.prior = true;
+	r.arg = &sh;
 	ASSERT_EQ(0, ape__plan_make(&r, "t", &q));
 	EXPECT_LE(q.peak, r.budget);
 	EXPECT_EQ(recount(&q), q.peak);
+}
+
+/* A resident call's launches see every key: only the outer chunk shrinks. */
+TEST(inner_whole_shrinks_only_the_outer_chunk)
+{
+	struct ape__plan_req r = req(5000, 8u << 20);
+	struct ape__plan p;
+
+	r.inner_whole = true;
+	r.depth = 1;
+	ASSERT_EQ(0, ape__plan_make(&r, "t", &p));
+	EXPECT_EQ(5000, p.ci);
+	EXPECT_EQ(1, p.ni);
+	EXPECT_LT(p.co, 5000);
+	EXPECT_LE(p.peak, r.budget);
+	r.budget = 1000; /* not even one query row against every key */
+	EXPECT_EQ(APE_ENOMEM, ape__plan_make(&r, "t", &p));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "1 query row and 5000 key rows"))
+		TH_LOG("%s", ape_last_error());
 }
 
 /* ---- the walk */
@@ -374,7 +430,7 @@ TEST(work_queue_steals_from_the_busiest)
 
 	/* worker 0 has chunk 0, worker 1 chunks 1..5: once 0 is done, it takes from the far
 	 * end of the other's range, which keeps the chunks next to its own */
-	ape__workq_set(w, 2, bounds);
+	ape__workq_set(w, 2, bounds, true);
 	EXPECT_EQ(0, ape__workq_next(w, 0));
 	EXPECT_EQ(1, ape__workq_next(w, 1));
 	EXPECT_EQ(5, ape__workq_next(w, 0));
@@ -382,6 +438,14 @@ TEST(work_queue_steals_from_the_busiest)
 	EXPECT_EQ(2, ape__workq_next(w, 1));
 	EXPECT_EQ(3, ape__workq_next(w, 1));
 	EXPECT_EQ(-1, ape__workq_next(w, 0));
+	EXPECT_EQ(-1, ape__workq_next(w, 1));
+
+	/* a fixed split: each worker its own range only */
+	ape__workq_set(w, 2, bounds, false);
+	EXPECT_EQ(0, ape__workq_next(w, 0));
+	EXPECT_EQ(-1, ape__workq_next(w, 0));
+	for (int i = 1; i < 6; i++)
+		EXPECT_EQ(i, ape__workq_next(w, 1));
 	EXPECT_EQ(-1, ape__workq_next(w, 1));
 	ape__workq_destroy(w);
 }

@@ -391,6 +391,133 @@ TEST_F(resident, empty_shapes)
 	ape_buffer_free(bl);
 }
 
+/* A gappy view of [B, H, L, d] elements at element `off` of a buffer: rows `gap` elements
+ * apart beyond d, heads and batches a few more apart; the elements it spans. */
+static int64_t gappy_view(int64_t off, int64_t H, int64_t L, int64_t d, int64_t gap,
+			  int64_t B, int64_t s[4])
+{
+	s[3] = 1;
+	s[2] = d + gap;
+	s[1] = L * s[2] + 5;
+	s[0] = H * s[1] + 3;
+	return off + B * s[0];
+}
+
+/* Whether element e of the buffer is one of view s's at off ([B, H, L, d]). */
+static bool in_view(int64_t e, int64_t off, const int64_t s[4], const int64_t shape[4])
+{
+	for (int64_t b = 0; b < shape[0]; b++)
+		for (int64_t h = 0; h < shape[1]; h++)
+			for (int64_t i = 0; i < shape[2]; i++) {
+				const int64_t row = off + b * s[0] + h * s[1] + i * s[2];
+
+				if (e >= row && e < row + shape[3])
+					return true;
+			}
+	return false;
+}
+
+/*
+ * No key (Lk = 0), every output a gappy view (O rows apart, heads and batches further, at an
+ * offset; LSE, entropy and mean distance likewise, in one buffer): each element of the views
+ * gets its value (O = 0 in its dtype, LSE = -inf, ENT = MD = 0) and no other byte of either
+ * buffer changes. On a device with working scratch and copy_view (the capability
+ * resident_backward) each output takes one strided command; without it (taken by the wrapper)
+ * the rows are written one by one, to the same bytes.
+ */
+TEST_F(resident, empty_rows_write_only_their_elements)
+{
+	enum { B = 2, H = 3, L = 5, D = 8 };
+	static const ape_dtype types[] = { APE_F32, APE_F16 };
+	const int64_t oshape[4] = { B, H, L, D }, rshape[4] = { B, H, L, 1 };
+	const bool diag = self->dev->caps.diag && self->dev->caps.diag_views;
+	int64_t os[4], rs[4], roff[3];
+	const int64_t on = gappy_view(11, H, L, D, 3, B, os) + 13;
+	int64_t rn = 0;
+
+	for (int t = 0; t < 3; t++) /* lse, entropy, mean_distance: one after another */
+		rn = gappy_view(roff[t] = rn + 2, H, L, 1, 1, B, rs) + 1;
+	for (size_t ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++)
+		for (int hide = 0; hide < 2; hide++) {
+			const ape_dtype dt = types[ti];
+			const size_t esz = ape_dtype_size(dt);
+			const bool strided = self->dev->caps.resident_backward && !hide;
+			unsigned char *ob = malloc((size_t)on * esz);
+			float *rb = malloc((size_t)rn * sizeof(float));
+			ape_buffer *bi = NULL, *bo = NULL, *br = NULL;
+			ape_dtensor q, k, o, l, e, m;
+			struct wrap_counts c;
+			ape_queue *qu = NULL;
+			ape_attn_desc desc;
+			int64_t bad = 0;
+
+			ASSERT_NE(NULL, ob);
+			ASSERT_NE(NULL, rb);
+			wrap_install(self->dev, hide ? WRAP_NO_RESIDENT_BWD : 0);
+			ape_attn_desc_init(&desc);
+			ASSERT_EQ(0, ape_queue_create(self->dev, &qu));
+			ASSERT_EQ(0, ape_buffer_alloc(self->dev, B * H * L * D * esz, &bi));
+			ASSERT_EQ(0, ape_buffer_alloc(self->dev, (size_t)on * esz, &bo));
+			ASSERT_EQ(0, ape_buffer_alloc(self->dev, (size_t)rn * sizeof(float), &br));
+			memset(ob, 0x5a, (size_t)on * esz);
+			memset(rb, 0x5a, (size_t)rn * sizeof(float));
+			ASSERT_EQ(0, ape_buffer_write(qu, bo, 0, ob, (size_t)on * esz));
+			ASSERT_EQ(0, ape_buffer_write(qu, br, 0, rb, (size_t)rn * sizeof(float)));
+			ape_dtensor_init(&q, bi, 0, dt, B, H, L, D);
+			ape_dtensor_init(&k, bi, 0, dt, B, H, 0, D);
+			ape_dtensor_init(&o, bo, 11 * esz, dt, B, H, L, D);
+			memcpy(o.strides, os, sizeof(os));
+			ape_dtensor_init(&l, br, (uint64_t)roff[0] * 4, APE_F32, B, H, L, 1);
+			memcpy(l.strides, rs, sizeof(rs));
+			e = l;
+			e.byte_offset = (uint64_t)roff[1] * 4;
+			m = l;
+			m.byte_offset = (uint64_t)roff[2] * 4;
+			wrap_reset();
+			ASSERT_EQ(0, ape_attention_enqueue_diag(qu, &desc, &q, &k, &k, &o, &l,
+							       diag ? &e : NULL, diag ? &m : NULL))
+			TH_LOG("%s", ape_last_error());
+			c = wrap_get();
+			ASSERT_EQ(0, ape_buffer_read(qu, ob, bo, 0, (size_t)on * esz));
+			ASSERT_EQ(0, ape_buffer_read(qu, rb, br, 0, (size_t)rn * sizeof(float)));
+			ASSERT_EQ(0, ape_queue_synchronize(qu)) TH_LOG("%s", ape_last_error());
+			for (int64_t x = 0; x < on; x++) {
+				const unsigned char *b = ob + (size_t)x * esz;
+				unsigned char want = in_view(x, 11, os, oshape) ? 0 : 0x5a;
+
+				for (size_t i = 0; i < esz; i++)
+					bad += b[i] != want;
+			}
+			for (int64_t x = 0; x < rn; x++) {
+				uint32_t bits, want = 0x5a5a5a5au;
+
+				memcpy(&bits, &rb[x], 4);
+				if (in_view(x, roff[0], rs, rshape))
+					want = 0xff800000u; /* -inf */
+				else if (diag && (in_view(x, roff[1], rs, rshape) ||
+						  in_view(x, roff[2], rs, rshape)))
+					want = 0;
+				bad += bits != want;
+			}
+			EXPECT_EQ(0, bad) TH_LOG("%s, %s: bytes or elements wrong", ape_dtype_name(dt),
+						 strided ? "strided" : "row by row");
+			if (strided) { /* O, LSE, ENT, MD: one command each */
+				EXPECT_EQ(diag ? 4u : 2u, c.calls[WRAP_COPY_VIEW]);
+				EXPECT_EQ(0u, c.calls[WRAP_COPY_H2D]);
+			} else {
+				EXPECT_EQ(0u, c.calls[WRAP_COPY_VIEW]);
+				EXPECT_EQ((uint64_t)(2 * B * H * L), c.calls[WRAP_COPY_H2D]);
+			}
+			ape_queue_destroy(qu);
+			ape_buffer_free(bi);
+			ape_buffer_free(bo);
+			ape_buffer_free(br);
+			wrap_remove();
+			free(ob);
+			free(rb);
+		}
+}
+
 /* ---- refusals: each before anything is enqueued, its message naming the argument */
 
 struct bad_case {
@@ -539,7 +666,8 @@ TEST_F(resident, buffer_and_queue_checks)
 }
 
 /* Where the device computes on host memory (the reference, OpenCL CPU devices), host arrays
- * are wrapped as they are, and a host call copies nothing; elsewhere wrapping is refused. */
+ * are wrapped as they are, and a host call copies no input (its outputs come back once, from
+ * the buffers the kernels wrote, when everything succeeded); elsewhere wrapping is refused. */
 TEST_F(resident, host_memory_in_place)
 {
 	test_problem a, b;
@@ -565,19 +693,27 @@ TEST_F(resident, host_memory_in_place)
 		test_problem_describe(&a, what, sizeof(what));
 		ape_stats_init(&st);
 		ASSERT_EQ(0, test_problem_run_stats(&a, self->dev, &st)) TH_LOG("%s", ape_last_error());
-		if (a.q.t.strides[3] <= 1) {
+		if (a.q.t.strides[3] <= 1 && a.k.t.strides[3] <= 1 && a.v.t.strides[3] <= 1) {
+			const uint64_t rows = (uint64_t)a.rows;
+			const uint64_t osz = ape_dtype_size(a.o.t.dtype);
+
 			EXPECT_EQ(0u, st.bytes_to_device) TH_LOG("%s", what);
-			EXPECT_EQ(0u, st.bytes_from_device) TH_LOG("%s", what);
+			/* O, LSE and the pair counts of the statistics, each row once */
+			if (a.rows && a.k.t.shape[2])
+				EXPECT_EQ(rows * ((uint64_t)a.q.t.shape[3] * osz + 4 + 8),
+					  st.bytes_from_device)
+			TH_LOG("%s", what);
 		}
 		if (a.rows && a.k.t.shape[2])
 			EXPECT_EQ(1u, st.chunks);
-		/* the streamed path (chunk sizes given) copies, and agrees */
+		/* the inputs copied as a discrete device needs them: the same results */
 		{
 			ape_exec_options o;
 
 			ape_exec_options_init(&o);
 			o.chunk_q = 1 << 20;
 			o.chunk_k = 1 << 20;
+			o.flags = APE_EXEC_COPY_INPUTS;
 			test_tensor_poison(&b.o.t);
 			ASSERT_EQ(0, ape_attention_forward_ex(&self->dev, 1, &o, &b.desc, &b.q.t, &b.k.t,
 							      &b.v.t, &b.o.t, b.lse, NULL));
@@ -736,7 +872,8 @@ TEST_F(resident, query_rows_split_under_the_budget)
 	}
 	r.budget = 1; /* nothing fits, unless the backend needs no scratch (the reference) */
 	if (ape__resident_plan(&r, &rows)) {
-		EXPECT_NE(NULL, strstr(ape_last_error(), "one query row"));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "of 1 query row and"))
+			TH_LOG("%s", ape_last_error());
 	} else {
 		EXPECT_EQ(L, rows);
 	}
@@ -772,10 +909,10 @@ TEST_F(resident, query_rows_split_under_the_budget)
 
 /* ---- the diagnostics on device tensors (ape_attention_enqueue_diag()) */
 
-/* Whether dev's backend computes the diagnostics on device tensors (core/backend.h, ABI 8). */
+/* Whether dev computes the diagnostics on device tensors (struct ape__dev_caps). */
 static bool diag_on_device(const ape_device *dev)
 {
-	return dev->be->ops->attention_diag && dev->be->ops->attention_diag_views;
+	return dev->caps.diag && dev->caps.diag_views;
 }
 
 /* Floats that differ in bits (NaN equal to NaN). */

@@ -304,6 +304,7 @@ TEST_F(dev, skipping_avoids_copies_and_only_when_allowed)
 	ape_stats on, off, neg;
 	ape_rng rng;
 
+	o.flags = APE_EXEC_COPY_INPUTS; /* what is copied is what this counts */
 	ape_rng_init(&rng, _metadata->name);
 	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
 	tp.desc.q_start_set = false; /* end-aligned */
@@ -350,11 +351,12 @@ TEST_F(dev, skipping_avoids_copies_and_only_when_allowed)
 }
 
 /*
- * A key chunk next to the diagonal is computed in a launch of its own, which takes the diagonal
- * launch's LSE as weight already found (lse_prior, copied device to device): rows far from the
- * chunk then compute none of it, and a chunked call computes about as few pairs as a one-shot
- * one. Without copy_d2d (the wrapper hides it) there is no prior: each row scores at least
- * the tile nearest to it in every launch, still exact.
+ * A key chunk next to the diagonal is computed in a launch of its own, which takes the query
+ * chunk's merged LSE so far as weight already found (lse_prior, kept on the device by
+ * attention_merge): rows far from the chunk then compute none of it, and a chunked call
+ * computes about as few pairs as a one-shot one. Without attention_merge (the wrapper hides
+ * it; partial results then merge on the host) there is no prior: each row scores at least the
+ * tile nearest to it in every launch, still exact.
  */
 TEST(neighbour_chunks_start_from_the_diagonal_weight)
 {
@@ -385,7 +387,7 @@ TEST(neighbour_chunks_start_from_the_diagonal_weight)
 	ASSERT_EQ(0, one_shot(&want, &tp, ref));
 	EXPECT_EQ(0, check_stream(_metadata, &tp, &want, dev, &one, "one shot", &st1));
 	EXPECT_EQ(0, check_stream(_metadata, &tp, &want, dev, &o, "prior", &with));
-	wrap_install(dev, WRAP_NO_COPY_D2D);
+	wrap_install(dev, WRAP_NO_MERGE);
 	EXPECT_EQ(0, check_stream(_metadata, &tp, &want, dev, &o, "no prior", &without));
 	wrap_remove();
 	/* the chunked call visits L / c diagonal launches and the ones next to them, each of which
@@ -423,6 +425,7 @@ TEST_F(dev, skipping_saves_recopies_under_a_budget)
 	tp.desc.causal = true;
 	tp.desc.q_start_set = false;
 	o.max_device_bytes = (uint64_t)c << 10;
+	o.flags = APE_EXEC_COPY_INPUTS; /* what is copied is what this counts */
 	ASSERT_EQ(0, one_shot(&want, &tp, self->ref));
 	EXPECT_EQ(0, check_stream(_metadata, &tp, &want, self->dev, &o, "skip on", &on));
 	tp.desc.skip_tol = 0;
@@ -485,6 +488,7 @@ TEST_F(dev, budget_is_respected_and_counted)
 		ape_stats st;
 
 		o.max_device_bytes = budgets[i];
+		o.flags = APE_EXEC_COPY_INPUTS; /* every chunk buffer counted, as on a GPU */
 		wrap_reset();
 		ape_stats_init(&st);
 		EXPECT_EQ(0, check_stream(_metadata, &tp, &want, self->dev, &o, "budget", &st));
@@ -510,6 +514,7 @@ TEST_F(dev, budget_is_respected_and_counted)
 
 		ASSERT_NE(NULL, before);
 		o.max_device_bytes = 1000;
+		o.flags = APE_EXEC_COPY_INPUTS; /* inputs read in place would not count */
 		memcpy(before, tp.o.alloc, tp.o.alloc_bytes);
 		EXPECT_EQ(APE_ENOMEM, ape_attention_forward_ex(&self->dev, 1, &o, &tp.desc, &tp.q.t,
 							       &tp.k.t, &tp.v.t, &tp.o.t, tp.lse,
@@ -685,6 +690,7 @@ TEST_F(dev, trace_is_chrome_trace_json)
 		ape_stats st;
 		int ret;
 
+		o.flags = APE_EXEC_COPY_INPUTS; /* copies of every kind in the trace */
 		if (fallback) /* no device timestamps: still a valid trace, on the host's clock */
 			wrap_install(self->dev, WRAP_NO_TIMESTAMP);
 		o.trace_path = path;
@@ -713,6 +719,100 @@ TEST_F(dev, trace_is_chrome_trace_json)
 	test_rmtree(dir);
 }
 
+/*
+ * A device whose kernels read host memory (the reference, OpenCL CPU devices) reads the inputs
+ * where they lie at every chunking: nothing is copied to it and inputs count nothing against
+ * the budget; APE_EXEC_COPY_INPUTS copies them as a discrete device needs. Both within the
+ * tolerance of the reference, strided inputs included.
+ */
+TEST_F(dev, inputs_in_place_where_the_device_reads_host_memory)
+{
+	const int64_t L = self->emu ? 96 : 300;
+	const test_problem_shape sh = { 2, 4, 2, L, L + 20, 16 };
+	static float probe;
+	ape_buffer *b = NULL;
+	test_problem tp, want;
+	bool host_memory;
+	ape_rng rng;
+
+	host_memory = ape_buffer_wrap_host(self->dev, &probe, sizeof(probe), &b) == 0;
+	ape_buffer_free(b);
+	ape_rng_init(&rng, _metadata->name);
+	for (int layout = 0; layout < 2; layout++) {
+		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, layout == 1));
+		test_problem_random_params(&tp, &rng);
+		ASSERT_EQ(0, one_shot(&want, &tp, self->ref));
+		for (int copy = 0; copy < 2; copy++) {
+			ape_exec_options o = chunks(64, 128);
+			ape_stats st;
+
+			o.flags = copy ? APE_EXEC_COPY_INPUTS : 0;
+			ape_stats_init(&st);
+			EXPECT_EQ(0, check_stream(_metadata, &tp, &want, self->dev, &o,
+						  copy ? "copied" : "in place", &st));
+			if (host_memory && !copy) {
+				EXPECT_EQ(0u, st.bytes_to_device);
+			} else {
+				EXPECT_GE(st.bytes_to_device,
+					  (uint64_t)(sh.B * (sh.H * sh.Lq + 2 * sh.Hkv * sh.Lk) * sh.D *
+						     4));
+			}
+			/* in place or not, the results come back once per query chunk or less */
+			EXPECT_GT(st.bytes_from_device, 0u);
+		}
+		test_problem_free(&tp);
+		test_problem_free(&want);
+	}
+}
+
+/*
+ * ape.h: a call whose queries fit one chunk writes its outputs only when it succeeds, on every
+ * path (inputs read in place on devices that read host memory, copied on the others): a device
+ * lost at any point, or any one op failing, leaves O and LSE as they were.
+ */
+TEST_F(dev, one_chunk_call_writes_nothing_when_it_fails)
+{
+	const test_problem_shape sh = { 1, 2, 1, 40, 60, 16 };
+	test_problem tp;
+	unsigned char *before;
+	float lse_before[2 * 40];
+	ape_rng rng;
+	int failures = 0;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	test_problem_random_params(&tp, &rng);
+	ASSERT_NE(NULL, tp.lse);
+	before = malloc(tp.o.alloc_bytes);
+	ASSERT_NE(NULL, before);
+	memset(tp.o.alloc, 0x5a, tp.o.alloc_bytes);
+	memcpy(before, tp.o.alloc, tp.o.alloc_bytes);
+	for (int i = 0; i < 2 * 40; i++)
+		tp.lse[i] = lse_before[i] = (float)i;
+	wrap_install(self->dev, 0);
+	for (uint64_t k = 1; k < 64; k++) {
+		int ret;
+
+		wrap_lose_device(k);
+		ret = ape_attention_forward(self->dev, &tp.desc, &tp.q.t, &tp.k.t, &tp.v.t, &tp.o.t,
+					    tp.lse, NULL);
+		wrap_lose_device(0);
+		if (!ret)
+			break; /* k is past the call's last op */
+		failures++;
+		EXPECT_EQ(0, memcmp(before, tp.o.alloc, tp.o.alloc_bytes))
+			TH_LOG("device lost at op %llu: O was written (%s)", (unsigned long long)k,
+			       ape_last_error());
+		EXPECT_EQ(0, memcmp(lse_before, tp.lse, sizeof(lse_before)))
+			TH_LOG("device lost at op %llu: LSE was written", (unsigned long long)k);
+	}
+	EXPECT_GT(failures, 2);
+	/* ... and it does write them when nothing fails */
+	EXPECT_NE(0, memcmp(before, tp.o.alloc, tp.o.alloc_bytes));
+	free(before);
+	test_problem_free(&tp);
+}
+
 /* ---- statistics */
 
 TEST_F(dev, stats_count_chunks_and_bytes)
@@ -729,6 +829,7 @@ TEST_F(dev, stats_count_chunks_and_bytes)
 	tp.desc.causal = true;
 	tp.desc.q_start_set = false;
 	tp.desc.skip_tol = 0;
+	o.flags = APE_EXEC_COPY_INPUTS; /* every input copied, as to a discrete device */
 	ape_stats_init(&st);
 	ASSERT_EQ(0, run_ex(&tp, &self->dev, 1, &o, &st)) TH_LOG("%s", ape_last_error());
 	/* 4 x 4 chunks, causal and end-aligned: query chunk i sees key chunks 0..i */
@@ -738,8 +839,10 @@ TEST_F(dev, stats_count_chunks_and_bytes)
 	EXPECT_EQ(32, st.chunk_k);
 	EXPECT_EQ(3, st.pipeline_depth);
 	EXPECT_EQ(1, st.devices);
-	/* every key chunk stays resident (no budget to speak of): each is copied once */
-	EXPECT_EQ((uint64_t)((H * L + 2 * Hkv * L) * D * 4), st.bytes_to_device);
+	/* every key chunk stays resident (no budget to speak of): each is copied once, and the
+	 * parameter tables once (omega and four per head, in float64 and float32) */
+	EXPECT_EQ((uint64_t)((H * L + 2 * Hkv * L) * D * 4 + (D / 2 + 4 * H) * 12),
+		  st.bytes_to_device);
 	/* per launch: O in float32, LSE, pair counts */
 	EXPECT_GT(st.bytes_from_device, (uint64_t)(H * L * D * 4));
 	EXPECT_GE(st.kernel_ms, 0.0);
@@ -767,6 +870,48 @@ TEST_F(dev, stats_count_chunks_and_bytes)
 	test_problem_free(&tp);
 }
 
+/*
+ * Whether a host call computes on the caller's arrays in place is the device's capability
+ * host_memory (struct ape__dev_caps), stated at probe, not found by trying buf_wrap: with the
+ * capability taken away and buf_wrap kept, the call stages and copies, and asks buf_wrap
+ * nothing; a device without it is never asked either.
+ */
+TEST_F(dev, in_place_only_where_the_capability_says)
+{
+	const test_problem_shape sh = { 1, 2, 1, 24, 24, 16 };
+	const bool capable = self->dev->caps.host_memory;
+	test_problem tp, want;
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	ASSERT_EQ(0, one_shot(&want, &tp, self->ref)) TH_LOG("%s", ape_last_error());
+	for (int hide = 0; hide < 2; hide++) {
+		const bool in_place = capable && !hide;
+		struct wrap_counts c;
+		ape_stats st;
+		double eo, el;
+
+		wrap_install(self->dev, hide ? WRAP_NO_HOST_MEMORY : 0);
+		ape_stats_init(&st);
+		EXPECT_EQ(0, run_ex(&tp, &self->dev, 1, NULL, &st)) TH_LOG("%s", ape_last_error());
+		c = wrap_get();
+		wrap_remove();
+		errors(&tp, &want, &eo, &el);
+		EXPECT_LE(eo, test_tol_o(APE_F32));
+		EXPECT_LE(el, test_tol_lse(APE_F32));
+		if (in_place) {
+			EXPECT_EQ(0u, c.h2d_calls) TH_LOG("computed in place: nothing to copy in");
+			EXPECT_LT(0u, c.calls[WRAP_BUF_WRAP]);
+		} else {
+			EXPECT_LT(0u, c.h2d_calls) TH_LOG("hide %d: not staged", hide);
+			EXPECT_EQ(0u, c.calls[WRAP_BUF_WRAP]) TH_LOG("hide %d: buf_wrap was tried", hide);
+		}
+	}
+	test_problem_free(&want);
+	test_problem_free(&tp);
+}
+
 /* ---- arguments */
 
 TEST_F(dev, options_are_validated)
@@ -781,7 +926,7 @@ TEST_F(dev, options_are_validated)
 	} cases[] = {
 		{ "opts->struct_size", NULL }, { "opts->chunk_q = -1", NULL },
 		{ "opts->chunk_k = -5", NULL }, { "opts->pipeline_depth = 4", NULL },
-		{ "opts->flags = 0x7: unknown flags 0x6", NULL }, { "opts->device_weights[1] = 0", NULL },
+		{ "opts->flags = 0x7: unknown flags 0x4", NULL }, { "opts->device_weights[1] = 0", NULL },
 		{ "opts->trace_path = \"\"", NULL },
 	};
 	ape_device *two[2] = { self->dev, NULL };

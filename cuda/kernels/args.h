@@ -192,4 +192,13 @@ struct ape_cu_merge_args {
 	int64_t block_base;
 };
 
+/* ape_lmerge (attention_merge, core/backend.h struct ape__merge): a launch's partial result
+ * folded into the running one by their LSE, one thread per row. 0: a buffer left out. */
+struct ape_cu_lmerge_args {
+	uint64_t o, lse, pairs, ent, md; /* the running result */
+	uint64_t po, plse, ppairs, pent, pmd; /* the partial */
+	int64_t rows, D;
+	int32_t pairs32; /* pairs is uint32 */
+};
+
 #endif /* APE_CUDA_KERNELS_ARGS_H */

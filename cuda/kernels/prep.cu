@@ -136,3 +136,59 @@ extern "C" __global__ void __launch_bounds__(APE_CU_THREADS) ape_kscan(const str
 	ape::kscan(a);
 }
 APE_EMU_REGISTER(ape_kscan, struct ape_cu_scan_args)
+
+/* attention_merge (core/backend.h, struct ape__merge): row r's partial result folded into its
+ * running one, one thread per row (the row's LSE is read before and written after its O, by
+ * the same thread), the weights in float64 (core/ape_math.h, ape_merge_lse()). */
+extern "C" __global__ void __launch_bounds__(APE_CU_THREADS)
+	ape_lmerge(const struct ape_cu_lmerge_args a)
+{
+	const int64_t r = ape::block_linear() * APE_CU_THREADS + (int64_t)threadIdx.x;
+	float *o, *lse = reinterpret_cast<float *>(a.lse);
+	float *ent = reinterpret_cast<float *>(a.ent), *md = reinterpret_cast<float *>(a.md);
+	const float *po, *plse = reinterpret_cast<const float *>(a.plse);
+	const float *pent = reinterpret_cast<const float *>(a.pent);
+	const float *pmd = reinterpret_cast<const float *>(a.pmd);
+	double l = 0, w1 = 0, w2 = 0, lw1 = 0, lw2 = 0;
+	int how;
+
+	if (r >= a.rows)
+		return;
+	o = reinterpret_cast<float *>(a.o) + r * a.D;
+	po = reinterpret_cast<const float *>(a.po) + r * a.D;
+	if (a.pairs && a.pairs32)
+		reinterpret_cast<uint32_t *>(a.pairs)[r] +=
+			(uint32_t)reinterpret_cast<const uint64_t *>(a.ppairs)[r];
+	else if (a.pairs)
+		reinterpret_cast<uint64_t *>(a.pairs)[r] +=
+			reinterpret_cast<const uint64_t *>(a.ppairs)[r];
+	how = ape_merge_lse(lse[r], plse[r], &l, &w1, &w2, &lw1, &lw2);
+	if (how == APE_MERGE_KEEP)
+		return;
+	if (how == APE_MERGE_NAN) {
+		for (int64_t d = 0; d < a.D; d++)
+			o[d] = NAN;
+		lse[r] = NAN;
+		if (ent)
+			ent[r] = md[r] = NAN;
+		return;
+	}
+	if (how == APE_MERGE_TAKE) {
+		for (int64_t d = 0; d < a.D; d++)
+			o[d] = po[d];
+		lse[r] = plse[r];
+		if (ent) {
+			ent[r] = pent[r];
+			md[r] = pmd[r];
+		}
+		return;
+	}
+	for (int64_t d = 0; d < a.D; d++)
+		o[d] = (float)(w1 * o[d] + w2 * po[d]);
+	if (ent) {
+		ent[r] = (float)ape_merge_entropy(w1, ent[r], lw1, w2, pent[r], lw2);
+		md[r] = (float)(w1 * md[r] + w2 * pmd[r]);
+	}
+	lse[r] = (float)l;
+}
+APE_EMU_REGISTER(ape_lmerge, struct ape_cu_lmerge_args)

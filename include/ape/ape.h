@@ -718,6 +718,13 @@ typedef struct ape_exec_options {
  *  writes each query chunk's rows as soon as they are final. */
 #define APE_EXEC_ATOMIC_OUTPUTS (1u << 0)
 
+/** Copy the inputs into device buffers even on a device whose kernels read host memory in place
+ *  (the reference; OpenCL CPU devices), as a discrete GPU needs: the chunks, copies and
+ *  statistics a discrete device would see, for measuring transfers and testing the copy path.
+ *  Without it, such a device reads q, k and v where they lie (no staging, no copy; they count
+ *  nothing against max_device_bytes), at every chunking. Results are the same either way. */
+#define APE_EXEC_COPY_INPUTS (1u << 1)
+
 /** The most devices one ape_attention_forward_ex() call takes (`ndev`), counting a device
  *  listed more than once each time: size device arrays passed to it by this. */
 #define APE_MAX_DEVICES 64
@@ -1278,8 +1285,9 @@ APE_API int ape_attention_backward_ex(ape_device *const *devs, int ndev,
  * bit-identical gradients; with one launch they are those of ape_attention_backward() on the
  * same device and tensors (bit for bit on the reference and OpenCL).
  *
- * \param queue a queue of the device to run on (its backend needs the backward pass and the
- *        ops of core/backend.h ABI 10: the reference, OpenCL with float64, CUDA)
+ * \param queue a queue of the device to run on (the device needs the backward pass on device
+ *        tensors, the capability resident_backward of core/backend.h: the reference, OpenCL
+ *        with float64, CUDA)
  * \param desc,q,k,v,o as ape_attention_backward(), as device tensors; read only
  * \param lse the forward's LSE, `[B, H, Lq, 1]` APE_F32; required; read only
  * \param dout dL/dO, shaped like q, of q->dtype or APE_F32; read only

@@ -878,3 +878,58 @@ __kernel void ape_kscan(__global const float *ktile, long ntk, __global float *p
 		su[t] = run;
 	}
 }
+
+/*
+ * attention_merge (core/backend.h, struct ape__merge): row r's partial result (PO, PLSE, ...)
+ * folded into its running one (O, LSE, ...) by their LSE, one work-item per row (the row's LSE
+ * is read before and written after its O, by the same work-item). flags: 1 pair counts,
+ * 2 diagnostics, 4 the pair counts' sums in 32 bits; buffers they leave out are NULL.
+ */
+__kernel void ape_merge(__global float *O, __global float *LSE, __global void *PAIRS,
+			__global float *ENT, __global float *MD, __global const float *PO,
+			__global const float *PLSE, __global const ulong *PPAIRS,
+			__global const float *PENT, __global const float *PMD, long rows, long D,
+			int flags)
+{
+	const long r = get_global_id(0);
+	__global float *o = O + r * D;
+	__global const float *po = PO + r * D;
+	ape_real l = 0, w1 = 0, w2 = 0, lw1 = 0, lw2 = 0;
+	int how;
+
+	if (r >= rows)
+		return;
+	if (flags & 4)
+		((__global uint *)PAIRS)[r] += (uint)PPAIRS[r];
+	else if (flags & 1)
+		((__global ulong *)PAIRS)[r] += PPAIRS[r];
+	how = ape_merge_lse((ape_real)LSE[r], (ape_real)PLSE[r], &l, &w1, &w2, &lw1, &lw2);
+	if (how == APE_MERGE_KEEP)
+		return;
+	if (how == APE_MERGE_NAN) {
+		for (long d = 0; d < D; d++)
+			o[d] = NAN;
+		LSE[r] = NAN;
+		if (flags & 2)
+			ENT[r] = MD[r] = NAN;
+		return;
+	}
+	if (how == APE_MERGE_TAKE) {
+		for (long d = 0; d < D; d++)
+			o[d] = po[d];
+		LSE[r] = PLSE[r];
+		if (flags & 2) {
+			ENT[r] = PENT[r];
+			MD[r] = PMD[r];
+		}
+		return;
+	}
+	for (long d = 0; d < D; d++)
+		o[d] = (float)(w1 * (ape_real)o[d] + w2 * (ape_real)po[d]);
+	if (flags & 2) {
+		ENT[r] = (float)ape_merge_entropy(w1, (ape_real)ENT[r], lw1, w2, (ape_real)PENT[r],
+						  lw2);
+		MD[r] = (float)(w1 * (ape_real)MD[r] + w2 * (ape_real)PMD[r]);
+	}
+	LSE[r] = (float)l;
+}

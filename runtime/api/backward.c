@@ -168,6 +168,8 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 			.trace_path = opts ? opts->trace_path : NULL,
 			.budget = opts ? opts->max_device_bytes : 0,
 			.chunk_q = opts ? opts->chunk_q : 0, .chunk_k = opts ? opts->chunk_k : 0,
+			.depth = opts ? opts->pipeline_depth : 0,
+			.copy_inputs = opts && (opts->flags & APE_EXEC_COPY_INPUTS),
 			.p = &p, .q = q, .k = k, .v = v, .o = o, .dout = a->dout,
 			.dout_s = a->dout_s, .lse = lse, .dlse = a->dlse,
 			.dq = a->dq, .dk = a->dk, .dv = a->dv,
@@ -190,9 +192,9 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 
 		memset(&er, 0, sizeof(er));
 		/* counted by the launches when they could skip keys; else every visible pair */
-		er.st.pairs_computed = !on_device	   ? 0
-				       : res.pairs_counted ? res.pairs_computed
-							   : rep.pairs_visible;
+		er.pairs_computed = !on_device	   ? 0
+				    : res.pairs_counted ? res.pairs_computed
+							: rep.pairs_visible;
 		er.st.kernel_ms = res.kernel_ms;
 		er.st.copy_ms = res.copy_ms;
 		er.st.h2d = res.h2d;
@@ -201,7 +203,7 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 		er.st.peak_bytes = res.peak;
 		er.cq = res.cq;
 		er.ck = res.ck;
-		er.depth = 1;
+		er.depth = res.depth;
 		er.budget = res.budget;
 		ape__stats_report(stats, &rep);
 	}

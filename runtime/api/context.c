@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/error.h"
+#include "core/ops.h"
 #include "api/registry.h"
 #include "topo/physical.h"
 
@@ -37,12 +38,24 @@ static bool list_has(const char *list, const char *name)
 	return false;
 }
 
-/* Rejects names in opts->backends that no registry entry has, before anything is probed. */
-static int check_backend_list(const char *list)
+static int unknown_backend(const char *list, int len, const char *p,
+			   const struct ape__registry_entry *reg, int nreg)
 {
-	int nreg;
-	const struct ape__registry_entry *reg = ape__registry(&nreg);
+	char known[128] = "";
+	size_t n = 0;
 
+	for (int i = 0; i < nreg && n < sizeof(known); i++)
+		n += (size_t)snprintf(known + n, sizeof(known) - n, "%s%s", i ? ", " : "",
+				      reg[i].name);
+	return ape__error(APE_EINVAL,
+			  "ape_context_create: opts->backends = \"%s\": unknown backend \"%.*s\" "
+			  "(known: %s)",
+			  list, len, p, known);
+}
+
+/* Rejects names in opts->backends that no registry entry has, before anything is probed. */
+static int check_backend_list(const char *list, const struct ape__registry_entry *reg, int nreg)
+{
 	for (const char *p = list; *p;) {
 		const char *end = strchr(p, ',');
 		int len = end ? (int)(end - p) : (int)strlen(p);
@@ -52,15 +65,32 @@ static int check_backend_list(const char *list)
 			if ((int)strlen(reg[i].name) == len && !strncmp(p, reg[i].name, (size_t)len))
 				known = true;
 		if (!known)
-			return ape__error(APE_EINVAL,
-					  "ape_context_create: opts->backends = \"%s\": unknown backend "
-					  "\"%.*s\" (known: cuda, opencl, ref)",
-					  list, len, p);
+			return unknown_backend(list, len, p, reg, nreg);
 		p += len + (end ? 1 : 0);
 	}
 	return 0;
 }
 
+/*
+ * Devices the backend added from index `before` on whose capabilities its ops cannot back
+ * (ape__device_check()): the backend is refused, all its devices released, the reason kept.
+ * Its teardown is still owed (it probed).
+ */
+static bool refuse_devices(struct ape__ctx_backend *cb, int before)
+{
+	struct ape_context *ctx = cb->be.ctx;
+	bool bad = false;
+
+	for (int i = before; i < ctx->ndevices && !bad; i++)
+		bad = ape__device_check(ctx->devices[i], cb->info.reason,
+					sizeof(cb->info.reason)) != 0;
+	if (!bad)
+		return false;
+	for (int i = before; i < ctx->ndevices; i++)
+		ape__device_free(ctx->devices[i]);
+	ctx->ndevices = before;
+	return true;
+}
 
 static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registry_entry *reg,
 			  const char *only, int *err)
@@ -80,20 +110,18 @@ static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registr
 			 "not loaded: left out by ape_context_options.backends");
 		return;
 	}
-	if (reg->ops->abi_version != APE__BACKEND_ABI) {
-		snprintf(cb->info.reason, sizeof(cb->info.reason),
-			 "built for backend ABI %u, this core has ABI %u", reg->ops->abi_version,
-			 APE__BACKEND_ABI);
+	/* the table first: nothing of a backend the core refuses runs, not even its probe */
+	if (ape__backend_bind(&cb->be, reg->ops, cb->info.reason, sizeof(cb->info.reason)))
 		return;
-	}
-	cb->be.ops = reg->ops;
 	memset(&res, 0, sizeof(res));
-	ret = reg->ops->probe(&cb->be, &res);
+	ret = cb->be.ops->probe(&cb->be, &res);
 	cb->probed = true;
 	if (ret < 0) {
 		*err = ret;
 		return;
 	}
+	if (refuse_devices(cb, before))
+		return;
 	cb->info.device_count = ctx->ndevices - before;
 	cb->info.available = cb->info.device_count > 0;
 	if (!cb->info.available)
@@ -155,11 +183,19 @@ static int resolve_setup(const ape_context_options *opts, struct ape__ctx_setup 
 
 int ape_context_create(ape_context **out, const ape_context_options *opts)
 {
+	int nreg;
+	const struct ape__registry_entry *reg = ape__registry(&nreg);
+
+	return ape__context_create(out, opts, reg, nreg);
+}
+
+int ape__context_create(ape_context **out, const ape_context_options *opts,
+			const struct ape__registry_entry *reg, int nreg)
+{
 	struct ape_context *ctx;
-	const struct ape__registry_entry *reg;
 	struct ape__ctx_setup setup;
 	const char *only = NULL;
-	int nreg, err = 0;
+	int err = 0;
 
 	if (!out)
 		return ape__error(APE_EINVAL, "ape_context_create: out = NULL");
@@ -171,7 +207,7 @@ int ape_context_create(ape_context **out, const ape_context_options *opts)
 				  "(initialise with ape_context_options_init())",
 				  opts->struct_size, sizeof(*opts));
 	if (opts && opts->backends) {
-		err = check_backend_list(opts->backends);
+		err = check_backend_list(opts->backends, reg, nreg);
 		if (err)
 			return err;
 		only = opts->backends;
@@ -189,7 +225,6 @@ int ape_context_create(ape_context **out, const ape_context_options *opts)
 	if (!ctx)
 		return ape__error(APE_ENOMEM, "ape_context_create: out of memory");
 	ctx->flags = opts ? opts->flags : 0;
-	reg = ape__registry(&nreg);
 	for (int i = 0; i < nreg && i < APE__MAX_BACKENDS && !err; i++) {
 		ctx->backends[i].be.ctx = ctx;
 		if (HAS_OPTION(opts, opencl_device) && opts->opencl_context &&

@@ -1,12 +1,12 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The forward entry points: validate, handle the shapes that need no device, hand the rest to
- * the streaming executor (runtime/exec/multidev.c, runtime/exec/stream*.c), report statistics
- * (runtime/api/stats.c).
+ * the executor (runtime/exec/forward.c), report statistics (runtime/api/stats.c).
  *
  * There is one code path. A problem that fits one chunk pair is the executor's single-chunk
- * case: one query chunk, one key chunk, the same copies and the same launch as a one-shot
- * call, and its outputs are written only once everything succeeded.
+ * case: one query chunk, one key chunk, the same launch as a one-shot call, and its outputs are
+ * written only once everything succeeded. On a device whose kernels read host memory the
+ * executor reads the inputs where they lie, at any chunking.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -21,11 +21,10 @@
 #include "core/context.h"
 #include "core/error.h"
 #include "core/limits.h"
+#include "exec/forward.h"
 #include "exec/lse_merge.h"
-#include "exec/multidev.h"
 #include "exec/pack.h"
 #include "exec/plan.h"
-#include "exec/resident.h"
 #include "api/forward.h"
 #include "api/stats.h"
 #include "api/validate.h"
@@ -96,9 +95,10 @@ static int check_options(const char *fn, const ape_exec_options *o, int ndev)
 	if (o->pipeline_depth < 0 || o->pipeline_depth > APE__MAX_DEPTH)
 		return ape__error(APE_EINVAL, "%s: opts->pipeline_depth = %d: must be 1..%d (0: %d)",
 				  fn, o->pipeline_depth, APE__MAX_DEPTH, APE__DEFAULT_DEPTH);
-	if (o->flags & ~APE_EXEC_ATOMIC_OUTPUTS)
+	if (o->flags & ~(APE_EXEC_ATOMIC_OUTPUTS | APE_EXEC_COPY_INPUTS))
 		return ape__error(APE_EINVAL, "%s: opts->flags = 0x%x: unknown flags 0x%x", fn,
-				  o->flags, o->flags & ~APE_EXEC_ATOMIC_OUTPUTS);
+				  o->flags,
+				  o->flags & ~(APE_EXEC_ATOMIC_OUTPUTS | APE_EXEC_COPY_INPUTS));
 	for (int i = 0; o->device_weights && i < ndev; i++)
 		if (!isfinite(o->device_weights[i]) || !(o->device_weights[i] > 0))
 			return ape__error(APE_EINVAL,
@@ -130,15 +130,15 @@ int ape__diag_devices(const char *fn, ape_device *const *devs, int ndev, bool on
 		      struct ape__problem *p)
 {
 	for (int i = 0; i < ndev; i++) {
-		const struct ape__backend_ops *ops = devs[i]->be->ops;
+		const struct ape__dev_caps *caps = &devs[i]->caps;
 
-		if (!ops->attention_diag || (on_device && !ops->attention_diag_views))
+		if (!caps->diag || (on_device && !caps->diag_views))
 			return ape__error(APE_ENOTSUP,
 					  "%s: %s:%d (%s) does not compute the diagnostics "
 					  "(entropy, mean_distance)%s yet",
 					  fn, devs[i]->info.backend, devs[i]->info.backend_index,
 					  devs[i]->info.name,
-					  ops->attention_diag ? " on device tensors" : "");
+					  caps->diag ? " on device tensors" : "");
 	}
 	/* docs/diagnostics.md, "Skipping": the bound holds the diagnostics to the spec's
 	 * tolerance at this skip_tol */
@@ -192,7 +192,7 @@ static int run(const char *fn, ape_device *const *devs, int ndev, const ape_exec
 {
 	const bool atomic_out = opts && (opts->flags & APE_EXEC_ATOMIC_OUTPUTS);
 	struct ape__problem pp = *p;
-	struct ape__exec_req r = {
+	struct ape__fwd_req r = {
 		.fn = fn,
 		.devs = devs,
 		.ndev = ndev,
@@ -202,6 +202,7 @@ static int run(const char *fn, ape_device *const *devs, int ndev, const ape_exec
 		.depth = opts && opts->pipeline_depth ? opts->pipeline_depth : APE__DEFAULT_DEPTH,
 		.weights = opts ? opts->device_weights : NULL,
 		.trace_path = opts ? opts->trace_path : NULL,
+		.copy_inputs = opts && (opts->flags & APE_EXEC_COPY_INPUTS),
 		.p = &pp,
 		.q = q,
 		.k = k,
@@ -215,18 +216,8 @@ static int run(const char *fn, ape_device *const *devs, int ndev, const ape_exec
 	struct staged sg;
 	int ret;
 
-	/* on a device that computes on host memory: in place, one launch, no copy; chunk sizes, a
-	 * budget or a trace the caller asks for are the streaming executor's, and so are the
-	 * diagnostics */
-	if (ndev == 1 && !atomic_out && !dg->ent && !dg->md &&
-	    !(opts && (opts->chunk_q || opts->chunk_k || opts->trace_path || opts->max_device_bytes))) {
-		ret = ape__resident_host_run(fn, devs[0], p, r.budget, q, k, v, o, lse, want_pairs,
-					     res);
-		if (ret <= 0)
-			return ret;
-	}
 	if (!atomic_out)
-		return ape__exec_run(&r, res);
+		return ape__forward_run(&r, res);
 	ret = stage_outputs(fn, p, lse != NULL, dg, &sg);
 	if (ret)
 		return ret;
@@ -237,7 +228,7 @@ static int run(const char *fn, ape_device *const *devs, int ndev, const ape_exec
 	r.ent = sg.ent;
 	r.md = sg.md;
 	r.staged = true;
-	ret = ape__exec_run(&r, res);
+	ret = ape__forward_run(&r, res);
 	if (!ret) {
 		const size_t fb = (size_t)(p->B * p->H * p->Lq) * sizeof(float);
 

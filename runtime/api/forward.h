@@ -21,15 +21,14 @@ struct ape__diag_req {
 	float *ent, *md;
 };
 
-/* With diagnostics wanted: every device's backend declares attention_diag (else APE_ENOTSUP
+/* With diagnostics wanted: every device's capabilities say diag (else APE_ENOTSUP
  * naming the first that does not), and p->skip_tol is tightened to APE_DIAG_SKIP_TOL (the skip
  * bound of docs/diagnostics.md). Without: nothing. Shared with api/kvcache_attend.c. */
 struct ape__problem;
 int ape__diag_prepare(const char *fn, ape_device *const *devs, int ndev,
 		      struct ape__problem *p, const struct ape__diag_req *dg);
 /* What ape__diag_prepare() does when diagnostics are wanted; on_device: for device-resident
- * tensors (ape_attention_enqueue_diag()), where the backend must also declare
- * attention_diag_views. */
+ * tensors (ape_attention_enqueue_diag()), where they must also say diag_views. */
 int ape__diag_devices(const char *fn, ape_device *const *devs, int ndev, bool on_device,
 		      struct ape__problem *p);
 

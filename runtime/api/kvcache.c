@@ -128,41 +128,58 @@ static void resolve(ape_kv_cache_options *o)
 		o->attend_chunk = APE__CHUNK_DEFAULT;
 }
 
-/* Scratch of the largest attend launch of lq x lk rows: with skip tables. */
-static uint64_t cache_scratch(void *arg, int64_t lq, int64_t lk)
-{
-	const struct ape_kv_cache *c = arg;
-	const struct ape__problem shell = {
-		.B = c->o.B, .H = c->o.H, .Hkv = c->o.Hkv, .D = c->o.D,
-		.in_dtype = c->o.dtype, .decay_nonneg = true,
-	};
-	struct ape__launch l;
+/* The attend session's plan: a forward pass of the cache's shape at its largest (every query
+ * row, every block, pair counts, the diagnostics where the backend computes them, partial
+ * results in float32 whatever the length), priced with skip tables. */
+struct shell {
+	struct ape__problem p;
+	struct ape__fwd_call call;
+	struct ape__fwd f;
+	struct ape_kv_cache *c;
+};
 
-	ape__launch_init(&l, &shell, APE_F32, 1);
-	l.Lq = lq;
-	l.Lk = lk;
-	return ape__scratch_of(c->dev, &l);
+static void shell_bytes(void *arg, int64_t co, int64_t ci, int64_t no, int64_t ni,
+			struct ape__plan_bytes *b)
+{
+	struct shell *sh = arg;
+
+	sh->f.pass.ops->shape(&sh->f, sh->c->dev, no, ni);
+	ape__pass_bytes(&sh->f.pass, false, sh->p.Lq, sh->p.Lk, co, ci, b);
+}
+
+static uint64_t shell_scratch(void *arg, int64_t co, int64_t ci)
+{
+	struct shell *sh = arg;
+
+	return sh->f.pass.ops->scratch(&sh->f, sh->c->dev, co, ci);
 }
 
 /* The attend session, planned within what the blocks leave of the budget. */
 static int make_session(struct ape_kv_cache *c, const char *fn)
 {
 	const struct ape__backend_ops *ops = c->ops;
+	struct shell sh = {
+		.p = { .B = c->o.B, .H = c->o.H, .Hkv = c->o.Hkv, .D = c->o.D,
+		       .Lq = c->o.max_queries, .Lk = c->nblocks * c->bt,
+		       .in_dtype = c->o.dtype, .out_dtype = APE_F32, .decay_nonneg = true,
+		       .skip_tol = 1 },
+		.c = c,
+	};
 	struct ape__plan_req r = {
-		.B = c->o.B, .H = c->o.H, .Hkv = c->o.Hkv, .D = c->o.D,
-		.Lq = c->o.max_queries, .Lk = c->nblocks * c->bt,
-		.esz = c->esz, .out_esz = 4, .dtype_name = ape_dtype_name(c->o.dtype),
-		.pairs = true, .force_merge = true,
-		/* room for ape_kv_cache_attend_diag(): two floats per query row, on backends that
-		 * compute them */
-		.diag = ops->attention_diag,
-		.max_cq = c->o.max_queries, .max_ck = c->o.attend_chunk, .depth = APE__KV_DEPTH,
-		.budget = UINT64_MAX, .max_kv_slots = APE__KV_DEPTH,
-		.max_buffer = ops->max_alloc ? ops->max_alloc(c->dev) : UINT64_MAX,
-		.scratch = cache_scratch, .scratch_arg = c,
+		.Lo = c->o.max_queries, .Li = c->nblocks * c->bt,
+		.max_co = c->o.max_queries, .max_ci = c->o.attend_chunk, .depth = APE__KV_DEPTH,
+		.budget = UINT64_MAX, .max_inner_slots = APE__KV_DEPTH,
+		.max_buffer = c->dev->caps.max_alloc,
+		.bytes = shell_bytes, .scratch = shell_scratch, .arg = &sh,
+		.what = ape_dtype_name(c->o.dtype),
 	};
 	int ret;
 
+	/* room for ape_kv_cache_attend_diag(): two floats per query row, on backends that
+	 * compute them */
+	sh.call = (struct ape__fwd_call){ .p = &sh.p, .want_pairs = true, .force_merge = true,
+					  .diag = c->dev->caps.diag };
+	ape__fwd_init(&sh.f, &sh.call, c->dev);
 	if (c->o.max_device_bytes) {
 		if (c->mem.cur >= c->o.max_device_bytes)
 			return ape__error(APE_ENOMEM,
@@ -173,25 +190,24 @@ static int make_session(struct ape_kv_cache *c, const char *fn)
 	}
 	if ((ret = ape__plan_make(&r, fn, &c->geom.plan)))
 		return ret;
-	c->geom.B = c->o.B;
-	c->geom.H = c->o.H;
-	c->geom.Hkv = c->o.Hkv;
-	c->geom.D = c->o.D;
-	c->geom.in_dtype = c->o.dtype;
-	c->geom.host_kv = false;
+	sh.f.pass.ops->shape(&sh.f, c->dev, c->geom.plan.no, c->geom.plan.ni);
+	c->geom.shape = sh.f.pass;
+	c->geom.shape.self = NULL; /* the shape only: every attend brings its own pass */
 	c->geom.budget = r.budget;
 	/* the layers below name the device and what failed, not the call (fuzz_resident) */
 	if ((ret = ape__stream_create(c->dev, &c->geom, &c->s)) ||
 	    (ret = ape__stream_reserve(c->s)))
 		return ape__error_prefix(ret, fn);
 	for (int i = 0; !ops->copy_d2d && i < APE__KV_DEPTH; i++)
-		if ((ret = ape__host_alloc(c->dev, (size_t)(2 * c->geom.plan.kv_bytes),
+		if ((ret = ape__host_alloc(c->dev,
+					   (size_t)(2 * c->geom.shape.t[APE__F_K].row_bytes *
+						    (uint64_t)c->geom.plan.ci),
 					   &c->bounce[i])))
 			return ape__error_prefix(ret, fn);
 	c->loader = (struct ape__kv_loader){
 		.load = ape__kv_load, .arg = c, .pages = ape__kv_pages, .wait = ape__kv_wait,
 	};
-	ret = ape__kmax_alloc(&c->km, c->o.B * c->o.Hkv, c->geom.plan.nk);
+	ret = ape__kmax_alloc(&c->km, c->o.B * c->o.Hkv, c->geom.plan.ni);
 	return ret ? ape__error_prefix(ret, fn) : 0;
 }
 
@@ -206,7 +222,7 @@ static uint64_t slab_bytes(const struct ape_kv_cache *c, int64_t i)
 /* The blocks, in as few slabs as the device's largest buffer allows (max_alloc). */
 static int make_blocks(struct ape_kv_cache *c, const char *fn)
 {
-	const uint64_t most = c->ops->max_alloc ? c->ops->max_alloc(c->dev) : UINT64_MAX;
+	const uint64_t most = c->dev->caps.max_alloc;
 	int ret = 0;
 
 	c->per_slab = most / c->blk_bytes < (uint64_t)c->nblocks ? (int64_t)(most / c->blk_bytes)

@@ -16,6 +16,7 @@
 
 #include "core/backend.h"
 #include "exec/devmem.h"
+#include "exec/fwd_pass.h"
 #include "exec/problem.h"
 #include "exec/skip.h"
 #include "exec/stream.h"
@@ -52,7 +53,7 @@ struct ape_kv_cache {
 
 	/* attends */
 	struct ape__stream *s;
-	struct ape__stream_geom geom;
+	struct ape__stream_geom geom; /* planned for a forward pass of the cache's shape */
 	struct ape__workq *wq;
 	struct ape__kmax km; /* sized for the whole capacity */
 	struct ape__hostmem bounce[APE__KV_DEPTH]; /* gathers without copy_d2d */

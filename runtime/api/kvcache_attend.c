@@ -186,10 +186,10 @@ static bool whole_in_place(struct ape_kv_cache *c, const struct ape__problem *p,
 	struct ape__kv_pages pg;
 	struct ape__buf *k, *v;
 
-	if (!c->ops->attention_pages || dg->ent || dg->md || p->Lq > c->geom.plan.cq ||
+	if (!c->ops->attention_pages || dg->ent || dg->md || p->Lq > c->geom.plan.co ||
 	    !ape__kv_pages(c, 0, p->Lk, &k, &v, &pg))
 		return false;
-	ape__launch_init(&l, p, APE_F32, ape__skip_launch_tol(tol, c->geom.plan.prior_bytes != 0));
+	ape__launch_init(&l, p, APE_F32, ape__skip_launch_tol(tol, false));
 	l.Lq = p->Lq;
 	l.Lk = p->Lk;
 	l.q_start = p->q_start;
@@ -200,53 +200,56 @@ static bool whole_in_place(struct ape_kv_cache *c, const struct ape__problem *p,
 
 /*
  * Runs the attend of p on the cache's session: its query rows in one chunk (or a few), its
- * key chunks gathered from the blocks, partial results merged by LSE. Adds to *ss.
+ * key chunks gathered from the blocks (or read where they lie), partial results merged by LSE.
+ * Adds to *res.
  */
 static int run_attend(struct ape_kv_cache *c, const char *fn, const struct ape__problem *p,
 		      const ape_tensor *q, ape_tensor *o, float *lse,
 		      const struct ape__diag_req *dg, bool want_pairs,
-		      struct ape__stream_stats *ss)
+		      struct ape__exec_result *res)
 {
+	struct ape__fwd_call fc = {
+		.p = p, .q = q, .o = o, .lse = lse, .ent = dg->ent, .md = dg->md,
+		.diag = dg->ent || dg->md, .want_pairs = want_pairs, .force_merge = true,
+		.release = c->o.allow_release,
+	};
 	struct ape__stream_call call;
+	struct ape__fwd f;
 	atomic_bool abort_flag;
-	int64_t ck = c->geom.plan.ck, nk;
+	const int64_t cq = c->geom.plan.co, nq = (p->Lq + cq - 1) / cq;
+	int64_t ck = c->geom.plan.ci, nk;
 	int ret;
 
-	memset(&call, 0, sizeof(call));
 	/* with release allowed, a share of skip_tol stays for what release may drop */
 	ape__skip_budget(p->skip_tol, p->causal, (p->Lk + ck - 1) / ck, c->o.allow_release,
-			 &call.tol);
-	if (whole_in_place(c, p, dg, &call.tol)) {
+			 &fc.tol);
+	if (whole_in_place(c, p, dg, &fc.tol)) {
 		ck = p->Lk;
-		ape__skip_budget(p->skip_tol, p->causal, 1, c->o.allow_release, &call.tol);
+		ape__skip_budget(p->skip_tol, p->causal, 1, c->o.allow_release, &fc.tol);
 	}
 	nk = (p->Lk + ck - 1) / ck;
-	call.p = p;
-	call.q = q;
-	call.loader = &c->loader;
-	call.o = o;
-	call.lse = lse;
-	call.ent = dg->ent;
-	call.md = dg->md;
-	call.cq = c->geom.plan.cq;
-	call.ck = ck;
-	call.nq = (p->Lq + call.cq - 1) / call.cq;
-	call.nk = nk;
-	call.merge = true;
-	call.want_pairs = want_pairs;
-	call.poison = c->dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS;
-	call.wq = c->wq;
-	atomic_init(&abort_flag, false);
-	call.abort = &abort_flag;
 	if (ape__skip_allowed(p) && nk > 1) {
 		chunk_norms(c, ck, nk);
-		call.kmax = &c->km;
+		fc.kmax = &c->km;
 	}
-	ape__workq_single(c->wq, call.nq);
-	ret = ape__stream_run(c->s, &call, 0, NULL, ss);
+	ape__fwd_init(&f, &fc, c->dev);
+	if ((ret = ape__fwd_prepare(&f, cq, ck, nq, nk, c->geom.plan.o_slots)))
+		return ape__error_prefix(ret, fn);
+	call = (struct ape__stream_call){
+		.pass = &f.pass, .Lq = p->Lq, .Lk = p->Lk, .co = cq, .ci = ck, .no = nq, .ni = nk,
+		.loader = &c->loader, .host_tables = c->dev->caps.host_memory,
+		.poison = c->dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS,
+		.wq = c->wq, .abort = &abort_flag,
+	};
+	atomic_init(&abort_flag, false);
+	ape__workq_single(c->wq, nq);
+	ret = ape__stream_run(c->s, &call, 0, NULL, &res->st);
+	res->pairs_computed += f.pairs_computed;
+	res->chunks_skipped += f.chunks_skipped;
+	ape__fwd_fini(&f);
 	if (ret) /* a lost device may fail the last step, after the rows were written */
-		ape__error_prefix(ape__error_written(ape__error_on(ret, c->dev), ss->qchunks_done,
-						     call.nq),
+		ape__error_prefix(ape__error_written(ape__error_on(ret, c->dev),
+						     res->st.outer_done, nq),
 				  fn);
 	return ret;
 }
@@ -265,8 +268,8 @@ static void report(const struct ape_kv_cache *c, struct ape__exec_result *res,
 		.t0 = t0,
 	};
 
-	res->cq = c->geom.plan.cq;
-	res->ck = c->geom.plan.ck;
+	res->cq = c->geom.plan.co;
+	res->ck = c->geom.plan.ci;
 	res->depth = c->geom.plan.depth;
 	res->budget = c->o.max_device_bytes ? c->o.max_device_bytes : UINT64_MAX;
 	res->st.peak_bytes += c->mem.cur;
@@ -296,7 +299,7 @@ static int attend(ape_kv_cache *c, const char *fn, const ape_attn_desc *desc,
 	else if (p.Lk == 0)
 		ape__store_empty_rows(o, p.os, lse, dg->ent, dg->md, p.Lq, 0, p.Lq);
 	else
-		ret = run_attend(c, fn, &p, q, o, lse, dg, stats != NULL, &res.st);
+		ret = run_attend(c, fn, &p, q, o, lse, dg, stats != NULL, &res);
 	if (!ret && c->o.allow_release)
 		ape__kv_try_release(c, &p, NULL);
 	if (!ret && stats)

@@ -16,5 +16,14 @@ struct ape__registry_entry {
 /* Entries in probing order; sets *count. */
 const struct ape__registry_entry *ape__registry(int *count);
 
+/*
+ * ape_context_create() over the nreg entries of reg (at most APE__MAX_BACKENDS are loaded)
+ * instead of the compiled-in table: what ape_context_create() does with ape__registry(), and a
+ * way for tests to load a backend the library does not carry (tests/test_api_contexts.c: tables
+ * the core must refuse).
+ */
+int ape__context_create(ape_context **out, const ape_context_options *opts,
+			const struct ape__registry_entry *reg, int nreg);
+
 #pragma GCC visibility pop
 #endif

@@ -495,8 +495,9 @@ fail:
 	return ret;
 }
 
-/* Rows with no key at all (Lk = 0): O = 0 and LSE = -inf, row by row, from constant memory
- * (the copies are asynchronous: their sources must outlive the call). */
+/* Rows with no key at all (Lk = 0) on a device without copy_view: O = 0 and LSE = -inf, row by
+ * row, from constant memory (the copies are asynchronous: their sources must outlive the
+ * call). */
 static int write_empty_rows(ape_queue *queue, const struct ape__problem *p,
 			    struct ape__buf *const buf[APE__T_COUNT],
 			    const struct ape__view view[APE__T_COUNT])
@@ -586,7 +587,7 @@ fail:
 }
 
 /* ENT = MD = 0 in every row of an output of the diagnostics ([B,H,Lq] float at v), for a call
- * without keys (Lk = 0). */
+ * without keys (Lk = 0), row by row likewise. */
 static int zero_rows(ape_queue *queue, const struct ape__problem *p, struct ape__buf *b,
 		     const struct ape__view *v)
 {
@@ -599,6 +600,74 @@ static int zero_rows(ape_queue *queue, const struct ape__problem *p, struct ape_
 					queue->q, b,
 					(size_t)(v->off + bb * v->sb + h * v->sh + i * v->sl) * 4, 0,
 					4);
+	return ret;
+}
+
+/*
+ * The values of an empty call, in a scratch of the queue's: EMPTY_ZEROS floats 0 (as many as
+ * a row of O holds at most: D <= 256, api/validate.c), then -inf. copy_view reads it with
+ * strides 0, so that each output takes one strided command whatever its rows.
+ */
+enum { EMPTY_ZEROS = 256, EMPTY_NEG_INF = EMPTY_ZEROS, EMPTY_FLOATS = EMPTY_ZEROS + 1 };
+
+/* Every [B, H, Lq, d] element of dst where v says (d = D for O, 1 for the rows' outputs), from
+ * element `from` of the values (struct ape__copy). */
+static int copy_value(ape_queue *queue, const struct ape__problem *p, struct ape__buf *values,
+		      int64_t from, struct ape__buf *dst, int dst_type, const struct ape__view *v,
+		      int64_t d)
+{
+	const struct ape__copy c = {
+		.B = p->B, .H = p->H, .L = p->Lq, .D = d,
+		.dst = dst, .dst_type = dst_type, .dv = *v,
+		.src = values, .src_type = APE__E_F32, .sv = { from, 0, 0, 0 },
+		.head_D = p->D,
+	};
+
+	return queue->dev->be->ops->copy_view(queue->q, &c);
+}
+
+/*
+ * The outputs of a call without keys (Lk = 0): O = 0, LSE = -inf, ENT = MD = 0, each in one
+ * strided command where the device has queue-ordered scratch and copy_view (the capability
+ * resident_backward says it has them, working), else row by row.
+ */
+static int write_empty(ape_queue *queue, const struct ape__problem *p,
+		       const struct ape__resident_req *r)
+{
+	const struct ape__backend_ops *ops = queue->dev->be->ops;
+	const float neg_inf = -INFINITY;
+	struct ape__buf *values = NULL;
+	uint32_t bits;
+	int ret = 0;
+
+	if (!queue->dev->caps.resident_backward) {
+		ret = write_empty_rows(queue, p, r->buf, r->view);
+		for (int d = 0; d < 2 && !ret; d++)
+			if (r->diag[d])
+				ret = zero_rows(queue, p, r->diag[d], &r->diag_view[d]);
+		return ret;
+	}
+	memcpy(&bits, &neg_inf, sizeof(bits));
+	ret = ops->scratch_alloc(queue->q, EMPTY_FLOATS * sizeof(float), &values);
+	if (!ret)
+		ret = ops->fill(queue->q, values, 0, 0, EMPTY_ZEROS * sizeof(float));
+	if (!ret)
+		ret = ops->fill(queue->q, values, EMPTY_NEG_INF * sizeof(float), bits, sizeof(float));
+	if (!ret)
+		ret = copy_value(queue, p, values, 0, r->buf[APE__T_O], (int)p->out_dtype,
+				 &r->view[APE__T_O], p->D);
+	if (!ret && r->buf[APE__T_LSE])
+		ret = copy_value(queue, p, values, EMPTY_NEG_INF, r->buf[APE__T_LSE], APE__E_F32,
+				 &r->view[APE__T_LSE], 1);
+	for (int d = 0; d < 2 && !ret; d++)
+		if (r->diag[d])
+			ret = copy_value(queue, p, values, 0, r->diag[d], APE__E_F32,
+					 &r->diag_view[d], 1);
+	if (values) {
+		const int fret = ops->scratch_free(queue->q, values);
+
+		ret = ret ? ret : fret;
+	}
 	return ret;
 }
 
@@ -641,14 +710,10 @@ int ape__attention_enqueue_diag(const char *fn, ape_queue *queue, const ape_attn
 		return 0;
 	}
 	ape__queue_note_call(queue, fn);
-	if (p.Lk == 0) {
-		ret = write_empty_rows(queue, &p, r.buf, r.view);
-		for (int d = 0; d < 2 && !ret; d++)
-			if (r.diag[d])
-				ret = zero_rows(queue, &p, r.diag[d], &r.diag_view[d]);
-	} else if (!(ret = ape__resident_plan(&r, &rows))) {
+	if (p.Lk == 0)
+		ret = write_empty(queue, &p, &r);
+	else if (!(ret = ape__resident_plan(&r, &rows)))
 		ret = ape__resident_enqueue(&r, rows);
-	}
 	ape__problem_fini(&p);
 	return ret ? ape__error_prefix(ret, fn) : 0;
 }

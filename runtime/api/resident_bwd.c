@@ -17,15 +17,14 @@
 static const char *const names[APE__RB_COUNT] = { "q",	  "k",	"v",  "o",  "lse",    "dout",
 						  "dlse", "dq", "dk", "dv", "dparams" };
 
-/* The backend runs the backward pass on the caller's memory (core/backend.h, ABI 10)? */
+/* The device runs the backward pass on the caller's memory (struct ape__dev_caps)? */
 static int check_backend(const char *fn, const struct ape_device *dev)
 {
-	const struct ape__backend_ops *ops = dev->be->ops;
 	int ret = ape__backward_supported(fn, dev);
 
 	if (ret)
 		return ret;
-	if (!ops->scratch_alloc || !ops->scratch_free || !ops->copy_view)
+	if (!dev->caps.resident_backward)
 		return ape__error(APE_ENOTSUP,
 				  "%s: %s:%d %s: the backward pass on device tensors is not "
 				  "implemented on this backend",

@@ -57,14 +57,14 @@ void ape__stats_report(ape_stats *stats, const struct ape__call_report *r)
 
 	ape_stats_init(&st);
 	st.pairs_visible = r->pairs_visible;
-	st.pairs_computed = res->st.pairs_computed;
+	st.pairs_computed = res->pairs_computed;
 	st.kernel_ms = res->st.kernel_ms;
 	st.bytes_to_device = res->st.h2d;
 	st.bytes_from_device = res->st.d2h;
 	st.bytes_device_to_device = res->st.d2d;
 	names(&st, r->devs, r->ndev);
 	st.chunks = res->st.chunks;
-	st.chunks_skipped = res->st.chunks_skipped;
+	st.chunks_skipped = res->chunks_skipped;
 	st.chunk_q = res->cq;
 	st.chunk_k = res->ck;
 	st.pipeline_depth = res->depth;

@@ -61,11 +61,6 @@ void *ape__realloc(void *p, size_t n)
 	return ape__fault_alloc_hit() ? NULL : realloc(p, n); /* p stays valid, as with libc */
 }
 
-char *ape__strdup(const char *s)
-{
-	return ape__fault_alloc_hit() ? NULL : strdup(s);
-}
-
 int ape__posix_memalign(void **p, size_t align, size_t n)
 {
 	return ape__fault_alloc_hit() ? ENOMEM : posix_memalign(p, align, n);

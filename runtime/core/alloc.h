@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Host allocations of the library. Every malloc/calloc/realloc/strdup/posix_memalign in runtime/,
+ * Host allocations of the library. Every malloc/calloc/realloc/posix_memalign in runtime/,
  * opencl/ and cuda/ goes through these, so that a test build can make any one of them fail and
  * prove that each failure path returns APE_ENOMEM, leaks nothing and leaves the caller's buffers
  * alone (tests/faults/). In normal builds they are the libc calls themselves, inlined: no counter,
@@ -17,7 +17,6 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #pragma GCC visibility push(hidden)
 
@@ -25,7 +24,6 @@
 void *ape__malloc(size_t n);
 void *ape__calloc(size_t n, size_t size);
 void *ape__realloc(void *p, size_t n);
-char *ape__strdup(const char *s);
 int ape__posix_memalign(void **p, size_t align, size_t n);
 /* For allocators the library calls through another API (hwloc_alloc_membind): true when this
  * allocation is the one that must fail; it counts as one allocation. */
@@ -49,10 +47,6 @@ static inline void *ape__calloc(size_t n, size_t size)
 static inline void *ape__realloc(void *p, size_t n)
 {
 	return realloc(p, n);
-}
-static inline char *ape__strdup(const char *s)
-{
-	return strdup(s);
 }
 static inline int ape__posix_memalign(void **p, size_t align, size_t n)
 {

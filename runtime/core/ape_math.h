@@ -331,6 +331,48 @@ APE_FN ape_real ape_merge_factor(ape_real m_old, ape_real m_new)
 	return m_old == -(ape_real)INFINITY ? (ape_real)0 : exp(m_old - m_new);
 }
 
+/*
+ * The merge of two partial results of one row over disjoint keys (struct ape__merge in
+ * core/backend.h: what attention_merge does on a device), by their LSE l1 and l2: returns
+ * APE_MERGE_BOTH with the merged LSE in *l and each side's weight w_i = exp(l_i - *l) and its
+ * log lw_i = l_i - *l; APE_MERGE_KEEP when the second side saw no key (l2 = -inf),
+ * APE_MERGE_TAKE when only it did (l1 = -inf), APE_MERGE_NAN when either is NaN or +inf.
+ */
+#define APE_MERGE_BOTH 0
+#define APE_MERGE_KEEP 1
+#define APE_MERGE_TAKE 2
+#define APE_MERGE_NAN 3
+
+APE_FN int ape_merge_lse(ape_real l1, ape_real l2, ape_real *l, ape_real *w1, ape_real *w2,
+			 ape_real *lw1, ape_real *lw2)
+{
+	ape_real m, d;
+
+	if (l1 != l1 || l2 != l2 || l1 == (ape_real)INFINITY || l2 == (ape_real)INFINITY)
+		return APE_MERGE_NAN;
+	if (l2 == -(ape_real)INFINITY)
+		return APE_MERGE_KEEP;
+	if (l1 == -(ape_real)INFINITY)
+		return APE_MERGE_TAKE;
+	m = l1 > l2 ? l1 : l2;
+	d = l1 > l2 ? l2 - l1 : l1 - l2; /* <= 0 */
+	*l = m + log1p(exp(d));
+	*lw1 = l1 - *l;
+	*lw2 = l2 - *l;
+	*w1 = exp(*lw1);
+	*w2 = exp(*lw2);
+	return APE_MERGE_BOTH;
+}
+
+/* The merged entropy of two sides (docs/diagnostics.md, the merge rule): sum_i w_i (ENT_i -
+ * ln w_i); a side of weight 0 adds nothing (its ln w is -inf). */
+APE_FN ape_real ape_merge_entropy(ape_real w1, ape_real e1, ape_real lw1, ape_real w2,
+				  ape_real e2, ape_real lw2)
+{
+	return (w1 > (ape_real)0 ? w1 * (e1 - lw1) : (ape_real)0) +
+	       (w2 > (ape_real)0 ? w2 * (e2 - lw2) : (ape_real)0);
+}
+
 /* ---- Diagnostics (APE-SPEC.md, "Attention entropy"; docs/diagnostics.md): the row's entropy
  * ENT = LSE - sum_j P_j s_j and mean distance MD = sum_j P_j |n_j|, from two running sums kept
  * beside the softmax denominator l = sum_j exp(x_j), x_j = s_j - m (m the running maximum):

@@ -4,12 +4,27 @@
  * and the contract of each op, in the manner of the kernel's `struct drm_driver`.
  *
  * Adding a backend: give it a folder of its own (like opencl/ or cuda/) with a module.mk that
- * adds its sources and defines APE_HAVE_<NAME> (see cuda/module.mk), fill one
- * `const struct ape__backend_ops` there with designated initialisers, and add one line to the
- * table in runtime/api/registry.c. A backend includes core/ headers only (this one,
- * core/error.h, core/alloc.h, core/ape_math.h); the core never includes a backend's headers and
- * a backend never includes another's, so nothing else changes. The backend states the ranks of
- * its devices itself, in its own files, following the convention below.
+ * adds its sources (see cuda/module.mk), fill one
+ * `const struct ape__backend_ops` there with designated initialisers, and state what each device
+ * can do (struct ape__dev_caps) when it adds the device; then register the table (where, and
+ * what else a new backend edits today, is docs/architecture.md, "Where things go"). A backend
+ * includes core/ headers only (this one, core/error.h, core/alloc.h, core/ape_math.h); the core
+ * never includes a backend's headers and a backend never includes another's. The backend
+ * states the ranks of its devices itself, in its own files, following the convention below.
+ *
+ * Registration (runtime/core/ops.c): before probing, the core checks the table (every required
+ * op set, each group of ops all or none, none of the core's own members set) and refuses a
+ * backend that fails, with the reason ape_backend_get_info() and ape-info show; after probing,
+ * it checks each device's capabilities against the ops (a capability needs the ops it names)
+ * and refuses the backend, its devices released, when one claims what the ops cannot do. The
+ * core then calls the backend only through a table of its own (struct ape__backend.ops): the
+ * backend's op (struct ape__backend.raw) behind a trampoline that names the device and the op
+ * in a failure's message, and the core's fallbacks where the backend leaves an op out.
+ *
+ * Objects: struct ape__queue and struct ape__event, which each backend defines, begin with
+ * `struct ape_device *dev`, the device they belong to (an event's: its queue's), so that the
+ * core finds the device of any queue or event (ape__queue_dev(), ape__event_dev()). Buffers
+ * are the backend's own entirely.
  *
  * Device tensors are `[B, H, L, D]` (K/V: `[B, Hkv, L, D]`). In launches the streaming executor
  * makes they are contiguous at offset 0 (the core packs and unpacks caller strides on the host);
@@ -38,11 +53,12 @@
  * Failure, for every op that returns int: 0, or a negative libape code (APE_ENOMEM when memory
  * of the device or of the host ran out, APE_EDEVLOST when the device stopped working,
  * APE_EBUILD, APE_EBACKEND, ...). A failing op
- *   - sets the thread's error message (ape__error) naming the device and the op:
- *     ape__op_error() in core/error.h turns the message of whatever failed below the op into
- *     "opencl:0 NAME: copy_h2d: clEnqueueWriteBuffer (64 bytes): CL_OUT_OF_RESOURCES (-5)";
- *     the core passes it on to the caller, adding at most the public function and how much
- *     of the outputs was written (and the device, where a message of its own lacks it);
+ *   - sets the thread's error message (ape__error) to what failed below the op
+ *     ("clEnqueueWriteBuffer (64 bytes): CL_OUT_OF_RESOURCES (-5)"), and only that: the core's
+ *     table names the device and the op around it, once, for every backend
+ *     ("opencl:0 NAME (0000:03:00.0): copy_h2d: clEnqueueWriteBuffer (64 bytes): ..."); the
+ *     core passes it on to the caller, adding at most the public function and how much of the
+ *     outputs was written;
  *   - leaves its out-parameters cleared: *out and *handle NULL, *ms 0 (so a cleanup path may
  *     release them unconditionally: buf_free, queue_destroy and event_destroy accept NULL);
  *   - leaves nothing of its own behind (no half-created object);
@@ -62,9 +78,13 @@
 #pragma GCC visibility push(hidden)
 
 /* Bumped whenever the layout or contract of ape__backend_ops (or of what it is handed: struct
- * ape_device, struct ape__launch) changes; the core refuses a backend built against another value
- * (runtime/api/context.c). 3: the contract on every op, struct ape_device without the core's
- * fields, ranks stated by each backend. 4: attention_backward and struct ape__bwd_launch.
+ * ape_device, struct ape__launch) changes. The built-in backends are compiled against this
+ * header, so their abi_version is this value by construction; each asserts at compile time the
+ * ABI it was written for (ocl_backend.c, say), so that a bump fails to build every backend until
+ * it has been reviewed against the new contract. abi_version stays in the table for tables the
+ * core did not compile itself (a backend loaded at run time would be compared by its loader).
+ * 3: the contract on every op, struct ape_device without the core's fields, ranks stated by
+ * each backend. 4: attention_backward and struct ape__bwd_launch.
  * 5: strided views in struct ape__launch, buf_wrap, queue_wrap, ape__backend.import.
  * 6: attention_backward_scratch (enum ape__bwd_part); attention_backward may hold scratch.
  * 7: the diagnostics ent and md in struct ape__launch, ape__backend_ops.attention_diag.
@@ -73,8 +93,13 @@
  * 9: keys read in place from a KV cache's blocks: struct ape__kv_pages, ape__launch.pages,
  * ape__backend_ops.attention_pages.
  * 10: scratch_alloc, scratch_free and copy_view (struct ape__copy), for the backward pass on the
- * caller's device memory. */
-#define APE__BACKEND_ABI 10
+ * caller's device memory.
+ * 11: the core's table (struct ape__backend.ops and .raw): the core names the device and the op
+ * of every failure, backends set only what failed below; struct ape__queue and ape__event begin
+ * with the device; the table checked at registration; device capabilities as data (struct
+ * ape__dev_caps, passed to ape__device_add()) instead of attention_diag, attention_diag_views
+ * and max_alloc, which is now the core's member. */
+#define APE__BACKEND_ABI 11
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -124,10 +149,10 @@ struct ape__launch {
 	 * [B,H,Lq] float, contiguous at offset 0 like pairs, for every row over this launch's keys:
 	 * ent the entropy LSE - sum_j P_j s_j, md the mean distance sum_j P_j |n|, both computed
 	 * in the same pass as O from running sums (ape_diag_*() in core/ape_math.h), 0 for a row
-	 * without a visible key, NaN for a NaN row. The core sets them only for a backend whose
-	 * ops declare attention_diag, both or neither, and then lse is not NULL either (the merge
- * needs it); except on the device-resident call's launches, for a backend that declares
-	 * attention_diag_views (ABI 8, below): strided (diag_view), each optional, lse optional.
+	 * without a visible key, NaN for a NaN row. The core sets them only on a device whose
+	 * capabilities say diag (struct ape__dev_caps), both or neither, and then lse is not NULL
+	 * either (the merge needs it); except on the device-resident call's launches, on a device
+	 * that says diag_views: strided (diag_view), each optional, lse optional.
 	 * Keys a launch skips change them within docs/diagnostics.md's bound (the core has
 	 * already tightened skip_tol to APE_DIAG_SKIP_TOL for such launches).
 	 */
@@ -161,9 +186,9 @@ struct ape__launch {
 	struct ape__view view[APE__T_COUNT];
 	/*
 	 * ABI 8: where ent (diag_view[0]) and md (diag_view[1]) lie when strided, in floats (the
-	 * LSE's shape, no D axis). Set by the core only for a backend whose ops declare
-	 * attention_diag_views, which then reads them through ape__launch_diag_view(); every
-	 * other backend gets ent and md contiguous at offset 0 (strided false, or none at all).
+	 * LSE's shape, no D axis). Set by the core only on a device whose capabilities say
+	 * diag_views, which then reads them through ape__launch_diag_view(); every other device
+	 * gets ent and md contiguous at offset 0 (strided false, or none at all).
 	 */
 	struct ape__view diag_view[2];
 	/*
@@ -172,6 +197,15 @@ struct ape__launch {
 	 * sets it only where attention_pages accepted the launch.
 	 */
 	const struct ape__kv_pages *pages;
+	/*
+	 * ABI 11. Each NULL, or the call's parameter table on the device, uploaded by the core once
+	 * per call (per KV-cache attend) rather than by the backend once per launch: omega_p for
+	 * p < D/2, then delta, beta, gamma, lambda per head ([4h + 0..3]), the same values as omega[]
+	 * and head_params, in float64 (params[0]) and float32 (params[1]), contiguous at offset 0.
+	 * A backend reads whichever it needs; without them (launches the core did not make so) it
+	 * uploads head_params itself.
+	 */
+	struct ape__buf *params[2];
 };
 
 /* The view of tensor t (enum ape__tensor_id) of launch l: its own when l->strided, else the
@@ -336,18 +370,47 @@ struct ape__copy {
 	int64_t head_D;
 };
 
+/*
+ * One attention_merge command (ABI 11): a launch's partial result (po, plse, ...) folded into
+ * the running result of the same rows (o, lse, ...), both over disjoint sets of keys, by
+ * their LSE (docs/ape.md, identity 4). `rows` rows (B * H * n, any order, the same in every
+ * buffer), contiguous at offset 0: o and po float32 [rows, D], lse and plse float32 [rows],
+ * ppairs uint64 [rows] and pairs uint64 [rows], or uint32 with pairs32 (the core asks for that
+ * when every count fits: fewer bytes come back), ent, md, pent, pmd float32 [rows]. lse and o are required;
+ * pairs, ent and md each NULL (not kept) or given with their partial. Per row, with L1 = lse,
+ * L2 = plse:
+ *   - either NaN or +inf: the row becomes NaN (o, lse, ent, md all NaN);
+ *   - L2 = -inf (the partial saw no key): unchanged;
+ *   - L1 = -inf (nothing merged yet): the partial is copied bit for bit;
+ *   - else L = max(L1, L2) + log1p(exp(-|L1 - L2|)), w_i = exp(L_i - L): o = w1 o + w2 po,
+ *     lse = L, md = w1 md + w2 pmd, ent = w1 (ent - ln w1) + w2 (pent - ln w2)
+ *     (docs/diagnostics.md, the merge rule);
+ *   - pairs += ppairs in every case.
+ * Arithmetic in float32 or better; the result is within a few float32 roundings of the exact
+ * merge. Ordered like every other command of q.
+ */
+struct ape__merge {
+	int64_t rows, D;
+	bool pairs32; /* pairs is uint32 */
+	struct ape__buf *o, *lse, *pairs, *ent, *md;
+	struct ape__buf *po, *plse, *ppairs, *pent, *pmd;
+};
+
 /* Result of probing a backend's driver. */
 struct ape__probe_result {
 	char reason[256]; /* when it adds no device: why ("libcuda.so.1 not found") */
 };
 
 /*
- * The ops of one backend. "Required" ops must be set; an optional op left NULL gets the core's
- * fallback, stated with it. Every op follows the failure rules at the top of this file.
+ * The ops of one backend. "Required" ops must be set (the core refuses a table without one);
+ * an optional op left NULL gets the core's fallback, stated with it; ops of a group ("all or
+ * none") come together or not at all. Every op follows the failure rules at the top of this
+ * file. A member marked "the core's" is set only in the core's table (struct ape__backend.ops),
+ * never by a backend.
  */
 struct ape__backend_ops {
-	unsigned abi_version; /* APE__BACKEND_ABI */
-	const char *name; /* "ref", "opencl", "cuda": lower case, <= 15 chars */
+	unsigned abi_version; /* APE__BACKEND_ABI (see there) */
+	const char *name; /* "ref", "opencl", "cuda": lower case, 1 to 15 chars */
 
 	/*
 	 * Required. Loads the driver and adds every device it can drive with ape__device_add().
@@ -443,8 +506,9 @@ struct ape__backend_ops {
 			struct ape__buf *src, size_t src_off, size_t n);
 
 	/*
-	 * Optional (NULL: the core uses the host's clock, so traces show enqueue times, and it
-	 * reports no copy/compute overlap). The device time, in milliseconds, of the point e
+	 * Optional; needed by a device whose capabilities say timestamps (without that
+	 * capability the core uses the host's clock, so traces show enqueue times, and it reports
+	 * no copy/compute overlap). The device time, in milliseconds, of the point e
 	 * stands for, in *ms: when everything enqueued on its queue before e had completed (the
 	 * end of a marker). All queues of one device must share the clock, so that times of
 	 * events on different queues compare; its origin is arbitrary. e has completed (its queue
@@ -462,16 +526,18 @@ struct ape__backend_ops {
 	 */
 	uint64_t (*attention_scratch)(struct ape_device *dev, const struct ape__launch *l);
 
-	/* Optional (NULL: no limit but the device's memory). The largest single buf_alloc the
-	 * device accepts (CL_DEVICE_MAX_MEM_ALLOC_SIZE); the planner keeps every chunk below it.
-	 * Cannot fail; may be called from any thread. */
+	/* The core's (a backend leaves it NULL and states the figure in struct
+	 * ape__dev_caps.max_alloc): in the core's table, never NULL, it returns
+	 * dev->caps.max_alloc. Kept for callers written before ABI 11; new code reads the
+	 * capability. */
 	uint64_t (*max_alloc)(struct ape_device *dev);
 
 	/* ---- ABI 4: the backward pass. */
 
 	/*
-	 * Optional (NULL: ape_attention_backward() on this backend's devices fails with
-	 * APE_ENOTSUP naming the device; the core never falls back to another backend). Enqueues
+	 * Optional; needed by a device whose capabilities say backward (without that capability
+	 * ape_attention_backward() on the device fails with APE_ENOTSUP naming it; the core never
+	 * falls back to another backend). Enqueues
 	 * the gradients of one launch (struct ape__bwd_launch above): for every row with a visible
 	 * key among the launch's keys, ADDS to l->dq, l->dk, l->dv and l->dparams (each that is
 	 * not NULL; work for a NULL one is not done) this launch's contribution, the exact
@@ -491,7 +557,7 @@ struct ape__backend_ops {
 	 * attention_backward_scratch (ABI 6) declares for l; without that op it allocates none.
 	 * Inputs are not
 	 * scanned: NaN or Inf reach the gradients they touch. Fails by the rules at the top of this
-	 * file (ape__op_error(ret, dev, "attention_backward")); the accumulators then hold
+	 * file; the accumulators then hold
 	 * unspecified values (the core discards them and writes nothing to the caller).
 	 */
 	int (*attention_backward)(struct ape__queue *q, const struct ape__bwd_launch *l);
@@ -501,9 +567,9 @@ struct ape__backend_ops {
 	/*
 	 * Optional (NULL: the backend wraps nothing: every kind gets APE_ENOTSUP from the core).
 	 * Wraps memory the caller owns, for *out, as a buffer every other op accepts:
-	 *   APE__MEM_HOST    `bytes` bytes at host address `handle`, only on devices that read
-	 *                    host memory in place (the reference; OpenCL CPU devices, through
-	 *                    CL_MEM_USE_HOST_PTR); other devices return APE_ENOTSUP;
+	 *   APE__MEM_HOST    `bytes` bytes at host address `handle`, only on devices whose
+	 *                    capabilities say host_memory (the reference; OpenCL CPU devices,
+	 *                    through CL_MEM_USE_HOST_PTR); other devices return APE_ENOTSUP;
 	 *   APE__MEM_OPENCL  the cl_mem `handle`, of the device's cl_context (else APE_EINVAL
 	 *                    naming both contexts); `bytes` 0 means the object's size, else must
 	 *                    not exceed it; the backend retains it;
@@ -552,22 +618,8 @@ struct ape__backend_ops {
 	uint64_t (*attention_backward_scratch)(struct ape_device *dev,
 					       const struct ape__bwd_launch *l, unsigned parts);
 
-	/* ---- ABI 7: diagnostics. */
-
-	/* true: attention writes l->ent and l->md when they are not NULL (struct ape__launch).
-	 * false: the core never hands the backend a launch with them, and a call that wants them
-	 * on its devices fails with APE_ENOTSUP naming the device (never falling back to another
-	 * backend). */
-	bool attention_diag;
-
-	/* ---- ABI 8: the diagnostics on device tensors (ape_attention_enqueue_diag()). */
-
-	/* true (only with attention_diag): attention also takes the launches of the device-resident
-	 * call: strided, with ent and md where l->diag_view says (ape__launch_diag_view()), either
-	 * one NULL without the other, and lse possibly NULL (each such launch sees every key of
-	 * its rows: nothing is merged). false: the core never hands it such a launch, and
-	 * ape_attention_enqueue_diag() on its devices fails with APE_ENOTSUP naming the device. */
-	bool attention_diag_views;
+	/* ---- ABI 7 and 8, the diagnostics: capabilities of each device since ABI 11
+	 * (struct ape__dev_caps.diag and .diag_views). */
 
 	/* ---- ABI 9: decode in place. */
 
@@ -586,8 +638,9 @@ struct ape__backend_ops {
 	bool (*attention_pages)(struct ape_device *dev, const struct ape__launch *l);
 
 	/* ---- ABI 10: the backward pass on the caller's device memory
-	 * (ape_attention_backward_enqueue(), runtime/exec/resident_bwd.c). All three or none: a
-	 * backend without them refuses that call with APE_ENOTSUP naming the device. */
+	 * (ape_attention_backward_enqueue(), runtime/exec/resident_bwd.c). All three or none; a
+	 * device whose capabilities say resident_backward needs them. Without that capability the
+	 * call fails with APE_ENOTSUP naming the device. */
 
 	/*
 	 * Optional. Device memory of `bytes` (> 0) bytes for *out, for commands enqueued on q from
@@ -607,9 +660,21 @@ struct ape__backend_ops {
 	/*
 	 * Optional, required with scratch_alloc. Enqueues the copy c (struct ape__copy above) on q,
 	 * converting each element as stated there; touches no other byte of c->dst. Fails by the
-	 * rules at the top of this file (ape__op_error(ret, dev, "copy_view")).
+	 * rules at the top of this file.
 	 */
 	int (*copy_view)(struct ape__queue *q, const struct ape__copy *c);
+
+	/* ---- ABI 11: partial results merged on the device. */
+
+	/*
+	 * Optional (NULL: the core copies every launch's partial O and LSE back and merges them on
+	 * the host, as exec/lse_merge.c does). Enqueues the merge m (struct ape__merge above) on
+	 * q, so that a streamed call keeps each query chunk's running result on the device and
+	 * reads it back once. Fails by the rules at the top of this file
+	 * (ape__op_error(ret, dev, "attention_merge")); the accumulators then hold unspecified
+	 * values.
+	 */
+	int (*attention_merge)(struct ape__queue *q, const struct ape__merge *m);
 };
 
 /* Kinds of memory buf_wrap takes. */
@@ -617,7 +682,14 @@ enum ape__mem_kind { APE__MEM_HOST = 1, APE__MEM_OPENCL = 2, APE__MEM_CUDA = 3 }
 
 /* A backend as loaded in one context. */
 struct ape__backend {
+	/*
+	 * The core's table (runtime/core/ops.c), what the core calls: every op raw has, the
+	 * fallible ones behind a trampoline that names the device and the op when they fail, NULL
+	 * where raw has none, and the core's own members (max_alloc) filled in. Points at table.
+	 */
 	const struct ape__backend_ops *ops;
+	/* The backend's own table, as registered and checked: only the core's table calls it. */
+	const struct ape__backend_ops *raw;
 	struct ape_context *ctx;
 	void *priv; /* the backend's own state */
 	/* The caller's own native context and device to build a device on
@@ -626,6 +698,42 @@ struct ape__backend {
 	struct {
 		void *context, *device;
 	} import;
+	struct ape__backend_ops table; /* the storage of *ops: the core's, never the backend's */
+};
+
+/*
+ * What one device can do, stated by its backend when it adds the device (ape__device_add()),
+ * read-only afterwards. The core decides from these, never by calling an op to see whether it
+ * fails. A capability needs the ops it names: after probe, the core refuses a backend whose
+ * device claims one without them. A capability left false costs a feature (the call that needs
+ * it fails with APE_ENOTSUP naming the device) or speed, never correctness.
+ */
+struct ape__dev_caps {
+	/* buf_wrap takes APE__MEM_HOST and the kernels read host memory in place (the reference,
+	 * OpenCL CPU devices): host calls compute on the caller's arrays, nothing staged or
+	 * copied. Needs buf_wrap. */
+	bool host_memory;
+	/* attention writes l->ent and l->md when they are set (struct ape__launch): the
+	 * diagnostics (ape_attention_forward_diag(), ape_kv_cache_attend_diag()). */
+	bool diag;
+	/* (only with diag) attention also takes the device-resident call's launches with the
+	 * diagnostics (ape_attention_enqueue_diag()): strided, ent and md where l->diag_view says
+	 * (ape__launch_diag_view()), either one NULL without the other, lse possibly NULL (each
+	 * such launch sees every key of its rows: nothing is merged). */
+	bool diag_views;
+	/* the backward pass (ape_attention_backward()). Needs attention_backward. */
+	bool backward;
+	/* (only with backward) the backward pass on device tensors
+	 * (ape_attention_backward_enqueue()). Needs scratch_alloc, scratch_free and copy_view. */
+	bool resident_backward;
+	/* event_timestamp gives device times: traces on the device's clock, copy/compute overlap
+	 * measured. Needs event_timestamp (which may still fail with APE_ENOTSUP on a queue
+	 * without timing, a wrapped one). */
+	bool timestamps;
+	/* The largest single buf_alloc the device accepts (CL_DEVICE_MAX_MEM_ALLOC_SIZE); the
+	 * planner keeps every chunk below it. UINT64_MAX: no limit but the device's memory (0
+	 * given to ape__device_add() means that too). */
+	uint64_t max_alloc;
 };
 
 /*
@@ -636,8 +744,21 @@ struct ape__backend {
 struct ape_device {
 	struct ape__backend *be; /* the backend it belongs to (be->priv: the backend's state) */
 	struct ape_device_info info; /* read-only once the context is created */
+	struct ape__dev_caps caps; /* as the backend stated them; read-only likewise */
 	void *priv; /* the backend's own state, released by device_release */
 };
+
+/* The device of queue q or of event e: the first member of every backend's struct ape__queue
+ * and struct ape__event (see "Objects" at the top of this file). */
+static inline struct ape_device *ape__queue_dev(const struct ape__queue *q)
+{
+	return *(struct ape_device *const *)(const void *)q;
+}
+
+static inline struct ape_device *ape__event_dev(const struct ape__event *e)
+{
+	return *(struct ape_device *const *)(const void *)e;
+}
 
 /*
  * Device ranks: "auto" chooses the device of highest rank (ties: probe order, which is the
@@ -652,12 +773,13 @@ struct ape_device {
  */
 
 /*
- * Adds a device to the context during probe, with its rank (above). `info` needs name, vendor,
- * kind, compute_units, global_mem_bytes, driver_version and pci_address; the core fills backend
- * and the indices. Returns 0, or APE_ENOMEM with the message set (then priv is still the
- * caller's to free).
+ * Adds a device to the context during probe, with what it can do (struct ape__dev_caps) and its
+ * rank (above). `info` needs name, vendor, kind, compute_units, global_mem_bytes,
+ * driver_version and pci_address; the core fills backend and the indices. Returns 0, or
+ * APE_ENOMEM with the message set (then priv is still the caller's to free).
  */
-int ape__device_add(struct ape__backend *be, const struct ape_device_info *info, int rank, void *priv);
+int ape__device_add(struct ape__backend *be, const struct ape_device_info *info,
+		    const struct ape__dev_caps *caps, int rank, void *priv);
 
 #pragma GCC visibility pop
 #endif /* APE_RUNTIME_BACKEND_H */

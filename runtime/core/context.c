@@ -41,7 +41,8 @@ void ape__device_free(struct ape_device *dev)
 	free(core_of(dev));
 }
 
-int ape__device_add(struct ape__backend *be, const struct ape_device_info *info, int rank, void *priv)
+int ape__device_add(struct ape__backend *be, const struct ape_device_info *info,
+		    const struct ape__dev_caps *caps, int rank, void *priv)
 {
 	struct ape_context *ctx = be->ctx;
 	struct core_device *cd;
@@ -61,6 +62,9 @@ int ape__device_add(struct ape__backend *be, const struct ape_device_info *info,
 		return ape__error(APE_ENOMEM, "%s: out of memory adding a device", be->ops->name);
 	cd->dev.be = be;
 	cd->dev.info = *info;
+	cd->dev.caps = *caps;
+	if (!cd->dev.caps.max_alloc)
+		cd->dev.caps.max_alloc = UINT64_MAX; /* the contract's "no limit" either way */
 	snprintf(cd->dev.info.backend, sizeof(cd->dev.info.backend), "%s", be->ops->name);
 	cd->dev.priv = priv;
 	cd->rank = rank;

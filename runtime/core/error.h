@@ -24,10 +24,11 @@ struct ape_device;
 int ape__error_on(int err, const struct ape_device *dev);
 
 /*
- * For backends (runtime/core/backend.h): reports that `op` failed on dev. Prefixes the thread's
- * message, which the failing step below the op set ("clFinish: CL_OUT_OF_RESOURCES (-5)"), with
- * the device and the op: "opencl:0 NAME (0000:03:00.0): synchronize: clFinish: ...". Returns
- * err; 0 passes through untouched, so that an op may end `return ape__op_error(ret, dev, "x");`.
+ * For the core's table of a backend's ops (runtime/core/ops.c; backends never call it): reports
+ * that `op` failed on dev. Prefixes the thread's message, which the failing step below the op
+ * set ("clFinish: CL_OUT_OF_RESOURCES (-5)"), with the device and the op:
+ * "opencl:0 NAME (0000:03:00.0): synchronize: clFinish: ...". Returns err; 0 passes through
+ * untouched, so that a trampoline may end `return ape__op_error(ret, dev, "x");`.
  */
 int ape__op_error(int err, const struct ape_device *dev, const char *op);
 

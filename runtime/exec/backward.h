@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The backward pass on one device or several, streamed as key chunks x query chunks under each
- * device's budget: key chunks split among the devices, inputs packed and copied to device
- * buffers counted against the budget, attention_backward launches into zeroed float32 (and
+ * The backward pass on one device or several, on the executor every pass runs on
+ * (exec/multidev.h): key chunks x query chunks under each device's budget, pipelined, key
+ * chunks split among the devices, attention_backward launches into zeroed float32 (and
  * float64) accumulators, gradients summed in a fixed order and written to the caller's tensors
  * only once every device succeeded.
  */
@@ -25,6 +25,8 @@ struct ape__bwd_req {
 	const char *trace_path; /* NULL: no trace */
 	uint64_t budget; /* device bytes, per device; 0: each device's default */
 	int64_t chunk_q, chunk_k; /* most rows per chunk; 0: APE__CHUNK_DEFAULT */
+	int depth; /* launches in flight, 1..APE__MAX_DEPTH; 0: APE__DEFAULT_DEPTH */
+	bool copy_inputs; /* APE_EXEC_COPY_INPUTS: never read the inputs in place */
 	const struct ape__problem *p; /* p->out_dtype is o's */
 	const ape_tensor *q, *k, *v, *o, *dout;
 	const int64_t *dout_s; /* dout's element strides; q, k, v, o's are in p */
@@ -46,6 +48,7 @@ struct ape__bwd_result {
 	uint64_t pairs_computed; /* visible (query, key) pairs computed, when pairs_counted */
 	bool pairs_counted; /* the launches could skip keys and counted what they computed */
 	int64_t cq, ck; /* rows per chunk the planner chose */
+	int depth; /* launches in flight the planner chose */
 };
 
 /*

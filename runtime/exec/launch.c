@@ -39,3 +39,22 @@ uint64_t ape__scratch_of(struct ape_device *dev, const struct ape__launch *l)
 	return 2 * kv * (uint64_t)(l->Lk * l->D) * 4 + 12 * kv * (uint64_t)(l->Lk + 2) +
 	       8 * (uint64_t)(l->D / 2 + 4 * l->H) + 4096;
 }
+
+uint64_t ape__params_bytes(const struct ape__problem *p, int which)
+{
+	return (uint64_t)(p->D / 2 + 4 * p->H) * (which ? sizeof(float) : sizeof(double));
+}
+
+void ape__params_fill(const struct ape__launch *l, int which, void *host)
+{
+	const int64_t P = l->D / 2;
+
+	for (int64_t i = 0; i < P + 4 * l->H; i++) {
+		const double x = i < P ? l->omega[i] : (double)l->head_params[i - P];
+
+		if (which)
+			((float *)host)[i] = (float)x;
+		else
+			((double *)host)[i] = x;
+	}
+}

@@ -20,6 +20,12 @@
 void ape__launch_init(struct ape__launch *l, const struct ape__problem *p, ape_dtype out_dtype,
 		      double skip_tol);
 
+/* Bytes of one of a call's parameter tables (struct ape__launch.params): float64 (which 0) or
+ * float32 (which 1), for D and H of p. */
+uint64_t ape__params_bytes(const struct ape__problem *p, int which);
+/* Fills table `which` of launch l's parameters (omega, then 4 per head) into host. */
+void ape__params_fill(const struct ape__launch *l, int which, void *host);
+
 /* Backend scratch per launch: the backend's own figure, or a conservative estimate. */
 uint64_t ape__scratch_of(struct ape_device *dev, const struct ape__launch *l);
 

@@ -14,7 +14,7 @@
 int ape__acc_alloc(struct ape__acc *a, int64_t rows, int64_t D, bool diag)
 {
 	memset(a, 0, sizeof(*a));
-	a->D = D;
+	a->D = D; /* 0: the LSE alone (o_c NULL in ape__acc_add()) */
 	a->o = ape__malloc((size_t)(rows * D) * sizeof(float) + 1);
 	a->m = ape__malloc((size_t)rows * sizeof(double) + 1);
 	a->s = ape__malloc((size_t)rows * sizeof(double) + 1);
@@ -72,7 +72,8 @@ void ape__acc_add(struct ape__acc *a, const float *o_c, const float *lse_c, cons
 		if (m == -INFINITY) { /* first contribution: no accumulator to rescale */
 			a->m[r] = l;
 			a->s[r] = 1;
-			memcpy(acc, oc, (size_t)D * sizeof(float));
+			if (D)
+				memcpy(acc, oc, (size_t)D * sizeof(float));
 			if (a->s1 && ent_c) {
 				a->s1[r] = ape_diag_s1_term(1, 0, ent_c[r]);
 				a->s2[r] = md_c[r];
@@ -161,5 +162,24 @@ void ape__store_empty_rows(ape_tensor *o, const int64_t os[4], float *lse, float
 					ent[(b * H + h) * Lq + i] = 0;
 				if (md)
 					md[(b * H + h) * Lq + i] = 0;
+			}
+}
+
+void ape__store_rows_f32(const float *src, ape_tensor *o, const int64_t os[4], int64_t l0,
+			 int64_t n)
+{
+	const int64_t B = o->shape[0], H = o->shape[1], D = o->shape[3];
+	uint16_t row16[256];
+
+	if (o->dtype == APE_F32) {
+		ape__unpack_rows(src, o, os, l0, n);
+		return;
+	}
+	for (int64_t b = 0; b < B; b++)
+		for (int64_t h = 0; h < H; h++)
+			for (int64_t i = 0; i < n; i++) {
+				ape_convert(row16, o->dtype, src + ((b * H + h) * n + i) * D, APE_F32,
+					    (size_t)D);
+				ape__store_row(o, os, b, h, l0 + i, row16);
 			}
 }

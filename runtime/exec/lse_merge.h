@@ -28,7 +28,7 @@ struct ape__acc {
 };
 
 /* Buffers for up to `rows` rows of D (and the diagnostics' sums when `diag`); the caller frees
- * them with ape__acc_free(). */
+ * them with ape__acc_free(). D = 0 keeps the LSE alone (ape__acc_add() with o_c NULL). */
 int ape__acc_alloc(struct ape__acc *a, int64_t rows, int64_t D, bool diag);
 void ape__acc_free(struct ape__acc *a);
 /* Starts over with `rows` rows (<= the allocated count): nothing merged. */
@@ -49,6 +49,11 @@ double ape__acc_lse(const struct ape__acc *a, int64_t row);
  */
 void ape__acc_store(const struct ape__acc *a, ape_tensor *o, const int64_t os[4], float *lse,
 		    float *ent, float *md, int64_t Lq, int64_t l0, int64_t n);
+
+/* Rows [l0, l0 + n) of every (b, h) of o from src, float32 [B, H, n, D] packed, converted to
+ * o's type (rounding to nearest even). */
+void ape__store_rows_f32(const float *src, ape_tensor *o, const int64_t os[4], int64_t l0,
+			 int64_t n);
 
 /* O = 0, LSE = -inf and ENT = MD = 0 for rows [l0, l0 + n): query rows that see no key (lse,
  * ent, md each NULL: not wanted). */

@@ -1,15 +1,16 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * A streamed call over one or more devices: one plan per device (each under its own budget,
- * all with the same chunking so that query chunks are interchangeable), one work queue of
- * query chunks split by device speed, one worker per device. With several devices each worker
- * is a thread bound to its device's local CPUs; with one, the calling thread does the work
- * (binding it would change the caller's affinity for good).
+ * A pass over one or more devices: one plan per device (each under its own budget, all with
+ * the same chunking so that outer chunks are interchangeable), one work queue of outer chunks
+ * split by device speed (or fixed shares), one worker per device. With several devices each
+ * worker is a thread bound to its device's local CPUs; with one, the calling thread does the
+ * work (binding it would change the caller's affinity for good).
  *
- * Speeds come from earlier calls (query x key rows launched per second, kept per device as an
- * exponential average): no calibration run, and no global state. Until a device has been
- * measured it gets the average share; at the end, idle workers take chunks from busy ones, so
- * a wrong weight costs balance at the tail only.
+ * Speeds come from earlier forward calls (outer x inner rows launched per second, kept per
+ * device as an exponential average): no calibration run, and no global state. Until a device
+ * has been measured it gets the average share; at the end, idle workers take chunks from busy
+ * ones, so a wrong weight costs balance at the tail only. A fixed split (the backward) has no
+ * such tail: the same devices always compute the same chunks.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -23,97 +24,87 @@
 #include "core/context.h"
 #include "core/error.h"
 #include "core/limits.h"
-#include "exec/launch.h"
 #include "exec/multidev.h"
 #include "topo/placement.h"
 
-/* ------------------------------------------------------------------ planning */
-
-/* What the planner prices a launch of one device with: the call's template, with rows. */
-struct scratch_arg {
-	struct ape_device *dev;
-	const struct ape__launch *tmpl;
-};
-
-static uint64_t plan_scratch(void *arg, int64_t lq, int64_t lk)
-{
-	const struct scratch_arg *a = arg;
-	struct ape__launch l = *a->tmpl;
-
-	l.Lq = lq;
-	l.Lk = lk;
-	return ape__scratch_of(a->dev, &l);
-}
-
-static uint64_t default_budget(const struct ape_device *dev)
+uint64_t ape__default_budget(const struct ape_device *dev)
 {
 	/* a quarter stays for the driver, other users and the backend's own needs */
 	return dev->info.global_mem_bytes ? dev->info.global_mem_bytes / 4 * 3 : UINT64_MAX;
 }
 
-/* Plans every device with the same chunking: the smallest any device needs. */
-static int plan_all(const struct ape__exec_req *r, struct ape__plan *plans, uint64_t *budgets,
-		    struct scratch_arg *sa)
+/* ------------------------------------------------------------------ planning */
+
+/* What the planner prices a device's candidates with. */
+struct plan_arg {
+	const struct ape__exec_req *r;
+	struct ape_device *dev;
+	struct ape__pass *pass;
+	bool in_place;
+};
+
+static void plan_bytes(void *arg, int64_t co, int64_t ci, int64_t no, int64_t ni,
+		       struct ape__plan_bytes *b)
 {
-	const struct ape__problem *p = r->p;
-	int64_t cq = r->chunk_q, ck = r->chunk_k;
+	const struct plan_arg *a = arg;
+	const bool q_outer = a->pass->outer == APE__AXIS_Q;
+
+	a->pass->ops->shape(a->pass->self, a->dev, no, ni);
+	ape__pass_bytes(a->pass, a->in_place, q_outer ? a->r->Lq : a->r->Lk,
+			q_outer ? a->r->Lk : a->r->Lq, co, ci, b);
+}
+
+static uint64_t plan_scratch(void *arg, int64_t co, int64_t ci)
+{
+	const struct plan_arg *a = arg;
+
+	return a->pass->ops->scratch(a->pass->self, a->dev, co, ci);
+}
+
+/* Plans every device with the same chunking: the smallest any device needs (a plan only
+ * shrinks, so the passes settle). */
+static int plan_all(const struct ape__exec_req *r, struct ape__plan *plans,
+		    const uint64_t *budgets, struct plan_arg *pa)
+{
+	const bool q_outer = r->passes[0]->outer == APE__AXIS_Q;
+	int64_t co = q_outer ? r->chunk_q : r->chunk_k, ci = q_outer ? r->chunk_k : r->chunk_q;
 	bool changed = true;
 	int ret;
 
 	while (changed) {
-		int64_t ncq = cq, nck = ck;
+		int64_t nco = co, nci = ci;
 
 		for (int d = 0; d < r->ndev; d++) {
 			struct ape_device *dev = r->devs[d];
-			struct ape__plan_req q = {
-				.B = p->B, .H = p->H, .Hkv = p->Hkv, .Lq = p->Lq, .Lk = p->Lk,
-				.D = p->D, .esz = ape_dtype_size(p->in_dtype),
-				.out_esz = ape_dtype_size(p->out_dtype),
-				.dtype_name = ape_dtype_name(p->in_dtype),
-				.pairs = r->want_pairs, .diag = r->ent || r->md,
-				.max_cq = cq, .max_ck = ck,
-				.depth = r->depth, .budget = budgets[d],
-				.max_buffer = dev->be->ops->max_alloc ? dev->be->ops->max_alloc(dev)
-								      : UINT64_MAX,
-				.scratch = plan_scratch, .scratch_arg = &sa[d],
-				.prior = ape__skip_allowed(p) && dev->be->ops->copy_d2d,
+			const struct ape__plan_req q = {
+				.Lo = q_outer ? r->Lq : r->Lk, .Li = q_outer ? r->Lk : r->Lq,
+				.max_co = co, .max_ci = ci, .depth = r->depth, .budget = budgets[d],
+				.max_buffer = dev->caps.max_alloc,
+				.bytes = plan_bytes, .scratch = plan_scratch, .arg = &pa[d],
+				.what = r->what, .chunk = r->chunk_name, .outer_is_key = !q_outer,
 			};
 			char fn[160];
 
-			snprintf(fn, sizeof(fn), "%s: %s:%d", r->fn, dev->info.backend,
-				 dev->info.backend_index);
-			ret = ape__plan_make(&q, fn, &plans[d]);
-			if (ret)
+			snprintf(fn, sizeof(fn), "%s: %s:%d %s", r->fn, dev->info.backend,
+				 dev->info.backend_index, dev->info.name);
+			if ((ret = ape__plan_make(&q, fn, &plans[d])))
 				return ret;
-			ncq = plans[d].cq < ncq ? plans[d].cq : ncq;
-			nck = plans[d].ck < nck ? plans[d].ck : nck;
+			nco = plans[d].co < nco ? plans[d].co : nco;
+			nci = plans[d].ci < nci ? plans[d].ci : nci;
 		}
-		changed = ncq != cq || nck != ck;
+		changed = nco != co || nci != ci;
 		for (int d = 0; d < r->ndev; d++)
-			changed |= plans[d].cq != ncq || plans[d].ck != nck;
-		cq = ncq;
-		ck = nck;
+			changed |= plans[d].co != nco || plans[d].ci != nci;
+		co = nco;
+		ci = nci;
 	}
+	/* the plan chosen is the shape each pass runs with */
+	for (int d = 0; d < r->ndev; d++)
+		r->passes[d]->ops->shape(r->passes[d]->self, r->devs[d], plans[d].no, plans[d].ni);
 	return 0;
 }
 
 /* ------------------------------------------------------------------ the split */
-
-/* Cost of a query chunk: its visible pairs, or just its rows when skipping makes every row
- * cost about the same window. */
-static double chunk_cost(const struct ape__problem *p, int64_t i0, int64_t n, bool skipping)
-{
-	struct ape__problem sub = *p;
-	uint64_t pairs = 0;
-
-	if (skipping)
-		return (double)n;
-	sub.Lq = n;
-	sub.q_start = p->q_start + i0;
-	if (ape__head_visible_pairs(&sub, &pairs))
-		return (double)n * (double)p->Lk;
-	return (double)pairs + 1;
-}
 
 void ape__split_ranges(const double *weight, int ndev, const double *cost, int64_t n,
 		       int64_t *bounds)
@@ -140,21 +131,23 @@ void ape__split_ranges(const double *weight, int ndev, const double *cost, int64
 		bounds[d] = n;
 }
 
-static int split_work(const struct ape__exec_req *r, int64_t cq, int64_t nq, bool skipping,
+static int split_work(const struct ape__exec_req *r, const struct ape__plan *plan,
 		      struct ape__workq *w)
 {
+	const int64_t Lo = r->passes[0]->outer == APE__AXIS_Q ? r->Lq : r->Lk;
 	double weight[APE_MAX_DEVICES], known = 0;
 	int64_t bounds[APE_MAX_DEVICES + 1];
 	double *cost;
 	int nknown = 0;
 
 	if (r->ndev == 1) {
-		ape__workq_single(w, nq);
+		ape__workq_single(w, plan->no);
 		return 0;
 	}
 	for (int i = 0; i < r->ndev; i++) {
-		weight[i] = r->weights ? r->weights[i]
-				       : (double)atomic_load(ape__device_pairs_per_s(r->devs[i]));
+		weight[i] = r->weights	       ? r->weights[i]
+			    : r->fixed_split ? 1.0
+					     : (double)atomic_load(ape__device_pairs_per_s(r->devs[i]));
 		if (weight[i] > 0) {
 			known += weight[i];
 			nknown++;
@@ -163,17 +156,17 @@ static int split_work(const struct ape__exec_req *r, int64_t cq, int64_t nq, boo
 	for (int i = 0; i < r->ndev; i++)
 		if (!(weight[i] > 0)) /* not measured yet: the average of those that were */
 			weight[i] = nknown ? known / nknown : 1.0;
-	cost = ape__malloc((size_t)nq * sizeof(double) + 1);
+	cost = ape__malloc((size_t)plan->no * sizeof(double) + 1);
 	if (!cost)
 		return ape__error(APE_ENOMEM, "%s: out of memory splitting the work", r->fn);
-	for (int64_t c = 0; c < nq; c++) {
-		int64_t i0 = c * cq, n = i0 + cq < r->p->Lq ? cq : r->p->Lq - i0;
+	for (int64_t c = 0; c < plan->no; c++) {
+		const int64_t r0 = c * plan->co, n = r0 + plan->co < Lo ? plan->co : Lo - r0;
 
-		cost[c] = chunk_cost(r->p, i0, n, skipping);
+		cost[c] = r->cost(r->cost_arg, r0, n);
 	}
-	/* contiguous ranges: consecutive query chunks share key chunks */
-	ape__split_ranges(weight, r->ndev, cost, nq, bounds);
-	ape__workq_set(w, r->ndev, bounds);
+	/* contiguous ranges: consecutive outer chunks share inner chunks */
+	ape__split_ranges(weight, r->ndev, cost, plan->no, bounds);
+	ape__workq_set(w, r->ndev, bounds, !r->fixed_split);
 	free(cost);
 	return 0;
 }
@@ -182,7 +175,6 @@ static int split_work(const struct ape__exec_req *r, int64_t cq, int64_t nq, boo
 
 struct shared {
 	const struct ape__exec_req *r;
-	struct ape__stream_call call;
 	atomic_bool abort;
 	double t0;
 };
@@ -191,18 +183,18 @@ struct worker {
 	struct shared *sh;
 	int who;
 	struct ape__stream_geom geom;
+	struct ape__stream_call call;
 	struct ape__stream_stats st;
 	struct ape__trace_dev trace;
 	bool tracing;
 	int ret;
 	char msg[1024];
 	double ms; /* wall time of its run */
-	pthread_t thread;
 };
 
-static void *worker_main(void *arg)
+static void worker_body(void *arg, int d)
 {
-	struct worker *w = arg;
+	struct worker *w = &((struct worker *)arg)[d];
 	struct shared *sh = w->sh;
 	struct ape_device *dev = sh->r->devs[w->who];
 	struct ape__stream *s = NULL;
@@ -211,22 +203,21 @@ static void *worker_main(void *arg)
 	w->trace.host_start_ms = t0 - sh->t0;
 	w->ret = ape__stream_create(dev, &w->geom, &s);
 	if (!w->ret)
-		w->ret = ape__stream_run(s, &sh->call, w->who, w->tracing ? &w->trace : NULL,
+		w->ret = ape__stream_run(s, &w->call, w->who, w->tracing ? &w->trace : NULL,
 					 &w->st);
 	ape__stream_destroy(s);
 	w->ms = ape__now_ms() - t0;
 	if (w->ret < 0) {
-		ape__error_on(w->ret, dev);
+		ape__error_prefix(ape__error_on(w->ret, dev), sh->r->fn);
 		snprintf(w->msg, sizeof(w->msg), "%s", ape_last_error());
 		atomic_store(&sh->abort, true);
 	}
-	return NULL;
 }
 
 /* Remembers how fast each device went, for the next call's split. */
 static void note_speeds(const struct ape__exec_req *r, const struct worker *w)
 {
-	for (int d = 0; d < r->ndev; d++) {
+	for (int d = 0; d < r->ndev && !r->fixed_split; d++) {
 		atomic_uint_fast64_t *slot = ape__device_pairs_per_s(r->devs[d]);
 		uint64_t old, rate;
 
@@ -240,9 +231,7 @@ static void note_speeds(const struct ape__exec_req *r, const struct worker *w)
 
 static void sum_stats(struct ape__stream_stats *to, const struct ape__stream_stats *from)
 {
-	to->pairs_computed += from->pairs_computed;
 	to->chunks += from->chunks;
-	to->chunks_skipped += from->chunks_skipped;
 	to->work += from->work;
 	to->h2d += from->h2d;
 	to->d2h += from->d2h;
@@ -250,12 +239,40 @@ static void sum_stats(struct ape__stream_stats *to, const struct ape__stream_sta
 	to->kernel_ms += from->kernel_ms;
 	to->copy_ms += from->copy_ms;
 	to->overlap_ms += from->overlap_ms;
-	to->qchunks_done += from->qchunks_done;
+	to->outer_done += from->outer_done;
 	if (from->peak_bytes > to->peak_bytes)
 		to->peak_bytes = from->peak_bytes;
 }
 
-/* One thread of ape__run_per_device(). */
+static int run_workers(struct shared *sh, struct worker *w)
+{
+	const struct ape__exec_req *r = sh->r;
+	int ret = ape__run_per_device(r->fn, r->devs, r->ndev, worker_body, w, &sh->abort);
+
+	for (int d = 0; d < r->ndev && !ret; d++)
+		if (w[d].ret < 0) { /* the first failure, in device order */
+			ret = ape__error(w[d].ret, "%s", w[d].msg);
+			break;
+		}
+	return ret;
+}
+
+static int write_trace(const struct ape__exec_req *r, struct worker *w)
+{
+	struct ape__trace_dev *t = ape__malloc(sizeof(*t) * (size_t)r->ndev);
+	int ret;
+
+	if (!t)
+		return ape__error(APE_ENOMEM, "%s: out of memory writing the trace", r->fn);
+	for (int d = 0; d < r->ndev; d++)
+		t[d] = w[d].trace;
+	ret = ape__trace_write(r->trace_path, r->fn, t, r->ndev);
+	free(t);
+	return ret;
+}
+
+/* ------------------------------------------------------------------ one thread per device */
+
 struct per_device {
 	void (*body)(void *arg, int d);
 	void *arg;
@@ -297,155 +314,81 @@ int ape__run_per_device(const char *fn, ape_device *const *devs, int ndev,
 	return ret;
 }
 
-static void worker_body(void *arg, int d)
-{
-	worker_main(&((struct worker *)arg)[d]);
-}
-
-static int run_workers(struct shared *sh, struct worker *w)
-{
-	const struct ape__exec_req *r = sh->r;
-	int ret = ape__run_per_device(r->fn, r->devs, r->ndev, worker_body, w, &sh->abort);
-
-	for (int d = 0; d < r->ndev && !ret; d++)
-		if (w[d].ret < 0) { /* the first failure, in device order */
-			ret = ape__error(w[d].ret, "%s", w[d].msg);
-			break;
-		}
-	return ret;
-}
-
 /* ------------------------------------------------------------------ the call */
-
-static void setup_call(struct shared *sh, const struct ape__plan *plan, const struct ape__kmax *km,
-		       struct ape__workq *wq)
-{
-	const struct ape__exec_req *r = sh->r;
-	const struct ape__problem *p = r->p;
-
-	memset(&sh->call, 0, sizeof(sh->call));
-	sh->call.p = p;
-	sh->call.q = r->q;
-	sh->call.k = r->k;
-	sh->call.v = r->v;
-	sh->call.o = r->o;
-	sh->call.lse = r->lse;
-	sh->call.ent = r->ent;
-	sh->call.md = r->md;
-	sh->call.cq = plan->cq;
-	sh->call.ck = plan->ck;
-	sh->call.nq = plan->nq;
-	sh->call.nk = plan->nk;
-	sh->call.merge = plan->merge;
-	sh->call.kmax = km->pre ? km : NULL;
-	ape__skip_budget(p->skip_tol, p->causal, plan->nk, false, &sh->call.tol);
-	sh->call.want_pairs = r->want_pairs;
-	sh->call.poison = r->devs[0]->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS;
-	sh->call.wq = wq;
-	sh->call.abort = &sh->abort;
-}
-
-static int finish(const struct ape__exec_req *r, struct worker *w, struct ape__exec_result *res,
-		  int ret)
-{
-	for (int d = 0; d < r->ndev; d++)
-		sum_stats(&res->st, &w[d].st);
-	res->st.device_clock = w[0].st.device_clock;
-	if (ret && !r->staged)
-		ape__error_written(ret, res->st.qchunks_done, res->nq);
-	if (!ret) {
-		note_speeds(r, w);
-		if (r->trace_path) {
-			struct ape__trace_dev *t = ape__malloc(sizeof(*t) * (size_t)r->ndev);
-
-			if (!t)
-				return ape__error(APE_ENOMEM, "%s: out of memory writing the trace",
-						  r->fn);
-			for (int d = 0; d < r->ndev; d++)
-				t[d] = w[d].trace;
-			ret = ape__trace_write(r->trace_path, r->fn, t, r->ndev);
-			free(t);
-		}
-	}
-	return ret;
-}
 
 int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
 {
 	struct ape__plan plans[APE_MAX_DEVICES];
 	uint64_t budgets[APE_MAX_DEVICES];
-	struct scratch_arg sa[APE_MAX_DEVICES];
-	struct ape__kmax km = { 0 };
-	struct ape__skip_budget tol;
-	struct ape__launch tmpl;
+	struct plan_arg pa[APE_MAX_DEVICES];
 	struct ape__workq wq;
 	struct shared sh;
 	struct worker *w;
-	bool skipping;
 	int ret;
 
 	memset(res, 0, sizeof(*res));
 	w = ape__calloc((size_t)r->ndev, sizeof(*w));
 	if (!w)
 		return ape__error(APE_ENOMEM, "%s: out of memory", r->fn);
-	/* launches are priced with the kernels' share of skip_tol when there are several key
-	 * chunks (a launch with skipping needs the most scratch) */
-	ape__skip_budget(r->p->skip_tol, r->p->causal, 2, false, &tol);
-	ape__launch_init(&tmpl, r->p, APE_F32, tol.kernel);
 	res->budget = UINT64_MAX;
 	for (int d = 0; d < r->ndev; d++) {
-		budgets[d] = r->budget ? r->budget : default_budget(r->devs[d]);
+		budgets[d] = r->budget ? r->budget : ape__default_budget(r->devs[d]);
 		res->budget = budgets[d] < res->budget ? budgets[d] : res->budget;
-		sa[d] = (struct scratch_arg){ r->devs[d], &tmpl };
+		pa[d] = (struct plan_arg){ r, r->devs[d], r->passes[d],
+					   !r->copy_inputs && r->devs[d]->caps.host_memory };
 	}
-	ret = plan_all(r, plans, budgets, sa);
+	if ((ret = plan_all(r, plans, budgets, pa)))
+		goto out_free;
+	for (int d = 0; d < r->ndev && !ret; d++)
+		ret = r->prepare ? r->prepare(r->prepare_arg, &plans[d], d) : 0;
 	if (ret)
 		goto out_free;
-	res->cq = plans[0].cq;
-	res->ck = plans[0].ck;
-	res->nq = plans[0].nq;
+	res->cq = r->passes[0]->outer == APE__AXIS_Q ? plans[0].co : plans[0].ci;
+	res->ck = r->passes[0]->outer == APE__AXIS_Q ? plans[0].ci : plans[0].co;
+	res->no = plans[0].no;
 	res->depth = plans[0].depth;
-	skipping = ape__skip_allowed(r->p) && plans[0].nk > 1;
-	if (skipping) {
-		ret = ape__kmax_from_tensor(&km, r->k, r->p->ks, plans[0].ck);
-		if (ret)
-			goto out_free;
-	}
 	ape__workq_init(&wq);
-	ret = split_work(r, plans[0].cq, plans[0].nq, skipping, &wq);
-	if (ret)
+	if ((ret = split_work(r, &plans[0], &wq)))
 		goto out_fini_wq;
 
 	memset(&sh, 0, sizeof(sh));
 	sh.r = r;
 	sh.t0 = ape__now_ms();
 	atomic_init(&sh.abort, false);
-	setup_call(&sh, &plans[0], &km, &wq);
 	for (int d = 0; d < r->ndev; d++) {
 		w[d].sh = &sh;
 		w[d].who = d;
 		w[d].tracing = r->trace_path != NULL;
 		ape__trace_label(&w[d].trace, r->devs, d);
 		w[d].geom = (struct ape__stream_geom){
-			.B = r->p->B, .H = r->p->H, .Hkv = r->p->Hkv, .D = r->p->D,
-			.in_dtype = r->p->in_dtype, .plan = plans[d], .host_kv = true,
-			.budget = budgets[d],
+			.plan = plans[d], .shape = *r->passes[d], .budget = budgets[d],
+		};
+		w[d].call = (struct ape__stream_call){
+			.pass = r->passes[d], .Lq = r->Lq, .Lk = r->Lk,
+			.co = plans[d].co, .ci = plans[d].ci, .no = plans[d].no,
+			.ni = plans[d].ni, .in_place = pa[d].in_place,
+			.host_tables = pa[d].in_place,
+			.poison = r->devs[d]->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS,
+			.wq = &wq, .abort = &sh.abort,
 		};
 		res->depth = plans[d].depth < res->depth ? plans[d].depth : res->depth;
 	}
 	ret = run_workers(&sh, w);
-	ret = finish(r, w, res, ret);
+	for (int d = 0; d < r->ndev; d++) {
+		sum_stats(&res->st, &w[d].st);
+		res->devices += w[d].st.outer_done > 0;
+	}
+	res->st.device_clock = w[0].st.device_clock;
+	if (!ret) {
+		note_speeds(r, w);
+		if (r->trace_path)
+			ret = write_trace(r, w);
+	}
 	for (int d = 0; d < r->ndev; d++)
 		ape__trace_free(&w[d].trace);
 out_fini_wq:
 	ape__workq_fini(&wq);
-	ape__kmax_free(&km);
 out_free:
 	free(w);
 	return ret;
-}
-
-uint64_t ape__default_budget(const struct ape_device *dev)
-{
-	return default_budget(dev);
 }

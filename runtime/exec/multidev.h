@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * A whole streamed forward call over one or more devices (runtime/exec/multidev.c): the plan of
- * every device, the split of query chunks by device speed, one worker per device, the merged
- * statistics and the trace.
+ * A whole pass (exec/pass.h) over one or more devices (runtime/exec/multidev.c): the plan of
+ * every device, the split of outer chunks, one worker per device, the summed statistics and
+ * the trace. The forward call (exec/forward.c) and the backward call (exec/backward.c) both
+ * run through it.
  */
 #ifndef APE_RUNTIME_MULTIDEV_H
 #define APE_RUNTIME_MULTIDEV_H
@@ -11,12 +12,12 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "exec/problem.h"
+#include "exec/pass.h"
 #include "exec/stream.h"
 
 #pragma GCC visibility push(hidden)
 
-/* A streamed forward call, validated. */
+/* A pass to run, validated. */
 struct ape__exec_req {
 	const char *fn; /* for messages */
 	ape_device *const *devs;
@@ -24,38 +25,49 @@ struct ape__exec_req {
 	int64_t chunk_q, chunk_k; /* most rows per chunk, >= 1 */
 	uint64_t budget; /* per device; 0: the device's default */
 	int depth; /* 1..APE__MAX_DEPTH */
-	const double *weights; /* NULL: measured */
+	/* NULL: by the speed each device reached in earlier forward calls (equal shares until
+	 * measured); else ndev shares, each > 0 */
+	const double *weights;
+	/* the split is fixed before any work, contiguous ranges and no stealing at the tail, so
+	 * that the same devices give the same bits (the backward); else idle devices take chunks
+	 * from busy ones at the end */
+	bool fixed_split;
 	const char *trace_path; /* NULL: none */
-	const struct ape__problem *p; /* Lq, Lk >= 1 */
-	const ape_tensor *q, *k, *v;
-	ape_tensor *o;
-	float *lse;
-	/* the diagnostics, [B, H, Lq] each, or NULL; only on devices whose backend declares
-	 * attention_diag (the API checked), and then p->skip_tol <= APE_DIAG_SKIP_TOL */
-	float *ent, *md;
-	bool want_pairs;
-	bool staged; /* o and lse are the call's own staging (APE_EXEC_ATOMIC_OUTPUTS) */
+	bool copy_inputs; /* never wrap inputs where they lie (APE_EXEC_COPY_INPUTS) */
+	int64_t Lq, Lk; /* >= 1 */
+	struct ape__pass *const *passes; /* one per device, each initialised for its device */
+	/* the cost of the outer chunk of rows [r0, r0 + n) for the split */
+	double (*cost)(void *arg, int64_t r0, int64_t n);
+	void *cost_arg;
+	/* called once the chunking is known, before any work: the caller prepares its passes
+	 * (host memory per slot, the launch template); 0 or a negative code */
+	int (*prepare)(void *arg, const struct ape__plan *plan, int d);
+	void *prepare_arg;
+	const char *what; /* the problem in messages: "B=1, H=4, Hkv=2, D=64, f32" */
+	const char *chunk_name; /* the plan's messages: NULL "one chunk" */
 };
 
 struct ape__exec_result {
 	struct ape__stream_stats st; /* summed over devices; peak_bytes the largest */
-	int64_t cq, ck, nq;
+	uint64_t pairs_computed, chunks_skipped; /* the pass's own figures, filled by the caller */
+	int64_t cq, ck; /* rows per chunk along each axis */
+	int64_t no; /* outer chunks */
 	int depth;
 	uint64_t budget; /* the smallest of the devices' budgets */
+	int devices; /* devices that were given outer chunks */
 };
 
 /* The budget of a device when the caller gives none: 3/4 of its memory, or none (UINT64_MAX)
- * when it does not say. The backward pass (exec/backward.c) uses it too. */
+ * when it does not say. */
 uint64_t ape__default_budget(const struct ape_device *dev);
 
-/* Plans, runs on every device, merges the statistics, writes the trace. Returns 0 or a
- * negative code with the message set (naming how many query chunks were written). */
+/* Plans, runs on every device, sums the statistics, writes the trace. Returns 0 or a negative
+ * code with the message set (naming the device that failed first, in list order). */
 int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res);
 
 /*
  * Contiguous ranges of n items for ndev devices: device d takes [bounds[d], bounds[d + 1]),
  * the cumulative cost of the ranges following the cumulative share of the weights (each > 0).
- * The forward splits query chunks with it, the backward (exec/backward.c) key chunks.
  */
 void ape__split_ranges(const double *weight, int ndev, const double *cost, int64_t n,
 		       int64_t *bounds);

@@ -100,3 +100,15 @@ bool ape__is_contiguous(const ape_tensor *t, const int64_t s[4])
 	}
 	return true;
 }
+
+size_t ape__tensor_span_bytes(const ape_tensor *t, const int64_t s[4])
+{
+	uint64_t last = 0;
+
+	for (int d = 0; d < 4; d++) {
+		if (!t->shape[d])
+			return 0;
+		last += (uint64_t)(t->shape[d] - 1) * (uint64_t)s[d];
+	}
+	return (size_t)(last + 1) * ape_dtype_size(t->dtype);
+}

@@ -8,6 +8,7 @@
 #define APE_RUNTIME_PACK_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "ape/ape.h"
@@ -30,6 +31,10 @@ void ape__load_row_f32(const ape_tensor *t, const int64_t s[4], int64_t b, int64
 
 /* Row-major without gaps (the stride of a dimension of size 1 does not matter). */
 bool ape__is_contiguous(const ape_tensor *t, const int64_t s[4]);
+
+/* Bytes of t from its data pointer to its last element (strides s, each >= 0, as validation
+ * makes them); 0 for an empty tensor. What wrapping it where it lies covers. */
+size_t ape__tensor_span_bytes(const ape_tensor *t, const int64_t s[4]);
 
 #pragma GCC visibility pop
 #endif

@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * A forward call on tensors already in device memory (runtime/exec/resident.c): the path of
- * ape_attention_enqueue(), of the DLPack call, and of host calls on devices that compute on
- * host memory in place. Launches are enqueued on one queue on strided views of the caller's
- * buffers: no staging, no copy, no wait.
+ * ape_attention_enqueue() and of the DLPack call. Launches are enqueued on one queue on strided
+ * views of the caller's buffers: no staging, no copy, no wait. (Host calls on devices that
+ * compute on host memory take the streaming executor, which reads their inputs in place.)
  */
 #ifndef APE_RUNTIME_RESIDENT_H
 #define APE_RUNTIME_RESIDENT_H
@@ -29,10 +29,10 @@ struct ape__resident_req {
 };
 
 /*
- * The query rows per launch: all of them (one launch) when the backend's scratch for the whole
- * call fits the budget, else the largest power-of-two fraction that fits. APE_ENOMEM (message
- * naming the call, the device and what one row needs) when not even one row fits. Never
- * fails otherwise; enqueues nothing.
+ * The query rows per launch, by the one planner (exec/plan.h): all of them (one launch) when
+ * the backend's scratch for the whole call fits the budget, else halved until it fits.
+ * APE_ENOMEM (message naming the call, the device and what one row needs) when not even one
+ * row fits. Never fails otherwise; enqueues nothing.
  */
 int ape__resident_plan(const struct ape__resident_req *r, int64_t *rows_per_launch);
 
@@ -43,24 +43,6 @@ int ape__resident_plan(const struct ape__resident_req *r, int64_t *rows_per_laun
  * enqueued before the failure may still run; the outputs are then unspecified.
  */
 int ape__resident_enqueue(const struct ape__resident_req *r, int64_t rows);
-
-struct ape__exec_result;
-
-/*
- * A host call (ape_attention_forward(), or _ex on one device without chunk sizes, trace or
- * atomic outputs) on a device that computes on host memory in place (the backend's buf_wrap
- * takes APE__MEM_HOST): the caller's q, k, v, o and lse are wrapped where they are, one launch
- * reads and writes them, and the call waits for it. No staging, no copy. Fills *res as the
- * streaming executor does (one chunk, no bytes moved, the kernel's time).
- * Returns 1, having done nothing, where it does not apply (a device that cannot, strides with
- * D not contiguous, a budget that needs several launches): the caller
- * then streams. Else 0, or a negative code (message set); when the failure came after the
- * launch was enqueued, O and LSE are unspecified and the message ends saying so.
- */
-int ape__resident_host_run(const char *fn, struct ape_device *dev, const struct ape__problem *p,
-			   uint64_t budget, const ape_tensor *q, const ape_tensor *k,
-			   const ape_tensor *v, ape_tensor *o, float *lse, bool want_pairs,
-			   struct ape__exec_result *res);
 
 #pragma GCC visibility pop
 #endif

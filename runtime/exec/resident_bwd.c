@@ -28,6 +28,7 @@
 #include "core/error.h"
 #include "exec/backward.h"
 #include "exec/multidev.h"
+#include "exec/plan.h"
 
 static bool query_side(int t)
 {
@@ -123,40 +124,57 @@ static unsigned parts_of(const struct ape__resident_bwd_req *r)
 	       (r->buf[APE__RB_DLSE] ? APE__BWD_DLSE : 0u);
 }
 
-/* Every byte of device memory a call with launches of `rows` query rows holds at once. */
-static uint64_t call_bytes(const struct ape__resident_bwd_req *r, int64_t rows)
+/* What a call with launches of co query rows holds: the query side's copies per row, the key
+ * side's for every key (the planner's bytes callback, exec/plan.h). */
+static void plan_bytes(void *arg, int64_t co, int64_t ci, int64_t no, int64_t ni,
+		       struct ape__plan_bytes *b)
 {
+	const struct ape__resident_bwd_req *r = arg;
+
+	(void)ci;
+	(void)no;
+	(void)ni;
+	memset(b, 0, sizeof(*b));
+	for (int t = 0; t < APE__RB_COUNT; t++) {
+		const uint64_t n = scratch_of(r, t, co);
+
+		if (query_side(t))
+			b->outer += n;
+		else
+			b->call += n;
+		b->largest = n > b->largest ? n : b->largest;
+	}
+}
+
+/* The backend's own scratch for a launch of co query rows against every key. */
+static uint64_t plan_scratch(void *arg, int64_t co, int64_t ci)
+{
+	const struct ape__resident_bwd_req *r = arg;
 	const struct ape__backend_ops *ops = r->dev->be->ops;
 	struct ape__bwd_launch l;
-	uint64_t n = 0;
 
-	for (int t = 0; t < APE__RB_COUNT; t++)
-		n += scratch_of(r, t, rows);
-	if (ops->attention_backward_scratch) {
-		launch_of(r, &l, 0, rows);
-		n += ops->attention_backward_scratch(r->dev, &l, parts_of(r));
-	}
-	return n;
+	(void)ci;
+	if (!ops->attention_backward_scratch)
+		return 0;
+	launch_of(r, &l, 0, co);
+	return ops->attention_backward_scratch(r->dev, &l, parts_of(r));
 }
 
 int ape__resident_bwd_plan(const struct ape__resident_bwd_req *r, int64_t *rows_per_launch)
 {
-	const uint64_t budget = r->budget ? r->budget : ape__default_budget(r->dev);
-	int64_t rows = r->p->Lq > 0 ? r->p->Lq : 1;
+	const int64_t Lq = r->p->Lq > 0 ? r->p->Lq : 1, Lk = r->p->Lk > 0 ? r->p->Lk : 1;
+	const struct ape__plan_req q = {
+		.Lo = Lq, .Li = Lk, .max_co = Lq, .max_ci = Lk, .inner_whole = true, .depth = 1,
+		.budget = r->budget ? r->budget : ape__default_budget(r->dev),
+		.max_buffer = UINT64_MAX, .bytes = plan_bytes, .scratch = plan_scratch,
+		.arg = (void *)r, .what = r->dev->info.name,
+		.chunk = "the backward pass's launch (its copies and accumulators included)",
+	};
+	struct ape__plan plan;
+	int ret = ape__plan_make(&q, r->fn, &plan);
 
-	while (call_bytes(r, rows) > budget) {
-		if (rows == 1)
-			return ape__error(APE_ENOMEM,
-					  "%s: %s: one query row against %" PRId64
-					  " keys needs %" PRIu64 " bytes of device scratch (the "
-					  "keys' copies and accumulators included), over the budget "
-					  "of %" PRIu64,
-					  r->fn, r->dev->info.name, r->p->Lk, call_bytes(r, 1),
-					  budget);
-		rows = (rows + 1) / 2;
-	}
-	*rows_per_launch = rows;
-	return 0;
+	*rows_per_launch = plan.co;
+	return ret;
 }
 
 /* One call's state: the buffer each tensor has in the launches, and the scratch behind it. */

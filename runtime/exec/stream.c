@@ -1,30 +1,83 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The session of one device: its queues and every buffer the pipeline uses (query, key/value
- * and result slots on the device, their pinned staging on the host, the merge accumulators),
- * allocated on first use or all at once by ape__stream_reserve(), freed by
- * ape__stream_destroy(). The pipeline itself is in stream_run.c.
+ * The session of one device: its queues and every buffer the pipeline uses (outer, inner and
+ * job slots on the device, their staging on the host, the run's accumulators), allocated on
+ * first use or all at once by ape__stream_reserve(), freed by ape__stream_destroy(). The
+ * pipeline itself is in stream_run.c.
  */
 #include "exec/stream_impl.h"
 
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/alloc.h"
-#include "core/context.h"
 #include "core/error.h"
 
-static int alloc_queues(struct ape__stream *s)
-{
-	const struct ape__backend_ops *ops = s->ops;
-	int ret = ops->queue_create(s->dev, &s->exec);
+/* ------------------------------------------------------------------ what a pass holds */
 
-	for (int i = 0; !ret && i < s->depth; i++)
-		if (!(ret = ops->queue_create(s->dev, &s->up[i])))
-			ret = ops->queue_create(s->dev, &s->down[i]);
-	for (int i = 0; !ret && i < s->g.plan.q_slots; i++)
-		ret = ops->queue_create(s->dev, &s->qup[i]);
-	return ret;
+/* The rows a tensor has in a chunk of co outer and ci inner rows (0: none). */
+static int64_t chunk_rows(const struct ape__pass *p, int t, int64_t co, int64_t ci)
+{
+	const struct ape__pass_tensor *x = &p->t[t];
+
+	if (x->axis == APE__AXIS_NONE)
+		return 0;
+	return x->axis == p->outer ? co : ci;
 }
+
+bool ape__pass_wraps(const struct ape__pass *p, int t, bool in_place, int64_t rows, int64_t all)
+{
+	const struct ape__pass_tensor *x = &p->t[t];
+
+	if (!in_place || !x->row_bytes)
+		return false;
+	switch (x->role) {
+	case APE__ROLE_OUTER_IN:
+	case APE__ROLE_INNER_IN:
+		return x->host && (x->views || (rows == all && x->packed));
+	case APE__ROLE_OUTER_ACC:
+		return x->dest && rows == all;
+	default:
+		return false;
+	}
+}
+
+void ape__pass_bytes(const struct ape__pass *p, bool in_place, int64_t Lo, int64_t Li,
+		     int64_t co, int64_t ci, struct ape__plan_bytes *b)
+{
+	memset(b, 0, sizeof(*b));
+	for (int t = 0; t < p->nt; t++) {
+		const struct ape__pass_tensor *x = &p->t[t];
+		const int64_t rows = chunk_rows(p, t, co, ci);
+		const int64_t all = x->axis == p->outer ? Lo : Li;
+		uint64_t n;
+
+		if (x->role == APE__ROLE_CALL_ACC || x->role == APE__ROLE_CALL_IN) {
+			b->call = ape__sat_add(b->call, x->bytes);
+			b->largest = x->bytes > b->largest ? x->bytes : b->largest;
+			continue;
+		}
+		if (!x->row_bytes || ape__pass_wraps(p, t, in_place, rows, all))
+			continue;
+		n = ape__sat_mul(x->row_bytes, (uint64_t)rows);
+		b->largest = n > b->largest ? n : b->largest;
+		switch (x->role) {
+		case APE__ROLE_OUTER_IN:
+		case APE__ROLE_OUTER_ACC:
+			b->outer = ape__sat_add(b->outer, n);
+			break;
+		case APE__ROLE_INNER_IN:
+			b->inner = ape__sat_add(b->inner, n);
+			break;
+		default:
+			b->job = ape__sat_add(b->job, n);
+			break;
+		}
+	}
+}
+
+/* ------------------------------------------------------------------ the session */
 
 int ape__stream_create(struct ape_device *dev, const struct ape__stream_geom *g,
 		       struct ape__stream **out)
@@ -39,17 +92,16 @@ int ape__stream_create(struct ape_device *dev, const struct ape__stream_geom *g,
 	s->ops = dev->be->ops;
 	s->g = *g;
 	s->depth = g->plan.depth;
-	s->max_kv = g->plan.kv_slots;
+	s->max_is = g->plan.i_slots;
 	ape__devmem_init(&s->mem, dev, g->budget);
-	for (int i = 0; i <= APE__MAX_DEPTH; i++)
-		s->qr[i].qc = -1;
-	s->kv = ape__calloc((size_t)s->max_kv, sizeof(*s->kv));
-	if (!s->kv) {
+	for (int i = 0; i < APE__MAX_DEPTH; i++)
+		s->os[i].oc = -1;
+	s->is = ape__calloc((size_t)s->max_is + 1, sizeof(*s->is));
+	if (!s->is) {
 		free(s);
 		return ape__error(APE_ENOMEM, "out of memory for a device session");
 	}
-	ret = alloc_queues(s);
-	if (ret) {
+	if ((ret = ape__stream_queue(s, &s->exec))) {
 		ape__stream_destroy(s);
 		return ret;
 	}
@@ -57,112 +109,178 @@ int ape__stream_create(struct ape_device *dev, const struct ape__stream_geom *g,
 	return 0;
 }
 
+int ape__stream_queue(struct ape__stream *s, struct ape__queue **q)
+{
+	return *q ? 0 : s->ops->queue_create(s->dev, q);
+}
+
 int ape__stream_ensure_host(struct ape__stream *s, struct ape__hostmem *m, uint64_t bytes)
 {
-	if (m->ptr)
+	if (!bytes || (m->ptr && m->bytes >= bytes))
 		return 0;
+	/* a run with fewer tensors in place than the last needs more staging */
+	ape__host_free(s->dev, m);
 	return ape__host_alloc(s->dev, (size_t)bytes, m);
 }
 
-int ape__stream_ensure_out(struct ape__stream *s, int i)
+/* The chunk buffer of tensor t for `rows` rows, unless the run wraps it. */
+static int ensure_buf(struct ape__stream *s, int t, int64_t rows, struct ape__buf **b)
+{
+	const struct ape__pass_tensor *x = &s->g.shape.t[t];
+	char what[64];
+
+	if (*b || !x->row_bytes || (s->pass && s->at[t] != APE__AT_CHUNK))
+		return 0;
+	snprintf(what, sizeof(what), "allocating a chunk of %s", x->name);
+	return ape__devmem_alloc(&s->mem, ape__stream_rows_bytes(s, t, rows), b, what);
+}
+
+/* Tensor t as the run in progress has it (its flags: back, used), or as the geometry does. */
+static const struct ape__pass_tensor *tensor(const struct ape__stream *s, int t)
+{
+	return s->pass ? &s->pass->t[t] : &s->g.shape.t[t];
+}
+
+/* Whether tensor t needs staging for `role` (with `back`: read back): in the run in progress,
+ * chunk tensors it uses (and reads back); outside a run, every one the geometry has. */
+static bool staged(const struct ape__stream *s, int t, int role, bool back)
+{
+	const struct ape__pass_tensor *x = tensor(s, t);
+
+	if ((int)x->role != role || !s->g.shape.t[t].row_bytes)
+		return false;
+	if (!s->pass)
+		return true;
+	return s->at[t] == APE__AT_CHUNK && (!back || x->back);
+}
+
+/* Staging bytes of the tensors of `role` for chunks of `rows` rows (with `back`: only those
+ * read back), at the geometry's sizes. */
+static uint64_t stage_bytes(const struct ape__stream *s, int role, bool back, int64_t rows)
+{
+	uint64_t n = 0;
+
+	for (int t = 0; t < s->g.shape.nt; t++)
+		if (staged(s, t, role, back))
+			n += s->g.shape.t[t].row_bytes * (uint64_t)rows;
+	return n;
+}
+
+int ape__stream_ensure_oslot(struct ape__stream *s, struct oslot *o)
 {
 	const struct ape__plan *p = &s->g.plan;
-	struct outslot *o = &s->out[i];
-	int ret = 0;
+	int ret = ape__stream_queue(s, &o->queue);
 
-	if (!o->o)
-		ret = ape__devmem_alloc(&s->mem, p->o_bytes, &o->o, "allocating a partial O");
-	if (!ret && !o->lse)
-		ret = ape__devmem_alloc(&s->mem, p->lse_bytes, &o->lse, "allocating a partial LSE");
-	if (!ret && !o->ent && p->diag_bytes)
-		ret = ape__devmem_alloc(&s->mem, p->diag_bytes, &o->ent, "allocating entropies");
-	if (!ret && !o->md && p->diag_bytes)
-		ret = ape__devmem_alloc(&s->mem, p->diag_bytes, &o->md, "allocating distances");
-	if (!ret && !o->pairs && p->pairs_bytes)
-		ret = ape__devmem_alloc(&s->mem, p->pairs_bytes, &o->pairs,
-					"allocating pair counts");
+	for (int t = 0; !ret && t < s->g.shape.nt; t++) {
+		const int role = s->g.shape.t[t].role;
+
+		if (role == APE__ROLE_OUTER_IN || role == APE__ROLE_OUTER_ACC)
+			ret = ensure_buf(s, t, p->co, &o->buf[t]);
+	}
+	/* host tensors' rows are packed here; a loader's (none for outer inputs) are not */
 	if (!ret)
-		ret = ape__stream_ensure_host(s, &o->host, p->out_bytes);
+		ret = ape__stream_ensure_host(s, &o->stage_in,
+					      stage_bytes(s, APE__ROLE_OUTER_IN, false, p->co));
+	if (!ret)
+		ret = ape__stream_ensure_host(s, &o->stage_back,
+					      stage_bytes(s, APE__ROLE_OUTER_ACC, true, p->co));
 	return ret;
 }
 
-int ape__stream_ensure_qslot(struct ape__stream *s, int i)
+int ape__stream_ensure_jslot(struct ape__stream *s, struct jslot *j)
 {
-	int ret = 0;
+	const struct ape__plan *p = &s->g.plan;
+	uint64_t out = 0, in = 0;
+	int ret = ape__stream_queue(s, &j->down);
 
-	if (!s->qs[i].buf)
-		ret = ape__devmem_alloc(&s->mem, s->g.plan.q_bytes, &s->qs[i].buf,
-					"allocating a query chunk");
-	if (!ret && !s->qs[i].prior && s->g.plan.prior_bytes)
-		ret = ape__devmem_alloc(&s->mem, s->g.plan.prior_bytes, &s->qs[i].prior,
-					"allocating a query chunk's LSE");
+	for (int t = 0; !ret && t < s->g.shape.nt; t++) {
+		const struct ape__pass_tensor *x = &s->g.shape.t[t];
+		const int64_t rows = x->axis == s->g.shape.outer ? p->co : p->ci;
+
+		if (x->role != APE__ROLE_JOB_OUT && x->role != APE__ROLE_JOB_IN)
+			continue;
+		ret = ensure_buf(s, t, rows, &j->buf[t]);
+		if (staged(s, t, APE__ROLE_JOB_IN, false))
+			in += x->row_bytes * (uint64_t)rows;
+		else if (staged(s, t, APE__ROLE_JOB_OUT, true))
+			out += x->row_bytes * (uint64_t)rows;
+	}
 	if (!ret)
-		ret = ape__stream_ensure_host(s, &s->qst[i].mem, s->g.plan.q_bytes);
+		ret = ape__stream_ensure_host(s, &j->stage, out + in);
 	return ret;
 }
 
-int ape__stream_grow_kv(struct ape__stream *s)
+int ape__stream_ensure_call(struct ape__stream *s)
 {
-	struct kvslot *k = &s->kv[s->nkv];
-	int ret;
+	uint64_t back = 0, in = 0;
+	int ret = 0;
 
-	ret = ape__devmem_alloc(&s->mem, s->g.plan.kv_bytes, &k->k, "allocating a key chunk");
+	for (int t = 0; !ret && t < s->g.shape.nt; t++) {
+		const struct ape__pass_tensor *x = &s->g.shape.t[t];
+
+		if ((x->role != APE__ROLE_CALL_ACC && x->role != APE__ROLE_CALL_IN) || !x->bytes)
+			continue;
+		if (!s->call_buf[t] &&
+		    !(x->role == APE__ROLE_CALL_IN && s->c && s->c->host_tables))
+			ret = ape__devmem_alloc(&s->mem, x->bytes, &s->call_buf[t], x->name);
+		if (x->role == APE__ROLE_CALL_IN)
+			in += x->bytes;
+		else
+			back += tensor(s, t)->back ? x->bytes : 0;
+	}
 	if (!ret)
-		ret = ape__devmem_alloc(&s->mem, s->g.plan.kv_bytes, &k->v,
-					"allocating a value chunk");
+		ret = ape__stream_ensure_host(s, &s->call_back, back);
+	if (!ret)
+		ret = ape__stream_ensure_host(s, &s->call_in, in);
+	return ret;
+}
+
+int ape__stream_grow_inner(struct ape__stream *s)
+{
+	struct islot *is = &s->is[s->nis];
+	int ret = 0;
+
+	for (int t = 0; !ret && t < s->g.shape.nt; t++)
+		if (s->g.shape.t[t].role == APE__ROLE_INNER_IN)
+			ret = ensure_buf(s, t, s->g.plan.ci, &is->buf[t]);
 	if (ret) {
-		ape__devmem_free(&s->mem, &k->k, s->g.plan.kv_bytes);
+		for (int t = 0; t < s->g.shape.nt; t++)
+			ape__devmem_free(&s->mem, &is->buf[t],
+					 ape__stream_rows_bytes(s, t, s->g.plan.ci));
 		return ret;
 	}
-	k->chunk = -1;
-	s->nkv++;
+	is->chunk = -1;
+	s->nis++;
 	return 0;
 }
 
-int ape__stream_ensure_qrec(struct ape__stream *s, struct qrec *r, bool merge, bool norms)
-{
-	const int64_t rows = s->g.B * s->g.H * s->g.plan.cq;
-
-	if (merge && !r->acc.o) {
-		int ret = ape__acc_alloc(&r->acc, rows, s->g.D, s->g.plan.diag_bytes > 0);
-
-		if (ret)
-			return ret;
-	}
-	if (norms && !r->qnorm) {
-		r->qnorm = ape__malloc((size_t)rows * sizeof(float) + 1);
-		if (!r->qnorm)
-			return ape__error(APE_ENOMEM, "out of memory for query norms");
-	}
-	return 0;
-}
-
-/* Intervals of the overlap figure in the largest run: per query chunk the copy of its rows,
- * per job the copy of its keys, its kernel and the copy back. Capped: beyond it (a cache of a
- * million one-row chunks) the figure costs host memory only when such a run happens. */
+/* Intervals of the overlap figure in the largest run: per outer chunk the copy of its rows and
+ * of its accumulators, per job its copy in, its kernels and its copy back. Capped: beyond it (a
+ * cache of a million one-row chunks) the figure costs host memory only when such a run
+ * happens. */
 static size_t intervals_of(const struct ape__plan *p)
 {
 	const int64_t cap = 1 << 16;
 
-	if (p->nq > cap || p->nk > cap || p->nq * (1 + 3 * p->nk) > cap)
+	if (p->no > cap || p->ni > cap || p->no * (2 + 3 * p->ni) > cap)
 		return (size_t)cap;
-	return (size_t)(p->nq * (1 + 3 * p->nk));
+	return (size_t)(p->no * (2 + 3 * p->ni));
 }
 
 int ape__stream_reserve(struct ape__stream *s)
 {
+	const int nos = s->g.plan.o_slots;
 	int ret = 0;
 
 	for (int i = 0; !ret && i < s->depth; i++)
-		ret = ape__stream_ensure_out(s, i);
-	for (int i = 0; !ret && i < s->g.plan.q_slots; i++)
-		ret = ape__stream_ensure_qslot(s, i);
-	while (!ret && s->nkv < s->max_kv)
-		ret = ape__stream_grow_kv(s);
-	for (int i = 0; !ret && s->g.host_kv && i < s->depth; i++)
-		ret = ape__stream_ensure_host(s, &s->kvst[i].mem, 2 * s->g.plan.kv_bytes);
-	for (int i = 0; !ret && i <= s->depth; i++)
-		ret = ape__stream_ensure_qrec(s, &s->qr[i], s->g.plan.merge, true);
+		if (!(ret = ape__stream_ensure_jslot(s, &s->ring[i])))
+			ret = ape__stream_queue(s, &s->ring[i].up);
+	for (int i = 0; !ret && i < nos; i++)
+		ret = ape__stream_ensure_oslot(s, &s->os[i]);
+	while (!ret && s->nis < s->max_is)
+		ret = ape__stream_grow_inner(s);
+	if (!ret)
+		ret = ape__stream_ensure_call(s);
 	if (!ret)
 		ape__stream_reserve_intervals(s, intervals_of(&s->g.plan));
 	return ret;
@@ -171,6 +289,22 @@ int ape__stream_reserve(struct ape__stream *s)
 uint64_t ape__stream_device_bytes(const struct ape__stream *s)
 {
 	return s->mem.cur;
+}
+
+int64_t ape__stream_outer_rows(const struct ape__stream *s, int64_t oc, int64_t *first)
+{
+	const int64_t L = s->pass->outer == APE__AXIS_Q ? s->c->Lq : s->c->Lk;
+
+	*first = oc * s->c->co;
+	return *first + s->c->co < L ? s->c->co : L - *first;
+}
+
+int64_t ape__stream_inner_rows(const struct ape__stream *s, int64_t ic, int64_t *first)
+{
+	const int64_t L = s->pass->outer == APE__AXIS_Q ? s->c->Lk : s->c->Lq;
+
+	*first = ic * s->c->ci;
+	return *first + s->c->ci < L ? s->c->ci : L - *first;
 }
 
 void ape__stream_destroy(struct ape__stream *s)
@@ -185,33 +319,33 @@ void ape__stream_destroy(struct ape__stream *s)
 	/* queues first: destroying one waits for its work, so buffers are idle afterwards */
 	ops->queue_destroy(s->exec);
 	for (int i = 0; i < APE__MAX_DEPTH; i++) {
-		ops->queue_destroy(s->up[i]);
-		ops->queue_destroy(s->down[i]);
-	}
-	for (int i = 0; i < 2; i++) {
-		ops->queue_destroy(s->qup[i]);
-		ape__devmem_free(&s->mem, &s->qs[i].buf, p->q_bytes);
-		ape__devmem_free(&s->mem, &s->qs[i].prior, p->prior_bytes);
-		ape__host_free(s->dev, &s->qst[i].mem);
+		ops->queue_destroy(s->ring[i].up);
+		ops->queue_destroy(s->ring[i].down);
+		ops->queue_destroy(s->os[i].queue);
 	}
 	for (int i = 0; i < APE__MAX_DEPTH; i++) {
-		ape__devmem_free(&s->mem, &s->out[i].o, p->o_bytes);
-		ape__devmem_free(&s->mem, &s->out[i].lse, p->lse_bytes);
-		ape__devmem_free(&s->mem, &s->out[i].pairs, p->pairs_bytes);
-		ape__devmem_free(&s->mem, &s->out[i].ent, p->diag_bytes);
-		ape__devmem_free(&s->mem, &s->out[i].md, p->diag_bytes);
-		ape__host_free(s->dev, &s->out[i].host);
-		ape__host_free(s->dev, &s->kvst[i].mem);
+		for (int t = 0; t < s->g.shape.nt; t++) {
+			const struct ape__pass_tensor *x = &s->g.shape.t[t];
+			const int64_t rows = x->axis == s->g.shape.outer ? p->co : p->ci;
+
+			ape__devmem_free(&s->mem, &s->os[i].buf[t], ape__stream_rows_bytes(s, t, rows));
+			ape__devmem_free(&s->mem, &s->ring[i].buf[t],
+					 ape__stream_rows_bytes(s, t, rows));
+		}
+		ape__host_free(s->dev, &s->os[i].stage_in);
+		ape__host_free(s->dev, &s->os[i].stage_back);
+		ape__host_free(s->dev, &s->ring[i].stage);
+		ape__host_free(s->dev, &s->inner_stage[i].mem);
 	}
-	for (int i = 0; i < s->nkv; i++) {
-		ape__devmem_free(&s->mem, &s->kv[i].k, p->kv_bytes);
-		ape__devmem_free(&s->mem, &s->kv[i].v, p->kv_bytes);
-	}
-	for (int i = 0; i <= APE__MAX_DEPTH; i++) {
-		ape__acc_free(&s->qr[i].acc);
-		free(s->qr[i].qnorm);
-	}
-	free(s->kv);
+	for (int i = 0; i < s->nis; i++)
+		for (int t = 0; t < s->g.shape.nt; t++)
+			ape__devmem_free(&s->mem, &s->is[i].buf[t],
+					 ape__stream_rows_bytes(s, t, p->ci));
+	for (int t = 0; t < s->g.shape.nt; t++)
+		ape__devmem_free(&s->mem, &s->call_buf[t], s->g.shape.t[t].bytes);
+	ape__host_free(s->dev, &s->call_back);
+	ape__host_free(s->dev, &s->call_in);
+	free(s->is);
 	free(s->iv);
 	free(s);
 }

@@ -3,82 +3,80 @@
  * The state of a device session, shared by the executor's files (exec/stream.h lists them) and
  * by nothing else.
  *
- * Queues: one compute queue, and per slot of the pipeline a host-to-device queue for key/value
- * chunks and a device-to-host queue for partial outputs, plus one host-to-device queue per
- * query-chunk buffer. Work is ordered across them by events only. The host waits for a
- * specific copy by synchronising the one queue that holds it (slot queues hold nothing else),
- * never for the device as a whole: with three slots, the copy of chunk i + 1 runs while chunk
- * i computes and chunk i - 1's output comes back.
+ * Queues: one compute queue; per job slot of the pipeline a host-to-device queue for inner
+ * chunks and a device-to-host queue for the job's outputs; per outer slot one queue for its
+ * inputs and, when its chunk is done, its accumulators coming back. Work is ordered across them
+ * by events only. The host waits for a specific copy by synchronising the one queue that holds
+ * it, never for the device as a whole: with three job slots, the copy of chunk i + 1 runs while
+ * chunk i computes and chunk i - 1's output comes back. Queues are made on first use, so a run
+ * that copies nothing (every input in place) makes only the compute queue.
  *
- * Events have one owner each: the job (a query chunk x key chunk launch) that recorded them,
- * or the query chunk that loaded its rows. Slots borrow them (`ready`, `used`) and the owner
- * clears the borrowed references when it retires, after which the work they stood for has
- * completed and nothing needs to wait for it any more.
+ * Events have one owner each: the job that recorded them, or the outer chunk that loaded its
+ * rows. Slots borrow them (`ready`, `used`) and the owner clears the borrowed references when it
+ * retires, after which the work they stood for has completed.
  */
 #ifndef APE_RUNTIME_STREAM_IMPL_H
 #define APE_RUNTIME_STREAM_IMPL_H
 
 #include "core/limits.h"
 #include "exec/devmem.h"
-#include "exec/lse_merge.h"
 #include "exec/stream.h"
 #include "topo/placement.h"
 
 #pragma GCC visibility push(hidden)
 
-struct qslot {
-	struct ape__buf *buf;
-	struct ape__event *ready; /* its rows have arrived (borrowed from the query chunk) */
-	struct ape__event *used; /* the last kernel reading it (borrowed from a job) */
-	/* the LSE of its query chunk's diagonal launch, which the launches after it take as
-	 * lse_prior (plan.prior_bytes > 0); written and read on the compute queue only */
-	struct ape__buf *prior;
+/* Where a tensor's rows come from or go to in one run. */
+enum { APE__AT_CHUNK, APE__AT_WRAPPED, APE__AT_UNUSED };
+
+/* An outer chunk, from its start to its accumulators coming back: an outer slot. */
+struct oslot {
+	struct ape__buf *buf[APE__PASS_MAX_T]; /* OUTER_IN and OUTER_ACC chunk buffers */
+	struct ape__hostmem stage_in; /* OUTER_IN rows packed, tensor after tensor */
+	struct ape__hostmem stage_back; /* OUTER_ACC rows come back here */
+	bool stage_pending; /* a copy from stage_in may still be running on its queue */
+	struct ape__queue *queue; /* its copies, both ways */
+	struct ape__event *ready; /* its inputs have arrived (owned: load_e1) */
+	struct ape__event *used; /* the last kernel reading or writing it (borrowed) */
+	struct ape__event *load_e0, *load_e1; /* around its input copy */
+	int64_t oc; /* -1: free */
+	int64_t o0, n; /* its rows */
+	int pending; /* jobs in flight */
+	int issued; /* jobs issued */
+	bool walking; /* its walk may still issue jobs */
+	bool loaded; /* its inputs were enqueued, its accumulators initialised */
+	double load_t; /* host clock when its copy was enqueued */
+	uint64_t load_bytes;
 };
 
-struct kvslot {
-	struct ape__buf *k, *v;
+/* An inner chunk's inputs, resident for as long as the slot is not needed for another. */
+struct islot {
+	struct ape__buf *buf[APE__PASS_MAX_T];
 	int64_t chunk; /* -1: empty */
 	struct ape__event *ready, *used;
 	int busy; /* jobs in flight reading it */
 };
 
-struct outslot {
-	struct ape__buf *o, *lse, *pairs, *ent, *md;
-	struct ape__hostmem host; /* pairs | LSE | ENT | MD | O as they come back */
+/* One job (outer chunk x inner chunk) in flight, and its slot's buffers. */
+struct jslot {
+	struct ape__buf *buf[APE__PASS_MAX_T]; /* JOB_OUT and JOB_IN buffers */
+	struct ape__hostmem stage; /* JOB_IN rows going out, then JOB_OUT rows coming back */
+	struct ape__queue *up, *down; /* inner loads of this lane; read-backs of this slot */
+	struct ape__pass_job pj; /* what the pass sees */
+	struct oslot *os;
+	int is; /* its inner slot; -1: inner inputs in place */
+	int lane; /* the job slot whose up queue copied its inner chunk */
+	bool loaded; /* it copied its inner chunk (load_e0, load_e1 are set) */
+	struct ape__kv_pages pages;
+	struct ape__event *load_e0, *load_e1; /* around the copy of its inner chunk */
+	struct ape__event *kernel_e0, *kernel_e1; /* around its kernels */
+	struct ape__event *back_e0, *back_e1; /* around the copy of its outputs */
+	double host_t[3]; /* host clock at enqueue: load, kernel, read-back */
+	uint64_t load_bytes, back_bytes, scratch;
 };
 
 struct stage {
 	struct ape__hostmem mem;
 	bool pending; /* a copy from it may still be running on its queue */
-};
-
-/* A query chunk being computed. */
-struct qrec {
-	int64_t qc; /* -1: free */
-	int64_t i0, n; /* its rows */
-	int pending; /* jobs in flight */
-	int jobs; /* jobs issued */
-	bool issuing; /* its walk may still add jobs */
-	bool loaded;
-	int slot; /* query buffer */
-	struct ape__acc acc; /* merge mode */
-	float *qnorm; /* [B*H*n] for the skip bound */
-	struct ape__event *e0, *e1; /* around its query copy */
-	double host_t; /* host clock when the copy was enqueued */
-	uint64_t bytes;
-};
-
-/* One launch: query chunk x key chunk, and the copies around it. */
-struct job {
-	struct qrec *qr;
-	int64_t kc, j0, n;
-	int kvs; /* key/value slot */
-	int lane; /* copy queue of its load */
-	bool loaded; /* it copied its key chunk (up0, up1 are set) */
-	bool in_place; /* it reads its keys where the loader keeps them: no key/value slot */
-	struct ape__event *up0, *up1, *k0, *k1, *d0, *d1;
-	double host_t[3]; /* host clock at enqueue: load, kernel, read-back */
-	uint64_t h2d, out_bytes, scratch;
 };
 
 struct interval {
@@ -92,39 +90,35 @@ struct ape__stream {
 	struct ape__stream_geom g;
 	struct ape__devmem mem;
 	int depth;
-	struct ape__queue *exec, *up[APE__MAX_DEPTH], *qup[2], *down[APE__MAX_DEPTH];
-	struct qslot qs[2];
-	struct kvslot *kv;
-	int nkv, max_kv;
-	struct stage kvst[APE__MAX_DEPTH], qst[2];
-	struct outslot out[APE__MAX_DEPTH];
-	struct qrec qr[APE__MAX_DEPTH + 1];
-	uint64_t qnorm_rows; /* rows each qrec's qnorm holds */
+	struct ape__queue *exec;
+	struct oslot os[APE__MAX_DEPTH];
+	struct islot *is;
+	int nis, max_is;
+	struct stage inner_stage[APE__MAX_DEPTH]; /* per lane: inner rows packed for their copy */
+	struct jslot ring[APE__MAX_DEPTH];
+	struct ape__buf *call_buf[APE__PASS_MAX_T]; /* CALL_ACC and CALL_IN */
+	struct ape__hostmem call_back, call_in; /* their staging: back, and in */
 
 	/* the run in progress */
 	const struct ape__stream_call *c;
+	const struct ape__pass *pass;
+	int at[APE__PASS_MAX_T]; /* APE__AT_*: each tensor's place in this run */
+	struct ape__buf *wrap[APE__PASS_MAX_T]; /* the tensors wrapped where they lie */
 	struct ape__stream_stats *st;
 	struct ape__trace_dev *trace;
-	struct job ring[APE__MAX_DEPTH];
-	int head, count;
-	unsigned nload;
-	int qnext;
-	struct qrec *cur;
-	struct ape__walk walk;
-	/* key chunks the last closed walk proved negligible (<= dead_lo, >= dead_hi): first to
-	 * be overwritten, since later query chunks lie farther from them still */
-	int64_t dead_lo, dead_hi;
-	struct ape__skip_ctx skip;
-	struct ape__launch tmpl;
+	int head, count; /* the ring of jobs in flight */
+	unsigned nload; /* inner loads so far: their lane */
+	int onext; /* the outer slot the next outer chunk tries first */
+	struct oslot *cur; /* the outer chunk whose walk is issuing */
+	int64_t diag; /* the current walk's first inner chunk: resident ones near it stay */
 	struct interval *iv;
 	size_t niv, capiv;
 };
 
-/* Bytes of n rows of `heads` heads (all batches) of esz-byte elements. */
-static inline uint64_t ape__stream_row_bytes(const struct ape__stream *s, int64_t heads, int64_t n,
-					     size_t esz)
+/* Bytes of n rows of tensor t. */
+static inline uint64_t ape__stream_rows_bytes(const struct ape__stream *s, int t, int64_t n)
 {
-	return (uint64_t)(s->g.B * heads * n * s->g.D) * esz;
+	return s->g.shape.t[t].row_bytes * (uint64_t)n;
 }
 
 /* Makes queue q wait for e, if there is one. */
@@ -134,27 +128,34 @@ static inline int ape__stream_wait_on(struct ape__stream *s, struct ape__queue *
 	return e ? s->ops->event_wait(q, e) : 0;
 }
 
-/* ---- the session's buffers, allocated on first use (stream.c) */
+/* Rows of outer chunk oc / inner chunk ic of the run. */
+int64_t ape__stream_outer_rows(const struct ape__stream *s, int64_t oc, int64_t *first);
+int64_t ape__stream_inner_rows(const struct ape__stream *s, int64_t ic, int64_t *first);
+
+/* ---- the session's buffers and queues, allocated on first use (stream.c) */
+int ape__stream_queue(struct ape__stream *s, struct ape__queue **q);
 int ape__stream_ensure_host(struct ape__stream *s, struct ape__hostmem *m, uint64_t bytes);
-int ape__stream_ensure_out(struct ape__stream *s, int i);
-int ape__stream_ensure_qslot(struct ape__stream *s, int i);
-/* One more key/value slot; APE_ENOMEM beyond the first few only means "no more residency". */
-int ape__stream_grow_kv(struct ape__stream *s);
-int ape__stream_ensure_qrec(struct ape__stream *s, struct qrec *r, bool merge, bool norms);
+int ape__stream_ensure_oslot(struct ape__stream *s, struct oslot *o);
+int ape__stream_ensure_jslot(struct ape__stream *s, struct jslot *j);
+int ape__stream_ensure_call(struct ape__stream *s);
+/* One more inner slot; APE_ENOMEM beyond the first few only means "no more residency". */
+int ape__stream_grow_inner(struct ape__stream *s);
 
 /* ---- copies in (stream_load.c) */
-/* Packs and sends the rows of r's query chunk; also their norms when skipping may happen. */
-int ape__stream_load_query(struct ape__stream *s, struct qrec *r);
-/* Makes key chunk j->kc resident, copying it unless it already is. */
-int ape__stream_load_keys(struct ape__stream *s, struct job *j);
+/* Packs and sends outer chunk o's input rows; initialises its accumulators. */
+int ape__stream_load_outer(struct ape__stream *s, struct oslot *o);
+/* Makes job j's inner chunk resident, copying it unless it already is. */
+int ape__stream_load_inner(struct ape__stream *s, struct jslot *j);
+/* The view of tensor t's rows [r0, r0 + n) in a run: in its wrap, or its chunk buffer. */
+struct ape__view ape__stream_view(const struct ape__stream *s, int t, int64_t r0, int64_t n);
 
-/* ---- one launch (stream_job.c) */
-/* Enqueues everything of one job: its copies, its kernel, the copy back. */
-int ape__stream_issue(struct ape__stream *s, struct qrec *r, int64_t kc);
-/* Waits for the oldest job, merges or writes its result, and frees its slot. */
+/* ---- one job (stream_job.c) */
+/* Enqueues everything of one job: its copies, its kernels, the copy back. */
+int ape__stream_issue(struct ape__stream *s, struct oslot *o, int64_t ic);
+/* Waits for the oldest job, hands its outputs to the pass, frees its slot. */
 int ape__stream_retire(struct ape__stream *s);
-/* Writes a query chunk whose jobs have all retired, and frees its record. */
-int ape__stream_finish_query(struct ape__stream *s, struct qrec *r);
+/* Brings back an outer chunk whose jobs have all retired, hands it to the pass, frees it. */
+int ape__stream_finish_outer(struct ape__stream *s, struct oslot *o);
 /* After a failure: let every queue drain, then drop what the jobs in flight held. */
 void ape__stream_unwind(struct ape__stream *s);
 

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * One job of the pipeline, a (query chunk, key chunk) launch: issuing it (its copies in, its
- * kernel, the copy of its partial result back, each queue waiting on the events it needs),
- * retiring it (its device times, its result merged or written), and the events it owns.
+ * One job of the pipeline, an (outer chunk, inner chunk) launch: issuing it (its copies in,
+ * its kernels, the copy of its outputs back, each queue waiting on the events it needs),
+ * retiring it (its device times, its outputs handed to the pass), the end of an outer chunk
+ * (its accumulators back), and the events they own.
  */
 #include "exec/stream_impl.h"
 
@@ -10,8 +11,6 @@
 #include <string.h>
 
 #include "core/clock.h"
-#include "exec/launch.h"
-#include "exec/pack.h"
 
 static void forget(struct ape__event **ref, const struct ape__event *e)
 {
@@ -24,13 +23,13 @@ static void forget_everywhere(struct ape__stream *s, const struct ape__event *e)
 {
 	if (!e)
 		return;
-	for (int i = 0; i < 2; i++) {
-		forget(&s->qs[i].ready, e);
-		forget(&s->qs[i].used, e);
+	for (int i = 0; i < APE__MAX_DEPTH; i++) {
+		forget(&s->os[i].ready, e);
+		forget(&s->os[i].used, e);
 	}
-	for (int i = 0; i < s->nkv; i++) {
-		forget(&s->kv[i].ready, e);
-		forget(&s->kv[i].used, e);
+	for (int i = 0; i < s->nis; i++) {
+		forget(&s->is[i].ready, e);
+		forget(&s->is[i].used, e);
 	}
 }
 
@@ -41,255 +40,338 @@ static void drop_event(struct ape__stream *s, struct ape__event **e)
 	*e = NULL;
 }
 
-static void drop_job_events(struct ape__stream *s, struct job *j)
+static void drop_job_events(struct ape__stream *s, struct jslot *j)
 {
-	drop_event(s, &j->up0);
-	drop_event(s, &j->up1);
-	drop_event(s, &j->k0);
-	drop_event(s, &j->k1);
-	drop_event(s, &j->d0);
-	drop_event(s, &j->d1);
+	drop_event(s, &j->load_e0);
+	drop_event(s, &j->load_e1);
+	drop_event(s, &j->kernel_e0);
+	drop_event(s, &j->kernel_e1);
+	drop_event(s, &j->back_e0);
+	drop_event(s, &j->back_e1);
 }
 
-int ape__stream_finish_query(struct ape__stream *s, struct qrec *r)
+/* Trace lanes: copies of query rows and of key rows by the axis they move, read-backs by slot
+ * (an outer slot's after the job slots'). */
+static int copy_lane(const struct ape__stream *s, int axis, int i)
 {
-	const struct ape__stream_call *c = s->c;
+	(void)s;
+	return (axis == APE__AXIS_Q ? APE__LANE_H2D_Q : APE__LANE_H2D_KV) + i;
+}
+
+/* The chunk indices of a span as the trace names them (query chunk, key chunk). */
+static void span_chunks(const struct ape__stream *s, int64_t oc, int64_t ic, int64_t *qc,
+			int64_t *kc)
+{
+	*qc = s->pass->outer == APE__AXIS_Q ? oc : ic;
+	*kc = s->pass->outer == APE__AXIS_Q ? ic : oc;
+}
+
+int ape__stream_finish_outer(struct ape__stream *s, struct oslot *o)
+{
+	const struct ape__backend_ops *ops = s->ops;
+	const struct ape__pass *p = s->pass;
+	const void *host[APE__PASS_MAX_T] = { 0 };
+	const int slot = (int)(o - s->os);
+	struct ape__event *e0 = NULL, *e1 = NULL;
+	double back_t = 0;
+	uint64_t off = 0;
+	int64_t qc, kc;
 	int ret = 0;
 
-	if (c->merge)
-		ape__acc_store(&r->acc, c->o, c->p->os, c->lse, c->ent, c->md, c->p->Lq, r->i0,
-			       r->n);
-	else if (!r->jobs) /* direct writes happen per job; no job means no visible key */
-		ape__store_empty_rows(c->o, c->p->os, c->lse, c->ent, c->md, c->p->Lq, r->i0,
-				      r->n);
-	if (r->loaded) {
-		ret = ape__stream_span(s, r->e0, r->e1, APE__LANE_H2D_Q + r->slot, "h2d Q", r->qc,
-				       -1, r->bytes, r->host_t, NULL);
-		drop_event(s, &r->e0);
-		drop_event(s, &r->e1);
+	span_chunks(s, o->oc, -1, &qc, &kc);
+	for (int t = 0; t < p->nt && !ret; t++) {
+		const size_t n = (size_t)ape__stream_rows_bytes(s, t, o->n);
+
+		/* an outer chunk without a job never initialised its accumulators: nothing back */
+		if (p->t[t].role != APE__ROLE_OUTER_ACC || !p->t[t].back ||
+		    s->at[t] != APE__AT_CHUNK || !o->loaded)
+			continue;
+		/* every job writing it has retired: its kernels are done */
+		if (!e0 && !(ret = ops->event_record(o->queue, &e0)))
+			back_t = ape__now_ms();
+		if (!ret)
+			ret = ops->copy_d2h(o->queue, (char *)o->stage_back.ptr + off, o->buf[t], 0, n);
+		host[t] = (char *)o->stage_back.ptr + off;
+		off += n;
 	}
-	r->qc = -1;
-	r->loaded = false;
-	s->st->qchunks_done++;
-	return ret;
+	if (!ret && e0 && !(ret = ops->event_record(o->queue, &e1)) &&
+	    !(ret = ops->synchronize(o->queue))) {
+		o->stage_pending = false;
+		s->st->d2h += off;
+		ret = ape__stream_span(s, e0, e1, APE__LANE_D2H + APE__MAX_DEPTH + slot,
+				       p->ops->span[4], qc, kc, off, back_t, NULL);
+	}
+	ops->event_destroy(e0);
+	ops->event_destroy(e1);
+	if (ret)
+		return ret;
+	/* the last step: after it nothing of the chunk can fail (its rows may be the caller's) */
+	p->ops->outer_done(p->self, slot, o->oc, o->o0, o->n, host);
+	o->oc = -1;
+	o->loaded = false;
+	s->st->outer_done++;
+	return 0;
 }
 
-/* The launch for job j; buffers included. */
-static void fill_launch(struct ape__stream *s, const struct job *j, int out,
-			struct ape__launch *l)
+/* Where job j finds tensor t of the run. */
+static struct ape__buf *job_buf(const struct ape__stream *s, const struct jslot *j, int t)
 {
-	const struct ape__stream_call *c = s->c;
-	const struct qrec *r = j->qr;
+	const struct ape__pass_tensor *x = &s->pass->t[t];
 
-	*l = s->tmpl;
-	l->Lq = r->n;
-	l->Lk = j->n;
-	l->q = s->qs[r->slot].buf;
-	l->k = j->in_place ? NULL : s->kv[j->kvs].k;
-	l->v = j->in_place ? NULL : s->kv[j->kvs].v;
-	l->o = s->out[out].o;
-	l->lse = s->out[out].lse;
-	l->pairs = c->want_pairs ? s->out[out].pairs : NULL;
-	l->ent = c->ent || c->md ? s->out[out].ent : NULL;
-	l->md = c->ent || c->md ? s->out[out].md : NULL;
-	l->q_start = c->p->q_start + r->i0;
-	l->k_start = c->p->k_start + j->j0;
+	if (s->at[t] == APE__AT_UNUSED)
+		return NULL;
+	if (s->at[t] == APE__AT_WRAPPED)
+		return s->wrap[t];
+	switch (x->role) {
+	case APE__ROLE_OUTER_IN:
+	case APE__ROLE_OUTER_ACC:
+		return j->os->buf[t];
+	case APE__ROLE_INNER_IN:
+		return j->is >= 0 ? s->is[j->is].buf[t] : NULL;
+	case APE__ROLE_CALL_ACC:
+	case APE__ROLE_CALL_IN:
+		return s->call_buf[t];
+	default:
+		return j->buf[t];
+	}
 }
 
-/* Makes j a launch on keys where the loader keeps them, if the loader can say where and the
- * backend takes such a launch: fills *l (its pages in *pg) and returns true. */
-static bool try_in_place(struct ape__stream *s, struct job *j, int out, struct ape__launch *l,
-			 struct ape__kv_pages *pg)
+/* Makes j's inner inputs the loader's pages, if the loader can say where they are and the
+ * pass takes them so. */
+static bool try_pages(struct ape__stream *s, struct jslot *j)
 {
 	const struct ape__kv_loader *ld = s->c->loader;
+	const struct ape__pass *p = s->pass;
 	struct ape__buf *k, *v;
+	int tk = -1, tv = -1;
 
-	if (!ld || !ld->pages || !s->ops->attention_pages ||
-	    !ld->pages(ld->arg, j->j0, j->n, &k, &v, pg))
+	if (!ld || !ld->pages || !p->ops->in_pages ||
+	    !ld->pages(ld->arg, j->pj.i0, j->pj.in, &k, &v, &j->pages))
 		return false;
-	j->in_place = true;
-	fill_launch(s, j, out, l);
-	l->k = k;
-	l->v = v;
-	l->pages = pg;
-	if (s->ops->attention_pages(s->dev, l))
+	for (int t = 0; t < p->nt; t++)
+		if (p->t[t].role == APE__ROLE_INNER_IN && !p->t[t].host) {
+			if (tk < 0)
+				tk = t;
+			else
+				tv = t;
+		}
+	if (tk < 0 || tv < 0)
+		return false;
+	j->pj.buf[tk] = k;
+	j->pj.buf[tv] = v;
+	j->pj.pages = &j->pages;
+	if (p->ops->in_pages(p->self, &j->pj))
 		return true;
-	j->in_place = false;
+	j->pj.pages = NULL;
+	j->pj.buf[tk] = j->pj.buf[tv] = NULL;
 	return false;
 }
 
-static bool want_diag(const struct ape__stream_call *c)
+/* JOB_IN rows made by the pass, copied before the launch on the compute queue (the job's
+ * staging is not reused before the job retires, after the copy). */
+static int send_job_inputs(struct ape__stream *s, struct jslot *j, uint64_t *bytes)
 {
-	return c->ent || c->md;
+	const struct ape__pass *p = s->pass;
+	uint64_t off = 0;
+	int ret = 0;
+
+	for (int t = 0; t < p->nt && !ret; t++) {
+		const struct ape__pass_tensor *x = &p->t[t];
+		const int64_t rows = x->axis == p->outer ? j->pj.on : j->pj.in;
+		const size_t n = (size_t)(x->row_bytes * (uint64_t)rows);
+		char *h = (char *)j->stage.ptr + off;
+
+		if (x->role != APE__ROLE_JOB_IN || s->at[t] == APE__AT_UNUSED)
+			continue;
+		p->ops->job_input(p->self, &j->pj, t, h, n);
+		ret = s->ops->copy_h2d(s->exec, j->buf[t], 0, h, n);
+		off += n;
+	}
+	*bytes += off;
+	return ret;
 }
 
-/* Where a job's results land in its host staging: pair counts first (8-byte aligned at the
- * start of the page-aligned buffer), then LSE, the entropies and distances (when wanted), then
- * O. Offsets for `rows` rows; the entropies at lse_off + rows, the distances after them. */
-static void out_layout(const struct ape__stream *s, int64_t rows, size_t *lse_off,
-		       size_t *o_off)
+/* Fills of the job's outputs before its launch: accumulating ones with their start value,
+ * the others with NaN under APE_CONTEXT_POISON_OUTPUTS (so an element a kernel misses shows). */
+static int fill_outputs(struct ape__stream *s, struct jslot *j)
 {
-	*lse_off = s->c->want_pairs ? (size_t)rows * sizeof(uint64_t) : 0;
-	*o_off = *lse_off + (size_t)rows * sizeof(float) * (want_diag(s->c) ? 3 : 1);
+	const struct ape__pass *p = s->pass;
+	int ret = 0;
+
+	for (int t = 0; t < p->nt && !ret; t++) {
+		const struct ape__pass_tensor *x = &p->t[t];
+		const int64_t rows = x->axis == p->outer ? j->pj.on : j->pj.in;
+
+		if (x->role != APE__ROLE_JOB_OUT || s->at[t] == APE__AT_UNUSED)
+			continue;
+		if (x->init_each || s->c->poison)
+			/* 0x7fc07fc0: a quiet NaN in f32, and two in f16 or bf16 */
+			ret = s->ops->fill(s->exec, j->buf[t], 0,
+					   x->init_each ? x->init : 0x7fc07fc0u,
+					   (size_t)(x->row_bytes * (uint64_t)rows));
+	}
+	return ret;
 }
 
-/* Copies a job's [B*H, n] rows of one per-row output into the call's [B, H, Lq] array. */
-static void put_rows(const struct ape__stream_call *c, float *dst, const float *src, int64_t bh,
-		     const struct qrec *r)
+/* The read-back of j's outputs on its down queue, after its kernels; the staging offsets of
+ * JOB_OUT tensors follow the JOB_IN ones. */
+static int read_back(struct ape__stream *s, struct jslot *j)
 {
-	for (int64_t i = 0; dst && i < bh; i++)
-		memcpy(dst + i * c->p->Lq + r->i0, src + i * r->n, (size_t)r->n * sizeof(float));
-}
-
-int ape__stream_issue(struct ape__stream *s, struct qrec *r, int64_t kc)
-{
-	const struct ape__stream_call *c = s->c;
-	const struct ape__backend_ops *ops = s->ops;
-	const int out = (s->head + s->count) % s->depth;
-	const size_t oesz = c->merge ? 4 : ape_dtype_size(c->p->out_dtype);
-	struct job *j = &s->ring[out];
-	struct ape__queue *down = s->down[out];
-	struct ape__launch l;
-	struct ape__kv_pages pg;
-	uint64_t ob, lb;
-	size_t lo, oo;
-	char *host;
+	const struct ape__pass *p = s->pass;
+	uint64_t off = 0;
 	int ret;
 
-	memset(j, 0, sizeof(*j));
-	j->qr = r;
-	j->kc = kc;
-	j->j0 = kc * c->ck;
-	j->n = j->j0 + c->ck < c->p->Lk ? c->ck : c->p->Lk - j->j0;
+	uint64_t in_off = 0;
+
+	for (int t = 0; t < p->nt; t++) {
+		const struct ape__pass_tensor *x = &p->t[t];
+
+		if (x->role == APE__ROLE_JOB_IN && s->at[t] != APE__AT_UNUSED)
+			off += x->row_bytes * (uint64_t)(x->axis == p->outer ? j->pj.on : j->pj.in);
+	}
+	if ((ret = s->ops->event_wait(j->down, j->kernel_e1)) ||
+	    (ret = s->ops->event_record(j->down, &j->back_e0)))
+		return ret;
+	for (int t = 0; t < p->nt && !ret; t++) {
+		const struct ape__pass_tensor *x = &p->t[t];
+		const int64_t rows = x->axis == p->outer ? j->pj.on : j->pj.in;
+		const size_t n = (size_t)(x->row_bytes * (uint64_t)rows);
+		char *h;
+
+		j->pj.host[t] = NULL;
+		if ((x->role != APE__ROLE_JOB_OUT && x->role != APE__ROLE_JOB_IN) ||
+		    s->at[t] == APE__AT_UNUSED)
+			continue;
+		/* a JOB_IN tensor comes back over its own rows in the staging: they went out
+		 * before the kernels ran */
+		h = (char *)j->stage.ptr + (x->role == APE__ROLE_JOB_IN ? in_off : off);
+		if (x->role == APE__ROLE_JOB_IN)
+			in_off += n;
+		if (!x->back)
+			continue;
+		ret = s->ops->copy_d2h(j->down, h, j->buf[t], 0, n);
+		j->pj.host[t] = h;
+		j->back_bytes += n;
+		if (x->role == APE__ROLE_JOB_OUT)
+			off += n;
+	}
+	if (!ret)
+		ret = s->ops->event_record(j->down, &j->back_e1);
+	s->st->d2h += j->back_bytes;
+	return ret;
+}
+
+int ape__stream_issue(struct ape__stream *s, struct oslot *o, int64_t ic)
+{
+	const struct ape__pass *p = s->pass;
+	const int slot = (s->head + s->count) % s->depth;
+	struct jslot *j = &s->ring[slot];
+	uint64_t up = 0;
+	int ret;
+
+	memset(&j->pj, 0, sizeof(j->pj));
+	j->os = o;
+	j->is = -1;
+	j->loaded = false;
+	j->load_bytes = j->back_bytes = j->scratch = 0;
+	j->pj.oc = o->oc;
+	j->pj.ic = ic;
+	j->pj.o0 = o->o0;
+	j->pj.on = o->n;
+	j->pj.in = ape__stream_inner_rows(s, ic, &j->pj.i0);
+	j->pj.slot = (int)(o - s->os);
+	j->pj.nth = o->issued;
 	s->count++; /* from here on, ape__stream_retire() cleans it up whatever fails */
-	r->pending++;
-	r->jobs++;
-	if ((ret = ape__stream_ensure_out(s, out)))
+	o->pending++;
+	o->issued++;
+	if ((ret = ape__stream_ensure_jslot(s, j)))
 		return ret;
-	host = s->out[out].host.ptr;
-	if (!r->loaded && (ret = ape__stream_load_query(s, r)))
+	if (!o->loaded && (ret = ape__stream_load_outer(s, o)))
 		return ret;
-	if (try_in_place(s, j, out, &l, &pg)) {
-		if ((ret = c->loader->wait(c->loader->arg, s->exec)))
+	if (try_pages(s, j)) {
+		if ((ret = s->c->loader->wait(s->c->loader->arg, s->exec)))
 			return ret;
 	} else {
-		if ((ret = ape__stream_load_keys(s, j)))
+		if ((ret = ape__stream_load_inner(s, j)))
 			return ret;
-		s->kv[j->kvs].busy++;
-		fill_launch(s, j, out, &l);
+		if (j->is >= 0)
+			s->is[j->is].busy++;
 	}
-	if (s->qs[r->slot].prior && r->jobs > 1) {
-		/* the b-th chunk from the diagonal tests against 2^-b of its share: the whole
-		 * direction stays within it however many chunks it has */
-		const int64_t b = kc > s->walk.diag ? kc - s->walk.diag : s->walk.diag - kc;
-
-		l.lse_prior = s->qs[r->slot].prior;
-		l.prior_tol = ape__skip_prior_tol(l.skip_tol, b);
+	for (int t = 0; t < p->nt; t++) {
+		if (!j->pj.buf[t])
+			j->pj.buf[t] = job_buf(s, j, t);
+		j->pj.wrapped[t] = s->at[t] == APE__AT_WRAPPED;
 	}
-	j->scratch = ape__scratch_of(s->dev, &l);
+	j->scratch = p->ops->scratch(p->self, s->dev, j->pj.on, j->pj.in);
 	ape__devmem_hold(&s->mem, j->scratch);
-	ob = ape__stream_row_bytes(s, s->g.H, r->n, oesz);
-	lb = (uint64_t)(s->g.B * s->g.H * r->n) * sizeof(float);
 
-	if ((ret = ape__stream_wait_on(s, s->exec, s->qs[r->slot].ready)) ||
-	    (!j->in_place && (ret = ape__stream_wait_on(s, s->exec, s->kv[j->kvs].ready))))
+	if ((ret = ape__stream_wait_on(s, s->exec, o->ready)) ||
+	    (j->is >= 0 && (ret = ape__stream_wait_on(s, s->exec, s->is[j->is].ready))) ||
+	    (ret = send_job_inputs(s, j, &up)) || (ret = fill_outputs(s, j)))
 		return ret;
-	if (c->poison) {
-		/* 0x7fc07fc0: a quiet NaN in f32, and two in f16 or bf16 */
-		if ((ret = ops->fill(s->exec, l.o, 0, 0x7fc07fc0u, (size_t)ob)) ||
-		    (ret = ops->fill(s->exec, l.lse, 0, 0x7fc07fc0u, (size_t)lb)) ||
-		    (l.ent && (ret = ops->fill(s->exec, l.ent, 0, 0x7fc07fc0u, (size_t)lb))) ||
-		    (l.md && (ret = ops->fill(s->exec, l.md, 0, 0x7fc07fc0u, (size_t)lb))))
-			return ret;
-	}
+	s->st->h2d += up;
 	j->host_t[1] = ape__now_ms();
-	if ((ret = ops->event_record(s->exec, &j->k0)) || (ret = ops->attention(s->exec, &l)) ||
-	    (ret = ops->event_record(s->exec, &j->k1)))
+	if ((ret = s->ops->event_record(s->exec, &j->kernel_e0)) ||
+	    (ret = p->ops->launch(p->self, s->exec, &j->pj)) ||
+	    (ret = s->ops->event_record(s->exec, &j->kernel_e1)))
 		return ret;
-	if (!j->in_place)
-		s->kv[j->kvs].used = j->k1;
-	s->qs[r->slot].used = j->k1;
-	/* the diagonal launch (a walk's first): its LSE is the later launches' prior */
-	if (s->qs[r->slot].prior && r->jobs == 1 &&
-	    (ret = ops->copy_d2d(s->exec, s->qs[r->slot].prior, 0, l.lse, 0, (size_t)lb)))
-		return ret;
-
+	if (j->is >= 0)
+		s->is[j->is].used = j->kernel_e1;
+	o->used = j->kernel_e1;
 	j->host_t[2] = ape__now_ms();
-	j->out_bytes = ob + lb + (l.pairs ? lb * 2 : 0) + (l.ent ? lb * 2 : 0);
-	out_layout(s, s->g.B * s->g.H * r->n, &lo, &oo);
-	if ((ret = ops->event_wait(down, j->k1)) || (ret = ops->event_record(down, &j->d0)) ||
-	    (ret = ops->copy_d2h(down, host + oo, l.o, 0, (size_t)ob)) ||
-	    (ret = ops->copy_d2h(down, host + lo, l.lse, 0, (size_t)lb)) ||
-	    (l.pairs && (ret = ops->copy_d2h(down, host, l.pairs, 0, (size_t)(2 * lb)))) ||
-	    (l.ent && (ret = ops->copy_d2h(down, host + lo + lb, l.ent, 0, (size_t)lb))) ||
-	    (l.md && (ret = ops->copy_d2h(down, host + lo + 2 * lb, l.md, 0, (size_t)lb))) ||
-	    (ret = ops->event_record(down, &j->d1)))
+	if ((ret = read_back(s, j)))
 		return ret;
-	s->st->d2h += j->out_bytes;
 	s->st->chunks++;
 	return 0;
 }
 
-/* Takes in one job's result from its host staging: merged into its query chunk's rows, or
- * written straight to the outputs when it is the only key chunk there is. */
-static void consume(struct ape__stream *s, const struct job *j, const void *host)
-{
-	const struct ape__stream_call *c = s->c;
-	struct qrec *r = j->qr;
-	const int64_t bh = s->g.B * s->g.H, rows = bh * r->n;
-	const uint64_t *pairs = host;
-	const float *lse;
-	const char *o;
-	size_t lo, oo;
-
-	out_layout(s, rows, &lo, &oo);
-	lse = (const float *)((const char *)host + lo);
-	o = (const char *)host + oo;
-	if (c->merge) {
-		ape__acc_add(&r->acc, (const float *)o, lse, want_diag(c) ? lse + rows : NULL,
-			     want_diag(c) ? lse + 2 * rows : NULL);
-	} else {
-		ape__unpack_rows(o, c->o, c->p->os, r->i0, r->n);
-		put_rows(c, c->lse, lse, bh, r);
-		if (want_diag(c)) {
-			put_rows(c, c->ent, lse + rows, bh, r);
-			put_rows(c, c->md, lse + 2 * rows, bh, r);
-		}
-	}
-	for (int64_t i = 0; c->want_pairs && i < rows; i++)
-		s->st->pairs_computed += pairs[i];
-	s->st->work += (uint64_t)rows * (uint64_t)j->n;
-}
-
 int ape__stream_retire(struct ape__stream *s)
 {
-	const int out = s->head;
-	struct job *j = &s->ring[out];
-	struct qrec *r = j->qr;
+	const struct ape__pass *p = s->pass;
+	const int slot = s->head;
+	struct jslot *j = &s->ring[slot];
+	struct oslot *o = j->os;
 	double t = j->host_t[0];
+	int64_t qc, kc;
 	int ret;
 
-	ret = s->ops->synchronize(s->down[out]);
+	span_chunks(s, j->pj.oc, j->pj.ic, &qc, &kc);
+	ret = s->ops->synchronize(j->down);
 	if (!ret && j->loaded)
-		ret = ape__stream_span(s, j->up0, j->up1, APE__LANE_H2D_KV + j->lane, "h2d K/V",
-				       r->qc, j->kc, j->h2d, j->host_t[0], &t);
+		ret = ape__stream_span(s, j->load_e0, j->load_e1,
+				       copy_lane(s, p->outer == APE__AXIS_Q ? APE__AXIS_K : APE__AXIS_Q,
+						 j->lane),
+				       p->ops->span[1], qc, kc, j->load_bytes, j->host_t[0], &t);
 	if (!ret)
-		ret = ape__stream_span(s, j->k0, j->k1, APE__LANE_KERNEL, "attention", r->qc,
-				       j->kc, 0, fmax(j->host_t[1], t), &t);
-	if (!ret)
-		ret = ape__stream_span(s, j->d0, j->d1, APE__LANE_D2H + out, "d2h O/LSE", r->qc,
-				       j->kc, j->out_bytes, fmax(j->host_t[2], t), NULL);
-	if (!ret)
-		consume(s, j, s->out[out].host.ptr);
-	if (!j->in_place)
-		s->kv[j->kvs].busy--;
+		ret = ape__stream_span(s, j->kernel_e0, j->kernel_e1, APE__LANE_KERNEL,
+				       p->ops->span[2], qc, kc, 0, fmax(j->host_t[1], t), &t);
+	if (!ret && j->back_bytes)
+		ret = ape__stream_span(s, j->back_e0, j->back_e1, APE__LANE_D2H + slot,
+				       p->ops->span[3], qc, kc, j->back_bytes,
+				       fmax(j->host_t[2], t), NULL);
+	/* the outer chunk's inputs arrived before this job's kernels ran: account them now, so
+	 * that nothing fallible remains once the pass has taken results in */
+	if (!ret && o->load_e0) {
+		span_chunks(s, o->oc, -1, &qc, &kc);
+		ret = ape__stream_span(s, o->load_e0, o->load_e1,
+				       copy_lane(s, p->outer, (int)(o - s->os)), p->ops->span[0], qc,
+				       kc, o->load_bytes, o->load_t, NULL);
+		drop_event(s, &o->load_e0);
+		drop_event(s, &o->load_e1);
+	}
+	if (!ret) {
+		p->ops->consume(p->self, &j->pj);
+		s->st->work += (uint64_t)j->pj.on * (uint64_t)j->pj.in;
+	}
+	if (j->is >= 0)
+		s->is[j->is].busy--;
 	ape__devmem_drop(&s->mem, j->scratch);
 	drop_job_events(s, j);
 	s->head = (s->head + 1) % s->depth;
 	s->count--;
-	r->pending--;
-	if (!ret && !r->pending && !r->issuing)
-		ret = ape__stream_finish_query(s, r);
+	o->pending--;
+	if (!ret && !o->pending && !o->walking)
+		ret = ape__stream_finish_outer(s, o);
 	return ret;
 }
 
@@ -297,32 +379,35 @@ void ape__stream_unwind(struct ape__stream *s)
 {
 	const struct ape__backend_ops *ops = s->ops;
 
-	ops->synchronize(s->exec);
-	for (int i = 0; i < s->depth; i++) {
-		ops->synchronize(s->up[i]);
-		ops->synchronize(s->down[i]);
-		s->kvst[i].pending = false;
-	}
-	for (int i = 0; i < s->g.plan.q_slots; i++) {
-		ops->synchronize(s->qup[i]);
-		s->qst[i].pending = false;
+	if (s->exec)
+		ops->synchronize(s->exec);
+	for (int i = 0; i < APE__MAX_DEPTH; i++) {
+		if (s->ring[i].up)
+			ops->synchronize(s->ring[i].up);
+		if (s->ring[i].down)
+			ops->synchronize(s->ring[i].down);
+		if (s->os[i].queue)
+			ops->synchronize(s->os[i].queue);
+		s->inner_stage[i].pending = false;
+		s->os[i].stage_pending = false;
 	}
 	while (s->count) {
-		struct job *j = &s->ring[s->head];
+		struct jslot *j = &s->ring[s->head];
 
 		ape__devmem_drop(&s->mem, j->scratch);
 		drop_job_events(s, j);
 		s->head = (s->head + 1) % s->depth;
 		s->count--;
 	}
-	for (int i = 0; i <= s->depth; i++) {
-		drop_event(s, &s->qr[i].e0);
-		drop_event(s, &s->qr[i].e1);
-		s->qr[i].qc = -1;
-		s->qr[i].loaded = false;
+	for (int i = 0; i < APE__MAX_DEPTH; i++) {
+		drop_event(s, &s->os[i].load_e0);
+		drop_event(s, &s->os[i].load_e1);
+		s->os[i].oc = -1;
+		s->os[i].loaded = false;
+		s->os[i].pending = 0;
 	}
-	for (int i = 0; i < s->nkv; i++) {
-		s->kv[i].chunk = -1;
-		s->kv[i].busy = 0;
+	for (int i = 0; i < s->nis; i++) {
+		s->is[i].chunk = -1;
+		s->is[i].busy = 0;
 	}
 }

@@ -1,128 +1,180 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The pipeline of one device session: query chunks taken from the call's work queue, each
- * walking its key chunks from the diagonal outward (exec/skip.h), a direction closed as soon as
- * the skip bound proves the rest of it negligible, with up to `depth` jobs in flight; and the
- * run as a whole, with its clean-up after a failure.
+ * The pipeline of one device session: outer chunks taken from the call's work queue, each
+ * walking its inner chunks as the pass says, with up to `depth` jobs in flight; the tensors a
+ * run wraps where they lie; the run's accumulators; and the run as a whole, with its clean-up
+ * after a failure.
  */
 #include "exec/stream_impl.h"
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
-#include "exec/launch.h"
+#include "core/error.h"
+#include "exec/pack.h"
 
-static int begin_query(struct ape__stream *s, int64_t qc)
+static int begin_outer(struct ape__stream *s, int64_t oc)
 {
-	const struct ape__stream_call *c = s->c;
-	struct qrec *r = NULL;
+	const struct ape__pass *p = s->pass;
+	struct oslot *o = NULL;
 	int ret;
 
 	for (;;) {
-		for (int i = 0; i <= s->depth && !r; i++)
-			if (s->qr[i].qc < 0)
-				r = &s->qr[i];
-		if (r)
+		for (int k = 0; k < s->g.plan.o_slots && !o; k++) {
+			struct oslot *x = &s->os[(s->onext + k) % s->g.plan.o_slots];
+
+			if (x->oc < 0)
+				o = x;
+		}
+		if (o)
 			break;
 		if ((ret = ape__stream_retire(s)))
 			return ret;
 	}
-	if ((ret = ape__stream_ensure_qrec(s, r, c->merge, c->kmax != NULL)))
+	s->onext = (int)(o - s->os + 1) % s->g.plan.o_slots;
+	o->oc = oc;
+	o->n = ape__stream_outer_rows(s, oc, &o->o0);
+	o->pending = o->issued = 0;
+	o->walking = true;
+	o->loaded = false;
+	if ((ret = p->ops->outer_begin(p->self, (int)(o - s->os), oc, o->o0, o->n)))
 		return ret;
-	r->qc = qc;
-	r->i0 = qc * c->cq;
-	r->n = r->i0 + c->cq < c->p->Lq ? c->cq : c->p->Lq - r->i0;
-	r->pending = r->jobs = 0;
-	r->issuing = true;
-	r->loaded = false;
-	if (c->merge)
-		ape__acc_reset(&r->acc, s->g.B * s->g.H * r->n);
-	ape__walk_init(&s->walk, c->p->q_start + r->i0, c->p->q_start + r->i0 + (r->n - 1),
-		       c->p->Lk, c->ck, c->p->k_start, c->p->causal, c->nq == 1 && c->nk == 1);
-	s->cur = r;
+	s->cur = o;
 	return 0;
 }
 
-/* Is the rest of the walk in direction dir, from chunk on, provably negligible? */
-static bool negligible(struct ape__stream *s, int64_t chunk, int dir)
-{
-	const struct qrec *r = s->cur;
-	const struct ape__skip_rows rows = {
-		.n = r->n,
-		.pos0 = s->c->p->q_start + r->i0,
-		.qnorm = r->qnorm,
-		.m = r->acc.m,
-		.s = r->acc.s,
-	};
-
-	return ape__skip_tail(&s->skip, &rows, chunk, dir);
-}
-
-/* One step of the current query chunk's walk: a job issued, a direction skipped, or the walk
- * finished. */
+/* One step of the current outer chunk's walk: a job issued, a wait for one in flight, or the
+ * walk finished. */
 static int step(struct ape__stream *s)
 {
-	struct qrec *r = s->cur;
-	int64_t chunk;
+	const struct ape__pass *p = s->pass;
+	struct oslot *o = s->cur;
+	int64_t ic;
 	int dir, ret;
 
-	if (!ape__walk_next(&s->walk, &chunk, &dir)) {
-		r->issuing = false;
+	switch (p->ops->next(p->self, (int)(o - s->os), o->pending, o->issued, &ic, &dir)) {
+	case APE__WALK_DONE:
+		o->walking = false;
 		s->cur = NULL;
-		return r->pending ? 0 : ape__stream_finish_query(s, r);
+		return o->pending ? 0 : ape__stream_finish_outer(s, o);
+	case APE__WALK_WAIT:
+		if (!s->count) /* nothing to wait for: a pass that says so is wrong */
+			return ape__error(APE_EBACKEND, "executor: the pass waits with no job in flight");
+		return ape__stream_retire(s);
+	default:
+		if (!dir)
+			s->diag = ic;
+		if (s->count == s->depth && (ret = ape__stream_retire(s)))
+			return ret;
+		return ape__stream_issue(s, o, ic);
 	}
-	if (dir && s->c->kmax) {
-		for (;;) {
-			if (negligible(s, chunk, dir)) {
-				s->st->chunks_skipped += (uint64_t)ape__walk_close(&s->walk, dir,
-										   chunk);
-				if (dir < 0)
-					s->dead_lo = chunk;
-				else
-					s->dead_hi = chunk;
-				return 0;
-			}
-			/*
-			 * Results of this query chunk are still on their way and may well prove the
-			 * rest negligible: wait for them rather than copy what may be skipped. The
-			 * diagonal chunk and its first neighbour are nearly always needed, so they
-			 * go out back to back.
-			 */
-			if (!r->pending || r->jobs < 2)
-				break;
-			if ((ret = ape__stream_retire(s)))
-				return ret;
-		}
-	}
-	if (s->count == s->depth && (ret = ape__stream_retire(s)))
-		return ret;
-	return ape__stream_issue(s, r, chunk);
 }
 
-/* What every launch and every skip test of the call share. */
-static void fill_template(struct ape__stream *s)
+/* Where tensor t lies in this run: wrapped (APE__AT_WRAPPED, in s->wrap[t]), in chunk buffers,
+ * or not used. */
+static int place_tensor(struct ape__stream *s, int t)
 {
 	const struct ape__stream_call *c = s->c;
-	const struct ape__problem *p = c->p;
-	struct ape__launch *l = &s->tmpl;
+	const struct ape__pass_tensor *x = &s->pass->t[t];
+	const bool outer = x->axis == s->pass->outer;
+	const int64_t all = (x->axis == APE__AXIS_Q) ? c->Lq : c->Lk;
+	const int64_t rows = outer ? c->co : c->ci;
+	size_t got, bytes;
+	void *ptr;
+	int ret;
 
-	/* with a prior, the launches off the diagonal may leave out all their keys: that test
-	 * has its own share of the kernels' (exec/skip_budget.h) */
-	ape__launch_init(l, p, c->merge ? APE_F32 : p->out_dtype,
-			 ape__skip_launch_tol(&c->tol, c->merge && s->g.plan.prior_bytes));
-	s->skip = (struct ape__skip_ctx){
-		.B = p->B,
-		.H = p->H,
-		.Hkv = p->Hkv,
-		.Lk = p->Lk,
-		.ck = c->ck,
-		.k_start = p->k_start,
-		.causal = p->causal,
-		.abs_scale = fabs(p->scale),
-		.head_params = p->head_params,
-		.km = c->kmax,
-		.tol = c->tol.chunk,
-	};
+	s->wrap[t] = NULL;
+	if (x->role == APE__ROLE_CALL_ACC || x->role == APE__ROLE_CALL_IN) {
+		s->at[t] = x->bytes ? APE__AT_CHUNK : APE__AT_UNUSED;
+		return 0;
+	}
+	if (!x->row_bytes) {
+		s->at[t] = APE__AT_UNUSED;
+		return 0;
+	}
+	s->at[t] = APE__AT_CHUNK;
+	if (!ape__pass_wraps(s->pass, t, c->in_place, rows, all))
+		return 0;
+	if (x->role == APE__ROLE_OUTER_ACC) {
+		ptr = x->dest;
+		bytes = (size_t)(x->row_bytes * (uint64_t)all);
+	} else {
+		ptr = x->host->data;
+		bytes = ape__tensor_span_bytes(x->host, x->s);
+	}
+	ret = s->ops->buf_wrap(s->dev, APE__MEM_HOST, ptr, bytes, &s->wrap[t], &got);
+	if (ret)
+		return ret;
+	s->at[t] = APE__AT_WRAPPED;
+	return 0;
+}
+
+static void unplace(struct ape__stream *s)
+{
+	for (int t = 0; t < APE__PASS_MAX_T; t++) {
+		s->ops->buf_free(s->dev, s->wrap[t]); /* only the hold: the memory is the caller's */
+		s->wrap[t] = NULL;
+	}
+}
+
+/* The run's accumulators initialised and its inputs copied, before its first job (the
+ * staging of the inputs is not reused before the run's last job is done, after the copy). */
+static int start_call(struct ape__stream *s)
+{
+	const struct ape__pass *p = s->pass;
+	uint64_t off = 0;
+	int ret = ape__stream_ensure_call(s);
+
+	for (int t = 0; t < p->nt && !ret; t++) {
+		const struct ape__pass_tensor *x = &p->t[t];
+		char *h = (char *)s->call_in.ptr + off;
+
+		if (s->at[t] == APE__AT_UNUSED)
+			continue;
+		if (x->role == APE__ROLE_CALL_ACC) {
+			ret = s->ops->fill(s->exec, s->call_buf[t], 0, x->init, (size_t)x->bytes);
+		} else if (x->role == APE__ROLE_CALL_IN) {
+			size_t got;
+
+			p->ops->call_input(p->self, t, h, (size_t)x->bytes);
+			off += x->bytes;
+			if (!s->c->host_tables) {
+				ret = s->ops->copy_h2d(s->exec, s->call_buf[t], 0, h, (size_t)x->bytes);
+				s->st->h2d += x->bytes;
+			} else if (!(ret = s->ops->buf_wrap(s->dev, APE__MEM_HOST, h, (size_t)x->bytes,
+							    &s->wrap[t], &got))) {
+				s->at[t] = APE__AT_WRAPPED; /* read where it lies, for the whole run */
+			}
+		}
+	}
+	return ret;
+}
+
+/* ... and back after its last. */
+static int end_call(struct ape__stream *s)
+{
+	const struct ape__pass *p = s->pass;
+	const void *host[APE__PASS_MAX_T] = { 0 };
+	uint64_t off = 0;
+	int ret = 0;
+
+	for (int t = 0; t < p->nt && !ret; t++) {
+		const struct ape__pass_tensor *x = &p->t[t];
+
+		if (x->role != APE__ROLE_CALL_ACC || !x->back || s->at[t] == APE__AT_UNUSED)
+			continue;
+		ret = s->ops->copy_d2h(s->exec, (char *)s->call_back.ptr + off, s->call_buf[t], 0,
+				       (size_t)x->bytes);
+		host[t] = (char *)s->call_back.ptr + off;
+		off += x->bytes;
+	}
+	if (!ret && off)
+		ret = s->ops->synchronize(s->exec);
+	s->st->d2h += off;
+	if (!ret && p->ops->call_done)
+		p->ops->call_done(p->self, host);
+	return ret;
 }
 
 int ape__stream_run(struct ape__stream *s, const struct ape__stream_call *c, int who,
@@ -131,54 +183,61 @@ int ape__stream_run(struct ape__stream *s, const struct ape__stream_call *c, int
 	int ret = 0;
 
 	s->c = c;
+	s->pass = c->pass;
 	s->st = st;
 	s->trace = trace;
 	s->head = s->count = 0;
 	s->nload = 0;
-	s->qnext = 0;
+	s->onext = 0;
 	s->cur = NULL;
+	s->diag = 0;
 	s->niv = 0;
-	s->dead_lo = -1;
-	s->dead_hi = INT64_MAX;
 	s->mem.peak = s->mem.cur;
-	for (int i = 0; i < s->nkv; i++)
-		s->kv[i].chunk = -1; /* a new call: nothing resident is valid */
+	c->pass->dead_lo = -1;
+	c->pass->dead_hi = INT64_MAX;
+	for (int i = 0; i < s->nis; i++)
+		s->is[i].chunk = -1; /* a new call: nothing resident is valid */
 	if (trace)
-		trace->device_clock = s->ops->event_timestamp != NULL;
-	fill_template(s);
+		trace->device_clock = s->dev->caps.timestamps;
+	for (int t = 0; t < c->pass->nt && !ret; t++)
+		ret = place_tensor(s, t);
+	if (!ret)
+		ret = start_call(s);
 
-	for (;;) {
+	while (!ret) {
 		if (!s->cur) {
-			int64_t qc;
+			int64_t oc;
 
 			if (atomic_load(c->abort)) {
 				ret = 1;
 				break;
 			}
-			qc = ape__workq_next(c->wq, who);
-			if (qc < 0)
+			oc = ape__workq_next(c->wq, who);
+			if (oc < 0)
 				break;
-			ret = begin_query(s, qc);
+			ret = begin_outer(s, oc);
 		} else {
 			ret = step(s);
 		}
-		if (ret)
-			break;
 	}
 	while (!ret && s->count)
 		ret = ape__stream_retire(s);
+	if (!ret)
+		ret = end_call(s);
 	if (ret) {
 		ape__stream_unwind(s);
 	} else {
-		for (int i = 0; i < s->depth; i++)
-			s->kvst[i].pending = false;
-		for (int i = 0; i < s->g.plan.q_slots; i++)
-			s->qst[i].pending = false;
+		for (int i = 0; i < APE__MAX_DEPTH; i++) {
+			s->inner_stage[i].pending = false;
+			s->os[i].stage_pending = false;
+		}
 		st->overlap_ms += ape__stream_overlap_ms(s);
 	}
-	st->device_clock = s->ops->event_timestamp != NULL;
+	unplace(s);
+	st->device_clock = s->dev->caps.timestamps;
 	if (s->mem.peak > st->peak_bytes)
 		st->peak_bytes = s->mem.peak;
 	s->c = NULL;
+	s->pass = NULL;
 	return ret;
 }

@@ -29,7 +29,7 @@ void ape__stream_reserve_intervals(struct ape__stream *s, size_t n)
 {
 	struct interval *iv;
 
-	if (!s->ops->event_timestamp || n <= s->capiv)
+	if (!s->dev->caps.timestamps || n <= s->capiv)
 		return;
 	iv = ape__realloc(s->iv, n * sizeof(*iv));
 	if (!iv)
@@ -53,7 +53,7 @@ int ape__stream_span(struct ape__stream *s, struct ape__event *e0, struct ape__e
 	else
 		s->st->copy_ms += ms;
 	t1 = host_t + ms;
-	if (ops->event_timestamp) {
+	if (s->dev->caps.timestamps) {
 		/* the span's work ended at e1 and ran for ms: e0's own time would also count the
 		 * wait for what the queue was told to wait for, and overlap would exceed the
 		 * copies' and kernels' device times */

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* The work queue of query chunks shared by the workers of one call (exec/workq.h). */
+/* The work queue of outer chunks shared by the workers of one call (exec/workq.h). */
 #include "exec/workq.h"
 
 #include <stdlib.h>
@@ -38,9 +38,10 @@ void ape__workq_destroy(struct ape__workq *w)
 	free(w);
 }
 
-void ape__workq_set(struct ape__workq *w, int n, const int64_t *bounds)
+void ape__workq_set(struct ape__workq *w, int n, const int64_t *bounds, bool steal)
 {
 	w->n = n;
+	w->steal = steal;
 	for (int i = 0; i < n; i++) {
 		w->begin[i] = bounds[i];
 		w->end[i] = bounds[i + 1];
@@ -51,7 +52,7 @@ void ape__workq_single(struct ape__workq *w, int64_t nq)
 {
 	const int64_t bounds[2] = { 0, nq };
 
-	ape__workq_set(w, 1, bounds);
+	ape__workq_set(w, 1, bounds, false);
 }
 
 int64_t ape__workq_next(struct ape__workq *w, int who)
@@ -62,7 +63,7 @@ int64_t ape__workq_next(struct ape__workq *w, int who)
 	pthread_mutex_lock(&w->lock);
 	if (w->begin[who] < w->end[who]) {
 		qc = w->begin[who]++;
-	} else {
+	} else if (w->steal) {
 		for (int d = 0; d < w->n; d++)
 			if (w->end[d] > w->begin[d] &&
 			    (victim < 0 ||

@@ -44,7 +44,7 @@ struct ape__ref_bwd_io {
  * The gradients of launch `l` (the contract of ape__backend_ops.attention_backward: each
  * non-NULL output accumulated), in float64 with every visible key. Extra memory: a table of a
  * few doubles per query row. Returns 0 or APE_ENOMEM (message set, without the device or the
- * op, which the caller adds; nothing was added).
+ * op, which the core's table adds; nothing was added).
  */
 int ape__ref_backward(const struct ape__bwd_launch *l, const struct ape__ref_bwd_io *io);
 

@@ -3,9 +3,11 @@
  * The reference backend: "device" memory is host memory and a queue runs each command when it is
  * enqueued, on the calling thread. It exists so the core's path (pack, copy, launch, copy back) is
  * the same for every backend, and so that every test has an oracle. Only buf_alloc, buf_wrap,
- * queue_create and event_record can fail (host memory); the other ops cannot. Since its memory
+ * queue_create, event_record, scratch_alloc and attention_backward can fail (host memory); the
+ * other ops cannot, and none names itself (the core's table does). Since its memory
  * is host memory, it wraps the caller's host arrays as they are (buf_wrap, APE__MEM_HOST).
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +18,9 @@
 #include "core/clock.h"
 #include "core/half.h"
 #include "ref.h"
+
+#define APE_REAL double
+#include "core/ape_math.h"
 
 /* The last choice of "auto": the host without a driver (ranks: core/backend.h). */
 #define REF_RANK 0
@@ -28,15 +33,26 @@ struct ape__buf {
 };
 
 struct ape__queue {
-	struct ape_device *dev;
+	struct ape_device *dev; /* first, as every backend's (core/backend.h, "Objects") */
 };
 
 struct ape__event {
+	struct ape_device *dev; /* first, likewise */
 	double ms; /* CLOCK_MONOTONIC at record time; commands before it have completed */
 };
 
+_Static_assert(offsetof(struct ape__queue, dev) == 0 && offsetof(struct ape__event, dev) == 0,
+	       "core/backend.h: queues and events begin with their device");
+_Static_assert(APE__BACKEND_ABI == 11, "ref: written for backend ABI 11: review the changes of "
+				       "core/backend.h's contract, then this backend");
+
 static int ref_probe(struct ape__backend *be, struct ape__probe_result *res)
 {
+	/* everything: its memory is host memory, and it is the oracle of every feature */
+	static const struct ape__dev_caps caps = {
+		.host_memory = true, .diag = true, .diag_views = true, .backward = true,
+		.resident_backward = true, .timestamps = true, .max_alloc = UINT64_MAX,
+	};
 	struct ape_device_info info;
 
 	(void)res;
@@ -46,24 +62,20 @@ static int ref_probe(struct ape__backend *be, struct ape__probe_result *res)
 	snprintf(info.driver_version, sizeof(info.driver_version), "%s", ape_version_string());
 	info.kind = APE_DEVICE_HOST_REFERENCE;
 	info.compute_units = 1;
-	return ape__device_add(be, &info, REF_RANK, NULL);
+	return ape__device_add(be, &info, &caps, REF_RANK, NULL);
 }
 
-/* buf_alloc, or scratch_alloc (op names the one for messages) */
-static int ref_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out, const char *op)
+/* buf_alloc, and scratch_alloc */
+static int ref_alloc(size_t bytes, struct ape__buf **out)
 {
 	struct ape__buf *b;
 
 	*out = NULL;
-	if (bytes > SIZE_MAX - sizeof(*b) - 64) {
-		ape__error(APE_ENOMEM, "%zu bytes is more than memory can hold", bytes);
-		return ape__op_error(APE_ENOMEM, dev, op);
-	}
+	if (bytes > SIZE_MAX - sizeof(*b) - 64)
+		return ape__error(APE_ENOMEM, "%zu bytes is more than memory can hold", bytes);
 	b = ape__malloc(sizeof(*b) + bytes);
-	if (!b) {
-		ape__error(APE_ENOMEM, "out of host memory allocating %zu bytes", bytes);
-		return ape__op_error(APE_ENOMEM, dev, op);
-	}
+	if (!b)
+		return ape__error(APE_ENOMEM, "out of host memory allocating %zu bytes", bytes);
 	b->size = bytes;
 	b->bytes = (unsigned char *)b->mem;
 	b->wrapped = false;
@@ -73,7 +85,8 @@ static int ref_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out
 
 static int ref_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 {
-	return ref_alloc(dev, bytes, out, "buf_alloc");
+	(void)dev;
+	return ref_alloc(bytes, out);
 }
 
 /* Host memory is this device's memory: wrapping it costs one small allocation. */
@@ -82,17 +95,16 @@ static int ref_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t b
 {
 	struct ape__buf *b;
 
+	(void)dev;
 	*out = NULL;
 	*bytes_out = 0;
 	if (kind != APE__MEM_HOST)
-		return ape__op_error(ape__error(APE_ENOTSUP,
-						"the reference computes on host memory only, not "
-						"on %s memory",
-						kind == APE__MEM_OPENCL ? "OpenCL" : "CUDA"),
-				     dev, "buf_wrap");
+		return ape__error(APE_ENOTSUP,
+				  "the reference computes on host memory only, not on %s memory",
+				  kind == APE__MEM_OPENCL ? "OpenCL" : "CUDA");
 	b = ape__malloc(sizeof(*b));
 	if (!b)
-		return ape__op_error(ape__error(APE_ENOMEM, "out of host memory"), dev, "buf_wrap");
+		return ape__error(APE_ENOMEM, "out of host memory");
 	b->size = bytes;
 	b->bytes = handle;
 	b->wrapped = true;
@@ -113,8 +125,7 @@ static int ref_queue_create(struct ape_device *dev, struct ape__queue **out)
 
 	*out = NULL;
 	if (!q)
-		return ape__op_error(ape__error(APE_ENOMEM, "out of host memory"), dev,
-				     "queue_create");
+		return ape__error(APE_ENOMEM, "out of host memory");
 	q->dev = dev;
 	*out = q;
 	return 0;
@@ -163,8 +174,8 @@ static int ref_event_record(struct ape__queue *q, struct ape__event **out)
 
 	*out = NULL;
 	if (!e)
-		return ape__op_error(ape__error(APE_ENOMEM, "out of host memory"), q->dev,
-				     "event_record");
+		return ape__error(APE_ENOMEM, "out of host memory");
+	e->dev = q->dev;
 	e->ms = ape__now_ms();
 	*out = e;
 	return 0;
@@ -229,13 +240,15 @@ static int ref_attention_backward(struct ape__queue *q, const struct ape__bwd_la
 		.dv = bytes_of(l->dv), .dparams = bytes_of(l->dparams),
 	};
 
-	return ape__op_error(ape__ref_backward(l, &io), q->dev, "attention_backward");
+	(void)q;
+	return ape__ref_backward(l, &io);
 }
 
 /* Commands run when enqueued: queue-ordered memory is plain memory. */
 static int ref_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
 {
-	return ref_alloc(q->dev, bytes, out, "scratch_alloc");
+	(void)q;
+	return ref_alloc(bytes, out);
 }
 
 static int ref_scratch_free(struct ape__queue *q, struct ape__buf *buf)
@@ -319,6 +332,58 @@ static int ref_copy_view(struct ape__queue *q, const struct ape__copy *c)
 	return 0;
 }
 
+/* A partial result folded into the running one, in float64 (core/ape_math.h, ape_merge_lse()). */
+static int ref_attention_merge(struct ape__queue *q, const struct ape__merge *m)
+{
+	float *o = (float *)m->o->bytes, *lse = (float *)m->lse->bytes;
+	const float *po = (const float *)m->po->bytes, *plse = (const float *)m->plse->bytes;
+	float *ent = m->ent ? (float *)m->ent->bytes : NULL, *md = m->md ? (float *)m->md->bytes : NULL;
+	const float *pent = m->pent ? (const float *)m->pent->bytes : NULL;
+	const float *pmd = m->pmd ? (const float *)m->pmd->bytes : NULL;
+
+	(void)q;
+	for (int64_t r = 0; r < m->rows; r++) {
+		float *orow = o + r * m->D;
+		const float *prow = po + r * m->D;
+		double l, w1, w2, lw1, lw2;
+
+		if (m->pairs && m->pairs32)
+			((uint32_t *)m->pairs->bytes)[r] +=
+				(uint32_t)((const uint64_t *)m->ppairs->bytes)[r];
+		else if (m->pairs)
+			((uint64_t *)m->pairs->bytes)[r] += ((const uint64_t *)m->ppairs->bytes)[r];
+		switch (ape_merge_lse(lse[r], plse[r], &l, &w1, &w2, &lw1, &lw2)) {
+		case APE_MERGE_KEEP:
+			continue;
+		case APE_MERGE_TAKE:
+			memcpy(orow, prow, (size_t)m->D * sizeof(float));
+			lse[r] = plse[r];
+			if (ent) {
+				ent[r] = pent[r];
+				md[r] = pmd[r];
+			}
+			continue;
+		case APE_MERGE_NAN:
+			for (int64_t d = 0; d < m->D; d++)
+				orow[d] = NAN;
+			lse[r] = NAN;
+			if (ent)
+				ent[r] = md[r] = NAN;
+			continue;
+		default:
+			break;
+		}
+		for (int64_t d = 0; d < m->D; d++)
+			orow[d] = (float)(w1 * orow[d] + w2 * prow[d]);
+		if (ent) {
+			ent[r] = (float)ape_merge_entropy(w1, ent[r], lw1, w2, pent[r], lw2);
+			md[r] = (float)(w1 * md[r] + w2 * pmd[r]);
+		}
+		lse[r] = (float)l;
+	}
+	return 0;
+}
+
 static int ref_synchronize(struct ape__queue *q)
 {
 	(void)q;
@@ -347,10 +412,9 @@ const struct ape__backend_ops ape__ref_ops = {
 	.attention_scratch = ref_attention_scratch,
 	.attention_backward = ref_attention_backward,
 	.buf_wrap = ref_buf_wrap,
-	.attention_diag = true,
-	.attention_diag_views = true,
 	.scratch_alloc = ref_scratch_alloc,
 	.scratch_free = ref_scratch_free,
 	.copy_view = ref_copy_view,
+	.attention_merge = ref_attention_merge,
 	/* no queue_wrap: the reference has no native queue; no native: no native objects */
 };

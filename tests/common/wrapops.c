@@ -2,17 +2,20 @@
 #include "wrapops.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/context.h"
 #include "core/error.h"
+#include "core/ops.h"
 
 /* Test-only global state: the ops struct has no user pointer, and one wrapper is enough. */
 static struct {
 	pthread_mutex_t lock;
 	struct ape__backend *be;
-	const struct ape__backend_ops *orig;
-	struct ape__backend_ops ops;
+	const struct ape__backend_ops *orig; /* the backend's own table (be->raw before) */
+	struct ape__backend_ops ops; /* the wrapper's, which the core's table now calls */
 	struct wrap_counts c;
 	int fail_op; /* -1: none */
 	uint64_t fail_at; /* c.calls[fail_op] value that fails */
@@ -23,15 +26,26 @@ static struct {
 		size_t n;
 	} *bufs;
 	size_t nbufs, cap;
-	/* the device of each queue and event made since install: a failing op names it, as the
-	 * contract asks (the wrapper cannot look inside the backend's queues and events) */
-	struct owner {
-		const void *h;
+	/* the queues with backward launches in flight, and the scratch those declared */
+	struct held {
+		const struct ape__queue *q;
+		uint64_t scratch;
+	} *held;
+	size_t nheld, held_cap;
+	/* events recorded after backward launches, and the scratch of those: held until a queue
+	 * that waited for the event (or the event's own queue) is synchronised */
+	struct ev_held {
+		const struct ape__event *e;
+		const struct ape__queue *q, *waiter;
+		uint64_t scratch;
+	} *evs;
+	size_t nevs, evs_cap;
+	/* every device of the backend, with its capabilities as the backend stated them */
+	struct own_caps {
 		struct ape_device *dev;
-		uint64_t scratch; /* a queue's: declared scratch of backward launches in flight */
-	} *owners;
-	size_t nowners, owners_cap;
-	uint64_t max_alloc; /* wrap_max_alloc(): 0, the backend's own */
+		struct ape__dev_caps caps;
+	} *devs;
+	size_t ndevs;
 } w = { .lock = PTHREAD_MUTEX_INITIALIZER, .fail_op = -1 };
 
 static const char *const op_names[WRAP_NOPS] = {
@@ -53,6 +67,7 @@ static const char *const op_names[WRAP_NOPS] = {
 	[WRAP_ATTENTION_BACKWARD] = "attention_backward",
 	[WRAP_SCRATCH_ALLOC] = "scratch_alloc",
 	[WRAP_COPY_VIEW] = "copy_view",
+	[WRAP_ATTENTION_MERGE] = "attention_merge",
 };
 
 const char *wrap_op_name(enum wrap_op op)
@@ -60,38 +75,24 @@ const char *wrap_op_name(enum wrap_op op)
 	return op < WRAP_NOPS ? op_names[op] : "?";
 }
 
-static void owner_add(const void *h, struct ape_device *dev)
+/* Scratch of a launch on queue q, held until q is synchronised or destroyed. */
+static void scratch_hold(const struct ape__queue *q, uint64_t bytes)
 {
-	pthread_mutex_lock(&w.lock);
-	if (w.nowners == w.owners_cap) {
-		w.owners_cap = w.owners_cap ? 2 * w.owners_cap : 64;
-		w.owners = realloc(w.owners, w.owners_cap * sizeof(*w.owners));
-		if (!w.owners)
-			abort();
-	}
-	w.owners[w.nowners++] = (struct owner){ h, dev, 0 };
-	pthread_mutex_unlock(&w.lock);
-}
+	size_t i;
 
-static void owner_drop(const void *h)
-{
 	pthread_mutex_lock(&w.lock);
-	for (size_t i = 0; i < w.nowners; i++)
-		if (w.owners[i].h == h) {
-			w.owners[i] = w.owners[--w.nowners];
-			break;
+	for (i = 0; i < w.nheld && w.held[i].q != q; i++)
+		;
+	if (i == w.nheld) {
+		if (w.nheld == w.held_cap) {
+			w.held_cap = w.held_cap ? 2 * w.held_cap : 16;
+			w.held = realloc(w.held, w.held_cap * sizeof(*w.held));
+			if (!w.held)
+				abort();
 		}
-	pthread_mutex_unlock(&w.lock);
-}
-
-/* Scratch of a launch on queue q, held until q is synchronised (a queue made before
- * wrap_install() holds it until the next reset). */
-static void scratch_hold(const void *q, uint64_t bytes)
-{
-	pthread_mutex_lock(&w.lock);
-	for (size_t i = 0; i < w.nowners; i++)
-		if (w.owners[i].h == q)
-			w.owners[i].scratch += bytes;
+		w.held[w.nheld++] = (struct held){ q, 0 };
+	}
+	w.held[i].scratch += bytes;
 	w.c.live_bytes += bytes;
 	if (w.c.live_bytes > w.c.peak_bytes)
 		w.c.peak_bytes = w.c.live_bytes;
@@ -100,37 +101,81 @@ static void scratch_hold(const void *q, uint64_t bytes)
 	pthread_mutex_unlock(&w.lock);
 }
 
-/* q's launches have completed: their scratch is gone. */
-static void scratch_release(const void *q)
+/* q's launches have completed, and so have those before every event q was told to wait for:
+ * their scratch is gone. */
+static void scratch_release(const struct ape__queue *q)
 {
 	pthread_mutex_lock(&w.lock);
-	for (size_t i = 0; i < w.nowners; i++)
-		if (w.owners[i].h == q) {
-			w.c.live_bytes -= w.owners[i].scratch;
-			w.owners[i].scratch = 0;
+	for (size_t i = 0; i < w.nheld; i++)
+		if (w.held[i].q == q) {
+			w.c.live_bytes -= w.held[i].scratch;
+			w.held[i] = w.held[--w.nheld];
+			break;
+		}
+	for (size_t i = 0; i < w.nevs; i++)
+		if (w.evs[i].q == q || w.evs[i].waiter == q) {
+			w.c.live_bytes -= w.evs[i].scratch;
+			w.evs[i].scratch = 0;
 		}
 	pthread_mutex_unlock(&w.lock);
 }
 
-/* NULL for a queue or event made before wrap_install(). */
-static struct ape_device *owner_of(const void *h)
+/* Event e was recorded on q: the scratch of q's launches so far is held until e completes
+ * (a pipelined executor never synchronises its compute queue while launches are in flight,
+ * but waits for an event recorded after them on another queue). */
+static void scratch_to_event(const struct ape__queue *q, const struct ape__event *e)
 {
-	struct ape_device *dev = NULL;
+	pthread_mutex_lock(&w.lock);
+	for (size_t i = 0; i < w.nheld; i++)
+		if (w.held[i].q == q) {
+			if (w.nevs == w.evs_cap) {
+				w.evs_cap = w.evs_cap ? 2 * w.evs_cap : 16;
+				w.evs = realloc(w.evs, w.evs_cap * sizeof(*w.evs));
+				if (!w.evs)
+					abort();
+			}
+			w.evs[w.nevs++] = (struct ev_held){ e, q, NULL, w.held[i].scratch };
+			w.held[i] = w.held[--w.nheld];
+			break;
+		}
+	pthread_mutex_unlock(&w.lock);
+}
+
+/* Queue q is told to wait for event e: once q is synchronised, e has completed. */
+static void event_waited(const struct ape__queue *q, const struct ape__event *e)
+{
+	pthread_mutex_lock(&w.lock);
+	for (size_t i = 0; i < w.nevs; i++)
+		if (w.evs[i].e == e)
+			w.evs[i].waiter = q;
+	pthread_mutex_unlock(&w.lock);
+}
+
+/* Event e goes: what it still holds goes back to its queue (until that is synchronised). */
+static void event_gone(const struct ape__event *e)
+{
+	const struct ape__queue *q = NULL;
+	uint64_t bytes = 0;
 
 	pthread_mutex_lock(&w.lock);
-	for (size_t i = 0; i < w.nowners && !dev; i++)
-		if (w.owners[i].h == h)
-			dev = w.owners[i].dev;
+	for (size_t i = 0; i < w.nevs; i++)
+		if (w.evs[i].e == e) {
+			q = w.evs[i].q;
+			bytes = w.evs[i].scratch;
+			w.evs[i] = w.evs[--w.nevs];
+			break;
+		}
+	w.c.live_bytes -= bytes; /* scratch_hold() counts it again, on its queue */
 	pthread_mutex_unlock(&w.lock);
-	return dev;
+	if (bytes)
+		scratch_hold(q, bytes);
 }
 
 /*
- * Counts one call of op on dev and decides whether it fails. A failure reads like a backend's
- * own: the device and the op (core/backend.h), then the reason; where the wrapper does not know
- * the device (a queue made before wrap_install), the core's own report must name it.
+ * Counts one call of op and decides whether it fails. A failure reads like a backend's own: the
+ * reason only, which the core's table puts behind the device and the op (core/backend.h).
  */
-static int inject(enum wrap_op op, struct ape_device *dev)
+static int inject(enum wrap_op op)
 {
 	uint64_t n;
 	bool lost, fail;
@@ -145,13 +190,11 @@ static int inject(enum wrap_op op, struct ape_device *dev)
 	pthread_mutex_unlock(&w.lock);
 	if (!fail)
 		return 0;
-	ret = ape__error(lost || (op != WRAP_BUF_ALLOC && op != WRAP_BUF_WRAP &&
-				  op != WRAP_SCRATCH_ALLOC)
-				 ? APE_EDEVLOST
-									      : APE_ENOMEM,
-			 "wrapped backend: %s call %llu fails on purpose%s", op_names[op],
-			 (unsigned long long)n, lost ? ": device lost" : "");
-	return dev ? ape__op_error(ret, dev, op_names[op]) : ret;
+	ret = lost || (op != WRAP_BUF_ALLOC && op != WRAP_BUF_WRAP && op != WRAP_SCRATCH_ALLOC)
+		      ? APE_EDEVLOST
+		      : APE_ENOMEM;
+	return ape__error(ret, "wrapped backend: %s call %llu fails on purpose%s", op_names[op],
+			  (unsigned long long)n, lost ? ": device lost" : "");
 }
 
 /* A buffer made (ret 0) or not: counted, and held until freed. */
@@ -176,7 +219,7 @@ static void count_alloc(int ret, struct ape__buf *b, size_t bytes)
 
 static int w_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 {
-	int ret = inject(WRAP_BUF_ALLOC, dev);
+	int ret = inject(WRAP_BUF_ALLOC);
 
 	if (ret) {
 		*out = NULL;
@@ -191,7 +234,7 @@ static int w_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 static int w_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
 		      struct ape__buf **out, size_t *bytes_out)
 {
-	int ret = inject(WRAP_BUF_WRAP, dev);
+	int ret = inject(WRAP_BUF_WRAP);
 
 	if (ret) {
 		*out = NULL;
@@ -226,7 +269,7 @@ static void w_free(struct ape_device *dev, struct ape__buf *b)
 /* Queue-ordered scratch (ABI 10): counted and held like buffers, freed by scratch_free. */
 static int w_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
 {
-	int ret = inject(WRAP_SCRATCH_ALLOC, owner_of(q));
+	int ret = inject(WRAP_SCRATCH_ALLOC);
 
 	if (ret) {
 		*out = NULL;
@@ -245,7 +288,7 @@ static int w_scratch_free(struct ape__queue *q, struct ape__buf *b)
 
 static int w_copy_view(struct ape__queue *q, const struct ape__copy *c)
 {
-	int ret = inject(WRAP_COPY_VIEW, owner_of(q));
+	int ret = inject(WRAP_COPY_VIEW);
 
 	return ret ? ret : w.orig->copy_view(q, c);
 }
@@ -286,7 +329,7 @@ static int count_prior_pairs(struct ape__queue *q, const struct ape__launch *l)
 
 static int w_attention(struct ape__queue *q, const struct ape__launch *l)
 {
-	int ret = inject(WRAP_ATTENTION, owner_of(q));
+	int ret = inject(WRAP_ATTENTION);
 
 	bump(&w.c.attention_calls);
 	if (!ret)
@@ -298,19 +341,19 @@ static int w_attention(struct ape__queue *q, const struct ape__launch *l)
 
 static int w_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
 {
-	struct ape_device *dev = owner_of(q);
-	int ret = inject(WRAP_ATTENTION_BACKWARD, dev);
+	int ret = inject(WRAP_ATTENTION_BACKWARD);
 
 	if (ret)
 		return ret;
-	if (dev && w.orig->attention_backward_scratch)
-		scratch_hold(q, w.orig->attention_backward_scratch(dev, l, ape__bwd_parts(l)));
+	if (w.orig->attention_backward_scratch)
+		scratch_hold(q, w.orig->attention_backward_scratch(ape__queue_dev(q), l,
+								    ape__bwd_parts(l)));
 	return w.orig->attention_backward(q, l);
 }
 
 static int w_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src, size_t n)
 {
-	int ret = inject(WRAP_COPY_H2D, owner_of(q));
+	int ret = inject(WRAP_COPY_H2D);
 
 	bump(&w.c.h2d_calls);
 	return ret ? ret : w.orig->copy_h2d(q, dst, off, src, n);
@@ -318,7 +361,7 @@ static int w_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const v
 
 static int w_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n)
 {
-	int ret = inject(WRAP_COPY_D2H, owner_of(q));
+	int ret = inject(WRAP_COPY_D2H);
 
 	bump(&w.c.d2h_calls);
 	return ret ? ret : w.orig->copy_d2h(q, dst, src, off, n);
@@ -327,7 +370,7 @@ static int w_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t o
 static int w_d2d(struct ape__queue *q, struct ape__buf *dst, size_t doff, struct ape__buf *src,
 		 size_t soff, size_t n)
 {
-	int ret = inject(WRAP_COPY_D2D, owner_of(q));
+	int ret = inject(WRAP_COPY_D2D);
 
 	bump(&w.c.d2d_calls);
 	return ret ? ret : w.orig->copy_d2d(q, dst, doff, src, soff, n);
@@ -335,30 +378,24 @@ static int w_d2d(struct ape__queue *q, struct ape__buf *dst, size_t doff, struct
 
 static int w_queue_create(struct ape_device *dev, struct ape__queue **out)
 {
-	int ret = inject(WRAP_QUEUE_CREATE, dev);
+	int ret = inject(WRAP_QUEUE_CREATE);
 
 	if (ret) {
 		*out = NULL;
 		return ret;
 	}
-	ret = w.orig->queue_create(dev, out);
-	if (!ret)
-		owner_add(*out, dev);
-	return ret;
+	return w.orig->queue_create(dev, out);
 }
 
 static int w_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out)
 {
-	int ret = inject(WRAP_QUEUE_WRAP, dev);
+	int ret = inject(WRAP_QUEUE_WRAP);
 
 	if (ret) {
 		*out = NULL;
 		return ret;
 	}
-	ret = w.orig->queue_wrap(dev, handle, out);
-	if (!ret)
-		owner_add(*out, dev);
-	return ret;
+	return w.orig->queue_wrap(dev, handle, out);
 }
 
 static void w_queue_destroy(struct ape__queue *q)
@@ -366,49 +403,59 @@ static void w_queue_destroy(struct ape__queue *q)
 	/* before the handle goes (another thread may get its address next): queue_destroy waits
 	 * for the work, and nothing is allocated on q meanwhile */
 	scratch_release(q);
-	owner_drop(q);
 	w.orig->queue_destroy(q);
 }
 
 static int w_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
 		  size_t n)
 {
-	int ret = inject(WRAP_FILL, owner_of(q));
+	int ret = inject(WRAP_FILL);
 
 	return ret ? ret : w.orig->fill(q, dst, off, pattern, n);
 }
 
 static int w_event_record(struct ape__queue *q, struct ape__event **out)
 {
-	struct ape_device *dev = owner_of(q);
-	int ret = inject(WRAP_EVENT_RECORD, dev);
+	int ret = inject(WRAP_EVENT_RECORD);
 
 	if (ret) {
 		*out = NULL;
 		return ret;
 	}
 	ret = w.orig->event_record(q, out);
-	if (!ret && dev)
-		owner_add(*out, dev);
+	if (!ret)
+		scratch_to_event(q, *out);
 	return ret;
 }
 
 static void w_event_destroy(struct ape__event *e)
 {
-	owner_drop(e);
+	if (e)
+		event_gone(e); /* before the handle goes: its address may come back */
 	w.orig->event_destroy(e);
 }
 
 static int w_event_wait(struct ape__queue *q, struct ape__event *e)
 {
-	int ret = inject(WRAP_EVENT_WAIT, owner_of(q));
+	int ret = inject(WRAP_EVENT_WAIT);
 
-	return ret ? ret : w.orig->event_wait(q, e);
+	if (!ret)
+		ret = w.orig->event_wait(q, e);
+	if (!ret)
+		event_waited(q, e);
+	return ret;
+}
+
+static int w_attention_merge(struct ape__queue *q, const struct ape__merge *m)
+{
+	int ret = inject(WRAP_ATTENTION_MERGE);
+
+	return ret ? ret : w.orig->attention_merge(q, m);
 }
 
 static int w_event_elapsed(struct ape__event *a, struct ape__event *b, double *ms)
 {
-	int ret = inject(WRAP_EVENT_ELAPSED, owner_of(a));
+	int ret = inject(WRAP_EVENT_ELAPSED);
 
 	if (ret) {
 		*ms = 0;
@@ -419,7 +466,7 @@ static int w_event_elapsed(struct ape__event *a, struct ape__event *b, double *m
 
 static int w_event_timestamp(struct ape__event *e, double *ms)
 {
-	int ret = inject(WRAP_EVENT_TIMESTAMP, owner_of(e));
+	int ret = inject(WRAP_EVENT_TIMESTAMP);
 
 	if (ret) {
 		*ms = 0;
@@ -430,7 +477,7 @@ static int w_event_timestamp(struct ape__event *e, double *ms)
 
 static int w_synchronize(struct ape__queue *q)
 {
-	int ret = inject(WRAP_SYNCHRONIZE, owner_of(q));
+	int ret = inject(WRAP_SYNCHRONIZE);
 
 	/* a failed synchronisation still leaves the queue drained, as a real lost device's does
 	 * once the driver gives up: the core may then free buffers the queue was using */
@@ -446,7 +493,7 @@ static int w_synchronize(struct ape__queue *q)
 
 static int w_host_register(struct ape_device *dev, void *ptr, size_t bytes, void **handle)
 {
-	int ret = inject(WRAP_HOST_REGISTER, dev);
+	int ret = inject(WRAP_HOST_REGISTER);
 
 	if (ret) {
 		*handle = NULL;
@@ -455,29 +502,64 @@ static int w_host_register(struct ape_device *dev, void *ptr, size_t bytes, void
 	return w.orig->host_register(dev, ptr, bytes, handle);
 }
 
-static uint64_t w_max_alloc(struct ape_device *dev)
+/* Keeps every device of w.be with its capabilities as stated, and takes from each what a hidden
+ * op takes with it. */
+static void caps_hide(unsigned flags)
 {
-	const uint64_t own = w.orig->max_alloc ? w.orig->max_alloc(dev) : UINT64_MAX;
+	struct ape_context *ctx = w.be->ctx;
 
-	return w.max_alloc && w.max_alloc < own ? w.max_alloc : own;
+	w.devs = calloc((size_t)ctx->ndevices + 1, sizeof(*w.devs));
+	if (!w.devs)
+		abort();
+	w.ndevs = 0;
+	for (int i = 0; i < ctx->ndevices; i++) {
+		struct ape_device *d = ctx->devices[i];
+
+		if (d->be != w.be)
+			continue;
+		w.devs[w.ndevs++] = (struct own_caps){ d, d->caps };
+		if (flags & WRAP_NO_TIMESTAMP)
+			d->caps.timestamps = false;
+		if (flags & (WRAP_NO_BUF_WRAP | WRAP_NO_HOST_MEMORY))
+			d->caps.host_memory = false;
+		if (flags & (WRAP_NO_DIAG_VIEWS | WRAP_NO_DIAG))
+			d->caps.diag_views = false;
+		if (flags & WRAP_NO_DIAG)
+			d->caps.diag = false;
+		if (flags & WRAP_NO_RESIDENT_BWD)
+			d->caps.resident_backward = false;
+	}
 }
 
 void wrap_max_alloc(uint64_t bytes)
 {
-	w.max_alloc = bytes;
-	w.ops.max_alloc = bytes ? w_max_alloc : w.orig->max_alloc;
+	for (size_t i = 0; i < w.ndevs; i++) {
+		const uint64_t own = w.devs[i].caps.max_alloc;
+
+		w.devs[i].dev->caps.max_alloc = bytes && bytes < own ? bytes : own;
+	}
+}
+
+/* Makes t the table the core's calls go to, checked as any backend's. */
+static void bind_table(const struct ape__backend_ops *t)
+{
+	char why[256];
+
+	if (ape__backend_bind(w.be, t, why, sizeof(why))) {
+		fprintf(stderr, "wrapops: %s\n", why);
+		abort();
+	}
 }
 
 void wrap_install(ape_device *dev, unsigned flags)
 {
 	w.be = dev->be;
-	w.orig = dev->be->ops;
+	w.orig = dev->be->raw;
 	w.ops = *w.orig;
 	w.ops.buf_alloc = w_alloc;
 	w.ops.buf_free = w_free;
 	w.ops.queue_create = w_queue_create;
 	w.ops.queue_destroy = w_queue_destroy;
-	w.ops.event_destroy = w_event_destroy;
 	w.ops.attention = w_attention;
 	w.ops.copy_h2d = w_h2d;
 	w.ops.copy_d2h = w_d2h;
@@ -495,6 +577,10 @@ void wrap_install(ape_device *dev, unsigned flags)
 	w.ops.scratch_alloc = w.orig->scratch_alloc ? w_scratch_alloc : NULL;
 	w.ops.scratch_free = w.orig->scratch_free ? w_scratch_free : NULL;
 	w.ops.copy_view = w.orig->copy_view ? w_copy_view : NULL;
+	w.ops.event_destroy = w_event_destroy;
+	w.ops.attention_merge = w.orig->attention_merge ? w_attention_merge : NULL;
+	if (flags & WRAP_NO_MERGE)
+		w.ops.attention_merge = NULL;
 	if (flags & WRAP_NO_BWD_SCRATCH)
 		w.ops.attention_backward_scratch = NULL;
 	if (flags & WRAP_NO_BUF_WRAP)
@@ -505,32 +591,34 @@ void wrap_install(ape_device *dev, unsigned flags)
 		w.ops.event_timestamp = NULL;
 	if (flags & WRAP_NO_SCRATCH)
 		w.ops.attention_scratch = NULL;
-	if (flags & WRAP_NO_DIAG_VIEWS)
-		w.ops.attention_diag_views = false;
 	if (flags & WRAP_NO_PAGES)
 		w.ops.attention_pages = NULL;
-	if (flags & WRAP_NO_DIAG) {
-		w.ops.attention_diag = false;
-		w.ops.attention_diag_views = false;
-	}
 	memset(&w.c, 0, sizeof(w.c));
-	w.max_alloc = 0;
 	w.fail_op = -1;
 	w.fail_at = w.total = w.lost_at = 0;
-	dev->be->ops = &w.ops;
+	caps_hide(flags);
+	bind_table(&w.ops);
 }
 
 void wrap_remove(void)
 {
 	if (w.be)
-		w.be->ops = w.orig;
+		bind_table(w.orig);
+	for (size_t i = 0; i < w.ndevs; i++)
+		w.devs[i].dev->caps = w.devs[i].caps;
 	w.be = NULL;
+	free(w.devs);
+	w.devs = NULL;
+	w.ndevs = 0;
 	free(w.bufs);
 	w.bufs = NULL;
 	w.nbufs = w.cap = 0;
-	free(w.owners);
-	w.owners = NULL;
-	w.nowners = w.owners_cap = 0;
+	free(w.held);
+	free(w.evs);
+	w.evs = NULL;
+	w.nevs = w.evs_cap = 0;
+	w.held = NULL;
+	w.nheld = w.held_cap = 0;
 }
 
 struct wrap_counts wrap_get(void)

@@ -17,20 +17,28 @@
 #include "core/backend.h"
 
 #define WRAP_NO_COPY_D2D (1u << 0) /* hide copy_d2d */
-#define WRAP_NO_TIMESTAMP (1u << 1) /* hide event_timestamp */
+#define WRAP_NO_TIMESTAMP (1u << 1) /* hide event_timestamp (and the capability timestamps) */
 #define WRAP_NO_SCRATCH (1u << 2) /* hide attention_scratch */
 /* hide attention_backward_scratch from the core (the wrapper still counts what the backend
  * declares: a plan that ignores it shows) */
 #define WRAP_NO_BWD_SCRATCH (1u << 3)
-/* hide attention_diag_views: a backend without the diagnostics on device tensors */
+/* take diag_views from the devices' capabilities: no diagnostics on device tensors */
 #define WRAP_NO_DIAG_VIEWS (1u << 4)
 #define WRAP_NO_PAGES (1u << 5) /* hide attention_pages: KV caches gather */
-/* declare no diagnostics at all (attention_diag and attention_diag_views false): the core's
- * refusal runs on any backend */
+/* no diagnostics at all (capabilities diag and diag_views false): the core's refusal runs on
+ * any backend */
 #define WRAP_NO_DIAG (1u << 6)
-/* hide buf_wrap: a device that cannot read host memory in place (the backward's host call then
- * stages and copies its inputs) */
+/* hide buf_wrap (and with it the capability host_memory): a device that cannot read host memory
+ * in place (the backward's host call then stages and copies its inputs) */
 #define WRAP_NO_BUF_WRAP (1u << 7)
+/* take the capability host_memory, buf_wrap kept: the core must not compute on host memory in
+ * place all the same (it decides from the capability, never by trying buf_wrap) */
+#define WRAP_NO_HOST_MEMORY (1u << 8)
+/* take the capability resident_backward, the ops kept: the core's paths for a device without
+ * working queue-ordered scratch and copy_view */
+#define WRAP_NO_RESIDENT_BWD (1u << 9)
+/* hide attention_merge: partial results go back per launch and merge on the host */
+#define WRAP_NO_MERGE (1u << 10)
 
 /* The ops that can fail, as the wrapper counts and fails them. */
 enum wrap_op {
@@ -52,6 +60,7 @@ enum wrap_op {
 	WRAP_ATTENTION_BACKWARD,
 	WRAP_SCRATCH_ALLOC, /* fails with APE_ENOMEM, as buf_alloc */
 	WRAP_COPY_VIEW,
+	WRAP_ATTENTION_MERGE,
 	WRAP_NOPS
 };
 
@@ -73,11 +82,14 @@ struct wrap_counts {
 	uint64_t failed; /* calls the wrapper failed */
 };
 
-/* Puts the wrapper in front of dev's backend (every device of that backend in its context). */
+/* Puts the wrapper between the core's table and dev's backend (every device of that backend in
+ * its context), as the table the core calls (ape__backend_bind()); a failure it injects gets
+ * the device and the op from the core, as a backend's own does. */
 void wrap_install(ape_device *dev, unsigned flags);
-/* Restores the backend's own ops. */
+/* Restores the backend's own ops and its devices' capabilities. */
 void wrap_remove(void);
-/* After wrap_install(): max_alloc says at most `bytes` (0: the backend's own figure again). */
+/* After wrap_install(): each device's capability max_alloc says at most `bytes` (0: the
+ * backend's own figure again). */
 void wrap_max_alloc(uint64_t bytes);
 /* The counts so far; wrap_reset() zeroes them (peak_bytes restarts from live_bytes). */
 struct wrap_counts wrap_get(void);

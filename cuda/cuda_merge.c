@@ -1,0 +1,33 @@
+/* SPDX-License-Identifier: MIT */
+/* attention_merge (core/backend.h): kernels/prep.cu's ape_lmerge, one thread per row. */
+#include "cu.h"
+#include "core/error.h"
+
+static uint64_t ptr_of(const struct ape__buf *b)
+{
+	return b ? (uint64_t)b->ptr : 0;
+}
+
+int ape__cu_attention_merge(struct ape__queue *q, const struct ape__merge *m)
+{
+	const struct ape_cu_lmerge_args a = {
+		.o = ptr_of(m->o), .lse = ptr_of(m->lse), .pairs = ptr_of(m->pairs),
+		.ent = ptr_of(m->ent), .md = ptr_of(m->md),
+		.po = ptr_of(m->po), .plse = ptr_of(m->plse), .ppairs = ptr_of(m->ppairs),
+		.pent = ptr_of(m->pent), .pmd = ptr_of(m->pmd), .rows = m->rows, .D = m->D, .pairs32 = m->pairs32,
+	};
+	int ret;
+
+	if (!a.rows)
+		return 0;
+	ret = ape__cu_enter(q->dev);
+	if (ret)
+		return ret;
+	ret = ape__cu_module(q->dev);
+	if (!ret)
+		ret = ape__cu_launch(q, APE__CU_K_LMERGE,
+				     (a.rows + APE_CU_THREADS - 1) / APE_CU_THREADS, 0, (void *)&a,
+				     "attention_merge");
+	ape__cu_leave(q->dev);
+	return ret;
+}

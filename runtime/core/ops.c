@@ -1,0 +1,305 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The core's table of one backend's ops (core/backend.h, "Registration"), in the manner of
+ * libuv's uv-common.c and PoCL's devices/common.c: what every backend would otherwise write
+ * around each op, written once. A trampoline per fallible op finds the device (the op's own
+ * argument, or the first member of its queue or event), calls the backend's op and, when it
+ * fails, puts the device and the op in front of the message the backend set
+ * ("opencl:0 NAME (pci): copy_h2d: clEnqueueWriteBuffer (64 bytes): CL_OUT_OF_RESOURCES (-5)").
+ * Ops that cannot fail are called as they are. Before any of it, the table is checked.
+ */
+#include "core/ops.h"
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "core/error.h"
+
+/* The backend's own table behind a device, a queue or an event. */
+static const struct ape__backend_ops *raw_of(const struct ape_device *dev)
+{
+	return dev->be->raw;
+}
+
+static const struct ape__backend_ops *queue_raw(const struct ape__queue *q)
+{
+	return raw_of(ape__queue_dev(q));
+}
+
+static const struct ape__backend_ops *event_raw(const struct ape__event *e)
+{
+	return raw_of(ape__event_dev(e));
+}
+
+/* err of op, on the device of queue q or of event e: named (ape__op_error()) unless 0. */
+static int named_q(int err, const struct ape__queue *q, const char *op)
+{
+	return err ? ape__op_error(err, ape__queue_dev(q), op) : 0;
+}
+
+static int named_e(int err, const struct ape__event *e, const char *op)
+{
+	return err ? ape__op_error(err, ape__event_dev(e), op) : 0;
+}
+
+/* ------------------------------------------------------------------ ops on a device */
+
+static int core_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
+{
+	return ape__op_error(raw_of(dev)->buf_alloc(dev, bytes, out), dev, "buf_alloc");
+}
+
+static int core_queue_create(struct ape_device *dev, struct ape__queue **out)
+{
+	return ape__op_error(raw_of(dev)->queue_create(dev, out), dev, "queue_create");
+}
+
+static int core_host_register(struct ape_device *dev, void *ptr, size_t bytes, void **handle)
+{
+	return ape__op_error(raw_of(dev)->host_register(dev, ptr, bytes, handle), dev,
+			     "host_register");
+}
+
+static int core_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
+			 struct ape__buf **out, size_t *bytes_out)
+{
+	return ape__op_error(raw_of(dev)->buf_wrap(dev, kind, handle, bytes, out, bytes_out), dev,
+			     "buf_wrap");
+}
+
+static int core_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out)
+{
+	return ape__op_error(raw_of(dev)->queue_wrap(dev, handle, out), dev, "queue_wrap");
+}
+
+/* The fallback every caller used to write: the device's own figure, stated as a capability. */
+static uint64_t core_max_alloc(struct ape_device *dev)
+{
+	return dev->caps.max_alloc;
+}
+
+/* ------------------------------------------------------------------ ops on a queue */
+
+static int core_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src,
+			 size_t n)
+{
+	return named_q(queue_raw(q)->copy_h2d(q, dst, off, src, n), q, "copy_h2d");
+}
+
+static int core_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off,
+			 size_t n)
+{
+	return named_q(queue_raw(q)->copy_d2h(q, dst, src, off, n), q, "copy_d2h");
+}
+
+static int core_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
+			 struct ape__buf *src, size_t src_off, size_t n)
+{
+	return named_q(queue_raw(q)->copy_d2d(q, dst, dst_off, src, src_off, n), q, "copy_d2d");
+}
+
+static int core_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+		     size_t n)
+{
+	return named_q(queue_raw(q)->fill(q, dst, off, pattern, n), q, "fill");
+}
+
+static int core_event_record(struct ape__queue *q, struct ape__event **out)
+{
+	return named_q(queue_raw(q)->event_record(q, out), q, "event_record");
+}
+
+static int core_event_wait(struct ape__queue *q, struct ape__event *e)
+{
+	return named_q(queue_raw(q)->event_wait(q, e), q, "event_wait");
+}
+
+static int core_attention(struct ape__queue *q, const struct ape__launch *l)
+{
+	return named_q(queue_raw(q)->attention(q, l), q, "attention");
+}
+
+static int core_synchronize(struct ape__queue *q)
+{
+	return named_q(queue_raw(q)->synchronize(q), q, "synchronize");
+}
+
+static int core_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
+{
+	return named_q(queue_raw(q)->attention_backward(q, l), q, "attention_backward");
+}
+
+static int core_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+{
+	return named_q(queue_raw(q)->scratch_alloc(q, bytes, out), q, "scratch_alloc");
+}
+
+static int core_scratch_free(struct ape__queue *q, struct ape__buf *buf)
+{
+	return named_q(queue_raw(q)->scratch_free(q, buf), q, "scratch_free");
+}
+
+static int core_copy_view(struct ape__queue *q, const struct ape__copy *c)
+{
+	return named_q(queue_raw(q)->copy_view(q, c), q, "copy_view");
+}
+
+static int core_attention_merge(struct ape__queue *q, const struct ape__merge *m)
+{
+	return named_q(queue_raw(q)->attention_merge(q, m), q, "attention_merge");
+}
+
+/* ------------------------------------------------------------------ ops on an event */
+
+static int core_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms)
+{
+	return named_e(event_raw(start)->event_elapsed(start, end, ms), start, "event_elapsed");
+}
+
+static int core_event_timestamp(struct ape__event *e, double *ms)
+{
+	return named_e(event_raw(e)->event_timestamp(e, ms), e, "event_timestamp");
+}
+
+/* ------------------------------------------------------------------ checks */
+
+/* An op of a table, by name, and whether the table sets it. */
+struct op_set {
+	const char *name;
+	bool set;
+};
+
+#define OP(t, op) { #op, (t)->op != NULL }
+
+/* "refused: " and the reason, in why; returns APE_EBACKEND. */
+static int refuse(char *why, size_t cap, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+static int refuse(char *why, size_t cap, const char *fmt, ...)
+{
+	const int n = snprintf(why, cap, "refused: ");
+	va_list ap;
+
+	if (n >= 0 && (size_t)n < cap) {
+		va_start(ap, fmt);
+		vsnprintf(why + n, cap - (size_t)n, fmt, ap);
+		va_end(ap);
+	}
+	return APE_EBACKEND;
+}
+
+/* The first op of ops[0..n) not set, or NULL. */
+static const char *first_missing(const struct op_set *ops, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		if (!ops[i].set)
+			return ops[i].name;
+	return NULL;
+}
+
+/* A group of n ops that comes all or none: NULL, or the first one missing beside another set. */
+static const char *group_gap(const struct op_set *ops, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		if (ops[i].set)
+			return first_missing(ops, n);
+	return NULL;
+}
+
+static int check_table(const struct ape__backend_ops *t, char *why, size_t cap)
+{
+	const struct op_set required[] = {
+		OP(t, probe),	     OP(t, buf_alloc),	  OP(t, buf_free),    OP(t, queue_create),
+		OP(t, queue_destroy), OP(t, copy_h2d),	  OP(t, copy_d2h),    OP(t, fill),
+		OP(t, event_record), OP(t, event_wait),	  OP(t, event_elapsed),
+		OP(t, event_destroy), OP(t, attention),	  OP(t, synchronize),
+	};
+	const struct op_set scratch[] = { OP(t, scratch_alloc), OP(t, scratch_free),
+					  OP(t, copy_view) };
+	const struct op_set pinning[] = { OP(t, host_register), OP(t, host_unregister) };
+	const char *op;
+
+	if (!t->name || !t->name[0] || strlen(t->name) > 15)
+		return refuse(why, cap, "backend name \"%.32s\": must be 1 to 15 characters",
+			      t->name ? t->name : "(null)");
+	if ((op = first_missing(required, sizeof(required) / sizeof(required[0]))))
+		return refuse(why, cap, "required op %s is missing", op);
+	if ((op = group_gap(scratch, sizeof(scratch) / sizeof(scratch[0]))))
+		return refuse(why, cap,
+			      "scratch_alloc, scratch_free and copy_view come all or none: %s is "
+			      "missing",
+			      op);
+	if ((op = group_gap(pinning, sizeof(pinning) / sizeof(pinning[0]))))
+		return refuse(why, cap,
+			      "host_register and host_unregister come both or neither: %s is "
+			      "missing",
+			      op);
+	if (t->max_alloc)
+		return refuse(why, cap,
+			      "sets max_alloc, which is the core's (a device states its limit in "
+			      "struct ape__dev_caps.max_alloc)");
+	return 0;
+}
+
+int ape__backend_bind(struct ape__backend *be, const struct ape__backend_ops *raw, char *why,
+		      size_t cap)
+{
+	struct ape__backend_ops *t = &be->table;
+	int ret = check_table(raw, why, cap);
+
+	if (ret)
+		return ret;
+	*t = *raw; /* the ops that cannot fail as they are, and NULL where raw has no op */
+	t->buf_alloc = raw->buf_alloc ? core_buf_alloc : NULL;
+	t->queue_create = raw->queue_create ? core_queue_create : NULL;
+	t->copy_h2d = raw->copy_h2d ? core_copy_h2d : NULL;
+	t->copy_d2h = raw->copy_d2h ? core_copy_d2h : NULL;
+	t->fill = raw->fill ? core_fill : NULL;
+	t->event_record = raw->event_record ? core_event_record : NULL;
+	t->event_wait = raw->event_wait ? core_event_wait : NULL;
+	t->event_elapsed = raw->event_elapsed ? core_event_elapsed : NULL;
+	t->attention = raw->attention ? core_attention : NULL;
+	t->synchronize = raw->synchronize ? core_synchronize : NULL;
+	t->host_register = raw->host_register ? core_host_register : NULL;
+	t->copy_d2d = raw->copy_d2d ? core_copy_d2d : NULL;
+	t->event_timestamp = raw->event_timestamp ? core_event_timestamp : NULL;
+	t->attention_backward = raw->attention_backward ? core_attention_backward : NULL;
+	t->buf_wrap = raw->buf_wrap ? core_buf_wrap : NULL;
+	t->queue_wrap = raw->queue_wrap ? core_queue_wrap : NULL;
+	t->scratch_alloc = raw->scratch_alloc ? core_scratch_alloc : NULL;
+	t->scratch_free = raw->scratch_free ? core_scratch_free : NULL;
+	t->copy_view = raw->copy_view ? core_copy_view : NULL;
+	t->attention_merge = raw->attention_merge ? core_attention_merge : NULL;
+	t->max_alloc = core_max_alloc;
+	be->raw = raw;
+	be->ops = t;
+	return 0;
+}
+
+int ape__device_check(const struct ape_device *dev, char *why, size_t cap)
+{
+	const struct ape__dev_caps *c = &dev->caps;
+	const struct ape__backend_ops *t = dev->be->raw;
+	/* each capability claimed, and what it needs */
+	const struct {
+		const char *cap;
+		bool claimed;
+		struct op_set needs;
+	} rules[] = {
+		{ "host_memory", c->host_memory, OP(t, buf_wrap) },
+		{ "diag_views", c->diag_views, { "diag", c->diag } },
+		{ "backward", c->backward, OP(t, attention_backward) },
+		{ "resident_backward", c->resident_backward, { "backward", c->backward } },
+		{ "resident_backward", c->resident_backward,
+		  { "scratch_alloc, scratch_free and copy_view", t->scratch_alloc != NULL } },
+		{ "timestamps", c->timestamps, OP(t, event_timestamp) },
+	};
+
+	for (size_t i = 0; i < sizeof(rules) / sizeof(rules[0]); i++)
+		if (rules[i].claimed && !rules[i].needs.set)
+			return refuse(why, cap, "device %.100s: capability %s without %s",
+				      dev->info.name, rules[i].cap, rules[i].needs.name);
+	return 0;
+}
