@@ -1,9 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * ape-run's pieces: tools/ape-run.c (arguments, devices, files, the one-call mode),
- * tools/run/kv.c (the --kv-cache mode), tools/run/backward.c (the --backward mode: dLSE, the
- * gradients) and tools/run/stats.c (the --stats report and the sum of a KV-cache run's per-step
- * statistics). Linked into ape-run alone.
+ * ape-run's pieces: tools/ape-run.c (main, the one-call mode), tools/run/args.c (the options,
+ * --help), tools/run/devices.c (--backend, --device, --devices; exit statuses),
+ * tools/run/inputs.c (Q, K, V, dO: read, checked, converted), tools/run/outputs.c (the output
+ * files: checked first, written together), tools/run/kv.c (the --kv-cache mode),
+ * tools/run/backward.c (the --backward mode: dLSE, the gradients) and tools/run/stats.c (the
+ * --stats report and the sum of a KV-cache run's per-step statistics). Linked into ape-run alone.
  */
 #ifndef APE_TOOLS_RUN_H
 #define APE_TOOLS_RUN_H
@@ -57,8 +59,61 @@ struct input {
 	ape_tensor t;
 };
 
+/* The gradients of a --backward run: float32, NULL where no file asked for them. */
+struct run_grads {
+	float *dq, *dk, *dv; /* Q's and K's shapes */
+	float *dparams; /* [H, 4] */
+	float *dlse; /* the input dL/dLSE, [B, H, Lq]; NULL: zero */
+};
+
+/* ---- args.c */
+
+/* --help's text on stdout. */
+void run_usage(void);
+/* The defaults (the seed's parameters: common/seed.h) into a. */
+void run_args_init(struct run_args *a);
+/* Frees what parsing allocated (the per-head parameter lists). */
+void run_args_free(struct run_args *a);
+/* The command line into a (run_args_init() first), the options checked against each other.
+ * Returns 0, RUN_HELP for --help, or an exit status with msg filled. */
+int run_parse_args(int argc, char **argv, struct run_args *a, char *msg, size_t len);
+
+/* ---- devices.c */
+
 /* The exit status for a libape error code. */
 int run_exit_code(int err);
+/*
+ * A context of the backend asked for and its device(s): --devices' list, --device's spec or
+ * index, or the first (auto says on stderr when it passes over a preferred backend). Returns
+ * an exit status, msg filled and *ctx NULL on failure.
+ */
+int run_open_devices(const struct run_args *a, ape_context **ctx, ape_device **devs, int *ndev,
+		     char *msg, size_t len);
+
+/* ---- inputs.c (each returns an exit status, msg filled on failure) */
+
+/* Reads Q, K, V into in[0..2] and, with --backward, dO into in[3] (as in the files). */
+int run_load_inputs(const struct run_args *a, struct input in[4], char *msg, size_t len);
+/* The checks best explained in terms of the files (dtypes, B, D, Hkv, dO's shape); the library
+ * checks the rest. */
+int run_check_inputs(const struct input in[4], char *msg, size_t len);
+/* Converts every input to the storage type and sets its tensor. */
+int run_stage_inputs(struct input in[4], ape_dtype storage, char *msg, size_t len);
+/* The per-head parameters into a->desc: one value, or H of them for Q's H heads. */
+int run_set_head_params(struct run_args *a, const struct input *q, char *msg, size_t len);
+
+/* ---- outputs.c (each returns an exit status, msg filled on failure) */
+
+/* Refuses output paths that cannot work (two options naming one file, a directory, a missing
+ * directory) before any time is spent computing. */
+int run_check_outputs(const struct run_args *a, char *msg, size_t len);
+/* Writes O, LSE, the diagnostics and the gradients asked for (each NULL where not), all or
+ * none: in[] gives their shapes and dtypes. */
+int run_write_outputs(const struct run_args *a, const struct input in[4], const float *o,
+		      const float *lse, const float *ent, const float *md, const struct run_grads *g,
+		      char *msg, size_t len);
+
+/* ---- kv.c, backward.c, stats.c */
 
 /*
  * --kv-cache: Q, K, V (in[0..2]) through an ape_kv_cache on dev, a->kv_step queries per attend;
@@ -68,13 +123,6 @@ int run_exit_code(int err);
  */
 int run_kv(const struct run_args *a, ape_device *dev, const struct input in[3], ape_tensor *ot,
 	   float *lse, float *ent, float *md, ape_stats *tot, char *msg, size_t len);
-
-/* The gradients of a --backward run: float32, NULL where no file asked for them. */
-struct run_grads {
-	float *dq, *dk, *dv; /* Q's and K's shapes */
-	float *dparams; /* [H, 4] */
-	float *dlse; /* the input dL/dLSE, [B, H, Lq]; NULL: zero */
-};
 
 /*
  * --dlse: reads the file into g->dlse, checking that it is '<f4' of LSE's shape for Q (q).
