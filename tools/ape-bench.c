@@ -16,7 +16,6 @@
  * live in tools/bench/ (bench.h says which file holds what).
  */
 #include <inttypes.h>
-#include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +27,7 @@
 #include "common/numa_bench.h"
 #include "common/refcheck.h"
 #include "common/rng.h"
+#include "common/seed.h"
 
 struct bench_row {
 	struct row_key key;
@@ -158,7 +158,8 @@ int main(int argc, char **argv)
 		.backend = "auto", .device = -1, .B = 1, .H = 6, .D = 64,
 		.L = { 1024, 4096, 16384 }, .nL = 3, .skip = { 0x1p-24, 0 }, .nskip = 2,
 		.dtype = APE_F32, .causal = true, .warmup = 1, .repeats = 5, .check_rows = 16,
-		.copy_mib = 256, .serial = true,
+		.copy_mib = 256, .serial = true, .delta = (float)SEED_DELTA, .beta = (float)SEED_BETA,
+		.gamma = (float)SEED_GAMMA, .lambda = (float)SEED_LAMBDA,
 	};
 	struct bench_row rows[MAX_LIST * MAX_LIST];
 	ape_context *ctx = NULL;
@@ -170,9 +171,6 @@ int main(int argc, char **argv)
 	/* --mpi: generated inputs sharded over MPI ranks, by ape-mpi-run (docs/distributed.md) */
 	if ((ret = tools_mpi_exec("ape-bench", argc, argv, "--bench")) >= 0)
 		return ret;
-	o.delta = (float)pow(2.0, -4.0 / 3.0);
-	o.beta = o.gamma = o.delta / 10;
-	o.lambda = 0.1f;
 	ret = bench_parse_args(argc, argv, &o, err, sizeof(err));
 	if (ret) {
 		fprintf(stderr, "ape-bench: %s\n", err[0] ? err : ape_strerror(ret));

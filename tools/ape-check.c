@@ -21,6 +21,7 @@
 #include "common/cli.h"
 #include "common/refcheck.h"
 #include "common/rng.h"
+#include "common/seed.h"
 
 #define MAX_DEVICES 32
 
@@ -35,8 +36,6 @@ struct case_spec {
 	double skip_tol; /* < 0: the default 2^-24 */
 	int check_rows; /* 0: every row */
 };
-
-#define SEED_DELTA 0.3968502629920499 /* 2^(-4/3) */
 
 static const struct case_spec cases[] = {
 	/* name, B, H, Hkv, Lq, Lk, D, dtype, causal, interleaved, strided, per_head,
@@ -173,9 +172,9 @@ static int make_case(struct case_data *c, const struct case_spec *s, int index, 
 		double f = s->per_head ? 0.5 + ape_rng_uniform(rng) : 1.0;
 
 		c->params[h] = (float)(SEED_DELTA * f);
-		c->params[s->H + h] = (float)(SEED_DELTA / 10 * f);
-		c->params[2 * s->H + h] = (float)(SEED_DELTA / 10 * f);
-		c->params[3 * s->H + h] = (float)(0.1 * f);
+		c->params[s->H + h] = (float)(SEED_BETA * f);
+		c->params[2 * s->H + h] = (float)(SEED_GAMMA * f);
+		c->params[3 * s->H + h] = (float)(SEED_LAMBDA * f);
 	}
 	if (s->negative_decay)
 		c->params[s->H - 1] = -0.05f; /* one head: skipping must switch off everywhere */

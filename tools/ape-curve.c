@@ -21,10 +21,8 @@
 #include "common/cli.h"
 #include "common/npy.h"
 #include "common/rng.h"
+#include "common/seed.h"
 
-/* The seed's values (README.md, "Tools"): delta = 2^(-4/3), beta = gamma = delta/10, lambda 0.1 */
-#define SEED_DELTA 0.3968502629920499
-#define SEED_LAMBDA 0.1
 #define MAX_SETS 16
 #define MAX_LENGTHS 64
 
@@ -70,9 +68,10 @@ static void usage(void)
 	       "\n"
 	       "  -p, --params SET  a parameter set, repeatable (default: rope, alibi, ape):\n"
 	       "                    rope   delta = beta = gamma = lambda = 0 (plain RoPE)\n"
-	       "                    alibi  delta = 2^(-4/3) only (ALiBi-like linear bias)\n"
+	       "                    alibi  delta = 2^(-4/3) = %.16g only (ALiBi-like\n"
+	       "                           linear bias)\n"
 	       "                    ape    the seed's: delta = 2^(-4/3), beta = gamma = delta/10,\n"
-	       "                           lambda = 0.1\n"
+	       "                           lambda = %g\n"
 	       "                    D,B,G,L  any other: delta,beta,gamma,lambda (4 numbers)\n"
 	       "  -L, --lengths LIST  comma-separated lengths (default 64,128,...,16384)\n"
 	       "  -H, --heads N     heads of the random inputs (default 4)\n"
@@ -98,7 +97,8 @@ static void usage(void)
 	       "  --version         print the libape version and exit\n"
 	       "\n"
 	       "Exit status: 0; 2 bad argument or input (nothing computed); 3 backend or device\n"
-	       "not available; 1 anything else.\n");
+	       "not available; 1 anything else.\n",
+	       SEED_DELTA, SEED_LAMBDA);
 }
 
 struct set {
@@ -132,7 +132,8 @@ static int parse_set(const char *val, struct set *s, char *err, size_t len)
 		if (strcmp(val, "rope"))
 			s->p[0] = SEED_DELTA;
 		if (!strcmp(val, "ape")) {
-			s->p[1] = s->p[2] = SEED_DELTA / 10;
+			s->p[1] = SEED_BETA;
+			s->p[2] = SEED_GAMMA;
 			s->p[3] = SEED_LAMBDA;
 		}
 		return 0;

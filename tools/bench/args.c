@@ -7,6 +7,7 @@
 
 #include "bench/bench.h"
 #include "common/cli.h"
+#include "common/seed.h"
 
 enum {
 	OPT_BACKEND = 1,
@@ -72,8 +73,8 @@ static void usage(FILE *f)
 		"  --dtype f32|f16|bf16             storage type (default f32)\n"
 		"  --no-causal                      attend to every key (default causal)\n"
 		"  --skip-tol X[,X...]              far-key skipping tolerances (default 2^-24,0)\n"
-		"  --delta --beta --gamma --lambda  APE parameters (default the seed's: 2^(-4/3),\n"
-		"                                   delta/10, delta/10, 0.1)\n"
+		"  --delta --beta --gamma --lambda  APE parameters (default the seed's: 2^(-4/3)\n"
+		"                                   = %.16g, delta/10, delta/10, %g)\n"
 		"  --warmup N --repeats N           untimed and timed calls (default 1, 5)\n"
 		"  --check-rows N                   rows checked against the reference (default 16;\n"
 		"                                   0 = no check)\n"
@@ -112,7 +113,8 @@ static void usage(FILE *f)
 		"  -h, --help                       print this text\n"
 		"  --version                        print the libape version and exit\n"
 		"Throughput counts visible (query, key) pairs; dense-equivalent GFLOP/s counts 4*D\n"
-		"FLOPs per visible pair even when skipping computed fewer.\n");
+		"FLOPs per visible pair even when skipping computed fewer.\n",
+		SEED_DELTA, SEED_LAMBDA);
 }
 
 /*

@@ -6,13 +6,8 @@
 #include <string.h>
 
 #include "common/cli.h"
+#include "common/seed.h"
 #include "run/run.h"
-
-/* The initial values the APE seed suggests for training (README.md, "Tools"; --help says so
- * too): delta = 2^(-4/3), ALiBi's slope, beta = gamma = delta / 10, lambda = 0.1.
- * ape_attn_desc_init() has no preference: 0. */
-#define SEED_DELTA 0.3968502629920499
-#define SEED_LAMBDA 0.1
 
 enum {
 	OPT_Q = 1, OPT_K, OPT_V, OPT_O, OPT_LSE, OPT_BACKEND, OPT_DEVICE,
@@ -168,7 +163,7 @@ void run_usage(void)
 	       "Exit status: 0 success; 2 bad arguments or input files; 3 the backend or\n"
 	       "device is not available (with --backward: or has no backward pass); 1 any\n"
 	       "other failure. A failed run leaves no output file, gradients included.\n",
-	       SEED_DELTA, SEED_DELTA / 10, SEED_DELTA / 10, SEED_LAMBDA);
+	       SEED_DELTA, SEED_BETA, SEED_GAMMA, SEED_LAMBDA);
 }
 
 static int head_param(struct head_param *p, const char *val, char *msg, size_t len)
@@ -304,8 +299,7 @@ static int parse_option(struct run_args *a, int id, const char *val, char *msg, 
 void run_args_init(struct run_args *a)
 {
 	static const char *const flags[4] = { "--delta", "--beta", "--gamma", "--lambda" };
-	static const float defs[4] = { (float)SEED_DELTA, (float)(SEED_DELTA / 10),
-				       (float)(SEED_DELTA / 10), (float)SEED_LAMBDA };
+	static const float defs[4] = SEED_PARAMS;
 
 	memset(a, 0, sizeof(*a));
 	a->backend = "auto";
