@@ -24,7 +24,10 @@ $(info libape: MPI:            $(if $(HAVE_MPI),yes (libape_mpi, $(MPI_PKG)),no 
 endif
 endif
 
-MPI_LIB_SRCS := mpi/shard.c mpi/agree.c mpi/plan.c mpi/forward.c
+# the calls (mpi/mpi_call.h): forward.c the call itself, check.c each rank's arguments,
+# exchange.c the transfers between ranks, compute.c the local pieces and their merge
+MPI_LIB_SRCS := mpi/shard.c mpi/agree.c mpi/plan.c mpi/forward.c mpi/check.c mpi/exchange.c \
+                mpi/compute.c
 MPI_LIBA     := $(BUILD)/lib/libape_mpi.a
 MPI_LIBSO    := $(BUILD)/lib/libape_mpi.so.$(APE_SOVERSION)
 MPI_RUN      := $(BUILD)/bin/ape-mpi-run
