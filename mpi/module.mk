@@ -60,7 +60,9 @@ $(MPI_LIBSO): $(MPI_LIB_SRCS:%.c=$(BUILD)/mpi-obj/%.o) $(LIBSO)
 # (a tool like the others: its options go through tools/common/cli.c, --help and --version too)
 # (ape-run --mpi execs `ape-mpi-run --files ARGS`: mpi/mpi-files.c, ape-run's options on .npy
 # files; ape-bench --mpi execs it with ape-bench's arguments)
-MPI_RUN_OBJS := $(BUILD)/mpi-obj/mpi/ape-mpi-run.o $(BUILD)/mpi-obj/mpi/mpi-files.o
+# (mpi/driver/: its options, inputs, cases, backward and suite; mpi/driver/driver.h)
+MPI_RUN_OBJS := $(BUILD)/mpi-obj/mpi/ape-mpi-run.o $(BUILD)/mpi-obj/mpi/mpi-files.o \
+                $(patsubst %.c,$(BUILD)/mpi-obj/%.o,$(wildcard mpi/driver/*.c))
 $(MPI_RUN_OBJS): CPPFLAGS += -Itools
 $(MPI_RUN): $(MPI_RUN_OBJS) $(MPI_LIBA) $(TOOLS_LIB) $(LIBA)
 	@mkdir -p $(dir $@)

@@ -3,7 +3,8 @@
 #   runtime/api -> exec, topo, core;  runtime/exec -> topo, core;  runtime/topo -> core;
 #   runtime/core -> core;  backends (runtime/ref, opencl, cuda) -> core and their own files;
 #   mpi/ (libape_mpi, on libape's public API) -> its own files and the formulas of
-#   core/ape_math.h; its driver (ape-mpi-run.c, mpi-files.c, mpi_files.h) also tools/;
+#   core/ape_math.h; its driver (ape-mpi-run.c, mpi-files.c, mpi_files.h, mpi/driver/) also
+#   tools/;
 #   tools/ -> tools/;  everyone -> the public headers (include/).
 # Every include is resolved as the compiler would find it, whatever its spelling ("exec/plan.h",
 # <exec/plan.h>, "../exec/plan.h", "#  include", a path through other folders): from the
@@ -26,7 +27,7 @@ layer_of() {
 	runtime/ref/*) echo ref ;;
 	opencl/*) echo opencl ;;
 	cuda/*) echo cuda ;;
-	mpi/ape-mpi-run.c | mpi/mpi-files.c | mpi/mpi_files.h) echo mpi-driver ;;
+	mpi/ape-mpi-run.c | mpi/mpi-files.c | mpi/mpi_files.h | mpi/driver/*) echo mpi-driver ;;
 	mpi/*) echo mpi ;;
 	tools/*) echo tools ;;
 	*) echo "${1%%/*}" ;; # tests/, bench/, python/, ...: nothing of the checked tree's
@@ -109,7 +110,7 @@ self_test() {
 	for h in include/ape/ape.h runtime/api/registry.h runtime/exec/plan.h runtime/topo/numa.h \
 		 runtime/core/backend.h runtime/core/ape_math.h runtime/core/context.h \
 		 runtime/ref/ref.h opencl/ocl.h cuda/cu.h cuda/emu/emu.h cuda/kernels/args.h \
-		 mpi/mpi_internal.h tools/common/cli.h tests/common/wrapops.h; do
+		 mpi/mpi_internal.h mpi/driver/driver.h tools/common/cli.h tests/common/wrapops.h; do
 		mkdir -p "$t/${h%/*}"
 		: >"$t/$h"
 	done
@@ -120,6 +121,8 @@ self_test() {
 		>"$t/cuda/kernels/good.cuh"
 	printf '#include "core/ape_math.h"\n#include "mpi_internal.h"\n' >"$t/mpi/good.c"
 	printf '#include "common/cli.h"\n#include "ape/ape.h"\n' >"$t/mpi/ape-mpi-run.c"
+	printf '#include "common/cli.h"\n#include "driver.h"\n#include "../mpi_internal.h"\n' \
+		>"$t/mpi/driver/good.c"
 	printf '/* #include "api/registry.h" */\n * #include "api/registry.h"\n' >"$t/runtime/core/prose.c"
 	(check_tree "$t") >/dev/null || {
 		echo "check-layers --self-test: a tree of right includes fails" >&2
@@ -136,6 +139,7 @@ self_test() {
 	printf '#include <core/../api/registry.h>\n' >"$t/runtime/exec/dotted.c"
 	printf '#include "core/context.h"\n' >"$t/mpi/internal.c"
 	printf '#include "common/cli.h"\n' >"$t/mpi/library_tool.c"
+	printf '#include "core/context.h"\n' >"$t/mpi/driver/internal.c"
 	printf '#include "exec/plan.h"\n' >"$t/tools/internal.c"
 	printf '#include "../tests/common/wrapops.h"\n' >"$t/runtime/exec/tests.c"
 	if out=$(check_tree "$t" 2>&1); then
@@ -145,7 +149,7 @@ self_test() {
 	for f in runtime/core/quoted.c runtime/topo/angle.c runtime/exec/relative.c \
 		 runtime/topo/no_space.c runtime/api/spaced.c runtime/core/through_root.c \
 		 opencl/other_backend.c runtime/exec/dotted.c mpi/internal.c mpi/library_tool.c \
-		 tools/internal.c runtime/exec/tests.c; do
+		 mpi/driver/internal.c tools/internal.c runtime/exec/tests.c; do
 		case $out in
 		*"check-layers: $f includes"*) ;;
 		*)
@@ -162,7 +166,7 @@ self_test() {
 		exit 1
 		;;
 	esac
-	echo "check-layers --self-test: 12 wrong spellings caught, the right ones pass"
+	echo "check-layers --self-test: 13 wrong spellings caught, the right ones pass"
 }
 
 if [ "${1:-}" = --self-test ]; then
