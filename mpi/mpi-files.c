@@ -30,11 +30,10 @@
 #include "ape/ape_mpi.h"
 #include "common/cli.h"
 #include "common/npy.h"
+#include "common/seed.h"
 #include "mpi_files.h"
 
 #define MSG 512
-#define SEED_DELTA 0.3968502629920499 /* ape-run's defaults: the seed's initial values */
-#define SEED_LAMBDA 0.1
 
 enum { EXIT_USAGE = 2, EXIT_NODEV = 3, EXIT_FAIL = 1 };
 
@@ -542,8 +541,7 @@ static int apply_params(struct fargs *a, int64_t H, char *err)
 {
 	static const char *const names[4] = { "--delta", "--beta", "--gamma", "--lambda" };
 	ape_param *p[4] = { &a->desc.delta, &a->desc.beta, &a->desc.gamma, &a->desc.lambda };
-	const float def[4] = { (float)SEED_DELTA, (float)(SEED_DELTA / 10),
-			       (float)(SEED_DELTA / 10), (float)SEED_LAMBDA };
+	const float def[4] = SEED_PARAMS; /* ape-run's defaults */
 
 	for (int i = 0; i < 4; i++) {
 		p[i]->value = def[i];

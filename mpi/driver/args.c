@@ -1,11 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /* ape-mpi-run's command line (mpi/driver/driver.h): the options, also under ape-bench's names,
  * and --help. */
-#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "common/cli.h"
+#include "common/seed.h"
 #include "driver.h"
 
 enum {
@@ -64,14 +64,14 @@ static int parse_decay(const char *v, struct cfg *c, char *err, size_t len)
 	double d;
 
 	if (!strcmp(v, "seed"))
-		d = pow(2, -4.0 / 3);
+		d = SEED_DELTA;
 	else if (!strcmp(v, "zero"))
 		d = 0;
 	else if (cli_parse_finite("--decay", v, &d, err, len))
 		return APE_EINVAL;
 	c->delta = d;
 	c->beta = c->gamma = d / 10;
-	c->lambda = !strcmp(v, "zero") ? 0 : 0.1;
+	c->lambda = !strcmp(v, "zero") ? 0 : SEED_LAMBDA;
 	return 0;
 }
 

@@ -1,18 +1,15 @@
 /* SPDX-License-Identifier: MIT */
 /* ape-mpi-run --suite (mpi/driver/driver.h): a case's defaults, the built-in cases and the
  * random ones. */
-#include <math.h>
-
+#include "common/seed.h"
 #include "driver.h"
 
 struct cfg driver_base(uint64_t seed)
 {
-	const double dlt = pow(2, -4.0 / 3); /* the seed's parameters */
-
 	return (struct cfg){ .L = 50, .B = 1, .H = 2, .Hkv = 2, .D = 16, .dt = APE_F32,
-			     .odt = APE_F32, .causal = true, .delta = dlt, .beta = dlt / 10,
-			     .gamma = dlt / 10, .lambda = 0.1, .skip_tol = 0x1p-24, .check = true,
-			     .seed = seed, .ndev = 1 };
+			     .odt = APE_F32, .causal = true, .delta = SEED_DELTA, .beta = SEED_BETA,
+			     .gamma = SEED_GAMMA, .lambda = SEED_LAMBDA, .skip_tol = 0x1p-24,
+			     .check = true, .seed = seed, .ndev = 1 };
 }
 
 /* The cases every rank count runs: each feature of the issue at least once. */
