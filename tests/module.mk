@@ -78,9 +78,10 @@ ifeq ($(HAVE_CUDA),yes)
 $(BUILD)/tests/test_tools $(BUILD)/tests/test_ape_run: $(CUDA_EMU)
 endif
 
-# The OpenCL interop test makes its own cl_context, queues and buffers: it links the ICD loader
-# (libape itself opens it at run time, the same library, so the objects are shared).
+# The OpenCL interop tests make their own cl_context, queues and buffers: they link the ICD
+# loader (libape itself opens it at run time, the same library, so the objects are shared).
+OPENCL_INTEROP_TESTS := test_opencl_interop test_opencl_interop_queues
 ifeq ($(HAVE_OPENCL),yes)
-$(BUILD)/tests/test_opencl_interop: LDLIBS += -lOpenCL
-$(BUILD)/tests-obj/tests/test_opencl_interop.o: TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
+$(OPENCL_INTEROP_TESTS:%=$(BUILD)/tests/%): LDLIBS += -lOpenCL
+$(OPENCL_INTEROP_TESTS:%=$(BUILD)/tests-obj/tests/%.o): TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
 endif
