@@ -54,23 +54,26 @@ ifeq ($(HAVE_CUDA),yes)
 $(TESTS_ON_EVERY_BACKEND): $(CUDA_EMU)
 endif
 
-# tests/test_dlpack.c makes its own cl_mem objects and queues on the device's cl_context, and
-# runs docs/embed_example.c (docs/embedding.md's example: an application's own OpenCL context).
+# tests/test_dlpack_devices.c makes its own cl_mem objects and queues on the device's cl_context;
+# tests/test_dlpack.c runs docs/embed_example.c (docs/embedding.md's example: an application's
+# own OpenCL context).
 ifeq ($(HAVE_OPENCL),yes)
 EMBED_EXAMPLE := $(BUILD)/examples/embed_example
 $(EMBED_EXAMPLE): docs/embed_example.c $(LIBA) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $<"
 	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS) -lOpenCL
-$(BUILD)/tests/test_dlpack: LDLIBS += -lOpenCL
+$(BUILD)/tests/test_dlpack $(BUILD)/tests/test_dlpack_devices: LDLIBS += -lOpenCL
 $(BUILD)/tests/test_dlpack: $(EMBED_EXAMPLE)
-$(BUILD)/tests-obj/tests/test_dlpack.o: TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
+$(BUILD)/tests-obj/tests/test_dlpack.o $(BUILD)/tests-obj/tests/test_dlpack_devices.o: \
+	TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
 TESTS_BUILD_ONLY += $(EMBED_EXAMPLE)
 endif
-# ... and drives the CUDA backend through the emulated driver (kDLCUDA tensors)
+# ... and test_dlpack_devices.c drives the CUDA backend through the emulated driver (kDLCUDA
+# tensors)
 ifeq ($(HAVE_CUDA),yes)
-$(BUILD)/tests/test_dlpack: $(CUDA_EMU)
-$(BUILD)/tests/test_dlpack: LDLIBS += -ldl
+$(BUILD)/tests/test_dlpack $(BUILD)/tests/test_dlpack_devices: $(CUDA_EMU)
+$(BUILD)/tests/test_dlpack $(BUILD)/tests/test_dlpack_devices: LDLIBS += -ldl
 endif
 # The tools' tests run the tools on the emulated CUDA device too, where a backward pass is not
 # implemented yet: ape-run, ape-bench and ape-check must say so (exit 3, or SKIP cells).
