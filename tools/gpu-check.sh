@@ -7,7 +7,7 @@
 #   1. what the machine has (nvidia-smi, nvcc, driver, python, torch) -> OUT_DIR/env.txt
 #   2. build (WITH_CUDA=yes; hwloc and libdrm only when pkg-config finds them)
 #   3. the CUDA tests on the real GPU (tests/test_resident, test_resident_diag, test_cuda_emu and
-#      tests/test_diag, the diagnostics kernels, with APE_TEST_CUDA_DEVICE=1)
+#      tests/test_diag, test_diag_kernels, the diagnostics kernels, with APE_TEST_CUDA_DEVICE=1)
 #   4. ape-check across every backend it finds (CUDA, OpenCL when an ICD is there, reference);
 #      ape-bench --resident: device-resident calls beside host calls (prefill, decode step)
 #   5. the benchmark of issue 6 (bench/torch_ape.py: libape vs eager PyTorch APE vs SDPA; decode
@@ -148,12 +148,12 @@ if [ $have_ksft = yes ]; then
 	run gputests-build 120 make -j"$JOBS" $MAKEVARS KSFT_DIR="$KSFT" "$BUILD/tests/test_cuda_emu" \
 		"$BUILD/tests/test_resident" "$BUILD/tests/test_resident_diag" \
 		"$BUILD/tests/test_resident_bwd" \
-		"$BUILD/tests/test_diag"
+		"$BUILD/tests/test_diag" "$BUILD/tests/test_diag_kernels"
 	if [ "$rc" -eq 0 ]; then
 		# device-resident calls (ape_attention_enqueue, KV-cache appends from device memory)
 		# on the GPU, against the host calls, bit for bit
 		gputest resident 60 test_resident "enqueue vs host call"
-		# the diagnostics on device tensors (ape_attention_enqueue_diag), against the host call
+		# the diagnostics on device tensors (ape_attention_enqueue_diag) against the host call
 		gputest resident-diag 60 test_resident_diag "enqueue_diag vs host call"
 		# the backward pass on device tensors (ape_attention_backward_enqueue) on the GPU,
 		# against the host call within the spec's tolerance
@@ -169,6 +169,7 @@ if [ $have_ksft = yes ]; then
 		# the diagnostics kernels (ENT, MD: the _diag twins of prefill, decode, dmerge); the
 		# other backends' variants of test_diag run too
 		gputest diag 60 test_diag "entropy, mean distance"
+		gputest diag-kernels 60 test_diag_kernels "every diagnostic kernel, entropy and mean distance"
 	else
 		note gputests FAIL "building tests/test_cuda_emu: see gputests-build.log"
 	fi
