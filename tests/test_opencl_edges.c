@@ -275,9 +275,5 @@ TEST(many_heads_split_launch)
 
 OPENCL_TEST_MAIN
 #else
-int main(int argc, char **argv)
-{
-	ksft_exit_skip("the OpenCL backend is not built into this libape\n");
-	return test_harness_run(argc, argv);
-}
+APE_TEST_MAIN_SKIP_UNLESS(0, "the OpenCL backend is not built into this libape")
 #endif /* APE_HAVE_OPENCL */
