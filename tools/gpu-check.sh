@@ -6,7 +6,8 @@
 #
 #   1. what the machine has (nvidia-smi, nvcc, driver, python, torch) -> OUT_DIR/env.txt
 #   2. build (WITH_CUDA=yes; hwloc and libdrm only when pkg-config finds them)
-#   3. the CUDA tests on the real GPU (tests/test_resident, test_resident_diag, test_cuda_emu and
+#   3. the CUDA tests on the real GPU (tests/test_resident, test_resident_diag, test_cuda_emu,
+#      test_cuda_emu_separable and
 #      tests/test_diag, test_diag_kernels, the diagnostics kernels, with APE_TEST_CUDA_DEVICE=1)
 #   4. ape-check across every backend it finds (CUDA, OpenCL when an ICD is there, reference);
 #      ape-bench --resident: device-resident calls beside host calls (prefill, decode step)
@@ -146,6 +147,7 @@ NO_KSFT="no Kselftest headers (build/kselftest, KSFT_DIR or /usr/src/linux-*): r
 if [ $have_ksft = yes ]; then
 	# shellcheck disable=SC2086
 	run gputests-build 120 make -j"$JOBS" $MAKEVARS KSFT_DIR="$KSFT" "$BUILD/tests/test_cuda_emu" \
+		"$BUILD/tests/test_cuda_emu_separable" \
 		"$BUILD/tests/test_resident" "$BUILD/tests/test_resident_diag" \
 		"$BUILD/tests/test_resident_bwd" \
 		"$BUILD/tests/test_diag" "$BUILD/tests/test_diag_kernels"
@@ -166,6 +168,7 @@ if [ $have_ksft = yes ]; then
 		124) note gputests TIMEOUT "test_cuda_emu on the real GPU" ;;
 		*) note gputests FAIL "test_cuda_emu on the real GPU: ${last#\# }: see gputests.log" ;;
 		esac
+		gputest gputests-sep 60 test_cuda_emu_separable "the separable path"
 		# the diagnostics kernels (ENT, MD: the _diag twins of prefill, decode, dmerge); the
 		# other backends' variants of test_diag run too
 		gputest diag 60 test_diag "entropy, mean distance"
