@@ -49,27 +49,29 @@ $(BUILD)/obj/cuda/fatbin_embed.o: CPPFLAGS += -Wa,-I$(CUDA_GEN)
 $(CUDA_SRCS:%.c=$(BUILD)/obj/%.o): CPPFLAGS += -I$(CUDA_INC)
 
 # ---- tests without a GPU (tests/test_cuda_loader.c, tests/test_cuda_emu.c,
-# tests/test_cuda_resident.c)
+# tests/test_cuda_emu_separable.c, tests/test_cuda_resident.c, tests/test_cuda_resident_wrap.c)
 # A fake libcuda.so.1, host C compiler only, whose behaviour FAKE_CUDA_MODE chooses; a variant
 # without cuGetProcAddress; and the same fake running the real kernels on the CPU (cuda/emu).
 FAKE_CUDA_DIR  := $(BUILD)/tests/fake_cuda
 FAKE_CUDA      := $(FAKE_CUDA_DIR)/libcuda.so.1
 FAKE_CUDA_NOPA := $(FAKE_CUDA_DIR)/noproc/libcuda.so.1
 CUDA_EMU       := $(BUILD)/tests/cuda_emu/libcuda.so.1
-FAKE_CUDA_HDRS := tests/fake_cuda/fake_cuda.h cuda/kernels/args.h
+FAKE_CUDA_SRCS := tests/fake_cuda/fake_libcuda.c tests/fake_cuda/fake_memory.c \
+                  tests/fake_cuda/fake_launch.c
+FAKE_CUDA_HDRS := tests/fake_cuda/fake_cuda.h tests/fake_cuda/fake_state.h cuda/kernels/args.h
 FAKE_CFLAGS     = $(CSTD) $(OPT) -g $(WARN) -fPIC -I$(CUDA_INC) -Icuda $(SAN_FLAGS) $(CFLAGS)
 EMU_CXXFLAGS    = -std=c++17 $(OPT) -g -Wall -Wextra -Werror -Wno-unknown-pragmas -fPIC \
                   -DAPE_CUDA_EMU -Iruntime -Icuda/kernels -I$(CUDA_INC) $(SAN_FLAGS)
 
-$(FAKE_CUDA): tests/fake_cuda/fake_libcuda.c $(FAKE_CUDA_HDRS) $(CONFIG_STAMP)
+$(FAKE_CUDA): $(FAKE_CUDA_SRCS) $(FAKE_CUDA_HDRS) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $@"
-	$(Q)$(CC) $(FAKE_CFLAGS) -shared -o $@ $< -lpthread
+	$(Q)$(CC) $(FAKE_CFLAGS) -shared -o $@ $(FAKE_CUDA_SRCS) -lpthread
 
-$(FAKE_CUDA_NOPA): tests/fake_cuda/fake_libcuda.c $(FAKE_CUDA_HDRS) $(CONFIG_STAMP)
+$(FAKE_CUDA_NOPA): $(FAKE_CUDA_SRCS) $(FAKE_CUDA_HDRS) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $@"
-	$(Q)$(CC) $(FAKE_CFLAGS) -DFAKE_CUDA_NO_PROCADDRESS -shared -o $@ $< -lpthread
+	$(Q)$(CC) $(FAKE_CFLAGS) -DFAKE_CUDA_NO_PROCADDRESS -shared -o $@ $(FAKE_CUDA_SRCS) -lpthread
 
 $(BUILD)/tests-obj/cuda_emu/%.o: cuda/kernels/%.cu $(CUDA_KHDRS) cuda/emu/emu.h runtime/core/half.h \
 				  $(CONFIG_STAMP)
@@ -88,13 +90,14 @@ $(BUILD)/tests-obj/cuda_emu/half.o: runtime/core/half.c runtime/core/half.h $(CO
 	@echo "  CC      $< (for the emulator)"
 	$(Q)$(CC) $(FAKE_CFLAGS) -fvisibility=hidden -Iinclude -Iruntime -c $< -o $@
 
-$(BUILD)/tests-obj/cuda_emu/fake_libcuda.o: tests/fake_cuda/fake_libcuda.c $(FAKE_CUDA_HDRS) \
+FAKE_CUDA_EMU_OBJS := $(FAKE_CUDA_SRCS:tests/fake_cuda/%.c=$(BUILD)/tests-obj/cuda_emu/%.o)
+$(FAKE_CUDA_EMU_OBJS): $(BUILD)/tests-obj/cuda_emu/%.o: tests/fake_cuda/%.c $(FAKE_CUDA_HDRS) \
 					     $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $< (with the emulator)"
 	$(Q)$(CC) $(FAKE_CFLAGS) -DFAKE_CUDA_EMU -Icuda/emu -c $< -o $@
 
-$(CUDA_EMU): $(BUILD)/tests-obj/cuda_emu/fake_libcuda.o $(BUILD)/tests-obj/cuda_emu/emu.o \
+$(CUDA_EMU): $(FAKE_CUDA_EMU_OBJS) $(BUILD)/tests-obj/cuda_emu/emu.o \
 	     $(BUILD)/tests-obj/cuda_emu/half.o \
 	     $(CUDA_KERNELS:%=$(BUILD)/tests-obj/cuda_emu/%.o)
 	@mkdir -p $(dir $@)
@@ -104,7 +107,7 @@ $(CUDA_EMU): $(BUILD)/tests-obj/cuda_emu/fake_libcuda.o $(BUILD)/tests-obj/cuda_
 # the CUDA tests look inside the backend (cuda/cu.h), which needs the toolkit's cuda.h
 $(BUILD)/tests-obj/tests/test_cuda_%.o: CPPFLAGS += -I$(CUDA_INC)
 $(BUILD)/tests/test_cuda_loader: $(FAKE_CUDA) $(FAKE_CUDA_NOPA)
-$(BUILD)/tests/test_cuda_emu: $(CUDA_EMU)
-$(BUILD)/tests/test_cuda_resident: $(CUDA_EMU)
+$(BUILD)/tests/test_cuda_emu $(BUILD)/tests/test_cuda_emu_separable: $(CUDA_EMU)
+$(BUILD)/tests/test_cuda_resident $(BUILD)/tests/test_cuda_resident_wrap: $(CUDA_EMU)
 TESTS_BUILD_ONLY += $(FAKE_CUDA) $(FAKE_CUDA_NOPA) $(CUDA_EMU)
 endif

@@ -31,7 +31,8 @@ MPI_LIB_SRCS := mpi/shard.c mpi/agree.c mpi/plan.c mpi/forward.c mpi/check.c mpi
 MPI_LIBA     := $(BUILD)/lib/libape_mpi.a
 MPI_LIBSO    := $(BUILD)/lib/libape_mpi.so.$(APE_SOVERSION)
 MPI_RUN      := $(BUILD)/bin/ape-mpi-run
-MPI_TESTS    := $(BUILD)/tests/mpi/test_mpi
+MPI_TESTS    := $(BUILD)/tests/mpi/test_mpi $(BUILD)/tests/mpi/test_mpi_backward \
+		$(BUILD)/tests/mpi/test_mpi_tools
 MPI_STAMP    := $(BUILD)/mpi.stamp
 MPI_CONFIG   := $(MPI_PKG) $(MPI_CFLAGS)
 $(shell mkdir -p $(BUILD) && { test -f $(MPI_STAMP) && test "$$(cat $(MPI_STAMP))" = '$(MPI_CONFIG)' \
@@ -72,7 +73,7 @@ $(MPI_RUN): $(MPI_RUN_OBJS) $(MPI_LIBA) $(TOOLS_LIB) $(LIBA)
 
 all: $(MPI_LIBA) $(MPI_LIBSO) $(MPI_RUN)
 
-# The test program calls the pure parts directly (the plan's internals too: it links libape_mpi,
+# The test programs call the pure parts directly (the plan's internals too: it links libape_mpi,
 # MPI and tests/common/) and runs everything distributed through mpirun and the driver.
 $(BUILD)/tests-obj/tests/mpi/%.o: tests/mpi/%.c $(CONFIG_STAMP) $(MPI_STAMP) \
 		| $(KSFT_DIR)/kselftest_harness.h
@@ -80,7 +81,9 @@ $(BUILD)/tests-obj/tests/mpi/%.o: tests/mpi/%.c $(CONFIG_STAMP) $(MPI_STAMP) \
 	@echo "  CC      $<"
 	$(Q)$(CC) $(CPPFLAGS) -Impi $(MPI_CFLAGS) $(TEST_CFLAGS) -c $< -o $@
 
-$(MPI_TESTS): $(BUILD)/tests-obj/tests/mpi/test_mpi.o \
+# (each links the driver runs of tests/mpi/mpitest.c too)
+$(MPI_TESTS): $(BUILD)/tests/mpi/%: $(BUILD)/tests-obj/tests/mpi/%.o \
+		$(BUILD)/tests-obj/tests/mpi/mpitest.o \
 		$(TEST_COMMON_SRCS:%.c=$(BUILD)/tests-obj/%.o) $(MPI_LIBA) $(TOOLS_LIB) $(LIBA) \
 		$(MPI_RUN)
 	@mkdir -p $(dir $@)

@@ -47,40 +47,46 @@ TESTS_BUILD_ONLY += $(CXX_HEADER_CHECK) $(EXAMPLE)
 
 # The executor suites run on every backend (tests/common/backend_fixture.h), CUDA through the
 # emulated driver where the build has the CUDA backend.
-TESTS_ON_EVERY_BACKEND := $(BUILD)/tests/test_stream $(BUILD)/tests/test_kvcache \
-                          $(BUILD)/tests/test_diag \
+TESTS_ON_EVERY_BACKEND := $(BUILD)/tests/test_stream $(BUILD)/tests/test_stream_calls \
+                          $(BUILD)/tests/test_kvcache \
+                          $(BUILD)/tests/test_kvcache_inplace \
+                          $(BUILD)/tests/test_diag $(BUILD)/tests/test_diag_kernels \
                           $(BUILD)/tests/test_multidev
 ifeq ($(HAVE_CUDA),yes)
 $(TESTS_ON_EVERY_BACKEND): $(CUDA_EMU)
 endif
 
-# tests/test_dlpack.c makes its own cl_mem objects and queues on the device's cl_context, and
-# runs docs/embed_example.c (docs/embedding.md's example: an application's own OpenCL context).
+# tests/test_dlpack_devices.c makes its own cl_mem objects and queues on the device's cl_context;
+# tests/test_dlpack.c runs docs/embed_example.c (docs/embedding.md's example: an application's
+# own OpenCL context).
 ifeq ($(HAVE_OPENCL),yes)
 EMBED_EXAMPLE := $(BUILD)/examples/embed_example
 $(EMBED_EXAMPLE): docs/embed_example.c $(LIBA) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $<"
 	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS) -lOpenCL
-$(BUILD)/tests/test_dlpack: LDLIBS += -lOpenCL
+$(BUILD)/tests/test_dlpack $(BUILD)/tests/test_dlpack_devices: LDLIBS += -lOpenCL
 $(BUILD)/tests/test_dlpack: $(EMBED_EXAMPLE)
-$(BUILD)/tests-obj/tests/test_dlpack.o: TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
+$(BUILD)/tests-obj/tests/test_dlpack.o $(BUILD)/tests-obj/tests/test_dlpack_devices.o: \
+	TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
 TESTS_BUILD_ONLY += $(EMBED_EXAMPLE)
 endif
-# ... and drives the CUDA backend through the emulated driver (kDLCUDA tensors)
+# ... and test_dlpack_devices.c drives the CUDA backend through the emulated driver (kDLCUDA
+# tensors)
 ifeq ($(HAVE_CUDA),yes)
-$(BUILD)/tests/test_dlpack: $(CUDA_EMU)
-$(BUILD)/tests/test_dlpack: LDLIBS += -ldl
+$(BUILD)/tests/test_dlpack $(BUILD)/tests/test_dlpack_devices: $(CUDA_EMU)
+$(BUILD)/tests/test_dlpack $(BUILD)/tests/test_dlpack_devices: LDLIBS += -ldl
 endif
 # The tools' tests run the tools on the emulated CUDA device too, where a backward pass is not
 # implemented yet: ape-run, ape-bench and ape-check must say so (exit 3, or SKIP cells).
 ifeq ($(HAVE_CUDA),yes)
-$(BUILD)/tests/test_tools $(BUILD)/tests/test_ape_run: $(CUDA_EMU)
+$(BUILD)/tests/test_tools $(BUILD)/tests/test_ape_run $(BUILD)/tests/test_ape_run_backward: $(CUDA_EMU)
 endif
 
-# The OpenCL interop test makes its own cl_context, queues and buffers: it links the ICD loader
-# (libape itself opens it at run time, the same library, so the objects are shared).
+# The OpenCL interop tests make their own cl_context, queues and buffers: they link the ICD
+# loader (libape itself opens it at run time, the same library, so the objects are shared).
+OPENCL_INTEROP_TESTS := test_opencl_interop test_opencl_interop_queues
 ifeq ($(HAVE_OPENCL),yes)
-$(BUILD)/tests/test_opencl_interop: LDLIBS += -lOpenCL
-$(BUILD)/tests-obj/tests/test_opencl_interop.o: TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
+$(OPENCL_INTEROP_TESTS:%=$(BUILD)/tests/%): LDLIBS += -lOpenCL
+$(OPENCL_INTEROP_TESTS:%=$(BUILD)/tests-obj/tests/%.o): TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
 endif

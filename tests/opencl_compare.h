@@ -100,4 +100,34 @@ static int compare(struct __test_metadata *_metadata, const struct devs *d, test
 	return ret;
 }
 
+
+/*
+ * The OpenCL programs' main() (test_opencl*.c): skips (exit 4) without an OpenCL platform; the
+ * tests run in the order they are written; the programs they build go to a cache of their own,
+ * not the user's, removed at the harness's exit() in this process (the tests' children leave
+ * with _exit()).
+ */
+#define OPENCL_TEST_MAIN                                                                           \
+	static void __attribute__((constructor)) __constructor_order_last(void)                    \
+	{                                                                                          \
+		if (!__constructor_order)                                                          \
+			__constructor_order = _CONSTRUCTOR_ORDER_BACKWARD;                         \
+	}                                                                                          \
+	static char cache_dir[] = "/tmp/ape-test-opencl-XXXXXX";                                   \
+	static void remove_cache_dir(void)                                                         \
+	{                                                                                          \
+		test_rmtree(cache_dir);                                                            \
+	}                                                                                          \
+	int main(int argc, char **argv)                                                            \
+	{                                                                                          \
+		if (test_opencl_platform_present() == 4)                                           \
+			ksft_exit_skip("no OpenCL platform on this machine (make deps installs "   \
+				       "PoCL)\n");                                                 \
+		if (mkdtemp(cache_dir)) {                                                          \
+			setenv("APE_CACHE_DIR", cache_dir, 1);                                     \
+			atexit(remove_cache_dir);                                                  \
+		}                                                                                  \
+		return test_harness_run(argc, argv);                                               \
+	}
+
 #endif

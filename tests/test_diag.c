@@ -6,11 +6,8 @@
  * the LSE tolerance of the storage type; the same across chunk sizes, device lists and the
  * atomic-output path; with and without skipping, including a caller's loose skip_tol that the
  * call must tighten; the merge rule on its own; bad arguments; a backend without them (any
- * backend, its capability diag hidden by tests/common/wrapops). On CUDA (the emulator, or a GPU
- * with APE_TEST_CUDA_DEVICE=1) the grid of kernel_shapes_every_dtype reaches every kernel a
- * diagnostic launch can take: the prefill (tensor-core P V for f16/bf16, CUDA cores for f32;
- * D = 64, 128 and generic), the decode kernel with its splits merged by ape_dmerge_diag, the
- * no-key fills and ape_dmerge_diag over zero splits; two_cuda_devices runs on two of them.
+ * backend, its capability diag hidden by tests/common/wrapops). Every kernel a diagnostic launch
+ * can take, and two CUDA devices: test_diag_kernels.c.
  */
 #include <math.h>
 #include <stdio.h>
@@ -24,64 +21,9 @@
 #define APE_REAL double
 #include "core/ape_math.h"
 #include "exec/lse_merge.h"
+#include "diag_case.h"
 
 BACKEND_FIXTURE(dev)
-
-struct diag {
-	float *ent, *md;
-	size_t rows;
-};
-
-static int diag_alloc(struct diag *d, size_t rows)
-{
-	d->rows = rows;
-	d->ent = malloc(sizeof(float) * (rows + 1));
-	d->md = malloc(sizeof(float) * (rows + 1));
-	for (size_t i = 0; d->ent && d->md && i < rows; i++)
-		d->ent[i] = d->md[i] = NAN; /* poison: every row must be written */
-	return d->ent && d->md ? 0 : -1;
-}
-
-static void diag_free(struct diag *d)
-{
-	free(d->ent);
-	free(d->md);
-}
-
-static int run_diag(test_problem *tp, ape_device *const *devs, int ndev,
-		    const ape_exec_options *o, struct diag *d)
-{
-	test_tensor_poison(&tp->o.t);
-	return ape_attention_forward_diag(devs, ndev, o, &tp->desc, &tp->q.t, &tp->k.t, &tp->v.t,
-					  &tp->o.t, tp->lse, d->ent, d->md, NULL);
-}
-
-static double tol_of(const test_problem *tp)
-{
-	return test_tol_lse(tp->q.t.dtype);
-}
-
-/* NaN must meet NaN; else |a - b| / scale */
-static double rel(double a, double b, double scale)
-{
-	if (isnan(a) || isnan(b))
-		return isnan(a) && isnan(b) ? 0 : INFINITY;
-	return fabs(a - b) / scale;
-}
-
-/* Largest error of d against the naive evaluation, in units of the tolerance's scale:
- * ENT relative to max(1, |LSE|), MD relative to max(1, the row's largest |n|). */
-static void err_naive(const test_problem *tp, const struct diag *d, double *ee, double *em)
-{
-	*ee = *em = 0;
-	for (size_t i = 0; i < tp->rows; i++) {
-		const double l = tp->naive_lse[i];
-		const double se = fmax(1, isfinite(l) ? fabs(l) : 1);
-
-		*ee = fmax(*ee, rel(d->ent[i], tp->naive_ent[i], se));
-		*em = fmax(*em, rel(d->md[i], tp->naive_md[i], fmax(1, tp->naive_mdmax[i])));
-	}
-}
 
 /* The same between two results of one problem (scales from the naive evaluation). */
 static void err_vs(const test_problem *tp, const struct diag *a, const struct diag *b, double *ee,
@@ -109,15 +51,6 @@ static int small_case(test_problem *tp, ape_rng *rng, int64_t max_work)
 	}
 }
 
-/* A case of shape sh and storage dt, N(0,1) inputs, plain RoPE parameters, seeded by `name` */
-static int fixed_case(test_problem *tp, const char *name, const test_problem_shape *sh,
-		      ape_dtype dt)
-{
-	ape_rng rng;
-
-	ape_rng_init(&rng, name);
-	return test_problem_make(tp, &rng, sh, dt, false);
-}
 
 /* ---- against the definitions */
 
@@ -269,10 +202,6 @@ TEST_F(dev, nan_rows)
 	test_problem_free(&tp);
 }
 
-/* ---- independent of chunks, devices and the output path */
-
-#define chunks test_chunks
-
 TEST_F(dev, chunk_sizes_and_devices_agree)
 {
 	static const int64_t sizes[] = { 1, 7, 64 };
@@ -372,21 +301,6 @@ TEST_F(dev, skipping_stays_within_the_bound)
 }
 
 /* ---- the KV cache */
-
-/* A cache for problem shape sh (its Lk keys) in blocks of 64 tokens, attended in chunks of 128
- * keys (several key chunks: the merge runs). */
-static void kv_options(ape_kv_cache_options *ko, const test_problem_shape *sh, ape_dtype dt)
-{
-	ape_kv_cache_options_init(ko);
-	ko->B = sh->B;
-	ko->Hkv = sh->Hkv;
-	ko->H = sh->H;
-	ko->D = sh->D;
-	ko->dtype = dt;
-	ko->capacity_tokens = sh->Lk;
-	ko->block_tokens = 64;
-	ko->attend_chunk = 128;
-}
 
 TEST_F(dev, kv_cache_attend_matches_the_forward_call)
 {
@@ -524,180 +438,6 @@ TEST_F(dev, kv_cache_release_and_the_tightened_tolerance)
 	diag_free(&d);
 	test_problem_free(&tp);
 }
-
-/* ---- every kernel a diagnostic launch can take (CUDA: docs/cuda.md; elsewhere the same grid) */
-
-struct kshape {
-	int64_t B, H, Hkv, Lq, Lk, D;
-	bool strided;
-};
-
-/*
- * Decode-shaped launches (Lq 1..4 over a long cache: CUDA's decode kernel with several splits,
- * merged by ape_dmerge_diag), prefill ones (D = 64 and 128 specialised, 40 and 130 generic;
- * tensor-core P V for f16 and bf16, CUDA cores for f32), GQA, strided and contiguous, each in
- * every storage type, with random parameters, layouts, causality and offsets; then rows that
- * see no key or one key in a prefill launch, and a strided launch without keys.
- */
-TEST_F(dev, kernel_shapes_every_dtype)
-{
-	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
-	const int64_t lk = self->emu ? 700 : 2000;
-	const struct kshape shapes[] = {
-		{ 1, 4, 2, 1, lk, 64, false },	{ 2, 2, 1, 2, lk / 2, 128, true },
-		{ 1, 4, 2, 3, lk, 40, false },	{ 1, 2, 2, 4, lk, 64, true },
-		{ 1, 4, 2, 40, 70, 64, false }, { 1, 2, 1, 33, 50, 128, true },
-		{ 1, 2, 2, 37, 45, 40, false }, { 1, 1, 1, 20, 24, 130, false },
-	};
-	ape_rng rng;
-	int failed = 0, runs = 0;
-
-	if (!self->dev->caps.diag)
-		SKIP(return, "%s has no diagnostics", variant->backend);
-	ape_rng_init(&rng, _metadata->name);
-	for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
-		for (size_t t = 0; t < 3; t++) {
-			const struct kshape *k = &shapes[s];
-			const test_problem_shape sh = { k->B, k->H, k->Hkv, k->Lq, k->Lk, k->D };
-			test_problem tp;
-			struct diag d;
-			double ee, em;
-			char desc[256];
-
-			ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, types[t], k->strided));
-			test_problem_random_params(&tp, &rng);
-			ASSERT_EQ(0, test_problem_naive(&tp));
-			ASSERT_EQ(0, diag_alloc(&d, tp.rows));
-			ASSERT_EQ(0, run_diag(&tp, &self->dev, 1, NULL, &d))
-			TH_LOG("%s", ape_last_error());
-			err_naive(&tp, &d, &ee, &em);
-			if (!(ee <= tol_of(&tp)) || !(em <= tol_of(&tp))) {
-				test_problem_describe(&tp, desc, sizeof(desc));
-				TH_LOG("shape %zu %s: ENT error %.3g, MD error %.3g (tolerance %.3g)",
-				       s, desc, ee, em, tol_of(&tp));
-				failed++;
-			}
-			runs++;
-			diag_free(&d);
-			test_problem_free(&tp);
-		}
-	EXPECT_EQ(0, failed) TH_LOG("%d of %d cases", failed, runs);
-
-	/* a prefill launch (Lq > 16) whose first rows see nothing, the next one key */
-	{
-		const test_problem_shape sh = { 1, 2, 1, 40, 30, 64 };
-		test_problem tp;
-		struct diag d;
-		double ee, em;
-
-		ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F16));
-		test_problem_set_params(&tp, 0.1, 0.01, 0.01, 0.1);
-		tp.desc.causal = true;
-		tp.desc.q_start = -10; /* rows 0..9: no key; row 10: key 0 at n = 0 */
-		tp.desc.q_start_set = true;
-		ASSERT_EQ(0, test_problem_naive(&tp));
-		ASSERT_EQ(0, diag_alloc(&d, tp.rows));
-		ASSERT_EQ(0, run_diag(&tp, &self->dev, 1, NULL, &d)) TH_LOG("%s", ape_last_error());
-		for (int h = 0; h < 2; h++) {
-			for (int i = 0; i <= 10; i++) {
-				EXPECT_EQ(0.0f, d.ent[h * 40 + i]) TH_LOG("head %d row %d", h, i);
-				EXPECT_EQ(0.0f, d.md[h * 40 + i]) TH_LOG("head %d row %d", h, i);
-			}
-			EXPECT_GT(d.ent[h * 40 + 39], 0.0f);
-			EXPECT_GT(d.md[h * 40 + 39], 0.0f);
-		}
-		err_naive(&tp, &d, &ee, &em);
-		EXPECT_LE(ee, tol_of(&tp));
-		EXPECT_LE(em, tol_of(&tp));
-		diag_free(&d);
-		test_problem_free(&tp);
-	}
-	/* strided, no key: O and LSE through the kernels (CUDA: ape_dmerge_diag, zero splits) */
-	{
-		const test_problem_shape sh = { 1, 2, 1, 3, 0, 8 };
-		test_problem tp;
-		struct diag d;
-
-		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_BF16, true));
-		ASSERT_EQ(0, diag_alloc(&d, tp.rows));
-		ASSERT_EQ(0, run_diag(&tp, &self->dev, 1, NULL, &d)) TH_LOG("%s", ape_last_error());
-		for (size_t i = 0; i < tp.rows; i++) {
-			EXPECT_EQ(0.0f, d.ent[i]);
-			EXPECT_EQ(0.0f, d.md[i]);
-		}
-		diag_free(&d);
-		test_problem_free(&tp);
-	}
-}
-
-/*
- * Two CUDA devices (the emulated driver's two-device mode, or two GPUs): a streamed call over
- * both, in chunks, and the KV cache on the second one, against the definitions.
- */
-TEST(two_cuda_devices)
-{
-	const test_problem_shape sh = { 1, 4, 2, 48, 48, 32 };
-	char why[TEST_WHY_LEN];
-	ape_selection s0, s1;
-	ape_device *devs[2];
-	ape_context *ctx;
-	test_problem tp;
-	struct diag d;
-	double ee, em;
-	ape_rng rng;
-
-	if (test_backend_prepare("cuda", "two-devices", why, sizeof(why)))
-		SKIP(return, "%s", why);
-	ctx = test_context("cuda");
-	ASSERT_NE(NULL, ctx);
-	if (ape_device_select(ctx, "cuda", 0, &s0) || ape_device_select(ctx, "cuda", 1, &s1)) {
-		snprintf(why, sizeof(why), "no two CUDA devices: %s", ape_last_error());
-		ape_context_destroy(ctx);
-		SKIP(return, "%s", why);
-	}
-	devs[0] = s0.device;
-	devs[1] = s1.device;
-	ape_rng_init(&rng, _metadata->name);
-	for (int c = 0; c < 2; c++) {
-		ape_exec_options o = chunks(16, 16);
-
-		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, c ? APE_BF16 : APE_F32, false));
-		test_problem_random_params(&tp, &rng);
-		ASSERT_EQ(0, test_problem_naive(&tp));
-		ASSERT_EQ(0, diag_alloc(&d, tp.rows));
-		ASSERT_EQ(0, run_diag(&tp, devs, 2, &o, &d)) TH_LOG("%s", ape_last_error());
-		err_naive(&tp, &d, &ee, &em);
-		EXPECT_LE(ee, tol_of(&tp)) TH_LOG("case %d: ENT", c);
-		EXPECT_LE(em, tol_of(&tp)) TH_LOG("case %d: MD", c);
-		diag_free(&d);
-		test_problem_free(&tp);
-	}
-	/* the KV cache on device 1: two decode rows over several key chunks */
-	{
-		const test_problem_shape kv = { 1, 4, 2, 2, 300, 32 };
-		ape_kv_cache_options ko;
-		ape_kv_cache *kc = NULL;
-
-		ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &kv, APE_F16));
-		test_problem_set_params(&tp, 0.01, 0.02, 0.01, 0.1);
-		ASSERT_EQ(0, test_problem_naive(&tp));
-		kv_options(&ko, &kv, APE_F16);
-		ASSERT_EQ(0, ape_kv_cache_create(devs[1], &ko, &kc)) TH_LOG("%s", ape_last_error());
-		ASSERT_EQ(0, ape_kv_cache_append(kc, &tp.k.t, &tp.v.t));
-		ASSERT_EQ(0, diag_alloc(&d, tp.rows));
-		ASSERT_EQ(0, ape_kv_cache_attend_diag(kc, &tp.desc, &tp.q.t, &tp.o.t, tp.lse, d.ent,
-						      d.md, NULL))
-		TH_LOG("%s", ape_last_error());
-		err_naive(&tp, &d, &ee, &em);
-		EXPECT_LE(ee, tol_of(&tp));
-		EXPECT_LE(em, tol_of(&tp));
-		ape_kv_cache_destroy(kc);
-		diag_free(&d);
-		test_problem_free(&tp);
-	}
-	ape_context_destroy(ctx);
-}
-
 /* ---- bad arguments and backends without the diagnostics */
 
 TEST_F(dev, bad_arguments)

@@ -6,8 +6,9 @@
 #
 #   1. what the machine has (nvidia-smi, nvcc, driver, python, torch) -> OUT_DIR/env.txt
 #   2. build (WITH_CUDA=yes; hwloc and libdrm only when pkg-config finds them)
-#   3. the CUDA tests on the real GPU (tests/test_resident, tests/test_cuda_emu and
-#      tests/test_diag, the diagnostics kernels, with APE_TEST_CUDA_DEVICE=1)
+#   3. the CUDA tests on the real GPU (tests/test_resident, test_resident_diag, test_cuda_emu,
+#      test_cuda_emu_separable and
+#      tests/test_diag, test_diag_kernels, the diagnostics kernels, with APE_TEST_CUDA_DEVICE=1)
 #   4. ape-check across every backend it finds (CUDA, OpenCL when an ICD is there, reference);
 #      ape-bench --resident: device-resident calls beside host calls (prefill, decode step)
 #   5. the benchmark of issue 6 (bench/torch_ape.py: libape vs eager PyTorch APE vs SDPA; decode
@@ -72,6 +73,18 @@ run() {
 	tail -n 3 "$OUT/$step.log" | sed 's/^/   /'
 }
 
+# gputest STEP MAX_SECONDS PROGRAM WHAT: tests/PROGRAM on the GPU (APE_TEST_CUDA_DEVICE=1), noted
+# with its totals (WHAT: what it compares)
+gputest() {
+	run "$1" "$2" env APE_TEST_CUDA_DEVICE=1 "$BUILD/tests/$3"
+	last=$(grep '^# Totals' "$OUT/$1.log" | tail -n 1)
+	case $rc in
+	0) note "$1" ok "$3 ($4) on the real GPU: ${last#\# }" ;;
+	124) note "$1" TIMEOUT "$3 on the real GPU" ;;
+	*) note "$1" FAIL "$3 on the real GPU: ${last#\# }: see $1.log" ;;
+	esac
+}
+
 # ---- 1. the machine
 {
 	echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
@@ -134,27 +147,19 @@ NO_KSFT="no Kselftest headers (build/kselftest, KSFT_DIR or /usr/src/linux-*): r
 if [ $have_ksft = yes ]; then
 	# shellcheck disable=SC2086
 	run gputests-build 120 make -j"$JOBS" $MAKEVARS KSFT_DIR="$KSFT" "$BUILD/tests/test_cuda_emu" \
-		"$BUILD/tests/test_resident" "$BUILD/tests/test_resident_bwd" \
-		"$BUILD/tests/test_diag"
+		"$BUILD/tests/test_cuda_emu_separable" \
+		"$BUILD/tests/test_resident" "$BUILD/tests/test_resident_diag" \
+		"$BUILD/tests/test_resident_bwd" \
+		"$BUILD/tests/test_diag" "$BUILD/tests/test_diag_kernels"
 	if [ "$rc" -eq 0 ]; then
 		# device-resident calls (ape_attention_enqueue, KV-cache appends from device memory)
 		# on the GPU, against the host calls, bit for bit
-		run resident 60 env APE_TEST_CUDA_DEVICE=1 "$BUILD/tests/test_resident"
-		last=$(grep '^# Totals' "$OUT/resident.log" | tail -n 1)
-		case $rc in
-		0) note resident ok "test_resident (enqueue vs host call) on the real GPU: ${last#\# }" ;;
-		124) note resident TIMEOUT "test_resident on the real GPU" ;;
-		*) note resident FAIL "test_resident on the real GPU: ${last#\# }: see resident.log" ;;
-		esac
+		gputest resident 60 test_resident "enqueue vs host call"
+		# the diagnostics on device tensors (ape_attention_enqueue_diag) against the host call
+		gputest resident-diag 60 test_resident_diag "enqueue_diag vs host call"
 		# the backward pass on device tensors (ape_attention_backward_enqueue) on the GPU,
 		# against the host call within the spec's tolerance
-		run resident-bwd 90 env APE_TEST_CUDA_DEVICE=1 "$BUILD/tests/test_resident_bwd"
-		last=$(grep '^# Totals' "$OUT/resident-bwd.log" | tail -n 1)
-		case $rc in
-		0) note resident-bwd ok "test_resident_bwd (backward enqueue vs host call) on the real GPU: ${last#\# }" ;;
-		124) note resident-bwd TIMEOUT "test_resident_bwd on the real GPU" ;;
-		*) note resident-bwd FAIL "test_resident_bwd on the real GPU: ${last#\# }: see resident-bwd.log" ;;
-		esac
+		gputest resident-bwd 90 test_resident_bwd "backward enqueue vs host call"
 		run gputests 90 env APE_TEST_CUDA_DEVICE=1 "$BUILD/tests/test_cuda_emu"
 		last=$(grep '^# Totals' "$OUT/gputests.log" | tail -n 1)
 		case $rc in
@@ -163,15 +168,11 @@ if [ $have_ksft = yes ]; then
 		124) note gputests TIMEOUT "test_cuda_emu on the real GPU" ;;
 		*) note gputests FAIL "test_cuda_emu on the real GPU: ${last#\# }: see gputests.log" ;;
 		esac
+		gputest gputests-sep 60 test_cuda_emu_separable "the separable path"
 		# the diagnostics kernels (ENT, MD: the _diag twins of prefill, decode, dmerge); the
 		# other backends' variants of test_diag run too
-		run diag 60 env APE_TEST_CUDA_DEVICE=1 "$BUILD/tests/test_diag"
-		last=$(grep '^# Totals' "$OUT/diag.log" | tail -n 1)
-		case $rc in
-		0) note diag ok "test_diag (entropy, mean distance) on the real GPU: ${last#\# }" ;;
-		124) note diag TIMEOUT "test_diag on the real GPU" ;;
-		*) note diag FAIL "test_diag on the real GPU: ${last#\# }: see diag.log" ;;
-		esac
+		gputest diag 60 test_diag "entropy, mean distance"
+		gputest diag-kernels 60 test_diag_kernels "every diagnostic kernel, entropy and mean distance"
 	else
 		note gputests FAIL "building tests/test_cuda_emu: see gputests-build.log"
 	fi

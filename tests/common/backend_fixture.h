@@ -58,4 +58,24 @@
 		ape_context_destroy(self->ctx);                                                    \
 	}
 
+
+/* The reference device alone (self->dev), for the tests of the reference itself and of the
+ * API. */
+#define REF_FIXTURE(fx)                                                                            \
+	FIXTURE(fx)                                                                                \
+	{                                                                                          \
+		ape_context *ctx;                                                                  \
+		ape_device *dev;                                                                   \
+	};                                                                                         \
+	FIXTURE_SETUP(fx)                                                                          \
+	{                                                                                          \
+		self->ctx = test_context("ref");                                                   \
+		self->dev = test_device(self->ctx, "ref");                                         \
+		ASSERT_NE(NULL, self->dev);                                                        \
+	}                                                                                          \
+	FIXTURE_TEARDOWN(fx)                                                                       \
+	{                                                                                          \
+		ape_context_destroy(self->ctx);                                                    \
+	}
+
 #endif

@@ -166,6 +166,42 @@ int run_chunked(bcase *c, ape_device *dev, grads *g, int64_t cq, int64_t ck, ape
 					 &g->dv.t, g->dparams, st);
 }
 
+/* The same values as a contiguous tensor's, stored as float32 (widening is exact). */
+int grads_widen(test_tensor *dst, const test_tensor *src)
+{
+	const int64_t *s = src->t.shape;
+
+	if (test_tensor_empty(dst, APE_F32, s[0], s[1], s[2], s[3]))
+		return -1;
+	return ape_convert(dst->t.data, APE_F32, src->t.data, src->t.dtype,
+			   (size_t)(s[0] * s[1] * s[2] * s[3]));
+}
+
+void grads_snap(grads_snapshot *s, const grads *g)
+{
+	const void *src[4] = { g->dq.alloc, g->dk.alloc, g->dv.alloc, g->dparams };
+	const size_t n[4] = { g->dq.alloc_bytes, g->dk.alloc_bytes, g->dv.alloc_bytes,
+			      sizeof(float) * (size_t)(4 * g->H) };
+
+	for (int i = 0; i < 4; i++) {
+		s->n[i] = n[i];
+		s->b[i] = malloc(n[i] + 1);
+		memcpy(s->b[i], src[i], n[i]);
+	}
+}
+
+bool grads_unchanged(const grads_snapshot *s, const grads *g)
+{
+	const void *cur[4] = { g->dq.alloc, g->dk.alloc, g->dv.alloc, g->dparams };
+	bool same = true;
+
+	for (int i = 0; i < 4; i++) {
+		same &= !memcmp(s->b[i], cur[i], s->n[i]);
+		free(s->b[i]);
+	}
+	return same;
+}
+
 /* ---------------------------------------------------------------- on device tensors */
 
 /* A device copy of t's whole allocation, `pad` bytes into a new buffer; *d views t in it. */

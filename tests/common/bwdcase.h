@@ -2,7 +2,7 @@
 /*
  * A backward-pass case for the tests: a random forward problem (common/problem.h) with its saved
  * O and LSE, upstream gradients dO and dLSE, and gradient outputs poisoned with NaN. Shared by
- * tests/test_backward.c and the fault tests (tests/faults/test_bwdfail.c).
+ * tests/test_backward*.c and the fault tests (tests/faults/test_bwdfail.c).
  */
 #ifndef APE_TEST_BWDCASE_H
 #define APE_TEST_BWDCASE_H
@@ -71,6 +71,23 @@ double grads_rel_err_params(const float *a, const float *b, int64_t H);
 /* The same bytes; the outputs `wanted` names. */
 bool same_bits(const test_tensor *a, const test_tensor *b);
 bool same_grads(const grads *a, const grads *b, unsigned wanted);
+
+/* Chunked against one launch: the same float64 terms, summed over chunks in float32 (dK, dV
+ * on the device) or in float64 from float32 partials (dQ). */
+#define CHUNK_TOL 1e-5
+
+/* The same values as a contiguous tensor's, stored as float32 (widening is exact). */
+int grads_widen(test_tensor *dst, const test_tensor *src);
+
+/* Byte copies of the four outputs, to prove nothing was written. */
+typedef struct grads_snapshot {
+	void *b[4];
+	size_t n[4];
+} grads_snapshot;
+
+void grads_snap(grads_snapshot *s, const grads *g);
+/* Whether g's outputs hold the snapshot's bytes; frees the copies. */
+bool grads_unchanged(const grads_snapshot *s, const grads *g);
 
 /* ---- the same case on device tensors (ape_attention_backward_enqueue()) */
 

@@ -465,3 +465,18 @@ int test_problem_padding_intact(const test_problem *tp)
 				return -1;
 	return 0;
 }
+
+void test_problem_seed_params(test_problem *tp)
+{
+	const double delta = pow(2.0, -4.0 / 3.0);
+
+	test_problem_set_params(tp, delta, delta / 10, delta / 10, 0.1);
+}
+
+int test_problem_make_dims(test_problem *tp, ape_rng *r, int64_t B, int64_t H, int64_t Hkv,
+			   int64_t Lq, int64_t Lk, int64_t D, ape_dtype dt)
+{
+	const test_problem_shape sh = { B, H, Hkv, Lq, Lk, D };
+
+	return test_problem_make(tp, r, &sh, dt, false);
+}

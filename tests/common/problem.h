@@ -38,6 +38,11 @@ int test_problem_make(test_problem *tp, ape_rng *r, const test_problem_shape *sh
 /* Random APE parameters (per head or scalar, some negative decays), layout, causality, scale,
  * rope base, positions. */
 void test_problem_random_params(test_problem *tp, ape_rng *r);
+/* Every distance's parameters as the seed notes suggest them for training. */
+void test_problem_seed_params(test_problem *tp);
+/* test_problem_make() of shape { B, H, Hkv, Lq, Lk, D }, contiguous. */
+int test_problem_make_dims(test_problem *tp, ape_rng *r, int64_t B, int64_t H, int64_t Hkv,
+			   int64_t Lq, int64_t Lk, int64_t D, ape_dtype dt);
 void test_problem_set_params(test_problem *tp, double delta, double beta, double gamma,
 			     double lambda);
 int test_problem_set_out_dtype(test_problem *tp, ape_dtype dt);
