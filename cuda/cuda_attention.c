@@ -38,6 +38,8 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#define APE_REAL double
+#include "core/ape_math.h"
 #include "cu.h"
 #include "core/error.h"
 
@@ -148,11 +150,12 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 	if (l->H > APE_CU_INLINE_HEADS)
 		p->hp = take(p, (size_t)l->H * 4 * sizeof(float));
 	if (p->decode) {
-		const int64_t rel = l->q_start - l->k_start;
-		int64_t keys = l->causal ? rel + l->Lq : l->Lk, s;
+		/* the keys the last row sees (the decode has rows) */
+		const int64_t keys = ape_visible_keys(l->q_start - l->k_start + (l->Lq - 1), l->Lk,
+						      l->causal);
 		const size_t per_split = (size_t)p->rows * ((size_t)l->D + 4) * 4;
+		int64_t s;
 
-		keys = keys < 0 ? 0 : keys > l->Lk ? l->Lk : keys;
 		s = (2 * (int64_t)cd->sm_count + p->nbkv - 1) / p->nbkv;
 		if (s > (keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS)
 			s = (keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS;

@@ -49,7 +49,8 @@ TESTS_BUILD_ONLY += $(CXX_HEADER_CHECK) $(EXAMPLE)
 # emulated driver where the build has the CUDA backend.
 TESTS_ON_EVERY_BACKEND := $(BUILD)/tests/test_stream $(BUILD)/tests/test_kvcache \
                           $(BUILD)/tests/test_diag \
-                          $(BUILD)/tests/test_multidev
+                          $(BUILD)/tests/test_multidev \
+                          $(BUILD)/tests/test_ends
 ifeq ($(HAVE_CUDA),yes)
 $(TESTS_ON_EVERY_BACKEND): $(CUDA_EMU)
 endif

@@ -215,11 +215,6 @@ APE_DEV int64_t imax(int64_t a, int64_t b)
 	return a > b ? a : b;
 }
 
-APE_DEV int64_t iabs(int64_t n)
-{
-	return n < 0 ? -n : n;
-}
-
 /* Exchanges a and b when c holds; written on values (not as a choice between two array
  * elements, which the compiler may turn into a computed address and put the array in local
  * memory). */

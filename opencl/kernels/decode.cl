@@ -280,7 +280,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 		ia[r] = ape_inv_alpha(prm[P + 4 * h + 3], ss, DEC_DIM);
 		diag[r] = rel + i;
 		aref[r] = ape_anchor_distance(diag[r], Lk, causal);
-		jend[r] = causal ? clamp(diag[r] + 1, j0, j1) : j1;
+		jend[r] = j0 + ape_row_visible_pairs(diag[r], j0, j1, causal);
 		kend = max(kend, jend[r]);
 		for (int c = 0; c < C; c++)
 			SW[r][c] = dec_seed16(omega, c, (APE_REAL)1, ia[r], &CW[r][c]);
@@ -325,7 +325,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 					if (r >= nr)
 						break;
 					float16 acc = (float16)0.0f;
-					const long n = diag[r] - j, an = n < 0 ? -n : n;
+					const long n = diag[r] - j, an = ape_abs_dist(n);
 					float dot, sv;
 
 #pragma unroll
@@ -532,7 +532,7 @@ KFN long dec_wg_kend(long s, long chunk, long Lk, long Lq, long rel, int causal,
 	const long a = min(s * chunk, Lk), e = min(a + chunk, Lk);
 
 	*j0 = a;
-	return causal ? clamp(rel + Lq, a, e) : e;
+	return a + ape_row_visible_pairs(rel + (Lq - 1), a, e, causal);
 }
 
 KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local float *lm,
@@ -603,7 +603,7 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 			ACC[r][k] = 0.0f;
 		M[r] = -INFINITY;
 		L[r] = 0.0f;
-		jend[r] = causal ? clamp(diag + 1, j0, kend) : kend;
+		jend[r] = j0 + ape_row_visible_pairs(diag, j0, kend, causal);
 	}
 
 	for (long blk = 0; blk < nb; blk++) {
@@ -672,7 +672,7 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 				const float rdelta = (float)prm[P + 4 * h], rbeta = (float)prm[P + 4 * h + 1];
 				const float rgamma = (float)prm[P + 4 * h + 2];
 				const float rlambda = (float)prm[P + 4 * h + 3];
-				const long n = diag - j, an = n < 0 ? -n : n;
+				const long n = diag - j, an = ape_abs_dist(n);
 				float dot = 0.0f;
 
 				for (int l = 0; l < PL; l++)
