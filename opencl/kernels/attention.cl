@@ -409,7 +409,7 @@ KFN void tile_scores(const struct run *R, const struct rows *r, long nbase, int 
 
 /*
  * One online-softmax update for the whole tile; '>' ignores NaN, exp() keeps it.
- * Weights below e^-87 (where float turns subnormal) are exact zeros: they are 1e-38 of the
+ * Weights below e^-87 (APE_EXP_CUTOFF: float turns subnormal) are exact zeros: they are 1e-38 of the
  * row's largest and change nothing, but an x86 FMA with a subnormal operand takes a microcode
  * assist, and a decaying bias makes every row meet a band of them: the dense kernel with the
  * seed's parameters ran at less than half speed. A NaN score keeps its NaN (a comparison
@@ -425,7 +425,8 @@ KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int
 	NOUNROLL
 	for (int j = 0; j < len; j++)
 		mt = select(mt, sc[j], sc[j] > mt);
-	corr = select(select(exp(r->m - mt), (vf)0.0f, r->m - mt < -87.0f), (vf)1.0f, r->m == mt);
+	corr = select(select(exp(r->m - mt), (vf)0.0f, r->m - mt < APE_EXP_CUTOFF), (vf)1.0f,
+		      r->m == mt);
 	if (R->flags & F_DIAG) {
 		/* the two running sums of the diagnostics (core/ape_math.h), rescaled with the
 		 * softmax: nothing yet (corr 0) stays 0; an unchanged maximum moves nothing */
@@ -440,7 +441,7 @@ KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int
 		for (int j = 0; j < len; j++) {
 			const vf dj = sc[j] - mt;
 			const vf pj = select(exp(dj), (vf)0.0f,
-					     dj < -87.0f || sc[j] == (vf)(-INFINITY));
+					     dj < APE_EXP_CUTOFF || sc[j] == (vf)(-INFINITY));
 
 			sc[j] = pj;
 			lsum += pj;
@@ -454,7 +455,7 @@ KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int
 		for (int j = 0; j < len; j++) {
 			const vf dj = sc[j] - mt; /* NaN for a masked key in a row with no key yet */
 			const vf pj = select(exp(dj), (vf)0.0f,
-					     dj < -87.0f || sc[j] == (vf)(-INFINITY));
+					     dj < APE_EXP_CUTOFF || sc[j] == (vf)(-INFINITY));
 
 			sc[j] = pj;
 			lsum += pj;

@@ -185,7 +185,7 @@ KFN vf bwd_p(vr t, vr bias, vr lse, vf dot, float scale, vf *tsc)
 	const vf ts = TO_VF(t) * scale, x = fma(ts, dot, TO_VF(bias - lse));
 
 	*tsc = ts;
-	return APE_V_SELECT(exp(x), (vf)0.0f, x < -87.0f);
+	return APE_V_SELECT(exp(x), (vf)0.0f, x < APE_EXP_CUTOFF);
 }
 
 /* The lanes of a row vector (rows r0 + lane, lanes lo .. hi-1 real) that see a key: lane >= lo

@@ -355,11 +355,12 @@ KFN void dec_body(DEC_ARGS, const int RM)
 				const float16 sv = vload16(0, sc[r]);
 				const float mt = fmax(M[r], dec_hmax(sv));
 				const float corr = M[r] == mt ? 1.0f
-						   : M[r] - mt < -87.0f ? 0.0f
+						   : M[r] - mt < APE_EXP_CUTOFF ? 0.0f
 									: exp(M[r] - mt);
 				const float16 dd = sv - mt;
 				const float16 pv = select(dec_exp16(dd), (float16)0.0f,
-							  dd < -87.0f || sv == (float16)(-INFINITY));
+							  dd < APE_EXP_CUTOFF ||
+								  sv == (float16)(-INFINITY));
 				const float lsum = dec_hsum(pv);
 
 				vstore16(pv, 0, sc[r]);
@@ -689,7 +690,7 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 		barrier(CLK_LOCAL_MEM_FENCE);
 
 		/* 3. the weights against the row's new maximum ('>' and fmax ignore NaN, exp keeps
-		 * it; below e^-87 an exact zero, as in dec_body) */
+		 * it; below e^APE_EXP_CUTOFF an exact zero, as in dec_body) */
 		for (int e = lid; e < KS * DEC_TILE; e += DEC_GNWI) {
 			const int k2 = e / DEC_TILE, r = e % DEC_TILE / BLK;
 			const float sv = sc[e];
@@ -698,7 +699,7 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 			for (int jj = 0; jj < BLK && r < nr; jj++)
 				mt = fmax(mt, sc[k2 * DEC_TILE + r * BLK + jj]);
 			dd = sv - mt;
-			pw[e] = dd < -87.0f || sv == -INFINITY ? 0.0f : exp(dd);
+			pw[e] = dd < APE_EXP_CUTOFF || sv == -INFINITY ? 0.0f : exp(dd);
 		}
 		barrier(CLK_LOCAL_MEM_FENCE);
 
@@ -716,7 +717,9 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 					mt = fmax(mt, sr[jj]);
 					lsum += pr[jj];
 				}
-				corr = M[r] == mt ? 1.0f : M[r] - mt < -87.0f ? 0.0f : exp(M[r] - mt);
+				corr = M[r] == mt		     ? 1.0f
+				       : M[r] - mt < APE_EXP_CUTOFF ? 0.0f
+								    : exp(M[r] - mt);
 				L[r] = L[r] * corr + lsum;
 				M[r] = mt;
 				if (pl == 0)

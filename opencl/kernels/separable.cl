@@ -321,14 +321,15 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 				S[j] = s;
 				mt = fmax(mt, s);
 			}
-			corr = select(select(dec_exp16(m[g] - mt), (float16)0.0f, m[g] - mt < -87.0f),
+			corr = select(select(dec_exp16(m[g] - mt), (float16)0.0f,
+					     m[g] - mt < APE_EXP_CUTOFF),
 				      (float16)1.0f, m[g] == mt);
 #pragma unroll
 			for (int j = 0; j < SEP_BK; j++) {
 				const float16 dd = S[j] - mt;
 
 				p[j] = select(dec_exp16(dd), (float16)0.0f,
-					      dd < -87.0f || S[j] == (float16)(-INFINITY));
+					      dd < APE_EXP_CUTOFF || S[j] == (float16)(-INFINITY));
 				lsum += p[j];
 			}
 			l[g] = l[g] * corr + lsum;
@@ -509,11 +510,11 @@ __kernel void ape_sep_attn_wg(__global const float *Qt, __global const float *Kr
 				s[j] = x;
 				mt = fmax(mt, x);
 			}
-			corr = m == mt ? 1.0f : m - mt < -87.0f ? 0.0f : exp(m - mt);
+			corr = m == mt ? 1.0f : m - mt < APE_EXP_CUTOFF ? 0.0f : exp(m - mt);
 			for (int j = 0; j < SEP_GBK; j++) {
 				const float dd = s[j] - mt;
 
-				p[j] = dd < -87.0f || s[j] == -INFINITY ? 0.0f : exp(dd);
+				p[j] = dd < APE_EXP_CUTOFF || s[j] == -INFINITY ? 0.0f : exp(dd);
 				ps += p[j];
 			}
 			lsum = lsum * corr + ps;

@@ -452,6 +452,16 @@ APE_FN ape_real ape_merge_max(ape_real m1, ape_real m2)
 	return m1 > m2 ? m1 : m2;
 }
 
+/*
+ * The online softmax's underflow cutoff, in natural-log units: every kernel takes a weight
+ * exp(x), x = score - running max, below it as an exact zero (e^-87 = 1.6e-38, about FLT_MIN:
+ * below, float32 exp turns subnormal, which devices flush or keep differently, and a weight
+ * that small cannot change a row's float32 result). APE_EXP2_CUTOFF is the same in log2 units,
+ * for kernels that keep scores times log2(e) (CUDA's ex2()).
+ */
+#define APE_EXP_CUTOFF (-87.0f)
+#define APE_EXP2_CUTOFF (APE_EXP_CUTOFF * 1.44269504f)
+
 APE_FN ape_real ape_merge_factor(ape_real m_old, ape_real m_new)
 {
 	/* exp(-inf - -inf) would be NaN; an empty side contributes nothing */
