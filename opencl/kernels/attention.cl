@@ -34,7 +34,7 @@
 #define APE_DMAX APE_D
 #define DIM APE_D
 #else
-#define APE_DMAX 256
+#define APE_DMAX APE_MAX_D /* ape/ape.h, a build option (ocl_program.c) */
 #define DIM (R->D) /* every function reaches the run-time D through its struct run *R */
 #endif
 #define APE_PMAX (APE_DMAX / 2)

@@ -27,7 +27,7 @@
 #define DEC_DMAX APE_D
 #define DEC_DIM APE_D
 #else
-#define DEC_DMAX 256
+#define DEC_DMAX APE_MAX_D
 #define DEC_DIM D
 #endif
 #define DEC_CMAX (DEC_DMAX / 32) /* float16 chunks of pairs per half */

@@ -14,6 +14,7 @@
 #define APE_REAL double
 #include "core/ape_math.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "exec/pack.h"
 
 int ape__kmax_alloc(struct ape__kmax *km, int64_t nbg, int64_t nk)
@@ -69,7 +70,7 @@ int ape__kmax_from_tensor(struct ape__kmax *km, const ape_tensor *k, const int64
 			  int64_t ck)
 {
 	const int64_t B = k->shape[0], Hkv = k->shape[1], Lk = k->shape[2], D = k->shape[3];
-	float row[256];
+	float row[APE_MAX_D];
 	int ret;
 
 	ret = ape__kmax_alloc(km, B * Hkv, (Lk + ck - 1) / ck);
