@@ -61,7 +61,8 @@ void ape__acc_add(struct ape__acc *a, const float *o_c, const float *lse_c, cons
 	for (int64_t r = 0; r < a->rows; r++) {
 		const double l = lse_c[r], m = a->m[r];
 		float *acc = a->o + r * D;
-		const float *oc = o_c + r * D;
+		/* o_c is NULL for the LSE alone (D = 0): no arithmetic on it, even by 0 (UB) */
+		const float *oc = D ? o_c + r * D : o_c;
 		double mn, c_old, c_new;
 
 		if (isnan(m) || l == -INFINITY)
