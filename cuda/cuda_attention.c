@@ -38,8 +38,14 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#define APE_REAL double
+#include "core/ape_math.h"
 #include "cu.h"
 #include "core/error.h"
+
+/* The generic kernels for D above 128 (prefill.cu, decode.cu, backward.cu: "g256") are built
+ * for every D up to the limit. */
+_Static_assert(APE_MAX_D == 256, "the CUDA kernels' g256 variants cover D up to APE_MAX_D");
 
 /* Decode splits: enough blocks to fill the GPU twice, each split at least this many keys. */
 #define SPLIT_MIN_KEYS 256
@@ -119,7 +125,7 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 	/* the decode kernels at D = 64 and 128 copy K and V rows with cp.async */
 	if (p->decode && !(k16 && v16) && p->variant != APE__CU_V_G256)
 		p->variant = APE__CU_V_G128;
-	p->dmax = p->variant == APE__CU_V_D64 ? 64 : p->variant == APE__CU_V_G256 ? 256 : 128;
+	p->dmax = p->variant == APE__CU_V_D64 ? 64 : p->variant == APE__CU_V_G256 ? APE_MAX_D : 128;
 	p->exact = l->D == p->dmax;
 	p->nbkv = l->B * l->Hkv;
 	p->rows = l->B * l->H * l->Lq;
@@ -148,11 +154,12 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 	if (l->H > APE_CU_INLINE_HEADS)
 		p->hp = take(p, (size_t)l->H * 4 * sizeof(float));
 	if (p->decode) {
-		const int64_t rel = l->q_start - l->k_start;
-		int64_t keys = l->causal ? rel + l->Lq : l->Lk, s;
+		/* the keys the last row sees (the decode has rows) */
+		const int64_t keys = ape_visible_keys(l->q_start - l->k_start + (l->Lq - 1), l->Lk,
+						      l->causal);
 		const size_t per_split = (size_t)p->rows * ((size_t)l->D + 4) * 4;
+		int64_t s;
 
-		keys = keys < 0 ? 0 : keys > l->Lk ? l->Lk : keys;
 		s = (2 * (int64_t)cd->sm_count + p->nbkv - 1) / p->nbkv;
 		if (s > (keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS)
 			s = (keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS;
@@ -449,7 +456,7 @@ static int run_empty(struct ape__queue *q, const struct ape__launch *l)
 
 static int check_launch(const struct ape_device *dev, const struct ape__launch *l)
 {
-	if (l->D < 2 || l->D > 256 || l->D % 2 || l->B < 1 || l->H < 1 || l->Hkv < 1 ||
+	if (l->D < 2 || l->D > APE_MAX_D || l->D % 2 || l->B < 1 || l->H < 1 || l->Hkv < 1 ||
 	    l->H % l->Hkv || l->Lq < 0 || l->Lk < 0 || (unsigned)l->in_dtype > APE_BF16 ||
 	    (l->out_dtype != l->in_dtype && l->out_dtype != APE_F32))
 		return ape__error(APE_EINVAL,

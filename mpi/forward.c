@@ -22,7 +22,7 @@ static void store_row(ape_tensor *t, const int64_t *s, int64_t b, int64_t h, int
 {
 	const size_t es = ape_dtype_size(t->dtype);
 	char *p = (char *)t->data + (size_t)(b * s[0] + h * s[1] + i * s[2]) * es;
-	uint16_t row16[256];
+	uint16_t row16[APE_MAX_D];
 
 	if (t->dtype != APE_F32)
 		ape_convert(row16, t->dtype, row, APE_F32, (size_t)D);
@@ -36,7 +36,7 @@ static void store(const struct call *c, ape_tensor *o, float *lse)
 {
 	const int64_t D = c->g.D, rows = c->sh->rows;
 	int64_t s[4];
-	float row[256];
+	float row[APE_MAX_D];
 
 	ape_tensor_strides(o, s);
 	for (int64_t bh = 0; bh < c->g.B * c->g.H; bh++)
@@ -60,7 +60,7 @@ static void store_grad(const struct call *c, ape_tensor *t, const double *g)
 {
 	const int64_t D = c->g.D, rows = c->sh->rows;
 	int64_t s[4];
-	float row[256];
+	float row[APE_MAX_D];
 
 	if (!t)
 		return;

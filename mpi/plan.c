@@ -38,7 +38,7 @@ static void load_row(const ape_tensor *t, int64_t b, int64_t h, int64_t l, float
 	const int64_t D = t->shape[3];
 	const size_t es = ape_dtype_size(t->dtype);
 	int64_t s[4];
-	uint16_t tmp[256];
+	uint16_t tmp[APE_MAX_D];
 	const char *p;
 
 	ape_tensor_strides(t, s);
@@ -66,7 +66,7 @@ static double norm(const float *x, int64_t D)
 int ape__mpi_key_max(const struct ape__mpi_geom *g, const ape_tensor *k, int64_t off, int64_t n,
 		     float *kmax)
 {
-	float row[256];
+	float row[APE_MAX_D];
 
 	for (int64_t b = 0; b < g->B; b++)
 		for (int64_t h = 0; h < g->Hkv; h++) {
@@ -94,7 +94,7 @@ int ape__mpi_query_summary(const struct ape__mpi_geom *g, const ape_tensor *q,
 	const int64_t d = g->q0 - g->k0, group = g->H / g->Hkv;
 	const bool visible = !g->causal || d >= 0;
 	const double an = fabs((double)d);
-	float qr[256], kr[256];
+	float qr[APE_MAX_D], kr[APE_MAX_D];
 
 	for (int64_t b = 0; b < g->B; b++)
 		for (int64_t h = 0; h < g->H; h++) {

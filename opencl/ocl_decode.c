@@ -67,7 +67,7 @@ static bool dec_shape(struct ape_device *dev, const struct ape__launch *l)
 	if (dec_wg(od) && (od->max_wg < DEC_GNWI || dec_wg_local(l->D) > od->local_mem))
 		return false;
 	return ape__ocl_fast_outputs(l) && l->Lq >= 1 &&
-	       l->Lq <= DEC_MAX_ROWS && l->D % 32 == 0 && l->D <= 256 && l->H % l->Hkv == 0 &&
+	       l->Lq <= DEC_MAX_ROWS && l->D % 32 == 0 && l->D <= APE_MAX_D && l->H % l->Hkv == 0 &&
 	       l->Lk >= 1 && (l->H / l->Hkv) * l->Lq <= dec_rows_max(l->D);
 }
 

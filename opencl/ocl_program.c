@@ -44,7 +44,7 @@ static int ocl_variant(int64_t D)
 
 static int ocl_variant_dmax(int v)
 {
-	return v == APE__OCL_D64 ? 64 : v == APE__OCL_D128 ? 128 : 256;
+	return v == APE__OCL_D64 ? 64 : v == APE__OCL_D128 ? 128 : APE_MAX_D;
 }
 
 /* Local memory the kernel declares for a shape (kernels/attention.cl: kv, ttab, btab, rawtab,
@@ -127,9 +127,9 @@ static void ocl_options(const struct ape__ocl_device *od, int v, const struct ap
 {
 	snprintf(buf, cap,
 		 "-cl-std=CL1.2 -DAPE_D=%d -DAPE_RW=%d -DAPE_RG=%d -DAPE_NWI=%d -DAPE_BK=%d "
-		 "-DAPE_SB=%d -DAPE_FP64=%d",
+		 "-DAPE_SB=%d -DAPE_FP64=%d -DAPE_MAX_D=%d",
 		 v == APE__OCL_DGEN ? 0 : ocl_variant_dmax(v), t->rw, t->rg, t->nwi, t->bk, t->sb,
-		 od->fp64);
+		 od->fp64, APE_MAX_D);
 }
 
 /* Everything a binary depends on: platform, device, driver, the exact source, the options. */

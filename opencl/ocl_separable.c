@@ -80,7 +80,7 @@ uint64_t ape__ocl_separable_scratch(struct ape_device *dev, const struct ape__la
 	size_t qr, kt, qn, tiles, pre;
 
 	(void)dev;
-	if (l->D % 32 || l->D > 256 || l->Lq < 1 || l->Lk < 1)
+	if (l->D % 32 || l->D > APE_MAX_D || l->Lq < 1 || l->Lk < 1)
 		return 0;
 	sep_sizes(l, &qr, &kt, &qn, &tiles, &pre);
 	return (uint64_t)(qr + 2 * kt + qn + tiles + pre) + 8 * (uint64_t)(l->D / 2 + 4 * l->H) +
@@ -93,7 +93,8 @@ bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch
 	size_t qr, kt, qn, tiles, pre;
 
 	if (!sep_wg_shape(od, l->D) || !ape__ocl_fast_outputs(l) || l->D % 32 ||
-	    l->D > 256 || l->Lq < 1 || l->Lk < 1 || l->H % l->Hkv || l->Lk > ((int64_t)1 << 30))
+	    l->D > APE_MAX_D || l->Lq < 1 || l->Lk < 1 || l->H % l->Hkv ||
+	    l->Lk > ((int64_t)1 << 30))
 		return false;
 	for (int64_t h = 0; h < l->H; h++) /* lambda = 0: every head */
 		if (l->head_params[4 * h + 3] != 0)
@@ -282,7 +283,7 @@ bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l)
 	/* pairs and lse_prior are contiguous [B, H, Lq]: no view cuts a run of heads out of them */
 	if (!sep_wg_shape(od, l->D) || !ape__ocl_fast_outputs(l) || l->pairs ||
 	    l->lse_prior || l->D % 32 ||
-	    l->D > 256 || l->Lq < 1 || l->Lk < 1 || l->Hkv < 1 || l->H % l->Hkv ||
+	    l->D > APE_MAX_D || l->Lq < 1 || l->Lk < 1 || l->Hkv < 1 || l->H % l->Hkv ||
 	    l->Lk > ((int64_t)1 << 30))
 		return false;
 	return ape__launch_mixes_separable(l);

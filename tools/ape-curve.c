@@ -230,7 +230,7 @@ static int parse_args(int argc, char **argv, struct args *a, char *err, size_t l
 				return CURVE_USAGE;
 			break;
 		case OPT_DIM:
-			if (cli_parse_int64("--dim", val, 2, 256, &a->D, err, len))
+			if (cli_parse_int64("--dim", val, 2, APE_MAX_D, &a->D, err, len))
 				return CURVE_USAGE;
 			if (a->D % 2) {
 				snprintf(err, len, "--dim %s: must be even", val);

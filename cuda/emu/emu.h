@@ -214,7 +214,7 @@ APE_DEV void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32
 }
 
 /* ex2.approx.ftz: 2^x with subnormal results flushed to zero. */
-APE_DEV float ex2(float x)
+APE_DEV float ex2_approx(float x)
 {
 	const float y = exp2f(x);
 

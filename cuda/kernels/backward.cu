@@ -138,7 +138,7 @@ APE_DEV const float *bwd_head(const ape_cu_bwd_args &a, int64_t h)
  * i >= tile_row0(a, s): the sweep writes there and adds after, ape_bwd_reduce reads there. */
 APE_DEV int64_t tile_row0(const ape_cu_bwd_args &a, int64_t kt)
 {
-	return (a.flags & APE_CU_F_CAUSAL) ? imax(0, kt * a.kblk - a.rel) : 0;
+	return (a.flags & APE_CU_F_CAUSAL) ? imax(0, ape_sat_sub(kt * a.kblk, a.rel)) : 0;
 }
 
 template <int DMAX, bool EXACT> struct Bwd {
@@ -169,7 +169,8 @@ template <int DMAX, bool EXACT> struct Bwd {
 
 		if (e >= S::TBL)
 			return;
-		const double an = (double)iabs(nlo + e);
+		/* entries past the launch's distances: saturated, never used */
+		const double an = (double)ape_abs_dist(ape_sat_add(nlo, e));
 		double *td = reinterpret_cast<double *>(sm + S::OFF_TD) + 4 * e;
 
 		reinterpret_cast<float *>(sm + S::OFF_TT)[e] = (float)(ape_temp(hp[3], an) * a.scale);
@@ -237,9 +238,9 @@ template <int DMAX, bool EXACT> struct Bwd {
 		const bool causal = a.flags & APE_CU_F_CAUSAL;
 		const bool want_dp = a.flags & APE_BW_F_DP;
 		const bool row_ok = r < nr;
-		const int64_t i = i0 + r, n0 = a.rel + i - j0;
+		const int64_t i = i0 + r, n0 = ape_sat_sub(ape_sat_add(a.rel, i), j0);
 		/* keys of the tile the row sees: causal, j <= rel + i */
-		const int kend = !row_ok ? 0 : causal ? (int)imax(0, imin(nk, n0 + 1)) : nk;
+		const int kend = !row_ok ? 0 : (int)ape_visible_keys(n0, nk, causal);
 		const float *Kt = reinterpret_cast<const float *>(sm + S::OFF_K) + c * PT2;
 		const float *sds = reinterpret_cast<const float *>(sm + S::OFF_DS) + r * ROWS;
 		const float *sdot = reinterpret_cast<const float *>(sm + S::OFF_DOT) + r * ROWS;
@@ -387,7 +388,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 					      reinterpret_cast<const void *>(a.dout), a.dt_do,
 					      bh * Lq + i0, nr, D, inter);
 					/* entry e = r - kk + ROWS - 1: n = rel + (i0 + r) - (j0 + kk) */
-					table(a, sm, rel + i0 - j0 - (ROWS - 1), hp,
+					table(a, sm, ape_sat_sub(rel + i0 - j0, ROWS - 1), hp,
 					      a.flags & APE_BW_F_DP);
 					if (tid < nr) {
 						const int64_t row = bh * Lq + i0 + tid;

@@ -143,13 +143,22 @@ APE_DEV void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32
 }
 
 /* 2^x, one MUFU instruction (relative error about 2^-22); subnormal results are 0. */
-APE_DEV float ex2(float x)
+APE_DEV float ex2_approx(float x)
 {
 	float y;
 
 	asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
 	return y;
 }
+#endif
+
+/* A weight or merge factor 2^x (scores in log2 units): 0 below the underflow cutoff that every
+ * backend shares (core/ape_math.h), NaN stays NaN. */
+APE_DEV float ex2(float x)
+{
+	return x < APE_EXP2_CUTOFF ? 0.0f : ex2_approx(x);
+}
+#ifndef APE_CUDA_EMU
 
 APE_DEV float h2f(uint16_t h)
 {
@@ -213,11 +222,6 @@ APE_DEV int64_t imin(int64_t a, int64_t b)
 APE_DEV int64_t imax(int64_t a, int64_t b)
 {
 	return a > b ? a : b;
-}
-
-APE_DEV int64_t iabs(int64_t n)
-{
-	return n < 0 ? -n : n;
 }
 
 /* Exchanges a and b when c holds; written on values (not as a choice between two array

@@ -166,7 +166,8 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 		const bool inter = a.c.flags & APE_CU_F_INTERLEAVED;
 		const int D = EXACT ? DMAX : a.c.D, P = D / 2;
 		const int64_t rows = (int64_t)a.c.B * a.c.H * Lq;
-		int64_t lo = 0, hi = causal ? imax(0, imin(rel + Lq, Lk)) : Lk;
+		/* the keys the last row sees */
+		int64_t lo = 0, hi = ape_visible_keys(rel + (Lq - 1), Lk, causal);
 
 		if (a.window) {
 			lo = reinterpret_cast<const int64_t *>(a.window)[2 * bkv];
@@ -284,7 +285,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 				const int64_t n = diag - key;
 
 				if (valid && (!causal || n >= 0)) {
-					const int64_t an = iabs(n);
+					const int64_t an = ape_abs_dist(n);
 					const float t = ape_temp_f(sl2, hp[3], an);
 					float s2 = fmaf(dot, t,
 							ape_bias_diff_f(hp[0], hp[1], hp[2], an, an0) * (float)APE_LOG2E);

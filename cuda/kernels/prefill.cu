@@ -211,11 +211,13 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 		float *tt = reinterpret_cast<float *>(sm + M::OFF_T);
 		float *bt = reinterpret_cast<float *>(sm + M::OFF_B);
 		const int64_t nbase = a.c.rel + i0 - t * BK; /* n of (row 0, key 0) */
-		const int64_t aref = ape_min_abs(nbase - (BK - 1), nbase + BQ - 1);
+		/* past the problem's rows or keys: saturated, never used */
+		const int64_t aref =
+			ape_min_abs(ape_sat_add(nbase, -(BK - 1)), ape_sat_add(nbase, BQ - 1));
 		const float sl2 = (float)(a.c.scale * APE_LOG2E);
 
 		for (int e = threadIdx.x; e < BQ + BK - 1; e += S::NTH) {
-			const int64_t an = iabs(nbase + e - (BK - 1));
+			const int64_t an = ape_abs_dist(ape_sat_add(nbase, e - (BK - 1)));
 
 			tt[e] = ape_temp_f(sl2, hp[3], an);
 			bt[e] = ape_bias_diff_f(hp[0], hp[1], hp[2], an, aref) * (float)APE_LOG2E;
@@ -255,12 +257,12 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 				   bool causal)
 	{
 		const int rb = ra + 8;
-		const int64_t n0b = n0a + 8;
+		const int64_t n0b = ape_sat_add(n0a, 8);
 
 		for (int j = 0; j < len; j++) {
 			const float pa = pload(ps, ra, j), pb = pload(ps, rb, j);
-			const bool va = !MASKED || !causal || n0a - j >= 0;
-			const bool vb = !MASKED || !causal || n0b - j >= 0;
+			const bool va = !MASKED || !causal || n0a >= j; /* n = n0 - j >= 0 */
+			const bool vb = !MASKED || !causal || n0b >= j;
 
 #pragma unroll
 			for (int n = 0; n < NTL; n++) {
@@ -402,7 +404,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 		qq = group_sum<TPR>(qq);
 		const double ia = ape_inv_alpha(hp[3], ss, D);
 		const double qnorm = ape_norm_bound(qq);
-		const int64_t diag = rel + i; /* the key at n = 0 */
+		const int64_t diag = ape_sat_add(rel, i); /* the key at n = 0 (padding: any) */
 		const double crow = ape_bias((double)hp[0], hp[1], hp[2],
 					     (double)ape_anchor_distance(diag, Lk, causal));
 
@@ -473,8 +475,9 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 			const int64_t j0 = t * BK;
 			const int len = (int)imin(BK, Lk - j0);
 			const int64_t nbase = rel + i0 - j0;
-			const int64_t n0 = nbase + r; /* this row's n at the tile's first key */
-			const bool masked = len < BK || (causal && nbase - (BK - 1) < 0);
+			/* this row's n at the tile's first key */
+			const int64_t n0 = ape_sat_add(nbase, r);
+			const bool masked = len < BK || (causal && ape_sat_sub(nbase, BK - 1) < 0);
 			const float *kt = reinterpret_cast<const float *>(sm + M::OFF_K + buf * M::K_BYTES) +
 					  c * 2 * PT;
 			const float *tt = reinterpret_cast<const float *>(sm + M::OFF_T);
@@ -541,7 +544,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 
 					/* a NaN or Inf input must not vanish into a zero weight */
 					s = isfinite(d) ? s : APE_NAN;
-					if (j >= len || (causal && n0 - j < 0) || gone)
+					if (j >= len || (causal && n0 < j) || gone)
 						s = -APE_INF;
 					ss[r * M::SROW + j] = s;
 				}
@@ -605,13 +608,13 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 					const int64_t kb = bkv * (ntk + 1);
 
 					if (can_back) {
-						int64_t cnt = (w.lo + 1) * BK;
+						const int64_t cnt =
+							ape_visible_keys(diag, (w.lo + 1) * BK, causal);
 
-						if (causal)
-							cnt = imin(cnt, diag + 1);
 						if (!may_stop(hp, as, qnorm,
 							      reinterpret_cast<const float *>(a.pre)[kb + w.lo + 1],
-							      ape_min_abs(diag - cnt + 1, diag), cnt, crow, m, lrow,
+							      ape_keys_min_abs(diag, 0, cnt), cnt, crow, m,
+							      lrow,
 							      -APE_INF, tol / dir_count))
 							vote |= PF_NO_STOP_BACK;
 					}
@@ -620,7 +623,8 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 
 						if (!may_stop(hp, as, qnorm,
 							      reinterpret_cast<const float *>(a.suf)[kb + w.hi],
-							      ape_min_abs(diag - (Lk - 1), diag - w.hi * BK), cnt, crow,
+							      ape_keys_min_abs(diag, w.hi * BK, Lk), cnt,
+							      crow,
 							      m, lrow, -APE_INF, tol / dir_count))
 							vote |= PF_NO_STOP_FWD;
 					}
@@ -661,10 +665,10 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 					pv_mma(o, ps, vs, rg, cg, lane);
 				else if (masked)
 					pv_fma<true>(o, ps, vs, ra, cg * S::CW + 2 * (lane & 3), len,
-						     nbase + ra, causal);
+						     ape_sat_add(nbase, ra), causal);
 				else
 					pv_fma<false>(o, ps, vs, ra, cg * S::CW + 2 * (lane & 3), len,
-						      nbase + ra, causal);
+						      ape_sat_add(nbase, ra), causal);
 			}
 
 			if (next >= 0 && next != pred) {
@@ -727,9 +731,8 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 						       : APE_NAN;
 			if (row_ok && a.c.pairs) {
 				const bool causal = a.c.flags & APE_CU_F_CAUSAL;
-				const int64_t seen = gone     ? 0
-						     : causal ? imax(0, imin(jend, diag + 1) - jbeg)
-							      : jend - jbeg;
+				const int64_t seen =
+					gone ? 0 : ape_row_visible_pairs(diag, jbeg, jend, causal);
 
 				reinterpret_cast<uint64_t *>(a.c.pairs)[bh * Lq + i] = (uint64_t)seen;
 			}

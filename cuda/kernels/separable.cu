@@ -219,10 +219,14 @@ template <int DM, int VT> struct Sep {
 	{
 		float *bt = reinterpret_cast<float *>(sm + OFF_B);
 		const int64_t nbase = a.rel + i0 - t * BK;
-		const int64_t aref = ape_min_abs(nbase - (BK - 1), nbase + BQ - 1);
+		/* past the problem's rows or keys: saturated, never used */
+		const int64_t aref =
+			ape_min_abs(ape_sat_add(nbase, -(BK - 1)), ape_sat_add(nbase, BQ - 1));
 
 		for (int e = threadIdx.x; e < BQ + BK - 1; e += APE_CU_THREADS)
-			bt[e] = ape_bias_diff_f(hp[0], hp[1], hp[2], iabs(nbase + e - (BK - 1)), aref) *
+			bt[e] = ape_bias_diff_f(hp[0], hp[1], hp[2],
+						ape_abs_dist(ape_sat_add(nbase, e - (BK - 1))),
+						aref) *
 				(float)APE_LOG2E;
 		if (threadIdx.x == 0) {
 			*reinterpret_cast<double *>(sm + OFF_MISC) =
@@ -275,7 +279,8 @@ template <int DM, int VT> struct Sep {
 
 		for (int r = tid; r < BQ; r += APE_CU_THREADS) {
 			crow[r] = ape_bias((double)hp[0], hp[1], hp[2],
-					   (double)ape_anchor_distance(rel + i0 + r, Lk, causal));
+					   (double)ape_anchor_distance(ape_sat_add(rel, i0 + r), Lk,
+								       causal));
 			qfac[r] = i0 + r < Lq ? reinterpret_cast<const float *>(a.qf)[bh * Lq + i0 + r]
 					      : 1.0f;
 		}
@@ -324,7 +329,7 @@ template <int DM, int VT> struct Sep {
 			const int64_t j0 = t * BK;
 			const int len = (int)imin(BK, Lk - j0);
 			const int64_t nbase = rel + i0 - j0; /* n of (row 0, key 0) */
-			const bool masked = causal && nbase - (BK - 1) < 0;
+			const bool masked = causal && ape_sat_sub(nbase, BK - 1) < 0;
 			const unsigned char *ks = sm + OFF_K + buf * APE_SEP_KBYTES(DM);
 			const uint16_t *vs =
 				reinterpret_cast<const uint16_t *>(sm + OFF_V + buf * APE_SEP_VBYTES(DM));
@@ -378,7 +383,8 @@ template <int DM, int VT> struct Sep {
 
 						/* a NaN or Inf input must not vanish into a zero weight */
 						v = isfinite(d) ? v : APE_NAN;
-						if (j >= len || (causal && nbase + r - j < 0))
+						if (j >= len ||
+						    (causal && ape_sat_add(nbase, r) < j))
 							v = -APE_INF;
 						s[n][2 * x + y] = v;
 						mt = fmaxf(mt, v); /* ignores NaN: ex2 keeps it */
@@ -444,7 +450,8 @@ template <int DM, int VT> struct Sep {
 				warp_sync();
 				for (int j = 0; j < len; j++) {
 					const float pa = ps[r0 * PROW + j], pb = ps[(r0 + 8) * PROW + j];
-					const bool va = nbase + ra - j >= 0, vb = nbase + ra + 8 - j >= 0;
+					const bool va = ape_sat_add(nbase, ra) >= j; /* n >= 0 */
+					const bool vb = ape_sat_add(nbase, ra + 8) >= j;
 
 #pragma unroll
 					for (int n = 0; n < NO; n++) {
@@ -473,13 +480,14 @@ template <int DM, int VT> struct Sep {
 #pragma unroll
 				for (int x = 0; x < 2; x++) {
 					const float lrow = group_sum<4>(l[x]);
-					const int64_t i = i0 + ra + 8 * x, diag = rel + i;
-					const int64_t cnt = imin(j0, diag + 1);
+					const int64_t i = i0 + ra + 8 * x;
+					const int64_t diag = ape_sat_add(rel, i);
+					const int64_t cnt = ape_visible_keys(diag, j0, causal);
 
 					if (i < Lq && (lane & 3) == 0 && cnt > 0 &&
 					    !may_stop(hp, fabs(a.scale),
 						      reinterpret_cast<const double *>(a.qn)[bh * Lq + i],
-						      kmax, ape_min_abs(diag - cnt + 1, diag), cnt,
+						      kmax, ape_keys_min_abs(diag, 0, cnt), cnt,
 						      crow[ra + 8 * x],
 						      m[x], lrow, -APE_INF, a.tol))
 						cannot = 1;
@@ -526,8 +534,8 @@ template <int DM, int VT> struct Sep {
 						       : APE_NAN;
 			if ((lane & 3) == 0 && a.pairs) {
 				const int64_t diag = a.rel + i;
-				const int64_t seen = causal ? imax(0, imin(jend, diag + 1) - jbeg)
-							    : jend - jbeg;
+				const int64_t seen =
+					ape_row_visible_pairs(diag, jbeg, jend, causal);
 
 				reinterpret_cast<uint64_t *>(a.pairs)[bh * a.Lq + i] = (uint64_t)seen;
 			}

@@ -97,7 +97,7 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 			r_an0[tid] = ape_anchor_distance(diag, Lk, causal);
 			r_crow[tid] = ape_bias((double)hp[0], hp[1], hp[2], (double)r_an0[tid]);
 			if (causal) {
-				r_ahi[tid] = imin(diag + 1, Lk);
+				r_ahi[tid] = ape_visible_keys(diag, Lk, causal);
 				r_alo[tid] = imax(0, r_ahi[tid] - AN);
 			} else {
 				const int64_t cc = imax(0, imin(diag, Lk - 1));
@@ -128,8 +128,8 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 
 					dot += (x * cs - y * sn) * u + (x * sn + y * cs) * w;
 				}
-				s = ape_temp_f((float)a.c.scale, hp[3], iabs(n)) * dot +
-				    ape_bias_diff_f(hp[0], hp[1], hp[2], iabs(n), r_an0[r]);
+				s = ape_temp_f((float)a.c.scale, hp[3], ape_abs_dist(n)) * dot +
+				    ape_bias_diff_f(hp[0], hp[1], hp[2], ape_abs_dist(n), r_an0[r]);
 				s = isfinite(dot) ? s : APE_NAN;
 			}
 			sc[r * AN + e % AN] = s;
@@ -172,14 +172,15 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 				while (lo < hi) {
 					const int64_t mid = (lo + hi + 1) / 2, cnt = mid * T;
 
-					if (may_stop(hp, as, r_qn[tid], pre[mid], ape_min_abs(diag - cnt + 1, diag),
+					if (may_stop(hp, as, r_qn[tid], pre[mid],
+						     ape_keys_min_abs(diag, 0, cnt),
 						     cnt, r_crow[tid], (float)(lw * APE_LOG2E), 1.0f, -APE_INF, tol))
 						lo = mid;
 					else
 						hi = mid - 1;
 				}
 				const int64_t wlo = lo * T;
-				int64_t whi = imin(Lk, causal ? diag + 1 : Lk);
+				int64_t whi = ape_visible_keys(diag, Lk, causal);
 
 				if (!causal) {
 					/* forward: the smallest tf with keys [tf*T, Lk) negligible */
@@ -189,7 +190,8 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 						const int64_t mid = (flo + fhi) / 2, cnt = Lk - mid * T;
 
 						if (may_stop(hp, as, r_qn[tid], suf[mid],
-							     ape_min_abs(diag - (Lk - 1), diag - mid * T), cnt,
+							     ape_keys_min_abs(diag, mid * T, Lk),
+							     cnt,
 							     r_crow[tid], (float)(lw * APE_LOG2E), 1.0f, -APE_INF, tol))
 							fhi = mid;
 						else

@@ -192,6 +192,11 @@ typedef struct ape_param {
 	const float *per_head; /**< H values, read during the call only; NULL for one value */
 } ape_param;
 
+/** The largest head dimension D (the last dimension of q, k, v and o, and ape_kv_cache_opts.D)
+ *  any call takes: D is even and in 2..APE_MAX_D (APE-SPEC.md, "Shapes and positions"). One row
+ *  of a head, D values, fits in an array of APE_MAX_D. */
+#define APE_MAX_D 256
+
 /**
  * \brief Every parameter of the operation. Start from ape_attn_desc_init(), then change fields.
  */
@@ -655,8 +660,9 @@ APE_API void ape_stats_init(ape_stats *st);
  * \brief Computes APE attention O (and optionally LSE) on \p dev from host tensors.
  *
  * Everything is validated before any work: shapes (`q` `[B,H,Lq,D]`, `k` and `v` `[B,Hkv,Lk,D]`,
- * `o` `[B,H,Lq,D]`, H % Hkv == 0, D even in 2..256), storage types (q, k, v the same; o the same or
- * APE_F32), strides, every parameter and every head's value. A failure names the argument.
+ * `o` `[B,H,Lq,D]`, H % Hkv == 0, D even in 2..APE_MAX_D), storage types (q, k, v the same; o
+ * the same or APE_F32), strides, every parameter and every head's value. A failure names the
+ * argument.
  *
  * \param dev a device of a live context
  * \param desc the parameters (see ape_attn_desc_init())
@@ -828,7 +834,7 @@ typedef struct ape_kv_cache_options {
 	int64_t B; /**< batch, >= 1 */
 	int64_t Hkv; /**< key/value heads, >= 1 */
 	int64_t H; /**< query heads of attends, a multiple of Hkv; 0: Hkv */
-	int64_t D; /**< head dimension: even, 2..256 */
+	int64_t D; /**< head dimension: even, 2..APE_MAX_D */
 	ape_dtype dtype; /**< storage of keys, values and queries */
 	int64_t block_tokens; /**< tokens per block (1..2^40); 0: 256 */
 	/** Tokens the cache holds at once (>= 1), rounded up to whole blocks. Appending more

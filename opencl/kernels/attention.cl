@@ -34,7 +34,7 @@
 #define APE_DMAX APE_D
 #define DIM APE_D
 #else
-#define APE_DMAX 256
+#define APE_DMAX APE_MAX_D /* ape/ape.h, a build option (ocl_program.c) */
 #define DIM (R->D) /* every function reaches the run-time D through its struct run *R */
 #endif
 #define APE_PMAX (APE_DMAX / 2)
@@ -243,7 +243,7 @@ KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
 	VS(qq, tc);
 	NOUNROLL
 	for (int k = 0; k < APE_RW; k++) {
-		const long diag = R->rel + i + k; /* index of the key at n = 0 */
+		const long diag = ape_sat_add(R->rel, i + k); /* the key at n = 0 (padding: any) */
 		const long an = ape_anchor_distance(diag, R->Lk, R->causal);
 
 		tr[k] = ape_inv_alpha(R->lambda, tr[k], DIM);
@@ -304,8 +304,9 @@ KFN void tile_load(const struct run *R, long j0, int len, long nbase, APE_REAL b
 			t = rold[2 * eo];
 			b = rold[2 * eo + 1];
 		} else {
-			const long n = nbase + e - (APE_BK - 1);
-			const APE_REAL an = (APE_REAL)(n < 0 ? -n : n);
+			/* past the problem's rows or keys: saturated, never used */
+			const long n = ape_sat_add(nbase, e - (APE_BK - 1));
+			const APE_REAL an = (APE_REAL)ape_abs_dist(n);
 
 			t = ape_temp(R->lambda, an) * (APE_REAL)R->scale;
 			b = ape_bias(R->delta, R->beta, R->gamma, an);
@@ -330,7 +331,7 @@ KFN void tile_scores(const struct run *R, const struct rows *r, long nbase, int 
 	const int P = DIM / 2;
 	const vi ii = r->rb + IOTA;
 	const vf cr = TO_VF((vr)bref - r->crow);
-	const vr n0 = (APE_REAL)(nbase + r->rb) + TO_VR(IOTA);
+	const vr n0 = (APE_REAL)ape_sat_add(nbase, r->rb) + TO_VR(IOTA);
 	vf xr[APE_PMAX], yr[APE_PMAX];
 
 	NOUNROLL
@@ -408,7 +409,7 @@ KFN void tile_scores(const struct run *R, const struct rows *r, long nbase, int 
 
 /*
  * One online-softmax update for the whole tile; '>' ignores NaN, exp() keeps it.
- * Weights below e^-87 (where float turns subnormal) are exact zeros: they are 1e-38 of the
+ * Weights below e^-87 (APE_EXP_CUTOFF: float turns subnormal) are exact zeros: they are 1e-38 of the
  * row's largest and change nothing, but an x86 FMA with a subnormal operand takes a microcode
  * assist, and a decaying bias makes every row meet a band of them: the dense kernel with the
  * seed's parameters ran at less than half speed. A NaN score keeps its NaN (a comparison
@@ -424,12 +425,14 @@ KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int
 	NOUNROLL
 	for (int j = 0; j < len; j++)
 		mt = select(mt, sc[j], sc[j] > mt);
-	corr = select(select(exp(r->m - mt), (vf)0.0f, r->m - mt < -87.0f), (vf)1.0f, r->m == mt);
+	corr = select(select(exp(r->m - mt), (vf)0.0f, r->m - mt < APE_EXP_CUTOFF), (vf)1.0f,
+		      r->m == mt);
 	if (R->flags & F_DIAG) {
 		/* the two running sums of the diagnostics (core/ape_math.h), rescaled with the
 		 * softmax: nothing yet (corr 0) stays 0; an unchanged maximum moves nothing */
 		const vf dm = select(r->m - mt, (vf)0.0f, r->m == mt);
-		const vf nf = TO_VF((APE_REAL)(nbase + r->rb) + TO_VR(IOTA)); /* n of key 0 */
+		/* n of key 0 */
+		const vf nf = TO_VF((APE_REAL)ape_sat_add(nbase, r->rb) + TO_VR(IOTA));
 		vf s1 = select(APE_DIAG_RESCALE_S1(r->s1, r->l, corr, dm), (vf)0.0f,
 			       corr == (vf)0.0f);
 		vf s2 = r->s2 * corr;
@@ -438,7 +441,7 @@ KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int
 		for (int j = 0; j < len; j++) {
 			const vf dj = sc[j] - mt;
 			const vf pj = select(exp(dj), (vf)0.0f,
-					     dj < -87.0f || sc[j] == (vf)(-INFINITY));
+					     dj < APE_EXP_CUTOFF || sc[j] == (vf)(-INFINITY));
 
 			sc[j] = pj;
 			lsum += pj;
@@ -452,7 +455,7 @@ KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int
 		for (int j = 0; j < len; j++) {
 			const vf dj = sc[j] - mt; /* NaN for a masked key in a row with no key yet */
 			const vf pj = select(exp(dj), (vf)0.0f,
-					     dj < -87.0f || sc[j] == (vf)(-INFINITY));
+					     dj < APE_EXP_CUTOFF || sc[j] == (vf)(-INFINITY));
 
 			sc[j] = pj;
 			lsum += pj;
@@ -483,24 +486,22 @@ KFN void rows_may_stop(const struct run *R, const struct rows *r, long lo, long 
 	VS(r->l, ls);
 	NOUNROLL
 	for (int k = 0; k < APE_RW && (*cb || *cf); k++) {
-		const long i = r->i + k, diag = R->rel + i;
+		const long i = r->i + k, diag = ape_sat_add(R->rel, i);
 
 		if (i >= R->Lq)
 			continue; /* padding rows never hold the work-group back */
 		if (*cb) {
-			long cnt = (lo + 1) * APE_BK;
+			const long cnt = ape_visible_keys(diag, (lo + 1) * APE_BK, R->causal);
 
-			if (R->causal)
-				cnt = min(cnt, diag + 1);
 			*cb = ape_may_skip(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k],
-					   kb, ape_min_abs(diag - cnt + 1, diag), cnt, r->crow_s[k],
+					   kb, ape_keys_min_abs(diag, 0, cnt), cnt, r->crow_s[k],
 					   ms[k], ls[k], -INFINITY, R->tol);
 		}
 		if (*cf) {
 			const long cnt = R->Lk - hi * APE_BK;
 
 			*cf = ape_may_skip(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k],
-					   kf, ape_min_abs(diag - (R->Lk - 1), diag - hi * APE_BK),
+					   kf, ape_keys_min_abs(diag, hi * APE_BK, R->Lk),
 					   cnt, r->crow_s[k], ms[k], ls[k], -INFINITY, R->tol);
 		}
 	}
@@ -519,7 +520,7 @@ KFN int rows_skip_all(const struct run *R, const struct rows *r, APE_REAL kall)
 
 	NOUNROLL
 	for (int k = 0; k < APE_RW; k++) {
-		const long i = r->i + k, diag = R->rel + i;
+		const long i = r->i + k, diag = ape_sat_add(R->rel, i);
 		const long cnt = ape_visible_keys(diag, R->Lk, R->causal);
 		const long an = ape_anchor_distance(diag, R->Lk, R->causal);
 
@@ -547,7 +548,7 @@ KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long 
 	VS(r->s2, s2s);
 	NOUNROLL
 	for (int k = 0; k < APE_RW; k++) {
-		const long i = r->i + k, diag = R->rel + i;
+		const long i = r->i + k, diag = ape_sat_add(R->rel, i);
 
 		if (i >= R->Lq)
 			break;
@@ -567,9 +568,8 @@ KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long 
 					(APE_REAL)ls[k], (APE_REAL)s2s[k]);
 		}
 		if (R->flags & F_PAIRS) {
-			const long seen = max(0L, (R->causal ? min(jend, diag + 1) : jend) - jbeg);
-
-			PAIRS[R->bh * R->Lq + i] = (ulong)seen;
+			PAIRS[R->bh * R->Lq + i] =
+				(ulong)ape_row_visible_pairs(diag, jbeg, jend, R->causal);
 		}
 	}
 #if APE_RW == 1
@@ -692,9 +692,9 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 		const int len = none ? 0 : (int)min((long)APE_BK, Lk - j0);
 		const long nbase = rel + R->i0 - j0; /* n of (row i0, key j0) */
 		/* causal: visible iff (row in tile) - (key in tile) >= lim */
-		const int lim = (int)clamp(-nbase, -2L * APE_BK, 2L * BQ);
+		const int lim = (int)clamp(ape_sat_sub(0, nbase), -2L * APE_BK, 2L * BQ);
 		const APE_REAL bref = ape_bias(R->delta, R->beta, R->gamma,
-					       (APE_REAL)(nbase < 0 ? -nbase : nbase));
+					       (APE_REAL)ape_abs_dist(nbase));
 
 		WG_BARRIER(); /* the previous tile is no longer read */
 		tile_load(R, j0, len, nbase, bref, ku, kw, vt, ttab, btab, rawtab[cur ^ 1],
@@ -706,7 +706,7 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 		NOUNROLL
 		for (int g = 0; g < APE_RG; g++) {
 			struct rows *r = &rg[g];
-			const int mask = R->causal && nbase + r->rb - (APE_BK - 1) < 0;
+			const int mask = R->causal && ape_sat_add(nbase, r->rb - (APE_BK - 1)) < 0;
 
 			if ((t < r->tlo && r->done_b) || (t > r->thi && r->done_f))
 				continue;

@@ -121,9 +121,10 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 __kernel void ape_bwd_dist(__global const APE_REAL *prm, int npad, int H, long nmin, long ndist,
 			   __global APE_REAL *tab)
 {
-	const long idx = get_global_id(0), h = get_global_id(1), n = nmin + idx;
+	/* past ndist (the work-group's rounding): saturated, never used */
+	const long idx = get_global_id(0), h = get_global_id(1), n = ape_sat_add(nmin, idx);
 	__global const APE_REAL *hp = prm + npad + 4 * h;
-	const APE_REAL an = (APE_REAL)(n < 0 ? -n : n);
+	const APE_REAL an = (APE_REAL)ape_abs_dist(n);
 
 	if (idx >= ndist || h >= H)
 		return;
@@ -184,7 +185,7 @@ KFN vf bwd_p(vr t, vr bias, vr lse, vf dot, float scale, vf *tsc)
 	const vf ts = TO_VF(t) * scale, x = fma(ts, dot, TO_VF(bias - lse));
 
 	*tsc = ts;
-	return APE_V_SELECT(exp(x), (vf)0.0f, x < -87.0f);
+	return APE_V_SELECT(exp(x), (vf)0.0f, x < APE_EXP_CUTOFF);
 }
 
 /* The lanes of a row vector (rows r0 + lane, lanes lo .. hi-1 real) that see a key: lane >= lo
@@ -230,17 +231,18 @@ KFN void bwd_row_range(__global const APE_REAL *hp, float scale, APE_REAL qn, AP
 			hi = mid;
 	}
 	*jlo = lo * B_GRANULE;
-	if (causal || diag + 1 >= Lk)
+	if (causal || diag >= Lk - 1)
 		return;
 	/* suffix from granule m at n <= -1: m >= m0; hi passed (or leaves out nothing) */
-	m0 = diag + 1 > 0 ? (diag + 1 + B_GRANULE - 1) / B_GRANULE : 0;
+	m0 = (ape_visible_keys(diag, Lk, 1) + B_GRANULE - 1) / B_GRANULE;
 	hi = (Lk + B_GRANULE - 1) / B_GRANULE;
 	lo = m0 - 1;
 	while (hi - lo > 1) {
 		const long mid = (lo + hi) / 2, s0 = mid * B_GRANULE;
 
 		if (ape_bwd_may_skip(hp[3], hp[0], hp[1], hp[2], as, qn, km,
-				     (APE_REAL)(s0 - diag), (APE_REAL)(Lk - s0), lse, t))
+				     (APE_REAL)ape_abs_dist(diag - s0), (APE_REAL)(Lk - s0), lse,
+				     t))
 			hi = mid;
 		else
 			lo = mid;
@@ -308,8 +310,7 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 			dl - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
 		{ /* the keys it must compute; the row vector computes their union */
 			const long diag = rel + i;
-			const long vend = causal ? (diag + 1 < 0 ? 0 : diag + 1 < Lk ? diag + 1 : Lk)
-						 : Lk;
+			const long vend = ape_visible_keys(diag, Lk, causal);
 			long jlo = 0, jhi = vend;
 
 			if ((flags & B_SKIP) && vend > 0)
@@ -327,8 +328,8 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 	if (vlo >= vhi)
 		vlo = vhi = 0;
 	NOUNROLL for (int l = 0; l < APE_RW; l++) {
-		const long i = i0 + l, diag = rel + i;
-		const long vend = causal ? (diag + 1 < 0 ? 0 : diag + 1 < Lk ? diag + 1 : Lk) : Lk;
+		const long i = i0 + l, diag = ape_sat_add(rel, i); /* padding lanes: any */
+		const long vend = ape_visible_keys(diag, Lk, causal);
 		const long e = vhi < vend ? vhi : vend;
 
 		ri[RI_JLO * APE_RW + l] = (APE_REAL)vlo;
@@ -370,7 +371,8 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 
 /* The lanes of row vector g that see key kt of the block (causal: n = nl0 + lane - kt >= 0) */
 #define KEYS_VIS(g, kt)                                                                           \
-	bwd_lanes(b.causal ? (int)clamp((long)(kt) - nl0[g], 0L, (long)APE_RW) : 0, hi[g])
+	bwd_lanes(b.causal ? (int)clamp(ape_sat_sub((long)(kt), nl0[g]), 0L, (long)APE_RW) : 0, \
+		  hi[g])
 
 /* Pair p of a row vector's dQ in a split's slice (ape_bwd_fused) += R(-theta_0) (vx, vy), the
  * Horner walk's sum turned by the block's seed (c0, s0) */
@@ -438,7 +440,7 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 		int fresh = 1;
 
 		/* causal: row i sees key j when n = rel + i - j >= 0; from the row vector holding it */
-		i0 = b.causal ? j0 - rel : 0;
+		i0 = b.causal ? ape_sat_sub(j0, rel) : 0;
 		i0 = (i0 < 0 ? 0 : i0) / APE_RW * APE_RW;
 		for (long h = bkv % Hkv * group; h < (bkv % Hkv + 1) * group; h++) {
 			const long bh = bkv / Hkv * H + h;
@@ -875,7 +877,7 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 		const APE_REAL Ai = su[0][l] / ri[RI_ALPHA * APE_RW + l];
 
 		/* keys this row sees (causal: j <= rel + i) */
-		cnt[l] = causal ? (rel + i + 1 < Lk ? rel + i + 1 : Lk) : Lk;
+		cnt[l] = ape_visible_keys(rel + i, Lk, causal);
 		/* the path through alpha_i: A_i d(alpha)/d(sigma) d(sigma)/d(q) */
 		coef[l] = Ai * ape_grad_dalpha_dsigma(hp[3], sigma) *
 			  ape_grad_dsigma_coef((APE_REAL)BD(D), sigma);

@@ -27,7 +27,7 @@
 #define DEC_DMAX APE_D
 #define DEC_DIM APE_D
 #else
-#define DEC_DMAX 256
+#define DEC_DMAX APE_MAX_D
 #define DEC_DIM D
 #endif
 #define DEC_CMAX (DEC_DMAX / 32) /* float16 chunks of pairs per half */
@@ -280,7 +280,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 		ia[r] = ape_inv_alpha(prm[P + 4 * h + 3], ss, DEC_DIM);
 		diag[r] = rel + i;
 		aref[r] = ape_anchor_distance(diag[r], Lk, causal);
-		jend[r] = causal ? clamp(diag[r] + 1, j0, j1) : j1;
+		jend[r] = j0 + ape_row_visible_pairs(diag[r], j0, j1, causal);
 		kend = max(kend, jend[r]);
 		for (int c = 0; c < C; c++)
 			SW[r][c] = dec_seed16(omega, c, (APE_REAL)1, ia[r], &CW[r][c]);
@@ -325,7 +325,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 					if (r >= nr)
 						break;
 					float16 acc = (float16)0.0f;
-					const long n = diag[r] - j, an = n < 0 ? -n : n;
+					const long n = diag[r] - j, an = ape_abs_dist(n);
 					float dot, sv;
 
 #pragma unroll
@@ -355,11 +355,12 @@ KFN void dec_body(DEC_ARGS, const int RM)
 				const float16 sv = vload16(0, sc[r]);
 				const float mt = fmax(M[r], dec_hmax(sv));
 				const float corr = M[r] == mt ? 1.0f
-						   : M[r] - mt < -87.0f ? 0.0f
+						   : M[r] - mt < APE_EXP_CUTOFF ? 0.0f
 									: exp(M[r] - mt);
 				const float16 dd = sv - mt;
 				const float16 pv = select(dec_exp16(dd), (float16)0.0f,
-							  dd < -87.0f || sv == (float16)(-INFINITY));
+							  dd < APE_EXP_CUTOFF ||
+								  sv == (float16)(-INFINITY));
 				const float lsum = dec_hsum(pv);
 
 				vstore16(pv, 0, sc[r]);
@@ -532,7 +533,7 @@ KFN long dec_wg_kend(long s, long chunk, long Lk, long Lq, long rel, int causal,
 	const long a = min(s * chunk, Lk), e = min(a + chunk, Lk);
 
 	*j0 = a;
-	return causal ? clamp(rel + Lq, a, e) : e;
+	return a + ape_row_visible_pairs(rel + (Lq - 1), a, e, causal);
 }
 
 KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local float *lm,
@@ -603,7 +604,7 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 			ACC[r][k] = 0.0f;
 		M[r] = -INFINITY;
 		L[r] = 0.0f;
-		jend[r] = causal ? clamp(diag + 1, j0, kend) : kend;
+		jend[r] = j0 + ape_row_visible_pairs(diag, j0, kend, causal);
 	}
 
 	for (long blk = 0; blk < nb; blk++) {
@@ -672,7 +673,7 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 				const float rdelta = (float)prm[P + 4 * h], rbeta = (float)prm[P + 4 * h + 1];
 				const float rgamma = (float)prm[P + 4 * h + 2];
 				const float rlambda = (float)prm[P + 4 * h + 3];
-				const long n = diag - j, an = n < 0 ? -n : n;
+				const long n = diag - j, an = ape_abs_dist(n);
 				float dot = 0.0f;
 
 				for (int l = 0; l < PL; l++)
@@ -689,7 +690,7 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 		barrier(CLK_LOCAL_MEM_FENCE);
 
 		/* 3. the weights against the row's new maximum ('>' and fmax ignore NaN, exp keeps
-		 * it; below e^-87 an exact zero, as in dec_body) */
+		 * it; below e^APE_EXP_CUTOFF an exact zero, as in dec_body) */
 		for (int e = lid; e < KS * DEC_TILE; e += DEC_GNWI) {
 			const int k2 = e / DEC_TILE, r = e % DEC_TILE / BLK;
 			const float sv = sc[e];
@@ -698,7 +699,7 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 			for (int jj = 0; jj < BLK && r < nr; jj++)
 				mt = fmax(mt, sc[k2 * DEC_TILE + r * BLK + jj]);
 			dd = sv - mt;
-			pw[e] = dd < -87.0f || sv == -INFINITY ? 0.0f : exp(dd);
+			pw[e] = dd < APE_EXP_CUTOFF || sv == -INFINITY ? 0.0f : exp(dd);
 		}
 		barrier(CLK_LOCAL_MEM_FENCE);
 
@@ -716,7 +717,9 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 					mt = fmax(mt, sr[jj]);
 					lsum += pr[jj];
 				}
-				corr = M[r] == mt ? 1.0f : M[r] - mt < -87.0f ? 0.0f : exp(M[r] - mt);
+				corr = M[r] == mt		     ? 1.0f
+				       : M[r] - mt < APE_EXP_CUTOFF ? 0.0f
+								    : exp(M[r] - mt);
 				L[r] = L[r] * corr + lsum;
 				M[r] = mt;
 				if (pl == 0)

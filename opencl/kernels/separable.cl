@@ -128,11 +128,11 @@ __kernel void ape_sep_btab(__global const APE_REAL *prm, int D, long ne, long Lk
 {
 	const long e = get_global_id(0);
 	const int h = (int)get_global_id(1), P = D / 2;
-	const long n = rel + e - (Lkp - 1);
+	const long n = ape_sat_add(rel, e - (Lkp - 1)); /* padding: saturated, never used */
 
 	if (e < ne)
 		tab[h * ne + e] = ape_bias(prm[P + 4 * h], prm[P + 4 * h + 1], prm[P + 4 * h + 2],
-					   (APE_REAL)(n < 0 ? -n : n));
+					   (APE_REAL)ape_abs_dist(n));
 }
 
 /* Prefix maxima of the tile norms: pre[t] over tiles < t (one work-item per kv head). */
@@ -225,18 +225,21 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 	for (int g = 0; g < SEP_NB; g++) {
 		i0[g] = (wg * SEP_NB + g) * SEP_BQ;
 		nrow[g] = clamp(Lq - i0[g], 0L, (long)SEP_BQ);
-		d0[g] = convert_int16(clamp(convert_long16(iota) + (rel + i0[g]), 0L, Lk - 1));
+		/* add_sat: ape_sat_add() on vectors (padding rows may pass INT64_MAX) */
+		d0[g] = convert_int16(clamp(add_sat(convert_long16(iota),
+						    (long16)ape_sat_add(rel, i0[g])),
+					    0L, Lk - 1));
 		for (int r = 0; r < SEP_BQ; r++)
 			crow[g][r] = ape_bias((APE_REAL)prm[P + 4 * h], beta, gamma,
-					      (APE_REAL)ape_anchor_distance(rel + i0[g] + r, Lk,
-									    causal));
+					      (APE_REAL)ape_anchor_distance(
+						      ape_sat_add(rel, i0[g] + r), Lk, causal));
 		for (int d = 0; d < DEC_DIM; d++)
 			acc[g][d] = (float16)0.0f;
 		m[g] = (float16)(-INFINITY);
 		l[g] = (float16)0.0f;
 		/* tiles: causal from the block's last diagonal backward, else all in order */
 		if (causal) {
-			const long dl = rel + i0[g] + nrow[g] - 1;
+			const long dl = ape_sat_add(rel, i0[g] + nrow[g] - 1);
 
 			tstart[g] = nrow[g] <= 0 || dl < 0 ? -1 : min(dl, Lk - 1) / SEP_BK;
 		} else {
@@ -256,7 +259,8 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 
 		for (int g = 0; g < SEP_NB; g++) {
 			__global const float *qt = Qt + (bh * Lqp + i0[g]) * DEC_DIM;
-			const int masked = len < SEP_BK || (causal && k0 + SEP_BK - 1 > rel + i0[g]);
+			const int masked = len < SEP_BK ||
+					   (causal && k0 + SEP_BK - 1 > ape_sat_add(rel, i0[g]));
 			float16 S[SEP_BK], mt, corr, cr, lsum = (float16)0.0f;
 			float bt[SEP_BQ + SEP_BK - 1];
 
@@ -317,14 +321,15 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 				S[j] = s;
 				mt = fmax(mt, s);
 			}
-			corr = select(select(dec_exp16(m[g] - mt), (float16)0.0f, m[g] - mt < -87.0f),
+			corr = select(select(dec_exp16(m[g] - mt), (float16)0.0f,
+					     m[g] - mt < APE_EXP_CUTOFF),
 				      (float16)1.0f, m[g] == mt);
 #pragma unroll
 			for (int j = 0; j < SEP_BK; j++) {
 				const float16 dd = S[j] - mt;
 
 				p[j] = select(dec_exp16(dd), (float16)0.0f,
-					      dd < -87.0f || S[j] == (float16)(-INFINITY));
+					      dd < APE_EXP_CUTOFF || S[j] == (float16)(-INFINITY));
 				lsum += p[j];
 			}
 			l[g] = l[g] * corr + lsum;
@@ -342,14 +347,15 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 				vstore16(m[g], 0, ms);
 				vstore16(l[g], 0, ls);
 				for (int r = 0; r < nrow[g] && stop; r++) {
-					const long diag = rel + i0[g] + r, cnt = min(k0, diag + 1);
+					const long diag = rel + (i0[g] + r);
+					const long cnt = ape_visible_keys(diag, k0, causal);
 
 					if (cnt <= 0)
 						continue;
 					stop = ape_may_skip(0, prm[P + 4 * h], beta, gamma,
 							    fabs((APE_REAL)scale),
 							    qn[bh * Lqp + i0[g] + r], kb,
-							    ape_min_abs(diag - cnt + 1, diag), cnt,
+							    ape_keys_min_abs(diag, 0, cnt), cnt,
 							    crow[g][r], ms[r], ls[r], -INFINITY, tol);
 				}
 				done[g] = stop;
@@ -374,7 +380,7 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 				   FD_DT_OUT(flags));
 		}
 		for (int r = 0; r < nrow[g]; r++) {
-			const long i = i0[g] + r, diag = rel + i;
+			const long i = i0[g] + r, diag = rel + i; /* a real row: fits */
 
 			if (flags & FD_LSE)
 				LSE[loff + b * lsb + h * lsh + i * lsl] =
@@ -387,7 +393,7 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 				const long je = tstart[g] < 0 ? 0 : min((thi[g] + 1) * SEP_BK, Lk);
 
 				PAIRS[bh * Lq + i] =
-					(ulong)max(0L, (causal ? min(je, diag + 1) : je) - jb);
+					(ulong)ape_row_visible_pairs(diag, jb, je, causal);
 			}
 		}
 	}
@@ -426,7 +432,7 @@ __kernel void ape_sep_attn_wg(__global const float *Qt, __global const float *Kr
 	const int lid = (int)get_local_id(0), nwi = (int)get_local_size(0);
 	/* the heaviest causal groups (the last ones) are handed out first */
 	const long i0 = ((long)get_num_groups(0) - 1 - (long)get_group_id(0)) * nwi, i = i0 + lid;
-	const long bh = get_global_id(1), b = bh / H, diag = rel + i;
+	const long bh = get_global_id(1), b = bh / H, diag = ape_sat_add(rel, i);
 	const int h = (int)(bh % H), P = DEC_DIM / 2, live = i < Lq;
 	const int causal = (flags & FD_CAUSAL) != 0, skip = causal && (flags & FS_SKIP) != 0;
 	const long bkv = b * (H / group) + h / group, ntk = Lkp / SEP_GBK;
@@ -450,7 +456,8 @@ __kernel void ape_sep_attn_wg(__global const float *Qt, __global const float *Kr
 	if (nlive <= 0)
 		tlast = -1;
 	else if (causal)
-		tlast = rel + i0 + nlive - 1 < 0 ? -1 : min(rel + i0 + nlive - 1, Lk - 1) / SEP_GBK;
+		tlast = rel + (i0 + nlive - 1) < 0 ? -1
+						    : min(rel + (i0 + nlive - 1), Lk - 1) / SEP_GBK;
 	else
 		tlast = ntk - 1;
 	for (int d = 0; d < DEC_DIM; d++) {
@@ -503,11 +510,11 @@ __kernel void ape_sep_attn_wg(__global const float *Qt, __global const float *Kr
 				s[j] = x;
 				mt = fmax(mt, x);
 			}
-			corr = m == mt ? 1.0f : m - mt < -87.0f ? 0.0f : exp(m - mt);
+			corr = m == mt ? 1.0f : m - mt < APE_EXP_CUTOFF ? 0.0f : exp(m - mt);
 			for (int j = 0; j < SEP_GBK; j++) {
 				const float dd = s[j] - mt;
 
-				p[j] = dd < -87.0f || s[j] == -INFINITY ? 0.0f : exp(dd);
+				p[j] = dd < APE_EXP_CUTOFF || s[j] == -INFINITY ? 0.0f : exp(dd);
 				ps += p[j];
 			}
 			lsum = lsum * corr + ps;
@@ -529,14 +536,14 @@ __kernel void ape_sep_attn_wg(__global const float *Qt, __global const float *Kr
 			int stop = 1;
 
 			if (live) {
-				const long cnt = min(k0, diag + 1);
+				const long cnt = ape_visible_keys(diag, k0, causal);
 
 				if (cnt > 0)
 					stop = ape_may_skip(0, prm[P + 4 * h], beta, gamma,
 							    fabs((APE_REAL)scale), qn[bh * Lqp + i],
 							    kpre[bkv * (ntk + 1) + t],
-							    ape_min_abs(diag - cnt + 1, diag), cnt, crow,
-							    m, lsum, -INFINITY, tol);
+							    ape_keys_min_abs(diag, 0, cnt), cnt,
+							    crow, m, lsum, -INFINITY, tol);
 			}
 			if (!stop)
 				lstop = 0;
@@ -563,7 +570,7 @@ __kernel void ape_sep_attn_wg(__global const float *Qt, __global const float *Kr
 			const long jb = tlo < 0 ? 0 : tlo * SEP_GBK;
 			const long je = tlo < 0 ? 0 : min((thi + 1) * SEP_GBK, Lk);
 
-			PAIRS[bh * Lq + i] = (ulong)max(0L, (causal ? min(je, diag + 1) : je) - jb);
+			PAIRS[bh * Lq + i] = (ulong)ape_row_visible_pairs(diag, jb, je, causal);
 		}
 	}
 }

@@ -17,6 +17,7 @@
 #include "core/alloc.h"
 #include "core/context.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "exec/launch.h"
 #include "exec/pack.h"
 #include "api/kvcache.h"
@@ -54,9 +55,10 @@ static int check_options(const char *fn, const ape_kv_cache_options *o)
 				  "%s: opts->H = %" PRId64 ": must be a multiple of Hkv = %" PRId64
 				  " (0: Hkv)",
 				  fn, o->H, o->Hkv);
-	if (o->D < 2 || o->D > 256 || o->D % 2)
-		return ape__error(APE_EINVAL, "%s: opts->D = %" PRId64 ": must be even and in 2..256",
-				  fn, o->D);
+	if (o->D < 2 || o->D > APE_MAX_D || o->D % 2)
+		return ape__error(APE_EINVAL,
+				  "%s: opts->D = %" PRId64 ": must be even and in 2..%d", fn, o->D,
+				  APE_MAX_D);
 	if (!ape_dtype_size(o->dtype))
 		return ape__error(APE_EINVAL, "%s: opts->dtype = %d: not a libape storage type", fn,
 				  (int)o->dtype);
@@ -400,7 +402,7 @@ static int copy_piece(struct ape_kv_cache *c, struct ape__queue *q, const char *
 static void note_norms(struct ape_kv_cache *c, const char *packed, int64_t t0, int64_t n)
 {
 	const int64_t nbg = c->o.B * c->o.Hkv, D = c->o.D;
-	float row[256];
+	float row[APE_MAX_D];
 
 	for (int64_t bg = 0; bg < nbg; bg++)
 		for (int64_t i = 0; i < n; i++) {

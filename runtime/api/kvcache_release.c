@@ -18,6 +18,7 @@
 #include "core/ape_math.h"
 #include "core/alloc.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "exec/pack.h"
 #include "exec/skip_budget.h"
 #include "api/kvcache.h"
@@ -119,7 +120,7 @@ int ape__kv_check_release_terms(const struct ape_kv_cache *c, const char *fn,
 				const struct ape__problem *p, const ape_tensor *q,
 				const int64_t qs[4])
 {
-	float row[256];
+	float row[APE_MAX_D];
 
 	if (!c->released)
 		return 0;

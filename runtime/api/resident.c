@@ -13,6 +13,7 @@
 
 #include "core/alloc.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "exec/resident.h"
 #include "api/forward.h"
 #include "api/resident.h"
@@ -502,7 +503,7 @@ static int write_empty_rows(ape_queue *queue, const struct ape__problem *p,
 			    struct ape__buf *const buf[APE__T_COUNT],
 			    const struct ape__view view[APE__T_COUNT])
 {
-	static const float zeros[256];
+	static const float zeros[APE_MAX_D];
 	static const float neg_inf = -INFINITY;
 	const struct ape__backend_ops *ops = queue->dev->be->ops;
 	const size_t osz = ape_dtype_size(p->out_dtype);
@@ -605,10 +606,10 @@ static int zero_rows(ape_queue *queue, const struct ape__problem *p, struct ape_
 
 /*
  * The values of an empty call, in a scratch of the queue's: EMPTY_ZEROS floats 0 (as many as
- * a row of O holds at most: D <= 256, api/validate.c), then -inf. copy_view reads it with
+ * a row of O holds at most: D <= APE_MAX_D, api/validate.c), then -inf. copy_view reads it with
  * strides 0, so that each output takes one strided command whatever its rows.
  */
-enum { EMPTY_ZEROS = 256, EMPTY_NEG_INF = EMPTY_ZEROS, EMPTY_FLOATS = EMPTY_ZEROS + 1 };
+enum { EMPTY_ZEROS = APE_MAX_D, EMPTY_NEG_INF = EMPTY_ZEROS, EMPTY_FLOATS = EMPTY_ZEROS + 1 };
 
 /* Every [B, H, Lq, d] element of dst where v says (d = D for O, 1 for the rows' outputs), from
  * element `from` of the values (struct ape__copy). */

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "core/error.h"
+#include "core/limits.h"
 
 /* ---------------------------------------------------------------- tensors */
 
@@ -281,10 +282,10 @@ static int check_tensors(struct ape__problem *p, const char *fn, const ape_tenso
 	if (p->B < 1 || p->H < 1)
 		return ape__error(APE_EINVAL, "%s: q->shape[%d] = %" PRId64 ": %s must be >= 1", fn,
 				  p->B < 1 ? 0 : 1, p->B < 1 ? p->B : p->H, p->B < 1 ? "B" : "H");
-	if (p->D < 2 || p->D > 256 || p->D % 2)
+	if (p->D < 2 || p->D > APE_MAX_D || p->D % 2)
 		return ape__error(APE_EINVAL,
-				  "%s: q->shape[3] = %" PRId64 ": D must be even and in 2..256", fn,
-				  p->D);
+				  "%s: q->shape[3] = %" PRId64 ": D must be even and in 2..%d", fn,
+				  p->D, APE_MAX_D);
 	kwant[0] = p->B;
 	kwant[1] = -1;
 	kwant[2] = -1;

@@ -37,11 +37,19 @@
  * as well; C and CUDA have the f-suffixed ones */
 #if defined(__OPENCL_VERSION__)
 typedef long ape_long;
+typedef ulong ape_ulong;
+#define APE_LONG_MAX LONG_MAX
+#define APE_LONG_MIN LONG_MIN
+#define APE_ULONG_MAX ULONG_MAX
 #define APE_FMAF fma
 #define APE_SQRTF sqrt
 #define APE_LOG1PF log1p
 #else
 typedef int64_t ape_long;
+typedef uint64_t ape_ulong;
+#define APE_LONG_MAX INT64_MAX
+#define APE_LONG_MIN INT64_MIN
+#define APE_ULONG_MAX UINT64_MAX
 #define APE_FMAF fmaf
 #define APE_SQRTF sqrtf
 #define APE_LOG1PF log1pf
@@ -121,31 +129,140 @@ APE_FN float ape_norm_bound_f(float norm)
 	return norm * (1.0f + 0x1p-20f);
 }
 
-/* Smallest |n| over the distances lo..hi (lo <= hi) */
+/* ---- Distances and visibility (APE-SPEC.md, "Shapes and positions"). A row's keys are
+ * j = 0..Lk-1 at distances n = diag - j, diag the distance of key 0 (pos_q(i) - k_start).
+ * Validation admits every distance of a real (row, key) pair that fits in int64, INT64_MIN and
+ * INT64_MAX included, and no more: so nothing here computes a value one past a real distance
+ * (diag + 1 overflows at diag = INT64_MAX), and each rule is total: defined, without signed
+ * overflow, for every int64 input, since tiles also evaluate rows and keys past the problem's
+ * ends (whose results they discard). Every backend, host code and kernel uses these. */
+
+/* a + b and a - b saturated at the int64 ends: exact wherever the result fits (the distance of
+ * every real pair); a tile's entry past the problem's end gets a defined, meaningless value. */
+APE_FN ape_long ape_sat_add(ape_long a, ape_long b)
+{
+	if (b > 0 && a > APE_LONG_MAX - b)
+		return APE_LONG_MAX;
+	if (b < 0 && a < APE_LONG_MIN - b)
+		return APE_LONG_MIN;
+	return a + b;
+}
+
+APE_FN ape_long ape_sat_sub(ape_long a, ape_long b)
+{
+	if (b < 0 && a > APE_LONG_MAX + b)
+		return APE_LONG_MAX;
+	if (b > 0 && a < APE_LONG_MIN + b)
+		return APE_LONG_MIN;
+	return a - b;
+}
+
+/* |n|, saturated: |INT64_MIN| = 2^63 becomes INT64_MAX, whose value in double and in float is
+ * 2^63 too, so the terms of the distance (bias, temperature) are those of the exact |n|. */
+APE_FN ape_long ape_abs_dist(ape_long n)
+{
+	return n >= 0 ? n : n == APE_LONG_MIN ? APE_LONG_MAX : -n;
+}
+
+/* Smallest |n| over the distances lo..hi (lo <= hi), saturated as ape_abs_dist() */
 APE_FN ape_long ape_min_abs(ape_long lo, ape_long hi)
 {
-	return lo > 0 ? lo : hi < 0 ? -hi : 0;
+	return lo > 0 ? lo : hi < 0 ? ape_abs_dist(hi) : 0;
+}
+
+/* Smallest |n| of a row over its keys j0..j1-1 (j0 < j1) */
+APE_FN ape_long ape_keys_min_abs(ape_long diag, ape_long j0, ape_long j1)
+{
+	return ape_min_abs(ape_sat_sub(diag, j1 - 1), ape_sat_sub(diag, j0));
 }
 
 /*
- * A query row's anchor distance: its nearest visible |n| (n = diag - j for keys j < Lk, diag the
- * index of the key at n = 0). The bias there is the row's largest when the decays are >= 0: it
- * is the row's score frame c_row (docs/kernels.md), subtracted in APE_REAL so that float32 keeps
- * the fine differences between the scores that matter at any |n|.
+ * A query row's anchor distance: its nearest visible |n| (0 when it sees no key). The bias there
+ * is the row's largest when the decays are >= 0: it is the row's score frame c_row
+ * (docs/kernels.md), subtracted in APE_REAL so that float32 keeps the fine differences between
+ * the scores that matter at any |n|.
  */
 APE_FN ape_long ape_anchor_distance(ape_long diag, ape_long Lk, int causal)
 {
+	if (Lk <= 0)
+		return 0;
 	if (causal)
 		return diag < 0 ? 0 : diag - (diag < Lk - 1 ? diag : Lk - 1);
-	return ape_min_abs(diag - (Lk - 1), diag);
+	return ape_keys_min_abs(diag, 0, Lk);
 }
 
-/* How many keys a row sees (keys 0..Lk-1; causal: those with n >= 0) */
+/* How many keys a row sees, keys 0..Lk-1 (causal: those with n >= 0, a prefix): also the end of
+ * its visible keys, so that keys 0..jend-1 of them are ape_visible_keys(diag, jend, causal). */
 APE_FN ape_long ape_visible_keys(ape_long diag, ape_long Lk, int causal)
 {
+	if (Lk <= 0)
+		return 0;
 	if (!causal)
 		return Lk;
-	return diag + 1 < 0 ? 0 : diag + 1 > Lk ? Lk : diag + 1;
+	return diag < 0 ? 0 : diag >= Lk - 1 ? Lk : diag + 1;
+}
+
+/* How many of the keys jbeg..jend-1 (0 <= jbeg) a row sees: the pairs it computes there */
+APE_FN ape_long ape_row_visible_pairs(ape_long diag, ape_long jbeg, ape_long jend, int causal)
+{
+	const ape_long v = ape_visible_keys(diag, jend, causal);
+
+	return v > jbeg ? v - jbeg : 0;
+}
+
+/* a b in 64 bits: 0, or 1 with *p saturated when the product exceeds 2^64 - 1 */
+APE_FN int ape_mul_u64(ape_ulong a, ape_ulong b, ape_ulong *p)
+{
+	if (a != 0 && b > APE_ULONG_MAX / a) {
+		*p = APE_ULONG_MAX;
+		return 1;
+	}
+	*p = a * b;
+	return 0;
+}
+
+/*
+ * The visible pairs of nrows consecutive rows, the first at diag0, against keys 0..Lk-1: the sum
+ * of ape_visible_keys(diag0 + r, Lk, causal), r < nrows, in closed form so that absurd lengths
+ * cost nothing. Returns 0 with the sum in *pairs, or 1 when it exceeds 2^64 - 1 (*pairs then
+ * saturated). The rows' distances must fit (diag0 + nrows - 1 <= INT64_MAX, as validated).
+ */
+APE_FN int ape_rows_visible_pairs(ape_long diag0, ape_long nrows, ape_long Lk, int causal,
+				  ape_ulong *pairs)
+{
+	ape_long dlast, r0, r1, f0;
+	ape_ulong ramp = 0, full = 0, x, y;
+	int over = 0;
+
+	*pairs = 0;
+	if (nrows <= 0 || Lk <= 0)
+		return 0;
+	if (!causal)
+		return ape_mul_u64((ape_ulong)nrows, (ape_ulong)Lk, pairs);
+	dlast = diag0 + (nrows - 1);
+	/* rows 0 <= diag <= Lk - 2 see diag + 1 keys: the ramp r0..r1, whose sum is
+	 * (r0 + r1 + 2)(r1 - r0 + 1) / 2 (one factor is even: they add up to an odd number) */
+	r0 = diag0 > 0 ? diag0 : 0;
+	r1 = dlast < Lk - 2 ? dlast : Lk - 2;
+	if (r1 >= r0) {
+		x = (ape_ulong)r0 + (ape_ulong)r1 + 2; /* < 2^64: both below 2^63 - 1 */
+		y = (ape_ulong)(r1 - r0) + 1;
+		if (x % 2 == 0)
+			x /= 2;
+		else
+			y /= 2;
+		over |= ape_mul_u64(x, y, &ramp);
+	}
+	/* rows at diag >= Lk - 1 see all Lk */
+	f0 = diag0 > Lk - 1 ? diag0 : Lk - 1;
+	if (dlast >= f0)
+		over |= ape_mul_u64((ape_ulong)dlast - (ape_ulong)f0 + 1, (ape_ulong)Lk, &full);
+	if (over || ramp > APE_ULONG_MAX - full) {
+		*pairs = APE_ULONG_MAX;
+		return 1;
+	}
+	*pairs = ramp + full;
+	return 0;
 }
 
 /*
@@ -178,12 +295,22 @@ APE_FN float ape_bias_diff_f(float delta, float beta, float gamma, ape_long a, a
  */
 APE_FN ape_vfloat ape_seed_sincos(ape_vreal a, ape_vfloat *cosine)
 {
+	/* Past the exact range (|a| beyond about 2^50 in double: distances near the int64 ends),
+	 * k is not the nearest quadrant and rr can leave [-pi/4, pi/4] by thousands, where the
+	 * polynomials grow without bound: clamped to 0.79 (untouched inside the range), the result
+	 * stays a rotation, an arbitrary one as from any float arithmetic at such angles, so that
+	 * norms (and the skip bound, which assumes them kept) hold. */
 #if APE_REAL_BITS == 64
 	const ape_vreal k = rint(a * 0.6366197723675814);
-	const ape_vreal rr = fma(-k, 6.123233995736766e-17, fma(-k, 1.5707963267948966, a));
+	const ape_vreal rr = fmin(fmax(fma(-k, 6.123233995736766e-17,
+					    fma(-k, 1.5707963267948966, a)),
+				       (ape_vreal)-0.79),
+				  (ape_vreal)0.79);
 #else
 	const ape_vreal k = rint(a * 0.63661977236f);
-	const ape_vreal rr = fma(-k, -4.371139e-8f, fma(-k, 1.5707963705f, a));
+	const ape_vreal rr = fmin(fmax(fma(-k, -4.371139e-8f, fma(-k, 1.5707963705f, a)),
+				       (ape_vreal)-0.79f),
+				  (ape_vreal)0.79f);
 #endif
 	const ape_vint q = APE_V_INT(k - (ape_real)4 * floor(k * (ape_real)0.25)); /* k mod 4 */
 	const ape_vfloat r = APE_V_FLOAT(rr), r2 = r * r;
@@ -324,6 +451,16 @@ APE_FN ape_real ape_merge_max(ape_real m1, ape_real m2)
 {
 	return m1 > m2 ? m1 : m2;
 }
+
+/*
+ * The online softmax's underflow cutoff, in natural-log units: every kernel takes a weight
+ * exp(x), x = score - running max, below it as an exact zero (e^-87 = 1.6e-38, about FLT_MIN:
+ * below, float32 exp turns subnormal, which devices flush or keep differently, and a weight
+ * that small cannot change a row's float32 result). APE_EXP2_CUTOFF is the same in log2 units,
+ * for kernels that keep scores times log2(e) (CUDA's ex2()).
+ */
+#define APE_EXP_CUTOFF (-87.0f)
+#define APE_EXP2_CUTOFF (APE_EXP_CUTOFF * 1.44269504f)
 
 APE_FN ape_real ape_merge_factor(ape_real m_old, ape_real m_new)
 {

@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The host-side limits every layer must agree on, in one place: how many devices one call may
- * use, and how many chunks may be in flight on one device. The device limit is public
- * (APE_MAX_DEVICES in ape/ape.h), since callers size their device arrays by it.
+ * The limits every layer must agree on, in one place: the head dimension, how many devices one
+ * call may use, and how many chunks may be in flight on one device. The first two are public
+ * (APE_MAX_D and APE_MAX_DEVICES in ape/ape.h, included here), since callers size their rows
+ * and device arrays by them; kernels get APE_MAX_D as a build option (opencl/ocl_program.c) or
+ * from ape/ape.h (the CUDA kernels' args.h).
  */
 #ifndef APE_RUNTIME_LIMITS_H
 #define APE_RUNTIME_LIMITS_H

@@ -35,6 +35,8 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#define APE_REAL double
+#include "core/ape_math.h"
 #include "core/error.h"
 #include "exec/launch.h"
 #include "exec/multidev.h"
@@ -258,12 +260,10 @@ static void job_input(void *self, const struct ape__pass_job *j, int t, void *ho
 	(void)bytes;
 	for (int64_t bh = 0; bh < p->B * p->H; bh++)
 		for (int64_t i = 0; i < j->in; i++) {
-			/* causal: keys at n >= 0; distances are validated to fit, not one more
-			 * (fuzz_problem: a distance of INT64_MAX) */
+			/* the row's distance to the job's first key (validated to fit) */
 			const int64_t d = p->q_start + j->i0 + i - (p->k_start + j->o0);
-			const int64_t v = !p->causal ? j->on : d < 0 ? 0 : d >= j->on ? j->on : d + 1;
 
-			h[bh * j->in + i] = (uint64_t)v;
+			h[bh * j->in + i] = (uint64_t)ape_visible_keys(d, j->on, p->causal);
 		}
 }
 

@@ -7,13 +7,11 @@
 
 #include "core/alloc.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "exec/launch.h"
 #include "exec/pack.h"
 
 #define NEG_INF_F32 0xff800000u /* -inf as a fill pattern */
-#ifndef APE__MAX_HEAD_DIM
-#define APE__MAX_HEAD_DIM 256
-#endif
 
 int ape__fwd_mode_of(const struct ape__fwd_call *c, struct ape_device *dev, int64_t nk)
 {
@@ -219,7 +217,7 @@ static int outer_begin(void *self, int slot, int64_t oc, int64_t o0, int64_t n)
 	const struct ape__fwd_call *c = f->c;
 	const struct ape__problem *p = c->p;
 	struct ape__fwd_slot *fs = &f->slot[slot];
-	float row[APE__MAX_HEAD_DIM];
+	float row[APE_MAX_D];
 
 	(void)oc;
 	if (fs->acc.m)

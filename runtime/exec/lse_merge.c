@@ -9,6 +9,7 @@
 #define APE_REAL double
 #include "core/ape_math.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "exec/pack.h"
 
 int ape__acc_alloc(struct ape__acc *a, int64_t rows, int64_t D, bool diag)
@@ -60,7 +61,8 @@ void ape__acc_add(struct ape__acc *a, const float *o_c, const float *lse_c, cons
 	for (int64_t r = 0; r < a->rows; r++) {
 		const double l = lse_c[r], m = a->m[r];
 		float *acc = a->o + r * D;
-		const float *oc = o_c + r * D;
+		/* o_c is NULL for the LSE alone (D = 0): no arithmetic on it, even by 0 (UB) */
+		const float *oc = D ? o_c + r * D : o_c;
 		double mn, c_old, c_new;
 
 		if (isnan(m) || l == -INFINITY)
@@ -106,8 +108,8 @@ void ape__acc_store(const struct ape__acc *a, ape_tensor *o, const int64_t os[4]
 		    float *ent, float *md, int64_t Lq, int64_t l0, int64_t n)
 {
 	const int64_t H = o->shape[1], D = a->D;
-	float row[256];
-	uint16_t row16[256];
+	float row[APE_MAX_D];
+	uint16_t row16[APE_MAX_D];
 
 	for (int64_t r = 0; r < a->rows; r++) {
 		const int64_t bh = r / n, i = r % n, b = bh / H, h = bh % H;
@@ -149,7 +151,7 @@ void ape__store_empty_rows(ape_tensor *o, const int64_t os[4], float *lse, float
 			   float *md, int64_t Lq, int64_t l0, int64_t n)
 {
 	const int64_t B = o->shape[0], H = o->shape[1];
-	static const float zeros[256];
+	static const float zeros[APE_MAX_D];
 
 	/* zero bits are 0.0 in every storage type */
 	for (int64_t b = 0; b < B; b++)
@@ -169,7 +171,7 @@ void ape__store_rows_f32(const float *src, ape_tensor *o, const int64_t os[4], i
 			 int64_t n)
 {
 	const int64_t B = o->shape[0], H = o->shape[1], D = o->shape[3];
-	uint16_t row16[256];
+	uint16_t row16[APE_MAX_D];
 
 	if (o->dtype == APE_F32) {
 		ape__unpack_rows(src, o, os, l0, n);

@@ -89,18 +89,6 @@ void ape__load_row_f32(const ape_tensor *t, const int64_t s[4], int64_t b, int64
 		ape_convert(row + d, APE_F32, r + (size_t)(d * s[3]) * esz, t->dtype, 1);
 }
 
-bool ape__is_contiguous(const ape_tensor *t, const int64_t s[4])
-{
-	int64_t want = 1;
-
-	for (int d = 3; d >= 0; d--) {
-		if (t->shape[d] > 1 && s[d] != want)
-			return false;
-		want *= t->shape[d];
-	}
-	return true;
-}
-
 size_t ape__tensor_span_bytes(const ape_tensor *t, const int64_t s[4])
 {
 	uint64_t last = 0;

@@ -29,9 +29,6 @@ void ape__store_row(ape_tensor *t, const int64_t s[4], int64_t b, int64_t h, int
 void ape__load_row_f32(const ape_tensor *t, const int64_t s[4], int64_t b, int64_t h, int64_t l,
 		       float *row);
 
-/* Row-major without gaps (the stride of a dimension of size 1 does not matter). */
-bool ape__is_contiguous(const ape_tensor *t, const int64_t s[4]);
-
 /* Bytes of t from its data pointer to its last element (strides s, each >= 0, as validation
  * makes them); 0 for an empty tensor. What wrapping it where it lies covers. */
 size_t ape__tensor_span_bytes(const ape_tensor *t, const int64_t s[4]);

@@ -23,19 +23,6 @@ struct ape__problem {
 	int64_t q_start, k_start;
 };
 
-/* Keys of row i visible under the mask: [0, ape__row_visible_end) (causal) or all. */
-static inline int64_t ape__row_visible_end(const struct ape__problem *p, int64_t i)
-{
-	int64_t last; /* last visible key index: pos_k(j) <= pos_q(i) */
-
-	if (!p->causal)
-		return p->Lk;
-	last = p->q_start - p->k_start + i; /* validated not to overflow */
-	if (last < 0)
-		return 0;
-	return last >= p->Lk ? p->Lk : last + 1;
-}
-
 /* Visible pairs of one (b, h) head summed over its rows; -1 if the count overflows 64 bits. */
 int ape__head_visible_pairs(const struct ape__problem *p, uint64_t *out);
 

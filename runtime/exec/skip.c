@@ -14,6 +14,7 @@
 #define APE_REAL double
 #include "core/ape_math.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "exec/pack.h"
 
 int ape__kmax_alloc(struct ape__kmax *km, int64_t nbg, int64_t nk)
@@ -69,7 +70,7 @@ int ape__kmax_from_tensor(struct ape__kmax *km, const ape_tensor *k, const int64
 			  int64_t ck)
 {
 	const int64_t B = k->shape[0], Hkv = k->shape[1], Lk = k->shape[2], D = k->shape[3];
-	float row[256];
+	float row[APE_MAX_D];
 	int ret;
 
 	ret = ape__kmax_alloc(km, B * Hkv, (Lk + ck - 1) / ck);
@@ -95,22 +96,17 @@ int ape__kmax_from_tensor(struct ape__kmax *km, const ape_tensor *k, const int64
 static bool remaining(const struct ape__skip_ctx *c, int64_t chunk, int dir, int64_t pq,
 		      double *count, double *nmin)
 {
-	int64_t j0 = dir < 0 ? 0 : chunk * c->ck;
-	int64_t j1 = dir < 0 ? ((chunk + 1) * c->ck < c->Lk ? (chunk + 1) * c->ck : c->Lk) : c->Lk;
-	/* positions: validated to fit, as long as the last one is formed without passing it */
-	int64_t lo = c->k_start + j0, hi = c->k_start + (j1 - 1);
+	const int64_t j0 = dir < 0 ? 0 : chunk * c->ck;
+	const int64_t j1 =
+		dir < 0 ? ((chunk + 1) * c->ck < c->Lk ? (chunk + 1) * c->ck : c->Lk) : c->Lk;
+	const int64_t diag = pq - c->k_start; /* the row's distance to key 0: validated to fit */
+	/* the visible ones of keys j0..j1-1 are j0..j0+n-1 (causal: a prefix) */
+	const int64_t n = ape_row_visible_pairs(diag, j0, j1, c->causal);
 
-	if (c->causal) {
-		if (pq < lo)
-			return false;
-		if (hi > pq)
-			hi = pq;
-		*count = (double)(hi - lo + 1);
-		*nmin = (double)(pq - hi);
-		return true;
-	}
-	*count = (double)(j1 - j0);
-	*nmin = pq > hi ? (double)(pq - hi) : pq < lo ? (double)(lo - pq) : 0.0;
+	if (n <= 0)
+		return false;
+	*count = (double)n;
+	*nmin = (double)ape_keys_min_abs(diag, j0, j0 + n);
 	return true;
 }
 

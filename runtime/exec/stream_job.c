@@ -179,10 +179,12 @@ static int send_job_inputs(struct ape__stream *s, struct jslot *j, uint64_t *byt
 		const struct ape__pass_tensor *x = &p->t[t];
 		const int64_t rows = x->axis == p->outer ? j->pj.on : j->pj.in;
 		const size_t n = (size_t)(x->row_bytes * (uint64_t)rows);
-		char *h = (char *)j->stage.ptr + off;
+		char *h;
 
 		if (x->role != APE__ROLE_JOB_IN || s->at[t] == APE__AT_UNUSED)
 			continue;
+		/* only now: a pass without job inputs has no staging (NULL + 0 is UB) */
+		h = (char *)j->stage.ptr + off;
 		p->ops->job_input(p->self, &j->pj, t, h, n);
 		ret = s->ops->copy_h2d(s->exec, j->buf[t], 0, h, n);
 		off += n;
@@ -236,6 +238,7 @@ static int read_back(struct ape__stream *s, struct jslot *j)
 		const struct ape__pass_tensor *x = &p->t[t];
 		const int64_t rows = x->axis == p->outer ? j->pj.on : j->pj.in;
 		const size_t n = (size_t)(x->row_bytes * (uint64_t)rows);
+		uint64_t at;
 		char *h;
 
 		j->pj.host[t] = NULL;
@@ -244,11 +247,13 @@ static int read_back(struct ape__stream *s, struct jslot *j)
 			continue;
 		/* a JOB_IN tensor comes back over its own rows in the staging: they went out
 		 * before the kernels ran */
-		h = (char *)j->stage.ptr + (x->role == APE__ROLE_JOB_IN ? in_off : off);
+		at = x->role == APE__ROLE_JOB_IN ? in_off : off;
 		if (x->role == APE__ROLE_JOB_IN)
 			in_off += n;
 		if (!x->back)
 			continue;
+		/* only now: nothing to bring back may mean no staging (NULL + 0 is UB) */
+		h = (char *)j->stage.ptr + at;
 		ret = s->ops->copy_d2h(j->down, h, j->buf[t], 0, n);
 		j->pj.host[t] = h;
 		j->back_bytes += n;

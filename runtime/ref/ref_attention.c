@@ -10,9 +10,8 @@
 #define APE_REAL double
 #include "core/ape_math.h"
 #include "core/half.h"
+#include "core/limits.h"
 #include "ref.h"
-
-#define APE_REF_MAX_D 256
 
 static void store(void *base, ape_dtype t, int64_t i, double x)
 {
@@ -84,7 +83,7 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 	const struct ape__view vv = ape__launch_view(l, APE__T_V), ov = ape__launch_view(l, APE__T_O);
 	const struct ape__view lv = ape__launch_view(l, APE__T_LSE);
 	const struct ape__view ev = ape__launch_diag_view(l, 0), mv = ape__launch_diag_view(l, 1);
-	double qrow[APE_REF_MAX_D], acc[APE_REF_MAX_D];
+	double qrow[APE_MAX_D], acc[APE_MAX_D];
 
 	for (int64_t row = row_begin; row < row_end; row++) {
 		const int64_t i = row % l->Lq, bh = row / l->Lq;

@@ -20,9 +20,8 @@
 #include "core/alloc.h"
 #include "core/ape_math.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "ref.h"
-
-#define MAX_D 256
 
 /* What each row needs, computed once: sigma, alpha and Dl_i = dO_i . O_i over the whole row. */
 struct row_info {
@@ -37,13 +36,13 @@ struct bwd {
 	float *dq, *dk, *dv;
 	double *dparams;
 	int64_t D, P, group;
-	int64_t ia[MAX_D / 2], ib[MAX_D / 2]; /* components of pair p */
+	int64_t ia[APE_MAX_D / 2], ib[APE_MAX_D / 2]; /* components of pair p */
 	struct row_info *rows;
 };
 
 /* One (row, key) pair: the score's pieces and the gradient of the loss with respect to it. */
 struct pair {
-	double cs[MAX_D / 2], sn[MAX_D / 2]; /* cos and sin of theta_p */
+	double cs[APE_MAX_D / 2], sn[APE_MAX_D / 2]; /* cos and sin of theta_p */
 	double dot, ddot_dalpha, an, t, P, dS;
 };
 
@@ -67,7 +66,7 @@ static void row_info(struct bwd *c, int64_t row)
 	const struct ape__launch *f = &c->l->f;
 	const int64_t D = c->D, h = row / f->Lq % f->H;
 	struct row_info *ri = &c->rows[row];
-	double q[MAX_D], o[MAX_D], dout[MAX_D], ss = 0;
+	double q[APE_MAX_D], o[APE_MAX_D], dout[APE_MAX_D], ss = 0;
 
 	load_row(q, c->q, f->in_dtype, row, D);
 	load_row(o, c->o, f->out_dtype, row, D);
@@ -130,7 +129,8 @@ static void keys_pass(struct bwd *c)
 {
 	const struct ape__launch *f = &c->l->f;
 	const int64_t D = c->D;
-	double k[MAX_D], v[MAX_D], q[MAX_D], dout[MAX_D], dk[MAX_D], dv[MAX_D];
+	double k[APE_MAX_D], v[APE_MAX_D], q[APE_MAX_D], dout[APE_MAX_D];
+	double dk[APE_MAX_D], dv[APE_MAX_D];
 	struct pair pr;
 
 	for (int64_t bk = 0; bk < f->B * f->Hkv; bk++) { /* (b, kv head) */
@@ -178,7 +178,7 @@ static void rows_pass(struct bwd *c)
 {
 	const struct ape__launch *f = &c->l->f;
 	const int64_t D = c->D;
-	double q[MAX_D], dout[MAX_D], k[MAX_D], v[MAX_D], dq[MAX_D];
+	double q[APE_MAX_D], dout[APE_MAX_D], k[APE_MAX_D], v[APE_MAX_D], dq[APE_MAX_D];
 	struct pair pr;
 
 	for (int64_t row = 0; row < f->B * f->H * f->Lq; row++) {

@@ -15,6 +15,11 @@
  *   (ape_attention_forward_ex) under an arbitrary memory budget;
  * - the backward pass (ape_attention_backward) refuses what the forward refuses, without
  *   touching memory, and runs every accepted tiny call, in one piece and streamed;
+ * - the distance rules every kernel uses (core/ape_math.h, here compiled as host C: visible
+ *   keys, anchor distance, a key range's smallest |n| and pairs, a head's pairs), at the
+ *   accepted call's rows (any size, the int64 ends of the distances included) and at the
+ *   padding rows and key tiles past its ends that kernels evaluate, against an exact 128-bit
+ *   evaluation, with UBSan watching every signed operation;
  * - the diagnostics call (ape_attention_forward_diag) refuses what the forward refuses, with the
  *   same code; its entropy and mean-distance outputs, placed anywhere (unmapped, inside an
  *   input, O or LSE, over each other), are refused exactly where ape__check_diag_outputs()
@@ -29,6 +34,9 @@
 
 #include "ape/ape.h"
 #include "api/validate.h"
+#define APE_REAL double
+#include "core/ape_math.h"
+#include "exec/problem.h"
 
 #define FUZZ_NAME "fuzz_problem"
 #include "fuzz/fuzz_input.h"
@@ -368,6 +376,126 @@ static void run_diag(const struct call *c, const struct ape__problem *p, ape_ten
 	free(md);
 }
 
+/* ---------------------------------------------------------------- the kernels' rules */
+
+typedef __int128 i128;
+
+static i128 sat64(i128 x)
+{
+	return x < INT64_MIN ? INT64_MIN : x > INT64_MAX ? INT64_MAX : x;
+}
+
+/* Exact: keys j0..j1-1 (j0 < j1) of a row at diag, the smallest |n| (saturated at 2^63 - 1). */
+static i128 min_abs128(i128 diag, i128 j0, i128 j1)
+{
+	const i128 lo = diag - (j1 - 1), hi = diag - j0;
+
+	return sat64(lo > 0 ? lo : hi < 0 ? -hi : 0);
+}
+
+/* Exact: how many of keys j0..j1-1 a row at diag sees. */
+static i128 pairs128(i128 diag, i128 j0, i128 j1, bool causal)
+{
+	const i128 e = !causal ? j1 : diag + 1 < j0 ? j0 : diag + 1 > j1 ? j1 : diag + 1;
+
+	return j1 > j0 && e > j0 ? e - j0 : 0;
+}
+
+/*
+ * One row (a real one, or a padding row past the end at diag saturated, as kernels form it)
+ * against keys 0..Lk-1 and the tile [j0, j1) the input picks: every rule of ape_math.h against
+ * the exact value, by brute force over the keys when there are few.
+ */
+static void check_row_rules(int64_t diag, bool real, int64_t Lk, int64_t j0, int64_t j1,
+			    bool causal)
+{
+	const int64_t vis = ape_visible_keys(diag, Lk, causal);
+	const int64_t an = ape_anchor_distance(diag, Lk, causal);
+	const int64_t pr = ape_row_visible_pairs(diag, j0, j1, causal);
+
+	check(vis >= 0 && vis <= Lk && an >= 0 && pr >= 0 && pr <= (j1 > j0 ? j1 - j0 : 0),
+	      "the distance rules stay in range at any row");
+	if (j1 > j0)
+		check(ape_keys_min_abs(diag, j0, j1) >= 0, "a key range's smallest |n| is >= 0");
+	if (!real)
+		return; /* a padding row's values are never used */
+	check(vis == pairs128(diag, 0, Lk, causal), "ape_visible_keys is exact");
+	check(pr == pairs128(diag, j0, j1, causal), "ape_row_visible_pairs is exact");
+	check(an == (vis ? (causal ? min_abs128(diag, 0, vis) : min_abs128(diag, 0, Lk)) : 0),
+	      "ape_anchor_distance is the nearest visible |n|");
+	if (j1 > j0)
+		check(ape_keys_min_abs(diag, j0, j1) == min_abs128(diag, j0, j1),
+		      "ape_keys_min_abs is exact");
+	if (Lk <= 64) { /* and the keys one by one */
+		i128 cnt = 0, mn = -1;
+
+		for (int64_t j = 0; j < Lk; j++) {
+			const i128 n = (i128)diag - j, a = n < 0 ? -n : n;
+
+			if (causal && n < 0)
+				continue;
+			cnt++;
+			mn = mn < 0 || a < mn ? a : mn;
+		}
+		check(vis == cnt && an == (cnt ? sat64(mn) : 0),
+		      "the rules agree with brute force");
+	}
+}
+
+/* The rules at an accepted call's rows (first, middle, last) and at the padding rows a tile
+ * adds past the last, over key tiles of 16 and 64 (the first, the last, the last row's
+ * diagonal); and the head's pairs in closed form against the 128-bit one. Takes no input, so
+ * that the corpus keeps its meaning for what follows. */
+static void check_rules(const struct ape__problem *p)
+{
+	const int64_t rel = p->q_start - p->k_start; /* row 0 to key 0: validated to fit */
+	const int64_t rows[3] = { 0, p->Lq / 2, p->Lq - 1 };
+	uint64_t pairs;
+
+	if (p->Lq <= 0 || p->Lk <= 0)
+		return;
+	for (int64_t tile = 16; tile <= 64; tile *= 4) {
+		const int64_t dl = rel + (p->Lq - 1); /* the last row's diagonal key, if any */
+		const int64_t dk = dl < 0 ? 0 : dl >= p->Lk ? p->Lk - 1 : dl;
+		const int64_t starts[3] = { 0, (p->Lk - 1) / tile * tile, dk / tile * tile };
+
+		for (int s = 0; s < 3; s++) {
+			const int64_t j0 = starts[s], j1 = j0 + tile < p->Lk ? j0 + tile : p->Lk;
+
+			for (int r = 0; r < 3; r++)
+				check_row_rules(rel + rows[r], true, p->Lk, j0, j1, p->causal);
+			/* past the last row: saturated, as kernels form them */
+			for (int64_t r = 1; r <= 64; r += 21)
+				check_row_rules(ape_sat_add(dl, r), false, p->Lk, j0, j1,
+						p->causal);
+		}
+	}
+	{
+		/* rows x = rel + 1 .. rel + Lq see clamp(x, 0, Lk) keys (causal) */
+		const i128 a = (i128)rel + 1, last = a + p->Lq - 1;
+		i128 want = 0, f, l;
+
+		if (!p->causal) {
+			want = (i128)p->Lq * p->Lk;
+		} else {
+			f = a > 1 ? a : 1;
+			l = last < p->Lk ? last : p->Lk;
+			if (l >= f)
+				want += (f + l) * (l - f + 1) / 2;
+			f = a > (i128)p->Lk + 1 ? a : (i128)p->Lk + 1;
+			if (last >= f)
+				want += (last - f + 1) * p->Lk;
+		}
+		if (ape_rows_visible_pairs(rel, p->Lq, p->Lk, p->causal, &pairs))
+			check(want > (i128)UINT64_MAX && pairs == UINT64_MAX,
+			      "a head's pairs overflow only past 2^64 - 1");
+		else
+			check(want == (i128)pairs, "ape_rows_visible_pairs is exact");
+		check(ape__head_visible_pairs(p, &pairs) == (want > (i128)UINT64_MAX ? -1 : 0),
+		      "the executor's count is the shared rule's");
+	}
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
 	struct in in = { data, size };
@@ -435,6 +563,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		}
 		return 0;
 	}
+	check_rules(&p);
 	/* Small enough to run in microseconds on the float64 reference. */
 	work = (uint64_t)p.B * (uint64_t)p.H * ((uint64_t)p.Lq + 1) * ((uint64_t)p.Lk + 1) *
 	       (uint64_t)p.D;

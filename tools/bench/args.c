@@ -186,7 +186,7 @@ int bench_parse_args(int argc, char **argv, struct bench_opts *o, char *err, siz
 			ret = cli_parse_int64("--kv-heads", val, 1, 1 << 20, &o->Hkv, err, errlen);
 			break;
 		case OPT_D:
-			ret = cli_parse_int64("-D", val, 2, 256, &o->D, err, errlen);
+			ret = cli_parse_int64("-D", val, 2, APE_MAX_D, &o->D, err, errlen);
 			break;
 		case OPT_L:
 			ret = parse_list("-L", val, o->L, NULL, &o->nL, err, errlen);

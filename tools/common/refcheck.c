@@ -94,7 +94,7 @@ int refcheck_sampled(ape_device *ref, const ape_attn_desc *desc, const ape_tenso
 		ape_tensor qv = view(q, qs, b, h, i, 1), kv = view(k, ks, b, kh, 0, Lk);
 		ape_tensor vv = view(v, vs, b, kh, 0, Lk), ov;
 		ape_attn_desc d = *desc;
-		float o_ref[256], lse_ref;
+		float o_ref[APE_MAX_D], lse_ref;
 		int ret;
 
 		one_head(&d.delta, h);

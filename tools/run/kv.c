@@ -30,7 +30,7 @@ struct kv_run {
 static double max_query_norm(const ape_tensor *q)
 {
 	const int64_t *s = q->shape;
-	float row[256];
+	float row[APE_MAX_D];
 	double m = 0;
 
 	for (int64_t r = 0; r < s[0] * s[1] * s[2]; r++) {
