@@ -344,6 +344,74 @@ TEST_F(dev, kv_cache_attend_matches_the_forward_call)
 }
 
 /*
+ * The same attend twice, on one cache and on a fresh one, gives the same bits: O, LSE, entropy
+ * and mean distance (several key chunks merged, skip_tol 0; the fault tests compare the runs of
+ * one call bit for bit, so a path that reads what an earlier call left behind shows there).
+ */
+TEST_F(dev, kv_cache_attend_diag_repeats_bit_for_bit)
+{
+	const int64_t n = 80, Lq = 4;
+	const test_problem_shape sh = { 1, 2, 1, Lq, n, 32 };
+	ape_kv_cache_options ko;
+	ape_kv_cache *kc[2] = { NULL, NULL };
+	test_problem tp;
+	struct diag d[3];
+	float *o[3], *lse[3];
+	const size_t on = (size_t)(2 * Lq * 32);
+
+	if (!self->dev->caps.diag)
+		SKIP(return, "%s has no diagnostics", variant->backend);
+	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
+	test_problem_set_params(&tp, 0.3, 0.02, 0.02, 0.1);
+	tp.desc.skip_tol = 0;
+	ASSERT_EQ(0, test_problem_naive(&tp));
+	kv_options(&ko, &sh, APE_F32);
+	ko.capacity_tokens = n + 16;
+	ko.block_tokens = 16;
+	ko.attend_chunk = 32;
+	ko.max_queries = Lq;
+	for (int c = 0; c < 2; c++) {
+		ASSERT_EQ(0, ape_kv_cache_create(self->dev, &ko, &kc[c])) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, ape_kv_cache_append(kc[c], &tp.k.t, &tp.v.t)) TH_LOG("%s", ape_last_error());
+	}
+	for (int r = 0; r < 3; r++) {
+		ASSERT_EQ(0, diag_alloc(&d[r], tp.rows));
+		o[r] = malloc(on * sizeof(float));
+		lse[r] = malloc(tp.rows * sizeof(float));
+		ASSERT_TRUE(o[r] && lse[r]);
+		ASSERT_EQ(0, ape_kv_cache_attend_diag(kc[r == 2], &tp.desc, &tp.q.t, &tp.o.t, tp.lse,
+						      d[r].ent, d[r].md, NULL))
+		TH_LOG("%s", ape_last_error());
+		memcpy(o[r], tp.o.t.data, on * sizeof(float));
+		memcpy(lse[r], tp.lse, tp.rows * sizeof(float));
+	}
+	{
+		struct diag got = d[0];
+		double ee, em;
+
+		err_naive(&tp, &got, &ee, &em); /* NaN bits repeat too: the values first */
+		EXPECT_LE(ee, tol_of(&tp)) TH_LOG("entropy error %g", ee);
+		EXPECT_LE(em, tol_of(&tp)) TH_LOG("mean distance error %g", em);
+	}
+	for (int r = 1; r < 3; r++) {
+		EXPECT_EQ(0, memcmp(o[0], o[r], on * sizeof(float))) TH_LOG("O of run %d", r);
+		EXPECT_EQ(0, memcmp(lse[0], lse[r], tp.rows * sizeof(float))) TH_LOG("LSE of run %d", r);
+		EXPECT_EQ(0, memcmp(d[0].ent, d[r].ent, tp.rows * sizeof(float)))
+		TH_LOG("entropy of run %d", r);
+		EXPECT_EQ(0, memcmp(d[0].md, d[r].md, tp.rows * sizeof(float)))
+		TH_LOG("mean distance of run %d", r);
+	}
+	for (int r = 0; r < 3; r++) {
+		diag_free(&d[r]);
+		free(o[r]);
+		free(lse[r]);
+	}
+	ape_kv_cache_destroy(kc[0]);
+	ape_kv_cache_destroy(kc[1]);
+	test_problem_free(&tp);
+}
+
+/*
  * A cache that releases its oldest blocks: at the default skip_tol the diagnostics of a decoding
  * run match the forward call over all keys (the released keys are within the bound); after a
  * release proved at a looser skip_tol, the diagnostic attend (which runs at 2^-24) is refused

@@ -241,8 +241,8 @@ static inline bool ape__launch_group_separable(const struct ape__launch *l, int6
 	return true;
 }
 
-/* The sub-launch of l's kv groups g0 .. g1-1 (their query and kv heads, parameters, and every
- * view moved along H; strided), for a backend that runs a launch's heads in pieces. pairs,
+/* The sub-launch of l's kv groups g0 .. g1-1 (their query and kv heads, parameters (host; no
+ * device table), and every view moved along H; strided), for a backend that runs a launch's heads in pieces. pairs,
  * lse_prior, ent and md are contiguous [B, H, Lq]: a launch with any of them cannot be cut so. */
 static inline struct ape__launch ape__launch_heads(const struct ape__launch *l, int64_t g0,
 						   int64_t g1)
@@ -253,6 +253,9 @@ static inline struct ape__launch ape__launch_heads(const struct ape__launch *l, 
 	sub.H = (g1 - g0) * G;
 	sub.Hkv = g1 - g0;
 	sub.head_params = l->head_params + 4 * g0 * G;
+	/* the call's table holds every head after omega: not this piece's alone, so the backend
+	 * uploads the piece's own (mixed calls only) */
+	sub.params[0] = sub.params[1] = NULL;
 	sub.strided = true;
 	for (int t = 0; t < APE__T_COUNT; t++) {
 		const bool kv = t == APE__T_K || t == APE__T_V;

@@ -157,6 +157,11 @@ static bool try_pages(struct ape__stream *s, struct jslot *j)
 		}
 	if (tk < 0 || tv < 0)
 		return false;
+	/* the pass decides from the whole launch: its outputs too (a backend's in-place path
+	 * may not write them all, the diagnostics for one) */
+	for (int t = 0; t < p->nt; t++)
+		if (p->t[t].role != APE__ROLE_INNER_IN && !j->pj.buf[t])
+			j->pj.buf[t] = job_buf(s, j, t);
 	j->pj.buf[tk] = k;
 	j->pj.buf[tv] = v;
 	j->pj.pages = &j->pages;
