@@ -22,18 +22,13 @@ bool have_mpirun(void)
 	return system(cmd) == 0;
 }
 
-/* Runs the driver on np ranks with args; returns its exit status (124: timed out) and its
- * output in out (OUT_CAP bytes). */
-int drive(int np, const char *args, char *out)
+/* Runs the shell command cmd; returns its exit status and its output in out (OUT_CAP bytes). */
+int capture(const char *cmd, char *out)
 {
-	char cmd[2048];
 	size_t n = 0;
 	FILE *f;
 	int st;
 
-	snprintf(cmd, sizeof(cmd),
-		 "timeout 300 '%s' %s--oversubscribe -np %d '%s/bin/ape-mpi-run' %s 2>&1",
-		 mpirun(), geteuid() == 0 ? "--allow-run-as-root " : "", np, APE_BUILD_DIR, args);
 	out[0] = 0;
 	f = popen(cmd, "r");
 	if (!f)
@@ -48,6 +43,18 @@ int drive(int np, const char *args, char *out)
 	out[n] = 0;
 	st = pclose(f);
 	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+/* Runs the driver on np ranks with args; returns its exit status (124: timed out) and its
+ * output in out (OUT_CAP bytes). */
+int drive(int np, const char *args, char *out)
+{
+	char cmd[2048];
+
+	snprintf(cmd, sizeof(cmd),
+		 "timeout 300 '%s' %s--oversubscribe -np %d '%s/bin/ape-mpi-run' %s 2>&1",
+		 mpirun(), geteuid() == 0 ? "--allow-run-as-root " : "", np, APE_BUILD_DIR, args);
+	return capture(cmd, out);
 }
 
 /* The line of rank r ("  rank=R ..."), copied into line; false when absent. */

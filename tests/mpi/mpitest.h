@@ -21,6 +21,8 @@ bool have_mpirun(void);
 			SKIP(return, "mpirun not found (Debian: openmpi-bin; or set APE_MPIRUN)"); \
 	} while (0)
 
+/* Runs the shell command cmd; returns its exit status and its output in out (OUT_CAP bytes). */
+int capture(const char *cmd, char *out);
 /* Runs the driver on np ranks with args; returns its exit status (124: timed out) and its
  * output in out (OUT_CAP bytes). */
 int drive(int np, const char *args, char *out);

@@ -26,25 +26,9 @@
 static int shell(const char *dir, const char *cmd, char *out)
 {
 	char full[4096];
-	size_t n = 0;
-	FILE *f;
-	int st;
 
 	snprintf(full, sizeof(full), "cd '%s' && timeout 300 %s 2>&1", dir, cmd);
-	out[0] = 0;
-	f = popen(full, "r");
-	if (!f)
-		return -1;
-	while (n < OUT_CAP - 1) {
-		size_t got = fread(out + n, 1, OUT_CAP - 1 - n, f);
-
-		if (!got)
-			break;
-		n += got;
-	}
-	out[n] = 0;
-	st = pclose(f);
-	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+	return capture(full, out);
 }
 
 static void mpirun_prefix(char *buf, size_t cap, int np)
