@@ -549,6 +549,19 @@ TEST(merge_rules_against_long_double)
 		ASSERT_LE(fabsl(lw1 - (l1 - l)), 1e-13L * fmaxl(1, fabsl(l)));
 		ASSERT_LT(rel_err(w2, expl(l2 - l)), 1e-11);
 	}
+	/* |LSE| where a float64 cannot hold l_i - l (decay at distances near 2^62): the weights
+	 * still sum to 1 and follow the sides' difference (they summed to 2 before) */
+	for (int c = 0; c < 1000; c++) {
+		const double l1 = -ldexp(1 + ape_rng_uniform(&rng), (int)ape_rng_range(&rng, 53, 64));
+		const double l2 = c % 3 ? l1 : nextafter(l1, c % 2 ? 0 : -INFINITY);
+		const long double d = (long double)l2 - l1;
+		double lm = 0, w1 = 0, w2 = 0, lw1 = 0, lw2 = 0;
+
+		ASSERT_EQ(APE_MERGE_BOTH, ape_merge_lse(l1, l2, &lm, &w1, &w2, &lw1, &lw2));
+		ASSERT_LE(fabsl(w1 + w2 - 1.0L), 1e-15L) TH_LOG("l1 %g l2 %g: w %g + %g", l1, l2, w1, w2);
+		ASSERT_LE(fabsl((long double)lw2 - lw1 - d), 1e-12L * fmaxl(1, fabsl(d)));
+		ASSERT_LE(fabsl(lm - fmaxl(l1, l2)), fabsl(fmaxl(l1, l2)) * 1e-15L);
+	}
 	{
 		double l, w1, w2, lw1, lw2;
 

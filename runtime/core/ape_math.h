@@ -472,7 +472,7 @@ APE_FN ape_real ape_merge_factor(ape_real m_old, ape_real m_new)
  * The merge of two partial results of one row over disjoint keys (struct ape__merge in
  * core/backend.h: what attention_merge does on a device), by their LSE l1 and l2: returns
  * APE_MERGE_BOTH with the merged LSE in *l and each side's weight w_i = exp(l_i - *l) and its
- * log lw_i = l_i - *l; APE_MERGE_KEEP when the second side saw no key (l2 = -inf),
+ * log lw_i = l_i - *l (w1 + w2 = 1 to rounding at any |l_i|); APE_MERGE_KEEP when the second side saw no key (l2 = -inf),
  * APE_MERGE_TAKE when only it did (l1 = -inf), APE_MERGE_NAN when either is NaN or +inf.
  */
 #define APE_MERGE_BOTH 0
@@ -483,7 +483,7 @@ APE_FN ape_real ape_merge_factor(ape_real m_old, ape_real m_new)
 APE_FN int ape_merge_lse(ape_real l1, ape_real l2, ape_real *l, ape_real *w1, ape_real *w2,
 			 ape_real *lw1, ape_real *lw2)
 {
-	ape_real m, d;
+	ape_real m, d, t;
 
 	if (l1 != l1 || l2 != l2 || l1 == (ape_real)INFINITY || l2 == (ape_real)INFINITY)
 		return APE_MERGE_NAN;
@@ -491,11 +491,17 @@ APE_FN int ape_merge_lse(ape_real l1, ape_real l2, ape_real *l, ape_real *w1, ap
 		return APE_MERGE_KEEP;
 	if (l1 == -(ape_real)INFINITY)
 		return APE_MERGE_TAKE;
+	/*
+	 * The weights come from the difference d alone, never from l_i - *l: at |LSE| beyond
+	 * 2^53 (decay at distances near 2^62) *l rounds to the larger side, l_i - *l would give
+	 * both sides weight 1 and the merged row would sum to 2. t = ln(1 + e^d) is in [0, ln 2].
+	 */
 	m = l1 > l2 ? l1 : l2;
 	d = l1 > l2 ? l2 - l1 : l1 - l2; /* <= 0 */
-	*l = m + log1p(exp(d));
-	*lw1 = l1 - *l;
-	*lw2 = l2 - *l;
+	t = log1p(exp(d));
+	*l = m + t;
+	*lw1 = l1 > l2 ? -t : d - t;
+	*lw2 = l1 > l2 ? d - t : -t;
 	*w1 = exp(*lw1);
 	*w2 = exp(*lw2);
 	return APE_MERGE_BOTH;

@@ -79,9 +79,10 @@ put("problem", "padded_strides.bin", call(1, 2, 2, 4, 4, 4, strides=(b"\3\2", b"
 # The int64 ends of the distances (issue 24): a query INT64_MAX after a key (causal and not),
 # INT64_MIN before one; the kernels' rules once overflowed there (diag + 1, -INT64_MIN).
 # take_int's 0xA0 reads 8 raw bytes. After the call: no aliasing, no NULL, the diagnostics'
-# outputs apart (63), one call (not streamed: streamed calls merge chunks by float32 LSE, which
-# cannot carry the LSE differences at |LSE| ~ 1e18, a known executor limit that fuzzing from a
-# streamed seed finds within seconds), then q, k, v, o (D = 8): q varied, V constant.
+# outputs apart (63), one call or streamed in chunks of one query and one key row (the streamed
+# merge once took its weights from l_i - LSE, which a float64 cannot hold at |LSE| ~ 1e18: both
+# sides weighed 1 and the entropy left [0, ln Lk]), then q, k, v, o (D = 8): q varied, V
+# constant.
 P62 = 1 << 62
 
 
@@ -89,12 +90,13 @@ def i64(v):
     return b"\xa0" + struct.pack("<q", v)
 
 
-def ends(Lq, Lk, causal, k_start, q_start):
+def ends(Lq, Lk, causal, k_start, q_start, stream=False):
     data = struct.pack("<%df" % (2 * Lq * 8), *[(i % 7 - 3) / 4 for i in range(2 * Lq * 8)])
     data += struct.pack("<%df" % (Lk * 8), *[(i % 5 - 2) / 2 for i in range(Lk * 8)])
     data += struct.pack("<%df" % (Lk * 8), *[1.5] * (Lk * 8)) + bytes(2 * Lq * 8 * 4)
     return (call(1, 2, 1, Lq, Lk, 4, flags=causal | 2 | 8 | 256 | 512,
-                 tail=i64(k_start) + i64(q_start)) + b"\0\0" + bytes([63, 0, 2, 3, 2, 0, 0]) +
+                 tail=i64(k_start) + i64(q_start)) + b"\0\0" +
+            bytes([63, 1, 1, 1, 2, 0, 0] if stream else [63, 0, 2, 3, 2, 0, 0]) +
             data)
 
 
@@ -102,6 +104,8 @@ put("problem", "ends_causal_int64_max.bin", ends(3, 4, 1, -P62, P62 - 3))
 put("problem", "ends_noncausal_int64_max.bin", ends(3, 4, 0, -P62, P62 - 3))
 put("problem", "ends_noncausal_int64_min.bin", ends(1, 4, 0, P62 - 3, -P62))
 put("problem", "ends_causal_int64_min.bin", ends(2, 5, 1, P62 - 4, -P62))
+put("problem", "ends_causal_int64_max_streamed.bin", ends(3, 4, 1, -P62, P62 - 3, True))
+put("problem", "ends_noncausal_int64_min_streamed.bin", ends(1, 4, 0, P62 - 3, -P62, True))
 
 # ---- cache: an entry for fuzz_cache.c's key, as ape__progcache_format writes it, and damaged ones
 KEY = b"opencl|pthread-fuzz|PoCL 3.1|-cl-std=CL1.2 -DAPE_D=64|src=0123456789abcdef"
