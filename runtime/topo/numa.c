@@ -379,10 +379,6 @@ int ape__numa_alloc(struct ape__numa *nm, size_t bytes, ape_numa_policy policy, 
 		hwloc_bitmap_free(set);
 		return APE_EINVAL;
 	}
-	if (ape__fault_alloc_hit()) { /* a test build failing this allocation (alloc.h) */
-		hwloc_bitmap_free(set);
-		return APE_ENOMEM;
-	}
 	errno = 0;
 	/* strict: a binding hwloc cannot enforce must fail here, not become a silent malloc */
 	*out = hwloc_alloc_membind(nm->topo, bytes, set, how,

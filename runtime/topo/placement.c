@@ -48,8 +48,9 @@ static void pin(struct ape_device *dev, struct ape__hostmem *m)
 	}
 }
 
-int ape__host_alloc_placed(struct ape_device *dev, size_t bytes, ape_numa_policy policy,
-			   const char *nodes, struct ape__hostmem *m)
+/* ape__host_alloc_placed() less the fault-injection point, which its callers place */
+static int place(struct ape_device *dev, size_t bytes, ape_numa_policy policy, const char *nodes,
+		 struct ape__hostmem *m)
 {
 	struct ape_context *ctx = dev->be->ctx;
 	int ret;
@@ -66,6 +67,15 @@ int ape__host_alloc_placed(struct ape_device *dev, size_t bytes, ape_numa_policy
 	snprintf(m->nodes, sizeof(m->nodes), "%s", nodes);
 	pin(dev, m);
 	return 0;
+}
+
+int ape__host_alloc_placed(struct ape_device *dev, size_t bytes, ape_numa_policy policy,
+			   const char *nodes, struct ape__hostmem *m)
+{
+	memset(m, 0, sizeof(*m));
+	if (ape__fault_alloc_hit()) /* a test build failing this allocation (core/alloc.h) */
+		return APE_ENOMEM;
+	return place(dev, bytes, policy, nodes, m);
 }
 
 /* Why a staging buffer for `dev` will be plain; NULL when it can be placed (or the policy is
@@ -99,8 +109,15 @@ int ape__host_alloc(struct ape_device *dev, size_t bytes, struct ape__hostmem *m
 
 	memset(m, 0, sizeof(*m));
 	if (ctx->numa_policy != APE_NUMA_OFF && !why_plain(dev, why, sizeof(why))) {
-		ret = ape__host_alloc_placed(dev, bytes, p->info.staging_policy,
-					     p->info.staging_nodes, m);
+		/*
+		 * A placement the system refuses falls back to a plain allocation (below), so the
+		 * fault-injection point of a staging buffer is here, as a hard failure: one point
+		 * per buffer, placed or plain, and the same sweep on a NUMA machine as on others.
+		 */
+		if (ape__fault_alloc_hit())
+			return ape__error(APE_ENOMEM,
+					  "out of host memory for a %zu-byte staging buffer", bytes);
+		ret = place(dev, bytes, p->info.staging_policy, p->info.staging_nodes, m);
 		if (!ret) {
 			atomic_fetch_add(&ctx->staging_placed, 1);
 			return 0;

@@ -203,7 +203,7 @@ static void alloc_sweep(struct __test_metadata *_metadata, const char *backend, 
 	ape_context *ctx = test_context(backend);
 	ape_device *dev = test_device(ctx, backend);
 	struct bcall b;
-	uint64_t total;
+	uint64_t total, recovered = 0;
 	int ret;
 
 	if (!dev) {
@@ -220,10 +220,16 @@ static void alloc_sweep(struct __test_metadata *_metadata, const char *backend, 
 		ape__fault_alloc_arm(n);
 		ret = bcall_run(&b);
 		ape__fault_alloc_arm(0);
-		EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("%s: allocation %llu: %s", what,
-						  (unsigned long long)n, b.msg);
+		/* where the library has a fallback (a statistic dropped, fewer key chunks kept
+		 * resident) the run succeeds: then with the clean result */
 		EXPECT_EQ(NULL, bcall_verify(&b, ret)) TH_LOG("%s: allocation %llu", what,
 							      (unsigned long long)n);
+		if (!ret) {
+			recovered++;
+			continue;
+		}
+		EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("%s: allocation %llu: %s", what,
+						  (unsigned long long)n, b.msg);
 		EXPECT_NE(0, b.msg[0]);
 		if (dlpack) { /* every host allocation comes before the launch: nothing written */
 			EXPECT_NE(NULL, strstr(b.msg, "ape_attention_backward_dlpack"))
@@ -234,9 +240,11 @@ static void alloc_sweep(struct __test_metadata *_metadata, const char *backend, 
 			       (unsigned long long)n);
 		}
 	}
+	EXPECT_LT(recovered, total) TH_LOG("%s: no allocation failure reached the caller", what);
 	EXPECT_EQ(0, bcall_run(&b)) TH_LOG("%s", b.msg);
 	EXPECT_EQ(NULL, bcall_verify(&b, 0));
-	ksft_print_msg("%s: %llu allocations failed in turn\n", what, (unsigned long long)total);
+	ksft_print_msg("%s: %llu allocations failed in turn, %llu runs recovered\n", what,
+		       (unsigned long long)total, (unsigned long long)recovered);
 	fflush(stdout); /* the harness ends each test with _exit() */
 	bcall_free(&b);
 	ape_context_destroy(ctx);
@@ -267,10 +275,18 @@ TEST(dlpack_allocation_failures)
 }
 
 /* One broken run: the injected code, a message naming the device and the operation, nothing
- * written, and the next call clean. */
+ * written, and the next call clean; or, for a device buffer the executor can do without (a key
+ * chunk it would have kept resident: *absorbed counts them), success with the clean result. */
 static void judge(struct __test_metadata *_metadata, struct bcall *b, int ret, int expect,
-		  const char *op, const char *what, uint64_t n)
+		  const char *op, const char *what, uint64_t n, uint64_t *absorbed)
 {
+	if (!ret && absorbed) {
+		(*absorbed)++;
+		EXPECT_EQ(NULL, bcall_verify(b, 0)) TH_LOG("%s: %s #%llu absorbed: %s", what, op,
+							   (unsigned long long)n,
+							   bcall_verify(b, 0));
+		return;
+	}
 	EXPECT_EQ(expect, ret) TH_LOG("%s #%llu: %s", what, (unsigned long long)n, b->msg);
 	EXPECT_NE(NULL, strstr(b->msg, b->dev->info.name)) TH_LOG("%s: %s", what, b->msg);
 	EXPECT_NE(NULL, strstr(b->msg, "fails on purpose")) TH_LOG("%s: %s", what, b->msg);
@@ -308,7 +324,7 @@ static void device_sweep(struct __test_metadata *_metadata, const char *backend,
 	ape_context *ctx = test_context(backend);
 	ape_device *dev = test_device(ctx, backend);
 	struct wrap_counts clean;
-	uint64_t total = 0, runs = 0, wrote = 0;
+	uint64_t total = 0, runs = 0, wrote = 0, absorbed = 0;
 	enum wrap_op ops[WRAP_NOPS];
 	size_t nops = 0;
 	struct bcall b;
@@ -352,7 +368,8 @@ static void device_sweep(struct __test_metadata *_metadata, const char *backend,
 					      ops[i] == WRAP_SCRATCH_ALLOC
 				      ? APE_ENOMEM
 				      : APE_EDEVLOST,
-			      wrap_op_name(ops[i]), what, n);
+			      wrap_op_name(ops[i]), what, n,
+			      ops[i] == WRAP_BUF_ALLOC ? &absorbed : NULL);
 		}
 		total += clean.calls[ops[i]];
 	}
@@ -363,10 +380,13 @@ static void device_sweep(struct __test_metadata *_metadata, const char *backend,
 		ret = bcall_run(&b);
 		wrap_lose_device(0);
 		wrote += ret && !same_grads(&b.g, &b.poisoned, W_ALL);
-		judge(_metadata, &b, ret, APE_EDEVLOST, "device lost", what, k);
+		judge(_metadata, &b, ret, APE_EDEVLOST, "device lost", what, k, NULL);
 	}
-	ksft_print_msg("%s: %llu broken runs, %llu of them after outputs were written\n", what,
-		       (unsigned long long)runs, (unsigned long long)wrote);
+	EXPECT_LT(absorbed, runs);
+	ksft_print_msg("%s: %llu broken runs, %llu of them after outputs were written, %llu "
+		       "buffer failures absorbed\n",
+		       what, (unsigned long long)runs, (unsigned long long)wrote,
+		       (unsigned long long)absorbed);
 	fflush(stdout);
 	bcall_free(&b);
 	wrap_remove();
@@ -418,7 +438,7 @@ TEST(backward_launch_failures_on_every_backend)
 			wrap_fail_op(WRAP_ATTENTION_BACKWARD, n);
 			ret = bcall_run(&b);
 			wrap_fail_op(WRAP_ATTENTION_BACKWARD, 0);
-			judge(_metadata, &b, ret, APE_EDEVLOST, "attention_backward", backends[i], n);
+			judge(_metadata, &b, ret, APE_EDEVLOST, "attention_backward", backends[i], n, NULL);
 		}
 		after = wrap_get();
 		EXPECT_EQ(0u, after.live_bytes) TH_LOG("%s: device memory still held", backends[i]);
