@@ -220,6 +220,9 @@ int ape__cu_kernel_index(bool decode, int variant, int dtype, bool diag);
  * struct. The caller has entered the device. */
 int ape__cu_launch(struct ape__queue *q, int k, int64_t blocks, unsigned smem, void *args,
 		   const char *what);
+/* A kernel of one thread per item (copy_view, attention_merge): enters the device, loads the
+ * modules and launches k over n items (nothing for n = 0); the caller has not entered. */
+int ape__cu_run_threads(struct ape__queue *q, int k, int64_t n, void *args, const char *what);
 extern const char *const ape__cu_kernel_names[APE__CU_NKERNELS];
 
 /* ---- cuda_attention.c */

@@ -298,18 +298,6 @@ int ape__cu_copy_view(struct ape__queue *q, const struct ape__copy *c)
 		.H = c->H, .L = c->L, .D = c->D, .n = c->B * c->H * c->L * c->D,
 		.dt_dst = c->dst_type, .dt_src = c->src_type,
 	};
-	int ret;
 
-	if (!a.n)
-		return 0;
-	ret = ape__cu_enter(q->dev);
-	if (ret)
-		return ret;
-	ret = ape__cu_module(q->dev);
-	if (!ret)
-		ret = ape__cu_launch(q, APE__CU_K_COPY_VIEW,
-				     (a.n + APE_CU_THREADS - 1) / APE_CU_THREADS, 0, (void *)&a,
-				     "copy_view");
-	ape__cu_leave(q->dev);
-	return ret;
+	return ape__cu_run_threads(q, APE__CU_K_COPY_VIEW, a.n, (void *)&a, "copy_view");
 }

@@ -14,20 +14,9 @@ int ape__cu_attention_merge(struct ape__queue *q, const struct ape__merge *m)
 		.o = ptr_of(m->o), .lse = ptr_of(m->lse), .pairs = ptr_of(m->pairs),
 		.ent = ptr_of(m->ent), .md = ptr_of(m->md),
 		.po = ptr_of(m->po), .plse = ptr_of(m->plse), .ppairs = ptr_of(m->ppairs),
-		.pent = ptr_of(m->pent), .pmd = ptr_of(m->pmd), .rows = m->rows, .D = m->D, .pairs32 = m->pairs32,
+		.pent = ptr_of(m->pent), .pmd = ptr_of(m->pmd),
+		.rows = m->rows, .D = m->D, .pairs32 = m->pairs32,
 	};
-	int ret;
 
-	if (!a.rows)
-		return 0;
-	ret = ape__cu_enter(q->dev);
-	if (ret)
-		return ret;
-	ret = ape__cu_module(q->dev);
-	if (!ret)
-		ret = ape__cu_launch(q, APE__CU_K_LMERGE,
-				     (a.rows + APE_CU_THREADS - 1) / APE_CU_THREADS, 0, (void *)&a,
-				     "attention_merge");
-	ape__cu_leave(q->dev);
-	return ret;
+	return ape__cu_run_threads(q, APE__CU_K_LMERGE, a.rows, (void *)&a, "attention_merge");
 }

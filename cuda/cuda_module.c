@@ -175,3 +175,19 @@ int ape__cu_launch(struct ape__queue *q, int k, int64_t blocks, unsigned smem, v
 				     ape__cu_kernel_names[k], what, (long long)blocks, smem);
 	return 0;
 }
+
+int ape__cu_run_threads(struct ape__queue *q, int k, int64_t n, void *args, const char *what)
+{
+	int ret;
+
+	if (!n)
+		return 0;
+	ret = ape__cu_enter(q->dev);
+	if (ret)
+		return ret;
+	ret = ape__cu_module(q->dev);
+	if (!ret)
+		ret = ape__cu_launch(q, k, (n + APE_CU_THREADS - 1) / APE_CU_THREADS, 0, args, what);
+	ape__cu_leave(q->dev);
+	return ret;
+}

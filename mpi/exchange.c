@@ -90,15 +90,7 @@ static void block_views(const struct call *c, struct kv_block *kb, ape_dtype dt)
 /* Visible key rows [0, hi) of this rank's query block lq (the mask only; 0 rows: none). */
 static int64_t visible_hi(const struct call *c, int lq)
 {
-	const int64_t n = c->sh->count[lq];
-	int64_t last;
-
-	if (n == 0)
-		return 0;
-	if (!c->g.causal)
-		return c->g.L;
-	last = c->g.q0 - c->g.k0 + (c->sh->start[lq] + n - 1);
-	return last < 0 ? 0 : last >= c->g.L ? c->g.L : last + 1;
+	return ape__mpi_visible_end(&c->g, c->sh->start[lq], c->sh->count[lq]);
 }
 
 /* Lists the transfers: what this rank sends (to every peer that needs rows of its blocks) and

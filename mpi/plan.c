@@ -125,14 +125,10 @@ static int64_t clamp(int64_t x, int64_t L)
 	return x < 0 ? 0 : x > L ? L : x;
 }
 
-/* x + y, saturated to the int64 range. */
-static int64_t add_sat(int64_t x, int64_t y)
+int64_t ape__mpi_visible_end(const struct ape__mpi_geom *g, int64_t a, int64_t n)
 {
-	int64_t r;
-
-	if (__builtin_add_overflow(x, y, &r))
-		return y > 0 ? INT64_MAX : INT64_MIN;
-	return r;
+	/* the last row's key index, rel + (a + n - 1), fits: distances were validated */
+	return n > 0 ? ape_visible_keys(g->q0 - g->k0 + (a + n - 1), g->L, g->causal) : 0;
 }
 
 /* Largest key norm per (batch, kv head) over the blocks that hold rows of [j0, j1). */
@@ -188,8 +184,8 @@ void ape__mpi_needed(const struct ape__mpi_geom *g, const float *kmax, const dou
 {
 	/* key index of the position of query row a: rel + a (fits: distances were validated) */
 	const int64_t rel = g->q0 - g->k0, qa = rel + a, qz = rel + (a + n - 1);
-	const int64_t vis_hi = g->causal ? clamp(add_sat(qz, 1), g->L) : g->L;
-	const int64_t pmax = clamp(qa, g->L), pmin = clamp(add_sat(qz, 1), g->L);
+	const int64_t vis_hi = g->causal ? ape_visible_keys(qz, g->L, 1) : g->L;
+	const int64_t pmax = clamp(qa, g->L), pmin = ape_visible_keys(qz, g->L, 1);
 	const double tol = g->causal ? g->tol_plan : g->tol_plan / 2;
 	float *km;
 	int64_t l, h, mid;
