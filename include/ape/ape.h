@@ -817,6 +817,96 @@ APE_API int ape_visible_pairs(const ape_attn_desc *desc, int64_t B, int64_t H, i
 			      int64_t Lk, uint64_t *out);
 /**@}*/
 
+/** \name Ragged batches
+ *
+ * Many sequences of different lengths in one call (packed training batches, a serving step's
+ * prefill chunks and decodes), each with its own positions. APE's bias and temperature are not
+ * linear in the distance n, so every pair must see its true positions: a call here gives each
+ * pair n = pos_q(i) - pos_k(j) of its own sequence, never a shifted one.
+ *
+ * Q, K, V and O are packed along the token axis: every sequence's rows one after another, as
+ * `[total, H, D]` arrays (ape_tensor_init_packed(); a slice of a packed QKV buffer is such a
+ * tensor with other strides) or any other strided `[1, H, total, D]` ape_tensor.
+ */
+/**@{*/
+
+/** A ragged batch of num_seqs sequences over packed tensors. Start from ape_varlen_init(). */
+typedef struct ape_varlen {
+	size_t struct_size; /**< set by ape_varlen_init(); must be sizeof(ape_varlen) */
+	int64_t num_seqs; /**< S >= 0 */
+	/** S + 1 row offsets into the packed queries: sequence s has query rows
+	 *  [cu_seqlens_q[s], cu_seqlens_q[s + 1]); non-decreasing, from 0 to total_q (empty
+	 *  sequences allowed). Read during the call only. */
+	const int64_t *cu_seqlens_q;
+	/** S + 1 row offsets into the packed keys and values, likewise, from 0 to total_k. */
+	const int64_t *cu_seqlens_k;
+	/** NULL, or total_q positions of the query rows: any int64 values, any order, gaps and
+	 *  repeats allowed. NULL: sequence s's keys at 0, 1, ... and its queries end-aligned to
+	 *  them (positions Lk_s - Lq_s, ...), as the dense call places them. */
+	const int64_t *pos_q;
+	/** NULL, or total_k positions of the key rows (NULL: 0, 1, ... in every sequence). */
+	const int64_t *pos_k;
+} ape_varlen;
+
+/** \brief Sets struct_size and an empty batch (no sequences, default positions). Never
+ *  fails. */
+APE_API void ape_varlen_init(ape_varlen *vl);
+
+/** \brief Fills \p t as a packed `[total, H, D]` array of \p dtype at \p data (row-major:
+ *  token, head, component), described as the `[1, H, total, D]` tensor the ragged calls take.
+ *  Never fails. */
+APE_API void ape_tensor_init_packed(ape_tensor *t, void *data, ape_dtype dtype, int64_t total,
+				    int64_t H, int64_t D);
+
+/**
+ * \brief APE attention over a ragged batch: query i of sequence s sees the keys of sequence s
+ *        only (with desc->causal, those with pos_k <= pos_q), at n = pos_q(i) - pos_k(j).
+ *
+ * Everything is validated before any work: the batch (struct_size, num_seqs, each offset, named
+ * with its index and value: "vl->cu_seqlens_q[3] = 5 < vl->cu_seqlens_q[2] = 7"), the tensors
+ * (`q` and `o` `[1, H, total_q, D]`, `k` and `v` `[1, Hkv, total_k, D]`, the storage types,
+ * strides and overlaps of ape_attention_forward()), the parameters, and every sequence's
+ * distances (APE_EOVERFLOW, naming the sequence, when a pair's n does not fit in int64). The
+ * positions come from \p vl alone: desc->q_start_set must be false and desc->k_start 0.
+ *
+ * A sequence is computed as the dense call of its rows, and positions that run in steps of 1
+ * (the default, and Hugging Face style position_ids restarting per document) keep every fast
+ * path; other positions split a sequence into its runs of consecutive positions, whose partial
+ * results merge by their LSE (docs/ape.md, identity 4). Results equal a dense call per sequence
+ * within the spec's tolerance (bit for bit for a sequence of default positions).
+ *
+ * \param devs,ndev,opts as ape_attention_forward_ex(); opts->trace_path must be NULL, and
+ *        the outputs are always written only on success (as with APE_EXEC_ATOMIC_OUTPUTS)
+ * \param desc the parameters; per-head values as for the dense call
+ * \param vl the batch
+ * \param q,k,v packed inputs; read only
+ * \param o packed output `[1, H, total_q, D]`, q's storage type or APE_F32; written only on
+ *        success (0 for rows that see no key)
+ * \param lse NULL, or total_q * H floats, `[total_q, H]` (token-major, as the packed tensors),
+ *        written only on success; -inf for rows that see no key
+ * \param stats NULL, or the call's statistics summed over its pieces (`chunks` counts
+ *        launches)
+ * \return 0; APE_EINVAL (naming the argument); APE_EOVERFLOW; APE_ENOMEM; device failures
+ *         (the message names the sequence). On any failure o and lse are untouched.
+ * \note The work is staged in host memory: one more copy of O and LSE.
+ * \note This version launches each sequence (each run of consecutive positions) as its own
+ *       dense call: thousands of tiny sequences cost thousands of calls. One launch for a whole
+ *       batch is the next step (docs/ape.md, "Ragged batches").
+ */
+APE_API int ape_attention_forward_varlen_ex(ape_device *const *devs, int ndev,
+					    const ape_exec_options *opts,
+					    const ape_attn_desc *desc, const ape_varlen *vl,
+					    const ape_tensor *q, const ape_tensor *k,
+					    const ape_tensor *v, ape_tensor *o, float *lse,
+					    ape_stats *stats);
+
+/** \brief ape_attention_forward_varlen_ex() on one device with default options. */
+APE_API int ape_attention_forward_varlen(ape_device *dev, const ape_attn_desc *desc,
+					 const ape_varlen *vl, const ape_tensor *q,
+					 const ape_tensor *k, const ape_tensor *v, ape_tensor *o,
+					 float *lse, ape_stats *stats);
+/**@}*/
+
 /** \name KV cache
  *
  * Keys and values of one sequence (and batch) kept on a device in fixed-size blocks, for

@@ -5,6 +5,7 @@
     o, lse = libape.attention(q, k, v, lam=0.0, return_lse=True, device="ref")
     dq, dk, dv, dparams = libape.attention_backward(q, k, v, o, lse, do, device="ref")
     o, lse, ent, md = libape.attention_diagnostics(q, k, v)   # entropy, mean distance per row
+    o = libape.attention_varlen(q, k, v, cu_q, cu_k)  # packed [total, H, D] ragged batches
     import libape.torch                      # autograd, torch.compile, APEAttention
     libape.devices()                         # what ape-info lists
 
@@ -13,10 +14,11 @@ LIBAPE_LIBRARY, else the copy `pip install ./python` bundled, else the installed
 """
 from ._capi import LibraryError, path as library_path
 from ._core import (ApeError, ApeValueError, KVCache, SEED_BETA, SEED_DELTA, SEED_GAMMA,
-                    SEED_LAMBDA, attention, attention_backward, attention_diagnostics, backends,
-                    devices, version)
+                    SEED_LAMBDA, attention, attention_backward, attention_diagnostics,
+                    attention_varlen, backends, devices, position_ids_to_cu_seqlens, version)
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_backward", "attention_diagnostics", "devices", "backends", "version", "KVCache", "ApeError",
+__all__ = ["attention", "attention_backward", "attention_diagnostics", "attention_varlen",
+           "position_ids_to_cu_seqlens", "devices", "backends", "version", "KVCache", "ApeError",
            "ApeValueError", "LibraryError", "library_path", "SEED_DELTA", "SEED_BETA",
            "SEED_GAMMA", "SEED_LAMBDA"]

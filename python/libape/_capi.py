@@ -7,7 +7,7 @@ import ctypes
 import ctypes.util
 import os
 
-__all__ = ["lib", "path", "ApeTensor", "ApeParam", "ApeAttnDesc", "ApeStats", "ApeDeviceInfo",
+__all__ = ["lib", "path", "ApeTensor", "ApeParam", "ApeAttnDesc", "ApeStats", "ApeVarlen", "ApeDeviceInfo",
            "ApeBackendInfo", "ApeSelection", "ApeKvCacheOptions", "ApeKvCacheInfo",
            "ApeContextOptions", "DLTensor", "LibraryError"]
 
@@ -100,6 +100,12 @@ class ApeKvCacheInfo(ctypes.Structure):
                 ("device_bytes", ctypes.c_uint64)]
 
 
+class ApeVarlen(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("num_seqs", c_int64),
+                ("cu_seqlens_q", ctypes.POINTER(c_int64)), ("cu_seqlens_k", ctypes.POINTER(c_int64)),
+                ("pos_q", ctypes.POINTER(c_int64)), ("pos_k", ctypes.POINTER(c_int64))]
+
+
 # DLPack's unversioned DLTensor (dlpack/dlpack.h), for ape_attention_forward_dlpack()
 KDL_CPU, KDL_CUDA, KDL_OPENCL = 1, 2, 4
 KDL_FLOAT, KDL_BFLOAT = 2, 4
@@ -138,6 +144,9 @@ _PROTOS = {
     "ape_device_select_spec": (ctypes.c_int, [vp, ctypes.c_char_p, P(ApeSelection)]),
     # tensors by address: the front end packs them into one buffer (see _core._Tensors)
     "ape_attention_forward": (ctypes.c_int, [vp, P(ApeAttnDesc), vp, vp, vp, vp, vp, P(ApeStats)]),
+    "ape_varlen_init": (None, [P(ApeVarlen)]),
+    "ape_attention_forward_varlen": (ctypes.c_int, [vp, P(ApeAttnDesc), P(ApeVarlen), vp, vp, vp,
+                                                    vp, vp, P(ApeStats)]),
     "ape_attention_forward_diag": (ctypes.c_int, [P(vp), ctypes.c_int, vp, P(ApeAttnDesc), vp, vp,
                                                   vp, vp, vp, vp, vp, P(ApeStats)]),
     "ape_attention_backward": (ctypes.c_int, [vp, P(ApeAttnDesc), vp, vp, vp, vp, vp, vp, vp, vp,

@@ -413,6 +413,115 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     return (oa.obj, lse) if return_lse else oa.obj
 
 
+# ------------------------------------------------------------------ ragged batches
+
+def _packed_view(name, x):
+    """A packed [total, H, D] array (NumPy or torch CPU) as the [1, H, total, D] view the C
+    call takes: the same memory, strides swapped, never a copy."""
+    if type(x).__module__.startswith("torch"):
+        if x.dim() != 3:
+            _bad("%s: shape %s: must be 3-D [total, H, D] (packed tokens)" % (name, tuple(x.shape)))
+        return _as_array(name, x.unsqueeze(0).permute(0, 2, 1, 3))
+    if not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
+        x = np.from_dlpack(x)
+    if not isinstance(x, np.ndarray):
+        _bad("%s: a %s is not an array: pass a NumPy array or a torch tensor"
+             % (name, type(x).__name__))
+    if x.ndim != 3:
+        _bad("%s: shape %s: must be 3-D [total, H, D] (packed tokens)" % (name, tuple(x.shape)))
+    return _as_array(name, x[None].transpose(0, 2, 1, 3))
+
+
+def _int64_array(name, x, n=None):
+    """cu_seqlens or positions as a contiguous int64 NumPy array (int32 and int64 taken)."""
+    if type(x).__module__.startswith("torch"):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        _bad("%s: must be a 1-D integer array (int32 or int64), got shape %s dtype %s"
+             % (name, a.shape, a.dtype))
+    if n is not None and a.shape[0] != n:
+        _bad("%s: %d values: must be %d" % (name, a.shape[0], n))
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _i64p(a):
+    return a.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)) if a is not None else None
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, positions_k=None,
+                     delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
+                     causal=True, scale=None, rope_base=10000.0, layout="half",
+                     skip_tol=2.0 ** -24, device="auto", return_lse=False):
+    """APE attention over a ragged batch of packed sequences (ape_attention_forward_varlen()).
+
+    q `[total_q, H, D]`, k and v `[total_k, Hkv, D]` (NumPy or torch CPU; strided views, such as
+    slices of a packed QKV tensor, are passed without a copy); cu_seqlens_q, cu_seqlens_k the
+    S + 1 row offsets of the sequences (int32 or int64, non-decreasing from 0 to the totals);
+    positions_q `[total_q]` and positions_k `[total_k]` optional int64 positions (default: each
+    sequence's keys at 0.. and its queries end-aligned to them). Query i of sequence s sees the
+    keys of s only, with causal those with pos_k <= pos_q, at n = pos_q - pos_k. Returns O
+    `[total_q, H, D]` of q's kind and dtype (and LSE `[total_q, H]` float32 with
+    return_lse=True). Forward only for now, on host arrays. Raises ApeValueError for a bad
+    argument.
+    """
+    qa = _packed_view("q", q)
+    ka = _packed_view("k", k)
+    va = _packed_view("v", v)
+    if not (qa.kind == ka.kind == va.kind):
+        _bad("q, k, v: mixed kinds (%s, %s, %s): pass all NumPy arrays or all torch tensors"
+             % (qa.kind, ka.kind, va.kind))
+    _, H, tq, D = qa.shape
+    tk = ka.shape[2]
+    cq = _int64_array("cu_seqlens_q", cu_seqlens_q)
+    ck = _int64_array("cu_seqlens_k", cu_seqlens_k, cq.shape[0])
+    if cq.shape[0] < 1:
+        _bad("cu_seqlens_q: empty: needs S + 1 >= 1 offsets")
+    pq = None if positions_q is None else _int64_array("positions_q", positions_q, tq)
+    pk = None if positions_k is None else _int64_array("positions_k", positions_k, tk)
+    keep = []
+    desc = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
+                       skip_tol, keep)
+    vl = _capi.ApeVarlen()
+    lib.ape_varlen_init(ctypes.byref(vl))
+    vl.num_seqs = cq.shape[0] - 1
+    vl.cu_seqlens_q = _i64p(cq)
+    vl.cu_seqlens_k = _i64p(ck)
+    vl.pos_q = _i64p(pq)
+    vl.pos_k = _i64p(pk)
+    dev = _device_spec(device)
+    if qa.kind == "torch":
+        out = _torch().empty((tq, H, D), dtype=qa.np_dtype)
+    else:
+        out = np.empty((tq, H, D), dtype=qa.np_dtype)
+    oa = _packed_view("o", out)
+    lse, lse_ptr = _empty_lse(qa, (tq, H)) if return_lse else (None, None)
+    tq_, tk_, tv_, to_ = _Tensors.pack((qa, ka, va, oa))
+    err = lib.ape_attention_forward_varlen(dev, ctypes.byref(desc), ctypes.byref(vl), tq_, tk_,
+                                           tv_, to_, lse_ptr, None)
+    if err:
+        _raise(err)
+    return (out, lse) if return_lse else out
+
+
+def position_ids_to_cu_seqlens(position_ids):
+    """Hugging Face style position_ids (one row of packed documents, each restarting at 0, as
+    DataCollatorWithFlattening emits) to cu_seqlens: int64 offsets of the documents' starts,
+    from 0 to the length. A 2-D input must be one row."""
+    if type(position_ids).__module__.startswith("torch"):
+        position_ids = position_ids.detach().cpu().numpy()
+    p = np.asarray(position_ids)
+    if p.ndim == 2 and p.shape[0] == 1:
+        p = p[0]
+    if p.ndim != 1 or p.dtype.kind not in "iu":
+        _bad("position_ids: must be one row of integers, got shape %s dtype %s"
+             % (p.shape, p.dtype))
+    starts = np.flatnonzero(p == 0) if p.size else np.zeros(0, dtype=np.int64)
+    if p.size and (starts.size == 0 or starts[0] != 0):
+        _bad("position_ids: must start at 0 (each document restarts at 0)")
+    return np.concatenate([starts, [p.size]]).astype(np.int64)
+
+
 def _is_torch_cuda(x):
     return type(x).__module__.startswith("torch") and getattr(x, "is_cuda", False)
 

@@ -6,7 +6,8 @@ import numpy as np
 
 
 def ape64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=10000.0,
-          layout="half", q_start=None, k_start=0, diag=False):
+          layout="half", q_start=None, k_start=0, diag=False, positions_q=None,
+          positions_k=None):
     """q [B,H,Lq,D], k, v [B,Hkv,Lk,D]; parameters floats or per-head sequences.
     Returns O [B,H,Lq,D] and LSE [B,H,Lq] in float64; with diag=True also the entropy
     -sum P ln P and the mean distance sum P |n| of every row [B,H,Lq] (0 with no visible key)."""
@@ -24,7 +25,9 @@ def ape64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=1
     else:
         ia, ib = 2 * np.arange(P), 2 * np.arange(P) + 1
     omega = rope_base ** (-2.0 * np.arange(P) / D)
-    n = (q_start + np.arange(Lq))[:, None] - (k_start + np.arange(Lk))[None, :]
+    pq = q_start + np.arange(Lq) if positions_q is None else np.asarray(positions_q, np.int64)
+    pk = k_start + np.arange(Lk) if positions_k is None else np.asarray(positions_k, np.int64)
+    n = pq[:, None] - pk[None, :]
     an = np.abs(n).astype(np.float64)
     o = np.zeros((B, H, Lq, D))
     lse = np.full((B, H, Lq), -np.inf)

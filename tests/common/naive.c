@@ -5,6 +5,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* n = pos_q(i) - pos_k(j): the explicit positions when given, else the offsets */
+static int64_t naive_dist(const naive_params *p, int64_t i, int64_t j)
+{
+	return (p->pos_q ? p->pos_q[i] : p->q_start + i) - (p->pos_k ? p->pos_k[j] : p->k_start + j);
+}
+
 /* IEEE binary16 and bfloat16 decoded arithmetically, not by bit moves as libape does. */
 long double naive_decode16(uint16_t bits, bool bf16)
 {
@@ -86,7 +92,7 @@ int naive_attention_diag(const naive_params *p, const ape_tensor *q, const ape_t
 
 				/* pass 1: every score */
 				for (int64_t j = 0; j < Lk; j++) {
-					const int64_t n = (p->q_start + i) - (p->k_start + j);
+					const int64_t n = naive_dist(p, i, j);
 					const long double an = n < 0 ? -(long double)n : (long double)n;
 					long double dot = 0;
 
@@ -134,7 +140,7 @@ int naive_attention_diag(const naive_params *p, const ape_tensor *q, const ape_t
 					long double e = 0, m = 0, far = 0;
 
 					for (int64_t j = 0; j < Lk; j++) {
-						const int64_t n = (p->q_start + i) - (p->k_start + j);
+						const int64_t n = naive_dist(p, i, j);
 						const long double an = n < 0 ? -(long double)n : (long double)n;
 						const long double pj = s[j] / den;
 

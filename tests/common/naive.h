@@ -19,6 +19,9 @@ typedef struct naive_params {
 	bool causal;
 	bool interleaved;
 	int64_t q_start, k_start; /* q_start already resolved */
+	/* NULL, or a position per query row (per key row), shared by the batch: n = pos_q[i] -
+	 * pos_k[j] (q_start, k_start then unused for that side) */
+	const int64_t *pos_q, *pos_k;
 } naive_params;
 
 /*

@@ -280,7 +280,7 @@ int test_problem_naive(test_problem *tp)
 {
 	const int64_t H = tp->q.t.shape[1];
 	double *prm = malloc(sizeof(double) * (size_t)(4 * H));
-	naive_params np;
+	naive_params np = { 0 };
 	int ret;
 
 	resolve_q_start(tp);

@@ -1,0 +1,106 @@
+"""libape.attention_varlen (ragged batches of packed sequences) from NumPy and torch: every
+sequence against the float64 evaluation at its positions (default, shifted, gaps, repeats),
+on every device; strided views of a packed QKV buffer without copies; the position_ids helper;
+errors."""
+import numpy as np
+import pytest
+
+import libape
+from aperef import ape64
+
+DEVICES = [d["spec"] for d in libape.devices()]
+PRM = dict(delta=[0.3, 0.05], beta=0.02, gamma=[0.0, 0.03], lam=0.2)
+
+
+def batch(rng, lens_q, lens_k, H=2, Hkv=1, D=16):
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int64)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int64)
+    q = rng.standard_normal((cq[-1], H, D)).astype(np.float32)
+    k = rng.standard_normal((ck[-1], Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((ck[-1], Hkv, D)).astype(np.float32)
+    return q, k, v, cq, ck
+
+
+def check(o, lse, q, k, v, cq, ck, pq=None, pk=None, causal=True):
+    m = max(1.0, np.abs(v).max())
+    for s in range(len(cq) - 1):
+        a, b, c, d = cq[s], cq[s + 1], ck[s], ck[s + 1]
+        if a == b:
+            continue
+        if c == d:
+            assert (o[a:b] == 0).all() and np.isneginf(lse[a:b]).all()
+            continue
+        kw = {}
+        if pq is not None:
+            kw = dict(positions_q=pq[a:b], positions_k=pk[c:d])
+        o64, l64 = ape64(q[None, a:b].transpose(0, 2, 1, 3), k[None, c:d].transpose(0, 2, 1, 3),
+                         v[None, c:d].transpose(0, 2, 1, 3), causal=causal, **PRM, **kw)
+        assert np.abs(o[a:b].transpose(1, 0, 2) - o64[0]).max() <= 1e-4 * m, s
+        got, want = lse[a:b].T, l64[0]
+        fin = np.isfinite(want)
+        assert (np.isfinite(got) == fin).all(), s
+        assert (np.abs(got[fin] - want[fin]) <= 1e-4 * np.maximum(1, np.abs(want[fin]))).all(), s
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_default_positions(device, causal):
+    rng = np.random.default_rng(1 + causal)
+    q, k, v, cq, ck = batch(rng, [5, 0, 1, 17, 3], [9, 4, 6, 17, 0])
+    o, lse = libape.attention_varlen(q, k, v, cq, ck, causal=causal, device=device,
+                                     return_lse=True, **PRM)
+    assert o.shape == q.shape and o.dtype == np.float32 and lse.shape == (q.shape[0], 2)
+    check(o, lse, q, k, v, cq, ck, causal=causal)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["shifted", "gaps", "repeats"])
+def test_explicit_positions(device, kind):
+    rng = np.random.default_rng(7)
+    q, k, v, cq, ck = batch(rng, [6, 2, 11], [8, 5, 11])
+    pq, pk = np.zeros(q.shape[0], np.int64), np.zeros(k.shape[0], np.int64)
+    for s in range(3):
+        lq, lk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
+        if kind == "shifted":
+            pk[ck[s]:ck[s + 1]] = 100 * s + np.arange(lk)
+        elif kind == "gaps":
+            pk[ck[s]:ck[s + 1]] = np.cumsum(rng.integers(1, 5, lk))
+        else:
+            pk[ck[s]:ck[s + 1]] = np.cumsum(rng.integers(0, 2, lk))
+        pq[cq[s]:cq[s + 1]] = pk[ck[s + 1] - 1] - lq + 1 + np.arange(lq) // (2 if kind == "repeats" else 1)
+    o, lse = libape.attention_varlen(q, k, v, cq, ck, positions_q=pq, positions_k=pk,
+                                     device=device, return_lse=True, **PRM)
+    check(o, lse, q, k, v, cq, ck, pq, pk)
+
+
+def test_torch_slices_of_a_packed_qkv_buffer_and_int32_offsets():
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(30, 3, 2, 16, generator=g)  # [total, (q, k, v), H, D]
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # strided views, no copies
+    cu = torch.tensor([0, 7, 7, 30], dtype=torch.int32)
+    o, lse = libape.attention_varlen(q, k, v, cu, cu, device="ref", return_lse=True, **PRM)
+    assert isinstance(o, torch.Tensor) and o.shape == (30, 2, 16)
+    cq = cu.numpy().astype(np.int64)
+    check(o.numpy(), lse.numpy(), q.numpy(), k.numpy(), v.numpy(), cq, cq)
+
+
+def test_position_ids_to_cu_seqlens():
+    ids = np.array([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    assert libape.position_ids_to_cu_seqlens(ids).tolist() == [0, 3, 5, 9]
+    with pytest.raises(ValueError, match="start at 0"):
+        libape.position_ids_to_cu_seqlens([1, 2])
+
+
+def test_errors_name_the_argument():
+    rng = np.random.default_rng(0)
+    q, k, v, cq, ck = batch(rng, [3, 2], [3, 2])
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        libape.attention_varlen(q, k, v, cq, ck[:-1], device="ref")
+    with pytest.raises(ValueError, match=r"vl->cu_seqlens_q\[2\] = 4"):
+        libape.attention_varlen(q, k, v, np.array([0, 3, 4]), ck, device="ref")
+    with pytest.raises(ValueError, match="3-D"):
+        libape.attention_varlen(q[None], k, v, cq, ck, device="ref")
+    with pytest.raises(ValueError, match="positions_q"):
+        libape.attention_varlen(q, k, v, cq, ck, positions_q=np.arange(2),
+                                positions_k=np.arange(5), device="ref")

@@ -1,0 +1,470 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Ragged batches (include/ape/ape.h, "Ragged batches"; docs/ape.md): many sequences over packed
+ * tensors, each pair at its true distance n = pos_q - pos_k.
+ *
+ * Validation first, of everything, before any work. Then each sequence is cut into runs of
+ * consecutive positions (one run of queries and one of keys for default positions, and for
+ * position_ids that restart per document): a query run against a key run is exactly a dense
+ * call (q_start, k_start the runs' first positions), so every backend, fast path, chunking and
+ * device set of the dense executor serves it. A query run that sees several key runs merges
+ * their partial results by LSE on the host (exec/lse_merge.h). Everything is written to host
+ * staging and published once every piece succeeded.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/alloc.h"
+#include "core/clock.h"
+#include "core/error.h"
+#include "exec/lse_merge.h"
+#include "exec/pack.h"
+#include "exec/problem.h"
+#include "api/forward.h"
+#include "api/stats.h"
+#include "api/validate.h"
+
+typedef __int128 i128;
+
+void ape_varlen_init(ape_varlen *vl)
+{
+	if (!vl)
+		return;
+	memset(vl, 0, sizeof(*vl));
+	vl->struct_size = sizeof(*vl);
+}
+
+void ape_tensor_init_packed(ape_tensor *t, void *data, ape_dtype dtype, int64_t total, int64_t H,
+			    int64_t D)
+{
+	if (!t)
+		return;
+	ape_tensor_init(t, data, dtype, 1, H, total, D);
+	/* [total, H, D] row-major: a head steps D, a token H * D */
+	t->strides[0] = total * H * D;
+	t->strides[1] = D;
+	t->strides[2] = H * D;
+	t->strides[3] = 1;
+}
+
+/* ------------------------------------------------------------------ validation */
+
+static int check_offsets(const char *fn, const char *name, const int64_t *cu, int64_t S,
+			 int64_t total)
+{
+	if (!cu)
+		return ape__error(APE_EINVAL, "%s: vl->%s = NULL: needs num_seqs + 1 = %" PRId64
+				  " offsets", fn, name, S + 1);
+	if (cu[0] != 0)
+		return ape__error(APE_EINVAL, "%s: vl->%s[0] = %" PRId64 ": must be 0", fn, name,
+				  cu[0]);
+	for (int64_t s = 1; s <= S; s++)
+		if (cu[s] < cu[s - 1])
+			return ape__error(APE_EINVAL,
+					  "%s: vl->%s[%" PRId64 "] = %" PRId64 " < vl->%s[%" PRId64
+					  "] = %" PRId64 ": must be non-decreasing",
+					  fn, name, s, cu[s], name, s - 1, cu[s - 1]);
+	if (cu[S] != total)
+		return ape__error(APE_EINVAL,
+				  "%s: vl->%s[%" PRId64 "] = %" PRId64 ": must be the packed "
+				  "tensors' %" PRId64 " rows",
+				  fn, name, S, cu[S], total);
+	return 0;
+}
+
+/* The position of query row i (sequence s) or key row j. */
+static int64_t qpos(const ape_varlen *vl, int64_t s, int64_t i)
+{
+	if (vl->pos_q)
+		return vl->pos_q[i];
+	/* end-aligned: Lk_s - Lq_s + (i - cu_q[s]); fits, both are row counts */
+	return (vl->cu_seqlens_k[s + 1] - vl->cu_seqlens_k[s]) -
+	       (vl->cu_seqlens_q[s + 1] - vl->cu_seqlens_q[s]) + (i - vl->cu_seqlens_q[s]);
+}
+
+static int64_t kpos(const ape_varlen *vl, int64_t s, int64_t j)
+{
+	return vl->pos_k ? vl->pos_k[j] : j - vl->cu_seqlens_k[s];
+}
+
+/* Every pair's n of every sequence fits in int64 (the dense call's own rule). */
+static int check_distances(const char *fn, const ape_varlen *vl)
+{
+	for (int64_t s = 0; s < vl->num_seqs; s++) {
+		const int64_t q0 = vl->cu_seqlens_q[s], q1 = vl->cu_seqlens_q[s + 1];
+		const int64_t k0 = vl->cu_seqlens_k[s], k1 = vl->cu_seqlens_k[s + 1];
+		int64_t qlo = INT64_MAX, qhi = INT64_MIN, klo = INT64_MAX, khi = INT64_MIN;
+
+		if (q0 == q1 || k0 == k1)
+			continue;
+		for (int64_t i = q0; i < q1; i++) {
+			const int64_t x = qpos(vl, s, i);
+
+			qlo = x < qlo ? x : qlo;
+			qhi = x > qhi ? x : qhi;
+		}
+		for (int64_t j = k0; j < k1; j++) {
+			const int64_t x = kpos(vl, s, j);
+
+			klo = x < klo ? x : klo;
+			khi = x > khi ? x : khi;
+		}
+		if ((i128)qhi - klo > INT64_MAX || (i128)qlo - khi < INT64_MIN)
+			return ape__error(APE_EOVERFLOW,
+					  "%s: sequence %" PRId64 ": query positions %" PRId64
+					  "..%" PRId64 " and key positions %" PRId64 "..%" PRId64
+					  ": a distance pos_q - pos_k does not fit in 64 bits",
+					  fn, s, qlo, qhi, klo, khi);
+	}
+	return 0;
+}
+
+static int check_call(const char *fn, const ape_attn_desc *desc, const ape_varlen *vl,
+		      const ape_exec_options *opts, const ape_tensor *q, const ape_tensor *k,
+		      struct ape__problem *p, const ape_tensor *v, const ape_tensor *o,
+		      const float *lse)
+{
+	int ret;
+
+	if (!vl)
+		return ape__error(APE_EINVAL, "%s: vl = NULL", fn);
+	if (vl->struct_size != sizeof(*vl))
+		return ape__error(APE_EINVAL,
+				  "%s: vl->struct_size = %zu: expected %zu (initialise with "
+				  "ape_varlen_init())",
+				  fn, vl->struct_size, sizeof(*vl));
+	if (!desc)
+		return ape__error(APE_EINVAL, "%s: desc = NULL", fn);
+	if (desc->q_start_set || desc->k_start != 0)
+		return ape__error(APE_EINVAL,
+				  "%s: desc->%s = %" PRId64 ": a ragged batch takes its positions "
+				  "from vl (pos_q, pos_k or the per-sequence defaults)",
+				  fn, desc->q_start_set ? "q_start" : "k_start",
+				  desc->q_start_set ? desc->q_start : desc->k_start);
+	if (opts && opts->trace_path)
+		return ape__error(APE_EINVAL,
+				  "%s: opts->trace_path = \"%s\": ragged calls write no trace yet",
+				  fn, opts->trace_path);
+	for (int t = 0; t < 4; t++) {
+		const ape_tensor *x = t == 0 ? q : t == 1 ? k : t == 2 ? v : o;
+		static const char *const names[4] = { "q", "k", "v", "o" };
+
+		if (x && x->shape[0] != 1)
+			return ape__error(APE_EINVAL,
+					  "%s: %s->shape[0] = %" PRId64 ": a ragged batch is one "
+					  "packed [1, H, total, D] tensor (ape_tensor_init_packed())",
+					  fn, names[t], x->shape[0]);
+	}
+	/* the packed tensors as one dense problem: shapes, types, strides, overlaps, params */
+	if ((ret = ape__problem_init(p, fn, desc, q, k, v, o, lse)))
+		return ret;
+	if (vl->num_seqs < 0)
+		ret = ape__error(APE_EINVAL, "%s: vl->num_seqs = %" PRId64 ": must be >= 0", fn,
+				 vl->num_seqs);
+	else if (!(ret = check_offsets(fn, "cu_seqlens_q", vl->cu_seqlens_q, vl->num_seqs,
+				       p->Lq)) &&
+		 !(ret = check_offsets(fn, "cu_seqlens_k", vl->cu_seqlens_k, vl->num_seqs, p->Lk)))
+		ret = check_distances(fn, vl);
+	if (ret)
+		ape__problem_fini(p);
+	return ret;
+}
+
+/* ------------------------------------------------------------------ the pieces */
+
+struct vcall {
+	const char *fn;
+	ape_device *const *devs;
+	int ndev;
+	ape_exec_options opts; /* the caller's, without atomic outputs (staging is ours) */
+	const ape_attn_desc *desc;
+	const ape_varlen *vl;
+	const ape_tensor *q, *k, *v;
+	const struct ape__problem *p;
+	ape_tensor so; /* staged O, [1, H, total_q, D] contiguous, of o's type */
+	int64_t sos[4];
+	float *slse; /* staged LSE, [H, total_q] */
+	float *tlse; /* one piece's LSE, [H, rows] */
+	float *to; /* one piece's O when merging, float32 [H, rows, D] */
+	struct ape__acc acc;
+	int64_t maxrows; /* the longest query run: what tlse, to and acc hold */
+	ape_stats st; /* the pieces' statistics, summed */
+	bool have_st;
+};
+
+/* The end of the run of consecutive positions that starts at row a (ends before `end`). */
+static int64_t run_end(const ape_varlen *vl, bool query, int64_t s, int64_t a, int64_t end)
+{
+	int64_t b = a + 1;
+
+	for (; b < end; b++) {
+		const int64_t prev = query ? qpos(vl, s, b - 1) : kpos(vl, s, b - 1);
+		const int64_t cur = query ? qpos(vl, s, b) : kpos(vl, s, b);
+
+		if (prev == INT64_MAX || cur != prev + 1)
+			break;
+	}
+	return b;
+}
+
+static void add_stats(struct vcall *c, const ape_stats *x)
+{
+	ape_stats *t = &c->st;
+
+	if (!c->have_st) {
+		*t = *x;
+		c->have_st = true;
+		return;
+	}
+	t->pairs_visible += x->pairs_visible;
+	t->pairs_computed += x->pairs_computed;
+	t->kernel_ms += x->kernel_ms;
+	t->bytes_to_device += x->bytes_to_device;
+	t->bytes_from_device += x->bytes_from_device;
+	t->chunks += x->chunks;
+	t->chunks_skipped += x->chunks_skipped;
+	t->bytes_device_to_device += x->bytes_device_to_device;
+	t->copy_ms += x->copy_ms;
+	t->overlap_ms += x->overlap_ms;
+	t->devices = x->devices > t->devices ? x->devices : t->devices;
+	if (x->peak_device_bytes > t->peak_device_bytes)
+		t->peak_device_bytes = x->peak_device_bytes;
+}
+
+/* Query rows [a, b) against key rows [kc, kd) of sequence s, as one dense call writing o (a
+ * [1, H, b - a, D] view) and c->tlse. */
+static int piece(struct vcall *c, int64_t s, int64_t a, int64_t b, int64_t kc, int64_t kd,
+		 ape_tensor *o)
+{
+	ape_attn_desc d = *c->desc;
+	ape_tensor qv, kv, vv;
+	ape_stats st;
+	int ret;
+
+	d.q_start_set = true;
+	d.q_start = qpos(c->vl, s, a);
+	d.k_start = kpos(c->vl, s, kc);
+	ape_stats_init(&st);
+	if ((ret = ape_tensor_rows(c->q, a, b - a, &qv)) ||
+	    (ret = ape_tensor_rows(c->k, kc, kd - kc, &kv)) ||
+	    (ret = ape_tensor_rows(c->v, kc, kd - kc, &vv)))
+		return ret; /* validated: not reached */
+	ret = ape_attention_forward_ex(c->devs, c->ndev, &c->opts, &d, &qv, &kv, &vv, o, c->tlse,
+				       &st);
+	if (ret)
+		return ape__error(ret, "%s: sequence %" PRId64 " (query rows %" PRId64 "..%" PRId64
+				  ", key rows %" PRId64 "..%" PRId64 "): %s",
+				  c->fn, s, a, b - 1, kc, kd - 1, ape_last_error());
+	add_stats(c, &st);
+	return 0;
+}
+
+/* Whether any query of rows [a, b) can see key run [kc, kd) (causal: the run's first key at or
+ * before the last query's position; a run is consecutive, so its first key is its earliest). */
+static bool run_visible(const struct vcall *c, int64_t s, int64_t a, int64_t b, int64_t kc)
+{
+	int64_t last = INT64_MIN;
+
+	if (!c->p->causal)
+		return true;
+	for (int64_t i = a; i < b; i++) {
+		const int64_t x = qpos(c->vl, s, i);
+
+		last = x > last ? x : last;
+	}
+	return kpos(c->vl, s, kc) <= last;
+}
+
+/* The piece's LSE [H, n] into the staged [H, total_q] at row a. */
+static void stage_lse(struct vcall *c, const float *l, int64_t a, int64_t n)
+{
+	for (int64_t h = 0; h < c->p->H; h++)
+		memcpy(c->slse + h * c->p->Lq + a, l + h * n, (size_t)n * sizeof(float));
+}
+
+/* Query run [a, b) of sequence s against every key run of it. */
+static int query_run(struct vcall *c, int64_t s, int64_t a, int64_t b)
+{
+	const int64_t k0 = c->vl->cu_seqlens_k[s], k1 = c->vl->cu_seqlens_k[s + 1];
+	const int64_t n = b - a, H = c->p->H, D = c->p->D;
+	int64_t runs = 0, only = -1, only_end = -1;
+	ape_tensor ov;
+	int ret;
+
+	for (int64_t kc = k0, kd; kc < k1; kc = kd) {
+		kd = run_end(c->vl, false, s, kc, k1);
+		if (run_visible(c, s, a, b, kc)) {
+			if (!runs++) {
+				only = kc;
+				only_end = kd;
+			}
+		}
+	}
+	if (runs == 0)
+		return 0; /* no key visible: the staging's zeros and -inf stand */
+	if (runs == 1) { /* the dense call itself, into the staged rows */
+		if ((ret = ape_tensor_rows(&c->so, a, n, &ov)))
+			return ret;
+		if ((ret = piece(c, s, a, b, only, only_end, &ov)))
+			return ret;
+		stage_lse(c, c->tlse, a, n);
+		return 0;
+	}
+	/* several runs: float32 pieces merged by their LSE */
+	ape_tensor_init(&ov, c->to, APE_F32, 1, H, n, D);
+	ape__acc_reset(&c->acc, H * n);
+	for (int64_t kc = k0, kd; kc < k1; kc = kd) {
+		kd = run_end(c->vl, false, s, kc, k1);
+		if (!run_visible(c, s, a, b, kc))
+			continue;
+		if ((ret = piece(c, s, a, b, kc, kd, &ov)))
+			return ret;
+		ape__acc_add(&c->acc, c->to, c->tlse, NULL, NULL);
+	}
+	ape__acc_store(&c->acc, &c->so, c->sos, c->slse, NULL, NULL, c->p->Lq, a, n);
+	return 0;
+}
+
+/* The longest run of consecutive query positions over the batch: what the buffers hold. */
+static int64_t longest_query_run(const ape_varlen *vl)
+{
+	int64_t most = 0;
+
+	for (int64_t s = 0; s < vl->num_seqs; s++) {
+		const int64_t q1 = vl->cu_seqlens_q[s + 1];
+
+		if (vl->cu_seqlens_k[s] == vl->cu_seqlens_k[s + 1])
+			continue;
+		for (int64_t a = vl->cu_seqlens_q[s], b; a < q1; a = b) {
+			b = run_end(vl, true, s, a, q1);
+			most = b - a > most ? b - a : most;
+		}
+	}
+	return most;
+}
+
+static void vcall_free(struct vcall *c)
+{
+	free(c->so.data);
+	free(c->slse);
+	free(c->tlse);
+	free(c->to);
+	ape__acc_free(&c->acc);
+}
+
+static int vcall_alloc(struct vcall *c)
+{
+	const struct ape__problem *p = c->p;
+	const size_t rows = (size_t)(p->H * p->Lq);
+
+	c->maxrows = longest_query_run(c->vl);
+	/* zero bits are 0.0 in every storage type: rows that see no key are ready */
+	c->so.data = ape__calloc(rows * (size_t)p->D + 1, ape_dtype_size(p->out_dtype));
+	c->slse = ape__malloc(rows * sizeof(float) + 1);
+	c->tlse = ape__malloc((size_t)(p->H * c->maxrows) * sizeof(float) + 1);
+	c->to = ape__malloc((size_t)(p->H * c->maxrows * p->D) * sizeof(float) + 1);
+	if (!c->so.data || !c->slse || !c->tlse || !c->to ||
+	    ape__acc_alloc(&c->acc, p->H * c->maxrows, p->D, false)) {
+		vcall_free(c);
+		return ape__error(APE_ENOMEM, "%s: out of host memory staging %" PRId64
+				  " rows of O and LSE", c->fn, p->Lq);
+	}
+	ape_tensor_init(&c->so, c->so.data, p->out_dtype, 1, p->H, p->Lq, p->D);
+	ape_tensor_strides(&c->so, c->sos);
+	for (size_t r = 0; r < rows; r++)
+		c->slse[r] = -INFINITY;
+	return 0;
+}
+
+/* Publishes the staging: O through o's strides, LSE transposed to [total_q, H]. */
+static void publish(struct vcall *c, ape_tensor *o, float *lse)
+{
+	const struct ape__problem *p = c->p;
+
+	ape__unpack_rows(c->so.data, o, p->os, 0, p->Lq);
+	if (lse)
+		for (int64_t i = 0; i < p->Lq; i++)
+			for (int64_t h = 0; h < p->H; h++)
+				lse[i * p->H + h] = c->slse[h * p->Lq + i];
+}
+
+static int varlen(const char *fn, ape_device *const *devs, int ndev,
+		  const ape_exec_options *opts, const ape_attn_desc *desc, const ape_varlen *vl,
+		  const ape_tensor *q, const ape_tensor *k, const ape_tensor *v, ape_tensor *o,
+		  float *lse, ape_stats *stats)
+{
+	const double t0 = ape__now_ms();
+	struct ape__problem p;
+	struct vcall c;
+	int ret;
+
+	if ((ret = ape__check_exec_call(fn, devs, ndev, opts, stats)) ||
+	    (ret = check_call(fn, desc, vl, opts, q, k, &p, v, o, lse)))
+		return ret;
+	memset(&c, 0, sizeof(c));
+	c.fn = fn;
+	c.devs = devs;
+	c.ndev = ndev;
+	if (opts)
+		c.opts = *opts;
+	else
+		ape_exec_options_init(&c.opts);
+	c.opts.flags &= ~APE_EXEC_ATOMIC_OUTPUTS;
+	c.desc = desc;
+	c.vl = vl;
+	c.q = q;
+	c.k = k;
+	c.v = v;
+	c.p = &p;
+	if (p.H * p.Lq == 0 || (ret = vcall_alloc(&c))) {
+		ape__problem_fini(&p);
+		return ret; /* 0: nothing to compute, nothing to write */
+	}
+	for (int64_t s = 0; s < vl->num_seqs && !ret; s++) {
+		const int64_t q1 = vl->cu_seqlens_q[s + 1];
+
+		if (vl->cu_seqlens_k[s] == vl->cu_seqlens_k[s + 1])
+			continue; /* no keys: zeros and -inf */
+		for (int64_t a = vl->cu_seqlens_q[s], b; a < q1 && !ret; a = b) {
+			b = run_end(vl, true, s, a, q1);
+			ret = query_run(&c, s, a, b);
+		}
+	}
+	if (!ret) {
+		publish(&c, o, lse);
+		if (stats) {
+			const size_t keep = stats->struct_size;
+
+			if (!c.have_st)
+				ape_stats_init(&c.st);
+			c.st.total_ms = ape__now_ms() - t0;
+			c.st.struct_size = keep;
+			memcpy(stats, &c.st, keep);
+		}
+	}
+	vcall_free(&c);
+	ape__problem_fini(&p);
+	return ret;
+}
+
+int ape_attention_forward_varlen_ex(ape_device *const *devs, int ndev,
+				    const ape_exec_options *opts, const ape_attn_desc *desc,
+				    const ape_varlen *vl, const ape_tensor *q, const ape_tensor *k,
+				    const ape_tensor *v, ape_tensor *o, float *lse, ape_stats *stats)
+{
+	return varlen("ape_attention_forward_varlen_ex", devs, ndev, opts, desc, vl, q, k, v, o,
+		      lse, stats);
+}
+
+int ape_attention_forward_varlen(ape_device *dev, const ape_attn_desc *desc,
+				 const ape_varlen *vl, const ape_tensor *q, const ape_tensor *k,
+				 const ape_tensor *v, ape_tensor *o, float *lse, ape_stats *stats)
+{
+	static const char fn[] = "ape_attention_forward_varlen";
+
+	if (!dev)
+		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
+	return varlen(fn, &dev, 1, NULL, desc, vl, q, k, v, o, lse, stats);
+}

@@ -1,0 +1,550 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Ragged batches (ape_attention_forward_varlen*, include/ape/ape.h "Ragged batches"), on every
+ * backend: fresh random batches (empty sequences, length 1, decode rows, Lq < Lk and Lq > Lk,
+ * GQA, causal or not, every storage type, packed [total, H, D] and [1, H, total, D] layouts) with
+ * default positions, contiguous runs starting anywhere, gaps, repeats and shuffled positions,
+ * each sequence against tests/common/naive.c's independent evaluation at its explicit
+ * positions; a one-sequence batch against the dense call bit for bit; thousands of tiny
+ * sequences; positions at the int64 ends; validation naming the argument, with the outputs
+ * untouched.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ape_test.h"
+#include "common/backend_fixture.h"
+#include "common/naive.h"
+#include "common/testutil.h"
+
+BACKEND_FIXTURE(dev)
+
+enum pos_mode { POS_DEFAULT, POS_SHIFTED, POS_GAPS, POS_REPEATS, POS_SHUFFLED, POS_MODES };
+
+static const char *const mode_names[POS_MODES] = { "default", "shifted", "gaps", "repeats",
+						    "shuffled" };
+
+struct batch {
+	int64_t S, H, Hkv, D, tq, tk;
+	int64_t *cuq, *cuk, *posq, *posk; /* positions always materialised (the oracle's) */
+	bool explicit_pos; /* passed to the library (else its defaults must equal posq, posk) */
+	ape_dtype dt, odt;
+	bool packed;
+	test_tensor q, k, v, o;
+	float *lse;
+	ape_attn_desc desc;
+	float prm[4][8];
+};
+
+static void positions(ape_rng *r, enum pos_mode m, int64_t *p, int64_t n, int64_t base)
+{
+	int64_t x = base;
+
+	for (int64_t i = 0; i < n; i++) {
+		switch (m) {
+		case POS_DEFAULT:
+		case POS_SHIFTED:
+			p[i] = base + i;
+			break;
+		case POS_GAPS:
+			x += 1 + ape_rng_range(r, 0, 1) * ape_rng_range(r, 1, 40);
+			p[i] = x;
+			break;
+		case POS_REPEATS:
+			x += ape_rng_range(r, 0, 1);
+			p[i] = x;
+			break;
+		default:
+			p[i] = base + ape_rng_range(r, 0, 3 * n);
+			break;
+		}
+	}
+}
+
+/* A packed tensor [total, H, D] (or [1, H, total, D]) of random values. */
+static int packed_tensor(test_tensor *tt, ape_rng *r, ape_dtype dt, int64_t total, int64_t H,
+			 int64_t D, bool packed)
+{
+	if (test_tensor_random(tt, r, dt, 1, total, H, D, 1.0))
+		return -1;
+	if (packed)
+		ape_tensor_init_packed(&tt->t, tt->alloc, dt, total, H, D);
+	else
+		ape_tensor_init(&tt->t, tt->alloc, dt, 1, H, total, D); /* other values, same shape */
+	return 0;
+}
+
+static int batch_make(struct batch *b, ape_rng *r, int64_t S, int64_t maxq, int64_t maxk,
+		      enum pos_mode m)
+{
+	static const ape_dtype dts[3] = { APE_F32, APE_F16, APE_BF16 };
+	static const int64_t Ds[3] = { 8, 16, 32 };
+
+	memset(b, 0, sizeof(*b));
+	b->S = S;
+	b->Hkv = ape_rng_range(r, 1, 2);
+	b->H = b->Hkv * ape_rng_range(r, 1, 3);
+	b->D = Ds[ape_rng_range(r, 0, 2)];
+	b->dt = dts[ape_rng_range(r, 0, 2)];
+	b->odt = ape_rng_range(r, 0, 1) ? APE_F32 : b->dt;
+	b->packed = ape_rng_range(r, 0, 2) > 0;
+	b->cuq = calloc((size_t)S + 1, sizeof(int64_t));
+	b->cuk = calloc((size_t)S + 1, sizeof(int64_t));
+	if (!b->cuq || !b->cuk)
+		return -1;
+	for (int64_t s = 0; s < S; s++) {
+		const int64_t shape = ape_rng_range(r, 0, 5);
+		int64_t lq = ape_rng_range(r, 0, maxq), lk = ape_rng_range(r, 0, maxk);
+
+		if (shape == 0)
+			lq = 1; /* a decode row */
+		else if (shape == 1)
+			lq = 0; /* nothing asked */
+		else if (shape == 2)
+			lk = 0; /* nothing to see */
+		b->cuq[s + 1] = b->cuq[s] + lq;
+		b->cuk[s + 1] = b->cuk[s] + lk;
+	}
+	b->tq = b->cuq[S];
+	b->tk = b->cuk[S];
+	b->posq = malloc(sizeof(int64_t) * (size_t)(b->tq + 1));
+	b->posk = malloc(sizeof(int64_t) * (size_t)(b->tk + 1));
+	b->lse = malloc(sizeof(float) * (size_t)(b->tq * b->H + 1));
+	if (!b->posq || !b->posk || !b->lse)
+		return -1;
+	b->explicit_pos = m != POS_DEFAULT;
+	for (int64_t s = 0; s < S; s++) {
+		const int64_t lq = b->cuq[s + 1] - b->cuq[s], lk = b->cuk[s + 1] - b->cuk[s];
+		const int64_t base = m == POS_DEFAULT ? 0 : ape_rng_range(r, -1000, 1000);
+
+		positions(r, m, b->posk + b->cuk[s], lk, base);
+		/* queries around the keys' end: some see every key, some few, some none */
+		positions(r, m, b->posq + b->cuq[s], lq,
+			  m == POS_DEFAULT ? lk - lq : base + lk - lq + ape_rng_range(r, -3, 3));
+	}
+	if (packed_tensor(&b->q, r, b->dt, b->tq, b->H, b->D, b->packed) ||
+	    packed_tensor(&b->k, r, b->dt, b->tk, b->Hkv, b->D, b->packed) ||
+	    packed_tensor(&b->v, r, b->dt, b->tk, b->Hkv, b->D, b->packed) ||
+	    test_tensor_random(&b->o, r, b->odt, 1, b->tq, b->H, b->D, 1.0))
+		return -1;
+	if (b->packed)
+		ape_tensor_init_packed(&b->o.t, b->o.alloc, b->odt, b->tq, b->H, b->D);
+	else
+		ape_tensor_init(&b->o.t, b->o.alloc, b->odt, 1, b->H, b->tq, b->D);
+	test_tensor_poison(&b->o.t);
+	ape_attn_desc_init(&b->desc);
+	b->desc.causal = ape_rng_range(r, 0, 3) > 0;
+	b->desc.skip_tol = ape_rng_range(r, 0, 1) ? 0 : b->desc.skip_tol;
+	for (int h = 0; h < b->H; h++) {
+		b->prm[0][h] = (float)(0.4 * ape_rng_uniform(r));
+		b->prm[1][h] = (float)(0.04 * ape_rng_uniform(r));
+		b->prm[2][h] = (float)(0.04 * ape_rng_uniform(r));
+		b->prm[3][h] = (float)(0.3 * ape_rng_uniform(r));
+	}
+	b->desc.delta.per_head = b->prm[0];
+	b->desc.beta.per_head = b->prm[1];
+	b->desc.gamma.per_head = b->prm[2];
+	b->desc.lambda.per_head = b->prm[3];
+	return 0;
+}
+
+static void batch_free(struct batch *b)
+{
+	free(b->cuq);
+	free(b->cuk);
+	free(b->posq);
+	free(b->posk);
+	free(b->lse);
+	test_tensor_free(&b->q);
+	test_tensor_free(&b->k);
+	test_tensor_free(&b->v);
+	test_tensor_free(&b->o);
+}
+
+static void batch_varlen(const struct batch *b, ape_varlen *vl)
+{
+	ape_varlen_init(vl);
+	vl->num_seqs = b->S;
+	vl->cu_seqlens_q = b->cuq;
+	vl->cu_seqlens_k = b->cuk;
+	vl->pos_q = b->explicit_pos ? b->posq : NULL;
+	vl->pos_k = b->explicit_pos ? b->posk : NULL;
+}
+
+/*
+ * Every sequence against naive_attention() at its explicit positions: the largest error of O
+ * over max|V|, and of LSE relative to max(1, |LSE|), into *eo and *el; the visible pairs into
+ * *pairs. -1 when the oracle ran out of memory.
+ */
+static int batch_check(const struct batch *b, double *eo, double *el, uint64_t *pairs)
+{
+	double delta[8], beta[8], gamma[8], lambda[8];
+	const double vmax = test_tensor_maxabs(&b->v.t);
+
+	*eo = *el = 0;
+	*pairs = 0;
+	for (int h = 0; h < b->H; h++) {
+		delta[h] = b->prm[0][h];
+		beta[h] = b->prm[1][h];
+		gamma[h] = b->prm[2][h];
+		lambda[h] = b->prm[3][h];
+	}
+	for (int64_t s = 0; s < b->S; s++) {
+		const int64_t q0 = b->cuq[s], lq = b->cuq[s + 1] - q0;
+		const int64_t k0 = b->cuk[s], lk = b->cuk[s + 1] - k0;
+		const naive_params np = {
+			.delta = delta, .beta = beta, .gamma = gamma, .lambda = lambda,
+			.rope_base = b->desc.rope_base, .scale = NAN, .causal = b->desc.causal,
+			.pos_q = b->posq + q0, .pos_k = b->posk + k0,
+		};
+		double *o, *lse;
+
+		if (!lq)
+			continue;
+		o = malloc(sizeof(double) * (size_t)(b->H * lq * b->D));
+		lse = malloc(sizeof(double) * (size_t)(b->H * lq));
+		if (!o || !lse) {
+			free(o);
+			free(lse);
+			return -1;
+		}
+		if (lk) {
+			const ape_tensor qs = test_rows(&b->q.t, q0, lq), ks = test_rows(&b->k.t, k0, lk);
+			const ape_tensor vs = test_rows(&b->v.t, k0, lk);
+
+			if (naive_attention(&np, &qs, &ks, &vs, o, lse)) {
+				free(o);
+				free(lse);
+				return -1;
+			}
+		} else {
+			memset(o, 0, sizeof(double) * (size_t)(b->H * lq * b->D));
+			for (int64_t r = 0; r < b->H * lq; r++)
+				lse[r] = -INFINITY;
+		}
+		for (int64_t h = 0; h < b->H; h++)
+			for (int64_t i = 0; i < lq; i++) {
+				const double want = lse[h * lq + i], got = b->lse[(q0 + i) * b->H + h];
+				double e;
+
+				if (isinf(want) || isinf(got))
+					e = want == got ? 0 : INFINITY;
+				else
+					e = fabs(got - want) / fmax(1, fabs(want));
+				*el = fmax(*el, e != e ? INFINITY : e);
+				for (int64_t d = 0; d < b->D; d++) {
+					const double x = test_tensor_get(&b->o.t, 0, h, q0 + i, d);
+					const double w = o[(h * lq + i) * b->D + d];
+
+					e = fabs(x - w) / fmax(vmax, 1e-30);
+					*eo = fmax(*eo, e != e ? INFINITY : e);
+				}
+				for (int64_t j = 0; j < lk; j++)
+					*pairs += !b->desc.causal ||
+						  b->posk[k0 + j] <= b->posq[q0 + i];
+			}
+		free(o);
+		free(lse);
+	}
+	return 0;
+}
+
+static void describe(const struct batch *b, enum pos_mode m, char *buf, size_t n)
+{
+	snprintf(buf, n,
+		 "S %lld, totals %lld x %lld, H %lld/%lld, D %lld, %s -> %s, %s, %s, positions %s, "
+		 "skip_tol %g",
+		 (long long)b->S, (long long)b->tq, (long long)b->tk, (long long)b->H,
+		 (long long)b->Hkv, (long long)b->D, ape_dtype_name(b->dt), ape_dtype_name(b->odt),
+		 b->packed ? "packed [total, H, D]" : "[1, H, total, D]",
+		 b->desc.causal ? "causal" : "not causal", mode_names[m], b->desc.skip_tol);
+}
+
+static void run_batches(struct __test_metadata *_metadata, ape_device *dev, int cases, int64_t S,
+			int64_t maxq, int64_t maxk)
+{
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < cases; c++) {
+		const enum pos_mode m = (enum pos_mode)(c % POS_MODES);
+		struct batch b;
+		ape_varlen vl;
+		ape_stats st;
+		char what[256];
+		double eo, el;
+		uint64_t pairs;
+
+		ASSERT_EQ(0, batch_make(&b, &rng, ape_rng_range(&rng, 1, S), maxq, maxk, m));
+		describe(&b, m, what, sizeof(what));
+		batch_varlen(&b, &vl);
+		ape_stats_init(&st);
+		ASSERT_EQ(0, ape_attention_forward_varlen(dev, &b.desc, &vl, &b.q.t, &b.k.t, &b.v.t,
+							  &b.o.t, b.lse, &st))
+		TH_LOG("%s: %s", what, ape_last_error());
+		ASSERT_EQ(0, batch_check(&b, &eo, &el, &pairs));
+		EXPECT_LE(eo, test_tol_o(b.odt) + test_skip_tol_o(b.desc.skip_tol))
+		TH_LOG("%s: O error %g of max|V|", what, eo);
+		EXPECT_LE(el, test_tol_lse(b.odt) + test_skip_tol_lse(b.desc.skip_tol))
+		TH_LOG("%s: LSE error %g", what, el);
+		EXPECT_EQ(pairs, st.pairs_visible) TH_LOG("%s", what);
+		batch_free(&b);
+	}
+}
+
+/* Random batches of every kind, each sequence against the independent evaluation. */
+TEST_F(dev, every_sequence_equals_the_oracle_at_its_positions)
+{
+	run_batches(_metadata, self->dev, self->emu ? 10 : 40, 6, 40, 50);
+}
+
+/* Sequences longer than a chunk: the dense executor streams each piece. */
+TEST_F(dev, long_sequences_streamed)
+{
+	if (self->emu)
+		SKIP(return, "the emulated CUDA device: long sequences take minutes there");
+	run_batches(_metadata, self->dev, 5, 3, 700, 900);
+}
+
+/* A one-sequence batch with default positions is the dense call, bit for bit (LSE transposed
+ * to [total_q, H]). */
+TEST_F(dev, one_sequence_is_the_dense_call_bit_for_bit)
+{
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < 6; c++) {
+		struct batch b;
+		ape_varlen vl;
+		test_tensor o2;
+		float *lse2;
+		ape_attn_desc d;
+
+		ASSERT_EQ(0, batch_make(&b, &rng, 1, 60, 80, POS_DEFAULT));
+		if (!b.tq || !b.tk) {
+			batch_free(&b);
+			continue;
+		}
+		batch_varlen(&b, &vl);
+		ASSERT_EQ(0, ape_attention_forward_varlen(self->dev, &b.desc, &vl, &b.q.t, &b.k.t,
+							  &b.v.t, &b.o.t, b.lse, NULL))
+		TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, test_tensor_empty(&o2, b.odt, 1, b.H, b.tq, b.D));
+		lse2 = malloc(sizeof(float) * (size_t)(b.H * b.tq));
+		ASSERT_NE(NULL, lse2);
+		d = b.desc;
+		ASSERT_EQ(0, ape_attention_forward(self->dev, &d, &b.q.t, &b.k.t, &b.v.t, &o2.t, lse2,
+						   NULL))
+		TH_LOG("%s", ape_last_error());
+		for (int64_t h = 0; h < b.H; h++)
+			for (int64_t i = 0; i < b.tq; i++) {
+				ASSERT_EQ(0, memcmp(&lse2[h * b.tq + i], &b.lse[i * b.H + h],
+						    sizeof(float)))
+				TH_LOG("case %d: LSE of head %lld row %lld", c, (long long)h,
+				       (long long)i);
+				for (int64_t dd = 0; dd < b.D; dd++)
+					ASSERT_EQ(test_tensor_get(&o2.t, 0, h, i, dd),
+						  test_tensor_get(&b.o.t, 0, h, i, dd))
+					TH_LOG("case %d: O of head %lld row %lld", c, (long long)h,
+					       (long long)i);
+			}
+		free(lse2);
+		test_tensor_free(&o2);
+		batch_free(&b);
+	}
+}
+
+/* Thousands of sequences of 1 to 4 tokens in one call. */
+TEST_F(dev, thousands_of_tiny_sequences)
+{
+	ape_rng rng;
+	struct batch b;
+	ape_varlen vl;
+	double eo, el;
+	uint64_t pairs;
+	const int64_t S = self->emu ? 200 : 2000;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, batch_make(&b, &rng, S, 4, 4, POS_DEFAULT));
+	batch_varlen(&b, &vl);
+	ASSERT_EQ(0, ape_attention_forward_varlen(self->dev, &b.desc, &vl, &b.q.t, &b.k.t, &b.v.t,
+						  &b.o.t, b.lse, NULL))
+	TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, batch_check(&b, &eo, &el, &pairs));
+	EXPECT_LE(eo, test_tol_o(b.odt) + test_skip_tol_o(b.desc.skip_tol));
+	EXPECT_LE(el, test_tol_lse(b.odt) + test_skip_tol_lse(b.desc.skip_tol));
+	batch_free(&b);
+}
+
+/* Positions at the int64 ends: keys just below INT64_MAX and a query at INT64_MAX (causal), a
+ * query at INT64_MIN against keys after it (not causal); V constant, so O is V wherever a key
+ * is seen. A distance past int64 is refused, naming the sequence. */
+TEST_F(dev, positions_at_the_int64_ends)
+{
+	enum { H = 1, D = 8 };
+	float q[2 * D], k[3 * D], v[3 * D], o[2 * D], lse[2];
+	int64_t cuq[3] = { 0, 1, 2 }, cuk[3] = { 0, 2, 3 };
+	int64_t posq[2] = { INT64_MAX, INT64_MIN + 5 };
+	int64_t posk[3] = { INT64_MAX - 3, INT64_MAX - 1, INT64_MIN + 9 };
+	ape_tensor tq, tk, tv, to;
+	ape_attn_desc d;
+	ape_varlen vl;
+
+	for (int i = 0; i < 2 * D; i++)
+		q[i] = (float)((i % 5) - 2) / 4;
+	for (int i = 0; i < 3 * D; i++) {
+		k[i] = (float)((i % 3) - 1) / 2;
+		v[i] = 1.5f;
+	}
+	ape_tensor_init_packed(&tq, q, APE_F32, 2, H, D);
+	ape_tensor_init_packed(&tk, k, APE_F32, 3, H, D);
+	ape_tensor_init_packed(&tv, v, APE_F32, 3, H, D);
+	ape_tensor_init_packed(&to, o, APE_F32, 2, H, D);
+	ape_attn_desc_init(&d);
+	d.delta.value = 0.4f;
+	d.lambda.value = 0.1f;
+	ape_varlen_init(&vl);
+	vl.num_seqs = 2;
+	vl.cu_seqlens_q = cuq;
+	vl.cu_seqlens_k = cuk;
+	vl.pos_q = posq;
+	vl.pos_k = posk;
+	for (int causal = 0; causal < 2; causal++) {
+		d.causal = causal;
+		ASSERT_EQ(0, ape_attention_forward_varlen(self->dev, &d, &vl, &tq, &tk, &tv, &to, lse,
+							  NULL))
+		TH_LOG("%s", ape_last_error());
+		/* row 0 merges two runs of keys: 1.5 to the merge's float32 rounding */
+		for (int i = 0; i < D; i++) {
+			EXPECT_GE(1e-6, fabs(o[i] - 1.5))
+			TH_LOG("causal %d: row 0 [%d] = %.9g", causal, i, o[i]);
+		}
+		for (int i = 0; i < D; i++) { /* the key is after the query: seen only non-causal */
+			EXPECT_EQ(causal ? 0.0f : 1.5f, o[D + i]) TH_LOG("causal %d [%d]", causal, i);
+		}
+		EXPECT_TRUE(causal ? isinf(lse[1]) && lse[1] < 0 : isfinite(lse[1]));
+	}
+	/* sequence 1: INT64_MIN + 5 - INT64_MAX does not fit */
+	posk[2] = INT64_MAX;
+	memset(o, 0x7f, sizeof(o));
+	EXPECT_EQ(APE_EOVERFLOW,
+		  ape_attention_forward_varlen(self->dev, &d, &vl, &tq, &tk, &tv, &to, lse, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "sequence 1")) TH_LOG("%s", ape_last_error());
+	for (int i = 0; i < 2 * D; i++)
+		ASSERT_EQ(0x7f7f7f7fu, ((uint32_t *)o)[i]) TH_LOG("a refused call wrote O");
+}
+
+/* Each refusal names the argument and leaves the outputs untouched. */
+TEST_F(dev, validation_names_the_argument_and_writes_nothing)
+{
+	enum { H = 2, D = 8, TQ = 5, TK = 7 };
+	static float q[TQ * H * D], k[TK * H * D], v[TK * H * D], o[TQ * H * D], lse[TQ * H];
+	ape_tensor tq, tk, tv, to, bad;
+	ape_attn_desc d;
+	ape_exec_options opts;
+	ape_varlen vl;
+	int64_t cuq[3] = { 0, 2, TQ }, cuk[3] = { 0, 3, TK };
+	struct {
+		const char *what, *needle;
+		int expect;
+	} cases[] = {
+		{ "vl NULL", "vl = NULL", APE_EINVAL },
+		{ "struct_size", "vl->struct_size", APE_EINVAL },
+		{ "num_seqs < 0", "vl->num_seqs = -1", APE_EINVAL },
+		{ "cu_seqlens_q NULL", "vl->cu_seqlens_q = NULL", APE_EINVAL },
+		{ "cu_seqlens_q[0] != 0", "vl->cu_seqlens_q[0] = 1", APE_EINVAL },
+		{ "decreasing", "vl->cu_seqlens_k[2] = 7 < vl->cu_seqlens_k[1] = 8", APE_EINVAL },
+		{ "short of the total", "vl->cu_seqlens_q[2] = 4", APE_EINVAL },
+		{ "past the total", "vl->cu_seqlens_k[2] = 8", APE_EINVAL },
+		{ "q_start_set", "desc->q_start", APE_EINVAL },
+		{ "k_start", "desc->k_start = 3", APE_EINVAL },
+		{ "two batches", "q->shape[0] = 2", APE_EINVAL },
+		{ "trace", "opts->trace_path", APE_EINVAL },
+		{ "H of o", "o", APE_EINVAL },
+	};
+
+	for (int i = 0; i < TQ * H * D; i++)
+		q[i] = (float)i / 100;
+	ape_tensor_init_packed(&tq, q, APE_F32, TQ, H, D);
+	ape_tensor_init_packed(&tk, k, APE_F32, TK, H, D);
+	ape_tensor_init_packed(&tv, v, APE_F32, TK, H, D);
+	ape_tensor_init_packed(&to, o, APE_F32, TQ, H, D);
+	for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+		const ape_tensor *pq = &tq, *po = &to;
+		const ape_exec_options *popts = NULL;
+		int ret;
+
+		ape_attn_desc_init(&d);
+		ape_varlen_init(&vl);
+		vl.num_seqs = 2;
+		vl.cu_seqlens_q = cuq;
+		vl.cu_seqlens_k = cuk;
+		cuq[0] = 0;
+		cuq[2] = TQ;
+		cuk[0] = 0;
+		cuk[1] = 3;
+		cuk[2] = TK;
+		switch (c) {
+		case 1:
+			vl.struct_size--;
+			break;
+		case 2:
+			vl.num_seqs = -1;
+			break;
+		case 3:
+			vl.cu_seqlens_q = NULL;
+			break;
+		case 4:
+			cuq[0] = 1;
+			break;
+		case 5:
+			cuk[1] = 8;
+			break;
+		case 6:
+			cuq[2] = 4;
+			break;
+		case 7:
+			cuk[2] = 8;
+			break;
+		case 8:
+			d.q_start_set = true;
+			break;
+		case 9:
+			d.k_start = 3;
+			break;
+		case 10:
+			bad = tq;
+			bad.shape[0] = 2;
+			pq = &bad;
+			break;
+		case 11:
+			ape_exec_options_init(&opts);
+			opts.trace_path = "/tmp/x.json";
+			popts = &opts;
+			break;
+		case 12:
+			bad = to;
+			bad.shape[1] = 1;
+			po = &bad;
+			break;
+		}
+		memset(o, 0x55, sizeof(o));
+		memset(lse, 0x55, sizeof(lse));
+		ret = ape_attention_forward_varlen_ex(&self->dev, 1, popts, &d, c == 0 ? NULL : &vl,
+						      pq, &tk, &tv, (ape_tensor *)po, lse, NULL);
+		EXPECT_EQ(cases[c].expect, ret) TH_LOG("%s", cases[c].what);
+		EXPECT_NE(NULL, strstr(ape_last_error(), cases[c].needle))
+		TH_LOG("%s: %s", cases[c].what, ape_last_error());
+		EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_forward_varlen_ex"))
+		TH_LOG("%s: %s", cases[c].what, ape_last_error());
+		for (size_t i = 0; i < sizeof(o) / sizeof(o[0]); i++)
+			ASSERT_EQ(0x55555555u, ((uint32_t *)o)[i]) TH_LOG("%s wrote O", cases[c].what);
+		for (size_t i = 0; i < sizeof(lse) / sizeof(lse[0]); i++)
+			ASSERT_EQ(0x55555555u, ((uint32_t *)lse)[i])
+			TH_LOG("%s wrote LSE", cases[c].what);
+	}
+}
+
+TEST_HARNESS_MAIN
