@@ -285,9 +285,9 @@ static void run_batches(struct __test_metadata *_metadata, ape_device *dev, int 
 							  &b.o.t, b.lse, &st))
 		TH_LOG("%s: %s", what, ape_last_error());
 		ASSERT_EQ(0, batch_check(&b, &eo, &el, &pairs));
-		EXPECT_LE(eo, test_tol_o(b.odt) + test_skip_tol_o(b.desc.skip_tol))
+		EXPECT_LE(eo, test_tol_o(b.dt) + test_skip_tol_o(b.desc.skip_tol))
 		TH_LOG("%s: O error %g of max|V|", what, eo);
-		EXPECT_LE(el, test_tol_lse(b.odt) + test_skip_tol_lse(b.desc.skip_tol))
+		EXPECT_LE(el, test_tol_lse(b.dt) + test_skip_tol_lse(b.desc.skip_tol))
 		TH_LOG("%s: LSE error %g", what, el);
 		EXPECT_EQ(pairs, st.pairs_visible) TH_LOG("%s", what);
 		batch_free(&b);
@@ -373,8 +373,8 @@ TEST_F(dev, thousands_of_tiny_sequences)
 						  &b.o.t, b.lse, NULL))
 	TH_LOG("%s", ape_last_error());
 	ASSERT_EQ(0, batch_check(&b, &eo, &el, &pairs));
-	EXPECT_LE(eo, test_tol_o(b.odt) + test_skip_tol_o(b.desc.skip_tol));
-	EXPECT_LE(el, test_tol_lse(b.odt) + test_skip_tol_lse(b.desc.skip_tol));
+	EXPECT_LE(eo, test_tol_o(b.dt) + test_skip_tol_o(b.desc.skip_tol));
+	EXPECT_LE(el, test_tol_lse(b.dt) + test_skip_tol_lse(b.desc.skip_tol));
 	batch_free(&b);
 }
 
@@ -545,6 +545,269 @@ TEST_F(dev, validation_names_the_argument_and_writes_nothing)
 			ASSERT_EQ(0x55555555u, ((uint32_t *)lse)[i])
 			TH_LOG("%s wrote LSE", cases[c].what);
 	}
+}
+
+/* ---------------------------------------------------------------- the backward */
+
+static double quant(double x, double step)
+{
+	return nearbyint(x / step) * step;
+}
+
+/* Inputs multiples of 2^-10 and parameters of 2^-12: x +- one step is exact in float32. */
+static void batch_quantize(struct batch *b)
+{
+	test_tensor *ts[3] = { &b->q, &b->k, &b->v };
+
+	for (int t = 0; t < 3; t++)
+		for (int64_t h = 0; h < ts[t]->t.shape[1]; h++)
+			for (int64_t l = 0; l < ts[t]->t.shape[2]; l++)
+				for (int64_t d = 0; d < ts[t]->t.shape[3]; d++)
+					test_tensor_set(&ts[t]->t, 0, h, l, d,
+							quant(test_tensor_get(&ts[t]->t, 0, h, l, d),
+							      0x1p-10));
+	for (int i = 0; i < 4; i++)
+		for (int h = 0; h < b->H; h++)
+			b->prm[i][h] = (float)quant(b->prm[i][h], 0x1p-12);
+}
+
+/* The loss sum dO . O + sum dLSE . LSE of the batch, every sequence by naive_attention() at its
+ * positions (rows with no visible key left out: their LSE is -inf and depends on nothing). */
+static long double batch_loss(const struct batch *b, const float *dout, const float *dlse)
+{
+	double delta[8], beta[8], gamma[8], lambda[8];
+	long double sum = 0;
+
+	for (int h = 0; h < b->H; h++) {
+		delta[h] = b->prm[0][h];
+		beta[h] = b->prm[1][h];
+		gamma[h] = b->prm[2][h];
+		lambda[h] = b->prm[3][h];
+	}
+	for (int64_t s = 0; s < b->S; s++) {
+		const int64_t q0 = b->cuq[s], lq = b->cuq[s + 1] - q0;
+		const int64_t k0 = b->cuk[s], lk = b->cuk[s + 1] - k0;
+		const naive_params np = {
+			.delta = delta, .beta = beta, .gamma = gamma, .lambda = lambda,
+			.rope_base = b->desc.rope_base, .scale = NAN, .causal = b->desc.causal,
+			.pos_q = b->posq + q0, .pos_k = b->posk + k0,
+		};
+		const ape_tensor qs = test_rows(&b->q.t, q0, lq), ks = test_rows(&b->k.t, k0, lk);
+		const ape_tensor vs = test_rows(&b->v.t, k0, lk);
+		double *o, *lse;
+
+		if (!lq || !lk)
+			continue;
+		o = malloc(sizeof(double) * (size_t)(b->H * lq * b->D));
+		lse = malloc(sizeof(double) * (size_t)(b->H * lq));
+		if (!o || !lse || naive_attention(&np, &qs, &ks, &vs, o, lse))
+			abort();
+		for (int64_t h = 0; h < b->H; h++)
+			for (int64_t i = 0; i < lq; i++) {
+				if (isinf(lse[h * lq + i]))
+					continue;
+				sum += (long double)dlse[(q0 + i) * b->H + h] * lse[h * lq + i];
+				for (int64_t d = 0; d < b->D; d++)
+					sum += (long double)dout[((q0 + i) * b->H + h) * b->D + d] *
+					       o[(h * lq + i) * b->D + d];
+			}
+		free(o);
+		free(lse);
+	}
+	return sum;
+}
+
+/*
+ * Every gradient of a ragged batch against central differences of the independent forward
+ * along a random direction: for q, k and v the direction is +-1 step on every element (exact in
+ * float32), for each parameter of each head one step; <G, u> must match within 1e-3 of its
+ * scale. Default, gapped, repeated and shuffled positions, causal and not, GQA, with dLSE.
+ */
+TEST_F(dev, backward_against_finite_differences)
+{
+	ape_rng rng;
+	int ran = 0;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < (self->emu ? 3 : 10); c++) {
+		const enum pos_mode m = (enum pos_mode)(c % POS_MODES);
+		struct batch b;
+		ape_varlen vl;
+		test_tensor dq, dk, dv, dout;
+		float dparams[32], *dlse, *u[3];
+		char what[256];
+		int ret;
+
+		do { /* float32 throughout: the differences need exact steps */
+			ASSERT_EQ(0, batch_make(&b, &rng, ape_rng_range(&rng, 1, 4), 6, 8, m));
+			if (b.dt == APE_F32 && b.odt == APE_F32 && b.tq && b.tk)
+				break;
+			batch_free(&b);
+		} while (1);
+		b.desc.skip_tol = 0;
+		batch_quantize(&b);
+		describe(&b, m, what, sizeof(what));
+		batch_varlen(&b, &vl);
+		ASSERT_EQ(0, ape_attention_forward_varlen(self->dev, &b.desc, &vl, &b.q.t, &b.k.t,
+							  &b.v.t, &b.o.t, b.lse, NULL))
+		TH_LOG("%s: %s", what, ape_last_error());
+		ASSERT_EQ(0, test_tensor_random(&dout, &rng, APE_F32, 1, b.tq, b.H, b.D, 1.0));
+		ape_tensor_init_packed(&dout.t, dout.alloc, APE_F32, b.tq, b.H, b.D);
+		ASSERT_EQ(0, test_tensor_empty(&dq, APE_F32, 1, b.H, b.tq, b.D));
+		ASSERT_EQ(0, test_tensor_empty(&dk, APE_F32, 1, b.Hkv, b.tk, b.D));
+		ASSERT_EQ(0, test_tensor_empty(&dv, APE_F32, 1, b.Hkv, b.tk, b.D));
+		dlse = malloc(sizeof(float) * (size_t)(b.tq * b.H));
+		ASSERT_NE(NULL, dlse);
+		for (int64_t i = 0; i < b.tq * b.H; i++)
+			dlse[i] = (float)ape_rng_normal(&rng);
+		ret = ape_attention_backward_varlen(&self->dev, 1, NULL, &b.desc, &vl, &b.q.t, &b.k.t,
+						    &b.v.t, &b.o.t, b.lse, &dout.t, dlse, &dq.t,
+						    &dk.t, &dv.t, dparams, NULL);
+		if (ret == APE_ENOTSUP) {
+			ksft_print_msg("%s\n", ape_last_error());
+			test_tensor_free(&dq);
+			test_tensor_free(&dk);
+			test_tensor_free(&dv);
+			test_tensor_free(&dout);
+			free(dlse);
+			batch_free(&b);
+			break;
+		}
+		ASSERT_EQ(0, ret) TH_LOG("%s: %s", what, ape_last_error());
+		ran++;
+		{
+			const ape_tensor *in[3] = { &b.q.t, &b.k.t, &b.v.t };
+			const ape_tensor *g[3] = { &dq.t, &dk.t, &dv.t };
+			const char *names[3] = { "dq", "dk", "dv" };
+
+			for (int t = 0; t < 3; t++) {
+				const int64_t Ht = in[t]->shape[1], L = in[t]->shape[2];
+				long double dot = 0, scale = 0, lp = 0, lm = 0;
+				int64_t n = 0;
+
+				u[t] = malloc(sizeof(float) * (size_t)(Ht * L * b.D));
+				ASSERT_NE(NULL, u[t]);
+				for (int64_t h = 0; h < Ht; h++)
+					for (int64_t l = 0; l < L; l++)
+						for (int64_t d = 0; d < b.D; d++, n++) {
+							const double gv = test_tensor_get(g[t], 0, h, l, d);
+
+							u[t][n] = ape_rng_range(&rng, 0, 1) ? 1.0f : -1.0f;
+							dot += gv * u[t][n];
+							scale += fabsl((long double)gv);
+						}
+				for (int sign = 1; sign >= -1; sign -= 2) {
+					n = 0;
+					for (int64_t h = 0; h < Ht; h++)
+						for (int64_t l = 0; l < L; l++)
+							for (int64_t d = 0; d < b.D; d++, n++)
+								test_tensor_set(
+									(ape_tensor *)in[t], 0, h, l, d,
+									test_tensor_get(in[t], 0, h, l, d) +
+										sign * 0x1p-10 * u[t][n]);
+					if (sign > 0)
+						lp = batch_loss(&b, dout.alloc, dlse);
+					else
+						lm = batch_loss(&b, dout.alloc, dlse);
+					n = 0;
+					for (int64_t h = 0; h < Ht; h++) /* back to the point */
+						for (int64_t l = 0; l < L; l++)
+							for (int64_t d = 0; d < b.D; d++, n++)
+								test_tensor_set(
+									(ape_tensor *)in[t], 0, h, l, d,
+									test_tensor_get(in[t], 0, h, l, d) -
+										sign * 0x1p-10 * u[t][n]);
+				}
+				EXPECT_LE(fabsl((lp - lm) / (2 * 0x1p-10L) - dot),
+					  1e-3L * fmaxl(scale, 1e-3L))
+				TH_LOG("%s: %s: finite difference %Lg, gradient %Lg", what, names[t],
+				       (lp - lm) / (2 * 0x1p-10L), dot);
+				free(u[t]);
+			}
+			for (int i = 0; i < 4; i++)
+				for (int h = 0; h < b.H; h++) {
+					const float keep = b.prm[i][h];
+					long double lp, lm, fd;
+
+					b.prm[i][h] = keep + 0x1p-12f;
+					lp = batch_loss(&b, dout.alloc, dlse);
+					b.prm[i][h] = keep - 0x1p-12f;
+					lm = batch_loss(&b, dout.alloc, dlse);
+					b.prm[i][h] = keep;
+					fd = (lp - lm) / (2 * 0x1p-12L);
+					EXPECT_LE(fabsl(fd - dparams[4 * h + i]),
+						  1e-3L * fmaxl(fabsl(fd), 1e-2L))
+					TH_LOG("%s: dparams[%d] of head %d: finite difference %Lg, "
+					       "gradient %g",
+					       what, i, h, fd, dparams[4 * h + i]);
+				}
+		}
+		test_tensor_free(&dq);
+		test_tensor_free(&dk);
+		test_tensor_free(&dv);
+		test_tensor_free(&dout);
+		free(dlse);
+		batch_free(&b);
+	}
+	if (!ran)
+		SKIP(return, "this device has no backward pass (the message above says why)");
+}
+
+/* A one-sequence batch of default positions: the dense backward's gradients (float32). */
+TEST_F(dev, backward_of_one_sequence_is_the_dense_backward)
+{
+	ape_rng rng;
+	struct batch b;
+	ape_varlen vl;
+	test_tensor g[6], dout;
+	float dp[2][32];
+	int ret;
+
+	ape_rng_init(&rng, _metadata->name);
+	do {
+		ASSERT_EQ(0, batch_make(&b, &rng, 1, 40, 50, POS_DEFAULT));
+		if (b.dt == APE_F32 && b.odt == APE_F32 && b.tq && b.tk)
+			break;
+		batch_free(&b);
+	} while (1);
+	batch_varlen(&b, &vl);
+	ASSERT_EQ(0, ape_attention_forward_varlen(self->dev, &b.desc, &vl, &b.q.t, &b.k.t, &b.v.t,
+						  &b.o.t, b.lse, NULL));
+	ASSERT_EQ(0, test_tensor_random(&dout, &rng, APE_F32, 1, b.H, b.tq, b.D, 1.0));
+	if (b.packed)
+		ape_tensor_init_packed(&dout.t, dout.alloc, APE_F32, b.tq, b.H, b.D);
+	for (int i = 0; i < 6; i++)
+		ASSERT_EQ(0, test_tensor_empty(&g[i], APE_F32, 1, i % 3 ? b.Hkv : b.H,
+					       i % 3 ? b.tk : b.tq, b.D));
+	ret = ape_attention_backward_varlen(&self->dev, 1, NULL, &b.desc, &vl, &b.q.t, &b.k.t,
+					    &b.v.t, &b.o.t, b.lse, &dout.t, NULL, &g[0].t, &g[1].t,
+					    &g[2].t, dp[0], NULL);
+	if (ret != APE_ENOTSUP) {
+		float *lse_d = malloc(sizeof(float) * (size_t)(b.H * b.tq));
+
+		ASSERT_EQ(0, ret) TH_LOG("%s", ape_last_error());
+		ASSERT_NE(NULL, lse_d);
+		for (int64_t h = 0; h < b.H; h++)
+			for (int64_t i = 0; i < b.tq; i++)
+				lse_d[h * b.tq + i] = b.lse[i * b.H + h];
+		ASSERT_EQ(0, ape_attention_backward(self->dev, &b.desc, &b.q.t, &b.k.t, &b.v.t,
+						    &b.o.t, lse_d, &dout.t, NULL, &g[3].t,
+						    &g[4].t, &g[5].t, dp[1], NULL))
+		TH_LOG("%s", ape_last_error());
+		for (int t = 0; t < 3; t++) {
+			EXPECT_EQ(0.0, test_max_err_o(&g[t].t, &g[t + 3].t)) TH_LOG("gradient %d", t);
+		}
+		for (int i = 0; i < 4 * b.H; i++) {
+			EXPECT_EQ(dp[1][i], dp[0][i]) TH_LOG("dparams[%d]", i);
+		}
+		free(lse_d);
+	}
+	for (int i = 0; i < 6; i++)
+		test_tensor_free(&g[i]);
+	test_tensor_free(&dout);
+	batch_free(&b);
+	if (ret == APE_ENOTSUP)
+		SKIP(return, "%s", ape_last_error());
 }
 
 TEST_HARNESS_MAIN

@@ -900,6 +900,38 @@ APE_API int ape_attention_forward_varlen_ex(ape_device *const *devs, int ndev,
 					    const ape_tensor *v, ape_tensor *o, float *lse,
 					    ape_stats *stats);
 
+/**
+ * \brief The gradients of ape_attention_forward_varlen_ex(): dQ, dK, dV and every head's
+ *        dparams of a ragged batch, given the forward's O and LSE and dL/dO (and dL/dLSE).
+ *
+ * Validated before any work like the forward (the batch, the tensors, the positions) and like
+ * ape_attention_backward() (dout, dq shaped like q; dk, dv like k; each of q's storage type or
+ * APE_F32; no output overlapping an input or another output). Each sequence's pieces are the
+ * dense backward of their rows with the whole row's O and LSE, so the gradients are those of
+ * the ragged call exactly (within the backward's tolerances), summed in a fixed order:
+ * deterministic. Keys no query sees get zero gradients.
+ *
+ * \param devs,ndev,opts as ape_attention_backward_ex()
+ * \param desc,vl,q,k,v the forward call's; read only
+ * \param o the forward's O, `[1, H, total_q, D]`; read only
+ * \param lse the forward's LSE, total_q * H floats `[total_q, H]`; required; read only
+ * \param dout dL/dO, shaped like q; read only
+ * \param dlse NULL, or total_q * H floats `[total_q, H]`; read only
+ * \param[out] dq,dk,dv,dparams as ape_attention_backward(): each NULL or overwritten on success
+ *        (at least one wanted)
+ * \param stats NULL, or the pieces' statistics summed
+ * \return as ape_attention_backward(); the message of a failing piece names the sequence.
+ * \note On failure nothing is written. The gradients are staged in float32 host memory.
+ */
+APE_API int ape_attention_backward_varlen(ape_device *const *devs, int ndev,
+					  const ape_exec_options *opts, const ape_attn_desc *desc,
+					  const ape_varlen *vl, const ape_tensor *q,
+					  const ape_tensor *k, const ape_tensor *v,
+					  const ape_tensor *o, const float *lse,
+					  const ape_tensor *dout, const float *dlse, ape_tensor *dq,
+					  ape_tensor *dk, ape_tensor *dv, float *dparams,
+					  ape_stats *stats);
+
 /** \brief ape_attention_forward_varlen_ex() on one device with default options. */
 APE_API int ape_attention_forward_varlen(ape_device *dev, const ape_attn_desc *desc,
 					 const ape_varlen *vl, const ape_tensor *q,

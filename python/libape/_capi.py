@@ -147,6 +147,8 @@ _PROTOS = {
     "ape_varlen_init": (None, [P(ApeVarlen)]),
     "ape_attention_forward_varlen": (ctypes.c_int, [vp, P(ApeAttnDesc), P(ApeVarlen), vp, vp, vp,
                                                     vp, vp, P(ApeStats)]),
+    "ape_attention_backward_varlen": (ctypes.c_int, [P(vp), ctypes.c_int, vp, P(ApeAttnDesc),
+                                                     P(ApeVarlen)] + [vp] * 11 + [P(ApeStats)]),
     "ape_attention_forward_diag": (ctypes.c_int, [P(vp), ctypes.c_int, vp, P(ApeAttnDesc), vp, vp,
                                                   vp, vp, vp, vp, vp, P(ApeStats)]),
     "ape_attention_backward": (ctypes.c_int, [vp, P(ApeAttnDesc), vp, vp, vp, vp, vp, vp, vp, vp,

@@ -482,13 +482,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, p
     keep = []
     desc = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
                        skip_tol, keep)
-    vl = _capi.ApeVarlen()
-    lib.ape_varlen_init(ctypes.byref(vl))
-    vl.num_seqs = cq.shape[0] - 1
-    vl.cu_seqlens_q = _i64p(cq)
-    vl.cu_seqlens_k = _i64p(ck)
-    vl.pos_q = _i64p(pq)
-    vl.pos_k = _i64p(pk)
+    vl = _varlen_struct(cq, ck, pq, pk)
     dev = _device_spec(device)
     if qa.kind == "torch":
         out = _torch().empty((tq, H, D), dtype=qa.np_dtype)
@@ -502,6 +496,90 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, p
     if err:
         _raise(err)
     return (out, lse) if return_lse else out
+
+
+def _varlen_struct(cq, ck, pq, pk):
+    vl = _capi.ApeVarlen()
+    lib.ape_varlen_init(ctypes.byref(vl))
+    vl.num_seqs = cq.shape[0] - 1
+    vl.cu_seqlens_q = _i64p(cq)
+    vl.cu_seqlens_k = _i64p(ck)
+    vl.pos_q = _i64p(pq)
+    vl.pos_k = _i64p(pk)
+    return vl
+
+
+def _packed_lse(name, x, kind, shape):
+    """LSE or dLSE of a ragged batch as contiguous float32 `[total_q, H]`."""
+    if kind == "torch":
+        torch = _torch()
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+            _bad("%s: pass a torch CPU tensor like q" % name)
+        x = x.detach().to(torch.float32).contiguous()
+        got, ptr = tuple(x.shape), x.data_ptr()
+    else:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        got, ptr = x.shape, x.ctypes.data
+    if got != shape:
+        _bad("%s: shape %s: must be [total_q, H] = %s" % (name, got, shape))
+    return x, ptr
+
+
+def attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens_q, cu_seqlens_k, *, dlse=None,
+                              positions_q=None, positions_k=None, delta=SEED_DELTA,
+                              beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True,
+                              scale=None, rope_base=10000.0, layout="half",
+                              wrt=("q", "k", "v", "params"), device="auto"):
+    """The gradients of `attention_varlen()` (ape_attention_backward_varlen()): its inputs, O
+    and LSE `[total_q, H]` (return_lse=True), dL/dO `dout` `[total_q, H, D]` and optionally
+    dL/dLSE; returns `(dq, dk, dv, dparams)` packed like q, k, k and `[H, 4]`, those not in
+    `wrt` None. Arrays as for `attention_varlen()`."""
+    want = set(wrt)
+    if not want or not want <= {"q", "k", "v", "params"}:
+        _bad("wrt = %r: name one or more of 'q', 'k', 'v', 'params'" % (wrt,))
+    qa, ka, va = _packed_view("q", q), _packed_view("k", k), _packed_view("v", v)
+    oa, da = _packed_view("o", o), _packed_view("dout", dout)
+    if not (qa.kind == ka.kind == va.kind == oa.kind == da.kind):
+        _bad("q, k, v, o, dout: mixed kinds: pass all NumPy arrays or all torch tensors")
+    _, H, tq, D = qa.shape
+    tk, Hkv = ka.shape[2], ka.shape[1]
+    cq = _int64_array("cu_seqlens_q", cu_seqlens_q)
+    ck = _int64_array("cu_seqlens_k", cu_seqlens_k, cq.shape[0])
+    if cq.shape[0] < 1:
+        _bad("cu_seqlens_q: empty: needs S + 1 >= 1 offsets")
+    pq = None if positions_q is None else _int64_array("positions_q", positions_q, tq)
+    pk = None if positions_k is None else _int64_array("positions_k", positions_k, tk)
+    lse_keep, lse_ptr = _packed_lse("lse", lse, qa.kind, (tq, H))
+    dlse_keep, dlse_ptr = (None, None) if dlse is None else \
+        _packed_lse("dlse", dlse, qa.kind, (tq, H))
+    keep = []
+    desc = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
+                       0.0, keep)
+    vl = _varlen_struct(cq, ck, pq, pk)
+    dev = _device_spec(device)
+
+    def empty(shape):
+        if qa.kind == "torch":
+            return _torch().empty(shape, dtype=qa.np_dtype)
+        return np.empty(shape, dtype=qa.np_dtype)
+
+    dq = empty((tq, H, D)) if "q" in want else None
+    dk = empty((tk, Hkv, D)) if "k" in want else None
+    dv = empty((tk, Hkv, D)) if "v" in want else None
+    dp, dp_ptr = _empty_lse(qa, (H, 4)) if "params" in want else (None, None)
+    views = [_packed_view(n, x) for n, x in (("dq", dq), ("dk", dk), ("dv", dv)) if x is not None]
+    ptrs = iter(_Tensors.pack([qa, ka, va, oa, da] + views))
+    tq_, tk_, tv_, to_, tdo = (next(ptrs) for _ in range(5))
+    tdq = next(ptrs) if dq is not None else None
+    tdk = next(ptrs) if dk is not None else None
+    tdv = next(ptrs) if dv is not None else None
+    devs = (ctypes.c_void_p * 1)(dev)
+    err = lib.ape_attention_backward_varlen(devs, 1, None, ctypes.byref(desc), ctypes.byref(vl),
+                                            tq_, tk_, tv_, to_, lse_ptr, tdo, dlse_ptr, tdq, tdk,
+                                            tdv, dp_ptr, None)
+    if err:
+        _raise(err)
+    return dq, dk, dv, dp
 
 
 def position_ids_to_cu_seqlens(position_ids):

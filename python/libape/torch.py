@@ -32,7 +32,7 @@ import torch
 from . import _core
 from ._core import SEED_BETA, SEED_DELTA, SEED_GAMMA, SEED_LAMBDA
 
-__all__ = ["attention", "APEAttention", "IMPLEMENTATION"]
+__all__ = ["attention", "attention_varlen", "APEAttention", "IMPLEMENTATION"]
 
 _HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op") and \
     hasattr(torch.library, "register_autograd")
@@ -259,6 +259,60 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     return (o, lse) if return_lse else o
 
 
+# ------------------------------------------------------------------ ragged batches
+
+class _VarlenFunction(torch.autograd.Function):
+    """attention_varlen with its backward (ape_attention_backward_varlen())."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, delta, beta, gamma, lam, cu_q, cu_k, pos_q, pos_k, causal, scale,
+                rope_base, layout, device):
+        o, lse = _core.attention_varlen(
+            q.detach(), k.detach(), v.detach(), cu_q, cu_k, positions_q=pos_q,
+            positions_k=pos_k, delta=_value(delta), beta=_value(beta), gamma=_value(gamma),
+            lam=_value(lam), causal=causal, scale=scale, rope_base=rope_base, layout=layout,
+            skip_tol=0.0, device=device, return_lse=True)
+        ctx.save_for_backward(q, k, v, o, lse, *_snapshot(delta, beta, gamma, lam))
+        ctx.args = (cu_q, cu_k, pos_q, pos_k, causal, scale, rope_base, layout, device)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, *params = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        wrt = _wrt(needs)
+        if not wrt:
+            return (None,) * 16
+        if dlse is not None and not dlse.any():
+            dlse = None
+        cu_q, cu_k, pos_q, pos_k, causal, scale, rope_base, layout, device = ctx.args
+        dq, dk, dv, dp = _core.attention_varlen_backward(
+            q.detach(), k.detach(), v.detach(), o, lse, do.contiguous(), cu_q, cu_k, dlse=dlse,
+            positions_q=pos_q, positions_k=pos_k, delta=_value(params[0]),
+            beta=_value(params[1]), gamma=_value(params[2]), lam=_value(params[3]),
+            causal=causal, scale=scale, rope_base=rope_base, layout=layout, wrt=wrt,
+            device=device)
+        grads = [g if need else None for g, need in zip((dq, dk, dv), needs[:3])]
+        return tuple(grads) + tuple(_param_grads(dp, params, needs[3:7])) + (None,) * 9
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, positions_k=None,
+                     delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
+                     causal=True, scale=None, rope_base=10000.0, layout="half", device=None,
+                     return_lse=False):
+    """libape.attention_varlen on torch CPU tensors (q `[total_q, H, D]`, k, v
+    `[total_k, Hkv, D]`, cu_seqlens int32 or int64, positions int64), differentiable with
+    respect to q, k, v and the parameters (an autograd.Function: torch.compile breaks the graph
+    around it). `device` as for attention(). Nothing is skipped (skip_tol = 0)."""
+    params = [_as_param(x) for x in (delta, beta, gamma, lam)]
+    dev = _pick_device(device, (q, k, v, *params))
+    o, lse = _VarlenFunction.apply(q, k, v, *params, cu_seqlens_q, cu_seqlens_k, positions_q,
+                                   positions_k, bool(causal),
+                                   None if scale is None else float(scale), float(rope_base),
+                                   layout, dev)
+    return (o, lse) if return_lse else o
+
+
 # ------------------------------------------------------------------ the seed's module
 
 class APEAttention(torch.nn.Module):
@@ -297,7 +351,24 @@ class APEAttention(torch.nn.Module):
         self.gamma = param(SEED_GAMMA)
         self.lambda_ = param(SEED_LAMBDA)
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, *, cu_seqlens=None, positions=None):
+        """q, k, v `[B, H, L, D]`; or, with cu_seqlens (S + 1 offsets), a packed batch of
+        documents `[total, H, D]` (attention within each document only, as
+        libape.torch.attention_varlen with cu_seqlens for queries and keys), optionally with
+        `positions` `[total]` (int64) for both."""
+        if cu_seqlens is not None:
+            if q.dim() != 3 or q.shape[1] != self.num_heads or q.shape[2] != self.head_dim:
+                _core._bad("q: shape %s: with cu_seqlens must be [total, %d, %d]"
+                           % (tuple(q.shape), self.num_heads, self.head_dim))
+            with torch.no_grad():
+                self.lambda_.clamp_(min=0.0)
+            return attention_varlen(q, k, v, cu_seqlens, cu_seqlens, positions_q=positions,
+                                    positions_k=positions, delta=self.delta, beta=self.beta,
+                                    gamma=self.gamma, lam=self.lambda_, causal=self.causal,
+                                    scale=self.scale, rope_base=self.rope_base,
+                                    layout=self.layout, device=self.device_spec)
+        if positions is not None:
+            _core._bad("positions: needs cu_seqlens (a packed batch)")
         if q.dim() != 4 or q.shape[1] != self.num_heads or q.shape[3] != self.head_dim:
             _core._bad("q: shape %s: must be [B, %d, L, %d]"
                        % (tuple(q.shape), self.num_heads, self.head_dim))

@@ -25,6 +25,7 @@
 #include "api/forward.h"
 #include "api/stats.h"
 #include "api/validate.h"
+#include "api/varlen.h"
 
 typedef __int128 i128;
 
@@ -75,7 +76,7 @@ static int check_offsets(const char *fn, const char *name, const int64_t *cu, in
 }
 
 /* The position of query row i (sequence s) or key row j. */
-static int64_t qpos(const ape_varlen *vl, int64_t s, int64_t i)
+int64_t ape__varlen_qpos(const ape_varlen *vl, int64_t s, int64_t i)
 {
 	if (vl->pos_q)
 		return vl->pos_q[i];
@@ -84,7 +85,7 @@ static int64_t qpos(const ape_varlen *vl, int64_t s, int64_t i)
 	       (vl->cu_seqlens_q[s + 1] - vl->cu_seqlens_q[s]) + (i - vl->cu_seqlens_q[s]);
 }
 
-static int64_t kpos(const ape_varlen *vl, int64_t s, int64_t j)
+int64_t ape__varlen_kpos(const ape_varlen *vl, int64_t s, int64_t j)
 {
 	return vl->pos_k ? vl->pos_k[j] : j - vl->cu_seqlens_k[s];
 }
@@ -100,13 +101,13 @@ static int check_distances(const char *fn, const ape_varlen *vl)
 		if (q0 == q1 || k0 == k1)
 			continue;
 		for (int64_t i = q0; i < q1; i++) {
-			const int64_t x = qpos(vl, s, i);
+			const int64_t x = ape__varlen_qpos(vl, s, i);
 
 			qlo = x < qlo ? x : qlo;
 			qhi = x > qhi ? x : qhi;
 		}
 		for (int64_t j = k0; j < k1; j++) {
-			const int64_t x = kpos(vl, s, j);
+			const int64_t x = ape__varlen_kpos(vl, s, j);
 
 			klo = x < klo ? x : klo;
 			khi = x > khi ? x : khi;
@@ -121,10 +122,10 @@ static int check_distances(const char *fn, const ape_varlen *vl)
 	return 0;
 }
 
-static int check_call(const char *fn, const ape_attn_desc *desc, const ape_varlen *vl,
+int ape__varlen_check(const char *fn, const ape_attn_desc *desc, const ape_varlen *vl,
 		      const ape_exec_options *opts, const ape_tensor *q, const ape_tensor *k,
-		      struct ape__problem *p, const ape_tensor *v, const ape_tensor *o,
-		      const float *lse)
+		      const ape_tensor *v, const ape_tensor *o, const float *lse,
+		      struct ape__problem *p)
 {
 	int ret;
 
@@ -195,13 +196,15 @@ struct vcall {
 };
 
 /* The end of the run of consecutive positions that starts at row a (ends before `end`). */
-static int64_t run_end(const ape_varlen *vl, bool query, int64_t s, int64_t a, int64_t end)
+int64_t ape__varlen_run_end(const ape_varlen *vl, bool query, int64_t s, int64_t a,
+			     int64_t end)
 {
 	int64_t b = a + 1;
 
 	for (; b < end; b++) {
-		const int64_t prev = query ? qpos(vl, s, b - 1) : kpos(vl, s, b - 1);
-		const int64_t cur = query ? qpos(vl, s, b) : kpos(vl, s, b);
+		const int64_t prev = query ? ape__varlen_qpos(vl, s, b - 1)
+					   : ape__varlen_kpos(vl, s, b - 1);
+		const int64_t cur = query ? ape__varlen_qpos(vl, s, b) : ape__varlen_kpos(vl, s, b);
 
 		if (prev == INT64_MAX || cur != prev + 1)
 			break;
@@ -209,13 +212,11 @@ static int64_t run_end(const ape_varlen *vl, bool query, int64_t s, int64_t a, i
 	return b;
 }
 
-static void add_stats(struct vcall *c, const ape_stats *x)
+void ape__varlen_add_stats(ape_stats *t, bool *have, const ape_stats *x)
 {
-	ape_stats *t = &c->st;
-
-	if (!c->have_st) {
+	if (!*have) {
 		*t = *x;
-		c->have_st = true;
+		*have = true;
 		return;
 	}
 	t->pairs_visible += x->pairs_visible;
@@ -233,6 +234,17 @@ static void add_stats(struct vcall *c, const ape_stats *x)
 		t->peak_device_bytes = x->peak_device_bytes;
 }
 
+void ape__varlen_report(ape_stats *stats, ape_stats *sum, bool have, double t0)
+{
+	const size_t keep = stats->struct_size;
+
+	if (!have)
+		ape_stats_init(sum);
+	sum->total_ms = ape__now_ms() - t0;
+	sum->struct_size = keep;
+	memcpy(stats, sum, keep);
+}
+
 /* Query rows [a, b) against key rows [kc, kd) of sequence s, as one dense call writing o (a
  * [1, H, b - a, D] view) and c->tlse. */
 static int piece(struct vcall *c, int64_t s, int64_t a, int64_t b, int64_t kc, int64_t kd,
@@ -244,8 +256,8 @@ static int piece(struct vcall *c, int64_t s, int64_t a, int64_t b, int64_t kc, i
 	int ret;
 
 	d.q_start_set = true;
-	d.q_start = qpos(c->vl, s, a);
-	d.k_start = kpos(c->vl, s, kc);
+	d.q_start = ape__varlen_qpos(c->vl, s, a);
+	d.k_start = ape__varlen_kpos(c->vl, s, kc);
 	ape_stats_init(&st);
 	if ((ret = ape_tensor_rows(c->q, a, b - a, &qv)) ||
 	    (ret = ape_tensor_rows(c->k, kc, kd - kc, &kv)) ||
@@ -257,24 +269,24 @@ static int piece(struct vcall *c, int64_t s, int64_t a, int64_t b, int64_t kc, i
 		return ape__error(ret, "%s: sequence %" PRId64 " (query rows %" PRId64 "..%" PRId64
 				  ", key rows %" PRId64 "..%" PRId64 "): %s",
 				  c->fn, s, a, b - 1, kc, kd - 1, ape_last_error());
-	add_stats(c, &st);
+	ape__varlen_add_stats(&c->st, &c->have_st, &st);
 	return 0;
 }
 
-/* Whether any query of rows [a, b) can see key run [kc, kd) (causal: the run's first key at or
- * before the last query's position; a run is consecutive, so its first key is its earliest). */
-static bool run_visible(const struct vcall *c, int64_t s, int64_t a, int64_t b, int64_t kc)
+bool ape__varlen_run_visible(const ape_varlen *vl, bool causal, int64_t s, int64_t a, int64_t b,
+			     int64_t kc)
 {
 	int64_t last = INT64_MIN;
 
-	if (!c->p->causal)
+	/* a run is consecutive, so its first key is its earliest */
+	if (!causal)
 		return true;
 	for (int64_t i = a; i < b; i++) {
-		const int64_t x = qpos(c->vl, s, i);
+		const int64_t x = ape__varlen_qpos(vl, s, i);
 
 		last = x > last ? x : last;
 	}
-	return kpos(c->vl, s, kc) <= last;
+	return ape__varlen_kpos(vl, s, kc) <= last;
 }
 
 /* The piece's LSE [H, n] into the staged [H, total_q] at row a. */
@@ -294,8 +306,8 @@ static int query_run(struct vcall *c, int64_t s, int64_t a, int64_t b)
 	int ret;
 
 	for (int64_t kc = k0, kd; kc < k1; kc = kd) {
-		kd = run_end(c->vl, false, s, kc, k1);
-		if (run_visible(c, s, a, b, kc)) {
+		kd = ape__varlen_run_end(c->vl, false, s, kc, k1);
+		if (ape__varlen_run_visible(c->vl, c->p->causal, s, a, b, kc)) {
 			if (!runs++) {
 				only = kc;
 				only_end = kd;
@@ -316,8 +328,8 @@ static int query_run(struct vcall *c, int64_t s, int64_t a, int64_t b)
 	ape_tensor_init(&ov, c->to, APE_F32, 1, H, n, D);
 	ape__acc_reset(&c->acc, H * n);
 	for (int64_t kc = k0, kd; kc < k1; kc = kd) {
-		kd = run_end(c->vl, false, s, kc, k1);
-		if (!run_visible(c, s, a, b, kc))
+		kd = ape__varlen_run_end(c->vl, false, s, kc, k1);
+		if (!ape__varlen_run_visible(c->vl, c->p->causal, s, a, b, kc))
 			continue;
 		if ((ret = piece(c, s, a, b, kc, kd, &ov)))
 			return ret;
@@ -338,7 +350,7 @@ static int64_t longest_query_run(const ape_varlen *vl)
 		if (vl->cu_seqlens_k[s] == vl->cu_seqlens_k[s + 1])
 			continue;
 		for (int64_t a = vl->cu_seqlens_q[s], b; a < q1; a = b) {
-			b = run_end(vl, true, s, a, q1);
+			b = ape__varlen_run_end(vl, true, s, a, q1);
 			most = b - a > most ? b - a : most;
 		}
 	}
@@ -401,7 +413,7 @@ static int varlen(const char *fn, ape_device *const *devs, int ndev,
 	int ret;
 
 	if ((ret = ape__check_exec_call(fn, devs, ndev, opts, stats)) ||
-	    (ret = check_call(fn, desc, vl, opts, q, k, &p, v, o, lse)))
+	    (ret = ape__varlen_check(fn, desc, vl, opts, q, k, v, o, lse, &p)))
 		return ret;
 	memset(&c, 0, sizeof(c));
 	c.fn = fn;
@@ -428,21 +440,14 @@ static int varlen(const char *fn, ape_device *const *devs, int ndev,
 		if (vl->cu_seqlens_k[s] == vl->cu_seqlens_k[s + 1])
 			continue; /* no keys: zeros and -inf */
 		for (int64_t a = vl->cu_seqlens_q[s], b; a < q1 && !ret; a = b) {
-			b = run_end(vl, true, s, a, q1);
+			b = ape__varlen_run_end(vl, true, s, a, q1);
 			ret = query_run(&c, s, a, b);
 		}
 	}
 	if (!ret) {
 		publish(&c, o, lse);
-		if (stats) {
-			const size_t keep = stats->struct_size;
-
-			if (!c.have_st)
-				ape_stats_init(&c.st);
-			c.st.total_ms = ape__now_ms() - t0;
-			c.st.struct_size = keep;
-			memcpy(stats, &c.st, keep);
-		}
+		if (stats)
+			ape__varlen_report(stats, &c.st, c.have_st, t0);
 	}
 	vcall_free(&c);
 	ape__problem_fini(&p);

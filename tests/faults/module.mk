@@ -5,7 +5,8 @@
 # tests. Both leave CUDA out: no GPU reaches these tests here, and nvcc would double the build.
 # test_contract too: in that build, host allocations inside each backend op fail in turn
 FAULT_TESTS  := $(BUILD)/tests/faults/test_allocfail $(BUILD)/tests/faults/test_devfail \
-		$(BUILD)/tests/test_contract $(BUILD)/tests/faults/test_bwdfail
+		$(BUILD)/tests/test_contract $(BUILD)/tests/faults/test_bwdfail \
+		$(BUILD)/tests/faults/test_varlenfail
 THREAD_TESTS := $(BUILD)/tests/faults/test_threads
 FAULT_SUBMAKE = $(MAKE) --no-print-directory OPT=-O1 WITH_CUDA=no
 

@@ -1,0 +1,45 @@
+/* SPDX-License-Identifier: MIT */
+/* What the ragged-batch calls (api/varlen.c forward, api/varlen_bwd.c backward) share: the
+ * batch's validation, its positions and runs, and the pieces' statistics. */
+#ifndef APE_RUNTIME_API_VARLEN_H
+#define APE_RUNTIME_API_VARLEN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ape/ape.h"
+#include "exec/problem.h"
+
+#pragma GCC visibility push(hidden)
+
+/*
+ * The call's arguments before any work: vl (struct_size, num_seqs, both offset arrays named
+ * with index and value), desc (no q_start_set, k_start 0: positions come from vl), opts
+ * (no trace), the packed tensors as one dense problem of B = 1 (shapes, types, strides,
+ * overlaps, parameters: *p, which the caller frees with ape__problem_fini() on success), and
+ * every sequence's distances (APE_EOVERFLOW naming the sequence). lse may be NULL.
+ */
+int ape__varlen_check(const char *fn, const ape_attn_desc *desc, const ape_varlen *vl,
+		      const ape_exec_options *opts, const ape_tensor *q, const ape_tensor *k,
+		      const ape_tensor *v, const ape_tensor *o, const float *lse,
+		      struct ape__problem *p);
+
+/* The position of query row i, key row j (packed indices) of sequence s: vl's, or the
+ * defaults (keys 0.., queries end-aligned). */
+int64_t ape__varlen_qpos(const ape_varlen *vl, int64_t s, int64_t i);
+int64_t ape__varlen_kpos(const ape_varlen *vl, int64_t s, int64_t j);
+/* The end of the run of consecutive positions (steps of +1) of sequence s's query (query
+ * true) or key rows that starts at row a, at most `end`. */
+int64_t ape__varlen_run_end(const ape_varlen *vl, bool query, int64_t s, int64_t a,
+			    int64_t end);
+/* Whether a query of rows [a, b) of sequence s can see the key run starting at kc. */
+bool ape__varlen_run_visible(const ape_varlen *vl, bool causal, int64_t s, int64_t a, int64_t b,
+			     int64_t kc);
+
+/* The pieces' statistics: x added to *t (the first taken whole); the sum reported into the
+ * caller's stats (its struct_size kept) with the call's wall time since t0. */
+void ape__varlen_add_stats(ape_stats *t, bool *have, const ape_stats *x);
+void ape__varlen_report(ape_stats *stats, ape_stats *sum, bool have, double t0);
+
+#pragma GCC visibility pop
+#endif

@@ -1,0 +1,303 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Ragged batches under failure (ape_attention_forward_varlen_ex(),
+ * ape_attention_backward_varlen()): a batch of four sequences (an empty one, default positions,
+ * and positions with gaps whose runs merge by LSE), on the reference and on an OpenCL CPU
+ * device. Each host allocation of a clean run fails in turn (a fault build), then each call of
+ * every device op, then the device is lost from each point on: every broken run returns the
+ * injected code (or, where the library has a fallback, succeeds with the clean result) with a
+ * message naming the call, leaves the inputs byte-identical and the outputs untouched (the
+ * calls stage everything and publish only on success), and the next run is clean.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "ape_test.h"
+#include "common/testutil.h"
+#include "common/wrapops.h"
+#include "core/alloc.h"
+
+enum { H = 2, HKV = 1, D = 8, TQ = 13, TK = 17, S = 4 };
+
+struct vcase {
+	ape_device *dev;
+	bool bwd;
+	float q[TQ * H * D], k[TK * HKV * D], v[TK * HKV * D], dout[TQ * H * D];
+	float o[TQ * H * D], lse[TQ * H]; /* the forward's outputs (the backward's inputs) */
+	float g[TQ * H * D + 2 * TK * HKV * D + 4 * H]; /* dq, dk, dv, dparams */
+	float clean[TQ * H * D + TQ * H + TQ * H * D + 2 * TK * HKV * D + 4 * H];
+	unsigned char in[sizeof(float) * (2 * TQ * H * D + 2 * TK * HKV * D)]; /* q, k, v, dout */
+	int64_t cuq[S + 1], cuk[S + 1], posq[TQ], posk[TK];
+	ape_varlen vl;
+	ape_attn_desc desc;
+	char msg[1024];
+};
+
+static void vcase_init(struct vcase *c, ape_device *dev, bool bwd)
+{
+	static const int64_t lq[S] = { 0, 5, 1, 7 }, lk[S] = { 3, 6, 4, 4 };
+	ape_rng rng;
+
+	memset(c, 0, sizeof(*c));
+	c->dev = dev;
+	c->bwd = bwd;
+	ape_rng_init(&rng, bwd ? "varlen backward" : "varlen forward");
+	for (int i = 0; i < TQ * H * D; i++) {
+		c->q[i] = (float)ape_rng_normal(&rng);
+		c->dout[i] = (float)ape_rng_normal(&rng);
+	}
+	for (int i = 0; i < TK * HKV * D; i++) {
+		c->k[i] = (float)ape_rng_normal(&rng);
+		c->v[i] = (float)ape_rng_normal(&rng);
+	}
+	for (int s = 0; s < S; s++) {
+		c->cuq[s + 1] = c->cuq[s] + lq[s];
+		c->cuk[s + 1] = c->cuk[s] + lk[s];
+	}
+	/* sequence 3 has two runs of keys (a gap) and queries at one position twice */
+	for (int s = 0; s < S; s++) {
+		for (int64_t j = c->cuk[s]; j < c->cuk[s + 1]; j++)
+			c->posk[j] = (j - c->cuk[s]) + (s == 3 && j - c->cuk[s] >= 2 ? 10 : 0);
+		for (int64_t i = c->cuq[s]; i < c->cuq[s + 1]; i++)
+			c->posq[i] = lk[s] + (i - c->cuq[s]) / (s == 3 ? 2 : 1) + (s == 3 ? 10 : 0);
+	}
+	ape_varlen_init(&c->vl);
+	c->vl.num_seqs = S;
+	c->vl.cu_seqlens_q = c->cuq;
+	c->vl.cu_seqlens_k = c->cuk;
+	c->vl.pos_q = c->posq;
+	c->vl.pos_k = c->posk;
+	ape_attn_desc_init(&c->desc);
+	c->desc.delta.value = 0.3f;
+	c->desc.lambda.value = 0.2f;
+	c->desc.skip_tol = 0;
+	memcpy(c->in, c->q, sizeof(c->q));
+	memcpy(c->in + sizeof(c->q), c->k, sizeof(c->k));
+	memcpy(c->in + sizeof(c->q) + sizeof(c->k), c->v, sizeof(c->v));
+	memcpy(c->in + sizeof(c->q) + sizeof(c->k) + sizeof(c->v), c->dout, sizeof(c->dout));
+}
+
+/* The call, outputs poisoned first. The backward reads the forward's o and lse (computed once,
+ * cleanly, before any injection) and writes g. */
+static int vcase_run(struct vcase *c)
+{
+	ape_tensor tq, tk, tv, to, tdo, dq, dk, dv;
+	int ret;
+
+	ape_tensor_init_packed(&tq, c->q, APE_F32, TQ, H, D);
+	ape_tensor_init_packed(&tk, c->k, APE_F32, TK, HKV, D);
+	ape_tensor_init_packed(&tv, c->v, APE_F32, TK, HKV, D);
+	ape_tensor_init_packed(&to, c->o, APE_F32, TQ, H, D);
+	if (!c->bwd) {
+		memset(c->o, 0x5a, sizeof(c->o));
+		memset(c->lse, 0x5a, sizeof(c->lse));
+		ret = ape_attention_forward_varlen_ex(&c->dev, 1, NULL, &c->desc, &c->vl, &tq, &tk,
+						      &tv, &to, c->lse, NULL);
+	} else {
+		memset(c->g, 0x5a, sizeof(c->g));
+		ape_tensor_init_packed(&tdo, c->dout, APE_F32, TQ, H, D);
+		ape_tensor_init_packed(&dq, c->g, APE_F32, TQ, H, D);
+		ape_tensor_init_packed(&dk, c->g + TQ * H * D, APE_F32, TK, HKV, D);
+		ape_tensor_init_packed(&dv, c->g + TQ * H * D + TK * HKV * D, APE_F32, TK, HKV, D);
+		ret = ape_attention_backward_varlen(&c->dev, 1, NULL, &c->desc, &c->vl, &tq, &tk, &tv,
+						    &to, c->lse, &tdo, NULL, &dq, &dk, &dv,
+						    c->g + TQ * H * D + 2 * TK * HKV * D, NULL);
+	}
+	snprintf(c->msg, sizeof(c->msg), "%s", ret ? ape_last_error() : "");
+	return ret;
+}
+
+static void keep_clean(struct vcase *c)
+{
+	memcpy(c->clean, c->o, sizeof(c->o));
+	memcpy(c->clean + TQ * H * D, c->lse, sizeof(c->lse));
+	memcpy(c->clean + TQ * H * D + TQ * H, c->g, sizeof(c->g));
+}
+
+/* NULL when the inputs are intact and the outputs are clean (ret 0) or untouched. */
+static const char *vcase_verify(const struct vcase *c, int ret)
+{
+	const unsigned char *out = c->bwd ? (const void *)c->g : (const void *)c->o;
+	const size_t n = c->bwd ? sizeof(c->g) : sizeof(c->o);
+
+	if (memcmp(c->in, c->q, sizeof(c->q)) ||
+	    memcmp(c->in + sizeof(c->q), c->k, sizeof(c->k)) ||
+	    memcmp(c->in + sizeof(c->q) + sizeof(c->k), c->v, sizeof(c->v)) ||
+	    memcmp(c->in + sizeof(c->q) + sizeof(c->k) + sizeof(c->v), c->dout, sizeof(c->dout)))
+		return "an input changed";
+	if (!ret) {
+		if (c->bwd)
+			return memcmp(c->g, c->clean + TQ * H * D + TQ * H, sizeof(c->g))
+				       ? "not the clean gradients"
+				       : NULL;
+		return memcmp(c->o, c->clean, sizeof(c->o)) ||
+				       memcmp(c->lse, c->clean + TQ * H * D, sizeof(c->lse))
+			       ? "not the clean result"
+			       : NULL;
+	}
+	for (size_t i = 0; i < n; i++)
+		if (out[i] != 0x5a)
+			return "a failed call wrote an output";
+	if (!c->bwd)
+		for (size_t i = 0; i < sizeof(c->lse); i++)
+			if (((const unsigned char *)c->lse)[i] != 0x5a)
+				return "a failed call wrote LSE";
+	return NULL;
+}
+
+static int vcase_prepare(struct vcase *c, ape_device *dev, bool bwd)
+{
+	int ret;
+
+	vcase_init(c, dev, false);
+	if ((ret = vcase_run(c)))
+		return ret;
+	keep_clean(c);
+	if (!bwd)
+		return 0;
+	c->bwd = true;
+	if ((ret = vcase_run(c)))
+		return ret;
+	keep_clean(c);
+	return 0;
+}
+
+static const char *const what[2] = { "forward", "backward" };
+
+static const char *backend_of(const ape_device *dev)
+{
+	static __thread ape_device_info di;
+
+	return ape_device_get_info(dev, &di) ? "?" : di.backend;
+}
+
+static void alloc_sweep(struct __test_metadata *_metadata, ape_device *dev, bool bwd)
+{
+#ifdef APE_FAULT_INJECT
+	struct vcase *c = malloc(sizeof(*c));
+	uint64_t total, errors = 0;
+
+	ASSERT_NE(NULL, c);
+	ASSERT_EQ(0, vcase_prepare(c, dev, bwd)) TH_LOG("%s", c->msg);
+	ape__fault_alloc_arm(0);
+	ASSERT_EQ(0, vcase_run(c));
+	total = ape__fault_alloc_count();
+	ASSERT_GT(total, 0u);
+	for (uint64_t n = 1; n <= total; n++) {
+		int ret;
+
+		ape__fault_alloc_arm(n);
+		ret = vcase_run(c);
+		ape__fault_alloc_arm(0);
+		EXPECT_EQ(NULL, vcase_verify(c, ret)) TH_LOG("%s: allocation %llu", what[bwd],
+							     (unsigned long long)n);
+		if (!ret)
+			continue;
+		errors++;
+		EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("%s: allocation %llu: %s", what[bwd],
+						  (unsigned long long)n, c->msg);
+		EXPECT_NE(NULL, strstr(c->msg, "_varlen")) TH_LOG("%s", c->msg);
+	}
+	EXPECT_GT(errors, 0u);
+	EXPECT_EQ(0, vcase_run(c)) TH_LOG("%s", c->msg);
+	EXPECT_EQ(NULL, vcase_verify(c, 0));
+	ksft_print_msg("%s on %s: %llu allocations failed in turn, %llu errors\n", what[bwd],
+		       backend_of(dev), (unsigned long long)total, (unsigned long long)errors);
+	free(c);
+#else
+	(void)_metadata;
+	(void)dev;
+	(void)bwd;
+#endif
+}
+
+static void device_sweep(struct __test_metadata *_metadata, ape_device *dev, bool bwd)
+{
+	struct vcase *c = malloc(sizeof(*c));
+	struct wrap_counts clean;
+	uint64_t total = 0, runs = 0, absorbed = 0;
+
+	ASSERT_NE(NULL, c);
+	wrap_install(dev, 0);
+	ASSERT_EQ(0, vcase_prepare(c, dev, bwd)) TH_LOG("%s", c->msg);
+	wrap_reset();
+	ASSERT_EQ(0, vcase_run(c));
+	clean = wrap_get();
+	for (int op = 0; op < WRAP_NOPS; op++) {
+		for (uint64_t n = 1; n <= clean.calls[op]; n++, runs++) {
+			int ret;
+
+			wrap_fail_op((enum wrap_op)op, n);
+			ret = vcase_run(c);
+			wrap_fail_op((enum wrap_op)op, 0);
+			EXPECT_EQ(NULL, vcase_verify(c, ret))
+			TH_LOG("%s: %s #%llu", what[bwd], wrap_op_name((enum wrap_op)op),
+			       (unsigned long long)n);
+			if (!ret) {
+				absorbed++;
+				EXPECT_TRUE(op == WRAP_BUF_ALLOC || op == WRAP_HOST_REGISTER)
+				TH_LOG("%s: %s #%llu: a failure was swallowed", what[bwd],
+				       wrap_op_name((enum wrap_op)op), (unsigned long long)n);
+				continue;
+			}
+			EXPECT_NE(NULL, strstr(c->msg, "fails on purpose")) TH_LOG("%s", c->msg);
+			EXPECT_NE(NULL, strstr(c->msg, "sequence")) TH_LOG("%s", c->msg);
+			EXPECT_EQ(0, vcase_run(c)) TH_LOG("after %s: %s",
+							 wrap_op_name((enum wrap_op)op), c->msg);
+		}
+		total += clean.calls[op];
+	}
+	for (uint64_t k = 1; k <= total; k++, runs++) {
+		int ret;
+
+		wrap_lose_device(k);
+		ret = vcase_run(c);
+		wrap_lose_device(0);
+		EXPECT_EQ(APE_EDEVLOST, ret) TH_LOG("%s: lost at call %llu", what[bwd],
+						    (unsigned long long)k);
+		EXPECT_EQ(NULL, vcase_verify(c, ret)) TH_LOG("%s: lost at call %llu", what[bwd],
+							     (unsigned long long)k);
+	}
+	EXPECT_GT(runs, absorbed);
+	EXPECT_EQ(0, vcase_run(c)) TH_LOG("%s", c->msg);
+	ksft_print_msg("%s on %s: %llu broken runs, %llu absorbed\n", what[bwd], backend_of(dev),
+		       (unsigned long long)runs, (unsigned long long)absorbed);
+	wrap_remove();
+	free(c);
+}
+
+static void on_backends(struct __test_metadata *_metadata,
+			void (*sweep)(struct __test_metadata *, ape_device *, bool))
+{
+	static const char *const backends[] = { "ref", "opencl" };
+
+	for (size_t i = 0; i < 2; i++) {
+		ape_context *ctx = test_context(backends[i]);
+		ape_device *dev = ctx ? test_device(ctx, backends[i]) : NULL;
+
+		if (!dev) {
+			ksft_print_msg("no %s device, not tested\n", backends[i]);
+			ape_context_destroy(ctx);
+			continue;
+		}
+		sweep(_metadata, dev, false);
+		sweep(_metadata, dev, true);
+		fflush(stdout);
+		ape_context_destroy(ctx);
+	}
+}
+
+TEST(allocation_failures)
+{
+#ifndef APE_FAULT_INJECT
+	SKIP(return, "libape built without -DAPE_FAULT_INJECT: run `make faults-ci`");
+#endif
+	on_backends(_metadata, alloc_sweep);
+}
+
+TEST(device_failures)
+{
+	on_backends(_metadata, device_sweep);
+}
+
+TEST_HARNESS_MAIN
