@@ -335,4 +335,61 @@ TEST_F(ends, backward_at_both_ends)
 	EXPECT_EQ(0, failed);
 }
 
+/*
+ * The backward where the LSE is beyond float32's integers: queries at INT64_MAX, keys near 0,
+ * the seed's decay, so |LSE| ~ 4e18 and its float32 rounds by up to 2.7e11, below a row's own
+ * scores. P = exp(s - LSE) overflowed to inf and every gradient was NaN on every backend
+ * (found by fuzz_varlen); P's exponent is now at most 0 (APE_BWD_EXPONENT): finite gradients.
+ */
+TEST_F(ends, backward_finite_where_lse_exceeds_float_integers)
+{
+	enum { H = 2, LQ = 2, LK = 5, D = 8 };
+	float q[H * LQ * D], k[LK * D], v[LK * D], o[H * LQ * D], lse[H * LQ];
+	float dq[H * LQ * D], dk[LK * D], dv[LK * D], dp[4 * H];
+	ape_tensor tq, tk, tv, to, tdq, tdk, tdv;
+	ape_attn_desc d;
+	int ret;
+
+	for (int i = 0; i < H * LQ * D; i++)
+		q[i] = (float)((i * 7) % 11 - 5) / 4;
+	for (int i = 0; i < LK * D; i++) {
+		k[i] = (float)((i * 5) % 9 - 4) / 4;
+		v[i] = (float)((i * 3) % 7 - 3) / 2;
+	}
+	ape_tensor_init(&tq, q, APE_F32, 1, H, LQ, D);
+	ape_tensor_init(&tk, k, APE_F32, 1, 1, LK, D);
+	ape_tensor_init(&tv, v, APE_F32, 1, 1, LK, D);
+	ape_tensor_init(&to, o, APE_F32, 1, H, LQ, D);
+	ape_tensor_init(&tdq, dq, APE_F32, 1, H, LQ, D);
+	ape_tensor_init(&tdk, dk, APE_F32, 1, 1, LK, D);
+	ape_tensor_init(&tdv, dv, APE_F32, 1, 1, LK, D);
+	ape_attn_desc_init(&d);
+	d.delta.value = 0.3968503f;
+	d.beta.value = d.gamma.value = 0.0396850f;
+	d.lambda.value = 0.1f;
+	d.causal = false;
+	d.skip_tol = 0;
+	d.k_start = 12345;
+	d.q_start_set = true;
+	d.q_start = INT64_MAX - (LQ - 1);
+	ASSERT_EQ(0, ape_attention_forward(self->dev, &d, &tq, &tk, &tv, &to, lse, NULL))
+	TH_LOG("%s", ape_last_error());
+	EXPECT_LT(lse[0], -1e18f);
+	ret = ape_attention_backward(self->dev, &d, &tq, &tk, &tv, &to, lse, &to, NULL, &tdq, &tdk,
+				     &tdv, dp, NULL);
+	if (ret == APE_ENOTSUP)
+		SKIP(return, "%s", ape_last_error());
+	ASSERT_EQ(0, ret) TH_LOG("%s", ape_last_error());
+	for (int i = 0; i < H * LQ * D; i++) {
+		ASSERT_TRUE(isfinite(dq[i])) TH_LOG("dq[%d] = %g", i, dq[i]);
+	}
+	for (int i = 0; i < LK * D; i++) {
+		ASSERT_TRUE(isfinite(dk[i]) && isfinite(dv[i]))
+		TH_LOG("dk[%d] = %g, dv[%d] = %g", i, dk[i], i, dv[i]);
+	}
+	for (int i = 0; i < 4 * H; i++) {
+		ASSERT_TRUE(isfinite(dp[i])) TH_LOG("dparams[%d] = %g", i, dp[i]);
+	}
+}
+
 TEST_HARNESS_MAIN

@@ -110,10 +110,13 @@ APE_DEV float pair_dot(float x, float y, float u, float w, float c, float s)
 }
 
 /* P_ij = exp(s_ij - LSE_i) from the row's dot product and its distance's table entries (temp *
- * scale, bias): the difference in float64, where the bias and LSE carry magnitude */
+ * scale, bias): the difference in float64, where the bias and LSE carry magnitude, and at most
+ * 0 (APE_BWD_EXPONENT) */
 APE_DEV float pair_prob(float tsc, double bias, float dot, double lse)
 {
-	return expf((float)((double)(tsc * dot) + bias - lse));
+	const float x = (float)((double)(tsc * dot) + bias - lse);
+
+	return expf(APE_BWD_EXPONENT(x)); /* at most 0 (core/ape_math.h) */
 }
 
 /* The (tile, group) of this block, tiles outer; false for the blocks past ntile * ngroups that

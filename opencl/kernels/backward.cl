@@ -178,11 +178,14 @@ KFN struct bwd bwd_init(int D, long Lq, long Lk, long rel, float scale, int flag
  * temp(n) and bias(n) (APE_REAL), the rows' LSE. The score relative to the LSE is formed in
  * APE_REAL for bias - LSE (both may be large at large |n|), then in float32; *tsc gets
  * temp(n) * scale (dS times it is d/d(dot)). Weights below e^-87 are exact zeros, as in the
- * forward (a subnormal operand costs an x86 FMA a microcode assist); NaN stays NaN.
+ * forward (a subnormal operand costs an x86 FMA a microcode assist); the exponent at most 0
+ * (core/ape_math.h, APE_BWD_EXPONENT: a float32 LSE beyond 2^24 can round below the score); NaN
+ * stays NaN.
  */
 KFN vf bwd_p(vr t, vr bias, vr lse, vf dot, float scale, vf *tsc)
 {
-	const vf ts = TO_VF(t) * scale, x = fma(ts, dot, TO_VF(bias - lse));
+	const vf ts = TO_VF(t) * scale, x0 = fma(ts, dot, TO_VF(bias - lse));
+	const vf x = APE_V_SELECT(x0, (vf)0.0f, x0 > 0.0f); /* APE_BWD_EXPONENT, core/ape_math.h */
 
 	*tsc = ts;
 	return APE_V_SELECT(exp(x), (vf)0.0f, x < APE_EXP_CUTOFF);

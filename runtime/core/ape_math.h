@@ -453,6 +453,16 @@ APE_FN ape_real ape_merge_max(ape_real m1, ape_real m2)
 }
 
 /*
+ * The backward's exponent s_ij - LSE_i of P_ij = exp(s_ij - LSE_i), at most 0: P <= 1 holds
+ * for the exact LSE, but the LSE a caller passes is float32, and beyond |LSE| = 2^24 (decay at
+ * distances past about 1e7 / delta) it can round below a row's own score by up to 2^-24 |LSE|:
+ * exp would overflow to inf and the gradients turn NaN. NaN stays NaN. Every backward kernel
+ * takes its exponent through this rule (APE_BWD_EXPONENT for scalars of any type; OpenCL's
+ * vectors the same test through APE_V_SELECT).
+ */
+#define APE_BWD_EXPONENT(x) ((x) > 0 ? 0 : (x))
+
+/*
  * The online softmax's underflow cutoff, in natural-log units: every kernel takes a weight
  * exp(x), x = score - running max, below it as an exact zero (e^-87 = 1.6e-38, about FLT_MIN:
  * below, float32 exp turns subnormal, which devices flush or keep differently, and a weight

@@ -112,7 +112,7 @@ static void pair_eval(const struct bwd *c, int64_t row, const double *q, const d
 	pr->an = fabs((double)n);
 	pr->t = ape_temp(prm[3], pr->an);
 	s = pr->t * f->scale * pr->dot + ape_bias(prm[0], prm[1], prm[2], pr->an);
-	pr->P = exp(s - ri->lse);
+	pr->P = exp(APE_BWD_EXPONENT(s - ri->lse));
 	pr->dS = pr->P * (dot_d(dout, v, c->D) - ri->Dl + ri->dlse);
 }
 

@@ -190,3 +190,28 @@ put("resident", "kv_cache_session.bin",
     b"\0" + struct.pack("<H", 255) + floats(64, 7) + b"\3" +
     b"\0" + struct.pack("<H", 0) + b"\0" + b"\0" + struct.pack("<H", 12) + b"\0" +
     b"\2" + floats(16, 8) + b"\0" + b"\0" + bytes(65))
+
+
+# ---- varlen: the byte encoding fuzz_varlen.c reads: S, flags (1, 2: raw offsets; 4: raw
+# cu_seqlens_q[0]; 8, 16: explicit query, key positions; 32: causal; 64: raw int64 positions;
+# 128: negative num_seqs), total_q, total_k, then per sequence one byte of each length (mod 6),
+# 24 + 24 position bytes (mod 40), q, k, v bytes, delta, lambda.
+def varlen(S, flags, tq, tk, lens, pos=b"", tail=b""):
+    b = bytes([S, flags, tq, tk])
+    for lq, lk in lens:
+        b += bytes([lq, lk])
+    return b + (pos or bytes(48)) + tail
+
+
+put("varlen", "default_positions.bin",
+    varlen(3, 32, 9, 12, [(2, 3), (0, 4), (7, 5)], tail=bytes(range(256)) * 2 + bytes([4, 2])))
+put("varlen", "gaps_and_repeats.bin",
+    varlen(2, 8 | 16 | 32, 7, 9, [(4, 5), (3, 4)],
+           pos=bytes([5, 5, 6, 9, 30, 31, 31, 0, 0, 0] + [0] * 14 +
+                     [0, 1, 2, 5, 6, 20, 21, 29, 30] + [0] * 15),
+           tail=bytes(range(255, 0, -1)) * 2 + bytes([3, 5])))
+put("varlen", "int64_ends.bin",
+    varlen(1, 8 | 16 | 64, 1, 2, [(1, 2)],
+           pos=b"\xc2" + b"\xa0" + struct.pack("<q", (1 << 62) - 1) + b"\xc3" + b"\xc2" * 45,
+           tail=bytes(range(128)) * 2 + bytes([2, 1])))
+put("varlen", "decreasing_offsets.bin", varlen(2, 2, 4, 4, [(2, 3)], tail=b"\x05\x02" + bytes(60)))

@@ -1,0 +1,138 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libFuzzer target: ragged batches (ape_attention_forward_varlen(),
+ * ape_attention_backward_varlen()) on the reference device, with the batch read from the input:
+ * the sequence count, both offset arrays (short, decreasing, past the totals, not starting at
+ * 0), positions absent or any int64 (gaps, repeats, the ends of the range: distances that
+ * overflow), causal or not, small tensors.
+ *
+ * Promises checked: every call returns 0, APE_EINVAL or APE_EOVERFLOW, never crashes or reads
+ * outside its arrays (ASan); a refused call writes nothing (O, LSE and the gradients keep their
+ * poison) and names a vl field, desc or a sequence; an accepted one writes every row: O a
+ * convex combination of V rows (|O| <= max |V| + 1e-4 for finite inputs), LSE finite or -inf,
+ * and -inf exactly for rows no key reaches; its backward succeeds with finite gradients.
+ */
+#define FUZZ_NAME "fuzz_varlen"
+#include "fuzz_input.h"
+
+#include <math.h>
+#include <string.h>
+
+enum { MAXS = 6, MAXT = 24, H = 2, HKV = 1, D = 4 };
+
+static bool sees_a_key(const ape_varlen *vl, int64_t i, bool causal)
+{
+	for (int64_t s = 0; s < vl->num_seqs; s++) {
+		if (i < vl->cu_seqlens_q[s] || i >= vl->cu_seqlens_q[s + 1])
+			continue;
+		for (int64_t j = vl->cu_seqlens_k[s]; j < vl->cu_seqlens_k[s + 1]; j++) {
+			const int64_t lq = vl->cu_seqlens_q[s + 1] - vl->cu_seqlens_q[s];
+			const int64_t lk = vl->cu_seqlens_k[s + 1] - vl->cu_seqlens_k[s];
+			const int64_t pq = vl->pos_q ? vl->pos_q[i]
+						     : lk - lq + (i - vl->cu_seqlens_q[s]);
+			const int64_t pk = vl->pos_k ? vl->pos_k[j] : j - vl->cu_seqlens_k[s];
+
+			if (!causal || pk <= pq)
+				return true;
+		}
+		return false;
+	}
+	return false;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+	struct in in = { data, size };
+	static float q[MAXT * H * D], k[MAXT * HKV * D], v[MAXT * HKV * D], o[MAXT * H * D];
+	static float lse[MAXT * H], g[MAXT * H * D + 2 * MAXT * HKV * D + 4 * H];
+	int64_t cuq[MAXS + 1], cuk[MAXS + 1], posq[MAXT], posk[MAXT];
+	const int64_t S = (int64_t)(take(&in, 1) % (MAXS + 1));
+	const unsigned flags = (unsigned)take(&in, 1);
+	const int64_t tq = (int64_t)(take(&in, 1) % (MAXT + 1)), tk = (int64_t)(take(&in, 1) % (MAXT + 1));
+	ape_tensor tq_t, tk_t, tv_t, to_t, dq, dk, dv;
+	ape_attn_desc desc;
+	ape_varlen vl;
+	float vmax = 0;
+	int ret;
+
+	/* offsets: mostly a valid batch (cumulative small lengths), sometimes raw values */
+	cuq[0] = cuk[0] = 0;
+	for (int64_t s = 1; s <= S; s++) {
+		cuq[s] = flags & 1 ? take_int(&in) : cuq[s - 1] + (int64_t)(take(&in, 1) % 6);
+		cuk[s] = flags & 2 ? take_int(&in) : cuk[s - 1] + (int64_t)(take(&in, 1) % 6);
+	}
+	if (flags & 4)
+		cuq[0] = take_int(&in);
+	for (int64_t i = 0; i < MAXT; i++) {
+		posq[i] = flags & 64 ? take_int(&in) : (int64_t)(take(&in, 1) % 40);
+		posk[i] = flags & 64 ? take_int(&in) : (int64_t)(take(&in, 1) % 40);
+	}
+	for (int i = 0; i < MAXT * H * D; i++)
+		q[i] = (float)((int)take(&in, 1) - 128) / 64;
+	for (int i = 0; i < MAXT * HKV * D; i++) {
+		k[i] = (float)((int)take(&in, 1) - 128) / 64;
+		v[i] = (float)((int)take(&in, 1) - 128) / 64;
+		vmax = fmaxf(vmax, fabsf(v[i]));
+	}
+	ape_varlen_init(&vl);
+	vl.num_seqs = S;
+	vl.cu_seqlens_q = cuq;
+	vl.cu_seqlens_k = cuk;
+	vl.pos_q = flags & 8 ? posq : NULL;
+	vl.pos_k = flags & 16 ? posk : NULL;
+	if (flags & 128)
+		vl.num_seqs = -1 - (int64_t)take(&in, 1);
+	ape_attn_desc_init(&desc);
+	desc.causal = flags & 32;
+	desc.delta.value = (float)(take(&in, 1) % 8) / 16;
+	desc.lambda.value = (float)(take(&in, 1) % 8) / 16;
+	ape_tensor_init_packed(&tq_t, q, APE_F32, tq, H, D);
+	ape_tensor_init_packed(&tk_t, k, APE_F32, tk, HKV, D);
+	ape_tensor_init_packed(&tv_t, v, APE_F32, tk, HKV, D);
+	ape_tensor_init_packed(&to_t, o, APE_F32, tq, H, D);
+	memset(o, 0x5a, sizeof(o));
+	memset(lse, 0x5a, sizeof(lse));
+	ret = ape_attention_forward_varlen(ref, &desc, &vl, &tq_t, &tk_t, &tv_t, &to_t, lse, NULL);
+	check(ret == 0 || ret == APE_EINVAL || ret == APE_EOVERFLOW,
+	      "a ragged call returns 0, EINVAL or EOVERFLOW");
+	if (ret) {
+		const char *m = ape_last_error();
+
+		for (size_t i = 0; i < sizeof(o); i++)
+			check(((uint8_t *)o)[i] == 0x5a, "a refused call writes no O");
+		for (size_t i = 0; i < sizeof(lse); i++)
+			check(((uint8_t *)lse)[i] == 0x5a, "a refused call writes no LSE");
+		check(strstr(m, "vl") || strstr(m, "sequence") || strstr(m, "desc"),
+		      "the refusal names the batch");
+		return 0;
+	}
+	for (int64_t i = 0; i < tq; i++)
+		for (int64_t h = 0; h < H; h++) {
+			const float l = lse[i * H + h];
+			const bool seen = sees_a_key(&vl, i, desc.causal);
+
+			check(seen ? isfinite(l) : (isinf(l) && l < 0),
+			      "LSE finite where a key is seen, -inf elsewhere");
+			for (int64_t d = 0; d < D; d++) {
+				const float x = o[(i * H + h) * D + d];
+
+				check(isfinite(x) && fabsf(x) <= vmax + 1e-4f,
+				      "O a convex combination of V");
+				check(seen || x == 0, "O = 0 where no key is seen");
+			}
+		}
+	/* the backward of the accepted call, dO = O */
+	ape_tensor_init_packed(&dq, g, APE_F32, tq, H, D);
+	ape_tensor_init_packed(&dk, g + MAXT * H * D, APE_F32, tk, HKV, D);
+	ape_tensor_init_packed(&dv, g + MAXT * H * D + MAXT * HKV * D, APE_F32, tk, HKV, D);
+	ret = ape_attention_backward_varlen(&ref, 1, NULL, &desc, &vl, &tq_t, &tk_t, &tv_t, &to_t,
+					    lse, &to_t, NULL, &dq, &dk, &dv,
+					    g + MAXT * H * D + 2 * MAXT * HKV * D, NULL);
+	check(ret == 0, "the backward of an accepted ragged call succeeds");
+	for (int64_t i = 0; i < tq * H * D; i++)
+		check(isfinite(g[i]), "finite dQ");
+	for (int64_t i = 0; i < tk * HKV * D; i++)
+		check(isfinite(g[MAXT * H * D + i]) && isfinite(g[MAXT * H * D + MAXT * HKV * D + i]),
+		      "finite dK and dV");
+	return 0;
+}
