@@ -574,6 +574,22 @@ TEST(merge_rules_against_long_double)
 	}
 }
 
+/* The backward's exponent: itself at or below 0, 0 above (P <= 1), NaN kept, any type. */
+TEST(bwd_exponent_is_at_most_zero)
+{
+	const double xs[] = { -INFINITY, -1e30, -1, -0x1p-1074, 0, 0x1p-1074, 1, 2.7e11, INFINITY };
+
+	for (size_t i = 0; i < sizeof(xs) / sizeof(xs[0]); i++) {
+		const double want = xs[i] > 0 ? 0 : xs[i];
+
+		EXPECT_EQ(want, APE_BWD_EXPONENT(xs[i])) TH_LOG("x = %g", xs[i]);
+		EXPECT_EQ((float)want, APE_BWD_EXPONENT((float)xs[i])) TH_LOG("x = %g", xs[i]);
+		EXPECT_LE(exp(APE_BWD_EXPONENT(xs[i])), 1.0);
+	}
+	EXPECT_TRUE(isnan(APE_BWD_EXPONENT(NAN)));
+	EXPECT_TRUE(isnan(APE_BWD_EXPONENT(NAN * 1.0f)));
+}
+
 /* The cutoff: weights below it are 1e-38 of the row's largest, about FLT_MIN; the log2 form is
  * the same number. */
 TEST(exp_cutoff_is_where_float_turns_subnormal)
