@@ -173,6 +173,46 @@ static void batch_varlen(const struct batch *b, ape_varlen *vl)
 	vl->pos_k = b->explicit_pos ? b->posk : NULL;
 }
 
+/* Sequence s of the batch by naive_attention() at its positions: o [H, lq, D] and lse [H, lq]
+ * (malloc'ed, the caller frees them; zeros and -inf without keys); -1 out of memory. */
+static int seq_naive(const struct batch *b, int64_t s, double **o, double **lse)
+{
+	double prm[4][8];
+	const int64_t q0 = b->cuq[s], lq = b->cuq[s + 1] - q0;
+	const int64_t k0 = b->cuk[s], lk = b->cuk[s + 1] - k0;
+	naive_params np = {
+		.rope_base = b->desc.rope_base, .scale = NAN, .causal = b->desc.causal,
+		.pos_q = b->posq + q0, .pos_k = b->posk + k0,
+	};
+
+	for (int i = 0; i < 4; i++)
+		for (int h = 0; h < b->H; h++)
+			prm[i][h] = b->prm[i][h];
+	np.delta = prm[0];
+	np.beta = prm[1];
+	np.gamma = prm[2];
+	np.lambda = prm[3];
+	*o = calloc((size_t)(b->H * lq * b->D) + 1, sizeof(double));
+	*lse = malloc(sizeof(double) * (size_t)(b->H * lq + 1));
+	if (!*o || !*lse)
+		goto fail;
+	if (lk) {
+		const ape_tensor qs = test_rows(&b->q.t, q0, lq), ks = test_rows(&b->k.t, k0, lk);
+		const ape_tensor vs = test_rows(&b->v.t, k0, lk);
+
+		if (naive_attention(&np, &qs, &ks, &vs, *o, *lse))
+			goto fail;
+	} else {
+		for (int64_t r = 0; r < b->H * lq; r++)
+			(*lse)[r] = -INFINITY;
+	}
+	return 0;
+fail:
+	free(*o);
+	free(*lse);
+	return -1;
+}
+
 /*
  * Every sequence against naive_attention() at its explicit positions: the largest error of O
  * over max|V|, and of LSE relative to max(1, |LSE|), into *eo and *el; the visible pairs into
@@ -180,50 +220,19 @@ static void batch_varlen(const struct batch *b, ape_varlen *vl)
  */
 static int batch_check(const struct batch *b, double *eo, double *el, uint64_t *pairs)
 {
-	double delta[8], beta[8], gamma[8], lambda[8];
 	const double vmax = test_tensor_maxabs(&b->v.t);
 
 	*eo = *el = 0;
 	*pairs = 0;
-	for (int h = 0; h < b->H; h++) {
-		delta[h] = b->prm[0][h];
-		beta[h] = b->prm[1][h];
-		gamma[h] = b->prm[2][h];
-		lambda[h] = b->prm[3][h];
-	}
 	for (int64_t s = 0; s < b->S; s++) {
 		const int64_t q0 = b->cuq[s], lq = b->cuq[s + 1] - q0;
 		const int64_t k0 = b->cuk[s], lk = b->cuk[s + 1] - k0;
-		const naive_params np = {
-			.delta = delta, .beta = beta, .gamma = gamma, .lambda = lambda,
-			.rope_base = b->desc.rope_base, .scale = NAN, .causal = b->desc.causal,
-			.pos_q = b->posq + q0, .pos_k = b->posk + k0,
-		};
 		double *o, *lse;
 
 		if (!lq)
 			continue;
-		o = malloc(sizeof(double) * (size_t)(b->H * lq * b->D));
-		lse = malloc(sizeof(double) * (size_t)(b->H * lq));
-		if (!o || !lse) {
-			free(o);
-			free(lse);
+		if (seq_naive(b, s, &o, &lse))
 			return -1;
-		}
-		if (lk) {
-			const ape_tensor qs = test_rows(&b->q.t, q0, lq), ks = test_rows(&b->k.t, k0, lk);
-			const ape_tensor vs = test_rows(&b->v.t, k0, lk);
-
-			if (naive_attention(&np, &qs, &ks, &vs, o, lse)) {
-				free(o);
-				free(lse);
-				return -1;
-			}
-		} else {
-			memset(o, 0, sizeof(double) * (size_t)(b->H * lq * b->D));
-			for (int64_t r = 0; r < b->H * lq; r++)
-				lse[r] = -INFINITY;
-		}
 		for (int64_t h = 0; h < b->H; h++)
 			for (int64_t i = 0; i < lq; i++) {
 				const double want = lse[h * lq + i], got = b->lse[(q0 + i) * b->H + h];
@@ -575,32 +584,15 @@ static void batch_quantize(struct batch *b)
  * positions (rows with no visible key left out: their LSE is -inf and depends on nothing). */
 static long double batch_loss(const struct batch *b, const float *dout, const float *dlse)
 {
-	double delta[8], beta[8], gamma[8], lambda[8];
 	long double sum = 0;
 
-	for (int h = 0; h < b->H; h++) {
-		delta[h] = b->prm[0][h];
-		beta[h] = b->prm[1][h];
-		gamma[h] = b->prm[2][h];
-		lambda[h] = b->prm[3][h];
-	}
 	for (int64_t s = 0; s < b->S; s++) {
 		const int64_t q0 = b->cuq[s], lq = b->cuq[s + 1] - q0;
-		const int64_t k0 = b->cuk[s], lk = b->cuk[s + 1] - k0;
-		const naive_params np = {
-			.delta = delta, .beta = beta, .gamma = gamma, .lambda = lambda,
-			.rope_base = b->desc.rope_base, .scale = NAN, .causal = b->desc.causal,
-			.pos_q = b->posq + q0, .pos_k = b->posk + k0,
-		};
-		const ape_tensor qs = test_rows(&b->q.t, q0, lq), ks = test_rows(&b->k.t, k0, lk);
-		const ape_tensor vs = test_rows(&b->v.t, k0, lk);
 		double *o, *lse;
 
-		if (!lq || !lk)
+		if (!lq || b->cuk[s] == b->cuk[s + 1])
 			continue;
-		o = malloc(sizeof(double) * (size_t)(b->H * lq * b->D));
-		lse = malloc(sizeof(double) * (size_t)(b->H * lq));
-		if (!o || !lse || naive_attention(&np, &qs, &ks, &vs, o, lse))
+		if (seq_naive(b, s, &o, &lse))
 			abort();
 		for (int64_t h = 0; h < b->H; h++)
 			for (int64_t i = 0; i < lq; i++) {

@@ -509,22 +509,6 @@ def _varlen_struct(cq, ck, pq, pk):
     return vl
 
 
-def _packed_lse(name, x, kind, shape):
-    """LSE or dLSE of a ragged batch as contiguous float32 `[total_q, H]`."""
-    if kind == "torch":
-        torch = _torch()
-        if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
-            _bad("%s: pass a torch CPU tensor like q" % name)
-        x = x.detach().to(torch.float32).contiguous()
-        got, ptr = tuple(x.shape), x.data_ptr()
-    else:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        got, ptr = x.shape, x.ctypes.data
-    if got != shape:
-        _bad("%s: shape %s: must be [total_q, H] = %s" % (name, got, shape))
-    return x, ptr
-
-
 def attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens_q, cu_seqlens_k, *, dlse=None,
                               positions_q=None, positions_k=None, delta=SEED_DELTA,
                               beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True,
@@ -549,9 +533,9 @@ def attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens_q, cu_seqlens_k,
         _bad("cu_seqlens_q: empty: needs S + 1 >= 1 offsets")
     pq = None if positions_q is None else _int64_array("positions_q", positions_q, tq)
     pk = None if positions_k is None else _int64_array("positions_k", positions_k, tk)
-    lse_keep, lse_ptr = _packed_lse("lse", lse, qa.kind, (tq, H))
+    lse_keep, lse_ptr = _lse_buffer("lse", lse, qa.kind, (tq, H), "[total_q, H]")
     dlse_keep, dlse_ptr = (None, None) if dlse is None else \
-        _packed_lse("dlse", dlse, qa.kind, (tq, H))
+        _lse_buffer("dlse", dlse, qa.kind, (tq, H), "[total_q, H]")
     keep = []
     desc = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
                        0.0, keep)
@@ -904,8 +888,9 @@ _backward = lib.ape_attention_backward
 _WRT = ("q", "k", "v", "params")
 
 
-def _lse_buffer(name, x, kind, shape):
-    """LSE or dLSE as contiguous float32 `[B, H, Lq]`: (the object kept alive, its address)."""
+def _lse_buffer(name, x, kind, shape, dims="[B, H, Lq]"):
+    """LSE or dLSE as contiguous float32 `dims` (`[B, H, Lq]`; a ragged batch's `[total_q,
+    H]`): (the object kept alive, its address)."""
     if kind == "torch":
         torch = _torch()
         if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
@@ -916,7 +901,7 @@ def _lse_buffer(name, x, kind, shape):
         x = np.ascontiguousarray(x, dtype=np.float32)
         got, ptr = x.shape, x.ctypes.data
     if got != shape:
-        _bad("%s: shape %s: must be [B, H, Lq] = %s" % (name, got, shape))
+        _bad("%s: shape %s: must be %s = %s" % (name, got, dims, shape))
     return x, ptr
 
 
