@@ -302,10 +302,25 @@ static void put_rows(const struct ape__fwd *f, float *dst, const float *src, int
 		memcpy(dst + i * p->Lq + o0, src + i * n, (size_t)n * sizeof(float));
 }
 
+/* The pair counts of a job's rows, uint32 or uint64 each. Read through memcpy: the host copy
+ * may follow the float32 outputs in one staging area, 4-byte aligned only. */
 static void count_pairs(struct ape__fwd *f, const void *host, int64_t rows, bool p32)
 {
-	for (int64_t i = 0; host && i < rows; i++)
-		f->pairs_computed += p32 ? ((const uint32_t *)host)[i] : ((const uint64_t *)host)[i];
+	const unsigned char *b = host;
+
+	for (int64_t i = 0; host && i < rows; i++) {
+		if (p32) {
+			uint32_t x;
+
+			memcpy(&x, b + 4 * i, sizeof(x));
+			f->pairs_computed += x;
+		} else {
+			uint64_t x;
+
+			memcpy(&x, b + 8 * i, sizeof(x));
+			f->pairs_computed += x;
+		}
+	}
 }
 
 static void consume(void *self, const struct ape__pass_job *j)
