@@ -53,5 +53,10 @@ double ape_rng_normal(ape_rng *r) /* Box-Muller */
 
 int64_t ape_rng_range(ape_rng *r, int64_t lo, int64_t hi)
 {
-	return lo + (int64_t)(ape_rng_next(r) % (uint64_t)(hi - lo + 1));
+	/* in uint64: hi - lo + 1 overflows int64 for wide ranges (0..INT64_MAX), and is 0 for the
+	 * whole range; the same values as lo + next % span wherever that was defined */
+	const uint64_t span = (uint64_t)hi - (uint64_t)lo + 1;
+	const uint64_t x = ape_rng_next(r);
+
+	return (int64_t)((uint64_t)lo + (span ? x % span : x));
 }
