@@ -13,6 +13,8 @@
 
 #include "core/error.h"
 #include "core/alloc.h"
+#define APE_REAL double
+#include "core/ape_math.h"
 #include "ocl.h"
 #include "ocl_fast.h"
 
@@ -25,6 +27,8 @@
 #define F_KV_F32 512
 #define F_PRIOR 1024
 #define F_DIAG 2048
+#define F_SEGS 4096
+#define SEGT_W 8 /* kernels/attention.cl */
 
 /* Heads per enqueue along dimension 1: GPU drivers bound a grid dimension (65535 on some). */
 #define OCL_MAX_DIM1 65535
@@ -177,25 +181,118 @@ static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
 	return 1;
 }
 
+/*
+ * A ragged launch's tables (core/backend.h, struct ape__launch.segs; kernels/attention.cl): the
+ * work-groups' (segment, query tile) entries, heaviest first; each segment's key tiles (kt, 2
+ * longs each: first key, end) and its first tile and tile count (st, 2 longs each). On the
+ * host; uploaded by seg_upload().
+ */
+struct seg_tables {
+	cl_long *wg, *kt, *st;
+	size_t nwg;
+	cl_long ntk; /* key tiles of every segment */
+	cl_long kpt; /* the scans' values per kv head: ntk + nseg */
+};
+
+static void seg_tables_free(struct seg_tables *t)
+{
+	free(t->wg);
+	free(t->kt);
+	free(t->st);
+}
+
+/* Sorts work-group entries by their last field's cost, largest first (then by position). */
+static int wg_heavier(const void *a, const void *b)
+{
+	const cl_long *x = a, *y = b;
+
+	if (x[SEGT_W - 1] != y[SEGT_W - 1])
+		return x[SEGT_W - 1] > y[SEGT_W - 1] ? -1 : 1;
+	return x[0] + x[5] < y[0] + y[5] ? -1 : x[0] + x[5] > y[0] + y[5];
+}
+
+static int seg_tables_make(const struct ape__launch *l, int64_t bq, int64_t bk,
+			   struct seg_tables *t)
+{
+	size_t nwg = 0, ntk = 0, w = 0, k = 0;
+
+	memset(t, 0, sizeof(*t));
+	for (int64_t s = 0; s < l->nseg; s++) {
+		nwg += (size_t)((l->segs[s].lq + bq - 1) / bq);
+		ntk += (size_t)((l->segs[s].lk + bk - 1) / bk);
+	}
+	t->wg = ape__malloc(nwg * SEGT_W * sizeof(cl_long) + 1);
+	t->kt = ape__malloc(ntk * 2 * sizeof(cl_long) + 1);
+	t->st = ape__malloc((size_t)l->nseg * 2 * sizeof(cl_long) + 1);
+	if (!t->wg || !t->kt || !t->st) {
+		seg_tables_free(t);
+		return ape__error(APE_ENOMEM, "out of host memory for the tables of %lld segments",
+				  (long long)l->nseg);
+	}
+	for (int64_t s = 0; s < l->nseg; s++) {
+		const struct ape__seg *g = &l->segs[s];
+		/* rel: the distance of (row q0, key k0), one pair's (it fits); any without keys */
+		const cl_long rel = g->lk ? g->q_start - g->k_start : 0;
+
+		t->st[2 * s] = (cl_long)k;
+		t->st[2 * s + 1] = (g->lk + bk - 1) / bk;
+		for (int64_t j = 0; j < g->lk; j += bk, k++) {
+			t->kt[2 * k] = g->k0 + j;
+			t->kt[2 * k + 1] = g->k0 + (j + bk < g->lk ? j + bk : g->lk);
+		}
+		for (int64_t i0 = 0; i0 < g->lq; i0 += bq, w++) {
+			cl_long *e = t->wg + w * SEGT_W;
+			const int64_t last = (i0 + bq < g->lq ? i0 + bq : g->lq) - 1;
+			/* the keys its last row sees (causal: up to its diagonal), ape_math.h's rule */
+			const int64_t cost = l->causal ? ape_visible_keys(ape_sat_add(rel, last), g->lk, 1)
+						       : g->lk;
+
+			e[0] = g->q0;
+			e[1] = g->lq;
+			e[2] = g->k0;
+			e[3] = g->lk;
+			e[4] = rel;
+			e[5] = i0;
+			e[6] = t->st[2 * s] + s;
+			e[7] = cost;
+		}
+	}
+	qsort(t->wg, nwg, SEGT_W * sizeof(cl_long), wg_heavier);
+	t->nwg = nwg;
+	t->ntk = (cl_long)ntk;
+	t->kpt = (cl_long)ntk + l->nseg;
+	return 0;
+}
+
 /* The skip pre-pass: per key tile the largest key norm, then prefix and suffix maxima. */
 static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 		       const struct ape__launch *l, cl_mem k, cl_mem v, const cl_long4 kv[2],
-		       cl_int dt, cl_long ntk, cl_mem *pre, cl_mem *suf)
+		       cl_int dt, cl_long ntk, const struct seg_tables *sg, cl_mem *pre,
+		       cl_mem *suf)
 {
-	const size_t bkv = (size_t)(l->B * l->Hkv), scan = bkv * (size_t)(ntk + 1) * sizeof(float);
+	const cl_long nst = l->segs ? l->nseg : 0;
+	const cl_int segs = l->segs != NULL;
+	const size_t bkv = (size_t)(l->B * l->Hkv);
+	const size_t scan = bkv * (size_t)(segs ? sg->kpt : ntk + 1) * sizeof(float);
 	const cl_int D = (cl_int)l->D, Hkv = (cl_int)l->Hkv;
 	const cl_long Lk = l->Lk;
-	cl_mem tiles;
-	cl_int err;
+	cl_mem tiles, kt = NULL, st = NULL;
+	cl_int err = CL_SUCCESS;
 	struct ape__ocl_args a = { 0 };
 	int ret = 0;
 
-	tiles = ape__ocl_scratch(q, bkv * (size_t)ntk * sizeof(float), NULL, &err);
+	/* + 1: a ragged launch whose segments have no key at all has no tile */
+	tiles = ape__ocl_scratch(q, bkv * (size_t)ntk * sizeof(float) + 4, NULL, &err);
 	if (tiles)
 		*pre = ape__ocl_scratch(q, scan, NULL, &err);
 	if (*pre)
 		*suf = ape__ocl_scratch(q, scan, NULL, &err);
-	if (!*suf) {
+	if (*suf && segs) {
+		kt = ape__ocl_scratch(q, (size_t)ntk * 2 * sizeof(cl_long) + 16, sg->kt, &err);
+		if (kt)
+			st = ape__ocl_scratch(q, (size_t)nst * 2 * sizeof(cl_long), sg->st, &err);
+	}
+	if (!*suf || (segs && !st)) {
 		ret = ape__ocl_error(err, "clCreateBuffer (skip pre-pass)");
 		goto out_release;
 	}
@@ -211,9 +308,11 @@ static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 	ape__ocl_arg(&a, sizeof(Hkv), &Hkv);
 	ape__ocl_arg(&a, sizeof(kv[0]), &kv[0]);
 	ape__ocl_arg(&a, sizeof(kv[1]), &kv[1]);
+	ape__ocl_arg(&a, sizeof(cl_mem), &kt);
+	ape__ocl_arg(&a, sizeof(segs), &segs);
 	if (a.err != CL_SUCCESS)
 		ret = ape__ocl_error(a.err, "setting up ape_kmax");
-	else
+	else if (ntk)
 		ret = ape__ocl_enqueue(q, a.k, (size_t)ntk, 0, bkv, "ape_kmax");
 	if (a.k)
 		clReleaseKernel(a.k);
@@ -226,15 +325,21 @@ static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 	ape__ocl_arg(&a, sizeof(ntk), &ntk);
 	ape__ocl_arg(&a, sizeof(cl_mem), pre);
 	ape__ocl_arg(&a, sizeof(cl_mem), suf);
+	ape__ocl_arg(&a, sizeof(cl_mem), &st);
+	ape__ocl_arg(&a, sizeof(nst), &nst);
 	if (a.err != CL_SUCCESS)
 		ret = ape__ocl_error(a.err, "setting up ape_kscan");
 	else
-		ret = ape__ocl_enqueue(q, a.k, bkv, 0, 1, "ape_kscan");
+		ret = ape__ocl_enqueue(q, a.k, bkv, 0, segs ? (size_t)nst : 1, "ape_kscan");
 	if (a.k)
 		clReleaseKernel(a.k);
 out_release:
 	if (tiles)
 		clReleaseMemObject(tiles);
+	if (kt)
+		clReleaseMemObject(kt);
+	if (st)
+		clReleaseMemObject(st);
 	return ret;
 }
 
@@ -247,6 +352,8 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 		       prior_tol = (cl_float)l->prior_tol;
 	cl_int flags = (cl_int)l->in_dtype | (cl_int)l->out_dtype << 2;
 	cl_mem prm = NULL, pre = NULL, suf = NULL, none = NULL, kp = NULL, vf = NULL, kbuf, vbuf;
+	cl_mem segt = NULL;
+	struct seg_tables sg = { 0 };
 	struct ape__ocl_args a = { 0 };
 	const cl_long4 vq = ocl_view(l, APE__T_Q, false), vo = ocl_view(l, APE__T_O, false),
 		       vl = ocl_view(l, APE__T_LSE, false), ve = ocl_diag_view(l, 0),
@@ -260,9 +367,9 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	/* fast paths: ocl_fast.h; a launch with pages was accepted by the decode */
 	if (l->pages || ape__ocl_decode_applies(q->dev, l))
 		return ape__ocl_decode(q, l);
-	if (ape__ocl_separable_applies(q->dev, l))
+	if (!l->segs && ape__ocl_separable_applies(q->dev, l)) /* TEMP: until sep takes segs */
 		return ape__ocl_separable(q, l);
-	if (ape__ocl_split_applies(q->dev, l))
+	if (!l->segs && ape__ocl_split_applies(q->dev, l))
 		return ape__ocl_split(q, l);
 	ret = ape__ocl_program_get(q->dev, l->D, &pr);
 	if (ret)
@@ -270,6 +377,14 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	bq = (size_t)(pr->t.rw * pr->t.rg * pr->t.nwi);
 	nqt = ((size_t)l->Lq + bq - 1) / bq;
 	ntk = (l->Lk + pr->t.bk - 1) / pr->t.bk;
+	if (l->segs) { /* a ragged launch: one work-group per (segment, query tile) */
+		ret = seg_tables_make(l, (int64_t)bq, pr->t.bk, &sg);
+		if (ret)
+			return ret;
+		nqt = sg.nwg;
+		ntk = sg.ntk;
+		flags |= F_SEGS;
+	}
 	flags |= (l->causal ? F_CAUSAL : 0) | (l->lse ? F_LSE : 0) | (l->pairs ? F_PAIRS : 0);
 	flags |= l->layout == APE_ROPE_INTERLEAVED ? F_INTERLEAVED : 0;
 	/* both or neither, except on the resident call's launches (attention_diag_views) */
@@ -279,8 +394,12 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 		flags |= F_SKIP | (l->lse_prior && prior_tol > 0 ? F_PRIOR : 0);
 
 	prm = ape__ocl_fast_params(q, l, &err);
-	if (!prm)
-		return ape__ocl_error(err, "clCreateBuffer (parameters)");
+	if (prm && l->segs)
+		segt = ape__ocl_scratch(q, sg.nwg * SEGT_W * sizeof(cl_long), sg.wg, &err);
+	if (!prm || (l->segs && !segt)) {
+		ret = ape__ocl_error(err, "clCreateBuffer (%s)", prm ? "segments" : "parameters");
+		goto out_release;
+	}
 	if (ocl_kv_prep(q, pr, l, &kp, &vf, &kbuf, &vbuf, kv, &ret))
 		flags |= F_KV_F32;
 	if (ret)
@@ -288,7 +407,7 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	if ((flags & F_SKIP) &&
 	    (ret = ocl_prepass(q, pr, l, kbuf, vbuf, kv,
 			       (flags & F_KV_F32) ? (cl_int)APE_F32 : (cl_int)l->in_dtype, ntk,
-			       &pre, &suf)))
+			       &sg, &pre, &suf)))
 		goto out_release;
 
 	a.k = clCreateKernel(pr->prog, "ape_attention", &a.err);
@@ -321,6 +440,8 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(cl_mem), l->md ? &l->md->mem : &none);
 	ape__ocl_arg(&a, sizeof(ve), &ve);
 	ape__ocl_arg(&a, sizeof(vm), &vm);
+	ape__ocl_arg(&a, sizeof(cl_mem), &segt);
+	ape__ocl_arg(&a, sizeof(sg.kpt), &sg.kpt);
 	if (a.err != CL_SUCCESS)
 		ret = ape__ocl_error(a.err, "setting up ape_attention");
 	else
@@ -329,7 +450,11 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	if (a.k)
 		clReleaseKernel(a.k);
 out_release:
-	clReleaseMemObject(prm);
+	if (prm)
+		clReleaseMemObject(prm);
+	if (segt)
+		clReleaseMemObject(segt);
+	seg_tables_free(&sg);
 	if (kp)
 		clReleaseMemObject(kp);
 	if (vf)

@@ -66,7 +66,8 @@ static bool dec_shape(struct ape_device *dev, const struct ape__launch *l)
 	/* the work-group shape needs a group of DEC_GNWI and its local memory */
 	if (dec_wg(od) && (od->max_wg < DEC_GNWI || dec_wg_local(l->D) > od->local_mem))
 		return false;
-	return ape__ocl_fast_outputs(l) && l->Lq >= 1 &&
+	/* ragged launches (l->segs) go to the general kernel and the separable path */
+	return ape__ocl_fast_outputs(l) && !l->segs && l->Lq >= 1 &&
 	       l->Lq <= DEC_MAX_ROWS && l->D % 32 == 0 && l->D <= APE_MAX_D && l->H % l->Hkv == 0 &&
 	       l->Lk >= 1 && (l->H / l->Hkv) * l->Lq <= dec_rows_max(l->D);
 }

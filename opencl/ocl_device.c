@@ -258,6 +258,8 @@ static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_devic
 		.backward = od->fp64 != 0,
 		.resident_backward = od->fp64 != 0, /* scratch and copy_view */
 		.timestamps = true, /* profiling queues (a wrapped queue may have none: ENOTSUP) */
+		/* ragged launches: the general kernel's and the separable path's segment tables */
+		.segments = true,
 		.max_alloc = od->max_alloc, /* checked in buf_alloc: some drivers fail late */
 	};
 	ret = ape__device_add(be, &info, &caps, rank, od);

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "ape_test.h"
+#include "core/backend.h"
 #include "common/backend_fixture.h"
 #include "common/naive.h"
 #include "common/testutil.h"
@@ -272,7 +273,7 @@ static void describe(const struct batch *b, enum pos_mode m, char *buf, size_t n
 }
 
 static void run_batches(struct __test_metadata *_metadata, ape_device *dev, int cases, int64_t S,
-			int64_t maxq, int64_t maxk)
+			int64_t maxq, int64_t maxk, const ape_exec_options *opts)
 {
 	ape_rng rng;
 
@@ -290,8 +291,8 @@ static void run_batches(struct __test_metadata *_metadata, ape_device *dev, int 
 		describe(&b, m, what, sizeof(what));
 		batch_varlen(&b, &vl);
 		ape_stats_init(&st);
-		ASSERT_EQ(0, ape_attention_forward_varlen(dev, &b.desc, &vl, &b.q.t, &b.k.t, &b.v.t,
-							  &b.o.t, b.lse, &st))
+		ASSERT_EQ(0, ape_attention_forward_varlen_ex(&dev, 1, opts, &b.desc, &vl, &b.q.t,
+							     &b.k.t, &b.v.t, &b.o.t, b.lse, &st))
 		TH_LOG("%s: %s", what, ape_last_error());
 		ASSERT_EQ(0, batch_check(&b, &eo, &el, &pairs));
 		EXPECT_LE(eo, test_tol_o(b.dt) + test_skip_tol_o(b.desc.skip_tol))
@@ -306,7 +307,20 @@ static void run_batches(struct __test_metadata *_metadata, ape_device *dev, int 
 /* Random batches of every kind, each sequence against the independent evaluation. */
 TEST_F(dev, every_sequence_equals_the_oracle_at_its_positions)
 {
-	run_batches(_metadata, self->dev, self->emu ? 10 : 40, 6, 40, 50);
+	run_batches(_metadata, self->dev, self->emu ? 10 : 40, 6, 40, 50, NULL);
+}
+
+/* The same in chunks of a few rows and keys: a ragged launch per chunk pair, its segments cut
+ * to the chunk's rows and keys (exec/launch.h, ape__segs_clip()), the chunks' partial results
+ * merged; sequences straddle chunks both ways. */
+TEST_F(dev, ragged_batches_in_small_chunks)
+{
+	ape_exec_options opts;
+
+	ape_exec_options_init(&opts);
+	opts.chunk_q = 23;
+	opts.chunk_k = 37;
+	run_batches(_metadata, self->dev, self->emu ? 5 : 25, 6, 40, 50, &opts);
 }
 
 /* Sequences longer than a chunk: the dense executor streams each piece. */
@@ -314,7 +328,7 @@ TEST_F(dev, long_sequences_streamed)
 {
 	if (self->emu)
 		SKIP(return, "the emulated CUDA device: long sequences take minutes there");
-	run_batches(_metadata, self->dev, 5, 3, 700, 900);
+	run_batches(_metadata, self->dev, 5, 3, 700, 900, NULL);
 }
 
 /* A one-sequence batch with default positions is the dense call, bit for bit (LSE transposed
@@ -365,25 +379,37 @@ TEST_F(dev, one_sequence_is_the_dense_call_bit_for_bit)
 	}
 }
 
-/* Thousands of sequences of 1 to 4 tokens in one call. */
+/* Thousands of sequences of 1 to 4 tokens in one call: one launch for all of them on a device
+ * that takes ragged launches (struct ape__dev_caps.segments), one per sequence elsewhere. */
 TEST_F(dev, thousands_of_tiny_sequences)
 {
 	ape_rng rng;
 	struct batch b;
 	ape_varlen vl;
+	ape_stats st;
 	double eo, el;
 	uint64_t pairs;
+	int64_t with_keys = 0;
 	const int64_t S = self->emu ? 200 : 2000;
 
 	ape_rng_init(&rng, _metadata->name);
 	ASSERT_EQ(0, batch_make(&b, &rng, S, 4, 4, POS_DEFAULT));
 	batch_varlen(&b, &vl);
+	ape_stats_init(&st);
 	ASSERT_EQ(0, ape_attention_forward_varlen(self->dev, &b.desc, &vl, &b.q.t, &b.k.t, &b.v.t,
-						  &b.o.t, b.lse, NULL))
+						  &b.o.t, b.lse, &st))
 	TH_LOG("%s", ape_last_error());
 	ASSERT_EQ(0, batch_check(&b, &eo, &el, &pairs));
 	EXPECT_LE(eo, test_tol_o(b.dt) + test_skip_tol_o(b.desc.skip_tol));
 	EXPECT_LE(el, test_tol_lse(b.dt) + test_skip_tol_lse(b.desc.skip_tol));
+	EXPECT_EQ(pairs, st.pairs_visible);
+	for (int64_t s = 0; s < b.S; s++)
+		with_keys += b.cuq[s + 1] > b.cuq[s] && b.cuk[s + 1] > b.cuk[s];
+	if (self->dev->caps.segments) {
+		EXPECT_EQ(1, st.chunks) TH_LOG("%lld sequences: launches", (long long)b.S);
+	} else {
+		EXPECT_GE(st.chunks, (uint64_t)with_keys) TH_LOG("launches");
+	}
 	batch_free(&b);
 }
 

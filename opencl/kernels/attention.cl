@@ -99,6 +99,12 @@ __constant int ape_iota[16] = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 #define F_KV_F32 512 /* K and V come from ape_kv_prep(): float32, K pair-ordered */
 #define F_PRIOR 1024 /* PRIOR holds each row's LSE from earlier launches (for skipping) */
 #define F_DIAG 2048 /* ENT and MDIST: the rows' entropy and mean distance (docs/diagnostics.md) */
+#define F_SEGS 4096 /* a ragged launch: each work-group's segment and tile from SEGT (below) */
+
+/* A ragged launch's work-group table (ocl_attention.c builds it): SEGT_W longs per work-group,
+ * its segment's first query row, rows, first key row, keys, rel (q_start - k_start), the
+ * tile's first row within the segment, and the segment's offset in the key-norm scans. */
+#define SEGT_W 8
 
 /* storage types: ape_dtype values */
 #define DT_F16 1
@@ -182,6 +188,8 @@ struct run {
 	__global const float *prior; /* F_PRIOR: [B*H, Lq] LSE of earlier launches */
 	__global const APE_REAL *omega; /* omega_p, P values */
 	long Lq, Lk, rel, ntk, bh, bkv, i0;
+	long pbase; /* PAIRS and PRIOR: element of this (batch, head)'s row 0 */
+	long kp; /* kpre and ksuf: element of this kv head's (and segment's) tile 0 */
 	/* element [b, h, 0, 0] of each tensor of this (batch, head) and its L stride */
 	long qbase, qsl, kbase, ksl, vbase, vsl, obase, osl, lbase, lsl;
 	long ebase, esl, mbase, msl; /* F_DIAG: ENT and MDIST, as LSE (core/backend.h, ABI 8) */
@@ -215,6 +223,22 @@ KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
 
 	r->i = i;
 	r->rb = rb;
+	r->m = (vf)(-INFINITY);
+	r->l = (vf)0.0f;
+	r->s1 = r->s2 = (vf)0.0f;
+	NOUNROLL
+	for (int d = 0; d < DIM; d++)
+		r->acc[d] = (vf)0.0f;
+	if (i >= R->Lq) {
+		/* padding rows alone (a short segment's tile): never scored, their seeds (P
+		 * sincos per lane) not needed */
+		r->ia = r->crow = (vr)0;
+		for (int k = 0; k < APE_RW; k++) {
+			r->qn[k] = r->crow_s[k] = 0;
+			r->prior[k] = -INFINITY;
+		}
+		return;
+	}
 	NOUNROLL
 	for (int p = 0; p < P; p++) {
 		const int a = R->inter ? 2 * p : p, c = R->inter ? 2 * p + 1 : p + P;
@@ -251,7 +275,7 @@ KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
 		/* c_row: the bias at the row's nearest visible distance */
 		r->crow_s[k] = ape_bias(R->delta, R->beta, R->gamma, (APE_REAL)an);
 		r->prior[k] = (R->flags & F_PRIOR) && i + k < R->Lq
-				      ? (APE_REAL)R->prior[R->bh * R->Lq + i + k] - r->crow_s[k]
+				      ? (APE_REAL)R->prior[R->pbase + i + k] - r->crow_s[k]
 				      : -INFINITY;
 	}
 	r->ia = VL(tr);
@@ -259,12 +283,6 @@ KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
 	NOUNROLL
 	for (int p = 0; p < P; p++)
 		r->sw[p] = ape_seed_sincos(R->omega[p] * r->ia, &r->cw[p]);
-	NOUNROLL
-	for (int d = 0; d < DIM; d++)
-		r->acc[d] = (vf)0.0f;
-	r->m = (vf)(-INFINITY);
-	r->l = (vf)0.0f;
-	r->s1 = r->s2 = (vf)0.0f;
 }
 
 /*
@@ -341,8 +359,9 @@ KFN void tile_scores(const struct run *R, const struct rows *r, long nbase, int 
 		xr[p] = r->xq[p] * c - r->yq[p] * s;
 		yr[p] = r->xq[p] * s + r->yq[p] * c;
 	}
+	/* the tile's keys only (a short segment's or the last tile's): sc[] past len is unread */
 	NOUNROLL
-	for (int sb = 0; sb < APE_BK; sb += APE_SB) {
+	for (int sb = 0; sb < len; sb += APE_SB) {
 		vf S[APE_SB];
 
 #pragma unroll
@@ -568,7 +587,7 @@ KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long 
 					(APE_REAL)ls[k], (APE_REAL)s2s[k]);
 		}
 		if (R->flags & F_PAIRS) {
-			PAIRS[R->bh * R->Lq + i] =
+			PAIRS[R->pbase + i] =
 				(ulong)ape_row_visible_pairs(diag, jbeg, jend, R->causal);
 		}
 	}
@@ -592,7 +611,7 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 	      __global const float *ksuf, int D, long Lq, long Lk, int H, int group, long rel,
 	      float scale, float skip_tol, float prior_tol, int flags, long4 vq, long4 vk,
 	      long4 vv, long4 vo, long4 vl, __global float *ENT, __global float *MDIST, long4 ve,
-	      long4 vm)
+	      long4 vm, __global const long *SEGT, long kpt)
 {
 	__local float kv[KV_FLOATS];
 	__local float ttab[BQ + APE_BK], btab[BQ + APE_BK];
@@ -609,6 +628,22 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 	const int P = DIM / 2; /* a constant in the specialised programs */
 	__local float *ku = kv, *kw = kv + APE_BK * P, *vt = kv + 2 * APE_BK * P;
 
+	/* a ragged launch (B = 1): this work-group's segment as a problem of its own */
+	long q0 = 0, k0 = 0;
+
+	R->i0 = ((long)get_num_groups(0) - 1 - (long)get_group_id(0)) * BQ;
+	R->pbase = get_global_id(1) * Lq;
+	if (flags & F_SEGS) {
+		__global const long *e = SEGT + SEGT_W * get_group_id(0);
+
+		q0 = e[0];
+		Lq = e[1];
+		k0 = e[2];
+		Lk = e[3];
+		rel = e[4];
+		R->i0 = e[5];
+		R->pbase += q0;
+	}
 	R->Q = Q;
 	R->prior = PRIOR;
 	R->K = K;
@@ -620,26 +655,28 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 	R->ntk = (Lk + APE_BK - 1) / APE_BK;
 	R->bh = get_global_id(1);
 	R->bkv = R->bh / H * (H / group) + h / group;
+	R->kp = flags & F_SEGS ? R->bkv * kpt + SEGT[SEGT_W * get_group_id(0) + 6]
+			       : R->bkv * (R->ntk + 1);
 	{
 		const long b = R->bh / H, hk = h / group;
 
-		R->qbase = VIEW_ROW(vq, b, h);
+		R->qbase = VIEW_ROW(vq, b, h) + q0 * vq.w;
 		R->qsl = vq.w;
-		R->kbase = VIEW_ROW(vk, b, hk);
+		R->kbase = VIEW_ROW(vk, b, hk) + k0 * vk.w;
 		R->ksl = vk.w;
-		R->vbase = VIEW_ROW(vv, b, hk);
+		R->vbase = VIEW_ROW(vv, b, hk) + k0 * vv.w;
 		R->vsl = vv.w;
-		R->obase = VIEW_ROW(vo, b, h);
+		R->obase = VIEW_ROW(vo, b, h) + q0 * vo.w;
 		R->osl = vo.w;
-		R->lbase = VIEW_ROW(vl, b, h);
+		R->lbase = VIEW_ROW(vl, b, h) + q0 * vl.w;
 		R->lsl = vl.w;
-		R->ebase = VIEW_ROW(ve, b, h);
+		R->ebase = VIEW_ROW(ve, b, h) + q0 * ve.w;
 		R->esl = ve.w;
-		R->mbase = VIEW_ROW(vm, b, h);
+		R->mbase = VIEW_ROW(vm, b, h) + q0 * vm.w;
 		R->msl = vm.w;
 	}
-	/* the heaviest causal query tiles (the last ones) are handed out first */
-	R->i0 = ((long)get_num_groups(0) - 1 - (long)get_group_id(0)) * BQ;
+	/* the heaviest causal query tiles (the last ones) are handed out first (a ragged
+	 * launch's table is so ordered) */
 	R->wi = get_local_id(0);
 	R->flags = flags;
 	R->dtin = F_DT_IN(flags);
@@ -667,9 +704,10 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 	const long ilast = min(R->i0 + BQ, Lq) - 1;
 	/* causal and no row of the tile sees any key: one pass over an empty tile, so that the
 	 * loop has a single shape */
-	const int none = R->causal && rel + ilast < 0;
-	const long start = R->causal ? (none ? 0 : min(rel + ilast, Lk - 1) / APE_BK)
-				    : clamp(rel + (R->i0 + ilast) / 2, 0L, Lk - 1) / APE_BK;
+	const int none = Lk == 0 || (R->causal && rel + ilast < 0);
+	const long start = none ? 0
+			   : R->causal ? min(rel + ilast, Lk - 1) / APE_BK
+				       : clamp(rel + (R->i0 + ilast) / 2, 0L, Lk - 1) / APE_BK;
 	long lo = start - 1, hi = start + 1, t = start, nprev = 0;
 	int back_done = 0, fwd_done = R->causal, next_back = 1, cur = 0;
 
@@ -681,7 +719,7 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 		/* proved negligible in full by the earlier launches' weight: an empty range of
 		 * visited tiles (tlo > thi), both sides done, so the walk never scores it */
 		if (R->skip && (flags & F_PRIOR) &&
-		    rows_skip_all(R, &rg[g], kpre[R->bkv * (R->ntk + 1) + R->ntk])) {
+		    rows_skip_all(R, &rg[g], kpre[R->kp + R->ntk])) {
 			rg[g].tlo = start + 1;
 			rg[g].thi = start - 1;
 			rg[g].done_b = rg[g].done_f = 1;
@@ -708,7 +746,8 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 			struct rows *r = &rg[g];
 			const int mask = R->causal && ape_sat_add(nbase, r->rb - (APE_BK - 1)) < 0;
 
-			if ((t < r->tlo && r->done_b) || (t > r->thi && r->done_f))
+			/* nor does a row vector of padding rows alone (a short segment's tile) */
+			if ((t < r->tlo && r->done_b) || (t > r->thi && r->done_f) || r->i >= Lq)
 				continue;
 			tile_scores(R, r, nbase, len, lim, mask, bref, ku, kw, ttab, btab, sc);
 			tile_softmax(R, r, len, lim, mask, nbase, vt, sc);
@@ -722,8 +761,8 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 		{
 			const int can_back = R->skip && lo >= 0 && !back_done;
 			const int can_fwd = R->skip && hi < R->ntk && !fwd_done;
-			const APE_REAL kb = can_back ? kpre[R->bkv * (R->ntk + 1) + lo + 1] : 0;
-			const APE_REAL kf = can_fwd ? ksuf[R->bkv * (R->ntk + 1) + hi] : 0;
+			const APE_REAL kb = can_back ? kpre[R->kp + lo + 1] : 0;
+			const APE_REAL kf = can_fwd ? ksuf[R->kp + hi] : 0;
 			int cb = can_back, cf = can_fwd;
 
 			NOUNROLL
@@ -826,19 +865,24 @@ __kernel void ape_kv_prep(__global const void *K, __global const void *V, int D,
 /*
  * Skip pre-pass, part 1: the largest key norm of each key tile of each kv head, rounded up so
  * that it stays a bound. A NaN or Inf anywhere in the tile's K or V gives +inf, so that such a
- * tile is never skipped and its NaN reaches every row that sees it.
+ * tile is never skipped and its NaN reaches every row that sees it. Tile t holds keys
+ * t * APE_BK .. of the launch, or in a ragged launch (segs) keys KT[2t] .. KT[2t+1]-1 (each
+ * segment's keys cut into tiles from its own first key).
  */
 __kernel void ape_kmax(__global const void *K, __global const void *V, int D, long Lk, int dt,
-		       long ntk, __global float *ktile, int Hkv, long4 vk, long4 vv)
+		       long ntk, __global float *ktile, int Hkv, long4 vk, long4 vv,
+		       __global const long *KT, int segs)
 {
 	const long t = get_global_id(0), bkv = get_global_id(1);
-	const long j1 = min((t + 1) * APE_BK, Lk);
 	const long kb = VIEW_ROW(vk, bkv / Hkv, bkv % Hkv), vb = VIEW_ROW(vv, bkv / Hkv, bkv % Hkv);
 	float mx = 0.0f;
 
 	if (t >= ntk)
 		return;
-	for (long j = t * APE_BK; j < j1; j++) {
+	const long j0 = segs ? KT[2 * t] : t * APE_BK;
+	const long j1 = segs ? KT[2 * t + 1] : min((t + 1) * APE_BK, Lk);
+
+	for (long j = j0; j < j1; j++) {
 		const long kj = kb + j * vk.w, vj = vb + j * vv.w;
 		float s = 0.0f, vs = 0.0f;
 
@@ -857,23 +901,27 @@ __kernel void ape_kmax(__global const void *K, __global const void *V, int D, lo
 
 /* Skip pre-pass, part 2: prefix and suffix maxima, so that "the largest key norm among the
  * tiles not visited yet in this direction" is one load: pre[t] over tiles < t, suf[t] over
- * tiles >= t. */
+ * tiles >= t. Per kv head ntk + 1 values; in a ragged launch (nst segments, ST[2s] the first
+ * tile of segment s and ST[2s+1] its tile count) the scans of each segment's own tiles, segment
+ * s's ST[2s+1] + 1 values from element ST[2s] + s of its kv head's ntk + nst. */
 __kernel void ape_kscan(__global const float *ktile, long ntk, __global float *pre,
-			__global float *suf)
+			__global float *suf, __global const long *ST, long nst)
 {
-	const long bkv = get_global_id(0);
-	__global const float *kt = ktile + bkv * ntk;
-	__global float *pr = pre + bkv * (ntk + 1), *su = suf + bkv * (ntk + 1);
+	const long bkv = get_global_id(0), s = get_global_id(1);
+	const long t0 = nst ? ST[2 * s] : 0, n = nst ? ST[2 * s + 1] : ntk;
+	const long off = bkv * (nst ? ntk + nst : ntk + 1) + (nst ? t0 + s : 0);
+	__global const float *kt = ktile + bkv * ntk + t0;
+	__global float *pr = pre + off, *su = suf + off;
 	float run = 0.0f;
 
 	pr[0] = 0.0f;
-	for (long t = 0; t < ntk; t++) {
+	for (long t = 0; t < n; t++) {
 		run = fmax(run, kt[t]);
 		pr[t + 1] = run;
 	}
 	run = 0.0f;
-	su[ntk] = 0.0f;
-	for (long t = ntk - 1; t >= 0; t--) {
+	su[n] = 0.0f;
+	for (long t = n - 1; t >= 0; t--) {
 		run = fmax(run, kt[t]);
 		su[t] = run;
 	}

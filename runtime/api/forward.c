@@ -185,10 +185,11 @@ static int stage_outputs(const char *fn, const struct ape__problem *p, bool lse,
 	return 0;
 }
 
-static int run(const char *fn, ape_device *const *devs, int ndev, const ape_exec_options *opts,
-	       const struct ape__problem *p, const ape_tensor *q, const ape_tensor *k,
-	       const ape_tensor *v, ape_tensor *o, float *lse, const struct ape__diag_req *dg,
-	       bool want_pairs, struct ape__exec_result *res)
+int ape__forward_call(const char *fn, ape_device *const *devs, int ndev,
+		      const ape_exec_options *opts, const struct ape__problem *p,
+		      const ape_tensor *q, const ape_tensor *k, const ape_tensor *v, ape_tensor *o,
+		      float *lse, const struct ape__diag_req *dg, bool want_pairs,
+		      struct ape__exec_result *res)
 {
 	const bool atomic_out = opts && (opts->flags & APE_EXEC_ATOMIC_OUTPUTS);
 	struct ape__problem pp = *p;
@@ -274,7 +275,8 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 	else if (p.Lk == 0)
 		write_empty(&p, o, lse, dg);
 	else
-		ret = run(fn, devs, ndev, opts, &p, q, k, v, o, lse, dg, stats != NULL, &res);
+		ret = ape__forward_call(fn, devs, ndev, opts, &p, q, k, v, o, lse, dg, stats != NULL,
+					&res);
 	if (!ret && stats) {
 		const struct ape__call_report rep = {
 			.res = &res,

@@ -6,10 +6,15 @@
  * Validation first, of everything, before any work. Then each sequence is cut into runs of
  * consecutive positions (one run of queries and one of keys for default positions, and for
  * position_ids that restart per document): a query run against a key run is exactly a dense
- * call (q_start, k_start the runs' first positions), so every backend, fast path, chunking and
- * device set of the dense executor serves it. A query run that sees several key runs merges
- * their partial results by LSE on the host (exec/lse_merge.h). Everything is written to host
- * staging and published once every piece succeeded.
+ * problem (q_start, k_start the runs' first positions).
+ *
+ * When every query run sees one key run and every device takes ragged launches (struct
+ * ape__dev_caps.segments), the whole batch is one run of the dense executor over the packed
+ * tensors, its runs the segments (struct ape__seg) of every launch: the same planner, chunking,
+ * devices and merges, each launch serving every sequence of its rows (one_run()). Otherwise each
+ * query run is one dense call per key run it sees, their partial results merged by LSE on the
+ * host (exec/lse_merge.h). Either way everything is written to host staging and published once
+ * the whole call succeeded.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -193,6 +198,7 @@ struct vcall {
 	int64_t maxrows; /* the longest query run: what tlse, to and acc hold */
 	ape_stats st; /* the pieces' statistics, summed */
 	bool have_st;
+	bool rep_done; /* one run reported the call's statistics itself */
 };
 
 /* The end of the run of consecutive positions that starts at row a (ends before `end`). */
@@ -402,6 +408,142 @@ static void publish(struct vcall *c, ape_tensor *o, float *lse)
 				lse[i * p->H + h] = c->slse[h * p->Lq + i];
 }
 
+/* ------------------------------------------------------------------ one ragged launch */
+
+/*
+ * The batch as segments (struct ape__seg: each query run with the one key run it sees), into
+ * *out (owned by the caller): 1; 0 when some query run sees several key runs (positions with
+ * gaps or repeats among the keys), which only the pieces above serve; or APE_ENOMEM.
+ */
+static int build_segments(const char *fn, const ape_varlen *vl, bool causal,
+			  struct ape__seg **out, int64_t *nout)
+{
+	int64_t n = 0, cap = vl->num_seqs + 16;
+	struct ape__seg *sg = ape__malloc((size_t)cap * sizeof(*sg));
+
+	for (int64_t s = 0; sg && s < vl->num_seqs; s++) {
+		const int64_t q1 = vl->cu_seqlens_q[s + 1];
+		const int64_t k0 = vl->cu_seqlens_k[s], k1 = vl->cu_seqlens_k[s + 1];
+
+		for (int64_t a = vl->cu_seqlens_q[s], b; a < q1; a = b) {
+			struct ape__seg x = { .q0 = a, .k0 = k0, .k_start = 0 };
+
+			b = ape__varlen_run_end(vl, true, s, a, q1);
+			x.lq = b - a;
+			x.q_start = ape__varlen_qpos(vl, s, a);
+			for (int64_t kc = k0, kd; kc < k1; kc = kd) {
+				kd = ape__varlen_run_end(vl, false, s, kc, k1);
+				if (!ape__varlen_run_visible(vl, causal, s, a, b, kc))
+					continue;
+				if (x.lk) { /* a second key run */
+					free(sg);
+					return 0;
+				}
+				x.k0 = kc;
+				x.lk = kd - kc;
+				x.k_start = ape__varlen_kpos(vl, s, kc);
+			}
+			if (n == cap) {
+				struct ape__seg *g = ape__realloc(sg, (size_t)(cap *= 2) * sizeof(*sg));
+
+				if (!g) {
+					free(sg);
+					sg = NULL;
+					break;
+				}
+				sg = g;
+			}
+			sg[n++] = x;
+		}
+	}
+	if (!sg)
+		return ape__error(APE_ENOMEM, "%s: out of host memory for the batch's segments", fn);
+	*out = sg;
+	*nout = n;
+	return 1;
+}
+
+/* Do all of devs run a ragged batch in one launch (struct ape__dev_caps.segments)? */
+static bool devices_take_segments(ape_device *const *devs, int ndev)
+{
+	for (int d = 0; d < ndev; d++)
+		if (!devs[d]->caps.segments)
+			return false;
+	return true;
+}
+
+/* The visible pairs of every segment, all heads; -1 on overflow (not for a validated batch). */
+static int segments_visible(const struct ape__problem *p, const struct ape__seg *sg,
+			    int64_t n, uint64_t *out)
+{
+	uint64_t sum = 0;
+
+	for (int64_t s = 0; s < n; s++) {
+		struct ape__problem one = *p;
+		uint64_t x;
+
+		if (!sg[s].lk)
+			continue;
+		one.segs = NULL;
+		one.Lq = sg[s].lq;
+		one.Lk = sg[s].lk;
+		one.q_start = sg[s].q_start;
+		one.k_start = sg[s].k_start;
+		if (ape__head_visible_pairs(&one, &x) || x > (UINT64_MAX - sum) / (uint64_t)p->H)
+			return -1;
+		sum += x * (uint64_t)p->H;
+	}
+	*out = sum;
+	return 0;
+}
+
+/*
+ * The whole batch as one executor run over the packed tensors, each launch ragged, into the
+ * staging: 1 done (or failed: *ret), 0 not applicable (the pieces serve it).
+ */
+static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, double t0,
+		   int *ret)
+{
+	const struct ape__diag_req none = { NULL, NULL };
+	struct ape__exec_result res;
+	struct ape__problem pp = *p;
+	struct ape__seg *sg = NULL;
+	int64_t n = 0;
+	uint64_t visible = 0;
+	int r;
+
+	*ret = 0;
+	if (!devices_take_segments(c->devs, c->ndev) || p->Lk == 0)
+		return 0;
+	r = build_segments(c->fn, c->vl, p->causal, &sg, &n);
+	if (r <= 0) {
+		*ret = r;
+		return r < 0;
+	}
+	if (segments_visible(p, sg, n, &visible)) {
+		free(sg);
+		*ret = ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", c->fn);
+		return 1;
+	}
+	pp.segs = sg;
+	pp.nseg = n;
+	memcpy(pp.os, c->sos, sizeof(pp.os)); /* into the staging, contiguous */
+	memset(&res, 0, sizeof(res));
+	*ret = ape__forward_call(c->fn, c->devs, c->ndev, &c->opts, &pp, c->q, c->k, c->v, &c->so,
+				 c->slse, &none, stats != NULL, &res);
+	if (!*ret && stats) {
+		const struct ape__call_report rep = {
+			.res = &res, .devs = c->devs, .ndev = c->ndev, .devices = c->ndev,
+			.pairs_visible = visible, .t0 = t0,
+		};
+
+		c->rep_done = true;
+		ape__stats_report(stats, &rep);
+	}
+	free(sg);
+	return 1;
+}
+
 static int varlen(const char *fn, ape_device *const *devs, int ndev,
 		  const ape_exec_options *opts, const ape_attn_desc *desc, const ape_varlen *vl,
 		  const ape_tensor *q, const ape_tensor *k, const ape_tensor *v, ape_tensor *o,
@@ -434,6 +576,8 @@ static int varlen(const char *fn, ape_device *const *devs, int ndev,
 		ape__problem_fini(&p);
 		return ret; /* 0: nothing to compute, nothing to write */
 	}
+	if (one_run(&c, &p, stats, t0, &ret))
+		goto out;
 	for (int64_t s = 0; s < vl->num_seqs && !ret; s++) {
 		const int64_t q1 = vl->cu_seqlens_q[s + 1];
 
@@ -444,9 +588,10 @@ static int varlen(const char *fn, ape_device *const *devs, int ndev,
 			ret = query_run(&c, s, a, b);
 		}
 	}
+out:
 	if (!ret) {
 		publish(&c, o, lse);
-		if (stats)
+		if (stats && !c.rep_done)
 			ape__varlen_report(stats, &c.st, c.have_st, t0);
 	}
 	vcall_free(&c);

@@ -98,8 +98,9 @@
  * of every failure, backends set only what failed below; struct ape__queue and ape__event begin
  * with the device; the table checked at registration; device capabilities as data (struct
  * ape__dev_caps, passed to ape__device_add()) instead of attention_diag, attention_diag_views
- * and max_alloc, which is now the core's member. */
-#define APE__BACKEND_ABI 11
+ * and max_alloc, which is now the core's member.
+ * 12: ragged launches: struct ape__seg, ape__launch.segs and .nseg, ape__dev_caps.segments. */
+#define APE__BACKEND_ABI 12
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -133,6 +134,18 @@ struct ape__kv_pages {
 	int64_t block_tokens, nblocks; /* >= 1 */
 	int64_t first_block; /* 0 <= first_block < nblocks */
 	int64_t first_row; /* 0 <= first_row < block_tokens */
+};
+
+/*
+ * One segment of a ragged launch (ABI 12; struct ape__launch.segs): the launch's query rows
+ * q0 .. q0 + lq - 1 against its key rows k0 .. k0 + lk - 1 only, query row q0 + i at position
+ * q_start + i and key row k0 + j at k_start + j: a dense problem of its own inside the launch's
+ * tensors (n = (q_start + i) - (k_start + j) in every formula, the causal rule n >= 0).
+ */
+struct ape__seg {
+	int64_t q0, lq; /* lq >= 1 */
+	int64_t k0, lk; /* lk >= 0: 0, the rows see no key */
+	int64_t q_start, k_start; /* every pair's distance fits in int64 (the core checked) */
 };
 
 /* One attention launch on device buffers. */
@@ -206,7 +219,38 @@ struct ape__launch {
 	 * uploads head_params itself.
 	 */
 	struct ape__buf *params[2];
+	/*
+	 * ABI 12. NULL (nseg 0): the launch is one problem of B sequences as above. Else a ragged
+	 * launch of many sequences, set by the core only on a device whose capabilities say
+	 * segments: B = 1, and segs[0 .. nseg-1] (host memory, read during the call only)
+	 * partition the query rows 0 .. Lq-1 in order (segs[0].q0 = 0, each next q0 the previous
+	 * q0 + lq, the last ending at Lq), with 0 <= k0 and k0 + lk <= Lk. Each row sees its own
+	 * segment's keys only, at its positions (struct ape__seg); q_start and k_start are unused.
+	 * A row whose segment has no visible key gets O 0, LSE -inf, pairs 0, ent and md 0, as in
+	 * any launch. Every output is indexed by the launch's rows, as in any launch. lse_prior and
+	 * pages are NULL; strided, views, pairs, diagnostics and skipping as in any launch (the
+	 * far-key bound is per segment: a segment's keys are the only keys its rows see).
+	 */
+	const struct ape__seg *segs;
+	int64_t nseg;
 };
+
+/* The segment of a ragged launch l that holds query row i (0 <= i < l->Lq): a binary search
+ * over l->segs. */
+static inline const struct ape__seg *ape__launch_seg_of(const struct ape__launch *l, int64_t i)
+{
+	int64_t lo = 0, hi = l->nseg - 1;
+
+	while (lo < hi) {
+		const int64_t mid = lo + (hi - lo + 1) / 2;
+
+		if (l->segs[mid].q0 <= i)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return &l->segs[lo];
+}
 
 /* The view of tensor t (enum ape__tensor_id) of launch l: its own when l->strided, else the
  * contiguous one. */
@@ -733,6 +777,10 @@ struct ape__dev_caps {
 	 * measured. Needs event_timestamp (which may still fail with APE_ENOTSUP on a queue
 	 * without timing, a wrapped one). */
 	bool timestamps;
+	/* attention takes ragged launches (struct ape__launch.segs, ABI 12): a batch of many
+	 * sequences in one launch. Without it the core runs ragged batches as one launch per
+	 * sequence. */
+	bool segments;
 	/* The largest single buf_alloc the device accepts (CL_DEVICE_MAX_MEM_ALLOC_SIZE); the
 	 * planner keeps every chunk below it. UINT64_MAX: no limit but the device's memory (0
 	 * given to ape__device_add() means that too). */

@@ -32,8 +32,8 @@ static double chunk_cost(void *arg, int64_t i0, int64_t n)
 	struct ape__problem sub = *p;
 	uint64_t pairs = 0;
 
-	if (x->skipping)
-		return (double)n;
+	if (x->skipping || p->segs)
+		return (double)n; /* a ragged call: rows (their sequences' lengths vary anyway) */
 	sub.Lq = n;
 	sub.q_start = p->q_start + i0;
 	if (ape__head_visible_pairs(&sub, &pairs))
@@ -50,7 +50,9 @@ static int prepare(void *arg, const struct ape__plan *plan, int d)
 
 	if (d == 0) {
 		ape__skip_budget(p->skip_tol, p->causal, plan->ni, false, &x->call.tol);
-		x->skipping = ape__skip_allowed(p) && plan->ni > 1;
+		/* chunk-level skipping reasons about one sequence's positions: not ragged calls
+		 * (their launches still skip within each segment) */
+		x->skipping = ape__skip_allowed(p) && plan->ni > 1 && !p->segs;
 		if (x->skipping &&
 		    (ret = ape__kmax_from_tensor(&x->km, x->r->k, p->ks, plan->ci)))
 			return ret;

@@ -118,7 +118,7 @@ static struct ape__view view_of(const struct ape__pass_job *j, int t, int64_t he
 }
 
 /* The launch of job j (without the merge), in *l. */
-static void launch_of(const struct ape__fwd *f, const struct ape__pass_job *j,
+static void launch_of(struct ape__fwd *f, const struct ape__pass_job *j,
 		      struct ape__launch *l)
 {
 	const struct ape__problem *p = f->c->p;
@@ -127,8 +127,13 @@ static void launch_of(const struct ape__fwd *f, const struct ape__pass_job *j,
 	*l = f->tmpl;
 	l->Lq = j->on;
 	l->Lk = j->in;
-	l->q_start = p->q_start + j->o0; /* validated: positions of every row fit */
-	l->k_start = p->k_start + j->i0;
+	if (p->segs) { /* a ragged call: the segments of the job's rows and keys */
+		l->segs = f->segs;
+		l->nseg = ape__segs_clip(p->segs, p->nseg, j->o0, j->on, j->i0, j->in, f->segs);
+	} else {
+		l->q_start = p->q_start + j->o0; /* validated: positions of every row fit */
+		l->k_start = p->k_start + j->i0;
+	}
 	l->q = j->buf[APE__F_Q];
 	l->k = j->buf[APE__F_K];
 	l->v = j->buf[APE__F_V];
@@ -228,8 +233,16 @@ static int outer_begin(void *self, int slot, int64_t oc, int64_t o0, int64_t n)
 				ape__load_row_f32(c->q, p->qs, b, h, o0 + i, row);
 				fs->qnorm[(b * p->H + h) * n + i] = ape__norm(row, p->D);
 			}
-	ape__walk_init(&fs->walk, p->q_start + o0, p->q_start + o0 + (n - 1), p->Lk, f->ck,
-		       p->k_start, p->causal, f->nq == 1 && f->nk == 1);
+	if (p->segs) {
+		/* a ragged call: from the last key the rows see back to the first (every chunk
+		 * between holds some; the kernels apply each segment's causal rule) */
+		ape__segs_keys(p->segs, p->nseg, o0, n, &fs->klo, &fs->khi);
+		ape__walk_init(&fs->walk, 0, fs->klo < fs->khi ? fs->khi - 1 : -1, p->Lk, f->ck, 0,
+			       true, f->nq == 1 && f->nk == 1);
+	} else {
+		ape__walk_init(&fs->walk, p->q_start + o0, p->q_start + o0 + (n - 1), p->Lk, f->ck,
+			       p->k_start, p->causal, f->nq == 1 && f->nk == 1);
+	}
 	fs->o0 = o0;
 	fs->n = n;
 	fs->held = false;
@@ -262,6 +275,12 @@ static int next(void *self, int slot, int pending, int issued, int64_t *ic, int 
 			if (!ape__walk_next(&fs->walk, &fs->chunk, &fs->dir))
 				return APE__WALK_DONE;
 			fs->held = true;
+		}
+		if (fs->dir < 0 && f->c->p->segs && (fs->chunk + 1) * f->ck <= fs->klo) {
+			/* a ragged call: no row of the chunk sees these keys (not a skip) */
+			ape__walk_close(&fs->walk, fs->dir, fs->chunk);
+			fs->held = false;
+			continue;
 		}
 		if (fs->dir && f->c->kmax) {
 			if (negligible(f, fs, fs->o0, fs->n, fs->chunk, fs->dir)) {
@@ -432,13 +451,15 @@ int ape__fwd_prepare(struct ape__fwd *f, int64_t cq, int64_t ck, int64_t nq, int
 	f->nq = nq;
 	f->nk = nk;
 	shape(f, f->dev, nq, nk);
-	f->prior = f->mode == APE__FWD_DEVICE_MERGE && ape__skip_allowed(p) && nk > 1;
+	f->prior = f->mode == APE__FWD_DEVICE_MERGE && ape__skip_allowed(p) && nk > 1 && !p->segs;
 	set_template(f, nk);
 	f->skip = (struct ape__skip_ctx){
 		.B = p->B, .H = p->H, .Hkv = p->Hkv, .Lk = p->Lk, .ck = ck, .k_start = p->k_start,
 		.causal = p->causal, .abs_scale = fabs(p->scale), .head_params = p->head_params,
 		.km = c->kmax, .tol = c->tol.chunk,
 	};
+	if (p->segs && !(f->segs = ape__malloc((size_t)p->nseg * sizeof(*f->segs))))
+		return ape__error(APE_ENOMEM, "out of memory for %lld segments", (long long)p->nseg);
 	for (int i = 0; i < o_slots; i++) {
 		struct ape__fwd_slot *fs = &f->slot[i];
 
@@ -460,6 +481,8 @@ int ape__fwd_prepare(struct ape__fwd *f, int64_t cq, int64_t ck, int64_t nq, int
 
 void ape__fwd_fini(struct ape__fwd *f)
 {
+	free(f->segs);
+	f->segs = NULL;
 	for (int i = 0; i < APE__MAX_DEPTH; i++) {
 		ape__acc_free(&f->slot[i].acc);
 		free(f->slot[i].qnorm);

@@ -61,6 +61,7 @@ struct ape__fwd_slot {
 	int dir;
 	bool held; /* chunk and dir hold it */
 	int jobs; /* launches issued */
+	int64_t klo, khi; /* a ragged call: the keys the chunk's rows see, [klo, khi) */
 };
 
 struct ape__fwd {
@@ -73,6 +74,9 @@ struct ape__fwd {
 	struct ape__launch tmpl; /* what every launch shares */
 	struct ape__skip_ctx skip;
 	struct ape__fwd_slot slot[APE__MAX_DEPTH];
+	/* a ragged call: one launch's segments, clipped (p->nseg at most; launches of a pass
+	 * are issued by one thread) */
+	struct ape__seg *segs;
 	/* the pass's own figures */
 	uint64_t pairs_computed, chunks_skipped;
 };

@@ -3,6 +3,7 @@
 #include "exec/launch.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "core/context.h"
@@ -56,5 +57,63 @@ void ape__params_fill(const struct ape__launch *l, int which, void *host)
 			((float *)host)[i] = (float)x;
 		else
 			((double *)host)[i] = x;
+	}
+}
+
+/* The first segment that holds row o0 (the segments partition the rows in order). */
+static int64_t seg_first(const struct ape__seg *segs, int64_t nseg, int64_t o0)
+{
+	int64_t lo = 0, hi = nseg - 1;
+
+	while (lo < hi) {
+		const int64_t mid = lo + (hi - lo + 1) / 2;
+
+		if (segs[mid].q0 <= o0)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return lo;
+}
+
+int64_t ape__segs_clip(const struct ape__seg *segs, int64_t nseg, int64_t o0, int64_t on,
+		       int64_t i0, int64_t in, struct ape__seg *out)
+{
+	int64_t n = 0;
+
+	for (int64_t s = seg_first(segs, nseg, o0); s < nseg && segs[s].q0 < o0 + on; s++) {
+		const struct ape__seg *g = &segs[s];
+		const int64_t a = g->q0 > o0 ? g->q0 : o0;
+		const int64_t b = g->q0 + g->lq < o0 + on ? g->q0 + g->lq : o0 + on;
+		const int64_t c = g->k0 > i0 ? g->k0 : i0;
+		const int64_t d = g->k0 + g->lk < i0 + in ? g->k0 + g->lk : i0 + in;
+		struct ape__seg *x = &out[n++];
+
+		/* positions move with the rows: q_start + (a - q0) is row a's (validated) */
+		x->q0 = a - o0;
+		x->lq = b - a;
+		x->q_start = g->q_start + (a - g->q0);
+		if (c < d) {
+			x->k0 = c - i0;
+			x->lk = d - c;
+			x->k_start = g->k_start + (c - g->k0);
+		} else {
+			x->k0 = x->lk = 0;
+			x->k_start = g->k_start;
+		}
+	}
+	return n;
+}
+
+void ape__segs_keys(const struct ape__seg *segs, int64_t nseg, int64_t o0, int64_t on,
+		    int64_t *klo, int64_t *khi)
+{
+	*klo = INT64_MAX;
+	*khi = INT64_MIN;
+	for (int64_t s = seg_first(segs, nseg, o0); s < nseg && segs[s].q0 < o0 + on; s++) {
+		if (!segs[s].lk)
+			continue;
+		*klo = segs[s].k0 < *klo ? segs[s].k0 : *klo;
+		*khi = segs[s].k0 + segs[s].lk > *khi ? segs[s].k0 + segs[s].lk : *khi;
 	}
 }

@@ -26,6 +26,21 @@ uint64_t ape__params_bytes(const struct ape__problem *p, int which);
 /* Fills table `which` of launch l's parameters (omega, then 4 per head) into host. */
 void ape__params_fill(const struct ape__launch *l, int which, void *host);
 
+/*
+ * A ragged call's segments (segs[0 .. nseg-1], over the call's rows) as one launch of query
+ * rows [o0, o0 + on) and key rows [i0, i0 + in) sees them: into out, the segments that hold
+ * those rows, cut to them, with rows, keys and positions relative to the launch (a segment
+ * with no key in the window keeps its rows, with lk 0). Returns how many (>= 1 for on >= 1);
+ * out holds nseg at most.
+ */
+int64_t ape__segs_clip(const struct ape__seg *segs, int64_t nseg, int64_t o0, int64_t on,
+		       int64_t i0, int64_t in, struct ape__seg *out);
+
+/* The keys [*klo, *khi) the query rows [o0, o0 + on) of a ragged call see at all (an empty
+ * range, *klo >= *khi, when none). */
+void ape__segs_keys(const struct ape__seg *segs, int64_t nseg, int64_t o0, int64_t on,
+		    int64_t *klo, int64_t *khi);
+
 /* Backend scratch per launch: the backend's own figure, or a conservative estimate. */
 uint64_t ape__scratch_of(struct ape_device *dev, const struct ape__launch *l);
 

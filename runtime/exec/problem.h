@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "ape/ape.h"
+#include "core/backend.h"
 
 #pragma GCC visibility push(hidden)
 
@@ -21,6 +22,14 @@ struct ape__problem {
 	bool causal;
 	ape_rope_layout layout;
 	int64_t q_start, k_start;
+	/*
+	 * NULL: one problem of B sequences at q_start, k_start. Else a ragged batch (B = 1; set by
+	 * api/varlen.c, not owned): nseg segments of the packed rows as core/backend.h's struct
+	 * ape__launch.segs states them, over the whole call (q_start and k_start unused); the
+	 * executor clips them to each launch's rows and keys (ape__segs_clip()).
+	 */
+	const struct ape__seg *segs;
+	int64_t nseg;
 };
 
 /* Visible pairs of one (b, h) head summed over its rows; -1 if the count overflows 64 bits. */
