@@ -178,6 +178,31 @@ TEST(bench_resident_beside_the_host_call)
 	EXPECT_NE(NULL, strstr(err, "one at a time")) TH_LOG("%s", err);
 }
 
+/* --varlen: a ragged batch in one call beside a dense call per sequence; one launch for the
+ * whole batch on the reference (it takes ragged launches), the result the per-sequence calls'. */
+TEST(bench_varlen_beside_the_per_sequence_calls)
+{
+	ASSERT_EQ(0, TOOL("ape-bench", "--varlen", "50", "--backend", "ref", "-H", "2",
+			  "--kv-heads", "1", "-D", "8", "-L", "3,7", "--warmup", "0", "--repeats",
+			  "2", "--json", "--seed", "5"))
+		TH_LOG("%s", err);
+	EXPECT_EQ(4, count(out, "\"launches\": 1,")) TH_LOG("%s", out);
+	EXPECT_EQ(4, count(out, "\"per_sequence_launches\": 50,")) TH_LOG("%s", out);
+	EXPECT_EQ(4, count(out, "\"within_tol\": true")) TH_LOG("%s", out);
+	/* 50 sequences of 3 x 4 / 2 causal pairs, 2 heads: at both skip tolerances */
+	EXPECT_EQ(2, count(out, "\"pairs\": 600,")) TH_LOG("%s", out);
+	ASSERT_EQ(0, TOOL("ape-bench", "--varlen", "4", "--backend", "ref", "-H", "1", "-D", "8",
+			  "-L", "5", "--repeats", "1", "--skip-tol", "0"))
+		TH_LOG("%s", err);
+	EXPECT_NE(NULL, strstr(out, "varlen_ms")) TH_LOG("%s", out);
+	EXPECT_NE(NULL, strstr(out, "per_seq_ms"));
+	EXPECT_EQ(2, TOOL("ape-bench", "--varlen", "0"));
+	EXPECT_EQ(2, TOOL("ape-bench", "--varlen", "4", "-B", "2"));
+	EXPECT_NE(NULL, strstr(err, "-B")) TH_LOG("%s", err);
+	EXPECT_EQ(2, TOOL("ape-bench", "--varlen", "4", "--stream"));
+	EXPECT_NE(NULL, strstr(err, "one at a time")) TH_LOG("%s", err);
+}
+
 TEST(bench_unavailable_backend_exits_3)
 {
 	ape_context *ctx = test_context(NULL);

@@ -869,11 +869,15 @@ APE_API void ape_tensor_init_packed(ape_tensor *t, void *data, ape_dtype dtype, 
  * distances (APE_EOVERFLOW, naming the sequence, when a pair's n does not fit in int64). The
  * positions come from \p vl alone: desc->q_start_set must be false and desc->k_start 0.
  *
- * A sequence is computed as the dense call of its rows, and positions that run in steps of 1
- * (the default, and Hugging Face style position_ids restarting per document) keep every fast
- * path; other positions split a sequence into its runs of consecutive positions, whose partial
- * results merge by their LSE (docs/ape.md, identity 4). Results equal a dense call per sequence
- * within the spec's tolerance (bit for bit for a sequence of default positions).
+ * Positions that run in steps of 1 within each sequence (the default, and Hugging Face style
+ * position_ids restarting per document) make the whole batch one run of the executor: each
+ * launch serves every sequence of its rows at its own positions (on devices that take ragged
+ * launches: the reference and OpenCL; the CUDA backend runs each sequence as its own dense
+ * call), long sequences chunked under the device budget like a dense call. Other positions split
+ * a sequence into its runs of consecutive positions, each run against each key run a dense call,
+ * whose partial results merge by their LSE (docs/ape.md, identity 4). Results equal a dense call
+ * per sequence within the spec's tolerance (bit for bit for a one-sequence batch of default
+ * positions).
  *
  * \param devs,ndev,opts as ape_attention_forward_ex(); opts->trace_path must be NULL, and
  *        the outputs are always written only on success (as with APE_EXEC_ATOMIC_OUTPUTS)
@@ -884,14 +888,14 @@ APE_API void ape_tensor_init_packed(ape_tensor *t, void *data, ape_dtype dtype, 
  *        success (0 for rows that see no key)
  * \param lse NULL, or total_q * H floats, `[total_q, H]` (token-major, as the packed tensors),
  *        written only on success; -inf for rows that see no key
- * \param stats NULL, or the call's statistics summed over its pieces (`chunks` counts
- *        launches)
+ * \param stats NULL, or the call's statistics (summed over its pieces when it has several;
+ *        `chunks` counts launches: 1 for a batch that fits one launch)
  * \return 0; APE_EINVAL (naming the argument); APE_EOVERFLOW; APE_ENOMEM; device failures
  *         (the message names the sequence). On any failure o and lse are untouched.
  * \note The work is staged in host memory: one more copy of O and LSE.
- * \note This version launches each sequence (each run of consecutive positions) as its own
- *       dense call: thousands of tiny sequences cost thousands of calls. One launch for a whole
- *       batch is the next step (docs/ape.md, "Ragged batches").
+ * \note Batches whose positions have gaps or repeats among a sequence's keys, and batches on
+ *       devices without ragged launches, cost a dense call per run of consecutive positions
+ *       (docs/ape.md, "Ragged batches").
  */
 APE_API int ape_attention_forward_varlen_ex(ape_device *const *devs, int ndev,
 					    const ape_exec_options *opts,

@@ -531,7 +531,10 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 	memset(&res, 0, sizeof(res));
 	*ret = ape__forward_call(c->fn, c->devs, c->ndev, &c->opts, &pp, c->q, c->k, c->v, &c->so,
 				 c->slse, &none, stats != NULL, &res);
-	if (!*ret && stats) {
+	if (*ret)
+		*ret = ape__error(*ret, "%s: %" PRId64 " sequences in ragged launches: %s", c->fn,
+				  c->vl->num_seqs, ape_last_error());
+	else if (stats) {
 		const struct ape__call_report rep = {
 			.res = &res, .devs = c->devs, .ndev = c->ndev, .devices = c->ndev,
 			.pairs_visible = visible, .t0 = t0,

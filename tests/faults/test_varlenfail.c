@@ -3,7 +3,8 @@
  * Ragged batches under failure (ape_attention_forward_varlen_ex(),
  * ape_attention_backward_varlen()): a batch of four sequences (an empty one, default positions,
  * and positions with gaps whose runs merge by LSE), on the reference and on an OpenCL CPU
- * device. Each host allocation of a clean run fails in turn (a fault build), then each call of
+ * device; and the same batch at its default positions (the forward: one ragged run of the
+ * executor, struct ape__seg). Each host allocation of a clean run fails in turn (a fault build), then each call of
  * every device op, then the device is lost from each point on: every broken run returns the
  * injected code (or, where the library has a fallback, succeeds with the clean result) with a
  * message naming the call, leaves the inputs byte-identical and the outputs untouched (the
@@ -32,6 +33,9 @@ struct vcase {
 	ape_attn_desc desc;
 	char msg[1024];
 };
+
+/* The batch at its default positions (one ragged run) instead of the gapped ones. */
+static bool default_positions;
 
 static void vcase_init(struct vcase *c, ape_device *dev, bool bwd)
 {
@@ -65,8 +69,8 @@ static void vcase_init(struct vcase *c, ape_device *dev, bool bwd)
 	c->vl.num_seqs = S;
 	c->vl.cu_seqlens_q = c->cuq;
 	c->vl.cu_seqlens_k = c->cuk;
-	c->vl.pos_q = c->posq;
-	c->vl.pos_k = c->posk;
+	c->vl.pos_q = default_positions ? NULL : c->posq;
+	c->vl.pos_k = default_positions ? NULL : c->posk;
 	ape_attn_desc_init(&c->desc);
 	c->desc.delta.value = 0.3f;
 	c->desc.lambda.value = 0.2f;
@@ -280,8 +284,13 @@ static void on_backends(struct __test_metadata *_metadata,
 			ape_context_destroy(ctx);
 			continue;
 		}
+		default_positions = false;
 		sweep(_metadata, dev, false);
 		sweep(_metadata, dev, true);
+		default_positions = true;
+		ksft_print_msg("default positions:\n");
+		sweep(_metadata, dev, false);
+		default_positions = false;
 		fflush(stdout);
 		ape_context_destroy(ctx);
 	}

@@ -38,6 +38,7 @@ enum {
 	OPT_NO_SERIAL,
 	OPT_RESIDENT,
 	OPT_BACKWARD,
+	OPT_VARLEN,
 	OPT_HELP,
 };
 
@@ -58,6 +59,7 @@ static const struct cli_option options[] = {
 	{ "--no-serial", NULL, false, OPT_NO_SERIAL },
 	{ "--resident", NULL, false, OPT_RESIDENT },
 	{ "--backward", NULL, false, OPT_BACKWARD },
+	{ "--varlen", NULL, true, OPT_VARLEN },
 	{ "--help", "-h", false, OPT_HELP },	  { NULL, NULL, false, 0 },
 };
 
@@ -100,6 +102,13 @@ static void usage(FILE *f)
 		"  --chunk N                        --stream: most tokens per chunk (default 4096)\n"
 		"  --max-device-mem BYTES           --stream: device budget (default 256M)\n"
 		"  --no-serial                      --stream: skip the back-to-back run\n"
+		"  --varlen S                       instead: ragged batches of S sequences of -L\n"
+		"                                   tokens each (-B 1): one\n"
+		"                                   ape_attention_forward_varlen call against a\n"
+		"                                   dense call per sequence and one dense call of\n"
+		"                                   about the same pairs, alternating rounds: times,\n"
+		"                                   pairs/s, launches, and the ragged result's\n"
+		"                                   largest difference from the per-sequence calls\n"
 		"  --resident                       instead: inputs already in device buffers\n"
 		"                                   (written once), each call ape_attention_enqueue\n"
 		"                                   + ape_queue_synchronize, beside the host call on\n"
@@ -239,6 +248,9 @@ int bench_parse_args(int argc, char **argv, struct bench_opts *o, char *err, siz
 		case OPT_BACKWARD:
 			o->backward = true;
 			break;
+		case OPT_VARLEN:
+			ret = cli_parse_int64("--varlen", val, 1, 1 << 24, &o->varlen, err, errlen);
+			break;
 		case OPT_NO_SERIAL:
 			o->serial = false;
 			break;
@@ -270,13 +282,19 @@ int bench_parse_args(int argc, char **argv, struct bench_opts *o, char *err, siz
 		return id;
 	if (ret)
 		return ret;
-	if (o->resident + o->stream + o->numa > 1) {
-		snprintf(err, errlen, "--resident, --stream and --numa: one at a time");
+	if (o->resident + o->stream + o->numa + (o->varlen > 0) > 1) {
+		snprintf(err, errlen, "--resident, --stream, --numa and --varlen: one at a time");
 		return APE_EINVAL;
 	}
-	if (o->backward && (o->stream || o->numa || o->resident)) {
+	if (o->backward && (o->stream || o->numa || o->resident || o->varlen)) {
 		snprintf(err, errlen, "--backward times the one-call forward and backward: drop %s",
-			 o->stream ? "--stream" : o->numa ? "--numa" : "--resident");
+			 o->stream ? "--stream" : o->numa ? "--numa" : o->varlen ? "--varlen"
+									: "--resident");
+		return APE_EINVAL;
+	}
+	if (o->varlen && (o->B != 1 || o->Lq)) {
+		snprintf(err, errlen, "--varlen: a ragged batch is its own batch: drop %s",
+			 o->Lq ? "--lq" : "-B");
 		return APE_EINVAL;
 	}
 	if (o->D % 2) {

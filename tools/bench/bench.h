@@ -39,6 +39,7 @@ struct bench_opts {
 	bool stream; /* --stream: chunked execution under a budget, overlap and peak memory */
 	bool resident; /* --resident: ape_attention_enqueue on device buffers beside the host call */
 	bool serial; /* --stream: also time copies and kernels back to back (--no-serial: not) */
+	int64_t varlen; /* --varlen S: ragged batches of S sequences of L tokens; 0: not */
 	int64_t chunk;
 	uint64_t max_mem;
 	bool warmup_set, repeats_set, check_set, L_set, skip_set;
@@ -136,6 +137,10 @@ int bench_failed(int ret);
 /* ---- resident.c: --resident, the device-resident call beside the host call; the exit
  * status */
 int bench_resident(ape_device *dev, ape_device *ref, const struct bench_opts *o, ape_rng *rng);
+
+/* ---- varlen.c: --varlen, ragged batches against a dense call per sequence; the exit
+ * status */
+int bench_varlen(ape_device *dev, const struct bench_opts *o, ape_rng *rng);
 
 /* ---- stream.c: --stream, long sequences streamed under a budget */
 
