@@ -5,7 +5,9 @@
  * result equal bit for bit to the serial run; 8 threads create contexts, compute and destroy
  * them at once; 4 threads run two-device calls on one shared context at once (within the
  * tolerance, since which device computes which chunk varies); 8 threads run backward calls on
- * one shared device at once, one-shot and streamed, each equal bit for bit to the serial run.
+ * one shared device at once, one-shot and streamed, each equal bit for bit to the serial run;
+ * 8 threads run ragged batches (ape_attention_forward_varlen_ex()) on one shared device at
+ * once, in one launch and in chunks, each equal bit for bit to the serial run.
  * `make tsan-ci` runs this under ThreadSanitizer, where any data race fails it.
  */
 #include "ape_test.h"
@@ -21,10 +23,12 @@
 enum { NT = 8, ROUNDS = 3 };
 
 struct bjob;
+struct vjob;
 
 struct job {
 	fx_call *c; /* a call prepared (and run once, serially) by the main thread */
 	struct bjob *b; /* backward test: its call, prepared likewise */
+	struct vjob *v; /* ragged-batch test: its batch, prepared likewise */
 	const char *backend; /* contexts test: the backend to compute on */
 	const fx_call *want; /* contexts test: the serial result */
 	char err[512]; /* empty when everything matched */
@@ -201,6 +205,95 @@ TEST_F_TIMEOUT(th, shared_device_backward, 300)
 		grads_free(&b[i].g);
 		grads_free(&b[i].serial);
 	}
+}
+
+/* A ragged batch of its own per thread: S sequences of random lengths (empty ones too), packed,
+ * at default positions (one ragged run of the executor), its serial result kept. */
+struct vjob {
+	ape_device *dev;
+	ape_exec_options opts; /* chunk_q, chunk_k: 0 (one launch) or a few rows */
+	int64_t cu[9], tq;
+	float q[160 * 4 * 16], k[160 * 2 * 16], v[160 * 2 * 16], o[160 * 4 * 16], lse[160 * 4];
+	float so[160 * 4 * 16], slse[160 * 4];
+	ape_attn_desc desc;
+	ape_varlen vl;
+};
+
+enum { VS = 8, VH = 4, VHKV = 2, VD = 16 };
+
+static int vjob_run(struct vjob *j)
+{
+	ape_tensor q, k, v, o;
+
+	memset(j->o, 0xff, sizeof(j->o)); /* NaN: a round that writes nothing shows */
+	ape_tensor_init_packed(&q, j->q, APE_F32, j->tq, VH, VD);
+	ape_tensor_init_packed(&k, j->k, APE_F32, j->tq, VHKV, VD);
+	ape_tensor_init_packed(&v, j->v, APE_F32, j->tq, VHKV, VD);
+	ape_tensor_init_packed(&o, j->o, APE_F32, j->tq, VH, VD);
+	return ape_attention_forward_varlen_ex(&j->dev, 1, &j->opts, &j->desc, &j->vl, &q, &k, &v,
+					       &o, j->lse, NULL);
+}
+
+static void vjob_init(struct vjob *j, ape_device *dev, ape_rng *rng, int64_t chunk)
+{
+	memset(j, 0, sizeof(*j));
+	j->dev = dev;
+	ape_exec_options_init(&j->opts);
+	j->opts.chunk_q = j->opts.chunk_k = chunk;
+	for (int s = 0; s < VS; s++)
+		j->cu[s + 1] = j->cu[s] + ape_rng_range(rng, 0, 20);
+	j->tq = j->cu[VS] ? j->cu[VS] : 1;
+	if (!j->cu[VS])
+		j->cu[VS] = 1;
+	for (size_t i = 0; i < sizeof(j->q) / sizeof(float); i++)
+		j->q[i] = (float)ape_rng_normal(rng);
+	for (size_t i = 0; i < sizeof(j->k) / sizeof(float); i++) {
+		j->k[i] = (float)ape_rng_normal(rng);
+		j->v[i] = (float)ape_rng_normal(rng);
+	}
+	ape_attn_desc_init(&j->desc);
+	j->desc.delta.value = 0.2f;
+	j->desc.lambda.value = 0.1f;
+	ape_varlen_init(&j->vl);
+	j->vl.num_seqs = VS;
+	j->vl.cu_seqlens_q = j->vl.cu_seqlens_k = j->cu;
+}
+
+static void *run_varlen_calls(void *arg)
+{
+	struct job *j = arg;
+	struct vjob *v = j->v;
+
+	for (int r = 0; r < ROUNDS && !j->err[0]; r++) {
+		int ret = vjob_run(v);
+
+		if (ret)
+			snprintf(j->err, sizeof(j->err), "round %d: %.400s", r, ape_last_error());
+		else if (memcmp(v->o, v->so, sizeof(v->o)) || memcmp(v->lse, v->slse, sizeof(v->lse)))
+			snprintf(j->err, sizeof(j->err), "round %d: not the serial result", r);
+	}
+	return NULL;
+}
+
+/* One context, one device, 8 threads of ragged batches; half in one launch, half in chunks of
+ * 7 x 11 rows (segments cut to every launch), each equal bit for bit to its serial run. */
+TEST_F_TIMEOUT(th, shared_device_varlen, 300)
+{
+	static struct vjob v[NT];
+	struct job j[NT];
+	ape_rng rng;
+
+	ape_rng_init(&rng, "shared_device_varlen");
+	for (int i = 0; i < NT; i++) {
+		vjob_init(&v[i], self->dev[0], &rng, i % 2 ? 7 : 0);
+		if (i % 2)
+			v[i].opts.chunk_k = 11;
+		ASSERT_EQ(0, vjob_run(&v[i])) TH_LOG("%s", ape_last_error());
+		memcpy(v[i].so, v[i].o, sizeof(v[i].o));
+		memcpy(v[i].slse, v[i].lse, sizeof(v[i].lse));
+		j[i] = (struct job){ .v = &v[i] };
+	}
+	run_threads(_metadata, j, NT, run_varlen_calls);
 }
 
 TEST_HARNESS_MAIN
