@@ -264,6 +264,8 @@ static int checked_devices(void)
 
 /* Cases of ape-check with a backward cell: those of at most 2^20 pairs (every one --quick runs). */
 #define BWD_CELLS 11
+/* Its ragged cases (tools/check/varlen.c): every one but the 1000 tiny sequences in --quick. */
+#define RAGGED_QUICK 4
 
 TEST(check_has_backward_cells)
 {
@@ -271,7 +273,7 @@ TEST(check_has_backward_cells)
 
 	ASSERT_LE(0, ndev);
 	ASSERT_EQ(0, TOOL("ape-check", "--quick", "--json", "--seed", "5")) TH_LOG("%s\n%s", out, err);
-	EXPECT_EQ(BWD_CELLS, count(out, "{\"name\": ")) TH_LOG("%s", out);
+	EXPECT_EQ(BWD_CELLS + RAGGED_QUICK, count(out, "{\"name\": ")) TH_LOG("%s", out);
 	/* one backward per device and case, each passing or skipped, and said so */
 	EXPECT_EQ(BWD_CELLS * ndev, count(out, "\"backward\": {\"status\": \"ok\"") +
 					    count(out, "\"backward\": {\"status\": \"skip\""))
@@ -285,6 +287,24 @@ TEST(check_has_backward_cells)
 	ASSERT_EQ(0, TOOL("ape-check", "--quick", "--seed", "5"));
 	EXPECT_NE(NULL, strstr(out, "backward (max error / tol)")) TH_LOG("%s", out);
 	EXPECT_EQ(BWD_CELLS * ndev, count(out, "dQ dK dV dP ") + count(out, "SKIP no backward"));
+}
+
+/* Ragged cells: each ragged case on every device against the reference's ragged call, every
+ * row; one line per case in the table. */
+TEST(check_has_ragged_cells)
+{
+	int ndev = checked_devices();
+
+	ASSERT_LE(0, ndev);
+	if (!ndev)
+		SKIP(return, "no device besides the reference: no cell to look at");
+	ASSERT_EQ(0, TOOL("ape-check", "--quick", "--json", "--seed", "5")) TH_LOG("%s\n%s", out, err);
+	EXPECT_EQ(1, count(out, "\"ragged\": [")) TH_LOG("%s", out);
+	EXPECT_EQ(RAGGED_QUICK * ndev, count(out, "\"launches\": ")) TH_LOG("%s", out);
+	EXPECT_EQ(0, count(out, "\"ok\": false")) TH_LOG("%s", out);
+	ASSERT_EQ(0, TOOL("ape-check", "--quick", "--seed", "5"));
+	EXPECT_NE(NULL, strstr(out, "ragged batches (ape_attention_forward_varlen")) TH_LOG("%s", out);
+	EXPECT_EQ(RAGGED_QUICK, count(out, "\nragged_")) TH_LOG("%s", out);
 }
 
 /* The CUDA backward on the emulated device: every ape-check backward cell passes, and

@@ -22,8 +22,9 @@
 #include "common/refcheck.h"
 #include "common/rng.h"
 #include "common/seed.h"
+#include "check/check.h"
 
-#define MAX_DEVICES 32
+#define MAX_DEVICES CHECK_MAX_DEVICES
 
 /* One kind of case; the data is fresh random each run. */
 struct case_spec {
@@ -346,7 +347,55 @@ static void print_bwd_json(const struct cell *c)
 	printf("}}");
 }
 
-static void print_json(ape_device **devs, int ndev, struct cell (*cells)[MAX_DEVICES], bool ok)
+/* The ragged cells' matrix (tools/check/varlen.c). */
+static void print_vmatrix(ape_device **devs, int ndev, struct vcell (*v)[MAX_DEVICES], int nv)
+{
+	if (!nv)
+		return;
+	printf("\nragged batches (ape_attention_forward_varlen, every row against the reference's "
+	       "ragged call)\n");
+	for (int i = 0; i < nv; i++) {
+		printf("%-34s %-5s", v[i][0].name, ape_dtype_name(v[i][0].dtype));
+		for (int d = 0; d < ndev; d++) {
+			const struct vcell *c = &v[i][d];
+			char buf[64];
+
+			if (c->err)
+				snprintf(buf, sizeof(buf), "ERROR %s", ape_err_name(c->err));
+			else
+				snprintf(buf, sizeof(buf), "%.2f/%.2f %s (%" PRIu64 " launch%s)",
+					 c->max_err_o / c->tol_o, c->max_err_lse / c->tol_lse,
+					 c->ok ? "ok" : "BAD", c->launches, c->launches == 1 ? "" : "es");
+			printf(" | %-30s", buf);
+		}
+		printf("\n");
+	}
+	(void)devs;
+}
+
+static void print_vjson(int ndev, struct vcell (*v)[MAX_DEVICES], int nv)
+{
+	printf(",\n \"ragged\": [");
+	for (int i = 0; i < nv; i++) {
+		printf("%s\n  {\"name\": \"%s\", \"dtype\": \"%s\", \"results\": [", i ? "," : "",
+		       v[i][0].name, ape_dtype_name(v[i][0].dtype));
+		for (int d = 0; d < ndev; d++) {
+			const struct vcell *c = &v[i][d];
+
+			printf("%s{\"error\": \"%s\", \"rows_checked\": %" PRId64
+			       ", \"max_err_o\": %.6g, \"max_err_lse\": %.6g, \"tol_o\": %g, "
+			       "\"tol_lse\": %g, \"launches\": %" PRIu64 ", \"ok\": %s}",
+			       d ? ", " : "", c->err ? ape_err_name(c->err) : "", c->rows, c->max_err_o,
+			       c->max_err_lse, c->tol_o, c->tol_lse, c->launches,
+			       c->ok ? "true" : "false");
+		}
+		printf("]}");
+	}
+	printf("\n ]");
+}
+
+static void print_json(ape_device **devs, int ndev, struct cell (*cells)[MAX_DEVICES], bool ok,
+		       struct vcell (*v)[MAX_DEVICES], int nv)
 {
 	ape_device_info info;
 
@@ -376,7 +425,9 @@ static void print_json(ape_device **devs, int ndev, struct cell (*cells)[MAX_DEV
 		}
 		printf("]}");
 	}
-	printf("\n ]}\n");
+	printf("\n ]");
+	print_vjson(ndev, v, nv);
+	printf("}\n");
 }
 
 enum { OPT_JSON = 1, OPT_SEED, OPT_BACKEND, OPT_QUICK, OPT_HELP };
@@ -412,6 +463,8 @@ static void report_bwd(ape_device *dev, const struct case_spec *s, const struct 
 int main(int argc, char **argv)
 {
 	static struct cell cells[NCASES][MAX_DEVICES];
+	static struct vcell vcells[CHECK_MAX_VCASES][MAX_DEVICES];
+	int nv = 0;
 	bool skip_said[MAX_DEVICES] = { false };
 	ape_device *all[MAX_DEVICES], *devs[MAX_DEVICES], *ref = NULL;
 	ape_context *ctx;
@@ -516,10 +569,19 @@ int main(int argc, char **argv)
 		}
 		free_case(&c);
 	}
-	if (json)
-		print_json(devs, ndev, cells, ok);
-	else
+	if (ndev && check_varlen(devs, ndev, ref, &rng, quick, vcells, &nv)) {
+		ape_context_destroy(ctx);
+		return 1;
+	}
+	for (int i = 0; i < nv; i++)
+		for (int d = 0; d < ndev; d++)
+			ok &= vcells[i][d].ok;
+	if (json) {
+		print_json(devs, ndev, cells, ok, vcells, nv);
+	} else {
 		print_matrix(devs, ndev, cells);
+		print_vmatrix(devs, ndev, vcells, nv);
+	}
 	ape_context_destroy(ctx);
 	return ok ? 0 : 1;
 }

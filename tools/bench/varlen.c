@@ -47,24 +47,6 @@ static void vl_free(struct vl_bufs *b)
 		free(p[i]);
 }
 
-static void *random_array(size_t n, ape_dtype dt, ape_rng *rng)
-{
-	void *p = malloc(n * ape_dtype_size(dt) + 1);
-	float buf[1024];
-
-	for (size_t i = 0; p && i < n; i += 1024) {
-		const size_t m = n - i < 1024 ? n - i : 1024;
-
-		for (size_t j = 0; j < m; j++)
-			buf[j] = (float)ape_rng_normal(rng);
-		if (ape_convert((char *)p + i * ape_dtype_size(dt), dt, buf, APE_F32, m)) {
-			free(p);
-			return NULL;
-		}
-	}
-	return p;
-}
-
 /* The ragged call. */
 static int run_var(ape_device *dev, const ape_attn_desc *d, const ape_varlen *vl,
 		   const ape_tensor *t, ape_stats *st)
@@ -120,14 +102,14 @@ static int vl_row(ape_device *dev, const struct bench_opts *o, int64_t L, double
 			  : (int64_t)sqrt((double)r->pairs);
 	r->L1 = r->L1 < 1 ? 1 : r->L1;
 	r->pairs1 = (uint64_t)(o->causal ? r->L1 * (r->L1 + 1) / 2 : r->L1 * r->L1);
-	b.q = random_array((size_t)(T * H * D), o->dtype, rng);
-	b.k = random_array((size_t)(T * Hkv * D), o->dtype, rng);
-	b.v = random_array((size_t)(T * Hkv * D), o->dtype, rng);
+	b.q = ape_rng_array(rng, (size_t)(T * H * D), o->dtype, NULL);
+	b.k = ape_rng_array(rng, (size_t)(T * Hkv * D), o->dtype, NULL);
+	b.v = ape_rng_array(rng, (size_t)(T * Hkv * D), o->dtype, NULL);
 	b.o = malloc((size_t)(T * H * D) * ape_dtype_size(o->dtype) + 1);
 	b.o2 = malloc((size_t)(T * H * D) * ape_dtype_size(o->dtype) + 1);
-	b.q1 = random_array((size_t)(r->L1 * H * D), o->dtype, rng);
-	b.k1 = random_array((size_t)(r->L1 * Hkv * D), o->dtype, rng);
-	b.v1 = random_array((size_t)(r->L1 * Hkv * D), o->dtype, rng);
+	b.q1 = ape_rng_array(rng, (size_t)(r->L1 * H * D), o->dtype, NULL);
+	b.k1 = ape_rng_array(rng, (size_t)(r->L1 * Hkv * D), o->dtype, NULL);
+	b.v1 = ape_rng_array(rng, (size_t)(r->L1 * Hkv * D), o->dtype, NULL);
 	b.o1 = malloc((size_t)(r->L1 * H * D) * ape_dtype_size(o->dtype) + 1);
 	b.cu = malloc((size_t)(S + 1) * sizeof(int64_t));
 	if (!b.q || !b.k || !b.v || !b.o || !b.o2 || !b.q1 || !b.k1 || !b.v1 || !b.o1 || !b.cu) {

@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -59,4 +60,21 @@ int64_t ape_rng_range(ape_rng *r, int64_t lo, int64_t hi)
 	const uint64_t x = ape_rng_next(r);
 
 	return (int64_t)((uint64_t)lo + (span ? x % span : x));
+}
+
+void *ape_rng_array(ape_rng *r, size_t n, ape_dtype dtype, float *keep)
+{
+	void *p = malloc(n * ape_dtype_size(dtype) + 1);
+	float buf[256];
+
+	for (size_t i = 0; p && i < n; i += 256) {
+		const size_t m = n - i < 256 ? n - i : 256;
+
+		for (size_t j = 0; j < m; j++)
+			buf[j] = (float)ape_rng_normal(r);
+		if (keep)
+			memcpy(keep + i, buf, m * sizeof(float));
+		ape_convert((char *)p + i * ape_dtype_size(dtype), dtype, buf, APE_F32, m);
+	}
+	return p;
 }
