@@ -367,9 +367,9 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	/* fast paths: ocl_fast.h; a launch with pages was accepted by the decode */
 	if (l->pages || ape__ocl_decode_applies(q->dev, l))
 		return ape__ocl_decode(q, l);
-	if (!l->segs && ape__ocl_separable_applies(q->dev, l)) /* TEMP: until sep takes segs */
+	if (ape__ocl_separable_applies(q->dev, l))
 		return ape__ocl_separable(q, l);
-	if (!l->segs && ape__ocl_split_applies(q->dev, l))
+	if (ape__ocl_split_applies(q->dev, l))
 		return ape__ocl_split(q, l);
 	ret = ape__ocl_program_get(q->dev, l->D, &pr);
 	if (ret)

@@ -10,7 +10,8 @@
  *              rotation separates: Q and K rotated once, then a GEMM-shaped kernel (a CPU
  *              device's, ape_sep_attn, or the work-group shape, ape_sep_attn_wg, for other
  *              devices and under APE_OCL_SEP_SHAPE=gpu); a launch mixing such heads with
- *              others is split by runs of kv groups.
+ *              others is split by runs of kv groups (dense launches only). Ragged launches
+ *              (l->segs) take the same kernels through segment tables, all segments at once.
  * Each applies() predicate is conservative: a launch it does not recognise in full (an output or
  * option these kernels do not write) goes to the general kernel.
  */
@@ -62,9 +63,10 @@ cl_int ape__ocl_fast_flags(const struct ape__launch *l);
 bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch *l);
 int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l);
 uint64_t ape__ocl_separable_scratch(struct ape_device *dev, const struct ape__launch *l);
-/* Mixed launches (some kv groups all separable, others not; no pairs, no lse_prior): each run
- * of consecutive kv groups of one kind as a sub-launch, its views moved along H. The separable
- * path's scratch bounds the runs' together (it exceeds the general kernel's per head). */
+/* Mixed launches (some kv groups all separable, others not; no pairs, no lse_prior; not
+ * ragged): each run of consecutive kv groups of one kind as a sub-launch, its views moved along
+ * H. The separable path's scratch bounds the runs' together (it exceeds the general kernel's per
+ * head). */
 bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l);
 int ape__ocl_split(struct ape__queue *q, const struct ape__launch *l);
 
