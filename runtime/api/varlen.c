@@ -525,8 +525,15 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 		*ret = ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", c->fn);
 		return 1;
 	}
-	pp.segs = sg;
-	pp.nseg = n;
+	if (n == 1 && sg[0].k0 == 0 && sg[0].lk == p->Lk) {
+		/* one sequence over every key: the dense problem itself, so that every fast path
+		 * (the decode kernel's too) serves it as the dense call, bit for bit */
+		pp.q_start = sg[0].q_start;
+		pp.k_start = sg[0].k_start;
+	} else {
+		pp.segs = sg;
+		pp.nseg = n;
+	}
 	memcpy(pp.os, c->sos, sizeof(pp.os)); /* into the staging, contiguous */
 	memset(&res, 0, sizeof(res));
 	*ret = ape__forward_call(c->fn, c->devs, c->ndev, &c->opts, &pp, c->q, c->k, c->v, &c->so,
