@@ -688,6 +688,67 @@ TEST_F(tmpdir, load_errors)
 	npy_free(NULL);
 }
 
+/* 1-D integer arrays (offsets, positions): '<i8' as it is, '<i4' widened where allowed, the
+ * rest refused with the dtype or shape named; the float reader still refuses them. */
+TEST_F(tmpdir, int64_arrays)
+{
+	const int64_t i8[3] = { -5, 0, (int64_t)1 << 40 };
+	const int32_t i4[3] = { -7, 0, 2147483647 };
+	const float f4[2] = { 1, 2 };
+	struct {
+		const char *dict;
+		const void *data;
+		size_t n;
+		const char *word; /* NULL: accepted */
+	} cases[] = {
+		{ "{'descr': '<i8', 'fortran_order': False, 'shape': (3,)}", i8, 24, NULL },
+		{ "{'descr': '<i4', 'fortran_order': False, 'shape': (3,)}", i4, 12, NULL },
+		{ "{'descr': '<i8', 'fortran_order': False, 'shape': (0,)}", i8, 0, NULL },
+		{ "{'descr': '<f4', 'fortran_order': False, 'shape': (2,)}", f4, 8,
+		  "accepted: '<i8' (int64) and '<i4' (int32)" },
+		{ "{'descr': '>i8', 'fortran_order': False, 'shape': (3,)}", i8, 24, "little-endian" },
+		{ "{'descr': '<u8', 'fortran_order': False, 'shape': (3,)}", i8, 24, "'<u8'" },
+		{ "{'descr': '<i8', 'fortran_order': False, 'shape': (3, 1)}", i8, 24, "1-D" },
+		{ "{'descr': '<i8', 'fortran_order': False, 'shape': ()}", i8, 8, "1-D" },
+		{ "{'descr': '<i8', 'fortran_order': False, 'shape': (4,)}", i8, 24, "truncated" },
+	};
+	char path[160], err[512];
+	struct npy_array arr;
+	int64_t *v, n;
+
+	snprintf(path, sizeof(path), "%s/ints.npy", self->path);
+	for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+		size_t len;
+		unsigned char *p = raw_npy(1, cases[c].dict, cases[c].data, cases[c].n, &len);
+		int ret;
+
+		ASSERT_NE(NULL, p);
+		ASSERT_EQ(0, write_whole(path, p, len));
+		free(p);
+		ret = npy_load_int64(path, true, &v, &n, err, sizeof(err));
+		if (cases[c].word) {
+			EXPECT_EQ(APE_EFORMAT, ret) TH_LOG("%s", cases[c].dict);
+			EXPECT_EQ(NULL, v);
+			EXPECT_NE(NULL, strstr(err, cases[c].word)) TH_LOG("%s", err);
+			EXPECT_NE(NULL, strstr(err, path)) TH_LOG("%s", err);
+			continue;
+		}
+		ASSERT_EQ(0, ret) TH_LOG("%s", err);
+		ASSERT_EQ((int64_t)(cases[c].n ? 3 : 0), n);
+		for (int64_t i = 0; i < n; i++) {
+			EXPECT_EQ(cases[c].data == i8 ? i8[i] : (int64_t)i4[i], v[i]);
+		}
+		free(v);
+		/* '<i4' where only '<i8' is taken; the float reader takes neither */
+		if (cases[c].data == i4) {
+			EXPECT_EQ(APE_EFORMAT, npy_load_int64(path, false, &v, &n, err, sizeof(err)));
+			EXPECT_NE(NULL, strstr(err, "'<i8' (int64)")) TH_LOG("%s", err);
+		}
+		EXPECT_EQ(APE_EFORMAT, npy_load(path, &arr, err, sizeof(err)));
+		EXPECT_NE(NULL, strstr(err, "accepted: '<f4'")) TH_LOG("%s", err);
+	}
+}
+
 /* Random damage to valid files: the parser answers 0 or APE_EFORMAT, never anything else, and
  * what it accepts is self-consistent. A smoke test; the real fuzzing is libFuzzer's. */
 TEST(random_damage)

@@ -10,7 +10,9 @@ with register_fake and register_autograd: torch.compile traces it without graph 
 torch.library.opcheck passes); on older PyTorch, or with LIBAPE_TORCH_FALLBACK=1 in the
 environment when this module is imported, it is a torch.autograd.Function. Both compute the
 forward with ape_attention_forward() and every gradient (q, k, v and the four parameters) with
-ape_attention_backward().
+ape_attention_backward(). attention_varlen (ragged batches) is likewise
+`torch.ops.libape.attention_varlen` or an autograd.Function, through
+ape_attention_forward_varlen() and ape_attention_backward_varlen().
 
 Devices. `device=None` (the default) runs the forward on the best device ("auto") when no
 gradient is wanted, and forward and backward on the reference backend ("ref") when any input
@@ -37,7 +39,8 @@ __all__ = ["attention", "attention_varlen", "APEAttention", "IMPLEMENTATION"]
 _HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op") and \
     hasattr(torch.library, "register_autograd")
 _FALLBACK = os.environ.get("LIBAPE_TORCH_FALLBACK", "") not in ("", "0") or not _HAS_CUSTOM_OP
-#: "custom_op" (torch.ops.libape.attention) or "autograd.Function" (older PyTorch, or forced).
+#: "custom_op" (torch.ops.libape.attention, .attention_varlen) or "autograd.Function" (older
+#: PyTorch, or forced).
 IMPLEMENTATION = "autograd.Function" if _FALLBACK else "custom_op"
 
 
@@ -93,6 +96,35 @@ def _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale,
     return out + (got[3] if got[3] is not None else torch.empty(0),)  # to each param's device
 
 
+def _varlen_forward(q, k, v, delta, beta, gamma, lam, cu_q, cu_k, pos_q, pos_k, causal, scale,
+                    rope_base, layout, device):
+    return _core.attention_varlen(
+        q.detach(), k.detach(), v.detach(), cu_q, cu_k, positions_q=pos_q, positions_k=pos_k,
+        delta=_value(delta), beta=_value(beta), gamma=_value(gamma), lam=_value(lam),
+        causal=causal, scale=scale, rope_base=rope_base, layout=layout, skip_tol=0.0,
+        device=device, return_lse=True)
+
+
+def _varlen_backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, cu_q, cu_k, pos_q,
+                     pos_k, causal, scale, rope_base, layout, device, wrt):
+    """(dq, dk, dv, dparams [H, 4]) of a ragged batch (ape_attention_backward_varlen()), an
+    unwanted gradient an empty tensor as _backward() gives it."""
+    got = _core.attention_varlen_backward(
+        q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do.detach(), cu_q, cu_k,
+        dlse=None if dlse is None else dlse.detach(), positions_q=pos_q, positions_k=pos_k,
+        delta=_value(delta), beta=_value(beta), gamma=_value(gamma), lam=_value(lam),
+        causal=causal, scale=scale, rope_base=rope_base, layout=layout, wrt=wrt, device=device)
+    out = tuple(q.new_empty(0) if g is None else g for g in got[:3])
+    return out + (got[3] if got[3] is not None else torch.empty(0),)
+
+
+# ------------------------------------------------------------------ what both operations share
+#
+# Each operation's inputs are (q, k, v, delta, beta, gamma, lam), then `n_extra` tensors (the
+# ragged batch's cu_seqlens_q, cu_seqlens_k, positions_q, positions_k; none for the dense one),
+# then its plain arguments; its outputs (o, lse). The backward call takes (q, k, v, o, lse, do,
+# dlse, the four parameters, the extra tensors, the plain arguments, wrt).
+
 def _wrt(needs):
     """The `wrt` of attention_backward from ctx.needs_input_grad over (q, k, v, delta, beta,
     gamma, lam)."""
@@ -119,17 +151,75 @@ def _snapshot(*params):
     return tuple(p.detach().clone() for p in params)
 
 
-def _unpack(ctx, do, dlse):
-    q, k, v, o, lse, *params = ctx.saved_tensors
+def _save(ctx, inputs, output, n_extra):
+    """What the backward needs: the inputs, O and LSE, the parameters as the forward used them,
+    the extra tensors (saved as tensors), the plain arguments."""
+    q, k, v, delta, beta, gamma, lam = inputs[:7]
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, *_snapshot(delta, beta, gamma, lam),
+                          *inputs[7:7 + n_extra])
+    ctx.args = tuple(inputs[7 + n_extra:])
+
+
+def _grads(ctx, bwd, do, dlse, n_extra, drop_zero_dlse=False):
+    """The gradient of every input from the backward call `bwd` (wrt a tuple of names); None
+    for what needs none and for the extra tensors and plain arguments."""
+    q, k, v, o, lse, *rest = ctx.saved_tensors
+    params, extra = rest[:4], rest[4:4 + n_extra]
     needs = ctx.needs_input_grad
     wrt = _wrt(needs)
     if not wrt:
-        return (None,) * 7
-    if dlse is not None and not dlse.any():
+        return (None,) * len(needs)
+    if drop_zero_dlse and dlse is not None and not dlse.any():
         dlse = None  # an unused LSE: its gradient is zeros, the default
-    dq, dk, dv, dp = _backward(q, k, v, o, lse, do, dlse, *params, *ctx.args, wrt)
+    dq, dk, dv, dp = bwd(q, k, v, o, lse, do.contiguous(), dlse, *params, *extra, *ctx.args,
+                         wrt)
     grads = [g if need else None for g, need in zip((dq, dk, dv), needs[:3])]
-    return tuple(grads) + tuple(_param_grads(dp, params, needs[3:7]))
+    return tuple(grads) + tuple(_param_grads(dp, params, needs[3:7])) + \
+        (None,) * (len(needs) - 7)
+
+
+def _forward_fake(q, *args):
+    """O like q, LSE float32 of q's shape without D ([B, H, Lq]; [total_q, H] packed)."""
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _backward_fake(q, k, *args):
+    """dq like q, dk and dv like k, dparams [H, 4] (H = q.shape[1], dense or packed), each
+    empty where `wrt` (the last argument) does not name it."""
+    wrt = args[-1].split(",")
+
+    def like(x, name):
+        return x.new_empty(x.shape, dtype=q.dtype) if name in wrt else q.new_empty(0)
+    dp = q.new_empty((q.shape[1], 4) if "params" in wrt else (0,), dtype=torch.float32)
+    return like(q, "q"), like(k, "k"), like(k, "v"), dp
+
+
+def _register_autograd(op, bwd_op, n_extra):
+    """op's autograd through the custom op bwd_op (wrt passed as "q,k,v,params")."""
+    def bwd(*args):
+        return bwd_op(*args[:-1], ",".join(args[-1]))
+
+    op.register_autograd(lambda ctx, do, dlse: _grads(ctx, bwd, do, dlse, n_extra),
+                         setup_context=lambda ctx, inputs, output:
+                         _save(ctx, inputs, output, n_extra))
+
+
+def _function(fwd, bwd, n_extra, doc):
+    """The operation as a torch.autograd.Function (the fallback): fwd on the inputs, bwd for
+    the gradients."""
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            out = fwd(*inputs)
+            _save(ctx, inputs, out, n_extra)
+            return out
+
+        @staticmethod
+        def backward(ctx, do, dlse):
+            return _grads(ctx, bwd, do, dlse, n_extra, drop_zero_dlse=True)
+    Function.__doc__ = doc
+    return Function
 
 
 # ------------------------------------------------------------------ custom_op (PyTorch >= 2.4)
@@ -143,10 +233,7 @@ if not _FALLBACK:
         return _forward(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout,
                         q_start, k_start, device)
 
-    @_op.register_fake
-    def _op_fake(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
-                 k_start, device):
-        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    _op.register_fake(_forward_fake)
 
     @torch.library.custom_op("libape::attention_backward", mutates_args=())
     def _op_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -158,53 +245,46 @@ if not _FALLBACK:
         return _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale,
                          rope_base, layout, q_start, k_start, device, tuple(wrt.split(",")))
 
-    @_op_bwd.register_fake
-    def _op_bwd_fake(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale,
-                     rope_base, layout, q_start, k_start, device, wrt):
-        wrt = wrt.split(",")
+    _op_bwd.register_fake(_backward_fake)
+    _register_autograd(_op, _op_bwd, 0)
 
-        def like(x, name):
-            return x.new_empty(x.shape, dtype=q.dtype) if name in wrt else q.new_empty(0)
-        dp = q.new_empty((q.shape[1], 4) if "params" in wrt else (0,), dtype=torch.float32)
-        return like(q, "q"), like(k, "k"), like(k, "v"), dp
+    @torch.library.custom_op("libape::attention_varlen", mutates_args=())
+    def _op_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
+                   beta: torch.Tensor, gamma: torch.Tensor, lam: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                   positions_q: Optional[torch.Tensor], positions_k: Optional[torch.Tensor],
+                   causal: bool, scale: Optional[float], rope_base: float, layout: str,
+                   device: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        return _varlen_forward(q, k, v, delta, beta, gamma, lam, cu_seqlens_q, cu_seqlens_k,
+                               positions_q, positions_k, causal, scale, rope_base, layout,
+                               device)
 
-    def _setup_context(ctx, inputs, output):
-        q, k, v, delta, beta, gamma, lam = inputs[:7]
-        o, lse = output
-        ctx.save_for_backward(q, k, v, o, lse, *_snapshot(delta, beta, gamma, lam))
-        ctx.args = inputs[7:]
+    _op_varlen.register_fake(_forward_fake)
 
-    def _op_backward(ctx, do, dlse):
-        q, k, v, o, lse, *params = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        wrt = _wrt(needs)
-        if not wrt:
-            return (None,) * 7 + (None,) * 7
-        dq, dk, dv, dp = _op_bwd(q, k, v, o, lse, do.contiguous(), dlse, *params, *ctx.args,
-                                 ",".join(wrt))
-        grads = [g if need else None for g, need in zip((dq, dk, dv), needs[:3])]
-        return tuple(grads) + tuple(_param_grads(dp, params, needs[3:7])) + (None,) * 7
+    @torch.library.custom_op("libape::attention_varlen_backward", mutates_args=())
+    def _op_varlen_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, do: torch.Tensor, dlse: Optional[torch.Tensor],
+                       delta: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor,
+                       lam: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, positions_q: Optional[torch.Tensor],
+                       positions_k: Optional[torch.Tensor], causal: bool,
+                       scale: Optional[float], rope_base: float, layout: str, device: str,
+                       wrt: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                          torch.Tensor]:
+        return _varlen_backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam,
+                                cu_seqlens_q, cu_seqlens_k, positions_q, positions_k, causal,
+                                scale, rope_base, layout, device, tuple(wrt.split(",")))
 
-    _op.register_autograd(_op_backward, setup_context=_setup_context)
+    _op_varlen_bwd.register_fake(_backward_fake)
+    _register_autograd(_op_varlen, _op_varlen_bwd, 4)
 
 
 # ------------------------------------------------------------------ autograd.Function (fallback)
 
-class _Function(torch.autograd.Function):
-    """The same operation for PyTorch before 2.4 (no torch.compile support)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout,
-                q_start, k_start, device):
-        o, lse = _forward(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout,
-                          q_start, k_start, device)
-        ctx.save_for_backward(q, k, v, o, lse, *_snapshot(delta, beta, gamma, lam))
-        ctx.args = (causal, scale, rope_base, layout, q_start, k_start, device)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        return _unpack(ctx, do.contiguous(), dlse) + (None,) * 7
+_Function = _function(_forward, _backward, 0,
+                      "attention for PyTorch before 2.4 (no torch.compile support).")
+_VarlenFunction = _function(_varlen_forward, _varlen_backward, 4,
+                            "attention_varlen for PyTorch before 2.4 (no torch.compile support).")
 
 
 # ------------------------------------------------------------------ the public function
@@ -252,48 +332,18 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     args = (q, k, v, *params, bool(causal), None if scale is None else float(scale),
             float(rope_base), layout, None if q_start is None else int(q_start), int(k_start),
             dev)
-    if _FALLBACK:
-        o, lse = _Function.apply(*args)
-    else:
-        o, lse = _op(*args)
+    o, lse = _Function.apply(*args) if _FALLBACK else _op(*args)
     return (o, lse) if return_lse else o
 
 
 # ------------------------------------------------------------------ ragged batches
 
-class _VarlenFunction(torch.autograd.Function):
-    """attention_varlen with its backward (ape_attention_backward_varlen())."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, delta, beta, gamma, lam, cu_q, cu_k, pos_q, pos_k, causal, scale,
-                rope_base, layout, device):
-        o, lse = _core.attention_varlen(
-            q.detach(), k.detach(), v.detach(), cu_q, cu_k, positions_q=pos_q,
-            positions_k=pos_k, delta=_value(delta), beta=_value(beta), gamma=_value(gamma),
-            lam=_value(lam), causal=causal, scale=scale, rope_base=rope_base, layout=layout,
-            skip_tol=0.0, device=device, return_lse=True)
-        ctx.save_for_backward(q, k, v, o, lse, *_snapshot(delta, beta, gamma, lam))
-        ctx.args = (cu_q, cu_k, pos_q, pos_k, causal, scale, rope_base, layout, device)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, o, lse, *params = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        wrt = _wrt(needs)
-        if not wrt:
-            return (None,) * 16
-        if dlse is not None and not dlse.any():
-            dlse = None
-        cu_q, cu_k, pos_q, pos_k, causal, scale, rope_base, layout, device = ctx.args
-        dq, dk, dv, dp = _core.attention_varlen_backward(
-            q.detach(), k.detach(), v.detach(), o, lse, do.contiguous(), cu_q, cu_k, dlse=dlse,
-            positions_q=pos_q, positions_k=pos_k, delta=_value(params[0]),
-            beta=_value(params[1]), gamma=_value(params[2]), lam=_value(params[3]),
-            causal=causal, scale=scale, rope_base=rope_base, layout=layout, wrt=wrt,
-            device=device)
-        grads = [g if need else None for g, need in zip((dq, dk, dv), needs[:3])]
-        return tuple(grads) + tuple(_param_grads(dp, params, needs[3:7])) + (None,) * 9
+def _index_tensor(x):
+    """cu_seqlens or positions as a tensor (an op takes tensors only): tensors as they are,
+    NumPy arrays shared, sequences copied; None stays None (the default positions)."""
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    return torch.as_tensor(x)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, positions_k=None,
@@ -302,14 +352,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, p
                      return_lse=False):
     """libape.attention_varlen on torch CPU tensors (q `[total_q, H, D]`, k, v
     `[total_k, Hkv, D]`, cu_seqlens int32 or int64, positions int64), differentiable with
-    respect to q, k, v and the parameters (an autograd.Function: torch.compile breaks the graph
-    around it). `device` as for attention(). Nothing is skipped (skip_tol = 0)."""
+    respect to q, k, v and the parameters: `torch.ops.libape.attention_varlen` where
+    IMPLEMENTATION is "custom_op" (torch.compile traces it without graph breaks), else an
+    autograd.Function. Strided views (slices of a packed QKV tensor) go without a copy.
+    `device` as for attention(). Nothing is skipped (skip_tol = 0)."""
     params = [_as_param(x) for x in (delta, beta, gamma, lam)]
     dev = _pick_device(device, (q, k, v, *params))
-    o, lse = _VarlenFunction.apply(q, k, v, *params, cu_seqlens_q, cu_seqlens_k, positions_q,
-                                   positions_k, bool(causal),
-                                   None if scale is None else float(scale), float(rope_base),
-                                   layout, dev)
+    args = (q, k, v, *params, *(_index_tensor(x) for x in (cu_seqlens_q, cu_seqlens_k,
+                                                           positions_q, positions_k)),
+            bool(causal), None if scale is None else float(scale), float(rope_base), layout, dev)
+    o, lse = _VarlenFunction.apply(*args) if _FALLBACK else _op_varlen(*args)
     return (o, lse) if return_lse else o
 
 

@@ -280,10 +280,14 @@ import torch, libape.torch as apet
 import test_torch as t
 assert apet.IMPLEMENTATION == "autograd.Function", apet.IMPLEMENTATION
 assert not hasattr(torch.ops.libape, "attention")
+assert not hasattr(torch.ops.libape, "attention_varlen")
 for per_head in (True, False):
     t.test_torch_grads_match_float64(per_head, True)
 t.test_module_frozen_qkv_trains_its_parameters(False)
 t.test_module_keeps_lambda_non_negative()
+import test_varlen as tv
+tv.test_torch_varlen_grads_match_float64()
+tv.test_torch_autograd_and_packed_module()
 print("fallback ok")
 """
 

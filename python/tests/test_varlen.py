@@ -193,3 +193,118 @@ def test_packed_training_example_small():
                        timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "agree" in r.stdout, r.stdout
+
+
+# ------------------------------------------------------------------ libape.torch.attention_varlen
+
+def _torch_batch(seed, lens_q, lens_k, H=2, Hkv=1, D=16):
+    torch = pytest.importorskip("torch")
+    q, k, v, cq, ck = batch(np.random.default_rng(seed), lens_q, lens_k, H, Hkv, D)
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.tensor(p, dtype=torch.float32) + 0.01 * torch.rand(H, generator=g)
+              for p in (0.3, 0.05, 0.02, 0.2)]
+    return ([torch.from_numpy(x).requires_grad_() for x in (q, k, v)] +
+            [p.requires_grad_() for p in params], torch.from_numpy(cq), torch.from_numpy(ck))
+
+
+def test_torch_varlen_grads_match_float64():
+    """Every gradient (q, k, v, the four per-head parameters) of a batch with an empty
+    sequence, a decode row and shifted positions against autograd of the float64 eager APE on
+    each sequence, at the spec's float32 gradient tolerance."""
+    torch = pytest.importorskip("torch")
+    import libape.torch as lt
+    from apetorch import ape_torch64
+    args, cq, ck = _torch_batch(21, [5, 0, 1, 6], [7, 0, 4, 6])
+    starts_k = [3, 0, 10, 0]  # each sequence's keys from here, queries end-aligned to them
+    pk = torch.cat([s + torch.arange(int(ck[i + 1] - ck[i])) for i, s in enumerate(starts_k)])
+    pq = torch.cat([s + int(ck[i + 1] - ck[i] - (cq[i + 1] - cq[i])) +
+                    torch.arange(int(cq[i + 1] - cq[i])) for i, s in enumerate(starts_k)])
+    w = torch.linspace(-1.0, 1.0, 16)
+    o, lse = lt.attention_varlen(*args[:3], cq, ck, positions_q=pq, positions_k=pk,
+                                 delta=args[3], beta=args[4], gamma=args[5], lam=args[6],
+                                 causal=True, rope_base=300.0, return_lse=True)
+    assert o.shape == args[0].shape and lse.shape == (12, 2) and lse.dtype == torch.float32
+    ((o * w).square().sum() + 0.5 * lse.sum()).backward()
+    x64 = [a.detach().double().requires_grad_() for a in args]
+    tot = 0
+    for s in range(4):
+        a, b, c, d = (int(x) for x in (cq[s], cq[s + 1], ck[s], ck[s + 1]))
+        if a == b:
+            continue
+        o6, l6 = ape_torch64(*(x[r0:r1].permute(1, 0, 2)[None] for x, r0, r1 in
+                               ((x64[0], a, b), (x64[1], c, d), (x64[2], c, d))), *x64[3:],
+                             rope_base=300.0, q_start=int(pq[a]), k_start=int(pk[c]))
+        tot = tot + (o6[0].permute(1, 0, 2) * w.double()).square().sum() + 0.5 * l6.sum()
+    tot.backward()
+    for name, x, r in zip(("q", "k", "v", "delta", "beta", "gamma", "lam"), args, x64):
+        err = (x.grad.double() - r.grad).abs().max()
+        assert err <= 1e-3 * r.grad.abs().max(), (name, float(err))
+
+
+def test_torch_varlen_is_the_custom_op_without_copies(monkeypatch):
+    """torch.ops.libape.attention_varlen where custom ops exist (IMPLEMENTATION says which);
+    slices of a packed QKV tensor reach the C calls, forward and backward, as they are."""
+    torch = pytest.importorskip("torch")
+    import libape._core as core
+    import libape.torch as lt
+    assert lt.IMPLEMENTATION in ("custom_op", "autograd.Function")
+    assert hasattr(torch.ops.libape, "attention_varlen") == (lt.IMPLEMENTATION == "custom_op")
+    qkv = torch.randn(9, 3, 2, 8, requires_grad=True)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    seen = {}
+    real = core._torch_array
+
+    def spy(name, x):
+        arr = real(name, x)
+        seen.setdefault(name, set()).add(arr.fields[0])
+        return arr
+    monkeypatch.setattr(core, "_torch_array", spy)
+    cu = np.array([0, 4, 9], dtype=np.int32)  # NumPy offsets taken too
+    lt.attention_varlen(q, k, v, cu, cu).sum().backward()
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        assert seen[name] == {x.data_ptr()}, name
+    assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
+
+
+def test_torch_varlen_opcheck():
+    torch = pytest.importorskip("torch")
+    import libape.torch as lt
+    if lt.IMPLEMENTATION != "custom_op":
+        pytest.skip("PyTorch before 2.4")
+    args, cq, ck = _torch_batch(22, [3, 0, 4], [5, 0, 4])
+    op = torch.ops.libape.attention_varlen.default
+    torch.library.opcheck(op, (*args, cq, ck, None, None, True, None, 10000.0, "half", "ref"))
+    shared = args[:3] + [torch.tensor(0.1, requires_grad=True) for _ in range(4)]
+    pq = torch.tensor([5, 6, 6, 0, 1, 2, 9])  # a repeat, a gap
+    pk = torch.tensor([0, 1, 3, 4, 5, 0, 1, 2, 3])
+    torch.library.opcheck(op, (*shared, cq.int(), ck.int(), pq, pk, False, 0.5, 100.0,
+                               "interleaved", "ref"))
+
+
+def test_torch_varlen_compile_no_graph_breaks():
+    torch = pytest.importorskip("torch")
+    import libape.torch as lt
+    if lt.IMPLEMENTATION != "custom_op":
+        pytest.skip("PyTorch before 2.4")
+    import torch._dynamo as dynamo
+    layer = lt.APEAttention(2, 8)
+    q, k, v = (torch.randn(11, 2, 8, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 4, 4, 11])
+    pos = torch.cat([torch.arange(4), 2 + torch.arange(7)])
+
+    def step(q, k, v):
+        a = layer(q, k, v, cu_seqlens=cu, positions=pos)
+        b = lt.attention_varlen(q, k, v, cu, cu, delta=layer.delta, causal=False)
+        return a.square().sum() + b.square().sum()
+
+    dynamo.reset()
+    explained = dynamo.explain(step)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled(q, k, v).backward()
+    g = [layer.delta.grad.clone(), layer.lambda_.grad.clone(), q.grad.clone(), k.grad.clone()]
+    layer.zero_grad()
+    q.grad = k.grad = v.grad = None
+    step(q, k, v).backward()
+    for x, y in zip(g, (layer.delta.grad, layer.lambda_.grad, q.grad, k.grad)):
+        assert torch.equal(x, y)

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * NumPy .npy files of float32 ('<f4') and float16 ('<f2') arrays: a strict reader that never
- * trusts the file (it is fuzzed) and an atomic writer.
+ * trusts the file (it is fuzzed) and an atomic writer; and 1-D integer arrays ('<i8', '<i4':
+ * offsets, positions), read by the same reader.
  *
  * Every function fills `err` (when errlen > 0) with a message for people on failure and returns a
  * negative libape code: APE_EFORMAT (the bytes are not an array we accept), APE_EIO (the system
@@ -10,6 +11,7 @@
 #ifndef APE_TOOLS_NPY_H
 #define APE_TOOLS_NPY_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -23,7 +25,8 @@
 /* What a header says, checked against the size of the data that follows it. */
 struct npy_info {
 	int version; /* major format version: 1, 2 or 3 */
-	ape_dtype dtype; /* APE_F32 for '<f4', APE_F16 for '<f2' */
+	ape_dtype dtype; /* APE_F32 for '<f4', APE_F16 for '<f2'; unused where int_bytes is set */
+	int int_bytes; /* 0: a float array; 8 or 4: '<i8' or '<i4' (npy_load_int64() only) */
 	int ndim;
 	int64_t shape[NPY_MAX_DIMS];
 	uint64_t count; /* elements: the product of the shape (1 for 0-D) */
@@ -53,6 +56,16 @@ struct npy_array {
  *         On failure \p arr is empty (safe to pass to npy_free()).
  */
 int npy_load(const char *path, struct npy_array *arr, char *err, size_t errlen);
+
+/**
+ * Reads the 1-D integer array at \p path: '<i8' (int64) or, with \p allow_i4, '<i4' (int32,
+ * widened to int64). Checked as strictly as npy_load(); messages start with the path and say
+ * what is wrong (the dtype found and the ones accepted, a shape that is not 1-D).
+ * \param[out] vals *n values, to free(); NULL on failure
+ * \return 0; APE_EFORMAT, APE_EIO, APE_ENOMEM as npy_load().
+ */
+int npy_load_int64(const char *path, bool allow_i4, int64_t **vals, int64_t *n, char *err,
+		   size_t errlen);
 
 /* Writes a shape as Python shows it, "(2, 3)", "(5,)" or "()", cut short to fit \p cap. */
 void npy_format_shape(const int64_t *shape, int ndim, char *out, size_t cap);

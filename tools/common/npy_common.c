@@ -70,9 +70,16 @@ const char *npy__descr_of(ape_dtype dt)
 	return dt == APE_F32 ? "<f4" : dt == APE_F16 ? "<f2" : NULL;
 }
 
+const char *npy__info_descr(const struct npy_info *info)
+{
+	if (info->int_bytes)
+		return info->int_bytes == 8 ? "<i8" : "<i4";
+	return npy__descr_of(info->dtype);
+}
+
 int npy__compute_size(struct npy_info *info, char *err, size_t errlen)
 {
-	size_t esize = ape_dtype_size(info->dtype);
+	size_t esize = info->int_bytes ? (size_t)info->int_bytes : ape_dtype_size(info->dtype);
 	uint64_t nonzero = 1;
 	bool empty = false;
 	char shp[256];
@@ -95,7 +102,7 @@ int npy__compute_size(struct npy_info *info, char *err, size_t errlen)
 	if (info->count > SIZE_MAX / esize)
 		return npy__fail(APE_EFORMAT, err, errlen,
 			    "shape %s is absurd: %" PRIu64 " elements of '%s' need more bytes than "
-			    "size_t can count", shp, info->count, npy__descr_of(info->dtype));
+			    "size_t can count", shp, info->count, npy__info_descr(info));
 	info->nbytes = (size_t)info->count * esize;
 	return 0;
 }

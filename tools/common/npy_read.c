@@ -28,6 +28,7 @@ struct cursor {
 	size_t len;
 	size_t pos;
 	bool allow_long; /* Python 2 wrote shapes as (3L, 4L): versions 1 and 2 only */
+	bool ints; /* '<i8' and '<i4' accepted instead of the floats (npy_load_int64()) */
 	char *err;
 	size_t errlen;
 };
@@ -131,6 +132,24 @@ static size_t word_len(struct cursor *c)
 	return n;
 }
 
+/* The integer arrays npy_load_int64() reads. */
+static int parse_int_descr(struct cursor *c, const unsigned char *d, size_t n,
+			   struct npy_info *info)
+{
+	char q[180];
+
+	if (bytes_are(d, n, "<i8") || bytes_are(d, n, "<i4")) {
+		info->int_bytes = d[2] - '0';
+		return 0;
+	}
+	npy__quote_bytes(d, n, q, sizeof(q));
+	if (n == 3 && (d[0] == '>' || d[0] == '=') && d[1] == 'i' && (d[2] == '8' || d[2] == '4'))
+		return bad(c, "dtype '%s' is not supported: only little-endian ('<') integers are "
+			      "accepted, save with arr.astype('<i%c'); " NPY_ACCEPTED_INT, q, d[2]);
+	return bad(c, "dtype '%s' is not supported; " NPY_ACCEPTED_INT
+		      " (convert with arr.astype(np.int64))", q);
+}
+
 static int parse_descr(struct cursor *c, struct npy_info *info)
 {
 	const unsigned char *d;
@@ -143,6 +162,8 @@ static int parse_descr(struct cursor *c, struct npy_info *info)
 	ret = parse_string(c, "a string for 'descr'", &d, &n);
 	if (ret)
 		return ret;
+	if (c->ints)
+		return parse_int_descr(c, d, n, info);
 	if (bytes_are(d, n, "<f4")) {
 		info->dtype = APE_F32;
 		return 0;
@@ -374,8 +395,8 @@ static int parse_preamble(const unsigned char *b, size_t len, struct npy_info *i
 /* count and nbytes from the shape, refusing what NumPy could not hold either. */
 
 /* Everything up to the data: preamble, header dict, sizes. buf holds at least the header. */
-static int parse_header(const unsigned char *b, size_t len, struct npy_info *info, char *err,
-			size_t errlen)
+static int parse_header(const unsigned char *b, size_t len, struct npy_info *info, bool ints,
+			char *err, size_t errlen)
 {
 	struct cursor c;
 	size_t hlen = 0;
@@ -390,7 +411,8 @@ static int parse_header(const unsigned char *b, size_t len, struct npy_info *inf
 			    "malformed header: it does not end with '\\n' (NumPy pads the header "
 			    "with spaces and a final newline)");
 	c = (struct cursor){ .s = b + info->data_offset - hlen, .len = hlen - 1,
-			     .allow_long = info->version < 3, .err = err, .errlen = errlen };
+			     .allow_long = info->version < 3, .ints = ints, .err = err,
+			     .errlen = errlen };
 	ret = parse_dict(&c, info);
 	if (ret)
 		return ret;
@@ -407,10 +429,10 @@ static int check_data_size(const struct npy_info *info, uint64_t have, char *err
 	if (have < info->nbytes)
 		return npy__fail(APE_EFORMAT, err, errlen,
 			    "truncated data: shape %s of '%s' needs %zu bytes, but only %" PRIu64
-			    " follow the header", shp, npy__descr_of(info->dtype), info->nbytes, have);
+			    " follow the header", shp, npy__info_descr(info), info->nbytes, have);
 	return npy__fail(APE_EFORMAT, err, errlen,
 		    "the file has %" PRIu64 " extra bytes after the data (shape %s of '%s' needs "
-		    "%zu bytes)", have - info->nbytes, shp, npy__descr_of(info->dtype), info->nbytes);
+		    "%zu bytes)", have - info->nbytes, shp, npy__info_descr(info), info->nbytes);
 }
 
 int npy_parse(const void *buf, size_t len, struct npy_info *info, char *err, size_t errlen)
@@ -419,7 +441,7 @@ int npy_parse(const void *buf, size_t len, struct npy_info *info, char *err, siz
 
 	if (!buf && len)
 		return npy__fail(APE_EINVAL, err, errlen, "npy_parse: buf = NULL");
-	ret = parse_header(buf, len, info, err, errlen);
+	ret = parse_header(buf, len, info, false, err, errlen);
 	if (ret)
 		return ret;
 	return check_data_size(info, len - info->data_offset, err, errlen);
@@ -452,8 +474,8 @@ static int read_at(int fd, void *buf, size_t n, off_t off, const char *path, cha
 }
 
 /* The header (at most the preamble plus NPY_MAX_HEADER_LEN bytes), checked against the size. */
-static int load_header(int fd, uint64_t size, struct npy_info *info, const char *path, char *err,
-		       size_t errlen)
+static int load_header(int fd, uint64_t size, struct npy_info *info, bool ints, const char *path,
+		       char *err, size_t errlen)
 {
 	size_t cap = size < 12 + (uint64_t)NPY_MAX_HEADER_LEN ? (size_t)size
 							       : 12 + NPY_MAX_HEADER_LEN;
@@ -466,7 +488,7 @@ static int load_header(int fd, uint64_t size, struct npy_info *info, const char 
 	ret = read_at(fd, head, cap, 0, path, err, errlen);
 	if (ret)
 		goto out_free_head;
-	ret = parse_header(head, cap, info, msg, sizeof(msg));
+	ret = parse_header(head, cap, info, ints, msg, sizeof(msg));
 	if (!ret)
 		ret = check_data_size(info, size - info->data_offset, msg, sizeof(msg));
 	if (ret)
@@ -476,7 +498,8 @@ out_free_head:
 	return ret;
 }
 
-int npy_load(const char *path, struct npy_array *arr, char *err, size_t errlen)
+/* npy_load(), of float arrays or (ints) of '<i8' and '<i4' ones. */
+static int load(const char *path, struct npy_array *arr, bool ints, char *err, size_t errlen)
 {
 	struct stat st;
 	int fd, ret;
@@ -493,7 +516,7 @@ int npy_load(const char *path, struct npy_array *arr, char *err, size_t errlen)
 		ret = npy__fail(APE_EIO, err, errlen, "%s: not a regular file", path);
 		goto out_close;
 	}
-	ret = load_header(fd, (uint64_t)st.st_size, &arr->info, path, err, errlen);
+	ret = load_header(fd, (uint64_t)st.st_size, &arr->info, ints, path, err, errlen);
 	if (ret)
 		goto out_close;
 	/* The size now matches the header exactly, so this allocation is what the file holds. */
@@ -512,6 +535,57 @@ out_close:
 	if (ret)
 		memset(arr, 0, sizeof(*arr));
 	return ret;
+}
+
+int npy_load(const char *path, struct npy_array *arr, char *err, size_t errlen)
+{
+	return load(path, arr, false, err, errlen);
+}
+
+int npy_load_int64(const char *path, bool allow_i4, int64_t **vals, int64_t *n, char *err,
+		   size_t errlen)
+{
+	struct npy_array arr;
+	char shp[256];
+	int64_t *v;
+	int ret;
+
+	*vals = NULL;
+	*n = 0;
+	ret = load(path, &arr, true, err, errlen);
+	if (ret)
+		return ret;
+	if (arr.info.ndim != 1) {
+		npy_format_shape(arr.info.shape, arr.info.ndim, shp, sizeof(shp));
+		npy_free(&arr);
+		return npy__fail(APE_EFORMAT, err, errlen, "%s: shape %s: must be 1-D", path, shp);
+	}
+	if (arr.info.int_bytes == 4 && !allow_i4) {
+		npy_free(&arr);
+		return npy__fail(APE_EFORMAT, err, errlen,
+			    "%s: dtype '<i4' (int32) is not accepted here: save it as '<i8' (int64), "
+			    "arr.astype(np.int64)", path);
+	}
+	if (arr.info.int_bytes == 8) {
+		*vals = arr.data; /* malloc'ed: aligned for int64 */
+		*n = arr.info.shape[0];
+		return 0;
+	}
+	v = malloc(arr.info.count ? arr.info.count * sizeof(int64_t) : 1);
+	if (!v) {
+		npy_free(&arr);
+		return npy__fail(APE_ENOMEM, err, errlen, "%s: out of memory", path);
+	}
+	for (uint64_t i = 0; i < arr.info.count; i++) {
+		int32_t x;
+
+		memcpy(&x, (const char *)arr.data + i * 4, 4);
+		v[i] = x;
+	}
+	*vals = v;
+	*n = arr.info.shape[0];
+	npy_free(&arr);
+	return 0;
 }
 
 void npy_free(struct npy_array *arr)

@@ -17,6 +17,7 @@ enum {
 	OPT_KV_CACHE, OPT_KV_BLOCK, OPT_KV_CAPACITY, OPT_KV_RELEASE,
 	OPT_BACKWARD, OPT_DLSE, OPT_DQ, OPT_DK, OPT_DV, OPT_DPARAMS, OPT_HELP,
 	OPT_ENTROPY, OPT_MEAN_DISTANCE,
+	OPT_CU_Q, OPT_CU_K, OPT_POS_Q, OPT_POS_K,
 };
 
 
@@ -57,6 +58,10 @@ static const struct cli_option options[] = {
 	{ "--dk", NULL, true, OPT_DK },
 	{ "--dv", NULL, true, OPT_DV },
 	{ "--dparams", NULL, true, OPT_DPARAMS },
+	{ "--cu-seqlens-q", NULL, true, OPT_CU_Q },
+	{ "--cu-seqlens-k", NULL, true, OPT_CU_K },
+	{ "--positions-q", NULL, true, OPT_POS_Q },
+	{ "--positions-k", NULL, true, OPT_POS_K },
 	{ "--help", "-h", false, OPT_HELP },
 	{ NULL, NULL, false, 0 },
 };
@@ -66,6 +71,8 @@ void run_usage(void)
 	printf("usage: ape-run -q Q.npy -k K.npy -v V.npy -o O.npy [--lse LSE.npy] [options]\n"
 	       "       ape-run ... --backward DO.npy [--dq DQ.npy] [--dk DK.npy] [--dv DV.npy]\n"
 	       "               [--dparams DP.npy] [--dlse DLSE.npy]\n"
+	       "       ape-run ... --cu-seqlens-q CUQ.npy [--cu-seqlens-k CUK.npy]\n"
+	       "               [--positions-q PQ.npy] [--positions-k PK.npy]\n"
 	       "\n"
 	       "APE attention, O = softmax(S) V (see docs/ape.md), on NumPy .npy files.\n"
 	       "\n"
@@ -153,6 +160,32 @@ void run_usage(void)
 	       "  them), --chunk, --max-device-mem; --trace traces the forward only.\n"
 	       "  A backend with no backward pass exits with 3.\n"
 	       "\n"
+	       "Ragged batches: many sequences in one call, each query seeing the keys of\n"
+	       "its own sequence only (ape_attention_forward_varlen_ex(), docs/ape.md).\n"
+	       "  --cu-seqlens-q FILE\n"
+	       "                 S + 1 query row offsets, '<i8' or '<i4': sequence s has the\n"
+	       "                 rows [cu[s], cu[s + 1]) of -q; from 0 to total_q, never\n"
+	       "                 decreasing (empty sequences allowed). -q, -k, -v (and\n"
+	       "                 --backward) are then packed 3-D files: Q [total_q, H, D],\n"
+	       "                 K and V [total_k, Hkv, D]; O is Q's shape, LSE (and --dlse)\n"
+	       "                 [total_q, H]\n"
+	       "  --cu-seqlens-k FILE\n"
+	       "                 S + 1 key row offsets, likewise, to total_k. Either option\n"
+	       "                 alone stands for both (the same sequences of queries and\n"
+	       "                 keys: a packed batch of documents)\n"
+	       "  --positions-q FILE\n"
+	       "                 total_q query positions, '<i8' (default: each sequence's\n"
+	       "                 queries end-aligned to its keys, Lk - Lq, ..., Lk - 1)\n"
+	       "  --positions-k FILE\n"
+	       "                 total_k key positions, '<i8' (default: 0, 1, ... in each\n"
+	       "                 sequence). A side not given takes its default, whatever\n"
+	       "                 the other. Causal: a query sees its sequence's keys at or\n"
+	       "                 before its position.\n"
+	       "  The parameters, --dtype, the devices, --stats, --chunk, --max-device-mem\n"
+	       "  and --backward (with its gradients) work as for one sequence; --q-start,\n"
+	       "  --k-start (use the positions), --kv-cache, --trace, --entropy and\n"
+	       "  --mean-distance do not, and are refused.\n"
+	       "\n"
 	       "  --mpi          under mpirun: the sequence sharded over the ranks (each reads\n"
 	       "                 and writes only its rows), by ape-mpi-run; `ape-run --mpi\n"
 	       "                 --help` lists its options (docs/distributed.md); exits 3\n"
@@ -209,6 +242,14 @@ static const char **string_slot(struct run_args *a, int id)
 		return &a->dv;
 	case OPT_DPARAMS:
 		return &a->dparams;
+	case OPT_CU_Q:
+		return &a->cu_q;
+	case OPT_CU_K:
+		return &a->cu_k;
+	case OPT_POS_Q:
+		return &a->pos_q;
+	case OPT_POS_K:
+		return &a->pos_k;
 	}
 	return NULL;
 }
@@ -233,6 +274,7 @@ static int parse_value(struct run_args *a, int id, const char *val, char *msg, s
 		return cli_parse_int64("--q-start", val, INT64_MIN, INT64_MAX, &d->q_start, msg,
 				       len);
 	case OPT_K_START:
+		a->k_start_set = true;
 		return cli_parse_int64("--k-start", val, INT64_MIN, INT64_MAX, &d->k_start, msg,
 				       len);
 	case OPT_DEVICE:
@@ -346,6 +388,43 @@ static int check_backward_args(const struct run_args *a, char *msg, size_t len)
 	return 0;
 }
 
+/*
+ * The ragged call: one --cu-seqlens-* stands for both (the same sequences of queries and keys,
+ * as a packed batch of documents); positions need offsets; the options the ragged call has no
+ * use for are refused by name.
+ */
+static int check_ragged_args(struct run_args *a, char *msg, size_t len)
+{
+	const char *const flags[6] = { "--entropy", "--mean-distance", "--trace", "--kv-cache",
+				       "--q-start", "--k-start" };
+	const bool given[6] = { a->ent, a->md, a->trace, a->kv_step, a->desc.q_start_set,
+				a->k_start_set };
+	static const char *const why[6] = {
+		"the ragged call has no diagnostics", "the ragged call has no diagnostics",
+		"the ragged call writes no trace", "a KV cache holds one sequence",
+		"the positions come from --positions-q", "the positions come from --positions-k",
+	};
+
+	if (!a->cu_q && !a->cu_k) {
+		if (a->pos_q || a->pos_k) {
+			snprintf(msg, len, "%s %s needs --cu-seqlens-q (and --cu-seqlens-k): "
+				 "positions are the ragged call's", a->pos_q ? "--positions-q" :
+				 "--positions-k", a->pos_q ? a->pos_q : a->pos_k);
+			return RUN_USAGE;
+		}
+		return 0;
+	}
+	a->cu_q = a->cu_q ? a->cu_q : a->cu_k;
+	a->cu_k = a->cu_k ? a->cu_k : a->cu_q;
+	for (int i = 0; i < 6; i++)
+		if (given[i]) {
+			snprintf(msg, len, "%s with --cu-seqlens-q/-k: %s (drop %s)", flags[i], why[i],
+				 flags[i]);
+			return RUN_USAGE;
+		}
+	return 0;
+}
+
 int run_parse_args(int argc, char **argv, struct run_args *a, char *msg, size_t len)
 {
 	const char *val;
@@ -382,5 +461,6 @@ int run_parse_args(int argc, char **argv, struct run_args *a, char *msg, size_t 
 			 a->kv_block ? "--kv-block" : a->kv_capacity ? "--kv-capacity" : "--kv-release");
 		return RUN_USAGE;
 	}
-	return check_backward_args(a, msg, len);
+	ret = check_ragged_args(a, msg, len);
+	return ret ? ret : check_backward_args(a, msg, len);
 }

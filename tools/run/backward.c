@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * ape-run --backward: dL/dLSE from its file, and the backward call after the forward
- * (ape_attention_backward_ex(), one device, the forward's chunk size and device budget).
+ * (ape_attention_backward_ex(), or ape_attention_backward_varlen() for a ragged call; the
+ * forward's devices, chunk size and device budget).
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -57,11 +58,11 @@ static float *grad_buffer(const char *flag, const char *path, uint64_t count, ch
 }
 
 int run_backward(const struct run_args *a, ape_device *const *devs, int ndev,
-		 const struct input in[4], const ape_tensor *ot, const float *lse,
-		 struct run_grads *g, char *msg, size_t len)
+		 const ape_varlen *vl, const struct input in[4], const ape_tensor *ot,
+		 const float *lse, struct run_grads *g, char *msg, size_t len)
 {
-	const int64_t *qs = in[0].t.shape, *ks = in[1].t.shape;
-	ape_tensor dq, dk, dv;
+	const int64_t *qs = in[0].t.shape;
+	ape_tensor dq, dk, dv, *pq, *pk, *pv;
 	ape_exec_options eo;
 	ape_stats st;
 	int ret;
@@ -73,16 +74,24 @@ int run_backward(const struct run_args *a, ape_device *const *devs, int ndev,
 	     !(g->dparams = grad_buffer("--dparams", a->dparams, (uint64_t)qs[1] * 4, msg, len))))
 		return RUN_FAIL;
 	/* float32 gradients whatever the storage, as O: the files get the inputs' types */
-	ape_tensor_init(&dq, g->dq, APE_F32, qs[0], qs[1], qs[2], qs[3]);
-	ape_tensor_init(&dk, g->dk, APE_F32, ks[0], ks[1], ks[2], ks[3]);
-	ape_tensor_init(&dv, g->dv, APE_F32, ks[0], ks[1], ks[2], ks[3]);
+	run_tensor_init(&dq, g->dq, APE_F32, &in[0]);
+	run_tensor_init(&dk, g->dk, APE_F32, &in[1]);
+	run_tensor_init(&dv, g->dv, APE_F32, &in[2]);
+	pq = g->dq ? &dq : NULL;
+	pk = g->dk ? &dk : NULL;
+	pv = g->dv ? &dv : NULL;
 	ape_exec_options_init(&eo);
 	eo.chunk_q = eo.chunk_k = a->chunk;
 	eo.max_device_bytes = a->max_mem;
 	ape_stats_init(&st);
-	ret = ape_attention_backward_ex(devs, ndev, &eo, &a->desc, &in[0].t, &in[1].t, &in[2].t, ot,
-					lse, &in[3].t, g->dlse, g->dq ? &dq : NULL,
-					g->dk ? &dk : NULL, g->dv ? &dv : NULL, g->dparams, &st);
+	if (vl)
+		ret = ape_attention_backward_varlen(devs, ndev, &eo, &a->desc, vl, &in[0].t, &in[1].t,
+						    &in[2].t, ot, lse, &in[3].t, g->dlse, pq, pk,
+						    pv, g->dparams, &st);
+	else
+		ret = ape_attention_backward_ex(devs, ndev, &eo, &a->desc, &in[0].t, &in[1].t,
+						&in[2].t, ot, lse, &in[3].t, g->dlse, pq, pk, pv,
+						g->dparams, &st);
 	if (ret) {
 		snprintf(msg, len, "--backward: %s", ape_last_error());
 		/* a device whose backend has no backward pass is a device not available for it */

@@ -9,7 +9,8 @@
 #include "common/npy.h"
 #include "run/run.h"
 
-/* Reads one file; `dims` names its last three dimensions for messages ("H, Lq, D"). */
+/* Reads one file; `dims` names its last three dimensions for messages ("H, Lq, D"). A packed
+ * file (in->packed, the ragged call's) is 3-D, `dims` naming all three ("total_q, H, D"). */
 static int load_input(struct input *in, const char *what, const char *dims, char *msg,
 		      size_t len)
 {
@@ -24,6 +25,12 @@ static int load_input(struct input *in, const char *what, const char *dims, char
 	in->ndim = arr.info.ndim;
 	in->count = arr.info.count;
 	in->data = arr.data;
+	if (in->packed && in->ndim != 3) {
+		npy_format_shape(arr.info.shape, arr.info.ndim, shp, sizeof(shp));
+		snprintf(msg, len, "%s: shape %s: with --cu-seqlens-q/-k %s must be 3-D, packed "
+			 "[%s]", in->path, shp, what, dims);
+		return RUN_USAGE;
+	}
 	if (in->ndim != 3 && in->ndim != 4) {
 		npy_format_shape(arr.info.shape, arr.info.ndim, shp, sizeof(shp));
 		snprintf(msg, len, "%s: shape %s: %s must be 4-D [B, %s] or 3-D [%s]", in->path,
@@ -31,10 +38,20 @@ static int load_input(struct input *in, const char *what, const char *dims, char
 		return RUN_USAGE;
 	}
 	memcpy(in->shape, arr.info.shape, sizeof(in->shape));
-	in->t.shape[0] = 1; /* a 3-D file is one batch */
-	for (int i = 0; i < in->ndim; i++)
-		in->t.shape[4 - in->ndim + i] = arr.info.shape[i];
+	run_tensor_init(&in->t, NULL, arr.info.dtype, in);
 	return 0;
+}
+
+void run_tensor_init(ape_tensor *t, void *data, ape_dtype dt, const struct input *like)
+{
+	const int64_t *s = like->shape;
+
+	if (like->packed)
+		ape_tensor_init_packed(t, data, dt, s[0], s[1], s[2]);
+	else if (like->ndim == 3) /* a 3-D file is one batch */
+		ape_tensor_init(t, data, dt, 1, s[0], s[1], s[2]);
+	else
+		ape_tensor_init(t, data, dt, s[0], s[1], s[2], s[3]);
 }
 
 /* Q, K, V and, with --backward, dO as in[3]. */
@@ -42,6 +59,8 @@ int run_load_inputs(const struct run_args *a, struct input in[4], char *msg, siz
 {
 	static const char *const what[4] = { "Q", "K", "V", "dO" };
 	static const char *const dims[4] = { "H, Lq, D", "Hkv, Lk, D", "Hkv, Lk, D", "H, Lq, D" };
+	static const char *const packed[4] = { "total_q, H, D", "total_k, Hkv, D",
+					       "total_k, Hkv, D", "total_q, H, D" };
 	int ret;
 
 	in[0].path = a->q;
@@ -49,7 +68,8 @@ int run_load_inputs(const struct run_args *a, struct input in[4], char *msg, siz
 	in[2].path = a->v;
 	in[3].path = a->dout;
 	for (int i = 0; i < (a->dout ? 4 : 3); i++) {
-		ret = load_input(&in[i], what[i], dims[i], msg, len);
+		in[i].packed = a->cu_q != NULL;
+		ret = load_input(&in[i], what[i], in[i].packed ? packed[i] : dims[i], msg, len);
 		if (ret)
 			return ret;
 	}
@@ -92,7 +112,7 @@ int run_check_inputs(const struct input in[4], char *msg, size_t len)
 	for (int i = 0; i < 4; i++)
 		if (v->t.shape[i] != k->t.shape[i])
 			return mismatch(msg, len, v, k, i == 0 ? "B" : i == 1 ? "Hkv" :
-					i == 2 ? "Lk" : "D", i);
+					i == 2 ? (v->packed ? "total_k" : "Lk") : "D", i);
 	if (q->t.shape[3] % 2) {
 		snprintf(msg, len, "%s: head dimension D = %" PRId64 " is odd: rotary pairs need "
 			 "an even D", q->path, q->t.shape[3]);
@@ -119,7 +139,6 @@ int run_check_inputs(const struct input in[4], char *msg, size_t len)
 int run_stage_inputs(struct input in[4], ape_dtype storage, char *msg, size_t len)
 {
 	for (int i = 0; i < (in[3].path ? 4 : 3); i++) {
-		const int64_t *s = in[i].t.shape;
 		void *conv;
 
 		if (in[i].file_dtype != storage) {
@@ -133,7 +152,7 @@ int run_stage_inputs(struct input in[4], ape_dtype storage, char *msg, size_t le
 			free(in[i].data);
 			in[i].data = conv;
 		}
-		ape_tensor_init(&in[i].t, in[i].data, storage, s[0], s[1], s[2], s[3]);
+		run_tensor_init(&in[i].t, in[i].data, storage, &in[i]);
 	}
 	return 0;
 }

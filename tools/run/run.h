@@ -4,8 +4,10 @@
  * --help), tools/run/devices.c (--backend, --device, --devices; exit statuses),
  * tools/run/inputs.c (Q, K, V, dO: read, checked, converted), tools/run/outputs.c (the output
  * files: checked first, written together), tools/run/kv.c (the --kv-cache mode),
- * tools/run/backward.c (the --backward mode: dLSE, the gradients) and tools/run/stats.c (the
- * --stats report and the sum of a KV-cache run's per-step statistics). Linked into ape-run alone.
+ * tools/run/backward.c (the --backward mode: dLSE, the gradients), tools/run/varlen.c (the
+ * ragged call's offsets and positions: --cu-seqlens-q/-k, --positions-q/-k) and tools/run/stats.c
+ * (the --stats report and the sum of a KV-cache run's per-step statistics). Linked into ape-run
+ * alone.
  */
 #ifndef APE_TOOLS_RUN_H
 #define APE_TOOLS_RUN_H
@@ -46,17 +48,28 @@ struct run_args {
 	bool kv_release;
 	/* --backward DO.npy and its outputs; NULL: not given */
 	const char *dout, *dlse, *dq, *dk, *dv, *dparams;
+	/* the ragged call (ape_attention_forward_varlen_ex()) on packed files: cu_q and cu_k both
+	 * set (one given stands for both) or both NULL; pos_q, pos_k NULL: the library's default */
+	const char *cu_q, *cu_k, *pos_q, *pos_k;
+	bool k_start_set; /* --k-start given */
 };
 
 /* One input file, its shape seen as [B, H, L, D], and its data in the computation's type. */
 struct input {
 	const char *path;
 	ape_dtype file_dtype;
+	bool packed; /* a ragged call's [total, H, D] file: t is [1, H, total, D], token-major */
 	int ndim; /* 3 or 4, as in the file */
 	int64_t shape[4]; /* as in the file */
 	uint64_t count;
 	void *data;
 	ape_tensor t;
+};
+
+/* The ragged call's batch, from --cu-seqlens-q/-k and --positions-q/-k (run_load_ragged()). */
+struct run_ragged {
+	ape_varlen vl; /* pointing at the arrays below */
+	int64_t *cu_q, *cu_k, *pos_q, *pos_k;
 };
 
 /* The gradients of a --backward run: float32, NULL where no file asked for them. */
@@ -101,6 +114,18 @@ int run_check_inputs(const struct input in[4], char *msg, size_t len);
 int run_stage_inputs(struct input in[4], ape_dtype storage, char *msg, size_t len);
 /* The per-head parameters into a->desc: one value, or H of them for Q's H heads. */
 int run_set_head_params(struct run_args *a, const struct input *q, char *msg, size_t len);
+/* t as a tensor of `like`'s shape and layout (packed or not) over data of type dt. */
+void run_tensor_init(ape_tensor *t, void *data, ape_dtype dt, const struct input *like);
+
+/* ---- varlen.c */
+
+/* Reads the ragged call's offsets and positions into r and checks them against the packed
+ * inputs (in[0] Q, in[1] K): returns an exit status, msg filled on failure (naming the option,
+ * the file and the entry). Nothing to do (r empty) without --cu-seqlens-*. */
+int run_load_ragged(const struct run_args *a, const struct input in[4], struct run_ragged *r,
+		    char *msg, size_t len);
+/* Frees what run_load_ragged() allocated. */
+void run_ragged_free(struct run_ragged *r);
 
 /* ---- outputs.c (each returns an exit status, msg filled on failure) */
 
@@ -133,13 +158,14 @@ int run_load_dlse(const struct run_args *a, const struct input *q, struct run_gr
 
 /*
  * The backward call after the forward, on the forward's devices: in[0..2] Q, K, V and in[3] dO
- * in the computation's type, ot and lse the forward's O (float32) and LSE. Allocates the gradients the arguments ask for
- * into g and fills them; prints the call's statistics with --stats. Returns an exit status
- * (3 for a backend without a backward pass), msg filled on failure.
+ * in the computation's type, ot and lse the forward's O (float32) and LSE; vl the ragged
+ * call's batch (NULL: the dense call). Allocates the gradients the arguments ask for into g and
+ * fills them; prints the call's statistics with --stats. Returns an exit status (3 for a
+ * backend without a backward pass), msg filled on failure.
  */
 int run_backward(const struct run_args *a, ape_device *const *devs, int ndev,
-		 const struct input in[4], const ape_tensor *ot, const float *lse,
-		 struct run_grads *g, char *msg, size_t len);
+		 const ape_varlen *vl, const struct input in[4], const ape_tensor *ot,
+		 const float *lse, struct run_grads *g, char *msg, size_t len);
 
 /* Frees what run_load_dlse() and run_backward() allocated. */
 void run_grads_free(struct run_grads *g);
