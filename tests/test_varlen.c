@@ -16,6 +16,7 @@
 
 #include "ape_test.h"
 #include "core/backend.h"
+#include "core/error.h"
 #include "common/backend_fixture.h"
 #include "common/naive.h"
 #include "common/testutil.h"
@@ -826,6 +827,236 @@ TEST_F(dev, backward_of_one_sequence_is_the_dense_backward)
 	batch_free(&b);
 	if (ret == APE_ENOTSUP)
 		SKIP(return, "%s", ape_last_error());
+}
+
+/* ------------------------------------------------------------------ on device tensors */
+
+/* Bytes of the tensors' allocations, rounded for the next one's alignment. */
+static size_t round16(size_t n)
+{
+	return (n + 15) & ~(size_t)15;
+}
+
+/* A host tensor of b as a device tensor at `off` bytes of buf (its strides kept). */
+static void as_dtensor(ape_dtensor *d, ape_buffer *buf, size_t off, const test_tensor *t)
+{
+	memset(d, 0, sizeof(*d));
+	d->buf = buf;
+	d->byte_offset = off + (size_t)((char *)t->t.data - (char *)t->alloc);
+	d->dtype = t->t.dtype;
+	memcpy(d->shape, t->t.shape, sizeof(d->shape));
+	memcpy(d->strides, t->t.strides, sizeof(d->strides));
+}
+
+/*
+ * b through ape_attention_enqueue_varlen() on dev: q, k and v in one device buffer, `pad` bytes
+ * in; O in a buffer of its own laid out like b->o (whose poisoned bytes it starts from), LSE
+ * token-major [total_q, H] in another, NaN-poisoned. On success O is read back into b->o and
+ * LSE into b->lse; either way *o_moved says whether the device's O differs from its poison.
+ * vl NULL: the dense ape_attention_enqueue() of the same [1, H, total, D] tensors instead.
+ * Returns the call's code (or the first failing setup step's).
+ */
+static int run_resident_batch(struct batch *b, ape_device *dev, const ape_varlen *vl,
+			      size_t pad, bool *o_moved)
+{
+	const size_t nq = b->q.alloc_bytes, nk = b->k.alloc_bytes, nv = b->v.alloc_bytes;
+	const size_t no = b->o.alloc_bytes, nl = (size_t)(b->tq * b->H + 1) * 4;
+	const size_t kin = pad + round16(nq), vin = kin + round16(nk), nin = vin + nv + 16;
+	unsigned char *in = malloc(nin), *poison = malloc(no + 1), *back = malloc(no + 1);
+	float *lpoison = malloc(nl);
+	ape_buffer *bi = NULL, *bo = NULL, *bl = NULL;
+	ape_queue *qu = NULL;
+	ape_dtensor q, k, v, o, l;
+	int ret = -1;
+
+	*o_moved = false;
+	if (!in || !poison || !back || !lpoison)
+		goto out;
+	memset(in, 0, nin);
+	memcpy(in + pad, b->q.alloc, nq);
+	memcpy(in + kin, b->k.alloc, nk);
+	memcpy(in + vin, b->v.alloc, nv);
+	memcpy(poison, b->o.alloc, no);
+	for (size_t i = 0; i < nl / 4; i++)
+		lpoison[i] = NAN;
+	if ((ret = ape_queue_create(dev, &qu)) || (ret = ape_buffer_alloc(dev, nin, &bi)) ||
+	    (ret = ape_buffer_alloc(dev, no + 16, &bo)) || (ret = ape_buffer_alloc(dev, nl, &bl)) ||
+	    (ret = ape_buffer_write(qu, bi, 0, in, nin)) ||
+	    (no && (ret = ape_buffer_write(qu, bo, 0, poison, no))) ||
+	    (ret = ape_buffer_write(qu, bl, 0, lpoison, nl)))
+		goto out;
+	as_dtensor(&q, bi, pad, &b->q);
+	as_dtensor(&k, bi, kin, &b->k);
+	as_dtensor(&v, bi, vin, &b->v);
+	as_dtensor(&o, bo, 0, &b->o);
+	ape_dtensor_init(&l, bl, 0, APE_F32, 1, b->H, b->tq, 1);
+	l.strides[1] = 1; /* [total_q, H], token-major */
+	l.strides[2] = b->H;
+	l.strides[3] = 1;
+	ret = vl ? ape_attention_enqueue_varlen(qu, &b->desc, vl, &q, &k, &v, &o, &l)
+		 : ape_attention_enqueue(qu, &b->desc, &q, &k, &v, &o, &l);
+	{
+		char msg[512];
+		int sret;
+
+		snprintf(msg, sizeof(msg), "%s", ape_last_error());
+		sret = no ? ape_buffer_read(qu, back, bo, 0, no) : 0;
+		if (!sret)
+			sret = ape_queue_synchronize(qu);
+		if (!sret) {
+			*o_moved = memcmp(back, poison, no) != 0;
+			if (!ret) {
+				memcpy(b->o.alloc, back, no);
+				sret = b->tq ? ape_buffer_read(qu, b->lse, bl, 0,
+							       (size_t)(b->tq * b->H) * 4)
+					     : 0;
+				if (!sret)
+					sret = ape_queue_synchronize(qu);
+			}
+		}
+		ret = ret ? ret : sret;
+		if (ret)
+			ape__error(ret, "%s", msg); /* the call's message, not the read-back's */
+	}
+out:
+	ape_queue_destroy(qu);
+	ape_buffer_free(bi);
+	ape_buffer_free(bo);
+	ape_buffer_free(bl);
+	free(in);
+	free(poison);
+	free(back);
+	free(lpoison);
+	return ret;
+}
+
+/* Random batches (default and shifted positions, every storage type, both layouts) on device
+ * tensors against the oracle; one launch for the batch where the device takes ragged launches,
+ * a launch per sequence with keys elsewhere. */
+TEST_F(dev, device_tensors_equal_the_oracle)
+{
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < (self->emu ? 6 : 30); c++) {
+		const enum pos_mode m = c % 2 ? POS_SHIFTED : POS_DEFAULT;
+		struct batch b;
+		ape_varlen vl;
+		char what[256];
+		double eo, el;
+		uint64_t pairs;
+		int64_t with_keys = 0;
+		bool moved;
+		struct wrap_counts wc;
+
+		ASSERT_EQ(0, batch_make(&b, &rng, ape_rng_range(&rng, 1, 8), 40, 50, m));
+		describe(&b, m, what, sizeof(what));
+		batch_varlen(&b, &vl);
+		wrap_install(self->dev, 0);
+		wrap_reset();
+		ASSERT_EQ(0, run_resident_batch(&b, self->dev, &vl, 16 * (size_t)(c % 3), &moved))
+		TH_LOG("%s: %s", what, ape_last_error());
+		wc = wrap_get();
+		wrap_remove();
+		ASSERT_EQ(0, batch_check(&b, &eo, &el, &pairs));
+		EXPECT_LE(eo, test_tol_o(b.dt) + test_skip_tol_o(b.desc.skip_tol))
+		TH_LOG("%s: O error %g of max|V|", what, eo);
+		EXPECT_LE(el, test_tol_lse(b.dt) + test_skip_tol_lse(b.desc.skip_tol))
+		TH_LOG("%s: LSE error %g", what, el);
+		for (int64_t s = 0; s < b.S; s++)
+			with_keys += b.cuq[s + 1] > b.cuq[s] && b.cuk[s + 1] > b.cuk[s];
+		if (self->dev->caps.segments && b.tk > 0 && b.tq > 0) {
+			EXPECT_EQ(1, wc.attention_calls) TH_LOG("%s: launches", what);
+		} else {
+			EXPECT_GE(wc.attention_calls, (uint64_t)with_keys) TH_LOG("%s", what);
+		}
+		batch_free(&b);
+	}
+}
+
+/* A one-sequence batch of default positions is ape_attention_enqueue() itself, bit for bit. */
+TEST_F(dev, device_tensors_one_sequence_is_enqueue_bit_for_bit)
+{
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < 4; c++) {
+		struct batch b;
+		ape_varlen vl;
+		bool moved;
+		void *o1;
+		float *l1;
+
+		do {
+			ASSERT_EQ(0, batch_make(&b, &rng, 1, 60, 70, POS_DEFAULT));
+		} while (b.tq == 0 && (batch_free(&b), 1));
+		batch_varlen(&b, &vl);
+		o1 = malloc(b.o.alloc_bytes);
+		l1 = malloc((size_t)(b.tq * b.H) * 4);
+		ASSERT_TRUE(o1 && l1);
+		ASSERT_EQ(0, run_resident_batch(&b, self->dev, &vl, 0, &moved))
+		TH_LOG("%s", ape_last_error());
+		memcpy(o1, b.o.alloc, b.o.alloc_bytes);
+		memcpy(l1, b.lse, (size_t)(b.tq * b.H) * 4);
+		test_tensor_poison(&b.o.t);
+		ASSERT_EQ(0, run_resident_batch(&b, self->dev, NULL, 0, &moved))
+		TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, memcmp(o1, b.o.alloc, b.o.alloc_bytes)) TH_LOG("O differs");
+		EXPECT_EQ(0, memcmp(l1, b.lse, (size_t)(b.tq * b.H) * 4)) TH_LOG("LSE differs");
+		free(o1);
+		free(l1);
+		batch_free(&b);
+	}
+}
+
+/* Refusals on device tensors name the argument and enqueue nothing: the host call's checks,
+ * and positions whose key runs a query run sees are several (APE_ENOTSUP, naming vl->pos_k). */
+TEST_F(dev, device_tensors_refusals_write_nothing)
+{
+	ape_rng rng;
+	struct batch b;
+	ape_varlen vl;
+	bool moved;
+	int64_t saved;
+
+	ape_rng_init(&rng, _metadata->name);
+	do {
+		ASSERT_EQ(0, batch_make(&b, &rng, 4, 20, 20, POS_GAPS));
+	} while ((b.cuq[1] == 0 || b.cuk[1] < 3) && (batch_free(&b), 1));
+	/* gaps among every key run: the first sequence with keys and queries sees two runs */
+	for (int64_t s = 0; s < b.S; s++)
+		for (int64_t j = b.cuk[s]; j < b.cuk[s + 1]; j++)
+			b.posk[j] = 2 * (j - b.cuk[s]);
+	for (int64_t s = 0; s < b.S; s++)
+		for (int64_t i = b.cuq[s]; i < b.cuq[s + 1]; i++)
+			b.posq[i] = 4 * (b.cuk[s + 1] - b.cuk[s]) + (i - b.cuq[s]);
+	batch_varlen(&b, &vl);
+	EXPECT_EQ(APE_ENOTSUP, run_resident_batch(&b, self->dev, &vl, 0, &moved));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_enqueue_varlen: vl->pos_k"))
+	TH_LOG("%s", ape_last_error());
+	EXPECT_FALSE(moved);
+	/* the host call's checks, the same messages */
+	vl.pos_q = vl.pos_k = NULL;
+	saved = b.cuq[1];
+	b.cuq[1] = b.cuq[2] + 1;
+	EXPECT_EQ(APE_EINVAL, run_resident_batch(&b, self->dev, &vl, 0, &moved));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "vl->cu_seqlens_q[2] = ")) TH_LOG("%s",
+									     ape_last_error());
+	EXPECT_FALSE(moved);
+	b.cuq[1] = saved;
+	b.desc.k_start = 3;
+	EXPECT_EQ(APE_EINVAL, run_resident_batch(&b, self->dev, &vl, 0, &moved));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "desc->k_start = 3")) TH_LOG("%s",
+									   ape_last_error());
+	EXPECT_FALSE(moved);
+	b.desc.k_start = 0;
+	EXPECT_EQ(APE_EINVAL, ape_attention_enqueue_varlen(NULL, &b.desc, &vl, NULL, NULL, NULL,
+							   NULL, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "queue = NULL"));
+	/* and it works once the batch is right */
+	EXPECT_EQ(0, run_resident_batch(&b, self->dev, &vl, 0, &moved)) TH_LOG("%s",
+									      ape_last_error());
+	batch_free(&b);
 }
 
 TEST_HARNESS_MAIN

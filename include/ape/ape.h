@@ -1267,6 +1267,44 @@ APE_API int ape_attention_enqueue_diag(ape_queue *queue, const ape_attn_desc *de
 				       const ape_dtensor *v, const ape_dtensor *o,
 				       const ape_dtensor *lse, const ape_dtensor *entropy,
 				       const ape_dtensor *mean_distance);
+
+/**
+ * \brief A ragged batch (ape_attention_forward_varlen()) on device tensors, enqueued on \p
+ * queue: asynchronous, no copy to or from the host, no wait on the queue.
+ *
+ * Everything is checked before anything is enqueued: the batch and desc by the rules of
+ * ape_attention_forward_varlen() (the same messages), the tensors by those of
+ * ape_attention_enqueue(). q and o are `[1, H, total_q, D]`, k and v `[1, Hkv, total_k, D]`
+ * device tensors, strides free (a packed `[total, H, D]` array has strides
+ * `{0, D, H * D, 1}`; a slice of a packed QKV buffer is used as it is); lse NULL or
+ * `[1, H, total_q, 1]` APE_F32, strides free (token-major `[total_q, H]`, as the host call
+ * writes it: strides `{0, 1, H, 1}`). vl's arrays are host memory, read before the call
+ * returns.
+ *
+ * On a device that takes ragged launches (the reference and OpenCL) the batch is one call of
+ * the device-resident executor: each launch serves every sequence of its rows, query rows split
+ * under the budget like ape_attention_enqueue(). On another (CUDA) each run of consecutive
+ * positions is its own launch on views of the packed tensors. Results equal
+ * ape_attention_forward_varlen()'s on the same device within the spec's tolerance (bit for bit
+ * for a one-sequence batch of default positions, which is ape_attention_enqueue() itself).
+ *
+ * \param queue a queue of the device to run on
+ * \param desc,vl as ape_attention_forward_varlen()
+ * \param q,k,v packed inputs; read by the work
+ * \param[out] o packed output, of q->dtype or APE_F32: written when the work completes (0 for
+ *        rows that see no key)
+ * \param[out] lse NULL, or the rows' LSE (-inf for rows that see no key)
+ * \return 0 (enqueued); APE_EINVAL (naming the argument, the sequence and the value);
+ *         APE_EOVERFLOW; APE_ENOMEM; APE_ENOTSUP, naming vl->pos_k, for positions that give a
+ *         query run several runs of consecutive key positions (gaps or repeats among a
+ *         sequence's keys: the host call takes them); device failures met while enqueueing.
+ * \note On an error found by the checks nothing is enqueued; after a device failure while
+ *       enqueueing, launches enqueued before it may run and the outputs are unspecified.
+ */
+APE_API int ape_attention_enqueue_varlen(ape_queue *queue, const ape_attn_desc *desc,
+					 const ape_varlen *vl, const ape_dtensor *q,
+					 const ape_dtensor *k, const ape_dtensor *v,
+					 const ape_dtensor *o, const ape_dtensor *lse);
 /**@}*/
 
 /** \name Training: the backward pass

@@ -627,13 +627,10 @@ static int copy_value(ape_queue *queue, const struct ape__problem *p, struct ape
 	return queue->dev->be->ops->copy_view(queue->q, &c);
 }
 
-/*
- * The outputs of a call without keys (Lk = 0): O = 0, LSE = -inf, ENT = MD = 0, each in one
- * strided command where the device has queue-ordered scratch and copy_view (the capability
- * resident_backward says it has them, working), else row by row.
- */
-static int write_empty(ape_queue *queue, const struct ape__problem *p,
-		       const struct ape__resident_req *r)
+/* The outputs of a call without keys (api/resident.h); the one-command path is taken where the
+ * capability resident_backward says the device has queue-ordered scratch and copy_view. */
+int ape__resident_write_empty(ape_queue *queue, const struct ape__problem *p,
+			      const struct ape__resident_req *r)
 {
 	const struct ape__backend_ops *ops = queue->dev->be->ops;
 	const float neg_inf = -INFINITY;
@@ -712,7 +709,7 @@ int ape__attention_enqueue_diag(const char *fn, ape_queue *queue, const ape_attn
 	}
 	ape__queue_note_call(queue, fn);
 	if (p.Lk == 0)
-		ret = write_empty(queue, &p, &r);
+		ret = ape__resident_write_empty(queue, &p, &r);
 	else if (!(ret = ape__resident_plan(&r, &rows)))
 		ret = ape__resident_enqueue(&r, rows);
 	ape__problem_fini(&p);

@@ -88,6 +88,19 @@ int ape__check_resident_diag(const char *fn, const ape_device *dev, const ape_at
 			     struct ape__buf *buf[APE__T_COUNT], struct ape__view view[APE__T_COUNT],
 			     struct ape__buf *dbuf[2], struct ape__view dview[2]);
 
+/* The outputs of a call without keys (p->Lk = 0): O = 0, LSE = -inf, the diagnostics 0, where
+ * r's views say, enqueued on queue (each in one strided command where the device has
+ * queue-ordered scratch and copy_view, else row by row). Returns 0 or the backend's code. */
+struct ape__resident_req;
+int ape__resident_write_empty(ape_queue *queue, const struct ape__problem *p,
+			      const struct ape__resident_req *r);
+
+/* ape_attention_enqueue_varlen() with its messages starting with fn (the DLPack call's). */
+int ape__attention_enqueue_varlen(const char *fn, ape_queue *queue, const ape_attn_desc *desc,
+				  const ape_varlen *vl, const ape_dtensor *q, const ape_dtensor *k,
+				  const ape_dtensor *v, const ape_dtensor *o,
+				  const ape_dtensor *lse);
+
 /* ape_attention_enqueue_diag() with its messages starting with fn (the DLPack call's). */
 int ape__attention_enqueue_diag(const char *fn, ape_queue *queue, const ape_attn_desc *desc,
 				const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,

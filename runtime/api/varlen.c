@@ -127,13 +127,8 @@ static int check_distances(const char *fn, const ape_varlen *vl)
 	return 0;
 }
 
-int ape__varlen_check(const char *fn, const ape_attn_desc *desc, const ape_varlen *vl,
-		      const ape_exec_options *opts, const ape_tensor *q, const ape_tensor *k,
-		      const ape_tensor *v, const ape_tensor *o, const float *lse,
-		      struct ape__problem *p)
+int ape__varlen_check_desc(const char *fn, const ape_attn_desc *desc, const ape_varlen *vl)
 {
-	int ret;
-
 	if (!vl)
 		return ape__error(APE_EINVAL, "%s: vl = NULL", fn);
 	if (vl->struct_size != sizeof(*vl))
@@ -149,6 +144,37 @@ int ape__varlen_check(const char *fn, const ape_attn_desc *desc, const ape_varle
 				  "from vl (pos_q, pos_k or the per-sequence defaults)",
 				  fn, desc->q_start_set ? "q_start" : "k_start",
 				  desc->q_start_set ? desc->q_start : desc->k_start);
+	return 0;
+}
+
+int ape__varlen_check_batch(const char *fn, const ape_varlen *vl, const struct ape__problem *p,
+			    const char *q_name)
+{
+	int ret;
+
+	if (p->B != 1)
+		return ape__error(APE_EINVAL,
+				  "%s: %s->shape[0] = %" PRId64 ": a ragged batch is one "
+				  "packed [1, H, total, D] tensor (ape_tensor_init_packed())",
+				  fn, q_name, p->B);
+	if (vl->num_seqs < 0)
+		return ape__error(APE_EINVAL, "%s: vl->num_seqs = %" PRId64 ": must be >= 0", fn,
+				  vl->num_seqs);
+	if ((ret = check_offsets(fn, "cu_seqlens_q", vl->cu_seqlens_q, vl->num_seqs, p->Lq)) ||
+	    (ret = check_offsets(fn, "cu_seqlens_k", vl->cu_seqlens_k, vl->num_seqs, p->Lk)))
+		return ret;
+	return check_distances(fn, vl);
+}
+
+int ape__varlen_check(const char *fn, const ape_attn_desc *desc, const ape_varlen *vl,
+		      const ape_exec_options *opts, const ape_tensor *q, const ape_tensor *k,
+		      const ape_tensor *v, const ape_tensor *o, const float *lse,
+		      struct ape__problem *p)
+{
+	int ret;
+
+	if ((ret = ape__varlen_check_desc(fn, desc, vl)))
+		return ret;
 	if (opts && opts->trace_path)
 		return ape__error(APE_EINVAL,
 				  "%s: opts->trace_path = \"%s\": ragged calls write no trace yet",
@@ -166,14 +192,7 @@ int ape__varlen_check(const char *fn, const ape_attn_desc *desc, const ape_varle
 	/* the packed tensors as one dense problem: shapes, types, strides, overlaps, params */
 	if ((ret = ape__problem_init(p, fn, desc, q, k, v, o, lse)))
 		return ret;
-	if (vl->num_seqs < 0)
-		ret = ape__error(APE_EINVAL, "%s: vl->num_seqs = %" PRId64 ": must be >= 0", fn,
-				 vl->num_seqs);
-	else if (!(ret = check_offsets(fn, "cu_seqlens_q", vl->cu_seqlens_q, vl->num_seqs,
-				       p->Lq)) &&
-		 !(ret = check_offsets(fn, "cu_seqlens_k", vl->cu_seqlens_k, vl->num_seqs, p->Lk)))
-		ret = check_distances(fn, vl);
-	if (ret)
+	if ((ret = ape__varlen_check_batch(fn, vl, p, "q")))
 		ape__problem_fini(p);
 	return ret;
 }
@@ -410,13 +429,9 @@ static void publish(struct vcall *c, ape_tensor *o, float *lse)
 
 /* ------------------------------------------------------------------ one ragged launch */
 
-/*
- * The batch as segments (struct ape__seg: each query run with the one key run it sees), into
- * *out (owned by the caller): 1; 0 when some query run sees several key runs (positions with
- * gaps or repeats among the keys), which only the pieces above serve; or APE_ENOMEM.
- */
-static int build_segments(const char *fn, const ape_varlen *vl, bool causal,
-			  struct ape__seg **out, int64_t *nout)
+/* The batch as segments (api/varlen.h). */
+int ape__varlen_segments(const char *fn, const ape_varlen *vl, bool causal,
+			 struct ape__seg **out, int64_t *nout)
 {
 	int64_t n = 0, cap = vl->num_seqs + 16;
 	struct ape__seg *sg = ape__malloc((size_t)cap * sizeof(*sg));
@@ -515,7 +530,7 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 	*ret = 0;
 	if (!devices_take_segments(c->devs, c->ndev) || p->Lk == 0)
 		return 0;
-	r = build_segments(c->fn, c->vl, p->causal, &sg, &n);
+	r = ape__varlen_segments(c->fn, c->vl, p->causal, &sg, &n);
 	if (r <= 0) {
 		*ret = r;
 		return r < 0;

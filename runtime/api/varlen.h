@@ -19,6 +19,12 @@
  * overlaps, parameters: *p, which the caller frees with ape__problem_fini() on success), and
  * every sequence's distances (APE_EOVERFLOW naming the sequence). lse may be NULL.
  */
+/* The parts of ape__varlen_check() the device-resident call shares: vl and desc (before the
+ * tensors), then the batch against the packed tensors' problem *p (B = 1, naming q_name's
+ * shape[0] otherwise; the offsets against p's totals; the distances). */
+int ape__varlen_check_desc(const char *fn, const ape_attn_desc *desc, const ape_varlen *vl);
+int ape__varlen_check_batch(const char *fn, const ape_varlen *vl, const struct ape__problem *p,
+			    const char *q_name);
 int ape__varlen_check(const char *fn, const ape_attn_desc *desc, const ape_varlen *vl,
 		      const ape_exec_options *opts, const ape_tensor *q, const ape_tensor *k,
 		      const ape_tensor *v, const ape_tensor *o, const float *lse,
@@ -35,6 +41,15 @@ int64_t ape__varlen_run_end(const ape_varlen *vl, bool query, int64_t s, int64_t
 /* Whether a query of rows [a, b) of sequence s can see the key run starting at kc. */
 bool ape__varlen_run_visible(const ape_varlen *vl, bool causal, int64_t s, int64_t a, int64_t b,
 			     int64_t kc);
+
+/*
+ * A validated batch as segments (struct ape__seg: each query run with the one key run it sees,
+ * lk = 0 for a run that sees no key), in row order, into *out (malloc'd, owned by the caller)
+ * and *nout: returns 1; 0 when some query run sees several key runs (positions with gaps or
+ * repeats among a sequence's keys), *out untouched; or APE_ENOMEM (message naming fn).
+ */
+int ape__varlen_segments(const char *fn, const ape_varlen *vl, bool causal,
+			 struct ape__seg **out, int64_t *nout);
 
 /* The pieces' statistics: x added to *t (the first taken whole); the sum reported into the
  * caller's stats (its struct_size kept) with the call's wall time since t0. */

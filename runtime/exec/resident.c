@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "core/context.h"
 #include "core/error.h"
 #include "exec/launch.h"
@@ -85,13 +86,18 @@ int ape__resident_plan(const struct ape__resident_req *r, int64_t *rows_per_laun
 int ape__resident_enqueue(const struct ape__resident_req *r, int64_t rows)
 {
 	const struct ape__problem *p = r->p;
+	struct ape__seg *clip = NULL;
 	struct ape__launch l;
+	int ret = 0;
 
 	template_of(r, &l);
 	l.pairs = rows == p->Lq ? r->pairs : NULL;
-	for (int64_t i0 = 0; i0 < p->Lq; i0 += rows) {
+	/* a ragged call: each launch takes the segments of its rows (every key stays in view) */
+	if (p->segs && !(clip = ape__malloc((size_t)p->nseg * sizeof(*clip))))
+		return ape__error(APE_ENOMEM, "%s: out of host memory for %" PRId64 " segments",
+				  r->fn, p->nseg);
+	for (int64_t i0 = 0; i0 < p->Lq && !ret; i0 += rows) {
 		const int64_t n = p->Lq - i0 < rows ? p->Lq - i0 : rows;
-		int ret;
 
 		/* rows [i0, i0 + n) of Q, O and LSE: the same views, moved along L */
 		l.Lq = n;
@@ -101,9 +107,12 @@ int ape__resident_enqueue(const struct ape__resident_req *r, int64_t rows)
 		l.view[APE__T_LSE].off = r->view[APE__T_LSE].off + i0 * r->view[APE__T_LSE].sl;
 		for (int d = 0; d < 2; d++)
 			l.diag_view[d].off = r->diag_view[d].off + i0 * r->diag_view[d].sl;
+		if (clip) {
+			l.segs = clip;
+			l.nseg = ape__segs_clip(p->segs, p->nseg, i0, n, 0, p->Lk, clip);
+		}
 		ret = r->dev->be->ops->attention(r->q, &l);
-		if (ret)
-			return ret;
 	}
-	return 0;
+	free(clip);
+	return ret;
 }
