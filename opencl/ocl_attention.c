@@ -28,6 +28,7 @@
 #define F_PRIOR 1024
 #define F_DIAG 2048
 #define F_SEGS 4096
+#define F_POS 8192
 #define SEGT_W 8 /* kernels/attention.cl */
 
 /* Heads per enqueue along dimension 1: GPU drivers bound a grid dimension (65535 on some). */
@@ -184,11 +185,12 @@ static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
 /*
  * A ragged launch's tables (core/backend.h, struct ape__launch.segs; kernels/attention.cl): the
  * work-groups' (segment, query tile) entries, heaviest first; each segment's key tiles (kt, 2
- * longs each: first key, end) and its first tile and tile count (st, 2 longs each). On the
- * host; uploaded by seg_upload().
+ * longs each: first key, end) and its first tile and tile count (st, 2 longs each); with
+ * explicit positions, each key tile's smallest and largest key position (tp, 2 longs each).
+ * On the host; uploaded with the launch.
  */
 struct seg_tables {
-	cl_long *wg, *kt, *st;
+	cl_long *wg, *kt, *st, *tp;
 	size_t nwg;
 	cl_long ntk; /* key tiles of every segment */
 	cl_long kpt; /* the scans' values per kv head: ntk + nseg */
@@ -199,6 +201,7 @@ static void seg_tables_free(struct seg_tables *t)
 	free(t->wg);
 	free(t->kt);
 	free(t->st);
+	free(t->tp);
 }
 
 /* Sorts work-group entries by their last field's cost, largest first (then by position). */
@@ -224,7 +227,9 @@ static int seg_tables_make(const struct ape__launch *l, int64_t bq, int64_t bk,
 	t->wg = ape__malloc(nwg * SEGT_W * sizeof(cl_long) + 1);
 	t->kt = ape__malloc(ntk * 2 * sizeof(cl_long) + 1);
 	t->st = ape__malloc((size_t)l->nseg * 2 * sizeof(cl_long) + 1);
-	if (!t->wg || !t->kt || !t->st) {
+	if (l->pos_k)
+		t->tp = ape__malloc(ntk * 2 * sizeof(cl_long) + 1);
+	if (!t->wg || !t->kt || !t->st || (l->pos_k && !t->tp)) {
 		seg_tables_free(t);
 		return ape__error(APE_ENOMEM, "out of host memory for the tables of %lld segments",
 				  (long long)l->nseg);
@@ -239,13 +244,22 @@ static int seg_tables_make(const struct ape__launch *l, int64_t bq, int64_t bk,
 		for (int64_t j = 0; j < g->lk; j += bk, k++) {
 			t->kt[2 * k] = g->k0 + j;
 			t->kt[2 * k + 1] = g->k0 + (j + bk < g->lk ? j + bk : g->lk);
+			for (int64_t x = t->kt[2 * k]; t->tp && x < t->kt[2 * k + 1]; x++) {
+				const int64_t y = l->pos_k[x];
+
+				t->tp[2 * k] = x == t->kt[2 * k] || y < t->tp[2 * k] ? y : t->tp[2 * k];
+				t->tp[2 * k + 1] =
+					x == t->kt[2 * k] || y > t->tp[2 * k + 1] ? y : t->tp[2 * k + 1];
+			}
 		}
 		for (int64_t i0 = 0; i0 < g->lq; i0 += bq, w++) {
 			cl_long *e = t->wg + w * SEGT_W;
 			const int64_t last = (i0 + bq < g->lq ? i0 + bq : g->lq) - 1;
-			/* the keys its last row sees (causal: up to its diagonal), ape_math.h's rule */
-			const int64_t cost = l->causal ? ape_visible_keys(ape_sat_add(rel, last), g->lk, 1)
-						       : g->lk;
+			/* the keys its last row sees (causal: up to its diagonal), ape_math.h's rule;
+			 * with explicit positions, the segment's keys */
+			const int64_t cost = l->causal && !l->pos_q
+						     ? ape_visible_keys(ape_sat_add(rel, last), g->lk, 1)
+						     : g->lk;
 
 			e[0] = g->q0;
 			e[1] = g->lq;
@@ -253,7 +267,8 @@ static int seg_tables_make(const struct ape__launch *l, int64_t bq, int64_t bk,
 			e[3] = g->lk;
 			e[4] = rel;
 			e[5] = i0;
-			e[6] = t->st[2 * s] + s;
+			/* explicit positions: the per-tile norms themselves, no scans */
+			e[6] = t->st[2 * s] + (l->pos_q ? 0 : s);
 			e[7] = cost;
 		}
 	}
@@ -264,7 +279,8 @@ static int seg_tables_make(const struct ape__launch *l, int64_t bq, int64_t bk,
 	return 0;
 }
 
-/* The skip pre-pass: per key tile the largest key norm, then prefix and suffix maxima. */
+/* The skip pre-pass: per key tile the largest key norm, then prefix and suffix maxima; with
+ * explicit positions the per-tile norms alone, in *pre (the bound is per tile). */
 static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 		       const struct ape__launch *l, cl_mem k, cl_mem v, const cl_long4 kv[2],
 		       cl_int dt, cl_long ntk, const struct seg_tables *sg, cl_mem *pre,
@@ -272,6 +288,7 @@ static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 {
 	const cl_long nst = l->segs ? l->nseg : 0;
 	const cl_int segs = l->segs != NULL;
+	const bool pos = l->pos_q != NULL;
 	const size_t bkv = (size_t)(l->B * l->Hkv);
 	const size_t scan = bkv * (size_t)(segs ? sg->kpt : ntk + 1) * sizeof(float);
 	const cl_int D = (cl_int)l->D, Hkv = (cl_int)l->Hkv;
@@ -283,16 +300,16 @@ static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 
 	/* + 1: a ragged launch whose segments have no key at all has no tile */
 	tiles = ape__ocl_scratch(q, bkv * (size_t)ntk * sizeof(float) + 4, NULL, &err);
-	if (tiles)
+	if (tiles && !pos)
 		*pre = ape__ocl_scratch(q, scan, NULL, &err);
 	if (*pre)
 		*suf = ape__ocl_scratch(q, scan, NULL, &err);
-	if (*suf && segs) {
+	if ((*suf || (pos && tiles)) && segs) {
 		kt = ape__ocl_scratch(q, (size_t)ntk * 2 * sizeof(cl_long) + 16, sg->kt, &err);
 		if (kt)
 			st = ape__ocl_scratch(q, (size_t)nst * 2 * sizeof(cl_long), sg->st, &err);
 	}
-	if (!*suf || (segs && !st)) {
+	if (!(*suf || (pos && tiles)) || (segs && !st)) {
 		ret = ape__ocl_error(err, "clCreateBuffer (skip pre-pass)");
 		goto out_release;
 	}
@@ -318,6 +335,11 @@ static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
 		clReleaseKernel(a.k);
 	if (ret)
 		goto out_release;
+	if (pos) { /* the per-tile norms are the table */
+		*pre = tiles;
+		tiles = NULL;
+		goto out_release;
+	}
 
 	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, "ape_kscan", &a.err);
@@ -343,8 +365,57 @@ out_release:
 	return ret;
 }
 
-int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
+/* A host array uploaded for the kernels, padded to at least 16 bytes (a table may be empty,
+ * a launch one row). */
+static cl_mem upload(struct ape__queue *q, const void *host, size_t bytes, cl_int *err)
 {
+	cl_long pad[2] = { 0, 0 };
+
+	if (bytes >= sizeof(pad))
+		return ape__ocl_scratch(q, bytes, (void *)(uintptr_t)host, err);
+	if (bytes)
+		memcpy(pad, host, bytes);
+	return ape__ocl_scratch(q, sizeof(pad), pad, err);
+}
+
+/* A launch with explicit positions (l->pos_q, l->pos_k) as ape_attention_pos takes it: always
+ * ragged, one segment (*one) of every row and key when l->segs is NULL (in *x). */
+static const struct ape__launch *as_ragged(const struct ape__launch *l, struct ape__launch *x,
+					   struct ape__seg *one)
+{
+	if (!l->pos_q || l->segs)
+		return l;
+	*x = *l;
+	*one = (struct ape__seg){ .q0 = 0, .lq = l->Lq, .k0 = 0, .lk = l->Lk };
+	x->segs = one;
+	x->nseg = 1;
+	return x;
+}
+
+/* Explicit positions and the tiles' position ranges uploaded into pos[0..2] (the caller
+ * releases them): 0 or a failure (its message set). */
+static int pos_upload(struct ape__queue *q, const struct ape__launch *l,
+		      const struct seg_tables *sg, cl_mem pos[3])
+{
+	cl_int err = CL_SUCCESS;
+
+	pos[0] = upload(q, l->pos_q, (size_t)l->Lq * sizeof(cl_long), &err);
+	if (pos[0])
+		pos[1] = upload(q, l->pos_k, (size_t)l->Lk * sizeof(cl_long), &err);
+	if (pos[1])
+		pos[2] = upload(q, sg->tp, (size_t)sg->ntk * 2 * sizeof(cl_long), &err);
+	if (!pos[2])
+		return ape__ocl_error(err, "clCreateBuffer (%lld positions)",
+				      (long long)(l->Lq + l->Lk));
+	return 0;
+}
+
+int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *launch)
+{
+	struct ape__launch rag;
+	struct ape__seg one;
+	const struct ape__launch *l = as_ragged(launch, &rag, &one);
+	const bool pos = l->pos_q != NULL;
 	const struct ape__ocl_program *pr;
 	const cl_int D = (cl_int)l->D, H = (cl_int)l->H, group = (cl_int)(l->H / l->Hkv);
 	const cl_long Lq = l->Lq, Lk = l->Lk, rel = l->q_start - l->k_start;
@@ -352,7 +423,7 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 		       prior_tol = (cl_float)l->prior_tol;
 	cl_int flags = (cl_int)l->in_dtype | (cl_int)l->out_dtype << 2;
 	cl_mem prm = NULL, pre = NULL, suf = NULL, none = NULL, kp = NULL, vf = NULL, kbuf, vbuf;
-	cl_mem segt = NULL;
+	cl_mem segt = NULL, posb[3] = { NULL, NULL, NULL };
 	struct seg_tables sg = { 0 };
 	struct ape__ocl_args a = { 0 };
 	const cl_long4 vq = ocl_view(l, APE__T_Q, false), vo = ocl_view(l, APE__T_O, false),
@@ -364,12 +435,13 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	cl_int err;
 	int ret;
 
-	/* fast paths: ocl_fast.h; a launch with pages was accepted by the decode */
-	if (l->pages || ape__ocl_decode_applies(q->dev, l))
+	/* fast paths: ocl_fast.h; a launch with pages was accepted by the decode; explicit
+	 * positions take the general kernel's ape_attention_pos only */
+	if (!pos && (l->pages || ape__ocl_decode_applies(q->dev, l)))
 		return ape__ocl_decode(q, l);
-	if (ape__ocl_separable_applies(q->dev, l))
+	if (!pos && ape__ocl_separable_applies(q->dev, l))
 		return ape__ocl_separable(q, l);
-	if (ape__ocl_split_applies(q->dev, l))
+	if (!pos && ape__ocl_split_applies(q->dev, l))
 		return ape__ocl_split(q, l);
 	ret = ape__ocl_program_get(q->dev, l->D, &pr);
 	if (ret)
@@ -383,7 +455,9 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 			return ret;
 		nqt = sg.nwg;
 		ntk = sg.ntk;
-		flags |= F_SEGS;
+		flags |= F_SEGS | (pos ? F_POS : 0);
+		if (pos) /* the per-tile norms: ntk per kv head */
+			sg.kpt = sg.ntk;
 	}
 	flags |= (l->causal ? F_CAUSAL : 0) | (l->lse ? F_LSE : 0) | (l->pairs ? F_PAIRS : 0);
 	flags |= l->layout == APE_ROPE_INTERLEAVED ? F_INTERLEAVED : 0;
@@ -400,6 +474,8 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 		ret = ape__ocl_error(err, "clCreateBuffer (%s)", prm ? "segments" : "parameters");
 		goto out_release;
 	}
+	if (pos && (ret = pos_upload(q, l, &sg, posb)))
+		goto out_release;
 	if (ocl_kv_prep(q, pr, l, &kp, &vf, &kbuf, &vbuf, kv, &ret))
 		flags |= F_KV_F32;
 	if (ret)
@@ -410,7 +486,7 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 			       &sg, &pre, &suf)))
 		goto out_release;
 
-	a.k = clCreateKernel(pr->prog, "ape_attention", &a.err);
+	a.k = clCreateKernel(pr->prog, pos ? "ape_attention_pos" : "ape_attention", &a.err);
 	ape__ocl_arg(&a, sizeof(cl_mem), &l->q->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), &kbuf);
 	ape__ocl_arg(&a, sizeof(cl_mem), &vbuf);
@@ -442,11 +518,14 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(vm), &vm);
 	ape__ocl_arg(&a, sizeof(cl_mem), &segt);
 	ape__ocl_arg(&a, sizeof(sg.kpt), &sg.kpt);
+	for (int i = 0; pos && i < 3; i++) /* POSQ, POSK, TPOS */
+		ape__ocl_arg(&a, sizeof(cl_mem), &posb[i]);
 	if (a.err != CL_SUCCESS)
-		ret = ape__ocl_error(a.err, "setting up ape_attention");
+		ret = ape__ocl_error(a.err, "setting up %s",
+				     pos ? "ape_attention_pos" : "ape_attention");
 	else
 		ret = ape__ocl_enqueue(q, a.k, nqt * (size_t)pr->t.nwi, (size_t)pr->t.nwi,
-				  (size_t)(l->B * l->H), "ape_attention");
+				  (size_t)(l->B * l->H), pos ? "ape_attention_pos" : "ape_attention");
 	if (a.k)
 		clReleaseKernel(a.k);
 out_release:
@@ -454,6 +533,9 @@ out_release:
 		clReleaseMemObject(prm);
 	if (segt)
 		clReleaseMemObject(segt);
+	for (int i = 0; i < 3; i++)
+		if (posb[i])
+			clReleaseMemObject(posb[i]);
 	seg_tables_free(&sg);
 	if (kp)
 		clReleaseMemObject(kp);

@@ -318,14 +318,18 @@ out:
 }
 
 /* What ocl_attention.c allocates for the general kernel: float32 copies of K and V, per-tile
- * key norms with prefix and suffix maxima, the parameters. */
+ * key norms with prefix and suffix maxima, the parameters, explicit positions. */
 static uint64_t general_scratch(const struct ape__launch *l)
 {
 	/* ntk bounded by one key per tile (the tile can shrink to fit local memory) */
 	const uint64_t kv = (uint64_t)(l->B * l->Hkv), ntk = (uint64_t)l->Lk;
 
+	/* explicit positions (counted always: the planner asks with a launch's shape alone):
+	 * each row's and key's, and each tile's range */
+	const uint64_t pos = 8 * (uint64_t)(l->Lq + l->Lk) + 16 * ntk + 48;
+
 	return 2 * kv * (uint64_t)(l->Lk * l->D) * 4 + 4 * kv * (3 * ntk + 2) +
-	       8 * (uint64_t)(l->D / 2 + 4 * l->H) + 4096;
+	       8 * (uint64_t)(l->D / 2 + 4 * l->H) + 4096 + pos;
 }
 
 uint64_t ape__ocl_attention_scratch(struct ape_device *dev, const struct ape__launch *l)

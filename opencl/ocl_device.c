@@ -260,6 +260,9 @@ static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_devic
 		.timestamps = true, /* profiling queues (a wrapped queue may have none: ENOTSUP) */
 		/* ragged launches: the general kernel's and the separable path's segment tables */
 		.segments = true,
+		/* explicit positions: the general kernel's ape_attention_pos (every launch with
+		 * them goes there, the fast paths take implied positions only) */
+		.positions = true,
 		.max_alloc = od->max_alloc, /* checked in buf_alloc: some drivers fail late */
 	};
 	ret = ape__device_add(be, &info, &caps, rank, od);

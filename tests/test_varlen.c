@@ -273,6 +273,31 @@ static void describe(const struct batch *b, enum pos_mode m, char *buf, size_t n
 		 b->desc.causal ? "causal" : "not causal", mode_names[m], b->desc.skip_tol);
 }
 
+/* Batch b (its positions of mode m) through ape_attention_forward_varlen_ex() on dev with
+ * opts, the statistics into *st, every sequence against the oracle within the tolerances. */
+static void run_checked(struct __test_metadata *_metadata, ape_device *dev,
+			const ape_exec_options *opts, struct batch *b, enum pos_mode m,
+			ape_stats *st)
+{
+	ape_varlen vl;
+	char what[256];
+	double eo, el;
+	uint64_t pairs;
+
+	describe(b, m, what, sizeof(what));
+	batch_varlen(b, &vl);
+	ape_stats_init(st);
+	ASSERT_EQ(0, ape_attention_forward_varlen_ex(&dev, 1, opts, &b->desc, &vl, &b->q.t,
+						     &b->k.t, &b->v.t, &b->o.t, b->lse, st))
+	TH_LOG("%s: %s", what, ape_last_error());
+	ASSERT_EQ(0, batch_check(b, &eo, &el, &pairs));
+	EXPECT_LE(eo, test_tol_o(b->dt) + test_skip_tol_o(b->desc.skip_tol))
+	TH_LOG("%s: O error %g of max|V|", what, eo);
+	EXPECT_LE(el, test_tol_lse(b->dt) + test_skip_tol_lse(b->desc.skip_tol))
+	TH_LOG("%s: LSE error %g", what, el);
+	EXPECT_EQ(pairs, st->pairs_visible) TH_LOG("%s", what);
+}
+
 static void run_batches(struct __test_metadata *_metadata, ape_device *dev, int cases, int64_t S,
 			int64_t maxq, int64_t maxk, const ape_exec_options *opts)
 {
@@ -282,25 +307,10 @@ static void run_batches(struct __test_metadata *_metadata, ape_device *dev, int 
 	for (int c = 0; c < cases; c++) {
 		const enum pos_mode m = (enum pos_mode)(c % POS_MODES);
 		struct batch b;
-		ape_varlen vl;
 		ape_stats st;
-		char what[256];
-		double eo, el;
-		uint64_t pairs;
 
 		ASSERT_EQ(0, batch_make(&b, &rng, ape_rng_range(&rng, 1, S), maxq, maxk, m));
-		describe(&b, m, what, sizeof(what));
-		batch_varlen(&b, &vl);
-		ape_stats_init(&st);
-		ASSERT_EQ(0, ape_attention_forward_varlen_ex(&dev, 1, opts, &b.desc, &vl, &b.q.t,
-							     &b.k.t, &b.v.t, &b.o.t, b.lse, &st))
-		TH_LOG("%s: %s", what, ape_last_error());
-		ASSERT_EQ(0, batch_check(&b, &eo, &el, &pairs));
-		EXPECT_LE(eo, test_tol_o(b.dt) + test_skip_tol_o(b.desc.skip_tol))
-		TH_LOG("%s: O error %g of max|V|", what, eo);
-		EXPECT_LE(el, test_tol_lse(b.dt) + test_skip_tol_lse(b.desc.skip_tol))
-		TH_LOG("%s: LSE error %g", what, el);
-		EXPECT_EQ(pairs, st.pairs_visible) TH_LOG("%s", what);
+		run_checked(_metadata, dev, opts, &b, m, &st);
 		batch_free(&b);
 	}
 }
@@ -410,6 +420,118 @@ TEST_F(dev, thousands_of_tiny_sequences)
 		EXPECT_EQ(1, st.chunks) TH_LOG("%lld sequences: launches", (long long)b.S);
 	} else {
 		EXPECT_GE(st.chunks, (uint64_t)with_keys) TH_LOG("launches");
+	}
+	batch_free(&b);
+}
+
+/* Sequence s's positions made arbitrary: its keys a random permutation of base, base + 1, ...
+ * with a gap after some and some repeated, its queries drawn over the same range (repeats
+ * among them, any order): no run structure at all. */
+static void arbitrary_positions(struct batch *b, ape_rng *r, int64_t s)
+{
+	const int64_t k0 = b->cuk[s], lk = b->cuk[s + 1] - k0;
+	const int64_t q0 = b->cuq[s], lq = b->cuq[s + 1] - q0;
+	const int64_t base = ape_rng_range(r, -1000, 1000);
+	int64_t *pk = b->posk + k0, x = base;
+
+	for (int64_t j = 0; j < lk; j++) {
+		x += ape_rng_range(r, 0, 3) ? 1 : ape_rng_range(r, 0, 1) ? 0 : ape_rng_range(r, 2, 30);
+		pk[j] = x;
+	}
+	for (int64_t j = lk - 1; j > 0; j--) {
+		const int64_t t = ape_rng_range(r, 0, j), y = pk[j];
+
+		pk[j] = pk[t];
+		pk[t] = y;
+	}
+	for (int64_t i = 0; i < lq; i++)
+		b->posq[q0 + i] = base + ape_rng_range(r, -3, x - base + 3);
+	b->explicit_pos = true;
+}
+
+/*
+ * Arbitrary positions (permuted, repeated, with gaps: no run of consecutive positions to cut
+ * the batch into) take ONE launch on a device that reads explicit positions (struct
+ * ape__dev_caps.positions: the reference, OpenCL's ape_attention_pos), decomposed into runs
+ * elsewhere; every sequence equals the oracle, in chunks of a few rows and keys too.
+ */
+TEST_F(dev, arbitrary_positions_in_one_launch)
+{
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < (self->emu ? 4 : 16); c++) {
+		struct batch b;
+		ape_stats st;
+		ape_exec_options opts;
+		const bool chunked = c % 4 == 3;
+
+		ASSERT_EQ(0, batch_make(&b, &rng, ape_rng_range(&rng, 2, 8), 40, 60, POS_SHUFFLED));
+		for (int64_t s = 0; s < b.S; s++)
+			arbitrary_positions(&b, &rng, s);
+		ape_exec_options_init(&opts);
+		if (chunked) {
+			opts.chunk_q = 23;
+			opts.chunk_k = 37;
+		}
+		run_checked(_metadata, self->dev, &opts, &b, POS_SHUFFLED, &st);
+		if (self->dev->caps.positions && !chunked && b.tq > 0 && b.tk > 0) {
+			EXPECT_EQ(1, st.chunks) TH_LOG("case %d: launches", c);
+		}
+		batch_free(&b);
+	}
+}
+
+/*
+ * Skipping with explicit positions: long sequences whose keys come in runs far apart (gaps of
+ * hundreds) and out of order, the seed's decay, skip_tol 1e-3: the far-key bound taken per key
+ * tile from its position range leaves pairs out (proven by the pair counts), within the spec's
+ * tolerance of the oracle.
+ */
+TEST_F(dev, skipping_with_gapped_positions)
+{
+	ape_rng rng;
+	struct batch b;
+	ape_stats st;
+
+	if (self->emu)
+		SKIP(return, "the emulated CUDA device: long sequences take minutes there");
+	ape_rng_init(&rng, _metadata->name);
+	/* enough rows and keys for far runs (the sequences' lengths are drawn at random) */
+	for (int tries = 0;; tries++) {
+		ASSERT_EQ(0, batch_make(&b, &rng, 3, 300, 700, POS_GAPS));
+		if ((b.tq >= 64 && b.tk >= 512) || tries == 50)
+			break;
+		batch_free(&b);
+	}
+	for (int64_t s = 0; s < b.S; s++) {
+		const int64_t k0 = b.cuk[s], lk = b.cuk[s + 1] - k0;
+		const int64_t q0 = b.cuq[s], lq = b.cuq[s + 1] - q0;
+		const int64_t runs = 1 + lk / 64;
+
+		/* run r of 64 keys at r * 1000 ..., the runs in a shuffled order */
+		for (int64_t j = 0; j < lk; j++)
+			b.posk[k0 + j] = ((j / 64) * 7919 % runs) * 1000 + j % 64;
+		for (int64_t i = 0; i < lq; i++)
+			b.posq[q0 + i] = ape_rng_range(&rng, 0, runs * 1000);
+	}
+	b.explicit_pos = true;
+	b.desc.skip_tol = 1e-3;
+	for (int h = 0; h < b.H; h++) {
+		b.prm[0][h] = 0.39685f;
+		b.prm[1][h] = b.prm[2][h] = 0.039685f;
+		b.prm[3][h] = 0.1f;
+	}
+	run_checked(_metadata, self->dev, NULL, &b, POS_GAPS, &st);
+	/* the reference computes every pair (it skips nothing); a kernel that reads the
+	 * positions must prove that it skips here */
+	if (self->dev->caps.positions && strcmp(variant->backend, "ref")) {
+		EXPECT_GT(st.pairs_visible, st.pairs_computed)
+		TH_LOG("%llu visible pairs, %llu computed: nothing skipped",
+		       (unsigned long long)st.pairs_visible, (unsigned long long)st.pairs_computed);
+	}
+	if (self->dev->caps.positions) {
+		EXPECT_EQ(1, st.chunks) TH_LOG("launches");
 	}
 	batch_free(&b);
 }

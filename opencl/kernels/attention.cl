@@ -72,13 +72,21 @@ typedef ape_vint vi;
 typedef ape_vreal vr;
 #define TO_VF(x) APE_V_FLOAT(x)
 #if APE_RW == 1
+typedef long vlg; /* explicit positions (ape_attention_pos): one per row */
 #define VL(p) (*(p))
 #define VS(v, p) (*(p) = (v))
 #define TO_VR(x) ((APE_REAL)(x))
+#define AS_VLG(x) as_long(x)
+#define AS_VULG(x) as_ulong(x)
+#define VIS_OF(c) (c) /* a comparison's result as a select() condition */
 #else
+typedef CAT(long, APE_RW) vlg;
 #define VL(p) CAT(vload, APE_RW)(0, (p))
 #define VS(v, p) CAT(vstore, APE_RW)((v), 0, (p))
 #define TO_VR(x) CAT(CAT(convert_, APE_REAL), APE_RW)(x)
+#define AS_VLG(x) CAT(as_long, APE_RW)(x)
+#define AS_VULG(x) CAT(as_ulong, APE_RW)(x)
+#define VIS_OF(c) CAT(convert_int, APE_RW)(c)
 #endif
 
 __constant int ape_iota[16] = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15 };
@@ -100,10 +108,12 @@ __constant int ape_iota[16] = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 #define F_PRIOR 1024 /* PRIOR holds each row's LSE from earlier launches (for skipping) */
 #define F_DIAG 2048 /* ENT and MDIST: the rows' entropy and mean distance (docs/diagnostics.md) */
 #define F_SEGS 4096 /* a ragged launch: each work-group's segment and tile from SEGT (below) */
+#define F_POS 8192 /* explicit positions (ape_attention_pos, always with F_SEGS) */
 
 /* A ragged launch's work-group table (ocl_attention.c builds it): SEGT_W longs per work-group,
  * its segment's first query row, rows, first key row, keys, rel (q_start - k_start), the
- * tile's first row within the segment, and the segment's offset in the key-norm scans. */
+ * tile's first row within the segment, and the segment's offset in the key-norm scans (with
+ * F_POS: its first key tile among the launch's, in the per-tile norms and positions). */
 #define SEGT_W 8
 
 /* storage types: ape_dtype values */
@@ -293,10 +303,8 @@ KFN void rows_init(const struct run *R, struct rows *r, long i, int rb)
  * shares with this one (half of them when the walk steps to a neighbour) instead of another
  * log1p, sqrt and division each: the tables had cost a seventh of the dense kernel's time.
  */
-KFN void tile_load(const struct run *R, long j0, int len, long nbase, APE_REAL bref,
-		   __local float *ku, __local float *kw, __local float *vt, __local float *ttab,
-		   __local float *btab, __local const APE_REAL *rold, __local APE_REAL *rnew,
-		   long shift, int reuse)
+KFN void tile_kv(const struct run *R, long j0, int len, __local float *ku, __local float *kw,
+		 __local float *vt)
 {
 	const int P = DIM / 2;
 
@@ -313,6 +321,14 @@ KFN void tile_load(const struct run *R, long j0, int len, long nbase, APE_REAL b
 				vt[j * DIM + d] = 0.0f;
 		}
 	}
+}
+
+KFN void tile_load(const struct run *R, long j0, int len, long nbase, APE_REAL bref,
+		   __local float *ku, __local float *kw, __local float *vt, __local float *ttab,
+		   __local float *btab, __local const APE_REAL *rold, __local APE_REAL *rnew,
+		   long shift, int reuse)
+{
+	tile_kv(R, j0, len, ku, kw, vt);
 	NOUNROLL
 	for (int e = R->wi; e < BQ + APE_BK - 1; e += APE_NWI) {
 		const long eo = e + shift; /* the same distance in the previous tile's table */
@@ -417,7 +433,7 @@ KFN void tile_scores(const struct run *R, const struct rows *r, long nbase, int 
 		} else {                                                                           \
 			NOUNROLL for (int j = 0; j < len; j++) {                                   \
 				const vf pj = sc[j];                                               \
-				const vi vis = ii - j >= lim;                                      \
+				const vi vis = pos ? VIS_OF(pq >= (vlg)pk[j]) : ii - j >= lim;     \
 				__local const float *vv = vt + j * DIM + d0;                       \
 				_Pragma("unroll") for (int dd = 0; dd < (W); dd++) a[dd] =         \
 					fma(pj, select((vf)0.0f, (vf)vv[dd], vis), a[dd]);         \
@@ -432,10 +448,11 @@ KFN void tile_scores(const struct run *R, const struct rows *r, long nbase, int 
  * row's largest and change nothing, but an x86 FMA with a subnormal operand takes a microcode
  * assist, and a decaying bias makes every row meet a band of them: the dense kernel with the
  * seed's parameters ran at less than half speed. A NaN score keeps its NaN (a comparison
- * with NaN is false).
+ * with NaN is false). pos (ape_attention_pos): the rows' positions pq and the tile's keys' pk
+ * decide visibility (mask: causal) and the distances, instead of the diagonal (lim, nbase).
  */
 KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int mask, long nbase,
-		      __local const float *vt, vf *sc)
+		      __local const float *vt, vf *sc, int pos, vlg pq, __local const long *pk)
 {
 	const vi ii = r->rb + IOTA;
 	vf mt = r->m, corr, lsum = (vf)0.0f;
@@ -465,7 +482,9 @@ KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int
 			sc[j] = pj;
 			lsum += pj;
 			s1 += select(pj * dj, (vf)0.0f, pj == (vf)0.0f); /* ape_diag_s1_term() */
-			s2 = fma(pj, fabs(nf - (float)j), s2);
+			s2 = fma(pj, pos ? fabs(TO_VF(AS_VLG(AS_VULG(pq) - (ulong)pk[j])))
+					 : fabs(nf - (float)j),
+				 s2);
 		}
 		r->s1 = s1;
 		r->s2 = s2;
@@ -553,10 +572,12 @@ KFN int rows_skip_all(const struct run *R, const struct rows *r, APE_REAL kall)
 
 /* LSE (c_row + m + ln l, -inf with no key) and the pairs computed, row by row; O = acc / l (0
  * with no key, NaN stays NaN) straight out (one row per work-item) or into the transposing
- * stage (rows in vector lanes). The visited keys are [jbeg, jend). */
+ * stage (rows in vector lanes), which stage_store() writes out. The visited keys are
+ * [jbeg, jend), or the pairs seen[] per lane when not NULL. */
 KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long jend,
 		     __global void *O, __global float *LSE, __global ulong *PAIRS,
-		     __global float *ENT, __global float *MDIST, __local float *stage)
+		     __global float *ENT, __global float *MDIST, __local float *stage,
+		     const ulong *seen)
 {
 	const vf inv = select((vf)1.0f / r->l, (vf)0.0f, r->l == (vf)0.0f);
 	float ms[APE_RW], ls[APE_RW], s1s[APE_RW], s2s[APE_RW];
@@ -586,9 +607,10 @@ KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long 
 				MDIST[R->mbase + i * R->msl] = (float)ape_diag_distance(
 					(APE_REAL)ls[k], (APE_REAL)s2s[k]);
 		}
-		if (R->flags & F_PAIRS) {
+		if (R->flags & F_PAIRS) { /* seen: each lane's count (explicit positions) */
 			PAIRS[R->pbase + i] =
-				(ulong)ape_row_visible_pairs(diag, jbeg, jend, R->causal);
+				seen ? seen[k]
+				     : (ulong)ape_row_visible_pairs(diag, jbeg, jend, R->causal);
 		}
 	}
 #if APE_RW == 1
@@ -604,32 +626,44 @@ KFN void rows_finish(const struct run *R, const struct rows *r, long jbeg, long 
 #endif
 }
 
-__kernel __attribute__((reqd_work_group_size(APE_NWI, 1, 1))) void
-ape_attention(__global const void *Q, __global const void *K, __global const void *V,
-	      __global void *O, __global float *LSE, __global ulong *PAIRS,
-	      __global const float *PRIOR, __global const APE_REAL *prm, __global const float *kpre,
-	      __global const float *ksuf, int D, long Lq, long Lk, int H, int group, long rel,
-	      float scale, float skip_tol, float prior_tol, int flags, long4 vq, long4 vk,
-	      long4 vv, long4 vo, long4 vl, __global float *ENT, __global float *MDIST, long4 ve,
-	      long4 vm, __global const long *SEGT, long kpt)
+/* The rows of a launch in vector lanes, written out of the transposing stage as whole rows
+ * (after rows_finish()); nothing to do with one row per work-item. */
+KFN void stage_store(const struct run *R, __global void *O, __local const float *stage)
 {
-	__local float kv[KV_FLOATS];
-	__local float ttab[BQ + APE_BK], btab[BQ + APE_BK];
-	__local APE_REAL rawtab[2][2 * (BQ + APE_BK)]; /* this tile's and the previous tile's */
-#if APE_NWI > 1
-	__local int slots[2 * APE_NWI];
+#if APE_RW > 1
+	WG_BARRIER();
+	NOUNROLL
+	for (int rr = R->wi; rr < BQ; rr += APE_NWI) {
+		const long i = R->i0 + rr;
+
+		if (i >= R->Lq)
+			break;
+		NOUNROLL
+		for (int d = 0; d < DIM; d++)
+			st(O, R->obase + i * R->osl + d, stage[d * BQ + rr], F_DT_OUT(R->flags));
+	}
+#else
+	(void)R;
+	(void)O;
+	(void)stage;
 #endif
+}
+
+/* The launch's constants into *R, for this work-group and (batch, head): a ragged launch's
+ * (F_SEGS) from its entry of SEGT, the segment as a problem of its own; *q0 and *k0 its first
+ * query and key rows in the launch (0 without segments). */
+KFN void run_setup(struct run *R, __global const void *Q, __global const void *K,
+		   __global const void *V, __global const float *PRIOR,
+		   __global const APE_REAL *prm, int D, long Lq, long Lk, int H, int group,
+		   long rel, float scale, float skip_tol, float prior_tol, int flags, long4 vq,
+		   long4 vk, long4 vv, long4 vo, long4 vl, long4 ve, long4 vm,
+		   __global const long *SEGT, long kpt, long *q0p, long *k0p)
+{
 	const int h = (int)(get_global_id(1) % H);
-	struct run run, *R = &run;
-	struct rows rg[APE_RG];
-	vf sc[APE_BK]; /* one tile's scores, then weights */
+	long q0 = 0, k0 = 0;
 
 	R->D = D;
 	const int P = DIM / 2; /* a constant in the specialised programs */
-	__local float *ku = kv, *kw = kv + APE_BK * P, *vt = kv + 2 * APE_BK * P;
-
-	/* a ragged launch (B = 1): this work-group's segment as a problem of its own */
-	long q0 = 0, k0 = 0;
 
 	R->i0 = ((long)get_num_groups(0) - 1 - (long)get_group_id(0)) * BQ;
 	R->pbase = get_global_id(1) * Lq;
@@ -692,6 +726,44 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 	R->scale = scale;
 	R->tol = skip_tol;
 	R->prior_tol = prior_tol;
+	*q0p = q0;
+	*k0p = k0;
+}
+
+/* The arguments both attention kernels take, in this order (ocl_attention.c sets them). */
+#define ATTN_ARGS                                                                                  \
+	__global const void *Q, __global const void *K, __global const void *V, __global void *O, \
+		__global float *LSE, __global ulong *PAIRS, __global const float *PRIOR,           \
+		__global const APE_REAL *prm, __global const float *kpre,                          \
+		__global const float *ksuf, int D, long Lq, long Lk, int H, int group, long rel,   \
+		float scale, float skip_tol, float prior_tol, int flags, long4 vq, long4 vk,       \
+		long4 vv, long4 vo, long4 vl, __global float *ENT, __global float *MDIST,          \
+		long4 ve, long4 vm, __global const long *SEGT, long kpt
+#define RUN_SETUP(R, q0, k0)                                                                       \
+	run_setup((R), Q, K, V, PRIOR, prm, D, Lq, Lk, H, group, rel, scale, skip_tol, prior_tol,  \
+		  flags, vq, vk, vv, vo, vl, ve, vm, SEGT, kpt, (q0), (k0))
+
+__kernel __attribute__((reqd_work_group_size(APE_NWI, 1, 1))) void ape_attention(ATTN_ARGS)
+{
+	__local float kv[KV_FLOATS];
+	__local float ttab[BQ + APE_BK], btab[BQ + APE_BK];
+	__local APE_REAL rawtab[2][2 * (BQ + APE_BK)]; /* this tile's and the previous tile's */
+#if APE_NWI > 1
+	__local int slots[2 * APE_NWI];
+#endif
+	struct run run, *R = &run;
+	struct rows rg[APE_RG];
+	vf sc[APE_BK]; /* one tile's scores, then weights */
+	long q0, k0;
+
+	RUN_SETUP(R, &q0, &k0);
+	const int P = DIM / 2; /* a constant in the specialised programs */
+	__local float *ku = kv, *kw = kv + APE_BK * P, *vt = kv + 2 * APE_BK * P;
+
+	/* a ragged launch (B = 1): this work-group's segment as a problem of its own */
+	Lq = R->Lq;
+	Lk = R->Lk;
+	rel = R->rel;
 
 	NOUNROLL
 	for (int g = 0; g < APE_RG; g++) {
@@ -750,7 +822,8 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 			if ((t < r->tlo && r->done_b) || (t > r->thi && r->done_f) || r->i >= Lq)
 				continue;
 			tile_scores(R, r, nbase, len, lim, mask, bref, ku, kw, ttab, btab, sc);
-			tile_softmax(R, r, len, lim, mask, nbase, vt, sc);
+			tile_softmax(R, r, len, lim, mask, nbase, vt, sc, 0, (vlg)0,
+				     (__local const long *)0);
 			r->tlo = min(r->tlo, t);
 			r->thi = max(r->thi, t);
 		}
@@ -811,28 +884,227 @@ ape_attention(__global const void *Q, __global const void *K, __global const voi
 	} while (t >= 0);
 
 	/* ---- outputs */
-	{
-		WG_BARRIER(); /* every work-item is done with the K/V tile: kv becomes the stage */
+	WG_BARRIER(); /* every work-item is done with the K/V tile: kv becomes the stage */
+	NOUNROLL
+	for (int g = 0; g < APE_RG; g++)
+		rows_finish(R, &rg[g], none ? 0 : rg[g].tlo * APE_BK,
+			    none ? 0 : min((rg[g].thi + 1) * APE_BK, Lk), O, LSE, PAIRS, ENT, MDIST,
+			    kv, (const ulong *)0);
+	stage_store(R, O, kv);
+}
+
+/*
+ * ---- Explicit positions (F_POS, core/backend.h ABI 13: struct ape__launch.pos_q, .pos_k),
+ * always through the segment table (one segment of every row and key without segments).
+ * Every pair has its own n = pos_q - pos_k, so nothing rests on consecutive positions: no
+ * rotation recurrence (each pair's angle is seeded, P ape_seed_sincos() per pair instead of
+ * per tile), no per-distance tables (temperature and bias per pair), visibility and distances
+ * from the positions. The key tiles are those of the contiguous walk (APE_BK keys of the
+ * segment each), but visited nearest first (the tile whose position range is nearest to the
+ * work-group's rows), then in order; a tile no row of the work-group sees (causal: every key
+ * after every row) is not loaded. The far-key bound is taken per key tile and per row from
+ * the tile's position range (TPOS: smallest and largest key position) and its largest key
+ * norm: the tile's smallest |n| for the row, every key of the tile counted (keys may share a
+ * distance), each tile against tol / ntk, so that the tiles a row leaves out weigh at most tol
+ * of what it computes, with gaps, repeats and any order alike.
+ */
+
+/* Per row vector: the lanes' positions and the pairs each lane computed. */
+struct prow {
+	vlg pos;
+	ulong seen[APE_RW];
+};
+
+/* The smallest |n| a row at position x has to the keys of a tile with positions tmin..tmax,
+ * or -1 when causal and it sees none of them. */
+KFN long pos_tile_min_abs(const struct run *R, long x, long tmin, long tmax)
+{
+	long lo = ape_sat_sub(x, tmax), hi = ape_sat_sub(x, tmin);
+
+	if (R->causal) {
+		if (hi < 0)
+			return -1;
+		lo = max(lo, 0L);
+	}
+	return ape_min_abs(lo, hi);
+}
+
+/* The lanes' positions (a padding lane takes the segment's last row's) and their score frame
+ * c_row: the bias at the nearest visible distance over the tiles' position ranges (a lower
+ * bound of the row's nearest |n|, so with decays >= 0 at least its largest bias). */
+KFN void pos_rows_init(const struct run *R, struct rows *r, struct prow *pw,
+		       __global const long *pq, __global const long *tp)
+{
+	long ps[APE_RW];
+
+	NOUNROLL
+	for (int k = 0; k < APE_RW; k++) {
+		long best = -1;
+
+		ps[k] = pq[min(r->i + k, R->Lq - 1)];
+		pw->seen[k] = 0;
 		NOUNROLL
-		for (int g = 0; g < APE_RG; g++)
-			rows_finish(R, &rg[g], none ? 0 : rg[g].tlo * APE_BK,
-				    none ? 0 : min((rg[g].thi + 1) * APE_BK, Lk), O, LSE, PAIRS,
-				    ENT, MDIST, kv);
-#if APE_RW > 1
-		/* lanes were rows: write whole rows from the transposing stage */
+		for (long t = 0; t < R->ntk; t++) {
+			const long d = pos_tile_min_abs(R, ps[k], tp[2 * t], tp[2 * t + 1]);
+
+			best = d >= 0 && (best < 0 || d < best) ? d : best;
+		}
+		r->crow_s[k] = ape_bias(R->delta, R->beta, R->gamma, (APE_REAL)max(best, 0L));
+	}
+	pw->pos = VL(ps);
+	r->crow = VL(r->crow_s);
+}
+
+/* May every row of r leave out the tile (len keys at positions tmin..tmax, norms at most kn),
+ * each against tol, its share of skip_tol? */
+KFN int pos_may_skip(const struct run *R, const struct rows *r, const struct prow *pw,
+		     long tmin, long tmax, int len, APE_REAL kn, APE_REAL tol)
+{
+	const APE_REAL as = fabs((APE_REAL)R->scale);
+	float ms[APE_RW], ls[APE_RW];
+	long ps[APE_RW];
+
+	VS(r->m, ms);
+	VS(r->l, ls);
+	VS(pw->pos, ps);
+	NOUNROLL
+	for (int k = 0; k < APE_RW; k++) {
+		const long an = pos_tile_min_abs(R, ps[k], tmin, tmax);
+
+		if (r->i + k >= R->Lq || an < 0)
+			continue; /* padding, or a row that sees none of the tile */
+		if (!ape_may_skip_weighed(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k], kn,
+					  (APE_REAL)an, (APE_REAL)len, r->crow_s[k], ms[k], ls[k],
+					  -INFINITY, tol))
+			return 0;
+	}
+	return 1;
+}
+
+/* The scores of the rows against the tile into sc[], each pair at its own distance (masked:
+ * -inf; a non-finite dot product: NaN, as in tile_scores()); counts the visible pairs. */
+KFN void pos_scores(const struct run *R, const struct rows *r, struct prow *pw, int len,
+		    __local const float *ku, __local const float *kw, __local const long *pk,
+		    vf *sc)
+{
+	const int P = DIM / 2;
+
+	NOUNROLL
+	for (int j = 0; j < len; j++) {
+		/* exact: every real pair's distance fits (padding lanes' wrap, unread) */
+		const vlg n = AS_VLG(AS_VULG(pw->pos) - (ulong)pk[j]);
+		const vr nr = TO_VR(n);
+		long ns[APE_RW];
+		float ts[APE_RW], bs[APE_RW];
+		vf S = (vf)0.0f;
+
+		NOUNROLL
+		for (int p = 0; p < P; p++) {
+			vf c, s = ape_seed_sincos(nr * (R->omega[p] * r->ia), &c);
+			const vf u = (vf)ku[j * P + p], w = (vf)kw[j * P + p];
+
+			S = fma(fma(r->xq[p], u, r->yq[p] * w), c, S);
+			S = fma(fma(r->xq[p], w, -(r->yq[p] * u)), s, S);
+		}
+		VS(n, ns);
+		NOUNROLL
+		for (int k = 0; k < APE_RW; k++) {
+			const APE_REAL an = (APE_REAL)ape_abs_dist(ns[k]);
+
+			ts[k] = (float)(ape_temp(R->lambda, an) * (APE_REAL)R->scale);
+			bs[k] = (float)(ape_bias(R->delta, R->beta, R->gamma, an) - r->crow_s[k]);
+			pw->seen[k] += !R->causal || ns[k] >= 0;
+		}
+		{
+			const vf s = fma(S, VL(ts), VL(bs));
+			const vi hide = R->causal ? VIS_OF(n < (vlg)0) : (vi)0;
+
+			sc[j] = select(select((vf)NAN, s, isfinite(S)), (vf)(-INFINITY), hide);
+		}
+	}
+}
+
+__kernel __attribute__((reqd_work_group_size(APE_NWI, 1, 1))) void
+ape_attention_pos(ATTN_ARGS, __global const long *POSQ, __global const long *POSK,
+		  __global const long *TPOS)
+{
+	__local float kv[KV_FLOATS];
+	__local long pk[APE_BK];
+	struct run run, *R = &run;
+	struct rows rg[APE_RG];
+	struct prow pw[APE_RG];
+	vf sc[APE_BK]; /* one tile's scores, then weights */
+	long q0, k0, qlo = LONG_MAX, qhi = LONG_MIN, start = -1, best = -1;
+
+	RUN_SETUP(R, &q0, &k0);
+	const int P = DIM / 2; /* a constant in the specialised programs */
+	__local float *ku = kv, *kw = kv + APE_BK * P, *vt = kv + 2 * APE_BK * P;
+	/* the segment's rows' and keys' positions, its tiles' position ranges */
+	__global const long *pq = POSQ + q0, *pkg = POSK + k0;
+	__global const long *tp = TPOS + 2 * SEGT[SEGT_W * get_group_id(0) + 6];
+	const APE_REAL tol = (APE_REAL)R->tol / (APE_REAL)max(R->ntk, 1L);
+
+	NOUNROLL
+	for (int g = 0; g < APE_RG; g++) {
+		const int rb = (R->wi * APE_RG + g) * APE_RW;
+
+		rows_init(R, &rg[g], R->i0 + rb, rb);
+		pos_rows_init(R, &rg[g], &pw[g], pq, tp);
+	}
+	/* the work-group's rows' positions; the tile nearest to them goes first */
+	for (long i = R->i0; i < min(R->i0 + BQ, R->Lq); i++) {
+		qlo = min(qlo, pq[i]);
+		qhi = max(qhi, pq[i]);
+	}
+	for (long t = 0; t < R->ntk; t++) {
+		/* the gap between the rows' and the tile's position ranges (causal: -1 when
+		 * every key of the tile is after every row) */
+		const long tmin = tp[2 * t], tmax = tp[2 * t + 1];
+		const long d = R->causal && tmin > qhi ? -1
+			       : tmin > qhi	       ? ape_sat_sub(tmin, qhi)
+			       : tmax < qlo	       ? ape_sat_sub(qlo, tmax)
+						       : 0;
+
+		if (d >= 0 && (best < 0 || d < best)) {
+			best = d;
+			start = t;
+		}
+	}
+
+	/* ---- the walk: the nearest tile, then every other in order (none: no row sees any) */
+	NOUNROLL
+	for (long c = 0; start >= 0 && c < R->ntk; c++) {
+		const long t = c == 0 ? start : c - 1 + (c - 1 >= start);
+		const long tmin = tp[2 * t], tmax = tp[2 * t + 1], j0 = t * APE_BK;
+		const int len = (int)min((long)APE_BK, R->Lk - j0);
+
+		if (R->causal && tmin > qhi)
+			continue; /* every key after every row: the same answer for the work-group */
+		WG_BARRIER(); /* the previous tile is no longer read */
+		tile_kv(R, j0, len, ku, kw, vt);
+		for (int j = R->wi; j < APE_BK; j += APE_NWI)
+			pk[j] = j < len ? pkg[j0 + j] : 0;
 		WG_BARRIER();
 		NOUNROLL
-		for (int rr = R->wi; rr < BQ; rr += APE_NWI) {
-			const long i = R->i0 + rr;
+		for (int g = 0; g < APE_RG; g++) {
+			struct rows *r = &rg[g];
 
-			if (i >= Lq)
-				break;
-			NOUNROLL
-			for (int d = 0; d < DIM; d++)
-				st(O, R->obase + i * R->osl + d, kv[d * BQ + rr], F_DT_OUT(flags));
+			/* padding rows alone, or every row's share of the tile provably negligible */
+			if (r->i >= R->Lq ||
+			    (R->skip &&
+			     pos_may_skip(R, r, &pw[g], tmin, tmax, len, kpre[R->kp + t], tol)))
+				continue;
+			pos_scores(R, r, &pw[g], len, ku, kw, pk, sc);
+			tile_softmax(R, r, len, 0, R->causal, 0, vt, sc, 1, pw[g].pos, pk);
 		}
-#endif
 	}
+
+	/* ---- outputs */
+	WG_BARRIER(); /* every work-item is done with the K/V tile: kv becomes the stage */
+	NOUNROLL
+	for (int g = 0; g < APE_RG; g++)
+		rows_finish(R, &rg[g], 0, 0, O, LSE, PAIRS, ENT, MDIST, kv, pw[g].seen);
+	stage_store(R, O, kv);
 }
 
 /*

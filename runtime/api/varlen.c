@@ -11,9 +11,12 @@
  * When every query run sees one key run and every device takes ragged launches (struct
  * ape__dev_caps.segments), the whole batch is one run of the dense executor over the packed
  * tensors, its runs the segments (struct ape__seg) of every launch: the same planner, chunking,
- * devices and merges, each launch serving every sequence of its rows (one_run()). Otherwise each
- * query run is one dense call per key run it sees, their partial results merged by LSE on the
- * host (exec/lse_merge.h). Either way everything is written to host staging and published once
+ * devices and merges, each launch serving every sequence of its rows (one_run()). When a query
+ * run sees several key runs (gaps, repeats, any order) and every device also reads explicit
+ * positions (.positions), it is still one run: one segment per sequence, the positions of
+ * every row and key passed along (struct ape__launch.pos_q, .pos_k). Otherwise each query run
+ * is one dense call per key run it sees, their partial results merged by LSE on the host
+ * (exec/lse_merge.h). Either way everything is written to host staging and published once
  * the whole call succeeded.
  */
 #include <inttypes.h>
@@ -478,13 +481,120 @@ int ape__varlen_segments(const char *fn, const ape_varlen *vl, bool causal,
 	return 1;
 }
 
-/* Do all of devs run a ragged batch in one launch (struct ape__dev_caps.segments)? */
-static bool devices_take_segments(ape_device *const *devs, int ndev)
+/* Do all of devs run a ragged batch in one launch (struct ape__dev_caps.segments), and with
+ * `positions`, one whose positions are explicit (.positions)? */
+static bool devices_take(ape_device *const *devs, int ndev, bool positions)
 {
 	for (int d = 0; d < ndev; d++)
-		if (!devs[d]->caps.segments)
+		if (!devs[d]->caps.segments || (positions && !devs[d]->caps.positions))
 			return false;
 	return true;
+}
+
+/* One ragged launch's explicit positions: every query row's and key row's, the caller's arrays
+ * or the defaults materialised (owned: the *own ones). */
+struct vpos {
+	const int64_t *q, *k;
+	int64_t *own_q, *own_k;
+};
+
+static void vpos_free(struct vpos *x)
+{
+	free(x->own_q);
+	free(x->own_k);
+}
+
+/*
+ * The batch as one segment per sequence with query rows (its rows against its keys) and the
+ * positions of every row and key (*pos), for devices that read explicit positions (struct
+ * ape__dev_caps.positions): when positions are not runs, this is still one launch. 0 or
+ * APE_ENOMEM.
+ */
+static int build_positions(const char *fn, const ape_varlen *vl, struct ape__seg **out,
+			   int64_t *nout, struct vpos *pos)
+{
+	const int64_t tq = vl->cu_seqlens_q[vl->num_seqs], tk = vl->cu_seqlens_k[vl->num_seqs];
+	struct ape__seg *sg = ape__malloc((size_t)vl->num_seqs * sizeof(*sg) + 1);
+	int64_t n = 0;
+
+	memset(pos, 0, sizeof(*pos));
+	pos->q = vl->pos_q;
+	pos->k = vl->pos_k;
+	if (!pos->q)
+		pos->q = pos->own_q = ape__malloc((size_t)tq * sizeof(int64_t) + 1);
+	if (!pos->k)
+		pos->k = pos->own_k = ape__malloc((size_t)tk * sizeof(int64_t) + 1);
+	if (!sg || !pos->q || !pos->k) {
+		free(sg);
+		vpos_free(pos);
+		return ape__error(APE_ENOMEM, "%s: out of host memory for the batch's positions", fn);
+	}
+	for (int64_t s = 0; s < vl->num_seqs; s++) {
+		const int64_t q0 = vl->cu_seqlens_q[s], q1 = vl->cu_seqlens_q[s + 1];
+		const int64_t k0 = vl->cu_seqlens_k[s], k1 = vl->cu_seqlens_k[s + 1];
+
+		for (int64_t i = q0; pos->own_q && i < q1; i++)
+			pos->own_q[i] = ape__varlen_qpos(vl, s, i);
+		for (int64_t j = k0; pos->own_k && j < k1; j++)
+			pos->own_k[j] = ape__varlen_kpos(vl, s, j);
+		if (q1 > q0) /* the segments partition the query rows: none for a sequence without */
+			sg[n++] = (struct ape__seg){ .q0 = q0, .lq = q1 - q0, .k0 = k0, .lk = k1 - k0 };
+	}
+	*out = sg;
+	*nout = n;
+	return 0;
+}
+
+static int cmp_i64(const void *a, const void *b)
+{
+	const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+
+	return (x > y) - (x < y);
+}
+
+/* The visible pairs of every segment at explicit positions, all heads (causal: the keys at or
+ * before each row's position, counted over the sorted key positions); -1 on overflow or out of
+ * memory (then the message is set). */
+static int positions_visible(const char *fn, const struct ape__problem *p,
+			     const struct ape__seg *sg, int64_t n, const struct vpos *pos,
+			     uint64_t *out)
+{
+	int64_t most = 0;
+	uint64_t sum = 0;
+	int64_t *keys;
+
+	for (int64_t s = 0; s < n; s++)
+		most = sg[s].lk > most ? sg[s].lk : most;
+	keys = ape__malloc((size_t)most * sizeof(int64_t) + 1);
+	if (!keys)
+		return ape__error(APE_ENOMEM, "%s: out of host memory counting pairs", fn);
+	for (int64_t s = 0; s < n; s++) {
+		uint64_t x = 0;
+
+		memcpy(keys, pos->k + sg[s].k0, (size_t)sg[s].lk * sizeof(int64_t));
+		qsort(keys, (size_t)sg[s].lk, sizeof(int64_t), cmp_i64);
+		for (int64_t i = sg[s].q0; i < sg[s].q0 + sg[s].lq; i++) {
+			int64_t lo = 0, hi = sg[s].lk; /* the first key after row i */
+
+			while (p->causal && lo < hi) {
+				const int64_t mid = lo + (hi - lo) / 2;
+
+				if (keys[mid] <= pos->q[i])
+					lo = mid + 1;
+				else
+					hi = mid;
+			}
+			x += (uint64_t)(p->causal ? lo : sg[s].lk);
+		}
+		if (x > (UINT64_MAX - sum) / (uint64_t)p->H) {
+			free(keys);
+			return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
+		}
+		sum += x * (uint64_t)p->H;
+	}
+	free(keys);
+	*out = sum;
+	return 0;
 }
 
 /* The visible pairs of every segment, all heads; -1 on overflow (not for a validated batch). */
@@ -523,24 +633,39 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 	struct ape__exec_result res;
 	struct ape__problem pp = *p;
 	struct ape__seg *sg = NULL;
+	struct vpos pos = { 0 };
 	int64_t n = 0;
 	uint64_t visible = 0;
 	int r;
 
 	*ret = 0;
-	if (!devices_take_segments(c->devs, c->ndev) || p->Lk == 0)
+	if (!devices_take(c->devs, c->ndev, false) || p->Lk == 0)
 		return 0;
 	r = ape__varlen_segments(c->fn, c->vl, p->causal, &sg, &n);
-	if (r <= 0) {
+	if (r < 0) {
 		*ret = r;
-		return r < 0;
+		return 1;
 	}
-	if (segments_visible(p, sg, n, &visible)) {
+	if (r == 0) {
+		/* positions that are not runs: one launch still, where every device reads them */
+		if (!devices_take(c->devs, c->ndev, true))
+			return 0;
+		if ((*ret = build_positions(c->fn, c->vl, &sg, &n, &pos)))
+			return 1;
+		if ((*ret = positions_visible(c->fn, p, sg, n, &pos, &visible))) {
+			free(sg);
+			vpos_free(&pos);
+			return 1;
+		}
+		pp.segs = sg;
+		pp.nseg = n;
+		pp.pos_q = pos.q;
+		pp.pos_k = pos.k;
+	} else if (segments_visible(p, sg, n, &visible)) {
 		free(sg);
 		*ret = ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", c->fn);
 		return 1;
-	}
-	if (n == 1 && sg[0].k0 == 0 && sg[0].lk == p->Lk) {
+	} else if (n == 1 && sg[0].k0 == 0 && sg[0].lk == p->Lk) {
 		/* one sequence over every key: the dense problem itself, so that every fast path
 		 * (the decode kernel's too) serves it as the dense call, bit for bit */
 		pp.q_start = sg[0].q_start;
@@ -566,6 +691,7 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 		ape__stats_report(stats, &rep);
 	}
 	free(sg);
+	vpos_free(&pos);
 	return 1;
 }
 

@@ -373,6 +373,29 @@ APE_FN ape_real ape_tail_count(ape_real count, ape_real delta)
 }
 
 /*
+ * ape_may_skip() with the tail's weight given in units of the bound at its nearest distance an
+ * (`weight` > 0): ape_tail_count() where the keys sit one per distance, the key count itself
+ * where several may share one (explicit positions with repeats: the per-tile bound of
+ * docs/kernels.md, "Ragged launches").
+ */
+APE_FN int ape_may_skip_weighed(ape_real lambda, ape_real delta, ape_real beta, ape_real gamma,
+				ape_real abs_scale, ape_real qnorm, ape_real kmax, ape_real an,
+				ape_real weight, ape_real crow, ape_real m, ape_real l,
+				ape_real prior, ape_real tol)
+{
+	ape_real u;
+
+	if (prior > m) {
+		l = l * exp(m - prior) + (ape_real)1;
+		m = prior;
+	} else if (prior > -(ape_real)INFINITY) {
+		l += exp(prior - m);
+	}
+	u = ape_score_bound(lambda, delta, beta, gamma, abs_scale, qnorm, kmax, an) - crow;
+	return ape_tail_negligible(u, m, l, weight, tol);
+}
+
+/*
  * May a row leave out `count` keys, none nearer than distance an, whose norms are at most kmax
  * (the bound of docs/kernels.md)? The row's own computed keys have maximum m and denominator l,
  * in natural-log units and in the row's frame shifted by crow (c_row: scores minus crow); prior
@@ -385,18 +408,10 @@ APE_FN int ape_may_skip(ape_real lambda, ape_real delta, ape_real beta, ape_real
 			ape_real count, ape_real crow, ape_real m, ape_real l, ape_real prior,
 			ape_real tol)
 {
-	ape_real u;
-
 	if (count <= (ape_real)0)
 		return 1;
-	if (prior > m) {
-		l = l * exp(m - prior) + (ape_real)1;
-		m = prior;
-	} else if (prior > -(ape_real)INFINITY) {
-		l += exp(prior - m);
-	}
-	u = ape_score_bound(lambda, delta, beta, gamma, abs_scale, qnorm, kmax, an) - crow;
-	return ape_tail_negligible(u, m, l, ape_tail_count(count, delta), tol);
+	return ape_may_skip_weighed(lambda, delta, beta, gamma, abs_scale, qnorm, kmax, an,
+				    ape_tail_count(count, delta), crow, m, l, prior, tol);
 }
 
 /*

@@ -99,8 +99,9 @@
  * with the device; the table checked at registration; device capabilities as data (struct
  * ape__dev_caps, passed to ape__device_add()) instead of attention_diag, attention_diag_views
  * and max_alloc, which is now the core's member.
- * 12: ragged launches: struct ape__seg, ape__launch.segs and .nseg, ape__dev_caps.segments. */
-#define APE__BACKEND_ABI 12
+ * 12: ragged launches: struct ape__seg, ape__launch.segs and .nseg, ape__dev_caps.segments.
+ * 13: explicit positions: ape__launch.pos_q and .pos_k, ape__dev_caps.positions. */
+#define APE__BACKEND_ABI 13
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -233,6 +234,26 @@ struct ape__launch {
 	 */
 	const struct ape__seg *segs;
 	int64_t nseg;
+	/*
+	 * ABI 13. Both NULL: positions as above (q_start + i and k_start + j, or a segment's
+	 * q_start and k_start). Else explicit positions, set by the core only on a device whose
+	 * capabilities say positions, both together: pos_q[i] is the position of query row i
+	 * (Lq entries) and pos_k[j] that of key row j (Lk entries), in every batch and head;
+	 * host memory owned by the core, read during the call only (a backend that needs them on
+	 * the device uploads them itself, and the upload is scratch of its own, counted by
+	 * attention_scratch). Any int64 values, any order, gaps and repeats allowed; every pair's
+	 * n = pos_q[i] - pos_k[j] a launch computes (its segment's, in a ragged launch) fits in
+	 * int64 (the core checked), the causal rule n >= 0 (pos_k[j] <= pos_q[i]). q_start and
+	 * k_start are then unused, and so are each segment's q_start and k_start: within a
+	 * segment, rows and keys are the segment's, positions are per row and per key. Allowed
+	 * with segs (a ragged batch whose sequences' positions are not runs) and without (B >= 1:
+	 * one dense problem at arbitrary positions). lse_prior and pages are NULL; strided, views,
+	 * pairs, diagnostics and skipping as in any launch, the far-key bound taken per key tile
+	 * from the tile's smallest |n| (docs/kernels.md, "Ragged launches"): several keys may sit
+	 * at one distance, so the bound counts every key, never one per distance. What holds after
+	 * a failure is the rule at the top of this file: the outputs hold unspecified values.
+	 */
+	const int64_t *pos_q, *pos_k;
 };
 
 /* The segment of a ragged launch l that holds query row i (0 <= i < l->Lq): a binary search
@@ -353,7 +374,8 @@ static inline int ape__launch_split_runs(struct ape__queue *q, const struct ape_
  * parameters and positions; f.lse is required: the rows' final LSE over every key of the row,
  * not only those of this launch, so that P_ij = exp(s_ij - LSE_i) holds whatever subset of
  * keys a launch sees. f.pairs and f.lse_prior are NULL and f.skip_tol is 0 (no backward skip
- * bound exists yet).
+ * bound exists yet); f.pos_q and f.pos_k are NULL (ABI 13: the backward pass reads no
+ * explicit positions; a ragged backward runs as runs of consecutive positions).
  *
  * The gradient buffers are accumulators: the launch ADDS its contribution to what they hold,
  * so that an executor can zero them once and run a query chunk against several key chunks
@@ -781,6 +803,11 @@ struct ape__dev_caps {
 	 * sequences in one launch. Without it the core runs ragged batches as one launch per
 	 * sequence. */
 	bool segments;
+	/* (only with segments) attention reads explicit positions (struct ape__launch.pos_q and
+	 * .pos_k, ABI 13): a ragged batch with arbitrary positions (gaps, repeats, any order) runs
+	 * as one launch. Without it the core cuts such a batch into runs of consecutive positions
+	 * and runs each query run against each key run it sees, merged (api/varlen.c). */
+	bool positions;
 	/* The largest single buf_alloc the device accepts (CL_DEVICE_MAX_MEM_ALLOC_SIZE); the
 	 * planner keeps every chunk below it. UINT64_MAX: no limit but the device's memory (0
 	 * given to ape__device_add() means that too). */

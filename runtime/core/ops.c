@@ -290,6 +290,7 @@ int ape__device_check(const struct ape_device *dev, char *why, size_t cap)
 	} rules[] = {
 		{ "host_memory", c->host_memory, OP(t, buf_wrap) },
 		{ "diag_views", c->diag_views, { "diag", c->diag } },
+		{ "positions", c->positions, { "segments", c->segments } },
 		{ "backward", c->backward, OP(t, attention_backward) },
 		{ "resident_backward", c->resident_backward, { "backward", c->backward } },
 		{ "resident_backward", c->resident_backward,

@@ -32,7 +32,7 @@ static double chunk_cost(void *arg, int64_t i0, int64_t n)
 	struct ape__problem sub = *p;
 	uint64_t pairs = 0;
 
-	if (x->skipping || p->segs)
+	if (x->skipping || p->segs || p->pos_q)
 		return (double)n; /* a ragged call: rows (their sequences' lengths vary anyway) */
 	sub.Lq = n;
 	sub.q_start = p->q_start + i0;
@@ -50,9 +50,10 @@ static int prepare(void *arg, const struct ape__plan *plan, int d)
 
 	if (d == 0) {
 		ape__skip_budget(p->skip_tol, p->causal, plan->ni, false, &x->call.tol);
-		/* chunk-level skipping reasons about one sequence's positions: not ragged calls
-		 * (their launches still skip within each segment) */
-		x->skipping = ape__skip_allowed(p) && plan->ni > 1 && !p->segs;
+		/* chunk-level skipping reasons about one sequence's contiguous positions: not
+		 * ragged calls nor explicit positions (their launches still skip within each
+		 * segment, per key tile) */
+		x->skipping = ape__skip_allowed(p) && plan->ni > 1 && !p->segs && !p->pos_q;
 		if (x->skipping &&
 		    (ret = ape__kmax_from_tensor(&x->km, x->r->k, p->ks, plan->ci)))
 			return ret;

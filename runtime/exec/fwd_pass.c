@@ -127,10 +127,14 @@ static void launch_of(struct ape__fwd *f, const struct ape__pass_job *j,
 	*l = f->tmpl;
 	l->Lq = j->on;
 	l->Lk = j->in;
+	if (p->pos_q) { /* explicit positions: the slice of the job's rows and of its keys */
+		l->pos_q = p->pos_q + j->o0;
+		l->pos_k = p->pos_k + j->i0;
+	}
 	if (p->segs) { /* a ragged call: the segments of the job's rows and keys */
 		l->segs = f->segs;
 		l->nseg = ape__segs_clip(p->segs, p->nseg, j->o0, j->on, j->i0, j->in, f->segs);
-	} else {
+	} else if (!p->pos_q) {
 		l->q_start = p->q_start + j->o0; /* validated: positions of every row fit */
 		l->k_start = p->k_start + j->i0;
 	}
@@ -233,10 +237,15 @@ static int outer_begin(void *self, int slot, int64_t oc, int64_t o0, int64_t n)
 				ape__load_row_f32(c->q, p->qs, b, h, o0 + i, row);
 				fs->qnorm[(b * p->H + h) * n + i] = ape__norm(row, p->D);
 			}
-	if (p->segs) {
-		/* a ragged call: from the last key the rows see back to the first (every chunk
-		 * between holds some; the kernels apply each segment's causal rule) */
-		ape__segs_keys(p->segs, p->nseg, o0, n, &fs->klo, &fs->khi);
+	if (p->segs || p->pos_q) {
+		/* a ragged call, or explicit positions: from the last key the rows see back to the
+		 * first (every chunk between holds some; the kernels apply each segment's causal
+		 * rule, by positions when they are explicit: key chunks are never pruned by their
+		 * index then, only by the segments' key rows) */
+		fs->klo = 0;
+		fs->khi = p->Lk;
+		if (p->segs)
+			ape__segs_keys(p->segs, p->nseg, o0, n, &fs->klo, &fs->khi);
 		ape__walk_init(&fs->walk, 0, fs->klo < fs->khi ? fs->khi - 1 : -1, p->Lk, f->ck, 0,
 			       true, f->nq == 1 && f->nk == 1);
 	} else {
@@ -276,7 +285,8 @@ static int next(void *self, int slot, int pending, int issued, int64_t *ic, int 
 				return APE__WALK_DONE;
 			fs->held = true;
 		}
-		if (fs->dir < 0 && f->c->p->segs && (fs->chunk + 1) * f->ck <= fs->klo) {
+		if (fs->dir < 0 && (f->c->p->segs || f->c->p->pos_q) &&
+		    (fs->chunk + 1) * f->ck <= fs->klo) {
 			/* a ragged call: no row of the chunk sees these keys (not a skip) */
 			ape__walk_close(&fs->walk, fs->dir, fs->chunk);
 			fs->held = false;
@@ -451,7 +461,8 @@ int ape__fwd_prepare(struct ape__fwd *f, int64_t cq, int64_t ck, int64_t nq, int
 	f->nq = nq;
 	f->nk = nk;
 	shape(f, f->dev, nq, nk);
-	f->prior = f->mode == APE__FWD_DEVICE_MERGE && ape__skip_allowed(p) && nk > 1 && !p->segs;
+	f->prior = f->mode == APE__FWD_DEVICE_MERGE && ape__skip_allowed(p) && nk > 1 && !p->segs &&
+		   !p->pos_q;
 	set_template(f, nk);
 	f->skip = (struct ape__skip_ctx){
 		.B = p->B, .H = p->H, .Hkv = p->Hkv, .Lk = p->Lk, .ck = ck, .k_start = p->k_start,

@@ -30,6 +30,14 @@ struct ape__problem {
 	 */
 	const struct ape__seg *segs;
 	int64_t nseg;
+	/*
+	 * Both NULL: positions as above. Else explicit positions (set by api/varlen.c, not owned,
+	 * only when every device's capabilities say positions): pos_q[i] of query row i (Lq
+	 * entries), pos_k[j] of key row j (Lk entries), as core/backend.h's struct
+	 * ape__launch.pos_q and .pos_k state them; each launch gets the slice of its rows and of
+	 * its keys. q_start, k_start and the segments' positions are then unused.
+	 */
+	const int64_t *pos_q, *pos_k;
 };
 
 /* Visible pairs of one (b, h) head summed over its rows; -1 if the count overflows 64 bits. */

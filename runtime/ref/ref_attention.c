@@ -94,9 +94,12 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 		const int64_t vbase = vv.off + b * vv.sb + hk * vv.sh;
 		const double delta = l->head_params[4 * h + 0], beta = l->head_params[4 * h + 1];
 		const double gamma = l->head_params[4 * h + 2], lambda = l->head_params[4 * h + 3];
-		/* a ragged launch: the row's segment's keys at its positions (core/backend.h) */
+		/* a ragged launch: the row's segment's keys at its positions; explicit positions:
+		 * each row's and key's own (core/backend.h) */
 		const struct ape__seg *sg = l->segs ? ape__launch_seg_of(l, i) : NULL;
-		const int64_t pos_q = sg ? sg->q_start + (i - sg->q0) : l->q_start + i;
+		const int64_t pos_q = l->pos_q ? l->pos_q[i]
+				      : sg   ? sg->q_start + (i - sg->q0)
+					     : l->q_start + i;
 		const int64_t j0 = sg ? sg->k0 : 0, j1 = sg ? sg->k0 + sg->lk : l->Lk;
 		const int64_t k_start = sg ? sg->k_start : l->k_start; /* key j0's position */
 		double alpha, m = -INFINITY, sum = 0, s1 = 0, s2 = 0;
@@ -109,7 +112,8 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 		memset(acc, 0, sizeof(acc));
 
 		for (int64_t j = j0; j < j1; j++) {
-			const int64_t n = pos_q - (k_start + (j - j0)); /* validated: fits */
+			/* validated: fits */
+			const int64_t n = pos_q - (l->pos_k ? l->pos_k[j] : k_start + (j - j0));
 			const double an = fabs((double)n);
 			double s, scale_old, w;
 

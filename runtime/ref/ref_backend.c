@@ -43,7 +43,7 @@ struct ape__event {
 
 _Static_assert(offsetof(struct ape__queue, dev) == 0 && offsetof(struct ape__event, dev) == 0,
 	       "core/backend.h: queues and events begin with their device");
-_Static_assert(APE__BACKEND_ABI == 12, "ref: written for backend ABI 12: review the changes of "
+_Static_assert(APE__BACKEND_ABI == 13, "ref: written for backend ABI 13: review the changes of "
 				       "core/backend.h's contract, then this backend");
 
 static int ref_probe(struct ape__backend *be, struct ape__probe_result *res)
@@ -52,6 +52,7 @@ static int ref_probe(struct ape__backend *be, struct ape__probe_result *res)
 	static const struct ape__dev_caps caps = {
 		.host_memory = true, .diag = true, .diag_views = true, .backward = true,
 		.resident_backward = true, .timestamps = true, .segments = true,
+		.positions = true,
 		.max_alloc = UINT64_MAX,
 	};
 	struct ape_device_info info;
