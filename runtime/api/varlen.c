@@ -632,6 +632,7 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 	const struct ape__diag_req none = { NULL, NULL };
 	struct ape__exec_result res;
 	struct ape__problem pp = *p;
+	ape_exec_options eo;
 	struct ape__seg *sg = NULL;
 	struct vpos pos = { 0 };
 	int64_t n = 0;
@@ -676,7 +677,13 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 	}
 	memcpy(pp.os, c->sos, sizeof(pp.os)); /* into the staging, contiguous */
 	memset(&res, 0, sizeof(res));
-	*ret = ape__forward_call(c->fn, c->devs, c->ndev, &c->opts, &pp, c->q, c->k, c->v, &c->so,
+	eo = c->opts;
+	if (pp.segs && !eo.chunk_k)
+		/* a query chunk's launch sees only its own sequences' keys: the default is one key
+		 * chunk of every key (no partial results to merge; the planner halves it when the
+		 * budget says so) rather than key chunks that cut through its sequences */
+		eo.chunk_k = p->Lk;
+	*ret = ape__forward_call(c->fn, c->devs, c->ndev, &eo, &pp, c->q, c->k, c->v, &c->so,
 				 c->slse, &none, stats != NULL, &res);
 	if (*ret)
 		*ret = ape__error(*ret, "%s: %" PRId64 " sequences in ragged launches: %s", c->fn,
