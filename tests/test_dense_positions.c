@@ -9,7 +9,8 @@
  * that evaluation and, for shifted positions, against the dense backward at q_start, k_start;
  * positions 0.. given explicitly are the implicit call bit for bit on the reference; a desc of
  * the first layout (APE_ATTN_DESC_V1_SIZE) still works; bad positions and the calls that take
- * none are refused naming the field, writing nothing.
+ * none (ragged, diagnostics, KV cache, device tensors) are refused naming the field, writing
+ * nothing.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,6 +24,8 @@
 #include "common/bwdcase.h"
 #include "common/naive.h"
 #include "common/positions.h"
+#include "common/problem.h"
+#include "common/resident.h"
 #include "common/testutil.h"
 
 BACKEND_FIXTURE(dev)
@@ -641,6 +644,34 @@ TEST_F(dev, bad_positions_are_refused_and_write_nothing)
 									 ape_last_error());
 		ape_kv_cache_destroy(cache);
 		EXPECT_EQ(0, memcmp(snap, c.o.alloc, c.o.alloc_bytes));
+	}
+	/* run in pieces (positions the kernels do not read): no trace yet */
+	{
+		const bool had = self->dev->caps.positions;
+		ape_exec_options opts;
+
+		ape_exec_options_init(&opts);
+		opts.trace_path = "/tmp/ape-dense-positions-trace.json";
+		self->dev->caps.positions = false;
+		EXPECT_EQ(APE_EINVAL, ape_attention_forward_ex(&self->dev, 1, &opts, &c.desc, &c.q.t,
+							       &c.k.t, &c.v.t, &c.o.t, c.lse, NULL));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "opts->trace_path")) TH_LOG("%s",
+									      ape_last_error());
+		self->dev->caps.positions = had;
+		EXPECT_EQ(0, memcmp(snap, c.o.alloc, c.o.alloc_bytes));
+	}
+	/* device tensors (ape_attention_enqueue()) */
+	{
+		test_problem tp;
+
+		ASSERT_EQ(0, test_problem_make_dims(&tp, &rng, c.B, c.H, c.Hkv, c.Lq, c.Lk, c.D,
+						    APE_F32));
+		tp.desc.pos_q = c.pq;
+		tp.desc.pos_k = c.pk;
+		EXPECT_EQ(APE_EINVAL, run_resident(&tp, self->dev, 0));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "desc->pos_q")) TH_LOG("%s",
+									 ape_last_error());
+		test_problem_free(&tp);
 	}
 	for (int t = 0; t < 3; t++)
 		test_tensor_free(&g[t]);

@@ -77,8 +77,9 @@ static int pcall_init(const char *fn, ape_device *const *devs, const ape_exec_op
 	if (opts && opts->trace_path)
 		return ape__error(APE_EINVAL,
 				  "%s: opts->trace_path = \"%s\": a call at explicit positions "
-				  "(desc->pos_q) on %s, which does not read them, writes no trace yet",
-				  fn, opts->trace_path, devs[0]->info.backend);
+				  "(desc->pos_q) run in pieces (a backward, or on devices that do not "
+				  "read them, as %s:%d) writes no trace yet",
+				  fn, opts->trace_path, devs[0]->info.backend, devs[0]->info.backend_index);
 	memset(c, 0, sizeof(*c));
 	ape__desc_copy(&c->d, desc);
 	c->d.pos_q = c->d.pos_k = NULL;
