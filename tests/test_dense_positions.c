@@ -361,14 +361,16 @@ static void check_direction(struct __test_metadata *_metadata, ape_rng *r, struc
 /* The dense backward at explicit positions of case c: the gradients into dq, dk, dv (float32,
  * fresh) and dp; returns the call's code. */
 static int case_backward(struct pcase *c, ape_device *dev, const test_tensor *dout,
-			 const float *dlse, test_tensor g[3], float *dp)
+			 const float *dlse, test_tensor g[3], float *dp, ape_stats *st)
 {
 	if (test_tensor_empty(&g[0], APE_F32, c->B, c->H, c->Lq, c->D) ||
 	    test_tensor_empty(&g[1], APE_F32, c->B, c->Hkv, c->Lk, c->D) ||
 	    test_tensor_empty(&g[2], APE_F32, c->B, c->Hkv, c->Lk, c->D))
 		return APE_ENOMEM;
+	if (st)
+		ape_stats_init(st);
 	return ape_attention_backward(dev, &c->desc, &c->q.t, &c->k.t, &c->v.t, &c->o.t, c->lse,
-				      &dout->t, dlse, &g[0].t, &g[1].t, &g[2].t, dp, NULL);
+				      &dout->t, dlse, &g[0].t, &g[1].t, &g[2].t, dp, st);
 }
 
 /* The case's forward (its O and LSE), upstream gradients dO (of type dt, N(0, 1)) and dLSE
@@ -421,7 +423,7 @@ TEST_F(dev, backward_against_finite_differences)
 		test_quantize_inputs(&c.q.t, &c.k.t, &c.v.t, c.prm, c.H);
 		ASSERT_EQ(0, backward_ready(&c, self->dev, &rng, APE_F32, &dout, &dlse))
 		TH_LOG("%s: %s", c.what, ape_last_error());
-		ret = case_backward(&c, self->dev, &dout, dlse, g, dp);
+		ret = case_backward(&c, self->dev, &dout, dlse, g, dp, NULL);
 		if (ret == APE_ENOTSUP) {
 			ksft_print_msg("%s\n", ape_last_error());
 		} else {
@@ -464,19 +466,20 @@ TEST_F(dev, backward_of_shifted_positions_is_the_dense_backward)
 		struct pcase c;
 		test_tensor dout, g[3], w[3];
 		float dp[2][32], *dlse;
+		ape_stats st[2];
 		int ret;
 
 		ASSERT_EQ(0, case_make(&c, &rng, POS_SHIFTED, NB, i % 3, 20, 24));
 		ASSERT_EQ(0, backward_ready(&c, self->dev, &rng, c.dt, &dout, &dlse))
 		TH_LOG("%s: %s", c.what, ape_last_error());
-		ret = case_backward(&c, self->dev, &dout, dlse, g, dp[0]);
+		ret = case_backward(&c, self->dev, &dout, dlse, g, dp[0], &st[0]);
 		if (ret != APE_ENOTSUP) {
 			ASSERT_EQ(0, ret) TH_LOG("%s: %s", c.what, ape_last_error());
 			c.desc.pos_q = c.desc.pos_k = NULL;
 			c.desc.q_start_set = true;
 			c.desc.q_start = c.pq[0];
 			c.desc.k_start = c.pk[0];
-			ASSERT_EQ(0, case_backward(&c, self->dev, &dout, dlse, w, dp[1]))
+			ASSERT_EQ(0, case_backward(&c, self->dev, &dout, dlse, w, dp[1], &st[1]))
 			TH_LOG("%s: %s", c.what, ape_last_error());
 			for (int t = 0; t < 3; t++) {
 				EXPECT_LE(grads_rel_err(&g[t].t, &w[t].t), CHUNK_TOL)
@@ -484,6 +487,8 @@ TEST_F(dev, backward_of_shifted_positions_is_the_dense_backward)
 			}
 			EXPECT_LE(grads_rel_err_params(dp[0], dp[1], c.H), CHUNK_TOL) TH_LOG("%s",
 											c.what);
+			EXPECT_EQ(st[1].pairs_visible, st[0].pairs_visible) TH_LOG("%s", c.what);
+			EXPECT_EQ(st[1].pairs_computed, st[0].pairs_computed) TH_LOG("%s", c.what);
 			for (int t = 0; t < 3; t++)
 				test_tensor_free(&w[t]);
 		}

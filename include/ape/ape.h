@@ -1445,7 +1445,9 @@ APE_API int ape_attention_backward(ape_device *dev, const ape_attn_desc *desc,
  * \param devs,ndev the devices (1..APE_MAX_DEVICES; one may be listed more than once);
  *        each must have a backward pass
  * \param opts NULL for the defaults (see ape_exec_options_init())
- * \param desc,q,k,v,o,lse,dout,dlse,dq,dk,dv,dparams as ape_attention_backward()
+ * \param desc,q,k,v,o,lse,dout,dlse,dq,dk,dv,dparams as ape_attention_backward() (with
+ *        explicit positions the call runs in pieces, which write no trace yet: opts->trace_path
+ *        is then refused with APE_EINVAL)
  * \param stats as ape_attention_backward(), over every device: bytes and times summed,
  *        `devices` those that were given key chunks, peak_device_bytes the largest of one
  *        device, device_budget the smallest
