@@ -71,6 +71,13 @@ int ape__mpi_check_local(struct call *c, const ape_attn_desc *desc, const ape_mp
 				      "%s: desc->struct_size = %zu: expected %zu (initialise with "
 				      "ape_attn_desc_init())",
 				      APE__MPI_FN, desc->struct_size, sizeof(*desc));
+	if (desc->pos_q || desc->pos_k)
+		return ape__mpi_error(APE_EINVAL,
+				      "%s: desc->%s = %p: explicit positions are not taken by the "
+				      "distributed call (each shard's rows are at its own positions)",
+				      APE__MPI_FN, desc->pos_q ? "pos_q" : "pos_k",
+				      desc->pos_q ? (const void *)desc->pos_q
+						  : (const void *)desc->pos_k);
 	c->dglob = *desc;
 	c->dglob.q_start_set = true;
 	c->dglob.q_start = desc->q_start_set ? desc->q_start : desc->k_start;

@@ -225,7 +225,8 @@ static int seg_tables_make(const struct ape__launch *l, int64_t bq, int64_t bk,
 		ntk += (size_t)((l->segs[s].lk + bk - 1) / bk);
 	}
 	t->wg = ape__malloc(nwg * SEGT_W * sizeof(cl_long) + 1);
-	t->kt = ape__malloc(ntk * 2 * sizeof(cl_long) + 1);
+	/* + 2: ocl_prepass() uploads 16 bytes past the table (a launch with no key tile) */
+	t->kt = ape__calloc(ntk * 2 + 2, sizeof(cl_long));
 	t->st = ape__malloc((size_t)l->nseg * 2 * sizeof(cl_long) + 1);
 	if (l->pos_k)
 		t->tp = ape__malloc(ntk * 2 * sizeof(cl_long) + 1);

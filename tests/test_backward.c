@@ -24,6 +24,7 @@
 #include "common/backend_fixture.h"
 #include "common/bwdcase.h"
 #include "common/naive.h"
+#include "common/positions.h"
 #include "common/problem.h"
 
 #define APE_REAL double
@@ -43,37 +44,21 @@
  */
 #define FD_TOL 1e-5
 
-static double quantize(double x, double step)
-{
-	return nearbyint(x / step) * step;
-}
-
-static void quantize_tensor(ape_tensor *t, double step)
-{
-	for (int64_t b = 0; b < t->shape[0]; b++)
-		for (int64_t h = 0; h < t->shape[1]; h++)
-			for (int64_t l = 0; l < t->shape[2]; l++)
-				for (int64_t d = 0; d < t->shape[3]; d++)
-					test_tensor_set(t, b, h, l, d,
-							quantize(test_tensor_get(t, b, h, l, d),
-								 step));
-}
-
 /* Exact in float32 for finite differences: inputs multiples of 2^-10, parameters of 2^-12. */
 static void bcase_quantize(bcase *c)
 {
 	test_problem *tp = &c->tp;
 	const int64_t H = tp->q.t.shape[1];
 
-	quantize_tensor(&tp->q.t, 0x1p-10);
-	quantize_tensor(&tp->k.t, 0x1p-10);
-	quantize_tensor(&tp->v.t, 0x1p-10);
+	test_tensor_quantize(&tp->q.t, 0x1p-10);
+	test_tensor_quantize(&tp->k.t, 0x1p-10);
+	test_tensor_quantize(&tp->v.t, 0x1p-10);
 	for (int64_t i = 0; i < 4 * H; i++)
-		tp->params[i] = (float)quantize(tp->params[i], 0x1p-12);
-	tp->desc.delta.value = (float)quantize(tp->desc.delta.value, 0x1p-12);
-	tp->desc.beta.value = (float)quantize(tp->desc.beta.value, 0x1p-12);
-	tp->desc.gamma.value = (float)quantize(tp->desc.gamma.value, 0x1p-12);
-	tp->desc.lambda.value = (float)quantize(tp->desc.lambda.value, 0x1p-12);
+		tp->params[i] = (float)test_quant(tp->params[i], 0x1p-12);
+	tp->desc.delta.value = (float)test_quant(tp->desc.delta.value, 0x1p-12);
+	tp->desc.beta.value = (float)test_quant(tp->desc.beta.value, 0x1p-12);
+	tp->desc.gamma.value = (float)test_quant(tp->desc.gamma.value, 0x1p-12);
+	tp->desc.lambda.value = (float)test_quant(tp->desc.lambda.value, 0x1p-12);
 }
 
 /* ---------------------------------------------------------------- finite differences */

@@ -3,7 +3,7 @@
  * Ragged batches (ape_attention_forward_varlen*, include/ape/ape.h "Ragged batches"), on every
  * backend: fresh random batches (empty sequences, length 1, decode rows, Lq < Lk and Lq > Lk,
  * GQA, causal or not, every storage type, packed [total, H, D] and [1, H, total, D] layouts) with
- * default positions, contiguous runs starting anywhere, gaps, repeats and shuffled positions,
+ * default positions, contiguous runs starting anywhere, gaps, repeats, shuffled and decreasing positions,
  * each sequence against tests/common/naive.c's independent evaluation at its explicit
  * positions; a one-sequence batch against the dense call bit for bit; thousands of tiny
  * sequences; positions at the int64 ends; validation naming the argument, with the outputs
@@ -19,14 +19,10 @@
 #include "core/error.h"
 #include "common/backend_fixture.h"
 #include "common/naive.h"
+#include "common/positions.h"
 #include "common/testutil.h"
 
 BACKEND_FIXTURE(dev)
-
-enum pos_mode { POS_DEFAULT, POS_SHIFTED, POS_GAPS, POS_REPEATS, POS_SHUFFLED, POS_MODES };
-
-static const char *const mode_names[POS_MODES] = { "default", "shifted", "gaps", "repeats",
-						    "shuffled" };
 
 struct batch {
 	int64_t S, H, Hkv, D, tq, tk;
@@ -39,31 +35,6 @@ struct batch {
 	ape_attn_desc desc;
 	float prm[4][8];
 };
-
-static void positions(ape_rng *r, enum pos_mode m, int64_t *p, int64_t n, int64_t base)
-{
-	int64_t x = base;
-
-	for (int64_t i = 0; i < n; i++) {
-		switch (m) {
-		case POS_DEFAULT:
-		case POS_SHIFTED:
-			p[i] = base + i;
-			break;
-		case POS_GAPS:
-			x += 1 + ape_rng_range(r, 0, 1) * ape_rng_range(r, 1, 40);
-			p[i] = x;
-			break;
-		case POS_REPEATS:
-			x += ape_rng_range(r, 0, 1);
-			p[i] = x;
-			break;
-		default:
-			p[i] = base + ape_rng_range(r, 0, 3 * n);
-			break;
-		}
-	}
-}
 
 /* A packed tensor [total, H, D] (or [1, H, total, D]) of random values. */
 static int packed_tensor(test_tensor *tt, ape_rng *r, ape_dtype dt, int64_t total, int64_t H,
@@ -121,9 +92,9 @@ static int batch_make(struct batch *b, ape_rng *r, int64_t S, int64_t maxq, int6
 		const int64_t lq = b->cuq[s + 1] - b->cuq[s], lk = b->cuk[s + 1] - b->cuk[s];
 		const int64_t base = m == POS_DEFAULT ? 0 : ape_rng_range(r, -1000, 1000);
 
-		positions(r, m, b->posk + b->cuk[s], lk, base);
+		test_positions(r, m, b->posk + b->cuk[s], lk, base);
 		/* queries around the keys' end: some see every key, some few, some none */
-		positions(r, m, b->posq + b->cuq[s], lq,
+		test_positions(r, m, b->posq + b->cuq[s], lq,
 			  m == POS_DEFAULT ? lk - lq : base + lk - lq + ape_rng_range(r, -3, 3));
 	}
 	if (packed_tensor(&b->q, r, b->dt, b->tq, b->H, b->D, b->packed) ||
@@ -136,19 +107,7 @@ static int batch_make(struct batch *b, ape_rng *r, int64_t S, int64_t maxq, int6
 	else
 		ape_tensor_init(&b->o.t, b->o.alloc, b->odt, 1, b->H, b->tq, b->D);
 	test_tensor_poison(&b->o.t);
-	ape_attn_desc_init(&b->desc);
-	b->desc.causal = ape_rng_range(r, 0, 3) > 0;
-	b->desc.skip_tol = ape_rng_range(r, 0, 1) ? 0 : b->desc.skip_tol;
-	for (int h = 0; h < b->H; h++) {
-		b->prm[0][h] = (float)(0.4 * ape_rng_uniform(r));
-		b->prm[1][h] = (float)(0.04 * ape_rng_uniform(r));
-		b->prm[2][h] = (float)(0.04 * ape_rng_uniform(r));
-		b->prm[3][h] = (float)(0.3 * ape_rng_uniform(r));
-	}
-	b->desc.delta.per_head = b->prm[0];
-	b->desc.beta.per_head = b->prm[1];
-	b->desc.gamma.per_head = b->prm[2];
-	b->desc.lambda.per_head = b->prm[3];
+	test_random_desc(r, &b->desc, b->prm, b->H);
 	return 0;
 }
 
@@ -237,19 +196,12 @@ static int batch_check(const struct batch *b, double *eo, double *el, uint64_t *
 			return -1;
 		for (int64_t h = 0; h < b->H; h++)
 			for (int64_t i = 0; i < lq; i++) {
-				const double want = lse[h * lq + i], got = b->lse[(q0 + i) * b->H + h];
-				double e;
-
-				if (isinf(want) || isinf(got))
-					e = want == got ? 0 : INFINITY;
-				else
-					e = fabs(got - want) / fmax(1, fabs(want));
-				*el = fmax(*el, e != e ? INFINITY : e);
+				test_lse_err(b->lse[(q0 + i) * b->H + h], lse[h * lq + i], el);
 				for (int64_t d = 0; d < b->D; d++) {
 					const double x = test_tensor_get(&b->o.t, 0, h, q0 + i, d);
 					const double w = o[(h * lq + i) * b->D + d];
+					const double e = fabs(x - w) / fmax(vmax, 1e-30);
 
-					e = fabs(x - w) / fmax(vmax, 1e-30);
 					*eo = fmax(*eo, e != e ? INFINITY : e);
 				}
 				for (int64_t j = 0; j < lk; j++)
@@ -270,7 +222,7 @@ static void describe(const struct batch *b, enum pos_mode m, char *buf, size_t n
 		 (long long)b->S, (long long)b->tq, (long long)b->tk, (long long)b->H,
 		 (long long)b->Hkv, (long long)b->D, ape_dtype_name(b->dt), ape_dtype_name(b->odt),
 		 b->packed ? "packed [total, H, D]" : "[1, H, total, D]",
-		 b->desc.causal ? "causal" : "not causal", mode_names[m], b->desc.skip_tol);
+		 b->desc.causal ? "causal" : "not causal", pos_mode_names[m], b->desc.skip_tol);
 }
 
 /* Batch b (its positions of mode m) through ape_attention_forward_varlen_ex() on dev with
@@ -714,28 +666,6 @@ TEST_F(dev, validation_names_the_argument_and_writes_nothing)
 
 /* ---------------------------------------------------------------- the backward */
 
-static double quant(double x, double step)
-{
-	return nearbyint(x / step) * step;
-}
-
-/* Inputs multiples of 2^-10 and parameters of 2^-12: x +- one step is exact in float32. */
-static void batch_quantize(struct batch *b)
-{
-	test_tensor *ts[3] = { &b->q, &b->k, &b->v };
-
-	for (int t = 0; t < 3; t++)
-		for (int64_t h = 0; h < ts[t]->t.shape[1]; h++)
-			for (int64_t l = 0; l < ts[t]->t.shape[2]; l++)
-				for (int64_t d = 0; d < ts[t]->t.shape[3]; d++)
-					test_tensor_set(&ts[t]->t, 0, h, l, d,
-							quant(test_tensor_get(&ts[t]->t, 0, h, l, d),
-							      0x1p-10));
-	for (int i = 0; i < 4; i++)
-		for (int h = 0; h < b->H; h++)
-			b->prm[i][h] = (float)quant(b->prm[i][h], 0x1p-12);
-}
-
 /* The loss sum dO . O + sum dLSE . LSE of the batch, every sequence by naive_attention() at its
  * positions (rows with no visible key left out: their LSE is -inf and depends on nothing). */
 static long double batch_loss(const struct batch *b, const float *dout, const float *dlse)
@@ -793,7 +723,7 @@ TEST_F(dev, backward_against_finite_differences)
 			batch_free(&b);
 		} while (1);
 		b.desc.skip_tol = 0;
-		batch_quantize(&b);
+		test_quantize_inputs(&b.q.t, &b.k.t, &b.v.t, b.prm, b.H);
 		describe(&b, m, what, sizeof(what));
 		batch_varlen(&b, &vl);
 		ASSERT_EQ(0, ape_attention_forward_varlen(self->dev, &b.desc, &vl, &b.q.t, &b.k.t,

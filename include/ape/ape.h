@@ -215,7 +215,28 @@ typedef struct ape_attn_desc {
 	int64_t q_start; /**< position of query row 0; used when q_start_set */
 	bool q_start_set; /**< false: q_start = k_start + Lk - Lq (queries end-aligned) */
 	double skip_tol; /**< far-key skipping tolerance; default 2^-24; 0 = never skip; finite, >= 0 */
+	/* ---- added after the first layout (APE_ATTN_DESC_V1_SIZE) with explicit positions */
+	/**
+	 * Both NULL (the default): query row i is at q_start + i and key row j at k_start + j. Else
+	 * both set: explicit positions, pos_q[i] of query row i (Lq entries) and pos_k[j] of key
+	 * row j (Lk entries), shared by every batch element and head, so that n = pos_q[i] -
+	 * pos_k[j] (causal: key j visible to query i iff pos_k[j] <= pos_q[i]). Any int64 values in
+	 * any order, with gaps and repeats, as long as every pair's n fits in int64 (else
+	 * APE_EOVERFLOW naming desc->pos_q). q_start_set must then be false and k_start 0. Read
+	 * during the call only. Taken by ape_attention_forward(), ape_attention_forward_ex(),
+	 * ape_attention_backward(), ape_attention_backward_ex() and ape_visible_pairs(); every
+	 * other call that takes a desc (the KV cache, device tensors and DLPack, the ragged and
+	 * diagnostics calls, libape_mpi) refuses them with APE_EINVAL naming desc->pos_q. See
+	 * "Explicit positions in the dense call" in docs/ape.md.
+	 */
+	const int64_t *pos_q;
+	const int64_t *pos_k; /**< see pos_q */
 } ape_attn_desc;
+
+/** The size of ape_attn_desc before pos_q and pos_k were added: a caller built against that
+ *  layout passes it as struct_size (the library then reads no field past skip_tol: the
+ *  positions are NULL). ape_attn_desc_init() sets sizeof(ape_attn_desc). */
+#define APE_ATTN_DESC_V1_SIZE offsetof(ape_attn_desc, pos_q)
 
 /**
  * \brief Sets the defaults: all four decay/adaptivity parameters 0 (plain RoPE attention),
@@ -665,7 +686,14 @@ APE_API void ape_stats_init(ape_stats *st);
  * argument.
  *
  * \param dev a device of a live context
- * \param desc the parameters (see ape_attn_desc_init())
+ * \param desc the parameters (see ape_attn_desc_init()); with desc->pos_q and desc->pos_k
+ *        set, query row i of every batch element is at pos_q[i] and key row j at pos_k[j]
+ *        (explicit positions: any values, order, gaps, repeats; docs/ape.md, "Explicit
+ *        positions in the dense call"): one launch as without them where the device reads
+ *        positions (the reference, OpenCL), else each batch element cut into runs of
+ *        consecutive positions merged by LSE, its outputs staged and written on success;
+ *        APE_EINVAL when only one is set or with q_start_set or k_start != 0, APE_EOVERFLOW
+ *        (naming desc->pos_q and desc->pos_k) when a pair's distance overflows int64
  * \param q,k,v inputs; read only
  * \param o output; written only when the call succeeds
  * \param lse NULL, or B*H*Lq floats (contiguous `[B,H,Lq]`), written only on success: ln of the
@@ -757,7 +785,9 @@ APE_API void ape_exec_options_init(ape_exec_options *opts);
  *        thread per device, bound to the device's local CPUs by the context's NUMA policy,
  *        feeds it.
  * \param opts NULL for the defaults (see ape_exec_options_init())
- * \param desc,q,k,v,o,lse,stats as ape_attention_forward()
+ * \param desc,q,k,v,o,lse,stats as ape_attention_forward(), explicit positions included (on
+ *        devices that do not all read them the call runs in pieces, which write no trace yet:
+ *        opts->trace_path is then refused with APE_EINVAL)
  * \return 0; APE_EINVAL (bad argument, naming it; outputs untouched); APE_EOVERFLOW;
  *         APE_ENOMEM (host memory, or a budget too small for one chunk of one query row and one
  *         key row: the message says how many bytes that needs; outputs untouched); APE_EIO
@@ -810,6 +840,8 @@ APE_API int ape_attention_forward_diag(ape_device *const *devs, int ndev,
  * \brief Number of (query, key) pairs the mask lets through for these shapes and positions.
  *
  * Visible pairs are the throughput unit of benchmarks (dense-equivalent FLOPs are 4*D per pair).
+ * With explicit positions (desc->pos_q: Lq entries, desc->pos_k: Lk entries) they are counted at
+ * those positions, checked as ape_attention_forward() checks them.
  * \return 0 and \p *out; APE_EINVAL (NULL argument, negative size, bad desc); APE_EOVERFLOW (the
  *         count, or a position, does not fit in 64 bits).
  */
@@ -1351,7 +1383,11 @@ APE_API int ape_attention_enqueue_varlen(ape_queue *queue, const ape_attn_desc *
  * any input or another output.
  *
  * \param dev a device of a live context
- * \param desc the forward call's parameters
+ * \param desc the forward call's parameters, explicit positions (desc->pos_q, desc->pos_k)
+ *        included, checked as ape_attention_forward() checks them; with them each batch
+ *        element is cut into runs of consecutive positions (the backward's kernels read no
+ *        positions), one dense backward per pair of runs, every output staged and written on
+ *        success, dparams summed over the batch elements
  * \param q,k,v the forward call's inputs; read only
  * \param o the forward's output O (q->dtype or APE_F32); read only
  * \param lse the forward's LSE, B*H*Lq floats (contiguous `[B,H,Lq]`); required; read only
@@ -1409,7 +1445,9 @@ APE_API int ape_attention_backward(ape_device *dev, const ape_attn_desc *desc,
  * \param devs,ndev the devices (1..APE_MAX_DEVICES; one may be listed more than once);
  *        each must have a backward pass
  * \param opts NULL for the defaults (see ape_exec_options_init())
- * \param desc,q,k,v,o,lse,dout,dlse,dq,dk,dv,dparams as ape_attention_backward()
+ * \param desc,q,k,v,o,lse,dout,dlse,dq,dk,dv,dparams as ape_attention_backward() (with
+ *        explicit positions the call runs in pieces, which write no trace yet: opts->trace_path
+ *        is then refused with APE_EINVAL)
  * \param stats as ape_attention_backward(), over every device: bytes and times summed,
  *        `devices` those that were given key chunks, peak_device_bytes the largest of one
  *        device, device_budget the smallest

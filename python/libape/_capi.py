@@ -40,7 +40,8 @@ class ApeAttnDesc(ctypes.Structure):
                 ("rope_base", ctypes.c_double), ("scale", ctypes.c_double),
                 ("scale_set", ctypes.c_bool), ("causal", ctypes.c_bool),
                 ("layout", ctypes.c_int), ("k_start", c_int64), ("q_start", c_int64),
-                ("q_start_set", ctypes.c_bool), ("skip_tol", ctypes.c_double)]
+                ("q_start_set", ctypes.c_bool), ("skip_tol", ctypes.c_double),
+                ("pos_q", ctypes.POINTER(c_int64)), ("pos_k", ctypes.POINTER(c_int64))]
 
 
 class ApeStats(ctypes.Structure):

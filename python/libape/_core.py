@@ -387,9 +387,14 @@ def _host_call(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layou
 
 def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
               causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None, k_start=0,
-              skip_tol=2.0 ** -24, device="auto", return_lse=False):
+              skip_tol=2.0 ** -24, device="auto", return_lse=False, positions_q=None,
+              positions_k=None):
     """APE attention of q `[B, H, Lq, D]` over k, v `[B, Hkv, Lk, D]`; returns O `[B, H, Lq, D]`
     (and LSE `[B, H, Lq]` float32 with return_lse=True).
+
+    positions_q `[Lq]` and positions_k `[Lk]` (int32 or int64, both or neither, shared by the
+    batch; any order, gaps, repeats) are explicit positions in place of q_start and k_start:
+    n = positions_q[i] - positions_k[j] (ape_attn_desc.pos_q, .pos_k; host arrays only).
 
     Arrays: NumPy (float32, float16), torch CPU tensors (float32, float16, bfloat16), or any
     object with __dlpack__; the result is of the same kind and dtype as q. Strided views are
@@ -398,11 +403,16 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     Raises ApeValueError (a ValueError) for a bad argument, ApeError for other failures.
     """
     if _is_torch_cuda(q) or _is_torch_cuda(k) or _is_torch_cuda(v):
+        if positions_q is not None or positions_k is not None:
+            _bad("positions_q, positions_k: explicit positions take host arrays only for now")
         return _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base,
                                layout, q_start, k_start, skip_tol, device, return_lse)
     qa, ka, va, desc, keep = _host_call(q, k, v, delta, beta, gamma, lam, causal, scale,
                                         rope_base, layout, q_start, k_start, skip_tol)
     B, H, Lq, D = qa.shape
+    if positions_q is not None or positions_k is not None:
+        desc = _with_positions(desc, positions_q, positions_k, Lq, ka.shape[2], q_start,
+                               k_start, keep)
     dev = _device_spec(device)
     oa = _empty_like(qa, (B, H, Lq, D))
     lse, lse_ptr = _empty_lse(qa, (B, H, Lq)) if return_lse else (None, None)
@@ -496,6 +506,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, p
     if err:
         _raise(err)
     return (out, lse) if return_lse else out
+
+
+def _with_positions(desc, positions_q, positions_k, Lq, Lk, q_start, k_start, keep):
+    """A copy of desc (cached ones are shared) with explicit positions, kept alive in keep."""
+    if positions_q is None or positions_k is None:
+        _bad("positions_q, positions_k: give both or neither")
+    if q_start is not None or k_start != 0:
+        _bad("q_start, k_start: explicit positions replace them (leave q_start None, k_start 0)")
+    pq = _int64_array("positions_q", positions_q, Lq)
+    pk = _int64_array("positions_k", positions_k, Lk)
+    d = _capi.ApeAttnDesc()
+    ctypes.pointer(d)[0] = desc
+    d.pos_q = _i64p(pq)
+    d.pos_k = _i64p(pk)
+    keep.extend((pq, pk))
+    return d
 
 
 def _varlen_struct(cq, ck, pq, pk):
@@ -756,6 +782,8 @@ def attention_diagnostics(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SE
     Raises ApeError on a device whose backend does not compute them (the reference, OpenCL
     and CUDA backends all do; CUDA's kernels have run on the CPU emulator only)."""
     if _is_torch_cuda(q) or _is_torch_cuda(k) or _is_torch_cuda(v):
+        if positions_q is not None or positions_k is not None:
+            _bad("positions_q, positions_k: explicit positions take host arrays only for now")
         return _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base,
                                layout, q_start, k_start, skip_tol, device, True, diag=True)
     qa, ka, va, desc, keep = _host_call(q, k, v, delta, beta, gamma, lam, causal, scale,

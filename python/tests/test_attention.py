@@ -40,6 +40,25 @@ def test_matches_float64_spec(device, layout, causal):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_explicit_positions(device, causal):
+    rng = np.random.default_rng(hash((device, causal, "pos")) % 2**32)
+    q, k, v = rand(rng, 3, 4, 11, 16), rand(rng, 3, 2, 13, 16), rand(rng, 3, 2, 13, 16)
+    pk = rng.permutation(np.concatenate([np.arange(8), [3, 40, 41, 41, 90]]))
+    pq = np.array([95, 2, 41, 41, 0, 7, 60, -5, 8, 40, 3], dtype=np.int32)
+    prm = dict(delta=[0.3, 0.0, 0.1, 0.05], beta=0.02, gamma=0.01, lam=0.2, causal=causal)
+    o, lse = libape.attention(q, k, v, device=device, return_lse=True, positions_q=pq,
+                              positions_k=pk, **prm)
+    check(o, lse, q, k, v, positions_q=pq, positions_k=pk, **prm)
+    with pytest.raises(libape.ApeValueError, match="both or neither"):
+        libape.attention(q, k, v, positions_q=pq)
+    with pytest.raises(libape.ApeValueError, match="positions_k: 12 values: must be 13"):
+        libape.attention(q, k, v, positions_q=pq, positions_k=pk[:12])
+    with pytest.raises(libape.ApeValueError, match="q_start"):
+        libape.attention(q, k, v, positions_q=pq, positions_k=pk, q_start=3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_defaults_are_the_seed_values(device):
     rng = np.random.default_rng(1)
     q, k, v = rand(rng, 1, 2, 30, 8), rand(rng, 1, 2, 30, 8), rand(rng, 1, 2, 30, 8)

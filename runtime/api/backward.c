@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "api/forward.h"
+#include "api/positions.h"
 #include "api/stats.h"
 #include "api/validate.h"
 #include "api/backward.h"
@@ -147,20 +148,29 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 	if (!a->dq && !a->dk && !a->dv && !a->dparams)
 		return ape__error(APE_EINVAL,
 				  "%s: dq, dk, dv and dparams are all NULL: no gradient is wanted", fn);
-	if ((ret = ape__problem_init(&p, fn, desc, q, k, v, o, lse)))
+	if ((ret = ape__problem_init_pos(&p, fn, desc, q, k, v, o, lse)))
 		return ret;
-	if ((ret = check_gradients(fn, &p, q, k, v, o, lse, a)))
+	if ((ret = check_gradients(fn, &p, q, k, v, o, lse, a)) ||
+	    (ret = ape__problem_head_pairs(fn, &p, &per_head)))
 		goto out_fini;
-	if (ape__head_visible_pairs(&p, &per_head)) {
-		ret = ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
-		goto out_fini;
-	}
 	for (int d = 0; d < ndev; d++)
 		if ((ret = ape__backward_supported(fn, devs[d])))
 			goto out_fini;
 
 	memset(&res, 0, sizeof(res));
 	on_device = p.Lq > 0 && p.Lk > 0;
+	if (on_device && p.pos_q) {
+		/* explicit positions (the backward's kernels read none): runs of consecutive ones */
+		const struct ape__pos_grads g = {
+			.dout = a->dout, .dlse = a->dlse, .dq = a->dq, .dk = a->dk, .dv = a->dv,
+			.dparams = a->dparams, .dout_s = a->dout_s, .dq_s = a->dq_s,
+			.dk_s = a->dk_s, .dv_s = a->dv_s,
+		};
+
+		ret = ape__backward_positions(fn, devs, ndev, opts, desc, &p, q, k, v, o, lse, &g,
+					      stats, t0);
+		goto out_fini;
+	}
 	if (on_device) {
 		const struct ape__bwd_req r = {
 			.fn = fn, .devs = devs, .ndev = ndev,

@@ -26,6 +26,7 @@
 #include "exec/pack.h"
 #include "exec/plan.h"
 #include "api/forward.h"
+#include "api/positions.h"
 #include "api/stats.h"
 #include "api/validate.h"
 
@@ -258,25 +259,33 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 
 	if ((ret = ape__stats_check(fn, stats)) || (ret = check_options(fn, opts, ndev)))
 		return ret;
-	if ((ret = ape__problem_init(&p, fn, desc, q, k, v, o, lse)))
+	if ((ret = ape__problem_init_pos(&p, fn, desc, q, k, v, o, lse)))
 		return ret;
-	if ((ret = ape__check_diag_outputs(fn, &p, q, k, v, o, lse, dg->ent, dg->md)) ||
-	    (ret = ape__diag_prepare(fn, devs, ndev, &p, dg))) {
+	if (p.pos_q && (dg->ent || dg->md))
+		ret = ape__error(APE_EINVAL,
+				 "%s: desc->pos_q = %p: the diagnostics take no explicit positions yet",
+				 fn, (const void *)p.pos_q);
+	if (ret || (ret = ape__check_diag_outputs(fn, &p, q, k, v, o, lse, dg->ent, dg->md)) ||
+	    (ret = ape__diag_prepare(fn, devs, ndev, &p, dg)) ||
+	    (ret = ape__problem_head_pairs(fn, &p, &per_head))) {
 		ape__problem_fini(&p);
 		return ret;
-	}
-	if (ape__head_visible_pairs(&p, &per_head)) {
-		ape__problem_fini(&p);
-		return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
 	}
 	memset(&res, 0, sizeof(res));
-	if (p.B * p.H * p.Lq == 0)
+	if (p.B * p.H * p.Lq == 0) {
 		ret = 0; /* empty result: nothing to write */
-	else if (p.Lk == 0)
+	} else if (p.Lk == 0) {
 		write_empty(&p, o, lse, dg);
-	else
+	} else if (p.pos_q && !ape__devices_read_positions(devs, ndev)) {
+		/* explicit positions the kernels do not read: runs of consecutive ones */
+		ret = ape__forward_positions(fn, devs, ndev, opts, desc, &p, q, k, v, o, lse, stats,
+					     t0);
+		ape__problem_fini(&p);
+		return ret;
+	} else {
 		ret = ape__forward_call(fn, devs, ndev, opts, &p, q, k, v, o, lse, dg, stats != NULL,
 					&res);
+	}
 	if (!ret && stats) {
 		const struct ape__call_report rep = {
 			.res = &res,

@@ -153,8 +153,8 @@ static int attend_problem(struct ape_kv_cache *c, const char *fn, const ape_attn
 		return ape__error(APE_EINVAL,
 				  "%s: q->shape[2] = %" PRId64 ": more than max_queries = %" PRId64,
 				  fn, q->shape[2], c->o.max_queries);
-	d = *desc;
-	if (d.struct_size == sizeof(d)) {
+	ape__desc_copy(&d, desc);
+	if (ape__desc_size_ok(&d)) {
 		d.k_start = ape__kv_first_live_position(c);
 		if (!d.q_start_set)
 			d.q_start = ape__kv_next_position(c) - q->shape[2];

@@ -236,16 +236,76 @@ static int resolve_positions(const char *fn, const ape_attn_desc *d, int64_t Lq,
 
 /* ---------------------------------------------------------------- the whole call */
 
+bool ape__desc_size_ok(const ape_attn_desc *d)
+{
+	return d->struct_size == sizeof(*d) || d->struct_size == APE_ATTN_DESC_V1_SIZE;
+}
+
+void ape__desc_copy(ape_attn_desc *dst, const ape_attn_desc *src)
+{
+	memset(dst, 0, sizeof(*dst));
+	memcpy(dst, src, src->struct_size == sizeof(*src) ? sizeof(*src) : APE_ATTN_DESC_V1_SIZE);
+}
+
+void ape__desc_positions(const ape_attn_desc *d, const int64_t **pos_q, const int64_t **pos_k)
+{
+	const bool has = d->struct_size == sizeof(*d); /* the first layout has no positions */
+
+	*pos_q = has ? d->pos_q : NULL;
+	*pos_k = has ? d->pos_k : NULL;
+}
+
 static int check_desc(const char *fn, const ape_attn_desc *desc)
 {
 	if (!desc)
 		return ape__error(APE_EINVAL, "%s: desc = NULL", fn);
-	if (desc->struct_size != sizeof(*desc))
+	if (!ape__desc_size_ok(desc))
 		return ape__error(APE_EINVAL,
 				  "%s: desc->struct_size = %zu: expected %zu (initialise with "
-				  "ape_attn_desc_init())",
-				  fn, desc->struct_size, sizeof(*desc));
+				  "ape_attn_desc_init()) or APE_ATTN_DESC_V1_SIZE = %zu",
+				  fn, desc->struct_size, sizeof(*desc), APE_ATTN_DESC_V1_SIZE);
 	return check_scalars(fn, desc);
+}
+
+/*
+ * desc's explicit positions for Lq queries and Lk keys into *pos_q, *pos_k (both NULL without):
+ * both or neither, q_start_set false and k_start 0 with them, every pair's n in int64. desc is
+ * checked (check_desc()).
+ */
+static int check_desc_positions(const char *fn, const ape_attn_desc *desc, int64_t Lq,
+				int64_t Lk, const int64_t **pos_q, const int64_t **pos_k)
+{
+	int64_t lo[2] = { INT64_MAX, INT64_MAX }, hi[2] = { INT64_MIN, INT64_MIN };
+
+	ape__desc_positions(desc, pos_q, pos_k);
+	if (!*pos_q && !*pos_k)
+		return 0;
+	if (!*pos_q || !*pos_k)
+		return ape__error(APE_EINVAL,
+				  "%s: desc->%s = NULL but desc->%s is set: explicit positions take "
+				  "both (or neither)",
+				  fn, *pos_q ? "pos_k" : "pos_q", *pos_q ? "pos_q" : "pos_k");
+	if (desc->q_start_set || desc->k_start != 0)
+		return ape__error(APE_EINVAL,
+				  "%s: desc->%s = %" PRId64 ": with explicit positions (desc->pos_q, "
+				  "desc->pos_k) q_start_set must be false and k_start 0",
+				  fn, desc->q_start_set ? "q_start" : "k_start",
+				  desc->q_start_set ? desc->q_start : desc->k_start);
+	if (!Lq || !Lk)
+		return 0;
+	for (int side = 0; side < 2; side++)
+		for (int64_t i = 0; i < (side ? Lk : Lq); i++) {
+			const int64_t x = (side ? *pos_k : *pos_q)[i];
+
+			lo[side] = x < lo[side] ? x : lo[side];
+			hi[side] = x > hi[side] ? x : hi[side];
+		}
+	if ((__int128)hi[0] - lo[1] > INT64_MAX || (__int128)lo[0] - hi[1] < INT64_MIN)
+		return ape__error(APE_EOVERFLOW,
+				  "%s: desc->pos_q = %" PRId64 "..%" PRId64 " and desc->pos_k = %" PRId64
+				  "..%" PRId64 ": a distance pos_q - pos_k does not fit in 64 bits",
+				  fn, lo[0], hi[0], lo[1], hi[1]);
+	return 0;
 }
 
 static int check_tensors(struct ape__problem *p, const char *fn, const ape_tensor *q,
@@ -349,7 +409,21 @@ int ape__problem_init(struct ape__problem *p, const char *fn, const ape_attn_des
 	int ret;
 
 	memset(p, 0, sizeof(*p));
-	if ((ret = check_desc(fn, desc)) || (ret = check_tensors(p, fn, q, k, v, o, lse)))
+	if ((ret = check_desc(fn, desc)))
+		return ret;
+	ape__desc_positions(desc, &p->pos_q, &p->pos_k);
+	if (p->pos_q || p->pos_k) {
+		const bool q_set = p->pos_q != NULL;
+
+		p->pos_q = p->pos_k = NULL;
+		return ape__error(APE_EINVAL,
+				  "%s: desc->%s = %p: explicit positions are taken by "
+				  "ape_attention_forward*() and ape_attention_backward*() on host "
+				  "tensors only",
+				  fn, q_set ? "pos_q" : "pos_k",
+				  q_set ? (const void *)desc->pos_q : (const void *)desc->pos_k);
+	}
+	if ((ret = check_tensors(p, fn, q, k, v, o, lse)))
 		return ret;
 	if ((ret = resolve_positions(fn, desc, p->Lq, p->Lk, &p->q_start)))
 		return ret;
@@ -375,6 +449,34 @@ int ape__problem_init(struct ape__problem *p, const char *fn, const ape_attn_des
 	p->skip_tol = desc->skip_tol;
 	p->causal = desc->causal;
 	p->layout = desc->layout;
+	return 0;
+}
+
+int ape__problem_init_pos(struct ape__problem *p, const char *fn, const ape_attn_desc *desc,
+			  const ape_tensor *q, const ape_tensor *k, const ape_tensor *v,
+			  const ape_tensor *o, const float *lse)
+{
+	const int64_t *pq, *pk;
+	ape_attn_desc d;
+	int ret;
+
+	if ((ret = check_desc(fn, desc)))
+		return ret;
+	ape__desc_positions(desc, &pq, &pk);
+	if (!pq && !pk)
+		return ape__problem_init(p, fn, desc, q, k, v, o, lse);
+	if ((ret = check_desc_positions(fn, desc, 0, 0, &pq, &pk)))
+		return ret;
+	ape__desc_copy(&d, desc);
+	d.pos_q = d.pos_k = NULL;
+	if ((ret = ape__problem_init(p, fn, &d, q, k, v, o, lse)))
+		return ret;
+	if ((ret = check_desc_positions(fn, desc, p->Lq, p->Lk, &pq, &pk))) {
+		ape__problem_fini(p);
+		return ret;
+	}
+	p->pos_q = pq;
+	p->pos_k = pk;
 	return 0;
 }
 
@@ -413,7 +515,8 @@ int ape_visible_pairs(const ape_attn_desc *desc, int64_t B, int64_t H, int64_t L
 				  "%s: B = %" PRId64 ", H = %" PRId64 ", Lq = %" PRId64
 				  ", Lk = %" PRId64 ": sizes must be >= 0",
 				  fn, B, H, Lq, Lk);
-	if ((ret = resolve_positions(fn, desc, Lq, Lk, &p.q_start)))
+	if ((ret = check_desc_positions(fn, desc, Lq, Lk, &p.pos_q, &p.pos_k)) ||
+	    (ret = resolve_positions(fn, desc, Lq, Lk, &p.q_start)))
 		return ret;
 	p.Lq = Lq;
 	p.Lk = Lk;
@@ -423,7 +526,10 @@ int ape_visible_pairs(const ape_attn_desc *desc, int64_t B, int64_t H, int64_t L
 		*out = 0; /* no head at all, however long the sequences */
 		return 0;
 	}
-	if (ape__head_visible_pairs(&p, &per_head) ||
+	if (p.pos_q && (ret = ape__pos_visible_pairs(p.pos_q, Lq, p.pos_k, Lk, p.causal,
+						     &per_head)) == APE_ENOMEM)
+		return ape__error(ret, "%s: out of host memory counting pairs", fn);
+	if ((p.pos_q ? ret : ape__head_visible_pairs(&p, &per_head)) ||
 	    __builtin_mul_overflow(per_head, (uint64_t)B, &total) ||
 	    __builtin_mul_overflow(total, (uint64_t)H, &total))
 		return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);

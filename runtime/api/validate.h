@@ -16,6 +16,22 @@ int ape__problem_init(struct ape__problem *p, const char *fn, const ape_attn_des
 		      const ape_tensor *q, const ape_tensor *k, const ape_tensor *v,
 		      const ape_tensor *o, const float *lse);
 void ape__problem_fini(struct ape__problem *p);
+/* ape__problem_init() for the dense calls that take explicit positions (desc->pos_q, pos_k;
+ * ape__problem_init() refuses them): both or neither, q_start_set false and k_start 0 with
+ * them, every pair's n in int64 (APE_EOVERFLOW naming desc->pos_q and desc->pos_k); they go to
+ * p->pos_q, p->pos_k (NULL without). */
+int ape__problem_init_pos(struct ape__problem *p, const char *fn, const ape_attn_desc *desc,
+			  const ape_tensor *q, const ape_tensor *k, const ape_tensor *v,
+			  const ape_tensor *o, const float *lse);
+
+/* desc->struct_size is one the library takes: sizeof(ape_attn_desc) or APE_ATTN_DESC_V1_SIZE. */
+bool ape__desc_size_ok(const ape_attn_desc *d);
+/* *dst = *src without reading past src's layout (its struct_size, the first layout unless it is
+ * the whole struct): the fields the caller did not know of are 0 (NULL positions); struct_size
+ * is the caller's. */
+void ape__desc_copy(ape_attn_desc *dst, const ape_attn_desc *src);
+/* desc's explicit positions, NULL for a desc of the first layout. */
+void ape__desc_positions(const ape_attn_desc *d, const int64_t **pos_q, const int64_t **pos_k);
 
 /* The diagnostics' outputs of a validated call (p from ape__problem_init() with these tensors):
  * ent and md (each NULL or B*H*Lq floats) overlap no tensor of the call, lse, or each other

@@ -132,6 +132,8 @@ static int check_distances(const char *fn, const ape_varlen *vl)
 
 int ape__varlen_check_desc(const char *fn, const ape_attn_desc *desc, const ape_varlen *vl)
 {
+	const int64_t *pq, *pk;
+
 	if (!vl)
 		return ape__error(APE_EINVAL, "%s: vl = NULL", fn);
 	if (vl->struct_size != sizeof(*vl))
@@ -141,6 +143,12 @@ int ape__varlen_check_desc(const char *fn, const ape_attn_desc *desc, const ape_
 				  fn, vl->struct_size, sizeof(*vl));
 	if (!desc)
 		return ape__error(APE_EINVAL, "%s: desc = NULL", fn);
+	ape__desc_positions(desc, &pq, &pk);
+	if (pq || pk)
+		return ape__error(APE_EINVAL,
+				  "%s: desc->%s = %p: a ragged batch takes its explicit positions "
+				  "from vl->pos_q and vl->pos_k",
+				  fn, pq ? "pos_q" : "pos_k", pq ? (const void *)pq : (const void *)pk);
 	if (desc->q_start_set || desc->k_start != 0)
 		return ape__error(APE_EINVAL,
 				  "%s: desc->%s = %" PRId64 ": a ragged batch takes its positions "
@@ -278,11 +286,12 @@ void ape__varlen_report(ape_stats *stats, ape_stats *sum, bool have, double t0)
 static int piece(struct vcall *c, int64_t s, int64_t a, int64_t b, int64_t kc, int64_t kd,
 		 ape_tensor *o)
 {
-	ape_attn_desc d = *c->desc;
+	ape_attn_desc d;
 	ape_tensor qv, kv, vv;
 	ape_stats st;
 	int ret;
 
+	ape__desc_copy(&d, c->desc);
 	d.q_start_set = true;
 	d.q_start = ape__varlen_qpos(c->vl, s, a);
 	d.k_start = ape__varlen_kpos(c->vl, s, kc);
@@ -545,54 +554,25 @@ static int build_positions(const char *fn, const ape_varlen *vl, struct ape__seg
 	return 0;
 }
 
-static int cmp_i64(const void *a, const void *b)
-{
-	const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-
-	return (x > y) - (x < y);
-}
-
-/* The visible pairs of every segment at explicit positions, all heads (causal: the keys at or
- * before each row's position, counted over the sorted key positions); -1 on overflow or out of
- * memory (then the message is set). */
+/* The visible pairs of every segment at explicit positions, all heads; -1 on overflow or out
+ * of memory (then the message is set). */
 static int positions_visible(const char *fn, const struct ape__problem *p,
 			     const struct ape__seg *sg, int64_t n, const struct vpos *pos,
 			     uint64_t *out)
 {
-	int64_t most = 0;
 	uint64_t sum = 0;
-	int64_t *keys;
 
-	for (int64_t s = 0; s < n; s++)
-		most = sg[s].lk > most ? sg[s].lk : most;
-	keys = ape__malloc((size_t)most * sizeof(int64_t) + 1);
-	if (!keys)
-		return ape__error(APE_ENOMEM, "%s: out of host memory counting pairs", fn);
 	for (int64_t s = 0; s < n; s++) {
-		uint64_t x = 0;
+		uint64_t x;
+		const int r = ape__pos_visible_pairs(pos->q + sg[s].q0, sg[s].lq, pos->k + sg[s].k0,
+						     sg[s].lk, p->causal, &x);
 
-		memcpy(keys, pos->k + sg[s].k0, (size_t)sg[s].lk * sizeof(int64_t));
-		qsort(keys, (size_t)sg[s].lk, sizeof(int64_t), cmp_i64);
-		for (int64_t i = sg[s].q0; i < sg[s].q0 + sg[s].lq; i++) {
-			int64_t lo = 0, hi = sg[s].lk; /* the first key after row i */
-
-			while (p->causal && lo < hi) {
-				const int64_t mid = lo + (hi - lo) / 2;
-
-				if (keys[mid] <= pos->q[i])
-					lo = mid + 1;
-				else
-					hi = mid;
-			}
-			x += (uint64_t)(p->causal ? lo : sg[s].lk);
-		}
-		if (x > (UINT64_MAX - sum) / (uint64_t)p->H) {
-			free(keys);
+		if (r == APE_ENOMEM)
+			return ape__error(r, "%s: out of host memory counting pairs", fn);
+		if (r || x > (UINT64_MAX - sum) / (uint64_t)p->H)
 			return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
-		}
 		sum += x * (uint64_t)p->H;
 	}
-	free(keys);
 	*out = sum;
 	return 0;
 }

@@ -126,11 +126,12 @@ static int piece(struct bcall *c, int64_t s, int64_t a, int64_t b, int64_t kc, i
 {
 	const struct ape__problem *p = c->p;
 	const int64_t n = b - a, m = kd - kc, D = p->D;
-	ape_attn_desc d = *c->desc;
+	ape_attn_desc d;
 	ape_tensor qv, kv, vv, ov, dov, tdq, tdk, tdv;
 	ape_stats st;
 	int ret;
 
+	ape__desc_copy(&d, c->desc);
 	d.q_start_set = true;
 	d.q_start = ape__varlen_qpos(c->vl, s, a);
 	d.k_start = ape__varlen_kpos(c->vl, s, kc);

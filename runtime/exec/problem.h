@@ -42,6 +42,11 @@ struct ape__problem {
 
 /* Visible pairs of one (b, h) head summed over its rows; -1 if the count overflows 64 bits. */
 int ape__head_visible_pairs(const struct ape__problem *p, uint64_t *out);
+/* The same at explicit positions (pos_q: Lq entries, pos_k: Lk; causal: key j visible to row i
+ * iff pos_k[j] <= pos_q[i]): 0, APE_EOVERFLOW (the count overflows 64 bits) or APE_ENOMEM (no
+ * message set either way). */
+int ape__pos_visible_pairs(const int64_t *pos_q, int64_t Lq, const int64_t *pos_k, int64_t Lk,
+			   bool causal, uint64_t *out);
 
 #pragma GCC visibility pop
 #endif
