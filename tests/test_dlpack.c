@@ -667,6 +667,11 @@ TEST_F(ref, varlen_refusals_name_the_tensor)
 	VL_REFUSED(true, x.str[4][1] = 0, "lse->strides[1]");
 	VL_REFUSED(true, x.t[4].data = x.in, "lse overlaps q");
 	VL_REFUSED(false, x.desc.k_start = 3, "desc->k_start");
+	/* the packed problem's own checks name the [1, H, total, D] view's axes, and say so */
+	VL_REFUSED(false, for (int i_ = 0; i_ < 4; i_++) x.shp[i_][2] = 3,
+		   "q->shape[3] = 3: D must be even");
+	VL_REFUSED(false, for (int i_ = 0; i_ < 4; i_++) x.shp[i_][2] = 3,
+		   "view of a packed [total, H, D] tensor: 2 is total, 3 is D");
 	rag_fixed(&x, &self->rng, false);
 	EXPECT_VL_REFUSED(APE_EINVAL, "stream", rag_run(self->dev, &x, &x));
 	EXPECT_VL_REFUSED(APE_EINVAL, "k = NULL",

@@ -121,7 +121,9 @@ APE_API int ape_attention_backward_dlpack(ape_device *dev, const ape_attn_desc *
  * \return 0; APE_EINVAL naming the tensor or the batch and what is wrong (as
  *         ape_attention_forward_dlpack(), and shapes that disagree: "o->shape[0]"); the errors
  *         of ape_attention_forward_varlen() (kDLCPU) or ape_attention_enqueue_varlen()
- *         (device memory), their messages starting with this function's name.
+ *         (device memory), their messages starting with this function's name (those that
+ *         name an axis of the `[1, H, total, D]` view the packed tensors are described as end
+ *         by saying so).
  * \note Thread-safe as ape_attention_forward_dlpack().
  */
 APE_API int ape_attention_forward_varlen_dlpack(ape_device *dev, const ape_attn_desc *desc,

@@ -644,6 +644,18 @@ static void host_floats_publish(const struct dl_in *in, const float *stage)
 			*elem2(in, r, e) = stage[r * in->t->shape[1] + e];
 }
 
+/* A message of the packed problem's own checks (the host calls', the resident call's) that names
+ * an axis names one of the [1, H, total, D] views the tensors are described as: says so. */
+static int view_axes_note(int ret)
+{
+	const char *m = ape_last_error();
+
+	if (ret == APE_EINVAL && (strstr(m, "->shape[") || strstr(m, "->strides[")))
+		return ape__error_suffix(ret, " (axes of the [1, H, total, D] view of a packed "
+					      "[total, H, D] tensor: 2 is total, 3 is D)");
+	return ret;
+}
+
 int ape_attention_forward_varlen_dlpack(ape_device *dev, const ape_attn_desc *desc,
 					const ape_varlen *vl, const DLTensor *q, const DLTensor *k,
 					const DLTensor *v, DLTensor *o, DLTensor *lse, void *stream)
@@ -675,15 +687,16 @@ int ape_attention_forward_varlen_dlpack(ape_device *dev, const ape_attn_desc *de
 			return ret;
 		ret = ape__attention_forward_varlen(c.fn, &dev, 1, NULL, desc, vl, &h[0], &h[1],
 						    &h[2], &h[3], l, NULL);
-		if (!ret)
+		if ((ret = view_axes_note(ret)) == 0)
 			host_floats_publish(&c.in[4], stage);
 		free(stage);
 		return ret;
 	}
 	ret = dl_wrap(&c, dev, 5, kind, stream);
 	if (!ret)
-		ret = ape__attention_enqueue_varlen(c.fn, c.queue, desc, vl, c.dt[0], c.dt[1],
-						    c.dt[2], c.dt[3], c.dt[4]);
+		ret = view_axes_note(ape__attention_enqueue_varlen(c.fn, c.queue, desc, vl, c.dt[0],
+								   c.dt[1], c.dt[2], c.dt[3],
+								   c.dt[4]));
 	return dl_release(&c, ret);
 }
 
@@ -734,7 +747,7 @@ int ape_attention_backward_varlen_dlpack(ape_device *dev, const ape_attn_desc *d
 					     f[APE__RB_DLSE], dq ? &h[APE__RB_DQ] : NULL,
 					     dk ? &h[APE__RB_DK] : NULL, dv ? &h[APE__RB_DV] : NULL,
 					     f[APE__RB_DPARAMS], NULL);
-	if (!ret && dparams)
+	if ((ret = view_axes_note(ret)) == 0 && dparams)
 		host_floats_publish(&c.in[APE__RB_DPARAMS], stage[APE__RB_DPARAMS]);
 out:
 	for (int i = 0; i < APE__RB_COUNT; i++)
