@@ -11,6 +11,12 @@
  * padding, every dtype, each subset of the outputs) against ape_attention_backward() on the
  * reference, bit for bit; its refusals. And docs/embedding.md's example, built and run.
  *
+ * The ragged forms (ape_attention_forward_varlen_dlpack(), _backward_) on packed [total, H, D]
+ * kDLCPU tensors (compact, padded rows, slices of one [T, 3, H, D] QKV buffer; GQA, empty
+ * sequences, default, shifted and gapped positions, every dtype, LSE and dparams compact or
+ * staged) against the host ragged calls on views built apart from the reader, bit for bit;
+ * their refusals naming the tensor, nothing written. (kDLOpenCL: test_dlpack_devices.c.)
+ *
  * Fresh random inputs each run (APE_TEST_SEED replays one).
  */
 #include <dlfcn.h>
@@ -31,16 +37,26 @@
 #include "dlpack_call.h"
 
 static const char *const tname[5] = { "q", "k", "v", "o", "lse" };
+/* O's allocations byte for byte (false, the first difference reported, when they differ). */
+static bool same_o_bytes(struct __test_metadata *_metadata, const unsigned char *got,
+			 const unsigned char *want, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		EXPECT_EQ(want[i], got[i]) TH_LOG("o differs at byte %zu of %zu", i, n);
+		if (want[i] != got[i])
+			return false;
+	}
+	return true;
+}
+
 /* O bit-identical (and every byte outside it untouched: both arenas started equal), LSE
  * bit-identical, its padding untouched. */
 static void dlcall_compare(struct __test_metadata *_metadata, const struct dlcall *x)
 {
 	const struct dlcase *c = &x->c;
 
-	for (size_t i = 0; i < x->out_bytes; i++) {
-		ASSERT_EQ(x->out_ref[i], x->out[i])
-		TH_LOG("o differs at byte %zu of %zu", i, x->out_bytes);
-	}
+	if (!same_o_bytes(_metadata, x->out, x->out_ref, x->out_bytes))
+		return;
 	if (!c->with_lse)
 		return;
 	for (int64_t b = 0; b < c->B; b++)
@@ -453,6 +469,301 @@ TEST_F(ref, backward_refusals_name_the_tensor)
 	grads_free(&g);
 	grads_free(&untouched);
 	bcase_free(&c);
+}
+/* ---- ragged batches: ape_attention_forward_varlen_dlpack(), _backward_ (struct rag:
+ * dlpack_call.h) */
+
+/* O bit-identical and every other byte of its allocation as it was; LSE bit-identical, its
+ * padding untouched. */
+static void rag_compare(struct __test_metadata *_metadata, const struct rag *x)
+{
+	if (!same_o_bytes(_metadata, x->out, x->out_ref, x->out_bytes))
+		return;
+	if (!x->with_lse)
+		return;
+	for (int64_t t = 0; t < x->tq; t++)
+		for (int64_t h = 0; h < x->H; h++) {
+			ASSERT_EQ(0, memcmp(rag_lse_at(x, t, h), &x->lse_ref[t * x->H + h], 4))
+			TH_LOG("lse[%ld, %ld]: %g, host call %g", (long)t, (long)h,
+			       *rag_lse_at(x, t, h), x->lse_ref[t * x->H + h]);
+		}
+	for (int64_t h = 0; x->strided_lse && h < x->H; h++) {
+		ASSERT_EQ(1234.5f, x->lse[h * (x->tq + 2) + x->tq]) TH_LOG("lse padding written");
+	}
+}
+
+/* Random batches of every dtype and layout, positions default, shifted and with gaps: the
+ * host ragged call's results on the same data, bit for bit. */
+static void rag_forward_cases(struct __test_metadata *_metadata, ape_device *dev, ape_rng *rng)
+{
+	static const ape_dtype dts[3] = { APE_F32, APE_F16, APE_BF16 };
+	struct rag x;
+
+	for (int i = 0; i < 18; i++) {
+		rag_make(&x, rng, dts[i % 3], i % 3 == 1, i % 2 == 0, (enum rag_pos)(i / 2 % 3));
+		ASSERT_EQ(0, rag_reference(dev, &x)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, rag_run(dev, &x, NULL)) TH_LOG("case %d: %s", i, ape_last_error());
+		rag_compare(_metadata, &x);
+		rag_free(&x);
+	}
+}
+
+TEST_F(ref, varlen_forward_equals_host_call)
+{
+	rag_forward_cases(_metadata, self->dev, &self->rng);
+}
+
+/* The gradients of batch x (its forward done: O and LSE the host call's) by both calls: every
+ * dtype, dQ, dK, dV float32 compact or dK with padded rows, dparams compact or head-minor
+ * (staged), LSE as x's (maybe staged), dLSE or none; bit for bit, nothing else written. */
+static void rag_backward_case(struct __test_metadata *_metadata, ape_device *dev, ape_rng *rng,
+			      struct rag *x, bool strided, bool with_dlse)
+{
+	const int64_t H = x->H, G = x->G, D = x->D, tq = x->tq, tk = x->tk;
+	const int64_t P = strided ? D + 2 : D;
+	const size_t nq = (size_t)(tq * H * D), nk = (size_t)(tk * G * P);
+	const size_t bytes = (nq + 2 * nk + 4 * (size_t)H + 8) * sizeof(float);
+	float *g = malloc(bytes), *g_ref = malloc(bytes), *dlse = malloc((size_t)(tq * H + 1) * 4);
+	unsigned char *dout = malloc((size_t)(tq * H * D + 1) * x->esz);
+	const int64_t ks[3] = { G * P, P, 1 }, ps[2] = { 1, H };
+	ape_tensor hd, hq, hk, hv;
+	int64_t shp[6][3], str[6][3];
+	DLTensor t[6]; /* dout, dlse, dq, dk, dv, dparams */
+
+	ASSERT_NE(NULL, g);
+	memset(g, 0x5a, bytes);
+	memset(g_ref, 0x5a, bytes);
+	fill(rng, dout, x->dt, (size_t)(tq * H * D));
+	fill(rng, dlse, APE_F32, (size_t)(tq * H));
+	ape_tensor_init_packed(&hd, dout, x->dt, tq, H, D);
+	rag_view(&hq, g_ref, APE_F32, tq, H, D, H * D, D);
+	rag_view(&hk, g_ref + nq, APE_F32, tk, G, D, G * P, P);
+	rag_view(&hv, g_ref + nq + nk, APE_F32, tk, G, D, G * P, P);
+	{
+		const int64_t d3[6][3] = { { tq, H, D }, { tq, H, -1 }, { tq, H, D },
+					   { tk, G, D }, { tk, G, D }, { H, 4, -1 } };
+		void *at[6] = { dout, dlse, g, g + nq, g + nq + nk, g + nq + 2 * nk };
+		const int64_t *s[6] = { NULL, NULL, NULL, strided ? ks : NULL, strided ? ks : NULL,
+					strided ? ps : NULL };
+
+		for (int i = 0; i < 6; i++) {
+			memcpy(shp[i], d3[i], sizeof(shp[i]));
+			if (s[i])
+				memcpy(str[i], s[i], (d3[i][2] < 0 ? 2 : 3) * sizeof(int64_t));
+			t[i] = (DLTensor){ .data = at[i], .device = { kDLCPU, 0 },
+					   .ndim = d3[i][2] < 0 ? 2 : 3,
+					   .dtype = test_dl_dtype(i == 0 ? x->dt : APE_F32),
+					   .shape = shp[i], .strides = s[i] ? str[i] : NULL };
+		}
+	}
+	ASSERT_EQ(0, ape_attention_backward_varlen(&dev, 1, NULL, &x->desc, &x->vl, &x->h[0],
+						   &x->h[1], &x->h[2], &x->h[3], x->lse_ref, &hd,
+						   with_dlse ? dlse : NULL, &hq, &hk, &hv,
+						   g_ref + nq + 2 * nk, NULL))
+	TH_LOG("%s", ape_last_error());
+	/* dparams of the reference written head-minor: the layout the strided call's has */
+	if (strided) {
+		float tmp[4 * 8];
+
+		ASSERT_LE(H, 8);
+		memcpy(tmp, g_ref + nq + 2 * nk, (size_t)(4 * H) * sizeof(float));
+		for (int64_t h = 0; h < H; h++)
+			for (int c = 0; c < 4; c++)
+				g_ref[nq + 2 * nk + (size_t)(c * H + h)] = tmp[h * 4 + c];
+	}
+	ASSERT_EQ(0, ape_attention_backward_varlen_dlpack(dev, &x->desc, &x->vl, &x->t[0],
+							  &x->t[1], &x->t[2], &x->t[3], &x->t[4],
+							  &t[0], with_dlse ? &t[1] : NULL, &t[2],
+							  &t[3], &t[4], &t[5], NULL))
+	TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, memcmp(g, g_ref, bytes)) TH_LOG("gradients differ from the host call's");
+	free(g);
+	free(g_ref);
+	free(dlse);
+	free(dout);
+}
+
+TEST_F(ref, varlen_backward_equals_host_call)
+{
+	static const ape_dtype dts[3] = { APE_F32, APE_F16, APE_BF16 };
+	struct rag x;
+
+	for (int i = 0; i < 12; i++) {
+		rag_make(&x, &self->rng, dts[i % 3], i % 4 == 1, i % 2 == 0,
+			 (enum rag_pos)(i % 3));
+		x.with_lse = true;
+		ASSERT_EQ(0, rag_reference(self->dev, &x)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, rag_run(self->dev, &x, NULL)) TH_LOG("%s", ape_last_error());
+		rag_compare(_metadata, &x);
+		rag_backward_case(_metadata, self->dev, &self->rng, &x, i % 2 == 1, i % 3 != 2);
+		rag_free(&x);
+	}
+}
+
+#define EXPECT_VL_REFUSED(err, what, call)                                                         \
+	EXPECT_REFUSED_BY("ape_attention_forward_varlen_dlpack", err, what, call)
+
+/* A fixed valid batch (2 sequences, one of them empty in its queries, GQA), compact, LSE
+ * compact or head-major. */
+static void rag_fixed(struct rag *x, ape_rng *r, bool strided_lse)
+{
+	do {
+		rag_make(x, r, APE_F32, false, false, RAG_DEFAULT);
+		if (x->S >= 2 && x->tq >= 3 && x->tk >= 2 && x->H >= 2)
+			break;
+		rag_free(x);
+	} while (1);
+	x->with_lse = true;
+	if (strided_lse != x->strided_lse) {
+		const int64_t ls[2] = { 1, x->tq + 2 };
+
+		x->strided_lse = strided_lse;
+		free(x->lse);
+		x->lse_len = (size_t)(strided_lse ? x->H * (x->tq + 2) : x->tq * x->H);
+		x->lse = malloc((x->lse_len + 1) * sizeof(float));
+		for (size_t i = 0; i < x->lse_len; i++)
+			x->lse[i] = 1234.5f;
+		rag_dl(x, 4, x->lse, 0, APE_F32, x->tq, x->H, -1, strided_lse ? ls : NULL);
+	}
+}
+
+/* Each refusal names the argument and the value; nothing is written. */
+TEST_F(ref, varlen_refusals_name_the_tensor)
+{
+	const DLDataType i32 = { kDLInt, 32, 1 }, f16 = { kDLFloat, 16, 1 };
+	struct rag x;
+
+#define VL_REFUSED(strided_lse, change, what)                                                      \
+	do {                                                                                       \
+		rag_fixed(&x, &self->rng, strided_lse);                                            \
+		change;                                                                            \
+		EXPECT_VL_REFUSED(APE_EINVAL, what, rag_run(self->dev, &x, NULL));                 \
+		for (size_t i_ = 0; i_ < x.out_bytes; i_++)                                        \
+			ASSERT_EQ(0x5a, x.out[i_]) TH_LOG("%s: o written", what);                  \
+		for (size_t i_ = 0; i_ < x.lse_len; i_++)                                          \
+			ASSERT_EQ(1234.5f, x.lse[i_]) TH_LOG("%s: lse written", what);             \
+		rag_free(&x);                                                                      \
+	} while (0)
+
+	VL_REFUSED(false, x.t[0].ndim = 4, "q->ndim = 4: must be 3 ([total, H, D])");
+	VL_REFUSED(false, x.t[3].ndim = 2, "o->ndim = 2: must be 3");
+	VL_REFUSED(false, x.t[4].ndim = 3, "lse->ndim = 3: must be 2 ([total_q, H])");
+	VL_REFUSED(false, x.shp[3][0]++, "o->shape[0] = ");
+	VL_REFUSED(false, x.shp[3][1]++, "o->shape[1] = ");
+	VL_REFUSED(false, x.shp[3][2] += 2, "o->shape[2] = ");
+	VL_REFUSED(false, x.shp[1][2] += 2, "k->shape[2] = ");
+	VL_REFUSED(false, x.shp[2][0]++, "v->shape[0] = ");
+	VL_REFUSED(false, x.shp[2][1]++, "v->shape[1] = ");
+	VL_REFUSED(false, x.shp[4][0]--, "lse->shape[0] = ");
+	VL_REFUSED(true, x.shp[4][1]++, "lse->shape[1] = ");
+	VL_REFUSED(false, x.t[4].dtype = f16, "lse->dtype = f16: must be float32");
+	VL_REFUSED(false, x.t[0].dtype = i32, "q->dtype");
+	VL_REFUSED(false, x.t[2].device.device_type = kDLCUDA, "v->device");
+	VL_REFUSED(false, x.t[4].device.device_id = 1, "lse->device");
+	VL_REFUSED(false, x.t[1].byte_offset += 2, "k->byte_offset");
+	VL_REFUSED(false, x.cuq[x.S]++, "vl->cu_seqlens_q");
+	VL_REFUSED(false, x.t[3].data = x.t[0].data, "o overlaps q");
+	/* a staged LSE: its own checks, since the host call sees the stage */
+	VL_REFUSED(true, x.str[4][1] = 0, "lse->strides[1]");
+	VL_REFUSED(true, x.t[4].data = x.in, "lse overlaps q");
+	VL_REFUSED(false, x.desc.k_start = 3, "desc->k_start");
+	/* the packed problem's own checks name the [1, H, total, D] view's axes, and say so */
+	VL_REFUSED(false, for (int i_ = 0; i_ < 4; i_++) x.shp[i_][2] = 3,
+		   "q->shape[3] = 3: D must be even");
+	VL_REFUSED(false, for (int i_ = 0; i_ < 4; i_++) x.shp[i_][2] = 3,
+		   "view of a packed [total, H, D] tensor: 2 is total, 3 is D");
+	rag_fixed(&x, &self->rng, false);
+	EXPECT_VL_REFUSED(APE_EINVAL, "stream", rag_run(self->dev, &x, &x));
+	EXPECT_VL_REFUSED(APE_EINVAL, "k = NULL",
+			  ape_attention_forward_varlen_dlpack(self->dev, &x.desc, &x.vl, &x.t[0],
+							      NULL, &x.t[2], &x.t[3], NULL, NULL));
+	EXPECT_VL_REFUSED(APE_EINVAL, "vl = NULL",
+			  ape_attention_forward_varlen_dlpack(self->dev, &x.desc, NULL, &x.t[0],
+							      &x.t[1], &x.t[2], &x.t[3], NULL,
+							      NULL));
+	rag_free(&x);
+#undef VL_REFUSED
+}
+
+#define EXPECT_VLB_REFUSED(what, call)                                                             \
+	EXPECT_REFUSED_BY("ape_attention_backward_varlen_dlpack", APE_EINVAL, what, call)
+
+/* The backward's refusals name the tensor; nothing is written. */
+TEST_F(ref, varlen_backward_refusals_name_the_tensor)
+{
+	struct rag x;
+	float *g, *dp;
+	int64_t sh[6][3], st[2] = { 1, 0 };
+	DLTensor t[6]; /* dout (x's q), dlse (x's lse), dq, dk, dv, dparams */
+
+	rag_fixed(&x, &self->rng, false);
+	ASSERT_EQ(0, rag_run(self->dev, &x, NULL)) TH_LOG("%s", ape_last_error());
+	g = calloc((size_t)((x.tq * x.H + 2 * x.tk * x.G) * x.D), sizeof(float));
+	dp = calloc((size_t)(4 * x.H), sizeof(float));
+	memcpy(sh[2], x.shp[0], sizeof(sh[2]));
+	memcpy(sh[3], x.shp[1], sizeof(sh[3]));
+	memcpy(sh[4], x.shp[1], sizeof(sh[4]));
+	sh[5][0] = x.H;
+	sh[5][1] = 4;
+	t[0] = x.t[0];
+	t[1] = x.t[4];
+	for (int i = 2; i < 6; i++)
+		t[i] = (DLTensor){ .device = { kDLCPU, 0 }, .ndim = i == 5 ? 2 : 3,
+				   .dtype = { kDLFloat, 32, 1 }, .shape = sh[i] };
+	t[2].data = g;
+	t[3].data = g + x.tq * x.H * x.D;
+	t[4].data = g + (x.tq * x.H + x.tk * x.G) * x.D;
+	t[5].data = dp;
+#define VLB_CALL                                                                                   \
+	ape_attention_backward_varlen_dlpack(self->dev, &x.desc, &x.vl, &x.t[0], &x.t[1],         \
+					     &x.t[2], &x.t[3], &x.t[4], &t[0], &t[1], &t[2],       \
+					     &t[3], &t[4], &t[5], NULL)
+	t[5].ndim = 3;
+	EXPECT_VLB_REFUSED("dparams->ndim = 3: must be 2 ([H, 4])", VLB_CALL);
+	t[5].ndim = 2;
+	sh[5][1] = 3;
+	EXPECT_VLB_REFUSED("dparams->shape[1] = 3: must be 4", VLB_CALL);
+	sh[5][1] = 4;
+	sh[2][0]++;
+	EXPECT_VLB_REFUSED("dq->shape[0] = ", VLB_CALL);
+	sh[2][0]--;
+	sh[3][1]++;
+	EXPECT_VLB_REFUSED("dk->shape[1] = ", VLB_CALL);
+	sh[3][1]--;
+	t[1].dtype = (DLDataType){ kDLFloat, 16, 1 };
+	EXPECT_VLB_REFUSED("dlse->dtype", VLB_CALL);
+	t[1].dtype = (DLDataType){ kDLFloat, 32, 1 };
+	t[4].data = g; /* dV over dQ */
+	EXPECT_VLB_REFUSED("dv overlaps dq", VLB_CALL);
+	t[4].data = g + (x.tq * x.H + x.tk * x.G) * x.D;
+	t[5].strides = st; /* a staged dparams over dK */
+	t[5].data = t[3].data;
+	st[1] = x.H;
+	EXPECT_VLB_REFUSED("dparams overlaps dk", VLB_CALL);
+	t[5].data = dp;
+	st[1] = 0; /* two heads' gradients at one address */
+	EXPECT_VLB_REFUSED("dparams->strides[1]", VLB_CALL);
+	t[5].strides = NULL;
+	EXPECT_VLB_REFUSED("lse = NULL",
+			   ape_attention_backward_varlen_dlpack(self->dev, &x.desc, &x.vl, &x.t[0],
+								&x.t[1], &x.t[2], &x.t[3], NULL,
+								&t[0], NULL, &t[2], NULL, NULL,
+								NULL, NULL));
+	EXPECT_VLB_REFUSED("dq, dk, dv and dparams are all NULL",
+			   ape_attention_backward_varlen_dlpack(self->dev, &x.desc, &x.vl, &x.t[0],
+								&x.t[1], &x.t[2], &x.t[3], &x.t[4],
+								&t[0], NULL, NULL, NULL, NULL,
+								NULL, NULL));
+	for (int64_t i = 0; i < (x.tq * x.H + 2 * x.tk * x.G) * x.D; i++)
+		ASSERT_EQ(0.0f, g[i]) TH_LOG("a gradient was written");
+	for (int64_t i = 0; i < 4 * x.H; i++)
+		ASSERT_EQ(0.0f, dp[i]) TH_LOG("dparams was written");
+	/* and the valid call writes them */
+	ASSERT_EQ(0, VLB_CALL) TH_LOG("%s", ape_last_error());
+#undef VLB_CALL
+	free(g);
+	free(dp);
+	rag_free(&x);
 }
 /* ---- docs/embedding.md's example */
 

@@ -5,7 +5,10 @@
  * device's own cl_context, with libape's queue and with the test's own cl_command_queue) and
  * kDLCPU tensors on an OpenCL CPU device (PoCL); kDLCUDA tensors on the emulated driver (see
  * the tests for what runs where), and ape_attention_backward_dlpack() on them within the
- * spec's tolerance. (kDLCPU tensors on the reference: test_dlpack.c.)
+ * spec's tolerance. The ragged forms on OpenCL: cl_mem tensors (packed, padded, QKV slices,
+ * both queues) against the host ragged call within the tolerance, kDLCPU tensors bit for bit,
+ * the device refusals (gapped keys, the backward). (kDLCPU tensors on the reference:
+ * test_dlpack.c.)
  *
  * Fresh random inputs each run (APE_TEST_SEED replays one).
  */
@@ -230,6 +233,161 @@ TEST_F(ocl, opencl_refusals)
 	for (int i = 0; i < 5; i++)
 		x->t[i].device = (DLDevice){ kDLCUDA, 0 };
 	EXPECT_REFUSED(APE_EINVAL, "q->device", dlcall_run(self->dev, x, NULL));
+}
+
+/* ---- ragged batches on OpenCL (struct rag: dlpack_call.h) */
+
+/* x's tensors moved into cl_mem objects (q, k, v one; o, lse each their own, poisoned as x's),
+ * kDLOpenCL with their byte offsets; m[3] the objects. */
+static int rag_to_cl(FIXTURE_DATA(ocl) * self, struct rag *x, cl_command_queue cq, cl_mem m[3])
+{
+	unsigned char *base[5] = { x->in, x->in, x->in, x->out, (unsigned char *)x->lse };
+	ape_device_info info;
+
+	ape_device_get_info(self->dev, &info);
+	m[0] = cl_buffer_of(self->clctx, cq, x->in, x->in_bytes + 1);
+	m[1] = cl_buffer_of(self->clctx, cq, x->out, x->out_bytes);
+	m[2] = cl_buffer_of(self->clctx, cq, x->lse, (x->lse_len + 1) * sizeof(float));
+	if (!m[0] || !m[1] || !m[2])
+		return -1;
+	for (int i = 0; i < 5; i++) {
+		DLTensor *t = &x->t[i];
+
+		t->byte_offset += (uint64_t)((unsigned char *)t->data - base[i]);
+		t->data = m[i < 3 ? 0 : i - 2];
+		t->device = (DLDevice){ kDLOpenCL, info.backend_index };
+	}
+	return 0;
+}
+
+static void rag_cl_free(cl_mem m[3])
+{
+	for (int i = 0; i < 3; i++)
+		if (m[i])
+			clReleaseMemObject(m[i]);
+}
+
+/*
+ * Random batches (default and shifted positions; compact, padded and QKV slices; GQA; f32,
+ * f16) as cl_mem tensors, with libape's queue and with the caller's: the host ragged call on
+ * the same device within the spec's tolerance (another route: ape_attention_enqueue_varlen()),
+ * no byte of O's allocation outside it written, LSE likewise (staged or not).
+ */
+TEST_F(ocl, varlen_cl_mem_tensors)
+{
+	cl_int err;
+	cl_command_queue cq;
+
+	if (!self->clctx)
+		SKIP(return, "no native cl_context: no cl_mem tensors");
+	cq = clCreateCommandQueue(self->clctx, self->cldev, 0, &err);
+	ASSERT_NE(NULL, cq);
+	for (int i = 0; i < 8; i++) {
+		struct rag x;
+		cl_mem m[3] = { NULL };
+		unsigned char *poison;
+
+		rag_make(&x, &self->rng, i % 4 == 3 ? APE_F16 : APE_F32, i % 3 == 1, i % 2 == 0,
+			 i % 2 ? RAG_SHIFTED : RAG_DEFAULT);
+		poison = malloc(x.out_bytes);
+		memcpy(poison, x.out, x.out_bytes);
+		ASSERT_EQ(0, rag_reference(self->dev, &x)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, rag_to_cl(self, &x, cq, m));
+		ASSERT_EQ(0, rag_run(self->dev, &x, i % 2 ? cq : NULL))
+		TH_LOG("case %d: %s", i, ape_last_error());
+		ASSERT_EQ(CL_SUCCESS, clEnqueueReadBuffer(cq, m[1], CL_TRUE, 0, x.out_bytes, x.out,
+							  0, NULL, NULL));
+		ASSERT_EQ(CL_SUCCESS, clEnqueueReadBuffer(cq, m[2], CL_TRUE, 0,
+							  x.lse_len * sizeof(float), x.lse, 0,
+							  NULL, NULL));
+		{
+			ape_tensor got = x.h[3];
+			const int64_t P = x.strided ? x.D + 3 : x.D;
+
+			got.data = x.out + ((unsigned char *)x.h[3].data - x.out_ref);
+			EXPECT_LE(test_max_err_o(&got, &x.h[3]),
+				  test_tol_o(x.dt) * fmax(test_tensor_maxabs(&x.h[2]), 1e-30))
+			TH_LOG("case %d", i);
+			for (size_t b = 0; b < x.out_bytes; b++) {
+				const size_t e = b / x.oesz;
+				const bool in_o = x.strided ? (int64_t)(e % (size_t)P) < x.D : e >= 8;
+
+				if (!in_o)
+					ASSERT_EQ(poison[b], x.out[b]) TH_LOG("byte %zu written", b);
+			}
+		}
+		for (int64_t t = 0; x.with_lse && t < x.tq; t++)
+			for (int64_t h = 0; h < x.H; h++) {
+				const float got = *rag_lse_at(&x, t, h), want = x.lse_ref[t * x.H + h];
+
+				EXPECT_LE(test_max_err_lse(&got, &want, 1),
+					  test_tol_lse(x.dt) * fmax(1, fabs(want)))
+				TH_LOG("lse[%ld, %ld]: %g, host call %g", (long)t, (long)h, got, want);
+			}
+		for (int64_t h = 0; x.strided_lse && h < x.H; h++)
+			ASSERT_EQ(1234.5f, x.lse[h * (x.tq + 2) + x.tq]);
+		rag_cl_free(m);
+		free(poison);
+		rag_free(&x);
+	}
+	clReleaseCommandQueue(cq);
+}
+
+/* kDLCPU tensors on the OpenCL device: the host ragged call there, bit for bit, gaps too. */
+TEST_F(ocl, varlen_cpu_tensors_on_opencl)
+{
+	for (int i = 0; i < 3; i++) {
+		struct rag x;
+
+		rag_make(&x, &self->rng, APE_F32, i == 1, i == 2, (enum rag_pos)i);
+		ASSERT_EQ(0, rag_reference(self->dev, &x)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, rag_run(self->dev, &x, NULL)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, memcmp(x.out, x.out_ref, x.out_bytes));
+		for (int64_t t = 0; x.with_lse && t < x.tq; t++)
+			for (int64_t h = 0; h < x.H; h++)
+				ASSERT_EQ(0, memcmp(rag_lse_at(&x, t, h), &x.lse_ref[t * x.H + h], 4));
+		rag_free(&x);
+	}
+}
+
+/* cl_mem tensors: gapped key positions refused naming vl->pos_k (APE_ENOTSUP); the backward
+ * refused naming q->device (APE_ENOTSUP); nothing written. */
+TEST_F(ocl, varlen_cl_mem_refusals)
+{
+	cl_int err;
+	cl_command_queue cq;
+	struct rag x;
+	cl_mem m[3] = { NULL };
+	unsigned char *back;
+
+	if (!self->clctx)
+		SKIP(return, "no native cl_context: no cl_mem tensors");
+	cq = clCreateCommandQueue(self->clctx, self->cldev, 0, &err);
+	ASSERT_NE(NULL, cq);
+	do {
+		rag_make(&x, &self->rng, APE_F32, false, false, RAG_GAPS);
+		if (x.tk > 3 && x.tq > 0)
+			break;
+		rag_free(&x);
+	} while (1);
+	x.with_lse = true;
+	x.desc.causal = false; /* every query sees its sequence's gapped keys */
+	back = malloc(x.out_bytes);
+	ASSERT_EQ(0, rag_to_cl(self, &x, cq, m));
+	EXPECT_REFUSED_BY("ape_attention_forward_varlen_dlpack", APE_ENOTSUP, "vl->pos_k",
+			  rag_run(self->dev, &x, NULL));
+	EXPECT_REFUSED_BY("ape_attention_backward_varlen_dlpack", APE_ENOTSUP, "q->device",
+			  ape_attention_backward_varlen_dlpack(self->dev, &x.desc, &x.vl, &x.t[0],
+							       &x.t[1], &x.t[2], &x.t[3], &x.t[4],
+							       &x.t[0], NULL, &x.t[3], NULL, NULL,
+							       NULL, NULL));
+	ASSERT_EQ(CL_SUCCESS, clEnqueueReadBuffer(cq, m[1], CL_TRUE, 0, x.out_bytes, back, 0, NULL,
+						  NULL));
+	EXPECT_EQ(0, memcmp(back, x.out, x.out_bytes)) TH_LOG("o written");
+	free(back);
+	rag_cl_free(m);
+	rag_free(&x);
+	clReleaseCommandQueue(cq);
 }
 #endif /* APE_HAVE_OPENCL */
 

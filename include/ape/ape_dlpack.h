@@ -97,6 +97,64 @@ APE_API int ape_attention_backward_dlpack(ape_device *dev, const ape_attn_desc *
 					  DLTensor *dk, DLTensor *dv, DLTensor *dparams,
 					  void *stream);
 
+/**
+ * \brief A ragged batch (ape_attention_forward_varlen(), include/ape/ape.h, "Ragged batches")
+ * on DLPack tensors, where they are.
+ *
+ * q and o are 3-D packed `[total_q, H, D]` (token, head, component), k and v `[total_k, Hkv,
+ * D]`, lse NULL or 2-D `[total_q, H]` float32; any strides (a PyTorch slice of a packed
+ * `[total, 3, H, D]` QKV tensor is passed as it is), D contiguous. \p desc and \p vl (host
+ * memory, read before the call returns) as for ape_attention_forward_varlen(). Types, strides,
+ * offsets, devices, streams and memory sharing are as for ape_attention_forward_dlpack(), and
+ * the shapes are checked against each other in these axes ("o->shape[0] = 5: must equal
+ * q->shape[0] = 6"). Where the tensors are decides the route:
+ *   - `kDLCPU` (\p stream NULL): the host call ape_attention_forward_varlen() on \p dev, any
+ *     positions, the call returning when O is written; every device takes host tensors here
+ *     (the host call stages them), the result the host call's bit for bit; an lse not laid
+ *     out as `[total_q, H]` row-major is staged and written back on success;
+ *   - `kDLOpenCL`, `kDLCUDA`: ape_attention_enqueue_varlen() on the memory and \p stream by
+ *     the dense rules (the call returning once the work is enqueued, or after libape's own
+ *     queue finished); positions that give a query run several runs of consecutive key
+ *     positions are refused there with APE_ENOTSUP naming vl->pos_k.
+ * On any error o and lse are untouched (nothing is enqueued). libape keeps no reference to a
+ * tensor or to \p vl after the call returns.
+ * \return 0; APE_EINVAL naming the tensor or the batch and what is wrong (as
+ *         ape_attention_forward_dlpack(), and shapes that disagree: "o->shape[0]"); the errors
+ *         of ape_attention_forward_varlen() (kDLCPU) or ape_attention_enqueue_varlen()
+ *         (device memory), their messages starting with this function's name (those that
+ *         name an axis of the `[1, H, total, D]` view the packed tensors are described as end
+ *         by saying so).
+ * \note Thread-safe as ape_attention_forward_dlpack().
+ */
+APE_API int ape_attention_forward_varlen_dlpack(ape_device *dev, const ape_attn_desc *desc,
+						const ape_varlen *vl, const DLTensor *q,
+						const DLTensor *k, const DLTensor *v, DLTensor *o,
+						DLTensor *lse, void *stream);
+
+/**
+ * \brief The gradients of a ragged batch (ape_attention_backward_varlen()) on DLPack tensors.
+ *
+ * q, o, dout, dq are 3-D packed `[total_q, H, D]`, k, v, dk, dv `[total_k, Hkv, D]`; lse
+ * (required) and dlse (NULL: dL/dLSE = 0) 2-D `[total_q, H]` float32; dparams 2-D `[H, 4]`
+ * float32. dq, dk, dv and dparams are each optional (NULL: not computed; all four NULL:
+ * APE_EINVAL). Types, strides, shapes and memory sharing as for
+ * ape_attention_forward_varlen_dlpack() and ape_attention_backward_dlpack(). The tensors must
+ * be kDLCPU (\p stream NULL): the call is ape_attention_backward_varlen() on \p dev, any
+ * positions, returning when the gradients are written (bit for bit the host call's); lse,
+ * dlse and dparams not laid out row-major are staged. On any error nothing is written.
+ * \return as ape_attention_forward_varlen_dlpack(), with the errors of
+ *         ape_attention_backward_varlen() prefixed with this function's name; APE_ENOTSUP
+ *         naming q->device for kDLOpenCL and kDLCUDA tensors (after every other check of the
+ *         tensors): no device-resident ragged backward exists yet.
+ */
+APE_API int ape_attention_backward_varlen_dlpack(ape_device *dev, const ape_attn_desc *desc,
+						 const ape_varlen *vl, const DLTensor *q,
+						 const DLTensor *k, const DLTensor *v,
+						 const DLTensor *o, const DLTensor *lse,
+						 const DLTensor *dout, const DLTensor *dlse,
+						 DLTensor *dq, DLTensor *dk, DLTensor *dv,
+						 DLTensor *dparams, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -16,10 +16,19 @@
  * separate wrappers. Tensors of one cl_mem (kDLOpenCL) share its wrapper, with their byte
  * offsets; distinct cl_mem objects are taken to be distinct memory (sub-buffers that alias are
  * the caller's to avoid for outputs).
+ *
+ * Ragged batches (ape_attention_forward_varlen_dlpack(), _backward_): the packed [total, H, D]
+ * tensors and [total_q, H] LSE are read by the same reader through their form (struct dl_form:
+ * which ape_dtensor axis each DLPack axis is), their shapes checked against each other in the
+ * caller's axes; kDLCPU tensors then go to the host ragged calls as ape_tensor views (an LSE or
+ * dparams not laid out row-major through a stage, checked for overlaps here since the host call
+ * sees the stage), device tensors to ape__attention_enqueue_varlen() as above (the backward:
+ * APE_ENOTSUP, no device-resident ragged backward exists).
  */
 #include <inttypes.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ape/ape_dlpack.h"
@@ -28,6 +37,7 @@
 #include "core/error.h"
 #include "api/resident.h"
 #include "api/validate.h"
+#include "api/varlen.h"
 
 #define NT APE__RB_COUNT /* the most tensors of a call: the backward's */
 
@@ -77,6 +87,7 @@ struct dl_in {
 	ape_dtype dtype;
 	size_t esz;
 	bool empty; /* no element: addresses nothing, its data is never used */
+	int64_t s[4]; /* its strides in elements, axis by axis of the DLTensor */
 	uintptr_t lo, hi; /* kDLCPU, kDLCUDA: the bytes [lo, hi) it addresses */
 	int group; /* index of the tensor whose wrapper it uses */
 	ape_dtensor dt;
@@ -143,26 +154,39 @@ static int check_device(const char *fn, const char *name, const DLTensor *t, con
 }
 
 /*
- * Reads one DLTensor of ndim dimensions into in->dt (without a buffer) and its byte span:
- * `[B, H, L, D]` (4), `[B, H, Lq]` (3: LSE, as `[B, H, Lq, 1]`) or `[H, 4]` (2: parameter
- * gradients, as `[1, 1, H, 4]`).
+ * The form a call takes a tensor in: its ndim axes, each an axis of the 4-D ape_dtensor it
+ * becomes (the axes it lacks of one element), and its shape for messages. An axis map that is
+ * not increasing (the packed forms) makes compact DLPack strides explicit ones.
  */
-static int read_tensor(const char *fn, const char *name, const DLTensor *t, int ndim,
-		       struct dl_in *in)
+struct dl_form {
+	int ndim;
+	int axis[4]; /* ape_dtensor axis of each DLTensor axis */
+	const char *dims;
+};
+
+static const struct dl_form F_BHLD = { 4, { 0, 1, 2, 3 }, "[B, H, L, D]" };
+static const struct dl_form F_BHL = { 3, { 0, 1, 2 }, "[B, H, Lq]" }; /* [B, H, Lq, 1] */
+static const struct dl_form F_H4 = { 2, { 2, 3 }, "[H, 4]" }; /* [1, 1, H, 4] */
+/* the ragged calls' packed tensors [total, H, D] as [1, H, total, D], LSE [total_q, H] as
+ * [1, H, total_q, 1] */
+static const struct dl_form F_THD = { 3, { 2, 1, 3 }, "[total, H, D]" };
+static const struct dl_form F_TH = { 2, { 2, 1 }, "[total_q, H]" };
+
+/* Reads one DLTensor of form f into in->dt (without a buffer), its strides and byte span. */
+static int read_tensor(const char *fn, const char *name, const DLTensor *t,
+		       const struct dl_form *f, struct dl_in *in)
 {
-	const int lead = ndim == 2 ? 2 : 0; /* in->dt's axis of t's axis 0 */
+	const int ndim = f->ndim;
 	uint64_t last = 0; /* elements from the first addressed to the last */
-	int64_t s[4];
+	int64_t *s = in->s;
+	bool permuted = false;
 
 	memset(in, 0, sizeof(*in));
 	in->t = t;
 	in->name = name;
 	if (t->ndim != ndim)
 		return ape__error(APE_EINVAL, "%s: %s->ndim = %d: must be %d (%s)", fn, name, t->ndim,
-				  ndim,
-				  ndim == 4   ? "[B, H, L, D]"
-				  : ndim == 3 ? "[B, H, Lq]"
-					      : "[H, 4]");
+				  ndim, f->dims);
 	if (!t->shape)
 		return ape__error(APE_EINVAL, "%s: %s->shape = NULL", fn, name);
 	int ret = check_dtype(fn, name, t, &in->dtype);
@@ -175,23 +199,21 @@ static int read_tensor(const char *fn, const char *name, const DLTensor *t, int 
 				  "%s: %s->byte_offset = %" PRIu64
 				  ": not a multiple of the %zu-byte %s element",
 				  fn, name, t->byte_offset, in->esz, ape_dtype_name(in->dtype));
+	for (int d = 0; d < 4; d++)
+		in->dt.shape[d] = 1;
 	for (int d = 0; d < ndim; d++) {
 		if (t->shape[d] < 0)
 			return ape__error(APE_EINVAL, "%s: %s->shape[%d] = %" PRId64 ": negative", fn,
 					  name, d, t->shape[d]);
 		in->empty |= t->shape[d] == 0;
-		in->dt.shape[d + lead] = t->shape[d];
+		in->dt.shape[f->axis[d]] = t->shape[d];
+		permuted |= d > 0 && f->axis[d] < f->axis[d - 1];
 	}
-	if (ndim == 3)
-		in->dt.shape[3] = 1;
-	if (ndim == 2)
-		in->dt.shape[0] = in->dt.shape[1] = 1;
 	/* the strides given, or compact row-major ones; the stride of an axis of one element
-	 * addresses nothing (frameworks leave any value there): 0 */
-	s[3] = 1;
+	 * addresses nothing (frameworks leave any value there): 0 (1 for D) */
 	for (int d = ndim - 1; d >= 0; d--) {
 		if (t->strides)
-			s[d] = t->shape[d] > 1 ? t->strides[d] : d == 3 ? 1 : 0;
+			s[d] = t->shape[d] > 1 ? t->strides[d] : f->axis[d] == 3 ? 1 : 0;
 		else if (d == ndim - 1)
 			s[d] = 1;
 		else if (__builtin_mul_overflow(s[d + 1], t->shape[d + 1] ? t->shape[d + 1] : 1,
@@ -204,11 +226,9 @@ static int read_tensor(const char *fn, const char *name, const DLTensor *t, int 
 					  ": negative strides are not supported",
 					  fn, name, d, s[d]);
 	}
-	if (t->strides) {
+	if (t->strides || permuted) {
 		for (int d = 0; d < ndim; d++)
-			in->dt.strides[d + lead] = s[d];
-		if (ndim == 3)
-			in->dt.strides[3] = s[3];
+			in->dt.strides[f->axis[d]] = s[d];
 		/* D of one element: 1 keeps it "contiguous" and the strides from reading as
 		 * ape_dtensor's "all 0: compact" */
 		if (in->dt.shape[3] <= 1)
@@ -329,27 +349,38 @@ struct dl_call {
 };
 
 /*
- * Reads and wraps the n tensors t (NULL: absent; ndims[i] their dimensions) for dev, and makes
- * the queue stream names (see the header). On failure the caller still calls dl_release().
+ * Reads the n tensors t (NULL: absent) of forms f for dev (their devices, see the header) and
+ * checks stream against their memory, whose kind (enum ape__mem_kind) goes to *kind.
  */
-static int dl_prepare(struct dl_call *c, ape_device *dev, const DLTensor *const *t,
-		      const char *const *names, const int *ndims, int n, void *stream)
+static int dl_read(struct dl_call *c, ape_device *dev, const DLTensor *const *t,
+		   const char *const *names, const struct dl_form *const *f, int n, void *stream,
+		   int *kind)
 {
 	const char *fn = c->fn;
 	const DLTensor *q = t[0];
-	int kind, ret = 0;
+	int ret;
 
 	for (int i = 0; i < n; i++) {
 		c->in[i].t = NULL;
 		c->in[i].name = names[i];
 		if (t[i] && ((ret = check_device(fn, names[i], t[i], q, dev)) ||
-			     (ret = read_tensor(fn, names[i], t[i], ndims[i], &c->in[i]))))
+			     (ret = read_tensor(fn, names[i], t[i], f[i], &c->in[i]))))
 			return ret;
 	}
-	kind = kind_of((int)q->device.device_type);
-	if (kind == APE__MEM_HOST && stream)
+	*kind = kind_of((int)q->device.device_type);
+	if (*kind == APE__MEM_HOST && stream)
 		return ape__error(APE_EINVAL, "%s: stream = %p: must be NULL for kDLCPU tensors", fn,
 				  stream);
+	return 0;
+}
+
+/* Wraps the n tensors dl_read() read (memory of that kind) for dev, and makes the queue
+ * stream names (see the header). On failure the caller still calls dl_release(). */
+static int dl_wrap(struct dl_call *c, ape_device *dev, int n, int kind, void *stream)
+{
+	const char *fn = c->fn;
+	int ret = 0;
+
 	group_tensors(c->in, n, kind);
 	for (int i = 0; i < n && !ret; i++)
 		if (c->in[i].t && c->in[i].group == i)
@@ -367,6 +398,16 @@ static int dl_prepare(struct dl_call *c, ape_device *dev, const DLTensor *const 
 	else if ((ret = ape_queue_create(dev, &c->queue)))
 		ret = ape__error_prefix(ret, fn);
 	return ret;
+}
+
+/* dl_read() and dl_wrap(): the dense calls' tensors, wherever they are. */
+static int dl_prepare(struct dl_call *c, ape_device *dev, const DLTensor *const *t,
+		      const char *const *names, const struct dl_form *const *f, int n,
+		      void *stream)
+{
+	int kind, ret = dl_read(c, dev, t, names, f, n, stream, &kind);
+
+	return ret ? ret : dl_wrap(c, dev, n, kind, stream);
 }
 
 /* After the enqueue (ret its code): libape's own queue waited for, everything released (on
@@ -388,7 +429,8 @@ static int forward_dlpack(const char *fn, ape_device *dev, const ape_attn_desc *
 {
 	static const char *const names[7] = { "q", "k", "v", "o", "lse", "entropy",
 					      "mean_distance" };
-	static const int ndims[7] = { 4, 4, 4, 4, 3, 3, 3 };
+	static const struct dl_form *const forms[7] = { &F_BHLD, &F_BHLD, &F_BHLD, &F_BHLD,
+							&F_BHL,	 &F_BHL,  &F_BHL };
 	struct dl_call c = { .fn = fn };
 	int ret;
 
@@ -399,7 +441,7 @@ static int forward_dlpack(const char *fn, ape_device *dev, const ape_attn_desc *
 	for (int i = 0; i < APE__T_LSE; i++)
 		if (!t[i])
 			return ape__error(APE_EINVAL, "%s: %s = NULL", c.fn, names[i]);
-	ret = dl_prepare(&c, dev, t, names, ndims, 7, stream);
+	ret = dl_prepare(&c, dev, t, names, forms, 7, stream);
 	if (!ret)
 		ret = ape__attention_enqueue_diag(c.fn, c.queue, desc, c.dt[0], c.dt[1], c.dt[2],
 						  c.dt[3], c.dt[4], c.dt[5], c.dt[6]);
@@ -425,6 +467,18 @@ int ape_attention_forward_dlpack_diag(ape_device *dev, const ape_attn_desc *desc
 	return forward_dlpack("ape_attention_forward_dlpack_diag", dev, desc, t, stream);
 }
 
+/* Both backward calls' arguments present: dev, desc, the inputs (lse and dlse in their
+ * enum ape__rb_tensor places), a gradient wanted. */
+static int check_bwd_args(const char *fn, const ape_device *dev, const ape_attn_desc *desc,
+			  const DLTensor *const *t)
+{
+	if (!dev)
+		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
+	if (!desc)
+		return ape__error(APE_EINVAL, "%s: desc = NULL", fn);
+	return ape__check_bwd_present(fn, (const void *const *)t);
+}
+
 int ape_attention_backward_dlpack(ape_device *dev, const ape_attn_desc *desc, const DLTensor *q,
 				  const DLTensor *k, const DLTensor *v, const DLTensor *o,
 				  const DLTensor *lse, const DLTensor *dout, const DLTensor *dlse,
@@ -433,27 +487,270 @@ int ape_attention_backward_dlpack(ape_device *dev, const ape_attn_desc *desc, co
 {
 	static const char *const names[APE__RB_COUNT] = { "q",	  "k",	"v",  "o",  "lse", "dout",
 							  "dlse", "dq", "dk", "dv", "dparams" };
-	static const int ndims[APE__RB_COUNT] = { 4, 4, 4, 4, 3, 4, 3, 4, 4, 4, 2 };
+	static const struct dl_form *const forms[APE__RB_COUNT] = {
+		&F_BHLD, &F_BHLD, &F_BHLD, &F_BHLD, &F_BHL, &F_BHLD,
+		&F_BHL,	 &F_BHLD, &F_BHLD, &F_BHLD, &F_H4
+	};
 	const DLTensor *t[APE__RB_COUNT] = { q, k, v, o, lse, dout, dlse, dq, dk, dv, dparams };
 	struct dl_call c = { .fn = "ape_attention_backward_dlpack" };
 	int ret;
+
+	if ((ret = check_bwd_args(c.fn, dev, desc, t)))
+		return ret;
+	ret = dl_prepare(&c, dev, t, names, forms, APE__RB_COUNT, stream);
+	if (!ret)
+		ret = ape__attention_backward_enqueue(c.fn, c.queue, desc, c.dt);
+	return dl_release(&c, ret);
+}
+
+/* ------------------------------------------------------------------ ragged batches */
+
+/* What an axis of a ragged call's tensor must be: axis `axis` of tensor `of` (of >= 0), the
+ * value `axis` (of == DIM_IS), anything (of == DIM_ANY). */
+struct dl_dim {
+	int of, axis;
+};
+
+enum { DIM_ANY = -2, DIM_IS = -1 };
+
+#define ANY { DIM_ANY, 0 }
+#define LIKE(t, a) { t, a }
+#define LIKE_Q { LIKE(0, 0), LIKE(0, 1), LIKE(0, 2) }
+#define LIKE_K { LIKE(1, 0), LIKE(1, 1), LIKE(1, 2) }
+/* q, k, v, o, lse: the forward's, and the backward's first five */
+#define RAGGED_FWD_DIMS                                                                           \
+	{ ANY, ANY, ANY }, { ANY, ANY, LIKE(0, 2) }, LIKE_K, LIKE_Q, { LIKE(0, 0), LIKE(0, 1) }
+
+/*
+ * The shapes of a ragged call's n tensors (dl_read() done) against each other, in the DLPack
+ * axes the caller sees ("o->shape[0] = 5: must be q->shape[0] = 6"), before the packed problem
+ * is checked as a whole (its messages name the [1, H, total, D] axes); and the LSE-like forms
+ * ([total_q, H], [H, 4]: floats the host calls take) float32.
+ */
+static int check_ragged(const struct dl_call *c, const struct dl_form *const *f,
+			const struct dl_dim (*want)[3], int n)
+{
+	for (int i = 0; i < n; i++) {
+		const struct dl_in *in = &c->in[i];
+
+		if (!in->t)
+			continue;
+		if (f[i] != &F_THD && in->dtype != APE_F32)
+			return ape__error(APE_EINVAL, "%s: %s->dtype = %s: must be float32", c->fn,
+					  in->name, ape_dtype_name(in->dtype));
+		for (int d = 0; d < f[i]->ndim; d++) {
+			const struct dl_dim w = want[i][d];
+			const int64_t got = in->t->shape[d];
+
+			if (w.of == DIM_IS && got != w.axis)
+				return ape__error(APE_EINVAL,
+						  "%s: %s->shape[%d] = %" PRId64 ": must be %d (%s)",
+						  c->fn, in->name, d, got, w.axis, f[i]->dims);
+			if (w.of >= 0 && c->in[w.of].t && got != c->in[w.of].t->shape[w.axis])
+				return ape__error(APE_EINVAL,
+						  "%s: %s->shape[%d] = %" PRId64
+						  ": must equal %s->shape[%d] = %" PRId64,
+						  c->fn, in->name, d, got, c->in[w.of].name, w.axis,
+						  c->in[w.of].t->shape[w.axis]);
+		}
+	}
+	return 0;
+}
+
+/* A kDLCPU tensor as the host calls take it. */
+static void host_tensor(const struct dl_in *in, ape_tensor *h)
+{
+	memset(h, 0, sizeof(*h));
+	if (!in->t)
+		return;
+	h->data = in->t->data ? (unsigned char *)in->t->data + in->t->byte_offset : NULL;
+	h->dtype = in->dtype;
+	memcpy(h->shape, in->dt.shape, sizeof(h->shape));
+	memcpy(h->strides, in->dt.strides, sizeof(h->strides));
+}
+
+/* Element (i, j) of a 2-D float32 kDLCPU tensor. */
+static float *elem2(const struct dl_in *in, int64_t i, int64_t j)
+{
+	return (float *)((unsigned char *)in->t->data + in->t->byte_offset) + i * in->s[0] +
+	       j * in->s[1];
+}
+
+/*
+ * Tensor i of the call, 2-D float32 on kDLCPU (LSE [total_q, H], dparams [H, 4]), as the
+ * row-major floats the host calls take: its own memory when laid out so, else *stage
+ * (malloc'd, the caller frees it), filled from it for an input; an output (bit i of outs; the
+ * others' bits say which they are) then has no two elements at one address and shares no byte
+ * with another tensor of the call (the host call sees the stage, not it).
+ */
+static int host_floats(const struct dl_call *c, int n, int i, unsigned outs, float **out,
+		       float **stage)
+{
+	static float none[1]; /* an empty tensor: nothing is read or written */
+	const struct dl_in *in = &c->in[i];
+	const int64_t *sh = in->t->shape, *s = in->s;
+	const bool is_out = outs >> i & 1;
+
+	*stage = NULL;
+	if (in->empty) {
+		*out = none;
+		return 0;
+	}
+	if ((sh[1] <= 1 || s[1] == 1) && (sh[0] <= 1 || s[0] == sh[1])) {
+		*out = elem2(in, 0, 0);
+		return 0;
+	}
+	if (is_out) {
+		const int a = s[0] <= s[1] ? 0 : 1, b = 1 - a; /* a: the smaller stride */
+		const int64_t reach = sh[a] > 1 ? s[a] * sh[a] : 1;
+
+		if ((sh[a] > 1 && s[a] < 1) || (sh[b] > 1 && s[b] < reach))
+			return ape__error(APE_EINVAL,
+					  "%s: %s->strides[%d] = %" PRId64
+					  ": output elements would overlap (need >= %" PRId64 ")",
+					  c->fn, in->name, sh[a] > 1 && s[a] < 1 ? a : b,
+					  sh[a] > 1 && s[a] < 1 ? s[a] : s[b],
+					  sh[a] > 1 && s[a] < 1 ? 1 : reach);
+	}
+	for (int j = 0; j < n; j++) {
+		const struct dl_in *x = &c->in[j];
+		const uintptr_t ri[2] = { in->lo, in->hi }, rx[2] = { x->lo, x->hi };
+		int ret = 0;
+
+		if (j == i || !x->t || x->empty)
+			continue;
+		if (is_out)
+			ret = ape__check_disjoint(c->fn, in->name, ri, x->name, rx);
+		else if (outs >> j & 1)
+			ret = ape__check_disjoint(c->fn, x->name, rx, in->name, ri);
+		if (ret)
+			return ret;
+	}
+	if (!(*stage = malloc((size_t)(sh[0] * sh[1]) * sizeof(float))))
+		return ape__error(APE_ENOMEM, "%s: %s: out of memory for %" PRId64 " floats", c->fn,
+				  in->name, sh[0] * sh[1]);
+	for (int64_t r = 0; !is_out && r < sh[0]; r++)
+		for (int64_t e = 0; e < sh[1]; e++)
+			(*stage)[r * sh[1] + e] = *elem2(in, r, e);
+	*out = *stage;
+	return 0;
+}
+
+/* A staged output (host_floats()) written back to its tensor; none: nothing to do. */
+static void host_floats_publish(const struct dl_in *in, const float *stage)
+{
+	for (int64_t r = 0; stage && r < in->t->shape[0]; r++)
+		for (int64_t e = 0; e < in->t->shape[1]; e++)
+			*elem2(in, r, e) = stage[r * in->t->shape[1] + e];
+}
+
+/* A message of the packed problem's own checks (the host calls', the resident call's) that names
+ * an axis names one of the [1, H, total, D] views the tensors are described as: says so. */
+static int view_axes_note(int ret)
+{
+	const char *m = ape_last_error();
+
+	if (ret == APE_EINVAL && (strstr(m, "->shape[") || strstr(m, "->strides[")))
+		return ape__error_suffix(ret, " (axes of the [1, H, total, D] view of a packed "
+					      "[total, H, D] tensor: 2 is total, 3 is D)");
+	return ret;
+}
+
+int ape_attention_forward_varlen_dlpack(ape_device *dev, const ape_attn_desc *desc,
+					const ape_varlen *vl, const DLTensor *q, const DLTensor *k,
+					const DLTensor *v, DLTensor *o, DLTensor *lse, void *stream)
+{
+	static const char *const names[5] = { "q", "k", "v", "o", "lse" };
+	static const struct dl_form *const forms[5] = { &F_THD, &F_THD, &F_THD, &F_THD, &F_TH };
+	static const struct dl_dim want[5][3] = { RAGGED_FWD_DIMS };
+	const DLTensor *const t[5] = { q, k, v, o, lse };
+	struct dl_call c = { .fn = "ape_attention_forward_varlen_dlpack" };
+	int kind, ret;
 
 	if (!dev)
 		return ape__error(APE_EINVAL, "%s: dev = NULL", c.fn);
 	if (!desc)
 		return ape__error(APE_EINVAL, "%s: desc = NULL", c.fn);
-	for (int i = 0; i <= APE__RB_DOUT; i++)
+	for (int i = 0; i < 4; i++)
 		if (!t[i])
-			return ape__error(APE_EINVAL, "%s: %s = NULL%s", c.fn, names[i],
-					  i == APE__RB_LSE ? ": the backward pass needs the "
-							     "forward's LSE"
-							   : "");
-	if (!dq && !dk && !dv && !dparams)
-		return ape__error(APE_EINVAL,
-				  "%s: dq, dk, dv and dparams are all NULL: no gradient is wanted",
-				  c.fn);
-	ret = dl_prepare(&c, dev, t, names, ndims, APE__RB_COUNT, stream);
+			return ape__error(APE_EINVAL, "%s: %s = NULL", c.fn, names[i]);
+	if ((ret = dl_read(&c, dev, t, names, forms, 5, stream, &kind)) ||
+	    (ret = check_ragged(&c, forms, want, 5)))
+		return ret;
+	if (kind == APE__MEM_HOST) {
+		ape_tensor h[4];
+		float *l = NULL, *stage = NULL;
+
+		for (int i = 0; i < 4; i++)
+			host_tensor(&c.in[i], &h[i]);
+		if (lse && (ret = host_floats(&c, 5, 4, 1u << 3 | 1u << 4, &l, &stage)))
+			return ret;
+		ret = ape__attention_forward_varlen(c.fn, &dev, 1, NULL, desc, vl, &h[0], &h[1],
+						    &h[2], &h[3], l, NULL);
+		if ((ret = view_axes_note(ret)) == 0)
+			host_floats_publish(&c.in[4], stage);
+		free(stage);
+		return ret;
+	}
+	ret = dl_wrap(&c, dev, 5, kind, stream);
 	if (!ret)
-		ret = ape__attention_backward_enqueue(c.fn, c.queue, desc, c.dt);
+		ret = view_axes_note(ape__attention_enqueue_varlen(c.fn, c.queue, desc, vl, c.dt[0],
+								   c.dt[1], c.dt[2], c.dt[3],
+								   c.dt[4]));
 	return dl_release(&c, ret);
+}
+
+int ape_attention_backward_varlen_dlpack(ape_device *dev, const ape_attn_desc *desc,
+					 const ape_varlen *vl, const DLTensor *q,
+					 const DLTensor *k, const DLTensor *v, const DLTensor *o,
+					 const DLTensor *lse, const DLTensor *dout,
+					 const DLTensor *dlse, DLTensor *dq, DLTensor *dk,
+					 DLTensor *dv, DLTensor *dparams, void *stream)
+{
+	static const char *const names[APE__RB_COUNT] = { "q",	  "k",	"v",  "o",  "lse", "dout",
+							  "dlse", "dq", "dk", "dv", "dparams" };
+	static const struct dl_form *const forms[APE__RB_COUNT] = {
+		&F_THD, &F_THD, &F_THD, &F_THD, &F_TH, &F_THD, &F_TH, &F_THD, &F_THD, &F_THD, &F_H4
+	};
+	static const struct dl_dim want[APE__RB_COUNT][3] = {
+		RAGGED_FWD_DIMS,	       LIKE_Q, { LIKE(0, 0), LIKE(0, 1) }, LIKE_Q, LIKE_K,
+		LIKE_K,			       { LIKE(0, 1), { DIM_IS, 4 } }
+	};
+	static const unsigned outs = 1u << APE__RB_DQ | 1u << APE__RB_DK | 1u << APE__RB_DV |
+				     1u << APE__RB_DPARAMS;
+	const DLTensor *t[APE__RB_COUNT] = { q, k, v, o, lse, dout, dlse, dq, dk, dv, dparams };
+	struct dl_call c = { .fn = "ape_attention_backward_varlen_dlpack" };
+	ape_tensor h[APE__RB_COUNT];
+	float *f[APE__RB_COUNT] = { NULL }, *stage[APE__RB_COUNT] = { NULL };
+	int kind, ret;
+
+	if ((ret = check_bwd_args(c.fn, dev, desc, t)))
+		return ret;
+	if ((ret = dl_read(&c, dev, t, names, forms, APE__RB_COUNT, stream, &kind)) ||
+	    (ret = check_ragged(&c, forms, want, APE__RB_COUNT)))
+		return ret;
+	if (kind != APE__MEM_HOST)
+		return ape__error(APE_ENOTSUP,
+				  "%s: q->device = (%s, %d): the ragged backward pass takes kDLCPU "
+				  "tensors only (ape_attention_backward_varlen(); no device-resident "
+				  "ragged backward exists yet)",
+				  c.fn, devtype_name((int)q->device.device_type),
+				  q->device.device_id);
+	for (int i = 0; i < APE__RB_COUNT; i++) {
+		if (forms[i] == &F_THD)
+			host_tensor(&c.in[i], &h[i]);
+		else if (t[i] && (ret = host_floats(&c, APE__RB_COUNT, i, outs, &f[i], &stage[i])))
+			goto out;
+	}
+	ret = ape__attention_backward_varlen(c.fn, &dev, 1, NULL, desc, vl, &h[0], &h[1], &h[2],
+					     &h[3], f[APE__RB_LSE], &h[APE__RB_DOUT],
+					     f[APE__RB_DLSE], dq ? &h[APE__RB_DQ] : NULL,
+					     dk ? &h[APE__RB_DK] : NULL, dv ? &h[APE__RB_DV] : NULL,
+					     f[APE__RB_DPARAMS], NULL);
+	if ((ret = view_axes_note(ret)) == 0 && dparams)
+		host_floats_publish(&c.in[APE__RB_DPARAMS], stage[APE__RB_DPARAMS]);
+out:
+	for (int i = 0; i < APE__RB_COUNT; i++)
+		free(stage[i]);
+	return ret;
 }

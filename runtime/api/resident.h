@@ -108,6 +108,10 @@ int ape__attention_enqueue_diag(const char *fn, ape_queue *queue, const ape_attn
 				const ape_dtensor *ent, const ape_dtensor *md);
 
 
+/* A backward call's tensors (t in enum ape__rb_tensor order, of any type: only NULL or not is
+ * read) present where required: q .. dout, and at least one gradient. Messages start with fn. */
+int ape__check_bwd_present(const char *fn, const void *const t[APE__RB_COUNT]);
+
 /*
  * Every check of ape_attention_backward_enqueue() (runtime/api/resident_bwd.c), before anything
  * is enqueued: t holds its tensors in enum ape__rb_tensor order (NULL where absent). Fills *p

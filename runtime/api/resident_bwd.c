@@ -32,6 +32,20 @@ static int check_backend(const char *fn, const struct ape_device *dev)
 	return 0;
 }
 
+int ape__check_bwd_present(const char *fn, const void *const t[APE__RB_COUNT])
+{
+	for (int i = 0; i <= APE__RB_DOUT; i++)
+		if (!t[i])
+			return ape__error(APE_EINVAL, "%s: %s = NULL%s", fn, names[i],
+					  i == APE__RB_LSE ? ": the backward pass needs the "
+							     "forward's LSE"
+							   : "");
+	if (!t[APE__RB_DQ] && !t[APE__RB_DK] && !t[APE__RB_DV] && !t[APE__RB_DPARAMS])
+		return ape__error(APE_EINVAL,
+				  "%s: dq, dk, dv and dparams are all NULL: no gradient is wanted", fn);
+	return 0;
+}
+
 int ape__check_resident_bwd(const char *fn, const ape_queue *queue, const ape_attn_desc *desc,
 		      const ape_dtensor *const t[APE__RB_COUNT], struct ape__problem *p,
 		      struct ape__resident_bwd_req *r)
@@ -45,15 +59,8 @@ int ape__check_resident_bwd(const char *fn, const ape_queue *queue, const ape_at
 	int ret;
 
 	memset(p, 0, sizeof(*p));
-	for (int i = 0; i <= APE__RB_DOUT; i++)
-		if (!t[i])
-			return ape__error(APE_EINVAL, "%s: %s = NULL%s", fn, names[i],
-					  i == APE__RB_LSE ? ": the backward pass needs the "
-							     "forward's LSE"
-							   : "");
-	if (!t[APE__RB_DQ] && !t[APE__RB_DK] && !t[APE__RB_DV] && !t[APE__RB_DPARAMS])
-		return ape__error(APE_EINVAL,
-				  "%s: dq, dk, dv and dparams are all NULL: no gradient is wanted", fn);
+	if ((ret = ape__check_bwd_present(fn, (const void *const *)t)))
+		return ret;
 	for (int i = 0; i < APE__RB_COUNT; i++)
 		bufs[i] = t[i] ? t[i]->buf : NULL;
 	for (int i = 0; i < APE__RB_COUNT; i++)

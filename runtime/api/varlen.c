@@ -682,10 +682,10 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 	return 1;
 }
 
-static int varlen(const char *fn, ape_device *const *devs, int ndev,
-		  const ape_exec_options *opts, const ape_attn_desc *desc, const ape_varlen *vl,
-		  const ape_tensor *q, const ape_tensor *k, const ape_tensor *v, ape_tensor *o,
-		  float *lse, ape_stats *stats)
+int ape__attention_forward_varlen(const char *fn, ape_device *const *devs, int ndev,
+				  const ape_exec_options *opts, const ape_attn_desc *desc,
+				  const ape_varlen *vl, const ape_tensor *q, const ape_tensor *k,
+				  const ape_tensor *v, ape_tensor *o, float *lse, ape_stats *stats)
 {
 	const double t0 = ape__now_ms();
 	struct ape__problem p;
@@ -742,8 +742,8 @@ int ape_attention_forward_varlen_ex(ape_device *const *devs, int ndev,
 				    const ape_varlen *vl, const ape_tensor *q, const ape_tensor *k,
 				    const ape_tensor *v, ape_tensor *o, float *lse, ape_stats *stats)
 {
-	return varlen("ape_attention_forward_varlen_ex", devs, ndev, opts, desc, vl, q, k, v, o,
-		      lse, stats);
+	return ape__attention_forward_varlen("ape_attention_forward_varlen_ex", devs, ndev, opts,
+					     desc, vl, q, k, v, o, lse, stats);
 }
 
 int ape_attention_forward_varlen(ape_device *dev, const ape_attn_desc *desc,
@@ -754,5 +754,5 @@ int ape_attention_forward_varlen(ape_device *dev, const ape_attn_desc *desc,
 
 	if (!dev)
 		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
-	return varlen(fn, &dev, 1, NULL, desc, vl, q, k, v, o, lse, stats);
+	return ape__attention_forward_varlen(fn, &dev, 1, NULL, desc, vl, q, k, v, o, lse, stats);
 }

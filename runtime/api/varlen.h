@@ -30,6 +30,19 @@ int ape__varlen_check(const char *fn, const ape_attn_desc *desc, const ape_varle
 		      const ape_tensor *v, const ape_tensor *o, const float *lse,
 		      struct ape__problem *p);
 
+/* ape_attention_forward_varlen_ex() and ape_attention_backward_varlen(), their messages
+ * starting with fn (the DLPack forms, api/dlpack.c, call them on kDLCPU tensors). */
+int ape__attention_forward_varlen(const char *fn, ape_device *const *devs, int ndev,
+				  const ape_exec_options *opts, const ape_attn_desc *desc,
+				  const ape_varlen *vl, const ape_tensor *q, const ape_tensor *k,
+				  const ape_tensor *v, ape_tensor *o, float *lse, ape_stats *stats);
+int ape__attention_backward_varlen(const char *fn, ape_device *const *devs, int ndev,
+				   const ape_exec_options *opts, const ape_attn_desc *desc,
+				   const ape_varlen *vl, const ape_tensor *q, const ape_tensor *k,
+				   const ape_tensor *v, const ape_tensor *o, const float *lse,
+				   const ape_tensor *dout, const float *dlse, ape_tensor *dq,
+				   ape_tensor *dk, ape_tensor *dv, float *dparams, ape_stats *stats);
+
 /* The position of query row i, key row j (packed indices) of sequence s: vl's, or the
  * defaults (keys 0.., queries end-aligned). */
 int64_t ape__varlen_qpos(const ape_varlen *vl, int64_t s, int64_t i);

@@ -231,14 +231,13 @@ static int check_grads(const char *fn, const struct ape__problem *p, const ape_t
 	return ape__check_backward_tensors(fn, p, q, k, v, o, &t, &s);
 }
 
-int ape_attention_backward_varlen(ape_device *const *devs, int ndev,
-				  const ape_exec_options *opts, const ape_attn_desc *desc,
-				  const ape_varlen *vl, const ape_tensor *q, const ape_tensor *k,
-				  const ape_tensor *v, const ape_tensor *o, const float *lse,
-				  const ape_tensor *dout, const float *dlse, ape_tensor *dq,
-				  ape_tensor *dk, ape_tensor *dv, float *dparams, ape_stats *stats)
+int ape__attention_backward_varlen(const char *fn, ape_device *const *devs, int ndev,
+				   const ape_exec_options *opts, const ape_attn_desc *desc,
+				   const ape_varlen *vl, const ape_tensor *q, const ape_tensor *k,
+				   const ape_tensor *v, const ape_tensor *o, const float *lse,
+				   const ape_tensor *dout, const float *dlse, ape_tensor *dq,
+				   ape_tensor *dk, ape_tensor *dv, float *dparams, ape_stats *stats)
 {
-	static const char fn[] = "ape_attention_backward_varlen";
 	const double t0 = ape__now_ms();
 	struct ape__problem p;
 	struct bcall c;
@@ -303,4 +302,16 @@ int ape_attention_backward_varlen(ape_device *const *devs, int ndev,
 out_fini:
 	ape__problem_fini(&p);
 	return ret;
+}
+
+int ape_attention_backward_varlen(ape_device *const *devs, int ndev,
+				  const ape_exec_options *opts, const ape_attn_desc *desc,
+				  const ape_varlen *vl, const ape_tensor *q, const ape_tensor *k,
+				  const ape_tensor *v, const ape_tensor *o, const float *lse,
+				  const ape_tensor *dout, const float *dlse, ape_tensor *dq,
+				  ape_tensor *dk, ape_tensor *dv, float *dparams, ape_stats *stats)
+{
+	return ape__attention_backward_varlen("ape_attention_backward_varlen", devs, ndev, opts,
+					      desc, vl, q, k, v, o, lse, dout, dlse, dq, dk, dv,
+					      dparams, stats);
 }
