@@ -1236,7 +1236,7 @@ static void resident_checked(struct __test_metadata *_metadata, ape_device *dev,
 		EXPECT_EQ(0, memcmp(host_o, b->o.alloc, no)) TH_LOG("%s: O differs", what);
 		EXPECT_EQ(0, memcmp(host_l, b->lse, nl)) TH_LOG("%s: LSE differs", what);
 	}
-	/* against the host call: both within the oracle's tolerance, so within twice of each other */
+	/* against the host call: both within the oracle's tolerance, so within twice that */
 	vmax = fmax(test_tensor_maxabs(&b->v.t), 1e-30);
 	ht = b->o.t;
 	ht.data = host_o + ((unsigned char *)b->o.t.data - (unsigned char *)b->o.alloc);

@@ -95,9 +95,9 @@ int ape__attention_enqueue_varlen(const char *fn, ape_queue *queue, const ape_at
 		ret = ape__error(APE_ENOTSUP,
 				 "%s: vl->pos_k: a query run of the batch sees several runs of "
 				 "consecutive key positions (gaps or repeats among a sequence's "
-				 "keys); %s reads no explicit positions, so on its tensors each query "
-				 "run must see one (the host call ape_attention_forward_varlen() takes "
-				 "any positions)",
+				 "keys); %s reads no explicit positions, so on its tensors each "
+				 "query run must see one (the host call "
+				 "ape_attention_forward_varlen() takes any positions)",
 				 fn, queue->dev->info.name);
 		goto out;
 	}

@@ -24,9 +24,10 @@ struct ape__problem {
 	int64_t q_start, k_start;
 	/*
 	 * NULL: one problem of B sequences at q_start, k_start. Else a ragged batch (B = 1; set by
-	 * api/varlen.c or api/resident_varlen.c, not owned): nseg segments of the packed rows as core/backend.h's struct
-	 * ape__launch.segs states them, over the whole call (q_start and k_start unused); the
-	 * executor clips them to each launch's rows and keys (ape__segs_clip()).
+	 * api/varlen.c or api/resident_varlen.c, not owned): nseg segments of the packed rows as
+	 * core/backend.h's struct ape__launch.segs states them, over the whole call (q_start and
+	 * k_start unused); the executor clips them to each launch's rows and keys
+	 * (ape__segs_clip()).
 	 */
 	const struct ape__seg *segs;
 	int64_t nseg;
