@@ -93,7 +93,8 @@ static void resident_same(const ape_attn_desc *desc, const ape_varlen *vl, int64
 		for (size_t i = 0; i < sizeof(o2); i++)
 			check(((uint8_t *)o2)[i] == 0x5a, "a refused enqueue_varlen writes no O");
 		for (size_t i = 0; i < sizeof(lse2); i++)
-			check(((uint8_t *)lse2)[i] == 0x5a, "a refused enqueue_varlen writes no LSE");
+			check(((uint8_t *)lse2)[i] == 0x5a,
+			      "a refused enqueue_varlen writes no LSE");
 	} else {
 		check(!memcmp(o2, o, (size_t)(tq * H * D) * sizeof(float)),
 		      "enqueue_varlen's O is the host call's, bit for bit");
