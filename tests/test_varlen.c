@@ -1069,7 +1069,8 @@ TEST_F(dev, device_tensors_one_sequence_is_enqueue_bit_for_bit)
 }
 
 /* Refusals on device tensors name the argument and enqueue nothing: the host call's checks,
- * and positions whose key runs a query run sees are several (APE_ENOTSUP, naming vl->pos_k). */
+ * and positions whose key runs a query run sees are several on a device that reads no explicit
+ * positions (APE_ENOTSUP, naming vl->pos_k; the capability hidden on those that do). */
 TEST_F(dev, device_tensors_refusals_write_nothing)
 {
 	ape_rng rng;
@@ -1090,8 +1091,12 @@ TEST_F(dev, device_tensors_refusals_write_nothing)
 		for (int64_t i = b.cuq[s]; i < b.cuq[s + 1]; i++)
 			b.posq[i] = 4 * (b.cuk[s + 1] - b.cuk[s]) + (i - b.cuq[s]);
 	batch_varlen(&b, &vl);
+	wrap_install(self->dev, WRAP_NO_POSITIONS);
 	EXPECT_EQ(APE_ENOTSUP, run_resident_batch(&b, self->dev, &vl, 0, &moved));
+	wrap_remove();
 	EXPECT_NE(NULL, strstr(ape_last_error(), "ape_attention_enqueue_varlen: vl->pos_k"))
+	TH_LOG("%s", ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), "reads no explicit positions"))
 	TH_LOG("%s", ape_last_error());
 	EXPECT_FALSE(moved);
 	/* the host call's checks, the same messages */
@@ -1116,6 +1121,150 @@ TEST_F(dev, device_tensors_refusals_write_nothing)
 	EXPECT_EQ(0, run_resident_batch(&b, self->dev, &vl, 0, &moved)) TH_LOG("%s",
 									      ape_last_error());
 	batch_free(&b);
+}
+
+/*
+ * b (positions of mode m) through ape_attention_enqueue_varlen() on dev, under the wrapper (at
+ * most `rows` query rows a launch: common/wrapops.h, wrap_rows_per_launch(); 0: the device's own
+ * budget): every sequence against the oracle, and the whole against the host call
+ * ape_attention_forward_varlen() on the same device (within the spec's tolerance; bit for bit
+ * on the reference, which computes each row alone). The launches into *launches.
+ */
+static void resident_checked(struct __test_metadata *_metadata, ape_device *dev, bool ref,
+			     struct batch *b, enum pos_mode m, uint64_t rows, uint64_t *launches)
+{
+	const size_t no = b->o.alloc_bytes, nl = (size_t)(b->tq * b->H) * sizeof(float);
+	const double to = test_tol_o(b->dt) + test_skip_tol_o(b->desc.skip_tol);
+	const double tl = test_tol_lse(b->dt) + test_skip_tol_lse(b->desc.skip_tol);
+	unsigned char *host_o = malloc(no + 1);
+	float *host_l = malloc(nl + 1);
+	double eo, el, vmax;
+	struct wrap_counts wc;
+	ape_tensor ht;
+	uint64_t pairs;
+	ape_varlen vl;
+	char what[256];
+	bool moved;
+
+	ASSERT_TRUE(host_o && host_l);
+	describe(b, m, what, sizeof(what));
+	batch_varlen(b, &vl);
+	ASSERT_EQ(0, ape_attention_forward_varlen(dev, &b->desc, &vl, &b->q.t, &b->k.t, &b->v.t,
+						  &b->o.t, b->lse, NULL))
+	TH_LOG("%s: the host call: %s", what, ape_last_error());
+	memcpy(host_o, b->o.alloc, no);
+	memcpy(host_l, b->lse, nl);
+	test_tensor_poison(&b->o.t);
+	wrap_install(dev, 0);
+	if (rows)
+		wrap_rows_per_launch(rows);
+	wrap_reset();
+	ASSERT_EQ(0, run_resident_batch(b, dev, &vl, 16, &moved))
+	TH_LOG("%s: %s", what, ape_last_error());
+	wc = wrap_get();
+	wrap_remove();
+	*launches = wc.attention_calls;
+	ASSERT_EQ(0, batch_check(b, &eo, &el, &pairs));
+	EXPECT_LE(eo, to)
+	TH_LOG("%s, %llu launches: O error %g of max|V|", what, (unsigned long long)*launches, eo);
+	EXPECT_LE(el, tl)
+	TH_LOG("%s, %llu launches: LSE error %g", what, (unsigned long long)*launches, el);
+	if (ref) {
+		EXPECT_EQ(0, memcmp(host_o, b->o.alloc, no)) TH_LOG("%s: O differs", what);
+		EXPECT_EQ(0, memcmp(host_l, b->lse, nl)) TH_LOG("%s: LSE differs", what);
+	}
+	/* against the host call: both within the oracle's tolerance, so within twice that */
+	vmax = fmax(test_tensor_maxabs(&b->v.t), 1e-30);
+	ht = b->o.t;
+	ht.data = host_o + ((unsigned char *)b->o.t.data - (unsigned char *)b->o.alloc);
+	for (int64_t h = 0; h < b->H; h++)
+		for (int64_t i = 0; i < b->tq; i++) {
+			const double x = b->lse[i * b->H + h], y = host_l[i * b->H + h];
+
+			ASSERT_TRUE(x == y || fabs(x - y) <= 2 * tl * fmax(1, fabs(y)))
+			TH_LOG("%s: LSE of head %lld row %lld: %g, the host call %g", what,
+			       (long long)h, (long long)i, x, y);
+			for (int64_t d = 0; d < b->D; d++) {
+				const double u = test_tensor_get(&b->o.t, 0, h, i, d);
+				const double w = test_tensor_get(&ht, 0, h, i, d);
+
+				ASSERT_LE(fabs(u - w) / vmax, 2 * to)
+				TH_LOG("%s: O of head %lld row %lld: %g, the host call %g", what,
+				       (long long)h, (long long)i, u, w);
+			}
+		}
+	free(host_o);
+	free(host_l);
+}
+
+/*
+ * Arbitrary positions on device tensors (gaps, repeats, shuffled; the permuted, repeated keys
+ * of arbitrary_positions()): ONE resident call on a device that reads explicit positions (the
+ * reference, OpenCL), a segment per sequence, one launch; equal to the oracle and to the host
+ * call. Refused elsewhere (device_tensors_refusals_write_nothing).
+ */
+TEST_F(dev, device_tensors_arbitrary_positions)
+{
+	static const enum pos_mode modes[3] = { POS_GAPS, POS_REPEATS, POS_SHUFFLED };
+	const bool ref = !strcmp(variant->backend, "ref");
+	ape_rng rng;
+
+	if (!self->dev->caps.segments || !self->dev->caps.positions)
+		SKIP(return, "%s reads no explicit positions", self->dev->info.name);
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < 16; c++) {
+		const enum pos_mode m = modes[c % 3];
+		struct batch b;
+		uint64_t launches;
+
+		ASSERT_EQ(0, batch_make(&b, &rng, ape_rng_range(&rng, 1, 8), 40, 50, m));
+		if (c % 4 == 3)
+			for (int64_t s = 0; s < b.S; s++)
+				arbitrary_positions(&b, &rng, s);
+		resident_checked(_metadata, self->dev, ref, &b, m, 0, &launches);
+		if (b.tq > 0 && b.tk > 0) {
+			EXPECT_EQ(1, launches) TH_LOG("case %d", c);
+		}
+		batch_free(&b);
+	}
+}
+
+/*
+ * Query rows split under a small budget (at most a few rows a launch): each launch takes the
+ * segments of its rows and, with explicit positions, the positions of its rows (pos_q moved
+ * by its first row) and of every key; sequences straddle launches. Runs of consecutive
+ * positions on every device that takes ragged launches, arbitrary positions where the device
+ * reads them; equal to the oracle and to the host call.
+ */
+TEST_F(dev, device_tensors_rows_split_into_launches)
+{
+	const bool ref = !strcmp(variant->backend, "ref");
+	ape_rng rng;
+
+	if (!self->dev->caps.segments)
+		SKIP(return, "%s takes no ragged launches", self->dev->info.name);
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < 15; c++) {
+		const enum pos_mode m = (enum pos_mode)(c % POS_MODES);
+		const bool runs = m == POS_DEFAULT || m == POS_SHIFTED;
+		const uint64_t rows = (uint64_t)ape_rng_range(&rng, 1, 9);
+		struct batch b;
+		uint64_t launches;
+
+		if (!runs && !self->dev->caps.positions)
+			continue;
+		do {
+			ASSERT_EQ(0, batch_make(&b, &rng, ape_rng_range(&rng, 2, 6), 40, 50, m));
+		} while ((b.tq <= 2 * (int64_t)rows || b.tk == 0) && (batch_free(&b), 1));
+		if (c % 5 == 4)
+			for (int64_t s = 0; s < b.S; s++)
+				arbitrary_positions(&b, &rng, s);
+		resident_checked(_metadata, self->dev, ref, &b, m, rows, &launches);
+		EXPECT_GE(launches, (uint64_t)(b.tq + (int64_t)rows - 1) / rows)
+		TH_LOG("case %d: %lld rows, at most %llu a launch", c, (long long)b.tq,
+		       (unsigned long long)rows);
+		batch_free(&b);
+	}
 }
 
 TEST_HARNESS_MAIN

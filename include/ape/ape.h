@@ -1315,10 +1315,15 @@ APE_API int ape_attention_enqueue_diag(ape_queue *queue, const ape_attn_desc *de
  *
  * On a device that takes ragged launches (the reference and OpenCL) the batch is one call of
  * the device-resident executor: each launch serves every sequence of its rows, query rows split
- * under the budget like ape_attention_enqueue(). On another (CUDA) each run of consecutive
- * positions is its own launch on views of the packed tensors. Results equal
- * ape_attention_forward_varlen()'s on the same device within the spec's tolerance (bit for bit
- * for a one-sequence batch of default positions, which is ape_attention_enqueue() itself).
+ * under the budget like ape_attention_enqueue(). Explicit positions of any kind (gaps, repeats,
+ * any order) are one such call too on a device that also reads explicit positions (again the
+ * reference and OpenCL): a segment per sequence, each launch given the positions of its rows
+ * and of every key, as the host call's one launch takes them. On another device (CUDA) each run
+ * of consecutive positions is its own launch on views of the packed tensors, and positions that
+ * give a query run several runs of consecutive key positions are refused (below). Results
+ * equal ape_attention_forward_varlen()'s on the same device within the spec's tolerance (bit
+ * for bit on the reference; bit for bit everywhere for a one-sequence batch of default
+ * positions, which is ape_attention_enqueue() itself).
  *
  * \param queue a queue of the device to run on
  * \param desc,vl as ape_attention_forward_varlen()
@@ -1327,11 +1332,14 @@ APE_API int ape_attention_enqueue_diag(ape_queue *queue, const ape_attn_desc *de
  *        rows that see no key)
  * \param[out] lse NULL, or the rows' LSE (-inf for rows that see no key)
  * \return 0 (enqueued); APE_EINVAL (naming the argument, the sequence and the value);
- *         APE_EOVERFLOW; APE_ENOMEM; APE_ENOTSUP, naming vl->pos_k, for positions that give a
- *         query run several runs of consecutive key positions (gaps or repeats among a
- *         sequence's keys: the host call takes them); device failures met while enqueueing.
- * \note On an error found by the checks nothing is enqueued; after a device failure while
- *       enqueueing, launches enqueued before it may run and the outputs are unspecified.
+ *         APE_EOVERFLOW; APE_ENOMEM; APE_ENOTSUP, naming vl->pos_k and the device, for
+ *         positions that give a query run several runs of consecutive key positions (gaps or
+ *         repeats among a sequence's keys) on a device that reads no explicit positions (the
+ *         host call takes them everywhere); device failures met while enqueueing.
+ * \note On an error found by the checks nothing is enqueued. After any other failure (host
+ *       memory, or a device failure while enqueueing) the call returns its code with a
+ *       message, q, k, v, vl and desc are untouched, launches enqueued before it may run and
+ *       o and lse hold unspecified values, as for ape_attention_enqueue().
  */
 APE_API int ape_attention_enqueue_varlen(ape_queue *queue, const ape_attn_desc *desc,
 					 const ape_varlen *vl, const ape_dtensor *q,

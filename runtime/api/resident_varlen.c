@@ -8,7 +8,10 @@
  * call (exec/resident.h) over the packed tensors, its segments those of every launch, query rows
  * split under the budget by the one planner; on another, each segment is a resident call of its
  * own on views of the packed tensors moved to its rows and keys (a launch per run, in row
- * order). Positions that give a query run several key runs are refused: they need the partial
+ * order). Positions that give a query run several key runs (gaps, repeats, any order) are one
+ * resident call too where the device also reads explicit positions (.positions): a segment per
+ * sequence, every row's and key's position passed along (struct ape__problem.pos_q, .pos_k),
+ * as the host call's one launch takes them. Elsewhere they are refused: they need the partial
  * results merged by LSE (the host call does it in host memory; no device merge exists yet).
  */
 #include <inttypes.h>
@@ -71,6 +74,8 @@ int ape__attention_enqueue_varlen(const char *fn, ape_queue *queue, const ape_at
 	struct ape__resident_req r;
 	struct ape__problem p;
 	struct ape__seg *sg = NULL;
+	struct ape__varlen_pos pos = { 0 };
+	bool explicit = false;
 	int64_t n = 0;
 	int ret;
 
@@ -86,14 +91,20 @@ int ape__attention_enqueue_varlen(const char *fn, ape_queue *queue, const ape_at
 	ret = ape__varlen_segments(fn, vl, p.causal, &sg, &n);
 	if (ret < 0)
 		goto out;
-	if (ret == 0) {
+	if (ret == 0 && !ape__varlen_devices_take(&queue->dev, 1, true)) {
 		ret = ape__error(APE_ENOTSUP,
 				 "%s: vl->pos_k: a query run of the batch sees several runs of "
 				 "consecutive key positions (gaps or repeats among a sequence's "
-				 "keys); on device tensors each query run must see one (the host call "
+				 "keys); %s reads no explicit positions, so on its tensors each "
+				 "query run must see one (the host call "
 				 "ape_attention_forward_varlen() takes any positions)",
-				 fn);
+				 fn, queue->dev->info.name);
 		goto out;
+	}
+	if (ret == 0) { /* one ragged call at explicit positions, a segment per sequence */
+		explicit = true;
+		if ((ret = ape__varlen_build_positions(fn, vl, &sg, &n, &pos)))
+			goto out;
 	}
 	r.fn = fn;
 	r.dev = queue->dev;
@@ -101,6 +112,15 @@ int ape__attention_enqueue_varlen(const char *fn, ape_queue *queue, const ape_at
 	ape__queue_note_call(queue, fn);
 	if (p.Lk == 0) {
 		ret = run_one(queue, &r, &p); /* no keys at all: zeros and -inf */
+	} else if (explicit) {
+		p.segs = sg;
+		p.nseg = n;
+		p.pos_q = pos.q;
+		p.pos_k = pos.k;
+		ret = run_one(queue, &r, &p);
+		p.segs = NULL;
+		p.nseg = 0;
+		p.pos_q = p.pos_k = NULL;
 	} else if (n == 1 && sg[0].k0 == 0 && sg[0].lk == p.Lk) {
 		/* one sequence over every key: the dense problem itself, as the host call runs it */
 		p.q_start = sg[0].q_start;
@@ -119,6 +139,7 @@ int ape__attention_enqueue_varlen(const char *fn, ape_queue *queue, const ape_at
 		ret = ape__error_prefix(ret, fn);
 out:
 	free(sg);
+	ape__varlen_pos_free(&pos);
 	ape__problem_fini(&p);
 	return ret;
 }

@@ -490,9 +490,7 @@ int ape__varlen_segments(const char *fn, const ape_varlen *vl, bool causal,
 	return 1;
 }
 
-/* Do all of devs run a ragged batch in one launch (struct ape__dev_caps.segments), and with
- * `positions`, one whose positions are explicit (.positions)? */
-static bool devices_take(ape_device *const *devs, int ndev, bool positions)
+bool ape__varlen_devices_take(ape_device *const *devs, int ndev, bool positions)
 {
 	for (int d = 0; d < ndev; d++)
 		if (!devs[d]->caps.segments || (positions && !devs[d]->caps.positions))
@@ -500,27 +498,16 @@ static bool devices_take(ape_device *const *devs, int ndev, bool positions)
 	return true;
 }
 
-/* One ragged launch's explicit positions: every query row's and key row's, the caller's arrays
- * or the defaults materialised (owned: the *own ones). */
-struct vpos {
-	const int64_t *q, *k;
-	int64_t *own_q, *own_k;
-};
-
-static void vpos_free(struct vpos *x)
+void ape__varlen_pos_free(struct ape__varlen_pos *x)
 {
 	free(x->own_q);
 	free(x->own_k);
 }
 
-/*
- * The batch as one segment per sequence with query rows (its rows against its keys) and the
- * positions of every row and key (*pos), for devices that read explicit positions (struct
- * ape__dev_caps.positions): when positions are not runs, this is still one launch. 0 or
- * APE_ENOMEM.
- */
-static int build_positions(const char *fn, const ape_varlen *vl, struct ape__seg **out,
-			   int64_t *nout, struct vpos *pos)
+/* The batch as one segment per sequence with query rows, with every row's and key's positions
+ * (api/varlen.h). */
+int ape__varlen_build_positions(const char *fn, const ape_varlen *vl, struct ape__seg **out,
+				int64_t *nout, struct ape__varlen_pos *pos)
 {
 	const int64_t tq = vl->cu_seqlens_q[vl->num_seqs], tk = vl->cu_seqlens_k[vl->num_seqs];
 	struct ape__seg *sg = ape__malloc((size_t)vl->num_seqs * sizeof(*sg) + 1);
@@ -535,7 +522,7 @@ static int build_positions(const char *fn, const ape_varlen *vl, struct ape__seg
 		pos->k = pos->own_k = ape__malloc((size_t)tk * sizeof(int64_t) + 1);
 	if (!sg || !pos->q || !pos->k) {
 		free(sg);
-		vpos_free(pos);
+		ape__varlen_pos_free(pos);
 		return ape__error(APE_ENOMEM, "%s: out of host memory for the batch's positions", fn);
 	}
 	for (int64_t s = 0; s < vl->num_seqs; s++) {
@@ -557,8 +544,8 @@ static int build_positions(const char *fn, const ape_varlen *vl, struct ape__seg
 /* The visible pairs of every segment at explicit positions, all heads; -1 on overflow or out
  * of memory (then the message is set). */
 static int positions_visible(const char *fn, const struct ape__problem *p,
-			     const struct ape__seg *sg, int64_t n, const struct vpos *pos,
-			     uint64_t *out)
+			     const struct ape__seg *sg, int64_t n,
+			     const struct ape__varlen_pos *pos, uint64_t *out)
 {
 	uint64_t sum = 0;
 
@@ -614,13 +601,13 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 	struct ape__problem pp = *p;
 	ape_exec_options eo;
 	struct ape__seg *sg = NULL;
-	struct vpos pos = { 0 };
+	struct ape__varlen_pos pos = { 0 };
 	int64_t n = 0;
 	uint64_t visible = 0;
 	int r;
 
 	*ret = 0;
-	if (!devices_take(c->devs, c->ndev, false) || p->Lk == 0)
+	if (!ape__varlen_devices_take(c->devs, c->ndev, false) || p->Lk == 0)
 		return 0;
 	r = ape__varlen_segments(c->fn, c->vl, p->causal, &sg, &n);
 	if (r < 0) {
@@ -629,13 +616,13 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 	}
 	if (r == 0) {
 		/* positions that are not runs: one launch still, where every device reads them */
-		if (!devices_take(c->devs, c->ndev, true))
+		if (!ape__varlen_devices_take(c->devs, c->ndev, true))
 			return 0;
-		if ((*ret = build_positions(c->fn, c->vl, &sg, &n, &pos)))
+		if ((*ret = ape__varlen_build_positions(c->fn, c->vl, &sg, &n, &pos)))
 			return 1;
 		if ((*ret = positions_visible(c->fn, p, sg, n, &pos, &visible))) {
 			free(sg);
-			vpos_free(&pos);
+			ape__varlen_pos_free(&pos);
 			return 1;
 		}
 		pp.segs = sg;
@@ -678,7 +665,7 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 		ape__stats_report(stats, &rep);
 	}
 	free(sg);
-	vpos_free(&pos);
+	ape__varlen_pos_free(&pos);
 	return 1;
 }
 

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
-/* What the ragged-batch calls (api/varlen.c forward, api/varlen_bwd.c backward) share: the
- * batch's validation, its positions and runs, and the pieces' statistics. */
+/* What the ragged-batch calls (api/varlen.c forward, api/varlen_bwd.c backward,
+ * api/resident_varlen.c on device tensors) share: the batch's validation, its positions, runs
+ * and segments, and the pieces' statistics. */
 #ifndef APE_RUNTIME_API_VARLEN_H
 #define APE_RUNTIME_API_VARLEN_H
 
@@ -63,6 +64,31 @@ bool ape__varlen_run_visible(const ape_varlen *vl, bool causal, int64_t s, int64
  */
 int ape__varlen_segments(const char *fn, const ape_varlen *vl, bool causal,
 			 struct ape__seg **out, int64_t *nout);
+
+/* Do all of devs run a ragged batch in one launch (struct ape__dev_caps.segments), and with
+ * `positions`, one whose positions are explicit (.positions)? */
+bool ape__varlen_devices_take(ape_device *const *devs, int ndev, bool positions);
+
+/* One ragged launch's explicit positions: every query row's (q, total_q entries) and key row's
+ * (k, total_k entries), the caller's arrays or the defaults materialised (owned: the own_*
+ * ones, freed by ape__varlen_pos_free()). */
+struct ape__varlen_pos {
+	const int64_t *q, *k;
+	int64_t *own_q, *own_k;
+};
+
+void ape__varlen_pos_free(struct ape__varlen_pos *x);
+
+/*
+ * A validated batch as one segment per sequence with query rows (its rows against all its
+ * keys; q_start and k_start unused) into *out (malloc'd, owned by the caller) and *nout, and
+ * the positions of every row and key into *pos (struct ape__problem.pos_q and .pos_k), for
+ * devices that read explicit positions (ape__varlen_devices_take(.., true)): positions that
+ * are not runs (gaps, repeats, any order) are still one launch. 0, or APE_ENOMEM (message
+ * naming fn; nothing to free).
+ */
+int ape__varlen_build_positions(const char *fn, const ape_varlen *vl, struct ape__seg **out,
+				int64_t *nout, struct ape__varlen_pos *pos);
 
 /* The pieces' statistics: x added to *t (the first taken whole); the sum reported into the
  * caller's stats (its struct_size kept) with the call's wall time since t0. */

@@ -24,18 +24,20 @@ struct ape__problem {
 	int64_t q_start, k_start;
 	/*
 	 * NULL: one problem of B sequences at q_start, k_start. Else a ragged batch (B = 1; set by
-	 * api/varlen.c, not owned): nseg segments of the packed rows as core/backend.h's struct
-	 * ape__launch.segs states them, over the whole call (q_start and k_start unused); the
-	 * executor clips them to each launch's rows and keys (ape__segs_clip()).
+	 * api/varlen.c or api/resident_varlen.c, not owned): nseg segments of the packed rows as
+	 * core/backend.h's struct ape__launch.segs states them, over the whole call (q_start and
+	 * k_start unused); the executor clips them to each launch's rows and keys
+	 * (ape__segs_clip()).
 	 */
 	const struct ape__seg *segs;
 	int64_t nseg;
 	/*
-	 * Both NULL: positions as above. Else explicit positions (set by api/varlen.c, not owned,
-	 * only when every device's capabilities say positions): pos_q[i] of query row i (Lq
-	 * entries), pos_k[j] of key row j (Lk entries), as core/backend.h's struct
-	 * ape__launch.pos_q and .pos_k state them; each launch gets the slice of its rows and of
-	 * its keys. q_start, k_start and the segments' positions are then unused.
+	 * Both NULL: positions as above. Else explicit positions (set by api/varlen.c or
+	 * api/resident_varlen.c, not owned, only when every device's capabilities say
+	 * positions): pos_q[i] of query row i (Lq entries), pos_k[j] of key row j (Lk entries),
+	 * as core/backend.h's struct ape__launch.pos_q and .pos_k state them; each launch gets
+	 * the slice of its rows and of its keys. q_start, k_start and the segments' positions are
+	 * then unused.
 	 */
 	const int64_t *pos_q, *pos_k;
 };

@@ -26,6 +26,8 @@ static void template_of(const struct ape__resident_req *r, struct ape__launch *l
 	ape__launch_init(l, p, p->out_dtype, tol.kernel);
 	l->Lk = p->Lk;
 	l->k_start = p->k_start;
+	l->pos_q = p->pos_q; /* explicit positions: the launch's rows' slice (below), every key */
+	l->pos_k = p->pos_k;
 	l->q = r->buf[APE__T_Q];
 	l->k = r->buf[APE__T_K];
 	l->v = r->buf[APE__T_V];
@@ -102,6 +104,8 @@ int ape__resident_enqueue(const struct ape__resident_req *r, int64_t rows)
 		/* rows [i0, i0 + n) of Q, O and LSE: the same views, moved along L */
 		l.Lq = n;
 		l.q_start = p->q_start + i0;
+		if (p->pos_q)
+			l.pos_q = p->pos_q + i0;
 		l.view[APE__T_Q].off = r->view[APE__T_Q].off + i0 * r->view[APE__T_Q].sl;
 		l.view[APE__T_O].off = r->view[APE__T_O].off + i0 * r->view[APE__T_O].sl;
 		l.view[APE__T_LSE].off = r->view[APE__T_LSE].off + i0 * r->view[APE__T_LSE].sl;

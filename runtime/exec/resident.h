@@ -41,6 +41,9 @@ int ape__resident_plan(const struct ape__resident_req *r, int64_t *rows_per_laun
  * in row order, and returns without waiting. r->pairs must be NULL unless rows == p->Lq. A
  * ragged problem (p->segs, on a device with ape__dev_caps.segments) gives each launch the
  * segments of its rows (ape__segs_clip()); APE_ENOMEM when their host table cannot be had.
+ * Explicit positions (p->pos_q, p->pos_k, on a device with .positions) give each launch the
+ * positions of its rows (p->pos_q + its first row) and of every key (p->pos_k: each launch sees
+ * them all).
  * Returns 0, or a negative code from the backend (message set, naming the device): launches
  * enqueued before the failure may still run; the outputs are then unspecified.
  */

@@ -44,8 +44,10 @@ static struct {
 	struct own_caps {
 		struct ape_device *dev;
 		struct ape__dev_caps caps;
+		uint64_t mem; /* info.global_mem_bytes */
 	} *devs;
 	size_t ndevs;
+	uint64_t rows; /* wrap_rows_per_launch(); 0: none */
 } w = { .lock = PTHREAD_MUTEX_INITIALIZER, .fail_op = -1 };
 
 static const char *const op_names[WRAP_NOPS] = {
@@ -517,7 +519,7 @@ static void caps_hide(unsigned flags)
 
 		if (d->be != w.be)
 			continue;
-		w.devs[w.ndevs++] = (struct own_caps){ d, d->caps };
+		w.devs[w.ndevs++] = (struct own_caps){ d, d->caps, d->info.global_mem_bytes };
 		if (flags & WRAP_NO_TIMESTAMP)
 			d->caps.timestamps = false;
 		if (flags & (WRAP_NO_BUF_WRAP | WRAP_NO_HOST_MEMORY))
@@ -528,6 +530,8 @@ static void caps_hide(unsigned flags)
 			d->caps.diag = false;
 		if (flags & WRAP_NO_RESIDENT_BWD)
 			d->caps.resident_backward = false;
+		if (flags & WRAP_NO_POSITIONS)
+			d->caps.positions = false;
 	}
 }
 
@@ -549,6 +553,29 @@ static void bind_table(const struct ape__backend_ops *t)
 		fprintf(stderr, "wrapops: %s\n", why);
 		abort();
 	}
+}
+
+/* The device memory wrap_rows_per_launch() makes each device say it has, and what of the
+ * default budget (three quarters of it) it leaves to the backend's own scratch. */
+#define ROWS_MEM ((uint64_t)1 << 40)
+#define ROWS_OWN ((uint64_t)1 << 30)
+
+/* The backend's own scratch, and (budget - ROWS_OWN) / w.rows more per query row: the budget
+ * holds w.rows rows (the backend's own under ROWS_OWN), never one more (w.rows < 700). */
+static uint64_t w_attention_scratch(struct ape_device *dev, const struct ape__launch *l)
+{
+	const uint64_t own = w.orig->attention_scratch ? w.orig->attention_scratch(dev, l) : 0;
+
+	return own + (uint64_t)l->Lq * ((ROWS_MEM / 4 * 3 - ROWS_OWN) / w.rows);
+}
+
+void wrap_rows_per_launch(uint64_t rows)
+{
+	w.rows = rows;
+	w.ops.attention_scratch = rows ? w_attention_scratch : w.orig->attention_scratch;
+	for (size_t i = 0; i < w.ndevs; i++)
+		w.devs[i].dev->info.global_mem_bytes = rows ? ROWS_MEM : w.devs[i].mem;
+	bind_table(&w.ops);
 }
 
 void wrap_install(ape_device *dev, unsigned flags)
@@ -604,8 +631,11 @@ void wrap_remove(void)
 {
 	if (w.be)
 		bind_table(w.orig);
-	for (size_t i = 0; i < w.ndevs; i++)
+	for (size_t i = 0; i < w.ndevs; i++) {
 		w.devs[i].dev->caps = w.devs[i].caps;
+		w.devs[i].dev->info.global_mem_bytes = w.devs[i].mem;
+	}
+	w.rows = 0;
 	w.be = NULL;
 	free(w.devs);
 	w.devs = NULL;

@@ -39,6 +39,9 @@
 #define WRAP_NO_RESIDENT_BWD (1u << 9)
 /* hide attention_merge: partial results go back per launch and merge on the host */
 #define WRAP_NO_MERGE (1u << 10)
+/* take the capability positions: the core's paths for a device that reads no explicit
+ * positions (ragged batches with gaps or repeats decomposed, or refused on device tensors) */
+#define WRAP_NO_POSITIONS (1u << 11)
 
 /* The ops that can fail, as the wrapper counts and fails them. */
 enum wrap_op {
@@ -91,6 +94,13 @@ void wrap_remove(void);
 /* After wrap_install(): each device's capability max_alloc says at most `bytes` (0: the
  * backend's own figure again). */
 void wrap_max_alloc(uint64_t bytes);
+/* After wrap_install(): the resident executor's default budget (exec/resident.c) holds the
+ * scratch of at most `rows` (1 to 700) query rows, so that a call of more rows is split into
+ * launches: each device says 2^40 bytes of memory, and attention_scratch declares a share of
+ * its default budget per query row on top of the backend's own (0: the backend's own scratch
+ * and memory again). For the resident path only: a host call planned under it would chunk as
+ * finely. */
+void wrap_rows_per_launch(uint64_t rows);
 /* The counts so far; wrap_reset() zeroes them (peak_bytes restarts from live_bytes). */
 struct wrap_counts wrap_get(void);
 void wrap_reset(void);

@@ -1,14 +1,20 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Ragged batches under failure (ape_attention_forward_varlen_ex(),
- * ape_attention_backward_varlen()): a batch of four sequences (an empty one, default positions,
- * and positions with gaps: the forward one ragged launch with explicit positions, the backward
- * runs merged by LSE), on the reference and on an OpenCL CPU device; and the same batch at
- * its default positions (the forward: one ragged run of the executor, struct ape__seg). Each host allocation of a clean run fails in turn (a fault build), then each call of
- * every device op, then the device is lost from each point on: every broken run returns the
- * injected code (or, where the library has a fallback, succeeds with the clean result) with a
- * message naming the call, leaves the inputs byte-identical and the outputs untouched (the
- * calls stage everything and publish only on success), and the next run is clean.
+ * ape_attention_backward_varlen(), ape_attention_enqueue_varlen()): a batch of four sequences
+ * (an empty one, default positions, and positions with gaps: the forward one ragged launch with
+ * explicit positions, on device tensors too; the backward runs merged by LSE), on the
+ * reference and on an OpenCL CPU device; and the same batch at its default positions (the
+ * forward: one ragged run of the executor, struct ape__seg). Each host allocation of a clean
+ * run fails in turn (a fault build), then each call of every device op, then the device is lost
+ * from each point on: every broken run returns the injected code (or, where the library has a
+ * fallback, succeeds with the clean result) with a message naming the call, leaves the inputs
+ * byte-identical and the outputs untouched (the host calls stage everything and publish only on
+ * success), and the next run is clean. The device-resident run is the whole of a caller's use
+ * (queue, buffers, writes, ape_attention_enqueue_varlen(), reads, synchronize): a failure of
+ * the call itself names it, and leaves the device's input buffer as written (read back where
+ * the device still answers); its outputs on the device are unspecified then (include/ape/ape.h),
+ * so they are not read.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +29,9 @@ enum { H = 2, HKV = 1, D = 8, TQ = 13, TK = 17, S = 4 };
 struct vcase {
 	ape_device *dev;
 	bool bwd;
+	bool resident; /* the forward through ape_attention_enqueue_varlen() (not with bwd) */
+	bool in_call; /* the last failed resident run failed in ape_attention_enqueue_varlen() */
+	bool moved; /* ... and its device input buffer read back different */
 	float q[TQ * H * D], k[TK * HKV * D], v[TK * HKV * D], dout[TQ * H * D];
 	float o[TQ * H * D], lse[TQ * H]; /* the forward's outputs (the backward's inputs) */
 	float g[TQ * H * D + 2 * TK * HKV * D + 4 * H]; /* dq, dk, dv, dparams */
@@ -81,6 +90,72 @@ static void vcase_init(struct vcase *c, ape_device *dev, bool bwd)
 	memcpy(c->in + sizeof(c->q) + sizeof(c->k) + sizeof(c->v), c->dout, sizeof(c->dout));
 }
 
+/* A [1, heads, rows, D] device tensor of a packed [rows, heads, D] array at `off` of buf. */
+static void packed_dtensor(ape_dtensor *t, ape_buffer *buf, size_t off, int64_t rows,
+			   int64_t heads)
+{
+	ape_dtensor_init(t, buf, off, APE_F32, 1, heads, rows, D);
+	t->strides[0] = 0;
+	t->strides[1] = D;
+	t->strides[2] = heads * D;
+	t->strides[3] = 1;
+}
+
+/* The forward on device tensors, as a caller runs it: q, k, v in one buffer, o and lse
+ * ([total_q, H]) in two more; on success O and LSE read back into c->o and c->lse. A failure
+ * of the call itself sets c->in_call, and c->moved when the input buffer, read back, differs
+ * from what was written (not read when the device no longer answers). */
+static int resident_run(struct vcase *c)
+{
+	const size_t nin = sizeof(c->q) + sizeof(c->k) + sizeof(c->v);
+	const size_t nout = sizeof(c->o) + sizeof(c->lse), nback = nin > nout ? nin : nout;
+	ape_buffer *bi = NULL, *bo = NULL, *bl = NULL;
+	ape_dtensor q, k, v, o, l;
+	ape_queue *qu = NULL;
+	unsigned char *back = malloc(nback);
+	int ret;
+
+	c->in_call = c->moved = false;
+	if (!back)
+		return APE_ENOMEM;
+	if ((ret = ape_queue_create(c->dev, &qu)) || (ret = ape_buffer_alloc(c->dev, nin, &bi)) ||
+	    (ret = ape_buffer_alloc(c->dev, sizeof(c->o), &bo)) ||
+	    (ret = ape_buffer_alloc(c->dev, sizeof(c->lse), &bl)) ||
+	    (ret = ape_buffer_write(qu, bi, 0, c->in, nin)))
+		goto out;
+	packed_dtensor(&q, bi, 0, TQ, H);
+	packed_dtensor(&k, bi, sizeof(c->q), TK, HKV);
+	packed_dtensor(&v, bi, sizeof(c->q) + sizeof(c->k), TK, HKV);
+	packed_dtensor(&o, bo, 0, TQ, H);
+	ape_dtensor_init(&l, bl, 0, APE_F32, 1, H, TQ, 1);
+	l.strides[1] = 1; /* [total_q, H], token-major */
+	l.strides[2] = H;
+	ret = ape_attention_enqueue_varlen(qu, &c->desc, &c->vl, &q, &k, &v, &o, &l);
+	if (ret) {
+		c->in_call = true;
+		snprintf(c->msg, sizeof(c->msg), "%s", ape_last_error());
+		if (!ape_buffer_read(qu, back, bi, 0, nin) && !ape_queue_synchronize(qu))
+			c->moved = memcmp(back, c->in, nin) != 0;
+		goto out;
+	}
+	/* both read back, then published together: a failed read leaves c->o and c->lse alone */
+	if (!(ret = ape_buffer_read(qu, back, bo, 0, sizeof(c->o))) &&
+	    !(ret = ape_buffer_read(qu, back + sizeof(c->o), bl, 0, sizeof(c->lse))) &&
+	    !(ret = ape_queue_synchronize(qu))) {
+		memcpy(c->o, back, sizeof(c->o));
+		memcpy(c->lse, back + sizeof(c->o), sizeof(c->lse));
+	}
+out:
+	if (ret && !c->in_call)
+		snprintf(c->msg, sizeof(c->msg), "%s", ape_last_error());
+	ape_queue_destroy(qu);
+	ape_buffer_free(bi);
+	ape_buffer_free(bo);
+	ape_buffer_free(bl);
+	free(back);
+	return ret;
+}
+
 /* The call, outputs poisoned first. The backward reads the forward's o and lse (computed once,
  * cleanly, before any injection) and writes g. */
 static int vcase_run(struct vcase *c)
@@ -88,6 +163,14 @@ static int vcase_run(struct vcase *c)
 	ape_tensor tq, tk, tv, to, tdo, dq, dk, dv;
 	int ret;
 
+	if (c->resident) {
+		memset(c->o, 0x5a, sizeof(c->o));
+		memset(c->lse, 0x5a, sizeof(c->lse));
+		ret = resident_run(c);
+		if (!ret)
+			c->msg[0] = 0;
+		return ret;
+	}
 	ape_tensor_init_packed(&tq, c->q, APE_F32, TQ, H, D);
 	ape_tensor_init_packed(&tk, c->k, APE_F32, TK, HKV, D);
 	ape_tensor_init_packed(&tv, c->v, APE_F32, TK, HKV, D);
@@ -129,6 +212,8 @@ static const char *vcase_verify(const struct vcase *c, int ret)
 	    memcmp(c->in + sizeof(c->q) + sizeof(c->k), c->v, sizeof(c->v)) ||
 	    memcmp(c->in + sizeof(c->q) + sizeof(c->k) + sizeof(c->v), c->dout, sizeof(c->dout)))
 		return "an input changed";
+	if (c->resident && c->moved)
+		return "a failed call changed the device's inputs";
 	if (!ret) {
 		if (c->bwd)
 			return memcmp(c->g, c->clean + TQ * H * D + TQ * H, sizeof(c->g))
@@ -149,11 +234,15 @@ static const char *vcase_verify(const struct vcase *c, int ret)
 	return NULL;
 }
 
-static int vcase_prepare(struct vcase *c, ape_device *dev, bool bwd)
+enum vmode { V_FORWARD, V_BACKWARD, V_RESIDENT };
+
+static int vcase_prepare(struct vcase *c, ape_device *dev, enum vmode mode)
 {
+	const bool bwd = mode == V_BACKWARD;
 	int ret;
 
 	vcase_init(c, dev, false);
+	c->resident = mode == V_RESIDENT;
 	if ((ret = vcase_run(c)))
 		return ret;
 	keep_clean(c);
@@ -166,7 +255,17 @@ static int vcase_prepare(struct vcase *c, ape_device *dev, bool bwd)
 	return 0;
 }
 
-static const char *const what[2] = { "forward", "backward" };
+static const char *const what[3] = { "forward", "backward", "enqueue_varlen" };
+
+/* A failed run's message names the call: the ragged call's name, or for the resident run one
+ * that failed before or after ape_attention_enqueue_varlen() (a buffer, a copy) its own. */
+static bool names_the_call(const struct vcase *c, const char *call_word)
+{
+	if (!c->resident)
+		return strstr(c->msg, call_word) != NULL;
+	return c->in_call ? strstr(c->msg, "ape_attention_enqueue_varlen: ") != NULL
+			  : c->msg[0] != 0;
+}
 
 static const char *backend_of(const ape_device *dev)
 {
@@ -175,14 +274,14 @@ static const char *backend_of(const ape_device *dev)
 	return ape_device_get_info(dev, &di) ? "?" : di.backend;
 }
 
-static void alloc_sweep(struct __test_metadata *_metadata, ape_device *dev, bool bwd)
+static void alloc_sweep(struct __test_metadata *_metadata, ape_device *dev, enum vmode mode)
 {
 #ifdef APE_FAULT_INJECT
 	struct vcase *c = malloc(sizeof(*c));
-	uint64_t total, errors = 0;
+	uint64_t total, errors = 0, in_call = 0;
 
 	ASSERT_NE(NULL, c);
-	ASSERT_EQ(0, vcase_prepare(c, dev, bwd)) TH_LOG("%s", c->msg);
+	ASSERT_EQ(0, vcase_prepare(c, dev, mode)) TH_LOG("%s", c->msg);
 	ape__fault_alloc_arm(0);
 	ASSERT_EQ(0, vcase_run(c));
 	total = ape__fault_alloc_count();
@@ -193,37 +292,43 @@ static void alloc_sweep(struct __test_metadata *_metadata, ape_device *dev, bool
 		ape__fault_alloc_arm(n);
 		ret = vcase_run(c);
 		ape__fault_alloc_arm(0);
-		EXPECT_EQ(NULL, vcase_verify(c, ret)) TH_LOG("%s: allocation %llu", what[bwd],
+		EXPECT_EQ(NULL, vcase_verify(c, ret)) TH_LOG("%s: allocation %llu", what[mode],
 							     (unsigned long long)n);
 		if (!ret)
 			continue;
 		errors++;
-		EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("%s: allocation %llu: %s", what[bwd],
+		in_call += c->in_call;
+		EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("%s: allocation %llu: %s", what[mode],
 						  (unsigned long long)n, c->msg);
-		EXPECT_NE(NULL, strstr(c->msg, "_varlen")) TH_LOG("%s", c->msg);
+		EXPECT_TRUE(names_the_call(c, "_varlen")) TH_LOG("%s", c->msg);
 	}
 	EXPECT_GT(errors, 0u);
+	if (mode == V_RESIDENT) {
+		EXPECT_GT(in_call, 0u) TH_LOG("no allocation of the resident call failed");
+	}
 	EXPECT_EQ(0, vcase_run(c)) TH_LOG("%s", c->msg);
 	EXPECT_EQ(NULL, vcase_verify(c, 0));
-	ksft_print_msg("%s on %s: %llu allocations failed in turn, %llu errors\n", what[bwd],
-		       backend_of(dev), (unsigned long long)total, (unsigned long long)errors);
+	ksft_print_msg("%s on %s: %llu allocations failed in turn, %llu errors (%llu in the "
+		       "resident call)\n",
+		       what[mode], backend_of(dev), (unsigned long long)total,
+		       (unsigned long long)errors, (unsigned long long)in_call);
 	free(c);
 #else
 	(void)_metadata;
 	(void)dev;
-	(void)bwd;
+	(void)mode;
 #endif
 }
 
-static void device_sweep(struct __test_metadata *_metadata, ape_device *dev, bool bwd)
+static void device_sweep(struct __test_metadata *_metadata, ape_device *dev, enum vmode mode)
 {
 	struct vcase *c = malloc(sizeof(*c));
 	struct wrap_counts clean;
-	uint64_t total = 0, runs = 0, absorbed = 0;
+	uint64_t total = 0, runs = 0, absorbed = 0, in_call = 0;
 
 	ASSERT_NE(NULL, c);
 	wrap_install(dev, 0);
-	ASSERT_EQ(0, vcase_prepare(c, dev, bwd)) TH_LOG("%s", c->msg);
+	ASSERT_EQ(0, vcase_prepare(c, dev, mode)) TH_LOG("%s", c->msg);
 	wrap_reset();
 	ASSERT_EQ(0, vcase_run(c));
 	clean = wrap_get();
@@ -235,17 +340,25 @@ static void device_sweep(struct __test_metadata *_metadata, ape_device *dev, boo
 			ret = vcase_run(c);
 			wrap_fail_op((enum wrap_op)op, 0);
 			EXPECT_EQ(NULL, vcase_verify(c, ret))
-			TH_LOG("%s: %s #%llu", what[bwd], wrap_op_name((enum wrap_op)op),
+			TH_LOG("%s: %s #%llu", what[mode], wrap_op_name((enum wrap_op)op),
 			       (unsigned long long)n);
 			if (!ret) {
 				absorbed++;
 				EXPECT_TRUE(op == WRAP_BUF_ALLOC || op == WRAP_HOST_REGISTER)
-				TH_LOG("%s: %s #%llu: a failure was swallowed", what[bwd],
+				TH_LOG("%s: %s #%llu: a failure was swallowed", what[mode],
 				       wrap_op_name((enum wrap_op)op), (unsigned long long)n);
 				continue;
 			}
+			in_call += c->in_call;
+			EXPECT_EQ(op == WRAP_BUF_ALLOC || op == WRAP_BUF_WRAP ||
+					  op == WRAP_SCRATCH_ALLOC
+				  ? APE_ENOMEM
+				  : APE_EDEVLOST,
+				  ret)
+			TH_LOG("%s: %s #%llu: %s", what[mode], wrap_op_name((enum wrap_op)op),
+			       (unsigned long long)n, c->msg);
 			EXPECT_NE(NULL, strstr(c->msg, "fails on purpose")) TH_LOG("%s", c->msg);
-			EXPECT_NE(NULL, strstr(c->msg, "sequence")) TH_LOG("%s", c->msg);
+			EXPECT_TRUE(names_the_call(c, "sequence")) TH_LOG("%s", c->msg);
 			EXPECT_EQ(0, vcase_run(c)) TH_LOG("after %s: %s",
 							 wrap_op_name((enum wrap_op)op), c->msg);
 		}
@@ -257,21 +370,27 @@ static void device_sweep(struct __test_metadata *_metadata, ape_device *dev, boo
 		wrap_lose_device(k);
 		ret = vcase_run(c);
 		wrap_lose_device(0);
-		EXPECT_EQ(APE_EDEVLOST, ret) TH_LOG("%s: lost at call %llu", what[bwd],
+		in_call += c->in_call;
+		EXPECT_EQ(APE_EDEVLOST, ret) TH_LOG("%s: lost at call %llu", what[mode],
 						    (unsigned long long)k);
-		EXPECT_EQ(NULL, vcase_verify(c, ret)) TH_LOG("%s: lost at call %llu", what[bwd],
+		EXPECT_NE(NULL, strstr(c->msg, "fails on purpose")) TH_LOG("%s", c->msg);
+		EXPECT_EQ(NULL, vcase_verify(c, ret)) TH_LOG("%s: lost at call %llu", what[mode],
 							     (unsigned long long)k);
 	}
 	EXPECT_GT(runs, absorbed);
+	if (mode == V_RESIDENT) {
+		EXPECT_GT(in_call, 0u) TH_LOG("no device op of the resident call failed");
+	}
 	EXPECT_EQ(0, vcase_run(c)) TH_LOG("%s", c->msg);
-	ksft_print_msg("%s on %s: %llu broken runs, %llu absorbed\n", what[bwd], backend_of(dev),
-		       (unsigned long long)runs, (unsigned long long)absorbed);
+	ksft_print_msg("%s on %s: %llu broken runs, %llu absorbed (%llu in the resident call)\n",
+		       what[mode], backend_of(dev), (unsigned long long)runs,
+		       (unsigned long long)absorbed, (unsigned long long)in_call);
 	wrap_remove();
 	free(c);
 }
 
 static void on_backends(struct __test_metadata *_metadata,
-			void (*sweep)(struct __test_metadata *, ape_device *, bool))
+			void (*sweep)(struct __test_metadata *, ape_device *, enum vmode))
 {
 	static const char *const backends[] = { "ref", "opencl" };
 
@@ -285,11 +404,13 @@ static void on_backends(struct __test_metadata *_metadata,
 			continue;
 		}
 		default_positions = false;
-		sweep(_metadata, dev, false);
-		sweep(_metadata, dev, true);
+		sweep(_metadata, dev, V_FORWARD);
+		sweep(_metadata, dev, V_BACKWARD);
+		sweep(_metadata, dev, V_RESIDENT);
 		default_positions = true;
 		ksft_print_msg("default positions:\n");
-		sweep(_metadata, dev, false);
+		sweep(_metadata, dev, V_FORWARD);
+		sweep(_metadata, dev, V_RESIDENT);
 		default_positions = false;
 		fflush(stdout);
 		ape_context_destroy(ctx);

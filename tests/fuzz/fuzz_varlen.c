@@ -11,6 +11,12 @@
  * poison) and names a vl field, desc or a sequence; an accepted one writes every row: O a
  * convex combination of V rows (|O| <= max |V| + 1e-4 for finite inputs), LSE finite or -inf,
  * and -inf exactly for rows no key reaches; its backward succeeds with finite gradients.
+ *
+ * The same batch also goes through ape_attention_enqueue_varlen() on the host arrays wrapped as
+ * buffers of the reference (ape_buffer_wrap_host(), one queue): it returns what the host call
+ * returned (the reference reads explicit positions, so nothing is refused there that the host
+ * call takes), a refusal writes nothing, and an accepted call's O and LSE (token-major, as the
+ * host call writes it) are the host call's bit for bit.
  */
 #define FUZZ_NAME "fuzz_varlen"
 #include "fuzz_input.h"
@@ -38,6 +44,65 @@ static bool sees_a_key(const ape_varlen *vl, int64_t i, bool causal)
 		return false;
 	}
 	return false;
+}
+
+/* A [1, heads, rows, D] device tensor over the packed [rows, heads, D] host array of buf. */
+static void packed_dtensor(ape_dtensor *t, ape_buffer *buf, int64_t rows, int64_t heads)
+{
+	ape_dtensor_init(t, buf, 0, APE_F32, 1, heads, rows, D);
+	t->strides[0] = 0;
+	t->strides[1] = D;
+	t->strides[2] = heads * D;
+	t->strides[3] = 1;
+}
+
+/* The batch through ape_attention_enqueue_varlen() on the host arrays q, k, v (wrapped), into
+ * o2 and lse2 (poisoned here): the host call's code, and where it succeeded, its o and lse. */
+static void resident_same(const ape_attn_desc *desc, const ape_varlen *vl, int64_t tq, int64_t tk,
+			  float *q, float *k, float *v, size_t nq, size_t nk, const float *o,
+			  const float *lse, int host_ret)
+{
+	static float o2[MAXT * H * D], lse2[MAXT * H];
+	static ape_queue *queue;
+	ape_buffer *b[5] = { NULL };
+	ape_dtensor tq_d, tk_d, tv_d, to_d, tl_d;
+	int ret;
+
+	if (!queue)
+		check(ape_queue_create(ref, &queue) == 0, "ape_queue_create(ref)");
+	memset(o2, 0x5a, sizeof(o2));
+	memset(lse2, 0x5a, sizeof(lse2));
+	check(ape_buffer_wrap_host(ref, q, nq, &b[0]) == 0 &&
+		      ape_buffer_wrap_host(ref, k, nk, &b[1]) == 0 &&
+		      ape_buffer_wrap_host(ref, v, nk, &b[2]) == 0 &&
+		      ape_buffer_wrap_host(ref, o2, sizeof(o2), &b[3]) == 0 &&
+		      ape_buffer_wrap_host(ref, lse2, sizeof(lse2), &b[4]) == 0,
+	      "ape_buffer_wrap_host(ref)");
+	packed_dtensor(&tq_d, b[0], tq, H);
+	packed_dtensor(&tk_d, b[1], tk, HKV);
+	packed_dtensor(&tv_d, b[2], tk, HKV);
+	packed_dtensor(&to_d, b[3], tq, H);
+	ape_dtensor_init(&tl_d, b[4], 0, APE_F32, 1, H, tq, 1);
+	tl_d.strides[0] = 0; /* [total_q, H], token-major */
+	tl_d.strides[1] = 1;
+	tl_d.strides[2] = H;
+	ret = ape_attention_enqueue_varlen(queue, desc, vl, &tq_d, &tk_d, &tv_d, &to_d, &tl_d);
+	check(ret == host_ret, "enqueue_varlen returns what the host call returns");
+	check(ape_queue_synchronize(queue) == 0, "and its work runs");
+	if (ret) {
+		for (size_t i = 0; i < sizeof(o2); i++)
+			check(((uint8_t *)o2)[i] == 0x5a, "a refused enqueue_varlen writes no O");
+		for (size_t i = 0; i < sizeof(lse2); i++)
+			check(((uint8_t *)lse2)[i] == 0x5a,
+			      "a refused enqueue_varlen writes no LSE");
+	} else {
+		check(!memcmp(o2, o, (size_t)(tq * H * D) * sizeof(float)),
+		      "enqueue_varlen's O is the host call's, bit for bit");
+		check(!memcmp(lse2, lse, (size_t)(tq * H) * sizeof(float)),
+		      "enqueue_varlen's LSE is the host call's, bit for bit");
+	}
+	for (int i = 0; i < 5; i++)
+		ape_buffer_free(b[i]);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -95,6 +160,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	ret = ape_attention_forward_varlen(ref, &desc, &vl, &tq_t, &tk_t, &tv_t, &to_t, lse, NULL);
 	check(ret == 0 || ret == APE_EINVAL || ret == APE_EOVERFLOW,
 	      "a ragged call returns 0, EINVAL or EOVERFLOW");
+	resident_same(&desc, &vl, tq, tk, q, k, v, sizeof(q), sizeof(k), o, lse, ret);
 	if (ret) {
 		const char *m = ape_last_error();
 

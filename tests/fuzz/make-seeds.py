@@ -195,7 +195,7 @@ put("resident", "kv_cache_session.bin",
 # ---- varlen: the byte encoding fuzz_varlen.c reads: S, flags (1, 2: raw offsets; 4: raw
 # cu_seqlens_q[0]; 8, 16: explicit query, key positions; 32: causal; 64: raw int64 positions;
 # 128: negative num_seqs), total_q, total_k, then per sequence one byte of each length (mod 6),
-# 24 + 24 position bytes (mod 40), q, k, v bytes, delta, lambda.
+# 24 pairs of position bytes (query i, key i; mod 40), q, k, v bytes, delta, lambda.
 def varlen(S, flags, tq, tk, lens, pos=b"", tail=b""):
     b = bytes([S, flags, tq, tk])
     for lq, lk in lens:
@@ -215,3 +215,21 @@ put("varlen", "int64_ends.bin",
            pos=b"\xc2" + b"\xa0" + struct.pack("<q", (1 << 62) - 1) + b"\xc3" + b"\xc2" * 45,
            tail=bytes(range(128)) * 2 + bytes([2, 1])))
 put("varlen", "decreasing_offsets.bin", varlen(2, 2, 4, 4, [(2, 3)], tail=b"\x05\x02" + bytes(60)))
+# the position bytes are read in pairs, query i then key i: pairs() lays two lists out so.
+def pairs(pq, pk):
+    pq, pk = pq + [0] * (24 - len(pq)), pk + [0] * (24 - len(pk))
+    return bytes(x for ij in zip(pq, pk) for x in ij)
+
+
+# shuffled key positions with repeats and gaps in three sequences (causal): on the reference one
+# ragged launch with explicit positions, the host call's and enqueue_varlen's alike
+put("varlen", "shuffled_positions.bin",
+    varlen(3, 8 | 16 | 32, 10, 12, [(4, 5), (1, 3), (5, 4)],
+           pos=pairs([9, 3, 3, 12, 7, 30, 31, 2, 39, 20],
+                     [4, 0, 9, 2, 2, 33, 30, 38, 20, 0, 25, 21]),
+           tail=bytes(range(7, 256, 3)) * 3 + bytes([5, 3])))
+# one sequence over every key at repeated, decreasing positions (not causal): the explicit
+# positions' one segment, never the dense problem at implied ones
+put("varlen", "one_sequence_repeats.bin",
+    varlen(1, 8 | 16, 3, 5, [(3, 5)], pos=pairs([6, 6, 1], [5, 5, 4, 0, 9]),
+           tail=bytes(range(200, 0, -1)) * 2 + bytes([6, 2])))
