@@ -114,8 +114,9 @@ APE_API int ape_attention_backward_dlpack(ape_device *dev, const ape_attn_desc *
  *     out as `[total_q, H]` row-major is staged and written back on success;
  *   - `kDLOpenCL`, `kDLCUDA`: ape_attention_enqueue_varlen() on the memory and \p stream by
  *     the dense rules (the call returning once the work is enqueued, or after libape's own
- *     queue finished); positions that give a query run several runs of consecutive key
- *     positions are refused there with APE_ENOTSUP naming vl->pos_k.
+ *     queue finished), any positions on a device that reads explicit positions (OpenCL);
+ *     elsewhere (CUDA) positions that give a query run several runs of consecutive key
+ *     positions are refused with APE_ENOTSUP naming vl->pos_k.
  * On any error o and lse are untouched (nothing is enqueued). libape keeps no reference to a
  * tensor or to \p vl after the call returns.
  * \return 0; APE_EINVAL naming the tensor or the batch and what is wrong (as
