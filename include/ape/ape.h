@@ -719,7 +719,9 @@ typedef struct ape_exec_options {
 	/** Most query rows per chunk (>= 0); 0: 4096. The planner may choose fewer to fit the
 	 *  memory budget. */
 	int64_t chunk_q;
-	/** Most key rows per chunk (>= 0); 0: 4096. */
+	/** Most key rows per chunk (>= 0); 0: 4096 (a ragged call's ragged launches: every key,
+	 *  each launch seeing only its rows' sequences' keys; the planner halves it to fit the
+	 *  budget). */
 	int64_t chunk_k;
 	/**
 	 * Device memory the call may hold at once on each device, in bytes: chunk buffers for
@@ -912,7 +914,9 @@ APE_API void ape_tensor_init_packed(ape_tensor *t, void *data, ape_dtype dtype, 
  * positions).
  *
  * \param devs,ndev,opts as ape_attention_forward_ex(); opts->trace_path must be NULL, and
- *        the outputs are always written only on success (as with APE_EXEC_ATOMIC_OUTPUTS)
+ *        the outputs are always written only on success (as with APE_EXEC_ATOMIC_OUTPUTS);
+ *        opts->chunk_k 0 means one key chunk of every key for ragged launches (no partial
+ *        results to merge where a query chunk's sequences fit the budget)
  * \param desc the parameters; per-head values as for the dense call
  * \param vl the batch
  * \param q,k,v packed inputs; read only
