@@ -29,6 +29,7 @@
 #include "api/positions.h"
 #include "api/stats.h"
 #include "api/validate.h"
+#include "api/varlen.h"
 
 #define APE_REAL double
 #include "core/ape_math.h"
@@ -276,7 +277,7 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 		ret = 0; /* empty result: nothing to write */
 	} else if (p.Lk == 0) {
 		write_empty(&p, o, lse, dg);
-	} else if (p.pos_q && !ape__devices_read_positions(devs, ndev)) {
+	} else if (p.pos_q && !ape__varlen_devices_take(devs, ndev, true)) {
 		/* explicit positions the kernels do not read: runs of consecutive ones */
 		ret = ape__forward_positions(fn, devs, ndev, opts, desc, &p, q, k, v, o, lse, stats,
 					     t0);

@@ -41,14 +41,6 @@ int ape__problem_head_pairs(const char *fn, const struct ape__problem *p, uint64
 	return 0;
 }
 
-bool ape__devices_read_positions(ape_device *const *devs, int ndev)
-{
-	for (int d = 0; d < ndev; d++)
-		if (!devs[d]->caps.segments || !devs[d]->caps.positions)
-			return false;
-	return true;
-}
-
 /* Batch element b of t (its resolved strides s) as a [1, H, L, D] tensor. */
 static ape_tensor element(const ape_tensor *t, const int64_t s[4], int64_t b)
 {

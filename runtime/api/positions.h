@@ -16,10 +16,6 @@
  * it has them: 0, or APE_EOVERFLOW / APE_ENOMEM with the message (naming fn) set. */
 int ape__problem_head_pairs(const char *fn, const struct ape__problem *p, uint64_t *out);
 
-/* Whether every one of devs reads explicit positions in its launches (struct
- * ape__dev_caps.positions, with .segments): then the executor takes p->pos_q, p->pos_k. */
-bool ape__devices_read_positions(ape_device *const *devs, int ndev);
-
 /*
  * The forward of a validated problem p with explicit positions (p->pos_q; Lq, Lk >= 1) where
  * the devices do not read them: each batch element is a one-sequence ragged batch
