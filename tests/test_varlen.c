@@ -139,16 +139,7 @@ static int batch_make(struct batch *b, ape_rng *r, int64_t S, int64_t maxq, int6
 	ape_attn_desc_init(&b->desc);
 	b->desc.causal = ape_rng_range(r, 0, 3) > 0;
 	b->desc.skip_tol = ape_rng_range(r, 0, 1) ? 0 : b->desc.skip_tol;
-	for (int h = 0; h < b->H; h++) {
-		b->prm[0][h] = (float)(0.4 * ape_rng_uniform(r));
-		b->prm[1][h] = (float)(0.04 * ape_rng_uniform(r));
-		b->prm[2][h] = (float)(0.04 * ape_rng_uniform(r));
-		b->prm[3][h] = (float)(0.3 * ape_rng_uniform(r));
-	}
-	b->desc.delta.per_head = b->prm[0];
-	b->desc.beta.per_head = b->prm[1];
-	b->desc.gamma.per_head = b->prm[2];
-	b->desc.lambda.per_head = b->prm[3];
+	test_random_head_params(&b->desc, b->prm, b->H, r);
 	return 0;
 }
 

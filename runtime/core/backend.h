@@ -590,7 +590,9 @@ struct ape__backend_ops {
 	 * ape__scratch_of() in runtime/exec/launch.c). Bytes of device memory the attention op
 	 * allocates for launch l beyond l's own buffers, held from the attention call until the
 	 * launch completes. The core counts them against the memory budget of streamed calls.
-	 * Called without the buffers: only the shape, dtypes, layout and skip_tol of l count.
+	 * Called without the buffers: only the shape, dtypes, layout and skip_tol of l count, and
+	 * whether the launch is ragged: l->segs is NULL here, and l->nseg -1 for the launches of
+	 * a ragged call (their segments are not known yet: at most one per query row), else 0.
 	 * Cannot fail; may be called from any thread.
 	 */
 	uint64_t (*attention_scratch)(struct ape_device *dev, const struct ape__launch *l);
