@@ -136,11 +136,11 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 	memset(p, 0, sizeof(*p));
 	p->total = 256; /* no region at offset 0 */
 	p->vt = (int)l->in_dtype;
-	/* a ragged launch takes the prefill kernel whatever its rows, and skips nothing (its
-	 * key-tile scans would be per segment: docs/kernels.md, "Ragged launches") */
+	/* a ragged launch takes the prefill kernel whatever its rows (docs/kernels.md, "Ragged
+	 * launches") */
 	p->decode = l->Lq <= APE_DC_MAX_LQ && !ragged(l);
 	p->diag = diag;
-	p->skip = l->skip_tol > 0 && l->decay_nonneg && !ragged(l);
+	p->skip = l->skip_tol > 0 && l->decay_nonneg;
 	p->variant = l->D == 64	   ? APE__CU_V_D64
 		     : l->D == 128 ? APE__CU_V_D128
 		     : l->D <= 128 ? APE__CU_V_G128

@@ -5,8 +5,9 @@
  * built with the emulator (cuda/emu) runs every launch on the CPU (test_cuda_emu.c says what
  * that proves). Packed batches of many short sequences, empty ones (no query, no key), Lq < Lk
  * and Lq > Lk per sequence, causal or not, GQA, every storage type, both rope layouts, D = 64,
- * 128 and a generic one; each batch ONE launch (ape_stats.chunks) on the CUDA device, O and LSE
- * within the storage type's tolerance of the reference's, every visible pair computed.
+ * 128 and generic ones; each batch ONE launch (ape_stats.chunks) on the CUDA device, O and LSE
+ * within the storage type's tolerance of the reference's (and of what skipping may add), no more
+ * pairs computed than visible; long sequences with a real decay skip far keys per segment.
  *
  * Fresh random inputs each run (APE_TEST_SEED replays one). Sizes are kept small for the
  * emulator's speed. With APE_TEST_CUDA_DEVICE=1 the same tests run on this machine's own driver
@@ -125,12 +126,15 @@ static void describe(const struct rbatch *b, char *buf, size_t n)
 
 /*
  * b on both devices: the CUDA device in ONE launch, O and LSE within the tolerance of the
- * reference's (O relative to max|V|), no NaN where the reference has none, every visible pair
- * computed (ragged launches skip nothing on CUDA). 0, or -1 with the reason logged.
+ * reference's (O relative to max|V|) and of what skipping may add, no NaN where the reference
+ * has none, the same visible pairs, no more computed; those two counts into pairs[0] and
+ * pairs[1] (NULL: not wanted). 0, or -1 with the reason logged.
  */
 static int rbatch_check(struct __test_metadata *_metadata, const struct pair_of_devices *d,
-			struct rbatch *b)
+			struct rbatch *b, uint64_t *pairs)
 {
+	const double tol_o = test_tol_o(b->dt) + test_skip_tol_o(b->desc.skip_tol);
+	const double tol_lse = test_tol_lse(b->dt) + test_skip_tol_lse(b->desc.skip_tol);
 	const double vmax = fmax(test_tensor_maxabs(&b->v.t), 1e-30);
 	double *oc = NULL, *orf = NULL, eo = 0, el = 0;
 	float *lc = NULL, *lr = NULL;
@@ -163,7 +167,7 @@ static int rbatch_check(struct __test_metadata *_metadata, const struct pair_of_
 							 : fabs(g - w) / vmax);
 		}
 	}
-	if (!ret && (!(eo <= test_tol_o(b->dt)) || !(el <= test_tol_lse(b->dt)))) {
+	if (!ret && (!(eo <= tol_o) || !(el <= tol_lse))) {
 		TH_LOG("%s: O error %.3g of max|V|, LSE error %.3g", what, eo, el);
 		ret = -1;
 	}
@@ -176,11 +180,15 @@ static int rbatch_check(struct __test_metadata *_metadata, const struct pair_of_
 		ret = -1;
 	}
 	if (!ret && (sc.pairs_visible != sr.pairs_visible ||
-		     sc.pairs_computed != sc.pairs_visible)) {
+		     sc.pairs_computed > sc.pairs_visible)) {
 		TH_LOG("%s: pairs visible %llu (ref %llu), computed %llu", what,
 		       (unsigned long long)sc.pairs_visible, (unsigned long long)sr.pairs_visible,
 		       (unsigned long long)sc.pairs_computed);
 		ret = -1;
+	}
+	if (pairs) {
+		pairs[0] = ret ? 0 : sc.pairs_visible;
+		pairs[1] = ret ? 0 : sc.pairs_computed;
 	}
 	free(oc);
 	free(orf);
@@ -208,7 +216,7 @@ static void run_cases(struct __test_metadata *_metadata, const char *seed, int c
 		struct rbatch b;
 
 		ASSERT_EQ(0, make(&b, &rng, c));
-		fails += rbatch_check(_metadata, &d, &b) != 0;
+		fails += rbatch_check(_metadata, &d, &b, NULL) != 0;
 		rbatch_free(&b);
 	}
 	EXPECT_EQ(0, fails);
@@ -271,6 +279,47 @@ static int nokeys_case(struct rbatch *b, ape_rng *r, int c)
 TEST(sequences_without_keys)
 {
 	run_cases(_metadata, "cuda_emu_varlen_nokeys", 2, nokeys_case);
+}
+
+/*
+ * Skipping per segment: three sequences of 200 to 300 tokens, the seed's decay (delta =
+ * 2^(-4/3), beta = gamma = delta / 10, lambda 0.1), the default skip_tol, causal (case 0) or
+ * not (case 1): far keys of each sequence are left out (fewer pairs computed than visible),
+ * within what skipping may add to the tolerance; with skip_tol 0 (case 2) every visible pair is
+ * computed.
+ */
+TEST(far_keys_skipped_per_segment)
+{
+	const double delta = pow(2.0, -4.0 / 3.0);
+	struct pair_of_devices d;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_varlen_skip");
+	for (int c = 0; c < 3; c++) {
+		const int64_t lq[3] = { ape_rng_range(&rng, 200, 300), ape_rng_range(&rng, 200, 300),
+					ape_rng_range(&rng, 200, 300) };
+		struct rbatch b;
+		uint64_t pairs[2] = { 0, 0 };
+
+		ASSERT_EQ(0, rbatch_make(&b, &rng, 3, lq, lq, 1, 1, 64, c == 1 ? APE_F16 : APE_F32));
+		b.desc.causal = c != 1;
+		b.desc.delta = (ape_param){ .value = (float)delta };
+		b.desc.beta = b.desc.gamma = (ape_param){ .value = (float)(delta / 10) };
+		b.desc.lambda = (ape_param){ .value = 0.1f };
+		if (c == 2)
+			b.desc.skip_tol = 0;
+		EXPECT_EQ(0, rbatch_check(_metadata, &d, &b, pairs));
+		TH_LOG("case %d: %llu of %llu visible pairs computed", c,
+		       (unsigned long long)pairs[1], (unsigned long long)pairs[0]);
+		if (c == 2) {
+			EXPECT_EQ(pairs[0], pairs[1]);
+		} else { /* rows reach about one tile past the diagonal's (each side) */
+			EXPECT_LT(pairs[1], pairs[0] * 3 / 4);
+		}
+		rbatch_free(&b);
+	}
+	ape_context_destroy(d.ctx);
 }
 
 CUDA_EMU_MAIN

@@ -615,14 +615,19 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 
 				if ((can_back || can_fwd) && row_ok && !gone && c == 0) {
 					const double as = fabs(a.c.scale);
-					const int64_t kb = bkv * (ntk + 1);
+					/* the scans run over the launch's key tiles (a.ntk); a segment's
+					 * keys before (after) one of its tile borders lie among the
+					 * launch's tiles before (from) the one holding that key, whose
+					 * largest norm bounds theirs (k0 = 0: the border's own tile) */
+					const int64_t kb = bkv * (a.ntk + 1);
 
 					if (can_back) {
 						const int64_t cnt =
 							ape_visible_keys(diag, (w.lo + 1) * BK, causal);
+						const int64_t gt = (k0 + (w.lo + 1) * BK + BK - 1) / BK;
 
 						if (!may_stop(hp, as, qnorm,
-							      reinterpret_cast<const float *>(a.pre)[kb + w.lo + 1],
+							      reinterpret_cast<const float *>(a.pre)[kb + gt],
 							      ape_keys_min_abs(diag, 0, cnt), cnt, crow, m,
 							      lrow,
 							      -APE_INF, tol / dir_count))
@@ -630,9 +635,10 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 					}
 					if (can_fwd) {
 						const int64_t cnt = Lk - w.hi * BK;
+						const int64_t gt = (k0 + w.hi * BK) / BK;
 
 						if (!may_stop(hp, as, qnorm,
-							      reinterpret_cast<const float *>(a.suf)[kb + w.hi],
+							      reinterpret_cast<const float *>(a.suf)[kb + gt],
 							      ape_keys_min_abs(diag, w.hi * BK, Lk), cnt,
 							      crow,
 							      m, lrow, -APE_INF, tol / dir_count))

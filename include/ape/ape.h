@@ -872,12 +872,12 @@ APE_API void ape_tensor_init_packed(ape_tensor *t, void *data, ape_dtype dtype, 
  * Positions that run in steps of 1 within each sequence (the default, and Hugging Face style
  * position_ids restarting per document) make the whole batch one run of the executor: each
  * launch serves every sequence of its rows at its own positions (on devices that take ragged
- * launches: the reference, OpenCL and CUDA, whose ragged launches skip no key; a device that
- * does not runs each sequence as its own dense call), long sequences chunked under the device
- * budget like a dense call. Other positions split a sequence into its runs of consecutive
- * positions, each run against each key run a dense call, whose partial results merge by their
- * LSE (docs/ape.md, identity 4). Results equal a dense call per sequence within the spec's
- * tolerance (bit for bit for a one-sequence batch of default positions).
+ * launches: the reference, OpenCL and CUDA; a device that does not runs each sequence as its
+ * own dense call), long sequences chunked under the device budget like a dense call. Other
+ * positions split a sequence into its runs of consecutive positions, each run against each key
+ * run a dense call, whose partial results merge by their LSE (docs/ape.md, identity 4). Results
+ * equal a dense call per sequence within the spec's tolerance (bit for bit for a one-sequence
+ * batch of default positions).
  *
  * \param devs,ndev,opts as ape_attention_forward_ex(); opts->trace_path must be NULL, and
  *        the outputs are always written only on success (as with APE_EXEC_ATOMIC_OUTPUTS)

@@ -230,7 +230,9 @@ struct ape__launch {
 	 * A row whose segment has no visible key gets O 0, LSE -inf, pairs 0, ent and md 0, as in
 	 * any launch. Every output is indexed by the launch's rows, as in any launch. lse_prior and
 	 * pages are NULL; strided, views, pairs, diagnostics and skipping as in any launch (the
-	 * far-key bound is per segment: a segment's keys are the only keys its rows see).
+	 * far-key bound is per segment: a segment's keys are the only keys its rows see). Only
+	 * in what attention_scratch is asked: segs NULL and nseg -1, a ragged call's launch
+	 * whose segments are not known yet.
 	 */
 	const struct ape__seg *segs;
 	int64_t nseg;
