@@ -26,6 +26,12 @@
  * A strided launch with no key writes O = 0 and LSE = -inf through ape_dmerge over zero splits
  * (fills only reach contiguous outputs).
  *
+ * Ragged launches (l->segs, core/backend.h; docs/kernels.md, "Ragged launches") take the prefill
+ * whatever their rows: the host's segment table (upload_seg_table(), in the scratch) gives each
+ * block one query tile of one segment, heaviest first; ape_prep and ape_kscan run over the
+ * launch's keys as for a dense launch, and the kernel reads their scans at its segment's tile
+ * borders. Explicit positions (l->pos_q) are not read: the device does not say `positions`.
+ *
  * Diagnostics (l->ent and l->md, docs/diagnostics.md): the same steps with the _diag twins of
  * the prefill, decode and merge kernels (a compile-time flag of the kernel templates, so that a
  * launch without them runs exactly the kernels it ran before), plus the decode splits' running

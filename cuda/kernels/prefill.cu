@@ -34,6 +34,10 @@
  * receive), so when such a tile's V holds a non-finite value, P V runs on CUDA cores with the
  * mask applied per element instead of on tensor cores.
  *
+ * A ragged launch (args.h, segt) gives each block one entry of its segment table: the block's
+ * rows are one segment's query tile, its keys that segment's, its distances the segment's, and
+ * the code is the dense one with those bases (a segment without keys writes O = 0, LSE = -inf).
+ *
  * With skipping, a row may leave out every key of the launch before the walk when the LSE that
  * earlier launches found (lse_prior) already outweighs them all (ape_may_skip()); it then scores
  * nothing and holds no vote, and a block whose rows all may returns at once.
