@@ -99,7 +99,9 @@
  * with the device; the table checked at registration; device capabilities as data (struct
  * ape__dev_caps, passed to ape__device_add()) instead of attention_diag, attention_diag_views
  * and max_alloc, which is now the core's member.
- * 12: ragged launches: struct ape__seg, ape__launch.segs and .nseg, ape__dev_caps.segments.
+ * 12: ragged launches: struct ape__seg, ape__launch.segs and .nseg, ape__dev_caps.segments
+ * (later, within 12: attention_scratch asked with nseg -1 for a ragged call's launches, which
+ * backends that ignore nseg there need not know).
  * 13: explicit positions: ape__launch.pos_q and .pos_k, ape__dev_caps.positions. */
 #define APE__BACKEND_ABI 13
 
