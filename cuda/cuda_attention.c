@@ -26,6 +26,12 @@
  * A strided launch with no key writes O = 0 and LSE = -inf through ape_dmerge over zero splits
  * (fills only reach contiguous outputs).
  *
+ * Ragged launches (l->segs, core/backend.h; docs/kernels.md, "Ragged launches") take the prefill
+ * whatever their rows: the host's segment table (upload_seg_table(), in the scratch) gives each
+ * block one query tile of one segment, heaviest first; ape_prep and ape_kscan run over the
+ * launch's keys as for a dense launch, and the kernel reads their scans at its segment's tile
+ * borders. Explicit positions (l->pos_q) are not read: the device does not say `positions`.
+ *
  * Diagnostics (l->ent and l->md, docs/diagnostics.md): the same steps with the _diag twins of
  * the prefill, decode and merge kernels (a compile-time flag of the kernel templates, so that a
  * launch without them runs exactly the kernels it ran before), plus the decode splits' running
@@ -58,8 +64,9 @@ struct cu_plan {
 	int64_t bk; /* keys per tile of the skip pre-pass */
 	int64_t ntile; /* such tiles */
 	int64_t nbkv, rows, splits;
+	int64_t nseg_tiles; /* a ragged launch's query tiles (its segment table's entries) */
 	/* scratch layout: byte offsets, 0 when absent (offset 0 is never a region's) */
-	size_t kp, vp, ktile, pre, suf, hp, win, po, pml, pp, psd;
+	size_t kp, vp, ktile, pre, suf, hp, win, po, pml, pp, psd, segt;
 	size_t total;
 };
 
@@ -107,6 +114,26 @@ static void kv_aligned(const struct ape__launch *l, bool buffers, bool *k16, boo
 	*v16 = view_aligned(l, APE__T_V, buffers ? l->v->ptr : 0, 16);
 }
 
+/* Is l ragged: its segments given (l->segs), or, in attention_scratch, said to come (nseg -1,
+ * core/backend.h)? */
+static bool ragged(const struct ape__launch *l)
+{
+	return l->segs || l->nseg < 0;
+}
+
+/* The query tiles of a ragged launch (struct ape_cu_prefill_args.segt): tiles of bq rows of one
+ * segment each; without the segments (attention_scratch), at most one per row. */
+static int64_t seg_tiles(const struct ape__launch *l, int64_t bq)
+{
+	int64_t n = 0;
+
+	if (!l->segs)
+		return l->Lq;
+	for (int64_t s = 0; s < l->nseg; s++)
+		n += (l->segs[s].lq + bq - 1) / bq;
+	return n;
+}
+
 static void plan_launch(const struct ape__cu_device *cd, const struct ape__launch *l, bool k16,
 			bool v16, bool diag, struct cu_plan *p)
 {
@@ -115,7 +142,9 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 	memset(p, 0, sizeof(*p));
 	p->total = 256; /* no region at offset 0 */
 	p->vt = (int)l->in_dtype;
-	p->decode = l->Lq <= APE_DC_MAX_LQ;
+	/* a ragged launch takes the prefill kernel whatever its rows (docs/kernels.md, "Ragged
+	 * launches") */
+	p->decode = l->Lq <= APE_DC_MAX_LQ && !ragged(l);
 	p->diag = diag;
 	p->skip = l->skip_tol > 0 && l->decay_nonneg;
 	p->variant = l->D == 64	   ? APE__CU_V_D64
@@ -145,6 +174,10 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 			p->kp = take(p, (size_t)(p->nbkv * l->Lk) * (size_t)p->dmax * 4);
 		if (p->need_vp)
 			p->vp = take(p, (size_t)(p->nbkv * l->Lk) * (size_t)p->dmax * esz);
+		if (ragged(l)) {
+			p->nseg_tiles = seg_tiles(l, APE_PF_BQ(p->dmax));
+			p->segt = take(p, (size_t)p->nseg_tiles * APE_PF_SEGW * sizeof(int64_t));
+		}
 	}
 	if (p->skip) {
 		p->ktile = take(p, (size_t)(p->nbkv * p->ntile) * 4);
@@ -272,24 +305,17 @@ CUdeviceptr ape__cu_head_params_at(const struct ape__launch *l, CUdeviceptr slot
 	return slot;
 }
 
-/* More heads than the argument struct carries: their parameters go through the scratch, unless
- * the core uploaded the call's table (ape__cu_head_params_at()). The host copy is freed by the
- * stream once the copy has run. */
-int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst)
+/* Copies `bytes` of host memory at `copy` (ape__malloc()'ed: this takes it and frees it,
+ * whatever happens) to dst on q's stream, which frees it once the copy has run. */
+static int upload_owned(struct ape__queue *q, CUdeviceptr dst, void *copy, size_t bytes,
+			const char *what)
 {
 	const struct ape__cu_driver *drv = ape__cu_dev(q->dev)->drv;
-	const size_t bytes = (size_t)l->H * 4 * sizeof(float);
-	void *copy = ape__malloc(bytes);
-	CUresult r;
+	CUresult r = drv->p_cuMemcpyHtoDAsync(dst, copy, bytes, q->s);
 
-	if (!copy)
-		return ape__error(APE_ENOMEM, "cuda: out of host memory for %lld heads' parameters",
-				  (long long)l->H);
-	memcpy(copy, l->head_params, bytes);
-	r = drv->p_cuMemcpyHtoDAsync(dst, copy, bytes, q->s);
 	if (r != CUDA_SUCCESS) {
 		free(copy);
-		return ape__cu_error(r, q->dev, "cuMemcpyHtoDAsync (head parameters)");
+		return ape__cu_error(r, q->dev, "cuMemcpyHtoDAsync (%s)", what);
 	}
 	r = drv->p_cuLaunchHostFunc(q->s, cu_free_host, copy);
 	if (r != CUDA_SUCCESS) {
@@ -299,6 +325,68 @@ int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l
 		return ape__cu_error(r, q->dev, "cuLaunchHostFunc");
 	}
 	return 0;
+}
+
+/* More heads than the argument struct carries: their parameters go through the scratch, unless
+ * the core uploaded the call's table (ape__cu_head_params_at()). */
+int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst)
+{
+	const size_t bytes = (size_t)l->H * 4 * sizeof(float);
+	void *copy = ape__malloc(bytes);
+
+	if (!copy)
+		return ape__error(APE_ENOMEM, "cuda: out of host memory for %lld heads' parameters",
+				  (long long)l->H);
+	memcpy(copy, l->head_params, bytes);
+	return upload_owned(q, dst, copy, bytes, "head parameters");
+}
+
+/* Sorts segment-table entries (APE_PF_SEGW values and their cost) by cost, largest first, then
+ * by their first row. */
+static int seg_heavier(const void *a, const void *b)
+{
+	const int64_t *x = a, *y = b;
+
+	if (x[APE_PF_SEGW] != y[APE_PF_SEGW])
+		return x[APE_PF_SEGW] > y[APE_PF_SEGW] ? -1 : 1;
+	return x[0] + x[5] < y[0] + y[5] ? -1 : x[0] + x[5] > y[0] + y[5];
+}
+
+/*
+ * A ragged launch's segment table (struct ape_cu_prefill_args.segt), p->nseg_tiles entries of
+ * tiles of bq rows, uploaded to dst: the heaviest tiles first (causal: by the keys the tile's
+ * last row sees, else the segment's keys), as the dense grid runs its last tiles first.
+ */
+static int upload_seg_table(struct ape__queue *q, const struct ape__launch *l,
+			    const struct cu_plan *p, int64_t bq, CUdeviceptr dst)
+{
+	const size_t w = APE_PF_SEGW + 1, n = (size_t)p->nseg_tiles;
+	int64_t *t = ape__malloc(n * w * sizeof(int64_t) + 1);
+	size_t e = 0;
+
+	if (!t)
+		return ape__error(APE_ENOMEM, "cuda: out of host memory for the tables of %lld "
+				  "segments", (long long)l->nseg);
+	for (int64_t s = 0; s < l->nseg; s++) {
+		const struct ape__seg *g = &l->segs[s];
+		/* the distance of (row q0, key k0): one pair's, so it fits; any without keys */
+		const int64_t rel = g->lk ? g->q_start - g->k_start : 0;
+
+		for (int64_t i0 = 0; i0 < g->lq; i0 += bq, e++) {
+			const int64_t last = (i0 + bq < g->lq ? i0 + bq : g->lq) - 1;
+			const int64_t cost = l->causal ? ape_visible_keys(ape_sat_add(rel, last),
+									 g->lk, 1)
+						       : g->lk;
+			const int64_t x[APE_PF_SEGW + 1] = { g->q0, g->lq, g->k0, g->lk,
+							     rel, i0, cost };
+
+			memcpy(t + e * w, x, sizeof(x));
+		}
+	}
+	qsort(t, n, w * sizeof(int64_t), seg_heavier);
+	for (size_t k = 1; k < n; k++) /* the costs dropped: APE_PF_SEGW values an entry */
+		memmove(t + k * APE_PF_SEGW, t + k * w, APE_PF_SEGW * sizeof(int64_t));
+	return upload_owned(q, dst, t, n * APE_PF_SEGW * sizeof(int64_t), "segment table");
 }
 
 /* The skip pre-pass and the prefill's K/V conversion. */
@@ -375,6 +463,14 @@ static int run_prefill(struct ape__queue *q, const struct ape__launch *l, const 
 	a.suf = p->skip ? scratch + p->suf : 0;
 	a.nqt = (l->Lq + bq - 1) / bq;
 	a.ntk = (l->Lk + APE_PF_BK(p->dmax) - 1) / APE_PF_BK(p->dmax);
+	if (l->segs) { /* a block per query tile of one segment */
+		int ret = upload_seg_table(q, l, p, bq, scratch + p->segt);
+
+		if (ret)
+			return ret;
+		a.segt = scratch + p->segt;
+		a.nqt = p->nseg_tiles;
+	}
 	return ape__cu_launch(q, ape__cu_kernel_index(false, p->variant, p->vt, p->diag),
 			      a.nqt * l->B * l->H, (unsigned)APE_PF_SMEM(p->dmax, p->vt), &a,
 			      "prefill");

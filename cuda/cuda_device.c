@@ -110,6 +110,9 @@ static int cu_add_device(struct ape__backend *be, const struct ape__cu_driver *d
 		.backward = true, /* cuda_backward.c */
 		.resident_backward = true, /* scratch and copy_view, cuda_backward.c */
 		.timestamps = true, /* against the device's epoch event (cuda_mem.c) */
+		/* a ragged batch in one launch: the prefill kernel's segment table
+		 * (cuda_attention.c); explicit positions not read: the core cuts runs */
+		.segments = true,
 		/* no host_memory: kernels read device memory only; one buffer may take it all */
 		.max_alloc = cd->total_mem,
 	};

@@ -27,12 +27,13 @@ static size_t sep_take(struct sep_plan *p, size_t bytes)
 	return off;
 }
 
-/* The shape alone (attention_scratch knows no parameters): f16/bf16, D 64 or 128, a prefill. */
+/* The shape alone (attention_scratch knows no parameters): f16/bf16, D 64 or 128, a dense
+ * prefill (a ragged launch takes the general kernels: docs/kernels.md, "Ragged launches"). */
 static bool sep_shape(const struct ape__launch *l)
 {
 	return (l->in_dtype == APE_F16 || l->in_dtype == APE_BF16) && (l->D == 64 || l->D == 128) &&
 	       l->Lq > APE_DC_MAX_LQ && l->Lk >= 1 && l->H <= APE_CU_INLINE_HEADS && l->Hkv >= 1 &&
-	       l->H % l->Hkv == 0 && !l->lse_prior && !l->ent && !l->md;
+	       l->H % l->Hkv == 0 && !l->lse_prior && !l->ent && !l->md && !l->segs;
 }
 
 static void sep_plan(const struct ape__launch *l, struct sep_plan *p)

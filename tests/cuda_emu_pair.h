@@ -64,8 +64,8 @@ static bool poisoned(const test_problem *tp)
  * both ran, the CUDA result has no NaN where the reference has none, and O and LSE are within
  * the spec's tolerance of tp's storage type; otherwise logs why and returns -1.
  */
-static int run_both(struct __test_metadata *_metadata, const struct pair_of_devices *d,
-		    test_problem *tp, struct verdict *v)
+static inline int run_both(struct __test_metadata *_metadata, const struct pair_of_devices *d,
+			   test_problem *tp, struct verdict *v)
 {
 	const ape_dtype dt = tp->q.t.dtype;
 	const double vmax = fmax(test_tensor_maxabs(&tp->v.t), 1e-30);

@@ -7,10 +7,11 @@
 #   1. what the machine has (nvidia-smi, nvcc, driver, python, torch) -> OUT_DIR/env.txt
 #   2. build (WITH_CUDA=yes; hwloc and libdrm only when pkg-config finds them)
 #   3. the CUDA tests on the real GPU (tests/test_resident, test_resident_diag, test_cuda_emu,
-#      test_cuda_emu_separable and
+#      test_cuda_emu_separable, test_cuda_emu_varlen (ragged launches) and
 #      tests/test_diag, test_diag_kernels, the diagnostics kernels, with APE_TEST_CUDA_DEVICE=1)
-#   4. ape-check across every backend it finds (CUDA, OpenCL when an ICD is there, reference);
-#      ape-bench --resident: device-resident calls beside host calls (prefill, decode step)
+#   4. ape-check across every backend it finds (CUDA, OpenCL when an ICD is there, reference;
+#      its ragged cells too); ape-bench --resident: device-resident calls beside host calls
+#      (prefill, decode step); ape-bench --varlen: a ragged batch in one launch
 #   5. the benchmark of issue 6 (bench/torch_ape.py: libape vs eager PyTorch APE vs SDPA; decode
 #      bandwidth), when python3 is there
 #   6. the whole test suite (make check's unit tests; on this machine the library's `auto`
@@ -147,7 +148,7 @@ NO_KSFT="no Kselftest headers (build/kselftest, KSFT_DIR or /usr/src/linux-*): r
 if [ $have_ksft = yes ]; then
 	# shellcheck disable=SC2086
 	run gputests-build 120 make -j"$JOBS" $MAKEVARS KSFT_DIR="$KSFT" "$BUILD/tests/test_cuda_emu" \
-		"$BUILD/tests/test_cuda_emu_separable" \
+		"$BUILD/tests/test_cuda_emu_separable" "$BUILD/tests/test_cuda_emu_varlen" \
 		"$BUILD/tests/test_resident" "$BUILD/tests/test_resident_diag" \
 		"$BUILD/tests/test_resident_bwd" \
 		"$BUILD/tests/test_diag" "$BUILD/tests/test_diag_kernels"
@@ -169,6 +170,8 @@ if [ $have_ksft = yes ]; then
 		*) note gputests FAIL "test_cuda_emu on the real GPU: ${last#\# }: see gputests.log" ;;
 		esac
 		gputest gputests-sep 60 test_cuda_emu_separable "the separable path"
+		# ragged launches (many sequences in one launch: the prefill's segment table)
+		gputest gputests-varlen 60 test_cuda_emu_varlen "ragged launches vs the reference"
 		# the diagnostics kernels (ENT, MD: the _diag twins of prefill, decode, dmerge); the
 		# other backends' variants of test_diag run too
 		gputest diag 60 test_diag "entropy, mean distance"
@@ -205,6 +208,23 @@ case $rc in
 0) note decode-bench ok "ape-bench --resident --lq 1 (a decode step's overhead): decode-bench.log" ;;
 124) note decode-bench TIMEOUT "see decode-bench.log" ;;
 *) note decode-bench FAIL "status $rc: see decode-bench.log" ;;
+esac
+
+# ragged batches: 256 sequences of 64 tokens in one call (one launch on CUDA) against a dense
+# call per sequence and one dense call of the same pairs
+run varlen-bench 40 "$BUILD/bin/ape-bench" --backend cuda --varlen 256 -L 64 --repeats 5 --seed 1
+case $rc in
+0)
+	# the ragged call's launches (the fourth column of the table's rows): one per batch
+	n=$(awk '$1 ~ /^[0-9]+$/ && NF >= 4 { print $4; exit }' "$OUT/varlen-bench.log")
+	if [ "$n" = 1 ]; then
+		note varlen-bench ok "ape-bench --varlen (ragged vs per-sequence calls, one launch): varlen-bench.log"
+	else
+		note varlen-bench FAIL "the ragged batch took ${n:-?} launches, not one: varlen-bench.log"
+	fi
+	;;
+124) note varlen-bench TIMEOUT "see varlen-bench.log" ;;
+*) note varlen-bench FAIL "status $rc: see varlen-bench.log" ;;
 esac
 
 # ---- 5. the benchmark

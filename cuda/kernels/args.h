@@ -156,10 +156,17 @@ struct ape_cu_prefill_args {
 	struct ape_cu_view vkp, vvp; /* their rows: ape_prep's contiguous ones, or K's and V's own
 				      * (16-byte aligned: cp.async reads them) */
 	uint64_t pre, suf; /* skip pre-pass, or 0 */
-	int64_t nqt; /* query tiles per (batch, head) */
-	int64_t ntk; /* key tiles */
+	int64_t nqt; /* query tiles per (batch, head); ragged: entries of segt */
+	int64_t ntk; /* key tiles (ragged: unused, each segment's own) */
 	int64_t block_base; /* first block of this launch (grids are split when huge) */
+	/* 0, or a ragged launch's tiles (core/backend.h, struct ape__launch.segs): int64
+	 * [nqt][APE_PF_SEGW], per query tile of one segment its q0, lq, k0, lk, rel (the distance of
+	 * (row q0, key k0); 0 without keys) and i0 (the tile's first row within the segment),
+	 * heaviest first */
+	uint64_t segt;
 };
+
+#define APE_PF_SEGW 6
 
 /* ape_dwindow: per (batch, kv head) the key range [lo, hi) the decode kernel must read. */
 struct ape_cu_window_args {

@@ -34,6 +34,10 @@
  * receive), so when such a tile's V holds a non-finite value, P V runs on CUDA cores with the
  * mask applied per element instead of on tensor cores.
  *
+ * A ragged launch (args.h, segt) gives each block one entry of its segment table: the block's
+ * rows are one segment's query tile, its keys that segment's, its distances the segment's, and
+ * the code is the dense one with those bases (a segment without keys writes O = 0, LSE = -inf).
+ *
  * With skipping, a row may leave out every key of the launch before the walk when the LSE that
  * earlier launches found (lse_prior) already outweighs them all (ape_may_skip()); it then scores
  * nothing and holds no vote, and a block whose rows all may returns at once.
@@ -163,14 +167,15 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 	static constexpr int KPS = S::KPS, KPT = S::KPT, NVEC = S::NVEC, NTL = S::NTL;
 	static constexpr int PMAX = DMAX / 2;
 
-	/* Copies key tile t (K float32 pairs, V) into buffer buf; rows past Lk become zeros. kb, vb:
-	 * the element offsets of the kv head's key 0 in kp and vp. */
+	/* Copies key tile t (K float32 pairs, V) into buffer buf; rows past Lk (the block's keys:
+	 * the launch's, or its segment's) become zeros. kb, vb: the element offsets of the kv
+	 * head's key 0 (the segment's first) in kp and vp. */
 	static APE_DEV void load_tile(const ape_cu_prefill_args &a, unsigned char *sm, int64_t kb,
-				      int64_t vb, int64_t t, int buf)
+				      int64_t vb, int64_t t, int buf, int64_t Lk)
 	{
 		const int tid = threadIdx.x;
 		const int64_t j0 = t * BK;
-		const int len = (int)imin(BK, a.c.Lk - j0);
+		const int len = (int)imin(BK, Lk - j0);
 		const int64_t ksl = a.vkp.sl, vsl = a.vvp.sl;
 		const float *kg = reinterpret_cast<const float *>(a.kp) + kb + j0 * ksl;
 		const unsigned char *vg = reinterpret_cast<const unsigned char *>(a.vp) +
@@ -204,13 +209,14 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 	}
 
 	/* The tile's per-distance tables: scale * temp * log2(e), and (bias - bias(aref)) * log2(e)
-	 * where aref is the block-tile's smallest |n| (its bias, in float64, goes to bref). */
+	 * where aref is the block-tile's smallest |n| (its bias, in float64, goes to bref). rel:
+	 * the block's distance of (row 0, key 0) (the launch's, or its segment's). */
 	static APE_DEV void tables(const ape_cu_prefill_args &a, unsigned char *sm, int64_t t,
-				   int64_t i0, const float hp[4])
+				   int64_t i0, const float hp[4], int64_t rel)
 	{
 		float *tt = reinterpret_cast<float *>(sm + M::OFF_T);
 		float *bt = reinterpret_cast<float *>(sm + M::OFF_B);
-		const int64_t nbase = a.c.rel + i0 - t * BK; /* n of (row 0, key 0) */
+		const int64_t nbase = rel + i0 - t * BK; /* n of (row 0, key 0) */
 		/* past the problem's rows or keys: saturated, never used */
 		const int64_t aref =
 			ape_min_abs(ape_sat_add(nbase, -(BK - 1)), ape_sat_add(nbase, BQ - 1));
@@ -350,13 +356,21 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 		if (blk >= a.nqt * BH)
 			return; /* the grid's rounding: whole blocks only */
 
-		const int64_t qt = a.nqt - 1 - blk / BH; /* the heaviest (causal: last) tiles first */
+		/* the heaviest (causal: last) tiles first; a ragged launch's table is sorted so */
+		const int64_t qt = a.segt ? blk / BH : a.nqt - 1 - blk / BH;
 		const int64_t bh = blk % BH;
 		const int h = (int)(bh % a.c.H);
 		const int64_t b = bh / a.c.H, kvh = h / (a.c.H / a.c.Hkv);
 		const int64_t bkv = b * a.c.Hkv + kvh;
-		const int64_t kbase = vrow(a.vkp, b, kvh, 0), vbase = vrow(a.vvp, b, kvh, 0);
-		const int64_t i0 = qt * BQ, Lq = a.c.Lq, Lk = a.c.Lk, rel = a.c.rel;
+		/* the block's rows and keys: the launch's, or (ragged) one segment's, rows i0 ..
+		 * of its lq (launch rows q0 + i) against its lk keys from k0, at distance rel */
+		const int64_t *seg = a.segt ? reinterpret_cast<const int64_t *>(a.segt) +
+						      qt * APE_PF_SEGW
+					    : nullptr;
+		const int64_t q0 = seg ? seg[0] : 0, k0 = seg ? seg[2] : 0;
+		const int64_t Lq = seg ? seg[1] : a.c.Lq, Lk = seg ? seg[3] : a.c.Lk;
+		const int64_t rel = seg ? seg[4] : a.c.rel, i0 = seg ? seg[5] : qt * BQ;
+		const int64_t kbase = vrow(a.vkp, b, kvh, k0), vbase = vrow(a.vvp, b, kvh, k0);
 		const int D = EXACT ? DMAX : a.c.D, P = D / 2;
 		const bool causal = a.c.flags & APE_CU_F_CAUSAL;
 		const bool inter = a.c.flags & APE_CU_F_INTERLEAVED;
@@ -372,7 +386,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 		/* ---- the query row of this lane's role: its pairs, sigma, alpha, steps, c_row */
 		const int64_t i = i0 + r;
 		const bool row_ok = i < Lq;
-		const int64_t qrow = vrow(a.c.vq, b, h, row_ok ? i : 0);
+		const int64_t qrow = vrow(a.c.vq, b, h, q0 + (row_ok ? i : 0));
 		const void *Q = reinterpret_cast<const void *>(a.c.q);
 		float qx[PT], qy[PT], cw[PT], sw[PT];
 		double sum = 0, ss = 0, qq = 0;
@@ -417,7 +431,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 
 		/* ---- the walk */
 		const int64_t ilast = imin(i0 + BQ, Lq) - 1;
-		const int64_t ntk = a.ntk;
+		const int64_t ntk = seg ? (Lk + BK - 1) / BK : a.ntk;
 		const int dir_count = causal ? 1 : 2;
 		const double tol = skip ? a.c.tol : 0.0;
 		float m = -APE_INF, l = 0.0f; /* this lane's share of l; m is the row's */
@@ -441,9 +455,9 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 					   ape_anchor_distance(diag, Lk, causal),
 					   ape_visible_keys(diag, Lk, causal), crow, -APE_INF, 0.0f,
 					   prior[bh * Lq + i] - crow, a.c.prior_tol));
-		if ((causal && rel + ilast < 0) || (prior && !bar_or(!gone))) {
+		if (Lk == 0 || (causal && rel + ilast < 0) || (prior && !bar_or(!gone))) {
 			finish(a, sm, bh, i0, 0, 0, m, l, e1, e2, crow, row_ok, gone, i, r, c, o, warp,
-			       lane, diag);
+			       lane, diag, q0, Lq);
 			return; /* no row of the tile sees any key, or needs one */
 		}
 		t = causal ? imin(rel + ilast, Lk - 1) / BK
@@ -461,15 +475,15 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 
 		if (tid == 0)
 			flags[0] = flags[1] = 0;
-		tables(a, sm, t, i0, hp);
-		load_tile(a, sm, kbase, vbase, t, 0);
+		tables(a, sm, t, i0, hp, rel);
+		load_tile(a, sm, kbase, vbase, t, 0, Lk);
 		int64_t pred = w.peek();
 
 		for (;;) {
 			cp_wait<0>();
 			bar(); /* S1: tile t and its tables are in shared memory */
 			if (pred >= 0)
-				load_tile(a, sm, kbase, vbase, pred, buf ^ 1);
+				load_tile(a, sm, kbase, vbase, pred, buf ^ 1, Lk);
 
 			/* ---- scores, softmax, P */
 			const int64_t j0 = t * BK;
@@ -605,14 +619,19 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 
 				if ((can_back || can_fwd) && row_ok && !gone && c == 0) {
 					const double as = fabs(a.c.scale);
-					const int64_t kb = bkv * (ntk + 1);
+					/* the scans run over the launch's key tiles (a.ntk); a segment's
+					 * keys before (after) one of its tile borders lie among the
+					 * launch's tiles before (from) the one holding that key, whose
+					 * largest norm bounds theirs (k0 = 0: the border's own tile) */
+					const int64_t kb = bkv * (a.ntk + 1);
 
 					if (can_back) {
 						const int64_t cnt =
 							ape_visible_keys(diag, (w.lo + 1) * BK, causal);
+						const int64_t gt = (k0 + (w.lo + 1) * BK + BK - 1) / BK;
 
 						if (!may_stop(hp, as, qnorm,
-							      reinterpret_cast<const float *>(a.pre)[kb + w.lo + 1],
+							      reinterpret_cast<const float *>(a.pre)[kb + gt],
 							      ape_keys_min_abs(diag, 0, cnt), cnt, crow, m,
 							      lrow,
 							      -APE_INF, tol / dir_count))
@@ -620,9 +639,10 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 					}
 					if (can_fwd) {
 						const int64_t cnt = Lk - w.hi * BK;
+						const int64_t gt = (k0 + w.hi * BK) / BK;
 
 						if (!may_stop(hp, as, qnorm,
-							      reinterpret_cast<const float *>(a.suf)[kb + w.hi],
+							      reinterpret_cast<const float *>(a.suf)[kb + gt],
 							      ape_keys_min_abs(diag, w.hi * BK, Lk), cnt,
 							      crow,
 							      m, lrow, -APE_INF, tol / dir_count))
@@ -675,13 +695,13 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 				/* a side closed: the prefetched tile is not the next one */
 				cp_wait<0>();
 				bar();
-				load_tile(a, sm, kbase, vbase, next, buf ^ 1);
+				load_tile(a, sm, kbase, vbase, next, buf ^ 1, Lk);
 			}
 			if (next < 0) {
 				cp_wait<0>(); /* nothing may land after the block is gone */
 				break;
 			}
-			tables(a, sm, next, i0, hp);
+			tables(a, sm, next, i0, hp, rel);
 			t = next;
 			buf ^= 1;
 			parity ^= 1;
@@ -690,17 +710,19 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 			thi = imax(thi, t);
 		}
 		finish(a, sm, bh, i0, tlo * BK, imin((thi + 1) * BK, Lk), m, l, e1, e2, crow, row_ok,
-		       gone, i, r, c, o, warp, lane, diag);
+		       gone, i, r, c, o, warp, lane, diag, q0, Lq);
 	}
 
 	/* LSE and pairs per row (score role), then O = acc / l (P V role). Keys [jbeg, jend)
 	 * were computed, except by rows `gone` (none). O is 0 in a row with l = 0 (no key):
 	 * even a masked or gone key's 0 * V must not reach it. DIAG: ENT and MD from the lanes'
-	 * shares e1, e2 of S1, S2 (0 and 0 in a row without a key, NaN in a NaN row). */
+	 * shares e1, e2 of S1, S2 (0 and 0 in a row without a key, NaN in a NaN row). Rows i0 ..
+	 * of the block's Lq are the launch's rows q0 + i (a ragged launch's segment; else 0). */
 	static APE_DEV void finish(const ape_cu_prefill_args &a, unsigned char *sm, int64_t bh,
 				   int64_t i0, int64_t jbeg, int64_t jend, float m, float l, float e1,
 				   float e2, double crow, bool row_ok, bool gone, int64_t i, int r,
-				   int c, float (&o)[NTL][4], int warp, int lane, int64_t diag)
+				   int c, float (&o)[NTL][4], int warp, int lane, int64_t diag,
+				   int64_t q0, int64_t Lq)
 	{
 		const float lrow = group_sum<TPR>(l);
 
@@ -709,22 +731,21 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 			e2 = group_sum<TPR>(e2);
 			if (c == 0 && row_ok && a.c.ent)
 				reinterpret_cast<float *>(a.c.ent)[vrow(a.c.vent, (int)bh / a.c.H,
-									  (int)bh % a.c.H, i)] =
+									  (int)bh % a.c.H, q0 + i)] =
 					(float)ape_diag_entropy((double)lrow, (double)e1 * APE_LN2);
 			if (c == 0 && row_ok && a.c.md)
 				reinterpret_cast<float *>(a.c.md)[vrow(a.c.vmd, (int)bh / a.c.H,
-									 (int)bh % a.c.H, i)] =
+									 (int)bh % a.c.H, q0 + i)] =
 					(float)ape_diag_distance((double)lrow, (double)e2);
 		}
 		float *linv = reinterpret_cast<float *>(sm + M::OFF_LINV);
-		const int64_t Lq = a.c.Lq;
 
 		bar(); /* every warp is done with the last tile's P and corr */
 		if (c == 0) {
 			linv[r] = lrow == 0.0f ? 0.0f : 1.0f / lrow; /* NaN stays NaN */
 			if (row_ok && a.c.lse)
 				reinterpret_cast<float *>(a.c.lse)[vrow(a.c.vlse, (int)bh / a.c.H,
-									  (int)bh % a.c.H, i)] =
+									  (int)bh % a.c.H, q0 + i)] =
 					lrow > 0.0f ? (float)(crow + ((double)m + log2((double)lrow)) *
 									    APE_LN2)
 					: lrow == 0.0f ? -APE_INF
@@ -734,7 +755,8 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 				const int64_t seen =
 					gone ? 0 : ape_row_visible_pairs(diag, jbeg, jend, causal);
 
-				reinterpret_cast<uint64_t *>(a.c.pairs)[bh * Lq + i] = (uint64_t)seen;
+				reinterpret_cast<uint64_t *>(a.c.pairs)[bh * a.c.Lq + q0 + i] =
+					(uint64_t)seen;
 			}
 		}
 		bar();
@@ -752,7 +774,8 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 				if (ii >= Lq)
 					continue;
 				/* B * H <= INT32_MAX (the host checks it): 32-bit divisions */
-				const int64_t orow = vrow(a.c.vo, (int)bh / a.c.H, (int)bh % a.c.H, ii);
+				const int64_t orow =
+					vrow(a.c.vo, (int)bh / a.c.H, (int)bh % a.c.H, q0 + ii);
 #pragma unroll
 				for (int n = 0; n < NTL; n++) {
 					const int col = cg * S::CW + 8 * n + 2 * (lane & 3);

@@ -906,12 +906,12 @@ APE_API void ape_tensor_init_packed(ape_tensor *t, void *data, ape_dtype dtype, 
  * Positions that run in steps of 1 within each sequence (the default, and Hugging Face style
  * position_ids restarting per document) make the whole batch one run of the executor: each
  * launch serves every sequence of its rows at its own positions (on devices that take ragged
- * launches: the reference and OpenCL; the CUDA backend runs each sequence as its own dense
- * call), long sequences chunked under the device budget like a dense call. Other positions split
- * a sequence into its runs of consecutive positions, each run against each key run a dense call,
- * whose partial results merge by their LSE (docs/ape.md, identity 4). Results equal a dense call
- * per sequence within the spec's tolerance (bit for bit for a one-sequence batch of default
- * positions).
+ * launches: the reference, OpenCL and CUDA; a device that does not runs each sequence as its
+ * own dense call), long sequences chunked under the device budget like a dense call. Other
+ * positions split a sequence into its runs of consecutive positions, each run against each key
+ * run a dense call, whose partial results merge by their LSE (docs/ape.md, identity 4). Results
+ * equal a dense call per sequence within the spec's tolerance (bit for bit for a one-sequence
+ * batch of default positions).
  *
  * \param devs,ndev,opts as ape_attention_forward_ex(); opts->trace_path must be NULL, and
  *        the outputs are always written only on success (as with APE_EXEC_ATOMIC_OUTPUTS);
@@ -1317,17 +1317,17 @@ APE_API int ape_attention_enqueue_diag(ape_queue *queue, const ape_attn_desc *de
  * writes it: strides `{0, 1, H, 1}`). vl's arrays are host memory, read before the call
  * returns.
  *
- * On a device that takes ragged launches (the reference and OpenCL) the batch is one call of
- * the device-resident executor: each launch serves every sequence of its rows, query rows split
- * under the budget like ape_attention_enqueue(). Explicit positions of any kind (gaps, repeats,
- * any order) are one such call too on a device that also reads explicit positions (again the
- * reference and OpenCL): a segment per sequence, each launch given the positions of its rows
- * and of every key, as the host call's one launch takes them. On another device (CUDA) each run
- * of consecutive positions is its own launch on views of the packed tensors, and positions that
- * give a query run several runs of consecutive key positions are refused (below). Results
- * equal ape_attention_forward_varlen()'s on the same device within the spec's tolerance (bit
- * for bit on the reference; bit for bit everywhere for a one-sequence batch of default
- * positions, which is ape_attention_enqueue() itself).
+ * On a device that takes ragged launches (the reference, OpenCL and CUDA) the batch is one call
+ * of the device-resident executor: each launch serves every sequence of its rows, query rows
+ * split under the budget like ape_attention_enqueue(). Explicit positions of any kind (gaps,
+ * repeats, any order) are one such call too on a device that also reads explicit positions
+ * (the reference and OpenCL): a segment per sequence, each launch given the positions of its
+ * rows and of every key, as the host call's one launch takes them. On a device that does not
+ * (CUDA) each run of consecutive positions is a segment of its own, and positions that give a
+ * query run several runs of consecutive key positions are refused (below). Results equal
+ * ape_attention_forward_varlen()'s on the same device within the spec's tolerance (bit for bit
+ * on the reference; bit for bit everywhere for a one-sequence batch of default positions,
+ * which is ape_attention_enqueue() itself).
  *
  * \param queue a queue of the device to run on
  * \param desc,vl as ape_attention_forward_varlen()

@@ -99,7 +99,9 @@
  * with the device; the table checked at registration; device capabilities as data (struct
  * ape__dev_caps, passed to ape__device_add()) instead of attention_diag, attention_diag_views
  * and max_alloc, which is now the core's member.
- * 12: ragged launches: struct ape__seg, ape__launch.segs and .nseg, ape__dev_caps.segments.
+ * 12: ragged launches: struct ape__seg, ape__launch.segs and .nseg, ape__dev_caps.segments
+ * (later, within 12: attention_scratch asked with nseg -1 for a ragged call's launches, which
+ * backends that ignore nseg there need not know).
  * 13: explicit positions: ape__launch.pos_q and .pos_k, ape__dev_caps.positions. */
 #define APE__BACKEND_ABI 13
 
@@ -230,7 +232,9 @@ struct ape__launch {
 	 * A row whose segment has no visible key gets O 0, LSE -inf, pairs 0, ent and md 0, as in
 	 * any launch. Every output is indexed by the launch's rows, as in any launch. lse_prior and
 	 * pages are NULL; strided, views, pairs, diagnostics and skipping as in any launch (the
-	 * far-key bound is per segment: a segment's keys are the only keys its rows see).
+	 * far-key bound is per segment: a segment's keys are the only keys its rows see). Only
+	 * in what attention_scratch is asked: segs NULL and nseg -1, a ragged call's launch
+	 * whose segments are not known yet.
 	 */
 	const struct ape__seg *segs;
 	int64_t nseg;
@@ -590,7 +594,9 @@ struct ape__backend_ops {
 	 * ape__scratch_of() in runtime/exec/launch.c). Bytes of device memory the attention op
 	 * allocates for launch l beyond l's own buffers, held from the attention call until the
 	 * launch completes. The core counts them against the memory budget of streamed calls.
-	 * Called without the buffers: only the shape, dtypes, layout and skip_tol of l count.
+	 * Called without the buffers: only the shape, dtypes, layout and skip_tol of l count, and
+	 * whether the launch is ragged: l->segs is NULL here, and l->nseg -1 for the launches of
+	 * a ragged call (their segments are not known yet: at most one per query row), else 0.
 	 * Cannot fail; may be called from any thread.
 	 */
 	uint64_t (*attention_scratch)(struct ape_device *dev, const struct ape__launch *l);

@@ -215,6 +215,7 @@ static uint64_t scratch(void *self, struct ape_device *dev, int64_t on, int64_t 
 
 	l.Lq = on;
 	l.Lk = in;
+	l.nseg = f->c->p->segs ? -1 : 0; /* ragged launches, segments unknown (core/backend.h) */
 	return ape__scratch_of(dev, &l);
 }
 

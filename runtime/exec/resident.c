@@ -49,6 +49,7 @@ static uint64_t scratch_bytes(const struct ape__resident_req *r, int64_t rows)
 
 	template_of(r, &l);
 	l.Lq = rows;
+	l.nseg = r->p->segs ? -1 : 0; /* ragged launches, segments unknown (core/backend.h) */
 	return ape__scratch_of(r->dev, &l);
 }
 

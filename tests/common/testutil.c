@@ -148,6 +148,20 @@ ape_exec_options test_chunks(int64_t cq, int64_t ck)
 	return o;
 }
 
+void test_random_head_params(ape_attn_desc *d, float prm[4][8], int64_t H, ape_rng *r)
+{
+	for (int64_t h = 0; h < H; h++) {
+		prm[0][h] = (float)(0.4 * ape_rng_uniform(r));
+		prm[1][h] = (float)(0.04 * ape_rng_uniform(r));
+		prm[2][h] = (float)(0.04 * ape_rng_uniform(r));
+		prm[3][h] = (float)(0.3 * ape_rng_uniform(r));
+	}
+	d->delta.per_head = prm[0];
+	d->beta.per_head = prm[1];
+	d->gamma.per_head = prm[2];
+	d->lambda.per_head = prm[3];
+}
+
 double test_tol_lse(ape_dtype storage)
 {
 	return storage == APE_F32 ? 1e-4 : storage == APE_F16 ? 1e-3 : 5e-3;

@@ -41,6 +41,10 @@ ape_tensor test_rows(const ape_tensor *t, int64_t l0, int64_t n);
 void test_tensor_poison(ape_tensor *t);
 double test_tensor_maxabs(const ape_tensor *t);
 
+/* Random per-head parameters for H <= 8 heads in prm (delta in [0, 0.4), beta and gamma in
+ * [0, 0.04), lambda in [0, 0.3), drawn head by head), made d's per-head values. */
+void test_random_head_params(ape_attn_desc *d, float prm[4][8], int64_t H, ape_rng *r);
+
 /* ---- the spec's accuracy table */
 double test_tol_o(ape_dtype storage); /* times max|V| */
 double test_tol_lse(ape_dtype storage); /* times max(1, |LSE|) */
