@@ -52,16 +52,7 @@ void test_random_desc(ape_rng *r, ape_attn_desc *desc, float prm[4][8], int64_t 
 	ape_attn_desc_init(desc);
 	desc->causal = ape_rng_range(r, 0, 3) > 0;
 	desc->skip_tol = ape_rng_range(r, 0, 1) ? 0 : desc->skip_tol;
-	for (int64_t h = 0; h < H; h++) {
-		prm[0][h] = (float)(0.4 * ape_rng_uniform(r));
-		prm[1][h] = (float)(0.04 * ape_rng_uniform(r));
-		prm[2][h] = (float)(0.04 * ape_rng_uniform(r));
-		prm[3][h] = (float)(0.3 * ape_rng_uniform(r));
-	}
-	desc->delta.per_head = prm[0];
-	desc->beta.per_head = prm[1];
-	desc->gamma.per_head = prm[2];
-	desc->lambda.per_head = prm[3];
+	test_random_head_params(desc, prm, H, r);
 }
 
 double test_quant(double x, double step)
