@@ -30,7 +30,8 @@
  *   ape__problem_init_pos() (EINVAL or EOVERFLOW) is ape_attention_forward()'s too, with the
  *   same code, and the backward's, before the (unmapped) tensors are touched; an accepted tiny
  *   call runs, its O and LSE bit for bit those of each batch element as a one-sequence ragged
- *   call at the same positions and, at 0.. end-aligned, the implicit call's; its backward runs.
+ *   call at the same positions and, at 0.. end-aligned, the implicit call's; so are its
+ *   backward's dQ, dK, dV those of the ragged backward per element.
  */
 #include <float.h>
 #include <math.h>
@@ -534,7 +535,8 @@ static ape_tensor element_of(const ape_tensor *t, const int64_t st[4], int64_t b
  * An accepted tiny call at explicit positions: the forward runs; each batch element as a
  * one-sequence ragged call at the same positions (desc without them) gives the same O and LSE
  * bit for bit; positions 0.., queries end-aligned (dflt) give the implicit call's, bit for bit;
- * the backward at the positions runs.
+ * the backward at the positions runs, its dQ, dK, dV bit for bit those of each batch element's
+ * one-sequence ragged backward.
  */
 static void run_positions(const struct call *c, const struct ape__problem *p, struct in *in,
 			  bool dflt)
@@ -605,6 +607,33 @@ static void run_positions(const struct call *c, const struct ape__problem *p, st
 	ret = ape_attention_backward(ref, &c->desc, &t[0], &t[1], &t[2], &t[3], lse, &t[0], NULL,
 				     &g[0], &g[1], &g[2], dparams, NULL);
 	check(ret == 0, "the backward of an accepted small call at positions runs");
+	/* per batch element, the one-sequence ragged backward: dQ, dK, dV bit for bit */
+	for (int64_t b = 0; b < p->B; b++) {
+		const int64_t *st[4] = { p->qs, p->ks, p->vs, p->os };
+		const size_t nq = (size_t)(p->H * p->Lq * p->D), nk = (size_t)(p->Hkv * p->Lk * p->D);
+		float *gr = malloc((nq + 2 * nk + 1) * sizeof(float)), dpr[4 * 16];
+		ape_tensor e[4], ge[3];
+
+		check(gr != NULL, "malloc");
+		for (int i = 0; i < 4; i++)
+			e[i] = element_of(&t[i], st[i], b);
+		ape_tensor_init(&ge[0], gr, APE_F32, 1, p->H, p->Lq, p->D);
+		ape_tensor_init(&ge[1], gr + nq, APE_F32, 1, p->Hkv, p->Lk, p->D);
+		ape_tensor_init(&ge[2], gr + nq + nk, APE_F32, 1, p->Hkv, p->Lk, p->D);
+		for (int64_t h = 0; h < p->H; h++)
+			for (int64_t i = 0; i < p->Lq; i++)
+				lr[i * p->H + h] = lse[(b * p->H + h) * p->Lq + i];
+		ret = ape_attention_backward_varlen(&ref, 1, NULL, &d, &vl, &e[0], &e[1], &e[2],
+						    &e[3], lr, &e[0], NULL, &ge[0], &ge[1], &ge[2],
+						    dpr, NULL);
+		check(ret == 0, "each batch element's ragged backward runs");
+		check(!memcmp(gr, (float *)gbuf[0] + (size_t)b * nq, nq * sizeof(float)) &&
+			      !memcmp(gr + nq, (float *)gbuf[1] + (size_t)b * nk, nk * sizeof(float)) &&
+			      !memcmp(gr + nq + nk, (float *)gbuf[2] + (size_t)b * nk,
+				      nk * sizeof(float)),
+		      "the backward at positions is the ragged calls', bit for bit");
+		free(gr);
+	}
 	for (int i = 0; i < 3; i++)
 		free(gbuf[i]);
 	for (int i = 0; i < 4; i++)
