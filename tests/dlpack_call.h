@@ -17,6 +17,9 @@
 #include "common/problem.h"
 
 
+/* Not every includer uses every helper (a build without OpenCL, the fault tests). */
+#define RAG_FN static __attribute__((unused))
+
 enum layout {
 	COMPACT, /* [B, H, L, D], strides NULL */
 	BLHD, /* [B, L, H, D + 3]: explicit strides, 3 unused elements after each row */
@@ -45,7 +48,7 @@ struct dlcall {
 	ape_attn_desc desc;
 };
 
-static void fill(ape_rng *r, void *dst, ape_dtype dt, size_t n)
+RAG_FN void fill(ape_rng *r, void *dst, ape_dtype dt, size_t n)
 {
 	float *f = malloc(n * sizeof(float));
 
@@ -57,7 +60,7 @@ static void fill(ape_rng *r, void *dst, ape_dtype dt, size_t n)
 
 /* Sets tensor i: its DLTensor at data + off bytes, shape d, strides s (NULL: compact), and the
  * same view as an ape_tensor (for i < 4). */
-static void set_tensor(struct dlcall *x, int i, void *data, uint64_t off, ape_dtype dt,
+RAG_FN void set_tensor(struct dlcall *x, int i, void *data, uint64_t off, ape_dtype dt,
 		       const int64_t d[4], const int64_t *s)
 {
 	DLTensor *t = &x->t[i];
@@ -80,7 +83,7 @@ static void set_tensor(struct dlcall *x, int i, void *data, uint64_t off, ape_dt
 	}
 }
 
-static void dlcall_free(struct dlcall *x)
+RAG_FN void dlcall_free(struct dlcall *x)
 {
 	free(x->in);
 	free(x->in2);
@@ -91,7 +94,7 @@ static void dlcall_free(struct dlcall *x)
 	memset(x, 0, sizeof(*x));
 }
 
-static void dlcall_make(struct dlcall *x, const struct dlcase *c, ape_rng *r)
+RAG_FN void dlcall_make(struct dlcall *x, const struct dlcase *c, ape_rng *r)
 {
 	const int64_t B = c->B, H = c->H, G = c->Hkv, Lq = c->Lq, Lk = c->Lk, D = c->D;
 	const int64_t qd[4] = { B, H, Lq, D }, kd[4] = { B, G, Lk, D }, od[4] = { B, H, Lq, D };
@@ -157,19 +160,19 @@ static void dlcall_make(struct dlcall *x, const struct dlcase *c, ape_rng *r)
 }
 
 /* The host call's result on the same data. */
-static int dlcall_reference(ape_device *dev, struct dlcall *x)
+RAG_FN int dlcall_reference(ape_device *dev, struct dlcall *x)
 {
 	return ape_attention_forward(dev, &x->desc, &x->h[0], &x->h[1], &x->h[2], &x->h[3],
 				     x->c.with_lse ? x->lse_ref : NULL, NULL);
 }
 
-static int dlcall_run(ape_device *dev, struct dlcall *x, void *stream)
+RAG_FN int dlcall_run(ape_device *dev, struct dlcall *x, void *stream)
 {
 	return ape_attention_forward_dlpack(dev, &x->desc, &x->t[0], &x->t[1], &x->t[2], &x->t[3],
 					    x->c.with_lse ? &x->t[4] : NULL, stream);
 }
 /* Random awkward sizes: odd lengths, GQA, D not a power of two. */
-static struct dlcase random_case(ape_rng *r, enum layout layout, ape_dtype dt)
+RAG_FN struct dlcase random_case(ape_rng *r, enum layout layout, ape_dtype dt)
 {
 	struct dlcase c = { 0 };
 
@@ -187,9 +190,6 @@ static struct dlcase random_case(ape_rng *r, enum layout layout, ape_dtype dt)
 	return c;
 }
 /* ---- a ragged batch (ape_attention_forward_varlen_dlpack(), _backward_) */
-
-/* Not every includer uses every helper (a build without OpenCL). */
-#define RAG_FN static __attribute__((unused))
 
 enum { RAG_MAXS = 6 };
 enum rag_pos { RAG_DEFAULT, RAG_SHIFTED, RAG_GAPS };

@@ -21,13 +21,15 @@
 
 #include "ape_test.h"
 #include "common/testutil.h"
-#include "common/wrapops.h"
-#include "core/alloc.h"
+#include "faults/sweep.h"
 
 enum { H = 2, HKV = 1, D = 8, TQ = 13, TK = 17, S = 4 };
 
+enum vmode { V_FORWARD, V_BACKWARD, V_RESIDENT };
+
 struct vcase {
 	ape_device *dev;
+	enum vmode mode; /* what vcase_prepare_hook() sets up */
 	bool bwd;
 	bool resident; /* the forward through ape_attention_enqueue_varlen() (not with bwd) */
 	bool in_call; /* the last failed resident run failed in ape_attention_enqueue_varlen() */
@@ -234,14 +236,13 @@ static const char *vcase_verify(const struct vcase *c, int ret)
 	return NULL;
 }
 
-enum vmode { V_FORWARD, V_BACKWARD, V_RESIDENT };
-
 static int vcase_prepare(struct vcase *c, ape_device *dev, enum vmode mode)
 {
 	const bool bwd = mode == V_BACKWARD;
 	int ret;
 
 	vcase_init(c, dev, false);
+	c->mode = mode;
 	c->resident = mode == V_RESIDENT;
 	if ((ret = vcase_run(c)))
 		return ret;
@@ -267,130 +268,52 @@ static bool names_the_call(const struct vcase *c, const char *call_word)
 			  : c->msg[0] != 0;
 }
 
-static const char *backend_of(const ape_device *dev)
+/* The hooks of struct sweep (sweep.h) over a vcase. */
+static int vcase_prepare_hook(void *p)
 {
-	static __thread ape_device_info di;
+	struct vcase *c = p;
 
-	return ape_device_get_info(dev, &di) ? "?" : di.backend;
+	return vcase_prepare(c, c->dev, c->mode);
 }
 
-static void alloc_sweep(struct __test_metadata *_metadata, ape_device *dev, enum vmode mode)
+static int vcase_run_hook(void *p)
 {
-#ifdef APE_FAULT_INJECT
-	struct vcase *c = malloc(sizeof(*c));
-	uint64_t total, errors = 0, in_call = 0;
-
-	ASSERT_NE(NULL, c);
-	ASSERT_EQ(0, vcase_prepare(c, dev, mode)) TH_LOG("%s", c->msg);
-	ape__fault_alloc_arm(0);
-	ASSERT_EQ(0, vcase_run(c));
-	total = ape__fault_alloc_count();
-	ASSERT_GT(total, 0u);
-	for (uint64_t n = 1; n <= total; n++) {
-		int ret;
-
-		ape__fault_alloc_arm(n);
-		ret = vcase_run(c);
-		ape__fault_alloc_arm(0);
-		EXPECT_EQ(NULL, vcase_verify(c, ret)) TH_LOG("%s: allocation %llu", what[mode],
-							     (unsigned long long)n);
-		if (!ret)
-			continue;
-		errors++;
-		in_call += c->in_call;
-		EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("%s: allocation %llu: %s", what[mode],
-						  (unsigned long long)n, c->msg);
-		EXPECT_TRUE(names_the_call(c, "_varlen")) TH_LOG("%s", c->msg);
-	}
-	EXPECT_GT(errors, 0u);
-	if (mode == V_RESIDENT) {
-		EXPECT_GT(in_call, 0u) TH_LOG("no allocation of the resident call failed");
-	}
-	EXPECT_EQ(0, vcase_run(c)) TH_LOG("%s", c->msg);
-	EXPECT_EQ(NULL, vcase_verify(c, 0));
-	ksft_print_msg("%s on %s: %llu allocations failed in turn, %llu errors (%llu in the "
-		       "resident call)\n",
-		       what[mode], backend_of(dev), (unsigned long long)total,
-		       (unsigned long long)errors, (unsigned long long)in_call);
-	free(c);
-#else
-	(void)_metadata;
-	(void)dev;
-	(void)mode;
-#endif
+	return vcase_run(p);
 }
 
-static void device_sweep(struct __test_metadata *_metadata, ape_device *dev, enum vmode mode)
+static const char *vcase_verify_hook(const void *p, int ret)
+{
+	return vcase_verify(p, ret);
+}
+
+static bool names_the_call_hook(const void *p, const char *word)
+{
+	return names_the_call(p, word);
+}
+
+/* One sweep (alloc_sweep or device_sweep, sweep.h) of the batch in mode on dev. */
+static void vcase_sweep(struct __test_metadata *_metadata, ape_device *dev, enum vmode mode,
+			void (*sweep)(struct __test_metadata *, const struct sweep *))
 {
 	struct vcase *c = malloc(sizeof(*c));
-	struct wrap_counts clean;
-	uint64_t total = 0, runs = 0, absorbed = 0, in_call = 0;
+	struct sweep s = {
+		.dev = dev, .what = what[mode], .c = c, .prepare = vcase_prepare_hook,
+		.run = vcase_run_hook, .verify = vcase_verify_hook,
+		.names_the_call = names_the_call_hook, .alloc_word = "_varlen",
+		.device_word = "sequence",
+	};
 
 	ASSERT_NE(NULL, c);
-	wrap_install(dev, 0);
-	ASSERT_EQ(0, vcase_prepare(c, dev, mode)) TH_LOG("%s", c->msg);
-	wrap_reset();
-	ASSERT_EQ(0, vcase_run(c));
-	clean = wrap_get();
-	for (int op = 0; op < WRAP_NOPS; op++) {
-		for (uint64_t n = 1; n <= clean.calls[op]; n++, runs++) {
-			int ret;
-
-			wrap_fail_op((enum wrap_op)op, n);
-			ret = vcase_run(c);
-			wrap_fail_op((enum wrap_op)op, 0);
-			EXPECT_EQ(NULL, vcase_verify(c, ret))
-			TH_LOG("%s: %s #%llu", what[mode], wrap_op_name((enum wrap_op)op),
-			       (unsigned long long)n);
-			if (!ret) {
-				absorbed++;
-				EXPECT_TRUE(op == WRAP_BUF_ALLOC || op == WRAP_HOST_REGISTER)
-				TH_LOG("%s: %s #%llu: a failure was swallowed", what[mode],
-				       wrap_op_name((enum wrap_op)op), (unsigned long long)n);
-				continue;
-			}
-			in_call += c->in_call;
-			EXPECT_EQ(op == WRAP_BUF_ALLOC || op == WRAP_BUF_WRAP ||
-					  op == WRAP_SCRATCH_ALLOC
-				  ? APE_ENOMEM
-				  : APE_EDEVLOST,
-				  ret)
-			TH_LOG("%s: %s #%llu: %s", what[mode], wrap_op_name((enum wrap_op)op),
-			       (unsigned long long)n, c->msg);
-			EXPECT_NE(NULL, strstr(c->msg, "fails on purpose")) TH_LOG("%s", c->msg);
-			EXPECT_TRUE(names_the_call(c, "sequence")) TH_LOG("%s", c->msg);
-			EXPECT_EQ(0, vcase_run(c)) TH_LOG("after %s: %s",
-							 wrap_op_name((enum wrap_op)op), c->msg);
-		}
-		total += clean.calls[op];
-	}
-	for (uint64_t k = 1; k <= total; k++, runs++) {
-		int ret;
-
-		wrap_lose_device(k);
-		ret = vcase_run(c);
-		wrap_lose_device(0);
-		in_call += c->in_call;
-		EXPECT_EQ(APE_EDEVLOST, ret) TH_LOG("%s: lost at call %llu", what[mode],
-						    (unsigned long long)k);
-		EXPECT_NE(NULL, strstr(c->msg, "fails on purpose")) TH_LOG("%s", c->msg);
-		EXPECT_EQ(NULL, vcase_verify(c, ret)) TH_LOG("%s: lost at call %llu", what[mode],
-							     (unsigned long long)k);
-	}
-	EXPECT_GT(runs, absorbed);
-	if (mode == V_RESIDENT) {
-		EXPECT_GT(in_call, 0u) TH_LOG("no device op of the resident call failed");
-	}
-	EXPECT_EQ(0, vcase_run(c)) TH_LOG("%s", c->msg);
-	ksft_print_msg("%s on %s: %llu broken runs, %llu absorbed (%llu in the resident call)\n",
-		       what[mode], backend_of(dev), (unsigned long long)runs,
-		       (unsigned long long)absorbed, (unsigned long long)in_call);
-	wrap_remove();
+	c->dev = dev;
+	c->mode = mode;
+	s.msg = c->msg;
+	s.in_call = mode == V_RESIDENT ? &c->in_call : NULL;
+	sweep(_metadata, &s);
 	free(c);
 }
 
 static void on_backends(struct __test_metadata *_metadata,
-			void (*sweep)(struct __test_metadata *, ape_device *, enum vmode))
+			void (*sweep)(struct __test_metadata *, const struct sweep *))
 {
 	static const char *const backends[] = { "ref", "opencl" };
 
@@ -404,13 +327,13 @@ static void on_backends(struct __test_metadata *_metadata,
 			continue;
 		}
 		default_positions = false;
-		sweep(_metadata, dev, V_FORWARD);
-		sweep(_metadata, dev, V_BACKWARD);
-		sweep(_metadata, dev, V_RESIDENT);
+		vcase_sweep(_metadata, dev, V_FORWARD, sweep);
+		vcase_sweep(_metadata, dev, V_BACKWARD, sweep);
+		vcase_sweep(_metadata, dev, V_RESIDENT, sweep);
 		default_positions = true;
 		ksft_print_msg("default positions:\n");
-		sweep(_metadata, dev, V_FORWARD);
-		sweep(_metadata, dev, V_RESIDENT);
+		vcase_sweep(_metadata, dev, V_FORWARD, sweep);
+		vcase_sweep(_metadata, dev, V_RESIDENT, sweep);
 		default_positions = false;
 		fflush(stdout);
 		ape_context_destroy(ctx);

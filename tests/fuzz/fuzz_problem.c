@@ -24,7 +24,14 @@
  *   same code; its entropy and mean-distance outputs, placed anywhere (unmapped, inside an
  *   input, O or LSE, over each other), are refused exactly where ape__check_diag_outputs()
  *   refuses them, before anything is touched; an accepted tiny call runs, in one piece and
- *   streamed, every row written with an entropy in [0, ln Lk] (or NaN) and a distance >= 0.
+ *   streamed, every row written with an entropy in [0, ln Lk] (or NaN) and a distance >= 0;
+ * - calls at explicit positions (desc->pos_q, desc->pos_k; check_positions()): 0.. end-aligned,
+ *   small or any int64, one of them NULL, q_start_set and k_start as fuzzed. A refusal by
+ *   ape__problem_init_pos() (EINVAL or EOVERFLOW) is ape_attention_forward()'s too, with the
+ *   same code, and the backward's, before the (unmapped) tensors are touched; an accepted tiny
+ *   call runs, its O and LSE bit for bit those of each batch element as a one-sequence ragged
+ *   call at the same positions and, at 0.. end-aligned, the implicit call's; so are its
+ *   backward's dQ, dK, dV those of the ragged backward per element.
  */
 #include <float.h>
 #include <math.h>
@@ -90,6 +97,7 @@ struct call {
 	ape_tensor t[4]; /* q, k, v, o */
 	float per_head[4][MAX_PER_HEAD];
 	bool want_lse;
+	bool positions; /* the call at explicit positions (check_positions()) */
 };
 
 static void take_strides(struct in *in, ape_tensor *t)
@@ -184,6 +192,7 @@ static void take_call(struct in *in, struct call *c)
 		c->desc.scale = take_double(in);
 	if (flags & 1024)
 		c->desc.struct_size = (size_t)take_int(in);
+	c->positions = flags & 2048;
 }
 
 /* ---------------------------------------------------------------- running it */
@@ -251,10 +260,31 @@ static void run_backward(const struct call *c, const struct ape__problem *p, ape
 static void run_diag(const struct call *c, const struct ape__problem *p, ape_tensor t[4],
 		     float *lse, const ape_exec_options *eo);
 
+/* The tensors of an accepted call over buffers exactly as large as their resolved strides
+ * address, filled from what the input has left (raw bit patterns, NaN included), then zeros:
+ * t[i] over buf[i] (malloc'ed), its size in bytes[i] (bytes NULL: not wanted). */
+static void take_buffers(const struct call *c, const struct ape__problem *p, struct in *in,
+			 ape_tensor t[4], void *buf[4], size_t *bytes)
+{
+	const int64_t *s[4] = { p->qs, p->ks, p->vs, p->os };
+
+	for (int i = 0; i < 4; i++) {
+		const size_t n = span_of(&c->t[i], s[i]) * ape_dtype_size(c->t[i].dtype);
+
+		t[i] = c->t[i];
+		buf[i] = malloc(n ? n : 1);
+		check(buf[i] != NULL, "malloc");
+		for (size_t b = 0; b < n; b++)
+			((uint8_t *)buf[i])[b] = (uint8_t)take(in, 1);
+		t[i].data = buf[i];
+		if (bytes)
+			bytes[i] = n;
+	}
+}
+
 /* Accepted and tiny: run it for real, over buffers exactly as large as the strides address. */
 static void run_accepted(const struct call *c, const struct ape__problem *p, struct in *in)
 {
-	const int64_t *s[4] = { p->qs, p->ks, p->vs, p->os };
 	ape_tensor t[4];
 	void *buf[4] = { NULL };
 	float *lse = NULL;
@@ -272,17 +302,7 @@ static void run_accepted(const struct call *c, const struct ape__problem *p, str
 	eo.flags = take(in, 1) & 1 ? APE_EXEC_ATOMIC_OUTPUTS : 0;
 	eo.max_device_bytes = take(in, 1) & 1 ? take(in, 3) : 0;
 
-	for (int i = 0; i < 4; i++) {
-		size_t bytes = span_of(&c->t[i], s[i]) * ape_dtype_size(c->t[i].dtype);
-
-		t[i] = c->t[i];
-		buf[i] = malloc(bytes ? bytes : 1);
-		check(buf[i] != NULL, "malloc");
-		/* inputs: what the input has left (raw bit patterns, NaN included), then zeros */
-		for (size_t b = 0; b < bytes; b++)
-			((uint8_t *)buf[i])[b] = (uint8_t)take(in, 1);
-		t[i].data = buf[i];
-	}
+	take_buffers(c, p, in, t, buf, NULL);
 	if (c->want_lse) {
 		lse = malloc((lse_n ? lse_n : 1) * sizeof(float));
 		check(lse != NULL, "malloc");
@@ -496,6 +516,202 @@ static void check_rules(const struct ape__problem *p)
 	}
 }
 
+/* ---------------------------------------------------------------- explicit positions */
+
+enum { MAXP = 64 };
+
+/* Batch element b of t (resolved strides st) as a [1, H, L, D] tensor. */
+static ape_tensor element_of(const ape_tensor *t, const int64_t st[4], int64_t b)
+{
+	ape_tensor x = *t;
+
+	x.data = (uint8_t *)t->data + (size_t)(b * st[0]) * ape_dtype_size(t->dtype);
+	x.shape[0] = 1;
+	memcpy(x.strides, st, sizeof(x.strides));
+	return x;
+}
+
+/*
+ * An accepted tiny call at explicit positions: the forward runs; each batch element as a
+ * one-sequence ragged call at the same positions (desc without them) gives the same O and LSE
+ * bit for bit; positions 0.., queries end-aligned (dflt) give the implicit call's, bit for bit;
+ * the backward at the positions runs, its dQ, dK, dV bit for bit those of each batch element's
+ * one-sequence ragged backward.
+ */
+static void run_positions(const struct call *c, const struct ape__problem *p, struct in *in,
+			  bool dflt)
+{
+	const size_t rows = (size_t)(p->B * p->H * p->Lq);
+	const int64_t cuq[2] = { 0, p->Lq }, cuk[2] = { 0, p->Lk };
+	float *lse = malloc((rows + 1) * sizeof(float)), *lse2 = malloc((rows + 1) * sizeof(float));
+	float *lr = malloc((rows + 1) * sizeof(float)), dparams[4 * 16];
+	ape_attn_desc d = c->desc;
+	ape_tensor t[4], o2, g[3];
+	void *buf[4], *obuf, *o0, *gbuf[3];
+	size_t bytes[4];
+	ape_varlen vl;
+	int ret;
+
+	check(lse && lse2 && lr, "malloc");
+	take_buffers(c, p, in, t, buf, bytes);
+	obuf = malloc(bytes[3] + 1);
+	o0 = malloc(bytes[3] + 1);
+	check(obuf && o0, "malloc");
+	memcpy(obuf, buf[3], bytes[3]);
+	memcpy(o0, buf[3], bytes[3]); /* O's bytes before any call */
+	o2 = t[3];
+	o2.data = obuf;
+	ret = ape_attention_forward(ref, &c->desc, &t[0], &t[1], &t[2], &t[3], lse, NULL);
+	check(ret == 0, "an accepted small call at explicit positions runs on the reference");
+	/* per batch element: a one-sequence ragged batch at the same positions */
+	d.pos_q = d.pos_k = NULL;
+	ape_varlen_init(&vl);
+	vl.num_seqs = 1;
+	vl.cu_seqlens_q = cuq;
+	vl.cu_seqlens_k = cuk;
+	vl.pos_q = c->desc.pos_q;
+	vl.pos_k = c->desc.pos_k;
+	for (int64_t b = 0; b < p->B; b++) {
+		ape_tensor e[4] = { element_of(&t[0], p->qs, b), element_of(&t[1], p->ks, b),
+				    element_of(&t[2], p->vs, b), element_of(&o2, p->os, b) };
+
+		ret = ape_attention_forward_varlen(ref, &d, &vl, &e[0], &e[1], &e[2], &e[3], lr,
+						   NULL);
+		check(ret == 0, "each batch element runs as a one-sequence ragged call");
+		for (int64_t h = 0; h < p->H; h++)
+			for (int64_t i = 0; i < p->Lq; i++)
+				lse2[(b * p->H + h) * p->Lq + i] = lr[i * p->H + h];
+	}
+	check(!memcmp(obuf, buf[3], bytes[3]), "O at positions is the ragged calls', bit for bit");
+	check(!memcmp(lse, lse2, rows * sizeof(float)),
+	      "LSE at positions is the ragged calls', bit for bit");
+	if (dflt) { /* 0.., end-aligned: the implicit call */
+		memcpy(obuf, o0, bytes[3]);
+		d.q_start_set = false;
+		d.k_start = 0;
+		ret = ape_attention_forward(ref, &d, &t[0], &t[1], &t[2], &o2, lse2, NULL);
+		check(ret == 0, "the implicit call runs");
+		check(!memcmp(lse, lse2, rows * sizeof(float)) && !memcmp(obuf, buf[3], bytes[3]),
+		      "positions 0.., end-aligned, are the implicit call, bit for bit");
+	}
+	/* the backward at the positions, dO = Q (of the inputs' type and shape) */
+	for (int i = 0; i < 3; i++) {
+		const ape_tensor *x = &t[i ? 1 : 0];
+		const size_t n = (size_t)(x->shape[0] * x->shape[1] * x->shape[2] * x->shape[3]);
+
+		gbuf[i] = malloc(n * sizeof(float) + 1);
+		check(gbuf[i] != NULL, "malloc");
+		ape_tensor_init(&g[i], gbuf[i], APE_F32, x->shape[0], x->shape[1], x->shape[2],
+				x->shape[3]);
+	}
+	ret = ape_attention_backward(ref, &c->desc, &t[0], &t[1], &t[2], &t[3], lse, &t[0], NULL,
+				     &g[0], &g[1], &g[2], dparams, NULL);
+	check(ret == 0, "the backward of an accepted small call at positions runs");
+	/* per batch element, the one-sequence ragged backward: dQ, dK, dV bit for bit */
+	for (int64_t b = 0; b < p->B; b++) {
+		const int64_t *st[4] = { p->qs, p->ks, p->vs, p->os };
+		const size_t nq = (size_t)(p->H * p->Lq * p->D), nk = (size_t)(p->Hkv * p->Lk * p->D);
+		float *gr = malloc((nq + 2 * nk + 1) * sizeof(float)), dpr[4 * 16];
+		ape_tensor e[4], ge[3];
+
+		check(gr != NULL, "malloc");
+		for (int i = 0; i < 4; i++)
+			e[i] = element_of(&t[i], st[i], b);
+		ape_tensor_init(&ge[0], gr, APE_F32, 1, p->H, p->Lq, p->D);
+		ape_tensor_init(&ge[1], gr + nq, APE_F32, 1, p->Hkv, p->Lk, p->D);
+		ape_tensor_init(&ge[2], gr + nq + nk, APE_F32, 1, p->Hkv, p->Lk, p->D);
+		for (int64_t h = 0; h < p->H; h++)
+			for (int64_t i = 0; i < p->Lq; i++)
+				lr[i * p->H + h] = lse[(b * p->H + h) * p->Lq + i];
+		ret = ape_attention_backward_varlen(&ref, 1, NULL, &d, &vl, &e[0], &e[1], &e[2],
+						    &e[3], lr, &e[0], NULL, &ge[0], &ge[1], &ge[2],
+						    dpr, NULL);
+		check(ret == 0, "each batch element's ragged backward runs");
+		check(!memcmp(gr, (float *)gbuf[0] + (size_t)b * nq, nq * sizeof(float)) &&
+			      !memcmp(gr + nq, (float *)gbuf[1] + (size_t)b * nk, nk * sizeof(float)) &&
+			      !memcmp(gr + nq + nk, (float *)gbuf[2] + (size_t)b * nk,
+				      nk * sizeof(float)),
+		      "the backward at positions is the ragged calls', bit for bit");
+		free(gr);
+	}
+	for (int i = 0; i < 3; i++)
+		free(gbuf[i]);
+	for (int i = 0; i < 4; i++)
+		free(buf[i]);
+	free(obuf);
+	free(o0);
+	free(lse);
+	free(lse2);
+	free(lr);
+}
+
+/*
+ * The call at explicit positions read from the input (Lq, Lk <= 64): 0.. end-aligned plus a
+ * base, small values around a base, or any int64 (the ends of the range: distances that
+ * overflow); one array or both NULL; q_start_set and k_start as fuzzed. Validation
+ * (ape__problem_init_pos()) refuses with EINVAL or EOVERFLOW, and then the public forward and
+ * backward refuse it too, with the same code, before touching the tensors (unmapped), their
+ * messages naming them; or it accepts, and a tiny call runs (run_positions()).
+ */
+static void check_positions(struct call *c, struct in *in)
+{
+	static int64_t pq[MAXP], pk[MAXP];
+	const int64_t Lq = c->t[0].shape[2], Lk = c->t[1].shape[2];
+	const unsigned how = (unsigned)take(in, 1);
+	const uint64_t base = how & 4 ? (uint64_t)take_int(in) : 0;
+	float *lse = c->want_lse ? (float *)(uintptr_t)0x7ff000000000ull : NULL;
+	struct ape__problem p;
+	uint64_t work;
+	int ret, fret;
+
+	if (Lq < 0 || Lk < 0 || Lq > MAXP || Lk > MAXP || c->t[3].shape[2] > MAXP)
+		return;
+	/* in uint64_t: a base near the ends wraps, as a careless caller's would */
+	for (int64_t j = 0; j < Lk; j++)
+		pk[j] = (how & 3) == 0 ? (int64_t)(base + (uint64_t)j)
+			: (how & 3) == 1 ? (int64_t)(base + take(in, 1) % 40)
+					 : take_int(in);
+	for (int64_t i = 0; i < Lq; i++)
+		pq[i] = (how & 3) == 0 ? (int64_t)(base + (uint64_t)(Lk - Lq + i))
+			: (how & 3) == 1 ? (int64_t)(base + take(in, 1) % 40)
+					 : take_int(in);
+	c->desc.pos_q = how & 8 ? NULL : pq;
+	c->desc.pos_k = how & 16 ? NULL : pk;
+	for (int i = 0; i < 4; i++)
+		c->t[i].data = (void *)(uintptr_t)(0x7f0000000000ull + ((uint64_t)i << 36));
+	ret = ape__problem_init_pos(&p, "fuzz", &c->desc, &c->t[0], &c->t[1], &c->t[2], &c->t[3],
+				    lse);
+	if (ret) {
+		ape_tensor tdo = c->t[0];
+
+		check(ret == APE_EINVAL || ret == APE_EOVERFLOW,
+		      "validation at positions fails with EINVAL or EOVERFLOW");
+		fret = ape_attention_forward(ref, &c->desc, &c->t[0], &c->t[1], &c->t[2], &c->t[3],
+					     lse, NULL);
+		check(fret == ret, "ape_attention_forward refuses positions validation refuses");
+		check(!strncmp(ape_last_error(), "ape_attention_forward: ", 23),
+		      "the public message names ape_attention_forward");
+		tdo.data = (void *)(uintptr_t)0x7f4000000000ull;
+		fret = ape_attention_backward(ref, &c->desc, &c->t[0], &c->t[1], &c->t[2], &c->t[3],
+					      (float *)(uintptr_t)0x7ff000000000ull, &tdo, NULL,
+					      NULL, NULL, NULL,
+					      (float *)(uintptr_t)0x7ffc00000000ull, NULL);
+		check(fret == APE_EINVAL || fret == APE_EOVERFLOW,
+		      "ape_attention_backward refuses it with EINVAL or EOVERFLOW");
+		check(!strncmp(ape_last_error(), "ape_attention_backward: ", 24),
+		      "the public message names ape_attention_backward");
+		return;
+	}
+	check((p.pos_q != NULL) == (p.pos_k != NULL), "positions both or neither");
+	work = (uint64_t)p.B * (uint64_t)p.H * ((uint64_t)p.Lq + 1) * ((uint64_t)p.Lk + 1) *
+	       (uint64_t)p.D;
+	if (p.pos_q && p.B <= 4 && p.H <= 16 && work <= (1u << 15) &&
+	    span_of(&c->t[0], p.qs) <= (1u << 16) && span_of(&c->t[1], p.ks) <= (1u << 16) &&
+	    span_of(&c->t[2], p.vs) <= (1u << 16) && span_of(&c->t[3], p.os) <= (1u << 16))
+		run_positions(c, &p, in, (how & 3) == 0 && base == 0);
+	ape__problem_fini(&p);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
 	struct in in = { data, size };
@@ -507,6 +723,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
 	memset(&c, 0, sizeof(c));
 	take_call(&in, &c);
+	if (c.positions) {
+		if (c.t[0].shape[1] <= (1 << 16))
+			check_positions(&c, &in);
+		return 0;
+	}
 	/* The pure pair count takes the same descriptor and any sizes. */
 	ret = ape_visible_pairs(&c.desc, c.t[0].shape[0], c.t[0].shape[1], c.t[0].shape[2],
 				c.t[1].shape[2], &pairs);

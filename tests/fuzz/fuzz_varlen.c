@@ -17,12 +17,19 @@
  * returned (the reference reads explicit positions, so nothing is refused there that the host
  * call takes), a refusal writes nothing, and an accepted call's O and LSE (token-major, as the
  * host call writes it) are the host call's bit for bit.
+ *
+ * And through ape_attention_forward_varlen_dlpack() and ape_attention_backward_varlen_dlpack()
+ * on kDLCPU DLTensors over the same arrays (packed [total, heads, D], LSE [total_q, H],
+ * dparams [H, 4]): the host calls' codes, a refusal writing nothing and naming the DLPack
+ * function, an accepted call's O, LSE and gradients the host calls' bit for bit.
  */
 #define FUZZ_NAME "fuzz_varlen"
 #include "fuzz_input.h"
 
 #include <math.h>
 #include <string.h>
+
+#include "ape/ape_dlpack.h"
 
 enum { MAXS = 6, MAXT = 24, H = 2, HKV = 1, D = 4 };
 
@@ -105,6 +112,77 @@ static void resident_same(const ape_attn_desc *desc, const ape_varlen *vl, int64
 		ape_buffer_free(b[i]);
 }
 
+/* A kDLCPU float32 DLTensor over data: [n0, n1, n2] (n2 < 0: [n0, n1]), compact. */
+static DLTensor dl_host(void *data, int64_t *shape, int64_t n0, int64_t n1, int64_t n2)
+{
+	shape[0] = n0;
+	shape[1] = n1;
+	shape[2] = n2;
+	return (DLTensor){ .data = data, .device = { kDLCPU, 0 }, .ndim = n2 < 0 ? 2 : 3,
+			   .dtype = { kDLFloat, 32, 1 }, .shape = shape };
+}
+
+/* What a refused DLPack call must leave: n bytes at p all 0x5a, the message naming fn. */
+static void refused_untouched(const void *p, size_t n, const char *fn)
+{
+	for (size_t i = 0; i < n; i++)
+		check(((const uint8_t *)p)[i] == 0x5a, "a refused DLPack call writes nothing");
+	check(strstr(ape_last_error(), fn) != NULL, "the DLPack refusal names its function");
+}
+
+/* The ragged DLPack calls on kDLCPU tensors over q, k, v: the forward into o2, lse2 (host_ret,
+ * o, lse: the host forward's); then the backward with dO = O, the host backward's code bwd_ret
+ * and gradients g (dq, dk, dv, dparams at the offsets LLVMFuzzerTestOneInput() uses). */
+static void dlpack_same(const ape_attn_desc *desc, const ape_varlen *vl, int64_t tq,
+			int64_t tk, float *q, float *k, float *v, const float *o,
+			const float *lse, int host_ret, const float *g, int bwd_ret)
+{
+	static float o2[MAXT * H * D], lse2[MAXT * H];
+	static float g2[MAXT * H * D + 2 * MAXT * HKV * D + 4 * H];
+	float *const dk = g2 + MAXT * H * D, *const dv = dk + MAXT * HKV * D;
+	float *const dp = dv + MAXT * HKV * D;
+	int64_t sh[11][3];
+	DLTensor t[11] = {
+		dl_host(q, sh[0], tq, H, D),	    dl_host(k, sh[1], tk, HKV, D),
+		dl_host(v, sh[2], tk, HKV, D),	    dl_host(o2, sh[3], tq, H, D),
+		dl_host(lse2, sh[4], tq, H, -1),    dl_host(g2, sh[5], tq, H, D),
+		dl_host(dk, sh[6], tk, HKV, D),	    dl_host(dv, sh[7], tk, HKV, D),
+		dl_host(dp, sh[8], H, 4, -1),	    dl_host((float *)o, sh[9], tq, H, D),
+		dl_host((float *)lse, sh[10], tq, H, -1),
+	};
+	int ret;
+
+	memset(o2, 0x5a, sizeof(o2));
+	memset(lse2, 0x5a, sizeof(lse2));
+	ret = ape_attention_forward_varlen_dlpack(ref, desc, vl, &t[0], &t[1], &t[2], &t[3], &t[4],
+						  NULL);
+	check(ret == host_ret, "forward_varlen_dlpack returns what the host call returns");
+	if (ret) {
+		refused_untouched(o2, sizeof(o2), "ape_attention_forward_varlen_dlpack");
+		refused_untouched(lse2, sizeof(lse2), "ape_attention_forward_varlen_dlpack");
+	} else {
+		check(!memcmp(o2, o, (size_t)(tq * H * D) * sizeof(float)) &&
+			      !memcmp(lse2, lse, (size_t)(tq * H) * sizeof(float)),
+		      "forward_varlen_dlpack's O and LSE are the host call's, bit for bit");
+	}
+	/* the backward over the host forward's O and LSE (poisoned after a refusal) */
+	memset(g2, 0x5a, sizeof(g2));
+	ret = ape_attention_backward_varlen_dlpack(ref, desc, vl, &t[0], &t[1], &t[2], &t[9],
+						   &t[10], &t[9], NULL, &t[5], &t[6], &t[7], &t[8],
+						   NULL);
+	check(ret == bwd_ret, "backward_varlen_dlpack returns what the host call returns");
+	if (ret) {
+		refused_untouched(g2, sizeof(g2), "ape_attention_backward_varlen_dlpack");
+		return;
+	}
+	check(!memcmp(g2, g, (size_t)(tq * H * D) * sizeof(float)) &&
+		      !memcmp(dk, g + MAXT * H * D, (size_t)(tk * HKV * D) * sizeof(float)) &&
+		      !memcmp(dv, g + MAXT * H * D + MAXT * HKV * D,
+			      (size_t)(tk * HKV * D) * sizeof(float)) &&
+		      !memcmp(dp, g + MAXT * H * D + 2 * MAXT * HKV * D, 4 * H * sizeof(float)),
+	      "backward_varlen_dlpack's gradients are the host call's, bit for bit");
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
 	struct in in = { data, size };
@@ -118,7 +196,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	ape_attn_desc desc;
 	ape_varlen vl;
 	float vmax = 0;
-	int ret;
+	int ret, bret;
 
 	/* offsets: mostly a valid batch (cumulative small lengths), sometimes raw values */
 	cuq[0] = cuk[0] = 0;
@@ -161,6 +239,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	check(ret == 0 || ret == APE_EINVAL || ret == APE_EOVERFLOW,
 	      "a ragged call returns 0, EINVAL or EOVERFLOW");
 	resident_same(&desc, &vl, tq, tk, q, k, v, sizeof(q), sizeof(k), o, lse, ret);
+	ape_tensor_init_packed(&dq, g, APE_F32, tq, H, D);
+	ape_tensor_init_packed(&dk, g + MAXT * H * D, APE_F32, tk, HKV, D);
+	ape_tensor_init_packed(&dv, g + MAXT * H * D + MAXT * HKV * D, APE_F32, tk, HKV, D);
 	if (ret) {
 		const char *m = ape_last_error();
 
@@ -170,6 +251,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			check(((uint8_t *)lse)[i] == 0x5a, "a refused call writes no LSE");
 		check(strstr(m, "vl") || strstr(m, "sequence") || strstr(m, "desc"),
 		      "the refusal names the batch");
+		/* the backward refuses the batch too (its code, for the DLPack calls to match) */
+		bret = ape_attention_backward_varlen(&ref, 1, NULL, &desc, &vl, &tq_t, &tk_t, &tv_t,
+						     &to_t, lse, &to_t, NULL, &dq, &dk, &dv,
+						     g + MAXT * H * D + 2 * MAXT * HKV * D, NULL);
+		check(bret != 0, "the backward refuses what the forward refuses");
+		dlpack_same(&desc, &vl, tq, tk, q, k, v, o, lse, ret, g, bret);
 		return 0;
 	}
 	for (int64_t i = 0; i < tq; i++)
@@ -188,9 +275,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			}
 		}
 	/* the backward of the accepted call, dO = O */
-	ape_tensor_init_packed(&dq, g, APE_F32, tq, H, D);
-	ape_tensor_init_packed(&dk, g + MAXT * H * D, APE_F32, tk, HKV, D);
-	ape_tensor_init_packed(&dv, g + MAXT * H * D + MAXT * HKV * D, APE_F32, tk, HKV, D);
 	ret = ape_attention_backward_varlen(&ref, 1, NULL, &desc, &vl, &tq_t, &tk_t, &tv_t, &to_t,
 					    lse, &to_t, NULL, &dq, &dk, &dv,
 					    g + MAXT * H * D + 2 * MAXT * HKV * D, NULL);
@@ -200,5 +284,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	for (int64_t i = 0; i < tk * HKV * D; i++)
 		check(isfinite(g[MAXT * H * D + i]) && isfinite(g[MAXT * H * D + MAXT * HKV * D + i]),
 		      "finite dK and dV");
+	dlpack_same(&desc, &vl, tq, tk, q, k, v, o, lse, 0, g, 0);
 	return 0;
 }

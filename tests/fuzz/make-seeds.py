@@ -107,6 +107,29 @@ put("problem", "ends_causal_int64_min.bin", ends(2, 5, 1, P62 - 4, -P62))
 put("problem", "ends_causal_int64_max_streamed.bin", ends(3, 4, 1, -P62, P62 - 3, True))
 put("problem", "ends_noncausal_int64_min_streamed.bin", ends(1, 4, 0, P62 - 3, -P62, True))
 
+# Explicit positions (flag 2048: check_positions() reads a byte how (1, 2, 3: small, raw; 0:
+# 0.. end-aligned; 4: a base follows; 8, 16: pos_q, pos_k NULL), the key positions, the query
+# positions (small: one byte each, mod 40; raw: take_int), then q, k, v, o (B 2, H 2, Hkv 1,
+# D 8, float32): gaps and a repeat; 0.. end-aligned (the implicit call); distances past int64;
+# pos_q NULL; q_start_set with positions.
+def posdata(Lq, Lk):
+    return (struct.pack("<%df" % (2 * 2 * Lq * 8), *[(i % 9 - 4) / 4 for i in range(32 * Lq)]) +
+            struct.pack("<%df" % (2 * 2 * Lk * 8), *[(i % 7 - 3) / 2 for i in range(32 * Lk)]) +
+            bytes(2 * 2 * Lq * 8 * 4))
+
+
+def atpos(Lq, Lk, how, pos, flags=1):
+    return call(2, 2, 1, Lq, Lk, 4, flags=flags | 2048) + bytes([how]) + pos + posdata(Lq, Lk)
+
+
+put("problem", "positions_gaps.bin", atpos(3, 4, 1, bytes([0, 1, 5, 6, 5, 6, 6])))
+put("problem", "positions_default.bin", atpos(3, 4, 0, b""))
+put("problem", "positions_int64_ends.bin",
+    atpos(1, 2, 2, i64(-1) + i64(0) + i64((1 << 63) - 1)))
+put("problem", "positions_pos_q_null.bin", atpos(3, 4, 1 | 8, bytes([0, 1, 5, 6, 5, 6, 6])))
+put("problem", "positions_q_start_set.bin",
+    atpos(3, 4, 1, bytes([0, 1, 5, 6, 5, 6, 6]), flags=1 | 2))
+
 # ---- cache: an entry for fuzz_cache.c's key, as ape__progcache_format writes it, and damaged ones
 KEY = b"opencl|pthread-fuzz|PoCL 3.1|-cl-std=CL1.2 -DAPE_D=64|src=0123456789abcdef"
 
