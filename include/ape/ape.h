@@ -908,8 +908,10 @@ APE_API void ape_tensor_init_packed(ape_tensor *t, void *data, ape_dtype dtype, 
  * launch serves every sequence of its rows at its own positions (on devices that take ragged
  * launches: the reference, OpenCL and CUDA; a device that does not runs each sequence as its
  * own dense call), long sequences chunked under the device budget like a dense call. Other
- * positions split a sequence into its runs of consecutive positions, each run against each key
- * run a dense call, whose partial results merge by their LSE (docs/ape.md, identity 4). Results
+ * positions (gaps, repeats, any order) are one such run too on devices that read explicit
+ * positions (the reference and OpenCL); elsewhere (CUDA) they split a sequence into its runs of
+ * consecutive positions, each run against each key run a dense call, whose partial results
+ * merge by their LSE (docs/ape.md, identity 4). Results
  * equal a dense call per sequence within the spec's tolerance (bit for bit for a one-sequence
  * batch of default positions).
  *
@@ -929,9 +931,9 @@ APE_API void ape_tensor_init_packed(ape_tensor *t, void *data, ape_dtype dtype, 
  * \return 0; APE_EINVAL (naming the argument); APE_EOVERFLOW; APE_ENOMEM; device failures
  *         (the message names the sequence). On any failure o and lse are untouched.
  * \note The work is staged in host memory: one more copy of O and LSE.
- * \note Batches whose positions have gaps or repeats among a sequence's keys, and batches on
- *       devices without ragged launches, cost a dense call per run of consecutive positions
- *       (docs/ape.md, "Ragged batches").
+ * \note Batches whose positions have gaps or repeats among a sequence's keys on devices that
+ *       do not read explicit positions (CUDA), and batches on devices without ragged launches,
+ *       cost a dense call per run of consecutive positions (docs/ape.md, "Ragged batches").
  */
 APE_API int ape_attention_forward_varlen_ex(ape_device *const *devs, int ndev,
 					    const ape_exec_options *opts,
