@@ -317,6 +317,20 @@ static long double case_loss(const struct pcase *c, const test_tensor *dout, con
 	return sum;
 }
 
+/* case_loss() as test_fd_param() calls it. */
+struct loss_at {
+	const struct pcase *c;
+	const test_tensor *dout;
+	const float *dlse;
+};
+
+static long double case_loss_at(const void *ctx)
+{
+	const struct loss_at *at = ctx;
+
+	return case_loss(at->c, at->dout, at->dlse);
+}
+
 /* <G, u> against the central difference along u = +-1 step on every element of input x. */
 static void check_direction(struct __test_metadata *_metadata, ape_rng *r, struct pcase *c,
 			    ape_tensor *x, const ape_tensor *g, const test_tensor *dout,
@@ -433,15 +447,10 @@ TEST_F(dev, backward_against_finite_differences)
 			check_direction(_metadata, &rng, &c, &c.v.t, &g[2].t, &dout, dlse, "dv");
 			for (int p = 0; p < 4; p++)
 				for (int h = 0; h < c.H; h++) {
-					const float keep = c.prm[p][h];
-					long double lp, lm, fd;
+					const struct loss_at at = { &c, &dout, dlse };
+					const long double fd =
+						test_fd_param(&c.prm[p][h], case_loss_at, &at);
 
-					c.prm[p][h] = keep + 0x1p-12f;
-					lp = case_loss(&c, &dout, dlse);
-					c.prm[p][h] = keep - 0x1p-12f;
-					lm = case_loss(&c, &dout, dlse);
-					c.prm[p][h] = keep;
-					fd = (lp - lm) / (2 * 0x1p-12L);
 					EXPECT_LE(fabsl(fd - dp[4 * h + p]),
 						  1e-3L * fmaxl(fabsl(fd), 1e-2L))
 					TH_LOG("%s: dparams[%d] of head %d: finite difference %Lg, "

@@ -695,10 +695,23 @@ static long double batch_loss(const struct batch *b, const float *dout, const fl
 	return sum;
 }
 
+/* batch_loss() as test_fd_param() calls it. */
+struct loss_at {
+	const struct batch *b;
+	const float *dout, *dlse;
+};
+
+static long double batch_loss_at(const void *ctx)
+{
+	const struct loss_at *at = ctx;
+
+	return batch_loss(at->b, at->dout, at->dlse);
+}
+
 /*
  * Every gradient of a ragged batch against central differences of the independent forward
  * along a random direction: for q, k and v the direction is +-1 step on every element (exact in
- * float32), for each parameter of each head one step; <G, u> must match within 1e-3 of its
+ * float32), for each parameter of each head test_fd_param(); <G, u> must match within 1e-3 of its
  * scale. Default, gapped, repeated and shuffled positions, causal and not, GQA, with dLSE.
  */
 TEST_F(dev, backward_against_finite_differences)
@@ -804,15 +817,10 @@ TEST_F(dev, backward_against_finite_differences)
 			}
 			for (int i = 0; i < 4; i++)
 				for (int h = 0; h < b.H; h++) {
-					const float keep = b.prm[i][h];
-					long double lp, lm, fd;
+					const struct loss_at at = { &b, dout.alloc, dlse };
+					const long double fd =
+						test_fd_param(&b.prm[i][h], batch_loss_at, &at);
 
-					b.prm[i][h] = keep + 0x1p-12f;
-					lp = batch_loss(&b, dout.alloc, dlse);
-					b.prm[i][h] = keep - 0x1p-12f;
-					lm = batch_loss(&b, dout.alloc, dlse);
-					b.prm[i][h] = keep;
-					fd = (lp - lm) / (2 * 0x1p-12L);
 					EXPECT_LE(fabsl(fd - dparams[4 * h + i]),
 						  1e-3L * fmaxl(fabsl(fd), 1e-2L))
 					TH_LOG("%s: dparams[%d] of head %d: finite difference %Lg, "

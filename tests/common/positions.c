@@ -71,6 +71,25 @@ void test_tensor_quantize(ape_tensor *t, double step)
 								   step));
 }
 
+long double test_fd_param(float *x, long double (*loss)(const void *ctx), const void *ctx)
+{
+	const float keep = *x;
+	long double d[2];
+
+	for (int i = 0; i < 2; i++) {
+		const float h = i ? 0x1p-13f : 0x1p-12f;
+		long double lp, lm;
+
+		*x = keep + h;
+		lp = loss(ctx);
+		*x = keep - h;
+		lm = loss(ctx);
+		d[i] = (lp - lm) / (2 * (long double)h);
+	}
+	*x = keep;
+	return (4 * d[1] - d[0]) / 3;
+}
+
 void test_quantize_inputs(ape_tensor *q, ape_tensor *k, ape_tensor *v, float prm[4][8],
 			  int64_t H)
 {

@@ -41,4 +41,13 @@ void test_tensor_quantize(ape_tensor *t, double step);
 void test_quantize_inputs(ape_tensor *q, ape_tensor *k, ape_tensor *v, float prm[4][8],
 			  int64_t H);
 
+/*
+ * dloss/dx at *x (a parameter quantised by test_quantize_inputs()) by Richardson's extrapolation
+ * of two central differences, steps h = 2^-12 and h/2 (both exact in float32): (4 D(h/2) - D(h)) / 3,
+ * whose error is O(h^4). A plain central difference's O(h^2) error reaches 1e-3 of lambda's
+ * derivative at the distances of gapped positions (hundreds), more than the tests' tolerance.
+ * *x is restored before the call returns.
+ */
+long double test_fd_param(float *x, long double (*loss)(const void *ctx), const void *ctx);
+
 #endif
