@@ -130,4 +130,19 @@ static void set_norms(ape_tensor *t, double r)
 			}
 }
 
+/* Every element of a equals b's (same shape; finite values). */
+static bool same_values(const ape_tensor *a, const ape_tensor *b)
+{
+	const int64_t *s = a->shape;
+
+	for (int64_t bb = 0; bb < s[0]; bb++)
+		for (int64_t h = 0; h < s[1]; h++)
+			for (int64_t i = 0; i < s[2]; i++)
+				for (int64_t d = 0; d < s[3]; d++)
+					if (test_tensor_get(a, bb, h, i, d) !=
+					    test_tensor_get(b, bb, h, i, d))
+						return false;
+	return true;
+}
+
 #endif

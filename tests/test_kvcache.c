@@ -568,4 +568,122 @@ TEST_F(kv, arguments_are_validated)
 	ape_kv_cache_destroy(cache);
 }
 
+/* ---- under decay, an attend reads only the keys within reach */
+
+/* Fills K and V of tokens [t0, t1) (counted from the first appended) with NaN behind the
+ * cache's back: the block maxima still say those keys are small. */
+struct poison_arg {
+	ape_kv_cache *c;
+	struct ape__queue *q;
+};
+
+static int poison_seg(void *arg, const struct ape__kv_seg *sg)
+{
+	const struct poison_arg *a = arg;
+	int ret = 0;
+
+	for (int kv = 0; kv < 2 && !ret; kv++) {
+		size_t off;
+		struct ape__buf *b = ape__kv_block(a->c, kv, sg->blk, &off);
+
+		ret = a->c->ops->fill(a->q, b, off + sg->blk_off, 0x7fc07fc0u, sg->bytes);
+	}
+	return ret;
+}
+
+static int poison_tokens(ape_kv_cache *c, int64_t t0, int64_t t1)
+{
+	struct poison_arg a = { c, NULL };
+	int ret = c->ops->queue_create(c->dev, &a.q);
+
+	if (!ret)
+		ret = ape__kv_each_seg(c, t0, t1 - t0, poison_seg, &a);
+	if (!ret)
+		ret = c->ops->synchronize(a.q);
+	if (a.q)
+		c->ops->queue_destroy(a.q);
+	return ret;
+}
+
+/*
+ * A long sequence decoded under the seed's decay (every step equal to the recomputation); then
+ * every key but the newest 256 is poisoned behind the cache's back, and the last step gives the
+ * same bits, computing fewer than 256 keys a head: the attend proved the old keys negligible
+ * from the block maxima and never read, gathered or normed them (api/kvcache_attend.c,
+ * window_cut()). Without decay the same poison reaches the output: the old keys are read
+ * there, so the check above can fail.
+ */
+TEST_F(kv, decode_under_decay_reads_only_keys_within_reach)
+{
+	const int64_t L = ape_test_slow() ? 400 : self->emu ? 500 : 1500;
+	const test_problem_shape sh = { 1, 4, 2, L, L, 64 };
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int decay = 1; decay >= 0; decay--) {
+		ape_kv_cache_options o;
+		test_problem tp, want;
+		ape_kv_cache *cache;
+		ape_tensor qt, ot;
+		test_tensor o2;
+		ape_stats st;
+		float lse[4];
+		bool nan = false;
+
+		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+		set_norms(&tp.q.t, 4);
+		set_norms(&tp.k.t, 4);
+		if (decay) /* the seed's parameters */
+			test_problem_set_params(&tp, 0.3968502629920499, 0.03968502629920499,
+						0.03968502629920499, 0.1);
+		else
+			test_problem_set_params(&tp, 0, 0, 0, 0);
+		tp.desc.causal = true;
+		tp.desc.q_start_set = false;
+		tp.desc.skip_tol = 0x1p-24;
+		ASSERT_EQ(0, test_problem_clone(&want, &tp));
+		ASSERT_EQ(0, test_problem_run(&want, self->ref)) TH_LOG("%s", ape_last_error());
+		o = cache_options(&tp, 16, L);
+		o.max_queries = 1;
+		ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache))
+			TH_LOG("%s", ape_last_error());
+		test_tensor_poison(&tp.o.t);
+		if (decay) {
+			ASSERT_EQ(0, decode(&tp, cache, 1, NULL)) TH_LOG("%s", ape_last_error());
+			EXPECT_EQ(0, close_enough(_metadata, &tp, &want, "decay"));
+		} else {
+			ape_tensor kt = test_rows(&tp.k.t, 0, L), vt = test_rows(&tp.v.t, 0, L);
+
+			ASSERT_EQ(0, ape_kv_cache_append(cache, &kt, &vt))
+				TH_LOG("%s", ape_last_error());
+		}
+		qt = test_rows(&tp.q.t, L - 1, 1);
+		ot = test_rows(&tp.o.t, L - 1, 1);
+		if (!decay)
+			ASSERT_EQ(0, ape_kv_cache_attend(cache, &tp.desc, &qt, &ot, lse, NULL));
+		ASSERT_EQ(0, poison_tokens(cache, 0, L - 256));
+		ASSERT_EQ(0, test_tensor_empty(&o2, APE_F32, 1, 4, 1, 64));
+		ape_stats_init(&st);
+		ASSERT_EQ(0, ape_kv_cache_attend(cache, &tp.desc, &qt, &o2.t, lse, &st))
+			TH_LOG("%s", ape_last_error());
+		for (int64_t h = 0; h < 4; h++)
+			for (int64_t d = 0; d < 64; d++)
+				nan |= isnan(test_tensor_get(&o2.t, 0, h, 0, d));
+		if (decay) {
+			EXPECT_TRUE(same_values(&ot, &o2.t));
+			for (int64_t h = 0; h < 4; h++) {
+				EXPECT_EQ(tp.lse[h * L + L - 1], lse[h]);
+			}
+			EXPECT_LT(st.pairs_computed, 4u * 256u);
+			EXPECT_EQ((uint64_t)(4 * L), st.pairs_visible);
+		} else {
+			EXPECT_TRUE(nan) TH_LOG("the poisoned keys did not reach the output without decay");
+		}
+		test_tensor_free(&o2);
+		ape_kv_cache_destroy(cache);
+		test_problem_free(&tp);
+		test_problem_free(&want);
+	}
+}
+
 TEST_HARNESS_MAIN

@@ -66,21 +66,6 @@ static bool expect_in_place(const ape_device *dev, const test_problem *tp)
 	       group * s[2] <= (s[3] == 64 || s[3] == 128 ? 16 : 8);
 }
 
-/* Every element of a equals b's (same shape; finite values). */
-static bool same_values(const ape_tensor *a, const ape_tensor *b)
-{
-	const int64_t *s = a->shape;
-
-	for (int64_t bb = 0; bb < s[0]; bb++)
-		for (int64_t h = 0; h < s[1]; h++)
-			for (int64_t i = 0; i < s[2]; i++)
-				for (int64_t d = 0; d < s[3]; d++)
-					if (test_tensor_get(a, bb, h, i, d) !=
-					    test_tensor_get(b, bb, h, i, d))
-						return false;
-	return true;
-}
-
 /* Whether the same attend gathered runs the decode kernel too (not the general one): skipping
  * off, or allowed with nothing to skip by (opencl/ocl_decode.c). */
 static bool gathered_decodes(const test_problem *tp)

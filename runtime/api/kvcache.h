@@ -42,6 +42,10 @@ struct ape_kv_cache {
 
 	int64_t t_end; /* tokens appended */
 	int64_t lb_first; /* oldest live logical block */
+	/* during an attend: the oldest live tokens it leaves out unread (its window starts
+	 * there; kvcache_attend.c's window_cut()); the loaders count j0 from there. 0 between
+	 * attends. */
+	int64_t win;
 
 	/* appends */
 	struct ape__queue *aq[2];

@@ -11,12 +11,16 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#define APE_REAL double
+#include "core/alloc.h"
+#include "core/ape_math.h"
 #include "core/clock.h"
 #include "core/context.h"
 #include "core/error.h"
 #include "exec/launch.h"
 #include "exec/lse_merge.h"
 #include "exec/pack.h"
+#include "exec/skip_budget.h"
 #include "api/forward.h"
 #include "api/kvcache.h"
 #include "api/stats.h"
@@ -71,7 +75,7 @@ int ape__kv_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t 
 	int ret = ape__kv_wait(c, q);
 
 	if (!ret)
-		ret = ape__kv_each_seg(c, c->lb_first * c->bt + j0, n, gather_seg, &g);
+		ret = ape__kv_each_seg(c, c->lb_first * c->bt + c->win + j0, n, gather_seg, &g);
 	if (!ret && !ops->copy_d2d) {
 		ret = ops->copy_h2d(q, dk, 0, g.bounce, g.half);
 		if (!ret)
@@ -87,7 +91,7 @@ bool ape__kv_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct
 		   struct ape__kv_pages *pg)
 {
 	const struct ape_kv_cache *c = arg;
-	const int64_t t = c->lb_first * c->bt + j0;
+	const int64_t t = c->lb_first * c->bt + c->win + j0;
 
 	(void)n; /* live: appended and not released */
 	if (c->nslabs != 1)
@@ -117,7 +121,7 @@ int ape__kv_wait(void *arg, struct ape__queue *q)
  * (a chunk's blocks may hold a few keys outside it: still a bound). */
 static void chunk_norms(struct ape_kv_cache *c, int64_t ck, int64_t nk)
 {
-	const int64_t nbg = c->o.B * c->o.Hkv, t0 = c->lb_first * c->bt;
+	const int64_t nbg = c->o.B * c->o.Hkv, t0 = c->lb_first * c->bt + c->win;
 
 	c->km.nk = nk;
 	for (int64_t bg = 0; bg < nbg; bg++)
@@ -196,6 +200,87 @@ static bool whole_in_place(struct ape_kv_cache *c, const struct ape__problem *p,
 	l.k_start = p->k_start;
 	l.pages = &pg;
 	return c->ops->attention_pages(c->dev, &l);
+}
+
+/*
+ * The attend's window: how many of the oldest live tokens an attend of p may leave out without
+ * reading, gathering or norming them, so that a decode step under decay costs what the keys
+ * within reach cost, whatever the context length. The proof is release_proved()'s
+ * (kvcache_release.c) made with the rows' own norms instead of max_query_norm: take as
+ * reference the newest live key at or before the earliest row's position q_start, at distance
+ * n0 >= 0 from it. Every row sees it (causal or not) at some n_ref >= n0, and sees a left-out
+ * key at n_ref + dn or further, dn = pos_ref - (the last left-out key's position). With
+ * delta > 0, beta, gamma >= 0 and lambda >= 0 (so temp(n) <= temp(n0) for n >= n0) and
+ * |dot| <= |q||k| (the rotation keeps norms):
+ *   s_out - s_ref <= temp(n0) |scale| |q| (kmax_out + |k_ref|) - delta dn,
+ * and the left-out keys sit one per distance (a cache's positions are consecutive), so their
+ * weight is at most ape_tail_count(count, delta) times the nearest one's bound: at most `tol`
+ * times the weight of one key the row computes. kmax_out and |k_ref| come from the block
+ * maxima kept at append (a bound for any part of a block), |q| from each (batch, head)'s
+ * largest row. Returns the count (0: nothing provably negligible, or no decay); O(blocks).
+ */
+static int64_t window_cut(const struct ape_kv_cache *c, const struct ape__problem *p,
+			  const ape_tensor *q, double tol)
+{
+	const int64_t nbg = c->o.B * c->o.Hkv, group = c->o.H / c->o.Hkv;
+	const int64_t first = c->lb_first * c->bt, pos_first = ape__kv_first_live_position(c);
+	float pm[256], row[APE_MAX_D];
+	double coef[256], lc[256];
+	int64_t t_ref, best = first;
+	double n0;
+	const float *kref;
+
+	if (!ape__skip_allowed(p) || !(tol > 0) || p->Lq == 0 || c->t_end <= first ||
+	    p->q_start < pos_first || nbg > 256 || c->o.B * c->o.H > 256)
+		return 0;
+	for (int64_t h = 0; h < p->H; h++)
+		if (!(p->head_params[4 * h] > 0) || !(p->head_params[4 * h + 3] >= 0))
+			return 0;
+	/* the reference: the newest live key at or before q_start */
+	t_ref = p->q_start - pos_first < c->t_end - 1 - first ? first + (p->q_start - pos_first)
+							       : c->t_end - 1;
+	n0 = (double)(p->q_start - (c->o.k_start + t_ref));
+	kref = c->bnorm + ape__kv_phys(c, t_ref / c->bt) * nbg;
+	/* per (batch, head): need = lc + coef (kmax_out + |k_ref|), the cut's delta dn >= need,
+	 * with at most t_ref - first keys left out */
+	for (int64_t b = 0; b < c->o.B; b++)
+		for (int64_t h = 0; h < p->H; h++) {
+			const float *prm = p->head_params + 4 * h;
+			float m = 0;
+
+			for (int64_t i = 0; i < p->Lq; i++) {
+				ape__load_row_f32(q, p->qs, b, h, i, row);
+				m = fmaxf(m, ape__norm(row, p->D));
+			}
+			coef[b * p->H + h] = ape_temp(prm[3], n0) * fabs(p->scale) * m;
+			lc[b * p->H + h] = log(ape_tail_count((double)(t_ref - first), prm[0])) - log(tol);
+		}
+	for (int64_t bg = 0; bg < nbg; bg++)
+		pm[bg] = 0;
+	/* blocks oldest first, the largest norm so far in pm; the cut may end inside a block
+	 * (its maximum bounds any part of it) */
+	for (int64_t lb = c->lb_first; lb * c->bt < t_ref; lb++) {
+		const int64_t lo = lb * c->bt, hi = (lb + 1) * c->bt < t_ref ? (lb + 1) * c->bt : t_ref;
+		double allow = (double)hi;
+
+		for (int64_t bg = 0; bg < nbg; bg++)
+			pm[bg] = fmaxf(pm[bg], c->bnorm[ape__kv_phys(c, lb) * nbg + bg]);
+		for (int64_t b = 0; b < c->o.B; b++)
+			for (int64_t h = 0; h < p->H; h++) {
+				const int64_t bg = b * c->o.Hkv + h / group, bh = b * p->H + h;
+				const double need = lc[bh] + coef[bh] * ((double)pm[bg] + (double)kref[bg]);
+				/* dn = t_ref - (cut - 1) */
+				const double a =
+					(double)t_ref + 1 - need / (double)p->head_params[4 * h];
+
+				allow = isnan(a) ? -INFINITY : fmin(allow, floor(a));
+			}
+		if (allow > (double)lo && allow > (double)best)
+			best = (int64_t)allow;
+		if (allow < (double)hi)
+			break; /* newer blocks only raise the maximum: no longer a cut */
+	}
+	return best - first;
 }
 
 /*
@@ -298,8 +383,21 @@ static int attend(ape_kv_cache *c, const char *fn, const ape_attn_desc *desc,
 		ret = 0;
 	else if (p.Lk == 0)
 		ape__store_empty_rows(o, p.os, lse, dg->ent, dg->md, p.Lq, 0, p.Lq);
-	else
-		ret = run_attend(c, fn, &p, q, o, lse, dg, stats != NULL, &res);
+	else {
+		/* the window: p less its oldest keys, proved negligible with a share of skip_tol */
+		struct ape__problem w = p;
+		double wtol, rest;
+
+		ape__skip_window(p.skip_tol, c->o.allow_release, &wtol, &rest);
+		c->win = window_cut(c, &p, q, wtol);
+		if (c->win) {
+			w.k_start += c->win;
+			w.Lk -= c->win;
+			w.skip_tol = rest;
+		}
+		ret = run_attend(c, fn, &w, q, o, lse, dg, stats != NULL, &res);
+		c->win = 0;
+	}
 	if (!ret && c->o.allow_release)
 		ape__kv_try_release(c, &p, NULL);
 	if (!ret && stats)

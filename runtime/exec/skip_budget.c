@@ -14,6 +14,12 @@ void ape__skip_budget(double skip_tol, bool causal, int64_t nk, bool release,
 	out->chunk = causal ? base / 2 : base / 4;
 }
 
+void ape__skip_window(double skip_tol, bool release, double *window, double *rest)
+{
+	*window = (release ? skip_tol / 2 : skip_tol) / 4;
+	*rest = skip_tol * 3 / 4;
+}
+
 double ape__skip_launch_tol(const struct ape__skip_budget *b, bool prior)
 {
 	return prior ? b->kernel / 2 : b->kernel;

@@ -47,6 +47,15 @@ void ape__skip_budget(double skip_tol, bool causal, int64_t nk, bool release,
 		      struct ape__skip_budget *out);
 
 /*
+ * A KV cache attend that leaves its oldest keys out before it runs, unread (its window,
+ * api/kvcache_attend.c): a quarter of the attend's base (skip_tol, or half of it with release)
+ * goes to that cut (*window), and the attend runs as if its skip_tol were 3/4 of skip_tol
+ * (*rest: ape__skip_budget() of it gives the launches, the chunks and, unspent by the attend,
+ * the release its shares), so that cut and attend together spend at most base.
+ */
+void ape__skip_window(double skip_tol, bool release, double *window, double *rest);
+
+/*
  * A launch's skip_tol from the kernels' share: all of it, or, when launches after the diagonal
  * test their keys against the diagonal's LSE (`prior`), half, the other half going to that test
  * (ape__skip_prior_tol()).
