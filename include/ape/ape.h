@@ -1079,6 +1079,11 @@ APE_API int ape_kv_cache_append_device(ape_kv_cache *cache, struct ape_queue *qu
  * ignored. Queries default to the end of the cache (q_start = position after the last cached
  * token - Lq, so with causal masking each query sees itself and everything before it, as in
  * decoding when its own key was appended first); desc->q_start_set places them explicitly.
+ * With decay (delta > 0, beta, gamma, lambda >= 0 in every head) and skip_tol > 0, the oldest
+ * keys that the block maxima prove negligible for these queries (within a quarter of the
+ * attend's share of skip_tol) are left out before the attend runs, never read: a decode step
+ * costs what the keys within reach cost, whatever the context length (docs/streaming.md, "The
+ * KV cache"); ape_stats.pairs_computed counts only the keys computed.
  * When the cache allows release, blocks the bound proves unreachable are released afterwards.
  * \return as ape_attention_forward(); APE_EINVAL also when released blocks would be visible
  *         to these queries (earlier positions, weaker decay, smaller skip_tol, larger norm).
