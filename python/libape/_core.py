@@ -2,6 +2,7 @@
 import atexit
 import ctypes
 import struct
+import sys
 import threading
 import weakref
 
@@ -43,6 +44,20 @@ def _bad(msg):
     """An argument the package itself refuses before calling libape: the same exception type
     libape's own validation raises."""
     raise ApeValueError(EINVAL, msg)
+
+
+def _refuse_grad(fn, **arrays):
+    """A torch tensor that records gradients would come back from libape.`fn`() with no grad_fn
+    (the autograd graph silently dropped, and loss.backward() failing later): refused, naming
+    the differentiable call. Under torch.no_grad(), or detached, it is taken."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.is_grad_enabled():
+        return
+    for name, x in arrays.items():
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            _bad("%s: requires grad, and libape.%s() records no gradient (its result would "
+                 "have no grad_fn): call libape.torch.%s() for a differentiable result, or "
+                 "pass %s.detach() (or call under torch.no_grad())" % (name, fn, fn, name))
 
 
 # ------------------------------------------------------------------ the context and its devices
@@ -400,8 +415,11 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     object with __dlpack__; the result is of the same kind and dtype as q. Strided views are
     passed without a copy. Parameters are floats or sequences of H values; the defaults are the
     seed's initial values (delta = 2^(-4/3), beta = gamma = delta/10, lambda = 0.1).
-    Raises ApeValueError (a ValueError) for a bad argument, ApeError for other failures.
+    Raises ApeValueError (a ValueError) for a bad argument, ApeError for other failures; also
+    for torch tensors that record gradients (requires_grad outside torch.no_grad()): this call
+    records none, libape.torch.attention() does.
     """
+    _refuse_grad("attention", q=q, k=k, v=v, delta=delta, beta=beta, gamma=gamma, lam=lam)
     if _is_torch_cuda(q) or _is_torch_cuda(k) or _is_torch_cuda(v):
         if positions_q is not None or positions_k is not None:
             _bad("positions_q, positions_k: explicit positions take host arrays only for now")
@@ -472,9 +490,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, p
     sequence's keys at 0.. and its queries end-aligned to them). Query i of sequence s sees the
     keys of s only, with causal those with pos_k <= pos_q, at n = pos_q - pos_k. Returns O
     `[total_q, H, D]` of q's kind and dtype (and LSE `[total_q, H]` float32 with
-    return_lse=True). Forward only for now, on host arrays. Raises ApeValueError for a bad
-    argument.
+    return_lse=True). On host arrays; gradients: attention_varlen_backward(), or
+    libape.torch.attention_varlen() for autograd. Raises ApeValueError for a bad argument, and
+    for torch tensors that record gradients (as attention() does).
     """
+    _refuse_grad("attention_varlen", q=q, k=k, v=v, delta=delta, beta=beta, gamma=gamma,
+                 lam=lam)
     qa = _packed_view("q", q)
     ka = _packed_view("k", k)
     va = _packed_view("v", v)

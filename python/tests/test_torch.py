@@ -145,6 +145,35 @@ def test_torch_grads_match_float64(per_head, causal):
     check_grads([a.grad for a in args], reference_grads(args, loss_o_and_lse, **kw))
 
 
+@pytest.mark.parametrize("which", ["q", "k", "v", "delta", "lam"])
+def test_plain_calls_refuse_tensors_that_record_gradients(which):
+    """libape.attention() and attention_varlen() record no gradient: a tensor that requires grad
+    is refused naming libape.torch's call (not a result without grad_fn that fails later in
+    loss.backward()); detached or under torch.no_grad() it is taken, with the same values."""
+    args = inputs(9, B=1, H=2, Hkv=2, Lq=5, Lk=5, D=8, per_head=False)
+    plain = dict(zip(NAMES, args))
+    want = libape.attention(plain["q"], plain["k"], plain["v"], delta=float(plain["delta"]),
+                            beta=float(plain["beta"]), gamma=float(plain["gamma"]),
+                            lam=float(plain["lam"]))
+    kw = dict(plain)
+    kw[which] = kw[which].clone().requires_grad_()
+    q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+    with pytest.raises(ValueError, match=r"%s: requires grad.*libape\.torch\.attention\(\)"
+                       % which):
+        libape.attention(q, k, v, **kw)
+    cu = np.array([0, 5], dtype=np.int64)
+    pq, pk, pv = (x[0].transpose(0, 1) for x in (q, k, v))  # [total, H, D] views
+    with pytest.raises(ValueError, match=r"%s: requires grad.*libape\.torch\."
+                       r"attention_varlen\(\)" % which):
+        libape.attention_varlen(pq, pk, pv, cu, cu, **kw)
+    with torch.no_grad():
+        got = libape.attention(q, k, v, **kw)
+    assert got.grad_fn is None and torch.equal(got, want)
+    got = libape.attention(q.detach(), k.detach(), v.detach(),
+                           **{n: x.detach() for n, x in kw.items()})
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_torch_grads_low_precision(dtype):
     args = inputs(5, dtype=dtype)
