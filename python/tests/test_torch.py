@@ -145,6 +145,36 @@ def test_torch_grads_match_float64(per_head, causal):
     check_grads([a.grad for a in args], reference_grads(args, loss_o_and_lse, **kw))
 
 
+def test_training_defaults_to_the_fastest_device_with_a_backward():
+    """device=None with gradients runs on grad_device(): OpenCL wherever libape has an OpenCL
+    device with a backward pass (as CI's PoCL has), else the float64 reference. The gradients
+    equal an explicit call on that device bit for bit, match float64 autograd at the spec's
+    tolerance, and (on OpenCL) are not the reference backend's."""
+    opencl = [b for b in libape.backends() if b["name"] == "opencl"][0]["available"]
+    q = np.linspace(-1, 1, 24, dtype=np.float32).reshape(1, 1, 3, 8)
+    try:
+        o, lse = libape.attention(q, q, q, device="opencl", return_lse=True)
+        libape.attention_backward(q, q, q, o, lse, q, device="opencl")
+        has_bwd = True
+    except (libape.ApeError, ValueError):
+        has_bwd = False
+    expect = "opencl" if opencl and has_bwd and os.environ.get("APE_BACKEND", "auto") == "auto" \
+        else "auto" if os.environ.get("APE_BACKEND", "auto") != "auto" else "ref"
+    assert apet.grad_device() == expect
+    grads = {}
+    for dev in (None, apet.grad_device(), "ref"):
+        args = [a.requires_grad_() for a in inputs(11)]
+        o, lse = apet.attention(*args[:3], delta=args[3], beta=args[4], gamma=args[5],
+                                lam=args[6], return_lse=True, device=dev)
+        loss_o_and_lse(o, lse).backward()
+        grads[dev] = [a.grad for a in args]
+    for a, b in zip(grads[None], grads[apet.grad_device()]):
+        assert torch.equal(a, b)
+    check_grads(grads[None], reference_grads(inputs(11), loss_o_and_lse))
+    if expect == "opencl":
+        assert not all(torch.equal(a, b) for a, b in zip(grads[None], grads["ref"]))
+
+
 @pytest.mark.parametrize("which", ["q", "k", "v", "delta", "lam"])
 def test_plain_calls_refuse_tensors_that_record_gradients(which):
     """libape.attention() and attention_varlen() record no gradient: a tensor that requires grad
