@@ -189,14 +189,18 @@ deps:
 	$(Q)tools/deps-python.sh $(VENV) $(PY_PACKAGES)
 
 # Each suite prints its own line; the last line adds them all up (fuzz targets count as tests).
+# Each suite's wall time goes to $(CHECK_TIMES) (tests/timed.sh) and is printed before the last line.
 CHECK_SUMMARY = $(abspath $(BUILD))/check-summary
+CHECK_TIMES = $(abspath $(BUILD))/check-times
 check: all $(TESTS) $(TESTS_BUILD_ONLY)
 	$(Q)tools/check-layers.sh --self-test
 	$(Q)tools/check-layers.sh
-	$(Q)rm -f $(CHECK_SUMMARY)
-	$(Q)APE_TEST_SUMMARY=$(CHECK_SUMMARY) tests/run-tests.sh $(BUILD) $(TESTS)
-	$(Q)$(foreach g,$(CHECK_EXTRA),APE_TEST_SUMMARY=$(CHECK_SUMMARY) $(MAKE) --no-print-directory $(g) &&) true
-	$(Q)$(if $(CHECK_EXTRA),tests/check-total.sh $(CHECK_SUMMARY),true)
+	$(Q)rm -f $(CHECK_SUMMARY) $(CHECK_TIMES)
+	$(Q)APE_TEST_SUMMARY=$(CHECK_SUMMARY) APE_TEST_TIMES=$(CHECK_TIMES) tests/timed.sh unit \
+		tests/run-tests.sh $(BUILD) $(TESTS)
+	$(Q)$(foreach g,$(CHECK_EXTRA),APE_TEST_SUMMARY=$(CHECK_SUMMARY) APE_TEST_TIMES=$(CHECK_TIMES) \
+		tests/timed.sh $(g) $(MAKE) --no-print-directory $(g) &&) true
+	$(Q)$(if $(CHECK_EXTRA),tests/check-total.sh $(CHECK_SUMMARY) $(CHECK_TIMES),true)
 
 sanitize:
 	$(Q)$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 OPT=-O1 check

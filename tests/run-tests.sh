@@ -3,7 +3,8 @@
 #   N passed, N failed, N skipped
 # A test printed "ok N name # SKIP why" is skipped, not passed; a program that exits 4 (KSFT_SKIP)
 # before running anything counts as one skipped test; a program that dies without reporting a
-# failure counts as one failed test. Exits 1 if anything failed.
+# failure counts as one failed test. Each program's wall time follows its output, the five
+# slowest come before the last line. Exits 1 if anything failed.
 # usage: tests/run-tests.sh [--valgrind] BUILD_DIR TEST...
 set -u
 wrap=""
@@ -16,13 +17,19 @@ shift
 log_dir="$build/test-logs"
 mkdir -p "$log_dir"
 pass=0 fail=0 skip=0
+times=""
 for t in "$@"; do
 	name=$(basename "$t")
 	log="$log_dir/$name.log"
 	echo "# ---- $name"
+	t0=$(date +%s)
 	$wrap "$t" >"$log" 2>&1
 	rc=$?
+	secs=$(($(date +%s) - t0))
+	times="$times$secs $name
+"
 	cat "$log"
+	echo "# $name: ${secs} s"
 	p=$(grep -cE '^ok [0-9]+ ' "$log")
 	s=$(grep -cE '^ok [0-9]+ .*# SKIP' "$log")
 	f=$(grep -cE '^not ok [0-9]+ ' "$log")
@@ -35,6 +42,8 @@ for t in "$@"; do
 	fi
 	pass=$((pass + p)) skip=$((skip + s)) fail=$((fail + f))
 done
+# where this suite's time went: its slowest programs
+printf '%s' "$times" | sort -rn | head -5 | awk '{ printf "%s%s %s s", (NR > 1 ? ", " : "# slowest: "), $2, $1 } END { if (NR) print "" }'
 echo "$pass passed, $fail failed, $skip skipped"
 # `make check` adds every suite's counts up (tests/check-total.sh)
 [ -n "${APE_TEST_SUMMARY:-}" ] && echo "$pass $fail $skip" >>"$APE_TEST_SUMMARY"

@@ -1,0 +1,13 @@
+#!/bin/sh
+# Runs CMD and, when APE_TEST_TIMES names a file, appends "NAME SECONDS" (its wall time) to it:
+# `make check` prints each suite's time before its last line (tests/check-total.sh). Exits with
+# CMD's status.
+# usage: tests/timed.sh NAME CMD [ARG...]
+set -u
+name=$1
+shift
+t0=$(date +%s)
+"$@"
+rc=$?
+[ -n "${APE_TEST_TIMES:-}" ] && echo "$name $(($(date +%s) - t0))" >>"$APE_TEST_TIMES"
+exit $rc
