@@ -10,7 +10,7 @@ ifneq ($(and $(filter deps,$(MAKECMDGOALS)),$(filter-out deps,$(MAKECMDGOALS))),
 REST_GOALS := $(filter-out deps,$(MAKECMDGOALS))
 .PHONY: deps $(REST_GOALS)
 deps:
-	@$(MAKE) --no-print-directory deps
+	@$(MAKE) --no-print-directory deps DEPS_GOALS="$(REST_GOALS)"
 	@$(MAKE) --no-print-directory $(REST_GOALS)
 $(REST_GOALS): deps
 	@:
@@ -184,8 +184,20 @@ DEB_PACKAGES := build-essential pkg-config xz-utils ocl-icd-opencl-dev opencl-c-
                 pocl-opencl-icd clinfo libhwloc-dev libhwloc-plugins libdrm-dev python3-numpy \
                 python3-venv valgrind clang-14 libclang-rt-14-dev libopenmpi-dev openmpi-bin libdlpack-dev
 
+# The Python test environment (pytest and PyTorch from PyPI: a few GB) only for the goals that
+# run the Python suite: `make deps run` installs what the library, its tools and the main job
+# need; `make deps check`, `make deps-python` and `make deps` alone add it.
+DEPS_GOALS ?=
+DEPS_PYTHON_GOALS := check python-check deps-python
 deps:
 	$(Q)tools/deps.sh "$(KSFT_DIR)" $(DEB_PACKAGES)
+ifneq ($(and $(DEPS_GOALS),$(if $(filter $(DEPS_PYTHON_GOALS),$(DEPS_GOALS)),,no)),)
+	@echo "deps: no Python test environment for '$(DEPS_GOALS)' (make deps-python, or make deps check, adds it)"
+else
+	$(Q)tools/deps-python.sh $(VENV) $(PY_PACKAGES)
+endif
+
+deps-python:
 	$(Q)tools/deps-python.sh $(VENV) $(PY_PACKAGES)
 
 # Each suite prints its own line; the last line adds them all up (fuzz targets count as tests).
@@ -231,7 +243,9 @@ distclean:
 	rm -rf $(BUILD)
 
 help:
-	@echo "make deps       install the Debian packages and the Kselftest headers (root)"
+	@echo "make deps       install the Debian packages and the Kselftest headers (root), and the"
+	@echo "                Python test environment unless the other goals need none (make deps run)"
+	@echo "make deps-python  the Python test environment alone (build/venv: pytest, PyTorch)"
 	@echo "make            library (static and shared) and tools"
 	@echo "make run        the main job: APE on a seed-sized input, checked against the reference"
 	@echo "make bench-bwd  bench/bwd_time: backward against forward, side by side (bench/RESULTS.md)"
@@ -245,7 +259,7 @@ help:
 	@echo "make mpi-ci     the MPI tests (libape_mpi over mpirun; part of 'make check')"
 	@echo "options: WITH_OPENCL, WITH_CUDA, WITH_HWLOC, WITH_DRM, WITH_MPI = yes|no|auto; V=1 OPT=-O2 BUILD=build"
 
-.PHONY: all deps check sanitize valgrind run install clean distclean help
+.PHONY: all deps deps-python check sanitize valgrind run install clean distclean help
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
 

@@ -162,4 +162,39 @@ TEST(readme_build_lines_work_against_an_install)
 	free(readme);
 }
 
+/*
+ * README's set-up lines: `make deps run` installs what the library, its tools and the main job
+ * need, not the Python test environment (PyTorch: a few GB); `make deps check`, `make
+ * deps-python` and `make deps` alone do install it. Dry runs (make -n) in the source tree, with
+ * this build's variables.
+ */
+TEST(deps_install_python_only_for_goals_that_need_it)
+{
+	static const struct {
+		const char *goals;
+		bool python;
+	} cases[] = { { "deps run", false }, { "deps check", true }, { "deps-python", true },
+		      { "deps", true } };
+	char dir[] = "/tmp/ape-deps-XXXXXX", path[4200], script[8192];
+	char *log;
+
+	ASSERT_NE(NULL, mkdtemp(dir));
+	for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+		snprintf(script, sizeof(script),
+			 "set -e\ncommand make --no-print-directory -n -C '%s' %s %s\n",
+			 APE_SOURCE_DIR, APE_MAKE_OVERRIDES, cases[c].goals);
+		EXPECT_EQ(0, run_script(dir, script)) TH_LOG("%s", script);
+		snprintf(path, sizeof(path), "%s/log", dir);
+		log = (char *)test_read_file(path, NULL);
+		ASSERT_NE(NULL, log);
+		EXPECT_EQ(cases[c].python, strstr(log, "tools/deps-python.sh") != NULL)
+		TH_LOG("make -n %s:\n%s", cases[c].goals, log);
+		if (strcmp(cases[c].goals, "deps-python"))
+			EXPECT_NE(NULL, strstr(log, "tools/deps.sh"))
+			TH_LOG("make -n %s:\n%s", cases[c].goals, log);
+		free(log);
+	}
+	test_rmtree(dir);
+}
+
 TEST_HARNESS_MAIN

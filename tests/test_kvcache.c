@@ -677,7 +677,8 @@ TEST_F(kv, decode_under_decay_reads_only_keys_within_reach)
 			EXPECT_LT(st.pairs_computed, 4u * 256u);
 			EXPECT_EQ((uint64_t)(4 * L), st.pairs_visible);
 		} else {
-			EXPECT_TRUE(nan) TH_LOG("the poisoned keys did not reach the output without decay");
+			EXPECT_TRUE(nan)
+			TH_LOG("the poisoned keys did not reach the output without decay");
 		}
 		test_tensor_free(&o2);
 		ape_kv_cache_destroy(cache);

@@ -253,14 +253,16 @@ static int64_t window_cut(const struct ape_kv_cache *c, const struct ape__proble
 				m = fmaxf(m, ape__norm(row, p->D));
 			}
 			coef[b * p->H + h] = ape_temp(prm[3], n0) * fabs(p->scale) * m;
-			lc[b * p->H + h] = log(ape_tail_count((double)(t_ref - first), prm[0])) - log(tol);
+			lc[b * p->H + h] =
+				log(ape_tail_count((double)(t_ref - first), prm[0])) - log(tol);
 		}
 	for (int64_t bg = 0; bg < nbg; bg++)
 		pm[bg] = 0;
 	/* blocks oldest first, the largest norm so far in pm; the cut may end inside a block
 	 * (its maximum bounds any part of it) */
 	for (int64_t lb = c->lb_first; lb * c->bt < t_ref; lb++) {
-		const int64_t lo = lb * c->bt, hi = (lb + 1) * c->bt < t_ref ? (lb + 1) * c->bt : t_ref;
+		const int64_t lo = lb * c->bt;
+		const int64_t hi = (lb + 1) * c->bt < t_ref ? (lb + 1) * c->bt : t_ref;
 		double allow = (double)hi;
 
 		for (int64_t bg = 0; bg < nbg; bg++)
@@ -268,7 +270,8 @@ static int64_t window_cut(const struct ape_kv_cache *c, const struct ape__proble
 		for (int64_t b = 0; b < c->o.B; b++)
 			for (int64_t h = 0; h < p->H; h++) {
 				const int64_t bg = b * c->o.Hkv + h / group, bh = b * p->H + h;
-				const double need = lc[bh] + coef[bh] * ((double)pm[bg] + (double)kref[bg]);
+				const double need =
+					lc[bh] + coef[bh] * ((double)pm[bg] + (double)kref[bg]);
 				/* dn = t_ref - (cut - 1) */
 				const double a =
 					(double)t_ref + 1 - need / (double)p->head_params[4 * h];
