@@ -60,6 +60,29 @@ def _refuse_grad(fn, **arrays):
                  "pass %s.detach() (or call under torch.no_grad())" % (name, fn, fn, name))
 
 
+def _stats_arg(stats):
+    """For a call asked for its statistics (stats=True): an ape_stats, and the pointer to pass
+    (both None otherwise)."""
+    if not stats:
+        return None, None
+    st = _capi.ApeStats()
+    lib.ape_stats_init(ctypes.byref(st))
+    return st, ctypes.byref(st)
+
+
+def _with_stats(result, st):
+    """result, or with stats=True result + (the C call's ape_stats as a dict,): every field
+    of include/ape/ape.h's ape_stats but struct_size, backend and device as str."""
+    if st is None:
+        return result
+    d = {}
+    for name, _ in st._fields_:
+        if name != "struct_size":
+            x = getattr(st, name)
+            d[name] = x.decode(errors="replace") if isinstance(x, bytes) else x
+    return (result if isinstance(result, tuple) else (result,)) + (d,)
+
+
 # ------------------------------------------------------------------ the context and its devices
 
 class _Context:
@@ -403,7 +426,7 @@ def _host_call(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layou
 def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
               causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None, k_start=0,
               skip_tol=2.0 ** -24, device="auto", return_lse=False, positions_q=None,
-              positions_k=None):
+              positions_k=None, stats=False):
     """APE attention of q `[B, H, Lq, D]` over k, v `[B, Hkv, Lk, D]`; returns O `[B, H, Lq, D]`
     (and LSE `[B, H, Lq]` float32 with return_lse=True).
 
@@ -418,9 +441,16 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     Raises ApeValueError (a ValueError) for a bad argument, ApeError for other failures; also
     for torch tensors that record gradients (requires_grad outside torch.no_grad()): this call
     records none, libape.torch.attention() does.
+
+    stats=True appends the C call's statistics (ape_stats: times, pairs visible and computed,
+    chunks, bytes copied, backend and device) as a dict to what it returns: (o, stats), or
+    (o, lse, stats) with return_lse=True. Host arrays only.
     """
     _refuse_grad("attention", q=q, k=k, v=v, delta=delta, beta=beta, gamma=gamma, lam=lam)
     if _is_torch_cuda(q) or _is_torch_cuda(k) or _is_torch_cuda(v):
+        if stats:
+            _bad("stats=True: CUDA tensors go through ape_attention_forward_dlpack(), which "
+                 "reports no statistics")
         if positions_q is not None or positions_k is not None:
             _bad("positions_q, positions_k: explicit positions take host arrays only for now")
         return _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base,
@@ -435,10 +465,11 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     oa = _empty_like(qa, (B, H, Lq, D))
     lse, lse_ptr = _empty_lse(qa, (B, H, Lq)) if return_lse else (None, None)
     tq, tk, tv, to = _Tensors.pack((qa, ka, va, oa))
-    err = _forward(dev, ctypes.byref(desc), tq, tk, tv, to, lse_ptr, None)
+    st, st_ptr = _stats_arg(stats)
+    err = _forward(dev, ctypes.byref(desc), tq, tk, tv, to, lse_ptr, st_ptr)
     if err:
         _raise(err)
-    return (oa.obj, lse) if return_lse else oa.obj
+    return _with_stats((oa.obj, lse) if return_lse else oa.obj, st)
 
 
 # ------------------------------------------------------------------ ragged batches
@@ -480,7 +511,7 @@ def _i64p(a):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, positions_k=None,
                      delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
                      causal=True, scale=None, rope_base=10000.0, layout="half",
-                     skip_tol=2.0 ** -24, device="auto", return_lse=False):
+                     skip_tol=2.0 ** -24, device="auto", return_lse=False, stats=False):
     """APE attention over a ragged batch of packed sequences (ape_attention_forward_varlen()).
 
     q `[total_q, H, D]`, k and v `[total_k, Hkv, D]` (NumPy or torch CPU; strided views, such as
@@ -492,7 +523,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, p
     `[total_q, H, D]` of q's kind and dtype (and LSE `[total_q, H]` float32 with
     return_lse=True). On host arrays; gradients: attention_varlen_backward(), or
     libape.torch.attention_varlen() for autograd. Raises ApeValueError for a bad argument, and
-    for torch tensors that record gradients (as attention() does).
+    for torch tensors that record gradients (as attention() does). stats=True as for
+    attention().
     """
     _refuse_grad("attention_varlen", q=q, k=k, v=v, delta=delta, beta=beta, gamma=gamma,
                  lam=lam)
@@ -522,11 +554,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, p
     oa = _packed_view("o", out)
     lse, lse_ptr = _empty_lse(qa, (tq, H)) if return_lse else (None, None)
     tq_, tk_, tv_, to_ = _Tensors.pack((qa, ka, va, oa))
+    st, st_ptr = _stats_arg(stats)
     err = lib.ape_attention_forward_varlen(dev, ctypes.byref(desc), ctypes.byref(vl), tq_, tk_,
-                                           tv_, to_, lse_ptr, None)
+                                           tv_, to_, lse_ptr, st_ptr)
     if err:
         _raise(err)
-    return (out, lse) if return_lse else out
+    return _with_stats((out, lse) if return_lse else out, st)
 
 
 def _with_positions(desc, positions_q, positions_k, Lq, Lk, q_start, k_start, keep):
@@ -560,11 +593,11 @@ def attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens_q, cu_seqlens_k,
                               positions_q=None, positions_k=None, delta=SEED_DELTA,
                               beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True,
                               scale=None, rope_base=10000.0, layout="half",
-                              wrt=("q", "k", "v", "params"), device="auto"):
+                              wrt=("q", "k", "v", "params"), device="auto", stats=False):
     """The gradients of `attention_varlen()` (ape_attention_backward_varlen()): its inputs, O
     and LSE `[total_q, H]` (return_lse=True), dL/dO `dout` `[total_q, H, D]` and optionally
     dL/dLSE; returns `(dq, dk, dv, dparams)` packed like q, k, k and `[H, 4]`, those not in
-    `wrt` None. Arrays as for `attention_varlen()`."""
+    `wrt` None. Arrays as for `attention_varlen()`. stats=True as for attention()."""
     want = set(wrt)
     if not want or not want <= {"q", "k", "v", "params"}:
         _bad("wrt = %r: name one or more of 'q', 'k', 'v', 'params'" % (wrt,))
@@ -605,12 +638,13 @@ def attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens_q, cu_seqlens_k,
     tdk = next(ptrs) if dk is not None else None
     tdv = next(ptrs) if dv is not None else None
     devs = (ctypes.c_void_p * 1)(dev)
+    st, st_ptr = _stats_arg(stats)
     err = lib.ape_attention_backward_varlen(devs, 1, None, ctypes.byref(desc), ctypes.byref(vl),
                                             tq_, tk_, tv_, to_, lse_ptr, tdo, dlse_ptr, tdq, tdk,
-                                            tdv, dp_ptr, None)
+                                            tdv, dp_ptr, st_ptr)
     if err:
         _raise(err)
-    return dq, dk, dv, dp
+    return _with_stats((dq, dk, dv, dp), st)
 
 
 def position_ids_to_cu_seqlens(position_ids):
@@ -874,7 +908,9 @@ class KVCache:
 
     def attend(self, q, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
                causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None,
-               skip_tol=2.0 ** -24, return_lse=False):
+               skip_tol=2.0 ** -24, return_lse=False, stats=False):
+        """ape_kv_cache_attend(): o (and lse with return_lse=True; the C call's statistics as
+        a dict after them with stats=True, as for attention())."""
         c = self._live()
         qa = _as_array("q", q)
         B, H, Lq, D = qa.shape
@@ -884,11 +920,12 @@ class KVCache:
         oa = _empty_like(qa, (B, H, Lq, D))
         lse, lse_ptr = _empty_lse(qa, (B, H, Lq)) if return_lse else (None, None)
         tq, to = _tensor(qa), _tensor(oa)
+        st, st_ptr = _stats_arg(stats)
         err = lib.ape_kv_cache_attend(c, ctypes.byref(desc), ctypes.byref(tq), ctypes.byref(to),
-                                      lse_ptr, None)
+                                      lse_ptr, st_ptr)
         if err:
             _raise(err)
-        return (oa.obj, lse) if return_lse else oa.obj
+        return _with_stats((oa.obj, lse) if return_lse else oa.obj, st)
 
     def release_unreachable(self, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA,
                             lam=SEED_LAMBDA, causal=True, scale=None, rope_base=10000.0,
@@ -957,7 +994,7 @@ def _lse_buffer(name, x, kind, shape, dims="[B, H, Lq]"):
 def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, beta=SEED_BETA,
                        gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True, scale=None,
                        rope_base=10000.0, layout="half", q_start=None, k_start=0,
-                       wrt=_WRT, device="auto"):
+                       wrt=_WRT, device="auto", stats=False):
     """The gradients of `attention()` (ape_attention_backward()): given the forward's inputs and
     parameters, its O and LSE (`return_lse=True`), dL/dO `dout` and optionally dL/dLSE `dlse`,
     returns `(dq, dk, dv, dparams)`: dq like q, dk and dv like k (summed over the query heads
@@ -969,7 +1006,7 @@ def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, be
     `attention()`; the gradients have q's kind and dtype. `device` as for `attention()`: the
     reference, OpenCL and CUDA backends have a backward pass; a device without one (OpenCL
     without float64) raises ApeError (APE_ENOTSUP) with libape's message naming it, and
-    nothing falls back.
+    nothing falls back. stats=True appends the C call's statistics as for attention().
     """
     want = set(wrt)
     if not want or not want <= set(_WRT):
@@ -996,8 +1033,9 @@ def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, be
     tdq = next(ptrs) if dqa is not None else None
     tdk = next(ptrs) if dka is not None else None
     tdv = next(ptrs) if dva is not None else None
+    st, st_ptr = _stats_arg(stats)
     err = _backward(dev, ctypes.byref(desc), tq, tk, tv, to, lse_ptr, tdo, dlse_ptr, tdq, tdk,
-                    tdv, dp_ptr, None)
+                    tdv, dp_ptr, st_ptr)
     if err:
         _raise(err)
-    return tuple(None if a is None else a.obj for a in (dqa, dka, dva)) + (dp,)
+    return _with_stats(tuple(None if a is None else a.obj for a in (dqa, dka, dva)) + (dp,), st)
