@@ -28,6 +28,7 @@ static const struct {
 	{ "desc->delta", F_HEADS },    { "desc->beta", F_HEADS },
 	{ "desc->gamma", F_HEADS },    { "desc->lambda", F_HEADS },
 	{ "the gradients wanted (dq 1, dk 2, dv 4, dparams 8)", F_INT },
+	{ "desc->rope_scale", F_REAL },
 };
 _Static_assert(sizeof(fields) / sizeof(fields[0]) ==
 		       sizeof(((struct ape__mpi_digest *)0)->field) / sizeof(int64_t),
@@ -89,6 +90,8 @@ void ape__mpi_digest_fill(struct ape__mpi_digest *dg, const ape_attn_desc *desc,
 	f[18] = heads_hash(&desc->gamma, H);
 	f[19] = heads_hash(&desc->lambda, H);
 	f[20] = want;
+	/* a desc of an earlier layout (struct_size) has no rope_scale: 1 */
+	f[21] = real_bits(desc->struct_size == sizeof(*desc) ? desc->rope_scale : 1.0);
 }
 
 static void show(char *buf, size_t len, int i, int64_t v)

@@ -35,7 +35,7 @@ void ape__mpi_part(int64_t L, int64_t m, int64_t i, int64_t *start, int64_t *cou
 struct ape__mpi_digest {
 	int32_t status;
 	int32_t rank;
-	int64_t field[21];
+	int64_t field[22];
 	char msg[APE__MPI_MSG];
 };
 

@@ -126,7 +126,8 @@ static int case_naive(const struct pcase *c, double **o, double **lse)
 {
 	double prm[4][8];
 	naive_params np = {
-		.rope_base = c->desc.rope_base, .scale = NAN, .causal = c->desc.causal,
+		.rope_base = c->desc.rope_base, .rope_scale = c->desc.rope_scale, .scale = NAN,
+		.causal = c->desc.causal,
 		.interleaved = c->desc.layout == APE_ROPE_INTERLEAVED,
 		.pos_q = c->pq, .pos_k = c->pk,
 	};
@@ -275,15 +276,25 @@ TEST_F(dev, explicit_default_positions_are_the_implicit_call_bit_for_bit)
 		EXPECT_EQ(0, memcmp(c.o.alloc, o2.alloc, c.o.alloc_bytes)) TH_LOG("%s", c.what);
 		EXPECT_EQ(0, memcmp(c.lse, lse2, sizeof(float) * (size_t)(c.B * c.H * c.Lq)))
 		TH_LOG("%s", c.what);
-		/* a caller of the first layout: the fields past skip_tol are not read */
-		c.desc.struct_size = APE_ATTN_DESC_V1_SIZE;
-		c.desc.pos_q = (const int64_t *)(uintptr_t)1;
-		c.desc.pos_k = NULL;
-		test_tensor_poison(&o2.t);
-		ASSERT_EQ(0, ape_attention_forward(self->dev, &c.desc, &c.q.t, &c.k.t, &c.v.t,
-						   &o2.t, lse2, NULL))
-		TH_LOG("%s", ape_last_error());
-		EXPECT_EQ(0, memcmp(c.o.alloc, o2.alloc, c.o.alloc_bytes)) TH_LOG("%s", c.what);
+		/* a caller of the first layout (and of the second): the fields past its struct are
+		 * not read, rope_scale is 1 */
+		for (int v = 1; v <= 2; v++) {
+			c.desc.struct_size = sizeof(c.desc);
+			c.desc.rope_scale = 1;
+			ASSERT_EQ(0, ape_attention_forward(self->dev, &c.desc, &c.q.t, &c.k.t, &c.v.t,
+							   &c.o.t, c.lse, NULL));
+			c.desc.struct_size = v == 1 ? APE_ATTN_DESC_V1_SIZE : APE_ATTN_DESC_V2_SIZE;
+			c.desc.pos_q = v == 1 ? (const int64_t *)(uintptr_t)1 : NULL;
+			c.desc.pos_k = NULL;
+			c.desc.rope_scale = NAN;
+			test_tensor_poison(&o2.t);
+			ASSERT_EQ(0, ape_attention_forward(self->dev, &c.desc, &c.q.t, &c.k.t, &c.v.t,
+							   &o2.t, lse2, NULL))
+			TH_LOG("layout %d: %s", v, ape_last_error());
+			EXPECT_EQ(0, memcmp(c.o.alloc, o2.alloc, c.o.alloc_bytes))
+			TH_LOG("layout %d: %s", v, c.what);
+			c.desc.pos_q = c.desc.pos_k = NULL;
+		}
 		test_tensor_free(&o2);
 		free(lse2);
 		case_free(&c);

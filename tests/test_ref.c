@@ -128,7 +128,8 @@ TEST(awkward_sizes)
 /*
  * Identities 1 and 2: with lambda = beta = gamma = 0 (and delta = 0 for identity 1) APE is RoPE
  * attention with an ALiBi-style bias, computed here the textbook way: rotate q and k by their
- * absolute positions, then softmax(scale q.k - delta |n|) V.
+ * absolute positions (interpolated, p / rope_scale, as position interpolation defines it), then
+ * softmax(scale q.k - delta |n|) V.
  */
 static void textbook_rope(const test_problem *tp, double delta, double *o, double *lse)
 {
@@ -148,7 +149,8 @@ static void textbook_rope(const test_problem *tp, double delta, double *o, doubl
 			for (int64_t j = 0; j < Lk; j++) /* rotate every key by pos_k */
 				for (int64_t p = 0; p < P; p++) {
 					int64_t a = inter ? 2 * p : p, c = inter ? 2 * p + 1 : p + P;
-					double ang = (double)(tp->desc.k_start + j) *
+					double ang = (double)(tp->desc.k_start + j) /
+						     tp->desc.rope_scale *
 						     pow(tp->desc.rope_base, -2.0 * p / D);
 					double x = naive_get(k, b, kh, j, a), y = naive_get(k, b, kh, j, c);
 
@@ -161,7 +163,8 @@ static void textbook_rope(const test_problem *tp, double delta, double *o, doubl
 
 				for (int64_t p = 0; p < P; p++) { /* rotate the query by pos_q */
 					int64_t a = inter ? 2 * p : p, c = inter ? 2 * p + 1 : p + P;
-					double ang = (double)pq * pow(tp->desc.rope_base, -2.0 * p / D);
+					double ang = (double)pq / tp->desc.rope_scale *
+						     pow(tp->desc.rope_base, -2.0 * p / D);
 					double x = naive_get(q, b, h, i, a), y = naive_get(q, b, h, i, c);
 
 					qr[a] = x * cos(ang) - y * sin(ang);

@@ -356,6 +356,7 @@ static void check_success(struct __test_metadata *_metadata, struct call *c,
 		.gamma = gamma,
 		.lambda = lambda,
 		.rope_base = c->desc.rope_base,
+		.rope_scale = c->desc.rope_scale,
 		.scale = c->desc.scale_set ? c->desc.scale : NAN,
 		.causal = c->desc.causal,
 		.interleaved = c->desc.layout == APE_ROPE_INTERLEAVED,
@@ -468,7 +469,7 @@ VALID(baseline, (void)c);
 CASE(dev_null, APE_EINVAL, "dev = NULL", NULL, c->dev = NULL);
 CASE(desc_null, APE_EINVAL, "desc = NULL", NULL, c->descp = NULL);
 CASE(desc_struct_size_zero, APE_EINVAL, "desc->struct_size", "= 0", c->desc.struct_size = 0);
-CASE(desc_struct_size_small, APE_EINVAL, "desc->struct_size", NULL, c->desc.struct_size -= 8);
+CASE(desc_struct_size_small, APE_EINVAL, "desc->struct_size", NULL, c->desc.struct_size -= 4);
 CASE(desc_struct_size_large, APE_EINVAL, "desc->struct_size", NULL, c->desc.struct_size += 8);
 CASE(stats_struct_size_zero, APE_EINVAL, "stats->struct_size", "= 0", c->st.struct_size = 0);
 CASE(stats_struct_size_small, APE_EINVAL, "stats->struct_size", NULL, c->st.struct_size -= 8);
@@ -680,6 +681,14 @@ VALID(every_parameter_per_head, c->desc.delta.per_head = c->desc.beta.per_head =
 VALID(value_ignored_with_per_head, c->desc.delta.value = NAN; c->desc.delta.per_head = c->ph);
 
 /* scalar parameters */
+CASE(rope_scale_zero, APE_EINVAL, "desc->rope_scale", "= 0", c->desc.rope_scale = 0);
+CASE(rope_scale_negative, APE_EINVAL, "desc->rope_scale", "-2", c->desc.rope_scale = -2);
+CASE(rope_scale_nan, APE_EINVAL, "desc->rope_scale", "nan", c->desc.rope_scale = NAN);
+CASE(rope_scale_inf, APE_EINVAL, "desc->rope_scale", "inf", c->desc.rope_scale = INFINITY);
+VALID(rope_scale_4, c->desc.rope_scale = 4);
+/* a caller of the second layout: rope_scale, past its struct, is never read (1) */
+VALID(desc_struct_size_v2, c->desc.struct_size = APE_ATTN_DESC_V2_SIZE;
+      c->desc.rope_scale = NAN);
 CASE(rope_base_zero, APE_EINVAL, "desc->rope_base", "= 0", c->desc.rope_base = 0);
 CASE(rope_base_negative, APE_EINVAL, "desc->rope_base", "-10000", c->desc.rope_base = -10000);
 CASE(rope_base_nan, APE_EINVAL, "desc->rope_base", "nan", c->desc.rope_base = NAN);

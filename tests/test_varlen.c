@@ -142,8 +142,8 @@ static int seq_naive(const struct batch *b, int64_t s, double **o, double **lse)
 	const int64_t q0 = b->cuq[s], lq = b->cuq[s + 1] - q0;
 	const int64_t k0 = b->cuk[s], lk = b->cuk[s + 1] - k0;
 	naive_params np = {
-		.rope_base = b->desc.rope_base, .scale = NAN, .causal = b->desc.causal,
-		.pos_q = b->posq + q0, .pos_k = b->posk + k0,
+		.rope_base = b->desc.rope_base, .rope_scale = b->desc.rope_scale, .scale = NAN,
+		.causal = b->desc.causal, .pos_q = b->posq + q0, .pos_k = b->posk + k0,
 	};
 
 	for (int i = 0; i < 4; i++)

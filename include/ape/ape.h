@@ -231,16 +231,31 @@ typedef struct ape_attn_desc {
 	 */
 	const int64_t *pos_q;
 	const int64_t *pos_k; /**< see pos_q */
+	/* ---- added after the second layout (APE_ATTN_DESC_V2_SIZE) with position interpolation */
+	/**
+	 * Position interpolation (progressive length scaling, p' = p / s): the rotation turns by
+	 * n / rope_scale where it turned by n, theta_p = (n / rope_scale) omega_p / alpha_i, while
+	 * the bias and the temperature keep the true n. Default 1 (no scaling); finite, > 0 (else
+	 * APE_EINVAL naming desc->rope_scale). A model trained at length L runs at s L with
+	 * rope_scale = s. Every call that takes a desc honours it, the gradients included (the
+	 * parameter gradients are those of the scaled rotation); see "Position interpolation" in
+	 * docs/ape.md.
+	 */
+	double rope_scale;
 } ape_attn_desc;
 
 /** The size of ape_attn_desc before pos_q and pos_k were added: a caller built against that
  *  layout passes it as struct_size (the library then reads no field past skip_tol: the
- *  positions are NULL). ape_attn_desc_init() sets sizeof(ape_attn_desc). */
+ *  positions are NULL, rope_scale 1). ape_attn_desc_init() sets sizeof(ape_attn_desc). */
 #define APE_ATTN_DESC_V1_SIZE offsetof(ape_attn_desc, pos_q)
+/** The size of ape_attn_desc before rope_scale was added (the library reads no field past
+ *  pos_k: rope_scale is 1). */
+#define APE_ATTN_DESC_V2_SIZE offsetof(ape_attn_desc, rope_scale)
 
 /**
  * \brief Sets the defaults: all four decay/adaptivity parameters 0 (plain RoPE attention),
- * rope_base 10000, scale 1/sqrt(D), causal, half layout, end-aligned queries, skip_tol 2^-24.
+ * rope_base 10000, rope_scale 1, scale 1/sqrt(D), causal, half layout, end-aligned queries,
+ * skip_tol 2^-24.
  * Never fails.
  */
 APE_API void ape_attn_desc_init(ape_attn_desc *desc);

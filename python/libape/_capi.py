@@ -41,7 +41,8 @@ class ApeAttnDesc(ctypes.Structure):
                 ("scale_set", ctypes.c_bool), ("causal", ctypes.c_bool),
                 ("layout", ctypes.c_int), ("k_start", c_int64), ("q_start", c_int64),
                 ("q_start_set", ctypes.c_bool), ("skip_tol", ctypes.c_double),
-                ("pos_q", ctypes.POINTER(c_int64)), ("pos_k", ctypes.POINTER(c_int64))]
+                ("pos_q", ctypes.POINTER(c_int64)), ("pos_k", ctypes.POINTER(c_int64)),
+                ("rope_scale", ctypes.c_double)]
 
 
 class ApeStats(ctypes.Structure):

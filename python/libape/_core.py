@@ -349,19 +349,19 @@ _desc_cache = {}
 
 
 def _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-          skip_tol, keep):
+          skip_tol, keep, rope_scale=1.0):
     """An ape_attn_desc; those of scalar parameters are cached (they never change once built,
     and libape only reads them)."""
     key = None
     if (type(delta) in _SCALAR and type(beta) in _SCALAR and type(gamma) in _SCALAR and
             type(lam) in _SCALAR):
         key = (delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-               skip_tol)
+               skip_tol, rope_scale)
         d = _desc_cache.get(key)
         if d is not None:
             return d
     d = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
-                    k_start, skip_tol, keep)
+                    k_start, skip_tol, keep, rope_scale)
     if key is not None:
         if len(_desc_cache) > 256:
             _desc_cache.clear()
@@ -370,7 +370,7 @@ def _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
 
 
 def _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-                skip_tol, keep):
+                skip_tol, keep, rope_scale=1.0):
     d = _capi.ApeAttnDesc()
     lib.ape_attn_desc_init(ctypes.byref(d))
     d.delta = _param("delta", delta, H, keep)
@@ -382,6 +382,7 @@ def _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_
         d.scale = float(scale)
         d.scale_set = True
     d.rope_base = float(rope_base)
+    d.rope_scale = float(rope_scale)
     lay = _LAYOUTS.get(layout)
     if lay is None:
         _bad("layout = %r: must be 'half' or 'interleaved'" % (layout,))
@@ -408,7 +409,7 @@ def _device_spec(device):
 # ------------------------------------------------------------------ attention
 
 def _host_call(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
-               k_start, skip_tol):
+               k_start, skip_tol, rope_scale=1.0):
     """The host arrays of one call (all NumPy or all torch CPU) and its descriptor; `keep`
     holds what the descriptor points to and must outlive the call."""
     qa = _as_array("q", q)
@@ -419,14 +420,14 @@ def _host_call(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layou
              % (qa.kind, ka.kind, va.kind))
     keep = []
     desc = _desc(qa.shape[1], delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
-                 k_start, skip_tol, keep)
+                 k_start, skip_tol, keep, rope_scale)
     return qa, ka, va, desc, keep
 
 
 def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
               causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None, k_start=0,
               skip_tol=2.0 ** -24, device="auto", return_lse=False, positions_q=None,
-              positions_k=None, stats=False):
+              positions_k=None, stats=False, rope_scale=1.0):
     """APE attention of q `[B, H, Lq, D]` over k, v `[B, Hkv, Lk, D]`; returns O `[B, H, Lq, D]`
     (and LSE `[B, H, Lq]` float32 with return_lse=True).
 
@@ -442,6 +443,9 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     for torch tensors that record gradients (requires_grad outside torch.no_grad()): this call
     records none, libape.torch.attention() does.
 
+    rope_scale (default 1; finite, > 0): position interpolation, the rotation turning by
+    n / rope_scale while the bias and temperature keep n (ape_attn_desc.rope_scale).
+
     stats=True appends the C call's statistics (ape_stats: times, pairs visible and computed,
     chunks, bytes copied, backend and device) as a dict to what it returns: (o, stats), or
     (o, lse, stats) with return_lse=True. Host arrays only.
@@ -454,9 +458,11 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
         if positions_q is not None or positions_k is not None:
             _bad("positions_q, positions_k: explicit positions take host arrays only for now")
         return _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base,
-                               layout, q_start, k_start, skip_tol, device, return_lse)
+                               layout, q_start, k_start, skip_tol, device, return_lse,
+                               rope_scale=rope_scale)
     qa, ka, va, desc, keep = _host_call(q, k, v, delta, beta, gamma, lam, causal, scale,
-                                        rope_base, layout, q_start, k_start, skip_tol)
+                                        rope_base, layout, q_start, k_start, skip_tol,
+                                        rope_scale)
     B, H, Lq, D = qa.shape
     if positions_q is not None or positions_k is not None:
         desc = _with_positions(desc, positions_q, positions_k, Lq, ka.shape[2], q_start,
@@ -511,7 +517,8 @@ def _i64p(a):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, positions_k=None,
                      delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
                      causal=True, scale=None, rope_base=10000.0, layout="half",
-                     skip_tol=2.0 ** -24, device="auto", return_lse=False, stats=False):
+                     skip_tol=2.0 ** -24, device="auto", return_lse=False, stats=False,
+                     rope_scale=1.0):
     """APE attention over a ragged batch of packed sequences (ape_attention_forward_varlen()).
 
     q `[total_q, H, D]`, k and v `[total_k, Hkv, D]` (NumPy or torch CPU; strided views, such as
@@ -544,7 +551,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, p
     pk = None if positions_k is None else _int64_array("positions_k", positions_k, tk)
     keep = []
     desc = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
-                       skip_tol, keep)
+                       skip_tol, keep, rope_scale)
     vl = _varlen_struct(cq, ck, pq, pk)
     dev = _device_spec(device)
     if qa.kind == "torch":
@@ -593,7 +600,8 @@ def attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens_q, cu_seqlens_k,
                               positions_q=None, positions_k=None, delta=SEED_DELTA,
                               beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True,
                               scale=None, rope_base=10000.0, layout="half",
-                              wrt=("q", "k", "v", "params"), device="auto", stats=False):
+                              wrt=("q", "k", "v", "params"), device="auto", stats=False,
+                              rope_scale=1.0):
     """The gradients of `attention_varlen()` (ape_attention_backward_varlen()): its inputs, O
     and LSE `[total_q, H]` (return_lse=True), dL/dO `dout` `[total_q, H, D]` and optionally
     dL/dLSE; returns `(dq, dk, dv, dparams)` packed like q, k, k and `[H, 4]`, those not in
@@ -618,7 +626,7 @@ def attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens_q, cu_seqlens_k,
         _lse_buffer("dlse", dlse, qa.kind, (tq, H), "[total_q, H]")
     keep = []
     desc = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
-                       0.0, keep)
+                       0.0, keep, rope_scale)
     vl = _varlen_struct(cq, ck, pq, pk)
     dev = _device_spec(device)
 
@@ -693,7 +701,7 @@ def _dl_tensor(name, x, keep):
 
 
 def _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
-                    k_start, skip_tol, device, return_lse, diag=False):
+                    k_start, skip_tol, device, return_lse, diag=False, rope_scale=1.0):
     """CUDA tensors: libape's CUDA device of the same ordinal computes on them where they are,
     on PyTorch's current stream (ape_attention_forward_dlpack(), or with diag
     ape_attention_forward_dlpack_diag(), returning (O, LSE, entropy, mean_distance)); nothing is
@@ -716,7 +724,7 @@ def _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, 
     B, H, Lq, D = q.shape
     keep = []
     desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-                 skip_tol, keep)
+                 skip_tol, keep, rope_scale)
     spec = "cuda:%d" % q.device.index if device in (None, "auto") else device
     dev = _device_spec(spec)
     stream = torch.cuda.current_stream(q.device).cuda_stream
@@ -908,7 +916,7 @@ class KVCache:
 
     def attend(self, q, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
                causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None,
-               skip_tol=2.0 ** -24, return_lse=False, stats=False):
+               skip_tol=2.0 ** -24, return_lse=False, stats=False, rope_scale=1.0):
         """ape_kv_cache_attend(): o (and lse with return_lse=True; the C call's statistics as
         a dict after them with stats=True, as for attention())."""
         c = self._live()
@@ -916,7 +924,7 @@ class KVCache:
         B, H, Lq, D = qa.shape
         keep = []
         desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, 0,
-                     skip_tol, keep)
+                     skip_tol, keep, rope_scale)
         oa = _empty_like(qa, (B, H, Lq, D))
         lse, lse_ptr = _empty_lse(qa, (B, H, Lq)) if return_lse else (None, None)
         tq, to = _tensor(qa), _tensor(oa)
@@ -994,7 +1002,7 @@ def _lse_buffer(name, x, kind, shape, dims="[B, H, Lq]"):
 def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, beta=SEED_BETA,
                        gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True, scale=None,
                        rope_base=10000.0, layout="half", q_start=None, k_start=0,
-                       wrt=_WRT, device="auto", stats=False):
+                       wrt=_WRT, device="auto", stats=False, rope_scale=1.0):
     """The gradients of `attention()` (ape_attention_backward()): given the forward's inputs and
     parameters, its O and LSE (`return_lse=True`), dL/dO `dout` and optionally dL/dLSE `dlse`,
     returns `(dq, dk, dv, dparams)`: dq like q, dk and dv like k (summed over the query heads
@@ -1021,7 +1029,7 @@ def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, be
         _lse_buffer("dlse", dlse, qa.kind, (B, H, Lq))
     keep = []
     desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-                 0.0, keep)
+                 0.0, keep, rope_scale)
     dev = _device_spec(device)
     dqa = _empty_like(qa, qa.shape) if "q" in want else None
     dka = _empty_like(qa, ka.shape) if "k" in want else None

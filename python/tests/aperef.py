@@ -7,7 +7,7 @@ import numpy as np
 
 def ape64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=10000.0,
           layout="half", q_start=None, k_start=0, diag=False, positions_q=None,
-          positions_k=None):
+          positions_k=None, rope_scale=1.0):
     """q [B,H,Lq,D], k, v [B,Hkv,Lk,D]; parameters floats or per-head sequences.
     Returns O [B,H,Lq,D] and LSE [B,H,Lq] in float64; with diag=True also the entropy
     -sum P ln P and the mean distance sum P |n| of every row [B,H,Lq] (0 with no visible key)."""
@@ -39,7 +39,8 @@ def ape64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=1
             qq, kk, vv = q[b, h], k[b, kh], v[b, kh]
             sigma = qq.std(axis=-1, ddof=1)
             alpha = 1.0 + lm / (1.0 + np.exp(sigma))
-            theta = n[:, :, None] * omega[None, None, :] / alpha[:, None, None]
+            # position interpolation: the rotation at n / rope_scale, bias and temperature at n
+            theta = (n / rope_scale)[:, :, None] * omega[None, None, :] / alpha[:, None, None]
             x, y = qq[:, ia][:, None, :], qq[:, ib][:, None, :]
             u, w = kk[:, ia][None, :, :], kk[:, ib][None, :, :]
             dot = ((x * u + y * w) * np.cos(theta) + (x * w - y * u) * np.sin(theta)).sum(-1)

@@ -170,3 +170,41 @@ def test_unknown_device_is_an_error_not_a_fallback():
     with pytest.raises(libape.ApeError) as e:
         libape.attention(q1(), q1(), q1(), device="nosuchbackend")
     assert "nosuchbackend" in str(e.value)
+
+
+@pytest.mark.parametrize("device", ["ref", "opencl"])
+def test_rope_scale_is_position_interpolation(device):
+    """rope_scale = s rotates by n / s while the bias and temperature keep n: against the
+    float64 eager reference at s = 4 and 0.5, GQA, both layouts; s = 1 is the call without it
+    bit for bit; the backward takes it too (its gradients differ from s = 1's); a bad value is
+    refused naming desc->rope_scale."""
+    if device == "opencl" and not [b for b in libape.backends() if b["name"] == "opencl"][0][
+            "available"]:
+        pytest.skip("no OpenCL device here (libape.backends() says why)")
+    r = np.random.default_rng(7)
+    q = r.standard_normal((2, 4, 9, 16)).astype(np.float32)
+    k = r.standard_normal((2, 2, 13, 16)).astype(np.float32)
+    v = r.standard_normal((2, 2, 13, 16)).astype(np.float32)
+    prm = dict(delta=[0.2, 0.0, 0.1, 0.05], beta=0.02, gamma=0.01, lam=[0.3, 0.0, 0.5, 0.1])
+    for s in (4.0, 0.5):
+        for layout in ("half", "interleaved"):
+            o, lse = libape.attention(q, k, v, device=device, return_lse=True, rope_scale=s,
+                                      layout=layout, skip_tol=0.0, k_start=5, **prm)
+            o64, lse64 = ape64(q, k, v, causal=True, layout=layout, k_start=5, rope_scale=s,
+                               **prm)
+            assert np.abs(o - o64).max() < 1e-4 * max(1.0, np.abs(v).max()), (s, layout)
+            assert np.abs(lse - lse64).max() < 1e-4 * max(1.0, np.abs(lse64).max())
+            o1 = libape.attention(q, k, v, device=device, rope_scale=1.0, layout=layout,
+                                  skip_tol=0.0, k_start=5, **prm)
+            assert np.abs(o - o1).max() > 1e-3  # the scale did something
+    assert np.array_equal(libape.attention(q, k, v, device=device, rope_scale=1.0, **prm),
+                          libape.attention(q, k, v, device=device, **prm))
+    o, lse = libape.attention(q, k, v, device=device, return_lse=True, rope_scale=4.0, **prm)
+    g4 = libape.attention_backward(q, k, v, o, lse, o, device=device, rope_scale=4.0, **prm)
+    o1, lse1 = libape.attention(q, k, v, device=device, return_lse=True, **prm)
+    g1 = libape.attention_backward(q, k, v, o1, lse1, o1, device=device, **prm)
+    assert all(np.isfinite(g).all() for g in g4)
+    assert np.abs(g4[0] - g1[0]).max() > 1e-4
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="rope_scale"):
+            libape.attention(q, k, v, device=device, rope_scale=bad)

@@ -186,9 +186,14 @@ static int resolve_param(const char *fn, const char *name, const ape_param *prm,
 
 static int check_scalars(const char *fn, const ape_attn_desc *d)
 {
+	const double rope_scale = ape__desc_rope_scale(d);
+
 	if (!isfinite(d->rope_base) || !(d->rope_base > 0))
 		return ape__error(APE_EINVAL, "%s: desc->rope_base = %g: must be finite and > 0", fn,
 				  d->rope_base);
+	if (!isfinite(rope_scale) || !(rope_scale > 0))
+		return ape__error(APE_EINVAL, "%s: desc->rope_scale = %g: must be finite and > 0",
+				  fn, rope_scale);
 	if (d->scale_set && !isfinite(d->scale))
 		return ape__error(APE_EINVAL, "%s: desc->scale = %g: must be finite", fn, d->scale);
 	if (!isfinite(d->skip_tol) || d->skip_tol < 0)
@@ -238,18 +243,35 @@ static int resolve_positions(const char *fn, const ape_attn_desc *d, int64_t Lq,
 
 bool ape__desc_size_ok(const ape_attn_desc *d)
 {
-	return d->struct_size == sizeof(*d) || d->struct_size == APE_ATTN_DESC_V1_SIZE;
+	return d->struct_size == sizeof(*d) || d->struct_size == APE_ATTN_DESC_V2_SIZE ||
+	       d->struct_size == APE_ATTN_DESC_V1_SIZE;
+}
+
+/* The bytes of d the library may read: its layout's, the first one's for any other size. */
+static size_t desc_bytes(const ape_attn_desc *d)
+{
+	return d->struct_size == sizeof(*d)		   ? sizeof(*d)
+	       : d->struct_size == APE_ATTN_DESC_V2_SIZE ? APE_ATTN_DESC_V2_SIZE
+							 : APE_ATTN_DESC_V1_SIZE;
 }
 
 void ape__desc_copy(ape_attn_desc *dst, const ape_attn_desc *src)
 {
 	memset(dst, 0, sizeof(*dst));
-	memcpy(dst, src, src->struct_size == sizeof(*src) ? sizeof(*src) : APE_ATTN_DESC_V1_SIZE);
+	memcpy(dst, src, desc_bytes(src));
+	if (desc_bytes(src) < sizeof(*src))
+		dst->rope_scale = 1.0;
+}
+
+double ape__desc_rope_scale(const ape_attn_desc *d)
+{
+	return d->struct_size == sizeof(*d) ? d->rope_scale : 1.0;
 }
 
 void ape__desc_positions(const ape_attn_desc *d, const int64_t **pos_q, const int64_t **pos_k)
 {
-	const bool has = d->struct_size == sizeof(*d); /* the first layout has no positions */
+	/* the first layout has no positions */
+	const bool has = desc_bytes(d) > APE_ATTN_DESC_V1_SIZE;
 
 	*pos_q = has ? d->pos_q : NULL;
 	*pos_k = has ? d->pos_k : NULL;
@@ -262,8 +284,10 @@ static int check_desc(const char *fn, const ape_attn_desc *desc)
 	if (!ape__desc_size_ok(desc))
 		return ape__error(APE_EINVAL,
 				  "%s: desc->struct_size = %zu: expected %zu (initialise with "
-				  "ape_attn_desc_init()) or APE_ATTN_DESC_V1_SIZE = %zu",
-				  fn, desc->struct_size, sizeof(*desc), APE_ATTN_DESC_V1_SIZE);
+				  "ape_attn_desc_init()), APE_ATTN_DESC_V2_SIZE = %zu or "
+				  "APE_ATTN_DESC_V1_SIZE = %zu",
+				  fn, desc->struct_size, sizeof(*desc), APE_ATTN_DESC_V2_SIZE,
+				  APE_ATTN_DESC_V1_SIZE);
 	return check_scalars(fn, desc);
 }
 
@@ -446,6 +470,7 @@ int ape__problem_init(struct ape__problem *p, const char *fn, const ape_attn_des
 	p->k_start = desc->k_start;
 	p->scale = desc->scale_set ? desc->scale : 1.0 / sqrt((double)p->D);
 	p->rope_base = desc->rope_base;
+	p->rope_scale = ape__desc_rope_scale(desc);
 	p->skip_tol = desc->skip_tol;
 	p->causal = desc->causal;
 	p->layout = desc->layout;
@@ -493,6 +518,7 @@ void ape_attn_desc_init(ape_attn_desc *desc)
 	memset(desc, 0, sizeof(*desc));
 	desc->struct_size = sizeof(*desc);
 	desc->rope_base = 10000.0;
+	desc->rope_scale = 1.0;
 	desc->causal = true;
 	desc->layout = APE_ROPE_HALF;
 	desc->skip_tol = 0x1p-24;

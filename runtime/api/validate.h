@@ -24,12 +24,15 @@ int ape__problem_init_pos(struct ape__problem *p, const char *fn, const ape_attn
 			  const ape_tensor *q, const ape_tensor *k, const ape_tensor *v,
 			  const ape_tensor *o, const float *lse);
 
-/* desc->struct_size is one the library takes: sizeof(ape_attn_desc) or APE_ATTN_DESC_V1_SIZE. */
+/* desc->struct_size is one the library takes: sizeof(ape_attn_desc), APE_ATTN_DESC_V2_SIZE or
+ * APE_ATTN_DESC_V1_SIZE. */
 bool ape__desc_size_ok(const ape_attn_desc *d);
-/* *dst = *src without reading past src's layout (its struct_size, the first layout unless it is
- * the whole struct): the fields the caller did not know of are 0 (NULL positions); struct_size
- * is the caller's. */
+/* *dst = *src without reading past src's layout (its struct_size, the first layout for a size
+ * the library does not take): the fields the caller did not know of are their defaults (NULL
+ * positions, rope_scale 1); struct_size is the caller's. */
 void ape__desc_copy(ape_attn_desc *dst, const ape_attn_desc *src);
+/* desc's rope_scale, 1 for a desc of an earlier layout. */
+double ape__desc_rope_scale(const ape_attn_desc *d);
 /* desc's explicit positions, NULL for a desc of the first layout. */
 void ape__desc_positions(const ape_attn_desc *d, const int64_t **pos_q, const int64_t **pos_k);
 

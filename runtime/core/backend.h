@@ -188,7 +188,7 @@ struct ape__launch {
 	bool decay_nonneg; /* every head has delta, beta, gamma >= 0: skipping is allowed */
 	double scale; /* resolved: never "default" */
 	double rope_base;
-	double omega[128]; /* omega_p = rope_base^(-2p/D) for p < D/2, in float64 */
+	double omega[128]; /* omega_p = rope_base^(-2p/D) / rope_scale for p < D/2, in float64 */
 	bool causal;
 	ape_rope_layout layout;
 	int64_t q_start, k_start; /* resolved absolute positions of row 0 */

@@ -22,8 +22,10 @@ void ape__launch_init(struct ape__launch *l, const struct ape__problem *p, ape_d
 	l->decay_nonneg = p->decay_nonneg;
 	l->scale = p->scale;
 	l->rope_base = p->rope_base;
+	/* position interpolation: theta_p = (n / rope_scale) omega_p / alpha, here once for every
+	 * backend and path (a shell problem has rope_base 0 and no omega) */
 	for (int64_t i = 0; p->rope_base > 0 && i < p->D / 2; i++)
-		l->omega[i] = pow(p->rope_base, -2.0 * (double)i / (double)p->D);
+		l->omega[i] = pow(p->rope_base, -2.0 * (double)i / (double)p->D) / p->rope_scale;
 	l->causal = p->causal;
 	l->layout = p->layout;
 	l->skip_tol = p->decay_nonneg ? skip_tol : 0.0;

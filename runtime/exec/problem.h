@@ -19,6 +19,7 @@ struct ape__problem {
 	float *head_params; /* 4*H: delta, beta, gamma, lambda per head (owned) */
 	bool decay_nonneg; /* delta, beta, gamma >= 0 in every head */
 	double scale, rope_base, skip_tol;
+	double rope_scale; /* position interpolation: the rotation's n is n / rope_scale (> 0) */
 	bool causal;
 	ape_rope_layout layout;
 	int64_t q_start, k_start;

@@ -103,7 +103,11 @@ int naive_attention_diag(const naive_params *p, const ape_tensor *q, const ape_t
 						int64_t ia = p->interleaved ? 2 * pp : pp;
 						int64_t ib = p->interleaved ? 2 * pp + 1 : pp + half;
 						long double w = powl(p->rope_base, -2.0L * pp / D);
-						long double th = (long double)n * w / alpha;
+						/* position interpolation: n / s in the
+						 * rotation only */
+						long double th = (long double)n /
+								 (p->rope_scale > 0 ? p->rope_scale : 1) *
+								 w / alpha;
 						long double c = cosl(th), sn = sinl(th);
 						/* q rotated by +theta, then dotted with k */
 						long double rx = c * qv[ia] - sn * qv[ib];

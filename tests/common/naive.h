@@ -15,6 +15,7 @@
 typedef struct naive_params {
 	const double *delta, *beta, *gamma, *lambda; /* H values each */
 	double rope_base;
+	double rope_scale; /* position interpolation: the rotation's n is n / rope_scale; 0: 1 */
 	double scale; /* NAN: 1/sqrt(D) */
 	bool causal;
 	bool interleaved;

@@ -52,6 +52,7 @@ void test_random_desc(ape_rng *r, ape_attn_desc *desc, float prm[4][8], int64_t 
 	ape_attn_desc_init(desc);
 	desc->causal = ape_rng_range(r, 0, 3) > 0;
 	desc->skip_tol = ape_rng_range(r, 0, 1) ? 0 : desc->skip_tol;
+	desc->rope_scale = ape_rng_range(r, 0, 2) ? 1.0 : 4.0; /* position interpolation too */
 	test_random_head_params(desc, prm, H, r);
 }
 

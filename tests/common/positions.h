@@ -28,7 +28,8 @@ void test_positions(ape_rng *r, enum pos_mode m, int64_t *p, int64_t n, int64_t 
  * side: 0 when both are the same, else infinite), max'ed into *err; NaN counts as infinite. */
 void test_lse_err(double got, double want, double *err);
 
-/* desc initialised with a random causal flag and skip_tol (0 or the default), and random per-head
+/* desc initialised with a random causal flag, skip_tol (0 or the default) and rope_scale (1 or
+ * 4), and random per-head
  * parameters prm[0..3][0..H) (delta < 0.4, beta and gamma < 0.04, lambda < 0.3; H <= 8). */
 void test_random_desc(ape_rng *r, ape_attn_desc *desc, float prm[4][8], int64_t H);
 

@@ -104,6 +104,8 @@ void test_problem_set_params(test_problem *tp, double delta, double beta, double
 void test_problem_random_params(test_problem *tp, ape_rng *r)
 {
 	static const double bases[] = { 10000, 500000, 100, 2.5 };
+	/* position interpolation (and extrapolation) in a third of the problems */
+	static const double rope_scales[] = { 1, 1, 1, 1, 1, 1, 0.5, 3, 16 };
 	const int64_t H = tp->q.t.shape[1];
 	bool per_head = ape_rng_uniform(r) < 0.5;
 
@@ -124,6 +126,7 @@ void test_problem_random_params(test_problem *tp, ape_rng *r)
 		tp->desc.lambda = (ape_param){ tp->params[3 * H], NULL };
 	}
 	tp->desc.rope_base = bases[ape_rng_range(r, 0, 3)];
+	tp->desc.rope_scale = rope_scales[ape_rng_range(r, 0, 8)];
 	tp->desc.scale_set = ape_rng_uniform(r) < 0.4;
 	tp->desc.scale = (ape_rng_uniform(r) * 4 - 2) / sqrt((double)tp->q.t.shape[3]);
 	tp->desc.causal = ape_rng_uniform(r) < 0.7;
@@ -244,7 +247,7 @@ void test_problem_describe(const test_problem *tp, char *buf, size_t len)
 	snprintf(buf, len,
 		 "B=%" PRId64 " H=%" PRId64 " Hkv=%" PRId64 " Lq=%" PRId64 " Lk=%" PRId64
 		 " D=%" PRId64 " %s->%s%s %s %s q_start=%" PRId64 " k_start=%" PRId64
-		 " delta=%g beta=%g gamma=%g lambda=%g%s base=%g scale=%s%g",
+		 " delta=%g beta=%g gamma=%g lambda=%g%s base=%g rope_scale=%g scale=%s%g",
 		 s[0], s[1], tp->k.t.shape[1], s[2], tp->k.t.shape[2], s[3],
 		 ape_dtype_name(tp->q.t.dtype), ape_dtype_name(tp->o.t.dtype),
 		 tp->strided ? " strided" : "", tp->desc.causal ? "causal" : "non-causal",
@@ -252,7 +255,7 @@ void test_problem_describe(const test_problem *tp, char *buf, size_t len)
 		 tp->desc.k_start, (double)tp->params[0], (double)tp->params[s[1]],
 		 (double)tp->params[2 * s[1]], (double)tp->params[3 * s[1]],
 		 tp->desc.delta.per_head ? " (head 0)" : "", tp->desc.rope_base,
-		 tp->desc.scale_set ? "" : "default/", tp->desc.scale_set ? tp->desc.scale : 0.0);
+		 tp->desc.rope_scale, tp->desc.scale_set ? "" : "default/", tp->desc.scale_set ? tp->desc.scale : 0.0);
 }
 
 static void resolve_q_start(test_problem *tp)
@@ -311,6 +314,7 @@ int test_problem_naive(test_problem *tp)
 	np.gamma = prm + 2 * H;
 	np.lambda = prm + 3 * H;
 	np.rope_base = tp->desc.rope_base;
+	np.rope_scale = tp->desc.rope_scale;
 	np.scale = tp->desc.scale_set ? tp->desc.scale : NAN;
 	np.causal = tp->desc.causal;
 	np.interleaved = tp->desc.layout == APE_ROPE_INTERLEAVED;

@@ -193,6 +193,8 @@ static void take_call(struct in *in, struct call *c)
 	if (flags & 1024)
 		c->desc.struct_size = (size_t)take_int(in);
 	c->positions = flags & 2048;
+	if (flags & 4096) /* position interpolation: any double, refused unless finite and > 0 */
+		c->desc.rope_scale = take_double(in);
 }
 
 /* ---------------------------------------------------------------- running it */

@@ -12,7 +12,7 @@
 enum {
 	OPT_Q = 1, OPT_K, OPT_V, OPT_O, OPT_LSE, OPT_BACKEND, OPT_DEVICE,
 	OPT_DELTA, OPT_BETA, OPT_GAMMA, OPT_LAMBDA, /* in this order: they index run_args.param */
-	OPT_ROPE_BASE, OPT_SCALE, OPT_NO_CAUSAL, OPT_LAYOUT, OPT_Q_START, OPT_K_START,
+	OPT_ROPE_BASE, OPT_ROPE_SCALE, OPT_SCALE, OPT_NO_CAUSAL, OPT_LAYOUT, OPT_Q_START, OPT_K_START,
 	OPT_SKIP_TOL, OPT_DTYPE, OPT_STATS, OPT_CHUNK, OPT_MAX_MEM, OPT_TRACE, OPT_DEVICES,
 	OPT_KV_CACHE, OPT_KV_BLOCK, OPT_KV_CAPACITY, OPT_KV_RELEASE,
 	OPT_BACKWARD, OPT_DLSE, OPT_DQ, OPT_DK, OPT_DV, OPT_DPARAMS, OPT_HELP,
@@ -36,6 +36,7 @@ static const struct cli_option options[] = {
 	{ "--gamma", NULL, true, OPT_GAMMA },
 	{ "--lambda", NULL, true, OPT_LAMBDA },
 	{ "--rope-base", NULL, true, OPT_ROPE_BASE },
+	{ "--rope-scale", NULL, true, OPT_ROPE_SCALE },
 	{ "--scale", NULL, true, OPT_SCALE },
 	{ "--no-causal", NULL, false, OPT_NO_CAUSAL },
 	{ "--layout", NULL, true, OPT_LAYOUT },
@@ -101,6 +102,8 @@ void run_usage(void)
 	       "\n"
 	       "Other parameters:\n"
 	       "  --rope-base X  RoPE base (default 10000)\n"
+	       "  --rope-scale X position interpolation: the rotation turns by n / X, the\n"
+	       "                 bias and temperature keep n (default 1; finite, > 0)\n"
 	       "  --scale X      score scale (default 1/sqrt(D))\n"
 	       "  --no-causal    every query sees every key (default: causal)\n"
 	       "  --layout L     rotary pairs: half, (p, p + D/2), the default, or\n"
@@ -264,6 +267,8 @@ static int parse_value(struct run_args *a, int id, const char *val, char *msg, s
 	switch (id) {
 	case OPT_ROPE_BASE:
 		return cli_parse_finite("--rope-base", val, &d->rope_base, msg, len);
+	case OPT_ROPE_SCALE:
+		return cli_parse_finite("--rope-scale", val, &d->rope_scale, msg, len);
 	case OPT_SKIP_TOL:
 		return cli_parse_finite("--skip-tol", val, &d->skip_tol, msg, len);
 	case OPT_SCALE:
