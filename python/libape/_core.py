@@ -768,7 +768,7 @@ def _dlpack_forward_cpu(dev, q, k, v, return_lse, diag=False, **params):
 
 
 def _backward_dlpack(dev, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, causal, scale,
-                     rope_base, layout, q_start, k_start, wrt, stream):
+                     rope_base, layout, q_start, k_start, wrt, stream, rope_scale=1.0):
     """ape_attention_backward_dlpack() on torch tensors where they are (CPU: kDLCPU, returning
     once written; CUDA: kDLCUDA on `stream`, returning once enqueued): (dq, dk, dv, dparams
     [H, 4] float32), each None where `wrt` does not name it, allocated beside q."""
@@ -786,7 +786,7 @@ def _backward_dlpack(dev, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, 
     B, H, Lq, D = q.shape
     keep = []
     desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-                 0.0, keep)
+                 0.0, keep, rope_scale)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if "q" in want else None
     dk = torch.empty(k.shape, dtype=q.dtype, device=q.device) if "k" in want else None
     dv = torch.empty(k.shape, dtype=q.dtype, device=q.device) if "v" in want else None
@@ -803,7 +803,8 @@ def _backward_dlpack(dev, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, 
 
 
 def _attention_backward_cuda(q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, causal,
-                             scale, rope_base, layout, q_start, k_start, wrt, device):
+                             scale, rope_base, layout, q_start, k_start, wrt, device,
+                             rope_scale=1.0):
     """CUDA tensors: the gradients computed where the tensors are, by libape's CUDA device of
     their ordinal, on PyTorch's current stream (ape_attention_backward_dlpack()): nothing is
     copied through host memory, and the call returns once the work is enqueued. None when this
@@ -818,7 +819,8 @@ def _attention_backward_cuda(q, k, v, o, lse, dout, dlse, delta, beta, gamma, la
     spec = "cuda:%d" % (q.device.index or 0) if device in (None, "auto") else device
     stream = torch.cuda.current_stream(q.device).cuda_stream
     return _backward_dlpack(spec, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, causal,
-                            scale, rope_base, layout, q_start, k_start, wrt, stream)
+                            scale, rope_base, layout, q_start, k_start, wrt, stream,
+                            rope_scale=rope_scale)
 
 
 def _dlpack_backward_cpu(dev, q, k, v, o, lse, dout, dlse=None, wrt=("q", "k", "v", "params"),

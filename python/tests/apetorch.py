@@ -6,7 +6,7 @@ import torch
 
 
 def ape_torch64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=10000.0,
-                layout="half", q_start=None, k_start=0):
+                layout="half", q_start=None, k_start=0, rope_scale=1.0):
     """q [B,H,Lq,D], k, v [B,Hkv,Lk,D] (float64 tensors); parameters float64 tensors of shape
     [] or [H]. Returns O [B,H,Lq,D] and LSE [B,H,Lq]; every row must see a key."""
     B, H, Lq, D = q.shape
@@ -26,7 +26,8 @@ def ape_torch64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_
     v = v.repeat_interleave(H // Hkv, dim=1)
     sigma = q.std(dim=-1, unbiased=True)                                  # [B,H,Lq]
     alpha = 1.0 + lam[..., 0] * torch.sigmoid(-sigma)                     # [B,H,Lq]
-    theta = n.double()[None, None, :, :, None] * omega / alpha[..., None, None]
+    # position interpolation: the rotation at n / rope_scale
+    theta = (n.double() / rope_scale)[None, None, :, :, None] * omega / alpha[..., None, None]
     x, y = q[..., ia][:, :, :, None, :], q[..., ib][:, :, :, None, :]
     u, w = k[..., ia][:, :, None, :, :], k[..., ib][:, :, None, :, :]
     dot = ((x * u + y * w) * torch.cos(theta) + (x * w - y * u) * torch.sin(theta)).sum(-1)

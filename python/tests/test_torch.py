@@ -204,6 +204,34 @@ def test_plain_calls_refuse_tensors_that_record_gradients(which):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("device", ["ref", "opencl"])
+def test_torch_grads_with_rope_scale(device):
+    """Position interpolation through autograd: every gradient (q, k, v and the four
+    parameters) at rope_scale 3 matches float64 autograd of the eager APE at the same scale, on
+    the reference and (where it has a backward) OpenCL; APEAttention's rope_scale attribute
+    reaches the call."""
+    if device == "opencl" and apet.grad_device() != "opencl":
+        pytest.skip("no OpenCL device with a backward pass here (grad_device() is %s)"
+                    % apet.grad_device())
+    args = [a.requires_grad_() for a in inputs(12)]
+    kw = dict(causal=True, q_start=6, k_start=3, rope_base=300.0)
+    o, lse = apet.attention(*args[:3], delta=args[3], beta=args[4], gamma=args[5], lam=args[6],
+                            return_lse=True, rope_scale=3.0, device=device, **kw)
+    loss_o_and_lse(o, lse).backward()
+    check_grads([a.grad for a in args],
+                reference_grads(args, loss_o_and_lse, rope_scale=3.0, **kw))
+    layer = apet.APEAttention(4, 16, device="ref")
+    q, k, v = (x.detach() for x in inputs(13)[:3])
+    k, v = k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1)
+    o1 = layer(q, k, v)
+    layer.rope_scale = 3.0
+    o3 = layer(q, k, v)
+    assert not torch.equal(o1, o3)
+    assert torch.equal(o3, apet.attention(q, k, v, delta=layer.delta, beta=layer.beta,
+                                          gamma=layer.gamma, lam=layer.lambda_, rope_scale=3.0,
+                                          device="ref"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_torch_grads_low_precision(dtype):
     args = inputs(5, dtype=dtype)
@@ -240,11 +268,11 @@ def test_opcheck():
     args = inputs(6, B=1, H=2, Hkv=1, Lq=5, Lk=7, D=8)
     args = [a.requires_grad_() for a in args[:3]] + [p[:2].clone().requires_grad_()
                                                      for p in args[3:]]
-    rest = (True, None, 10000.0, "half", None, 0, "ref")
+    rest = (True, None, 10000.0, 1.0, "half", None, 0, "ref")
     torch.library.opcheck(torch.ops.libape.attention.default, (*args, *rest))
     shared = args[:3] + [torch.tensor(0.1, requires_grad=True) for _ in range(4)]
     torch.library.opcheck(torch.ops.libape.attention.default,
-                          (*shared, False, 0.5, 100.0, "interleaved", 2, 1, "ref"))
+                          (*shared, False, 0.5, 100.0, 2.5, "interleaved", 2, 1, "ref"))
 
 
 @pytest.mark.skipif(apet.IMPLEMENTATION != "custom_op", reason="PyTorch before 2.4")
