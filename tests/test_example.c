@@ -166,7 +166,8 @@ TEST(readme_build_lines_work_against_an_install)
  * README's set-up lines: `make deps run` installs what the library, its tools and the main job
  * need, not the Python test environment (PyTorch: a few GB); `make deps check`, `make
  * deps-python` and `make deps` alone do install it. Dry runs (make -n) in the source tree, with
- * this build's variables.
+ * this build's variables, which record no suite time in the build (tests/timed.sh: make runs
+ * the lines holding $(MAKE) even in a dry run; this test runs inside `make check`).
  */
 TEST(deps_install_python_only_for_goals_that_need_it)
 {
@@ -176,8 +177,9 @@ TEST(deps_install_python_only_for_goals_that_need_it)
 	} cases[] = { { "deps run", false }, { "deps check", true }, { "deps-python", true },
 		      { "deps", true } };
 	char dir[] = "/tmp/ape-deps-XXXXXX", path[4200], script[8192];
-	char *log;
+	char *log, *times_before, *times_after;
 
+	times_before = (char *)test_read_file(APE_BUILD_DIR "/check-times", NULL);
 	ASSERT_NE(NULL, mkdtemp(dir));
 	for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
 		snprintf(script, sizeof(script),
@@ -194,6 +196,13 @@ TEST(deps_install_python_only_for_goals_that_need_it)
 			TH_LOG("make -n %s:\n%s", cases[c].goals, log);
 		free(log);
 	}
+	times_after = (char *)test_read_file(APE_BUILD_DIR "/check-times", NULL);
+	EXPECT_TRUE((!times_before && !times_after) ||
+		    (times_before && times_after && !strcmp(times_before, times_after)))
+	TH_LOG("a dry run recorded suite times in %s/check-times: %s", APE_BUILD_DIR,
+	       times_after ? times_after : "(removed)");
+	free(times_before);
+	free(times_after);
 	test_rmtree(dir);
 }
 
