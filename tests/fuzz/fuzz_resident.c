@@ -461,7 +461,11 @@ static void fuzz_kv(struct in *in, const struct shape5 *s, ape_queue *queue)
 	 * capacity past 2^40 tokens is refused before anything is allocated. */
 	{
 #define POS(x) ((x) > 0 ? (x) : 1)
-		const int64_t bt = POS(o.block_tokens), ac = o.append_chunk ? o.append_chunk : 1024;
+		/* block_tokens 0 is the library's default, 256 (ape.h): a capacity of one token
+		 * still holds a whole block (the finding of 2026-12-06: B = 1498, a 47-token append
+		 * of 281,624 elements fit in a "one-token" cache) */
+		const int64_t bt = o.block_tokens ? POS(o.block_tokens) : 256;
+		const int64_t ac = o.append_chunk ? o.append_chunk : 1024;
 		const int64_t blocks = (o.capacity_tokens >> 41 ? 1 : POS(o.capacity_tokens)) / bt + 1;
 		const uint64_t bg = small_mul(POS(o.B), POS(o.Hkv));
 		const int64_t H = o.H > 0 ? o.H : o.Hkv;
