@@ -10,6 +10,12 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 os.environ.setdefault("LIBAPE_LIBRARY", os.path.join(BUILD, "lib", "libape.so.0"))
 
 
+def has_backend(name):
+    """Whether libape has a device of backend `name` here (libape.backends() says why not)."""
+    import libape
+    return any(b["name"] == name and b["available"] for b in libape.backends())
+
+
 def pytest_terminal_summary(terminalreporter):
     """Appends "passed failed skipped" to $APE_TEST_SUMMARY, as the C suites do."""
     path = os.environ.get("APE_TEST_SUMMARY")

@@ -5,6 +5,7 @@ import pytest
 
 import libape
 from aperef import ape64
+from conftest import has_backend
 
 # The spec's tolerances: O relative to max|V|, LSE relative to max(1, |LSE|).
 TOL = {np.float32: (1e-4, 1e-4), np.float16: (5e-3, 1e-3)}
@@ -178,8 +179,7 @@ def test_rope_scale_is_position_interpolation(device):
     float64 eager reference at s = 4 and 0.5, GQA, both layouts; s = 1 is the call without it
     bit for bit; the backward takes it too (its gradients differ from s = 1's); a bad value is
     refused naming desc->rope_scale."""
-    if device == "opencl" and not [b for b in libape.backends() if b["name"] == "opencl"][0][
-            "available"]:
+    if not has_backend(device):
         pytest.skip("no OpenCL device here (libape.backends() says why)")
     r = np.random.default_rng(7)
     q = r.standard_normal((2, 4, 9, 16)).astype(np.float32)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import libape
-from conftest import BUILD
+from conftest import BUILD, has_backend
 
 FIELDS = {"pairs_visible", "pairs_computed", "kernel_ms", "total_ms", "bytes_to_device",
           "bytes_from_device", "backend", "device", "chunks", "chunks_skipped", "chunk_q",
@@ -29,8 +29,7 @@ def causal_pairs(Lq, Lk):
 
 @pytest.mark.parametrize("device", ["ref", "opencl"])
 def test_forward_stats_are_ape_run_s(tmp_path, device):
-    if device == "opencl" and not [b for b in libape.backends() if b["name"] == "opencl"][0][
-            "available"]:
+    if not has_backend(device):
         pytest.skip("no OpenCL device here (libape.backends() says why)")
     q, k, v = qkv(1)
     o0, lse0 = libape.attention(q, k, v, device=device, return_lse=True)
@@ -42,7 +41,7 @@ def test_forward_stats_are_ape_run_s(tmp_path, device):
     assert 0 < st["pairs_computed"] <= st["pairs_visible"] and st["chunks"] >= 1
     assert st["total_ms"] > 0 and st["kernel_ms"] >= 0
     o1, st1 = libape.attention(q, k, v, device=device, stats=True, skip_tol=0.0)
-    assert np.array_equal(o1, o0) or device == "opencl"  # skip_tol 0 may round differently
+    assert np.abs(o1 - o0).max() <= 1e-5  # skipping at 2^-24 moves O by far less
     assert st1["pairs_computed"] == st1["pairs_visible"]
     # the same call through ape-run --stats: the counts it prints are the dict's
     for name, x in zip("qkv", (q, k, v)):

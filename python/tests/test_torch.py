@@ -11,7 +11,7 @@ import pytest
 
 import libape
 from aperef import ape64
-from conftest import BUILD, ROOT
+from conftest import BUILD, ROOT, has_backend
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed here (make deps installs "
                             "it)")
@@ -150,7 +150,7 @@ def test_training_defaults_to_the_fastest_device_with_a_backward():
     device with a backward pass (as CI's PoCL has), else the float64 reference. The gradients
     equal an explicit call on that device bit for bit, match float64 autograd at the spec's
     tolerance, and (on OpenCL) are not the reference backend's."""
-    opencl = [b for b in libape.backends() if b["name"] == "opencl"][0]["available"]
+    opencl = has_backend("opencl")
     q = np.linspace(-1, 1, 24, dtype=np.float32).reshape(1, 1, 3, 8)
     try:
         o, lse = libape.attention(q, q, q, device="opencl", return_lse=True)
