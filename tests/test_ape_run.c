@@ -86,7 +86,8 @@ TEST_F(run, per_head_lists_and_every_flag)
 
 	write_inputs(_metadata, self, APE_F32, 1, 3, 3, 6, 8, 8, false);
 	ASSERT_EQ(0, RUN(BASIC, "--delta", "0.1,0.2,0.3", "--beta=0,0.01,-0.02", "--gamma", "0.05",
-			 "--lambda", "0.5,0,0.25", "--rope-base", "500", "--scale", "0.3",
+			 "--lambda", "0.5,0,0.25", "--rope-base", "500", "--rope-scale", "2.5",
+			 "--scale", "0.3",
 			 "--no-causal", "--layout", "interleaved", "--q-start", "100", "--k-start",
 			 "90", "--skip-tol", "0", "--device", "0"))
 		TH_LOG("%s", self->err);
@@ -96,6 +97,7 @@ TEST_F(run, per_head_lists_and_every_flag)
 	desc.gamma.value = 0.05f;
 	desc.lambda.per_head = lambda;
 	desc.rope_base = 500;
+	desc.rope_scale = 2.5;
 	desc.scale = 0.3;
 	desc.scale_set = true;
 	desc.causal = false;
@@ -273,6 +275,8 @@ TEST_F(run, bad_arguments)
 		       WORDS("--lambda", "2 values", "H = 4"));
 	expect_refused(_metadata, self, RUN(BASIC, "--lambda", "-0.5"), 2, WORDS("lambda", "-0.5"));
 	expect_refused(_metadata, self, RUN(BASIC, "--rope-base", "0"), 2, WORDS("rope_base"));
+	expect_refused(_metadata, self, RUN(BASIC, "--rope-scale", "0"), 2, WORDS("rope_scale", "= 0"));
+	expect_refused(_metadata, self, RUN(BASIC, "--rope-scale", "x"), 2, WORDS("--rope-scale"));
 	expect_refused(_metadata, self, RUN(BASIC, "--scale", "inf"), 2, WORDS("--scale"));
 	expect_refused(_metadata, self, RUN(BASIC, "--q-start", "1.5"), 2,
 		       WORDS("--q-start", "integer"));
