@@ -19,7 +19,7 @@ gradient is wanted. When any input or parameter requires a gradient, forward and
 on libape's OpenCL device if its backward pass runs there (probed once, with a tiny call: a
 device without cl_khr_fp64 has none), else on the reference backend ("ref": float64, exact, and
 tens of times slower; one forward and backward at H = 6, D = 64, L = 1024 took 6.7 s there
-against 0.2 s on OpenCL on a 2-core Intel Xeon, bench/RESULTS.md). CUDA is used for CPU
+against 0.12 s on OpenCL on a 2-core Intel Xeon, bench/RESULTS.md). CUDA is used for CPU
 tensors only when asked for: its backward has not yet run on a GPU (emulator only).
 APE_BACKEND, when set and not "auto", names the device, as for any "auto" choice.
 `libape.torch.grad_device()` says which device that is. A device given
