@@ -6,7 +6,8 @@
  * ape_context_options.opencl_context/opencl_device, retained); in-order profiling queues, one
  * per ape__queue (the core makes one per forward call), or the caller's own queue, retained
  * (queue_wrap: in order, timing only when the caller enabled profiling). Programs are built lazily per (device, D specialisation) under the
- * device's mutex and kept for the context's life; kernel objects are made per launch, because
+ * device's mutex (the cached one used last is loaded at device open, ape__ocl_program_preload())
+ * and kept for the context's life; kernel objects are made per launch, because
  * clSetKernelArg on a shared cl_kernel is not thread-safe.
  */
 #ifndef APE_OPENCL_OCL_H
@@ -38,6 +39,9 @@ struct ape__ocl_program {
 	pthread_mutex_t lock; /* held while building, so that each variant is built once */
 	cl_program prog; /* NULL until built; never changes afterwards */
 	struct ape__ocl_tuning t;
+	/* the preload (ape__ocl_program_preload) found this variant's cache entry unusable (and
+	 * counted it in cache_rejects): the first build goes straight to the source */
+	bool cache_refused;
 };
 
 struct ape__ocl_device {
@@ -56,8 +60,9 @@ struct ape__ocl_device {
 	cl_ulong max_alloc; /* CL_DEVICE_MAX_MEM_ALLOC_SIZE */
 	cl_uint vec_float; /* CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT */
 	struct ape__ocl_program progs[APE__OCL_NVARIANTS];
-	pthread_mutex_t lock; /* guards counters (builds of two variants may run at once) */
+	pthread_mutex_t lock; /* guards counters (builds of two variants may run at once) and kernels */
 	struct ape__ocl_debug_counters counters;
+	char kernels[1024]; /* the names of the kernels enqueued since the tests last read them */
 };
 
 /*
@@ -144,6 +149,15 @@ int ape__ocl_synchronize(struct ape__queue *q);
 int ape__ocl_track(struct ape__queue *q, cl_event ev);
 
 /* ---- ocl_program.c */
+/*
+ * At device open (ape_context_create): loads from the program cache, never compiling, the
+ * variant whose entry was used last (each load renews its entry's time), so that a process's
+ * first call does not pay for the driver's binary load (about 45 ms for PoCL on a CPU).
+ * APE_OCL_PRELOAD: unset or "1" that one, "all" every cached variant, "64,128" the variants of
+ * those head dimensions, "0" none. Nothing fails: a variant not loaded here is built on first
+ * use as before.
+ */
+void ape__ocl_program_preload(struct ape__ocl_device *od);
 /* The built program for head dimension D, building it on first use. */
 int ape__ocl_program_get(struct ape_device *dev, int64_t D, const struct ape__ocl_program **out);
 

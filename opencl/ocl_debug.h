@@ -22,10 +22,15 @@ struct ape__ocl_debug_counters {
 	unsigned cache_hits; /* loaded from the program cache and built from the binary */
 	unsigned cache_writes; /* entries written to the program cache */
 	unsigned cache_rejects; /* entries found but not used (corrupt, untrusted, or failed) */
+	unsigned preloads; /* of cache_hits, those loaded at device open (ape_context_create) */
 };
 
 /* 0, or -1 when dev is not an OpenCL device. */
 int ape__ocl_debug_counters(const struct ape_device *dev, struct ape__ocl_debug_counters *out);
+/* The kernels enqueued on dev since the last call, space-separated in order ("ape_kmax
+ * ape_attention"; cut short past 1 KiB), into buf; then forgets them. -1 when dev is not an
+ * OpenCL device. For tests that check the kernel path a call says it took. */
+int ape__ocl_debug_kernels(const struct ape_device *dev, char *buf, unsigned cap);
 /* CL_DEVICE_MAX_MEM_ALLOC_SIZE, or 0 when dev is not an OpenCL device. */
 uint64_t ape__ocl_debug_max_alloc(const struct ape_device *dev);
 /* Commands whose events the queue holds (its timeline, ocl.h): bounded on a long-lived queue

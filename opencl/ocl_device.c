@@ -265,6 +265,8 @@ static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_devic
 		.positions = true,
 		.max_alloc = od->max_alloc, /* checked in buf_alloc: some drivers fail late */
 	};
+	/* the programs already in the cache, now rather than in the first call */
+	ape__ocl_program_preload(od);
 	ret = ape__device_add(be, &info, &caps, rank, od);
 	if (ret) {
 		ocl_dev_free(od);
@@ -528,6 +530,20 @@ int ape__ocl_debug_counters(const struct ape_device *dev, struct ape__ocl_debug_
 	od = ape__ocl_dev(dev);
 	pthread_mutex_lock(&od->lock);
 	*out = od->counters;
+	pthread_mutex_unlock(&od->lock);
+	return 0;
+}
+
+int ape__ocl_debug_kernels(const struct ape_device *dev, char *buf, unsigned cap)
+{
+	struct ape__ocl_device *od;
+
+	if (!dev || strcmp(dev->info.backend, "opencl"))
+		return -1;
+	od = ape__ocl_dev(dev);
+	pthread_mutex_lock(&od->lock);
+	snprintf(buf, cap, "%s", od->kernels);
+	od->kernels[0] = '\0';
 	pthread_mutex_unlock(&od->lock);
 	return 0;
 }

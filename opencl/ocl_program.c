@@ -1,7 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Programs: chosen per device (tile shapes from its limits), built lazily per D specialisation,
- * cached on disk as binaries (runtime/core/progcache.c) and kept for the context's life.
+ * cached on disk as binaries (runtime/core/progcache.c) and kept for the context's life. The
+ * cached variant used last (or those APE_OCL_PRELOAD names) is loaded when the device is opened
+ * (ape__ocl_program_preload(), ape_context_create()), not in the first call: loading a binary
+ * is PoCL parsing the program's LLVM bitcode, about 45 ms on a 2-core Xeon for every variant,
+ * which made a fresh process's first call 2-5x its kernels' time (bench/RESULTS.md, 2026-12-06).
  *
  * Build options: none beyond the shape. Measured on PoCL 3.1 (150 random f32 cases against the
  * reference, NaN/Inf cases, dense L = 4096): -cl-mad-enable, -cl-fast-relaxed-math,
@@ -132,9 +136,11 @@ static void ocl_options(const struct ape__ocl_device *od, int v, const struct ap
 		 od->fp64, APE_MAX_D);
 }
 
-/* Everything a binary depends on: platform, device, driver, the exact source, the options. */
-static void ocl_cache_key(const struct ape__ocl_device *od, const char *opts, char *buf,
-			  size_t cap)
+/* The hash of the programs' whole source (160 KB, about a millisecond byte by byte): once. */
+static uint64_t ocl_src_hash;
+static pthread_once_t ocl_src_once = PTHREAD_ONCE_INIT;
+
+static void ocl_src_hash_init(void)
 {
 	uint64_t h = APE__FNV_OFFSET;
 
@@ -145,6 +151,17 @@ static void ocl_cache_key(const struct ape__ocl_device *od, const char *opts, ch
 	h = ape__fnv1a64(ape__ocl_src_backward, strlen(ape__ocl_src_backward), h);
 	h = ape__fnv1a64(ape__ocl_src_decode, strlen(ape__ocl_src_decode), h);
 	h = ape__fnv1a64(ape__ocl_src_separable, strlen(ape__ocl_src_separable), h);
+	ocl_src_hash = h;
+}
+
+/* Everything a binary depends on: platform, device, driver, the exact source, the options. */
+static void ocl_cache_key(const struct ape__ocl_device *od, const char *opts, char *buf,
+			  size_t cap)
+{
+	uint64_t h;
+
+	pthread_once(&ocl_src_once, ocl_src_hash_init);
+	h = ocl_src_hash;
 	snprintf(buf, cap,
 		 "libape opencl program 1\nplatform: %s\nplatform version: %s\ndevice: %s\n"
 		 "driver: %s\nsource fnv1a64: %016llx\noptions: %s\n",
@@ -219,8 +236,10 @@ static void ocl_count(struct ape__ocl_device *od, unsigned *counter)
 	pthread_mutex_unlock(&od->lock);
 }
 
+/* The program of `key` from the cache, or NULL; *refused (when not NULL) is set when an entry
+ * was there but could not be used (counted in cache_rejects). */
 static cl_program ocl_from_cache(struct ape__ocl_device *od, const char *key, const char *opts,
-				 const struct ape__ocl_tuning *t)
+				 const struct ape__ocl_tuning *t, bool *refused)
 {
 	void *blob;
 	size_t len;
@@ -229,8 +248,11 @@ static cl_program ocl_from_cache(struct ape__ocl_device *od, const char *key, co
 	int ret = ape__progcache_load(key, &blob, &len);
 
 	if (ret != APE__CACHE_HIT) {
-		if (ret == APE__CACHE_CORRUPT || ret == APE__CACHE_UNTRUSTED)
+		if (ret == APE__CACHE_CORRUPT || ret == APE__CACHE_UNTRUSTED) {
 			ocl_count(od, &od->counters.cache_rejects);
+			if (refused)
+				*refused = true;
+		}
 		return NULL;
 	}
 	prog = clCreateProgramWithBinary(od->ctx, 1, &od->id, &len,
@@ -244,6 +266,8 @@ static cl_program ocl_from_cache(struct ape__ocl_device *od, const char *key, co
 	if (!prog) {
 		/* the driver refused it: rebuild and overwrite */
 		ocl_count(od, &od->counters.cache_rejects);
+		if (refused)
+			*refused = true;
 		return NULL;
 	}
 	ocl_count(od, &od->counters.cache_hits);
@@ -321,9 +345,13 @@ static int ocl_build(struct ape_device *dev, int v)
 	for (;;) {
 		ocl_options(od, v, &t, opts, sizeof(opts));
 		ocl_cache_key(od, opts, key, sizeof(key));
-		prog = ocl_from_cache(od, key, opts, &t);
-		if (prog)
+		/* an entry the preload refused is not read again: it is rebuilt and replaced */
+		prog = od->progs[v].cache_refused ? NULL : ocl_from_cache(od, key, opts, &t, NULL);
+		od->progs[v].cache_refused = false;
+		if (prog) {
+			ape__progcache_touch(key); /* used: the next process preloads it */
 			break;
+		}
 		ret = ocl_from_source(dev, v, opts, &t, &prog);
 		if (ret < 0)
 			return ret;
@@ -342,6 +370,98 @@ static int ocl_build(struct ape_device *dev, int v)
 	od->progs[v].prog = prog;
 	od->progs[v].t = t;
 	return 0;
+}
+
+/*
+ * Which variants APE_OCL_PRELOAD (see ocl.h) asks for: a bit per variant in *want; returns true
+ * when only the most recently used of them should be loaded (the default).
+ */
+static bool ocl_preload_wanted(unsigned *want)
+{
+	const char *e = getenv("APE_OCL_PRELOAD");
+	const char *p;
+
+	*want = 0;
+	if (!e || !*e || !strcmp(e, "1")) {
+		*want = (1u << APE__OCL_NVARIANTS) - 1;
+		return true;
+	}
+	if (!strcmp(e, "all")) {
+		*want = (1u << APE__OCL_NVARIANTS) - 1;
+		return false;
+	}
+	for (p = e; *p;) { /* "0" loads nothing; anything malformed neither, said once */
+		char *end;
+		long d = strtol(p, &end, 10);
+
+		if (end == p || (*end && *end != ',') || (d != 0 && (d < 2 || d > APE_MAX_D || d % 2))) {
+			ape__warn("APE_OCL_PRELOAD=\"%s\" ignored: expected 1, all, 0 or even head "
+				  "dimensions up to %d (\"64,128\")",
+				  e, APE_MAX_D);
+			*want = 0;
+			break;
+		}
+		if (d > 0 && d <= APE_MAX_D && d % 2 == 0)
+			*want |= 1u << ocl_variant(d);
+		p = *end ? end + 1 : end;
+	}
+	return false;
+}
+
+/* The tuning, options and cache key variant v is first built with (ocl_build's first try). */
+static void ocl_first_key(const struct ape__ocl_device *od, int v, struct ape__ocl_tuning *t,
+			  char *opts, size_t opts_cap, char *key, size_t key_cap)
+{
+	ocl_tune(od, ocl_variant_dmax(v), t);
+	ocl_options(od, v, t, opts, opts_cap);
+	ocl_cache_key(od, opts, key, key_cap);
+}
+
+void ape__ocl_program_preload(struct ape__ocl_device *od)
+{
+	struct ape__ocl_tuning t;
+	char opts[256], key[1024];
+	unsigned want;
+	const bool latest = ocl_preload_wanted(&want);
+
+	if (latest) {
+		/* the variant whose entry was used last (a load renews its time, ocl_build): the
+		 * head dimension this machine's last process computed with, which a process that
+		 * never touches the others does not pay to load */
+		struct timespec best = { 0, 0 }, when;
+		int pick = -1;
+
+		for (int v = 0; v < APE__OCL_NVARIANTS; v++) {
+			ocl_first_key(od, v, &t, opts, sizeof(opts), key, sizeof(key));
+			if (ape__progcache_used(key, &when))
+				continue;
+			if (pick < 0 || when.tv_sec > best.tv_sec ||
+			    (when.tv_sec == best.tv_sec && when.tv_nsec > best.tv_nsec)) {
+				best = when;
+				pick = v;
+			}
+		}
+		want = pick < 0 ? 0 : 1u << pick;
+	}
+	for (int v = 0; v < APE__OCL_NVARIANTS; v++) {
+		cl_program prog;
+		bool refused = false;
+
+		if (!(want & (1u << v)))
+			continue;
+		ocl_first_key(od, v, &t, opts, sizeof(opts), key, sizeof(key));
+		pthread_mutex_lock(&od->progs[v].lock);
+		if (!od->progs[v].prog) {
+			prog = ocl_from_cache(od, key, opts, &t, &refused);
+			if (prog) {
+				od->progs[v].prog = prog;
+				od->progs[v].t = t;
+				ocl_count(od, &od->counters.preloads);
+			}
+			od->progs[v].cache_refused = refused;
+		}
+		pthread_mutex_unlock(&od->progs[v].lock);
+	}
 }
 
 int ape__ocl_program_get(struct ape_device *dev, int64_t D, const struct ape__ocl_program **out)

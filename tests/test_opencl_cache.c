@@ -45,9 +45,11 @@ static void cache_dir_fresh(char *dir, size_t cap)
 /* The cache entry of the D = 64 program of the device used below: its key and its file. */
 static char entry_key[1024], entry_path[4096];
 
-/* One forward at D = 64 on a new context; returns its device counters and fills entry_key and
- * entry_path. */
-static int forward_counted(struct ape__ocl_debug_counters *cnt)
+/* One forward at head dimension D on a new context; returns its device counters (in *opened
+ * too, when not NULL, as they were once the context was created, before the call) and fills
+ * entry_key and entry_path with D = 64's. */
+static int forward_counted_d(struct ape__ocl_debug_counters *cnt, int D,
+			     struct ape__ocl_debug_counters *opened)
 {
 	ape_context *ctx = test_context("opencl");
 	ape_device *dev = test_device(ctx, "opencl");
@@ -57,8 +59,10 @@ static int forward_counted(struct ape__ocl_debug_counters *cnt)
 
 	if (!dev)
 		goto out;
+	if (opened && ape__ocl_debug_counters(dev, opened))
+		goto out;
 	ape_rng_seed(&rng, 42);
-	if (test_problem_make_dims(&tp, &rng, 1, 2, 1, 33, 33, 64, APE_F32))
+	if (test_problem_make_dims(&tp, &rng, 1, 2, 1, 33, 33, D, APE_F32))
 		goto out;
 	ret = test_problem_run(&tp, dev);
 	test_problem_free(&tp);
@@ -72,6 +76,12 @@ static int forward_counted(struct ape__ocl_debug_counters *cnt)
 out:
 	ape_context_destroy(ctx);
 	return ret;
+}
+
+/* One forward at D = 64 (forward_counted_d). */
+static int forward_counted(struct ape__ocl_debug_counters *cnt)
+{
+	return forward_counted_d(cnt, 64, NULL);
 }
 
 /* The entry file holds a valid entry for entry_key. */
@@ -229,6 +239,66 @@ TEST(cache_untrusted_entry_is_not_used)
 	EXPECT_EQ(0, c.cache_hits);
 	EXPECT_EQ(0, c.cache_writes);
 	chmod(dir, 0700);
+	test_rmtree(dir);
+}
+
+/*
+ * A program already in the cache is loaded when the context is created, not in the first call
+ * (a fresh process's first call paid about 45 ms of PoCL's binary load inside total_ms): by
+ * default the variant used last (its entry's time, renewed at each load), with
+ * APE_OCL_PRELOAD=all every cached variant, with a list of head dimensions those, with 0 none.
+ */
+TEST(cache_loaded_at_context_creation)
+{
+	struct ape__ocl_debug_counters c, o;
+	char dir[256];
+
+	cache_dir_fresh(dir, sizeof(dir));
+	ASSERT_NE(0, dir[0]);
+	unsetenv("APE_OCL_PRELOAD");
+	/* an empty cache: nothing to load at creation, built by the call */
+	ASSERT_EQ(0, forward_counted_d(&c, 64, &o)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, o.cache_hits + o.builds + o.preloads);
+	EXPECT_EQ(1, c.builds);
+
+	/* the entry is loaded by ape_context_create(); the call loads nothing more */
+	ASSERT_EQ(0, forward_counted_d(&c, 64, &o)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(1, o.cache_hits);
+	EXPECT_EQ(1, o.preloads);
+	EXPECT_EQ(0, o.builds);
+	EXPECT_EQ(1, c.cache_hits);
+	EXPECT_EQ(1, c.preloads);
+	EXPECT_EQ(0, c.builds);
+
+	/* a second variant (D = 6, the generic program), built by its call: now the one used
+	 * last, so the next context loads it alone, and D = 64 is loaded by its call */
+	ASSERT_EQ(0, forward_counted_d(&c, 6, &o)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(1, o.preloads); /* D = 64 still the last used */
+	EXPECT_EQ(1, c.builds);
+	ASSERT_EQ(0, forward_counted_d(&c, 64, &o)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(1, o.preloads);
+	EXPECT_EQ(1, o.cache_hits);
+	EXPECT_EQ(2, c.cache_hits); /* the generic one preloaded, D = 64 loaded by the call */
+	EXPECT_EQ(0, c.builds);
+	/* ... which makes D = 64 the last used again */
+	ASSERT_EQ(0, forward_counted_d(&c, 64, &o)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(1, o.preloads);
+	EXPECT_EQ(1, c.cache_hits);
+
+	setenv("APE_OCL_PRELOAD", "all", 1);
+	ASSERT_EQ(0, forward_counted_d(&c, 64, &o)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(2, o.preloads);
+	EXPECT_EQ(2, c.cache_hits);
+	setenv("APE_OCL_PRELOAD", "6", 1);
+	ASSERT_EQ(0, forward_counted_d(&c, 64, &o)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(1, o.preloads);
+	EXPECT_EQ(2, c.cache_hits); /* D = 6's preloaded, D = 64's by the call */
+	setenv("APE_OCL_PRELOAD", "0", 1);
+	ASSERT_EQ(0, forward_counted_d(&c, 64, &o)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, o.preloads + o.cache_hits);
+	EXPECT_EQ(1, c.cache_hits); /* lazily, as before */
+	EXPECT_EQ(0, c.preloads);
+	unsetenv("APE_OCL_PRELOAD");
 	test_rmtree(dir);
 }
 

@@ -244,6 +244,26 @@ static int read_all(int fd, unsigned char *buf, size_t n)
 	return 0;
 }
 
+int ape__progcache_used(const char *key, struct timespec *when)
+{
+	char path[4096];
+	struct stat st;
+
+	if (ape__progcache_path(key, path, sizeof(path)) || stat(path, &st) ||
+	    !S_ISREG(st.st_mode))
+		return -1;
+	*when = st.st_mtim;
+	return 0;
+}
+
+void ape__progcache_touch(const char *key)
+{
+	char path[4096];
+
+	if (!ape__progcache_path(key, path, sizeof(path)))
+		(void)utimensat(AT_FDCWD, path, NULL, AT_SYMLINK_NOFOLLOW);
+}
+
 int ape__progcache_load(const char *key, void **blob, size_t *len)
 {
 	char path[4096];

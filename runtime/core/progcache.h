@@ -19,6 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <sys/types.h>
 
 #pragma GCC visibility push(hidden)
@@ -57,6 +58,17 @@ int ape__progcache_load(const char *key, void **blob, size_t *len);
  * ape__progcache_result (DISABLED, or UNUSABLE after the one warning). Lets a caller skip work that
  * only a store needs: fetching a program binary can cost a driver seconds. */
 int ape__progcache_usable(void);
+
+/*
+ * When the entry for `key` was last used: its modification time, which a store sets and
+ * ape__progcache_touch() renews. 0 and *when set, or -1 when there is no such entry or no usable
+ * cache (no warning, no directory created).
+ */
+int ape__progcache_used(const char *key, struct timespec *when);
+
+/* Marks the entry for `key` as used now (its modification time), so that a later process can
+ * tell which entries this machine's programs use (the OpenCL backend's preload). Best effort. */
+void ape__progcache_touch(const char *key);
 
 /* Stores (or atomically replaces) the entry for `key`. Returns 0 or an enum ape__progcache_result
  * saying why nothing was written (DISABLED, UNUSABLE, NOMEM). */
