@@ -86,6 +86,30 @@ HAVE_CUDA :=
 CUDA_WHY  := nvcc not found at build time
 endif
 
+# NVTX v3 (docs/profiling.md, "NVTX ranges"): header-only, shipped with the CUDA toolkit. With it,
+# every public call and kernel launch is an NVTX range, free until a tool attaches (NVTX's init
+# then dlopens the tool: -ldl is in LDLIBS already). Only runtime/core/nvtx.c and the fake tool
+# of tests/test_nvtx.c read the headers; APE_WITH_NVTX tells the rest.
+WITH_NVTX ?= auto
+nvtx_uniq  = $(if $1,$(firstword $1) $(call nvtx_uniq,$(filter-out $(firstword $1),$1)))
+NVTX_DIRS := $(call nvtx_uniq,$(if $(NVCC),$(abspath $(dir $(NVCC))../include)) \
+               $(abspath $(CUDA_HOME)/include) /usr/local/cuda/include /usr/include)
+NVTX_INC  := $(firstword $(foreach d,$(NVTX_DIRS),$(if $(wildcard $(d)/nvtx3/nvToolsExt.h),$(d))))
+ifeq ($(WITH_NVTX),no)
+HAVE_NVTX :=
+NVTX_WHY  := disabled at build time (WITH_NVTX=no)
+else ifneq ($(NVTX_INC),)
+HAVE_NVTX := yes
+CPPFLAGS  += -DAPE_WITH_NVTX
+NVTX_CPPFLAGS := $(if $(filter /usr/include,$(NVTX_INC)),,-isystem $(NVTX_INC))
+$(BUILD)/obj/runtime/core/nvtx.o: CPPFLAGS += $(NVTX_CPPFLAGS)
+else ifeq ($(WITH_NVTX),yes)
+$(error WITH_NVTX=yes but nvtx3/nvToolsExt.h is in none of $(NVTX_DIRS); set CUDA_HOME)
+else
+HAVE_NVTX :=
+NVTX_WHY  := no nvtx3/nvToolsExt.h in $(NVTX_DIRS) at build time
+endif
+
 # hwloc (topology, NUMA placement) and libdrm (DRM device listing), through pkg-config.
 PKG_CONFIG  ?= pkg-config
 WITH_HWLOC  ?= auto
@@ -114,7 +138,7 @@ DRM_WHY := libdrm not found by pkg-config at build time
 endif
 
 # Rebuild everything when the configuration changes.
-CONFIG := cc=$(CC) opt=$(OPT) san=$(SANITIZE) opencl=$(HAVE_OPENCL) cuda=$(HAVE_CUDA) nvcc=$(NVCC) hwloc=$(HAVE_HWLOC) drm=$(HAVE_DRM) cflags=$(CFLAGS)
+CONFIG := cc=$(CC) opt=$(OPT) san=$(SANITIZE) opencl=$(HAVE_OPENCL) cuda=$(HAVE_CUDA) nvcc=$(NVCC) hwloc=$(HAVE_HWLOC) drm=$(HAVE_DRM) nvtx=$(HAVE_NVTX) cflags=$(CFLAGS)
 CONFIG_STAMP := $(BUILD)/config.stamp
 $(shell mkdir -p $(BUILD) && { test -f $(CONFIG_STAMP) && test "$$(cat $(CONFIG_STAMP))" = '$(CONFIG)' || echo '$(CONFIG)' > $(CONFIG_STAMP); })
 
@@ -125,6 +149,7 @@ $(info libape: OpenCL backend: $(if $(HAVE_OPENCL),yes,no ($(OPENCL_WHY))))
 $(info libape: CUDA backend:   $(if $(HAVE_CUDA),yes ($(NVCC)),no ($(CUDA_WHY))))
 $(info libape: hwloc (NUMA):   $(if $(HAVE_HWLOC),yes,no ($(HWLOC_WHY))))
 $(info libape: libdrm:         $(if $(HAVE_DRM),yes,no ($(DRM_WHY))))
+$(info libape: NVTX ranges:    $(if $(HAVE_NVTX),yes ($(NVTX_INC)),no ($(NVTX_WHY))))
 endif
 endif
 
@@ -257,7 +282,7 @@ help:
 	@echo "make tsan-ci    the concurrency tests under ThreadSanitizer (part of 'make check')"
 	@echo "make install PREFIX=/usr/local"
 	@echo "make mpi-ci     the MPI tests (libape_mpi over mpirun; part of 'make check')"
-	@echo "options: WITH_OPENCL, WITH_CUDA, WITH_HWLOC, WITH_DRM, WITH_MPI = yes|no|auto; V=1 OPT=-O2 BUILD=build"
+	@echo "options: WITH_OPENCL, WITH_CUDA, WITH_HWLOC, WITH_DRM, WITH_MPI, WITH_NVTX = yes|no|auto; V=1 OPT=-O2 BUILD=build"
 
 .PHONY: all deps deps-python check sanitize valgrind run install clean distclean help
 

@@ -14,6 +14,9 @@ bench-bwd-resident: $(BUILD)/bench/bwd_resident
 bench-diag: $(BUILD)/bench/diag_time
 # how fast the cores read memory: the ceiling of a decode step (bench/RESULTS.md)
 bench-membw: $(BUILD)/bench/membw
+# the call log, path notes, session trace and NVTX hooks when off: two builds side by side
+bench-log-off: $(BUILD)/bench/log_off
+$(BUILD)/bench/log_off: LDLIBS += -ldl
 $(BUILD)/bench/membw: APP_CFLAGS += -O3 -march=native
 
-.PHONY: bench-bwd bench-diag bench-bwd-resident bench-membw
+.PHONY: bench-bwd bench-diag bench-bwd-resident bench-membw bench-log-off

@@ -610,6 +610,7 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 	if (ret)
 		return ret;
 	if (l->Lk == 0 && !l->strided) {
+		ape__path_note(l->path, APE__PATH_EMPTY, "no key");
 		ret = run_empty(q, l);
 		goto out_leave;
 	}
@@ -619,17 +620,30 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 	/* (the separable path keeps no diagnostics: sep_shape() turns launches with them away, and
 	 * they take the _diag kernels below; docs/diagnostics.md, "CUDA") */
 	if (l->Lk > 0 && ape__cu_separable_applies(l)) {
+		ape__path_note(l->path, APE__PATH_SEPARABLE, "lambda = 0 on every head");
 		ret = ape__cu_separable(q, l,
 					!view_aligned(l, APE__T_O, l->o->ptr,
 						      2 * ape_dtype_size(l->out_dtype)));
 		goto out_leave;
 	}
 	if (l->Lk > 0 && ape__cu_split_applies(l)) { /* by runs of kv groups, each as above */
+		ape__path_note(l->path, APE__PATH_SPLIT,
+			       "lambda = 0 on some heads only: runs of heads, each on its path");
 		ret = ape__cu_split(q, l);
 		goto out_leave;
 	}
 	kv_aligned(l, true, &k16, &v16);
 	plan_launch(cd, l, k16, v16, l->ent || l->md, &p);
+	if (l->Lk == 0)
+		ape__path_note(l->path, APE__PATH_EMPTY, "no key");
+	else if (p.decode)
+		ape__path_note(l->path, l->pages ? APE__PATH_PAGES : APE__PATH_DECODE,
+			       l->pages ? "keys read where the KV cache keeps them"
+					: "a few query rows: keys split over the device, merged by LSE");
+	else if (l->segs)
+		ape__path_note(l->path, APE__PATH_RAGGED, "a ragged batch: one segment table");
+	else
+		ape__path_note(l->path, APE__PATH_GENERAL, ape__launch_general_why(l));
 	ret = ape__cu_scratch_alloc(q, p.total, &scratch);
 	if (ret)
 		goto out_leave;

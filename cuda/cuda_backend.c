@@ -7,7 +7,7 @@
  */
 #include "cu.h"
 
-_Static_assert(APE__BACKEND_ABI == 13, "cuda: written for backend ABI 13: review the changes of "
+_Static_assert(APE__BACKEND_ABI == 14, "cuda: written for backend ABI 14: review the changes of "
 				       "core/backend.h's contract, then this backend");
 
 const struct ape__backend_ops ape__cuda_ops = {

@@ -227,6 +227,7 @@ int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launc
 		return 0; /* no row sees a key, or nothing wanted: nothing to add */
 	variant = bwd_variant(f->D, &dmax);
 	bwd_args(l, dmax, nsplit, &a);
+	ape__path_note(f->path, APE__PATH_BACKWARD, "the fused sweep, keys outer");
 
 	ret = ape__cu_enter(q->dev);
 	if (ret)

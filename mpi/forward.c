@@ -299,6 +299,23 @@ static int reduce_params(struct call *c, float *dparams)
 }
 
 /* Either call: agree, plan, exchange, agree again, write. */
+/* A profiler's range around one step of the call (ape_range_push(): NVTX, and APE_TRACE's
+ * session trace, one file per rank): "ape_mpi exchange (rank 1 of 4)". */
+static void range_push(const struct call *c, const char *step)
+{
+	char name[160];
+
+	snprintf(name, sizeof(name), "ape_mpi %s (rank %d of %d)", step, c->rank, c->size);
+	ape_range_push(name);
+}
+
+/* ret, after closing the innermost range */
+static int range_pop(int ret)
+{
+	ape_range_pop();
+	return ret;
+}
+
 static int run(struct call *c, MPI_Comm comm, const ape_attn_desc *desc,
 	       const ape_mpi_shard_info *shard, const ape_tensor *q, const ape_tensor *k,
 	       const ape_tensor *v, const ape_tensor *dout, const float *dlse,
@@ -350,20 +367,30 @@ static int run(struct call *c, MPI_Comm comm, const ape_attn_desc *desc,
 	} else {
 		ape__mpi_digest_fill(&mine, desc, shard, q, k, c->bwd ? c->o : out->o, c->want);
 	}
-	if ((ret = agree(c, &mine, all)))
+	range_push(c, c->bwd ? "backward" : "forward");
+	range_push(c, "agree");
+	if ((ret = range_pop(agree(c, &mine, all))))
 		goto out;
 	setup_geom(c, q, k);
-	if ((ret = plan(c, q, k)) || (ret = ape__mpi_exchange(c, k, v)))
+	range_push(c, "plan");
+	if ((ret = range_pop(plan(c, q, k))))
+		goto out;
+	range_push(c, "exchange and compute");
+	if ((ret = range_pop(ape__mpi_exchange(c, k, v))))
 		goto out; /* an MPI failure: the exchange cannot be trusted to agree any more */
 	/* a local computation may have failed on some rank: agree again before writing */
 	memset(&mine, 0, sizeof(mine));
 	mine.rank = c->rank;
 	mine.status = c->err;
 	memcpy(mine.msg, c->msg, sizeof(mine.msg));
-	if ((ret = agree(c, &mine, all)))
+	range_push(c, "agree");
+	if ((ret = range_pop(agree(c, &mine, all))))
 		goto out;
-	if (c->bwd && out->dparams && (ret = reduce_params(c, out->dparams)))
-		goto out;
+	if (c->bwd && out->dparams) {
+		range_push(c, "reduce parameter gradients");
+		if ((ret = range_pop(reduce_params(c, out->dparams))))
+			goto out;
+	}
 	if (c->bwd) {
 		store_grad(c, out->dq, c->gq);
 		store_grad(c, out->dk, c->gk);
@@ -378,6 +405,7 @@ static int run(struct call *c, MPI_Comm comm, const ape_attn_desc *desc,
 		*stats = c->st;
 	}
 out:
+	ape_range_pop(); /* the call's */
 	free_call(c);
 	free(all);
 out_comm:

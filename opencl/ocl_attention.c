@@ -8,6 +8,7 @@
  * the small parameter and scratch buffers are released right after they are enqueued, which
  * OpenCL allows: the commands that use them keep them alive.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,6 +42,18 @@ void ape__ocl_arg(struct ape__ocl_args *a, size_t size, const void *v)
 	a->n++;
 }
 
+/* The kernels enqueued, for the tests (ocl_debug.h, ape__ocl_debug_kernels()). */
+static void note_kernel(struct ape__ocl_device *od, const char *what)
+{
+	size_t n;
+
+	pthread_mutex_lock(&od->lock);
+	n = strlen(od->kernels);
+	if (n + strlen(what) + 2 < sizeof(od->kernels))
+		snprintf(od->kernels + n, sizeof(od->kernels) - n, "%s%s", n ? " " : "", what);
+	pthread_mutex_unlock(&od->lock);
+}
+
 /* Enqueues k over (n0, n1) with local size (l0, 1) (or the driver's choice when l0 is 0),
  * splitting dimension 1 into chunks through the global offset. */
 int ape__ocl_enqueue(struct ape__queue *q, cl_kernel k, size_t n0, size_t l0, size_t n1,
@@ -57,6 +70,8 @@ int ape__ocl_enqueue(struct ape__queue *q, cl_kernel k, size_t n0, size_t l0, si
 
 		if (err != CL_SUCCESS)
 			return ape__ocl_error(err, "clEnqueueNDRangeKernel (%s)", what);
+		if (off == 0)
+			note_kernel(ape__ocl_dev(q->dev), what);
 		ret = ape__ocl_track(q, ev);
 		if (ret)
 			return ret;
@@ -442,8 +457,17 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *launch)
 		return ape__ocl_decode(q, l);
 	if (!pos && ape__ocl_separable_applies(q->dev, l))
 		return ape__ocl_separable(q, l);
-	if (!pos && ape__ocl_split_applies(q->dev, l))
+	if (!pos && ape__ocl_split_applies(q->dev, l)) {
+		ape__path_note(l->path, APE__PATH_SPLIT,
+			       "lambda = 0 on some heads only: runs of heads, each on its path");
 		return ape__ocl_split(q, l);
+	}
+	if (pos)
+		ape__path_note(l->path, APE__PATH_POSITIONS, "explicit positions");
+	else if (l->segs)
+		ape__path_note(l->path, APE__PATH_RAGGED, "a ragged batch: one segment table");
+	else
+		ape__path_note(l->path, APE__PATH_GENERAL, ape__launch_general_why(l));
 	ret = ape__ocl_program_get(q->dev, l->D, &pr);
 	if (ret)
 		return ret;

@@ -8,7 +8,7 @@
 #include "ocl.h"
 #include "ocl_fast.h"
 
-_Static_assert(APE__BACKEND_ABI == 13, "opencl: written for backend ABI 13: review the changes "
+_Static_assert(APE__BACKEND_ABI == 14, "opencl: written for backend ABI 14: review the changes "
 				       "of core/backend.h's contract, then this backend");
 
 const struct ape__backend_ops ape__opencl_ops = {

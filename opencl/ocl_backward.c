@@ -300,6 +300,7 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	ret = ape__ocl_program_get(q->dev, f->D, &pr);
 	if (ret)
 		return ret;
+	ape__path_note(f->path, APE__PATH_BACKWARD, "the fused sweep, keys outer");
 	rw = (cl_int)pr->t.rw; /* query rows per row vector (APE_RW) */
 	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)rw);
 	dpad = (cl_int)round_up((size_t)f->D, (size_t)rw);

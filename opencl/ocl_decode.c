@@ -240,6 +240,9 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	cl_int err;
 	int ret;
 
+	ape__path_note(l->path, pg ? APE__PATH_PAGES : APE__PATH_DECODE,
+		       pg ? "keys read where the KV cache keeps them"
+			  : "a few query rows: keys split over the device, merged by LSE");
 	while (rm < nr)
 		rm *= 2; /* the kernel for up to rm rows per work-item: decode.cl */
 	ret = ape__ocl_program_get(q->dev, l->D, &pr);

@@ -462,6 +462,7 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	cl_int err;
 	int ret;
 
+	ape__path_note(l->path, APE__PATH_SEPARABLE, "lambda = 0 on every head");
 	/* the far-key bound needs decays >= 0; the core passes skip_tol = 0 otherwise */
 	if (l->skip_tol > 0 && l->decay_nonneg && tol > 0 && l->causal)
 		flags |= APE__FD_SKIP;

@@ -92,3 +92,19 @@ ifeq ($(HAVE_OPENCL),yes)
 $(OPENCL_INTEROP_TESTS:%=$(BUILD)/tests/%): LDLIBS += -lOpenCL
 $(OPENCL_INTEROP_TESTS:%=$(BUILD)/tests-obj/tests/%.o): TEST_CFLAGS += -DCL_TARGET_OPENCL_VERSION=120
 endif
+
+# tests/test_nvtx.c: a fake NVTX tool (tests/nvtx_inject.c, a shared library next to the test)
+# that NVTX's init loads through NVTX_INJECTION64_PATH; it reads the nvtx3 headers the Makefile
+# found. Without them the test skips and the tool is not built. The CUDA variant runs on the
+# emulated driver.
+ifeq ($(HAVE_NVTX),yes)
+NVTX_INJECT := $(BUILD)/tests/libnvtx_inject.so
+$(NVTX_INJECT): tests/nvtx_inject.c $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $<"
+	$(Q)$(CC) $(NVTX_CPPFLAGS) $(APP_CFLAGS) -fPIC -shared $(LDFLAGS) -o $@ $< -lpthread
+$(BUILD)/tests/test_nvtx: $(NVTX_INJECT)
+endif
+ifeq ($(HAVE_CUDA),yes)
+$(BUILD)/tests/test_nvtx: $(CUDA_EMU)
+endif

@@ -155,6 +155,7 @@ TEST_F(run, stats_and_help)
 	EXPECT_NE(NULL, strstr(self->err, "kernel_ms")) TH_LOG("%s", self->err);
 	EXPECT_NE(NULL, strstr(self->err, "pairs/s")) TH_LOG("%s", self->err);
 	EXPECT_NE(NULL, strstr(self->err, "chosen by request")) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "kernel path reference")) TH_LOG("%s", self->err);
 
 	EXPECT_EQ(0, RUN("--help"));
 	EXPECT_NE(NULL, strstr(self->out, "usage: ape-run"));
@@ -388,6 +389,7 @@ TEST_F(run, kv_cache_decoding_matches)
 		TH_LOG("%s", self->err);
 	expect_outputs_near(_metadata, self, &desc, 1e-5);
 	EXPECT_NE(NULL, strstr(self->err, "chunks computed 40,")) TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->err, "kernel path reference")) TH_LOG("%s", self->err);
 	ASSERT_EQ(0, RUN(BASIC, "--kv-cache", "16", "--chunk", "9")) TH_LOG("%s", self->err);
 	expect_outputs_near(_metadata, self, &desc, 1e-5);
 	/* a strong decay: the oldest blocks go, and 40 tokens pass through a cache of 24 */

@@ -330,6 +330,17 @@ typedef struct ape_context_options {
 	 */
 	void *opencl_context;
 	void *opencl_device; /**< see opencl_context */
+	/**
+	 * The call log of this context's calls (docs/profiling.md): -1 (what
+	 * ape_context_options_init() sets) reads `APE_VERBOSE`; 0 quiet; 1 one line per call to
+	 * stderr, prefixed "libape:", naming the call, the devices, the shape, the kernel path
+	 * and why, pairs and times, and every failing call's error; 2 the planner's decisions
+	 * as well. `APE_VERBOSE_FORMAT=json` makes each line a JSON object. A failure before any
+	 * device is known is logged at the largest level any context asked for. APE_EINVAL
+	 * outside -1..2. Layouts up to opencl_device (without this field) are still accepted
+	 * and read `APE_VERBOSE`.
+	 */
+	int verbose;
 } ape_context_options;
 
 /** Fill every device output buffer with NaN before each kernel runs, so a kernel that misses an
@@ -684,13 +695,35 @@ typedef struct ape_stats {
 	/** Device time during which copies and kernels ran at once, summed over devices; 0 when
 	 *  the backend cannot timestamp its events. */
 	double overlap_ms;
+	/* ---- added with the call log (APE_STATS_V2_SIZE ends before it) */
+	/** The kernel paths the call's launches took, each once, joined by '+' in a fixed order:
+	 *  "reference", "general", "positions" (explicit positions), "ragged", "separable",
+	 *  "split" (heads of both kinds), "decode", "decode-in-place" (a KV cache's blocks read
+	 *  where they are), "empty", "backward" (docs/profiling.md); "" when no kernel ran. */
+	char path[64];
 } ape_stats;
 
 /** struct_size of the first ape_stats layout (up to `device`), still accepted. */
 #define APE_STATS_V1_SIZE offsetof(ape_stats, chunks)
+/** struct_size of the second layout (up to `overlap_ms`), still accepted. */
+#define APE_STATS_V2_SIZE offsetof(ape_stats, path)
 
 /** \brief Zeroes \p st and sets struct_size. Never fails. */
 APE_API void ape_stats_init(ape_stats *st);
+
+/**
+ * \brief Opens a range named \p name on the calling thread, for profilers (docs/profiling.md):
+ * an NVTX range in the "libape" domain (when libape was built with NVTX and a tool is
+ * attached), and, with `APE_TRACE` set, a span of the session trace on the thread's track,
+ * beside libape's own calls. For a caller's own phases (a model layer, a decode step) and for
+ * libape_mpi's exchanges. Ranges nest, up to 64 deep per thread (deeper ones are not
+ * recorded); close each with ape_range_pop() on the same thread. \p name is copied; NULL is
+ * taken as "". Never fails; costs a few loads when neither NVTX nor the trace is on.
+ */
+APE_API void ape_range_push(const char *name);
+/** \brief Closes the calling thread's innermost range (ape_range_push()); nothing when none is
+ *  open. */
+APE_API void ape_range_pop(void);
 
 /**
  * \brief Computes APE attention O (and optionally LSE) on \p dev from host tensors.

@@ -55,14 +55,14 @@ class ApeStats(ctypes.Structure):
                 ("pipeline_depth", ctypes.c_int), ("devices", ctypes.c_int),
                 ("device_budget", ctypes.c_uint64), ("peak_device_bytes", ctypes.c_uint64),
                 ("bytes_device_to_device", ctypes.c_uint64), ("copy_ms", ctypes.c_double),
-                ("overlap_ms", ctypes.c_double)]
+                ("overlap_ms", ctypes.c_double), ("path", ctypes.c_char * 64)]
 
 
 class ApeContextOptions(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("backends", ctypes.c_char_p), ("flags", ctypes.c_uint),
                 ("topology_xml", ctypes.c_char_p), ("numa", ctypes.c_int),
                 ("visible_devices", ctypes.c_char_p), ("opencl_context", ctypes.c_void_p),
-                ("opencl_device", ctypes.c_void_p)]
+                ("opencl_device", ctypes.c_void_p), ("verbose", ctypes.c_int)]
 
 
 class ApeBackendInfo(ctypes.Structure):
@@ -137,6 +137,8 @@ _PROTOS = {
     "ape_last_error": (ctypes.c_char_p, []),
     "ape_attn_desc_init": (None, [P(ApeAttnDesc)]),
     "ape_stats_init": (None, [P(ApeStats)]),
+    "ape_range_push": (None, [ctypes.c_char_p]),
+    "ape_range_pop": (None, []),
     "ape_context_options_init": (None, [P(ApeContextOptions)]),
     "ape_context_create": (ctypes.c_int, [P(vp), P(ApeContextOptions)]),
     "ape_context_destroy": (None, [vp]),

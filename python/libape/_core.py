@@ -196,6 +196,28 @@ def backends():
     return out
 
 
+class trace_range:
+    """A named range around a block, for profilers (ape_range_push() and ape_range_pop()):
+    an NVTX range when libape was built with NVTX and a tool is attached, and with APE_TRACE
+    set, a span of the session trace around the libape calls the block makes
+    (docs/profiling.md)::
+
+        with libape.trace_range("decode step"):
+            o = libape.attention(q, k, v)
+    """
+
+    def __init__(self, name):
+        self._name = str(name).encode()
+
+    def __enter__(self):
+        lib.ape_range_push(self._name)
+        return self
+
+    def __exit__(self, *exc):
+        lib.ape_range_pop()
+        return False
+
+
 def version():
     """The version of the loaded libape, "0.1.0"."""
     return lib.ape_version_string().decode()

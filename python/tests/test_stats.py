@@ -14,7 +14,7 @@ from conftest import BUILD, has_backend
 FIELDS = {"pairs_visible", "pairs_computed", "kernel_ms", "total_ms", "bytes_to_device",
           "bytes_from_device", "backend", "device", "chunks", "chunks_skipped", "chunk_q",
           "chunk_k", "pipeline_depth", "devices", "device_budget", "peak_device_bytes",
-          "bytes_device_to_device", "copy_ms", "overlap_ms"}
+          "bytes_device_to_device", "copy_ms", "overlap_ms", "path"}
 
 
 def qkv(seed, B=1, H=2, Hkv=2, L=40, D=16):
@@ -64,6 +64,10 @@ def test_forward_stats_are_ape_run_s(tmp_path, device):
     assert tuple(int(x) for x in m.groups()) == (st["bytes_to_device"], st["bytes_from_device"],
                                                   st["bytes_device_to_device"])
     assert re.search(r"backend %s, device %s" % (device, re.escape(st["device"])), out), out
+    # the kernel path: the reference's own, OpenCL's general kernel at lambda != 0 (counting
+    # pairs keeps launches off the split path), both named as ape-run names them
+    assert st["path"] == ("reference" if device == "ref" else "general"), st
+    assert "kernel path %s " % st["path"] in out, out
 
 
 def test_backward_and_ragged_stats():
@@ -72,7 +76,7 @@ def test_backward_and_ragged_stats():
     g0 = libape.attention_backward(q, k, v, o, lse, o, device="ref")
     *g, st = libape.attention_backward(q, k, v, o, lse, o, device="ref", stats=True)
     assert all(np.array_equal(a, b) for a, b in zip(g, g0))
-    assert set(st) == FIELDS and st["backend"] == "ref"
+    assert set(st) == FIELDS and st["backend"] == "ref" and st["path"] == "reference"
     assert st["pairs_visible"] == 2 * causal_pairs(40, 40)
     # a ragged batch of two sequences, 15 and 25 tokens: its pairs are theirs
     pq, pk, pv = (x[0].transpose(1, 0, 2) for x in (q, k, v))  # [total, H, D] views
@@ -110,3 +114,26 @@ def test_a_refused_call_raises_the_same_with_stats():
             libape.attention(q, k[..., :8], v, device="ref", stats=stats)
         msgs.append(str(e.value))
     assert msgs[0] == msgs[1] and "k" in msgs[0], msgs
+
+
+def test_trace_range_and_the_session_trace(tmp_path):
+    """APE_TRACE (read once per process: a child): the call's span with its path, inside the
+    caller's libape.trace_range(); the file is JSON."""
+    import json
+    import sys
+    trace = tmp_path / "s.json"
+    code = ("import numpy as np, libape\n"
+            "r = np.random.default_rng(0)\n"
+            "q, k, v = (r.standard_normal((1, 2, 20, 8)).astype(np.float32) for _ in range(3))\n"
+            "with libape.trace_range('my step'):\n"
+            "    libape.attention(q, k, v, device='ref')\n")
+    env = dict(os.environ, APE_TRACE=str(trace),
+               PYTHONPATH=os.path.dirname(os.path.dirname(libape.__file__)))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    ev = json.loads(trace.read_text())["traceEvents"]
+    rng = [e for e in ev if e.get("cat") == "range" and e["name"] == "my step"]
+    call = [e for e in ev if e.get("cat") == "call" and e["name"] == "ape_attention_forward"]
+    assert len(rng) == 1 and len(call) == 1, ev
+    assert call[0]["args"]["path"] == "reference"
+    assert rng[0]["ts"] <= call[0]["ts"]
+    assert call[0]["ts"] + call[0]["dur"] <= rng[0]["ts"] + rng[0]["dur"] + 1e-3

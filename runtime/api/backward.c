@@ -15,6 +15,7 @@
 #include "api/backward.h"
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/verbose.h"
 #include "exec/backward.h"
 #include "exec/pack.h"
 
@@ -191,10 +192,11 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 	} else {
 		write_zeros(&p, a);
 	}
-	if (!ret && stats) {
+	if (stats || ape__call_logs(devs, ndev)) {
 		/* in the executor's terms, for the one statistics builder (api/stats.c) */
 		struct ape__exec_result er;
 		const struct ape__call_report rep = {
+			.fn = fn, .p = &p, .ret = ret,
 			.res = &er, .devs = devs, .ndev = ndev,
 			.devices = on_device ? res.devices : 0,
 			.pairs_visible = per_head * (uint64_t)(p.B * p.H), .t0 = t0,
@@ -215,7 +217,8 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 		er.ck = res.ck;
 		er.depth = res.depth;
 		er.budget = res.budget;
-		ape__stats_report(stats, &rep);
+		er.paths = res.paths;
+		ape__call_done(stats, &rep);
 	}
 out_fini:
 	ape__problem_fini(&p);
@@ -228,6 +231,7 @@ int ape_attention_backward(ape_device *dev, const ape_attn_desc *desc, const ape
 			   ape_tensor *dq, ape_tensor *dk, ape_tensor *dv, float *dparams,
 			   ape_stats *stats)
 {
+	APE__API_CALL("ape_attention_backward");
 	static const char fn[] = "ape_attention_backward";
 	struct bwd_args a = { .dout = dout, .dlse = dlse, .dq = dq, .dk = dk, .dv = dv,
 			      .dparams = dparams };
@@ -243,6 +247,7 @@ int ape_attention_backward_ex(ape_device *const *devs, int ndev, const ape_exec_
 			      const ape_tensor *dout, const float *dlse, ape_tensor *dq,
 			      ape_tensor *dk, ape_tensor *dv, float *dparams, ape_stats *stats)
 {
+	APE__API_CALL("ape_attention_backward_ex");
 	static const char fn[] = "ape_attention_backward_ex";
 	struct bwd_args a = { .dout = dout, .dlse = dlse, .dq = dq, .dk = dk, .dv = dv,
 			      .dparams = dparams };

@@ -11,6 +11,8 @@
 
 #include "core/error.h"
 #include "core/ops.h"
+#include "core/strace.h"
+#include "core/verbose.h"
 #include "api/registry.h"
 #include "topo/physical.h"
 
@@ -20,6 +22,7 @@ void ape_context_options_init(ape_context_options *opts)
 		return;
 	memset(opts, 0, sizeof(*opts));
 	opts->struct_size = sizeof(*opts);
+	opts->verbose = -1;
 }
 
 /* Is `name` one of the comma-separated words of `list`? */
@@ -133,6 +136,7 @@ static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registr
  * at `flags`, later ones add fields at the end. */
 #define OPTIONS_V1_SIZE offsetof(ape_context_options, topology_xml)
 #define OPTIONS_V2_SIZE offsetof(ape_context_options, opencl_context)
+#define OPTIONS_V3_SIZE offsetof(ape_context_options, verbose)
 #define HAS_OPTION(o, field)                                                                       \
 	((o) && (o)->struct_size >= offsetof(ape_context_options, field) + sizeof((o)->field))
 
@@ -183,6 +187,7 @@ static int resolve_setup(const ape_context_options *opts, struct ape__ctx_setup 
 
 int ape_context_create(ape_context **out, const ape_context_options *opts)
 {
+	APE__API_CALL("ape_context_create");
 	int nreg;
 	const struct ape__registry_entry *reg = ape__registry(&nreg);
 
@@ -201,7 +206,7 @@ int ape__context_create(ape_context **out, const ape_context_options *opts,
 		return ape__error(APE_EINVAL, "ape_context_create: out = NULL");
 	*out = NULL;
 	if (opts && opts->struct_size != sizeof(*opts) && opts->struct_size != OPTIONS_V1_SIZE &&
-	    opts->struct_size != OPTIONS_V2_SIZE)
+	    opts->struct_size != OPTIONS_V2_SIZE && opts->struct_size != OPTIONS_V3_SIZE)
 		return ape__error(APE_EINVAL,
 				  "ape_context_create: opts->struct_size = %zu: expected %zu "
 				  "(initialise with ape_context_options_init())",
@@ -215,6 +220,11 @@ int ape__context_create(ape_context **out, const ape_context_options *opts,
 	err = resolve_setup(opts, &setup);
 	if (err)
 		return err;
+	if (HAS_OPTION(opts, verbose) && (opts->verbose < -1 || opts->verbose > APE__VERBOSE_MAX))
+		return ape__error(APE_EINVAL,
+				  "ape_context_create: opts->verbose = %d: expected -1 (APE_VERBOSE "
+				  "decides), 0, 1 or 2",
+				  opts->verbose);
 	if (HAS_OPTION(opts, opencl_device) && !opts->opencl_context != !opts->opencl_device)
 		return ape__error(APE_EINVAL,
 				  "ape_context_create: opts->%s = NULL while opts->%s is set: give "
@@ -225,6 +235,9 @@ int ape__context_create(ape_context **out, const ape_context_options *opts,
 	if (!ctx)
 		return ape__error(APE_ENOMEM, "ape_context_create: out of memory");
 	ctx->flags = opts ? opts->flags : 0;
+	ctx->verbose = HAS_OPTION(opts, verbose) && opts->verbose >= 0 ? opts->verbose
+									 : ape__verbose_env();
+	ape__verbose_raise(ctx->verbose);
 	for (int i = 0; i < nreg && i < APE__MAX_BACKENDS && !err; i++) {
 		ctx->backends[i].be.ctx = ctx;
 		if (HAS_OPTION(opts, opencl_device) && opts->opencl_context &&
@@ -272,10 +285,12 @@ void ape_context_destroy(ape_context *ctx)
 			cb->be.ops->teardown(&cb->be);
 	}
 	free(ctx);
+	ape__strace_flush(); /* APE_TRACE: the session so far, on disk */
 }
 
 int ape_backend_get_info(const ape_context *ctx, int index, ape_backend_info *info)
 {
+	APE__API_CALL("ape_backend_get_info");
 	if (!ctx)
 		return ape__error(APE_EINVAL, "ape_backend_get_info: ctx = NULL");
 	if (!info)
@@ -289,6 +304,7 @@ int ape_backend_get_info(const ape_context *ctx, int index, ape_backend_info *in
 
 int ape_device_list(ape_context *ctx, ape_device **devs, int cap)
 {
+	APE__API_CALL("ape_device_list");
 	int n;
 
 	if (!ctx)
@@ -305,6 +321,7 @@ int ape_device_list(ape_context *ctx, ape_device **devs, int cap)
 
 int ape_device_get_info(const ape_device *dev, ape_device_info *info)
 {
+	APE__API_CALL("ape_device_get_info");
 	if (!dev)
 		return ape__error(APE_EINVAL, "ape_device_get_info: dev = NULL");
 	if (!info)

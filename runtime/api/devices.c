@@ -6,11 +6,13 @@
  */
 #include "core/context.h"
 #include "core/error.h"
+#include "core/verbose.h"
 #include "topo/numa.h"
 #include "topo/topology.h"
 
 int ape_physical_get_info(const ape_context *ctx, int index, ape_physical_info *info)
 {
+	APE__API_CALL("ape_physical_get_info");
 	if (!ctx)
 		return ape__error(APE_EINVAL, "ape_physical_get_info: ctx = NULL");
 	if (!info)
@@ -24,6 +26,7 @@ int ape_physical_get_info(const ape_context *ctx, int index, ape_physical_info *
 
 int ape_physical_link(const ape_context *ctx, int a, int b)
 {
+	APE__API_CALL("ape_physical_link");
 	const struct ape__phys *pa, *pb;
 
 	if (!ctx)
@@ -42,6 +45,7 @@ int ape_physical_link(const ape_context *ctx, int a, int b)
 
 int ape_topology_get_info(const ape_context *ctx, ape_topology_info *info)
 {
+	APE__API_CALL("ape_topology_get_info");
 	if (!ctx)
 		return ape__error(APE_EINVAL, "ape_topology_get_info: ctx = NULL");
 	if (!info)
@@ -52,6 +56,7 @@ int ape_topology_get_info(const ape_context *ctx, ape_topology_info *info)
 
 int ape_numa_get_info(const ape_context *ctx, int index, ape_numa_info *info)
 {
+	APE__API_CALL("ape_numa_get_info");
 	int n;
 
 	if (!ctx)
@@ -67,6 +72,7 @@ int ape_numa_get_info(const ape_context *ctx, int index, ape_numa_info *info)
 
 int ape_numa_distance(const ape_context *ctx, int from, int to)
 {
+	APE__API_CALL("ape_numa_distance");
 	int d;
 
 	if (!ctx)

@@ -35,6 +35,7 @@
 
 #include "core/backend.h"
 #include "core/error.h"
+#include "core/verbose.h"
 #include "api/resident.h"
 #include "api/validate.h"
 #include "api/varlen.h"
@@ -452,6 +453,7 @@ int ape_attention_forward_dlpack(ape_device *dev, const ape_attn_desc *desc, con
 				 const DLTensor *k, const DLTensor *v, DLTensor *o, DLTensor *lse,
 				 void *stream)
 {
+	APE__API_CALL("ape_attention_forward_dlpack");
 	const DLTensor *const t[7] = { q, k, v, o, lse, NULL, NULL };
 
 	return forward_dlpack("ape_attention_forward_dlpack", dev, desc, t, stream);
@@ -462,6 +464,7 @@ int ape_attention_forward_dlpack_diag(ape_device *dev, const ape_attn_desc *desc
 				      DLTensor *o, DLTensor *lse, DLTensor *entropy,
 				      DLTensor *mean_distance, void *stream)
 {
+	APE__API_CALL("ape_attention_forward_dlpack_diag");
 	const DLTensor *const t[7] = { q, k, v, o, lse, entropy, mean_distance };
 
 	return forward_dlpack("ape_attention_forward_dlpack_diag", dev, desc, t, stream);
@@ -485,6 +488,7 @@ int ape_attention_backward_dlpack(ape_device *dev, const ape_attn_desc *desc, co
 				  DLTensor *dq, DLTensor *dk, DLTensor *dv, DLTensor *dparams,
 				  void *stream)
 {
+	APE__API_CALL("ape_attention_backward_dlpack");
 	static const char *const names[APE__RB_COUNT] = { "q",	  "k",	"v",  "o",  "lse", "dout",
 							  "dlse", "dq", "dk", "dv", "dparams" };
 	static const struct dl_form *const forms[APE__RB_COUNT] = {
@@ -660,6 +664,7 @@ int ape_attention_forward_varlen_dlpack(ape_device *dev, const ape_attn_desc *de
 					const ape_varlen *vl, const DLTensor *q, const DLTensor *k,
 					const DLTensor *v, DLTensor *o, DLTensor *lse, void *stream)
 {
+	APE__API_CALL("ape_attention_forward_varlen_dlpack");
 	static const char *const names[5] = { "q", "k", "v", "o", "lse" };
 	static const struct dl_form *const forms[5] = { &F_THD, &F_THD, &F_THD, &F_THD, &F_TH };
 	static const struct dl_dim want[5][3] = { RAGGED_FWD_DIMS };
@@ -707,6 +712,7 @@ int ape_attention_backward_varlen_dlpack(ape_device *dev, const ape_attn_desc *d
 					 const DLTensor *dlse, DLTensor *dq, DLTensor *dk,
 					 DLTensor *dv, DLTensor *dparams, void *stream)
 {
+	APE__API_CALL("ape_attention_backward_varlen_dlpack");
 	static const char *const names[APE__RB_COUNT] = { "q",	  "k",	"v",  "o",  "lse", "dout",
 							  "dlse", "dq", "dk", "dv", "dparams" };
 	static const struct dl_form *const forms[APE__RB_COUNT] = {

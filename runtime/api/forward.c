@@ -33,6 +33,7 @@
 
 #define APE_REAL double
 #include "core/ape_math.h"
+#include "core/verbose.h"
 
 void ape_exec_options_init(ape_exec_options *opts)
 {
@@ -253,6 +254,7 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 		   const struct ape__diag_req *dg, ape_stats *stats)
 {
 	const double t0 = ape__now_ms();
+	const bool logs = ape__call_logs(devs, ndev);
 	struct ape__exec_result res;
 	struct ape__problem p;
 	uint64_t per_head;
@@ -284,11 +286,15 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 		ape__problem_fini(&p);
 		return ret;
 	} else {
-		ret = ape__forward_call(fn, devs, ndev, opts, &p, q, k, v, o, lse, dg, stats != NULL,
-					&res);
+		ret = ape__forward_call(fn, devs, ndev, opts, &p, q, k, v, o, lse, dg,
+					stats != NULL, &res);
 	}
-	if (!ret && stats) {
+	if (stats || logs) {
 		const struct ape__call_report rep = {
+			.fn = fn,
+			.p = &p,
+			.ret = ret,
+			.pairs_uncounted = !stats && p.B * p.H * p.Lq > 0 && p.Lk > 0,
 			.res = &res,
 			.devs = devs,
 			.ndev = ndev,
@@ -297,7 +303,7 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 			.t0 = t0,
 		};
 
-		ape__stats_report(stats, &rep);
+		ape__call_done(stats, &rep);
 	}
 	ape__problem_fini(&p);
 	return ret;
@@ -307,6 +313,7 @@ int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, const ape_
 			  const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
 			  ape_stats *stats)
 {
+	APE__API_CALL("ape_attention_forward");
 	static const char fn[] = "ape_attention_forward";
 
 	const struct ape__diag_req none = { NULL, NULL };
@@ -320,6 +327,7 @@ int ape_attention_forward_ex(ape_device *const *devs, int ndev, const ape_exec_o
 			     const ape_attn_desc *desc, const ape_tensor *q, const ape_tensor *k,
 			     const ape_tensor *v, ape_tensor *o, float *lse, ape_stats *stats)
 {
+	APE__API_CALL("ape_attention_forward_ex");
 	static const char fn[] = "ape_attention_forward_ex";
 	const struct ape__diag_req none = { NULL, NULL };
 	int ret = check_devices(fn, devs, ndev);
@@ -335,6 +343,7 @@ int ape_attention_forward_diag(ape_device *const *devs, int ndev, const ape_exec
 			       float *lse, float *entropy, float *mean_distance,
 			       ape_stats *stats)
 {
+	APE__API_CALL("ape_attention_forward_diag");
 	static const char fn[] = "ape_attention_forward_diag";
 	const struct ape__diag_req dg = { entropy, mean_distance };
 	int ret = check_devices(fn, devs, ndev);

@@ -15,9 +15,11 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#include "core/clock.h"
 #include "core/context.h"
 #include "core/error.h"
 #include "core/limits.h"
+#include "core/verbose.h"
 #include "exec/launch.h"
 #include "exec/pack.h"
 #include "api/kvcache.h"
@@ -277,6 +279,7 @@ static int make_appends(struct ape_kv_cache *c, const char *fn)
 
 int ape_kv_cache_create(ape_device *dev, const ape_kv_cache_options *opts, ape_kv_cache **out)
 {
+	APE__API_CALL("ape_kv_cache_create");
 	static const char fn[] = "ape_kv_cache_create";
 	struct ape_kv_cache *c;
 	int ret;
@@ -430,10 +433,34 @@ static int check_room(const struct ape_kv_cache *c, const char *fn, int64_t n)
 			  fn, n, ape__kv_live_tokens(c), c->nblocks * c->bt, room);
 }
 
+/* An append's line of the call log (docs/profiling.md): what it added, what the cache holds. */
+static void log_append(const struct ape_kv_cache *c, const char *fn, int64_t n, double t0)
+{
+	char name[256];
+
+	if (ape__dev_verbose(c->dev) <= 0 || (ape__api_depth() > 1 && ape__dev_verbose(c->dev) < 2))
+		return;
+	ape__json_escape(name, sizeof(name), c->dev->info.name);
+	if (ape__verbose_json())
+		ape__vlog("{\"call\":\"%s\",\"devices\":[\"%s:%d %s\"],\"tokens\":%lld,"
+			  "\"live_tokens\":%lld,\"capacity_tokens\":%lld,\"wall_ms\":%.6f}",
+			  fn, c->dev->info.backend, c->dev->info.backend_index, name, (long long)n,
+			  (long long)ape__kv_live_tokens(c), (long long)(c->nblocks * c->bt),
+			  ape__now_ms() - t0);
+	else
+		ape__vlog("%s: %s:%d %s | +%lld tokens, %lld held of %lld | %.3f ms wall "
+			  "(the last copies may still run)",
+			  fn, c->dev->info.backend, c->dev->info.backend_index, c->dev->info.name,
+			  (long long)n, (long long)ape__kv_live_tokens(c),
+			  (long long)(c->nblocks * c->bt), ape__now_ms() - t0);
+}
+
 int ape_kv_cache_append(ape_kv_cache *c, const ape_tensor *k, const ape_tensor *v)
 {
+	APE__API_CALL("ape_kv_cache_append");
 	static const char fn[] = "ape_kv_cache_append";
 	static const char *const dims[4] = { "B", "Hkv", "n", "D" };
+	const double t0 = ape__now_ms();
 	int64_t ks[4], vs[4], want[4], n;
 	int ret;
 
@@ -475,6 +502,7 @@ int ape_kv_cache_append(ape_kv_cache *c, const ape_tensor *k, const ape_tensor *
 		c->t_end += m;
 		done += m;
 	}
+	log_append(c, fn, n, t0);
 	return 0;
 }
 
@@ -517,8 +545,10 @@ static int copy_seg_d2d(void *arg, const struct ape__kv_seg *sg)
 int ape_kv_cache_append_device(ape_kv_cache *c, ape_queue *queue, const ape_dtensor *k,
 			       const ape_dtensor *v)
 {
+	APE__API_CALL("ape_kv_cache_append_device");
 	static const char fn[] = "ape_kv_cache_append_device";
 	static const char *const dims[4] = { "B", "Hkv", "n", "D" };
+	const double t0 = ape__now_ms();
 	struct dpiece dp = { 0 };
 	struct ape__event *ready = NULL;
 	int64_t want[4], n;
@@ -589,11 +619,15 @@ int ape_kv_cache_append_device(ape_kv_cache *c, ape_queue *queue, const ape_dten
 		done += m;
 	}
 	c->ops->event_destroy(ready);
-	return ret ? ape__error_prefix(ape__error_on(ret, c->dev), fn) : 0;
+	if (ret)
+		return ape__error_prefix(ape__error_on(ret, c->dev), fn);
+	log_append(c, fn, n, t0);
+	return 0;
 }
 
 int ape_kv_cache_get_info(const ape_kv_cache *c, ape_kv_cache_info *info)
 {
+	APE__API_CALL("ape_kv_cache_get_info");
 	if (!c || !info)
 		return ape__error(APE_EINVAL, "ape_kv_cache_get_info: %s = NULL",
 				  !c ? "cache" : "info");

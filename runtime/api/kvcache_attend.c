@@ -17,10 +17,13 @@
 #include "core/clock.h"
 #include "core/context.h"
 #include "core/error.h"
+#include "core/strace.h"
+#include "core/verbose.h"
 #include "exec/launch.h"
 #include "exec/lse_merge.h"
 #include "exec/pack.h"
 #include "exec/skip_budget.h"
+#include "exec/trace.h"
 #include "api/forward.h"
 #include "api/kvcache.h"
 #include "api/stats.h"
@@ -302,6 +305,7 @@ static int run_attend(struct ape_kv_cache *c, const char *fn, const struct ape__
 		.release = c->o.allow_release,
 	};
 	struct ape__stream_call call;
+	struct ape__trace_dev trace = { 0 };
 	struct ape__fwd f;
 	atomic_bool abort_flag;
 	const int64_t cq = c->geom.plan.co, nq = (p->Lq + cq - 1) / cq;
@@ -331,9 +335,17 @@ static int run_attend(struct ape_kv_cache *c, const char *fn, const struct ape__
 	};
 	atomic_init(&abort_flag, false);
 	ape__workq_single(c->wq, nq);
-	ret = ape__stream_run(c->s, &call, 0, NULL, &res->st);
+	if (ape__strace_on()) /* the session trace: the attend's copies and kernels */
+		ape__trace_label(&trace, &c->dev, 0);
+	ret = ape__stream_run(c->s, &call, 0, ape__strace_on() ? &trace : NULL, &res->st);
 	res->pairs_computed += f.pairs_computed;
 	res->chunks_skipped += f.chunks_skipped;
+	ape__path_merge(&res->paths, &f.paths);
+	if (ape__strace_on()) {
+		ape__path_names(trace.path, sizeof(trace.path), &f.paths);
+		ape__trace_to_session(&trace);
+		ape__trace_free(&trace);
+	}
 	ape__fwd_fini(&f);
 	if (ret) /* a lost device may fail the last step, after the rows were written */
 		ape__error_prefix(ape__error_written(ape__error_on(ret, c->dev),
@@ -344,10 +356,15 @@ static int run_attend(struct ape_kv_cache *c, const char *fn, const struct ape__
 
 /* The statistics of an attend: the session's plan, the cache's budget, and the blocks counted
  * in the peak with the session's buffers. */
-static void report(const struct ape_kv_cache *c, struct ape__exec_result *res,
-		   uint64_t pairs_visible, double t0, ape_stats *stats)
+static void report(const struct ape_kv_cache *c, const char *fn, const struct ape__problem *p,
+		   int ret, struct ape__exec_result *res, uint64_t pairs_visible, double t0,
+		   ape_stats *stats)
 {
 	const struct ape__call_report rep = {
+		.fn = fn,
+		.p = p,
+		.ret = ret,
+		.pairs_uncounted = !stats && p->Lq > 0 && p->Lk > 0,
 		.res = res,
 		.devs = &c->dev,
 		.ndev = 1,
@@ -361,7 +378,7 @@ static void report(const struct ape_kv_cache *c, struct ape__exec_result *res,
 	res->depth = c->geom.plan.depth;
 	res->budget = c->o.max_device_bytes ? c->o.max_device_bytes : UINT64_MAX;
 	res->st.peak_bytes += c->mem.cur;
-	ape__stats_report(stats, &rep);
+	ape__call_done(stats, &rep);
 }
 
 static int attend(ape_kv_cache *c, const char *fn, const ape_attn_desc *desc,
@@ -403,8 +420,8 @@ static int attend(ape_kv_cache *c, const char *fn, const ape_attn_desc *desc,
 	}
 	if (!ret && c->o.allow_release)
 		ape__kv_try_release(c, &p, NULL);
-	if (!ret && stats)
-		report(c, &res, per_head * (uint64_t)(p.B * p.H), t0, stats);
+	if (stats || ape__call_logs(&c->dev, 1))
+		report(c, fn, &p, ret, &res, per_head * (uint64_t)(p.B * p.H), t0, stats);
 	ape__problem_fini(&p);
 	return ret;
 }
@@ -412,6 +429,7 @@ static int attend(ape_kv_cache *c, const char *fn, const ape_attn_desc *desc,
 int ape_kv_cache_attend(ape_kv_cache *c, const ape_attn_desc *desc, const ape_tensor *q,
 			ape_tensor *o, float *lse, ape_stats *stats)
 {
+	APE__API_CALL("ape_kv_cache_attend");
 	const struct ape__diag_req none = { NULL, NULL };
 
 	return attend(c, "ape_kv_cache_attend", desc, q, o, lse, &none, stats);
@@ -421,6 +439,7 @@ int ape_kv_cache_attend_diag(ape_kv_cache *c, const ape_attn_desc *desc, const a
 			     ape_tensor *o, float *lse, float *entropy, float *mean_distance,
 			     ape_stats *stats)
 {
+	APE__API_CALL("ape_kv_cache_attend_diag");
 	const struct ape__diag_req dg = { entropy, mean_distance };
 
 	return attend(c, "ape_kv_cache_attend_diag", desc, q, o, lse, &dg, stats);

@@ -19,6 +19,7 @@
 #include "core/alloc.h"
 #include "core/error.h"
 #include "core/limits.h"
+#include "core/verbose.h"
 #include "exec/pack.h"
 #include "exec/skip_budget.h"
 #include "api/kvcache.h"
@@ -170,6 +171,7 @@ int ape__kv_check_release_terms(const struct ape_kv_cache *c, const char *fn,
 int ape_kv_cache_release_unreachable(ape_kv_cache *c, const ape_attn_desc *desc,
 				     int64_t *released)
 {
+	APE__API_CALL("ape_kv_cache_release_unreachable");
 	static const char fn[] = "ape_kv_cache_release_unreachable";
 	struct ape__problem p;
 	ape_tensor qt, ot, none;

@@ -12,6 +12,7 @@
 #include "core/alloc.h"
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/verbose.h"
 #include "topo/placement.h"
 #include "topo/numa.h"
 #include "topo/topology.h"
@@ -97,6 +98,7 @@ static int time_copies(ape_device *dev, const struct ape__hostmem *m, int repeat
 int ape_device_measure_h2d(ape_device *dev, int numa_node, size_t bytes, int repeats,
 			   ape_copy_result *res)
 {
+	APE__API_CALL("ape_device_measure_h2d");
 	struct ape__hostmem m;
 	char where[64];
 	double *ms;

@@ -166,9 +166,8 @@ int ape__forward_positions(const char *fn, ape_device *const *devs, int ndev,
 		ape__unpack_rows(so.data, o, p->os, 0, p->Lq);
 		if (lse)
 			memcpy(lse, slse, rows * sizeof(float));
-		if (stats)
-			ape__varlen_report(stats, &c.sum, c.have, t0);
 	}
+	ape__varlen_report(fn, devs, ndev, p, ret, stats, &c.sum, c.have, t0);
 out:
 	free(so.data);
 	free(slse);
@@ -236,9 +235,8 @@ int ape__backward_positions(const char *fn, ape_device *const *devs, int ndev,
 				ape__unpack_rows(st[t].data, out[t], outs[t], 0, out[t]->shape[2]);
 		for (int64_t i = 0; g->dparams && i < 4 * p->H; i++)
 			g->dparams[i] = (float)sdp[i];
-		if (stats)
-			ape__varlen_report(stats, &c.sum, c.have, t0);
 	}
+	ape__varlen_report(fn, devs, ndev, p, ret, stats, &c.sum, c.have, t0);
 out:
 	for (int t = 0; t < 3; t++)
 		free(st[t].data);

@@ -12,9 +12,12 @@
 #include <string.h>
 
 #include "core/alloc.h"
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/limits.h"
+#include "core/verbose.h"
 #include "exec/resident.h"
+#include "api/stats.h"
 #include "api/forward.h"
 #include "api/resident.h"
 #include "api/validate.h"
@@ -49,6 +52,7 @@ static int new_buffer(const char *fn, ape_device *dev, struct ape__buf *b, size_
 
 int ape_buffer_alloc(ape_device *dev, size_t bytes, ape_buffer **out)
 {
+	APE__API_CALL("ape_buffer_alloc");
 	static const char fn[] = "ape_buffer_alloc";
 	struct ape__buf *b;
 	int ret = check_dev(fn, dev, out);
@@ -83,6 +87,7 @@ int ape__buffer_wrap(const char *fn, ape_device *dev, int kind, void *handle, si
 
 int ape_buffer_wrap_host(ape_device *dev, void *ptr, size_t bytes, ape_buffer **out)
 {
+	APE__API_CALL("ape_buffer_wrap_host");
 	static const char fn[] = "ape_buffer_wrap_host";
 	int ret = check_dev(fn, dev, out);
 
@@ -98,6 +103,7 @@ int ape_buffer_wrap_host(ape_device *dev, void *ptr, size_t bytes, ape_buffer **
 
 int ape_buffer_wrap_opencl(ape_device *dev, void *cl_mem, ape_buffer **out)
 {
+	APE__API_CALL("ape_buffer_wrap_opencl");
 	static const char fn[] = "ape_buffer_wrap_opencl";
 	int ret = check_dev(fn, dev, out);
 
@@ -111,6 +117,7 @@ int ape_buffer_wrap_opencl(ape_device *dev, void *cl_mem, ape_buffer **out)
 
 int ape_buffer_wrap_cuda(ape_device *dev, uint64_t dptr, size_t bytes, ape_buffer **out)
 {
+	APE__API_CALL("ape_buffer_wrap_cuda");
 	static const char fn[] = "ape_buffer_wrap_cuda";
 	int ret = check_dev(fn, dev, out);
 
@@ -176,6 +183,7 @@ void ape__queue_note_call(ape_queue *queue, const char *fn)
 int ape_buffer_write(ape_queue *queue, ape_buffer *dst, size_t offset, const void *src,
 		     size_t bytes)
 {
+	APE__API_CALL("ape_buffer_write");
 	static const char fn[] = "ape_buffer_write";
 	int ret = check_copy(fn, queue, dst, "dst", offset, src, "src", bytes);
 
@@ -188,6 +196,7 @@ int ape_buffer_write(ape_queue *queue, ape_buffer *dst, size_t offset, const voi
 
 int ape_buffer_read(ape_queue *queue, void *dst, ape_buffer *src, size_t offset, size_t bytes)
 {
+	APE__API_CALL("ape_buffer_read");
 	static const char fn[] = "ape_buffer_read";
 	int ret = check_copy(fn, queue, src, "src", offset, dst, "dst", bytes);
 
@@ -218,6 +227,7 @@ static int new_queue(const char *fn, ape_device *dev, struct ape__queue *q, bool
 
 int ape_queue_create(ape_device *dev, ape_queue **out)
 {
+	APE__API_CALL("ape_queue_create");
 	static const char fn[] = "ape_queue_create";
 	struct ape__queue *q;
 	int ret = check_dev(fn, dev, out);
@@ -249,6 +259,7 @@ int ape__queue_wrap(const char *fn, ape_device *dev, const char *api, void *hand
 
 int ape_queue_wrap_opencl(ape_device *dev, void *cl_command_queue, ape_queue **out)
 {
+	APE__API_CALL("ape_queue_wrap_opencl");
 	static const char fn[] = "ape_queue_wrap_opencl";
 	int ret = check_dev(fn, dev, out);
 
@@ -262,6 +273,7 @@ int ape_queue_wrap_opencl(ape_device *dev, void *cl_command_queue, ape_queue **o
 
 int ape_queue_wrap_cuda(ape_device *dev, void *cu_stream, ape_queue **out)
 {
+	APE__API_CALL("ape_queue_wrap_cuda");
 	static const char fn[] = "ape_queue_wrap_cuda";
 	int ret = check_dev(fn, dev, out);
 
@@ -280,6 +292,7 @@ void ape_queue_destroy(ape_queue *queue)
 
 int ape_queue_synchronize(ape_queue *queue)
 {
+	APE__API_CALL("ape_queue_synchronize");
 	static const char fn[] = "ape_queue_synchronize";
 	int ret;
 
@@ -302,6 +315,7 @@ ape_device *ape_queue_device(const ape_queue *queue)
 
 int ape_device_native(const ape_device *dev, void **context, void **device)
 {
+	APE__API_CALL("ape_device_native");
 	void *c = NULL, *d = NULL;
 
 	if (!dev)
@@ -531,6 +545,7 @@ int ape_attention_enqueue(ape_queue *queue, const ape_attn_desc *desc, const ape
 			  const ape_dtensor *k, const ape_dtensor *v, const ape_dtensor *o,
 			  const ape_dtensor *lse)
 {
+	APE__API_CALL("ape_attention_enqueue");
 	return ape__attention_enqueue("ape_attention_enqueue", queue, desc, q, k, v, o, lse);
 }
 
@@ -674,6 +689,7 @@ int ape_attention_enqueue_diag(ape_queue *queue, const ape_attn_desc *desc, cons
 			       const ape_dtensor *lse, const ape_dtensor *entropy,
 			       const ape_dtensor *mean_distance)
 {
+	APE__API_CALL("ape_attention_enqueue_diag");
 	return ape__attention_enqueue_diag("ape_attention_enqueue_diag", queue, desc, q, k, v, o,
 					   lse, entropy, mean_distance);
 }
@@ -683,7 +699,9 @@ int ape__attention_enqueue_diag(const char *fn, ape_queue *queue, const ape_attn
 				const ape_dtensor *o, const ape_dtensor *lse,
 				const ape_dtensor *ent, const ape_dtensor *md)
 {
+	const double t0 = ape__now_ms();
 	struct ape__resident_req r;
+	struct ape__path_log paths = { { 0 }, { 0 } };
 	struct ape__problem p;
 	int64_t rows;
 	int ret;
@@ -703,6 +721,7 @@ int ape__attention_enqueue_diag(const char *fn, ape_queue *queue, const ape_attn
 	r.dev = queue->dev;
 	r.q = queue->q;
 	r.p = &p;
+	r.paths = &paths;
 	if (p.B * p.H * p.Lq == 0) {
 		ape__problem_fini(&p);
 		return 0;
@@ -712,6 +731,8 @@ int ape__attention_enqueue_diag(const char *fn, ape_queue *queue, const ape_attn
 		ret = ape__resident_write_empty(queue, &p, &r);
 	else if (!(ret = ape__resident_plan(&r, &rows)))
 		ret = ape__resident_enqueue(&r, rows);
+	ret = ret ? ape__error_prefix(ret, fn) : 0;
+	ape__call_log_async(fn, queue->dev, &p, ret, &paths, t0);
 	ape__problem_fini(&p);
-	return ret ? ape__error_prefix(ret, fn) : 0;
+	return ret;
 }

@@ -9,8 +9,11 @@
 
 #include "api/backward.h"
 #include "api/resident.h"
+#include "api/stats.h"
 #include "api/validate.h"
+#include "core/clock.h"
 #include "core/error.h"
+#include "core/verbose.h"
 #include "exec/backward.h"
 #include "exec/resident_bwd.h"
 
@@ -118,6 +121,7 @@ int ape_attention_backward_enqueue(ape_queue *queue, const ape_attn_desc *desc,
 				   const ape_dtensor *dq, const ape_dtensor *dk, const ape_dtensor *dv,
 				   const ape_dtensor *dparams)
 {
+	APE__API_CALL("ape_attention_backward_enqueue");
 	const ape_dtensor *const t[APE__RB_COUNT] = { q, k, v, o, lse, dout, dlse,
 						      dq, dk, dv, dparams };
 
@@ -127,6 +131,8 @@ int ape_attention_backward_enqueue(ape_queue *queue, const ape_attn_desc *desc,
 int ape__attention_backward_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc *desc,
 				    const ape_dtensor *const t[APE__RB_COUNT])
 {
+	const double t0 = ape__now_ms();
+	struct ape__path_log paths = { { 0 }, { 0 } };
 	struct ape__resident_bwd_req r;
 	struct ape__problem p;
 	int64_t rows = 1;
@@ -146,7 +152,10 @@ int ape__attention_backward_enqueue(const char *fn, ape_queue *queue, const ape_
 		return ret;
 	}
 	ape__queue_note_call(queue, fn);
+	r.paths = &paths;
 	ret = ape__resident_bwd_enqueue(&r, rows);
+	ret = ret ? ape__error_prefix(ret, fn) : 0;
+	ape__call_log_async(fn, queue->dev, &p, ret, &paths, t0);
 	ape__problem_fini(&p);
-	return ret ? ape__error_prefix(ret, fn) : 0;
+	return ret;
 }

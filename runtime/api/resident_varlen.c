@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "core/error.h"
+#include "core/verbose.h"
 #include "exec/resident.h"
 #include "api/resident.h"
 #include "api/validate.h"
@@ -148,6 +149,7 @@ int ape_attention_enqueue_varlen(ape_queue *queue, const ape_attn_desc *desc,
 				 const ape_varlen *vl, const ape_dtensor *q, const ape_dtensor *k,
 				 const ape_dtensor *v, const ape_dtensor *o, const ape_dtensor *lse)
 {
+	APE__API_CALL("ape_attention_enqueue_varlen");
 	return ape__attention_enqueue_varlen("ape_attention_enqueue_varlen", queue, desc, vl, q, k,
 					     v, o, lse);
 }

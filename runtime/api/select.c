@@ -10,6 +10,7 @@
 
 #include "core/context.h"
 #include "core/error.h"
+#include "core/verbose.h"
 #include "topo/topology.h"
 
 static const struct ape__ctx_backend *find_backend(const ape_context *ctx, const char *name)
@@ -71,6 +72,7 @@ static int select_in_backend(ape_context *ctx, const char *name, const char *why
 
 int ape_device_select(ape_context *ctx, const char *backend, int index, ape_selection *sel)
 {
+	APE__API_CALL("ape_device_select");
 	ape_selection s; /* *sel is written only on success */
 	const char *env;
 	struct ape_device *d;
@@ -174,6 +176,7 @@ static int select_backend_at(ape_context *ctx, const char *backend, const char *
 
 int ape_device_select_spec(ape_context *ctx, const char *spec, ape_selection *sel)
 {
+	APE__API_CALL("ape_device_select_spec");
 	ape_selection s;
 	const char *colon;
 	char backend[16];

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "core/limits.h"
+#include "core/verbose.h"
 
 /* ---------------------------------------------------------------- tensors */
 
@@ -527,6 +528,7 @@ void ape_attn_desc_init(ape_attn_desc *desc)
 int ape_visible_pairs(const ape_attn_desc *desc, int64_t B, int64_t H, int64_t Lq, int64_t Lk,
 		      uint64_t *out)
 {
+	APE__API_CALL("ape_visible_pairs");
 	static const char fn[] = "ape_visible_pairs";
 	struct ape__problem p = { 0 };
 	uint64_t per_head, total;
@@ -577,6 +579,7 @@ void ape_tensor_strides(const ape_tensor *t, int64_t s[4])
 
 int ape_tensor_rows(const ape_tensor *t, int64_t first, int64_t count, ape_tensor *out)
 {
+	APE__API_CALL("ape_tensor_rows");
 	ape_tensor v;
 	size_t esize;
 

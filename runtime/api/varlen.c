@@ -22,11 +22,13 @@
 #include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "core/alloc.h"
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/verbose.h"
 #include "exec/lse_merge.h"
 #include "exec/pack.h"
 #include "exec/problem.h"
@@ -266,19 +268,48 @@ void ape__varlen_add_stats(ape_stats *t, bool *have, const ape_stats *x)
 	t->copy_ms += x->copy_ms;
 	t->overlap_ms += x->overlap_ms;
 	t->devices = x->devices > t->devices ? x->devices : t->devices;
+	/* the paths: each once (a path's name is never a part of another's) */
+	for (const char *a = x->path; *a;) {
+		const char *e = strchr(a, '+');
+		const size_t n = e ? (size_t)(e - a) : strlen(a), have_n = strlen(t->path);
+		bool seen = false;
+
+		for (const char *b = t->path; *b && !seen;) {
+			const char *f = strchr(b, '+');
+			const size_t m = f ? (size_t)(f - b) : strlen(b);
+
+			seen = m == n && !strncmp(a, b, n);
+			b += m + (f ? 1 : 0);
+		}
+		if (!seen && have_n + n + 2 <= sizeof(t->path))
+			snprintf(t->path + have_n, sizeof(t->path) - have_n, "%s%.*s",
+				 have_n ? "+" : "", (int)n, a);
+		a += n + (e ? 1 : 0);
+	}
 	if (x->peak_device_bytes > t->peak_device_bytes)
 		t->peak_device_bytes = x->peak_device_bytes;
 }
 
-void ape__varlen_report(ape_stats *stats, ape_stats *sum, bool have, double t0)
+void ape__varlen_report(const char *fn, ape_device *const *devs, int ndev,
+			const struct ape__problem *p, int ret, ape_stats *stats, ape_stats *sum,
+			bool have, double t0)
 {
-	const size_t keep = stats->struct_size;
+	const struct ape__call_log lg = {
+		.fn = fn, .devs = devs, .ndev = ndev, .p = p, .ret = ret, .st = sum,
+		.pairs_uncounted = !have,
+	};
 
 	if (!have)
 		ape_stats_init(sum);
 	sum->total_ms = ape__now_ms() - t0;
-	sum->struct_size = keep;
-	memcpy(stats, sum, keep);
+	ape__call_log(&lg);
+	if (!ret && stats) {
+		const size_t keep = stats->struct_size;
+
+		sum->struct_size = keep;
+		memcpy(stats, sum, keep);
+		sum->struct_size = sizeof(*sum);
+	}
 }
 
 /* Query rows [a, b) against key rows [kc, kd) of sequence s, as one dense call writing o (a
@@ -655,14 +686,15 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 	if (*ret)
 		*ret = ape__error(*ret, "%s: %" PRId64 " sequences in ragged launches: %s", c->fn,
 				  c->vl->num_seqs, ape_last_error());
-	else if (stats) {
+	{
 		const struct ape__call_report rep = {
+			.fn = c->fn, .p = p, .ret = *ret, .pairs_uncounted = !stats,
 			.res = &res, .devs = c->devs, .ndev = c->ndev, .devices = c->ndev,
 			.pairs_visible = visible, .t0 = t0,
 		};
 
 		c->rep_done = true;
-		ape__stats_report(stats, &rep);
+		ape__call_done(stats, &rep);
 	}
 	free(sg);
 	ape__varlen_pos_free(&pos);
@@ -714,11 +746,10 @@ int ape__attention_forward_varlen(const char *fn, ape_device *const *devs, int n
 		}
 	}
 out:
-	if (!ret) {
+	if (!ret)
 		publish(&c, o, lse);
-		if (stats && !c.rep_done)
-			ape__varlen_report(stats, &c.st, c.have_st, t0);
-	}
+	if (!c.rep_done)
+		ape__varlen_report(fn, devs, ndev, &p, ret, stats, &c.st, c.have_st, t0);
 	vcall_free(&c);
 	ape__problem_fini(&p);
 	return ret;
@@ -729,6 +760,7 @@ int ape_attention_forward_varlen_ex(ape_device *const *devs, int ndev,
 				    const ape_varlen *vl, const ape_tensor *q, const ape_tensor *k,
 				    const ape_tensor *v, ape_tensor *o, float *lse, ape_stats *stats)
 {
+	APE__API_CALL("ape_attention_forward_varlen_ex");
 	return ape__attention_forward_varlen("ape_attention_forward_varlen_ex", devs, ndev, opts,
 					     desc, vl, q, k, v, o, lse, stats);
 }
@@ -737,6 +769,7 @@ int ape_attention_forward_varlen(ape_device *dev, const ape_attn_desc *desc,
 				 const ape_varlen *vl, const ape_tensor *q, const ape_tensor *k,
 				 const ape_tensor *v, ape_tensor *o, float *lse, ape_stats *stats)
 {
+	APE__API_CALL("ape_attention_forward_varlen");
 	static const char fn[] = "ape_attention_forward_varlen";
 
 	if (!dev)

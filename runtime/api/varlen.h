@@ -90,10 +90,14 @@ void ape__varlen_pos_free(struct ape__varlen_pos *x);
 int ape__varlen_build_positions(const char *fn, const ape_varlen *vl, struct ape__seg **out,
 				int64_t *nout, struct ape__varlen_pos *pos);
 
-/* The pieces' statistics: x added to *t (the first taken whole); the sum reported into the
- * caller's stats (its struct_size kept) with the call's wall time since t0. */
+/* The pieces' statistics: x added to *t (the first taken whole; paths joined); at the end of
+ * call fn (ret: what it returns, p its problem), the sum reported into the caller's stats
+ * (NULL, or its struct_size kept; only when ret is 0) with the call's wall time since t0,
+ * and the call's line logged (api/stats.h). */
 void ape__varlen_add_stats(ape_stats *t, bool *have, const ape_stats *x);
-void ape__varlen_report(ape_stats *stats, ape_stats *sum, bool have, double t0);
+void ape__varlen_report(const char *fn, ape_device *const *devs, int ndev,
+			const struct ape__problem *p, int ret, ape_stats *stats, ape_stats *sum,
+			bool have, double t0);
 
 #pragma GCC visibility pop
 #endif

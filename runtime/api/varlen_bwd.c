@@ -15,6 +15,7 @@
 #include "core/alloc.h"
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/verbose.h"
 #include "exec/backward.h"
 #include "exec/lse_merge.h"
 #include "api/backward.h"
@@ -293,11 +294,9 @@ int ape__attention_backward_varlen(const char *fn, ape_device *const *devs, int 
 			ret = query_run(&c, s, a, b);
 		}
 	}
-	if (!ret) {
+	if (!ret)
 		publish(&c, dq, dk, dv, dparams);
-		if (stats)
-			ape__varlen_report(stats, &c.st, c.have_st, t0);
-	}
+	ape__varlen_report(fn, devs, ndev, &p, ret, stats, &c.st, c.have_st, t0);
 	bcall_free(&c);
 out_fini:
 	ape__problem_fini(&p);
@@ -311,6 +310,7 @@ int ape_attention_backward_varlen(ape_device *const *devs, int ndev,
 				  const ape_tensor *dout, const float *dlse, ape_tensor *dq,
 				  ape_tensor *dk, ape_tensor *dv, float *dparams, ape_stats *stats)
 {
+	APE__API_CALL("ape_attention_backward_varlen");
 	return ape__attention_backward_varlen("ape_attention_backward_varlen", devs, ndev, opts,
 					      desc, vl, q, k, v, o, lse, dout, dlse, dq, dk, dv,
 					      dparams, stats);

@@ -102,8 +102,10 @@
  * 12: ragged launches: struct ape__seg, ape__launch.segs and .nseg, ape__dev_caps.segments
  * (later, within 12: attention_scratch asked with nseg -1 for a ragged call's launches, which
  * backends that ignore nseg there need not know).
- * 13: explicit positions: ape__launch.pos_q and .pos_k, ape__dev_caps.positions. */
-#define APE__BACKEND_ABI 13
+ * 13: explicit positions: ape__launch.pos_q and .pos_k, ape__dev_caps.positions.
+ * 14: kernel paths: ape__launch.path, which attention and attention_backward note the path
+ * they took in (ape__path_note()). */
+#define APE__BACKEND_ABI 14
 
 struct ape__backend;
 struct ape__buf; /* device memory: defined by each backend */
@@ -150,6 +152,49 @@ struct ape__seg {
 	int64_t k0, lk; /* lk >= 0: 0, the rows see no key */
 	int64_t q_start, k_start; /* every pair's distance fits in int64 (the core checked) */
 };
+
+/*
+ * The kernel paths a backend can take for a launch (ABI 14), for the call's statistics, its
+ * APE_VERBOSE line and its trace (docs/profiling.md). ape__path_name() gives each one's name.
+ */
+enum ape__path {
+	APE__PATH_REFERENCE, /* the reference backend: plain C, double accumulation */
+	APE__PATH_GENERAL, /* the general fused kernel (any lambda, any layout) */
+	APE__PATH_POSITIONS, /* the general kernel reading explicit positions */
+	APE__PATH_RAGGED, /* the general kernel over a ragged launch's segment table */
+	APE__PATH_SEPARABLE, /* lambda = 0: scores as products plus a per-distance bias */
+	APE__PATH_SPLIT, /* heads of both kinds: runs of heads, each on its own path */
+	APE__PATH_DECODE, /* a few query rows: keys split across the device, merged by LSE */
+	APE__PATH_PAGES, /* the decode reading a KV cache's blocks in place */
+	APE__PATH_EMPTY, /* no key: O 0, LSE -inf written without a kernel */
+	APE__PATH_BACKWARD, /* the fused backward sweep */
+	APE__PATH_COUNT
+};
+
+/*
+ * The paths a call's launches took, summed (the core owns it; one per device worker, merged
+ * by the core): launches[p] counts the launches that noted path p, why[p] is the reason the
+ * last of them gave (a static string).
+ */
+struct ape__path_log {
+	uint32_t launches[APE__PATH_COUNT];
+	const char *why[APE__PATH_COUNT];
+};
+
+/* Notes that a launch took path p, and why ("lambda = 0 on every head"; a static string). For
+ * backends, from attention and attention_backward: log is the launch's path member, and may be
+ * NULL (nothing is noted). Never fails. */
+void ape__path_note(struct ape__path_log *log, enum ape__path p, const char *why);
+
+/* The name of path p ("separable"); "?" outside the enum. */
+const char *ape__path_name(enum ape__path p);
+
+/* The paths noted in log, each once, joined by '+' in the enum's order (ape_stats.path), into
+ * buf (cap bytes, terminated; "" when none). */
+void ape__path_names(char *buf, size_t cap, const struct ape__path_log *log);
+
+/* Adds src's counts to dst (why: src's where it has one). */
+void ape__path_merge(struct ape__path_log *dst, const struct ape__path_log *src);
 
 /* One attention launch on device buffers. */
 struct ape__launch {
@@ -258,6 +303,14 @@ struct ape__launch {
 	 * a failure is the rule at the top of this file: the outputs hold unspecified values.
 	 */
 	const int64_t *pos_q, *pos_k;
+	/*
+	 * ABI 14. NULL, or the core's record of the kernel paths taken: attention (and
+	 * attention_backward, through f.path) notes each path it runs with ape__path_note(),
+	 * once per kernel path per launch (a launch split into runs of heads notes the split and
+	 * each run's path), so that a call can say which kernels computed it. Written from the
+	 * thread calling the op only; never read by the backend.
+	 */
+	struct ape__path_log *path;
 };
 
 /* The segment of a ragged launch l that holds query row i (0 <= i < l->Lq): a binary search
@@ -347,6 +400,15 @@ static inline bool ape__launch_mixes_separable(const struct ape__launch *l)
 		any_other |= !s;
 	}
 	return any_sep && any_other;
+}
+
+/* Why a launch takes a general kernel rather than the separable path, for ape__path_note(). */
+static inline const char *ape__launch_general_why(const struct ape__launch *l)
+{
+	for (int64_t h = 0; h < l->H; h++)
+		if (l->head_params[4 * h + 3] != 0)
+			return "lambda != 0";
+	return "lambda = 0, but the separable path does not take this shape or these outputs";
 }
 
 /* Runs l as one sub-launch (ape__launch_heads()) per run of consecutive kv groups of one kind:

@@ -26,6 +26,7 @@ struct ape__ctx_backend {
 
 struct ape_context {
 	unsigned flags; /* APE_CONTEXT_* */
+	int verbose; /* the call log's level for this context's calls (core/verbose.h) */
 	int nbackends;
 	struct ape__ctx_backend backends[APE__MAX_BACKENDS];
 	int ndevices, cap;
@@ -60,6 +61,12 @@ void ape__context_sort_devices(struct ape_context *ctx);
  * dropped). Backends left without a device become unavailable, with `why` as the reason. */
 void ape__context_drop_devices(struct ape_context *ctx, const bool *drop, int *new_index,
 			       const char *why);
+
+/* The call log's level of calls on dev (its context's). */
+static inline int ape__dev_verbose(const struct ape_device *dev)
+{
+	return dev && dev->be && dev->be->ctx ? dev->be->ctx->verbose : 0;
+}
 
 /* Prints a warning unless this context already printed one of this kind. */
 void ape__warn_once(atomic_bool *flag, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -8,9 +8,16 @@
 #include <stdio.h>
 #include <string.h>
 
-/* Per-thread so that concurrent calls never see each other's messages; this is the only
- * thread-local state in the library. */
+/* Per-thread so that concurrent calls never see each other's messages; with the generation
+ * (bumped by every new message) and core/verbose.c's call depth, the only thread-local state
+ * in the library. */
 static _Thread_local char last_error[1024];
+static _Thread_local unsigned error_gen;
+
+unsigned ape__error_gen(void)
+{
+	return error_gen;
+}
 
 const char *ape_strerror(int err)
 {
@@ -52,6 +59,7 @@ int ape__error(int err, const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(last_error, sizeof(last_error), fmt, ap);
 	va_end(ap);
+	error_gen++;
 	return err;
 }
 
@@ -61,6 +69,7 @@ int ape__error_prefix(int err, const char *ctx)
 	size_t n;
 
 	memcpy(tmp, last_error, sizeof(tmp));
+	error_gen++; /* a failure reported from below (an op's own message): this call's */
 	n = (size_t)snprintf(last_error, sizeof(last_error), "%s: ", ctx);
 	if (n < sizeof(last_error))
 		snprintf(last_error + n, sizeof(last_error) - n, "%s",

@@ -14,6 +14,10 @@
  * `return ape__error(APE_EINVAL, "%s: q->shape[3] = %lld: must be even", fn, d);`. */
 int ape__error(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* The thread's error generation: changes whenever ape__error() sets a new message (the call
+ * log's test that a call failed; core/verbose.h). */
+unsigned ape__error_gen(void);
+
 /* Prefixes the current message with "ctx: " (used when a lower layer already explained). */
 int ape__error_prefix(int err, const char *ctx);
 

@@ -11,7 +11,10 @@
 #pragma GCC visibility push(hidden)
 
 #if defined(APE_WITH_NVTX)
+/* Opens a range on this thread's stack in the "libape" domain; name: a string that outlives
+ * the call (the names are literals). Every push has its pop on the same thread. */
 void ape__nvtx_push(const char *name);
+/* Closes this thread's innermost libape range. */
 void ape__nvtx_pop(void);
 #else
 static inline void ape__nvtx_push(const char *name)

@@ -7,6 +7,9 @@
  * fails, puts the device and the op in front of the message the backend set
  * ("opencl:0 NAME (pci): copy_h2d: clEnqueueWriteBuffer (64 bytes): CL_OUT_OF_RESOURCES (-5)").
  * Ops that cannot fail are called as they are. Before any of it, the table is checked.
+ * The kernel launches and the copies each run inside an NVTX range named after the op
+ * ("attention", "copy_h2d", ...; core/nvtx.h), opened and closed on the calling thread around
+ * the backend's op alone: free unless a tool is attached, compiled out without WITH_NVTX.
  */
 #include "core/ops.h"
 
@@ -16,6 +19,7 @@
 #include <string.h>
 
 #include "core/error.h"
+#include "core/nvtx.h"
 
 /* The backend's own table behind a device, a queue or an event. */
 static const struct ape__backend_ops *raw_of(const struct ape_device *dev)
@@ -42,6 +46,14 @@ static int named_q(int err, const struct ape__queue *q, const char *op)
 static int named_e(int err, const struct ape__event *e, const char *op)
 {
 	return err ? ape__op_error(err, ape__event_dev(e), op) : 0;
+}
+
+/* The op's code, once the NVTX range opened before it is closed (the op is called first: an
+ * argument is evaluated before the call). */
+static int ranged(int err)
+{
+	ape__nvtx_pop();
+	return err;
 }
 
 /* ------------------------------------------------------------------ ops on a device */
@@ -85,19 +97,23 @@ static uint64_t core_max_alloc(struct ape_device *dev)
 static int core_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src,
 			 size_t n)
 {
-	return named_q(queue_raw(q)->copy_h2d(q, dst, off, src, n), q, "copy_h2d");
+	ape__nvtx_push("copy_h2d");
+	return named_q(ranged(queue_raw(q)->copy_h2d(q, dst, off, src, n)), q, "copy_h2d");
 }
 
 static int core_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off,
 			 size_t n)
 {
-	return named_q(queue_raw(q)->copy_d2h(q, dst, src, off, n), q, "copy_d2h");
+	ape__nvtx_push("copy_d2h");
+	return named_q(ranged(queue_raw(q)->copy_d2h(q, dst, src, off, n)), q, "copy_d2h");
 }
 
 static int core_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
 			 struct ape__buf *src, size_t src_off, size_t n)
 {
-	return named_q(queue_raw(q)->copy_d2d(q, dst, dst_off, src, src_off, n), q, "copy_d2d");
+	ape__nvtx_push("copy_d2d");
+	return named_q(ranged(queue_raw(q)->copy_d2d(q, dst, dst_off, src, src_off, n)), q,
+		       "copy_d2d");
 }
 
 static int core_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
@@ -118,7 +134,8 @@ static int core_event_wait(struct ape__queue *q, struct ape__event *e)
 
 static int core_attention(struct ape__queue *q, const struct ape__launch *l)
 {
-	return named_q(queue_raw(q)->attention(q, l), q, "attention");
+	ape__nvtx_push("attention");
+	return named_q(ranged(queue_raw(q)->attention(q, l)), q, "attention");
 }
 
 static int core_synchronize(struct ape__queue *q)
@@ -128,7 +145,8 @@ static int core_synchronize(struct ape__queue *q)
 
 static int core_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
 {
-	return named_q(queue_raw(q)->attention_backward(q, l), q, "attention_backward");
+	ape__nvtx_push("attention_backward");
+	return named_q(ranged(queue_raw(q)->attention_backward(q, l)), q, "attention_backward");
 }
 
 static int core_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
@@ -148,7 +166,8 @@ static int core_copy_view(struct ape__queue *q, const struct ape__copy *c)
 
 static int core_attention_merge(struct ape__queue *q, const struct ape__merge *m)
 {
-	return named_q(queue_raw(q)->attention_merge(q, m), q, "attention_merge");
+	ape__nvtx_push("attention_merge");
+	return named_q(ranged(queue_raw(q)->attention_merge(q, m)), q, "attention_merge");
 }
 
 /* ------------------------------------------------------------------ ops on an event */

@@ -3,6 +3,8 @@
  * core, named for the statistics, APE_VERBOSE and traces. */
 #include "core/backend.h"
 
+#include <stdio.h>
+
 void ape__path_note(struct ape__path_log *log, enum ape__path p, const char *why)
 {
 	if (!log || (unsigned)p >= APE__PATH_COUNT)
@@ -22,6 +24,22 @@ const char *ape__path_name(enum ape__path p)
 	};
 
 	return (unsigned)p < APE__PATH_COUNT ? names[p] : "?";
+}
+
+void ape__path_names(char *buf, size_t cap, const struct ape__path_log *pl)
+{
+	size_t n = 0;
+
+	if (!cap)
+		return;
+	buf[0] = '\0';
+	for (int i = 0; i < APE__PATH_COUNT && n < cap; i++)
+		if (pl->launches[i]) {
+			const int k = snprintf(buf + n, cap - n, "%s%s", n ? "+" : "",
+					       ape__path_name((enum ape__path)i));
+
+			n = k < 0 ? cap : n + (size_t)k;
+		}
 }
 
 void ape__path_merge(struct ape__path_log *dst, const struct ape__path_log *src)

@@ -30,8 +30,9 @@ void ape__verbose_raise(int level);
 void ape__vlog(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /*
- * A JSON string's body: src with '"', '\\' and control characters escaped, into dst (cap
- * bytes, always terminated; cut short rather than overflowing).
+ * A JSON string's body: src with '"', '\\' and control characters escaped, well-formed UTF-8
+ * kept, any other byte as U+FFFD, into dst (cap bytes, always terminated; cut short between
+ * characters rather than overflowing), so that the text is valid JSON whatever src holds.
  */
 void ape__json_escape(char *dst, unsigned long cap, const char *src);
 
@@ -39,19 +40,26 @@ void ape__json_escape(char *dst, unsigned long cap, const char *src);
  * The scope of a public call (APE__API_CALL at the top of its body): on entry it opens an
  * NVTX range named after the call (when built with NVTX), on exit it closes it and, when the
  * call set an error message and no line reported it yet (ape__api_logged()), logs the message
- * at ape__verbose_errors() > 0. Nested public calls (one public function calling another) are
+ * at ape__verbose_errors() > 0; with APE_TRACE, it adds the call's span to the session trace
+ * (core/strace.h), its arguments what ape__api_span_args() gave. Nested public calls (one public function calling another) are
  * one scope: the outermost.
  */
 struct ape__api_scope {
 	const char *fn;
 	unsigned gen; /* the thread's error generation on entry (core/error.h) */
+	bool entered; /* anything to do (something observes calls): the depth counts it */
 	bool outer;
+	double t0; /* when it began, for the session trace (core/strace.h); 0 when off */
 };
 
 struct ape__api_scope ape__api_enter(const char *fn);
 void ape__api_leave(struct ape__api_scope *s);
 /* The current error was reported in a call's own line: the scope does not repeat it. */
 void ape__api_logged(void);
+/* The arguments (a JSON object's text, copied) of the session trace's span of the current
+ * outermost call: what its line says (api/stats.c). */
+void ape__api_span_args(const char *json);
+
 /* Public calls this thread is inside now (1 in a call's own code, 0 outside any). */
 int ape__api_depth(void);
 

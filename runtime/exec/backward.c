@@ -75,6 +75,7 @@ struct bwd_pass {
 	uint64_t pairs_computed;
 	bool pairs_counted; /* the launches could skip keys and counted what they computed */
 	bool worked; /* it had key chunks */
+	struct ape__path_log paths; /* the kernel paths its launches took */
 };
 
 int ape__backward_supported(const char *fn, const struct ape_device *dev)
@@ -245,6 +246,7 @@ static int launch(void *self, struct ape__queue *q, const struct ape__pass_job *
 	l.f.params[0] = j->buf[B_PRM64];
 	l.f.params[1] = j->buf[B_PRM32];
 	b->jobs[j->slot]++;
+	l.f.path = &b->paths;
 	return b->dev->be->ops->attention_backward(q, &l);
 }
 
@@ -538,6 +540,7 @@ int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res
 		b->c = &run->call;
 		b->dev = r->devs[d];
 		b->pass.ops = &bwd_ops;
+		b->pass.paths = &b->paths;
 		b->pass.self = b;
 		b->pass.outer = APE__AXIS_K;
 		shape(b, b->dev, 1, 1);
@@ -576,6 +579,7 @@ int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res
 	for (int d = 0; d < r->ndev; d++) {
 		res->pairs_computed += run->pass[d].pairs_computed;
 		res->pairs_counted |= run->pass[d].pairs_counted;
+		ape__path_merge(&res->paths, &run->pass[d].paths);
 	}
 out_free:
 	for (int d = 0; d < r->ndev; d++) {

@@ -47,6 +47,7 @@ struct ape__bwd_result {
 	uint64_t launches; /* (query chunk, key chunk) pairs launched */
 	uint64_t pairs_computed; /* visible (query, key) pairs computed, when pairs_counted */
 	bool pairs_counted; /* the launches could skip keys and counted what they computed */
+	struct ape__path_log paths; /* the kernel paths the launches took */
 	int64_t cq, ck; /* rows per chunk the planner chose */
 	int depth; /* launches in flight the planner chose */
 };

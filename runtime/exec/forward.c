@@ -100,6 +100,7 @@ int ape__forward_run(const struct ape__fwd_req *r, struct ape__exec_result *res)
 	for (int d = 0; d < r->ndev; d++) {
 		res->pairs_computed += x->pass[d].pairs_computed;
 		res->chunks_skipped += x->pass[d].chunks_skipped;
+		ape__path_merge(&res->paths, &x->pass[d].paths);
 		ape__fwd_fini(&x->pass[d]);
 	}
 	res->devices = r->ndev;

@@ -178,6 +178,7 @@ static int launch(void *self, struct ape__queue *q, const struct ape__pass_job *
 	int ret;
 
 	launch_of(f, j, &l);
+	l.path = &f->paths;
 	ret = ops->attention(q, &l);
 	f->slot[j->slot].jobs++;
 	if (!ret && f->mode == APE__FWD_DEVICE_MERGE) {
@@ -442,6 +443,7 @@ void ape__fwd_init(struct ape__fwd *f, const struct ape__fwd_call *c, struct ape
 	f->c = c;
 	f->dev = dev;
 	f->pass.ops = &fwd_ops;
+	f->pass.paths = &f->paths;
 	f->pass.self = f;
 	f->pass.outer = APE__AXIS_Q;
 	f->mode = APE__FWD_HOST_MERGE;

@@ -79,6 +79,7 @@ struct ape__fwd {
 	struct ape__seg *segs;
 	/* the pass's own figures */
 	uint64_t pairs_computed, chunks_skipped;
+	struct ape__path_log paths; /* the kernel paths its launches took */
 };
 
 /* The pass of one device for call c, before any plan (its shape() serves the planner). */

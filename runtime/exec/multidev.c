@@ -23,6 +23,7 @@
 #include "core/clock.h"
 #include "core/context.h"
 #include "core/error.h"
+#include "core/strace.h"
 #include "core/limits.h"
 #include "exec/multidev.h"
 #include "topo/placement.h"
@@ -358,7 +359,7 @@ int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
 	for (int d = 0; d < r->ndev; d++) {
 		w[d].sh = &sh;
 		w[d].who = d;
-		w[d].tracing = r->trace_path != NULL;
+		w[d].tracing = r->trace_path != NULL || ape__strace_on();
 		ape__trace_label(&w[d].trace, r->devs, d);
 		w[d].geom = (struct ape__stream_geom){
 			.plan = plans[d], .shape = *r->passes[d], .budget = budgets[d],
@@ -379,6 +380,13 @@ int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
 		res->devices += w[d].st.outer_done > 0;
 	}
 	res->st.device_clock = w[0].st.device_clock;
+	for (int d = 0; d < r->ndev; d++) /* the kernel paths, for the traces' kernel spans */
+		if (r->passes[d]->paths)
+			ape__path_names(w[d].trace.path, sizeof(w[d].trace.path),
+					r->passes[d]->paths);
+	if (ape__strace_on()) /* the session trace: what ran, failed or not */
+		for (int d = 0; d < r->ndev; d++)
+			ape__trace_to_session(&w[d].trace);
 	if (!ret) {
 		note_speeds(r, w);
 		if (r->trace_path)

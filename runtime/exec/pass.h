@@ -164,6 +164,8 @@ struct ape__pass {
 	/* inner chunks the last closed walk proved negligible (<= dead_lo, >= dead_hi; the pass
 	 * sets them, -1 and INT64_MAX when none): the first resident ones to be overwritten */
 	int64_t dead_lo, dead_hi;
+	/* NULL, or the kernel paths the pass's launches noted (its traces name them) */
+	const struct ape__path_log *paths;
 };
 
 #pragma GCC visibility pop

@@ -116,6 +116,7 @@ int ape__resident_enqueue(const struct ape__resident_req *r, int64_t rows)
 			l.segs = clip;
 			l.nseg = ape__segs_clip(p->segs, p->nseg, i0, n, 0, p->Lk, clip);
 		}
+		l.path = r->paths;
 		ret = r->dev->be->ops->attention(r->q, &l);
 	}
 	free(clip);

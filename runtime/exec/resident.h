@@ -26,6 +26,7 @@ struct ape__resident_req {
 	 * diag_view says; only for a backend that declares attention_diag_views */
 	struct ape__buf *diag[2];
 	struct ape__view diag_view[2];
+	struct ape__path_log *paths; /* NULL, or where the launches note their kernel paths */
 };
 
 /*

@@ -260,6 +260,7 @@ static int launch(struct rb_run *x, int64_t i0, int64_t n)
 	l.dk = x->use[APE__RB_DK];
 	l.dv = x->use[APE__RB_DV];
 	l.dparams = x->use[APE__RB_DPARAMS];
+	l.f.path = x->r->paths;
 	if ((ret = x->ops->attention_backward(x->r->q, &l)))
 		return ret;
 	return move_rows(x, APE__RB_DQ, i0, n);

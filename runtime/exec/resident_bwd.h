@@ -31,6 +31,7 @@ struct ape__resident_bwd_req {
 	struct ape__view view[APE__RB_COUNT];
 	ape_dtype dtype[APE__RB_COUNT];
 	uint64_t budget; /* device bytes of scratch; 0: the device's default */
+	struct ape__path_log *paths; /* NULL, or where the launches note their kernel paths */
 };
 
 /*

@@ -168,7 +168,7 @@ void ape__stream_unwind(struct ape__stream *s);
  */
 int ape__stream_span(struct ape__stream *s, struct ape__event *e0, struct ape__event *e1,
 		     int lane, const char *what, int64_t qc, int64_t kc, uint64_t bytes,
-		     double host_t, double *end);
+		     double host_t, double enq, double *end);
 /* Room for n intervals, if the host has it (only a statistic: never fails). */
 void ape__stream_reserve_intervals(struct ape__stream *s, size_t n);
 /* Time copies and kernels of the run ran at once. */

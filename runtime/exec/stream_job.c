@@ -99,7 +99,7 @@ int ape__stream_finish_outer(struct ape__stream *s, struct oslot *o)
 		o->stage_pending = false;
 		s->st->d2h += off;
 		ret = ape__stream_span(s, e0, e1, APE__LANE_D2H + APE__MAX_DEPTH + slot,
-				       p->ops->span[4], qc, kc, off, back_t, NULL);
+				       p->ops->span[4], qc, kc, off, back_t, back_t, NULL);
 	}
 	ops->event_destroy(e0);
 	ops->event_destroy(e1);
@@ -351,21 +351,23 @@ int ape__stream_retire(struct ape__stream *s)
 		ret = ape__stream_span(s, j->load_e0, j->load_e1,
 				       copy_lane(s, p->outer == APE__AXIS_Q ? APE__AXIS_K : APE__AXIS_Q,
 						 j->lane),
-				       p->ops->span[1], qc, kc, j->load_bytes, j->host_t[0], &t);
+				       p->ops->span[1], qc, kc, j->load_bytes, j->host_t[0],
+				       j->host_t[0], &t);
 	if (!ret)
 		ret = ape__stream_span(s, j->kernel_e0, j->kernel_e1, APE__LANE_KERNEL,
-				       p->ops->span[2], qc, kc, 0, fmax(j->host_t[1], t), &t);
+				       p->ops->span[2], qc, kc, 0, fmax(j->host_t[1], t), j->host_t[1],
+				       &t);
 	if (!ret && j->back_bytes)
 		ret = ape__stream_span(s, j->back_e0, j->back_e1, APE__LANE_D2H + slot,
 				       p->ops->span[3], qc, kc, j->back_bytes,
-				       fmax(j->host_t[2], t), NULL);
+				       fmax(j->host_t[2], t), j->host_t[2], NULL);
 	/* the outer chunk's inputs arrived before this job's kernels ran: account them now, so
 	 * that nothing fallible remains once the pass has taken results in */
 	if (!ret && o->load_e0) {
 		span_chunks(s, o->oc, -1, &qc, &kc);
 		ret = ape__stream_span(s, o->load_e0, o->load_e1,
 				       copy_lane(s, p->outer, (int)(o - s->os)), p->ops->span[0], qc,
-				       kc, o->load_bytes, o->load_t, NULL);
+				       kc, o->load_bytes, o->load_t, o->load_t, NULL);
 		drop_event(s, &o->load_e0);
 		drop_event(s, &o->load_e1);
 	}

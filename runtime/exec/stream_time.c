@@ -40,7 +40,7 @@ void ape__stream_reserve_intervals(struct ape__stream *s, size_t n)
 
 int ape__stream_span(struct ape__stream *s, struct ape__event *e0, struct ape__event *e1,
 		     int lane, const char *what, int64_t qc, int64_t kc, uint64_t bytes,
-		     double host_t, double *end)
+		     double host_t, double enq, double *end)
 {
 	const struct ape__backend_ops *ops = s->ops;
 	double ms = 0, t0 = host_t, t1;
@@ -63,7 +63,7 @@ int ape__stream_span(struct ape__stream *s, struct ape__event *e0, struct ape__e
 		add_interval(s, t0, t1, lane == APE__LANE_KERNEL);
 	}
 	if (s->trace)
-		ape__trace_add(s->trace, what, lane, t0, t1, qc, kc, bytes);
+		ape__trace_add(s->trace, what, lane, t0, t1, enq, qc, kc, bytes);
 	if (end)
 		*end = t1;
 	return 0;

@@ -18,9 +18,10 @@
 #include "ape/ape.h"
 #include "core/backend.h"
 #include "core/error.h"
+#include "core/strace.h"
 
 void ape__trace_add(struct ape__trace_dev *t, const char *what, int lane, double t0, double t1,
-		    int64_t qc, int64_t kc, uint64_t bytes)
+		    double enq, int64_t qc, int64_t kc, uint64_t bytes)
 {
 	if (t->n == t->cap) {
 		size_t cap = t->cap ? 2 * t->cap : 256;
@@ -33,7 +34,7 @@ void ape__trace_add(struct ape__trace_dev *t, const char *what, int lane, double
 		t->ev = e;
 		t->cap = cap;
 	}
-	t->ev[t->n++] = (struct ape__trace_ev){ what, lane, t0, t1 > t0 ? t1 : t0, qc, kc, bytes };
+	t->ev[t->n++] = (struct ape__trace_ev){ what, lane, t0, t1 > t0 ? t1 : t0, enq, qc, kc, bytes };
 }
 
 void ape__trace_label(struct ape__trace_dev *t, struct ape_device *const *devs, int d)
@@ -126,9 +127,40 @@ static void write_events(FILE *f, int pid, const struct ape__trace_dev *t)
 			fprintf(f, " k%lld", (long long)e->kc);
 		fprintf(f, "\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,"
 			   "\"tid\":%d,\"args\":{\"query_chunk\":%lld,\"key_chunk\":%lld,"
-			   "\"bytes\":%llu}}",
+			   "\"bytes\":%llu",
 			e->lane == APE__LANE_KERNEL ? "kernel" : "copy", ts, dur, pid, e->lane,
 			(long long)e->qc, (long long)e->kc, (unsigned long long)e->bytes);
+		if (e->lane == APE__LANE_KERNEL && t->path[0])
+			fprintf(f, ",\"path\":\"%s\"", t->path);
+		fprintf(f, "}}");
+	}
+}
+
+void ape__trace_to_session(const struct ape__trace_dev *t)
+{
+	double shift = t->device_clock ? -INFINITY : 0;
+	char lane[64], name[96], args[256];
+
+	for (size_t i = 0; t->device_clock && i < t->n; i++)
+		shift = fmax(shift, t->ev[i].enq - t->ev[i].t0);
+	for (size_t i = 0; i < t->n; i++) {
+		const struct ape__trace_ev *e = &t->ev[i];
+		const double t0 = e->t0 + shift;
+		int n = snprintf(name, sizeof(name), "%s", e->what);
+
+		if (e->qc >= 0 && n >= 0 && (size_t)n < sizeof(name))
+			n += snprintf(name + n, sizeof(name) - (size_t)n, " q%lld", (long long)e->qc);
+		if (e->kc >= 0 && n >= 0 && (size_t)n < sizeof(name))
+			snprintf(name + n, sizeof(name) - (size_t)n, " k%lld", (long long)e->kc);
+		snprintf(args, sizeof(args),
+			 "{\"query_chunk\":%lld,\"key_chunk\":%lld,\"bytes\":%llu%s%s%s}",
+			 (long long)e->qc, (long long)e->kc, (unsigned long long)e->bytes,
+			 e->lane == APE__LANE_KERNEL && t->path[0] ? ",\"path\":\"" : "",
+			 e->lane == APE__LANE_KERNEL ? t->path : "",
+			 e->lane == APE__LANE_KERNEL && t->path[0] ? "\"" : "");
+		ape__strace_span(t->label, lane_name(e->lane, lane, sizeof(lane)), name,
+				 e->lane == APE__LANE_KERNEL ? "kernel" : "copy", t0,
+				 t0 + (e->t1 - e->t0), args);
 	}
 }
 

@@ -43,7 +43,7 @@ struct ape__event {
 
 _Static_assert(offsetof(struct ape__queue, dev) == 0 && offsetof(struct ape__event, dev) == 0,
 	       "core/backend.h: queues and events begin with their device");
-_Static_assert(APE__BACKEND_ABI == 13, "ref: written for backend ABI 13: review the changes of "
+_Static_assert(APE__BACKEND_ABI == 14, "ref: written for backend ABI 14: review the changes of "
 				       "core/backend.h's contract, then this backend");
 
 static int ref_probe(struct ape__backend *be, struct ape__probe_result *res)
@@ -219,6 +219,7 @@ static void ref_event_destroy(struct ape__event *e)
 static int ref_attention(struct ape__queue *q, const struct ape__launch *l)
 {
 	(void)q;
+	ape__path_note(l->path, APE__PATH_REFERENCE, "plain C, double accumulation");
 	ape__ref_rows(l, l->q->bytes, l->k->bytes, l->v->bytes, l->o->bytes,
 		      l->lse ? (float *)l->lse->bytes : NULL,
 		      l->pairs ? (uint64_t *)l->pairs->bytes : NULL,
@@ -243,6 +244,7 @@ static int ref_attention_backward(struct ape__queue *q, const struct ape__bwd_la
 	};
 
 	(void)q;
+	ape__path_note(l->f.path, APE__PATH_REFERENCE, "plain C, double accumulation");
 	return ape__ref_backward(l, &io);
 }
 

@@ -12,11 +12,17 @@
  * ASan) finds no leak. Needs a build with -DAPE_FAULT_INJECT (runtime/core/alloc.h); other
  * builds skip.
  */
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
 #include "ape_test.h"
 
 #include "core/alloc.h"
 #include "faults/faultcheck.h"
 #include "faults/fixture.h"
+#include "common/json_check.h"
 
 #ifndef APE_FAULT_INJECT
 int main(void)
@@ -233,6 +239,62 @@ TEST_F_TIMEOUT(enumeration, context_create, 300)
 	ksft_print_msg("context create: %llu allocations failed in turn: %llu errors\n",
 		       (unsigned long long)total, (unsigned long long)errors);
 	fflush(stdout);
+}
+
+/*
+ * The call log (APE_VERBOSE at level 2, JSON) and the session trace (APE_TRACE) on, a streamed
+ * forward and a KV-cache session: allocations of the log's and the trace's own (the spans, their
+ * copies of each call's figures) fail in turn with the call's, and none may fail a call that
+ * would have succeeded or change its result (a trace is a diagnostic: out of memory, it drops
+ * the span and says it is incomplete); the trace written at the end is still JSON. Its own
+ * process: both are read once per process.
+ */
+TEST(traced_and_logged)
+{
+	static const struct {
+		enum fx_mode mode;
+		int64_t L, chunk;
+		const char *what;
+	} cases[] = {
+		{ FX_FORWARD, 192, 64, "streamed forward, logged and traced" },
+		{ FX_KV, 80, 0, "KV cache, logged and traced" },
+	};
+	char trace[] = "/tmp/ape-faults-trace-XXXXXX";
+	ape_context_options o;
+	ape_context *ctx = NULL;
+	ape_device *dev;
+	int fd = mkstemp(trace), saved = dup(2), devnull = open("/dev/null", O_WRONLY);
+	char *text;
+
+	ASSERT_LE(0, fd);
+	close(fd);
+	setenv("APE_TRACE", trace, 1);
+	setenv("APE_VERBOSE_FORMAT", "json", 1);
+	ape_context_options_init(&o);
+	o.backends = "ref";
+	o.verbose = 2;
+	ASSERT_EQ(0, ape_context_create(&ctx, &o)) TH_LOG("%s", ape_last_error());
+	dev = test_device(ctx, "ref");
+	ASSERT_NE(NULL, dev);
+	dup2(devnull, 2); /* the lines themselves: the JSON tests check them */
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		fx_call c;
+
+		ASSERT_EQ(0, fx_call_init(&c, &dev, 1, cases[i].mode, cases[i].L, cases[i].chunk))
+		TH_LOG("%s", c.msg);
+		sweep(_metadata, &c, cases[i].what);
+		fx_call_free(&c);
+	}
+	ape_context_destroy(ctx); /* writes the trace */
+	dup2(saved, 2);
+	close(saved);
+	close(devnull);
+	text = json_read_file(trace);
+	ASSERT_NE(NULL, text);
+	EXPECT_TRUE(json_ok(text)) TH_LOG("the trace after the sweeps is not JSON");
+	EXPECT_NE(NULL, strstr(text, "\"name\":\"ape_kv_cache_attend\",\"cat\":\"call\""));
+	free(text);
+	unlink(trace);
 }
 
 TEST_HARNESS_MAIN

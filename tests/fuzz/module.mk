@@ -13,7 +13,7 @@ FUZZ_CC          ?= $(shell command -v clang-14 2>/dev/null || command -v clang 
 FUZZ             ?= $(if $(CI),yes,auto)
 FUZZ_SECONDS     ?= 300
 FUZZ_CI_SECONDS  ?= 20
-FUZZ_TARGETS     := npy problem cache resident varlen
+FUZZ_TARGETS     := npy problem cache resident varlen trace
 FUZZ_DIR         := $(BUILD)/fuzz
 FUZZ_BINS        := $(FUZZ_TARGETS:%=$(FUZZ_DIR)/bin/fuzz_%)
 

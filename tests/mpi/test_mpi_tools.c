@@ -235,6 +235,50 @@ TEST(ape_run_mpi_bad_input_and_stats)
 	free(out);
 }
 
+/*
+ * APE_TRACE over MPI (docs/profiling.md, "Traces"): each rank writes its own session trace
+ * ("%p": its process id), with its MPI steps as ranges named after the rank around the calls
+ * they make, and ape-trace merge puts the ranks on one timeline, each on tracks of its own.
+ */
+TEST(ape_run_mpi_trace_per_rank_merges)
+{
+	char dir[] = "/tmp/ape-mpi-trace-XXXXXX", *out = malloc(OUT_CAP), cmd[2048], pre[512];
+	uint64_t state = 7;
+	const int np = 2;
+
+	NEED_MPIRUN();
+	ASSERT_NE(NULL, out);
+	ASSERT_NE(NULL, mkdtemp(dir));
+	save_random(_metadata, dir, "q.npy", APE_F32, 1, 2, 40, 8, &state);
+	save_random(_metadata, dir, "k.npy", APE_F32, 1, 2, 40, 8, &state);
+	save_random(_metadata, dir, "v.npy", APE_F32, 1, 2, 40, 8, &state);
+	mpirun_prefix(pre, sizeof(pre), np);
+	snprintf(cmd, sizeof(cmd), "%s -x APE_TRACE='%s/rank.%%p.json' %s/bin/ape-run --mpi -q q.npy "
+		 "-k k.npy -v v.npy -o o.npy --backend ref", pre, dir, APE_BUILD_DIR);
+	ASSERT_EQ(0, shell(dir, cmd, out)) TH_LOG("%s\n%s", cmd, out);
+	ASSERT_EQ(0, shell(dir, "sh -c 'ls rank.*.json | wc -l'", out));
+	ASSERT_EQ(np, atoi(out));
+	snprintf(cmd, sizeof(cmd), "%s/bin/ape-trace merge -o all.json rank.*.json", APE_BUILD_DIR);
+	ASSERT_EQ(0, shell(dir, cmd, out)) TH_LOG("%s", out);
+	ASSERT_EQ(0, shell(dir, "cat all.json", out));
+	for (int r = 0; r < np; r++) {
+		char want[128];
+
+		snprintf(want, sizeof(want), "\"name\":\"ape_mpi exchange and compute (rank %d of %d)\"",
+			 r, np);
+		EXPECT_EQ(1, count(out, want)) TH_LOG("%s", want);
+		snprintf(want, sizeof(want), "\"name\":\"ape_mpi forward (rank %d of %d)\"", r, np);
+		EXPECT_EQ(1, count(out, want)) TH_LOG("%s", want);
+	}
+	/* every rank's local computations are calls in its own file, on its own tracks */
+	EXPECT_LE(np, count(out, "\"cat\":\"call\""));
+	EXPECT_EQ(1, count(out, "\"pid\":0,\"args\":{\"name\":\"rank."));
+	EXPECT_EQ(1, count(out, "\"pid\":1000,\"args\":{\"name\":\"rank."));
+	snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+	ASSERT_EQ(0, system(cmd));
+	free(out);
+}
+
 /* ape-bench --mpi: generated inputs under ape-bench's option names, a line per rank with the
  * bytes and blocks; bad input exits 2 with a message from every rank. */
 TEST(ape_bench_mpi)

@@ -8,7 +8,13 @@ void json_string(FILE *f, const char *s)
 		return;
 	}
 	fputc('"', f);
-	for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+	json_string_body(f, s);
+	fputc('"', f);
+}
+
+void json_string_body(FILE *f, const char *s)
+{
+	for (const unsigned char *p = (const unsigned char *)s; p && *p; p++) {
 		switch (*p) {
 		case '"':
 			fputs("\\\"", f);
@@ -29,5 +35,4 @@ void json_string(FILE *f, const char *s)
 				fputc(*p, f);
 		}
 	}
-	fputc('"', f);
 }

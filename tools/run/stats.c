@@ -25,6 +25,7 @@ void run_stats_add(ape_stats *tot, const ape_stats *st)
 		tot->peak_device_bytes = st->peak_device_bytes;
 	snprintf(tot->backend, sizeof(tot->backend), "%s", st->backend);
 	snprintf(tot->device, sizeof(tot->device), "%s", st->device);
+	snprintf(tot->path, sizeof(tot->path), "%s", st->path);
 }
 
 static void print_budget(uint64_t budget, char *buf, size_t len)
@@ -62,4 +63,6 @@ void run_stats_print(const ape_stats *st, const char *label)
 	fprintf(stderr,
 		"ape-run: %scopies %.3f ms of device time, %.3f ms overlapped with kernels\n",
 		label, st->copy_ms, st->overlap_ms);
+	fprintf(stderr, "ape-run: %skernel path %s (docs/profiling.md)\n", label,
+		st->path[0] ? st->path : "none");
 }
