@@ -229,12 +229,15 @@ deps-python:
 # Each suite's wall time goes to $(CHECK_TIMES) (tests/timed.sh) and is printed before the last line.
 CHECK_SUMMARY = $(abspath $(BUILD))/check-summary
 CHECK_TIMES = $(abspath $(BUILD))/check-times
+# The unit suite's programs, TEST_JOBS at once (tests/run-tests.sh, APE_TEST_JOBS): the cores'
+# count by default (bench/RESULTS.md, 2026-12-06: the suite's wall time).
+TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 check: all $(TESTS) $(TESTS_BUILD_ONLY)
 	$(Q)tools/check-layers.sh --self-test
 	$(Q)tools/check-layers.sh
 	$(Q)rm -f $(CHECK_SUMMARY) $(CHECK_TIMES)
-	$(Q)APE_TEST_SUMMARY=$(CHECK_SUMMARY) APE_TEST_TIMES=$(CHECK_TIMES) tests/timed.sh unit \
-		tests/run-tests.sh $(BUILD) $(TESTS)
+	$(Q)APE_TEST_SUMMARY=$(CHECK_SUMMARY) APE_TEST_TIMES=$(CHECK_TIMES) APE_TEST_JOBS=$(TEST_JOBS) \
+		tests/timed.sh unit tests/run-tests.sh $(BUILD) $(TESTS)
 	$(Q)$(foreach g,$(CHECK_EXTRA),APE_TEST_SUMMARY=$(CHECK_SUMMARY) APE_TEST_TIMES=$(CHECK_TIMES) \
 		tests/timed.sh $(g) $(MAKE) --no-print-directory $(g) &&) true
 	$(Q)$(if $(CHECK_EXTRA),tests/check-total.sh $(CHECK_SUMMARY) $(CHECK_TIMES),true)
@@ -274,7 +277,9 @@ help:
 	@echo "make            library (static and shared) and tools"
 	@echo "make run        the main job: APE on a seed-sized input, checked against the reference"
 	@echo "make bench-bwd  bench/bwd_time: backward against forward, side by side (bench/RESULTS.md)"
+	@echo "make bench-log-off  bench/log_off: the call log, traces and NVTX when off (two builds)"
 	@echo "make check      build and run every test; ends with 'N passed, N failed, N skipped'"
+	@echo "                (the unit suite TEST_JOBS programs at once: the cores' count)"
 	@echo "make sanitize   the tests under AddressSanitizer and UBSan"
 	@echo "make valgrind   the tests under valgrind memcheck (leaks are errors)"
 	@echo "make fuzz       each libFuzzer target for FUZZ_SECONDS (300); 'make check' runs a short pass"

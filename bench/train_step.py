@@ -4,6 +4,9 @@
 - libape: libape.torch.attention(q, k, v) with the seed's parameters as learnable tensors, then
   loss.backward() (every gradient: q, k, v and the four parameters), with device=None: the
   device libape.torch picks for training (libape.torch.grad_device()).
+- libape, skip_tol=0: the same computing every pair (what libape.torch trained with before
+  2026-12-06, when it skipped nothing; since then skip_tol=None, 2^-24, is the default in both
+  passes);
 - libape, device="ref": the same on the float64 reference backend (what device=None ran before
   2026-12-06); only at the lengths given by --ref-L, since it is tens of times slower.
 - SDPA: torch.nn.functional.scaled_dot_product_attention (causal) on RoPE-rotated q and k, then
@@ -47,7 +50,7 @@ def main():
     print("libape.torch.grad_device(): %s; torch %s, %d threads" % (
         apet.grad_device(), torch.__version__, args.threads))
 
-    def step_libape(L, device):
+    def step_libape(L, device, skip_tol=None):
         g = torch.Generator().manual_seed(L)
         q, k, v = (torch.randn(1, H, L, D, generator=g).requires_grad_() for _ in range(3))
         prm = [torch.tensor(x, requires_grad=True) for x in
@@ -55,7 +58,7 @@ def main():
 
         def run():
             o = apet.attention(q, k, v, delta=prm[0], beta=prm[1], gamma=prm[2], lam=prm[3],
-                               device=device)
+                               device=device, skip_tol=skip_tol)
             o.square().sum().backward()
         return run
 
@@ -81,7 +84,8 @@ def main():
 
     cands = {}
     for L in args.L:
-        cands[L] = [("sdpa", step_sdpa(L)), ("libape default", step_libape(L, None))]
+        cands[L] = [("sdpa", step_sdpa(L)), ("libape default", step_libape(L, None)),
+                    ("libape skip_tol=0", step_libape(L, None, 0.0))]
         if L in args.ref_L:
             cands[L].append(("libape ref", step_libape(L, "ref")))
     ratios = {}

@@ -5,10 +5,23 @@
 # before running anything counts as one skipped test; a program that dies without reporting a
 # failure counts as one failed test. Each program's wall time follows its output, the five
 # slowest come before the last line. Exits 1 if anything failed.
+#
+# APE_TEST_JOBS=N runs up to N programs at once (default 1): each writes its own log, and the
+# logs are shown in the order the programs were given, whatever order they end in, so the
+# output is the same as one at a time. The programs share nothing a test checks (temporary
+# files are made per test, program caches are written whole and renamed).
 # usage: tests/run-tests.sh [--valgrind] BUILD_DIR TEST...
+#        (tests/run-tests.sh --run-one [--valgrind] BUILD_DIR TEST: one program, for the above)
 set -u
+one=""
+if [ "${1:-}" = "--run-one" ]; then
+	one=1
+	shift
+fi
+valgrind=""
 wrap=""
 if [ "${1:-}" = "--valgrind" ]; then
+	valgrind="--valgrind"
 	wrap="valgrind -q --suppressions=$(dirname "$0")/valgrind.supp --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite,indirect --show-leak-kinds=definite,indirect --track-origins=yes"
 	shift
 fi
@@ -16,16 +29,43 @@ build=$1
 shift
 log_dir="$build/test-logs"
 mkdir -p "$log_dir"
+
+# One program: its log, then its exit status and wall time in NAME.rc ("rc secs").
+run_one() {
+	name=$(basename "$1")
+	t0=$(date +%s)
+	$wrap "$1" >"$log_dir/$name.log" 2>&1
+	rc=$?
+	echo "$rc $(($(date +%s) - t0))" >"$log_dir/$name.rc"
+}
+
+if [ -n "$one" ]; then
+	run_one "$1"
+	exit 0
+fi
+jobs=${APE_TEST_JOBS:-1}
+case "$jobs" in
+'' | *[!0-9]* | 0) echo "run-tests: APE_TEST_JOBS=$jobs: expected a count >= 1" >&2; exit 2 ;;
+esac
+for t in "$@"; do rm -f "$log_dir/$(basename "$t").rc"; done
+if [ "$jobs" -gt 1 ]; then
+	# xargs keeps N programs running, each through this script's --run-one
+	printf '%s\n' "$@" | xargs -P "$jobs" -I{} "$0" --run-one $valgrind "$build" {}
+fi
+
 pass=0 fail=0 skip=0
 times=""
 for t in "$@"; do
 	name=$(basename "$t")
 	log="$log_dir/$name.log"
 	echo "# ---- $name"
-	t0=$(date +%s)
-	$wrap "$t" >"$log" 2>&1
-	rc=$?
-	secs=$(($(date +%s) - t0))
+	[ "$jobs" -gt 1 ] || run_one "$t"
+	if [ -f "$log_dir/$name.rc" ]; then
+		read -r rc secs <"$log_dir/$name.rc"
+	else
+		rc=1 secs=0
+		echo "# $name: never ran" >>"$log"
+	fi
 	times="$times$secs $name
 "
 	cat "$log"

@@ -5,8 +5,8 @@
  * - one process's file holds a span for each public call (forward, the diagnostics, backward,
  *   a ragged batch, a KV cache's append and attend, a device-resident enqueue, a failing call
  *   with its error), the device's copies and kernels of the calls that run through the
- *   executor with their kernel path as an argument, and a caller's own ranges
- *   (ape_range_push()) around the calls they hold, on the host's clock;
+ *   executor with their kernel path as an argument, a KV cache's append copies, and a caller's
+ *   own ranges (ape_range_push()) around the calls they hold, on the host's clock;
  * - the file is valid JSON (a strict checker), written whole at context destroy;
  * - "%p" becomes the process id, and ape-trace merge keeps two processes' tracks apart;
  * - a file that cannot be written costs a warning, never a call.
@@ -209,6 +209,8 @@ TEST(a_session_trace_covers_every_call)
 	EXPECT_TRUE(span(text, "attention backward q0 k0", "kernel", "\"path\":\"reference\"", &ts,
 			 &dur));
 	EXPECT_NE(NULL, strstr(text, "\"cat\":\"copy\""));
+	/* a KV cache's append: its copies, on the device's track */
+	EXPECT_TRUE(span(text, "h2d K/V append", "copy", "\"bytes\":", &ts, &dur));
 	EXPECT_NE(NULL, strstr(text, "\"name\":\"ref:0 reference")) TH_LOG("a track per device");
 	/* the caller's range holds the forward call it made */
 	ASSERT_TRUE(span(text, "my phase", "range", NULL, &rts, &rdur));

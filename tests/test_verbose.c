@@ -175,6 +175,7 @@ FIXTURE_TEARDOWN(vb)
 struct expect {
 	const char *ref_path, *ocl_path;
 	const char *ocl_kernel, *ocl_not;
+	const char *heads; /* what the line says of the heads with lambda != 0 */
 };
 
 /* A forward call of tp on dev under capture (with statistics or without: counting pairs for
@@ -207,6 +208,12 @@ static void forward_case(struct __test_metadata *_metadata, ape_device *dev, boo
 	}
 	EXPECT_STREQ(want, named) TH_LOG("%s: %s", what, line);
 	EXPECT_EQ(NULL, strstr(line, "error")) TH_LOG("%s", line);
+	if (ex->heads) {
+		char says[96];
+
+		snprintf(says, sizeof(says), "| lambda != 0 on heads %s |", ex->heads);
+		EXPECT_NE(NULL, strstr(line, says)) TH_LOG("%s: %s", says, line);
+	}
 	if (is_ocl) {
 		ASSERT_EQ(0, ape__ocl_debug_kernels(dev, kernels, sizeof(kernels)));
 		EXPECT_NE(NULL, strstr(kernels, ex->ocl_kernel))
@@ -229,7 +236,7 @@ TEST_F(vb, each_forward_path_is_named_as_taken)
 	ape_rng_init(&rng, "each_forward_path_is_named_as_taken");
 	for (int c = 0; c < 5; c++) {
 		test_problem tp;
-		struct expect ex = { "reference", NULL, NULL, NULL };
+		struct expect ex = { "reference", NULL, NULL, NULL, NULL };
 		const char *what = NULL;
 		const int64_t Lq = c == 3 ? 1 : 67;
 
@@ -239,12 +246,14 @@ TEST_F(vb, each_forward_path_is_named_as_taken)
 		switch (c) {
 		case 0:
 			what = "lambda != 0";
+			ex.heads = "0-3";
 			ex.ocl_path = "general";
 			ex.ocl_kernel = "ape_attention";
 			ex.ocl_not = "ape_sep";
 			break;
 		case 1:
 			what = "lambda = 0";
+			ex.heads = "none";
 			ex.ocl_path = "separable";
 			ex.ocl_kernel = "ape_sep";
 			ex.ocl_not = "ape_attention";
@@ -252,6 +261,7 @@ TEST_F(vb, each_forward_path_is_named_as_taken)
 		case 2:
 		case 4: /* the same, with statistics: their pair counts keep the split away */
 			what = c == 2 ? "lambda = 0 on one kv group" : "the same, counting pairs";
+			ex.heads = "2-3";
 			for (int h = 0; h < 4; h++)
 				tp.params[3 * 4 + h] = lam_split[h];
 			tp.desc.lambda.per_head = tp.params + 3 * 4;
@@ -438,6 +448,46 @@ TEST(levels)
 		test_problem_free(&tp);
 		ape_context_destroy(ctx);
 	}
+}
+
+/* Level 2 on two devices says how the outer chunks were shared: their sum is the chunks. */
+TEST(level_2_says_each_devices_share)
+{
+	ape_context *ctx = context_at(2);
+	ape_device *devs[8], *two[2] = { NULL, NULL };
+	ape_exec_options eo;
+	struct capture cap;
+	test_problem tp;
+	const char *text, *p;
+	long long a = -1, b = -1;
+	ape_rng rng;
+	int n, ret;
+
+	ASSERT_NE(NULL, ctx);
+	n = ape_device_list(ctx, devs, 8);
+	for (int i = 0; i < n; i++) {
+		ape_device_info info;
+
+		ape_device_get_info(devs[i], &info);
+		if (!strcmp(info.backend, "ref"))
+			two[0] = two[1] = devs[i]; /* one device listed twice: two workers */
+	}
+	ASSERT_NE(NULL, two[0]);
+	ape_rng_init(&rng, "level_2_says_each_devices_share");
+	ASSERT_EQ(0, test_problem_make_dims(&tp, &rng, 1, 2, 2, 64, 64, 8, APE_F32));
+	ape_exec_options_init(&eo);
+	eo.chunk_q = eo.chunk_k = 16;
+	capture_begin(&cap);
+	ret = ape_attention_forward_ex(two, 2, &eo, &tp.desc, &tp.q.t, &tp.k.t, &tp.v.t, &tp.o.t,
+				       NULL, NULL);
+	text = capture_end(&cap);
+	ASSERT_EQ(0, ret) TH_LOG("%s", ape_last_error());
+	p = strstr(text, "outer chunks per device: ");
+	ASSERT_NE(NULL, p) TH_LOG("%s", text);
+	ASSERT_EQ(2, sscanf(p, "outer chunks per device: %lld + %lld", &a, &b)) TH_LOG("%s", p);
+	EXPECT_EQ(4, a + b) TH_LOG("64 query rows in chunks of 16: %s", text);
+	test_problem_free(&tp);
+	ape_context_destroy(ctx);
 }
 
 /* A failing call logs its error once, with ape_last_error()'s message; a bad level is refused

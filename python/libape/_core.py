@@ -623,11 +623,12 @@ def attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens_q, cu_seqlens_k,
                               beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True,
                               scale=None, rope_base=10000.0, layout="half",
                               wrt=("q", "k", "v", "params"), device="auto", stats=False,
-                              rope_scale=1.0):
+                              rope_scale=1.0, skip_tol=0.0):
     """The gradients of `attention_varlen()` (ape_attention_backward_varlen()): its inputs, O
     and LSE `[total_q, H]` (return_lse=True), dL/dO `dout` `[total_q, H, D]` and optionally
     dL/dLSE; returns `(dq, dk, dv, dparams)` packed like q, k, k and `[H, 4]`, those not in
-    `wrt` None. Arrays as for `attention_varlen()`. stats=True as for attention()."""
+    `wrt` None. Arrays as for `attention_varlen()`. stats=True as for attention(); skip_tol as
+    for attention_backward() (default 0)."""
     want = set(wrt)
     if not want or not want <= {"q", "k", "v", "params"}:
         _bad("wrt = %r: name one or more of 'q', 'k', 'v', 'params'" % (wrt,))
@@ -648,7 +649,7 @@ def attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens_q, cu_seqlens_k,
         _lse_buffer("dlse", dlse, qa.kind, (tq, H), "[total_q, H]")
     keep = []
     desc = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
-                       0.0, keep, rope_scale)
+                       float(skip_tol), keep, rope_scale)
     vl = _varlen_struct(cq, ck, pq, pk)
     dev = _device_spec(device)
 
@@ -790,7 +791,8 @@ def _dlpack_forward_cpu(dev, q, k, v, return_lse, diag=False, **params):
 
 
 def _backward_dlpack(dev, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, causal, scale,
-                     rope_base, layout, q_start, k_start, wrt, stream, rope_scale=1.0):
+                     rope_base, layout, q_start, k_start, wrt, stream, rope_scale=1.0,
+                     skip_tol=0.0):
     """ape_attention_backward_dlpack() on torch tensors where they are (CPU: kDLCPU, returning
     once written; CUDA: kDLCUDA on `stream`, returning once enqueued): (dq, dk, dv, dparams
     [H, 4] float32), each None where `wrt` does not name it, allocated beside q."""
@@ -808,7 +810,7 @@ def _backward_dlpack(dev, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, 
     B, H, Lq, D = q.shape
     keep = []
     desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-                 0.0, keep, rope_scale)
+                 skip_tol, keep, rope_scale)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if "q" in want else None
     dk = torch.empty(k.shape, dtype=q.dtype, device=q.device) if "k" in want else None
     dv = torch.empty(k.shape, dtype=q.dtype, device=q.device) if "v" in want else None
@@ -826,7 +828,7 @@ def _backward_dlpack(dev, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, 
 
 def _attention_backward_cuda(q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, causal,
                              scale, rope_base, layout, q_start, k_start, wrt, device,
-                             rope_scale=1.0):
+                             rope_scale=1.0, skip_tol=0.0):
     """CUDA tensors: the gradients computed where the tensors are, by libape's CUDA device of
     their ordinal, on PyTorch's current stream (ape_attention_backward_dlpack()): nothing is
     copied through host memory, and the call returns once the work is enqueued. None when this
@@ -842,7 +844,7 @@ def _attention_backward_cuda(q, k, v, o, lse, dout, dlse, delta, beta, gamma, la
     stream = torch.cuda.current_stream(q.device).cuda_stream
     return _backward_dlpack(spec, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, causal,
                             scale, rope_base, layout, q_start, k_start, wrt, stream,
-                            rope_scale=rope_scale)
+                            rope_scale=rope_scale, skip_tol=skip_tol)
 
 
 def _dlpack_backward_cpu(dev, q, k, v, o, lse, dout, dlse=None, wrt=("q", "k", "v", "params"),
@@ -1026,7 +1028,7 @@ def _lse_buffer(name, x, kind, shape, dims="[B, H, Lq]"):
 def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, beta=SEED_BETA,
                        gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True, scale=None,
                        rope_base=10000.0, layout="half", q_start=None, k_start=0,
-                       wrt=_WRT, device="auto", stats=False, rope_scale=1.0):
+                       wrt=_WRT, device="auto", stats=False, rope_scale=1.0, skip_tol=0.0):
     """The gradients of `attention()` (ape_attention_backward()): given the forward's inputs and
     parameters, its O and LSE (`return_lse=True`), dL/dO `dout` and optionally dL/dLSE `dlse`,
     returns `(dq, dk, dv, dparams)`: dq like q, dk and dv like k (summed over the query heads
@@ -1039,6 +1041,9 @@ def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, be
     reference, OpenCL and CUDA backends have a backward pass; a device without one (OpenCL
     without float64) raises ApeError (APE_ENOTSUP) with libape's message naming it, and
     nothing falls back. stats=True appends the C call's statistics as for attention().
+    skip_tol (default 0: every pair) lets the backward leave out keys its bound proves carry at
+    most that share of each gradient (docs/kernels.md, "Skipping in the backward pass"); pass
+    the forward's LSE computed under the same or a smaller skip_tol.
     """
     want = set(wrt)
     if not want or not want <= set(_WRT):
@@ -1053,7 +1058,7 @@ def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, be
         _lse_buffer("dlse", dlse, qa.kind, (B, H, Lq))
     keep = []
     desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-                 0.0, keep, rope_scale)
+                 float(skip_tol), keep, rope_scale)
     dev = _device_spec(device)
     dqa = _empty_like(qa, qa.shape) if "q" in want else None
     dka = _empty_like(qa, ka.shape) if "k" in want else None

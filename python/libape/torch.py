@@ -39,7 +39,8 @@ import torch
 from . import _core
 from ._core import SEED_BETA, SEED_DELTA, SEED_GAMMA, SEED_LAMBDA
 
-__all__ = ["attention", "attention_varlen", "APEAttention", "IMPLEMENTATION", "grad_device"]
+__all__ = ["attention", "attention_varlen", "APEAttention", "IMPLEMENTATION", "grad_device",
+           "TRAIN_SKIP_TOL"]
 
 _HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op") and \
     hasattr(torch.library, "register_autograd")
@@ -59,17 +60,25 @@ def _value(p):
     return p.detach().to(torch.float32).cpu().contiguous().numpy()
 
 
+#: skip_tol of training (attention(skip_tol=None)): the library's default, 2^-24, in both passes.
+TRAIN_SKIP_TOL = 2.0 ** -24
+
+
+def _skip(skip_tol):
+    return TRAIN_SKIP_TOL if skip_tol is None else float(skip_tol)
+
+
 def _forward(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, rope_scale, layout,
-             q_start, k_start, device):
+             q_start, k_start, device, skip_tol):
     return _core.attention(q.detach(), k.detach(), v.detach(), delta=_value(delta),
                            beta=_value(beta), gamma=_value(gamma), lam=_value(lam),
                            causal=causal, scale=scale, rope_base=rope_base, layout=layout,
-                           q_start=q_start, k_start=k_start, skip_tol=0.0, device=device,
-                           return_lse=True, rope_scale=rope_scale)
+                           q_start=q_start, k_start=k_start, skip_tol=_skip(skip_tol),
+                           device=device, return_lse=True, rope_scale=rope_scale)
 
 
 def _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale, rope_base,
-              rope_scale, layout, q_start, k_start, device, wrt):
+              rope_scale, layout, q_start, k_start, device, skip_tol, wrt):
     """(dq, dk, dv, dparams [H, 4]); an unwanted gradient is an empty tensor (a custom op
     returns tensors only). CUDA tensors: computed where they are by the CUDA device of their
     ordinal, on the current stream (ape_attention_backward_dlpack(); dparams then on q's
@@ -80,7 +89,7 @@ def _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale,
             q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do.detach(),
             None if dlse is None else dlse.detach(), _value(delta), _value(beta),
             _value(gamma), _value(lam), causal, scale, rope_base, layout, q_start, k_start, wrt,
-            device, rope_scale=rope_scale)
+            device, rope_scale=rope_scale, skip_tol=_skip(skip_tol))
         if got is not None:  # computed on the device, on the current stream
             out = tuple(q.new_empty(0) if g is None else g for g in got[:3])
             return out + (got[3] if got[3] is not None
@@ -95,7 +104,7 @@ def _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale,
         dlse=None if dlse is None else dlse.detach(), delta=_value(delta), beta=_value(beta),
         gamma=_value(gamma), lam=_value(lam), causal=causal, scale=scale, rope_base=rope_base,
         layout=layout, q_start=q_start, k_start=k_start, wrt=wrt, device=device,
-        rope_scale=rope_scale)
+        rope_scale=rope_scale, skip_tol=_skip(skip_tol))
     out = tuple(q.new_empty(0) if g is None else g for g in got[:3])
     if home.type == "cuda":
         out = tuple(g.to(home) for g in out)
@@ -103,16 +112,16 @@ def _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale,
 
 
 def _varlen_forward(q, k, v, delta, beta, gamma, lam, cu_q, cu_k, pos_q, pos_k, causal, scale,
-                    rope_base, rope_scale, layout, device):
+                    rope_base, rope_scale, layout, device, skip_tol):
     return _core.attention_varlen(
         q.detach(), k.detach(), v.detach(), cu_q, cu_k, positions_q=pos_q, positions_k=pos_k,
         delta=_value(delta), beta=_value(beta), gamma=_value(gamma), lam=_value(lam),
-        causal=causal, scale=scale, rope_base=rope_base, layout=layout, skip_tol=0.0,
-        device=device, return_lse=True, rope_scale=rope_scale)
+        causal=causal, scale=scale, rope_base=rope_base, layout=layout,
+        skip_tol=_skip(skip_tol), device=device, return_lse=True, rope_scale=rope_scale)
 
 
 def _varlen_backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, cu_q, cu_k, pos_q,
-                     pos_k, causal, scale, rope_base, rope_scale, layout, device, wrt):
+                     pos_k, causal, scale, rope_base, rope_scale, layout, device, skip_tol, wrt):
     """(dq, dk, dv, dparams [H, 4]) of a ragged batch (ape_attention_backward_varlen()), an
     unwanted gradient an empty tensor as _backward() gives it."""
     got = _core.attention_varlen_backward(
@@ -120,7 +129,7 @@ def _varlen_backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, cu_q, c
         dlse=None if dlse is None else dlse.detach(), positions_q=pos_q, positions_k=pos_k,
         delta=_value(delta), beta=_value(beta), gamma=_value(gamma), lam=_value(lam),
         causal=causal, scale=scale, rope_base=rope_base, layout=layout, wrt=wrt, device=device,
-        rope_scale=rope_scale)
+        rope_scale=rope_scale, skip_tol=_skip(skip_tol))
     out = tuple(q.new_empty(0) if g is None else g for g in got[:3])
     return out + (got[3] if got[3] is not None else torch.empty(0),)
 
@@ -236,10 +245,10 @@ if not _FALLBACK:
     def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
             beta: torch.Tensor, gamma: torch.Tensor, lam: torch.Tensor, causal: bool,
             scale: Optional[float], rope_base: float, rope_scale: float, layout: str,
-            q_start: Optional[int], k_start: int,
-            device: str) -> Tuple[torch.Tensor, torch.Tensor]:
+            q_start: Optional[int], k_start: int, device: str,
+            skip_tol: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
         return _forward(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, rope_scale,
-                        layout, q_start, k_start, device)
+                        layout, q_start, k_start, device, skip_tol)
 
     _op.register_fake(_forward_fake)
 
@@ -249,9 +258,10 @@ if not _FALLBACK:
                 delta: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor, lam: torch.Tensor,
                 causal: bool, scale: Optional[float], rope_base: float, rope_scale: float,
                 layout: str, q_start: Optional[int], k_start: int, device: str,
+                skip_tol: Optional[float],
                 wrt: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale,
-                         rope_base, rope_scale, layout, q_start, k_start, device,
+                         rope_base, rope_scale, layout, q_start, k_start, device, skip_tol,
                          tuple(wrt.split(",")))
 
     _op_bwd.register_fake(_backward_fake)
@@ -263,10 +273,11 @@ if not _FALLBACK:
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                    positions_q: Optional[torch.Tensor], positions_k: Optional[torch.Tensor],
                    causal: bool, scale: Optional[float], rope_base: float, rope_scale: float,
-                   layout: str, device: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                   layout: str, device: str,
+                   skip_tol: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
         return _varlen_forward(q, k, v, delta, beta, gamma, lam, cu_seqlens_q, cu_seqlens_k,
                                positions_q, positions_k, causal, scale, rope_base, rope_scale,
-                               layout, device)
+                               layout, device, skip_tol)
 
     _op_varlen.register_fake(_forward_fake)
 
@@ -278,12 +289,12 @@ if not _FALLBACK:
                        cu_seqlens_k: torch.Tensor, positions_q: Optional[torch.Tensor],
                        positions_k: Optional[torch.Tensor], causal: bool,
                        scale: Optional[float], rope_base: float, rope_scale: float,
-                       layout: str, device: str,
+                       layout: str, device: str, skip_tol: Optional[float],
                        wrt: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                           torch.Tensor]:
         return _varlen_backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam,
                                 cu_seqlens_q, cu_seqlens_k, positions_q, positions_k, causal,
-                                scale, rope_base, rope_scale, layout, device,
+                                scale, rope_base, rope_scale, layout, device, skip_tol,
                                 tuple(wrt.split(",")))
 
     _op_varlen_bwd.register_fake(_backward_fake)
@@ -354,19 +365,24 @@ def _pick_device(device, tensors):
 
 def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
               causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None,
-              k_start=0, device=None, return_lse=False, rope_scale=1.0):
+              k_start=0, device=None, return_lse=False, rope_scale=1.0, skip_tol=None):
     """APE attention of torch CPU tensors q `[B, H, Lq, D]`, k, v `[B, Hkv, Lk, D]`, returning
     O (and LSE `[B, H, Lq]` float32 with return_lse=True), differentiable with respect to q, k,
     v and the parameters. Parameters are floats, scalar tensors (shared by all heads: their
     gradient is the sum over heads) or tensors of shape [H] (one per head). `device=None`:
     "auto" without gradients, grad_device() with (see the module's doc); an explicit device is
-    used for both passes. Nothing is skipped (skip_tol = 0): the gradients are those of the exact
-    function. rope_scale: position interpolation (libape.attention's; not differentiated)."""
+    used for both passes. skip_tol (None: TRAIN_SKIP_TOL, 2^-24, the library's default) is used in
+    both passes: keys the skip bounds prove to carry at most that share of a row's weight (the
+    forward) or of each gradient (the backward) are left out, so that long contexts under decay
+    train at the cost of the keys within reach; 0 computes every pair (the gradients of the
+    exact function). rope_scale: position interpolation (libape.attention's; not
+    differentiated)."""
     params = [_as_param(x) for x in (delta, beta, gamma, lam)]
     dev = _pick_device(device, (q, k, v, *params))
     args = (q, k, v, *params, bool(causal), None if scale is None else float(scale),
             float(rope_base), float(rope_scale), layout,
-            None if q_start is None else int(q_start), int(k_start), dev)
+            None if q_start is None else int(q_start), int(k_start), dev,
+            None if skip_tol is None else float(skip_tol))
     o, lse = _Function.apply(*args) if _FALLBACK else _op(*args)
     return (o, lse) if return_lse else o
 
@@ -384,19 +400,19 @@ def _index_tensor(x):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, positions_k=None,
                      delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
                      causal=True, scale=None, rope_base=10000.0, layout="half", device=None,
-                     return_lse=False, rope_scale=1.0):
+                     return_lse=False, rope_scale=1.0, skip_tol=None):
     """libape.attention_varlen on torch CPU tensors (q `[total_q, H, D]`, k, v
     `[total_k, Hkv, D]`, cu_seqlens int32 or int64, positions int64), differentiable with
     respect to q, k, v and the parameters: `torch.ops.libape.attention_varlen` where
     IMPLEMENTATION is "custom_op" (torch.compile traces it without graph breaks), else an
     autograd.Function. Strided views (slices of a packed QKV tensor) go without a copy.
-    `device` and rope_scale as for attention(). Nothing is skipped (skip_tol = 0)."""
+    `device`, rope_scale and skip_tol as for attention()."""
     params = [_as_param(x) for x in (delta, beta, gamma, lam)]
     dev = _pick_device(device, (q, k, v, *params))
     args = (q, k, v, *params, *(_index_tensor(x) for x in (cu_seqlens_q, cu_seqlens_k,
                                                            positions_q, positions_k)),
             bool(causal), None if scale is None else float(scale), float(rope_base),
-            float(rope_scale), layout, dev)
+            float(rope_scale), layout, dev, None if skip_tol is None else float(skip_tol))
     o, lse = _VarlenFunction.apply(*args) if _FALLBACK else _op_varlen(*args)
     return (o, lse) if return_lse else o
 
@@ -421,18 +437,20 @@ class APEAttention(torch.nn.Module):
     otherwise);
     causal, scale, rope_base, layout and rope_scale as for libape.attention (rope_scale, an
     attribute, may be changed to run a trained layer at a longer context: position
-    interpolation).
+    interpolation); skip_tol as for libape.torch.attention (None: 2^-24 in both passes; 0: every
+    pair).
     """
 
     def __init__(self, num_heads, head_dim, *, per_head=True, causal=True, scale=None,
                  rope_base=10000.0, layout="half", device=None, dtype=torch.float32,
-                 rope_scale=1.0):
+                 rope_scale=1.0, skip_tol=None):
         super().__init__()
         if head_dim % 2 or not 2 <= head_dim <= 256:
             _core._bad("head_dim = %r: must be even, 2..256" % (head_dim,))
         self.num_heads, self.head_dim, self.per_head = int(num_heads), int(head_dim), per_head
         self.causal, self.scale, self.rope_base, self.layout = causal, scale, rope_base, layout
         self.rope_scale = rope_scale
+        self.skip_tol = skip_tol
         self.device_spec = device
         shape = (self.num_heads,) if per_head else ()
 
@@ -460,7 +478,7 @@ class APEAttention(torch.nn.Module):
                                     gamma=self.gamma, lam=self.lambda_, causal=self.causal,
                                     scale=self.scale, rope_base=self.rope_base,
                                     layout=self.layout, device=self.device_spec,
-                                    rope_scale=self.rope_scale)
+                                    rope_scale=self.rope_scale, skip_tol=self.skip_tol)
         if positions is not None:
             _core._bad("positions: needs cu_seqlens (a packed batch)")
         if q.dim() != 4 or q.shape[1] != self.num_heads or q.shape[3] != self.head_dim:
@@ -471,7 +489,8 @@ class APEAttention(torch.nn.Module):
         return attention(q, k, v, delta=self.delta, beta=self.beta, gamma=self.gamma,
                          lam=self.lambda_, causal=self.causal, scale=self.scale,
                          rope_base=self.rope_base, layout=self.layout,
-                         device=self.device_spec, rope_scale=self.rope_scale)
+                         device=self.device_spec, rope_scale=self.rope_scale,
+                         skip_tol=self.skip_tol)
 
     def extra_repr(self):
         return "num_heads=%d, head_dim=%d, per_head=%s, causal=%s, device=%s" % (

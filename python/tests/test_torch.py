@@ -268,11 +268,11 @@ def test_opcheck():
     args = inputs(6, B=1, H=2, Hkv=1, Lq=5, Lk=7, D=8)
     args = [a.requires_grad_() for a in args[:3]] + [p[:2].clone().requires_grad_()
                                                      for p in args[3:]]
-    rest = (True, None, 10000.0, 1.0, "half", None, 0, "ref")
+    rest = (True, None, 10000.0, 1.0, "half", None, 0, "ref", None)  # skip_tol None: 2^-24
     torch.library.opcheck(torch.ops.libape.attention.default, (*args, *rest))
     shared = args[:3] + [torch.tensor(0.1, requires_grad=True) for _ in range(4)]
     torch.library.opcheck(torch.ops.libape.attention.default,
-                          (*shared, False, 0.5, 100.0, 2.5, "interleaved", 2, 1, "ref"))
+                          (*shared, False, 0.5, 100.0, 2.5, "interleaved", 2, 1, "ref", 0.0))
 
 
 @pytest.mark.skipif(apet.IMPLEMENTATION != "custom_op", reason="PyTorch before 2.4")
@@ -389,3 +389,38 @@ def test_fine_tune_example_small():
     r = run_python(os.path.join(EXAMPLES, "fine_tune_ape.py"), args=["--small"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "relative errors" in r.stdout and time.perf_counter() - t < 120, r.stdout
+
+
+def test_training_skips_by_default_in_both_passes():
+    """skip_tol=None (the default) reaches both C calls as 2^-24, 0 as 0 (the call log's JSON
+    lines, APE_VERBOSE: read once per process, so a child); the gradients under skipping are
+    the exact ones within the bound's share."""
+    import json
+    import subprocess
+    import sys
+    code = ("import torch, libape.torch as apet\n"
+            "torch.manual_seed(0)\n"
+            "q, k, v = (torch.randn(1, 2, 300, 16, requires_grad=True) for _ in range(3))\n"
+            "for tol in (None, 0.0):\n"
+            "    apet.attention(q, k, v, device='ref', skip_tol=tol).square().sum().backward()\n")
+    env = dict(os.environ, APE_VERBOSE="1", APE_VERBOSE_FORMAT="json",
+               PYTHONPATH=os.path.dirname(os.path.dirname(apet.__file__)))
+    err = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                         capture_output=True, text=True).stderr
+    lines = [json.loads(l[len("libape: "):]) for l in err.splitlines()
+             if l.startswith("libape: {")]
+    got = [(x["call"], x["skip_tol"]) for x in lines
+           if x["call"] in ("ape_attention_forward", "ape_attention_backward")]
+    assert got == [("ape_attention_forward", 2.0 ** -24), ("ape_attention_backward", 2.0 ** -24),
+                   ("ape_attention_forward", 0.0), ("ape_attention_backward", 0.0)], got
+    # the gradients: skipping at the default against every pair
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 300, 16, requires_grad=True) for _ in range(3))
+    grads = []
+    for tol in (None, 0.0):
+        for x in (q, k, v):
+            x.grad = None
+        apet.attention(q, k, v, device="ref", skip_tol=tol).square().sum().backward()
+        grads.append([x.grad.clone() for x in (q, k, v)])
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max().item())

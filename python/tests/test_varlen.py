@@ -274,12 +274,12 @@ def test_torch_varlen_opcheck():
     args, cq, ck = _torch_batch(22, [3, 0, 4], [5, 0, 4])
     op = torch.ops.libape.attention_varlen.default
     torch.library.opcheck(op, (*args, cq, ck, None, None, True, None, 10000.0, 1.0, "half",
-                               "ref"))
+                               "ref", None))
     shared = args[:3] + [torch.tensor(0.1, requires_grad=True) for _ in range(4)]
     pq = torch.tensor([5, 6, 6, 0, 1, 2, 9])  # a repeat, a gap
     pk = torch.tensor([0, 1, 3, 4, 5, 0, 1, 2, 3])
     torch.library.opcheck(op, (*shared, cq.int(), ck.int(), pq, pk, False, 0.5, 100.0, 4.0,
-                               "interleaved", "ref"))
+                               "interleaved", "ref", 0.0))
 
 
 def test_torch_varlen_compile_no_graph_breaks():

@@ -19,9 +19,11 @@
 #include "core/context.h"
 #include "core/error.h"
 #include "core/limits.h"
+#include "core/strace.h"
 #include "core/verbose.h"
 #include "exec/launch.h"
 #include "exec/pack.h"
+#include "exec/trace.h"
 #include "api/kvcache.h"
 #include "api/resident.h"
 #include "api/validate.h"
@@ -433,6 +435,30 @@ static int check_room(const struct ape_kv_cache *c, const char *fn, int64_t n)
 			  fn, n, ape__kv_live_tokens(c), c->nblocks * c->bt, room);
 }
 
+/*
+ * With APE_TRACE, one append piece's copies as a span of the session trace, on the device's
+ * track: e0 recorded on q before them, e1 after, enq the host time they were enqueued. Waits for
+ * q (only when tracing). A diagnostic: nothing here fails the append.
+ */
+static void trace_piece(struct ape_kv_cache *c, struct ape__queue *q, struct ape__event *e0,
+			struct ape__event *e1, double enq, uint64_t bytes, const char *what)
+{
+	struct ape__trace_dev td;
+	double ms = 0, t1;
+
+	memset(&td, 0, sizeof(td));
+	if (!e0 || !e1 || c->ops->synchronize(q) || c->ops->event_elapsed(e0, e1, &ms))
+		return;
+	td.device_clock = c->dev->caps.timestamps && c->ops->event_timestamp &&
+			  !c->ops->event_timestamp(e1, &t1);
+	if (!td.device_clock)
+		t1 = ape__now_ms();
+	ape__trace_label(&td, &c->dev, 0);
+	ape__trace_add(&td, what, APE__LANE_H2D_KV, t1 - ms, t1, enq, -1, -1, bytes);
+	ape__trace_to_session(&td);
+	ape__trace_free(&td);
+}
+
 /* An append's line of the call log (docs/profiling.md): what it added, what the cache holds. */
 static void log_append(const struct ape_kv_cache *c, const char *fn, int64_t n, double t0)
 {
@@ -461,6 +487,9 @@ int ape_kv_cache_append(ape_kv_cache *c, const ape_tensor *k, const ape_tensor *
 	static const char fn[] = "ape_kv_cache_append";
 	static const char *const dims[4] = { "B", "Hkv", "n", "D" };
 	const double t0 = ape__now_ms();
+	const bool tracing = ape__strace_on();
+	struct ape__event *e0 = NULL;
+	double enq;
 	int64_t ks[4], vs[4], want[4], n;
 	int ret;
 
@@ -495,9 +524,18 @@ int ape_kv_cache_append(ape_kv_cache *c, const ape_tensor *k, const ape_tensor *
 		note_norms(c, st, c->t_end, m);
 		c->ops->event_destroy(c->alast[i]);
 		c->alast[i] = NULL;
+		if (tracing && c->ops->event_record(c->aq[i], &e0))
+			e0 = NULL; /* (untimed: the trace goes without this piece) */
+		enq = ape__now_ms();
 		if ((ret = copy_piece(c, c->aq[i], st, c->t_end, m)) ||
-		    (ret = c->ops->event_record(c->aq[i], &c->alast[i])))
+		    (ret = c->ops->event_record(c->aq[i], &c->alast[i]))) {
+			c->ops->event_destroy(e0);
 			return ape__error_prefix(ape__error_on(ret, c->dev), fn);
+		}
+		if (tracing)
+			trace_piece(c, c->aq[i], e0, c->alast[i], enq, 2 * half, "h2d K/V append");
+		c->ops->event_destroy(e0);
+		e0 = NULL;
 		c->apending[i] = true;
 		c->t_end += m;
 		done += m;
@@ -549,6 +587,9 @@ int ape_kv_cache_append_device(ape_kv_cache *c, ape_queue *queue, const ape_dten
 	static const char fn[] = "ape_kv_cache_append_device";
 	static const char *const dims[4] = { "B", "Hkv", "n", "D" };
 	const double t0 = ape__now_ms();
+	const bool tracing = ape__strace_on();
+	struct ape__event *e0 = NULL, *e1 = NULL;
+	double enq;
 	struct dpiece dp = { 0 };
 	struct ape__event *ready = NULL;
 	int64_t want[4], n;
@@ -595,8 +636,20 @@ int ape_kv_cache_append_device(ape_kv_cache *c, ape_queue *queue, const ape_dten
 		dp.q = c->aq[i];
 		dp.t0 = done;
 		dp.n = m;
-		if ((ret = c->ops->event_wait(dp.q, ready)) ||
-		    (ret = ape__kv_each_seg(c, c->t_end, m, copy_seg_d2d, &dp)))
+		if ((ret = c->ops->event_wait(dp.q, ready)))
+			break;
+		if (tracing && c->ops->event_record(dp.q, &e0))
+			e0 = NULL; /* (untimed: the trace goes without this piece) */
+		enq = ape__now_ms();
+		ret = ape__kv_each_seg(c, c->t_end, m, copy_seg_d2d, &dp);
+		if (!ret && e0 && !c->ops->event_record(dp.q, &e1))
+			trace_piece(c, dp.q, e0, e1, enq,
+				    (uint64_t)(2 * c->o.B * c->o.Hkv * m * c->o.D) * c->esz,
+				    "d2d K/V append");
+		c->ops->event_destroy(e0);
+		c->ops->event_destroy(e1);
+		e0 = e1 = NULL;
+		if (ret)
 			break;
 		/* the new keys, read back for their norms (skipping and release need them) */
 		for (int64_t bg = 0; bg < c->o.B * c->o.Hkv && !ret; bg++)

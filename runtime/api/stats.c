@@ -107,6 +107,33 @@ static int call_level(ape_device *const *devs, int ndev)
 	return level;
 }
 
+/* The heads whose lambda is not 0 (what keeps them off the separable path), as ranges:
+ * "0-5", "2, 4-7", or "none". */
+static void lambda_heads(const struct ape__problem *p, char *buf, size_t cap)
+{
+	size_t n = 0;
+
+	buf[0] = '\0';
+	for (int64_t h = 0; h < p->H && n < cap;) {
+		int64_t e = h;
+		int k;
+
+		if (p->head_params[4 * h + 3] == 0) {
+			h++;
+			continue;
+		}
+		while (e + 1 < p->H && p->head_params[4 * (e + 1) + 3] != 0)
+			e++;
+		k = e > h ? snprintf(buf + n, cap - n, "%s%lld-%lld", n ? ", " : "", (long long)h,
+				     (long long)e)
+			  : snprintf(buf + n, cap - n, "%s%lld", n ? ", " : "", (long long)h);
+		n = k < 0 ? cap : n + (size_t)k;
+		h = e + 1;
+	}
+	if (!buf[0])
+		snprintf(buf, cap, "none");
+}
+
 /* Why skipping is on or off for the call's problem. */
 static const char *skip_why(const struct ape__problem *p)
 {
@@ -184,6 +211,12 @@ static void log_text(const struct ape__call_log *r, int level)
 		if (pl->launches[i])
 			put(&l, " %s x%u (%s)", ape__path_name((enum ape__path)i), pl->launches[i],
 			    pl->why[i] ? pl->why[i] : "");
+	if (p && p->head_params) {
+		char heads[128];
+
+		lambda_heads(p, heads, sizeof(heads));
+		put(&l, " | lambda != 0 on heads %s", heads);
+	}
 	if (p)
 		put(&l, " | skip %s", skip_why(p));
 	if (r->async) {
@@ -221,6 +254,9 @@ static void log_text(const struct ape__call_log *r, int level)
 	    (unsigned long long)st->peak_device_bytes, (unsigned long long)st->bytes_to_device,
 	    (unsigned long long)st->bytes_from_device,
 	    (unsigned long long)st->bytes_device_to_device, st->copy_ms, st->overlap_ms);
+	for (int d = 0; r->shares && d < r->ndev; d++)
+		put(&l, "%s%lld", d ? " + " : "; outer chunks per device: ",
+		    (long long)r->shares[d]);
 	if (p)
 		put(&l, "; skip_tol %g: %llu chunk pairs left out whole by the far-key bound, %llu "
 			"pairs left out inside the launches",
@@ -279,6 +315,12 @@ static void build_json(struct line *out, const struct ape__call_log *r, int leve
 		first = false;
 	}
 	put(l, "]");
+	if (p && p->head_params) {
+		char heads[128];
+
+		lambda_heads(p, heads, sizeof(heads));
+		put(l, ",\"lambda_nonzero_heads\":\"%s\"", heads);
+	}
 	if (p)
 		put(l, ",\"skip\":\"%s\",\"skip_tol\":%.17g", skip_why(p), p->skip_tol);
 	if (r->async) {
@@ -308,6 +350,11 @@ static void build_json(struct line *out, const struct ape__call_log *r, int leve
 		    (unsigned long long)st->bytes_to_device,
 		    (unsigned long long)st->bytes_from_device,
 		    (unsigned long long)st->bytes_device_to_device, st->copy_ms, st->overlap_ms);
+		for (int d = 0; r->shares && d < r->ndev; d++)
+			put(l, "%s%lld", d ? "," : ",\"outer_chunks_per_device\":[",
+			    (long long)r->shares[d]);
+		if (r->shares && r->ndev > 0)
+			put(l, "]");
 	}
 	put(l, "}");
 }
@@ -367,6 +414,7 @@ void ape__call_done(ape_stats *stats, const struct ape__call_report *r)
 			.fn = r->fn, .devs = r->devs, .ndev = r->ndev, .p = r->p, .ret = r->ret,
 			.st = &st, .paths = r->res ? &r->res->paths : NULL,
 			.pairs_uncounted = r->pairs_uncounted,
+			.shares = r->res && r->ndev > 1 ? r->res->outer_by_dev : NULL,
 		};
 
 		ape__call_log(&lg);

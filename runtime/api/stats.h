@@ -52,6 +52,7 @@ struct ape__call_log {
 	const struct ape__path_log *paths; /* NULL: st->path names the paths, without counts */
 	bool async; /* enqueued on a queue: st holds the host's time only (total_ms) */
 	bool pairs_uncounted; /* st->pairs_computed is not known */
+	const int64_t *shares; /* NULL, or each device's outer chunks (level 2 says them) */
 };
 
 /* Logs the line when the devices' level says so (a call nested in another public call only at

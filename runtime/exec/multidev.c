@@ -378,6 +378,7 @@ int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
 	for (int d = 0; d < r->ndev; d++) {
 		sum_stats(&res->st, &w[d].st);
 		res->devices += w[d].st.outer_done > 0;
+		res->outer_by_dev[d] = w[d].st.outer_done;
 	}
 	res->st.device_clock = w[0].st.device_clock;
 	for (int d = 0; d < r->ndev; d++) /* the kernel paths, for the traces' kernel spans */

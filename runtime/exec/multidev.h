@@ -56,6 +56,7 @@ struct ape__exec_result {
 	int depth;
 	uint64_t budget; /* the smallest of the devices' budgets */
 	int devices; /* devices that were given outer chunks */
+	int64_t outer_by_dev[APE_MAX_DEVICES]; /* each device's outer chunks (its share) */
 };
 
 /* The budget of a device when the caller gives none: 3/4 of its memory, or none (UINT64_MAX)
