@@ -229,8 +229,9 @@ deps-python:
 # Each suite's wall time goes to $(CHECK_TIMES) (tests/timed.sh) and is printed before the last line.
 CHECK_SUMMARY = $(abspath $(BUILD))/check-summary
 CHECK_TIMES = $(abspath $(BUILD))/check-times
-# The unit suite's programs, TEST_JOBS at once (tests/run-tests.sh, APE_TEST_JOBS): the cores'
-# count by default (bench/RESULTS.md, 2026-12-06: the suite's wall time).
+# Test programs TEST_JOBS at once (tests/run-tests.sh's APE_TEST_JOBS: the unit and the fault
+# suites; tests/fuzz/run-fuzz.sh's FUZZ_JOBS: the fuzz targets): the cores' count by default
+# (bench/RESULTS.md, 2026-12-06: the suites' wall time).
 TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 check: all $(TESTS) $(TESTS_BUILD_ONLY)
 	$(Q)tools/check-layers.sh --self-test
@@ -279,7 +280,7 @@ help:
 	@echo "make bench-bwd  bench/bwd_time: backward against forward, side by side (bench/RESULTS.md)"
 	@echo "make bench-log-off  bench/log_off: the call log, traces and NVTX when off (two builds)"
 	@echo "make check      build and run every test; ends with 'N passed, N failed, N skipped'"
-	@echo "                (the unit suite TEST_JOBS programs at once: the cores' count)"
+	@echo "                (the unit and fault suites and the fuzz targets TEST_JOBS at once: the cores)"
 	@echo "make sanitize   the tests under AddressSanitizer and UBSan"
 	@echo "make valgrind   the tests under valgrind memcheck (leaks are errors)"
 	@echo "make fuzz       each libFuzzer target for FUZZ_SECONDS (300); 'make check' runs a short pass"

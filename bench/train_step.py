@@ -17,7 +17,7 @@ B = 1, H = 6, D = 64, float32, causal. Each round times every candidate once per
 median over rounds of each ratio to SDPA.
 
 usage: build/venv/bin/python bench/train_step.py [-L 1024 4096] [--ref-L 1024] [--rounds 5]
-       [--repeats 3] [--threads 2]
+       [--repeats 3] [--threads 2] [--lam 0]
 """
 import argparse
 import os
@@ -36,6 +36,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lam", type=float, default=None,
+                    help="lambda's initial value (default: the seed's, 0.1; 0: the separable path)")
     args = ap.parse_args()
     os.environ.setdefault("LIBAPE_LIBRARY", os.path.join(ROOT, "build", "lib", "libape.so.0"))
     sys.path.insert(0, os.path.join(ROOT, "python"))
@@ -53,8 +55,9 @@ def main():
     def step_libape(L, device, skip_tol=None):
         g = torch.Generator().manual_seed(L)
         q, k, v = (torch.randn(1, H, L, D, generator=g).requires_grad_() for _ in range(3))
+        lam = libape.SEED_LAMBDA if args.lam is None else args.lam
         prm = [torch.tensor(x, requires_grad=True) for x in
-               (libape.SEED_DELTA, libape.SEED_BETA, libape.SEED_GAMMA, libape.SEED_LAMBDA)]
+               (libape.SEED_DELTA, libape.SEED_BETA, libape.SEED_GAMMA, lam)]
 
         def run():
             o = apet.attention(q, k, v, delta=prm[0], beta=prm[1], gamma=prm[2], lam=prm[3],

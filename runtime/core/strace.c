@@ -4,11 +4,10 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <threads.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include "ape/ape.h"
@@ -37,7 +36,7 @@ static struct {
 	double origin;
 } S = { .lock = PTHREAD_MUTEX_INITIALIZER };
 
-static once_flag once = ONCE_FLAG_INIT;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void at_exit(void)
 {
@@ -68,7 +67,7 @@ static void read_env(void)
 
 bool ape__strace_on(void)
 {
-	call_once(&once, read_env);
+	pthread_once(&once, read_env);
 	return S.on;
 }
 

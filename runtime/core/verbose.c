@@ -7,14 +7,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <threads.h>
+#include <pthread.h>
 
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/nvtx.h"
 #include "core/strace.h"
 
-static once_flag env_once = ONCE_FLAG_INIT;
+static pthread_once_t env_once = PTHREAD_ONCE_INIT;
 static int env_level;
 static bool env_json;
 static atomic_int errors_level;
@@ -76,19 +76,19 @@ static int observing_now(void)
 
 int ape__verbose_env(void)
 {
-	call_once(&env_once, read_env);
+	pthread_once(&env_once, read_env);
 	return env_level;
 }
 
 bool ape__verbose_json(void)
 {
-	call_once(&env_once, read_env);
+	pthread_once(&env_once, read_env);
 	return env_json;
 }
 
 int ape__verbose_errors(void)
 {
-	call_once(&env_once, read_env);
+	pthread_once(&env_once, read_env);
 	return atomic_load(&errors_level);
 }
 
@@ -96,7 +96,7 @@ void ape__verbose_raise(int level)
 {
 	int cur;
 
-	call_once(&env_once, read_env);
+	pthread_once(&env_once, read_env);
 	cur = atomic_load(&errors_level);
 	while (level > cur && !atomic_compare_exchange_weak(&errors_level, &cur, level))
 		;

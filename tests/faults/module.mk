@@ -17,7 +17,7 @@ faults-ci:
 	$(Q)$(FAULT_SUBMAKE) BUILD=$(BUILD)/faults SANITIZE=1 CFLAGS=-DAPE_FAULT_INJECT faults-run
 
 faults-run: $(FAULT_TESTS)
-	$(Q)tests/run-tests.sh $(BUILD) $(FAULT_TESTS)
+	$(Q)APE_TEST_JOBS=$(TEST_JOBS) tests/run-tests.sh $(BUILD) $(FAULT_TESTS)
 
 # halt_on_error: a race is a failure, not a warning; the suppressions cover PoCL only (see there)
 tsan-ci:

@@ -54,7 +54,8 @@ $(FUZZ_DIR)/bin/fuzz_%: $(FUZZ_DIR)/obj/tests/fuzz/fuzz_%.o $(FUZZ_LIBA)
 fuzz-build: $(if $(FUZZ_PROBE),$(FUZZ_BINS))
 	$(Q)$(if $(FUZZ_PROBE),true,$(if $(filter yes,$(FUZZ)),echo "fuzz: FAIL: $(FUZZ_WHY); FUZZ=yes requires it" >&2; exit 1,true))
 
-FUZZ_RUN = tests/fuzz/run-fuzz.sh $(FUZZ_DIR) tests/fuzz $(1) $(FUZZ_TARGETS)
+# TEST_JOBS targets at once (the top Makefile's: the cores' count), each for its seconds
+FUZZ_RUN = FUZZ_JOBS=$(TEST_JOBS) tests/fuzz/run-fuzz.sh $(FUZZ_DIR) tests/fuzz $(1) $(FUZZ_TARGETS)
 
 fuzz-ci: fuzz-build
 	$(Q)$(if $(FUZZ_PROBE),$(call FUZZ_RUN,$(FUZZ_CI_SECONDS)),echo "fuzz: SKIP: $(FUZZ_WHY)")
