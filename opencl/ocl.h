@@ -63,6 +63,7 @@ struct ape__ocl_device {
 	pthread_mutex_t lock; /* guards counters (builds of two variants may run at once) and kernels */
 	struct ape__ocl_debug_counters counters;
 	char kernels[1024]; /* the names of the kernels enqueued since the tests last read them */
+	atomic_bool kernels_on; /* a test asked for them (ape__ocl_debug_kernels()): recorded */
 };
 
 /*

@@ -42,11 +42,14 @@ void ape__ocl_arg(struct ape__ocl_args *a, size_t size, const void *v)
 	a->n++;
 }
 
-/* The kernels enqueued, for the tests (ocl_debug.h, ape__ocl_debug_kernels()). */
+/* The kernels enqueued, for the tests (ocl_debug.h, ape__ocl_debug_kernels()): a relaxed load
+ * and nothing else until a test asks for them. */
 static void note_kernel(struct ape__ocl_device *od, const char *what)
 {
 	size_t n;
 
+	if (!atomic_load_explicit(&od->kernels_on, memory_order_relaxed))
+		return;
 	pthread_mutex_lock(&od->lock);
 	n = strlen(od->kernels);
 	if (n + strlen(what) + 2 < sizeof(od->kernels))

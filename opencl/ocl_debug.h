@@ -28,8 +28,10 @@ struct ape__ocl_debug_counters {
 /* 0, or -1 when dev is not an OpenCL device. */
 int ape__ocl_debug_counters(const struct ape_device *dev, struct ape__ocl_debug_counters *out);
 /* The kernels enqueued on dev since the last call, space-separated in order ("ape_kmax
- * ape_attention"; cut short past 1 KiB), into buf; then forgets them. -1 when dev is not an
- * OpenCL device. For tests that check the kernel path a call says it took. */
+ * ape_attention"; cut short past 1 KiB), into buf; then forgets them. The first call starts the
+ * recording (until then nothing is recorded: "" the first time), so that no other process pays
+ * for it. -1 when dev is not an OpenCL device. For tests that check the kernel path a call says
+ * it took. */
 int ape__ocl_debug_kernels(const struct ape_device *dev, char *buf, unsigned cap);
 /* CL_DEVICE_MAX_MEM_ALLOC_SIZE, or 0 when dev is not an OpenCL device. */
 uint64_t ape__ocl_debug_max_alloc(const struct ape_device *dev);

@@ -544,6 +544,7 @@ int ape__ocl_debug_kernels(const struct ape_device *dev, char *buf, unsigned cap
 	pthread_mutex_lock(&od->lock);
 	snprintf(buf, cap, "%s", od->kernels);
 	od->kernels[0] = '\0';
+	atomic_store(&od->kernels_on, true);
 	pthread_mutex_unlock(&od->lock);
 	return 0;
 }

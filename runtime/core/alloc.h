@@ -17,6 +17,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #pragma GCC visibility push(hidden)
 
@@ -57,6 +58,15 @@ static inline bool ape__fault_alloc_hit(void)
 	return false;
 }
 #endif
+
+/* A copy of the string s through ape__malloc() (counted like any allocation), or NULL. */
+static inline char *ape__strdup(const char *s)
+{
+	const size_t n = strlen(s) + 1;
+	char *d = ape__malloc(n);
+
+	return d ? memcpy(d, s, n) : NULL;
+}
 
 #pragma GCC visibility pop
 #endif /* APE_RUNTIME_ALLOC_H */

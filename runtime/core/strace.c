@@ -107,8 +107,8 @@ static int track_of(const char *process, const char *thread)
 		return -1;
 	S.tracks = t;
 	t = &S.tracks[S.ntracks];
-	t->process = strdup(process);
-	t->thread = strdup(thread);
+	t->process = ape__strdup(process);
+	t->thread = ape__strdup(thread);
 	if (!t->process || !t->thread) {
 		free(t->process);
 		free(t->thread);
@@ -189,7 +189,7 @@ void ape_range_push(const char *name)
 	ape__nvtx_push(name);
 	if (k >= RANGE_DEPTH || !ape__strace_on())
 		return;
-	ranges[k].name = strdup(name);
+	ranges[k].name = ape__strdup(name);
 	ranges[k].t0 = ape__now_ms();
 }
 

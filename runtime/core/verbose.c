@@ -9,6 +9,7 @@
 #include <string.h>
 #include <pthread.h>
 
+#include "core/alloc.h"
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/nvtx.h"
@@ -202,7 +203,7 @@ struct ape__api_scope ape__api_enter(const char *fn)
 void ape__api_span_args(const char *json)
 {
 	free(span_args);
-	span_args = json ? strdup(json) : NULL;
+	span_args = json ? ape__strdup(json) : NULL;
 }
 
 int ape__api_depth(void)

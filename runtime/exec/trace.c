@@ -19,6 +19,7 @@
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/strace.h"
+#include "core/verbose.h"
 
 void ape__trace_add(struct ape__trace_dev *t, const char *what, int lane, double t0, double t1,
 		    double enq, int64_t qc, int64_t kc, uint64_t bytes)
@@ -55,21 +56,14 @@ void ape__trace_free(struct ape__trace_dev *t)
 	t->n = t->cap = 0;
 }
 
-/* A JSON string: device names come from drivers and may hold anything. */
+/* A JSON string: device names come from drivers and may hold anything (core/verbose.h's escape,
+ * the one every JSON libape writes goes through). Labels are at most 200 bytes. */
 static void json_str(FILE *f, const char *s)
 {
-	fputc('"', f);
-	for (; *s; s++) {
-		unsigned char c = (unsigned char)*s;
+	char esc[1600];
 
-		if (c == '"' || c == '\\')
-			fprintf(f, "\\%c", c);
-		else if (c < 0x20)
-			fprintf(f, "\\u%04x", c);
-		else
-			fputc(c, f);
-	}
-	fputc('"', f);
+	ape__json_escape(esc, sizeof(esc), s);
+	fprintf(f, "\"%s\"", esc);
 }
 
 static const char *lane_name(int lane, char *buf, size_t len)

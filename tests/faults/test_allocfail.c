@@ -285,6 +285,25 @@ TEST(traced_and_logged)
 		sweep(_metadata, &c, cases[i].what);
 		fx_call_free(&c);
 	}
+	/* a caller's range (ape_range_push(): its name's copy, its span), each allocation failed
+	 * in turn: the range is dropped, nothing else happens (it returns nothing to fail) */
+	{
+		uint64_t total;
+
+		ape__fault_alloc_arm(0);
+		ape_range_push("a caller's range with a new name");
+		ape_range_pop();
+		total = ape__fault_alloc_count();
+		EXPECT_LT(0u, total) TH_LOG("a range allocates its name and its span");
+		for (uint64_t k = 1; k <= total; k++) {
+			ape__fault_alloc_arm(k);
+			ape_range_push("a caller's range, broken");
+			ape_range_pop();
+			ape__fault_alloc_arm(0);
+		}
+		ape_range_push("a caller's range after the sweep");
+		ape_range_pop();
+	}
 	ape_context_destroy(ctx); /* writes the trace */
 	dup2(saved, 2);
 	close(saved);
@@ -293,6 +312,8 @@ TEST(traced_and_logged)
 	ASSERT_NE(NULL, text);
 	EXPECT_TRUE(json_ok(text)) TH_LOG("the trace after the sweeps is not JSON");
 	EXPECT_NE(NULL, strstr(text, "\"name\":\"ape_kv_cache_attend\",\"cat\":\"call\""));
+	EXPECT_NE(NULL, strstr(text, "\"name\":\"a caller's range after the sweep\","
+				     "\"cat\":\"range\""));
 	free(text);
 	unlink(trace);
 }
