@@ -49,7 +49,7 @@ TESTS_BUILD_ONLY += $(CXX_HEADER_CHECK) $(EXAMPLE)
 # emulated driver where the build has the CUDA backend.
 TESTS_ON_EVERY_BACKEND := $(BUILD)/tests/test_stream $(BUILD)/tests/test_stream_calls \
                           $(BUILD)/tests/test_kvcache \
-                          $(BUILD)/tests/test_kvcache_inplace \
+                          $(BUILD)/tests/test_kvcache_inplace $(BUILD)/tests/test_kvpool \
                           $(BUILD)/tests/test_diag $(BUILD)/tests/test_diag_kernels \
                           $(BUILD)/tests/test_multidev \
                           $(BUILD)/tests/test_ends $(BUILD)/tests/test_varlen \

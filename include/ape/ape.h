@@ -1185,6 +1185,172 @@ typedef struct ape_kv_cache_info {
 APE_API int ape_kv_cache_get_info(const ape_kv_cache *cache, ape_kv_cache_info *info);
 /**@}*/
 
+/** \name KV pool: many sequences in fixed-size pages, for serving
+ *
+ * Keys and values of many sequences of different lengths on one device, in pages of
+ * `page_tokens` tokens taken from one pool allocated at creation (continuous batching: requests
+ * join and leave every step). A sequence is an id (ape_kv_pool_add_sequence()); it holds a list
+ * of pages, its tokens at consecutive positions from its `k_start`. ape_kv_pool_fork() gives a
+ * new sequence the pages of another, shared and reference-counted: a shared page is copied once,
+ * when either sequence first appends into it (copy on write: parallel sampling, beam search,
+ * prefix reuse). ape_kv_pool_attend() runs one ragged batch of query rows, each run of rows
+ * against the keys of its own sequence, in one run of the executor (docs/serving.md).
+ *
+ * Memory: every page, chunk buffer and staging buffer on the device is allocated at creation;
+ * appends, forks and attends within the capacity allocate no device memory (the host tables of
+ * sequences grow with their number). A pool is used by one thread at a time; different pools
+ * are independent.
+ */
+/**@{*/
+typedef struct ape_kv_pool ape_kv_pool;
+
+/** Options of ape_kv_pool_create(). Fields are only ever added at the end. */
+typedef struct ape_kv_pool_options {
+	size_t struct_size; /**< set by ape_kv_pool_options_init() */
+	int64_t Hkv; /**< key/value heads, >= 1 */
+	int64_t H; /**< query heads of attends, a multiple of Hkv; 0: Hkv */
+	int64_t D; /**< head dimension: even, 2..APE_MAX_D */
+	ape_dtype dtype; /**< storage of keys, values and queries */
+	int64_t page_tokens; /**< tokens per page, 1..65536; 0: 16 */
+	/** Tokens the pool holds at once over all sequences (>= 1, at most 2^40), rounded up to
+	 *  whole pages. */
+	int64_t capacity_tokens;
+	/** Most query rows of one attend, and most tokens staged per host-to-device step of an
+	 *  append (longer appends are split, never refused); 1..2^20; 0: 256. */
+	int64_t max_batch_tokens;
+	int64_t attend_chunk; /**< keys per kernel launch of an attend; 0: 4096 */
+	/** Device memory the pool may hold (pages, chunk buffers, partial outputs), bytes; 0: no
+	 *  limit but the device's. */
+	uint64_t max_device_bytes;
+} ape_kv_pool_options;
+
+/** \brief Defaults: pages of 16 tokens, max_batch_tokens 256, attend_chunk 4096, no budget;
+ *  Hkv, D, dtype and capacity_tokens must be set. Never fails. */
+APE_API void ape_kv_pool_options_init(ape_kv_pool_options *opts);
+
+/**
+ * \brief Creates an empty pool on \p dev, allocating every page, chunk buffer and staging buffer
+ *        it will ever use on the device.
+ * \return 0; APE_EINVAL (NULL argument, bad option, naming it); APE_EOVERFLOW (sizes past 64
+ *         bits, naming the options); APE_ENOMEM (device or host memory, or max_device_bytes
+ *         too small: the message says what is needed); device errors. *out is NULL on failure.
+ */
+APE_API int ape_kv_pool_create(ape_device *dev, const ape_kv_pool_options *opts,
+			       ape_kv_pool **out);
+
+/** \brief Destroys the pool after its device work has finished. Accepts NULL. */
+APE_API void ape_kv_pool_destroy(ape_kv_pool *pool);
+
+/**
+ * \brief Adds an empty sequence whose first token will sit at position \p k_start.
+ * \param k_start in [-2^62, 2^62)
+ * \param[out] seq_id the new sequence's id (>= 0; ids of removed sequences are not reused)
+ * \return 0; APE_EINVAL (NULL argument); APE_EOVERFLOW (k_start out of range); APE_ENOMEM
+ *         (host memory). Takes no page: the first append does.
+ */
+APE_API int ape_kv_pool_add_sequence(ape_kv_pool *pool, int64_t k_start, int64_t *seq_id);
+
+/**
+ * \brief Removes a sequence: its id becomes unknown, and each of its pages returns to the pool
+ *        once no other sequence shares it.
+ * \return 0; APE_EINVAL (NULL pool, or an unknown \p seq_id, naming it).
+ */
+APE_API int ape_kv_pool_remove_sequence(ape_kv_pool *pool, int64_t seq_id);
+
+/**
+ * \brief A new sequence holding the same tokens as \p seq_id, at the same positions, sharing
+ *        its pages: no copy now, and a shared page is copied once, when either sequence first
+ *        appends into it.
+ * \param[out] new_id the new sequence's id
+ * \return 0; APE_EINVAL (NULL argument, unknown seq_id); APE_ENOMEM (host memory: nothing
+ *         forked).
+ */
+APE_API int ape_kv_pool_fork(ape_kv_pool *pool, int64_t seq_id, int64_t *new_id);
+
+/**
+ * \brief Appends n tokens to one sequence: keys \p k and values \p v, host tensors
+ *        `[1, Hkv, n, D]` of the pool's dtype (strides free: a packed `[n, Hkv, D]` array from
+ *        ape_tensor_init_packed(), or a slice of a packed QKV buffer), at the positions after
+ *        the sequence's tokens. The copies run asynchronously; the tensors may be reused when
+ *        this returns.
+ * \return 0; APE_EINVAL (unknown seq_id, bad tensor, naming it); APE_ENOMEM (the pool has too
+ *         few free pages: nothing was appended; the message says how many tokens fit);
+ *         device errors (the pool is then unusable: destroy it).
+ */
+APE_API int ape_kv_pool_append(ape_kv_pool *pool, int64_t seq_id, const ape_tensor *k,
+			       const ape_tensor *v);
+
+/**
+ * \brief Appends to many sequences in one call (one decode step of every request): sequence
+ *        \p seq_ids[i] gets the tokens [cu_seqlens[i], cu_seqlens[i + 1]) of the packed \p k
+ *        and \p v (`[1, Hkv, total, D]`, as ape_kv_pool_append() takes them).
+ * \param nseq the number of sequences (>= 0); ids distinct and known
+ * \param cu_seqlens nseq + 1 offsets, non-decreasing, from 0 to total
+ * \return as ape_kv_pool_append(), naming the index and value of a bad id or offset. Either
+ *         every sequence gets its tokens or (on any error but a device failure) none does.
+ */
+APE_API int ape_kv_pool_append_batch(ape_kv_pool *pool, int64_t nseq, const int64_t *seq_ids,
+				     const int64_t *cu_seqlens, const ape_tensor *k,
+				     const ape_tensor *v);
+
+/**
+ * \brief Attention of a ragged batch of query rows over the pool: rows
+ *        [cu_seqlens_q[i], cu_seqlens_q[i + 1]) belong to sequence \p seq_ids[i] and see that
+ *        sequence's keys only (with desc->causal, those at positions <= their own).
+ *
+ * \p q is `[1, H, total_q, D]` of the pool's dtype (a packed `[total_q, H, D]` array from
+ * ape_tensor_init_packed(), strides free), 0 <= total_q <= max_batch_tokens; \p o likewise, of
+ * the pool's dtype or APE_F32. Positions: \p pos_q NULL places each sequence's rows at the end
+ * of its keys (the last row at the position of its newest token, as a decode step whose own
+ * token was appended first; a chunked prefill's rows before it), else \p pos_q gives every
+ * row's position (any int64 values: runs of consecutive positions, draft rows sharing one, gaps).
+ * desc->q_start_set must be false and desc->k_start 0 (positions come from the pool). With
+ * decay (delta > 0, beta, gamma, lambda >= 0 on every head) and skip_tol > 0, each sequence's
+ * oldest keys that its pages' key-norm maxima prove negligible for its rows are left out before
+ * the attend runs, never read: a decode step costs what the keys within reach cost.
+ *
+ * \param nseq sequences in the batch (>= 0); ids distinct and known
+ * \param cu_seqlens_q nseq + 1 offsets, non-decreasing, from 0 to total_q
+ * \param pos_q NULL, or total_q positions
+ * \param[out] o `[1, H, total_q, D]`: 0 for rows that see no key
+ * \param[out] lse NULL, or total_q * H floats `[total_q, H]` (token-major); -inf for rows that
+ *        see no key
+ * \param stats NULL, or the call's statistics
+ * \return 0; APE_EINVAL (naming the argument, index and value); APE_EOVERFLOW (a distance
+ *         past int64, naming the sequence); APE_ENOMEM; device errors. On an error found by
+ *         the checks nothing is written; after a device failure o and lse hold unspecified
+ *         values.
+ */
+APE_API int ape_kv_pool_attend(ape_kv_pool *pool, const ape_attn_desc *desc, int64_t nseq,
+			       const int64_t *seq_ids, const int64_t *cu_seqlens_q,
+			       const int64_t *pos_q, const ape_tensor *q, ape_tensor *o,
+			       float *lse, ape_stats *stats);
+
+/** State of a pool. */
+typedef struct ape_kv_pool_info {
+	int64_t page_tokens;
+	int64_t pages_total; /**< pages of the pool */
+	int64_t pages_used; /**< pages held by at least one sequence */
+	int64_t pages_free;
+	int64_t pages_shared; /**< pages held by more than one sequence */
+	int64_t sequences; /**< live sequences */
+	int64_t tokens; /**< tokens over all sequences (a shared token counted once per holder) */
+	int64_t pages_copied; /**< shared pages copied on write since creation */
+	uint64_t device_bytes; /**< device memory the pool holds, all of it allocated at creation */
+} ape_kv_pool_info;
+
+/** \brief Describes \p pool. \return 0 or APE_EINVAL (NULL argument). */
+APE_API int ape_kv_pool_get_info(const ape_kv_pool *pool, ape_kv_pool_info *info);
+
+/**
+ * \brief Tokens and first position of one sequence.
+ * \param[out] tokens,k_start each NULL or set: its tokens, the position of its first
+ * \return 0; APE_EINVAL (NULL pool, unknown seq_id).
+ */
+APE_API int ape_kv_pool_sequence_info(const ape_kv_pool *pool, int64_t seq_id, int64_t *tokens,
+				      int64_t *k_start);
+/**@}*/
+
 /** \name Device memory, queues and device-resident tensors
  *
  * For callers that already hold their tensors on a device and order their own work on a queue

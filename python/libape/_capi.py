@@ -9,7 +9,7 @@ import os
 
 __all__ = ["lib", "path", "ApeTensor", "ApeParam", "ApeAttnDesc", "ApeStats", "ApeVarlen", "ApeDeviceInfo",
            "ApeBackendInfo", "ApeSelection", "ApeKvCacheOptions", "ApeKvCacheInfo",
-           "ApeContextOptions", "DLTensor", "LibraryError"]
+           "ApeKvPoolOptions", "ApeKvPoolInfo", "ApeContextOptions", "DLTensor", "LibraryError"]
 
 # The major version whose struct layouts this package was written for.
 ABI_MAJOR = 0
@@ -102,6 +102,19 @@ class ApeKvCacheInfo(ctypes.Structure):
                 ("device_bytes", ctypes.c_uint64)]
 
 
+class ApeKvPoolOptions(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("Hkv", c_int64), ("H", c_int64), ("D", c_int64),
+                ("dtype", ctypes.c_int), ("page_tokens", c_int64), ("capacity_tokens", c_int64),
+                ("max_batch_tokens", c_int64), ("attend_chunk", c_int64),
+                ("max_device_bytes", ctypes.c_uint64)]
+
+
+class ApeKvPoolInfo(ctypes.Structure):
+    _fields_ = [("page_tokens", c_int64), ("pages_total", c_int64), ("pages_used", c_int64),
+                ("pages_free", c_int64), ("pages_shared", c_int64), ("sequences", c_int64),
+                ("tokens", c_int64), ("pages_copied", c_int64), ("device_bytes", ctypes.c_uint64)]
+
+
 class ApeVarlen(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("num_seqs", c_int64),
                 ("cu_seqlens_q", ctypes.POINTER(c_int64)), ("cu_seqlens_k", ctypes.POINTER(c_int64)),
@@ -165,6 +178,19 @@ _PROTOS = {
                                            P(ApeStats)]),
     "ape_kv_cache_release_unreachable": (ctypes.c_int, [vp, P(ApeAttnDesc), P(c_int64)]),
     "ape_kv_cache_get_info": (ctypes.c_int, [vp, P(ApeKvCacheInfo)]),
+    "ape_kv_pool_options_init": (None, [P(ApeKvPoolOptions)]),
+    "ape_kv_pool_create": (ctypes.c_int, [vp, P(ApeKvPoolOptions), P(vp)]),
+    "ape_kv_pool_destroy": (None, [vp]),
+    "ape_kv_pool_add_sequence": (ctypes.c_int, [vp, c_int64, P(c_int64)]),
+    "ape_kv_pool_remove_sequence": (ctypes.c_int, [vp, c_int64]),
+    "ape_kv_pool_fork": (ctypes.c_int, [vp, c_int64, P(c_int64)]),
+    # tensors by address, packed as for ape_attention_forward (see _core._Tensors)
+    "ape_kv_pool_append": (ctypes.c_int, [vp, c_int64, vp, vp]),
+    "ape_kv_pool_append_batch": (ctypes.c_int, [vp, c_int64, P(c_int64), P(c_int64), vp, vp]),
+    "ape_kv_pool_attend": (ctypes.c_int, [vp, P(ApeAttnDesc), c_int64, P(c_int64), P(c_int64),
+                                          P(c_int64), vp, vp, vp, P(ApeStats)]),
+    "ape_kv_pool_get_info": (ctypes.c_int, [vp, P(ApeKvPoolInfo)]),
+    "ape_kv_pool_sequence_info": (ctypes.c_int, [vp, c_int64, P(c_int64), P(c_int64)]),
 }
 # Calls a library built without them lacks: bound when present, else None.
 _OPTIONAL = {

@@ -1,4 +1,4 @@
-"""NumPy and PyTorch front end of libape's forward pass, devices and KV cache."""
+"""NumPy and PyTorch front end of libape's forward pass, devices, KV cache and KV pool."""
 import atexit
 import ctypes
 import struct
@@ -999,6 +999,248 @@ class KVCache:
     def __del__(self):
         # interpreter shutdown may have torn the module down already
         if getattr(self, "_c", None) is not None and lib is not None:
+            self.close()
+
+
+# ------------------------------------------------------------------ KV pool
+
+def _dtype_code(dtype):
+    """A storage dtype given as a string ("float16"), a NumPy type or dtype, or a torch dtype:
+    its ape_dtype code."""
+    try:
+        name = np.dtype(dtype).name  # strings, NumPy types and dtypes
+    except TypeError:
+        name = str(dtype)  # torch.float16, "bfloat16"
+    code = KVCache._DTYPES.get(name.replace("torch.", "").replace("numpy.", ""))
+    if code is None:
+        _bad("dtype = %r: must be float32, float16 or bfloat16" % (dtype,))
+    return code
+
+
+_I64_MIN, _I64_MAX = -2 ** 63, 2 ** 63 - 1
+
+
+class KVPool:
+    """Keys and values of many sequences on one device, in fixed-size pages taken from one
+    pool allocated at creation: the KV store of a server doing continuous batching (see
+    ape_kv_pool_* in ape.h, and docs/python.md, "KV pool").
+
+        pool = libape.KVPool(Hkv=2, D=64, capacity_tokens=65536, H=8)
+        a = pool.add_sequence()                # an id; positions from k_start (default 0)
+        pool.append(a, k, v)                   # k, v [n, Hkv, D] packed token by token
+        b = pool.fork(a)                       # shares a's pages, copied on first write
+        pool.append_batch([a, b], [0, 1, 2], k2, v2)   # one decode step of both
+        o = pool.attend(q, [a, b], [0, 1, 2])  # q [total_q, H, D]: each run of rows sees
+                                               # the keys of its own sequence only
+        pool.remove(b)                         # its unshared pages go back to the pool
+
+    Arrays are NumPy (float32, float16) or torch CPU tensors (float32, float16, bfloat16) of
+    the pool's dtype; strided views (slices of a packed QKV buffer) go to libape without a copy.
+    Offsets and ids take lists, NumPy int32/int64 arrays and torch tensors. A pool with too
+    few free pages raises ApeError (APE_ENOMEM) and appends nothing; an id that is not a live
+    sequence of this pool raises ValueError. Use it from one thread at a time; `close()` (or a
+    `with` block) frees it and its device memory.
+    """
+
+    def __init__(self, Hkv, D, capacity_tokens, *, H=0, page_tokens=16, dtype="float32",
+                 device="auto", max_batch_tokens=0, attend_chunk=0, max_device_bytes=0):
+        self._p = None
+        self._seqs = set()
+        code = _dtype_code(dtype)
+        if int(max_device_bytes) < 0:
+            _bad("max_device_bytes = %d: must be >= 0 (0: no limit)" % int(max_device_bytes))
+        opts = _capi.ApeKvPoolOptions()
+        lib.ape_kv_pool_options_init(ctypes.byref(opts))
+        for field, val in (("Hkv", Hkv), ("H", H), ("D", D), ("page_tokens", page_tokens),
+                           ("capacity_tokens", capacity_tokens),
+                           ("max_batch_tokens", max_batch_tokens),
+                           ("attend_chunk", attend_chunk), ("max_device_bytes", max_device_bytes)):
+            val = int(val)
+            if not _I64_MIN <= val <= _I64_MAX:
+                _bad("%s = %d: out of range" % (field, val))
+            setattr(opts, field, val)
+        opts.dtype = code
+        self._dtype = code
+        dev = _device_spec(device)
+        p = ctypes.c_void_p()
+        err = lib.ape_kv_pool_create(dev, ctypes.byref(opts), ctypes.byref(p))
+        if err:
+            _raise(err)
+        self._p = p
+        _context.own(self)
+
+    def _live(self):
+        if self._p is None:
+            _bad("KVPool: the pool was closed")
+        return self._p
+
+    def _known(self, sid, name="seq_id"):
+        """One sequence id, checked against the live ones (a ValueError naming it)."""
+        try:
+            i = int(sid.__index__())
+        except (AttributeError, TypeError, ValueError, RuntimeError):
+            _bad("%s = %r: a sequence id is an int (what add_sequence() or fork() returned)"
+                 % (name, sid))
+        if i not in self._seqs:
+            _bad("%s = %d: not a sequence of this pool (never added, or removed); %d live"
+                 % (name, i, len(self._seqs)))
+        return i
+
+    def _ids(self, seq_ids):
+        """The ids of a batch as a contiguous int64 array, each a live sequence."""
+        if type(seq_ids).__module__.startswith("torch"):
+            seq_ids = seq_ids.detach().cpu().numpy()
+        a = np.asarray(seq_ids)
+        if a.ndim == 1 and a.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            _bad("seq_ids: must be a 1-D sequence of integer ids, got shape %s dtype %s"
+                 % (a.shape, a.dtype))
+        a = np.ascontiguousarray(a, dtype=np.int64)
+        if not self._seqs.issuperset(a.tolist()):
+            for j, i in enumerate(a.tolist()):
+                if i not in self._seqs:
+                    self._known(i, "seq_ids[%d]" % j)
+        return a
+
+    def add_sequence(self, k_start=0):
+        """A new empty sequence whose first token will sit at position k_start; returns its id
+        (ids are never reused). It takes no page until its first append."""
+        p = self._live()
+        k_start = int(k_start)
+        if not _I64_MIN <= k_start <= _I64_MAX:
+            _bad("k_start = %d: out of range" % k_start)
+        sid = ctypes.c_int64()
+        err = lib.ape_kv_pool_add_sequence(p, k_start, ctypes.byref(sid))
+        if err:
+            _raise(err)
+        self._seqs.add(sid.value)
+        return sid.value
+
+    def fork(self, seq_id):
+        """A new sequence holding the tokens of seq_id at the same positions, sharing its pages
+        (a shared page is copied once, when either first appends into it); returns its id."""
+        p = self._live()
+        sid = self._known(seq_id)
+        new = ctypes.c_int64()
+        err = lib.ape_kv_pool_fork(p, sid, ctypes.byref(new))
+        if err:
+            _raise(err)
+        self._seqs.add(new.value)
+        return new.value
+
+    def remove(self, seq_id):
+        """Removes a sequence: its id becomes unknown, and each of its pages returns to the pool
+        once no other sequence shares it."""
+        p = self._live()
+        sid = self._known(seq_id)
+        err = lib.ape_kv_pool_remove_sequence(p, sid)
+        if err:
+            _raise(err)
+        self._seqs.discard(sid)
+
+    def append(self, seq_id, k, v):
+        """Appends k, v `[n, Hkv, D]` (packed token by token, of the pool's dtype) to one
+        sequence, at the positions after its tokens. ApeError APE_ENOMEM when the pool has too
+        few free pages: nothing is appended."""
+        p = self._live()
+        sid = self._known(seq_id)
+        ka, va = _packed_view("k", k), _packed_view("v", v)
+        if ka.kind != va.kind:
+            _bad("k, v: mixed kinds (%s, %s): pass NumPy arrays or torch tensors, not both"
+                 % (ka.kind, va.kind))
+        tk, tv = _Tensors.pack((ka, va))
+        err = lib.ape_kv_pool_append(p, sid, tk, tv)
+        if err:
+            _raise(err)
+
+    def append_batch(self, seq_ids, cu_seqlens, k, v):
+        """Appends to many sequences at once (a step of every request): seq_ids[i] gets the
+        tokens [cu_seqlens[i], cu_seqlens[i + 1]) of the packed k, v `[total, Hkv, D]`. Every
+        sequence gets its tokens, or (ApeError, ValueError) none does."""
+        p = self._live()
+        ids = self._ids(seq_ids)
+        cu = _int64_array("cu_seqlens", cu_seqlens, ids.shape[0] + 1)
+        ka, va = _packed_view("k", k), _packed_view("v", v)
+        if ka.kind != va.kind:
+            _bad("k, v: mixed kinds (%s, %s): pass NumPy arrays or torch tensors, not both"
+                 % (ka.kind, va.kind))
+        tk, tv = _Tensors.pack((ka, va))
+        err = lib.ape_kv_pool_append_batch(p, ids.shape[0], _i64p(ids), _i64p(cu), tk, tv)
+        if err:
+            _raise(err)
+
+    def attend(self, q, seq_ids, cu_seqlens_q, *, positions_q=None, delta=SEED_DELTA,
+               beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True, scale=None,
+               rope_base=10000.0, layout="half", skip_tol=2.0 ** -24, rope_scale=1.0,
+               return_lse=False, stats=False):
+        """Attention of a ragged batch of query rows over the pool (ape_kv_pool_attend()): q
+        `[total_q, H, D]` (total_q <= max_batch_tokens), rows [cu_seqlens_q[i],
+        cu_seqlens_q[i + 1]) of sequence seq_ids[i] see that sequence's keys only. Rows sit at
+        the end of their sequence's keys (the last at its newest token's position: append a
+        step's keys first), or at positions_q `[total_q]` (int64, any values). Parameters as
+        for attention(). Returns O `[total_q, H, D]` of q's kind and dtype (0 for rows that see
+        no key), and LSE `[total_q, H]` float32 with return_lse=True (-inf for those rows);
+        stats=True appends the call's statistics as for attention()."""
+        p = self._live()
+        qa = _packed_view("q", q)
+        _, H, tq, D = qa.shape
+        ids = self._ids(seq_ids)
+        cq = _int64_array("cu_seqlens_q", cu_seqlens_q, ids.shape[0] + 1)
+        pq = None if positions_q is None else _int64_array("positions_q", positions_q, tq)
+        keep = []
+        desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
+                     skip_tol, keep, rope_scale)
+        if qa.kind == "torch":
+            out = _torch().empty((tq, H, D), dtype=qa.np_dtype)
+        else:
+            out = np.empty((tq, H, D), dtype=qa.np_dtype)
+        oa = _packed_view("o", out)
+        lse, lse_ptr = _empty_lse(qa, (tq, H)) if return_lse else (None, None)
+        tq_, to_ = _Tensors.pack((qa, oa))
+        st, st_ptr = _stats_arg(stats)
+        err = lib.ape_kv_pool_attend(p, ctypes.byref(desc), ids.shape[0], _i64p(ids), _i64p(cq),
+                                     _i64p(pq), tq_, to_, lse_ptr, st_ptr)
+        if err:
+            _raise(err)
+        return _with_stats((out, lse) if return_lse else out, st)
+
+    def info(self):
+        """The pool's state as a dict (every field of ape_kv_pool_info): page_tokens,
+        pages_total, pages_used, pages_free, pages_shared, sequences, tokens, pages_copied,
+        device_bytes."""
+        p = self._live()
+        i = _capi.ApeKvPoolInfo()
+        err = lib.ape_kv_pool_get_info(p, ctypes.byref(i))
+        if err:
+            _raise(err)
+        return {name: getattr(i, name) for name, _ in _capi.ApeKvPoolInfo._fields_}
+
+    def sequence_info(self, seq_id):
+        """One sequence's state: dict(tokens=, k_start=) (the position of its first token)."""
+        p = self._live()
+        sid = self._known(seq_id)
+        tokens, k_start = ctypes.c_int64(), ctypes.c_int64()
+        err = lib.ape_kv_pool_sequence_info(p, sid, ctypes.byref(tokens), ctypes.byref(k_start))
+        if err:
+            _raise(err)
+        return {"tokens": tokens.value, "k_start": k_start.value}
+
+    def close(self):
+        if self._p is not None:
+            lib.ape_kv_pool_destroy(self._p)
+            self._p = None
+            self._seqs.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        # interpreter shutdown may have torn the module down already
+        if getattr(self, "_p", None) is not None and lib is not None:
             self.close()
 
 

@@ -44,6 +44,8 @@ void ape_kv_cache_options_init(ape_kv_cache_options *opts)
 
 static int check_options(const char *fn, const ape_kv_cache_options *o)
 {
+	int ret;
+
 	if (!o)
 		return ape__error(APE_EINVAL, "%s: opts = NULL", fn);
 	if (o->struct_size != sizeof(*o))
@@ -51,25 +53,10 @@ static int check_options(const char *fn, const ape_kv_cache_options *o)
 				  "%s: opts->struct_size = %zu: expected %zu (initialise with "
 				  "ape_kv_cache_options_init())",
 				  fn, o->struct_size, sizeof(*o));
-	if (o->B < 1 || o->Hkv < 1)
-		return ape__error(APE_EINVAL, "%s: opts->%s = %" PRId64 ": must be >= 1", fn,
-				  o->B < 1 ? "B" : "Hkv", o->B < 1 ? o->B : o->Hkv);
-	if (o->H < 0 || (o->H && o->H % o->Hkv))
-		return ape__error(APE_EINVAL,
-				  "%s: opts->H = %" PRId64 ": must be a multiple of Hkv = %" PRId64
-				  " (0: Hkv)",
-				  fn, o->H, o->Hkv);
-	if (o->D < 2 || o->D > APE_MAX_D || o->D % 2)
-		return ape__error(APE_EINVAL,
-				  "%s: opts->D = %" PRId64 ": must be even and in 2..%d", fn, o->D,
-				  APE_MAX_D);
-	if (!ape_dtype_size(o->dtype))
-		return ape__error(APE_EINVAL, "%s: opts->dtype = %d: not a libape storage type", fn,
-				  (int)o->dtype);
-	if (o->capacity_tokens < 1 || o->capacity_tokens > ((int64_t)1 << 40))
-		return ape__error(APE_EINVAL,
-				  "%s: opts->capacity_tokens = %" PRId64 ": must be in 1..2^40", fn,
-				  o->capacity_tokens);
+	if (o->B < 1)
+		return ape__error(APE_EINVAL, "%s: opts->B = %" PRId64 ": must be >= 1", fn, o->B);
+	if ((ret = ape__kv_check_shape(fn, o->Hkv, o->H, o->D, o->dtype, o->capacity_tokens)))
+		return ret;
 	if (o->block_tokens < 0 || o->max_queries < 0 || o->append_chunk < 0 ||
 	    o->attend_chunk < 0) {
 		const char *n = o->block_tokens < 0  ? "block_tokens"
@@ -134,87 +121,37 @@ static void resolve(ape_kv_cache_options *o)
 		o->attend_chunk = APE__CHUNK_DEFAULT;
 }
 
-/* The attend session's plan: a forward pass of the cache's shape at its largest (every query
- * row, every block, pair counts, the diagnostics where the backend computes them, partial
- * results in float32 whatever the length), priced with skip tables. */
-struct shell {
-	struct ape__problem p;
-	struct ape__fwd_call call;
-	struct ape__fwd f;
-	struct ape_kv_cache *c;
-};
-
-static void shell_bytes(void *arg, int64_t co, int64_t ci, int64_t no, int64_t ni,
-			struct ape__plan_bytes *b)
-{
-	struct shell *sh = arg;
-
-	sh->f.pass.ops->shape(&sh->f, sh->c->dev, no, ni);
-	ape__pass_bytes(&sh->f.pass, false, sh->p.Lq, sh->p.Lk, co, ci, b);
-}
-
-static uint64_t shell_scratch(void *arg, int64_t co, int64_t ci)
-{
-	struct shell *sh = arg;
-
-	return sh->f.pass.ops->scratch(&sh->f, sh->c->dev, co, ci);
-}
-
-/* The attend session, planned within what the blocks leave of the budget. */
+/* The attend session (api/kv_session.h), planned within what the blocks leave of the budget;
+ * host staging for gathers where the backend has no device-to-device copy. */
 static int make_session(struct ape_kv_cache *c, const char *fn)
 {
-	const struct ape__backend_ops *ops = c->ops;
-	struct shell sh = {
-		.p = { .B = c->o.B, .H = c->o.H, .Hkv = c->o.Hkv, .D = c->o.D,
-		       .Lq = c->o.max_queries, .Lk = c->nblocks * c->bt,
-		       .in_dtype = c->o.dtype, .out_dtype = APE_F32, .decay_nonneg = true,
-		       .skip_tol = 1 },
-		.c = c,
+	const struct ape__problem shape = {
+		.B = c->o.B, .H = c->o.H, .Hkv = c->o.Hkv, .D = c->o.D, .Lq = c->o.max_queries,
+		.Lk = c->nblocks * c->bt, .in_dtype = c->o.dtype,
 	};
-	struct ape__plan_req r = {
-		.Lo = c->o.max_queries, .Li = c->nblocks * c->bt,
-		.max_co = c->o.max_queries, .max_ci = c->o.attend_chunk, .depth = APE__KV_DEPTH,
-		.budget = UINT64_MAX, .max_inner_slots = APE__KV_DEPTH,
-		.max_buffer = c->dev->caps.max_alloc,
-		.bytes = shell_bytes, .scratch = shell_scratch, .arg = &sh,
-		.what = ape_dtype_name(c->o.dtype),
-	};
+	uint64_t budget = UINT64_MAX;
 	int ret;
 
-	/* room for ape_kv_cache_attend_diag(): two floats per query row, on backends that
-	 * compute them */
-	sh.call = (struct ape__fwd_call){ .p = &sh.p, .want_pairs = true, .force_merge = true,
-					  .diag = c->dev->caps.diag };
-	ape__fwd_init(&sh.f, &sh.call, c->dev);
 	if (c->o.max_device_bytes) {
 		if (c->mem.cur >= c->o.max_device_bytes)
 			return ape__error(APE_ENOMEM,
 					  "%s: opts->max_device_bytes = %" PRIu64 ": the blocks alone "
 					  "need %" PRIu64 " bytes",
 					  fn, c->o.max_device_bytes, c->mem.cur);
-		r.budget = c->o.max_device_bytes - c->mem.cur;
+		budget = c->o.max_device_bytes - c->mem.cur;
 	}
-	if ((ret = ape__plan_make(&r, fn, &c->geom.plan)))
+	if ((ret = ape__kv_session_make(&c->ks, c->dev, fn, &shape, c->o.attend_chunk, budget)))
 		return ret;
-	sh.f.pass.ops->shape(&sh.f, c->dev, c->geom.plan.no, c->geom.plan.ni);
-	c->geom.shape = sh.f.pass;
-	c->geom.shape.self = NULL; /* the shape only: every attend brings its own pass */
-	c->geom.budget = r.budget;
-	/* the layers below name the device and what failed, not the call (fuzz_resident) */
-	if ((ret = ape__stream_create(c->dev, &c->geom, &c->s)) ||
-	    (ret = ape__stream_reserve(c->s)))
-		return ape__error_prefix(ret, fn);
-	for (int i = 0; !ops->copy_d2d && i < APE__KV_DEPTH; i++)
+	for (int i = 0; !c->ops->copy_d2d && i < APE__KV_DEPTH; i++)
 		if ((ret = ape__host_alloc(c->dev,
-					   (size_t)(2 * c->geom.shape.t[APE__F_K].row_bytes *
-						    (uint64_t)c->geom.plan.ci),
+					   (size_t)(2 * c->ks.geom.shape.t[APE__F_K].row_bytes *
+						    (uint64_t)c->ks.geom.plan.ci),
 					   &c->bounce[i])))
 			return ape__error_prefix(ret, fn);
 	c->loader = (struct ape__kv_loader){
 		.load = ape__kv_load, .arg = c, .pages = ape__kv_pages, .wait = ape__kv_wait,
 	};
-	ret = ape__kmax_alloc(&c->km, c->o.B * c->o.Hkv, c->geom.plan.ni);
-	return ret ? ape__error_prefix(ret, fn) : 0;
+	return 0;
 }
 
 /* Bytes of slab i (the last may hold fewer blocks). */
@@ -276,7 +213,7 @@ static int make_appends(struct ape_kv_cache *c, const char *fn)
 	c->rel_kmax = ape__calloc((size_t)(c->o.B * c->o.Hkv), sizeof(float));
 	if (!c->rownorm || !c->rel_delta || !c->rel_lambda || !c->rel_kmax)
 		return ape__error(APE_ENOMEM, "%s: out of memory", fn);
-	return ape__workq_create(&c->wq);
+	return 0;
 }
 
 int ape_kv_cache_create(ape_device *dev, const ape_kv_cache_options *opts, ape_kv_cache **out)
@@ -319,7 +256,7 @@ void ape_kv_cache_destroy(ape_kv_cache *c)
 {
 	if (!c)
 		return;
-	ape__stream_destroy(c->s);
+	ape__kv_session_free(&c->ks);
 	for (int i = 0; i < 2; i++) {
 		c->ops->queue_destroy(c->aq[i]); /* waits for the copies */
 		c->ops->event_destroy(c->alast[i]);
@@ -332,8 +269,6 @@ void ape_kv_cache_destroy(ape_kv_cache *c)
 		ape__devmem_free(&c->mem, &c->sk[i], slab_bytes(c, i));
 	for (int64_t i = 0; c->sv && i < c->nslabs; i++)
 		ape__devmem_free(&c->mem, &c->sv[i], slab_bytes(c, i));
-	ape__kmax_free(&c->km);
-	ape__workq_destroy(c->wq);
 	free(c->sk);
 	free(c->sv);
 	free(c->bnorm);
@@ -694,6 +629,6 @@ int ape_kv_cache_get_info(const ape_kv_cache *c, ape_kv_cache_info *info)
 	info->blocks_live = (c->t_end + c->bt - 1) / c->bt - c->lb_first;
 	info->blocks_released = c->lb_first;
 	info->min_query_position = c->released ? c->q_floor : INT64_MIN;
-	info->device_bytes = c->mem.cur + ape__stream_device_bytes(c->s);
+	info->device_bytes = c->mem.cur + ape__stream_device_bytes(c->ks.s);
 	return 0;
 }

@@ -21,10 +21,9 @@
 #include "exec/skip.h"
 #include "exec/stream.h"
 #include "topo/placement.h"
+#include "api/kv_session.h"
 
 #pragma GCC visibility push(hidden)
-
-#define APE__KV_DEPTH 2 /* gathers in flight during an attend */
 
 struct ape_kv_cache {
 	struct ape_device *dev;
@@ -55,11 +54,8 @@ struct ape_kv_cache {
 	int anext;
 	float *rownorm; /* B*Hkv*append_chunk key norms of one piece */
 
-	/* attends */
-	struct ape__stream *s;
-	struct ape__stream_geom geom; /* planned for a forward pass of the cache's shape */
-	struct ape__workq *wq;
-	struct ape__kmax km; /* sized for the whole capacity */
+	/* attends: the session planned for a forward pass of the cache's shape */
+	struct ape__kv_session ks;
 	struct ape__hostmem bounce[APE__KV_DEPTH]; /* gathers without copy_d2d */
 	struct ape__kv_loader loader;
 

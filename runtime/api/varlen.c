@@ -595,8 +595,7 @@ static int positions_visible(const char *fn, const struct ape__problem *p,
 	return 0;
 }
 
-/* The visible pairs of every segment, all heads; -1 on overflow (not for a validated batch). */
-static int segments_visible(const struct ape__problem *p, const struct ape__seg *sg,
+int ape__segs_visible(const struct ape__problem *p, const struct ape__seg *sg,
 			    int64_t n, uint64_t *out)
 {
 	uint64_t sum = 0;
@@ -660,7 +659,7 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 		pp.nseg = n;
 		pp.pos_q = pos.q;
 		pp.pos_k = pos.k;
-	} else if (segments_visible(p, sg, n, &visible)) {
+	} else if (ape__segs_visible(p, sg, n, &visible)) {
 		free(sg);
 		*ret = ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", c->fn);
 		return 1;

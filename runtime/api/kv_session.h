@@ -1,0 +1,97 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * What the two KV stores share (the KV cache, api/kvcache.h, and the KV pool, api/kvpool.h):
+ * the attend session each makes at creation (a streaming executor session planned once for a
+ * forward pass of the store's shape at its largest), its run on every attend with the store's
+ * key loader, and the window proof that leaves a sequence's oldest keys out of an attend
+ * unread under decay. The stores own where keys live; this file owns how an attend runs.
+ */
+#ifndef APE_RUNTIME_API_KV_SESSION_H
+#define APE_RUNTIME_API_KV_SESSION_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/backend.h"
+#include "exec/multidev.h"
+#include "exec/problem.h"
+#include "exec/skip.h"
+#include "exec/stream.h"
+#include "api/forward.h"
+
+#pragma GCC visibility push(hidden)
+
+#define APE__KV_DEPTH 2 /* key chunks in flight during an attend */
+
+/* The options both stores share: Hkv >= 1, H a multiple of it (0: Hkv), D even in
+ * 2..APE_MAX_D, a storage type, capacity in 1..2^40 tokens. 0 or APE_EINVAL naming the
+ * option (opts->...) and its value. */
+int ape__kv_check_shape(const char *fn, int64_t Hkv, int64_t H, int64_t D, ape_dtype dtype,
+			int64_t capacity);
+
+struct ape__kv_session {
+	struct ape_device *dev;
+	struct ape__stream *s;
+	struct ape__stream_geom geom;
+	struct ape__workq *wq;
+	struct ape__kmax km; /* sized for the largest number of key chunks */
+};
+
+/*
+ * Plans and makes ks on dev for attends of at most `shape->Lq` query rows over at most
+ * `shape->Lk` keys (shape: B, H, Hkv, D, Lq, Lk, in_dtype; the rest unused), key chunks of at
+ * most max_ci rows, the session holding at most `budget` bytes (UINT64_MAX: no limit).
+ * Returns 0, or a negative code with a message starting with fn (ks then partly made: free it
+ * with ape__kv_session_free()).
+ */
+int ape__kv_session_make(struct ape__kv_session *ks, struct ape_device *dev, const char *fn,
+			 const struct ape__problem *shape, int64_t max_ci, uint64_t budget);
+/* Frees what make made. Accepts a zeroed or partly made session. */
+void ape__kv_session_free(struct ape__kv_session *ks);
+
+/* One attend on a session. */
+struct ape__kv_run {
+	const struct ape__problem *p; /* validated; Lq <= the plan's, Lk >= 1 */
+	const ape_tensor *q;
+	ape_tensor *o; /* through p->os */
+	float *lse; /* [B, H, Lq] or NULL */
+	const struct ape__diag_req *dg;
+	bool want_pairs; /* count the pairs computed */
+	bool release; /* the store may release blocks afterwards: a share of skip_tol is kept */
+	const struct ape__kv_loader *loader; /* the store's keys */
+	/* NULL, or the largest key norm of every (batch, kv head) and key chunk of ck rows
+	 * (km->pre[bg * nk + ch]), for chunk-level skipping; the session scans them */
+	void (*chunk_norms)(void *arg, struct ape__kmax *km, int64_t ck, int64_t nk);
+	void *norms_arg;
+};
+
+/* Runs r on ks: its query rows in chunks of the plan, its key chunks loaded by the loader (or
+ * read where they lie), partial results merged by LSE. Adds to *res (its plan fields too).
+ * Returns 0 or a negative code with the message set, starting with fn. */
+int ape__kv_session_run(struct ape__kv_session *ks, const char *fn, const struct ape__kv_run *r,
+			struct ape__exec_result *res);
+
+/*
+ * A sequence's keys as the window proof sees them: tokens first .. t_end - 1 (counted from the
+ * sequence's token 0, at position k_start), in blocks of bt tokens, block lb's largest key norm
+ * of each of the nbg = B * Hkv (batch, kv head) pairs at norms(arg, lb)[bg] (a bound for any
+ * part of the block).
+ */
+struct ape__kv_keys {
+	int64_t first, t_end, k_start, bt, nbg;
+	const float *(*norms)(const void *arg, int64_t lb);
+	const void *arg;
+};
+
+/*
+ * How many of the oldest keys (from kk->first) an attend of query rows [q0, q0 + lq) of q (all
+ * B batches, p's heads and parameters), the earliest at position q_start, may leave out unread,
+ * their weight proved at most `tol` times the weight of one key each row computes
+ * (docs/streaming.md, "The KV cache"). 0 when nothing is provable (no decay, tol 0, queries
+ * before the keys). O(blocks).
+ */
+int64_t ape__kv_window_cut(const struct ape__kv_keys *kk, const struct ape__problem *p,
+			   const ape_tensor *q, int64_t q0, int64_t lq, int64_t q_start, double tol);
+
+#pragma GCC visibility pop
+#endif

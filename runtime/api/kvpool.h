@@ -1,0 +1,115 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The KV pool object, shared by its files and by nothing else: kvpool.c (creation, sequences,
+ * forks, appends, information) and kvpool_attend.c (attends: the batch's segments, each
+ * sequence's window, the key loader and the executor run on the pool's session).
+ *
+ * Keys and values of many sequences on one device, in pages of P tokens. The device holds one
+ * buffer for keys and one for values, each [Hkv, slots, D] (slots = pages * P; page p is slots
+ * p * P .. p * P + P - 1 of every head's plane), so a sequence whose pages follow each other
+ * is one plain strided run, read or copied as one piece per head. A sequence is a list of
+ * pages in logical order; pages are reference-counted (forks share them) and copied on write.
+ */
+#ifndef APE_RUNTIME_API_KVPOOL_H
+#define APE_RUNTIME_API_KVPOOL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/backend.h"
+#include "exec/devmem.h"
+#include "exec/problem.h"
+#include "exec/stream.h"
+#include "topo/placement.h"
+#include "api/kv_session.h"
+
+#pragma GCC visibility push(hidden)
+
+struct ape__kvp_seq {
+	bool live;
+	int64_t k_start; /* position of token 0 */
+	int64_t n; /* tokens */
+	int64_t npages, cap; /* pages held, room in pages[] */
+	int64_t *pages; /* physical pages, logical order */
+	uint64_t stamp; /* the last batch call that named it (duplicate ids) */
+};
+
+/* An attend's keys: virtual key rows [j0, j0 + n) are tokens [t0, t0 + n) of sequence s. */
+struct ape__kvp_krun {
+	int64_t j0, n, t0;
+	const struct ape__kvp_seq *s;
+};
+
+struct ape_kv_pool {
+	struct ape_device *dev;
+	const struct ape__backend_ops *ops;
+	ape_kv_pool_options o; /* defaults resolved */
+	int64_t P, npages, nslots;
+	size_t esz;
+	struct ape__devmem mem;
+	struct ape__buf *k, *v; /* [Hkv, nslots, D] each */
+
+	/* pages: references, the free list (doubly linked, -1 ends it), key-norm maxima */
+	int32_t *ref;
+	int64_t *fnext, *fprev, fhead, nfree;
+	float *pnorm; /* [npages][Hkv]: largest key norm of each head in each page */
+	int64_t copied; /* pages copied on write */
+
+	/* sequences, by id (ids are never reused) */
+	struct ape__kvp_seq *seq;
+	int64_t nseq, seq_cap, live;
+	uint64_t stamp;
+
+	/* appends: two staging buffers on two queues, each queue's copies ordered after the
+	 * other's (a freed page may be written again) */
+	struct ape__queue *aq[2];
+	struct ape__hostmem astage[2];
+	bool apending[2];
+	struct ape__event *alast[2];
+	int anext;
+
+	/* attends */
+	struct ape__kv_session ks;
+	struct ape__kv_loader loader;
+	struct ape__kvp_krun *kr; /* this attend's key runs */
+	int64_t nkr, kr_cap;
+	struct ape__seg *segs; /* ... and its segments */
+	int64_t nsg, segs_cap;
+	/* the group of them the session runs now: key runs [cur_kr, cur_kr + cur_nkr), ragged
+	 * launches or one dense problem */
+	int64_t cur_kr, cur_nkr;
+	bool cur_ragged;
+	float *lse_stage; /* [H][max_batch_tokens] */
+};
+
+/* Slot of token t of sequence s. */
+static inline int64_t ape__kvp_slot(const struct ape_kv_pool *pl, const struct ape__kvp_seq *s,
+				    int64_t t)
+{
+	return s->pages[t / pl->P] * pl->P + t % pl->P;
+}
+
+/* Tokens from t on whose slots follow t's without a break, at most `most`, within the pages s
+ * holds. */
+int64_t ape__kvp_contig(const struct ape_kv_pool *pl, const struct ape__kvp_seq *s, int64_t t,
+			int64_t most);
+
+/* Sequence `id`, or NULL (APE_EINVAL naming `what` and the value) when it is not live. */
+struct ape__kvp_seq *ape__kvp_find(const struct ape_kv_pool *pl, const char *fn,
+				   const char *what, int64_t id);
+
+/* The ids and offsets of a batch call: nseq >= 0; ids live and distinct; `cu` (called cu_name
+ * in messages) nseq + 1 offsets, non-decreasing, from 0 to `total` (called total_name). 0 or
+ * APE_EINVAL naming the argument, index and value. */
+int ape__kvp_check_batch(struct ape_kv_pool *pl, const char *fn, int64_t nseq,
+			 const int64_t *seq_ids, const int64_t *cu, const char *cu_name,
+			 int64_t total, const char *total_name);
+
+/* Sets pl->loader: the attends' key loader (kvpool_attend.c). */
+void ape__kvp_loader(struct ape_kv_pool *pl);
+
+/* Orders q after the appends still copying (struct ape__kv_loader.wait). */
+int ape__kvp_wait(void *arg, struct ape__queue *q);
+
+#pragma GCC visibility pop
+#endif

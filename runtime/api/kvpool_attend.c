@@ -1,0 +1,408 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * KV-pool attends (api/kvpool.h): a ragged batch of query rows, each run of rows against the
+ * keys of its own sequence, as one run of the attend session (api/kv_session.h).
+ *
+ * Everything is checked first (ids, offsets, tensors, desc, positions). Then each sequence's
+ * window: the oldest keys its pages' norm maxima prove negligible for its rows are left out,
+ * unread (ape__kv_window_cut()). The keys the batch reads are laid end to end as one virtual
+ * key axis (struct ape__kvp_krun: a run of a sequence's tokens each), and every run of query
+ * rows at consecutive positions is a segment (struct ape__seg) against its sequence's run: the
+ * executor's ragged launches, key chunks gathered from the pages on the device by the loader
+ * below (one copy per head and run of consecutive slots), or read in place when the batch is
+ * one sequence whose window is one run of slots (the decode kernel's in-place path).
+ *
+ * The batch runs as groups of whole sequences whose keys fit one key chunk of the session's
+ * plan (a longer sequence is a group of its own, chunked from its own first key), each group
+ * one run: so no key chunk ever cuts a sequence at a place that depends on the others, and a
+ * sequence's result does not depend on which sequences share the batch or in what order
+ * (bit for bit, among batches of several sequences; a batch of one runs the dense kernels).
+ * Forks share pages, so a batch's keys may also outnumber the pool's slots: groups cover that.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/alloc.h"
+#include "core/clock.h"
+#include "core/error.h"
+#include "core/verbose.h"
+#include "exec/lse_merge.h"
+#include "exec/skip_budget.h"
+#include "api/kvpool.h"
+#include "api/stats.h"
+#include "api/validate.h"
+#include "api/varlen.h"
+
+/* ------------------------------------------------------------------ the loader */
+
+/* The key run holding virtual key j of the current group (runs sorted by j0). */
+static const struct ape__kvp_krun *krun_of(const struct ape__kvp_krun *kr, int64_t n, int64_t j)
+{
+	int64_t lo = 0, hi = n - 1;
+
+	while (lo < hi) {
+		const int64_t mid = (lo + hi + 1) / 2;
+
+		if (kr[mid].j0 <= j)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return &kr[lo];
+}
+
+/* Gathers virtual key rows [j0, j0 + n) into dk, dv ([1, Hkv, n, D]). */
+static int pool_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t n,
+		     struct ape__buf *dk, struct ape__buf *dv, uint64_t *h2d, uint64_t *d2h,
+		     uint64_t *d2d)
+{
+	struct ape_kv_pool *pl = arg;
+	const size_t row = (size_t)pl->o.D * pl->esz;
+	const struct ape__kvp_krun *kr = pl->kr + pl->cur_kr, *end = kr + pl->cur_nkr;
+	int ret = ape__kvp_wait(pl, q);
+
+	(void)lane;
+	(void)h2d;
+	(void)d2h;
+	for (const struct ape__kvp_krun *r = krun_of(kr, pl->cur_nkr, j0); !ret && r < end &&
+									    r->j0 < j0 + n;
+	     r++) {
+		const int64_t a = r->j0 > j0 ? r->j0 : j0;
+		const int64_t b = r->j0 + r->n < j0 + n ? r->j0 + r->n : j0 + n;
+
+		for (int64_t j = a; j < b && !ret;) {
+			const int64_t t = r->t0 + (j - r->j0);
+			const int64_t m = ape__kvp_contig(pl, r->s, t, b - j);
+			const int64_t slot = ape__kvp_slot(pl, r->s, t);
+
+			for (int64_t g = 0; g < pl->o.Hkv && !ret; g++) {
+				const size_t dst = (size_t)(g * n + (j - j0)) * row;
+				const size_t src = (size_t)(g * pl->nslots + slot) * row;
+
+				ret = pl->ops->copy_d2d(q, dk, dst, pl->k, src, (size_t)m * row);
+				if (!ret)
+					ret = pl->ops->copy_d2d(q, dv, dst, pl->v, src,
+								(size_t)m * row);
+			}
+			*d2d += 2 * (uint64_t)(pl->o.Hkv * m) * row;
+			j += m;
+		}
+	}
+	return ret;
+}
+
+/* In place: a one-sequence group's keys [j0, j0 + n) when their slots are one run. The page
+ * buffers are then one ring block ([1, Hkv, slots, D]: struct ape__kv_pages) read from the
+ * run's first slot. */
+static bool pool_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct ape__buf **v,
+		       struct ape__kv_pages *pg)
+{
+	const struct ape_kv_pool *pl = arg;
+	const struct ape__kvp_krun *r = pl->kr + pl->cur_kr;
+	int64_t t;
+
+	if (pl->cur_ragged || pl->cur_nkr != 1)
+		return false;
+	t = r->t0 + (j0 - r->j0);
+	if (ape__kvp_contig(pl, r->s, t, n) < n)
+		return false;
+	*k = pl->k;
+	*v = pl->v;
+	pg->block_tokens = pl->nslots;
+	pg->nblocks = 1;
+	pg->first_block = 0;
+	pg->first_row = ape__kvp_slot(pl, r->s, t);
+	return true;
+}
+
+/* ------------------------------------------------------------------ checks */
+
+/* The problem: desc checked as a forward call over zero keys (positions from the pool). */
+static int attend_problem(struct ape_kv_pool *pl, const char *fn, const ape_attn_desc *desc,
+			  const ape_tensor *q, const ape_tensor *o, const float *lse,
+			  struct ape__problem *p)
+{
+	static const char *const dims[4] = { "B", "H", "total_q", "D" };
+	const int64_t want[4] = { 1, pl->o.H, -1, pl->o.D };
+	ape_tensor none;
+	int64_t s[4];
+	int ret;
+
+	if (!desc)
+		return ape__error(APE_EINVAL, "%s: desc = NULL", fn);
+	if ((ret = ape__check_tensor(fn, "q", q, pl->o.dtype, want, dims, s)))
+		return ret;
+	if (q->shape[2] > pl->o.max_batch_tokens)
+		return ape__error(APE_EINVAL,
+				  "%s: q->shape[2] = %" PRId64 ": more than max_batch_tokens = %" PRId64,
+				  fn, q->shape[2], pl->o.max_batch_tokens);
+	if (ape__desc_size_ok(desc) && (desc->q_start_set || desc->k_start))
+		return ape__error(APE_EINVAL,
+				  "%s: desc->%s: positions come from the pool (each sequence's "
+				  "k_start, and pos_q): q_start_set must be false and k_start 0",
+				  fn, desc->q_start_set ? "q_start_set = true" : "k_start != 0");
+	ape_tensor_init(&none, NULL, pl->o.dtype, 1, pl->o.Hkv, 0, pl->o.D);
+	return ape__problem_init(p, fn, desc, q, &none, &none, o, lse);
+}
+
+/* ------------------------------------------------------------------ the batch */
+
+struct norms_arg {
+	const struct ape_kv_pool *pl;
+	const struct ape__kvp_seq *s;
+};
+
+/* Page lb of a sequence: its key-norm maxima per head (struct ape__kv_keys.norms). */
+static const float *page_norms(const void *arg, int64_t lb)
+{
+	const struct norms_arg *na = arg;
+
+	return na->pl->pnorm + na->s->pages[lb] * na->pl->o.Hkv;
+}
+
+/* Room for n more segments and key runs. */
+static int grow(struct ape_kv_pool *pl, const char *fn, int64_t nseg, int64_t nkr)
+{
+	if (nseg > pl->segs_cap) {
+		const int64_t cap = nseg > 2 * pl->segs_cap ? nseg : 2 * pl->segs_cap;
+		struct ape__seg *g = ape__realloc(pl->segs, (size_t)cap * sizeof(*g));
+
+		if (!g)
+			return ape__error(APE_ENOMEM, "%s: out of host memory", fn);
+		pl->segs = g;
+		pl->segs_cap = cap;
+	}
+	if (nkr > pl->kr_cap) {
+		const int64_t cap = nkr > 2 * pl->kr_cap ? nkr : 2 * pl->kr_cap;
+		struct ape__kvp_krun *g = ape__realloc(pl->kr, (size_t)cap * sizeof(*g));
+
+		if (!g)
+			return ape__error(APE_ENOMEM, "%s: out of host memory", fn);
+		pl->kr = g;
+		pl->kr_cap = cap;
+	}
+	return 0;
+}
+
+/*
+ * The segments and key runs of the batch into pl->segs, pl->kr (the virtual key axis: each
+ * sequence's window after the one before), each sequence's window cut with a share `wtol` of
+ * skip_tol.
+ */
+static int build(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
+		 const ape_tensor *q, int64_t nseq, const int64_t *seq_ids, const int64_t *cu,
+		 const int64_t *pos_q, double wtol)
+{
+	int64_t nsg = 0, nkr = 0, lk_total = 0;
+	int ret;
+
+	for (int64_t i = 0; i < nseq; i++) {
+		const struct ape__kvp_seq *s = &pl->seq[seq_ids[i]];
+		const int64_t q0 = cu[i], lq = cu[i + 1] - cu[i];
+		const struct norms_arg na = { pl, s };
+		const struct ape__kv_keys kk = {
+			.first = 0, .t_end = s->n, .k_start = s->k_start, .bt = pl->P,
+			.nbg = pl->o.Hkv, .norms = page_norms, .arg = &na,
+		};
+		int64_t qmin, w, lk;
+
+		if (!lq)
+			continue;
+		if ((ret = grow(pl, fn, nsg + lq, nkr + 1)))
+			return ret;
+		qmin = s->k_start + s->n - lq;
+		for (int64_t r = q0; pos_q && r < q0 + lq; r++)
+			qmin = r == q0 || pos_q[r] < qmin ? pos_q[r] : qmin;
+		w = s->n ? ape__kv_window_cut(&kk, p, q, q0, lq, qmin, wtol) : 0;
+		lk = s->n - w;
+		if (lk)
+			pl->kr[nkr++] = (struct ape__kvp_krun){ .j0 = lk_total, .n = lk, .t0 = w, .s = s };
+		/* the rows in runs of consecutive positions, each a segment */
+		for (int64_t a = q0, b; a < q0 + lq; a = b) {
+			const int64_t qs = pos_q ? pos_q[a] : s->k_start + s->n - lq;
+
+			for (b = a + 1; pos_q && b < q0 + lq && pos_q[b] == pos_q[b - 1] + 1; b++)
+				;
+			if (!pos_q)
+				b = q0 + lq;
+			if ((ret = ape__check_positions(fn, qs, b - a, s->k_start + w, lk)))
+				return ape__error(ret, "%s (batch entry %" PRId64 ", sequence %" PRId64
+						  ")", ape_last_error(), i, seq_ids[i]);
+			pl->segs[nsg++] = (struct ape__seg){ .q0 = a, .lq = b - a, .k0 = lk_total,
+							     .lk = lk, .q_start = qs,
+							     .k_start = s->k_start + w };
+		}
+		lk_total += lk;
+	}
+	pl->nsg = nsg;
+	pl->nkr = nkr;
+	return 0;
+}
+
+/*
+ * Runs segments [s0, s1) (query rows [qa, qb), key runs [r0, r1), virtual keys [ka, kb)) as
+ * one executor run of a problem over those rows and keys; LSE into pl->lse_stage ([H][qb - qa])
+ * when wanted. Adds to *res.
+ */
+static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
+		     const ape_tensor *q, ape_tensor *o, bool want_lse, bool want_pairs,
+		     int64_t s0, int64_t s1, int64_t r0, int64_t r1, struct ape__exec_result *res)
+{
+	static const struct ape__diag_req none = { NULL, NULL };
+	const int64_t qa = pl->segs[s0].q0, qb = pl->segs[s1 - 1].q0 + pl->segs[s1 - 1].lq;
+	const int64_t ka = r0 < r1 ? pl->kr[r0].j0 : 0;
+	const int64_t kb = r0 < r1 ? pl->kr[r1 - 1].j0 + pl->kr[r1 - 1].n : 0;
+	struct ape__problem g = *p;
+	ape_tensor qg = *q, og = *o;
+	struct ape__kv_run run;
+	int ret;
+
+	qg.data = (char *)q->data + (size_t)(qa * p->qs[2]) * ape_dtype_size(q->dtype);
+	qg.shape[2] = qb - qa;
+	og.data = (char *)o->data + (size_t)(qa * p->os[2]) * ape_dtype_size(o->dtype);
+	og.shape[2] = qb - qa;
+	g.Lq = qb - qa;
+	g.Lk = kb - ka;
+	if (g.Lk == 0) {
+		ape__store_empty_rows(&og, p->os, want_lse ? pl->lse_stage : NULL, NULL, NULL, g.Lq,
+				      0, g.Lq);
+		return 0;
+	}
+	for (int64_t s = s0; s < s1; s++) { /* the group's own axes */
+		pl->segs[s].q0 -= qa;
+		pl->segs[s].k0 -= ka;
+	}
+	for (int64_t r = r0; r < r1; r++)
+		pl->kr[r].j0 -= ka;
+	pl->cur_kr = r0;
+	pl->cur_nkr = r1 - r0;
+	pl->cur_ragged = !(s1 - s0 == 1 && pl->segs[s0].lq == g.Lq && pl->segs[s0].lk == g.Lk);
+	if (pl->cur_ragged) {
+		g.segs = pl->segs + s0;
+		g.nseg = s1 - s0;
+	} else { /* one sequence over all its keys: the dense problem, every fast path */
+		g.q_start = pl->segs[s0].q_start;
+		g.k_start = pl->segs[s0].k_start;
+	}
+	if (pl->cur_ragged && !pl->dev->caps.segments)
+		return ape__error_on(ape__error(APE_ENOTSUP,
+						"%s: %s:%d takes no ragged launches (a batch of "
+						"several sequences needs them)",
+						fn, pl->dev->info.backend, pl->dev->info.backend_index),
+				     pl->dev);
+	run = (struct ape__kv_run){
+		.p = &g, .q = &qg, .o = &og, .lse = want_lse ? pl->lse_stage : NULL, .dg = &none,
+		.want_pairs = want_pairs, .loader = &pl->loader,
+	};
+	ret = ape__kv_session_run(&pl->ks, fn, &run, res);
+	for (int64_t s = s0; s < s1; s++) {
+		pl->segs[s].q0 += qa;
+		pl->segs[s].k0 += ka;
+	}
+	for (int64_t r = r0; r < r1; r++)
+		pl->kr[r].j0 += ka;
+	return ret;
+}
+
+/* Runs the batch's segments in groups whose keys fit the session's plan; LSE transposed into
+ * lse ([total_q, H]) group by group. */
+static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
+		      const ape_tensor *q, ape_tensor *o, float *lse, bool want_pairs,
+		      struct ape__exec_result *res)
+{
+	const int64_t most = pl->ks.geom.plan.ci; /* one key chunk: see the file's comment */
+	int ret = 0;
+
+	for (int64_t s0 = 0, r0 = 0; s0 < pl->nsg && !ret;) {
+		int64_t s1 = s0, r1 = r0, keys = 0;
+		const int64_t qa = pl->segs[s0].q0;
+
+		/* whole sequences: a sequence's segments share its key run */
+		while (s1 < pl->nsg) {
+			const int64_t k0 = pl->segs[s1].k0, lk = pl->segs[s1].lk;
+			const bool new_run = lk && (r1 == r0 || pl->kr[r1 - 1].j0 != k0) &&
+					     r1 < pl->nkr && pl->kr[r1].j0 == k0;
+
+			if (new_run && keys + lk > most && keys)
+				break;
+			if (new_run) {
+				keys += lk;
+				r1++;
+			}
+			s1++;
+		}
+		ret = run_group(pl, fn, p, q, o, lse != NULL, want_pairs, s0, s1, r0, r1, res);
+		if (!ret && lse) {
+			const int64_t qb = pl->segs[s1 - 1].q0 + pl->segs[s1 - 1].lq, n = qb - qa;
+
+			for (int64_t h = 0; h < p->H; h++)
+				for (int64_t i = 0; i < n; i++)
+					lse[(qa + i) * p->H + h] = pl->lse_stage[h * n + i];
+		}
+		s0 = s1;
+		r0 = r1;
+	}
+	return ret;
+}
+
+int ape_kv_pool_attend(ape_kv_pool *pl, const ape_attn_desc *desc, int64_t nseq,
+		       const int64_t *seq_ids, const int64_t *cu_seqlens_q, const int64_t *pos_q,
+		       const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats)
+{
+	APE__API_CALL("ape_kv_pool_attend");
+	static const char fn[] = "ape_kv_pool_attend";
+	const double t0 = ape__now_ms();
+	struct ape__exec_result res;
+	struct ape__problem p;
+	uint64_t visible = 0;
+	double wtol, rest;
+	int ret;
+
+	if (!pl)
+		return ape__error(APE_EINVAL, "%s: pool = NULL", fn);
+	if ((ret = ape__stats_check(fn, stats)))
+		return ret;
+	if ((ret = attend_problem(pl, fn, desc, q, o, lse, &p)))
+		return ret;
+	if ((ret = ape__kvp_check_batch(pl, fn, nseq, seq_ids, cu_seqlens_q, "cu_seqlens_q", p.Lq,
+					"q->shape[2]")))
+		goto out;
+	memset(&res, 0, sizeof(res));
+	if (p.Lq > 0) {
+		ape__skip_window(p.skip_tol, false, &wtol, &rest);
+		ret = build(pl, fn, &p, q, nseq, seq_ids, cu_seqlens_q, pos_q, wtol);
+		/* whether or not any window was cut, so that a sequence's launches skip by the
+		 * same tolerance whatever else shares the batch */
+		if (!ret && ape__skip_allowed(&p))
+			p.skip_tol = rest;
+		if (!ret && ape__segs_visible(&p, pl->segs, pl->nsg, &visible))
+			ret = ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
+		if (ret)
+			goto out; /* a check failed: nothing written, nothing to report */
+		ret = run_groups(pl, fn, &p, q, o, lse, stats != NULL, &res);
+	}
+	if (stats || ape__call_logs(&pl->dev, 1)) {
+		const struct ape__call_report rep = {
+			.fn = fn, .p = &p, .ret = ret, .pairs_uncounted = !stats && p.Lq > 0,
+			.res = &res, .devs = &pl->dev, .ndev = 1, .devices = 1,
+			.pairs_visible = visible, .t0 = t0,
+		};
+
+		res.budget = pl->o.max_device_bytes ? pl->o.max_device_bytes : UINT64_MAX;
+		res.st.peak_bytes += pl->mem.cur;
+		ape__call_done(stats, &rep);
+	}
+out:
+	ape__problem_fini(&p);
+	return ret;
+}
+
+/* The loader the pool's session runs with (kvpool.c sets it at creation). */
+void ape__kvp_loader(struct ape_kv_pool *pl)
+{
+	pl->loader = (struct ape__kv_loader){
+		.load = pool_load, .arg = pl, .pages = pool_pages, .wait = ape__kvp_wait,
+	};
+}
