@@ -229,9 +229,13 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	const struct ape__kv_pages *pg = l->pages;
 	/* the pages (bt 0: none), and K and V as views of one block when there are pages */
 	const cl_long pbt = pg ? pg->block_tokens : 0, pnb = pg ? pg->nblocks : 0,
-		      pfirst = pg ? pg->first_block : 0, prow = pg ? pg->first_row : 0,
-		      pblk = l->B * l->Hkv * pbt * l->D;
-	const cl_long pview[4] = { 0, l->Hkv * pbt * l->D, pbt * l->D, l->D };
+		      pfirst = pg ? pg->first_block : 0, prow = pg ? pg->first_row : 0;
+	/* blocks [B, Hkv, bt, D] one after another, or planes [B, Hkv, nblocks * bt, D] */
+	const bool planes = pg && pg->planes;
+	const cl_long plane = planes ? pnb * pbt : pbt;
+	const cl_long pblk = planes ? pbt * l->D : l->B * l->Hkv * pbt * l->D;
+	const cl_long pview[4] = { 0, l->Hkv * plane * l->D, plane * l->D, l->D };
+	cl_mem ptab = pg && pg->table ? pg->table->mem : NULL;
 	struct ape__ocl_args a = { 0 };
 	cl_mem prm, part = NULL, none = NULL;
 	const int64_t nr = l->H / l->Hkv * l->Lq;
@@ -287,6 +291,7 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(pfirst), &pfirst);
 	ape__ocl_arg(&a, sizeof(prow), &prow);
 	ape__ocl_arg(&a, sizeof(pblk), &pblk);
+	ape__ocl_arg(&a, sizeof(cl_mem), &ptab);
 	if (dec_wg(ape__ocl_dev(q->dev)))
 		ret = dec_wg_launch(q, &a, l, nsplit);
 	else

@@ -203,6 +203,99 @@ TEST(bench_varlen_beside_the_per_sequence_calls)
 	EXPECT_NE(NULL, strstr(err, "one at a time")) TH_LOG("%s", err);
 }
 
+/* A number after `key` in out (the first at or after `from`); NAN when missing. */
+static double json_num(const char *from, const char *key)
+{
+	const char *p = strstr(from, key);
+	double x;
+
+	return p && sscanf(p + strlen(key), "%lf", &x) == 1 ? x : NAN;
+}
+
+/* --pool: a decode step of S sequences of mixed lengths in one KV pool beside one KV cache per
+ * sequence: the same rows, every key read once without skipping, fewer under the seed's decay,
+ * the read bandwidth and its share of --membw consistent with the bytes and the time. */
+TEST(bench_pool_beside_the_caches)
+{
+	static const char *const bad[][8] = {
+		{ "--pool", "0" },
+		{ "--pool", "many" },
+		{ "--pool", "4", "--page-tokens", "0" },
+		{ "--pool", "4", "--page-tokens", "65537" },
+		{ "--pool", "4", "--membw", "-1" },
+		{ "--pool", "4", "--membw", "fast" },
+		{ "--pool", "4", "--spread", "log" },
+		{ "--page-tokens", "16" },
+		{ "--membw", "10" },
+		{ "--pool", "4", "-B", "2" },
+		{ "--pool", "4", "--varlen", "2" },
+	};
+	static const char *const named[] = { "--pool",	"--pool",	 "--page-tokens",
+					     "--page-tokens", "--membw", "--membw",
+					     "--spread", "--page-tokens", "--membw",
+					     "-B",	"one at a time" };
+	char work[] = "/tmp/ape-test-pool.XXXXXX", want[64];
+	const char *row2;
+	double bytes, ms, gbps;
+
+	/* lengths 256, 266, 277, 288, 300 (geometric): 1387 keys, 2 query heads on 1 key head */
+	ASSERT_EQ(0, TOOL("ape-bench", "--pool", "5", "--backend", "ref", "-H", "2", "--kv-heads",
+			  "1", "-D", "8", "-L", "300", "--page-tokens", "7", "--warmup", "0",
+			  "--repeats", "2", "--membw", "10", "--json", "--seed", "5"))
+		TH_LOG("%s", err);
+	EXPECT_EQ(2, count(out, "\"sequences\": 5, \"tokens\": 1387,")) TH_LOG("%s", out);
+	EXPECT_EQ(2, count(out, "\"within_tol\": true")) TH_LOG("%s", out);
+	EXPECT_EQ(1, count(out, "\"page_tokens\": 7,")) TH_LOG("%s", out);
+	EXPECT_EQ(4, count(out, "\"membw_fraction\": ")) TH_LOG("%s", out);
+	EXPECT_EQ(2, count(out, "\"caches\": {\"step_ms\": ")) TH_LOG("%s", out);
+	/* skip_tol 0: every key read, by the pool and by the caches: 2 x 1387 x 8 x 4 bytes */
+	row2 = strstr(out, "\"skip_tol\": 0,");
+	ASSERT_NE(NULL, row2) TH_LOG("%s", out);
+	snprintf(want, sizeof(want), "\"pairs_computed\": %d, \"kv_bytes_read\": %d,", 2 * 1387,
+		 2 * 1387 * 8 * 4);
+	EXPECT_EQ(2, count(row2, want)) TH_LOG("%s", out);
+	/* the seed's decay, skipping: each sequence's keys beyond reach are never read */
+	EXPECT_GT(json_num(out, "\"pairs_computed\": "), 0);
+	EXPECT_LT(json_num(out, "\"pairs_computed\": "), 2 * 1387 / 2) TH_LOG("%s", out);
+	bytes = json_num(row2, "\"kv_bytes_read\": ");
+	ms = json_num(row2, "\"step_ms\": ");
+	gbps = json_num(row2, "\"read_gbps\": ");
+	EXPECT_GT(ms, 0);
+	EXPECT_LT(fabs(gbps - bytes / (ms * 1e6)), 1e-3 * gbps) TH_LOG("%s", out);
+	EXPECT_LT(fabs(json_num(row2, "\"membw_fraction\": ") - gbps / 10), 1e-3 * gbps);
+	EXPECT_GT(json_num(row2, "\"tokens_per_s\": "), 0);
+	/* the table, even spread: 256, 267, 278, 289, 300 */
+	ASSERT_EQ(0, TOOL("ape-bench", "--pool", "5", "--backend", "ref", "-H", "1", "-D", "8",
+			  "-L", "300", "--spread", "even", "--repeats", "1", "--skip-tol", "0"))
+		TH_LOG("%s", err);
+	EXPECT_NE(NULL, strstr(out, "step_ms")) TH_LOG("%s", out);
+	EXPECT_NE(NULL, strstr(out, "caches_ms"));
+	EXPECT_NE(NULL, strstr(out, "GB/s"));
+	EXPECT_NE(NULL, strstr(out, " 1390 ")) TH_LOG("%s", out);
+	EXPECT_EQ(NULL, strstr(out, "membw%"));
+	EXPECT_EQ(NULL, strstr(out, "differs"));
+	/* refusals: exit 2 naming the option, nothing on stdout, no file written */
+	ASSERT_NE(NULL, mkdtemp(work));
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		const char *args[12] = { NULL };
+		int n = 0;
+
+		while (bad[i][n]) {
+			args[n] = bad[i][n];
+			n++;
+		}
+		args[n++] = "--backend";
+		args[n++] = "ref";
+		EXPECT_EQ(2, test_run_tool("ape-bench", args, work, out, sizeof(out), err,
+					   sizeof(err)))
+			TH_LOG("%s %s: %s", bad[i][0], bad[i][1], err);
+		EXPECT_NE(NULL, strstr(err, named[i])) TH_LOG("'%s' not in: %s", named[i], err);
+		EXPECT_EQ('\0', out[0]) TH_LOG("%s", out);
+		EXPECT_EQ(0, test_count_entries(work, NULL, 0)) TH_LOG("files left behind");
+	}
+	test_rmtree(work);
+}
+
 TEST(bench_unavailable_backend_exits_3)
 {
 	ape_context *ctx = test_context(NULL);

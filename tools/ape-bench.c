@@ -209,6 +209,11 @@ int main(int argc, char **argv)
 		ape_context_destroy(ctx);
 		return ret;
 	}
+	if (o.pool) {
+		ret = bench_pool(sel.device, &o, &rng);
+		ape_context_destroy(ctx);
+		return ret;
+	}
 	if (o.stream) {
 		bench_stream_defaults(&o);
 		ret = bench_stream(sel.device, refsel.device, &o, &rng);

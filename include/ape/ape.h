@@ -1273,9 +1273,11 @@ APE_API int ape_kv_pool_fork(ape_kv_pool *pool, int64_t seq_id, int64_t *new_id)
  *        ape_tensor_init_packed(), or a slice of a packed QKV buffer), at the positions after
  *        the sequence's tokens. The copies run asynchronously; the tensors may be reused when
  *        this returns.
- * \return 0; APE_EINVAL (unknown seq_id, bad tensor, naming it); APE_ENOMEM (the pool has too
- *         few free pages: nothing was appended; the message says how many tokens fit);
- *         device errors (the pool is then unusable: destroy it).
+ * \return 0; APE_EINVAL (unknown seq_id, bad tensor, naming it); APE_EOVERFLOW (a tensor whose
+ *         size passes 64 bits); APE_ENOMEM (the pool has too few free pages, or host memory ran
+ *         out: nothing was appended; the message says how many pages were needed and free);
+ *         device errors (nothing was appended either, but the pool is then unusable: destroy
+ *         it).
  */
 APE_API int ape_kv_pool_append(ape_kv_pool *pool, int64_t seq_id, const ape_tensor *k,
 			       const ape_tensor *v);

@@ -147,20 +147,26 @@ KFN float16 dec_seed16(__global const APE_REAL *omega, int c, APE_REAL n, APE_RE
 		long qsl, long koff, long ksb, long ksh, long ksl, long voff, long vsb, long vsh,  \
 		long vsl, int D, long Lq, long Lk, int H, int group, long rel, float scale,       \
 		int flags, long chunk, int nsplit, long pbt, long pnb, long pfirst, long prow,     \
-		long pblk
+		long pblk, __global const long *ptab
 #define DEC_NAMES                                                                                  \
 	Q, K, V, prm, part, qoff, qsb, qsh, qsl, koff, ksb, ksh, ksl, voff, vsb, vsh, vsl, D, Lq,  \
-		Lk, H, group, rel, scale, flags, chunk, nsplit, pbt, pnb, pfirst, prow, pblk
+		Lk, H, group, rel, scale, flags, chunk, nsplit, pbt, pnb, pfirst, prow, pblk, ptab
 
 /*
  * Where keys bb .. bb + len - 1 start, relative to their (batch, kv head) base: j * ksl and
  * j * vsl, or with pages (pbt > 0: a KV cache's blocks read in place, struct ape__kv_pages)
  * key j is token prow + j from the start of physical block pfirst, the blocks a ring of pnb,
- * each pblk elements; K and V share the geometry there (ksl = vsl = D). One division per
- * 16 keys.
+ * each pblk elements apart, or (ptab not NULL: the KV pool's page table) logical block lb is
+ * physical block ptab[pfirst + lb]; K and V share the geometry there (ksl = vsl = D). One
+ * division per 16 keys.
  */
+KFN long dec_block(long pfirst, long lb, long pnb, __global const long *ptab)
+{
+	return ptab ? ptab[pfirst + lb] : (pfirst + lb) % pnb;
+}
+
 KFN void dec_rows(long bb, int len, long ksl, long vsl, long pbt, long pnb, long pfirst,
-		  long prow, long pblk, long *rk, long *rv)
+		  long prow, long pblk, __global const long *ptab, long *rk, long *rv)
 {
 	if (!pbt) {
 		for (int jj = 0; jj < len; jj++) {
@@ -170,14 +176,14 @@ KFN void dec_rows(long bb, int len, long ksl, long vsl, long pbt, long pnb, long
 		return;
 	}
 	const long t = prow + bb;
-	long lb = t / pbt, r = t - lb * pbt, base = (pfirst + lb) % pnb * pblk;
+	long lb = t / pbt, r = t - lb * pbt, base = dec_block(pfirst, lb, pnb, ptab) * pblk;
 
 	for (int jj = 0; jj < len; jj++) {
 		rk[jj] = rv[jj] = base + r * ksl;
 		if (++r == pbt) {
 			r = 0;
 			lb++;
-			base = (pfirst + lb) % pnb * pblk;
+			base = dec_block(pfirst, lb, pnb, ptab) * pblk;
 		}
 	}
 }
@@ -304,7 +310,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 			const int len = (int)min((long)DEC_BLK, kend - bb);
 			long rk[DEC_BLK], rv[DEC_BLK];
 
-			dec_rows(bb, len, ksl, vsl, pbt, pnb, pfirst, prow, pblk, rk, rv);
+			dec_rows(bb, len, ksl, vsl, pbt, pnb, pfirst, prow, pblk, ptab, rk, rv);
 			if (touch)
 				dec_touch(V, voff + b * vsb + kvh * vsh, rv, len, DEC_DIM, dt, &touched);
 
@@ -377,7 +383,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 				const int len2 = (int)min((long)DEC_BLK, kend - bb - DEC_BLK);
 				long nk[DEC_BLK], nv[DEC_BLK];
 
-				dec_rows(bb + DEC_BLK, len2, ksl, vsl, pbt, pnb, pfirst, prow, pblk, nk,
+				dec_rows(bb + DEC_BLK, len2, ksl, vsl, pbt, pnb, pfirst, prow, pblk, ptab, nk,
 					 nv);
 				dec_touch(K, koff + b * ksb + kvh * ksh, nk, len2, DEC_DIM, dt,
 					  &touched);
@@ -632,7 +638,7 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 			long rk, rv;
 			float u[DEC_GWP], w[DEC_GWP];
 
-			dec_rows(bb + jj, 1, ksl, vsl, pbt, pnb, pfirst, prow, pblk, &rk, &rv);
+			dec_rows(bb + jj, 1, ksl, vsl, pbt, pnb, pfirst, prow, pblk, ptab, &rk, &rv);
 			for (int k = 0; k < DEC_GWP; k++) {
 				const int p = pl + DEC_GNWI * k;
 
@@ -734,7 +740,7 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 				long rk, rv;
 				float v[2 * DEC_GWP];
 
-				dec_rows(j, 1, ksl, vsl, pbt, pnb, pfirst, prow, pblk, &rk, &rv);
+				dec_rows(j, 1, ksl, vsl, pbt, pnb, pfirst, prow, pblk, ptab, &rk, &rv);
 				for (int k = 0; k < 2 * DEC_GWP; k++) {
 					const int d = pl + PL * k;
 

@@ -224,10 +224,32 @@ int ape__kv_session_run(struct ape__kv_session *ks, const char *fn, const struct
  * `tol` times the weight of one key the row computes. kmax_out and |k_ref| come from the block
  * maxima kept at append, |q| from each (batch, head)'s largest row.
  */
+/* How far a cut may reach (the first token kept, at most `cap`) when the left-out keys' norms
+ * are at most pm[bg]: the smallest allowance over every (batch, head). */
+static double cut_allow(const struct ape__kv_keys *kk, const struct ape__problem *p,
+			const float *pm, const float *kref, const double *coef, const double *lc,
+			int64_t t_ref, double cap)
+{
+	const int64_t group = p->H / p->Hkv;
+	double allow = cap;
+
+	(void)kk;
+	for (int64_t b = 0; b < p->B; b++)
+		for (int64_t h = 0; h < p->H; h++) {
+			const int64_t bg = b * p->Hkv + h / group, bh = b * p->H + h;
+			const double need = lc[bh] + coef[bh] * ((double)pm[bg] + (double)kref[bg]);
+			/* dn = t_ref - (cut - 1) */
+			const double a = (double)t_ref + 1 - need / (double)p->head_params[4 * h];
+
+			allow = isnan(a) ? -INFINITY : fmin(allow, floor(a));
+		}
+	return allow;
+}
+
 int64_t ape__kv_window_cut(const struct ape__kv_keys *kk, const struct ape__problem *p,
 			   const ape_tensor *q, int64_t q0, int64_t lq, int64_t q_start, double tol)
 {
-	const int64_t nbg = kk->nbg, B = p->B, group = p->H / p->Hkv;
+	const int64_t nbg = kk->nbg, B = p->B;
 	const int64_t first = kk->first, pos_first = kk->k_start + kk->first;
 	float pm[256], row[APE_MAX_D];
 	double coef[256], lc[256];
@@ -242,9 +264,12 @@ int64_t ape__kv_window_cut(const struct ape__kv_keys *kk, const struct ape__prob
 		if (!(p->head_params[4 * h] > 0) || !(p->head_params[4 * h + 3] >= 0))
 			return 0;
 	/* the reference: the newest key at or before q_start */
-	t_ref = q_start - pos_first < kk->t_end - 1 - first ? first + (q_start - pos_first)
-							     : kk->t_end - 1;
-	n0 = (double)(q_start - (kk->k_start + t_ref));
+	/* q_start >= pos_first, but their difference may pass int64 (a row near INT64_MAX over
+	 * keys near -2^62: the callers check positions afterwards); in uint64 it cannot */
+	t_ref = (uint64_t)q_start - (uint64_t)pos_first < (uint64_t)(kk->t_end - 1 - first)
+			? first + (int64_t)((uint64_t)q_start - (uint64_t)pos_first)
+			: kk->t_end - 1;
+	n0 = (double)((uint64_t)q_start - (uint64_t)(kk->k_start + t_ref));
 	kref = kk->norms(kk->arg, t_ref / kk->bt);
 	/* per (batch, head): need = lc + coef (kmax_out + |k_ref|), the cut's delta dn >= need,
 	 * with at most t_ref - first keys left out */
@@ -261,6 +286,36 @@ int64_t ape__kv_window_cut(const struct ape__kv_keys *kk, const struct ape__prob
 			lc[b * p->H + h] =
 				log(ape_tail_count((double)(t_ref - first), prm[0])) - log(tol);
 		}
+	if (kk->prefix) {
+		/* the first block that is no longer a whole cut, by bisection: allow() falls and
+		 * the block's end rises with lb (the running maximum only grows) */
+		int64_t lo = first / kk->bt, hi = (t_ref - 1) / kk->bt + 1;
+
+		if (t_ref <= first)
+			return 0;
+		while (lo < hi) {
+			const int64_t mid = lo + (hi - lo) / 2;
+			const int64_t end = (mid + 1) * kk->bt < t_ref ? (mid + 1) * kk->bt : t_ref;
+
+			if (cut_allow(kk, p, kk->prefix(kk->arg, mid), kref, coef, lc, t_ref, end) <
+			    (double)end)
+				hi = mid;
+			else
+				lo = mid + 1;
+		}
+		/* lo: that block (or one past the last): everything before it goes, and of it
+		 * what its own allowance says */
+		if (lo * kk->bt >= t_ref)
+			return t_ref - first;
+		{
+			const double a = cut_allow(kk, p, kk->prefix(kk->arg, lo), kref, coef, lc,
+						   t_ref, (double)t_ref);
+			const int64_t start = lo * kk->bt > first ? lo * kk->bt : first;
+
+			best = a > (double)start ? (int64_t)a : start;
+		}
+		return best - first;
+	}
 	for (int64_t bg = 0; bg < nbg; bg++)
 		pm[bg] = 0;
 	/* blocks oldest first, the largest norm so far in pm; the cut may end inside a block
@@ -269,21 +324,11 @@ int64_t ape__kv_window_cut(const struct ape__kv_keys *kk, const struct ape__prob
 		const int64_t lo = lb * kk->bt;
 		const int64_t hi = (lb + 1) * kk->bt < t_ref ? (lb + 1) * kk->bt : t_ref;
 		const float *bn = kk->norms(kk->arg, lb);
-		double allow = (double)hi;
+		double allow;
 
 		for (int64_t bg = 0; bg < nbg; bg++)
 			pm[bg] = fmaxf(pm[bg], bn[bg]);
-		for (int64_t b = 0; b < B; b++)
-			for (int64_t h = 0; h < p->H; h++) {
-				const int64_t bg = b * p->Hkv + h / group, bh = b * p->H + h;
-				const double need =
-					lc[bh] + coef[bh] * ((double)pm[bg] + (double)kref[bg]);
-				/* dn = t_ref - (cut - 1) */
-				const double a =
-					(double)t_ref + 1 - need / (double)p->head_params[4 * h];
-
-				allow = isnan(a) ? -INFINITY : fmin(allow, floor(a));
-			}
+		allow = cut_allow(kk, p, pm, kref, coef, lc, t_ref, (double)hi);
 		if (allow > (double)lo && allow > (double)best)
 			best = (int64_t)allow;
 		if (allow < (double)hi)

@@ -80,6 +80,9 @@ int ape__kv_session_run(struct ape__kv_session *ks, const char *fn, const struct
 struct ape__kv_keys {
 	int64_t first, t_end, k_start, bt, nbg;
 	const float *(*norms)(const void *arg, int64_t lb);
+	/* NULL, or the running maxima: prefix(arg, lb)[bg] is the largest of norms(arg, b)[bg]
+	 * over blocks first / bt .. lb (then the cut is found by bisection: O(log blocks)) */
+	const float *(*prefix)(const void *arg, int64_t lb);
 	const void *arg;
 };
 
@@ -88,7 +91,7 @@ struct ape__kv_keys {
  * B batches, p's heads and parameters), the earliest at position q_start, may leave out unread,
  * their weight proved at most `tol` times the weight of one key each row computes
  * (docs/streaming.md, "The KV cache"). 0 when nothing is provable (no decay, tol 0, queries
- * before the keys). O(blocks).
+ * before the keys). O(blocks), or O(log blocks) with kk->prefix.
  */
 int64_t ape__kv_window_cut(const struct ape__kv_keys *kk, const struct ape__problem *p,
 			   const ape_tensor *q, int64_t q0, int64_t lq, int64_t q_start, double tol);

@@ -97,6 +97,7 @@ bool ape__kv_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct
 		return false;
 	*k = c->sk[0];
 	*v = c->sv[0];
+	memset(pg, 0, sizeof(*pg)); /* blocks in a ring */
 	pg->block_tokens = c->bt;
 	pg->nblocks = c->nblocks;
 	pg->first_block = ape__kv_phys(c, t / c->bt);

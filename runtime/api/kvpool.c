@@ -117,13 +117,20 @@ static int make_pages(struct ape_kv_pool *pl, const char *fn)
 				  "allocates at most %" PRIu64 " bytes at once (make a smaller pool)",
 				  fn, bytes, pl->dev->info.backend, pl->dev->info.backend_index,
 				  pl->dev->caps.max_alloc);
-	if (pl->o.max_device_bytes && 2 * bytes > pl->o.max_device_bytes)
+	if (pl->o.max_device_bytes &&
+	    2 * bytes + (uint64_t)pl->npages * sizeof(int64_t) > pl->o.max_device_bytes)
 		return ape__error(APE_ENOMEM,
 				  "%s: opts->max_device_bytes = %" PRIu64 " cannot hold the pages: "
-				  "%" PRIu64 " bytes of keys and values",
-				  fn, pl->o.max_device_bytes, 2 * bytes);
+				  "%" PRIu64 " bytes of keys and values, %" PRIu64 " of page table",
+				  fn, pl->o.max_device_bytes, 2 * bytes,
+				  (uint64_t)pl->npages * sizeof(int64_t));
+	if (!(pl->tab_host = ape__malloc((size_t)pl->npages * sizeof(*pl->tab_host))))
+		return ape__error(APE_ENOMEM, "%s: out of host memory for %" PRId64 " pages", fn,
+				  pl->npages);
 	if ((ret = ape__devmem_alloc(&pl->mem, bytes, &pl->k, "allocating key pages")) ||
-	    (ret = ape__devmem_alloc(&pl->mem, bytes, &pl->v, "allocating value pages")))
+	    (ret = ape__devmem_alloc(&pl->mem, bytes, &pl->v, "allocating value pages")) ||
+	    (ret = ape__devmem_alloc(&pl->mem, (uint64_t)pl->npages * sizeof(int64_t), &pl->tab,
+				     "allocating the page table")))
 		return ape__error_prefix(ret, fn);
 	return 0;
 }
@@ -220,8 +227,13 @@ void ape_kv_pool_destroy(ape_kv_pool *pl)
 	if (pl->v)
 		ape__devmem_free(&pl->mem, &pl->v,
 				 (uint64_t)(pl->o.Hkv * pl->nslots * pl->o.D) * pl->esz);
-	for (int64_t i = 0; i < pl->nseq; i++)
+	if (pl->tab)
+		ape__devmem_free(&pl->mem, &pl->tab, (uint64_t)pl->npages * sizeof(int64_t));
+	free(pl->tab_host);
+	for (int64_t i = 0; i < pl->nseq; i++) {
 		free(pl->seq[i].pages);
+		free(pl->seq[i].pre);
+	}
 	free(pl->seq);
 	free(pl->ref);
 	free(pl->fnext);
@@ -319,10 +331,11 @@ static struct ape__kvp_seq *seq_new(struct ape_kv_pool *pl, const char *fn)
 }
 
 /* Room for `np` pages in s's list (host memory): 0 or APE_ENOMEM (message set). */
-static int seq_reserve(struct ape__kvp_seq *s, const char *fn, int64_t np)
+static int seq_reserve(struct ape__kvp_seq *s, const char *fn, int64_t np, int64_t hkv)
 {
 	int64_t cap = s->cap ? s->cap : 4;
 	int64_t *g;
+	float *f;
 
 	if (np <= s->cap)
 		return 0;
@@ -331,6 +344,9 @@ static int seq_reserve(struct ape__kvp_seq *s, const char *fn, int64_t np)
 	if (!(g = ape__realloc(s->pages, (size_t)cap * sizeof(*g))))
 		return ape__error(APE_ENOMEM, "%s: out of host memory for a page list", fn);
 	s->pages = g;
+	if (!(f = ape__realloc(s->pre, (size_t)(cap * hkv) * sizeof(*f))))
+		return ape__error(APE_ENOMEM, "%s: out of host memory for a page list", fn);
+	s->pre = f;
 	s->cap = cap;
 	return 0;
 }
@@ -369,6 +385,7 @@ int ape_kv_pool_remove_sequence(ape_kv_pool *pl, int64_t seq_id)
 	for (int64_t i = 0; i < s->npages; i++)
 		page_put(pl, s->pages[i]);
 	free(s->pages);
+	free(s->pre);
 	memset(s, 0, sizeof(*s));
 	pl->live--;
 	return 0;
@@ -387,10 +404,18 @@ int ape_kv_pool_fork(ape_kv_pool *pl, int64_t seq_id, int64_t *new_id)
 	if (!(f = seq_new(pl, fn)))
 		return APE_ENOMEM;
 	s = &pl->seq[seq_id]; /* after seq_new(): it may have moved the table */
-	if (seq_reserve(f, fn, s->npages))
+	if (seq_reserve(f, fn, s->npages, pl->o.Hkv)) {
+		/* the slot is not the pool's yet: the next seq_new() would drop what the first
+		 * of seq_reserve()'s two allocations got */
+		free(f->pages);
+		free(f->pre);
+		memset(f, 0, sizeof(*f));
 		return APE_ENOMEM;
-	if (s->npages)
+	}
+	if (s->npages) {
 		memcpy(f->pages, s->pages, (size_t)s->npages * sizeof(*f->pages));
+		memcpy(f->pre, s->pre, (size_t)(s->npages * pl->o.Hkv) * sizeof(*f->pre));
+	}
 	f->npages = s->npages;
 	f->n = s->n;
 	f->k_start = s->k_start;
@@ -459,6 +484,7 @@ int ape__kvp_wait(void *arg, struct ape__queue *q)
 struct piece {
 	struct ape__kvp_seq *s;
 	int64_t src0, t0, n;
+	int64_t np0, last0; /* s's pages and last page before the append (undo()) */
 };
 
 /* The append queue for the next copies: its staging free again, its work after the other
@@ -548,19 +574,27 @@ static int take_pages(struct ape_kv_pool *pl, struct ape__queue *q, struct ape__
 	return 0;
 }
 
-/* Notes the norms of the staged keys ([Hkv, n, D] at st) of tokens [t0, t0 + n) of s. */
-static void note_norms(struct ape_kv_pool *pl, const struct ape__kvp_seq *s, const char *st,
+/* Notes the norms of the staged keys ([Hkv, n, D] at st) of tokens [t0, t0 + n) of s: each
+ * page's maxima, and s's running maxima from the first page touched on. */
+static void note_norms(struct ape_kv_pool *pl, struct ape__kvp_seq *s, const char *st,
 		       int64_t t0, int64_t n)
 {
+	const int64_t hkv = pl->o.Hkv;
 	float row[APE_MAX_D];
 
-	for (int64_t g = 0; g < pl->o.Hkv; g++)
+	for (int64_t g = 0; g < hkv; g++)
 		for (int64_t i = 0; i < n; i++) {
-			float *pn = pl->pnorm + s->pages[(t0 + i) / pl->P] * pl->o.Hkv + g;
+			float *pn = pl->pnorm + s->pages[(t0 + i) / pl->P] * hkv + g;
 
 			ape_convert(row, APE_F32, st + (size_t)((g * n + i) * pl->o.D) * pl->esz,
 				    pl->o.dtype, (size_t)pl->o.D);
 			*pn = fmaxf(*pn, ape__norm(row, pl->o.D));
+		}
+	for (int64_t li = t0 / pl->P; li <= (t0 + n - 1) / pl->P; li++)
+		for (int64_t g = 0; g < hkv; g++) {
+			const float x = pl->pnorm[s->pages[li] * hkv + g];
+
+			s->pre[li * hkv + g] = li ? fmaxf(s->pre[(li - 1) * hkv + g], x) : x;
 		}
 }
 
@@ -591,20 +625,56 @@ static int copy_staged(struct ape_kv_pool *pl, struct ape__queue *q, const struc
 }
 
 /*
+ * Undoes a failed append of the pieces: once no copy is in flight (both queues waited for),
+ * every sequence holds the pages and tokens it held before (a page copied on write given back
+ * for the shared one), so that the append appended nothing. The page norms it raised stay
+ * raised: bounds still. After a device failure the pool is unusable all the same.
+ */
+static void undo(struct ape_kv_pool *pl, struct piece *pc, int64_t npc, int64_t copied)
+{
+	for (int i = 0; i < 2; i++)
+		if (pl->apending[i]) {
+			pl->ops->synchronize(pl->aq[i]);
+			pl->apending[i] = false;
+		}
+	for (int64_t i = npc - 1; i >= 0; i--) {
+		struct ape__kvp_seq *s = pc[i].s;
+
+		while (s->npages > pc[i].np0)
+			page_put(pl, s->pages[--s->npages]);
+		if (pc[i].np0 && s->pages[pc[i].np0 - 1] != pc[i].last0) {
+			const int64_t copy = s->pages[pc[i].np0 - 1];
+
+			s->pages[pc[i].np0 - 1] = pc[i].last0;
+			pl->ref[pc[i].last0]++;
+			page_put(pl, copy);
+		}
+		s->n = pc[i].t0;
+	}
+	pl->copied = copied;
+}
+
+/*
  * The append of every piece (validated, room checked): pages taken (copies on write first),
- * then the tokens staged and copied, as many pieces per staging buffer as fit. On a device
- * failure returns its code (the pool is then unusable).
+ * then the tokens staged and copied, as many pieces per staging buffer as fit. On a failure
+ * (a device's, or a backend op's host memory: event_record, copy_h2d) the append is undone and
+ * its code returned (after a device failure the pool is unusable all the same).
  */
 static int append_pieces(struct ape_kv_pool *pl, struct piece *pc, int64_t npc,
 			 const ape_tensor *k, const int64_t ks[4], const ape_tensor *v,
 			 const int64_t vs[4])
 {
 	const int64_t mb = pl->o.max_batch_tokens, unit = pl->o.Hkv * pl->o.D;
+	const int64_t copied = pl->copied;
 	int qi, ret;
 
+	for (int64_t i = 0; i < npc; i++) {
+		pc[i].np0 = pc[i].s->npages;
+		pc[i].last0 = pc[i].np0 ? pc[i].s->pages[pc[i].np0 - 1] : -1;
+	}
 	/* pages first (one queue: the copies on write come before any new token) */
 	if ((ret = queue_next(pl, &qi)))
-		return ret;
+		goto fail;
 	for (int64_t i = 0; i < npc && !ret; i++)
 		ret = take_pages(pl, pl->aq[qi], pc[i].s, pc[i].n);
 	if (!ret)
@@ -639,6 +709,10 @@ static int append_pieces(struct ape_kv_pool *pl, struct piece *pc, int64_t npc,
 		if (!ret)
 			ret = queue_done(pl, qi);
 	}
+	if (!ret)
+		return 0;
+fail:
+	undo(pl, pc, npc, copied);
 	return ret;
 }
 
@@ -688,7 +762,7 @@ int ape_kv_pool_append(ape_kv_pool *pl, int64_t seq_id, const ape_tensor *k, con
 	if (!pc.n)
 		return 0;
 	if ((ret = check_room(pl, fn, pages_needed(pl, pc.s, pc.n), pc.n)) ||
-	    (ret = seq_reserve(pc.s, fn, (pc.s->n + pc.n + pl->P - 1) / pl->P)))
+	    (ret = seq_reserve(pc.s, fn, (pc.s->n + pc.n + pl->P - 1) / pl->P, pl->o.Hkv)))
 		return ret;
 	if ((ret = append_pieces(pl, &pc, 1, k, ks, v, vs)))
 		return ape__error_prefix(ape__error_on(ret, pl->dev), fn);
@@ -769,7 +843,7 @@ int ape_kv_pool_append_batch(ape_kv_pool *pl, int64_t nseq, const int64_t *seq_i
 
 		if (!n)
 			continue;
-		ret = seq_reserve(s, fn, (s->n + n + pl->P - 1) / pl->P);
+		ret = seq_reserve(s, fn, (s->n + n + pl->P - 1) / pl->P, pl->o.Hkv);
 		pc[npc++] = (struct piece){ .s = s, .src0 = cu_seqlens[i], .t0 = s->n, .n = n };
 	}
 	if (!ret && (ret = append_pieces(pl, pc, npc, k, ks, v, vs)))

@@ -31,6 +31,7 @@ struct ape__kvp_seq {
 	int64_t n; /* tokens */
 	int64_t npages, cap; /* pages held, room in pages[] */
 	int64_t *pages; /* physical pages, logical order */
+	float *pre; /* [cap][Hkv]: the largest key norm of each head over its pages 0 .. i */
 	uint64_t stamp; /* the last batch call that named it (duplicate ids) */
 };
 
@@ -79,6 +80,11 @@ struct ape_kv_pool {
 	 * launches or one dense problem */
 	int64_t cur_kr, cur_nkr;
 	bool cur_ragged;
+	/* the page table of a one-sequence group read in place (struct ape__kv_pages.table):
+	 * its pages from logical page tab_first on, written to `tab` before the first launch */
+	struct ape__buf *tab;
+	int64_t *tab_host, tab_first, tab_n;
+	bool tab_pending;
 	float *lse_stage; /* [H][max_batch_tokens] */
 };
 

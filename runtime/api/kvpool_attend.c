@@ -9,18 +9,21 @@
  * key axis (struct ape__kvp_krun: a run of a sequence's tokens each), and every run of query
  * rows at consecutive positions is a segment (struct ape__seg) against its sequence's run: the
  * executor's ragged launches, key chunks gathered from the pages on the device by the loader
- * below (one copy per head and run of consecutive slots), or read in place when the batch is
- * one sequence whose window is one run of slots (the decode kernel's in-place path).
+ * below (one copy per head and run of consecutive slots), or read in place (below).
  *
- * The batch runs as groups of whole sequences whose keys fit one key chunk of the session's
- * plan (a longer sequence is a group of its own, chunked from its own first key), each group
- * one run: so no key chunk ever cuts a sequence at a place that depends on the others, and a
- * sequence's result does not depend on which sequences share the batch or in what order
- * (bit for bit, among batches of several sequences; a batch of one runs the dense kernels).
- * Forks share pages, so a batch's keys may also outnumber the pool's slots: groups cover that.
+ * The batch runs as groups, each one run of the session, chosen per sequence by its own keys
+ * alone: a sequence whose window passes one key chunk of the plan runs by itself (the dense
+ * problem, chunked from its own first key: the decode kernel reading its pages in place, through
+ * a page table where they are not one run); the others are packed in order into ragged groups of
+ * at most one key chunk, each sequence whole in it. So no key chunk cuts a sequence at a place
+ * that depends on the others, every sequence takes the same kernels whatever shares its batch,
+ * and its rows come out bit for bit the same whatever other sequences share the batch and in
+ * what order. Forks share pages, so a batch's keys may also outnumber the pool's slots: the
+ * groups cover that too.
  */
 #include <inttypes.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -93,9 +96,10 @@ static int pool_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int6
 	return ret;
 }
 
-/* In place: a one-sequence group's keys [j0, j0 + n) when their slots are one run. The page
- * buffers are then one ring block ([1, Hkv, slots, D]: struct ape__kv_pages) read from the
- * run's first slot. */
+/* In place: a one-sequence group's keys [j0, j0 + n). When their slots are one run, the page
+ * buffers are one ring block ([1, Hkv, slots, D]: struct ape__kv_pages) read from the run's
+ * first slot; else planes of pages addressed through the group's page table (run_group() made
+ * it, pool_wait() writes it before the launch). */
 static bool pool_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct ape__buf **v,
 		       struct ape__kv_pages *pg)
 {
@@ -106,15 +110,38 @@ static bool pool_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, st
 	if (pl->cur_ragged || pl->cur_nkr != 1)
 		return false;
 	t = r->t0 + (j0 - r->j0);
-	if (ape__kvp_contig(pl, r->s, t, n) < n)
-		return false;
 	*k = pl->k;
 	*v = pl->v;
-	pg->block_tokens = pl->nslots;
-	pg->nblocks = 1;
-	pg->first_block = 0;
-	pg->first_row = ape__kvp_slot(pl, r->s, t);
+	memset(pg, 0, sizeof(*pg));
+	if (ape__kvp_contig(pl, r->s, t, n) == n) {
+		pg->block_tokens = pl->nslots;
+		pg->nblocks = 1;
+		pg->first_row = ape__kvp_slot(pl, r->s, t);
+		return true;
+	}
+	if (t / pl->P < pl->tab_first)
+		return false; /* not the group's table (cannot happen: the table starts there) */
+	pg->block_tokens = pl->P;
+	pg->nblocks = pl->npages;
+	pg->first_block = t / pl->P - pl->tab_first;
+	pg->first_row = t % pl->P;
+	pg->planes = true;
+	pg->table = pl->tab;
 	return true;
+}
+
+/* Before a launch in place: after the appends, and the group's page table written. */
+static int pool_wait(void *arg, struct ape__queue *q)
+{
+	struct ape_kv_pool *pl = arg;
+	int ret = ape__kvp_wait(pl, q);
+
+	if (!ret && pl->tab_pending) {
+		ret = pl->ops->copy_h2d(q, pl->tab, 0, pl->tab_host,
+					(size_t)pl->tab_n * sizeof(*pl->tab_host));
+		pl->tab_pending = false;
+	}
+	return ret;
 }
 
 /* ------------------------------------------------------------------ checks */
@@ -162,6 +189,14 @@ static const float *page_norms(const void *arg, int64_t lb)
 	return na->pl->pnorm + na->s->pages[lb] * na->pl->o.Hkv;
 }
 
+/* The running maxima of a sequence through its page lb (struct ape__kv_keys.prefix). */
+static const float *page_prefix(const void *arg, int64_t lb)
+{
+	const struct norms_arg *na = arg;
+
+	return na->s->pre + lb * na->pl->o.Hkv;
+}
+
 /* Room for n more segments and key runs. */
 static int grow(struct ape_kv_pool *pl, const char *fn, int64_t nseg, int64_t nkr)
 {
@@ -189,11 +224,11 @@ static int grow(struct ape_kv_pool *pl, const char *fn, int64_t nseg, int64_t nk
 /*
  * The segments and key runs of the batch into pl->segs, pl->kr (the virtual key axis: each
  * sequence's window after the one before), each sequence's window cut with a share `wtol` of
- * skip_tol.
+ * skip_tol; the pairs visible (every key of each sequence, all heads) into *visible.
  */
 static int build(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
 		 const ape_tensor *q, int64_t nseq, const int64_t *seq_ids, const int64_t *cu,
-		 const int64_t *pos_q, double wtol)
+		 const int64_t *pos_q, double wtol, uint64_t *visible)
 {
 	int64_t nsg = 0, nkr = 0, lk_total = 0;
 	int ret;
@@ -204,7 +239,7 @@ static int build(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
 		const struct norms_arg na = { pl, s };
 		const struct ape__kv_keys kk = {
 			.first = 0, .t_end = s->n, .k_start = s->k_start, .bt = pl->P,
-			.nbg = pl->o.Hkv, .norms = page_norms, .arg = &na,
+			.nbg = pl->o.Hkv, .norms = page_norms, .prefix = page_prefix, .arg = &na,
 		};
 		int64_t qmin, w, lk;
 
@@ -223,13 +258,29 @@ static int build(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
 		for (int64_t a = q0, b; a < q0 + lq; a = b) {
 			const int64_t qs = pos_q ? pos_q[a] : s->k_start + s->n - lq;
 
-			for (b = a + 1; pos_q && b < q0 + lq && pos_q[b] == pos_q[b - 1] + 1; b++)
+			for (b = a + 1; pos_q && b < q0 + lq && pos_q[b - 1] != INT64_MAX &&
+					pos_q[b] == pos_q[b - 1] + 1;
+			     b++)
 				;
 			if (!pos_q)
 				b = q0 + lq;
-			if ((ret = ape__check_positions(fn, qs, b - a, s->k_start + w, lk)))
-				return ape__error(ret, "%s (batch entry %" PRId64 ", sequence %" PRId64
-						  ")", ape_last_error(), i, seq_ids[i]);
+			/* the pairs visible count every key of the sequence, cut or not */
+			const struct ape__seg all = { .q0 = a, .lq = b - a, .lk = s->n,
+						      .q_start = qs, .k_start = s->k_start };
+			uint64_t x;
+
+			if ((ret = ape__check_positions(fn, qs, b - a, s->k_start, s->n))) {
+				char where[80];
+
+				snprintf(where, sizeof(where),
+					 " (batch entry %" PRId64 ", sequence %" PRId64 ")", i,
+					 seq_ids[i]);
+				return ape__error_suffix(ret, where);
+			}
+			if (ape__segs_visible(p, &all, 1, &x) || x > UINT64_MAX - *visible)
+				return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits",
+						  fn);
+			*visible += x;
 			pl->segs[nsg++] = (struct ape__seg){ .q0 = a, .lq = b - a, .k0 = lk_total,
 							     .lk = lk, .q_start = qs,
 							     .k_start = s->k_start + w };
@@ -243,11 +294,11 @@ static int build(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
 
 /*
  * Runs segments [s0, s1) (query rows [qa, qb), key runs [r0, r1), virtual keys [ka, kb)) as
- * one executor run of a problem over those rows and keys; LSE into pl->lse_stage ([H][qb - qa])
- * when wanted. Adds to *res.
+ * one executor run of a problem over those rows and keys, ragged launches or (dense: one
+ * segment) the dense problem; LSE into pl->lse_stage ([H][qb - qa]) when wanted. Adds to *res.
  */
 static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
-		     const ape_tensor *q, ape_tensor *o, bool want_lse, bool want_pairs,
+		     const ape_tensor *q, ape_tensor *o, bool want_lse, bool want_pairs, bool dense,
 		     int64_t s0, int64_t s1, int64_t r0, int64_t r1, struct ape__exec_result *res)
 {
 	static const struct ape__diag_req none = { NULL, NULL };
@@ -278,13 +329,21 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 		pl->kr[r].j0 -= ka;
 	pl->cur_kr = r0;
 	pl->cur_nkr = r1 - r0;
-	pl->cur_ragged = !(s1 - s0 == 1 && pl->segs[s0].lq == g.Lq && pl->segs[s0].lk == g.Lk);
+	pl->cur_ragged = !dense; /* dense: one segment over all the group's rows and keys */
 	if (pl->cur_ragged) {
 		g.segs = pl->segs + s0;
 		g.nseg = s1 - s0;
 	} else { /* one sequence over all its keys: the dense problem, every fast path */
+		const struct ape__kvp_krun *r = pl->kr + r0;
+
 		g.q_start = pl->segs[s0].q_start;
 		g.k_start = pl->segs[s0].k_start;
+		/* its page table from its window's first page, for a launch in place */
+		pl->tab_first = r->t0 / pl->P;
+		pl->tab_n = r->s->npages - pl->tab_first;
+		memcpy(pl->tab_host, r->s->pages + pl->tab_first,
+		       (size_t)pl->tab_n * sizeof(*pl->tab_host));
+		pl->tab_pending = true;
 	}
 	if (pl->cur_ragged && !pl->dev->caps.segments)
 		return ape__error_on(ape__error(APE_ENOTSUP,
@@ -306,44 +365,68 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 	return ret;
 }
 
-/* Runs the batch's segments in groups whose keys fit the session's plan; LSE transposed into
- * lse ([total_q, H]) group by group. */
+/* Runs segments [s0, s1) and key runs [r0, r1) as one group (run_group()), LSE transposed into
+ * lse ([total_q, H]). */
+static int flush(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
+		 const ape_tensor *q, ape_tensor *o, float *lse, bool want_pairs, bool dense,
+		 int64_t s0, int64_t s1, int64_t r0, int64_t r1, struct ape__exec_result *res)
+{
+	int64_t qa, n;
+	int ret;
+
+	if (s0 == s1)
+		return 0;
+	qa = pl->segs[s0].q0;
+	n = pl->segs[s1 - 1].q0 + pl->segs[s1 - 1].lq - qa;
+	ret = run_group(pl, fn, p, q, o, lse != NULL, want_pairs, dense, s0, s1, r0, r1, res);
+	for (int64_t h = 0; !ret && lse && h < p->H; h++)
+		for (int64_t i = 0; i < n; i++)
+			lse[(qa + i) * p->H + h] = pl->lse_stage[h * n + i];
+	return ret;
+}
+
+/*
+ * Runs the batch's segments in groups (see the file's comment). A sequence is a unit: its
+ * segments (consecutive, one key run). A unit whose keys pass one key chunk of the plan runs
+ * alone, as the dense problem when it is one segment (every fast path, the pages read in place
+ * where the backend can); the others are packed in order into ragged groups of at most one key
+ * chunk. Which of these a sequence gets depends on it alone.
+ */
 static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
 		      const ape_tensor *q, ape_tensor *o, float *lse, bool want_pairs,
 		      struct ape__exec_result *res)
 {
-	const int64_t most = pl->ks.geom.plan.ci; /* one key chunk: see the file's comment */
+	const int64_t most = pl->ks.geom.plan.ci; /* one key chunk */
+	int64_t g0 = 0, gr0 = 0, keys = 0, r = 0;
 	int ret = 0;
 
-	for (int64_t s0 = 0, r0 = 0; s0 < pl->nsg && !ret;) {
-		int64_t s1 = s0, r1 = r0, keys = 0;
-		const int64_t qa = pl->segs[s0].q0;
+	for (int64_t u0 = 0, u1; u0 < pl->nsg && !ret; u0 = u1) {
+		const int64_t k0 = pl->segs[u0].k0, lk = pl->segs[u0].lk;
 
-		/* whole sequences: a sequence's segments share its key run */
-		while (s1 < pl->nsg) {
-			const int64_t k0 = pl->segs[s1].k0, lk = pl->segs[s1].lk;
-			const bool new_run = lk && (r1 == r0 || pl->kr[r1 - 1].j0 != k0) &&
-					     r1 < pl->nkr && pl->kr[r1].j0 == k0;
-
-			if (new_run && keys + lk > most && keys)
-				break;
-			if (new_run) {
-				keys += lk;
-				r1++;
-			}
-			s1++;
+		for (u1 = u0 + 1; lk && u1 < pl->nsg && pl->segs[u1].k0 == k0 && pl->segs[u1].lk == lk;
+		     u1++)
+			;
+		if (lk > most) { /* alone */
+			ret = flush(pl, fn, p, q, o, lse, want_pairs, false, g0, u0, gr0, r, res);
+			if (!ret)
+				ret = flush(pl, fn, p, q, o, lse, want_pairs, u1 - u0 == 1, u0, u1, r,
+					    r + 1, res);
+			g0 = u1;
+			gr0 = ++r;
+			keys = 0;
+			continue;
 		}
-		ret = run_group(pl, fn, p, q, o, lse != NULL, want_pairs, s0, s1, r0, r1, res);
-		if (!ret && lse) {
-			const int64_t qb = pl->segs[s1 - 1].q0 + pl->segs[s1 - 1].lq, n = qb - qa;
-
-			for (int64_t h = 0; h < p->H; h++)
-				for (int64_t i = 0; i < n; i++)
-					lse[(qa + i) * p->H + h] = pl->lse_stage[h * n + i];
+		if (keys + lk > most) {
+			ret = flush(pl, fn, p, q, o, lse, want_pairs, false, g0, u0, gr0, r, res);
+			g0 = u0;
+			gr0 = r;
+			keys = 0;
 		}
-		s0 = s1;
-		r0 = r1;
+		keys += lk;
+		r += lk > 0;
 	}
+	if (!ret)
+		ret = flush(pl, fn, p, q, o, lse, want_pairs, false, g0, pl->nsg, gr0, r, res);
 	return ret;
 }
 
@@ -372,13 +455,11 @@ int ape_kv_pool_attend(ape_kv_pool *pl, const ape_attn_desc *desc, int64_t nseq,
 	memset(&res, 0, sizeof(res));
 	if (p.Lq > 0) {
 		ape__skip_window(p.skip_tol, false, &wtol, &rest);
-		ret = build(pl, fn, &p, q, nseq, seq_ids, cu_seqlens_q, pos_q, wtol);
+		ret = build(pl, fn, &p, q, nseq, seq_ids, cu_seqlens_q, pos_q, wtol, &visible);
 		/* whether or not any window was cut, so that a sequence's launches skip by the
 		 * same tolerance whatever else shares the batch */
 		if (!ret && ape__skip_allowed(&p))
 			p.skip_tol = rest;
-		if (!ret && ape__segs_visible(&p, pl->segs, pl->nsg, &visible))
-			ret = ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
 		if (ret)
 			goto out; /* a check failed: nothing written, nothing to report */
 		ret = run_groups(pl, fn, &p, q, o, lse, stats != NULL, &res);
@@ -403,6 +484,6 @@ out:
 void ape__kvp_loader(struct ape_kv_pool *pl)
 {
 	pl->loader = (struct ape__kv_loader){
-		.load = pool_load, .arg = pl, .pages = pool_pages, .wait = ape__kvp_wait,
+		.load = pool_load, .arg = pl, .pages = pool_pages, .wait = pool_wait,
 	};
 }

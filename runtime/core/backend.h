@@ -134,11 +134,20 @@ enum ape__tensor_id { APE__T_Q, APE__T_K, APE__T_V, APE__T_O, APE__T_LSE, APE__T
  * is physical block (first_block + lb) mod nblocks, row (first_row + j) mod block_tokens.
  * Every block a launch addresses holds written keys; blocks outside its keys may hold anything
  * (released or not yet appended) and are never read.
+ *
+ * Two variations (the KV pool's, runtime/api/kvpool.h; later within ABI 14): with `planes`, the
+ * pools are [B, Hkv, nblocks * block_tokens, D] instead (each (batch, head) a plane of its own,
+ * block p being rows p * block_tokens .. of every plane); with `table` (a device buffer of
+ * int64 block numbers, written before the launch runs), logical block lb is physical block
+ * table[first_block + lb] instead of the ring's (first_block + lb) mod nblocks (first_block is
+ * then an index into the table).
  */
 struct ape__kv_pages {
 	int64_t block_tokens, nblocks; /* >= 1 */
-	int64_t first_block; /* 0 <= first_block < nblocks */
+	int64_t first_block; /* 0 <= first_block < nblocks; with a table, an index into it */
 	int64_t first_row; /* 0 <= first_row < block_tokens */
+	bool planes;
+	struct ape__buf *table; /* NULL: the ring */
 };
 
 /*

@@ -7,7 +7,10 @@
  * tolerance, since which device computes which chunk varies); 8 threads run backward calls on
  * one shared device at once, one-shot and streamed, each equal bit for bit to the serial run;
  * 8 threads run ragged batches (ape_attention_forward_varlen_ex()) on one shared device at
- * once, in one launch and in chunks, each equal bit for bit to the serial run.
+ * once, in one launch and in chunks, each equal bit for bit to the serial run; 8 threads each
+ * drive a KV pool of their own on one shared device at once (tests/faults/kvpool_case.h:
+ * create, appends, a fork, a batch append with a copy on write, a ragged attend, a decode, a
+ * removal, destroy), each attend equal bit for bit to the thread's serial run.
  * `make tsan-ci` runs this under ThreadSanitizer, where any data race fails it.
  */
 #include "ape_test.h"
@@ -19,6 +22,7 @@
 #include "common/bwdcase.h"
 #include "faults/faultcheck.h"
 #include "faults/fixture.h"
+#include "faults/kvpool_case.h"
 
 enum { NT = 8, ROUNDS = 3 };
 
@@ -29,6 +33,7 @@ struct job {
 	fx_call *c; /* a call prepared (and run once, serially) by the main thread */
 	struct bjob *b; /* backward test: its call, prepared likewise */
 	struct vjob *v; /* ragged-batch test: its batch, prepared likewise */
+	struct pcase *p; /* KV-pool test: its session, prepared likewise */
 	const char *backend; /* contexts test: the backend to compute on */
 	const fx_call *want; /* contexts test: the serial result */
 	char err[512]; /* empty when everything matched */
@@ -294,6 +299,42 @@ TEST_F_TIMEOUT(th, shared_device_varlen, 300)
 		j[i] = (struct job){ .v = &v[i] };
 	}
 	run_threads(_metadata, j, NT, run_varlen_calls);
+}
+
+static void *run_pool_sessions(void *arg)
+{
+	struct job *j = arg;
+
+	for (int r = 0; r < ROUNDS && !j->err[0]; r++) {
+		int ret = pcase_run(j->p);
+		const char *bad = pcase_verify(j->p, ret);
+
+		if (ret || bad)
+			snprintf(j->err, sizeof(j->err), "round %d: %.100s %.380s", r,
+				 bad ? bad : "", j->p->msg);
+	}
+	return NULL;
+}
+
+/* One context, one device, 8 threads each driving a KV pool of its own (half float32, half
+ * float16, each with its own data), prepared and run once serially by the main thread; every
+ * round's attends equal that run's bit for bit. */
+TEST_F_TIMEOUT(th, shared_device_kvpool, 300)
+{
+	static struct pcase p[NT];
+	struct job j[NT];
+	char name[64];
+
+	for (int i = 0; i < NT; i++) {
+		memset(&p[i], 0, sizeof(p[i]));
+		p[i].dev = self->dev[0];
+		p[i].dt = i % 2 ? APE_F16 : APE_F32;
+		snprintf(name, sizeof(name), "shared_device_kvpool %d", i);
+		ape_rng_init(&p[i].rng, name);
+		ASSERT_EQ(0, pcase_prepare(&p[i], false)) TH_LOG("%s %s", p[i].msg, p[i].bad);
+		j[i] = (struct job){ .p = &p[i] };
+	}
+	run_threads(_metadata, j, NT, run_pool_sessions);
 }
 
 TEST_HARNESS_MAIN

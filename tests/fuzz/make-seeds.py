@@ -256,3 +256,101 @@ put("varlen", "shuffled_positions.bin",
 put("varlen", "one_sequence_repeats.bin",
     varlen(1, 8 | 16, 3, 5, [(3, 5)], pos=pairs([6, 6, 1], [5, 5, 4, 0, 9]),
            tail=bytes(range(200, 0, -1)) * 2 + bytes([6, 2])))
+
+
+# ---- kvpool: the byte encoding fuzz_kvpool.c reads. The options: flags (1: H, 2: page_tokens,
+# 4: max_batch_tokens, 8: attend_chunk as take_int, else one byte each; 16: max_device_bytes,
+# 3 bytes; 32: a struct_size byte), Hkv, [H], D / 2, dtype, page_tokens, capacity_tokens,
+# max_batch_tokens, attend_chunk; then calls, each an op byte (0 add, 1 remove, 2 fork,
+# 3 append, 4 append_batch, 5 attend, 6 sequence_info) and its arguments (see op_*() there).
+# take_int: a byte below 0xA0 is its low 5 bits, 0xA0 eight raw bytes, 0xC0 + i edge[i]
+# (2: INT64_MAX), 0xE0 two raw bytes. An id byte 8 * i picks the i-th id handed out.
+def kvp_small(v):
+    return bytes([v]) if v < 32 else b"\xe0" + struct.pack("<H", v)
+
+
+def kvp_pool(Hkv, H, Dhalf, dt, page, cap, mb, chunk=0):
+    return (bytes([1 | 2 | 4 | 8]) + kvp_small(Hkv) + kvp_small(H) + kvp_small(Dhalf) +
+            bytes([dt]) + kvp_small(page) + kvp_small(cap) + kvp_small(mb) + kvp_small(chunk))
+
+
+def kvp_add(k_start):
+    return b"\0\0" + kvp_small(k_start)
+
+
+def kvp_add_near(top, delta):  # +-2^62 + delta (-128..127)
+    return b"\0" + bytes([1 | (2 if top else 0)]) + struct.pack("<b", delta)
+
+
+def kvp_values(n, seed):
+    return bytes((i * 37 + seed * 11) % 256 for i in range(n))
+
+
+# append: flags (16: k packed [n, Hkv, D], 64: v packed), the id, n, then k's and v's values
+def kvp_append(i, n, Hkv, D, seed=0):
+    return (b"\3" + bytes([16 | 64, 8 * i, n]) + kvp_values(n * Hkv * D, seed) +
+            kvp_values(n * Hkv * D, seed + 1))
+
+
+# append_batch: flags, the batch (flags 0, count, per sequence its id and count), the values
+def kvp_batch(entries, Hkv, D, seed=0, fb=0, tail=b"", ntok=None):
+    n = sum(c for _, c in entries) if ntok is None else ntok
+    b = b"\4" + bytes([16 | 64, fb, len(entries)])
+    for i, c in entries:
+        b += bytes([8 * i]) + (c if isinstance(c, bytes) else bytes([c]))
+    return b + tail + kvp_values(n * Hkv * D, seed) + kvp_values(n * Hkv * D, seed + 1)
+
+
+# attend: f (4: positions, 8: stats, 32: LSE), g (1: O float32, 2: causal, 4: delta 0.3,
+# 16: lambda 0.2, 32: skip_tol 1e-3, 64: skip_tol 0), o's strides mode, the batch (counts of
+# rows), the positions (a raw byte, then per row one byte, base + b % 12 - 8, or a take_int),
+# then q's values
+def kvp_attend(entries, H, D, f=8 | 32, g=2 | 4 | 16, pos=b"", seed=5):
+    n = sum(c for _, c in entries)
+    b = b"\5" + bytes([f, g, 0, 0, len(entries)])
+    for i, c in entries:
+        b += bytes([8 * i, c])
+    return b + pos + kvp_values(n * H * D, seed)
+
+
+# a serving step: two requests, a fork (parallel sampling), a batched decode append with a copy
+# on write, a ragged attend of the three, a one-sequence decode; pages of 4 tokens, GQA
+s = (kvp_pool(2, 4, 4, 0, 4, 64, 16) + kvp_add(0) + kvp_add(5) + kvp_append(0, 10, 2, 8) +
+     b"\2\0" + kvp_batch([(0, 1), (1, 2), (2, 3)], 2, 8) +
+     kvp_attend([(0, 2), (1, 1), (2, 1)], 4, 8) + kvp_attend([(2, 1)], 4, 8, g=2) +
+     b"\6\x08\0" + b"\1\0" + kvp_attend([(1, 3)], 4, 8, g=0))
+put("kvpool", "serving_step.bin", s)
+# f16 and bf16 storage, O float32, pages of 1 token, explicit positions with gaps and repeats
+for dt, name in ((1, "f16"), (2, "bf16")):
+    put("kvpool", "positions_%s.bin" % name,
+        kvp_pool(1, 2, 8, dt, 1, 24, 8) + kvp_add(3) + kvp_append(0, 7, 1, 16) + b"\2\0" +
+        kvp_append(1, 2, 1, 16, seed=3) +
+        kvp_attend([(0, 3), (1, 2)], 2, 16, f=4 | 8 | 32, g=1 | 2 | 4,
+                   pos=b"\0" + bytes([8, 8, 11, 2, 9])))
+# a full pool (5 pages of 4): an append and a batch refused for want of pages, then what fits
+put("kvpool", "full_pool.bin",
+    kvp_pool(1, 1, 4, 0, 4, 20, 8) + kvp_add(0) + kvp_add(0) + kvp_append(0, 13, 1, 8) +
+    kvp_append(1, 9, 1, 8) + kvp_batch([(0, 2), (1, 5)], 1, 8) +
+    kvp_batch([(0, 3), (1, 4)], 1, 8) + kvp_attend([(0, 1), (1, 1)], 1, 8))
+# refusals of a batch: an id named twice, decreasing offsets (raw: 2, then 1), an attend naming
+# one sequence twice
+put("kvpool", "batch_refusals.bin",
+    kvp_pool(1, 1, 4, 0, 4, 32, 8) + kvp_add(0) + kvp_add(0) +
+    kvp_batch([(0, 1), (0, 1)], 1, 8) + kvp_batch([(0, 2), (1, 1)], 1, 8, fb=1, ntok=1) +
+    kvp_attend([(1, 1), (1, 1)], 1, 8))
+# The int64 ends (each once overflowed in the pool): an offset past the total (INT64_MAX: the
+# pages it would need); a row at INT64_MAX followed by another (the run of consecutive
+# positions); a row at INT64_MAX over keys from -2^62 with decay and skipping (the window proof
+# ran before the position check); a position whose distance overflows (the message kept).
+put("kvpool", "batch_offset_int64_max.bin",
+    kvp_pool(1, 1, 4, 0, 4, 32, 8) + kvp_add(0) + kvp_append(0, 3, 1, 8) +
+    b"\4" + bytes([16 | 64, 1, 1, 0, 0xC2]))
+put("kvpool", "positions_int64_max_run.bin",
+    kvp_pool(1, 1, 4, 0, 4, 32, 8) + kvp_add(0) + kvp_append(0, 4, 1, 8) +
+    kvp_attend([(0, 2)], 1, 8, f=4 | 32, g=2, pos=b"\1\xc2\0"))
+put("kvpool", "window_int64_ends.bin",
+    kvp_pool(1, 1, 4, 0, 4, 32, 8) + kvp_add_near(False, 0) + kvp_append(0, 4, 1, 8) +
+    kvp_attend([(0, 1)], 1, 8, f=4 | 32, g=2 | 4, pos=b"\1\xc2"))
+put("kvpool", "position_overflow_message.bin",
+    kvp_pool(1, 1, 4, 0, 4, 32, 8) + kvp_add_near(True, -1) + kvp_append(0, 2, 1, 8) +
+    kvp_attend([(0, 1)], 1, 8, f=4 | 32, g=2, pos=b"\1\xc1"))

@@ -1,5 +1,6 @@
 # libFuzzer targets (issue 7): the .npy reader, forward-call validation, the program-cache reader,
-# the device-resident calls (ape_attention_enqueue, buffers, the DLPack call; issue 12).
+# the device-resident calls (ape_attention_enqueue, buffers, the DLPack call; issue 12), the KV
+# pool's calls (ape_kv_pool_*; issue 26).
 #
 #   make fuzz [FUZZ_SECONDS=300]   each target for FUZZ_SECONDS, building on the corpus found so far
 #   make fuzz-ci                   what `make check` runs: about a minute in all (FUZZ_CI_SECONDS each)
@@ -13,7 +14,7 @@ FUZZ_CC          ?= $(shell command -v clang-14 2>/dev/null || command -v clang 
 FUZZ             ?= $(if $(CI),yes,auto)
 FUZZ_SECONDS     ?= 300
 FUZZ_CI_SECONDS  ?= 20
-FUZZ_TARGETS     := npy problem cache resident varlen trace
+FUZZ_TARGETS     := npy problem cache resident varlen trace kvpool
 FUZZ_DIR         := $(BUILD)/fuzz
 FUZZ_BINS        := $(FUZZ_TARGETS:%=$(FUZZ_DIR)/bin/fuzz_%)
 

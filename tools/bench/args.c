@@ -39,6 +39,10 @@ enum {
 	OPT_RESIDENT,
 	OPT_BACKWARD,
 	OPT_VARLEN,
+	OPT_POOL,
+	OPT_PAGE_TOKENS,
+	OPT_SPREAD,
+	OPT_MEMBW,
 	OPT_HELP,
 };
 
@@ -60,6 +64,8 @@ static const struct cli_option options[] = {
 	{ "--resident", NULL, false, OPT_RESIDENT },
 	{ "--backward", NULL, false, OPT_BACKWARD },
 	{ "--varlen", NULL, true, OPT_VARLEN },
+	{ "--pool", NULL, true, OPT_POOL },	  { "--page-tokens", NULL, true, OPT_PAGE_TOKENS },
+	{ "--spread", NULL, true, OPT_SPREAD },	  { "--membw", NULL, true, OPT_MEMBW },
 	{ "--help", "-h", false, OPT_HELP },	  { NULL, NULL, false, 0 },
 };
 
@@ -109,6 +115,25 @@ static void usage(FILE *f)
 		"                                   about the same pairs, alternating rounds: times,\n"
 		"                                   pairs/s, launches, and the ragged result's\n"
 		"                                   largest difference from the per-sequence calls\n"
+		"  --pool S                         instead: one decode step of S sequences held in\n"
+		"                                   one ape_kv_pool (-B 1), lengths from 256 (or -L\n"
+		"                                   when shorter) to -L, one query row each, one\n"
+		"                                   ape_kv_pool_attend call, against the same step as\n"
+		"                                   S ape_kv_cache attends (one cache per sequence),\n"
+		"                                   alternating rounds: median step time, tokens/s\n"
+		"                                   (S / step), the K/V bytes the step reads (2 x\n"
+		"                                   keys computed x Hkv x D x dtype size: keys out of\n"
+		"                                   reach under decay not counted), GB/s read, device\n"
+		"                                   memory held, and the pool's largest difference\n"
+		"                                   from the caches'. The seed's decay unless told\n"
+		"                                   (plain decode: --delta 0 --beta 0 --gamma 0\n"
+		"                                   --lambda 0 --skip-tol 0)\n"
+		"  --page-tokens N                  --pool: tokens per page (default 16)\n"
+		"  --spread geometric|even          --pool: lengths in geometric (default) or even\n"
+		"                                   steps\n"
+		"  --membw GBPS                     --pool: the memory read bandwidth to compare with\n"
+		"                                   (e.g. make bench-membw's); GB/s read is also\n"
+		"                                   given as a share of it\n"
 		"  --resident                       instead: inputs already in device buffers\n"
 		"                                   (written once), each call ape_attention_enqueue\n"
 		"                                   + ape_queue_synchronize, beside the host call on\n"
@@ -168,6 +193,18 @@ static int parse_param(int id, const char *text, struct bench_opts *o, char *err
 
 	*field[id - OPT_DELTA] = (float)x;
 	return ret;
+}
+
+/* --spread: the name into o->spread_even. */
+static int parse_spread(const char *text, struct bench_opts *o, char *err, size_t errlen)
+{
+	if (!strcmp(text, "geometric") || !strcmp(text, "even")) {
+		o->spread_even = !strcmp(text, "even");
+		o->spread_set = true;
+		return 0;
+	}
+	snprintf(err, errlen, "--spread: '%s' is not geometric or even", text);
+	return APE_EINVAL;
 }
 
 int bench_parse_args(int argc, char **argv, struct bench_opts *o, char *err, size_t errlen)
@@ -251,6 +288,23 @@ int bench_parse_args(int argc, char **argv, struct bench_opts *o, char *err, siz
 		case OPT_VARLEN:
 			ret = cli_parse_int64("--varlen", val, 1, 1 << 24, &o->varlen, err, errlen);
 			break;
+		case OPT_POOL:
+			ret = cli_parse_int64("--pool", val, 1, 1 << 20, &o->pool, err, errlen);
+			break;
+		case OPT_PAGE_TOKENS:
+			ret = cli_parse_int64("--page-tokens", val, 1, 65536, &o->page_tokens, err,
+					      errlen);
+			break;
+		case OPT_SPREAD:
+			ret = parse_spread(val, o, err, errlen);
+			break;
+		case OPT_MEMBW:
+			ret = cli_parse_finite("--membw", val, &o->membw, err, errlen);
+			if (!ret && !(o->membw > 0)) {
+				snprintf(err, errlen, "--membw %s: must be > 0 (GB/s)", val);
+				ret = APE_EINVAL;
+			}
+			break;
 		case OPT_NO_SERIAL:
 			o->serial = false;
 			break;
@@ -282,19 +336,30 @@ int bench_parse_args(int argc, char **argv, struct bench_opts *o, char *err, siz
 		return id;
 	if (ret)
 		return ret;
-	if (o->resident + o->stream + o->numa + (o->varlen > 0) > 1) {
-		snprintf(err, errlen, "--resident, --stream, --numa and --varlen: one at a time");
+	if (o->resident + o->stream + o->numa + (o->varlen > 0) + (o->pool > 0) > 1) {
+		snprintf(err, errlen,
+			 "--resident, --stream, --numa, --varlen and --pool: one at a time");
 		return APE_EINVAL;
 	}
-	if (o->backward && (o->stream || o->numa || o->resident || o->varlen)) {
+	if (o->backward && (o->stream || o->numa || o->resident || o->varlen || o->pool)) {
 		snprintf(err, errlen, "--backward times the one-call forward and backward: drop %s",
 			 o->stream ? "--stream" : o->numa ? "--numa" : o->varlen ? "--varlen"
-									: "--resident");
+							 : o->pool ? "--pool" : "--resident");
 		return APE_EINVAL;
 	}
 	if (o->varlen && (o->B != 1 || o->Lq)) {
 		snprintf(err, errlen, "--varlen: a ragged batch is its own batch: drop %s",
 			 o->Lq ? "--lq" : "-B");
+		return APE_EINVAL;
+	}
+	if (o->pool && (o->B != 1 || o->Lq)) {
+		snprintf(err, errlen, "--pool: one query row per sequence, each its own: drop %s",
+			 o->Lq ? "--lq" : "-B");
+		return APE_EINVAL;
+	}
+	if (!o->pool && (o->page_tokens || o->spread_set || o->membw > 0)) {
+		snprintf(err, errlen, "%s: only with --pool",
+			 o->page_tokens ? "--page-tokens" : o->spread_set ? "--spread" : "--membw");
 		return APE_EINVAL;
 	}
 	if (o->D % 2) {

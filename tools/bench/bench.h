@@ -2,8 +2,9 @@
 /*
  * ape-bench's pieces: tools/ape-bench.c (main, and the host call's mode with its table),
  * tools/bench/args.c (the options), tools/bench/inputs.c (random inputs, the timed host calls,
- * the rows of a mode, what every mode's report shares), tools/bench/resident.c (--resident)
- * and tools/bench/stream.c (--stream). Linked into ape-bench alone.
+ * the rows of a mode, what every mode's report shares), tools/bench/resident.c (--resident),
+ * tools/bench/stream.c (--stream), tools/bench/varlen.c (--varlen) and tools/bench/pool.c
+ * (--pool). Linked into ape-bench alone.
  */
 #ifndef APE_TOOLS_BENCH_H
 #define APE_TOOLS_BENCH_H
@@ -40,6 +41,10 @@ struct bench_opts {
 	bool resident; /* --resident: ape_attention_enqueue on device buffers beside the host call */
 	bool serial; /* --stream: also time copies and kernels back to back (--no-serial: not) */
 	int64_t varlen; /* --varlen S: ragged batches of S sequences of L tokens; 0: not */
+	int64_t pool; /* --pool S: a decode step of S sequences of a KV pool; 0: not */
+	int64_t page_tokens; /* --pool: tokens per page; 0: the pool's default */
+	bool spread_even, spread_set; /* --pool: lengths in even steps (else geometric) */
+	double membw; /* --pool: GB/s to compare the read bandwidth with; 0: none */
 	int64_t chunk;
 	uint64_t max_mem;
 	bool warmup_set, repeats_set, check_set, L_set, skip_set;
@@ -141,6 +146,10 @@ int bench_resident(ape_device *dev, ape_device *ref, const struct bench_opts *o,
 /* ---- varlen.c: --varlen, ragged batches against a dense call per sequence; the exit
  * status */
 int bench_varlen(ape_device *dev, const struct bench_opts *o, ape_rng *rng);
+
+/* ---- pool.c: --pool, a decode step of many sequences in one KV pool against one KV cache per
+ * sequence; the exit status */
+int bench_pool(ape_device *dev, const struct bench_opts *o, ape_rng *rng);
 
 /* ---- stream.c: --stream, long sequences streamed under a budget */
 
