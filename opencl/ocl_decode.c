@@ -57,19 +57,35 @@ static int64_t dec_rows_max(int64_t D)
 	return D == 64 || D == 128 ? 16 : 8;
 }
 
-/* The launches the decode kernel can compute: a few rows, D a multiple of 32, O, LSE, pairs;
- * in the work-group shape, on a device that holds its group and local memory. */
+/* A ragged launch's most rows and keys of one segment (rows 0: no segment). */
+static void dec_seg_max(const struct ape__launch *l, int64_t *lq, int64_t *lk)
+{
+	*lq = *lk = 0;
+	for (int64_t e = 0; e < l->nseg; e++) {
+		*lq = l->segs[e].lq > *lq ? l->segs[e].lq : *lq;
+		*lk = l->segs[e].lk > *lk ? l->segs[e].lk : *lk;
+	}
+}
+
+/* The launches the decode kernel can compute: a few rows (of each segment, in a ragged launch:
+ * the plain shape only), D a multiple of 32, O, LSE, pairs; in the work-group shape, on a
+ * device that holds its group and local memory. */
 static bool dec_shape(struct ape_device *dev, const struct ape__launch *l)
 {
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
+	int64_t rows = l->Lq, keys = l->Lk;
 
 	/* the work-group shape needs a group of DEC_GNWI and its local memory */
 	if (dec_wg(od) && (od->max_wg < DEC_GNWI || dec_wg_local(l->D) > od->local_mem))
 		return false;
-	/* ragged launches (l->segs) go to the general kernel and the separable path */
-	return ape__ocl_fast_outputs(l) && !l->segs && l->Lq >= 1 &&
-	       l->Lq <= DEC_MAX_ROWS && l->D % 32 == 0 && l->D <= APE_MAX_D && l->H % l->Hkv == 0 &&
-	       l->Lk >= 1 && (l->H / l->Hkv) * l->Lq <= dec_rows_max(l->D);
+	if (l->segs) { /* ragged: each segment's rows; the work-group shape takes none */
+		if (dec_wg(od) || l->nseg < 1)
+			return false;
+		dec_seg_max(l, &rows, &keys);
+	}
+	return ape__ocl_fast_outputs(l) && rows >= 1 && rows <= DEC_MAX_ROWS && l->D % 32 == 0 &&
+	       l->D <= APE_MAX_D && l->H % l->Hkv == 0 && keys >= 1 &&
+	       (l->H / l->Hkv) * rows <= dec_rows_max(l->D);
 }
 
 bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l)
@@ -97,21 +113,38 @@ bool ape__ocl_decode_pages(struct ape_device *dev, const struct ape__launch *l)
  * launch: PoCL balances many small work-groups better than few (bench/RESULTS.md, 2026-12-01).
  * The work-group shape: whole tiles (at least 1), about 4 groups per compute unit (a guess: no
  * GPU has timed it). */
-static int64_t dec_chunk(struct ape_device *dev, const struct ape__launch *l)
+static int64_t dec_chunk_of(struct ape_device *dev, int64_t D, int64_t bkv, int64_t Lk)
 {
 	const int64_t cu = dev->info.compute_units > 0 ? dev->info.compute_units : 1;
 	/* the work-group shape: about 4 groups (of dec_wg_streams() chunks) per compute unit */
-	const int64_t items = dec_wg(ape__ocl_dev(dev)) ? 4 * cu * dec_wg_streams(l->D) : 512 * cu;
-	const int64_t bkv = l->B * l->Hkv;
+	const int64_t items = dec_wg(ape__ocl_dev(dev)) ? 4 * cu * dec_wg_streams(D) : 512 * cu;
 	int64_t nsplit = (items + bkv - 1) / bkv, chunk;
 
 	if (nsplit < 1)
 		nsplit = 1;
-	chunk = (l->Lk + nsplit - 1) / nsplit;
+	chunk = (Lk + nsplit - 1) / nsplit;
 	chunk = (chunk + DEC_TILE - 1) / DEC_TILE * DEC_TILE;
 	if (dec_wg(ape__ocl_dev(dev))) /* any whole number of tiles: the group is the unit */
 		return chunk;
 	return chunk < 4 * DEC_TILE ? 4 * DEC_TILE : chunk;
+}
+
+/* A launch's chunk. A ragged one's: as for a batch of its segments over its longest one, but
+ * never more chunks than the launch's shape alone gives (its scratch, ape__ocl_decode_scratch(),
+ * is asked before the segments are known). */
+static int64_t dec_chunk(struct ape_device *dev, const struct ape__launch *l)
+{
+	const int64_t dense = dec_chunk_of(dev, l->D, l->B * l->Hkv, l->Lk);
+	int64_t lq, lk, most, chunk;
+
+	if (!l->segs || l->nseg < 1)
+		return dense;
+	dec_seg_max(l, &lq, &lk);
+	most = (l->Lk + dense - 1) / dense; /* chunks the scratch holds */
+	chunk = dec_chunk_of(dev, l->D, l->nseg * l->Hkv, lk);
+	if ((lk + chunk - 1) / chunk > most)
+		chunk = ((lk + most - 1) / most + DEC_TILE - 1) / DEC_TILE * DEC_TILE;
+	return chunk;
 }
 
 uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape__launch *l)
@@ -222,7 +255,8 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	const struct ape__ocl_program *pr;
 	const int64_t chunk = dec_chunk(q->dev, l);
 	const cl_int D = (cl_int)l->D, H = (cl_int)l->H, group = (cl_int)(l->H / l->Hkv);
-	const cl_int nsplit = (cl_int)((l->Lk + chunk - 1) / chunk), flags = ape__ocl_fast_flags(l);
+	int64_t seg_lq = l->Lq, seg_lk = l->Lk;
+	cl_int nsplit, flags = ape__ocl_fast_flags(l);
 	const cl_long Lq = l->Lq, Lk = l->Lk, rel = l->q_start - l->k_start, ch = chunk;
 	const cl_float scale = (cl_float)l->scale;
 	const size_t rows = (size_t)(l->B * l->H * l->Lq);
@@ -237,12 +271,19 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	const cl_long pview[4] = { 0, l->Hkv * plane * l->D, plane * l->D, l->D };
 	cl_mem ptab = pg && pg->table ? pg->table->mem : NULL;
 	struct ape__ocl_args a = { 0 };
-	cl_mem prm, part = NULL, none = NULL;
-	const int64_t nr = l->H / l->Hkv * l->Lq;
+	cl_mem prm, part = NULL, none = NULL, sg = NULL;
+	/* a ragged launch: a work-item row per segment and kv head, its segment's table */
+	const size_t nb = (size_t)(l->segs ? l->nseg : l->B);
+	int64_t nr;
 	int rm = 1;
 	char name[32];
 	cl_int err;
 	int ret;
+
+	if (l->segs)
+		dec_seg_max(l, &seg_lq, &seg_lk);
+	nsplit = (cl_int)((seg_lk + chunk - 1) / chunk);
+	nr = l->H / l->Hkv * seg_lq;
 
 	ape__path_note(l->path, pg ? APE__PATH_PAGES : APE__PATH_DECODE,
 		       pg ? "keys read where the KV cache keeps them"
@@ -256,6 +297,25 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	if (prm)
 		part = ape__ocl_scratch(q, rows * (size_t)nsplit * (size_t)(D + 2) * sizeof(float),
 					NULL, &err);
+	if (part && l->segs) {
+		cl_long *t = ape__malloc((size_t)l->nseg * 5 * sizeof(*t));
+
+		if (!t) {
+			ret = ape__error(APE_ENOMEM, "out of host memory for the decode's segments");
+			goto out;
+		}
+		for (int64_t e = 0; e < l->nseg; e++) {
+			t[5 * e] = l->segs[e].q0;
+			t[5 * e + 1] = l->segs[e].lq;
+			t[5 * e + 2] = l->segs[e].k0;
+			t[5 * e + 3] = l->segs[e].lk;
+			t[5 * e + 4] = l->segs[e].q_start - l->segs[e].k_start;
+		}
+		sg = ape__ocl_scratch(q, (size_t)l->nseg * 5 * sizeof(*t), t, &err);
+		free(t);
+		if (!sg)
+			part = NULL;
+	}
 	if (!part) {
 		ret = ape__ocl_error(err, "clCreateBuffer (decode scratch)");
 		goto out;
@@ -292,11 +352,12 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(prow), &prow);
 	ape__ocl_arg(&a, sizeof(pblk), &pblk);
 	ape__ocl_arg(&a, sizeof(cl_mem), &ptab);
+	ape__ocl_arg(&a, sizeof(cl_mem), &sg);
 	if (dec_wg(ape__ocl_dev(q->dev)))
 		ret = dec_wg_launch(q, &a, l, nsplit);
 	else
 		ret = ape__ocl_fast_launch(q, &a, "ape_decode", (size_t)nsplit, 1,
-					   (size_t)(l->B * l->Hkv));
+					   nb * (size_t)l->Hkv);
 	if (ret)
 		goto out;
 
@@ -315,13 +376,16 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(rel), &rel);
 	ape__ocl_arg(&a, sizeof(flags), &flags);
 	ape__ocl_arg(&a, sizeof(nsplit), &nsplit);
-	ret = ape__ocl_fast_launch(q, &a, "ape_decode_merge", (size_t)l->Lq, 1,
-				   (size_t)(l->B * l->H));
+	ape__ocl_arg(&a, sizeof(cl_mem), &sg);
+	ret = ape__ocl_fast_launch(q, &a, "ape_decode_merge", (size_t)seg_lq, 1,
+				   nb * (size_t)l->H);
 out:
 	if (prm)
 		clReleaseMemObject(prm);
 	if (part)
 		clReleaseMemObject(part);
+	if (sg)
+		clReleaseMemObject(sg);
 	return ret;
 }
 

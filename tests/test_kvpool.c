@@ -366,6 +366,59 @@ TEST_F(pool, one_sequence_decode_reads_pages_in_place)
 	model_free(&m);
 }
 
+/* A decode step of many sequences is one ragged launch: on OpenCL the decode kernel reads every
+ * sequence's pages in place through the group's slot table (nothing gathered), elsewhere the
+ * keys are gathered; every row against the oracle, pages scrambled by removals first. */
+TEST_F(pool, a_decode_step_of_many_sequences_reads_pages_in_place)
+{
+	ape_kv_pool_options o = pool_options(2, 4, 32, APE_F16, 16, 4096);
+	const char *shape = getenv("APE_OCL_DEC_SHAPE"); /* the GPU shape takes no ragged launch */
+	const bool in_place = self->dev->be->ops->attention_pages != NULL &&
+			      !(shape && !strcmp(shape, "gpu"));
+	struct model m;
+	struct mbatch b;
+	ape_stats st;
+	ape_rng rng;
+	int64_t idx[24], lq[24], nb = 0;
+	double eo, el;
+	int ret;
+
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, model_init(&m, self->dev, &o)) TH_LOG("%s", ape_last_error());
+	for (int i = 0; i < 36; i++) {
+		ASSERT_LE(0, model_add(&m, ape_rng_range(&rng, -100, 100), &ret));
+		ASSERT_EQ(0, model_append(&m, &rng, i, ape_rng_range(&rng, 1, self->emu ? 40 : 150)));
+	}
+	for (int i = 0; i < 36; i++) { /* every third goes: the others' next pages scatter */
+		if (i % 3 == 1) {
+			ASSERT_EQ(0, model_remove(&m, i));
+		} else {
+			ASSERT_EQ(0, model_append(&m, &rng, i, ape_rng_range(&rng, 1, 40)));
+		}
+	}
+	for (int i = 0; i < 36; i++)
+		if (i % 3 != 1) {
+			idx[nb] = i;
+			lq[nb++] = 1 + (i % 5 == 0); /* decode rows, some two at once */
+		}
+	ASSERT_EQ(0, mbatch_make(&b, &m, &rng, nb, idx, lq, POS_DEFAULT));
+	b.desc.skip_tol = 0;
+	ape_stats_init(&st);
+	ASSERT_EQ(0, mbatch_attend(&m, &b, &st)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, mbatch_check(&m, &b, &eo, &el));
+	EXPECT_LE(eo, test_tol_o(APE_F16)) TH_LOG("O error %g", eo);
+	EXPECT_LE(el, test_tol_lse(APE_F16)) TH_LOG("LSE error %g", el);
+	EXPECT_EQ(st.pairs_visible, st.pairs_computed);
+	if (in_place) {
+		EXPECT_EQ(1, st.chunks) TH_LOG("%lld sequences in %llu launches", (long long)nb,
+					       (unsigned long long)st.chunks);
+		EXPECT_STREQ("decode-in-place", st.path);
+		EXPECT_EQ(0, st.bytes_device_to_device);
+	}
+	mbatch_free(&b);
+	model_free(&m);
+}
+
 /* Bad arguments: an error naming them, nothing written, the pool unchanged. */
 TEST_F(pool, validation_names_the_argument)
 {

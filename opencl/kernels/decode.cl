@@ -147,10 +147,10 @@ KFN float16 dec_seed16(__global const APE_REAL *omega, int c, APE_REAL n, APE_RE
 		long qsl, long koff, long ksb, long ksh, long ksl, long voff, long vsb, long vsh,  \
 		long vsl, int D, long Lq, long Lk, int H, int group, long rel, float scale,       \
 		int flags, long chunk, int nsplit, long pbt, long pnb, long pfirst, long prow,     \
-		long pblk, __global const long *ptab
+		long pblk, __global const long *ptab, __global const long *sg
 #define DEC_NAMES                                                                                  \
 	Q, K, V, prm, part, qoff, qsb, qsh, qsl, koff, ksb, ksh, ksl, voff, vsb, vsh, vsl, D, Lq,  \
-		Lk, H, group, rel, scale, flags, chunk, nsplit, pbt, pnb, pfirst, prow, pblk, ptab
+		Lk, H, group, rel, scale, flags, chunk, nsplit, pbt, pnb, pfirst, prow, pblk, ptab, sg
 
 /*
  * Where keys bb .. bb + len - 1 start, relative to their (batch, kv head) base: j * ksl and
@@ -219,13 +219,40 @@ KFN void dec_touch(__global const void *X, long base, const long *off, int len, 
 	*acc = a;
 }
 
+/*
+ * A ragged launch (sg not NULL, the plain shape only): dimension 1 is segment e's kv heads
+ * instead of the batch's, e's five longs at sg + 5 e being its first query row q0, its rows lq,
+ * its first key row k0, its keys lk and its rows' distance to its first key (q_start -
+ * k_start); B is 1, the partial rows are the launch's ((h * Lq + q0 + i)), and chunks past a
+ * segment's keys write empty partials. dec_seg() gives a work-item its segment's values, or
+ * the launch's without segments.
+ */
+KFN __global const long *dec_seg(__global const long *sg, long e, long *b, long *q0, long *lq,
+				 long *k0, long *lk, long *rel)
+{
+	if (!sg)
+		return 0;
+	sg += 5 * e;
+	*b = 0;
+	*q0 = sg[0];
+	*lq = sg[1];
+	*k0 = sg[2];
+	*lk = sg[3];
+	*rel = sg[4];
+	return sg;
+}
+
 KFN void dec_body(DEC_ARGS, const int RM)
 {
 	const int P = DEC_DIM / 2, C = P / 16, dt = FD_DT_IN(flags);
 	const int inter = (flags & FD_INTERLEAVED) != 0, causal = (flags & FD_CAUSAL) != 0;
 	const long s = get_global_id(0), bkv = get_global_id(1);
-	const int Hkv = H / group, kvh = (int)(bkv % Hkv), nr = group * (int)Lq;
-	const long b = bkv / Hkv, j0 = s * chunk, j1 = min(j0 + chunk, Lk);
+	const int Hkv = H / group, kvh = (int)(bkv % Hkv);
+	long b = bkv / Hkv, q0 = 0, k0 = 0, Lqs = Lq;
+
+	dec_seg(sg, bkv / Hkv, &b, &q0, &Lqs, &k0, &Lk, &rel);
+	const int nr = group * (int)Lqs;
+	const long j0 = s * chunk, j1 = max(j0, min(j0 + chunk, Lk));
 	__global const APE_REAL *omega = prm;
 
 	float16 X[DEC_RMAX][DEC_CMAX], Y[DEC_RMAX][DEC_CMAX]; /* the rotated query, as pairs */
@@ -251,12 +278,12 @@ KFN void dec_body(DEC_ARGS, const int RM)
 		return;
 #pragma unroll
 	for (int r = 0; r < RM; r++) {
-		const int g = r / (int)Lq, h = kvh * group + g;
-		const long i = r % Lq;
+		const int g = r / (int)Lqs, h = kvh * group + g;
+		const long i = r % Lqs;
 
 		if (r >= nr)
 			break;
-		const long qb = qoff + b * qsb + h * qsh + i * qsl;
+		const long qb = qoff + b * qsb + h * qsh + (q0 + i) * qsl;
 		APE_REAL sum = 0, ss = 0, mean;
 
 		for (int c = 0; c < C; c++) {
@@ -310,7 +337,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 			const int len = (int)min((long)DEC_BLK, kend - bb);
 			long rk[DEC_BLK], rv[DEC_BLK];
 
-			dec_rows(bb, len, ksl, vsl, pbt, pnb, pfirst, prow, pblk, ptab, rk, rv);
+			dec_rows(k0 + bb, len, ksl, vsl, pbt, pnb, pfirst, prow, pblk, ptab, rk, rv);
 			if (touch)
 				dec_touch(V, voff + b * vsb + kvh * vsh, rv, len, DEC_DIM, dt, &touched);
 
@@ -383,8 +410,8 @@ KFN void dec_body(DEC_ARGS, const int RM)
 				const int len2 = (int)min((long)DEC_BLK, kend - bb - DEC_BLK);
 				long nk[DEC_BLK], nv[DEC_BLK];
 
-				dec_rows(bb + DEC_BLK, len2, ksl, vsl, pbt, pnb, pfirst, prow, pblk, ptab, nk,
-					 nv);
+				dec_rows(k0 + bb + DEC_BLK, len2, ksl, vsl, pbt, pnb, pfirst, prow, pblk,
+					 ptab, nk, nv);
 				dec_touch(K, koff + b * ksb + kvh * ksh, nk, len2, DEC_DIM, dt,
 					  &touched);
 			}
@@ -422,8 +449,8 @@ KFN void dec_body(DEC_ARGS, const int RM)
 	for (int r = 0; r < RM; r++) {
 		if (r >= nr)
 			break;
-		const int g = r / (int)Lq, h = kvh * group + g;
-		const long row = (b * H + h) * Lq + r % Lq;
+		const int g = r / (int)Lqs, h = kvh * group + g;
+		const long row = (b * H + h) * Lq + q0 + r % Lqs;
 		__global float *pp = part + (row * nsplit + s) * (DEC_DIM + 2);
 
 		for (int c = 0; c < 2 * C; c++)
@@ -454,17 +481,21 @@ __kernel void ape_decode_merge(__global const float *part, __global const APE_RE
 			       __global void *O, __global float *LSE, __global ulong *PAIRS,
 			       long ooff, long osb, long osh, long osl, long loff, long lsb,
 			       long lsh, long lsl, int D, long Lq, long Lk, int H, long rel,
-			       int flags, int nsplit)
+			       int flags, int nsplit, __global const long *sg)
 {
 	const long i = get_global_id(0), bh = get_global_id(1);
-	const long b = bh / H, row = bh * Lq + i;
+	long b = bh / H, q0 = 0, k0, Lqs = Lq;
 	const int h = (int)(bh % H), P = DEC_DIM / 2, causal = (flags & FD_CAUSAL) != 0;
-	const long diag = rel + i;
+
+	/* a ragged launch: dimension 1 is segment e's heads, row i of its lq (dec_seg()) */
+	dec_seg(sg, bh / H, &b, &q0, &Lqs, &k0, &Lk, &rel);
+	const long diag = rel + i, row = (b * H + h) * Lq + q0 + i;
 	__global const float *pp = part + row * nsplit * (DEC_DIM + 2);
 	APE_REAL mx = -INFINITY, sum = 0;
 	float acc[DEC_DMAX];
 
-	if (i >= Lq)
+	(void)k0;
+	if (i >= Lqs)
 		return;
 	for (int s = 0; s < nsplit; s++)
 		mx = ape_merge_max(mx, (APE_REAL)pp[s * (DEC_DIM + 2) + DEC_DIM]);
@@ -481,7 +512,7 @@ __kernel void ape_decode_merge(__global const float *part, __global const APE_RE
 	}
 	{
 		const float inv = sum == 0 ? 0.0f : (float)(1 / sum);
-		const long ob = ooff + b * osb + h * osh + i * osl;
+		const long ob = ooff + b * osb + h * osh + (q0 + i) * osl;
 
 		for (int d = 0; d < DEC_DIM; d++)
 			st(O, ob + d, acc[d] * inv, FD_DT_OUT(flags));
@@ -490,7 +521,7 @@ __kernel void ape_decode_merge(__global const float *part, __global const APE_RE
 		const APE_REAL crow = ape_bias(prm[P + 4 * h], prm[P + 4 * h + 1], prm[P + 4 * h + 2],
 					       (APE_REAL)ape_anchor_distance(diag, Lk, causal));
 
-		LSE[loff + b * lsb + h * lsh + i * lsl] =
+		LSE[loff + b * lsb + h * lsh + (q0 + i) * lsl] =
 			sum > 0 ? (float)(crow + mx + log(sum)) : sum == 0 ? -INFINITY : NAN;
 	}
 	if (flags & FD_PAIRS)

@@ -118,18 +118,18 @@ static int make_pages(struct ape_kv_pool *pl, const char *fn)
 				  fn, bytes, pl->dev->info.backend, pl->dev->info.backend_index,
 				  pl->dev->caps.max_alloc);
 	if (pl->o.max_device_bytes &&
-	    2 * bytes + (uint64_t)pl->npages * sizeof(int64_t) > pl->o.max_device_bytes)
+	    2 * bytes + (uint64_t)pl->nslots * sizeof(int64_t) > pl->o.max_device_bytes)
 		return ape__error(APE_ENOMEM,
 				  "%s: opts->max_device_bytes = %" PRIu64 " cannot hold the pages: "
 				  "%" PRIu64 " bytes of keys and values, %" PRIu64 " of page table",
 				  fn, pl->o.max_device_bytes, 2 * bytes,
-				  (uint64_t)pl->npages * sizeof(int64_t));
-	if (!(pl->tab_host = ape__malloc((size_t)pl->npages * sizeof(*pl->tab_host))))
+				  (uint64_t)pl->nslots * sizeof(int64_t));
+	if (!(pl->tab_host = ape__malloc((size_t)pl->nslots * sizeof(*pl->tab_host))))
 		return ape__error(APE_ENOMEM, "%s: out of host memory for %" PRId64 " pages", fn,
 				  pl->npages);
 	if ((ret = ape__devmem_alloc(&pl->mem, bytes, &pl->k, "allocating key pages")) ||
 	    (ret = ape__devmem_alloc(&pl->mem, bytes, &pl->v, "allocating value pages")) ||
-	    (ret = ape__devmem_alloc(&pl->mem, (uint64_t)pl->npages * sizeof(int64_t), &pl->tab,
+	    (ret = ape__devmem_alloc(&pl->mem, (uint64_t)pl->nslots * sizeof(int64_t), &pl->tab,
 				     "allocating the page table")))
 		return ape__error_prefix(ret, fn);
 	return 0;
@@ -228,7 +228,7 @@ void ape_kv_pool_destroy(ape_kv_pool *pl)
 		ape__devmem_free(&pl->mem, &pl->v,
 				 (uint64_t)(pl->o.Hkv * pl->nslots * pl->o.D) * pl->esz);
 	if (pl->tab)
-		ape__devmem_free(&pl->mem, &pl->tab, (uint64_t)pl->npages * sizeof(int64_t));
+		ape__devmem_free(&pl->mem, &pl->tab, (uint64_t)pl->nslots * sizeof(int64_t));
 	free(pl->tab_host);
 	for (int64_t i = 0; i < pl->nseq; i++) {
 		free(pl->seq[i].pages);

@@ -76,12 +76,14 @@ struct ape_kv_pool {
 	int64_t nkr, kr_cap;
 	struct ape__seg *segs; /* ... and its segments */
 	int64_t nsg, segs_cap;
+	int64_t lk_total; /* the keys of all its key runs */
 	/* the group of them the session runs now: key runs [cur_kr, cur_kr + cur_nkr), ragged
 	 * launches or one dense problem */
 	int64_t cur_kr, cur_nkr;
 	bool cur_ragged;
-	/* the page table of a one-sequence group read in place (struct ape__kv_pages.table):
-	 * its pages from logical page tab_first on, written to `tab` before the first launch */
+	/* the table of the group read in place (struct ape__kv_pages.table), written to `tab`
+	 * before its first launch: a one-sequence group's pages from its logical page tab_first
+	 * on; a ragged group's slot of every key row (pages of one token); slots entries at most */
 	struct ape__buf *tab;
 	int64_t *tab_host, tab_first, tab_n;
 	bool tab_pending;

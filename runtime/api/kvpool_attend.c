@@ -107,12 +107,20 @@ static bool pool_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, st
 	const struct ape__kvp_krun *r = pl->kr + pl->cur_kr;
 	int64_t t;
 
-	if (pl->cur_ragged || pl->cur_nkr != 1)
-		return false;
-	t = r->t0 + (j0 - r->j0);
 	*k = pl->k;
 	*v = pl->v;
 	memset(pg, 0, sizeof(*pg));
+	if (pl->cur_ragged) { /* the group's slot of every key row: pages of one token */
+		pg->block_tokens = 1;
+		pg->nblocks = pl->nslots;
+		pg->first_block = j0;
+		pg->planes = true;
+		pg->table = pl->tab;
+		return true;
+	}
+	if (pl->cur_nkr != 1)
+		return false;
+	t = r->t0 + (j0 - r->j0);
 	if (ape__kvp_contig(pl, r->s, t, n) == n) {
 		pg->block_tokens = pl->nslots;
 		pg->nblocks = 1;
@@ -289,6 +297,7 @@ static int build(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
 	}
 	pl->nsg = nsg;
 	pl->nkr = nkr;
+	pl->lk_total = lk_total;
 	return 0;
 }
 
@@ -333,6 +342,13 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 	if (pl->cur_ragged) {
 		g.segs = pl->segs + s0;
 		g.nseg = s1 - s0;
+		/* every key row's slot, for launches that read them in place */
+		pl->tab_n = 0;
+		for (int64_t r = r0; pl->ops->attention_pages && r < r1; r++)
+			for (int64_t j = 0; j < pl->kr[r].n; j++)
+				pl->tab_host[pl->tab_n++] =
+					ape__kvp_slot(pl, pl->kr[r].s, pl->kr[r].t0 + j);
+		pl->tab_pending = pl->tab_n > 0;
 	} else { /* one sequence over all its keys: the dense problem, every fast path */
 		const struct ape__kvp_krun *r = pl->kr + r0;
 
@@ -386,11 +402,23 @@ static int flush(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
 }
 
 /*
+ * On a backend without the in-place decode (attention_pages: the reference and CUDA), a
+ * decode-shaped sequence (one run of at most ALONE_ROWS rows) over at least ALONE_KEYS keys
+ * runs by itself too: their ragged launches have no decode kernel, and tiles of 64 rows spend a
+ * whole tile on each decode row (on OpenCL before its ragged decode, a step of 8 decode rows
+ * over 640 keys each took 10.8 ms of kernel that way, against about 0.25 ms a sequence by
+ * itself; bench/RESULTS.md). OpenCL's decode takes ragged launches, reading every sequence's
+ * pages in place through the group's slot table.
+ */
+#define ALONE_ROWS 16
+#define ALONE_KEYS 128
+
+/*
  * Runs the batch's segments in groups (see the file's comment). A sequence is a unit: its
- * segments (consecutive, one key run). A unit whose keys pass one key chunk of the plan runs
- * alone, as the dense problem when it is one segment (every fast path, the pages read in place
- * where the backend can); the others are packed in order into ragged groups of at most one key
- * chunk. Which of these a sequence gets depends on it alone.
+ * segments (consecutive, one key run). A unit whose keys pass one key chunk of the plan, or a
+ * decode-shaped one (above), runs alone, as the dense problem when it is one segment (every fast
+ * path, the pages read in place where the backend can); the others are packed in order into
+ * ragged groups of at most one key chunk. Which of these a sequence gets depends on it alone.
  */
 static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
 		      const ape_tensor *q, ape_tensor *o, float *lse, bool want_pairs,
@@ -406,7 +434,8 @@ static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__
 		for (u1 = u0 + 1; lk && u1 < pl->nsg && pl->segs[u1].k0 == k0 && pl->segs[u1].lk == lk;
 		     u1++)
 			;
-		if (lk > most) { /* alone */
+		if (lk > most || (!pl->ops->attention_pages && u1 - u0 == 1 &&
+				  pl->segs[u0].lq <= ALONE_ROWS && lk >= ALONE_KEYS)) { /* alone */
 			ret = flush(pl, fn, p, q, o, lse, want_pairs, false, g0, u0, gr0, r, res);
 			if (!ret)
 				ret = flush(pl, fn, p, q, o, lse, want_pairs, u1 - u0 == 1, u0, u1, r,
@@ -463,6 +492,7 @@ int ape_kv_pool_attend(ape_kv_pool *pl, const ape_attn_desc *desc, int64_t nseq,
 		if (ret)
 			goto out; /* a check failed: nothing written, nothing to report */
 		ret = run_groups(pl, fn, &p, q, o, lse, stats != NULL, &res);
+		p.Lk = pl->lk_total; /* the call log's shape: the keys the batch read */
 	}
 	if (stats || ape__call_logs(&pl->dev, 1)) {
 		const struct ape__call_report rep = {
