@@ -698,8 +698,8 @@ typedef struct ape_stats {
 	/* ---- added with the call log (APE_STATS_V2_SIZE ends before it) */
 	/** The kernel paths the call's launches took, each once, joined by '+' in a fixed order:
 	 *  "reference", "general", "positions" (explicit positions), "ragged", "separable",
-	 *  "split" (heads of both kinds), "decode", "decode-in-place" (a KV cache's blocks read
-	 *  where they are), "empty", "backward" (docs/profiling.md); "" when no kernel ran. */
+	 *  "split" (heads of both kinds), "decode", "decode-in-place" (a KV cache's blocks or a KV
+	 *  pool's pages read where they are), "empty", "backward" (docs/profiling.md); "" when no kernel ran. */
 	char path[64];
 } ape_stats;
 
