@@ -129,30 +129,62 @@ static int64_t dec_chunk_of(struct ape_device *dev, int64_t D, int64_t bkv, int6
 	return chunk < 4 * DEC_TILE ? 4 * DEC_TILE : chunk;
 }
 
-/* A launch's chunk. A ragged one's: as for a batch of its segments over its longest one, but
- * never more chunks than the launch's shape alone gives (its scratch, ape__ocl_decode_scratch(),
- * is asked before the segments are known). */
+/* A dense launch's chunk. */
 static int64_t dec_chunk(struct ape_device *dev, const struct ape__launch *l)
 {
-	const int64_t dense = dec_chunk_of(dev, l->D, l->B * l->Hkv, l->Lk);
-	int64_t lq, lk, most, chunk;
+	return dec_chunk_of(dev, l->D, l->B * l->Hkv, l->Lk);
+}
 
-	if (!l->segs || l->nseg < 1)
-		return dense;
-	dec_seg_max(l, &lq, &lk);
-	most = (l->Lk + dense - 1) / dense; /* chunks the scratch holds */
-	chunk = dec_chunk_of(dev, l->D, l->nseg * l->Hkv, lk);
-	if ((lk + chunk - 1) / chunk > most)
-		chunk = ((lk + most - 1) / most + DEC_TILE - 1) / DEC_TILE * DEC_TILE;
-	return chunk;
+/*
+ * A ragged launch's segment table (kernels/decode.cl, dec_seg()) into t (8 per segment): each
+ * segment cut into chunks as a dense launch of it alone (B = 1) would be, its partials after the
+ * previous segment's. Returns the partial rows of all of them; *most the most chunks of one.
+ */
+static int64_t dec_segs(struct ape_device *dev, const struct ape__launch *l, cl_long *t,
+			int64_t *most)
+{
+	int64_t off = 0;
+
+	*most = 1;
+	for (int64_t e = 0; e < l->nseg; e++) {
+		const struct ape__seg *g = &l->segs[e];
+		const int64_t chunk = dec_chunk_of(dev, l->D, l->Hkv, g->lk > 0 ? g->lk : 1);
+		const int64_t ns = (g->lk + chunk - 1) / chunk;
+
+		if (t) {
+			t[8 * e] = g->q0;
+			t[8 * e + 1] = g->lq;
+			t[8 * e + 2] = g->k0;
+			t[8 * e + 3] = g->lk;
+			t[8 * e + 4] = g->q_start - g->k_start;
+			t[8 * e + 5] = chunk;
+			t[8 * e + 6] = ns;
+			t[8 * e + 7] = off;
+		}
+		off += l->H * g->lq * ns;
+		*most = ns > *most ? ns : *most;
+	}
+	return off;
 }
 
 uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape__launch *l)
 {
 	const int64_t chunk = dec_chunk(dev, l), nsplit = (l->Lk + chunk - 1) / chunk;
+	const uint64_t fixed = 8 * (uint64_t)(l->D / 2 + 4 * l->H);
+	int64_t rows = l->B * l->H * l->Lq * nsplit, most;
 
-	return (uint64_t)(l->B * l->H * l->Lq * nsplit * (l->D + 2)) * sizeof(float) +
-	       8 * (uint64_t)(l->D / 2 + 4 * l->H);
+	if (l->segs && l->nseg > 0) {
+		rows = dec_segs(dev, l, NULL, &most);
+	} else if (l->nseg) {
+		/* a ragged launch, segments unknown: each segment's chunks are at most those of
+		 * a dense launch's split (s) and one per 256 keys, its rows at most DEC_MAX_ROWS */
+		const int64_t cu = dev->info.compute_units > 0 ? dev->info.compute_units : 1;
+		const int64_t s = (512 * cu + l->Hkv - 1) / l->Hkv;
+		const int64_t a = l->Lq * s, b = DEC_MAX_ROWS * ((l->Lk + 255) / 256 + l->Lq);
+
+		rows = l->H * (a < b ? a : b);
+	}
+	return (uint64_t)rows * (uint64_t)(l->D + 2) * sizeof(float) + fixed;
 }
 
 cl_mem ape__ocl_fast_params(struct ape__queue *q, const struct ape__launch *l, cl_int *err)
@@ -253,9 +285,9 @@ static int dec_wg_launch(struct ape__queue *q, struct ape__ocl_args *a, const st
 int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 {
 	const struct ape__ocl_program *pr;
-	const int64_t chunk = dec_chunk(q->dev, l);
+	const int64_t chunk = l->segs ? 0 : dec_chunk(q->dev, l);
 	const cl_int D = (cl_int)l->D, H = (cl_int)l->H, group = (cl_int)(l->H / l->Hkv);
-	int64_t seg_lq = l->Lq, seg_lk = l->Lk;
+	int64_t seg_lq = l->Lq, seg_lk = l->Lk, prow_n = 0, most = 1;
 	cl_int nsplit, flags = ape__ocl_fast_flags(l);
 	const cl_long Lq = l->Lq, Lk = l->Lk, rel = l->q_start - l->k_start, ch = chunk;
 	const cl_float scale = (cl_float)l->scale;
@@ -280,9 +312,13 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	cl_int err;
 	int ret;
 
-	if (l->segs)
+	if (l->segs) { /* grid: the most chunks of one segment; partials as dec_segs() lays them */
 		dec_seg_max(l, &seg_lq, &seg_lk);
-	nsplit = (cl_int)((seg_lk + chunk - 1) / chunk);
+		prow_n = dec_segs(q->dev, l, NULL, &most);
+		nsplit = (cl_int)most;
+	} else {
+		nsplit = (cl_int)((l->Lk + chunk - 1) / chunk);
+	}
 	nr = l->H / l->Hkv * seg_lq;
 
 	ape__path_note(l->path, pg ? APE__PATH_PAGES : APE__PATH_DECODE,
@@ -295,26 +331,24 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 		return ret;
 	prm = ape__ocl_fast_params(q, l, &err);
 	if (prm)
-		part = ape__ocl_scratch(q, rows * (size_t)nsplit * (size_t)(D + 2) * sizeof(float),
+		part = ape__ocl_scratch(q, (l->segs ? (size_t)(prow_n ? prow_n : 1)
+						   : rows * (size_t)nsplit) *
+						   (size_t)(D + 2) * sizeof(float),
 					NULL, &err);
 	if (part && l->segs) {
-		cl_long *t = ape__malloc((size_t)l->nseg * 5 * sizeof(*t));
+		cl_long *t = ape__malloc((size_t)l->nseg * 8 * sizeof(*t));
 
 		if (!t) {
 			ret = ape__error(APE_ENOMEM, "out of host memory for the decode's segments");
 			goto out;
 		}
-		for (int64_t e = 0; e < l->nseg; e++) {
-			t[5 * e] = l->segs[e].q0;
-			t[5 * e + 1] = l->segs[e].lq;
-			t[5 * e + 2] = l->segs[e].k0;
-			t[5 * e + 3] = l->segs[e].lk;
-			t[5 * e + 4] = l->segs[e].q_start - l->segs[e].k_start;
-		}
-		sg = ape__ocl_scratch(q, (size_t)l->nseg * 5 * sizeof(*t), t, &err);
+		dec_segs(q->dev, l, t, &most);
+		sg = ape__ocl_scratch(q, (size_t)l->nseg * 8 * sizeof(*t), t, &err);
 		free(t);
-		if (!sg)
+		if (!sg) {
+			clReleaseMemObject(part);
 			part = NULL;
+		}
 	}
 	if (!part) {
 		ret = ape__ocl_error(err, "clCreateBuffer (decode scratch)");

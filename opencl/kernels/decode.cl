@@ -221,25 +221,29 @@ KFN void dec_touch(__global const void *X, long base, const long *off, int len, 
 
 /*
  * A ragged launch (sg not NULL, the plain shape only): dimension 1 is segment e's kv heads
- * instead of the batch's, e's five longs at sg + 5 e being its first query row q0, its rows lq,
- * its first key row k0, its keys lk and its rows' distance to its first key (q_start -
- * k_start); B is 1, the partial rows are the launch's ((h * Lq + q0 + i)), and chunks past a
- * segment's keys write empty partials. dec_seg() gives a work-item its segment's values, or
- * the launch's without segments.
+ * instead of the batch's, e's eight longs at sg + 8 e being its first query row q0, its rows
+ * lq, its first key row k0, its keys lk, its rows' distance to its first key (q_start -
+ * k_start), its chunk, its chunks (nsplit) and where its partials start (poff: row h * lq + i
+ * of the segment at partial row poff + (h * lq + i) * nsplit). Each segment is cut into chunks
+ * as a dense launch of it alone would be (the host chooses them so), so that its arithmetic is
+ * the same, bit for bit, whatever other segments share its launch; work-items past a segment's
+ * chunks do nothing. dec_seg() gives a work-item its segment's values.
  */
-KFN __global const long *dec_seg(__global const long *sg, long e, long *b, long *q0, long *lq,
-				 long *k0, long *lk, long *rel)
+KFN void dec_seg(__global const long *sg, long e, long *b, long *q0, long *lq, long *k0, long *lk,
+		 long *rel, long *chunk, int *nsplit, long *poff)
 {
 	if (!sg)
-		return 0;
-	sg += 5 * e;
+		return;
+	sg += 8 * e;
 	*b = 0;
 	*q0 = sg[0];
 	*lq = sg[1];
 	*k0 = sg[2];
 	*lk = sg[3];
 	*rel = sg[4];
-	return sg;
+	*chunk = sg[5];
+	*nsplit = (int)sg[6];
+	*poff = sg[7];
 }
 
 KFN void dec_body(DEC_ARGS, const int RM)
@@ -248,9 +252,9 @@ KFN void dec_body(DEC_ARGS, const int RM)
 	const int inter = (flags & FD_INTERLEAVED) != 0, causal = (flags & FD_CAUSAL) != 0;
 	const long s = get_global_id(0), bkv = get_global_id(1);
 	const int Hkv = H / group, kvh = (int)(bkv % Hkv);
-	long b = bkv / Hkv, q0 = 0, k0 = 0, Lqs = Lq;
+	long b = bkv / Hkv, q0 = 0, k0 = 0, Lqs = Lq, poff = -1;
 
-	dec_seg(sg, bkv / Hkv, &b, &q0, &Lqs, &k0, &Lk, &rel);
+	dec_seg(sg, bkv / Hkv, &b, &q0, &Lqs, &k0, &Lk, &rel, &chunk, &nsplit, &poff);
 	const int nr = group * (int)Lqs;
 	const long j0 = s * chunk, j1 = max(j0, min(j0 + chunk, Lk));
 	__global const APE_REAL *omega = prm;
@@ -450,8 +454,9 @@ KFN void dec_body(DEC_ARGS, const int RM)
 		if (r >= nr)
 			break;
 		const int g = r / (int)Lqs, h = kvh * group + g;
-		const long row = (b * H + h) * Lq + q0 + r % Lqs;
-		__global float *pp = part + (row * nsplit + s) * (DEC_DIM + 2);
+		const long row = poff >= 0 ? poff + (h * Lqs + r % Lqs) * nsplit
+					   : ((b * H + h) * Lq + r % Lqs) * nsplit;
+		__global float *pp = part + (row + s) * (DEC_DIM + 2);
 
 		for (int c = 0; c < 2 * C; c++)
 			vstore16(ACC[r][c], 0, pp + 16 * c);
@@ -484,17 +489,19 @@ __kernel void ape_decode_merge(__global const float *part, __global const APE_RE
 			       int flags, int nsplit, __global const long *sg)
 {
 	const long i = get_global_id(0), bh = get_global_id(1);
-	long b = bh / H, q0 = 0, k0, Lqs = Lq;
+	long b = bh / H, q0 = 0, k0, Lqs = Lq, chunk = 0, poff = -1;
 	const int h = (int)(bh % H), P = DEC_DIM / 2, causal = (flags & FD_CAUSAL) != 0;
 
 	/* a ragged launch: dimension 1 is segment e's heads, row i of its lq (dec_seg()) */
-	dec_seg(sg, bh / H, &b, &q0, &Lqs, &k0, &Lk, &rel);
+	dec_seg(sg, bh / H, &b, &q0, &Lqs, &k0, &Lk, &rel, &chunk, &nsplit, &poff);
 	const long diag = rel + i, row = (b * H + h) * Lq + q0 + i;
-	__global const float *pp = part + row * nsplit * (DEC_DIM + 2);
+	__global const float *pp =
+		part + (poff >= 0 ? poff + (h * Lqs + i) * nsplit : row * nsplit) * (DEC_DIM + 2);
 	APE_REAL mx = -INFINITY, sum = 0;
 	float acc[DEC_DMAX];
 
 	(void)k0;
+	(void)chunk;
 	if (i >= Lqs)
 		return;
 	for (int s = 0; s < nsplit; s++)

@@ -134,7 +134,7 @@ static bool whole_in_place(const struct ape__kv_session *ks, const struct ape__k
 	struct ape__buf *k, *v;
 
 	if (!ks->dev->be->ops->attention_pages || r->dg->ent || r->dg->md ||
-	    p->Lq > ks->geom.plan.co || p->segs || !r->loader->pages ||
+	    p->Lq > ks->geom.plan.co || !r->loader->pages ||
 	    !r->loader->pages(r->loader->arg, 0, p->Lk, &k, &v, &pg))
 		return false;
 	ape__launch_init(&l, p, APE_F32, ape__skip_launch_tol(tol, false));
@@ -142,6 +142,8 @@ static bool whole_in_place(const struct ape__kv_session *ks, const struct ape__k
 	l.Lk = p->Lk;
 	l.q_start = p->q_start;
 	l.k_start = p->k_start;
+	l.segs = p->segs; /* a ragged problem: every segment in the one launch */
+	l.nseg = p->segs ? p->nseg : 0;
 	l.pages = &pg;
 	return ks->dev->be->ops->attention_pages(ks->dev, &l);
 }

@@ -11,15 +11,16 @@
  * executor's ragged launches, key chunks gathered from the pages on the device by the loader
  * below (one copy per head and run of consecutive slots), or read in place (below).
  *
- * The batch runs as groups, each one run of the session, chosen per sequence by its own keys
- * alone: a sequence whose window passes one key chunk of the plan runs by itself (the dense
- * problem, chunked from its own first key: the decode kernel reading its pages in place, through
- * a page table where they are not one run); the others are packed in order into ragged groups of
- * at most one key chunk, each sequence whole in it. So no key chunk cuts a sequence at a place
- * that depends on the others, every sequence takes the same kernels whatever shares its batch,
- * and its rows come out bit for bit the same whatever other sequences share the batch and in
- * what order. Forks share pages, so a batch's keys may also outnumber the pool's slots: the
- * groups cover that too.
+ * The batch runs as groups, each one run of the session, chosen per sequence by the sequence
+ * alone (run_groups()): a sequence the backend's decode reads in place joins the decode group
+ * of its neighbours (one ragged decode launch over every key, each sequence chunked as it would
+ * be alone); any other sequence whose window passes one key chunk of the plan runs by itself
+ * (the dense problem, chunked from its own first key); the rest are packed in order into ragged
+ * groups of at most one key chunk, each sequence whole in it. So no key chunk cuts a sequence
+ * at a place that depends on the others, every sequence takes the same kernels whatever shares
+ * its batch, and its rows come out bit for bit the same whatever other sequences share the
+ * batch and in what order. Forks share pages, so a batch's keys may also outnumber the pool's
+ * slots: the groups cover that too.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -31,6 +32,7 @@
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/verbose.h"
+#include "exec/launch.h"
 #include "exec/lse_merge.h"
 #include "exec/skip_budget.h"
 #include "api/kvpool.h"
@@ -420,20 +422,59 @@ static int flush(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
  * path, the pages read in place where the backend can); the others are packed in order into
  * ragged groups of at most one key chunk. Which of these a sequence gets depends on it alone.
  */
+/* Whether the backend reads segment sg of p (a unit of one segment) in place, in a ragged
+ * launch: the decode's shape (a few rows; on OpenCL's plain shape). A property of the sequence
+ * and the pool alone. */
+static bool decodes_in_place(const struct ape_kv_pool *pl, const struct ape__problem *p,
+			     const struct ape__seg *sg)
+{
+	struct ape__seg one = *sg;
+	struct ape__kv_pages pg = { .block_tokens = 1, .nblocks = pl->nslots, .planes = true,
+				    .table = pl->tab };
+	struct ape__launch l;
+
+	if (!pl->ops->attention_pages || sg->lk < 1)
+		return false;
+	one.q0 = one.k0 = 0;
+	ape__launch_init(&l, p, APE_F32, 0);
+	l.Lq = one.lq;
+	l.Lk = one.lk;
+	l.segs = &one;
+	l.nseg = 1;
+	l.pages = &pg;
+	return pl->ops->attention_pages(pl->dev, &l);
+}
+
 static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
 		      const ape_tensor *q, ape_tensor *o, float *lse, bool want_pairs,
 		      struct ape__exec_result *res)
 {
 	const int64_t most = pl->ks.geom.plan.ci; /* one key chunk */
 	int64_t g0 = 0, gr0 = 0, keys = 0, r = 0;
+	bool in_dec = false; /* the open group is a decode group */
 	int ret = 0;
 
 	for (int64_t u0 = 0, u1; u0 < pl->nsg && !ret; u0 = u1) {
 		const int64_t k0 = pl->segs[u0].k0, lk = pl->segs[u0].lk;
+		bool dec;
 
 		for (u1 = u0 + 1; lk && u1 < pl->nsg && pl->segs[u1].k0 == k0 && pl->segs[u1].lk == lk;
 		     u1++)
 			;
+		dec = u1 - u0 == 1 && decodes_in_place(pl, p, &pl->segs[u0]);
+		if (dec) { /* a decode group: any keys, every one read in place in one launch */
+			if (!in_dec || keys + lk > pl->nslots) {
+				ret = flush(pl, fn, p, q, o, lse, want_pairs, false, g0, u0, gr0, r,
+					    res);
+				g0 = u0;
+				gr0 = r;
+				keys = 0;
+			}
+			in_dec = true;
+			keys += lk;
+			r++;
+			continue;
+		}
 		if (lk > most || (!pl->ops->attention_pages && u1 - u0 == 1 &&
 				  pl->segs[u0].lq <= ALONE_ROWS && lk >= ALONE_KEYS)) { /* alone */
 			ret = flush(pl, fn, p, q, o, lse, want_pairs, false, g0, u0, gr0, r, res);
@@ -443,13 +484,15 @@ static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__
 			g0 = u1;
 			gr0 = ++r;
 			keys = 0;
+			in_dec = false;
 			continue;
 		}
-		if (keys + lk > most) {
+		if (in_dec || keys + lk > most) {
 			ret = flush(pl, fn, p, q, o, lse, want_pairs, false, g0, u0, gr0, r, res);
 			g0 = u0;
 			gr0 = r;
 			keys = 0;
+			in_dec = false;
 		}
 		keys += lk;
 		r += lk > 0;
