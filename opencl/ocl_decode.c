@@ -296,11 +296,12 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	/* the pages (bt 0: none), and K and V as views of one block when there are pages */
 	const cl_long pbt = pg ? pg->block_tokens : 0, pnb = pg ? pg->nblocks : 0,
 		      pfirst = pg ? pg->first_block : 0, prow = pg ? pg->first_row : 0;
-	/* blocks [B, Hkv, bt, D] one after another, or planes [B, Hkv, nblocks * bt, D] */
-	const bool planes = pg && pg->planes;
-	const cl_long plane = planes ? pnb * pbt : pbt;
-	const cl_long pblk = planes ? pbt * l->D : l->B * l->Hkv * pbt * l->D;
-	const cl_long pview[4] = { 0, l->Hkv * plane * l->D, plane * l->D, l->D };
+	/* where the blocks' rows lie (struct ape__kv_pages): K's and V's views from their offsets */
+	const cl_long pblk = pg ? pg->s_block : 0;
+	const cl_long pview[2][4] = { { pg ? pg->k_off : 0, pg ? pg->s_b : 0, pg ? pg->s_h : 0,
+					pg ? pg->s_row : 0 },
+				      { pg ? pg->v_off : 0, pg ? pg->s_b : 0, pg ? pg->s_h : 0,
+					pg ? pg->s_row : 0 } };
 	cl_mem ptab = pg && pg->table ? pg->table->mem : NULL;
 	struct ape__ocl_args a = { 0 };
 	cl_mem prm, part = NULL, none = NULL, sg = NULL;
@@ -368,7 +369,7 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 		if (!pg)
 			ape__ocl_arg_view(&a, l, t);
 		for (int i = 0; pg && i < 4; i++)
-			ape__ocl_arg(&a, sizeof(cl_long), &pview[i]);
+			ape__ocl_arg(&a, sizeof(cl_long), &pview[t - APE__T_K][i]);
 	}
 	ape__ocl_arg(&a, sizeof(D), &D);
 	ape__ocl_arg(&a, sizeof(Lq), &Lq);

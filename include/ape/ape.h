@@ -1574,6 +1574,129 @@ APE_API int ape_attention_enqueue_varlen(ape_queue *queue, const ape_attn_desc *
 					 const ape_dtensor *o, const ape_dtensor *lse);
 /**@}*/
 
+/** \name Paged attention over the caller's pages
+ *
+ * For engines that manage pages themselves (vLLM's block tables, FlashInfer's CSR page tables):
+ * libape attends over the caller's key and value page buffers, device tensors in any layout,
+ * through the caller's page table, with APE's true positions (docs/serving.md, "The caller's
+ * pages"). A plan (ape_paged_kv_plan()) checks a step's table and query batch once, from
+ * host-side lengths, without touching the device; every layer of the step then runs it
+ * (ape_paged_kv_run()) with its own page buffers and parameters. The object holds the plan,
+ * the page table's device copy and the executor's session, allocated at creation; it is used
+ * by one thread at a time.
+ */
+/**@{*/
+typedef struct ape_paged_kv ape_paged_kv;
+
+/** Options of ape_paged_kv_create(). Fields are only ever added at the end. */
+typedef struct ape_paged_kv_options {
+	size_t struct_size; /**< set by ape_paged_kv_options_init() */
+	int64_t Hkv; /**< key/value heads of the pages, >= 1 */
+	int64_t H; /**< query heads, a multiple of Hkv; 0: Hkv */
+	int64_t D; /**< head dimension: even, 2..APE_MAX_D */
+	ape_dtype dtype; /**< storage of the pages, queries and (or APE_F32) outputs */
+	int64_t page_tokens; /**< tokens per page of the caller's buffers, 1..65536 (required) */
+	int64_t num_pages; /**< pages of each buffer, >= 1; num_pages * page_tokens <= 2^40 */
+	int64_t max_batch_tokens; /**< most query rows of one plan, 1..2^20; 0: 256 */
+	int64_t attend_chunk; /**< keys per kernel launch; 0: 4096 */
+	/** Device memory the object may hold (page table, chunk buffers, partial outputs), bytes;
+	 *  0: no limit but the device's. */
+	uint64_t max_device_bytes;
+} ape_paged_kv_options;
+
+/** \brief Defaults: max_batch_tokens 256, attend_chunk 4096, no budget; Hkv, D, dtype,
+ *  page_tokens and num_pages must be set. Never fails. */
+APE_API void ape_paged_kv_options_init(ape_paged_kv_options *opts);
+
+/**
+ * \brief Makes the object on \p dev: the page table's device copy and the attend session, all
+ *        its device memory.
+ * \return 0; APE_EINVAL (NULL argument, bad option, naming it); APE_EOVERFLOW; APE_ENOMEM;
+ *         APE_ENOTSUP (a backend without strided device copies); device errors. *out is NULL
+ *         on failure.
+ */
+APE_API int ape_paged_kv_create(ape_device *dev, const ape_paged_kv_options *opts,
+				ape_paged_kv **out);
+
+/** \brief Destroys the object after its device work has finished. Accepts NULL. */
+APE_API void ape_paged_kv_destroy(ape_paged_kv *pk);
+
+/**
+ * A caller's page table over `nseq` sequences, in one of two forms (host memory, read by
+ * ape_paged_kv_plan() only):
+ * - FlashInfer's CSR form: sequence s holds pages indices[indptr[s]] .. indices[indptr[s+1] -
+ *   1] in order, every one full but the last, which holds last_page_len[s] tokens (1 ..
+ *   page_tokens; 0 for a sequence of no page);
+ * - a vLLM block table: sequence s holds seq_lens[s] tokens in its first
+ *   ceil(seq_lens[s] / page_tokens) pages block_table[s * block_table_stride + i] (the rest of
+ *   its row is not read).
+ * Page numbers lie in 0 .. num_pages - 1; sequences may share pages (prefix sharing, forks); a
+ * sequence may not hold one page twice. Token t of sequence s sits at position k_start[s] + t
+ * (k_start NULL: t).
+ */
+typedef struct ape_page_table {
+	size_t struct_size; /**< set by ape_page_table_init() */
+	int64_t nseq; /**< sequences, >= 0 */
+	const int64_t *indptr; /**< CSR: nseq + 1 offsets into indices, from 0, non-decreasing */
+	const int64_t *indices; /**< CSR: indptr[nseq] page numbers */
+	const int64_t *last_page_len; /**< CSR: nseq counts */
+	const int64_t *block_table; /**< block table: nseq rows of block_table_stride */
+	int64_t block_table_stride; /**< block table: entries per row, >= 0 */
+	const int64_t *seq_lens; /**< block table: nseq token counts, >= 0 */
+	const int64_t *k_start; /**< NULL, or nseq first positions in [-2^62, 2^62) */
+} ape_page_table;
+
+/** \brief An empty table (nseq 0, every pointer NULL). Never fails. */
+APE_API void ape_page_table_init(ape_page_table *pt);
+
+/**
+ * \brief Plans one step: the caller's page table \p pt and the query rows of each of its
+ *        sequences, rows [cu_seqlens_q[s], cu_seqlens_q[s + 1]) belonging to sequence s.
+ *
+ * Everything is checked here, once per step, from host memory: the table's form and every
+ * entry, the rows, the positions (by ape_kv_pool_attend()'s rules: \p pos_q NULL places each
+ * sequence's rows at the end of its keys, else every row's position). The plan keeps copies;
+ * the arrays may be reused when this returns. It replaces the previous plan.
+ *
+ * \param cu_seqlens_q pt->nseq + 1 offsets, from 0, non-decreasing, the last at most
+ *        max_batch_tokens (the total of query rows, total_q)
+ * \param pos_q NULL, or total_q positions
+ * \return 0; APE_EINVAL naming the argument, index and value (both forms or neither, a page
+ *         out of range or held twice by one sequence, last_page_len 0 or past the page, too few
+ *         block table entries, ...); APE_EOVERFLOW (a position past the range, naming the
+ *         sequence); APE_ENOMEM (host memory). On failure the object has no plan: runs fail
+ *         until a plan succeeds.
+ */
+APE_API int ape_paged_kv_plan(ape_paged_kv *pk, const ape_page_table *pt,
+			      const int64_t *cu_seqlens_q, const int64_t *pos_q);
+
+/**
+ * \brief Runs the plan with one layer's pages and parameters: the attention of each planned
+ *        row over its sequence's keys (with desc->causal, those at positions <= its own).
+ *
+ * \p k_pages and \p v_pages are device tensors of the object's device and dtype, shaped
+ * `[num_pages, Hkv, page_tokens, D]`, strides free with D contiguous (vLLM's
+ * `[num_pages, page_tokens, Hkv, D]` has strides `{page_tokens * Hkv * D, D, Hkv * D, 1}`;
+ * FlashInfer's K and V halves of one `[num_pages, 2, ...]` buffer are two tensors of it, at
+ * two offsets), both with the same strides; every element inside its buffer. They must hold
+ * their keys when the call is made (the caller's own writes to them completed); they are only
+ * read. q is `[1, H, total_q, D]` host memory of the dtype (a packed `[total_q, H, D]` array,
+ * strides free), total_q the plan's; o likewise, of the dtype or APE_F32; lse NULL or total_q
+ * * H floats (`[total_q, H]`). desc->q_start_set must be false and desc->k_start 0 (positions
+ * come from the plan). The caller's pages carry no key-norm maxima: no key is left out unread;
+ * the kernels' own skipping applies as in any call. Results equal those of ape_kv_pool_attend()
+ * over a pool holding the same sequences bit for bit on the same device wherever the pool
+ * leaves no key out either (skip_tol 0, or no decay; tested): the two share one code path.
+ *
+ * \return 0; APE_EINVAL (no plan, or a bad argument, naming it); APE_ENOMEM; device errors. On
+ *         an error found by the checks nothing is written; after a device failure o and lse
+ *         hold unspecified values. The plan stays for the next run.
+ */
+APE_API int ape_paged_kv_run(ape_paged_kv *pk, const ape_attn_desc *desc,
+			     const ape_dtensor *k_pages, const ape_dtensor *v_pages,
+			     const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats);
+/**@}*/
+
 /** \name Training: the backward pass
  *
  * The gradients of APE attention (docs/ape.md, "Gradients"; APE-SPEC.md, "Gradients"): given

@@ -102,6 +102,10 @@ bool ape__kv_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct
 	pg->nblocks = c->nblocks;
 	pg->first_block = ape__kv_phys(c, t / c->bt);
 	pg->first_row = t % c->bt;
+	pg->s_h = c->bt * c->o.D;
+	pg->s_b = c->o.Hkv * pg->s_h;
+	pg->s_block = c->o.B * pg->s_b;
+	pg->s_row = c->o.D;
 	return true;
 }
 

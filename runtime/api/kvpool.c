@@ -92,11 +92,29 @@ static void resolve(ape_kv_pool_options *o)
 		o->attend_chunk = APE__CHUNK_DEFAULT;
 }
 
-/* The page buffers, one for keys and one for values, each one device buffer. */
+/* The page buffers, one for keys and one for values, each one device buffer; over a caller's
+ * pages, only the page table. */
 static int make_pages(struct ape_kv_pool *pl, const char *fn)
 {
 	const uint64_t bytes = (uint64_t)(pl->o.Hkv * pl->nslots * pl->o.D) * pl->esz;
 	int ret;
+
+	if (pl->ext) {
+		if (pl->o.max_device_bytes &&
+		    (uint64_t)pl->nslots * sizeof(int64_t) > pl->o.max_device_bytes)
+			return ape__error(APE_ENOMEM,
+					  "%s: opts->max_device_bytes = %" PRIu64 " cannot hold the "
+					  "page table: %" PRIu64 " bytes",
+					  fn, pl->o.max_device_bytes,
+					  (uint64_t)pl->nslots * sizeof(int64_t));
+		if (!(pl->tab_host = ape__malloc((size_t)pl->nslots * sizeof(*pl->tab_host))))
+			return ape__error(APE_ENOMEM, "%s: out of host memory for %" PRId64 " pages",
+					  fn, pl->npages);
+		if ((ret = ape__devmem_alloc(&pl->mem, (uint64_t)pl->nslots * sizeof(int64_t),
+					     &pl->tab, "allocating the page table")))
+			return ape__error_prefix(ret, fn);
+		return 0;
+	}
 
 	pl->ref = ape__calloc((size_t)pl->npages, sizeof(*pl->ref));
 	pl->fnext = ape__malloc((size_t)pl->npages * sizeof(*pl->fnext));
@@ -146,7 +164,7 @@ static int make_rest(struct ape_kv_pool *pl, const char *fn)
 	uint64_t budget = UINT64_MAX;
 	int ret = 0;
 
-	for (int i = 0; !ret && i < 2; i++)
+	for (int i = 0; !ret && !pl->ext && i < 2; i++) /* append staging: the pool's own pages */
 		if (!(ret = pl->ops->queue_create(pl->dev, &pl->aq[i])))
 			ret = ape__host_alloc(pl->dev, (size_t)stage, &pl->astage[i]);
 	if (ret)
@@ -169,11 +187,40 @@ static int make_rest(struct ape_kv_pool *pl, const char *fn)
 	return 0;
 }
 
+int ape__kvp_create(ape_device *dev, const char *fn, const ape_kv_pool_options *o, bool ext,
+		    size_t size, struct ape_kv_pool **out)
+{
+	struct ape_kv_pool *pl;
+	int ret;
+
+	pl = ape__calloc(1, size);
+	if (!pl)
+		return ape__error(APE_ENOMEM, "%s: out of host memory", fn);
+	pl->dev = dev;
+	pl->ops = dev->be->ops;
+	pl->ext = ext;
+	pl->o = *o;
+	resolve(&pl->o);
+	pl->P = pl->o.page_tokens;
+	pl->npages = (pl->o.capacity_tokens + pl->P - 1) / pl->P;
+	pl->nslots = pl->npages * pl->P;
+	pl->esz = ape_dtype_size(pl->o.dtype);
+	pl->g = (struct ape__kvp_geom){ .sp = pl->P * pl->o.D, .sh = pl->nslots * pl->o.D,
+					.sr = pl->o.D };
+	ape__devmem_init(&pl->mem, dev, UINT64_MAX);
+	if ((ret = make_pages(pl, fn)) || (ret = make_rest(pl, fn))) {
+		ape__error_on(ret, dev);
+		ape_kv_pool_destroy(pl);
+		return ret;
+	}
+	*out = pl;
+	return 0;
+}
+
 int ape_kv_pool_create(ape_device *dev, const ape_kv_pool_options *opts, ape_kv_pool **out)
 {
 	APE__API_CALL("ape_kv_pool_create");
 	static const char fn[] = "ape_kv_pool_create";
-	struct ape_kv_pool *pl;
 	int ret;
 
 	if (!out)
@@ -189,31 +236,17 @@ int ape_kv_pool_create(ape_device *dev, const ape_kv_pool_options *opts, ape_kv_
 						"(a pool gathers and copies pages on the device)",
 						fn, dev->info.backend),
 				     dev);
-	pl = ape__calloc(1, sizeof(*pl));
-	if (!pl)
-		return ape__error(APE_ENOMEM, "%s: out of host memory", fn);
-	pl->dev = dev;
-	pl->ops = dev->be->ops;
-	pl->o = *opts;
-	resolve(&pl->o);
-	pl->P = pl->o.page_tokens;
-	pl->npages = (pl->o.capacity_tokens + pl->P - 1) / pl->P;
-	pl->nslots = pl->npages * pl->P;
-	pl->esz = ape_dtype_size(pl->o.dtype);
-	ape__devmem_init(&pl->mem, dev, UINT64_MAX);
-	if ((ret = make_pages(pl, fn)) || (ret = make_rest(pl, fn))) {
-		ape__error_on(ret, dev);
-		ape_kv_pool_destroy(pl);
-		return ret;
-	}
-	*out = pl;
-	return 0;
+	return ape__kvp_create(dev, fn, opts, false, sizeof(struct ape_kv_pool), out);
 }
 
 void ape_kv_pool_destroy(ape_kv_pool *pl)
 {
 	if (!pl)
 		return;
+	if (pl->ext) { /* the caller's buffers, borrowed for one run at a time */
+		pl->k = NULL;
+		pl->v = NULL;
+	}
 	ape__kv_session_free(&pl->ks);
 	for (int i = 0; i < 2; i++) {
 		if (pl->aq[i])
@@ -221,16 +254,16 @@ void ape_kv_pool_destroy(ape_kv_pool *pl)
 		pl->ops->event_destroy(pl->alast[i]);
 		ape__host_free(pl->dev, &pl->astage[i]);
 	}
-	if (pl->k)
+	if (pl->k && !pl->ext)
 		ape__devmem_free(&pl->mem, &pl->k,
 				 (uint64_t)(pl->o.Hkv * pl->nslots * pl->o.D) * pl->esz);
-	if (pl->v)
+	if (pl->v && !pl->ext)
 		ape__devmem_free(&pl->mem, &pl->v,
 				 (uint64_t)(pl->o.Hkv * pl->nslots * pl->o.D) * pl->esz);
 	if (pl->tab)
 		ape__devmem_free(&pl->mem, &pl->tab, (uint64_t)pl->nslots * sizeof(int64_t));
 	free(pl->tab_host);
-	for (int64_t i = 0; i < pl->nseq; i++) {
+	for (int64_t i = 0; !pl->ext && i < pl->nseq; i++) {
 		free(pl->seq[i].pages);
 		free(pl->seq[i].pre);
 	}
@@ -241,6 +274,7 @@ void ape_kv_pool_destroy(ape_kv_pool *pl)
 	free(pl->pnorm);
 	free(pl->kr);
 	free(pl->segs);
+	free(pl->full);
 	free(pl->lse_stage);
 	free(pl);
 }
@@ -292,7 +326,7 @@ int64_t ape__kvp_contig(const struct ape_kv_pool *pl, const struct ape__kvp_seq 
 	const int64_t held = s->npages * pl->P, end = t + most < held ? t + most : held;
 	int64_t lp = t / pl->P, u = (lp + 1) * pl->P;
 
-	while (u < end && s->pages[u / pl->P] == s->pages[lp] + 1) {
+	while (u < end && pl->g.sp == pl->P * pl->g.sr && s->pages[u / pl->P] == s->pages[lp] + 1) {
 		lp = u / pl->P;
 		u += pl->P;
 	}

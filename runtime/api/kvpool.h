@@ -41,6 +41,16 @@ struct ape__kvp_krun {
 	const struct ape__kvp_seq *s;
 };
 
+/*
+ * Where the pages lie in the two buffers: key row r of page p and kv head g starts at element
+ * off + p * sp + g * sh + r * sr (off: koff in the keys' buffer, voff in the values'), its D
+ * elements contiguous. The pool's own planes: 0, 0, P * D, nslots * D, D; a caller's pages
+ * (ape_paged_kv, kvpaged.c) any layout ape__check_dtensor() accepts.
+ */
+struct ape__kvp_geom {
+	int64_t koff, voff, sp, sh, sr;
+};
+
 struct ape_kv_pool {
 	struct ape_device *dev;
 	const struct ape__backend_ops *ops;
@@ -48,7 +58,11 @@ struct ape_kv_pool {
 	int64_t P, npages, nslots;
 	size_t esz;
 	struct ape__devmem mem;
-	struct ape__buf *k, *v; /* [Hkv, nslots, D] each */
+	struct ape__buf *k, *v; /* [Hkv, nslots, D] each; a caller's pages: theirs, for one run */
+	struct ape__kvp_geom g;
+	/* the caller's pages (ape_paged_kv): no page of its own, no append, no norm maxima; its
+	 * sequences are the plan's (kvpaged.c) */
+	bool ext;
 
 	/* pages: references, the free list (doubly linked, -1 ends it), key-norm maxima */
 	int32_t *ref;
@@ -75,6 +89,7 @@ struct ape_kv_pool {
 	struct ape__kvp_krun *kr; /* this attend's key runs */
 	int64_t nkr, kr_cap;
 	struct ape__seg *segs; /* ... and its segments */
+	struct ape__seg *full; /* the same segments uncut: the pairs visible */
 	int64_t nsg, segs_cap;
 	int64_t lk_total; /* the keys of all its key runs */
 	/* the group of them the session runs now: key runs [cur_kr, cur_kr + cur_nkr), ragged
@@ -90,15 +105,22 @@ struct ape_kv_pool {
 	float *lse_stage; /* [H][max_batch_tokens] */
 };
 
-/* Slot of token t of sequence s. */
+/* Element offset of token t of sequence s from its head's plane (struct ape__kvp_geom). */
+static inline int64_t ape__kvp_elem(const struct ape_kv_pool *pl, const struct ape__kvp_seq *s,
+				    int64_t t)
+{
+	return s->pages[t / pl->P] * pl->g.sp + t % pl->P * pl->g.sr;
+}
+
+/* Slot of token t of sequence s (the pool's own pages: its element offset / D). */
 static inline int64_t ape__kvp_slot(const struct ape_kv_pool *pl, const struct ape__kvp_seq *s,
 				    int64_t t)
 {
 	return s->pages[t / pl->P] * pl->P + t % pl->P;
 }
 
-/* Tokens from t on whose slots follow t's without a break, at most `most`, within the pages s
- * holds. */
+/* Tokens from t on whose rows follow t's without a break (rows sr apart across its pages), at
+ * most `most`, within the pages s holds. */
 int64_t ape__kvp_contig(const struct ape_kv_pool *pl, const struct ape__kvp_seq *s, int64_t t,
 			int64_t most);
 
@@ -113,11 +135,34 @@ int ape__kvp_check_batch(struct ape_kv_pool *pl, const char *fn, int64_t nseq,
 			 const int64_t *seq_ids, const int64_t *cu, const char *cu_name,
 			 int64_t total, const char *total_name);
 
+/* Makes a pool of `size` bytes (a struct ape_kv_pool first) on dev from checked options: its
+ * own pages, or (ext) a caller's (kvpaged.c: the page table, the session, no page, no append
+ * staging). 0, or a negative code with the message set (nothing made, *out untouched). */
+int ape__kvp_create(ape_device *dev, const char *fn, const ape_kv_pool_options *o, bool ext,
+		    size_t size, struct ape_kv_pool **out);
+
 /* Sets pl->loader: the attends' key loader (kvpool_attend.c). */
 void ape__kvp_loader(struct ape_kv_pool *pl);
 
 /* Orders q after the appends still copying (struct ape__kv_loader.wait). */
 int ape__kvp_wait(void *arg, struct ape__queue *q);
+
+/*
+ * What ape_kv_pool_attend() and ape_paged_kv_run() share (kvpool_attend.c). attend_problem:
+ * desc, q, o and lse checked as an attend of the pool's shape (positions from the pool).
+ * plan: the batch's segments and key runs (sequences seq_ids, rows by cu, positions pos_q),
+ * each sequence's window cut when the pool has norm maxima and p and q are given (the pool's
+ * own attends; a caller's pages have none). run: the planned batch, the pairs visible counted,
+ * its groups run on the session. Each returns 0 or a negative code with the message set.
+ */
+int ape__kvp_attend_problem(struct ape_kv_pool *pl, const char *fn, const ape_attn_desc *desc,
+			    const ape_tensor *q, const ape_tensor *o, const float *lse,
+			    struct ape__problem *p);
+int ape__kvp_plan(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
+		  const ape_tensor *q, int64_t nseq, const int64_t *seq_ids, const int64_t *cu,
+		  const int64_t *pos_q, double wtol);
+int ape__kvp_run(struct ape_kv_pool *pl, const char *fn, struct ape__problem *p,
+		 const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats, double t0);
 
 #pragma GCC visibility pop
 #endif

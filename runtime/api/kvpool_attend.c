@@ -80,16 +80,38 @@ static int pool_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int6
 		for (int64_t j = a; j < b && !ret;) {
 			const int64_t t = r->t0 + (j - r->j0);
 			const int64_t m = ape__kvp_contig(pl, r->s, t, b - j);
-			const int64_t slot = ape__kvp_slot(pl, r->s, t);
+			const int64_t e = ape__kvp_elem(pl, r->s, t);
 
-			for (int64_t g = 0; g < pl->o.Hkv && !ret; g++) {
-				const size_t dst = (size_t)(g * n + (j - j0)) * row;
-				const size_t src = (size_t)(g * pl->nslots + slot) * row;
+			if (pl->g.sr == pl->o.D) { /* rows one run per head: plain copies */
+				for (int64_t g = 0; g < pl->o.Hkv && !ret; g++) {
+					const size_t dst = (size_t)(g * n + (j - j0)) * row;
 
-				ret = pl->ops->copy_d2d(q, dk, dst, pl->k, src, (size_t)m * row);
-				if (!ret)
-					ret = pl->ops->copy_d2d(q, dv, dst, pl->v, src,
+					ret = pl->ops->copy_d2d(q, dk, dst, pl->k,
+								(size_t)(pl->g.koff + g * pl->g.sh + e) *
+									pl->esz,
 								(size_t)m * row);
+					if (!ret)
+						ret = pl->ops->copy_d2d(
+							q, dv, dst, pl->v,
+							(size_t)(pl->g.voff + g * pl->g.sh + e) * pl->esz,
+							(size_t)m * row);
+				}
+			} else { /* a caller's rows apart (heads interleaved): strided copies */
+				struct ape__copy c = {
+					.B = 1, .H = pl->o.Hkv, .L = m, .D = pl->o.D, .dst = dk,
+					.src = pl->k, .dst_type = (int)pl->o.dtype,
+					.src_type = (int)pl->o.dtype,
+					.dv = { (j - j0) * pl->o.D, 0, n * pl->o.D, pl->o.D },
+					.sv = { pl->g.koff + e, 0, pl->g.sh, pl->g.sr },
+					.head_D = pl->o.D,
+				};
+
+				ret = pl->ops->copy_view(q, &c);
+				c.dst = dv;
+				c.src = pl->v;
+				c.sv.off = pl->g.voff + e;
+				if (!ret)
+					ret = pl->ops->copy_view(q, &c);
 			}
 			*d2d += 2 * (uint64_t)(pl->o.Hkv * m) * row;
 			j += m;
@@ -98,10 +120,10 @@ static int pool_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int6
 	return ret;
 }
 
-/* In place: a one-sequence group's keys [j0, j0 + n). When their slots are one run, the page
- * buffers are one ring block ([1, Hkv, slots, D]: struct ape__kv_pages) read from the run's
- * first slot; else planes of pages addressed through the group's page table (run_group() made
- * it, pool_wait() writes it before the launch). */
+/* In place: a one-sequence group's keys [j0, j0 + n). When their rows are one run, the page
+ * buffers are one block read from the run's first row; else pages addressed through the
+ * group's page table (run_group() made it, pool_wait() writes it before the launch). A ragged
+ * group's table holds the element offset of every key row (blocks of one token). */
 static bool pool_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct ape__buf **v,
 		       struct ape__kv_pages *pg)
 {
@@ -112,21 +134,26 @@ static bool pool_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, st
 	*k = pl->k;
 	*v = pl->v;
 	memset(pg, 0, sizeof(*pg));
-	if (pl->cur_ragged) { /* the group's slot of every key row: pages of one token */
+	pg->k_off = pl->g.koff;
+	pg->v_off = pl->g.voff;
+	pg->s_h = pl->g.sh;
+	pg->s_row = pl->g.sr;
+	if (pl->cur_ragged) { /* the group's element offset of every key row */
 		pg->block_tokens = 1;
 		pg->nblocks = pl->nslots;
 		pg->first_block = j0;
-		pg->planes = true;
+		pg->s_block = 1;
 		pg->table = pl->tab;
 		return true;
 	}
 	if (pl->cur_nkr != 1)
 		return false;
 	t = r->t0 + (j0 - r->j0);
-	if (ape__kvp_contig(pl, r->s, t, n) == n) {
+	if (ape__kvp_contig(pl, r->s, t, n) == n) { /* one run of rows sr apart, from t's */
 		pg->block_tokens = pl->nslots;
 		pg->nblocks = 1;
-		pg->first_row = ape__kvp_slot(pl, r->s, t);
+		pg->k_off += ape__kvp_elem(pl, r->s, t);
+		pg->v_off += ape__kvp_elem(pl, r->s, t);
 		return true;
 	}
 	if (t / pl->P < pl->tab_first)
@@ -135,7 +162,7 @@ static bool pool_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, st
 	pg->nblocks = pl->npages;
 	pg->first_block = t / pl->P - pl->tab_first;
 	pg->first_row = t % pl->P;
-	pg->planes = true;
+	pg->s_block = pl->g.sp;
 	pg->table = pl->tab;
 	return true;
 }
@@ -157,9 +184,9 @@ static int pool_wait(void *arg, struct ape__queue *q)
 /* ------------------------------------------------------------------ checks */
 
 /* The problem: desc checked as a forward call over zero keys (positions from the pool). */
-static int attend_problem(struct ape_kv_pool *pl, const char *fn, const ape_attn_desc *desc,
-			  const ape_tensor *q, const ape_tensor *o, const float *lse,
-			  struct ape__problem *p)
+int ape__kvp_attend_problem(struct ape_kv_pool *pl, const char *fn, const ape_attn_desc *desc,
+			    const ape_tensor *q, const ape_tensor *o, const float *lse,
+			    struct ape__problem *p)
 {
 	static const char *const dims[4] = { "B", "H", "total_q", "D" };
 	const int64_t want[4] = { 1, pl->o.H, -1, pl->o.D };
@@ -217,6 +244,10 @@ static int grow(struct ape_kv_pool *pl, const char *fn, int64_t nseg, int64_t nk
 		if (!g)
 			return ape__error(APE_ENOMEM, "%s: out of host memory", fn);
 		pl->segs = g;
+		g = ape__realloc(pl->full, (size_t)cap * sizeof(*g));
+		if (!g)
+			return ape__error(APE_ENOMEM, "%s: out of host memory", fn);
+		pl->full = g;
 		pl->segs_cap = cap;
 	}
 	if (nkr > pl->kr_cap) {
@@ -234,11 +265,12 @@ static int grow(struct ape_kv_pool *pl, const char *fn, int64_t nseg, int64_t nk
 /*
  * The segments and key runs of the batch into pl->segs, pl->kr (the virtual key axis: each
  * sequence's window after the one before), each sequence's window cut with a share `wtol` of
- * skip_tol; the pairs visible (every key of each sequence, all heads) into *visible.
+ * skip_tol when p and q are given and the pool keeps norm maxima; the same segments uncut
+ * into pl->full (the pairs visible count every key).
  */
-static int build(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
-		 const ape_tensor *q, int64_t nseq, const int64_t *seq_ids, const int64_t *cu,
-		 const int64_t *pos_q, double wtol, uint64_t *visible)
+int ape__kvp_plan(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
+		  const ape_tensor *q, int64_t nseq, const int64_t *seq_ids, const int64_t *cu,
+		  const int64_t *pos_q, double wtol)
 {
 	int64_t nsg = 0, nkr = 0, lk_total = 0;
 	int ret;
@@ -251,7 +283,7 @@ static int build(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
 			.first = 0, .t_end = s->n, .k_start = s->k_start, .bt = pl->P,
 			.nbg = pl->o.Hkv, .norms = page_norms, .prefix = page_prefix, .arg = &na,
 		};
-		int64_t qmin, w, lk;
+		int64_t qmin, w = 0, lk;
 
 		if (!lq)
 			continue;
@@ -260,7 +292,8 @@ static int build(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
 		qmin = s->k_start + s->n - lq;
 		for (int64_t r = q0; pos_q && r < q0 + lq; r++)
 			qmin = r == q0 || pos_q[r] < qmin ? pos_q[r] : qmin;
-		w = s->n ? ape__kv_window_cut(&kk, p, q, q0, lq, qmin, wtol) : 0;
+		if (s->n && p && q && !pl->ext)
+			w = ape__kv_window_cut(&kk, p, q, q0, lq, qmin, wtol);
 		lk = s->n - w;
 		if (lk)
 			pl->kr[nkr++] = (struct ape__kvp_krun){ .j0 = lk_total, .n = lk, .t0 = w, .s = s };
@@ -274,11 +307,6 @@ static int build(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
 				;
 			if (!pos_q)
 				b = q0 + lq;
-			/* the pairs visible count every key of the sequence, cut or not */
-			const struct ape__seg all = { .q0 = a, .lq = b - a, .lk = s->n,
-						      .q_start = qs, .k_start = s->k_start };
-			uint64_t x;
-
 			if ((ret = ape__check_positions(fn, qs, b - a, s->k_start, s->n))) {
 				char where[80];
 
@@ -287,10 +315,8 @@ static int build(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
 					 seq_ids[i]);
 				return ape__error_suffix(ret, where);
 			}
-			if (ape__segs_visible(p, &all, 1, &x) || x > UINT64_MAX - *visible)
-				return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits",
-						  fn);
-			*visible += x;
+			pl->full[nsg] = (struct ape__seg){ .q0 = a, .lq = b - a, .lk = s->n,
+							   .q_start = qs, .k_start = s->k_start };
 			pl->segs[nsg++] = (struct ape__seg){ .q0 = a, .lq = b - a, .k0 = lk_total,
 							     .lk = lk, .q_start = qs,
 							     .k_start = s->k_start + w };
@@ -349,7 +375,7 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 		for (int64_t r = r0; pl->ops->attention_pages && r < r1; r++)
 			for (int64_t j = 0; j < pl->kr[r].n; j++)
 				pl->tab_host[pl->tab_n++] =
-					ape__kvp_slot(pl, pl->kr[r].s, pl->kr[r].t0 + j);
+					ape__kvp_elem(pl, pl->kr[r].s, pl->kr[r].t0 + j);
 		pl->tab_pending = pl->tab_n > 0;
 	} else { /* one sequence over all its keys: the dense problem, every fast path */
 		const struct ape__kvp_krun *r = pl->kr + r0;
@@ -429,8 +455,8 @@ static bool decodes_in_place(const struct ape_kv_pool *pl, const struct ape__pro
 			     const struct ape__seg *sg)
 {
 	struct ape__seg one = *sg;
-	struct ape__kv_pages pg = { .block_tokens = 1, .nblocks = pl->nslots, .planes = true,
-				    .table = pl->tab };
+	struct ape__kv_pages pg = { .block_tokens = 1, .nblocks = pl->nslots, .s_block = 1,
+				    .s_h = pl->g.sh, .s_row = pl->g.sr, .table = pl->tab };
 	struct ape__launch l;
 
 	if (!pl->ops->attention_pages || sg->lk < 1)
@@ -502,44 +528,25 @@ static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__
 	return ret;
 }
 
-int ape_kv_pool_attend(ape_kv_pool *pl, const ape_attn_desc *desc, int64_t nseq,
-		       const int64_t *seq_ids, const int64_t *cu_seqlens_q, const int64_t *pos_q,
-		       const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats)
+/* The planned batch (ape__kvp_plan()) on the session, and the call's report. p->Lq > 0 unless
+ * the batch has no row. */
+int ape__kvp_run(struct ape_kv_pool *pl, const char *fn, struct ape__problem *p,
+		 const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats, double t0)
 {
-	APE__API_CALL("ape_kv_pool_attend");
-	static const char fn[] = "ape_kv_pool_attend";
-	const double t0 = ape__now_ms();
 	struct ape__exec_result res;
-	struct ape__problem p;
 	uint64_t visible = 0;
-	double wtol, rest;
-	int ret;
+	int ret = 0;
 
-	if (!pl)
-		return ape__error(APE_EINVAL, "%s: pool = NULL", fn);
-	if ((ret = ape__stats_check(fn, stats)))
-		return ret;
-	if ((ret = attend_problem(pl, fn, desc, q, o, lse, &p)))
-		return ret;
-	if ((ret = ape__kvp_check_batch(pl, fn, nseq, seq_ids, cu_seqlens_q, "cu_seqlens_q", p.Lq,
-					"q->shape[2]")))
-		goto out;
 	memset(&res, 0, sizeof(res));
-	if (p.Lq > 0) {
-		ape__skip_window(p.skip_tol, false, &wtol, &rest);
-		ret = build(pl, fn, &p, q, nseq, seq_ids, cu_seqlens_q, pos_q, wtol, &visible);
-		/* whether or not any window was cut, so that a sequence's launches skip by the
-		 * same tolerance whatever else shares the batch */
-		if (!ret && ape__skip_allowed(&p))
-			p.skip_tol = rest;
-		if (ret)
-			goto out; /* a check failed: nothing written, nothing to report */
-		ret = run_groups(pl, fn, &p, q, o, lse, stats != NULL, &res);
-		p.Lk = pl->lk_total; /* the call log's shape: the keys the batch read */
+	if (p->Lq > 0) {
+		if (ape__segs_visible(p, pl->full, pl->nsg, &visible))
+			return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
+		ret = run_groups(pl, fn, p, q, o, lse, stats != NULL, &res);
+		p->Lk = pl->lk_total; /* the call log's shape: the keys the batch read */
 	}
 	if (stats || ape__call_logs(&pl->dev, 1)) {
 		const struct ape__call_report rep = {
-			.fn = fn, .p = &p, .ret = ret, .pairs_uncounted = !stats && p.Lq > 0,
+			.fn = fn, .p = p, .ret = ret, .pairs_uncounted = !stats && p->Lq > 0,
 			.res = &res, .devs = &pl->dev, .ndev = 1, .devices = 1,
 			.pairs_visible = visible, .t0 = t0,
 		};
@@ -548,6 +555,39 @@ int ape_kv_pool_attend(ape_kv_pool *pl, const ape_attn_desc *desc, int64_t nseq,
 		res.st.peak_bytes += pl->mem.cur;
 		ape__call_done(stats, &rep);
 	}
+	return ret;
+}
+
+int ape_kv_pool_attend(ape_kv_pool *pl, const ape_attn_desc *desc, int64_t nseq,
+		       const int64_t *seq_ids, const int64_t *cu_seqlens_q, const int64_t *pos_q,
+		       const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats)
+{
+	APE__API_CALL("ape_kv_pool_attend");
+	static const char fn[] = "ape_kv_pool_attend";
+	const double t0 = ape__now_ms();
+	struct ape__problem p;
+	double wtol = 0, rest = 0;
+	int ret;
+
+	if (!pl)
+		return ape__error(APE_EINVAL, "%s: pool = NULL", fn);
+	if ((ret = ape__stats_check(fn, stats)))
+		return ret;
+	if ((ret = ape__kvp_attend_problem(pl, fn, desc, q, o, lse, &p)))
+		return ret;
+	if ((ret = ape__kvp_check_batch(pl, fn, nseq, seq_ids, cu_seqlens_q, "cu_seqlens_q", p.Lq,
+					"q->shape[2]")))
+		goto out;
+	ape__skip_window(p.skip_tol, false, &wtol, &rest);
+	pl->nsg = pl->nkr = pl->lk_total = 0;
+	if (p.Lq > 0 && (ret = ape__kvp_plan(pl, fn, &p, q, nseq, seq_ids, cu_seqlens_q, pos_q,
+					     wtol)))
+		goto out; /* a check failed: nothing written, nothing to report */
+	/* whether or not any window was cut, so that a sequence's launches skip by the same
+	 * tolerance whatever else shares the batch */
+	if (ape__skip_allowed(&p))
+		p.skip_tol = rest;
+	ret = ape__kvp_run(pl, fn, &p, q, o, lse, stats, t0);
 out:
 	ape__problem_fini(&p);
 	return ret;

@@ -135,18 +135,22 @@ enum ape__tensor_id { APE__T_Q, APE__T_K, APE__T_V, APE__T_O, APE__T_LSE, APE__T
  * Every block a launch addresses holds written keys; blocks outside its keys may hold anything
  * (released or not yet appended) and are never read.
  *
- * Two variations (the KV pool's, runtime/api/kvpool.h; later within ABI 14): with `planes`, the
- * pools are [B, Hkv, nblocks * block_tokens, D] instead (each (batch, head) a plane of its own,
- * block p being rows p * block_tokens .. of every plane); with `table` (a device buffer of
- * int64 block numbers, written before the launch runs), logical block lb is physical block
- * table[first_block + lb] instead of the ring's (first_block + lb) mod nblocks (first_block is
- * then an index into the table).
+ * Where they lie is stated as data (within ABI 14): key row r of physical block p, batch b and
+ * kv head h starts at element off + p * s_block + b * s_b + h * s_h + r * s_row of its pool
+ * (off: k_off for K, v_off for V; the D elements from there contiguous). The KV cache's ring of
+ * blocks above sets s_block = B * Hkv * block_tokens * D, s_b = Hkv * block_tokens * D,
+ * s_h = block_tokens * D, s_row = D; the KV pool's planes and a caller's pages in any layout
+ * (runtime/api/kvpool.h) set theirs. With `table` (a device buffer of int64 block numbers,
+ * written before the launch runs), logical block lb is physical block table[first_block + lb]
+ * instead of the ring's (first_block + lb) mod nblocks (first_block is then an index into the
+ * table); a table of blocks of one token may hold element offsets (s_block 1).
  */
 struct ape__kv_pages {
 	int64_t block_tokens, nblocks; /* >= 1 */
 	int64_t first_block; /* 0 <= first_block < nblocks; with a table, an index into it */
 	int64_t first_row; /* 0 <= first_row < block_tokens */
-	bool planes;
+	int64_t k_off, v_off; /* elements */
+	int64_t s_block, s_b, s_h, s_row; /* strides in elements */
 	struct ape__buf *table; /* NULL: the ring */
 };
 
