@@ -120,7 +120,8 @@ static int model_append(struct model *m, ape_rng *r, int64_t i, int64_t n)
 }
 
 /* One batch append: sequence idx[j] gets cnt[j] random tokens; the call's code. */
-static int model_append_batch(struct model *m, ape_rng *r, int64_t nb, const int64_t *idx,
+static __attribute__((unused)) int model_append_batch(struct model *m, ape_rng *r, int64_t nb,
+						   const int64_t *idx,
 			      const int64_t *cnt)
 {
 	int64_t *ids = malloc(sizeof(int64_t) * (size_t)(nb + 1));
@@ -184,7 +185,7 @@ static int64_t model_fork(struct model *m, int64_t i, int *ret)
 	return m->ns++;
 }
 
-static int model_remove(struct model *m, int64_t i)
+static __attribute__((unused)) int model_remove(struct model *m, int64_t i)
 {
 	int ret = ape_kv_pool_remove_sequence(m->pool, m->s[i].id);
 

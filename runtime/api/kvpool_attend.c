@@ -487,6 +487,14 @@ static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__
 		for (u1 = u0 + 1; lk && u1 < pl->nsg && pl->segs[u1].k0 == k0 && pl->segs[u1].lk == lk;
 		     u1++)
 			;
+		if (!lk && in_dec && u1 - u0 == 1) { /* no key: joins the decode group when the
+							 * decode would take its rows */
+			struct ape__seg one = pl->segs[u0];
+
+			one.lk = 1;
+			if (decodes_in_place(pl, p, &one))
+				continue;
+		}
 		dec = u1 - u0 == 1 && decodes_in_place(pl, p, &pl->segs[u0]);
 		if (dec) { /* a decode group: any keys, every one read in place in one launch */
 			if (!in_dec || keys + lk > pl->nslots) {
