@@ -202,6 +202,7 @@ struct mbatch {
 	bool explicit_pos;
 	test_tensor q, o;
 	float *lse;
+	float *ent, *md; /* NULL, or [tq, H] each: the diagnostics wanted (mbatch_want_diag()) */
 	ape_attn_desc desc;
 	float prm[4][8];
 };
@@ -210,6 +211,8 @@ static void mbatch_free(struct mbatch *b)
 {
 	free(b->posq);
 	free(b->lse);
+	free(b->ent);
+	free(b->md);
 	test_tensor_free(&b->q);
 	test_tensor_free(&b->o);
 }
@@ -253,24 +256,45 @@ static int mbatch_make(struct mbatch *b, const struct model *m, ape_rng *r, int6
 	return 0;
 }
 
+/* The batch's attends also return both diagnostics; 0 or -1 (out of memory). */
+static __attribute__((unused)) int mbatch_want_diag(const struct model *m, struct mbatch *b)
+{
+	b->ent = malloc(sizeof(float) * (size_t)(b->tq * m->H + 1));
+	b->md = malloc(sizeof(float) * (size_t)(b->tq * m->H + 1));
+	return b->ent && b->md ? 0 : -1;
+}
+
 static int mbatch_attend(const struct model *m, struct mbatch *b, ape_stats *st)
 {
+	if (b->ent || b->md)
+		return ape_kv_pool_attend_diag(m->pool, &b->desc, b->nb, b->ids, b->cu,
+					       b->explicit_pos ? b->posq : NULL, &b->q.t, &b->o.t,
+					       b->lse, b->ent, b->md, st);
 	return ape_kv_pool_attend(m->pool, &b->desc, b->nb, b->ids, b->cu,
 				  b->explicit_pos ? b->posq : NULL, &b->q.t, &b->o.t, b->lse, st);
 }
 
 /*
  * Every row of b against naive_attention() over its sequence's keys at their positions: the
- * largest error of O over max|V| and of LSE (relative to max(1, |LSE|)) into *eo and *el;
+ * largest error of O over max|V| and of LSE (relative to max(1, |LSE|)) into *eo and *el, and
+ * with b's diagnostics (b->ent, b->md) those of the entropy (as LSE's) and of the mean distance
+ * (relative to max(1, the row's largest visible |n|)) into *ee and *em (each may be NULL);
  * -1 when the oracle runs out of memory.
  */
-static int mbatch_check(const struct model *m, const struct mbatch *b, double *eo, double *el)
+static int mbatch_check_diag(const struct model *m, const struct mbatch *b, double *eo,
+			     double *el, double *ee, double *em)
 {
-	*eo = *el = 0;
+	double ee_ = 0, em_ = 0;
+
+	if (!ee)
+		ee = &ee_;
+	if (!em)
+		em = &em_;
+	*eo = *el = *ee = *em = 0;
 	for (int64_t j = 0; j < b->nb; j++) {
 		const struct mseq *s = &m->s[b->idx[j]];
 		const int64_t q0 = b->cu[j], lq = b->cu[j + 1] - q0, n = s->n;
-		double prm[4][8], *o, *lse, vmax = 1e-30;
+		double prm[4][8], *o, *lse, *dent, *dmd, *dmax, vmax = 1e-30;
 		int64_t *posk = malloc(sizeof(int64_t) * (size_t)(n + 1));
 		naive_params np = {
 			.rope_base = b->desc.rope_base, .rope_scale = b->desc.rope_scale,
@@ -284,8 +308,11 @@ static int mbatch_check(const struct model *m, const struct mbatch *b, double *e
 		}
 		o = calloc((size_t)(m->H * lq * m->D) + 1, sizeof(double));
 		lse = malloc(sizeof(double) * (size_t)(m->H * lq + 1));
-		if (!posk || !o || !lse)
+		dent = calloc((size_t)(3 * m->H * lq) + 1, sizeof(double));
+		if (!posk || !o || !lse || !dent)
 			return -1;
+		dmd = dent + m->H * lq;
+		dmax = dmd + m->H * lq;
 		for (int64_t t = 0; t < n; t++)
 			posk[t] = s->k_start + t;
 		for (int i = 0; i < 4; i++)
@@ -297,7 +324,7 @@ static int mbatch_check(const struct model *m, const struct mbatch *b, double *e
 		np.lambda = prm[3];
 		ape_tensor_init_packed(&kt, s->k, m->dt, n, m->Hkv, m->D);
 		ape_tensor_init_packed(&vt, s->v, m->dt, n, m->Hkv, m->D);
-		if (n && naive_attention(&np, &qt, &kt, &vt, o, lse))
+		if (n && naive_attention_diag(&np, &qt, &kt, &vt, o, lse, dent, dmd, dmax))
 			return -1;
 		for (int64_t r = 0; !n && r < m->H * lq; r++)
 			lse[r] = -INFINITY;
@@ -307,7 +334,21 @@ static int mbatch_check(const struct model *m, const struct mbatch *b, double *e
 					vmax = fmax(vmax, fabs(test_tensor_get(&vt, 0, g, t, d)));
 		for (int64_t h = 0; h < m->H; h++)
 			for (int64_t i = 0; i < lq; i++) {
-				test_lse_err(b->lse[(q0 + i) * m->H + h], lse[h * lq + i], el);
+				const int64_t r = (q0 + i) * m->H + h, w = h * lq + i;
+				const double se = fmax(1, isfinite(lse[w]) ? fabs(lse[w]) : 1);
+
+				test_lse_err(b->lse[r], lse[w], el);
+				if (b->ent)
+					*ee = fmax(*ee, isnan(dent[w]) != isnan(b->ent[r])
+								? INFINITY
+								: isnan(dent[w]) ? 0
+										 : fabs(b->ent[r] - dent[w]) / se);
+				if (b->md)
+					*em = fmax(*em, isnan(dmd[w]) != isnan(b->md[r])
+								? INFINITY
+								: isnan(dmd[w]) ? 0
+										: fabs(b->md[r] - dmd[w]) /
+											  fmax(1, dmax[w]));
 				for (int64_t d = 0; d < m->D; d++) {
 					const double x = test_tensor_get(&b->o.t, 0, h, q0 + i, d);
 					const double e =
@@ -319,8 +360,14 @@ static int mbatch_check(const struct model *m, const struct mbatch *b, double *e
 		free(posk);
 		free(o);
 		free(lse);
+		free(dent);
 	}
 	return 0;
+}
+
+static int mbatch_check(const struct model *m, const struct mbatch *b, double *eo, double *el)
+{
+	return mbatch_check_diag(m, b, eo, el, NULL, NULL);
 }
 
 #endif

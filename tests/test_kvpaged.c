@@ -340,7 +340,8 @@ TEST_F(paged, equals_the_oracle_and_the_pool)
 }
 
 /* With the seed's decay and skipping: the kernels skip (no window is cut: the caller's pages
- * carry no norm maxima), every row within the spec's skip tolerance of the oracle. */
+ * carry no norm maxima), every row within the spec's skip tolerance of the oracle; the
+ * diagnostics against their definitions. */
 TEST_F(paged, decay_with_skipping)
 {
 	const int64_t P = 16, D = self->emu ? 16 : 64;
@@ -386,6 +387,22 @@ TEST_F(paged, decay_with_skipping)
 	ASSERT_EQ(0, paged_run(pk, &c, true, &b, &o2.t, lse2, &st)) TH_LOG("%s", ape_last_error());
 	check_outputs(_metadata, &m, &b, &o2, lse2, "decay, skipping");
 	EXPECT_GE(st.pairs_visible, st.pairs_computed);
+	if (self->dev->caps.diag) { /* the diagnostics, against the definitions */
+		struct mbatch x = b;
+		double eo, el, ee, em;
+
+		ASSERT_EQ(0, mbatch_want_diag(&m, &b));
+		ASSERT_EQ(0, ape_paged_kv_run_diag(pk, &b.desc, &c.k, &c.v, &b.q.t, &o2.t, lse2,
+						   b.ent, b.md, NULL))
+		TH_LOG("%s", ape_last_error());
+		x = b;
+		x.o = o2;
+		x.lse = lse2;
+		ASSERT_EQ(0, mbatch_check_diag(&m, &x, &eo, &el, &ee, &em));
+		EXPECT_LE(eo, test_tol_o(APE_F32) + test_skip_tol_o(b.desc.skip_tol));
+		EXPECT_LE(ee, test_tol_lse(APE_F32)) TH_LOG("entropy error %g", ee);
+		EXPECT_LE(em, test_tol_lse(APE_F32)) TH_LOG("distance error %g", em);
+	}
 	test_tensor_free(&o2);
 	free(lse2);
 	cpages_free(&c);

@@ -419,6 +419,68 @@ TEST_F(pool, a_decode_step_of_many_sequences_reads_pages_in_place)
 	model_free(&m);
 }
 
+/* The diagnostics of a mixed batch (decode rows, a prefill chunk, a sequence without keys,
+ * explicit positions, decay with skipping): entropy and mean distance of every row against the
+ * definitions, at the LSE tolerance of the storage type; only one of them asked for; a plain
+ * attend afterwards still reads in place. */
+TEST_F(pool, diagnostics_of_a_mixed_batch)
+{
+	ape_kv_pool_options o = pool_options(2, 4, 32, APE_F16, 16, 4096);
+	struct model m;
+	ape_rng rng;
+	int64_t idx[6], lq[6] = { 1, 5, 1, 2, 1, 1 };
+	int ret;
+
+	if (!self->dev->caps.diag)
+		SKIP(return, "%s has no diagnostics", variant->backend);
+	ape_rng_init(&rng, _metadata->name);
+	o.attend_chunk = 128; /* the longest sequence by itself, in key chunks */
+	ASSERT_EQ(0, model_init(&m, self->dev, &o)) TH_LOG("%s", ape_last_error());
+	for (int j = 0; j < 6; j++) {
+		ASSERT_LE(0, (idx[j] = model_add(&m, ape_rng_range(&rng, -50, 50), &ret)));
+		if (j != 4) /* sequence 4 holds nothing */
+			ASSERT_EQ(0, model_append(&m, &rng, idx[j],
+						  j == 1 ? 300 : ape_rng_range(&rng, 1, 90)));
+	}
+	for (int pass = 0; pass < 3; pass++) {
+		struct mbatch b;
+		double eo, el, ee, em;
+
+		ASSERT_EQ(0, mbatch_make(&b, &m, &rng, 6, idx, lq, pass == 1 ? POS_GAPS
+									     : POS_DEFAULT));
+		ASSERT_EQ(0, mbatch_want_diag(&m, &b));
+		if (pass == 2) { /* the seed's decay, a loose skip_tol the call tightens */
+			for (int h = 0; h < 4; h++) {
+				b.prm[0][h] = 0.4f;
+				b.prm[1][h] = 0.02f;
+				b.prm[2][h] = 0.02f;
+				b.prm[3][h] = 0.1f;
+			}
+			b.desc.skip_tol = 1e-3;
+		}
+		ASSERT_EQ(0, mbatch_attend(&m, &b, NULL)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, mbatch_check_diag(&m, &b, &eo, &el, &ee, &em));
+		EXPECT_LE(eo, test_tol_o(APE_F16)) TH_LOG("pass %d: O error %g", pass, eo);
+		EXPECT_LE(el, test_tol_lse(APE_F16)) TH_LOG("pass %d: LSE error %g", pass, el);
+		EXPECT_LE(ee, test_tol_lse(APE_F16)) TH_LOG("pass %d: entropy error %g", pass, ee);
+		EXPECT_LE(em, test_tol_lse(APE_F16)) TH_LOG("pass %d: distance error %g", pass, em);
+		if (pass == 0) { /* an output overlapping another: refused, naming both */
+			EXPECT_EQ(APE_EINVAL,
+				  ape_kv_pool_attend_diag(m.pool, &b.desc, b.nb, b.ids, b.cu, NULL,
+							  &b.q.t, &b.o.t, b.lse, b.lse, NULL, NULL));
+			EXPECT_NE(NULL, strstr(ape_last_error(), "entropy overlaps"))
+			TH_LOG("%s", ape_last_error());
+		}
+		free(b.ent); /* the mean distance alone */
+		b.ent = NULL;
+		ASSERT_EQ(0, mbatch_attend(&m, &b, NULL)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, mbatch_check_diag(&m, &b, &eo, &el, NULL, &em));
+		EXPECT_LE(em, test_tol_lse(APE_F16)) TH_LOG("pass %d: distance error %g", pass, em);
+		mbatch_free(&b);
+	}
+	model_free(&m);
+}
+
 /* Bad arguments: an error naming them, nothing written, the pool unchanged. */
 TEST_F(pool, validation_names_the_argument)
 {

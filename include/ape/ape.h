@@ -1328,6 +1328,24 @@ APE_API int ape_kv_pool_attend(ape_kv_pool *pool, const ape_attn_desc *desc, int
 			       const int64_t *pos_q, const ape_tensor *q, ape_tensor *o,
 			       float *lse, ape_stats *stats);
 
+/**
+ * \brief ape_kv_pool_attend() that also returns each query row's attention entropy and mean
+ *        attention distance over its sequence's keys, as ape_attention_forward_diag() defines
+ *        them (docs/diagnostics.md), computed in the same fused pass.
+ *
+ * \param entropy,mean_distance each NULL (not wanted), or total_q * H floats `[total_q, H]`
+ *        (token-major, as lse); a row that sees no key gets 0 in both, a NaN row NaN
+ * \return as ape_kv_pool_attend(); APE_EINVAL also for an output overlapping another (naming
+ *         both); APE_ENOTSUP on a backend without the diagnostics. The call runs under
+ *         `min(desc->skip_tol, 2^-24)`, where the diagnostics stay within the spec's tolerance
+ *         (windows are cut under that tolerance too). Keys are gathered, not read in place.
+ */
+APE_API int ape_kv_pool_attend_diag(ape_kv_pool *pool, const ape_attn_desc *desc, int64_t nseq,
+				    const int64_t *seq_ids, const int64_t *cu_seqlens_q,
+				    const int64_t *pos_q, const ape_tensor *q, ape_tensor *o,
+				    float *lse, float *entropy, float *mean_distance,
+				    ape_stats *stats);
+
 /** State of a pool. */
 typedef struct ape_kv_pool_info {
 	int64_t page_tokens;
@@ -1695,6 +1713,15 @@ APE_API int ape_paged_kv_plan(ape_paged_kv *pk, const ape_page_table *pt,
 APE_API int ape_paged_kv_run(ape_paged_kv *pk, const ape_attn_desc *desc,
 			     const ape_dtensor *k_pages, const ape_dtensor *v_pages,
 			     const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats);
+
+/**
+ * \brief ape_paged_kv_run() that also returns each row's attention entropy and mean attention
+ *        distance, as ape_kv_pool_attend_diag() does (the same layout and rules).
+ */
+APE_API int ape_paged_kv_run_diag(ape_paged_kv *pk, const ape_attn_desc *desc,
+				  const ape_dtensor *k_pages, const ape_dtensor *v_pages,
+				  const ape_tensor *q, ape_tensor *o, float *lse, float *entropy,
+				  float *mean_distance, ape_stats *stats);
 /**@}*/
 
 /** \name Training: the backward pass

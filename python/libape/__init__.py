@@ -8,19 +8,20 @@
     o = libape.attention_varlen(q, k, v, cu_q, cu_k)  # packed [total, H, D] ragged batches
     import libape.torch                      # autograd, torch.compile, APEAttention
     pool = libape.KVPool(Hkv=2, D=64, capacity_tokens=4096)  # paged KV of many sequences
+    pk = libape.PagedKV(Hkv=2, D=64, page_tokens=16, num_pages=256)  # over your own pages
     libape.devices()                         # what ape-info lists
 
 Pure Python over libape.so through ctypes: no compiled extension. The library is found through
 LIBAPE_LIBRARY, else the copy `pip install ./python` bundled, else the installed one.
 """
 from ._capi import LibraryError, path as library_path
-from ._core import (ApeError, ApeValueError, KVCache, KVPool, SEED_BETA, SEED_DELTA, SEED_GAMMA,
-                    SEED_LAMBDA, attention, attention_backward, attention_diagnostics,
+from ._core import (ApeError, ApeValueError, KVCache, KVPool, PagedKV, SEED_BETA, SEED_DELTA,
+                    SEED_GAMMA, SEED_LAMBDA, attention, attention_backward, attention_diagnostics,
                     attention_varlen, attention_varlen_backward, backends, devices, position_ids_to_cu_seqlens, trace_range, version)
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "attention_diagnostics", "attention_varlen",
            "attention_varlen_backward",
-           "position_ids_to_cu_seqlens", "devices", "backends", "version", "trace_range", "KVCache", "KVPool", "ApeError",
+           "position_ids_to_cu_seqlens", "devices", "backends", "version", "trace_range", "KVCache", "KVPool", "PagedKV", "ApeError",
            "ApeValueError", "LibraryError", "library_path", "SEED_DELTA", "SEED_BETA",
            "SEED_GAMMA", "SEED_LAMBDA"]

@@ -9,7 +9,8 @@ import os
 
 __all__ = ["lib", "path", "ApeTensor", "ApeParam", "ApeAttnDesc", "ApeStats", "ApeVarlen", "ApeDeviceInfo",
            "ApeBackendInfo", "ApeSelection", "ApeKvCacheOptions", "ApeKvCacheInfo",
-           "ApeKvPoolOptions", "ApeKvPoolInfo", "ApeContextOptions", "DLTensor", "LibraryError"]
+           "ApeKvPoolOptions", "ApeKvPoolInfo", "ApePagedKvOptions", "ApePageTable", "ApeDTensor",
+           "ApeContextOptions", "DLTensor", "LibraryError"]
 
 # The major version whose struct layouts this package was written for.
 ABI_MAJOR = 0
@@ -115,6 +116,26 @@ class ApeKvPoolInfo(ctypes.Structure):
                 ("tokens", c_int64), ("pages_copied", c_int64), ("device_bytes", ctypes.c_uint64)]
 
 
+class ApePagedKvOptions(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("Hkv", c_int64), ("H", c_int64), ("D", c_int64),
+                ("dtype", ctypes.c_int), ("page_tokens", c_int64), ("num_pages", c_int64),
+                ("max_batch_tokens", c_int64), ("attend_chunk", c_int64),
+                ("max_device_bytes", ctypes.c_uint64)]
+
+
+class ApePageTable(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("nseq", c_int64),
+                ("indptr", ctypes.POINTER(c_int64)), ("indices", ctypes.POINTER(c_int64)),
+                ("last_page_len", ctypes.POINTER(c_int64)),
+                ("block_table", ctypes.POINTER(c_int64)), ("block_table_stride", c_int64),
+                ("seq_lens", ctypes.POINTER(c_int64)), ("k_start", ctypes.POINTER(c_int64))]
+
+
+class ApeDTensor(ctypes.Structure):
+    _fields_ = [("buf", ctypes.c_void_p), ("byte_offset", ctypes.c_uint64), ("dtype", ctypes.c_int),
+                ("shape", c_int64 * 4), ("strides", c_int64 * 4)]
+
+
 class ApeVarlen(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("num_seqs", c_int64),
                 ("cu_seqlens_q", ctypes.POINTER(c_int64)), ("cu_seqlens_k", ctypes.POINTER(c_int64)),
@@ -189,8 +210,28 @@ _PROTOS = {
     "ape_kv_pool_append_batch": (ctypes.c_int, [vp, c_int64, P(c_int64), P(c_int64), vp, vp]),
     "ape_kv_pool_attend": (ctypes.c_int, [vp, P(ApeAttnDesc), c_int64, P(c_int64), P(c_int64),
                                           P(c_int64), vp, vp, vp, P(ApeStats)]),
+    "ape_kv_pool_attend_diag": (ctypes.c_int, [vp, P(ApeAttnDesc), c_int64, P(c_int64),
+                                               P(c_int64), P(c_int64), vp, vp, vp, vp, vp,
+                                               P(ApeStats)]),
     "ape_kv_pool_get_info": (ctypes.c_int, [vp, P(ApeKvPoolInfo)]),
     "ape_kv_pool_sequence_info": (ctypes.c_int, [vp, c_int64, P(c_int64), P(c_int64)]),
+    "ape_buffer_alloc": (ctypes.c_int, [vp, c_size_t, P(vp)]),
+    "ape_buffer_wrap_host": (ctypes.c_int, [vp, vp, c_size_t, P(vp)]),
+    "ape_buffer_free": (None, [vp]),
+    "ape_buffer_write": (ctypes.c_int, [vp, vp, c_size_t, vp, c_size_t]),
+    "ape_queue_create": (ctypes.c_int, [vp, P(vp)]),
+    "ape_queue_destroy": (None, [vp]),
+    "ape_queue_synchronize": (ctypes.c_int, [vp]),
+    "ape_paged_kv_options_init": (None, [P(ApePagedKvOptions)]),
+    "ape_paged_kv_create": (ctypes.c_int, [vp, P(ApePagedKvOptions), P(vp)]),
+    "ape_paged_kv_destroy": (None, [vp]),
+    "ape_page_table_init": (None, [P(ApePageTable)]),
+    "ape_paged_kv_plan": (ctypes.c_int, [vp, P(ApePageTable), P(c_int64), P(c_int64)]),
+    # q and o by address, packed as for ape_attention_forward (see _core._Tensors)
+    "ape_paged_kv_run": (ctypes.c_int, [vp, P(ApeAttnDesc), P(ApeDTensor), P(ApeDTensor), vp, vp,
+                                        vp, P(ApeStats)]),
+    "ape_paged_kv_run_diag": (ctypes.c_int, [vp, P(ApeAttnDesc), P(ApeDTensor), P(ApeDTensor), vp,
+                                             vp, vp, vp, vp, P(ApeStats)]),
 }
 # Calls a library built without them lacks: bound when present, else None.
 _OPTIONAL = {

@@ -1,4 +1,5 @@
-"""NumPy and PyTorch front end of libape's forward pass, devices, KV cache and KV pool."""
+"""NumPy and PyTorch front end of libape's forward pass, devices, KV cache, KV pool and paged
+attention over the caller's pages."""
 import atexit
 import ctypes
 import struct
@@ -871,8 +872,6 @@ def attention_diagnostics(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SE
     Raises ApeError on a device whose backend does not compute them (the reference, OpenCL
     and CUDA backends all do; CUDA's kernels have run on the CPU emulator only)."""
     if _is_torch_cuda(q) or _is_torch_cuda(k) or _is_torch_cuda(v):
-        if positions_q is not None or positions_k is not None:
-            _bad("positions_q, positions_k: explicit positions take host arrays only for now")
         return _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base,
                                layout, q_start, k_start, skip_tol, device, True, diag=True)
     qa, ka, va, desc, keep = _host_call(q, k, v, delta, beta, gamma, lam, causal, scale,
@@ -1173,7 +1172,7 @@ class KVPool:
     def attend(self, q, seq_ids, cu_seqlens_q, *, positions_q=None, delta=SEED_DELTA,
                beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True, scale=None,
                rope_base=10000.0, layout="half", skip_tol=2.0 ** -24, rope_scale=1.0,
-               return_lse=False, stats=False):
+               return_lse=False, return_diagnostics=False, stats=False):
         """Attention of a ragged batch of query rows over the pool (ape_kv_pool_attend()): q
         `[total_q, H, D]` (total_q <= max_batch_tokens), rows [cu_seqlens_q[i],
         cu_seqlens_q[i + 1]) of sequence seq_ids[i] see that sequence's keys only. Rows sit at
@@ -1181,7 +1180,9 @@ class KVPool:
         step's keys first), or at positions_q `[total_q]` (int64, any values). Parameters as
         for attention(). Returns O `[total_q, H, D]` of q's kind and dtype (0 for rows that see
         no key), and LSE `[total_q, H]` float32 with return_lse=True (-inf for those rows);
-        stats=True appends the call's statistics as for attention()."""
+        return_diagnostics=True appends each row's attention entropy and mean attention
+        distance, `[total_q, H]` float32 each (ape_kv_pool_attend_diag(): 0 for rows that see
+        no key); stats=True appends the call's statistics as for attention()."""
         p = self._live()
         qa = _packed_view("q", q)
         _, H, tq, D = qa.shape
@@ -1199,11 +1200,20 @@ class KVPool:
         lse, lse_ptr = _empty_lse(qa, (tq, H)) if return_lse else (None, None)
         tq_, to_ = _Tensors.pack((qa, oa))
         st, st_ptr = _stats_arg(stats)
-        err = lib.ape_kv_pool_attend(p, ctypes.byref(desc), ids.shape[0], _i64p(ids), _i64p(cq),
-                                     _i64p(pq), tq_, to_, lse_ptr, st_ptr)
+        if return_diagnostics:
+            (ent, ent_ptr), (md, md_ptr) = _empty_lse(qa, (tq, H)), _empty_lse(qa, (tq, H))
+            err = lib.ape_kv_pool_attend_diag(p, ctypes.byref(desc), ids.shape[0], _i64p(ids),
+                                              _i64p(cq), _i64p(pq), tq_, to_, lse_ptr, ent_ptr,
+                                              md_ptr, st_ptr)
+        else:
+            err = lib.ape_kv_pool_attend(p, ctypes.byref(desc), ids.shape[0], _i64p(ids),
+                                         _i64p(cq), _i64p(pq), tq_, to_, lse_ptr, st_ptr)
         if err:
             _raise(err)
-        return _with_stats((out, lse) if return_lse else out, st)
+        res = (out, lse) if return_lse else (out,)
+        if return_diagnostics:
+            res += (ent, md)
+        return _with_stats(res if len(res) > 1 else out, st)
 
     def info(self):
         """The pool's state as a dict (every field of ape_kv_pool_info): page_tokens,
@@ -1231,6 +1241,392 @@ class KVPool:
             lib.ape_kv_pool_destroy(self._p)
             self._p = None
             self._seqs.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        # interpreter shutdown may have torn the module down already
+        if getattr(self, "_p", None) is not None and lib is not None:
+            self.close()
+
+
+# ------------------------------------------------------------------ the caller's pages (PagedKV)
+
+ENOTSUP = -95
+# a pages argument's dims in the order [num_pages, Hkv, page_tokens, D] that ape_dtensor takes,
+# per layout and rank (5-D: [num_pages, 2, ...], K at index 0 and V at 1 of dim 1)
+_PAGE_DIMS = {("NHD", 4): (0, 2, 1, 3), ("HND", 4): (0, 1, 2, 3),
+              ("NHD", 5): (0, 3, 2, 4), ("HND", 5): (0, 2, 3, 4)}
+_PAGE_ROWS = {"NHD": "page_tokens, Hkv, D", "HND": "Hkv, page_tokens, D"}
+
+
+def _table_array(name, x, ndim=1):
+    """A page table's array (a list, NumPy array, torch tensor of any device) as contiguous
+    int64 NumPy of `ndim` dims; an empty one of any dtype is taken."""
+    if type(x).__module__.startswith("torch"):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim != ndim:
+        _bad("%s: shape %s: must be %d-D" % (name, a.shape, ndim))
+    if a.size and a.dtype.kind not in "iu":
+        _bad("%s: dtype %s: must be integers (int32 or int64)" % (name, a.dtype))
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _host_pages(name, x):
+    """Host memory of pages, where it lies: (object to keep alive, address, ape_dtype code,
+    element size, shape, strides in elements). NumPy arrays, torch CPU tensors and objects
+    with __dlpack__ on the CPU."""
+    if type(x).__module__.startswith("torch"):
+        torch = _torch()
+        if x.device.type != "cpu":
+            _bad("%s: a tensor on %s: PagedKV.run takes pages in host memory (NumPy arrays, "
+                 "torch CPU tensors)" % (name, x.device))
+        code = _torch_dtypes(torch).get(x.dtype)
+        if code is None:
+            _bad("%s: dtype %s: libape stores float32, float16 or bfloat16" % (name, x.dtype))
+        return x, x.data_ptr(), code, x.element_size(), tuple(x.shape), tuple(x.stride())
+    if not isinstance(x, np.ndarray):
+        if not hasattr(x, "__dlpack__"):
+            _bad("%s: a %s is not an array: pass a NumPy array, a torch CPU tensor or an object "
+                 "with __dlpack__" % (name, type(x).__name__))
+        try:
+            x = np.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError, ValueError) as e:
+            _bad("%s: not host memory NumPy can read through __dlpack__ (%s)" % (name, e))
+    code = _NP_DTYPES.get(x.dtype)
+    if code is None:
+        _bad("%s: dtype %s: libape stores float32 or float16 (bfloat16 as a torch tensor)"
+             % (name, x.dtype))
+    isz = x.itemsize
+    if any(s % isz for s in x.strides):
+        _bad("%s: strides %s bytes: not whole %d-byte elements" % (name, x.strides, isz))
+    return x, x.ctypes.data, code, isz, tuple(x.shape), tuple(s // isz for s in x.strides)
+
+
+class PagedKV:
+    """Paged attention over the caller's own pages (ape_paged_kv_* in ape.h; docs/python.md,
+    "Paged attention over your own pages"): the keys and values stay in the caller's page
+    buffers, vLLM's or FlashInfer's, and a page table says which pages hold each sequence.
+
+        pk = libape.PagedKV(Hkv=2, D=64, page_tokens=16, num_pages=1024, H=8)
+        pk.plan(cu_seqlens_q, indptr=indptr, indices=indices, last_page_len=last)  # CSR, or
+        pk.plan(cu_seqlens_q, block_table=block_table, seq_lens=seq_lens)         # vLLM's
+        o = pk.run(q, k_cache, v_cache)      # per layer: q [total_q, H, D], pages
+                                             # [num_pages, page_tokens, Hkv, D] ("NHD")
+
+    A plan (one per step) checks the table and the batch once; every layer then runs it with
+    its own pages and parameters. Pages are NumPy arrays or torch CPU tensors of the object's
+    dtype, in any strides with D contiguous; on a device that reads host memory in place (the
+    reference, OpenCL CPU devices) they are read where they lie, never copied; other devices
+    get a copy on each run. Use it from one thread at a time; `close()` (or a `with` block)
+    frees it.
+    """
+
+    def __init__(self, Hkv, D, page_tokens, num_pages, *, H=0, dtype="float32", device="auto",
+                 max_batch_tokens=256, attend_chunk=0, max_device_bytes=0):
+        self._p = None
+        self._stage = {}  # role -> (ape_buffer, bytes): device copies where not in place
+        self._queue = None
+        code = _dtype_code(dtype)
+        if int(max_device_bytes) < 0:
+            _bad("max_device_bytes = %d: must be >= 0 (0: no limit)" % int(max_device_bytes))
+        opts = _capi.ApePagedKvOptions()
+        lib.ape_paged_kv_options_init(ctypes.byref(opts))
+        for field, val in (("Hkv", Hkv), ("H", H), ("D", D), ("page_tokens", page_tokens),
+                           ("num_pages", num_pages), ("max_batch_tokens", max_batch_tokens),
+                           ("attend_chunk", attend_chunk), ("max_device_bytes", max_device_bytes)):
+            val = int(val)
+            if not _I64_MIN <= val <= _I64_MAX:
+                _bad("%s = %d: out of range" % (field, val))
+            setattr(opts, field, val)
+        opts.dtype = code
+        dev = _device_spec(device)
+        p = ctypes.c_void_p()
+        err = lib.ape_paged_kv_create(dev, ctypes.byref(opts), ctypes.byref(p))
+        if err:
+            _raise(err)
+        self._p, self._dev = p, dev
+        self._opts = {name: getattr(opts, name) for name, _ in opts._fields_
+                      if name not in ("struct_size", "dtype")}
+        self._opts["H"] = self._opts["H"] or self._opts["Hkv"]
+        self._opts["max_batch_tokens"] = self._opts["max_batch_tokens"] or 256
+        self._opts["attend_chunk"] = self._opts["attend_chunk"] or 4096
+        self._dtype = code
+        self._dtype_name = {v: k for k, v in KVCache._DTYPES.items()}[code]
+        self._device = _device_dict(dev)["spec"]
+        self._plan = None  # (sequences, total_q) of the current plan
+        self._in_place = self._probe_in_place()
+        _context.own(self)
+
+    def _probe_in_place(self):
+        """Whether the device reads host memory in place (ape_buffer_wrap_host() takes it)."""
+        probe = np.zeros(4, dtype=np.float32)
+        buf = ctypes.c_void_p()
+        err = lib.ape_buffer_wrap_host(self._dev, probe.ctypes.data, probe.nbytes,
+                                       ctypes.byref(buf))
+        if err == ENOTSUP:
+            return False
+        if err:
+            _raise(err)
+        lib.ape_buffer_free(buf)
+        return True
+
+    def _live(self):
+        if self._p is None:
+            _bad("PagedKV: the object was closed")
+        return self._p
+
+    # -------------------------------------------------------------- the plan
+
+    def plan(self, cu_seqlens_q, *, indptr=None, indices=None, last_page_len=None,
+             block_table=None, seq_lens=None, k_start=None, positions_q=None):
+        """Plans a step (ape_paged_kv_plan()): one page table, FlashInfer's CSR form (indptr
+        `[nseq + 1]`, indices, last_page_len `[nseq]`) or vLLM's block table (block_table
+        `[rows >= nseq, max_pages]`, seq_lens `[nseq]`), and the rows [cu_seqlens_q[s],
+        cu_seqlens_q[s + 1]) of each sequence. k_start `[nseq]`: the position of each
+        sequence's first token (default 0); positions_q `[total_q]`: every row's position
+        (default: each sequence's rows at the end of its keys). Arrays: lists, NumPy arrays or
+        torch tensors of integers. Replaces the previous plan; a failed one leaves none."""
+        p = self._live()
+        self._plan = None
+        csr = indptr is not None or indices is not None or last_page_len is not None
+        bt = block_table is not None or seq_lens is not None
+        if csr and bt:
+            _bad("plan: both a CSR table (indptr, indices, last_page_len) and a block table "
+                 "(block_table, seq_lens) given: give one")
+        if not csr and not bt:
+            _bad("plan: no page table: give indptr, indices and last_page_len (FlashInfer's CSR "
+                 "form), or block_table and seq_lens (vLLM's block table)")
+        pt = _capi.ApePageTable()
+        lib.ape_page_table_init(ctypes.byref(pt))
+        keep = []
+        if csr:
+            missing = [n for n, x in (("indptr", indptr), ("indices", indices),
+                                      ("last_page_len", last_page_len)) if x is None]
+            if missing:
+                _bad("plan: a CSR table needs indptr, indices and last_page_len: %s missing"
+                     % ", ".join(missing))
+            ip = _table_array("indptr", indptr)
+            if ip.shape[0] < 1:
+                _bad("indptr: empty: needs nseq + 1 >= 1 offsets")
+            nseq = ip.shape[0] - 1
+            ix = _table_array("indices", indices)
+            lp = _table_array("last_page_len", last_page_len)
+            if lp.shape[0] != nseq:
+                _bad("last_page_len: %d values: must be nseq = %d (len(indptr) - 1)"
+                     % (lp.shape[0], nseq))
+            if ip[-1] > ix.shape[0]:
+                _bad("indices: %d entries, fewer than indptr[%d] = %d"
+                     % (ix.shape[0], nseq, ip[-1]))
+            keep += [ip, ix, lp]
+            pt.indptr, pt.indices, pt.last_page_len = _i64p(ip), _i64p(ix), _i64p(lp)
+        else:
+            if block_table is None or seq_lens is None:
+                _bad("plan: a block table needs block_table and seq_lens: %s missing"
+                     % ("block_table" if block_table is None else "seq_lens"))
+            sl = _table_array("seq_lens", seq_lens)
+            nseq = sl.shape[0]
+            tb = _table_array("block_table", block_table, ndim=2)
+            if tb.shape[0] < nseq:
+                _bad("block_table: %d rows: fewer than the %d sequences of seq_lens"
+                     % (tb.shape[0], nseq))
+            keep += [sl, tb]
+            pt.block_table, pt.block_table_stride, pt.seq_lens = _i64p(tb), tb.shape[1], _i64p(sl)
+        pt.nseq = nseq
+        if k_start is not None:
+            ks = _table_array("k_start", k_start)
+            if ks.shape[0] != nseq:
+                _bad("k_start: %d values: must be one per sequence (%d)" % (ks.shape[0], nseq))
+            keep.append(ks)
+            pt.k_start = _i64p(ks)
+        cq = _table_array("cu_seqlens_q", cu_seqlens_q)
+        if cq.shape[0] != nseq + 1:
+            _bad("cu_seqlens_q: %d values: must be nseq + 1 = %d" % (cq.shape[0], nseq + 1))
+        pq = None
+        if positions_q is not None:
+            pq = _table_array("positions_q", positions_q)
+            if cq[-1] >= 0 and pq.shape[0] != cq[-1]:
+                _bad("positions_q: %d values: must be one per query row (cu_seqlens_q[-1] = %d)"
+                     % (pq.shape[0], cq[-1]))
+        err = lib.ape_paged_kv_plan(p, ctypes.byref(pt), _i64p(cq), _i64p(pq))
+        if err:
+            _raise(err)
+        self._plan = (nseq, int(cq[-1]))
+
+    # -------------------------------------------------------------- a run
+
+    def _lend(self, role, ptr, nbytes):
+        """An ape_buffer over host memory [ptr, ptr + nbytes): the memory itself on a device
+        that reads host memory in place (freed by the caller after the run), else the object's
+        device copy of it (kept). Returns (buffer, whether the caller frees it)."""
+        buf = ctypes.c_void_p()
+        if self._in_place:
+            err = lib.ape_buffer_wrap_host(self._dev, ptr, nbytes, ctypes.byref(buf))
+            if err:
+                _raise(err)
+            return buf, True
+        staged = self._stage.get(role)
+        if staged is None or staged[1] < nbytes:
+            if staged is not None:
+                del self._stage[role]
+                lib.ape_buffer_free(staged[0])
+            err = lib.ape_buffer_alloc(self._dev, nbytes, ctypes.byref(buf))
+            if err:
+                _raise(err)
+            staged = self._stage[role] = (buf, nbytes)
+        if self._queue is None:
+            q = ctypes.c_void_p()
+            err = lib.ape_queue_create(self._dev, ctypes.byref(q))
+            if err:
+                _raise(err)
+            self._queue = q
+        err = lib.ape_buffer_write(self._queue, staged[0], 0, ptr, nbytes)
+        if err:
+            _raise(err)
+        return staged[0], False
+
+    def _pages(self, k_pages, v_pages, kv_layout):
+        """The run's pages as two ape_dtensor over lent buffers: (k, v, buffers to free, the
+        arrays kept alive)."""
+        if kv_layout not in ("NHD", "HND"):
+            _bad("kv_layout = %r: the pages' layout is 'NHD' ([num_pages, %s], vLLM's) or "
+                 "'HND' ([num_pages, %s]); the rotation's is layout"
+                 % (kv_layout, _PAGE_ROWS["NHD"], _PAGE_ROWS["HND"]))
+        o = self._opts
+        N, P, Hkv, D = o["num_pages"], o["page_tokens"], o["Hkv"], o["D"]
+        want4 = (N, P, Hkv, D) if kv_layout == "NHD" else (N, Hkv, P, D)
+        if v_pages is None:
+            x = _host_pages("k_pages", k_pages)
+            if len(x[4]) != 5:
+                _bad("k_pages: shape %s with v_pages = None: must be 5-D [num_pages, 2, %s] = %s "
+                     "(K and V halves of one buffer; kv_layout = %r)"
+                     % (x[4], _PAGE_ROWS[kv_layout], (N, 2) + want4[1:], kv_layout))
+            arrays = [("k_pages", x, (N, 2) + want4[1:])]
+        else:
+            arrays = [("k_pages", _host_pages("k_pages", k_pages), want4),
+                      ("v_pages", _host_pages("v_pages", v_pages), want4)]
+        tensors, free, keep = [], [], []
+        try:
+            for name, (obj, ptr, code, isz, shape, strides), want in arrays:
+                # a dimension of one element is never stepped along: any stride will do
+                strides = tuple(0 if n == 1 else st for n, st in zip(shape, strides))
+                if shape != want:
+                    _bad("%s: shape %s: must be [num_pages, %s%s] = %s (kv_layout = %r)"
+                         % (name, shape, "2, " if len(want) == 5 else "", _PAGE_ROWS[kv_layout],
+                            want, kv_layout))
+                if strides[-1] != 1:
+                    _bad("%s: strides %s (elements): the D axis must be contiguous (stride 1); "
+                         "pass a copy with D contiguous (np.ascontiguousarray, .contiguous())"
+                         % (name, strides))
+                for st, n in zip(strides, shape):
+                    if st < 0 or (st == 0 and n > 1):
+                        _bad("%s: strides %s (elements): negative or broadcast (0) strides "
+                             "address no page buffer; pass a copy (np.ascontiguousarray, "
+                             ".contiguous())" % (name, strides))
+                last = sum((n - 1) * st for n, st in zip(shape, strides))
+                buf, owned = self._lend(name, ptr, (last + 1) * isz)
+                if owned:
+                    free.append(buf)
+                keep.append(obj)
+                dims = _PAGE_DIMS[(kv_layout, len(shape))]
+                st4 = [strides[d] for d in dims]
+                halves = [0, strides[1]] if len(shape) == 5 else [0]
+                for off in halves:
+                    t = _capi.ApeDTensor()
+                    t.buf, t.byte_offset, t.dtype = buf, off * isz, code
+                    t.shape[:] = [shape[d] for d in dims]
+                    t.strides[:] = st4
+                    tensors.append(t)
+            if self._queue is not None and not self._in_place:
+                err = lib.ape_queue_synchronize(self._queue)
+                if err:
+                    _raise(err)
+        except BaseException:
+            for b in free:
+                lib.ape_buffer_free(b)
+            raise
+        return tensors[0], tensors[1], free, keep
+
+    def run(self, q, k_pages, v_pages=None, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA,
+            lam=SEED_LAMBDA, causal=True, scale=None, rope_base=10000.0, layout="half",
+            skip_tol=2.0 ** -24, rope_scale=1.0, kv_layout="NHD", return_lse=False,
+            return_diagnostics=False, stats=False):
+        """Runs the plan over one layer's pages (ape_paged_kv_run()): q `[total_q, H, D]` (the
+        plan's rows), k_pages and v_pages `[num_pages, page_tokens, Hkv, D]` (kv_layout="NHD",
+        vLLM's) or `[num_pages, Hkv, page_tokens, D]` ("HND"), or one 5-D `[num_pages, 2, ...]`
+        buffer holding K and V (FlashInfer's) as k_pages with v_pages None. Parameters as for
+        attention(), the rotation's layout as layout ("half", "interleaved"). Returns O
+        `[total_q, H, D]` of q's kind and dtype (0 for rows that see no key), and LSE
+        `[total_q, H]` float32 with return_lse=True; return_diagnostics=True appends each row's
+        entropy and mean distance `[total_q, H]` (ape_paged_kv_run_diag()); stats=True appends
+        the call's statistics."""
+        p = self._live()
+        if layout not in _LAYOUTS:
+            _bad("layout = %r: must be 'half' or 'interleaved' (the pages' layout is "
+                 "kv_layout, 'NHD' or 'HND')" % (layout,))
+        qa = _packed_view("q", q)
+        _, H, tq, D = qa.shape
+        keep = []
+        desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
+                     skip_tol, keep, rope_scale)
+        kt, vt, free, pages = self._pages(k_pages, v_pages, kv_layout)
+        try:
+            if qa.kind == "torch":
+                out = _torch().empty((tq, H, D), dtype=qa.np_dtype)
+            else:
+                out = np.empty((tq, H, D), dtype=qa.np_dtype)
+            oa = _packed_view("o", out)
+            lse, lse_ptr = _empty_lse(qa, (tq, H)) if return_lse else (None, None)
+            tq_, to_ = _Tensors.pack((qa, oa))
+            st, st_ptr = _stats_arg(stats)
+            if return_diagnostics:
+                (ent, ent_ptr), (md, md_ptr) = _empty_lse(qa, (tq, H)), _empty_lse(qa, (tq, H))
+                err = lib.ape_paged_kv_run_diag(p, ctypes.byref(desc), ctypes.byref(kt),
+                                                ctypes.byref(vt), tq_, to_, lse_ptr, ent_ptr,
+                                                md_ptr, st_ptr)
+            else:
+                err = lib.ape_paged_kv_run(p, ctypes.byref(desc), ctypes.byref(kt),
+                                           ctypes.byref(vt), tq_, to_, lse_ptr, st_ptr)
+        finally:
+            for b in free:
+                lib.ape_buffer_free(b)
+            del pages
+        if err:
+            _raise(err)
+        res = (out, lse) if return_lse else (out,)
+        if return_diagnostics:
+            res += (ent, md)
+        return _with_stats(res if len(res) > 1 else out, st)
+
+    def info(self):
+        """The object as a dict: its options (Hkv, H, D, page_tokens, num_pages,
+        max_batch_tokens, attend_chunk, max_device_bytes; defaults resolved), dtype, device (its
+        spec), pages_in_place (whether host pages are read where they lie, or copied to the
+        device on each run), and its plan: planned, sequences, total_q."""
+        self._live()
+        d = dict(self._opts)
+        d.update(dtype=self._dtype_name, device=self._device, pages_in_place=self._in_place,
+                 planned=self._plan is not None,
+                 sequences=self._plan[0] if self._plan else 0,
+                 total_q=self._plan[1] if self._plan else 0)
+        return d
+
+    def close(self):
+        if self._p is not None:
+            lib.ape_paged_kv_destroy(self._p)
+            self._p = None
+            self._plan = None
+        for buf, _ in self._stage.values():
+            lib.ape_buffer_free(buf)
+        self._stage.clear()
+        if self._queue is not None:
+            lib.ape_queue_destroy(self._queue)
+            self._queue = None
 
     def __enter__(self):
         return self

@@ -283,6 +283,41 @@ def test_rows_that_see_no_key(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_diagnostics(device):
+    """return_diagnostics=True: each row's entropy and mean distance against
+    libape.attention_diagnostics on the reference device over its sequence's keys; rows that
+    see no key get 0 in both."""
+    m = Mirror(seed=11, device=device, capacity_tokens=1024)
+    with m.pool:
+        ids = [m.add(s) for s in (0, 5, -3)]
+        m.append(ids[0], 150)
+        m.append(ids[1], 1)
+        lens = [1, 3, 2]
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        q = m.arr(int(cu[-1]), m.H, m.D)
+        o, lse, ent, md = m.pool.attend(q, ids, cu, return_lse=True, return_diagnostics=True,
+                                        **PRM)
+        assert ent.shape == md.shape == (cu[-1], m.H) and ent.dtype == np.float32
+        m.check(ids, cu, q, o, lse, None, PRM)
+        for i, sid in enumerate(ids):
+            a, b = int(cu[i]), int(cu[i + 1])
+            ks, kk, vv = m.seqs[sid]
+            if not kk:
+                assert (ent[a:b] == 0).all() and (md[a:b] == 0).all()
+                continue
+            _, wl, we, wm = libape.attention_diagnostics(
+                dense(q[a:b]), dense(m.cat(kk)), dense(m.cat(vv)), k_start=ks, device="ref",
+                **PRM)
+            we, wm, wl = f64(we)[0].T, f64(wm)[0].T, f64(wl)[0].T
+            tl = TOL[m.dtype][1]
+            assert np.abs(ent[a:b] - we).max() <= tl * np.maximum(1, np.abs(wl)).max()
+            assert np.abs(md[a:b] - wm).max() <= tl * max(1.0, float(m.tokens(sid) + 3))
+        # the mean distance alone is not a thing: both come back, with stats after them
+        res = m.pool.attend(q, ids, cu, return_diagnostics=True, stats=True, **PRM)
+        assert len(res) == 4 and isinstance(res[3], dict)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bit_identical_whatever_the_batch(device):
     """A sequence's rows are the same bits alone, beside others, and in any batch order."""
     m = Mirror(seed=8, device=device, page_tokens=16)

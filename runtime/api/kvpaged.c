@@ -413,12 +413,10 @@ static int lend_pages(ape_paged_kv *pk, const char *fn, const ape_dtensor *k,
 	return 0;
 }
 
-int ape_paged_kv_run(ape_paged_kv *pk, const ape_attn_desc *desc, const ape_dtensor *k_pages,
-		     const ape_dtensor *v_pages, const ape_tensor *q, ape_tensor *o, float *lse,
-		     ape_stats *stats)
+static int run(ape_paged_kv *pk, const char *fn, const ape_attn_desc *desc,
+	       const ape_dtensor *k_pages, const ape_dtensor *v_pages, const ape_tensor *q,
+	       ape_tensor *o, float *lse, const struct ape__diag_req *dg, ape_stats *stats)
 {
-	APE__API_CALL("ape_paged_kv_run");
-	static const char fn[] = "ape_paged_kv_run";
 	const double t0 = ape__now_ms();
 	struct ape__problem p;
 	int ret;
@@ -432,7 +430,7 @@ int ape_paged_kv_run(ape_paged_kv *pk, const ape_attn_desc *desc, const ape_dten
 				  "%s: no plan (make one with ape_paged_kv_plan(); a failed plan "
 				  "leaves none)",
 				  fn);
-	if ((ret = ape__kvp_attend_problem(&pk->pl, fn, desc, q, o, lse, &p)))
+	if ((ret = ape__kvp_attend_problem(&pk->pl, fn, desc, q, o, lse, dg, &p)))
 		return ret;
 	if (p.Lq != pk->total_q) {
 		ret = ape__error(APE_EINVAL,
@@ -442,9 +440,30 @@ int ape_paged_kv_run(ape_paged_kv *pk, const ape_attn_desc *desc, const ape_dten
 	}
 	if ((ret = lend_pages(pk, fn, k_pages, v_pages)))
 		goto out;
-	ret = ape__kvp_run(&pk->pl, fn, &p, q, o, lse, stats, t0);
+	ret = ape__kvp_run(&pk->pl, fn, &p, q, o, lse, dg, stats, t0);
 out:
 	pk->pl.k = pk->pl.v = NULL;
 	ape__problem_fini(&p);
 	return ret;
+}
+
+int ape_paged_kv_run(ape_paged_kv *pk, const ape_attn_desc *desc, const ape_dtensor *k_pages,
+		     const ape_dtensor *v_pages, const ape_tensor *q, ape_tensor *o, float *lse,
+		     ape_stats *stats)
+{
+	APE__API_CALL("ape_paged_kv_run");
+	static const struct ape__diag_req none = { NULL, NULL };
+
+	return run(pk, "ape_paged_kv_run", desc, k_pages, v_pages, q, o, lse, &none, stats);
+}
+
+int ape_paged_kv_run_diag(ape_paged_kv *pk, const ape_attn_desc *desc,
+			  const ape_dtensor *k_pages, const ape_dtensor *v_pages,
+			  const ape_tensor *q, ape_tensor *o, float *lse, float *entropy,
+			  float *mean_distance, ape_stats *stats)
+{
+	APE__API_CALL("ape_paged_kv_run_diag");
+	const struct ape__diag_req dg = { entropy, mean_distance };
+
+	return run(pk, "ape_paged_kv_run_diag", desc, k_pages, v_pages, q, o, lse, &dg, stats);
 }

@@ -170,7 +170,9 @@ static int make_rest(struct ape_kv_pool *pl, const char *fn)
 	if (ret)
 		return ape__error_prefix(ret, fn);
 	pl->lse_stage = ape__malloc((size_t)(pl->o.H * pl->o.max_batch_tokens) * sizeof(float));
-	if (!pl->lse_stage)
+	pl->diag_stage =
+		ape__malloc((size_t)(2 * pl->o.H * pl->o.max_batch_tokens) * sizeof(float));
+	if (!pl->lse_stage || !pl->diag_stage)
 		return ape__error(APE_ENOMEM, "%s: out of host memory", fn);
 	if (pl->o.max_device_bytes) {
 		if (pl->mem.cur >= pl->o.max_device_bytes)
@@ -276,6 +278,7 @@ void ape_kv_pool_destroy(ape_kv_pool *pl)
 	free(pl->segs);
 	free(pl->full);
 	free(pl->lse_stage);
+	free(pl->diag_stage);
 	free(pl);
 }
 

@@ -103,6 +103,7 @@ struct ape_kv_pool {
 	int64_t *tab_host, tab_first, tab_n;
 	bool tab_pending;
 	float *lse_stage; /* [H][max_batch_tokens] */
+	float *diag_stage; /* entropy, then mean distance, each [H][max_batch_tokens] */
 };
 
 /* Element offset of token t of sequence s from its head's plane (struct ape__kvp_geom). */
@@ -149,7 +150,8 @@ int ape__kvp_wait(void *arg, struct ape__queue *q);
 
 /*
  * What ape_kv_pool_attend() and ape_paged_kv_run() share (kvpool_attend.c). attend_problem:
- * desc, q, o and lse checked as an attend of the pool's shape (positions from the pool).
+ * desc, q, o and lse checked as an attend of the pool's shape (positions from the pool), and
+ * the diagnostics' outputs dg (skip_tol tightened to their bound when wanted).
  * plan: the batch's segments and key runs (sequences seq_ids, rows by cu, positions pos_q),
  * each sequence's window cut when the pool has norm maxima and p and q are given (the pool's
  * own attends; a caller's pages have none). run: the planned batch, the pairs visible counted,
@@ -157,12 +159,13 @@ int ape__kvp_wait(void *arg, struct ape__queue *q);
  */
 int ape__kvp_attend_problem(struct ape_kv_pool *pl, const char *fn, const ape_attn_desc *desc,
 			    const ape_tensor *q, const ape_tensor *o, const float *lse,
-			    struct ape__problem *p);
+			    const struct ape__diag_req *dg, struct ape__problem *p);
 int ape__kvp_plan(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
 		  const ape_tensor *q, int64_t nseq, const int64_t *seq_ids, const int64_t *cu,
 		  const int64_t *pos_q, double wtol);
 int ape__kvp_run(struct ape_kv_pool *pl, const char *fn, struct ape__problem *p,
-		 const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats, double t0);
+		 const ape_tensor *q, ape_tensor *o, float *lse, const struct ape__diag_req *dg,
+		 ape_stats *stats, double t0);
 
 #pragma GCC visibility pop
 #endif

@@ -186,7 +186,7 @@ static int pool_wait(void *arg, struct ape__queue *q)
 /* The problem: desc checked as a forward call over zero keys (positions from the pool). */
 int ape__kvp_attend_problem(struct ape_kv_pool *pl, const char *fn, const ape_attn_desc *desc,
 			    const ape_tensor *q, const ape_tensor *o, const float *lse,
-			    struct ape__problem *p)
+			    const struct ape__diag_req *dg, struct ape__problem *p)
 {
 	static const char *const dims[4] = { "B", "H", "total_q", "D" };
 	const int64_t want[4] = { 1, pl->o.H, -1, pl->o.D };
@@ -208,7 +208,14 @@ int ape__kvp_attend_problem(struct ape_kv_pool *pl, const char *fn, const ape_at
 				  "k_start, and pos_q): q_start_set must be false and k_start 0",
 				  fn, desc->q_start_set ? "q_start_set = true" : "k_start != 0");
 	ape_tensor_init(&none, NULL, pl->o.dtype, 1, pl->o.Hkv, 0, pl->o.D);
-	return ape__problem_init(p, fn, desc, q, &none, &none, o, lse);
+	if ((ret = ape__problem_init(p, fn, desc, q, &none, &none, o, lse)))
+		return ret;
+	ret = ape__check_diag_outputs(fn, p, q, NULL, NULL, o, lse, dg->ent, dg->md);
+	if (!ret) /* tightens skip_tol (the diagnostics' bound) before any window is cut */
+		ret = ape__diag_prepare(fn, &pl->dev, 1, p, dg);
+	if (ret)
+		ape__problem_fini(p);
+	return ret;
 }
 
 /* ------------------------------------------------------------------ the batch */
@@ -335,10 +342,14 @@ int ape__kvp_plan(struct ape_kv_pool *pl, const char *fn, const struct ape__prob
  * segment) the dense problem; LSE into pl->lse_stage ([H][qb - qa]) when wanted. Adds to *res.
  */
 static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
-		     const ape_tensor *q, ape_tensor *o, bool want_lse, bool want_pairs, bool dense,
-		     int64_t s0, int64_t s1, int64_t r0, int64_t r1, struct ape__exec_result *res)
+		     const ape_tensor *q, ape_tensor *o, bool want_lse, const struct ape__diag_req *dg,
+		     bool want_pairs, bool dense, int64_t s0, int64_t s1, int64_t r0, int64_t r1,
+		     struct ape__exec_result *res)
 {
-	static const struct ape__diag_req none = { NULL, NULL };
+	/* the diagnostics wanted, staged like LSE ([H][rows]) */
+	const struct ape__diag_req dgs = { dg->ent ? pl->diag_stage : NULL,
+					   dg->md ? pl->diag_stage + pl->o.H * pl->o.max_batch_tokens
+						  : NULL };
 	const int64_t qa = pl->segs[s0].q0, qb = pl->segs[s1 - 1].q0 + pl->segs[s1 - 1].lq;
 	const int64_t ka = r0 < r1 ? pl->kr[r0].j0 : 0;
 	const int64_t kb = r0 < r1 ? pl->kr[r1 - 1].j0 + pl->kr[r1 - 1].n : 0;
@@ -354,8 +365,8 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 	g.Lq = qb - qa;
 	g.Lk = kb - ka;
 	if (g.Lk == 0) {
-		ape__store_empty_rows(&og, p->os, want_lse ? pl->lse_stage : NULL, NULL, NULL, g.Lq,
-				      0, g.Lq);
+		ape__store_empty_rows(&og, p->os, want_lse ? pl->lse_stage : NULL, dgs.ent, dgs.md,
+				      g.Lq, 0, g.Lq);
 		return 0;
 	}
 	for (int64_t s = s0; s < s1; s++) { /* the group's own axes */
@@ -396,7 +407,7 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 						fn, pl->dev->info.backend, pl->dev->info.backend_index),
 				     pl->dev);
 	run = (struct ape__kv_run){
-		.p = &g, .q = &qg, .o = &og, .lse = want_lse ? pl->lse_stage : NULL, .dg = &none,
+		.p = &g, .q = &qg, .o = &og, .lse = want_lse ? pl->lse_stage : NULL, .dg = &dgs,
 		.want_pairs = want_pairs, .loader = &pl->loader,
 	};
 	ret = ape__kv_session_run(&pl->ks, fn, &run, res);
@@ -409,12 +420,16 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 	return ret;
 }
 
-/* Runs segments [s0, s1) and key runs [r0, r1) as one group (run_group()), LSE transposed into
- * lse ([total_q, H]). */
+/* Runs segments [s0, s1) and key runs [r0, r1) as one group (run_group()), LSE and the
+ * diagnostics transposed into lse, ent, md ([total_q, H] each). */
 static int flush(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
-		 const ape_tensor *q, ape_tensor *o, float *lse, bool want_pairs, bool dense,
-		 int64_t s0, int64_t s1, int64_t r0, int64_t r1, struct ape__exec_result *res)
+		 const ape_tensor *q, ape_tensor *o, float *lse, const struct ape__diag_req *dg,
+		 bool want_pairs, bool dense, int64_t s0, int64_t s1, int64_t r0, int64_t r1,
+		 struct ape__exec_result *res)
 {
+	const int64_t stage = pl->o.H * pl->o.max_batch_tokens;
+	float *const out[3] = { lse, dg->ent, dg->md };
+	const float *const from[3] = { pl->lse_stage, pl->diag_stage, pl->diag_stage + stage };
 	int64_t qa, n;
 	int ret;
 
@@ -422,10 +437,11 @@ static int flush(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
 		return 0;
 	qa = pl->segs[s0].q0;
 	n = pl->segs[s1 - 1].q0 + pl->segs[s1 - 1].lq - qa;
-	ret = run_group(pl, fn, p, q, o, lse != NULL, want_pairs, dense, s0, s1, r0, r1, res);
-	for (int64_t h = 0; !ret && lse && h < p->H; h++)
-		for (int64_t i = 0; i < n; i++)
-			lse[(qa + i) * p->H + h] = pl->lse_stage[h * n + i];
+	ret = run_group(pl, fn, p, q, o, lse != NULL, dg, want_pairs, dense, s0, s1, r0, r1, res);
+	for (int x = 0; x < 3; x++)
+		for (int64_t h = 0; !ret && out[x] && h < p->H; h++)
+			for (int64_t i = 0; i < n; i++)
+				out[x][(qa + i) * p->H + h] = from[x][h * n + i];
 	return ret;
 }
 
@@ -472,8 +488,8 @@ static bool decodes_in_place(const struct ape_kv_pool *pl, const struct ape__pro
 }
 
 static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__problem *p,
-		      const ape_tensor *q, ape_tensor *o, float *lse, bool want_pairs,
-		      struct ape__exec_result *res)
+		      const ape_tensor *q, ape_tensor *o, float *lse, const struct ape__diag_req *dg,
+		      bool want_pairs, struct ape__exec_result *res)
 {
 	const int64_t most = pl->ks.geom.plan.ci; /* one key chunk */
 	int64_t g0 = 0, gr0 = 0, keys = 0, r = 0;
@@ -498,7 +514,7 @@ static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__
 		dec = u1 - u0 == 1 && decodes_in_place(pl, p, &pl->segs[u0]);
 		if (dec) { /* a decode group: any keys, every one read in place in one launch */
 			if (!in_dec || keys + lk > pl->nslots) {
-				ret = flush(pl, fn, p, q, o, lse, want_pairs, false, g0, u0, gr0, r,
+				ret = flush(pl, fn, p, q, o, lse, dg, want_pairs, false, g0, u0, gr0, r,
 					    res);
 				g0 = u0;
 				gr0 = r;
@@ -511,9 +527,9 @@ static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__
 		}
 		if (lk > most || (!pl->ops->attention_pages && u1 - u0 == 1 &&
 				  pl->segs[u0].lq <= ALONE_ROWS && lk >= ALONE_KEYS)) { /* alone */
-			ret = flush(pl, fn, p, q, o, lse, want_pairs, false, g0, u0, gr0, r, res);
+			ret = flush(pl, fn, p, q, o, lse, dg, want_pairs, false, g0, u0, gr0, r, res);
 			if (!ret)
-				ret = flush(pl, fn, p, q, o, lse, want_pairs, u1 - u0 == 1, u0, u1, r,
+				ret = flush(pl, fn, p, q, o, lse, dg, want_pairs, u1 - u0 == 1, u0, u1, r,
 					    r + 1, res);
 			g0 = u1;
 			gr0 = ++r;
@@ -522,7 +538,7 @@ static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__
 			continue;
 		}
 		if (in_dec || keys + lk > most) {
-			ret = flush(pl, fn, p, q, o, lse, want_pairs, false, g0, u0, gr0, r, res);
+			ret = flush(pl, fn, p, q, o, lse, dg, want_pairs, false, g0, u0, gr0, r, res);
 			g0 = u0;
 			gr0 = r;
 			keys = 0;
@@ -532,14 +548,15 @@ static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__
 		r += lk > 0;
 	}
 	if (!ret)
-		ret = flush(pl, fn, p, q, o, lse, want_pairs, false, g0, pl->nsg, gr0, r, res);
+		ret = flush(pl, fn, p, q, o, lse, dg, want_pairs, false, g0, pl->nsg, gr0, r, res);
 	return ret;
 }
 
 /* The planned batch (ape__kvp_plan()) on the session, and the call's report. p->Lq > 0 unless
  * the batch has no row. */
 int ape__kvp_run(struct ape_kv_pool *pl, const char *fn, struct ape__problem *p,
-		 const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats, double t0)
+		 const ape_tensor *q, ape_tensor *o, float *lse, const struct ape__diag_req *dg,
+		 ape_stats *stats, double t0)
 {
 	struct ape__exec_result res;
 	uint64_t visible = 0;
@@ -549,7 +566,7 @@ int ape__kvp_run(struct ape_kv_pool *pl, const char *fn, struct ape__problem *p,
 	if (p->Lq > 0) {
 		if (ape__segs_visible(p, pl->full, pl->nsg, &visible))
 			return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
-		ret = run_groups(pl, fn, p, q, o, lse, stats != NULL, &res);
+		ret = run_groups(pl, fn, p, q, o, lse, dg, stats != NULL, &res);
 		p->Lk = pl->lk_total; /* the call log's shape: the keys the batch read */
 	}
 	if (stats || ape__call_logs(&pl->dev, 1)) {
@@ -566,12 +583,11 @@ int ape__kvp_run(struct ape_kv_pool *pl, const char *fn, struct ape__problem *p,
 	return ret;
 }
 
-int ape_kv_pool_attend(ape_kv_pool *pl, const ape_attn_desc *desc, int64_t nseq,
-		       const int64_t *seq_ids, const int64_t *cu_seqlens_q, const int64_t *pos_q,
-		       const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats)
+static int attend(ape_kv_pool *pl, const char *fn, const ape_attn_desc *desc, int64_t nseq,
+		  const int64_t *seq_ids, const int64_t *cu_seqlens_q, const int64_t *pos_q,
+		  const ape_tensor *q, ape_tensor *o, float *lse, const struct ape__diag_req *dg,
+		  ape_stats *stats)
 {
-	APE__API_CALL("ape_kv_pool_attend");
-	static const char fn[] = "ape_kv_pool_attend";
 	const double t0 = ape__now_ms();
 	struct ape__problem p;
 	double wtol = 0, rest = 0;
@@ -581,7 +597,7 @@ int ape_kv_pool_attend(ape_kv_pool *pl, const ape_attn_desc *desc, int64_t nseq,
 		return ape__error(APE_EINVAL, "%s: pool = NULL", fn);
 	if ((ret = ape__stats_check(fn, stats)))
 		return ret;
-	if ((ret = ape__kvp_attend_problem(pl, fn, desc, q, o, lse, &p)))
+	if ((ret = ape__kvp_attend_problem(pl, fn, desc, q, o, lse, dg, &p)))
 		return ret;
 	if ((ret = ape__kvp_check_batch(pl, fn, nseq, seq_ids, cu_seqlens_q, "cu_seqlens_q", p.Lq,
 					"q->shape[2]")))
@@ -595,10 +611,33 @@ int ape_kv_pool_attend(ape_kv_pool *pl, const ape_attn_desc *desc, int64_t nseq,
 	 * tolerance whatever else shares the batch */
 	if (ape__skip_allowed(&p))
 		p.skip_tol = rest;
-	ret = ape__kvp_run(pl, fn, &p, q, o, lse, stats, t0);
+	ret = ape__kvp_run(pl, fn, &p, q, o, lse, dg, stats, t0);
 out:
 	ape__problem_fini(&p);
 	return ret;
+}
+
+int ape_kv_pool_attend(ape_kv_pool *pl, const ape_attn_desc *desc, int64_t nseq,
+		       const int64_t *seq_ids, const int64_t *cu_seqlens_q, const int64_t *pos_q,
+		       const ape_tensor *q, ape_tensor *o, float *lse, ape_stats *stats)
+{
+	APE__API_CALL("ape_kv_pool_attend");
+	static const struct ape__diag_req none = { NULL, NULL };
+
+	return attend(pl, "ape_kv_pool_attend", desc, nseq, seq_ids, cu_seqlens_q, pos_q, q, o,
+		      lse, &none, stats);
+}
+
+int ape_kv_pool_attend_diag(ape_kv_pool *pl, const ape_attn_desc *desc, int64_t nseq,
+			    const int64_t *seq_ids, const int64_t *cu_seqlens_q,
+			    const int64_t *pos_q, const ape_tensor *q, ape_tensor *o, float *lse,
+			    float *entropy, float *mean_distance, ape_stats *stats)
+{
+	APE__API_CALL("ape_kv_pool_attend_diag");
+	const struct ape__diag_req dg = { entropy, mean_distance };
+
+	return attend(pl, "ape_kv_pool_attend_diag", desc, nseq, seq_ids, cu_seqlens_q, pos_q, q,
+		      o, lse, &dg, stats);
 }
 
 /* The loader the pool's session runs with (kvpool.c sets it at creation). */
