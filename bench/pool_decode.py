@@ -13,6 +13,10 @@ Cases (H = Hkv = 6, D = 64, float32, one query row per sequence at the end of it
             keys in a KVPool (--decay-Lk), against SDPA's plain decode over the same Lk.
             Targets: 0.1x SDPA at Lk = 32768; the pool's step at 131072 within 1.3x of its
             step at 4096 (the keys out of reach are never read).
+  paged     the batch case's sequences in the caller's pages (libape.PagedKV: one NumPy
+            array per K and V in vLLM's [num_pages, page_tokens, Hkv, D] layout, pages in
+            scrambled order, a CSR table; one plan, then runs) against the same step through
+            KVPool and against SDPA once per sequence, the three alternating.
   single    one-sequence plain decode of --single-Lk keys through KVPool against
             libape.KVCache holding the same keys. Target: the pool at most 1.05x the cache.
 Every result is checked first: plain decodes against SDPA (and the pool's single sequence
@@ -23,7 +27,7 @@ alike; the table gives the median of the rounds' medians, and the median of the 
 ratios.
 
 usage: build/venv/bin/python bench/pool_decode.py [--build build] [--device opencl]
-       [--cases batch,decay,single] [--seqs 64] [--max-len 32768] [--spread geometric]
+       [--cases batch,decay,single,paged] [--seqs 64] [--max-len 32768] [--spread geometric]
        [--decay-Lk 4096,32768,131072] [--single-Lk 32768] [--page-tokens 16] [--rounds 5]
        [--repeats 5] [--membw GBPS] [--quick]
 The defaults are the issue's cases (about a minute on 2 cores; --quick: seconds).
@@ -217,6 +221,68 @@ def case_decay(c):
                          % (g, "met" if g <= 1.3 else "NOT met"))
 
 
+def case_paged(c):
+    a, np, torch, libape = c.args, c.np, c.torch, c.libape
+    lens = lengths(a.seqs, min(a.min_len, a.max_len), a.max_len, a.spread == "even")
+    total, P = sum(lens), a.page_tokens
+    npg = [-(-n // P) for n in lens]
+    N = sum(npg)
+    order = np.random.default_rng(3).permutation(N)  # the caller's pages, scrambled
+    kp = np.zeros((N, P, H, D), dtype=np.float32)
+    vp = np.zeros((N, P, H, D), dtype=np.float32)
+    pool = libape.KVPool(Hkv=H, D=D, H=H, capacity_tokens=total + P * len(lens),
+                         page_tokens=P, device=a.device, max_batch_tokens=max(256, len(lens)))
+    g = np.random.default_rng(1)
+    q = g.standard_normal((len(lens), H, D), dtype=np.float32)
+    ids, peer, indices, at = [], [], [], 0
+    for s, n in enumerate(lens):
+        k, v, kr, vt = c.keys(n, 100 + s)
+        ids.append(pool.add_sequence())
+        pool.append(ids[-1], k, v)
+        pages = order[at:at + npg[s]]
+        at += npg[s]
+        indices.extend(int(x) for x in pages)
+        pad = npg[s] * P - n
+        kp[pages] = np.concatenate([k, np.zeros((pad, H, D), np.float32)]).reshape(-1, P, H, D)
+        vp[pages] = np.concatenate([v, np.zeros((pad, H, D), np.float32)]).reshape(-1, P, H, D)
+        qr = c.rope_rotate(torch.from_numpy(q[s:s + 1]).permute(1, 0, 2)[None],
+                           torch.tensor([n - 1]))
+        peer.append((qr, kr, vt))
+        del k, v
+    cu = np.arange(len(lens) + 1, dtype=np.int64)
+    indptr = np.concatenate([[0], np.cumsum(npg)]).astype(np.int64)
+    last = np.array([n - (m - 1) * P for n, m in zip(lens, npg)], dtype=np.int64)
+    pk = libape.PagedKV(Hkv=H, D=D, H=H, page_tokens=P, num_pages=N, device=a.device,
+                        max_batch_tokens=max(256, len(lens)))
+    pk.plan(cu, indptr=indptr, indices=indices, last_page_len=last)
+
+    def run(stats=False):
+        return pk.run(q, kp, vp, skip_tol=0.0, stats=stats, **ZERO)
+
+    def att():
+        return pool.attend(q, ids, cu, skip_tol=0.0, **ZERO)
+
+    def sdpa_each():
+        return [torch.nn.functional.scaled_dot_product_attention(x, y, z) for x, y, z in peer]
+
+    got, st = run(stats=True)
+    want = np.stack([o[0, :, 0].numpy() for o in sdpa_each()])
+    err = float(np.abs(got - want).max())
+    assert err < TOL, "paged: PagedKV vs SDPA differ by %g" % err
+    assert np.array_equal(got, att()), "paged: PagedKV and KVPool differ"
+    nbytes = c.kv_bytes(st)
+    tr, tp, ts = rounds([run, att, sdpa_each], a.rounds, a.repeats)
+    mr, mp, ms = (statistics.median(x) for x in (tr, tp, ts))
+    what = ("plain decode, %d sequences of %d..%d keys (%s), the caller's pages of %d (NHD, "
+            "scrambled)" % (len(lens), lens[0], lens[-1], a.spread, P))
+    c.rows.append(("paged", what, "PagedKV.run", mr, "KVPool.attend", mp, ratio(tr, tp), nbytes,
+                   c.gbps(nbytes, mr), c.gbps(nbytes, mp), "-", 0.0))
+    c.rows.append(("paged", what, "PagedKV.run", mr, "SDPA once per sequence", ms,
+                   ratio(tr, ts), nbytes, c.gbps(nbytes, mr), c.gbps(nbytes, ms), "-", err))
+    pk.close()
+    pool.close()
+
+
 def case_single(c):
     a, np, torch, libape = c.args, c.np, c.torch, c.libape
     Lk = a.single_Lk
@@ -263,7 +329,7 @@ def main():
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--device", default="opencl")
     ap.add_argument("--cases", default="batch,decay,single",
-                    help="which cases, comma-separated (batch, decay, single)")
+                    help="which cases, comma-separated (batch, decay, single, paged)")
     ap.add_argument("--seqs", type=int, default=64, help="batch: sequences")
     ap.add_argument("--min-len", type=int, default=256, help="batch: the shortest")
     ap.add_argument("--max-len", type=int, default=32768, help="batch: the longest")
@@ -286,8 +352,8 @@ def main():
         args.decay_Lk, args.rounds, args.repeats = "1024,4096", 3, 3
     cases = [x for x in args.cases.split(",") if x]
     for x in cases:
-        if x not in ("batch", "decay", "single"):
-            ap.error("--cases: %r is not batch, decay or single" % x)
+        if x not in ("batch", "decay", "single", "paged"):
+            ap.error("--cases: %r is not batch, decay, single or paged" % x)
     if args.seqs < 1 or args.min_len < 1 or args.max_len < 1 or args.page_tokens < 1 \
             or args.single_Lk < 1 or args.rounds < 1 or args.repeats < 1:
         ap.error("--seqs, --min-len, --max-len, --page-tokens, --single-Lk, --rounds and "
@@ -305,7 +371,8 @@ def main():
     c = Ctx(args, np, torch, libape, rope_rotate)
     t0 = time.perf_counter()
     for name in cases:
-        {"batch": case_batch, "decay": case_decay, "single": case_single}[name](c)
+        {"batch": case_batch, "decay": case_decay, "single": case_single,
+         "paged": case_paged}[name](c)
     print("machine: %s, %d threads for PyTorch %s; libape on %s (%s); H = Hkv = %d, D = %d, "
           "float32; median of %d rounds of %d calls each, contenders alternating round by "
           "round; %.0f s" % (cpu_model(), args.threads, torch.__version__, args.device,
