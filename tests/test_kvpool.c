@@ -481,6 +481,123 @@ TEST_F(pool, diagnostics_of_a_mixed_batch)
 	model_free(&m);
 }
 
+/* A release gives the sequence's oldest pages the proof covers back to the pool; its decodes
+ * still match the oracle over every token it ever held; attends that break the release's terms
+ * are refused naming them (an earlier position, a weaker decay, a smaller skip_tol, a larger
+ * query norm); a fork inherits them; removal returns every page. */
+TEST_F(pool, release_unreachable_returns_pages)
+{
+	ape_kv_pool_options o = pool_options(1, 2, 32, APE_F32, 16, 4096);
+	ape_kv_pool_info before, after;
+	struct model m;
+	struct mbatch b;
+	ape_rng rng;
+	int64_t a, f, lq = 1, rel = -1, pos;
+	double eo, el;
+	int ret;
+
+	ape_rng_init(&rng, _metadata->name);
+	o.max_query_norm = 12;
+	ASSERT_EQ(0, model_init(&m, self->dev, &o)) TH_LOG("%s", ape_last_error());
+	ASSERT_LE(0, (a = model_add(&m, -40, &ret)));
+	ASSERT_EQ(0, model_append(&m, &rng, a, self->emu ? 700 : 2000));
+	ASSERT_EQ(0, mbatch_make(&b, &m, &rng, 1, &a, &lq, POS_DEFAULT));
+	for (int h = 0; h < 2; h++) { /* the seed's decay */
+		b.prm[0][h] = 0.4f;
+		b.prm[1][h] = 0.02f;
+		b.prm[2][h] = 0.02f;
+		b.prm[3][h] = 0.1f;
+	}
+	b.desc.skip_tol = ldexp(1, -24);
+	ASSERT_EQ(0, ape_kv_pool_get_info(m.pool, &before));
+	ASSERT_EQ(0, ape_kv_pool_release_unreachable(m.pool, m.s[a].id, &b.desc, &rel))
+	TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, ape_kv_pool_get_info(m.pool, &after));
+	EXPECT_GT(rel, 0);
+	EXPECT_EQ(0, rel % 16);
+	EXPECT_EQ(after.pages_free, before.pages_free + rel / 16);
+	EXPECT_EQ(after.tokens, before.tokens - rel);
+	TH_LOG("released %lld of %lld tokens", (long long)rel, (long long)m.s[a].n);
+	/* decodes go on, right over every token, the positions kept */
+	for (int step = 0; step < 3; step++) {
+		ASSERT_EQ(0, mbatch_attend(&m, &b, NULL)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, mbatch_check(&m, &b, &eo, &el));
+		EXPECT_LE(eo, test_tol_o(APE_F32) + test_skip_tol_o(b.desc.skip_tol))
+		TH_LOG("step %d: O error %g", step, eo);
+		EXPECT_LE(el, test_tol_lse(APE_F32) + test_skip_tol_lse(b.desc.skip_tol))
+		TH_LOG("step %d: LSE error %g", step, el);
+		ASSERT_EQ(0, model_append(&m, &rng, a, 1));
+		mbatch_free(&b);
+		ASSERT_EQ(0, mbatch_make(&b, &m, &rng, 1, &a, &lq, POS_DEFAULT));
+		for (int h = 0; h < 2; h++) {
+			b.prm[0][h] = 0.4f;
+			b.prm[1][h] = 0.02f;
+			b.prm[2][h] = 0.02f;
+			b.prm[3][h] = 0.1f;
+		}
+		b.desc.skip_tol = ldexp(1, -24);
+	}
+	/* what breaks the terms is refused */
+	pos = m.s[a].k_start + 10;
+	EXPECT_EQ(APE_EINVAL, ape_kv_pool_attend(m.pool, &b.desc, 1, &m.s[a].id, b.cu, &pos,
+						 &b.q.t, &b.o.t, b.lse, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "released for queries at positions"))
+	TH_LOG("%s", ape_last_error());
+	EXPECT_NE(NULL, strstr(ape_last_error(), "batch entry 0")) TH_LOG("%s", ape_last_error());
+	b.prm[0][1] = 0.1f;
+	EXPECT_EQ(APE_EINVAL, mbatch_attend(&m, &b, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "assuming delta >=")) TH_LOG("%s", ape_last_error());
+	b.prm[0][1] = 0.4f;
+	b.desc.skip_tol = 0;
+	EXPECT_EQ(APE_EINVAL, mbatch_attend(&m, &b, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "skip_tol")) TH_LOG("%s", ape_last_error());
+	b.desc.skip_tol = ldexp(1, -24);
+	for (int64_t d = 0; d < 32; d++)
+		test_tensor_set(&b.q.t, 0, 1, 0, d, 3.0);
+	EXPECT_EQ(APE_EINVAL, mbatch_attend(&m, &b, NULL));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "max_query_norm")) TH_LOG("%s", ape_last_error());
+	mbatch_free(&b);
+	/* a fork inherits the release: its decodes right, its terms the same */
+	ASSERT_LE(0, (f = model_fork(&m, a, &ret))) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, model_append(&m, &rng, f, 3));
+	ASSERT_EQ(0, mbatch_make(&b, &m, &rng, 1, &f, &lq, POS_DEFAULT));
+	for (int h = 0; h < 2; h++) {
+		b.prm[0][h] = 0.4f;
+		b.prm[1][h] = 0.02f;
+		b.prm[2][h] = 0.02f;
+		b.prm[3][h] = 0.1f;
+	}
+	b.desc.skip_tol = ldexp(1, -24);
+	ASSERT_EQ(0, mbatch_attend(&m, &b, NULL)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, mbatch_check(&m, &b, &eo, &el));
+	EXPECT_LE(eo, test_tol_o(APE_F32) + test_skip_tol_o(b.desc.skip_tol));
+	b.prm[0][0] = 0.2f;
+	EXPECT_EQ(APE_EINVAL, mbatch_attend(&m, &b, NULL));
+	mbatch_free(&b);
+	/* removal returns every page */
+	ASSERT_EQ(0, model_remove(&m, a));
+	ASSERT_EQ(0, model_remove(&m, f));
+	ASSERT_EQ(0, ape_kv_pool_get_info(m.pool, &after));
+	EXPECT_EQ(after.pages_free, after.pages_total);
+	EXPECT_EQ(0, after.tokens);
+	model_free(&m);
+	/* a pool without max_query_norm releases nothing */
+	o.max_query_norm = 0;
+	ASSERT_EQ(0, model_init(&m, self->dev, &o));
+	ASSERT_LE(0, (a = model_add(&m, 0, &ret)));
+	ape_attn_desc_init(&b.desc);
+	EXPECT_EQ(APE_EINVAL, ape_kv_pool_release_unreachable(m.pool, m.s[a].id, &b.desc, &rel));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "max_query_norm")) TH_LOG("%s", ape_last_error());
+	o.max_query_norm = NAN;
+	{
+		ape_kv_pool *x = NULL;
+
+		EXPECT_EQ(APE_EINVAL, ape_kv_pool_create(self->dev, &o, &x));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "max_query_norm"));
+	}
+	model_free(&m);
+}
+
 /* Bad arguments: an error naming them, nothing written, the pool unchanged. */
 TEST_F(pool, validation_names_the_argument)
 {

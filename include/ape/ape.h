@@ -1222,6 +1222,9 @@ typedef struct ape_kv_pool_options {
 	/** Device memory the pool may hold (pages, chunk buffers, partial outputs), bytes; 0: no
 	 *  limit but the device's. */
 	uint64_t max_device_bytes;
+	/** A bound on |q| (the Euclidean norm of each query row, as stored) of every attend after
+	 *  a release: > 0 (finite) allows ape_kv_pool_release_unreachable(); 0: no release. */
+	double max_query_norm;
 } ape_kv_pool_options;
 
 /** \brief Defaults: pages of 16 tokens, max_batch_tokens 256, attend_chunk 4096, no budget;
@@ -1346,6 +1349,26 @@ APE_API int ape_kv_pool_attend_diag(ape_kv_pool *pool, const ape_attn_desc *desc
 				    float *lse, float *entropy, float *mean_distance,
 				    ape_stats *stats);
 
+/**
+ * \brief Releases the oldest whole pages of sequence \p seq_id that the skip bound proves no
+ *        later query can reach (as ape_kv_cache_release_unreachable() does for a cache's
+ *        blocks), as if later attends used \p desc: each page returns to the pool once no other
+ *        sequence holds it.
+ *
+ * Later rows of the sequence are assumed at or after the earliest position a default attend of
+ * max_batch_tokens rows could have now, with |q| <= opts.max_query_norm, every head's delta,
+ * lambda at least \p desc's (beta, gamma >= 0), |scale| at most and skip_tol at least its:
+ * afterwards an attend of the sequence that breaks one of these is refused with APE_EINVAL
+ * (naming the batch entry and the sequence) instead of answering wrongly. A fork inherits them.
+ * The sequence keeps its positions: ape_kv_pool_sequence_info() still counts every token
+ * appended.
+ * \param[out] released NULL, or the number of tokens released by this call
+ * \return 0 (also when nothing could be proved: no decay, skip_tol 0); APE_EINVAL (NULL pool or
+ *         desc, bad desc, unknown seq_id, or a pool created without max_query_norm).
+ */
+APE_API int ape_kv_pool_release_unreachable(ape_kv_pool *pool, int64_t seq_id,
+					    const ape_attn_desc *desc, int64_t *released);
+
 /** State of a pool. */
 typedef struct ape_kv_pool_info {
 	int64_t page_tokens;
@@ -1354,7 +1377,8 @@ typedef struct ape_kv_pool_info {
 	int64_t pages_free;
 	int64_t pages_shared; /**< pages held by more than one sequence */
 	int64_t sequences; /**< live sequences */
-	int64_t tokens; /**< tokens over all sequences (a shared token counted once per holder) */
+	int64_t tokens; /**< tokens held over all sequences (a shared token counted once per
+			  *  holder; released ones not counted) */
 	int64_t pages_copied; /**< shared pages copied on write since creation */
 	uint64_t device_bytes; /**< device memory the pool holds, all of it allocated at creation */
 } ape_kv_pool_info;
@@ -1364,7 +1388,8 @@ APE_API int ape_kv_pool_get_info(const ape_kv_pool *pool, ape_kv_pool_info *info
 
 /**
  * \brief Tokens and first position of one sequence.
- * \param[out] tokens,k_start each NULL or set: its tokens, the position of its first
+ * \param[out] tokens,k_start each NULL or set: its tokens (every token appended, released ones
+ *        included), the position of its first
  * \return 0; APE_EINVAL (NULL pool, unknown seq_id).
  */
 APE_API int ape_kv_pool_sequence_info(const ape_kv_pool *pool, int64_t seq_id, int64_t *tokens,

@@ -107,7 +107,7 @@ class ApeKvPoolOptions(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("Hkv", c_int64), ("H", c_int64), ("D", c_int64),
                 ("dtype", ctypes.c_int), ("page_tokens", c_int64), ("capacity_tokens", c_int64),
                 ("max_batch_tokens", c_int64), ("attend_chunk", c_int64),
-                ("max_device_bytes", ctypes.c_uint64)]
+                ("max_device_bytes", ctypes.c_uint64), ("max_query_norm", ctypes.c_double)]
 
 
 class ApeKvPoolInfo(ctypes.Structure):
@@ -214,6 +214,8 @@ _PROTOS = {
                                                P(c_int64), P(c_int64), vp, vp, vp, vp, vp,
                                                P(ApeStats)]),
     "ape_kv_pool_get_info": (ctypes.c_int, [vp, P(ApeKvPoolInfo)]),
+    "ape_kv_pool_release_unreachable": (ctypes.c_int, [vp, c_int64, P(ApeAttnDesc),
+                                                       P(c_int64)]),
     "ape_kv_pool_sequence_info": (ctypes.c_int, [vp, c_int64, P(c_int64), P(c_int64)]),
     "ape_buffer_alloc": (ctypes.c_int, [vp, c_size_t, P(vp)]),
     "ape_buffer_wrap_host": (ctypes.c_int, [vp, vp, c_size_t, P(vp)]),

@@ -1042,9 +1042,11 @@ class KVPool:
     """
 
     def __init__(self, Hkv, D, capacity_tokens, *, H=0, page_tokens=16, dtype="float32",
-                 device="auto", max_batch_tokens=0, attend_chunk=0, max_device_bytes=0):
+                 device="auto", max_batch_tokens=0, attend_chunk=0, max_device_bytes=0,
+                 max_query_norm=0.0):
         self._p = None
         self._seqs = set()
+        self._H = int(H) or int(Hkv)
         code = _dtype_code(dtype)
         if int(max_device_bytes) < 0:
             _bad("max_device_bytes = %d: must be >= 0 (0: no limit)" % int(max_device_bytes))
@@ -1058,6 +1060,7 @@ class KVPool:
             if not _I64_MIN <= val <= _I64_MAX:
                 _bad("%s = %d: out of range" % (field, val))
             setattr(opts, field, val)
+        opts.max_query_norm = float(max_query_norm)
         opts.dtype = code
         self._dtype = code
         dev = _device_spec(device)
@@ -1214,6 +1217,24 @@ class KVPool:
         if return_diagnostics:
             res += (ent, md)
         return _with_stats(res if len(res) > 1 else out, st)
+
+    def release_unreachable(self, seq_id, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA,
+                            lam=SEED_LAMBDA, causal=True, scale=None, rope_base=10000.0,
+                            layout="half", skip_tol=2.0 ** -24):
+        """ape_kv_pool_release_unreachable(): releases the oldest whole pages of sequence
+        seq_id that no later query with these parameters (and |q| <= the pool's
+        max_query_norm) can reach; returns how many tokens were released. Later attends of the
+        sequence that break those terms raise ApeError (APE_EINVAL)."""
+        p = self._live()
+        sid = self._known(seq_id)
+        keep = []
+        desc = _desc(self._H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
+                     skip_tol, keep)
+        n = ctypes.c_int64()
+        err = lib.ape_kv_pool_release_unreachable(p, sid, ctypes.byref(desc), ctypes.byref(n))
+        if err:
+            _raise(err)
+        return n.value
 
     def info(self):
         """The pool's state as a dict (every field of ape_kv_pool_info): page_tokens,

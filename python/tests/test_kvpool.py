@@ -549,3 +549,29 @@ def test_serve_example():
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tokens/s" in r.stdout and "pages used" in r.stdout and "agree" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_release_unreachable(device):
+    """KVPool(max_query_norm=...).release_unreachable(): the oldest pages the proof covers go
+    back to the pool; decodes stay right over every token; an attend that breaks the release's
+    terms (here an earlier position) raises ApeError; a pool without max_query_norm refuses."""
+    seed = dict(delta=0.4, beta=0.02, gamma=0.02, lam=0.1)
+    m = Mirror(seed=5, device=device, H=2, Hkv=1, D=32, capacity_tokens=4096,
+               max_query_norm=12.0, max_batch_tokens=64)
+    with m.pool:
+        a = m.add(-40)
+        m.append(a, 2000)
+        free = m.pool.info()["pages_free"]
+        n = m.pool.release_unreachable(a, **seed)
+        assert n > 0 and n % 16 == 0
+        assert m.pool.info()["pages_free"] == free + n // 16
+        m.attend([a], [1], **seed)  # checked against every token appended
+        m.append(a, 1)
+        m.attend([a], [1], **seed)
+        with pytest.raises(libape.ApeError, match="released for queries at positions"):
+            m.pool.attend(m.arr(1, 2, 32), [a], [0, 1], positions_q=[0], **seed)
+    with libape.KVPool(Hkv=1, D=32, capacity_tokens=64, device=device) as pool:
+        s = pool.add_sequence()
+        with pytest.raises(libape.ApeError, match="max_query_norm"):
+            pool.release_unreachable(s, **seed)

@@ -96,5 +96,50 @@ struct ape__kv_keys {
 int64_t ape__kv_window_cut(const struct ape__kv_keys *kk, const struct ape__problem *p,
 			   const ape_tensor *q, int64_t q0, int64_t lq, int64_t q_start, double tol);
 
+/*
+ * Releasing a sequence's oldest keys for good (kv_release.c; the KV cache's blocks, the KV
+ * pool's pages): the proof that no later query can give them weight, and the terms every later
+ * attend must keep for the proof to hold (the positions, parameters, skip_tol and query norms it
+ * assumed). One set of terms per released sequence (the cache's batch shares one).
+ */
+struct ape__kv_terms {
+	bool released;
+	int64_t q_floor; /* later rows at positions >= q_floor */
+	float *delta, *lambda; /* [H]: later delta >= and lambda >= these (beta, gamma >= 0) */
+	double scale, tol; /* later |scale| <= scale, skip_tol >= tol */
+	float *kmax; /* [nbg]: the largest key norm of everything released */
+};
+
+/* Allocates t's arrays for H heads and nbg (batch, kv head) pairs, nothing released; 0 or
+ * APE_ENOMEM (message naming fn). */
+int ape__kv_terms_init(struct ape__kv_terms *t, const char *fn, int64_t H, int64_t nbg);
+void ape__kv_terms_free(struct ape__kv_terms *t);
+/* dst (made by init for the same H, nbg) becomes src. */
+void ape__kv_terms_copy(struct ape__kv_terms *dst, const struct ape__kv_terms *src, int64_t H,
+			int64_t nbg);
+
+/*
+ * Releases whole blocks of bt tokens from block lb_first on (tokens counted from the
+ * sequence's token 0), oldest first, while the proof holds for every later query at a position
+ * >= q_floor with |q| <= max_qnorm and p's parameters (B batches, Hkv kv heads): the released
+ * prefix at most `tol` times the weight of the reference key t_ref (the newest key at or
+ * before q_floor; blocks wholly before it only). norms(arg, lb) gives block lb's largest key
+ * norm per (batch, kv head). Returns the blocks released (0 when nothing is provable: no
+ * decay, tol 0); with any, t's terms become p's (positions from q_floor on). Never fails.
+ */
+int64_t ape__kv_release(struct ape__kv_terms *t, const struct ape__problem *p, int64_t B,
+			int64_t Hkv, int64_t lb_first, int64_t bt, int64_t k_start, int64_t t_ref,
+			int64_t q_floor, const float *(*norms)(const void *arg, int64_t lb),
+			const void *arg, double tol, double max_qnorm);
+
+/*
+ * Whether an attend keeps t's terms: its rows [q0, q0 + lq) of q (all B batches), the earliest
+ * at position q_min, p's parameters and skip_tol, every row's norm <= max_qnorm. 0, or
+ * APE_EINVAL naming what breaks them, `where` (may be "") appended to the message.
+ */
+int ape__kv_terms_check(const struct ape__kv_terms *t, const char *fn, const char *where,
+			const struct ape__problem *p, const ape_tensor *q, const int64_t qs[4],
+			int64_t q0, int64_t lq, int64_t q_min, double max_qnorm);
+
 #pragma GCC visibility pop
 #endif

@@ -208,10 +208,7 @@ static int make_appends(struct ape_kv_cache *c, const char *fn)
 	if (ret)
 		return ape__error_prefix(ret, fn);
 	c->rownorm = ape__malloc((size_t)(c->o.B * c->o.Hkv * c->o.append_chunk) * sizeof(float));
-	c->rel_delta = ape__calloc((size_t)c->o.H, sizeof(float));
-	c->rel_lambda = ape__calloc((size_t)c->o.H, sizeof(float));
-	c->rel_kmax = ape__calloc((size_t)(c->o.B * c->o.Hkv), sizeof(float));
-	if (!c->rownorm || !c->rel_delta || !c->rel_lambda || !c->rel_kmax)
+	if (!c->rownorm || ape__kv_terms_init(&c->rel, fn, c->o.H, c->o.B * c->o.Hkv))
 		return ape__error(APE_ENOMEM, "%s: out of memory", fn);
 	return 0;
 }
@@ -273,9 +270,7 @@ void ape_kv_cache_destroy(ape_kv_cache *c)
 	free(c->sv);
 	free(c->bnorm);
 	free(c->rownorm);
-	free(c->rel_delta);
-	free(c->rel_lambda);
-	free(c->rel_kmax);
+	ape__kv_terms_free(&c->rel);
 	free(c);
 }
 
@@ -628,7 +623,7 @@ int ape_kv_cache_get_info(const ape_kv_cache *c, ape_kv_cache_info *info)
 	info->block_tokens = c->bt;
 	info->blocks_live = (c->t_end + c->bt - 1) / c->bt - c->lb_first;
 	info->blocks_released = c->lb_first;
-	info->min_query_position = c->released ? c->q_floor : INT64_MIN;
+	info->min_query_position = c->rel.released ? c->rel.q_floor : INT64_MIN;
 	info->device_bytes = c->mem.cur + ape__stream_device_bytes(c->ks.s);
 	return 0;
 }

@@ -60,11 +60,7 @@ struct ape_kv_cache {
 	struct ape__kv_loader loader;
 
 	/* what the last release proof assumed; future attends must keep it true */
-	bool released;
-	int64_t q_floor;
-	float *rel_delta, *rel_lambda; /* per head */
-	double rel_scale, rel_tol;
-	float *rel_kmax; /* [B*Hkv]: largest key norm of everything released */
+	struct ape__kv_terms rel; /* what the blocks released so far assumed (api/kv_session.h) */
 };
 
 /* ---- positions and blocks */

@@ -66,6 +66,11 @@ static int check_options(const char *fn, const ape_kv_pool_options *o)
 		return ape__error(APE_EINVAL,
 				  "%s: opts->attend_chunk = %" PRId64 ": must be in 0..2^40 (0: %d)",
 				  fn, o->attend_chunk, APE__CHUNK_DEFAULT);
+	if (!(o->max_query_norm >= 0) || !isfinite(o->max_query_norm))
+		return ape__error(APE_EINVAL,
+				  "%s: opts->max_query_norm = %g: must be finite and >= 0 (0: no "
+				  "release)",
+				  fn, o->max_query_norm);
 	{
 		/* the page buffers' Hkv * slots * D elements at 8 bytes, and the host tables */
 		int64_t n;
@@ -268,6 +273,7 @@ void ape_kv_pool_destroy(ape_kv_pool *pl)
 	for (int64_t i = 0; !pl->ext && i < pl->nseq; i++) {
 		free(pl->seq[i].pages);
 		free(pl->seq[i].pre);
+		ape__kv_terms_free(&pl->seq[i].rel);
 	}
 	free(pl->seq);
 	free(pl->ref);
@@ -311,7 +317,7 @@ static int64_t page_take(struct ape_kv_pool *pl, const struct ape__kvp_seq *s)
 }
 
 /* Drops one reference to page p; the last returns it to the free list's front. */
-static void page_put(struct ape_kv_pool *pl, int64_t p)
+void ape__kvp_page_put(struct ape_kv_pool *pl, int64_t p)
 {
 	if (--pl->ref[p])
 		return;
@@ -419,10 +425,11 @@ int ape_kv_pool_remove_sequence(ape_kv_pool *pl, int64_t seq_id)
 		return ape__error(APE_EINVAL, "%s: pool = NULL", fn);
 	if (!(s = ape__kvp_find(pl, fn, "seq_id", seq_id)))
 		return APE_EINVAL;
-	for (int64_t i = 0; i < s->npages; i++)
-		page_put(pl, s->pages[i]);
+	for (int64_t i = s->first / pl->P; i < s->npages; i++) /* the released are -1 */
+		ape__kvp_page_put(pl, s->pages[i]);
 	free(s->pages);
 	free(s->pre);
+	ape__kv_terms_free(&s->rel);
 	memset(s, 0, sizeof(*s));
 	pl->live--;
 	return 0;
@@ -453,11 +460,21 @@ int ape_kv_pool_fork(ape_kv_pool *pl, int64_t seq_id, int64_t *new_id)
 		memcpy(f->pages, s->pages, (size_t)s->npages * sizeof(*f->pages));
 		memcpy(f->pre, s->pre, (size_t)(s->npages * pl->o.Hkv) * sizeof(*f->pre));
 	}
+	if (s->rel.released) { /* the release's terms hold for the fork too */
+		if (ape__kv_terms_init(&f->rel, fn, pl->o.H, pl->o.Hkv)) {
+			free(f->pages);
+			free(f->pre);
+			memset(f, 0, sizeof(*f));
+			return APE_ENOMEM;
+		}
+		ape__kv_terms_copy(&f->rel, &s->rel, pl->o.H, pl->o.Hkv);
+	}
 	f->npages = s->npages;
 	f->n = s->n;
+	f->first = s->first;
 	f->k_start = s->k_start;
 	f->live = true;
-	for (int64_t i = 0; i < s->npages; i++)
+	for (int64_t i = s->first / pl->P; i < s->npages; i++)
 		pl->ref[s->pages[i]]++;
 	*new_id = pl->nseq++;
 	pl->live++;
@@ -496,7 +513,7 @@ int ape_kv_pool_get_info(const ape_kv_pool *pl, ape_kv_pool_info *info)
 	for (int64_t p = 0; p < pl->npages; p++)
 		info->pages_shared += pl->ref[p] > 1;
 	for (int64_t i = 0; i < pl->nseq; i++)
-		info->tokens += pl->seq[i].live ? pl->seq[i].n : 0;
+		info->tokens += pl->seq[i].live ? pl->seq[i].n - pl->seq[i].first : 0;
 	info->sequences = pl->live;
 	info->pages_copied = pl->copied;
 	info->device_bytes = pl->mem.cur + ape__stream_device_bytes(pl->ks.s);
@@ -601,7 +618,7 @@ static int take_pages(struct ape_kv_pool *pl, struct ape__queue *q, struct ape__
 		s->pages[s->npages++] = p;
 		memcpy(pl->pnorm + p * pl->o.Hkv, pl->pnorm + old * pl->o.Hkv,
 		       (size_t)pl->o.Hkv * sizeof(float));
-		page_put(pl, old);
+		ape__kvp_page_put(pl, old);
 		pl->copied++;
 		if ((ret = copy_page(pl, q, old, p, s->n % pl->P)))
 			return ret;
@@ -678,13 +695,13 @@ static void undo(struct ape_kv_pool *pl, struct piece *pc, int64_t npc, int64_t 
 		struct ape__kvp_seq *s = pc[i].s;
 
 		while (s->npages > pc[i].np0)
-			page_put(pl, s->pages[--s->npages]);
+			ape__kvp_page_put(pl, s->pages[--s->npages]);
 		if (pc[i].np0 && s->pages[pc[i].np0 - 1] != pc[i].last0) {
 			const int64_t copy = s->pages[pc[i].np0 - 1];
 
 			s->pages[pc[i].np0 - 1] = pc[i].last0;
 			pl->ref[pc[i].last0]++;
-			page_put(pl, copy);
+			ape__kvp_page_put(pl, copy);
 		}
 		s->n = pc[i].t0;
 	}

@@ -33,6 +33,10 @@ struct ape__kvp_seq {
 	int64_t *pages; /* physical pages, logical order */
 	float *pre; /* [cap][Hkv]: the largest key norm of each head over its pages 0 .. i */
 	uint64_t stamp; /* the last batch call that named it (duplicate ids) */
+	/* tokens 0 .. first - 1 released (whole pages, their entries in pages[] -1), and what the
+	 * release assumed of later attends (allocated at the first release) */
+	int64_t first;
+	struct ape__kv_terms rel;
 };
 
 /* An attend's keys: virtual key rows [j0, j0 + n) are tokens [t0, t0 + n) of sequence s. */
@@ -141,6 +145,16 @@ int ape__kvp_check_batch(struct ape_kv_pool *pl, const char *fn, int64_t nseq,
  * staging). 0, or a negative code with the message set (nothing made, *out untouched). */
 int ape__kvp_create(ape_device *dev, const char *fn, const ape_kv_pool_options *o, bool ext,
 		    size_t size, struct ape_kv_pool **out);
+
+/* Drops one reference to page p; the last returns it to the free list (kvpool.c). */
+void ape__kvp_page_put(struct ape_kv_pool *pl, int64_t p);
+
+/* The terms of every released sequence of an attend's batch kept by its rows (q, positions
+ * pos_q or the default), params and skip_tol (kvpool_release.c): 0 or APE_EINVAL naming the
+ * batch entry and the sequence. */
+int ape__kvp_check_terms(const struct ape_kv_pool *pl, const char *fn,
+			 const struct ape__problem *p, const ape_tensor *q, int64_t nseq,
+			 const int64_t *seq_ids, const int64_t *cu, const int64_t *pos_q);
 
 /* Sets pl->loader: the attends' key loader (kvpool_attend.c). */
 void ape__kvp_loader(struct ape_kv_pool *pl);

@@ -287,10 +287,10 @@ int ape__kvp_plan(struct ape_kv_pool *pl, const char *fn, const struct ape__prob
 		const int64_t q0 = cu[i], lq = cu[i + 1] - cu[i];
 		const struct norms_arg na = { pl, s };
 		const struct ape__kv_keys kk = {
-			.first = 0, .t_end = s->n, .k_start = s->k_start, .bt = pl->P,
+			.first = s->first, .t_end = s->n, .k_start = s->k_start, .bt = pl->P,
 			.nbg = pl->o.Hkv, .norms = page_norms, .prefix = page_prefix, .arg = &na,
 		};
-		int64_t qmin, w = 0, lk;
+		int64_t qmin, w = s->first, lk; /* w: the tokens left out, released or cut */
 
 		if (!lq)
 			continue;
@@ -300,7 +300,7 @@ int ape__kvp_plan(struct ape_kv_pool *pl, const char *fn, const struct ape__prob
 		for (int64_t r = q0; pos_q && r < q0 + lq; r++)
 			qmin = r == q0 || pos_q[r] < qmin ? pos_q[r] : qmin;
 		if (s->n && p && q && !pl->ext)
-			w = ape__kv_window_cut(&kk, p, q, q0, lq, qmin, wtol);
+			w += ape__kv_window_cut(&kk, p, q, q0, lq, qmin, wtol);
 		lk = s->n - w;
 		if (lk)
 			pl->kr[nkr++] = (struct ape__kvp_krun){ .j0 = lk_total, .n = lk, .t0 = w, .s = s };
@@ -322,8 +322,9 @@ int ape__kvp_plan(struct ape_kv_pool *pl, const char *fn, const struct ape__prob
 					 seq_ids[i]);
 				return ape__error_suffix(ret, where);
 			}
-			pl->full[nsg] = (struct ape__seg){ .q0 = a, .lq = b - a, .lk = s->n,
-							   .q_start = qs, .k_start = s->k_start };
+			pl->full[nsg] = (struct ape__seg){ .q0 = a, .lq = b - a,
+							   .lk = s->n - s->first, .q_start = qs,
+							   .k_start = s->k_start + s->first };
 			pl->segs[nsg++] = (struct ape__seg){ .q0 = a, .lq = b - a, .k0 = lk_total,
 							     .lk = lk, .q_start = qs,
 							     .k_start = s->k_start + w };
@@ -408,7 +409,7 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 				     pl->dev);
 	run = (struct ape__kv_run){
 		.p = &g, .q = &qg, .o = &og, .lse = want_lse ? pl->lse_stage : NULL, .dg = &dgs,
-		.want_pairs = want_pairs, .loader = &pl->loader,
+		.want_pairs = want_pairs, .release = pl->o.max_query_norm > 0, .loader = &pl->loader,
 	};
 	ret = ape__kv_session_run(&pl->ks, fn, &run, res);
 	for (int64_t s = s0; s < s1; s++) {
@@ -600,9 +601,11 @@ static int attend(ape_kv_pool *pl, const char *fn, const ape_attn_desc *desc, in
 	if ((ret = ape__kvp_attend_problem(pl, fn, desc, q, o, lse, dg, &p)))
 		return ret;
 	if ((ret = ape__kvp_check_batch(pl, fn, nseq, seq_ids, cu_seqlens_q, "cu_seqlens_q", p.Lq,
-					"q->shape[2]")))
+					"q->shape[2]")) ||
+	    (ret = ape__kvp_check_terms(pl, fn, &p, q, nseq, seq_ids, cu_seqlens_q, pos_q)))
 		goto out;
-	ape__skip_window(p.skip_tol, false, &wtol, &rest);
+	/* with release allowed, a share of skip_tol stays for it (as the KV cache keeps) */
+	ape__skip_window(p.skip_tol, pl->o.max_query_norm > 0, &wtol, &rest);
 	pl->nsg = pl->nkr = pl->lk_total = 0;
 	if (p.Lq > 0 && (ret = ape__kvp_plan(pl, fn, &p, q, nseq, seq_ids, cu_seqlens_q, pos_q,
 					     wtol)))
