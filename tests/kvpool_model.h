@@ -256,6 +256,20 @@ static int mbatch_make(struct mbatch *b, const struct model *m, ape_rng *r, int6
 	return 0;
 }
 
+/* The seed's decay (delta 0.4, beta 0.02, gamma 0.02, lambda 0.1) on every head of b, with
+ * skip_tol `tol`. */
+static __attribute__((unused)) void mbatch_seed_decay(const struct model *m, struct mbatch *b,
+						      double tol)
+{
+	for (int64_t h = 0; h < m->H; h++) {
+		b->prm[0][h] = 0.4f;
+		b->prm[1][h] = 0.02f;
+		b->prm[2][h] = 0.02f;
+		b->prm[3][h] = 0.1f;
+	}
+	b->desc.skip_tol = tol;
+}
+
 /* The batch's attends also return both diagnostics; 0 or -1 (out of memory). */
 static __attribute__((unused)) int mbatch_want_diag(const struct model *m, struct mbatch *b)
 {

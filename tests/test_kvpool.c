@@ -244,13 +244,7 @@ TEST_F(pool, results_do_not_depend_on_the_batch)
 	for (int pass = 0; pass < 2; pass++) {
 		ASSERT_EQ(0, mbatch_make(&x, &m, &rng, 4, idx, lq, POS_DEFAULT));
 		if (pass) { /* the seed's decay, skipping */
-			for (int h = 0; h < 4; h++) {
-				x.prm[0][h] = 0.4f;
-				x.prm[1][h] = 0.02f;
-				x.prm[2][h] = 0.02f;
-				x.prm[3][h] = 0.1f;
-			}
-			x.desc.skip_tol = ldexp(1, -24);
+			mbatch_seed_decay(&m, &x, ldexp(1, -24));
 		}
 		ASSERT_EQ(0, mbatch_make(&y, &m, &rng, 4, ridx, rlq, POS_DEFAULT));
 		/* y: x's rows in the reverse order of sequences, x's parameters */
@@ -331,13 +325,7 @@ TEST_F(pool, one_sequence_decode_reads_pages_in_place)
 	for (int pass = 0; pass < 4; pass++) {
 		ASSERT_EQ(0, mbatch_make(&b, &m, &rng, 1, &a, &lq, POS_DEFAULT));
 		if (pass == 3) { /* the seed's decay: a window from a later page on */
-			for (int h = 0; h < 4; h++) {
-				b.prm[0][h] = 0.4f;
-				b.prm[1][h] = 0.02f;
-				b.prm[2][h] = 0.02f;
-				b.prm[3][h] = 0.1f;
-			}
-			b.desc.skip_tol = ldexp(1, -24);
+			mbatch_seed_decay(&m, &b, ldexp(1, -24));
 		}
 		ape_stats_init(&st);
 		ASSERT_EQ(0, mbatch_attend(&m, &b, &st)) TH_LOG("%s", ape_last_error());
@@ -450,13 +438,7 @@ TEST_F(pool, diagnostics_of_a_mixed_batch)
 									     : POS_DEFAULT));
 		ASSERT_EQ(0, mbatch_want_diag(&m, &b));
 		if (pass == 2) { /* the seed's decay, a loose skip_tol the call tightens */
-			for (int h = 0; h < 4; h++) {
-				b.prm[0][h] = 0.4f;
-				b.prm[1][h] = 0.02f;
-				b.prm[2][h] = 0.02f;
-				b.prm[3][h] = 0.1f;
-			}
-			b.desc.skip_tol = 1e-3;
+			mbatch_seed_decay(&m, &b, 1e-3);
 		}
 		ASSERT_EQ(0, mbatch_attend(&m, &b, NULL)) TH_LOG("%s", ape_last_error());
 		ASSERT_EQ(0, mbatch_check_diag(&m, &b, &eo, &el, &ee, &em));
@@ -502,13 +484,7 @@ TEST_F(pool, release_unreachable_returns_pages)
 	ASSERT_LE(0, (a = model_add(&m, -40, &ret)));
 	ASSERT_EQ(0, model_append(&m, &rng, a, self->emu ? 700 : 2000));
 	ASSERT_EQ(0, mbatch_make(&b, &m, &rng, 1, &a, &lq, POS_DEFAULT));
-	for (int h = 0; h < 2; h++) { /* the seed's decay */
-		b.prm[0][h] = 0.4f;
-		b.prm[1][h] = 0.02f;
-		b.prm[2][h] = 0.02f;
-		b.prm[3][h] = 0.1f;
-	}
-	b.desc.skip_tol = ldexp(1, -24);
+	mbatch_seed_decay(&m, &b, ldexp(1, -24));
 	ASSERT_EQ(0, ape_kv_pool_get_info(m.pool, &before));
 	ASSERT_EQ(0, ape_kv_pool_release_unreachable(m.pool, m.s[a].id, &b.desc, &rel))
 	TH_LOG("%s", ape_last_error());
@@ -529,13 +505,7 @@ TEST_F(pool, release_unreachable_returns_pages)
 		ASSERT_EQ(0, model_append(&m, &rng, a, 1));
 		mbatch_free(&b);
 		ASSERT_EQ(0, mbatch_make(&b, &m, &rng, 1, &a, &lq, POS_DEFAULT));
-		for (int h = 0; h < 2; h++) {
-			b.prm[0][h] = 0.4f;
-			b.prm[1][h] = 0.02f;
-			b.prm[2][h] = 0.02f;
-			b.prm[3][h] = 0.1f;
-		}
-		b.desc.skip_tol = ldexp(1, -24);
+		mbatch_seed_decay(&m, &b, ldexp(1, -24));
 	}
 	/* what breaks the terms is refused */
 	pos = m.s[a].k_start + 10;
@@ -561,13 +531,7 @@ TEST_F(pool, release_unreachable_returns_pages)
 	ASSERT_LE(0, (f = model_fork(&m, a, &ret))) TH_LOG("%s", ape_last_error());
 	ASSERT_EQ(0, model_append(&m, &rng, f, 3));
 	ASSERT_EQ(0, mbatch_make(&b, &m, &rng, 1, &f, &lq, POS_DEFAULT));
-	for (int h = 0; h < 2; h++) {
-		b.prm[0][h] = 0.4f;
-		b.prm[1][h] = 0.02f;
-		b.prm[2][h] = 0.02f;
-		b.prm[3][h] = 0.1f;
-	}
-	b.desc.skip_tol = ldexp(1, -24);
+	mbatch_seed_decay(&m, &b, ldexp(1, -24));
 	ASSERT_EQ(0, mbatch_attend(&m, &b, NULL)) TH_LOG("%s", ape_last_error());
 	ASSERT_EQ(0, mbatch_check(&m, &b, &eo, &el));
 	EXPECT_LE(eo, test_tol_o(APE_F32) + test_skip_tol_o(b.desc.skip_tol));

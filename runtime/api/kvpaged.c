@@ -24,7 +24,6 @@
 #include "api/stats.h"
 #include "api/validate.h"
 
-#define BATCH_DEFAULT 256
 
 struct ape_paged_kv {
 	struct ape_kv_pool pl; /* first: the pool in its external mode */
@@ -46,7 +45,7 @@ void ape_paged_kv_options_init(ape_paged_kv_options *opts)
 		return;
 	memset(opts, 0, sizeof(*opts));
 	opts->struct_size = sizeof(*opts);
-	opts->max_batch_tokens = BATCH_DEFAULT;
+	opts->max_batch_tokens = 256; /* the pool's defaults (ape_kv_pool_options_init()) */
 	opts->attend_chunk = APE__CHUNK_DEFAULT;
 }
 
@@ -60,10 +59,9 @@ void ape_page_table_init(ape_page_table *pt)
 
 /* ------------------------------------------------------------------ creation */
 
-static int check_options(const char *fn, const ape_paged_kv_options *o)
+/* The object's options, then the pool's they give (its rules and messages: api/kvpool.c). */
+static int check_options(const char *fn, const ape_paged_kv_options *o, ape_kv_pool_options *po)
 {
-	int ret;
-
 	if (!o)
 		return ape__error(APE_EINVAL, "%s: opts = NULL", fn);
 	if (o->struct_size != sizeof(*o))
@@ -81,19 +79,17 @@ static int check_options(const char *fn, const ape_paged_kv_options *o)
 				  "%s: opts->num_pages = %" PRId64 ": must be >= 1, with num_pages * "
 				  "page_tokens (%" PRId64 ") at most 2^40",
 				  fn, o->num_pages, o->page_tokens);
-	if ((ret = ape__kv_check_shape(fn, o->Hkv, o->H, o->D, o->dtype,
-				       o->num_pages * o->page_tokens)))
-		return ret;
-	if (o->max_batch_tokens < 0 || o->max_batch_tokens > ((int64_t)1 << 20))
-		return ape__error(APE_EINVAL,
-				  "%s: opts->max_batch_tokens = %" PRId64
-				  ": must be in 1..2^20 (0: %d)",
-				  fn, o->max_batch_tokens, BATCH_DEFAULT);
-	if (o->attend_chunk < 0 || o->attend_chunk > ((int64_t)1 << 40))
-		return ape__error(APE_EINVAL,
-				  "%s: opts->attend_chunk = %" PRId64 ": must be in 0..2^40 (0: %d)",
-				  fn, o->attend_chunk, APE__CHUNK_DEFAULT);
-	return 0;
+	ape_kv_pool_options_init(po);
+	po->Hkv = o->Hkv;
+	po->H = o->H;
+	po->D = o->D;
+	po->dtype = o->dtype;
+	po->page_tokens = o->page_tokens;
+	po->capacity_tokens = o->num_pages * o->page_tokens;
+	po->max_batch_tokens = o->max_batch_tokens;
+	po->attend_chunk = o->attend_chunk;
+	po->max_device_bytes = o->max_device_bytes;
+	return ape__kvp_check_options(fn, po);
 }
 
 int ape_paged_kv_create(ape_device *dev, const ape_paged_kv_options *opts, ape_paged_kv **out)
@@ -110,7 +106,7 @@ int ape_paged_kv_create(ape_device *dev, const ape_paged_kv_options *opts, ape_p
 	*out = NULL;
 	if (!dev)
 		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
-	if ((ret = check_options(fn, opts)))
+	if ((ret = check_options(fn, opts, &po)))
 		return ret;
 	if (!dev->be->ops->copy_d2d || !dev->be->ops->copy_view)
 		return ape__error_on(ape__error(APE_ENOTSUP,
@@ -119,16 +115,6 @@ int ape_paged_kv_create(ape_device *dev, const ape_paged_kv_options *opts, ape_p
 						"the device)",
 						fn, dev->info.backend),
 				     dev);
-	ape_kv_pool_options_init(&po);
-	po.Hkv = opts->Hkv;
-	po.H = opts->H;
-	po.D = opts->D;
-	po.dtype = opts->dtype;
-	po.page_tokens = opts->page_tokens;
-	po.capacity_tokens = opts->num_pages * opts->page_tokens;
-	po.max_batch_tokens = opts->max_batch_tokens;
-	po.attend_chunk = opts->attend_chunk;
-	po.max_device_bytes = opts->max_device_bytes;
 	if ((ret = ape__kvp_create(dev, fn, &po, true, sizeof(*pk), &pl)))
 		return ret;
 	pk = (ape_paged_kv *)pl;

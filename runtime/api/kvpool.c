@@ -40,7 +40,7 @@ void ape_kv_pool_options_init(ape_kv_pool_options *opts)
 
 /* ------------------------------------------------------------------ creation */
 
-static int check_options(const char *fn, const ape_kv_pool_options *o)
+int ape__kvp_check_options(const char *fn, const ape_kv_pool_options *o)
 {
 	int ret;
 
@@ -235,7 +235,7 @@ int ape_kv_pool_create(ape_device *dev, const ape_kv_pool_options *opts, ape_kv_
 	*out = NULL;
 	if (!dev)
 		return ape__error(APE_EINVAL, "%s: dev = NULL", fn);
-	if ((ret = check_options(fn, opts)))
+	if ((ret = ape__kvp_check_options(fn, opts)))
 		return ret;
 	if (!dev->be->ops->copy_d2d)
 		return ape__error_on(ape__error(APE_ENOTSUP,

@@ -140,6 +140,10 @@ int ape__kvp_check_batch(struct ape_kv_pool *pl, const char *fn, int64_t nseq,
 			 const int64_t *seq_ids, const int64_t *cu, const char *cu_name,
 			 int64_t total, const char *total_name);
 
+/* The options of a pool: 0 or APE_EINVAL / APE_EOVERFLOW naming the field (opts->...) and its
+ * value (kvpool.c). */
+int ape__kvp_check_options(const char *fn, const ape_kv_pool_options *o);
+
 /* Makes a pool of `size` bytes (a struct ape_kv_pool first) on dev from checked options: its
  * own pages, or (ext) a caller's (kvpaged.c: the page table, the session, no page, no append
  * staging). 0, or a negative code with the message set (nothing made, *out untouched). */
