@@ -243,6 +243,8 @@ struct ape__cu_prep {
 int ape__cu_prep_keys(struct ape__queue *q, const struct ape__launch *l,
 		      const struct ape__cu_prep *p);
 uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__launch *l);
+/* attention_pages: the launches the decode reads in place (cuda_attention.c says which). */
+bool ape__cu_attention_pages(struct ape_device *dev, const struct ape__launch *l);
 /* More heads than an argument struct carries (APE_CU_INLINE_HEADS): l->head_params copied to
  * dst, on the queue, from a host copy the stream frees once the copy has run. */
 /* Where a launch's kernels find the heads' float32 parameters: in the call's table when the core

@@ -26,11 +26,19 @@
  * A strided launch with no key writes O = 0 and LSE = -inf through ape_dmerge over zero splits
  * (fills only reach contiguous outputs).
  *
- * Ragged launches (l->segs, core/backend.h; docs/kernels.md, "Ragged launches") take the prefill
- * whatever their rows: the host's segment table (upload_seg_table(), in the scratch) gives each
- * block one query tile of one segment, heaviest first; ape_prep and ape_kscan run over the
+ * Ragged launches (l->segs, core/backend.h; docs/kernels.md, "Ragged launches") whose every
+ * segment has a decode's rows (at most APE_DC_MAX_LQ) take the decode: a segment table
+ * (upload_decode_segs(), kernels/args.h APE_DC_SEGW) gives each segment the splits of a dense
+ * launch of it alone and its blocks, partial rows and merge; such a launch skips nothing. The
+ * others take the prefill: the host's segment table (upload_seg_table(), in the scratch) gives
+ * each block one query tile of one segment, heaviest first; ape_prep and ape_kscan run over the
  * launch's keys as for a dense launch, and the kernel reads their scans at its segment's tile
  * borders. Explicit positions (l->pos_q) are not read: the device does not say `positions`.
+ *
+ * Keys read in place (l->pages, attention_pages: ape__cu_attention_pages() below says which
+ * launches): the decode, and for skipping ape_prep and ape_dwindow, address K and V rows through
+ * the pages (struct ape_cu_pages in every argument struct's common part, key_at() and KeyWalk in
+ * kernels/common.cuh) instead of the views; nothing else changes.
  *
  * Diagnostics (l->ent and l->md, docs/diagnostics.md): the same steps with the _diag twins of
  * the prefill, decode and merge kernels (a compile-time flag of the kernel templates, so that a
@@ -65,6 +73,8 @@ struct cu_plan {
 	int64_t ntile; /* such tiles */
 	int64_t nbkv, rows, splits;
 	int64_t nseg_tiles; /* a ragged launch's query tiles (its segment table's entries) */
+	/* a ragged decode: its grid's blocks and partial rows (every segment's splits) */
+	int64_t dblocks, prows;
 	/* scratch layout: byte offsets, 0 when absent (offset 0 is never a region's) */
 	size_t kp, vp, ktile, pre, suf, hp, win, po, pml, pp, psd, segt;
 	size_t total;
@@ -107,9 +117,40 @@ static bool view_aligned(const struct ape__launch *l, int t, CUdeviceptr base, s
 	return bits % align == 0;
 }
 
-/* K and V rows that cp.async may read in place (see the top of this file), or not known. */
+/*
+ * Keys read in place (l->pages): is every K and V row the launch addresses 16-byte aligned, as
+ * far as the host can tell? Not with a page table whose entries, times the block stride, may
+ * fall anywhere (a table of element offsets), nor before the buffers are known.
+ */
+static bool pages_aligned(const struct ape__launch *l, bool buffers)
+{
+	const struct ape__kv_pages *pg = l->pages;
+	const uint64_t esz = ape_dtype_size(l->in_dtype);
+	uint64_t bits = 0;
+
+	if (!buffers)
+		return false;
+	bits |= (uint64_t)l->k->ptr + (uint64_t)pg->k_off * esz;
+	bits |= (uint64_t)l->v->ptr + (uint64_t)pg->v_off * esz;
+	bits |= l->B > 1 ? (uint64_t)pg->s_b * esz : 0;
+	bits |= l->Hkv > 1 ? (uint64_t)pg->s_h * esz : 0;
+	bits |= pg->block_tokens > 1 ? (uint64_t)pg->s_row * esz : 0;
+	bits |= pg->table || pg->nblocks > 1 ? (uint64_t)pg->s_block * esz : 0;
+	return bits % 16 == 0;
+}
+
+/*
+ * K and V rows that cp.async may read in place (see the top of this file), or not known. Keys
+ * read through pages always take the kernels of the same keys gathered (contiguous, aligned):
+ * where pages_aligned() cannot prove their rows aligned, the decode checks each row
+ * (APE_CU_F_KV_CHECK) and copies a misaligned one with plain loads.
+ */
 static void kv_aligned(const struct ape__launch *l, bool buffers, bool *k16, bool *v16)
 {
+	if (l->pages) {
+		*k16 = *v16 = true;
+		return;
+	}
 	*k16 = view_aligned(l, APE__T_K, buffers ? l->k->ptr : 0, 16);
 	*v16 = view_aligned(l, APE__T_V, buffers ? l->v->ptr : 0, 16);
 }
@@ -134,6 +175,76 @@ static int64_t seg_tiles(const struct ape__launch *l, int64_t bq)
 	return n;
 }
 
+/*
+ * Decode splits of a dense launch of nbkv (batch, kv head)s, `rows` query rows (B * H * Lq) of
+ * D, whose last row sees `keys` keys: enough blocks to fill the GPU twice, each split at least
+ * SPLIT_MIN_KEYS keys, their partials within SPLIT_MAX_BYTES; at least 1.
+ */
+static int64_t decode_splits(const struct ape__cu_device *cd, int64_t nbkv, int64_t rows,
+			     int64_t keys, int64_t D)
+{
+	const size_t per_split = (size_t)rows * ((size_t)D + 4) * 4;
+	int64_t s = (2 * (int64_t)cd->sm_count + nbkv - 1) / nbkv;
+
+	if (s > (keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS)
+		s = (keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS;
+	if ((size_t)s * per_split > SPLIT_MAX_BYTES)
+		s = (int64_t)(SPLIT_MAX_BYTES / per_split);
+	return s < 1 ? 1 : s;
+}
+
+/* Segment g of a ragged launch as the decode splits it: as a dense launch of it alone (B = 1),
+ * none without keys. */
+static int64_t seg_splits(const struct ape__cu_device *cd, const struct ape__launch *l,
+			  const struct ape__seg *g)
+{
+	if (g->lk < 1)
+		return 0;
+	const int64_t last = ape_sat_add(g->q_start - g->k_start, g->lq - 1);
+
+	return decode_splits(cd, l->Hkv, l->H * g->lq, ape_visible_keys(last, g->lk, l->causal),
+			     l->D);
+}
+
+/*
+ * The most partial rows a ragged decode of l may hold: H * min(Lq * s, APE_DC_MAX_LQ *
+ * (ceil(Lk / SPLIT_MIN_KEYS) + Lq)), s the most splits of one segment. The second term holds
+ * for segments over disjoint keys (each segment's splits at most one per SPLIT_MIN_KEYS of its
+ * keys, plus one); a launch whose segments share keys beyond it takes the prefill
+ * (decode_ragged()), so that attention_scratch can bound a ragged launch by its shape alone.
+ */
+static int64_t ragged_prows_max(const struct ape__cu_device *cd, const struct ape__launch *l)
+{
+	const int64_t s = (2 * (int64_t)cd->sm_count + l->Hkv - 1) / l->Hkv;
+	const int64_t a = l->Lq * s;
+	const int64_t b = APE_DC_MAX_LQ * ((l->Lk + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS + l->Lq);
+
+	return l->H * (a < b ? a : b);
+}
+
+/* Does the decode take ragged launch l (segments known): every segment at most
+ * APE_DC_MAX_LQ rows, their partial rows within ragged_prows_max()? *prows, *blocks: those rows
+ * and the grid's blocks. */
+static bool decode_ragged(const struct ape__cu_device *cd, const struct ape__launch *l,
+			  int64_t *prows, int64_t *blocks)
+{
+	int64_t r = 0, n = 0;
+
+	if (!l->segs || l->nseg < 1)
+		return false;
+	for (int64_t e = 0; e < l->nseg; e++) {
+		const int64_t sp = seg_splits(cd, l, &l->segs[e]);
+
+		if (l->segs[e].lq > APE_DC_MAX_LQ)
+			return false;
+		r += l->H * l->segs[e].lq * sp;
+		n += sp * l->Hkv;
+	}
+	*prows = r;
+	*blocks = n;
+	return r <= ragged_prows_max(cd, l);
+}
+
 static void plan_launch(const struct ape__cu_device *cd, const struct ape__launch *l, bool k16,
 			bool v16, bool diag, struct cu_plan *p)
 {
@@ -142,11 +253,13 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 	memset(p, 0, sizeof(*p));
 	p->total = 256; /* no region at offset 0 */
 	p->vt = (int)l->in_dtype;
-	/* a ragged launch takes the prefill kernel whatever its rows (docs/kernels.md, "Ragged
+	/* a ragged launch takes the decode when each segment has a decode's rows (each segment
+	 * split as if alone, skipping nothing), else the prefill kernel (docs/kernels.md, "Ragged
 	 * launches") */
-	p->decode = l->Lq <= APE_DC_MAX_LQ && !ragged(l);
+	p->decode = ragged(l) ? decode_ragged(cd, l, &p->prows, &p->dblocks)
+			      : l->Lq <= APE_DC_MAX_LQ;
 	p->diag = diag;
-	p->skip = l->skip_tol > 0 && l->decay_nonneg;
+	p->skip = l->skip_tol > 0 && l->decay_nonneg && !(p->decode && ragged(l));
 	p->variant = l->D == 64	   ? APE__CU_V_D64
 		     : l->D == 128 ? APE__CU_V_D128
 		     : l->D <= 128 ? APE__CU_V_G128
@@ -187,26 +300,41 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 	if (l->H > APE_CU_INLINE_HEADS)
 		p->hp = take(p, (size_t)l->H * 4 * sizeof(float));
 	if (p->decode) {
-		/* the keys the last row sees (the decode has rows) */
-		const int64_t keys = ape_visible_keys(l->q_start - l->k_start + (l->Lq - 1), l->Lk,
-						      l->causal);
-		const size_t per_split = (size_t)p->rows * ((size_t)l->D + 4) * 4;
-		int64_t s;
+		/* partial rows: every split's rows, or a ragged launch's segments' */
+		size_t pr;
 
-		s = (2 * (int64_t)cd->sm_count + p->nbkv - 1) / p->nbkv;
-		if (s > (keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS)
-			s = (keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS;
-		if ((size_t)s * per_split > SPLIT_MAX_BYTES)
-			s = (int64_t)(SPLIT_MAX_BYTES / per_split);
-		p->splits = s < 1 ? 1 : s;
+		if (ragged(l)) {
+			pr = (size_t)p->prows;
+			p->segt = take(p, (size_t)l->nseg * APE_DC_SEGW * sizeof(int64_t));
+		} else {
+			/* the keys the last row sees (the decode has rows) */
+			p->splits = decode_splits(cd, p->nbkv, p->rows,
+						  ape_visible_keys(l->q_start - l->k_start +
+									   (l->Lq - 1),
+								   l->Lk, l->causal),
+						  l->D);
+			pr = (size_t)p->splits * (size_t)p->rows;
+		}
 		if (p->skip)
 			p->win = take(p, (size_t)p->nbkv * 2 * sizeof(int64_t));
-		p->po = take(p, (size_t)p->splits * (size_t)p->rows * (size_t)l->D * 4);
-		p->pml = take(p, (size_t)p->splits * (size_t)p->rows * 2 * 4);
-		p->pp = take(p, (size_t)p->splits * (size_t)p->rows * 8);
+		p->po = take(p, pr * (size_t)l->D * 4);
+		p->pml = take(p, pr * 2 * 4);
+		p->pp = take(p, pr * 8);
 		if (p->diag)
-			p->psd = take(p, (size_t)p->splits * (size_t)p->rows * 2 * 4);
+			p->psd = take(p, pr * 2 * 4);
 	}
+}
+
+/* What a ragged decode of l whose segments are not known yet (attention_scratch) may take:
+ * ragged_prows_max()'s partial rows and a segment table of a segment per row. */
+static uint64_t ragged_decode_scratch(const struct ape__cu_device *cd, const struct ape__launch *l)
+{
+	const size_t pr = (size_t)ragged_prows_max(cd, l);
+
+	return 256 + align_up((size_t)l->Lq * APE_DC_SEGW * sizeof(int64_t)) +
+	       (l->H > APE_CU_INLINE_HEADS ? align_up((size_t)l->H * 4 * sizeof(float)) : 0) +
+	       align_up(pr * (size_t)l->D * 4) + align_up(pr * 2 * 4) + align_up(pr * 8) +
+	       align_up(pr * 2 * 4);
 }
 
 uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__launch *l)
@@ -220,6 +348,13 @@ uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__lau
 	/* the figure may not depend on the diagnostics (core/backend.h: only the shape, types,
 	 * layout and skip_tol count): it includes the decode splits' diagnostic sums always */
 	plan_launch(ape__cu_dev(dev), l, k16, v16, true, &p);
+	/* a ragged launch whose segments are not known yet: the prefill's figure above, or the
+	 * decode's, whichever is larger */
+	if (ragged(l) && !l->segs && l->Lk > 0) {
+		const uint64_t d = ragged_decode_scratch(ape__cu_dev(dev), l);
+
+		p.total = d > p.total ? d : p.total;
+	}
 	/* shape-only: the separable path may take it (cuda_separable.c) */
 	return p.total > ape__cu_separable_scratch(l) ? p.total : ape__cu_separable_scratch(l);
 }
@@ -227,8 +362,27 @@ uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__lau
 struct ape_cu_view ape__cu_view(const struct ape__launch *l, int t)
 {
 	const struct ape__view v = ape__launch_view(l, t);
+	const struct ape__kv_pages *pg = l->pages;
 
+	/* keys read in place: the views of the pages' (batch, kv head) bases and rows
+	 * (struct ape_cu_pages, kernels/args.h) */
+	if (pg && (t == APE__T_K || t == APE__T_V))
+		return (struct ape_cu_view){ t == APE__T_K ? pg->k_off : pg->v_off, pg->s_b,
+					     pg->s_h, pg->s_row };
 	return (struct ape_cu_view){ v.off, v.sb, v.sh, v.sl };
+}
+
+/* Where l's keys lie when read in place (bt 0: as their views say). */
+static struct ape_cu_pages pages_of(const struct ape__launch *l)
+{
+	const struct ape__kv_pages *pg = l->pages;
+
+	if (!pg)
+		return (struct ape_cu_pages){ 0 };
+	return (struct ape_cu_pages){ .table = pg->table ? pg->table->ptr : 0,
+				      .bt = pg->block_tokens, .nblocks = pg->nblocks,
+				      .first = pg->first_block, .row = pg->first_row,
+				      .sblock = pg->s_block };
 }
 
 /* The rows of ape_prep's output in scratch: [B][Hkv][Lk][dmax]. */
@@ -267,6 +421,7 @@ static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CU
 	c->vq = ape__cu_view(l, APE__T_Q);
 	c->vk = ape__cu_view(l, APE__T_K);
 	c->vv = ape__cu_view(l, APE__T_V);
+	c->pg = pages_of(l);
 	c->vo = ape__cu_view(l, APE__T_O);
 	c->vlse = ape__cu_view(l, APE__T_LSE);
 	{
@@ -287,7 +442,8 @@ static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CU
 		   (p->skip ? APE_CU_F_SKIP : 0) |
 		   (view_aligned(l, APE__T_O, l->o->ptr, 2 * ape_dtype_size(l->out_dtype))
 			    ? 0
-			    : APE_CU_F_O_SCALAR);
+			    : APE_CU_F_O_SCALAR) |
+		   (l->pages && !pages_aligned(l, true) ? APE_CU_F_KV_CHECK : 0);
 	if (l->H <= APE_CU_INLINE_HEADS)
 		memcpy(c->hp, l->head_params, (size_t)l->H * 4 * sizeof(float));
 }
@@ -389,6 +545,32 @@ static int upload_seg_table(struct ape__queue *q, const struct ape__launch *l,
 	return upload_owned(q, dst, t, n * APE_PF_SEGW * sizeof(int64_t), "segment table");
 }
 
+/* A ragged decode's segment table (kernels/args.h, APE_DC_SEGW) to dst: each segment's rows,
+ * keys, distance, splits (seg_splits()), partial rows and first block, in the launch's order. */
+static int upload_decode_segs(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst)
+{
+	const struct ape__cu_device *cd = ape__cu_dev(q->dev);
+	int64_t *t = ape__malloc((size_t)l->nseg * APE_DC_SEGW * sizeof(int64_t));
+	int64_t poff = 0, blk0 = 0;
+
+	if (!t)
+		return ape__error(APE_ENOMEM, "cuda: out of host memory for the table of %lld "
+				  "segments", (long long)l->nseg);
+	for (int64_t e = 0; e < l->nseg; e++) {
+		const struct ape__seg *g = &l->segs[e];
+		const int64_t sp = seg_splits(cd, l, g);
+		/* the distance of (row q0, key k0): one pair's, so it fits; any without keys */
+		const int64_t rel = g->lk ? g->q_start - g->k_start : 0;
+		const int64_t x[APE_DC_SEGW] = { g->q0, g->lq, g->k0, g->lk, rel, sp, poff, blk0 };
+
+		memcpy(t + e * APE_DC_SEGW, x, sizeof(x));
+		poff += l->H * g->lq * sp;
+		blk0 += sp * l->Hkv;
+	}
+	return upload_owned(q, dst, t, (size_t)l->nseg * APE_DC_SEGW * sizeof(int64_t),
+			    "decode segment table");
+}
+
 /* The skip pre-pass and the prefill's K/V conversion. */
 int ape__cu_prep_keys(struct ape__queue *q, const struct ape__launch *l,
 		      const struct ape__cu_prep *p)
@@ -414,6 +596,7 @@ int ape__cu_prep_keys(struct ape__queue *q, const struct ape__launch *l,
 	a.interleaved = l->layout == APE_ROPE_INTERLEAVED;
 	a.vk = ape__cu_view(l, APE__T_K);
 	a.vv = ape__cu_view(l, APE__T_V);
+	a.pg = pages_of(l);
 	a.Hkv = (int32_t)l->Hkv;
 	ret = ape__cu_launch(q, APE__CU_K_PREP, nbkv * p->ntile, APE_CU_PREP_SMEM, &a, "ape_prep");
 	if (ret || !p->ktile)
@@ -490,6 +673,10 @@ static int run_merge(struct ape__queue *q, const struct ape__launch *l, const st
 	mg.part_sd = splits && p->diag ? scratch + p->psd : 0;
 	mg.splits = splits;
 	mg.rows = p->rows;
+	if (splits && p->segt && p->decode) { /* a ragged decode: each row's splits its segment's */
+		mg.segt = scratch + p->segt;
+		mg.nseg = l->nseg;
+	}
 	return ape__cu_launch(q, p->diag ? APE__CU_K_MERGE_DIAG : APE__CU_K_MERGE,
 			      (p->rows + APE_CU_THREADS / 32 - 1) / (APE_CU_THREADS / 32), 0, &mg,
 			      "ape_dmerge");
@@ -523,12 +710,22 @@ static int run_decode(struct ape__queue *q, const struct ape__launch *l, const s
 	a.part_pairs = scratch + p->pp;
 	a.part_sd = p->diag ? scratch + p->psd : 0;
 	a.splits = p->splits;
+	if (l->segs) { /* ragged: a block per (segment, kv head, split), as the table says */
+		ret = upload_decode_segs(q, l, scratch + p->segt);
+		if (ret)
+			return ret;
+		a.segt = scratch + p->segt;
+		a.nseg = l->nseg;
+		a.splits = p->dblocks;
+		if (!p->dblocks) /* no segment has a key: the merge alone writes every row */
+			return run_merge(q, l, p, scratch, 1);
+	}
 	ret = ape__cu_launch(q, ape__cu_kernel_index(true, p->variant, p->vt, p->diag),
-			     p->splits * p->nbkv,
+			     l->segs ? p->dblocks : p->splits * p->nbkv,
 			     (unsigned)APE_DC_SMEM(p->dmax, p->vt, p->exact, p->diag), &a, "decode");
 	if (ret)
 		return ret;
-	return run_merge(q, l, p, scratch, p->splits);
+	return run_merge(q, l, p, scratch, l->segs ? 1 : p->splits);
 }
 
 /* No key at all: O = 0, LSE = -inf, no pairs, ENT = MD = 0, by fills. */
@@ -575,12 +772,26 @@ static int check_launch(const struct ape_device *dev, const struct ape__launch *
 		const size_t esz = t == APE__T_LSE ? 4 : ape_dtype_size(t == APE__T_O ? l->out_dtype
 										     : l->in_dtype);
 
+		/* keys read in place: their views are the pages' (below) */
+		if (l->pages && (t == APE__T_K || t == APE__T_V))
+			continue;
 		if (b && !view_aligned(l, t, b->ptr, esz))
 			return ape__error(APE_EINVAL,
 					  "cuda %s: %s at 0x%llx + %lld elements is not aligned to "
 					  "its %zu-byte elements",
 					  dev->info.name, names[t], (unsigned long long)b->ptr,
 					  (long long)ape__launch_view(l, t).off, esz);
+	}
+	if (l->pages) {
+		const uint64_t esz = ape_dtype_size(l->in_dtype);
+		const struct ape__kv_pages *pg = l->pages;
+
+		if (((uint64_t)l->k->ptr + (uint64_t)pg->k_off * esz) % esz ||
+		    ((uint64_t)l->v->ptr + (uint64_t)pg->v_off * esz) % esz)
+			return ape__error(APE_EINVAL,
+					  "cuda %s: the pages of k or v are not aligned to their "
+					  "%llu-byte elements",
+					  dev->info.name, (unsigned long long)esz);
 	}
 	/* ent and md: float views (in elements), so the buffer's base decides */
 	for (int w = 0; w < 2; w++) {
@@ -593,6 +804,38 @@ static int check_launch(const struct ape_device *dev, const struct ape__launch *
 					  (unsigned long long)b->ptr);
 	}
 	return 0;
+}
+
+/*
+ * attention_pages (core/backend.h, ABI 9): the decode reads keys in place, through struct
+ * ape__kv_pages (the ring of blocks, a page table of block numbers or of element offsets with
+ * blocks of one token, any strides: kernels/args.h, struct ape_cu_pages), for
+ *   - dense launches of 1 to APE_DC_MAX_LQ query rows, skipping as the same launch gathered
+ *     would (ape_prep and ape_dwindow read the pages too), diagnostics or not;
+ *   - ragged launches (l->segs known) whose every segment has 1 to APE_DC_MAX_LQ rows and whose
+ *     partials stay within ragged_prows_max() (segments over disjoint keys always do): one
+ *     launch, each segment split as a dense launch of it alone; a ragged decode skips nothing,
+ *     gathered or in place;
+ * with at least one key, no explicit positions, a shape check_launch() takes. These are the
+ * launches the decode takes gathered too, and it runs the same kernel variant on them (D = 64
+ * and 128: the cp.async kernels, each misaligned row copied with plain loads instead: the same
+ * bytes), so a launch gives the same bits in place or gathered. Every other launch: false (the
+ * core gathers). Reads the shape, segments, positions and options only.
+ */
+bool ape__cu_attention_pages(struct ape_device *dev, const struct ape__launch *l)
+{
+	int64_t prows, blocks;
+
+	if (!l->pages || l->pos_q || l->pos_k || l->Lk < 1 || l->Lq < 1 || l->D < 2 ||
+	    l->D > APE_MAX_D || l->D % 2 || l->B < 1 || l->H < 1 || l->Hkv < 1 || l->H % l->Hkv ||
+	    (unsigned)l->in_dtype > APE_BF16 ||
+	    (l->out_dtype != l->in_dtype && l->out_dtype != APE_F32) || l->Lq > INT32_MAX ||
+	    l->Lk > INT32_MAX || l->B * l->H > INT32_MAX ||
+	    (l->H / l->Hkv) * APE_DC_MAX_LQ > INT32_MAX)
+		return false;
+	if (l->segs || l->nseg)
+		return decode_ragged(ape__cu_dev(dev), l, &prows, &blocks);
+	return l->Lq <= APE_DC_MAX_LQ;
 }
 
 int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
@@ -619,6 +862,7 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 		goto out_leave;
 	/* (the separable path keeps no diagnostics: sep_shape() turns launches with them away, and
 	 * they take the _diag kernels below; docs/diagnostics.md, "CUDA") */
+	/* (neither takes a decode's rows, hence never a launch with pages) */
 	if (l->Lk > 0 && ape__cu_separable_applies(l)) {
 		ape__path_note(l->path, APE__PATH_SEPARABLE, "lambda = 0 on every head");
 		ret = ape__cu_separable(q, l,

@@ -43,6 +43,9 @@ const struct ape__backend_ops ape__cuda_ops = {
 	.scratch_free = ape__cu_scratch_buf_free,
 	.copy_view = ape__cu_copy_view,
 	.attention_merge = ape__cu_attention_merge, /* cuda_merge.c */
+	/* the decode reading a KV cache's or pool's pages in place: dense launches of a few rows
+	 * and ragged ones of a few rows per segment (cuda_attention.c) */
+	.attention_pages = ape__cu_attention_pages,
 	/* the diagnostics (the _diag kernels, strided and each optional) and the rest of what a
 	 * device can do: its capabilities (cuda_device.c) */
 };

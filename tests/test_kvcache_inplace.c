@@ -56,23 +56,29 @@ static int poison_dead(ape_kv_cache *c)
 /* Whether the device's backend reads a decode of this shape in place: the OpenCL decode's
  * rule (opencl/ocl_decode.c: CPU devices in its CPU shape, others in its work-group shape; D a
  * multiple of 32 up to 256, at most 8 query rows, at most 16 rows per kv head with D = 64 or
- * 128, else 8). */
+ * 128, else 8), or the CUDA decode's (cuda/cuda_attention.c, ape__cu_attention_pages(): at
+ * most 16 query rows, any D). */
 static bool expect_in_place(const ape_device *dev, const test_problem *tp)
 {
 	const int64_t *s = tp->q.t.shape, group = s[1] / tp->k.t.shape[1];
 
+	if (dev->be->ops->attention_pages && !strcmp(dev->info.backend, "cuda"))
+		return s[2] <= 16;
 	return dev->be->ops->attention_pages && !strcmp(dev->info.backend, "opencl") &&
 	       s[3] % 32 == 0 && s[2] <= 8 &&
 	       group * s[2] <= (s[3] == 64 || s[3] == 128 ? 16 : 8);
 }
 
-/* Whether the same attend gathered runs the decode kernel too (not the general one): skipping
- * off, or allowed with nothing to skip by (opencl/ocl_decode.c). */
-static bool gathered_decodes(const test_problem *tp)
+/* Whether the same attend gathered runs the decode kernel too (not the general one): on CUDA
+ * always (its decode takes every launch of its rows, skipping in place as gathered); on OpenCL
+ * with skipping off, or allowed with nothing to skip by (opencl/ocl_decode.c). */
+static bool gathered_decodes(const ape_device *dev, const test_problem *tp)
 {
 	const int64_t H = tp->q.t.shape[1];
 	bool decays = false, nonneg = true;
 
+	if (!strcmp(dev->info.backend, "cuda"))
+		return true;
 	for (int64_t i = 0; i < 3 * H; i++) {
 		decays |= tp->params[i] != 0;
 		nonneg &= tp->params[i] >= 0;
@@ -155,9 +161,16 @@ static void in_place_cases(struct __test_metadata *_metadata, FIXTURE_DATA(kv) *
 		if (tp.strided)
 			EXPECT_EQ(0, test_problem_padding_intact(&tp)) TH_LOG("%s", what);
 		if (expect_in_place(self->dev, &tp)) {
-			/* only the queries went in: no key copied, none gathered */
+			/* only the queries went in (and, on a device that does not read host memory
+			 * in place, the call's parameter tables, float64 and float32): no key copied,
+			 * none gathered */
+			const uint64_t tables = self->dev->caps.host_memory
+							? 0
+							: (uint64_t)(sh.D / 2 + 4 * sh.H) * (8 + 4);
+
 			EXPECT_EQ(0u, st.bytes_device_to_device) TH_LOG("%s", what);
-			EXPECT_EQ((uint64_t)(sh.B * sh.H * sh.Lq * sh.D) * ape_dtype_size(tp.q.t.dtype),
+			EXPECT_EQ((uint64_t)(sh.B * sh.H * sh.Lq * sh.D) * ape_dtype_size(tp.q.t.dtype) +
+					  tables,
 				  st.bytes_to_device)
 				TH_LOG("%s", what);
 			EXPECT_EQ(1u, st.chunks) TH_LOG("%s", what);
@@ -176,7 +189,7 @@ static void in_place_cases(struct __test_metadata *_metadata, FIXTURE_DATA(kv) *
 		/* in place or gathered, one launch over the same keys: the same bits
 		 * (attention_pages' contract) */
 		if (expect_in_place(self->dev, &tp) && sh.Lk <= o.attend_chunk &&
-		    gathered_decodes(&tp)) {
+		    gathered_decodes(self->dev, &tp)) {
 			wrap_install(self->dev, WRAP_NO_PAGES);
 			ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache));
 			for (int64_t t = 0; t < sh.Lk; t += 50) {
@@ -200,7 +213,7 @@ static void in_place_cases(struct __test_metadata *_metadata, FIXTURE_DATA(kv) *
 	}
 	ksft_print_msg("%d of %d cases read the blocks in place\n", in_place, cases);
 	fflush(stdout);
-	if (!strcmp(variant->backend, "opencl"))
+	if (!strcmp(variant->backend, "opencl") || !strcmp(variant->backend, "cuda"))
 		EXPECT_GT(in_place, 0);
 }
 

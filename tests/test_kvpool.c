@@ -302,7 +302,7 @@ TEST_F(pool, forks_may_outnumber_the_slots)
 }
 
 /* A sequence longer than one key chunk is decoded reading its pages where they are on devices
- * with the in-place decode (OpenCL): one run of slots as a ring, pages out of order through a
+ * with the in-place decode (OpenCL, CUDA): one run of slots as a ring, pages out of order through a
  * page table (also from a window's first page on, under decay); other devices gather it in key
  * chunks. Every result against the oracle. */
 TEST_F(pool, one_sequence_decode_reads_pages_in_place)
@@ -354,9 +354,9 @@ TEST_F(pool, one_sequence_decode_reads_pages_in_place)
 	model_free(&m);
 }
 
-/* A decode step of many sequences is one ragged launch: on OpenCL the decode kernel reads every
- * sequence's pages in place through the group's slot table (nothing gathered), elsewhere the
- * keys are gathered; every row against the oracle, pages scrambled by removals first. */
+/* A decode step of many sequences is one ragged launch: on OpenCL and CUDA the decode kernel
+ * reads every sequence's pages in place through the group's slot table (nothing gathered),
+ * elsewhere the keys are gathered; every row against the oracle, pages scrambled by removals first. */
 TEST_F(pool, a_decode_step_of_many_sequences_reads_pages_in_place)
 {
 	ape_kv_pool_options o = pool_options(2, 4, 32, APE_F16, 16, 4096);

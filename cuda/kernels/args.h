@@ -90,6 +90,10 @@
 /* O's element pairs (2k, 2k + 1) of a row are not aligned for one 2-element store (a strided O
  * at an odd offset or stride): the kernels store elements one by one */
 #define APE_CU_F_O_SCALAR (1u << 5)
+/* keys read in place whose rows the host cannot prove 16-byte aligned (a page table of element
+ * offsets, odd strides): the decode kernels at D = 64 and 128 copy a misaligned row's 16 bytes
+ * into their ring with plain loads instead of cp.async (the same bytes: the same results) */
+#define APE_CU_F_KV_CHECK (1u << 6)
 
 /*
  * Where a tensor lies: element [b, h, i, 0] at off + b*sb + h*sh + i*sl (elements of its type,
@@ -99,6 +103,20 @@
  */
 struct ape_cu_view {
 	int64_t off, sb, sh, sl;
+};
+
+/*
+ * Keys read in place (core/backend.h, struct ape__kv_pages; cuda_attention.c): bt 0, K and V
+ * lie as their views say (key j of batch b, kv head h at vrow(view, b, h, j)). Else the views'
+ * off, sb and sh are the pages' k_off (v_off), s_b and s_h, and sl their s_row: key j is token
+ * row + j counted from the start of logical block 0, logical block lb being physical block
+ * table[first + lb] (table not 0: int64 block numbers, or element offsets with sblock 1) or
+ * (first + lb) mod nblocks (the ring), physical block p starting p * sblock elements further.
+ * key_at() and struct KeyWalk in common.cuh.
+ */
+struct ape_cu_pages {
+	uint64_t table;
+	int64_t bt, nblocks, first, row, sblock;
 };
 
 /* What every attention kernel needs: the problem, positions and parameters. */
@@ -118,6 +136,7 @@ struct ape_cu_common {
 	double prior_tol; /* the whole-launch test against prior (backend.h) */
 	struct ape_cu_view vq, vk, vv, vo, vlse; /* the tensors' views (vk, vv: kv heads) */
 	struct ape_cu_view vent, vmd; /* ent's and md's (core/backend.h, ape__launch_diag_view()) */
+	struct ape_cu_pages pg; /* where K and V rows lie when read in place (bt 0: vk, vv) */
 	int32_t B, H, Hkv, D;
 	int32_t dt_in, dt_out; /* APE_CU_F32, F16, BF16 */
 	uint32_t flags; /* APE_CU_F_* */
@@ -135,6 +154,7 @@ struct ape_cu_prep_args {
 	int64_t Lk, nbkv, ntile;
 	int64_t block_base;
 	struct ape_cu_view vk, vv;
+	struct ape_cu_pages pg; /* keys read in place (the decode's skip pre-pass): bt 0, none */
 	int32_t D, dmax, tile, dt, interleaved, Hkv;
 };
 
@@ -177,15 +197,29 @@ struct ape_cu_window_args {
 	int64_t block_base;
 };
 
-/* The decode kernels: one block per (split, batch, kv head), all query rows of the kv head. */
+/*
+ * A ragged decode's segment table (struct ape_cu_decode_args.segt, ape_cu_merge_args.segt):
+ * int64 [nseg][APE_DC_SEGW], per segment of the launch (core/backend.h, struct ape__seg) its
+ * q0, lq, k0, lk, rel (q_start - k_start), its splits S (0 without keys), where its partial rows
+ * start (poff: row r = h * lq + i of the segment, split s, at partial row poff + s * H * lq + r)
+ * and its first block of the decode's grid (blk0: S * Hkv blocks from there, s fastest). Each
+ * segment is split as a dense launch of it alone (B = 1) would be, so that its rows get the same
+ * bits whatever shares the launch.
+ */
+#define APE_DC_SEGW 8
+
+/* The decode kernels: one block per (split, batch, kv head), all query rows of the kv head; a
+ * ragged launch (segt): one block per (segment, kv head, split). */
 struct ape_cu_decode_args {
 	struct ape_cu_common c;
 	uint64_t window; /* int64 [B*Hkv][2], or 0: every visible key */
-	uint64_t part_o; /* float [S][rows][D] */
+	uint64_t part_o; /* float [S][rows][D] (ragged: [partial rows][D], segt's poff) */
 	uint64_t part_ml; /* float [S][rows][2]: m (log2 units, shifted frame), l */
 	uint64_t part_pairs; /* uint64 [S][rows] */
 	uint64_t part_sd; /* _diag kernels: float [S][rows][2]: S1 (log2 units, frame of m), S2 */
-	int64_t splits;
+	uint64_t segt; /* 0, or a ragged launch's segment table (APE_DC_SEGW above) */
+	int64_t nseg; /* its segments */
+	int64_t splits; /* dense: S; ragged: the grid's blocks */
 	int64_t block_base;
 };
 
@@ -194,6 +228,8 @@ struct ape_cu_merge_args {
 	struct ape_cu_common c;
 	uint64_t part_o, part_ml, part_pairs;
 	uint64_t part_sd; /* ape_dmerge_diag only */
+	uint64_t segt; /* 0, or the decode's segment table: each row's splits as its segment says */
+	int64_t nseg;
 	int64_t splits;
 	int64_t rows; /* B * H * Lq */
 	int64_t block_base;

@@ -258,6 +258,65 @@ APE_DEV int64_t vrow(const ape_cu_view &v, int64_t b, int64_t h, int64_t i)
 	return v.off + b * v.sb + h * v.sh + i * v.sl;
 }
 
+/* Physical block of logical block lb of keys read in place (struct ape_cu_pages, args.h): from
+ * the page table, or the ring's. */
+APE_DEV int64_t page_block(const ape_cu_pages &pg, int64_t lb)
+{
+	return pg.table ? reinterpret_cast<const int64_t *>(pg.table)[pg.first + lb]
+			: (pg.first + lb) % pg.nblocks;
+}
+
+/* The element offset of key j of a (batch, kv head) from that head's base (vrow(view, b, h, 0)),
+ * for a view whose row stride is sl: j * sl, or where the pages put it (pg.bt > 0, args.h). */
+APE_DEV int64_t key_at(const ape_cu_pages &pg, int64_t sl, int64_t j)
+{
+	if (!pg.bt)
+		return j * sl;
+	const int64_t t = pg.row + j, lb = t / pg.bt;
+
+	return page_block(pg, lb) * pg.sblock + (t - lb * pg.bt) * sl;
+}
+
+/* key_at() for keys met in order (start(j), then next() for j + 1, ...): one division at the
+ * start, one table read per block; at() reads the table only when asked (a key past the last
+ * may have no block). */
+struct KeyWalk {
+	int64_t key, lb, r, clb, cbase;
+
+	APE_DEV void start(const ape_cu_pages &pg, int64_t j)
+	{
+		key = j;
+		lb = r = cbase = 0;
+		clb = -1;
+		if (pg.bt) {
+			const int64_t t = pg.row + j;
+
+			lb = t / pg.bt;
+			r = t - lb * pg.bt;
+		}
+	}
+
+	APE_DEV void next(const ape_cu_pages &pg)
+	{
+		key++;
+		if (pg.bt && ++r == pg.bt) {
+			r = 0;
+			lb++;
+		}
+	}
+
+	APE_DEV int64_t at(const ape_cu_pages &pg, int64_t sl)
+	{
+		if (!pg.bt)
+			return key * sl;
+		if (lb != clb) {
+			clb = lb;
+			cbase = page_block(pg, lb) * pg.sblock;
+		}
+		return cbase + r * sl;
+	}
+};
+
 /* One element of a global tensor of storage type dt, as float. */
 APE_DEV float load_el(const void *base, int64_t i, int dt)
 {

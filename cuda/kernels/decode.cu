@@ -27,6 +27,28 @@
 namespace ape {
 
 /*
+ * The entry of a ragged launch's segment table (args.h, APE_DC_SEGW) whose column col, which
+ * never decreases along the table, is the last at most x: col 7 (blk0) finds a block's segment
+ * (segments without keys have no block: the last of equal blk0 is the one with blocks), col 0
+ * (q0) a query row's.
+ */
+APE_DEV const int64_t *seg_find(uint64_t segt, int64_t nseg, int64_t x, int col)
+{
+	const int64_t *t = reinterpret_cast<const int64_t *>(segt);
+	int64_t lo = 0, hi = nseg - 1;
+
+	while (lo < hi) {
+		const int64_t mid = lo + (hi - lo + 1) / 2;
+
+		if (t[mid * APE_DC_SEGW + col] <= x)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return t + lo * APE_DC_SEGW;
+}
+
+/*
  * DIAG (the _diag kernels, docs/diagnostics.md): each group also keeps the running sums of the
  * diagnostics, S1 = sum_j p_j x_j and S2 = sum_j p_j |n_j| (x_j = score - m, log2 units like m
  * and l), rescaled with l when the maximum moves; runs and splits merge them by the same rule
@@ -69,14 +91,19 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 		return (v < KV / 2 ? 0 : PMAX) + c * PT + (v % (KV / 2)) * EPV;
 	}
 
-	/* Copies this lane's bytes of key `key` into stage st (zeros when !ok), one group; kb, vb:
-	 * the element offsets of the kv head's key 0 in K and V. */
+	/* Copies this lane's bytes of the key at walk w into stage st (zeros when !ok), one
+	 * group; kb, vb: the element offsets of the kv head's base in K and V. With
+	 * APE_CU_F_KV_CHECK (keys read in place that the host could not prove aligned) a vector
+	 * whose source is not 16-byte aligned is copied with plain loads instead: the same bytes
+	 * in the ring. */
 	static APE_DEV void issue(const ape_cu_decode_args &a, unsigned char *ring, int st,
-				  int64_t kb, int64_t vb, int64_t key, bool ok, int c, bool inter)
+				  int64_t kb, int64_t vb, KeyWalk &w, bool ok, int c, bool inter)
 	{
 		const unsigned char *K = reinterpret_cast<const unsigned char *>(a.c.k);
 		const unsigned char *V = reinterpret_cast<const unsigned char *>(a.c.v);
-		const int64_t kr = kb + (ok ? key : 0) * a.c.vk.sl, vr = vb + (ok ? key : 0) * a.c.vv.sl;
+		const int64_t kr = ok ? kb + w.at(a.c.pg, a.c.vk.sl) : 0;
+		const int64_t vr = ok ? vb + w.at(a.c.pg, a.c.vv.sl) : 0;
+		const bool check = ok && (a.c.flags & APE_CU_F_KV_CHECK);
 
 #pragma unroll
 		for (int v = 0; v < NVEC; v++) {
@@ -84,6 +111,15 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 			const unsigned char *src =
 				isv ? V + (vr + vec_offset(v, c, inter)) * ESZ : K + (kr + vec_offset(v, c, inter)) * ESZ;
 
+			if (check && (reinterpret_cast<uintptr_t>(src) & 15)) {
+				uint16_t *dst = reinterpret_cast<uint16_t *>(slot(ring, st, v));
+
+				/* 2-byte units: every element is at least 2-byte aligned */
+#pragma unroll
+				for (int e = 0; e < 8; e++)
+					dst[e] = reinterpret_cast<const uint16_t *>(src)[e];
+				continue;
+			}
 			cp_async16(slot(ring, st, v), ok ? src : K, ok ? 16u : 0u);
 		}
 		cp_commit();
@@ -100,8 +136,8 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 
 	/* This lane's K pairs and V columns of one key, from the ring or (generic D) from memory. */
 	static APE_DEV void fetch(const ape_cu_decode_args &a, unsigned char *ring, int st,
-				  int64_t kb, int64_t vb, int64_t key, bool ok, int c, bool inter, float (&u)[PT],
-				  float (&w)[PT], float (&vv)[VC])
+				  int64_t kb, int64_t vb, KeyWalk &kw, bool ok, int c, bool inter,
+				  float (&u)[PT], float (&w)[PT], float (&vv)[VC])
 	{
 		if (EXACT) {
 			constexpr int EPV = 16 / ESZ;
@@ -124,8 +160,8 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 				vv[d] = elem(b + (KV + d / EPV) * stride, d % EPV);
 		} else {
 			const int D = a.c.D, P = D / 2;
-			const int64_t kr = kb + (ok ? key : 0) * a.c.vk.sl;
-			const int64_t vr = vb + (ok ? key : 0) * a.c.vv.sl;
+			const int64_t kr = ok ? kb + kw.at(a.c.pg, a.c.vk.sl) : 0;
+			const int64_t vr = ok ? vb + kw.at(a.c.pg, a.c.vv.sl) : 0;
 			const void *K = reinterpret_cast<const void *>(a.c.k);
 			const void *V = reinterpret_cast<const void *>(a.c.v);
 
@@ -150,22 +186,41 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 	{
 		unsigned char *sm = smem_base();
 		const int tid = threadIdx.x, g = tid / TPR, c = tid % TPR;
-		const int64_t nbkv = (int64_t)a.c.B * a.c.Hkv, S = a.splits;
+		const int64_t nbkv = (int64_t)a.c.B * a.c.Hkv;
 		const int64_t blk = a.block_base + block_linear();
+		/* the problem this block serves: the launch's, or its segment's as a dense launch
+		 * of it alone (B = 1; args.h, APE_DC_SEGW): its rows from q0, its keys from k0,
+		 * its partial rows from pbase */
+		int64_t S = a.splits, Lq = a.c.Lq, Lk = a.c.Lk, rel = a.c.rel, q0 = 0, k0 = 0;
+		int64_t pbase = 0, first = 0;
 
-		if (blk >= S * nbkv)
+		if (a.segt) {
+			if (blk >= a.splits) /* the grid's blocks */
+				return;
+			const int64_t *e = seg_find(a.segt, a.nseg, blk, 7);
+
+			Lq = e[1];
+			Lk = e[3];
+			rel = e[4];
+			S = e[5];
+			q0 = e[0];
+			k0 = e[2];
+			pbase = e[6];
+			first = e[7];
+		} else if (blk >= S * nbkv) {
 			return;
+		}
 
-		const int64_t s = blk % S, bkv = blk / S;
+		const int64_t s = (blk - first) % S, bkv = (blk - first) / S;
 		const int64_t b = bkv / a.c.Hkv, kvh = bkv % a.c.Hkv;
 		const int64_t kb = vrow(a.c.vk, b, kvh, 0), vb = vrow(a.c.vv, b, kvh, 0);
 		const int gsz = a.c.H / a.c.Hkv;
-		const int64_t Lq = a.c.Lq, Lk = a.c.Lk, rel = a.c.rel;
 		const int G = gsz * (int)Lq;
 		const bool causal = a.c.flags & APE_CU_F_CAUSAL;
 		const bool inter = a.c.flags & APE_CU_F_INTERLEAVED;
 		const int D = EXACT ? DMAX : a.c.D, P = D / 2;
-		const int64_t rows = (int64_t)a.c.B * a.c.H * Lq;
+		/* the partial rows of one split (dense: every row of the launch) */
+		const int64_t rows = (a.segt ? 1 : (int64_t)a.c.B) * a.c.H * Lq;
 		/* the keys the last row sees */
 		int64_t lo = 0, hi = ape_visible_keys(rel + (Lq - 1), Lk, causal);
 
@@ -194,7 +249,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 
 			/* ---- the row: pairs, sigma, alpha, the rotation step */
 			const void *Q = reinterpret_cast<const void *>(a.c.q);
-			const int64_t qrow = vrow(a.c.vq, b, h, i);
+			const int64_t qrow = vrow(a.c.vq, b, h, q0 + i);
 			float qx[PT], qy[PT], cw[PT], sw[PT], xr[PT], yr[PT];
 			double sum = 0, ss = 0;
 
@@ -236,12 +291,18 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 			for (int d = 0; d < VC; d++)
 				acc[d] = 0.0f;
 
-			/* ---- stream the run's keys */
+			/* ---- stream the run's keys (kw: the key the next copy or load reads, as
+			 * the launch counts them: the segment's from k0) */
+			KeyWalk kw;
+
+			kw.start(a.c.pg, k0 + rs);
 			if (EXACT) {
 #pragma unroll
-				for (int st = 0; st < STAGES - 1; st++)
-					issue(a, sm, st, kb, vb, rs + st, active && st < niter && rs + st < re, c,
-					      inter);
+				for (int st = 0; st < STAGES - 1; st++) {
+					issue(a, sm, st, kb, vb, kw,
+					      active && st < niter && rs + st < re, c, inter);
+					kw.next(a.c.pg);
+				}
 			}
 			for (int64_t jj = 0; jj < niter; jj++) {
 				const int64_t key = rs + jj;
@@ -251,11 +312,15 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 				if (EXACT) {
 					const int64_t ahead = jj + STAGES - 1;
 
-					issue(a, sm, (int)(ahead % STAGES), kb, vb, rs + ahead,
+					issue(a, sm, (int)(ahead % STAGES), kb, vb, kw,
 					      active && ahead < niter && rs + ahead < re, c, inter);
+					kw.next(a.c.pg);
 					cp_wait<STAGES - 1>();
 				}
-				fetch(a, sm, (int)(jj % STAGES), kb, vb, key, valid, c, inter, u, w, vv);
+				fetch(a, sm, (int)(jj % STAGES), kb, vb, kw, valid, c, inter, u, w,
+				      vv);
+				if (!EXACT)
+					kw.next(a.c.pg);
 				if (jj % APE_DC_RESEED == 0) {
 					const double nia = (double)(diag - key) * ia;
 
@@ -347,7 +412,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 				if (row >= G || d >= D)
 					continue;
 				const int rh = (int)kvh * gsz + row / (int)Lq, ri = row % (int)Lq;
-				const int64_t out = (b * a.c.H + rh) * Lq + ri;
+				const int64_t out = pbase + (b * a.c.H + rh) * Lq + ri;
 				float mm = -APE_INF, ll = 0.0f, o = 0.0f;
 				uint32_t pc = 0;
 
@@ -403,34 +468,47 @@ template <bool DIAG> APE_DEV void dmerge(const ape_cu_merge_args &a)
 
 	if (row >= a.rows)
 		return;
-	const int64_t S = a.splits, Lq = a.c.Lq;
+	const int64_t Lq = a.c.Lq;
 	const int D = a.c.D;
+	const int bh = (int)(row / Lq); /* B * H <= INT32_MAX (the host checks it) */
+	const int64_t i = row - (int64_t)bh * Lq;
+	const int b = bh / a.c.H, h = bh % a.c.H;
+	/* the row's splits: partial s at pr + s * ps; a ragged launch's row as its segment's
+	 * (args.h, APE_DC_SEGW), at distance rel + i from its first key of Lk */
+	int64_t S = a.splits, pr = row, ps = a.rows, rel = a.c.rel + i, Lk = a.c.Lk;
+
+	if (a.segt) {
+		const int64_t *e = seg_find(a.segt, a.nseg, i, 0);
+
+		S = e[5];
+		ps = a.c.H * e[1];
+		pr = e[6] + h * e[1] + (i - e[0]);
+		rel = e[4] + (i - e[0]);
+		Lk = e[3];
+	}
 	const float *ml = reinterpret_cast<const float *>(a.part_ml);
 	const float *po = reinterpret_cast<const float *>(a.part_o);
 	float M = -APE_INF, L = 0.0f;
 	uint64_t pairs = 0;
 
 	for (int64_t s = 0; s < S; s++)
-		M = fmaxf(M, ml[2 * (s * a.rows + row)]);
+		M = fmaxf(M, ml[2 * (pr + s * ps)]);
 	for (int64_t s = 0; s < S; s++) {
-		const float ms = ml[2 * (s * a.rows + row)];
+		const float ms = ml[2 * (pr + s * ps)];
 
-		L = fmaf(ml[2 * (s * a.rows + row) + 1], ms == -APE_INF ? 0.0f : ex2(ms - M), L);
-		pairs += reinterpret_cast<const uint64_t *>(a.part_pairs)[s * a.rows + row];
+		L = fmaf(ml[2 * (pr + s * ps) + 1], ms == -APE_INF ? 0.0f : ex2(ms - M), L);
+		pairs += reinterpret_cast<const uint64_t *>(a.part_pairs)[pr + s * ps];
 	}
 	const float inv = L == 0.0f ? 0.0f : 1.0f / L; /* NaN stays NaN */
-	const int bh = (int)(row / Lq); /* B * H <= INT32_MAX (the host checks it) */
-	const int64_t i = row - (int64_t)bh * Lq;
-	const int b = bh / a.c.H, h = bh % a.c.H;
 	const int64_t orow = vrow(a.c.vo, b, h, i);
 
 	for (int d = lane; d < D; d += 32) {
 		float o = 0.0f;
 
 		for (int64_t s = 0; s < S; s++) {
-			const float ms = ml[2 * (s * a.rows + row)];
+			const float ms = ml[2 * (pr + s * ps)];
 
-			o = fmaf(po[(s * a.rows + row) * D + d], ms == -APE_INF ? 0.0f : ex2(ms - M), o);
+			o = fmaf(po[(pr + s * ps) * D + d], ms == -APE_INF ? 0.0f : ex2(ms - M), o);
 		}
 		store_el(reinterpret_cast<void *>(a.c.o), orow + d, o * inv, a.c.dt_out);
 	}
@@ -441,7 +519,7 @@ template <bool DIAG> APE_DEV void dmerge(const ape_cu_merge_args &a)
 		head_params(a.c, h, hp);
 		if (a.c.lse) {
 			const double crow = ape_bias((double)hp[0], hp[1], hp[2],
-						     (double)ape_anchor_distance(a.c.rel + i, a.c.Lk,
+						     (double)ape_anchor_distance(rel, Lk,
 										 causal));
 
 			reinterpret_cast<float *>(a.c.lse)[vrow(a.c.vlse, b, h, i)] =
@@ -457,14 +535,14 @@ template <bool DIAG> APE_DEV void dmerge(const ape_cu_merge_args &a)
 			float s1 = 0.0f, s2 = 0.0f;
 
 			for (int64_t s = 0; s < S; s++) {
-				const float ms = ml[2 * (s * a.rows + row)];
+				const float ms = ml[2 * (pr + s * ps)];
 				const float f = ms == -APE_INF ? 0.0f : ex2(ms - M);
 
-				s1 += f > 0.0f ? APE_DIAG_RESCALE_S1(sd[2 * (s * a.rows + row)],
-								     ml[2 * (s * a.rows + row) + 1], f,
+				s1 += f > 0.0f ? APE_DIAG_RESCALE_S1(sd[2 * (pr + s * ps)],
+								     ml[2 * (pr + s * ps) + 1], f,
 								     ms - M)
 					       : 0.0f;
-				s2 = fmaf(sd[2 * (s * a.rows + row) + 1], f, s2);
+				s2 = fmaf(sd[2 * (pr + s * ps) + 1], f, s2);
 			}
 			if (a.c.ent)
 				reinterpret_cast<float *>(a.c.ent)[vrow(a.c.vent, b, h, i)] =

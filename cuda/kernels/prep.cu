@@ -36,7 +36,9 @@ APE_DEV void prep(const ape_cu_prep_args &a)
 
 	for (int64_t j = j0 + warp; j < j1; j += APE_CU_THREADS / 32) {
 		const int64_t row = bkv * a.Lk + j; /* of kp and vp: contiguous */
-		const int64_t kr = vrow(a.vk, b, kvh, j), vr = vrow(a.vv, b, kvh, j);
+		/* (keys read in place: where the pages put them; args.h) */
+		const int64_t kr = vrow(a.vk, b, kvh, 0) + key_at(a.pg, a.vk.sl, j);
+		const int64_t vr = vrow(a.vv, b, kvh, 0) + key_at(a.pg, a.vv.sl, j);
 		const void *K = reinterpret_cast<const void *>(a.k);
 		const void *V = reinterpret_cast<const void *>(a.v);
 		double ss = 0.0;

@@ -115,7 +115,8 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 			float s = -APE_INF;
 
 			if (key < r_ahi[r]) {
-				const int64_t krow = kbase + key * a.c.vk.sl, n = r_diag[r] - key;
+				const int64_t krow = kbase + key_at(a.c.pg, a.c.vk.sl, key);
+				const int64_t n = r_diag[r] - key;
 				const double nia = (double)n * r_ia[r];
 				float hp[4], dot = 0.0f;
 

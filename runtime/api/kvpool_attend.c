@@ -447,13 +447,13 @@ static int flush(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
 }
 
 /*
- * On a backend without the in-place decode (attention_pages: the reference and CUDA), a
- * decode-shaped sequence (one run of at most ALONE_ROWS rows) over at least ALONE_KEYS keys
- * runs by itself too: their ragged launches have no decode kernel, and tiles of 64 rows spend a
- * whole tile on each decode row (on OpenCL before its ragged decode, a step of 8 decode rows
- * over 640 keys each took 10.8 ms of kernel that way, against about 0.25 ms a sequence by
- * itself; bench/RESULTS.md). OpenCL's decode takes ragged launches, reading every sequence's
- * pages in place through the group's slot table.
+ * On a backend without the in-place decode (attention_pages: the reference), a decode-shaped
+ * sequence (one run of at most ALONE_ROWS rows) over at least ALONE_KEYS keys runs by itself
+ * too: ragged launches without a decode kernel spend a whole tile of 64 rows on each decode row
+ * (on OpenCL before its ragged decode, a step of 8 decode rows over 640 keys each took 10.8 ms
+ * of kernel that way, against about 0.25 ms a sequence by itself; bench/RESULTS.md). OpenCL's
+ * and CUDA's decodes take ragged launches, reading every sequence's pages in place through the
+ * group's slot table.
  */
 #define ALONE_ROWS 16
 #define ALONE_KEYS 128
@@ -466,8 +466,8 @@ static int flush(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
  * ragged groups of at most one key chunk. Which of these a sequence gets depends on it alone.
  */
 /* Whether the backend reads segment sg of p (a unit of one segment) in place, in a ragged
- * launch: the decode's shape (a few rows; on OpenCL's plain shape). A property of the sequence
- * and the pool alone. */
+ * launch: the decode's shape (a few rows; on OpenCL's plain shape, on CUDA at most 16). A
+ * property of the sequence and the pool alone. */
 static bool decodes_in_place(const struct ape_kv_pool *pl, const struct ape__problem *p,
 			     const struct ape__seg *sg)
 {

@@ -776,14 +776,15 @@ struct ape__backend_ops {
 	/*
 	 * Optional (NULL: the core never passes l->pages; a KV cache then gathers its blocks into
 	 * contiguous key chunks with copy_d2d, or through host staging, before each launch: the
-	 * reference and CUDA do that today). Whether attention takes launch l with l->pages set
+	 * reference does that). Whether attention takes launch l with l->pages set
 	 * (struct ape__kv_pages): true only when it will read K and V in place and compute what it
 	 * computes for the same keys gathered, bit for bit. false costs nothing but the gather:
 	 * the core then gathers and launches without pages. Reads only l's shape, dtypes, options,
 	 * positions, parameters and whether l->ent and l->md are set, never its buffers (the core
 	 * may ask with them NULL, to size its key chunks). Cannot fail, sets no error; may be
 	 * called from any thread. (OpenCL CPU devices: the decode of ocl_decode.c, a few query
-	 * rows.)
+	 * rows; CUDA: its decode, dense launches of at most 16 rows and ragged ones of at most 16
+	 * a segment, cuda_attention.c.)
 	 */
 	bool (*attention_pages)(struct ape_device *dev, const struct ape__launch *l);
 
