@@ -6,8 +6,9 @@
  * rounds), add two sequences, append 10 tokens to the first, fork it, append a batch to all
  * three (the first's shared last page copied on write), attend a ragged batch of the three
  * (2, 1 and 3 rows), append one token to the third and attend it alone (a one-sequence decode:
- * the dense path, its pages read in place where they follow each other and the device can),
- * remove the fork, destroy.
+ * the dense path, its pages read in place where they follow each other and the device can;
+ * with its diagnostics), append 6 tokens to the first and release its two oldest pages (a steep
+ * decay), remove the fork, destroy.
  *
  * Each call of the pool is judged as it returns: a failed create must leave *out NULL; in a
  * run under host-allocation failures (pcase.host_faults) a failed call must return APE_ENOMEM
@@ -126,6 +127,7 @@ static int pcase_create(struct pcase *c, struct model *m)
 	o.page_tokens = 4;
 	o.capacity_tokens = 48;
 	o.max_batch_tokens = 8;
+	o.max_query_norm = 20; /* the release below: rows of 32 N(0,1) values have norm ~6 */
 	(void)model_init; /* its create starts from NULL: here *out starts set, to see it cleared */
 	m->pool = (ape_kv_pool *)(uintptr_t)1;
 	ret = ape_kv_pool_create(c->dev, &o, &m->pool);
@@ -145,6 +147,19 @@ static int pcase_attend(const struct model *m, struct mbatch *b, float *o, float
 		memcpy(o, b->o.t.data, sizeof(float) * (size_t)(b->tq * PC_H * PC_D));
 		memcpy(lse, b->lse, sizeof(float) * (size_t)(b->tq * PC_H));
 	}
+	return ret;
+}
+
+/* Releases what sequence i's decay proves out of reach: the call's code; a clean call must
+ * release two pages (8 tokens). */
+static int pcase_release(struct pcase *c, const struct model *m, int64_t i,
+			 const ape_attn_desc *desc)
+{
+	int64_t n = -1;
+	int ret = ape_kv_pool_release_unreachable(m->pool, m->s[i].id, desc, &n);
+
+	if (!ret && n != 8)
+		pcase_bad(c, "ape_kv_pool_release_unreachable", "did not release the two pages");
 	return ret;
 }
 
@@ -200,7 +215,11 @@ static int pcase_run_checked(struct pcase *c, bool oracle)
 		pcase_bad(c, "mbatch_make", "out of memory");
 		goto out;
 	}
-	PCASE_CALL(c, &m, &rng, "ape_kv_pool_attend", pcase_attend(&m, &b2, c->o2, c->lse2));
+	if (mbatch_want_diag(&m, &b2)) { /* the decode with its diagnostics */
+		pcase_bad(c, "mbatch_want_diag", "out of memory");
+		goto out;
+	}
+	PCASE_CALL(c, &m, &rng, "ape_kv_pool_attend_diag", pcase_attend(&m, &b2, c->o2, c->lse2));
 	if (oracle && c->err_o >= 0) {
 		double eo, el;
 
@@ -209,6 +228,16 @@ static int pcase_run_checked(struct pcase *c, bool oracle)
 		c->err_o = eo < 0 ? -1 : fmax(c->err_o, eo);
 		c->err_lse = fmax(c->err_lse, el);
 	}
+	/* the first sequence's two oldest pages released under a steep decay (b2's desc, its
+	 * outputs kept already) */
+	PCASE_CALL(c, &m, &rng, "ape_kv_pool_append", model_append(&m, &rng, a, 6));
+	for (int h = 0; h < PC_H; h++) {
+		b2.prm[0][h] = 60;
+		b2.prm[1][h] = b2.prm[2][h] = b2.prm[3][h] = 0;
+	}
+	b2.desc.skip_tol = 1e-3;
+	PCASE_CALL(c, &m, &rng, "ape_kv_pool_release_unreachable",
+		   pcase_release(c, &m, a, &b2.desc));
 	PCASE_CALL(c, &m, &rng, "ape_kv_pool_remove_sequence", model_remove(&m, f));
 out:
 	if (c->ret && !c->host_faults && m.pool) {

@@ -14,7 +14,12 @@
  *   total or raw, NULL arrays, a negative count;
  * - ape_kv_pool_attend() likewise, with pos_q absent, near the sequences' keys, or raw int64
  *   values (distances that overflow), a fuzzed desc (causal, decay, skip_tol, k_start,
- *   q_start_set, struct_size), O of the pool's dtype or float32, LSE and stats wanted or not.
+ *   q_start_set, struct_size), O of the pool's dtype or float32, LSE and stats wanted or not,
+ *   and the diagnostics (ape_kv_pool_attend_diag(), entropy and mean distance each wanted or
+ *   not);
+ * - ape_kv_pool_release_unreachable() of ids handed out, removed or raw, with a fuzzed desc
+ *   (steep, mild, no or negative decay; skip_tol), in pools made with or without
+ *   max_query_norm (sometimes negative or NaN: refused at creation);
  *
  * Promises checked:
  * - every call returns 0 or one of its documented codes (APE_EINVAL, APE_EOVERFLOW, APE_ENOMEM),
@@ -32,7 +37,11 @@
  *   (known distinct ids, well-formed tensors, pages to spare) is not refused;
  * - an accepted attend writes every row: O finite, within the largest |V| its sequence was given
  *   (a convex combination of its values), exactly 0 and LSE -inf for rows that see no key,
- *   LSE finite for the others.
+ *   LSE finite for the others; entropy in [0, ln(keys) + 1e-3] and mean distance >= 0 where a
+ *   key is seen, both 0 elsewhere;
+ * - a release frees whole pages only, never more than the sequence's tokens, and the shadow's
+ *   token and page counts follow it; attends of a sequence after a release may be refused (the
+ *   release's terms), never mis-answered.
  */
 #define FUZZ_NAME "fuzz_kvpool"
 #include "fuzz_input.h"
@@ -51,6 +60,7 @@ enum { MAXOPS = 24, MAXB = 8, MAXIDS = 64 };
 /* What the harness knows of each id handed out. */
 struct seq {
 	int64_t id, n, k_start;
+	int64_t rel; /* tokens released (ape_kv_pool_release_unreachable()) */
 	bool live;
 	float vmax; /* the largest |value| any of its tokens may have */
 };
@@ -231,9 +241,11 @@ static void agrees(const ape_kv_pool *pool)
 		check(s.rc[i] == 0 && s.n[i] == ids[i].n && s.k_start[i] == ids[i].k_start,
 		      "a sequence holds the tokens given it, at its k_start");
 		live++;
-		tokens += ids[i].n;
-		most += pages_of(ids[i].n);
-		least = pages_of(ids[i].n) > least ? pages_of(ids[i].n) : least;
+		tokens += ids[i].n - ids[i].rel;
+		most += pages_of(ids[i].n) - ids[i].rel / opt.page_tokens;
+		least = pages_of(ids[i].n) - ids[i].rel / opt.page_tokens > least
+				? pages_of(ids[i].n) - ids[i].rel / opt.page_tokens
+				: least;
 	}
 	check(s.info.sequences == live, "info.sequences counts the live sequences");
 	check(s.info.tokens == tokens, "info.tokens counts their tokens");
@@ -334,6 +346,42 @@ static void op_info(struct in *in, ape_kv_pool *pool)
 	check(!ret == (s && s->live), "sequence_info knows exactly the live ids");
 	check(ret || ((c & 1 || n == s->n) && (c & 2 || ks == s->k_start)),
 	      "sequence_info says the tokens and k_start");
+}
+
+/* A release. Bits of c: 1, 2: decay (steep 8, mild 0.3, none, negative); 4, 8: skip_tol
+ * (1e-3, 0, the default); 16: a bad desc size; 32: desc NULL. */
+static void op_release(struct in *in, ape_kv_pool *pool)
+{
+	static const char fn[] = "ape_kv_pool_release_unreachable";
+	static const float decay[4] = { 8.0f, 0.3f, 0.0f, -0.1f };
+	const int64_t id = take_id(in);
+	const unsigned c = (unsigned)take(in, 1);
+	struct seq *s = find(id);
+	struct state before, after;
+	ape_attn_desc desc;
+	int64_t n = -9;
+	int ret;
+
+	ape_attn_desc_init(&desc);
+	desc.delta.value = decay[c & 3];
+	desc.skip_tol = c & 4 ? 1e-3 : c & 8 ? 0.0 : desc.skip_tol;
+	if (c & 16)
+		desc.struct_size = (size_t)take(in, 1);
+	snapshot(pool, &before);
+	ret = ape_kv_pool_release_unreachable(pool, id, c & 32 ? NULL : &desc, &n);
+	refused_or_done(ret, fn, false, true);
+	if (ret) {
+		snapshot(pool, &after);
+		check(same_state(&before, &after), "a refused release changes nothing");
+		check(!(s && s->live && opt.max_query_norm > 0 && !(c & 48)) || ret == APE_ENOMEM,
+		      "a release of a live sequence in a pool with max_query_norm is not refused");
+		return;
+	}
+	check(s && s->live && opt.max_query_norm > 0, "release takes live ids of pools that allow it");
+	check(n >= 0 && n % opt.page_tokens == 0 && s->rel + n <= s->n,
+	      "a release frees whole pages of the sequence's tokens");
+	check(n == 0 || decay[c & 3] > 0, "only a decay releases anything");
+	s->rel += n;
 }
 
 /* A batch's ids and offsets. *clean: live, distinct ids and offsets from 0 up. */
@@ -496,8 +544,8 @@ static void op_attend(struct in *in, ape_kv_pool *pool)
 	ape_stats st;
 	int64_t dq[4], *posq = NULL;
 	ape_dtype qt = opt.dtype, ot = g & 1 ? APE_F32 : opt.dtype;
-	float *lse = NULL;
-	size_t lse_bytes = 0;
+	float *lse = NULL, *ent = NULL, *md = NULL;
+	size_t lse_bytes = 0, diag_bytes = 0;
 	bool clean, lse_unbacked = false;
 	int ret;
 
@@ -579,10 +627,29 @@ static void op_attend(struct in *in, ape_kv_pool *pool)
 		st.struct_size = 3;
 		clean = false;
 	}
+	if (omode & 8 && q.shape[2] >= 0 && q.shape[2] <= LIMIT && q.shape[2] * H <= LIMIT) {
+		/* the diagnostics: each wanted or not, poisoned to see what is written */
+		diag_bytes = sizeof(float) * (size_t)(q.shape[2] * H) + 1;
+		ent = omode & 16 ? NULL : malloc(diag_bytes);
+		md = omode & 32 ? NULL : malloc(diag_bytes);
+		if (ent)
+			memset(ent, 0x5a, diag_bytes);
+		if (md)
+			memset(md, 0x5a, diag_bytes);
+	}
+	for (int64_t j = 0; j < b.nb; j++) { /* a release's terms may refuse the attend */
+		const struct seq *s = find(b.idv[j]);
+
+		clean &= !(s && s->rel);
+	}
 	snapshot(pool, &before);
-	ret = ape_kv_pool_attend(pool, &desc, b.nb, b.ids, b.cup, posq, &q, &o, lse,
-				 f & 8 ? &st : NULL);
-	refused_or_done(ret, fn, true, false);
+	if (omode & 8)
+		ret = ape_kv_pool_attend_diag(pool, &desc, b.nb, b.ids, b.cup, posq, &q, &o, lse,
+					      ent, md, f & 8 ? &st : NULL);
+	else
+		ret = ape_kv_pool_attend(pool, &desc, b.nb, b.ids, b.cup, posq, &q, &o, lse,
+					 f & 8 ? &st : NULL);
+	refused_or_done(ret, omode & 8 ? "ape_kv_pool_attend_diag" : fn, true, false);
 	snapshot(pool, &after);
 	check(same_state(&before, &after), "an attend changes nothing in the pool");
 	if (ret) {
@@ -593,6 +660,10 @@ static void op_attend(struct in *in, ape_kv_pool *pool)
 			check(((uint8_t *)bo.p)[i] == 0x5a, "a refused attend writes no O");
 		for (size_t i = 0; !lse_unbacked && i < lse_bytes; i++)
 			check(((uint8_t *)lse)[i] == 0x5a, "a refused attend writes no LSE");
+		for (size_t i = 0; ent && i < diag_bytes; i++)
+			check(((uint8_t *)ent)[i] == 0x5a, "a refused attend writes no entropy");
+		for (size_t i = 0; md && i < diag_bytes; i++)
+			check(((uint8_t *)md)[i] == 0x5a, "a refused attend writes no distance");
 	} else {
 		check(!lse_unbacked && bo.p != NULL, "an attend over memory it cannot have is refused");
 		check(!(f & 8) || st.pairs_computed <= st.pairs_visible,
@@ -609,6 +680,14 @@ static void op_attend(struct in *in, ape_kv_pool *pool)
 
 				for (int64_t h = 0; h < H; h++) {
 					const float l = lse ? lse[i * H + h] : 0;
+					const float e = ent ? ent[i * H + h] : 0;
+					const float dm = md ? md[i * H + h] : 0;
+
+					check(seen ? e >= -1e-3f && e <= logf((float)s->n) + 1e-3f
+						   : e == 0,
+					      "entropy in [0, ln(keys)] where a key is seen, else 0");
+					check(seen ? dm >= 0 : dm == 0,
+					      "mean distance >= 0 where a key is seen, else 0");
 
 					check(!lse || (seen ? isfinite(l) : isinf(l) && l < 0),
 					      "LSE finite where a key is seen, -inf elsewhere");
@@ -626,6 +705,8 @@ static void op_attend(struct in *in, ape_kv_pool *pool)
 	free(posq);
 	free(bq.p);
 	free(bo.p);
+	free(ent);
+	free(md);
 	if (!lse_unbacked)
 		free(lse);
 }
@@ -672,6 +753,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	o.max_device_bytes = f & 16 ? take(&in, 3) % (8u << 20) : 0;
 	if (f & 32)
 		o.struct_size = (size_t)take(&in, 1);
+	if (f & 64) { /* releases allowed; sometimes a bound refused */
+		const unsigned m = (unsigned)take(&in, 1);
+
+		o.max_query_norm = m == 255 ? NAN : m == 254 ? -1.0 : (double)(m % 40);
+	}
 	if (!small_enough(&o))
 		return 0;
 	ret = ape_kv_pool_create(ref, &o, &pool);
@@ -688,10 +774,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	nids = 0;
 	agrees(pool);
 	for (int i = 0; i < MAXOPS && in.n; i++) {
-		switch (take(&in, 1) % 8) {
+		switch (take(&in, 1) % 9) {
 		case 0:
 		case 7:
 			op_add(&in, pool);
+			break;
+		case 8:
+			op_release(&in, pool);
 			break;
 		case 1:
 			op_remove(&in, pool);
