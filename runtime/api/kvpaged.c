@@ -243,13 +243,23 @@ static int seq_pages(ape_paged_kv *pk, const char *fn, const ape_page_table *pt,
 		     int64_t np, int64_t at)
 {
 	const char *name = pt->indptr ? "indices" : "block_table";
-	const int64_t base = pt->indptr ? pt->indptr[s] : s * pt->block_table_stride;
 	const int64_t *src = pt->indptr ? pt->indices : pt->block_table;
+	int64_t base;
 
 	pk->stamp++;
-	if (np && !src)
+	if (!np) /* nothing read: the row of a sequence of no page may lie anywhere */
+		return 0;
+	if (!src)
 		return ape__error(APE_EINVAL, "%s: pt->%s = NULL with sequence %" PRId64
 				  " holding %" PRId64 " pages", fn, name, s, np);
+	if (pt->indptr)
+		base = pt->indptr[s];
+	else if (__builtin_mul_overflow(s, pt->block_table_stride, &base) ||
+		 base > INT64_MAX - np)
+		return ape__error(APE_EINVAL,
+				  "%s: pt->block_table_stride = %" PRId64 ": row %" PRId64
+				  " of the block table lies past 2^63 entries",
+				  fn, pt->block_table_stride, s);
 	for (int64_t i = 0; i < np; i++) {
 		const int64_t pg = src[base + i];
 
@@ -346,7 +356,10 @@ int ape_paged_kv_plan(ape_paged_kv *pk, const ape_page_table *pt, const int64_t 
 	if ((ret = reserve(fn, (void **)&pk->cu, &pk->cap_q, (size_t)pt->nseq + 1,
 			   sizeof(*pk->cu))))
 		goto fail;
-	memcpy(pk->cu, cu_seqlens_q, (size_t)(pt->nseq + 1) * sizeof(*pk->cu));
+	if (cu_seqlens_q)
+		memcpy(pk->cu, cu_seqlens_q, (size_t)(pt->nseq + 1) * sizeof(*pk->cu));
+	else /* no sequence: no offset to read */
+		pk->cu[0] = 0;
 	free(pk->pos);
 	pk->pos = NULL;
 	if (pos_q && total_q) {

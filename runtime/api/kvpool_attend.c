@@ -370,6 +370,12 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 				      g.Lq, 0, g.Lq);
 		return 0;
 	}
+	if (!dense && !pl->dev->caps.segments) /* before the axes move: a plan is reused */
+		return ape__error_on(ape__error(APE_ENOTSUP,
+						"%s: %s:%d takes no ragged launches (a batch of "
+						"several sequences needs them)",
+						fn, pl->dev->info.backend, pl->dev->info.backend_index),
+				     pl->dev);
 	for (int64_t s = s0; s < s1; s++) { /* the group's own axes */
 		pl->segs[s].q0 -= qa;
 		pl->segs[s].k0 -= ka;
@@ -401,12 +407,6 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 		       (size_t)pl->tab_n * sizeof(*pl->tab_host));
 		pl->tab_pending = true;
 	}
-	if (pl->cur_ragged && !pl->dev->caps.segments)
-		return ape__error_on(ape__error(APE_ENOTSUP,
-						"%s: %s:%d takes no ragged launches (a batch of "
-						"several sequences needs them)",
-						fn, pl->dev->info.backend, pl->dev->info.backend_index),
-				     pl->dev);
 	run = (struct ape__kv_run){
 		.p = &g, .q = &qg, .o = &og, .lse = want_lse ? pl->lse_stage : NULL, .dg = &dgs,
 		.want_pairs = want_pairs, .release = pl->o.max_query_norm > 0, .loader = &pl->loader,

@@ -7,7 +7,7 @@
 FAULT_TESTS  := $(BUILD)/tests/faults/test_allocfail $(BUILD)/tests/faults/test_devfail \
 		$(BUILD)/tests/test_contract $(BUILD)/tests/faults/test_bwdfail \
 		$(BUILD)/tests/faults/test_varlenfail $(BUILD)/tests/faults/test_posfail \
-		$(BUILD)/tests/faults/test_kvpoolfail
+		$(BUILD)/tests/faults/test_kvpoolfail $(BUILD)/tests/faults/test_kvpagedfail
 THREAD_TESTS := $(BUILD)/tests/faults/test_threads
 FAULT_SUBMAKE = $(MAKE) --no-print-directory OPT=-O1 WITH_CUDA=no
 

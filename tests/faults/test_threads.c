@@ -10,7 +10,11 @@
  * once, in one launch and in chunks, each equal bit for bit to the serial run; 8 threads each
  * drive a KV pool of their own on one shared device at once (tests/faults/kvpool_case.h:
  * create, appends, a fork, a batch append with a copy on write, a ragged attend, a decode, a
- * removal, destroy), each attend equal bit for bit to the thread's serial run.
+ * removal, destroy), each attend equal bit for bit to the thread's serial run; 8 threads each
+ * drive a paged-attention object of their own over their own pages on one shared device at
+ * once (tests/faults/kvpaged_case.h: create, a CSR plan, runs over two layers of pages in two
+ * layouts, a block-table plan of decode rows, its run, destroy), each run equal bit for bit to
+ * the thread's serial session.
  * `make tsan-ci` runs this under ThreadSanitizer, where any data race fails it.
  */
 #include "ape_test.h"
@@ -22,6 +26,7 @@
 #include "common/bwdcase.h"
 #include "faults/faultcheck.h"
 #include "faults/fixture.h"
+#include "faults/kvpaged_case.h"
 #include "faults/kvpool_case.h"
 
 enum { NT = 8, ROUNDS = 3 };
@@ -34,6 +39,7 @@ struct job {
 	struct bjob *b; /* backward test: its call, prepared likewise */
 	struct vjob *v; /* ragged-batch test: its batch, prepared likewise */
 	struct pcase *p; /* KV-pool test: its session, prepared likewise */
+	struct kcase *k; /* paged-attention test: its session, prepared likewise */
 	const char *backend; /* contexts test: the backend to compute on */
 	const fx_call *want; /* contexts test: the serial result */
 	char err[512]; /* empty when everything matched */
@@ -335,6 +341,44 @@ TEST_F_TIMEOUT(th, shared_device_kvpool, 300)
 		j[i] = (struct job){ .p = &p[i] };
 	}
 	run_threads(_metadata, j, NT, run_pool_sessions);
+}
+
+static void *run_paged_sessions(void *arg)
+{
+	struct job *j = arg;
+
+	for (int r = 0; r < ROUNDS && !j->err[0]; r++) {
+		int ret = kcase_run(j->k);
+		const char *bad = kcase_verify(j->k, ret);
+
+		if (ret || bad)
+			snprintf(j->err, sizeof(j->err), "round %d: %.100s %.380s", r,
+				 bad ? bad : "", j->k->msg);
+	}
+	return NULL;
+}
+
+/* One context, one device, 8 threads each driving a paged-attention object of its own over its
+ * own pages (half float32, half float16, each with its own data), prepared and run once
+ * serially by the main thread; every round's runs equal that session's bit for bit. */
+TEST_F_TIMEOUT(th, shared_device_kvpaged, 300)
+{
+	static struct kcase k[NT];
+	struct job j[NT];
+	char name[64];
+
+	for (int i = 0; i < NT; i++) {
+		memset(&k[i], 0, sizeof(k[i]));
+		k[i].dev = self->dev[0];
+		k[i].dt = i % 2 ? APE_F16 : APE_F32;
+		snprintf(name, sizeof(name), "shared_device_kvpaged %d", i);
+		ape_rng_init(&k[i].rng, name);
+		ASSERT_EQ(0, kcase_prepare(&k[i], false)) TH_LOG("%s %s", k[i].msg, k[i].bad);
+		j[i] = (struct job){ .k = &k[i] };
+	}
+	run_threads(_metadata, j, NT, run_paged_sessions);
+	for (int i = 0; i < NT; i++)
+		kcase_free(&k[i]);
 }
 
 TEST_HARNESS_MAIN

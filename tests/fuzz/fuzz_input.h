@@ -4,7 +4,8 @@
  * reference device they run on, the check of a promise, and the reading of the input as
  * little-endian fields (zeros once it is exhausted) and as the sizes, strides and positions a
  * call takes, mostly small, sometimes at the edges of int64. Define FUZZ_NAME (the target's
- * name, for messages) before including it.
+ * name, for messages) before including it, and FUZZ_BACKENDS ("ref" unless defined: the
+ * context's backends, e.g. "ref,opencl" for a target that also runs where OpenCL is built in).
  */
 #ifndef APE_FUZZ_INPUT_H
 #define APE_FUZZ_INPUT_H
@@ -18,6 +19,10 @@
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+#ifndef FUZZ_BACKENDS
+#define FUZZ_BACKENDS "ref"
+#endif
+
 static ape_context *ctx;
 static ape_device *ref;
 
@@ -30,7 +35,7 @@ static void check(int cond, const char *what)
 	}
 }
 
-/* One context with the reference backend only, for the whole run. */
+/* One context with the reference backend only (or FUZZ_BACKENDS), for the whole run. */
 int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
 	ape_context_options o;
@@ -39,7 +44,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 	(void)argc;
 	(void)argv;
 	ape_context_options_init(&o);
-	o.backends = "ref";
+	o.backends = FUZZ_BACKENDS;
 	o.numa = APE_NUMA_OFF;
 	check(ape_context_create(&ctx, &o) == 0, "ape_context_create");
 	check(ape_device_select(ctx, "ref", -1, &sel) == 0, "ape_device_select(ref)");

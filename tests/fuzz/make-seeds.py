@@ -354,3 +354,132 @@ put("kvpool", "window_int64_ends.bin",
 put("kvpool", "position_overflow_message.bin",
     kvp_pool(1, 1, 4, 0, 4, 32, 8) + kvp_add_near(True, -1) + kvp_append(0, 2, 1, 8) +
     kvp_attend([(0, 1)], 1, 8, f=4 | 32, g=2, pos=b"\1\xc1"))
+
+
+# ---- kvpaged: the byte encoding fuzz_kvpaged.c reads. The options: flags (1: H, 2: page_tokens,
+# 4: max_batch_tokens, 8: attend_chunk as take_int, else (H: 0) a byte each; 16: max_device_bytes,
+# 3 bytes; 32: a struct_size byte; 128: OpenCL where the fuzz build has it), Hkv, [H], D / 2,
+# dtype, page_tokens, num_pages (take_int), max_batch_tokens, attend_chunk; then calls, each an
+# op byte (0 plan, 3 run, 7 the NULL arguments) and its arguments (see op_plan(), op_run() there).
+def kpg_obj(Hkv, H, Dhalf, dt, page, npages, mb, chunk=0, ocl=False):
+    return (bytes([1 | 2 | 4 | 8 | (128 if ocl else 0)]) + kvp_small(Hkv) + kvp_small(H) +
+            kvp_small(Dhalf) + bytes([dt]) + kvp_small(page) + kvp_small(npages) +
+            kvp_small(mb) + kvp_small(chunk))
+
+
+def kpg_int(v):  # take_int of any value
+    return kvp_small(v) if 0 <= v < 65536 else i64(v)
+
+
+def kpg_ks(v):  # a k_start: a take_int
+    return b"\0" + kpg_int(v)
+
+
+def kpg_ks_near(top, delta):  # +-2^62 + delta (-128..127)
+    return bytes([1 | (2 if top else 0)]) + struct.pack("<b", delta)
+
+
+# A sequence of a plan: its tokens, its pages (mode 0: from `start`, `step` apart; 1: the
+# previous sequence's first pages, then on from its last; 2: the page numbers given), its rows,
+# its k_start (encoded, when the plan's flags say k_start is given).
+def kpg_seq(n, mode=0, start=0, step=1, rows=0, pages=(), ks=b""):
+    return (kpg_int(n) + bytes([mode | (step - 1) << 2, start]) + bytes(pages) + bytes([rows]) +
+            ks)
+
+
+# A plan: flags (0, 1, 2, 3: CSR, block table, both, neither; 4: k_start; 8: pos_q; 16: raw
+# positions; 32: raw cu_seqlens_q; 64: a field broken; 128: a NULL), the sequences, the block
+# table's stride byte (below 0xf0: the most pages of a sequence + byte % 3 - 1), then `tail`: what
+# the flags read after (raw offsets, the broken field, the positions, the form's byte).
+def kpg_plan(f, seqs, stride=1, tail=b""):
+    return b"\0" + bytes([f, len(seqs)]) + b"".join(seqs) + bytes([stride]) + tail
+
+
+# A run: m (0-7 the pages' layout: contiguous, vLLM, FlashInfer HND, NHD, padded, raw strides, v
+# contiguous, a raw shape entry; 8: a buffer short; 16: byte offsets; 32: a dtype; 64: q's rows;
+# 128: a NULL), g (1: O float32, 2: causal, 4: decay, 8: lambda, 16: skip_tol 0, 32: LSE,
+# 64: stats, 128: a desc field refused), a seed for the values, then what m and g read.
+def kpg_run(m, g, seed=5, tail=b""):
+    return b"\3" + bytes([m, g, seed]) + tail
+
+
+# A serving step over CSR pages (GQA, D 32, pages of 4, chunks of 8 keys): a sequence of 10
+# tokens on pages 5-7 (more than a chunk: it runs alone), one sharing its first two pages, one
+# of no page, one at k_start -5; the layer's pages in every layout: contiguous, vLLM's,
+# FlashInfer's K and V halves of one buffer (HND, NHD), padded
+put("kvpaged", "csr_shared_prefix_layouts.bin",
+    kpg_obj(2, 4, 16, 0, 4, 16, 24, 8) +
+    kpg_plan(4, [kpg_seq(10, 0, 5, rows=2, ks=kpg_ks(3)), kpg_seq(7, 1, rows=1, ks=kpg_ks(3)),
+                 kpg_seq(0, rows=1, ks=kpg_ks(0)), kpg_seq(3, 0, 0, rows=3, ks=kpg_ks(-5))]) +
+    kpg_run(0, 0x22) + kpg_run(1, 0x25, 6) + kpg_run(2, 0x62, 7) + kpg_run(3, 0x2a, 8) +
+    kpg_run(4, 0x22, 9, bytes([1, 2, 3])))
+# A decode step over a block table (float16, one key head, D 64, pages of 2, the stride one more
+# than the longest row): pages 3 apart, a shared prefix, k_start at 2^62 - 20 and -2^62, one row
+# each at explicit positions (after the keys, among them, a repeat)
+put("kvpaged", "block_table_decode_f16.bin",
+    kpg_obj(1, 2, 32, 1, 2, 24, 8) +
+    kpg_plan(1 | 4 | 8, [kpg_seq(9, 0, 3, 3, rows=1, ks=kpg_ks_near(True, -20)),
+                         kpg_seq(4, 1, rows=1, ks=kpg_ks_near(False, 0)),
+                         kpg_seq(1, 0, 20, rows=2, ks=kpg_ks(0))], stride=2,
+             tail=bytes([8, 5, 9, 9])) +
+    kpg_run(1, 0x23) + kpg_run(3, 0x22, 6) + kpg_run(0, 0x32, 7))
+# bfloat16, pages of one token given in any order, the second sequence their prefix, positions
+# with gaps and repeats; small byte offsets into the buffers
+put("kvpaged", "bf16_scattered_pages.bin",
+    kpg_obj(2, 2, 16, 2, 1, 64, 16, 4) +
+    kpg_plan(8, [kpg_seq(6, 2, pages=(9, 3, 40, 7, 2, 11), rows=3), kpg_seq(5, 1, rows=2)],
+             tail=bytes([8, 8, 2, 11, 0])) +
+    kpg_run(0x10, 0x22, 5, bytes([1, 3, 5, 1])) + kpg_run(0x11, 0x21, 6, bytes([1, 0, 7, 2])))
+# The same decode step on OpenCL, where the fuzz build has it (FUZZ_OPENCL=yes): the pages read
+# in place through the page table
+put("kvpaged", "block_table_decode_opencl.bin",
+    kpg_obj(1, 2, 16, 0, 2, 24, 8, ocl=True) +
+    kpg_plan(1 | 4 | 8, [kpg_seq(9, 0, 3, 3, rows=1, ks=kpg_ks(0)),
+                         kpg_seq(4, 1, rows=1, ks=kpg_ks(7)),
+                         kpg_seq(1, 0, 20, rows=2, ks=kpg_ks(0))], stride=2,
+             tail=bytes([8, 5, 9, 9])) +
+    kpg_run(1, 0x23) + kpg_run(3, 0x22, 6) + kpg_run(2, 0x22, 7))
+# Plans the header refuses, each followed by a run (refused: no plan): a page out of range, a
+# page twice in one sequence, last_page_len 0 and past the page, a decreasing indptr, a block
+# table's stride one short, seq_lens negative (and one accepted with pages shared by two
+# sequences); k_start 2^62, both forms, neither, a decreasing cu_seqlens_q, nseq < 0, pt NULL,
+# pk NULL, a wrong struct_size, positions at the int64 ends (distances that overflow).
+R = kpg_run(0, 0x20)
+two = [kpg_seq(8, 0, 2, rows=1), kpg_seq(8, 0, 4, rows=1)]
+put("kvpaged", "plan_refusals_table.bin",
+    kpg_obj(1, 1, 4, 0, 4, 8, 16) +
+    kpg_plan(0, [kpg_seq(4, 2, pages=(8,), rows=1)]) + R +
+    kpg_plan(0, [kpg_seq(8, 2, pages=(3, 3), rows=1)]) + R +
+    kpg_plan(0, [kpg_seq(8, 0, 2, rows=1), kpg_seq(8, 1, rows=1)]) + R +
+    kpg_plan(64, two, tail=bytes([1 | 16, 0])) + R +
+    kpg_plan(64, two, tail=bytes([1 | 32, 1])) + R +
+    kpg_plan(64, two, tail=bytes([0 | 8, 1, 0])) + R +
+    kpg_plan(1, two, stride=0) + R +
+    kpg_plan(1 | 64, two, tail=bytes([2 | 16, 1])) + R)
+put("kvpaged", "plan_refusals_args.bin",
+    kpg_obj(1, 1, 4, 0, 4, 8, 16) +
+    kpg_plan(4 | 64, [kpg_seq(8, 0, 2, rows=1, ks=kpg_ks(0))], tail=bytes([5 | 16 | 32, 0])) +
+    R + kpg_plan(2, two) + R + kpg_plan(3, two, tail=b"\0") + R +
+    kpg_plan(32, two, tail=bytes([1, 0, 0])) + R +
+    kpg_plan(64, two, tail=bytes([6 | 3 << 3, 0])) + R +
+    kpg_plan(128, two, tail=b"\3") + R + kpg_plan(128, two, tail=b"\4") +
+    kpg_plan(128, two, tail=b"\0\7") + R +
+    kpg_plan(8 | 16, two, tail=b"\xc2\xc1") + R)
+# Runs the header refuses over a valid plan (float16, GQA): a buffer short of its tensor, raw
+# strides, v's strides not k's, a wrong shape entry, a wrong dtype, q one row short, desc NULL,
+# q_start_set, a byte offset not a multiple of the element; then a valid run
+put("kvpaged", "run_refusals.bin",
+    kpg_obj(2, 4, 16, 1, 4, 8, 8) + kpg_plan(0, [kpg_seq(6, 0, 1, rows=2)]) +
+    kpg_run(8, 0x20, 5, b"\0\3") +
+    kpg_run(5, 0x20, 5, b"\xc2\x05\x03\x01") + kpg_run(6, 0x20) +
+    kpg_run(7, 0x20, 5, b"\0\x09") + kpg_run(32, 0x20, 5, b"\1") +
+    kpg_run(64, 0x20, 5, b"\0") + kpg_run(128, 0x20, 5, b"\5") +
+    kpg_run(0, 0xa0, 5, b"\0\1") + kpg_run(16, 0x20, 5, b"\0\0\1\3") + kpg_run(1, 0x20))
+# Far positions: keys from 2^62 - 100, rows at 2^62 - 1 (valid), then rows at INT64_MAX and
+# INT64_MIN against keys at -2^62 (distances past int64: refused)
+put("kvpaged", "positions_int64_ends.bin",
+    kpg_obj(1, 1, 4, 0, 4, 8, 8) +
+    kpg_plan(4 | 8 | 16, [kpg_seq(5, 0, 0, rows=2, ks=kpg_ks_near(True, -100))],
+             tail=i64((1 << 62) - 1) + i64((1 << 62) - 2)) + kpg_run(0, 0x22) +
+    kpg_plan(4 | 8 | 16, [kpg_seq(5, 0, 0, rows=2, ks=kpg_ks_near(False, 0))],
+             tail=b"\xc2\xc1") + kpg_run(0, 0x22))

@@ -1,6 +1,7 @@
 # libFuzzer targets (issue 7): the .npy reader, forward-call validation, the program-cache reader,
 # the device-resident calls (ape_attention_enqueue, buffers, the DLPack call; issue 12), the KV
-# pool's calls (ape_kv_pool_*; issue 26).
+# pool's calls (ape_kv_pool_*; issue 26), paged attention over the caller's pages
+# (ape_paged_kv_*).
 #
 #   make fuzz [FUZZ_SECONDS=300]   each target for FUZZ_SECONDS, building on the corpus found so far
 #   make fuzz-ci                   what `make check` runs: about a minute in all (FUZZ_CI_SECONDS each)
@@ -14,8 +15,16 @@ FUZZ_CC          ?= $(shell command -v clang-14 2>/dev/null || command -v clang 
 FUZZ             ?= $(if $(CI),yes,auto)
 FUZZ_SECONDS     ?= 300
 FUZZ_CI_SECONDS  ?= 20
-FUZZ_TARGETS     := npy problem cache resident varlen trace kvpool
-FUZZ_DIR         := $(BUILD)/fuzz
+FUZZ_TARGETS     := npy problem cache resident varlen trace kvpool kvpaged
+# FUZZ_OPENCL=yes: the fuzz library with the OpenCL backend too (where this build has it), in
+# $(BUILD)/fuzz-opencl, so that the targets that can (fuzz_kvpaged) also run on an OpenCL device
+# (a bit of each input picks it). Off by default: PoCL compiles each kernel variant a fuzzed
+# shape asks for (seconds each) and keeps allocations past exit (run the targets with
+# LSAN_OPTIONS=suppressions=tests/lsan.supp:fast_unwind_on_malloc=0, the full stacks the
+# suppressions match).
+FUZZ_OPENCL      ?= no
+FUZZ_OCL         := $(and $(filter yes,$(FUZZ_OPENCL)),$(filter yes,$(HAVE_OPENCL)))
+FUZZ_DIR         := $(BUILD)/fuzz$(if $(FUZZ_OCL),-opencl)
 FUZZ_BINS        := $(FUZZ_TARGETS:%=$(FUZZ_DIR)/bin/fuzz_%)
 
 # Link a trivial fuzz target once: the clang package alone lacks the libFuzzer runtime
@@ -29,9 +38,12 @@ FUZZ_WHY := $(if $(FUZZ_CC),$(FUZZ_CC) cannot link -fsanitize=fuzzer (libFuzzer 
 
 # The core and the reference backend only: the device backends add nothing these targets reach
 # and would pull nvcc into every fuzz build. The registry then reports them as not built.
-FUZZ_LIB_SRCS := $(filter runtime/%,$(LIB_SRCS))
+# FUZZ_OPENCL=yes adds the OpenCL backend (its sources and embedded kernels; never CUDA).
+FUZZ_LIB_SRCS := $(filter runtime/%,$(LIB_SRCS)) $(if $(FUZZ_OCL),$(OPENCL_SRCS))
+FUZZ_LIB_ASM  := $(if $(FUZZ_OCL),$(filter opencl/%,$(LIB_ASM)))
 FUZZ_TOOL_SRCS := tools/common/npy_read.c tools/common/npy_write.c tools/common/npy_common.c
-FUZZ_CPPFLAGS  = $(filter-out -DAPE_HAVE_OPENCL -DAPE_HAVE_CUDA,$(CPPFLAGS)) $(HWLOC_CFLAGS) $(DRM_CFLAGS)
+FUZZ_CPPFLAGS  = $(filter-out -DAPE_HAVE_OPENCL -DAPE_HAVE_CUDA,$(CPPFLAGS)) $(HWLOC_CFLAGS) $(DRM_CFLAGS) \
+		 $(if $(FUZZ_OCL),-DAPE_HAVE_OPENCL -DCL_TARGET_OPENCL_VERSION=120)
 FUZZ_SAN      := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 FUZZ_CFLAGS    = $(CSTD) -O1 -g $(WARN) $(FUZZ_SAN) -fsanitize=fuzzer-no-link -DAPE_BUILDING_LIBRARY
 FUZZ_LIBS      = $(if $(HAVE_HWLOC),$(HWLOC_LIBS)) $(if $(HAVE_DRM),$(DRM_LIBS)) $(LDLIBS)
@@ -42,7 +54,13 @@ $(FUZZ_DIR)/obj/%.o: %.c $(CONFIG_STAMP)
 	@echo "  CLANG   $<"
 	$(Q)$(FUZZ_CC) $(FUZZ_CPPFLAGS) -Itools -Itests $(FUZZ_CFLAGS) -MMD -MP -c $< -o $@
 
-$(FUZZ_LIBA): $(FUZZ_LIB_SRCS:%.c=$(FUZZ_DIR)/obj/%.o) $(FUZZ_TOOL_SRCS:%.c=$(FUZZ_DIR)/obj/%.o)
+$(FUZZ_DIR)/obj/%.o: %.S $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  AS      $<"
+	$(Q)$(FUZZ_CC) $(FUZZ_CPPFLAGS) -c $< -o $@
+
+$(FUZZ_LIBA): $(FUZZ_LIB_SRCS:%.c=$(FUZZ_DIR)/obj/%.o) $(FUZZ_LIB_ASM:%.S=$(FUZZ_DIR)/obj/%.o) \
+	      $(FUZZ_TOOL_SRCS:%.c=$(FUZZ_DIR)/obj/%.o)
 	@mkdir -p $(dir $@)
 	@echo "  AR      $@"
 	$(Q)rm -f $@ && $(AR) rcs $@ $^
