@@ -1003,6 +1003,31 @@ class KVCache:
 
 # ------------------------------------------------------------------ KV pool
 
+class _RaggedOut:
+    """The outputs of a ragged attend (KVPool.attend, PagedKV.run) for q `[total_q, H, D]`:
+    O of q's kind and dtype, and LSE, entropy and mean distance `[total_q, H]` float32 as asked
+    for, with their addresses; result() is what the call returns."""
+
+    def __init__(self, qa, return_lse, return_diagnostics):
+        _, H, tq, D = qa.shape
+        if qa.kind == "torch":
+            self.out = _torch().empty((tq, H, D), dtype=qa.np_dtype)
+        else:
+            self.out = np.empty((tq, H, D), dtype=qa.np_dtype)
+        self.oa = _packed_view("o", self.out)
+        self.lse, self.lse_ptr = _empty_lse(qa, (tq, H)) if return_lse else (None, None)
+        self.diag = return_diagnostics
+        (self.ent, self.ent_ptr), (self.md, self.md_ptr) = (
+            (_empty_lse(qa, (tq, H)), _empty_lse(qa, (tq, H))) if return_diagnostics
+            else ((None, None), (None, None)))
+
+    def result(self, st):
+        res = (self.out,) + ((self.lse,) if self.lse is not None else ())
+        if self.diag:
+            res += (self.ent, self.md)
+        return _with_stats(res if len(res) > 1 else self.out, st)
+
+
 def _dtype_code(dtype):
     """A storage dtype given as a string ("float16"), a NumPy type or dtype, or a torch dtype:
     its ape_dtype code."""
@@ -1195,28 +1220,19 @@ class KVPool:
         keep = []
         desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
                      skip_tol, keep, rope_scale)
-        if qa.kind == "torch":
-            out = _torch().empty((tq, H, D), dtype=qa.np_dtype)
-        else:
-            out = np.empty((tq, H, D), dtype=qa.np_dtype)
-        oa = _packed_view("o", out)
-        lse, lse_ptr = _empty_lse(qa, (tq, H)) if return_lse else (None, None)
-        tq_, to_ = _Tensors.pack((qa, oa))
+        r = _RaggedOut(qa, return_lse, return_diagnostics)
+        tq_, to_ = _Tensors.pack((qa, r.oa))
         st, st_ptr = _stats_arg(stats)
         if return_diagnostics:
-            (ent, ent_ptr), (md, md_ptr) = _empty_lse(qa, (tq, H)), _empty_lse(qa, (tq, H))
             err = lib.ape_kv_pool_attend_diag(p, ctypes.byref(desc), ids.shape[0], _i64p(ids),
-                                              _i64p(cq), _i64p(pq), tq_, to_, lse_ptr, ent_ptr,
-                                              md_ptr, st_ptr)
+                                              _i64p(cq), _i64p(pq), tq_, to_, r.lse_ptr,
+                                              r.ent_ptr, r.md_ptr, st_ptr)
         else:
             err = lib.ape_kv_pool_attend(p, ctypes.byref(desc), ids.shape[0], _i64p(ids),
-                                         _i64p(cq), _i64p(pq), tq_, to_, lse_ptr, st_ptr)
+                                         _i64p(cq), _i64p(pq), tq_, to_, r.lse_ptr, st_ptr)
         if err:
             _raise(err)
-        res = (out, lse) if return_lse else (out,)
-        if return_diagnostics:
-            res += (ent, md)
-        return _with_stats(res if len(res) > 1 else out, st)
+        return r.result(st)
 
     def release_unreachable(self, seq_id, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA,
                             lam=SEED_LAMBDA, causal=True, scale=None, rope_base=10000.0,
@@ -1597,32 +1613,23 @@ class PagedKV:
                      skip_tol, keep, rope_scale)
         kt, vt, free, pages = self._pages(k_pages, v_pages, kv_layout)
         try:
-            if qa.kind == "torch":
-                out = _torch().empty((tq, H, D), dtype=qa.np_dtype)
-            else:
-                out = np.empty((tq, H, D), dtype=qa.np_dtype)
-            oa = _packed_view("o", out)
-            lse, lse_ptr = _empty_lse(qa, (tq, H)) if return_lse else (None, None)
-            tq_, to_ = _Tensors.pack((qa, oa))
+            r = _RaggedOut(qa, return_lse, return_diagnostics)
+            tq_, to_ = _Tensors.pack((qa, r.oa))
             st, st_ptr = _stats_arg(stats)
             if return_diagnostics:
-                (ent, ent_ptr), (md, md_ptr) = _empty_lse(qa, (tq, H)), _empty_lse(qa, (tq, H))
                 err = lib.ape_paged_kv_run_diag(p, ctypes.byref(desc), ctypes.byref(kt),
-                                                ctypes.byref(vt), tq_, to_, lse_ptr, ent_ptr,
-                                                md_ptr, st_ptr)
+                                                ctypes.byref(vt), tq_, to_, r.lse_ptr, r.ent_ptr,
+                                                r.md_ptr, st_ptr)
             else:
                 err = lib.ape_paged_kv_run(p, ctypes.byref(desc), ctypes.byref(kt),
-                                           ctypes.byref(vt), tq_, to_, lse_ptr, st_ptr)
+                                           ctypes.byref(vt), tq_, to_, r.lse_ptr, st_ptr)
         finally:
             for b in free:
                 lib.ape_buffer_free(b)
             del pages
         if err:
             _raise(err)
-        res = (out, lse) if return_lse else (out,)
-        if return_diagnostics:
-            res += (ent, md)
-        return _with_stats(res if len(res) > 1 else out, st)
+        return r.result(st)
 
     def info(self):
         """The object as a dict: its options (Hkv, H, D, page_tokens, num_pages,

@@ -161,4 +161,31 @@ static __attribute__((unused)) void device_sweep(struct __test_metadata *_metada
 	wrap_remove();
 }
 
+/*
+ * Calls each(_metadata, dev, arg) on the reference device and on an OpenCL device, each in a
+ * context of its own (a backend with no device here is said and not tested), stdout flushed
+ * after each: the fault tests' loop over backends.
+ */
+static __attribute__((unused)) void sweep_backends(struct __test_metadata *_metadata,
+						   void (*each)(struct __test_metadata *,
+								ape_device *, void *),
+						   void *arg)
+{
+	static const char *const backends[] = { "ref", "opencl" };
+
+	for (size_t i = 0; i < 2; i++) {
+		ape_context *ctx = test_context(backends[i]);
+		ape_device *dev = ctx ? test_device(ctx, backends[i]) : NULL;
+
+		if (!dev) {
+			ksft_print_msg("no %s device, not tested\n", backends[i]);
+			ape_context_destroy(ctx);
+			continue;
+		}
+		each(_metadata, dev, arg);
+		fflush(stdout);
+		ape_context_destroy(ctx);
+	}
+}
+
 #endif

@@ -85,25 +85,25 @@ static void pool_sweep(struct __test_metadata *_metadata, ape_device *dev, ape_d
 	free(c);
 }
 
+struct sweep_arg {
+	bool host;
+	void (*sweep)(struct __test_metadata *, const struct sweep *);
+};
+
+static void both_types(struct __test_metadata *_metadata, ape_device *dev, void *arg)
+{
+	const struct sweep_arg *a = arg;
+
+	pool_sweep(_metadata, dev, APE_F32, a->host, a->sweep);
+	pool_sweep(_metadata, dev, APE_F16, a->host, a->sweep);
+}
+
 static void on_backends(struct __test_metadata *_metadata, bool host,
 			void (*sweep)(struct __test_metadata *, const struct sweep *))
 {
-	static const char *const backends[] = { "ref", "opencl" };
+	struct sweep_arg a = { host, sweep };
 
-	for (size_t i = 0; i < 2; i++) {
-		ape_context *ctx = test_context(backends[i]);
-		ape_device *dev = ctx ? test_device(ctx, backends[i]) : NULL;
-
-		if (!dev) {
-			ksft_print_msg("no %s device, not tested\n", backends[i]);
-			ape_context_destroy(ctx);
-			continue;
-		}
-		pool_sweep(_metadata, dev, APE_F32, host, sweep);
-		pool_sweep(_metadata, dev, APE_F16, host, sweep);
-		fflush(stdout);
-		ape_context_destroy(ctx);
-	}
+	sweep_backends(_metadata, both_types, &a);
 }
 
 TEST(allocation_failures)

@@ -312,32 +312,32 @@ static void vcase_sweep(struct __test_metadata *_metadata, ape_device *dev, enum
 	free(c);
 }
 
+struct sweep_fn {
+	void (*sweep)(struct __test_metadata *, const struct sweep *);
+};
+
+static void every_case(struct __test_metadata *_metadata, ape_device *dev, void *arg)
+{
+	void (*sweep)(struct __test_metadata *, const struct sweep *) =
+		((const struct sweep_fn *)arg)->sweep;
+
+	default_positions = false;
+	vcase_sweep(_metadata, dev, V_FORWARD, sweep);
+	vcase_sweep(_metadata, dev, V_BACKWARD, sweep);
+	vcase_sweep(_metadata, dev, V_RESIDENT, sweep);
+	default_positions = true;
+	ksft_print_msg("default positions:\n");
+	vcase_sweep(_metadata, dev, V_FORWARD, sweep);
+	vcase_sweep(_metadata, dev, V_RESIDENT, sweep);
+	default_positions = false;
+}
+
 static void on_backends(struct __test_metadata *_metadata,
 			void (*sweep)(struct __test_metadata *, const struct sweep *))
 {
-	static const char *const backends[] = { "ref", "opencl" };
+	struct sweep_fn f = { sweep };
 
-	for (size_t i = 0; i < 2; i++) {
-		ape_context *ctx = test_context(backends[i]);
-		ape_device *dev = ctx ? test_device(ctx, backends[i]) : NULL;
-
-		if (!dev) {
-			ksft_print_msg("no %s device, not tested\n", backends[i]);
-			ape_context_destroy(ctx);
-			continue;
-		}
-		default_positions = false;
-		vcase_sweep(_metadata, dev, V_FORWARD, sweep);
-		vcase_sweep(_metadata, dev, V_BACKWARD, sweep);
-		vcase_sweep(_metadata, dev, V_RESIDENT, sweep);
-		default_positions = true;
-		ksft_print_msg("default positions:\n");
-		vcase_sweep(_metadata, dev, V_FORWARD, sweep);
-		vcase_sweep(_metadata, dev, V_RESIDENT, sweep);
-		default_positions = false;
-		fflush(stdout);
-		ape_context_destroy(ctx);
-	}
+	sweep_backends(_metadata, every_case, &f);
 }
 
 TEST(allocation_failures)
