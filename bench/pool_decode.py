@@ -14,9 +14,10 @@ Cases (H = Hkv = 6, D = 64, float32, one query row per sequence at the end of it
             Targets: 0.1x SDPA at Lk = 32768; the pool's step at 131072 within 1.3x of its
             step at 4096 (the keys out of reach are never read).
   paged     the batch case's sequences in the caller's pages (libape.PagedKV: one NumPy
-            array per K and V in vLLM's [num_pages, page_tokens, Hkv, D] layout, pages in
-            scrambled order, a CSR table; one plan, then runs) against the same step through
-            KVPool and against SDPA once per sequence, the three alternating.
+            array per K and V in vLLM's [num_pages, page_tokens, Hkv, D] layout ("NHD"), and
+            the same pages as [num_pages, Hkv, page_tokens, D] ("HND"), pages in scrambled
+            order, a CSR table; one plan, then runs) against the same step through KVPool
+            and against SDPA once per sequence, the four alternating.
   single    one-sequence plain decode of --single-Lk keys through KVPool against
             libape.KVCache holding the same keys. Target: the pool at most 1.05x the cache.
 Every result is checked first: plain decodes against SDPA (and the pool's single sequence
@@ -256,8 +257,13 @@ def case_paged(c):
                         max_batch_tokens=max(256, len(lens)))
     pk.plan(cu, indptr=indptr, indices=indices, last_page_len=last)
 
+    kh, vh = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (kp, vp))  # HND
+
     def run(stats=False):
         return pk.run(q, kp, vp, skip_tol=0.0, stats=stats, **ZERO)
+
+    def run_hnd():
+        return pk.run(q, kh, vh, kv_layout="HND", skip_tol=0.0, **ZERO)
 
     def att():
         return pool.attend(q, ids, cu, skip_tol=0.0, **ZERO)
@@ -270,15 +276,18 @@ def case_paged(c):
     err = float(np.abs(got - want).max())
     assert err < TOL, "paged: PagedKV vs SDPA differ by %g" % err
     assert np.array_equal(got, att()), "paged: PagedKV and KVPool differ"
+    assert np.array_equal(got, run_hnd()), "paged: the NHD and HND pages differ"
     nbytes = c.kv_bytes(st)
-    tr, tp, ts = rounds([run, att, sdpa_each], a.rounds, a.repeats)
-    mr, mp, ms = (statistics.median(x) for x in (tr, tp, ts))
-    what = ("plain decode, %d sequences of %d..%d keys (%s), the caller's pages of %d (NHD, "
-            "scrambled)" % (len(lens), lens[0], lens[-1], a.spread, P))
-    c.rows.append(("paged", what, "PagedKV.run", mr, "KVPool.attend", mp, ratio(tr, tp), nbytes,
-                   c.gbps(nbytes, mr), c.gbps(nbytes, mp), "-", 0.0))
-    c.rows.append(("paged", what, "PagedKV.run", mr, "SDPA once per sequence", ms,
-                   ratio(tr, ts), nbytes, c.gbps(nbytes, mr), c.gbps(nbytes, ms), "-", err))
+    tr, th, tp, ts = rounds([run, run_hnd, att, sdpa_each], a.rounds, a.repeats)
+    mr, mh, mp, ms = (statistics.median(x) for x in (tr, th, tp, ts))
+    what = ("plain decode, %d sequences of %d..%d keys (%s), the caller's pages of %d "
+            "(scrambled)" % (len(lens), lens[0], lens[-1], a.spread, P))
+    c.rows.append(("paged", what, "PagedKV.run, NHD", mr, "KVPool.attend", mp, ratio(tr, tp),
+                   nbytes, c.gbps(nbytes, mr), c.gbps(nbytes, mp), "-", 0.0))
+    c.rows.append(("paged", what, "PagedKV.run, HND", mh, "KVPool.attend", mp, ratio(th, tp),
+                   nbytes, c.gbps(nbytes, mh), c.gbps(nbytes, mp), "-", 0.0))
+    c.rows.append(("paged", what, "PagedKV.run, HND", mh, "SDPA once per sequence", ms,
+                   ratio(th, ts), nbytes, c.gbps(nbytes, mh), c.gbps(nbytes, ms), "-", err))
     pk.close()
     pool.close()
 
