@@ -446,6 +446,7 @@ void ape__fwd_init(struct ape__fwd *f, const struct ape__fwd_call *c, struct ape
 	f->pass.paths = &f->paths;
 	f->pass.self = f;
 	f->pass.outer = APE__AXIS_Q;
+	f->pass.early_back = true;
 	f->mode = APE__FWD_HOST_MERGE;
 	set_template(f, 0);
 	shape(f, dev, 1, 2);

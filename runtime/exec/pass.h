@@ -166,6 +166,12 @@ struct ape__pass {
 	int64_t dead_lo, dead_hi;
 	/* NULL, or the kernel paths the pass's launches noted (its traces name them) */
 	const struct ape__path_log *paths;
+	/* An outer chunk's OUTER_ACC read-back is enqueued as soon as its walk is done, after its
+	 * last kernel, rather than once the host has seen its jobs retire: one host round trip
+	 * less on a call of one chunk (the forward's KV attends). The forward sets it; the
+	 * backward does not (with it, two-device backward calls took more device memory than
+	 * their plan in tests/test_multidev.c, for a reason not yet found). */
+	bool early_back;
 };
 
 #pragma GCC visibility pop

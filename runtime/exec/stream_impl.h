@@ -46,6 +46,13 @@ struct oslot {
 	bool loaded; /* its inputs were enqueued, its accumulators initialised */
 	double load_t; /* host clock when its copy was enqueued */
 	uint64_t load_bytes;
+	/* its read-back, enqueued on its queue as soon as its walk is done (after its last
+	 * kernel, by an event wait), before its jobs retire on the host */
+	bool back_issued;
+	struct ape__event *back_e0, *back_e1;
+	double back_t;
+	uint64_t back_off;
+	const void *back_host[APE__PASS_MAX_T];
 };
 
 /* An inner chunk's inputs, resident for as long as the slot is not needed for another. */
@@ -156,6 +163,9 @@ int ape__stream_issue(struct ape__stream *s, struct oslot *o, int64_t ic);
 int ape__stream_retire(struct ape__stream *s);
 /* Brings back an outer chunk whose jobs have all retired, hands it to the pass, frees it. */
 int ape__stream_finish_outer(struct ape__stream *s, struct oslot *o);
+/* Enqueues o's read-back on its queue after its last kernel (o->used), without waiting: the
+ * walk is done, jobs may still be in flight. ape__stream_finish_outer() then waits for it. */
+int ape__stream_issue_back(struct ape__stream *s, struct oslot *o);
 /* After a failure: let every queue drain, then drop what the jobs in flight held. */
 void ape__stream_unwind(struct ape__stream *s);
 

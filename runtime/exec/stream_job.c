@@ -66,19 +66,16 @@ static void span_chunks(const struct ape__stream *s, int64_t oc, int64_t ic, int
 	*kc = s->pass->outer == APE__AXIS_Q ? ic : oc;
 }
 
-int ape__stream_finish_outer(struct ape__stream *s, struct oslot *o)
+int ape__stream_issue_back(struct ape__stream *s, struct oslot *o)
 {
 	const struct ape__backend_ops *ops = s->ops;
 	const struct ape__pass *p = s->pass;
-	const void *host[APE__PASS_MAX_T] = { 0 };
-	const int slot = (int)(o - s->os);
-	struct ape__event *e0 = NULL, *e1 = NULL;
-	double back_t = 0;
 	uint64_t off = 0;
-	int64_t qc, kc;
 	int ret = 0;
 
-	span_chunks(s, o->oc, -1, &qc, &kc);
+	memset(o->back_host, 0, sizeof(o->back_host));
+	o->back_e0 = o->back_e1 = NULL;
+	o->back_issued = true;
 	for (int t = 0; t < p->nt && !ret; t++) {
 		const size_t n = (size_t)ape__stream_rows_bytes(s, t, o->n);
 
@@ -86,27 +83,47 @@ int ape__stream_finish_outer(struct ape__stream *s, struct oslot *o)
 		if (p->t[t].role != APE__ROLE_OUTER_ACC || !p->t[t].back ||
 		    s->at[t] != APE__AT_CHUNK || !o->loaded)
 			continue;
-		/* every job writing it has retired: its kernels are done */
-		if (!e0 && !(ret = ops->event_record(o->queue, &e0)))
-			back_t = ape__now_ms();
+		/* after the last kernel writing it (its queue is not the kernels') */
+		if (!o->back_e0 && !(ret = ape__stream_wait_on(s, o->queue, o->used)) &&
+		    !(ret = ops->event_record(o->queue, &o->back_e0)))
+			o->back_t = ape__now_ms();
 		if (!ret)
 			ret = ops->copy_d2h(o->queue, (char *)o->stage_back.ptr + off, o->buf[t], 0, n);
-		host[t] = (char *)o->stage_back.ptr + off;
+		o->back_host[t] = (char *)o->stage_back.ptr + off;
 		off += n;
 	}
-	if (!ret && e0 && !(ret = ops->event_record(o->queue, &e1)) &&
-	    !(ret = ops->synchronize(o->queue))) {
+	o->back_off = off;
+	if (!ret && o->back_e0)
+		ret = ops->event_record(o->queue, &o->back_e1);
+	return ret;
+}
+
+int ape__stream_finish_outer(struct ape__stream *s, struct oslot *o)
+{
+	const struct ape__backend_ops *ops = s->ops;
+	const struct ape__pass *p = s->pass;
+	const int slot = (int)(o - s->os);
+	int64_t qc, kc;
+	int ret = 0;
+
+	span_chunks(s, o->oc, -1, &qc, &kc);
+	if (!o->back_issued)
+		ret = ape__stream_issue_back(s, o);
+	if (!ret && o->back_e0 && !(ret = ops->synchronize(o->queue))) {
 		o->stage_pending = false;
-		s->st->d2h += off;
-		ret = ape__stream_span(s, e0, e1, APE__LANE_D2H + APE__MAX_DEPTH + slot,
-				       p->ops->span[4], qc, kc, off, back_t, back_t, NULL);
+		s->st->d2h += o->back_off;
+		ret = ape__stream_span(s, o->back_e0, o->back_e1,
+				       APE__LANE_D2H + APE__MAX_DEPTH + slot, p->ops->span[4], qc, kc,
+				       o->back_off, o->back_t, o->back_t, NULL);
 	}
-	ops->event_destroy(e0);
-	ops->event_destroy(e1);
+	ops->event_destroy(o->back_e0);
+	ops->event_destroy(o->back_e1);
+	o->back_e0 = o->back_e1 = NULL;
+	o->back_issued = false;
 	if (ret)
 		return ret;
 	/* the last step: after it nothing of the chunk can fail (its rows may be the caller's) */
-	p->ops->outer_done(p->self, slot, o->oc, o->o0, o->n, host);
+	p->ops->outer_done(p->self, slot, o->oc, o->o0, o->n, o->back_host);
 	o->oc = -1;
 	o->loaded = false;
 	s->st->outer_done++;
@@ -414,6 +431,9 @@ void ape__stream_unwind(struct ape__stream *s)
 	for (int i = 0; i < APE__MAX_DEPTH; i++) {
 		drop_event(s, &s->os[i].load_e0);
 		drop_event(s, &s->os[i].load_e1);
+		drop_event(s, &s->os[i].back_e0);
+		drop_event(s, &s->os[i].back_e1);
+		s->os[i].back_issued = false;
 		s->os[i].oc = -1;
 		s->os[i].loaded = false;
 		s->os[i].pending = 0;

@@ -57,7 +57,11 @@ static int step(struct ape__stream *s)
 	case APE__WALK_DONE:
 		o->walking = false;
 		s->cur = NULL;
-		return o->pending ? 0 : ape__stream_finish_outer(s, o);
+		if (!o->pending || !p->early_back)
+			return o->pending ? 0 : ape__stream_finish_outer(s, o);
+		/* its read-back goes now, after its last kernel: not after the host has seen
+		 * every job retire (a round trip saved on a call of one chunk) */
+		return ape__stream_issue_back(s, o);
 	case APE__WALK_WAIT:
 		if (!s->count) /* nothing to wait for: a pass that says so is wrong */
 			return ape__error(APE_EBACKEND, "executor: the pass waits with no job in flight");
