@@ -88,4 +88,25 @@ static int64_t take_int(struct in *in)
 	}
 }
 
+/* Elements of a tensor of nd dims from the first addressed to the last, +1 (0: no element, a
+ * negative stride, or beyond 2^40): what a block backing it must hold. */
+static __attribute__((unused)) uint64_t span_elems(const int64_t *shape, const int64_t *strides,
+						   int nd)
+{
+	uint64_t last = 0;
+
+	for (int d = 0; d < nd; d++) {
+		if (shape[d] <= 0 || strides[d] < 0)
+			return 0;
+		if (shape[d] > 1) {
+			if ((uint64_t)strides[d] > (1ull << 40) / (uint64_t)shape[d])
+				return 0;
+			last += (uint64_t)(shape[d] - 1) * (uint64_t)strides[d];
+			if (last > (1ull << 40))
+				return 0;
+		}
+	}
+	return last + 1;
+}
+
 #endif

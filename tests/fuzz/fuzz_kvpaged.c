@@ -511,25 +511,6 @@ out:
 
 /* ---------------------------------------------------------------- the run */
 
-/* Elements from the first addressed to the last, +1 (0: no element, or beyond 2^40). */
-static uint64_t span_elems(const int64_t *shape, const int64_t *strides)
-{
-	uint64_t last = 0;
-
-	for (int d = 0; d < 4; d++) {
-		if (shape[d] <= 0 || strides[d] < 0)
-			return 0;
-		if (shape[d] > 1) {
-			if ((uint64_t)strides[d] > (1ull << 40) / (uint64_t)shape[d])
-				return 0;
-			last += (uint64_t)(shape[d] - 1) * (uint64_t)strides[d];
-			if (last > (1ull << 40))
-				return 0;
-		}
-	}
-	return last + 1;
-}
-
 /* The page buffers of a run and where the pages lie in them (elements). */
 struct layout {
 	ape_buffer *buf[2]; /* k's, v's: the same one for FlashInfer's halves */
@@ -775,7 +756,7 @@ static void take_layout(struct in *in, unsigned m, unsigned seed, struct layout 
 	}
 	/* what one tensor addresses; raw strides beyond 4 LIMIT elements over 16 (refused) */
 	if ((m & 7) == 5) {
-		span = l->ks[0] || l->ks[1] || l->ks[2] || l->ks[3] ? span_elems(shape, l->ks)
+		span = l->ks[0] || l->ks[1] || l->ks[2] || l->ks[3] ? span_elems(shape, l->ks, 4)
 								    : (uint64_t)NP * (uint64_t)page;
 		if (!span || span > 4 * LIMIT) {
 			span = 16;

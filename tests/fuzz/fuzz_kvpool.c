@@ -90,25 +90,6 @@ static int64_t take_id(struct in *in)
 
 /* ---------------------------------------------------------------- tensors */
 
-/* Elements from the first addressed to the last, +1 (0: no element, or beyond 2^40). */
-static uint64_t span_elems(const int64_t *shape, const int64_t *strides)
-{
-	uint64_t last = 0;
-
-	for (int d = 0; d < 4; d++) {
-		if (shape[d] <= 0 || strides[d] < 0)
-			return 0;
-		if (shape[d] > 1) {
-			if ((uint64_t)strides[d] > (1ull << 40) / (uint64_t)shape[d])
-				return 0;
-			last += (uint64_t)(shape[d] - 1) * (uint64_t)strides[d];
-			if (last > (1ull << 40))
-				return 0;
-		}
-	}
-	return last + 1;
-}
-
 /* a * b * c * d when all are in 0..2^20 and the product is at most 2^40, else UINT64_MAX */
 static uint64_t elems4(const int64_t d[4])
 {
@@ -162,7 +143,7 @@ static void take_tensor(struct in *in, ape_tensor *t, struct blk *b, ape_dtype d
 			t->strides[i] = take_int(in);
 	}
 	if (mode && (t->strides[0] || t->strides[1] || t->strides[2] || t->strides[3])) {
-		span = span_elems(t->shape, t->strides);
+		span = span_elems(t->shape, t->strides, 4);
 		if (n == 0 || span == 0 || span > 4 * LIMIT) { /* contiguous after all */
 			memset(t->strides, 0, sizeof(t->strides));
 			span = n;
