@@ -258,7 +258,8 @@ install: all
 	install -m 644 $(LIBA) $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/
 	ln -sf libape.so.$(APE_SOVERSION) $(DESTDIR)$(PREFIX)/lib/libape.so
-	install -m 644 include/ape/ape.h include/ape/ape_dlpack.h $(DESTDIR)$(PREFIX)/include/ape/
+	install -m 644 include/ape/ape.h include/ape/ape_dlpack.h include/ape/ape_backend.h \
+		include/ape/ape_math.h $(DESTDIR)$(PREFIX)/include/ape/
 	install -m 755 $(TOOLS) $(DESTDIR)$(PREFIX)/bin/
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(APE_VERSION_STR)|' \
 		-e 's|@LIBS_PRIVATE@|$(LIB_LIBS) $(LDLIBS)|' libape.pc.in \

@@ -22,7 +22,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 
-#include "core/backend.h"
+#include "ape/ape_backend.h"
 #include "cuda_syms.h"
 #include "kernels/args.h"
 
@@ -117,25 +117,25 @@ struct ape__cu_device {
 	char init_error[320]; /* why ctx_state or mod_state failed, repeated to later callers */
 };
 
-struct ape__buf {
+struct ape_be_buf {
 	CUdeviceptr ptr;
 	size_t size;
 	bool wrapped; /* the caller's memory (buf_wrap): never freed here */
 };
 
-struct ape__queue {
+struct ape_be_queue {
 	struct ape_device *dev; /* first, as every backend's (core/backend.h, "Objects") */
 	CUstream s; /* NULL: the legacy default stream (a wrapped one only) */
 	bool wrapped; /* the caller's stream (queue_wrap): never synchronised or destroyed here */
 };
 
-struct ape__event {
+struct ape_be_event {
 	struct ape_device *dev; /* first, likewise */
 	CUevent ev;
 	bool timed; /* created with timing (not on a wrapped stream) */
 };
 
-_Static_assert(offsetof(struct ape__queue, dev) == 0 && offsetof(struct ape__event, dev) == 0,
+_Static_assert(offsetof(struct ape_be_queue, dev) == 0 && offsetof(struct ape_be_event, dev) == 0,
 	       "core/backend.h: queues and events begin with their device");
 
 static inline struct ape__cu_device *ape__cu_dev(const struct ape_device *dev)
@@ -164,8 +164,8 @@ int ape__cu_error(CUresult r, const struct ape_device *dev, const char *fmt, ...
 	__attribute__((format(printf, 3, 4)));
 
 /* ---- cuda_device.c */
-int ape__cu_probe(struct ape__backend *be, struct ape__probe_result *res);
-void ape__cu_teardown(struct ape__backend *be);
+int ape__cu_probe(struct ape_backend *be, struct ape_be_probe_result *res);
+void ape__cu_teardown(struct ape_backend *be);
 void ape__cu_device_release(struct ape_device *dev);
 /* "dddd:bb:dd.0" from the driver's PCI domain, bus and device numbers. */
 void ape__cu_pci_address(int domain, int bus, int device, char *buf, size_t cap);
@@ -181,32 +181,32 @@ void ape__cu_leave(struct ape_device *dev);
 void ape__cu_native(struct ape_device *dev, void **context, void **device);
 
 /* ---- cuda_mem.c */
-int ape__cu_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out);
-void ape__cu_buf_free(struct ape_device *dev, struct ape__buf *buf);
-int ape__cu_queue_create(struct ape_device *dev, struct ape__queue **out);
-void ape__cu_queue_destroy(struct ape__queue *q);
-int ape__cu_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src,
+int ape__cu_buf_alloc(struct ape_device *dev, size_t bytes, struct ape_be_buf **out);
+void ape__cu_buf_free(struct ape_device *dev, struct ape_be_buf *buf);
+int ape__cu_queue_create(struct ape_device *dev, struct ape_be_queue **out);
+void ape__cu_queue_destroy(struct ape_be_queue *q);
+int ape__cu_copy_h2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, const void *src,
 		     size_t n);
-int ape__cu_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n);
-int ape__cu_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
-		     struct ape__buf *src, size_t src_off, size_t n);
-int ape__cu_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+int ape__cu_copy_d2h(struct ape_be_queue *q, void *dst, struct ape_be_buf *src, size_t off, size_t n);
+int ape__cu_copy_d2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t dst_off,
+		     struct ape_be_buf *src, size_t src_off, size_t n);
+int ape__cu_fill(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, uint32_t pattern,
 		 size_t n);
-int ape__cu_event_record(struct ape__queue *q, struct ape__event **out);
-int ape__cu_event_wait(struct ape__queue *q, struct ape__event *e);
-int ape__cu_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms);
-int ape__cu_event_timestamp(struct ape__event *e, double *ms);
-void ape__cu_event_destroy(struct ape__event *e);
-int ape__cu_synchronize(struct ape__queue *q);
+int ape__cu_event_record(struct ape_be_queue *q, struct ape_be_event **out);
+int ape__cu_event_wait(struct ape_be_queue *q, struct ape_be_event *e);
+int ape__cu_event_elapsed(struct ape_be_event *start, struct ape_be_event *end, double *ms);
+int ape__cu_event_timestamp(struct ape_be_event *e, double *ms);
+void ape__cu_event_destroy(struct ape_be_event *e);
+int ape__cu_synchronize(struct ape_be_queue *q);
 int ape__cu_host_register(struct ape_device *dev, void *ptr, size_t bytes, void **handle);
 void ape__cu_host_unregister(struct ape_device *dev, void *handle);
 int ape__cu_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
-		     struct ape__buf **out, size_t *bytes_out);
-int ape__cu_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out);
+		     struct ape_be_buf **out, size_t *bytes_out);
+int ape__cu_queue_wrap(struct ape_device *dev, void *handle, struct ape_be_queue **out);
 /* Scratch for one launch, freed in stream order after it (cuMemAllocAsync where the device has
  * memory pools; otherwise a plain allocation freed once the stream is done with it). */
-int ape__cu_scratch_alloc(struct ape__queue *q, size_t bytes, CUdeviceptr *out);
-int ape__cu_scratch_free(struct ape__queue *q, CUdeviceptr p);
+int ape__cu_scratch_alloc(struct ape_be_queue *q, size_t bytes, CUdeviceptr *out);
+int ape__cu_scratch_free(struct ape_be_queue *q, CUdeviceptr p);
 
 /* ---- cuda_module.c */
 /* The modules' functions, loading them on first use. The caller has entered the device. */
@@ -218,17 +218,17 @@ int ape__cu_kernel_index(bool decode, int variant, int dtype, bool diag);
 /* Launches kernel k over `blocks` blocks of APE_CU_THREADS threads (split into a 2-D grid when
  * more than 2^31 - 1) with `smem` bytes of dynamic shared memory; params[0] is its argument
  * struct. The caller has entered the device. */
-int ape__cu_launch(struct ape__queue *q, int k, int64_t blocks, unsigned smem, void *args,
+int ape__cu_launch(struct ape_be_queue *q, int k, int64_t blocks, unsigned smem, void *args,
 		   const char *what);
 /* A kernel of one thread per item (copy_view, attention_merge): enters the device, loads the
  * modules and launches k over n items (nothing for n = 0); the caller has not entered. */
-int ape__cu_run_threads(struct ape__queue *q, int k, int64_t n, void *args, const char *what);
+int ape__cu_run_threads(struct ape_be_queue *q, int k, int64_t n, void *args, const char *what);
 extern const char *const ape__cu_kernel_names[APE__CU_NKERNELS];
 
 /* ---- cuda_attention.c */
-int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l);
-/* Tensor t's view in l (APE__T_Q and the others) as the kernels' argument structs carry it. */
-struct ape_cu_view ape__cu_view(const struct ape__launch *l, int t);
+int ape__cu_attention(struct ape_be_queue *q, const struct ape_be_launch *l);
+/* Tensor t's view in l (APE_BE_T_Q and the others) as the kernels' argument structs carry it. */
+struct ape_cu_view ape__cu_view(const struct ape_be_launch *l, int t);
 /* What ape_prep writes for a launch, in its scratch (0: not wanted): K as float32 pairs and V
  * padded, [B*Hkv*Lk][dmax] (kp, vp; kernels/args.h), each (batch, kv head)'s largest key norm
  * per tile of `tile` keys, ntile tiles (ktile), and, with ktile, ape_kscan's prefix and suffix
@@ -240,43 +240,43 @@ struct ape__cu_prep {
 };
 /* Launches ape_prep over l's keys, then, when p->ktile is wanted, ape_kscan. Returns 0, or the
  * first failed launch's code (nothing after it is launched). */
-int ape__cu_prep_keys(struct ape__queue *q, const struct ape__launch *l,
+int ape__cu_prep_keys(struct ape_be_queue *q, const struct ape_be_launch *l,
 		      const struct ape__cu_prep *p);
-uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__launch *l);
+uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape_be_launch *l);
 /* attention_pages: the launches the decode reads in place (cuda_attention.c says which). */
-bool ape__cu_attention_pages(struct ape_device *dev, const struct ape__launch *l);
+bool ape__cu_attention_pages(struct ape_device *dev, const struct ape_be_launch *l);
 /* More heads than an argument struct carries (APE_CU_INLINE_HEADS): l->head_params copied to
  * dst, on the queue, from a host copy the stream frees once the copy has run. */
 /* Where a launch's kernels find the heads' float32 parameters: in the call's table when the core
- * uploaded one (struct ape__launch.params[1]), else at `slot` (ape__cu_upload_head_params()). */
-CUdeviceptr ape__cu_head_params_at(const struct ape__launch *l, CUdeviceptr slot);
-int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst);
+ * uploaded one (struct ape_be_launch.params[1]), else at `slot` (ape__cu_upload_head_params()). */
+CUdeviceptr ape__cu_head_params_at(const struct ape_be_launch *l, CUdeviceptr slot);
+int ape__cu_upload_head_params(struct ape_be_queue *q, const struct ape_be_launch *l, CUdeviceptr dst);
 
 /* ---- cuda_separable.c: launches whose every head has lambda = 0 (f16/bf16, D 64 or 128, no
  * lse_prior, no diagnostics, at most APE_CU_INLINE_HEADS heads): Q and K rotated once, then
  * tensor-core tiles. applies() is conservative; the scratch counts the shape alone (0 when no
  * launch of that shape could take the path). o_scalar: O's element pairs are not aligned for
  * one 2-element store. The caller has entered the device and loaded the modules. */
-bool ape__cu_separable_applies(const struct ape__launch *l);
-uint64_t ape__cu_separable_scratch(const struct ape__launch *l);
-int ape__cu_separable(struct ape__queue *q, const struct ape__launch *l, bool o_scalar);
+bool ape__cu_separable_applies(const struct ape_be_launch *l);
+uint64_t ape__cu_separable_scratch(const struct ape_be_launch *l);
+int ape__cu_separable(struct ape_be_queue *q, const struct ape_be_launch *l, bool o_scalar);
 /* Launches mixing kv groups whose heads all have lambda = 0 with others (the separable path's
  * shape, no pairs): each run of consecutive kv groups of one kind as a sub-launch of its own
- * (ape__launch_heads()) through ape__cu_attention(). The separable scratch of the whole launch
+ * (ape_be_launch_heads()) through ape__cu_attention(). The separable scratch of the whole launch
  * bounds each run's. */
-bool ape__cu_split_applies(const struct ape__launch *l);
-int ape__cu_split(struct ape__queue *q, const struct ape__launch *l);
+bool ape__cu_split_applies(const struct ape_be_launch *l);
+int ape__cu_split(struct ape_be_queue *q, const struct ape_be_launch *l);
 
 /* ---- cuda_backward.c */
-int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l);
+int ape__cu_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l);
 /* ABI 10 (cuda_backward.c): queue-ordered scratch buffers and copy_view. */
-int ape__cu_scratch_buf_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out);
-int ape__cu_scratch_buf_free(struct ape__queue *q, struct ape__buf *buf);
-int ape__cu_copy_view(struct ape__queue *q, const struct ape__copy *c);
+int ape__cu_scratch_buf_alloc(struct ape_be_queue *q, size_t bytes, struct ape_be_buf **out);
+int ape__cu_scratch_buf_free(struct ape_be_queue *q, struct ape_be_buf *buf);
+int ape__cu_copy_view(struct ape_be_queue *q, const struct ape_be_copy *c);
 /* attention_merge (cuda_merge.c) */
-int ape__cu_attention_merge(struct ape__queue *q, const struct ape__merge *m);
+int ape__cu_attention_merge(struct ape_be_queue *q, const struct ape_be_merge *m);
 uint64_t ape__cu_attention_backward_scratch(struct ape_device *dev,
-					    const struct ape__bwd_launch *l, unsigned parts);
+					    const struct ape_be_bwd_launch *l, unsigned parts);
 /* The most scratch bytes one backward launch of this process allocated: tests compare it with
  * attention_backward_scratch. */
 extern atomic_uint_fast64_t ape__cu_bwd_scratch_high;

@@ -15,7 +15,7 @@
  * kernel: the memory is held from the attention call until the launch completes, which is what
  * attention_scratch() reports to the streaming executor.
  *
- * Strided launches (core/backend.h, struct ape__view): every kernel addresses Q, K, V, O and LSE
+ * Strided launches (core/backend.h, struct ape_be_view): every kernel addresses Q, K, V, O and LSE
  * through the views in its argument struct (struct ape_cu_view, args.h), so a [B, L, H, D]
  * tensor or one slice of a packed QKV tensor is read and written where it is. Scalar loads take
  * any layout; what reads K or V rows with 16-byte cp.async (the prefill's K tiles when K is
@@ -43,7 +43,7 @@
  * Diagnostics (l->ent and l->md, docs/diagnostics.md): the same steps with the _diag twins of
  * the prefill, decode and merge kernels (a compile-time flag of the kernel templates, so that a
  * launch without them runs exactly the kernels it ran before), plus the decode splits' running
- * sums in scratch (part_sd). ENT and MD lie where ape__launch_diag_view() says (strided on the
+ * sums in scratch (part_sd). ENT and MD lie where ape_be_launch_diag_view() says (strided on the
  * device-resident call's launches, ABI 8), each optional; the core gives the streamed calls
  * both, contiguous.
  */
@@ -53,7 +53,7 @@
 
 #include "core/alloc.h"
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "cu.h"
 #include "core/error.h"
 
@@ -99,11 +99,11 @@ static size_t take(struct cu_plan *p, size_t bytes)
  * of extent 1 do not count)? base == 0: the buffer is not known (attention_scratch): a strided
  * view is assumed misaligned, a contiguous one aligned like cuMemAlloc's memory.
  */
-static bool view_aligned(const struct ape__launch *l, int t, CUdeviceptr base, size_t align)
+static bool view_aligned(const struct ape_be_launch *l, int t, CUdeviceptr base, size_t align)
 {
-	const struct ape__view v = ape__launch_view(l, t);
-	const bool kv = t == APE__T_K || t == APE__T_V;
-	const size_t esz = t == APE__T_LSE ? 4 : ape_dtype_size(t == APE__T_O ? l->out_dtype
+	const struct ape_be_view v = ape_be_launch_view(l, t);
+	const bool kv = t == APE_BE_T_K || t == APE_BE_T_V;
+	const size_t esz = t == APE_BE_T_LSE ? 4 : ape_dtype_size(t == APE_BE_T_O ? l->out_dtype
 									      : l->in_dtype);
 	const int64_t heads = kv ? l->Hkv : l->H, rows = kv ? l->Lk : l->Lq;
 	uint64_t bits = 0;
@@ -122,9 +122,9 @@ static bool view_aligned(const struct ape__launch *l, int t, CUdeviceptr base, s
  * far as the host can tell? Not with a page table whose entries, times the block stride, may
  * fall anywhere (a table of element offsets), nor before the buffers are known.
  */
-static bool pages_aligned(const struct ape__launch *l, bool buffers)
+static bool pages_aligned(const struct ape_be_launch *l, bool buffers)
 {
-	const struct ape__kv_pages *pg = l->pages;
+	const struct ape_be_kv_pages *pg = l->pages;
 	const uint64_t esz = ape_dtype_size(l->in_dtype);
 	uint64_t bits = 0;
 
@@ -145,26 +145,26 @@ static bool pages_aligned(const struct ape__launch *l, bool buffers)
  * where pages_aligned() cannot prove their rows aligned, the decode checks each row
  * (APE_CU_F_KV_CHECK) and copies a misaligned one with plain loads.
  */
-static void kv_aligned(const struct ape__launch *l, bool buffers, bool *k16, bool *v16)
+static void kv_aligned(const struct ape_be_launch *l, bool buffers, bool *k16, bool *v16)
 {
 	if (l->pages) {
 		*k16 = *v16 = true;
 		return;
 	}
-	*k16 = view_aligned(l, APE__T_K, buffers ? l->k->ptr : 0, 16);
-	*v16 = view_aligned(l, APE__T_V, buffers ? l->v->ptr : 0, 16);
+	*k16 = view_aligned(l, APE_BE_T_K, buffers ? l->k->ptr : 0, 16);
+	*v16 = view_aligned(l, APE_BE_T_V, buffers ? l->v->ptr : 0, 16);
 }
 
 /* Is l ragged: its segments given (l->segs), or, in attention_scratch, said to come (nseg -1,
  * core/backend.h)? */
-static bool ragged(const struct ape__launch *l)
+static bool ragged(const struct ape_be_launch *l)
 {
 	return l->segs || l->nseg < 0;
 }
 
 /* The query tiles of a ragged launch (struct ape_cu_prefill_args.segt): tiles of bq rows of one
  * segment each; without the segments (attention_scratch), at most one per row. */
-static int64_t seg_tiles(const struct ape__launch *l, int64_t bq)
+static int64_t seg_tiles(const struct ape_be_launch *l, int64_t bq)
 {
 	int64_t n = 0;
 
@@ -195,8 +195,8 @@ static int64_t decode_splits(const struct ape__cu_device *cd, int64_t nbkv, int6
 
 /* Segment g of a ragged launch as the decode splits it: as a dense launch of it alone (B = 1),
  * none without keys. */
-static int64_t seg_splits(const struct ape__cu_device *cd, const struct ape__launch *l,
-			  const struct ape__seg *g)
+static int64_t seg_splits(const struct ape__cu_device *cd, const struct ape_be_launch *l,
+			  const struct ape_be_seg *g)
 {
 	if (g->lk < 1)
 		return 0;
@@ -213,7 +213,7 @@ static int64_t seg_splits(const struct ape__cu_device *cd, const struct ape__lau
  * keys, plus one); a launch whose segments share keys beyond it takes the prefill
  * (decode_ragged()), so that attention_scratch can bound a ragged launch by its shape alone.
  */
-static int64_t ragged_prows_max(const struct ape__cu_device *cd, const struct ape__launch *l)
+static int64_t ragged_prows_max(const struct ape__cu_device *cd, const struct ape_be_launch *l)
 {
 	const int64_t s = (2 * (int64_t)cd->sm_count + l->Hkv - 1) / l->Hkv;
 	const int64_t a = l->Lq * s;
@@ -225,7 +225,7 @@ static int64_t ragged_prows_max(const struct ape__cu_device *cd, const struct ap
 /* Does the decode take ragged launch l (segments known): every segment at most
  * APE_DC_MAX_LQ rows, their partial rows within ragged_prows_max()? *prows, *blocks: those rows
  * and the grid's blocks. */
-static bool decode_ragged(const struct ape__cu_device *cd, const struct ape__launch *l,
+static bool decode_ragged(const struct ape__cu_device *cd, const struct ape_be_launch *l,
 			  int64_t *prows, int64_t *blocks)
 {
 	int64_t r = 0, n = 0;
@@ -245,7 +245,7 @@ static bool decode_ragged(const struct ape__cu_device *cd, const struct ape__lau
 	return r <= ragged_prows_max(cd, l);
 }
 
-static void plan_launch(const struct ape__cu_device *cd, const struct ape__launch *l, bool k16,
+static void plan_launch(const struct ape__cu_device *cd, const struct ape_be_launch *l, bool k16,
 			bool v16, bool diag, struct cu_plan *p)
 {
 	const size_t esz = l->in_dtype == APE_F32 ? 4 : 2;
@@ -327,7 +327,7 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape__launc
 
 /* What a ragged decode of l whose segments are not known yet (attention_scratch) may take:
  * ragged_prows_max()'s partial rows and a segment table of a segment per row. */
-static uint64_t ragged_decode_scratch(const struct ape__cu_device *cd, const struct ape__launch *l)
+static uint64_t ragged_decode_scratch(const struct ape__cu_device *cd, const struct ape_be_launch *l)
 {
 	const size_t pr = (size_t)ragged_prows_max(cd, l);
 
@@ -337,7 +337,7 @@ static uint64_t ragged_decode_scratch(const struct ape__cu_device *cd, const str
 	       align_up(pr * 2 * 4);
 }
 
-uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__launch *l)
+uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	struct cu_plan p;
 	bool k16, v16;
@@ -359,23 +359,23 @@ uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape__lau
 	return p.total > ape__cu_separable_scratch(l) ? p.total : ape__cu_separable_scratch(l);
 }
 
-struct ape_cu_view ape__cu_view(const struct ape__launch *l, int t)
+struct ape_cu_view ape__cu_view(const struct ape_be_launch *l, int t)
 {
-	const struct ape__view v = ape__launch_view(l, t);
-	const struct ape__kv_pages *pg = l->pages;
+	const struct ape_be_view v = ape_be_launch_view(l, t);
+	const struct ape_be_kv_pages *pg = l->pages;
 
 	/* keys read in place: the views of the pages' (batch, kv head) bases and rows
 	 * (struct ape_cu_pages, kernels/args.h) */
-	if (pg && (t == APE__T_K || t == APE__T_V))
-		return (struct ape_cu_view){ t == APE__T_K ? pg->k_off : pg->v_off, pg->s_b,
+	if (pg && (t == APE_BE_T_K || t == APE_BE_T_V))
+		return (struct ape_cu_view){ t == APE_BE_T_K ? pg->k_off : pg->v_off, pg->s_b,
 					     pg->s_h, pg->s_row };
 	return (struct ape_cu_view){ v.off, v.sb, v.sh, v.sl };
 }
 
 /* Where l's keys lie when read in place (bt 0: as their views say). */
-static struct ape_cu_pages pages_of(const struct ape__launch *l)
+static struct ape_cu_pages pages_of(const struct ape_be_launch *l)
 {
-	const struct ape__kv_pages *pg = l->pages;
+	const struct ape_be_kv_pages *pg = l->pages;
 
 	if (!pg)
 		return (struct ape_cu_pages){ 0 };
@@ -386,13 +386,13 @@ static struct ape_cu_pages pages_of(const struct ape__launch *l)
 }
 
 /* The rows of ape_prep's output in scratch: [B][Hkv][Lk][dmax]. */
-static struct ape_cu_view scratch_view(const struct ape__launch *l, const struct cu_plan *p)
+static struct ape_cu_view scratch_view(const struct ape_be_launch *l, const struct cu_plan *p)
 {
 	return (struct ape_cu_view){ 0, l->Hkv * l->Lk * p->dmax, l->Lk * p->dmax, p->dmax };
 }
 
 /* What every kernel's ape_cu_common holds. */
-static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CUdeviceptr scratch,
+static void fill_common(const struct ape_be_launch *l, const struct cu_plan *p, CUdeviceptr scratch,
 			struct ape_cu_common *c)
 {
 	memset(c, 0, sizeof(*c));
@@ -418,14 +418,14 @@ static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CU
 		c->prior = l->lse_prior->ptr;
 		c->prior_tol = l->prior_tol;
 	}
-	c->vq = ape__cu_view(l, APE__T_Q);
-	c->vk = ape__cu_view(l, APE__T_K);
-	c->vv = ape__cu_view(l, APE__T_V);
+	c->vq = ape__cu_view(l, APE_BE_T_Q);
+	c->vk = ape__cu_view(l, APE_BE_T_K);
+	c->vv = ape__cu_view(l, APE_BE_T_V);
 	c->pg = pages_of(l);
-	c->vo = ape__cu_view(l, APE__T_O);
-	c->vlse = ape__cu_view(l, APE__T_LSE);
+	c->vo = ape__cu_view(l, APE_BE_T_O);
+	c->vlse = ape__cu_view(l, APE_BE_T_LSE);
 	{
-		const struct ape__view e = ape__launch_diag_view(l, 0), m = ape__launch_diag_view(l, 1);
+		const struct ape_be_view e = ape_be_launch_diag_view(l, 0), m = ape_be_launch_diag_view(l, 1);
 
 		c->vent = (struct ape_cu_view){ e.off, e.sb, e.sh, e.sl };
 		c->vmd = (struct ape_cu_view){ m.off, m.sb, m.sh, m.sl };
@@ -440,7 +440,7 @@ static void fill_common(const struct ape__launch *l, const struct cu_plan *p, CU
 		   (l->layout == APE_ROPE_INTERLEAVED ? APE_CU_F_INTERLEAVED : 0) |
 		   (l->lse ? APE_CU_F_LSE : 0) | (l->pairs ? APE_CU_F_PAIRS : 0) |
 		   (p->skip ? APE_CU_F_SKIP : 0) |
-		   (view_aligned(l, APE__T_O, l->o->ptr, 2 * ape_dtype_size(l->out_dtype))
+		   (view_aligned(l, APE_BE_T_O, l->o->ptr, 2 * ape_dtype_size(l->out_dtype))
 			    ? 0
 			    : APE_CU_F_O_SCALAR) |
 		   (l->pages && !pages_aligned(l, true) ? APE_CU_F_KV_CHECK : 0);
@@ -453,9 +453,9 @@ static void CUDA_CB cu_free_host(void *p)
 	free(p);
 }
 
-CUdeviceptr ape__cu_head_params_at(const struct ape__launch *l, CUdeviceptr slot)
+CUdeviceptr ape__cu_head_params_at(const struct ape_be_launch *l, CUdeviceptr slot)
 {
-	/* the call's float32 table (struct ape__launch.params): omega first, then the heads' */
+	/* the call's float32 table (struct ape_be_launch.params): omega first, then the heads' */
 	if (l->params[1])
 		return l->params[1]->ptr + (CUdeviceptr)(l->D / 2) * sizeof(float);
 	return slot;
@@ -463,7 +463,7 @@ CUdeviceptr ape__cu_head_params_at(const struct ape__launch *l, CUdeviceptr slot
 
 /* Copies `bytes` of host memory at `copy` (ape__malloc()'ed: this takes it and frees it,
  * whatever happens) to dst on q's stream, which frees it once the copy has run. */
-static int upload_owned(struct ape__queue *q, CUdeviceptr dst, void *copy, size_t bytes,
+static int upload_owned(struct ape_be_queue *q, CUdeviceptr dst, void *copy, size_t bytes,
 			const char *what)
 {
 	const struct ape__cu_driver *drv = ape__cu_dev(q->dev)->drv;
@@ -485,13 +485,13 @@ static int upload_owned(struct ape__queue *q, CUdeviceptr dst, void *copy, size_
 
 /* More heads than the argument struct carries: their parameters go through the scratch, unless
  * the core uploaded the call's table (ape__cu_head_params_at()). */
-int ape__cu_upload_head_params(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst)
+int ape__cu_upload_head_params(struct ape_be_queue *q, const struct ape_be_launch *l, CUdeviceptr dst)
 {
 	const size_t bytes = (size_t)l->H * 4 * sizeof(float);
 	void *copy = ape__malloc(bytes);
 
 	if (!copy)
-		return ape__error(APE_ENOMEM, "cuda: out of host memory for %lld heads' parameters",
+		return ape_be_error(APE_ENOMEM, "cuda: out of host memory for %lld heads' parameters",
 				  (long long)l->H);
 	memcpy(copy, l->head_params, bytes);
 	return upload_owned(q, dst, copy, bytes, "head parameters");
@@ -513,7 +513,7 @@ static int seg_heavier(const void *a, const void *b)
  * tiles of bq rows, uploaded to dst: the heaviest tiles first (causal: by the keys the tile's
  * last row sees, else the segment's keys), as the dense grid runs its last tiles first.
  */
-static int upload_seg_table(struct ape__queue *q, const struct ape__launch *l,
+static int upload_seg_table(struct ape_be_queue *q, const struct ape_be_launch *l,
 			    const struct cu_plan *p, int64_t bq, CUdeviceptr dst)
 {
 	const size_t w = APE_PF_SEGW + 1, n = (size_t)p->nseg_tiles;
@@ -521,10 +521,10 @@ static int upload_seg_table(struct ape__queue *q, const struct ape__launch *l,
 	size_t e = 0;
 
 	if (!t)
-		return ape__error(APE_ENOMEM, "cuda: out of host memory for the tables of %lld "
+		return ape_be_error(APE_ENOMEM, "cuda: out of host memory for the tables of %lld "
 				  "segments", (long long)l->nseg);
 	for (int64_t s = 0; s < l->nseg; s++) {
-		const struct ape__seg *g = &l->segs[s];
+		const struct ape_be_seg *g = &l->segs[s];
 		/* the distance of (row q0, key k0): one pair's, so it fits; any without keys */
 		const int64_t rel = g->lk ? g->q_start - g->k_start : 0;
 
@@ -547,17 +547,17 @@ static int upload_seg_table(struct ape__queue *q, const struct ape__launch *l,
 
 /* A ragged decode's segment table (kernels/args.h, APE_DC_SEGW) to dst: each segment's rows,
  * keys, distance, splits (seg_splits()), partial rows and first block, in the launch's order. */
-static int upload_decode_segs(struct ape__queue *q, const struct ape__launch *l, CUdeviceptr dst)
+static int upload_decode_segs(struct ape_be_queue *q, const struct ape_be_launch *l, CUdeviceptr dst)
 {
 	const struct ape__cu_device *cd = ape__cu_dev(q->dev);
 	int64_t *t = ape__malloc((size_t)l->nseg * APE_DC_SEGW * sizeof(int64_t));
 	int64_t poff = 0, blk0 = 0;
 
 	if (!t)
-		return ape__error(APE_ENOMEM, "cuda: out of host memory for the table of %lld "
+		return ape_be_error(APE_ENOMEM, "cuda: out of host memory for the table of %lld "
 				  "segments", (long long)l->nseg);
 	for (int64_t e = 0; e < l->nseg; e++) {
-		const struct ape__seg *g = &l->segs[e];
+		const struct ape_be_seg *g = &l->segs[e];
 		const int64_t sp = seg_splits(cd, l, g);
 		/* the distance of (row q0, key k0): one pair's, so it fits; any without keys */
 		const int64_t rel = g->lk ? g->q_start - g->k_start : 0;
@@ -572,7 +572,7 @@ static int upload_decode_segs(struct ape__queue *q, const struct ape__launch *l,
 }
 
 /* The skip pre-pass and the prefill's K/V conversion. */
-int ape__cu_prep_keys(struct ape__queue *q, const struct ape__launch *l,
+int ape__cu_prep_keys(struct ape_be_queue *q, const struct ape_be_launch *l,
 		      const struct ape__cu_prep *p)
 {
 	const int64_t nbkv = l->B * l->Hkv;
@@ -594,8 +594,8 @@ int ape__cu_prep_keys(struct ape__queue *q, const struct ape__launch *l,
 	a.tile = (int32_t)p->tile;
 	a.dt = (int32_t)l->in_dtype;
 	a.interleaved = l->layout == APE_ROPE_INTERLEAVED;
-	a.vk = ape__cu_view(l, APE__T_K);
-	a.vv = ape__cu_view(l, APE__T_V);
+	a.vk = ape__cu_view(l, APE_BE_T_K);
+	a.vv = ape__cu_view(l, APE_BE_T_V);
 	a.pg = pages_of(l);
 	a.Hkv = (int32_t)l->Hkv;
 	ret = ape__cu_launch(q, APE__CU_K_PREP, nbkv * p->ntile, APE_CU_PREP_SMEM, &a, "ape_prep");
@@ -611,7 +611,7 @@ int ape__cu_prep_keys(struct ape__queue *q, const struct ape__launch *l,
 			      "ape_kscan");
 }
 
-static int run_prep(struct ape__queue *q, const struct ape__launch *l, const struct cu_plan *p,
+static int run_prep(struct ape_be_queue *q, const struct ape_be_launch *l, const struct cu_plan *p,
 		    CUdeviceptr scratch)
 {
 	const struct ape__cu_prep pp = {
@@ -630,7 +630,7 @@ static int run_prep(struct ape__queue *q, const struct ape__launch *l, const str
 	return ape__cu_prep_keys(q, l, &pp);
 }
 
-static int run_prefill(struct ape__queue *q, const struct ape__launch *l, const struct cu_plan *p,
+static int run_prefill(struct ape_be_queue *q, const struct ape_be_launch *l, const struct cu_plan *p,
 		       CUdeviceptr scratch)
 {
 	struct ape_cu_prefill_args a;
@@ -640,8 +640,8 @@ static int run_prefill(struct ape__queue *q, const struct ape__launch *l, const 
 	fill_common(l, p, scratch, &a.c);
 	a.kp = p->need_kp ? scratch + p->kp : l->k->ptr;
 	a.vp = p->need_vp ? scratch + p->vp : l->v->ptr;
-	a.vkp = p->need_kp ? scratch_view(l, p) : ape__cu_view(l, APE__T_K);
-	a.vvp = p->need_vp ? scratch_view(l, p) : ape__cu_view(l, APE__T_V);
+	a.vkp = p->need_kp ? scratch_view(l, p) : ape__cu_view(l, APE_BE_T_K);
+	a.vvp = p->need_vp ? scratch_view(l, p) : ape__cu_view(l, APE_BE_T_V);
 	a.pre = p->skip ? scratch + p->pre : 0;
 	a.suf = p->skip ? scratch + p->suf : 0;
 	a.nqt = (l->Lq + bq - 1) / bq;
@@ -660,7 +660,7 @@ static int run_prefill(struct ape__queue *q, const struct ape__launch *l, const 
 }
 
 /* ape_dmerge over `splits` partial results in the scratch (0: none, every row has no key). */
-static int run_merge(struct ape__queue *q, const struct ape__launch *l, const struct cu_plan *p,
+static int run_merge(struct ape_be_queue *q, const struct ape_be_launch *l, const struct cu_plan *p,
 		     CUdeviceptr scratch, int64_t splits)
 {
 	struct ape_cu_merge_args mg;
@@ -682,7 +682,7 @@ static int run_merge(struct ape__queue *q, const struct ape__launch *l, const st
 			      "ape_dmerge");
 }
 
-static int run_decode(struct ape__queue *q, const struct ape__launch *l, const struct cu_plan *p,
+static int run_decode(struct ape_be_queue *q, const struct ape_be_launch *l, const struct cu_plan *p,
 		      CUdeviceptr scratch)
 {
 	struct ape_cu_decode_args a;
@@ -729,7 +729,7 @@ static int run_decode(struct ape__queue *q, const struct ape__launch *l, const s
 }
 
 /* No key at all: O = 0, LSE = -inf, no pairs, ENT = MD = 0, by fills. */
-static int run_empty(struct ape__queue *q, const struct ape__launch *l)
+static int run_empty(struct ape_be_queue *q, const struct ape_be_launch *l)
 {
 	const size_t rows = (size_t)(l->B * l->H * l->Lq);
 	const size_t ob = rows * (size_t)l->D * ape_dtype_size(l->out_dtype);
@@ -747,12 +747,12 @@ static int run_empty(struct ape__queue *q, const struct ape__launch *l)
 	return ret;
 }
 
-static int check_launch(const struct ape_device *dev, const struct ape__launch *l)
+static int check_launch(const struct ape_device *dev, const struct ape_be_launch *l)
 {
 	if (l->D < 2 || l->D > APE_MAX_D || l->D % 2 || l->B < 1 || l->H < 1 || l->Hkv < 1 ||
 	    l->H % l->Hkv || l->Lq < 0 || l->Lk < 0 || (unsigned)l->in_dtype > APE_BF16 ||
 	    (l->out_dtype != l->in_dtype && l->out_dtype != APE_F32))
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "cuda %s: launch B=%lld H=%lld Hkv=%lld Lq=%lld Lk=%lld D=%lld "
 				  "is not one the kernels take",
 				  dev->info.name, (long long)l->B, (long long)l->H, (long long)l->Hkv,
@@ -760,45 +760,45 @@ static int check_launch(const struct ape_device *dev, const struct ape__launch *
 	/* rows, keys and heads are 32-bit inside the kernels; no GPU holds more in one launch */
 	if (l->Lq > INT32_MAX || l->Lk > INT32_MAX || l->B * l->H > INT32_MAX ||
 	    (l->H / l->Hkv) * APE_DC_MAX_LQ > INT32_MAX)
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "cuda %s: Lq=%lld, Lk=%lld: more rows than one launch takes "
 				  "(2^31 - 1); use smaller chunks",
 				  dev->info.name, (long long)l->Lq, (long long)l->Lk);
 	/* the caller's memory (wrapped buffers): each tensor at its elements' own alignment */
-	for (int t = 0; t < APE__T_COUNT; t++) {
-		static const char *const names[APE__T_COUNT] = { "q", "k", "v", "o", "lse" };
-		const struct ape__buf *b = t == APE__T_Q ? l->q : t == APE__T_K ? l->k
-					   : t == APE__T_V ? l->v : t == APE__T_O ? l->o : l->lse;
-		const size_t esz = t == APE__T_LSE ? 4 : ape_dtype_size(t == APE__T_O ? l->out_dtype
+	for (int t = 0; t < APE_BE_T_COUNT; t++) {
+		static const char *const names[APE_BE_T_COUNT] = { "q", "k", "v", "o", "lse" };
+		const struct ape_be_buf *b = t == APE_BE_T_Q ? l->q : t == APE_BE_T_K ? l->k
+					   : t == APE_BE_T_V ? l->v : t == APE_BE_T_O ? l->o : l->lse;
+		const size_t esz = t == APE_BE_T_LSE ? 4 : ape_dtype_size(t == APE_BE_T_O ? l->out_dtype
 										     : l->in_dtype);
 
 		/* keys read in place: their views are the pages' (below) */
-		if (l->pages && (t == APE__T_K || t == APE__T_V))
+		if (l->pages && (t == APE_BE_T_K || t == APE_BE_T_V))
 			continue;
 		if (b && !view_aligned(l, t, b->ptr, esz))
-			return ape__error(APE_EINVAL,
+			return ape_be_error(APE_EINVAL,
 					  "cuda %s: %s at 0x%llx + %lld elements is not aligned to "
 					  "its %zu-byte elements",
 					  dev->info.name, names[t], (unsigned long long)b->ptr,
-					  (long long)ape__launch_view(l, t).off, esz);
+					  (long long)ape_be_launch_view(l, t).off, esz);
 	}
 	if (l->pages) {
 		const uint64_t esz = ape_dtype_size(l->in_dtype);
-		const struct ape__kv_pages *pg = l->pages;
+		const struct ape_be_kv_pages *pg = l->pages;
 
 		if (((uint64_t)l->k->ptr + (uint64_t)pg->k_off * esz) % esz ||
 		    ((uint64_t)l->v->ptr + (uint64_t)pg->v_off * esz) % esz)
-			return ape__error(APE_EINVAL,
+			return ape_be_error(APE_EINVAL,
 					  "cuda %s: the pages of k or v are not aligned to their "
 					  "%llu-byte elements",
 					  dev->info.name, (unsigned long long)esz);
 	}
 	/* ent and md: float views (in elements), so the buffer's base decides */
 	for (int w = 0; w < 2; w++) {
-		const struct ape__buf *b = w ? l->md : l->ent;
+		const struct ape_be_buf *b = w ? l->md : l->ent;
 
 		if (b && b->ptr % 4)
-			return ape__error(APE_EINVAL,
+			return ape_be_error(APE_EINVAL,
 					  "cuda %s: %s at 0x%llx is not aligned to its 4-byte elements",
 					  dev->info.name, w ? "md" : "ent",
 					  (unsigned long long)b->ptr);
@@ -808,7 +808,7 @@ static int check_launch(const struct ape_device *dev, const struct ape__launch *
 
 /*
  * attention_pages (core/backend.h, ABI 9): the decode reads keys in place, through struct
- * ape__kv_pages (the ring of blocks, a page table of block numbers or of element offsets with
+ * ape_be_kv_pages (the ring of blocks, a page table of block numbers or of element offsets with
  * blocks of one token, any strides: kernels/args.h, struct ape_cu_pages), for
  *   - dense launches of 1 to APE_DC_MAX_LQ query rows, skipping as the same launch gathered
  *     would (ape_prep and ape_dwindow read the pages too), diagnostics or not;
@@ -822,7 +822,7 @@ static int check_launch(const struct ape_device *dev, const struct ape__launch *
  * bytes), so a launch gives the same bits in place or gathered. Every other launch: false (the
  * core gathers). Reads the shape, segments, positions and options only.
  */
-bool ape__cu_attention_pages(struct ape_device *dev, const struct ape__launch *l)
+bool ape__cu_attention_pages(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	int64_t prows, blocks;
 
@@ -838,7 +838,7 @@ bool ape__cu_attention_pages(struct ape_device *dev, const struct ape__launch *l
 	return l->Lq <= APE_DC_MAX_LQ;
 }
 
-int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
+int ape__cu_attention(struct ape_be_queue *q, const struct ape_be_launch *l)
 {
 	struct ape__cu_device *cd = ape__cu_dev(q->dev);
 	CUdeviceptr scratch = 0;
@@ -853,7 +853,7 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 	if (ret)
 		return ret;
 	if (l->Lk == 0 && !l->strided) {
-		ape__path_note(l->path, APE__PATH_EMPTY, "no key");
+		ape_be_path_note(l->path, APE_BE_PATH_EMPTY, "no key");
 		ret = run_empty(q, l);
 		goto out_leave;
 	}
@@ -864,14 +864,14 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 	 * they take the _diag kernels below; docs/diagnostics.md, "CUDA") */
 	/* (neither takes a decode's rows, hence never a launch with pages) */
 	if (l->Lk > 0 && ape__cu_separable_applies(l)) {
-		ape__path_note(l->path, APE__PATH_SEPARABLE, "lambda = 0 on every head");
+		ape_be_path_note(l->path, APE_BE_PATH_SEPARABLE, "lambda = 0 on every head");
 		ret = ape__cu_separable(q, l,
-					!view_aligned(l, APE__T_O, l->o->ptr,
+					!view_aligned(l, APE_BE_T_O, l->o->ptr,
 						      2 * ape_dtype_size(l->out_dtype)));
 		goto out_leave;
 	}
 	if (l->Lk > 0 && ape__cu_split_applies(l)) { /* by runs of kv groups, each as above */
-		ape__path_note(l->path, APE__PATH_SPLIT,
+		ape_be_path_note(l->path, APE_BE_PATH_SPLIT,
 			       "lambda = 0 on some heads only: runs of heads, each on its path");
 		ret = ape__cu_split(q, l);
 		goto out_leave;
@@ -879,15 +879,15 @@ int ape__cu_attention(struct ape__queue *q, const struct ape__launch *l)
 	kv_aligned(l, true, &k16, &v16);
 	plan_launch(cd, l, k16, v16, l->ent || l->md, &p);
 	if (l->Lk == 0)
-		ape__path_note(l->path, APE__PATH_EMPTY, "no key");
+		ape_be_path_note(l->path, APE_BE_PATH_EMPTY, "no key");
 	else if (p.decode)
-		ape__path_note(l->path, l->pages ? APE__PATH_PAGES : APE__PATH_DECODE,
+		ape_be_path_note(l->path, l->pages ? APE_BE_PATH_PAGES : APE_BE_PATH_DECODE,
 			       l->pages ? "keys read where the KV cache keeps them"
 					: "a few query rows: keys split over the device, merged by LSE");
 	else if (l->segs)
-		ape__path_note(l->path, APE__PATH_RAGGED, "a ragged batch: one segment table");
+		ape_be_path_note(l->path, APE_BE_PATH_RAGGED, "a ragged batch: one segment table");
 	else
-		ape__path_note(l->path, APE__PATH_GENERAL, ape__launch_general_why(l));
+		ape_be_path_note(l->path, APE_BE_PATH_GENERAL, ape_be_launch_general_why(l));
 	ret = ape__cu_scratch_alloc(q, p.total, &scratch);
 	if (ret)
 		goto out_leave;

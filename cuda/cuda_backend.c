@@ -7,12 +7,11 @@
  */
 #include "cu.h"
 
-_Static_assert(APE__BACKEND_ABI == 14, "cuda: written for backend ABI 14: review the changes of "
-				       "core/backend.h's contract, then this backend");
+_Static_assert(APE_BACKEND_ABI_MAJOR == 1, "cuda: written for backend ABI 1: review the changes of "
+	       "ape/ape_backend.h's contract, then this backend");
 
-const struct ape__backend_ops ape__cuda_ops = {
-	.abi_version = APE__BACKEND_ABI,
-	.name = "cuda",
+const struct ape_backend_plugin ape__cuda_ops = {
+	APE_BACKEND_PLUGIN_HEAD("cuda"),
 	.probe = ape__cu_probe, /* cuda_device.c */
 	.teardown = ape__cu_teardown,
 	.device_release = ape__cu_device_release,

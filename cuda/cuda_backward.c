@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * One backward launch (core/backend.h, struct ape__bwd_launch) on the queue's stream, in the
+ * One backward launch (core/backend.h, struct ape_be_bwd_launch) on the queue's stream, in the
  * order of cuda/kernels/backward.cu: the row table (ape_bwd_rows), the fused sweep (dK and dV,
  * and per split of the key tiles the partial dQ, alpha path and row parameter sums), the
  * reduction of the splits in split order (ape_bwd_reduce: dQ and the per-block parameter sums;
@@ -36,23 +36,23 @@ static int bwd_variant(int64_t D, int *dmax)
 	return v;
 }
 
-static int bwd_check(const struct ape_device *dev, const struct ape__bwd_launch *l)
+static int bwd_check(const struct ape_device *dev, const struct ape_be_bwd_launch *l)
 {
-	const struct ape__launch *f = &l->f;
+	const struct ape_be_launch *f = &l->f;
 
 	if (f->D < 2 || f->D > 256 || f->D % 2 || f->B < 1 || f->H < 1 || f->Hkv < 1 ||
 	    f->H % f->Hkv || f->Lq < 0 || f->Lk < 0 || (unsigned)f->in_dtype > APE_BF16 ||
 	    (f->out_dtype != f->in_dtype && f->out_dtype != APE_F32) ||
 	    (l->dout_dtype != f->in_dtype && l->dout_dtype != APE_F32) || !f->lse || !f->o ||
 	    !l->dout)
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "cuda %s: backward launch B=%lld H=%lld Hkv=%lld Lq=%lld Lk=%lld "
 				  "D=%lld (or its types, or a missing o, lse or dout) is not one the "
 				  "kernels take",
 				  dev->info.name, (long long)f->B, (long long)f->H, (long long)f->Hkv,
 				  (long long)f->Lq, (long long)f->Lk, (long long)f->D);
 	if (f->Lq > INT32_MAX || f->Lk > INT32_MAX || f->B * f->H > INT32_MAX)
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "cuda %s: Lq=%lld, Lk=%lld: more rows than one launch takes "
 				  "(2^31 - 1); use smaller chunks",
 				  dev->info.name, (long long)f->Lq, (long long)f->Lk);
@@ -75,7 +75,7 @@ static int64_t bwd_row_blocks(int64_t Lq)
  * per multiprocessor, at most one per key tile and at most APE_BW_SPLITS_MAX (each split has its
  * own slices: nsplit (Lq D floats + APE_BW_RP_N Lq doubles) per (batch, head)). The same device
  * and shape always give the same count, so the same sums, whatever outputs are wanted. */
-static int bwd_nsplit(const struct ape_device *dev, const struct ape__launch *f)
+static int bwd_nsplit(const struct ape_device *dev, const struct ape_be_launch *f)
 {
 	const int64_t cu = dev->info.compute_units > 0 ? dev->info.compute_units : 1;
 	const int64_t bkv = f->B * f->Hkv > 0 ? f->B * f->Hkv : 1;
@@ -91,16 +91,16 @@ static int bwd_nsplit(const struct ape_device *dev, const struct ape__launch *f)
 	return n > 0 ? (int)n : 1;
 }
 
-static uint64_t ptr_of(const struct ape__buf *b)
+static uint64_t ptr_of(const struct ape_be_buf *b)
 {
 	return b ? (uint64_t)b->ptr : 0;
 }
 
 /* The arguments every backward kernel takes, scratch offsets aside. */
-static void bwd_args(const struct ape__bwd_launch *l, int dmax, int nsplit,
+static void bwd_args(const struct ape_be_bwd_launch *l, int dmax, int nsplit,
 		     struct ape_cu_bwd_args *a)
 {
-	const struct ape__launch *f = &l->f;
+	const struct ape_be_launch *f = &l->f;
 
 	*a = (struct ape_cu_bwd_args){
 		.q = ptr_of(f->q), .k = ptr_of(f->k), .v = ptr_of(f->v), .o = ptr_of(f->o),
@@ -141,13 +141,13 @@ struct bwd_scratch {
 
 /*
  * The one sizing of a launch's scratch, for the launch and for attention_backward_scratch:
- * fills s, returns s->total. parts: APE__BWD_* bits; nsplit: bwd_nsplit()'s. A launch with
+ * fills s, returns s->total. parts: APE_BE_BWD_* bits; nsplit: bwd_nsplit()'s. A launch with
  * nothing to do allocates nothing (total 0).
  */
-static size_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, int nsplit,
+static size_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, int nsplit,
 			       struct bwd_scratch *s)
 {
-	const unsigned outs = APE__BWD_DQ | APE__BWD_DK | APE__BWD_DV | APE__BWD_DPARAMS;
+	const unsigned outs = APE_BE_BWD_DQ | APE_BE_BWD_DK | APE_BE_BWD_DV | APE_BE_BWD_DPARAMS;
 	const size_t bh = (size_t)(f->B * f->H), rows = bh * (size_t)f->Lq;
 
 	memset(s, 0, sizeof(*s));
@@ -155,13 +155,13 @@ static size_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, int 
 		return 0;
 	s->dqp_off = align256(rows * APE_BW_RI_N * sizeof(double));
 	s->rp_off = s->dqp_off;
-	if (parts & APE__BWD_DQ)
+	if (parts & APE_BE_BWD_DQ)
 		s->rp_off += align256((size_t)nsplit * rows * (size_t)f->D * sizeof(float));
 	s->part_off = s->rp_off;
-	if (parts & (APE__BWD_DQ | APE__BWD_DPARAMS))
+	if (parts & (APE_BE_BWD_DQ | APE_BE_BWD_DPARAMS))
 		s->part_off += align256((size_t)nsplit * rows * APE_BW_RP_N * sizeof(double));
 	s->hp_off = s->part_off;
-	if (parts & APE__BWD_DPARAMS)
+	if (parts & APE_BE_BWD_DPARAMS)
 		s->hp_off += align256(bh * (size_t)bwd_row_blocks(f->Lq) * 4 * sizeof(double));
 	s->total = s->hp_off + (f->H > APE_CU_INLINE_HEADS ? (size_t)f->H * 4 * sizeof(float) : 0);
 	if (f->H <= APE_CU_INLINE_HEADS)
@@ -170,10 +170,10 @@ static size_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, int 
 }
 
 /* The four kernels, in order, on the queue; the scratch's pieces at s's offsets. */
-static int bwd_run(struct ape__queue *q, const struct ape__bwd_launch *l, int variant, int dmax,
+static int bwd_run(struct ape_be_queue *q, const struct ape_be_bwd_launch *l, int variant, int dmax,
 		   struct ape_cu_bwd_args *a, CUdeviceptr scratch, const struct bwd_scratch *s)
 {
-	const struct ape__launch *f = &l->f;
+	const struct ape_be_launch *f = &l->f;
 	const int64_t rows = f->B * f->H * f->Lq;
 	int ret = 0;
 
@@ -203,16 +203,16 @@ static int bwd_run(struct ape__queue *q, const struct ape__bwd_launch *l, int va
 }
 
 uint64_t ape__cu_attention_backward_scratch(struct ape_device *dev,
-					    const struct ape__bwd_launch *l, unsigned parts)
+					    const struct ape_be_bwd_launch *l, unsigned parts)
 {
 	struct bwd_scratch s;
 
 	return bwd_scratch_size(&l->f, parts, bwd_nsplit(dev, &l->f), &s);
 }
 
-int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
+int ape__cu_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 {
-	const struct ape__launch *f = &l->f;
+	const struct ape_be_launch *f = &l->f;
 	struct ape_cu_bwd_args a;
 	struct bwd_scratch s;
 	CUdeviceptr scratch = 0;
@@ -223,11 +223,11 @@ int ape__cu_attention_backward(struct ape__queue *q, const struct ape__bwd_launc
 	if (ret)
 		return ret;
 	nsplit = bwd_nsplit(q->dev, f);
-	if (!bwd_scratch_size(f, ape__bwd_parts(l), nsplit, &s))
+	if (!bwd_scratch_size(f, ape_be_bwd_parts(l), nsplit, &s))
 		return 0; /* no row sees a key, or nothing wanted: nothing to add */
 	variant = bwd_variant(f->D, &dmax);
 	bwd_args(l, dmax, nsplit, &a);
-	ape__path_note(f->path, APE__PATH_BACKWARD, "the fused sweep, keys outer");
+	ape_be_path_note(f->path, APE_BE_PATH_BACKWARD, "the fused sweep, keys outer");
 
 	ret = ape__cu_enter(q->dev);
 	if (ret)
@@ -253,14 +253,14 @@ out_leave:
 /* ------------------------------------------------------------------ the caller's memory */
 
 /* Queue-ordered buffers (core/backend.h, ABI 10): the launches' own stream-ordered scratch. */
-int ape__cu_scratch_buf_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+int ape__cu_scratch_buf_alloc(struct ape_be_queue *q, size_t bytes, struct ape_be_buf **out)
 {
-	struct ape__buf *b = ape__calloc(1, sizeof(*b));
+	struct ape_be_buf *b = ape__calloc(1, sizeof(*b));
 	int ret;
 
 	*out = NULL;
 	if (!b)
-		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
+		return ape_be_error(APE_ENOMEM, "out of host memory for a buffer");
 	ret = ape__cu_enter(q->dev);
 	if (!ret) {
 		ret = ape__cu_scratch_alloc(q, bytes, &b->ptr);
@@ -275,7 +275,7 @@ int ape__cu_scratch_buf_alloc(struct ape__queue *q, size_t bytes, struct ape__bu
 	return 0;
 }
 
-int ape__cu_scratch_buf_free(struct ape__queue *q, struct ape__buf *buf)
+int ape__cu_scratch_buf_free(struct ape_be_queue *q, struct ape_be_buf *buf)
 {
 	int ret;
 
@@ -290,7 +290,7 @@ int ape__cu_scratch_buf_free(struct ape__queue *q, struct ape__buf *buf)
 	return ret;
 }
 
-int ape__cu_copy_view(struct ape__queue *q, const struct ape__copy *c)
+int ape__cu_copy_view(struct ape_be_queue *q, const struct ape_be_copy *c)
 {
 	const struct ape_cu_copy_args a = {
 		.dst = c->dst->ptr, .src = c->src->ptr,

@@ -45,22 +45,22 @@ static void cu_dev_free(struct ape__cu_device *cd)
 
 /* Adds device `ordinal`: 1 when added, 0 when it cannot be used (with a note in `why`), or a
  * negative code (out of memory). */
-static int cu_add_device(struct ape__backend *be, const struct ape__cu_driver *drv, int ordinal,
+static int cu_add_device(struct ape_backend *be, const struct ape__cu_driver *drv, int ordinal,
 			 char *why, size_t why_len)
 {
 	struct ape__cu_device *cd;
 	struct ape_device_info info;
-	struct ape__dev_caps caps;
+	struct ape_be_caps caps;
 	char nbuf[32], ver[16];
 	CUresult res;
 	int ret;
 
 	cd = ape__calloc(1, sizeof(*cd));
 	if (!cd)
-		return ape__error(APE_ENOMEM, "cuda: out of memory probing devices");
+		return ape_be_error(APE_ENOMEM, "cuda: out of memory probing devices");
 	if (pthread_mutex_init(&cd->lock, NULL)) {
 		free(cd);
-		return ape__error(APE_ENOMEM, "cuda: cannot create a mutex");
+		return ape_be_error(APE_ENOMEM, "cuda: cannot create a mutex");
 	}
 	cd->drv = drv;
 	cd->ordinal = ordinal;
@@ -104,19 +104,18 @@ static int cu_add_device(struct ape__backend *be, const struct ape__cu_driver *d
 	info.compute_units = cd->sm_count;
 	info.global_mem_bytes = cd->total_mem;
 	snprintf(info.pci_address, sizeof(info.pci_address), "%s", cd->pci);
-	caps = (struct ape__dev_caps){
-		.diag = true, /* ENT and MD: the _diag kernels (cuda_attention.c) */
-		.diag_views = true, /* ... strided, each optional */
-		.backward = true, /* cuda_backward.c */
-		.resident_backward = true, /* scratch and copy_view, cuda_backward.c */
-		.timestamps = true, /* against the device's epoch event (cuda_mem.c) */
-		/* a ragged batch in one launch: the prefill kernel's segment table
-		 * (cuda_attention.c); explicit positions not read: the core cuts runs */
-		.segments = true,
-		/* no host_memory: kernels read device memory only; one buffer may take it all */
+	caps = (struct ape_be_caps){
+		/* ENT and MD: the _diag kernels (cuda_attention.c), strided, each optional;
+		 * cuda_backward.c, with scratch and copy_view; timestamps against the device's
+		 * epoch event (cuda_mem.c); a ragged batch in one launch: the prefill kernel's
+		 * segment table (cuda_attention.c); explicit positions not read: the core cuts
+		 * runs; no host memory: kernels read device memory only */
+		.features = APE_BE_CAP_DIAG | APE_BE_CAP_DIAG_VIEWS | APE_BE_CAP_BACKWARD |
+			    APE_BE_CAP_RESIDENT_BACKWARD | APE_BE_CAP_TIMESTAMPS | APE_BE_CAP_SEGMENTS,
+		/* one buffer may take it all */
 		.max_alloc = cd->total_mem,
 	};
-	ret = ape__device_add(be, &info, &caps, CU_RANK, cd);
+	ret = ape_be_device_add(be, &info, &caps, CU_RANK, cd);
 	if (ret) {
 		cu_dev_free(cd);
 		return ret;
@@ -124,7 +123,7 @@ static int cu_add_device(struct ape__backend *be, const struct ape__cu_driver *d
 	return 1;
 }
 
-int ape__cu_probe(struct ape__backend *be, struct ape__probe_result *res)
+int ape__cu_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 {
 	struct cu_backend *cb = ape__calloc(1, sizeof(*cb));
 	struct ape__cu_driver *drv;
@@ -134,13 +133,13 @@ int ape__cu_probe(struct ape__backend *be, struct ape__probe_result *res)
 	CUresult r;
 
 	if (!cb)
-		return ape__error(APE_ENOMEM, "cuda: out of memory loading the driver");
+		return ape_be_error(APE_ENOMEM, "cuda: out of memory loading the driver");
 	drv = &cb->drv;
 	if (ape__cu_driver_load(drv, res->reason, sizeof(res->reason))) {
 		free(cb);
 		return 0;
 	}
-	be->priv = cb;
+	ape_be_set_priv(be, cb);
 	ape__cu_version_string(drv->version, ver, sizeof(ver));
 	r = drv->p_cuInit(0);
 	if (r == CUDA_ERROR_NO_DEVICE) {
@@ -178,7 +177,7 @@ int ape__cu_probe(struct ape__backend *be, struct ape__probe_result *res)
 		snprintf(res->reason, sizeof(res->reason), "no usable CUDA device among %d: %s", n,
 			 why);
 	if (!ret && added && drv->missing_optional[0])
-		ape__warn("cuda: driver CUDA %s lacks %s:%s%s%s", ver, drv->missing_optional,
+		ape_be_warn("cuda: driver CUDA %s lacks %s:%s%s%s", ver, drv->missing_optional,
 			  drv->pinning ? "" : " host memory is not pinned;",
 			  drv->p_cuMemGetAddressRange ? "" : " device memory cannot be wrapped;",
 			  drv->p_cuPointerGetAttribute && drv->p_cuStreamGetCtx
@@ -187,15 +186,15 @@ int ape__cu_probe(struct ape__backend *be, struct ape__probe_result *res)
 	return ret;
 }
 
-void ape__cu_teardown(struct ape__backend *be)
+void ape__cu_teardown(struct ape_backend *be)
 {
-	struct cu_backend *cb = be->priv;
+	struct cu_backend *cb = ape_be_priv(be);
 
 	if (!cb)
 		return;
 	ape__cu_driver_unload(&cb->drv);
 	free(cb);
-	be->priv = NULL;
+	ape_be_set_priv(be, NULL);
 }
 
 void ape__cu_device_release(struct ape_device *dev)
@@ -285,7 +284,7 @@ int ape__cu_once(struct ape_device *dev, atomic_int *state,
 		}
 		pthread_mutex_unlock(&cd->lock);
 	}
-	return st < 0 ? ape__error(st, "%s", cd->init_error) : 0;
+	return st < 0 ? ape_be_error(st, "%s", cd->init_error) : 0;
 }
 
 int ape__cu_enter(struct ape_device *dev)

@@ -114,7 +114,7 @@ int ape__cu_error(CUresult r, const struct ape_device *dev, const char *fmt, ...
 	va_end(ap);
 	if (!drv || !drv->p_cuGetErrorString || drv->p_cuGetErrorString(r, &text) != CUDA_SUCCESS)
 		text = NULL;
-	return ape__error(ape__cu_err_code(r), "%s: %s (%d)%s%s", what,
+	return ape_be_error(ape__cu_err_code(r), "%s: %s (%d)%s%s", what,
 			  ape__cu_err_name(drv, r, nbuf, sizeof(nbuf)), (int)r, text ? ": " : "",
 			  text ? text : "");
 }

@@ -27,15 +27,15 @@
 
 #define DRV(dev) (ape__cu_dev(dev)->drv)
 
-int ape__cu_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
+int ape__cu_buf_alloc(struct ape_device *dev, size_t bytes, struct ape_be_buf **out)
 {
-	struct ape__buf *b = ape__calloc(1, sizeof(*b));
+	struct ape_be_buf *b = ape__calloc(1, sizeof(*b));
 	CUresult r;
 	int ret;
 
 	*out = NULL;
 	if (!b)
-		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
+		return ape_be_error(APE_ENOMEM, "out of host memory for a buffer");
 	ret = ape__cu_enter(dev);
 	if (ret) {
 		free(b);
@@ -52,7 +52,7 @@ int ape__cu_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **ou
 	return 0;
 }
 
-void ape__cu_buf_free(struct ape_device *dev, struct ape__buf *buf)
+void ape__cu_buf_free(struct ape_device *dev, struct ape_be_buf *buf)
 {
 	if (!buf)
 		return;
@@ -63,15 +63,15 @@ void ape__cu_buf_free(struct ape_device *dev, struct ape__buf *buf)
 	free(buf);
 }
 
-int ape__cu_queue_create(struct ape_device *dev, struct ape__queue **out)
+int ape__cu_queue_create(struct ape_device *dev, struct ape_be_queue **out)
 {
-	struct ape__queue *q = ape__calloc(1, sizeof(*q));
+	struct ape_be_queue *q = ape__calloc(1, sizeof(*q));
 	CUresult r;
 	int ret;
 
 	*out = NULL;
 	if (!q)
-		return ape__error(APE_ENOMEM, "out of memory creating a queue");
+		return ape_be_error(APE_ENOMEM, "out of memory creating a queue");
 	ret = ape__cu_enter(dev);
 	if (ret) {
 		free(q);
@@ -88,7 +88,7 @@ int ape__cu_queue_create(struct ape_device *dev, struct ape__queue **out)
 	return 0;
 }
 
-void ape__cu_queue_destroy(struct ape__queue *q)
+void ape__cu_queue_destroy(struct ape_be_queue *q)
 {
 	if (!q)
 		return;
@@ -118,7 +118,7 @@ cu_done(struct ape_device *dev, CUresult r, const char *fmt, ...)
 	return ape__cu_error(r, dev, "%s", what);
 }
 
-int ape__cu_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src,
+int ape__cu_copy_h2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, const void *src,
 		     size_t n)
 {
 	int ret = ape__cu_enter(q->dev);
@@ -129,7 +129,7 @@ int ape__cu_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, con
 		       "cuMemcpyHtoDAsync (%zu bytes)", n);
 }
 
-int ape__cu_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n)
+int ape__cu_copy_d2h(struct ape_be_queue *q, void *dst, struct ape_be_buf *src, size_t off, size_t n)
 {
 	int ret = ape__cu_enter(q->dev);
 
@@ -139,8 +139,8 @@ int ape__cu_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size
 		       "cuMemcpyDtoHAsync (%zu bytes)", n);
 }
 
-int ape__cu_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
-		     struct ape__buf *src, size_t src_off, size_t n)
+int ape__cu_copy_d2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t dst_off,
+		     struct ape_be_buf *src, size_t src_off, size_t n)
 {
 	int ret = ape__cu_enter(q->dev);
 
@@ -152,7 +152,7 @@ int ape__cu_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
 		       "cuMemcpyDtoDAsync (%zu bytes)", n);
 }
 
-int ape__cu_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+int ape__cu_fill(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, uint32_t pattern,
 		 size_t n)
 {
 	int ret = ape__cu_enter(q->dev);
@@ -163,16 +163,16 @@ int ape__cu_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_
 		       "cuMemsetD32Async (%zu bytes)", n);
 }
 
-int ape__cu_event_record(struct ape__queue *q, struct ape__event **out)
+int ape__cu_event_record(struct ape_be_queue *q, struct ape_be_event **out)
 {
 	const struct ape__cu_driver *drv = DRV(q->dev);
-	struct ape__event *e = ape__calloc(1, sizeof(*e));
+	struct ape_be_event *e = ape__calloc(1, sizeof(*e));
 	CUresult r;
 	int ret;
 
 	*out = NULL;
 	if (!e)
-		return ape__error(APE_ENOMEM, "out of memory recording an event");
+		return ape_be_error(APE_ENOMEM, "out of memory recording an event");
 	ret = ape__cu_enter(q->dev);
 	if (ret) {
 		free(e);
@@ -195,7 +195,7 @@ int ape__cu_event_record(struct ape__queue *q, struct ape__event **out)
 	return 0;
 }
 
-int ape__cu_event_wait(struct ape__queue *q, struct ape__event *e)
+int ape__cu_event_wait(struct ape_be_queue *q, struct ape_be_event *e)
 {
 	int ret = ape__cu_enter(q->dev);
 
@@ -228,25 +228,25 @@ static int cu_elapsed(struct ape_device *dev, CUevent a, CUevent b, double *ms)
 static int untimed(double *ms)
 {
 	*ms = 0;
-	return ape__error(APE_ENOTSUP,
+	return ape_be_error(APE_ENOTSUP,
 			  "the event was recorded on a wrapped stream: such events carry no timing");
 }
 
-int ape__cu_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms)
+int ape__cu_event_elapsed(struct ape_be_event *start, struct ape_be_event *end, double *ms)
 {
 	if (!start->timed || !end->timed)
 		return untimed(ms);
 	return cu_elapsed(start->dev, start->ev, end->ev, ms);
 }
 
-int ape__cu_event_timestamp(struct ape__event *e, double *ms)
+int ape__cu_event_timestamp(struct ape_be_event *e, double *ms)
 {
 	if (!e->timed)
 		return untimed(ms);
 	return cu_elapsed(e->dev, ape__cu_dev(e->dev)->epoch, e->ev, ms);
 }
 
-void ape__cu_event_destroy(struct ape__event *e)
+void ape__cu_event_destroy(struct ape_be_event *e)
 {
 	if (!e)
 		return;
@@ -257,7 +257,7 @@ void ape__cu_event_destroy(struct ape__event *e)
 	free(e);
 }
 
-int ape__cu_synchronize(struct ape__queue *q)
+int ape__cu_synchronize(struct ape_be_queue *q)
 {
 	int ret = ape__cu_enter(q->dev);
 
@@ -274,7 +274,7 @@ int ape__cu_host_register(struct ape_device *dev, void *ptr, size_t bytes, void 
 
 	*handle = NULL;
 	if (!drv->pinning)
-		return ape__error(APE_ENOTSUP, "the driver lacks cuMemHostRegister");
+		return ape_be_error(APE_ENOTSUP, "the driver lacks cuMemHostRegister");
 	ret = ape__cu_enter(dev);
 	if (ret)
 		return ret;
@@ -294,7 +294,7 @@ void ape__cu_host_unregister(struct ape_device *dev, void *handle)
 	ape__cu_leave(dev);
 }
 
-int ape__cu_scratch_alloc(struct ape__queue *q, size_t bytes, CUdeviceptr *out)
+int ape__cu_scratch_alloc(struct ape_be_queue *q, size_t bytes, CUdeviceptr *out)
 {
 	const struct ape__cu_device *cd = ape__cu_dev(q->dev);
 	CUresult r;
@@ -309,7 +309,7 @@ int ape__cu_scratch_alloc(struct ape__queue *q, size_t bytes, CUdeviceptr *out)
 	return 0;
 }
 
-int ape__cu_scratch_free(struct ape__queue *q, CUdeviceptr p)
+int ape__cu_scratch_free(struct ape_be_queue *q, CUdeviceptr p)
 {
 	const struct ape__cu_device *cd = ape__cu_dev(q->dev);
 	CUresult r;
@@ -330,7 +330,7 @@ int ape__cu_scratch_free(struct ape__queue *q, CUdeviceptr p)
 
 static const char *mem_kind_name(int kind)
 {
-	return kind == APE__MEM_HOST ? "host" : kind == APE__MEM_OPENCL ? "OpenCL" : "unknown";
+	return kind == APE_BE_MEM_HOST ? "host" : kind == APE_BE_MEM_OPENCL ? "OpenCL" : "unknown";
 }
 
 /* [ptr, ptr + bytes) inside one allocation of dev? 0, or APE_EINVAL / the driver's failure. The
@@ -345,14 +345,14 @@ static int check_range(struct ape_device *dev, CUdeviceptr ptr, size_t bytes)
 
 	r = drv->p_cuMemGetAddressRange(&base, &size, ptr);
 	if (r == CUDA_ERROR_NOT_FOUND || r == CUDA_ERROR_INVALID_VALUE)
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "cuda %s: 0x%llx is not device memory of any allocation (%s)",
 				  dev->info.name, (unsigned long long)ptr,
 				  ape__cu_err_name(drv, r, (char[48]){ 0 }, 48));
 	if (r != CUDA_SUCCESS)
 		return ape__cu_error(r, dev, "cuMemGetAddressRange (0x%llx)", (unsigned long long)ptr);
 	if (bytes > size - (size_t)(ptr - base))
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "cuda %s: [0x%llx, 0x%llx) (%zu bytes) runs past its allocation "
 				  "[0x%llx, 0x%llx) (%zu bytes)",
 				  dev->info.name, (unsigned long long)ptr,
@@ -363,7 +363,7 @@ static int check_range(struct ape_device *dev, CUdeviceptr ptr, size_t bytes)
 
 		r = drv->p_cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr);
 		if (r == CUDA_SUCCESS && ordinal != cd->ordinal)
-			return ape__error(APE_EINVAL,
+			return ape_be_error(APE_EINVAL,
 					  "cuda %s: 0x%llx is memory of CUDA device %d, not of "
 					  "device %d",
 					  dev->info.name, (unsigned long long)ptr, ordinal, cd->ordinal);
@@ -372,32 +372,32 @@ static int check_range(struct ape_device *dev, CUdeviceptr ptr, size_t bytes)
 }
 
 int ape__cu_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
-		     struct ape__buf **out, size_t *bytes_out)
+		     struct ape_be_buf **out, size_t *bytes_out)
 {
 	const CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)handle;
-	struct ape__buf *b;
+	struct ape_be_buf *b;
 	int ret;
 
 	*out = NULL;
 	if (bytes_out)
 		*bytes_out = 0;
-	if (kind != APE__MEM_CUDA)
-		return ape__error(APE_ENOTSUP,
+	if (kind != APE_BE_MEM_CUDA)
+		return ape_be_error(APE_ENOTSUP,
 				  "cuda %s: cannot wrap %s memory (kind %d): CUDA devices wrap "
 				  "CUDA device pointers only",
 				  dev->info.name, mem_kind_name(kind), kind);
 	if (!ptr || !bytes)
-		return ape__error(APE_EINVAL, "cuda %s: wrapping %zu bytes at 0x%llx: %s",
+		return ape_be_error(APE_EINVAL, "cuda %s: wrapping %zu bytes at 0x%llx: %s",
 				  dev->info.name, bytes, (unsigned long long)ptr,
 				  ptr ? "no bytes" : "a NULL device pointer");
 	if (!ape__cu_dev(dev)->drv->p_cuMemGetAddressRange)
-		return ape__error(APE_ENOTSUP,
+		return ape_be_error(APE_ENOTSUP,
 				  "cuda %s: the driver lacks cuMemGetAddressRange: device pointers "
 				  "cannot be checked, so none is wrapped",
 				  dev->info.name);
 	b = ape__calloc(1, sizeof(*b));
 	if (!b)
-		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
+		return ape_be_error(APE_ENOMEM, "out of host memory for a buffer");
 	ret = ape__cu_enter(dev);
 	if (!ret) {
 		ret = check_range(dev, ptr, bytes);
@@ -416,10 +416,10 @@ int ape__cu_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t byte
 	return 0;
 }
 
-int ape__cu_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out)
+int ape__cu_queue_wrap(struct ape_device *dev, void *handle, struct ape_be_queue **out)
 {
 	const struct ape__cu_device *cd = ape__cu_dev(dev);
-	struct ape__queue *q;
+	struct ape_be_queue *q;
 	CUcontext sctx = NULL;
 	CUresult r = CUDA_SUCCESS;
 	int ret;
@@ -435,18 +435,18 @@ int ape__cu_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue *
 	if (r != CUDA_SUCCESS)
 		return r == CUDA_ERROR_INVALID_HANDLE || r == CUDA_ERROR_INVALID_VALUE ||
 				       r == CUDA_ERROR_INVALID_CONTEXT
-			       ? ape__error(APE_EINVAL, "cuda %s: stream %p is not a valid CUstream (%s)",
+			       ? ape_be_error(APE_EINVAL, "cuda %s: stream %p is not a valid CUstream (%s)",
 					    dev->info.name, handle,
 					    ape__cu_err_name(cd->drv, r, (char[48]){ 0 }, 48))
 			       : ape__cu_error(r, dev, "cuStreamGetCtx (stream %p)", handle);
 	if (sctx && sctx != cd->ctx)
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "cuda %s: stream %p belongs to context %p, not to the device's "
 				  "primary context %p",
 				  dev->info.name, handle, (void *)sctx, (void *)cd->ctx);
 	q = ape__calloc(1, sizeof(*q));
 	if (!q)
-		return ape__error(APE_ENOMEM, "out of memory wrapping a stream");
+		return ape_be_error(APE_ENOMEM, "out of memory wrapping a stream");
 	q->dev = dev;
 	q->s = (CUstream)handle;
 	q->wrapped = true;

@@ -3,12 +3,12 @@
 #include "cu.h"
 #include "core/error.h"
 
-static uint64_t ptr_of(const struct ape__buf *b)
+static uint64_t ptr_of(const struct ape_be_buf *b)
 {
 	return b ? (uint64_t)b->ptr : 0;
 }
 
-int ape__cu_attention_merge(struct ape__queue *q, const struct ape__merge *m)
+int ape__cu_attention_merge(struct ape_be_queue *q, const struct ape_be_merge *m)
 {
 	const struct ape_cu_lmerge_args a = {
 		.o = ptr_of(m->o), .lse = ptr_of(m->lse), .pairs = ptr_of(m->pairs),

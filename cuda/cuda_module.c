@@ -130,7 +130,7 @@ static int cu_smem(struct ape_device *dev, int k, unsigned smem)
 	if (smem <= 48 * 1024)
 		return 0;
 	if ((int)smem > cd->smem_optin)
-		return ape__error(APE_ENOMEM,
+		return ape_be_error(APE_ENOMEM,
 				  "%s needs %u bytes of shared memory per block, the GPU offers %d",
 				  ape__cu_kernel_names[k], smem, cd->smem_optin);
 	pthread_mutex_lock(&cd->lock);
@@ -148,7 +148,7 @@ static int cu_smem(struct ape_device *dev, int k, unsigned smem)
 	return 0;
 }
 
-int ape__cu_launch(struct ape__queue *q, int k, int64_t blocks, unsigned smem, void *args,
+int ape__cu_launch(struct ape_be_queue *q, int k, int64_t blocks, unsigned smem, void *args,
 		   const char *what)
 {
 	const struct ape__cu_device *cd = ape__cu_dev(q->dev);
@@ -162,7 +162,7 @@ int ape__cu_launch(struct ape__queue *q, int k, int64_t blocks, unsigned smem, v
 	if (blocks <= 0)
 		return 0;
 	if (gy > 65535)
-		return ape__error(APE_EINVAL, "%s: %lld blocks are more than one launch takes",
+		return ape_be_error(APE_EINVAL, "%s: %lld blocks are more than one launch takes",
 				  what, (long long)blocks);
 	ret = cu_smem(q->dev, k, smem);
 	if (ret)
@@ -176,7 +176,7 @@ int ape__cu_launch(struct ape__queue *q, int k, int64_t blocks, unsigned smem, v
 	return 0;
 }
 
-int ape__cu_run_threads(struct ape__queue *q, int k, int64_t n, void *args, const char *what)
+int ape__cu_run_threads(struct ape_be_queue *q, int k, int64_t n, void *args, const char *what)
 {
 	int ret;
 

@@ -29,14 +29,14 @@ static size_t sep_take(struct sep_plan *p, size_t bytes)
 
 /* The shape alone (attention_scratch knows no parameters): f16/bf16, D 64 or 128, a dense
  * prefill (a ragged launch takes the general kernels: docs/kernels.md, "Ragged launches"). */
-static bool sep_shape(const struct ape__launch *l)
+static bool sep_shape(const struct ape_be_launch *l)
 {
 	return (l->in_dtype == APE_F16 || l->in_dtype == APE_BF16) && (l->D == 64 || l->D == 128) &&
 	       l->Lq > APE_DC_MAX_LQ && l->Lk >= 1 && l->H <= APE_CU_INLINE_HEADS && l->Hkv >= 1 &&
 	       l->H % l->Hkv == 0 && !l->lse_prior && !l->ent && !l->md && !l->segs;
 }
 
-static void sep_plan(const struct ape__launch *l, struct sep_plan *p)
+static void sep_plan(const struct ape_be_launch *l, struct sep_plan *p)
 {
 	const size_t esz = 2, nq = (size_t)(l->B * l->H * l->Lq), nk = (size_t)(l->B * l->Hkv * l->Lk);
 	const size_t nbkv = (size_t)(l->B * l->Hkv);
@@ -58,7 +58,7 @@ static void sep_plan(const struct ape__launch *l, struct sep_plan *p)
 	}
 }
 
-bool ape__cu_separable_applies(const struct ape__launch *l)
+bool ape__cu_separable_applies(const struct ape_be_launch *l)
 {
 	if (!sep_shape(l))
 		return false;
@@ -68,7 +68,7 @@ bool ape__cu_separable_applies(const struct ape__launch *l)
 	return true;
 }
 
-uint64_t ape__cu_separable_scratch(const struct ape__launch *l)
+uint64_t ape__cu_separable_scratch(const struct ape_be_launch *l)
 {
 	struct sep_plan p;
 
@@ -78,7 +78,7 @@ uint64_t ape__cu_separable_scratch(const struct ape__launch *l)
 	return p.total;
 }
 
-static int sep_run(struct ape__queue *q, const struct ape__launch *l, const struct sep_plan *p,
+static int sep_run(struct ape_be_queue *q, const struct ape_be_launch *l, const struct sep_plan *p,
 		   CUdeviceptr scratch, bool o_scalar)
 {
 	struct ape_cu_sep_rot_args r;
@@ -107,9 +107,9 @@ static int sep_run(struct ape__queue *q, const struct ape__launch *l, const stru
 	r.ntk = p->ntk;
 	for (int i = 0; i < l->D / 2; i++)
 		r.omega[i] = l->omega[i];
-	r.vq = ape__cu_view(l, APE__T_Q);
-	r.vk = ape__cu_view(l, APE__T_K);
-	r.vv = ape__cu_view(l, APE__T_V);
+	r.vq = ape__cu_view(l, APE_BE_T_Q);
+	r.vk = ape__cu_view(l, APE_BE_T_K);
+	r.vv = ape__cu_view(l, APE_BE_T_V);
 	r.H = (int32_t)l->H;
 	r.Hkv = (int32_t)l->Hkv;
 	r.D = (int32_t)l->D;
@@ -152,8 +152,8 @@ static int sep_run(struct ape__queue *q, const struct ape__launch *l, const stru
 	a.ntk = p->ntk;
 	a.scale = l->scale;
 	a.tol = p->skip ? l->skip_tol : 0.0;
-	a.vo = ape__cu_view(l, APE__T_O);
-	a.vlse = ape__cu_view(l, APE__T_LSE);
+	a.vo = ape__cu_view(l, APE_BE_T_O);
+	a.vlse = ape__cu_view(l, APE_BE_T_LSE);
 	a.B = (int32_t)l->B;
 	a.H = (int32_t)l->H;
 	a.Hkv = (int32_t)l->Hkv;
@@ -167,7 +167,7 @@ static int sep_run(struct ape__queue *q, const struct ape__launch *l, const stru
 			      (unsigned)APE_SEP_SMEM(l->D), &a, "separable");
 }
 
-int ape__cu_separable(struct ape__queue *q, const struct ape__launch *l, bool o_scalar)
+int ape__cu_separable(struct ape_be_queue *q, const struct ape_be_launch *l, bool o_scalar)
 {
 	CUdeviceptr scratch = 0;
 	struct sep_plan p;
@@ -182,20 +182,20 @@ int ape__cu_separable(struct ape__queue *q, const struct ape__launch *l, bool o_
 	return ret ? ret : ret2;
 }
 
-bool ape__cu_split_applies(const struct ape__launch *l)
+bool ape__cu_split_applies(const struct ape_be_launch *l)
 {
 	/* pairs is contiguous [B, H, Lq]: no view cuts a run of heads out of it */
-	return sep_shape(l) && !l->pairs && ape__launch_mixes_separable(l);
+	return sep_shape(l) && !l->pairs && ape_be_launch_mixes_separable(l);
 }
 
 /* A homogeneous run: the separable path, or the general kernels, as for any launch. */
-static int split_run(struct ape__queue *q, const struct ape__launch *sub, bool separable)
+static int split_run(struct ape_be_queue *q, const struct ape_be_launch *sub, bool separable)
 {
 	(void)separable;
 	return ape__cu_attention(q, sub);
 }
 
-int ape__cu_split(struct ape__queue *q, const struct ape__launch *l)
+int ape__cu_split(struct ape_be_queue *q, const struct ape_be_launch *l)
 {
-	return ape__launch_split_runs(q, l, split_run);
+	return ape_be_launch_split_runs(q, l, split_run);
 }

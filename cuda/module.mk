@@ -15,7 +15,7 @@ CUDA_KERNELS := prep window decode prefill backward separable
 CUDA_FATBINS := $(CUDA_KERNELS:%=$(CUDA_GEN)/%.fatbin)
 CUDA_KHDRS := cuda/kernels/common.cuh cuda/kernels/args.h cuda/kernels/bwd_args.h \
               cuda/kernels/sep_args.h \
-              runtime/core/ape_math.h
+              include/ape/ape_math.h
 
 LIB_SRCS += $(CUDA_SRCS)
 LIB_ASM  += cuda/fatbin_embed.S
@@ -26,7 +26,7 @@ NVCC_GENCODE := -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,co
                 -gencode=arch=compute_90,code=compute_90
 NVCC_FLAGS   ?= -O3
 NVCC_ALL     := -std=c++17 $(NVCC_FLAGS) $(NVCC_GENCODE) -t 0 -Xptxas -v -Werror all-warnings \
-                -Iruntime -Icuda/kernels
+                -Iinclude -Iruntime -Icuda/kernels
 
 # Rebuild the fatbins when nvcc or its flags change (not for host-only changes: they are slow).
 CUDA_STAMP := $(CUDA_GEN)/nvcc.stamp
@@ -62,7 +62,7 @@ FAKE_CUDA_SRCS := tests/fake_cuda/fake_libcuda.c tests/fake_cuda/fake_memory.c \
 FAKE_CUDA_HDRS := tests/fake_cuda/fake_cuda.h tests/fake_cuda/fake_state.h cuda/kernels/args.h
 FAKE_CFLAGS     = $(CSTD) $(OPT) -g $(WARN) -fPIC -I$(CUDA_INC) -Icuda $(SAN_FLAGS) $(CFLAGS)
 EMU_CXXFLAGS    = -std=c++17 $(OPT) -g -Wall -Wextra -Werror -Wno-unknown-pragmas -fPIC \
-                  -DAPE_CUDA_EMU -Iruntime -Icuda/kernels -I$(CUDA_INC) $(SAN_FLAGS)
+                  -DAPE_CUDA_EMU -Iinclude -Iruntime -Icuda/kernels -I$(CUDA_INC) $(SAN_FLAGS)
 
 $(FAKE_CUDA): $(FAKE_CUDA_SRCS) $(FAKE_CUDA_HDRS) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)

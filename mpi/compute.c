@@ -12,7 +12,7 @@
 #include "mpi_call.h"
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 
 #define BWD_SUB 4096 /* the backward's query rows per piece, unless opts->chunk_q says */
 

@@ -85,7 +85,7 @@ int ape__mpi_key_max(const struct ape__mpi_geom *g, const ape_tensor *k, int64_t
 		     float *kmax);
 
 /* The end of the keys [0, end) that query rows [a, a + n) of g see, by the mask alone
- * (core/ape_math.h's ape_visible_keys() of the last row; 0 for no rows). */
+ * (ape/ape_math.h's ape_visible_keys() of the last row; 0 for no rows). */
 int64_t ape__mpi_visible_end(const struct ape__mpi_geom *g, int64_t a, int64_t n);
 /*
  * The key rows [*lo, *hi) a query block of global rows [a, a + n) needs: everything else is

@@ -12,7 +12,7 @@
 #include "mpi_internal.h"
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 
 void ape__mpi_block(const struct ape__mpi_geom *g, int b, int64_t *start, int64_t *count,
 		    int *owner, int *lb)

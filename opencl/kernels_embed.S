@@ -17,7 +17,7 @@ ape__ocl_src_attention:
 	.hidden ape__ocl_src_math
 	.type ape__ocl_src_math, @object
 ape__ocl_src_math:
-	.incbin "runtime/core/ape_math.h"
+	.incbin "include/ape/ape_math.h"
 	.byte 0
 	.size ape__ocl_src_math, . - ape__ocl_src_math
 

@@ -13,5 +13,5 @@ $(OPENCL_SRCS:%.c=$(BUILD)/obj/%.o): CPPFLAGS += -DCL_TARGET_OPENCL_VERSION=120
 $(BUILD)/obj/opencl/kernels_embed.o: opencl/kernels/attention.cl opencl/kernels/backward.cl \
 				   opencl/kernels/decode.cl opencl/kernels/separable.cl \
 				   opencl/kernels/bwd_layout.h \
-				   runtime/core/ape_math.h
+				   include/ape/ape_math.h
 endif

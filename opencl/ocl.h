@@ -4,7 +4,7 @@
  *
  * One OpenCL context per device (the caller's own for the device it names in
  * ape_context_options.opencl_context/opencl_device, retained); in-order profiling queues, one
- * per ape__queue (the core makes one per forward call), or the caller's own queue, retained
+ * per ape_be_queue (the core makes one per forward call), or the caller's own queue, retained
  * (queue_wrap: in order, timing only when the caller enabled profiling). Programs are built lazily per (device, D specialisation) under the
  * device's mutex (the cached one used last is loaded at device open, ape__ocl_program_preload())
  * and kept for the context's life; kernel objects are made per launch, because
@@ -17,7 +17,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 
-#include "core/backend.h"
+#include "ape/ape_backend.h"
 #include "ocl_api.h" /* <CL/cl.h>, every call through the loaded table */
 #include "ocl_debug.h"
 
@@ -82,12 +82,12 @@ struct ape__ocl_timeline {
 	size_t dropped; /* commands dropped from the front: ev[0] is command number `dropped` */
 };
 
-struct ape__buf {
+struct ape_be_buf {
 	cl_mem mem;
 	size_t size;
 };
 
-struct ape__queue {
+struct ape_be_queue {
 	struct ape_device *dev; /* first, as every backend's (core/backend.h, "Objects") */
 	cl_command_queue cq;
 	struct ape__ocl_timeline *tl;
@@ -95,15 +95,15 @@ struct ape__queue {
 	bool timed; /* CL_QUEUE_PROFILING_ENABLE: event_elapsed and event_timestamp work */
 };
 
-struct ape__event {
+struct ape_be_event {
 	struct ape_device *dev; /* first, likewise */
 	cl_event marker; /* for event_wait on other queues, and timing across queues */
 	struct ape__ocl_timeline *tl;
 	size_t idx; /* commands of tl enqueued before this event */
-	bool timed; /* recorded on a queue with profiling (struct ape__queue.timed) */
+	bool timed; /* recorded on a queue with profiling (struct ape_be_queue.timed) */
 };
 
-_Static_assert(offsetof(struct ape__queue, dev) == 0 && offsetof(struct ape__event, dev) == 0,
+_Static_assert(offsetof(struct ape_be_queue, dev) == 0 && offsetof(struct ape_be_event, dev) == 0,
 	       "core/backend.h: queues and events begin with their device");
 
 static inline struct ape__ocl_device *ape__ocl_dev(const struct ape_device *dev)
@@ -120,34 +120,34 @@ int ape__ocl_err_code(cl_int err);
 int ape__ocl_error(cl_int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* ---- ocl_device.c */
-int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res);
+int ape__ocl_probe(struct ape_backend *be, struct ape_be_probe_result *res);
 void ape__ocl_device_release(struct ape_device *dev);
 
 /* ---- ocl_mem.c */
-int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out);
-void ape__ocl_buf_free(struct ape_device *dev, struct ape__buf *buf);
-int ape__ocl_queue_create(struct ape_device *dev, struct ape__queue **out);
-void ape__ocl_queue_destroy(struct ape__queue *q);
-int ape__ocl_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src,
+int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape_be_buf **out);
+void ape__ocl_buf_free(struct ape_device *dev, struct ape_be_buf *buf);
+int ape__ocl_queue_create(struct ape_device *dev, struct ape_be_queue **out);
+void ape__ocl_queue_destroy(struct ape_be_queue *q);
+int ape__ocl_copy_h2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, const void *src,
 		      size_t n);
-int ape__ocl_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n);
-int ape__ocl_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+int ape__ocl_copy_d2h(struct ape_be_queue *q, void *dst, struct ape_be_buf *src, size_t off, size_t n);
+int ape__ocl_fill(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, uint32_t pattern,
 		  size_t n);
-int ape__ocl_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
-		      struct ape__buf *src, size_t src_off, size_t n);
+int ape__ocl_copy_d2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t dst_off,
+		      struct ape_be_buf *src, size_t src_off, size_t n);
 /* buf_wrap, queue_wrap and native (core/backend.h, ABI 5): the caller's memory and queues. */
 int ape__ocl_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
-		      struct ape__buf **out, size_t *bytes_out);
-int ape__ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out);
+		      struct ape_be_buf **out, size_t *bytes_out);
+int ape__ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape_be_queue **out);
 void ape__ocl_native(struct ape_device *dev, void **context, void **device);
-int ape__ocl_event_timestamp(struct ape__event *e, double *ms);
-int ape__ocl_event_record(struct ape__queue *q, struct ape__event **out);
-int ape__ocl_event_wait(struct ape__queue *q, struct ape__event *e);
-int ape__ocl_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms);
-void ape__ocl_event_destroy(struct ape__event *e);
-int ape__ocl_synchronize(struct ape__queue *q);
+int ape__ocl_event_timestamp(struct ape_be_event *e, double *ms);
+int ape__ocl_event_record(struct ape_be_queue *q, struct ape_be_event **out);
+int ape__ocl_event_wait(struct ape_be_queue *q, struct ape_be_event *e);
+int ape__ocl_event_elapsed(struct ape_be_event *start, struct ape_be_event *end, double *ms);
+void ape__ocl_event_destroy(struct ape_be_event *e);
+int ape__ocl_synchronize(struct ape_be_queue *q);
 /* Records a command just enqueued on q (takes over the reference to ev). */
-int ape__ocl_track(struct ape__queue *q, cl_event ev);
+int ape__ocl_track(struct ape_be_queue *q, cl_event ev);
 
 /* ---- ocl_program.c */
 /*
@@ -163,9 +163,9 @@ void ape__ocl_program_preload(struct ape__ocl_device *od);
 int ape__ocl_program_get(struct ape_device *dev, int64_t D, const struct ape__ocl_program **out);
 
 /* ---- ocl_attention.c */
-int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *l);
+int ape__ocl_attention(struct ape_be_queue *q, const struct ape_be_launch *l);
 /* attention_merge (ocl_merge.c) */
-int ape__ocl_attention_merge(struct ape__queue *q, const struct ape__merge *m);
+int ape__ocl_attention_merge(struct ape_be_queue *q, const struct ape_be_merge *m);
 /* Kernel arguments set in order; the first failure sticks in err (checked once, after all). */
 struct ape__ocl_args {
 	cl_kernel k;
@@ -175,19 +175,19 @@ struct ape__ocl_args {
 void ape__ocl_arg(struct ape__ocl_args *a, size_t size, const void *v);
 /* Enqueues k over (n0, n1) with local size (l0, 1) (the driver's choice when l0 is 0),
  * splitting dimension 1 into chunks through the global offset; tracks each command. */
-int ape__ocl_enqueue(struct ape__queue *q, cl_kernel k, size_t n0, size_t l0, size_t n1,
+int ape__ocl_enqueue(struct ape_be_queue *q, cl_kernel k, size_t n0, size_t l0, size_t n1,
 		     const char *what);
 /* A buffer of the launch's own (read-only copy of init when init is not NULL). */
-cl_mem ape__ocl_scratch(struct ape__queue *q, size_t bytes, void *init, cl_int *err);
+cl_mem ape__ocl_scratch(struct ape_be_queue *q, size_t bytes, void *init, cl_int *err);
 
 /* ---- ocl_backward.c */
-int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l);
+int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l);
 /* ABI 10 (ocl_backward.c): queue-ordered scratch and copy_view. */
-int ape__ocl_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out);
-int ape__ocl_scratch_free(struct ape__queue *q, struct ape__buf *buf);
-int ape__ocl_copy_view(struct ape__queue *q, const struct ape__copy *c);
+int ape__ocl_scratch_alloc(struct ape_be_queue *q, size_t bytes, struct ape_be_buf **out);
+int ape__ocl_scratch_free(struct ape_be_queue *q, struct ape_be_buf *buf);
+int ape__ocl_copy_view(struct ape_be_queue *q, const struct ape_be_copy *c);
 uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
-					     const struct ape__bwd_launch *l, unsigned parts);
+					     const struct ape_be_bwd_launch *l, unsigned parts);
 /* The most scratch bytes one backward launch of this process allocated: tests compare it with
  * attention_backward_scratch. */
 extern atomic_uint_fast64_t ape__ocl_bwd_scratch_high;

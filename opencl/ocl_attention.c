@@ -2,7 +2,7 @@
 /*
  * One attention launch: the skip pre-pass (when skipping is allowed) and the fused kernel. Q, K,
  * V, O and LSE are read and written where the launch's views say (core/backend.h, struct
- * ape__view): each kernel takes them as element offsets and strides, never as cl_mem
+ * ape_be_view): each kernel takes them as element offsets and strides, never as cl_mem
  * sub-buffers (whose origins must be aligned to CL_DEVICE_MEM_BASE_ADDR_ALIGN).
  * Kernel objects are created per launch (clSetKernelArg on a shared kernel is not thread-safe);
  * the small parameter and scratch buffers are released right after they are enqueued, which
@@ -15,7 +15,7 @@
 #include "core/error.h"
 #include "core/alloc.h"
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "ocl.h"
 #include "ocl_fast.h"
 
@@ -59,7 +59,7 @@ static void note_kernel(struct ape__ocl_device *od, const char *what)
 
 /* Enqueues k over (n0, n1) with local size (l0, 1) (or the driver's choice when l0 is 0),
  * splitting dimension 1 into chunks through the global offset. */
-int ape__ocl_enqueue(struct ape__queue *q, cl_kernel k, size_t n0, size_t l0, size_t n1,
+int ape__ocl_enqueue(struct ape_be_queue *q, cl_kernel k, size_t n0, size_t l0, size_t n1,
 		     const char *what)
 {
 	for (size_t off = 0; off < n1; off += OCL_MAX_DIM1) {
@@ -82,7 +82,7 @@ int ape__ocl_enqueue(struct ape__queue *q, cl_kernel k, size_t n0, size_t l0, si
 	return 0;
 }
 
-cl_mem ape__ocl_scratch(struct ape__queue *q, size_t bytes, void *init, cl_int *err)
+cl_mem ape__ocl_scratch(struct ape_be_queue *q, size_t bytes, void *init, cl_int *err)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
 
@@ -94,7 +94,7 @@ cl_mem ape__ocl_scratch(struct ape__queue *q, size_t bytes, void *init, cl_int *
 
 
 /* A view as the kernels take it: x = offset, y, z, w = the B, H, L strides. */
-static cl_long4 long4_of(struct ape__view v)
+static cl_long4 long4_of(struct ape_be_view v)
 {
 	cl_long4 r;
 
@@ -106,29 +106,29 @@ static cl_long4 long4_of(struct ape__view v)
 }
 
 /*
- * Where tensor t (enum ape__tensor_id) of l lies, as the kernels take it (kernels/attention.cl,
+ * Where tensor t (enum ape_be_tensor) of l lies, as the kernels take it (kernels/attention.cl,
  * VIEW_ROW): offset and the B, H, L strides in elements. dense: where it would lie contiguous
  * at offset 0, as in the float32 copies ape_kv_prep makes.
  */
-static cl_long4 ocl_view(const struct ape__launch *l, int t, bool dense)
+static cl_long4 ocl_view(const struct ape_be_launch *l, int t, bool dense)
 {
-	struct ape__view v;
+	struct ape_be_view v;
 
 	if (dense && l->strided) {
-		struct ape__launch c = *l;
+		struct ape_be_launch c = *l;
 
 		c.strided = false;
-		v = ape__launch_view(&c, t);
+		v = ape_be_launch_view(&c, t);
 	} else {
-		v = ape__launch_view(l, t);
+		v = ape_be_launch_view(l, t);
 	}
 	return long4_of(v);
 }
 
-/* Where ent (which 0) or md (1) of l lies, as the kernel takes it (ape__launch_diag_view()). */
-static cl_long4 ocl_diag_view(const struct ape__launch *l, int which)
+/* Where ent (which 0) or md (1) of l lies, as the kernel takes it (ape_be_launch_diag_view()). */
+static cl_long4 ocl_diag_view(const struct ape_be_launch *l, int which)
 {
-	return long4_of(ape__launch_diag_view(l, which));
+	return long4_of(ape_be_launch_diag_view(l, which));
 }
 
 /*
@@ -139,8 +139,8 @@ static cl_long4 ocl_diag_view(const struct ape__launch *l, int which)
  * that form; 0 leaves the conversion to the attention kernel, when the float32 copy would not
  * fit in one allocation.
  */
-static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
-		       const struct ape__launch *l, cl_mem *kp, cl_mem *vf, cl_mem *k, cl_mem *v,
+static int ocl_kv_prep(struct ape_be_queue *q, const struct ape__ocl_program *pr,
+		       const struct ape_be_launch *l, cl_mem *kp, cl_mem *vf, cl_mem *k, cl_mem *v,
 		       cl_long4 kv[2], int *ret)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
@@ -149,7 +149,7 @@ static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
 	const cl_int D = (cl_int)l->D, dt = (cl_int)l->in_dtype, Hkv = (cl_int)l->Hkv;
 	const cl_long Lk = l->Lk;
 	const cl_int inter = l->layout == APE_ROPE_INTERLEAVED, do_v = l->in_dtype != APE_F32;
-	const cl_long4 vk = ocl_view(l, APE__T_K, false), vv = ocl_view(l, APE__T_V, false);
+	const cl_long4 vk = ocl_view(l, APE_BE_T_K, false), vv = ocl_view(l, APE_BE_T_V, false);
 	const size_t local = od->max_wg >= 64 ? 64 : 1;
 	struct ape__ocl_args a = { 0 };
 	cl_int err;
@@ -192,16 +192,16 @@ static int ocl_kv_prep(struct ape__queue *q, const struct ape__ocl_program *pr,
 	if (*ret)
 		return 0;
 	*k = *kp;
-	kv[0] = ocl_view(l, APE__T_K, true);
+	kv[0] = ocl_view(l, APE_BE_T_K, true);
 	if (do_v) {
 		*v = *vf;
-		kv[1] = ocl_view(l, APE__T_V, true);
+		kv[1] = ocl_view(l, APE_BE_T_V, true);
 	}
 	return 1;
 }
 
 /*
- * A ragged launch's tables (core/backend.h, struct ape__launch.segs; kernels/attention.cl): the
+ * A ragged launch's tables (core/backend.h, struct ape_be_launch.segs; kernels/attention.cl): the
  * work-groups' (segment, query tile) entries, heaviest first; each segment's key tiles (kt, 2
  * longs each: first key, end) and its first tile and tile count (st, 2 longs each); with
  * explicit positions, each key tile's smallest and largest key position (tp, 2 longs each).
@@ -232,7 +232,7 @@ static int wg_heavier(const void *a, const void *b)
 	return x[0] + x[5] < y[0] + y[5] ? -1 : x[0] + x[5] > y[0] + y[5];
 }
 
-static int seg_tables_make(const struct ape__launch *l, int64_t bq, int64_t bk,
+static int seg_tables_make(const struct ape_be_launch *l, int64_t bq, int64_t bk,
 			   struct seg_tables *t)
 {
 	size_t nwg = 0, ntk = 0, w = 0, k = 0;
@@ -250,11 +250,11 @@ static int seg_tables_make(const struct ape__launch *l, int64_t bq, int64_t bk,
 		t->tp = ape__malloc(ntk * 2 * sizeof(cl_long) + 1);
 	if (!t->wg || !t->kt || !t->st || (l->pos_k && !t->tp)) {
 		seg_tables_free(t);
-		return ape__error(APE_ENOMEM, "out of host memory for the tables of %lld segments",
+		return ape_be_error(APE_ENOMEM, "out of host memory for the tables of %lld segments",
 				  (long long)l->nseg);
 	}
 	for (int64_t s = 0; s < l->nseg; s++) {
-		const struct ape__seg *g = &l->segs[s];
+		const struct ape_be_seg *g = &l->segs[s];
 		/* rel: the distance of (row q0, key k0), one pair's (it fits); any without keys */
 		const cl_long rel = g->lk ? g->q_start - g->k_start : 0;
 
@@ -300,8 +300,8 @@ static int seg_tables_make(const struct ape__launch *l, int64_t bq, int64_t bk,
 
 /* The skip pre-pass: per key tile the largest key norm, then prefix and suffix maxima; with
  * explicit positions the per-tile norms alone, in *pre (the bound is per tile). */
-static int ocl_prepass(struct ape__queue *q, const struct ape__ocl_program *pr,
-		       const struct ape__launch *l, cl_mem k, cl_mem v, const cl_long4 kv[2],
+static int ocl_prepass(struct ape_be_queue *q, const struct ape__ocl_program *pr,
+		       const struct ape_be_launch *l, cl_mem k, cl_mem v, const cl_long4 kv[2],
 		       cl_int dt, cl_long ntk, const struct seg_tables *sg, cl_mem *pre,
 		       cl_mem *suf)
 {
@@ -386,7 +386,7 @@ out_release:
 
 /* A host array uploaded for the kernels, padded to at least 16 bytes (a table may be empty,
  * a launch one row). */
-static cl_mem upload(struct ape__queue *q, const void *host, size_t bytes, cl_int *err)
+static cl_mem upload(struct ape_be_queue *q, const void *host, size_t bytes, cl_int *err)
 {
 	cl_long pad[2] = { 0, 0 };
 
@@ -399,13 +399,13 @@ static cl_mem upload(struct ape__queue *q, const void *host, size_t bytes, cl_in
 
 /* A launch with explicit positions (l->pos_q, l->pos_k) as ape_attention_pos takes it: always
  * ragged, one segment (*one) of every row and key when l->segs is NULL (in *x). */
-static const struct ape__launch *as_ragged(const struct ape__launch *l, struct ape__launch *x,
-					   struct ape__seg *one)
+static const struct ape_be_launch *as_ragged(const struct ape_be_launch *l, struct ape_be_launch *x,
+					   struct ape_be_seg *one)
 {
 	if (!l->pos_q || l->segs)
 		return l;
 	*x = *l;
-	*one = (struct ape__seg){ .q0 = 0, .lq = l->Lq, .k0 = 0, .lk = l->Lk };
+	*one = (struct ape_be_seg){ .q0 = 0, .lq = l->Lq, .k0 = 0, .lk = l->Lk };
 	x->segs = one;
 	x->nseg = 1;
 	return x;
@@ -413,7 +413,7 @@ static const struct ape__launch *as_ragged(const struct ape__launch *l, struct a
 
 /* Explicit positions and the tiles' position ranges uploaded into pos[0..2] (the caller
  * releases them): 0 or a failure (its message set). */
-static int pos_upload(struct ape__queue *q, const struct ape__launch *l,
+static int pos_upload(struct ape_be_queue *q, const struct ape_be_launch *l,
 		      const struct seg_tables *sg, cl_mem pos[3])
 {
 	cl_int err = CL_SUCCESS;
@@ -429,11 +429,11 @@ static int pos_upload(struct ape__queue *q, const struct ape__launch *l,
 	return 0;
 }
 
-int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *launch)
+int ape__ocl_attention(struct ape_be_queue *q, const struct ape_be_launch *launch)
 {
-	struct ape__launch rag;
-	struct ape__seg one;
-	const struct ape__launch *l = as_ragged(launch, &rag, &one);
+	struct ape_be_launch rag;
+	struct ape_be_seg one;
+	const struct ape_be_launch *l = as_ragged(launch, &rag, &one);
 	const bool pos = l->pos_q != NULL;
 	const struct ape__ocl_program *pr;
 	const cl_int D = (cl_int)l->D, H = (cl_int)l->H, group = (cl_int)(l->H / l->Hkv);
@@ -445,8 +445,8 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *launch)
 	cl_mem segt = NULL, posb[3] = { NULL, NULL, NULL };
 	struct seg_tables sg = { 0 };
 	struct ape__ocl_args a = { 0 };
-	const cl_long4 vq = ocl_view(l, APE__T_Q, false), vo = ocl_view(l, APE__T_O, false),
-		       vl = ocl_view(l, APE__T_LSE, false), ve = ocl_diag_view(l, 0),
+	const cl_long4 vq = ocl_view(l, APE_BE_T_Q, false), vo = ocl_view(l, APE_BE_T_O, false),
+		       vl = ocl_view(l, APE_BE_T_LSE, false), ve = ocl_diag_view(l, 0),
 		       vm = ocl_diag_view(l, 1);
 	cl_long4 kv[2];
 	size_t bq, nqt;
@@ -461,16 +461,16 @@ int ape__ocl_attention(struct ape__queue *q, const struct ape__launch *launch)
 	if (!pos && ape__ocl_separable_applies(q->dev, l))
 		return ape__ocl_separable(q, l);
 	if (!pos && ape__ocl_split_applies(q->dev, l)) {
-		ape__path_note(l->path, APE__PATH_SPLIT,
+		ape_be_path_note(l->path, APE_BE_PATH_SPLIT,
 			       "lambda = 0 on some heads only: runs of heads, each on its path");
 		return ape__ocl_split(q, l);
 	}
 	if (pos)
-		ape__path_note(l->path, APE__PATH_POSITIONS, "explicit positions");
+		ape_be_path_note(l->path, APE_BE_PATH_POSITIONS, "explicit positions");
 	else if (l->segs)
-		ape__path_note(l->path, APE__PATH_RAGGED, "a ragged batch: one segment table");
+		ape_be_path_note(l->path, APE_BE_PATH_RAGGED, "a ragged batch: one segment table");
 	else
-		ape__path_note(l->path, APE__PATH_GENERAL, ape__launch_general_why(l));
+		ape_be_path_note(l->path, APE_BE_PATH_GENERAL, ape_be_launch_general_why(l));
 	ret = ape__ocl_program_get(q->dev, l->D, &pr);
 	if (ret)
 		return ret;

@@ -8,12 +8,11 @@
 #include "ocl.h"
 #include "ocl_fast.h"
 
-_Static_assert(APE__BACKEND_ABI == 14, "opencl: written for backend ABI 14: review the changes "
-				       "of core/backend.h's contract, then this backend");
+_Static_assert(APE_BACKEND_ABI_MAJOR == 1, "opencl: written for backend ABI 1: review the changes of "
+	       "ape/ape_backend.h's contract, then this backend");
 
-const struct ape__backend_ops ape__opencl_ops = {
-	.abi_version = APE__BACKEND_ABI,
-	.name = "opencl",
+const struct ape_backend_plugin ape__opencl_ops = {
+	APE_BACKEND_PLUGIN_HEAD("opencl"),
 	.probe = ape__ocl_probe, /* ocl_device.c */
 	.device_release = ape__ocl_device_release,
 	.buf_alloc = ape__ocl_buf_alloc, /* ocl_mem.c */

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * One backward launch (core/backend.h, struct ape__bwd_launch): the pre-passes (Q with dO and
+ * One backward launch (core/backend.h, struct ape_be_bwd_launch): the pre-passes (Q with dO and
  * K with V as float32 rows, the per-distance table, the per-row table), the fused sweep (dK,
  * dV, and per split of the key blocks the partial dQ, alpha path and per-row parameter sums),
  * the reduction of the splits in split order (dQ, per-row parameter sums) and the per-head
@@ -40,7 +40,7 @@ static size_t bwd_kt(int64_t D)
  * (batch, head)). The same device and shape always give the same count, so the same sums. */
 #define BWD_SPLITS_MAX 8
 
-static size_t bwd_nsplit(const struct ape_device *dev, const struct ape__launch *f)
+static size_t bwd_nsplit(const struct ape_device *dev, const struct ape_be_launch *f)
 {
 	const size_t cu = dev->info.compute_units > 0 ? (size_t)dev->info.compute_units : 1;
 	const size_t bkv = (size_t)(f->B * f->Hkv) > 0 ? (size_t)(f->B * f->Hkv) : 1;
@@ -76,13 +76,13 @@ struct bwd_scratch {
 
 /*
  * The one sizing of a launch's scratch, for the launch (rw of its program) and for
- * attention_backward_scratch (BWD_RW_MAX): fills s and returns the sum. parts: APE__BWD_* bits.
+ * attention_backward_scratch (BWD_RW_MAX): fills s and returns the sum. parts: APE_BE_BWD_* bits.
  * A launch with nothing to do allocates nothing.
  */
-static uint64_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, size_t rw,
+static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, size_t rw,
 				 size_t nsplit, struct bwd_scratch *s)
 {
-	const unsigned outs = APE__BWD_DQ | APE__BWD_DK | APE__BWD_DV | APE__BWD_DPARAMS;
+	const unsigned outs = APE_BE_BWD_DQ | APE_BE_BWD_DK | APE_BE_BWD_DV | APE_BE_BWD_DPARAMS;
 	const size_t bh = (size_t)(f->B * f->H), bkv = (size_t)(f->B * f->Hkv);
 	const size_t npad = round_up((size_t)f->D / 2, rw), dpad = round_up((size_t)f->D, rw);
 	const size_t qrows = round_up((size_t)f->Lq, rw); /* whole row vectors */
@@ -98,21 +98,21 @@ static uint64_t bwd_scratch_size(const struct ape__launch *f, unsigned parts, si
 	s->step = bh * qrows * 2 * npad * sizeof(float);
 	/* a row vector's load of the last distances reaches rw - 1 past them */
 	s->tab = ((size_t)f->H * (size_t)(f->Lq + f->Lk - 1) * TB_N + rw) * sizeof(double);
-	s->part = parts & APE__BWD_DPARAMS ? bh * (size_t)f->Lq * 4 * sizeof(double) : 0;
+	s->part = parts & APE_BE_BWD_DPARAMS ? bh * (size_t)f->Lq * 4 * sizeof(double) : 0;
 	/* ape_bwd_prep's float32 rows: Q with dO in blocks of rw rows, K with V (and omega_p
 	 * times K's pairs) one by one */
 	s->qp = bh * qrows * (2 * npad + dpad) * sizeof(float);
 	s->kp = bkv * (size_t)f->Lk * (4 * npad + dpad) * sizeof(float);
 	/* ape_bwd_fused's per-split slices: dQ in row vectors, the rows' five sums */
-	s->dqp = parts & APE__BWD_DQ ? nsplit * bh * qrows * (size_t)f->D * sizeof(float) : 0;
-	s->rp = parts & (APE__BWD_DQ | APE__BWD_DPARAMS) ? nsplit * bh * qrows * RP_N * sizeof(double)
+	s->dqp = parts & APE_BE_BWD_DQ ? nsplit * bh * qrows * (size_t)f->D * sizeof(float) : 0;
+	s->rp = parts & (APE_BE_BWD_DQ | APE_BE_BWD_DPARAMS) ? nsplit * bh * qrows * RP_N * sizeof(double)
 							   : 0;
 	return (uint64_t)s->prm + s->kmax + s->rinfo + s->step + s->tab + s->part + s->qp + s->kp +
 	       s->dqp + s->rp;
 }
 
 uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
-					     const struct ape__bwd_launch *l, unsigned parts)
+					     const struct ape_be_bwd_launch *l, unsigned parts)
 {
 	struct bwd_scratch s;
 
@@ -122,7 +122,7 @@ uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
 }
 
 /* One scratch buffer of the launch, of a size bwd_scratch_size() gave, added to *held. */
-static cl_mem bwd_take(struct ape__queue *q, size_t bytes, void *init, uint64_t *held, cl_int *err)
+static cl_mem bwd_take(struct ape_be_queue *q, size_t bytes, void *init, uint64_t *held, cl_int *err)
 {
 	cl_mem mem = ape__ocl_scratch(q, bytes, init, err);
 
@@ -133,7 +133,7 @@ static cl_mem bwd_take(struct ape__queue *q, size_t bytes, void *init, uint64_t 
 
 /* omega_p (padded with zeros to npad, whole lane vectors), then delta, beta, gamma, lambda per
  * head, in float64 (the backward kernels exist only with cl_khr_fp64), in `bytes`. */
-static cl_mem bwd_params(struct ape__queue *q, const struct ape__launch *f, int npad, size_t bytes,
+static cl_mem bwd_params(struct ape_be_queue *q, const struct ape_be_launch *f, int npad, size_t bytes,
 			 uint64_t *held, cl_int *err)
 {
 	const size_t n = bytes / sizeof(double);
@@ -172,7 +172,7 @@ static cl_mem bwd_kmax(const struct ape__ocl_device *od, size_t bytes, uint64_t 
 
 /* A scratch buffer of `bytes` (bwd_scratch_size()) filled with zeros on the queue, added to
  * *held (the fused sweep's per-split partials: a split adds only to the rows it visits). */
-static cl_mem bwd_zeros(struct ape__queue *q, size_t bytes, uint64_t *held, cl_int *err)
+static cl_mem bwd_zeros(struct ape_be_queue *q, size_t bytes, uint64_t *held, cl_int *err)
 {
 	const cl_uint zero = 0;
 	cl_mem mem = bwd_take(q, bytes, NULL, held, err);
@@ -191,7 +191,7 @@ static cl_mem bwd_zeros(struct ape__queue *q, size_t bytes, uint64_t *held, cl_i
 }
 
 /* Enqueues one kernel of the program with its arguments already set in a, then releases it. */
-static int bwd_run(struct ape__queue *q, struct ape__ocl_args *a, size_t n0, size_t l0, size_t n1,
+static int bwd_run(struct ape_be_queue *q, struct ape__ocl_args *a, size_t n0, size_t l0, size_t n1,
 		   const char *name)
 {
 	int ret;
@@ -235,7 +235,7 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 /* One of ape_bwd_prep's float32 copies, of `bytes` (bwd_scratch_size()): pairs of a (first then
  * second components), then b (then, with om, omega_p times a's pairs), for nbh (batch, head)
  * pairs of L rows each, in blocks of `lanes` rows (kernels/backward.cl). */
-static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
+static int bwd_prep(struct ape_be_queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
 		    cl_mem b, cl_int dt_b, size_t nbh, cl_long L, cl_int lanes, cl_int D,
 		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, cl_mem om,
 		    size_t bytes, uint64_t *held, cl_mem *out)
@@ -265,10 +265,10 @@ static int bwd_prep(struct ape__queue *q, const struct ape__ocl_program *pr, cl_
 	return bwd_run(q, &args, round_up(padded, local), local, nbh, "ape_bwd_prep");
 }
 
-int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
+int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
-	const struct ape__launch *f = &l->f;
+	const struct ape_be_launch *f = &l->f;
 	const struct ape__ocl_program *pr;
 	const cl_int D = (cl_int)f->D, H = (cl_int)f->H, group = (cl_int)(f->H / f->Hkv);
 	const cl_long Lq = f->Lq, Lk = f->Lk, B = f->B, rel = f->q_start - f->k_start;
@@ -292,7 +292,7 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	int ret;
 
 	if (!od->fp64)
-		return ape__error(APE_ENOTSUP, "the backward pass needs float64 (cl_khr_fp64, "
+		return ape_be_error(APE_ENOTSUP, "the backward pass needs float64 (cl_khr_fp64, "
 					       "CL_DEVICE_DOUBLE_FP_CONFIG) for its parameter "
 					       "sums; this device has none");
 	if (!(l->dq || l->dk || l->dv || l->dparams) || rows == 0 || f->Lk == 0)
@@ -300,13 +300,13 @@ int ape__ocl_attention_backward(struct ape__queue *q, const struct ape__bwd_laun
 	ret = ape__ocl_program_get(q->dev, f->D, &pr);
 	if (ret)
 		return ret;
-	ape__path_note(f->path, APE__PATH_BACKWARD, "the fused sweep, keys outer");
+	ape_be_path_note(f->path, APE_BE_PATH_BACKWARD, "the fused sweep, keys outer");
 	rw = (cl_int)pr->t.rw; /* query rows per row vector (APE_RW) */
 	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)rw);
 	dpad = (cl_int)round_up((size_t)f->D, (size_t)rw);
 	nblk = ((size_t)Lq + (size_t)rw - 1) / (size_t)rw; /* row vectors per (batch, head) */
 	nsplit = bwd_nsplit(q->dev, f);
-	bwd_scratch_size(f, ape__bwd_parts(l), (size_t)rw, nsplit, &s);
+	bwd_scratch_size(f, ape_be_bwd_parts(l), (size_t)rw, nsplit, &s);
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
 		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0) | (f->pairs ? B_PAIRS : 0);
@@ -472,13 +472,13 @@ out_release:
 
 /* ------------------------------------------------------------------ the caller's memory */
 
-int ape__ocl_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+int ape__ocl_scratch_alloc(struct ape_be_queue *q, size_t bytes, struct ape_be_buf **out)
 {
 	/* OpenCL keeps a released buffer alive for the commands using it: buf_free is ordered */
 	return ape__ocl_buf_alloc(q->dev, bytes, out);
 }
 
-int ape__ocl_scratch_free(struct ape__queue *q, struct ape__buf *buf)
+int ape__ocl_scratch_free(struct ape_be_queue *q, struct ape_be_buf *buf)
 {
 	ape__ocl_buf_free(q->dev, buf);
 	return 0;
@@ -486,7 +486,7 @@ int ape__ocl_scratch_free(struct ape__queue *q, struct ape__buf *buf)
 
 /* kernels/backward.cl's ape_copy_view, from the program of the call's head size (built with
  * float64: the backward pass needs it, and the float64 sums are one of the sources). */
-int ape__ocl_copy_view(struct ape__queue *q, const struct ape__copy *c)
+int ape__ocl_copy_view(struct ape_be_queue *q, const struct ape_be_copy *c)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
 	const cl_int dt = c->dst_type, st = c->src_type;
@@ -497,7 +497,7 @@ int ape__ocl_copy_view(struct ape__queue *q, const struct ape__copy *c)
 	int ret;
 
 	if (!od->fp64)
-		return ape__error(APE_ENOTSUP, "the backward pass needs float64 (cl_khr_fp64); "
+		return ape_be_error(APE_ENOTSUP, "the backward pass needs float64 (cl_khr_fp64); "
 					       "this device has none");
 	if (!rows || !c->D)
 		return 0;

@@ -11,7 +11,7 @@
 #pragma GCC visibility push(hidden)
 
 struct ape_device;
-struct ape__queue;
+struct ape_be_queue;
 
 /* How a probe that finds no OpenCL platform at all starts its reason: tests skip on it. */
 #define APE__OCL_NO_PLATFORM "no OpenCL platform"
@@ -37,7 +37,7 @@ int ape__ocl_debug_kernels(const struct ape_device *dev, char *buf, unsigned cap
 uint64_t ape__ocl_debug_max_alloc(const struct ape_device *dev);
 /* Commands whose events the queue holds (its timeline, ocl.h): bounded on a long-lived queue
  * while no event of it is alive (0 after a synchronize then). */
-unsigned long ape__ocl_debug_tracked(const struct ape__queue *q);
+unsigned long ape__ocl_debug_tracked(const struct ape_be_queue *q);
 /* The program cache key of variant D on dev ("" when dev is not an OpenCL device). */
 void ape__ocl_debug_cache_key(const struct ape_device *dev, int64_t D, char *buf, unsigned cap);
 

@@ -58,7 +58,7 @@ static int64_t dec_rows_max(int64_t D)
 }
 
 /* A ragged launch's most rows and keys of one segment (rows 0: no segment). */
-static void dec_seg_max(const struct ape__launch *l, int64_t *lq, int64_t *lk)
+static void dec_seg_max(const struct ape_be_launch *l, int64_t *lq, int64_t *lk)
 {
 	*lq = *lk = 0;
 	for (int64_t e = 0; e < l->nseg; e++) {
@@ -70,7 +70,7 @@ static void dec_seg_max(const struct ape__launch *l, int64_t *lq, int64_t *lk)
 /* The launches the decode kernel can compute: a few rows (of each segment, in a ragged launch:
  * the plain shape only), D a multiple of 32, O, LSE, pairs; in the work-group shape, on a
  * device that holds its group and local memory. */
-static bool dec_shape(struct ape_device *dev, const struct ape__launch *l)
+static bool dec_shape(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
 	int64_t rows = l->Lq, keys = l->Lk;
@@ -88,7 +88,7 @@ static bool dec_shape(struct ape_device *dev, const struct ape__launch *l)
 	       (l->H / l->Hkv) * rows <= dec_rows_max(l->D);
 }
 
-bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l)
+bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	bool decays = false;
 
@@ -104,7 +104,7 @@ bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l
 
 /* In place, skipping allowed or not (skipping nothing is exact): the alternative is a gather
  * of every key chunk the chunk-level bound keeps, then the general kernel (docs/kernels.md). */
-bool ape__ocl_decode_pages(struct ape_device *dev, const struct ape__launch *l)
+bool ape__ocl_decode_pages(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	return l->pages && dec_shape(dev, l);
 }
@@ -130,7 +130,7 @@ static int64_t dec_chunk_of(struct ape_device *dev, int64_t D, int64_t bkv, int6
 }
 
 /* A dense launch's chunk. */
-static int64_t dec_chunk(struct ape_device *dev, const struct ape__launch *l)
+static int64_t dec_chunk(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	return dec_chunk_of(dev, l->D, l->B * l->Hkv, l->Lk);
 }
@@ -140,14 +140,14 @@ static int64_t dec_chunk(struct ape_device *dev, const struct ape__launch *l)
  * segment cut into chunks as a dense launch of it alone (B = 1) would be, its partials after the
  * previous segment's. Returns the partial rows of all of them; *most the most chunks of one.
  */
-static int64_t dec_segs(struct ape_device *dev, const struct ape__launch *l, cl_long *t,
+static int64_t dec_segs(struct ape_device *dev, const struct ape_be_launch *l, cl_long *t,
 			int64_t *most)
 {
 	int64_t off = 0;
 
 	*most = 1;
 	for (int64_t e = 0; e < l->nseg; e++) {
-		const struct ape__seg *g = &l->segs[e];
+		const struct ape_be_seg *g = &l->segs[e];
 		const int64_t chunk = dec_chunk_of(dev, l->D, l->Hkv, g->lk > 0 ? g->lk : 1);
 		const int64_t ns = (g->lk + chunk - 1) / chunk;
 
@@ -167,7 +167,7 @@ static int64_t dec_segs(struct ape_device *dev, const struct ape__launch *l, cl_
 	return off;
 }
 
-uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape__launch *l)
+uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	const int64_t chunk = dec_chunk(dev, l), nsplit = (l->Lk + chunk - 1) / chunk;
 	const uint64_t fixed = 8 * (uint64_t)(l->D / 2 + 4 * l->H);
@@ -187,11 +187,11 @@ uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape__launc
 	return (uint64_t)rows * (uint64_t)(l->D + 2) * sizeof(float) + fixed;
 }
 
-cl_mem ape__ocl_fast_params(struct ape__queue *q, const struct ape__launch *l, cl_int *err)
+cl_mem ape__ocl_fast_params(struct ape_be_queue *q, const struct ape_be_launch *l, cl_int *err)
 {
 	const struct ape__ocl_device *od = ape__ocl_dev(q->dev);
 	const size_t P = (size_t)l->D / 2, n = P + 4 * (size_t)l->H;
-	const struct ape__buf *up = l->params[od->fp64 ? 0 : 1];
+	const struct ape_be_buf *up = l->params[od->fp64 ? 0 : 1];
 	double *dv;
 	float *fv;
 	cl_mem mem;
@@ -221,16 +221,16 @@ cl_mem ape__ocl_fast_params(struct ape__queue *q, const struct ape__launch *l, c
 	return mem;
 }
 
-void ape__ocl_arg_view(struct ape__ocl_args *a, const struct ape__launch *l, int t)
+void ape__ocl_arg_view(struct ape__ocl_args *a, const struct ape_be_launch *l, int t)
 {
-	const struct ape__view v = ape__launch_view(l, t);
+	const struct ape_be_view v = ape_be_launch_view(l, t);
 	const cl_long x[4] = { v.off, v.sb, v.sh, v.sl };
 
 	for (int i = 0; i < 4; i++)
 		ape__ocl_arg(a, sizeof(cl_long), &x[i]);
 }
 
-int ape__ocl_fast_launch(struct ape__queue *q, struct ape__ocl_args *a, const char *what,
+int ape__ocl_fast_launch(struct ape_be_queue *q, struct ape__ocl_args *a, const char *what,
 			 size_t n0, size_t l0, size_t n1)
 {
 	int ret = a->err != CL_SUCCESS ? ape__ocl_error(a->err, "setting up %s", what)
@@ -242,7 +242,7 @@ int ape__ocl_fast_launch(struct ape__queue *q, struct ape__ocl_args *a, const ch
 	return ret;
 }
 
-cl_int ape__ocl_fast_flags(const struct ape__launch *l)
+cl_int ape__ocl_fast_flags(const struct ape_be_launch *l)
 {
 	return (cl_int)l->in_dtype | (cl_int)l->out_dtype << 2 | (l->causal ? APE__FD_CAUSAL : 0) |
 	       (l->layout == APE_ROPE_INTERLEAVED ? APE__FD_INTERLEAVED : 0) |
@@ -255,7 +255,7 @@ cl_int ape__ocl_fast_flags(const struct ape__launch *l)
  * Fails with APE_ENOTSUP (the decode runs nothing) when the compiled kernel allows fewer
  * work-items (a GPU short of registers for it: not seen, no GPU has run it).
  */
-static int dec_wg_launch(struct ape__queue *q, struct ape__ocl_args *a, const struct ape__launch *l,
+static int dec_wg_launch(struct ape_be_queue *q, struct ape__ocl_args *a, const struct ape_be_launch *l,
 			 cl_int nsplit)
 {
 	const int64_t ks = dec_wg_streams(l->D);
@@ -270,7 +270,7 @@ static int dec_wg_launch(struct ape__queue *q, struct ape__ocl_args *a, const st
 					     NULL) == CL_SUCCESS && kwg < DEC_GNWI) {
 		clReleaseKernel(a->k);
 		memset(a, 0, sizeof(*a));
-		return ape__error(APE_ENOTSUP, "ape_decode_wg: the device runs %zu work-items of it "
+		return ape_be_error(APE_ENOTSUP, "ape_decode_wg: the device runs %zu work-items of it "
 				  "to a group, it needs %d", kwg, DEC_GNWI);
 	}
 	ape__ocl_arg(a, DEC_GNWI * DEC_GRED * sizeof(cl_float), NULL);
@@ -282,7 +282,7 @@ static int dec_wg_launch(struct ape__queue *q, struct ape__ocl_args *a, const st
 				    (size_t)(l->B * l->Hkv));
 }
 
-int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
+int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 {
 	const struct ape__ocl_program *pr;
 	const int64_t chunk = l->segs ? 0 : dec_chunk(q->dev, l);
@@ -292,11 +292,11 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	const cl_long Lq = l->Lq, Lk = l->Lk, rel = l->q_start - l->k_start, ch = chunk;
 	const cl_float scale = (cl_float)l->scale;
 	const size_t rows = (size_t)(l->B * l->H * l->Lq);
-	const struct ape__kv_pages *pg = l->pages;
+	const struct ape_be_kv_pages *pg = l->pages;
 	/* the pages (bt 0: none), and K and V as views of one block when there are pages */
 	const cl_long pbt = pg ? pg->block_tokens : 0, pnb = pg ? pg->nblocks : 0,
 		      pfirst = pg ? pg->first_block : 0, prow = pg ? pg->first_row : 0;
-	/* where the blocks' rows lie (struct ape__kv_pages): K's and V's views from their offsets */
+	/* where the blocks' rows lie (struct ape_be_kv_pages): K's and V's views from their offsets */
 	const cl_long pblk = pg ? pg->s_block : 0;
 	const cl_long pview[2][4] = { { pg ? pg->k_off : 0, pg ? pg->s_b : 0, pg ? pg->s_h : 0,
 					pg ? pg->s_row : 0 },
@@ -322,7 +322,7 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	}
 	nr = l->H / l->Hkv * seg_lq;
 
-	ape__path_note(l->path, pg ? APE__PATH_PAGES : APE__PATH_DECODE,
+	ape_be_path_note(l->path, pg ? APE_BE_PATH_PAGES : APE_BE_PATH_DECODE,
 		       pg ? "keys read where the KV cache keeps them"
 			  : "a few query rows: keys split over the device, merged by LSE");
 	while (rm < nr)
@@ -340,7 +340,7 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 		cl_long *t = ape__malloc((size_t)l->nseg * 8 * sizeof(*t));
 
 		if (!t) {
-			ret = ape__error(APE_ENOMEM, "out of host memory for the decode's segments");
+			ret = ape_be_error(APE_ENOMEM, "out of host memory for the decode's segments");
 			goto out;
 		}
 		dec_segs(q->dev, l, t, &most);
@@ -364,12 +364,12 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(cl_mem), &l->v->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), &prm);
 	ape__ocl_arg(&a, sizeof(cl_mem), &part);
-	ape__ocl_arg_view(&a, l, APE__T_Q);
-	for (int t = APE__T_K; t <= APE__T_V; t++) {
+	ape__ocl_arg_view(&a, l, APE_BE_T_Q);
+	for (int t = APE_BE_T_K; t <= APE_BE_T_V; t++) {
 		if (!pg)
 			ape__ocl_arg_view(&a, l, t);
 		for (int i = 0; pg && i < 4; i++)
-			ape__ocl_arg(&a, sizeof(cl_long), &pview[t - APE__T_K][i]);
+			ape__ocl_arg(&a, sizeof(cl_long), &pview[t - APE_BE_T_K][i]);
 	}
 	ape__ocl_arg(&a, sizeof(D), &D);
 	ape__ocl_arg(&a, sizeof(Lq), &Lq);
@@ -402,8 +402,8 @@ int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l)
 	ape__ocl_arg(&a, sizeof(cl_mem), &l->o->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), l->lse ? &l->lse->mem : &none);
 	ape__ocl_arg(&a, sizeof(cl_mem), l->pairs ? &l->pairs->mem : &none);
-	ape__ocl_arg_view(&a, l, APE__T_O);
-	ape__ocl_arg_view(&a, l, APE__T_LSE);
+	ape__ocl_arg_view(&a, l, APE_BE_T_O);
+	ape__ocl_arg_view(&a, l, APE_BE_T_LSE);
 	ape__ocl_arg(&a, sizeof(D), &D);
 	ape__ocl_arg(&a, sizeof(Lq), &Lq);
 	ape__ocl_arg(&a, sizeof(Lk), &Lk);
@@ -426,7 +426,7 @@ out:
 
 /* What ocl_attention.c allocates for the general kernel: float32 copies of K and V, per-tile
  * key norms with prefix and suffix maxima, the parameters, explicit positions. */
-static uint64_t general_scratch(const struct ape__launch *l)
+static uint64_t general_scratch(const struct ape_be_launch *l)
 {
 	/* ntk bounded by one key per tile (the tile can shrink to fit local memory) */
 	const uint64_t kv = (uint64_t)(l->B * l->Hkv), ntk = (uint64_t)l->Lk;
@@ -439,7 +439,7 @@ static uint64_t general_scratch(const struct ape__launch *l)
 	       8 * (uint64_t)(l->D / 2 + 4 * l->H) + 4096 + pos;
 }
 
-uint64_t ape__ocl_attention_scratch(struct ape_device *dev, const struct ape__launch *l)
+uint64_t ape__ocl_attention_scratch(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	/* shape-only: head_params are not known here, so each path that might run counts; a
 	 * launch with pages runs the decode only (attention_pages) */

@@ -164,14 +164,14 @@ static int ocl_dev_locks(struct ape__ocl_device *od)
 /* Adds one device, on a context of its own, or on `shared` (the caller's, retained) when not
  * NULL: 1 when added, 0 when it cannot be used (with a note in `why`), or a negative code (out
  * of memory). */
-static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_device_id id,
+static int ocl_add_device(struct ape_backend *be, cl_platform_id plat, cl_device_id id,
 			  cl_context shared, char *why, size_t why_len)
 {
 	const cl_context_properties props[] = { CL_CONTEXT_PLATFORM, (cl_context_properties)plat,
 						0 };
 	struct ape__ocl_device *od;
 	struct ape_device_info info;
-	struct ape__dev_caps caps;
+	struct ape_be_caps caps;
 	cl_bool avail = CL_FALSE, compiler = CL_FALSE;
 	cl_uint cu = 0;
 	cl_ulong gmem = 0;
@@ -180,10 +180,10 @@ static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_devic
 
 	od = ape__calloc(1, sizeof(*od));
 	if (!od)
-		return ape__error(APE_ENOMEM, "opencl: out of memory probing devices");
+		return ape_be_error(APE_ENOMEM, "opencl: out of memory probing devices");
 	if (ocl_dev_locks(od)) {
 		free(od);
-		return ape__error(APE_ENOMEM, "opencl: cannot create a mutex");
+		return ape_be_error(APE_ENOMEM, "opencl: cannot create a mutex");
 	}
 	od->platform = plat;
 	od->id = id;
@@ -245,29 +245,31 @@ static int ocl_add_device(struct ape__backend *be, cl_platform_id plat, cl_devic
 		rank = OCL_RANK_ACCEL;
 	}
 	if (!od->fp64)
-		ape__warn("opencl %s: no float64 (cl_khr_fp64): rotation angles are exact only for "
+		ape_be_warn("opencl %s: no float64 (cl_khr_fp64): rotation angles are exact only for "
 			  "distances |n| < 4096",
 			  od->name);
-	caps = (struct ape__dev_caps){
+	caps = (struct ape_be_caps){
 		/* a CPU device's buffers can be host memory (CL_MEM_USE_HOST_PTR), which its
 		 * kernels read where it is (ape__ocl_buf_wrap) */
-		.host_memory = (od->type & CL_DEVICE_TYPE_CPU) != 0,
-		.diag = true, /* ENT and MD behind F_DIAG (kernels/attention.cl) */
-		.diag_views = true, /* ... strided, each optional */
-		/* ocl_backward.c: its kernels, copy_view's included, are built with float64 */
-		.backward = od->fp64 != 0,
-		.resident_backward = od->fp64 != 0, /* scratch and copy_view */
-		.timestamps = true, /* profiling queues (a wrapped queue may have none: ENOTSUP) */
-		/* ragged launches: the general kernel's and the separable path's segment tables */
-		.segments = true,
-		/* explicit positions: the general kernel's ape_attention_pos (every launch with
-		 * them goes there, the fast paths take implied positions only) */
-		.positions = true,
+		.features = ((od->type & CL_DEVICE_TYPE_CPU) ? APE_BE_CAP_HOST_MEMORY : 0) |
+			    /* ENT and MD behind F_DIAG (kernels/attention.cl), strided, each
+			     * optional */
+			    APE_BE_CAP_DIAG | APE_BE_CAP_DIAG_VIEWS |
+			    /* ocl_backward.c: its kernels, copy_view's included, are built with
+			     * float64; the resident backward also needs scratch and copy_view */
+			    (od->fp64 ? APE_BE_CAP_BACKWARD | APE_BE_CAP_RESIDENT_BACKWARD : 0) |
+			    /* profiling queues (a wrapped queue may have none: ENOTSUP) */
+			    APE_BE_CAP_TIMESTAMPS |
+			    /* ragged launches: the general kernel's and the separable path's
+			     * segment tables; explicit positions: the general kernel's
+			     * ape_attention_pos (every launch with them goes there, the fast paths
+			     * take implied positions only) */
+			    APE_BE_CAP_SEGMENTS | APE_BE_CAP_POSITIONS,
 		.max_alloc = od->max_alloc, /* checked in buf_alloc: some drivers fail late */
 	};
 	/* the programs already in the cache, now rather than in the first call */
 	ape__ocl_program_preload(od);
-	ret = ape__device_add(be, &info, &caps, rank, od);
+	ret = ape_be_device_add(be, &info, &caps, rank, od);
 	if (ret) {
 		ocl_dev_free(od);
 		return ret;
@@ -375,24 +377,24 @@ static int ocl_import_check(cl_context c, cl_device_id id)
 	bool found = false;
 
 	if (err != CL_SUCCESS || n < sizeof(*devs))
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "opencl: ape_context_options.opencl_context %p: clGetContextInfo "
 				  "(CL_CONTEXT_DEVICES): %s (%d)",
 				  (void *)c, err ? ape__ocl_err_name(err) : "no device", (int)err);
 	devs = ape__malloc(n);
 	if (!devs)
-		return ape__error(APE_ENOMEM, "opencl: out of memory probing devices");
+		return ape_be_error(APE_ENOMEM, "opencl: out of memory probing devices");
 	err = clGetContextInfo(c, CL_CONTEXT_DEVICES, n, devs, NULL);
 	for (size_t i = 0; err == CL_SUCCESS && i < n / sizeof(*devs); i++)
 		found |= devs[i] == id;
 	free(devs);
 	if (err != CL_SUCCESS)
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "opencl: ape_context_options.opencl_context %p: clGetContextInfo "
 				  "(CL_CONTEXT_DEVICES): %s (%d)",
 				  (void *)c, ape__ocl_err_name(err), (int)err);
 	if (!found)
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "opencl: ape_context_options.opencl_device %p is not one of the "
 				  "%zu device(s) of opencl_context %p",
 				  (void *)id, n / sizeof(*devs), (void *)c);
@@ -405,33 +407,39 @@ static int ocl_import_result(int ret, cl_device_id id, const char *why)
 {
 	if (ret)
 		return ret;
-	return ape__error(APE_EINVAL,
+	return ape_be_error(APE_EINVAL,
 			  "opencl: ape_context_options.opencl_device %p cannot be used: %s",
 			  (void *)id, why);
 }
 
 /*
  * probe (core/backend.h): every device of every platform, each on a context of its own, except
- * the device named by be->import (ape_context_options.opencl_context and .opencl_device), which
+ * the device named by ape_be_import() (ape_context_options.opencl_context and .opencl_device), which
  * is built on the caller's context, retained. Fails (and so fails ape_context_create()) with
  * APE_EINVAL when that device is not one of that context's devices or cannot be used, and with
  * APE_ENODEV when the ICD loader cannot be loaded although the caller has a context.
  */
-int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res)
+int ape__ocl_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 {
 	cl_platform_id *plats = NULL;
-	cl_context imp_ctx = be->import.context;
-	cl_device_id imp_dev = be->import.device;
-	bool imp_done = !imp_ctx;
+	void *impo[2];
+	cl_context imp_ctx;
+	cl_device_id imp_dev;
+	bool imp_done;
 	cl_uint np = 0;
 	cl_int err;
 	int added = 0, ret = 0;
 	char why[200] = "";
 
+	ape_be_import(be, &impo[0], &impo[1]);
+	imp_ctx = impo[0];
+	imp_dev = impo[1];
+	imp_done = !imp_ctx;
+
 	/* tests and tools recognise "no OpenCL platform" as "no OpenCL here", whatever the cause */
 	if (ape__ocl_load(why, sizeof(why))) {
 		if (imp_ctx)
-			return ape__error(APE_ENODEV,
+			return ape_be_error(APE_ENODEV,
 					  "opencl: ape_context_options.opencl_context is set, but "
 					  "%s", why);
 		snprintf(res->reason, sizeof(res->reason), APE__OCL_NO_PLATFORM ": %s", why);
@@ -453,7 +461,7 @@ int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res)
 	}
 	plats = ape__calloc(np, sizeof(*plats));
 	if (!plats)
-		return ape__error(APE_ENOMEM, "opencl: out of memory probing platforms");
+		return ape_be_error(APE_ENOMEM, "opencl: out of memory probing platforms");
 	err = clGetPlatformIDs(np, plats, NULL);
 	if (err != CL_SUCCESS) {
 		snprintf(res->reason, sizeof(res->reason), "clGetPlatformIDs: %s (%d)",
@@ -472,7 +480,7 @@ int ape__ocl_probe(struct ape__backend *be, struct ape__probe_result *res)
 		}
 		devs = ape__calloc(nd, sizeof(*devs));
 		if (!devs) {
-			ret = ape__error(APE_ENOMEM, "opencl: out of memory probing devices");
+			ret = ape_be_error(APE_ENOMEM, "opencl: out of memory probing devices");
 			break;
 		}
 		if (clGetDeviceIDs(plats[p], CL_DEVICE_TYPE_ALL, nd, devs, NULL) == CL_SUCCESS) {

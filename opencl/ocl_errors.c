@@ -116,6 +116,6 @@ int ape__ocl_error(cl_int err, const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(what, sizeof(what), fmt, ap);
 	va_end(ap);
-	return ape__error(ape__ocl_err_code(err), "%s: %s (%d)", what, ape__ocl_err_name(err),
+	return ape_be_error(ape__ocl_err_code(err), "%s: %s (%d)", what, ape__ocl_err_name(err),
 			  (int)err);
 }

@@ -33,46 +33,46 @@
 
 /* The outputs every fast kernel writes: O, LSE, pairs. A launch asking for the diagnostics
  * (entropy, mean distance: l->ent, l->md) goes to the general kernel. */
-static inline bool ape__ocl_fast_outputs(const struct ape__launch *l)
+static inline bool ape__ocl_fast_outputs(const struct ape_be_launch *l)
 {
 	return !l->ent && !l->md;
 }
 
 /* ---- ocl_decode.c */
-bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape__launch *l);
-int ape__ocl_decode(struct ape__queue *q, const struct ape__launch *l);
+bool ape__ocl_decode_applies(struct ape_device *dev, const struct ape_be_launch *l);
+int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l);
 /* The attention_pages op: the decode reads a KV cache's blocks in place (l->pages) for every
  * launch of its shape, with skipping allowed or not (it skips nothing: exact). */
-bool ape__ocl_decode_pages(struct ape_device *dev, const struct ape__launch *l);
+bool ape__ocl_decode_pages(struct ape_device *dev, const struct ape_be_launch *l);
 /* Bytes of scratch the decode allocates for l (0 when it does not apply). */
-uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape__launch *l);
+uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape_be_launch *l);
 
 /* omega_p (D/2 values), then delta, beta, gamma, lambda per head, in the kernels' APE_REAL, as a
  * read-only buffer of the launch's own. */
-cl_mem ape__ocl_fast_params(struct ape__queue *q, const struct ape__launch *l, cl_int *err);
+cl_mem ape__ocl_fast_params(struct ape_be_queue *q, const struct ape_be_launch *l, cl_int *err);
 /* The view of tensor t as four kernel arguments (offset, B, H and L strides). */
-void ape__ocl_arg_view(struct ape__ocl_args *a, const struct ape__launch *l, int t);
+void ape__ocl_arg_view(struct ape__ocl_args *a, const struct ape_be_launch *l, int t);
 /* Enqueues a->k (arguments set through a) over (n0, n1) with local size l0, releases it and
  * clears *a for the next kernel; the first failure, as ape__ocl_enqueue() reports it. */
-int ape__ocl_fast_launch(struct ape__queue *q, struct ape__ocl_args *a, const char *what,
+int ape__ocl_fast_launch(struct ape_be_queue *q, struct ape__ocl_args *a, const char *what,
 			 size_t n0, size_t l0, size_t n1);
 /* The flags every fast kernel takes. */
-cl_int ape__ocl_fast_flags(const struct ape__launch *l);
+cl_int ape__ocl_fast_flags(const struct ape_be_launch *l);
 
 /* ---- ocl_separable.c */
-bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch *l);
-int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l);
-uint64_t ape__ocl_separable_scratch(struct ape_device *dev, const struct ape__launch *l);
+bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape_be_launch *l);
+int ape__ocl_separable(struct ape_be_queue *q, const struct ape_be_launch *l);
+uint64_t ape__ocl_separable_scratch(struct ape_device *dev, const struct ape_be_launch *l);
 /* Mixed launches (some kv groups all separable, others not; no pairs, no lse_prior; not
  * ragged): each run of consecutive kv groups of one kind as a sub-launch, its views moved along
  * H. The separable path's scratch bounds the runs' together (it exceeds the general kernel's per
  * head). */
-bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l);
-int ape__ocl_split(struct ape__queue *q, const struct ape__launch *l);
+bool ape__ocl_split_applies(struct ape_device *dev, const struct ape_be_launch *l);
+int ape__ocl_split(struct ape_be_queue *q, const struct ape_be_launch *l);
 
 /* The attention_scratch op (ocl_decode.c): the largest of what the general kernel and the fast
  * paths allocate for l. */
-uint64_t ape__ocl_attention_scratch(struct ape_device *dev, const struct ape__launch *l);
+uint64_t ape__ocl_attention_scratch(struct ape_device *dev, const struct ape_be_launch *l);
 
 /* ---- kernels_embed.S */
 extern const char ape__ocl_src_decode[];

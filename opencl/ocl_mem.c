@@ -66,7 +66,7 @@ static void tl_prune(struct ape__ocl_timeline *tl)
 	tl->dropped += k;
 }
 
-int ape__ocl_track(struct ape__queue *q, cl_event ev)
+int ape__ocl_track(struct ape_be_queue *q, cl_event ev)
 {
 	struct ape__ocl_timeline *tl = q->tl;
 
@@ -80,7 +80,7 @@ int ape__ocl_track(struct ape__queue *q, cl_event ev)
 			/* keep the command's own reference alive until the queue is done */
 			clWaitForEvents(1, &ev);
 			clReleaseEvent(ev);
-			return ape__error(APE_ENOMEM, "out of memory tracking a command");
+			return ape_be_error(APE_ENOMEM, "out of memory tracking a command");
 		}
 		tl->ev = e;
 		tl->cap = cap;
@@ -124,7 +124,7 @@ static int huge_buffer(const struct ape__ocl_device *od, size_t bytes, cl_mem *m
 	const size_t shift = (size_t)(atomic_fetch_add(&turn, 1) % 8) * (HUGE_PAGE / 8 + 4096 + 64);
 
 	if (ape__posix_memalign(&host, HUGE_PAGE, span + HUGE_PAGE))
-		return ape__error(APE_ENOMEM, "out of host memory for a buffer of %zu bytes", bytes);
+		return ape_be_error(APE_ENOMEM, "out of host memory for a buffer of %zu bytes", bytes);
 	(void)madvise(host, span + HUGE_PAGE, MADV_HUGEPAGE);
 	*mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, bytes,
 			      (char *)host + shift, &err);
@@ -137,23 +137,23 @@ static int huge_buffer(const struct ape__ocl_device *od, size_t bytes, cl_mem *m
 	return 0;
 }
 
-int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
+int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape_be_buf **out)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(dev);
-	struct ape__buf *b;
+	struct ape_be_buf *b;
 	cl_int err;
 	int ret;
 
 	*out = NULL;
 	/* checked here, not left to the driver: some allocate lazily and fail only at first use */
 	if (bytes > od->max_alloc)
-		return ape__error(APE_ENOMEM,
+		return ape_be_error(APE_ENOMEM,
 				  "clCreateBuffer (%zu bytes): CL_INVALID_BUFFER_SIZE: more than "
 				  "CL_DEVICE_MAX_MEM_ALLOC_SIZE (%llu bytes)",
 				  bytes, (unsigned long long)od->max_alloc);
 	b = ape__calloc(1, sizeof(*b));
 	if (!b)
-		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
+		return ape_be_error(APE_ENOMEM, "out of host memory for a buffer");
 	if ((ret = huge_buffer(od, bytes, &b->mem))) {
 		free(b);
 		return ret;
@@ -163,7 +163,7 @@ int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **o
 	if (!b->mem) {
 		free(b);
 		if (err == CL_INVALID_BUFFER_SIZE) /* too large for this device: it does not fit */
-			return ape__error(APE_ENOMEM, "clCreateBuffer (%zu bytes): %s", bytes,
+			return ape_be_error(APE_ENOMEM, "clCreateBuffer (%zu bytes): %s", bytes,
 					  ape__ocl_err_name(err));
 		return ape__ocl_error(err, "clCreateBuffer (%zu bytes)", bytes);
 	}
@@ -181,10 +181,10 @@ static int ocl_check_object(const struct ape__ocl_device *od, const char *what, 
 			    const char *fn, cl_int err, cl_context c)
 {
 	if (err != CL_SUCCESS)
-		return ape__error(APE_EINVAL, "the %s %p: %s: %s (%d)", what, obj, fn,
+		return ape_be_error(APE_EINVAL, "the %s %p: %s: %s (%d)", what, obj, fn,
 				  ape__ocl_err_name(err), (int)err);
 	if (c != od->ctx)
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "the %s %p belongs to cl_context %p, not to the device's "
 				  "cl_context %p (build the device on it with "
 				  "ape_context_options.opencl_context)",
@@ -203,25 +203,25 @@ static int ocl_check_object(const struct ape__ocl_device *od, const char *what, 
  * context. buf_free releases either; OpenCL keeps the object alive for commands in flight.
  */
 int ape__ocl_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
-		      struct ape__buf **out, size_t *bytes_out)
+		      struct ape_be_buf **out, size_t *bytes_out)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(dev);
-	struct ape__buf *b;
+	struct ape_be_buf *b;
 	cl_mem mem = NULL;
 	cl_int err;
 
 	*out = NULL;
 	*bytes_out = 0;
-	if (kind == APE__MEM_HOST) {
+	if (kind == APE_BE_MEM_HOST) {
 		if (!(od->type & CL_DEVICE_TYPE_CPU))
-			return ape__error(APE_ENOTSUP,
+			return ape_be_error(APE_ENOTSUP,
 					  "host memory cannot be wrapped: not a CPU device, so its "
 					  "kernels do not read host memory in place");
 		if (!handle || !bytes)
-			return ape__error(APE_EINVAL, "host memory %p of %zu bytes: %s", handle,
+			return ape_be_error(APE_EINVAL, "host memory %p of %zu bytes: %s", handle,
 					  bytes, !handle ? "NULL pointer" : "0 bytes");
 		if (bytes > od->max_alloc)
-			return ape__error(APE_EINVAL,
+			return ape_be_error(APE_EINVAL,
 					  "host memory of %zu bytes: more than the device's "
 					  "largest buffer (CL_DEVICE_MAX_MEM_ALLOC_SIZE, %llu bytes)",
 					  bytes, (unsigned long long)od->max_alloc);
@@ -230,14 +230,14 @@ int ape__ocl_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t byt
 		if (!mem)
 			return ape__ocl_error(err, "clCreateBuffer (CL_MEM_USE_HOST_PTR, %zu bytes)",
 					      bytes);
-	} else if (kind == APE__MEM_OPENCL) {
+	} else if (kind == APE_BE_MEM_OPENCL) {
 		cl_context c = NULL;
 		cl_mem_object_type type = 0;
 		size_t size = 0;
 		int ret;
 
 		if (!handle)
-			return ape__error(APE_EINVAL, "the cl_mem is NULL");
+			return ape_be_error(APE_EINVAL, "the cl_mem is NULL");
 		err = clGetMemObjectInfo(handle, CL_MEM_CONTEXT, sizeof(c), &c, NULL);
 		if (err == CL_SUCCESS)
 			err = clGetMemObjectInfo(handle, CL_MEM_TYPE, sizeof(type), &type, NULL);
@@ -247,11 +247,11 @@ int ape__ocl_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t byt
 		if (ret)
 			return ret;
 		if (type != CL_MEM_OBJECT_BUFFER)
-			return ape__error(APE_EINVAL,
+			return ape_be_error(APE_EINVAL,
 					  "the cl_mem %p is not a buffer (CL_MEM_TYPE 0x%x)", handle,
 					  (unsigned)type);
 		if (bytes > size)
-			return ape__error(APE_EINVAL,
+			return ape_be_error(APE_EINVAL,
 					  "%zu bytes of the cl_mem %p, which has only %zu", bytes,
 					  handle, size);
 		mem = handle;
@@ -260,15 +260,15 @@ int ape__ocl_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t byt
 			return ape__ocl_error(err, "clRetainMemObject");
 		bytes = bytes ? bytes : size;
 	} else {
-		return ape__error(APE_ENOTSUP, "cannot wrap %s: an OpenCL device takes host "
+		return ape_be_error(APE_ENOTSUP, "cannot wrap %s: an OpenCL device takes host "
 					       "memory (CPU devices) and cl_mem objects only",
-				  kind == APE__MEM_CUDA ? "CUDA device memory (APE__MEM_CUDA)"
+				  kind == APE_BE_MEM_CUDA ? "CUDA device memory (APE_BE_MEM_CUDA)"
 							: "memory of an unknown kind");
 	}
 	b = ape__calloc(1, sizeof(*b));
 	if (!b) {
 		clReleaseMemObject(mem);
-		return ape__error(APE_ENOMEM, "out of host memory for a buffer");
+		return ape_be_error(APE_ENOMEM, "out of host memory for a buffer");
 	}
 	b->mem = mem;
 	b->size = bytes;
@@ -290,7 +290,7 @@ void ape__ocl_native(struct ape_device *dev, void **context, void **device)
 
 /* Allocated or wrapped: releasing the cl_mem frees ours (idle) and drops the hold on the
  * caller's, which OpenCL keeps alive for the commands still using it. */
-void ape__ocl_buf_free(struct ape_device *dev, struct ape__buf *buf)
+void ape__ocl_buf_free(struct ape_device *dev, struct ape_be_buf *buf)
 {
 	(void)dev;
 	if (!buf)
@@ -299,20 +299,20 @@ void ape__ocl_buf_free(struct ape_device *dev, struct ape__buf *buf)
 	free(buf);
 }
 
-int ape__ocl_queue_create(struct ape_device *dev, struct ape__queue **out)
+int ape__ocl_queue_create(struct ape_device *dev, struct ape_be_queue **out)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(dev);
-	struct ape__queue *q;
+	struct ape_be_queue *q;
 	cl_int err;
 
 	*out = NULL;
 	q = ape__calloc(1, sizeof(*q));
 	if (!q)
-		return ape__error(APE_ENOMEM, "out of memory creating a queue");
+		return ape_be_error(APE_ENOMEM, "out of memory creating a queue");
 	q->tl = ape__calloc(1, sizeof(*q->tl));
 	if (!q->tl) {
 		free(q);
-		return ape__error(APE_ENOMEM, "out of memory creating a queue");
+		return ape_be_error(APE_ENOMEM, "out of memory creating a queue");
 	}
 	atomic_init(&q->tl->refs, 1);
 	q->dev = dev;
@@ -334,20 +334,20 @@ int ape__ocl_queue_create(struct ape_device *dev, struct ape__queue **out)
  * APE_ENOTSUP). Commands are tracked as on a queue of ours (synchronize reports a failed one);
  * the caller's own commands are not, but a failure clFinish reports still comes back.
  */
-int ape__ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out)
+int ape__ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape_be_queue **out)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(dev);
 	cl_command_queue cq = handle;
 	cl_context c = NULL;
 	cl_device_id d = NULL;
 	cl_command_queue_properties props = 0;
-	struct ape__queue *q;
+	struct ape_be_queue *q;
 	cl_int err;
 	int ret;
 
 	*out = NULL;
 	if (!cq)
-		return ape__error(APE_EINVAL, "the cl_command_queue is NULL");
+		return ape_be_error(APE_EINVAL, "the cl_command_queue is NULL");
 	err = clGetCommandQueueInfo(cq, CL_QUEUE_CONTEXT, sizeof(c), &c, NULL);
 	if (err == CL_SUCCESS)
 		err = clGetCommandQueueInfo(cq, CL_QUEUE_DEVICE, sizeof(d), &d, NULL);
@@ -357,12 +357,12 @@ int ape__ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue 
 	if (ret)
 		return ret;
 	if (d != od->id)
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "the cl_command_queue %p is for cl_device_id %p, not for this "
 				  "device's %p",
 				  handle, (void *)d, (void *)od->id);
 	if (props & CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE)
-		return ape__error(APE_EINVAL,
+		return ape_be_error(APE_EINVAL,
 				  "the cl_command_queue %p is out of order "
 				  "(CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE): libape orders its "
 				  "work by the queue's order, so it needs an in-order queue",
@@ -372,7 +372,7 @@ int ape__ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue 
 		q->tl = ape__calloc(1, sizeof(*q->tl));
 	if (!q || !q->tl) {
 		free(q);
-		return ape__error(APE_ENOMEM, "out of memory wrapping a queue");
+		return ape_be_error(APE_ENOMEM, "out of memory wrapping a queue");
 	}
 	err = clRetainCommandQueue(cq);
 	if (err != CL_SUCCESS) {
@@ -392,7 +392,7 @@ int ape__ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue 
 /* Ours: waits first. The caller's: only drops the hold, without waiting; what libape enqueued
  * there keeps its scratch alive by OpenCL's reference counts, and stays ordered with the
  * caller's work. */
-void ape__ocl_queue_destroy(struct ape__queue *q)
+void ape__ocl_queue_destroy(struct ape_be_queue *q)
 {
 	if (!q)
 		return;
@@ -403,7 +403,7 @@ void ape__ocl_queue_destroy(struct ape__queue *q)
 	free(q);
 }
 
-int ape__ocl_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src,
+int ape__ocl_copy_h2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, const void *src,
 		      size_t n)
 {
 	cl_event ev;
@@ -414,7 +414,7 @@ int ape__ocl_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, co
 	return ape__ocl_track(q, ev);
 }
 
-int ape__ocl_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n)
+int ape__ocl_copy_d2h(struct ape_be_queue *q, void *dst, struct ape_be_buf *src, size_t off, size_t n)
 {
 	cl_event ev;
 	cl_int err = clEnqueueReadBuffer(q->cq, src->mem, CL_FALSE, off, n, dst, 0, NULL, &ev);
@@ -424,7 +424,7 @@ int ape__ocl_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, siz
 	return ape__ocl_track(q, ev);
 }
 
-int ape__ocl_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+int ape__ocl_fill(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, uint32_t pattern,
 		  size_t n)
 {
 	cl_event ev;
@@ -436,8 +436,8 @@ int ape__ocl_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32
 	return ape__ocl_track(q, ev);
 }
 
-int ape__ocl_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
-		      struct ape__buf *src, size_t src_off, size_t n)
+int ape__ocl_copy_d2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t dst_off,
+		      struct ape_be_buf *src, size_t src_off, size_t n)
 {
 	cl_event ev;
 	cl_int err = clEnqueueCopyBuffer(q->cq, src->mem, dst->mem, src_off, dst_off, n, 0, NULL,
@@ -448,14 +448,14 @@ int ape__ocl_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off
 	return ape__ocl_track(q, ev);
 }
 
-int ape__ocl_event_record(struct ape__queue *q, struct ape__event **out)
+int ape__ocl_event_record(struct ape_be_queue *q, struct ape_be_event **out)
 {
-	struct ape__event *e = ape__calloc(1, sizeof(*e));
+	struct ape_be_event *e = ape__calloc(1, sizeof(*e));
 	cl_int err;
 
 	*out = NULL;
 	if (!e)
-		return ape__error(APE_ENOMEM, "out of memory recording an event");
+		return ape_be_error(APE_ENOMEM, "out of memory recording an event");
 	err = clEnqueueMarkerWithWaitList(q->cq, 0, NULL, &e->marker);
 	if (err != CL_SUCCESS) {
 		free(e);
@@ -469,7 +469,7 @@ int ape__ocl_event_record(struct ape__queue *q, struct ape__event **out)
 	return 0;
 }
 
-int ape__ocl_event_wait(struct ape__queue *q, struct ape__event *e)
+int ape__ocl_event_wait(struct ape_be_queue *q, struct ape_be_event *e)
 {
 	cl_int err = clEnqueueBarrierWithWaitList(q->cq, 1, &e->marker, NULL);
 
@@ -487,14 +487,14 @@ static cl_int ocl_stamp(cl_event ev, cl_profiling_info what, cl_ulong *ns)
 	return err;
 }
 
-int ape__ocl_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms)
+int ape__ocl_event_elapsed(struct ape_be_event *start, struct ape_be_event *end, double *ms)
 {
 	cl_ulong t0 = 0, t1 = 0;
 	cl_int err;
 
 	*ms = 0;
 	if (!start->timed || !end->timed)
-		return ape__error(APE_ENOTSUP, "no timing: the caller's queue was created without "
+		return ape_be_error(APE_ENOTSUP, "no timing: the caller's queue was created without "
 					       "CL_QUEUE_PROFILING_ENABLE");
 	if (start->tl == end->tl) {
 		const struct ape__ocl_timeline *tl = start->tl;
@@ -517,14 +517,14 @@ int ape__ocl_event_elapsed(struct ape__event *start, struct ape__event *end, dou
 
 /* The device clock when the marker completed: every queue of a device shares it (OpenCL's
  * profiling counter is per device), which is what traces need to show overlap. */
-int ape__ocl_event_timestamp(struct ape__event *e, double *ms)
+int ape__ocl_event_timestamp(struct ape_be_event *e, double *ms)
 {
 	cl_ulong t = 0;
 	cl_int err;
 
 	*ms = 0;
 	if (!e->timed)
-		return ape__error(APE_ENOTSUP, "no timing: the caller's queue was created without "
+		return ape_be_error(APE_ENOTSUP, "no timing: the caller's queue was created without "
 					       "CL_QUEUE_PROFILING_ENABLE");
 	err = ocl_stamp(e->marker, CL_PROFILING_COMMAND_END, &t);
 	if (err != CL_SUCCESS)
@@ -533,7 +533,7 @@ int ape__ocl_event_timestamp(struct ape__event *e, double *ms)
 	return 0;
 }
 
-void ape__ocl_event_destroy(struct ape__event *e)
+void ape__ocl_event_destroy(struct ape_be_event *e)
 {
 	if (!e)
 		return;
@@ -542,7 +542,7 @@ void ape__ocl_event_destroy(struct ape__event *e)
 	free(e);
 }
 
-int ape__ocl_synchronize(struct ape__queue *q)
+int ape__ocl_synchronize(struct ape_be_queue *q)
 {
 	struct ape__ocl_timeline *tl = q->tl;
 	cl_int err = clFinish(q->cq);
@@ -569,7 +569,7 @@ int ape__ocl_synchronize(struct ape__queue *q)
 	return 0;
 }
 
-unsigned long ape__ocl_debug_tracked(const struct ape__queue *q)
+unsigned long ape__ocl_debug_tracked(const struct ape_be_queue *q)
 {
 	return (unsigned long)q->tl->n;
 }

@@ -5,7 +5,7 @@
 #include "core/error.h"
 #include "ocl.h"
 
-int ape__ocl_attention_merge(struct ape__queue *q, const struct ape__merge *m)
+int ape__ocl_attention_merge(struct ape_be_queue *q, const struct ape_be_merge *m)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
 	const cl_mem none = NULL;

@@ -81,7 +81,7 @@ static void ocl_tune_override(const struct ape__ocl_device *od, struct ape__ocl_
 	    o.rg > 16 || o.nwi < 1 || (size_t)o.nwi > od->max_wg || o.sb < 1 || o.sb > 16 ||
 	    o.bk > 64 || o.bk < o.sb || o.bk % o.sb) {
 		/* sb = 32 crashes LLVM 15's inliner inside PoCL 3.1: not offered */
-		ape__warn("APE_OCL_TUNE=\"%s\" ignored: expected rw,rg,nwi,bk,sb with rw one of "
+		ape_be_warn("APE_OCL_TUNE=\"%s\" ignored: expected rw,rg,nwi,bk,sb with rw one of "
 			  "1, 2, 4, 8, 16, rg <= 16, nwi <= %zu, sb <= 16 dividing bk, bk <= 64",
 			  e, od->max_wg);
 		return;
@@ -315,7 +315,7 @@ static int ocl_from_source(struct ape_device *dev, int v, const char *opts,
 		int ret;
 
 		ocl_build_log(od, prog, log, sizeof(log));
-		ret = ape__error(ape__ocl_err_code(err),
+		ret = ape_be_error(ape__ocl_err_code(err),
 				 "building the attention kernel (D %s, options \"%s\"): "
 				 "%s (%d): %s",
 				 v == APE__OCL_DGEN ? "generic" : "specialised",
@@ -362,7 +362,7 @@ static int ocl_build(struct ape_device *dev, int v)
 		/* the compiled kernel needs more per-work-item resources than the device has
 		 * for this work-group size (GPU registers): fewer work-items per group */
 		if (t.nwi == 1)
-			return ape__error(APE_EBUILD,
+			return ape_be_error(APE_EBUILD,
 					  "the attention kernel cannot run even with one work-item "
 					  "per work-group");
 		t.nwi /= 2;
@@ -395,7 +395,7 @@ static bool ocl_preload_wanted(unsigned *want)
 		long d = strtol(p, &end, 10);
 
 		if (end == p || (*end && *end != ',') || (d != 0 && (d < 2 || d > APE_MAX_D || d % 2))) {
-			ape__warn("APE_OCL_PRELOAD=\"%s\" ignored: expected 1, all, 0 or even head "
+			ape_be_warn("APE_OCL_PRELOAD=\"%s\" ignored: expected 1, all, 0 or even head "
 				  "dimensions up to %d (\"64,128\")",
 				  e, APE_MAX_D);
 			*want = 0;

@@ -8,7 +8,7 @@
  * blocks. Scratch: the rotated Q and K, V in float32, the norms, the tables below
  * (ape__ocl_separable_scratch counts them for the executor's budget).
  *
- * Ragged launches (core/backend.h, struct ape__launch.segs) run in the same handful of kernel
+ * Ragged launches (core/backend.h, struct ape_be_launch.segs) run in the same handful of kernel
  * launches as a dense one, whatever their number of segments: the host builds a segment table
  * (sep_plan_make(): each segment's rows, keys, distance and places in the scratch, where its
  * rows are padded to whole blocks and its keys to whole tiles, so that none straddles two
@@ -28,7 +28,7 @@
 
 #include "core/alloc.h"
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "core/error.h"
 #include "ocl_fast.h"
 
@@ -65,7 +65,7 @@ static int64_t round_up(int64_t x, int64_t m)
 }
 
 /* A head has beta or gamma != 0: the kernel takes its bias from the per-distance table. */
-static bool sep_tabbed(const struct ape__launch *l)
+static bool sep_tabbed(const struct ape_be_launch *l)
 {
 	for (int64_t h = 0; h < l->H; h++)
 		if (l->head_params[4 * h + 1] != 0 || l->head_params[4 * h + 2] != 0)
@@ -102,9 +102,9 @@ struct sep_plan {
 };
 
 /* The shape of l's segments (l->segs NULL: one, rows 0..Lq-1 against keys 0..Lk-1). */
-static struct ape__seg sep_seg(const struct ape__launch *l, int64_t s)
+static struct ape_be_seg sep_seg(const struct ape_be_launch *l, int64_t s)
 {
-	const struct ape__seg d = { 0, l->Lq, 0, l->Lk, l->q_start, l->k_start };
+	const struct ape_be_seg d = { 0, l->Lq, 0, l->Lk, l->q_start, l->k_start };
 
 	return l->segs ? l->segs[s] : d;
 }
@@ -112,7 +112,7 @@ static struct ape__seg sep_seg(const struct ape__launch *l, int64_t s)
 /* A segment ape_sep_small computes (no scratch), in the CPU shape (nwi 0, sep_units()): one of
  * several in a ragged launch (a single one stays the dense launch it is), with at most one key
  * tile. */
-static bool sep_small(const struct ape__launch *l, const struct ape__seg *g, int nwi)
+static bool sep_small(const struct ape_be_launch *l, const struct ape_be_seg *g, int nwi)
 {
 	return nwi == 0 && l->segs && l->nseg > 1 && g->lk <= SEP_BK;
 }
@@ -126,14 +126,14 @@ static int64_t sep_units(int64_t lq, int nwi)
 
 /* The sizes of pl for l (nwi as sep_units() takes it; -1: a bound for any shape, every segment
  * in the scratch), no table. */
-static void sep_dims(const struct ape__launch *l, int nwi, struct sep_plan *pl)
+static void sep_dims(const struct ape_be_launch *l, int nwi, struct sep_plan *pl)
 {
 	int64_t maxlk = 0;
 
 	memset(pl, 0, sizeof(*pl));
 	pl->nseg = l->segs ? l->nseg : 1;
 	for (int64_t s = 0; s < pl->nseg; s++) {
-		const struct ape__seg g = sep_seg(l, s);
+		const struct ape_be_seg g = sep_seg(l, s);
 
 		pl->ne += g.lk ? round_up(g.lq, SEP_BQ) + round_up(g.lk, SEP_BK) - 1 : 0;
 		maxlk = g.lk > maxlk ? g.lk : maxlk;
@@ -152,7 +152,7 @@ static void sep_dims(const struct ape__launch *l, int nwi, struct sep_plan *pl)
 
 /* Rotated Q (transposed per block), rotated K and float32 V (each kt bytes), the query norms,
  * tile norms and their prefix maxima, per segment (a dense launch's: as before segments). */
-static void sep_sizes(const struct ape__launch *l, const struct sep_plan *pl, size_t *qr,
+static void sep_sizes(const struct ape_be_launch *l, const struct sep_plan *pl, size_t *qr,
 		      size_t *kt, size_t *qn, size_t *tiles, size_t *pre)
 {
 	const int64_t bkv = l->B * l->Hkv, ntk = pl->Lkp / SEP_BK;
@@ -196,7 +196,7 @@ static int sep_unit_heavier(const void *a, const void *b)
 
 /* Key tiles a row block walks: rows i0 .. i0 + n - 1 of segment g (causal: up to the diagonal
  * of its last row). */
-static int64_t sep_tiles_walked(const struct ape__launch *l, const struct ape__seg *g, int64_t i0,
+static int64_t sep_tiles_walked(const struct ape_be_launch *l, const struct ape_be_seg *g, int64_t i0,
 				int64_t n)
 {
 	const int64_t rel = g->q_start - g->k_start, ntk = round_up(g->lk, SEP_BK) / SEP_BK;
@@ -241,7 +241,7 @@ static const int64_t *sep_iv_find(int64_t (*iv)[3], int64_t n, int64_t x)
  * and merged where they overlap or touch, their positions after pl's segment fields, and each
  * segment's SG_TQ and SG_TK rows in it. Returns the table's rows.
  */
-static int64_t sep_trig_table(const struct ape__launch *l, struct sep_plan *pl,
+static int64_t sep_trig_table(const struct ape_be_launch *l, struct sep_plan *pl,
 			      int64_t (*iv)[3], int64_t nint, int64_t maxlk)
 {
 	cl_long *pos = pl->sg + pl->nseg * SEP_SW;
@@ -295,7 +295,7 @@ static int64_t sep_trig_table(const struct ape__launch *l, struct sep_plan *pl,
  * 0 .. maxlk - 1, merged where they meet); the attention's units heaviest first (a dense
  * launch's: its last blocks first, as the units grow heavier along a causal launch).
  */
-static int sep_plan_make(const struct ape__launch *l, int nwi, struct sep_plan *pl)
+static int sep_plan_make(const struct ape_be_launch *l, int nwi, struct sep_plan *pl)
 {
 	const bool ragged = l->segs != NULL;
 	int64_t qp = 0, tp = 0, be = 0, b = 0, t = 0, w = 0, sm = 0, maxlk = 0, nint = 0;
@@ -319,11 +319,11 @@ static int sep_plan_make(const struct ape__launch *l, int nwi, struct sep_plan *
 		free(pl->ix);
 		pl->sg = NULL;
 		pl->ix = NULL;
-		return ape__error(APE_ENOMEM, "out of host memory for the separable path's tables "
+		return ape_be_error(APE_ENOMEM, "out of host memory for the separable path's tables "
 				  "(%lld segments)", (long long)pl->nseg);
 	}
 	for (int64_t s = 0; s < pl->nseg; s++) {
-		const struct ape__seg g = sep_seg(l, s);
+		const struct ape_be_seg g = sep_seg(l, s);
 		cl_long *e = pl->sg + s * SEP_SW;
 		const bool small = sep_small(l, &g, nwi);
 		const int64_t units = small ? 0 : sep_units(g.lq, nwi);
@@ -393,7 +393,7 @@ static int sep_plan_make(const struct ape__launch *l, int nwi, struct sep_plan *
 	free(iv);
 	return 0;
 }
-uint64_t ape__ocl_separable_scratch(struct ape_device *dev, const struct ape__launch *l)
+uint64_t ape__ocl_separable_scratch(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	struct sep_plan pl;
 	size_t qr, kt, qn, tiles, pre;
@@ -409,7 +409,7 @@ uint64_t ape__ocl_separable_scratch(struct ape_device *dev, const struct ape__la
 	       (uint64_t)(pl.ntrig * l->D) * sizeof(float) + 64; /* the trig table; minima */
 }
 
-bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch *l)
+bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
 	struct sep_plan pl;
@@ -432,12 +432,12 @@ bool ape__ocl_separable_applies(struct ape_device *dev, const struct ape__launch
 }
 
 /* A scratch buffer of at least 16 bytes (a launch whose segments have no key has no tile). */
-static cl_mem sep_scratch(struct ape__queue *q, size_t bytes, void *init, cl_int *err)
+static cl_mem sep_scratch(struct ape_be_queue *q, size_t bytes, void *init, cl_int *err)
 {
 	return ape__ocl_scratch(q, bytes < 16 ? 16 : bytes, init, err);
 }
 
-int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
+int ape__ocl_separable(struct ape_be_queue *q, const struct ape_be_launch *l)
 {
 	const struct ape__ocl_program *pr;
 	const cl_int D = (cl_int)l->D, H = (cl_int)l->H, Hkv = (cl_int)l->Hkv,
@@ -462,7 +462,7 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 	cl_int err;
 	int ret;
 
-	ape__path_note(l->path, APE__PATH_SEPARABLE, "lambda = 0 on every head");
+	ape_be_path_note(l->path, APE_BE_PATH_SEPARABLE, "lambda = 0 on every head");
 	/* the far-key bound needs decays >= 0; the core passes skip_tol = 0 otherwise */
 	if (l->skip_tol > 0 && l->decay_nonneg && tol > 0 && l->causal)
 		flags |= APE__FD_SKIP;
@@ -544,7 +544,7 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 		a.k = clCreateKernel(pr->prog, nwi > 0 ? "ape_sep_rot_q1" : "ape_sep_rot_q", &a.err);
 		ape__ocl_arg(&a, sizeof(cl_mem), &l->q->mem);
 		ape__ocl_arg(&a, sizeof(cl_mem), &prm);
-		ape__ocl_arg_view(&a, l, APE__T_Q);
+		ape__ocl_arg_view(&a, l, APE_BE_T_Q);
 		ape__ocl_arg(&a, sizeof(D), &D);
 		ape__ocl_arg(&a, sizeof(Lqp), &Lqp);
 		ape__ocl_arg(&a, sizeof(H), &H);
@@ -573,8 +573,8 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 		ape__ocl_arg(&a, sizeof(cl_mem), &l->k->mem);
 		ape__ocl_arg(&a, sizeof(cl_mem), &l->v->mem);
 		ape__ocl_arg(&a, sizeof(cl_mem), &prm);
-		ape__ocl_arg_view(&a, l, APE__T_K);
-		ape__ocl_arg_view(&a, l, APE__T_V);
+		ape__ocl_arg_view(&a, l, APE_BE_T_K);
+		ape__ocl_arg_view(&a, l, APE_BE_T_V);
 		ape__ocl_arg(&a, sizeof(D), &D);
 		ape__ocl_arg(&a, sizeof(Lkp), &Lkp);
 		ape__ocl_arg(&a, sizeof(Hkv), &Hkv);
@@ -631,11 +631,11 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 		ape__ocl_arg(&a, sizeof(cl_mem), l->pairs ? &l->pairs->mem : &none);
 		ape__ocl_arg(&a, sizeof(cl_mem), &prm);
 		ape__ocl_arg(&a, sizeof(cl_mem), tab ? &tab : &none);
-		ape__ocl_arg_view(&a, l, APE__T_Q);
-		ape__ocl_arg_view(&a, l, APE__T_K);
-		ape__ocl_arg_view(&a, l, APE__T_V);
-		ape__ocl_arg_view(&a, l, APE__T_O);
-		ape__ocl_arg_view(&a, l, APE__T_LSE);
+		ape__ocl_arg_view(&a, l, APE_BE_T_Q);
+		ape__ocl_arg_view(&a, l, APE_BE_T_K);
+		ape__ocl_arg_view(&a, l, APE_BE_T_V);
+		ape__ocl_arg_view(&a, l, APE_BE_T_O);
+		ape__ocl_arg_view(&a, l, APE_BE_T_LSE);
 		ape__ocl_arg(&a, sizeof(D), &D);
 		ape__ocl_arg(&a, sizeof(Lqa), &Lqa);
 		ape__ocl_arg(&a, sizeof(ne), &ne);
@@ -665,8 +665,8 @@ int ape__ocl_separable(struct ape__queue *q, const struct ape__launch *l)
 		ape__ocl_arg(&at, sizeof(cl_mem), &qn);
 		ape__ocl_arg(&at, sizeof(cl_mem), &pre);
 		ape__ocl_arg(&at, sizeof(cl_mem), tab ? &tab : &none);
-		ape__ocl_arg_view(&at, l, APE__T_O);
-		ape__ocl_arg_view(&at, l, APE__T_LSE);
+		ape__ocl_arg_view(&at, l, APE_BE_T_O);
+		ape__ocl_arg_view(&at, l, APE_BE_T_LSE);
 		ape__ocl_arg(&at, sizeof(D), &D);
 		ape__ocl_arg(&at, sizeof(Lqa), &Lqa);
 		ape__ocl_arg(&at, sizeof(Lqp), &Lqp);
@@ -723,7 +723,7 @@ out:
 	return ret;
 }
 
-bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l)
+bool ape__ocl_split_applies(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	const struct ape__ocl_device *od = ape__ocl_dev(dev);
 
@@ -734,16 +734,16 @@ bool ape__ocl_split_applies(struct ape_device *dev, const struct ape__launch *l)
 	    l->D > APE_MAX_D || l->Lq < 1 || l->Lk < 1 || l->Hkv < 1 || l->H % l->Hkv ||
 	    l->Lk > ((int64_t)1 << 30))
 		return false;
-	return ape__launch_mixes_separable(l);
+	return ape_be_launch_mixes_separable(l);
 }
 
 /* A homogeneous run: the separable path, or whatever the rest takes. */
-static int split_run(struct ape__queue *q, const struct ape__launch *sub, bool separable)
+static int split_run(struct ape_be_queue *q, const struct ape_be_launch *sub, bool separable)
 {
 	return separable ? ape__ocl_separable(q, sub) : ape__ocl_attention(q, sub);
 }
 
-int ape__ocl_split(struct ape__queue *q, const struct ape__launch *l)
+int ape__ocl_split(struct ape_be_queue *q, const struct ape_be_launch *l)
 {
-	return ape__launch_split_runs(q, l, split_run);
+	return ape_be_launch_split_runs(q, l, split_run);
 }

@@ -63,7 +63,7 @@ static void open_devs(struct __test_metadata *_metadata, struct devs *d)
 struct inputs {
 	test_problem tp;
 	struct ape__problem p;
-	struct ape__launch l; /* no buffers yet, not strided */
+	struct ape_be_launch l; /* no buffers yet, not strided */
 };
 
 static void inputs_free(struct inputs *in)

@@ -1,10 +1,35 @@
 // SPDX-License-Identifier: MIT
-// Compiled (not run) by `make check`: ape.h and ape_dlpack.h must be usable from C++ as they are
-// from C.
+// Compiled (not run) by `make check`: ape.h, ape_dlpack.h and ape_backend.h must be usable from
+// C++ as they are from C (a vendor's backend plugin may be C++).
 #include <ape/ape.h>
+#include <ape/ape_backend.h>
 #include <ape/ape_dlpack.h>
 
 int ape_cxx_header_check(void);
+
+// A plugin's table and entry point, as C++ writes them.
+static int cxx_probe(struct ape_backend *be, struct ape_be_probe_result *res)
+{
+	(void)be;
+	(void)res;
+	return 0;
+}
+
+// (C++11: no designated initialisers, so members by assignment; C++20 may use
+// APE_BACKEND_PLUGIN_HEAD)
+static struct ape_backend_plugin cxx_table;
+
+extern "C" APE_PLUGIN_EXPORT const struct ape_backend_plugin *ape_backend_plugin(void);
+
+const struct ape_backend_plugin *ape_backend_plugin(void)
+{
+	cxx_table.abi_major = APE_BACKEND_ABI_MAJOR;
+	cxx_table.abi_minor = APE_BACKEND_ABI_MINOR;
+	cxx_table.struct_size = sizeof(cxx_table);
+	cxx_table.name = "cxx";
+	cxx_table.probe = cxx_probe;
+	return &cxx_table;
+}
 
 int ape_cxx_header_check(void)
 {

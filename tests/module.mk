@@ -36,10 +36,12 @@ $(BUILD)/tests/test_example: $(EXAMPLE)
 $(BUILD)/tests-obj/tests/test_example.o: TEST_CFLAGS += \
 	-DAPE_MAKE_OVERRIDES='"$(subst ',,$(subst ",\",$(subst \,\\,$(MAKEOVERRIDES))))"'
 
-# The public headers (ape.h, ape_dlpack.h) must compile as C++ (warnings as errors, pedantic).
+# The public headers (ape.h, ape_dlpack.h, ape_backend.h) must compile as C++ (warnings as errors,
+# pedantic).
 CXX ?= g++
 CXX_HEADER_CHECK := $(BUILD)/tests-obj/cxx_header.o
-$(CXX_HEADER_CHECK): tests/cxx_header.cc include/ape/ape.h include/ape/ape_dlpack.h $(CONFIG_STAMP)
+$(CXX_HEADER_CHECK): tests/cxx_header.cc include/ape/ape.h include/ape/ape_dlpack.h \
+		     include/ape/ape_backend.h $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CXX     $<"
 	$(Q)$(CXX) -std=c++11 -Wall -Wextra -Werror -pedantic -Iinclude -c $< -o $@

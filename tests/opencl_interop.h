@@ -28,7 +28,7 @@
 struct dev {
 	ape_context *ctx;
 	ape_device *d;
-	const struct ape__backend_ops *ops;
+	const struct ape_backend_plugin *ops;
 	cl_context cctx;
 	cl_device_id cdev;
 	bool cpu;
@@ -142,7 +142,7 @@ static void head_params(float *prm, int64_t H)
 }
 
 /* The launch of c, contiguous, buffers not set. */
-static void make_launch(struct ape__launch *l, const struct kase *c, const float *prm)
+static void make_launch(struct ape_be_launch *l, const struct kase *c, const float *prm)
 {
 	struct ape__problem p;
 
@@ -200,9 +200,9 @@ static int run_contiguous(struct __test_metadata *_metadata, const struct dev *t
 			  void *o, float *lse)
 {
 	const size_t no = (size_t)(c->B * c->H * c->Lq * c->D), nl = (size_t)(c->B * c->H * c->Lq);
-	struct ape__buf *b[APE__T_COUNT] = { 0 };
-	struct ape__queue *q = NULL;
-	struct ape__launch l;
+	struct ape_be_buf *b[APE_BE_T_COUNT] = { 0 };
+	struct ape_be_queue *q = NULL;
+	struct ape_be_launch l;
 	int ret;
 
 	make_launch(&l, c, prm);
@@ -213,27 +213,27 @@ static int run_contiguous(struct __test_metadata *_metadata, const struct dev *t
 			ret = t->ops->copy_h2d(q, b[i], 0, in->x[i], in->n[i] * esz(c->dt));
 	}
 	if (!ret)
-		ret = t->ops->buf_alloc(t->d, no * esz(c->odt), &b[APE__T_O]);
+		ret = t->ops->buf_alloc(t->d, no * esz(c->odt), &b[APE_BE_T_O]);
 	if (!ret)
-		ret = t->ops->buf_alloc(t->d, nl * 4, &b[APE__T_LSE]);
+		ret = t->ops->buf_alloc(t->d, nl * 4, &b[APE_BE_T_LSE]);
 	if (!ret) {
-		l.q = b[APE__T_Q];
-		l.k = b[APE__T_K];
-		l.v = b[APE__T_V];
-		l.o = b[APE__T_O];
-		l.lse = b[APE__T_LSE];
+		l.q = b[APE_BE_T_Q];
+		l.k = b[APE_BE_T_K];
+		l.v = b[APE_BE_T_V];
+		l.o = b[APE_BE_T_O];
+		l.lse = b[APE_BE_T_LSE];
 		ret = t->ops->attention(q, &l);
 	}
 	if (!ret)
-		ret = t->ops->copy_d2h(q, o, b[APE__T_O], 0, no * esz(c->odt));
+		ret = t->ops->copy_d2h(q, o, b[APE_BE_T_O], 0, no * esz(c->odt));
 	if (!ret)
-		ret = t->ops->copy_d2h(q, lse, b[APE__T_LSE], 0, nl * 4);
+		ret = t->ops->copy_d2h(q, lse, b[APE_BE_T_LSE], 0, nl * 4);
 	if (!ret)
 		ret = t->ops->synchronize(q);
 	if (ret)
 		TH_LOG("contiguous run: %s", ape_last_error());
 	t->ops->queue_destroy(q);
-	for (int i = 0; i < APE__T_COUNT; i++)
+	for (int i = 0; i < APE_BE_T_COUNT; i++)
 		t->ops->buf_free(t->d, b[i]);
 	return ret;
 }

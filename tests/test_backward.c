@@ -11,7 +11,7 @@
  * - on small random cases across what the forward supports: GQA and MQA, both layouts, causal
  *   and not, offsets up to 2^40, rows with no visible key, constant query rows (sigma = 0),
  *   lambda = 0, negative decay, per-head and scalar parameters, with and without dLSE;
- * - the shared gradient pieces of core/ape_math.h, and the skipping bound of the tail.
+ * - the shared gradient pieces of ape/ape_math.h, and the skipping bound of the tail.
  *
  * The API's side of the call (storage types, layouts, options, statistics, invalid arguments)
  * is tests/test_backward_api.c; every backend against the reference tests/test_backward_backends.c.
@@ -28,7 +28,7 @@
 #include "common/problem.h"
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 
 /*
  * The reference against finite differences, relative to max |G|. The float32 O and LSE the
@@ -469,7 +469,7 @@ TEST_F(rd, finite_differences_edge_cases)
 		}
 }
 
-/* The shared gradient pieces of core/ape_math.h against central differences of the forward
+/* The shared gradient pieces of ape/ape_math.h against central differences of the forward
  * pieces they differentiate, in float64. */
 #define EXPECT_NEAR(a, b, tol) EXPECT_LE(fabs((double)(a) - (double)(b)), (double)(tol))
 

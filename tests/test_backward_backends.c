@@ -40,7 +40,7 @@ TEST_F(bwd, every_backend_against_the_reference)
 	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
 	const test_problem_shape small = { 1, 2, 1, 5, 7, 8 }, larger = { 2, 4, 2, 33, 47, 16 };
 	const test_problem_shape *sh = self->emu || ape_test_slow() ? &small : &larger;
-	const bool has_op = self->dev->caps.backward;
+	const bool has_op = ape_be_caps_have(&self->dev->caps, APE_BE_CAP_BACKWARD);
 	ape_device_info info;
 	char label[256];
 	ape_rng rng;
@@ -110,7 +110,7 @@ TEST_F(bwd, every_backend_edge_cases)
 	const int ncases = ape_test_slow() ? 8 : self->emu ? 12 : 24;
 	ape_rng rng;
 
-	if (!self->dev->caps.backward)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_BACKWARD))
 		SKIP(return, "%s: no backward op (every_backend_against_the_reference checks that)",
 		     variant->backend);
 	ape_rng_init(&rng, "every_backend_edge_cases");
@@ -199,7 +199,7 @@ TEST_F(bwd, every_backend_split_borders)
 	const int ncases = self->emu || ape_test_slow() ? 5 : 10;
 	ape_rng rng;
 
-	if (!self->dev->caps.backward)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_BACKWARD))
 		SKIP(return, "%s: no backward op (every_backend_against_the_reference checks that)",
 		     variant->backend);
 	ape_rng_init(&rng, "every_backend_split_borders");
@@ -266,7 +266,7 @@ TEST_F(bwd, every_backend_skipping_within_tolerance)
 	const bool counts = strcmp(variant->backend, "opencl") == 0;
 	ape_rng rng;
 
-	if (!self->dev->caps.backward)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_BACKWARD))
 		SKIP(return, "%s: no backward op (every_backend_against_the_reference checks that)",
 		     variant->backend);
 	if (self->emu || ape_test_slow())
@@ -376,7 +376,7 @@ static uint64_t allocated_scratch(const ape_device *dev)
 /* Whether dev reads host memory in place (its capabilities say so). */
 static bool wraps_host_memory(const ape_device *dev)
 {
-	return dev->caps.host_memory;
+	return ape_be_caps_have(&dev->caps, APE_BE_CAP_HOST_MEMORY);
 }
 
 /*
@@ -416,7 +416,7 @@ TEST_F(bwd, streamed_budget_counts_the_backend_scratch)
 	bcase c;
 	grads want, g;
 
-	if (!self->dev->caps.backward)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_BACKWARD))
 		SKIP(return, "no backward pass on %s", variant->backend);
 	ape_rng_init(&rng, "streamed_budget_counts_the_backend_scratch");
 	ASSERT_EQ(0, bcase_make(&c, &rng, sh, APE_F32, false, true));

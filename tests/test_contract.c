@@ -25,7 +25,7 @@ FIXTURE(be)
 {
 	ape_context *ctx;
 	ape_device *dev;
-	const struct ape__backend_ops *ops;
+	const struct ape_backend_plugin *ops;
 	char label[256]; /* "ref:0 NAME": how a failing op names the device */
 };
 
@@ -78,7 +78,7 @@ TEST_F(be, buf_alloc_beyond_the_device)
 {
 	const uint64_t max = self->dev->caps.max_alloc;
 	size_t bytes = max < SIZE_MAX / 2 ? (size_t)max + 4096 : SIZE_MAX - 16;
-	struct ape__buf *buf = STALE;
+	struct ape_be_buf *buf = STALE;
 
 	ape__error(0, "stale");
 	EXPECT_EQ(APE_ENOMEM, self->ops->buf_alloc(self->dev, bytes, &buf));
@@ -92,8 +92,8 @@ TEST_F(be, buf_alloc_beyond_the_device)
  * copies are memcpy and cannot fail, so there is nothing to provoke there. */
 TEST_F(be, rejected_copies_name_their_op)
 {
-	struct ape__buf *buf = NULL, *other = NULL;
-	struct ape__queue *q = NULL;
+	struct ape_be_buf *buf = NULL, *other = NULL;
+	struct ape_be_queue *q = NULL;
 	char host[64] = { 0 };
 
 	if (!strcmp(variant->backend, "ref"))
@@ -122,11 +122,11 @@ TEST_F(be, rejected_copies_name_their_op)
 
 /* One copy_view (ABI 10) inside buf: 4 float32 from element 0 to element 16, for the program of
  * head size 2 (the one hm_backward() builds). */
-static int copy_view_in(const struct ape__backend_ops *ops, struct ape__queue *q,
-			struct ape__buf *buf)
+static int copy_view_in(const struct ape_backend_plugin *ops, struct ape_be_queue *q,
+			struct ape_be_buf *buf)
 {
-	const struct ape__copy c = { .B = 1, .H = 1, .L = 1, .D = 4, .dst = buf, .src = buf,
-				     .dst_type = APE__E_F32, .src_type = APE__E_F32,
+	const struct ape_be_copy c = { .B = 1, .H = 1, .L = 1, .D = 4, .dst = buf, .src = buf,
+				     .dst_type = APE_BE_E_F32, .src_type = APE_BE_E_F32,
 				     .dv = { 16, 4, 4, 4 }, .sv = { 0, 4, 4, 4 }, .head_D = 2 };
 
 	return ops->copy_view ? ops->copy_view(q, &c) : 0;
@@ -158,11 +158,11 @@ static const char *const hm_names[HM_N] = {
 
 /* A backward launch of one row and one key, every tensor in buf (its contents do not matter
  * here, only the failure path). */
-static int hm_backward(const struct ape__backend_ops *ops, struct ape__queue *q,
-		       struct ape__buf *buf)
+static int hm_backward(const struct ape_backend_plugin *ops, struct ape_be_queue *q,
+		       struct ape_be_buf *buf)
 {
 	static const float params[4] = { 0 };
-	struct ape__bwd_launch l;
+	struct ape_be_bwd_launch l;
 
 	if (!ops->attention_backward)
 		return 0; /* optional: nothing to fail */
@@ -180,13 +180,13 @@ static int hm_backward(const struct ape__backend_ops *ops, struct ape__queue *q,
 
 /* Calls op once on q, a fresh queue; releases what it made; says whether a failure cleared
  * the out-parameter. */
-static int hm_call(const struct ape__backend_ops *ops, ape_device *dev, int op,
-		   struct ape__queue *q, struct ape__buf *buf, bool *cleared)
+static int hm_call(const struct ape_backend_plugin *ops, ape_device *dev, int op,
+		   struct ape_be_queue *q, struct ape_be_buf *buf, bool *cleared)
 {
 	static char host[64];
-	struct ape__buf *b = STALE;
-	struct ape__queue *nq = STALE;
-	struct ape__event *e = STALE;
+	struct ape_be_buf *b = STALE;
+	struct ape_be_queue *nq = STALE;
+	struct ape_be_event *e = STALE;
 	int ret = 0;
 
 	*cleared = true;
@@ -240,8 +240,8 @@ static int hm_call(const struct ape__backend_ops *ops, ape_device *dev, int op,
  * naming the device and the op, for each allocation of each op that makes any. */
 TEST_F(be, ops_out_of_host_memory_name_themselves)
 {
-	const struct ape__backend_ops *ops = self->ops;
-	struct ape__buf *buf = NULL;
+	const struct ape_backend_plugin *ops = self->ops;
+	struct ape_be_buf *buf = NULL;
 	int points = 0;
 
 	ASSERT_EQ(0, ops->buf_alloc(self->dev, 256, &buf)) TH_LOG("%s", ape_last_error());
@@ -252,7 +252,7 @@ TEST_F(be, ops_out_of_host_memory_name_themselves)
 			/* built programs first, as in any context that ran a launch: a failed
 			 * allocation in the program cache's lookup is a cache miss (the program
 			 * is built instead), not a failure of the op */
-			struct ape__queue *q = NULL;
+			struct ape_be_queue *q = NULL;
 			bool cleared;
 
 			ASSERT_EQ(0, ops->queue_create(self->dev, &q)) TH_LOG("%s", ape_last_error());
@@ -262,7 +262,7 @@ TEST_F(be, ops_out_of_host_memory_name_themselves)
 			ops->queue_destroy(q);
 		}
 		for (uint64_t n = 1; fired; n++) {
-			struct ape__queue *q = NULL;
+			struct ape_be_queue *q = NULL;
 			bool cleared;
 			int ret;
 
@@ -306,14 +306,14 @@ TEST_F(be, ops_out_of_host_memory_name_themselves)
  */
 #define NOT_THERE 1
 
-static int call_op(const struct ape__backend_ops *ops, ape_device *dev, enum wrap_op op,
-		   struct ape__queue *q, struct ape__buf *buf, struct ape__event *e, bool *cleared)
+static int call_op(const struct ape_backend_plugin *ops, ape_device *dev, enum wrap_op op,
+		   struct ape_be_queue *q, struct ape_be_buf *buf, struct ape_be_event *e, bool *cleared)
 {
 	static char host[64];
-	struct ape__launch l;
-	struct ape__buf *b = STALE;
-	struct ape__queue *nq = STALE;
-	struct ape__event *ne = STALE;
+	struct ape_be_launch l;
+	struct ape_be_buf *b = STALE;
+	struct ape_be_queue *nq = STALE;
+	struct ape_be_event *ne = STALE;
 	void *handle = STALE;
 	double ms = -1;
 	int ret;
@@ -356,7 +356,7 @@ static int call_op(const struct ape__backend_ops *ops, ape_device *dev, enum wra
 	case WRAP_ATTENTION: /* fails before the backend sees the (empty) launch */
 		return ops->attention(q, &l);
 	case WRAP_ATTENTION_BACKWARD: { /* likewise */
-		struct ape__bwd_launch bl;
+		struct ape_be_bwd_launch bl;
 
 		if (!ops->attention_backward)
 			return NOT_THERE;
@@ -372,7 +372,7 @@ static int call_op(const struct ape__backend_ops *ops, ape_device *dev, enum wra
 	case WRAP_COPY_VIEW:
 		return ops->copy_view ? copy_view_in(ops, q, buf) : NOT_THERE;
 	case WRAP_ATTENTION_MERGE: { /* fails before the backend sees the (empty) merge */
-		struct ape__merge m;
+		struct ape_be_merge m;
 
 		if (!ops->attention_merge)
 			return NOT_THERE;
@@ -392,7 +392,7 @@ static int call_op(const struct ape__backend_ops *ops, ape_device *dev, enum wra
 
 		if (!ops->buf_wrap)
 			return NOT_THERE;
-		ret = ops->buf_wrap(dev, APE__MEM_HOST, host, sizeof(host), &b, &got);
+		ret = ops->buf_wrap(dev, APE_BE_MEM_HOST, host, sizeof(host), &b, &got);
 		*cleared = b == NULL && got == 0;
 		return ret;
 	}
@@ -411,9 +411,9 @@ static int call_op(const struct ape__backend_ops *ops, ape_device *dev, enum wra
 /* Every op kind the wrapper can fail, failed once: the code, the message, the out-parameters. */
 TEST_F(be, every_failing_op_names_itself)
 {
-	struct ape__buf *buf = NULL;
-	struct ape__queue *q = NULL;
-	struct ape__event *e = NULL;
+	struct ape_be_buf *buf = NULL;
+	struct ape_be_queue *q = NULL;
+	struct ape_be_event *e = NULL;
 	int tried = 0;
 
 	wrap_install(self->dev, 0);
@@ -468,7 +468,7 @@ static const struct ape__registry_entry *ref_entry(void)
 
 static int probes; /* calls of counting_probe() */
 
-static int counting_probe(struct ape__backend *be, struct ape__probe_result *res)
+static int counting_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 {
 	probes++;
 	return ref_entry()->ops->probe(be, res);
@@ -484,17 +484,11 @@ static int lone_host_register(struct ape_device *dev, void *ptr, size_t bytes, v
 	return APE_ENOTSUP;
 }
 
-static uint64_t own_max_alloc(struct ape_device *dev)
-{
-	(void)dev;
-	return 1;
-}
-
 /*
  * A context over a table made of ref's with `t` first, registered as "broken": its backend
  * info (the first entry), and whether the reference beside it still works.
  */
-static void load_broken(struct __test_metadata *_metadata, const struct ape__backend_ops *t,
+static void load_broken(struct __test_metadata *_metadata, const struct ape_backend_plugin *t,
 			ape_backend_info *info)
 {
 	const struct ape__registry_entry reg[2] = { { "broken", t, NULL }, *ref_entry() };
@@ -521,13 +515,19 @@ TEST(registration_checks_the_table)
 				  "none: scratch_free is missing" },
 		{ "host_register", "refused: host_register and host_unregister come both or "
 				   "neither: host_unregister is missing" },
-		{ "max_alloc", "refused: sets max_alloc, which is the core's" },
+		{ "major", "refused: backend ABI 2.0: this libape takes major 1 only" },
+		{ "minor", "refused: backend ABI 1.1 is newer than this libape's 1.0" },
+		{ "struct_size", "refused: struct_size 20 is shorter than the 24 bytes every table "
+				 "begins with" },
+		{ "older minor", NULL },
+		{ "bad name", "refused: backend name \"Broken\": must be 1 to 15 characters of "
+			      "[a-z0-9_]" },
 		{ "name", "refused: backend name \"\": must be 1 to 15 characters" },
 		{ "long name", "refused: backend name \"sixteen-letters!\": must be 1 to 15" },
 	};
 
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-		struct ape__backend_ops t = *ref_entry()->ops;
+		struct ape_backend_plugin t = *ref_entry()->ops;
 		const char *b = cases[i].breaks;
 		ape_backend_info info;
 
@@ -541,8 +541,16 @@ TEST(registration_checks_the_table)
 			t.scratch_free = NULL;
 		else if (!strcmp(b, "host_register"))
 			t.host_register = lone_host_register;
-		else if (!strcmp(b, "max_alloc"))
-			t.max_alloc = own_max_alloc;
+		else if (!strcmp(b, "major"))
+			t.abi_major = APE_BACKEND_ABI_MAJOR + 1, t.abi_minor = 0;
+		else if (!strcmp(b, "minor"))
+			t.abi_minor = APE_BACKEND_ABI_MINOR + 1;
+		else if (!strcmp(b, "struct_size"))
+			t.struct_size = 20;
+		else if (!strcmp(b, "older minor")) /* ends before attention_pages */
+			t.struct_size = offsetof(struct ape_backend_plugin, attention_pages);
+		else if (!strcmp(b, "bad name"))
+			t.name = "Broken";
 		else if (!strcmp(b, "name"))
 			t.name = "";
 		else if (!strcmp(b, "long name"))
@@ -564,10 +572,10 @@ TEST(registration_checks_the_table)
 }
 
 /* What claimant_probe() states, and what the backend saw released. */
-static struct ape__dev_caps claimed;
+static struct ape_be_caps claimed;
 static int released, torn_down;
 
-static int claimant_probe(struct ape__backend *be, struct ape__probe_result *res)
+static int claimant_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 {
 	struct ape_device_info info;
 
@@ -576,7 +584,7 @@ static int claimant_probe(struct ape__backend *be, struct ape__probe_result *res
 	snprintf(info.name, sizeof(info.name), "claimant");
 	info.kind = APE_DEVICE_CPU;
 	info.compute_units = 1;
-	return ape__device_add(be, &info, &claimed, 0, NULL);
+	return ape_be_device_add(be, &info, &claimed, 0, NULL);
 }
 
 static void claimant_release(struct ape_device *dev)
@@ -585,7 +593,7 @@ static void claimant_release(struct ape_device *dev)
 	released++;
 }
 
-static void claimant_teardown(struct ape__backend *be)
+static void claimant_teardown(struct ape_backend *be)
 {
 	(void)be;
 	torn_down++;
@@ -596,28 +604,34 @@ static void claimant_teardown(struct ape__backend *be)
 TEST(registration_checks_the_capabilities)
 {
 	static const struct {
-		struct ape__dev_caps claims;
+		struct ape_be_caps claims;
 		bool ops; /* every op the capabilities name (else the backward op only for a case
 			   * about the scratch, none for the rest) */
 		const char *reason; /* NULL: loaded */
 	} cases[] = {
 		{ { .max_alloc = 0 }, false, NULL },
-		{ { .host_memory = true }, false, "capability host_memory without buf_wrap" },
-		{ { .diag_views = true }, false, "capability diag_views without diag" },
-		{ { .backward = true }, false, "capability backward without attention_backward" },
-		{ { .resident_backward = true }, false,
+		{ { .features = APE_BE_CAP_HOST_MEMORY }, false,
+		  "capability host_memory without buf_wrap" },
+		{ { .features = APE_BE_CAP_DIAG_VIEWS }, false, "capability diag_views without diag" },
+		{ { .features = APE_BE_CAP_BACKWARD }, false,
+		  "capability backward without attention_backward" },
+		{ { .features = APE_BE_CAP_RESIDENT_BACKWARD }, false,
 		  "capability resident_backward without backward" },
-		{ { .backward = true, .resident_backward = true }, false,
+		{ { .features = APE_BE_CAP_BACKWARD | APE_BE_CAP_RESIDENT_BACKWARD }, false,
 		  "capability resident_backward without scratch_alloc, scratch_free and copy_view" },
-		{ { .timestamps = true }, false, "capability timestamps without event_timestamp" },
-		{ { .host_memory = true, .diag = true, .diag_views = true, .backward = true,
-		    .resident_backward = true, .timestamps = true },
+		{ { .features = APE_BE_CAP_TIMESTAMPS }, false,
+		  "capability timestamps without event_timestamp" },
+		{ { .features = APE_BE_CAP_POSITIONS }, true, "capability positions without segments" },
+		{ { .features = 1u << 20 }, true, "capability bits 0x100000 unknown to this libape" },
+		{ { .features = APE_BE_CAP_HOST_MEMORY | APE_BE_CAP_DIAG | APE_BE_CAP_DIAG_VIEWS |
+				APE_BE_CAP_BACKWARD | APE_BE_CAP_RESIDENT_BACKWARD |
+				APE_BE_CAP_TIMESTAMPS },
 		  true, NULL },
 	};
 
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-		struct ape__backend_ops t = *ref_entry()->ops;
-		const struct ape__dev_caps *c = &cases[i].claims;
+		struct ape_backend_plugin t = *ref_entry()->ops;
+		const struct ape_be_caps *c = &cases[i].claims;
 		ape_backend_info info;
 
 		t.name = "broken";
@@ -626,7 +640,7 @@ TEST(registration_checks_the_capabilities)
 		t.teardown = claimant_teardown;
 		if (!cases[i].ops) {
 			t.buf_wrap = NULL;
-			if (!c->resident_backward)
+			if (!ape_be_caps_have(c, APE_BE_CAP_RESIDENT_BACKWARD))
 				t.attention_backward = NULL;
 			t.scratch_alloc = NULL;
 			t.scratch_free = NULL;
@@ -652,22 +666,23 @@ TEST(registration_checks_the_capabilities)
 	}
 }
 
-/* The devices of the backends built here state their capabilities, and the core's table
- * answers the callers written before them from those (max_alloc). */
+/* The devices of the backends built here state their capabilities. */
 TEST_F(be, capabilities_as_stated)
 {
-	const struct ape__dev_caps *c = &self->dev->caps;
+	const struct ape_be_caps *c = &self->dev->caps;
 
 	EXPECT_NE(0u, c->max_alloc);
-	ASSERT_NE(NULL, self->ops->max_alloc);
-	EXPECT_EQ(c->max_alloc, self->ops->max_alloc(self->dev));
-	EXPECT_EQ(self->dev->info.kind != APE_DEVICE_GPU, c->host_memory);
-	EXPECT_TRUE(c->diag && c->diag_views);
-	EXPECT_EQ(c->backward, c->resident_backward); /* OpenCL: both need float64 */
-	EXPECT_TRUE(c->timestamps);
+	EXPECT_EQ(0u, c->features & ~APE_BE_CAP_ALL);
+	EXPECT_EQ(self->dev->info.kind != APE_DEVICE_GPU,
+		  ape_be_caps_have(c, APE_BE_CAP_HOST_MEMORY));
+	EXPECT_TRUE(ape_be_caps_have(c, APE_BE_CAP_DIAG | APE_BE_CAP_DIAG_VIEWS));
+	/* OpenCL: both need float64 */
+	EXPECT_EQ(ape_be_caps_have(c, APE_BE_CAP_BACKWARD),
+		  ape_be_caps_have(c, APE_BE_CAP_RESIDENT_BACKWARD));
+	EXPECT_TRUE(ape_be_caps_have(c, APE_BE_CAP_TIMESTAMPS));
 	if (!strcmp(variant->backend, "ref")) {
 		EXPECT_EQ(UINT64_MAX, c->max_alloc);
-		EXPECT_TRUE(c->backward);
+		EXPECT_EQ(APE_BE_CAP_ALL, c->features);
 	}
 }
 

@@ -31,9 +31,9 @@
 
 /* What the separable predicates read of the launch the core makes for tp in one piece (no
  * pairs asked). */
-static void sep_launch(const test_problem *tp, float *hp, struct ape__launch *lp)
+static void sep_launch(const test_problem *tp, float *hp, struct ape_be_launch *lp)
 {
-	struct ape__launch l;
+	struct ape_be_launch l;
 	const int64_t H = tp->q.t.shape[1];
 
 	memset(&l, 0, sizeof(l));
@@ -58,7 +58,7 @@ static void sep_launch(const test_problem *tp, float *hp, struct ape__launch *lp
 
 static bool takes_separable(const test_problem *tp, float *hp)
 {
-	struct ape__launch l;
+	struct ape_be_launch l;
 
 	sep_launch(tp, hp, &l);
 	return ape__cu_separable_applies(&l);
@@ -168,7 +168,7 @@ TEST(separable_mixed_heads_split)
 		const int64_t Hkv = 3, H = Hkv * (1 + c % 2), D = c < 2 ? 64 : 128;
 		const ape_dtype dt = c % 2 ? APE_BF16 : APE_F16;
 		test_problem tp, r;
-		struct ape__launch l;
+		struct ape_be_launch l;
 		float hp[4 * 6];
 		double eo, el;
 

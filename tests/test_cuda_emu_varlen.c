@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Ragged launches on the CUDA backend (struct ape__launch.segs; cuda/kernels/prefill.cu's
+ * Ragged launches on the CUDA backend (struct ape_be_launch.segs; cuda/kernels/prefill.cu's
  * segment table) against the reference backend, with no GPU: the fake driver of tests/fake_cuda
  * built with the emulator (cuda/emu) runs every launch on the CPU (test_cuda_emu.c says what
  * that proves). Packed batches of many short sequences, empty ones (no query, no key), Lq < Lk

@@ -20,6 +20,7 @@
 
 #ifdef APE_HAVE_CUDA
 #include "../cuda/cu.h"
+#include "core/backend.h"
 #include "core/error.h"
 
 #define FAKE_DIR APE_BUILD_DIR "/tests/fake_cuda"
@@ -321,7 +322,7 @@ TEST(device_out_of_memory_is_enomem)
 {
 	ape_context *ctx;
 	ape_device *dev;
-	struct ape__buf *buf = (struct ape__buf *)&ctx; /* stale: the op must clear it */
+	struct ape_be_buf *buf = (struct ape_be_buf *)&ctx; /* stale: the op must clear it */
 	char label[320];
 
 	/* through the backend op: a forward's planner would refuse the size before any call */

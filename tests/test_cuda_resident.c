@@ -4,7 +4,7 @@
  * of tests/fake_cuda built with the emulator (cuda/emu) runs the real kernels on the CPU and logs
  * what reaches cuLaunchKernel (fake_cuda.h).
  *
- *   strided launches   Q, K, V, O and LSE where struct ape__view puts them ([B, L, H, D] with
+ *   strided launches   Q, K, V, O and LSE where struct ape_be_view puts them ([B, L, H, D] with
  *                      padded rows, one slice each of a packed QKV tensor, nonzero and odd
  *                      element offsets, odd strides) against the same launch on contiguous
  *                      buffers: bit-identical where the same kernels run (every prefill; every
@@ -72,16 +72,16 @@ static const char *const kind_names[] = { "contiguous+offset", "BLHD", "packed-Q
 /* A view of `heads` x `rows` rows of `d` elements (d = 1: LSE) for layout k; returns the
  * elements its buffer needs. `slot`: 0 q, 1 k, 2 v (packed: the slice), 3 o, 4 lse. */
 static int64_t make_view(enum kind k, int slot, int64_t B, int64_t heads, int64_t rows, int64_t d,
-			 int64_t H, int64_t Hkv, struct ape__view *v)
+			 int64_t H, int64_t Hkv, struct ape_be_view *v)
 {
 	switch (k) {
 	case K_CONTIG_OFF:
-		*v = (struct ape__view){ 16, heads * rows * d, rows * d, d };
+		*v = (struct ape_be_view){ 16, heads * rows * d, rows * d, d };
 		break;
 	case K_BLHD: {
 		const int64_t dp = d == 1 ? 1 : d + 8;
 
-		*v = (struct ape__view){ 8, rows * heads * dp, dp, heads * dp };
+		*v = (struct ape_be_view){ 8, rows * heads * dp, dp, heads * dp };
 		break;
 	}
 	case K_PACKED:
@@ -89,15 +89,15 @@ static int64_t make_view(enum kind k, int slot, int64_t B, int64_t heads, int64_
 			const int64_t w = (H + 2 * Hkv) * d;
 			const int64_t off = slot == 0 ? 0 : slot == 1 ? H * d : (H + Hkv) * d;
 
-			*v = (struct ape__view){ off, rows * w, d, w };
+			*v = (struct ape_be_view){ off, rows * w, d, w };
 		} else { /* O and LSE: [B, L, H, D] */
-			*v = (struct ape__view){ 0, rows * heads * d, d, heads * d };
+			*v = (struct ape_be_view){ 0, rows * heads * d, d, heads * d };
 		}
 		break;
 	case K_ODD: {
 		const int64_t sl = d == 1 ? 3 : d + 1, sh = rows * sl + 1;
 
-		*v = (struct ape__view){ 3, heads * sh + 5, sh, sl };
+		*v = (struct ape_be_view){ 3, heads * sh + 5, sh, sl };
 		break;
 	}
 	}
@@ -127,19 +127,19 @@ static void outputs_free(struct outputs *o)
 static int run_case(struct __test_metadata *_metadata, ape_device *dev, const struct inputs *in,
 		    const struct scase *c, bool strided, struct outputs *out)
 {
-	const struct ape__backend_ops *ops = dev->be->ops;
+	const struct ape_backend_plugin *ops = dev->be->ops;
 	const size_t ie = ape_dtype_size(c->dt), oe = ape_dtype_size(c->odt);
 	const int64_t heads[5] = { c->H, c->Hkv, c->Hkv, c->H, c->H };
 	const int64_t rows[5] = { c->Lq, c->Lk, c->Lk, c->Lq, c->Lq };
 	const int64_t dd[5] = { c->D, c->D, c->D, c->D, 1 };
 	const size_t es[5] = { ie, ie, ie, oe, 4 };
 	const void *src[3] = { in->tp.q.t.data, in->tp.k.t.data, in->tp.v.t.data };
-	struct ape__launch l = in->l;
-	struct ape__view v[5];
+	struct ape_be_launch l = in->l;
+	struct ape_be_view v[5];
 	int64_t n[5]; /* elements of each tensor's buffer */
 	unsigned char *host[5] = { NULL };
-	struct ape__buf *buf[5] = { NULL };
-	struct ape__queue *q = NULL;
+	struct ape_be_buf *buf[5] = { NULL };
+	struct ape_be_queue *q = NULL;
 	const bool packed = strided && c->kind == K_PACKED;
 	int nt = c->lse ? 5 : 4, ret = -1;
 
@@ -148,7 +148,7 @@ static int run_case(struct __test_metadata *_metadata, ape_device *dev, const st
 		if (strided) {
 			n[t] = make_view(c->kind, t, c->B, heads[t], rows[t], dd[t], c->H, c->Hkv, &v[t]);
 		} else {
-			v[t] = (struct ape__view){ 0, heads[t] * rows[t] * dd[t], rows[t] * dd[t], dd[t] };
+			v[t] = (struct ape_be_view){ 0, heads[t] * rows[t] * dd[t], rows[t] * dd[t], dd[t] };
 			n[t] = c->B * heads[t] * rows[t] * dd[t];
 		}
 		n[t] = n[t] < 16 ? 16 : n[t]; /* K and V of a launch without keys: some bytes */
@@ -199,7 +199,7 @@ static int run_case(struct __test_metadata *_metadata, ape_device *dev, const st
 	l.lse = c->lse ? buf[4] : NULL;
 	l.strided = strided;
 	for (int t = 0; t < 5; t++)
-		l.view[t] = t < nt ? v[t] : (struct ape__view){ 0, 0, 0, 0 };
+		l.view[t] = t < nt ? v[t] : (struct ape_be_view){ 0, 0, 0, 0 };
 	if (ops->attention(q, &l) || ops->synchronize(q)) {
 		TH_LOG("attention (%s): %s", strided ? "strided" : "contiguous", ape_last_error());
 		goto out;

@@ -92,9 +92,9 @@ TEST(native_gives_the_primary_context_and_device)
 
 TEST(buf_wrap_checks_the_range_and_never_frees)
 {
-	const struct ape__backend_ops *ops;
-	struct ape__buf *own = NULL, *w = NULL;
-	struct ape__queue *q = NULL;
+	const struct ape_backend_plugin *ops;
+	struct ape_be_buf *own = NULL, *w = NULL;
+	struct ape_be_queue *q = NULL;
 	unsigned char data[512], back[512];
 	size_t got = 0;
 	struct devs d;
@@ -106,7 +106,7 @@ TEST(buf_wrap_checks_the_range_and_never_frees)
 	ASSERT_EQ(0, ops->queue_create(d.cuda, &q));
 
 	/* inside: a window of the allocation, usable by every op */
-	ASSERT_EQ(0, ops->buf_wrap(d.cuda, APE__MEM_CUDA, (void *)(uintptr_t)(own->ptr + 1024), 512,
+	ASSERT_EQ(0, ops->buf_wrap(d.cuda, APE_BE_MEM_CUDA, (void *)(uintptr_t)(own->ptr + 1024), 512,
 				   &w, &got)) TH_LOG("%s", ape_last_error());
 	EXPECT_EQ(512u, got);
 	EXPECT_EQ(own->ptr + 1024, w->ptr);
@@ -119,7 +119,7 @@ TEST(buf_wrap_checks_the_range_and_never_frees)
 	ops->buf_free(d.cuda, w);
 
 	/* the whole allocation wrapped and dropped: the allocation stays */
-	ASSERT_EQ(0, ops->buf_wrap(d.cuda, APE__MEM_CUDA, (void *)(uintptr_t)own->ptr, 4096, &w,
+	ASSERT_EQ(0, ops->buf_wrap(d.cuda, APE_BE_MEM_CUDA, (void *)(uintptr_t)own->ptr, 4096, &w,
 				   &got));
 	ops->buf_free(d.cuda, w);
 	memset(back, 0, sizeof(back));
@@ -128,8 +128,8 @@ TEST(buf_wrap_checks_the_range_and_never_frees)
 	EXPECT_EQ(0, memcmp(data, back, sizeof(data)));
 
 	/* past the end: refused, with the addresses */
-	w = (struct ape__buf *)1;
-	ret = ops->buf_wrap(d.cuda, APE__MEM_CUDA, (void *)(uintptr_t)(own->ptr + 4000), 97, &w, &got);
+	w = (struct ape_be_buf *)1;
+	ret = ops->buf_wrap(d.cuda, APE_BE_MEM_CUDA, (void *)(uintptr_t)(own->ptr + 4000), 97, &w, &got);
 	EXPECT_EQ(APE_EINVAL, ret);
 	EXPECT_EQ(NULL, w);
 	EXPECT_EQ(0u, got);
@@ -137,18 +137,18 @@ TEST(buf_wrap_checks_the_range_and_never_frees)
 	EXPECT_NE(NULL, strstr(ape_last_error(), "runs past its allocation"));
 	EXPECT_NE(NULL, strstr(ape_last_error(), "buf_wrap"));
 	/* not device memory at all */
-	EXPECT_EQ(APE_EINVAL, ops->buf_wrap(d.cuda, APE__MEM_CUDA, (void *)data, 16, &w, &got));
+	EXPECT_EQ(APE_EINVAL, ops->buf_wrap(d.cuda, APE_BE_MEM_CUDA, (void *)data, 16, &w, &got));
 	TH_LOG("host pointer: %s", ape_last_error());
 	EXPECT_NE(NULL, strstr(ape_last_error(), "not device memory"));
-	EXPECT_EQ(APE_EINVAL, ops->buf_wrap(d.cuda, APE__MEM_CUDA, NULL, 16, &w, &got));
-	EXPECT_EQ(APE_EINVAL, ops->buf_wrap(d.cuda, APE__MEM_CUDA, (void *)(uintptr_t)own->ptr, 0,
+	EXPECT_EQ(APE_EINVAL, ops->buf_wrap(d.cuda, APE_BE_MEM_CUDA, NULL, 16, &w, &got));
+	EXPECT_EQ(APE_EINVAL, ops->buf_wrap(d.cuda, APE_BE_MEM_CUDA, (void *)(uintptr_t)own->ptr, 0,
 					    &w, &got));
 	/* kinds a CUDA device does not drive */
-	EXPECT_EQ(APE_ENOTSUP, ops->buf_wrap(d.cuda, APE__MEM_HOST, data, 16, &w, &got));
+	EXPECT_EQ(APE_ENOTSUP, ops->buf_wrap(d.cuda, APE_BE_MEM_HOST, data, 16, &w, &got));
 	TH_LOG("host kind: %s", ape_last_error());
 	EXPECT_NE(NULL, strstr(ape_last_error(), "host memory"));
 	EXPECT_NE(NULL, strstr(ape_last_error(), d.cuda->info.name));
-	EXPECT_EQ(APE_ENOTSUP, ops->buf_wrap(d.cuda, APE__MEM_OPENCL, data, 16, &w, &got));
+	EXPECT_EQ(APE_ENOTSUP, ops->buf_wrap(d.cuda, APE_BE_MEM_OPENCL, data, 16, &w, &got));
 	EXPECT_NE(NULL, strstr(ape_last_error(), "OpenCL memory"));
 	EXPECT_EQ(NULL, w);
 
@@ -160,14 +160,14 @@ TEST(buf_wrap_checks_the_range_and_never_frees)
 /* Without cuMemGetAddressRange nothing can be checked, so nothing is wrapped. */
 TEST(buf_wrap_without_the_driver_symbol)
 {
-	struct ape__buf *own = NULL, *w = NULL;
+	struct ape_be_buf *own = NULL, *w = NULL;
 	size_t got;
 	struct devs d;
 
 	setenv("FAKE_CUDA_MODE", "missing-optional", 1);
 	open_devs(_metadata, &d);
 	ASSERT_EQ(0, d.cuda->be->ops->buf_alloc(d.cuda, 256, &own));
-	EXPECT_EQ(APE_ENOTSUP, d.cuda->be->ops->buf_wrap(d.cuda, APE__MEM_CUDA,
+	EXPECT_EQ(APE_ENOTSUP, d.cuda->be->ops->buf_wrap(d.cuda, APE_BE_MEM_CUDA,
 							 (void *)(uintptr_t)own->ptr, 256, &w,
 							 &got));
 	EXPECT_NE(NULL, strstr(ape_last_error(), "cuMemGetAddressRange"));
@@ -183,12 +183,12 @@ TEST(buf_wrap_without_the_driver_symbol)
 static void wrapped_launch(struct __test_metadata *_metadata, bool null_stream, bool mempools)
 {
 	const struct scase c = { 1, 2, 1, 24, 40, 64, F16, F16, HALF, true, true, false, K_BLHD };
-	const struct ape__backend_ops *ops;
-	struct ape__buf *own[4] = { NULL }, *w[4] = { NULL };
+	const struct ape_backend_plugin *ops;
+	struct ape_be_buf *own[4] = { NULL }, *w[4] = { NULL };
 	const struct fake_launch_rec *log;
-	struct ape__queue *wq = NULL;
-	struct ape__event *e0 = NULL, *e1 = NULL;
-	struct ape__launch l;
+	struct ape_be_queue *wq = NULL;
+	struct ape_be_event *e0 = NULL, *e1 = NULL;
+	struct ape_be_launch l;
 	struct inputs in;
 	struct fake_fns f;
 	CUstream s = NULL;
@@ -224,10 +224,10 @@ static void wrapped_launch(struct __test_metadata *_metadata, bool null_stream, 
 		const size_t bytes = 2 * (size_t)(8 + (kv ? c.Lk * c.Hkv : c.Lq * c.H) * c.D);
 
 		ASSERT_EQ(0, ops->buf_alloc(d.cuda, bytes + 512, &own[t]));
-		ASSERT_EQ(0, ops->buf_wrap(d.cuda, APE__MEM_CUDA,
+		ASSERT_EQ(0, ops->buf_wrap(d.cuda, APE_BE_MEM_CUDA,
 					   (void *)(uintptr_t)(own[t]->ptr + 256), bytes, &w[t], &got));
 		ASSERT_EQ(0, ops->fill(wq, w[t], 0, 0u, bytes & ~(size_t)3));
-		l.view[t] = (struct ape__view){ 8, 0, c.D, (kv ? c.Hkv : c.H) * c.D };
+		l.view[t] = (struct ape_be_view){ 8, 0, c.D, (kv ? c.Hkv : c.H) * c.D };
 	}
 	l.q = w[0];
 	l.k = w[1];
@@ -316,7 +316,7 @@ TEST(queue_wrap_without_memory_pools)
 
 TEST(queue_wrap_refuses_a_bad_stream)
 {
-	struct ape__queue *q = (struct ape__queue *)1;
+	struct ape_be_queue *q = (struct ape_be_queue *)1;
 	struct devs d;
 
 	open_devs(_metadata, &d);
@@ -332,9 +332,9 @@ TEST(queue_wrap_refuses_a_bad_stream)
 TEST(misaligned_elements_are_refused)
 {
 	const struct scase c = { 1, 2, 1, 20, 30, 64, F32, F32, HALF, true, false, false, K_BLHD };
-	const struct ape__backend_ops *ops;
-	struct ape__buf *own = NULL, *w = NULL;
-	struct ape__queue *q = NULL;
+	const struct ape_backend_plugin *ops;
+	struct ape_be_buf *own = NULL, *w = NULL;
+	struct ape_be_queue *q = NULL;
 	struct fake_fns f;
 	struct inputs in;
 	size_t got, nlog = 1;
@@ -348,14 +348,14 @@ TEST(misaligned_elements_are_refused)
 	ASSERT_EQ(0, make_inputs(&in, &rng, &c));
 	ASSERT_EQ(0, ops->queue_create(d.cuda, &q));
 	ASSERT_EQ(0, ops->buf_alloc(d.cuda, 65536, &own));
-	ASSERT_EQ(0, ops->buf_wrap(d.cuda, APE__MEM_CUDA, (void *)(uintptr_t)(own->ptr + 2), 60000,
+	ASSERT_EQ(0, ops->buf_wrap(d.cuda, APE_BE_MEM_CUDA, (void *)(uintptr_t)(own->ptr + 2), 60000,
 				   &w, &got));
 	in.l.q = in.l.k = in.l.v = own;
 	in.l.o = w; /* float32 O two bytes off */
 	for (int t = 0; t < 4; t++)
-		in.l.view[t] = ape__launch_view(&in.l, t); /* the contiguous views */
+		in.l.view[t] = ape_be_launch_view(&in.l, t); /* the contiguous views */
 	in.l.strided = true;
-	in.l.view[APE__T_O].off = 64;
+	in.l.view[APE_BE_T_O].off = 64;
 	f.clear();
 	EXPECT_EQ(APE_EINVAL, ops->attention(q, &in.l));
 	TH_LOG("%s", ape_last_error());
@@ -374,9 +374,9 @@ TEST(misaligned_elements_are_refused)
 TEST(wraps_of_another_device_are_refused)
 {
 	ape_device *devs[8], *g[2] = { NULL, NULL };
-	const struct ape__backend_ops *ops;
-	struct ape__buf *own = NULL, *w = (struct ape__buf *)1;
-	struct ape__queue *q = (struct ape__queue *)1;
+	const struct ape_backend_plugin *ops;
+	struct ape_be_buf *own = NULL, *w = (struct ape_be_buf *)1;
+	struct ape_be_queue *q = (struct ape_be_queue *)1;
 	struct fake_fns f;
 	CUstream s = NULL;
 	CUcontext prev;
@@ -400,12 +400,12 @@ TEST(wraps_of_another_device_are_refused)
 	EXPECT_EQ(1, (int)(intptr_t)dev1);
 
 	ASSERT_EQ(0, ops->buf_alloc(g[1], 1024, &own));
-	EXPECT_EQ(APE_EINVAL, ops->buf_wrap(g[0], APE__MEM_CUDA, (void *)(uintptr_t)own->ptr, 1024,
+	EXPECT_EQ(APE_EINVAL, ops->buf_wrap(g[0], APE_BE_MEM_CUDA, (void *)(uintptr_t)own->ptr, 1024,
 					    &w, &got));
 	TH_LOG("%s", ape_last_error());
 	EXPECT_NE(NULL, strstr(ape_last_error(), "memory of CUDA device 1, not of device 0"));
 	EXPECT_EQ(NULL, w);
-	EXPECT_EQ(0, ops->buf_wrap(g[1], APE__MEM_CUDA, (void *)(uintptr_t)own->ptr, 1024, &w, &got));
+	EXPECT_EQ(0, ops->buf_wrap(g[1], APE_BE_MEM_CUDA, (void *)(uintptr_t)own->ptr, 1024, &w, &got));
 	ops->buf_free(g[1], w);
 
 	ASSERT_EQ(CUDA_SUCCESS, f.push((CUcontext)ctx1));

@@ -201,7 +201,7 @@ static void run_checked(struct __test_metadata *_metadata, ape_device *dev,
 	EXPECT_LE(el, test_tol_lse(c->dt) + test_skip_tol_lse(c->desc.skip_tol))
 	TH_LOG("%s: LSE error %g", c->what, el);
 	EXPECT_EQ(pairs, st.pairs_visible) TH_LOG("%s", c->what);
-	if (!opts && dev->caps.positions) { /* every batch element in the one launch */
+	if (!opts && ape_be_caps_have(&dev->caps, APE_BE_CAP_POSITIONS)) { /* every batch element in the one launch */
 		EXPECT_EQ(1u, st.chunks) TH_LOG("%s: launches", c->what);
 	}
 }
@@ -240,7 +240,7 @@ TEST_F(dev, forward_in_small_chunks)
  * of consecutive positions, merged by LSE. */
 TEST_F(dev, forward_in_runs_where_the_kernels_read_no_positions)
 {
-	self->dev->caps.positions = false;
+	self->dev->caps.features &= ~(uint64_t)APE_BE_CAP_POSITIONS;
 	run_cases(_metadata, self->dev, self->emu ? 10 : 25, NULL);
 }
 
@@ -263,7 +263,8 @@ TEST_F(dev, explicit_default_positions_are_the_implicit_call_bit_for_bit)
 			c.pk[j] = j;
 		for (int64_t r = 0; r < c.Lq; r++)
 			c.pq[r] = c.Lk - c.Lq + r;
-		self->dev->caps.positions = i % 2 == 0;
+		self->dev->caps.features = (self->dev->caps.features & ~(uint64_t)APE_BE_CAP_POSITIONS) |
+					  (i % 2 == 0 ? APE_BE_CAP_POSITIONS : 0);
 		ASSERT_EQ(0, test_tensor_empty(&o2, c.odt, c.B, c.H, c.Lq, c.D));
 		lse2 = malloc(sizeof(float) * (size_t)(c.B * c.H * c.Lq));
 		ASSERT_NE(NULL, lse2);
@@ -672,17 +673,18 @@ TEST_F(dev, bad_positions_are_refused_and_write_nothing)
 	}
 	/* run in pieces (positions the kernels do not read): no trace yet */
 	{
-		const bool had = self->dev->caps.positions;
+		const bool had = ape_be_caps_have(&self->dev->caps, APE_BE_CAP_POSITIONS);
 		ape_exec_options opts;
 
 		ape_exec_options_init(&opts);
 		opts.trace_path = "/tmp/ape-dense-positions-trace.json";
-		self->dev->caps.positions = false;
+		self->dev->caps.features &= ~(uint64_t)APE_BE_CAP_POSITIONS;
 		EXPECT_EQ(APE_EINVAL, ape_attention_forward_ex(&self->dev, 1, &opts, &c.desc, &c.q.t,
 							       &c.k.t, &c.v.t, &c.o.t, c.lse, NULL));
 		EXPECT_NE(NULL, strstr(ape_last_error(), "opts->trace_path")) TH_LOG("%s",
 									      ape_last_error());
-		self->dev->caps.positions = had;
+		self->dev->caps.features = (self->dev->caps.features & ~(uint64_t)APE_BE_CAP_POSITIONS) |
+					  (had ? APE_BE_CAP_POSITIONS : 0);
 		EXPECT_EQ(0, memcmp(snap, c.o.alloc, c.o.alloc_bytes));
 	}
 	/* device tensors (ape_attention_enqueue()) */

@@ -19,7 +19,7 @@
 #include "common/problem.h"
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "exec/lse_merge.h"
 #include "diag_case.h"
 
@@ -60,7 +60,7 @@ TEST_F(dev, random_cases_match_the_definitions)
 	ape_rng rng;
 	int failed = 0;
 
-	if (!self->dev->caps.diag)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG))
 		SKIP(return, "%s has no diagnostics (see unsupported_backend_says_so)",
 		     variant->backend);
 	ape_rng_init(&rng, _metadata->name);
@@ -104,7 +104,7 @@ TEST_F(dev, fast_path_shapes_still_give_diagnostics)
 	static const ape_dtype types[] = { APE_F32, APE_F32, APE_F32, APE_F16, APE_BF16 };
 	static const double params[][4] = { { 0, 0, 0, 0 }, { 0.2, 0, 0, 0 } };
 
-	if (!self->dev->caps.diag)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG))
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
 		for (size_t c = 0; c < 2; c++) {
@@ -133,7 +133,7 @@ TEST_F(dev, one_key_and_empty_rows)
 	test_problem tp;
 	struct diag d;
 
-	if (!self->dev->caps.diag)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG))
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	test_problem_set_params(&tp, 0.1, 0.01, 0.01, 0.1);
@@ -187,7 +187,7 @@ TEST_F(dev, nan_rows)
 	test_problem tp;
 	struct diag d;
 
-	if (!self->dev->caps.diag)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG))
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	tp.desc.causal = true;
@@ -209,7 +209,7 @@ TEST_F(dev, chunk_sizes_and_devices_agree)
 	ape_rng rng;
 	int failed = 0;
 
-	if (!self->dev->caps.diag)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG))
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ape_rng_init(&rng, _metadata->name);
 	for (int c = 0; c < ncases; c++) {
@@ -267,7 +267,7 @@ TEST_F(dev, skipping_stays_within_the_bound)
 	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
 	test_problem tp;
 
-	if (!self->dev->caps.diag)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG))
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	test_problem_set_params(&tp, delta, 0.01, 0.01, 0.1);
@@ -312,7 +312,7 @@ TEST_F(dev, kv_cache_attend_matches_the_forward_call)
 	struct diag d, f;
 	double ee, em;
 
-	if (!self->dev->caps.diag)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG))
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F16));
 	test_problem_set_params(&tp, 0.01, 0.02, 0.01, 0.1);
@@ -359,7 +359,7 @@ TEST_F(dev, kv_cache_attend_diag_repeats_bit_for_bit)
 	float *o[3], *lse[3];
 	const size_t on = (size_t)(2 * Lq * 32);
 
-	if (!self->dev->caps.diag)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG))
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	test_problem_set_params(&tp, 0.3, 0.02, 0.02, 0.1);
@@ -428,7 +428,7 @@ TEST_F(dev, kv_cache_release_and_the_tightened_tolerance)
 	ape_kv_cache_info info;
 	double worst_e = 0, worst_m = 0;
 
-	if (!self->dev->caps.diag)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG))
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ASSERT_EQ(0, fixed_case(&tp, _metadata->name, &sh, APE_F32));
 	test_problem_set_params(&tp, 4.0, 0.0, 0.0, 0.0);

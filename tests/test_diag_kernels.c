@@ -18,7 +18,7 @@
 #include "common/problem.h"
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "exec/lse_merge.h"
 #include "diag_case.h"
 
@@ -51,7 +51,7 @@ TEST_F(dev, kernel_shapes_every_dtype)
 	ape_rng rng;
 	int failed = 0, runs = 0;
 
-	if (!self->dev->caps.diag)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG))
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ape_rng_init(&rng, _metadata->name);
 	for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)

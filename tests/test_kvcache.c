@@ -245,9 +245,9 @@ TEST_F(kv, no_allocation_on_the_hot_path)
  * so that the copies and kernels of any call overlap in time, whatever the device really did. */
 #define STRETCH_MS 1e4
 
-static const struct ape__backend_ops *stretch_orig;
+static const struct ape_backend_plugin *stretch_orig;
 
-static int stretched_elapsed(struct ape__event *a, struct ape__event *b, double *ms)
+static int stretched_elapsed(struct ape_be_event *a, struct ape_be_event *b, double *ms)
 {
 	int ret = stretch_orig->event_elapsed(a, b, ms);
 
@@ -261,7 +261,7 @@ TEST_F(kv, stats_as_a_forward_call_reports_them)
 {
 	const int64_t L = 64, n = 16;
 	const test_problem_shape sh = { 1, 4, 2, L, L, 16 };
-	static struct ape__backend_ops stretched;
+	static struct ape_backend_plugin stretched;
 	ape_tensor kt, vt, qt, ot;
 	ape_kv_cache_options o;
 	ape_stats fw, st;
@@ -269,7 +269,7 @@ TEST_F(kv, stats_as_a_forward_call_reports_them)
 	test_problem tp;
 	ape_rng rng;
 
-	if (!self->dev->caps.timestamps)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_TIMESTAMPS))
 		SKIP(return, "the backend has no event timestamps: no overlap figure");
 	ape_rng_init(&rng, _metadata->name);
 	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
@@ -578,7 +578,7 @@ TEST_F(kv, arguments_are_validated)
  * cache's back: the block maxima still say those keys are small. */
 struct poison_arg {
 	ape_kv_cache *c;
-	struct ape__queue *q;
+	struct ape_be_queue *q;
 };
 
 static int poison_seg(void *arg, const struct ape__kv_seg *sg)
@@ -588,7 +588,7 @@ static int poison_seg(void *arg, const struct ape__kv_seg *sg)
 
 	for (int kv = 0; kv < 2 && !ret; kv++) {
 		size_t off;
-		struct ape__buf *b = ape__kv_block(a->c, kv, sg->blk, &off);
+		struct ape_be_buf *b = ape__kv_block(a->c, kv, sg->blk, &off);
 
 		ret = a->c->ops->fill(a->q, b, off + sg->blk_off, 0x7fc07fc0u, sg->bytes);
 	}

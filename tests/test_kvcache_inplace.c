@@ -29,7 +29,7 @@ BACKEND_FIXTURE(kv)
 static int poison_dead(ape_kv_cache *c)
 {
 	const int64_t nbg = c->o.B * c->o.Hkv, last = (c->t_end + c->bt - 1) / c->bt;
-	struct ape__queue *q;
+	struct ape_be_queue *q;
 	int ret = c->ops->queue_create(c->dev, &q);
 
 	for (int64_t blk = 0; !ret && blk < c->nblocks; blk++) {
@@ -41,7 +41,7 @@ static int poison_dead(ape_kv_cache *c)
 		for (int kv = 0; kv < 2 && !ret; kv++)
 			for (int64_t bg = 0; bg < nbg && r0 < c->bt && !ret; bg++) {
 				size_t off;
-				struct ape__buf *b = ape__kv_block(c, kv, blk, &off);
+				struct ape_be_buf *b = ape__kv_block(c, kv, blk, &off);
 
 				ret = c->ops->fill(q, b, off + ape__kv_blk_off(c, bg, r0), 0x7fc07fc0u,
 						   (size_t)((c->bt - r0) * c->o.D) * c->esz);
@@ -164,7 +164,7 @@ static void in_place_cases(struct __test_metadata *_metadata, FIXTURE_DATA(kv) *
 			/* only the queries went in (and, on a device that does not read host memory
 			 * in place, the call's parameter tables, float64 and float32): no key copied,
 			 * none gathered */
-			const uint64_t tables = self->dev->caps.host_memory
+			const uint64_t tables = ape_be_caps_have(&self->dev->caps, APE_BE_CAP_HOST_MEMORY)
 							? 0
 							: (uint64_t)(sh.D / 2 + 4 * sh.H) * (8 + 4);
 

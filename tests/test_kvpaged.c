@@ -387,7 +387,7 @@ TEST_F(paged, decay_with_skipping)
 	ASSERT_EQ(0, paged_run(pk, &c, true, &b, &o2.t, lse2, &st)) TH_LOG("%s", ape_last_error());
 	check_outputs(_metadata, &m, &b, &o2, lse2, "decay, skipping");
 	EXPECT_GE(st.pairs_visible, st.pairs_computed);
-	if (self->dev->caps.diag) { /* the diagnostics, against the definitions */
+	if (ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG)) { /* the diagnostics, against the definitions */
 		struct mbatch x = b;
 		double eo, el, ee, em;
 

@@ -419,7 +419,7 @@ TEST_F(pool, diagnostics_of_a_mixed_batch)
 	int64_t idx[6], lq[6] = { 1, 5, 1, 2, 1, 1 };
 	int ret;
 
-	if (!self->dev->caps.diag)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG))
 		SKIP(return, "%s has no diagnostics", variant->backend);
 	ape_rng_init(&rng, _metadata->name);
 	o.attend_chunk = 128; /* the longest sequence by itself, in key chunks */

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The shared pure math of runtime/core/ape_math.h (what the reference, the OpenCL and the CUDA
+ * The shared pure math of include/ape/ape_math.h (what the reference, the OpenCL and the CUDA
  * kernels all compute with), every function and formula macro, each against an independent
  * evaluation: exact integers (__int128 and brute-force loops) for the distance rules, long
  * double (or finite differences of it) for the real-valued ones, with the ends of their ranges:
@@ -12,7 +12,7 @@
 #include "ape_test.h"
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 
 typedef __int128 i128;
 

@@ -571,7 +571,7 @@ TEST_F(multi, backward_a_failing_device_fails_the_call)
 	bcase bc;
 	int ret;
 
-	if (!self->dev->caps.backward)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_BACKWARD))
 		SKIP(return, "%s has no backward pass", variant->backend);
 	ape_rng_init(&rng, _metadata->name);
 	/* end-aligned: random positions may hide all but a few pairs: fewer than 5 launches */
@@ -608,7 +608,7 @@ TEST_F(mixed, backward_one_backend_failing_fails_the_call)
 	ape_rng rng;
 	bcase bc;
 
-	if (!self->a->caps.backward || !self->b->caps.backward)
+	if (!ape_be_caps_have(&self->a->caps, APE_BE_CAP_BACKWARD) || !ape_be_caps_have(&self->b->caps, APE_BE_CAP_BACKWARD))
 		SKIP(return, "no backward pass on %s or %s", variant->a, variant->b);
 	ape_rng_init(&rng, _metadata->name);
 	/* end-aligned: random positions may hide every pair, and then nothing is launched and

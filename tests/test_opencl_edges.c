@@ -95,7 +95,7 @@ TEST(allocation_too_large_is_enomem)
 {
 	ape_context *ctx = test_context("opencl");
 	ape_device *dev = test_device(ctx, "opencl");
-	struct ape__buf *buf = NULL;
+	struct ape_be_buf *buf = NULL;
 	uint64_t max;
 	int ret;
 

@@ -39,7 +39,7 @@ static int ocl_is_cpu(const struct devs *d)
 
 /* The launch the core makes for tp in one piece (shape, parameters, skipping), enough for the
  * fast paths' predicates. hp: 4 * H floats of the caller's. */
-static void launch_of(const test_problem *tp, float *hp, struct ape__launch *l)
+static void launch_of(const test_problem *tp, float *hp, struct ape_be_launch *l)
 {
 	const int64_t H = tp->q.t.shape[1];
 	bool nonneg = true;
@@ -158,7 +158,7 @@ static void decode_cases(struct __test_metadata *_metadata, const char *what)
 	for (int c = 0; c < ncases; c++) {
 		const int64_t Lq = lqs[ape_rng_range(&rng, 0, 5)];
 		test_problem tp;
-		struct ape__launch l;
+		struct ape_be_launch l;
 		float hp[4 * 24];
 		ape_stats st;
 		int took;
@@ -196,7 +196,7 @@ static void nan_case(struct __test_metadata *_metadata, const struct devs *d, co
 {
 	ape_rng rng;
 	test_problem tp, r;
-	struct ape__launch l;
+	struct ape_be_launch l;
 	float hp[4 * 8];
 
 	ape_rng_init(&rng, name);
@@ -274,7 +274,7 @@ TEST(separable_random_cases_match_reference)
 	ape_rng_init(&rng, "separable_random_cases_match_reference");
 	for (int c = 0; c < ncases; c++) {
 		test_problem tp;
-		struct ape__launch l;
+		struct ape_be_launch l;
 		float hp[4 * 24];
 		ape_stats st;
 
@@ -312,7 +312,7 @@ TEST(mixed_heads_match_reference)
 	ape_rng_init(&rng, "mixed_heads_match_reference");
 	for (int c = 0; c < ncases; c++) {
 		test_problem tp;
-		struct ape__launch l;
+		struct ape_be_launch l;
 		float hp[4 * 24];
 		ape_stats st;
 		int64_t H;
@@ -437,7 +437,7 @@ TEST(separable_wg_shape_matches_reference)
 	for (int c = 0; c < ncases; c++) {
 		const int mix = c % 3 == 2;
 		test_problem tp;
-		struct ape__launch l;
+		struct ape_be_launch l;
 		float hp[4 * 24];
 		ape_stats st;
 		int64_t H;
@@ -491,7 +491,7 @@ TEST(separable_wg_shape_skips_deterministic)
 	for (int c = 0; c < 2; c++) {
 		test_problem tp, dense, again;
 		ape_stats st, sd;
-		struct ape__launch l;
+		struct ape_be_launch l;
 		float hp[4 * 8];
 		double eo;
 
@@ -614,7 +614,7 @@ TEST(enqueue_strided_views)
 		test_problem tp, r;
 		float *ohost, *lhost;
 		size_t obytes;
-		struct ape__launch la;
+		struct ape_be_launch la;
 		float hp[4 * 8];
 
 		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, dt, false));

@@ -63,13 +63,13 @@ static void image_free(struct image *im)
 /* ---- running launches through the ops */
 
 struct run {
-	struct ape__buf *b[APE__T_COUNT]; /* q, k, v, o, lse; the same buffer may appear twice */
-	cl_mem cm[APE__T_COUNT]; /* MEM_CLMEM: the test's own objects */
+	struct ape_be_buf *b[APE_BE_T_COUNT]; /* q, k, v, o, lse; the same buffer may appear twice */
+	cl_mem cm[APE_BE_T_COUNT]; /* MEM_CLMEM: the test's own objects */
 };
 
 /* A buffer over image im (its whole size) in the way c->mem says, with im's bytes in it. */
 static int buf_for(struct __test_metadata *_metadata, const struct dev *t,
-		   struct ape__queue *q, enum mem mem, struct image *im, struct ape__buf **out,
+		   struct ape_be_queue *q, enum mem mem, struct image *im, struct ape_be_buf **out,
 		   cl_mem *cm)
 {
 	const size_t bytes = im->n * im->es;
@@ -84,7 +84,7 @@ static int buf_for(struct __test_metadata *_metadata, const struct dev *t,
 		return t->ops->copy_h2d(q, *out, 0, im->p, bytes);
 	}
 	if (mem == MEM_HOST) {
-		if (t->ops->buf_wrap(t->d, APE__MEM_HOST, im->p, bytes, out, &got))
+		if (t->ops->buf_wrap(t->d, APE_BE_MEM_HOST, im->p, bytes, out, &got))
 			return -1;
 		EXPECT_EQ(bytes, got);
 		return 0;
@@ -95,15 +95,15 @@ static int buf_for(struct __test_metadata *_metadata, const struct dev *t,
 		TH_LOG("clCreateBuffer: %d", (int)err);
 		return -1;
 	}
-	if (t->ops->buf_wrap(t->d, APE__MEM_OPENCL, *cm, 0, out, &got))
+	if (t->ops->buf_wrap(t->d, APE_BE_MEM_OPENCL, *cm, 0, out, &got))
 		return -1;
 	EXPECT_EQ(bytes, got);
 	return 0;
 }
 
 /* Brings an output image back to the host (MEM_HOST: it is there already, in place). */
-static int image_back(const struct dev *t, struct ape__queue *q, enum mem mem, struct image *im,
-		      struct ape__buf *b)
+static int image_back(const struct dev *t, struct ape_be_queue *q, enum mem mem, struct image *im,
+		      struct ape_be_buf *b)
 {
 	if (mem == MEM_HOST)
 		return 0;
@@ -113,35 +113,35 @@ static int image_back(const struct dev *t, struct ape__queue *q, enum mem mem, s
 /* The views of c: a [B, L, H, D] layout (rows padded by 3 elements) with offsets, or q, k and v
  * as slices of one packed [B, L, H + 2 Hkv, D] tensor; O as [B, L, H, D + 5] after an offset,
  * LSE as [B, L, H] after an offset. Element counts of the images in n[]. */
-static void views_of(const struct kase *c, struct ape__view *v, size_t n[APE__T_COUNT])
+static void views_of(const struct kase *c, struct ape_be_view *v, size_t n[APE_BE_T_COUNT])
 {
 	const int64_t D = c->D, H = c->H, Hkv = c->Hkv;
 
 	if (c->packed) { /* Lq == Lk */
 		const int64_t W = (H + 2 * Hkv) * D, L = c->Lq;
 
-		v[APE__T_Q] = (struct ape__view){ c->off, L * W, D, W };
-		v[APE__T_K] = (struct ape__view){ c->off + H * D, L * W, D, W };
-		v[APE__T_V] = (struct ape__view){ c->off + (H + Hkv) * D, L * W, D, W };
-		n[APE__T_Q] = (size_t)(c->off + c->B * L * W);
-		n[APE__T_K] = n[APE__T_V] = 0; /* in q's buffer */
+		v[APE_BE_T_Q] = (struct ape_be_view){ c->off, L * W, D, W };
+		v[APE_BE_T_K] = (struct ape_be_view){ c->off + H * D, L * W, D, W };
+		v[APE_BE_T_V] = (struct ape_be_view){ c->off + (H + Hkv) * D, L * W, D, W };
+		n[APE_BE_T_Q] = (size_t)(c->off + c->B * L * W);
+		n[APE_BE_T_K] = n[APE_BE_T_V] = 0; /* in q's buffer */
 	} else {
 		const int64_t R = D + 3;
 
-		v[APE__T_Q] = (struct ape__view){ c->off, c->Lq * H * R, R, H * R };
-		v[APE__T_K] = (struct ape__view){ c->off + 1, c->Lk * Hkv * R, R, Hkv * R };
-		v[APE__T_V] = (struct ape__view){ c->off + 2, c->Lk * Hkv * R, R, Hkv * R };
-		n[APE__T_Q] = (size_t)(c->off + c->B * c->Lq * H * R);
-		n[APE__T_K] = (size_t)(c->off + 1 + c->B * c->Lk * Hkv * R);
-		n[APE__T_V] = (size_t)(c->off + 2 + c->B * c->Lk * Hkv * R);
+		v[APE_BE_T_Q] = (struct ape_be_view){ c->off, c->Lq * H * R, R, H * R };
+		v[APE_BE_T_K] = (struct ape_be_view){ c->off + 1, c->Lk * Hkv * R, R, Hkv * R };
+		v[APE_BE_T_V] = (struct ape_be_view){ c->off + 2, c->Lk * Hkv * R, R, Hkv * R };
+		n[APE_BE_T_Q] = (size_t)(c->off + c->B * c->Lq * H * R);
+		n[APE_BE_T_K] = (size_t)(c->off + 1 + c->B * c->Lk * Hkv * R);
+		n[APE_BE_T_V] = (size_t)(c->off + 2 + c->B * c->Lk * Hkv * R);
 	}
-	v[APE__T_O] = (struct ape__view){ 7, c->Lq * H * (D + 5), D + 5, H * (D + 5) };
-	n[APE__T_O] = (size_t)(7 + c->B * c->Lq * H * (D + 5));
-	v[APE__T_LSE] = (struct ape__view){ 3, c->Lq * H, 1, H };
-	n[APE__T_LSE] = (size_t)(3 + c->B * c->Lq * H);
+	v[APE_BE_T_O] = (struct ape_be_view){ 7, c->Lq * H * (D + 5), D + 5, H * (D + 5) };
+	n[APE_BE_T_O] = (size_t)(7 + c->B * c->Lq * H * (D + 5));
+	v[APE_BE_T_LSE] = (struct ape_be_view){ 3, c->Lq * H, 1, H };
+	n[APE_BE_T_LSE] = (size_t)(3 + c->B * c->Lq * H);
 }
 
-static int64_t at(const struct ape__view *v, int64_t b, int64_t h, int64_t l)
+static int64_t at(const struct ape_be_view *v, int64_t b, int64_t h, int64_t l)
 {
 	return v->off + b * v->sb + h * v->sh + l * v->sl;
 }
@@ -155,13 +155,13 @@ static int run_strided(struct __test_metadata *_metadata, const struct dev *t,
 		       const struct kase *c, const struct inputs *in, const float *prm,
 		       const void *o_ref, const float *lse_ref, const char *what)
 {
-	struct ape__view v[APE__T_COUNT];
-	size_t n[APE__T_COUNT];
-	struct image im[APE__T_COUNT];
-	struct ape__buf *b[APE__T_COUNT] = { 0 };
-	cl_mem cm[APE__T_COUNT] = { 0 };
-	struct ape__queue *q = NULL;
-	struct ape__launch l;
+	struct ape_be_view v[APE_BE_T_COUNT];
+	size_t n[APE_BE_T_COUNT];
+	struct image im[APE_BE_T_COUNT];
+	struct ape_be_buf *b[APE_BE_T_COUNT] = { 0 };
+	cl_mem cm[APE_BE_T_COUNT] = { 0 };
+	struct ape_be_queue *q = NULL;
+	struct ape_be_launch l;
 	const size_t ie = esz(c->dt), oe = esz(c->odt);
 	int ret = 0, bad = 0;
 
@@ -171,15 +171,15 @@ static int run_strided(struct __test_metadata *_metadata, const struct dev *t,
 	l.strided = true;
 	memcpy(l.view, v, sizeof(v));
 	/* the images: inputs scattered into their views, poison elsewhere */
-	for (int i = 0; i < APE__T_COUNT && !ret; i++) {
+	for (int i = 0; i < APE_BE_T_COUNT && !ret; i++) {
 		if (!n[i])
 			continue;
-		ret = image_new(&im[i], n[i], i == APE__T_LSE ? 4 : i == APE__T_O ? oe : ie,
-				i >= APE__T_O ? POISON_OUT : POISON_IN);
+		ret = image_new(&im[i], n[i], i == APE_BE_T_LSE ? 4 : i == APE_BE_T_O ? oe : ie,
+				i >= APE_BE_T_O ? POISON_OUT : POISON_IN);
 	}
 	ASSERT_EQ(0, ret);
 	for (int i = 0; i < 3; i++) {
-		struct image *dst = c->packed ? &im[APE__T_Q] : &im[i];
+		struct image *dst = c->packed ? &im[APE_BE_T_Q] : &im[i];
 		const int64_t heads = i ? c->Hkv : c->H, rows = i ? c->Lk : c->Lq;
 
 		for (int64_t bb = 0; bb < c->B; bb++)
@@ -195,34 +195,34 @@ static int run_strided(struct __test_metadata *_metadata, const struct dev *t,
 	for (int64_t bb = 0; bb < c->B; bb++)
 		for (int64_t h = 0; h < c->H; h++)
 			for (int64_t r = 0; r < c->Lq; r++) {
-				memset(im[APE__T_O].covered + at(&v[APE__T_O], bb, h, r), 1,
+				memset(im[APE_BE_T_O].covered + at(&v[APE_BE_T_O], bb, h, r), 1,
 				       (size_t)c->D);
-				im[APE__T_LSE].covered[at(&v[APE__T_LSE], bb, h, r)] = 1;
+				im[APE_BE_T_LSE].covered[at(&v[APE_BE_T_LSE], bb, h, r)] = 1;
 			}
 
 	ret = t->ops->queue_create(t->d, &q);
-	for (int i = 0; i < APE__T_COUNT && !ret; i++)
+	for (int i = 0; i < APE_BE_T_COUNT && !ret; i++)
 		if (n[i])
 			ret = buf_for(_metadata, t, q, c->mem, &im[i], &b[i], &cm[i]);
 	if (!ret) {
-		l.q = b[APE__T_Q];
-		l.k = c->packed ? b[APE__T_Q] : b[APE__T_K];
-		l.v = c->packed ? b[APE__T_Q] : b[APE__T_V];
-		l.o = b[APE__T_O];
-		l.lse = b[APE__T_LSE];
+		l.q = b[APE_BE_T_Q];
+		l.k = c->packed ? b[APE_BE_T_Q] : b[APE_BE_T_K];
+		l.v = c->packed ? b[APE_BE_T_Q] : b[APE_BE_T_V];
+		l.o = b[APE_BE_T_O];
+		l.lse = b[APE_BE_T_LSE];
 		ret = t->ops->attention(q, &l);
 	}
 	/* MEM_HOST: no read at all, the kernel wrote host memory in place */
 	if (!ret)
-		ret = image_back(t, q, c->mem, &im[APE__T_O], b[APE__T_O]);
+		ret = image_back(t, q, c->mem, &im[APE_BE_T_O], b[APE_BE_T_O]);
 	if (!ret)
-		ret = image_back(t, q, c->mem, &im[APE__T_LSE], b[APE__T_LSE]);
+		ret = image_back(t, q, c->mem, &im[APE_BE_T_LSE], b[APE_BE_T_LSE]);
 	if (!ret)
 		ret = t->ops->synchronize(q);
 	if (ret)
 		TH_LOG("%s: strided run: %s", what, ape_last_error());
 	t->ops->queue_destroy(q);
-	for (int i = 0; i < APE__T_COUNT; i++) {
+	for (int i = 0; i < APE_BE_T_COUNT; i++) {
 		t->ops->buf_free(t->d, b[i]);
 		if (cm[i]) { /* libape let go of it, and only of its own hold */
 			EXPECT_EQ(1, refs_when(OBJ_MEM, cm[i], 1));
@@ -233,13 +233,13 @@ static int run_strided(struct __test_metadata *_metadata, const struct dev *t,
 		for (int64_t h = 0; h < c->H; h++)
 			for (int64_t r = 0; r < c->Lq; r++) {
 				const size_t ci = (size_t)((bb * c->H + h) * c->Lq + r);
-				const int64_t eo = at(&v[APE__T_O], bb, h, r);
-				const int64_t el = at(&v[APE__T_LSE], bb, h, r);
+				const int64_t eo = at(&v[APE_BE_T_O], bb, h, r);
+				const int64_t el = at(&v[APE_BE_T_LSE], bb, h, r);
 
-				if (memcmp(im[APE__T_O].p + (size_t)eo * oe,
+				if (memcmp(im[APE_BE_T_O].p + (size_t)eo * oe,
 					   (const unsigned char *)o_ref + ci * (size_t)c->D * oe,
 					   (size_t)c->D * oe) ||
-				    memcmp(im[APE__T_LSE].p + (size_t)el * 4, lse_ref + ci, 4)) {
+				    memcmp(im[APE_BE_T_LSE].p + (size_t)el * 4, lse_ref + ci, 4)) {
 					if (!bad++)
 						TH_LOG("%s: b %lld h %lld row %lld differs from the "
 						       "contiguous run",
@@ -247,7 +247,7 @@ static int run_strided(struct __test_metadata *_metadata, const struct dev *t,
 						       (long long)r);
 				}
 			}
-	for (int i = APE__T_O; !ret && i <= APE__T_LSE; i++)
+	for (int i = APE_BE_T_O; !ret && i <= APE_BE_T_LSE; i++)
 		for (size_t e = 0; e < im[i].n; e++) {
 			const unsigned char *p = im[i].p + e * im[i].es;
 			bool poisoned = true;
@@ -256,9 +256,9 @@ static int run_strided(struct __test_metadata *_metadata, const struct dev *t,
 				poisoned &= p[k] == POISON_OUT;
 			if (!im[i].covered[e] && !poisoned && !bad++)
 				TH_LOG("%s: %s element %zu, outside the view, was written", what,
-				       i == APE__T_O ? "O" : "LSE", e);
+				       i == APE_BE_T_O ? "O" : "LSE", e);
 		}
-	for (int i = 0; i < APE__T_COUNT; i++)
+	for (int i = 0; i < APE_BE_T_COUNT; i++)
 		image_free(&im[i]);
 	return ret || bad ? -1 : 0;
 }
@@ -379,10 +379,10 @@ TEST(wrap_host_memory_computes_in_place)
 	ASSERT_EQ(0, dev_open(_metadata, &t));
 	if (!t.cpu) {
 		static float x[16];
-		struct ape__buf *b = (struct ape__buf *)&x;
+		struct ape_be_buf *b = (struct ape_be_buf *)&x;
 		size_t got = 1;
 
-		EXPECT_EQ(APE_ENOTSUP, t.ops->buf_wrap(t.d, APE__MEM_HOST, x, sizeof(x), &b, &got));
+		EXPECT_EQ(APE_ENOTSUP, t.ops->buf_wrap(t.d, APE_BE_MEM_HOST, x, sizeof(x), &b, &got));
 		EXPECT_EQ(NULL, b);
 		EXPECT_EQ(0, got);
 		dev_close(&t);
@@ -397,7 +397,7 @@ TEST(wrap_host_memory_computes_in_place)
 TEST(wrap_errors)
 {
 	struct dev t;
-	struct ape__buf *b;
+	struct ape_be_buf *b;
 	size_t got;
 	cl_context other;
 	cl_mem mine, theirs;
@@ -408,21 +408,21 @@ TEST(wrap_errors)
 	mine = clCreateBuffer(t.cctx, CL_MEM_READ_WRITE, 4096, NULL, &err);
 	ASSERT_NE(NULL, mine);
 	/* the whole object, or a part of it from its start; not more */
-	ASSERT_EQ(0, t.ops->buf_wrap(t.d, APE__MEM_OPENCL, mine, 0, &b, &got));
+	ASSERT_EQ(0, t.ops->buf_wrap(t.d, APE_BE_MEM_OPENCL, mine, 0, &b, &got));
 	EXPECT_EQ(4096, got);
 	t.ops->buf_free(t.d, b);
-	ASSERT_EQ(0, t.ops->buf_wrap(t.d, APE__MEM_OPENCL, mine, 1000, &b, &got));
+	ASSERT_EQ(0, t.ops->buf_wrap(t.d, APE_BE_MEM_OPENCL, mine, 1000, &b, &got));
 	EXPECT_EQ(1000, got);
 	t.ops->buf_free(t.d, b);
-	b = (struct ape__buf *)x;
+	b = (struct ape_be_buf *)x;
 	got = 1;
-	EXPECT_EQ(APE_EINVAL, t.ops->buf_wrap(t.d, APE__MEM_OPENCL, mine, 4097, &b, &got));
+	EXPECT_EQ(APE_EINVAL, t.ops->buf_wrap(t.d, APE_BE_MEM_OPENCL, mine, 4097, &b, &got));
 	EXPECT_EQ(NULL, b);
 	EXPECT_EQ(0, got);
 	EXPECT_NE(NULL, strstr(ape_last_error(), "4097")) TH_LOG("%s", ape_last_error());
-	EXPECT_EQ(APE_EINVAL, t.ops->buf_wrap(t.d, APE__MEM_OPENCL, NULL, 0, &b, &got));
+	EXPECT_EQ(APE_EINVAL, t.ops->buf_wrap(t.d, APE_BE_MEM_OPENCL, NULL, 0, &b, &got));
 	/* CUDA memory on an OpenCL device */
-	EXPECT_EQ(APE_ENOTSUP, t.ops->buf_wrap(t.d, APE__MEM_CUDA, (void *)(uintptr_t)4096, 64,
+	EXPECT_EQ(APE_ENOTSUP, t.ops->buf_wrap(t.d, APE_BE_MEM_CUDA, (void *)(uintptr_t)4096, 64,
 					       &b, &got));
 	EXPECT_NE(NULL, strstr(ape_last_error(), "CUDA")) TH_LOG("%s", ape_last_error());
 	EXPECT_NE(NULL, strstr(ape_last_error(), "opencl:")) TH_LOG("%s", ape_last_error());
@@ -432,7 +432,7 @@ TEST(wrap_errors)
 	ASSERT_NE(NULL, other);
 	theirs = clCreateBuffer(other, CL_MEM_READ_WRITE, 4096, NULL, &err);
 	ASSERT_NE(NULL, theirs);
-	EXPECT_EQ(APE_EINVAL, t.ops->buf_wrap(t.d, APE__MEM_OPENCL, theirs, 0, &b, &got));
+	EXPECT_EQ(APE_EINVAL, t.ops->buf_wrap(t.d, APE_BE_MEM_OPENCL, theirs, 0, &b, &got));
 	EXPECT_EQ(NULL, b);
 	{
 		char a[64], c[64];

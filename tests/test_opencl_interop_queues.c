@@ -33,8 +33,8 @@
 TEST(wrap_queue_refusals_and_no_timing)
 {
 	struct dev t;
-	struct ape__queue *q;
-	struct ape__event *e0 = NULL, *e1 = NULL;
+	struct ape_be_queue *q;
+	struct ape_be_event *e0 = NULL, *e1 = NULL;
 	cl_command_queue ooo, plain, foreign;
 	cl_context other;
 	cl_int err;
@@ -43,7 +43,7 @@ TEST(wrap_queue_refusals_and_no_timing)
 	ASSERT_EQ(0, dev_open(_metadata, &t));
 	ooo = clCreateCommandQueue(t.cctx, t.cdev, CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE, &err);
 	if (ooo) {
-		q = (struct ape__queue *)&err;
+		q = (struct ape_be_queue *)&err;
 		EXPECT_EQ(APE_EINVAL, t.ops->queue_wrap(t.d, ooo, &q));
 		EXPECT_EQ(NULL, q);
 		EXPECT_NE(NULL, strstr(ape_last_error(), "out of order")) TH_LOG("%s",
@@ -98,10 +98,10 @@ TEST(wrapped_queue_keeps_the_callers_order)
 	const size_t no = (size_t)(c.B * c.H * c.Lq * c.D), nl = (size_t)(c.B * c.H * c.Lq);
 	struct dev t;
 	struct inputs in = { 0 };
-	struct ape__launch l;
-	struct ape__queue *q = NULL;
-	struct ape__buf *b[APE__T_COUNT] = { 0 };
-	cl_mem m[APE__T_COUNT];
+	struct ape_be_launch l;
+	struct ape_be_queue *q = NULL;
+	struct ape_be_buf *b[APE_BE_T_COUNT] = { 0 };
+	cl_mem m[APE_BE_T_COUNT];
 	cl_command_queue cq;
 	cl_event gate;
 	cl_int err;
@@ -121,41 +121,41 @@ TEST(wrapped_queue_keeps_the_callers_order)
 	ASSERT_NE(NULL, cq);
 	gate = clCreateUserEvent(t.cctx, &err);
 	ASSERT_NE(NULL, gate);
-	for (int i = 0; i < APE__T_COUNT; i++) {
-		const size_t bytes = i < 3 ? in.n[i] * 4 : i == APE__T_O ? no * 4 : nl * 4;
+	for (int i = 0; i < APE_BE_T_COUNT; i++) {
+		const size_t bytes = i < 3 ? in.n[i] * 4 : i == APE_BE_T_O ? no * 4 : nl * 4;
 
 		m[i] = clCreateBuffer(t.cctx, CL_MEM_READ_WRITE, bytes, NULL, &err);
 		ASSERT_NE(NULL, m[i]);
 		ASSERT_EQ(CL_SUCCESS, clEnqueueFillBuffer(cq, m[i], &nan_bits, 4, 0, bytes, 0, NULL,
 							  NULL));
 		ASSERT_EQ(CL_SUCCESS, clFinish(cq));
-		ASSERT_EQ(0, t.ops->buf_wrap(t.d, APE__MEM_OPENCL, m[i], 0, &b[i], &got));
+		ASSERT_EQ(0, t.ops->buf_wrap(t.d, APE_BE_MEM_OPENCL, m[i], 0, &b[i], &got));
 	}
 	for (int i = 0; i < 3; i++)
 		ASSERT_EQ(CL_SUCCESS, clEnqueueWriteBuffer(cq, m[i], CL_FALSE, 0, in.n[i] * 4,
 							   in.x[i], 1, &gate, NULL));
 	ASSERT_EQ(0, t.ops->queue_wrap(t.d, cq, &q));
 	make_launch(&l, &c, prm);
-	l.q = b[APE__T_Q];
-	l.k = b[APE__T_K];
-	l.v = b[APE__T_V];
-	l.o = b[APE__T_O];
-	l.lse = b[APE__T_LSE];
+	l.q = b[APE_BE_T_Q];
+	l.k = b[APE_BE_T_K];
+	l.v = b[APE_BE_T_V];
+	l.o = b[APE_BE_T_O];
+	l.lse = b[APE_BE_T_LSE];
 	ASSERT_EQ(0, t.ops->attention(q, &l)) TH_LOG("%s", ape_last_error());
-	ASSERT_EQ(CL_SUCCESS, clEnqueueReadBuffer(cq, m[APE__T_O], CL_FALSE, 0, no * 4, o, 0, NULL,
+	ASSERT_EQ(CL_SUCCESS, clEnqueueReadBuffer(cq, m[APE_BE_T_O], CL_FALSE, 0, no * 4, o, 0, NULL,
 						  NULL));
-	ASSERT_EQ(CL_SUCCESS, clEnqueueReadBuffer(cq, m[APE__T_LSE], CL_FALSE, 0, nl * 4, lse, 0,
+	ASSERT_EQ(CL_SUCCESS, clEnqueueReadBuffer(cq, m[APE_BE_T_LSE], CL_FALSE, 0, nl * 4, lse, 0,
 						  NULL, NULL));
 	/* libape's buffers and queue wrappers may go before the work is done */
 	t.ops->queue_destroy(q);
-	for (int i = 0; i < APE__T_COUNT; i++)
+	for (int i = 0; i < APE_BE_T_COUNT; i++)
 		t.ops->buf_free(t.d, b[i]);
 	ASSERT_EQ(CL_SUCCESS, clSetUserEventStatus(gate, CL_COMPLETE));
 	ASSERT_EQ(CL_SUCCESS, clFinish(cq));
 	EXPECT_EQ(0, memcmp(o, o_ref, no * 4));
 	EXPECT_EQ(0, memcmp(lse, lse_ref, nl * 4));
 	clReleaseEvent(gate);
-	for (int i = 0; i < APE__T_COUNT; i++)
+	for (int i = 0; i < APE_BE_T_COUNT; i++)
 		clReleaseMemObject(m[i]);
 	clReleaseCommandQueue(cq);
 	inputs_free(&in);
@@ -171,9 +171,9 @@ TEST(wrapped_queue_keeps_the_callers_order)
 TEST(long_lived_queue_drops_completed_commands)
 {
 	struct dev t;
-	struct ape__queue *q;
-	struct ape__buf *b;
-	struct ape__event *e;
+	struct ape_be_queue *q;
+	struct ape_be_buf *b;
+	struct ape_be_event *e;
 	static float x[1024];
 
 	ASSERT_EQ(0, dev_open(_metadata, &t));
@@ -257,7 +257,7 @@ TEST(context_on_the_callers_cl_context)
 	cl_context mine;
 	cl_mem m;
 	cl_int err;
-	struct ape__buf *b;
+	struct ape_be_buf *b;
 	struct ape__ocl_debug_counters cnt;
 	size_t got;
 	int held;
@@ -275,10 +275,10 @@ TEST(context_on_the_callers_cl_context)
 	/* a cl_mem of that context is the device's; one of the first context's is not */
 	m = clCreateBuffer(mine, CL_MEM_READ_WRITE, 256, NULL, &err);
 	ASSERT_NE(NULL, m);
-	ASSERT_EQ(0, d->be->ops->buf_wrap(d, APE__MEM_OPENCL, m, 0, &b, &got));
+	ASSERT_EQ(0, d->be->ops->buf_wrap(d, APE_BE_MEM_OPENCL, m, 0, &b, &got));
 	EXPECT_EQ(256, got);
 	d->be->ops->buf_free(d, b);
-	EXPECT_EQ(APE_EINVAL, t.ops->buf_wrap(t.d, APE__MEM_OPENCL, m, 0, &b, &got));
+	EXPECT_EQ(APE_EINVAL, t.ops->buf_wrap(t.d, APE_BE_MEM_OPENCL, m, 0, &b, &got));
 	clReleaseMemObject(m);
 	ape_context_destroy(ctx);
 	EXPECT_EQ(1, refs_when(OBJ_CONTEXT, mine, 1)); /* given back, and only that */

@@ -227,7 +227,7 @@ TEST_F(resident, empty_rows_write_only_their_elements)
 	enum { B = 2, H = 3, L = 5, D = 8 };
 	static const ape_dtype types[] = { APE_F32, APE_F16 };
 	const int64_t oshape[4] = { B, H, L, D }, rshape[4] = { B, H, L, 1 };
-	const bool diag = self->dev->caps.diag && self->dev->caps.diag_views;
+	const bool diag = ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG) && ape_be_caps_have(&self->dev->caps, APE_BE_CAP_DIAG_VIEWS);
 	int64_t os[4], rs[4], roff[3];
 	const int64_t on = gappy_view(11, H, L, D, 3, B, os) + 13;
 	int64_t rn = 0;
@@ -238,7 +238,7 @@ TEST_F(resident, empty_rows_write_only_their_elements)
 		for (int hide = 0; hide < 2; hide++) {
 			const ape_dtype dt = types[ti];
 			const size_t esz = ape_dtype_size(dt);
-			const bool strided = self->dev->caps.resident_backward && !hide;
+			const bool strided = ape_be_caps_have(&self->dev->caps, APE_BE_CAP_RESIDENT_BACKWARD) && !hide;
 			unsigned char *ob = malloc((size_t)on * esz);
 			float *rb = malloc((size_t)rn * sizeof(float));
 			ape_buffer *bi = NULL, *bo = NULL, *br = NULL;

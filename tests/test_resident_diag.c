@@ -23,10 +23,10 @@ BACKEND_FIXTURE(resident);
 
 /* ---- the diagnostics on device tensors (ape_attention_enqueue_diag()) */
 
-/* Whether dev computes the diagnostics on device tensors (struct ape__dev_caps). */
+/* Whether dev computes the diagnostics on device tensors (struct ape_be_caps). */
 static bool diag_on_device(const ape_device *dev)
 {
-	return dev->caps.diag && dev->caps.diag_views;
+	return ape_be_caps_have(&dev->caps, APE_BE_CAP_DIAG) && ape_be_caps_have(&dev->caps, APE_BE_CAP_DIAG_VIEWS);
 }
 
 /* Floats that differ in bits (NaN equal to NaN). */

@@ -333,14 +333,14 @@ TEST_F(dev, stats_count_chunks_and_bytes)
 
 /*
  * Whether a host call computes on the caller's arrays in place is the device's capability
- * host_memory (struct ape__dev_caps), stated at probe, not found by trying buf_wrap: with the
+ * host_memory (struct ape_be_caps), stated at probe, not found by trying buf_wrap: with the
  * capability taken away and buf_wrap kept, the call stages and copies, and asks buf_wrap
  * nothing; a device without it is never asked either.
  */
 TEST_F(dev, in_place_only_where_the_capability_says)
 {
 	const test_problem_shape sh = { 1, 2, 1, 24, 24, 16 };
-	const bool capable = self->dev->caps.host_memory;
+	const bool capable = ape_be_caps_have(&self->dev->caps, APE_BE_CAP_HOST_MEMORY);
 	test_problem tp, want;
 	ape_rng rng;
 

@@ -343,7 +343,7 @@ TEST_F(dev, one_sequence_is_the_dense_call_bit_for_bit)
 }
 
 /* Thousands of sequences of 1 to 4 tokens in one call: one launch for all of them on a device
- * that takes ragged launches (struct ape__dev_caps.segments), one per sequence elsewhere. */
+ * that takes ragged launches (struct ape_be_ape_be_caps_have(&caps, APE_BE_CAP_SEGMENTS)), one per sequence elsewhere. */
 TEST_F(dev, thousands_of_tiny_sequences)
 {
 	ape_rng rng;
@@ -368,7 +368,7 @@ TEST_F(dev, thousands_of_tiny_sequences)
 	EXPECT_EQ(pairs, st.pairs_visible);
 	for (int64_t s = 0; s < b.S; s++)
 		with_keys += b.cuq[s + 1] > b.cuq[s] && b.cuk[s + 1] > b.cuk[s];
-	if (self->dev->caps.segments) {
+	if (ape_be_caps_have(&self->dev->caps, APE_BE_CAP_SEGMENTS)) {
 		EXPECT_EQ(1, st.chunks) TH_LOG("%lld sequences: launches", (long long)b.S);
 	} else {
 		EXPECT_GE(st.chunks, (uint64_t)with_keys) TH_LOG("launches");
@@ -404,7 +404,7 @@ static void arbitrary_positions(struct batch *b, ape_rng *r, int64_t s)
 /*
  * Arbitrary positions (permuted, repeated, with gaps: no run of consecutive positions to cut
  * the batch into) take ONE launch on a device that reads explicit positions (struct
- * ape__dev_caps.positions: the reference, OpenCL's ape_attention_pos), decomposed into runs
+ * ape_be_ape_be_caps_have(&caps, APE_BE_CAP_POSITIONS): the reference, OpenCL's ape_attention_pos), decomposed into runs
  * elsewhere; every sequence equals the oracle, in chunks of a few rows and keys too.
  */
 TEST_F(dev, arbitrary_positions_in_one_launch)
@@ -427,7 +427,7 @@ TEST_F(dev, arbitrary_positions_in_one_launch)
 			opts.chunk_k = 37;
 		}
 		run_checked(_metadata, self->dev, &opts, &b, POS_SHUFFLED, &st);
-		if (self->dev->caps.positions && !chunked && b.tq > 0 && b.tk > 0) {
+		if (ape_be_caps_have(&self->dev->caps, APE_BE_CAP_POSITIONS) && !chunked && b.tq > 0 && b.tk > 0) {
 			EXPECT_EQ(1, st.chunks) TH_LOG("case %d: launches", c);
 		}
 		batch_free(&b);
@@ -484,12 +484,12 @@ TEST_F(dev, skipping_with_gapped_positions)
 	run_checked(_metadata, self->dev, NULL, &b, POS_GAPS, &st);
 	/* the reference computes every pair (it skips nothing); a kernel that reads the
 	 * positions must prove that it skips here */
-	if (self->dev->caps.positions && strcmp(variant->backend, "ref")) {
+	if (ape_be_caps_have(&self->dev->caps, APE_BE_CAP_POSITIONS) && strcmp(variant->backend, "ref")) {
 		EXPECT_GT(st.pairs_visible, st.pairs_computed)
 		TH_LOG("%llu visible pairs, %llu computed: nothing skipped",
 		       (unsigned long long)st.pairs_visible, (unsigned long long)st.pairs_computed);
 	}
-	if (self->dev->caps.positions) {
+	if (ape_be_caps_have(&self->dev->caps, APE_BE_CAP_POSITIONS)) {
 		EXPECT_EQ(1, st.chunks) TH_LOG("launches");
 	}
 	batch_free(&b);
@@ -1032,7 +1032,7 @@ TEST_F(dev, device_tensors_equal_the_oracle)
 		TH_LOG("%s: LSE error %g", what, el);
 		for (int64_t s = 0; s < b.S; s++)
 			with_keys += b.cuq[s + 1] > b.cuq[s] && b.cuk[s + 1] > b.cuk[s];
-		if (self->dev->caps.segments && b.tk > 0 && b.tq > 0) {
+		if (ape_be_caps_have(&self->dev->caps, APE_BE_CAP_SEGMENTS) && b.tk > 0 && b.tq > 0) {
 			EXPECT_EQ(1, wc.attention_calls) TH_LOG("%s: launches", what);
 		} else {
 			EXPECT_GE(wc.attention_calls, (uint64_t)with_keys) TH_LOG("%s", what);
@@ -1217,7 +1217,7 @@ TEST_F(dev, device_tensors_arbitrary_positions)
 	const bool ref = !strcmp(variant->backend, "ref");
 	ape_rng rng;
 
-	if (!self->dev->caps.segments || !self->dev->caps.positions)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_SEGMENTS) || !ape_be_caps_have(&self->dev->caps, APE_BE_CAP_POSITIONS))
 		SKIP(return, "%s reads no explicit positions", self->dev->info.name);
 	ape_rng_init(&rng, _metadata->name);
 	for (int c = 0; c < 16; c++) {
@@ -1249,7 +1249,7 @@ TEST_F(dev, device_tensors_rows_split_into_launches)
 	const bool ref = !strcmp(variant->backend, "ref");
 	ape_rng rng;
 
-	if (!self->dev->caps.segments)
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_SEGMENTS))
 		SKIP(return, "%s takes no ragged launches", self->dev->info.name);
 	ape_rng_init(&rng, _metadata->name);
 	for (int c = 0; c < 15; c++) {
@@ -1259,7 +1259,7 @@ TEST_F(dev, device_tensors_rows_split_into_launches)
 		struct batch b;
 		uint64_t launches;
 
-		if (!runs && !self->dev->caps.positions)
+		if (!runs && !ape_be_caps_have(&self->dev->caps, APE_BE_CAP_POSITIONS))
 			continue;
 		do {
 			ASSERT_EQ(0, batch_make(&b, &rng, ape_rng_range(&rng, 2, 6), 40, 50, m));

@@ -3,7 +3,7 @@
 #   runtime/api -> exec, topo, core;  runtime/exec -> topo, core;  runtime/topo -> core;
 #   runtime/core -> core;  backends (runtime/ref, opencl, cuda) -> core and their own files;
 #   mpi/ (libape_mpi, on libape's public API) -> its own files and the formulas of
-#   core/ape_math.h; its driver (ape-mpi-run.c, mpi-files.c, mpi_files.h, mpi/driver/) also
+#   ape/ape_math.h; its driver (ape-mpi-run.c, mpi-files.c, mpi_files.h, mpi/driver/) also
 #   tools/;
 #   tools/ -> tools/;  everyone -> the public headers (include/).
 # Every include is resolved as the compiler would find it, whatever its spelling ("exec/plan.h",
@@ -22,7 +22,7 @@ layer_of() {
 	runtime/api/*) echo api ;;
 	runtime/exec/*) echo exec ;;
 	runtime/topo/*) echo topo ;;
-	runtime/core/ape_math.h) echo math ;; # core's, and the formulas others may share
+	include/ape/ape_math.h) echo math ;; # core's, and the formulas others may share
 	runtime/core/*) echo core ;;
 	runtime/ref/*) echo ref ;;
 	opencl/*) echo opencl ;;
@@ -34,7 +34,7 @@ layer_of() {
 	esac
 }
 
-# What a file of each layer may include (math: core/ape_math.h, which core itself may too).
+# What a file of each layer may include (math: ape/ape_math.h, which core itself may too).
 allowed() {
 	case $1 in
 	api) echo "public api exec topo core math" ;;
@@ -98,7 +98,7 @@ EOF
 	done
 	[ "$bad" -eq 0 ] || return 1
 	echo "check-layers: $files files, every include points down (api > exec > topo > core;" \
-	     "backends > core; mpi > public API and core/ape_math.h; tools > public API)"
+	     "backends > core; mpi > public API and ape/ape_math.h; tools > public API)"
 }
 
 # A tree of every layer with one file per spelling of a wrong include, and files that are
@@ -108,7 +108,7 @@ self_test() {
 	t=$(mktemp -d)
 	trap 'rm -rf "$t"' EXIT
 	for h in include/ape/ape.h runtime/api/registry.h runtime/exec/plan.h runtime/topo/numa.h \
-		 runtime/core/backend.h runtime/core/ape_math.h runtime/core/context.h \
+		 runtime/core/backend.h include/ape/ape_math.h runtime/core/context.h \
 		 runtime/ref/ref.h opencl/ocl.h cuda/cu.h cuda/emu/emu.h cuda/kernels/args.h \
 		 mpi/mpi_internal.h mpi/driver/driver.h tools/common/cli.h tests/common/wrapops.h; do
 		mkdir -p "$t/${h%/*}"
@@ -117,9 +117,9 @@ self_test() {
 	# right: own layer, lower layers, own folder, public headers, system headers
 	printf '#include "exec/plan.h"\n#include "registry.h"\n#include <stdio.h>\n#include "ape/ape.h"\n' \
 		>"$t/runtime/api/good.c"
-	printf '#include "../emu/emu.h"\n#include "args.h"\n#include "core/ape_math.h"\n' \
+	printf '#include "../emu/emu.h"\n#include "args.h"\n#include "ape/ape_math.h"\n' \
 		>"$t/cuda/kernels/good.cuh"
-	printf '#include "core/ape_math.h"\n#include "mpi_internal.h"\n' >"$t/mpi/good.c"
+	printf '#include "ape/ape_math.h"\n#include "mpi_internal.h"\n' >"$t/mpi/good.c"
 	printf '#include "common/cli.h"\n#include "ape/ape.h"\n' >"$t/mpi/ape-mpi-run.c"
 	printf '#include "common/cli.h"\n#include "driver.h"\n#include "../mpi_internal.h"\n' \
 		>"$t/mpi/driver/good.c"

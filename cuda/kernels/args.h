@@ -98,7 +98,7 @@
 /*
  * Where a tensor lies: element [b, h, i, 0] at off + b*sb + h*sh + i*sl (elements of its type,
  * D contiguous; LSE: element [b, h, i]). The host fills every view, the contiguous ones of a
- * non-strided launch included (core/backend.h, struct ape__view), so the kernels have one way
+ * non-strided launch included (core/backend.h, struct ape_be_view), so the kernels have one way
  * to address a tensor. ape_vrow() in common.cuh.
  */
 struct ape_cu_view {
@@ -106,7 +106,7 @@ struct ape_cu_view {
 };
 
 /*
- * Keys read in place (core/backend.h, struct ape__kv_pages; cuda_attention.c): bt 0, K and V
+ * Keys read in place (core/backend.h, struct ape_be_kv_pages; cuda_attention.c): bt 0, K and V
  * lie as their views say (key j of batch b, kv head h at vrow(view, b, h, j)). Else the views'
  * off, sb and sh are the pages' k_off (v_off), s_b and s_h, and sl their s_row: key j is token
  * row + j counted from the start of logical block 0, logical block lb being physical block
@@ -135,7 +135,7 @@ struct ape_cu_common {
 	double tol; /* skip tolerance per direction of the walk; 0: never skip */
 	double prior_tol; /* the whole-launch test against prior (backend.h) */
 	struct ape_cu_view vq, vk, vv, vo, vlse; /* the tensors' views (vk, vv: kv heads) */
-	struct ape_cu_view vent, vmd; /* ent's and md's (core/backend.h, ape__launch_diag_view()) */
+	struct ape_cu_view vent, vmd; /* ent's and md's (core/backend.h, ape_be_launch_diag_view()) */
 	struct ape_cu_pages pg; /* where K and V rows lie when read in place (bt 0: vk, vv) */
 	int32_t B, H, Hkv, D;
 	int32_t dt_in, dt_out; /* APE_CU_F32, F16, BF16 */
@@ -179,7 +179,7 @@ struct ape_cu_prefill_args {
 	int64_t nqt; /* query tiles per (batch, head); ragged: entries of segt */
 	int64_t ntk; /* key tiles (ragged: unused, each segment's own) */
 	int64_t block_base; /* first block of this launch (grids are split when huge) */
-	/* 0, or a ragged launch's tiles (core/backend.h, struct ape__launch.segs): int64
+	/* 0, or a ragged launch's tiles (core/backend.h, struct ape_be_launch.segs): int64
 	 * [nqt][APE_PF_SEGW], per query tile of one segment its q0, lq, k0, lk, rel (the distance of
 	 * (row q0, key k0); 0 without keys) and i0 (the tile's first row within the segment),
 	 * heaviest first */
@@ -199,7 +199,7 @@ struct ape_cu_window_args {
 
 /*
  * A ragged decode's segment table (struct ape_cu_decode_args.segt, ape_cu_merge_args.segt):
- * int64 [nseg][APE_DC_SEGW], per segment of the launch (core/backend.h, struct ape__seg) its
+ * int64 [nseg][APE_DC_SEGW], per segment of the launch (core/backend.h, struct ape_be_seg) its
  * q0, lq, k0, lk, rel (q_start - k_start), its splits S (0 without keys), where its partial rows
  * start (poff: row r = h * lq + i of the segment, split s, at partial row poff + s * H * lq + r)
  * and its first block of the decode's grid (blk0: S * Hkv blocks from there, s fastest). Each
@@ -235,7 +235,7 @@ struct ape_cu_merge_args {
 	int64_t block_base;
 };
 
-/* ape_lmerge (attention_merge, core/backend.h struct ape__merge): a launch's partial result
+/* ape_lmerge (attention_merge, core/backend.h struct ape_be_merge): a launch's partial result
  * folded into the running one by their LSE, one thread per row. 0: a buffer left out. */
 struct ape_cu_lmerge_args {
 	uint64_t o, lse, pairs, ent, md; /* the running result */

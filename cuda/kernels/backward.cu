@@ -116,7 +116,7 @@ APE_DEV float pair_prob(float tsc, double bias, float dot, double lse)
 {
 	const float x = (float)((double)(tsc * dot) + bias - lse);
 
-	return expf(APE_BWD_EXPONENT(x)); /* at most 0 (core/ape_math.h) */
+	return expf(APE_BWD_EXPONENT(x)); /* at most 0 (ape/ape_math.h) */
 }
 
 /* The (tile, group) of this block, tiles outer; false for the blocks past ntile * ngroups that
@@ -667,7 +667,7 @@ extern "C" __global__ void __launch_bounds__(APE_CU_THREADS)
 }
 APE_EMU_REGISTER(ape_bwd_reduce, struct ape_cu_bwd_args)
 
-/* copy_view (core/backend.h, struct ape__copy): one thread per element, converted as the
+/* copy_view (core/backend.h, struct ape_be_copy): one thread per element, converted as the
  * contract says (a bit copy, float32 to f16/bf16 rounded to nearest even, float64 to float32). */
 extern "C" __global__ void __launch_bounds__(APE_CU_THREADS)
 	ape_copy_view(const struct ape_cu_copy_args a)

@@ -92,7 +92,7 @@ struct ape_cu_bwd_args {
 	float hp[4 * APE_CU_INLINE_HEADS]; /* per-head parameters when H <= APE_CU_INLINE_HEADS */
 };
 
-/* ape_copy_view's arguments (core/backend.h, struct ape__copy): element views in elements of
+/* ape_copy_view's arguments (core/backend.h, struct ape_be_copy): element views in elements of
  * their types; types APE_CU_F32, F16, BF16, or APE_CU_F64_ELEM (float64). */
 #define APE_CU_F64_ELEM 3
 struct ape_cu_copy_args {

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * What every CUDA kernel file shares: the shared math of runtime/core/ape_math.h (in float64), the
+ * What every CUDA kernel file shares: the shared math of include/ape/ape_math.h (in float64), the
  * device primitives (barriers, shuffles, asynchronous copies, ldmatrix, mma, ex2), storage-type
  * conversions and the small helpers of the walk over key tiles.
  *
@@ -31,7 +31,7 @@
  * per row or per tile, never per pair, so float64 costs nothing measurable on the GPUs this
  * targets (A100, H100/H200: half the float32 rate). */
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 
 #define APE_INF __int_as_float(0x7f800000)
 #define APE_NAN __int_as_float(0x7fffffff)
@@ -153,7 +153,7 @@ APE_DEV float ex2_approx(float x)
 #endif
 
 /* A weight or merge factor 2^x (scores in log2 units): 0 below the underflow cutoff that every
- * backend shares (core/ape_math.h), NaN stays NaN. */
+ * backend shares (ape/ape_math.h), NaN stays NaN. */
 APE_DEV float ex2(float x)
 {
 	return x < APE_EXP2_CUTOFF ? 0.0f : ex2_approx(x);
@@ -252,7 +252,7 @@ template <int W> APE_DEV float group_max(float v)
 	return v;
 }
 
-/* The element offset of row i of head h of batch b (core/backend.h, struct ape__view). */
+/* The element offset of row i of head h of batch b (core/backend.h, struct ape_be_view). */
 APE_DEV int64_t vrow(const ape_cu_view &v, int64_t b, int64_t h, int64_t i)
 {
 	return v.off + b * v.sb + h * v.sh + i * v.sl;

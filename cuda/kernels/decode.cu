@@ -360,7 +360,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 					if (s2 > m) {
 						const float corr = m == -APE_INF ? 0.0f : ex2(m - s2);
 
-						if constexpr (DIAG) { /* core/ape_math.h */
+						if constexpr (DIAG) { /* ape/ape_math.h */
 							e1 = corr > 0.0f
 								     ? APE_DIAG_RESCALE_S1(e1, l, corr, m - s2)
 								     : 0.0f;
@@ -530,7 +530,7 @@ template <bool DIAG> APE_DEV void dmerge(const ape_cu_merge_args &a)
 		if (a.c.pairs)
 			reinterpret_cast<uint64_t *>(a.c.pairs)[row] = pairs;
 		if constexpr (DIAG) {
-			/* the splits' S1, S2 in the frame of M (core/ape_math.h); no split: 0, 0 */
+			/* the splits' S1, S2 in the frame of M (ape/ape_math.h); no split: 0, 0 */
 			const float *sd = reinterpret_cast<const float *>(a.part_sd);
 			float s1 = 0.0f, s2 = 0.0f;
 

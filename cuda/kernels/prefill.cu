@@ -579,7 +579,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 				mt = group_max<TPR>(mt);
 				corr = m == -APE_INF ? 0.0f : ex2(m - mt);
 				if constexpr (DIAG) {
-					/* core/ape_math.h: nothing yet (corr 0) stays 0 */
+					/* ape/ape_math.h: nothing yet (corr 0) stays 0 */
 					const float nf = (float)n0; /* n of the tile's first key */
 
 					e1 = corr > 0.0f ? APE_DIAG_RESCALE_S1(e1, l, corr, m - mt) : 0.0f;

@@ -139,9 +139,9 @@ extern "C" __global__ void __launch_bounds__(APE_CU_THREADS) ape_kscan(const str
 }
 APE_EMU_REGISTER(ape_kscan, struct ape_cu_scan_args)
 
-/* attention_merge (core/backend.h, struct ape__merge): row r's partial result folded into its
+/* attention_merge (core/backend.h, struct ape_be_merge): row r's partial result folded into its
  * running one, one thread per row (the row's LSE is read before and written after its O, by
- * the same thread), the weights in float64 (core/ape_math.h, ape_merge_lse()). */
+ * the same thread), the weights in float64 (ape/ape_math.h, ape_merge_lse()). */
 extern "C" __global__ void __launch_bounds__(APE_CU_THREADS)
 	ape_lmerge(const struct ape_cu_lmerge_args a)
 {

@@ -341,11 +341,25 @@ typedef struct ape_context_options {
 	 * and read `APE_VERBOSE`.
 	 */
 	int verbose;
+	/**
+	 * Backend plugins to load (docs/backends.md): `:`-separated shared objects or folders
+	 * (every `libape-backend-*.so` in a folder, in name order), or NULL to read
+	 * `APE_BACKEND_PATH` instead. The plugin folder under the install prefix
+	 * (`$(PREFIX)/lib/libape/backends/`) is searched after these unless the
+	 * APE_CONTEXT_NO_PLUGIN_DIR flag is set. "" loads none from the path. A plugin that cannot
+	 * be loaded (missing file, `dlopen` error, wrong ABI, missing op, a name already taken,
+	 * no device) is listed with the reason by ape_plugin_get_info() and never fails the
+	 * context. Layouts up to `verbose` (without this field) read `APE_BACKEND_PATH`.
+	 */
+	const char *backend_path;
 } ape_context_options;
 
 /** Fill every device output buffer with NaN before each kernel runs, so a kernel that misses an
  *  element is caught by tests. Costs one extra fill per call. */
 #define APE_CONTEXT_POISON_OUTPUTS (1u << 0)
+/** Search no plugin folder under the install prefix: only ape_context_options.backend_path (or
+ *  `APE_BACKEND_PATH`). */
+#define APE_CONTEXT_NO_PLUGIN_DIR (1u << 1)
 
 /** \brief Sets the defaults (every built backend, no flags, this machine, APE_NUMA_DEFAULT, the
  *  visible devices from the environment). Never fails. */
@@ -384,6 +398,36 @@ typedef struct ape_backend_info {
  * \return the count, 0 when filled, or APE_EINVAL (NULL ctx, index out of range).
  */
 APE_API int ape_backend_get_info(const ape_context *ctx, int index, ape_backend_info *info);
+
+/** One backend plugin the context found (docs/backends.md), loaded or not. */
+typedef struct ape_plugin_info {
+	char path[4096]; /**< the shared object, as found */
+	char name[16]; /**< the backend name its table gives; "" when none was read */
+	bool loaded; /**< registered as a backend (its name is a backend name of the context) */
+	int device_count; /**< devices it added (0 when not loaded) */
+	unsigned abi_major, abi_minor; /**< the backend ABI its table states; 0 when none was read */
+	/** why it is not loaded ("dlopen: ...: cannot open shared object file", "refused: backend
+	 *  ABI 2.0: ...", "refused: required op attention is missing", "no device found"); "" when
+	 *  it is */
+	char reason[512];
+} ape_plugin_info;
+
+/**
+ * \brief Number of plugins the context found (from ape_context_options.backend_path or
+ * `APE_BACKEND_PATH`, and the plugin folder), when \p info is NULL; otherwise fills \p info for
+ * plugin \p index, in the order they were found.
+ * \return the count, 0 when filled, or APE_EINVAL (NULL ctx, index out of range).
+ */
+APE_API int ape_plugin_get_info(const ape_context *ctx, int index, ape_plugin_info *info);
+
+/**
+ * \brief A backend's extra function called \p name, as its table's proc_address gives it
+ * (ape/ape_backend.h): how a vendor's plugin offers calls of its own to the programs that load
+ * it, in the manner of ggml's `get_proc_address`.
+ * \return the function, or NULL (NULL ctx or names, backend not loaded in ctx, no such
+ *         function). Thread-safe.
+ */
+APE_API void *ape_backend_get_proc(const ape_context *ctx, const char *backend, const char *name);
 
 /**
  * \brief Count-then-fill enumeration of the context's devices.

@@ -3,7 +3,7 @@
  * The fused APE attention kernel (docs/kernels.md), OpenCL C 1.2.
  *
  * The host builds this file behind a short prelude (APE_REAL, the float64 pragma) and
- * runtime/core/ape_math.h, with these compile-time parameters:
+ * include/ape/ape_math.h, with these compile-time parameters:
  *   APE_D     64 or 128 (specialised: loop bounds known), or 0 (any even D <= 256, known at
  *             run time)
  *   APE_RW    query rows per row vector, carried in the lanes of a vector type: 16 on a CPU with
@@ -184,7 +184,7 @@ KFN void load_kv_row(__global const void *K, __global const void *V, long kb, lo
 }
 
 /*
- * Where the tensors lie (core/backend.h, struct ape__view): a view is (offset, B stride, H
+ * Where the tensors lie (core/backend.h, struct ape_be_view): a view is (offset, B stride, H
  * stride, L stride) in elements of the tensor's type, D contiguous. The host passes one per
  * tensor as a long4 (x = offset, y, z, w = the strides of B, H, L): the caller's layout for the
  * tensors of a strided launch, the contiguous one otherwise and for K and V made by ape_kv_prep.
@@ -464,7 +464,7 @@ KFN void tile_softmax(const struct run *R, struct rows *r, int len, int lim, int
 	corr = select(select(exp(r->m - mt), (vf)0.0f, r->m - mt < APE_EXP_CUTOFF), (vf)1.0f,
 		      r->m == mt);
 	if (R->flags & F_DIAG) {
-		/* the two running sums of the diagnostics (core/ape_math.h), rescaled with the
+		/* the two running sums of the diagnostics (ape/ape_math.h), rescaled with the
 		 * softmax: nothing yet (corr 0) stays 0; an unchanged maximum moves nothing */
 		const vf dm = select(r->m - mt, (vf)0.0f, r->m == mt);
 		/* n of key 0 */
@@ -894,7 +894,7 @@ __kernel __attribute__((reqd_work_group_size(APE_NWI, 1, 1))) void ape_attention
 }
 
 /*
- * ---- Explicit positions (F_POS, core/backend.h ABI 13: struct ape__launch.pos_q, .pos_k),
+ * ---- Explicit positions (F_POS, core/backend.h ABI 13: struct ape_be_launch.pos_q, .pos_k),
  * always through the segment table (one segment of every row and key without segments).
  * Every pair has its own n = pos_q - pos_k, so nothing rests on consecutive positions: no
  * rotation recurrence (each pair's angle is seeded, P ape_seed_sincos() per pair instead of
@@ -1200,7 +1200,7 @@ __kernel void ape_kscan(__global const float *ktile, long ntk, __global float *p
 }
 
 /*
- * attention_merge (core/backend.h, struct ape__merge): row r's partial result (PO, PLSE, ...)
+ * attention_merge (core/backend.h, struct ape_be_merge): row r's partial result (PO, PLSE, ...)
  * folded into its running one (O, LSE, ...) by their LSE, one work-item per row (the row's LSE
  * is read before and written after its O, by the same work-item). flags: 1 pair counts,
  * 2 diagnostics, 4 the pair counts' sums in 32 bits; buffers they leave out are NULL.

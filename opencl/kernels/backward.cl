@@ -179,13 +179,13 @@ KFN struct bwd bwd_init(int D, long Lq, long Lk, long rel, float scale, int flag
  * APE_REAL for bias - LSE (both may be large at large |n|), then in float32; *tsc gets
  * temp(n) * scale (dS times it is d/d(dot)). Weights below e^-87 are exact zeros, as in the
  * forward (a subnormal operand costs an x86 FMA a microcode assist); the exponent at most 0
- * (core/ape_math.h, APE_BWD_EXPONENT: a float32 LSE beyond 2^24 can round below the score); NaN
+ * (ape/ape_math.h, APE_BWD_EXPONENT: a float32 LSE beyond 2^24 can round below the score); NaN
  * stays NaN.
  */
 KFN vf bwd_p(vr t, vr bias, vr lse, vf dot, float scale, vf *tsc)
 {
 	const vf ts = TO_VF(t) * scale, x0 = fma(ts, dot, TO_VF(bias - lse));
-	const vf x = APE_V_SELECT(x0, (vf)0.0f, x0 > 0.0f); /* APE_BWD_EXPONENT, core/ape_math.h */
+	const vf x = APE_V_SELECT(x0, (vf)0.0f, x0 > 0.0f); /* APE_BWD_EXPONENT, ape/ape_math.h */
 
 	*tsc = ts;
 	return APE_V_SELECT(exp(x), (vf)0.0f, x < APE_EXP_CUTOFF);
@@ -942,7 +942,7 @@ __kernel void ape_bwd_params(__global const APE_REAL *PART, long B, int H, long 
 }
 
 /*
- * copy_view (core/backend.h, struct ape__copy): element d of row r (r over B*H*L in b, h, i
+ * copy_view (core/backend.h, struct ape_be_copy): element d of row r (r over B*H*L in b, h, i
  * order) from SRC's view into DST's, converted: a bit copy when the types agree, float32 to
  * f16/bf16 through st() (rounded to nearest even), float64 to float32. Types: ape_dtype values,
  * 3 for float64.

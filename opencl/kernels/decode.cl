@@ -154,7 +154,7 @@ KFN float16 dec_seed16(__global const APE_REAL *omega, int c, APE_REAL n, APE_RE
 
 /*
  * Where keys bb .. bb + len - 1 start, relative to their (batch, kv head) base: j * ksl and
- * j * vsl, or with pages (pbt > 0: a KV cache's blocks read in place, struct ape__kv_pages)
+ * j * vsl, or with pages (pbt > 0: a KV cache's blocks read in place, struct ape_be_kv_pages)
  * key j is token prow + j from the start of physical block pfirst, the blocks a ring of pnb,
  * each pblk elements apart, or (ptab not NULL: a page table) logical block lb is physical
  * block ptab[pfirst + lb]; K and V share the geometry there (ksl = vsl: the pages' row

@@ -19,7 +19,7 @@
  * the rest negligible (ape_may_skip, with per-tile key norms from ape_sep_rot_k).
  * Built after attention.cl and decode.cl in one program (ld(), st(), dec_ld16(), dec_seed16()).
  *
- * Segments (ragged launches, core/backend.h struct ape__seg): every kernel reads its segment's
+ * Segments (ragged launches, core/backend.h struct ape_be_seg): every kernel reads its segment's
  * entry in a table the host builds (ocl_separable.c; a dense launch is one segment, the same in
  * each of its B batches) and then runs the dense code with that segment's rows, keys and rel.
  * The scratch rows of each segment are padded to SEP_BQ and its keys to SEP_BK, so that no row

@@ -99,7 +99,7 @@ static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registr
 			  const char *only, int *err)
 {
 	struct ape_context *ctx = cb->be.ctx;
-	struct ape__probe_result res;
+	struct ape_be_probe_result res;
 	int before = ctx->ndevices, ret;
 
 	snprintf(cb->info.name, sizeof(cb->info.name), "%s", reg->name);
@@ -137,6 +137,7 @@ static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registr
 #define OPTIONS_V1_SIZE offsetof(ape_context_options, topology_xml)
 #define OPTIONS_V2_SIZE offsetof(ape_context_options, opencl_context)
 #define OPTIONS_V3_SIZE offsetof(ape_context_options, verbose)
+#define OPTIONS_V4_SIZE offsetof(ape_context_options, backend_path)
 #define HAS_OPTION(o, field)                                                                       \
 	((o) && (o)->struct_size >= offsetof(ape_context_options, field) + sizeof((o)->field))
 
@@ -206,7 +207,8 @@ int ape__context_create(ape_context **out, const ape_context_options *opts,
 		return ape__error(APE_EINVAL, "ape_context_create: out = NULL");
 	*out = NULL;
 	if (opts && opts->struct_size != sizeof(*opts) && opts->struct_size != OPTIONS_V1_SIZE &&
-	    opts->struct_size != OPTIONS_V2_SIZE && opts->struct_size != OPTIONS_V3_SIZE)
+	    opts->struct_size != OPTIONS_V2_SIZE && opts->struct_size != OPTIONS_V3_SIZE &&
+	    opts->struct_size != OPTIONS_V4_SIZE)
 		return ape__error(APE_EINVAL,
 				  "ape_context_create: opts->struct_size = %zu: expected %zu "
 				  "(initialise with ape_context_options_init())",

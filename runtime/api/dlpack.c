@@ -66,16 +66,16 @@ static const char *devtype_name(int t)
 	}
 }
 
-/* The memory kind (enum ape__mem_kind) of a device type, 0 for one libape takes nowhere. */
+/* The memory kind (enum ape_be_mem_kind) of a device type, 0 for one libape takes nowhere. */
 static int kind_of(int device_type)
 {
 	switch (device_type) {
 	case kDLCPU:
-		return APE__MEM_HOST;
+		return APE_BE_MEM_HOST;
 	case kDLOpenCL:
-		return APE__MEM_OPENCL;
+		return APE_BE_MEM_OPENCL;
 	case kDLCUDA:
-		return APE__MEM_CUDA;
+		return APE_BE_MEM_CUDA;
 	default:
 		return 0;
 	}
@@ -252,7 +252,7 @@ static int read_tensor(const char *fn, const char *name, const DLTensor *t,
 
 	if (!t->data)
 		return ape__error(APE_EINVAL, "%s: %s->data = NULL", fn, name);
-	if (kind_of((int)t->device.device_type) == APE__MEM_OPENCL)
+	if (kind_of((int)t->device.device_type) == APE_BE_MEM_OPENCL)
 		return 0; /* addressed inside its cl_mem: checked against the object's size */
 	if (__builtin_add_overflow((uint64_t)(uintptr_t)t->data, t->byte_offset, &lo) ||
 	    __builtin_add_overflow(lo, bytes, &bytes) || bytes > UINTPTR_MAX)
@@ -287,7 +287,7 @@ static void group_tensors(struct dl_in *in, int n, int kind)
 
 				if (a->group == b->group || !a->t || !b->t || a->empty || b->empty)
 					continue;
-				same = kind == APE__MEM_OPENCL ? a->t->data == b->t->data
+				same = kind == APE_BE_MEM_OPENCL ? a->t->data == b->t->data
 							       : a->lo < b->hi && b->lo < a->hi;
 				if (same) {
 					int g = a->group < b->group ? a->group : b->group;
@@ -315,16 +315,16 @@ static int wrap_group(const char *fn, ape_device *dev, struct dl_in *in, int n, 
 	snprintf(what, sizeof(what), "%s: %s", fn, in[g].name);
 	if (in[g].empty) {
 		in[g].dt.byte_offset = 0;
-		if (kind == APE__MEM_HOST)
-			return ape__buffer_wrap(what, dev, APE__MEM_HOST, dummy, sizeof(dummy), out);
+		if (kind == APE_BE_MEM_HOST)
+			return ape__buffer_wrap(what, dev, APE_BE_MEM_HOST, dummy, sizeof(dummy), out);
 		ret = ape_buffer_alloc(dev, sizeof(dummy), out);
 		return ret ? ape__error_prefix(ret, what) : 0;
 	}
-	if (kind == APE__MEM_OPENCL) {
+	if (kind == APE_BE_MEM_OPENCL) {
 		for (int i = 0; i < n; i++)
 			if (in[i].group == g)
 				in[i].dt.byte_offset = in[i].t->byte_offset;
-		return ape__buffer_wrap(what, dev, APE__MEM_OPENCL, in[g].t->data, 0, out);
+		return ape__buffer_wrap(what, dev, APE_BE_MEM_OPENCL, in[g].t->data, 0, out);
 	}
 	for (int i = 0; i < n; i++)
 		if (in[i].group == g) {
@@ -351,7 +351,7 @@ struct dl_call {
 
 /*
  * Reads the n tensors t (NULL: absent) of forms f for dev (their devices, see the header) and
- * checks stream against their memory, whose kind (enum ape__mem_kind) goes to *kind.
+ * checks stream against their memory, whose kind (enum ape_be_mem_kind) goes to *kind.
  */
 static int dl_read(struct dl_call *c, ape_device *dev, const DLTensor *const *t,
 		   const char *const *names, const struct dl_form *const *f, int n, void *stream,
@@ -369,7 +369,7 @@ static int dl_read(struct dl_call *c, ape_device *dev, const DLTensor *const *t,
 			return ret;
 	}
 	*kind = kind_of((int)q->device.device_type);
-	if (*kind == APE__MEM_HOST && stream)
+	if (*kind == APE_BE_MEM_HOST && stream)
 		return ape__error(APE_EINVAL, "%s: stream = %p: must be NULL for kDLCPU tensors", fn,
 				  stream);
 	return 0;
@@ -392,9 +392,9 @@ static int dl_wrap(struct dl_call *c, ape_device *dev, int n, int kind, void *st
 		c->in[i].dt.buf = c->wrap[c->in[i].group];
 		c->dt[i] = c->in[i].t ? &c->in[i].dt : NULL;
 	}
-	if (kind == APE__MEM_CUDA)
+	if (kind == APE_BE_MEM_CUDA)
 		ret = ape__queue_wrap(fn, dev, "cuda", stream, &c->queue);
-	else if (kind == APE__MEM_OPENCL && stream)
+	else if (kind == APE_BE_MEM_OPENCL && stream)
 		ret = ape__queue_wrap(fn, dev, "opencl", stream, &c->queue);
 	else if ((ret = ape_queue_create(dev, &c->queue)))
 		ret = ape__error_prefix(ret, fn);
@@ -439,7 +439,7 @@ static int forward_dlpack(const char *fn, ape_device *dev, const ape_attn_desc *
 		return ape__error(APE_EINVAL, "%s: dev = NULL", c.fn);
 	if (!desc)
 		return ape__error(APE_EINVAL, "%s: desc = NULL", c.fn);
-	for (int i = 0; i < APE__T_LSE; i++)
+	for (int i = 0; i < APE_BE_T_LSE; i++)
 		if (!t[i])
 			return ape__error(APE_EINVAL, "%s: %s = NULL", c.fn, names[i]);
 	ret = dl_prepare(&c, dev, t, names, forms, 7, stream);
@@ -682,7 +682,7 @@ int ape_attention_forward_varlen_dlpack(ape_device *dev, const ape_attn_desc *de
 	if ((ret = dl_read(&c, dev, t, names, forms, 5, stream, &kind)) ||
 	    (ret = check_ragged(&c, forms, want, 5)))
 		return ret;
-	if (kind == APE__MEM_HOST) {
+	if (kind == APE_BE_MEM_HOST) {
 		ape_tensor h[4];
 		float *l = NULL, *stage = NULL;
 
@@ -735,7 +735,7 @@ int ape_attention_backward_varlen_dlpack(ape_device *dev, const ape_attn_desc *d
 	if ((ret = dl_read(&c, dev, t, names, forms, APE__RB_COUNT, stream, &kind)) ||
 	    (ret = check_ragged(&c, forms, want, APE__RB_COUNT)))
 		return ret;
-	if (kind != APE__MEM_HOST)
+	if (kind != APE_BE_MEM_HOST)
 		return ape__error(APE_ENOTSUP,
 				  "%s: q->device = (%s, %d): the ragged backward pass takes kDLCPU "
 				  "tensors only (ape_attention_backward_varlen(); no device-resident "

@@ -32,7 +32,7 @@
 #include "api/varlen.h"
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "core/verbose.h"
 
 void ape_exec_options_init(ape_exec_options *opts)
@@ -133,15 +133,16 @@ int ape__diag_devices(const char *fn, ape_device *const *devs, int ndev, bool on
 		      struct ape__problem *p)
 {
 	for (int i = 0; i < ndev; i++) {
-		const struct ape__dev_caps *caps = &devs[i]->caps;
+		const struct ape_be_caps *caps = &devs[i]->caps;
 
-		if (!caps->diag || (on_device && !caps->diag_views))
+		if (!ape_be_caps_have(caps, APE_BE_CAP_DIAG) ||
+		    (on_device && !ape_be_caps_have(caps, APE_BE_CAP_DIAG_VIEWS)))
 			return ape__error(APE_ENOTSUP,
 					  "%s: %s:%d (%s) does not compute the diagnostics "
 					  "(entropy, mean_distance)%s yet",
 					  fn, devs[i]->info.backend, devs[i]->info.backend_index,
 					  devs[i]->info.name,
-					  caps->diag ? " on device tensors" : "");
+					  ape_be_caps_have(caps, APE_BE_CAP_DIAG) ? " on device tensors" : "");
 	}
 	/* docs/diagnostics.md, "Skipping": the bound holds the diagnostics to the spec's
 	 * tolerance at this skip_tol */

@@ -16,7 +16,7 @@
 #include <string.h>
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "core/alloc.h"
 #include "core/error.h"
 #include "exec/pack.h"

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "core/context.h"
 #include "core/error.h"
 #include "core/strace.h"
@@ -96,7 +96,7 @@ int ape__kv_session_make(struct ape__kv_session *ks, struct ape_device *dev, con
 	/* room for the attends with diagnostics: two floats per query row, on backends that
 	 * compute them */
 	sh.call = (struct ape__fwd_call){ .p = &sh.p, .want_pairs = true, .force_merge = true,
-					  .diag = dev->caps.diag };
+					  .diag = ape_be_caps_have(&dev->caps, APE_BE_CAP_DIAG) };
 	ape__fwd_init(&sh.f, &sh.call, dev);
 	if ((ret = ape__plan_make(&r, fn, &ks->geom.plan)))
 		return ret;
@@ -129,9 +129,9 @@ static bool whole_in_place(const struct ape__kv_session *ks, const struct ape__k
 			   const struct ape__skip_budget *tol)
 {
 	const struct ape__problem *p = r->p;
-	struct ape__launch l;
-	struct ape__kv_pages pg;
-	struct ape__buf *k, *v;
+	struct ape_be_launch l;
+	struct ape_be_kv_pages pg;
+	struct ape_be_buf *k, *v;
 
 	if (!ks->dev->be->ops->attention_pages || r->dg->ent || r->dg->md ||
 	    p->Lq > ks->geom.plan.co || !r->loader->pages ||
@@ -183,7 +183,7 @@ int ape__kv_session_run(struct ape__kv_session *ks, const char *fn, const struct
 		return ape__error_prefix(ret, fn);
 	call = (struct ape__stream_call){
 		.pass = &f.pass, .Lq = p->Lq, .Lk = p->Lk, .co = cq, .ci = ck, .no = nq, .ni = nk,
-		.loader = r->loader, .host_tables = ks->dev->caps.host_memory,
+		.loader = r->loader, .host_tables = ape_be_caps_have(&ks->dev->caps, APE_BE_CAP_HOST_MEMORY),
 		.poison = ks->dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS,
 		.wq = ks->wq, .abort = &abort_flag,
 	};

@@ -149,7 +149,7 @@ static int make_session(struct ape_kv_cache *c, const char *fn)
 					   &c->bounce[i])))
 			return ape__error_prefix(ret, fn);
 	c->loader = (struct ape__kv_loader){
-		.load = ape__kv_load, .arg = c, .pages = ape__kv_pages, .wait = ape__kv_wait,
+		.load = ape__kv_load, .arg = c, .pages = ape_be_kv_pages, .wait = ape__kv_wait,
 	};
 	return 0;
 }
@@ -302,7 +302,7 @@ int ape__kv_each_seg(const struct ape_kv_cache *c, int64_t t0, int64_t n,
 /* One append piece: packed staging (K then V, `half` bytes each) copied on queue q. */
 struct piece {
 	struct ape_kv_cache *c;
-	struct ape__queue *q;
+	struct ape_be_queue *q;
 	const char *src;
 	size_t half;
 };
@@ -314,7 +314,7 @@ static int copy_seg(void *arg, const struct ape__kv_seg *sg)
 	int ret;
 
 	size_t bo;
-	struct ape__buf *bk = ape__kv_block(c, 0, sg->blk, &bo), *bv = ape__kv_block(c, 1, sg->blk, &bo);
+	struct ape_be_buf *bk = ape__kv_block(c, 0, sg->blk, &bo), *bv = ape__kv_block(c, 1, sg->blk, &bo);
 
 	ret = c->ops->copy_h2d(p->q, bk, bo + sg->blk_off, p->src + sg->off, sg->bytes);
 	if (!ret)
@@ -325,7 +325,7 @@ static int copy_seg(void *arg, const struct ape__kv_seg *sg)
 
 /* Copies tokens [t0, t0 + n) from packed staging (K then V, [B, Hkv, n, D] each) into their
  * blocks, one copy per (batch, kv head) and block segment. */
-static int copy_piece(struct ape_kv_cache *c, struct ape__queue *q, const char *src, int64_t t0,
+static int copy_piece(struct ape_kv_cache *c, struct ape_be_queue *q, const char *src, int64_t t0,
 		      int64_t n)
 {
 	struct piece p = { c, q, src, (size_t)(c->o.B * c->o.Hkv * n * c->o.D) * c->esz };
@@ -370,8 +370,8 @@ static int check_room(const struct ape_kv_cache *c, const char *fn, int64_t n)
  * track: e0 recorded on q before them, e1 after, enq the host time they were enqueued. Waits for
  * q (only when tracing). A diagnostic: nothing here fails the append.
  */
-static void trace_piece(struct ape_kv_cache *c, struct ape__queue *q, struct ape__event *e0,
-			struct ape__event *e1, double enq, uint64_t bytes, const char *what)
+static void trace_piece(struct ape_kv_cache *c, struct ape_be_queue *q, struct ape_be_event *e0,
+			struct ape_be_event *e1, double enq, uint64_t bytes, const char *what)
 {
 	struct ape__trace_dev td;
 	double ms = 0, t1;
@@ -379,7 +379,7 @@ static void trace_piece(struct ape_kv_cache *c, struct ape__queue *q, struct ape
 	memset(&td, 0, sizeof(td));
 	if (!e0 || !e1 || c->ops->synchronize(q) || c->ops->event_elapsed(e0, e1, &ms))
 		return;
-	td.device_clock = c->dev->caps.timestamps && c->ops->event_timestamp &&
+	td.device_clock = ape_be_caps_have(&c->dev->caps, APE_BE_CAP_TIMESTAMPS) && c->ops->event_timestamp &&
 			  !c->ops->event_timestamp(e1, &t1);
 	if (!td.device_clock)
 		t1 = ape__now_ms();
@@ -418,7 +418,7 @@ int ape_kv_cache_append(ape_kv_cache *c, const ape_tensor *k, const ape_tensor *
 	static const char *const dims[4] = { "B", "Hkv", "n", "D" };
 	const double t0 = ape__now_ms();
 	const bool tracing = ape__strace_on();
-	struct ape__event *e0 = NULL;
+	struct ape_be_event *e0 = NULL;
 	double enq;
 	int64_t ks[4], vs[4], want[4], n;
 	int ret;
@@ -477,9 +477,9 @@ int ape_kv_cache_append(ape_kv_cache *c, const ape_tensor *k, const ape_tensor *
 /* One device append piece: tokens [t0, t0 + n) of the source views, copied within the device. */
 struct dpiece {
 	struct ape_kv_cache *c;
-	struct ape__queue *q;
-	struct ape__buf *src[2]; /* k, v */
-	struct ape__view view[2];
+	struct ape_be_queue *q;
+	struct ape_be_buf *src[2]; /* k, v */
+	struct ape_be_view view[2];
 	int64_t t0; /* first source row of the piece */
 	int64_t n;
 };
@@ -494,9 +494,9 @@ static int copy_seg_d2d(void *arg, const struct ape__kv_seg *sg)
 	int ret = 0;
 
 	for (int kv = 0; kv < 2 && !ret; kv++) {
-		const struct ape__view *v = &p->view[kv];
+		const struct ape_be_view *v = &p->view[kv];
 		size_t bo;
-		struct ape__buf *dst = ape__kv_block(c, kv, sg->blk, &bo);
+		struct ape_be_buf *dst = ape__kv_block(c, kv, sg->blk, &bo);
 		const int64_t first = v->off + b * v->sb + hk * v->sh + (p->t0 + row) * v->sl;
 
 		if (v->sl == D) /* the rows follow each other: one copy */
@@ -518,10 +518,10 @@ int ape_kv_cache_append_device(ape_kv_cache *c, ape_queue *queue, const ape_dten
 	static const char *const dims[4] = { "B", "Hkv", "n", "D" };
 	const double t0 = ape__now_ms();
 	const bool tracing = ape__strace_on();
-	struct ape__event *e0 = NULL, *e1 = NULL;
+	struct ape_be_event *e0 = NULL, *e1 = NULL;
 	double enq;
 	struct dpiece dp = { 0 };
-	struct ape__event *ready = NULL;
+	struct ape_be_event *ready = NULL;
 	int64_t want[4], n;
 	int ret;
 
@@ -584,7 +584,7 @@ int ape_kv_cache_append_device(ape_kv_cache *c, ape_queue *queue, const ape_dten
 		/* the new keys, read back for their norms (skipping and release need them) */
 		for (int64_t bg = 0; bg < c->o.B * c->o.Hkv && !ret; bg++)
 			for (int64_t t = 0; t < m && !ret; t++) {
-				const struct ape__view *kv = &dp.view[0];
+				const struct ape_be_view *kv = &dp.view[0];
 				const int64_t e = kv->off + bg / c->o.Hkv * kv->sb +
 						  bg % c->o.Hkv * kv->sh + (done + t) * kv->sl;
 

@@ -27,15 +27,15 @@
 
 struct ape_kv_cache {
 	struct ape_device *dev;
-	const struct ape__backend_ops *ops;
+	const struct ape_backend_plugin *ops;
 	ape_kv_cache_options o; /* defaults resolved */
 	int64_t bt, nblocks; /* tokens per block, physical blocks */
 	size_t esz;
 	uint64_t blk_bytes; /* one block of K (or V): [B, Hkv, bt, D] */
 	struct ape__devmem mem; /* the blocks */
 	/* the blocks in slabs of per_slab blocks each (one slab when the device takes a buffer
-	 * that large: then launches may read them in place, struct ape__kv_pages) */
-	struct ape__buf **sk, **sv;
+	 * that large: then launches may read them in place, struct ape_be_kv_pages) */
+	struct ape_be_buf **sk, **sv;
 	int64_t nslabs, per_slab;
 	float *bnorm; /* [nblocks][B*Hkv]: largest key norm in each block */
 
@@ -47,10 +47,10 @@ struct ape_kv_cache {
 	int64_t win;
 
 	/* appends */
-	struct ape__queue *aq[2];
+	struct ape_be_queue *aq[2];
 	struct ape__hostmem astage[2];
 	bool apending[2];
-	struct ape__event *alast[2]; /* the last copy of each append queue */
+	struct ape_be_event *alast[2]; /* the last copy of each append queue */
 	int anext;
 	float *rownorm; /* B*Hkv*append_chunk key norms of one piece */
 
@@ -87,7 +87,7 @@ static inline int64_t ape__kv_phys(const struct ape_kv_cache *c, int64_t lb)
 
 /* The buffer holding physical block blk of keys (kv 0) or values (kv 1), and the block's
  * byte offset in it. */
-static inline struct ape__buf *ape__kv_block(const struct ape_kv_cache *c, int kv, int64_t blk,
+static inline struct ape_be_buf *ape__kv_block(const struct ape_kv_cache *c, int kv, int64_t blk,
 					     size_t *off)
 {
 	*off = (size_t)(blk % c->per_slab) * (size_t)c->blk_bytes;
@@ -116,15 +116,15 @@ int ape__kv_each_seg(const struct ape_kv_cache *c, int64_t t0, int64_t n,
 /* ---- attends (kvcache_attend.c) */
 
 /* The attend session's key-chunk loader: gathers live tokens from the blocks. */
-int ape__kv_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t n,
-		 struct ape__buf *dk, struct ape__buf *dv, uint64_t *h2d, uint64_t *d2h,
+int ape__kv_load(void *arg, struct ape_be_queue *q, int lane, int64_t j0, int64_t n,
+		 struct ape_be_buf *dk, struct ape_be_buf *dv, uint64_t *h2d, uint64_t *d2h,
 		 uint64_t *d2d);
 
 /* The loader in place (ape__kv_loader.pages, .wait): the blocks' slab and pages of live
  * tokens [j0, j0 + n), when the blocks lie in one slab; the appends still copying. */
-bool ape__kv_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct ape__buf **v,
-		   struct ape__kv_pages *pg);
-int ape__kv_wait(void *arg, struct ape__queue *q);
+bool ape_be_kv_pages(void *arg, int64_t j0, int64_t n, struct ape_be_buf **k, struct ape_be_buf **v,
+		   struct ape_be_kv_pages *pg);
+int ape__kv_wait(void *arg, struct ape_be_queue *q);
 
 /* ---- release (kvcache_release.c) */
 

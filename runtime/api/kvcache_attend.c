@@ -12,7 +12,7 @@
 
 #define APE_REAL double
 #include "core/alloc.h"
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/verbose.h"
@@ -29,8 +29,8 @@
  * backend has no copy_d2d. */
 struct gather {
 	struct ape_kv_cache *c;
-	struct ape__queue *q;
-	struct ape__buf *dk, *dv;
+	struct ape_be_queue *q;
+	struct ape_be_buf *dk, *dv;
 	char *bounce;
 	size_t half;
 	uint64_t *d2h, *d2d;
@@ -39,10 +39,10 @@ struct gather {
 static int gather_seg(void *arg, const struct ape__kv_seg *sg)
 {
 	const struct gather *g = arg;
-	const struct ape__backend_ops *ops = g->c->ops;
+	const struct ape_backend_plugin *ops = g->c->ops;
 	size_t bo;
-	struct ape__buf *sk = ape__kv_block(g->c, 0, sg->blk, &bo);
-	struct ape__buf *sv = ape__kv_block(g->c, 1, sg->blk, &bo);
+	struct ape_be_buf *sk = ape__kv_block(g->c, 0, sg->blk, &bo);
+	struct ape_be_buf *sv = ape__kv_block(g->c, 1, sg->blk, &bo);
 	const size_t at = bo + sg->blk_off;
 	int ret;
 
@@ -61,12 +61,12 @@ static int gather_seg(void *arg, const struct ape__kv_seg *sg)
 }
 
 /* Gathers live tokens [j0, j0 + n) (counted from the oldest live one) into dk, dv. */
-int ape__kv_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t n,
-		 struct ape__buf *dk, struct ape__buf *dv, uint64_t *h2d, uint64_t *d2h,
+int ape__kv_load(void *arg, struct ape_be_queue *q, int lane, int64_t j0, int64_t n,
+		 struct ape_be_buf *dk, struct ape_be_buf *dv, uint64_t *h2d, uint64_t *d2h,
 		 uint64_t *d2d)
 {
 	struct ape_kv_cache *c = arg;
-	const struct ape__backend_ops *ops = c->ops;
+	const struct ape_backend_plugin *ops = c->ops;
 	struct gather g = {
 		.c = c, .q = q, .dk = dk, .dv = dv, .bounce = c->bounce[lane].ptr,
 		.half = (size_t)(c->o.B * c->o.Hkv * n * c->o.D) * c->esz, .d2h = d2h, .d2d = d2d,
@@ -86,8 +86,8 @@ int ape__kv_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t 
 
 /* The attend session's loader, in place: live tokens [j0, j0 + n) where the blocks hold them,
  * when they all lie in one slab. */
-bool ape__kv_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct ape__buf **v,
-		   struct ape__kv_pages *pg)
+bool ape_be_kv_pages(void *arg, int64_t j0, int64_t n, struct ape_be_buf **k, struct ape_be_buf **v,
+		   struct ape_be_kv_pages *pg)
 {
 	const struct ape_kv_cache *c = arg;
 	const int64_t t = c->lb_first * c->bt + c->win + j0;
@@ -110,7 +110,7 @@ bool ape__kv_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct
 }
 
 /* Orders q after the appends still copying on their own queues. */
-int ape__kv_wait(void *arg, struct ape__queue *q)
+int ape__kv_wait(void *arg, struct ape_be_queue *q)
 {
 	struct ape_kv_cache *c = arg;
 	int ret = 0;

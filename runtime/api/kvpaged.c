@@ -391,7 +391,7 @@ static int lend_pages(ape_paged_kv *pk, const char *fn, const ape_dtensor *k,
 {
 	static const char *const dims[4] = { "num_pages", "Hkv", "page_tokens", "D" };
 	const int64_t want[4] = { pk->o.num_pages, pk->pl.o.Hkv, pk->o.page_tokens, pk->pl.o.D };
-	struct ape__view kv, vv;
+	struct ape_be_view kv, vv;
 	int ret;
 
 	if ((ret = ape__check_dtensor(fn, "k_pages", k, pk->pl.dev, pk->pl.o.dtype, want, dims,

@@ -522,7 +522,7 @@ int ape_kv_pool_get_info(const ape_kv_pool *pl, ape_kv_pool_info *info)
 
 /* ------------------------------------------------------------------ appends */
 
-int ape__kvp_wait(void *arg, struct ape__queue *q)
+int ape__kvp_wait(void *arg, struct ape_be_queue *q)
 {
 	struct ape_kv_pool *pl = arg;
 	int ret = 0;
@@ -573,7 +573,7 @@ static int queue_done(struct ape_kv_pool *pl, int i)
 }
 
 /* Copies page `from`'s first `rows` tokens into page `to`, every head, keys and values. */
-static int copy_page(struct ape_kv_pool *pl, struct ape__queue *q, int64_t from, int64_t to,
+static int copy_page(struct ape_kv_pool *pl, struct ape_be_queue *q, int64_t from, int64_t to,
 		     int64_t rows)
 {
 	const size_t row = (size_t)pl->o.D * pl->esz;
@@ -603,7 +603,7 @@ static int64_t pages_needed(const struct ape_kv_pool *pl, const struct ape__kvp_
 
 /* Takes the pages of appending n tokens to s (copying its shared last page first, on queue
  * q): afterwards s holds pages for s->n + n tokens. The caller checked there are enough. */
-static int take_pages(struct ape_kv_pool *pl, struct ape__queue *q, struct ape__kvp_seq *s,
+static int take_pages(struct ape_kv_pool *pl, struct ape_be_queue *q, struct ape__kvp_seq *s,
 		      int64_t n)
 {
 	const int64_t after = (s->n + n + pl->P - 1) / pl->P;
@@ -654,7 +654,7 @@ static void note_norms(struct ape_kv_pool *pl, struct ape__kvp_seq *s, const cha
 
 /* Copies staged tokens ([Hkv, n, D] of keys at st, of values at st + half) into s's slots
  * from token t0 on, one copy per head and run of consecutive slots. */
-static int copy_staged(struct ape_kv_pool *pl, struct ape__queue *q, const struct ape__kvp_seq *s,
+static int copy_staged(struct ape_kv_pool *pl, struct ape_be_queue *q, const struct ape__kvp_seq *s,
 		       const char *st, size_t half, int64_t t0, int64_t n)
 {
 	const size_t row = (size_t)pl->o.D * pl->esz;

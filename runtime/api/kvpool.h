@@ -57,12 +57,12 @@ struct ape__kvp_geom {
 
 struct ape_kv_pool {
 	struct ape_device *dev;
-	const struct ape__backend_ops *ops;
+	const struct ape_backend_plugin *ops;
 	ape_kv_pool_options o; /* defaults resolved */
 	int64_t P, npages, nslots;
 	size_t esz;
 	struct ape__devmem mem;
-	struct ape__buf *k, *v; /* [Hkv, nslots, D] each; a caller's pages: theirs, for one run */
+	struct ape_be_buf *k, *v; /* [Hkv, nslots, D] each; a caller's pages: theirs, for one run */
 	struct ape__kvp_geom g;
 	/* the caller's pages (ape_paged_kv): no page of its own, no append, no norm maxima; its
 	 * sequences are the plan's (kvpaged.c) */
@@ -81,10 +81,10 @@ struct ape_kv_pool {
 
 	/* appends: two staging buffers on two queues, each queue's copies ordered after the
 	 * other's (a freed page may be written again) */
-	struct ape__queue *aq[2];
+	struct ape_be_queue *aq[2];
 	struct ape__hostmem astage[2];
 	bool apending[2];
-	struct ape__event *alast[2];
+	struct ape_be_event *alast[2];
 	int anext;
 
 	/* attends */
@@ -92,18 +92,18 @@ struct ape_kv_pool {
 	struct ape__kv_loader loader;
 	struct ape__kvp_krun *kr; /* this attend's key runs */
 	int64_t nkr, kr_cap;
-	struct ape__seg *segs; /* ... and its segments */
-	struct ape__seg *full; /* the same segments uncut: the pairs visible */
+	struct ape_be_seg *segs; /* ... and its segments */
+	struct ape_be_seg *full; /* the same segments uncut: the pairs visible */
 	int64_t nsg, segs_cap;
 	int64_t lk_total; /* the keys of all its key runs */
 	/* the group of them the session runs now: key runs [cur_kr, cur_kr + cur_nkr), ragged
 	 * launches or one dense problem */
 	int64_t cur_kr, cur_nkr;
 	bool cur_ragged;
-	/* the table of the group read in place (struct ape__kv_pages.table), written to `tab`
+	/* the table of the group read in place (struct ape_be_kv_pages.table), written to `tab`
 	 * before its first launch: a one-sequence group's pages from its logical page tab_first
 	 * on; a ragged group's slot of every key row (pages of one token); slots entries at most */
-	struct ape__buf *tab;
+	struct ape_be_buf *tab;
 	int64_t *tab_host, tab_first, tab_n;
 	bool tab_pending;
 	float *lse_stage; /* [H][max_batch_tokens] */
@@ -164,7 +164,7 @@ int ape__kvp_check_terms(const struct ape_kv_pool *pl, const char *fn,
 void ape__kvp_loader(struct ape_kv_pool *pl);
 
 /* Orders q after the appends still copying (struct ape__kv_loader.wait). */
-int ape__kvp_wait(void *arg, struct ape__queue *q);
+int ape__kvp_wait(void *arg, struct ape_be_queue *q);
 
 /*
  * What ape_kv_pool_attend() and ape_paged_kv_run() share (kvpool_attend.c). attend_problem:

@@ -7,7 +7,7 @@
  * window: the oldest keys its pages' norm maxima prove negligible for its rows are left out,
  * unread (ape__kv_window_cut()). The keys the batch reads are laid end to end as one virtual
  * key axis (struct ape__kvp_krun: a run of a sequence's tokens each), and every run of query
- * rows at consecutive positions is a segment (struct ape__seg) against its sequence's run: the
+ * rows at consecutive positions is a segment (struct ape_be_seg) against its sequence's run: the
  * executor's ragged launches, key chunks gathered from the pages on the device by the loader
  * below (one copy per head and run of consecutive slots), or read in place (below).
  *
@@ -59,8 +59,8 @@ static const struct ape__kvp_krun *krun_of(const struct ape__kvp_krun *kr, int64
 }
 
 /* Gathers virtual key rows [j0, j0 + n) into dk, dv ([1, Hkv, n, D]). */
-static int pool_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t n,
-		     struct ape__buf *dk, struct ape__buf *dv, uint64_t *h2d, uint64_t *d2h,
+static int pool_load(void *arg, struct ape_be_queue *q, int lane, int64_t j0, int64_t n,
+		     struct ape_be_buf *dk, struct ape_be_buf *dv, uint64_t *h2d, uint64_t *d2h,
 		     uint64_t *d2d)
 {
 	struct ape_kv_pool *pl = arg;
@@ -97,7 +97,7 @@ static int pool_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int6
 							(size_t)m * row);
 				}
 			} else { /* a caller's rows apart (heads interleaved): strided copies */
-				struct ape__copy c = {
+				struct ape_be_copy c = {
 					.B = 1, .H = pl->o.Hkv, .L = m, .D = pl->o.D, .dst = dk,
 					.src = pl->k, .dst_type = (int)pl->o.dtype,
 					.src_type = (int)pl->o.dtype,
@@ -124,8 +124,8 @@ static int pool_load(void *arg, struct ape__queue *q, int lane, int64_t j0, int6
  * buffers are one block read from the run's first row; else pages addressed through the
  * group's page table (run_group() made it, pool_wait() writes it before the launch). A ragged
  * group's table holds the element offset of every key row (blocks of one token). */
-static bool pool_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct ape__buf **v,
-		       struct ape__kv_pages *pg)
+static bool pool_pages(void *arg, int64_t j0, int64_t n, struct ape_be_buf **k, struct ape_be_buf **v,
+		       struct ape_be_kv_pages *pg)
 {
 	const struct ape_kv_pool *pl = arg;
 	const struct ape__kvp_krun *r = pl->kr + pl->cur_kr;
@@ -168,7 +168,7 @@ static bool pool_pages(void *arg, int64_t j0, int64_t n, struct ape__buf **k, st
 }
 
 /* Before a launch in place: after the appends, and the group's page table written. */
-static int pool_wait(void *arg, struct ape__queue *q)
+static int pool_wait(void *arg, struct ape_be_queue *q)
 {
 	struct ape_kv_pool *pl = arg;
 	int ret = ape__kvp_wait(pl, q);
@@ -246,7 +246,7 @@ static int grow(struct ape_kv_pool *pl, const char *fn, int64_t nseg, int64_t nk
 {
 	if (nseg > pl->segs_cap) {
 		const int64_t cap = nseg > 2 * pl->segs_cap ? nseg : 2 * pl->segs_cap;
-		struct ape__seg *g = ape__realloc(pl->segs, (size_t)cap * sizeof(*g));
+		struct ape_be_seg *g = ape__realloc(pl->segs, (size_t)cap * sizeof(*g));
 
 		if (!g)
 			return ape__error(APE_ENOMEM, "%s: out of host memory", fn);
@@ -322,10 +322,10 @@ int ape__kvp_plan(struct ape_kv_pool *pl, const char *fn, const struct ape__prob
 					 seq_ids[i]);
 				return ape__error_suffix(ret, where);
 			}
-			pl->full[nsg] = (struct ape__seg){ .q0 = a, .lq = b - a,
+			pl->full[nsg] = (struct ape_be_seg){ .q0 = a, .lq = b - a,
 							   .lk = s->n - s->first, .q_start = qs,
 							   .k_start = s->k_start + s->first };
-			pl->segs[nsg++] = (struct ape__seg){ .q0 = a, .lq = b - a, .k0 = lk_total,
+			pl->segs[nsg++] = (struct ape_be_seg){ .q0 = a, .lq = b - a, .k0 = lk_total,
 							     .lk = lk, .q_start = qs,
 							     .k_start = s->k_start + w };
 		}
@@ -370,7 +370,7 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 				      g.Lq, 0, g.Lq);
 		return 0;
 	}
-	if (!dense && !pl->dev->caps.segments) /* before the axes move: a plan is reused */
+	if (!dense && !ape_be_caps_have(&pl->dev->caps, APE_BE_CAP_SEGMENTS)) /* before the axes move: a plan is reused */
 		return ape__error_on(ape__error(APE_ENOTSUP,
 						"%s: %s:%d takes no ragged launches (a batch of "
 						"several sequences needs them)",
@@ -469,12 +469,12 @@ static int flush(struct ape_kv_pool *pl, const char *fn, const struct ape__probl
  * launch: the decode's shape (a few rows; on OpenCL's plain shape, on CUDA at most 16). A
  * property of the sequence and the pool alone. */
 static bool decodes_in_place(const struct ape_kv_pool *pl, const struct ape__problem *p,
-			     const struct ape__seg *sg)
+			     const struct ape_be_seg *sg)
 {
-	struct ape__seg one = *sg;
-	struct ape__kv_pages pg = { .block_tokens = 1, .nblocks = pl->nslots, .s_block = 1,
+	struct ape_be_seg one = *sg;
+	struct ape_be_kv_pages pg = { .block_tokens = 1, .nblocks = pl->nslots, .s_block = 1,
 				    .s_h = pl->g.sh, .s_row = pl->g.sr, .table = pl->tab };
-	struct ape__launch l;
+	struct ape_be_launch l;
 
 	if (!pl->ops->attention_pages || sg->lk < 1)
 		return false;
@@ -506,7 +506,7 @@ static int run_groups(struct ape_kv_pool *pl, const char *fn, const struct ape__
 			;
 		if (!lk && in_dec && u1 - u0 == 1) { /* no key: joins the decode group when the
 							 * decode would take its rows */
-			struct ape__seg one = pl->segs[u0];
+			struct ape_be_seg one = pl->segs[u0];
 
 			one.lk = 1;
 			if (decodes_in_place(pl, p, &one))

@@ -73,9 +73,9 @@ static int alloc_source(ape_device *dev, int numa_node, size_t bytes, struct ape
 /* One warm-up copy, then `repeats` timed ones, each synchronised. */
 static int time_copies(ape_device *dev, const struct ape__hostmem *m, int repeats, double *ms)
 {
-	const struct ape__backend_ops *ops = dev->be->ops;
-	struct ape__queue *q = NULL;
-	struct ape__buf *buf = NULL;
+	const struct ape_backend_plugin *ops = dev->be->ops;
+	struct ape_be_queue *q = NULL;
+	struct ape_be_buf *buf = NULL;
 	int ret;
 
 	ret = ops->queue_create(dev, &q);

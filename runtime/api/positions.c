@@ -3,7 +3,7 @@
  * The dense calls at explicit positions (desc->pos_q, desc->pos_k: include/ape/ape.h, docs/ape.md
  * "Explicit positions in the dense call"), the same mechanism as the ragged batches'.
  *
- * Where every device reads explicit positions in its launches (struct ape__dev_caps.positions,
+ * Where every device reads explicit positions in its launches (struct ape_be_ape_be_caps_have(&caps, APE_BE_CAP_POSITIONS),
  * the reference and OpenCL), the forward is one run of the executor with p->pos_q and p->pos_k
  * set (api/forward.c): every batch element's rows share the positions, each launch gets the
  * slice of its rows and keys. Elsewhere (CUDA), and for the backward (whose kernels read no

@@ -6,12 +6,12 @@
  */
 #include "api/registry.h"
 
-extern const struct ape__backend_ops ape__ref_ops;
+extern const struct ape_backend_plugin ape__ref_ops;
 #ifdef APE_HAVE_OPENCL
-extern const struct ape__backend_ops ape__opencl_ops;
+extern const struct ape_backend_plugin ape__opencl_ops;
 #endif
 #ifdef APE_HAVE_CUDA
-extern const struct ape__backend_ops ape__cuda_ops;
+extern const struct ape_backend_plugin ape__cuda_ops;
 #endif
 
 #ifndef APE_OPENCL_NOT_BUILT

@@ -9,7 +9,7 @@
 
 struct ape__registry_entry {
 	const char *name;
-	const struct ape__backend_ops *ops; /* NULL when not built into this library */
+	const struct ape_backend_plugin *ops; /* NULL when not built into this library */
 	const char *not_built; /* why it is not built; NULL when it is */
 };
 

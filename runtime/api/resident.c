@@ -33,7 +33,7 @@ static int check_dev(const char *fn, const ape_device *dev, const void *out)
 	return 0;
 }
 
-static int new_buffer(const char *fn, ape_device *dev, struct ape__buf *b, size_t size,
+static int new_buffer(const char *fn, ape_device *dev, struct ape_be_buf *b, size_t size,
 		      bool wrapped, ape_buffer **out)
 {
 	ape_buffer *buf = ape__calloc(1, sizeof(*buf));
@@ -54,7 +54,7 @@ int ape_buffer_alloc(ape_device *dev, size_t bytes, ape_buffer **out)
 {
 	APE__API_CALL("ape_buffer_alloc");
 	static const char fn[] = "ape_buffer_alloc";
-	struct ape__buf *b;
+	struct ape_be_buf *b;
 	int ret = check_dev(fn, dev, out);
 
 	if (ret)
@@ -71,7 +71,7 @@ int ape__buffer_wrap(const char *fn, ape_device *dev, int kind, void *handle, si
 		     ape_buffer **out)
 {
 	static const char *const kinds[] = { "", "host", "OpenCL", "CUDA" };
-	struct ape__buf *b;
+	struct ape_be_buf *b;
 	size_t size;
 	int ret;
 
@@ -98,7 +98,7 @@ int ape_buffer_wrap_host(ape_device *dev, void *ptr, size_t bytes, ape_buffer **
 		return ape__error(APE_EINVAL, "%s: ptr = NULL", fn);
 	if (!bytes)
 		return ape__error(APE_EINVAL, "%s: bytes = 0: must be >= 1", fn);
-	return ape__buffer_wrap(fn, dev, APE__MEM_HOST, ptr, bytes, out);
+	return ape__buffer_wrap(fn, dev, APE_BE_MEM_HOST, ptr, bytes, out);
 }
 
 int ape_buffer_wrap_opencl(ape_device *dev, void *cl_mem, ape_buffer **out)
@@ -112,7 +112,7 @@ int ape_buffer_wrap_opencl(ape_device *dev, void *cl_mem, ape_buffer **out)
 	*out = NULL;
 	if (!cl_mem)
 		return ape__error(APE_EINVAL, "%s: cl_mem = NULL", fn);
-	return ape__buffer_wrap(fn, dev, APE__MEM_OPENCL, cl_mem, 0, out);
+	return ape__buffer_wrap(fn, dev, APE_BE_MEM_OPENCL, cl_mem, 0, out);
 }
 
 int ape_buffer_wrap_cuda(ape_device *dev, uint64_t dptr, size_t bytes, ape_buffer **out)
@@ -131,7 +131,7 @@ int ape_buffer_wrap_cuda(ape_device *dev, uint64_t dptr, size_t bytes, ape_buffe
 	if (dptr > UINTPTR_MAX)
 		return ape__error(APE_EINVAL, "%s: dptr = 0x%" PRIx64 ": wider than a pointer", fn,
 				  dptr);
-	return ape__buffer_wrap(fn, dev, APE__MEM_CUDA, (void *)(uintptr_t)dptr, bytes, out);
+	return ape__buffer_wrap(fn, dev, APE_BE_MEM_CUDA, (void *)(uintptr_t)dptr, bytes, out);
 }
 
 void ape_buffer_free(ape_buffer *buf)
@@ -209,7 +209,7 @@ int ape_buffer_read(ape_queue *queue, void *dst, ape_buffer *src, size_t offset,
 
 /* ------------------------------------------------------------------ queues */
 
-static int new_queue(const char *fn, ape_device *dev, struct ape__queue *q, bool wrapped,
+static int new_queue(const char *fn, ape_device *dev, struct ape_be_queue *q, bool wrapped,
 		     ape_queue **out)
 {
 	ape_queue *queue = ape__calloc(1, sizeof(*queue));
@@ -229,7 +229,7 @@ int ape_queue_create(ape_device *dev, ape_queue **out)
 {
 	APE__API_CALL("ape_queue_create");
 	static const char fn[] = "ape_queue_create";
-	struct ape__queue *q;
+	struct ape_be_queue *q;
 	int ret = check_dev(fn, dev, out);
 
 	if (ret)
@@ -243,7 +243,7 @@ int ape_queue_create(ape_device *dev, ape_queue **out)
 int ape__queue_wrap(const char *fn, ape_device *dev, const char *api, void *handle,
 		    ape_queue **out)
 {
-	struct ape__queue *q;
+	struct ape_be_queue *q;
 	int ret;
 
 	*out = NULL;
@@ -395,7 +395,7 @@ int ape__dtensor_host(const char *fn, const char *name, const ape_dtensor *t,
 }
 
 int ape__dtensor_view(const char *fn, const char *name, const ape_dtensor *t, const int64_t s[4],
-		      struct ape__view *v)
+		      struct ape_be_view *v)
 {
 	const size_t esz = ape_dtype_size(t->dtype);
 	uint64_t last = 0; /* element offset of the last element, from element 0 */
@@ -420,9 +420,9 @@ int ape__dtensor_view(const char *fn, const char *name, const ape_dtensor *t, co
 
 int ape__check_dtensor(const char *fn, const char *name, const ape_dtensor *t,
 		       const ape_device *dev, ape_dtype dtype, const int64_t want[4],
-		       const char *const dims[4], struct ape__view *v)
+		       const char *const dims[4], struct ape_be_view *v)
 {
-	const ape_buffer *bufs[APE__T_COUNT] = { 0 };
+	const ape_buffer *bufs[APE_BE_T_COUNT] = { 0 };
 	ape_tensor host;
 	int64_t s[4];
 	int ret;
@@ -445,7 +445,7 @@ int ape__check_dtensor(const char *fn, const char *name, const ape_dtensor *t,
 static int check_row_output(const char *fn, const char *name, const ape_dtensor *t,
 			    const ape_tensor *h, const struct ape__problem *p,
 			    const char *const names[], const ape_tensor *host, int n,
-			    struct ape__view *v)
+			    struct ape_be_view *v)
 {
 	static const char *const ldims[4] = { "B", "H", "Lq", "1" };
 	static const int64_t any[4] = { -1, -1, -1, -1 };
@@ -473,36 +473,36 @@ static int check_row_output(const char *fn, const char *name, const ape_dtensor 
 int ape__check_resident(const char *fn, const ape_device *dev, const ape_attn_desc *desc,
 			const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
 			const ape_dtensor *o, const ape_dtensor *lse, struct ape__problem *p,
-			struct ape__buf *buf[APE__T_COUNT], struct ape__view view[APE__T_COUNT])
+			struct ape_be_buf *buf[APE_BE_T_COUNT], struct ape_be_view view[APE_BE_T_COUNT])
 {
-	static const char *const names[APE__T_COUNT] = { "q", "k", "v", "o", "lse" };
-	const ape_dtensor *t[APE__T_COUNT] = { q, k, v, o, lse };
-	const ape_buffer *bufs[APE__T_COUNT];
-	ape_tensor host[APE__T_COUNT];
+	static const char *const names[APE_BE_T_COUNT] = { "q", "k", "v", "o", "lse" };
+	const ape_dtensor *t[APE_BE_T_COUNT] = { q, k, v, o, lse };
+	const ape_buffer *bufs[APE_BE_T_COUNT];
+	ape_tensor host[APE_BE_T_COUNT];
 	int ret;
 
 	memset(p, 0, sizeof(*p));
-	for (int i = 0; i < APE__T_COUNT; i++) {
-		if (!t[i] && i != APE__T_LSE)
+	for (int i = 0; i < APE_BE_T_COUNT; i++) {
+		if (!t[i] && i != APE_BE_T_LSE)
 			return ape__error(APE_EINVAL, "%s: %s = NULL", fn, names[i]);
 		bufs[i] = t[i] ? t[i]->buf : NULL;
 	}
-	for (int i = 0; i < APE__T_COUNT; i++)
+	for (int i = 0; i < APE_BE_T_COUNT; i++)
 		if (t[i] && (ret = ape__dtensor_host(fn, names[i], t[i], dev, bufs, &host[i])))
 			return ret;
-	if ((ret = ape__problem_init(p, fn, desc, &host[APE__T_Q], &host[APE__T_K],
-				     &host[APE__T_V], &host[APE__T_O], NULL)))
+	if ((ret = ape__problem_init(p, fn, desc, &host[APE_BE_T_Q], &host[APE_BE_T_K],
+				     &host[APE_BE_T_V], &host[APE_BE_T_O], NULL)))
 		return ret;
-	if ((ret = ape__dtensor_view(fn, "q", q, p->qs, &view[APE__T_Q])) ||
-	    (ret = ape__dtensor_view(fn, "k", k, p->ks, &view[APE__T_K])) ||
-	    (ret = ape__dtensor_view(fn, "v", v, p->vs, &view[APE__T_V])) ||
-	    (ret = ape__dtensor_view(fn, "o", o, p->os, &view[APE__T_O])))
+	if ((ret = ape__dtensor_view(fn, "q", q, p->qs, &view[APE_BE_T_Q])) ||
+	    (ret = ape__dtensor_view(fn, "k", k, p->ks, &view[APE_BE_T_K])) ||
+	    (ret = ape__dtensor_view(fn, "v", v, p->vs, &view[APE_BE_T_V])) ||
+	    (ret = ape__dtensor_view(fn, "o", o, p->os, &view[APE_BE_T_O])))
 		goto fail;
-	memset(&view[APE__T_LSE], 0, sizeof(view[APE__T_LSE]));
-	if (lse && (ret = check_row_output(fn, "lse", lse, &host[APE__T_LSE], p, names, host,
-					   APE__T_LSE, &view[APE__T_LSE])))
+	memset(&view[APE_BE_T_LSE], 0, sizeof(view[APE_BE_T_LSE]));
+	if (lse && (ret = check_row_output(fn, "lse", lse, &host[APE_BE_T_LSE], p, names, host,
+					   APE_BE_T_LSE, &view[APE_BE_T_LSE])))
 		goto fail;
-	for (int i = 0; i < APE__T_COUNT; i++)
+	for (int i = 0; i < APE_BE_T_COUNT; i++)
 		buf[i] = t[i] ? t[i]->buf->b : NULL;
 	return 0;
 fail:
@@ -514,24 +514,24 @@ fail:
  * row, from constant memory (the copies are asynchronous: their sources must outlive the
  * call). */
 static int write_empty_rows(ape_queue *queue, const struct ape__problem *p,
-			    struct ape__buf *const buf[APE__T_COUNT],
-			    const struct ape__view view[APE__T_COUNT])
+			    struct ape_be_buf *const buf[APE_BE_T_COUNT],
+			    const struct ape_be_view view[APE_BE_T_COUNT])
 {
 	static const float zeros[APE_MAX_D];
 	static const float neg_inf = -INFINITY;
-	const struct ape__backend_ops *ops = queue->dev->be->ops;
+	const struct ape_backend_plugin *ops = queue->dev->be->ops;
 	const size_t osz = ape_dtype_size(p->out_dtype);
 
 	for (int64_t b = 0; b < p->B; b++)
 		for (int64_t h = 0; h < p->H; h++)
 			for (int64_t i = 0; i < p->Lq; i++) {
-				const struct ape__view *o = &view[APE__T_O], *l = &view[APE__T_LSE];
+				const struct ape_be_view *o = &view[APE_BE_T_O], *l = &view[APE_BE_T_LSE];
 				const int64_t oe = o->off + b * o->sb + h * o->sh + i * o->sl;
-				int ret = ops->copy_h2d(queue->q, buf[APE__T_O], (size_t)oe * osz,
+				int ret = ops->copy_h2d(queue->q, buf[APE_BE_T_O], (size_t)oe * osz,
 							zeros, (size_t)p->D * osz);
 
-				if (!ret && buf[APE__T_LSE])
-					ret = ops->copy_h2d(queue->q, buf[APE__T_LSE],
+				if (!ret && buf[APE_BE_T_LSE])
+					ret = ops->copy_h2d(queue->q, buf[APE_BE_T_LSE],
 							    (size_t)(l->off + b * l->sb + h * l->sh +
 								     i * l->sl) * 4,
 							    &neg_inf, 4);
@@ -562,10 +562,10 @@ int ape__check_resident_diag(const char *fn, const ape_device *dev, const ape_at
 			     const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
 			     const ape_dtensor *o, const ape_dtensor *lse, const ape_dtensor *ent,
 			     const ape_dtensor *md, struct ape__problem *p,
-			     struct ape__buf *buf[APE__T_COUNT], struct ape__view view[APE__T_COUNT],
-			     struct ape__buf *dbuf[2], struct ape__view dview[2])
+			     struct ape_be_buf *buf[APE_BE_T_COUNT], struct ape_be_view view[APE_BE_T_COUNT],
+			     struct ape_be_buf *dbuf[2], struct ape_be_view dview[2])
 {
-	enum { N = APE__T_COUNT + 2 };
+	enum { N = APE_BE_T_COUNT + 2 };
 	static const char *const names[N] = { "q",   "k",       "v",	   "o",
 					       "lse", "entropy", "mean_distance" };
 	const ape_dtensor *t[N] = { q, k, v, o, lse, ent, md };
@@ -587,15 +587,15 @@ int ape__check_resident_diag(const char *fn, const ape_device *dev, const ape_at
 			continue;
 		if ((ret = ape__dtensor_host(fn, names[i], t[i], dev, bufs, &host[i])))
 			goto fail;
-		if (i >= APE__T_COUNT &&
+		if (i >= APE_BE_T_COUNT &&
 		    (ret = check_row_output(fn, names[i], t[i], &host[i], p, on, others, n,
-					    &dview[i - APE__T_COUNT])))
+					    &dview[i - APE_BE_T_COUNT])))
 			goto fail;
 		on[n] = names[i];
 		others[n++] = host[i];
 	}
 	for (int d = 0; d < 2; d++)
-		dbuf[d] = t[APE__T_COUNT + d] ? t[APE__T_COUNT + d]->buf->b : NULL;
+		dbuf[d] = t[APE_BE_T_COUNT + d] ? t[APE_BE_T_COUNT + d]->buf->b : NULL;
 	return 0;
 fail:
 	ape__problem_fini(p);
@@ -604,8 +604,8 @@ fail:
 
 /* ENT = MD = 0 in every row of an output of the diagnostics ([B,H,Lq] float at v), for a call
  * without keys (Lk = 0), row by row likewise. */
-static int zero_rows(ape_queue *queue, const struct ape__problem *p, struct ape__buf *b,
-		     const struct ape__view *v)
+static int zero_rows(ape_queue *queue, const struct ape__problem *p, struct ape_be_buf *b,
+		     const struct ape_be_view *v)
 {
 	int ret = 0;
 
@@ -627,15 +627,15 @@ static int zero_rows(ape_queue *queue, const struct ape__problem *p, struct ape_
 enum { EMPTY_ZEROS = APE_MAX_D, EMPTY_NEG_INF = EMPTY_ZEROS, EMPTY_FLOATS = EMPTY_ZEROS + 1 };
 
 /* Every [B, H, Lq, d] element of dst where v says (d = D for O, 1 for the rows' outputs), from
- * element `from` of the values (struct ape__copy). */
-static int copy_value(ape_queue *queue, const struct ape__problem *p, struct ape__buf *values,
-		      int64_t from, struct ape__buf *dst, int dst_type, const struct ape__view *v,
+ * element `from` of the values (struct ape_be_copy). */
+static int copy_value(ape_queue *queue, const struct ape__problem *p, struct ape_be_buf *values,
+		      int64_t from, struct ape_be_buf *dst, int dst_type, const struct ape_be_view *v,
 		      int64_t d)
 {
-	const struct ape__copy c = {
+	const struct ape_be_copy c = {
 		.B = p->B, .H = p->H, .L = p->Lq, .D = d,
 		.dst = dst, .dst_type = dst_type, .dv = *v,
-		.src = values, .src_type = APE__E_F32, .sv = { from, 0, 0, 0 },
+		.src = values, .src_type = APE_BE_E_F32, .sv = { from, 0, 0, 0 },
 		.head_D = p->D,
 	};
 
@@ -647,13 +647,13 @@ static int copy_value(ape_queue *queue, const struct ape__problem *p, struct ape
 int ape__resident_write_empty(ape_queue *queue, const struct ape__problem *p,
 			      const struct ape__resident_req *r)
 {
-	const struct ape__backend_ops *ops = queue->dev->be->ops;
+	const struct ape_backend_plugin *ops = queue->dev->be->ops;
 	const float neg_inf = -INFINITY;
-	struct ape__buf *values = NULL;
+	struct ape_be_buf *values = NULL;
 	uint32_t bits;
 	int ret = 0;
 
-	if (!queue->dev->caps.resident_backward) {
+	if (!ape_be_caps_have(&queue->dev->caps, APE_BE_CAP_RESIDENT_BACKWARD)) {
 		ret = write_empty_rows(queue, p, r->buf, r->view);
 		for (int d = 0; d < 2 && !ret; d++)
 			if (r->diag[d])
@@ -667,14 +667,14 @@ int ape__resident_write_empty(ape_queue *queue, const struct ape__problem *p,
 	if (!ret)
 		ret = ops->fill(queue->q, values, EMPTY_NEG_INF * sizeof(float), bits, sizeof(float));
 	if (!ret)
-		ret = copy_value(queue, p, values, 0, r->buf[APE__T_O], (int)p->out_dtype,
-				 &r->view[APE__T_O], p->D);
-	if (!ret && r->buf[APE__T_LSE])
-		ret = copy_value(queue, p, values, EMPTY_NEG_INF, r->buf[APE__T_LSE], APE__E_F32,
-				 &r->view[APE__T_LSE], 1);
+		ret = copy_value(queue, p, values, 0, r->buf[APE_BE_T_O], (int)p->out_dtype,
+				 &r->view[APE_BE_T_O], p->D);
+	if (!ret && r->buf[APE_BE_T_LSE])
+		ret = copy_value(queue, p, values, EMPTY_NEG_INF, r->buf[APE_BE_T_LSE], APE_BE_E_F32,
+				 &r->view[APE_BE_T_LSE], 1);
 	for (int d = 0; d < 2 && !ret; d++)
 		if (r->diag[d])
-			ret = copy_value(queue, p, values, 0, r->diag[d], APE__E_F32,
+			ret = copy_value(queue, p, values, 0, r->diag[d], APE_BE_E_F32,
 					 &r->diag_view[d], 1);
 	if (values) {
 		const int fret = ops->scratch_free(queue->q, values);
@@ -701,7 +701,7 @@ int ape__attention_enqueue_diag(const char *fn, ape_queue *queue, const ape_attn
 {
 	const double t0 = ape__now_ms();
 	struct ape__resident_req r;
-	struct ape__path_log paths = { { 0 }, { 0 } };
+	struct ape_be_path_log paths = { { 0 }, { 0 } };
 	struct ape__problem p;
 	int64_t rows;
 	int ret;

@@ -15,14 +15,14 @@
 
 struct ape_buffer {
 	struct ape_device *dev;
-	struct ape__buf *b;
+	struct ape_be_buf *b;
 	size_t size; /* bytes every access is checked against */
 	bool wrapped; /* the caller's memory: never freed by libape */
 };
 
 struct ape_queue {
 	struct ape_device *dev;
-	struct ape__queue *q;
+	struct ape_be_queue *q;
 	bool wrapped; /* the caller's queue: never destroyed or waited for by libape */
 	uint64_t calls; /* calls that enqueued work, numbered from 1 */
 	char last_call[64]; /* "ape_attention_enqueue #3": named when a synchronisation fails */
@@ -32,7 +32,7 @@ struct ape_queue {
  * ("<fn> #3"). */
 void ape__queue_note_call(ape_queue *queue, const char *fn);
 
-/* A wrapper of the caller's memory (enum ape__mem_kind) as a public buffer; messages start with
+/* A wrapper of the caller's memory (enum ape_be_mem_kind) as a public buffer; messages start with
  * fn. dev is not NULL. */
 int ape__buffer_wrap(const char *fn, ape_device *dev, int kind, void *handle, size_t bytes,
 		     ape_buffer **out);
@@ -53,13 +53,13 @@ int ape__dtensor_host(const char *fn, const char *name, const ape_dtensor *t,
 /* The element view of t once the host rules resolved its strides s; APE_EINVAL when an
  * addressed element lies beyond its buffer. */
 int ape__dtensor_view(const char *fn, const char *name, const ape_dtensor *t, const int64_t s[4],
-		      struct ape__view *v);
+		      struct ape_be_view *v);
 
 /* One device tensor of dev: of `dtype`, shaped `want` (-1: any; dims name them), D contiguous,
  * inside its buffer; its element view in *v. */
 int ape__check_dtensor(const char *fn, const char *name, const ape_dtensor *t,
 		       const ape_device *dev, ape_dtype dtype, const int64_t want[4],
-		       const char *const dims[4], struct ape__view *v);
+		       const char *const dims[4], struct ape_be_view *v);
 
 /*
  * Validates a forward call on device tensors (lse may be NULL) for dev: the host call's rules
@@ -70,7 +70,7 @@ int ape__check_dtensor(const char *fn, const char *name, const ape_dtensor *t,
 int ape__check_resident(const char *fn, const ape_device *dev, const ape_attn_desc *desc,
 			const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
 			const ape_dtensor *o, const ape_dtensor *lse, struct ape__problem *p,
-			struct ape__buf *buf[APE__T_COUNT], struct ape__view view[APE__T_COUNT]);
+			struct ape_be_buf *buf[APE_BE_T_COUNT], struct ape_be_view view[APE_BE_T_COUNT]);
 
 /* ape_attention_enqueue() with its messages starting with fn (the DLPack call's). */
 int ape__attention_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc *desc,
@@ -85,8 +85,8 @@ int ape__check_resident_diag(const char *fn, const ape_device *dev, const ape_at
 			     const ape_dtensor *q, const ape_dtensor *k, const ape_dtensor *v,
 			     const ape_dtensor *o, const ape_dtensor *lse, const ape_dtensor *ent,
 			     const ape_dtensor *md, struct ape__problem *p,
-			     struct ape__buf *buf[APE__T_COUNT], struct ape__view view[APE__T_COUNT],
-			     struct ape__buf *dbuf[2], struct ape__view dview[2]);
+			     struct ape_be_buf *buf[APE_BE_T_COUNT], struct ape_be_view view[APE_BE_T_COUNT],
+			     struct ape_be_buf *dbuf[2], struct ape_be_view dview[2]);
 
 /* The outputs of a call without keys (p->Lk = 0): O = 0, LSE = -inf, the diagnostics 0, where
  * r's views say, enqueued on queue (each in one strided command where the device has

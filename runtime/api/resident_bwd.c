@@ -20,14 +20,14 @@
 static const char *const names[APE__RB_COUNT] = { "q",	  "k",	"v",  "o",  "lse",    "dout",
 						  "dlse", "dq", "dk", "dv", "dparams" };
 
-/* The device runs the backward pass on the caller's memory (struct ape__dev_caps)? */
+/* The device runs the backward pass on the caller's memory (struct ape_be_caps)? */
 static int check_backend(const char *fn, const struct ape_device *dev)
 {
 	int ret = ape__backward_supported(fn, dev);
 
 	if (ret)
 		return ret;
-	if (!dev->caps.resident_backward)
+	if (!ape_be_caps_have(&dev->caps, APE_BE_CAP_RESIDENT_BACKWARD))
 		return ape__error(APE_ENOTSUP,
 				  "%s: %s:%d %s: the backward pass on device tensors is not "
 				  "implemented on this backend",
@@ -132,7 +132,7 @@ int ape__attention_backward_enqueue(const char *fn, ape_queue *queue, const ape_
 				    const ape_dtensor *const t[APE__RB_COUNT])
 {
 	const double t0 = ape__now_ms();
-	struct ape__path_log paths = { { 0 }, { 0 } };
+	struct ape_be_path_log paths = { { 0 }, { 0 } };
 	struct ape__resident_bwd_req r;
 	struct ape__problem p;
 	int64_t rows = 1;

@@ -4,7 +4,7 @@
  * device-resident twin of ape_attention_forward_varlen(), by the same rules (api/varlen.h) and
  * the same segments.
  *
- * On a device that takes ragged launches (ape__dev_caps.segments) the batch is one resident
+ * On a device that takes ragged launches (ape_be_ape_be_caps_have(&caps, APE_BE_CAP_SEGMENTS)) the batch is one resident
  * call (exec/resident.h) over the packed tensors, its segments those of every launch, query rows
  * split under the budget by the one planner; on another, each segment is a resident call of its
  * own on views of the packed tensors moved to its rows and keys (a launch per run, in row
@@ -41,14 +41,14 @@ static int run_one(ape_queue *queue, struct ape__resident_req *r, const struct a
 
 /* Each segment as a dense resident call on views moved to its rows and keys. */
 static int per_segment(ape_queue *queue, const struct ape__resident_req *whole,
-		       const struct ape__problem *p, const struct ape__seg *sg, int64_t n)
+		       const struct ape__problem *p, const struct ape_be_seg *sg, int64_t n)
 {
 	int ret = 0;
 
 	for (int64_t s = 0; s < n && !ret; s++) {
 		struct ape__resident_req r = *whole;
 		struct ape__problem one = *p;
-		static const int rowt[3] = { APE__T_Q, APE__T_O, APE__T_LSE };
+		static const int rowt[3] = { APE_BE_T_Q, APE_BE_T_O, APE_BE_T_LSE };
 
 		one.segs = NULL;
 		one.nseg = 0;
@@ -58,8 +58,8 @@ static int per_segment(ape_queue *queue, const struct ape__resident_req *whole,
 		one.k_start = sg[s].k_start;
 		for (int t = 0; t < 3; t++)
 			r.view[rowt[t]].off += sg[s].q0 * r.view[rowt[t]].sl;
-		r.view[APE__T_K].off += sg[s].k0 * r.view[APE__T_K].sl;
-		r.view[APE__T_V].off += sg[s].k0 * r.view[APE__T_V].sl;
+		r.view[APE_BE_T_K].off += sg[s].k0 * r.view[APE_BE_T_K].sl;
+		r.view[APE_BE_T_V].off += sg[s].k0 * r.view[APE_BE_T_V].sl;
 		ret = run_one(queue, &r, &one);
 		if (ret)
 			ret = ape__error(ret, "query rows %" PRId64 "..%" PRId64 ": %s", sg[s].q0,
@@ -74,7 +74,7 @@ int ape__attention_enqueue_varlen(const char *fn, ape_queue *queue, const ape_at
 {
 	struct ape__resident_req r;
 	struct ape__problem p;
-	struct ape__seg *sg = NULL;
+	struct ape_be_seg *sg = NULL;
 	struct ape__varlen_pos pos = { 0 };
 	bool explicit = false;
 	int64_t n = 0;
@@ -127,7 +127,7 @@ int ape__attention_enqueue_varlen(const char *fn, ape_queue *queue, const ape_at
 		p.q_start = sg[0].q_start;
 		p.k_start = sg[0].k_start;
 		ret = run_one(queue, &r, &p);
-	} else if (queue->dev->caps.segments) {
+	} else if (ape_be_caps_have(&queue->dev->caps, APE_BE_CAP_SEGMENTS)) {
 		p.segs = sg;
 		p.nseg = n;
 		ret = run_one(queue, &r, &p);

@@ -23,7 +23,7 @@ static const struct ape__ctx_backend *find_backend(const ape_context *ctx, const
 
 /* Appends "; passed over NAME: REASON" for each backend preferred over `chosen` (registry order is
  * preference order) that is not available. */
-static void note_passed_over(const ape_context *ctx, const struct ape__backend *chosen,
+static void note_passed_over(const ape_context *ctx, const struct ape_backend *chosen,
 			     ape_selection *sel)
 {
 	for (int i = 0; i < ctx->nbackends; i++) {

@@ -186,7 +186,7 @@ static void log_text(const struct ape__call_log *r, int level)
 {
 	const struct ape__problem *p = r->p;
 	const ape_stats *st = r->st;
-	const struct ape__path_log *pl = r->paths;
+	const struct ape_be_path_log *pl = r->paths;
 	struct line l = { .n = 0 };
 
 	put(&l, "%s: ", r->fn);
@@ -207,9 +207,9 @@ static void log_text(const struct ape__call_log *r, int level)
 		put(&l, " none (no kernel ran)");
 	else if (!pl)
 		put(&l, " %s", st->path);
-	for (int i = 0; pl && i < APE__PATH_COUNT; i++)
+	for (int i = 0; pl && i < APE_BE_PATH_COUNT; i++)
 		if (pl->launches[i])
-			put(&l, " %s x%u (%s)", ape__path_name((enum ape__path)i), pl->launches[i],
+			put(&l, " %s x%u (%s)", ape_be_path_name((enum ape_be_path)i), pl->launches[i],
 			    pl->why[i] ? pl->why[i] : "");
 	if (p && p->head_params) {
 		char heads[128];
@@ -283,7 +283,7 @@ static void build_json(struct line *out, const struct ape__call_log *r, int leve
 {
 	const struct ape__problem *p = r->p;
 	const ape_stats *st = r->st;
-	const struct ape__path_log *pl = r->paths;
+	const struct ape_be_path_log *pl = r->paths;
 	struct line *l = out;
 	bool first = true;
 
@@ -304,14 +304,14 @@ static void build_json(struct line *out, const struct ape__call_log *r, int leve
 		return;
 	}
 	put(l, ",\"path\":\"%s\",\"paths\":[", st->path);
-	for (int i = 0; pl && i < APE__PATH_COUNT; i++) {
+	for (int i = 0; pl && i < APE_BE_PATH_COUNT; i++) {
 		char why[256];
 
 		if (!pl->launches[i])
 			continue;
 		ape__json_escape(why, sizeof(why), pl->why[i] ? pl->why[i] : "");
 		put(l, "%s{\"path\":\"%s\",\"launches\":%u,\"why\":\"%s\"}", first ? "" : ",",
-		    ape__path_name((enum ape__path)i), pl->launches[i], why);
+		    ape_be_path_name((enum ape_be_path)i), pl->launches[i], why);
 		first = false;
 	}
 	put(l, "]");
@@ -379,7 +379,7 @@ void ape__call_log(const struct ape__call_log *r)
 }
 
 void ape__call_log_async(const char *fn, ape_device *dev, const struct ape__problem *p,
-			 int ret, const struct ape__path_log *paths, double t0)
+			 int ret, const struct ape_be_path_log *paths, double t0)
 {
 	ape_stats st;
 

@@ -49,7 +49,7 @@ struct ape__call_log {
 	const struct ape__problem *p; /* NULL: no shape to say */
 	int ret; /* 0, or the failure whose message is set */
 	const ape_stats *st; /* its statistics (a full ape_stats), when ret is 0 */
-	const struct ape__path_log *paths; /* NULL: st->path names the paths, without counts */
+	const struct ape_be_path_log *paths; /* NULL: st->path names the paths, without counts */
 	bool async; /* enqueued on a queue: st holds the host's time only (total_ms) */
 	bool pairs_uncounted; /* st->pairs_computed is not known */
 	const int64_t *shares; /* NULL, or each device's outer chunks (level 2 says them) */
@@ -62,7 +62,7 @@ void ape__call_log(const struct ape__call_log *r);
 /* The line of an asynchronous call on dev (enqueued on a queue, running after it returns):
  * its problem, the kernel paths its launches took, the host's time since t0. */
 void ape__call_log_async(const char *fn, ape_device *dev, const struct ape__problem *p,
-			 int ret, const struct ape__path_log *paths, double t0);
+			 int ret, const struct ape_be_path_log *paths, double t0);
 
 /* The end of a call: fills *stats when it succeeded and stats is not NULL (as
  * ape__stats_report()), and logs its line (docs/profiling.md) when ape__call_logs(). */

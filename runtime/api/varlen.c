@@ -9,12 +9,12 @@
  * problem (q_start, k_start the runs' first positions).
  *
  * When every query run sees one key run and every device takes ragged launches (struct
- * ape__dev_caps.segments), the whole batch is one run of the dense executor over the packed
- * tensors, its runs the segments (struct ape__seg) of every launch: the same planner, chunking,
+ * ape_be_ape_be_caps_have(&caps, APE_BE_CAP_SEGMENTS)), the whole batch is one run of the dense executor over the packed
+ * tensors, its runs the segments (struct ape_be_seg) of every launch: the same planner, chunking,
  * devices and merges, each launch serving every sequence of its rows (one_run()). When a query
  * run sees several key runs (gaps, repeats, any order) and every device also reads explicit
  * positions (.positions), it is still one run: one segment per sequence, the positions of
- * every row and key passed along (struct ape__launch.pos_q, .pos_k). Otherwise each query run
+ * every row and key passed along (struct ape_be_launch.pos_q, .pos_k). Otherwise each query run
  * is one dense call per key run it sees, their partial results merged by LSE on the host
  * (exec/lse_merge.h). Either way everything is written to host staging and published once
  * the whole call succeeded.
@@ -474,17 +474,17 @@ static void publish(struct vcall *c, ape_tensor *o, float *lse)
 
 /* The batch as segments (api/varlen.h). */
 int ape__varlen_segments(const char *fn, const ape_varlen *vl, bool causal,
-			 struct ape__seg **out, int64_t *nout)
+			 struct ape_be_seg **out, int64_t *nout)
 {
 	int64_t n = 0, cap = vl->num_seqs + 16;
-	struct ape__seg *sg = ape__malloc((size_t)cap * sizeof(*sg));
+	struct ape_be_seg *sg = ape__malloc((size_t)cap * sizeof(*sg));
 
 	for (int64_t s = 0; sg && s < vl->num_seqs; s++) {
 		const int64_t q1 = vl->cu_seqlens_q[s + 1];
 		const int64_t k0 = vl->cu_seqlens_k[s], k1 = vl->cu_seqlens_k[s + 1];
 
 		for (int64_t a = vl->cu_seqlens_q[s], b; a < q1; a = b) {
-			struct ape__seg x = { .q0 = a, .k0 = k0, .k_start = 0 };
+			struct ape_be_seg x = { .q0 = a, .k0 = k0, .k_start = 0 };
 
 			b = ape__varlen_run_end(vl, true, s, a, q1);
 			x.lq = b - a;
@@ -502,7 +502,7 @@ int ape__varlen_segments(const char *fn, const ape_varlen *vl, bool causal,
 				x.k_start = ape__varlen_kpos(vl, s, kc);
 			}
 			if (n == cap) {
-				struct ape__seg *g = ape__realloc(sg, (size_t)(cap *= 2) * sizeof(*sg));
+				struct ape_be_seg *g = ape__realloc(sg, (size_t)(cap *= 2) * sizeof(*sg));
 
 				if (!g) {
 					free(sg);
@@ -524,7 +524,7 @@ int ape__varlen_segments(const char *fn, const ape_varlen *vl, bool causal,
 bool ape__varlen_devices_take(ape_device *const *devs, int ndev, bool positions)
 {
 	for (int d = 0; d < ndev; d++)
-		if (!devs[d]->caps.segments || (positions && !devs[d]->caps.positions))
+		if (!ape_be_caps_have(&devs[d]->caps, APE_BE_CAP_SEGMENTS) || (positions && !ape_be_caps_have(&devs[d]->caps, APE_BE_CAP_POSITIONS)))
 			return false;
 	return true;
 }
@@ -537,11 +537,11 @@ void ape__varlen_pos_free(struct ape__varlen_pos *x)
 
 /* The batch as one segment per sequence with query rows, with every row's and key's positions
  * (api/varlen.h). */
-int ape__varlen_build_positions(const char *fn, const ape_varlen *vl, struct ape__seg **out,
+int ape__varlen_build_positions(const char *fn, const ape_varlen *vl, struct ape_be_seg **out,
 				int64_t *nout, struct ape__varlen_pos *pos)
 {
 	const int64_t tq = vl->cu_seqlens_q[vl->num_seqs], tk = vl->cu_seqlens_k[vl->num_seqs];
-	struct ape__seg *sg = ape__malloc((size_t)vl->num_seqs * sizeof(*sg) + 1);
+	struct ape_be_seg *sg = ape__malloc((size_t)vl->num_seqs * sizeof(*sg) + 1);
 	int64_t n = 0;
 
 	memset(pos, 0, sizeof(*pos));
@@ -565,7 +565,7 @@ int ape__varlen_build_positions(const char *fn, const ape_varlen *vl, struct ape
 		for (int64_t j = k0; pos->own_k && j < k1; j++)
 			pos->own_k[j] = ape__varlen_kpos(vl, s, j);
 		if (q1 > q0) /* the segments partition the query rows: none for a sequence without */
-			sg[n++] = (struct ape__seg){ .q0 = q0, .lq = q1 - q0, .k0 = k0, .lk = k1 - k0 };
+			sg[n++] = (struct ape_be_seg){ .q0 = q0, .lq = q1 - q0, .k0 = k0, .lk = k1 - k0 };
 	}
 	*out = sg;
 	*nout = n;
@@ -575,7 +575,7 @@ int ape__varlen_build_positions(const char *fn, const ape_varlen *vl, struct ape
 /* The visible pairs of every segment at explicit positions, all heads; -1 on overflow or out
  * of memory (then the message is set). */
 static int positions_visible(const char *fn, const struct ape__problem *p,
-			     const struct ape__seg *sg, int64_t n,
+			     const struct ape_be_seg *sg, int64_t n,
 			     const struct ape__varlen_pos *pos, uint64_t *out)
 {
 	uint64_t sum = 0;
@@ -595,7 +595,7 @@ static int positions_visible(const char *fn, const struct ape__problem *p,
 	return 0;
 }
 
-int ape__segs_visible(const struct ape__problem *p, const struct ape__seg *sg,
+int ape__segs_visible(const struct ape__problem *p, const struct ape_be_seg *sg,
 			    int64_t n, uint64_t *out)
 {
 	uint64_t sum = 0;
@@ -630,7 +630,7 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 	struct ape__exec_result res;
 	struct ape__problem pp = *p;
 	ape_exec_options eo;
-	struct ape__seg *sg = NULL;
+	struct ape_be_seg *sg = NULL;
 	struct ape__varlen_pos pos = { 0 };
 	int64_t n = 0;
 	uint64_t visible = 0;

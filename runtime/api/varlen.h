@@ -57,15 +57,15 @@ bool ape__varlen_run_visible(const ape_varlen *vl, bool causal, int64_t s, int64
 			     int64_t kc);
 
 /*
- * A validated batch as segments (struct ape__seg: each query run with the one key run it sees,
+ * A validated batch as segments (struct ape_be_seg: each query run with the one key run it sees,
  * lk = 0 for a run that sees no key), in row order, into *out (malloc'd, owned by the caller)
  * and *nout: returns 1; 0 when some query run sees several key runs (positions with gaps or
  * repeats among a sequence's keys), *out untouched; or APE_ENOMEM (message naming fn).
  */
 int ape__varlen_segments(const char *fn, const ape_varlen *vl, bool causal,
-			 struct ape__seg **out, int64_t *nout);
+			 struct ape_be_seg **out, int64_t *nout);
 
-/* Do all of devs run a ragged batch in one launch (struct ape__dev_caps.segments), and with
+/* Do all of devs run a ragged batch in one launch (struct ape_be_ape_be_caps_have(&caps, APE_BE_CAP_SEGMENTS)), and with
  * `positions`, one whose positions are explicit (.positions)? */
 bool ape__varlen_devices_take(ape_device *const *devs, int ndev, bool positions);
 
@@ -87,7 +87,7 @@ void ape__varlen_pos_free(struct ape__varlen_pos *x);
  * are not runs (gaps, repeats, any order) are still one launch. 0, or APE_ENOMEM (message
  * naming fn; nothing to free).
  */
-int ape__varlen_build_positions(const char *fn, const ape_varlen *vl, struct ape__seg **out,
+int ape__varlen_build_positions(const char *fn, const ape_varlen *vl, struct ape_be_seg **out,
 				int64_t *nout, struct ape__varlen_pos *pos);
 
 /* The pieces' statistics: x added to *t (the first taken whole; paths joined); at the end of
@@ -102,7 +102,7 @@ void ape__varlen_report(const char *fn, ape_device *const *devs, int ndev,
 /* The visible pairs of every segment of p (p's heads and mask, each segment's positions), all
  * heads summed into *out; -1 when the count overflows 64 bits (not for a validated batch). Also
  * the KV pool's (api/kvpool_attend.c). */
-int ape__segs_visible(const struct ape__problem *p, const struct ape__seg *sg, int64_t n,
+int ape__segs_visible(const struct ape__problem *p, const struct ape_be_seg *sg, int64_t n,
 		      uint64_t *out);
 
 #pragma GCC visibility pop

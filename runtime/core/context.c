@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The context's device list as every layer maintains it: backends add their devices while they
- * probe (ape__device_add), topology drops the invisible ones (ape__context_drop_devices), and the
+ * probe (ape_be_device_add), topology drops the invisible ones (ape__context_drop_devices), and the
  * front end sorts them (ape__context_sort_devices). The public face is api/context.c.
  */
 #include "core/context.h"
@@ -41,8 +41,8 @@ void ape__device_free(struct ape_device *dev)
 	free(core_of(dev));
 }
 
-int ape__device_add(struct ape__backend *be, const struct ape_device_info *info,
-		    const struct ape__dev_caps *caps, int rank, void *priv)
+int ape_be_device_add(struct ape_backend *be, const struct ape_device_info *info,
+		    const struct ape_be_caps *caps, int rank, void *priv)
 {
 	struct ape_context *ctx = be->ctx;
 	struct core_device *cd;
@@ -71,6 +71,22 @@ int ape__device_add(struct ape__backend *be, const struct ape_device_info *info,
 	atomic_init(&cd->pairs_per_s, 0);
 	ctx->devices[ctx->ndevices++] = &cd->dev;
 	return 0;
+}
+
+void *ape_be_priv(const struct ape_backend *be)
+{
+	return be->priv;
+}
+
+void ape_be_set_priv(struct ape_backend *be, void *priv)
+{
+	be->priv = priv;
+}
+
+void ape_be_import(const struct ape_backend *be, void **context, void **device)
+{
+	*context = be->import.context;
+	*device = be->import.device;
 }
 
 /* Positions in the list and among the devices of each backend. */

@@ -19,7 +19,7 @@ struct ape__numa;
 struct ape__phys;
 
 struct ape__ctx_backend {
-	struct ape__backend be;
+	struct ape_backend be;
 	bool probed; /* probe ran: teardown is owed */
 	struct ape_backend_info info;
 };

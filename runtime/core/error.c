@@ -52,14 +52,31 @@ const char *ape_last_error(void)
 	return last_error;
 }
 
+static int verror(int err, const char *fmt, va_list ap)
+{
+	vsnprintf(last_error, sizeof(last_error), fmt, ap);
+	error_gen++;
+	return err;
+}
+
 int ape__error(int err, const char *fmt, ...)
 {
 	va_list ap;
 
 	va_start(ap, fmt);
-	vsnprintf(last_error, sizeof(last_error), fmt, ap);
+	err = verror(err, fmt, ap);
 	va_end(ap);
-	error_gen++;
+	return err;
+}
+
+/* The same, for backends (ape/ape_backend.h): exported, so that a plugin sets it too. */
+int ape_be_error(int err, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	err = verror(err, fmt, ap);
+	va_end(ap);
 	return err;
 }
 
@@ -131,13 +148,27 @@ int ape__error_suffix(int err, const char *text)
 	return err;
 }
 
+static void vwarn(const char *fmt, va_list ap)
+{
+	fputs("libape: ", stderr);
+	vfprintf(stderr, fmt, ap);
+	fputc('\n', stderr);
+}
+
 void ape__warn(const char *fmt, ...)
 {
 	va_list ap;
 
-	fputs("libape: ", stderr);
 	va_start(ap, fmt);
-	vfprintf(stderr, fmt, ap);
+	vwarn(fmt, ap);
 	va_end(ap);
-	fputc('\n', stderr);
+}
+
+void ape_be_warn(const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vwarn(fmt, ap);
+	va_end(ap);
 }

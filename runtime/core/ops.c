@@ -15,6 +15,7 @@
 
 #include <stdarg.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -22,30 +23,30 @@
 #include "core/nvtx.h"
 
 /* The backend's own table behind a device, a queue or an event. */
-static const struct ape__backend_ops *raw_of(const struct ape_device *dev)
+static const struct ape_backend_plugin *raw_of(const struct ape_device *dev)
 {
 	return dev->be->raw;
 }
 
-static const struct ape__backend_ops *queue_raw(const struct ape__queue *q)
+static const struct ape_backend_plugin *queue_raw(const struct ape_be_queue *q)
 {
-	return raw_of(ape__queue_dev(q));
+	return raw_of(ape_be_queue_dev(q));
 }
 
-static const struct ape__backend_ops *event_raw(const struct ape__event *e)
+static const struct ape_backend_plugin *event_raw(const struct ape_be_event *e)
 {
-	return raw_of(ape__event_dev(e));
+	return raw_of(ape_be_event_dev(e));
 }
 
 /* err of op, on the device of queue q or of event e: named (ape__op_error()) unless 0. */
-static int named_q(int err, const struct ape__queue *q, const char *op)
+static int named_q(int err, const struct ape_be_queue *q, const char *op)
 {
-	return err ? ape__op_error(err, ape__queue_dev(q), op) : 0;
+	return err ? ape__op_error(err, ape_be_queue_dev(q), op) : 0;
 }
 
-static int named_e(int err, const struct ape__event *e, const char *op)
+static int named_e(int err, const struct ape_be_event *e, const char *op)
 {
-	return err ? ape__op_error(err, ape__event_dev(e), op) : 0;
+	return err ? ape__op_error(err, ape_be_event_dev(e), op) : 0;
 }
 
 /* The op's code, once the NVTX range opened before it is closed (the op is called first: an
@@ -58,12 +59,12 @@ static int ranged(int err)
 
 /* ------------------------------------------------------------------ ops on a device */
 
-static int core_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
+static int core_buf_alloc(struct ape_device *dev, size_t bytes, struct ape_be_buf **out)
 {
 	return ape__op_error(raw_of(dev)->buf_alloc(dev, bytes, out), dev, "buf_alloc");
 }
 
-static int core_queue_create(struct ape_device *dev, struct ape__queue **out)
+static int core_queue_create(struct ape_device *dev, struct ape_be_queue **out)
 {
 	return ape__op_error(raw_of(dev)->queue_create(dev, out), dev, "queue_create");
 }
@@ -75,96 +76,90 @@ static int core_host_register(struct ape_device *dev, void *ptr, size_t bytes, v
 }
 
 static int core_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
-			 struct ape__buf **out, size_t *bytes_out)
+			 struct ape_be_buf **out, size_t *bytes_out)
 {
 	return ape__op_error(raw_of(dev)->buf_wrap(dev, kind, handle, bytes, out, bytes_out), dev,
 			     "buf_wrap");
 }
 
-static int core_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out)
+static int core_queue_wrap(struct ape_device *dev, void *handle, struct ape_be_queue **out)
 {
 	return ape__op_error(raw_of(dev)->queue_wrap(dev, handle, out), dev, "queue_wrap");
 }
 
-/* The fallback every caller used to write: the device's own figure, stated as a capability. */
-static uint64_t core_max_alloc(struct ape_device *dev)
-{
-	return dev->caps.max_alloc;
-}
-
 /* ------------------------------------------------------------------ ops on a queue */
 
-static int core_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src,
+static int core_copy_h2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, const void *src,
 			 size_t n)
 {
 	ape__nvtx_push("copy_h2d");
 	return named_q(ranged(queue_raw(q)->copy_h2d(q, dst, off, src, n)), q, "copy_h2d");
 }
 
-static int core_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off,
+static int core_copy_d2h(struct ape_be_queue *q, void *dst, struct ape_be_buf *src, size_t off,
 			 size_t n)
 {
 	ape__nvtx_push("copy_d2h");
 	return named_q(ranged(queue_raw(q)->copy_d2h(q, dst, src, off, n)), q, "copy_d2h");
 }
 
-static int core_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
-			 struct ape__buf *src, size_t src_off, size_t n)
+static int core_copy_d2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t dst_off,
+			 struct ape_be_buf *src, size_t src_off, size_t n)
 {
 	ape__nvtx_push("copy_d2d");
 	return named_q(ranged(queue_raw(q)->copy_d2d(q, dst, dst_off, src, src_off, n)), q,
 		       "copy_d2d");
 }
 
-static int core_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+static int core_fill(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, uint32_t pattern,
 		     size_t n)
 {
 	return named_q(queue_raw(q)->fill(q, dst, off, pattern, n), q, "fill");
 }
 
-static int core_event_record(struct ape__queue *q, struct ape__event **out)
+static int core_event_record(struct ape_be_queue *q, struct ape_be_event **out)
 {
 	return named_q(queue_raw(q)->event_record(q, out), q, "event_record");
 }
 
-static int core_event_wait(struct ape__queue *q, struct ape__event *e)
+static int core_event_wait(struct ape_be_queue *q, struct ape_be_event *e)
 {
 	return named_q(queue_raw(q)->event_wait(q, e), q, "event_wait");
 }
 
-static int core_attention(struct ape__queue *q, const struct ape__launch *l)
+static int core_attention(struct ape_be_queue *q, const struct ape_be_launch *l)
 {
 	ape__nvtx_push("attention");
 	return named_q(ranged(queue_raw(q)->attention(q, l)), q, "attention");
 }
 
-static int core_synchronize(struct ape__queue *q)
+static int core_synchronize(struct ape_be_queue *q)
 {
 	return named_q(queue_raw(q)->synchronize(q), q, "synchronize");
 }
 
-static int core_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
+static int core_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 {
 	ape__nvtx_push("attention_backward");
 	return named_q(ranged(queue_raw(q)->attention_backward(q, l)), q, "attention_backward");
 }
 
-static int core_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+static int core_scratch_alloc(struct ape_be_queue *q, size_t bytes, struct ape_be_buf **out)
 {
 	return named_q(queue_raw(q)->scratch_alloc(q, bytes, out), q, "scratch_alloc");
 }
 
-static int core_scratch_free(struct ape__queue *q, struct ape__buf *buf)
+static int core_scratch_free(struct ape_be_queue *q, struct ape_be_buf *buf)
 {
 	return named_q(queue_raw(q)->scratch_free(q, buf), q, "scratch_free");
 }
 
-static int core_copy_view(struct ape__queue *q, const struct ape__copy *c)
+static int core_copy_view(struct ape_be_queue *q, const struct ape_be_copy *c)
 {
 	return named_q(queue_raw(q)->copy_view(q, c), q, "copy_view");
 }
 
-static int core_attention_merge(struct ape__queue *q, const struct ape__merge *m)
+static int core_attention_merge(struct ape_be_queue *q, const struct ape_be_merge *m)
 {
 	ape__nvtx_push("attention_merge");
 	return named_q(ranged(queue_raw(q)->attention_merge(q, m)), q, "attention_merge");
@@ -172,12 +167,12 @@ static int core_attention_merge(struct ape__queue *q, const struct ape__merge *m
 
 /* ------------------------------------------------------------------ ops on an event */
 
-static int core_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms)
+static int core_event_elapsed(struct ape_be_event *start, struct ape_be_event *end, double *ms)
 {
 	return named_e(event_raw(start)->event_elapsed(start, end, ms), start, "event_elapsed");
 }
 
-static int core_event_timestamp(struct ape__event *e, double *ms)
+static int core_event_timestamp(struct ape_be_event *e, double *ms)
 {
 	return named_e(event_raw(e)->event_timestamp(e, ms), e, "event_timestamp");
 }
@@ -227,7 +222,89 @@ static const char *group_gap(const struct op_set *ops, size_t n)
 	return NULL;
 }
 
-static int check_table(const struct ape__backend_ops *t, char *why, size_t cap)
+/* Every op of this header's table by name, where it lies: what a table shorter than this one
+ * (an older minor) is completed from, through its proc_address. */
+#define OP_AT(op) { #op, offsetof(struct ape_backend_plugin, op) }
+static const struct {
+	const char *name;
+	size_t off;
+} op_at[] = {
+	OP_AT(probe),	     OP_AT(teardown),	       OP_AT(device_release),
+	OP_AT(native),	     OP_AT(buf_alloc),	       OP_AT(buf_free),
+	OP_AT(buf_wrap),     OP_AT(host_register),     OP_AT(host_unregister),
+	OP_AT(queue_create), OP_AT(queue_destroy),     OP_AT(queue_wrap),
+	OP_AT(synchronize),  OP_AT(copy_h2d),	       OP_AT(copy_d2h),
+	OP_AT(copy_d2d),     OP_AT(fill),	       OP_AT(event_record),
+	OP_AT(event_wait),   OP_AT(event_elapsed),     OP_AT(event_timestamp),
+	OP_AT(event_destroy), OP_AT(attention),	       OP_AT(attention_scratch),
+	OP_AT(attention_merge), OP_AT(attention_backward), OP_AT(attention_backward_scratch),
+	OP_AT(scratch_alloc), OP_AT(scratch_free),     OP_AT(copy_view),
+	OP_AT(attention_pages), OP_AT(proc_address),
+};
+
+/* A table's name: [a-z0-9_], 1 to 15 characters. */
+static bool good_name(const char *name)
+{
+	size_t n = 0;
+
+	if (!name)
+		return false;
+	for (; name[n]; n++)
+		if (n >= 15 || !((name[n] >= 'a' && name[n] <= 'z') ||
+				 (name[n] >= '0' && name[n] <= '9') || name[n] == '_'))
+			return false;
+	return n > 0;
+}
+
+/*
+ * The table as this library reads it, into *own: the ABI checked (the major equal, the minor
+ * not newer, struct_size covering the four members every ABI begins with), the members
+ * struct_size covers copied, the ops beyond it asked of the table's proc_address by name (when
+ * the table has one within its size) and NULL otherwise.
+ */
+static int complete_table(const struct ape_backend_plugin *t, struct ape_backend_plugin *own,
+			  char *why, size_t cap)
+{
+	const size_t head = offsetof(struct ape_backend_plugin, name) + sizeof(t->name);
+	const size_t pa_end = offsetof(struct ape_backend_plugin, proc_address) +
+			      sizeof(t->proc_address);
+
+	if (t->abi_major != APE_BACKEND_ABI_MAJOR)
+		return refuse(why, cap,
+			      "backend ABI %u.%u: this libape takes major %d only (backend ABI %d.%d)",
+			      t->abi_major, t->abi_minor, APE_BACKEND_ABI_MAJOR,
+			      APE_BACKEND_ABI_MAJOR, APE_BACKEND_ABI_MINOR);
+	if (t->abi_minor > APE_BACKEND_ABI_MINOR)
+		return refuse(why, cap,
+			      "backend ABI %u.%u is newer than this libape's %d.%d: it may rely on "
+			      "what this library does not do",
+			      t->abi_major, t->abi_minor, APE_BACKEND_ABI_MAJOR,
+			      APE_BACKEND_ABI_MINOR);
+	if (t->struct_size < head)
+		return refuse(why, cap,
+			      "struct_size %zu is shorter than the %zu bytes every table begins "
+			      "with (abi_major, abi_minor, struct_size, name)",
+			      t->struct_size, head);
+	memset(own, 0, sizeof(*own));
+	memcpy(own, t, t->struct_size < sizeof(*own) ? t->struct_size : sizeof(*own));
+	own->struct_size = sizeof(*own);
+	if (t->struct_size >= sizeof(*own))
+		return 0;
+	/* an older minor's table: the later ops by name, if it can say */
+	if (t->struct_size < pa_end)
+		own->proc_address = NULL;
+	for (size_t i = 0; i < sizeof(op_at) / sizeof(op_at[0]); i++) {
+		void *fn;
+
+		if (op_at[i].off < t->struct_size || !own->proc_address)
+			continue;
+		fn = own->proc_address(op_at[i].name);
+		memcpy((char *)own + op_at[i].off, &fn, sizeof(fn));
+	}
+	return 0;
+}
+
+static int check_table(const struct ape_backend_plugin *t, char *why, size_t cap)
 {
 	const struct op_set required[] = {
 		OP(t, probe),	     OP(t, buf_alloc),	  OP(t, buf_free),    OP(t, queue_create),
@@ -240,8 +317,9 @@ static int check_table(const struct ape__backend_ops *t, char *why, size_t cap)
 	const struct op_set pinning[] = { OP(t, host_register), OP(t, host_unregister) };
 	const char *op;
 
-	if (!t->name || !t->name[0] || strlen(t->name) > 15)
-		return refuse(why, cap, "backend name \"%.32s\": must be 1 to 15 characters",
+	if (!good_name(t->name))
+		return refuse(why, cap,
+			      "backend name \"%.32s\": must be 1 to 15 characters of [a-z0-9_]",
 			      t->name ? t->name : "(null)");
 	if ((op = first_missing(required, sizeof(required) / sizeof(required[0]))))
 		return refuse(why, cap, "required op %s is missing", op);
@@ -255,19 +333,17 @@ static int check_table(const struct ape__backend_ops *t, char *why, size_t cap)
 			      "host_register and host_unregister come both or neither: %s is "
 			      "missing",
 			      op);
-	if (t->max_alloc)
-		return refuse(why, cap,
-			      "sets max_alloc, which is the core's (a device states its limit in "
-			      "struct ape__dev_caps.max_alloc)");
 	return 0;
 }
 
-int ape__backend_bind(struct ape__backend *be, const struct ape__backend_ops *raw, char *why,
+int ape__backend_bind(struct ape_backend *be, const struct ape_backend_plugin *table, char *why,
 		      size_t cap)
 {
-	struct ape__backend_ops *t = &be->table;
-	int ret = check_table(raw, why, cap);
+	struct ape_backend_plugin *t = &be->table, *raw = &be->own;
+	int ret = complete_table(table, raw, why, cap);
 
+	if (!ret)
+		ret = check_table(raw, why, cap);
 	if (ret)
 		return ret;
 	*t = *raw; /* the ops that cannot fail as they are, and NULL where raw has no op */
@@ -291,7 +367,6 @@ int ape__backend_bind(struct ape__backend *be, const struct ape__backend_ops *ra
 	t->scratch_free = raw->scratch_free ? core_scratch_free : NULL;
 	t->copy_view = raw->copy_view ? core_copy_view : NULL;
 	t->attention_merge = raw->attention_merge ? core_attention_merge : NULL;
-	t->max_alloc = core_max_alloc;
 	be->raw = raw;
 	be->ops = t;
 	return 0;
@@ -299,24 +374,32 @@ int ape__backend_bind(struct ape__backend *be, const struct ape__backend_ops *ra
 
 int ape__device_check(const struct ape_device *dev, char *why, size_t cap)
 {
-	const struct ape__dev_caps *c = &dev->caps;
-	const struct ape__backend_ops *t = dev->be->raw;
+	const struct ape_be_caps *c = &dev->caps;
+	const struct ape_backend_plugin *t = dev->be->raw;
+#define HAS(bit) ape_be_caps_have(c, APE_BE_CAP_##bit)
 	/* each capability claimed, and what it needs */
 	const struct {
 		const char *cap;
 		bool claimed;
 		struct op_set needs;
 	} rules[] = {
-		{ "host_memory", c->host_memory, OP(t, buf_wrap) },
-		{ "diag_views", c->diag_views, { "diag", c->diag } },
-		{ "positions", c->positions, { "segments", c->segments } },
-		{ "backward", c->backward, OP(t, attention_backward) },
-		{ "resident_backward", c->resident_backward, { "backward", c->backward } },
-		{ "resident_backward", c->resident_backward,
+		{ "host_memory", HAS(HOST_MEMORY), OP(t, buf_wrap) },
+		{ "diag_views", HAS(DIAG_VIEWS), { "diag", HAS(DIAG) } },
+		{ "positions", HAS(POSITIONS), { "segments", HAS(SEGMENTS) } },
+		{ "backward", HAS(BACKWARD), OP(t, attention_backward) },
+		{ "resident_backward", HAS(RESIDENT_BACKWARD), { "backward", HAS(BACKWARD) } },
+		{ "resident_backward", HAS(RESIDENT_BACKWARD),
 		  { "scratch_alloc, scratch_free and copy_view", t->scratch_alloc != NULL } },
-		{ "timestamps", c->timestamps, OP(t, event_timestamp) },
+		{ "timestamps", HAS(TIMESTAMPS), OP(t, event_timestamp) },
 	};
 
+#undef HAS
+	if (c->features & ~APE_BE_CAP_ALL)
+		return refuse(why, cap,
+			      "device %.100s: capability bits 0x%llx unknown to this libape (backend "
+			      "ABI %d.%d)",
+			      dev->info.name, (unsigned long long)(c->features & ~APE_BE_CAP_ALL),
+			      APE_BACKEND_ABI_MAJOR, APE_BACKEND_ABI_MINOR);
 	for (size_t i = 0; i < sizeof(rules) / sizeof(rules[0]); i++)
 		if (rules[i].claimed && !rules[i].needs.set)
 			return refuse(why, cap, "device %.100s: capability %s without %s",

@@ -24,11 +24,11 @@
  * leaves. No op of be may be running meanwhile. Sets no thread message: a refused backend is
  * a state of the context, not a failed call.
  */
-int ape__backend_bind(struct ape__backend *be, const struct ape__backend_ops *raw, char *why,
+int ape__backend_bind(struct ape_backend *be, const struct ape_backend_plugin *raw, char *why,
 		      size_t cap);
 
 /*
- * Checks the capabilities dev's backend stated for it (struct ape__dev_caps) against that
+ * Checks the capabilities dev's backend stated for it (struct ape_be_caps) against that
  * backend's ops: each capability needs the ops it names there. Returns 0; or APE_EBACKEND with
  * the reason in why ("refused: device NAME: ..."). Sets no thread message.
  */

@@ -5,46 +5,46 @@
 
 #include <stdio.h>
 
-void ape__path_note(struct ape__path_log *log, enum ape__path p, const char *why)
+void ape_be_path_note(struct ape_be_path_log *log, enum ape_be_path p, const char *why)
 {
-	if (!log || (unsigned)p >= APE__PATH_COUNT)
+	if (!log || (unsigned)p >= APE_BE_PATH_COUNT)
 		return;
 	log->launches[p]++;
 	log->why[p] = why;
 }
 
-const char *ape__path_name(enum ape__path p)
+const char *ape_be_path_name(enum ape_be_path p)
 {
-	static const char *const names[APE__PATH_COUNT] = {
-		[APE__PATH_REFERENCE] = "reference", [APE__PATH_GENERAL] = "general",
-		[APE__PATH_POSITIONS] = "positions", [APE__PATH_RAGGED] = "ragged",
-		[APE__PATH_SEPARABLE] = "separable", [APE__PATH_SPLIT] = "split",
-		[APE__PATH_DECODE] = "decode",	     [APE__PATH_PAGES] = "decode-in-place",
-		[APE__PATH_EMPTY] = "empty",	     [APE__PATH_BACKWARD] = "backward",
+	static const char *const names[APE_BE_PATH_COUNT] = {
+		[APE_BE_PATH_REFERENCE] = "reference", [APE_BE_PATH_GENERAL] = "general",
+		[APE_BE_PATH_POSITIONS] = "positions", [APE_BE_PATH_RAGGED] = "ragged",
+		[APE_BE_PATH_SEPARABLE] = "separable", [APE_BE_PATH_SPLIT] = "split",
+		[APE_BE_PATH_DECODE] = "decode",	     [APE_BE_PATH_PAGES] = "decode-in-place",
+		[APE_BE_PATH_EMPTY] = "empty",	     [APE_BE_PATH_BACKWARD] = "backward",
 	};
 
-	return (unsigned)p < APE__PATH_COUNT ? names[p] : "?";
+	return (unsigned)p < APE_BE_PATH_COUNT ? names[p] : "?";
 }
 
-void ape__path_names(char *buf, size_t cap, const struct ape__path_log *pl)
+void ape__path_names(char *buf, size_t cap, const struct ape_be_path_log *pl)
 {
 	size_t n = 0;
 
 	if (!cap)
 		return;
 	buf[0] = '\0';
-	for (int i = 0; i < APE__PATH_COUNT && n < cap; i++)
+	for (int i = 0; i < APE_BE_PATH_COUNT && n < cap; i++)
 		if (pl->launches[i]) {
 			const int k = snprintf(buf + n, cap - n, "%s%s", n ? "+" : "",
-					       ape__path_name((enum ape__path)i));
+					       ape_be_path_name((enum ape_be_path)i));
 
 			n = k < 0 ? cap : n + (size_t)k;
 		}
 }
 
-void ape__path_merge(struct ape__path_log *dst, const struct ape__path_log *src)
+void ape__path_merge(struct ape_be_path_log *dst, const struct ape_be_path_log *src)
 {
-	for (int p = 0; p < APE__PATH_COUNT; p++) {
+	for (int p = 0; p < APE_BE_PATH_COUNT; p++) {
 		dst->launches[p] += src->launches[p];
 		if (src->why[p])
 			dst->why[p] = src->why[p];

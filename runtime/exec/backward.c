@@ -36,7 +36,7 @@
 
 #include "core/alloc.h"
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "core/error.h"
 #include "exec/launch.h"
 #include "exec/multidev.h"
@@ -48,7 +48,7 @@ enum {
 	B_K, B_V, B_DK, B_DV, /* the key side: outer */
 	B_Q, B_O, B_DOUT, B_LSE, B_DLSE, /* the query side: inner */
 	B_DQ, B_PAIRS, B_DPARAMS, /* outputs */
-	B_PRM64, B_PRM32, /* the parameter tables (struct ape__launch.params) */
+	B_PRM64, B_PRM32, /* the parameter tables (struct ape_be_launch.params) */
 	NBUF
 };
 
@@ -75,12 +75,12 @@ struct bwd_pass {
 	uint64_t pairs_computed;
 	bool pairs_counted; /* the launches could skip keys and counted what they computed */
 	bool worked; /* it had key chunks */
-	struct ape__path_log paths; /* the kernel paths its launches took */
+	struct ape_be_path_log paths; /* the kernel paths its launches took */
 };
 
 int ape__backward_supported(const char *fn, const struct ape_device *dev)
 {
-	if (dev->caps.backward)
+	if (ape_be_caps_have(&dev->caps, APE_BE_CAP_BACKWARD))
 		return 0;
 	return ape__error(APE_ENOTSUP,
 			  "%s: %s:%d %s: the backward pass is not implemented on this backend yet",
@@ -88,7 +88,7 @@ int ape__backward_supported(const char *fn, const struct ape_device *dev)
 }
 
 void ape__bwd_launch_shape(const struct ape__problem *p, ape_dtype dout_dtype, int64_t nkc,
-			   struct ape__bwd_launch *l, int64_t i0, int64_t nq, int64_t j0, int64_t nk)
+			   struct ape_be_bwd_launch *l, int64_t i0, int64_t nq, int64_t j0, int64_t nk)
 {
 	memset(l, 0, sizeof(*l));
 	/* skip_tol shared by the nkc key chunks a row meets: launch tests of t / (1 + t) each add
@@ -183,7 +183,7 @@ static void shape(void *self, struct ape_device *dev, int64_t no, int64_t ni)
 static void call_input(void *self, int t, void *host, size_t bytes)
 {
 	const struct bwd_pass *b = self;
-	struct ape__bwd_launch l;
+	struct ape_be_bwd_launch l;
 
 	(void)bytes;
 	ape__bwd_launch_shape(b->c->r->p, b->c->r->dout->dtype, 1, &l, 0, 0, 0, 0);
@@ -192,15 +192,15 @@ static void call_input(void *self, int t, void *host, size_t bytes)
 
 /* ------------------------------------------------------------------ launches */
 
-/* The APE__BWD_* parts of every launch of the call. */
+/* The APE_BE_BWD_* parts of every launch of the call. */
 static unsigned parts_of(const struct bwd_pass *b)
 {
 	const struct ape__pass_tensor *t = b->pass.t;
 
-	return (t[B_DQ].row_bytes ? APE__BWD_DQ : 0u) | (t[B_DK].row_bytes ? APE__BWD_DK : 0u) |
-	       (t[B_DV].row_bytes ? APE__BWD_DV : 0u) | (t[B_DPARAMS].bytes ? APE__BWD_DPARAMS : 0u) |
-	       (t[B_DLSE].row_bytes ? APE__BWD_DLSE : 0u) |
-	       (t[B_PAIRS].row_bytes ? APE__BWD_PAIRS : 0u);
+	return (t[B_DQ].row_bytes ? APE_BE_BWD_DQ : 0u) | (t[B_DK].row_bytes ? APE_BE_BWD_DK : 0u) |
+	       (t[B_DV].row_bytes ? APE_BE_BWD_DV : 0u) | (t[B_DPARAMS].bytes ? APE_BE_BWD_DPARAMS : 0u) |
+	       (t[B_DLSE].row_bytes ? APE_BE_BWD_DLSE : 0u) |
+	       (t[B_PAIRS].row_bytes ? APE_BE_BWD_PAIRS : 0u);
 }
 
 /* Key chunks of the call (for the skip shares): before the plan, as many as the default
@@ -215,7 +215,7 @@ static int64_t key_chunks(const struct bwd_pass *b)
 static uint64_t scratch(void *self, struct ape_device *dev, int64_t on, int64_t in)
 {
 	struct bwd_pass *b = self;
-	struct ape__bwd_launch l;
+	struct ape_be_bwd_launch l;
 
 	if (!dev->be->ops->attention_backward_scratch)
 		return 0;
@@ -223,10 +223,10 @@ static uint64_t scratch(void *self, struct ape_device *dev, int64_t on, int64_t 
 	return dev->be->ops->attention_backward_scratch(dev, &l, parts_of(b));
 }
 
-static int launch(void *self, struct ape__queue *q, const struct ape__pass_job *j)
+static int launch(void *self, struct ape_be_queue *q, const struct ape__pass_job *j)
 {
 	struct bwd_pass *b = self;
-	struct ape__bwd_launch l;
+	struct ape_be_bwd_launch l;
 
 	/* outer: key rows [o0, o0 + on); inner: query rows [i0, i0 + in) */
 	ape__bwd_launch_shape(b->c->r->p, b->c->r->dout->dtype, key_chunks(b), &l, j->i0, j->in,

@@ -47,7 +47,7 @@ struct ape__bwd_result {
 	uint64_t launches; /* (query chunk, key chunk) pairs launched */
 	uint64_t pairs_computed; /* visible (query, key) pairs computed, when pairs_counted */
 	bool pairs_counted; /* the launches could skip keys and counted what they computed */
-	struct ape__path_log paths; /* the kernel paths the launches took */
+	struct ape_be_path_log paths; /* the kernel paths the launches took */
 	int64_t cq, ck; /* rows per chunk the planner chose */
 	int depth; /* launches in flight the planner chose */
 };
@@ -58,7 +58,7 @@ struct ape__bwd_result {
  * shapes, positions, parameters; the caller sets the buffers (and views).
  */
 void ape__bwd_launch_shape(const struct ape__problem *p, ape_dtype dout_dtype, int64_t nkc,
-			   struct ape__bwd_launch *l, int64_t i0, int64_t nq, int64_t j0, int64_t nk);
+			   struct ape_be_bwd_launch *l, int64_t i0, int64_t nq, int64_t j0, int64_t nk);
 
 /* 0 when dev's backend implements the backward pass; else APE_ENOTSUP naming the device
  * ("<fn>: opencl:0 NAME: the backward pass is not implemented on this backend yet"). */

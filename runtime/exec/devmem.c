@@ -19,7 +19,7 @@ static void count(struct ape__devmem *m, uint64_t bytes)
 		m->peak = m->cur;
 }
 
-int ape__devmem_alloc(struct ape__devmem *m, uint64_t bytes, struct ape__buf **out,
+int ape__devmem_alloc(struct ape__devmem *m, uint64_t bytes, struct ape_be_buf **out,
 		      const char *what)
 {
 	int ret;
@@ -44,7 +44,7 @@ int ape__devmem_alloc(struct ape__devmem *m, uint64_t bytes, struct ape__buf **o
 	return 0;
 }
 
-void ape__devmem_free(struct ape__devmem *m, struct ape__buf **b, uint64_t bytes)
+void ape__devmem_free(struct ape__devmem *m, struct ape_be_buf **b, uint64_t bytes)
 {
 	if (!*b)
 		return;

@@ -23,10 +23,10 @@ struct ape__devmem {
 void ape__devmem_init(struct ape__devmem *m, struct ape_device *dev, uint64_t budget);
 /* A buffer of `bytes`, refused with APE_ENOMEM (message naming `what` and the budget) when it
  * would take the count past the budget. */
-int ape__devmem_alloc(struct ape__devmem *m, uint64_t bytes, struct ape__buf **out,
+int ape__devmem_alloc(struct ape__devmem *m, uint64_t bytes, struct ape_be_buf **out,
 		      const char *what);
 /* Frees *b (of `bytes`) and sets it NULL; accepts NULL. The buffer must be idle. */
-void ape__devmem_free(struct ape__devmem *m, struct ape__buf **b, uint64_t bytes);
+void ape__devmem_free(struct ape__devmem *m, struct ape_be_buf **b, uint64_t bytes);
 /* Scratch a backend holds while a launch is in flight: counted, never refused (the plan made
  * room for it). */
 void ape__devmem_hold(struct ape__devmem *m, uint64_t bytes);

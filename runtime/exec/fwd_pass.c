@@ -106,20 +106,20 @@ static void call_input(void *self, int t, void *host, size_t bytes)
 
 /* ------------------------------------------------------------------ launches */
 
-static struct ape__view view_of(const struct ape__pass_job *j, int t, int64_t heads, int64_t D,
+static struct ape_be_view view_of(const struct ape__pass_job *j, int t, int64_t heads, int64_t D,
 				const struct ape__pass_tensor *x)
 {
 	const int64_t r0 = x->axis == APE__AXIS_Q ? j->o0 : j->i0;
 	const int64_t n = x->axis == APE__AXIS_Q ? j->on : j->in;
 
 	if (j->wrapped[t])
-		return (struct ape__view){ r0 * x->s[2], x->s[0], x->s[1], x->s[2] };
-	return (struct ape__view){ 0, heads * n * D, n * D, D };
+		return (struct ape_be_view){ r0 * x->s[2], x->s[0], x->s[1], x->s[2] };
+	return (struct ape_be_view){ 0, heads * n * D, n * D, D };
 }
 
 /* The launch of job j (without the merge), in *l. */
 static void launch_of(struct ape__fwd *f, const struct ape__pass_job *j,
-		      struct ape__launch *l)
+		      struct ape_be_launch *l)
 {
 	const struct ape__problem *p = f->c->p;
 	const struct ape__pass *x = &f->pass;
@@ -151,13 +151,13 @@ static void launch_of(struct ape__fwd *f, const struct ape__pass_job *j,
 	l->params[1] = j->buf[APE__F_PRM32];
 	l->strided = j->wrapped[APE__F_Q] || j->wrapped[APE__F_K] || j->wrapped[APE__F_V];
 	if (l->strided) {
-		l->view[APE__T_Q] = view_of(j, APE__F_Q, p->H, p->D, &x->t[APE__F_Q]);
-		l->view[APE__T_K] = view_of(j, APE__F_K, p->Hkv, p->D, &x->t[APE__F_K]);
-		l->view[APE__T_V] = view_of(j, APE__F_V, p->Hkv, p->D, &x->t[APE__F_V]);
-		l->view[APE__T_O] = (struct ape__view){ 0, p->H * j->on * p->D, j->on * p->D,
+		l->view[APE_BE_T_Q] = view_of(j, APE__F_Q, p->H, p->D, &x->t[APE__F_Q]);
+		l->view[APE_BE_T_K] = view_of(j, APE__F_K, p->Hkv, p->D, &x->t[APE__F_K]);
+		l->view[APE_BE_T_V] = view_of(j, APE__F_V, p->Hkv, p->D, &x->t[APE__F_V]);
+		l->view[APE_BE_T_O] = (struct ape_be_view){ 0, p->H * j->on * p->D, j->on * p->D,
 							p->D };
-		l->view[APE__T_LSE] = (struct ape__view){ 0, p->H * j->on, j->on, 1 };
-		l->diag_view[0] = l->diag_view[1] = l->view[APE__T_LSE];
+		l->view[APE_BE_T_LSE] = (struct ape_be_view){ 0, p->H * j->on, j->on, 1 };
+		l->diag_view[0] = l->diag_view[1] = l->view[APE_BE_T_LSE];
 	}
 	if (f->prior && j->nth > 0) {
 		/* the b-th chunk from the diagonal tests against 2^-b of its share: the whole
@@ -170,11 +170,11 @@ static void launch_of(struct ape__fwd *f, const struct ape__pass_job *j,
 	}
 }
 
-static int launch(void *self, struct ape__queue *q, const struct ape__pass_job *j)
+static int launch(void *self, struct ape_be_queue *q, const struct ape__pass_job *j)
 {
 	struct ape__fwd *f = self;
-	const struct ape__backend_ops *ops = f->dev->be->ops;
-	struct ape__launch l;
+	const struct ape_backend_plugin *ops = f->dev->be->ops;
+	struct ape_be_launch l;
 	int ret;
 
 	launch_of(f, j, &l);
@@ -182,7 +182,7 @@ static int launch(void *self, struct ape__queue *q, const struct ape__pass_job *
 	ret = ops->attention(q, &l);
 	f->slot[j->slot].jobs++;
 	if (!ret && f->mode == APE__FWD_DEVICE_MERGE) {
-		const struct ape__merge m = {
+		const struct ape_be_merge m = {
 			.rows = f->c->p->B * f->c->p->H * j->on, .D = f->c->p->D,
 			.pairs32 = pairs32(f->c->p),
 			.o = j->buf[APE__F_AO], .lse = j->buf[APE__F_ALSE],
@@ -201,7 +201,7 @@ static int launch(void *self, struct ape__queue *q, const struct ape__pass_job *
 static bool in_pages(void *self, const struct ape__pass_job *j)
 {
 	struct ape__fwd *f = self;
-	struct ape__launch l;
+	struct ape_be_launch l;
 
 	if (!f->dev->be->ops->attention_pages)
 		return false;
@@ -212,7 +212,7 @@ static bool in_pages(void *self, const struct ape__pass_job *j)
 static uint64_t scratch(void *self, struct ape_device *dev, int64_t on, int64_t in)
 {
 	struct ape__fwd *f = self;
-	struct ape__launch l = f->tmpl;
+	struct ape_be_launch l = f->tmpl;
 
 	l.Lq = on;
 	l.Lk = in;

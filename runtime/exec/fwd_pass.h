@@ -48,7 +48,7 @@ enum {
 	APE__F_Q, APE__F_K, APE__F_V, /* inputs */
 	APE__F_O, APE__F_LSE, APE__F_PAIRS, APE__F_ENT, APE__F_MD, /* one launch's outputs */
 	APE__F_AO, APE__F_ALSE, APE__F_APAIRS, APE__F_AENT, APE__F_AMD, /* a query chunk's merge */
-	APE__F_PRM64, APE__F_PRM32, /* the parameter tables (struct ape__launch.params) */
+	APE__F_PRM64, APE__F_PRM32, /* the parameter tables (struct ape_be_launch.params) */
 	APE__F_COUNT
 };
 
@@ -71,15 +71,15 @@ struct ape__fwd {
 	int mode; /* enum ape__fwd_mode */
 	int64_t cq, ck, nq, nk; /* the chunking */
 	bool prior; /* launches after a chunk's first test against its merged LSE (lse_prior) */
-	struct ape__launch tmpl; /* what every launch shares */
+	struct ape_be_launch tmpl; /* what every launch shares */
 	struct ape__skip_ctx skip;
 	struct ape__fwd_slot slot[APE__MAX_DEPTH];
 	/* a ragged call: one launch's segments, clipped (p->nseg at most; launches of a pass
 	 * are issued by one thread) */
-	struct ape__seg *segs;
+	struct ape_be_seg *segs;
 	/* the pass's own figures */
 	uint64_t pairs_computed, chunks_skipped;
-	struct ape__path_log paths; /* the kernel paths its launches took */
+	struct ape_be_path_log paths; /* the kernel paths its launches took */
 };
 
 /* The pass of one device for call c, before any plan (its shape() serves the planner). */

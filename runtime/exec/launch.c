@@ -8,7 +8,7 @@
 
 #include "core/context.h"
 
-void ape__launch_init(struct ape__launch *l, const struct ape__problem *p, ape_dtype out_dtype,
+void ape__launch_init(struct ape_be_launch *l, const struct ape__problem *p, ape_dtype out_dtype,
 		      double skip_tol)
 {
 	memset(l, 0, sizeof(*l));
@@ -31,7 +31,7 @@ void ape__launch_init(struct ape__launch *l, const struct ape__problem *p, ape_d
 	l->skip_tol = p->decay_nonneg ? skip_tol : 0.0;
 }
 
-uint64_t ape__scratch_of(struct ape_device *dev, const struct ape__launch *l)
+uint64_t ape__scratch_of(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	const uint64_t kv = (uint64_t)(l->B * l->Hkv);
 
@@ -48,7 +48,7 @@ uint64_t ape__params_bytes(const struct ape__problem *p, int which)
 	return (uint64_t)(p->D / 2 + 4 * p->H) * (which ? sizeof(float) : sizeof(double));
 }
 
-void ape__params_fill(const struct ape__launch *l, int which, void *host)
+void ape__params_fill(const struct ape_be_launch *l, int which, void *host)
 {
 	const int64_t P = l->D / 2;
 
@@ -63,7 +63,7 @@ void ape__params_fill(const struct ape__launch *l, int which, void *host)
 }
 
 /* The first segment that holds row o0 (the segments partition the rows in order). */
-static int64_t seg_first(const struct ape__seg *segs, int64_t nseg, int64_t o0)
+static int64_t seg_first(const struct ape_be_seg *segs, int64_t nseg, int64_t o0)
 {
 	int64_t lo = 0, hi = nseg - 1;
 
@@ -78,18 +78,18 @@ static int64_t seg_first(const struct ape__seg *segs, int64_t nseg, int64_t o0)
 	return lo;
 }
 
-int64_t ape__segs_clip(const struct ape__seg *segs, int64_t nseg, int64_t o0, int64_t on,
-		       int64_t i0, int64_t in, struct ape__seg *out)
+int64_t ape__segs_clip(const struct ape_be_seg *segs, int64_t nseg, int64_t o0, int64_t on,
+		       int64_t i0, int64_t in, struct ape_be_seg *out)
 {
 	int64_t n = 0;
 
 	for (int64_t s = seg_first(segs, nseg, o0); s < nseg && segs[s].q0 < o0 + on; s++) {
-		const struct ape__seg *g = &segs[s];
+		const struct ape_be_seg *g = &segs[s];
 		const int64_t a = g->q0 > o0 ? g->q0 : o0;
 		const int64_t b = g->q0 + g->lq < o0 + on ? g->q0 + g->lq : o0 + on;
 		const int64_t c = g->k0 > i0 ? g->k0 : i0;
 		const int64_t d = g->k0 + g->lk < i0 + in ? g->k0 + g->lk : i0 + in;
-		struct ape__seg *x = &out[n++];
+		struct ape_be_seg *x = &out[n++];
 
 		/* positions move with the rows: q_start + (a - q0) is row a's (validated) */
 		x->q0 = a - o0;
@@ -107,7 +107,7 @@ int64_t ape__segs_clip(const struct ape__seg *segs, int64_t nseg, int64_t o0, in
 	return n;
 }
 
-void ape__segs_keys(const struct ape__seg *segs, int64_t nseg, int64_t o0, int64_t on,
+void ape__segs_keys(const struct ape_be_seg *segs, int64_t nseg, int64_t o0, int64_t on,
 		    int64_t *klo, int64_t *khi)
 {
 	*klo = INT64_MAX;

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The one builder of attention launches (struct ape__launch, core/backend.h): the template every
+ * The one builder of attention launches (struct ape_be_launch, core/backend.h): the template every
  * chunk of a call starts from, and the launches the planner prices for their scratch memory.
  */
 #ifndef APE_RUNTIME_LAUNCH_H
@@ -17,14 +17,14 @@
  * A shell p (shapes only, rope_base 0, as when a KV cache prices its launches before any call)
  * gives a launch for scratch estimates: no rotation frequencies.
  */
-void ape__launch_init(struct ape__launch *l, const struct ape__problem *p, ape_dtype out_dtype,
+void ape__launch_init(struct ape_be_launch *l, const struct ape__problem *p, ape_dtype out_dtype,
 		      double skip_tol);
 
-/* Bytes of one of a call's parameter tables (struct ape__launch.params): float64 (which 0) or
+/* Bytes of one of a call's parameter tables (struct ape_be_launch.params): float64 (which 0) or
  * float32 (which 1), for D and H of p. */
 uint64_t ape__params_bytes(const struct ape__problem *p, int which);
 /* Fills table `which` of launch l's parameters (omega, then 4 per head) into host. */
-void ape__params_fill(const struct ape__launch *l, int which, void *host);
+void ape__params_fill(const struct ape_be_launch *l, int which, void *host);
 
 /*
  * A ragged call's segments (segs[0 .. nseg-1], over the call's rows) as one launch of query
@@ -33,16 +33,16 @@ void ape__params_fill(const struct ape__launch *l, int which, void *host);
  * with no key in the window keeps its rows, with lk 0). Returns how many (>= 1 for on >= 1);
  * out holds nseg at most.
  */
-int64_t ape__segs_clip(const struct ape__seg *segs, int64_t nseg, int64_t o0, int64_t on,
-		       int64_t i0, int64_t in, struct ape__seg *out);
+int64_t ape__segs_clip(const struct ape_be_seg *segs, int64_t nseg, int64_t o0, int64_t on,
+		       int64_t i0, int64_t in, struct ape_be_seg *out);
 
 /* The keys [*klo, *khi) the query rows [o0, o0 + on) of a ragged call see at all (an empty
  * range, *klo >= *khi, when none). */
-void ape__segs_keys(const struct ape__seg *segs, int64_t nseg, int64_t o0, int64_t on,
+void ape__segs_keys(const struct ape_be_seg *segs, int64_t nseg, int64_t o0, int64_t on,
 		    int64_t *klo, int64_t *khi);
 
 /* Backend scratch per launch: the backend's own figure, or a conservative estimate. */
-uint64_t ape__scratch_of(struct ape_device *dev, const struct ape__launch *l);
+uint64_t ape__scratch_of(struct ape_device *dev, const struct ape_be_launch *l);
 
 #pragma GCC visibility pop
 #endif

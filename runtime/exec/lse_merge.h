@@ -6,7 +6,7 @@
  * kept as a running maximum m, a sum s = sum exp(LSE_c - m) and an accumulator. With the
  * diagnostics (docs/diagnostics.md) each chunk also gives ENT_c and MD_c, merged as
  *     ENT = sum_c w_c (ENT_c - ln w_c),   MD = sum_c w_c MD_c,   w_c = exp(LSE_c - LSE),
- * through the running sums of core/ape_math.h (ape_diag_*()): a chunk is one "key" of score
+ * through the running sums of ape/ape_math.h (ape_diag_*()): a chunk is one "key" of score
  * LSE_c carrying its own entropy and distance.
  */
 #ifndef APE_RUNTIME_MERGE_H

@@ -336,7 +336,7 @@ int ape__exec_run(const struct ape__exec_req *r, struct ape__exec_result *res)
 		budgets[d] = r->budget ? r->budget : ape__default_budget(r->devs[d]);
 		res->budget = budgets[d] < res->budget ? budgets[d] : res->budget;
 		pa[d] = (struct plan_arg){ r, r->devs[d], r->passes[d],
-					   !r->copy_inputs && r->devs[d]->caps.host_memory };
+					   !r->copy_inputs && ape_be_caps_have(&r->devs[d]->caps, APE_BE_CAP_HOST_MEMORY) };
 	}
 	if ((ret = plan_all(r, plans, budgets, pa)))
 		goto out_free;

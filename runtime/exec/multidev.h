@@ -50,7 +50,7 @@ struct ape__exec_req {
 struct ape__exec_result {
 	struct ape__stream_stats st; /* summed over devices; peak_bytes the largest */
 	uint64_t pairs_computed, chunks_skipped; /* the pass's own figures, filled by the caller */
-	struct ape__path_log paths; /* the kernel paths the launches took, filled likewise */
+	struct ape_be_path_log paths; /* the kernel paths the launches took, filled likewise */
 	int64_t cq, ck; /* rows per chunk along each axis */
 	int64_t no; /* outer chunks */
 	int depth;

@@ -77,7 +77,7 @@ struct ape__pass_tensor {
 	 * pass): its rows, with element strides s */
 	const ape_tensor *host;
 	const int64_t *s;
-	bool views; /* inputs: every launch takes it as a strided view (struct ape__view) */
+	bool views; /* inputs: every launch takes it as a strided view (struct ape_be_view) */
 	bool packed; /* inputs: the host tensor is laid out as its chunk buffer would be */
 	void *dest; /* OUTER_ACC: a packed host array of all rows it may accumulate into in place */
 };
@@ -92,10 +92,10 @@ struct ape__pass_job {
 	/* each tensor's buffer (NULL: unused), and whether it is the caller's host tensor wrapped
 	 * where it lies (rows at their host strides from its element 0) or a chunk buffer (rows
 	 * packed [B, heads, rows, D] at offset 0) */
-	struct ape__buf *buf[APE__PASS_MAX_T];
+	struct ape_be_buf *buf[APE__PASS_MAX_T];
 	bool wrapped[APE__PASS_MAX_T];
 	/* the inner inputs read in place where the loader keeps them (NULL: in buf[]) */
-	const struct ape__kv_pages *pages;
+	const struct ape_be_kv_pages *pages;
 	/* at consume(): JOB_OUT (and JOB_IN) tensors read back, [B, heads, rows, D] packed
 	 * (NULL: not back) */
 	const void *host[APE__PASS_MAX_T];
@@ -138,7 +138,7 @@ struct ape__pass_ops {
 	/* Fills JOB_IN tensor t's rows of job j into `host` (packed, `bytes` bytes). */
 	void (*job_input)(void *pass, const struct ape__pass_job *j, int t, void *host, size_t bytes);
 	/* Enqueues job j's kernels on q (between the events the executor times). */
-	int (*launch)(void *pass, struct ape__queue *q, const struct ape__pass_job *j);
+	int (*launch)(void *pass, struct ape_be_queue *q, const struct ape__pass_job *j);
 	/* Job j's outputs came back (j->host); called in issue order. */
 	void (*consume)(void *pass, const struct ape__pass_job *j);
 	/*
@@ -165,7 +165,7 @@ struct ape__pass {
 	 * sets them, -1 and INT64_MAX when none): the first resident ones to be overwritten */
 	int64_t dead_lo, dead_hi;
 	/* NULL, or the kernel paths the pass's launches noted (its traces name them) */
-	const struct ape__path_log *paths;
+	const struct ape_be_path_log *paths;
 	/* An outer chunk's OUTER_ACC read-back is enqueued as soon as its walk is done, after its
 	 * last kernel, rather than once the host has seen its jobs retire: one host round trip
 	 * less on a call of one chunk (the forward's KV attends). The forward sets it; the

@@ -7,9 +7,9 @@
 #include "exec/problem.h"
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 
-/* The closed form of core/ape_math.h (every backend's rule of which keys a row sees), over the
+/* The closed form of ape/ape_math.h (every backend's rule of which keys a row sees), over the
  * rows: row 0 is q_start - k_start from key 0, a distance validation admits. */
 int ape__head_visible_pairs(const struct ape__problem *p, uint64_t *out)
 {

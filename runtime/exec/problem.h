@@ -26,17 +26,17 @@ struct ape__problem {
 	/*
 	 * NULL: one problem of B sequences at q_start, k_start. Else a ragged batch (B = 1; set by
 	 * api/varlen.c or api/resident_varlen.c, not owned): nseg segments of the packed rows as
-	 * core/backend.h's struct ape__launch.segs states them, over the whole call (q_start and
+	 * core/backend.h's struct ape_be_launch.segs states them, over the whole call (q_start and
 	 * k_start unused); the executor clips them to each launch's rows and keys
 	 * (ape__segs_clip()).
 	 */
-	const struct ape__seg *segs;
+	const struct ape_be_seg *segs;
 	int64_t nseg;
 	/*
 	 * Both NULL: positions as above. Else explicit positions (set by api/varlen.c or
 	 * api/resident_varlen.c, not owned, only when every device's capabilities say
 	 * positions): pos_q[i] of query row i (Lq entries), pos_k[j] of key row j (Lk entries),
-	 * as core/backend.h's struct ape__launch.pos_q and .pos_k state them; each launch gets
+	 * as core/backend.h's struct ape_be_launch.pos_q and .pos_k state them; each launch gets
 	 * the slice of its rows and of its keys. q_start, k_start and the segments' positions are
 	 * then unused.
 	 */

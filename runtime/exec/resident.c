@@ -16,7 +16,7 @@
 #include "exec/skip_budget.h"
 
 /* The launch template of the call: every key, views as given, no rows yet. */
-static void template_of(const struct ape__resident_req *r, struct ape__launch *l)
+static void template_of(const struct ape__resident_req *r, struct ape_be_launch *l)
 {
 	const struct ape__problem *p = r->p;
 	struct ape__skip_budget tol;
@@ -28,13 +28,13 @@ static void template_of(const struct ape__resident_req *r, struct ape__launch *l
 	l->k_start = p->k_start;
 	l->pos_q = p->pos_q; /* explicit positions: the launch's rows' slice (below), every key */
 	l->pos_k = p->pos_k;
-	l->q = r->buf[APE__T_Q];
-	l->k = r->buf[APE__T_K];
-	l->v = r->buf[APE__T_V];
-	l->o = r->buf[APE__T_O];
-	l->lse = r->buf[APE__T_LSE];
+	l->q = r->buf[APE_BE_T_Q];
+	l->k = r->buf[APE_BE_T_K];
+	l->v = r->buf[APE_BE_T_V];
+	l->o = r->buf[APE_BE_T_O];
+	l->lse = r->buf[APE_BE_T_LSE];
 	l->strided = true;
-	for (int t = 0; t < APE__T_COUNT; t++)
+	for (int t = 0; t < APE_BE_T_COUNT; t++)
 		l->view[t] = r->view[t];
 	l->ent = r->diag[0];
 	l->md = r->diag[1];
@@ -45,7 +45,7 @@ static void template_of(const struct ape__resident_req *r, struct ape__launch *l
 /* The backend's scratch for launches of `rows` query rows. */
 static uint64_t scratch_bytes(const struct ape__resident_req *r, int64_t rows)
 {
-	struct ape__launch l;
+	struct ape_be_launch l;
 
 	template_of(r, &l);
 	l.Lq = rows;
@@ -89,8 +89,8 @@ int ape__resident_plan(const struct ape__resident_req *r, int64_t *rows_per_laun
 int ape__resident_enqueue(const struct ape__resident_req *r, int64_t rows)
 {
 	const struct ape__problem *p = r->p;
-	struct ape__seg *clip = NULL;
-	struct ape__launch l;
+	struct ape_be_seg *clip = NULL;
+	struct ape_be_launch l;
 	int ret = 0;
 
 	template_of(r, &l);
@@ -107,9 +107,9 @@ int ape__resident_enqueue(const struct ape__resident_req *r, int64_t rows)
 		l.q_start = p->q_start + i0;
 		if (p->pos_q)
 			l.pos_q = p->pos_q + i0;
-		l.view[APE__T_Q].off = r->view[APE__T_Q].off + i0 * r->view[APE__T_Q].sl;
-		l.view[APE__T_O].off = r->view[APE__T_O].off + i0 * r->view[APE__T_O].sl;
-		l.view[APE__T_LSE].off = r->view[APE__T_LSE].off + i0 * r->view[APE__T_LSE].sl;
+		l.view[APE_BE_T_Q].off = r->view[APE_BE_T_Q].off + i0 * r->view[APE_BE_T_Q].sl;
+		l.view[APE_BE_T_O].off = r->view[APE_BE_T_O].off + i0 * r->view[APE_BE_T_O].sl;
+		l.view[APE_BE_T_LSE].off = r->view[APE_BE_T_LSE].off + i0 * r->view[APE_BE_T_LSE].sl;
 		for (int d = 0; d < 2; d++)
 			l.diag_view[d].off = r->diag_view[d].off + i0 * r->diag_view[d].sl;
 		if (clip) {

@@ -16,17 +16,17 @@
 struct ape__resident_req {
 	const char *fn; /* for messages */
 	struct ape_device *dev;
-	struct ape__queue *q; /* a queue of dev */
+	struct ape_be_queue *q; /* a queue of dev */
 	const struct ape__problem *p; /* validated; B*H*Lq >= 1 and Lk >= 1 */
-	struct ape__buf *buf[APE__T_COUNT]; /* q, k, v, o, and lse or NULL */
-	struct ape__view view[APE__T_COUNT]; /* where each lies in its buffer, validated */
-	struct ape__buf *pairs; /* NULL, or [B,H,Lq] uint64, contiguous (statistics) */
+	struct ape_be_buf *buf[APE_BE_T_COUNT]; /* q, k, v, o, and lse or NULL */
+	struct ape_be_view view[APE_BE_T_COUNT]; /* where each lies in its buffer, validated */
+	struct ape_be_buf *pairs; /* NULL, or [B,H,Lq] uint64, contiguous (statistics) */
 	uint64_t budget; /* device bytes the launches' scratch may take; 0: the device's default */
 	/* the diagnostics, entropy [0] and mean distance [1] ([B,H,Lq] float), each NULL or where
 	 * diag_view says; only for a backend that declares attention_diag_views */
-	struct ape__buf *diag[2];
-	struct ape__view diag_view[2];
-	struct ape__path_log *paths; /* NULL, or where the launches note their kernel paths */
+	struct ape_be_buf *diag[2];
+	struct ape_be_view diag_view[2];
+	struct ape_be_path_log *paths; /* NULL, or where the launches note their kernel paths */
 };
 
 /*
@@ -40,7 +40,7 @@ int ape__resident_plan(const struct ape__resident_req *r, int64_t *rows_per_laun
 /*
  * Enqueues the call as launches of `rows` query rows each (from ape__resident_plan()) on r->q,
  * in row order, and returns without waiting. r->pairs must be NULL unless rows == p->Lq. A
- * ragged problem (p->segs, on a device with ape__dev_caps.segments) gives each launch the
+ * ragged problem (p->segs, on a device with ape_be_ape_be_caps_have(&caps, APE_BE_CAP_SEGMENTS)) gives each launch the
  * segments of its rows (ape__segs_clip()); APE_ENOMEM when their host table cannot be had.
  * Explicit positions (p->pos_q, p->pos_k, on a device with .positions) give each launch the
  * positions of its rows (p->pos_q + its first row) and of every key (p->pos_k: each launch sees

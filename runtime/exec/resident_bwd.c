@@ -63,30 +63,30 @@ static void shape_of(const struct ape__problem *p, int t, int64_t rows, int64_t 
 	}
 }
 
-/* The element type the launch takes for t (enum ape__elem). */
+/* The element type the launch takes for t (enum ape_be_elem). */
 static int launch_type(const struct ape__resident_bwd_req *r, int t)
 {
 	if (t == APE__RB_DPARAMS)
-		return APE__E_F64;
-	return is_output(t) ? APE__E_F32 : (int)r->dtype[t];
+		return APE_BE_E_F64;
+	return is_output(t) ? APE_BE_E_F32 : (int)r->dtype[t];
 }
 
 static size_t elem_size(int e)
 {
-	return e == APE__E_F64 ? 8 : e == APE__E_F32 ? 4 : 2;
+	return e == APE_BE_E_F64 ? 8 : e == APE_BE_E_F32 ? 4 : 2;
 }
 
-static struct ape__view dense_view(const int64_t sh[4])
+static struct ape_be_view dense_view(const int64_t sh[4])
 {
-	return (struct ape__view){ 0, sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3] };
+	return (struct ape_be_view){ 0, sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3] };
 }
 
 /* Whether the caller's tensor t is already what a launch of `rows` query rows takes. */
 static bool direct(const struct ape__resident_bwd_req *r, int t, int64_t rows)
 {
-	const struct ape__view *v = &r->view[t];
+	const struct ape_be_view *v = &r->view[t];
 	int64_t sh[4];
-	struct ape__view c;
+	struct ape_be_view c;
 
 	if (query_side(t) && rows != r->p->Lq)
 		return false;
@@ -110,7 +110,7 @@ static uint64_t scratch_of(const struct ape__resident_bwd_req *r, int t, int64_t
 }
 
 /* The launch of query rows [i0, i0 + rows), every key, without buffers. */
-static void launch_of(const struct ape__resident_bwd_req *r, struct ape__bwd_launch *l,
+static void launch_of(const struct ape__resident_bwd_req *r, struct ape_be_bwd_launch *l,
 		      int64_t i0, int64_t rows)
 {
 	ape__bwd_launch_shape(r->p, r->dtype[APE__RB_DOUT], 1, l, i0, rows, 0, r->p->Lk);
@@ -118,10 +118,10 @@ static void launch_of(const struct ape__resident_bwd_req *r, struct ape__bwd_lau
 
 static unsigned parts_of(const struct ape__resident_bwd_req *r)
 {
-	return (r->buf[APE__RB_DQ] ? APE__BWD_DQ : 0u) | (r->buf[APE__RB_DK] ? APE__BWD_DK : 0u) |
-	       (r->buf[APE__RB_DV] ? APE__BWD_DV : 0u) |
-	       (r->buf[APE__RB_DPARAMS] ? APE__BWD_DPARAMS : 0u) |
-	       (r->buf[APE__RB_DLSE] ? APE__BWD_DLSE : 0u);
+	return (r->buf[APE__RB_DQ] ? APE_BE_BWD_DQ : 0u) | (r->buf[APE__RB_DK] ? APE_BE_BWD_DK : 0u) |
+	       (r->buf[APE__RB_DV] ? APE_BE_BWD_DV : 0u) |
+	       (r->buf[APE__RB_DPARAMS] ? APE_BE_BWD_DPARAMS : 0u) |
+	       (r->buf[APE__RB_DLSE] ? APE_BE_BWD_DLSE : 0u);
 }
 
 /* What a call with launches of co query rows holds: the query side's copies per row, the key
@@ -150,8 +150,8 @@ static void plan_bytes(void *arg, int64_t co, int64_t ci, int64_t no, int64_t ni
 static uint64_t plan_scratch(void *arg, int64_t co, int64_t ci)
 {
 	const struct ape__resident_bwd_req *r = arg;
-	const struct ape__backend_ops *ops = r->dev->be->ops;
-	struct ape__bwd_launch l;
+	const struct ape_backend_plugin *ops = r->dev->be->ops;
+	struct ape_be_bwd_launch l;
 
 	(void)ci;
 	if (!ops->attention_backward_scratch)
@@ -180,9 +180,9 @@ int ape__resident_bwd_plan(const struct ape__resident_bwd_req *r, int64_t *rows_
 /* One call's state: the buffer each tensor has in the launches, and the scratch behind it. */
 struct rb_run {
 	const struct ape__resident_bwd_req *r;
-	const struct ape__backend_ops *ops;
-	struct ape__buf *scratch[APE__RB_COUNT];
-	struct ape__buf *use[APE__RB_COUNT];
+	const struct ape_backend_plugin *ops;
+	struct ape_be_buf *scratch[APE__RB_COUNT];
+	struct ape_be_buf *use[APE__RB_COUNT];
 	int64_t rows;
 };
 
@@ -192,8 +192,8 @@ static int move_rows(struct rb_run *x, int t, int64_t i0, int64_t n)
 {
 	const struct ape__resident_bwd_req *r = x->r;
 	const int lt = launch_type(r, t);
-	struct ape__view user = r->view[t];
-	struct ape__copy c;
+	struct ape_be_view user = r->view[t];
+	struct ape_be_copy c;
 	int64_t sh[4];
 
 	if (!x->scratch[t])
@@ -240,7 +240,7 @@ static int zero_acc(struct rb_run *x, int t, int64_t n)
 
 static int launch(struct rb_run *x, int64_t i0, int64_t n)
 {
-	struct ape__bwd_launch l;
+	struct ape_be_bwd_launch l;
 	int ret;
 
 	for (int t = APE__RB_Q; t <= APE__RB_DLSE; t++)
@@ -296,14 +296,14 @@ static int run(struct rb_run *x)
 static int write_zeros(struct rb_run *x)
 {
 	const struct ape__resident_bwd_req *r = x->r;
-	struct ape__buf *zero = NULL;
+	struct ape_be_buf *zero = NULL;
 	int ret = x->ops->scratch_alloc(r->q, 256 * sizeof(float), &zero);
 
 	if (!ret)
 		ret = x->ops->fill(r->q, zero, 0, 0, 256 * sizeof(float));
 	for (int t = APE__RB_DQ; t < APE__RB_COUNT && !ret; t++) {
-		struct ape__copy c = { .dst = r->buf[t], .dst_type = (int)r->dtype[t],
-				       .dv = r->view[t], .src = zero, .src_type = APE__E_F32,
+		struct ape_be_copy c = { .dst = r->buf[t], .dst_type = (int)r->dtype[t],
+				       .dv = r->view[t], .src = zero, .src_type = APE_BE_E_F32,
 				       .head_D = r->p->D };
 		int64_t sh[4];
 

@@ -23,15 +23,15 @@ enum ape__rb_tensor {
 struct ape__resident_bwd_req {
 	const char *fn; /* for messages */
 	struct ape_device *dev; /* with attention_backward, scratch_alloc and copy_view */
-	struct ape__queue *q; /* a queue of dev */
+	struct ape_be_queue *q; /* a queue of dev */
 	const struct ape__problem *p; /* validated */
 	/* each tensor's buffer (NULL: absent: dlse, or an output not wanted), its validated view
 	 * (LSE and dLSE with D = 1; dparams as [1, 1, H, 4]) and storage type */
-	struct ape__buf *buf[APE__RB_COUNT];
-	struct ape__view view[APE__RB_COUNT];
+	struct ape_be_buf *buf[APE__RB_COUNT];
+	struct ape_be_view view[APE__RB_COUNT];
 	ape_dtype dtype[APE__RB_COUNT];
 	uint64_t budget; /* device bytes of scratch; 0: the device's default */
-	struct ape__path_log *paths; /* NULL, or where the launches note their kernel paths */
+	struct ape_be_path_log *paths; /* NULL, or where the launches note their kernel paths */
 };
 
 /*

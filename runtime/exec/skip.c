@@ -12,7 +12,7 @@
 #include <string.h>
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "core/error.h"
 #include "core/limits.h"
 #include "exec/pack.h"

@@ -109,7 +109,7 @@ int ape__stream_create(struct ape_device *dev, const struct ape__stream_geom *g,
 	return 0;
 }
 
-int ape__stream_queue(struct ape__stream *s, struct ape__queue **q)
+int ape__stream_queue(struct ape__stream *s, struct ape_be_queue **q)
 {
 	return *q ? 0 : s->ops->queue_create(s->dev, q);
 }
@@ -124,7 +124,7 @@ int ape__stream_ensure_host(struct ape__stream *s, struct ape__hostmem *m, uint6
 }
 
 /* The chunk buffer of tensor t for `rows` rows, unless the run wraps it. */
-static int ensure_buf(struct ape__stream *s, int t, int64_t rows, struct ape__buf **b)
+static int ensure_buf(struct ape__stream *s, int t, int64_t rows, struct ape_be_buf **b)
 {
 	const struct ape__pass_tensor *x = &s->g.shape.t[t];
 	char what[64];
@@ -309,7 +309,7 @@ int64_t ape__stream_inner_rows(const struct ape__stream *s, int64_t ic, int64_t 
 
 void ape__stream_destroy(struct ape__stream *s)
 {
-	const struct ape__backend_ops *ops;
+	const struct ape_backend_plugin *ops;
 	const struct ape__plan *p;
 
 	if (!s)

@@ -43,8 +43,8 @@ struct ape__kv_loader {
 	 * layout. `lane` (0..depth-1) identifies q among the session's copy queues, for loaders
 	 * that need staging of their own per queue. Adds the bytes it moves to the counters.
 	 */
-	int (*load)(void *arg, struct ape__queue *q, int lane, int64_t j0, int64_t n,
-		    struct ape__buf *dk, struct ape__buf *dv, uint64_t *h2d, uint64_t *d2h,
+	int (*load)(void *arg, struct ape_be_queue *q, int lane, int64_t j0, int64_t n,
+		    struct ape_be_buf *dk, struct ape_be_buf *dv, uint64_t *h2d, uint64_t *d2h,
 		    uint64_t *d2d);
 	void *arg;
 	/*
@@ -54,9 +54,9 @@ struct ape__kv_loader {
 	 * in_pages() decides next; when it takes them, wait() orders the compute queue after
 	 * whatever still writes those rows, and the launch reads them where they are.
 	 */
-	bool (*pages)(void *arg, int64_t j0, int64_t n, struct ape__buf **k, struct ape__buf **v,
-		      struct ape__kv_pages *pg);
-	int (*wait)(void *arg, struct ape__queue *q);
+	bool (*pages)(void *arg, int64_t j0, int64_t n, struct ape_be_buf **k, struct ape_be_buf **v,
+		      struct ape_be_kv_pages *pg);
+	int (*wait)(void *arg, struct ape_be_queue *q);
 };
 
 /* One call's run on one device, read-only to the session. */

@@ -30,14 +30,14 @@ enum { APE__AT_CHUNK, APE__AT_WRAPPED, APE__AT_UNUSED };
 
 /* An outer chunk, from its start to its accumulators coming back: an outer slot. */
 struct oslot {
-	struct ape__buf *buf[APE__PASS_MAX_T]; /* OUTER_IN and OUTER_ACC chunk buffers */
+	struct ape_be_buf *buf[APE__PASS_MAX_T]; /* OUTER_IN and OUTER_ACC chunk buffers */
 	struct ape__hostmem stage_in; /* OUTER_IN rows packed, tensor after tensor */
 	struct ape__hostmem stage_back; /* OUTER_ACC rows come back here */
 	bool stage_pending; /* a copy from stage_in may still be running on its queue */
-	struct ape__queue *queue; /* its copies, both ways */
-	struct ape__event *ready; /* its inputs have arrived (owned: load_e1) */
-	struct ape__event *used; /* the last kernel reading or writing it (borrowed) */
-	struct ape__event *load_e0, *load_e1; /* around its input copy */
+	struct ape_be_queue *queue; /* its copies, both ways */
+	struct ape_be_event *ready; /* its inputs have arrived (owned: load_e1) */
+	struct ape_be_event *used; /* the last kernel reading or writing it (borrowed) */
+	struct ape_be_event *load_e0, *load_e1; /* around its input copy */
 	int64_t oc; /* -1: free */
 	int64_t o0, n; /* its rows */
 	int pending; /* jobs in flight */
@@ -49,7 +49,7 @@ struct oslot {
 	/* its read-back, enqueued on its queue as soon as its walk is done (after its last
 	 * kernel, by an event wait), before its jobs retire on the host */
 	bool back_issued;
-	struct ape__event *back_e0, *back_e1;
+	struct ape_be_event *back_e0, *back_e1;
 	double back_t;
 	uint64_t back_off;
 	const void *back_host[APE__PASS_MAX_T];
@@ -57,26 +57,26 @@ struct oslot {
 
 /* An inner chunk's inputs, resident for as long as the slot is not needed for another. */
 struct islot {
-	struct ape__buf *buf[APE__PASS_MAX_T];
+	struct ape_be_buf *buf[APE__PASS_MAX_T];
 	int64_t chunk; /* -1: empty */
-	struct ape__event *ready, *used;
+	struct ape_be_event *ready, *used;
 	int busy; /* jobs in flight reading it */
 };
 
 /* One job (outer chunk x inner chunk) in flight, and its slot's buffers. */
 struct jslot {
-	struct ape__buf *buf[APE__PASS_MAX_T]; /* JOB_OUT and JOB_IN buffers */
+	struct ape_be_buf *buf[APE__PASS_MAX_T]; /* JOB_OUT and JOB_IN buffers */
 	struct ape__hostmem stage; /* JOB_IN rows going out, then JOB_OUT rows coming back */
-	struct ape__queue *up, *down; /* inner loads of this lane; read-backs of this slot */
+	struct ape_be_queue *up, *down; /* inner loads of this lane; read-backs of this slot */
 	struct ape__pass_job pj; /* what the pass sees */
 	struct oslot *os;
 	int is; /* its inner slot; -1: inner inputs in place */
 	int lane; /* the job slot whose up queue copied its inner chunk */
 	bool loaded; /* it copied its inner chunk (load_e0, load_e1 are set) */
-	struct ape__kv_pages pages;
-	struct ape__event *load_e0, *load_e1; /* around the copy of its inner chunk */
-	struct ape__event *kernel_e0, *kernel_e1; /* around its kernels */
-	struct ape__event *back_e0, *back_e1; /* around the copy of its outputs */
+	struct ape_be_kv_pages pages;
+	struct ape_be_event *load_e0, *load_e1; /* around the copy of its inner chunk */
+	struct ape_be_event *kernel_e0, *kernel_e1; /* around its kernels */
+	struct ape_be_event *back_e0, *back_e1; /* around the copy of its outputs */
 	double host_t[3]; /* host clock at enqueue: load, kernel, read-back */
 	uint64_t load_bytes, back_bytes, scratch;
 };
@@ -93,24 +93,24 @@ struct interval {
 
 struct ape__stream {
 	struct ape_device *dev;
-	const struct ape__backend_ops *ops;
+	const struct ape_backend_plugin *ops;
 	struct ape__stream_geom g;
 	struct ape__devmem mem;
 	int depth;
-	struct ape__queue *exec;
+	struct ape_be_queue *exec;
 	struct oslot os[APE__MAX_DEPTH];
 	struct islot *is;
 	int nis, max_is;
 	struct stage inner_stage[APE__MAX_DEPTH]; /* per lane: inner rows packed for their copy */
 	struct jslot ring[APE__MAX_DEPTH];
-	struct ape__buf *call_buf[APE__PASS_MAX_T]; /* CALL_ACC and CALL_IN */
+	struct ape_be_buf *call_buf[APE__PASS_MAX_T]; /* CALL_ACC and CALL_IN */
 	struct ape__hostmem call_back, call_in; /* their staging: back, and in */
 
 	/* the run in progress */
 	const struct ape__stream_call *c;
 	const struct ape__pass *pass;
 	int at[APE__PASS_MAX_T]; /* APE__AT_*: each tensor's place in this run */
-	struct ape__buf *wrap[APE__PASS_MAX_T]; /* the tensors wrapped where they lie */
+	struct ape_be_buf *wrap[APE__PASS_MAX_T]; /* the tensors wrapped where they lie */
 	struct ape__stream_stats *st;
 	struct ape__trace_dev *trace;
 	int head, count; /* the ring of jobs in flight */
@@ -129,8 +129,8 @@ static inline uint64_t ape__stream_rows_bytes(const struct ape__stream *s, int t
 }
 
 /* Makes queue q wait for e, if there is one. */
-static inline int ape__stream_wait_on(struct ape__stream *s, struct ape__queue *q,
-				      struct ape__event *e)
+static inline int ape__stream_wait_on(struct ape__stream *s, struct ape_be_queue *q,
+				      struct ape_be_event *e)
 {
 	return e ? s->ops->event_wait(q, e) : 0;
 }
@@ -140,7 +140,7 @@ int64_t ape__stream_outer_rows(const struct ape__stream *s, int64_t oc, int64_t 
 int64_t ape__stream_inner_rows(const struct ape__stream *s, int64_t ic, int64_t *first);
 
 /* ---- the session's buffers and queues, allocated on first use (stream.c) */
-int ape__stream_queue(struct ape__stream *s, struct ape__queue **q);
+int ape__stream_queue(struct ape__stream *s, struct ape_be_queue **q);
 int ape__stream_ensure_host(struct ape__stream *s, struct ape__hostmem *m, uint64_t bytes);
 int ape__stream_ensure_oslot(struct ape__stream *s, struct oslot *o);
 int ape__stream_ensure_jslot(struct ape__stream *s, struct jslot *j);
@@ -154,7 +154,7 @@ int ape__stream_load_outer(struct ape__stream *s, struct oslot *o);
 /* Makes job j's inner chunk resident, copying it unless it already is. */
 int ape__stream_load_inner(struct ape__stream *s, struct jslot *j);
 /* The view of tensor t's rows [r0, r0 + n) in a run: in its wrap, or its chunk buffer. */
-struct ape__view ape__stream_view(const struct ape__stream *s, int t, int64_t r0, int64_t n);
+struct ape_be_view ape__stream_view(const struct ape__stream *s, int t, int64_t r0, int64_t n);
 
 /* ---- one job (stream_job.c) */
 /* Enqueues everything of one job: its copies, its kernels, the copy back. */
@@ -176,7 +176,7 @@ void ape__stream_unwind(struct ape__stream *s);
  * trace places it at `host_t` (when it was enqueued, or when what it waited for ended,
  * whichever is later). Its end goes to *end (may be NULL).
  */
-int ape__stream_span(struct ape__stream *s, struct ape__event *e0, struct ape__event *e1,
+int ape__stream_span(struct ape__stream *s, struct ape_be_event *e0, struct ape_be_event *e1,
 		     int lane, const char *what, int64_t qc, int64_t kc, uint64_t bytes,
 		     double host_t, double enq, double *end);
 /* Room for n intervals, if the host has it (only a statistic: never fails). */

@@ -12,14 +12,14 @@
 
 #include "core/clock.h"
 
-static void forget(struct ape__event **ref, const struct ape__event *e)
+static void forget(struct ape_be_event **ref, const struct ape_be_event *e)
 {
 	if (*ref == e)
 		*ref = NULL;
 }
 
 /* The work e stands for has completed: no slot needs to wait for it any more. */
-static void forget_everywhere(struct ape__stream *s, const struct ape__event *e)
+static void forget_everywhere(struct ape__stream *s, const struct ape_be_event *e)
 {
 	if (!e)
 		return;
@@ -33,7 +33,7 @@ static void forget_everywhere(struct ape__stream *s, const struct ape__event *e)
 	}
 }
 
-static void drop_event(struct ape__stream *s, struct ape__event **e)
+static void drop_event(struct ape__stream *s, struct ape_be_event **e)
 {
 	forget_everywhere(s, *e);
 	s->ops->event_destroy(*e);
@@ -68,7 +68,7 @@ static void span_chunks(const struct ape__stream *s, int64_t oc, int64_t ic, int
 
 int ape__stream_issue_back(struct ape__stream *s, struct oslot *o)
 {
-	const struct ape__backend_ops *ops = s->ops;
+	const struct ape_backend_plugin *ops = s->ops;
 	const struct ape__pass *p = s->pass;
 	uint64_t off = 0;
 	int ret = 0;
@@ -100,7 +100,7 @@ int ape__stream_issue_back(struct ape__stream *s, struct oslot *o)
 
 int ape__stream_finish_outer(struct ape__stream *s, struct oslot *o)
 {
-	const struct ape__backend_ops *ops = s->ops;
+	const struct ape_backend_plugin *ops = s->ops;
 	const struct ape__pass *p = s->pass;
 	const int slot = (int)(o - s->os);
 	int64_t qc, kc;
@@ -131,7 +131,7 @@ int ape__stream_finish_outer(struct ape__stream *s, struct oslot *o)
 }
 
 /* Where job j finds tensor t of the run. */
-static struct ape__buf *job_buf(const struct ape__stream *s, const struct jslot *j, int t)
+static struct ape_be_buf *job_buf(const struct ape__stream *s, const struct jslot *j, int t)
 {
 	const struct ape__pass_tensor *x = &s->pass->t[t];
 
@@ -159,7 +159,7 @@ static bool try_pages(struct ape__stream *s, struct jslot *j)
 {
 	const struct ape__kv_loader *ld = s->c->loader;
 	const struct ape__pass *p = s->pass;
-	struct ape__buf *k, *v;
+	struct ape_be_buf *k, *v;
 	int tk = -1, tv = -1;
 
 	if (!ld || !ld->pages || !p->ops->in_pages ||
@@ -406,7 +406,7 @@ int ape__stream_retire(struct ape__stream *s)
 
 void ape__stream_unwind(struct ape__stream *s)
 {
-	const struct ape__backend_ops *ops = s->ops;
+	const struct ape_backend_plugin *ops = s->ops;
 
 	if (s->exec)
 		ops->synchronize(s->exec);

@@ -20,7 +20,7 @@ static bool packed(const struct ape__stream *s, int t)
 
 int ape__stream_load_outer(struct ape__stream *s, struct oslot *o)
 {
-	const struct ape__backend_ops *ops = s->ops;
+	const struct ape_backend_plugin *ops = s->ops;
 	const struct ape__pass *p = s->pass;
 	uint64_t bytes = 0, off = 0;
 	bool any = false;
@@ -126,7 +126,7 @@ static void loader_tensors(const struct ape__pass *p, int *tk, int *tv)
 int ape__stream_load_inner(struct ape__stream *s, struct jslot *j)
 {
 	const struct ape__stream_call *c = s->c;
-	const struct ape__backend_ops *ops = s->ops;
+	const struct ape_backend_plugin *ops = s->ops;
 	const struct ape__pass *p = s->pass;
 	const int64_t ic = j->pj.ic, r0 = j->pj.i0, n = j->pj.in;
 	struct jslot *lane;

@@ -107,7 +107,7 @@ static int place_tensor(struct ape__stream *s, int t)
 		ptr = x->host->data;
 		bytes = ape__tensor_span_bytes(x->host, x->s);
 	}
-	ret = s->ops->buf_wrap(s->dev, APE__MEM_HOST, ptr, bytes, &s->wrap[t], &got);
+	ret = s->ops->buf_wrap(s->dev, APE_BE_MEM_HOST, ptr, bytes, &s->wrap[t], &got);
 	if (ret)
 		return ret;
 	s->at[t] = APE__AT_WRAPPED;
@@ -146,7 +146,7 @@ static int start_call(struct ape__stream *s)
 			if (!s->c->host_tables) {
 				ret = s->ops->copy_h2d(s->exec, s->call_buf[t], 0, h, (size_t)x->bytes);
 				s->st->h2d += x->bytes;
-			} else if (!(ret = s->ops->buf_wrap(s->dev, APE__MEM_HOST, h, (size_t)x->bytes,
+			} else if (!(ret = s->ops->buf_wrap(s->dev, APE_BE_MEM_HOST, h, (size_t)x->bytes,
 							    &s->wrap[t], &got))) {
 				s->at[t] = APE__AT_WRAPPED; /* read where it lies, for the whole run */
 			}
@@ -202,7 +202,7 @@ int ape__stream_run(struct ape__stream *s, const struct ape__stream_call *c, int
 	for (int i = 0; i < s->nis; i++)
 		s->is[i].chunk = -1; /* a new call: nothing resident is valid */
 	if (trace)
-		trace->device_clock = s->dev->caps.timestamps;
+		trace->device_clock = ape_be_caps_have(&s->dev->caps, APE_BE_CAP_TIMESTAMPS);
 	for (int t = 0; t < c->pass->nt && !ret; t++)
 		ret = place_tensor(s, t);
 	if (!ret)
@@ -238,7 +238,7 @@ int ape__stream_run(struct ape__stream *s, const struct ape__stream_call *c, int
 		st->overlap_ms += ape__stream_overlap_ms(s);
 	}
 	unplace(s);
-	st->device_clock = s->dev->caps.timestamps;
+	st->device_clock = ape_be_caps_have(&s->dev->caps, APE_BE_CAP_TIMESTAMPS);
 	if (s->mem.peak > st->peak_bytes)
 		st->peak_bytes = s->mem.peak;
 	s->c = NULL;

@@ -29,7 +29,7 @@ void ape__stream_reserve_intervals(struct ape__stream *s, size_t n)
 {
 	struct interval *iv;
 
-	if (!s->dev->caps.timestamps || n <= s->capiv)
+	if (!ape_be_caps_have(&s->dev->caps, APE_BE_CAP_TIMESTAMPS) || n <= s->capiv)
 		return;
 	iv = ape__realloc(s->iv, n * sizeof(*iv));
 	if (!iv)
@@ -38,11 +38,11 @@ void ape__stream_reserve_intervals(struct ape__stream *s, size_t n)
 	s->capiv = n;
 }
 
-int ape__stream_span(struct ape__stream *s, struct ape__event *e0, struct ape__event *e1,
+int ape__stream_span(struct ape__stream *s, struct ape_be_event *e0, struct ape_be_event *e1,
 		     int lane, const char *what, int64_t qc, int64_t kc, uint64_t bytes,
 		     double host_t, double enq, double *end)
 {
-	const struct ape__backend_ops *ops = s->ops;
+	const struct ape_backend_plugin *ops = s->ops;
 	double ms = 0, t0 = host_t, t1;
 	int ret = ops->event_elapsed(e0, e1, &ms);
 
@@ -53,7 +53,7 @@ int ape__stream_span(struct ape__stream *s, struct ape__event *e0, struct ape__e
 	else
 		s->st->copy_ms += ms;
 	t1 = host_t + ms;
-	if (s->dev->caps.timestamps) {
+	if (ape_be_caps_have(&s->dev->caps, APE_BE_CAP_TIMESTAMPS)) {
 		/* the span's work ended at e1 and ran for ms: e0's own time would also count the
 		 * wait for what the queue was told to wait for, and overlap would exceed the
 		 * copies' and kernels' device times */

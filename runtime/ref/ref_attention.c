@@ -8,7 +8,7 @@
 #include <string.h>
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "core/half.h"
 #include "core/limits.h"
 #include "ref.h"
@@ -54,7 +54,7 @@ static double row_sigma(const double *q, int64_t D)
 }
 
 /* The rotated dot product of the spec for one (query, key) pair at distance n. */
-static double rotated_dot(const struct ape__launch *l, const double *q, const void *kbase,
+static double rotated_dot(const struct ape_be_launch *l, const double *q, const void *kbase,
 			  int64_t krow, double n, double alpha)
 {
 	double dot = 0;
@@ -74,15 +74,15 @@ static double rotated_dot(const struct ape__launch *l, const double *q, const vo
 	return dot;
 }
 
-void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, const void *v,
+void ape__ref_rows(const struct ape_be_launch *l, const void *q, const void *k, const void *v,
 		   void *o, float *lse, uint64_t *pairs, float *ent, float *md, int64_t row_begin,
 		   int64_t row_end)
 {
 	const int64_t D = l->D, group = l->H / l->Hkv;
-	const struct ape__view qv = ape__launch_view(l, APE__T_Q), kv = ape__launch_view(l, APE__T_K);
-	const struct ape__view vv = ape__launch_view(l, APE__T_V), ov = ape__launch_view(l, APE__T_O);
-	const struct ape__view lv = ape__launch_view(l, APE__T_LSE);
-	const struct ape__view ev = ape__launch_diag_view(l, 0), mv = ape__launch_diag_view(l, 1);
+	const struct ape_be_view qv = ape_be_launch_view(l, APE_BE_T_Q), kv = ape_be_launch_view(l, APE_BE_T_K);
+	const struct ape_be_view vv = ape_be_launch_view(l, APE_BE_T_V), ov = ape_be_launch_view(l, APE_BE_T_O);
+	const struct ape_be_view lv = ape_be_launch_view(l, APE_BE_T_LSE);
+	const struct ape_be_view ev = ape_be_launch_diag_view(l, 0), mv = ape_be_launch_diag_view(l, 1);
 	double qrow[APE_MAX_D], acc[APE_MAX_D];
 
 	for (int64_t row = row_begin; row < row_end; row++) {
@@ -96,7 +96,7 @@ void ape__ref_rows(const struct ape__launch *l, const void *q, const void *k, co
 		const double gamma = l->head_params[4 * h + 2], lambda = l->head_params[4 * h + 3];
 		/* a ragged launch: the row's segment's keys at its positions; explicit positions:
 		 * each row's and key's own (core/backend.h) */
-		const struct ape__seg *sg = l->segs ? ape__launch_seg_of(l, i) : NULL;
+		const struct ape_be_seg *sg = l->segs ? ape_be_launch_seg_of(l, i) : NULL;
 		const int64_t pos_q = l->pos_q ? l->pos_q[i]
 				      : sg   ? sg->q_start + (i - sg->q0)
 					     : l->q_start + i;

@@ -5,7 +5,7 @@
  * the same for every backend, and so that every test has an oracle. Only buf_alloc, buf_wrap,
  * queue_create, event_record, scratch_alloc and attention_backward can fail (host memory); the
  * other ops cannot, and none names itself (the core's table does). Since its memory
- * is host memory, it wraps the caller's host arrays as they are (buf_wrap, APE__MEM_HOST).
+ * is host memory, it wraps the caller's host arrays as they are (buf_wrap, APE_BE_MEM_HOST).
  */
 #include <math.h>
 #include <stddef.h>
@@ -20,39 +20,39 @@
 #include "ref.h"
 
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 
 /* The last choice of "auto": the host without a driver (ranks: core/backend.h). */
 #define REF_RANK 0
 
-struct ape__buf {
+struct ape_be_buf {
 	size_t size;
 	unsigned char *bytes; /* mem, or the caller's memory when wrapped */
 	bool wrapped;
 	max_align_t mem[]; /* the allocation itself (not wrapped): aligned for every type */
 };
 
-struct ape__queue {
+struct ape_be_queue {
 	struct ape_device *dev; /* first, as every backend's (core/backend.h, "Objects") */
 };
 
-struct ape__event {
+struct ape_be_event {
 	struct ape_device *dev; /* first, likewise */
 	double ms; /* CLOCK_MONOTONIC at record time; commands before it have completed */
 };
 
-_Static_assert(offsetof(struct ape__queue, dev) == 0 && offsetof(struct ape__event, dev) == 0,
+_Static_assert(offsetof(struct ape_be_queue, dev) == 0 && offsetof(struct ape_be_event, dev) == 0,
 	       "core/backend.h: queues and events begin with their device");
-_Static_assert(APE__BACKEND_ABI == 14, "ref: written for backend ABI 14: review the changes of "
-				       "core/backend.h's contract, then this backend");
+_Static_assert(APE_BACKEND_ABI_MAJOR == 1, "ref: written for backend ABI 1: review the changes of "
+	       "ape/ape_backend.h's contract, then this backend");
 
-static int ref_probe(struct ape__backend *be, struct ape__probe_result *res)
+static int ref_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 {
 	/* everything: its memory is host memory, and it is the oracle of every feature */
-	static const struct ape__dev_caps caps = {
-		.host_memory = true, .diag = true, .diag_views = true, .backward = true,
-		.resident_backward = true, .timestamps = true, .segments = true,
-		.positions = true,
+	static const struct ape_be_caps caps = {
+		.features = APE_BE_CAP_HOST_MEMORY | APE_BE_CAP_DIAG | APE_BE_CAP_DIAG_VIEWS |
+			    APE_BE_CAP_BACKWARD | APE_BE_CAP_RESIDENT_BACKWARD | APE_BE_CAP_TIMESTAMPS |
+			    APE_BE_CAP_SEGMENTS | APE_BE_CAP_POSITIONS,
 		.max_alloc = UINT64_MAX,
 	};
 	struct ape_device_info info;
@@ -64,20 +64,20 @@ static int ref_probe(struct ape__backend *be, struct ape__probe_result *res)
 	snprintf(info.driver_version, sizeof(info.driver_version), "%s", ape_version_string());
 	info.kind = APE_DEVICE_HOST_REFERENCE;
 	info.compute_units = 1;
-	return ape__device_add(be, &info, &caps, REF_RANK, NULL);
+	return ape_be_device_add(be, &info, &caps, REF_RANK, NULL);
 }
 
 /* buf_alloc, and scratch_alloc */
-static int ref_alloc(size_t bytes, struct ape__buf **out)
+static int ref_alloc(size_t bytes, struct ape_be_buf **out)
 {
-	struct ape__buf *b;
+	struct ape_be_buf *b;
 
 	*out = NULL;
 	if (bytes > SIZE_MAX - sizeof(*b) - 64)
-		return ape__error(APE_ENOMEM, "%zu bytes is more than memory can hold", bytes);
+		return ape_be_error(APE_ENOMEM, "%zu bytes is more than memory can hold", bytes);
 	b = ape__malloc(sizeof(*b) + bytes);
 	if (!b)
-		return ape__error(APE_ENOMEM, "out of host memory allocating %zu bytes", bytes);
+		return ape_be_error(APE_ENOMEM, "out of host memory allocating %zu bytes", bytes);
 	b->size = bytes;
 	b->bytes = (unsigned char *)b->mem;
 	b->wrapped = false;
@@ -85,7 +85,7 @@ static int ref_alloc(size_t bytes, struct ape__buf **out)
 	return 0;
 }
 
-static int ref_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
+static int ref_buf_alloc(struct ape_device *dev, size_t bytes, struct ape_be_buf **out)
 {
 	(void)dev;
 	return ref_alloc(bytes, out);
@@ -93,20 +93,20 @@ static int ref_buf_alloc(struct ape_device *dev, size_t bytes, struct ape__buf *
 
 /* Host memory is this device's memory: wrapping it costs one small allocation. */
 static int ref_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
-			struct ape__buf **out, size_t *bytes_out)
+			struct ape_be_buf **out, size_t *bytes_out)
 {
-	struct ape__buf *b;
+	struct ape_be_buf *b;
 
 	(void)dev;
 	*out = NULL;
 	*bytes_out = 0;
-	if (kind != APE__MEM_HOST)
-		return ape__error(APE_ENOTSUP,
+	if (kind != APE_BE_MEM_HOST)
+		return ape_be_error(APE_ENOTSUP,
 				  "the reference computes on host memory only, not on %s memory",
-				  kind == APE__MEM_OPENCL ? "OpenCL" : "CUDA");
+				  kind == APE_BE_MEM_OPENCL ? "OpenCL" : "CUDA");
 	b = ape__malloc(sizeof(*b));
 	if (!b)
-		return ape__error(APE_ENOMEM, "out of host memory");
+		return ape_be_error(APE_ENOMEM, "out of host memory");
 	b->size = bytes;
 	b->bytes = handle;
 	b->wrapped = true;
@@ -115,30 +115,30 @@ static int ref_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t b
 	return 0;
 }
 
-static void ref_buf_free(struct ape_device *dev, struct ape__buf *buf)
+static void ref_buf_free(struct ape_device *dev, struct ape_be_buf *buf)
 {
 	(void)dev;
 	free(buf);
 }
 
-static int ref_queue_create(struct ape_device *dev, struct ape__queue **out)
+static int ref_queue_create(struct ape_device *dev, struct ape_be_queue **out)
 {
-	struct ape__queue *q = ape__calloc(1, sizeof(*q));
+	struct ape_be_queue *q = ape__calloc(1, sizeof(*q));
 
 	*out = NULL;
 	if (!q)
-		return ape__error(APE_ENOMEM, "out of host memory");
+		return ape_be_error(APE_ENOMEM, "out of host memory");
 	q->dev = dev;
 	*out = q;
 	return 0;
 }
 
-static void ref_queue_destroy(struct ape__queue *q)
+static void ref_queue_destroy(struct ape_be_queue *q)
 {
 	free(q);
 }
 
-static int ref_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src,
+static int ref_copy_h2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, const void *src,
 			size_t n)
 {
 	(void)q;
@@ -146,22 +146,22 @@ static int ref_copy_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, 
 	return 0;
 }
 
-static int ref_copy_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n)
+static int ref_copy_d2h(struct ape_be_queue *q, void *dst, struct ape_be_buf *src, size_t off, size_t n)
 {
 	(void)q;
 	memcpy(dst, src->bytes + off, n);
 	return 0;
 }
 
-static int ref_copy_d2d(struct ape__queue *q, struct ape__buf *dst, size_t dst_off,
-			struct ape__buf *src, size_t src_off, size_t n)
+static int ref_copy_d2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t dst_off,
+			struct ape_be_buf *src, size_t src_off, size_t n)
 {
 	(void)q;
 	memmove(dst->bytes + dst_off, src->bytes + src_off, n);
 	return 0;
 }
 
-static int ref_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+static int ref_fill(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, uint32_t pattern,
 		    size_t n)
 {
 	(void)q;
@@ -170,56 +170,56 @@ static int ref_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint
 	return 0;
 }
 
-static int ref_event_record(struct ape__queue *q, struct ape__event **out)
+static int ref_event_record(struct ape_be_queue *q, struct ape_be_event **out)
 {
-	struct ape__event *e = ape__malloc(sizeof(*e));
+	struct ape_be_event *e = ape__malloc(sizeof(*e));
 
 	*out = NULL;
 	if (!e)
-		return ape__error(APE_ENOMEM, "out of host memory");
+		return ape_be_error(APE_ENOMEM, "out of host memory");
 	e->dev = q->dev;
 	e->ms = ape__now_ms();
 	*out = e;
 	return 0;
 }
 
-static int ref_event_wait(struct ape__queue *q, struct ape__event *e)
+static int ref_event_wait(struct ape_be_queue *q, struct ape_be_event *e)
 {
 	(void)q;
 	(void)e; /* commands complete when enqueued: nothing can be pending */
 	return 0;
 }
 
-static int ref_event_elapsed(struct ape__event *start, struct ape__event *end, double *ms)
+static int ref_event_elapsed(struct ape_be_event *start, struct ape_be_event *end, double *ms)
 {
 	*ms = end->ms - start->ms;
 	return 0;
 }
 
 /* Commands run when enqueued, so the record time is when everything before it completed. */
-static int ref_event_timestamp(struct ape__event *e, double *ms)
+static int ref_event_timestamp(struct ape_be_event *e, double *ms)
 {
 	*ms = e->ms;
 	return 0;
 }
 
 /* The reference computes straight from the launch's buffers. */
-static uint64_t ref_attention_scratch(struct ape_device *dev, const struct ape__launch *l)
+static uint64_t ref_attention_scratch(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	(void)dev;
 	(void)l;
 	return 0;
 }
 
-static void ref_event_destroy(struct ape__event *e)
+static void ref_event_destroy(struct ape_be_event *e)
 {
 	free(e);
 }
 
-static int ref_attention(struct ape__queue *q, const struct ape__launch *l)
+static int ref_attention(struct ape_be_queue *q, const struct ape_be_launch *l)
 {
 	(void)q;
-	ape__path_note(l->path, APE__PATH_REFERENCE, "plain C, double accumulation");
+	ape_be_path_note(l->path, APE_BE_PATH_REFERENCE, "plain C, double accumulation");
 	ape__ref_rows(l, l->q->bytes, l->k->bytes, l->v->bytes, l->o->bytes,
 		      l->lse ? (float *)l->lse->bytes : NULL,
 		      l->pairs ? (uint64_t *)l->pairs->bytes : NULL,
@@ -228,12 +228,12 @@ static int ref_attention(struct ape__queue *q, const struct ape__launch *l)
 	return 0;
 }
 
-static void *bytes_of(struct ape__buf *b)
+static void *bytes_of(struct ape_be_buf *b)
 {
 	return b ? b->bytes : NULL;
 }
 
-static int ref_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
+static int ref_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 {
 	const struct ape__ref_bwd_io io = {
 		.q = bytes_of(l->f.q), .k = bytes_of(l->f.k), .v = bytes_of(l->f.v),
@@ -244,24 +244,24 @@ static int ref_attention_backward(struct ape__queue *q, const struct ape__bwd_la
 	};
 
 	(void)q;
-	ape__path_note(l->f.path, APE__PATH_REFERENCE, "plain C, double accumulation");
+	ape_be_path_note(l->f.path, APE_BE_PATH_REFERENCE, "plain C, double accumulation");
 	return ape__ref_backward(l, &io);
 }
 
 /* Commands run when enqueued: queue-ordered memory is plain memory. */
-static int ref_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+static int ref_scratch_alloc(struct ape_be_queue *q, size_t bytes, struct ape_be_buf **out)
 {
 	(void)q;
 	return ref_alloc(bytes, out);
 }
 
-static int ref_scratch_free(struct ape__queue *q, struct ape__buf *buf)
+static int ref_scratch_free(struct ape_be_queue *q, struct ape_be_buf *buf)
 {
 	ref_buf_free(q->dev, buf);
 	return 0;
 }
 
-/* One element of type t (enum ape__elem) as a double, and back: exact both ways for every
+/* One element of type t (enum ape_be_elem) as a double, and back: exact both ways for every
  * conversion copy_view takes (float64 to float32 rounds once, in the cast). */
 static double ref_load(const unsigned char *p, int t)
 {
@@ -270,13 +270,13 @@ static double ref_load(const unsigned char *p, int t)
 	double d;
 
 	switch (t) {
-	case APE__E_F16:
+	case APE_BE_E_F16:
 		memcpy(&h, p, 2);
 		return ape__f16_to_f32(h);
-	case APE__E_BF16:
+	case APE_BE_E_BF16:
 		memcpy(&h, p, 2);
 		return ape__bf16_to_f32(h);
-	case APE__E_F64:
+	case APE_BE_E_F64:
 		memcpy(&d, p, 8);
 		return d;
 	default:
@@ -291,15 +291,15 @@ static void ref_store(unsigned char *p, int t, double x)
 	uint16_t h;
 
 	switch (t) {
-	case APE__E_F16:
+	case APE_BE_E_F16:
 		h = ape__f32_to_f16(f);
 		memcpy(p, &h, 2);
 		break;
-	case APE__E_BF16:
+	case APE_BE_E_BF16:
 		h = ape__f32_to_bf16(f);
 		memcpy(p, &h, 2);
 		break;
-	case APE__E_F64:
+	case APE_BE_E_F64:
 		memcpy(p, &x, 8);
 		break;
 	default:
@@ -309,10 +309,10 @@ static void ref_store(unsigned char *p, int t, double x)
 
 static size_t ref_elem_size(int t)
 {
-	return t == APE__E_F64 ? 8 : t == APE__E_F32 ? 4 : 2;
+	return t == APE_BE_E_F64 ? 8 : t == APE_BE_E_F32 ? 4 : 2;
 }
 
-static int ref_copy_view(struct ape__queue *q, const struct ape__copy *c)
+static int ref_copy_view(struct ape_be_queue *q, const struct ape_be_copy *c)
 {
 	const size_t ds = ref_elem_size(c->dst_type), ss = ref_elem_size(c->src_type);
 
@@ -336,8 +336,8 @@ static int ref_copy_view(struct ape__queue *q, const struct ape__copy *c)
 	return 0;
 }
 
-/* A partial result folded into the running one, in float64 (core/ape_math.h, ape_merge_lse()). */
-static int ref_attention_merge(struct ape__queue *q, const struct ape__merge *m)
+/* A partial result folded into the running one, in float64 (ape/ape_math.h, ape_merge_lse()). */
+static int ref_attention_merge(struct ape_be_queue *q, const struct ape_be_merge *m)
 {
 	float *o = (float *)m->o->bytes, *lse = (float *)m->lse->bytes;
 	const float *po = (const float *)m->po->bytes, *plse = (const float *)m->plse->bytes;
@@ -388,15 +388,14 @@ static int ref_attention_merge(struct ape__queue *q, const struct ape__merge *m)
 	return 0;
 }
 
-static int ref_synchronize(struct ape__queue *q)
+static int ref_synchronize(struct ape_be_queue *q)
 {
 	(void)q;
 	return 0;
 }
 
-const struct ape__backend_ops ape__ref_ops = {
-	.abi_version = APE__BACKEND_ABI,
-	.name = "ref",
+const struct ape_backend_plugin ape__ref_ops = {
+	APE_BACKEND_PLUGIN_HEAD("ref"),
 	.probe = ref_probe,
 	.buf_alloc = ref_buf_alloc,
 	.buf_free = ref_buf_free,

@@ -18,7 +18,7 @@
 
 #define APE_REAL double
 #include "core/alloc.h"
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "core/error.h"
 #include "core/limits.h"
 #include "ref.h"
@@ -30,7 +30,7 @@ struct row_info {
 
 /* One launch, decoded. */
 struct bwd {
-	const struct ape__bwd_launch *l;
+	const struct ape_be_bwd_launch *l;
 	const void *q, *k, *v, *o, *dout;
 	const float *lse, *dlse;
 	float *dq, *dk, *dv;
@@ -63,7 +63,7 @@ static double dot_d(const double *a, const double *b, int64_t D)
 
 static void row_info(struct bwd *c, int64_t row)
 {
-	const struct ape__launch *f = &c->l->f;
+	const struct ape_be_launch *f = &c->l->f;
 	const int64_t D = c->D, h = row / f->Lq % f->H;
 	struct row_info *ri = &c->rows[row];
 	double q[APE_MAX_D], o[APE_MAX_D], dout[APE_MAX_D], ss = 0;
@@ -93,7 +93,7 @@ static void pair_eval(const struct bwd *c, int64_t row, const double *q, const d
 		      const double *k, const double *v, int64_t n, bool alpha_path,
 		      struct pair *pr)
 {
-	const struct ape__launch *f = &c->l->f;
+	const struct ape_be_launch *f = &c->l->f;
 	const struct row_info *ri = &c->rows[row];
 	const float *prm = f->head_params + 4 * (row / f->Lq % f->H);
 	double s;
@@ -117,7 +117,7 @@ static void pair_eval(const struct bwd *c, int64_t row, const double *q, const d
 }
 
 /* Distance of (row, key j) and whether the mask lets it through. */
-static bool visible(const struct ape__launch *f, int64_t row, int64_t j, int64_t *n)
+static bool visible(const struct ape_be_launch *f, int64_t row, int64_t j, int64_t *n)
 {
 	*n = (f->q_start + row % f->Lq) - (f->k_start + j); /* validated: no overflow */
 	return !f->causal || *n >= 0;
@@ -127,7 +127,7 @@ static bool visible(const struct ape__launch *f, int64_t row, int64_t j, int64_t
  * every query head sharing key j's kv head, summed in float64, then added to the accumulators. */
 static void keys_pass(struct bwd *c)
 {
-	const struct ape__launch *f = &c->l->f;
+	const struct ape_be_launch *f = &c->l->f;
 	const int64_t D = c->D;
 	double k[APE_MAX_D], v[APE_MAX_D], q[APE_MAX_D], dout[APE_MAX_D];
 	double dk[APE_MAX_D], dv[APE_MAX_D];
@@ -176,7 +176,7 @@ static void keys_pass(struct bwd *c)
 /* Rows outer: dQ_i (rotation and alpha paths) and the parameter gradients of row i. */
 static void rows_pass(struct bwd *c)
 {
-	const struct ape__launch *f = &c->l->f;
+	const struct ape_be_launch *f = &c->l->f;
 	const int64_t D = c->D;
 	double q[APE_MAX_D], dout[APE_MAX_D], k[APE_MAX_D], v[APE_MAX_D], dq[APE_MAX_D];
 	struct pair pr;
@@ -234,9 +234,9 @@ static void rows_pass(struct bwd *c)
 	}
 }
 
-int ape__ref_backward(const struct ape__bwd_launch *l, const struct ape__ref_bwd_io *io)
+int ape__ref_backward(const struct ape_be_bwd_launch *l, const struct ape__ref_bwd_io *io)
 {
-	const struct ape__launch *f = &l->f;
+	const struct ape_be_launch *f = &l->f;
 	const int64_t nrows = f->B * f->H * f->Lq;
 	struct bwd c = {
 		.l = l,
@@ -254,7 +254,7 @@ int ape__ref_backward(const struct ape__bwd_launch *l, const struct ape__ref_bwd
 	}
 	c.rows = ape__malloc(sizeof(*c.rows) * (size_t)(nrows ? nrows : 1));
 	if (!c.rows)
-		return ape__error(APE_ENOMEM, "out of host memory for the row table of %" PRId64
+		return ape_be_error(APE_ENOMEM, "out of host memory for the row table of %" PRId64
 					      " rows", nrows);
 	for (int64_t row = 0; row < nrows; row++)
 		row_info(&c, row);

@@ -33,7 +33,7 @@ static const char *err_text(int err)
 /* Pinning is the backend's business and only ever a speed-up. */
 static void pin(struct ape_device *dev, struct ape__hostmem *m)
 {
-	const struct ape__backend_ops *ops = dev->be->ops;
+	const struct ape_backend_plugin *ops = dev->be->ops;
 	int ret;
 
 	if (!ops->host_register || !ops->host_unregister)

@@ -13,37 +13,39 @@
 /* Test-only global state: the ops struct has no user pointer, and one wrapper is enough. */
 static struct {
 	pthread_mutex_t lock;
-	struct ape__backend *be;
-	const struct ape__backend_ops *orig; /* the backend's own table (be->raw before) */
-	struct ape__backend_ops ops; /* the wrapper's, which the core's table now calls */
+	struct ape_backend *be;
+	const struct ape_backend_plugin *orig; /* the backend's own table: orig_copy */
+	/* a copy of be->raw as it was: binding a table rewrites the core's copy be->raw points at */
+	struct ape_backend_plugin orig_copy;
+	struct ape_backend_plugin ops; /* the wrapper's, which the core's table now calls */
 	struct wrap_counts c;
 	int fail_op; /* -1: none */
 	uint64_t fail_at; /* c.calls[fail_op] value that fails */
 	uint64_t total; /* fallible calls since install, for wrap_lose_device() */
 	uint64_t lost_at; /* 0: the device works */
 	struct sized {
-		struct ape__buf *b;
+		struct ape_be_buf *b;
 		size_t n;
 	} *bufs;
 	size_t nbufs, cap;
 	/* the queues with backward launches in flight, and the scratch those declared */
 	struct held {
-		const struct ape__queue *q;
+		const struct ape_be_queue *q;
 		uint64_t scratch;
 	} *held;
 	size_t nheld, held_cap;
 	/* events recorded after backward launches, and the scratch of those: held until a queue
 	 * that waited for the event (or the event's own queue) is synchronised */
 	struct ev_held {
-		const struct ape__event *e;
-		const struct ape__queue *q, *waiter;
+		const struct ape_be_event *e;
+		const struct ape_be_queue *q, *waiter;
 		uint64_t scratch;
 	} *evs;
 	size_t nevs, evs_cap;
 	/* every device of the backend, with its capabilities as the backend stated them */
 	struct own_caps {
 		struct ape_device *dev;
-		struct ape__dev_caps caps;
+		struct ape_be_caps caps;
 		uint64_t mem; /* info.global_mem_bytes */
 	} *devs;
 	size_t ndevs;
@@ -78,7 +80,7 @@ const char *wrap_op_name(enum wrap_op op)
 }
 
 /* Scratch of a launch on queue q, held until q is synchronised or destroyed. */
-static void scratch_hold(const struct ape__queue *q, uint64_t bytes)
+static void scratch_hold(const struct ape_be_queue *q, uint64_t bytes)
 {
 	size_t i;
 
@@ -105,7 +107,7 @@ static void scratch_hold(const struct ape__queue *q, uint64_t bytes)
 
 /* q's launches have completed, and so have those before every event q was told to wait for:
  * their scratch is gone. */
-static void scratch_release(const struct ape__queue *q)
+static void scratch_release(const struct ape_be_queue *q)
 {
 	pthread_mutex_lock(&w.lock);
 	for (size_t i = 0; i < w.nheld; i++)
@@ -125,7 +127,7 @@ static void scratch_release(const struct ape__queue *q)
 /* Event e was recorded on q: the scratch of q's launches so far is held until e completes
  * (a pipelined executor never synchronises its compute queue while launches are in flight,
  * but waits for an event recorded after them on another queue). */
-static void scratch_to_event(const struct ape__queue *q, const struct ape__event *e)
+static void scratch_to_event(const struct ape_be_queue *q, const struct ape_be_event *e)
 {
 	pthread_mutex_lock(&w.lock);
 	for (size_t i = 0; i < w.nheld; i++)
@@ -144,7 +146,7 @@ static void scratch_to_event(const struct ape__queue *q, const struct ape__event
 }
 
 /* Queue q is told to wait for event e: once q is synchronised, e has completed. */
-static void event_waited(const struct ape__queue *q, const struct ape__event *e)
+static void event_waited(const struct ape_be_queue *q, const struct ape_be_event *e)
 {
 	pthread_mutex_lock(&w.lock);
 	for (size_t i = 0; i < w.nevs; i++)
@@ -154,9 +156,9 @@ static void event_waited(const struct ape__queue *q, const struct ape__event *e)
 }
 
 /* Event e goes: what it still holds goes back to its queue (until that is synchronised). */
-static void event_gone(const struct ape__event *e)
+static void event_gone(const struct ape_be_event *e)
 {
-	const struct ape__queue *q = NULL;
+	const struct ape_be_queue *q = NULL;
 	uint64_t bytes = 0;
 
 	pthread_mutex_lock(&w.lock);
@@ -200,7 +202,7 @@ static int inject(enum wrap_op op)
 }
 
 /* A buffer made (ret 0) or not: counted, and held until freed. */
-static void count_alloc(int ret, struct ape__buf *b, size_t bytes)
+static void count_alloc(int ret, struct ape_be_buf *b, size_t bytes)
 {
 	pthread_mutex_lock(&w.lock);
 	w.c.allocs++;
@@ -219,7 +221,7 @@ static void count_alloc(int ret, struct ape__buf *b, size_t bytes)
 	pthread_mutex_unlock(&w.lock);
 }
 
-static int w_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
+static int w_alloc(struct ape_device *dev, size_t bytes, struct ape_be_buf **out)
 {
 	int ret = inject(WRAP_BUF_ALLOC);
 
@@ -234,7 +236,7 @@ static int w_alloc(struct ape_device *dev, size_t bytes, struct ape__buf **out)
 
 /* A wrapper of the caller's memory: counted and failed like an op, not as device memory held. */
 static int w_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t bytes,
-		      struct ape__buf **out, size_t *bytes_out)
+		      struct ape_be_buf **out, size_t *bytes_out)
 {
 	int ret = inject(WRAP_BUF_WRAP);
 
@@ -246,7 +248,7 @@ static int w_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t byt
 	return w.orig->buf_wrap(dev, kind, handle, bytes, out, bytes_out);
 }
 
-static void count_free(struct ape__buf *b)
+static void count_free(struct ape_be_buf *b)
 {
 	pthread_mutex_lock(&w.lock);
 	if (b) {
@@ -262,14 +264,14 @@ static void count_free(struct ape__buf *b)
 	pthread_mutex_unlock(&w.lock);
 }
 
-static void w_free(struct ape_device *dev, struct ape__buf *b)
+static void w_free(struct ape_device *dev, struct ape_be_buf *b)
 {
 	count_free(b);
 	w.orig->buf_free(dev, b);
 }
 
 /* Queue-ordered scratch (ABI 10): counted and held like buffers, freed by scratch_free. */
-static int w_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf **out)
+static int w_scratch_alloc(struct ape_be_queue *q, size_t bytes, struct ape_be_buf **out)
 {
 	int ret = inject(WRAP_SCRATCH_ALLOC);
 
@@ -282,13 +284,13 @@ static int w_scratch_alloc(struct ape__queue *q, size_t bytes, struct ape__buf *
 	return ret;
 }
 
-static int w_scratch_free(struct ape__queue *q, struct ape__buf *b)
+static int w_scratch_free(struct ape_be_queue *q, struct ape_be_buf *b)
 {
 	count_free(b);
 	return w.orig->scratch_free(q, b);
 }
 
-static int w_copy_view(struct ape__queue *q, const struct ape__copy *c)
+static int w_copy_view(struct ape_be_queue *q, const struct ape_be_copy *c)
 {
 	int ret = inject(WRAP_COPY_VIEW);
 
@@ -303,7 +305,7 @@ static void bump(uint64_t *n)
 }
 
 /* The pairs a finished launch with an lse_prior computed, into the counts. */
-static int count_prior_pairs(struct ape__queue *q, const struct ape__launch *l)
+static int count_prior_pairs(struct ape_be_queue *q, const struct ape_be_launch *l)
 {
 	const size_t rows = (size_t)(l->B * l->H * l->Lq);
 	uint64_t *p, sum = 0;
@@ -329,7 +331,7 @@ static int count_prior_pairs(struct ape__queue *q, const struct ape__launch *l)
 	return ret;
 }
 
-static int w_attention(struct ape__queue *q, const struct ape__launch *l)
+static int w_attention(struct ape_be_queue *q, const struct ape_be_launch *l)
 {
 	int ret = inject(WRAP_ATTENTION);
 
@@ -341,19 +343,19 @@ static int w_attention(struct ape__queue *q, const struct ape__launch *l)
 	return ret;
 }
 
-static int w_attention_backward(struct ape__queue *q, const struct ape__bwd_launch *l)
+static int w_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 {
 	int ret = inject(WRAP_ATTENTION_BACKWARD);
 
 	if (ret)
 		return ret;
 	if (w.orig->attention_backward_scratch)
-		scratch_hold(q, w.orig->attention_backward_scratch(ape__queue_dev(q), l,
-								    ape__bwd_parts(l)));
+		scratch_hold(q, w.orig->attention_backward_scratch(ape_be_queue_dev(q), l,
+								    ape_be_bwd_parts(l)));
 	return w.orig->attention_backward(q, l);
 }
 
-static int w_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const void *src, size_t n)
+static int w_h2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, const void *src, size_t n)
 {
 	int ret = inject(WRAP_COPY_H2D);
 
@@ -361,7 +363,7 @@ static int w_h2d(struct ape__queue *q, struct ape__buf *dst, size_t off, const v
 	return ret ? ret : w.orig->copy_h2d(q, dst, off, src, n);
 }
 
-static int w_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t off, size_t n)
+static int w_d2h(struct ape_be_queue *q, void *dst, struct ape_be_buf *src, size_t off, size_t n)
 {
 	int ret = inject(WRAP_COPY_D2H);
 
@@ -369,7 +371,7 @@ static int w_d2h(struct ape__queue *q, void *dst, struct ape__buf *src, size_t o
 	return ret ? ret : w.orig->copy_d2h(q, dst, src, off, n);
 }
 
-static int w_d2d(struct ape__queue *q, struct ape__buf *dst, size_t doff, struct ape__buf *src,
+static int w_d2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t doff, struct ape_be_buf *src,
 		 size_t soff, size_t n)
 {
 	int ret = inject(WRAP_COPY_D2D);
@@ -378,7 +380,7 @@ static int w_d2d(struct ape__queue *q, struct ape__buf *dst, size_t doff, struct
 	return ret ? ret : w.orig->copy_d2d(q, dst, doff, src, soff, n);
 }
 
-static int w_queue_create(struct ape_device *dev, struct ape__queue **out)
+static int w_queue_create(struct ape_device *dev, struct ape_be_queue **out)
 {
 	int ret = inject(WRAP_QUEUE_CREATE);
 
@@ -389,7 +391,7 @@ static int w_queue_create(struct ape_device *dev, struct ape__queue **out)
 	return w.orig->queue_create(dev, out);
 }
 
-static int w_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue **out)
+static int w_queue_wrap(struct ape_device *dev, void *handle, struct ape_be_queue **out)
 {
 	int ret = inject(WRAP_QUEUE_WRAP);
 
@@ -400,7 +402,7 @@ static int w_queue_wrap(struct ape_device *dev, void *handle, struct ape__queue 
 	return w.orig->queue_wrap(dev, handle, out);
 }
 
-static void w_queue_destroy(struct ape__queue *q)
+static void w_queue_destroy(struct ape_be_queue *q)
 {
 	/* before the handle goes (another thread may get its address next): queue_destroy waits
 	 * for the work, and nothing is allocated on q meanwhile */
@@ -408,7 +410,7 @@ static void w_queue_destroy(struct ape__queue *q)
 	w.orig->queue_destroy(q);
 }
 
-static int w_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32_t pattern,
+static int w_fill(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, uint32_t pattern,
 		  size_t n)
 {
 	int ret = inject(WRAP_FILL);
@@ -416,7 +418,7 @@ static int w_fill(struct ape__queue *q, struct ape__buf *dst, size_t off, uint32
 	return ret ? ret : w.orig->fill(q, dst, off, pattern, n);
 }
 
-static int w_event_record(struct ape__queue *q, struct ape__event **out)
+static int w_event_record(struct ape_be_queue *q, struct ape_be_event **out)
 {
 	int ret = inject(WRAP_EVENT_RECORD);
 
@@ -430,14 +432,14 @@ static int w_event_record(struct ape__queue *q, struct ape__event **out)
 	return ret;
 }
 
-static void w_event_destroy(struct ape__event *e)
+static void w_event_destroy(struct ape_be_event *e)
 {
 	if (e)
 		event_gone(e); /* before the handle goes: its address may come back */
 	w.orig->event_destroy(e);
 }
 
-static int w_event_wait(struct ape__queue *q, struct ape__event *e)
+static int w_event_wait(struct ape_be_queue *q, struct ape_be_event *e)
 {
 	int ret = inject(WRAP_EVENT_WAIT);
 
@@ -448,14 +450,14 @@ static int w_event_wait(struct ape__queue *q, struct ape__event *e)
 	return ret;
 }
 
-static int w_attention_merge(struct ape__queue *q, const struct ape__merge *m)
+static int w_attention_merge(struct ape_be_queue *q, const struct ape_be_merge *m)
 {
 	int ret = inject(WRAP_ATTENTION_MERGE);
 
 	return ret ? ret : w.orig->attention_merge(q, m);
 }
 
-static int w_event_elapsed(struct ape__event *a, struct ape__event *b, double *ms)
+static int w_event_elapsed(struct ape_be_event *a, struct ape_be_event *b, double *ms)
 {
 	int ret = inject(WRAP_EVENT_ELAPSED);
 
@@ -466,7 +468,7 @@ static int w_event_elapsed(struct ape__event *a, struct ape__event *b, double *m
 	return w.orig->event_elapsed(a, b, ms);
 }
 
-static int w_event_timestamp(struct ape__event *e, double *ms)
+static int w_event_timestamp(struct ape_be_event *e, double *ms)
 {
 	int ret = inject(WRAP_EVENT_TIMESTAMP);
 
@@ -477,7 +479,7 @@ static int w_event_timestamp(struct ape__event *e, double *ms)
 	return w.orig->event_timestamp(e, ms);
 }
 
-static int w_synchronize(struct ape__queue *q)
+static int w_synchronize(struct ape_be_queue *q)
 {
 	int ret = inject(WRAP_SYNCHRONIZE);
 
@@ -521,17 +523,17 @@ static void caps_hide(unsigned flags)
 			continue;
 		w.devs[w.ndevs++] = (struct own_caps){ d, d->caps, d->info.global_mem_bytes };
 		if (flags & WRAP_NO_TIMESTAMP)
-			d->caps.timestamps = false;
+			d->caps.features &= ~(uint64_t)APE_BE_CAP_TIMESTAMPS;
 		if (flags & (WRAP_NO_BUF_WRAP | WRAP_NO_HOST_MEMORY))
-			d->caps.host_memory = false;
+			d->caps.features &= ~(uint64_t)APE_BE_CAP_HOST_MEMORY;
 		if (flags & (WRAP_NO_DIAG_VIEWS | WRAP_NO_DIAG))
-			d->caps.diag_views = false;
+			d->caps.features &= ~(uint64_t)APE_BE_CAP_DIAG_VIEWS;
 		if (flags & WRAP_NO_DIAG)
-			d->caps.diag = false;
+			d->caps.features &= ~(uint64_t)APE_BE_CAP_DIAG;
 		if (flags & WRAP_NO_RESIDENT_BWD)
-			d->caps.resident_backward = false;
+			d->caps.features &= ~(uint64_t)APE_BE_CAP_RESIDENT_BACKWARD;
 		if (flags & WRAP_NO_POSITIONS)
-			d->caps.positions = false;
+			d->caps.features &= ~(uint64_t)APE_BE_CAP_POSITIONS;
 	}
 }
 
@@ -545,7 +547,7 @@ void wrap_max_alloc(uint64_t bytes)
 }
 
 /* Makes t the table the core's calls go to, checked as any backend's. */
-static void bind_table(const struct ape__backend_ops *t)
+static void bind_table(const struct ape_backend_plugin *t)
 {
 	char why[256];
 
@@ -562,7 +564,7 @@ static void bind_table(const struct ape__backend_ops *t)
 
 /* The backend's own scratch, and (budget - ROWS_OWN) / w.rows more per query row: the budget
  * holds w.rows rows (the backend's own under ROWS_OWN), never one more (w.rows < 700). */
-static uint64_t w_attention_scratch(struct ape_device *dev, const struct ape__launch *l)
+static uint64_t w_attention_scratch(struct ape_device *dev, const struct ape_be_launch *l)
 {
 	const uint64_t own = w.orig->attention_scratch ? w.orig->attention_scratch(dev, l) : 0;
 
@@ -581,7 +583,8 @@ void wrap_rows_per_launch(uint64_t rows)
 void wrap_install(ape_device *dev, unsigned flags)
 {
 	w.be = dev->be;
-	w.orig = dev->be->raw;
+	w.orig_copy = *dev->be->raw;
+	w.orig = &w.orig_copy;
 	w.ops = *w.orig;
 	w.ops.buf_alloc = w_alloc;
 	w.ops.buf_free = w_free;

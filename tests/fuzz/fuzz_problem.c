@@ -15,7 +15,7 @@
  *   (ape_attention_forward_ex) under an arbitrary memory budget;
  * - the backward pass (ape_attention_backward) refuses what the forward refuses, without
  *   touching memory, and runs every accepted tiny call, in one piece and streamed;
- * - the distance rules every kernel uses (core/ape_math.h, here compiled as host C: visible
+ * - the distance rules every kernel uses (ape/ape_math.h, here compiled as host C: visible
  *   keys, anchor distance, a key range's smallest |n| and pairs, a head's pairs), at the
  *   accepted call's rows (any size, the int64 ends of the distances included) and at the
  *   padding rows and key tiles past its ends that kernels evaluate, against an exact 128-bit
@@ -42,7 +42,7 @@
 #include "ape/ape.h"
 #include "api/validate.h"
 #define APE_REAL double
-#include "core/ape_math.h"
+#include "ape/ape_math.h"
 #include "exec/problem.h"
 
 #define FUZZ_NAME "fuzz_problem"

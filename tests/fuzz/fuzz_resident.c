@@ -238,8 +238,8 @@ static void fuzz_enqueue(struct in *in, const struct shape5 *s, ape_queue *queue
 	ape_buffer *bufs[3] = { NULL };
 	ape_dtensor t[7];
 	struct ape__problem p;
-	struct ape__buf *bb[APE__T_COUNT], *db[2];
-	struct ape__view views[APE__T_COUNT], dv[2];
+	struct ape_be_buf *bb[APE_BE_T_COUNT], *db[2];
+	struct ape_be_view views[APE_BE_T_COUNT], dv[2];
 	const unsigned diag = (unsigned)take(in, 1) & 3; /* 1: entropy, 2: mean distance */
 	const ape_dtensor *ent = NULL, *md = NULL;
 	int nbuf, ret;

@@ -6,6 +6,8 @@
  * exact-seed sincos of the rotation, the skip bound and test (with an earlier launch's LSE) and
  * the LSE merge. Kernels include this file (the build embeds it ahead of each kernel source), so
  * a formula changes in one place only; kernels keep their own tiling and loops around it.
+ * Installed with ape/ape_backend.h: a backend plugin's kernels include it too (docs/backends.md),
+ * so that every backend computes the operation from the same formulas.
  *
  * APE_REAL selects the arithmetic: double in the reference backend and the CUDA kernels' per-row
  * work, float or double in the OpenCL kernel (double when the device has cl_khr_fp64).
@@ -494,7 +496,7 @@ APE_FN ape_real ape_merge_factor(ape_real m_old, ape_real m_new)
 }
 
 /*
- * The merge of two partial results of one row over disjoint keys (struct ape__merge in
+ * The merge of two partial results of one row over disjoint keys (struct ape_be_merge in
  * core/backend.h: what attention_merge does on a device), by their LSE l1 and l2: returns
  * APE_MERGE_BOTH with the merged LSE in *l and each side's weight w_i = exp(l_i - *l) and its
  * log lw_i = l_i - *l (w1 + w2 = 1 to rounding at any |l_i|); APE_MERGE_KEEP when the second side saw no key (l2 = -inf),
