@@ -22,8 +22,10 @@ $(BUILD)/bin/%: $(BUILD)/tools-obj/tools/%.o $(TOOLS_LIB) $(LIBA)
 # A tool split by concern keeps its other files in a folder of its own, linked into it alone:
 # tools/run/ (the options, the devices, the input and output files, the KV-cache and backward
 # modes, the statistics) for ape-run, tools/bench/ (the options, the inputs, the --resident,
-# --stream, --varlen and --pool modes) for ape-bench, tools/check/ (the ragged cells) for ape-check. A folder's header (run/run.h, bench/bench.h) declares what
-# crosses its files.
+# --stream, --varlen and --pool modes) for ape-bench, tools/check/ (the conformance suite's
+# groups beyond the dense cases, the comparisons, the record every cell goes to, the summary and
+# the JSON) for ape-check. A folder's header (run/run.h, bench/bench.h, check/check.h) declares
+# what crosses its files.
 $(BUILD)/bin/ape-run: $(patsubst %.c,$(BUILD)/tools-obj/%.o,$(wildcard tools/run/*.c))
 $(BUILD)/bin/ape-bench: $(patsubst %.c,$(BUILD)/tools-obj/%.o,$(wildcard tools/bench/*.c))
 $(BUILD)/bin/ape-check: $(patsubst %.c,$(BUILD)/tools-obj/%.o,$(wildcard tools/check/*.c))

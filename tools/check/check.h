@@ -1,19 +1,137 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * ape-check's pieces: tools/ape-check.c (main, the dense cases and their matrix) and
- * tools/check/varlen.c (the ragged cells). Linked into ape-check alone.
+ * ape-check's pieces: tools/ape-check.c (main, the dense cases and their matrix),
+ * tools/check/varlen.c (the ragged cells), tools/check/diag.c (the diagnostics),
+ * tools/check/kv.c (the KV cache, the KV pool, the caller's pages), tools/check/resident.c
+ * (device-resident calls), tools/check/conduct.c (determinism and failure behaviour),
+ * tools/check/compare.c (comparisons against the reference) and tools/check/report.c (every
+ * cell's record, the summary, the JSON). Linked into ape-check alone.
  */
 #ifndef APE_TOOLS_CHECK_H
 #define APE_TOOLS_CHECK_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "ape/ape.h"
 #include "common/rng.h"
 
 #define CHECK_MAX_DEVICES 32
 #define CHECK_MAX_VCASES 8
+
+/* ---- The record of every cell (tools/check/report.c) */
+
+/* The operation groups of the summary, in its order. */
+enum check_group {
+	CHECK_LOAD, /* --plugin: the plugin loads */
+	CHECK_FORWARD, /* ape_attention_forward() */
+	CHECK_BACKWARD, /* ape_attention_backward() */
+	CHECK_RAGGED, /* ape_attention_forward_varlen() */
+	CHECK_DIAG, /* ape_attention_forward_diag(), ape_kv_cache_attend_diag() */
+	CHECK_KV, /* ape_kv_cache_*, ape_kv_pool_*, ape_paged_kv_* */
+	CHECK_RESIDENT, /* ape_attention_enqueue*(), ape_attention_backward_enqueue() */
+	CHECK_DETERMINISM, /* the same call twice: the same bits */
+	CHECK_FAILURES, /* bad arguments and failing device ops: named, nothing written */
+	CHECK_NGROUPS
+};
+
+enum check_status {
+	CHECK_PASS,
+	CHECK_FAIL,
+	/* the device's backend does not do it: APE_ENOTSUP naming the device, no failure */
+	CHECK_NOT_CLAIMED,
+};
+
+struct check_cell {
+	const char *name; /* a string literal */
+	enum check_group group;
+	int dev; /* index in the devices checked; -1: none (the plugin's loading) */
+	enum check_status status;
+	double err, tol; /* the largest error, of the quantity nearest its tolerance; NaN: none */
+	char msg[480]; /* what was checked, or what went wrong */
+};
+
+/* Records a cell; `fmt` (printf) its message. */
+void check_add(enum check_group group, const char *name, int dev, enum check_status status,
+	       double err, double tol, const char *fmt, ...) __attribute__((format(printf, 7, 8)));
+
+/* Records the cell of a call that returned `ret` (< 0) on devs[d]: not claimed when `optional`
+ * and ret is APE_ENOTSUP with a message naming the device (how the core answers a call a
+ * device's capabilities leave out), else failed with ape_last_error(), which is also printed
+ * on stderr. */
+void check_add_error(enum check_group group, const char *name, int d, ape_device *dev, int ret,
+		     bool optional);
+
+/* Records a cell of errors err[i] against tolerances tol[i] (i < n, labels[i] naming each):
+ * passed when every one is within, with the errors over their tolerances as the message. */
+void check_add_errors(enum check_group group, const char *name, int d, int n,
+		      const char *const *labels, const double *err, const double *tol);
+
+/* Whether `msg` names `dev`: its "backend:index" or its name, as the core's messages do. */
+bool check_names_device(const ape_device *dev, const char *msg);
+
+int check_count(void);
+const struct check_cell *check_get(int i);
+/* Whether every cell recorded passed or is not claimed. */
+bool check_all_passed(void);
+/* "forward", ...; "pass", "fail", "not_claimed" (the JSON's words) */
+const char *check_group_name(enum check_group group);
+const char *check_status_name(enum check_status status);
+
+/* One line per cell of the groups first..last, a column per device. */
+void check_print_cells(ape_device **devs, int ndev, enum check_group first,
+		       enum check_group last);
+/* The table of passed, failed and not claimed cells per group, and the verdict. */
+void check_print_summary(int ndev);
+/* The "cells" and "summary" members of the JSON object (each preceded by ",\n "). */
+void check_json_cells(FILE *f, ape_device **devs);
+
+/* ---- Comparisons against the reference (tools/check/compare.c) */
+
+/* n values of type dtype as float32, in a new allocation (free()); NULL when out of memory. */
+float *check_to_f32(const void *p, ape_dtype dtype, size_t n);
+/* max |got - want| / scale; NaN or Inf on one side only: infinite. */
+double check_err_abs(const float *got, const float *want, size_t n, double scale);
+/* max |got - want| / max(1, |want|) (the spec's LSE measure); equal infinities: 0. */
+double check_err_rel(const float *got, const float *want, size_t n);
+/* |got - want| / max(1, |scale|) (scale not finite: 1), as check_err_rel() measures each value:
+ * the diagnostics' measure, entropy against its row's LSE, mean distance against its row's
+ * largest distance. */
+double check_err_one(double got, double want, double scale);
+/* max |x| over n values, at least 1e-30. */
+double check_max_abs(const float *x, size_t n);
+
+/* What every group's cells get: the devices checked, the reference, the random source. */
+struct check_env {
+	ape_device **devs;
+	int ndev;
+	ape_device *ref;
+	ape_rng *rng;
+	bool quick; /* --quick: the small cases only */
+};
+
+/* The seed's parameters, one value for every head. */
+void check_seed_desc(ape_attn_desc *desc);
+
+/* Contiguous random Q, K, V of one dense problem, host memory, and V as float32. */
+struct check_qkv {
+	int64_t B, H, Hkv, Lq, Lk, D;
+	ape_dtype dtype;
+	void *q, *k, *v;
+	float *vf;
+	ape_tensor tq, tk, tv;
+};
+
+/* Returns 0 or APE_ENOMEM (what was made freed). */
+int check_qkv_make(struct check_qkv *x, ape_rng *rng, ape_dtype dtype, int64_t B, int64_t H,
+		   int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D);
+void check_qkv_free(struct check_qkv *x);
+/* n floats, every one NaN (an output a call leaves unwritten stays NaN); NULL: no memory. */
+float *check_nan_floats(size_t n);
+
+/* ---- The groups */
 
 /* One ragged cell: a case's batch on one device against the reference's. */
 struct vcell {
@@ -24,14 +142,27 @@ struct vcell {
 	uint64_t launches; /* the call's ape_stats.chunks */
 	double max_err_o, max_err_lse, tol_o, tol_lse;
 	bool ok;
+	char msg[256]; /* the device's failure */
 };
 
 /*
  * Runs every ragged case (quick: the small ones) on the reference, then on each of devs,
- * into cells[case][device], and their count into *ncases. Returns 0, or a negative code when
- * the reference itself failed (message printed). A device's failure is its cell's err.
+ * into cells[case][device], and their count into *ncases, each also recorded (check_add(),
+ * CHECK_RAGGED). Returns 0, or a negative code when the reference itself failed (message
+ * printed). A device's failure is its cell's err.
  */
 int check_varlen(ape_device **devs, int ndev, ape_device *ref, ape_rng *rng, bool quick,
 		 struct vcell (*cells)[CHECK_MAX_DEVICES], int *ncases);
+
+/*
+ * Each group runs its cases on every device of env and records a cell per case and device
+ * (check_add()). They return 0, or a negative code when the reference or the host failed (the
+ * message printed): the check cannot go on.
+ */
+int check_diag(const struct check_env *env);
+int check_kv(const struct check_env *env);
+int check_resident(const struct check_env *env);
+int check_determinism(const struct check_env *env);
+int check_failures(const struct check_env *env);
 
 #endif

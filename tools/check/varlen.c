@@ -171,6 +171,20 @@ static bool vcell_ok(const struct vcell *c)
 	return !c->err && c->max_err_o <= c->tol_o && c->max_err_lse <= c->tol_lse;
 }
 
+/* The cell's record: O and LSE against their tolerances. */
+static void record(const struct vcell *cell, int dv)
+{
+	static const char *const labels[] = { "O", "LSE" };
+	const double err[2] = { cell->max_err_o, cell->max_err_lse };
+	const double tol[2] = { cell->tol_o, cell->tol_lse };
+
+	if (cell->err) /* out of host memory in compare() */
+		check_add(CHECK_RAGGED, cell->name, dv, CHECK_FAIL, NAN, NAN, "%s",
+			  ape_err_name(cell->err));
+	else
+		check_add_errors(CHECK_RAGGED, cell->name, dv, 2, labels, err, tol);
+}
+
 int check_varlen(ape_device **devs, int ndev, ape_device *ref, ape_rng *rng, bool quick,
 		 struct vcell (*cells)[CHECK_MAX_DEVICES], int *ncases)
 {
@@ -202,12 +216,14 @@ int check_varlen(ape_device **devs, int ndev, ape_device *ref, ape_rng *rng, boo
 			ape_stats_init(&st);
 			cell->err = vcall(devs[dv], c, &d, d.o, d.lse, &st);
 			if (cell->err) {
-				fprintf(stderr, "ape-check: %s: %s\n", c->name, ape_last_error());
+				snprintf(cell->msg, sizeof(cell->msg), "%s", ape_last_error());
+				check_add_error(CHECK_RAGGED, c->name, dv, devs[dv], cell->err, false);
 				continue;
 			}
 			cell->launches = st.chunks;
 			compare(c, &d, cell);
 			cell->ok = vcell_ok(cell);
+			record(cell, dv);
 		}
 		vdata_free(&d);
 		n++;

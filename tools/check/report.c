@@ -1,0 +1,275 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * ape-check's record (tools/check/check.h): one cell per case and device of every group, whatever
+ * matrix printed it first; the summary table and the JSON's "cells" and "summary" come from it,
+ * and so does the exit status.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "check/check.h"
+#include "common/json.h"
+
+/* Far more than the groups make: about 70 cells per device. */
+#define MAX_CELLS 8192
+
+static struct check_cell cells[MAX_CELLS];
+static int ncells, dropped;
+
+static const char *const group_names[CHECK_NGROUPS] = {
+	[CHECK_LOAD] = "load",
+	[CHECK_FORWARD] = "forward",
+	[CHECK_BACKWARD] = "backward",
+	[CHECK_RAGGED] = "ragged",
+	[CHECK_DIAG] = "diagnostics",
+	[CHECK_KV] = "kv",
+	[CHECK_RESIDENT] = "resident",
+	[CHECK_DETERMINISM] = "determinism",
+	[CHECK_FAILURES] = "failures",
+};
+
+const char *check_group_name(enum check_group group)
+{
+	return group < CHECK_NGROUPS ? group_names[group] : "?";
+}
+
+const char *check_status_name(enum check_status status)
+{
+	return status == CHECK_PASS ? "pass" : status == CHECK_FAIL ? "fail" : "not_claimed";
+}
+
+void check_add(enum check_group group, const char *name, int dev, enum check_status status,
+	       double err, double tol, const char *fmt, ...)
+{
+	struct check_cell *c;
+	va_list ap;
+
+	if (ncells == MAX_CELLS) {
+		dropped++;
+		return;
+	}
+	c = &cells[ncells++];
+	c->name = name;
+	c->group = group;
+	c->dev = dev;
+	c->status = status;
+	c->err = err;
+	c->tol = tol;
+	va_start(ap, fmt);
+	vsnprintf(c->msg, sizeof(c->msg), fmt, ap);
+	va_end(ap);
+}
+
+bool check_names_device(const ape_device *dev, const char *msg)
+{
+	ape_device_info info;
+	char label[48];
+
+	if (ape_device_get_info(dev, &info))
+		return false;
+	snprintf(label, sizeof(label), "%s:%d", info.backend, info.backend_index);
+	return strstr(msg, label) || (info.name[0] && strstr(msg, info.name));
+}
+
+void check_add_error(enum check_group group, const char *name, int d, ape_device *dev, int ret,
+		     bool optional)
+{
+	const char *msg = ape_last_error();
+	ape_device_info info;
+
+	ape_device_get_info(dev, &info);
+	if (optional && ret == APE_ENOTSUP && check_names_device(dev, msg)) {
+		check_add(group, name, d, CHECK_NOT_CLAIMED, NAN, NAN, "%s", msg);
+		return;
+	}
+	fprintf(stderr, "ape-check: %s on %s:%d: %s\n", name, info.backend, info.backend_index,
+		msg);
+	if (ret == APE_ENOTSUP)
+		check_add(group, name, d, CHECK_FAIL, NAN, NAN,
+			  "%s, and the message does not name the device: %s", ape_err_name(ret),
+			  msg);
+	else
+		check_add(group, name, d, CHECK_FAIL, NAN, NAN, "%s: %s", ape_err_name(ret), msg);
+}
+
+void check_add_errors(enum check_group group, const char *name, int d, int n,
+		      const char *const *labels, const double *err, const double *tol)
+{
+	char msg[sizeof(cells[0].msg)];
+	size_t len = 0;
+	int worst = 0;
+	bool ok = true;
+
+	msg[0] = '\0';
+	for (int i = 0; i < n; i++) {
+		ok &= err[i] <= tol[i]; /* NaN: not within */
+		if (!(err[i] / tol[i] <= err[worst] / tol[worst]))
+			worst = i;
+		if (len < sizeof(msg))
+			len += (size_t)snprintf(msg + len, sizeof(msg) - len, "%s%s %.2g",
+						i ? " " : "", labels[i], err[i] / tol[i]);
+	}
+	if (len < sizeof(msg))
+		snprintf(msg + len, sizeof(msg) - len, " (max error / tolerance)");
+	check_add(group, name, d, ok ? CHECK_PASS : CHECK_FAIL, n ? err[worst] : NAN,
+		  n ? tol[worst] : NAN, "%s", msg);
+}
+
+int check_count(void)
+{
+	return ncells;
+}
+
+const struct check_cell *check_get(int i)
+{
+	return &cells[i];
+}
+
+bool check_all_passed(void)
+{
+	for (int i = 0; i < ncells; i++)
+		if (cells[i].status == CHECK_FAIL)
+			return false;
+	return !dropped;
+}
+
+/* The cell of `name` in `group` on device d, or NULL. */
+static const struct check_cell *find(enum check_group group, const char *name, int d)
+{
+	for (int i = 0; i < ncells; i++)
+		if (cells[i].group == group && cells[i].dev == d && !strcmp(cells[i].name, name))
+			return &cells[i];
+	return NULL;
+}
+
+void check_print_cells(ape_device **devs, int ndev, enum check_group first,
+		       enum check_group last)
+{
+	for (int g = first; g <= (int)last; g++) {
+		bool header = false;
+
+		for (int i = 0; i < ncells; i++) {
+			const struct check_cell *c = &cells[i];
+
+			if ((int)c->group != g || find(c->group, c->name, c->dev) != c ||
+			    (c->dev > 0 && find(c->group, c->name, 0)))
+				continue; /* one line per name, at its first cell */
+			if (!header) {
+				printf("\n%-34s", group_names[g]);
+				for (int d = 0; d < ndev; d++) {
+					ape_device_info info;
+					char label[40];
+
+					ape_device_get_info(devs[d], &info);
+					snprintf(label, sizeof(label), "%s:%d", info.backend,
+						 info.backend_index);
+					printf(" | %-24s", label);
+				}
+				printf("\n");
+				header = true;
+			}
+			printf("%-34s", c->name);
+			for (int d = 0; d < ndev; d++) {
+				const struct check_cell *e = find(c->group, c->name, d);
+				char txt[40];
+
+				if (!e)
+					snprintf(txt, sizeof(txt), "-");
+				else if (e->status == CHECK_NOT_CLAIMED)
+					snprintf(txt, sizeof(txt), "not claimed");
+				else if (isnan(e->err))
+					snprintf(txt, sizeof(txt), "%s",
+						 e->status == CHECK_PASS ? "ok" : "FAIL");
+				else
+					snprintf(txt, sizeof(txt), "%.2g %s", e->err / e->tol,
+						 e->status == CHECK_PASS ? "ok" : "FAIL");
+				printf(" | %-24s", txt);
+			}
+			printf("\n");
+		}
+	}
+}
+
+/* Cells of group g (every group: CHECK_NGROUPS) with status s. */
+static int tally(int g, enum check_status s)
+{
+	int n = 0;
+
+	for (int i = 0; i < ncells; i++)
+		n += (g == CHECK_NGROUPS || (int)cells[i].group == g) && cells[i].status == s;
+	return n;
+}
+
+void check_print_summary(int ndev)
+{
+	int pass = tally(CHECK_NGROUPS, CHECK_PASS), fail = tally(CHECK_NGROUPS, CHECK_FAIL);
+	int nc = tally(CHECK_NGROUPS, CHECK_NOT_CLAIMED);
+
+	printf("\nsummary (cells over every device)  passed  failed  not claimed\n");
+	for (int g = 0; g < CHECK_NGROUPS; g++) {
+		const int p = tally(g, CHECK_PASS), f = tally(g, CHECK_FAIL);
+		const int n = tally(g, CHECK_NOT_CLAIMED);
+
+		if (p + f + n)
+			printf("%-34s %7d %7d %12d%s\n", group_names[g], p, f, n,
+			       !p && !f ? "  (not claimed)" : "");
+	}
+	printf("%-34s %7d %7d %12d\n", "total", pass, fail, nc);
+	if (dropped)
+		printf("%d cells not recorded: more than %d\n", dropped, MAX_CELLS);
+	if (check_all_passed())
+		printf("PASS: every cell claimed passed on %d device%s (%d not claimed)\n", ndev,
+		       ndev == 1 ? "" : "s", nc);
+	else
+		printf("FAIL: %d cell%s failed\n", fail, fail == 1 ? "" : "s");
+}
+
+/* A number, or null for NaN (JSON has no NaN) and infinities. */
+static void json_number(FILE *f, double x)
+{
+	if (isfinite(x))
+		fprintf(f, "%.6g", x);
+	else
+		fputs("null", f);
+}
+
+void check_json_cells(FILE *f, ape_device **devs)
+{
+	int shown = 0;
+
+	fprintf(f, ",\n \"cells\": [");
+	for (int k = 0; k < CHECK_NGROUPS * ncells; k++) { /* by group, then as recorded */
+		const struct check_cell *c = &cells[k % ncells];
+		char label[48] = "";
+
+		if ((int)c->group != k / ncells)
+			continue;
+
+		if (c->dev >= 0) {
+			ape_device_info info;
+
+			ape_device_get_info(devs[c->dev], &info);
+			snprintf(label, sizeof(label), "%s:%d", info.backend, info.backend_index);
+		}
+		fprintf(f, "%s\n  {\"group\": \"%s\", \"cell\": ", shown++ ? "," : "",
+			group_names[c->group]);
+		json_string(f, c->name);
+		fprintf(f, ", \"device\": ");
+		json_string(f, c->dev >= 0 ? label : NULL);
+		fprintf(f, ", \"status\": \"%s\", \"max_err\": ", check_status_name(c->status));
+		json_number(f, c->err);
+		fprintf(f, ", \"tol\": ");
+		json_number(f, c->tol);
+		fprintf(f, ", \"message\": ");
+		json_string(f, c->msg);
+		fprintf(f, "}");
+	}
+	fprintf(f, "\n ],\n \"summary\": {");
+	for (int g = 0; g <= CHECK_NGROUPS; g++)
+		fprintf(f, "%s\n  \"%s\": {\"passed\": %d, \"failed\": %d, \"not_claimed\": %d}",
+			g ? "," : "", g < CHECK_NGROUPS ? group_names[g] : "total",
+			tally(g, CHECK_PASS), tally(g, CHECK_FAIL), tally(g, CHECK_NOT_CLAIMED));
+	fprintf(f, "\n }");
+}
