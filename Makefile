@@ -174,6 +174,7 @@ include runtime/ref/backend.mk
 include $(sort $(wildcard */backend.mk))
 include runtime/api/backends.mk
 include tools/module.mk
+include examples/backend-plugin/module.mk
 include bench/module.mk
 include tests/module.mk
 # Hardening (issue 7): fuzz targets, fault injection, ThreadSanitizer. Each module appends the
@@ -273,7 +274,7 @@ install: all
 
 clean:
 	rm -rf $(BUILD)/obj $(BUILD)/lib $(BUILD)/bin $(BUILD)/tests $(BUILD)/gen $(BUILD)/asan \
-		$(BUILD)/fuzz $(BUILD)/faults $(BUILD)/tsan $(BUILD)/config.stamp
+		$(BUILD)/fuzz $(BUILD)/faults $(BUILD)/tsan $(BUILD)/plugins $(BUILD)/config.stamp
 
 distclean:
 	rm -rf $(BUILD)
@@ -294,6 +295,8 @@ help:
 	@echo "make faults-ci  allocation- and device-failure injection under ASan (part of 'make check')"
 	@echo "make tsan-ci    the concurrency tests under ThreadSanitizer (part of 'make check')"
 	@echo "make install PREFIX=/usr/local"
+	@echo "make plugin-example  the example backend plugin (docs/backends.md), built against"
+	@echo "                the public headers only: build/plugins/libape-backend-example.so"
 	@echo "make mpi-ci     the MPI tests (libape_mpi over mpirun; part of 'make check')"
 	@echo "options: WITH_OPENCL, WITH_CUDA, WITH_HWLOC, WITH_DRM, WITH_MPI, WITH_NVTX = yes|no|auto; V=1 OPT=-O2 BUILD=build"
 
