@@ -33,9 +33,6 @@ static inline void *example_ptr(const struct ape_be_buf *b)
 	return b ? b->data : NULL;
 }
 
-/* The plugin's entry point (example_backend.c): the one symbol libape looks up. */
-APE_PLUGIN_EXPORT const struct ape_backend_plugin *ape_backend_plugin(void);
-
 /*
  * The kernels (example_kernels.c). Each computes a whole launch on the calling thread, in
  * float64, with every visible key (nothing is skipped), and notes its path. They allocate

@@ -112,6 +112,14 @@ extern "C" {
 /* The name of that symbol, for dlsym(). */
 #define APE_BACKEND_PLUGIN_SYMBOL "ape_backend_plugin"
 
+struct ape_backend_plugin;
+
+/* What a plugin exports (its table, valid as long as the shared object is loaded; called once
+ * per context that loads it, from the thread creating the context), and its type for a
+ * loader's dlsym(). */
+APE_PLUGIN_EXPORT const struct ape_backend_plugin *ape_backend_plugin(void);
+typedef const struct ape_backend_plugin *(*ape_backend_plugin_fn)(void);
+
 struct ape_backend; /* a backend as loaded in one context: the core's (ape_be_priv()) */
 struct ape_be_buf; /* device memory: defined by each backend */
 struct ape_be_queue; /* in-order command queue / stream: defined by each backend */
