@@ -61,7 +61,7 @@ ifeq ($(WITH_OPENCL),no)
 HAVE_OPENCL :=
 OPENCL_WHY  := disabled at build time (WITH_OPENCL=no)
 else ifeq ($(OPENCL_PROBE),yes)
-HAVE_OPENCL := $(if $(wildcard opencl/module.mk),yes,)
+HAVE_OPENCL := $(if $(wildcard opencl/backend.mk),yes,)
 OPENCL_WHY  := $(if $(HAVE_OPENCL),,the OpenCL backend is not part of this source tree yet)
 else ifeq ($(WITH_OPENCL),yes)
 $(error WITH_OPENCL=yes but the OpenCL headers or ICD loader are missing: run `make deps`)
@@ -77,7 +77,7 @@ ifeq ($(WITH_CUDA),no)
 HAVE_CUDA :=
 CUDA_WHY  := disabled at build time (WITH_CUDA=no)
 else ifneq ($(and $(NVCC),$(wildcard $(dir $(NVCC))../include/cuda.h)),)
-HAVE_CUDA := $(if $(wildcard cuda/module.mk),yes,)
+HAVE_CUDA := $(if $(wildcard cuda/backend.mk),yes,)
 CUDA_WHY  := $(if $(HAVE_CUDA),,the CUDA backend is not part of this source tree yet)
 else ifeq ($(WITH_CUDA),yes)
 $(error WITH_CUDA=yes but nvcc (or cuda.h next to it) was not found; set NVCC=/path/to/nvcc)
@@ -165,9 +165,16 @@ LIBA     = $(BUILD)/lib/libape.a
 LIBSO    = $(BUILD)/lib/libape.so.$(APE_SOVERSION)
 
 include runtime/module.mk
--include opencl/module.mk
--include cuda/module.mk
+# The backends: every folder with a backend.mk (the reference's: runtime/ref/backend.mk). Each
+# adds its sources to LIB_SRCS and itself to APE_BACKENDS, from which the build generates the
+# registry ($(BUILD)/gen/ape_backends.h, read by runtime/api/registry.c): a backend added to the
+# tree edits its own folder only.
+APE_BACKENDS :=
+include runtime/ref/backend.mk
+include $(sort $(wildcard */backend.mk))
+include runtime/api/backends.mk
 include tools/module.mk
+include examples/backend-plugin/module.mk
 include bench/module.mk
 include tests/module.mk
 # Hardening (issue 7): fuzz targets, fault injection, ThreadSanitizer. Each module appends the
@@ -267,7 +274,7 @@ install: all
 
 clean:
 	rm -rf $(BUILD)/obj $(BUILD)/lib $(BUILD)/bin $(BUILD)/tests $(BUILD)/gen $(BUILD)/asan \
-		$(BUILD)/fuzz $(BUILD)/faults $(BUILD)/tsan $(BUILD)/config.stamp
+		$(BUILD)/fuzz $(BUILD)/faults $(BUILD)/tsan $(BUILD)/plugins $(BUILD)/config.stamp
 
 distclean:
 	rm -rf $(BUILD)
@@ -288,6 +295,8 @@ help:
 	@echo "make faults-ci  allocation- and device-failure injection under ASan (part of 'make check')"
 	@echo "make tsan-ci    the concurrency tests under ThreadSanitizer (part of 'make check')"
 	@echo "make install PREFIX=/usr/local"
+	@echo "make plugin-example  the example backend plugin (docs/backends.md), built against"
+	@echo "                the public headers only: build/plugins/libape-backend-example.so"
 	@echo "make mpi-ci     the MPI tests (libape_mpi over mpirun; part of 'make check')"
 	@echo "options: WITH_OPENCL, WITH_CUDA, WITH_HWLOC, WITH_DRM, WITH_MPI, WITH_NVTX = yes|no|auto; V=1 OPT=-O2 BUILD=build"
 

@@ -19,4 +19,12 @@ bench-log-off: $(BUILD)/bench/log_off
 $(BUILD)/bench/log_off: LDLIBS += -ldl
 $(BUILD)/bench/membw: APP_CFLAGS += -O3 -march=native
 
-.PHONY: bench-bwd bench-diag bench-bwd-resident bench-membw bench-log-off
+# what plugins cost a context's creation: none looked for, the folder searched, one loaded
+bench-plugin-context: $(BUILD)/bench/plugin_context
+$(BUILD)/bench/plugin_context: bench/plugin_context.c bench/bench_util.h $(LIBSO) $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $<"
+	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< -L$(BUILD)/lib -lape \
+		-Wl,-rpath,$(abspath $(BUILD)/lib) $(LDLIBS)
+
+.PHONY: bench-bwd bench-diag bench-bwd-resident bench-membw bench-log-off bench-plugin-context

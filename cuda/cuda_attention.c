@@ -51,11 +51,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/alloc.h"
 #define APE_REAL double
 #include "ape/ape_math.h"
 #include "cu.h"
-#include "core/error.h"
 
 /* The generic kernels for D above 128 (prefill.cu, decode.cu, backward.cu: "g256") are built
  * for every D up to the limit. */
@@ -461,7 +459,7 @@ CUdeviceptr ape__cu_head_params_at(const struct ape_be_launch *l, CUdeviceptr sl
 	return slot;
 }
 
-/* Copies `bytes` of host memory at `copy` (ape__malloc()'ed: this takes it and frees it,
+/* Copies `bytes` of host memory at `copy` (ape_be_malloc()'ed: this takes it and frees it,
  * whatever happens) to dst on q's stream, which frees it once the copy has run. */
 static int upload_owned(struct ape_be_queue *q, CUdeviceptr dst, void *copy, size_t bytes,
 			const char *what)
@@ -488,7 +486,7 @@ static int upload_owned(struct ape_be_queue *q, CUdeviceptr dst, void *copy, siz
 int ape__cu_upload_head_params(struct ape_be_queue *q, const struct ape_be_launch *l, CUdeviceptr dst)
 {
 	const size_t bytes = (size_t)l->H * 4 * sizeof(float);
-	void *copy = ape__malloc(bytes);
+	void *copy = ape_be_malloc(bytes);
 
 	if (!copy)
 		return ape_be_error(APE_ENOMEM, "cuda: out of host memory for %lld heads' parameters",
@@ -517,7 +515,7 @@ static int upload_seg_table(struct ape_be_queue *q, const struct ape_be_launch *
 			    const struct cu_plan *p, int64_t bq, CUdeviceptr dst)
 {
 	const size_t w = APE_PF_SEGW + 1, n = (size_t)p->nseg_tiles;
-	int64_t *t = ape__malloc(n * w * sizeof(int64_t) + 1);
+	int64_t *t = ape_be_malloc(n * w * sizeof(int64_t) + 1);
 	size_t e = 0;
 
 	if (!t)
@@ -550,7 +548,7 @@ static int upload_seg_table(struct ape_be_queue *q, const struct ape_be_launch *
 static int upload_decode_segs(struct ape_be_queue *q, const struct ape_be_launch *l, CUdeviceptr dst)
 {
 	const struct ape__cu_device *cd = ape__cu_dev(q->dev);
-	int64_t *t = ape__malloc((size_t)l->nseg * APE_DC_SEGW * sizeof(int64_t));
+	int64_t *t = ape_be_malloc((size_t)l->nseg * APE_DC_SEGW * sizeof(int64_t));
 	int64_t poff = 0, blk0 = 0;
 
 	if (!t)

@@ -20,8 +20,6 @@
 #include <stdatomic.h>
 #include <string.h>
 
-#include "core/alloc.h"
-#include "core/error.h"
 #include "cu.h"
 #include "kernels/bwd_args.h"
 
@@ -255,7 +253,7 @@ out_leave:
 /* Queue-ordered buffers (core/backend.h, ABI 10): the launches' own stream-ordered scratch. */
 int ape__cu_scratch_buf_alloc(struct ape_be_queue *q, size_t bytes, struct ape_be_buf **out)
 {
-	struct ape_be_buf *b = ape__calloc(1, sizeof(*b));
+	struct ape_be_buf *b = ape_be_calloc(1, sizeof(*b));
 	int ret;
 
 	*out = NULL;

@@ -10,9 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/alloc.h"
 #include "cu.h"
-#include "core/error.h"
 
 /* A GPU through its vendor's own API: chosen before any OpenCL device (ranks: core/backend.h). */
 #define CU_RANK 300
@@ -55,7 +53,7 @@ static int cu_add_device(struct ape_backend *be, const struct ape__cu_driver *dr
 	CUresult res;
 	int ret;
 
-	cd = ape__calloc(1, sizeof(*cd));
+	cd = ape_be_calloc(1, sizeof(*cd));
 	if (!cd)
 		return ape_be_error(APE_ENOMEM, "cuda: out of memory probing devices");
 	if (pthread_mutex_init(&cd->lock, NULL)) {
@@ -125,7 +123,7 @@ static int cu_add_device(struct ape_backend *be, const struct ape__cu_driver *dr
 
 int ape__cu_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 {
-	struct cu_backend *cb = ape__calloc(1, sizeof(*cb));
+	struct cu_backend *cb = ape_be_calloc(1, sizeof(*cb));
 	struct ape__cu_driver *drv;
 	char why[200] = "", nbuf[32], ver[16];
 	const char *text = NULL;

@@ -8,7 +8,6 @@
 #include <stdio.h>
 
 #include "cu.h"
-#include "core/error.h"
 
 /* Names of the results libape maps specially or is likely to meet, for when the driver cannot
  * name a code itself (not loaded, or an older driver meeting a newer code). */

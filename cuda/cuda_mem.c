@@ -21,15 +21,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/alloc.h"
 #include "cu.h"
-#include "core/error.h"
 
 #define DRV(dev) (ape__cu_dev(dev)->drv)
 
 int ape__cu_buf_alloc(struct ape_device *dev, size_t bytes, struct ape_be_buf **out)
 {
-	struct ape_be_buf *b = ape__calloc(1, sizeof(*b));
+	struct ape_be_buf *b = ape_be_calloc(1, sizeof(*b));
 	CUresult r;
 	int ret;
 
@@ -65,7 +63,7 @@ void ape__cu_buf_free(struct ape_device *dev, struct ape_be_buf *buf)
 
 int ape__cu_queue_create(struct ape_device *dev, struct ape_be_queue **out)
 {
-	struct ape_be_queue *q = ape__calloc(1, sizeof(*q));
+	struct ape_be_queue *q = ape_be_calloc(1, sizeof(*q));
 	CUresult r;
 	int ret;
 
@@ -166,7 +164,7 @@ int ape__cu_fill(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, uin
 int ape__cu_event_record(struct ape_be_queue *q, struct ape_be_event **out)
 {
 	const struct ape__cu_driver *drv = DRV(q->dev);
-	struct ape_be_event *e = ape__calloc(1, sizeof(*e));
+	struct ape_be_event *e = ape_be_calloc(1, sizeof(*e));
 	CUresult r;
 	int ret;
 
@@ -395,7 +393,7 @@ int ape__cu_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t byte
 				  "cuda %s: the driver lacks cuMemGetAddressRange: device pointers "
 				  "cannot be checked, so none is wrapped",
 				  dev->info.name);
-	b = ape__calloc(1, sizeof(*b));
+	b = ape_be_calloc(1, sizeof(*b));
 	if (!b)
 		return ape_be_error(APE_ENOMEM, "out of host memory for a buffer");
 	ret = ape__cu_enter(dev);
@@ -444,7 +442,7 @@ int ape__cu_queue_wrap(struct ape_device *dev, void *handle, struct ape_be_queue
 				  "cuda %s: stream %p belongs to context %p, not to the device's "
 				  "primary context %p",
 				  dev->info.name, handle, (void *)sctx, (void *)cd->ctx);
-	q = ape__calloc(1, sizeof(*q));
+	q = ape_be_calloc(1, sizeof(*q));
 	if (!q)
 		return ape_be_error(APE_ENOMEM, "out of memory wrapping a stream");
 	q->dev = dev;

@@ -1,7 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* attention_merge (core/backend.h): kernels/prep.cu's ape_lmerge, one thread per row. */
 #include "cu.h"
-#include "core/error.h"
 
 static uint64_t ptr_of(const struct ape_be_buf *b)
 {

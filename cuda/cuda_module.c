@@ -9,7 +9,6 @@
 #include <string.h>
 
 #include "cu.h"
-#include "core/error.h"
 
 /* the 12 kernels of one kind: head-size variant x storage type, names ending in suf */
 #define VARIANTS_(kind, suf)                                                                       \

@@ -10,7 +10,6 @@
 #include <string.h>
 
 #include "cu.h"
-#include "core/error.h"
 #include "kernels/sep_args.h"
 
 struct sep_plan {

@@ -12,8 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/error.h"
-#include "core/alloc.h"
 #define APE_REAL double
 #include "ape/ape_math.h"
 #include "ocl.h"
@@ -242,12 +240,12 @@ static int seg_tables_make(const struct ape_be_launch *l, int64_t bq, int64_t bk
 		nwg += (size_t)((l->segs[s].lq + bq - 1) / bq);
 		ntk += (size_t)((l->segs[s].lk + bk - 1) / bk);
 	}
-	t->wg = ape__malloc(nwg * SEGT_W * sizeof(cl_long) + 1);
+	t->wg = ape_be_malloc(nwg * SEGT_W * sizeof(cl_long) + 1);
 	/* + 2: ocl_prepass() uploads 16 bytes past the table (a launch with no key tile) */
-	t->kt = ape__calloc(ntk * 2 + 2, sizeof(cl_long));
-	t->st = ape__malloc((size_t)l->nseg * 2 * sizeof(cl_long) + 1);
+	t->kt = ape_be_calloc(ntk * 2 + 2, sizeof(cl_long));
+	t->st = ape_be_malloc((size_t)l->nseg * 2 * sizeof(cl_long) + 1);
 	if (l->pos_k)
-		t->tp = ape__malloc(ntk * 2 * sizeof(cl_long) + 1);
+		t->tp = ape_be_malloc(ntk * 2 * sizeof(cl_long) + 1);
 	if (!t->wg || !t->kt || !t->st || (l->pos_k && !t->tp)) {
 		seg_tables_free(t);
 		return ape_be_error(APE_ENOMEM, "out of host memory for the tables of %lld segments",

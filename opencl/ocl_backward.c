@@ -22,8 +22,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/alloc.h"
-#include "core/error.h"
 #include "kernels/bwd_layout.h"
 #include "ocl.h"
 
@@ -137,7 +135,7 @@ static cl_mem bwd_params(struct ape_be_queue *q, const struct ape_be_launch *f, 
 			 uint64_t *held, cl_int *err)
 {
 	const size_t n = bytes / sizeof(double);
-	double *host = ape__malloc(bytes);
+	double *host = ape_be_malloc(bytes);
 	cl_mem mem;
 
 	if (!host) {
@@ -156,7 +154,7 @@ static cl_mem bwd_params(struct ape_be_queue *q, const struct ape_be_launch *f, 
  * raises it (an atomic max: the result does not depend on the order), in `bytes`. */
 static cl_mem bwd_kmax(const struct ape__ocl_device *od, size_t bytes, uint64_t *held, cl_int *err)
 {
-	int *zero = ape__calloc(bytes, 1);
+	int *zero = ape_be_calloc(bytes, 1);
 	cl_mem mem;
 
 	if (!zero) {

@@ -13,8 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/alloc.h"
-#include "core/error.h"
 #include "ocl_fast.h"
 
 #define DEC_TILE 64 /* kernels/decode.cl */
@@ -200,8 +198,8 @@ cl_mem ape__ocl_fast_params(struct ape_be_queue *q, const struct ape_be_launch *
 		*err = clRetainMemObject(up->mem);
 		return *err == CL_SUCCESS ? up->mem : NULL;
 	}
-	dv = od->fp64 ? ape__malloc(n * sizeof(double)) : NULL;
-	fv = od->fp64 ? NULL : ape__malloc(n * sizeof(float));
+	dv = od->fp64 ? ape_be_malloc(n * sizeof(double)) : NULL;
+	fv = od->fp64 ? NULL : ape_be_malloc(n * sizeof(float));
 	if (!dv && !fv) {
 		*err = CL_OUT_OF_HOST_MEMORY;
 		return NULL;
@@ -337,7 +335,7 @@ int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 						   (size_t)(D + 2) * sizeof(float),
 					NULL, &err);
 	if (part && l->segs) {
-		cl_long *t = ape__malloc((size_t)l->nseg * 8 * sizeof(*t));
+		cl_long *t = ape_be_malloc((size_t)l->nseg * 8 * sizeof(*t));
 
 		if (!t) {
 			ret = ape_be_error(APE_ENOMEM, "out of host memory for the decode's segments");

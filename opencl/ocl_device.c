@@ -11,8 +11,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "core/error.h"
-#include "core/alloc.h"
 #include "ocl.h"
 
 /* Vendor queries for the PCI address, defined here because older headers lack them. */
@@ -75,7 +73,7 @@ static int ocl_has_ext(cl_device_id id, const char *ext)
 
 	if (clGetDeviceInfo(id, CL_DEVICE_EXTENSIONS, 0, NULL, &n) != CL_SUCCESS || n == 0)
 		return 0;
-	s = ape__malloc(n + 1);
+	s = ape_be_malloc(n + 1);
 	if (!s)
 		return 0;
 	if (clGetDeviceInfo(id, CL_DEVICE_EXTENSIONS, n, s, NULL) == CL_SUCCESS) {
@@ -178,7 +176,7 @@ static int ocl_add_device(struct ape_backend *be, cl_platform_id plat, cl_device
 	cl_int err;
 	int rank, ret;
 
-	od = ape__calloc(1, sizeof(*od));
+	od = ape_be_calloc(1, sizeof(*od));
 	if (!od)
 		return ape_be_error(APE_ENOMEM, "opencl: out of memory probing devices");
 	if (ocl_dev_locks(od)) {
@@ -381,7 +379,7 @@ static int ocl_import_check(cl_context c, cl_device_id id)
 				  "opencl: ape_context_options.opencl_context %p: clGetContextInfo "
 				  "(CL_CONTEXT_DEVICES): %s (%d)",
 				  (void *)c, err ? ape__ocl_err_name(err) : "no device", (int)err);
-	devs = ape__malloc(n);
+	devs = ape_be_malloc(n);
 	if (!devs)
 		return ape_be_error(APE_ENOMEM, "opencl: out of memory probing devices");
 	err = clGetContextInfo(c, CL_CONTEXT_DEVICES, n, devs, NULL);
@@ -459,7 +457,7 @@ int ape__ocl_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 		np = 0;
 		goto out_import;
 	}
-	plats = ape__calloc(np, sizeof(*plats));
+	plats = ape_be_calloc(np, sizeof(*plats));
 	if (!plats)
 		return ape_be_error(APE_ENOMEM, "opencl: out of memory probing platforms");
 	err = clGetPlatformIDs(np, plats, NULL);
@@ -478,7 +476,7 @@ int ape__ocl_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 				ocl_explain_no_device(plats[p], why, sizeof(why));
 			continue;
 		}
-		devs = ape__calloc(nd, sizeof(*devs));
+		devs = ape_be_calloc(nd, sizeof(*devs));
 		if (!devs) {
 			ret = ape_be_error(APE_ENOMEM, "opencl: out of memory probing devices");
 			break;

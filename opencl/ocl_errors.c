@@ -7,7 +7,6 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-#include "core/error.h"
 #include "ocl.h"
 
 /* By number, not by macro: the 2.x/3.0 names are not declared for CL_TARGET_OPENCL_VERSION 120,

@@ -13,8 +13,6 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "core/error.h"
-#include "core/alloc.h"
 #include "ocl.h"
 
 static struct ape__ocl_timeline *tl_get(struct ape__ocl_timeline *tl)
@@ -74,7 +72,7 @@ int ape__ocl_track(struct ape_be_queue *q, cl_event ev)
 		tl_prune(tl);
 	if (tl->n == tl->cap) {
 		size_t cap = tl->cap ? 2 * tl->cap : 16;
-		cl_event *e = ape__realloc(tl->ev, cap * sizeof(*e));
+		cl_event *e = ape_be_realloc(tl->ev, cap * sizeof(*e));
 
 		if (!e) {
 			/* keep the command's own reference alive until the queue is done */
@@ -123,7 +121,7 @@ static int huge_buffer(const struct ape__ocl_device *od, size_t bytes, cl_mem *m
 	static atomic_uint turn;
 	const size_t shift = (size_t)(atomic_fetch_add(&turn, 1) % 8) * (HUGE_PAGE / 8 + 4096 + 64);
 
-	if (ape__posix_memalign(&host, HUGE_PAGE, span + HUGE_PAGE))
+	if (ape_be_posix_memalign(&host, HUGE_PAGE, span + HUGE_PAGE))
 		return ape_be_error(APE_ENOMEM, "out of host memory for a buffer of %zu bytes", bytes);
 	(void)madvise(host, span + HUGE_PAGE, MADV_HUGEPAGE);
 	*mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR, bytes,
@@ -151,7 +149,7 @@ int ape__ocl_buf_alloc(struct ape_device *dev, size_t bytes, struct ape_be_buf *
 				  "clCreateBuffer (%zu bytes): CL_INVALID_BUFFER_SIZE: more than "
 				  "CL_DEVICE_MAX_MEM_ALLOC_SIZE (%llu bytes)",
 				  bytes, (unsigned long long)od->max_alloc);
-	b = ape__calloc(1, sizeof(*b));
+	b = ape_be_calloc(1, sizeof(*b));
 	if (!b)
 		return ape_be_error(APE_ENOMEM, "out of host memory for a buffer");
 	if ((ret = huge_buffer(od, bytes, &b->mem))) {
@@ -265,7 +263,7 @@ int ape__ocl_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t byt
 				  kind == APE_BE_MEM_CUDA ? "CUDA device memory (APE_BE_MEM_CUDA)"
 							: "memory of an unknown kind");
 	}
-	b = ape__calloc(1, sizeof(*b));
+	b = ape_be_calloc(1, sizeof(*b));
 	if (!b) {
 		clReleaseMemObject(mem);
 		return ape_be_error(APE_ENOMEM, "out of host memory for a buffer");
@@ -306,10 +304,10 @@ int ape__ocl_queue_create(struct ape_device *dev, struct ape_be_queue **out)
 	cl_int err;
 
 	*out = NULL;
-	q = ape__calloc(1, sizeof(*q));
+	q = ape_be_calloc(1, sizeof(*q));
 	if (!q)
 		return ape_be_error(APE_ENOMEM, "out of memory creating a queue");
-	q->tl = ape__calloc(1, sizeof(*q->tl));
+	q->tl = ape_be_calloc(1, sizeof(*q->tl));
 	if (!q->tl) {
 		free(q);
 		return ape_be_error(APE_ENOMEM, "out of memory creating a queue");
@@ -367,9 +365,9 @@ int ape__ocl_queue_wrap(struct ape_device *dev, void *handle, struct ape_be_queu
 				  "(CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE): libape orders its "
 				  "work by the queue's order, so it needs an in-order queue",
 				  handle);
-	q = ape__calloc(1, sizeof(*q));
+	q = ape_be_calloc(1, sizeof(*q));
 	if (q)
-		q->tl = ape__calloc(1, sizeof(*q->tl));
+		q->tl = ape_be_calloc(1, sizeof(*q->tl));
 	if (!q || !q->tl) {
 		free(q);
 		return ape_be_error(APE_ENOMEM, "out of memory wrapping a queue");
@@ -450,7 +448,7 @@ int ape__ocl_copy_d2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t dst
 
 int ape__ocl_event_record(struct ape_be_queue *q, struct ape_be_event **out)
 {
-	struct ape_be_event *e = ape__calloc(1, sizeof(*e));
+	struct ape_be_event *e = ape_be_calloc(1, sizeof(*e));
 	cl_int err;
 
 	*out = NULL;

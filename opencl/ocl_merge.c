@@ -2,7 +2,6 @@
 /* attention_merge (core/backend.h): kernels/attention.cl's ape_merge, one work-item per row. */
 #include <string.h>
 
-#include "core/error.h"
 #include "ocl.h"
 
 int ape__ocl_attention_merge(struct ape_be_queue *q, const struct ape_be_merge *m)

@@ -20,9 +20,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/progcache.h"
-#include "core/alloc.h"
-#include "core/error.h"
 #include "ocl.h"
 #include "ocl_fast.h"
 
@@ -142,15 +139,15 @@ static pthread_once_t ocl_src_once = PTHREAD_ONCE_INIT;
 
 static void ocl_src_hash_init(void)
 {
-	uint64_t h = APE__FNV_OFFSET;
+	uint64_t h = APE_BE_HASH64_INIT;
 
-	h = ape__fnv1a64(ocl_prelude, strlen(ocl_prelude), h);
-	h = ape__fnv1a64(ape__ocl_src_math, strlen(ape__ocl_src_math), h);
-	h = ape__fnv1a64(ape__ocl_src_attention, strlen(ape__ocl_src_attention), h);
-	h = ape__fnv1a64(ape__ocl_src_bwd_layout, strlen(ape__ocl_src_bwd_layout), h);
-	h = ape__fnv1a64(ape__ocl_src_backward, strlen(ape__ocl_src_backward), h);
-	h = ape__fnv1a64(ape__ocl_src_decode, strlen(ape__ocl_src_decode), h);
-	h = ape__fnv1a64(ape__ocl_src_separable, strlen(ape__ocl_src_separable), h);
+	h = ape_be_hash64(ocl_prelude, strlen(ocl_prelude), h);
+	h = ape_be_hash64(ape__ocl_src_math, strlen(ape__ocl_src_math), h);
+	h = ape_be_hash64(ape__ocl_src_attention, strlen(ape__ocl_src_attention), h);
+	h = ape_be_hash64(ape__ocl_src_bwd_layout, strlen(ape__ocl_src_bwd_layout), h);
+	h = ape_be_hash64(ape__ocl_src_backward, strlen(ape__ocl_src_backward), h);
+	h = ape_be_hash64(ape__ocl_src_decode, strlen(ape__ocl_src_decode), h);
+	h = ape_be_hash64(ape__ocl_src_separable, strlen(ape__ocl_src_separable), h);
 	ocl_src_hash = h;
 }
 
@@ -182,7 +179,7 @@ static void ocl_build_log(const struct ape__ocl_device *od, cl_program prog, cha
 		    CL_SUCCESS)
 			buf[0] = '\0';
 	} else {
-		char *all = ape__malloc(n);
+		char *all = ape_be_malloc(n);
 
 		if (all && clGetProgramBuildInfo(prog, od->id, CL_PROGRAM_BUILD_LOG, n, all,
 						 NULL) == CL_SUCCESS)
@@ -245,10 +242,10 @@ static cl_program ocl_from_cache(struct ape__ocl_device *od, const char *key, co
 	size_t len;
 	cl_int err, status;
 	cl_program prog;
-	int ret = ape__progcache_load(key, &blob, &len);
+	int ret = ape_be_cache_load(key, &blob, &len);
 
-	if (ret != APE__CACHE_HIT) {
-		if (ret == APE__CACHE_CORRUPT || ret == APE__CACHE_UNTRUSTED) {
+	if (ret != APE_BE_CACHE_HIT) {
+		if (ret == APE_BE_CACHE_REJECTED) {
 			ocl_count(od, &od->counters.cache_rejects);
 			if (refused)
 				*refused = true;
@@ -281,17 +278,17 @@ static void ocl_to_cache(struct ape__ocl_device *od, cl_program prog, const char
 	size_t len = 0;
 	unsigned char *bin;
 
-	if (ape__progcache_usable())
+	if (!ape_be_cache_usable())
 		return;
 	if (clGetProgramInfo(prog, CL_PROGRAM_BINARY_SIZES, sizeof(len), &len, NULL) !=
 		    CL_SUCCESS ||
 	    len == 0)
 		return;
-	bin = ape__malloc(len);
+	bin = ape_be_malloc(len);
 	if (!bin)
 		return;
 	if (clGetProgramInfo(prog, CL_PROGRAM_BINARIES, sizeof(bin), &bin, NULL) == CL_SUCCESS &&
-	    ape__progcache_store(key, bin, len) == 0)
+	    ape_be_cache_store(key, bin, len) == 0)
 		ocl_count(od, &od->counters.cache_writes);
 	free(bin);
 }
@@ -349,7 +346,7 @@ static int ocl_build(struct ape_device *dev, int v)
 		prog = od->progs[v].cache_refused ? NULL : ocl_from_cache(od, key, opts, &t, NULL);
 		od->progs[v].cache_refused = false;
 		if (prog) {
-			ape__progcache_touch(key); /* used: the next process preloads it */
+			ape_be_cache_touch(key); /* used: the next process preloads it */
 			break;
 		}
 		ret = ocl_from_source(dev, v, opts, &t, &prog);
@@ -433,7 +430,7 @@ void ape__ocl_program_preload(struct ape__ocl_device *od)
 
 		for (int v = 0; v < APE__OCL_NVARIANTS; v++) {
 			ocl_first_key(od, v, &t, opts, sizeof(opts), key, sizeof(key));
-			if (ape__progcache_used(key, &when))
+			if (!ape_be_cache_used(key, &when))
 				continue;
 			if (pick < 0 || when.tv_sec > best.tv_sec ||
 			    (when.tv_sec == best.tv_sec && when.tv_nsec > best.tv_nsec)) {

@@ -26,10 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/alloc.h"
 #define APE_REAL double
 #include "ape/ape_math.h"
-#include "core/error.h"
 #include "ocl_fast.h"
 
 #define SEP_BQ 16 /* kernels/separable.cl */
@@ -306,11 +304,11 @@ static int sep_plan_make(const struct ape_be_launch *l, int nwi, struct sep_plan
 	pl->ixt = pl->Lqp / SEP_BQ;
 	pl->ixw = pl->ixt + pl->Lkp / SEP_BK;
 	pl->ixs = pl->ixw + 2 * pl->nwork;
-	pl->sg = ape__malloc(sep_sg_bytes(pl));
-	pl->ix = ape__malloc(sep_ix_bytes(pl) + sizeof(cl_int));
+	pl->sg = ape_be_malloc(sep_sg_bytes(pl));
+	pl->ix = ape_be_malloc(sep_ix_bytes(pl) + sizeof(cl_int));
 	if (ragged) {
-		u = ape__malloc((size_t)pl->nwork * sizeof(*u) + 1);
-		iv = ape__malloc((size_t)(pl->nseg + 1) * sizeof(*iv));
+		u = ape_be_malloc((size_t)pl->nwork * sizeof(*u) + 1);
+		iv = ape_be_malloc((size_t)(pl->nseg + 1) * sizeof(*iv));
 	}
 	if (!pl->sg || !pl->ix || (ragged && (!u || !iv))) {
 		free(u);

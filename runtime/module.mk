@@ -6,7 +6,8 @@
 #   exec/  the executor: planner, streams, merge, multi-device -> topo, core
 #   topo/  devices, topology, NUMA placement, host memory      -> core
 #   core/  errors, allocation, the backend contract, the math shared with the kernels
-#   ref/   the reference backend (a backend like opencl/ and cuda/)  -> core
+#   ref/   the reference backend (a backend like opencl/ and cuda/; its backend.mk is read by
+#          the top Makefile with theirs)                    -> core
 APE_SOVERSION   := $(shell sed -n 's/^\#define APE_VERSION_MAJOR \([0-9]*\)/\1/p' include/ape/ape.h)
 APE_VERSION_STR := $(shell sed -n 's/^\#define APE_VERSION_\(MAJOR\|MINOR\|PATCH\) \([0-9]*\).*/\2/p' include/ape/ape.h | paste -sd.)
 
@@ -14,4 +15,3 @@ include runtime/core/module.mk
 include runtime/topo/module.mk
 include runtime/exec/module.mk
 include runtime/api/module.mk
-include runtime/ref/module.mk

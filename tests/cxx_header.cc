@@ -19,8 +19,6 @@ static int cxx_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 // APE_BACKEND_PLUGIN_HEAD)
 static struct ape_backend_plugin cxx_table;
 
-extern "C" APE_PLUGIN_EXPORT const struct ape_backend_plugin *ape_backend_plugin(void);
-
 const struct ape_backend_plugin *ape_backend_plugin(void)
 {
 	cxx_table.abi_major = APE_BACKEND_ABI_MAJOR;

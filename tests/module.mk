@@ -36,6 +36,17 @@ $(BUILD)/tests/test_example: $(EXAMPLE)
 $(BUILD)/tests-obj/tests/test_example.o: TEST_CFLAGS += \
 	-DAPE_MAKE_OVERRIDES='"$(subst ',,$(subst ",\",$(subst \,\\,$(MAKEOVERRIDES))))"'
 
+# tests/test_plugin_example.c loads the example backend plugin (examples/backend-plugin/module.mk)
+# with dlopen(); -rdynamic exports this program's libape (the static library) to it, so that the
+# services the plugin calls (ape_be_*) are this libape's, not those of the libape.so its run path
+# also loads.
+$(BUILD)/tests/test_plugin_example: $(PLUGIN_EXAMPLE)
+$(BUILD)/tests/test_plugin_example: private LDFLAGS += -rdynamic
+# It also builds the plugin as docs/backends.md says, against `make install` of this tree (with
+# this make's variables, as test_example does).
+$(BUILD)/tests-obj/tests/test_plugin_example.o: TEST_CFLAGS += \
+	-DAPE_MAKE_OVERRIDES='"$(subst ',,$(subst ",\",$(subst \,\\,$(MAKEOVERRIDES))))"'
+
 # The public headers (ape.h, ape_dlpack.h, ape_backend.h) must compile as C++ (warnings as errors,
 # pedantic).
 CXX ?= g++

@@ -112,6 +112,14 @@ extern "C" {
 /* The name of that symbol, for dlsym(). */
 #define APE_BACKEND_PLUGIN_SYMBOL "ape_backend_plugin"
 
+struct ape_backend_plugin;
+
+/* What a plugin exports (its table, valid as long as the shared object is loaded; called once
+ * per context that loads it, from the thread creating the context), and its type for a
+ * loader's dlsym(). */
+APE_PLUGIN_EXPORT const struct ape_backend_plugin *ape_backend_plugin(void);
+typedef const struct ape_backend_plugin *(*ape_backend_plugin_fn)(void);
+
 struct ape_backend; /* a backend as loaded in one context: the core's (ape_be_priv()) */
 struct ape_be_buf; /* device memory: defined by each backend */
 struct ape_be_queue; /* in-order command queue / stream: defined by each backend */
@@ -980,6 +988,50 @@ APE_API void ape_be_warn(const char *fmt, ...)
 	__attribute__((format(printf, 1, 2)))
 #endif
 	;
+
+/*
+ * Host memory for a backend's own objects, as malloc(), calloc(), realloc() and
+ * posix_memalign() (free it with free() or ape_be_free()): counted by libape's fault injection
+ * (builds with -DAPE_FAULT_INJECT fail the n-th allocation), so that `make faults-ci` reaches a
+ * backend's failure paths too.
+ */
+APE_API void *ape_be_malloc(size_t n);
+APE_API void *ape_be_calloc(size_t n, size_t size);
+APE_API void *ape_be_realloc(void *p, size_t n);
+APE_API int ape_be_posix_memalign(void **p, size_t align, size_t n);
+APE_API void ape_be_free(void *p);
+
+/* The 16-bit storage types (APE_F16, APE_BF16) and float32, as every backend converts them:
+ * rounded to nearest even, NaN kept a NaN, as ape_convert() does. */
+APE_API float ape_be_f16_to_f32(uint16_t h);
+APE_API uint16_t ape_be_f32_to_f16(float f);
+APE_API float ape_be_bf16_to_f32(uint16_t b);
+APE_API uint16_t ape_be_f32_to_bf16(float f);
+
+/* CLOCK_MONOTONIC in milliseconds (event times of a backend without device timestamps). */
+APE_API double ape_be_now_ms(void);
+
+/*
+ * The compiled-program cache (docs/cache.md: a folder of the user's, APE_NO_CACHE=1 disables
+ * it), for a backend whose kernels are compiled at run time: entries keyed by a string the
+ * backend builds from everything the binary depends on (device, driver, sources, options;
+ * ape_be_hash64() hashes them: FNV-1a 64 of n bytes continuing from h, starting from
+ * APE_BE_HASH64_INIT). ape_be_cache_load() returns APE_BE_CACHE_HIT with *blob (free it) and
+ * *len set, APE_BE_CACHE_MISS, or APE_BE_CACHE_REJECTED (an entry was there but corrupt or not
+ * trusted: rebuild and store again); *blob NULL otherwise. ape_be_cache_store() returns 0 or
+ * why nothing was written (nonzero); ape_be_cache_usable() whether a store may succeed (check
+ * it before expensive work only a store needs); ape_be_cache_touch() marks an entry used now,
+ * ape_be_cache_used() tells when it last was (false: no entry). All best effort and thread-safe.
+ */
+#define APE_BE_HASH64_INIT 0xcbf29ce484222325ull
+enum { APE_BE_CACHE_HIT = 0, APE_BE_CACHE_MISS = 1, APE_BE_CACHE_REJECTED = 2 };
+struct timespec;
+APE_API uint64_t ape_be_hash64(const void *p, size_t n, uint64_t h);
+APE_API int ape_be_cache_load(const char *key, void **blob, size_t *len);
+APE_API int ape_be_cache_store(const char *key, const void *blob, size_t len);
+APE_API bool ape_be_cache_usable(void);
+APE_API void ape_be_cache_touch(const char *key);
+APE_API bool ape_be_cache_used(const char *key, struct timespec *when);
 
 #ifdef __cplusplus
 }

@@ -1,38 +1,25 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The one place that knows which backends were compiled in. The Makefile defines APE_HAVE_<NAME>
- * for each backend it built and APE_<NAME>_NOT_BUILT with the reason for each it did not, so that
- * ape-info can say "cuda: not built into this libape (nvcc not found at build time)".
+ * The one place that knows which backends were compiled in: the list the build generates from
+ * every backend.mk (runtime/api/backends.mk), in probe order, each built or not with the reason,
+ * so that ape-info can say "cuda: not built into this libape (nvcc not found at build time)".
+ * Plugins found at run time come after these (runtime/api/context.c).
  */
 #include "api/registry.h"
 
-extern const struct ape_backend_plugin ape__ref_ops;
-#ifdef APE_HAVE_OPENCL
-extern const struct ape_backend_plugin ape__opencl_ops;
-#endif
-#ifdef APE_HAVE_CUDA
-extern const struct ape_backend_plugin ape__cuda_ops;
-#endif
-
-#ifndef APE_OPENCL_NOT_BUILT
-#define APE_OPENCL_NOT_BUILT "not built into this libape"
-#endif
-#ifndef APE_CUDA_NOT_BUILT
-#define APE_CUDA_NOT_BUILT "not built into this libape"
-#endif
+/* each built backend's table */
+#define APE_BACKEND_BUILT(name, ops) extern const struct ape_backend_plugin ops;
+#define APE_BACKEND_NOT_BUILT(name, why)
+#include "ape_backends.h"
+#undef APE_BACKEND_BUILT
+#undef APE_BACKEND_NOT_BUILT
 
 static const struct ape__registry_entry registry[] = {
-#ifdef APE_HAVE_CUDA
-	{ "cuda", &ape__cuda_ops, NULL },
-#else
-	{ "cuda", NULL, APE_CUDA_NOT_BUILT },
-#endif
-#ifdef APE_HAVE_OPENCL
-	{ "opencl", &ape__opencl_ops, NULL },
-#else
-	{ "opencl", NULL, APE_OPENCL_NOT_BUILT },
-#endif
-	{ "ref", &ape__ref_ops, NULL },
+#define APE_BACKEND_BUILT(name, ops) { #name, &ops, NULL },
+#define APE_BACKEND_NOT_BUILT(name, why) { #name, NULL, why },
+#include "ape_backends.h"
+#undef APE_BACKEND_BUILT
+#undef APE_BACKEND_NOT_BUILT
 };
 
 const struct ape__registry_entry *ape__registry(int *count)

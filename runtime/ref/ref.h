@@ -4,7 +4,6 @@
 #define APE_REF_H
 
 #include "ape/ape_backend.h"
-#include "core/half.h"
 
 #pragma GCC visibility push(hidden)
 
@@ -13,9 +12,9 @@ static inline double ape__ref_load(const void *base, ape_dtype t, int64_t i)
 {
 	switch (t) {
 	case APE_F16:
-		return ape__f16_to_f32(((const uint16_t *)base)[i]);
+		return ape_be_f16_to_f32(((const uint16_t *)base)[i]);
 	case APE_BF16:
-		return ape__bf16_to_f32(((const uint16_t *)base)[i]);
+		return ape_be_bf16_to_f32(((const uint16_t *)base)[i]);
 	case APE_F32:
 		break;
 	}

@@ -9,18 +9,16 @@
 
 #define APE_REAL double
 #include "ape/ape_math.h"
-#include "core/half.h"
-#include "core/limits.h"
 #include "ref.h"
 
 static void store(void *base, ape_dtype t, int64_t i, double x)
 {
 	switch (t) {
 	case APE_F16:
-		((uint16_t *)base)[i] = ape__f32_to_f16((float)x);
+		((uint16_t *)base)[i] = ape_be_f32_to_f16((float)x);
 		return;
 	case APE_BF16:
-		((uint16_t *)base)[i] = ape__f32_to_bf16((float)x);
+		((uint16_t *)base)[i] = ape_be_f32_to_bf16((float)x);
 		return;
 	case APE_F32:
 		break;

@@ -13,10 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/error.h"
-#include "core/alloc.h"
-#include "core/clock.h"
-#include "core/half.h"
 #include "ref.h"
 
 #define APE_REAL double
@@ -75,7 +71,7 @@ static int ref_alloc(size_t bytes, struct ape_be_buf **out)
 	*out = NULL;
 	if (bytes > SIZE_MAX - sizeof(*b) - 64)
 		return ape_be_error(APE_ENOMEM, "%zu bytes is more than memory can hold", bytes);
-	b = ape__malloc(sizeof(*b) + bytes);
+	b = ape_be_malloc(sizeof(*b) + bytes);
 	if (!b)
 		return ape_be_error(APE_ENOMEM, "out of host memory allocating %zu bytes", bytes);
 	b->size = bytes;
@@ -104,7 +100,7 @@ static int ref_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t b
 		return ape_be_error(APE_ENOTSUP,
 				  "the reference computes on host memory only, not on %s memory",
 				  kind == APE_BE_MEM_OPENCL ? "OpenCL" : "CUDA");
-	b = ape__malloc(sizeof(*b));
+	b = ape_be_malloc(sizeof(*b));
 	if (!b)
 		return ape_be_error(APE_ENOMEM, "out of host memory");
 	b->size = bytes;
@@ -123,7 +119,7 @@ static void ref_buf_free(struct ape_device *dev, struct ape_be_buf *buf)
 
 static int ref_queue_create(struct ape_device *dev, struct ape_be_queue **out)
 {
-	struct ape_be_queue *q = ape__calloc(1, sizeof(*q));
+	struct ape_be_queue *q = ape_be_calloc(1, sizeof(*q));
 
 	*out = NULL;
 	if (!q)
@@ -172,13 +168,13 @@ static int ref_fill(struct ape_be_queue *q, struct ape_be_buf *dst, size_t off, 
 
 static int ref_event_record(struct ape_be_queue *q, struct ape_be_event **out)
 {
-	struct ape_be_event *e = ape__malloc(sizeof(*e));
+	struct ape_be_event *e = ape_be_malloc(sizeof(*e));
 
 	*out = NULL;
 	if (!e)
 		return ape_be_error(APE_ENOMEM, "out of host memory");
 	e->dev = q->dev;
-	e->ms = ape__now_ms();
+	e->ms = ape_be_now_ms();
 	*out = e;
 	return 0;
 }
@@ -272,10 +268,10 @@ static double ref_load(const unsigned char *p, int t)
 	switch (t) {
 	case APE_BE_E_F16:
 		memcpy(&h, p, 2);
-		return ape__f16_to_f32(h);
+		return ape_be_f16_to_f32(h);
 	case APE_BE_E_BF16:
 		memcpy(&h, p, 2);
-		return ape__bf16_to_f32(h);
+		return ape_be_bf16_to_f32(h);
 	case APE_BE_E_F64:
 		memcpy(&d, p, 8);
 		return d;
@@ -292,11 +288,11 @@ static void ref_store(unsigned char *p, int t, double x)
 
 	switch (t) {
 	case APE_BE_E_F16:
-		h = ape__f32_to_f16(f);
+		h = ape_be_f32_to_f16(f);
 		memcpy(p, &h, 2);
 		break;
 	case APE_BE_E_BF16:
-		h = ape__f32_to_bf16(f);
+		h = ape_be_f32_to_bf16(f);
 		memcpy(p, &h, 2);
 		break;
 	case APE_BE_E_F64:

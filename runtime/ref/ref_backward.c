@@ -17,10 +17,7 @@
 #include <string.h>
 
 #define APE_REAL double
-#include "core/alloc.h"
 #include "ape/ape_math.h"
-#include "core/error.h"
-#include "core/limits.h"
 #include "ref.h"
 
 /* What each row needs, computed once: sigma, alpha and Dl_i = dO_i . O_i over the whole row. */
@@ -252,7 +249,7 @@ int ape__ref_backward(const struct ape_be_bwd_launch *l, const struct ape__ref_b
 		c.ia[p] = f->layout == APE_ROPE_HALF ? p : 2 * p;
 		c.ib[p] = f->layout == APE_ROPE_HALF ? p + c.P : 2 * p + 1;
 	}
-	c.rows = ape__malloc(sizeof(*c.rows) * (size_t)(nrows ? nrows : 1));
+	c.rows = ape_be_malloc(sizeof(*c.rows) * (size_t)(nrows ? nrows : 1));
 	if (!c.rows)
 		return ape_be_error(APE_ENOMEM, "out of host memory for the row table of %" PRId64
 					      " rows", nrows);

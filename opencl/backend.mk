@@ -1,6 +1,11 @@
 # The OpenCL backend: contributes only when the Makefile found the headers and the ICD loader
-# (HAVE_OPENCL=yes; it then defines APE_HAVE_OPENCL everywhere, so the registry lists it).
+# (HAVE_OPENCL=yes; it then defines APE_HAVE_OPENCL everywhere, for the tests). Its registry
+# entry (runtime/api/backends.mk) either way: probed after CUDA, before the reference.
+APE_BACKENDS += 20:opencl
+APE_BACKEND_opencl_OPS := $(if $(filter yes,$(HAVE_OPENCL)),ape__opencl_ops)
+APE_BACKEND_opencl_WHY := $(OPENCL_WHY)
 ifeq ($(HAVE_OPENCL),yes)
+CPPFLAGS += -DAPE_HAVE_OPENCL
 OPENCL_SRCS := $(wildcard opencl/ocl_*.c)
 LIB_SRCS    += $(OPENCL_SRCS)
 LIB_ASM     += opencl/kernels_embed.S

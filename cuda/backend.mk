@@ -1,5 +1,6 @@
 # The CUDA backend: contributes only when the Makefile found nvcc and cuda.h (HAVE_CUDA=yes; it
-# then defines APE_HAVE_CUDA everywhere, so the registry lists it).
+# then defines APE_HAVE_CUDA everywhere, for the tests). Its registry entry (runtime/api/backends.mk)
+# either way: probed first.
 #
 # The host code includes the toolkit's cuda.h for types only and loads libcuda.so.1 at run time
 # (cuda_loader.c): the library links -ldl, never -lcuda, and runs where no driver is installed.
@@ -7,7 +8,11 @@
 # sm_90a machine code plus compute_90 PTX, and embedded with .incbin (fatbin_embed.S). Every
 # build compiles them with warnings as errors, and cuda/check_ptxas.sh fails the build when a hot
 # kernel spills registers or uses a local-memory stack frame (report: $(CUDA_GEN)/ptxas.txt).
+APE_BACKENDS += 10:cuda
+APE_BACKEND_cuda_OPS := $(if $(filter yes,$(HAVE_CUDA)),ape__cuda_ops)
+APE_BACKEND_cuda_WHY := $(CUDA_WHY)
 ifeq ($(HAVE_CUDA),yes)
+CPPFLAGS += -DAPE_HAVE_CUDA
 CUDA_INC   := $(abspath $(dir $(NVCC))../include)
 CUDA_GEN   := $(BUILD)/gen/cuda
 CUDA_SRCS  := $(wildcard cuda/cuda_*.c)
