@@ -121,3 +121,7 @@ endif
 ifeq ($(HAVE_CUDA),yes)
 $(BUILD)/tests/test_nvtx: $(CUDA_EMU)
 endif
+
+# tests/test_ape_check.c certifies the example backend plugin with `ape-check --plugin` (the
+# emulated CUDA device runs the same suite in tests/test_tools.c).
+$(BUILD)/tests/test_ape_check: $(PLUGIN_EXAMPLE)

@@ -12,7 +12,7 @@
  * "Gradients" tolerances. Then the other groups (tools/check/): ragged batches, the
  * diagnostics, the KV cache, pool and caller's pages, the device-resident calls, determinism
  * and failure behaviour. A call a backend does not do (APE_ENOTSUP naming the device) is "not
- * claimed", no failure. Every cell is recorded (tools/check/report.c) for the summary table and
+ * claimed", no failure, but for the dense forward, which every backend must compute. Every cell is recorded (tools/check/report.c) for the summary table and
  * the JSON. Exits 0 when every cell claimed passed, 1 when one failed (a device failing a call,
  * a plugin refused), 2 on bad usage, 3 when --backend names a backend with no device here.
  */

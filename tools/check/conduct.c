@@ -186,7 +186,7 @@ static int same_bits_ragged(const struct check_env *env)
 			r = ape_attention_forward_varlen(env->devs[d], &desc, &vl, &hq, &hk, &hv, &ob,
 							 b[1], NULL);
 		if (r)
-			check_add_error(CHECK_DETERMINISM, name, d, env->devs[d], r, false);
+			check_add_error(CHECK_DETERMINISM, name, d, env->devs[d], r, true);
 		else
 			same_bits(name, d, 2, a, b, bytes, labels);
 	}
@@ -484,7 +484,7 @@ static void full_cache(const struct check_env *env, const struct check_qkv *x, i
 	opts.capacity_tokens = 16;
 	check_seed_desc(&desc);
 	if ((r = ape_kv_cache_create(dev, &opts, &cache))) {
-		check_add_error(CHECK_FAILURES, name, d, dev, r, false);
+		check_add_error(CHECK_FAILURES, name, d, dev, r, true);
 		return;
 	}
 	ape_tensor_init(&k, x->k, APE_F32, FB, FHKV, 10, FD);
@@ -498,7 +498,7 @@ static void full_cache(const struct check_env *env, const struct check_qkv *x, i
 	if (!r)
 		r = ape_kv_cache_append(cache, &k, &v);
 	if (r) {
-		check_add_error(CHECK_FAILURES, name, d, dev, r, false);
+		check_add_error(CHECK_FAILURES, name, d, dev, r, true);
 		ape_kv_cache_destroy(cache);
 		return;
 	}

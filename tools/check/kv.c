@@ -4,10 +4,11 @@
  * each device and on the reference, every attend's O and LSE compared at the spec's tolerances:
  * a KV cache (a chunked prefill, then decode steps, then the diagnostics over the cache), a KV
  * pool (sequences at their own positions in awkward pages, a fork whose shared page is copied on
- * write, a batch append, one ragged attend), and the caller's pages (ape_paged_kv over device
- * buffers through a CSR page table whose sequences share a page). The KV cache and pool run on
- * any device; the caller's pages need strided device copies (APE_ENOTSUP: not claimed), the
- * diagnostics their capability.
+ * write, a batch append, an attend of the fork alone and one ragged attend of every sequence),
+ * and the caller's pages (ape_paged_kv over device buffers through a CSR page table whose
+ * sequences share a page). A call the device cannot do (the pool's ragged attend needs ragged
+ * launches, the caller's pages strided device copies, the diagnostics their capability)
+ * answers APE_ENOTSUP naming the device: not claimed.
  */
 #include <math.h>
 #include <stdio.h>
@@ -155,7 +156,7 @@ static int check_kv_cache(const struct check_env *env)
 		r = kc_run(env->devs[d], dt, &k, &v, qs, got, &dret);
 		if (r) {
 			check_add_error(CHECK_KV, "kv_cache_prefill_decode_f16", d, env->devs[d], r,
-					false);
+					true);
 		} else {
 			for (int s = 0; s < 5; s++)
 				kv_errors(&got[s], &want[s], (size_t)(KC_B * KC_H * rows[s]), KC_D,
@@ -221,14 +222,20 @@ static int kp_append(ape_kv_pool *pool, int64_t id, const void *k, const void *v
 	return ape_kv_pool_append(pool, id, &tk, &tv);
 }
 
+/*
+ * The pool's operations on dev, then two attends: two rows of the fork D alone (one sequence:
+ * any device), into out[0], and the ragged batch of every sequence, into out[1], whose code
+ * goes to *batch_ret (a device without ragged launches answers APE_ENOTSUP). Returns the first
+ * failure of the rest.
+ */
 static int kp_run(ape_device *dev, ape_dtype dt, const void *k, const void *v, void *q,
-		  struct kv_out *out)
+		  struct kv_out *out, int *batch_ret)
 {
 	static const int64_t k_start[3] = { 0, 100, -5 };
 	ape_kv_pool_options opts;
 	ape_kv_pool *pool;
 	int64_t id[4], used = 0, cu_app[5] = { 0, 1, 2, 3, 4 };
-	int64_t cu_q[5] = { 0, 1, 4, 5, 6 }, order[4];
+	int64_t cu_q[5] = { 0, 1, 4, 5, 6 }, cu_one[2] = { 0, 2 }, order[4];
 	ape_attn_desc desc;
 	ape_tensor tk, tv, tq, to;
 	int ret;
@@ -242,6 +249,7 @@ static int kp_run(ape_device *dev, ape_dtype dt, const void *k, const void *v, v
 	opts.capacity_tokens = 256;
 	opts.max_batch_tokens = 16;
 	check_seed_desc(&desc);
+	*batch_ret = 0;
 	if ((ret = ape_kv_pool_create(dev, &opts, &pool)))
 		return ret;
 	for (int s = 0; s < 3 && !ret; s++)
@@ -262,16 +270,21 @@ static int kp_run(ape_device *dev, ape_dtype dt, const void *k, const void *v, v
 		ape_tensor_init_packed(&tv, (char *)v + off, dt, 4, KP_HKV, KP_D);
 		ret = ape_kv_pool_append_batch(pool, 4, id, cu_app, &tk, &tv);
 	}
+	ape_tensor_init_packed(&tq, q, dt, 2, KP_H, KP_D);
+	ape_tensor_init_packed(&to, out[0].o, APE_F32, 2, KP_H, KP_D);
+	if (!ret)
+		ret = ape_kv_pool_attend(pool, &desc, 1, &id[3], cu_one, NULL, &tq, &to, out[0].lse,
+					 NULL);
 	/* one row of A, three of B (a chunked prefill's), one of the fork D, one of C */
 	order[0] = id[0];
 	order[1] = id[1];
 	order[2] = id[3];
 	order[3] = id[2];
 	ape_tensor_init_packed(&tq, q, dt, KP_ROWS, KP_H, KP_D);
-	ape_tensor_init_packed(&to, out->o, APE_F32, KP_ROWS, KP_H, KP_D);
+	ape_tensor_init_packed(&to, out[1].o, APE_F32, KP_ROWS, KP_H, KP_D);
 	if (!ret)
-		ret = ape_kv_pool_attend(pool, &desc, 4, order, cu_q, NULL, &tq, &to, out->lse,
-					 NULL);
+		*batch_ret = ape_kv_pool_attend(pool, &desc, 4, order, cu_q, NULL, &tq, &to,
+						out[1].lse, NULL);
 	ape_kv_pool_destroy(pool);
 	return ret;
 }
@@ -279,33 +292,49 @@ static int kp_run(ape_device *dev, ape_dtype dt, const void *k, const void *v, v
 static int check_kv_pool(const struct check_env *env)
 {
 	static const char *const labels[] = { "O", "LSE" };
-	static const char name[] = "kv_pool_pages_fork_bf16";
+	static const char *const names[2] = { "kv_pool_pages_fork_bf16", "kv_pool_ragged_bf16" };
 	const ape_dtype dt = APE_BF16;
-	const size_t nk = (size_t)KP_TOKENS * KP_HKV * KP_D, rows = (size_t)KP_ROWS * KP_H;
+	const size_t nk = (size_t)KP_TOKENS * KP_HKV * KP_D;
+	const size_t rows[2] = { 2 * KP_H, (size_t)KP_ROWS * KP_H };
 	void *k = ape_rng_array(env->rng, nk, dt, NULL), *v = ape_rng_array(env->rng, nk, dt, NULL);
-	void *q = ape_rng_array(env->rng, rows * KP_D, dt, NULL);
+	void *q = ape_rng_array(env->rng, rows[1] * KP_D, dt, NULL);
 	float *vf = k && v && q ? check_to_f32(v, dt, nk) : NULL;
-	struct kv_out want = { 0 };
-	int ret = vf ? kv_out_make(&want, rows, KP_D) : APE_ENOMEM;
+	struct kv_out want[2] = { 0 };
+	int ret = vf ? 0 : APE_ENOMEM, bret;
 
-	if (!ret && (ret = kp_run(env->ref, dt, k, v, q, &want)))
-		fprintf(stderr, "ape-check: %s on the reference: %s\n", name, ape_last_error());
+	for (int i = 0; i < 2 && !ret; i++)
+		ret = kv_out_make(&want[i], rows[i], KP_D);
+	if (!ret && ((ret = kp_run(env->ref, dt, k, v, q, want, &bret)) || (ret = bret)))
+		fprintf(stderr, "ape-check: %s on the reference: %s\n", names[0], ape_last_error());
 	for (int d = 0; d < env->ndev && !ret; d++) {
-		struct kv_out got = { 0 };
-		double err[2] = { 0 }, tol[2] = { refcheck_tol_o(dt), refcheck_tol_lse(dt) };
-		int r = kv_out_make(&got, rows, KP_D);
+		struct kv_out got[2] = { 0 };
+		const double tol[2] = { refcheck_tol_o(dt), refcheck_tol_lse(dt) };
+		int r = kv_out_make(&got[0], rows[0], KP_D);
 
+		if (!r)
+			r = kv_out_make(&got[1], rows[1], KP_D);
 		if (r) {
 			ret = r;
-		} else if ((r = kp_run(env->devs[d], dt, k, v, q, &got))) {
-			check_add_error(CHECK_KV, name, d, env->devs[d], r, false);
+		} else if ((r = kp_run(env->devs[d], dt, k, v, q, got, &bret))) {
+			check_add_error(CHECK_KV, names[0], d, env->devs[d], r, true);
+			check_add_error(CHECK_KV, names[1], d, env->devs[d], r, true);
 		} else {
-			kv_errors(&got, &want, rows, KP_D, check_max_abs(vf, nk), err);
-			check_add_errors(CHECK_KV, name, d, 2, labels, err, tol);
+			for (int i = 0; i < 2; i++) {
+				double err[2] = { 0 };
+
+				if (i && bret) {
+					check_add_error(CHECK_KV, names[1], d, env->devs[d], bret, true);
+					continue;
+				}
+				kv_errors(&got[i], &want[i], rows[i], KP_D, check_max_abs(vf, nk), err);
+				check_add_errors(CHECK_KV, names[i], d, 2, labels, err, tol);
+			}
 		}
-		kv_out_free(&got);
+		kv_out_free(&got[0]);
+		kv_out_free(&got[1]);
 	}
-	kv_out_free(&want);
+	kv_out_free(&want[0]);
+	kv_out_free(&want[1]);
 	free(k);
 	free(v);
 	free(q);

@@ -81,6 +81,8 @@ void check_add_error(enum check_group group, const char *name, int d, ape_device
 
 	ape_device_get_info(dev, &info);
 	if (optional && ret == APE_ENOTSUP && check_names_device(dev, msg)) {
+		fprintf(stderr, "ape-check: %s on %s:%d not claimed: %s\n", name, info.backend,
+			info.backend_index, msg);
 		check_add(group, name, d, CHECK_NOT_CLAIMED, NAN, NAN, "%s", msg);
 		return;
 	}

@@ -217,7 +217,8 @@ int check_varlen(ape_device **devs, int ndev, ape_device *ref, ape_rng *rng, boo
 			cell->err = vcall(devs[dv], c, &d, d.o, d.lse, &st);
 			if (cell->err) {
 				snprintf(cell->msg, sizeof(cell->msg), "%s", ape_last_error());
-				check_add_error(CHECK_RAGGED, c->name, dv, devs[dv], cell->err, false);
+				check_add_error(CHECK_RAGGED, c->name, dv, devs[dv], cell->err,
+						true);
 				continue;
 			}
 			cell->launches = st.chunks;
