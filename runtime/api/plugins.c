@@ -16,6 +16,7 @@
 #include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +33,14 @@
 #endif
 
 const char *ape__plugin_folder = APE_PLUGIN_DIR;
+
+/*
+ * Held around dlopen(), dlsym() and dlclose() (and the dlerror() that follows them): the
+ * dynamic loader serialises them already, with a lock of its own that ThreadSanitizer does not
+ * see, so that contexts loading plugins on several threads would look like a race inside
+ * ld.so's allocations to `make tsan-ci`. Never held while a plugin's own code runs.
+ */
+static pthread_mutex_t dl_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* What a folder's plugins are called: libape-backend-NAME.so. */
 static const char plugin_prefix[] = "libape-backend-";
@@ -105,6 +114,7 @@ static void plugin_open(struct ape__plugin *p)
 		snprintf(local, sizeof(local), "./%s", file);
 		file = local;
 	}
+	pthread_mutex_lock(&dl_lock);
 	dlerror();
 	p->handle = dlopen(file, RTLD_NOW | RTLD_LOCAL);
 	if (!p->handle) {
@@ -112,6 +122,7 @@ static void plugin_open(struct ape__plugin *p)
 
 		snprintf(p->info.reason, sizeof(p->info.reason), "dlopen: %s",
 			 e ? e : "failed without a message");
+		pthread_mutex_unlock(&dl_lock);
 		return;
 	}
 	dlerror();
@@ -122,8 +133,10 @@ static void plugin_open(struct ape__plugin *p)
 		snprintf(p->info.reason, sizeof(p->info.reason),
 			 "not a libape backend: no symbol " APE_BACKEND_PLUGIN_SYMBOL " (%s)",
 			 e ? e : "dlsym found it NULL");
+		pthread_mutex_unlock(&dl_lock);
 		return;
 	}
+	pthread_mutex_unlock(&dl_lock);
 	memcpy(&entry, &sym, sizeof(entry)); /* POSIX: a function's address in a void * */
 	p->table = entry();
 	if (!p->table) {
@@ -138,8 +151,11 @@ static void plugin_open(struct ape__plugin *p)
 static void plugin_close(struct ape__plugin *p)
 {
 	p->table = NULL;
-	if (p->handle)
+	if (p->handle) {
+		pthread_mutex_lock(&dl_lock);
 		dlclose(p->handle);
+		pthread_mutex_unlock(&dl_lock);
+	}
 	p->handle = NULL;
 }
 
