@@ -38,9 +38,11 @@ const char *ape__plugin_folder = APE_PLUGIN_DIR;
  * Held around dlopen(), dlsym() and dlclose() (and the dlerror() that follows them): the
  * dynamic loader serialises them already, with a lock of its own that ThreadSanitizer does not
  * see, so that contexts loading plugins on several threads would look like a race inside
- * ld.so's allocations to `make tsan-ci`. Never held while a plugin's own code runs.
+ * ld.so's allocations to `make tsan-ci`. Of a plugin's own code, only its constructors and
+ * destructors run under it (the loader runs them); recursive, as the loader's own lock is, so
+ * that one of them may create a context.
  */
-static pthread_mutex_t dl_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t dl_lock = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
 
 /* What a folder's plugins are called: libape-backend-NAME.so. */
 static const char plugin_prefix[] = "libape-backend-";
@@ -237,7 +239,7 @@ static int find_in_folder(struct ape_context *ctx, const char *dir, size_t len, 
 				 "folder \"%.200s\"",
 				 from, folder);
 	closedir(d);
-	if (!ret)
+	if (!ret && n > 1)
 		qsort(names, n, sizeof(*names), name_cmp);
 	for (size_t i = 0; i < n && !ret; i++) {
 		struct ape__plugin *p;

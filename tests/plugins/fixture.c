@@ -19,12 +19,11 @@
  *
  * It links libape (-lape) like a vendor's plugin; in a program that carries libape itself (the
  * tests link the static library and export its API), the loader binds these calls to the
- * program's copy. Its extra "fixture_answer" (ape_backend_get_proc()) returns 42.
+ * program's copy. Its host memory comes from ape_be_calloc() and friends, so that fault
+ * injection reaches it. Its extra "fixture_answer" (ape_backend_get_proc()) returns 42.
  */
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "ape/ape_backend.h"
 
@@ -61,14 +60,6 @@ struct fixture_state {
 	int devices_live;
 };
 
-static double now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
-
 static int fixture_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 {
 #if defined(FIXTURE_NO_DEVICE)
@@ -80,7 +71,7 @@ static int fixture_probe(struct ape_backend *be, struct ape_be_probe_result *res
 	(void)res;
 	return ape_be_error(APE_EBACKEND, "plugin fixture: probe fails on purpose");
 #else
-	struct fixture_state *st = calloc(1, sizeof(*st));
+	struct fixture_state *st = ape_be_calloc(1, sizeof(*st));
 	struct ape_device_info info;
 	struct ape_be_caps caps = { 0, 0 };
 	int ret;
@@ -109,7 +100,7 @@ static int fixture_probe(struct ape_backend *be, struct ape_be_probe_result *res
 
 static void fixture_teardown(struct ape_backend *be)
 {
-	free(ape_be_priv(be));
+	ape_be_free(ape_be_priv(be));
 	ape_be_set_priv(be, NULL);
 }
 
@@ -123,12 +114,12 @@ static void fixture_device_release(struct ape_device *dev)
 
 static int fixture_buf_alloc(struct ape_device *dev, size_t bytes, struct ape_be_buf **out)
 {
-	struct ape_be_buf *b = calloc(1, sizeof(*b));
+	struct ape_be_buf *b = ape_be_calloc(1, sizeof(*b));
 
 	(void)dev;
 	*out = NULL;
-	if (!b || posix_memalign((void **)&b->p, 64, bytes)) {
-		free(b);
+	if (!b || ape_be_posix_memalign((void **)&b->p, 64, bytes)) {
+		ape_be_free(b);
 		return ape_be_error(APE_ENOMEM, "plugin fixture: %zu bytes", bytes);
 	}
 	b->bytes = bytes;
@@ -140,13 +131,13 @@ static void fixture_buf_free(struct ape_device *dev, struct ape_be_buf *buf)
 {
 	(void)dev;
 	if (buf)
-		free(buf->p);
-	free(buf);
+		ape_be_free(buf->p);
+	ape_be_free(buf);
 }
 
 static int fixture_queue_create(struct ape_device *dev, struct ape_be_queue **out)
 {
-	*out = calloc(1, sizeof(**out));
+	*out = ape_be_calloc(1, sizeof(**out));
 	if (!*out)
 		return ape_be_error(APE_ENOMEM, "plugin fixture: a queue");
 	(*out)->dev = dev;
@@ -155,7 +146,7 @@ static int fixture_queue_create(struct ape_device *dev, struct ape_be_queue **ou
 
 static void fixture_queue_destroy(struct ape_be_queue *q)
 {
-	free(q);
+	ape_be_free(q);
 }
 
 static int fixture_synchronize(struct ape_be_queue *q)
@@ -191,11 +182,11 @@ static int fixture_fill(struct ape_be_queue *q, struct ape_be_buf *dst, size_t o
 
 static int fixture_event_record(struct ape_be_queue *q, struct ape_be_event **out)
 {
-	*out = calloc(1, sizeof(**out));
+	*out = ape_be_calloc(1, sizeof(**out));
 	if (!*out)
 		return ape_be_error(APE_ENOMEM, "plugin fixture: an event");
 	(*out)->dev = q->dev;
-	(*out)->ms = now_ms();
+	(*out)->ms = ape_be_now_ms();
 	return 0;
 }
 
@@ -214,7 +205,7 @@ static int fixture_event_elapsed(struct ape_be_event *start, struct ape_be_event
 
 static void fixture_event_destroy(struct ape_be_event *e)
 {
-	free(e);
+	ape_be_free(e);
 }
 
 #ifndef FIXTURE_NO_ATTENTION
