@@ -149,4 +149,6 @@ $(PLUGIN_FIXTURE_DIR)/libape-backend-%.so: tests/plugins/fixture.c include/ape/a
 	$(Q)$(CC) $(CSTD) $(OPT) -g $(WARN) -fPIC -Iinclude $(SAN_FLAGS) $(CFLAGS) \
 		$(PLUGIN_FIXTURE_FLAGS_$*) -shared $(LDFLAGS) -o $@ $< \
 		-L$(BUILD)/lib -lape -Wl,-rpath,$(abspath $(BUILD)/lib)
-$(BUILD)/tests/test_plugins: $(PLUGIN_FIXTURES) $(BUILD)/bin/ape-info
+# ... and the example plugin (examples/backend-plugin/module.mk), through its folder and ape-run
+$(BUILD)/tests/test_plugins: $(PLUGIN_FIXTURES) $(PLUGIN_EXAMPLE) $(BUILD)/bin/ape-info \
+			     $(BUILD)/bin/ape-run

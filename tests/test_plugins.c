@@ -11,8 +11,11 @@
  * OpenCL; where plugins come from (backend_path over APE_BACKEND_PATH, folders in name order,
  * the plugin folder and APE_CONTEXT_NO_PLUGIN_DIR); contexts created and destroyed again and
  * again, and two at once, close the shared object when the last one goes; ape-info lists
- * every plugin found.
+ * every plugin found. The example plugin (examples/backend-plugin/, `make plugin-example`)
+ * found through its folder computes what the reference computes, selected by its name in the
+ * API, by `ape-run --backend` and by APE_BACKEND.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +25,7 @@
 
 #include "ape_test.h"
 #include "common/apitest.h"
+#include "common/npy.h"
 #include "ape/ape_backend.h"
 
 /* The plugin folder the library searches (runtime/api/plugins.h): pointed elsewhere here. */
@@ -46,12 +50,15 @@ static ape_context *plugin_context(const char *path, const char *only)
 	return ctx;
 }
 
-/* A small forward call on dev that must succeed: the context still computes. */
-static int small_forward(ape_device *dev)
+enum { SMALL_L = 16, SMALL_D = 8 };
+
+/* A small forward call on dev (its output in o, SMALL_L * SMALL_D floats, when not NULL). */
+static int small_forward_into(ape_device *dev, float *out)
 {
-	enum { L = 16, D = 8 };
+	enum { L = SMALL_L, D = SMALL_D };
 	static float q[L * D], k[L * D], v[L * D], o[L * D], lse[L];
 	ape_attn_desc desc;
+	int ret;
 	ape_tensor tq, tk, tv, to;
 
 	for (int i = 0; i < L * D; i++)
@@ -61,7 +68,18 @@ static int small_forward(ape_device *dev)
 	ape_tensor_init(&tk, k, APE_F32, 1, 1, L, D);
 	ape_tensor_init(&tv, v, APE_F32, 1, 1, L, D);
 	ape_tensor_init(&to, o, APE_F32, 1, 1, L, D);
-	return ape_attention_forward(dev, &desc, &tq, &tk, &tv, &to, lse, NULL);
+	desc.delta.value = 0.25f;
+	desc.lambda.value = 0.1f;
+	ret = ape_attention_forward(dev, &desc, &tq, &tk, &tv, &to, lse, NULL);
+	if (!ret && out)
+		memcpy(out, o, sizeof(o));
+	return ret;
+}
+
+/* A small forward call on dev that must succeed: the context still computes. */
+static int small_forward(ape_device *dev)
+{
+	return small_forward_into(dev, NULL);
 }
 
 /* Whether the shared object `name` (a file name) is mapped into this process. */
@@ -551,6 +569,80 @@ TEST_F(pl, ape_info_lists_them)
 	ASSERT_EQ(0, st) TH_LOG("%s", err);
 	EXPECT_TRUE(has(out, "\nplugins: none found\n") || has(out, "\nplugins:\n"))
 	TH_LOG("%s", out);
+}
+
+/* The example plugin, found in its folder: a backend that computes what the reference does,
+ * through the API, `ape-run --backend example` and APE_BACKEND. */
+TEST_F(pl, the_example_plugin_computes)
+{
+	static const int64_t shape[4] = { 1, 2, 48, 16 };
+	char dir[64], path[4200], out[8192], err[8192], msg[256];
+	float o_ex[SMALL_L * SMALL_D], o_ref[SMALL_L * SMALL_D], *x;
+	struct npy_array a, b;
+	ape_context *ctx = plugin_context(APE_BUILD_DIR "/plugins", NULL);
+	ape_selection sel;
+	ape_plugin_info pi;
+	size_t n = 1;
+	int st;
+
+	ASSERT_NE(NULL, ctx);
+	ASSERT_EQ(1, ape_plugin_get_info(ctx, 0, NULL)) TH_LOG("make plugin-example");
+	ASSERT_EQ(0, ape_plugin_get_info(ctx, 0, &pi));
+	ASSERT_TRUE(pi.loaded) TH_LOG("%s: %s", pi.path, pi.reason);
+	EXPECT_STREQ("example", pi.name);
+	ASSERT_EQ(0, ape_device_select(ctx, "example", 0, &sel)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, small_forward_into(sel.device, o_ex)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, ape_device_select(ctx, "ref", 0, &sel));
+	ASSERT_EQ(0, small_forward_into(sel.device, o_ref)) TH_LOG("%s", ape_last_error());
+	for (int i = 0; i < SMALL_L * SMALL_D; i++) {
+		ASSERT_TRUE(fabsf(o_ref[i] - o_ex[i]) <= 1e-5f)
+		TH_LOG("element %d: %g, the reference %g", i, o_ex[i], o_ref[i]);
+	}
+	ape_context_destroy(ctx);
+
+	/* the tools take its name: --backend, and APE_BACKEND with auto */
+	for (int i = 0; i < 4; i++)
+		n *= (size_t)shape[i];
+	x = malloc(n * sizeof(*x));
+	ASSERT_NE(NULL, x);
+	for (size_t i = 0; i < n; i++)
+		x[i] = (float)((i * 29) % 17) / 17.0f - 0.5f;
+	ASSERT_TRUE(temp_folder(dir, sizeof(dir)));
+	snprintf(path, sizeof(path), "%s/x.npy", dir);
+	ASSERT_EQ(0, npy_save(path, APE_F32, 4, shape, x, msg, sizeof(msg))) TH_LOG("%s", msg);
+	free(x);
+	setenv("APE_BACKEND_PATH", APE_BUILD_DIR "/plugins", 1);
+	st = test_run_tool("ape-run",
+			   (const char *const[]){ "-q", "x.npy", "-k", "x.npy", "-v", "x.npy", "-o",
+						  "o_example.npy", "--backend", "example", NULL },
+			   dir, out, sizeof(out), err, sizeof(err));
+	ASSERT_EQ(0, st) TH_LOG("%s", err);
+	setenv("APE_BACKEND", "example", 1);
+	st = test_run_tool("ape-run",
+			   (const char *const[]){ "-q", "x.npy", "-k", "x.npy", "-v", "x.npy", "-o",
+						  "o_env.npy", "--stats", NULL },
+			   dir, out, sizeof(out), err, sizeof(err));
+	ASSERT_EQ(0, st) TH_LOG("%s", err);
+	EXPECT_TRUE(has(err, "backend example")) TH_LOG("%s", err);
+	unsetenv("APE_BACKEND");
+	unsetenv("APE_BACKEND_PATH");
+	st = test_run_tool("ape-run",
+			   (const char *const[]){ "-q", "x.npy", "-k", "x.npy", "-v", "x.npy", "-o",
+						  "o_ref.npy", "--backend", "ref", NULL },
+			   dir, out, sizeof(out), err, sizeof(err));
+	ASSERT_EQ(0, st) TH_LOG("%s", err);
+	snprintf(path, sizeof(path), "%s/o_example.npy", dir);
+	ASSERT_EQ(0, npy_load(path, &a, msg, sizeof(msg))) TH_LOG("%s", msg);
+	snprintf(path, sizeof(path), "%s/o_ref.npy", dir);
+	ASSERT_EQ(0, npy_load(path, &b, msg, sizeof(msg))) TH_LOG("%s", msg);
+	for (size_t i = 0; i < n; i++) {
+		const float e = ((float *)a.data)[i], r = ((float *)b.data)[i];
+
+		ASSERT_TRUE(fabsf(e - r) <= 1e-5f) TH_LOG("element %zu: %g, the reference %g", i, e, r);
+	}
+	npy_free(&a);
+	npy_free(&b);
+	test_rmtree(dir);
 }
 
 TEST_HARNESS_MAIN

@@ -104,7 +104,7 @@ static void read_head(struct ape__plugin *p)
 /* Opens p's shared object and calls its entry point; what fails goes to p's reason. */
 static void plugin_open(struct ape__plugin *p)
 {
-	const struct ape_backend_plugin *(*entry)(void);
+	ape_backend_plugin_fn entry;
 	char local[sizeof(p->info.path) + 2];
 	const char *file = p->info.path;
 	void *sym;

@@ -260,8 +260,7 @@ static const struct ape_backend_plugin fixture_table = {
 APE_PLUGIN_EXPORT const struct ape_backend_plugin *ape_backend_plugin_v0(void);
 APE_PLUGIN_EXPORT const struct ape_backend_plugin *ape_backend_plugin_v0(void)
 #else
-APE_PLUGIN_EXPORT const struct ape_backend_plugin *ape_backend_plugin(void);
-APE_PLUGIN_EXPORT const struct ape_backend_plugin *ape_backend_plugin(void)
+APE_PLUGIN_EXPORT const struct ape_backend_plugin *ape_backend_plugin(void) /* ape_backend.h */
 #endif
 {
 #ifdef FIXTURE_NULL_TABLE
