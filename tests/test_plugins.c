@@ -227,7 +227,8 @@ TEST_F(pl, each_refused_with_its_reason)
 		const char *path, *name, *reason;
 		unsigned major;
 	} cases[] = {
-		{ PLUGIN("major"), "", "refused: backend ABI 2.0: this libape takes major 1 only", 2 },
+		{ PLUGIN("major"), "", "refused: backend ABI 2.0: this libape takes major 1 only",
+		  2 },
 		{ PLUGIN("noattn"), "noattn", "refused: required op attention is missing", 1 },
 		{ PLUGIN("short"), "",
 		  "refused: struct_size 20 is shorter than the 24 bytes every table begins with", 1 },
@@ -638,7 +639,8 @@ TEST_F(pl, the_example_plugin_computes)
 	for (size_t i = 0; i < n; i++) {
 		const float e = ((float *)a.data)[i], r = ((float *)b.data)[i];
 
-		ASSERT_TRUE(fabsf(e - r) <= 1e-5f) TH_LOG("element %zu: %g, the reference %g", i, e, r);
+		ASSERT_TRUE(fabsf(e - r) <= 1e-5f)
+		TH_LOG("element %zu: %g, the reference %g", i, e, r);
 	}
 	npy_free(&a);
 	npy_free(&b);

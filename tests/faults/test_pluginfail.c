@@ -93,8 +93,8 @@ TEST(context_create_with_plugins)
 		ape__fault_alloc_arm(0);
 		if (ret) {
 			errors++;
-			EXPECT_EQ(APE_ENOMEM, ret) TH_LOG("allocation %llu: %s", (unsigned long long)n,
-							  ape_last_error());
+			EXPECT_EQ(APE_ENOMEM, ret)
+			TH_LOG("allocation %llu: %s", (unsigned long long)n, ape_last_error());
 			EXPECT_NE(0, ape_last_error()[0]);
 			EXPECT_EQ(NULL, ctx);
 		} else {
