@@ -149,6 +149,12 @@ $(PLUGIN_FIXTURE_DIR)/libape-backend-%.so: tests/plugins/fixture.c include/ape/a
 	$(Q)$(CC) $(CSTD) $(OPT) -g $(WARN) -fPIC -Iinclude $(SAN_FLAGS) $(CFLAGS) \
 		$(PLUGIN_FIXTURE_FLAGS_$*) -shared $(LDFLAGS) -o $@ $< \
 		-L$(BUILD)/lib -lape -Wl,-rpath,$(abspath $(BUILD)/lib)
+# A program linked with libape.a exporting nothing: the loader refuses the plugins it loads
+PLUGIN_STATIC_HOST := $(PLUGIN_FIXTURE_DIR)/static_host
+$(PLUGIN_STATIC_HOST): tests/plugins/static_host.c $(LIBA) $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $@"
+	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS)
 # ... and the example plugin (examples/backend-plugin/module.mk), through its folder and ape-run
 $(BUILD)/tests/test_plugins: $(PLUGIN_FIXTURES) $(PLUGIN_EXAMPLE) $(BUILD)/bin/ape-info \
-			     $(BUILD)/bin/ape-run
+			     $(BUILD)/bin/ape-run $(PLUGIN_STATIC_HOST)

@@ -572,6 +572,24 @@ TEST_F(pl, ape_info_lists_them)
 	TH_LOG("%s", out);
 }
 
+/* A program linked with libape.a that does not export libape's symbols: a plugin would bind to
+ * a second copy (the libape.so its run path finds), so it is refused, and the reason says how
+ * to link instead. */
+TEST_F(pl, a_static_program_is_told)
+{
+	char cmd[4096], out[4096] = "";
+	FILE *f;
+
+	snprintf(cmd, sizeof(cmd), "%s %s 2>&1", PLUGINS "/static_host", PLUGIN("a"));
+	f = popen(cmd, "r");
+	ASSERT_NE(NULL, f);
+	fread(out, 1, sizeof(out) - 1, f);
+	EXPECT_EQ(0, pclose(f)) TH_LOG("%s", out);
+	EXPECT_TRUE(has(out, "loaded 0: refused: its calls to libape (ape_be_device_add, ...) would "
+			     "reach another copy of libape than this program's"))
+	TH_LOG("%s", out);
+}
+
 /* The example plugin, found in its folder: a backend that computes what the reference does,
  * through the API, `ape-run --backend example` and APE_BACKEND. */
 TEST_F(pl, the_example_plugin_computes)

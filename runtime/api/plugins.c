@@ -101,6 +101,26 @@ static void read_head(struct ape__plugin *p)
 		snprintf(p->info.name, sizeof(p->info.name), "%s", t->name);
 }
 
+/*
+ * Whether the plugin opened as `handle` binds libape's services to this copy of libape: the
+ * definition it gets is the global scope's first (a program that links libape.a and exports its
+ * symbols, or libape.so loaded globally), else its own dependencies' (libape.so.0 it links, which
+ * is this library when this library is libape.so.0, even loaded RTLD_LOCAL, as Python does). A
+ * program that links libape.a without exporting it would have the plugin pull in libape.so as a
+ * second copy, whose error messages, fault counters and contexts are not this one's. A plugin
+ * that does not call libape at all binds nothing: fine. Called with dl_lock held.
+ */
+static bool same_services(void *handle)
+{
+	void *mine = (void *)ape_be_device_add, *theirs;
+
+	theirs = dlsym(RTLD_DEFAULT, "ape_be_device_add");
+	if (!theirs)
+		theirs = dlsym(handle, "ape_be_device_add");
+	dlerror();
+	return !theirs || theirs == mine;
+}
+
 /* Opens p's shared object and calls its entry point; what fails goes to p's reason. */
 static void plugin_open(struct ape__plugin *p)
 {
@@ -135,6 +155,15 @@ static void plugin_open(struct ape__plugin *p)
 		snprintf(p->info.reason, sizeof(p->info.reason),
 			 "not a libape backend: no symbol " APE_BACKEND_PLUGIN_SYMBOL " (%s)",
 			 e ? e : "dlsym found it NULL");
+		pthread_mutex_unlock(&dl_lock);
+		return;
+	}
+	if (!same_services(p->handle)) {
+		snprintf(p->info.reason, sizeof(p->info.reason),
+			 "refused: its calls to libape (ape_be_device_add, ...) would reach another "
+			 "copy of libape than this program's (a program linked with libape.a "
+			 "must export libape's symbols: -Wl,--dynamic-list=tools/plugin-host.dynlist, "
+			 "or link libape.so)");
 		pthread_mutex_unlock(&dl_lock);
 		return;
 	}
