@@ -163,6 +163,9 @@ TESTS    :=
 # Paths used in the modules' prerequisite lists: defined before the modules are read.
 LIBA     = $(BUILD)/lib/libape.a
 LIBSO    = $(BUILD)/lib/libape.so.$(APE_SOVERSION)
+# A program linked with libape.a that may load backend plugins exports libape's API to them
+# (tools/plugin-host.dynlist): the tools and the tests link with it.
+PLUGIN_HOST_LDFLAGS := -Wl,--dynamic-list=tools/plugin-host.dynlist
 
 include runtime/module.mk
 # The backends: every folder with a backend.mk (the reference's: runtime/ref/backend.mk). Each
@@ -268,6 +271,7 @@ install: all
 	install -m 644 include/ape/ape.h include/ape/ape_dlpack.h include/ape/ape_backend.h \
 		include/ape/ape_math.h $(DESTDIR)$(PREFIX)/include/ape/
 	install -m 755 $(TOOLS) $(DESTDIR)$(PREFIX)/bin/
+	install -d $(DESTDIR)$(PREFIX)/lib/libape/backends
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(APE_VERSION_STR)|' \
 		-e 's|@LIBS_PRIVATE@|$(LIB_LIBS) $(LDLIBS)|' libape.pc.in \
 		> $(DESTDIR)$(PREFIX)/lib/pkgconfig/libape.pc

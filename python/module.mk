@@ -8,7 +8,7 @@ PY_PACKAGES := pytest torch
 python-deps:
 	$(Q)tools/deps-python.sh $(VENV) $(PY_PACKAGES)
 
-python-check: $(LIBSO)
+python-check: $(LIBSO) $(PLUGIN_FIXTURES)
 	@if [ ! -x $(VENV_PY) ]; then \
 		echo "python: no virtual environment at $(VENV): run 'make deps'" >&2; exit 1; fi
 	$(Q)APE_BUILD_DIR=$(abspath $(BUILD)) LIBAPE_LIBRARY=$(abspath $(LIBSO)) \

@@ -15,10 +15,11 @@ $(BUILD)/tests-obj/%.o: %.c $(CONFIG_STAMP) | $(KSFT_DIR)/kselftest_harness.h
 	$(Q)$(CC) $(CPPFLAGS) $(TEST_CFLAGS) -c $< -o $@
 
 $(BUILD)/tests/%: $(BUILD)/tests-obj/tests/%.o $(TEST_COMMON_SRCS:%.c=$(BUILD)/tests-obj/%.o) \
-		  $(TOOLS_LIB) $(LIBA)
+		  $(TOOLS_LIB) $(LIBA) tools/plugin-host.dynlist
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"
-	$(Q)$(CC) $(LDFLAGS) -o $@ $(filter %.o,$^) $(TOOLS_LIB) $(LIBA) $(LIB_LIBS) $(LDLIBS)
+	$(Q)$(CC) $(LDFLAGS) $(PLUGIN_HOST_LDFLAGS) -o $@ $(filter %.o,$^) $(TOOLS_LIB) $(LIBA) \
+		$(LIB_LIBS) $(LDLIBS)
 
 # Tests find the source tree (fixtures, README) and the build tree (tools, example) through these.
 TEST_CFLAGS += -DAPE_SOURCE_DIR='"$(CURDIR)"' -DAPE_BUILD_DIR='"$(abspath $(BUILD))"'
@@ -122,6 +123,43 @@ ifeq ($(HAVE_CUDA),yes)
 $(BUILD)/tests/test_nvtx: $(CUDA_EMU)
 endif
 
-# tests/test_ape_check.c certifies the example backend plugin with `ape-check --plugin` (the
-# emulated CUDA device runs the same suite in tests/test_tools.c).
-$(BUILD)/tests/test_ape_check: $(PLUGIN_EXAMPLE)
+# Backend plugins (tests/plugins/fixture.c, one shared object per variant, named as a plugin
+# folder names them) for tests/test_plugins.c, tests/faults/test_pluginfail.c and
+# tests/faults/test_pluginthreads.c: linked with -lape like a vendor's plugin (the tests export
+# libape's API, so the plugins call the test's own copy), built with this build's sanitizers.
+PLUGIN_FIXTURE_DIR := $(BUILD)/tests/plugins
+PLUGIN_FIXTURE_FLAGS_a         :=
+PLUGIN_FIXTURE_FLAGS_b         := -DFIXTURE_NAME='"plug_b"'
+PLUGIN_FIXTURE_FLAGS_badcaps   := -DFIXTURE_NAME='"badcaps"' -DFIXTURE_BAD_CAPS
+PLUGIN_FIXTURE_FLAGS_clash     := -DFIXTURE_NAME='"ref"'
+PLUGIN_FIXTURE_FLAGS_major     := -DFIXTURE_NAME='"major"' -DFIXTURE_MAJOR
+PLUGIN_FIXTURE_FLAGS_noattn    := -DFIXTURE_NAME='"noattn"' -DFIXTURE_NO_ATTENTION
+PLUGIN_FIXTURE_FLAGS_nodev     := -DFIXTURE_NAME='"nodev"' -DFIXTURE_NO_DEVICE
+PLUGIN_FIXTURE_FLAGS_null      := -DFIXTURE_NULL_TABLE
+PLUGIN_FIXTURE_FLAGS_nosym     := -DFIXTURE_NO_SYMBOL
+PLUGIN_FIXTURE_FLAGS_probefail := -DFIXTURE_NAME='"probefail"' -DFIXTURE_PROBE_FAILS
+PLUGIN_FIXTURE_FLAGS_short     := -DFIXTURE_NAME='"short"' -DFIXTURE_SHORT
+PLUGIN_FIXTURES := $(patsubst PLUGIN_FIXTURE_FLAGS_%,$(PLUGIN_FIXTURE_DIR)/libape-backend-%.so,\
+		     $(filter PLUGIN_FIXTURE_FLAGS_%,$(.VARIABLES)))
+
+$(PLUGIN_FIXTURE_DIR)/libape-backend-%.so: tests/plugins/fixture.c include/ape/ape_backend.h \
+					   include/ape/ape.h $(LIBSO) $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $@"
+	$(Q)$(CC) $(CSTD) $(OPT) -g $(WARN) -fPIC -Iinclude $(SAN_FLAGS) $(CFLAGS) \
+		$(PLUGIN_FIXTURE_FLAGS_$*) -shared $(LDFLAGS) -o $@ $< \
+		-L$(BUILD)/lib -lape -Wl,-rpath,$(abspath $(BUILD)/lib)
+# A program linked with libape.a exporting nothing: the loader refuses the plugins it loads
+PLUGIN_STATIC_HOST := $(PLUGIN_FIXTURE_DIR)/static_host
+$(PLUGIN_STATIC_HOST): tests/plugins/static_host.c $(LIBA) $(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $@"
+	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS)
+# ... and the example plugin (examples/backend-plugin/module.mk), through its folder and ape-run
+$(BUILD)/tests/test_plugins: $(PLUGIN_FIXTURES) $(PLUGIN_EXAMPLE) $(BUILD)/bin/ape-info \
+			     $(BUILD)/bin/ape-run $(PLUGIN_STATIC_HOST)
+
+# tests/test_ape_check.c certifies the example backend plugin with `ape-check --plugin`, and
+# fails a fixture that computes nothing (the emulated CUDA device runs the same suite in
+# tests/test_tools.c).
+$(BUILD)/tests/test_ape_check: $(PLUGIN_EXAMPLE) $(PLUGIN_FIXTURES)

@@ -2,8 +2,9 @@
 /*
  * ape-info: what libape sees on this machine (or in an hwloc XML file): the physical devices,
  * the APIs that reach each one, the backend libape uses for it and why a device sits unused,
- * NUMA placement, each backend's availability, and with --topology a device-by-device and
- * device-by-node matrix in the spirit of `nvidia-smi topo -m`.
+ * NUMA placement, each backend's availability, every backend plugin found (loaded, or why not),
+ * and with --topology a device-by-device and device-by-node matrix in the spirit of
+ * `nvidia-smi topo -m`.
  *
  * Exit status: 0 success; 2 bad arguments or topology file; 1 anything else.
  */
@@ -16,7 +17,7 @@
 #include "common/cli.h"
 #include "common/json.h"
 
-enum { OPT_JSON = 1, OPT_TOPOLOGY, OPT_XML, OPT_NUMA, OPT_BACKENDS, OPT_HELP };
+enum { OPT_JSON = 1, OPT_TOPOLOGY, OPT_XML, OPT_NUMA, OPT_BACKENDS, OPT_BACKEND_PATH, OPT_HELP };
 
 static const struct cli_option options[] = {
 	{ "--json", NULL, false, OPT_JSON },
@@ -24,13 +25,14 @@ static const struct cli_option options[] = {
 	{ "--topology-xml", NULL, true, OPT_XML },
 	{ "--numa", NULL, true, OPT_NUMA },
 	{ "--backends", NULL, true, OPT_BACKENDS },
+	{ "--backend-path", NULL, true, OPT_BACKEND_PATH },
 	{ "--help", "-h", false, OPT_HELP },
 	{ NULL, NULL, false, 0 },
 };
 
 struct info_args {
 	bool json, topology;
-	const char *xml, *backends;
+	const char *xml, *backends, *backend_path;
 	ape_numa_policy numa;
 };
 
@@ -38,20 +40,23 @@ struct info_args {
 struct machine {
 	ape_context *ctx;
 	ape_topology_info topo;
-	int nphys, nnodes, nbackends;
+	int nphys, nnodes, nbackends, nplugins;
 	ape_physical_info *phys;
 	ape_numa_info *nodes;
 	ape_backend_info *backends;
+	ape_plugin_info *plugins;
 };
 
 static void usage(void)
 {
 	printf("usage: ape-info [--json] [--topology] [--topology-xml FILE] [--numa POLICY]\n"
+	       "                [--backends LIST] [--backend-path PATH]\n"
 	       "\n"
 	       "Lists the physical devices libape sees: GPUs and accelerators (by PCI address),\n"
 	       "the CPU and the reference; the APIs that reach each (CUDA, OpenCL, DRM), the\n"
 	       "backend libape uses for it and, when none can, why; its NUMA node and local CPUs;\n"
-	       "then each backend's availability and the DRM status.\n"
+	       "then each backend's availability, every backend plugin found (its file, whether\n"
+	       "it loaded and why not) and the DRM status.\n"
 	       "\n"
 	       "  --topology           also print how devices connect to each other and to the\n"
 	       "                       NUMA nodes, and where staging buffers go\n"
@@ -59,12 +64,15 @@ static void usage(void)
 	       "                       instead of this one: its GPUs, their NUMA nodes and CPUs\n"
 	       "  --numa POLICY        local, interleave, off, or default: APE_NUMA, else local\n"
 	       "                       (the default)\n"
-	       "  --backends LIST      load only these backends (cuda,opencl,ref)\n"
+	       "  --backends LIST      load only these backends (cuda,opencl,ref, a plugin's name)\n"
+	       "  --backend-path PATH  backend plugins to load: ':'-separated files and folders\n"
+	       "                       (libape-backend-*.so in a folder); default APE_BACKEND_PATH\n"
 	       "  --json               one JSON object instead of the text\n"
 	       "  -h, --help           print this text\n"
 	       "  --version            print the libape version and exit\n"
 	       "\n"
-	       "APE_VISIBLE_DEVICES and APE_NUMA apply as they do to every libape program.\n"
+	       "APE_VISIBLE_DEVICES, APE_NUMA and APE_BACKEND_PATH apply as they do to every\n"
+	       "libape program.\n"
 	       "Exit status: 0 success; 2 bad arguments or topology file; 1 any other failure.\n");
 }
 
@@ -88,6 +96,9 @@ static int parse_args(int argc, char **argv, struct info_args *a, char *msg, siz
 		case OPT_BACKENDS:
 			a->backends = val;
 			break;
+		case OPT_BACKEND_PATH:
+			a->backend_path = val;
+			break;
 		case OPT_NUMA:
 			if (cli_parse_name("--numa", val, ape_numa_policy_from_name, &word, msg, len))
 				return 2;
@@ -107,6 +118,7 @@ static void machine_free(struct machine *m)
 	free(m->phys);
 	free(m->nodes);
 	free(m->backends);
+	free(m->plugins);
 	ape_context_destroy(m->ctx);
 }
 
@@ -118,12 +130,14 @@ static int gather(struct machine *m)
 	m->nphys = ape_physical_get_info(m->ctx, 0, NULL);
 	m->nnodes = ape_numa_get_info(m->ctx, 0, NULL);
 	m->nbackends = ape_backend_get_info(m->ctx, 0, NULL);
-	if (m->nphys < 0 || m->nnodes < 0 || m->nbackends < 0)
+	m->nplugins = ape_plugin_get_info(m->ctx, 0, NULL);
+	if (m->nphys < 0 || m->nnodes < 0 || m->nbackends < 0 || m->nplugins < 0)
 		return APE_EINVAL;
 	m->phys = calloc((size_t)m->nphys + 1, sizeof(*m->phys));
 	m->nodes = calloc((size_t)m->nnodes + 1, sizeof(*m->nodes));
 	m->backends = calloc((size_t)m->nbackends + 1, sizeof(*m->backends));
-	if (!m->phys || !m->nodes || !m->backends)
+	m->plugins = calloc((size_t)m->nplugins + 1, sizeof(*m->plugins));
+	if (!m->phys || !m->nodes || !m->backends || !m->plugins)
 		return APE_ENOMEM;
 	for (int i = 0; i < m->nphys && !ret; i++)
 		ret = ape_physical_get_info(m->ctx, i, &m->phys[i]);
@@ -131,6 +145,8 @@ static int gather(struct machine *m)
 		ret = ape_numa_get_info(m->ctx, i, &m->nodes[i]);
 	for (int i = 0; i < m->nbackends && !ret; i++)
 		ret = ape_backend_get_info(m->ctx, i, &m->backends[i]);
+	for (int i = 0; i < m->nplugins && !ret; i++)
+		ret = ape_plugin_get_info(m->ctx, i, &m->plugins[i]);
 	return ret;
 }
 
@@ -258,7 +274,31 @@ static void print_backends(const struct machine *m)
 		else
 			printf("  %-8s not available: %s\n", b->name, b->reason);
 	}
-	printf("DRM: %s\n", m->topo.drm_note);
+}
+
+/* Every plugin found, in the order found: its file, then its name, whether it loaded (with its
+ * devices) and the ABI it states, or why it did not load. */
+static void print_plugins(const struct machine *m)
+{
+	if (!m->nplugins) {
+		printf("plugins: none found\n");
+		return;
+	}
+	printf("plugins:\n");
+	for (int i = 0; i < m->nplugins; i++) {
+		const ape_plugin_info *p = &m->plugins[i];
+		char abi[32] = "";
+
+		if (p->abi_major || p->abi_minor)
+			snprintf(abi, sizeof(abi), " (ABI %u.%u)", p->abi_major, p->abi_minor);
+		printf("  %s\n", p->path);
+		if (p->loaded)
+			printf("    %-8s loaded%s: %d device%s\n", p->name, abi, p->device_count,
+			       p->device_count == 1 ? "" : "s");
+		else
+			printf("    %-8s not loaded%s: %s\n", p->name[0] ? p->name : "-", abi,
+			       p->reason);
+	}
 }
 
 /* Is x in a list-format set ("0-3,8")? */
@@ -370,6 +410,8 @@ static void print_text(const struct machine *m, bool topology)
 		print_nodes(m);
 	}
 	print_backends(m);
+	print_plugins(m);
+	printf("DRM: %s\n", m->topo.drm_note);
 }
 
 /* ------------------------------------------------------------------ JSON */
@@ -461,6 +503,18 @@ static void print_json(const struct machine *m)
 		json_kv("reason", b->reason, true);
 		printf("}");
 	}
+	printf("\n ],\n \"plugins\": [");
+	for (int i = 0; i < m->nplugins; i++) {
+		const ape_plugin_info *p = &m->plugins[i];
+
+		printf("%s\n  {", i ? "," : "");
+		json_kv("path", p->path, false);
+		json_kv("name", p->name, false);
+		printf("\"loaded\": %s, \"device_count\": %d, \"abi_major\": %u, \"abi_minor\": %u, ",
+		       p->loaded ? "true" : "false", p->device_count, p->abi_major, p->abi_minor);
+		json_kv("reason", p->reason, true);
+		printf("}");
+	}
 	printf("\n ]}\n");
 }
 
@@ -494,6 +548,7 @@ int main(int argc, char **argv)
 	opts.topology_xml = a.xml;
 	opts.numa = a.numa;
 	opts.backends = a.backends;
+	opts.backend_path = a.backend_path;
 	ret = ape_context_create(&m.ctx, &opts);
 	if (ret) {
 		fprintf(stderr, "ape-info: %s\n", ape_last_error());

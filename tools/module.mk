@@ -14,10 +14,12 @@ $(TOOLS_LIB): $(TOOLS_LIB_SRCS:%.c=$(BUILD)/tools-obj/%.o)
 	@echo "  AR      $@"
 	$(Q)rm -f $@ && $(AR) rcs $@ $^
 
-$(BUILD)/bin/%: $(BUILD)/tools-obj/tools/%.o $(TOOLS_LIB) $(LIBA)
+# Each links libape.a and exports its API to the backend plugins it loads (PLUGIN_HOST_LDFLAGS).
+$(BUILD)/bin/%: $(BUILD)/tools-obj/tools/%.o $(TOOLS_LIB) $(LIBA) tools/plugin-host.dynlist
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"
-	$(Q)$(CC) $(LDFLAGS) -o $@ $(filter %.o,$^) $(TOOLS_LIB) $(LIBA) $(LIB_LIBS) $(LDLIBS)
+	$(Q)$(CC) $(LDFLAGS) $(PLUGIN_HOST_LDFLAGS) -o $@ $(filter %.o,$^) $(TOOLS_LIB) $(LIBA) \
+		$(LIB_LIBS) $(LDLIBS)
 
 # A tool split by concern keeps its other files in a folder of its own, linked into it alone:
 # tools/run/ (the options, the devices, the input and output files, the KV-cache and backward

@@ -298,7 +298,8 @@ APE_API int ape_numa_policy_from_name(const char *name);
  *  the library which ones the caller knows of. */
 typedef struct ape_context_options {
 	size_t struct_size; /**< set by ape_context_options_init() */
-	/** Comma-separated backends to load ("ref,opencl"), or NULL for every backend built in. */
+	/** Comma-separated backends to load ("ref,opencl", a plugin's name among them), or NULL for
+	 *  every backend built in and every plugin found. */
 	const char *backends;
 	/** APE_CONTEXT_* flags. */
 	unsigned flags;
@@ -345,11 +346,18 @@ typedef struct ape_context_options {
 	 * Backend plugins to load (docs/backends.md): `:`-separated shared objects or folders
 	 * (every `libape-backend-*.so` in a folder, in name order), or NULL to read
 	 * `APE_BACKEND_PATH` instead. The plugin folder under the install prefix
-	 * (`$(PREFIX)/lib/libape/backends/`) is searched after these unless the
-	 * APE_CONTEXT_NO_PLUGIN_DIR flag is set. "" loads none from the path. A plugin that cannot
-	 * be loaded (missing file, `dlopen` error, wrong ABI, missing op, a name already taken,
-	 * no device) is listed with the reason by ape_plugin_get_info() and never fails the
-	 * context. Layouts up to `verbose` (without this field) read `APE_BACKEND_PATH`.
+	 * (`$(PREFIX)/lib/libape/backends/`, the PREFIX libape was built with) is searched after
+	 * these unless the APE_CONTEXT_NO_PLUGIN_DIR flag is set. "" loads none from the path;
+	 * empty entries and folders that do not exist are nothing. Plugins register after the
+	 * built-in backends, in the order found; a plugin's backend name then works wherever one
+	 * is taken (ape_context_options.backends, ape_device_select(), `APE_BACKEND`, device
+	 * specs). A plugin that cannot be loaded (a file named here that is not there, a `dlopen`
+	 * error, no entry point, wrong ABI, a missing op, a name already taken, a failed probe, no
+	 * device) is listed with the reason by ape_plugin_get_info() and never fails the context;
+	 * only host memory running out does (APE_ENOMEM). Each context opens its plugins and
+	 * closes them when destroyed. Layouts up to `verbose` (without this field) read
+	 * `APE_BACKEND_PATH`. A program linked with the static libape exports its API to the
+	 * plugins (`-Wl,--dynamic-list` of `ape_*`; docs/backends.md).
 	 */
 	const char *backend_path;
 } ape_context_options;
@@ -385,30 +393,33 @@ APE_API int ape_context_create(ape_context **out, const ape_context_options *opt
 APE_API void ape_context_destroy(ape_context *ctx);
 
 typedef struct ape_backend_info {
-	char name[16]; /**< "ref", "opencl", "cuda" */
-	bool built; /**< compiled into this library */
+	char name[16]; /**< "ref", "opencl", "cuda", or a loaded plugin's name */
+	bool built; /**< compiled into this library (a loaded plugin: true) */
 	bool available; /**< built, driver loaded, and at least one device found */
 	int device_count;
 	char reason[256]; /**< why it is not available ("libcuda.so.1 not found"); "" when it is */
 } ape_backend_info;
 
 /**
- * \brief Number of backends libape knows of (built or not), when \p info is NULL; otherwise fills
- * \p info for backend \p index.
+ * \brief Number of backends libape knows of (built or not, then the plugins the context loaded,
+ * in the order found), when \p info is NULL; otherwise fills \p info for backend \p index.
  * \return the count, 0 when filled, or APE_EINVAL (NULL ctx, index out of range).
  */
 APE_API int ape_backend_get_info(const ape_context *ctx, int index, ape_backend_info *info);
 
 /** One backend plugin the context found (docs/backends.md), loaded or not. */
 typedef struct ape_plugin_info {
-	char path[4096]; /**< the shared object, as found */
+	char path[4096]; /**< the shared object, as found (in a folder: FOLDER/libape-backend-X.so) */
 	char name[16]; /**< the backend name its table gives; "" when none was read */
 	bool loaded; /**< registered as a backend (its name is a backend name of the context) */
 	int device_count; /**< devices it added (0 when not loaded) */
 	unsigned abi_major, abi_minor; /**< the backend ABI its table states; 0 when none was read */
-	/** why it is not loaded ("dlopen: ...: cannot open shared object file", "refused: backend
-	 *  ABI 2.0: ...", "refused: required op attention is missing", "no device found"); "" when
-	 *  it is */
+	/** why it is not loaded ("not found: No such file or directory", "dlopen: ...: cannot open
+	 *  shared object file", "not a libape backend: no symbol ape_backend_plugin (...)",
+	 *  "refused: backend ABI 2.0: ...", "refused: required op attention is missing",
+	 *  "refused: the backend name \"ref\" is taken by the built-in backend ref", "refused:
+	 *  probe failed (APE_EBACKEND): ...", "not loaded: left out by
+	 *  ape_context_options.backends", "no device found: ..."); "" when it is */
 	char reason[512];
 } ape_plugin_info;
 
@@ -491,15 +502,15 @@ typedef struct ape_selection {
 /**
  * \brief Chooses a device by backend name and index, never falling back silently.
  *
- * \param backend "ref", "opencl", "cuda", or "auto"/NULL. For "auto" the environment variable
- *        `APE_BACKEND`, when set and not "auto", names the backend to use; otherwise the most
- *        preferred available device is chosen.
+ * \param backend "ref", "opencl", "cuda", a loaded plugin's name, or "auto"/NULL. For "auto"
+ *        the environment variable `APE_BACKEND`, when set and not "auto", names the backend to
+ *        use; otherwise the most preferred available device is chosen.
  * \param index device index among that backend's devices (or, for "auto" without APE_BACKEND,
  *        among all devices in ape_device_list() order); -1 for the first.
  * \param[out] sel the device and an explanation
  * \return 0; APE_EINVAL (unknown backend name, NULL pointer); APE_ENOBACKEND (the backend named
- *         is not built or not available; the message says why); APE_ENODEV (index out of range,
- *         or no device at all).
+ *         is not built or not available, or is a plugin found that did not load; the message
+ *         says why); APE_ENODEV (index out of range, or no device at all).
  */
 APE_API int ape_device_select(ape_context *ctx, const char *backend, int index, ape_selection *sel);
 

@@ -17,11 +17,11 @@ LIBAPE_LIBRARY, else the copy `pip install ./python` bundled, else the installed
 from ._capi import LibraryError, path as library_path
 from ._core import (ApeError, ApeValueError, KVCache, KVPool, PagedKV, SEED_BETA, SEED_DELTA,
                     SEED_GAMMA, SEED_LAMBDA, attention, attention_backward, attention_diagnostics,
-                    attention_varlen, attention_varlen_backward, backends, devices, position_ids_to_cu_seqlens, trace_range, version)
+                    attention_varlen, attention_varlen_backward, backends, devices, plugins, position_ids_to_cu_seqlens, trace_range, version)
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "attention_diagnostics", "attention_varlen",
            "attention_varlen_backward",
-           "position_ids_to_cu_seqlens", "devices", "backends", "version", "trace_range", "KVCache", "KVPool", "PagedKV", "ApeError",
+           "position_ids_to_cu_seqlens", "devices", "backends", "plugins", "version", "trace_range", "KVCache", "KVPool", "PagedKV", "ApeError",
            "ApeValueError", "LibraryError", "library_path", "SEED_DELTA", "SEED_BETA",
            "SEED_GAMMA", "SEED_LAMBDA"]

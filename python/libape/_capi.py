@@ -10,7 +10,7 @@ import os
 __all__ = ["lib", "path", "ApeTensor", "ApeParam", "ApeAttnDesc", "ApeStats", "ApeVarlen", "ApeDeviceInfo",
            "ApeBackendInfo", "ApeSelection", "ApeKvCacheOptions", "ApeKvCacheInfo",
            "ApeKvPoolOptions", "ApeKvPoolInfo", "ApePagedKvOptions", "ApePageTable", "ApeDTensor",
-           "ApeContextOptions", "DLTensor", "LibraryError"]
+           "ApeContextOptions", "ApePluginInfo", "DLTensor", "LibraryError"]
 
 # The major version whose struct layouts this package was written for.
 ABI_MAJOR = 0
@@ -63,13 +63,21 @@ class ApeContextOptions(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("backends", ctypes.c_char_p), ("flags", ctypes.c_uint),
                 ("topology_xml", ctypes.c_char_p), ("numa", ctypes.c_int),
                 ("visible_devices", ctypes.c_char_p), ("opencl_context", ctypes.c_void_p),
-                ("opencl_device", ctypes.c_void_p), ("verbose", ctypes.c_int)]
+                ("opencl_device", ctypes.c_void_p), ("verbose", ctypes.c_int),
+                ("backend_path", ctypes.c_char_p)]
 
 
 class ApeBackendInfo(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char * 16), ("built", ctypes.c_bool),
                 ("available", ctypes.c_bool), ("device_count", ctypes.c_int),
                 ("reason", ctypes.c_char * 256)]
+
+
+class ApePluginInfo(ctypes.Structure):
+    _fields_ = [("path", ctypes.c_char * 4096), ("name", ctypes.c_char * 16),
+                ("loaded", ctypes.c_bool), ("device_count", ctypes.c_int),
+                ("abi_major", ctypes.c_uint), ("abi_minor", ctypes.c_uint),
+                ("reason", ctypes.c_char * 512)]
 
 
 class ApeDeviceInfo(ctypes.Structure):
@@ -177,6 +185,7 @@ _PROTOS = {
     "ape_context_create": (ctypes.c_int, [P(vp), P(ApeContextOptions)]),
     "ape_context_destroy": (None, [vp]),
     "ape_backend_get_info": (ctypes.c_int, [vp, ctypes.c_int, P(ApeBackendInfo)]),
+    "ape_plugin_get_info": (ctypes.c_int, [vp, ctypes.c_int, P(ApePluginInfo)]),
     "ape_device_list": (ctypes.c_int, [vp, P(vp), ctypes.c_int]),
     "ape_device_get_info": (ctypes.c_int, [vp, P(ApeDeviceInfo)]),
     "ape_device_select_spec": (ctypes.c_int, [vp, ctypes.c_char_p, P(ApeSelection)]),

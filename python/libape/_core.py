@@ -197,6 +197,28 @@ def backends():
     return out
 
 
+def plugins():
+    """Every backend plugin libape found (APE_BACKEND_PATH, then the plugin folder under the
+    install prefix), loaded or not, as dicts: path, name (its backend name, what `device=`
+    takes once loaded), loaded, device_count, abi (major, minor), reason (why it did not
+    load)."""
+    ctx = _context.get()
+    n = lib.ape_plugin_get_info(ctx, 0, None)
+    if n < 0:
+        _raise(n)
+    out = []
+    for i in range(n):
+        info = _capi.ApePluginInfo()
+        err = lib.ape_plugin_get_info(ctx, i, ctypes.byref(info))
+        if err:
+            _raise(err)
+        out.append({"path": info.path.decode(errors="replace"), "name": info.name.decode(),
+                    "loaded": info.loaded, "device_count": info.device_count,
+                    "abi": (info.abi_major, info.abi_minor),
+                    "reason": info.reason.decode(errors="replace")})
+    return out
+
+
 class trace_range:
     """A named range around a block, for profilers (ape_range_push() and ape_range_pop()):
     an NVTX range when libape was built with NVTX and a tool is attached, and with APE_TRACE

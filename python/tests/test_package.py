@@ -43,6 +43,26 @@ def test_exit_with_a_kv_cache_open(device):
     assert "open at exit" in r.stdout
 
 
+def test_a_plugin_is_a_device():
+    """A backend plugin found through APE_BACKEND_PATH (the fixture of tests/plugins/fixture.c,
+    which computes nothing and says so) is listed by plugins() and backends(), and device=
+    takes its name."""
+    so = os.path.join(BUILD, "tests", "plugins", "libape-backend-a.so")
+    if not os.path.exists(so):
+        pytest.skip("%s is not built (make %s)" % (so, so))
+    r = run_py("import numpy as np, libape\n"
+               "print([p['name'] for p in libape.plugins() if p['loaded']])\n"
+               "print('plug_a' in [b['name'] for b in libape.backends()])\n"
+               "q = np.zeros((1, 1, 4, 8), np.float32)\n"
+               "try:\n"
+               "    libape.attention(q, q, q, device='plug_a')\n"
+               "except libape.ApeError as e:\n"
+               "    print(e)\n", {"APE_BACKEND_PATH": so})
+    assert r.returncode == 0, r.stderr
+    assert "['plug_a']" in r.stdout and "True" in r.stdout, r.stdout
+    assert "plug_a:0" in r.stdout and "computes nothing" in r.stdout, r.stdout
+
+
 def test_not_libape_is_refused():
     r = run_py("import libape", {"LIBAPE_LIBRARY": "libm.so.6"})
     assert r.returncode != 0 and "is not libape" in r.stderr
@@ -56,6 +76,7 @@ def test_struct_layouts_match_the_header(tmp_path):
                "ape_attn_desc": _capi.ApeAttnDesc, "ape_stats": _capi.ApeStats,
                "ape_context_options": _capi.ApeContextOptions,
                "ape_backend_info": _capi.ApeBackendInfo, "ape_device_info": _capi.ApeDeviceInfo,
+               "ape_plugin_info": _capi.ApePluginInfo,
                "ape_selection": _capi.ApeSelection,
                "ape_kv_cache_options": _capi.ApeKvCacheOptions,
                "ape_kv_cache_info": _capi.ApeKvCacheInfo}

@@ -1,5 +1,8 @@
 /* SPDX-License-Identifier: MIT */
-/* Contexts: load the backends named in the registry, probe them, keep one ordered device list. */
+/*
+ * Contexts: load the backends named in the registry and the plugins found (api/plugins.c), probe
+ * them, keep one ordered device list.
+ */
 #include "core/context.h"
 #include "core/alloc.h"
 
@@ -13,6 +16,7 @@
 #include "core/ops.h"
 #include "core/strace.h"
 #include "core/verbose.h"
+#include "api/plugins.h"
 #include "api/registry.h"
 #include "topo/physical.h"
 
@@ -25,8 +29,7 @@ void ape_context_options_init(ape_context_options *opts)
 	opts->verbose = -1;
 }
 
-/* Is `name` one of the comma-separated words of `list`? */
-static bool list_has(const char *list, const char *name)
+bool ape__names_have(const char *list, const char *name)
 {
 	size_t n = strlen(name);
 
@@ -42,22 +45,26 @@ static bool list_has(const char *list, const char *name)
 }
 
 static int unknown_backend(const char *list, int len, const char *p,
-			   const struct ape__registry_entry *reg, int nreg)
+			   const struct ape__registry_entry *reg, int nreg,
+			   const struct ape_context *ctx)
 {
-	char known[128] = "";
+	char known[256] = "";
 	size_t n = 0;
 
 	for (int i = 0; i < nreg && n < sizeof(known); i++)
 		n += (size_t)snprintf(known + n, sizeof(known) - n, "%s%s", i ? ", " : "",
 				      reg[i].name);
+	ape__plugins_names(ctx, known, sizeof(known), &n);
 	return ape__error(APE_EINVAL,
 			  "ape_context_create: opts->backends = \"%s\": unknown backend \"%.*s\" "
 			  "(known: %s)",
 			  list, len, p, known);
 }
 
-/* Rejects names in opts->backends that no registry entry has, before anything is probed. */
-static int check_backend_list(const char *list, const struct ape__registry_entry *reg, int nreg)
+/* Rejects names in opts->backends that neither a registry entry nor a plugin found has, before
+ * anything is probed. */
+static int check_backend_list(const char *list, const struct ape__registry_entry *reg, int nreg,
+			      const struct ape_context *ctx)
 {
 	for (const char *p = list; *p;) {
 		const char *end = strchr(p, ',');
@@ -68,7 +75,9 @@ static int check_backend_list(const char *list, const struct ape__registry_entry
 			if ((int)strlen(reg[i].name) == len && !strncmp(p, reg[i].name, (size_t)len))
 				known = true;
 		if (!known)
-			return unknown_backend(list, len, p, reg, nreg);
+			known = ape__plugins_have_name(ctx, p, (size_t)len);
+		if (!known)
+			return unknown_backend(list, len, p, reg, nreg, ctx);
 		p += len + (end ? 1 : 0);
 	}
 	return 0;
@@ -95,12 +104,31 @@ static bool refuse_devices(struct ape__ctx_backend *cb, int before)
 	return true;
 }
 
-static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registry_entry *reg,
-			  const char *only, int *err)
+int ape__backend_probe(struct ape__ctx_backend *cb)
 {
 	struct ape_context *ctx = cb->be.ctx;
 	struct ape_be_probe_result res;
 	int before = ctx->ndevices, ret;
+
+	memset(&res, 0, sizeof(res));
+	ret = cb->be.ops->probe(&cb->be, &res);
+	cb->probed = true;
+	if (ret < 0)
+		return ret;
+	if (refuse_devices(cb, before))
+		return 0;
+	cb->info.device_count = ctx->ndevices - before;
+	cb->info.available = cb->info.device_count > 0;
+	if (!cb->info.available)
+		snprintf(cb->info.reason, sizeof(cb->info.reason), "%s",
+			 res.reason[0] ? res.reason : "no device found");
+	return 0;
+}
+
+static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registry_entry *reg,
+			  const char *only, int *err)
+{
+	int ret;
 
 	snprintf(cb->info.name, sizeof(cb->info.name), "%s", reg->name);
 	cb->info.built = reg->ops != NULL;
@@ -108,7 +136,7 @@ static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registr
 		snprintf(cb->info.reason, sizeof(cb->info.reason), "%s", reg->not_built);
 		return;
 	}
-	if (only && !list_has(only, reg->name)) {
+	if (only && !ape__names_have(only, reg->name)) {
 		snprintf(cb->info.reason, sizeof(cb->info.reason),
 			 "not loaded: left out by ape_context_options.backends");
 		return;
@@ -116,20 +144,9 @@ static void probe_backend(struct ape__ctx_backend *cb, const struct ape__registr
 	/* the table first: nothing of a backend the core refuses runs, not even its probe */
 	if (ape__backend_bind(&cb->be, reg->ops, cb->info.reason, sizeof(cb->info.reason)))
 		return;
-	memset(&res, 0, sizeof(res));
-	ret = cb->be.ops->probe(&cb->be, &res);
-	cb->probed = true;
-	if (ret < 0) {
+	ret = ape__backend_probe(cb);
+	if (ret < 0)
 		*err = ret;
-		return;
-	}
-	if (refuse_devices(cb, before))
-		return;
-	cb->info.device_count = ctx->ndevices - before;
-	cb->info.available = cb->info.device_count > 0;
-	if (!cb->info.available)
-		snprintf(cb->info.reason, sizeof(cb->info.reason), "%s",
-			 res.reason[0] ? res.reason : "no device found");
 }
 
 /* The options struct as the caller's version of the header knows it: the first version ended
@@ -150,6 +167,18 @@ static int parse_numa(const char *text, ape_numa_policy *out)
 		return APE_EINVAL;
 	*out = (ape_numa_policy)p;
 	return 0;
+}
+
+/* Where the plugins come from: opts->backend_path when the caller's layout has it and sets it,
+ * else APE_BACKEND_PATH (NULL when unset); `from` names it for messages. */
+static const char *plugin_path(const ape_context_options *opts, const char **from)
+{
+	if (HAS_OPTION(opts, backend_path) && opts->backend_path) {
+		*from = "ape_context_options.backend_path";
+		return opts->backend_path;
+	}
+	*from = "APE_BACKEND_PATH";
+	return getenv("APE_BACKEND_PATH");
 }
 
 /* Resolves the topology options from opts and the environment, before anything is probed. */
@@ -200,7 +229,7 @@ int ape__context_create(ape_context **out, const ape_context_options *opts,
 {
 	struct ape_context *ctx;
 	struct ape__ctx_setup setup;
-	const char *only = NULL;
+	const char *only = NULL, *path, *path_from;
 	int err = 0;
 
 	if (!out)
@@ -213,12 +242,6 @@ int ape__context_create(ape_context **out, const ape_context_options *opts,
 				  "ape_context_create: opts->struct_size = %zu: expected %zu "
 				  "(initialise with ape_context_options_init())",
 				  opts->struct_size, sizeof(*opts));
-	if (opts && opts->backends) {
-		err = check_backend_list(opts->backends, reg, nreg);
-		if (err)
-			return err;
-		only = opts->backends;
-	}
 	err = resolve_setup(opts, &setup);
 	if (err)
 		return err;
@@ -240,13 +263,24 @@ int ape__context_create(ape_context **out, const ape_context_options *opts,
 	ctx->verbose = HAS_OPTION(opts, verbose) && opts->verbose >= 0 ? opts->verbose
 									 : ape__verbose_env();
 	ape__verbose_raise(ctx->verbose);
+	/* the plugins first, so that opts->backends may name them; probed after the built-ins */
+	path = plugin_path(opts, &path_from);
+	err = ape__plugins_find(ctx, path, path_from, ctx->flags & APE_CONTEXT_NO_PLUGIN_DIR);
+	if (!err && opts && opts->backends) {
+		err = check_backend_list(opts->backends, reg, nreg, ctx);
+		only = opts->backends;
+	}
+	if (err) {
+		ape_context_destroy(ctx);
+		return err;
+	}
 	for (int i = 0; i < nreg && i < APE__MAX_BACKENDS && !err; i++) {
 		ctx->backends[i].be.ctx = ctx;
 		if (HAS_OPTION(opts, opencl_device) && opts->opencl_context &&
 		    !strcmp(reg[i].name, "opencl")) {
 			ctx->backends[i].be.import.context = opts->opencl_context;
 			ctx->backends[i].be.import.device = opts->opencl_device;
-			if (!reg[i].ops || (only && !list_has(only, "opencl")))
+			if (!reg[i].ops || (only && !ape__names_have(only, "opencl")))
 				err = ape__error(APE_ENODEV,
 						 "ape_context_create: opts->opencl_context is set but "
 						 "the OpenCL backend is %s",
@@ -256,6 +290,8 @@ int ape__context_create(ape_context **out, const ape_context_options *opts,
 		ctx->nbackends = i + 1;
 		probe_backend(&ctx->backends[i], &reg[i], only, &err);
 	}
+	if (!err)
+		ape__plugins_register(ctx, reg, nreg, only, &err);
 	if (err) {
 		ape__error_prefix(err, "ape_context_create");
 		ape_context_destroy(ctx);
@@ -286,6 +322,7 @@ void ape_context_destroy(ape_context *ctx)
 		if (cb->probed && cb->be.ops->teardown)
 			cb->be.ops->teardown(&cb->be);
 	}
+	ape__plugins_close(ctx); /* no plugin code runs from here on */
 	free(ctx);
 	ape__strace_flush(); /* APE_TRACE: the session so far, on disk */
 }

@@ -3,7 +3,7 @@
  * The one place that knows which backends were compiled in: the list the build generates from
  * every backend.mk (runtime/api/backends.mk), in probe order, each built or not with the reason,
  * so that ape-info can say "cuda: not built into this libape (nvcc not found at build time)".
- * Plugins found at run time come after these (runtime/api/context.c).
+ * Plugins found at run time come after these (runtime/api/plugins.c).
  */
 #include "api/registry.h"
 

@@ -25,5 +25,20 @@ const struct ape__registry_entry *ape__registry(int *count);
 int ape__context_create(ape_context **out, const ape_context_options *opts,
 			const struct ape__registry_entry *reg, int nreg);
 
+struct ape__ctx_backend;
+
+/*
+ * Probes a backend whose table ape__backend_bind() accepted into cb (a built-in one or a
+ * plugin): its probe, then the capabilities of each device it added (ape__device_check(): a
+ * backend with a device claiming what its ops cannot do is refused, its devices released),
+ * recording in cb->info the devices, whether it is available and why not. Returns 0, or the
+ * probe's failure (< 0; cb->probed is set either way, and the devices added before it are still
+ * in the context).
+ */
+int ape__backend_probe(struct ape__ctx_backend *cb);
+
+/* Is `name` one of the comma-separated words of `list`? */
+bool ape__names_have(const char *list, const char *name);
+
 #pragma GCC visibility pop
 #endif

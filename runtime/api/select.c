@@ -11,6 +11,7 @@
 #include "core/context.h"
 #include "core/error.h"
 #include "core/verbose.h"
+#include "api/plugins.h"
 #include "topo/topology.h"
 
 static const struct ape__ctx_backend *find_backend(const ape_context *ctx, const char *name)
@@ -40,6 +41,28 @@ static void note_passed_over(const ape_context *ctx, const struct ape_backend *c
 	}
 }
 
+/* The message for a backend name ctx does not have: a plugin found under that name that did not
+ * load (APE_ENOBACKEND, with its reason), or no such backend (APE_EINVAL, with the names ctx
+ * has). */
+static int unknown_backend(const ape_context *ctx, const char *name, const char *why)
+{
+	const struct ape__plugin *p = ape__plugins_unloaded(ctx, name);
+	char known[256] = "auto";
+	size_t n = strlen(known);
+
+	if (p)
+		return ape__error(APE_ENOBACKEND,
+				  "ape_device_select: backend %s%s (the plugin %s) is not available: "
+				  "%s",
+				  name, why, p->info.path, p->info.reason);
+	for (int i = 0; i < ctx->nbackends && n < sizeof(known); i++)
+		n += (size_t)snprintf(known + n, sizeof(known) - n, ", %s",
+				      ctx->backends[i].info.name);
+	return ape__error(APE_EINVAL,
+			  "ape_device_select: backend = \"%s\"%s: unknown backend (known: %s)", name,
+			  why, known);
+}
+
 static int select_in_backend(ape_context *ctx, const char *name, const char *why, int index,
 			     ape_selection *sel)
 {
@@ -47,10 +70,7 @@ static int select_in_backend(ape_context *ctx, const char *name, const char *why
 	int nth = 0;
 
 	if (!cb)
-		return ape__error(APE_EINVAL,
-				  "ape_device_select: backend = \"%s\"%s: unknown backend (known: "
-				  "auto, cuda, opencl, ref)",
-				  name, why);
+		return unknown_backend(ctx, name, why);
 	if (!cb->info.available)
 		return ape__error(APE_ENOBACKEND, "ape_device_select: backend %s%s is not available: %s",
 				  name, why, cb->info.reason);

@@ -13,10 +13,12 @@
 
 #pragma GCC visibility push(hidden)
 
-#define APE__MAX_BACKENDS 8
+/* Backends one context loads: the built-in ones, then the plugins (api/plugins.c). */
+#define APE__MAX_BACKENDS 16
 
 struct ape__numa;
 struct ape__phys;
+struct ape__plugin;
 
 struct ape__ctx_backend {
 	struct ape_backend be;
@@ -31,6 +33,10 @@ struct ape_context {
 	struct ape__ctx_backend backends[APE__MAX_BACKENDS];
 	int ndevices, cap;
 	struct ape_device **devices; /* sorted by rank, then probe order */
+	/* The plugins found (runtime/api/plugins.c), loaded or not, in the order found; those
+	 * loaded hold their shared object open until the context is destroyed. */
+	int nplugins;
+	struct ape__plugin *plugins;
 
 	/* The topology (runtime/topo/physical.c): read-only once ape_context_create() returns. */
 	struct ape__numa *numa; /* NULL when hwloc could not read the machine */

@@ -43,6 +43,7 @@ static void sighting_of_device(const struct ape_device *d, struct ape__sighting 
 	s->compute_units = in->compute_units;
 	s->device_index = in->index;
 	snprintf(s->backend, sizeof(s->backend), "%s", in->backend);
+	s->plugin = s->api == 0;
 }
 
 /*

@@ -13,9 +13,12 @@
 #include "core/alloc.h"
 #include "topo/topology.h"
 
-static int api_slot(unsigned api)
+/* The slot of a sighting's logical device: its API's, or the plugins' one. */
+static int sighting_slot(const struct ape__sighting *s)
 {
-	switch (api) {
+	if (s->plugin)
+		return APE__API_SLOT_PLUGIN;
+	switch (s->api) {
 	case APE_API_CUDA:
 		return APE__API_SLOT_CUDA;
 	case APE_API_OPENCL:
@@ -91,22 +94,28 @@ static void phys_init(struct ape__phys *p)
 	p->info.staging_policy = APE_NUMA_OFF;
 }
 
-/* Names from a compute API win over the bus scan's; the first compute API seen keeps them. */
+/* Names from a compute API (a plugin's included) win over the bus scan's; the first compute API
+ * seen keeps them. */
 static bool from_api(const struct ape__sighting *s)
 {
-	return s->api == APE_API_CUDA || s->api == APE_API_OPENCL || s->api == APE_API_HOST;
+	return s->api == APE_API_CUDA || s->api == APE_API_OPENCL || s->api == APE_API_HOST ||
+	       s->plugin;
 }
 
 static void absorb(struct ape__phys *p, const struct ape__sighting *s, bool first)
 {
 	ape_physical_info *in = &p->info;
-	int slot = api_slot(s->api);
-	bool named_by_api = in->apis & (APE_API_CUDA | APE_API_OPENCL | APE_API_HOST);
+	int slot = sighting_slot(s);
+	bool named_by_api = (in->apis & (APE_API_CUDA | APE_API_OPENCL | APE_API_HOST)) ||
+			    p->logical[APE__API_SLOT_PLUGIN] >= 0;
 
 	in->apis |= s->api;
 	if (slot >= 0 && s->device_index >= 0 &&
-	    (p->logical[slot] < 0 || s->device_index < p->logical[slot]))
+	    (p->logical[slot] < 0 || s->device_index < p->logical[slot])) {
 		p->logical[slot] = s->device_index;
+		if (slot == APE__API_SLOT_PLUGIN)
+			snprintf(p->plugin, sizeof(p->plugin), "%s", s->backend);
+	}
 	if (first || (from_api(s) && !named_by_api)) {
 		if (s->name[0])
 			snprintf(in->name, sizeof(in->name), "%s", s->name);
@@ -135,7 +144,8 @@ static uint16_t vendor_of(const struct ape__phys *p)
 /* Compute devices seen by no API are listed only if someone could compute on them. */
 static bool worth_listing(const struct ape__phys *p)
 {
-	if (p->info.apis & (APE_API_CUDA | APE_API_OPENCL | APE_API_HOST))
+	if (p->info.apis & (APE_API_CUDA | APE_API_OPENCL | APE_API_HOST) ||
+	    p->logical[APE__API_SLOT_PLUGIN] >= 0)
 		return true;
 	return !ape__pci_display_only(vendor_of(p));
 }
@@ -224,7 +234,8 @@ static void explain_unusable(const struct ape__merge_input *in, struct ape__phys
 }
 
 /* CUDA for NVIDIA, OpenCL for everything else, the reference for itself; NVIDIA falls back to
- * OpenCL (saying why) when CUDA does not reach it. */
+ * OpenCL (saying why) when CUDA does not reach it; a backend plugin where no built-in backend
+ * drives the device (ape_device_select() picks by the devices' ranks, not by this). */
 static void choose_backend(const struct ape__merge_input *in, struct ape__phys *p)
 {
 	const bool nvidia = vendor_of(p) == 0x10de;
@@ -248,6 +259,9 @@ static void choose_backend(const struct ape__merge_input *in, struct ape__phys *
 	} else if (p->logical[APE__API_SLOT_CUDA] >= 0) {
 		be = "cuda";
 		dev = p->logical[APE__API_SLOT_CUDA];
+	} else if (p->logical[APE__API_SLOT_PLUGIN] >= 0) {
+		be = p->plugin;
+		dev = p->logical[APE__API_SLOT_PLUGIN];
 	} else {
 		be = nvidia ? "cuda" : "opencl";
 		dev = -1;

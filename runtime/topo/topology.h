@@ -72,6 +72,8 @@ struct ape__sighting {
 	int compute_units;
 	int device_index; /* the logical device (ape_device_list() index), -1 for none */
 	char backend[16]; /* the logical device's backend */
+	/* a logical device of a backend plugin (api 0: no APE_API_* flag names a plugin's API) */
+	bool plugin;
 };
 
 struct ape__merge_input {
@@ -85,14 +87,21 @@ struct ape__merge_input {
 	const char *elsewhere;
 };
 
-/* Logical devices reaching a physical device, per API. */
-enum { APE__API_SLOT_CUDA, APE__API_SLOT_OPENCL, APE__API_SLOT_HOST, APE__API_SLOTS };
+/* Logical devices reaching a physical device, per API; backend plugins share one slot. */
+enum {
+	APE__API_SLOT_CUDA,
+	APE__API_SLOT_OPENCL,
+	APE__API_SLOT_HOST,
+	APE__API_SLOT_PLUGIN,
+	APE__API_SLOTS
+};
 
 struct ape__phys {
 	ape_physical_info info; /* placement fields are filled by the caller */
 	struct ape__pci_addr pci;
 	bool has_pci;
 	int logical[APE__API_SLOTS]; /* most preferred logical device per API, -1 */
+	char plugin[16]; /* the backend of logical[APE__API_SLOT_PLUGIN], when there is one */
 	int id; /* position before sorting: lets ape__topology_merge() report where sightings went */
 };
 

@@ -7,12 +7,15 @@
 FAULT_TESTS  := $(BUILD)/tests/faults/test_allocfail $(BUILD)/tests/faults/test_devfail \
 		$(BUILD)/tests/test_contract $(BUILD)/tests/faults/test_bwdfail \
 		$(BUILD)/tests/faults/test_varlenfail $(BUILD)/tests/faults/test_posfail \
-		$(BUILD)/tests/faults/test_kvpoolfail $(BUILD)/tests/faults/test_kvpagedfail
-THREAD_TESTS := $(BUILD)/tests/faults/test_threads
+		$(BUILD)/tests/faults/test_kvpoolfail $(BUILD)/tests/faults/test_kvpagedfail \
+		$(BUILD)/tests/faults/test_pluginfail
+THREAD_TESTS := $(BUILD)/tests/faults/test_threads $(BUILD)/tests/faults/test_pluginthreads
 FAULT_SUBMAKE = $(MAKE) --no-print-directory OPT=-O1 WITH_CUDA=no
 
 # the generic test rule links tests/common/; these also need the shared fault checks
 $(FAULT_TESTS) $(THREAD_TESTS): $(BUILD)/tests-obj/tests/faults/faultcheck.o
+# the backend plugins they load (tests/module.mk)
+$(BUILD)/tests/faults/test_pluginfail $(BUILD)/tests/faults/test_pluginthreads: $(PLUGIN_FIXTURES)
 
 faults-ci:
 	$(Q)$(FAULT_SUBMAKE) BUILD=$(BUILD)/faults SANITIZE=1 CFLAGS=-DAPE_FAULT_INJECT faults-run
