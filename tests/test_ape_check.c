@@ -221,6 +221,26 @@ TEST(refused_plugin_fails_with_the_reason)
 	EXPECT_NE(NULL, strstr(err, "not loaded: ")) TH_LOG("%s", err);
 }
 
+/* A plugin that loads but computes nothing (the loader's fixture, whose attention answers
+ * APE_ENOTSUP) fails: the forward is every backend's, and each failure names its device. */
+TEST(plugin_that_computes_nothing_fails)
+{
+	const char *so = APE_BUILD_DIR "/tests/plugins/libape-backend-a.so";
+
+	if (access(so, F_OK))
+		SKIP(return, "no fixture plugin %s (tests/plugins/fixture.c)", so);
+	EXPECT_EQ(1, TOOL("--plugin", so, "--json", "--quick")) TH_LOG("%s\n%s", out, err);
+	EXPECT_NE(NULL, strstr(out, "\"ok\": false"));
+	EXPECT_EQ(1, count(out, "\"cell\": \"plugin_loads\", \"device\": null, \"status\": \"pass\""))
+		TH_LOG("%s", out);
+	EXPECT_LT(0, count(out, "{\"group\": \"forward\", \"cell\": \"one_row_d64_f32\", "
+				"\"device\": \"plug_a:0\", \"status\": \"fail\""))
+		TH_LOG("%s", out);
+	EXPECT_EQ(0, count(out, "{\"group\": \"forward\", \"cell\": \"one_row_d64_f32\", "
+				"\"device\": \"plug_a:0\", \"status\": \"pass\""));
+	EXPECT_NE(NULL, strstr(err, "one_row_d64_f32 on plug_a:0: ")) TH_LOG("%s", err);
+}
+
 /* The example plugin (make plugin-example) passes: every cell it claims, on its devices alone. */
 TEST(example_plugin_passes)
 {

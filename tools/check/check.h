@@ -59,7 +59,8 @@ void check_add(enum check_group group, const char *name, int dev, enum check_sta
 
 /* Records the cell of a call that returned `ret` (< 0) on devs[d]: not claimed when `optional`
  * and ret is APE_ENOTSUP with a message naming the device (how the core answers a call a
- * device's capabilities leave out), else failed with ape_last_error(); either is said on
+ * device's capabilities leave out) but no op every backend must have (APE_ENOTSUP from its
+ * attention op is a broken contract), else failed with ape_last_error(); either is said on
  * stderr. */
 void check_add_error(enum check_group group, const char *name, int d, ape_device *dev, int ret,
 		     bool optional);

@@ -73,6 +73,38 @@ bool check_names_device(const ape_device *dev, const char *msg)
 	return strstr(msg, label) || (info.name[0] && strstr(msg, info.name));
 }
 
+/* Whether msg says that one of the ops every backend must have failed on dev ("opencl:0 NAME:
+ * attention: ...", as the core names an op's failure): APE_ENOTSUP from such an op is the
+ * backend breaking its contract, not a capability it leaves out. */
+static bool required_op_failed(const ape_device *dev, const char *msg)
+{
+	static const char *const ops[] = { "buf_alloc", "queue_create", "synchronize", "copy_h2d",
+					   "copy_d2h", "fill", "event_record", "event_wait",
+					   "event_elapsed", "attention" };
+	ape_device_info info;
+	char label[256];
+	const char *p;
+	int n;
+
+	if (ape_device_get_info(dev, &info))
+		return false;
+	n = snprintf(label, sizeof(label), "%s:%d %s", info.backend, info.backend_index,
+		     info.name);
+	if (info.pci_address[0] && n >= 0 && (size_t)n < sizeof(label))
+		snprintf(label + n, sizeof(label) - (size_t)n, " (%s)", info.pci_address);
+	for (p = msg; (p = strstr(p, label)); p++) {
+		const char *op = p + strlen(label);
+
+		if (strncmp(op, ": ", 2))
+			continue;
+		for (size_t i = 0; i < sizeof(ops) / sizeof(ops[0]); i++)
+			if (!strncmp(op + 2, ops[i], strlen(ops[i])) &&
+			    !strncmp(op + 2 + strlen(ops[i]), ": ", 2))
+				return true;
+	}
+	return false;
+}
+
 void check_add_error(enum check_group group, const char *name, int d, ape_device *dev, int ret,
 		     bool optional)
 {
@@ -80,7 +112,8 @@ void check_add_error(enum check_group group, const char *name, int d, ape_device
 	ape_device_info info;
 
 	ape_device_get_info(dev, &info);
-	if (optional && ret == APE_ENOTSUP && check_names_device(dev, msg)) {
+	if (optional && ret == APE_ENOTSUP && check_names_device(dev, msg) &&
+	    !required_op_failed(dev, msg)) {
 		fprintf(stderr, "ape-check: %s on %s:%d not claimed: %s\n", name, info.backend,
 			info.backend_index, msg);
 		check_add(group, name, d, CHECK_NOT_CLAIMED, NAN, NAN, "%s", msg);
@@ -88,7 +121,7 @@ void check_add_error(enum check_group group, const char *name, int d, ape_device
 	}
 	fprintf(stderr, "ape-check: %s on %s:%d: %s\n", name, info.backend, info.backend_index,
 		msg);
-	if (ret == APE_ENOTSUP)
+	if (optional && ret == APE_ENOTSUP && !check_names_device(dev, msg))
 		check_add(group, name, d, CHECK_FAIL, NAN, NAN,
 			  "%s, and the message does not name the device: %s", ape_err_name(ret),
 			  msg);
