@@ -270,8 +270,7 @@ static void run_bwd_cell(ape_device *dev, ape_device *ref, const struct case_spe
 					       c->lse, &t[T_DO], c->dlse, &c->t[T_DQ],
 					       &c->t[T_DK], &c->t[T_DV], c->dparams, NULL);
 	if (cell->bwd_err) {
-		cell->bwd_not_claimed = cell->bwd_err == APE_ENOTSUP &&
-					check_names_device(dev, ape_last_error());
+		cell->bwd_not_claimed = check_not_claimed(dev, cell->bwd_err, ape_last_error());
 	} else {
 		cell->bwd_err = refcheck_backward(ref, &c->desc, &t[T_Q], &t[T_K], &t[T_V], &t[T_O],
 						  c->lse, &t[T_DO], c->dlse, &t[T_DQ], &t[T_DK],
@@ -600,8 +599,9 @@ static void usage(void)
 	       "determinism (the same call twice: the same bits) and failures (bad arguments\n"
 	       "refused with a message naming the call and the argument and nothing written; a\n"
 	       "failing device op named with its device). A call the device's backend does not\n"
-	       "do (APE_ENOTSUP naming the device) is \"not claimed\", no failure. Prints a matrix\n"
-	       "per group, then a summary table: cells passed, failed, not claimed per group.\n"
+	       "do (APE_ENOTSUP naming the device) is \"not claimed\", no failure, but for the\n"
+	       "dense forward and the ops every backend must have. Prints a matrix per group,\n"
+	       "then a summary table: cells passed, failed, not claimed per group.\n"
 	       "Exits 0 when every cell claimed passed, 1 when one failed or the plugin was\n"
 	       "refused, 2 on bad usage, 3 when --backend has no device here.\n"
 	       "  --plugin FILE  certify one backend plugin: load FILE alone (no plugin folder,\n"

@@ -57,11 +57,13 @@ struct check_cell {
 void check_add(enum check_group group, const char *name, int dev, enum check_status status,
 	       double err, double tol, const char *fmt, ...) __attribute__((format(printf, 7, 8)));
 
+/* Whether a call's failure `ret` with message `msg` says that dev does not do it: APE_ENOTSUP
+ * naming the device (how the core answers a call a device's capabilities leave out), but from
+ * no op every backend must have (APE_ENOTSUP from its attention op is a broken contract). */
+bool check_not_claimed(const ape_device *dev, int ret, const char *msg);
+
 /* Records the cell of a call that returned `ret` (< 0) on devs[d]: not claimed when `optional`
- * and ret is APE_ENOTSUP with a message naming the device (how the core answers a call a
- * device's capabilities leave out) but no op every backend must have (APE_ENOTSUP from its
- * attention op is a broken contract), else failed with ape_last_error(); either is said on
- * stderr. */
+ * and check_not_claimed(), else failed with ape_last_error(); either is said on stderr. */
 void check_add_error(enum check_group group, const char *name, int d, ape_device *dev, int ret,
 		     bool optional);
 

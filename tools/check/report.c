@@ -105,6 +105,11 @@ static bool required_op_failed(const ape_device *dev, const char *msg)
 	return false;
 }
 
+bool check_not_claimed(const ape_device *dev, int ret, const char *msg)
+{
+	return ret == APE_ENOTSUP && check_names_device(dev, msg) && !required_op_failed(dev, msg);
+}
+
 void check_add_error(enum check_group group, const char *name, int d, ape_device *dev, int ret,
 		     bool optional)
 {
@@ -112,8 +117,7 @@ void check_add_error(enum check_group group, const char *name, int d, ape_device
 	ape_device_info info;
 
 	ape_device_get_info(dev, &info);
-	if (optional && ret == APE_ENOTSUP && check_names_device(dev, msg) &&
-	    !required_op_failed(dev, msg)) {
+	if (optional && check_not_claimed(dev, ret, msg)) {
 		fprintf(stderr, "ape-check: %s on %s:%d not claimed: %s\n", name, info.backend,
 			info.backend_index, msg);
 		check_add(group, name, d, CHECK_NOT_CLAIMED, NAN, NAN, "%s", msg);
