@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "ape_test.h"
+#include "ape/ape_backend.h"
 #include "common/apitest.h"
 
 /* ---------------------------------------------------------------- version and errors */
@@ -193,6 +194,17 @@ TEST(last_error_concurrent_threads)
 		EXPECT_EQ(0, w[i].bad) TH_LOG("thread %d saw foreign messages", i);
 	}
 	ape_context_destroy(ctx);
+}
+
+/* Context around what failed below: the current message may be an argument of the new one (as a
+ * ragged call wraps what its sequence's call said), and comes out whole. */
+TEST(message_wraps_itself)
+{
+	ape_be_error(APE_EDEVLOST, "plug_a:0 fixture: attention: kernel %d faulted", 7);
+	EXPECT_EQ(APE_EDEVLOST, ape_be_error(APE_EDEVLOST, "call: sequence %d (rows 0..3): %s", 2,
+					     ape_last_error()));
+	EXPECT_STREQ("call: sequence 2 (rows 0..3): plug_a:0 fixture: attention: kernel 7 faulted",
+		     ape_last_error());
 }
 
 TEST_HARNESS_MAIN

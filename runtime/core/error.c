@@ -52,9 +52,14 @@ const char *ape_last_error(void)
 	return last_error;
 }
 
+/* Formats into a copy first: an argument may be the current message itself (a caller adding
+ * context around what failed below it, ape_last_error() passed to "%s"). */
 static int verror(int err, const char *fmt, va_list ap)
 {
-	vsnprintf(last_error, sizeof(last_error), fmt, ap);
+	char tmp[sizeof(last_error)];
+
+	vsnprintf(tmp, sizeof(tmp), fmt, ap);
+	memcpy(last_error, tmp, sizeof(last_error));
 	error_gen++;
 	return err;
 }
