@@ -54,64 +54,16 @@ TEST(example_runs)
 	free(text);
 }
 
-/* The ```sh block of README.md holding `needle`, without its fences (free() it); NULL if none. */
-static char *readme_block(const char *readme, const char *needle)
-{
-	const char *hit = strstr(readme, needle), *start = NULL, *end;
-
-	for (const char *p = readme; hit && (p = strstr(p, "```sh\n")) && p < hit; p += 6)
-		start = p + 6;
-	end = start ? strstr(start, "```") : NULL;
-	if (!start || !end || end < hit)
-		return NULL;
-	return strndup(start, (size_t)(end - start));
-}
-
-static int write_text(const char *path, const char *text)
-{
-	FILE *f = fopen(path, "w");
-	int ret;
-
-	if (!f)
-		return -1;
-	ret = fputs(text, f) < 0 ? -1 : 0;
-	return fclose(f) || ret ? -1 : 0;
-}
-
-/*
- * Runs script with sh in dir, in a bare environment (PATH, HOME = dir, the reference backend:
- * the point is building and loading, not the device), output to dir/log. Returns the exit
- * status, or -1.
- */
-static int run_script(const char *dir, const char *script)
-{
-	char sh[4200], log[4200], home[4200], path[4200];
-	char *const argv[] = { "sh", sh, NULL };
-	char *envp[] = { path, home, "APE_BACKEND=ref",
+/* test_run_script()'s extra environment: the reference backend (the point is building and
+ * loading, not the device) */
+static const char *const script_env[] = { "APE_BACKEND=ref",
 #ifdef __SANITIZE_ADDRESS__
-			 /* the installed libape is this ASan build; a.out is not one, so the ASan
-			  * runtime cannot come first in its library list */
-			 "ASAN_OPTIONS=verify_asan_link_order=0:detect_leaks=0",
+					  /* the installed libape is this ASan build; a.out is not
+					   * one, so the ASan runtime cannot come first in its library
+					   * list */
+					  "ASAN_OPTIONS=verify_asan_link_order=0:detect_leaks=0",
 #endif
-			 NULL };
-	posix_spawn_file_actions_t fa;
-	int status = -1, ret;
-	pid_t pid;
-
-	snprintf(sh, sizeof(sh), "%s/readme.sh", dir);
-	snprintf(log, sizeof(log), "%s/log", dir);
-	snprintf(home, sizeof(home), "HOME=%s", dir);
-	snprintf(path, sizeof(path), "PATH=%s", getenv("PATH") ? getenv("PATH") : "/usr/bin:/bin");
-	if (write_text(sh, script) || posix_spawn_file_actions_init(&fa))
-		return -1;
-	ret = posix_spawn_file_actions_addopen(&fa, 1, log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-	ret = ret ? ret : posix_spawn_file_actions_adddup2(&fa, 1, 2);
-	ret = ret ? ret : posix_spawnp(&pid, "sh", &fa, NULL, argv, envp);
-	posix_spawn_file_actions_destroy(&fa);
-	if (ret || waitpid(pid, &status, 0) != pid)
-		return -1;
-	return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
+					  NULL };
 
 /*
  * README.md's lines for building the example against an installed libape, run as they stand:
@@ -129,12 +81,12 @@ TEST(readme_build_lines_work_against_an_install)
 	example = (char *)test_read_file(APE_SOURCE_DIR "/docs/example.c", NULL);
 	ASSERT_NE(NULL, readme);
 	ASSERT_NE(NULL, example);
-	block = readme_block(readme, "cc example.c ");
+	block = test_doc_block(readme, "cc example.c ");
 	ASSERT_NE(NULL, block) TH_LOG("README.md has no ```sh block with a 'cc example.c' line");
 	EXPECT_NE(NULL, strstr(block, "make install")) TH_LOG("%s", block);
 	ASSERT_NE(NULL, mkdtemp(dir));
 	snprintf(path, sizeof(path), "%s/example.c", dir);
-	ASSERT_EQ(0, write_text(path, example));
+	ASSERT_EQ(0, test_write_text(path, example));
 	len = strlen(block) + 8192;
 	script = malloc(len);
 	ASSERT_NE(NULL, script);
@@ -143,7 +95,7 @@ TEST(readme_build_lines_work_against_an_install)
 		 "make() { command make --no-print-directory -C '%s' %s \"$@\"; }\n%s",
 		 dir, APE_SOURCE_DIR, APE_MAKE_OVERRIDES, block);
 	stamp_before = (char *)test_read_file(APE_BUILD_DIR "/config.stamp", NULL);
-	EXPECT_EQ(0, run_script(dir, script)) TH_LOG("%s", script);
+	EXPECT_EQ(0, test_run_script(dir, "readme", script, script_env)) TH_LOG("%s", script);
 	snprintf(path, sizeof(path), "%s/log", dir);
 	log = (char *)test_read_file(path, NULL);
 	ASSERT_NE(NULL, log);
@@ -185,7 +137,7 @@ TEST(deps_install_python_only_for_goals_that_need_it)
 		snprintf(script, sizeof(script),
 			 "set -e\ncommand make --no-print-directory -n -C '%s' %s %s\n",
 			 APE_SOURCE_DIR, APE_MAKE_OVERRIDES, cases[c].goals);
-		EXPECT_EQ(0, run_script(dir, script)) TH_LOG("%s", script);
+		EXPECT_EQ(0, test_run_script(dir, "readme", script, script_env)) TH_LOG("%s", script);
 		snprintf(path, sizeof(path), "%s/log", dir);
 		log = (char *)test_read_file(path, NULL);
 		ASSERT_NE(NULL, log);

@@ -546,56 +546,6 @@ TEST(configuration_and_failures)
 
 /* ---- docs/backends.md's build lines */
 
-static int write_text(const char *path, const char *text)
-{
-	FILE *f = fopen(path, "w");
-	int ret;
-
-	if (!f)
-		return -1;
-	ret = fputs(text, f) < 0 ? -1 : 0;
-	return fclose(f) || ret ? -1 : 0;
-}
-
-/* The ```sh block of doc holding `needle`, without its fences (free() it); NULL if none. */
-static char *doc_block(const char *doc, const char *needle)
-{
-	const char *hit = strstr(doc, needle), *start = NULL, *end;
-
-	for (const char *p = doc; hit && (p = strstr(p, "```sh\n")) && p < hit; p += 6)
-		start = p + 6;
-	end = start ? strstr(start, "```") : NULL;
-	if (!start || !end || end < hit)
-		return NULL;
-	return strndup(start, (size_t)(end - start));
-}
-
-/* Runs script with sh in a bare environment (PATH, HOME = dir), output to dir/log: the exit
- * status, or -1. */
-static int run_script(const char *dir, const char *script)
-{
-	char sh[4200], log[4200], home[4200], path[4200];
-	char *const argv[] = { "sh", sh, NULL };
-	char *envp[] = { path, home, NULL };
-	posix_spawn_file_actions_t fa;
-	int status = -1, ret;
-	pid_t pid;
-
-	snprintf(sh, sizeof(sh), "%s/build.sh", dir);
-	snprintf(log, sizeof(log), "%s/log", dir);
-	snprintf(home, sizeof(home), "HOME=%s", dir);
-	snprintf(path, sizeof(path), "PATH=%s", getenv("PATH") ? getenv("PATH") : "/usr/bin:/bin");
-	if (write_text(sh, script) || posix_spawn_file_actions_init(&fa))
-		return -1;
-	ret = posix_spawn_file_actions_addopen(&fa, 1, log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-	ret = ret ? ret : posix_spawn_file_actions_adddup2(&fa, 1, 2);
-	ret = ret ? ret : posix_spawnp(&pid, "sh", &fa, NULL, argv, envp);
-	posix_spawn_file_actions_destroy(&fa);
-	if (ret || waitpid(pid, &status, 0) != pid)
-		return -1;
-	return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
 /*
  * docs/backends.md, "Building a plugin", as it stands: `make install PREFIX=$HOME/ape` into a
  * temporary HOME (make runs in the source tree with this build's variables, so that it neither
@@ -617,7 +567,7 @@ TEST(guide_build_lines_work_against_an_install)
 
 	doc = (char *)test_read_file(APE_SOURCE_DIR "/docs/backends.md", NULL);
 	ASSERT_NE(NULL, doc);
-	block = doc_block(doc, "example_backend.c example_kernels.c");
+	block = test_doc_block(doc, "example_backend.c example_kernels.c");
 	ASSERT_NE(NULL, block) TH_LOG("docs/backends.md has no ```sh block building the example");
 	EXPECT_NE(NULL, strstr(block, "make install")) TH_LOG("%s", block);
 	ASSERT_NE(NULL, mkdtemp(dir));
@@ -633,7 +583,7 @@ TEST(guide_build_lines_work_against_an_install)
 		text = (char *)test_read_file(path, NULL);
 		ASSERT_NE(NULL, text) TH_LOG("%s", path);
 		snprintf(path, sizeof(path), "%s/examples/backend-plugin/%s", dir, files[i]);
-		ASSERT_EQ(0, write_text(path, text));
+		ASSERT_EQ(0, test_write_text(path, text));
 		free(text);
 	}
 	len = strlen(block) + 8192;
@@ -643,7 +593,7 @@ TEST(guide_build_lines_work_against_an_install)
 		 "set -ex\ncd '%s'\n"
 		 "make() { command make --no-print-directory -C '%s' %s \"$@\"; }\n%s",
 		 dir, APE_SOURCE_DIR, APE_MAKE_OVERRIDES, block);
-	EXPECT_EQ(0, run_script(dir, script)) TH_LOG("%s", script);
+	EXPECT_EQ(0, test_run_script(dir, "build", script, NULL)) TH_LOG("%s", script);
 	snprintf(path, sizeof(path), "%s/log", dir);
 	log = (char *)test_read_file(path, NULL);
 

@@ -2,6 +2,7 @@
 #include "testutil.h"
 
 #include <math.h>
+#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -360,4 +361,57 @@ ape_tensor test_rows(const ape_tensor *t, int64_t l0, int64_t n)
 		abort();
 	}
 	return v;
+}
+
+/* ---- documentation run as it stands */
+
+int test_write_text(const char *path, const char *text)
+{
+	FILE *f = fopen(path, "w");
+	int ret;
+
+	if (!f)
+		return -1;
+	ret = fputs(text, f) < 0 ? -1 : 0;
+	return fclose(f) || ret ? -1 : 0;
+}
+
+char *test_doc_block(const char *doc, const char *needle)
+{
+	const char *hit = strstr(doc, needle), *start = NULL, *end;
+
+	for (const char *p = doc; hit && (p = strstr(p, "```sh\n")) && p < hit; p += 6)
+		start = p + 6;
+	end = start ? strstr(start, "```") : NULL;
+	if (!start || !end || end < hit)
+		return NULL;
+	return strndup(start, (size_t)(end - start));
+}
+
+int test_run_script(const char *dir, const char *name, const char *script,
+		    const char *const *extra_env)
+{
+	char sh[4200], log[4200], home[4200], path[4200];
+	char *const argv[] = { "sh", sh, NULL };
+	char *envp[16] = { path, home };
+	posix_spawn_file_actions_t fa;
+	int status = -1, ret, n = 2;
+	pid_t pid;
+
+	for (; extra_env && *extra_env && n < 15; extra_env++)
+		envp[n++] = (char *)*extra_env;
+	envp[n] = NULL;
+	snprintf(sh, sizeof(sh), "%s/%s.sh", dir, name);
+	snprintf(log, sizeof(log), "%s/log", dir);
+	snprintf(home, sizeof(home), "HOME=%s", dir);
+	snprintf(path, sizeof(path), "PATH=%s", getenv("PATH") ? getenv("PATH") : "/usr/bin:/bin");
+	if (test_write_text(sh, script) || posix_spawn_file_actions_init(&fa))
+		return -1;
+	ret = posix_spawn_file_actions_addopen(&fa, 1, log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+	ret = ret ? ret : posix_spawn_file_actions_adddup2(&fa, 1, 2);
+	ret = ret ? ret : posix_spawnp(&pid, "sh", &fa, NULL, argv, envp);
+	posix_spawn_file_actions_destroy(&fa);
+	if (ret || waitpid(pid, &status, 0) != pid)
+		return -1;
+	return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }

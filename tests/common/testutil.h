@@ -72,6 +72,20 @@ int test_count_entries(const char *dir, char *first, size_t firstlen);
  * any error. */
 unsigned char *test_read_file(const char *path, size_t *len);
 
+/* ---- documentation run as it stands */
+/* Writes text to path (created or truncated): 0, or -1. */
+int test_write_text(const char *path, const char *text);
+/* The ```sh block of doc (a Markdown text) holding `needle`, without its fences (free() it);
+ * NULL if none. */
+char *test_doc_block(const char *doc, const char *needle);
+/*
+ * Runs script with sh in a bare environment: PATH, HOME = dir and the NULL-terminated extra
+ * "NAME=value" entries (NULL: none); script written to dir/NAME.sh, output to dir/log. Returns
+ * the exit status, or -1.
+ */
+int test_run_script(const char *dir, const char *name, const char *script,
+		    const char *const *extra_env);
+
 /* ---- tools */
 /*
  * Runs APE_BUILD_DIR/bin/<tool> with args (NULL-terminated) in directory cwd (NULL: this one),
