@@ -78,6 +78,19 @@ static int io_tensor(struct io *io, const void *src, ape_dtype dt, int64_t d0, i
 	return ret;
 }
 
+/* The case's Q, K and V on io's device, in dt. */
+static int io_qkv(struct io *io, const struct check_qkv *x, ape_dtype dt, ape_dtensor *q,
+		  ape_dtensor *k, ape_dtensor *v)
+{
+	int r = io_tensor(io, x->q, dt, x->B, x->H, x->Lq, x->D, q);
+
+	if (!r)
+		r = io_tensor(io, x->k, dt, x->B, x->Hkv, x->Lk, x->D, k);
+	if (!r)
+		r = io_tensor(io, x->v, dt, x->B, x->Hkv, x->Lk, x->D, v);
+	return r;
+}
+
 /* Reads t's buffer, all of it, into host memory `dst`: there once io_close() returned. */
 static int io_read(struct io *io, const ape_dtensor *t, void *dst)
 {
@@ -133,11 +146,7 @@ static int resident_forward(const struct check_env *env)
 		int r = io_open(&io, env->devs[d]);
 
 		if (!r)
-			r = io_tensor(&io, x.q, dt, x.B, x.H, x.Lq, x.D, &q);
-		if (!r)
-			r = io_tensor(&io, x.k, dt, x.B, x.Hkv, x.Lk, x.D, &k);
-		if (!r)
-			r = io_tensor(&io, x.v, dt, x.B, x.Hkv, x.Lk, x.D, &v);
+			r = io_qkv(&io, &x, dt, &q, &k, &v);
 		if (!r)
 			r = io_tensor(&io, NULL, dt, x.B, x.H, x.Lq, x.D, &ot);
 		if (!r)
@@ -305,11 +314,7 @@ static int resident_diag(const struct check_env *env)
 		int r = io_open(&io, env->devs[d]);
 
 		if (!r)
-			r = io_tensor(&io, x.q, dt, x.B, x.H, x.Lq, x.D, &q);
-		if (!r)
-			r = io_tensor(&io, x.k, dt, x.B, x.Hkv, x.Lk, x.D, &k);
-		if (!r)
-			r = io_tensor(&io, x.v, dt, x.B, x.Hkv, x.Lk, x.D, &v);
+			r = io_qkv(&io, &x, dt, &q, &k, &v);
 		for (int i = 0; i < 4 && !r; i++)
 			r = io_tensor(&io, NULL, APE_F32, x.B, x.H, x.Lq, i ? 1 : x.D, &t[i]);
 		if (!r)
@@ -392,11 +397,7 @@ static int resident_backward(const struct check_env *env)
 		int r = io_open(&io, env->devs[d]);
 
 		if (!r)
-			r = io_tensor(&io, x.q, dt, x.B, x.H, x.Lq, x.D, &q);
-		if (!r)
-			r = io_tensor(&io, x.k, dt, x.B, x.Hkv, x.Lk, x.D, &k);
-		if (!r)
-			r = io_tensor(&io, x.v, dt, x.B, x.Hkv, x.Lk, x.D, &v);
+			r = io_qkv(&io, &x, dt, &q, &k, &v);
 		if (!r)
 			r = io_tensor(&io, o, dt, x.B, x.H, x.Lq, x.D, &ot);
 		if (!r)
