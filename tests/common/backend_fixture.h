@@ -14,9 +14,20 @@
 
 #include <string.h>
 
+/* APE_BACKEND_NAMES only: the X-macros of the registry's entries are left undefined */
+#define APE_BACKEND_BUILT(name, ops)
+#define APE_BACKEND_NOT_BUILT(name, why)
+#include "ape_backends.h"
+#undef APE_BACKEND_BUILT
+#undef APE_BACKEND_NOT_BUILT
 #include "common/backends.h"
 #include "common/testutil.h"
 #include "common/wrapops.h"
+
+/* One variant per backend the build knows (APE_BACKEND_NAMES: every backend.mk's, built or not,
+ * from the generated $(BUILD)/gen/ape_backends.h), so that a backend added to the tree runs these
+ * suites without an edit here. */
+#define BACKEND_FIXTURE_VARIANT(fx, name) FIXTURE_VARIANT_ADD(fx, name){ .backend = #name };
 
 #define BACKEND_FIXTURE(fx)                                                                        \
 	FIXTURE(fx)                                                                                \
@@ -29,9 +40,7 @@
 	{                                                                                          \
 		const char *backend;                                                               \
 	};                                                                                         \
-	FIXTURE_VARIANT_ADD(fx, ref){ .backend = "ref" };                                          \
-	FIXTURE_VARIANT_ADD(fx, opencl){ .backend = "opencl" };                                    \
-	FIXTURE_VARIANT_ADD(fx, cuda){ .backend = "cuda" };                                        \
+	APE_BACKEND_NAMES(BACKEND_FIXTURE_VARIANT, fx)                                             \
 	FIXTURE_SETUP(fx)                                                                          \
 	{                                                                                          \
 		const bool is_ref = !strcmp(variant->backend, "ref");                              \

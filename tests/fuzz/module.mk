@@ -1,7 +1,8 @@
 # libFuzzer targets (issue 7): the .npy reader, forward-call validation, the program-cache reader,
 # the device-resident calls (ape_attention_enqueue, buffers, the DLPack call; issue 12), the KV
 # pool's calls (ape_kv_pool_*; issue 26), paged attention over the caller's pages
-# (ape_paged_kv_*).
+# (ape_paged_kv_*), the plugin loader's calls (ape_context_options.backend_path and
+# APE_BACKEND_PATH, ape_plugin_get_info, ape_backend_get_proc).
 #
 #   make fuzz [FUZZ_SECONDS=300]   each target for FUZZ_SECONDS, building on the corpus found so far
 #   make fuzz-ci                   what `make check` runs: about a minute in all (FUZZ_CI_SECONDS each)
@@ -15,7 +16,7 @@ FUZZ_CC          ?= $(shell command -v clang-14 2>/dev/null || command -v clang 
 FUZZ             ?= $(if $(CI),yes,auto)
 FUZZ_SECONDS     ?= 300
 FUZZ_CI_SECONDS  ?= 20
-FUZZ_TARGETS     := npy problem cache resident varlen trace kvpool kvpaged
+FUZZ_TARGETS     := npy problem cache resident varlen trace kvpool kvpaged plugins
 # FUZZ_OPENCL=yes: the fuzz library with the OpenCL backend too (where this build has it), in
 # $(BUILD)/fuzz-opencl, so that the targets that can (fuzz_kvpaged) also run on an OpenCL device
 # (a bit of each input picks it). Off by default: PoCL compiles each kernel variant a fuzzed
@@ -42,7 +43,14 @@ FUZZ_WHY := $(if $(FUZZ_CC),$(FUZZ_CC) cannot link -fsanitize=fuzzer (libFuzzer 
 FUZZ_LIB_SRCS := $(filter runtime/%,$(LIB_SRCS)) $(if $(FUZZ_OCL),$(OPENCL_SRCS))
 FUZZ_LIB_ASM  := $(if $(FUZZ_OCL),$(filter opencl/%,$(LIB_ASM)))
 FUZZ_TOOL_SRCS := tools/common/npy_read.c tools/common/npy_write.c tools/common/npy_common.c
-FUZZ_CPPFLAGS  = $(filter-out -DAPE_HAVE_OPENCL -DAPE_HAVE_CUDA,$(CPPFLAGS)) $(HWLOC_CFLAGS) $(DRM_CFLAGS) \
+# ... and its own registry (runtime/api/backends.mk), found before the build's: the reference
+# built, OpenCL with FUZZ_OPENCL=yes, every other backend "not built".
+FUZZ_BUILT     := ref $(if $(FUZZ_OCL),opencl)
+fuzz_backend_line = $(if $(filter $(1),$(FUZZ_BUILT)),APE_BACKEND_BUILT($(1), $(APE_BACKEND_$(1)_OPS)),APE_BACKEND_NOT_BUILT($(1), "not built into the library of the fuzz targets"))
+ifneq ($(filter fuzz fuzz-ci fuzz-build $(FUZZ_DIR)/%,$(MAKECMDGOALS)),)
+$(call ape_backends_gen,$(FUZZ_DIR)/gen/ape_backends.h,fuzz_backend_line)
+endif
+FUZZ_CPPFLAGS  = -I$(FUZZ_DIR)/gen $(filter-out -DAPE_HAVE_OPENCL -DAPE_HAVE_CUDA,$(CPPFLAGS)) $(HWLOC_CFLAGS) $(DRM_CFLAGS) \
 		 $(if $(FUZZ_OCL),-DAPE_HAVE_OPENCL -DCL_TARGET_OPENCL_VERSION=120)
 FUZZ_SAN      := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 FUZZ_CFLAGS    = $(CSTD) -O1 -g $(WARN) $(FUZZ_SAN) -fsanitize=fuzzer-no-link -DAPE_BUILDING_LIBRARY
