@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "ape_test.h"
+#include "ape/ape_backend.h"
 
 #define FIXTURE_DIR APE_SOURCE_DIR "/tests/fixtures/"
 #define PYTHON "/usr/bin/python3"
@@ -34,6 +35,17 @@ static void run_info(struct result *r, const char *const *args)
 
 /* The (first) line of `text` holding `needle`, copied into `line`; false if none. A needle that
  * starts with a newline matches at the start of a line. */
+/* Whether `line` holds `word` between spaces (or at its end). */
+static bool has_word(const char *line, const char *word)
+{
+	const size_t n = strlen(word);
+
+	for (const char *p = line; (p = strstr(p, word)); p++)
+		if (p > line && p[-1] == ' ' && (p[n] == ' ' || p[n] == '\0'))
+			return true;
+	return false;
+}
+
 static bool line_with(const char *text, const char *needle, char *line, size_t cap)
 {
 	const char *at = strstr(text, needle), *start, *end;
@@ -118,6 +130,29 @@ TEST(lists_devices_backends_and_drm)
 		else
 			snprintf(line, sizeof(line), "%-8s not available: %s", b.name, b.reason);
 		EXPECT_TRUE(strstr(r.out, line) != NULL) TH_LOG("'%s' not in: %s", line, r.out);
+	}
+	/* what each device states it can do, in the capabilities' own words */
+	EXPECT_TRUE(strstr(r.out, "\ncapabilities:\n") != NULL) TH_LOG("%s", r.out);
+	{
+		ape_device *devs[16];
+		const int nd = ape_device_list(ctx, devs, 16);
+
+		for (int i = 0; i < nd; i++) {
+			ape_device_info di;
+			char spec[48];
+			const uint64_t caps = ape_device_capabilities(devs[i]);
+
+			ASSERT_EQ(0, ape_device_get_info(devs[i], &di));
+			snprintf(spec, sizeof(spec), "\n  %s:%d ", di.backend, di.backend_index);
+			ASSERT_TRUE(line_with(r.out, spec, line, sizeof(line))) TH_LOG("%s", spec);
+			for (int b = 0; b < 64; b++) {
+				const char *w = ape_be_cap_name((uint64_t)1 << b);
+
+				if (w)
+					EXPECT_EQ((caps >> b) & 1, has_word(line, w))
+					TH_LOG("%s: %s", w, line);
+			}
+		}
 	}
 	ape_context_destroy(ctx);
 }

@@ -684,6 +684,16 @@ TEST_F(be, capabilities_as_stated)
 		EXPECT_EQ(UINT64_MAX, c->max_alloc);
 		EXPECT_EQ(APE_BE_CAP_ALL, c->features);
 	}
+	/* the public query says the same; every bit has its name, nothing else has one */
+	EXPECT_EQ(c->features, ape_device_capabilities(self->dev));
+	EXPECT_EQ(0u, ape_device_capabilities(NULL));
+	for (int i = 0; i < 64; i++) {
+		EXPECT_EQ((APE_BE_CAP_ALL >> i) & 1, ape_be_cap_name((uint64_t)1 << i) != NULL)
+		TH_LOG("bit %d", i);
+	}
+	EXPECT_STREQ("diag_views", ape_be_cap_name(APE_BE_CAP_DIAG_VIEWS));
+	EXPECT_EQ(NULL, ape_be_cap_name(0));
+	EXPECT_EQ(NULL, ape_be_cap_name(APE_BE_CAP_DIAG | APE_BE_CAP_BACKWARD));
 }
 
 TEST_HARNESS_MAIN

@@ -27,6 +27,7 @@
 #include <sys/stat.h>
 
 #include "ape/ape.h"
+#include "ape/ape_backend.h"
 #include "common/cli.h"
 #include "common/json.h"
 #include "common/refcheck.h"
@@ -270,7 +271,8 @@ static void run_bwd_cell(ape_device *dev, ape_device *ref, const struct case_spe
 					       c->lse, &t[T_DO], c->dlse, &c->t[T_DQ],
 					       &c->t[T_DK], &c->t[T_DV], c->dparams, NULL);
 	if (cell->bwd_err) {
-		cell->bwd_not_claimed = check_not_claimed(dev, cell->bwd_err, ape_last_error());
+		cell->bwd_not_claimed = check_not_claimed(dev, cell->bwd_err, ape_last_error(),
+							   APE_BE_CAP_BACKWARD);
 	} else {
 		cell->bwd_err = refcheck_backward(ref, &c->desc, &t[T_Q], &t[T_K], &t[T_V], &t[T_O],
 						  c->lse, &t[T_DO], c->dlse, &t[T_DQ], &t[T_DK],

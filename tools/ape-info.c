@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "ape/ape.h"
+#include "ape/ape_backend.h"
 #include "common/cli.h"
 #include "common/json.h"
 
@@ -401,6 +402,42 @@ static void print_nodes(const struct machine *m)
 	}
 }
 
+/* The capabilities device d states ("diag backward ..."; "-" when none), into buf. */
+static void caps_text(const ape_device *d, char *buf, size_t len)
+{
+	const uint64_t caps = ape_device_capabilities(d);
+	size_t n = 0;
+
+	buf[0] = '\0';
+	for (int i = 0; i < 64 && n < len; i++)
+		if ((caps >> i) & 1)
+			n += (size_t)snprintf(buf + n, len - n, "%s%s", n ? " " : "",
+					      ape_be_cap_name((uint64_t)1 << i) ?
+						      ape_be_cap_name((uint64_t)1 << i) :
+						      "?");
+	if (!buf[0])
+		snprintf(buf, len, "-");
+}
+
+/* What each device of the context can do, as its backend states it (ape_device_capabilities()). */
+static void print_capabilities(const struct machine *m)
+{
+	ape_device *devs[64];
+	const int n = ape_device_list(m->ctx, devs, 64);
+
+	printf("capabilities:\n");
+	for (int i = 0; i < n; i++) {
+		ape_device_info info;
+		char spec[48], caps[256];
+
+		if (ape_device_get_info(devs[i], &info))
+			continue;
+		snprintf(spec, sizeof(spec), "%s:%d", info.backend, info.backend_index);
+		caps_text(devs[i], caps, sizeof(caps));
+		printf("  %-10s %s\n", spec, caps);
+	}
+}
+
 static void print_text(const struct machine *m, bool topology)
 {
 	print_header(m);
@@ -411,6 +448,7 @@ static void print_text(const struct machine *m, bool topology)
 	}
 	print_backends(m);
 	print_plugins(m);
+	print_capabilities(m);
 	printf("DRM: %s\n", m->topo.drm_note);
 }
 
@@ -514,6 +552,32 @@ static void print_json(const struct machine *m)
 		       p->loaded ? "true" : "false", p->device_count, p->abi_major, p->abi_minor);
 		json_kv("reason", p->reason, true);
 		printf("}");
+	}
+	printf("\n ],\n \"capabilities\": [");
+	{
+		ape_device *devs[64];
+		const int n = ape_device_list(m->ctx, devs, 64);
+
+		for (int i = 0; i < n; i++) {
+			ape_device_info info;
+			const uint64_t caps = ape_device_capabilities(devs[i]);
+			char spec[48];
+
+			if (ape_device_get_info(devs[i], &info))
+				continue;
+			snprintf(spec, sizeof(spec), "%s:%d", info.backend, info.backend_index);
+			printf("%s\n  {", i ? "," : "");
+			json_kv("device", spec, false);
+			printf("\"capabilities\": [");
+			for (int b = 0, k = 0; b < 64; b++)
+				if ((caps >> b) & 1) {
+					const char *name = ape_be_cap_name((uint64_t)1 << b);
+
+					printf("%s", k++ ? ", " : "");
+					json_string(stdout, name ? name : "?");
+				}
+			printf("]}");
+		}
 	}
 	printf("\n ]}\n");
 }

@@ -489,6 +489,18 @@ typedef struct ape_device_info {
 /** \brief Describes \p dev. \return 0 or APE_EINVAL (NULL argument). */
 APE_API int ape_device_get_info(const ape_device *dev, ape_device_info *info);
 
+/**
+ * \brief What device \p dev can do, as its backend states it: the APE_BE_CAP_* bits of
+ * ape/ape_backend.h (the diagnostics, on device tensors too; the backward pass, on device tensors
+ * too; ragged launches; explicit positions; host memory in place; device timestamps).
+ * ape_be_cap_name() names each bit. A call that needs a capability the device does not state
+ * fails with APE_ENOTSUP naming the device, or runs through the core's fallback where there is
+ * one (ragged batches as one launch per sequence, positions as runs); what a device states, it
+ * must do (`ape-check` holds a backend to it).
+ * \return the bits; 0 for NULL. Thread-safe.
+ */
+APE_API uint64_t ape_device_capabilities(const ape_device *dev);
+
 /** Result of ape_device_select(). */
 typedef struct ape_selection {
 	ape_device *device; /**< the device chosen */

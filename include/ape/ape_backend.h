@@ -902,6 +902,12 @@ struct ape_be_caps {
 	uint64_t max_alloc;
 };
 
+/* The name of capability bit `bit` ("host_memory", "diag", "diag_views", "backward",
+ * "resident_backward", "timestamps", "segments", "positions"), or NULL for anything else (0, a
+ * bit this library does not know, several bits). What ape-info prints; ape_device_capabilities()
+ * (ape.h) gives a device's bits. */
+APE_API const char *ape_be_cap_name(uint64_t bit);
+
 /* Whether caps says every bit of `bits`. */
 static inline bool ape_be_caps_have(const struct ape_be_caps *caps, uint64_t bits)
 {

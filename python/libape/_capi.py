@@ -188,6 +188,8 @@ _PROTOS = {
     "ape_plugin_get_info": (ctypes.c_int, [vp, ctypes.c_int, P(ApePluginInfo)]),
     "ape_device_list": (ctypes.c_int, [vp, P(vp), ctypes.c_int]),
     "ape_device_get_info": (ctypes.c_int, [vp, P(ApeDeviceInfo)]),
+    "ape_device_capabilities": (ctypes.c_uint64, [vp]),
+    "ape_be_cap_name": (ctypes.c_char_p, [ctypes.c_uint64]),
     "ape_device_select_spec": (ctypes.c_int, [vp, ctypes.c_char_p, P(ApeSelection)]),
     # tensors by address: the front end packs them into one buffer (see _core._Tensors)
     "ape_attention_forward": (ctypes.c_int, [vp, P(ApeAttnDesc), vp, vp, vp, vp, vp, P(ApeStats)]),

@@ -143,12 +143,20 @@ class _Context:
 _context = _Context()
 
 
+def _capabilities(dev):
+    """What dev states it can do (ape_device_capabilities()), in the capabilities' words."""
+    bits = lib.ape_device_capabilities(dev)
+    return [lib.ape_be_cap_name(1 << b).decode() for b in range(64)
+            if bits >> b & 1 and lib.ape_be_cap_name(1 << b)]
+
+
 def _device_dict(dev):
     info = _capi.ApeDeviceInfo()
     err = lib.ape_device_get_info(dev, ctypes.byref(info))
     if err:
         _raise(err)
     return {
+        "capabilities": _capabilities(dev),
         "index": info.index,
         "backend": info.backend.decode(),
         "backend_index": info.backend_index,
@@ -169,7 +177,9 @@ def _device_dict(dev):
 def devices():
     """The devices libape can compute on, most preferred first, as dicts (what `ape-info`
     lists): index, backend, spec (what `device=` takes), name, vendor, kind, driver_version,
-    compute_units, global_mem_bytes, pci_address, physical_index, numa_node, cpuset."""
+    compute_units, global_mem_bytes, pci_address, physical_index, numa_node, cpuset, and
+    capabilities (what the device states it can do: "diag", "backward", ...;
+    ape_device_capabilities())."""
     ctx = _context.get()
     n = lib.ape_device_list(ctx, None, 0)
     if n < 0:

@@ -114,6 +114,12 @@ def test_devices_and_backends():
     for b in names.values():
         assert b["available"] or b["reason"]
     assert libape.version() == "0.1.0" == libape.__version__
+    # what each device states it can do: the reference, everything
+    words = {"host_memory", "diag", "diag_views", "backward", "resident_backward", "timestamps",
+             "segments", "positions"}
+    assert set(devs[-1]["capabilities"]) == words
+    for d in devs:
+        assert set(d["capabilities"]) <= words
 
 
 @pytest.mark.parametrize("device", [d["spec"] for d in libape.devices()])

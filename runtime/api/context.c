@@ -368,3 +368,8 @@ int ape_device_get_info(const ape_device *dev, ape_device_info *info)
 	*info = dev->info;
 	return 0;
 }
+
+uint64_t ape_device_capabilities(const ape_device *dev)
+{
+	return dev ? dev->caps.features : 0;
+}

@@ -56,14 +56,20 @@ static struct ape__plugin *plugin_add(struct ape_context *ctx, const char *path,
 				      const char *from)
 {
 	struct ape__plugin *list, *p;
+	const int n = ctx->nplugins;
 
-	list = ape__realloc(ctx->plugins, (size_t)(ctx->nplugins + 1) * sizeof(*list));
-	if (!list) {
-		ape__error(APE_ENOMEM, "ape_context_create: out of memory listing the plugins of %s",
-			   from);
-		return NULL;
+	/* room for a power of two of entries, doubled when full: a path of thousands of entries
+	 * (fuzz_plugins) would otherwise copy the list once per entry, quadratic */
+	if (!(n & (n - 1))) {
+		list = ape__realloc(ctx->plugins, (n ? 2 * (size_t)n : 1) * sizeof(*list));
+		if (!list) {
+			ape__error(APE_ENOMEM,
+				   "ape_context_create: out of memory listing the plugins of %s", from);
+			return NULL;
+		}
+		ctx->plugins = list;
 	}
-	ctx->plugins = list;
+	list = ctx->plugins;
 	p = &list[ctx->nplugins++];
 	memset(p, 0, sizeof(*p));
 	p->slot = -1;

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "ape/ape.h"
+#include "ape/ape_backend.h"
 #include "core/error.h"
 
 #define COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
@@ -103,4 +104,20 @@ int ape_api_from_name(const char *name)
 	int i = index_of("ape_api_from_name", api_names, COUNT(api_names), name);
 
 	return i < 0 ? i : (int)(1u << i);
+}
+
+/* APE_BE_CAP_* in bit order */
+static const char *const cap_names[] = {
+	"host_memory", "diag", "diag_views", "backward", "resident_backward", "timestamps",
+	"segments", "positions",
+};
+_Static_assert(APE_BE_CAP_ALL == (1u << COUNT(cap_names)) - 1,
+	       "a capability bit of ape/ape_backend.h without a name here");
+
+const char *ape_be_cap_name(uint64_t bit)
+{
+	for (int i = 0; i < COUNT(cap_names); i++)
+		if (bit == (uint64_t)1 << i)
+			return cap_names[i];
+	return NULL;
 }

@@ -379,18 +379,17 @@ int ape__device_check(const struct ape_device *dev, char *why, size_t cap)
 #define HAS(bit) ape_be_caps_have(c, APE_BE_CAP_##bit)
 	/* each capability claimed, and what it needs */
 	const struct {
-		const char *cap;
-		bool claimed;
+		uint64_t cap;
 		struct op_set needs;
 	} rules[] = {
-		{ "host_memory", HAS(HOST_MEMORY), OP(t, buf_wrap) },
-		{ "diag_views", HAS(DIAG_VIEWS), { "diag", HAS(DIAG) } },
-		{ "positions", HAS(POSITIONS), { "segments", HAS(SEGMENTS) } },
-		{ "backward", HAS(BACKWARD), OP(t, attention_backward) },
-		{ "resident_backward", HAS(RESIDENT_BACKWARD), { "backward", HAS(BACKWARD) } },
-		{ "resident_backward", HAS(RESIDENT_BACKWARD),
+		{ APE_BE_CAP_HOST_MEMORY, OP(t, buf_wrap) },
+		{ APE_BE_CAP_DIAG_VIEWS, { "diag", HAS(DIAG) } },
+		{ APE_BE_CAP_POSITIONS, { "segments", HAS(SEGMENTS) } },
+		{ APE_BE_CAP_BACKWARD, OP(t, attention_backward) },
+		{ APE_BE_CAP_RESIDENT_BACKWARD, { "backward", HAS(BACKWARD) } },
+		{ APE_BE_CAP_RESIDENT_BACKWARD,
 		  { "scratch_alloc, scratch_free and copy_view", t->scratch_alloc != NULL } },
-		{ "timestamps", HAS(TIMESTAMPS), OP(t, event_timestamp) },
+		{ APE_BE_CAP_TIMESTAMPS, OP(t, event_timestamp) },
 	};
 
 #undef HAS
@@ -401,8 +400,9 @@ int ape__device_check(const struct ape_device *dev, char *why, size_t cap)
 			      dev->info.name, (unsigned long long)(c->features & ~APE_BE_CAP_ALL),
 			      APE_BACKEND_ABI_MAJOR, APE_BACKEND_ABI_MINOR);
 	for (size_t i = 0; i < sizeof(rules) / sizeof(rules[0]); i++)
-		if (rules[i].claimed && !rules[i].needs.set)
+		if (ape_be_caps_have(c, rules[i].cap) && !rules[i].needs.set)
 			return refuse(why, cap, "device %.100s: capability %s without %s",
-				      dev->info.name, rules[i].cap, rules[i].needs.name);
+				      dev->info.name, ape_be_cap_name(rules[i].cap),
+				      rules[i].needs.name);
 	return 0;
 }

@@ -483,3 +483,52 @@ put("kvpaged", "positions_int64_ends.bin",
              tail=i64((1 << 62) - 1) + i64((1 << 62) - 2)) + kpg_run(0, 0x22) +
     kpg_plan(4 | 8 | 16, [kpg_seq(5, 0, 0, rows=2, ks=kpg_ks_near(False, 0))],
              tail=b"\xc2\xc1") + kpg_run(0, 0x22))
+
+# ---- plugins: the byte encoding fuzz_plugins.c reads. A flags byte (1: APE_CONTEXT_NO_PLUGIN_DIR;
+# 2 * src: the path as backend_path (0), "" (1), APE_BACKEND_PATH (2), neither (3); 8 * mode:
+# backends NULL, "ref", "ref,NAME", "NAME"; 32 * folder: the plugin folder sub/ (0, 1), the test
+# folder (2), NULL (3), "" (4), missing (5), a file (6), 4095 or 4096 bytes (7: a last byte picks)),
+# the count of entries, the entries (a kind byte, kind | 8 * param: 0 the test folder's entry
+# fixed[param & 15], 2 a name inside it, 3 raw bytes, 4 empty, 5 fixed[next byte & 15] '/'-padded
+# to 4080 + param bytes, 6 a name without '/', 7 raw bytes repeated to 4080 + param, 31: 8192),
+# NAME (modes 2, 3), the names for ape_backend_get_proc(), a raw index (4 bytes).
+def plg_raw(b):
+    return bytes([len(b)]) + b
+
+
+def plg(flags, entries, name=None, backend=b"", fn=b"", index=0, tail=b""):
+    return (bytes([flags, len(entries)]) + b"".join(entries) +
+            (plg_raw(name) if name is not None else b"") + plg_raw(backend) + plg_raw(fn) +
+            struct.pack("<i", index) + tail)
+
+
+def plg_fixed(i):
+    return bytes([8 * i])
+
+
+# every entry of the test folder, the plugin folder sub/ searched after them
+put("plugins", "every_fixed_entry.bin", plg(0, [plg_fixed(i) for i in range(16)]))
+# through APE_BACKEND_PATH, the reference only, no plugin folder
+put("plugins", "env_path.bin",
+    plg(1 | 2 * 2 | 8 * 1, [plg_fixed(0), plg_fixed(12), plg_fixed(14), plg_fixed(13)]))
+# paths around 4096 bytes: the folder of 4095 (its files' paths longer), a file of 4095, 4096
+# and 4097, raw bytes to 4096 and 8192; the plugin folder 4095 bytes long
+put("plugins", "long_paths.bin",
+    plg(32 * 7, [bytes([5 | 8 * 15, 0]), bytes([5 | 8 * 15, 2]), bytes([5 | 8 * 16, 2]),
+                 bytes([5 | 8 * 17, 3]), bytes([7 | 8 * 16]) + plg_raw(b"/x.so:"),
+                 bytes([7 | 8 * 31]) + plg_raw(b"ab/")], tail=b"\0"))
+# names in backends that the registry does not have, and one it has
+put("plugins", "backends_unknown.bin", plg(8 * 2, [plg_fixed(2)], name=b"nosuch"))
+put("plugins", "backends_leading_comma.bin", plg(1 | 8 * 3, [plg_fixed(12)], name=b",ref"))
+put("plugins", "backends_not_built.bin", plg(8 * 2 | 32 * 2, [], name=b"opencl,cuda"))
+# names inside the folder and raw ones (':' splitting them, '/' anywhere), empty entries,
+# names without a '/'
+put("plugins", "raw_entries.bin",
+    plg(1 | 32 * 3, [bytes([2]) + plg_raw(b"sub/libape-backend-s.so"),
+                     bytes([3]) + plg_raw(b"/nonexistent/x.so:/tmp/:gone.so.1"), b"\4", b"\4",
+                     bytes([2]) + plg_raw(b"sub//./"), bytes([6]), bytes([6 | 8 * 1]),
+                     bytes([6 | 8 * 2]), bytes([6 | 8 * 4])]))
+# ape_backend_get_proc() of the reference, a raw index of INT32_MAX; "" as backend_path
+put("plugins", "get_proc.bin",
+    plg(2 * 1 | 8 * 1 | 32 * 6, [plg_fixed(2)], backend=b"ref", fn=b"attention_pages",
+        index=0x7fffffff))

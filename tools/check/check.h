@@ -59,8 +59,13 @@ void check_add(enum check_group group, const char *name, int dev, enum check_sta
 
 /* Whether a call's failure `ret` with message `msg` says that dev does not do it: APE_ENOTSUP
  * naming the device (how the core answers a call a device's capabilities leave out), but from
- * no op every backend must have (APE_ENOTSUP from its attention op is a broken contract). */
-bool check_not_claimed(const ape_device *dev, int ret, const char *msg);
+ * no op every backend must have (APE_ENOTSUP from its attention op is a broken contract), and
+ * not for a call whose capability bits `needs` (APE_BE_CAP_*, ape_device_capabilities(); 0:
+ * none gates it alone) the device states: what a device states, it must do. */
+bool check_not_claimed(const ape_device *dev, int ret, const char *msg, uint64_t needs);
+
+/* The capability bits a cell of `group` called `name` needs (0: none gates it alone). */
+uint64_t check_cell_needs(enum check_group group, const char *name);
 
 /* Records the cell of a call that returned `ret` (< 0) on devs[d]: not claimed when `optional`
  * and check_not_claimed(), else failed with ape_last_error(); either is said on stderr. */

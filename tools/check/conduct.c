@@ -256,7 +256,7 @@ static void expect_refusal(const char *name, int d, ape_device *dev, int ret, co
 			   bool optional)
 {
 
-	if (optional && check_not_claimed(dev, ret, msg)) {
+	if (optional && check_not_claimed(dev, ret, msg, 0)) {
 		check_add(CHECK_FAILURES, name, d, CHECK_NOT_CLAIMED, NAN, NAN, "%s", msg);
 		return;
 	}

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "ape/ape_backend.h"
 #include "check/check.h"
 #include "common/json.h"
 
@@ -105,19 +106,61 @@ static bool required_op_failed(const ape_device *dev, const char *msg)
 	return false;
 }
 
-bool check_not_claimed(const ape_device *dev, int ret, const char *msg)
+bool check_not_claimed(const ape_device *dev, int ret, const char *msg, uint64_t needs)
 {
+	if (needs && (ape_device_capabilities(dev) & needs) == needs)
+		return false;
 	return ret == APE_ENOTSUP && check_names_device(dev, msg) && !required_op_failed(dev, msg);
+}
+
+uint64_t check_cell_needs(enum check_group group, const char *name)
+{
+	switch (group) {
+	case CHECK_BACKWARD:
+		return APE_BE_CAP_BACKWARD;
+	case CHECK_DIAG:
+		return APE_BE_CAP_DIAG;
+	case CHECK_RESIDENT:
+		if (strstr(name, "backward"))
+			return APE_BE_CAP_RESIDENT_BACKWARD;
+		return strstr(name, "diag") ? APE_BE_CAP_DIAG_VIEWS : 0;
+	default:
+		return 0;
+	}
+}
+
+/* The capability names of `bits`, space-separated, into buf. */
+static void cap_words(uint64_t bits, char *buf, size_t cap)
+{
+	size_t n = 0;
+
+	buf[0] = '\0';
+	for (int i = 0; i < 64 && n < cap; i++)
+		if ((bits >> i) & 1)
+			n += (size_t)snprintf(buf + n, cap - n, "%s%s", n ? " " : "",
+					      ape_be_cap_name((uint64_t)1 << i));
 }
 
 void check_add_error(enum check_group group, const char *name, int d, ape_device *dev, int ret,
 		     bool optional)
 {
 	const char *msg = ape_last_error();
+	const uint64_t needs = check_cell_needs(group, name);
 	ape_device_info info;
 
 	ape_device_get_info(dev, &info);
-	if (optional && check_not_claimed(dev, ret, msg)) {
+	if (optional && check_not_claimed(dev, ret, msg, 0) &&
+	    !check_not_claimed(dev, ret, msg, needs)) { /* refused what it states */
+		char words[128];
+
+		cap_words(needs, words, sizeof(words));
+		fprintf(stderr, "ape-check: %s on %s:%d: states %s, yet: %s\n", name, info.backend,
+			info.backend_index, words, msg);
+		check_add(group, name, d, CHECK_FAIL, NAN, NAN, "the device states %s, yet: %s", words,
+			  msg);
+		return;
+	}
+	if (optional && check_not_claimed(dev, ret, msg, needs)) {
 		fprintf(stderr, "ape-check: %s on %s:%d not claimed: %s\n", name, info.backend,
 			info.backend_index, msg);
 		check_add(group, name, d, CHECK_NOT_CLAIMED, NAN, NAN, "%s", msg);
