@@ -60,16 +60,14 @@ static struct ape__plugin *plugin_add(struct ape_context *ctx, const char *path,
 
 	/* room for a power of two of entries, doubled when full: a path of thousands of entries
 	 * (fuzz_plugins) would otherwise copy the list once per entry, quadratic */
-	if (!(n & (n - 1))) {
-		list = ape__realloc(ctx->plugins, (n ? 2 * (size_t)n : 1) * sizeof(*list));
-		if (!list) {
-			ape__error(APE_ENOMEM,
-				   "ape_context_create: out of memory listing the plugins of %s", from);
-			return NULL;
-		}
-		ctx->plugins = list;
+	list = n & (n - 1) ? ctx->plugins
+			   : ape__realloc(ctx->plugins, (n ? 2 * (size_t)n : 1) * sizeof(*list));
+	if (!list) {
+		ape__error(APE_ENOMEM, "ape_context_create: out of memory listing the plugins of %s",
+			   from);
+		return NULL;
 	}
-	list = ctx->plugins;
+	ctx->plugins = list;
 	p = &list[ctx->nplugins++];
 	memset(p, 0, sizeof(*p));
 	p->slot = -1;

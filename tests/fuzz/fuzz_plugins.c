@@ -7,12 +7,13 @@
  * - its plugin path: ':'-joined entries, each one of the files of a folder the target makes
  *   once under /tmp (removed at exit): libape-backend-a.so (text, not ELF), -b.so (empty),
  *   other.so, libape-backend-.so and -c.so.1 (not plugin names), a folder named like a plugin,
- *   symlinks (to a file, dangling, to itself), a subfolder sub/ holding a text file and a
- *   symlink to the C library (an ELF object that is no plugin), missing files and folders; or
- *   the folder itself (with or without a trailing '/'); or a name of the input's bytes inside
- *   it; or raw bytes (':', '/' and all, NUL left out); or empty entries; or paths around 4096
- *   bytes (a folder of 4095 whose files' paths are longer, entries of 4096 and past); or names
- *   without a '/' (relative to the working directory: the loader must not search for them);
+ *   symlinks (to a file, dangling, to itself), a subfolder sub/ holding a bare ELF header, a
+ *   symlink to -b.so and one to the C library (an ELF object that is no plugin), missing files
+ *   and folders; or the folder itself (with or without a trailing '/'); or a name of the
+ *   input's bytes inside it; or raw bytes (':', '/' and all, NUL left out); or empty entries;
+ *   or paths around 4096 bytes (a folder of 4095 whose files' paths are longer, entries of
+ *   4096 and past); or names without a '/' (relative to the working directory: the loader
+ *   must not search for them);
  * - given as ape_context_options.backend_path, as "" (none), or as APE_BACKEND_PATH with
  *   backend_path NULL (or NULL with the variable unset);
  * - APE_CONTEXT_NO_PLUGIN_DIR or not, the plugin folder (ape__plugin_folder, as the tests set
@@ -123,7 +124,7 @@ static const char *const relative[6] = {
 	"Makefile", ".", "libape-backend-a.so", "nowhere", "x.so.1", "README.md",
 };
 
-static void make_file(const char *name, const char *text)
+static void make_file(const char *name, const void *bytes, size_t n)
 {
 	char path[256];
 	FILE *f;
@@ -131,8 +132,12 @@ static void make_file(const char *name, const char *text)
 	snprintf(path, sizeof(path), "%s/%s", dir, name);
 	f = fopen(path, "w");
 	check(f != NULL, "creating a test file");
-	fputs(text, f);
-	check(fclose(f) == 0, "writing a test file");
+	check(fwrite(bytes, 1, n, f) == n && fclose(f) == 0, "writing a test file");
+}
+
+static void make_text(const char *name, const char *text)
+{
+	make_file(name, text, strlen(text));
 }
 
 static void make_link(const char *target, const char *name)
@@ -188,6 +193,8 @@ static void free_long(void)
 
 int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
+	/* an ELF header's identification (64-bit, little-endian, version 1), nothing after it */
+	static const char elf[64] = { 0x7f, 'E', 'L', 'F', 2, 1, 1 };
 	char libc[PATH_CAP] = "";
 	char path[256];
 
@@ -198,11 +205,12 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 	snprintf(dir, sizeof(dir), "/tmp/ape-fuzz-plugins-XXXXXX");
 	check(mkdtemp(dir) != NULL, "mkdtemp");
 	atexit(remove_dir);
-	make_file("libape-backend-a.so", "not an ELF file\n");
-	make_file("libape-backend-b.so", "");
-	make_file("other.so", "not an ELF file either\n");
-	make_file("libape-backend-.so", "a name too short\n");
-	make_file("libape-backend-c.so.1", "versioned\n");
+	make_text("libape-backend-a.so", "A text file named as a plugin, not an ELF object: "
+					 "longer than an ELF header, the loader reads it.\n");
+	make_text("libape-backend-b.so", "");
+	make_text("other.so", "not an ELF file either\n");
+	make_text("libape-backend-.so", "a name too short\n");
+	make_text("libape-backend-c.so.1", "versioned\n");
 	snprintf(path, sizeof(path), "%s/libape-backend-d.so", dir);
 	check(mkdir(path, 0700) == 0, "mkdir");
 	make_link("libape-backend-a.so", "libape-backend-e.so");
@@ -211,14 +219,14 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 	make_link("loop", "loop");
 	snprintf(path, sizeof(path), "%s/sub", dir);
 	check(mkdir(path, 0700) == 0, "mkdir");
-	make_file("sub/libape-backend-s.so", "\177ELF, but no more\n");
+	make_file("sub/libape-backend-s.so", elf, sizeof(elf));
 	make_link("../libape-backend-b.so", "sub/libape-backend-t.so");
 	dl_iterate_phdr(find_libc, libc);
 	/* without it, a text file in its place: still listed, only the reason differs */
 	if (libc[0])
 		make_link(libc, "sub/libape-backend-libc.so");
 	else
-		make_file("sub/libape-backend-libc.so", "no C library found\n");
+		make_text("sub/libape-backend-libc.so", "no C library found\n");
 	long_folder[0] = padded("/sub", PATH_CAP - 1);
 	long_folder[1] = padded("/sub", PATH_CAP);
 	atexit(free_long);
@@ -501,7 +509,8 @@ static void check_listing(ape_context *ctx, const struct wants *ws)
 
 		memset(&info, 0xa5, sizeof(info));
 		check(ape_plugin_get_info(ctx, i, &info) == 0, "ape_plugin_get_info in range");
-		check(has_nul(info.path, sizeof(info.path)) && has_nul(info.name, sizeof(info.name)) &&
+		check(has_nul(info.path, sizeof(info.path)) &&
+			      has_nul(info.name, sizeof(info.name)) &&
 			      has_nul(info.reason, sizeof(info.reason)),
 		      "ape_plugin_info's strings are NUL-terminated");
 		trace("  %.200s: %s", info.path, info.reason);
@@ -514,7 +523,8 @@ static void check_listing(ape_context *ctx, const struct wants *ws)
 		      "no name, ABI, device read from these files; none loaded");
 		switch (w->kind) {
 		case TOO_LONG:
-			check(!strcmp(info.reason, "not loaded: the path is longer than 4095 bytes"),
+			check(!strcmp(info.reason,
+				      "not loaded: the path is longer than 4095 bytes"),
 			      "a path of 4096 bytes or more: its reason");
 			break;
 		case MISSING:
@@ -573,8 +583,9 @@ static void check_procs(ape_context *ctx, const char *backend, const char *fn)
 /*
  * The input: a flags byte (1: APE_CONTEXT_NO_PLUGIN_DIR; 2-3: the path as backend_path, "",
  * APE_BACKEND_PATH, or neither; 4-5: backends NULL, "ref", "ref,NAME", "NAME"; 6-8: the plugin
- * folder), the count of entries (low 4 bits), the entries (put_entry()), NAME, then the names
- * for ape_backend_get_proc() and a raw index (4 bytes).
+ * folder), the count of entries (low 5 bits), the entries (put_entry()), NAME, the names for
+ * ape_backend_get_proc(), a raw index (4 bytes) and, for the long plugin folders, a byte
+ * picking 4095 or 4096 bytes. tests/fuzz/make-seeds.py writes inputs in this encoding.
  */
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -687,9 +698,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			char named[64];
 
 			check(unknown != NULL, "APE_EINVAL only for an unknown name in backends");
-			snprintf(named, sizeof(named), "unknown backend \"%.*s\"", (int)ulen, unknown);
+			snprintf(named, sizeof(named), "unknown backend \"%.*s\"", (int)ulen,
+				 unknown);
 			/* the message holds the whole list first: a long one leaves no room */
-			check(strlen(o.backends) > 400 || ulen > 40 || strstr(ape_last_error(), named),
+			check(strlen(o.backends) > 400 || ulen > 40 ||
+				      strstr(ape_last_error(), named),
 			      "the message names the unknown backend");
 		}
 	} else {

@@ -525,7 +525,7 @@ put("plugins", "backends_not_built.bin", plg(8 * 2 | 32 * 2, [], name=b"opencl,c
 # names without a '/'
 put("plugins", "raw_entries.bin",
     plg(1 | 32 * 3, [bytes([2]) + plg_raw(b"sub/libape-backend-s.so"),
-                     bytes([3]) + plg_raw(b"/nonexistent/x.so:/tmp/:gone.so.1"), b"\4", b"\4",
+                     bytes([3]) + plg_raw(b"/nonexistent/x.so:/usr/:gone.so.1"), b"\4", b"\4",
                      bytes([2]) + plg_raw(b"sub//./"), bytes([6]), bytes([6 | 8 * 1]),
                      bytes([6 | 8 * 2]), bytes([6 | 8 * 4])]))
 # ape_backend_get_proc() of the reference, a raw index of INT32_MAX; "" as backend_path
