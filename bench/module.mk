@@ -2,7 +2,7 @@
 # builds $(BUILD)/bench/bwd_time, the backward pass timed side by side with the forward.
 BENCH_PROGS := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
 
-$(BUILD)/bench/%: bench/%.c bench/bench_util.h $(LIBA) $(CONFIG_STAMP)
+$(BUILD)/bench/%: bench/%.c bench/bench_util.h bench/ab_build.h $(LIBA) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $<"
 	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS) $(LDLIBS)
@@ -17,6 +17,9 @@ bench-membw: $(BUILD)/bench/membw
 # the call log, path notes, session trace and NVTX hooks when off: two builds side by side
 bench-log-off: $(BUILD)/bench/log_off
 $(BUILD)/bench/log_off: LDLIBS += -ldl
+# a change's cost to the forward and the backward: two builds side by side (bench/RESULTS.md)
+bench-ab-calls: $(BUILD)/bench/ab_calls
+$(BUILD)/bench/ab_calls: LDLIBS += -ldl
 $(BUILD)/bench/membw: APP_CFLAGS += -O3 -march=native
 
 # what plugins cost a context's creation: none looked for, the folder searched, one loaded
@@ -27,4 +30,4 @@ $(BUILD)/bench/plugin_context: bench/plugin_context.c bench/bench_util.h $(LIBSO
 	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< -L$(BUILD)/lib -lape \
 		-Wl,-rpath,$(abspath $(BUILD)/lib) $(LDLIBS)
 
-.PHONY: bench-bwd bench-diag bench-bwd-resident bench-membw bench-log-off bench-plugin-context
+.PHONY: bench-bwd bench-diag bench-bwd-resident bench-membw bench-log-off bench-plugin-context bench-ab-calls
