@@ -162,4 +162,13 @@ $(BUILD)/tests/test_plugins: $(PLUGIN_FIXTURES) $(PLUGIN_EXAMPLE) $(BUILD)/bin/a
 # tests/test_ape_check.c certifies the example backend plugin with `ape-check --plugin`, and
 # fails a fixture that computes nothing (the emulated CUDA device runs the same suite in
 # tests/test_tools.c).
-$(BUILD)/tests/test_ape_check: $(PLUGIN_EXAMPLE) $(PLUGIN_FIXTURES)
+# ... and a plugin that states the backward and refuses it (tests/plugins/liar.c): it fails
+PLUGIN_LIAR := $(PLUGIN_FIXTURE_DIR)/liar/libape-backend-liar.so
+$(BUILD)/tests/test_ape_check: $(PLUGIN_EXAMPLE) $(PLUGIN_FIXTURES) $(PLUGIN_LIAR)
+$(PLUGIN_LIAR): tests/plugins/liar.c include/ape/ape_backend.h $(PLUGIN_EXAMPLE) $(LIBSO) \
+		$(CONFIG_STAMP)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $@"
+	$(Q)$(CC) $(CSTD) $(OPT) -g $(WARN) -fPIC -Iinclude $(SAN_FLAGS) $(CFLAGS) \
+		-DLIAR_OF='"$(abspath $(PLUGIN_EXAMPLE))"' -shared $(LDFLAGS) -o $@ $< \
+		-L$(BUILD)/lib -lape -ldl -Wl,-rpath,$(abspath $(BUILD)/lib)

@@ -241,6 +241,33 @@ TEST(plugin_that_computes_nothing_fails)
 	EXPECT_NE(NULL, strstr(err, "one_row_d64_f32 on plug_a:0: ")) TH_LOG("%s", err);
 }
 
+/* A plugin whose devices state the backward pass and whose backward op refuses it
+ * (tests/plugins/liar.c, the example's table otherwise): its backward cells fail, named so,
+ * rather than count as not claimed. */
+TEST(a_stated_capability_refused_fails)
+{
+	const char *so = APE_BUILD_DIR "/tests/plugins/liar/libape-backend-liar.so";
+
+	if (access(so, F_OK))
+		SKIP(return, "no %s (tests/plugins/liar.c)", so);
+	EXPECT_EQ(1, TOOL("--plugin", so, "--json", "--quick", "--seed", "3"))
+		TH_LOG("%s\n%s", out, err);
+	EXPECT_EQ(1, count(out, "{\"group\": \"backward\", \"cell\": \"one_row_d64_f32\", "
+				"\"device\": \"liar:0\", \"status\": \"fail\""))
+		TH_LOG("%s", out);
+	EXPECT_EQ(0, count(out, "{\"group\": \"backward\", \"cell\": \"one_row_d64_f32\", "
+				"\"device\": \"liar:0\", \"status\": \"not_claimed\""))
+		TH_LOG("%s", out);
+	/* the backward's determinism cell too, with the rule's own words */
+	EXPECT_EQ(1, count(out, "\"cell\": \"same_bits_backward_f16\", \"device\": \"liar:0\", "
+				"\"status\": \"fail\""))
+		TH_LOG("%s", out);
+	EXPECT_LT(0, count(out, "the device states backward, yet: ")) TH_LOG("%s", out);
+	EXPECT_EQ(0, count(out, "{\"group\": \"forward\", \"cell\": \"one_row_d64_f32\", "
+				"\"device\": \"liar:0\", \"status\": \"fail\""))
+		TH_LOG("%s", out);
+}
+
 /* The example plugin (make plugin-example) passes: every cell it claims, on its devices alone. */
 TEST(example_plugin_passes)
 {

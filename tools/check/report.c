@@ -118,6 +118,8 @@ uint64_t check_cell_needs(enum check_group group, const char *name)
 	switch (group) {
 	case CHECK_BACKWARD:
 		return APE_BE_CAP_BACKWARD;
+	case CHECK_DETERMINISM:
+		return strstr(name, "backward") ? APE_BE_CAP_BACKWARD : 0;
 	case CHECK_DIAG:
 		return APE_BE_CAP_DIAG;
 	case CHECK_RESIDENT:
