@@ -148,7 +148,7 @@ enum ape_be_tensor { APE_BE_T_Q, APE_BE_T_K, APE_BE_T_V, APE_BE_T_O, APE_BE_T_LS
  * Every block a launch addresses holds written keys; blocks outside its keys may hold anything
  * (released or not yet appended) and are never read.
  *
- * Where they lie is stated as data (within ABI 14): key row r of physical block p, batch b and
+ * Where they lie is stated as data: key row r of physical block p, batch b and
  * kv head h starts at element off + p * s_block + b * s_b + h * s_h + r * s_row of its pool
  * (off: k_off for K, v_off for V; the D elements from there contiguous). The KV cache's ring of
  * blocks above sets s_block = B * Hkv * block_tokens * D, s_b = Hkv * block_tokens * D,
@@ -168,7 +168,7 @@ struct ape_be_kv_pages {
 };
 
 /*
- * One segment of a ragged launch (ABI 12; struct ape_be_launch.segs): the launch's query rows
+ * One segment of a ragged launch (struct ape_be_launch.segs): the launch's query rows
  * q0 .. q0 + lq - 1 against its key rows k0 .. k0 + lk - 1 only, query row q0 + i at position
  * q_start + i and key row k0 + j at k_start + j: a dense problem of its own inside the launch's
  * tensors (n = (q_start + i) - (k_start + j) in every formula, the causal rule n >= 0).
@@ -180,7 +180,7 @@ struct ape_be_seg {
 };
 
 /*
- * The kernel paths a backend can take for a launch (ABI 14), for the call's statistics, its
+ * The kernel paths a backend can take for a launch, for the call's statistics, its
  * APE_VERBOSE line and its trace (docs/profiling.md). ape_be_path_name() gives each one's name.
  */
 enum ape_be_path {
@@ -259,20 +259,20 @@ struct ape_be_launch {
 	bool strided;
 	struct ape_be_view view[APE_BE_T_COUNT];
 	/*
-	 * ABI 8: where ent (diag_view[0]) and md (diag_view[1]) lie when strided, in floats (the
+	 * where ent (diag_view[0]) and md (diag_view[1]) lie when strided, in floats (the
 	 * LSE's shape, no D axis). Set by the core only on a device whose capabilities say
 	 * diag_views, which then reads them through ape_be_launch_diag_view(); every other device
 	 * gets ent and md contiguous at offset 0 (strided false, or none at all).
 	 */
 	struct ape_be_view diag_view[2];
 	/*
-	 * ABI 9. NULL: k and v are as above. Else k and v are a KV cache's block pools, addressed as
+	 * NULL: k and v are as above. Else k and v are a KV cache's block pools, addressed as
 	 * struct ape_be_kv_pages says (view[APE_BE_T_K] and view[APE_BE_T_V] are then ignored). The core
 	 * sets it only where attention_pages accepted the launch.
 	 */
 	const struct ape_be_kv_pages *pages;
 	/*
-	 * ABI 11. Each NULL, or the call's parameter table on the device, uploaded by the core once
+	 * Each NULL, or the call's parameter table on the device, uploaded by the core once
 	 * per call (per KV-cache attend) rather than by the backend once per launch: omega_p for
 	 * p < D/2, then delta, beta, gamma, lambda per head ([4h + 0..3]), the same values as omega[]
 	 * and head_params, in float64 (params[0]) and float32 (params[1]), contiguous at offset 0.
@@ -281,7 +281,7 @@ struct ape_be_launch {
 	 */
 	struct ape_be_buf *params[2];
 	/*
-	 * ABI 12. NULL (nseg 0): the launch is one problem of B sequences as above. Else a ragged
+	 * NULL (nseg 0): the launch is one problem of B sequences as above. Else a ragged
 	 * launch of many sequences, set by the core only on a device whose capabilities say
 	 * segments: B = 1, and segs[0 .. nseg-1] (host memory, read during the call only)
 	 * partition the query rows 0 .. Lq-1 in order (segs[0].q0 = 0, each next q0 the previous
@@ -297,7 +297,7 @@ struct ape_be_launch {
 	const struct ape_be_seg *segs;
 	int64_t nseg;
 	/*
-	 * ABI 13. Both NULL: positions as above (q_start + i and k_start + j, or a segment's
+	 * Both NULL: positions as above (q_start + i and k_start + j, or a segment's
 	 * q_start and k_start). Else explicit positions, set by the core only on a device whose
 	 * capabilities say positions, both together: pos_q[i] is the position of query row i
 	 * (Lq entries) and pos_k[j] that of key row j (Lk entries), in every batch and head;
@@ -317,7 +317,7 @@ struct ape_be_launch {
 	 */
 	const int64_t *pos_q, *pos_k;
 	/*
-	 * ABI 14. NULL, or the core's record of the kernel paths taken: attention (and
+	 * NULL, or the core's record of the kernel paths taken: attention (and
 	 * attention_backward, through f.path) notes each path it runs with ape_be_path_note(),
 	 * once per kernel path per launch (a launch split into runs of heads notes the split and
 	 * each run's path), so that a call can say which kernels computed it. Written from the
@@ -356,7 +356,7 @@ static inline struct ape_be_view ape_be_launch_view(const struct ape_be_launch *
 }
 
 /* Where ent (which 0) or md (which 1) of launch l lies: diag_view[which] when l->strided,
- * else contiguous at offset 0 (ABI 8). */
+ * else contiguous at offset 0. */
 static inline struct ape_be_view ape_be_launch_diag_view(const struct ape_be_launch *l, int which)
 {
 	struct ape_be_view c = { 0, l->H * l->Lq, l->Lq, 1 };
@@ -453,7 +453,7 @@ static inline int ape_be_launch_split_runs(struct ape_be_queue *q, const struct 
  * parameters and positions; f.lse is required: the rows' final LSE over every key of the row,
  * not only those of this launch, so that P_ij = exp(s_ij - LSE_i) holds whatever subset of
  * keys a launch sees. f.pairs and f.lse_prior are NULL and f.skip_tol is 0 (no backward skip
- * bound exists yet); f.pos_q and f.pos_k are NULL (ABI 13: the backward pass reads no
+ * bound exists yet); f.pos_q and f.pos_k are NULL (the backward pass reads no
  * explicit positions; a ragged backward runs as runs of consecutive positions).
  *
  * The gradient buffers are accumulators: the launch ADDS its contribution to what they hold,
@@ -521,7 +521,7 @@ struct ape_be_copy {
 };
 
 /*
- * One attention_merge command (ABI 11): a launch's partial result (po, plse, ...) folded into
+ * One attention_merge command: a launch's partial result (po, plse, ...) folded into
  * the running result of the same rows (o, lse, ...), both over disjoint sets of keys, by
  * their LSE (docs/ape.md, identity 4). `rows` rows (B * H * n, any order, the same in every
  * buffer), contiguous at offset 0: o and po float32 [rows, D], lse and plse float32 [rows],
@@ -762,7 +762,7 @@ struct ape_backend_plugin {
 	 * there the visible pairs it computed per row, one that does not may leave it as it is.
 	 * With skip_tol = 0 nothing is skipped. Device memory it allocates beyond l's buffers
 	 * (scratch) is its own, held no longer than the launch, and at most what
-	 * attention_backward_scratch (ABI 6) declares for l; without that op it allocates none.
+	 * attention_backward_scratch declares for l; without that op it allocates none.
 	 * Inputs are not
 	 * scanned: NaN or Inf reach the gradients they touch. Fails by the rules at the top of this
 	 * file; the accumulators then hold
