@@ -259,7 +259,7 @@ struct ape_be_launch {
 	bool strided;
 	struct ape_be_view view[APE_BE_T_COUNT];
 	/*
-	 * where ent (diag_view[0]) and md (diag_view[1]) lie when strided, in floats (the
+	 * Where ent (diag_view[0]) and md (diag_view[1]) lie when strided, in floats (the
 	 * LSE's shape, no D axis). Set by the core only on a device whose capabilities say
 	 * diag_views, which then reads them through ape_be_launch_diag_view(); every other device
 	 * gets ent and md contiguous at offset 0 (strided false, or none at all).
