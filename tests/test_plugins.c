@@ -82,20 +82,6 @@ static int small_forward(ape_device *dev)
 	return small_forward_into(dev, NULL);
 }
 
-/* Whether the shared object `name` (a file name) is mapped into this process. */
-static bool mapped(const char *name)
-{
-	FILE *f = fopen("/proc/self/maps", "r"); /* its size is 0 to stat(): read it by lines */
-	char line[4096 + 256];
-	bool yes = false;
-
-	while (f && !yes && fgets(line, sizeof(line), f))
-		yes = strstr(line, name) != NULL;
-	if (f)
-		fclose(f);
-	return yes;
-}
-
 /* A fresh folder under /tmp, its path in dir (cap bytes). */
 static bool temp_folder(char *dir, size_t cap)
 {
@@ -299,8 +285,8 @@ TEST_F(pl, each_refused_with_its_reason)
 	}
 	ape_context_destroy(ctx);
 	/* none of them stays loaded */
-	EXPECT_FALSE(mapped("libape-backend-noattn.so"));
-	EXPECT_FALSE(mapped("libape-backend-nodev.so"));
+	EXPECT_FALSE(test_mapped("libape-backend-noattn.so"));
+	EXPECT_FALSE(test_mapped("libape-backend-nodev.so"));
 	test_rmtree(dir);
 }
 
@@ -347,7 +333,7 @@ TEST_F(pl, backends_list_takes_plugin_names)
 	EXPECT_EQ(NULL, ctx);
 	EXPECT_MSG("unknown backend \"plug_c\"");
 	EXPECT_MSG("plug_a");
-	EXPECT_FALSE(mapped("libape-backend-a.so"));
+	EXPECT_FALSE(test_mapped("libape-backend-a.so"));
 }
 
 /* ape_context_options.backend_path wins over APE_BACKEND_PATH; NULL reads it; "" loads none;
@@ -509,7 +495,7 @@ TEST_F(pl, contexts_open_and_close_it)
 	ape_context *c1, *c2;
 	ape_selection s1, s2;
 
-	EXPECT_FALSE(mapped("libape-backend-a.so"));
+	EXPECT_FALSE(test_mapped("libape-backend-a.so"));
 	for (int i = 0; i < 50; i++) {
 		ape_selection sel;
 
@@ -517,7 +503,7 @@ TEST_F(pl, contexts_open_and_close_it)
 		ASSERT_NE(NULL, c1);
 		ASSERT_EQ(0, ape_device_select(c1, "plug_a", 0, &sel)) TH_LOG("%s", ape_last_error());
 		ape_context_destroy(c1);
-		ASSERT_FALSE(mapped("libape-backend-a.so")) TH_LOG("round %d", i);
+		ASSERT_FALSE(test_mapped("libape-backend-a.so")) TH_LOG("round %d", i);
 	}
 	c1 = plugin_context(PLUGIN("a"), NULL);
 	c2 = plugin_context(PLUGIN("a"), NULL);
@@ -527,11 +513,11 @@ TEST_F(pl, contexts_open_and_close_it)
 	ASSERT_EQ(0, ape_device_select(c2, "plug_a", 0, &s2));
 	EXPECT_NE(s1.device, s2.device);
 	ape_context_destroy(c1);
-	EXPECT_TRUE(mapped("libape-backend-a.so"));
+	EXPECT_TRUE(test_mapped("libape-backend-a.so"));
 	EXPECT_EQ(0, ape_device_select(c2, "plug_a", 0, &s2)) TH_LOG("%s", ape_last_error());
 	EXPECT_EQ(APE_ENOTSUP, small_forward(s2.device)); /* its code is still there */
 	ape_context_destroy(c2);
-	EXPECT_FALSE(mapped("libape-backend-a.so"));
+	EXPECT_FALSE(test_mapped("libape-backend-a.so"));
 }
 
 /* ape-info lists every plugin found: its file, its name, loaded or why not; the same in JSON. */

@@ -415,3 +415,16 @@ int test_run_script(const char *dir, const char *name, const char *script,
 		return -1;
 	return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
+
+bool test_mapped(const char *name)
+{
+	FILE *f = fopen("/proc/self/maps", "r"); /* its size is 0 to stat(): read it by lines */
+	char line[4096 + 256];
+	bool yes = false;
+
+	while (f && !yes && fgets(line, sizeof(line), f))
+		yes = strstr(line, name) != NULL;
+	if (f)
+		fclose(f);
+	return yes;
+}

@@ -72,6 +72,10 @@ int test_count_entries(const char *dir, char *first, size_t firstlen);
  * any error. */
 unsigned char *test_read_file(const char *path, size_t *len);
 
+/* Whether a file whose path holds `name` is mapped into this process (/proc/self/maps): a
+ * shared object still loaded. */
+bool test_mapped(const char *name);
+
 /* ---- documentation run as it stands */
 /* Writes text to path (created or truncated): 0, or -1. */
 int test_write_text(const char *path, const char *text);

@@ -56,19 +56,6 @@ static void look(ape_context *ctx, struct seen *s)
 		ape_plugin_get_info(ctx, i, &s->p[i]);
 }
 
-/* Whether a shared object whose path holds `name` is mapped into this process. */
-static bool mapped(const char *name)
-{
-	FILE *f = fopen("/proc/self/maps", "r");
-	char line[4096 + 256];
-	bool yes = false;
-
-	while (f && !yes && fgets(line, sizeof(line), f))
-		yes = strstr(line, name) != NULL;
-	if (f)
-		fclose(f);
-	return yes;
-}
 
 TEST(context_create_with_plugins)
 {
@@ -110,7 +97,7 @@ TEST(context_create_with_plugins)
 				EXPECT_STREQ(clean.p[i].reason, now.p[i].reason);
 			}
 		}
-		EXPECT_FALSE(mapped("libape-backend-")) TH_LOG("allocation %llu: a plugin stayed",
+		EXPECT_FALSE(test_mapped("libape-backend-")) TH_LOG("allocation %llu: a plugin stayed",
 							       (unsigned long long)n);
 	}
 	EXPECT_GT(errors, 0u);

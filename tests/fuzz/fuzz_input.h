@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #include "ape/ape.h"
+#include "say.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

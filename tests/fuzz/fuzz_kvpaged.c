@@ -92,22 +92,6 @@ static void forget_plan(void)
 	memset(&plan, 0, sizeof(plan));
 }
 
-/* With FUZZ_TRACE set, each call and its outcome on stderr (to see what an input does). */
-static void trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void trace(const char *fmt, ...)
-{
-	static int on = -1;
-	va_list ap;
-
-	if (on < 0)
-		on = getenv("FUZZ_TRACE") != NULL;
-	if (!on)
-		return;
-	va_start(ap, fmt);
-	vfprintf(stderr, fmt, ap);
-	va_end(ap);
-	fputc('\n', stderr);
-}
 
 /* ret is 0 or one of the codes `fn` may refuse with, naming it. */
 static void refused_or_done(int ret, const char *fn, bool nomem_ok)

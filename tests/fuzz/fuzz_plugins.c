@@ -59,6 +59,7 @@
 #include "ape/ape.h"
 #include "api/plugins.h"
 #include "api/registry.h"
+#include "say.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -80,21 +81,6 @@ static void check(int cond, const char *what)
 	}
 }
 
-static void trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void trace(const char *fmt, ...)
-{
-	static int on = -1;
-	va_list ap;
-
-	if (on < 0)
-		on = getenv("FUZZ_TRACE") != NULL;
-	if (!on)
-		return;
-	va_start(ap, fmt);
-	vfprintf(stderr, fmt, ap);
-	va_end(ap);
-	fputc('\n', stderr);
-}
 
 /* ---------------------------------------------------------------- the folder of test files */
 
