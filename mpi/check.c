@@ -78,6 +78,13 @@ int ape__mpi_check_local(struct call *c, const ape_attn_desc *desc, const ape_mp
 				      APE__MPI_FN, desc->pos_q ? "pos_q" : "pos_k",
 				      desc->pos_q ? (const void *)desc->pos_q
 						  : (const void *)desc->pos_k);
+	if (desc->bias_table || desc->dbias_table)
+		return ape__mpi_error(APE_EINVAL,
+				      "%s: desc->%s = %p: the distributed call takes no distance-bias "
+				      "table yet (its chunk bounds do not count one)",
+				      APE__MPI_FN, desc->bias_table ? "bias_table" : "dbias_table",
+				      desc->bias_table ? (const void *)desc->bias_table
+						       : (const void *)desc->dbias_table);
 	c->dglob = *desc;
 	c->dglob.q_start_set = true;
 	c->dglob.q_start = desc->q_start_set ? desc->q_start : desc->k_start;

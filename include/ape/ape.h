@@ -242,7 +242,36 @@ typedef struct ape_attn_desc {
 	 * docs/ape.md.
 	 */
 	double rope_scale;
+	/* ---- added after the third layout (APE_ATTN_DESC_V3_SIZE) with the distance-bias table */
+	/**
+	 * A per-head distance-bias table (docs/ape.md, "Distance-bias tables"): NULL (the default)
+	 * for none. Else float32 `[bias_table_heads, bias_table_len]`, row-major, read during the
+	 * call only: every score of head h gets `bias_table[h * M + min(|n|, M - 1)]` added after
+	 * the temperature, beside the decay bias (M = bias_table_len; a distance past the table
+	 * takes its last entry; with bias_table_heads 1, row 0 serves every head). T5's buckets,
+	 * a Gaussian -lambda n^2, a learned relative bias: each is a table the caller expands once.
+	 * Every value finite (else APE_EINVAL naming desc->bias_table[h][m] and the value). Taken
+	 * by every call that takes a desc except libape_mpi's; on a device whose backend does
+	 * not compute tables, APE_ENOTSUP naming the device. Skipping stays exact: the far-key
+	 * bound adds the table's largest value at or beyond each tile's nearest distance.
+	 */
+	const float *bias_table;
+	int64_t bias_table_len; /**< M: 1 .. APE_BIAS_TABLE_MAX entries per head (with bias_table) */
+	int64_t bias_table_heads; /**< rows of bias_table: H (one per head) or 1 (shared) */
+	/**
+	 * NULL, or float32 `[bias_table_heads, bias_table_len]`: the table's gradient dL/dT, written
+	 * by ape_attention_backward(), ape_attention_backward_ex() and
+	 * ape_attention_backward_varlen() on success (entry m: the sum of dL/ds over every pair
+	 * whose min(|n|, M - 1) is m, over the batch, and over the heads for a shared table; in a
+	 * fixed order: bit-identical from run to run) and untouched on failure. Needs bias_table;
+	 * must not overlap any input or output of the call. Forward calls ignore it; the
+	 * device-resident backward refuses it (APE_EINVAL naming desc->dbias_table).
+	 */
+	float *dbias_table;
 } ape_attn_desc;
+
+/** The largest bias_table_len a call takes (2^24 entries per head). */
+#define APE_BIAS_TABLE_MAX ((int64_t)1 << 24)
 
 /** The size of ape_attn_desc before pos_q and pos_k were added: a caller built against that
  *  layout passes it as struct_size (the library then reads no field past skip_tol: the
@@ -251,6 +280,9 @@ typedef struct ape_attn_desc {
 /** The size of ape_attn_desc before rope_scale was added (the library reads no field past
  *  pos_k: rope_scale is 1). */
 #define APE_ATTN_DESC_V2_SIZE offsetof(ape_attn_desc, rope_scale)
+/** The size of ape_attn_desc before the distance-bias table was added (the library reads no
+ *  field past rope_scale: no table). */
+#define APE_ATTN_DESC_V3_SIZE offsetof(ape_attn_desc, bias_table)
 
 /**
  * \brief Sets the defaults: all four decay/adaptivity parameters 0 (plain RoPE attention),

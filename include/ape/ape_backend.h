@@ -100,7 +100,7 @@ extern "C" {
  * became this ABI (its numbers 1 to 14) is in docs/backends.md.
  */
 #define APE_BACKEND_ABI_MAJOR 1
-#define APE_BACKEND_ABI_MINOR 0
+#define APE_BACKEND_ABI_MINOR 1 /* 1.1: the distance-bias table (APE_BE_CAP_BIAS_TABLE) */
 
 /* The symbol a plugin exports, visible from its shared object whatever its default visibility. */
 #if defined(__GNUC__)
@@ -324,7 +324,49 @@ struct ape_be_launch {
 	 * thread calling the op only; never read by the backend.
 	 */
 	struct ape_be_path_log *path;
+	/* ---- ABI 1.1 */
+	/*
+	 * NULL: no distance-bias table. Else the call's table (ape.h, ape_attn_desc.bias_table),
+	 * set by the core only on a device whose capabilities say APE_BE_CAP_BIAS_TABLE: head h
+	 * of this launch adds bias_table[h * bias_hstride + ape_be_bias_index(|n|, bias_len)] to
+	 * every score after the temperature, beside the decay bias (bias_hstride 0: one row for
+	 * every head; else bias_len, and ape_be_launch_heads() moves the pointer with the heads).
+	 * bias_smax has the same layout and holds each entry's suffix maximum, max over m' >= m of
+	 * the row's entries: the far-key bounds (forward and backward) add bias_smax at the tile's
+	 * nearest distance to the score bound (ape_may_skip*() and ape_bwd_may_skip() in
+	 * ape/ape_math.h take it through their crow or lse argument, lowered by it), so that
+	 * skipping stays a proof whatever the table's shape. Host memory owned by the core, every
+	 * value finite, read during the call only: a backend that needs it on the device uploads
+	 * it itself (scratch of its own, counted by attention_scratch and
+	 * attention_backward_scratch). The row frame c_row stays the decay bias at the anchor
+	 * distance; the table enters each score in float32 (its values are float32).
+	 */
+	const float *bias_table, *bias_smax;
+	int64_t bias_len; /* M >= 1 entries per row */
+	int64_t bias_hstride; /* 0 or bias_len */
 };
+
+/* The entry of a distance-bias table of M entries that distance an = |n| >= 0 reads: the
+ * distance itself, or the last entry for every distance past the table. */
+static inline int64_t ape_be_bias_index(int64_t an, int64_t M)
+{
+	return an < M - 1 ? an : M - 1;
+}
+
+/* Head h's table entry at distance an = |n| of launch l (host code: the reference, a plugin's
+ * host path), 0 without a table. ape_be_bias_smax_at(): its suffix maximum, the far-key
+ * bounds' term. */
+static inline float ape_be_bias_at(const struct ape_be_launch *l, int64_t h, int64_t an)
+{
+	return l->bias_table ? l->bias_table[h * l->bias_hstride + ape_be_bias_index(an, l->bias_len)]
+			     : 0.0f;
+}
+
+static inline float ape_be_bias_smax_at(const struct ape_be_launch *l, int64_t h, int64_t an)
+{
+	return l->bias_table ? l->bias_smax[h * l->bias_hstride + ape_be_bias_index(an, l->bias_len)]
+			     : 0.0f;
+}
 
 /* The segment of a ragged launch l that holds query row i (0 <= i < l->Lq): a binary search
  * over l->segs. */
@@ -388,6 +430,10 @@ static inline struct ape_be_launch ape_be_launch_heads(const struct ape_be_launc
 	sub.H = (g1 - g0) * G;
 	sub.Hkv = g1 - g0;
 	sub.head_params = l->head_params + 4 * g0 * G;
+	if (l->bias_table) { /* the heads' rows of a per-head table */
+		sub.bias_table = l->bias_table + g0 * G * l->bias_hstride;
+		sub.bias_smax = l->bias_smax + g0 * G * l->bias_hstride;
+	}
 	/* the call's table holds every head after omega: not this piece's alone, so the backend
 	 * uploads the piece's own (mixed calls only) */
 	sub.params[0] = sub.params[1] = NULL;
@@ -472,6 +518,17 @@ struct ape_be_bwd_launch {
 				   * over the query heads of each kv head) */
 	struct ape_be_buf *dparams; /* NULL, or [H][4] double (delta, beta, gamma, lambda), summed
 				   * over batch, rows and keys of the launch, accumulated */
+	/* ---- ABI 1.1 */
+	/*
+	 * NULL, or (only with f.bias_table, on a device whose capabilities say
+	 * APE_BE_CAP_BIAS_TABLE) the table's gradient: [Ht][f.bias_len] double, contiguous at
+	 * offset 0, Ht = H for a per-head table (f.bias_hstride != 0) and 1 for a shared one;
+	 * entry m of row h accumulates the sum of dS over every pair of head h (every head for a
+	 * shared table) whose ape_be_bias_index(|n|, bias_len) is m, over batch, rows and keys of
+	 * the launch, in a fixed order like dparams. Skipping as for dparams (a left-out key's
+	 * pairs add nothing; the backward bound covers them, each pair weighing 1 <= max(1, |n|)).
+	 */
+	struct ape_be_buf *dbias;
 };
 
 /*
@@ -486,6 +543,7 @@ enum ape_be_bwd_part {
 	APE_BE_BWD_DPARAMS = 1u << 3, /* l->dparams wanted */
 	APE_BE_BWD_DLSE = 1u << 4, /* l->dlse given */
 	APE_BE_BWD_PAIRS = 1u << 5, /* l->f.pairs given */
+	APE_BE_BWD_DBIAS = 1u << 6, /* l->dbias wanted (ABI 1.1) */
 };
 
 /* The APE_BE_BWD_* bits of a launch with its buffers. */
@@ -495,7 +553,8 @@ static inline unsigned ape_be_bwd_parts(const struct ape_be_bwd_launch *l)
 	       (l->dv ? (unsigned)APE_BE_BWD_DV : 0u) |
 	       (l->dparams ? (unsigned)APE_BE_BWD_DPARAMS : 0u) |
 	       (l->dlse ? (unsigned)APE_BE_BWD_DLSE : 0u) |
-	       (l->f.pairs ? (unsigned)APE_BE_BWD_PAIRS : 0u);
+	       (l->f.pairs ? (unsigned)APE_BE_BWD_PAIRS : 0u) |
+	       (l->dbias ? (unsigned)APE_BE_BWD_DBIAS : 0u);
 }
 
 /* Element types of copy_view: the storage types (ape_dtype values), and float64 (the backward
@@ -889,10 +948,15 @@ enum ape_be_cap {
 	 * launch. Without it the core cuts such a batch into runs of consecutive positions and
 	 * runs each query run against each key run it sees, merged (api/varlen.c). */
 	APE_BE_CAP_POSITIONS = 1u << 7,
+	/* (ABI 1.1) attention, and attention_backward where the device says BACKWARD, take a
+	 * distance-bias table (struct ape_be_launch.bias_table; the backward also its gradient,
+	 * struct ape_be_bwd_launch.dbias) on every launch kind the device takes. Without it, a
+	 * call with a table fails with APE_ENOTSUP naming the device. */
+	APE_BE_CAP_BIAS_TABLE = 1u << 8,
 };
 
 /* Every APE_BE_CAP_* bit of this ABI. */
-#define APE_BE_CAP_ALL ((uint64_t)0xff)
+#define APE_BE_CAP_ALL ((uint64_t)0x1ff)
 
 struct ape_be_caps {
 	uint64_t features; /* APE_BE_CAP_* bits */
@@ -903,7 +967,7 @@ struct ape_be_caps {
 };
 
 /* The name of capability bit `bit` ("host_memory", "diag", "diag_views", "backward",
- * "resident_backward", "timestamps", "segments", "positions"), or NULL for anything else (0, a
+ * "resident_backward", "timestamps", "segments", "positions", "bias_table"), or NULL for anything else (0, a
  * bit this library does not know, several bits). What ape-info prints; ape_device_capabilities()
  * (ape.h) gives a device's bits. */
 APE_API const char *ape_be_cap_name(uint64_t bit);

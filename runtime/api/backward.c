@@ -127,6 +127,8 @@ static void write_zeros(const struct ape__problem *p, const struct bwd_args *a)
 					       bh % ts[t]->shape[1], l, zero_row);
 	if (a->dparams)
 		memset(a->dparams, 0, sizeof(float) * 4 * (size_t)p->H);
+	if (p->dbias_table)
+		memset(p->dbias_table, 0, sizeof(float) * (size_t)(ape__bias_rows(p) * p->bias_len));
 }
 
 static int backward(const char *fn, ape_device *const *devs, int ndev,
@@ -146,9 +148,11 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 	if (!lse)
 		return ape__error(APE_EINVAL, "%s: lse = NULL: the backward pass needs the "
 					      "forward's LSE", fn);
-	if (!a->dq && !a->dk && !a->dv && !a->dparams)
+	if (!a->dq && !a->dk && !a->dv && !a->dparams && !ape__desc_wants_dbias(desc))
 		return ape__error(APE_EINVAL,
-				  "%s: dq, dk, dv and dparams are all NULL: no gradient is wanted", fn);
+				  "%s: dq, dk, dv, dparams and desc->dbias_table are all NULL: no "
+				  "gradient is wanted",
+				  fn);
 	if ((ret = ape__problem_init_pos(&p, fn, desc, q, k, v, o, lse)))
 		return ret;
 	if ((ret = check_gradients(fn, &p, q, k, v, o, lse, a)) ||

@@ -106,7 +106,8 @@ int64_t ape__kv_release(struct ape__kv_terms *t, const struct ape__problem *p, i
 	float kmax[256], *kr = nbg <= 256 ? kmax : NULL;
 	int64_t lb = lb_first;
 
-	if (!p->decay_nonneg || !(tol > 0) || t_ref < lb_first * bt || n0 < 0)
+	/* a distance-bias table: no proof yet (its entries could favour the released distances) */
+	if (!p->decay_nonneg || !(tol > 0) || t_ref < lb_first * bt || n0 < 0 || p->bias_table)
 		return 0;
 	if (!kr && !(kr = ape__malloc((size_t)nbg * sizeof(float))))
 		return 0; /* releasing is an optimisation: never fail over it */
@@ -145,6 +146,11 @@ int ape__kv_terms_check(const struct ape__kv_terms *t, const char *fn, const cha
 
 	if (!t->released)
 		return 0;
+	if (p->bias_table)
+		return ape__error(APE_EINVAL,
+				  "%s: desc->bias_table = %p: blocks were released by a proof that "
+				  "assumes no distance-bias table%s",
+				  fn, (const void *)p->bias_table, where);
 	if (q_min < t->q_floor)
 		return ape__error(APE_EINVAL,
 				  "%s: q_start = %" PRId64 ": blocks were released for queries at "

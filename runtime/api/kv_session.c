@@ -165,6 +165,8 @@ int ape__kv_session_run(struct ape__kv_session *ks, const char *fn, const struct
 	int64_t ck = ks->geom.plan.ci, nk;
 	int ret;
 
+	if ((ret = ape__launch_supported(fn, ks->dev, p)))
+		return ret;
 	/* with release allowed, a share of skip_tol stays for what release may drop */
 	ape__skip_budget(p->skip_tol, p->causal, (p->Lk + ck - 1) / ck, r->release, &fc.tol);
 	if (whole_in_place(ks, r, &fc.tol)) {

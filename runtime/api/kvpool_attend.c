@@ -564,6 +564,8 @@ int ape__kvp_run(struct ape_kv_pool *pl, const char *fn, struct ape__problem *p,
 	int ret = 0;
 
 	memset(&res, 0, sizeof(res));
+	if ((ret = ape__launch_supported(fn, pl->dev, p)))
+		return ret;
 	if (p->Lq > 0) {
 		if (ape__segs_visible(p, pl->full, pl->nsg, &visible))
 			return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);

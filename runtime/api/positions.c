@@ -190,7 +190,10 @@ int ape__backward_positions(const char *fn, ape_device *const *devs, int ndev,
 	float *tl = ape__malloc(rows * sizeof(float) + 1);
 	float *tdl = g->dlse ? ape__malloc(rows * sizeof(float) + 1) : NULL;
 	float *tdp = ape__malloc((size_t)(4 * p->H) * sizeof(float) + 1);
-	bool oom = !sdp || !tl || (g->dlse && !tdl) || !tdp;
+	const size_t nbias = (size_t)(ape__bias_rows(p) * p->bias_len);
+	double *sdb = p->dbias_table ? ape__calloc(nbias, sizeof(double)) : NULL;
+	float *tdb = p->dbias_table ? ape__malloc(nbias * sizeof(float)) : NULL;
+	bool oom = !sdp || !tl || (g->dlse && !tdl) || !tdp || (p->dbias_table && (!sdb || !tdb));
 	struct pcall c;
 	int ret;
 
@@ -201,6 +204,7 @@ int ape__backward_positions(const char *fn, ape_device *const *devs, int ndev,
 		}
 	if ((ret = pcall_init(fn, devs, opts, desc, p, &c)))
 		goto out;
+	c.d.dbias_table = tdb; /* each element's, summed below */
 	if (oom) {
 		ret = ape__error(APE_ENOMEM, "%s: out of host memory staging the gradients", fn);
 		goto out;
@@ -228,6 +232,8 @@ int ape__backward_positions(const char *fn, ape_device *const *devs, int ndev,
 							       stats ? &c.st : NULL));
 		for (int64_t i = 0; !ret && g->dparams && i < 4 * p->H; i++)
 			sdp[i] += tdp[i];
+		for (size_t i = 0; !ret && sdb && i < nbias; i++)
+			sdb[i] += tdb[i];
 	}
 	if (!ret) {
 		for (int t = 0; t < 3; t++)
@@ -235,6 +241,8 @@ int ape__backward_positions(const char *fn, ape_device *const *devs, int ndev,
 				ape__unpack_rows(st[t].data, out[t], outs[t], 0, out[t]->shape[2]);
 		for (int64_t i = 0; g->dparams && i < 4 * p->H; i++)
 			g->dparams[i] = (float)sdp[i];
+		for (size_t i = 0; sdb && i < nbias; i++)
+			p->dbias_table[i] = (float)sdb[i];
 	}
 	ape__varlen_report(fn, devs, ndev, p, ret, stats, &c.sum, c.have, t0);
 out:
@@ -244,5 +252,7 @@ out:
 	free(tl);
 	free(tdl);
 	free(tdp);
+	free(sdb);
+	free(tdb);
 	return ret;
 }

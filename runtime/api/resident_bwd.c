@@ -72,6 +72,13 @@ int ape__check_resident_bwd(const char *fn, const ape_queue *queue, const ape_at
 	if ((ret = ape__problem_init(p, fn, desc, &host[APE__RB_Q], &host[APE__RB_K],
 				     &host[APE__RB_V], &host[APE__RB_O], NULL)))
 		return ret;
+	if (p->dbias_table) {
+		ret = ape__error(APE_EINVAL,
+				 "%s: desc->dbias_table = %p: the backward pass on device tensors does "
+				 "not return the bias table's gradient; ape_attention_backward() does",
+				 fn, (void *)p->dbias_table);
+		goto fail;
+	}
 	bt = (struct ape__bwd_tensors){
 		.lse = &host[APE__RB_LSE], .dout = &host[APE__RB_DOUT],
 		.dlse = t[APE__RB_DLSE] ? &host[APE__RB_DLSE] : NULL,

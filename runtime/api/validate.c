@@ -244,14 +244,15 @@ static int resolve_positions(const char *fn, const ape_attn_desc *d, int64_t Lq,
 
 bool ape__desc_size_ok(const ape_attn_desc *d)
 {
-	return d->struct_size == sizeof(*d) || d->struct_size == APE_ATTN_DESC_V2_SIZE ||
-	       d->struct_size == APE_ATTN_DESC_V1_SIZE;
+	return d->struct_size == sizeof(*d) || d->struct_size == APE_ATTN_DESC_V3_SIZE ||
+	       d->struct_size == APE_ATTN_DESC_V2_SIZE || d->struct_size == APE_ATTN_DESC_V1_SIZE;
 }
 
 /* The bytes of d the library may read: its layout's, the first one's for any other size. */
 static size_t desc_bytes(const ape_attn_desc *d)
 {
 	return d->struct_size == sizeof(*d)		   ? sizeof(*d)
+	       : d->struct_size == APE_ATTN_DESC_V3_SIZE ? APE_ATTN_DESC_V3_SIZE
 	       : d->struct_size == APE_ATTN_DESC_V2_SIZE ? APE_ATTN_DESC_V2_SIZE
 							 : APE_ATTN_DESC_V1_SIZE;
 }
@@ -260,13 +261,103 @@ void ape__desc_copy(ape_attn_desc *dst, const ape_attn_desc *src)
 {
 	memset(dst, 0, sizeof(*dst));
 	memcpy(dst, src, desc_bytes(src));
-	if (desc_bytes(src) < sizeof(*src))
+	if (desc_bytes(src) <= APE_ATTN_DESC_V2_SIZE)
 		dst->rope_scale = 1.0;
 }
 
 double ape__desc_rope_scale(const ape_attn_desc *d)
 {
-	return d->struct_size == sizeof(*d) ? d->rope_scale : 1.0;
+	return desc_bytes(d) > APE_ATTN_DESC_V2_SIZE ? d->rope_scale : 1.0;
+}
+
+bool ape__desc_wants_dbias(const ape_attn_desc *d)
+{
+	const float *t;
+	float *g;
+
+	if (!d || !ape__desc_size_ok(d))
+		return false;
+	ape__desc_bias_table(d, &t, &g);
+	return g != NULL;
+}
+
+void ape__desc_bias_table(const ape_attn_desc *d, const float **table, float **grad)
+{
+	const bool has = desc_bytes(d) > APE_ATTN_DESC_V3_SIZE;
+
+	*table = has ? d->bias_table : NULL;
+	*grad = has ? d->dbias_table : NULL;
+}
+
+/*
+ * desc's distance-bias table for H heads into p (bias_table, bias_len, bias_hstride, and
+ * bias_smax, the suffix maxima, allocated here and freed by ape__problem_fini()), and its
+ * gradient's destination into p->dbias_table: every value finite, M in 1..APE_BIAS_TABLE_MAX,
+ * heads H or 1. Nothing set without a table.
+ */
+static int resolve_bias_table(struct ape__problem *p, const char *fn, const ape_attn_desc *d)
+{
+	const float *t;
+	float *g;
+	int64_t M, rows;
+
+	ape__desc_bias_table(d, &t, &g);
+	if (!t) {
+		if (g)
+			return ape__error(APE_EINVAL,
+					  "%s: desc->dbias_table = %p without desc->bias_table: the "
+					  "gradient needs the table",
+					  fn, (void *)g);
+		return 0;
+	}
+	M = d->bias_table_len;
+	rows = d->bias_table_heads;
+	if (M < 1 || M > APE_BIAS_TABLE_MAX)
+		return ape__error(APE_EINVAL,
+				  "%s: desc->bias_table_len = %" PRId64 ": must be in 1..%" PRId64,
+				  fn, M, APE_BIAS_TABLE_MAX);
+	if (rows != 1 && rows != p->H)
+		return ape__error(APE_EINVAL,
+				  "%s: desc->bias_table_heads = %" PRId64 ": must be H = %" PRId64
+				  " (a row per head) or 1 (one row for every head)",
+				  fn, rows, p->H);
+	if ((uint64_t)rows * (uint64_t)M > SIZE_MAX / sizeof(float))
+		return ape__error(APE_EOVERFLOW, "%s: desc->bias_table: %" PRId64 " x %" PRId64
+				  " entries do not fit", fn, rows, M);
+	for (int64_t h = 0; h < rows; h++)
+		for (int64_t m = 0; m < M; m++)
+			if (!isfinite(t[h * M + m]))
+				return ape__error(APE_EINVAL,
+						  "%s: desc->bias_table[%" PRId64 "][%" PRId64
+						  "] = %g: must be finite",
+						  fn, h, m, (double)t[h * M + m]);
+	if (g) {
+		const uintptr_t gb = (uintptr_t)g, ge = gb + (uintptr_t)(rows * M) * sizeof(float);
+		const uintptr_t tb = (uintptr_t)t, te = tb + (uintptr_t)(rows * M) * sizeof(float);
+
+		if (gb < te && tb < ge)
+			return ape__error(APE_EINVAL,
+					  "%s: desc->dbias_table overlaps desc->bias_table in memory: "
+					  "outputs must not alias inputs",
+					  fn);
+	}
+	p->bias_smax = ape__malloc((size_t)(rows * M) * sizeof(float));
+	if (!p->bias_smax)
+		return ape__error(APE_ENOMEM, "%s: out of memory for a %" PRId64 " x %" PRId64
+				  " bias table's maxima", fn, rows, M);
+	for (int64_t h = 0; h < rows; h++) {
+		float mx = -INFINITY;
+
+		for (int64_t m = M - 1; m >= 0; m--) {
+			mx = t[h * M + m] > mx ? t[h * M + m] : mx;
+			p->bias_smax[h * M + m] = mx;
+		}
+	}
+	p->bias_table = t;
+	p->bias_len = M;
+	p->bias_hstride = rows == 1 ? 0 : M;
+	p->dbias_table = g;
+	return 0;
 }
 
 void ape__desc_positions(const ape_attn_desc *d, const int64_t **pos_q, const int64_t **pos_k)
@@ -285,10 +376,10 @@ static int check_desc(const char *fn, const ape_attn_desc *desc)
 	if (!ape__desc_size_ok(desc))
 		return ape__error(APE_EINVAL,
 				  "%s: desc->struct_size = %zu: expected %zu (initialise with "
-				  "ape_attn_desc_init()), APE_ATTN_DESC_V2_SIZE = %zu or "
-				  "APE_ATTN_DESC_V1_SIZE = %zu",
-				  fn, desc->struct_size, sizeof(*desc), APE_ATTN_DESC_V2_SIZE,
-				  APE_ATTN_DESC_V1_SIZE);
+				  "ape_attn_desc_init()), APE_ATTN_DESC_V3_SIZE = %zu, "
+				  "APE_ATTN_DESC_V2_SIZE = %zu or APE_ATTN_DESC_V1_SIZE = %zu",
+				  fn, desc->struct_size, sizeof(*desc), APE_ATTN_DESC_V3_SIZE,
+				  APE_ATTN_DESC_V2_SIZE, APE_ATTN_DESC_V1_SIZE);
 	return check_scalars(fn, desc);
 }
 
@@ -475,6 +566,10 @@ int ape__problem_init(struct ape__problem *p, const char *fn, const ape_attn_des
 	p->skip_tol = desc->skip_tol;
 	p->causal = desc->causal;
 	p->layout = desc->layout;
+	if ((ret = resolve_bias_table(p, fn, desc))) {
+		ape__problem_fini(p);
+		return ret;
+	}
 	return 0;
 }
 
@@ -510,6 +605,10 @@ void ape__problem_fini(struct ape__problem *p)
 {
 	free(p->head_params);
 	p->head_params = NULL;
+	free(p->bias_smax);
+	p->bias_smax = NULL;
+	p->bias_table = NULL;
+	p->dbias_table = NULL;
 }
 
 void ape_attn_desc_init(ape_attn_desc *desc)

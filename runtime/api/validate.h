@@ -24,8 +24,8 @@ int ape__problem_init_pos(struct ape__problem *p, const char *fn, const ape_attn
 			  const ape_tensor *q, const ape_tensor *k, const ape_tensor *v,
 			  const ape_tensor *o, const float *lse);
 
-/* desc->struct_size is one the library takes: sizeof(ape_attn_desc), APE_ATTN_DESC_V2_SIZE or
- * APE_ATTN_DESC_V1_SIZE. */
+/* desc->struct_size is one the library takes: sizeof(ape_attn_desc), APE_ATTN_DESC_V3_SIZE,
+ * APE_ATTN_DESC_V2_SIZE or APE_ATTN_DESC_V1_SIZE. */
 bool ape__desc_size_ok(const ape_attn_desc *d);
 /* *dst = *src without reading past src's layout (its struct_size, the first layout for a size
  * the library does not take): the fields the caller did not know of are their defaults (NULL
@@ -33,6 +33,12 @@ bool ape__desc_size_ok(const ape_attn_desc *d);
 void ape__desc_copy(ape_attn_desc *dst, const ape_attn_desc *src);
 /* desc's rope_scale, 1 for a desc of an earlier layout. */
 double ape__desc_rope_scale(const ape_attn_desc *d);
+/* desc's distance-bias table and its gradient's destination, NULL for a desc of an earlier
+ * layout. */
+void ape__desc_bias_table(const ape_attn_desc *d, const float **table, float **grad);
+/* Whether desc (NULL or of a size the library does not take: false) asks for the table's
+ * gradient (desc->dbias_table), for the backward calls' "no gradient is wanted" rule. */
+bool ape__desc_wants_dbias(const ape_attn_desc *d);
 /* desc's explicit positions, NULL for a desc of the first layout. */
 void ape__desc_positions(const ape_attn_desc *d, const int64_t **pos_q, const int64_t **pos_k);
 

@@ -33,11 +33,13 @@ struct bcall {
 	const struct ape__problem *p;
 	const ape_tensor *q, *k, *v, *o, *dout;
 	const float *lse, *dlse;
-	bool want_dq, want_dk, want_dv, want_dp;
+	bool want_dq, want_dk, want_dv, want_dp, want_db;
 	float *sdq, *sdk, *sdv; /* staged float32 [1, H or Hkv, total, D], zeroed */
 	double *sdp; /* 4H */
 	float *tdq, *tdk, *tdv, *tdp; /* one piece's, [1, H or Hkv, rows, D] and 4H */
 	float *tlse, *tdlse; /* one query run's LSE and dLSE, [H, rows] */
+	double *sdb; /* the bias table's gradient, [rows][M] (ape__bias_rows()) */
+	float *tdb; /* one piece's */
 	int64_t maxq, maxk; /* the longest query and key runs */
 	ape_stats st;
 	bool have_st;
@@ -74,6 +76,8 @@ static void bcall_free(struct bcall *c)
 	free(c->tdv);
 	free(c->tlse);
 	free(c->tdlse);
+	free(c->sdb);
+	free(c->tdb);
 }
 
 static int bcall_alloc(struct bcall *c)
@@ -99,11 +103,16 @@ static int bcall_alloc(struct bcall *c)
 		c->sdp = ape__calloc((size_t)(4 * p->H), sizeof(double));
 		c->tdp = ape__malloc((size_t)(4 * p->H) * sizeof(float));
 	}
+	if (c->want_db) {
+		c->sdb = ape__calloc((size_t)(ape__bias_rows(p) * p->bias_len), sizeof(double));
+		c->tdb = ape__malloc((size_t)(ape__bias_rows(p) * p->bias_len) * sizeof(float));
+	}
 	c->tlse = ape__malloc((size_t)(p->H * c->maxq) * sizeof(float) + 1);
 	if (c->dlse)
 		c->tdlse = ape__malloc((size_t)(p->H * c->maxq) * sizeof(float) + 1);
 	if ((c->want_dq && (!c->sdq || !c->tdq)) || (c->want_dk && (!c->sdk || !c->tdk)) ||
 	    (c->want_dv && (!c->sdv || !c->tdv)) || (c->want_dp && (!c->sdp || !c->tdp)) ||
+	    (c->want_db && (!c->sdb || !c->tdb)) ||
 	    !c->tlse ||
 	    (c->dlse && !c->tdlse)) {
 		bcall_free(c);
@@ -136,6 +145,7 @@ static int piece(struct bcall *c, int64_t s, int64_t a, int64_t b, int64_t kc, i
 	d.q_start_set = true;
 	d.q_start = ape__varlen_qpos(c->vl, s, a);
 	d.k_start = ape__varlen_kpos(c->vl, s, kc);
+	d.dbias_table = c->want_db ? c->tdb : NULL; /* the piece's, summed below */
 	if ((ret = ape_tensor_rows(c->q, a, n, &qv)) || (ret = ape_tensor_rows(c->o, a, n, &ov)) ||
 	    (ret = ape_tensor_rows(c->dout, a, n, &dov)) ||
 	    (ret = ape_tensor_rows(c->k, kc, m, &kv)) || (ret = ape_tensor_rows(c->v, kc, m, &vv)))
@@ -161,6 +171,8 @@ static int piece(struct bcall *c, int64_t s, int64_t a, int64_t b, int64_t kc, i
 		add_rows(c->sdv, c->tdv, p->Hkv, p->Lk, kc, m, D);
 	for (int64_t i = 0; c->want_dp && i < 4 * p->H; i++)
 		c->sdp[i] += c->tdp[i];
+	for (int64_t i = 0; c->want_db && i < ape__bias_rows(p) * p->bias_len; i++)
+		c->sdb[i] += c->tdb[i];
 	return 0;
 }
 
@@ -203,6 +215,8 @@ static void publish(struct bcall *c, ape_tensor *dq, ape_tensor *dk, ape_tensor 
 	}
 	for (int64_t i = 0; c->want_dp && i < 4 * c->p->H; i++)
 		dparams[i] = (float)c->sdp[i];
+	for (int64_t i = 0; c->want_db && i < ape__bias_rows(c->p) * c->p->bias_len; i++)
+		c->p->dbias_table[i] = (float)c->sdb[i];
 }
 
 /* The gradient tensors against the validated packed problem: LSE and dLSE [total_q, H]. */
@@ -250,9 +264,11 @@ int ape__attention_backward_varlen(const char *fn, ape_device *const *devs, int 
 		return ape__error(APE_EINVAL, "%s: lse = NULL: the backward pass needs the "
 					      "forward's LSE",
 				  fn);
-	if (!dq && !dk && !dv && !dparams)
+	if (!dq && !dk && !dv && !dparams && !ape__desc_wants_dbias(desc))
 		return ape__error(APE_EINVAL,
-				  "%s: dq, dk, dv and dparams are all NULL: no gradient is wanted", fn);
+				  "%s: dq, dk, dv, dparams and desc->dbias_table are all NULL: no "
+				  "gradient is wanted",
+				  fn);
 	if ((ret = ape__varlen_check(fn, desc, vl, opts, q, k, v, o, lse, &p)))
 		return ret;
 	if ((ret = check_grads(fn, &p, q, k, v, o, lse, dout, dlse, dq, dk, dv, dparams)))
@@ -282,6 +298,7 @@ int ape__attention_backward_varlen(const char *fn, ape_device *const *devs, int 
 	c.want_dk = dk;
 	c.want_dv = dv;
 	c.want_dp = dparams;
+	c.want_db = p.dbias_table;
 	if ((ret = bcall_alloc(&c)))
 		goto out_fini;
 	for (int64_t s = 0; s < vl->num_seqs && !ret; s++) {

@@ -138,10 +138,54 @@ static int core_synchronize(struct ape_be_queue *q)
 	return named_q(queue_raw(q)->synchronize(q), q, "synchronize");
 }
 
+/*
+ * ABI 1.0's backward launch, for a plugin built against it: the forward launch as 1.0 had it
+ * (every member before bias_table: 1.1 appended to struct ape_be_launch, which the backward
+ * launch embeds first), then 1.0's backward members (no dbias). The core never gives such a
+ * plugin a table (it cannot say APE_BE_CAP_BIAS_TABLE), so nothing is lost in the copy.
+ */
+struct bwd_launch_1_0 {
+	_Alignas(struct ape_be_launch) unsigned char f[offsetof(struct ape_be_launch, bias_table)];
+	ape_dtype dout_dtype;
+	struct ape_be_buf *dout, *dlse, *dq, *dk, *dv, *dparams;
+};
+_Static_assert(offsetof(struct ape_be_launch, bias_table) % _Alignof(struct ape_be_launch) == 0,
+	       "ABI 1.0's struct ape_be_launch ended where bias_table begins");
+
+static const struct ape_be_bwd_launch *bwd_launch_for(const struct ape_backend_plugin *t,
+						      const struct ape_be_bwd_launch *l,
+						      struct bwd_launch_1_0 *old)
+{
+	if (t->abi_minor >= 1)
+		return l;
+	memcpy(old->f, &l->f, sizeof(old->f));
+	old->dout_dtype = l->dout_dtype;
+	old->dout = l->dout;
+	old->dlse = l->dlse;
+	old->dq = l->dq;
+	old->dk = l->dk;
+	old->dv = l->dv;
+	old->dparams = l->dparams;
+	return (const struct ape_be_bwd_launch *)(const void *)old;
+}
+
 static int core_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 {
+	struct bwd_launch_1_0 old;
+
 	ape__nvtx_push("attention_backward");
-	return named_q(ranged(queue_raw(q)->attention_backward(q, l)), q, "attention_backward");
+	return named_q(ranged(queue_raw(q)->attention_backward(
+			       q, bwd_launch_for(queue_raw(q), l, &old))),
+		       q, "attention_backward");
+}
+
+static uint64_t core_attention_backward_scratch(struct ape_device *dev,
+						const struct ape_be_bwd_launch *l, unsigned parts)
+{
+	struct bwd_launch_1_0 old;
+
+	return raw_of(dev)->attention_backward_scratch(dev, bwd_launch_for(raw_of(dev), l, &old),
+						       parts);
 }
 
 static int core_scratch_alloc(struct ape_be_queue *q, size_t bytes, struct ape_be_buf **out)
@@ -361,6 +405,8 @@ int ape__backend_bind(struct ape_backend *be, const struct ape_backend_plugin *t
 	t->copy_d2d = raw->copy_d2d ? core_copy_d2d : NULL;
 	t->event_timestamp = raw->event_timestamp ? core_event_timestamp : NULL;
 	t->attention_backward = raw->attention_backward ? core_attention_backward : NULL;
+	t->attention_backward_scratch =
+		raw->attention_backward_scratch ? core_attention_backward_scratch : NULL;
 	t->buf_wrap = raw->buf_wrap ? core_buf_wrap : NULL;
 	t->queue_wrap = raw->queue_wrap ? core_queue_wrap : NULL;
 	t->scratch_alloc = raw->scratch_alloc ? core_scratch_alloc : NULL;

@@ -47,7 +47,7 @@
 enum {
 	B_K, B_V, B_DK, B_DV, /* the key side: outer */
 	B_Q, B_O, B_DOUT, B_LSE, B_DLSE, /* the query side: inner */
-	B_DQ, B_PAIRS, B_DPARAMS, /* outputs */
+	B_DQ, B_PAIRS, B_DPARAMS, B_DBIAS, /* outputs */
 	B_PRM64, B_PRM32, /* the parameter tables (struct ape_be_launch.params) */
 	NBUF
 };
@@ -72,6 +72,7 @@ struct bwd_pass {
 	int jobs[APE__MAX_DEPTH]; /* per outer slot: launches of its key chunk */
 	double *dq_acc; /* [B, H, Lq, D]: the sum of dQ over its key chunks */
 	double *dparams; /* [H][4] */
+	double *dbias; /* [rows][M]: the bias table's gradient (ape__bias_rows()) */
 	uint64_t pairs_computed;
 	bool pairs_counted; /* the launches could skip keys and counted what they computed */
 	bool worked; /* it had key chunks */
@@ -172,6 +173,12 @@ static void shape(void *self, struct ape_device *dev, int64_t no, int64_t ni)
 		.name = "dparams", .role = APE__ROLE_CALL_ACC, .axis = APE__AXIS_NONE,
 		.bytes = r->dparams ? (uint64_t)p->H * 4 * sizeof(double) : 0, .back = true,
 	};
+	ps->t[B_DBIAS] = (struct ape__pass_tensor){
+		.name = "dbias_table", .role = APE__ROLE_CALL_ACC, .axis = APE__AXIS_NONE,
+		.bytes = p->dbias_table ? (uint64_t)(ape__bias_rows(p) * p->bias_len) * sizeof(double)
+					: 0,
+		.back = true,
+	};
 	for (int w = 0; w < 2; w++)
 		ps->t[B_PRM64 + w] = (struct ape__pass_tensor){
 			.name = w ? "parameters (float32)" : "parameters (float64)",
@@ -200,7 +207,8 @@ static unsigned parts_of(const struct bwd_pass *b)
 	return (t[B_DQ].row_bytes ? APE_BE_BWD_DQ : 0u) | (t[B_DK].row_bytes ? APE_BE_BWD_DK : 0u) |
 	       (t[B_DV].row_bytes ? APE_BE_BWD_DV : 0u) | (t[B_DPARAMS].bytes ? APE_BE_BWD_DPARAMS : 0u) |
 	       (t[B_DLSE].row_bytes ? APE_BE_BWD_DLSE : 0u) |
-	       (t[B_PAIRS].row_bytes ? APE_BE_BWD_PAIRS : 0u);
+	       (t[B_PAIRS].row_bytes ? APE_BE_BWD_PAIRS : 0u) |
+	       (t[B_DBIAS].bytes ? APE_BE_BWD_DBIAS : 0u);
 }
 
 /* Key chunks of the call (for the skip shares): before the plan, as many as the default
@@ -243,6 +251,7 @@ static int launch(void *self, struct ape_be_queue *q, const struct ape__pass_job
 	l.dk = j->buf[B_DK];
 	l.dv = j->buf[B_DV];
 	l.dparams = j->buf[B_DPARAMS];
+	l.dbias = j->buf[B_DBIAS];
 	l.f.params[0] = j->buf[B_PRM64];
 	l.f.params[1] = j->buf[B_PRM32];
 	b->jobs[j->slot]++;
@@ -365,6 +374,8 @@ static void call_done(void *self, const void *const *host)
 
 	if (host[B_DPARAMS])
 		memcpy(b->dparams, host[B_DPARAMS], (size_t)b->pass.t[B_DPARAMS].bytes);
+	if (host[B_DBIAS])
+		memcpy(b->dbias, host[B_DBIAS], (size_t)b->pass.t[B_DBIAS].bytes);
 }
 
 static const struct ape__pass_ops bwd_ops = {
@@ -420,7 +431,9 @@ static int prepare(void *arg, const struct ape__plan *plan, int d)
 	b->cq = plan->ci;
 	b->nq = plan->ni;
 	if ((r->dq && !(b->dq_acc = ape__calloc(qgrad, sizeof(double)))) ||
-	    (r->dparams && !(b->dparams = ape__calloc((size_t)(4 * p->H), sizeof(double)))))
+	    (r->dparams && !(b->dparams = ape__calloc((size_t)(4 * p->H), sizeof(double)))) ||
+	    (p->dbias_table &&
+	     !(b->dbias = ape__calloc((size_t)(ape__bias_rows(p) * p->bias_len), sizeof(double)))))
 		return ape__error(APE_ENOMEM, "%s: out of host memory staging the backward pass",
 				  r->fn);
 	return 0;
@@ -431,7 +444,8 @@ static int prepare(void *arg, const struct ape__plan *plan, int d)
  * converted for 16-bit tensors, into the caller's layout. Every conversion buffer is taken
  * before the first byte is written, so that running out of memory here writes nothing too.
  */
-static int write_outputs(const struct bwd_call *c, const double *dq_acc, const double *dparams)
+static int write_outputs(const struct bwd_call *c, const double *dq_acc, const double *dparams,
+			 const double *dbias)
 {
 	const struct ape__bwd_req *r = c->r;
 	const struct ape__problem *p = r->p;
@@ -468,6 +482,8 @@ static int write_outputs(const struct bwd_call *c, const double *dq_acc, const d
 					 ts[i]->shape[2]);
 	for (int64_t i = 0; r->dparams && i < 4 * p->H; i++)
 		r->dparams[i] = (float)dparams[i];
+	for (int64_t i = 0; p->dbias_table && i < ape__bias_rows(p) * p->bias_len; i++)
+		p->dbias_table[i] = (float)dbias[i];
 	goto out_free;
 out_nomem:
 	ret = ape__error(APE_ENOMEM, "%s: out of host memory converting the gradients", r->fn);
@@ -499,10 +515,12 @@ static int finish(struct bwd_run *run)
 			to->dq_acc[i] += b->dq_acc[i];
 		for (int64_t i = 0; to->dparams && i < 4 * p->H; i++)
 			to->dparams[i] += b->dparams[i];
+		for (int64_t i = 0; to->dbias && i < ape__bias_rows(p) * p->bias_len; i++)
+			to->dbias[i] += b->dbias[i];
 	}
 	if (!to)
 		to = &run->pass[0];
-	return write_outputs(&run->call, to->dq_acc, to->dparams);
+	return write_outputs(&run->call, to->dq_acc, to->dparams, to->dbias);
 }
 
 int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res)
@@ -516,7 +534,8 @@ int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res
 
 	memset(res, 0, sizeof(*res));
 	for (int d = 0; d < r->ndev; d++)
-		if ((ret = ape__backward_supported(r->fn, r->devs[d])))
+		if ((ret = ape__backward_supported(r->fn, r->devs[d])) ||
+		    (ret = ape__launch_supported(r->fn, r->devs[d], p)))
 			return ret;
 	run = ape__calloc(1, sizeof(*run));
 	if (!run)
@@ -585,6 +604,7 @@ out_free:
 	for (int d = 0; d < r->ndev; d++) {
 		free(run->pass[d].dq_acc);
 		free(run->pass[d].dparams);
+		free(run->pass[d].dbias);
 	}
 	free(run->call.dk_all);
 	free(run->call.dv_all);

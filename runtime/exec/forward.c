@@ -12,6 +12,7 @@
 #include "core/alloc.h"
 #include "core/error.h"
 #include "exec/fwd_pass.h"
+#include "exec/launch.h"
 #include "exec/skip.h"
 
 struct fwd_run {
@@ -73,6 +74,11 @@ int ape__forward_run(const struct ape__fwd_req *r, struct ape__exec_result *res)
 	memset(res, 0, sizeof(*res));
 	if (!x)
 		return ape__error(APE_ENOMEM, "%s: out of memory", r->fn);
+	for (int d = 0; d < r->ndev; d++)
+		if ((ret = ape__launch_supported(r->fn, r->devs[d], p))) {
+			free(x);
+			return ret;
+		}
 	x->r = r;
 	x->call = (struct ape__fwd_call){
 		.p = p, .q = r->q, .k = r->k, .v = r->v, .o = r->o, .lse = r->lse,

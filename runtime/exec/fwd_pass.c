@@ -471,6 +471,7 @@ int ape__fwd_prepare(struct ape__fwd *f, int64_t cq, int64_t ck, int64_t nq, int
 	f->skip = (struct ape__skip_ctx){
 		.B = p->B, .H = p->H, .Hkv = p->Hkv, .Lk = p->Lk, .ck = ck, .k_start = p->k_start,
 		.causal = p->causal, .abs_scale = fabs(p->scale), .head_params = p->head_params,
+		.bias_smax = p->bias_smax, .bias_len = p->bias_len, .bias_hstride = p->bias_hstride,
 		.km = c->kmax, .tol = c->tol.chunk,
 	};
 	if (p->segs && !(f->segs = ape__malloc((size_t)p->nseg * sizeof(*f->segs))))

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "core/context.h"
+#include "core/error.h"
 
 void ape__launch_init(struct ape_be_launch *l, const struct ape__problem *p, ape_dtype out_dtype,
 		      double skip_tol)
@@ -29,6 +30,21 @@ void ape__launch_init(struct ape_be_launch *l, const struct ape__problem *p, ape
 	l->causal = p->causal;
 	l->layout = p->layout;
 	l->skip_tol = p->decay_nonneg ? skip_tol : 0.0;
+	l->bias_table = p->bias_table;
+	l->bias_smax = p->bias_smax;
+	l->bias_len = p->bias_len;
+	l->bias_hstride = p->bias_hstride;
+}
+
+int ape__launch_supported(const char *fn, const struct ape_device *dev,
+			  const struct ape__problem *p)
+{
+	if (!p->bias_table || ape_be_dev_has(dev, APE_BE_CAP_BIAS_TABLE))
+		return 0;
+	return ape__error(APE_ENOTSUP,
+			  "%s: %s:%d %s: desc->bias_table: this backend does not compute "
+			  "distance-bias tables",
+			  fn, dev->info.backend, dev->info.backend_index, dev->info.name);
 }
 
 uint64_t ape__scratch_of(struct ape_device *dev, const struct ape_be_launch *l)

@@ -20,6 +20,14 @@
 void ape__launch_init(struct ape_be_launch *l, const struct ape__problem *p, ape_dtype out_dtype,
 		      double skip_tol);
 
+/*
+ * Whether dev computes what p asks beyond the operation every backend computes (today: a
+ * distance-bias table, APE_BE_CAP_BIAS_TABLE): 0, or APE_ENOTSUP with a message that starts
+ * with fn and names the device and the argument. Every call that launches on a device asks.
+ */
+int ape__launch_supported(const char *fn, const struct ape_device *dev,
+			  const struct ape__problem *p);
+
 /* Bytes of one of a call's parameter tables (struct ape_be_launch.params): float64 (which 0) or
  * float32 (which 1), for D and H of p. */
 uint64_t ape__params_bytes(const struct ape__problem *p, int which);

@@ -41,7 +41,24 @@ struct ape__problem {
 	 * then unused.
 	 */
 	const int64_t *pos_q, *pos_k;
+	/*
+	 * NULL: no distance-bias table. Else the caller's (desc->bias_table, not owned, read during
+	 * the call): head h's row at bias_table + h * bias_hstride (bias_hstride 0: one row for
+	 * every head), bias_len entries; bias_smax (owned) the rows' suffix maxima, same layout
+	 * (struct ape_be_launch.bias_table states both). dbias_table: the caller's destination of
+	 * the table's gradient (desc->dbias_table, [rows][bias_len] float), or NULL.
+	 */
+	const float *bias_table;
+	float *bias_smax;
+	int64_t bias_len, bias_hstride;
+	float *dbias_table;
 };
+
+/* Rows of p's bias table: H for a per-head table, 1 for a shared one (0 without). */
+static inline int64_t ape__bias_rows(const struct ape__problem *p)
+{
+	return !p->bias_table ? 0 : p->bias_hstride ? p->H : 1;
+}
 
 /* Visible pairs of one (b, h) head summed over its rows; -1 if the count overflows 64 bits. */
 int ape__head_visible_pairs(const struct ape__problem *p, uint64_t *out);

@@ -72,6 +72,7 @@ static uint64_t plan_scratch(void *arg, int64_t co, int64_t ci)
 
 int ape__resident_plan(const struct ape__resident_req *r, int64_t *rows_per_launch)
 {
+	const int unsupported = ape__launch_supported(r->fn, r->dev, r->p);
 	const struct ape__plan_req q = {
 		.Lo = r->p->Lq, .Li = r->p->Lk, .max_co = r->p->Lq, .max_ci = r->p->Lk,
 		.inner_whole = true, .depth = 1,
@@ -79,8 +80,8 @@ int ape__resident_plan(const struct ape__resident_req *r, int64_t *rows_per_laun
 		.max_buffer = UINT64_MAX, .bytes = plan_bytes, .scratch = plan_scratch,
 		.arg = (void *)r, .what = r->dev->info.name, .chunk = "one launch",
 	};
-	struct ape__plan plan;
-	int ret = ape__plan_make(&q, r->fn, &plan);
+	struct ape__plan plan = { 0 };
+	int ret = unsupported ? unsupported : ape__plan_make(&q, r->fn, &plan);
 
 	*rows_per_launch = plan.co;
 	return ret;

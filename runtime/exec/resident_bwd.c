@@ -27,6 +27,7 @@
 #include "core/context.h"
 #include "core/error.h"
 #include "exec/backward.h"
+#include "exec/launch.h"
 #include "exec/multidev.h"
 #include "exec/plan.h"
 
@@ -162,6 +163,7 @@ static uint64_t plan_scratch(void *arg, int64_t co, int64_t ci)
 
 int ape__resident_bwd_plan(const struct ape__resident_bwd_req *r, int64_t *rows_per_launch)
 {
+	const int unsupported = ape__launch_supported(r->fn, r->dev, r->p);
 	const int64_t Lq = r->p->Lq > 0 ? r->p->Lq : 1, Lk = r->p->Lk > 0 ? r->p->Lk : 1;
 	const struct ape__plan_req q = {
 		.Lo = Lq, .Li = Lk, .max_co = Lq, .max_ci = Lk, .inner_whole = true, .depth = 1,
@@ -170,8 +172,8 @@ int ape__resident_bwd_plan(const struct ape__resident_bwd_req *r, int64_t *rows_
 		.arg = (void *)r, .what = r->dev->info.name,
 		.chunk = "the backward pass's launch (its copies and accumulators included)",
 	};
-	struct ape__plan plan;
-	int ret = ape__plan_make(&q, r->fn, &plan);
+	struct ape__plan plan = { 0 };
+	int ret = unsupported ? unsupported : ape__plan_make(&q, r->fn, &plan);
 
 	*rows_per_launch = plan.co;
 	return ret;

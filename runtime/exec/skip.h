@@ -40,6 +40,10 @@ struct ape__skip_ctx {
 	bool causal;
 	double abs_scale;
 	const float *head_params; /* delta, beta, gamma, lambda per head */
+	/* NULL, or the call's bias table's suffix maxima (struct ape__problem.bias_smax): the
+	 * bound adds the largest entry at or beyond the nearest distance */
+	const float *bias_smax;
+	int64_t bias_len, bias_hstride;
 	const struct ape__kmax *km;
 	double tol; /* weight allowed per direction, relative to the computed weight */
 };

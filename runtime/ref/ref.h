@@ -37,6 +37,7 @@ struct ape__ref_bwd_io {
 	const float *lse, *dlse;
 	float *dq, *dk, *dv;
 	double *dparams;
+	double *dbias; /* NULL, or struct ape_be_bwd_launch.dbias */
 };
 
 /*

@@ -119,7 +119,8 @@ void ape__ref_rows(const struct ape_be_launch *l, const void *q, const void *k, 
 				continue;
 			s = ape_temp(lambda, an) * l->scale *
 				    rotated_dot(l, qrow, k, kbase + j * kv.sl, (double)n, alpha) +
-			    ape_bias(delta, beta, gamma, an);
+			    ape_bias(delta, beta, gamma, an) +
+			    (double)ape_be_bias_at(l, h, ape_abs_dist(n));
 			seen++;
 			if (!isfinite(s)) {
 				bad = true; /* NaN/Inf input: the whole row becomes NaN */

@@ -48,7 +48,7 @@ static int ref_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 	static const struct ape_be_caps caps = {
 		.features = APE_BE_CAP_HOST_MEMORY | APE_BE_CAP_DIAG | APE_BE_CAP_DIAG_VIEWS |
 			    APE_BE_CAP_BACKWARD | APE_BE_CAP_RESIDENT_BACKWARD | APE_BE_CAP_TIMESTAMPS |
-			    APE_BE_CAP_SEGMENTS | APE_BE_CAP_POSITIONS,
+			    APE_BE_CAP_SEGMENTS | APE_BE_CAP_POSITIONS | APE_BE_CAP_BIAS_TABLE,
 		.max_alloc = UINT64_MAX,
 	};
 	struct ape_device_info info;
@@ -237,6 +237,7 @@ static int ref_attention_backward(struct ape_be_queue *q, const struct ape_be_bw
 		.lse = bytes_of(l->f.lse), .dlse = bytes_of(l->dlse),
 		.dq = bytes_of(l->dq), .dk = bytes_of(l->dk),
 		.dv = bytes_of(l->dv), .dparams = bytes_of(l->dparams),
+		.dbias = bytes_of(l->dbias),
 	};
 
 	(void)q;

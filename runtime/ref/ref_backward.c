@@ -32,6 +32,7 @@ struct bwd {
 	const float *lse, *dlse;
 	float *dq, *dk, *dv;
 	double *dparams;
+	double *dbias; /* the bias table's gradient: [rows][M] */
 	int64_t D, P, group;
 	int64_t ia[APE_MAX_D / 2], ib[APE_MAX_D / 2]; /* components of pair p */
 	struct row_info *rows;
@@ -108,7 +109,8 @@ static void pair_eval(const struct bwd *c, int64_t row, const double *q, const d
 	}
 	pr->an = fabs((double)n);
 	pr->t = ape_temp(prm[3], pr->an);
-	s = pr->t * f->scale * pr->dot + ape_bias(prm[0], prm[1], prm[2], pr->an);
+	s = pr->t * f->scale * pr->dot + ape_bias(prm[0], prm[1], prm[2], pr->an) +
+	    (double)ape_be_bias_at(f, row / f->Lq % f->H, ape_abs_dist(n));
 	pr->P = exp(APE_BWD_EXPONENT(s - ri->lse));
 	pr->dS = pr->P * (dot_d(dout, v, c->D) - ri->Dl + ri->dlse);
 }
@@ -184,6 +186,8 @@ static void rows_pass(struct bwd *c)
 		const struct row_info *ri = &c->rows[row];
 		const double lambda = f->head_params[4 * h + 3];
 		double A = 0, dp[4] = { 0, 0, 0, 0 }, coef;
+		/* the table's gradient: dS into the row's entry for the pair's distance */
+		double *db = c->dbias ? c->dbias + (f->bias_hstride ? h * f->bias_len : 0) : NULL;
 		bool any = false;
 
 		load_row(q, c->q, f->in_dtype, row, D);
@@ -205,6 +209,8 @@ static void rows_pass(struct bwd *c)
 			dp[1] += pr.dS * ape_grad_dbias_dbeta(pr.an);
 			dp[2] += pr.dS * ape_grad_dbias_dgamma(pr.an);
 			dp[3] += pr.dS * f->scale * pr.dot * ape_grad_dtemp_dlambda(lambda, pr.an);
+			if (db)
+				db[ape_be_bias_index(ape_abs_dist(n), f->bias_len)] += pr.dS;
 			if (!c->dq)
 				continue;
 			/* d(dot)/d(x, y): k's pair rotated by -theta */
@@ -240,10 +246,11 @@ int ape__ref_backward(const struct ape_be_bwd_launch *l, const struct ape__ref_b
 		.q = io->q, .k = io->k, .v = io->v, .o = io->o, .dout = io->dout,
 		.lse = io->lse, .dlse = io->dlse,
 		.dq = io->dq, .dk = io->dk, .dv = io->dv, .dparams = io->dparams,
+		.dbias = io->dbias,
 		.D = f->D, .P = f->D / 2, .group = f->H / f->Hkv,
 	};
 
-	if (!c.dq && !c.dk && !c.dv && !c.dparams)
+	if (!c.dq && !c.dk && !c.dv && !c.dparams && !c.dbias)
 		return 0;
 	for (int64_t p = 0; p < c.P; p++) {
 		c.ia[p] = f->layout == APE_ROPE_HALF ? p : 2 * p;
@@ -257,7 +264,7 @@ int ape__ref_backward(const struct ape_be_bwd_launch *l, const struct ape__ref_b
 		row_info(&c, row);
 	if (c.dk || c.dv)
 		keys_pass(&c);
-	if (c.dq || c.dparams)
+	if (c.dq || c.dparams || c.dbias)
 		rows_pass(&c);
 	free(c.rows);
 	return 0;

@@ -119,6 +119,11 @@ int naive_attention_diag(const naive_params *p, const ape_tensor *q, const ape_t
 					s[j] = scale * dot / (1 + p->lambda[h] * an) -
 					       p->delta[h] * an - p->beta[h] * logl(1 + an) -
 					       p->gamma[h] * sqrtl(an);
+					if (p->bias_table) /* the table's entry, the last past its end */
+						s[j] += p->bias_table[h * p->bias_hstride +
+								      (an < p->bias_len - 1
+									       ? (int64_t)an
+									       : p->bias_len - 1)];
 					if (!isfinite(s[j]))
 						bad = true;
 					else if (s[j] > mx)

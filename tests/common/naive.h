@@ -23,6 +23,10 @@ typedef struct naive_params {
 	/* NULL, or a position per query row (per key row), shared by the batch: n = pos_q[i] -
 	 * pos_k[j] (q_start, k_start then unused for that side) */
 	const int64_t *pos_q, *pos_k;
+	/* NULL, or a distance-bias table: head h adds bias_table[h * bias_hstride + min(|n|,
+	 * bias_len - 1)] to every score (bias_hstride 0: one row for every head) */
+	const float *bias_table;
+	int64_t bias_len, bias_hstride;
 } naive_params;
 
 /*

@@ -237,7 +237,61 @@ void test_problem_free(test_problem *tp)
 	free(tp->naive_ent);
 	free(tp->naive_md);
 	free(tp->naive_mdmax);
+	free(tp->bias_table);
 	memset(tp, 0, sizeof(*tp));
+}
+
+void test_problem_no_table(test_problem *tp)
+{
+	free(tp->bias_table);
+	tp->bias_table = NULL;
+	tp->desc.bias_table = NULL;
+	tp->desc.bias_table_len = 0;
+	tp->desc.bias_table_heads = 0;
+}
+
+int test_problem_random_table(test_problem *tp, ape_rng *r)
+{
+	const int64_t H = tp->q.t.shape[1], Lq = tp->q.t.shape[2], Lk = tp->k.t.shape[2];
+	const int64_t far = Lq + Lk + 2, kind = ape_rng_range(r, 0, 3);
+	const int64_t lens[] = { 1, 2, 1 + far / 3, far, 2 * far + 5 };
+	const int64_t M = lens[ape_rng_range(r, 0, 4)];
+	const int64_t rows = ape_rng_uniform(r) < 0.3 ? 1 : H;
+	float *t = malloc(sizeof(float) * (size_t)(rows * M));
+
+	if (!t)
+		return -1;
+	for (int64_t h = 0; h < rows; h++) {
+		const double c = 0.5 + ape_rng_uniform(r); /* a head's own size */
+
+		for (int64_t m = 0; m < M; m++) {
+			double x;
+
+			switch (kind) {
+			case 0: { /* T5: exact up to 8, then log-spaced buckets to 128 */
+				const int64_t b = m < 8 ? m : 8 + (int64_t)(log((double)m / 8) / log(16) * 8);
+				x = c * sin(1.7 * (double)(b < 15 ? b : 15) + (double)h);
+				break;
+			}
+			case 1: /* the Gaussian "dynamic mask": -c n^2 over the whole length */
+				x = -c * 1e-3 * (double)m * (double)m;
+				break;
+			case 2: /* falls, then rises again far away: the bound must take the max */
+				x = m < M / 2 ? -0.2 * (double)m : -0.2 * (double)(M - m) + c;
+				break;
+			default:
+				x = ape_rng_normal(r);
+				break;
+			}
+			t[h * M + m] = (float)x;
+		}
+	}
+	free(tp->bias_table);
+	tp->bias_table = t;
+	tp->desc.bias_table = t;
+	tp->desc.bias_table_len = M;
+	tp->desc.bias_table_heads = rows;
+	return 0;
 }
 
 void test_problem_describe(const test_problem *tp, char *buf, size_t len)
@@ -320,6 +374,9 @@ int test_problem_naive(test_problem *tp)
 	np.interleaved = tp->desc.layout == APE_ROPE_INTERLEAVED;
 	np.q_start = tp->q_start;
 	np.k_start = tp->desc.k_start;
+	np.bias_table = tp->desc.bias_table;
+	np.bias_len = tp->desc.bias_table_len;
+	np.bias_hstride = tp->desc.bias_table_heads == 1 ? 0 : tp->desc.bias_table_len;
 	ret = naive_attention_diag(&np, &tp->q.t, &tp->k.t, &tp->v.t, tp->naive_o, tp->naive_lse,
 				   tp->naive_ent, tp->naive_md, tp->naive_mdmax);
 	free(prm);

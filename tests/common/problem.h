@@ -24,6 +24,7 @@ typedef struct test_problem {
 	double *naive_o, *naive_lse; /* filled by test_problem_naive() */
 	/* the diagnostics' evaluation (naive_attention_diag()), also by test_problem_naive() */
 	double *naive_ent, *naive_md, *naive_mdmax;
+	float *bias_table; /* NULL, or the table desc.bias_table points to (owned) */
 } test_problem;
 
 /* Flags for test_problem_random(). */
@@ -38,6 +39,17 @@ int test_problem_make(test_problem *tp, ape_rng *r, const test_problem_shape *sh
 /* Random APE parameters (per head or scalar, some negative decays), layout, causality, scale,
  * rope base, positions. */
 void test_problem_random_params(test_problem *tp, ape_rng *r);
+/*
+ * A random distance-bias table for tp's heads into tp->bias_table and tp->desc (bias_table,
+ * bias_table_len, bias_table_heads; dbias_table untouched): one of T5-style buckets
+ * (log-spaced, learned-looking values), a Gaussian -c n^2, a non-monotone table that rises
+ * again far away, random N(0, 1) values; shorter or longer than the distances; per head or
+ * shared. -1 if out of memory.
+ */
+int test_problem_random_table(test_problem *tp, ape_rng *r);
+/* No table (frees it). */
+void test_problem_no_table(test_problem *tp);
+
 /* Every distance's parameters as the seed notes suggest them for training. */
 void test_problem_seed_params(test_problem *tp);
 /* test_problem_make() of shape { B, H, Hkv, Lq, Lk, D }, contiguous. */
