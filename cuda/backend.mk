@@ -54,8 +54,8 @@ $(BUILD)/obj/cuda/fatbin_embed.o: CPPFLAGS += -Wa,-I$(CUDA_GEN)
 $(CUDA_SRCS:%.c=$(BUILD)/obj/%.o): CPPFLAGS += -I$(CUDA_INC)
 
 # ---- tests without a GPU (tests/test_cuda_loader.c, tests/test_cuda_emu.c,
-# tests/test_cuda_emu_separable.c, tests/test_cuda_emu_varlen.c, tests/test_cuda_resident.c,
-# tests/test_cuda_resident_wrap.c)
+# tests/test_cuda_emu_separable.c, tests/test_cuda_emu_varlen.c, tests/test_cuda_emu_table.c,
+# tests/test_cuda_resident.c, tests/test_cuda_resident_wrap.c)
 # A fake libcuda.so.1, host C compiler only, whose behaviour FAKE_CUDA_MODE chooses; a variant
 # without cuGetProcAddress; and the same fake running the real kernels on the CPU (cuda/emu).
 FAKE_CUDA_DIR  := $(BUILD)/tests/fake_cuda
@@ -114,7 +114,7 @@ $(CUDA_EMU): $(FAKE_CUDA_EMU_OBJS) $(BUILD)/tests-obj/cuda_emu/emu.o \
 $(BUILD)/tests-obj/tests/test_cuda_%.o: CPPFLAGS += -I$(CUDA_INC)
 $(BUILD)/tests/test_cuda_loader: $(FAKE_CUDA) $(FAKE_CUDA_NOPA)
 $(BUILD)/tests/test_cuda_emu $(BUILD)/tests/test_cuda_emu_separable: $(CUDA_EMU)
-$(BUILD)/tests/test_cuda_emu_varlen: $(CUDA_EMU)
+$(BUILD)/tests/test_cuda_emu_varlen $(BUILD)/tests/test_cuda_emu_table: $(CUDA_EMU)
 $(BUILD)/tests/test_cuda_resident $(BUILD)/tests/test_cuda_resident_wrap: $(CUDA_EMU)
 TESTS_BUILD_ONLY += $(FAKE_CUDA) $(FAKE_CUDA_NOPA) $(CUDA_EMU)
 endif

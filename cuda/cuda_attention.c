@@ -46,6 +46,14 @@
  * sums in scratch (part_sd). ENT and MD lie where ape_be_launch_diag_view() says (strided on the
  * device-resident call's launches, ABI 8), each optional; the core gives the streamed calls
  * both, contiguous.
+ *
+ * Distance-bias tables (l->bias_table, ABI 1.1): the core's host copy of the table and of its
+ * suffix maxima goes into the launch's scratch (ape__cu_upload_bias()), and every kernel reads
+ * them through struct ape_cu_bias (kernels/args.h): the prefill and the separable kernel fold
+ * the entries into their per-tile distance tables (no cost per pair), the decode adds head h's
+ * entry per key (compiled in only for a launch with a table), ape_dwindow into its anchor's
+ * scores; every skip bound adds the suffix maximum at the left-out keys' nearest distance
+ * (may_stop() in kernels/common.cuh), which keeps it a proof whatever the table's shape.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -74,7 +82,7 @@ struct cu_plan {
 	/* a ragged decode: its grid's blocks and partial rows (every segment's splits) */
 	int64_t dblocks, prows;
 	/* scratch layout: byte offsets, 0 when absent (offset 0 is never a region's) */
-	size_t kp, vp, ktile, pre, suf, hp, win, po, pml, pp, psd, segt;
+	size_t kp, vp, ktile, pre, suf, hp, win, po, pml, pp, psd, segt, bias;
 	size_t total;
 };
 
@@ -277,6 +285,8 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape_be_lau
 			p->hp = take(p, (size_t)l->H * 4 * sizeof(float));
 		return;
 	}
+	if (l->bias_table) /* its entries and their suffix maxima */
+		p->bias = take(p, ape__cu_bias_bytes(l, true));
 	if (!p->decode) {
 		p->need_kp = !(p->exact && l->in_dtype == APE_F32 && l->layout == APE_ROPE_HALF &&
 			       k16);
@@ -331,6 +341,7 @@ static uint64_t ragged_decode_scratch(const struct ape__cu_device *cd, const str
 
 	return 256 + align_up((size_t)l->Lq * APE_DC_SEGW * sizeof(int64_t)) +
 	       (l->H > APE_CU_INLINE_HEADS ? align_up((size_t)l->H * 4 * sizeof(float)) : 0) +
+	       (l->bias_table ? align_up(ape__cu_bias_bytes(l, true)) : 0) +
 	       align_up(pr * (size_t)l->D * 4) + align_up(pr * 2 * 4) + align_up(pr * 8) +
 	       align_up(pr * 2 * 4);
 }
@@ -420,6 +431,8 @@ static void fill_common(const struct ape_be_launch *l, const struct cu_plan *p, 
 	c->vk = ape__cu_view(l, APE_BE_T_K);
 	c->vv = ape__cu_view(l, APE_BE_T_V);
 	c->pg = pages_of(l);
+	if (p->bias)
+		c->bias = ape__cu_bias_at(l, true, scratch + p->bias);
 	c->vo = ape__cu_view(l, APE_BE_T_O);
 	c->vlse = ape__cu_view(l, APE_BE_T_LSE);
 	{
@@ -493,6 +506,40 @@ int ape__cu_upload_head_params(struct ape_be_queue *q, const struct ape_be_launc
 				  (long long)l->H);
 	memcpy(copy, l->head_params, bytes);
 	return upload_owned(q, dst, copy, bytes, "head parameters");
+}
+
+/* The rows of l's distance-bias table: one per head, or one shared by all. */
+static size_t bias_rows(const struct ape_be_launch *l)
+{
+	return l->bias_hstride ? (size_t)l->H : 1;
+}
+
+size_t ape__cu_bias_bytes(const struct ape_be_launch *l, bool smax)
+{
+	return (smax ? 2 : 1) * bias_rows(l) * (size_t)l->bias_len * sizeof(float);
+}
+
+struct ape_cu_bias ape__cu_bias_at(const struct ape_be_launch *l, bool smax, CUdeviceptr dst)
+{
+	const size_t n = bias_rows(l) * (size_t)l->bias_len;
+
+	return (struct ape_cu_bias){ .tab = dst, .smax = smax ? dst + n * sizeof(float) : 0,
+				     .len = l->bias_len, .hstride = l->bias_hstride };
+}
+
+int ape__cu_upload_bias(struct ape_be_queue *q, const struct ape_be_launch *l, bool smax,
+			CUdeviceptr dst)
+{
+	const size_t n = bias_rows(l) * (size_t)l->bias_len, bytes = ape__cu_bias_bytes(l, smax);
+	float *copy = ape_be_malloc(bytes);
+
+	if (!copy)
+		return ape_be_error(APE_ENOMEM, "cuda: out of host memory for a distance-bias table "
+				  "of %zu entries", n);
+	memcpy(copy, l->bias_table, n * sizeof(float));
+	if (smax)
+		memcpy(copy + n, l->bias_smax, n * sizeof(float));
+	return upload_owned(q, dst, copy, bytes, "distance-bias table");
 }
 
 /* Sorts segment-table entries (APE_PF_SEGW values and their cost) by cost, largest first, then
@@ -891,6 +938,8 @@ int ape__cu_attention(struct ape_be_queue *q, const struct ape_be_launch *l)
 		goto out_leave;
 	if (p.hp && !l->params[1])
 		ret = ape__cu_upload_head_params(q, l, scratch + p.hp);
+	if (!ret && p.bias)
+		ret = ape__cu_upload_bias(q, l, true, scratch + p.bias);
 	if (!ret && l->Lk == 0)
 		ret = run_merge(q, l, &p, scratch, 0);
 	else if (!ret)

@@ -5,21 +5,27 @@
  * and per split of the key tiles the partial dQ, alpha path and row parameter sums), the
  * reduction of the splits in split order (ape_bwd_reduce: dQ and the per-block parameter sums;
  * only when dQ or dparams is wanted) and the per-head float64 reduction of those sums
- * (ape_bwd_params; only with dparams). Frozen Q, K, V with only dparams wanted ("tune APE
- * only") runs the same kernels with the dK, dV and dQ work left out.
+ * (ape_bwd_params; only with dparams), then the distance-bias table's gradient (ape_bwd_dbias;
+ * only with dbias). Frozen Q, K, V with only dparams wanted ("tune APE only") runs the same
+ * kernels with the dK, dV and dQ work left out; likewise with only dbias wanted.
  *
  * Scratch, one stream-ordered allocation freed in stream order after the last kernel: the row
  * table (24 bytes per query row), the splits' slices (with dQ, nsplit * Lq * D floats; with dQ
  * or dparams, nsplit * Lq * APE_BW_RP_N doubles, per (batch, head); nsplit <=
  * APE_BW_SPLITS_MAX), the per-block parameter sums (32 bytes per block of APE_BW_RED_ROWS query
- * rows, with dparams only) and, past APE_CU_INLINE_HEADS heads, their parameters: O(nsplit * Lq
- * * D), never O(Lq * Lk). bwd_scratch_size() sizes it, for the launch and for
- * attention_backward_scratch (core/backend.h), which the core counts against the budget of
- * streamed calls.
+ * rows, with dparams only), the splits' per-distance dS sums (with dbias only, nsplit * (Lq + Lk
+ * - 1) doubles per (batch, head)), the distance-bias table (with one: its float entries,
+ * uploaded per launch from the core's host copy) and, past APE_CU_INLINE_HEADS heads, their
+ * parameters: O(nsplit * Lq * D), never O(Lq * Lk). bwd_scratch_size() sizes it, for the
+ * launch and for attention_backward_scratch (core/backend.h), which the core counts against the
+ * budget of streamed calls.
  */
+#include <math.h>
 #include <stdatomic.h>
 #include <string.h>
 
+#define APE_REAL double
+#include "ape/ape_math.h"
 #include "cu.h"
 #include "kernels/bwd_args.h"
 
@@ -94,6 +100,24 @@ static uint64_t ptr_of(const struct ape_be_buf *b)
 	return b ? (uint64_t)b->ptr : 0;
 }
 
+/*
+ * The entries of each row of the distance-bias table's gradient that some pair of launch f
+ * reaches, *m0 .. *m0 + *nm - 1 (ape_bwd_dbias's blocks per row): the table entries of the
+ * launch's distances |n|, n from rel - (Lk - 1) to rel + Lq - 1.
+ */
+static void dbias_entries(const struct ape_be_launch *f, int64_t *m0, int64_t *nm)
+{
+	const int64_t rel = f->q_start - f->k_start;
+	/* real pairs' distances: they fit */
+	const int64_t nmin = rel - (f->Lk - 1), nmax = rel + (f->Lq - 1);
+	const int64_t lo = ape_min_abs(nmin, nmax);
+	const int64_t hi = ape_abs_dist(nmin) > ape_abs_dist(nmax) ? ape_abs_dist(nmin)
+								    : ape_abs_dist(nmax);
+
+	*m0 = ape_bias_index(lo, f->bias_len);
+	*nm = ape_bias_index(hi, f->bias_len) - *m0 + 1;
+}
+
 /* The arguments every backward kernel takes, scratch offsets aside. */
 static void bwd_args(const struct ape_be_bwd_launch *l, int dmax, int nsplit,
 		     struct ape_cu_bwd_args *a)
@@ -104,7 +128,7 @@ static void bwd_args(const struct ape_be_bwd_launch *l, int dmax, int nsplit,
 		.q = ptr_of(f->q), .k = ptr_of(f->k), .v = ptr_of(f->v), .o = ptr_of(f->o),
 		.lse = ptr_of(f->lse), .dout = ptr_of(l->dout), .dlse = ptr_of(l->dlse),
 		.dq = ptr_of(l->dq), .dk = ptr_of(l->dk), .dv = ptr_of(l->dv),
-		.dparams = ptr_of(l->dparams),
+		.dparams = ptr_of(l->dparams), .dbias = ptr_of(l->dbias),
 		.Lq = f->Lq, .Lk = f->Lk, .rel = f->q_start - f->k_start,
 		.nqt = bwd_row_blocks(f->Lq), .nkt = bwd_key_tiles(f->Lk, dmax),
 		.scale = f->scale,
@@ -115,9 +139,11 @@ static void bwd_args(const struct ape_be_bwd_launch *l, int dmax, int nsplit,
 			 (f->layout == APE_ROPE_INTERLEAVED ? APE_CU_F_INTERLEAVED : 0) |
 			 (l->dlse ? APE_BW_F_DLSE : 0) | (l->dq ? APE_BW_F_DQ : 0) |
 			 (l->dk ? APE_BW_F_DK : 0) | (l->dv ? APE_BW_F_DV : 0) |
-			 (l->dparams ? APE_BW_F_DP : 0),
+			 (l->dparams ? APE_BW_F_DP : 0) | (l->dbias ? APE_BW_F_DB : 0),
 		.nsplit = nsplit, .kblk = APE_BW_ROWS(dmax),
 	};
+	if (l->dbias)
+		dbias_entries(f, &a->db_m0, &a->db_nm);
 	memcpy(a->omega, f->omega, (size_t)(f->D / 2) * sizeof(double));
 	if (f->H <= APE_CU_INLINE_HEADS)
 		memcpy(a->hp, f->head_params, (size_t)f->H * 4 * sizeof(float));
@@ -132,9 +158,10 @@ atomic_uint_fast64_t ape__cu_bwd_scratch_high;
 
 /* Where the pieces of a launch's scratch lie: the row table at 0, the splits' dQ slices at
  * dqp_off (with dQ), their row sums at rp_off (with dQ or dparams), the block sums at part_off
- * (with dparams), the heads' parameters at hp_off (0: inline in the arguments). */
+ * (with dparams), the splits' per-distance dS sums at dbp_off (with dbias), the distance-bias
+ * table at bias_off (with one), the heads' parameters at hp_off (0: inline in the arguments). */
 struct bwd_scratch {
-	size_t dqp_off, rp_off, part_off, hp_off, total;
+	size_t dqp_off, rp_off, part_off, dbp_off, bias_off, hp_off, total;
 };
 
 /*
@@ -145,7 +172,8 @@ struct bwd_scratch {
 static size_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, int nsplit,
 			       struct bwd_scratch *s)
 {
-	const unsigned outs = APE_BE_BWD_DQ | APE_BE_BWD_DK | APE_BE_BWD_DV | APE_BE_BWD_DPARAMS;
+	const unsigned outs = APE_BE_BWD_DQ | APE_BE_BWD_DK | APE_BE_BWD_DV | APE_BE_BWD_DPARAMS |
+			      APE_BE_BWD_DBIAS;
 	const size_t bh = (size_t)(f->B * f->H), rows = bh * (size_t)f->Lq;
 
 	memset(s, 0, sizeof(*s));
@@ -158,9 +186,16 @@ static size_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, in
 	s->part_off = s->rp_off;
 	if (parts & (APE_BE_BWD_DQ | APE_BE_BWD_DPARAMS))
 		s->part_off += align256((size_t)nsplit * rows * APE_BW_RP_N * sizeof(double));
-	s->hp_off = s->part_off;
+	s->dbp_off = s->part_off;
 	if (parts & APE_BE_BWD_DPARAMS)
-		s->hp_off += align256(bh * (size_t)bwd_row_blocks(f->Lq) * 4 * sizeof(double));
+		s->dbp_off += align256(bh * (size_t)bwd_row_blocks(f->Lq) * 4 * sizeof(double));
+	s->bias_off = s->dbp_off;
+	if (parts & APE_BE_BWD_DBIAS)
+		s->bias_off += align256((size_t)nsplit * bh * (size_t)(f->Lq + f->Lk - 1) *
+					sizeof(double));
+	s->hp_off = s->bias_off;
+	if (f->bias_table) /* its entries (nothing skips: no suffix maxima) */
+		s->hp_off += align256(ape__cu_bias_bytes(f, false));
 	s->total = s->hp_off + (f->H > APE_CU_INLINE_HEADS ? (size_t)f->H * 4 * sizeof(float) : 0);
 	if (f->H <= APE_CU_INLINE_HEADS)
 		s->hp_off = 0;
@@ -180,8 +215,13 @@ static int bwd_run(struct ape_be_queue *q, const struct ape_be_bwd_launch *l, in
 	a->dqp = l->dq ? scratch + s->dqp_off : 0;
 	a->rp = l->dq || l->dparams ? scratch + s->rp_off : 0;
 	a->hparams = s->hp_off ? ape__cu_head_params_at(f, scratch + s->hp_off) : 0;
+	a->dbp = l->dbias ? scratch + s->dbp_off : 0;
+	if (f->bias_table)
+		a->bias = ape__cu_bias_at(f, false, scratch + s->bias_off);
 	if (s->hp_off && !f->params[1])
 		ret = ape__cu_upload_head_params(q, f, scratch + s->hp_off);
+	if (!ret && f->bias_table)
+		ret = ape__cu_upload_bias(q, f, false, scratch + s->bias_off);
 	if (!ret)
 		ret = ape__cu_launch(q, APE__CU_K_BWD_ROWS,
 				     (rows + APE_BW_ROWS_PER_BLOCK - 1) / APE_BW_ROWS_PER_BLOCK, 0, a,
@@ -197,6 +237,10 @@ static int bwd_run(struct ape_be_queue *q, const struct ape_be_bwd_launch *l, in
 		ret = ape__cu_launch(q, APE__CU_K_BWD_PARAMS,
 				     (f->H + APE_CU_THREADS - 1) / APE_CU_THREADS, 0, a,
 				     "ape_bwd_params");
+	if (!ret && l->dbias)
+		ret = ape__cu_launch(q, APE__CU_K_BWD_DBIAS,
+				     (f->bias_hstride ? f->H : 1) * a->db_nm, APE_BW_DB_SMEM, a,
+				     "ape_bwd_dbias");
 	return ret;
 }
 

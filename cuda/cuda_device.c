@@ -107,9 +107,12 @@ static int cu_add_device(struct ape_backend *be, const struct ape__cu_driver *dr
 		 * cuda_backward.c, with scratch and copy_view; timestamps against the device's
 		 * epoch event (cuda_mem.c); a ragged batch in one launch: the prefill kernel's
 		 * segment table (cuda_attention.c); explicit positions not read: the core cuts
-		 * runs; no host memory: kernels read device memory only */
+		 * runs; no host memory: kernels read device memory only; distance-bias tables
+		 * on every forward launch (uploaded with their suffix maxima per launch) and
+		 * backward (their gradient by ape_bwd_dbias) */
 		.features = APE_BE_CAP_DIAG | APE_BE_CAP_DIAG_VIEWS | APE_BE_CAP_BACKWARD |
-			    APE_BE_CAP_RESIDENT_BACKWARD | APE_BE_CAP_TIMESTAMPS | APE_BE_CAP_SEGMENTS,
+			    APE_BE_CAP_RESIDENT_BACKWARD | APE_BE_CAP_TIMESTAMPS | APE_BE_CAP_SEGMENTS |
+			    APE_BE_CAP_BIAS_TABLE,
 		/* one buffer may take it all */
 		.max_alloc = cd->total_mem,
 	};

@@ -24,7 +24,7 @@ const char *const ape__cu_kernel_names[APE__CU_NKERNELS] = {
 	"ape_bwd_rows", "ape_bwd_params", "ape_bwd_reduce", "ape_bwd_fused_d64", "ape_bwd_fused_d128",
 	"ape_bwd_fused_g128", "ape_bwd_fused_g256", "ape_copy_view", "ape_sep_rot", "ape_sep_d64_f16",
 	"ape_sep_d64_bf16", "ape_sep_d128_f16", "ape_sep_d128_bf16", "ape_dmerge_diag",
-	VARIANTS_("prefill", "_diag"), VARIANTS_("decode", "_diag"), "ape_lmerge",
+	VARIANTS_("prefill", "_diag"), VARIANTS_("decode", "_diag"), "ape_lmerge", "ape_bwd_dbias",
 };
 
 int ape__cu_kernel_index(bool decode, int variant, int dtype, bool diag)
@@ -39,6 +39,8 @@ static int cu_kernel_module(int k)
 {
 	if (k == APE__CU_K_LMERGE)
 		return APE__CU_MOD_PREP;
+	if (k == APE__CU_K_BWD_DBIAS)
+		return APE__CU_MOD_BACKWARD;
 	if (k == APE__CU_K_MERGE_DIAG || k >= APE__CU_K_DECODE_DIAG)
 		return APE__CU_MOD_DECODE;
 	if (k >= APE__CU_K_PREFILL_DIAG)

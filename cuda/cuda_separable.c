@@ -13,7 +13,7 @@
 #include "kernels/sep_args.h"
 
 struct sep_plan {
-	size_t qr, kr, vr, qn, qf, kf, ktile, pre, suf, total;
+	size_t qr, kr, vr, qn, qf, kf, ktile, pre, suf, bias, total;
 	int64_t ntk;
 	bool skip;
 };
@@ -55,6 +55,8 @@ static void sep_plan(const struct ape_be_launch *l, struct sep_plan *p)
 		p->pre = sep_take(p, nbkv * (size_t)(p->ntk + 1) * 4);
 		p->suf = sep_take(p, nbkv * (size_t)(p->ntk + 1) * 4);
 	}
+	if (l->bias_table) /* its entries and their suffix maxima */
+		p->bias = sep_take(p, ape__cu_bias_bytes(l, true));
 }
 
 bool ape__cu_separable_applies(const struct ape_be_launch *l)
@@ -153,6 +155,12 @@ static int sep_run(struct ape_be_queue *q, const struct ape_be_launch *l, const 
 	a.tol = p->skip ? l->skip_tol : 0.0;
 	a.vo = ape__cu_view(l, APE_BE_T_O);
 	a.vlse = ape__cu_view(l, APE_BE_T_LSE);
+	if (p->bias) {
+		ret = ape__cu_upload_bias(q, l, true, scratch + p->bias);
+		if (ret)
+			return ret;
+		a.bias = ape__cu_bias_at(l, true, scratch + p->bias);
+	}
 	a.B = (int32_t)l->B;
 	a.H = (int32_t)l->H;
 	a.Hkv = (int32_t)l->Hkv;

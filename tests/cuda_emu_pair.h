@@ -40,6 +40,7 @@ static void open_devices(struct __test_metadata *_metadata, struct pair_of_devic
 struct verdict {
 	double o_ratio, lse_ratio;
 	uint64_t visible, computed;
+	char path[64]; /* the CUDA call's kernel paths (ape_stats.path) */
 };
 
 /* Any NaN in O or LSE? (the poison left where nothing was written) */
@@ -78,6 +79,7 @@ static inline int run_both(struct __test_metadata *_metadata, const struct pair_
 	test_problem_describe(tp, what, sizeof(what));
 	if (test_problem_clone(&ref, tp))
 		return -1;
+	ref.bias_table = NULL; /* the clone points at tp's table, which outlives it */
 	ape_stats_init(&st);
 	if (test_problem_run_stats(tp, d->cuda, &st)) {
 		TH_LOG("%s: cuda: %s", what, ape_last_error());
@@ -93,6 +95,7 @@ static inline int run_both(struct __test_metadata *_metadata, const struct pair_
 				       : 0;
 		v->visible = st.pairs_visible;
 		v->computed = st.pairs_computed;
+		snprintf(v->path, sizeof(v->path), "%s", st.path);
 		if (!(v->o_ratio <= 1) || !(v->lse_ratio <= 1)) {
 			TH_LOG("%s: O error %.3g, LSE error %.3g (x tolerance)", what, v->o_ratio,
 			       v->lse_ratio);

@@ -35,6 +35,7 @@ struct rbatch {
 	float *lse;
 	ape_attn_desc desc;
 	float prm[4][8];
+	float *table; /* NULL, or the distance-bias table desc points to (rbatch_table()) */
 };
 
 /* A batch of the sequences' lengths lq[s], lk[s] (s < S), random values and parameters. */
@@ -77,6 +78,7 @@ static int rbatch_make(struct rbatch *b, ape_rng *r, int64_t S, const int64_t *l
 
 static void rbatch_free(struct rbatch *b)
 {
+	free(b->table);
 	free(b->cuq);
 	free(b->cuk);
 	free(b->lse);
@@ -84,6 +86,27 @@ static void rbatch_free(struct rbatch *b)
 	test_tensor_free(&b->k);
 	test_tensor_free(&b->v);
 	test_tensor_free(&b->o);
+}
+
+/*
+ * A distance-bias table of M entries for b, one row per head or one shared: N(0, 1) values
+ * (jump 0), or 0 up to distance `jump`, then 45 (the keys past it outweigh the near ones under
+ * the seed's decay, which only a skip bound with the table's suffix maxima sees). 0, or -1 out of
+ * memory.
+ */
+static int rbatch_table(struct rbatch *b, ape_rng *r, int64_t M, bool shared, int64_t jump)
+{
+	const int64_t rows = shared ? 1 : b->H;
+
+	b->table = malloc(sizeof(float) * (size_t)(rows * M));
+	if (!b->table)
+		return -1;
+	for (int64_t e = 0; e < rows * M; e++)
+		b->table[e] = jump ? (e % M < jump ? 0.0f : 45.0f) : (float)ape_rng_normal(r);
+	b->desc.bias_table = b->table;
+	b->desc.bias_table_len = M;
+	b->desc.bias_table_heads = rows;
+	return 0;
 }
 
 /* Runs b on dev: O into *o (a copy, as doubles [tq][H][D]), LSE into *lse, statistics into *st. */
@@ -319,6 +342,53 @@ TEST(far_keys_skipped_per_segment)
 		}
 		rbatch_free(&b);
 	}
+	ape_context_destroy(d.ctx);
+}
+
+/*
+ * Distance-bias tables on ragged launches, each distance measured within its segment: short
+ * sequences (the decode's segments, case 0) and longer ones across tiles (the prefill's
+ * segment table, case 1), random tables of 1, 7 or 300 entries, per head or shared; and the
+ * seed's decay with skipping and a table that jumps up at distance 100 (case 2, causal; case
+ * 3, not), which the per-segment bounds must keep: all within tolerance of the reference.
+ */
+TEST(tables_per_segment)
+{
+	const double delta = pow(2.0, -4.0 / 3.0);
+	static const int64_t lens[] = { 1, 7, 300 };
+	struct pair_of_devices d;
+	int fails = 0;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_varlen_table");
+	for (int c = 0; c < 4; c++) {
+		struct rbatch b;
+		uint64_t pairs[2] = { 0, 0 };
+
+		if (c >= 2) {
+			const int64_t lq[3] = { ape_rng_range(&rng, 200, 300),
+						ape_rng_range(&rng, 200, 300),
+						ape_rng_range(&rng, 200, 300) };
+
+			ASSERT_EQ(0, rbatch_make(&b, &rng, 3, lq, lq, 2, 1, 64,
+						 c == 2 ? APE_F32 : APE_BF16));
+			b.desc.causal = c == 2;
+			b.desc.delta = (ape_param){ .value = (float)delta };
+			b.desc.beta = b.desc.gamma = (ape_param){ .value = (float)(delta / 10) };
+			b.desc.lambda = (ape_param){ .value = 0.1f };
+			ASSERT_EQ(0, rbatch_table(&b, &rng, 400, c == 3, 100));
+		} else {
+			ASSERT_EQ(0, c ? tiles_case(&b, &rng, 2 + c) : short_case(&b, &rng, 1));
+			ASSERT_EQ(0, rbatch_table(&b, &rng, lens[ape_rng_range(&rng, 0, 2)],
+						  ape_rng_range(&rng, 0, 1), 0));
+		}
+		fails += rbatch_check(_metadata, &d, &b, pairs) != 0;
+		TH_LOG("case %d: %llu of %llu visible pairs computed", c,
+		       (unsigned long long)pairs[1], (unsigned long long)pairs[0]);
+		rbatch_free(&b);
+	}
+	EXPECT_EQ(0, fails);
 	ape_context_destroy(d.ctx);
 }
 

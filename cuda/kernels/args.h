@@ -119,6 +119,17 @@ struct ape_cu_pages {
 	int64_t bt, nblocks, first, row, sblock;
 };
 
+/*
+ * A launch's distance-bias table on the device (struct ape_be_launch.bias_table, uploaded per
+ * launch into its scratch): head h's entry at distance an is tab[h * hstride +
+ * ape_bias_index(an, len)] (float32; hstride 0: one row for every head), smax the same layout's
+ * suffix maxima (the skip bounds' term; 0 where nothing skips). tab 0: no table.
+ */
+struct ape_cu_bias {
+	uint64_t tab, smax;
+	int64_t len, hstride;
+};
+
 /* What every attention kernel needs: the problem, positions and parameters. */
 struct ape_cu_common {
 	uint64_t q, k, v; /* device pointers: inputs as the caller gave them */
@@ -137,6 +148,7 @@ struct ape_cu_common {
 	struct ape_cu_view vq, vk, vv, vo, vlse; /* the tensors' views (vk, vv: kv heads) */
 	struct ape_cu_view vent, vmd; /* ent's and md's (core/backend.h, ape_be_launch_diag_view()) */
 	struct ape_cu_pages pg; /* where K and V rows lie when read in place (bt 0: vk, vv) */
+	struct ape_cu_bias bias; /* the distance-bias table (tab 0: none) */
 	int32_t B, H, Hkv, D;
 	int32_t dt_in, dt_out; /* APE_CU_F32, F16, BF16 */
 	uint32_t flags; /* APE_CU_F_* */

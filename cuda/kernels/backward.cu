@@ -2,7 +2,7 @@
 /*
  * The APE backward pass (APE-SPEC.md, "Gradients"; docs/cuda.md), FlashAttention-2's structure
  * with APE's rotation, in one fused sweep (keys outer, each pair's score computed once), as the
- * OpenCL backend's (opencl/kernels/backward.cl). Four kernels, enqueued in this order by
+ * OpenCL backend's (opencl/kernels/backward.cl). Five kernels, enqueued in this order by
  * cuda_backward.c:
  *
  *   ape_bwd_rows       one warp per query row: mean and sigma of q_i (float64, as the forward
@@ -21,23 +21,31 @@
  *                      dQ share sum_j g_ij R(-theta_ij) k_j over the tile's keys (the key tile
  *                      in shared memory, the rotation turned one step per key from an exact
  *                      seed), its alpha path A_i alpha_i and its four parameter sums (float64),
- *                      written to the split's slice at the split's first tile, added after;
+ *                      written to the split's slice at the split's first tile, added after.
+ *                      With the distance-bias table's gradient wanted, each stage's dS is also
+ *                      summed along its diagonals (one distance each, one thread each, rows in
+ *                      order) into the split's per-distance sums (scratch, zeroed by the split
+ *                      first);
  *   ape_bwd_reduce     (dQ or dparams only) one warp per query row: the splits' slices summed in
  *                      split order, float64; the alpha path A_i d(alpha)/d(sigma) d(sigma)/d(q)
  *                      applied to dQ_i, added to dQ; the rows' parameter sums (with
  *                      d(alpha)/d(lambda)) summed per block of APE_BW_RED_ROWS rows in row order
  *                      to a per-block slot (scratch);
  *   ape_bwd_params     (dparams only) one thread per head: the blocks' sums in batch and block
- *                      order, float64, added to dparams.
+ *                      order, float64, added to dparams;
+ *   ape_bwd_dbias      (dbias only) one block per entry of the table's gradient: the splits'
+ *                      per-distance sums of the distances that read the entry, over batches,
+ *                      heads and splits, a fixed share per thread and a fixed tree, added to
+ *                      dbias.
  *
  * No floating-point atomics: every sum has one owner and a fixed order (only split s writes
  * slice s, in its fixed tile order; the lane reductions are butterflies of shuffles, the same on
  * every run), so two runs are bit-identical. The sweep recomputes P_ij = exp(s_ij - LSE_i) from
  * q, k and the saved LSE; nothing of size Lq * Lk exists (the slices are nsplit times Lq * D
  * floats and Lq * APE_BW_RP_N doubles per (batch, head)). Per (row, key) the score's distance
- * terms (temp * scale and the bias, and with dparams their parameter derivatives) come from a
- * per-stage table in shared memory, float64 where they carry magnitude (the bias), so that
- * s_ij - LSE_i keeps float32's relative accuracy at any |n|.
+ * terms (temp * scale and the bias with the distance-bias table's entry, and with dparams their
+ * parameter derivatives) come from a per-stage table in shared memory, float64 where they
+ * carry magnitude (the bias), so that s_ij - LSE_i keeps float32's relative accuracy at any |n|.
  *
  * The rotation: the first pass meets a new alpha_i with every query row, so it seeds every (row,
  * key, pair) angle exactly (ape_seed_sincos()): no recurrence, the most accurate angle, at the
@@ -161,23 +169,28 @@ template <int DMAX, bool EXACT> struct Bwd {
 	}
 
 	/*
-	 * The distance table of one (tile, stage) meeting: entry e holds n = nlo + e. temp * scale
-	 * (float), the bias (double) and, with `derivs`, d(bias)/d(delta, beta, gamma) and
-	 * d(temp)/d(lambda) (double).
+	 * The distance table of one (tile, stage) meeting of head h: entry e holds n = nlo + e.
+	 * temp * scale (float), the bias with head h's distance-bias table entry (double) and,
+	 * with `derivs`, d(bias)/d(delta, beta, gamma) and d(temp)/d(lambda) (double).
 	 */
 	static APE_DEV void table(const ape_cu_bwd_args &a, unsigned char *sm, int64_t nlo,
-				  const float *hp, bool derivs)
+				  const float *hp, int64_t h, bool derivs)
 	{
 		const int e = threadIdx.x;
 
 		if (e >= S::TBL)
 			return;
 		/* entries past the launch's distances: saturated, never used */
-		const double an = (double)ape_abs_dist(ape_sat_add(nlo, e));
+		const int64_t ai = ape_abs_dist(ape_sat_add(nlo, e));
+		const double an = (double)ai;
 		double *td = reinterpret_cast<double *>(sm + S::OFF_TD) + 4 * e;
 
+		double bias = ape_bias(hp[0], hp[1], hp[2], an);
+
+		if (a.bias.tab)
+			bias += (double)bias_at(a.bias, h, ai);
 		reinterpret_cast<float *>(sm + S::OFF_TT)[e] = (float)(ape_temp(hp[3], an) * a.scale);
-		reinterpret_cast<double *>(sm + S::OFF_TB)[e] = ape_bias(hp[0], hp[1], hp[2], an);
+		reinterpret_cast<double *>(sm + S::OFF_TB)[e] = bias;
 		if (derivs) {
 			td[0] = ape_grad_dbias_ddelta(an);
 			td[1] = ape_grad_dbias_dbeta(an);
@@ -327,6 +340,34 @@ template <int DMAX, bool EXACT> struct Bwd {
 		}
 	}
 
+	/*
+	 * The distance-bias table's gradient of one stage (rows i0 .. i0 + nr - 1 of (batch, head)
+	 * bh against keys j0 .. j0 + nk - 1): the pairs of one distance lie on one diagonal of the
+	 * stage's dS (entry e of the distance table: r - kk = e - ROWS + 1); thread e sums its
+	 * diagonal's visible pairs in row order (float64) and adds the sum to split s's sum for
+	 * that distance (a.dbp). One thread per distance, the stages in the split's order: a fixed
+	 * order, no atomics.
+	 */
+	static APE_DEV void dbias_pass(const ape_cu_bwd_args &a, const unsigned char *sm, int64_t s,
+				       int64_t bh, int64_t i0, int nr, int64_t j0, int nk)
+	{
+		const int e = threadIdx.x, d = e - (ROWS - 1); /* r - kk on the diagonal */
+		const int rlo = d > 0 ? d : 0, rhi = nr < nk + d ? nr : nk + d;
+
+		if (e >= ROWS + STAGE - 1 || rlo >= rhi)
+			return;
+		/* causal: the diagonal's pairs (one distance) are all visible or none */
+		if ((a.flags & APE_CU_F_CAUSAL) && ape_sat_add(a.rel, i0 - j0 + d) < 0)
+			return;
+		const float *sds = reinterpret_cast<const float *>(sm + S::OFF_DS);
+		double sum = 0.0;
+
+		for (int r = rlo; r < rhi; r++)
+			sum += (double)sds[r * ROWS + r - d];
+		reinterpret_cast<double *>(a.dbp)[(s * a.B * a.H + bh) * (a.Lq + a.Lk - 1) + i0 - j0 +
+						   d + a.Lk - 1] += sum;
+	}
+
 	/* ---------------------------------------------------------------- the fused sweep */
 	static APE_DEV void fused(const ape_cu_bwd_args &a)
 	{
@@ -345,6 +386,9 @@ template <int DMAX, bool EXACT> struct Bwd {
 		const bool want_dk = a.flags & APE_BW_F_DK, want_dv = a.flags & APE_BW_F_DV;
 		/* the rows' sums are wanted: the second pass */
 		const bool wrow = a.flags & (APE_BW_F_DQ | APE_BW_F_DP);
+		const bool want_db = a.flags & APE_BW_F_DB;
+		/* the stage's dS is read after the first pass */
+		const bool wds = wrow || want_db;
 		const float *A = reinterpret_cast<const float *>(sm + S::OFF_A);
 		const float *B = reinterpret_cast<const float *>(sm + S::OFF_B);
 		const double *om = reinterpret_cast<const double *>(sm + S::OFF_OM) + c * PT;
@@ -359,6 +403,14 @@ template <int DMAX, bool EXACT> struct Bwd {
 		float *sddt = reinterpret_cast<float *>(sm + S::OFF_DDT);
 
 		omegas(a, sm, D / 2);
+		if (want_db) { /* this split's per-distance sums of the kv head's query heads */
+			const int64_t nd = Lq + Lk - 1;
+			double *z = reinterpret_cast<double *>(a.dbp) +
+				    (s * a.B * a.H + b * a.H + kh * group) * nd;
+
+			for (int64_t x = tid; x < group * nd; x += S::NTH)
+				z[x] = 0.0;
+		}
 		for (int64_t kt = s; kt < a.nkt; kt += a.nsplit) {
 			const int64_t j0 = kt * ROWS, j = j0 + kk;
 			const int nk = (int)imin(ROWS, Lk - j0);
@@ -391,7 +443,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 					      reinterpret_cast<const void *>(a.dout), a.dt_do,
 					      bh * Lq + i0, nr, D, inter);
 					/* entry e = r - kk + ROWS - 1: n = rel + (i0 + r) - (j0 + kk) */
-					table(a, sm, ape_sat_sub(rel + i0 - j0, ROWS - 1), hp,
+					table(a, sm, ape_sat_sub(rel + i0 - j0, ROWS - 1), hp, h,
 					      a.flags & APE_BW_F_DP);
 					if (tid < nr) {
 						const int64_t row = bh * Lq + i0 + tid;
@@ -440,7 +492,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 						const float pr = pair_prob(tt[e], tb[e], dot, rl[r]);
 						const float ds = pr * (dov - rd[r]), g = ds * tt[e];
 
-						if (wrow && c == 0) { /* for the row pass */
+						if (wds && c == 0) { /* for the row and dbias passes */
 							sds[r * ROWS + kk] = ds;
 							sdot[r * ROWS + kk] = dot;
 							sddt[r * ROWS + kk] = ddt;
@@ -461,10 +513,12 @@ template <int DMAX, bool EXACT> struct Bwd {
 							}
 						}
 					}
-					if (wrow) {
+					if (wds)
 						bar(); /* the stage's dS, dot and alpha sums are in */
+					if (wrow)
 						row_pass(a, sm, s, bh, i0, nr, j0, nk, kt == s);
-					}
+					if (want_db)
+						dbias_pass(a, sm, s, bh, i0, nr, j0, nk);
 				}
 			}
 			if (!key_ok)
@@ -644,6 +698,58 @@ APE_DEV void bwd_params(const ape_cu_bwd_args &a)
 		reinterpret_cast<double *>(a.dparams)[4 * h + k] += acc[k];
 }
 
+/*
+ * The distance-bias table's gradient: one block per entry m of row ht of dbias (entries db_m0
+ * .. db_m0 + db_nm - 1 of each row: those some pair of the launch reaches), summing the splits'
+ * per-distance sums (a.dbp) of every distance n whose entry is m (ape_bias_index(|n|, M): n = m
+ * and n = -m, or every |n| >= M - 1 for the last entry) over batches, the row's heads (its own,
+ * or every head for a shared table) and splits: each thread a fixed share of those terms in a
+ * fixed order, then a fixed tree over the threads; the total is added to dbias[ht][m].
+ */
+APE_DEV void bwd_dbias(const ape_cu_bwd_args &a)
+{
+	const int64_t blk = block_linear(), Ht = a.bias.hstride ? a.H : 1;
+
+	if (blk >= Ht * a.db_nm)
+		return; /* the whole block */
+
+	const int tid = threadIdx.x;
+	const int64_t ht = blk / a.db_nm, m = a.db_m0 + blk % a.db_nm, M = a.bias.len;
+	const int64_t nd = a.Lq + a.Lk - 1, BH = (int64_t)a.B * a.H;
+	/* the launch's distances: nmin (row 0, key Lk - 1) .. nmax (row Lq - 1, key 0), entry
+	 * n - nmin of a split's sums; both real pairs' distances, so they fit */
+	const int64_t nmin = a.rel - (a.Lk - 1), nmax = a.rel + (a.Lq - 1);
+	const bool last = m == M - 1;
+	/* the distances of entry m: [a0, a1] (n >= 0) and [b0, b1] (n < 0), within the launch's */
+	const int64_t a0 = imax(nmin, m), a1 = imin(nmax, last ? nmax : m);
+	const int64_t b0 = imax(nmin, last ? nmin : -m), b1 = imin(nmax, -imax(m, 1));
+	const int64_t la = imax(0, a1 - a0 + 1), len = la + imax(0, b1 - b0 + 1);
+	/* the row's heads: its own, or every head for a shared table */
+	const int64_t nh = a.bias.hstride ? 1 : a.H, h0 = a.bias.hstride ? ht : 0;
+	const int64_t total = (int64_t)a.B * nh * a.nsplit * len;
+	const double *dbp = reinterpret_cast<const double *>(a.dbp);
+	double *red = reinterpret_cast<double *>(smem_base());
+	double sum = 0.0;
+
+	for (int64_t x = tid; x < total; x += APE_CU_THREADS) {
+		const int64_t k = x % len, cmb = x / len; /* (batch, head, split), split fastest */
+		const int64_t sp = cmb % a.nsplit, bhh = cmb / a.nsplit;
+		const int64_t bh = bhh / nh * a.H + h0 + bhh % nh;
+		const int64_t n = k < la ? a0 + k : b0 + (k - la);
+
+		sum += dbp[(sp * BH + bh) * nd + (n - nmin)];
+	}
+	red[tid] = sum;
+	bar();
+	for (int w = APE_CU_THREADS / 2; w > 0; w >>= 1) {
+		if (tid < w)
+			red[tid] += red[tid + w];
+		bar();
+	}
+	if (tid == 0)
+		reinterpret_cast<double *>(a.dbias)[ht * M + m] += red[0];
+}
+
 } /* namespace ape */
 
 extern "C" __global__ void __launch_bounds__(APE_CU_THREADS)
@@ -666,6 +772,13 @@ extern "C" __global__ void __launch_bounds__(APE_CU_THREADS)
 	ape::bwd_reduce(a);
 }
 APE_EMU_REGISTER(ape_bwd_reduce, struct ape_cu_bwd_args)
+
+extern "C" __global__ void __launch_bounds__(APE_CU_THREADS)
+	ape_bwd_dbias(const struct ape_cu_bwd_args a)
+{
+	ape::bwd_dbias(a);
+}
+APE_EMU_REGISTER(ape_bwd_dbias, struct ape_cu_bwd_args)
 
 /* copy_view (core/backend.h, struct ape_be_copy): one thread per element, converted as the
  * contract says (a bit copy, float32 to f16/bf16 rounded to nearest even, float64 to float32). */

@@ -67,6 +67,10 @@
 #define APE_BW_F_DK (1u << 10)
 #define APE_BW_F_DV (1u << 11)
 #define APE_BW_F_DP (1u << 12)
+#define APE_BW_F_DB (1u << 13) /* the distance-bias table's gradient */
+
+/* Threads of ape_bwd_dbias's blocks: its dynamic shared memory, their sums (float64) */
+#define APE_BW_DB_SMEM (APE_CU_THREADS * 8)
 
 /* Every backward kernel's arguments. */
 struct ape_cu_bwd_args {
@@ -78,10 +82,16 @@ struct ape_cu_bwd_args {
 	uint64_t dqp; /* scratch: float [nsplit][B*H*Lq][D], the splits' dQ (pairs' x, then y) */
 	uint64_t rp; /* scratch: double [nsplit][B*H*Lq][APE_BW_RP_N], the splits' row sums */
 	uint64_t hparams; /* H * 4 floats (delta, beta, gamma, lambda per head), or 0: inline */
+	uint64_t dbias; /* double [Ht][bias.len] accumulator (Ht: H, or 1 shared), 0: not wanted */
+	/* scratch (with dbias): double [nsplit][B*H][Lq + Lk - 1], each split's dS summed per
+	 * distance, entry i - j + Lk - 1 for the pairs of row i and key j */
+	uint64_t dbp;
+	struct ape_cu_bias bias; /* the distance-bias table (args.h; tab 0: none; smax unused) */
 	int64_t Lq, Lk;
 	int64_t rel; /* q_start - k_start */
 	int64_t nqt; /* blocks of APE_BW_RED_ROWS query rows per (batch, head) */
 	int64_t nkt; /* key tiles of the fused sweep per (batch, kv head) */
+	int64_t db_m0, db_nm; /* ape_bwd_dbias: entries db_m0 .. db_m0 + db_nm - 1 of each row */
 	double omega[128]; /* omega_p for p < D / 2, zeros after */
 	double scale;
 	int32_t B, H, Hkv, D;

@@ -378,17 +378,38 @@ APE_DEV void head_params(const struct ape_cu_common &c, int h, float hp[4])
 		hp[k] = src[k];
 }
 
-/*
- * May a query row leave out `count` keys, none nearer than distance an, whose norms are at most
- * kmax? Its computed keys have maximum m2 (log2 units, relative to crow) and denominator l;
- * prior: earlier launches' LSE relative to crow (natural log), or -inf. ape_may_skip() in this
- * kernels' units.
- */
-APE_DEV bool may_stop(const float hp[4], double abs_scale, double qnorm, double kmax, int64_t an,
-		      int64_t count, double crow, float m2, float l, double prior, double tol)
+/* Head h's row of the distance-bias table t (args.h, struct ape_cu_bias), or nullptr without
+ * one: what a loop over keys reads, having tested the table's presence once. */
+APE_DEV const float *bias_row(const ape_cu_bias &t, int64_t h)
 {
+	return t.tab ? reinterpret_cast<const float *>(t.tab) + h * t.hstride : nullptr;
+}
+
+/* Head h's table entry at distance an; 0 without a table. */
+APE_DEV float bias_at(const ape_cu_bias &t, int64_t h, int64_t an)
+{
+	return t.tab ? reinterpret_cast<const float *>(t.tab)[h * t.hstride +
+							       ape_bias_index(an, t.len)]
+		     : 0.0f;
+}
+
+/*
+ * May a query row of head h leave out `count` keys, none nearer than distance an, whose norms
+ * are at most kmax? Its computed keys have maximum m2 (log2 units, relative to crow) and
+ * denominator l; prior: earlier launches' LSE relative to crow (natural log), or -inf.
+ * ape_may_skip() in this kernels' units; a distance-bias table's largest entry from an on (its
+ * suffix maximum) raises the score bound, passed as crow lowered by it.
+ */
+APE_DEV bool may_stop(const float hp[4], const ape_cu_bias &bias, int64_t h, double abs_scale,
+		      double qnorm, double kmax, int64_t an, int64_t count, double crow, float m2,
+		      float l, double prior, double tol)
+{
+	const double tmax = bias.tab ? (double)reinterpret_cast<const float *>(
+					       bias.smax)[h * bias.hstride + ape_bias_index(an, bias.len)]
+				     : 0.0;
+
 	return ape_may_skip(hp[3], hp[0], hp[1], hp[2], abs_scale, qnorm, kmax, (double)an,
-			    (double)count, crow, (double)m2 * APE_LN2, (double)l, prior, tol);
+			    (double)count, crow - tmax, (double)m2 * APE_LN2, (double)l, prior, tol);
 }
 
 } /* namespace ape */

@@ -9,9 +9,10 @@
  * Inside a block, 256 threads form groups of TPR = D / 16 lanes; a group owns one query row and
  * one run of consecutive keys of the split, each lane 8 of the row's pairs and 16 of its output
  * columns. Per key: the lanes' partial dot products are summed with shuffles, the row's score is
- * formed with its temperature and bias, and one online-softmax step updates the lane's 16
- * columns. At the end the runs of a row are merged in shared memory into the split's partial
- * (O unnormalised, m, l, pairs); ape_dmerge merges the splits by their LSE.
+ * formed with its temperature and bias (and the distance-bias table's entry, with a table), and
+ * one online-softmax step updates the lane's 16 columns. At the end the runs of a row are merged
+ * in shared memory into the split's partial (O unnormalised, m, l, pairs); ape_dmerge merges the
+ * splits by their LSE.
  *
  * Bandwidth: each lane copies its own K and V bytes of the keys ahead with cp.async into a ring
  * of 6 stages (4 for float32; 96 or 128 KB per block) in shared memory, laid out so that a warp's
@@ -182,7 +183,18 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 		}
 	}
 
+	/* The kernel: walk() with the distance-bias table's lookup compiled in only for a launch
+	 * that has a table, so that one without pays nothing for it per key. */
 	static APE_DEV void run(const ape_cu_decode_args &a)
+	{
+		if (a.c.bias.tab)
+			walk<true>(a);
+		else
+			walk<false>(a);
+	}
+
+	/* TAB: the launch has a distance-bias table (a.c.bias), added to every score. */
+	template <bool TAB> static APE_DEV void walk(const ape_cu_decode_args &a)
 	{
 		unsigned char *sm = smem_base();
 		const int tid = threadIdx.x, g = tid / TPR, c = tid % TPR;
@@ -283,6 +295,8 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 			const int64_t diag = rel + i;
 			const int64_t an0 = ape_anchor_distance(diag, Lk, causal);
 			const float sl2 = (float)(a.c.scale * APE_LOG2E);
+			/* the head's distance-bias table row */
+			const float *trow = TAB ? bias_row(a.c.bias, h) : nullptr;
 			float m = -APE_INF, l = 0.0f, acc[VC];
 			float e1 = 0.0f, e2 = 0.0f; /* DIAG: S1, S2 */
 			uint32_t cnt = 0;
@@ -352,8 +366,12 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 				if (valid && (!causal || n >= 0)) {
 					const int64_t an = ape_abs_dist(n);
 					const float t = ape_temp_f(sl2, hp[3], an);
-					float s2 = fmaf(dot, t,
-							ape_bias_diff_f(hp[0], hp[1], hp[2], an, an0) * (float)APE_LOG2E);
+					float bd = ape_bias_diff_f(hp[0], hp[1], hp[2], an, an0);
+					float s2;
+
+					if constexpr (TAB)
+						bd += trow[ape_bias_index(an, a.c.bias.len)];
+					s2 = fmaf(dot, t, bd * (float)APE_LOG2E);
 					float p;
 
 					s2 = isfinite(dot) ? s2 : APE_NAN;

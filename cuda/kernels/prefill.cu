@@ -27,7 +27,8 @@
  *
  * Per tile: (1) scores: each thread dots its pairs against every key of the tile, partial sums
  * are reduce-scattered across the row's TPR lanes (each lane keeps BK / TPR keys), then scaled by
- * the per-distance temperature and bias of a shared table; (2) one online-softmax update per
+ * the per-distance temperature and bias of a shared table (which also holds the distance-bias
+ * table's entries, when the launch has one); (2) one online-softmax update per
  * tile per row (log2 units, in the row's shifted frame); P goes to shared memory; (3) each warp
  * multiplies its 16 rows x CW columns of O by P V. Tiles cut by the causal diagonal mask per
  * pair; a masked key must add nothing at all (not 0 * V: V may hold a NaN the row must not
@@ -208,14 +209,16 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 		cp_commit();
 	}
 
-	/* The tile's per-distance tables: scale * temp * log2(e), and (bias - bias(aref)) * log2(e)
-	 * where aref is the block-tile's smallest |n| (its bias, in float64, goes to bref). rel:
-	 * the block's distance of (row 0, key 0) (the launch's, or its segment's). */
+	/* The tile's per-distance tables: scale * temp * log2(e), and (bias - bias(aref) + T) *
+	 * log2(e) where aref is the block-tile's smallest |n| (its bias, in float64, goes to bref)
+	 * and T head h's distance-bias table entry (0 without a table: a tile's cost, never a
+	 * pair's). rel: the block's distance of (row 0, key 0) (the launch's, or its segment's). */
 	static APE_DEV void tables(const ape_cu_prefill_args &a, unsigned char *sm, int64_t t,
-				   int64_t i0, const float hp[4], int64_t rel)
+				   int64_t i0, const float hp[4], int h, int64_t rel)
 	{
 		float *tt = reinterpret_cast<float *>(sm + M::OFF_T);
 		float *bt = reinterpret_cast<float *>(sm + M::OFF_B);
+		const float *trow = bias_row(a.c.bias, h);
 		const int64_t nbase = rel + i0 - t * BK; /* n of (row 0, key 0) */
 		/* past the problem's rows or keys: saturated, never used */
 		const int64_t aref =
@@ -225,8 +228,12 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 		for (int e = threadIdx.x; e < BQ + BK - 1; e += S::NTH) {
 			const int64_t an = ape_abs_dist(ape_sat_add(nbase, e - (BK - 1)));
 
+			float bd = ape_bias_diff_f(hp[0], hp[1], hp[2], an, aref);
+
+			if (trow)
+				bd += trow[ape_bias_index(an, a.c.bias.len)];
 			tt[e] = ape_temp_f(sl2, hp[3], an);
-			bt[e] = ape_bias_diff_f(hp[0], hp[1], hp[2], an, aref) * (float)APE_LOG2E;
+			bt[e] = bd * (float)APE_LOG2E;
 		}
 		if (threadIdx.x == 0)
 			*reinterpret_cast<double *>(sm + M::OFF_MISC) =
@@ -450,7 +457,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 		const float *prior = skip ? reinterpret_cast<const float *>(a.c.prior) : nullptr;
 		const bool gone =
 			prior && (!row_ok ||
-				  may_stop(hp, fabs(a.c.scale), qnorm,
+				  may_stop(hp, a.c.bias, h, fabs(a.c.scale), qnorm,
 					   reinterpret_cast<const float *>(a.pre)[bkv * (ntk + 1) + ntk],
 					   ape_anchor_distance(diag, Lk, causal),
 					   ape_visible_keys(diag, Lk, causal), crow, -APE_INF, 0.0f,
@@ -475,7 +482,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 
 		if (tid == 0)
 			flags[0] = flags[1] = 0;
-		tables(a, sm, t, i0, hp, rel);
+		tables(a, sm, t, i0, hp, h, rel);
 		load_tile(a, sm, kbase, vbase, t, 0, Lk);
 		int64_t pred = w.peek();
 
@@ -630,7 +637,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 							ape_visible_keys(diag, (w.lo + 1) * BK, causal);
 						const int64_t gt = (k0 + (w.lo + 1) * BK + BK - 1) / BK;
 
-						if (!may_stop(hp, as, qnorm,
+						if (!may_stop(hp, a.c.bias, h, as, qnorm,
 							      reinterpret_cast<const float *>(a.pre)[kb + gt],
 							      ape_keys_min_abs(diag, 0, cnt), cnt, crow, m,
 							      lrow,
@@ -641,7 +648,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 						const int64_t cnt = Lk - w.hi * BK;
 						const int64_t gt = (k0 + w.hi * BK) / BK;
 
-						if (!may_stop(hp, as, qnorm,
+						if (!may_stop(hp, a.c.bias, h, as, qnorm,
 							      reinterpret_cast<const float *>(a.suf)[kb + gt],
 							      ape_keys_min_abs(diag, w.hi * BK, Lk), cnt,
 							      crow,
@@ -701,7 +708,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 				cp_wait<0>(); /* nothing may land after the block is gone */
 				break;
 			}
-			tables(a, sm, next, i0, hp, rel);
+			tables(a, sm, next, i0, hp, h, rel);
 			t = next;
 			buf ^= 1;
 			parity ^= 1;

@@ -77,6 +77,7 @@ struct ape_cu_sep_args {
 	int64_t block_base;
 	double scale, tol; /* tol: the skip tolerance, 0: never skip */
 	struct ape_cu_view vo, vlse;
+	struct ape_cu_bias bias; /* the distance-bias table (args.h; tab 0: none) */
 	int32_t B, H, Hkv, D;
 	int32_t dt_out;
 	uint32_t flags; /* APE_CU_F_CAUSAL, _LSE, _PAIRS, _SKIP, _O_SCALAR */

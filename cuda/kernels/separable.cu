@@ -17,15 +17,17 @@
  *                 by cp.async into double buffers. S = Q K^T by mma.sync m16n8k16 (float32
  *                 accumulators), times scale (and the row's and the key tile's f16 range
  *                 factors), plus the tile's per-distance bias table
- *                 (ape_bias_diff_f against the block-tile's nearest distance, as the general
- *                 kernel's tables; its float64 bias goes to bref, and each row adds
- *                 bref - c_row), then one online-softmax update per tile (log2 units, the rows'
- *                 maxima over the four lanes of a quad); P V on tensor cores with P taken from
- *                 the score registers. A tile cut by the causal diagonal runs P V on CUDA cores
- *                 with the mask per element (a masked key adds nothing, not 0 * V: V may hold a
- *                 NaN the row must not receive). Causal blocks walk from the diagonal backward
- *                 and, with skipping, stop once every row may leave out the keys before the
- *                 tile (ape_may_skip with per-tile key norms from ape_prep and ape_kscan).
+ *                 (ape_bias_diff_f against the block-tile's nearest distance, and the
+ *                 distance-bias table's entries, as the general kernel's tables; its float64
+ *                 bias goes to bref, and each row adds bref - c_row), then one online-softmax
+ *                 update per tile (log2 units, the rows' maxima over the four lanes of a
+ *                 quad); P V on tensor cores with P taken from the score registers. A tile
+ *                 cut by the causal diagonal runs P V on CUDA cores with the mask per element
+ *                 (a masked key adds nothing, not 0 * V: V may hold a NaN the row must not
+ *                 receive). Causal blocks walk from the diagonal backward and, with skipping,
+ *                 stop once every row may leave out the keys before the tile (ape_may_skip
+ *                 with per-tile key norms from ape_prep and ape_kscan, and a table's suffix
+ *                 maxima).
  *
  * Why hi and lo: the rotated values are not representable in the storage type, and rounding
  * them once costs 2^-9 (bf16) of every product: with |q| |k| scale of a few units, an LSE error
@@ -212,22 +214,27 @@ template <int DM, int VT> struct Sep {
 		cp_commit();
 	}
 
-	/* The bias of the block-tile's BQ + BK - 1 distances, (bias - bias(aref)) * log2(e) with
-	 * aref its smallest |n|; bias(aref) in float64 to bref, the key tile's factor after it. */
+	/* The bias of the block-tile's BQ + BK - 1 distances, (bias - bias(aref) + T) * log2(e)
+	 * with aref its smallest |n| and T head h's distance-bias table entry (0 without a table);
+	 * bias(aref) in float64 to bref, the key tile's factor after it. */
 	static APE_DEV void tables(const ape_cu_sep_args &a, unsigned char *sm, int64_t t,
-				   int64_t i0, int64_t bkv, const float hp[4])
+				   int64_t i0, int64_t bkv, const float hp[4], int h)
 	{
 		float *bt = reinterpret_cast<float *>(sm + OFF_B);
+		const float *trow = bias_row(a.bias, h);
 		const int64_t nbase = a.rel + i0 - t * BK;
 		/* past the problem's rows or keys: saturated, never used */
 		const int64_t aref =
 			ape_min_abs(ape_sat_add(nbase, -(BK - 1)), ape_sat_add(nbase, BQ - 1));
 
-		for (int e = threadIdx.x; e < BQ + BK - 1; e += APE_CU_THREADS)
-			bt[e] = ape_bias_diff_f(hp[0], hp[1], hp[2],
-						ape_abs_dist(ape_sat_add(nbase, e - (BK - 1))),
-						aref) *
-				(float)APE_LOG2E;
+		for (int e = threadIdx.x; e < BQ + BK - 1; e += APE_CU_THREADS) {
+			const int64_t an = ape_abs_dist(ape_sat_add(nbase, e - (BK - 1)));
+			float bd = ape_bias_diff_f(hp[0], hp[1], hp[2], an, aref);
+
+			if (trow)
+				bd += trow[ape_bias_index(an, a.bias.len)];
+			bt[e] = bd * (float)APE_LOG2E;
+		}
 		if (threadIdx.x == 0) {
 			*reinterpret_cast<double *>(sm + OFF_MISC) =
 				ape_bias((double)hp[0], hp[1], hp[2], (double)aref);
@@ -303,7 +310,7 @@ template <int DM, int VT> struct Sep {
 		}
 		t = causal ? imin(rel + ilast, Lk - 1) / BK : 0;
 		tlo = thi = t;
-		tables(a, sm, t, i0, bkv, hp);
+		tables(a, sm, t, i0, bkv, hp, h);
 		load_tile(a, sm, kvrow, t, 0);
 		cp_wait<0>();
 		bar(); /* Q's hi half, the first tile and its table */
@@ -485,7 +492,7 @@ template <int DM, int VT> struct Sep {
 					const int64_t cnt = ape_visible_keys(diag, j0, causal);
 
 					if (i < Lq && (lane & 3) == 0 && cnt > 0 &&
-					    !may_stop(hp, fabs(a.scale),
+					    !may_stop(hp, a.bias, h, fabs(a.scale),
 						      reinterpret_cast<const double *>(a.qn)[bh * Lq + i],
 						      kmax, ape_keys_min_abs(diag, 0, cnt), cnt,
 						      crow[ra + 8 * x],
@@ -500,7 +507,7 @@ template <int DM, int VT> struct Sep {
 				cp_wait<0>(); /* nothing may land after the block is gone */
 				break;
 			}
-			tables(a, sm, next, i0, bkv, hp);
+			tables(a, sm, next, i0, bkv, hp, h);
 			cp_wait<0>();
 			bar(); /* the next tile and its table */
 			t = next;

@@ -4,13 +4,14 @@
  *
  * A query row's computed weight is at least the weight of its anchor, the APE_DC_ANCHOR keys
  * nearest its diagonal, which this kernel scores exactly (each pair's angle from its own float64
- * seed). Keys farther away may be left out when the skip bound of docs/kernels.md proves their
- * total weight below skip_tol times the anchor's weight (so below skip_tol times whatever the
- * decode kernel computes, which includes the anchor). The bound only grows as the left-out set
- * grows toward the anchor, so a binary search over tiles finds the nearest provable cut on each
- * side. The block's window is the union over its rows. A row whose keys are all negligible
- * against the weight earlier launches found (lse_prior) adds nothing to it; when no row of the
- * block adds anything, the decode kernel reads no key at all.
+ * seed; the distance-bias table's entries included). Keys farther away may be left out when the
+ * skip bound of docs/kernels.md (with a table's suffix maximum) proves their total weight below
+ * skip_tol times the anchor's weight (so below skip_tol times whatever the decode kernel computes,
+ * which includes the anchor). The bound only grows as the left-out set grows toward the anchor
+ * (the suffix maxima too), so a binary search over tiles finds the nearest provable cut on each
+ * side. The block's window is the union over its rows. A row whose keys are all negligible against
+ * the weight earlier launches found (lse_prior) adds nothing to it; when no row of the block adds
+ * anything, the decode kernel reads no key at all.
  */
 #include "common.cuh"
 
@@ -130,7 +131,8 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 					dot += (x * cs - y * sn) * u + (x * sn + y * cs) * w;
 				}
 				s = ape_temp_f((float)a.c.scale, hp[3], ape_abs_dist(n)) * dot +
-				    ape_bias_diff_f(hp[0], hp[1], hp[2], ape_abs_dist(n), r_an0[r]);
+				    (ape_bias_diff_f(hp[0], hp[1], hp[2], ape_abs_dist(n), r_an0[r]) +
+				     bias_at(a.c.bias, h, ape_abs_dist(n)));
 				s = isfinite(dot) ? s : APE_NAN;
 			}
 			sc[r * AN + e % AN] = s;
@@ -153,7 +155,7 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 			 * negligible against it needs none of them */
 			const float *prior = reinterpret_cast<const float *>(a.c.prior);
 			const bool gone =
-				prior && may_stop(hp, as, r_qn[tid], pre[ntile], r_an0[tid],
+				prior && may_stop(hp, a.c.bias, h, as, r_qn[tid], pre[ntile], r_an0[tid],
 						  ape_visible_keys(diag, Lk, causal), r_crow[tid],
 						  -APE_INF, 0.0f,
 						  prior[(b * a.c.H + h) * Lq + row % (int)Lq] - r_crow[tid],
@@ -173,7 +175,7 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 				while (lo < hi) {
 					const int64_t mid = (lo + hi + 1) / 2, cnt = mid * T;
 
-					if (may_stop(hp, as, r_qn[tid], pre[mid],
+					if (may_stop(hp, a.c.bias, h, as, r_qn[tid], pre[mid],
 						     ape_keys_min_abs(diag, 0, cnt),
 						     cnt, r_crow[tid], (float)(lw * APE_LOG2E), 1.0f, -APE_INF, tol))
 						lo = mid;
@@ -190,7 +192,7 @@ APE_DEV void dwindow(const ape_cu_window_args &a)
 					while (flo < fhi) {
 						const int64_t mid = (flo + fhi) / 2, cnt = Lk - mid * T;
 
-						if (may_stop(hp, as, r_qn[tid], suf[mid],
+						if (may_stop(hp, a.c.bias, h, as, r_qn[tid], suf[mid],
 							     ape_keys_min_abs(diag, mid * T, Lk),
 							     cnt,
 							     r_crow[tid], (float)(lw * APE_LOG2E), 1.0f, -APE_INF, tol))
