@@ -311,3 +311,46 @@ def test_dlpack_paths_read_the_table_and_refuse_its_gradient():
     with pytest.raises(ValueError, match="wrt"):
         _core._dlpack_backward_cpu("ref", q, k, v, o, lse, o, wrt=("bias_table",),
                                    bias_table=T)
+
+
+# ------------------------------------------------------------------ the example
+
+def test_encodings_example(tmp_path):
+    """python/examples/encodings.py: every encoding at every length in seconds on the
+    reference device, the Gaussian mask and APE focusing attention where RoPE spreads it; the
+    tables it saves, and the ape-curve command it prints drawing the same encodings."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+    import time
+    from conftest import BUILD, ROOT
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "python", "examples", "encodings.py"),
+                        "--max-len", "128", "--device", "ref", "--save-tables", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert time.perf_counter() - t < 60
+    ent = {}
+    for line in r.stdout.splitlines():
+        w = line.split()
+        if len(w) == 6 and w[1] in ("64", "128"):
+            ent[w[0], int(w[1])] = float(w[2])
+    assert sorted({n for n, _ in ent}) == ["alibi", "ape", "gauss", "rope", "t5"], r.stdout
+    assert ent["gauss", 128] < ent["rope", 128] and ent["ape", 128] < ent["rope", 128]
+    assert np.load(tmp_path / "t5.npy").shape == (4, 129)
+    assert np.load(tmp_path / "gauss.npy").shape == (1, 128)
+    assert np.load(tmp_path / "alibi.npy").shape == (4, 128)
+    curve = os.path.join(BUILD, "bin", "ape-curve")
+    if not os.path.exists(curve):
+        pytest.skip("ape-curve is not built here (make)")
+    sets = set()
+    for line in r.stdout.splitlines()[-2:]:
+        cmd = shlex.split(line)
+        assert cmd[0] == "ape-curve"
+        c = subprocess.run([curve] + cmd[1:] + ["--backend", "ref", "--csv", "--quiet"],
+                           capture_output=True, text=True, timeout=120)
+        assert c.returncode == 0, c.stderr
+        sets |= {row.split(",")[0].strip('"') for row in c.stdout.splitlines()[1:]}
+    assert sets == {"alibi", "t5", "gauss", "rope", "ape"}, r.stdout
