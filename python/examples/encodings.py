@@ -5,17 +5,17 @@ by attention entropy and mean attention distance against sequence length.
 
     python encodings.py [--max-len 512] [--device ref] [--save-tables DIR]
 
-Each encoding is a set of libape's parameters: ALiBi a per-head linear decay (delta), T5's
-buckets and the Gaussian mask distance-bias tables (bias_table: T5's expanded once from its
-buckets, the mask as -lambda n^2 in the scores, which is exp(-lambda n^2) on the weights), APE
-its four parameters. ALiBi and T5 rotate nothing (the survey's W(n) = I): rope_scale = 1e30
-turns every rotation angle n / rope_scale below floating-point resolution; the Gaussian mask
-calibrates RoPE attention. Every figure comes from libape.attention_diagnostics(), the call ape-curve
-makes (ape_attention_forward_diag()): the entropy -sum P ln P and mean distance sum P |n| of
-every row, in the same pass as the attention. Inputs are random N(0,1) Q, K, V (each length the
-first L rows of the longest), as ape-curve draws them. --save-tables DIR writes the two tables
-and ALiBi's as .npy files and prints the ape-curve command that draws the same encodings'
-curves (per head, on ape-curve's own random inputs). A few seconds on the reference device.
+Each encoding is a set of libape's parameters: ALiBi a per-head linear decay (delta), T5's buckets
+and the Gaussian mask distance-bias tables (bias_table: T5's expanded once from its buckets, the
+mask as -lambda n^2 in the scores, which is exp(-lambda n^2) on the weights), APE its four
+parameters. ALiBi and T5 rotate nothing (the survey's W(n) = I): rope_scale = 1e30 turns every
+rotation angle n / rope_scale below floating-point resolution; the Gaussian mask calibrates RoPE
+attention. Every figure comes from libape.attention_diagnostics(), the call ape-curve makes
+(ape_attention_forward_diag()): the entropy -sum P ln P and mean distance sum P |n| of every row,
+in the same pass as the attention. Inputs are random N(0,1) Q, K, V (each length the first L rows
+of the longest), as ape-curve draws them. --save-tables DIR writes the two tables and ALiBi's as
+.npy files and prints the ape-curve command that draws the same encodings' curves (per head, on
+ape-curve's own random inputs). A few seconds on the reference device.
 """
 import argparse
 import math

@@ -445,20 +445,20 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
               causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None,
               k_start=0, device=None, return_lse=False, rope_scale=1.0, skip_tol=None,
               bias_table=None):
-    """APE attention of torch CPU tensors q `[B, H, Lq, D]`, k, v `[B, Hkv, Lk, D]`, returning
-    O (and LSE `[B, H, Lq]` float32 with return_lse=True), differentiable with respect to q, k,
-    v, the parameters and the bias_table. Parameters are floats, scalar tensors (shared by all heads: their
-    gradient is the sum over heads) or tensors of shape [H] (one per head). `device=None`:
-    "auto" without gradients, grad_device() with (see the module's doc); an explicit device is
-    used for both passes. skip_tol (None: TRAIN_SKIP_TOL, 2^-24, the library's default) is used in
-    both passes: keys the skip bounds prove to carry at most that share of a row's weight (the
-    forward) or of each gradient (the backward) are left out, so that long contexts under decay
-    train at the cost of the keys within reach; 0 computes every pair (the gradients of the
-    exact function). rope_scale: position interpolation (libape.attention's; not
-    differentiated). bias_table: None, or a distance-bias table, a tensor `[H, M]` (a row per
-    head) or `[1, M]` (shared by every head), float32 or another floating dtype (computed in
-    float32), on any device: every score of head h gets bias_table[h][min(|n|, M - 1)] added
-    (libape.attention's); its gradient has its shape (summed over the heads for `[1, M]`)."""
+    """APE attention of torch CPU tensors q `[B, H, Lq, D]`, k, v `[B, Hkv, Lk, D]`, returning O
+    (and LSE `[B, H, Lq]` float32 with return_lse=True), differentiable with respect to q, k, v,
+    the parameters and the bias_table. Parameters are floats, scalar tensors (shared by all heads:
+    their gradient is the sum over heads) or tensors of shape [H] (one per head). `device=None`:
+    "auto" without gradients, grad_device() with (see the module's doc); an explicit device is used
+    for both passes. skip_tol (None: TRAIN_SKIP_TOL, 2^-24, the library's default) is used in both
+    passes: keys the skip bounds prove to carry at most that share of a row's weight (the forward)
+    or of each gradient (the backward) are left out, so that long contexts under decay train at the
+    cost of the keys within reach; 0 computes every pair (the gradients of the exact function).
+    rope_scale: position interpolation (libape.attention's; not differentiated). bias_table: None,
+    or a distance-bias table, a tensor `[H, M]` (a row per head) or `[1, M]` (shared by every
+    head), float32 or another floating dtype (computed in float32), on any device: every score of
+    head h gets bias_table[h][min(|n|, M - 1)] added (libape.attention's); its gradient has its
+    shape (summed over the heads for `[1, M]`)."""
     params = [_as_param(x) for x in (delta, beta, gamma, lam)]
     table = _as_table(bias_table)
     dev = _pick_device(device, (q, k, v, *params), table)

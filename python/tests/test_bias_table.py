@@ -181,7 +181,8 @@ def test_kv_cache_and_pool_decode_match_the_dense_call(device):
             kv.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
             got = kv.attend(q[:, :, t:t + 1], bias_table=T, **PRM)
             close(got, want[:, :, t:t + 1], max(1.0, np.abs(v).max()))
-            pool.append(sid, k[0, :, t:t + 1].transpose(1, 0, 2), v[0, :, t:t + 1].transpose(1, 0, 2))
+            pool.append(sid, k[0, :, t:t + 1].transpose(1, 0, 2),
+                        v[0, :, t:t + 1].transpose(1, 0, 2))
             got = pool.attend(q[0, :, t:t + 1].transpose(1, 0, 2), [sid], [0, 1], bias_table=T,
                               **PRM)
             close(got.transpose(1, 0, 2), want[0, :, t:t + 1], max(1.0, np.abs(v).max()))
