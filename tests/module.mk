@@ -67,7 +67,7 @@ TESTS_ON_EVERY_BACKEND := $(BUILD)/tests/test_stream $(BUILD)/tests/test_stream_
                           $(BUILD)/tests/test_diag $(BUILD)/tests/test_diag_kernels \
                           $(BUILD)/tests/test_multidev \
                           $(BUILD)/tests/test_ends $(BUILD)/tests/test_varlen \
-                          $(BUILD)/tests/test_dense_positions
+                          $(BUILD)/tests/test_dense_positions $(BUILD)/tests/test_bias_table
 ifeq ($(HAVE_CUDA),yes)
 $(TESTS_ON_EVERY_BACKEND): $(CUDA_EMU)
 endif
