@@ -35,6 +35,23 @@ struct sweep {
 	const char *alloc_word, *device_word; /* what a failed run's message must hold */
 };
 
+/* The byte a case's run fills its outputs with first: a failed run must leave them so. */
+#define SWEEP_POISON 0x5a
+
+/* NULL when a run that returned ret left n output bytes at got as promised: the clean ones
+ * (ret 0) or SWEEP_POISON throughout. */
+static __attribute__((unused)) const char *sweep_outputs_verify(const void *got,
+								const void *clean, size_t n,
+								int ret)
+{
+	if (!ret)
+		return memcmp(got, clean, n) ? "not the clean result" : NULL;
+	for (size_t i = 0; i < n; i++)
+		if (((const unsigned char *)got)[i] != SWEEP_POISON)
+			return "a failed call wrote an output";
+	return NULL;
+}
+
 static __attribute__((unused)) const char *backend_of(const ape_device *dev)
 {
 	static __thread ape_device_info di;

@@ -92,7 +92,7 @@ static int tcase_run(void *p)
 	ape_tensor_init(&v, c->in.v, APE_F32, B, HKV, L, D);
 	ape_tensor_init(&o, u->o, APE_F32, B, H, L, D);
 	if (c->m == T_FORWARD || c->m == T_FORWARD_CHUNKS) {
-		memset(u, 0x5a, offsetof(struct touts, g));
+		memset(u, SWEEP_POISON, offsetof(struct touts, g));
 		c->desc.dbias_table = NULL;
 		ret = ape_attention_forward_ex(&c->dev, 1, c->m == T_FORWARD_CHUNKS ? &opts : NULL,
 					       &c->desc, &q, &k, &v, &o, u->lse, NULL);
@@ -104,7 +104,7 @@ static int tcase_run(void *p)
 		ape_varlen vl;
 		float lse[L * H];
 
-		memset(u->g, 0x5a, sizeof(u->g));
+		memset(u->g, SWEEP_POISON, sizeof(u->g));
 		ape_varlen_init(&vl);
 		vl.num_seqs = 1;
 		vl.cu_seqlens_q = cu;
@@ -125,7 +125,7 @@ static int tcase_run(void *p)
 						    &po, lse, &pdo, NULL, &pdq, &pdk, &pdv,
 						    u->g + NQ + 2 * NK, NULL);
 	} else {
-		memset(u->g, 0x5a, sizeof(u->g));
+		memset(u->g, SWEEP_POISON, sizeof(u->g));
 		ape_tensor_init(&dout, c->in.dout, APE_F32, B, H, L, D);
 		ape_tensor_init(&dq, u->g, APE_F32, B, H, L, D);
 		ape_tensor_init(&dk, u->g + NQ, APE_F32, B, HKV, L, D);
@@ -139,18 +139,6 @@ static int tcase_run(void *p)
 	return ret;
 }
 
-/* NULL when a run that returned ret left n output bytes at got as promised: the clean ones
- * (ret 0) or the poison byte throughout. */
-static const char *outputs_verify(const void *got, const void *clean, size_t n, int ret)
-{
-	if (!ret)
-		return memcmp(got, clean, n) ? "not the clean result" : NULL;
-	for (size_t i = 0; i < n; i++)
-		if (((const unsigned char *)got)[i] != 0x5a)
-			return "a failed call wrote an output";
-	return NULL;
-}
-
 static const char *tcase_verify(const void *p, int ret)
 {
 	const struct tcase *c = p;
@@ -159,10 +147,10 @@ static const char *tcase_verify(const void *p, int ret)
 	if (memcmp(&c->in, &c->in0, sizeof(c->in)))
 		return "an input changed";
 	if (c->m == T_FORWARD || c->m == T_FORWARD_CHUNKS)
-		return outputs_verify(&c->out, &c->clean, fwd, ret);
+		return sweep_outputs_verify(&c->out, &c->clean, fwd, ret);
 	if (memcmp(&c->out, &c->clean, fwd))
 		return "the backward changed O or LSE";
-	return outputs_verify(c->out.g, c->clean.g, sizeof(c->out.g), ret);
+	return sweep_outputs_verify(c->out.g, c->clean.g, sizeof(c->out.g), ret);
 }
 
 /* Sets up c (c->dev, c->m kept) and runs the forward, then the backward, cleanly. */
