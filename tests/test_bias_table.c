@@ -281,6 +281,89 @@ TEST_F(dev, kv_cache_decode_sees_the_table)
 	test_problem_free(&tp);
 }
 
+/*
+ * Decode under strong decay with a table that favours the oldest keys: the KV cache's and the
+ * pool's window (the oldest pages proved negligible by the decay alone, left out before the
+ * attend) must keep them. One query row, the newest, against every key.
+ */
+TEST_F(dev, decode_windows_keep_far_keys_a_table_favours)
+{
+	const int64_t L = self->emu ? 160 : 640, M = L + 1;
+	const test_problem_shape sh = { 1, 2, 1, L, L, 32 };
+	ape_rng rng;
+	test_problem tp;
+	float *t = malloc(sizeof(float) * (size_t)(2 * M));
+	ape_kv_cache *c = NULL;
+	ape_kv_cache_options o;
+
+	ASSERT_NE(NULL, t);
+	ape_rng_init(&rng, _metadata->name);
+	ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, APE_F32, false));
+	test_problem_set_params(&tp, 0.4, 0.0, 0.0, 0.0);
+	tp.desc.causal = true;
+	for (int64_t h = 0; h < 2; h++) /* the oldest tenth of the keys outweighs the decay */
+		for (int64_t m = 0; m < M; m++)
+			t[h * M + m] = m >= L - L / 10 ? (float)(0.4 * (double)m + 2) : 0.0f;
+	tp.bias_table = t;
+	tp.desc.bias_table = t;
+	tp.desc.bias_table_len = M;
+	tp.desc.bias_table_heads = 2;
+	/* the cache: blocks of 16, the keys in chunks, then every row decoded in steps */
+	o = cache_options(&tp, 16, L);
+	ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &c)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, decode(&tp, c, 16, NULL)) TH_LOG("%s", ape_last_error());
+	tp.q_start = tp.desc.k_start;
+	ASSERT_EQ(0, test_problem_naive(&tp));
+	EXPECT_LE(test_problem_err_o(&tp) / fmax(1.0, test_tensor_maxabs(&tp.v.t)),
+		  test_tol_o(APE_F32) + test_skip_tol_o(tp.desc.skip_tol))
+	TH_LOG("the KV cache");
+	ape_kv_cache_destroy(c);
+	/* the pool: one sequence of every key, its newest row attended */
+	{
+		const int64_t cu[2] = { 0, 1 };
+		ape_kv_pool_options po;
+		ape_kv_pool *pool = NULL;
+		ape_tensor qt, ot, kt, vt;
+		float orow[2 * 32], lse[2];
+		int64_t sid;
+		double err = 0;
+
+		ape_kv_pool_options_init(&po);
+		po.Hkv = 1;
+		po.H = 2;
+		po.D = 32;
+		po.dtype = APE_F32;
+		po.capacity_tokens = L;
+		ASSERT_EQ(0, ape_kv_pool_create(self->dev, &po, &pool)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, ape_kv_pool_add_sequence(pool, 0, &sid));
+		kt = test_rows(&tp.k.t, 0, L);
+		vt = test_rows(&tp.v.t, 0, L);
+		ASSERT_EQ(0, ape_kv_pool_append(pool, sid, &kt, &vt)) TH_LOG("%s", ape_last_error());
+		/* the newest row as a packed [1, H, D] token: q is [1, H, L, D], so copy it */
+		{
+			float qrow[2 * 32];
+
+			for (int64_t h = 0; h < 2; h++)
+				for (int64_t d = 0; d < 32; d++)
+					qrow[h * 32 + d] = (float)test_tensor_get(&tp.q.t, 0, h, L - 1, d);
+			ape_tensor_init_packed(&qt, qrow, APE_F32, 1, 2, 32);
+			ape_tensor_init_packed(&ot, orow, APE_F32, 1, 2, 32);
+			ASSERT_EQ(0, ape_kv_pool_attend(pool, &tp.desc, 1, &sid, cu, NULL, &qt, &ot, lse,
+							NULL))
+			TH_LOG("%s", ape_last_error());
+		}
+		for (int64_t h = 0; h < 2; h++)
+			for (int64_t d = 0; d < 32; d++)
+				err = fmax(err, fabs(orow[h * 32 + d] -
+						     tp.naive_o[((size_t)h * L + (size_t)(L - 1)) * 32 + d]));
+		EXPECT_LE(err / fmax(1.0, test_tensor_maxabs(&tp.v.t)),
+			  test_tol_o(APE_F32) + test_skip_tol_o(tp.desc.skip_tol))
+		TH_LOG("the pool");
+		ape_kv_pool_destroy(pool);
+	}
+	test_problem_free(&tp);
+}
+
 /* Three sequences of different lengths packed: each one's rows are the dense call's on it. */
 TEST_F(dev, ragged_batches_see_the_table)
 {
