@@ -23,6 +23,8 @@ $(BUILD)/bench/ab_calls: LDLIBS += -ldl
 $(BUILD)/bench/membw: APP_CFLAGS += -O3 -march=native
 
 # what plugins cost a context's creation: none looked for, the folder searched, one loaded
+# what a distance-bias table costs, with and without, side by side (issue 30's 1.05x target)
+bench-table-cost: $(BUILD)/bench/table_cost
 bench-plugin-context: $(BUILD)/bench/plugin_context
 $(BUILD)/bench/plugin_context: bench/plugin_context.c bench/bench_util.h $(LIBSO) $(CONFIG_STAMP)
 	@mkdir -p $(dir $@)
@@ -30,4 +32,5 @@ $(BUILD)/bench/plugin_context: bench/plugin_context.c bench/bench_util.h $(LIBSO
 	$(Q)$(CC) $(CPPFLAGS) $(APP_CFLAGS) $(LDFLAGS) -o $@ $< -L$(BUILD)/lib -lape \
 		-Wl,-rpath,$(abspath $(BUILD)/lib) $(LDLIBS)
 
-.PHONY: bench-bwd bench-diag bench-bwd-resident bench-membw bench-log-off bench-plugin-context bench-ab-calls
+.PHONY: bench-bwd bench-diag bench-bwd-resident bench-membw bench-log-off bench-plugin-context bench-ab-calls \
+	bench-table-cost

@@ -28,6 +28,7 @@
 #define F_DIAG 2048
 #define F_SEGS 4096
 #define F_POS 8192
+#define F_TABLE 16384
 #define SEGT_W 8 /* kernels/attention.cl */
 
 /* Heads per enqueue along dimension 1: GPU drivers bound a grid dimension (65535 on some). */
@@ -440,7 +441,8 @@ int ape__ocl_attention(struct ape_be_queue *q, const struct ape_be_launch *launc
 		       prior_tol = (cl_float)l->prior_tol;
 	cl_int flags = (cl_int)l->in_dtype | (cl_int)l->out_dtype << 2;
 	cl_mem prm = NULL, pre = NULL, suf = NULL, none = NULL, kp = NULL, vf = NULL, kbuf, vbuf;
-	cl_mem segt = NULL, posb[3] = { NULL, NULL, NULL };
+	cl_mem segt = NULL, posb[3] = { NULL, NULL, NULL }, bias[2] = { NULL, NULL };
+	cl_long blen, bhs;
 	struct seg_tables sg = { 0 };
 	struct ape__ocl_args a = { 0 };
 	const cl_long4 vq = ocl_view(l, APE_BE_T_Q, false), vo = ocl_view(l, APE_BE_T_O, false),
@@ -502,6 +504,10 @@ int ape__ocl_attention(struct ape_be_queue *q, const struct ape_be_launch *launc
 	}
 	if (pos && (ret = pos_upload(q, l, &sg, posb)))
 		goto out_release;
+	/* the table, and its suffix maxima for the far-key bounds */
+	if ((ret = ape__ocl_bias_upload(q, l, (flags & F_SKIP) != 0, bias, &blen, &bhs)))
+		goto out_release;
+	flags |= l->bias_table ? F_TABLE : 0;
 	if (ocl_kv_prep(q, pr, l, &kp, &vf, &kbuf, &vbuf, kv, &ret))
 		flags |= F_KV_F32;
 	if (ret)
@@ -544,6 +550,10 @@ int ape__ocl_attention(struct ape_be_queue *q, const struct ape_be_launch *launc
 	ape__ocl_arg(&a, sizeof(vm), &vm);
 	ape__ocl_arg(&a, sizeof(cl_mem), &segt);
 	ape__ocl_arg(&a, sizeof(sg.kpt), &sg.kpt);
+	ape__ocl_arg(&a, sizeof(cl_mem), &bias[0]);
+	ape__ocl_arg(&a, sizeof(cl_mem), &bias[1]);
+	ape__ocl_arg(&a, sizeof(blen), &blen);
+	ape__ocl_arg(&a, sizeof(bhs), &bhs);
 	for (int i = 0; pos && i < 3; i++) /* POSQ, POSK, TPOS */
 		ape__ocl_arg(&a, sizeof(cl_mem), &posb[i]);
 	if (a.err != CL_SUCCESS)
@@ -562,6 +572,9 @@ out_release:
 	for (int i = 0; i < 3; i++)
 		if (posb[i])
 			clReleaseMemObject(posb[i]);
+	for (int i = 0; i < 2; i++)
+		if (bias[i])
+			clReleaseMemObject(bias[i]);
 	seg_tables_free(&sg);
 	if (kp)
 		clReleaseMemObject(kp);

@@ -4,8 +4,11 @@
  * K with V as float32 rows, the per-distance table, the per-row table), the fused sweep (dK,
  * dV, and per split of the key blocks the partial dQ, alpha path and per-row parameter sums),
  * the reduction of the splits in split order (dQ, per-row parameter sums) and the per-head
- * float64 reduction of those sums, all in kernels/backward.cl, in that order on the launch's
- * queue. The sweep computes only the wanted outputs; the reductions run only for dQ or dparams.
+ * float64 reduction of those sums, then for a distance-bias table's gradient its two
+ * reductions (bwd_dbias()), all in kernels/backward.cl, in that order on the launch's queue.
+ * The sweep computes only the wanted outputs; the reductions run only for dQ, dparams or dbias.
+ * A distance-bias table (struct ape_be_launch.bias_table) enters the per-distance table's bias
+ * term, so that it costs the sweep nothing per pair, and its suffix maxima the skip bound.
  *
  * Scratch, released right after it is enqueued (the commands keep it alive), like the
  * forward's: the parameters, float32 copies of Q+dO and K+V (Q's rows padded to whole row
@@ -13,8 +16,11 @@
  * and row), the distance table (TB_N per head and distance, H (Lq + Lk - 1)), the per-row
  * parameter sums (4 per row, with dparams only), the sweep's per-split partials (nsplit slices
  * of Lq D floats for dQ and of RP_N APE_REAL per row for the rows' sums, nsplit <=
- * BWD_SPLITS_MAX) and, with skipping, one key norm per (batch, kv head): the size of the
- * inputs, never O(Lq * Lk). bwd_scratch_size() sizes every buffer;
+ * BWD_SPLITS_MAX), with skipping one key norm per (batch, kv head), with a table its rows (and
+ * with skipping their suffix maxima) as far as the launch's distances reach, and for its
+ * gradient the sweep's dS sums by distance (nsplit slices of B H (Lq + Lk - 1) APE_REAL) and
+ * their sum per table row: the size of the inputs, never O(Lq * Lk). bwd_scratch_size() sizes
+ * every buffer;
  * the launch allocates exactly those sizes, and attention_backward_scratch reports their sum
  * (core/backend.h), which the core counts against the budget of streamed calls.
  */
@@ -22,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define APE_REAL double
+#include "ape/ape_math.h"
 #include "kernels/bwd_layout.h"
 #include "ocl.h"
 
@@ -69,8 +77,35 @@ static size_t round_up(size_t n, size_t m)
 
 /* The bytes of each scratch buffer of one launch (0: not allocated). */
 struct bwd_scratch {
-	size_t prm, kmax, rinfo, step, tab, part, qp, kp, dqp, rp;
+	size_t prm, kmax, rinfo, step, tab, part, qp, kp, dqp, rp, bt, bsm, dbp, dbd;
 };
+
+/* The smallest and the largest |n| over a launch's distances n = rel + i - j */
+static void bwd_abs_range(const struct ape_be_launch *f, int64_t *near, int64_t *far)
+{
+	const int64_t rel = f->q_start - f->k_start;
+	const int64_t lo = ape_sat_sub(rel, f->Lk - 1), hi = ape_sat_add(rel, f->Lq - 1);
+
+	*near = ape_min_abs(lo, hi);
+	*far = ape_abs_dist(lo) > ape_abs_dist(hi) ? ape_abs_dist(lo) : ape_abs_dist(hi);
+}
+
+/* The entries of each distance-bias table row a launch reads (ape_bias_index() of its
+ * distances), from 0: M, or fewer when every distance lies before the last entry (the same
+ * lookups, min(|n|, M - 1) = |n| either way). */
+static int64_t bwd_table_len(const struct ape_be_launch *f)
+{
+	int64_t near, far;
+
+	bwd_abs_range(f, &near, &far);
+	return far < f->bias_len - 1 ? far + 1 : f->bias_len;
+}
+
+/* Rows of the table's gradient: one per head, or one shared */
+static int64_t bwd_table_rows(const struct ape_be_launch *f)
+{
+	return f->bias_hstride ? f->H : 1;
+}
 
 /*
  * The one sizing of a launch's scratch, for the launch (rw of its program) and for
@@ -80,8 +115,10 @@ struct bwd_scratch {
 static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, size_t rw,
 				 size_t nsplit, struct bwd_scratch *s)
 {
-	const unsigned outs = APE_BE_BWD_DQ | APE_BE_BWD_DK | APE_BE_BWD_DV | APE_BE_BWD_DPARAMS;
+	const unsigned outs = APE_BE_BWD_DQ | APE_BE_BWD_DK | APE_BE_BWD_DV | APE_BE_BWD_DPARAMS |
+			      APE_BE_BWD_DBIAS;
 	const size_t bh = (size_t)(f->B * f->H), bkv = (size_t)(f->B * f->Hkv);
+	const size_t ndist = (size_t)(f->Lq + f->Lk - 1);
 	const size_t npad = round_up((size_t)f->D / 2, rw), dpad = round_up((size_t)f->D, rw);
 	const size_t qrows = round_up((size_t)f->Lq, rw); /* whole row vectors */
 
@@ -105,8 +142,20 @@ static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, 
 	s->dqp = parts & APE_BE_BWD_DQ ? nsplit * bh * qrows * (size_t)f->D * sizeof(float) : 0;
 	s->rp = parts & (APE_BE_BWD_DQ | APE_BE_BWD_DPARAMS) ? nsplit * bh * qrows * RP_N * sizeof(double)
 							   : 0;
+	if (f->bias_table) { /* the table's rows as far as the launch reads, their suffix maxima
+			      * for the skip bound */
+		const size_t rows = (size_t)(bwd_table_rows(f) * bwd_table_len(f)) * sizeof(float);
+
+		s->bt = rows;
+		s->bsm = s->kmax ? rows : 0;
+	}
+	/* the table's gradient: per split and (batch, head) dS by distance, then per table row */
+	if (f->bias_table && (parts & APE_BE_BWD_DBIAS)) {
+		s->dbp = nsplit * bh * ndist * sizeof(double);
+		s->dbd = (size_t)bwd_table_rows(f) * ndist * sizeof(double);
+	}
 	return (uint64_t)s->prm + s->kmax + s->rinfo + s->step + s->tab + s->part + s->qp + s->kp +
-	       s->dqp + s->rp;
+	       s->dqp + s->rp + s->bt + s->bsm + s->dbp + s->dbd;
 }
 
 uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
@@ -145,6 +194,27 @@ static cl_mem bwd_params(struct ape_be_queue *q, const struct ape_be_launch *f, 
 	for (size_t i = 0; i < n; i++)
 		host[i] = i < (size_t)npad ? (i < (size_t)f->D / 2 ? f->omega[i] : 0.0)
 					   : (double)f->head_params[i - (size_t)npad];
+	mem = bwd_take(q, bytes, host, held, err);
+	free(host);
+	return mem;
+}
+
+/* Head rows of a distance-bias table (the table or its suffix maxima, rows hstride apart, 0 when
+ * shared), each cut to its first bytes / (sizeof(float) rows) entries (bwd_table_len()), in
+ * `bytes`. */
+static cl_mem bwd_table(struct ape_be_queue *q, const float *t, int64_t hstride, int64_t rows,
+			size_t bytes, uint64_t *held, cl_int *err)
+{
+	const size_t len = bytes / sizeof(float) / (size_t)rows;
+	float *host = ape_be_malloc(bytes);
+	cl_mem mem;
+
+	if (!host) {
+		*err = CL_OUT_OF_HOST_MEMORY;
+		return NULL;
+	}
+	for (int64_t r = 0; r < rows; r++)
+		memcpy(host + (size_t)r * len, t + r * hstride, len * sizeof(float));
 	mem = bwd_take(q, bytes, host, held, err);
 	free(host);
 	return mem;
@@ -263,6 +333,52 @@ static int bwd_prep(struct ape_be_queue *q, const struct ape__ocl_program *pr, c
 	return bwd_run(q, &args, round_up(padded, local), local, nbh, "ape_bwd_prep");
 }
 
+/*
+ * The table's gradient from the sweep's per-split sums by distance (dbp; the distances nmin
+ * onwards): per table row and distance over batch, heads and splits (ape_bwd_dbias_dist, into
+ * dbd), then per entry over the distances that read it, added to l->dbias (ape_bwd_dbias): only
+ * the entries the launch's distances reach.
+ */
+static int bwd_dbias(struct ape_be_queue *q, const struct ape__ocl_program *pr,
+		     const struct ape_be_bwd_launch *l, cl_int ns, size_t local, cl_long nmin,
+		     cl_mem dbp, cl_mem dbd)
+{
+	const struct ape_be_launch *f = &l->f;
+	const cl_int H = (cl_int)f->H, shared = f->bias_hstride == 0;
+	const cl_long B = f->B, ndist = f->Lq + f->Lk - 1, M = f->bias_len;
+	const size_t brows = (size_t)bwd_table_rows(f);
+	struct ape__ocl_args a;
+	int64_t near, far;
+	cl_long m0, nm;
+	int ret;
+
+	bwd_abs_range(f, &near, &far);
+	m0 = ape_bias_index(near, M);
+	nm = ape_bias_index(far, M) - m0 + 1;
+	memset(&a, 0, sizeof(a));
+	a.k = clCreateKernel(pr->prog, "ape_bwd_dbias_dist", &a.err);
+	ape__ocl_arg(&a, sizeof(cl_mem), &dbp);
+	ape__ocl_arg(&a, sizeof(ns), &ns);
+	ape__ocl_arg(&a, sizeof(B), &B);
+	ape__ocl_arg(&a, sizeof(H), &H);
+	ape__ocl_arg(&a, sizeof(shared), &shared);
+	ape__ocl_arg(&a, sizeof(ndist), &ndist);
+	ape__ocl_arg(&a, sizeof(cl_mem), &dbd);
+	ret = bwd_run(q, &a, round_up((size_t)ndist, local), local, brows, "ape_bwd_dbias_dist");
+	if (ret)
+		return ret;
+	memset(&a, 0, sizeof(a));
+	a.k = clCreateKernel(pr->prog, "ape_bwd_dbias", &a.err);
+	ape__ocl_arg(&a, sizeof(cl_mem), &dbd);
+	ape__ocl_arg(&a, sizeof(nmin), &nmin);
+	ape__ocl_arg(&a, sizeof(ndist), &ndist);
+	ape__ocl_arg(&a, sizeof(M), &M);
+	ape__ocl_arg(&a, sizeof(m0), &m0);
+	ape__ocl_arg(&a, sizeof(nm), &nm);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->dbias->mem);
+	return bwd_run(q, &a, round_up((size_t)nm, local), local, brows, "ape_bwd_dbias");
+}
+
 int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
@@ -277,7 +393,12 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	const cl_long nmin = rel - (Lk - 1), ndist = Lq + Lk - 1;
 	const cl_int inter = f->layout == APE_ROPE_INTERLEAVED;
 	cl_mem prm = NULL, rinfo = NULL, step = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL;
-	cl_mem none = NULL, kmax = NULL, dqp = NULL, rp = NULL;
+	cl_mem none = NULL, kmax = NULL, dqp = NULL, rp = NULL, bt = NULL, bsm = NULL, dbp = NULL;
+	cl_mem dbd = NULL;
+	/* the distance-bias table: entries per row, rows apart (0: shared), rows */
+	const cl_long bM = f->bias_table ? bwd_table_len(f) : 0;
+	const cl_long bstride = f->bias_hstride ? bM : 0;
+	const cl_int brows = (cl_int)bwd_table_rows(f);
 	cl_float tol = 0;
 	struct ape__ocl_args a;
 	struct bwd_sweep w;
@@ -293,7 +414,7 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 		return ape_be_error(APE_ENOTSUP, "the backward pass needs float64 (cl_khr_fp64, "
 					       "CL_DEVICE_DOUBLE_FP_CONFIG) for its parameter "
 					       "sums; this device has none");
-	if (!(l->dq || l->dk || l->dv || l->dparams) || rows == 0 || f->Lk == 0)
+	if (!(l->dq || l->dk || l->dv || l->dparams || l->dbias) || rows == 0 || f->Lk == 0)
 		return 0;
 	ret = ape__ocl_program_get(q->dev, f->D, &pr);
 	if (ret)
@@ -307,7 +428,8 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	bwd_scratch_size(f, ape_be_bwd_parts(l), (size_t)rw, nsplit, &s);
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
-		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0) | (f->pairs ? B_PAIRS : 0);
+		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0) | (f->pairs ? B_PAIRS : 0) |
+		 (l->dbias ? B_DBIAS : 0);
 	/* the skip bound of docs/kernels.md: only with every decay >= 0 */
 	if (f->skip_tol > 0 && f->decay_nonneg) {
 		flags |= B_SKIP;
@@ -336,6 +458,18 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 		ret = ape__ocl_error(err, "clCreateBuffer (backward scratch)");
 		goto out_release;
 	}
+	if (s.bt)
+		bt = bwd_table(q, f->bias_table, f->bias_hstride, brows, s.bt, &held, &err);
+	if (s.bsm && bt)
+		bsm = bwd_table(q, f->bias_smax, f->bias_hstride, brows, s.bsm, &held, &err);
+	if (s.dbp && (!s.bsm || bsm))
+		dbp = bwd_zeros(q, s.dbp, &held, &err);
+	if (s.dbd && dbp)
+		dbd = bwd_take(q, s.dbd, NULL, &held, &err);
+	if ((s.bt && !bt) || (s.bsm && !bsm) || (s.dbp && !dbp) || (s.dbd && !dbd)) {
+		ret = ape__ocl_error(err, "clCreateBuffer (backward distance-bias table)");
+		goto out_release;
+	}
 	ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem, (cl_int)l->dout_dtype,
 		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, none, s.qp,
 		       &held, &qp);
@@ -353,6 +487,9 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	ape__ocl_arg(&a, sizeof(H), &H);
 	ape__ocl_arg(&a, sizeof(nmin), &nmin);
 	ape__ocl_arg(&a, sizeof(ndist), &ndist);
+	ape__ocl_arg(&a, sizeof(cl_mem), &bt);
+	ape__ocl_arg(&a, sizeof(bstride), &bstride);
+	ape__ocl_arg(&a, sizeof(bM), &bM);
 	ape__ocl_arg(&a, sizeof(cl_mem), &tab);
 	ret = bwd_run(q, &a, round_up((size_t)ndist, local), local, (size_t)H, "ape_bwd_dist");
 	if (ret)
@@ -379,6 +516,9 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	ape__ocl_arg(&a, sizeof(scale), &scale);
 	ape__ocl_arg(&a, sizeof(tol), &tol);
 	ape__ocl_arg(&a, sizeof(cl_mem), f->pairs ? &f->pairs->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), &bsm);
+	ape__ocl_arg(&a, sizeof(bstride), &bstride);
+	ape__ocl_arg(&a, sizeof(bM), &bM);
 	/* one work-item per row vector */
 	ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H), "ape_bwd_rows");
 	if (ret)
@@ -401,6 +541,7 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	ape__ocl_arg(&a, sizeof(cl_mem), &rp);
 	ape__ocl_arg(&a, sizeof(ns), &ns);
 	ape__ocl_arg(&a, sizeof(nrv), &nrv);
+	ape__ocl_arg(&a, sizeof(cl_mem), &dbp);
 	ret = bwd_run(q, &a, nsplit, 1, (size_t)(B * f->Hkv), "ape_bwd_fused");
 	if (ret)
 		goto out_release;
@@ -439,7 +580,12 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 		ape__ocl_arg(&a, sizeof(Lq), &Lq);
 		ape__ocl_arg(&a, sizeof(cl_mem), &l->dparams->mem);
 		ret = bwd_run(q, &a, (size_t)H, 0, 1, "ape_bwd_params");
+		if (ret)
+			goto out_release;
 	}
+
+	if (l->dbias)
+		ret = bwd_dbias(q, pr, l, ns, local, nmin, dbp, dbd);
 out_release:
 	/* what this launch allocated, for the tests' comparison with the declared figure */
 	high = atomic_load(&ape__ocl_bwd_scratch_high);
@@ -465,6 +611,14 @@ out_release:
 		clReleaseMemObject(qp);
 	if (kp)
 		clReleaseMemObject(kp);
+	if (bt)
+		clReleaseMemObject(bt);
+	if (bsm)
+		clReleaseMemObject(bsm);
+	if (dbp)
+		clReleaseMemObject(dbp);
+	if (dbd)
+		clReleaseMemObject(dbd);
 	return ret;
 }
 

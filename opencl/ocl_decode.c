@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define APE_REAL double
+#include "ape/ape_math.h"
 #include "ocl_fast.h"
 
 #define DEC_TILE 64 /* kernels/decode.cl */
@@ -219,6 +221,91 @@ cl_mem ape__ocl_fast_params(struct ape_be_queue *q, const struct ape_be_launch *
 	return mem;
 }
 
+/* The largest |n| of any (row, key) pair of launch l, saturated at INT64_MAX (explicit positions:
+ * over every row's and key's, a bound): a distance-bias table's entries past it are never read. */
+static int64_t launch_reach(const struct ape_be_launch *l)
+{
+	int64_t r = 0;
+
+	if (l->pos_q) {
+		int64_t qlo = INT64_MAX, qhi = INT64_MIN, klo = INT64_MAX, khi = INT64_MIN;
+
+		if (l->Lq < 1 || l->Lk < 1)
+			return 0;
+		for (int64_t i = 0; i < l->Lq; i++) {
+			qlo = l->pos_q[i] < qlo ? l->pos_q[i] : qlo;
+			qhi = l->pos_q[i] > qhi ? l->pos_q[i] : qhi;
+		}
+		for (int64_t j = 0; j < l->Lk; j++) {
+			klo = l->pos_k[j] < klo ? l->pos_k[j] : klo;
+			khi = l->pos_k[j] > khi ? l->pos_k[j] : khi;
+		}
+		r = ape_abs_dist(ape_sat_sub(qhi, klo));
+		return ape_abs_dist(ape_sat_sub(qlo, khi)) > r ? ape_abs_dist(ape_sat_sub(qlo, khi)) : r;
+	}
+	for (int64_t s = 0; s < (l->segs ? l->nseg : 1); s++) {
+		const struct ape_be_seg g = l->segs ? l->segs[s]
+						    : (struct ape_be_seg){ 0, l->Lq, 0, l->Lk,
+									   l->q_start, l->k_start };
+		const int64_t rel = ape_sat_sub(g.q_start, g.k_start);
+		int64_t a, b;
+
+		if (g.lq < 1 || g.lk < 1)
+			continue;
+		a = ape_abs_dist(ape_sat_add(rel, g.lq - 1)); /* the last row, the first key */
+		b = ape_abs_dist(ape_sat_sub(rel, g.lk - 1)); /* the first row, the last key */
+		r = a > r ? a : r;
+		r = b > r ? b : r;
+	}
+	return r;
+}
+
+int ape__ocl_bias_upload(struct ape_be_queue *q, const struct ape_be_launch *l, bool smax,
+			 cl_mem tab[2], cl_long *len, cl_long *hs)
+{
+	/* the launch's heads' rows (ape_be_launch_heads() moved the pointers), or the one row; of
+	 * each, the entries up to the launch's farthest distance (a long table's tail, never
+	 * read, stays on the host: the kernels then clamp to the last entry uploaded, which the
+	 * distances they use never pass) */
+	const int64_t rows = l->bias_hstride ? l->H : 1, reach = l->bias_table ? launch_reach(l) : 0;
+	const int64_t M = reach < l->bias_len - 1 ? reach + 1 : l->bias_len;
+	const size_t bytes = (size_t)(rows * M) * sizeof(float);
+	float *cut = NULL;
+	cl_int err = CL_SUCCESS;
+
+	tab[0] = tab[1] = NULL;
+	*len = *hs = 0;
+	if (!l->bias_table)
+		return 0;
+	if (M < l->bias_len && rows > 1 && !(cut = ape_be_malloc(bytes)))
+		return ape_be_error(APE_ENOMEM, "out of host memory for a distance-bias table");
+	for (int i = 0; i < 1 + smax && (i == 0 || tab[0]); i++) {
+		const float *src = i ? l->bias_smax : l->bias_table;
+
+		for (int64_t h = 0; cut && h < rows; h++) /* rows M apart */
+			memcpy(cut + h * M, src + h * l->bias_len, (size_t)M * sizeof(float));
+		tab[i] = ape__ocl_scratch(q, bytes, cut ? cut : (void *)(uintptr_t)src, &err);
+	}
+	free(cut);
+	if (!tab[0] || (smax && !tab[1])) {
+		if (tab[0])
+			clReleaseMemObject(tab[0]);
+		tab[0] = NULL;
+		return ape__ocl_error(err, "clCreateBuffer (a distance-bias table of %lld entries)",
+				      (long long)M);
+	}
+	*len = M;
+	*hs = l->bias_hstride ? M : 0;
+	return 0;
+}
+
+uint64_t ape__ocl_bias_scratch(const struct ape_be_launch *l)
+{
+	/* the table and its suffix maxima, a row per head (a shared table's runs take one each),
+	 * whole: the planner asks with a launch's shape alone, not its distances */
+	return l->bias_table ? 2 * (uint64_t)l->H * (uint64_t)l->bias_len * sizeof(float) : 0;
+}
+
 void ape__ocl_arg_view(struct ape__ocl_args *a, const struct ape_be_launch *l, int t)
 {
 	const struct ape_be_view v = ape_be_launch_view(l, t);
@@ -302,7 +389,8 @@ int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 					pg ? pg->s_row : 0 } };
 	cl_mem ptab = pg && pg->table ? pg->table->mem : NULL;
 	struct ape__ocl_args a = { 0 };
-	cl_mem prm, part = NULL, none = NULL, sg = NULL;
+	cl_mem prm, part = NULL, none = NULL, sg = NULL, bias[2] = { NULL, NULL };
+	cl_long blen = 0, bhs = 0;
 	/* a ragged launch: a work-item row per segment and kv head, its segment's table */
 	const size_t nb = (size_t)(l->segs ? l->nseg : l->B);
 	int64_t nr;
@@ -353,6 +441,10 @@ int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 		ret = ape__ocl_error(err, "clCreateBuffer (decode scratch)");
 		goto out;
 	}
+	/* the distance-bias table (the decode skips nothing: no suffix maxima) */
+	ret = ape__ocl_bias_upload(q, l, false, bias, &blen, &bhs);
+	if (ret)
+		goto out;
 
 	snprintf(name, sizeof(name), dec_wg(ape__ocl_dev(q->dev)) ? "ape_decode_wg_%d"
 								     : "ape_decode_%d", rm);
@@ -386,6 +478,9 @@ int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 	ape__ocl_arg(&a, sizeof(pblk), &pblk);
 	ape__ocl_arg(&a, sizeof(cl_mem), &ptab);
 	ape__ocl_arg(&a, sizeof(cl_mem), &sg);
+	ape__ocl_arg(&a, sizeof(cl_mem), &bias[0]);
+	ape__ocl_arg(&a, sizeof(blen), &blen);
+	ape__ocl_arg(&a, sizeof(bhs), &bhs);
 	if (dec_wg(ape__ocl_dev(q->dev)))
 		ret = dec_wg_launch(q, &a, l, nsplit);
 	else
@@ -419,6 +514,8 @@ out:
 		clReleaseMemObject(part);
 	if (sg)
 		clReleaseMemObject(sg);
+	if (bias[0])
+		clReleaseMemObject(bias[0]);
 	return ret;
 }
 
@@ -442,10 +539,11 @@ uint64_t ape__ocl_attention_scratch(struct ape_device *dev, const struct ape_be_
 	/* shape-only: head_params are not known here, so each path that might run counts; a
 	 * launch with pages runs the decode only (attention_pages) */
 	if (l->pages)
-		return ape__ocl_decode_scratch(dev, l);
+		return ape__ocl_decode_scratch(dev, l) + ape__ocl_bias_scratch(l);
 	uint64_t s = general_scratch(l), d = ape__ocl_decode_scratch(dev, l),
 		 p = ape__ocl_separable_scratch(dev, l);
 
 	s = s > d ? s : d;
-	return s > p ? s : p;
+	/* each path uploads the distance-bias table alike */
+	return (s > p ? s : p) + ape__ocl_bias_scratch(l);
 }

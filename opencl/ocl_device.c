@@ -262,7 +262,10 @@ static int ocl_add_device(struct ape_backend *be, cl_platform_id plat, cl_device
 			     * segment tables; explicit positions: the general kernel's
 			     * ape_attention_pos (every launch with them goes there, the fast paths
 			     * take implied positions only) */
-			    APE_BE_CAP_SEGMENTS | APE_BE_CAP_POSITIONS,
+			    APE_BE_CAP_SEGMENTS | APE_BE_CAP_POSITIONS |
+			    /* distance-bias tables: every forward path (general, explicit
+			     * positions, ragged, separable, decode and pages) and the backward */
+			    APE_BE_CAP_BIAS_TABLE,
 		.max_alloc = od->max_alloc, /* checked in buf_alloc: some drivers fail late */
 	};
 	/* the programs already in the cache, now rather than in the first call */

@@ -50,6 +50,18 @@ uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape_be_lau
 /* omega_p (D/2 values), then delta, beta, gamma, lambda per head, in the kernels' APE_REAL, as a
  * read-only buffer of the launch's own. */
 cl_mem ape__ocl_fast_params(struct ape_be_queue *q, const struct ape_be_launch *l, cl_int *err);
+/*
+ * The launch's distance-bias table (struct ape_be_launch.bias_table) and, with smax, its suffix
+ * maxima (bias_smax, for the far-key bounds) as read-only buffers of the launch's own in tab[0]
+ * and tab[1] (the caller releases them), *len and *hs their entries per row and head stride
+ * as the kernels take them; without a table, NULL buffers and 0, 0. 0, or a failure (its
+ * message set).
+ */
+int ape__ocl_bias_upload(struct ape_be_queue *q, const struct ape_be_launch *l, bool smax,
+			 cl_mem tab[2], cl_long *len, cl_long *hs);
+/* Bytes ape__ocl_bias_upload() allocates for a launch of l's shape, or for all of the runs of
+ * its heads ape__ocl_split() makes of it. */
+uint64_t ape__ocl_bias_scratch(const struct ape_be_launch *l);
 /* The view of tensor t as four kernel arguments (offset, B, H and L strides). */
 void ape__ocl_arg_view(struct ape__ocl_args *a, const struct ape_be_launch *l, int t);
 /* Enqueues a->k (arguments set through a) over (n0, n1) with local size l0, releases it and
@@ -71,7 +83,7 @@ bool ape__ocl_split_applies(struct ape_device *dev, const struct ape_be_launch *
 int ape__ocl_split(struct ape_be_queue *q, const struct ape_be_launch *l);
 
 /* The attention_scratch op (ocl_decode.c): the largest of what the general kernel and the fast
- * paths allocate for l. */
+ * paths allocate for l, and the distance-bias table's upload. */
 uint64_t ape__ocl_attention_scratch(struct ape_device *dev, const struct ape_be_launch *l);
 
 /* ---- kernels_embed.S */

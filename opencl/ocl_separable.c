@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The separable path (kernels/separable.cl): launches whose every head has lambda = 0 (any
- * delta, beta, gamma; with beta or gamma != 0 the bias per distance comes from a table). Q and
+ * delta, beta, gamma; with beta or gamma != 0, or with the caller's distance-bias table, the
+ * bias per distance comes from a table of its own, the caller's added in). Q and
  * K are rotated once into scratch (Q transposed per block of 16 rows, the rows then being the
  * lanes of a vector; V copied as float32), key-tile norms and their prefix maxima are taken for
  * skipping, then ape_sep_attn (ape_sep_attn_wg in the work-group shape) runs the GEMM-shaped
@@ -62,9 +63,12 @@ static int64_t round_up(int64_t x, int64_t m)
 	return (x + m - 1) / m * m;
 }
 
-/* A head has beta or gamma != 0: the kernel takes its bias from the per-distance table. */
+/* A head has beta or gamma != 0, or the launch has a distance-bias table: the kernel takes its
+ * bias from the per-distance table (ape_sep_btab adds the caller's table into it). */
 static bool sep_tabbed(const struct ape_be_launch *l)
 {
+	if (l->bias_table)
+		return true;
 	for (int64_t h = 0; h < l->H; h++)
 		if (l->head_params[4 * h + 1] != 0 || l->head_params[4 * h + 2] != 0)
 			return true;
@@ -452,7 +456,8 @@ int ape__ocl_separable(struct ape_be_queue *q, const struct ape_be_launch *l)
 	const size_t real = ape__ocl_dev(q->dev)->fp64 ? sizeof(cl_double) : sizeof(cl_float);
 	cl_mem prm = NULL, qr = NULL, kt = NULL, vf = NULL, qn = NULL, tiles = NULL, pre = NULL;
 	cl_mem none = NULL;
-	cl_mem tab = NULL, sgb = NULL, ixb = NULL, trig = NULL;
+	cl_mem tab = NULL, sgb = NULL, ixb = NULL, trig = NULL, bias[2] = { NULL, NULL };
+	cl_long blen = 0, bhs = 0;
 	int nwi = sep_wg_shape(ape__ocl_dev(q->dev), l->D);
 	struct ape__ocl_args a = { 0 }, at = { 0 };
 	struct sep_plan pl = { 0 };
@@ -523,6 +528,10 @@ int ape__ocl_separable(struct ape_be_queue *q, const struct ape_be_launch *l)
 		ret = ape__ocl_error(err, "clCreateBuffer (separable scratch)");
 		goto out;
 	}
+	/* the caller's table (into ape_sep_btab's), its suffix maxima for the far-key bound */
+	ret = ape__ocl_bias_upload(q, l, (flags & APE__FD_SKIP) != 0, bias, &blen, &bhs);
+	if (ret)
+		goto out;
 
 	if (trig) { /* a ragged launch: the rotations' sines and cosines per position, once */
 		a.k = clCreateKernel(pr->prog, "ape_sep_trig", &a.err);
@@ -612,6 +621,9 @@ int ape__ocl_separable(struct ape_be_queue *q, const struct ape_be_launch *l)
 		ape__ocl_arg(&a, sizeof(nseg), &nseg);
 		ape__ocl_arg(&a, sizeof(cl_mem), &sgb);
 		ape__ocl_arg(&a, sizeof(cl_mem), &tab);
+		ape__ocl_arg(&a, sizeof(cl_mem), &bias[0]);
+		ape__ocl_arg(&a, sizeof(blen), &blen);
+		ape__ocl_arg(&a, sizeof(bhs), &bhs);
 		/* work-groups of 64 (PoCL's cost per group dwarfs one log1p) */
 		ret = ape__ocl_fast_launch(q, &a, "ape_sep_btab", (size_t)round_up(ne, 64), 64,
 					   (size_t)l->H);
@@ -679,6 +691,9 @@ int ape__ocl_separable(struct ape_be_queue *q, const struct ape_be_launch *l)
 		ape__ocl_arg(&at, sizeof(cl_mem), &sgb);
 		ape__ocl_arg(&at, sizeof(cl_mem), &ixb);
 		ape__ocl_arg(&at, sizeof(ixw), &ixw);
+		ape__ocl_arg(&at, sizeof(cl_mem), &bias[1]);
+		ape__ocl_arg(&at, sizeof(blen), &blen);
+		ape__ocl_arg(&at, sizeof(bhs), &bhs);
 		if (nwi > 0) { /* the work-group shape's K and V tiles in local memory */
 			ape__ocl_arg(&at, (size_t)(SEP_GBK * D) * sizeof(float), NULL);
 			ape__ocl_arg(&at, (size_t)(SEP_GBK * D) * sizeof(float), NULL);
@@ -716,6 +731,9 @@ out:
 		clReleaseMemObject(pre);
 	if (tab)
 		clReleaseMemObject(tab);
+	for (int i = 0; i < 2; i++)
+		if (bias[i])
+			clReleaseMemObject(bias[i]);
 	free(pl.sg);
 	free(pl.ix);
 	return ret;

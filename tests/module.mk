@@ -67,7 +67,7 @@ TESTS_ON_EVERY_BACKEND := $(BUILD)/tests/test_stream $(BUILD)/tests/test_stream_
                           $(BUILD)/tests/test_diag $(BUILD)/tests/test_diag_kernels \
                           $(BUILD)/tests/test_multidev \
                           $(BUILD)/tests/test_ends $(BUILD)/tests/test_varlen \
-                          $(BUILD)/tests/test_dense_positions
+                          $(BUILD)/tests/test_dense_positions $(BUILD)/tests/test_bias_table
 ifeq ($(HAVE_CUDA),yes)
 $(TESTS_ON_EVERY_BACKEND): $(CUDA_EMU)
 endif
@@ -96,7 +96,8 @@ endif
 # The tools' tests run the tools on the emulated CUDA device too, where a backward pass is not
 # implemented yet: ape-run, ape-bench and ape-check must say so (exit 3, or SKIP cells).
 ifeq ($(HAVE_CUDA),yes)
-$(BUILD)/tests/test_tools $(BUILD)/tests/test_ape_run $(BUILD)/tests/test_ape_run_backward: $(CUDA_EMU)
+$(BUILD)/tests/test_tools $(BUILD)/tests/test_ape_run $(BUILD)/tests/test_ape_run_backward \
+	$(BUILD)/tests/test_ape_run_bias_table: $(CUDA_EMU)
 endif
 
 # The OpenCL interop tests make their own cl_context, queues and buffers: they link the ICD
@@ -162,7 +163,8 @@ $(BUILD)/tests/test_plugins: $(PLUGIN_FIXTURES) $(PLUGIN_EXAMPLE) $(BUILD)/bin/a
 # tests/test_ape_check.c certifies the example backend plugin with `ape-check --plugin`, and
 # fails a fixture that computes nothing (the emulated CUDA device runs the same suite in
 # tests/test_tools.c).
-# ... and a plugin that states the backward and refuses it (tests/plugins/liar.c): it fails
+# ... and a plugin that states the backward and distance-bias tables, refuses the one and drops
+# the other (tests/plugins/liar.c): it fails
 PLUGIN_LIAR := $(PLUGIN_FIXTURE_DIR)/liar/libape-backend-liar.so
 $(BUILD)/tests/test_ape_check: $(PLUGIN_EXAMPLE) $(PLUGIN_FIXTURES) $(PLUGIN_LIAR)
 $(PLUGIN_LIAR): tests/plugins/liar.c include/ape/ape_backend.h $(PLUGIN_EXAMPLE) $(LIBSO) \

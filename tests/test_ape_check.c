@@ -2,14 +2,17 @@
 /*
  * ape-check as the conformance suite that certifies a backend: its summary table, its JSON (on
  * stdout and through --report), --plugin (a missing file and bad usage exit 2, a file that is no
- * plugin fails with the loader's reason, the example plugin passes), and the built-in backends
- * passing the same suite. tests/test_tools.c has the dense, backward and ragged cells.
+ * plugin fails with the loader's reason, the example plugin passes), the built-in backends
+ * passing the same suite, and the distance-bias table cells: passed where a device states
+ * bias_table, not claimed where it does not, failed on a plugin that states it and ignores the
+ * table. tests/test_tools.c has the dense, backward and ragged cells.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "ape/ape_backend.h"
 #include "ape_test.h"
 
 #define PYTHON "/usr/bin/python3"
@@ -30,6 +33,33 @@ static int count(const char *hay, const char *needle)
 	return n;
 }
 
+/* The JSON's cells of `group` whose status is `status` ("pass", "fail", "not_claimed"). */
+static int cells_of(const char *json, const char *group, const char *status)
+{
+	char g[64], st[64];
+	int n = 0;
+
+	snprintf(g, sizeof(g), "{\"group\": \"%s\", ", group);
+	snprintf(st, sizeof(st), "\"status\": \"%s\"", status);
+	for (const char *p = json; (p = strstr(p, g)); p += strlen(g)) {
+		const char *s = strstr(p, "\"status\": ");
+
+		n += s && !strncmp(s, st, strlen(st));
+	}
+	return n;
+}
+
+/* The table cells of a run without the long cases (--quick, --plugin), in their order. */
+static const char *const table_cells[] = {
+	"table_t5_gqa_causal_f32",   "table_t5_noncausal_both_sides_f16",
+	"table_shared_longer_bf16",  "table_gauss_far_band_l1024_f32",
+	"table_kv_cache_decode_f16", "table_ragged_t5_f32",
+	"table_backward_t5_gqa_f32", "table_backward_shared_f16",
+	"same_bits_backward_table_f16",
+};
+
+#define NTABLE_CELLS ((int)(sizeof(table_cells) / sizeof(table_cells[0])))
+
 /*
  * Checks the JSON object in `file` with Python: every cell has its fields, the summary counts
  * what the cells say per group and in total, "ok" is whether none failed. Prints "cells
@@ -41,7 +71,7 @@ static int check_json(const char *file, char *got, size_t len)
 		"import json, sys\n"
 		"d = json.load(open(sys.argv[1]))\n"
 		"groups = ['load', 'forward', 'backward', 'ragged', 'diagnostics', 'kv', 'resident',\n"
-		"          'determinism', 'failures']\n"
+		"          'tables', 'determinism', 'failures']\n"
 		"keys = {'group', 'cell', 'device', 'status', 'max_err', 'tol', 'message'}\n"
 		"n = {g: {'passed': 0, 'failed': 0, 'not_claimed': 0} for g in groups + ['total']}\n"
 		"word = {'pass': 'passed', 'fail': 'failed', 'not_claimed': 'not_claimed'}\n"
@@ -102,7 +132,8 @@ TEST(json_report_parses_and_counts_match)
 	/* every group but the plugin's loading, on the one device */
 	for (const char *const *g = (const char *const[]){ "forward", "backward", "ragged",
 							    "diagnostics", "kv", "resident",
-							    "determinism", "failures", NULL };
+							    "tables", "determinism", "failures",
+							    NULL };
 	     *g; g++) {
 		char key[64];
 
@@ -127,7 +158,7 @@ TEST(text_ends_with_the_summary)
 	s = strstr(out, "\nsummary (cells over every device)  passed  failed  not claimed\n");
 	ASSERT_NE(NULL, s) TH_LOG("%s", out);
 	for (const char *const *g = (const char *const[]){ "forward", "backward", "ragged",
-							    "diagnostics", "kv", "resident",
+							    "diagnostics", "kv", "resident", "tables",
 							    "determinism", "failures", "total", NULL };
 	     *g; g++) {
 		char key[64];
@@ -140,6 +171,27 @@ TEST(text_ends_with_the_summary)
 	EXPECT_NE(NULL, strstr(out, "\nforward_null_q "));
 	EXPECT_NE(NULL, strstr(out, "\nkv_pool_pages_fork_bf16 "));
 	EXPECT_NE(NULL, strstr(out, "\nsame_bits_backward_f16 "));
+	for (int i = 0; i < NTABLE_CELLS; i++) {
+		char key[64];
+
+		snprintf(key, sizeof(key), "\n%s ", table_cells[i]);
+		EXPECT_NE(NULL, strstr(out, key)) TH_LOG("no line for %s", table_cells[i]);
+	}
+}
+
+/* Whether the devices of `backend` state bias_table (the first of them; false: none). */
+static bool states_tables(ape_context *ctx, const char *backend)
+{
+	ape_device *devs[32];
+	const int n = ape_device_list(ctx, devs, 32);
+
+	for (int d = 0; d < n; d++) {
+		ape_device_info info;
+
+		if (!ape_device_get_info(devs[d], &info) && !strcmp(info.backend, backend))
+			return ape_device_capabilities(devs[d]) & APE_BE_CAP_BIAS_TABLE;
+	}
+	return false;
 }
 
 /* Every built-in backend available here passes the suite, the reference in --quick (its long
@@ -164,6 +216,11 @@ TEST(builtin_backends_pass)
 		EXPECT_NE(NULL, strstr(out, "\"ok\": true")) TH_LOG("%s", bi.name);
 		EXPECT_EQ(0, count(out, "\"status\": \"fail\"")) TH_LOG("%s: %s", bi.name, out);
 		EXPECT_EQ(!ref, strstr(out, "\"long_cases\": true") != NULL);
+		/* the table cells: claimed where the backend's devices state bias_table */
+		EXPECT_LT(0, count(out, "{\"group\": \"tables\", ")) TH_LOG("%s", bi.name);
+		EXPECT_EQ(0, cells_of(out, "tables", states_tables(ctx, bi.name) ? "not_claimed"
+										 : "pass"))
+			TH_LOG("%s: %s", bi.name, out);
 		checked++;
 	}
 	ape_context_destroy(ctx);
@@ -266,6 +323,18 @@ TEST(a_stated_capability_refused_fails)
 	EXPECT_EQ(0, count(out, "{\"group\": \"forward\", \"cell\": \"one_row_d64_f32\", "
 				"\"device\": \"liar:0\", \"status\": \"fail\""))
 		TH_LOG("%s", out);
+	/* its forward drops the table although it states bias_table: every table cell fails,
+	 * none is not claimed */
+	for (int i = 0; i < NTABLE_CELLS; i++) {
+		char key[160];
+
+		snprintf(key, sizeof(key), "{\"group\": \"tables\", \"cell\": \"%s\", "
+			 "\"device\": \"liar:0\", \"status\": \"fail\"", table_cells[i]);
+		EXPECT_EQ(1, count(out, key)) TH_LOG("%s: %s", table_cells[i], out);
+	}
+	EXPECT_EQ(NTABLE_CELLS, cells_of(out, "tables", "fail"));
+	EXPECT_EQ(0, cells_of(out, "tables", "not_claimed"));
+	EXPECT_LT(0, count(out, "the device states backward bias_table, yet: ")) TH_LOG("%s", out);
 }
 
 /* The example plugin (make plugin-example) passes: every cell it claims, on its devices alone. */
@@ -287,6 +356,16 @@ TEST(example_plugin_passes)
 	EXPECT_LT(0, count(out, "{\"group\": \"forward\", "));
 	EXPECT_LT(0, count(out, "{\"group\": \"backward\", "));
 	EXPECT_EQ(0, count(out, "\"group\": \"forward\", \"cell\": \"l4097"));
+	/* it computes tables: every table cell claimed and passed (the long row of 1024, as
+	 * --quick has it) */
+	for (int i = 0; i < NTABLE_CELLS; i++) {
+		char key[160];
+
+		snprintf(key, sizeof(key), "{\"group\": \"tables\", \"cell\": \"%s\", "
+			 "\"device\": \"example:0\", \"status\": \"pass\"", table_cells[i]);
+		EXPECT_EQ(1, count(out, key)) TH_LOG("%s: %s", table_cells[i], out);
+	}
+	EXPECT_EQ(NTABLE_CELLS, cells_of(out, "tables", "pass")) TH_LOG("%s", out);
 	if (!access(PYTHON, X_OK)) {
 		char path[] = "/tmp/ape-check-example-XXXXXX";
 		int fd = mkstemp(path);

@@ -410,7 +410,7 @@ TEST_F(rd, invalid_arguments)
 	a = ok, a.dout = NULL;
 	EXPECT_REFUSED(a, APE_EINVAL, "ape_attention_backward: dout = NULL");
 	a = ok, a.dq = NULL, a.dk = NULL, a.dv = NULL, a.dparams = NULL;
-	EXPECT_REFUSED(a, APE_EINVAL, "dq, dk, dv and dparams are all NULL");
+	EXPECT_REFUSED(a, APE_EINVAL, "dq, dk, dv, dparams and desc->dbias_table are all NULL");
 
 	bad = g.dq.t, bad.shape[2] = sh.Lq + 1;
 	a = ok, a.dq = &bad;

@@ -529,4 +529,265 @@ TEST_F(bwd, streamed_budget_counts_the_backend_scratch)
 	bcase_free(&c);
 }
 
+/* ---------------------------------------------------------------- distance-bias tables */
+
+/* The bytes of a case's table's gradient: its rows times its entries, float32. */
+static size_t dbias_bytes(const bcase *c)
+{
+	return sizeof(float) * (size_t)(c->tp.desc.bias_table_heads * c->tp.desc.bias_table_len);
+}
+
+/* The gradient of a case's table, NaN until a call writes it. */
+static float *dbias_alloc(const bcase *c)
+{
+	const size_t n = dbias_bytes(c) / sizeof(float);
+	float *g = malloc(sizeof(float) * n);
+
+	for (size_t i = 0; g && i < n; i++)
+		g[i] = NAN;
+	return g;
+}
+
+/* max |a - b| over a table's gradient, relative to max |b| (a NaN in a counts as infinite). */
+static double dbias_rel_err(const bcase *c, const float *a, const float *b)
+{
+	const size_t n = dbias_bytes(c) / sizeof(float);
+	double err = 0, m = 1e-30;
+
+	for (size_t i = 0; i < n; i++) {
+		err = fmax(err, isnan(a[i]) ? INFINITY : fabs((double)a[i] - b[i]));
+		m = fmax(m, fabs((double)b[i]));
+	}
+	return err / m;
+}
+
+/* run_backward() (run_chunked() when cq > 0) with the table's gradient into db (NULL: none). */
+static int run_table(bcase *c, ape_device *dev, grads *g, unsigned wanted, float *db, int64_t cq,
+		     int64_t ck, ape_stats *st)
+{
+	int ret;
+
+	c->tp.desc.dbias_table = db;
+	ret = cq > 0 ? run_chunked(c, dev, g, cq, ck, st) : run_backward(c, dev, g, wanted, st);
+	c->tp.desc.dbias_table = NULL;
+	return ret;
+}
+
+/* A device that cannot take tables: the tests below skip (APE_ENOTSUP there is the core's). */
+static bool takes_tables(const ape_device *dev)
+{
+	return ape_be_caps_have(&dev->caps, APE_BE_CAP_BACKWARD) &&
+	       ape_be_caps_have(&dev->caps, APE_BE_CAP_BIAS_TABLE);
+}
+
+/*
+ * Every backend that takes distance-bias tables, against the reference on random tables
+ * (test_problem_random_table(): T5 buckets, Gaussian, rising again far away, random; per head or
+ * shared; shorter or longer than the distances), the O and LSE the reference's forward saved:
+ * dQ, dK, dV, the parameters' and the table's gradients at the spec's tolerances on every
+ * storage type, GQA and MQA, both layouts, causal or not, D specialised or not, key counts
+ * across several sweep splits, distances near 2^40, in one launch and in chunks; a shared table
+ * (one row for every head: its gradient sums the heads) and a table of at most three entries
+ * forced every few cases; two runs bit for bit the same; the table's gradient alone bit for bit
+ * as with every output; without asking for it, the other gradients as with it; the scratch a
+ * launch allocates within what the backend declares.
+ */
+TEST_F(bwd, every_backend_bias_table)
+{
+	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
+	static const test_problem_shape shapes[] = {
+		{ 1, 4, 2, 33, 47, 16 }, /* GQA */
+		{ 1, 2, 1, 37, 200, 64 }, /* 4 blocks of 64 keys: splits */
+		{ 2, 3, 1, 20, 70, 128 }, /* MQA, blocks of 16 */
+		{ 1, 2, 2, 23, 97, 10 }, /* a D no kernel specialises */
+	};
+	const int ncases = self->emu || ape_test_slow() ? 6 : 16;
+	ape_rng rng;
+
+	if (!takes_tables(self->dev))
+		SKIP(return, "%s: no backward pass with distance-bias tables", variant->backend);
+	ape_rng_init(&rng, "every_backend_bias_table");
+	for (int i = 0; i < ncases; i++) {
+		const test_problem_shape *sh = &shapes[i % 4];
+		const ape_dtype dt = types[i / 4 % 3];
+		float *want_db, *db, *again_db, *chunked_db, *alone_db;
+		grads want, g, again, chunked, alone, nodb;
+		bcase c;
+
+		/* with dLSE: without it each row's dS sum to 0 (sum_j P_ij = 1), so that a table
+		 * of one entry, or distances all past the last, has a gradient of rounding errors
+		 * only */
+		ASSERT_EQ(0, bcase_make(&c, &rng, sh, dt, false, true));
+		test_problem_random_params(&c.tp, &rng);
+		c.tp.desc.layout = i & 1 ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+		c.tp.desc.causal = i % 5 < 3;
+		c.tp.desc.q_start = c.tp.desc.k_start + (i % 3) * 7 - 5;
+		c.tp.desc.q_start_set = true;
+		ASSERT_EQ(0, test_problem_random_table(&c.tp, &rng));
+		if (i % 4 == 1) /* row 0 for every head */
+			c.tp.desc.bias_table_heads = 1;
+		if (i % 4 == 2 && c.tp.desc.bias_table_len > 3) /* most distances read the last */
+			c.tp.desc.bias_table_len = 3;
+		if (i % 8 == 5) /* every distance near 2^40: the last entry */
+			c.tp.desc.q_start = c.tp.desc.k_start + ((int64_t)1 << 40);
+		ASSERT_EQ(0, bcase_forward(&c, self->ref)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&again, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&chunked, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&alone, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&nodb, &c, APE_F32));
+		want_db = dbias_alloc(&c);
+		db = dbias_alloc(&c);
+		again_db = dbias_alloc(&c);
+		chunked_db = dbias_alloc(&c);
+		alone_db = dbias_alloc(&c);
+		ASSERT_TRUE(want_db && db && again_db && chunked_db && alone_db);
+		ASSERT_EQ(0, run_table(&c, self->ref, &want, W_ALL, want_db, 0, 0, NULL))
+			TH_LOG("%s", ape_last_error());
+		/* what the launch allocates, its table's scratch included, within what it declares */
+		wrap_install(self->dev, 0);
+		allocated_scratch(self->dev);
+		EXPECT_EQ(0, run_table(&c, self->dev, &g, W_ALL, db, 0, 0, NULL))
+			TH_LOG("%s", ape_last_error());
+		EXPECT_LE(allocated_scratch(self->dev), wrap_get().bwd_scratch_max) TH_LOG("case %d", i);
+		wrap_remove();
+		EXPECT_EQ(0, run_table(&c, self->dev, &again, W_ALL, again_db, 0, 0, NULL));
+		EXPECT_EQ(0, run_table(&c, self->dev, &chunked, W_ALL, chunked_db, 7, 16, NULL))
+			TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, run_table(&c, self->dev, &alone, 0, alone_db, 0, 0, NULL))
+			TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, run_table(&c, self->dev, &nodb, W_ALL, NULL, 0, 0, NULL));
+		EXPECT_LE(grads_rel_err(&g.dq.t, &want.dq.t), grads_tol(dt)) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err(&g.dk.t, &want.dk.t), grads_tol(dt)) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err(&g.dv.t, &want.dv.t), grads_tol(dt)) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err_params(g.dparams, want.dparams, sh->H), grads_tol(dt))
+			TH_LOG("case %d", i);
+		EXPECT_LE(dbias_rel_err(&c, db, want_db), grads_tol(dt))
+			TH_LOG("case %d: dbias rel err %.3g (%lld rows of %lld)", i,
+			       dbias_rel_err(&c, db, want_db), (long long)c.tp.desc.bias_table_heads,
+			       (long long)c.tp.desc.bias_table_len);
+		EXPECT_LE(grads_rel_err(&chunked.dq.t, &want.dq.t), grads_tol(dt)) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err(&chunked.dk.t, &want.dk.t), grads_tol(dt)) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err(&chunked.dv.t, &want.dv.t), grads_tol(dt)) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err_params(chunked.dparams, want.dparams, sh->H), grads_tol(dt))
+			TH_LOG("case %d", i);
+		EXPECT_LE(dbias_rel_err(&c, chunked_db, want_db), grads_tol(dt))
+			TH_LOG("case %d: chunked dbias rel err %.3g", i,
+			       dbias_rel_err(&c, chunked_db, want_db));
+		EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: reruns differ", i);
+		EXPECT_EQ(0, memcmp(db, again_db, dbias_bytes(&c))) TH_LOG("case %d: reruns differ", i);
+		EXPECT_EQ(0, memcmp(db, alone_db, dbias_bytes(&c))) TH_LOG("case %d: alone differs", i);
+		EXPECT_TRUE(same_grads(&g, &nodb, W_ALL)) TH_LOG("case %d: without dbias differs", i);
+		free(want_db);
+		free(db);
+		free(again_db);
+		free(chunked_db);
+		free(alone_db);
+		grads_free(&want);
+		grads_free(&g);
+		grads_free(&again);
+		grads_free(&chunked);
+		grads_free(&alone);
+		grads_free(&nodb);
+		bcase_free(&c);
+	}
+}
+
+/*
+ * Skipping with a table (every decay >= 0, skip_tol 1e-4, the seed's parameters as in
+ * every_backend_skipping_within_tolerance): the bound adds the table's suffix maximum at each
+ * granule's nearest distance. A table that falls (a Gaussian -n^2 / 2000): the backend that
+ * counts its pairs (OpenCL) leaves keys out, and every gradient stays within the spec's
+ * tolerance of the reference's; a table that rises again far away, as much as the decay takes
+ * there and more (the far keys then carry most of each row's weight): within tolerance too, which
+ * a bound without the table, leaving the far keys out, would miss by far. Both sides (not
+ * causal), per-head and shared, in one launch and in chunks.
+ */
+TEST_F(bwd, every_backend_bias_table_skipping)
+{
+	const test_problem_shape sh = { 1, 2, 1, 400, 400, 64 };
+	const bool counts = strcmp(variant->backend, "opencl") == 0;
+	const float delta = (float)pow(2, -4.0 / 3);
+	ape_rng rng;
+
+	if (!takes_tables(self->dev))
+		SKIP(return, "%s: no backward pass with distance-bias tables", variant->backend);
+	if (self->emu || ape_test_slow())
+		SKIP(return, "400 x 400 rows: too long for the emulated device or a slow run");
+	ape_rng_init(&rng, "every_backend_bias_table_skipping");
+	for (int kind = 0; kind < 4; kind++) {
+		const int64_t M = 450, rows = kind & 1 ? 1 : sh.H;
+		const bool rising = kind >= 2;
+		float *table = malloc(sizeof(float) * (size_t)(rows * M));
+		float *want_db, *db, *chunked_db;
+		uint64_t visible;
+		ape_stats st;
+		grads want, g, chunked;
+		bcase c;
+
+		ASSERT_NE(NULL, table);
+		for (int64_t h = 0; h < rows; h++)
+			for (int64_t m = 0; m < M; m++)
+				table[h * M + m] = rising ? (m < 250 ? -0.01f * (float)(m + h)
+								: delta * (float)m + 3.0f)
+							  : -(float)(m * m) / 2000.0f - 0.1f * (float)h;
+		ASSERT_EQ(0, bcase_make(&c, &rng, &sh, APE_F32, false, kind == 0));
+		c.tp.bias_table = table; /* owned by the case */
+		c.tp.desc.bias_table = table;
+		c.tp.desc.bias_table_len = M;
+		c.tp.desc.bias_table_heads = rows;
+		c.tp.desc.delta = (ape_param){ delta, NULL };
+		c.tp.desc.beta = c.tp.desc.gamma = (ape_param){ delta / 10, NULL };
+		c.tp.desc.lambda = (ape_param){ 0.1f, NULL };
+		c.tp.desc.causal = false;
+		c.tp.desc.q_start_set = false;
+		c.tp.desc.skip_tol = 0;
+		ASSERT_EQ(0, bcase_forward(&c, self->ref)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&chunked, &c, APE_F32));
+		want_db = dbias_alloc(&c);
+		db = dbias_alloc(&c);
+		chunked_db = dbias_alloc(&c);
+		ASSERT_TRUE(want_db && db && chunked_db);
+		ASSERT_EQ(0, run_table(&c, self->ref, &want, W_ALL, want_db, 0, 0, NULL));
+		c.tp.desc.skip_tol = 1e-4f;
+		ape_stats_init(&st);
+		EXPECT_EQ(0, run_table(&c, self->dev, &g, W_ALL, db, 0, 0, &st))
+			TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, run_table(&c, self->dev, &chunked, W_ALL, chunked_db, 256, 200, NULL))
+			TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, ape_visible_pairs(&c.tp.desc, sh.B, sh.H, sh.Lq, sh.Lk, &visible));
+		if (counts && !rising)
+			EXPECT_LT(st.pairs_computed, visible) TH_LOG("kind %d", kind);
+		EXPECT_LE(st.pairs_computed, visible);
+		EXPECT_LE(grads_rel_err(&g.dq.t, &want.dq.t), grads_tol(APE_F32)) TH_LOG("kind %d", kind);
+		EXPECT_LE(grads_rel_err(&g.dk.t, &want.dk.t), grads_tol(APE_F32)) TH_LOG("kind %d", kind);
+		EXPECT_LE(grads_rel_err(&g.dv.t, &want.dv.t), grads_tol(APE_F32)) TH_LOG("kind %d", kind);
+		EXPECT_LE(grads_rel_err_params(g.dparams, want.dparams, sh.H), grads_tol(APE_F32))
+			TH_LOG("kind %d", kind);
+		EXPECT_LE(dbias_rel_err(&c, db, want_db), grads_tol(APE_F32)) TH_LOG("kind %d", kind);
+		EXPECT_LE(grads_rel_err(&chunked.dq.t, &want.dq.t), grads_tol(APE_F32));
+		EXPECT_LE(grads_rel_err(&chunked.dk.t, &want.dk.t), grads_tol(APE_F32));
+		EXPECT_LE(grads_rel_err(&chunked.dv.t, &want.dv.t), grads_tol(APE_F32));
+		EXPECT_LE(grads_rel_err_params(chunked.dparams, want.dparams, sh.H), grads_tol(APE_F32));
+		EXPECT_LE(dbias_rel_err(&c, chunked_db, want_db), grads_tol(APE_F32));
+		TH_LOG("kind %d: %llu of %llu visible pairs computed; errors dq %.2e dk %.2e dv %.2e "
+		       "dparams %.2e dbias %.2e",
+		       kind, (unsigned long long)st.pairs_computed, (unsigned long long)visible,
+		       grads_rel_err(&g.dq.t, &want.dq.t), grads_rel_err(&g.dk.t, &want.dk.t),
+		       grads_rel_err(&g.dv.t, &want.dv.t),
+		       grads_rel_err_params(g.dparams, want.dparams, sh.H),
+		       dbias_rel_err(&c, db, want_db));
+		free(want_db);
+		free(db);
+		free(chunked_db);
+		grads_free(&want);
+		grads_free(&g);
+		grads_free(&chunked);
+		bcase_free(&c);
+	}
+}
+
 TEST_HARNESS_MAIN

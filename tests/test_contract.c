@@ -12,6 +12,7 @@
 
 #include "ape_test.h"
 #include "api/registry.h"
+#include "common/bwdcase.h"
 #include "common/wrapops.h"
 #include "core/alloc.h"
 #include "core/backend.h"
@@ -516,7 +517,7 @@ TEST(registration_checks_the_table)
 		{ "host_register", "refused: host_register and host_unregister come both or "
 				   "neither: host_unregister is missing" },
 		{ "major", "refused: backend ABI 2.0: this libape takes major 1 only" },
-		{ "minor", "refused: backend ABI 1.1 is newer than this libape's 1.0" },
+		{ "minor", "refused: backend ABI 1.2 is newer than this libape's 1.1" },
 		{ "struct_size", "refused: struct_size 20 is shorter than the 24 bytes every table "
 				 "begins with" },
 		{ "older minor", NULL },
@@ -694,6 +695,82 @@ TEST_F(be, capabilities_as_stated)
 	EXPECT_STREQ("diag_views", ape_be_cap_name(APE_BE_CAP_DIAG_VIEWS));
 	EXPECT_EQ(NULL, ape_be_cap_name(0));
 	EXPECT_EQ(NULL, ape_be_cap_name(APE_BE_CAP_DIAG | APE_BE_CAP_BACKWARD));
+}
+
+/* ---------------------------------------------------------------- ABI 1.0 backends */
+
+/* ABI 1.0's backward launch, as a backend built against 1.0 declares it: 1.0's forward launch
+ * (every member before bias_table), then the backward's members without dbias. */
+struct bwd_launch_1_0 {
+	_Alignas(struct ape_be_launch) unsigned char f[offsetof(struct ape_be_launch, bias_table)];
+	ape_dtype dout_dtype;
+	struct ape_be_buf *dout, *dlse, *dq, *dk, *dv, *dparams;
+};
+
+static int old_calls;
+
+/* A 1.0 backend's attention_backward: reads its launch in 1.0's layout, then computes it as
+ * the reference does (the launch rebuilt in this header's layout, no table). */
+static int old_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
+{
+	const struct bwd_launch_1_0 *o = (const void *)l;
+	struct ape_be_bwd_launch n;
+
+	memset(&n, 0, sizeof(n));
+	memcpy(&n.f, o->f, sizeof(o->f));
+	n.dout_dtype = o->dout_dtype;
+	n.dout = o->dout;
+	n.dlse = o->dlse;
+	n.dq = o->dq;
+	n.dk = o->dk;
+	n.dv = o->dv;
+	n.dparams = o->dparams;
+	old_calls++;
+	return ref_entry()->ops->attention_backward(q, &n);
+}
+
+/* A backend of ABI 1.0 (the reference's table stating minor 0): its devices lose the
+ * capability 1.0 did not have (bias_table: it gets no table, the call with one is refused
+ * naming the device), and its backward launches come in 1.0's layout (runtime/core/ops.c
+ * converts them), so its gradients are the reference's bit for bit. */
+TEST(abi_1_0_backends_get_1_0_launches)
+{
+	struct ape_backend_plugin t = *ref_entry()->ops;
+	const struct ape__registry_entry reg[2] = { { "old", &t, NULL }, *ref_entry() };
+	const test_problem_shape sh = { 2, 4, 2, 9, 13, 8 };
+	ape_context *ctx = NULL;
+	ape_device *old, *ref;
+	ape_rng rng;
+	bcase c;
+	grads g[2];
+
+	t.name = "old";
+	t.abi_minor = 0;
+	t.attention_backward = old_attention_backward;
+	ASSERT_EQ(0, ape__context_create(&ctx, NULL, reg, 2)) TH_LOG("%s", ape_last_error());
+	old = test_device(ctx, "old");
+	ref = test_device(ctx, "ref");
+	ASSERT_NE(NULL, old);
+	ASSERT_NE(NULL, ref);
+	EXPECT_EQ(0u, ape_device_capabilities(old) & APE_BE_CAP_BIAS_TABLE);
+	EXPECT_EQ(APE_BE_CAP_ALL & ~(uint64_t)APE_BE_CAP_BIAS_TABLE, ape_device_capabilities(old));
+	ape_rng_init(&rng, "abi_1_0_backends_get_1_0_launches");
+	ASSERT_EQ(0, bcase_ready(&c, &rng, &sh, APE_F32, false, true, ref));
+	for (int w = 0; w < 2; w++) {
+		ASSERT_EQ(0, grads_alloc(&g[w], &c, APE_F32));
+		ASSERT_EQ(0, run_backward(&c, w ? ref : old, &g[w], W_ALL, NULL))
+		TH_LOG("%s", ape_last_error());
+	}
+	EXPECT_GT(old_calls, 0);
+	EXPECT_TRUE(same_grads(&g[0], &g[1], W_ALL));
+	/* a table: refused on the 1.0 device, naming it */
+	ASSERT_EQ(0, test_problem_random_table(&c.tp, &rng));
+	EXPECT_EQ(APE_ENOTSUP, test_problem_run(&c.tp, old));
+	EXPECT_NE(NULL, strstr(ape_last_error(), "old:0")) TH_LOG("%s", ape_last_error());
+	for (int w = 0; w < 2; w++)
+		grads_free(&g[w]);
+	bcase_free(&c);
+	ape_context_destroy(ctx);
 }
 
 TEST_HARNESS_MAIN

@@ -373,4 +373,92 @@ TEST_F(tools, ape_curve_formats_and_refusals)
 	EXPECT_EQ(self->ninputs, test_count_entries(self->work, NULL, 0));
 }
 
+/* A table saved as work/name, float32 [rows, M]. */
+static void save_table(struct __test_metadata *_metadata, FIXTURE_DATA(tools) *self,
+		       const char *name, int64_t rows, int64_t M, const float *vals)
+{
+	const int64_t shape[2] = { rows, M };
+	char path[160], err[512];
+
+	snprintf(path, sizeof(path), "%s/%s", self->work, name);
+	ASSERT_EQ(0, npy_save(path, APE_F32, 2, shape, vals, err, sizeof(err))) TH_LOG("%s", err);
+	self->ninputs = test_count_entries(self->work, NULL, 0);
+}
+
+/* ape-curve --bias-table: a table joins the --params set before it ("ape+T") or makes a set of
+ * its own ("G": plain RoPE plus the table); the figures are those of ape-run --bias-table's
+ * diagnostics; JSON names the file; a table that does not fit is refused before anything is
+ * computed. */
+TEST_F(tools, ape_curve_draws_a_bias_table)
+{
+	static const char *const sets[2] = { "ape+T", "G" };
+	const int64_t H = 2, L = 20;
+	float t[12], g[32];
+	char csv[65536];
+
+	for (int i = 0; i < 12; i++)
+		t[i] = (float)(2 * ape_rng_uniform(&self->rng) - 1);
+	for (int m = 0; m < 32; m++)
+		g[m] = -0.02f * (float)(m * m);
+	inputs(_metadata, self, H, 1, L, 8);
+	save_table(_metadata, self, "T.npy", 2, 6, t);
+	save_table(_metadata, self, "G.npy", 1, 32, g);
+	ASSERT_EQ(0, CURVE("-q", "Q.npy", "-k", "K.npy", "-v", "V.npy", "--lengths", "20",
+			   "--params", "ape", "--bias-table", "T.npy", "-b", "G.npy",
+			   "--rope-scale", "2", "--csv", "--backend", "ref", "--quiet"))
+	TH_LOG("%s", self->err);
+	snprintf(csv, sizeof(csv), "%s", self->out);
+	for (int si = 0; si < 2; si++) {
+		float *fe, *fm;
+
+		int st;
+
+		if (si == 0)
+			st = RUN(FILES, "--entropy", "E.npy", "--mean-distance", "M.npy",
+				 "--backend", "ref", "--bias-table", "T.npy", "--rope-scale", "2");
+		else
+			st = RUN(FILES, "--entropy", "E.npy", "--mean-distance", "M.npy",
+				 "--backend", "ref", "--bias-table", "G.npy", "--rope-scale", "2",
+				 "--delta", "0", "--beta", "0", "--gamma", "0", "--lambda", "0");
+		ASSERT_EQ(0, st) TH_LOG("%s", self->err);
+		fe = load(_metadata, self, "E.npy", (size_t)(H * L));
+		fm = load(_metadata, self, "M.npy", (size_t)(H * L));
+		ASSERT_NE(NULL, fe);
+		ASSERT_NE(NULL, fm);
+		for (long h = 0; h < H; h++) {
+			double f[3], se = 0, sm = 0;
+
+			ASSERT_EQ(0, csv_find(csv, sets[si], L, h, f))
+			TH_LOG("no row for %s head %ld in:\n%s", sets[si], h, csv);
+			for (long i = 0; i < L; i++) {
+				se += fe[h * L + i];
+				sm += fm[h * L + i];
+			}
+			EXPECT_LE(fabs(f[0] - se / L), 1e-6 * fmax(1, f[0]));
+			EXPECT_LE(fabs(f[1] - fe[h * L + L - 1]), 1e-6 * fmax(1, f[1]));
+			EXPECT_LE(fabs(f[2] - sm / L), 1e-6 * fmax(1, f[2]));
+		}
+		free(fe);
+		free(fm);
+	}
+	/* JSON names the table's file, null for a set without one */
+	ASSERT_EQ(0, CURVE("--lengths", "8", "-H", "1", "-D", "8", "--params", "rope", "-b", "G.npy",
+			   "-p", "ape", "--json", "--backend", "ref", "--quiet"))
+	TH_LOG("%s", self->err);
+	EXPECT_NE(NULL, strstr(self->out, "\"set\": \"rope+G\"")) TH_LOG("%s", self->out);
+	EXPECT_NE(NULL, strstr(self->out, "\"bias_table\": \"G.npy\"")) TH_LOG("%s", self->out);
+	EXPECT_NE(NULL, strstr(self->out, "\"bias_table\": null")) TH_LOG("%s", self->out);
+	/* refusals: exit 2 naming the option and the file, nothing on stdout */
+	self->ninputs = test_count_entries(self->work, NULL, 0);
+	EXPECT_EQ(2, CURVE("--lengths", "8", "-H", "3", "-D", "8", "-b", "T.npy", "--backend",
+			   "ref"));
+	EXPECT_NE(NULL, strstr(self->err, "--bias-table T.npy: shape (2, 6)")) TH_LOG("%s", self->err);
+	EXPECT_EQ('\0', self->out[0]) TH_LOG("%s", self->out);
+	EXPECT_EQ(2, CURVE("--lengths", "8", "-b", "nosuch.npy", "--backend", "ref"));
+	EXPECT_NE(NULL, strstr(self->err, "--bias-table nosuch.npy")) TH_LOG("%s", self->err);
+	EXPECT_EQ(2, CURVE("--lengths", "8", "--rope-scale", "0", "--backend", "ref"));
+	EXPECT_NE(NULL, strstr(self->err, "--rope-scale")) TH_LOG("%s", self->err);
+	EXPECT_EQ(self->ninputs, test_count_entries(self->work, NULL, 0));
+}
+
 TEST_HARNESS_MAIN

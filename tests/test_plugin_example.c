@@ -224,6 +224,8 @@ static int forward_case(test_problem *tp, ape_rng *rng, int i)
 		free(tp->lse);
 		tp->lse = NULL;
 	}
+	if (i % 3 == 0 && test_problem_random_table(tp, rng)) /* ABI 1.1: a distance-bias table */
+		return -1;
 	return 0;
 }
 
@@ -385,6 +387,7 @@ TEST_F(ex, backward_against_the_reference)
 		bcase c;
 		grads want, g, again, chunked, only, untouched;
 		ape_stats st;
+		static float want_db[4096], g_db[4096]; /* the table's gradients: 4 x 1000 at most */
 
 		ASSERT_EQ(0, bcase_make(&c, &rng, sh, dt, i % 5 == 4, i % 3 != 0));
 		test_problem_random_params(&c.tp, &rng);
@@ -406,6 +409,8 @@ TEST_F(ex, backward_against_the_reference)
 			test_tensor_free(&c.dout);
 			c.dout = d32;
 		}
+		if (i % 3 == 2) /* ABI 1.1: a distance-bias table, and its gradient below */
+			ASSERT_EQ(0, test_problem_random_table(&c.tp, &rng));
 		ASSERT_EQ(0, bcase_forward(&c, self->x.ref)) TH_LOG("%s", ape_last_error());
 		ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
 		ASSERT_EQ(0, grads_alloc(&g, &c, i % 2 ? dt : APE_F32));
@@ -413,10 +418,23 @@ TEST_F(ex, backward_against_the_reference)
 		ASSERT_EQ(0, grads_alloc(&chunked, &c, APE_F32));
 		ASSERT_EQ(0, grads_alloc(&only, &c, APE_F32));
 		ASSERT_EQ(0, grads_alloc(&untouched, &c, APE_F32));
+		c.tp.desc.dbias_table = c.tp.bias_table ? want_db : NULL;
 		ASSERT_EQ(0, run_backward(&c, self->x.ref, &want, W_ALL, NULL));
 		ape_stats_init(&st);
+		c.tp.desc.dbias_table = c.tp.bias_table ? g_db : NULL;
 		EXPECT_EQ(0, run_backward(&c, self->x.dev, &g, W_ALL, &st))
 		TH_LOG("%s", ape_last_error());
+		c.tp.desc.dbias_table = NULL;
+		if (c.tp.bias_table) {
+			const int64_t n = c.tp.desc.bias_table_heads * c.tp.desc.bias_table_len;
+			double e = 0, m = 1e-30;
+
+			for (int64_t x = 0; x < n; x++) {
+				e = fmax(e, fabs((double)g_db[x] - want_db[x]));
+				m = fmax(m, fabs(want_db[x]));
+			}
+			EXPECT_LE(e / m, tol) TH_LOG("case %d: dbias_table", i);
+		}
 		EXPECT_EQ(0, run_backward(&c, self->x.dev, &again, W_ALL, NULL));
 		EXPECT_EQ(0, run_chunked(&c, self->x.dev, &chunked, 3, 4, NULL))
 		TH_LOG("%s", ape_last_error());
@@ -481,7 +499,8 @@ TEST_F(ex, table_and_device)
 	EXPECT_EQ(APE_DEVICE_CPU, info.kind);
 	EXPECT_EQ(0, info.backend_index);
 	EXPECT_LT(0u, info.global_mem_bytes);
-	EXPECT_EQ(APE_BE_CAP_BACKWARD | APE_BE_CAP_TIMESTAMPS, self->x.dev->caps.features);
+	EXPECT_EQ(APE_BE_CAP_BACKWARD | APE_BE_CAP_TIMESTAMPS | APE_BE_CAP_BIAS_TABLE,
+		  self->x.dev->caps.features);
 	ASSERT_EQ(0, ape_device_select(self->x.ctx, "auto", -1, &sel));
 	EXPECT_EQ(self->x.ref, sel.device) TH_LOG("%s", sel.note);
 }

@@ -10,11 +10,13 @@
  * on every other case a random dLSE) through ape_attention_backward() into outputs of the
  * storage type, laid out like the inputs, each gradient against the reference's at the spec's
  * "Gradients" tolerances. Then the other groups (tools/check/): ragged batches, the
- * diagnostics, the KV cache, pool and caller's pages, the device-resident calls, determinism
- * and failure behaviour. A call a backend does not do (APE_ENOTSUP naming the device) is "not
- * claimed", no failure, but for the dense forward, which every backend must compute. Every cell is recorded (tools/check/report.c) for the summary table and
- * the JSON. Exits 0 when every cell claimed passed, 1 when one failed (a device failing a call,
- * a plugin refused), 2 on bad usage, 3 when --backend names a backend with no device here.
+ * diagnostics, the KV cache, pool and caller's pages, the device-resident calls,
+ * distance-bias tables, determinism and failure behaviour. A call a backend does not do
+ * (APE_ENOTSUP naming the device) is "not claimed", no failure, but for the dense forward,
+ * which every backend must compute. Every cell is recorded (tools/check/report.c) for the
+ * summary table and the JSON. Exits 0 when every cell claimed passed, 1 when one failed (a
+ * device failing a call, a plugin refused), 2 on bad usage, 3 when --backend names a backend
+ * with no device here.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -598,6 +600,8 @@ static void usage(void)
 	       "and off, strided tensors), backward (every gradient, on the cases small enough for\n"
 	       "the reference to recompute them all), ragged batches, diagnostics, kv (a KV cache,\n"
 	       "a KV pool's pages, the caller's pages), resident (calls on device tensors),\n"
+	       "tables (distance-bias tables: the forward, a KV cache, a ragged batch, the\n"
+	       "backward with the table's gradient; skipping with a table that rises far away),\n"
 	       "determinism (the same call twice: the same bits) and failures (bad arguments\n"
 	       "refused with a message naming the call and the argument and nothing written; a\n"
 	       "failing device op named with its device). A call the device's backend does not\n"
@@ -619,7 +623,8 @@ static void usage(void)
 	       "  --report FILE  also write that JSON object to FILE (complete or not at all)\n"
 	       "  --seed N       the cases' random seed (default: fresh, printed on stderr)\n"
 	       "  --quick        only the small cases: not the three long ones, nor the ragged\n"
-	       "                 batch of 1000 sequences\n"
+	       "                 batch of 1000 sequences; the tables' long row has 1024 rows,\n"
+	       "                 not 2048 (as with --plugin)\n"
 	       "  --version      print the libape version and exit\n");
 }
 
@@ -752,7 +757,8 @@ static int run_dense(ape_device **devs, int ndev, ape_device *ref, ape_rng *rng,
 static int run_groups(const struct check_env *env)
 {
 	int (*const groups[])(const struct check_env *) = {
-		check_diag, check_kv, check_resident, check_determinism, check_failures,
+		check_diag, check_kv, check_resident, check_tables, check_determinism,
+		check_failures,
 	};
 
 	for (size_t g = 0; g < sizeof(groups) / sizeof(groups[0]) && env->ndev; g++)
@@ -868,7 +874,7 @@ int main(int argc, char **argv)
 	if (!ret && ndev && check_varlen(devs, ndev, ref, &rng, quick, vcells, &nv))
 		ret = 1;
 	if (!ret) {
-		const struct check_env env = { devs, ndev, ref, &rng, quick };
+		const struct check_env env = { devs, ndev, ref, &rng, quick, !no_long };
 
 		ret = run_groups(&env);
 	}

@@ -4,8 +4,10 @@
  * causal forward call with the diagnostics per (set, length) (ape_attention_forward_diag(),
  * docs/diagnostics.md), and per head the mean entropy over the rows, the entropy of the last
  * row and the mean attention distance over the rows: as a table, CSV or JSON on stdout, with
- * progress on stderr. Inputs are random N(0,1) Q, K, V (seeded; each length takes the first L
- * rows of the longest), or the first L rows of the .npy files given.
+ * progress on stderr. A set may carry a distance-bias table from a .npy file (--bias-table):
+ * the curve of T5's buckets, a Gaussian mask, any learned relative bias. Inputs are random
+ * N(0,1) Q, K, V (seeded; each length takes the first L rows of the longest), or the first L
+ * rows of the .npy files given.
  *
  * Exit status: 0; 2 for a bad argument or input file (nothing is computed); 3 the backend or
  * device asked for is not available; 1 anything else.
@@ -18,7 +20,9 @@
 #include <time.h>
 
 #include "ape/ape.h"
+#include "common/bias_table.h"
 #include "common/cli.h"
+#include "common/json.h"
 #include "common/npy.h"
 #include "common/rng.h"
 #include "common/seed.h"
@@ -31,11 +35,13 @@ enum { CURVE_OK = 0, CURVE_FAIL = 1, CURVE_USAGE = 2, CURVE_NODEV = 3 };
 enum {
 	OPT_PARAMS = 1, OPT_LENGTHS, OPT_HEADS, OPT_DIM, OPT_SEED, OPT_Q, OPT_K, OPT_V,
 	OPT_BACKEND, OPT_DEVICE, OPT_CSV, OPT_JSON, OPT_SKIP_TOL, OPT_NO_CAUSAL, OPT_QUIET,
-	OPT_HELP,
+	OPT_HELP, OPT_BIAS_TABLE, OPT_ROPE_SCALE,
 };
 
 static const struct cli_option options[] = {
 	{ "--params", "-p", true, OPT_PARAMS },
+	{ "--bias-table", "-b", true, OPT_BIAS_TABLE },
+	{ "--rope-scale", NULL, true, OPT_ROPE_SCALE },
 	{ "--lengths", "-L", true, OPT_LENGTHS },
 	{ "--heads", "-H", true, OPT_HEADS },
 	{ "--dim", "-D", true, OPT_DIM },
@@ -73,6 +79,14 @@ static void usage(void)
 	       "                    ape    the seed's: delta = 2^(-4/3), beta = gamma = delta/10,\n"
 	       "                           lambda = %g\n"
 	       "                    D,B,G,L  any other: delta,beta,gamma,lambda (4 numbers)\n"
+	       "  -b, --bias-table FILE  a distance-bias table, '<f4' [H, M] or [1, M]:\n"
+	       "                    every score of head h gets T[h][min(|n|, M - 1)] added\n"
+	       "                    (T5's buckets, a Gaussian -lambda n^2, a learned bias;\n"
+	       "                    docs/ape.md). Right after a --params, that set gets it\n"
+	       "                    (named SET+FILE); else it adds a set of its own, plain\n"
+	       "                    RoPE plus the table (named after FILE). Repeatable\n"
+	       "  --rope-scale X    position interpolation for every set: the rotation\n"
+	       "                    turns by n / X (default 1; finite, > 0)\n"
 	       "  -L, --lengths LIST  comma-separated lengths (default 64,128,...,16384)\n"
 	       "  -H, --heads N     heads of the random inputs (default 4)\n"
 	       "  -D, --dim N       head dimension of the random inputs, even, 2..256 (default 64)\n"
@@ -102,8 +116,10 @@ static void usage(void)
 }
 
 struct set {
-	char name[64];
+	char name[128];
 	double p[4]; /* delta, beta, gamma, lambda */
+	const char *table_path; /* --bias-table; NULL: none */
+	struct bias_table_file table; /* read once the inputs give H */
 };
 
 struct args {
@@ -116,7 +132,7 @@ struct args {
 	const char *q, *k, *v;
 	const char *backend, *device;
 	bool csv, json, causal, quiet;
-	double skip_tol;
+	double skip_tol, rope_scale;
 };
 
 /* ------------------------------------------------------------------ arguments */
@@ -169,6 +185,45 @@ static int parse_set(const char *val, struct set *s, char *err, size_t len)
 	return 0;
 }
 
+/* A table's name in a set's: its file's name without the folder and ".npy". */
+static void table_name(const char *path, char *out, size_t cap)
+{
+	const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+	size_t n = strlen(base);
+
+	if (n > 4 && !strcmp(base + n - 4, ".npy"))
+		n -= 4;
+	snprintf(out, cap, "%.*s", (int)n, base);
+}
+
+/*
+ * --bias-table: the set of the --params just before it gets the table (previous names that
+ * option; the set has none yet), else a new set of plain RoPE plus the table.
+ */
+static int add_table(struct args *a, int previous, const char *path, char *err, size_t len)
+{
+	struct set *s = a->nsets ? &a->sets[a->nsets - 1] : NULL;
+	char name[80];
+
+	table_name(path, name, sizeof(name));
+	if (previous != OPT_PARAMS || !s || s->table_path) {
+		if (a->nsets == MAX_SETS) {
+			snprintf(err, len, "--bias-table %s: more than %d sets", path, MAX_SETS);
+			return CURVE_USAGE;
+		}
+		s = &a->sets[a->nsets++];
+		memset(s, 0, sizeof(*s));
+		snprintf(s->name, sizeof(s->name), "%s", name);
+	} else {
+		char set[sizeof(s->name)];
+
+		snprintf(set, sizeof(set), "%s", s->name);
+		snprintf(s->name, sizeof(s->name), "%.40s+%s", set, name);
+	}
+	s->table_path = path;
+	return 0;
+}
+
 static int parse_lengths(struct args *a, const char *val, char *err, size_t len)
 {
 	const char *p = val;
@@ -199,7 +254,7 @@ static int parse_lengths(struct args *a, const char *val, char *err, size_t len)
 
 static int parse_args(int argc, char **argv, struct args *a, char *err, size_t len)
 {
-	int idx = 1, id;
+	int idx = 1, id, previous = 0;
 	const char *val;
 	int64_t x;
 
@@ -209,8 +264,9 @@ static int parse_args(int argc, char **argv, struct args *a, char *err, size_t l
 	a->seed = 1;
 	a->causal = true;
 	a->skip_tol = 0x1p-24;
+	a->rope_scale = 1.0;
 	a->backend = "auto";
-	while ((id = cli_next(argc, argv, &idx, options, &val, err, len)) > 0) {
+	for (; (id = cli_next(argc, argv, &idx, options, &val, err, len)) > 0; previous = id) {
 		switch (id) {
 		case OPT_PARAMS:
 			if (a->nsets == MAX_SETS) {
@@ -220,6 +276,18 @@ static int parse_args(int argc, char **argv, struct args *a, char *err, size_t l
 			if (parse_set(val, &a->sets[a->nsets], err, len))
 				return CURVE_USAGE;
 			a->nsets++;
+			break;
+		case OPT_BIAS_TABLE:
+			if (add_table(a, previous, val, err, len))
+				return CURVE_USAGE;
+			break;
+		case OPT_ROPE_SCALE:
+			if (cli_parse_finite("--rope-scale", val, &a->rope_scale, err, len))
+				return CURVE_USAGE;
+			if (!(a->rope_scale > 0)) {
+				snprintf(err, len, "--rope-scale %s: must be > 0", val);
+				return CURVE_USAGE;
+			}
 			break;
 		case OPT_LENGTHS:
 			if (parse_lengths(a, val, err, len))
@@ -395,6 +463,23 @@ static void free_inputs(struct inputs *in)
 	}
 }
 
+/* Every set's --bias-table, for the inputs' H heads: exit status 2 for a file that is not such
+ * a table (nothing computed). */
+static int load_tables(struct args *a, int64_t H, char *err, size_t len)
+{
+	for (int si = 0; si < a->nsets; si++) {
+		struct set *s = &a->sets[si];
+		int ret;
+
+		if (!s->table_path)
+			continue;
+		ret = bias_table_load("--bias-table", s->table_path, H, &s->table, err, len);
+		if (ret)
+			return ret == APE_ENOMEM ? CURVE_FAIL : CURVE_USAGE;
+	}
+	return 0;
+}
+
 /* ------------------------------------------------------------------ device */
 
 /* The exit status of a libape error code */
@@ -492,6 +577,9 @@ static int one_point(const struct args *a, ape_device *dev, const struct inputs 
 		desc.lambda.value = (float)a->sets[si].p[3];
 		desc.causal = a->causal;
 		desc.skip_tol = a->skip_tol;
+		desc.rope_scale = a->rope_scale;
+		if (a->sets[si].table_path)
+			bias_table_set(&a->sets[si].table, &desc);
 		ape_tensor_init(&ot, o, APE_F32, B, H, L, D);
 		ret = ape_attention_forward_diag(&dev, 1, NULL, &desc, &qt, &kt, &vt, &ot, NULL,
 						 ent, md, NULL);
@@ -545,11 +633,14 @@ static void print_points(const struct args *a, const ape_device_info *info,
 		for (size_t i = 0; i < n; i++) {
 			const struct set *s = &a->sets[pts[i].set];
 
-			printf("%s\n  {\"set\": \"%s\", \"delta\": %.9g, \"beta\": %.9g, \"gamma\": "
-			       "%.9g, \"lambda\": %.9g, \"L\": %" PRId64 ", \"head\": %" PRId64
-			       ", \"ent_mean\": %.9g, \"ent_last\": %.9g, \"md_mean\": %.9g}",
-			       i ? "," : "", s->name, s->p[0], s->p[1], s->p[2], s->p[3], pts[i].L,
-			       pts[i].head, pts[i].ent_mean, pts[i].ent_last, pts[i].md_mean);
+			printf("%s\n  {\"set\": ", i ? "," : "");
+			json_string(stdout, s->name);
+			printf(", \"delta\": %.9g, \"beta\": %.9g, \"gamma\": %.9g, \"lambda\": "
+			       "%.9g, \"bias_table\": ", s->p[0], s->p[1], s->p[2], s->p[3]);
+			json_string(stdout, s->table_path);
+			printf(", \"L\": %" PRId64 ", \"head\": %" PRId64 ", \"ent_mean\": %.9g, "
+			       "\"ent_last\": %.9g, \"md_mean\": %.9g}", pts[i].L, pts[i].head,
+			       pts[i].ent_mean, pts[i].ent_last, pts[i].md_mean);
 		}
 		printf("\n]}\n");
 		return;
@@ -577,6 +668,8 @@ static int run(struct args *a, char *err, size_t len)
 	int ret, done = 0;
 
 	ret = make_inputs(a, &in, err, len);
+	if (!ret)
+		ret = load_tables(a, in.t[0].shape[1], err, len);
 	if (!ret)
 		ret = open_device(a, &ctx, &dev, err, len);
 	if (!ret) {
@@ -612,6 +705,8 @@ static int run(struct args *a, char *err, size_t len)
 	}
 	free(pts);
 	free_inputs(&in);
+	for (int si = 0; si < a->nsets; si++)
+		bias_table_free(&a->sets[si].table);
 	ape_context_destroy(ctx);
 	return ret;
 }

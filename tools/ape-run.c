@@ -86,7 +86,7 @@ static int compute(const struct run_args *a, ape_device *const *devs, int ndev,
 		ret = forward(a, devs, ndev, vl, in, &ot, lse, ent, md, &st);
 		if (ret) {
 			snprintf(msg, len, "%s", ape_last_error());
-			ret = run_exit_code(ret);
+			ret = run_call_exit_code(a, ret);
 			goto out_free;
 		}
 	}
@@ -135,6 +135,9 @@ static int run(struct run_args *a, char *msg, size_t len)
 	if (ret)
 		goto out_free_inputs;
 	ret = run_set_head_params(a, &in[0], msg, len);
+	if (ret)
+		goto out_free_inputs;
+	ret = run_load_bias_table(a, &in[0], msg, len);
 	if (ret)
 		goto out_free_inputs;
 	ret = run_load_dlse(a, &in[0], &g, msg, len);

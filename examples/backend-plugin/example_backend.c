@@ -117,7 +117,7 @@ static int ex_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 	 * diagnostics, ragged batches, explicit positions or host memory in place (each calls
 	 * for more of the launch struct: ape/ape_backend.h, enum ape_be_cap) */
 	static const struct ape_be_caps caps = {
-		.features = APE_BE_CAP_BACKWARD | APE_BE_CAP_TIMESTAMPS,
+		.features = APE_BE_CAP_BACKWARD | APE_BE_CAP_TIMESTAMPS | APE_BE_CAP_BIAS_TABLE,
 		.max_alloc = UINT64_MAX, /* one allocation may take all of the device's memory */
 	};
 	const int64_t ndev = env_number("APE_EXAMPLE_DEVICES", 1, 0, EXAMPLE_MAX_DEVICES);

@@ -208,7 +208,9 @@ static void forward_row(const struct ape_be_launch *l, int64_t b, int64_t h, int
 		seen++;
 		load_row(k, example_ptr(l->k), l->in_dtype, kat + j * ksl, D);
 		dot = rotated_dot(l, q, k, n, alpha, NULL, NULL, NULL);
-		s = ape_temp(prm[3], an) * l->scale * dot + ape_bias(prm[0], prm[1], prm[2], an);
+		/* plus the caller's distance-bias table, when the launch has one (ABI 1.1) */
+		s = ape_temp(prm[3], an) * l->scale * dot + ape_bias(prm[0], prm[1], prm[2], an) +
+		    ape_be_bias_at(l, h, ape_abs_dist(n));
 		if (!isfinite(s)) {
 			bad = true;
 			continue;
@@ -255,6 +257,7 @@ struct grad_row {
 	double lse; /* the saved LSE_i, over every key of the row */
 	double dl; /* Dl_i - dLSE_i, Dl_i = dO_i . O_i: dS_ij = P_ij (dO_i . V_j - dl) */
 	const float *prm; /* delta, beta, gamma, lambda of its head */
+	int64_t h; /* its head */
 	int64_t pos; /* its position */
 };
 
@@ -270,7 +273,8 @@ static void grad_row_load(const struct ape_be_bwd_launch *l, int64_t row, struct
 	for (int64_t d = 0; d < f->D; d++)
 		dl += r->dout[d] * o[d];
 	r->dl = dl - (dlse ? dlse[row] : 0.0);
-	r->prm = f->head_params + 4 * (row / f->Lq % f->H);
+	r->h = row / f->Lq % f->H;
+	r->prm = f->head_params + 4 * r->h;
 	r->sigma = row_sigma(r->q, f->D, &r->mean);
 	r->alpha = ape_alpha(r->prm[3], r->sigma);
 	r->lse = lse[row];
@@ -291,7 +295,8 @@ static void grad_pair_eval(const struct ape_be_launch *f, const struct grad_row 
 	g->an = fabs((double)n);
 	g->temp = ape_temp(r->prm[3], g->an);
 	g->dot = rotated_dot(f, r->q, k, n, r->alpha, g->cs, g->sn, &g->ddot_dalpha);
-	s = g->temp * f->scale * g->dot + ape_bias(r->prm[0], r->prm[1], r->prm[2], g->an);
+	s = g->temp * f->scale * g->dot + ape_bias(r->prm[0], r->prm[1], r->prm[2], g->an) +
+	    ape_be_bias_at(f, r->h, ape_abs_dist(n));
 	g->p = exp(APE_BWD_EXPONENT(s - r->lse));
 	for (int64_t d = 0; d < f->D; d++)
 		dov += r->dout[d] * v[d];
@@ -355,6 +360,10 @@ static void grad_query(const struct ape_be_bwd_launch *l, int64_t row)
 	const int64_t kv0 = (b * f->Hkv + row / f->Lq % f->H / (f->H / f->Hkv)) * f->Lk;
 	float *dq = example_ptr(l->dq);
 	double *dparams = example_ptr(l->dparams);
+	/* the table's gradient: this row's head's entries (a shared table's one row) */
+	double *dbias = l->dbias ? (double *)example_ptr(l->dbias) +
+					   (f->bias_hstride ? (row / f->Lq % f->H) * f->bias_len : 0)
+				 : NULL;
 	double k[APE_MAX_D], v[APE_MAX_D], sq[APE_MAX_D], A = 0, dp[4] = { 0, 0, 0, 0 }, coef;
 	struct grad_row r;
 	struct grad_pair g;
@@ -378,6 +387,8 @@ static void grad_query(const struct ape_be_bwd_launch *l, int64_t row)
 		dp[1] += g.ds * ape_grad_dbias_dbeta(g.an);
 		dp[2] += g.ds * ape_grad_dbias_dgamma(g.an);
 		dp[3] += g.ds * f->scale * g.dot * ape_grad_dtemp_dlambda(r.prm[3], g.an);
+		if (dbias) /* in key order: deterministic */
+			dbias[ape_be_bias_index(ape_abs_dist(n), f->bias_len)] += g.ds;
 		for (int64_t p = 0; dq && p < D / 2; p++) { /* k's pair turned by -theta */
 			int64_t a, e;
 
@@ -407,7 +418,7 @@ void example_attention_backward(const struct ape_be_bwd_launch *l)
 			for (int64_t hk = 0; hk < f->Hkv; hk++)
 				for (int64_t j = 0; j < f->Lk; j++)
 					grad_key(l, b, hk, j);
-	if (l->dq || l->dparams) /* rows outer: dQ, the parameters */
+	if (l->dq || l->dparams || l->dbias) /* rows outer: dQ, the parameters, the table */
 		for (int64_t row = 0; row < f->B * f->H * f->Lq; row++)
 			grad_query(l, row);
 }

@@ -263,9 +263,10 @@ typedef struct ape_attn_desc {
 	 * by ape_attention_backward(), ape_attention_backward_ex() and
 	 * ape_attention_backward_varlen() on success (entry m: the sum of dL/ds over every pair
 	 * whose min(|n|, M - 1) is m, over the batch, and over the heads for a shared table; in a
-	 * fixed order: bit-identical from run to run) and untouched on failure. Needs bias_table;
-	 * must not overlap any input or output of the call. Forward calls ignore it; the
-	 * device-resident backward refuses it (APE_EINVAL naming desc->dbias_table).
+	 * fixed order: bit-identical from run to run) and untouched on failure. Needs bias_table
+	 * and must not overlap it (APE_EINVAL naming desc->dbias_table); nor should it overlap
+	 * the call's other arrays. Forward calls ignore it; the device-resident backward refuses
+	 * it (APE_EINVAL naming desc->dbias_table).
 	 */
 	float *dbias_table;
 } ape_attn_desc;

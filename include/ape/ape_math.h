@@ -166,8 +166,9 @@ APE_FN ape_long ape_abs_dist(ape_long n)
 	return n >= 0 ? n : n == APE_LONG_MIN ? APE_LONG_MAX : -n;
 }
 
-/* The entry of a distance-bias table of M >= 1 entries that distance an = |n| reads: the
- * distance itself, or the last entry for every distance past the table (ape_be_bias_index()). */
+/* The entry of a distance-bias table of M >= 1 entries that distance an = |n| >= 0 reads: the
+ * distance itself, or the last entry for every distance past the table (ape_be_bias_index()
+ * in ape/ape_backend.h, for the kernels). */
 APE_FN ape_long ape_bias_index(ape_long an, ape_long M)
 {
 	return an < M - 1 ? an : M - 1;

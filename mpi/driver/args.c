@@ -38,7 +38,7 @@ static const struct cli_option options[] = {
 
 static const char *const corruptions[] = { "delta", "causal", "k_start", "kind", "rank",
 					    "stride", "null", "L", "budget", "bwd-delta",
-					    "bwd-dout", "bwd-want" };
+					    "bwd-dout", "bwd-want", "table" };
 
 void driver_usage(FILE *f)
 {
@@ -47,7 +47,7 @@ void driver_usage(FILE *f)
 		   "  --shard contiguous|zigzag --noncausal --decay seed|zero|DELTA\n"
 		   "  --q-start N --k-start N --skip-tol X --backend ref|opencl|auto\n"
 		   "  --check --seed N --corrupt delta|causal|k_start|kind|rank|stride|null|L|budget|\n"
-		   "                             bwd-delta|bwd-dout|bwd-want\n"
+		   "                             bwd-delta|bwd-dout|bwd-want|table\n"
 		   "  --corrupt-rank R --quiet --help --version\n"
 		   "  --backward (the distributed backward after the forward) --dlse (with dL/dLSE)\n"
 		   "  --ndev N (the forward on the selected device N times, 1..8)\n"

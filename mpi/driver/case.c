@@ -118,6 +118,13 @@ static void corrupt(const char *what, struct run *r)
 		r->tq.data = NULL;
 	else if (!strcmp(what, "L"))
 		r->sh.L += 1;
+	else if (!strcmp(what, "table")) { /* a distance-bias table: not taken yet */
+		static const float table[2] = { 0.5f, -0.25f };
+
+		r->desc.bias_table = table;
+		r->desc.bias_table_len = 2;
+		r->desc.bias_table_heads = 1;
+	}
 }
 
 static void describe(const struct cfg *c, char *buf, size_t len)

@@ -23,6 +23,8 @@
  * at the tile's first key, scores the tile while rotating its query one key at a time, and
  * takes one online-softmax update. With skipping allowed, a row vector stops a side once it has
  * proved the rest of it negligible, and the work-group stops loading that side when all have.
+ * A distance-bias table (F_TABLE) joins the bias there, per distance (per pair with explicit
+ * positions); the far-key bounds add its suffix maximum at the keys' nearest distance.
  *
  * Everything per pair is float32. Scores live in a per-row shifted frame: c_row, the bias at the
  * row's nearest visible distance (its largest bias when the decays are >= 0), is subtracted in
@@ -109,6 +111,7 @@ __constant int ape_iota[16] = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 #define F_DIAG 2048 /* ENT and MDIST: the rows' entropy and mean distance (docs/diagnostics.md) */
 #define F_SEGS 4096 /* a ragged launch: each work-group's segment and tile from SEGT (below) */
 #define F_POS 8192 /* explicit positions (ape_attention_pos, always with F_SEGS) */
+#define F_TABLE 16384 /* BT, BSM: a distance-bias table and its suffix maxima (below) */
 
 /* A ragged launch's work-group table (ocl_attention.c builds it): SEGT_W longs per work-group,
  * its segment's first query row, rows, first key row, keys, rel (q_start - k_start), the
@@ -203,10 +206,29 @@ struct run {
 	/* element [b, h, 0, 0] of each tensor of this (batch, head) and its L stride */
 	long qbase, qsl, kbase, ksl, vbase, vsl, obase, osl, lbase, lsl;
 	long ebase, esl, mbase, msl; /* F_DIAG: ENT and MDIST, as LSE (core/backend.h, ABI 8) */
+	/* F_TABLE: this head's row of the distance-bias table (blen entries) and its suffix
+	 * maxima (core/backend.h, struct ape_be_launch.bias_table, bias_smax) */
+	__global const float *bt, *bsm;
+	long blen;
 	int D, wi, dtin, kvdt, inter, kvinter, causal, skip, flags;
 	APE_REAL delta, beta, gamma, lambda;
 	float scale, tol, prior_tol;
 };
+
+/* The head's table entry at distance an (F_TABLE; 0 without a table): every score adds it
+ * beside the decay bias, in the per-distance tables or per pair. */
+KFN APE_REAL tab_at(const struct run *R, long an)
+{
+	return (R->flags & F_TABLE) ? (APE_REAL)R->bt[ape_bias_index(an, R->blen)] : (APE_REAL)0;
+}
+
+/* The frame a far-key bound takes for a row (ape_may_skip*()'s crow argument): c_row lowered by
+ * the table's largest entry at the keys' nearest distance an or beyond (its suffix maximum),
+ * so that the bound covers every score whatever the table's shape; c_row without a table. */
+KFN APE_REAL bound_frame(const struct run *R, APE_REAL crow, long an)
+{
+	return (R->flags & F_TABLE) ? crow - (APE_REAL)R->bsm[ape_bias_index(an, R->blen)] : crow;
+}
 
 /* One row vector: APE_RW query rows of a work-item, from first query load to output. */
 struct rows {
@@ -339,11 +361,11 @@ KFN void tile_load(const struct run *R, long j0, int len, long nbase, APE_REAL b
 			b = rold[2 * eo + 1];
 		} else {
 			/* past the problem's rows or keys: saturated, never used */
-			const long n = ape_sat_add(nbase, e - (APE_BK - 1));
-			const APE_REAL an = (APE_REAL)ape_abs_dist(n);
+			const long n = ape_sat_add(nbase, e - (APE_BK - 1)), al = ape_abs_dist(n);
+			const APE_REAL an = (APE_REAL)al;
 
 			t = ape_temp(R->lambda, an) * (APE_REAL)R->scale;
-			b = ape_bias(R->delta, R->beta, R->gamma, an);
+			b = ape_bias(R->delta, R->beta, R->gamma, an) + tab_at(R, al);
 		}
 		rnew[2 * e] = t;
 		rnew[2 * e + 1] = b;
@@ -530,17 +552,19 @@ KFN void rows_may_stop(const struct run *R, const struct rows *r, long lo, long 
 			continue; /* padding rows never hold the work-group back */
 		if (*cb) {
 			const long cnt = ape_visible_keys(diag, (lo + 1) * APE_BK, R->causal);
+			const long an = ape_keys_min_abs(diag, 0, cnt);
 
 			*cb = ape_may_skip(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k],
-					   kb, ape_keys_min_abs(diag, 0, cnt), cnt, r->crow_s[k],
-					   ms[k], ls[k], -INFINITY, R->tol);
+					   kb, an, cnt, bound_frame(R, r->crow_s[k], an), ms[k],
+					   ls[k], -INFINITY, R->tol);
 		}
 		if (*cf) {
 			const long cnt = R->Lk - hi * APE_BK;
+			const long an = ape_keys_min_abs(diag, hi * APE_BK, R->Lk);
 
 			*cf = ape_may_skip(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k],
-					   kf, ape_keys_min_abs(diag, hi * APE_BK, R->Lk),
-					   cnt, r->crow_s[k], ms[k], ls[k], -INFINITY, R->tol);
+					   kf, an, cnt, bound_frame(R, r->crow_s[k], an), ms[k],
+					   ls[k], -INFINITY, R->tol);
 		}
 	}
 }
@@ -564,7 +588,8 @@ KFN int rows_skip_all(const struct run *R, const struct rows *r, APE_REAL kall)
 
 		if (i < R->Lq &&
 		    !ape_may_skip(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k], kall, an,
-				  cnt, r->crow_s[k], -INFINITY, 0.0f, r->prior[k], R->prior_tol))
+				  cnt, bound_frame(R, r->crow_s[k], an), -INFINITY, 0.0f,
+				  r->prior[k], R->prior_tol))
 			return 0;
 	}
 	return 1;
@@ -657,7 +682,8 @@ KFN void run_setup(struct run *R, __global const void *Q, __global const void *K
 		   __global const APE_REAL *prm, int D, long Lq, long Lk, int H, int group,
 		   long rel, float scale, float skip_tol, float prior_tol, int flags, long4 vq,
 		   long4 vk, long4 vv, long4 vo, long4 vl, long4 ve, long4 vm,
-		   __global const long *SEGT, long kpt, long *q0p, long *k0p)
+		   __global const long *SEGT, long kpt, __global const float *BT,
+		   __global const float *BSM, long blen, long bhs, long *q0p, long *k0p)
 {
 	const int h = (int)(get_global_id(1) % H);
 	long q0 = 0, k0 = 0;
@@ -726,6 +752,10 @@ KFN void run_setup(struct run *R, __global const void *Q, __global const void *K
 	R->scale = scale;
 	R->tol = skip_tol;
 	R->prior_tol = prior_tol;
+	/* the head's row (bhs 0: one row for every head) */
+	R->bt = flags & F_TABLE ? BT + h * bhs : BT;
+	R->bsm = flags & F_TABLE ? BSM + h * bhs : BSM;
+	R->blen = blen;
 	*q0p = q0;
 	*k0p = k0;
 }
@@ -738,10 +768,11 @@ KFN void run_setup(struct run *R, __global const void *Q, __global const void *K
 		__global const float *ksuf, int D, long Lq, long Lk, int H, int group, long rel,   \
 		float scale, float skip_tol, float prior_tol, int flags, long4 vq, long4 vk,       \
 		long4 vv, long4 vo, long4 vl, __global float *ENT, __global float *MDIST,          \
-		long4 ve, long4 vm, __global const long *SEGT, long kpt
+		long4 ve, long4 vm, __global const long *SEGT, long kpt, __global const float *BT, \
+		__global const float *BSM, long blen, long bhs
 #define RUN_SETUP(R, q0, k0)                                                                       \
 	run_setup((R), Q, K, V, PRIOR, prm, D, Lq, Lk, H, group, rel, scale, skip_tol, prior_tol,  \
-		  flags, vq, vk, vv, vo, vl, ve, vm, SEGT, kpt, (q0), (k0))
+		  flags, vq, vk, vv, vo, vl, ve, vm, SEGT, kpt, BT, BSM, blen, bhs, (q0), (k0))
 
 __kernel __attribute__((reqd_work_group_size(APE_NWI, 1, 1))) void ape_attention(ATTN_ARGS)
 {
@@ -974,8 +1005,9 @@ KFN int pos_may_skip(const struct run *R, const struct rows *r, const struct pro
 		if (r->i + k >= R->Lq || an < 0)
 			continue; /* padding, or a row that sees none of the tile */
 		if (!ape_may_skip_weighed(R->lambda, R->delta, R->beta, R->gamma, as, r->qn[k], kn,
-					  (APE_REAL)an, (APE_REAL)len, r->crow_s[k], ms[k], ls[k],
-					  -INFINITY, tol))
+					  (APE_REAL)an, (APE_REAL)len,
+					  bound_frame(R, r->crow_s[k], an), ms[k], ls[k], -INFINITY,
+					  tol))
 			return 0;
 	}
 	return 1;
@@ -1009,10 +1041,12 @@ KFN void pos_scores(const struct run *R, const struct rows *r, struct prow *pw, 
 		VS(n, ns);
 		NOUNROLL
 		for (int k = 0; k < APE_RW; k++) {
-			const APE_REAL an = (APE_REAL)ape_abs_dist(ns[k]);
+			const long al = ape_abs_dist(ns[k]);
+			const APE_REAL an = (APE_REAL)al;
 
 			ts[k] = (float)(ape_temp(R->lambda, an) * (APE_REAL)R->scale);
-			bs[k] = (float)(ape_bias(R->delta, R->beta, R->gamma, an) - r->crow_s[k]);
+			bs[k] = (float)(ape_bias(R->delta, R->beta, R->gamma, an) - r->crow_s[k] +
+					tab_at(R, al));
 			pw->seen[k] += !R->causal || ns[k] >= 0;
 		}
 		{

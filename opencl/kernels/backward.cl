@@ -1,12 +1,13 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The APE backward pass (APE-SPEC.md, "Gradients"), OpenCL C 1.2, built after attention.cl in
- * the same program (it uses its loads, ld(), and its lane types). Seven kernels, enqueued in
+ * the same program (it uses its loads, ld(), and its lane types). Nine kernels, enqueued in
  * order by ocl_backward.c:
  *
  *   ape_bwd_prep     Q with dO (in row vectors), and K with V (a row per key), as float32 in
  *                    the sweep's order; with skipping, each kv head's largest key norm;
- *   ape_bwd_dist     per head and distance: temp, bias and their parameter derivatives;
+ *   ape_bwd_dist     per head and distance: temp, bias (with the distance-bias table's entry)
+ *                    and their parameter derivatives;
  *   ape_bwd_rows     per row vector: mean, sigma, alpha, the saved LSE, Dl_i - dLSE_i
  *                    (Dl_i = dO_i . O_i), the cos and sin of each pair's per-key step, and the
  *                    keys the skip bound leaves to compute, once, for the sweep;
@@ -14,11 +15,15 @@
  *                    is a split of a (batch, kv head)'s key blocks; per block it sums dK_j and
  *                    dV_j over every row of every query head that reads the kv head and adds
  *                    them once, and adds the rows' dQ_i, alpha path A_i and parameter sums to
- *                    its split's slice of the partial buffers;
+ *                    its split's slice of the partial buffers (and, for the table's gradient,
+ *                    dS by distance);
  *   ape_bwd_reduce   per row vector: the splits' slices summed in split order, the alpha path
  *                    applied to dQ_i, added to dQ; the rows' parameter sums;
  *   ape_bwd_params   per head: the rows' parameter sums in float64, in row order, added to
- *                    dparams.
+ *                    dparams;
+ *   ape_bwd_dbias_dist, ape_bwd_dbias
+ *                    the table's gradient: per table row and distance the splits' dS sums,
+ *                    then per entry the distances that read it, added to dbias.
  *
  * No float atomics anywhere: every sum has one owner and a fixed order, so two runs are bit
  * for bit the same. The sweep recomputes P_ij = exp(s_ij - LSE_i) from q, k and the saved LSE;
@@ -117,19 +122,27 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 
 /* The distance terms of each head at every distance n = nmin + idx a launch has, once: the
  * sweep looks them up instead of evaluating logs and roots. One array per term (TB_AT): the
- * APE_RW rows of a row vector meet APE_RW consecutive distances, one vector load. */
+ * APE_RW rows of a row vector meet APE_RW consecutive distances, one vector load. With a
+ * distance-bias table (BT: bM entries per head row, rows bstride apart, 0 when shared; NULL
+ * without one) the bias term is the decay bias plus the head's entry, so the sweep takes it at
+ * no cost per pair. */
 __kernel void ape_bwd_dist(__global const APE_REAL *prm, int npad, int H, long nmin, long ndist,
-			   __global APE_REAL *tab)
+			   __global const float *BT, long bstride, long bM, __global APE_REAL *tab)
 {
 	/* past ndist (the work-group's rounding): saturated, never used */
 	const long idx = get_global_id(0), h = get_global_id(1), n = ape_sat_add(nmin, idx);
 	__global const APE_REAL *hp = prm + npad + 4 * h;
-	const APE_REAL an = (APE_REAL)ape_abs_dist(n);
+	const long ad = ape_abs_dist(n);
+	const APE_REAL an = (APE_REAL)ad;
+	APE_REAL bias;
 
 	if (idx >= ndist || h >= H)
 		return;
+	bias = ape_bias(hp[0], hp[1], hp[2], an);
+	if (BT)
+		bias += (APE_REAL)BT[h * bstride + ape_bias_index(ad, bM)];
 	tab[TB_AT(h, TB_T, ndist) + idx] = ape_temp(hp[3], an);
-	tab[TB_AT(h, TB_BIAS, ndist) + idx] = ape_bias(hp[0], hp[1], hp[2], an);
+	tab[TB_AT(h, TB_BIAS, ndist) + idx] = bias;
 	tab[TB_AT(h, TB_DD, ndist) + idx] = ape_grad_dbias_ddelta(an);
 	tab[TB_AT(h, TB_DB, ndist) + idx] = ape_grad_dbias_dbeta(an);
 	tab[TB_AT(h, TB_DG, ndist) + idx] = ape_grad_dbias_dgamma(an);
@@ -203,17 +216,27 @@ KFN vi bwd_lanes(int lo, int hi)
  * row's mean, sigma and alpha (sums in the forward's order: pair by pair), its saved LSE and
  * Dl_i - dLSE_i (Dl_i = dO_i . O_i), to the row table; and the cos and sin of each pair's
  * per-key step omega_p / alpha_i, to STEP (per row vector: cos for the npad pairs, then sin,
- * APE_RW lanes each), so that the sweep seeds only the rotation's start.
+ * APE_RW lanes each), so that the sweep seeds only the rotation's start. BSM: the suffix maxima
+ * of the distance-bias table (rows as ape_bwd_dist's BT), for the skip bound; NULL without one.
  */
+/* The largest entry of a head's distance-bias table at distance an or beyond (sm: the head's
+ * suffix maxima, bM of them; NULL without a table: 0): what the score bound of keys at
+ * distances >= an gains from the table, passed to ape_bwd_may_skip() by lowering the LSE. */
+KFN APE_REAL bwd_smax(__global const float *sm, long bM, long an)
+{
+	return sm ? (APE_REAL)sm[ape_bias_index(an, bM)] : (APE_REAL)0;
+}
+
 /*
  * The keys one row must compute, [*jlo, *jhi) of its visible keys [0, vend): with B_SKIP, the
  * longest prefix of whole granules (keys at n >= 1) and suffix (n <= -1) whose weight the
- * backward bound proves negligible (ape_bwd_may_skip(), docs/kernels.md). Binary searches:
- * only a prefix or suffix that passed the test is left out.
+ * backward bound proves negligible (ape_bwd_may_skip(), docs/kernels.md; with a table, its
+ * suffix maximum at the granules' nearest distance, sm as bwd_smax()). Binary searches: only a
+ * prefix or suffix that passed the test is left out.
  */
 KFN void bwd_row_range(__global const APE_REAL *hp, float scale, APE_REAL qn, APE_REAL km,
 		       APE_REAL lse, float tol, long diag, long Lk, long vend, int causal,
-		       long *jlo, long *jhi)
+		       __global const float *sm, long bM, long *jlo, long *jhi)
 {
 	const APE_REAL as = fabs((APE_REAL)scale);
 	/* without the causal mask both sides may be left out: they share tol */
@@ -225,10 +248,10 @@ KFN void bwd_row_range(__global const APE_REAL *hp, float scale, APE_REAL qn, AP
 	/* prefix: granules m < M lie at n >= 1; lo passed (or is 0) */
 	hi = (e > 0 ? e / B_GRANULE : 0) + 1;
 	while (hi - lo > 1) {
-		const long mid = (lo + hi) / 2, cnt = mid * B_GRANULE;
+		const long mid = (lo + hi) / 2, cnt = mid * B_GRANULE, an = diag - (cnt - 1);
 
-		if (ape_bwd_may_skip(hp[3], hp[0], hp[1], hp[2], as, qn, km,
-				     (APE_REAL)(diag - (cnt - 1)), (APE_REAL)cnt, lse, t))
+		if (ape_bwd_may_skip(hp[3], hp[0], hp[1], hp[2], as, qn, km, (APE_REAL)an,
+				     (APE_REAL)cnt, lse - bwd_smax(sm, bM, an), t))
 			lo = mid;
 		else
 			hi = mid;
@@ -241,11 +264,10 @@ KFN void bwd_row_range(__global const APE_REAL *hp, float scale, APE_REAL qn, AP
 	hi = (Lk + B_GRANULE - 1) / B_GRANULE;
 	lo = m0 - 1;
 	while (hi - lo > 1) {
-		const long mid = (lo + hi) / 2, s0 = mid * B_GRANULE;
+		const long mid = (lo + hi) / 2, s0 = mid * B_GRANULE, an = ape_abs_dist(diag - s0);
 
-		if (ape_bwd_may_skip(hp[3], hp[0], hp[1], hp[2], as, qn, km,
-				     (APE_REAL)ape_abs_dist(diag - s0), (APE_REAL)(Lk - s0), lse,
-				     t))
+		if (ape_bwd_may_skip(hp[3], hp[0], hp[1], hp[2], as, qn, km, (APE_REAL)an,
+				     (APE_REAL)(Lk - s0), lse - bwd_smax(sm, bM, an), t))
 			hi = mid;
 		else
 			lo = mid;
@@ -258,7 +280,7 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 			   __global const APE_REAL *prm, int npad, int D, int H, long Lq, int flags,
 			   __global APE_REAL *rinfo, __global float *STEP, __global const int *kmax,
 			   int group, long Lk, long rel, float scale, float tol,
-			   __global ulong *PAIRS)
+			   __global ulong *PAIRS, __global const float *BSM, long bstride, long bM)
 {
 	const long ib = get_global_id(0), bh = get_global_id(1), nblk = (Lq + APE_RW - 1) / APE_RW;
 	const long blk = bh * nblk + ib, i0 = ib * APE_RW;
@@ -321,7 +343,8 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 					      ape_norm_bound(tqq[l]),
 					      (APE_REAL)as_float(kmax[bh / H * (H / group) +
 								      bh % H / group]),
-					      LSE[row], tol, diag, Lk, vend, causal, &jlo, &jhi);
+					      LSE[row], tol, diag, Lk, vend, causal,
+					      BSM ? BSM + bh % H * bstride : BSM, bM, &jlo, &jhi);
 			if (vend > 0 && jlo < jhi) {
 				vlo = jlo < vlo ? jlo : vlo;
 				vhi = jhi > vhi ? jhi : vhi;
@@ -399,7 +422,9 @@ KFN void bwd_dq_add(__global float *dq, int p, int P, vf vx, vf vy, vf c0, vf s0
  *   E_j = sum_p omega_p (yr_p u_p - xr_p w_p) while the rotated query turns one step per key;
  *   per key P, dS (zero in lanes that do not see the key), g = dS temp scale, kept; the alpha
  *   path's sum A_i += g n / alpha E_j and the four parameter sums in float32 over the block,
- *   added in APE_REAL to the split's RP;
+ *   added in APE_REAL to the split's RP; with B_DBIAS, dS by distance in float32 over the
+ *   block (one row vector meets BWD_KT + APE_RW - 1 distances), added in APE_REAL to the split's
+ *   slice of DBP;
  *   dV: P times dO into accumulators that keep their lanes until the block's end;
  *   pass 2, per pair component p, keys in reverse: the rotated query turned back one step per
  *   key (it is d(dot)/d(k_j)), dK += g times it; dQ by Horner's rule,
@@ -407,15 +432,17 @@ KFN void bwd_dq_add(__global float *dq, int p, int P, vf vx, vf vy, vf c0, vf s0
  *   past the seed), added to the split's DQP.
  *
  * At the block's end each dK_j and dV_j is summed over its lanes once and added to the output
- * (one owner per key). DQP and RP have one slice per split (zero before the launch); only split
- * s writes slice s, in its fixed block order, so no float atomics and two runs are bit for bit
- * the same; ape_bwd_reduce sums the slices in split order. Lanes past the last row, or that a
+ * (one owner per key). DQP, RP and DBP have one slice per split (zero before the launch); only
+ * split s writes slice s, in its fixed block order, so no float atomics and two runs are bit for
+ * bit the same; ape_bwd_reduce (ape_bwd_dbias_dist for DBP) sums the slices in split order.
+ * Lanes past the last row, or that a
  * key is hidden from, add nothing (a select, so that NaN in a row reaches only the keys it sees
  * and NaN in a key only the rows that see it). Only the wanted outputs are computed, each the
  * same way whatever else is wanted.
  */
 __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
-			    __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv)
+			    __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
+			    __global APE_REAL *DBP)
 {
 	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
 	const long s = get_global_id(0), bkv = get_global_id(1), Hkv = H / group;
@@ -426,12 +453,17 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 	vf Pm[KR][BWD_KT], Gm[KR][BWD_KT], X0[KR][APE_PMAX], Y0[KR][APE_PMAX];
 	vf C0[KR][APE_PMAX], S0[KR][APE_PMAX];
 	vf xs[APE_PMAX], ys[APE_PMAX];
+	/* B_DBIAS: a row vector's dS of the block by distance, lane l of key kt at
+	 * BWD_KT - 1 - kt + l (distance nl0 - (BWD_KT - 1) + that) */
+	float dsd[BWD_KT + APE_RW - 1];
 	__global const float *qtg[KR], *cwg[KR], *swg[KR];
 	long nl0[KR], blkg[KR];
 	int hi[KR], full[KR];
 
 	if (s >= nsplit)
 		return;
+	for (int x = 0; x < BWD_KT + APE_RW - 1; x++)
+		dsd[x] = 0.0f;
 	for (long kb = s; kb < nkb; kb += nsplit) {
 		const long j0 = kb * BWD_KT;
 		const int nk = (int)(Lk - j0 < BWD_KT ? Lk - j0 : BWD_KT);
@@ -586,6 +618,14 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 							gv = ds * tsc;
 							Pm[g][kt] = pv;
 							Gm[g][kt] = gv;
+							if (flags & B_DBIAS) {
+								float dl[APE_RW];
+
+								VS(ds, dl);
+#pragma unroll
+								for (int l = 0; l < APE_RW; l++)
+									dsd[BWD_KT - 1 - kt + l] += dl[l];
+							}
 							if (!wrow)
 								continue;
 							Ad = fma(gv * TO_VF(((APE_REAL)(nl0[g] - kt) +
@@ -600,6 +640,19 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 								 f2);
 							f3 = fma(ds * dot,
 								 TO_VF(VL(th + TB_DTL * b.ndist + e)), f3);
+						}
+					}
+					/* dS by distance to the split's slice, cleared again: entry x at
+					 * distance index nl0 - (BWD_KT - 1) + x - nmin, >= 0 from x =
+					 * BWD_KT - nk (key nk - 1, lane 0), < ndist up to lane hi[g] - 1
+					 * (the lanes past it added zeros only) */
+					if (flags & B_DBIAS) {
+						const long e0 = DBP_AT(s, bh, nrv / b.nblk, b.ndist) + nl0[g] -
+								(BWD_KT - 1) - b.nmin;
+
+						NOUNROLL for (int x = BWD_KT - nk; x < BWD_KT - 1 + hi[g]; x++) {
+							DBP[e0 + x] += (APE_REAL)dsd[x];
+							dsd[x] = 0.0f;
 						}
 					}
 					if (wrow) { /* the split's sums of these rows */
@@ -939,6 +992,56 @@ __kernel void ape_bwd_params(__global const APE_REAL *PART, long B, int H, long 
 				acc[k] += PART[((b * H + h) * Lq + i) * 4 + k];
 	for (int k = 0; k < 4; k++)
 		dparams[4 * h + k] += (double)acc[k];
+}
+
+/*
+ * The distance-bias table's gradient, first step: per row r of the table (head r, or with
+ * `shared` the one row of every head) and distance n = nmin + idx, ape_bwd_fused's dS sums
+ * (DBP_AT) over the batch, the row's heads and the splits, in that order, to DBD[r][idx].
+ */
+__kernel void ape_bwd_dbias_dist(__global const APE_REAL *DBP, int nsplit, long B, int H,
+				 int shared, long ndist, __global APE_REAL *DBD)
+{
+	const long idx = get_global_id(0), r = get_global_id(1);
+	const long h0 = shared ? 0 : r, h1 = shared ? H : r + 1;
+	APE_REAL acc = 0;
+
+	if (idx >= ndist)
+		return;
+	for (long b = 0; b < B; b++)
+		for (long h = h0; h < h1; h++)
+			for (int sp = 0; sp < nsplit; sp++)
+				acc += DBP[DBP_AT(sp, b * H + h, B * H, ndist) + idx];
+	DBD[r * ndist + idx] = acc;
+}
+
+/*
+ * Second step, per row r and entry m = m0 + get_global_id(0) (m0 .. m0 + nm - 1: the entries
+ * the launch's distances n = nmin .. nmin + ndist - 1 read): the sums of DBD over the distances
+ * whose ape_bias_index(|n|, M) is m, n = -m then n = m, or for the last entry every |n| >= M - 1
+ * from the most negative n up; added to DBIAS[r][m] (float64, the call's accumulator).
+ */
+__kernel void ape_bwd_dbias(__global const APE_REAL *DBD, long nmin, long ndist, long M, long m0,
+			    long nm, __global double *DBIAS)
+{
+	const long m = m0 + get_global_id(0), r = get_global_id(1), nmax = nmin + ndist - 1;
+	__global const APE_REAL *d = DBD + r * ndist;
+	APE_REAL acc = 0;
+
+	if ((long)get_global_id(0) >= nm)
+		return;
+	if (m < M - 1) {
+		if (-m >= nmin && -m <= nmax)
+			acc += d[-m - nmin];
+		if (m > 0 && m >= nmin && m <= nmax)
+			acc += d[m - nmin];
+	} else { /* n <= -m, then n >= m (n >= 1 when m is 0: n = 0 once) */
+		for (long n = nmin; n <= nmax && n <= -m; n++)
+			acc += d[n - nmin];
+		for (long n = max(max(m, 1L), nmin); n <= nmax; n++)
+			acc += d[n - nmin];
+	}
+	DBIAS[r * M + m] += (double)acc;
 }
 
 /*

@@ -22,6 +22,7 @@
 #define B_DP 4096
 #define B_SKIP 8192 /* leave out key tiles the backward bound proves negligible (skip_tol) */
 #define B_PAIRS 16384 /* write each row's pairs computed */
+#define B_DBIAS 32768 /* the distance-bias table's gradient: dS per distance, DBP */
 
 /* Keys per skip granule: a row vector's computed keys start and end at multiples of it (or at
  * the ends of its visible keys); the sweep's key blocks divide it. */
@@ -57,5 +58,10 @@
  * the alpha path's A, then the four parameter sums; slice s of row vector blk (as in RI_AT) at
  * ((s * nrv + blk) * RP_N + field) * rw, nrv the row vectors of the launch */
 #define RP_N 5
+
+/* per (split, batch and head) dS sums of ape_bwd_fused by distance (B_DBIAS), in APE_REAL: the
+ * sum at distance n = nmin + idx of slice s of (batch, head) bh at DBP_AT(s, bh, nbh, ndist) +
+ * idx, nbh = B H; ape_bwd_dbias_dist sums the slices in a fixed order */
+#define DBP_AT(s, bh, nbh, ndist) (((s) * (nbh) + (bh)) * (ndist))
 
 #endif

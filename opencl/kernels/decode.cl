@@ -12,7 +12,8 @@
  *
  * The score is the forward kernel's: the query walks the keys by the rotation recurrence,
  * reseeded with ape_seed_sincos at every tile start; temperature and bias from ape_math.h's
- * float32 distance terms in the row's frame c_row (the bias at its anchor distance); one
+ * float32 distance terms in the row's frame c_row (the bias at its anchor distance), plus the
+ * distance-bias table's entry where the launch has one (BT, blen > 0); one
  * online-softmax update per row and block of 16 keys, on a float16 of scores. With float32
  * rows (any rows where the compiler has __builtin_prefetch) each block first requests its
  * value rows, and the key rows of the next block before its P V (dec_touch; a distance
@@ -147,10 +148,12 @@ KFN float16 dec_seed16(__global const APE_REAL *omega, int c, APE_REAL n, APE_RE
 		long qsl, long koff, long ksb, long ksh, long ksl, long voff, long vsb, long vsh,  \
 		long vsl, int D, long Lq, long Lk, int H, int group, long rel, float scale,       \
 		int flags, long chunk, int nsplit, long pbt, long pnb, long pfirst, long prow,     \
-		long pblk, __global const long *ptab, __global const long *sg
+		long pblk, __global const long *ptab, __global const long *sg,                     \
+		__global const float *BT, long blen, long bhs
 #define DEC_NAMES                                                                                  \
 	Q, K, V, prm, part, qoff, qsb, qsh, qsl, koff, ksb, ksh, ksl, voff, vsb, vsh, vsl, D, Lq,  \
-		Lk, H, group, rel, scale, flags, chunk, nsplit, pbt, pnb, pfirst, prow, pblk, ptab, sg
+		Lk, H, group, rel, scale, flags, chunk, nsplit, pbt, pnb, pfirst, prow, pblk, ptab, \
+		sg, BT, blen, bhs
 
 /*
  * Where keys bb .. bb + len - 1 start, relative to their (batch, kv head) base: j * ksl and
@@ -266,6 +269,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 	float M[DEC_RMAX], L[DEC_RMAX], sc[DEC_RMAX][DEC_BLK];
 	float rdelta[DEC_RMAX], rbeta[DEC_RMAX], rgamma[DEC_RMAX], rlambda[DEC_RMAX];
 	long diag[DEC_RMAX], aref[DEC_RMAX], jend[DEC_RMAX];
+	long toff[DEC_RMAX]; /* blen > 0: where the row's head's table row starts in BT */
 	APE_REAL ia[DEC_RMAX];
 	int decay[DEC_RMAX];
 	long kend = j0;
@@ -314,6 +318,7 @@ KFN void dec_body(DEC_ARGS, const int RM)
 		rgamma[r] = (float)prm[P + 4 * h + 2];
 		rlambda[r] = (float)prm[P + 4 * h + 3];
 		decay[r] = rdelta[r] != 0.0f || rbeta[r] != 0.0f || rgamma[r] != 0.0f;
+		toff[r] = h * bhs;
 		ia[r] = ape_inv_alpha(prm[P + 4 * h + 3], ss, DEC_DIM);
 		diag[r] = rel + i;
 		aref[r] = ape_anchor_distance(diag[r], Lk, causal);
@@ -378,6 +383,8 @@ KFN void dec_body(DEC_ARGS, const int RM)
 					if (decay[r])
 						sv += ape_bias_diff_f(rdelta[r], rbeta[r], rgamma[r],
 								      an, aref[r]);
+					if (blen) /* the distance-bias table's entry */
+						sv += BT[toff[r] + ape_bias_index(an, blen)];
 					/* a non-finite dot product makes the score NaN (attention.cl) */
 					sv = isfinite(dot) ? sv : NAN;
 					sc[r][jj] = j < jend[r] ? sv : -INFINITY;
@@ -726,6 +733,8 @@ KFN void dec_wg_body(DEC_ARGS, __local float *red, __local float *sc, __local fl
 				if (rdelta != 0.0f || rbeta != 0.0f || rgamma != 0.0f)
 					sv += ape_bias_diff_f(rdelta, rbeta, rgamma, an,
 							      ape_anchor_distance(diag, Lk, causal));
+				if (blen) /* the distance-bias table's entry */
+					sv += BT[h * bhs + ape_bias_index(an, blen)];
 				/* a non-finite dot product makes the score NaN (attention.cl) */
 				sv = isfinite(dot) ? sv : NAN;
 			}

@@ -8,8 +8,10 @@
  * into scratch: Q scaled and transposed per block of 16 rows so that the rows are the lanes of
  * one float16, K in pair-split order, V as float32), and the scores are a plain matrix product
  * plus the bias relative to the row's anchor: -delta (|n| - |n_anchor|) when delta is the only
- * decay, else from a per-distance table (ape_sep_btab: bias(|n|) in APE_REAL, each tile taking
- * its 31 distances relative to its own reference, as the general kernel's tile tables do).
+ * decay, else from a per-distance table (ape_sep_btab: bias(|n|) in APE_REAL, the caller's
+ * distance-bias table added in, each tile taking its 31 distances relative to its own
+ * reference, as the general kernel's tile tables do; the skip bound adds the caller's table's
+ * suffix maximum).
  * ape_sep_attn gives one work-item a block of SEP_BQ = 16 query
  * rows (the lanes) and walks key tiles of SEP_BK = 16 keys: the 16 score vectors of a tile stay
  * in registers over the D loop (one Q vector load, 16 FMAs with a broadcast key element per
@@ -37,7 +39,9 @@
 #define SEP_NB 4 /* row blocks per work-item, sharing each key tile (ocl_separable.c) */
 
 #define FS_SKIP 256 /* ocl_fast.h */
-#define FS_BIAS 512 /* a head has beta or gamma != 0: the bias comes from ape_sep_btab's table */
+/* a head has beta or gamma != 0, or the launch a distance-bias table: the bias comes from
+ * ape_sep_btab's table */
+#define FS_BIAS 512
 #define FS_TRIG 1024 /* the rotation's sines and cosines from ape_sep_trig's table per position */
 
 /* The segment table (ocl_separable.c, sep_plan_make()): SEP_SW longs per segment. */
@@ -64,6 +68,16 @@ __constant int sep_iota[16] = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 KFN APE_REAL sep_bias(APE_REAL delta, APE_REAL beta, APE_REAL gamma, APE_REAL an)
 {
 	return beta == 0 && gamma == 0 ? -delta * an : ape_bias(delta, beta, gamma, an);
+}
+
+/* The far-key bound's frame for a row of head h (ape_may_skip()'s crow argument, as
+ * attention.cl's bound_frame()): c_row lowered by the distance-bias table's suffix maximum at the
+ * keys' nearest distance an (BSM: [heads][blen], head stride bhs), c_row itself without a table
+ * (blen 0). */
+KFN APE_REAL sep_bound_frame(__global const float *BSM, long blen, long bhs, int h, APE_REAL crow,
+			     long an)
+{
+	return blen ? crow - (APE_REAL)BSM[h * bhs + ape_bias_index(an, blen)] : crow;
 }
 
 /* In place: m[0..15], the rows of a 16 x 16 matrix, become its columns (four rounds of
@@ -339,13 +353,16 @@ __kernel void ape_sep_rot_k(__global const void *K, __global const void *V,
 	}
 }
 
-/* The bias per distance, for launches with beta or gamma != 0: tab[h][be + e] = bias(|n|) in
- * APE_REAL (as the general kernel's tile tables hold it) for each segment at n = rel + e -
- * (lkp - 1), e over the lqp + lkp - 1 distances that its padded rows and keys span (lqp, lkp:
- * its rows and keys padded; none for a segment without keys). Entry e's segment: the last whose
- * table starts at or before e (a binary search over the nseg segments). */
+/* The bias per distance, for launches with beta or gamma != 0 or a distance-bias table:
+ * tab[h][be + e] = bias(|n|) in APE_REAL (as the general kernel's tile tables hold it) plus the
+ * table's entry (BT: [heads][blen], head stride bhs; blen 0: none), for each segment at
+ * n = rel + e - (lkp - 1), e over the lqp + lkp - 1 distances that its padded rows and keys
+ * span (lqp, lkp: its rows and keys padded; none for a segment without keys). Entry e's
+ * segment: the last whose table starts at or before e (a binary search over the nseg
+ * segments). */
 __kernel void ape_sep_btab(__global const APE_REAL *prm, int D, long ne, long nseg,
-			   __global const long *sgt, __global APE_REAL *tab)
+			   __global const long *sgt, __global APE_REAL *tab, __global const float *BT,
+			   long blen, long bhs)
 {
 	const long e = get_global_id(0);
 	const int h = (int)get_global_id(1), P = D / 2;
@@ -366,9 +383,11 @@ __kernel void ape_sep_btab(__global const APE_REAL *prm, int D, long ne, long ns
 		const long lkp = SEP_PAD(sg[SG_LK]);
 		/* padding: saturated, never used */
 		const long n = ape_sat_add(sg[SG_REL], e - sg[SG_BE] - (lkp - 1));
+		const long an = ape_abs_dist(n);
 
 		tab[h * ne + e] = ape_bias(prm[P + 4 * h], prm[P + 4 * h + 1], prm[P + 4 * h + 2],
-					   (APE_REAL)ape_abs_dist(n));
+					   (APE_REAL)an) +
+				  (blen ? (APE_REAL)BT[h * bhs + ape_bias_index(an, blen)] : 0);
 	}
 }
 
@@ -443,7 +462,8 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 			   long osh, long osl, long loff, long lsb, long lsh, long lsl, int D,
 			   long Lqa, long Lqp, long Lkp, long ne, long nseg, int H, int group,
 			   float scale, float tol, int flags, __global const long *sgt,
-			   __global const int *ix, long ixw)
+			   __global const int *ix, long ixw, __global const float *BSM, long blen,
+			   long bhs)
 {
 	/* the work-item's segment and first row block (the host orders them heaviest first) */
 	__global const int *wk = ix + ixw + 2 * get_group_id(0);
@@ -605,14 +625,16 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 				for (int r = 0; r < nrow[g] && stop; r++) {
 					const long diag = rel + (i0[g] + r);
 					const long cnt = ape_visible_keys(diag, k0, causal);
+					const long an = ape_keys_min_abs(diag, 0, cnt);
 
 					if (cnt <= 0)
 						continue;
 					stop = ape_may_skip(0, prm[P + 4 * h], beta, gamma,
 							    fabs((APE_REAL)scale),
-							    qrow[i0[g] + r], kb,
-							    ape_keys_min_abs(diag, 0, cnt), cnt,
-							    crow[g][r], ms[r], ls[r], -INFINITY, tol);
+							    qrow[i0[g] + r], kb, an, cnt,
+							    sep_bound_frame(BSM, blen, bhs, h,
+									    crow[g][r], an),
+							    ms[r], ls[r], -INFINITY, tol);
 				}
 				done[g] = stop;
 			}
@@ -908,7 +930,8 @@ __kernel void ape_sep_attn_wg(__global const float *Qt, __global const float *Kr
 			      long osl, long loff, long lsb, long lsh, long lsl, int D, long Lqa,
 			      long Lqp, long Lkp, long ne, long nseg, int H, int group, float scale,
 			      float tol, int flags, __global const long *sgt,
-			      __global const int *ix, long ixw, __local float *kl, __local float *vl)
+			      __global const int *ix, long ixw, __global const float *BSM,
+			      long blen, long bhs, __local float *kl, __local float *vl)
 {
 	/* kl, vl: SEP_GBK * D floats each, sized by the host (no local array sized for the
 	 * program's largest D: a device with little local memory still builds the program) */
@@ -1030,13 +1053,16 @@ __kernel void ape_sep_attn_wg(__global const float *Qt, __global const float *Kr
 
 			if (live) {
 				const long cnt = ape_visible_keys(diag, k0, causal);
+				const long an = ape_keys_min_abs(diag, 0, cnt);
 
 				if (cnt > 0)
 					stop = ape_may_skip(0, prm[P + 4 * h], beta, gamma,
 							    fabs((APE_REAL)scale),
-							    qn[bh * Lqp + sg[SG_QP] + i], kp[t],
-							    ape_keys_min_abs(diag, 0, cnt), cnt,
-							    crow, m, lsum, -INFINITY, tol);
+							    qn[bh * Lqp + sg[SG_QP] + i], kp[t], an,
+							    cnt,
+							    sep_bound_frame(BSM, blen, bhs, h, crow,
+									    an),
+							    m, lsum, -INFINITY, tol);
 			}
 			if (!stop)
 				lstop = 0;

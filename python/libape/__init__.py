@@ -5,6 +5,7 @@
     o, lse = libape.attention(q, k, v, lam=0.0, return_lse=True, device="ref")
     dq, dk, dv, dparams = libape.attention_backward(q, k, v, o, lse, do, device="ref")
     o, lse, ent, md = libape.attention_diagnostics(q, k, v)   # entropy, mean distance per row
+    o = libape.attention(q, k, v, bias_table=T)   # + T[h][min(|n|, M - 1)]: T5, Gaussian, learned
     o = libape.attention_varlen(q, k, v, cu_q, cu_k)  # packed [total, H, D] ragged batches
     import libape.torch                      # autograd, torch.compile, APEAttention
     pool = libape.KVPool(Hkv=2, D=64, capacity_tokens=4096)  # paged KV of many sequences

@@ -43,7 +43,9 @@ class ApeAttnDesc(ctypes.Structure):
                 ("layout", ctypes.c_int), ("k_start", c_int64), ("q_start", c_int64),
                 ("q_start_set", ctypes.c_bool), ("skip_tol", ctypes.c_double),
                 ("pos_q", ctypes.POINTER(c_int64)), ("pos_k", ctypes.POINTER(c_int64)),
-                ("rope_scale", ctypes.c_double)]
+                ("rope_scale", ctypes.c_double),
+                ("bias_table", ctypes.POINTER(ctypes.c_float)), ("bias_table_len", c_int64),
+                ("bias_table_heads", c_int64), ("dbias_table", ctypes.POINTER(ctypes.c_float))]
 
 
 class ApeStats(ctypes.Structure):

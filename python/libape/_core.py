@@ -450,6 +450,55 @@ def _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_
     return d
 
 
+def _bias_array(bias_table, H):
+    """A distance-bias table (ape_attn_desc.bias_table) as libape reads it: contiguous float32
+    host memory [rows, M], rows H (one per query head) or 1 (shared by every head). NumPy
+    arrays, torch tensors (copied to the host if elsewhere), objects with __dlpack__, and
+    nested lists; anything else, another dtype or shape, is refused naming bias_table (the
+    library checks the values and M's upper bound)."""
+    x = bias_table
+    if type(x).__module__.startswith("torch"):
+        torch = _torch()
+        if x.dtype != torch.float32:
+            _bad("bias_table: dtype %s: must be float32; convert it first (t.float())"
+                 % x.dtype)
+        x = x.detach().cpu().numpy()
+    elif isinstance(x, (list, tuple)):
+        x = np.asarray(x, dtype=np.float32)
+    elif not isinstance(x, np.ndarray):
+        if not hasattr(x, "__dlpack__"):
+            _bad("bias_table: a %s is not an array: pass a float32 NumPy array or torch tensor "
+                 "[H, M] or [1, M]" % type(x).__name__)
+        x = np.from_dlpack(x)
+    if x.dtype != np.float32:
+        _bad("bias_table: dtype %s: must be float32; convert it first, e.g. "
+             "t.astype(np.float32)" % x.dtype)
+    if x.ndim != 2 or x.shape[0] not in (H, 1) or x.shape[1] < 1:
+        _bad("bias_table: shape %s: must be [H, M] = [%d, M] (a row per query head) or [1, M] "
+             "(one row for every head), M >= 1" % (tuple(x.shape), H))
+    return np.ascontiguousarray(x)
+
+
+def _with_table(desc, table, keep, dbias_ptr=None):
+    """A copy of desc (cached ones are shared) reading the distance-bias table `table` (what
+    _bias_array() gives), and with dbias_ptr writing its gradient there; table kept in keep."""
+    d = _capi.ApeAttnDesc()
+    ctypes.pointer(d)[0] = desc
+    d.bias_table = table.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    d.bias_table_heads, d.bias_table_len = table.shape
+    if dbias_ptr is not None:
+        d.dbias_table = ctypes.cast(dbias_ptr, ctypes.POINTER(ctypes.c_float))
+    keep.append(table)
+    return d
+
+
+def _table_desc(desc, bias_table, H, keep):
+    """desc as it is without a table, else a copy reading it."""
+    if bias_table is None:
+        return desc
+    return _with_table(desc, _bias_array(bias_table, H), keep)
+
+
 _forward = lib.ape_attention_forward
 _forward_diag = lib.ape_attention_forward_diag
 
@@ -482,7 +531,7 @@ def _host_call(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layou
 def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
               causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None, k_start=0,
               skip_tol=2.0 ** -24, device="auto", return_lse=False, positions_q=None,
-              positions_k=None, stats=False, rope_scale=1.0):
+              positions_k=None, stats=False, rope_scale=1.0, bias_table=None):
     """APE attention of q `[B, H, Lq, D]` over k, v `[B, Hkv, Lk, D]`; returns O `[B, H, Lq, D]`
     (and LSE `[B, H, Lq]` float32 with return_lse=True).
 
@@ -501,11 +550,19 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     rope_scale (default 1; finite, > 0): position interpolation, the rotation turning by
     n / rope_scale while the bias and temperature keep n (ape_attn_desc.rope_scale).
 
+    bias_table (default None): a distance-bias table, float32 `[H, M]` (a row per query head)
+    or `[1, M]` (one row for every head), NumPy or torch: every score of head h gets
+    `bias_table[h][min(|n|, M - 1)]` added beside the decay bias (ape_attn_desc.bias_table;
+    docs/ape.md, "Distance-bias tables"): T5's buckets, a Gaussian -lambda n^2, any learned
+    function of the distance. A device whose backend does not compute tables raises ApeError
+    (APE_ENOTSUP) naming it; a bad table ApeValueError naming bias_table.
+
     stats=True appends the C call's statistics (ape_stats: times, pairs visible and computed,
     chunks, bytes copied, backend and device) as a dict to what it returns: (o, stats), or
     (o, lse, stats) with return_lse=True. Host arrays only.
     """
-    _refuse_grad("attention", q=q, k=k, v=v, delta=delta, beta=beta, gamma=gamma, lam=lam)
+    _refuse_grad("attention", q=q, k=k, v=v, delta=delta, beta=beta, gamma=gamma, lam=lam,
+                 bias_table=bias_table)
     if _is_torch_cuda(q) or _is_torch_cuda(k) or _is_torch_cuda(v):
         if stats:
             _bad("stats=True: CUDA tensors go through ape_attention_forward_dlpack(), which "
@@ -514,11 +571,12 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
             _bad("positions_q, positions_k: explicit positions take host arrays only for now")
         return _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base,
                                layout, q_start, k_start, skip_tol, device, return_lse,
-                               rope_scale=rope_scale)
+                               rope_scale=rope_scale, bias_table=bias_table)
     qa, ka, va, desc, keep = _host_call(q, k, v, delta, beta, gamma, lam, causal, scale,
                                         rope_base, layout, q_start, k_start, skip_tol,
                                         rope_scale)
     B, H, Lq, D = qa.shape
+    desc = _table_desc(desc, bias_table, H, keep)
     if positions_q is not None or positions_k is not None:
         desc = _with_positions(desc, positions_q, positions_k, Lq, ka.shape[2], q_start,
                                k_start, keep)
@@ -573,7 +631,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, p
                      delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
                      causal=True, scale=None, rope_base=10000.0, layout="half",
                      skip_tol=2.0 ** -24, device="auto", return_lse=False, stats=False,
-                     rope_scale=1.0):
+                     rope_scale=1.0, bias_table=None):
     """APE attention over a ragged batch of packed sequences (ape_attention_forward_varlen()).
 
     q `[total_q, H, D]`, k and v `[total_k, Hkv, D]` (NumPy or torch CPU; strided views, such as
@@ -585,11 +643,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, p
     `[total_q, H, D]` of q's kind and dtype (and LSE `[total_q, H]` float32 with
     return_lse=True). On host arrays; gradients: attention_varlen_backward(), or
     libape.torch.attention_varlen() for autograd. Raises ApeValueError for a bad argument, and
-    for torch tensors that record gradients (as attention() does). stats=True as for
-    attention().
+    for torch tensors that record gradients (as attention() does). stats=True, rope_scale and
+    bias_table as for attention().
     """
     _refuse_grad("attention_varlen", q=q, k=k, v=v, delta=delta, beta=beta, gamma=gamma,
-                 lam=lam)
+                 lam=lam, bias_table=bias_table)
     qa = _packed_view("q", q)
     ka = _packed_view("k", k)
     va = _packed_view("v", v)
@@ -605,8 +663,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, p
     pq = None if positions_q is None else _int64_array("positions_q", positions_q, tq)
     pk = None if positions_k is None else _int64_array("positions_k", positions_k, tk)
     keep = []
-    desc = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
-                       skip_tol, keep, rope_scale)
+    desc = _table_desc(_build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout,
+                                   None, 0, skip_tol, keep, rope_scale), bias_table, H, keep)
     vl = _varlen_struct(cq, ck, pq, pk)
     dev = _device_spec(device)
     if qa.kind == "torch":
@@ -654,17 +712,16 @@ def _varlen_struct(cq, ck, pq, pk):
 def attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens_q, cu_seqlens_k, *, dlse=None,
                               positions_q=None, positions_k=None, delta=SEED_DELTA,
                               beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True,
-                              scale=None, rope_base=10000.0, layout="half",
-                              wrt=("q", "k", "v", "params"), device="auto", stats=False,
-                              rope_scale=1.0, skip_tol=0.0):
+                              scale=None, rope_base=10000.0, layout="half", wrt=None,
+                              device="auto", stats=False, rope_scale=1.0, skip_tol=0.0,
+                              bias_table=None):
     """The gradients of `attention_varlen()` (ape_attention_backward_varlen()): its inputs, O
     and LSE `[total_q, H]` (return_lse=True), dL/dO `dout` `[total_q, H, D]` and optionally
-    dL/dLSE; returns `(dq, dk, dv, dparams)` packed like q, k, k and `[H, 4]`, those not in
-    `wrt` None. Arrays as for `attention_varlen()`. stats=True as for attention(); skip_tol as
-    for attention_backward() (default 0)."""
-    want = set(wrt)
-    if not want or not want <= {"q", "k", "v", "params"}:
-        _bad("wrt = %r: name one or more of 'q', 'k', 'v', 'params'" % (wrt,))
+    dL/dLSE; returns `(dq, dk, dv, dparams)` packed like q, k, k and `[H, 4]`, and with a
+    bias_table `(dq, dk, dv, dparams, dbias_table)`, those not in `wrt` None (wrt and the table's
+    gradient as for attention_backward()). Arrays as for `attention_varlen()`. stats=True as for
+    attention(); skip_tol as for attention_backward() (default 0)."""
+    want = _wanted(wrt, bias_table)
     qa, ka, va = _packed_view("q", q), _packed_view("k", k), _packed_view("v", v)
     oa, da = _packed_view("o", o), _packed_view("dout", dout)
     if not (qa.kind == ka.kind == va.kind == oa.kind == da.kind):
@@ -681,8 +738,9 @@ def attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens_q, cu_seqlens_k,
     dlse_keep, dlse_ptr = (None, None) if dlse is None else \
         _lse_buffer("dlse", dlse, qa.kind, (tq, H), "[total_q, H]")
     keep = []
-    desc = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
-                       float(skip_tol), keep, rope_scale)
+    desc, db = _grad_table(_build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base,
+                                       layout, None, 0, float(skip_tol), keep, rope_scale),
+                           bias_table, H, want, qa, keep)
     vl = _varlen_struct(cq, ck, pq, pk)
     dev = _device_spec(device)
 
@@ -708,7 +766,7 @@ def attention_varlen_backward(q, k, v, o, lse, dout, cu_seqlens_q, cu_seqlens_k,
                                             tdv, dp_ptr, st_ptr)
     if err:
         _raise(err)
-    return _with_stats((dq, dk, dv, dp), st)
+    return _with_stats((dq, dk, dv, dp) + (() if bias_table is None else (db,)), st)
 
 
 def position_ids_to_cu_seqlens(position_ids):
@@ -757,7 +815,8 @@ def _dl_tensor(name, x, keep):
 
 
 def _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
-                    k_start, skip_tol, device, return_lse, diag=False, rope_scale=1.0):
+                    k_start, skip_tol, device, return_lse, diag=False, rope_scale=1.0,
+                    bias_table=None):
     """CUDA tensors: libape's CUDA device of the same ordinal computes on them where they are,
     on PyTorch's current stream (ape_attention_forward_dlpack(), or with diag
     ape_attention_forward_dlpack_diag(), returning (O, LSE, entropy, mean_distance)); nothing is
@@ -779,8 +838,8 @@ def _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, 
         q, k, v = (x.contiguous() for x in (q, k, v))  # the layout demands a copy
     B, H, Lq, D = q.shape
     keep = []
-    desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-                 skip_tol, keep, rope_scale)
+    desc = _table_desc(_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout,
+                             q_start, k_start, skip_tol, keep, rope_scale), bias_table, H, keep)
     spec = "cuda:%d" % q.device.index if device in (None, "auto") else device
     dev = _device_spec(spec)
     stream = torch.cuda.current_stream(q.device).cuda_stream
@@ -820,15 +879,17 @@ def _dlpack_forward_cpu(dev, q, k, v, return_lse, diag=False, **params):
                  params.get("causal", True), params.get("scale"), 10000.0, "half",
                  params.get("q_start"), params.get("k_start", 0), params.get("skip_tol", 2.0 ** -24),
                  keep)
+    desc = _table_desc(desc, params.get("bias_table"), H, keep)
     return _dlpack_call(fn, _device_spec(dev), desc, keep, q, k, v, return_lse, diag, None)
 
 
 def _backward_dlpack(dev, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, causal, scale,
                      rope_base, layout, q_start, k_start, wrt, stream, rope_scale=1.0,
-                     skip_tol=0.0):
+                     skip_tol=0.0, bias_table=None):
     """ape_attention_backward_dlpack() on torch tensors where they are (CPU: kDLCPU, returning
     once written; CUDA: kDLCUDA on `stream`, returning once enqueued): (dq, dk, dv, dparams
-    [H, 4] float32), each None where `wrt` does not name it, allocated beside q."""
+    [H, 4] float32), each None where `wrt` does not name it, allocated beside q. A bias_table
+    is read (host memory), its gradient not computed: that is attention_backward()'s."""
     torch = _torch()
     fn = _capi.optional["ape_attention_backward_dlpack"]
     want = set(wrt)
@@ -842,8 +903,8 @@ def _backward_dlpack(dev, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, 
         else x.contiguous() for x in (q, k, v, o, lse, dout, dlse))
     B, H, Lq, D = q.shape
     keep = []
-    desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-                 skip_tol, keep, rope_scale)
+    desc = _table_desc(_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout,
+                             q_start, k_start, skip_tol, keep, rope_scale), bias_table, H, keep)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if "q" in want else None
     dk = torch.empty(k.shape, dtype=q.dtype, device=q.device) if "k" in want else None
     dv = torch.empty(k.shape, dtype=q.dtype, device=q.device) if "v" in want else None
@@ -861,7 +922,7 @@ def _backward_dlpack(dev, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, 
 
 def _attention_backward_cuda(q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, causal,
                              scale, rope_base, layout, q_start, k_start, wrt, device,
-                             rope_scale=1.0, skip_tol=0.0):
+                             rope_scale=1.0, skip_tol=0.0, bias_table=None):
     """CUDA tensors: the gradients computed where the tensors are, by libape's CUDA device of
     their ordinal, on PyTorch's current stream (ape_attention_backward_dlpack()): nothing is
     copied through host memory, and the call returns once the work is enqueued. None when this
@@ -877,7 +938,7 @@ def _attention_backward_cuda(q, k, v, o, lse, dout, dlse, delta, beta, gamma, la
     stream = torch.cuda.current_stream(q.device).cuda_stream
     return _backward_dlpack(spec, q, k, v, o, lse, dout, dlse, delta, beta, gamma, lam, causal,
                             scale, rope_base, layout, q_start, k_start, wrt, stream,
-                            rope_scale=rope_scale, skip_tol=skip_tol)
+                            rope_scale=rope_scale, skip_tol=skip_tol, bias_table=bias_table)
 
 
 def _dlpack_backward_cpu(dev, q, k, v, o, lse, dout, dlse=None, wrt=("q", "k", "v", "params"),
@@ -888,13 +949,14 @@ def _dlpack_backward_cpu(dev, q, k, v, o, lse, dout, dlse=None, wrt=("q", "k", "
                             params.get("beta", SEED_BETA), params.get("gamma", SEED_GAMMA),
                             params.get("lam", SEED_LAMBDA), params.get("causal", True),
                             params.get("scale"), 10000.0, "half", params.get("q_start"),
-                            params.get("k_start", 0), wrt, None)
+                            params.get("k_start", 0), wrt, None,
+                            bias_table=params.get("bias_table"))
 
 
 def attention_diagnostics(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA,
                           lam=SEED_LAMBDA, causal=True, scale=None, rope_base=10000.0,
                           layout="half", q_start=None, k_start=0, skip_tol=2.0 ** -24,
-                          device="auto"):
+                          device="auto", rope_scale=1.0, bias_table=None):
     """`attention()` that also returns each row's attention entropy -sum_j P ln P and mean
     attention distance sum_j P |pos_q - pos_k| (docs/diagnostics.md), computed in the same
     pass: returns (O, LSE, entropy, mean_distance), the last three `[B, H, Lq]` float32 of q's
@@ -902,13 +964,17 @@ def attention_diagnostics(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SE
     diagnostics stay within the spec's tolerance. torch CUDA tensors are computed where they
     are, on PyTorch's current stream (ape_attention_forward_dlpack_diag()), as attention() does.
     Raises ApeError on a device whose backend does not compute them (the reference, OpenCL
-    and CUDA backends all do; CUDA's kernels have run on the CPU emulator only)."""
+    and CUDA backends all do; CUDA's kernels have run on the CPU emulator only). rope_scale
+    and bias_table as for attention(): the entropy curve of any distance-bias table."""
     if _is_torch_cuda(q) or _is_torch_cuda(k) or _is_torch_cuda(v):
         return _attention_cuda(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base,
-                               layout, q_start, k_start, skip_tol, device, True, diag=True)
+                               layout, q_start, k_start, skip_tol, device, True, diag=True,
+                               rope_scale=rope_scale, bias_table=bias_table)
     qa, ka, va, desc, keep = _host_call(q, k, v, delta, beta, gamma, lam, causal, scale,
-                                        rope_base, layout, q_start, k_start, skip_tol)
+                                        rope_base, layout, q_start, k_start, skip_tol,
+                                        rope_scale)
     B, H, Lq, D = qa.shape
+    desc = _table_desc(desc, bias_table, H, keep)
     devs = (ctypes.c_void_p * 1)(_device_spec(device))
     oa = _empty_like(qa, (B, H, Lq, D))
     outs = [_empty_lse(qa, (B, H, Lq)) for _ in range(3)]
@@ -973,15 +1039,17 @@ class KVCache:
 
     def attend(self, q, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
                causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None,
-               skip_tol=2.0 ** -24, return_lse=False, stats=False, rope_scale=1.0):
+               skip_tol=2.0 ** -24, return_lse=False, stats=False, rope_scale=1.0,
+               bias_table=None):
         """ape_kv_cache_attend(): o (and lse with return_lse=True; the C call's statistics as
-        a dict after them with stats=True, as for attention())."""
+        a dict after them with stats=True, as for attention()); rope_scale and bias_table as
+        for attention() (a cache that released blocks refuses a table)."""
         c = self._live()
         qa = _as_array("q", q)
         B, H, Lq, D = qa.shape
         keep = []
-        desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, 0,
-                     skip_tol, keep, rope_scale)
+        desc = _table_desc(_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout,
+                                 q_start, 0, skip_tol, keep, rope_scale), bias_table, H, keep)
         oa = _empty_like(qa, (B, H, Lq, D))
         lse, lse_ptr = _empty_lse(qa, (B, H, Lq)) if return_lse else (None, None)
         tq, to = _tensor(qa), _tensor(oa)
@@ -1232,7 +1300,7 @@ class KVPool:
     def attend(self, q, seq_ids, cu_seqlens_q, *, positions_q=None, delta=SEED_DELTA,
                beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True, scale=None,
                rope_base=10000.0, layout="half", skip_tol=2.0 ** -24, rope_scale=1.0,
-               return_lse=False, return_diagnostics=False, stats=False):
+               return_lse=False, return_diagnostics=False, stats=False, bias_table=None):
         """Attention of a ragged batch of query rows over the pool (ape_kv_pool_attend()): q
         `[total_q, H, D]` (total_q <= max_batch_tokens), rows [cu_seqlens_q[i],
         cu_seqlens_q[i + 1]) of sequence seq_ids[i] see that sequence's keys only. Rows sit at
@@ -1242,7 +1310,8 @@ class KVPool:
         no key), and LSE `[total_q, H]` float32 with return_lse=True (-inf for those rows);
         return_diagnostics=True appends each row's attention entropy and mean attention
         distance, `[total_q, H]` float32 each (ape_kv_pool_attend_diag(): 0 for rows that see
-        no key); stats=True appends the call's statistics as for attention()."""
+        no key); stats=True appends the call's statistics as for attention(); bias_table as
+        for attention() (a sequence that released pages refuses a table)."""
         p = self._live()
         qa = _packed_view("q", q)
         _, H, tq, D = qa.shape
@@ -1250,8 +1319,8 @@ class KVPool:
         cq = _int64_array("cu_seqlens_q", cu_seqlens_q, ids.shape[0] + 1)
         pq = None if positions_q is None else _int64_array("positions_q", positions_q, tq)
         keep = []
-        desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
-                     skip_tol, keep, rope_scale)
+        desc = _table_desc(_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout,
+                                 None, 0, skip_tol, keep, rope_scale), bias_table, H, keep)
         r = _RaggedOut(qa, return_lse, return_diagnostics)
         tq_, to_ = _Tensors.pack((qa, r.oa))
         st, st_ptr = _stats_arg(stats)
@@ -1624,7 +1693,7 @@ class PagedKV:
     def run(self, q, k_pages, v_pages=None, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA,
             lam=SEED_LAMBDA, causal=True, scale=None, rope_base=10000.0, layout="half",
             skip_tol=2.0 ** -24, rope_scale=1.0, kv_layout="NHD", return_lse=False,
-            return_diagnostics=False, stats=False):
+            return_diagnostics=False, stats=False, bias_table=None):
         """Runs the plan over one layer's pages (ape_paged_kv_run()): q `[total_q, H, D]` (the
         plan's rows), k_pages and v_pages `[num_pages, page_tokens, Hkv, D]` (kv_layout="NHD",
         vLLM's) or `[num_pages, Hkv, page_tokens, D]` ("HND"), or one 5-D `[num_pages, 2, ...]`
@@ -1633,7 +1702,7 @@ class PagedKV:
         `[total_q, H, D]` of q's kind and dtype (0 for rows that see no key), and LSE
         `[total_q, H]` float32 with return_lse=True; return_diagnostics=True appends each row's
         entropy and mean distance `[total_q, H]` (ape_paged_kv_run_diag()); stats=True appends
-        the call's statistics."""
+        the call's statistics; bias_table as for attention()."""
         p = self._live()
         if layout not in _LAYOUTS:
             _bad("layout = %r: must be 'half' or 'interleaved' (the pages' layout is "
@@ -1641,8 +1710,8 @@ class PagedKV:
         qa = _packed_view("q", q)
         _, H, tq, D = qa.shape
         keep = []
-        desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, None, 0,
-                     skip_tol, keep, rope_scale)
+        desc = _table_desc(_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout,
+                                 None, 0, skip_tol, keep, rope_scale), bias_table, H, keep)
         kt, vt, free, pages = self._pages(k_pages, v_pages, kv_layout)
         try:
             r = _RaggedOut(qa, return_lse, return_diagnostics)
@@ -1706,6 +1775,31 @@ _backward = lib.ape_attention_backward
 _WRT = ("q", "k", "v", "params")
 
 
+def _wanted(wrt, bias_table):
+    """The gradients a backward call is asked for, checked: wrt's names (None: every one, the
+    table's too where a bias_table is given)."""
+    if wrt is None:
+        wrt = _WRT + (("bias_table",) if bias_table is not None else ())
+    want = set(wrt)
+    if not want or not want <= set(_WRT + ("bias_table",)):
+        _bad("wrt = %r: name one or more of 'q', 'k', 'v', 'params', 'bias_table'" % (wrt,))
+    if "bias_table" in want and bias_table is None:
+        _bad("wrt = %r names 'bias_table', but no bias_table was given" % (wrt,))
+    return want
+
+
+def _grad_table(desc, bias_table, H, want, like, keep):
+    """desc reading bias_table and, where `want` names it, writing the table's gradient into a
+    new float32 array of its shape and of like's kind: (desc, that array or None)."""
+    if bias_table is None:
+        return desc, None
+    table = _bias_array(bias_table, H)
+    if "bias_table" not in want:
+        return _with_table(desc, table, keep), None
+    db, db_ptr = _empty_lse(like, table.shape)
+    return _with_table(desc, table, keep, db_ptr), db
+
+
 def _lse_buffer(name, x, kind, shape, dims="[B, H, Lq]"):
     """LSE or dLSE as contiguous float32 `dims` (`[B, H, Lq]`; a ragged batch's `[total_q,
     H]`): (the object kept alive, its address)."""
@@ -1726,14 +1820,21 @@ def _lse_buffer(name, x, kind, shape, dims="[B, H, Lq]"):
 def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, beta=SEED_BETA,
                        gamma=SEED_GAMMA, lam=SEED_LAMBDA, causal=True, scale=None,
                        rope_base=10000.0, layout="half", q_start=None, k_start=0,
-                       wrt=_WRT, device="auto", stats=False, rope_scale=1.0, skip_tol=0.0):
+                       wrt=None, device="auto", stats=False, rope_scale=1.0, skip_tol=0.0,
+                       bias_table=None):
     """The gradients of `attention()` (ape_attention_backward()): given the forward's inputs and
     parameters, its O and LSE (`return_lse=True`), dL/dO `dout` and optionally dL/dLSE `dlse`,
     returns `(dq, dk, dv, dparams)`: dq like q, dk and dv like k (summed over the query heads
     that share a kv head), dparams `[H, 4]` float32 (per head: d delta, d beta, d gamma,
     d lambda; a parameter shared by all heads has the sum over h as its gradient).
 
-    `wrt` names what is wanted, of "q", "k", "v", "params"; the others are None and cost
+    With a bias_table (as for attention()) it returns `(dq, dk, dv, dparams, dbias_table)`:
+    dbias_table float32 of the table's shape ([H, M] or [1, M]) and q's kind, entry m the sum
+    of dL/ds over every pair whose min(|n|, M - 1) is m (over the heads too for a [1, M] table;
+    ape_attn_desc.dbias_table, deterministic).
+
+    `wrt` names what is wanted, of "q", "k", "v", "params", "bias_table" (default: all of
+    them, "bias_table" where a table is given); the others are None and cost
     nothing (frozen q, k, v with wrt=("params",) is one pass over the pairs). Arrays as for
     `attention()`; the gradients have q's kind and dtype. `device` as for `attention()`: the
     reference, OpenCL and CUDA backends have a backward pass; a device without one (OpenCL
@@ -1743,9 +1844,7 @@ def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, be
     most that share of each gradient (docs/kernels.md, "Skipping in the backward pass"); pass
     the forward's LSE computed under the same or a smaller skip_tol.
     """
-    want = set(wrt)
-    if not want or not want <= set(_WRT):
-        _bad("wrt = %r: name one or more of 'q', 'k', 'v', 'params'" % (wrt,))
+    want = _wanted(wrt, bias_table)
     qa, ka, va = _as_array("q", q), _as_array("k", k), _as_array("v", v)
     oa, da = _as_array("o", o), _as_array("dout", dout)
     if not (qa.kind == ka.kind == va.kind == oa.kind == da.kind):
@@ -1755,8 +1854,9 @@ def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, be
     dlse_keep, dlse_ptr = (None, None) if dlse is None else \
         _lse_buffer("dlse", dlse, qa.kind, (B, H, Lq))
     keep = []
-    desc = _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
-                 float(skip_tol), keep, rope_scale)
+    desc, db = _grad_table(_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout,
+                                 q_start, k_start, float(skip_tol), keep, rope_scale),
+                           bias_table, H, want, qa, keep)
     dev = _device_spec(device)
     dqa = _empty_like(qa, qa.shape) if "q" in want else None
     dka = _empty_like(qa, ka.shape) if "k" in want else None
@@ -1773,4 +1873,5 @@ def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, be
                     tdv, dp_ptr, st_ptr)
     if err:
         _raise(err)
-    return _with_stats(tuple(None if a is None else a.obj for a in (dqa, dka, dva)) + (dp,), st)
+    return _with_stats(tuple(None if a is None else a.obj for a in (dqa, dka, dva)) + (dp,) +
+                       (() if bias_table is None else (db,)), st)

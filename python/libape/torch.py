@@ -14,6 +14,13 @@ ape_attention_backward(). attention_varlen (ragged batches) is likewise
 `torch.ops.libape.attention_varlen` or an autograd.Function, through
 ape_attention_forward_varlen() and ape_attention_backward_varlen().
 
+Distance-bias tables. `bias_table=` (a tensor [H, M] or [1, M]: every score of head h gets
+T[h][min(|n|, M - 1)] added; docs/ape.md, "Distance-bias tables") is differentiable too: its
+gradient comes from the host-array backward (ape_attention_backward(), or
+ape_attention_backward_varlen(), with desc.dbias_table), CUDA tensors included (copied through
+host memory: the backward on device tensors does not return a table's gradient).
+`APEAttention(..., bias_table_len=M)` learns one beside its four parameters.
+
 Devices. `device=None` (the default) runs the forward on the best device ("auto") when no
 gradient is wanted. When any input or parameter requires a gradient, forward and backward run
 on libape's OpenCL device if its backward pass runs there (probed once, with a tiny call: a
@@ -22,7 +29,9 @@ tens of times slower; one forward and backward at H = 6, D = 64, L = 1024 took 6
 against 0.12 s on OpenCL on a 2-core Intel Xeon, bench/RESULTS.md). CUDA is used for CPU
 tensors only when asked for: its backward has not yet run on a GPU (emulator only).
 APE_BACKEND, when set and not "auto", names the device, as for any "auto" choice.
-`libape.torch.grad_device()` says which device that is. A device given
+`libape.torch.grad_device()` says which device that is. With a bias_table and device=None (and
+APE_BACKEND unset), a device whose capabilities lack "bias_table" is passed over for the most
+preferred one that computes tables (and, with gradients, has a backward pass). A device given
 explicitly is used for both passes: a backward on a device without one
 raises libape.ApeError (APE_ENOTSUP) naming it; nothing falls back to another device.
 CUDA tensors run on libape's CUDA device of the same ordinal, where they are, on PyTorch's
@@ -68,33 +77,55 @@ def _skip(skip_tol):
     return TRAIN_SKIP_TOL if skip_tol is None else float(skip_tol)
 
 
+def _table(t):
+    """A distance-bias table as libape reads it: None, or its values as a float32 CPU tensor
+    (a table of another floating dtype, or on a GPU, is converted; its gradient is converted
+    back by autograd)."""
+    return None if t is None else t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
+def _table_grad(got, table, home):
+    """The table's gradient from a host-array backward's result (a fifth element, float32),
+    on the table's device; an empty float32 tensor on `home` where not computed (as the fake
+    op says)."""
+    if len(got) > 4 and got[4] is not None:
+        return got[4].to(table.device)
+    return torch.empty(0, dtype=torch.float32, device=home)
+
+
 def _forward(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, rope_scale, layout,
-             q_start, k_start, device, skip_tol):
+             q_start, k_start, device, skip_tol, bias_table=None):
     return _core.attention(q.detach(), k.detach(), v.detach(), delta=_value(delta),
                            beta=_value(beta), gamma=_value(gamma), lam=_value(lam),
                            causal=causal, scale=scale, rope_base=rope_base, layout=layout,
                            q_start=q_start, k_start=k_start, skip_tol=_skip(skip_tol),
-                           device=device, return_lse=True, rope_scale=rope_scale)
+                           device=device, return_lse=True, rope_scale=rope_scale,
+                           bias_table=_table(bias_table))
 
 
 def _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale, rope_base,
-              rope_scale, layout, q_start, k_start, device, skip_tol, wrt):
-    """(dq, dk, dv, dparams [H, 4]); an unwanted gradient is an empty tensor (a custom op
-    returns tensors only). CUDA tensors: computed where they are by the CUDA device of their
-    ordinal, on the current stream (ape_attention_backward_dlpack(); dparams then on q's
-    device too); with a libape that lacks it, through host memory (copies both ways)."""
+              rope_scale, layout, q_start, k_start, device, skip_tol, wrt, bias_table=None):
+    """(dq, dk, dv, dparams [H, 4], dbias_table); an unwanted gradient is an empty tensor (a
+    custom op returns tensors only). CUDA tensors: computed where they are by the CUDA device
+    of their ordinal, on the current stream (ape_attention_backward_dlpack(); dparams then on
+    q's device too); through host memory (copies both ways) with a libape that lacks it, or
+    when the table's gradient is wanted (the host-array backward alone returns it)."""
     home = q.device
     if q.is_cuda:
-        got = _core._attention_backward_cuda(
-            q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do.detach(),
-            None if dlse is None else dlse.detach(), _value(delta), _value(beta),
-            _value(gamma), _value(lam), causal, scale, rope_base, layout, q_start, k_start, wrt,
-            device, rope_scale=rope_scale, skip_tol=_skip(skip_tol))
+        got = None
+        if "bias_table" not in wrt:
+            got = _core._attention_backward_cuda(
+                q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do.detach(),
+                None if dlse is None else dlse.detach(), _value(delta), _value(beta),
+                _value(gamma), _value(lam), causal, scale, rope_base, layout, q_start, k_start,
+                wrt, device, rope_scale=rope_scale, skip_tol=_skip(skip_tol),
+                bias_table=_table(bias_table))
         if got is not None:  # computed on the device, on the current stream
             out = tuple(q.new_empty(0) if g is None else g for g in got[:3])
             return out + (got[3] if got[3] is not None
-                          else q.new_empty(0, dtype=torch.float32),)  # as the fake op says
-        # a libape without ape_attention_backward_dlpack(): through host memory
+                          else q.new_empty(0, dtype=torch.float32),  # as the fake op says
+                          _table_grad((), bias_table, home))
+        # through host memory
         q, k, v, o, lse, do = (x.detach().cpu() for x in (q, k, v, o, lse, do))
         dlse = None if dlse is None else dlse.detach().cpu()
         if device in (None, "auto"):
@@ -104,48 +135,56 @@ def _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale,
         dlse=None if dlse is None else dlse.detach(), delta=_value(delta), beta=_value(beta),
         gamma=_value(gamma), lam=_value(lam), causal=causal, scale=scale, rope_base=rope_base,
         layout=layout, q_start=q_start, k_start=k_start, wrt=wrt, device=device,
-        rope_scale=rope_scale, skip_tol=_skip(skip_tol))
+        rope_scale=rope_scale, skip_tol=_skip(skip_tol), bias_table=_table(bias_table))
     out = tuple(q.new_empty(0) if g is None else g for g in got[:3])
     if home.type == "cuda":
         out = tuple(g.to(home) for g in out)
-    return out + (got[3] if got[3] is not None else torch.empty(0),)  # to each param's device
+    return out + (got[3] if got[3] is not None else torch.empty(0),  # to each param's device
+                  _table_grad(got, bias_table, home))
 
 
 def _varlen_forward(q, k, v, delta, beta, gamma, lam, cu_q, cu_k, pos_q, pos_k, causal, scale,
-                    rope_base, rope_scale, layout, device, skip_tol):
+                    rope_base, rope_scale, layout, device, skip_tol, bias_table=None):
     return _core.attention_varlen(
         q.detach(), k.detach(), v.detach(), cu_q, cu_k, positions_q=pos_q, positions_k=pos_k,
         delta=_value(delta), beta=_value(beta), gamma=_value(gamma), lam=_value(lam),
         causal=causal, scale=scale, rope_base=rope_base, layout=layout,
-        skip_tol=_skip(skip_tol), device=device, return_lse=True, rope_scale=rope_scale)
+        skip_tol=_skip(skip_tol), device=device, return_lse=True, rope_scale=rope_scale,
+        bias_table=_table(bias_table))
 
 
 def _varlen_backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, cu_q, cu_k, pos_q,
-                     pos_k, causal, scale, rope_base, rope_scale, layout, device, skip_tol, wrt):
-    """(dq, dk, dv, dparams [H, 4]) of a ragged batch (ape_attention_backward_varlen()), an
-    unwanted gradient an empty tensor as _backward() gives it."""
+                     pos_k, causal, scale, rope_base, rope_scale, layout, device, skip_tol, wrt,
+                     bias_table=None):
+    """(dq, dk, dv, dparams [H, 4], dbias_table) of a ragged batch
+    (ape_attention_backward_varlen()), an unwanted gradient an empty tensor as _backward()
+    gives it."""
     got = _core.attention_varlen_backward(
         q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do.detach(), cu_q, cu_k,
         dlse=None if dlse is None else dlse.detach(), positions_q=pos_q, positions_k=pos_k,
         delta=_value(delta), beta=_value(beta), gamma=_value(gamma), lam=_value(lam),
         causal=causal, scale=scale, rope_base=rope_base, layout=layout, wrt=wrt, device=device,
-        rope_scale=rope_scale, skip_tol=_skip(skip_tol))
+        rope_scale=rope_scale, skip_tol=_skip(skip_tol), bias_table=_table(bias_table))
     out = tuple(q.new_empty(0) if g is None else g for g in got[:3])
-    return out + (got[3] if got[3] is not None else torch.empty(0),)
+    return out + (got[3] if got[3] is not None else torch.empty(0),
+                  _table_grad(got, bias_table, q.device))
 
 
 # ------------------------------------------------------------------ what both operations share
 #
 # Each operation's inputs are (q, k, v, delta, beta, gamma, lam), then `n_extra` tensors (the
 # ragged batch's cu_seqlens_q, cu_seqlens_k, positions_q, positions_k; none for the dense one),
-# then its plain arguments; its outputs (o, lse). The backward call takes (q, k, v, o, lse, do,
-# dlse, the four parameters, the extra tensors, the plain arguments, wrt).
+# then its plain arguments, and last the distance-bias table (None: none; last, so that calls
+# written before it existed still work); its outputs (o, lse). The backward call takes (q, k,
+# v, o, lse, do, dlse, the four parameters, the extra tensors, the plain arguments, wrt, the
+# table) and returns (dq, dk, dv, dparams, dbias_table).
 
 def _wrt(needs):
     """The `wrt` of attention_backward from ctx.needs_input_grad over (q, k, v, delta, beta,
-    gamma, lam)."""
+    gamma, lam, ..., bias_table)."""
     w = tuple(n for n, need in zip(("q", "k", "v"), needs[:3]) if need)
-    return w + ("params",) if any(needs[3:7]) else w
+    w = w + ("params",) if any(needs[3:7]) else w
+    return w + ("bias_table",) if needs[-1] else w
 
 
 def _param_grads(dparams, params, needs):
@@ -169,52 +208,56 @@ def _snapshot(*params):
 
 def _save(ctx, inputs, output, n_extra):
     """What the backward needs: the inputs, O and LSE, the parameters as the forward used them,
-    the extra tensors (saved as tensors), the plain arguments."""
+    the extra tensors (saved as tensors), the plain arguments, the table."""
     q, k, v, delta, beta, gamma, lam = inputs[:7]
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, *_snapshot(delta, beta, gamma, lam),
-                          *inputs[7:7 + n_extra])
-    ctx.args = tuple(inputs[7 + n_extra:])
+                          *inputs[7:7 + n_extra], inputs[-1])
+    ctx.args = tuple(inputs[7 + n_extra:-1])
 
 
 def _grads(ctx, bwd, do, dlse, n_extra, drop_zero_dlse=False):
     """The gradient of every input from the backward call `bwd` (wrt a tuple of names); None
     for what needs none and for the extra tensors and plain arguments."""
     q, k, v, o, lse, *rest = ctx.saved_tensors
-    params, extra = rest[:4], rest[4:4 + n_extra]
+    params, extra, table = rest[:4], rest[4:4 + n_extra], rest[4 + n_extra]
     needs = ctx.needs_input_grad
     wrt = _wrt(needs)
     if not wrt:
         return (None,) * len(needs)
     if drop_zero_dlse and dlse is not None and not dlse.any():
         dlse = None  # an unused LSE: its gradient is zeros, the default
-    dq, dk, dv, dp = bwd(q, k, v, o, lse, do.contiguous(), dlse, *params, *extra, *ctx.args,
-                         wrt)
+    dq, dk, dv, dp, db = bwd(q, k, v, o, lse, do.contiguous(), dlse, *params, *extra,
+                             *ctx.args, wrt, table)
     grads = [g if need else None for g, need in zip((dq, dk, dv), needs[:3])]
+    dtable = db.to(dtype=table.dtype) if needs[-1] else None
     return tuple(grads) + tuple(_param_grads(dp, params, needs[3:7])) + \
-        (None,) * (len(needs) - 7)
+        (None,) * (len(needs) - 8) + (dtable,)
 
 
-def _forward_fake(q, *args):
+def _forward_fake(q, *args, **kwargs):
     """O like q, LSE float32 of q's shape without D ([B, H, Lq]; [total_q, H] packed)."""
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _backward_fake(q, k, *args):
-    """dq like q, dk and dv like k, dparams [H, 4] (H = q.shape[1], dense or packed), each
-    empty where `wrt` (the last argument) does not name it."""
-    wrt = args[-1].split(",")
+    """dq like q, dk and dv like k, dparams [H, 4] (H = q.shape[1], dense or packed), dbias
+    float32 like the table (the last argument), each empty where `wrt` (the one before it)
+    does not name it."""
+    wrt, table = args[-2].split(","), args[-1]
 
     def like(x, name):
         return x.new_empty(x.shape, dtype=q.dtype) if name in wrt else q.new_empty(0)
     dp = q.new_empty((q.shape[1], 4) if "params" in wrt else (0,), dtype=torch.float32)
-    return like(q, "q"), like(k, "k"), like(k, "v"), dp
+    db = table.new_empty(table.shape, dtype=torch.float32) if "bias_table" in wrt else \
+        q.new_empty(0, dtype=torch.float32)
+    return like(q, "q"), like(k, "k"), like(k, "v"), dp, db
 
 
 def _register_autograd(op, bwd_op, n_extra):
-    """op's autograd through the custom op bwd_op (wrt passed as "q,k,v,params")."""
+    """op's autograd through the custom op bwd_op (wrt passed as "q,k,v,params,bias_table")."""
     def bwd(*args):
-        return bwd_op(*args[:-1], ",".join(args[-1]))
+        return bwd_op(*args[:-2], ",".join(args[-2]), args[-1])
 
     op.register_autograd(lambda ctx, do, dlse: _grads(ctx, bwd, do, dlse, n_extra),
                          setup_context=lambda ctx, inputs, output:
@@ -245,10 +288,10 @@ if not _FALLBACK:
     def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
             beta: torch.Tensor, gamma: torch.Tensor, lam: torch.Tensor, causal: bool,
             scale: Optional[float], rope_base: float, rope_scale: float, layout: str,
-            q_start: Optional[int], k_start: int, device: str,
-            skip_tol: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+            q_start: Optional[int], k_start: int, device: str, skip_tol: Optional[float],
+            bias_table: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         return _forward(q, k, v, delta, beta, gamma, lam, causal, scale, rope_base, rope_scale,
-                        layout, q_start, k_start, device, skip_tol)
+                        layout, q_start, k_start, device, skip_tol, bias_table)
 
     _op.register_fake(_forward_fake)
 
@@ -258,11 +301,11 @@ if not _FALLBACK:
                 delta: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor, lam: torch.Tensor,
                 causal: bool, scale: Optional[float], rope_base: float, rope_scale: float,
                 layout: str, q_start: Optional[int], k_start: int, device: str,
-                skip_tol: Optional[float],
-                wrt: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                skip_tol: Optional[float], wrt: str, bias_table: Optional[torch.Tensor]
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return _backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam, causal, scale,
                          rope_base, rope_scale, layout, q_start, k_start, device, skip_tol,
-                         tuple(wrt.split(",")))
+                         tuple(wrt.split(",")), bias_table)
 
     _op_bwd.register_fake(_backward_fake)
     _register_autograd(_op, _op_bwd, 0)
@@ -273,11 +316,12 @@ if not _FALLBACK:
                    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                    positions_q: Optional[torch.Tensor], positions_k: Optional[torch.Tensor],
                    causal: bool, scale: Optional[float], rope_base: float, rope_scale: float,
-                   layout: str, device: str,
-                   skip_tol: Optional[float]) -> Tuple[torch.Tensor, torch.Tensor]:
+                   layout: str, device: str, skip_tol: Optional[float],
+                   bias_table: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
         return _varlen_forward(q, k, v, delta, beta, gamma, lam, cu_seqlens_q, cu_seqlens_k,
                                positions_q, positions_k, causal, scale, rope_base, rope_scale,
-                               layout, device, skip_tol)
+                               layout, device, skip_tol, bias_table)
 
     _op_varlen.register_fake(_forward_fake)
 
@@ -289,13 +333,14 @@ if not _FALLBACK:
                        cu_seqlens_k: torch.Tensor, positions_q: Optional[torch.Tensor],
                        positions_k: Optional[torch.Tensor], causal: bool,
                        scale: Optional[float], rope_base: float, rope_scale: float,
-                       layout: str, device: str, skip_tol: Optional[float],
-                       wrt: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                          torch.Tensor]:
+                       layout: str, device: str, skip_tol: Optional[float], wrt: str,
+                       bias_table: Optional[torch.Tensor]
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor]:
         return _varlen_backward(q, k, v, o, lse, do, dlse, delta, beta, gamma, lam,
                                 cu_seqlens_q, cu_seqlens_k, positions_q, positions_k, causal,
                                 scale, rope_base, rope_scale, layout, device, skip_tol,
-                                tuple(wrt.split(",")))
+                                tuple(wrt.split(",")), bias_table)
 
     _op_varlen_bwd.register_fake(_backward_fake)
     _register_autograd(_op_varlen, _op_varlen_bwd, 4)
@@ -329,6 +374,18 @@ def _as_param(x):
     return torch.tensor(x, dtype=torch.float32)
 
 
+def _as_table(t):
+    """A distance-bias table as an operation's input: None, or a floating tensor (NumPy arrays
+    and sequences become float32 tensors; other tensors are refused naming bias_table)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        t = torch.as_tensor(t, dtype=torch.float32)
+    if not t.is_floating_point():
+        _core._bad("bias_table: dtype %s: must be a floating dtype (float32)" % t.dtype)
+    return t
+
+
 _GRAD_DEVICE = None
 
 
@@ -353,36 +410,62 @@ def grad_device():
     return _GRAD_DEVICE
 
 
-def _pick_device(device, tensors):
+_TABLE_DEVICE = {}
+
+
+def _table_device(spec, training):
+    """spec, or, where the device it names states no "bias_table" capability and the choice is
+    this module's own (APE_BACKEND unset or "auto"), the most preferred device that does (and
+    has "backward" when training)."""
+    key = (spec, training)
+    got = _TABLE_DEVICE.get(key)
+    if got is None:
+        got = spec
+        need = {"bias_table", "backward"} if training else {"bias_table"}
+        if os.environ.get("APE_BACKEND", "auto") in ("", "auto") and not need <= set(
+                _core._capabilities(_core._device_spec(spec))):
+            got = next((d["spec"] for d in _core.devices() if need <= set(d["capabilities"])),
+                       spec)
+        _TABLE_DEVICE[key] = got
+    return got
+
+
+def _pick_device(device, tensors, table=None):
     if device is not None:
         return device
     if tensors[0].is_cuda:
         return "auto"  # the CUDA device of q's ordinal (libape._core._attention_cuda)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return grad_device()
-    return "auto"
+    training = torch.is_grad_enabled() and any(
+        t.requires_grad for t in tensors + ((table,) if table is not None else ()))
+    spec = grad_device() if training else "auto"
+    return spec if table is None else _table_device(spec, training)
 
 
 def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
               causal=True, scale=None, rope_base=10000.0, layout="half", q_start=None,
-              k_start=0, device=None, return_lse=False, rope_scale=1.0, skip_tol=None):
-    """APE attention of torch CPU tensors q `[B, H, Lq, D]`, k, v `[B, Hkv, Lk, D]`, returning
-    O (and LSE `[B, H, Lq]` float32 with return_lse=True), differentiable with respect to q, k,
-    v and the parameters. Parameters are floats, scalar tensors (shared by all heads: their
-    gradient is the sum over heads) or tensors of shape [H] (one per head). `device=None`:
-    "auto" without gradients, grad_device() with (see the module's doc); an explicit device is
-    used for both passes. skip_tol (None: TRAIN_SKIP_TOL, 2^-24, the library's default) is used in
-    both passes: keys the skip bounds prove to carry at most that share of a row's weight (the
-    forward) or of each gradient (the backward) are left out, so that long contexts under decay
-    train at the cost of the keys within reach; 0 computes every pair (the gradients of the
-    exact function). rope_scale: position interpolation (libape.attention's; not
-    differentiated)."""
+              k_start=0, device=None, return_lse=False, rope_scale=1.0, skip_tol=None,
+              bias_table=None):
+    """APE attention of torch CPU tensors q `[B, H, Lq, D]`, k, v `[B, Hkv, Lk, D]`, returning O
+    (and LSE `[B, H, Lq]` float32 with return_lse=True), differentiable with respect to q, k, v,
+    the parameters and the bias_table. Parameters are floats, scalar tensors (shared by all heads:
+    their gradient is the sum over heads) or tensors of shape [H] (one per head). `device=None`:
+    "auto" without gradients, grad_device() with (see the module's doc); an explicit device is used
+    for both passes. skip_tol (None: TRAIN_SKIP_TOL, 2^-24, the library's default) is used in both
+    passes: keys the skip bounds prove to carry at most that share of a row's weight (the forward)
+    or of each gradient (the backward) are left out, so that long contexts under decay train at the
+    cost of the keys within reach; 0 computes every pair (the gradients of the exact function).
+    rope_scale: position interpolation (libape.attention's; not differentiated). bias_table: None,
+    or a distance-bias table, a tensor `[H, M]` (a row per head) or `[1, M]` (shared by every
+    head), float32 or another floating dtype (computed in float32), on any device: every score of
+    head h gets bias_table[h][min(|n|, M - 1)] added (libape.attention's); its gradient has its
+    shape (summed over the heads for `[1, M]`)."""
     params = [_as_param(x) for x in (delta, beta, gamma, lam)]
-    dev = _pick_device(device, (q, k, v, *params))
+    table = _as_table(bias_table)
+    dev = _pick_device(device, (q, k, v, *params), table)
     args = (q, k, v, *params, bool(causal), None if scale is None else float(scale),
             float(rope_base), float(rope_scale), layout,
             None if q_start is None else int(q_start), int(k_start), dev,
-            None if skip_tol is None else float(skip_tol))
+            None if skip_tol is None else float(skip_tol), table)
     o, lse = _Function.apply(*args) if _FALLBACK else _op(*args)
     return (o, lse) if return_lse else o
 
@@ -400,19 +483,21 @@ def _index_tensor(x):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, positions_k=None,
                      delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, lam=SEED_LAMBDA,
                      causal=True, scale=None, rope_base=10000.0, layout="half", device=None,
-                     return_lse=False, rope_scale=1.0, skip_tol=None):
+                     return_lse=False, rope_scale=1.0, skip_tol=None, bias_table=None):
     """libape.attention_varlen on torch CPU tensors (q `[total_q, H, D]`, k, v
     `[total_k, Hkv, D]`, cu_seqlens int32 or int64, positions int64), differentiable with
-    respect to q, k, v and the parameters: `torch.ops.libape.attention_varlen` where
-    IMPLEMENTATION is "custom_op" (torch.compile traces it without graph breaks), else an
+    respect to q, k, v, the parameters and the bias_table: `torch.ops.libape.attention_varlen`
+    where IMPLEMENTATION is "custom_op" (torch.compile traces it without graph breaks), else an
     autograd.Function. Strided views (slices of a packed QKV tensor) go without a copy.
-    `device`, rope_scale and skip_tol as for attention()."""
+    `device`, rope_scale, skip_tol and bias_table as for attention()."""
     params = [_as_param(x) for x in (delta, beta, gamma, lam)]
-    dev = _pick_device(device, (q, k, v, *params))
+    table = _as_table(bias_table)
+    dev = _pick_device(device, (q, k, v, *params), table)
     args = (q, k, v, *params, *(_index_tensor(x) for x in (cu_seqlens_q, cu_seqlens_k,
                                                            positions_q, positions_k)),
             bool(causal), None if scale is None else float(scale), float(rope_base),
-            float(rope_scale), layout, dev, None if skip_tol is None else float(skip_tol))
+            float(rope_scale), layout, dev, None if skip_tol is None else float(skip_tol),
+            table)
     o, lse = _VarlenFunction.apply(*args) if _FALLBACK else _op_varlen(*args)
     return (o, lse) if return_lse else o
 
@@ -439,11 +524,17 @@ class APEAttention(torch.nn.Module):
     attribute, may be changed to run a trained layer at a longer context: position
     interpolation); skip_tol as for libape.torch.attention (None: 2^-24 in both passes; 0: every
     pair).
+
+    bias_table_len=M > 0 also learns a distance-bias table `bias_table` (libape.torch.attention's),
+    `[H, M]` (`[1, M]`, shared by every head, with per_head=False), initialised to zeros (no
+    change to the scores until trained): a T5 / Transformer-XL style relative bias learned
+    beside the four parameters, distances M - 1 and beyond sharing its last entry. 0 (the
+    default): none (`bias_table` is None).
     """
 
     def __init__(self, num_heads, head_dim, *, per_head=True, causal=True, scale=None,
                  rope_base=10000.0, layout="half", device=None, dtype=torch.float32,
-                 rope_scale=1.0, skip_tol=None):
+                 rope_scale=1.0, skip_tol=None, bias_table_len=0):
         super().__init__()
         if head_dim % 2 or not 2 <= head_dim <= 256:
             _core._bad("head_dim = %r: must be even, 2..256" % (head_dim,))
@@ -461,6 +552,16 @@ class APEAttention(torch.nn.Module):
         self.beta = param(SEED_BETA)
         self.gamma = param(SEED_GAMMA)
         self.lambda_ = param(SEED_LAMBDA)
+        if int(bias_table_len) < 0 or int(bias_table_len) != bias_table_len:
+            _core._bad("bias_table_len = %r: must be an int >= 0 (0: no table)"
+                       % (bias_table_len,))
+        self.bias_table_len = int(bias_table_len)
+        if self.bias_table_len:
+            rows = self.num_heads if per_head else 1
+            self.bias_table = torch.nn.Parameter(
+                torch.zeros((rows, self.bias_table_len), dtype=dtype))
+        else:
+            self.register_parameter("bias_table", None)
 
     def forward(self, q, k, v, *, cu_seqlens=None, positions=None):
         """q, k, v `[B, H, L, D]`; or, with cu_seqlens (S + 1 offsets), a packed batch of
@@ -478,7 +579,8 @@ class APEAttention(torch.nn.Module):
                                     gamma=self.gamma, lam=self.lambda_, causal=self.causal,
                                     scale=self.scale, rope_base=self.rope_base,
                                     layout=self.layout, device=self.device_spec,
-                                    rope_scale=self.rope_scale, skip_tol=self.skip_tol)
+                                    rope_scale=self.rope_scale, skip_tol=self.skip_tol,
+                                    bias_table=self.bias_table)
         if positions is not None:
             _core._bad("positions: needs cu_seqlens (a packed batch)")
         if q.dim() != 4 or q.shape[1] != self.num_heads or q.shape[3] != self.head_dim:
@@ -490,10 +592,11 @@ class APEAttention(torch.nn.Module):
                          lam=self.lambda_, causal=self.causal, scale=self.scale,
                          rope_base=self.rope_base, layout=self.layout,
                          device=self.device_spec, rope_scale=self.rope_scale,
-                         skip_tol=self.skip_tol)
+                         skip_tol=self.skip_tol, bias_table=self.bias_table)
 
     def extra_repr(self):
-        return "num_heads=%d, head_dim=%d, per_head=%s, causal=%s, device=%s" % (
+        return "num_heads=%d, head_dim=%d, per_head=%s, causal=%s, %sdevice=%s" % (
             self.num_heads, self.head_dim, self.per_head, self.causal,
+            "bias_table_len=%d, " % self.bias_table_len if self.bias_table_len else "",
             self.device_spec if self.device_spec is not None else "None (ref to train, auto)")
 

@@ -7,8 +7,9 @@ import numpy as np
 
 def ape64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=10000.0,
           layout="half", q_start=None, k_start=0, diag=False, positions_q=None,
-          positions_k=None, rope_scale=1.0):
-    """q [B,H,Lq,D], k, v [B,Hkv,Lk,D]; parameters floats or per-head sequences.
+          positions_k=None, rope_scale=1.0, bias_table=None):
+    """q [B,H,Lq,D], k, v [B,Hkv,Lk,D]; parameters floats or per-head sequences; bias_table
+    None or [H, M] / [1, M]: T[h][min(|n|, M - 1)] added to every score.
     Returns O [B,H,Lq,D] and LSE [B,H,Lq] in float64; with diag=True also the entropy
     -sum P ln P and the mean distance sum P |n| of every row [B,H,Lq] (0 with no visible key)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
@@ -29,6 +30,10 @@ def ape64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=1
     pk = k_start + np.arange(Lk) if positions_k is None else np.asarray(positions_k, np.int64)
     n = pq[:, None] - pk[None, :]
     an = np.abs(n).astype(np.float64)
+    if bias_table is not None:
+        tab = np.asarray(bias_table, dtype=np.float64)
+        tab = np.broadcast_to(tab, (H, tab.shape[1]))
+        tix = np.minimum(np.abs(n), tab.shape[1] - 1)
     o = np.zeros((B, H, Lq, D))
     lse = np.full((B, H, Lq), -np.inf)
     ent, md = np.zeros((B, H, Lq)), np.zeros((B, H, Lq))
@@ -45,6 +50,8 @@ def ape64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=1
             u, w = kk[:, ia][None, :, :], kk[:, ib][None, :, :]
             dot = ((x * u + y * w) * np.cos(theta) + (x * w - y * u) * np.sin(theta)).sum(-1)
             s = dot * scale / (1.0 + lm * an) - dl * an - bt * np.log1p(an) - gm * np.sqrt(an)
+            if bias_table is not None:
+                s = s + tab[h][tix]
             if causal:
                 s = np.where(n >= 0, s, -np.inf)
             for i in range(Lq):

@@ -6,9 +6,11 @@ import torch
 
 
 def ape_torch64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_base=10000.0,
-                layout="half", q_start=None, k_start=0, rope_scale=1.0):
+                layout="half", q_start=None, k_start=0, rope_scale=1.0, bias_table=None):
     """q [B,H,Lq,D], k, v [B,Hkv,Lk,D] (float64 tensors); parameters float64 tensors of shape
-    [] or [H]. Returns O [B,H,Lq,D] and LSE [B,H,Lq]; every row must see a key."""
+    [] or [H]; bias_table None or a float64 tensor [H, M] or [1, M] (differentiable too),
+    T[h][min(|n|, M - 1)] added to every score. Returns O [B,H,Lq,D] and LSE [B,H,Lq]; every
+    row must see a key."""
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     P = D // 2
@@ -32,6 +34,9 @@ def ape_torch64(q, k, v, delta, beta, gamma, lam, causal=True, scale=None, rope_
     u, w = k[..., ia][:, :, None, :, :], k[..., ib][:, :, None, :, :]
     dot = ((x * u + y * w) * torch.cos(theta) + (x * w - y * u) * torch.sin(theta)).sum(-1)
     s = dot * scale / (1.0 + lam * an) - delta * an - beta * torch.log1p(an) - gamma * an.sqrt()
+    if bias_table is not None:
+        M = bias_table.shape[1]
+        s = s + bias_table.expand(H, M)[:, n.abs().clamp(max=M - 1)][None]  # [1,H,Lq,Lk]
     if causal:
         s = s.masked_fill(n < 0, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)

@@ -352,6 +352,169 @@ def test_module_keeps_lambda_non_negative():
     assert m.lambda_.grad is not None
 
 
+# ------------------------------------------------------------------ distance-bias tables
+
+def _table_inputs(seed, rows, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed + 100)
+    return (0.4 * torch.randn(rows, 9, generator=g)).to(dtype).requires_grad_()
+
+
+def _table_reference(args, table, loss_fn, **kw):
+    """Autograd of the float64 eager APE with the table: the gradients of the seven inputs
+    and of the table."""
+    x64 = [a.detach().double().requires_grad_() for a in list(args) + [table]]
+    o, lse = ape_torch64(*x64[:7], bias_table=x64[7], **kw)
+    loss_fn(o, lse).backward()
+    return [a.grad for a in x64]
+
+
+@pytest.mark.parametrize("rows", [4, 1])
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_grads_with_bias_table(rows, causal):
+    """libape.torch.attention differentiable in a distance-bias table ([H, M], and [1, M]
+    whose gradient sums the heads): every gradient against float64 autograd of the eager APE
+    with the table term; position interpolation on top; a float64 table gets a float64
+    gradient; a table that needs no gradient still shapes the others."""
+    args = [a.requires_grad_() for a in inputs(14, per_head=rows == 4)]
+    T = _table_inputs(14, rows)
+    kw = dict(causal=causal, q_start=6, k_start=3, rope_base=300.0, rope_scale=2.0)
+    o, lse = apet.attention(*args[:3], delta=args[3], beta=args[4], gamma=args[5], lam=args[6],
+                            return_lse=True, bias_table=T, **kw)
+    loss_o_and_lse(o, lse).backward()
+    ref = _table_reference(args, T, loss_o_and_lse, **kw)
+    check_grads([a.grad for a in args], ref[:7])
+    assert T.grad.shape == T.shape and T.grad.dtype == torch.float32
+    assert (T.grad.double() - ref[7]).abs().max() <= GTOL[torch.float32] * ref[7].abs().max()
+    T64 = T.detach().double().requires_grad_()
+    apet.attention(*(a.detach() for a in args[:3]), bias_table=T64, **kw).square().sum() \
+        .backward()
+    assert T64.grad.dtype == torch.float64
+    q = args[0].detach().clone().requires_grad_()
+    loss_o_and_lse(*apet.attention(q, args[1].detach(), args[2].detach(), delta=args[3],
+                                   beta=args[4], gamma=args[5], lam=args[6], return_lse=True,
+                                   bias_table=T.detach(), **kw)).backward()
+    assert (q.grad - args[0].grad).abs().max() <= 1e-6 * args[0].grad.abs().max()
+
+
+def test_torch_varlen_grads_with_bias_table():
+    """libape.torch.attention_varlen with a table: the table's gradient is the sum of each
+    sequence's, against float64 autograd sequence by sequence."""
+    cu = torch.tensor([0, 6, 6, 13])
+    g = torch.Generator().manual_seed(15)
+    q = torch.randn(13, 4, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(13, 2, 16, generator=g, requires_grad=True) for _ in range(2))
+    T = _table_inputs(15, 4)
+    o, lse = apet.attention_varlen(q, k, v, cu, cu, bias_table=T, return_lse=True)
+    loss_o_and_lse(o, lse).backward()
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v, T)]
+    prm = [torch.tensor(x, dtype=torch.float64) for x in (libape.SEED_DELTA, libape.SEED_BETA,
+                                                          libape.SEED_GAMMA, libape.SEED_LAMBDA)]
+    tot = 0
+    for a, b in ((0, 6), (6, 13)):
+        o6, l6 = ape_torch64(*(x[a:b].permute(1, 0, 2)[None] for x in x64[:3]), *prm,
+                             bias_table=x64[3])
+        tot = tot + loss_o_and_lse(o6[0].permute(1, 0, 2), l6[0].T)
+    tot.backward()
+    for name, x, r in zip(("q", "k", "v", "bias_table"), (q, k, v, T), x64):
+        assert (x.grad.double() - r.grad).abs().max() <= 1e-3 * r.grad.abs().max(), name
+
+
+@pytest.mark.skipif(apet.IMPLEMENTATION != "custom_op", reason="PyTorch before 2.4")
+def test_opcheck_with_bias_table():
+    args = inputs(16, B=1, H=2, Hkv=1, Lq=5, Lk=7, D=8)
+    args = [a.requires_grad_() for a in args[:3]] + [p[:2].clone().requires_grad_()
+                                                     for p in args[3:]]
+    rest = (True, None, 10000.0, 1.0, "half", None, 0, "ref", None)
+    for T in (_table_inputs(16, 2), _table_inputs(17, 1), _table_inputs(18, 2).detach()):
+        torch.library.opcheck(torch.ops.libape.attention.default, (*args, *rest, T))
+    cu = torch.tensor([0, 2, 5])
+    q, k, v = (x[0].transpose(0, 1).contiguous().detach().requires_grad_()
+               for x in (args[0], args[0], args[0]))
+    torch.library.opcheck(torch.ops.libape.attention_varlen.default,
+                          (q, k, v, *args[3:], cu, cu, None, None, True, None, 10000.0, 1.5,
+                           "half", "ref", 0.0, _table_inputs(19, 2)))
+
+
+def test_module_learns_a_bias_table():
+    """APEAttention(bias_table_len=M): a fifth parameter, zeros ([H, M]; [1, M] with
+    per_head=False), passed to the call (its output equals libape.torch.attention's with the
+    table, and its gradient float64 autograd's); trained on frozen q, k, v towards the output
+    of a Gaussian mask -0.05 n^2, the loss falls and the table learns to fall with distance."""
+    H, D, L, M = 2, 8, 24, 12
+    m = apet.APEAttention(H, D, bias_table_len=M, device="ref")
+    assert m.bias_table.shape == (H, M) and not m.bias_table.any()
+    assert len(list(m.parameters())) == 5 and "bias_table_len=12" in repr(m)
+    assert apet.APEAttention(H, D, per_head=False, bias_table_len=M).bias_table.shape == (1, M)
+    assert apet.APEAttention(H, D).bias_table is None
+    with pytest.raises(ValueError, match="bias_table_len"):
+        apet.APEAttention(H, D, bias_table_len=-1)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, L, D) for _ in range(3))
+    gauss = -0.05 * torch.arange(M, dtype=torch.float32)[None].square().expand(H, M)
+    with torch.no_grad():
+        m.bias_table.copy_(gauss)
+        assert torch.equal(m(q, k, v), apet.attention(
+            q, k, v, delta=m.delta, beta=m.beta, gamma=m.gamma, lam=m.lambda_,
+            bias_table=gauss, device="ref"))
+        target = m(q, k, v)
+        m.bias_table.zero_()
+    (m(q, k, v) - target).square().sum().backward()
+    args = [q, k, v, m.delta, m.beta, m.gamma, m.lambda_]
+    ref = _table_reference(args, m.bias_table, lambda o6, l6: (o6 - target.double()).square()
+                           .sum())
+    assert (m.bias_table.grad.double() - ref[7]).abs().max() <= 1e-3 * ref[7].abs().max()
+    opt = torch.optim.Adam([m.bias_table], lr=5e-2)
+    first = None
+    for _ in range(80):
+        loss = (m(q, k, v) - target).square().mean()
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1 * first
+    t = m.bias_table.detach()
+    assert (t[:, 1] - t[:, 6] > 0.5).all()  # far distances learnt to be penalised
+
+
+@pytest.mark.skipif(apet.IMPLEMENTATION != "custom_op", reason="PyTorch before 2.4")
+def test_torch_compile_with_a_bias_table():
+    """A module learning a table compiles without graph breaks (the device libape.torch picks
+    is probed once, eagerly, as for every module), with the eager gradients."""
+    layer = apet.APEAttention(2, 8, bias_table_len=5)
+    q, k, v = (torch.randn(1, 2, 6, 8, requires_grad=True) for _ in range(3))
+
+    def step(q, k, v):
+        return layer(q, k, v).square().sum()
+
+    step(q, k, v).backward()  # the device choice, eagerly
+    import torch._dynamo as dynamo
+    dynamo.reset()
+    explained = dynamo.explain(step)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    layer.zero_grad()
+    torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v).backward()
+    g = layer.bias_table.grad.clone()
+    layer.zero_grad()
+    step(q, k, v).backward()
+    assert torch.equal(g, layer.bias_table.grad)
+
+
+def test_table_device_choice():
+    """device=None with a table passes over a device without the "bias_table" capability (for
+    the most preferred one with it); an explicit device is used as given, and one that does
+    not compute tables raises ApeError (APE_ENOTSUP) naming it."""
+    q = torch.randn(1, 2, 5, 8)
+    T = torch.randn(2, 3)
+    want = libape.attention(q, q, q, device="ref", bias_table=T)
+    assert torch.equal(apet.attention(q, q, q, bias_table=T), want) or \
+        "bias_table" in libape.devices()[0]["capabilities"]
+    for d in libape.devices():
+        if "bias_table" not in d["capabilities"]:
+            with pytest.raises(libape.ApeError, match="distance-bias tables") as e:
+                apet.attention(q, q, q, bias_table=T, device=d["spec"])
+            assert e.value.name == "APE_ENOTSUP"
+
+
 # ------------------------------------------------------------------ the fallback and examples
 
 def run_python(code_or_path, env_extra=None, args=(), timeout=300):
@@ -370,6 +533,8 @@ assert not hasattr(torch.ops.libape, "attention")
 assert not hasattr(torch.ops.libape, "attention_varlen")
 for per_head in (True, False):
     t.test_torch_grads_match_float64(per_head, True)
+t.test_torch_grads_with_bias_table(4, True)
+t.test_torch_varlen_grads_with_bias_table()
 t.test_module_frozen_qkv_trains_its_parameters(False)
 t.test_module_keeps_lambda_non_negative()
 import test_varlen as tv

@@ -261,8 +261,10 @@ int64_t ape__kv_window_cut(const struct ape__kv_keys *kk, const struct ape__prob
 	double n0;
 	const float *kref;
 
+	/* a distance-bias table: no cut (the proof compares one key with another by the decay
+	 * alone; the kernels' own bound, which counts the table, still skips within the attend) */
 	if (!ape__skip_allowed(p) || !(tol > 0) || lq == 0 || kk->t_end <= first ||
-	    q_start < pos_first || nbg > 256 || B * p->H > 256)
+	    q_start < pos_first || nbg > 256 || B * p->H > 256 || p->bias_table)
 		return 0;
 	for (int64_t h = 0; h < p->H; h++)
 		if (!(p->head_params[4 * h] > 0) || !(p->head_params[4 * h + 3] >= 0))

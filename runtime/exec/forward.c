@@ -57,11 +57,13 @@ static int prepare(void *arg, const struct ape__plan *plan, int d)
 		x->skipping = ape__skip_allowed(p) && plan->ni > 1 && !p->segs && !p->pos_q;
 		if (x->skipping &&
 		    (ret = ape__kmax_from_tensor(&x->km, x->r->k, p->ks, plan->ci)))
-			return ret;
+			return ape__error_prefix(ret, x->r->fn);
 		x->call.kmax = x->skipping ? &x->km : NULL;
 	}
-	return ape__fwd_prepare(&x->pass[d], plan->co, plan->ci, plan->no, plan->ni,
-				plan->o_slots);
+	ret = ape__fwd_prepare(&x->pass[d], plan->co, plan->ci, plan->no, plan->ni,
+			       plan->o_slots);
+	/* the staging's messages ("out of memory for query norms") name the call too */
+	return ret ? ape__error_prefix(ret, x->r->fn) : 0;
 }
 
 int ape__forward_run(const struct ape__fwd_req *r, struct ape__exec_result *res)

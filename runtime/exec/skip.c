@@ -110,12 +110,14 @@ static bool remaining(const struct ape__skip_ctx *c, int64_t chunk, int dir, int
 	return true;
 }
 
-/* The largest bias-table entry of head h at distance an or beyond (0 without a table). */
-static double table_max(const struct ape__skip_ctx *c, int64_t h, int64_t an)
+/* The largest bias-table entry of head h at distance an or beyond (0 without a table); an is
+ * a distance in double (up to 2^63): compared before any conversion. */
+static double table_max(const struct ape__skip_ctx *c, int64_t h, double an)
 {
 	if (!c->bias_smax)
 		return 0.0;
-	return c->bias_smax[h * c->bias_hstride + (an < c->bias_len - 1 ? an : c->bias_len - 1)];
+	return c->bias_smax[h * c->bias_hstride +
+			    (an < (double)(c->bias_len - 1) ? (int64_t)an : c->bias_len - 1)];
 }
 
 bool ape__skip_tail(const struct ape__skip_ctx *c, const struct ape__skip_rows *r, int64_t chunk,
@@ -141,7 +143,7 @@ bool ape__skip_tail(const struct ape__skip_ctx *c, const struct ape__skip_rows *
 				 * bias table's largest entry from nmin on lowers the frame) */
 				if (!ape_may_skip(prm[3], prm[0], prm[1], prm[2], c->abs_scale,
 						  r->qnorm[row], kmax, nmin, count,
-						  -table_max(c, h, (int64_t)nmin), lse, 1.0, -INFINITY,
+						  -table_max(c, h, nmin), lse, 1.0, -INFINITY,
 						  c->tol))
 					return false;
 			}

@@ -210,6 +210,7 @@ int test_problem_clone(test_problem *dst, const test_problem *src)
 	dst->q.alloc = dst->k.alloc = dst->v.alloc = dst->o.alloc = NULL;
 	dst->naive_o = dst->naive_lse = NULL;
 	dst->naive_ent = dst->naive_md = dst->naive_mdmax = NULL;
+	dst->bias_table = NULL;
 	dst->params = malloc(sizeof(float) * (size_t)(4 * H));
 	dst->lse = src->lse ? malloc(sizeof(float) * (src->rows + 1)) : NULL;
 	if (!dst->params || (src->lse && !dst->lse) || clone_tensor(&dst->q, &src->q) ||
@@ -221,6 +222,17 @@ int test_problem_clone(test_problem *dst, const test_problem *src)
 	memcpy(dst->params, src->params, sizeof(float) * (size_t)(4 * H));
 	if (src->desc.delta.per_head) /* all four are per-head or none is */
 		point_params(dst);
+	if (src->bias_table) { /* a copy of its own, for the desc to point to */
+		const size_t n = (size_t)(src->desc.bias_table_heads * src->desc.bias_table_len);
+
+		dst->bias_table = malloc(sizeof(float) * n);
+		if (!dst->bias_table) {
+			test_problem_free(dst);
+			return -1;
+		}
+		memcpy(dst->bias_table, src->bias_table, sizeof(float) * n);
+		dst->desc.bias_table = dst->bias_table;
+	}
 	return 0;
 }
 

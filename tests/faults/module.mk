@@ -8,7 +8,7 @@ FAULT_TESTS  := $(BUILD)/tests/faults/test_allocfail $(BUILD)/tests/faults/test_
 		$(BUILD)/tests/test_contract $(BUILD)/tests/faults/test_bwdfail \
 		$(BUILD)/tests/faults/test_varlenfail $(BUILD)/tests/faults/test_posfail \
 		$(BUILD)/tests/faults/test_kvpoolfail $(BUILD)/tests/faults/test_kvpagedfail \
-		$(BUILD)/tests/faults/test_pluginfail
+		$(BUILD)/tests/faults/test_pluginfail $(BUILD)/tests/faults/test_tablefail
 THREAD_TESTS := $(BUILD)/tests/faults/test_threads $(BUILD)/tests/faults/test_pluginthreads
 FAULT_SUBMAKE = $(MAKE) --no-print-directory OPT=-O1 WITH_CUDA=no
 

@@ -35,6 +35,23 @@ struct sweep {
 	const char *alloc_word, *device_word; /* what a failed run's message must hold */
 };
 
+/* The byte a case's run fills its outputs with first: a failed run must leave them so. */
+#define SWEEP_POISON 0x5a
+
+/* NULL when a run that returned ret left n output bytes at got as promised: the clean ones
+ * (ret 0) or SWEEP_POISON throughout. */
+static __attribute__((unused)) const char *sweep_outputs_verify(const void *got,
+								const void *clean, size_t n,
+								int ret)
+{
+	if (!ret)
+		return memcmp(got, clean, n) ? "not the clean result" : NULL;
+	for (size_t i = 0; i < n; i++)
+		if (((const unsigned char *)got)[i] != SWEEP_POISON)
+			return "a failed call wrote an output";
+	return NULL;
+}
+
 static __attribute__((unused)) const char *backend_of(const ape_device *dev)
 {
 	static __thread ape_device_info di;
@@ -52,6 +69,7 @@ static __attribute__((unused)) void alloc_sweep(struct __test_metadata *_metadat
 {
 #ifdef APE_FAULT_INJECT
 	uint64_t total, errors = 0, in_call = 0;
+	const char *bad;
 
 	if (s->wrap_flags)
 		wrap_install(s->dev, s->wrap_flags);
@@ -66,8 +84,9 @@ static __attribute__((unused)) void alloc_sweep(struct __test_metadata *_metadat
 		ape__fault_alloc_arm(n);
 		ret = s->run(s->c);
 		ape__fault_alloc_arm(0);
-		EXPECT_EQ(NULL, s->verify(s->c, ret)) TH_LOG("%s: allocation %llu", s->what,
-							     (unsigned long long)n);
+		EXPECT_EQ(NULL, bad = s->verify(s->c, ret))
+		TH_LOG("%s: allocation %llu (returned %d): %s", s->what, (unsigned long long)n, ret,
+		       bad);
 		if (!ret)
 			continue;
 		errors++;
@@ -99,6 +118,7 @@ static __attribute__((unused)) void device_sweep(struct __test_metadata *_metada
 {
 	struct wrap_counts clean;
 	uint64_t total = 0, runs = 0, absorbed = 0, in_call = 0;
+	const char *bad;
 
 	wrap_install(s->dev, s->wrap_flags);
 	ASSERT_EQ(0, s->prepare(s->c)) TH_LOG("%s: %s", s->what, s->msg);
@@ -114,8 +134,9 @@ static __attribute__((unused)) void device_sweep(struct __test_metadata *_metada
 			wrap_fail_op((enum wrap_op)op, n);
 			ret = s->run(s->c);
 			wrap_fail_op((enum wrap_op)op, 0);
-			EXPECT_EQ(NULL, s->verify(s->c, ret))
-			TH_LOG("%s: %s #%llu", s->what, name, (unsigned long long)n);
+			EXPECT_EQ(NULL, bad = s->verify(s->c, ret))
+			TH_LOG("%s: %s #%llu (returned %d): %s", s->what, name, (unsigned long long)n,
+			       ret, bad);
 			if (!ret) {
 				absorbed++;
 				EXPECT_TRUE(op == WRAP_BUF_ALLOC || op == WRAP_HOST_REGISTER)
@@ -146,8 +167,8 @@ static __attribute__((unused)) void device_sweep(struct __test_metadata *_metada
 		EXPECT_EQ(APE_EDEVLOST, ret) TH_LOG("%s: lost at call %llu", s->what,
 						    (unsigned long long)k);
 		EXPECT_NE(NULL, strstr(s->msg, "fails on purpose")) TH_LOG("%s", s->msg);
-		EXPECT_EQ(NULL, s->verify(s->c, ret)) TH_LOG("%s: lost at call %llu", s->what,
-							     (unsigned long long)k);
+		EXPECT_EQ(NULL, bad = s->verify(s->c, ret))
+		TH_LOG("%s: lost at call %llu: %s", s->what, (unsigned long long)k, bad);
 	}
 	EXPECT_GT(runs, absorbed);
 	if (s->in_call) {

@@ -32,18 +32,6 @@
 
 FX_FIXTURE(pf)
 
-/* NULL when a run that returned ret left n output bytes at got as promised: the clean ones
- * (ret 0) or the poison byte throughout. */
-static const char *outputs_verify(const void *got, const void *clean, size_t n, int ret)
-{
-	if (!ret)
-		return memcmp(got, clean, n) ? "not the clean result" : NULL;
-	for (size_t i = 0; i < n; i++)
-		if (((const unsigned char *)got)[i] != 0x5a)
-			return "a failed call wrote an output";
-	return NULL;
-}
-
 /* ---------------------------------------------------------------- the dense call */
 
 enum { B = 2, H = 2, HKV = 1, LQ = 4, LK = 5, D = 8 };
@@ -110,11 +98,11 @@ static int pcase_run(void *p)
 	ape_tensor_init(&v, c->in.v, APE_F32, B, HKV, LK, D);
 	ape_tensor_init(&o, u->o, APE_F32, B, H, LQ, D);
 	if (!c->bwd) {
-		memset(u, 0x5a, offsetof(struct pouts, g));
+		memset(u, SWEEP_POISON, offsetof(struct pouts, g));
 		ret = ape_attention_forward_ex(&c->dev, 1, NULL, &c->desc, &q, &k, &v, &o, u->lse,
 					       NULL);
 	} else {
-		memset(u->g, 0x5a, sizeof(u->g));
+		memset(u->g, SWEEP_POISON, sizeof(u->g));
 		ape_tensor_init(&dout, c->in.dout, APE_F32, B, H, LQ, D);
 		ape_tensor_init(&dq, u->g, APE_F32, B, H, LQ, D);
 		ape_tensor_init(&dk, u->g + NQ, APE_F32, B, HKV, LK, D);
@@ -135,10 +123,10 @@ static const char *pcase_verify(const void *p, int ret)
 	if (memcmp(&c->in, &c->in0, sizeof(c->in)))
 		return "an input changed";
 	if (!c->bwd)
-		return outputs_verify(&c->out, &c->clean, fwd, ret);
+		return sweep_outputs_verify(&c->out, &c->clean, fwd, ret);
 	if (memcmp(&c->out, &c->clean, fwd))
 		return "the backward changed O or LSE";
-	return outputs_verify(c->out.g, c->clean.g, sizeof(c->out.g), ret);
+	return sweep_outputs_verify(c->out.g, c->clean.g, sizeof(c->out.g), ret);
 }
 
 /* Sets up c (c->dev, c->bwd kept) and runs the forward, then the backward, cleanly. */
@@ -272,11 +260,11 @@ static int lcase_run(void *p)
 	int ret;
 
 	if (!c->bwd) {
-		memset(x->out, 0x5a, x->out_bytes);
-		memset(x->lse, 0x5a, sizeof(float) * x->lse_len);
+		memset(x->out, SWEEP_POISON, x->out_bytes);
+		memset(x->lse, SWEEP_POISON, sizeof(float) * x->lse_len);
 		ret = rag_run(c->dev, x, NULL);
 	} else {
-		memset(c->g, 0x5a, sizeof(float) * c->ng);
+		memset(c->g, SWEEP_POISON, sizeof(float) * c->ng);
 		ret = ape_attention_backward_varlen_dlpack(c->dev, &x->desc, &x->vl, &x->t[0],
 							   &x->t[1], &x->t[2], &x->t[3], &x->t[4],
 							   &c->t[0], &c->t[1], &c->t[2], &c->t[3],
@@ -301,11 +289,11 @@ static const char *lcase_verify(const void *p, int ret)
 	if (c->bwd) {
 		if (memcmp(x->out, c->o0, x->out_bytes) || memcmp(x->lse, c->lse0, nlse))
 			return "the backward changed O or LSE";
-		return outputs_verify(c->g, c->clean_g, sizeof(float) * c->ng, ret);
+		return sweep_outputs_verify(c->g, c->clean_g, sizeof(float) * c->ng, ret);
 	}
-	if ((bad = outputs_verify(x->out, c->clean_out, x->out_bytes, ret)))
+	if ((bad = sweep_outputs_verify(x->out, c->clean_out, x->out_bytes, ret)))
 		return bad;
-	return outputs_verify(x->lse, c->clean_lse, nlse, ret);
+	return sweep_outputs_verify(x->lse, c->clean_lse, nlse, ret);
 }
 
 /* Sets up c (c->dev, c->bwd kept) and runs the forward, then the backward, cleanly. */

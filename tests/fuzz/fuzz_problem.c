@@ -31,7 +31,11 @@
  *   same code, and the backward's, before the (unmapped) tensors are touched; an accepted tiny
  *   call runs, its O and LSE bit for bit those of each batch element as a one-sequence ragged
  *   call at the same positions and, at 0.. end-aligned, the implicit call's; so are its
- *   backward's dQ, dK, dV those of the ragged backward per element.
+ *   backward's dQ, dK, dV those of the ragged backward per element;
+ * - distance-bias tables (desc->bias_table: any length and row count, any entries, NaN and
+ *   Inf included): refused by validation exactly as by the public calls, before anything is
+ *   touched; an accepted tiny call's forward and backward (with the table's gradient into a
+ *   buffer exactly its size) run.
  */
 #include <float.h>
 #include <math.h>
@@ -98,6 +102,7 @@ struct call {
 	float per_head[4][MAX_PER_HEAD];
 	bool want_lse;
 	bool positions; /* the call at explicit positions (check_positions()) */
+	float table[4 * 70]; /* desc->bias_table's entries, when fuzzed */
 };
 
 static void take_strides(struct in *in, ape_tensor *t)
@@ -195,6 +200,17 @@ static void take_call(struct in *in, struct call *c)
 	c->positions = flags & 2048;
 	if (flags & 4096) /* position interpolation: any double, refused unless finite and > 0 */
 		c->desc.rope_scale = take_double(in);
+	if (flags & 8192) { /* a distance-bias table: any length and rows, any entries (NaN too) */
+		const int64_t len = (int64_t)(take(in, 1) % 72) - 2, rows = (int64_t)(take(in, 1) % 5);
+
+		for (int64_t i = 0; i < len * rows && i < 4 * 70; i++)
+			c->table[i] = take_float(in);
+		c->desc.bias_table = c->table;
+		/* a length past APE_BIAS_TABLE_MAX (refused before any entry is read) or the
+		 * entries given */
+		c->desc.bias_table_len = take(in, 1) == 0xff ? ((int64_t)1 << 24) + 1 : len;
+		c->desc.bias_table_heads = rows;
+	}
 }
 
 /* ---------------------------------------------------------------- running it */
@@ -227,7 +243,8 @@ static void run_backward(const struct call *c, const struct ape__problem *p, ape
 	const int ndev = 1 + (int)(take(in, 1) % 3);
 	ape_device *const devs[3] = { ref, ref, ref };
 	const size_t esz = ape_dtype_size(p->in_dtype), gsz = ape_dtype_size(gt);
-	float *lse = malloc((rows + 1) * sizeof(float)), dparams[4 * 16];
+	float *lse = malloc((rows + 1) * sizeof(float)), dparams[4 * 16], dbias[4 * 70];
+	ape_attn_desc d = c->desc; /* with the table's gradient wanted when there is a table */
 	void *dout = malloc(nq * esz + 1), *dq = malloc(nq * gsz + 1);
 	void *dk = malloc(nk * gsz + 1), *dv = malloc(nk * gsz + 1);
 	ape_tensor tdo, tdq, tdk, tdv;
@@ -242,11 +259,12 @@ static void run_backward(const struct call *c, const struct ape__problem *p, ape
 	ape_tensor_init(&tdv, dv, gt, p->B, p->Hkv, p->Lk, p->D);
 	ret = ape_attention_forward(ref, &c->desc, &t[0], &t[1], &t[2], &t[3], lse, NULL);
 	check(ret == 0, "the forward of an accepted small call runs");
-	ret = ape_attention_backward(ref, &c->desc, &t[0], &t[1], &t[2], &t[3], lse, &tdo, NULL,
-				     &tdq, &tdk, &tdv, dparams, NULL);
+	d.dbias_table = d.bias_table ? dbias : NULL;
+	ret = ape_attention_backward(ref, &d, &t[0], &t[1], &t[2], &t[3], lse, &tdo, NULL, &tdq,
+				     &tdk, &tdv, dparams, NULL);
 	check(ret == 0, "the backward of an accepted small call runs on the reference backend");
 	if (eo) {
-		ret = ape_attention_backward_ex(devs, ndev, eo, &c->desc, &t[0], &t[1], &t[2],
+		ret = ape_attention_backward_ex(devs, ndev, eo, &d, &t[0], &t[1], &t[2],
 						&t[3], lse, &tdo, lse, &tdq, &tdk, &tdv, dparams,
 						NULL);
 		check(ret == 0 || (ret == APE_ENOMEM && eo->max_device_bytes),

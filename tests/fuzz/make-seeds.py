@@ -122,6 +122,14 @@ def atpos(Lq, Lk, how, pos, flags=1):
     return call(2, 2, 1, Lq, Lk, 4, flags=flags | 2048) + bytes([how]) + pos + posdata(Lq, Lk)
 
 
+# distance-bias tables (flags bit 8192): length byte (len + 2), rows byte, len x rows entries
+# (take_float bytes), then the length-override byte (0: len)
+put("problem", "bias_table.bin", call(1, 2, 1, 4, 6, 4, flags=1 | 8192,
+                                      tail=bytes([7, 2, 1, 2, 3, 4, 13, 14, 1, 2, 3, 4, 0])))
+put("problem", "bias_table_shared_short.bin", call(2, 2, 1, 5, 9, 4, flags=8192,
+                                                   tail=bytes([4, 1, 13, 3, 0])))
+put("problem", "bias_table_nan.bin", call(1, 2, 1, 4, 6, 4, flags=1 | 8192,
+                                          tail=bytes([5, 2, 1, 2, 0xC1, 4, 13, 14, 0])))
 put("problem", "positions_gaps.bin", atpos(3, 4, 1, bytes([0, 1, 5, 6, 5, 6, 6])))
 put("problem", "positions_default.bin", atpos(3, 4, 0, b""))
 put("problem", "positions_int64_ends.bin",

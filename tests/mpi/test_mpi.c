@@ -245,6 +245,7 @@ TEST(mismatch_on_one_rank)
 		{ "L", "shard: not what ape_mpi_shard", 4, 2 },
 		{ "stride", "k->strides[2] = -1", 4, 1 },
 		{ "null", "q->data = NULL", 3, 1 },
+		{ "table", "desc->bias_table", 3, 2 }, /* not taken by the distributed call */
 		{ "delta", "desc->delta", 3, 0 }, /* rank 0 is the odd one out */
 	};
 

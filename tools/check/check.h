@@ -3,8 +3,8 @@
  * ape-check's pieces: tools/ape-check.c (main, the dense cases and their matrix),
  * tools/check/varlen.c (the ragged cells), tools/check/diag.c (the diagnostics),
  * tools/check/kv.c (the KV cache, the KV pool, the caller's pages), tools/check/resident.c
- * (device-resident calls), tools/check/conduct.c (determinism and failure behaviour),
- * tools/check/compare.c (comparisons against the reference) and tools/check/report.c (every
+ * (device-resident calls), tools/check/tables.c (distance-bias tables), tools/check/conduct.c
+ * (determinism and failure behaviour), tools/check/compare.c (comparisons against the reference) and tools/check/report.c (every
  * cell's record, the summary, the JSON). Linked into ape-check alone.
  */
 #ifndef APE_TOOLS_CHECK_H
@@ -32,6 +32,7 @@ enum check_group {
 	CHECK_DIAG, /* ape_attention_forward_diag(), ape_kv_cache_attend_diag() */
 	CHECK_KV, /* ape_kv_cache_*, ape_kv_pool_*, ape_paged_kv_* */
 	CHECK_RESIDENT, /* ape_attention_enqueue*(), ape_attention_backward_enqueue() */
+	CHECK_TABLES, /* desc->bias_table: forward, KV cache, ragged, backward with dbias_table */
 	CHECK_DETERMINISM, /* the same call twice: the same bits */
 	CHECK_FAILURES, /* bad arguments and failing device ops: named, nothing written */
 	CHECK_NGROUPS
@@ -118,6 +119,7 @@ struct check_env {
 	ape_device *ref;
 	ape_rng *rng;
 	bool quick; /* --quick: the small cases only */
+	bool long_cases; /* neither --quick nor --plugin: the long cases too */
 };
 
 /* The seed's parameters, one value for every head. */
@@ -170,6 +172,7 @@ int check_varlen(ape_device **devs, int ndev, ape_device *ref, ape_rng *rng, boo
 int check_diag(const struct check_env *env);
 int check_kv(const struct check_env *env);
 int check_resident(const struct check_env *env);
+int check_tables(const struct check_env *env);
 int check_determinism(const struct check_env *env);
 int check_failures(const struct check_env *env);
 

@@ -27,6 +27,7 @@ static const char *const group_names[CHECK_NGROUPS] = {
 	[CHECK_DIAG] = "diagnostics",
 	[CHECK_KV] = "kv",
 	[CHECK_RESIDENT] = "resident",
+	[CHECK_TABLES] = "tables",
 	[CHECK_DETERMINISM] = "determinism",
 	[CHECK_FAILURES] = "failures",
 };
@@ -126,6 +127,8 @@ uint64_t check_cell_needs(enum check_group group, const char *name)
 		if (strstr(name, "backward"))
 			return APE_BE_CAP_RESIDENT_BACKWARD;
 		return strstr(name, "diag") ? APE_BE_CAP_DIAG_VIEWS : 0;
+	case CHECK_TABLES:
+		return APE_BE_CAP_BIAS_TABLE | (strstr(name, "backward") ? APE_BE_CAP_BACKWARD : 0);
 	default:
 		return 0;
 	}

@@ -17,7 +17,7 @@ enum {
 	OPT_KV_CACHE, OPT_KV_BLOCK, OPT_KV_CAPACITY, OPT_KV_RELEASE,
 	OPT_BACKWARD, OPT_DLSE, OPT_DQ, OPT_DK, OPT_DV, OPT_DPARAMS, OPT_HELP,
 	OPT_ENTROPY, OPT_MEAN_DISTANCE,
-	OPT_CU_Q, OPT_CU_K, OPT_POS_Q, OPT_POS_K,
+	OPT_CU_Q, OPT_CU_K, OPT_POS_Q, OPT_POS_K, OPT_BIAS_TABLE, OPT_DBIAS_TABLE,
 };
 
 
@@ -37,6 +37,7 @@ static const struct cli_option options[] = {
 	{ "--lambda", NULL, true, OPT_LAMBDA },
 	{ "--rope-base", NULL, true, OPT_ROPE_BASE },
 	{ "--rope-scale", NULL, true, OPT_ROPE_SCALE },
+	{ "--bias-table", NULL, true, OPT_BIAS_TABLE },
 	{ "--scale", NULL, true, OPT_SCALE },
 	{ "--no-causal", NULL, false, OPT_NO_CAUSAL },
 	{ "--layout", NULL, true, OPT_LAYOUT },
@@ -59,6 +60,7 @@ static const struct cli_option options[] = {
 	{ "--dk", NULL, true, OPT_DK },
 	{ "--dv", NULL, true, OPT_DV },
 	{ "--dparams", NULL, true, OPT_DPARAMS },
+	{ "--dbias-table", NULL, true, OPT_DBIAS_TABLE },
 	{ "--cu-seqlens-q", NULL, true, OPT_CU_Q },
 	{ "--cu-seqlens-k", NULL, true, OPT_CU_K },
 	{ "--positions-q", NULL, true, OPT_POS_Q },
@@ -71,7 +73,7 @@ void run_usage(void)
 {
 	printf("usage: ape-run -q Q.npy -k K.npy -v V.npy -o O.npy [--lse LSE.npy] [options]\n"
 	       "       ape-run ... --backward DO.npy [--dq DQ.npy] [--dk DK.npy] [--dv DV.npy]\n"
-	       "               [--dparams DP.npy] [--dlse DLSE.npy]\n"
+	       "               [--dparams DP.npy] [--dbias-table DT.npy] [--dlse DLSE.npy]\n"
 	       "       ape-run ... --cu-seqlens-q CUQ.npy [--cu-seqlens-k CUK.npy]\n"
 	       "               [--positions-q PQ.npy] [--positions-k PK.npy]\n"
 	       "\n"
@@ -104,6 +106,12 @@ void run_usage(void)
 	       "  --rope-base X  RoPE base (default 10000)\n"
 	       "  --rope-scale X position interpolation: the rotation turns by n / X, the\n"
 	       "                 bias and temperature keep n (default 1; finite, > 0)\n"
+	       "  --bias-table FILE\n"
+	       "                 a distance-bias table, '<f4' [H, M] (a row per head) or\n"
+	       "                 [1, M] (one for every head): every score of head h gets\n"
+	       "                 T[h][min(|n|, M - 1)] added beside the decay bias (T5's\n"
+	       "                 buckets, a Gaussian -lambda n^2, a learned relative bias;\n"
+	       "                 docs/ape.md). A device that does not compute tables exits 3\n"
 	       "  --scale X      score scale (default 1/sqrt(D))\n"
 	       "  --no-causal    every query sees every key (default: causal)\n"
 	       "  --layout L     rotary pairs: half, (p, p + D/2), the default, or\n"
@@ -156,6 +164,9 @@ void run_usage(void)
 	       "  --dv FILE      dL/dV: V's shape and dtype\n"
 	       "  --dparams FILE dL/d(delta, beta, gamma, lambda): '<f4' [H, 4], one row per\n"
 	       "                 head (a value given once for all heads: sum the column)\n"
+	       "  --dbias-table FILE\n"
+	       "                 dL/dT of --bias-table's table: '<f4', the table's shape\n"
+	       "                 ([1, M]: summed over the heads)\n"
 	       "  --dlse FILE    dL/dLSE, '<f4', LSE's shape (default: zero)\n"
 	       "  -o and --lse are written as without --backward; with --stats the backward\n"
 	       "  call's statistics follow the forward's. No --kv-cache; the backward takes\n"
@@ -253,6 +264,10 @@ static const char **string_slot(struct run_args *a, int id)
 		return &a->pos_q;
 	case OPT_POS_K:
 		return &a->pos_k;
+	case OPT_BIAS_TABLE:
+		return &a->bias_table;
+	case OPT_DBIAS_TABLE:
+		return &a->dbias_table;
 	}
 	return NULL;
 }
@@ -364,16 +379,18 @@ void run_args_free(struct run_args *a)
 {
 	for (int i = 0; i < 4; i++)
 		free(a->param[i].vals);
+	bias_table_free(&a->table);
 }
 
 /* --backward and its outputs: each output needs it, and it needs one of them. */
 static int check_backward_args(const struct run_args *a, char *msg, size_t len)
 {
-	const char *const flags[5] = { "--dq", "--dk", "--dv", "--dparams", "--dlse" };
-	const char *const vals[5] = { a->dq, a->dk, a->dv, a->dparams, a->dlse };
+	const char *const flags[6] = { "--dq", "--dk", "--dv", "--dparams", "--dbias-table",
+				       "--dlse" };
+	const char *const vals[6] = { a->dq, a->dk, a->dv, a->dparams, a->dbias_table, a->dlse };
 
 	if (!a->dout) {
-		for (int i = 0; i < 5; i++)
+		for (int i = 0; i < 6; i++)
 			if (vals[i]) {
 				snprintf(msg, len, "%s %s needs --backward DO.npy (dL/dO)", flags[i],
 					 vals[i]);
@@ -381,9 +398,14 @@ static int check_backward_args(const struct run_args *a, char *msg, size_t len)
 			}
 		return 0;
 	}
-	if (!a->dq && !a->dk && !a->dv && !a->dparams) {
+	if (a->dbias_table && !a->bias_table) {
+		snprintf(msg, len, "--dbias-table %s needs --bias-table FILE (the table it is the "
+			 "gradient of)", a->dbias_table);
+		return RUN_USAGE;
+	}
+	if (!a->dq && !a->dk && !a->dv && !a->dparams && !a->dbias_table) {
 		snprintf(msg, len, "--backward %s: name the gradients wanted: one or more of --dq, "
-			 "--dk, --dv, --dparams", a->dout);
+			 "--dk, --dv, --dparams, --dbias-table", a->dout);
 		return RUN_USAGE;
 	}
 	if (a->kv_step) {

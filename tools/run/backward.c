@@ -62,7 +62,9 @@ int run_backward(const struct run_args *a, ape_device *const *devs, int ndev,
 		 const float *lse, struct run_grads *g, char *msg, size_t len)
 {
 	const int64_t *qs = in[0].t.shape;
+	const uint64_t ntable = (uint64_t)(a->table.rows * a->table.len);
 	ape_tensor dq, dk, dv, *pq, *pk, *pv;
+	ape_attn_desc desc = a->desc;
 	ape_exec_options eo;
 	ape_stats st;
 	int ret;
@@ -71,8 +73,11 @@ int run_backward(const struct run_args *a, ape_device *const *devs, int ndev,
 	    (a->dk && !(g->dk = grad_buffer("--dk", a->dk, in[1].count, msg, len))) ||
 	    (a->dv && !(g->dv = grad_buffer("--dv", a->dv, in[2].count, msg, len))) ||
 	    (a->dparams &&
-	     !(g->dparams = grad_buffer("--dparams", a->dparams, (uint64_t)qs[1] * 4, msg, len))))
+	     !(g->dparams = grad_buffer("--dparams", a->dparams, (uint64_t)qs[1] * 4, msg, len))) ||
+	    (a->dbias_table &&
+	     !(g->dbias = grad_buffer("--dbias-table", a->dbias_table, ntable, msg, len))))
 		return RUN_FAIL;
+	desc.dbias_table = g->dbias;
 	/* float32 gradients whatever the storage, as O: the files get the inputs' types */
 	run_tensor_init(&dq, g->dq, APE_F32, &in[0]);
 	run_tensor_init(&dk, g->dk, APE_F32, &in[1]);
@@ -85,11 +90,11 @@ int run_backward(const struct run_args *a, ape_device *const *devs, int ndev,
 	eo.max_device_bytes = a->max_mem;
 	ape_stats_init(&st);
 	if (vl)
-		ret = ape_attention_backward_varlen(devs, ndev, &eo, &a->desc, vl, &in[0].t, &in[1].t,
+		ret = ape_attention_backward_varlen(devs, ndev, &eo, &desc, vl, &in[0].t, &in[1].t,
 						    &in[2].t, ot, lse, &in[3].t, g->dlse, pq, pk,
 						    pv, g->dparams, &st);
 	else
-		ret = ape_attention_backward_ex(devs, ndev, &eo, &a->desc, &in[0].t, &in[1].t,
+		ret = ape_attention_backward_ex(devs, ndev, &eo, &desc, &in[0].t, &in[1].t,
 						&in[2].t, ot, lse, &in[3].t, g->dlse, pq, pk, pv,
 						g->dparams, &st);
 	if (ret) {
@@ -108,6 +113,7 @@ void run_grads_free(struct run_grads *g)
 	free(g->dk);
 	free(g->dv);
 	free(g->dparams);
+	free(g->dbias);
 	free(g->dlse);
 	memset(g, 0, sizeof(*g));
 }

@@ -23,6 +23,12 @@ int run_exit_code(int err)
 	}
 }
 
+int run_call_exit_code(const struct run_args *a, int err)
+{
+	/* the core refuses a table on a device that states no APE_BE_CAP_BIAS_TABLE */
+	return err == APE_ENOTSUP && a->bias_table ? RUN_NODEV : run_exit_code(err);
+}
+
 /* Each comma-separated spec of --devices, through ape_device_select_spec(). */
 static int select_list(const struct run_args *a, ape_context *ctx, ape_device **devs, int *ndev,
 		       char *msg, size_t len)

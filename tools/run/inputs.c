@@ -157,6 +157,19 @@ int run_stage_inputs(struct input in[4], ape_dtype storage, char *msg, size_t le
 	return 0;
 }
 
+int run_load_bias_table(struct run_args *a, const struct input *q, char *msg, size_t len)
+{
+	int ret;
+
+	if (!a->bias_table)
+		return 0;
+	ret = bias_table_load("--bias-table", a->bias_table, q->t.shape[1], &a->table, msg, len);
+	if (ret)
+		return ret == APE_ENOMEM ? RUN_FAIL : RUN_USAGE;
+	bias_table_set(&a->table, &a->desc);
+	return 0;
+}
+
 int run_set_head_params(struct run_args *a, const struct input *q, char *msg, size_t len)
 {
 	ape_param *dst[4] = { &a->desc.delta, &a->desc.beta, &a->desc.gamma, &a->desc.lambda };

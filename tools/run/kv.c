@@ -157,5 +157,5 @@ int run_kv(const struct run_args *a, ape_device *dev, const struct input in[3], 
 	clock_gettime(CLOCK_MONOTONIC, &t1);
 	tot->total_ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 +
 			(double)(t1.tv_nsec - t0.tv_nsec) * 1e-6;
-	return run_exit_code(ret);
+	return run_call_exit_code(a, ret);
 }

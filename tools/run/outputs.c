@@ -44,15 +44,16 @@ static int check_output(const char *flag, const char *path, char *msg, size_t le
 }
 
 /* Every file the run writes, by its option; unused entries have a NULL path. */
-#define NOUT 9
+#define NOUT 10
 
 static void output_names(const struct run_args *a, const char *flag[NOUT],
 			 const char *path[NOUT])
 {
 	static const char *const flags[NOUT] = { "-o", "--lse", "--entropy", "--mean-distance",
-						 "--dq", "--dk", "--dv", "--dparams", "--trace" };
+						 "--dq", "--dk", "--dv", "--dparams",
+						 "--dbias-table", "--trace" };
 	const char *const paths[NOUT] = { a->o, a->lse, a->ent, a->md, a->dq, a->dk, a->dv,
-					   a->dparams, a->trace };
+					   a->dparams, a->dbias_table, a->trace };
 
 	for (int i = 0; i < NOUT; i++) {
 		flag[i] = flags[i];
@@ -187,6 +188,15 @@ int run_write_outputs(const struct run_args *a, const struct input in[4], const 
 		f[n].shape[1] = 4;
 		f[n].data = g->dparams;
 		f[n++].count = (uint64_t)in[0].t.shape[1] * 4;
+	}
+	if (a->dbias_table) {
+		f[n].path = a->dbias_table;
+		f[n].dtype = APE_F32;
+		f[n].ndim = 2;
+		f[n].shape[0] = a->table.rows;
+		f[n].shape[1] = a->table.len;
+		f[n].data = g->dbias;
+		f[n++].count = (uint64_t)(a->table.rows * a->table.len);
 	}
 	return write_all(f, n, msg, len);
 }

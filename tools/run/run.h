@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "ape/ape.h"
+#include "common/bias_table.h"
 
 /* Exit statuses; RUN_HELP is --help, never an exit status. */
 enum { RUN_OK = 0, RUN_FAIL = 1, RUN_USAGE = 2, RUN_NODEV = 3, RUN_HELP = -1 };
@@ -52,6 +53,10 @@ struct run_args {
 	 * set (one given stands for both) or both NULL; pos_q, pos_k NULL: the library's default */
 	const char *cu_q, *cu_k, *pos_q, *pos_k;
 	bool k_start_set; /* --k-start given */
+	/* --bias-table FILE (read into table, desc pointing at it, once Q gives H) and, with
+	 * --backward, --dbias-table FILE, its gradient; NULL: not given */
+	const char *bias_table, *dbias_table;
+	struct bias_table_file table;
 };
 
 /* One input file, its shape seen as [B, H, L, D], and its data in the computation's type. */
@@ -76,6 +81,7 @@ struct run_ragged {
 struct run_grads {
 	float *dq, *dk, *dv; /* Q's and K's shapes */
 	float *dparams; /* [H, 4] */
+	float *dbias; /* the distance-bias table's, its shape */
 	float *dlse; /* the input dL/dLSE, [B, H, Lq]; NULL: zero */
 };
 
@@ -85,7 +91,7 @@ struct run_grads {
 void run_usage(void);
 /* The defaults (the seed's parameters: common/seed.h) into a. */
 void run_args_init(struct run_args *a);
-/* Frees what parsing allocated (the per-head parameter lists). */
+/* Frees what parsing and run_load_bias_table() allocated. */
 void run_args_free(struct run_args *a);
 /* The command line into a (run_args_init() first), the options checked against each other.
  * Returns 0, RUN_HELP for --help, or an exit status with msg filled. */
@@ -95,6 +101,9 @@ int run_parse_args(int argc, char **argv, struct run_args *a, char *msg, size_t 
 
 /* The exit status for a libape error code. */
 int run_exit_code(int err);
+/* The exit status for a computing call's error: run_exit_code()'s, but 3 (not available) for
+ * APE_ENOTSUP with --bias-table (a device that does not compute distance-bias tables). */
+int run_call_exit_code(const struct run_args *a, int err);
 /*
  * A context of the backend asked for and its device(s): --devices' list, --device's spec or
  * index, or the first (auto says on stderr when it passes over a preferred backend). Returns
@@ -114,6 +123,9 @@ int run_check_inputs(const struct input in[4], char *msg, size_t len);
 int run_stage_inputs(struct input in[4], ape_dtype storage, char *msg, size_t len);
 /* The per-head parameters into a->desc: one value, or H of them for Q's H heads. */
 int run_set_head_params(struct run_args *a, const struct input *q, char *msg, size_t len);
+/* --bias-table: the table for Q's H heads (q) into a->table, a->desc pointing at it. Nothing
+ * to do without it. */
+int run_load_bias_table(struct run_args *a, const struct input *q, char *msg, size_t len);
 /* t as a tensor of `like`'s shape and layout (packed or not) over data of type dt. */
 void run_tensor_init(ape_tensor *t, void *data, ape_dtype dt, const struct input *like);
 
