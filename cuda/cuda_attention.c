@@ -48,12 +48,13 @@
  * both, contiguous.
  *
  * Distance-bias tables (l->bias_table, ABI 1.1): the core's host copy of the table and of its
- * suffix maxima goes into the launch's scratch (ape__cu_upload_bias()), and every kernel reads
- * them through struct ape_cu_bias (kernels/args.h): the prefill and the separable kernel fold
- * the entries into their per-tile distance tables (no cost per pair), the decode adds head h's
- * entry per key (compiled in only for a launch with a table), ape_dwindow into its anchor's
- * scores; every skip bound adds the suffix maximum at the left-out keys' nearest distance
- * (may_stop() in kernels/common.cuh), which keeps it a proof whatever the table's shape.
+ * suffix maxima (launches that skip) goes into the launch's scratch (ape__cu_upload_bias()), and
+ * every kernel reads them through struct ape_cu_bias (kernels/args.h): the prefill and the
+ * separable kernel fold the entries into their per-tile distance tables (no cost per pair), the
+ * decode adds head h's entry per key (compiled in only for a launch with a table), ape_dwindow
+ * into its anchor's scores; every skip bound adds the suffix maximum at the left-out keys' nearest
+ * distance (may_stop() in kernels/common.cuh), which keeps it a proof whatever the table's shape.
+ * Launches that skip nothing get no suffix maxima (may_stop() reads them only when skipping).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -285,8 +286,8 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape_be_lau
 			p->hp = take(p, (size_t)l->H * 4 * sizeof(float));
 		return;
 	}
-	if (l->bias_table) /* its entries and their suffix maxima */
-		p->bias = take(p, ape__cu_bias_bytes(l, true));
+	if (l->bias_table) /* its entries, and the skip bounds' suffix maxima */
+		p->bias = take(p, ape__cu_bias_bytes(l, p->skip));
 	if (!p->decode) {
 		p->need_kp = !(p->exact && l->in_dtype == APE_F32 && l->layout == APE_ROPE_HALF &&
 			       k16);
@@ -341,7 +342,7 @@ static uint64_t ragged_decode_scratch(const struct ape__cu_device *cd, const str
 
 	return 256 + align_up((size_t)l->Lq * APE_DC_SEGW * sizeof(int64_t)) +
 	       (l->H > APE_CU_INLINE_HEADS ? align_up((size_t)l->H * 4 * sizeof(float)) : 0) +
-	       (l->bias_table ? align_up(ape__cu_bias_bytes(l, true)) : 0) +
+	       (l->bias_table ? align_up(ape__cu_bias_bytes(l, false)) : 0) +
 	       align_up(pr * (size_t)l->D * 4) + align_up(pr * 2 * 4) + align_up(pr * 8) +
 	       align_up(pr * 2 * 4);
 }
@@ -432,7 +433,7 @@ static void fill_common(const struct ape_be_launch *l, const struct cu_plan *p, 
 	c->vv = ape__cu_view(l, APE_BE_T_V);
 	c->pg = pages_of(l);
 	if (p->bias)
-		c->bias = ape__cu_bias_at(l, true, scratch + p->bias);
+		c->bias = ape__cu_bias_at(l, p->skip, scratch + p->bias);
 	c->vo = ape__cu_view(l, APE_BE_T_O);
 	c->vlse = ape__cu_view(l, APE_BE_T_LSE);
 	{
@@ -939,7 +940,7 @@ int ape__cu_attention(struct ape_be_queue *q, const struct ape_be_launch *l)
 	if (p.hp && !l->params[1])
 		ret = ape__cu_upload_head_params(q, l, scratch + p.hp);
 	if (!ret && p.bias)
-		ret = ape__cu_upload_bias(q, l, true, scratch + p.bias);
+		ret = ape__cu_upload_bias(q, l, p.skip, scratch + p.bias);
 	if (!ret && l->Lk == 0)
 		ret = run_merge(q, l, &p, scratch, 0);
 	else if (!ret)

@@ -55,8 +55,8 @@ static void sep_plan(const struct ape_be_launch *l, struct sep_plan *p)
 		p->pre = sep_take(p, nbkv * (size_t)(p->ntk + 1) * 4);
 		p->suf = sep_take(p, nbkv * (size_t)(p->ntk + 1) * 4);
 	}
-	if (l->bias_table) /* its entries and their suffix maxima */
-		p->bias = sep_take(p, ape__cu_bias_bytes(l, true));
+	if (l->bias_table) /* its entries, and the skip bound's suffix maxima */
+		p->bias = sep_take(p, ape__cu_bias_bytes(l, p->skip));
 }
 
 bool ape__cu_separable_applies(const struct ape_be_launch *l)
@@ -156,10 +156,10 @@ static int sep_run(struct ape_be_queue *q, const struct ape_be_launch *l, const 
 	a.vo = ape__cu_view(l, APE_BE_T_O);
 	a.vlse = ape__cu_view(l, APE_BE_T_LSE);
 	if (p->bias) {
-		ret = ape__cu_upload_bias(q, l, true, scratch + p->bias);
+		ret = ape__cu_upload_bias(q, l, p->skip, scratch + p->bias);
 		if (ret)
 			return ret;
-		a.bias = ape__cu_bias_at(l, true, scratch + p->bias);
+		a.bias = ape__cu_bias_at(l, p->skip, scratch + p->bias);
 	}
 	a.B = (int32_t)l->B;
 	a.H = (int32_t)l->H;

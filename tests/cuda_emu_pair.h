@@ -79,7 +79,6 @@ static inline int run_both(struct __test_metadata *_metadata, const struct pair_
 	test_problem_describe(tp, what, sizeof(what));
 	if (test_problem_clone(&ref, tp))
 		return -1;
-	ref.bias_table = NULL; /* the clone points at tp's table, which outlives it */
 	ape_stats_init(&st);
 	if (test_problem_run_stats(tp, d->cuda, &st)) {
 		TH_LOG("%s: cuda: %s", what, ape_last_error());

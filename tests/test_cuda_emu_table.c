@@ -329,7 +329,6 @@ TEST(separable_with_tables)
 			double eo, el;
 
 			ASSERT_EQ(0, test_problem_clone(&r, &tp));
-			r.bias_table = NULL; /* tp's, which outlives it */
 			ASSERT_EQ(0, test_problem_run(&tp, d.cuda)) TH_LOG("%s", ape_last_error());
 			ASSERT_EQ(0, test_problem_run(&r, d.ref)) TH_LOG("%s", ape_last_error());
 			eo = test_max_err_o(&tp.o.t, &r.o.t) / fmax(test_tensor_maxabs(&tp.v.t), 1e-30) /
@@ -389,7 +388,6 @@ TEST(chunked_calls_with_tables)
 			ASSERT_EQ(0, set_table(&tp, TABLE_JUMP, false, 150, 60.0));
 		}
 		ASSERT_EQ(0, test_problem_clone(&want, &tp));
-		want.bias_table = NULL; /* tp's, which outlives it */
 		ASSERT_EQ(0, test_problem_run(&want, d.ref)) TH_LOG("%s", ape_last_error());
 		ape_exec_options_init(&o);
 		o.chunk_q = o.chunk_k = 128;
@@ -415,9 +413,8 @@ TEST(chunked_calls_with_tables)
 /*
  * Decode rows attending a KV cache on the CUDA device (keys read where the cache keeps them, in
  * blocks of 16 tokens) with a table, against the reference's plain call: a random table without
- * skipping, and the seed's decays with a falling table, skipping (ape_dwindow over the pages).
- * (Not a table that rises far away with skipping: the cache's own window, cut on the host
- * before the launch, does not take the table yet.)
+ * skipping, the seed's decays with a falling table and with one that jumps far away, skipping
+ * (ape_dwindow over the pages).
  */
 TEST(kv_cache_attend_with_tables)
 {
@@ -426,7 +423,7 @@ TEST(kv_cache_attend_with_tables)
 
 	open_devices(_metadata, &d);
 	ape_rng_init(&rng, "cuda_emu_table_kv");
-	for (int c = 0; c < 2; c++) {
+	for (int c = 0; c < 3; c++) {
 		const int64_t Lq = c ? 3 : 1, Lk = 700;
 		test_problem tp, want;
 		ape_kv_cache_options o;
@@ -438,7 +435,7 @@ TEST(kv_cache_attend_with_tables)
 						    c ? APE_BF16 : APE_F16));
 		if (c) {
 			test_problem_seed_params(&tp);
-			ASSERT_EQ(0, set_table(&tp, TABLE_FALL, false, 0, 0.0));
+			ASSERT_EQ(0, set_table(&tp, c == 1 ? TABLE_FALL : TABLE_JUMP, false, 100, 45.0));
 		} else {
 			test_problem_random_params(&tp, &rng);
 			ASSERT_EQ(0, test_problem_random_table(&tp, &rng));
@@ -448,7 +445,6 @@ TEST(kv_cache_attend_with_tables)
 		tp.desc.q_start_set = false; /* end-aligned: the cache's default */
 		tp.desc.k_start = 0;
 		ASSERT_EQ(0, test_problem_clone(&want, &tp));
-		want.bias_table = NULL; /* tp's, which outlives it */
 		ASSERT_EQ(0, test_problem_run(&want, d.ref)) TH_LOG("%s", ape_last_error());
 		ape_kv_cache_options_init(&o);
 		o.B = 1;
@@ -501,7 +497,6 @@ TEST(resident_calls_with_tables)
 		test_problem_random_params(&tp, &rng);
 		ASSERT_EQ(0, test_problem_random_table(&tp, &rng));
 		ASSERT_EQ(0, test_problem_clone(&want, &tp));
-		want.bias_table = NULL; /* tp's, which outlives it */
 		ASSERT_EQ(0, test_problem_run(&want, d.ref)) TH_LOG("%s", ape_last_error());
 		ASSERT_EQ(0, run_resident(&tp, d.cuda, 64)) TH_LOG("%s", ape_last_error());
 		eo = test_max_err_o(&tp.o.t, &want.o.t) / fmax(test_tensor_maxabs(&tp.v.t), 1e-30) /
