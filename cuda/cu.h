@@ -253,15 +253,21 @@ bool ape__cu_attention_pages(struct ape_device *dev, const struct ape_be_launch 
  * uploaded one (struct ape_be_launch.params[1]), else at `slot` (ape__cu_upload_head_params()). */
 CUdeviceptr ape__cu_head_params_at(const struct ape_be_launch *l, CUdeviceptr slot);
 int ape__cu_upload_head_params(struct ape_be_queue *q, const struct ape_be_launch *l, CUdeviceptr dst);
-/* A launch's distance-bias table (l->bias_table) in device scratch: its [rows][bias_len] float
- * entries (rows H, or 1 for a shared row), then with smax the same layout's suffix maxima (the
- * skip bounds'). ape__cu_bias_bytes(): their bytes; ape__cu_bias_at(): the kernels' view of
- * them at dst; ape__cu_upload_bias(): copies them to dst on the queue, from a host copy the
- * stream frees once the copy has run. */
-size_t ape__cu_bias_bytes(const struct ape_be_launch *l, bool smax);
-struct ape_cu_bias ape__cu_bias_at(const struct ape_be_launch *l, bool smax, CUdeviceptr dst);
-int ape__cu_upload_bias(struct ape_be_queue *q, const struct ape_be_launch *l, bool smax,
-			CUdeviceptr dst);
+/*
+ * A launch's distance-bias table (l->bias_table) in device scratch: the first n entries of each
+ * row, [rows][n] floats (rows H, or 1 for a shared row), then with smax the same layout's suffix
+ * maxima (the skip bounds'). ape__cu_bias_entries(): the n a launch reads, entries up to its
+ * largest |n| (ragged: its segments'), at most bias_len; bias_len itself without `positions`
+ * (attention_scratch: the shape alone). ape__cu_bias_bytes(): their bytes; ape__cu_bias_at():
+ * the kernels' view of them at dst; ape__cu_upload_bias(): copies them to dst on the queue,
+ * from a host copy the stream frees once the copy has run.
+ */
+int64_t ape__cu_bias_entries(const struct ape_be_launch *l, bool positions);
+size_t ape__cu_bias_bytes(const struct ape_be_launch *l, int64_t n, bool smax);
+struct ape_cu_bias ape__cu_bias_at(const struct ape_be_launch *l, int64_t n, bool smax,
+				   CUdeviceptr dst);
+int ape__cu_upload_bias(struct ape_be_queue *q, const struct ape_be_launch *l, int64_t n,
+			bool smax, CUdeviceptr dst);
 
 /* ---- cuda_separable.c: launches whose every head has lambda = 0 (f16/bf16, D 64 or 128, no
  * lse_prior, no diagnostics, at most APE_CU_INLINE_HEADS heads): Q and K rotated once, then

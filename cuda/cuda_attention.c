@@ -82,6 +82,7 @@ struct cu_plan {
 	int64_t nseg_tiles; /* a ragged launch's query tiles (its segment table's entries) */
 	/* a ragged decode: its grid's blocks and partial rows (every segment's splits) */
 	int64_t dblocks, prows;
+	int64_t tlen; /* the distance-bias table's entries per row uploaded (bias) */
 	/* scratch layout: byte offsets, 0 when absent (offset 0 is never a region's) */
 	size_t kp, vp, ktile, pre, suf, hp, win, po, pml, pp, psd, segt, bias;
 	size_t total;
@@ -252,8 +253,9 @@ static bool decode_ragged(const struct ape__cu_device *cd, const struct ape_be_l
 	return r <= ragged_prows_max(cd, l);
 }
 
+/* positions: l's positions are those of the launch to run (not attention_scratch's shape) */
 static void plan_launch(const struct ape__cu_device *cd, const struct ape_be_launch *l, bool k16,
-			bool v16, bool diag, struct cu_plan *p)
+			bool v16, bool diag, bool positions, struct cu_plan *p)
 {
 	const size_t esz = l->in_dtype == APE_F32 ? 4 : 2;
 
@@ -286,8 +288,10 @@ static void plan_launch(const struct ape__cu_device *cd, const struct ape_be_lau
 			p->hp = take(p, (size_t)l->H * 4 * sizeof(float));
 		return;
 	}
-	if (l->bias_table) /* its entries, and the skip bounds' suffix maxima */
-		p->bias = take(p, ape__cu_bias_bytes(l, p->skip));
+	if (l->bias_table) { /* the entries it reads, and the skip bounds' suffix maxima */
+		p->tlen = ape__cu_bias_entries(l, positions);
+		p->bias = take(p, ape__cu_bias_bytes(l, p->tlen, p->skip));
+	}
 	if (!p->decode) {
 		p->need_kp = !(p->exact && l->in_dtype == APE_F32 && l->layout == APE_ROPE_HALF &&
 			       k16);
@@ -342,7 +346,7 @@ static uint64_t ragged_decode_scratch(const struct ape__cu_device *cd, const str
 
 	return 256 + align_up((size_t)l->Lq * APE_DC_SEGW * sizeof(int64_t)) +
 	       (l->H > APE_CU_INLINE_HEADS ? align_up((size_t)l->H * 4 * sizeof(float)) : 0) +
-	       (l->bias_table ? align_up(ape__cu_bias_bytes(l, false)) : 0) +
+	       (l->bias_table ? align_up(ape__cu_bias_bytes(l, l->bias_len, false)) : 0) +
 	       align_up(pr * (size_t)l->D * 4) + align_up(pr * 2 * 4) + align_up(pr * 8) +
 	       align_up(pr * 2 * 4);
 }
@@ -357,7 +361,7 @@ uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape_be_l
 	kv_aligned(l, false, &k16, &v16);
 	/* the figure may not depend on the diagnostics (core/backend.h: only the shape, types,
 	 * layout and skip_tol count): it includes the decode splits' diagnostic sums always */
-	plan_launch(ape__cu_dev(dev), l, k16, v16, true, &p);
+	plan_launch(ape__cu_dev(dev), l, k16, v16, true, false, &p);
 	/* a ragged launch whose segments are not known yet: the prefill's figure above, or the
 	 * decode's, whichever is larger */
 	if (ragged(l) && !l->segs && l->Lk > 0) {
@@ -433,7 +437,7 @@ static void fill_common(const struct ape_be_launch *l, const struct cu_plan *p, 
 	c->vv = ape__cu_view(l, APE_BE_T_V);
 	c->pg = pages_of(l);
 	if (p->bias)
-		c->bias = ape__cu_bias_at(l, p->skip, scratch + p->bias);
+		c->bias = ape__cu_bias_at(l, p->tlen, p->skip, scratch + p->bias);
 	c->vo = ape__cu_view(l, APE_BE_T_O);
 	c->vlse = ape__cu_view(l, APE_BE_T_LSE);
 	{
@@ -515,31 +519,65 @@ static size_t bias_rows(const struct ape_be_launch *l)
 	return l->bias_hstride ? (size_t)l->H : 1;
 }
 
-size_t ape__cu_bias_bytes(const struct ape_be_launch *l, bool smax)
+/* The largest |n| of lq rows against lk keys (both >= 1), (row 0, key 0) at distance rel: at
+ * one of the corners, each a real pair's distance. */
+static int64_t max_dist(int64_t rel, int64_t lq, int64_t lk)
 {
-	return (smax ? 2 : 1) * bias_rows(l) * (size_t)l->bias_len * sizeof(float);
+	const int64_t a = ape_abs_dist(rel - (lk - 1)), b = ape_abs_dist(rel + (lq - 1));
+
+	return a > b ? a : b;
 }
 
-struct ape_cu_bias ape__cu_bias_at(const struct ape_be_launch *l, bool smax, CUdeviceptr dst)
+int64_t ape__cu_bias_entries(const struct ape_be_launch *l, bool positions)
 {
-	const size_t n = bias_rows(l) * (size_t)l->bias_len;
+	int64_t amax = 0;
 
-	return (struct ape_cu_bias){ .tab = dst, .smax = smax ? dst + n * sizeof(float) : 0,
-				     .len = l->bias_len, .hstride = l->bias_hstride };
+	if (!positions)
+		return l->bias_len;
+	if (!l->segs && l->Lq > 0 && l->Lk > 0)
+		amax = max_dist(l->q_start - l->k_start, l->Lq, l->Lk);
+	for (int64_t s = 0; l->segs && s < l->nseg; s++) {
+		const struct ape_be_seg *g = &l->segs[s];
+		const int64_t a = g->lq > 0 && g->lk > 0
+					  ? max_dist(g->q_start - g->k_start, g->lq, g->lk)
+					  : 0;
+
+		amax = a > amax ? a : amax;
+	}
+	return amax < l->bias_len - 1 ? amax + 1 : l->bias_len;
 }
 
-int ape__cu_upload_bias(struct ape_be_queue *q, const struct ape_be_launch *l, bool smax,
-			CUdeviceptr dst)
+size_t ape__cu_bias_bytes(const struct ape_be_launch *l, int64_t n, bool smax)
 {
-	const size_t n = bias_rows(l) * (size_t)l->bias_len, bytes = ape__cu_bias_bytes(l, smax);
+	return (smax ? 2 : 1) * bias_rows(l) * (size_t)n * sizeof(float);
+}
+
+struct ape_cu_bias ape__cu_bias_at(const struct ape_be_launch *l, int64_t n, bool smax,
+				   CUdeviceptr dst)
+{
+	const size_t all = bias_rows(l) * (size_t)n;
+
+	return (struct ape_cu_bias){ .tab = dst, .smax = smax ? dst + all * sizeof(float) : 0,
+				     .len = n, .hstride = l->bias_hstride ? n : 0 };
+}
+
+int ape__cu_upload_bias(struct ape_be_queue *q, const struct ape_be_launch *l, int64_t n,
+			bool smax, CUdeviceptr dst)
+{
+	const size_t rows = bias_rows(l), all = rows * (size_t)n;
+	const size_t bytes = ape__cu_bias_bytes(l, n, smax);
 	float *copy = ape_be_malloc(bytes);
 
 	if (!copy)
 		return ape_be_error(APE_ENOMEM, "cuda: out of host memory for a distance-bias table "
-				  "of %zu entries", n);
-	memcpy(copy, l->bias_table, n * sizeof(float));
-	if (smax)
-		memcpy(copy + n, l->bias_smax, n * sizeof(float));
+				  "of %zu entries", all);
+	for (size_t h = 0; h < rows; h++) { /* each row's first n entries */
+		memcpy(copy + h * (size_t)n, l->bias_table + h * (size_t)l->bias_hstride,
+		       (size_t)n * sizeof(float));
+		if (smax)
+			memcpy(copy + all + h * (size_t)n, l->bias_smax + h * (size_t)l->bias_hstride,
+			       (size_t)n * sizeof(float));
+	}
 	return upload_owned(q, dst, copy, bytes, "distance-bias table");
 }
 
@@ -923,7 +961,7 @@ int ape__cu_attention(struct ape_be_queue *q, const struct ape_be_launch *l)
 		goto out_leave;
 	}
 	kv_aligned(l, true, &k16, &v16);
-	plan_launch(cd, l, k16, v16, l->ent || l->md, &p);
+	plan_launch(cd, l, k16, v16, l->ent || l->md, true, &p);
 	if (l->Lk == 0)
 		ape_be_path_note(l->path, APE_BE_PATH_EMPTY, "no key");
 	else if (p.decode)
@@ -940,7 +978,7 @@ int ape__cu_attention(struct ape_be_queue *q, const struct ape_be_launch *l)
 	if (p.hp && !l->params[1])
 		ret = ape__cu_upload_head_params(q, l, scratch + p.hp);
 	if (!ret && p.bias)
-		ret = ape__cu_upload_bias(q, l, p.skip, scratch + p.bias);
+		ret = ape__cu_upload_bias(q, l, p.tlen, p.skip, scratch + p.bias);
 	if (!ret && l->Lk == 0)
 		ret = run_merge(q, l, &p, scratch, 0);
 	else if (!ret)

@@ -142,8 +142,10 @@ static void bwd_args(const struct ape_be_bwd_launch *l, int dmax, int nsplit,
 			 (l->dparams ? APE_BW_F_DP : 0) | (l->dbias ? APE_BW_F_DB : 0),
 		.nsplit = nsplit, .kblk = APE_BW_ROWS(dmax),
 	};
-	if (l->dbias)
+	if (l->dbias) {
 		dbias_entries(f, &a->db_m0, &a->db_nm);
+		a->db_len = f->bias_len;
+	}
 	memcpy(a->omega, f->omega, (size_t)(f->D / 2) * sizeof(double));
 	if (f->H <= APE_CU_INLINE_HEADS)
 		memcpy(a->hp, f->head_params, (size_t)f->H * 4 * sizeof(float));
@@ -162,15 +164,17 @@ atomic_uint_fast64_t ape__cu_bwd_scratch_high;
  * table at bias_off (with one), the heads' parameters at hp_off (0: inline in the arguments). */
 struct bwd_scratch {
 	size_t dqp_off, rp_off, part_off, dbp_off, bias_off, hp_off, total;
+	int64_t tlen; /* the distance-bias table's entries per row uploaded */
 };
 
 /*
  * The one sizing of a launch's scratch, for the launch and for attention_backward_scratch:
- * fills s, returns s->total. parts: APE_BE_BWD_* bits; nsplit: bwd_nsplit()'s. A launch with
- * nothing to do allocates nothing (total 0).
+ * fills s, returns s->total. parts: APE_BE_BWD_* bits; nsplit: bwd_nsplit()'s; positions: f's
+ * positions are the launch's (the table's entries it reads), not attention_backward_scratch's
+ * shape alone (every entry). A launch with nothing to do allocates nothing (total 0).
  */
 static size_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, int nsplit,
-			       struct bwd_scratch *s)
+			       bool positions, struct bwd_scratch *s)
 {
 	const unsigned outs = APE_BE_BWD_DQ | APE_BE_BWD_DK | APE_BE_BWD_DV | APE_BE_BWD_DPARAMS |
 			      APE_BE_BWD_DBIAS;
@@ -194,8 +198,10 @@ static size_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, in
 		s->bias_off += align256((size_t)nsplit * bh * (size_t)(f->Lq + f->Lk - 1) *
 					sizeof(double));
 	s->hp_off = s->bias_off;
-	if (f->bias_table) /* its entries (nothing skips: no suffix maxima) */
-		s->hp_off += align256(ape__cu_bias_bytes(f, false));
+	if (f->bias_table) { /* the entries it reads (nothing skips: no suffix maxima) */
+		s->tlen = ape__cu_bias_entries(f, positions);
+		s->hp_off += align256(ape__cu_bias_bytes(f, s->tlen, false));
+	}
 	s->total = s->hp_off + (f->H > APE_CU_INLINE_HEADS ? (size_t)f->H * 4 * sizeof(float) : 0);
 	if (f->H <= APE_CU_INLINE_HEADS)
 		s->hp_off = 0;
@@ -217,11 +223,11 @@ static int bwd_run(struct ape_be_queue *q, const struct ape_be_bwd_launch *l, in
 	a->hparams = s->hp_off ? ape__cu_head_params_at(f, scratch + s->hp_off) : 0;
 	a->dbp = l->dbias ? scratch + s->dbp_off : 0;
 	if (f->bias_table)
-		a->bias = ape__cu_bias_at(f, false, scratch + s->bias_off);
+		a->bias = ape__cu_bias_at(f, s->tlen, false, scratch + s->bias_off);
 	if (s->hp_off && !f->params[1])
 		ret = ape__cu_upload_head_params(q, f, scratch + s->hp_off);
 	if (!ret && f->bias_table)
-		ret = ape__cu_upload_bias(q, f, false, scratch + s->bias_off);
+		ret = ape__cu_upload_bias(q, f, s->tlen, false, scratch + s->bias_off);
 	if (!ret)
 		ret = ape__cu_launch(q, APE__CU_K_BWD_ROWS,
 				     (rows + APE_BW_ROWS_PER_BLOCK - 1) / APE_BW_ROWS_PER_BLOCK, 0, a,
@@ -249,7 +255,7 @@ uint64_t ape__cu_attention_backward_scratch(struct ape_device *dev,
 {
 	struct bwd_scratch s;
 
-	return bwd_scratch_size(&l->f, parts, bwd_nsplit(dev, &l->f), &s);
+	return bwd_scratch_size(&l->f, parts, bwd_nsplit(dev, &l->f), false, &s);
 }
 
 int ape__cu_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
@@ -265,7 +271,7 @@ int ape__cu_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_l
 	if (ret)
 		return ret;
 	nsplit = bwd_nsplit(q->dev, f);
-	if (!bwd_scratch_size(f, ape_be_bwd_parts(l), nsplit, &s))
+	if (!bwd_scratch_size(f, ape_be_bwd_parts(l), nsplit, true, &s))
 		return 0; /* no row sees a key, or nothing wanted: nothing to add */
 	variant = bwd_variant(f->D, &dmax);
 	bwd_args(l, dmax, nsplit, &a);

@@ -15,6 +15,7 @@
 struct sep_plan {
 	size_t qr, kr, vr, qn, qf, kf, ktile, pre, suf, bias, total;
 	int64_t ntk;
+	int64_t tlen; /* the distance-bias table's entries per row uploaded (bias) */
 	bool skip;
 };
 
@@ -35,7 +36,8 @@ static bool sep_shape(const struct ape_be_launch *l)
 	       l->H % l->Hkv == 0 && !l->lse_prior && !l->ent && !l->md && !l->segs;
 }
 
-static void sep_plan(const struct ape_be_launch *l, struct sep_plan *p)
+/* positions: l's positions are those of the launch to run (not the scratch figure's shape) */
+static void sep_plan(const struct ape_be_launch *l, bool positions, struct sep_plan *p)
 {
 	const size_t esz = 2, nq = (size_t)(l->B * l->H * l->Lq), nk = (size_t)(l->B * l->Hkv * l->Lk);
 	const size_t nbkv = (size_t)(l->B * l->Hkv);
@@ -55,8 +57,10 @@ static void sep_plan(const struct ape_be_launch *l, struct sep_plan *p)
 		p->pre = sep_take(p, nbkv * (size_t)(p->ntk + 1) * 4);
 		p->suf = sep_take(p, nbkv * (size_t)(p->ntk + 1) * 4);
 	}
-	if (l->bias_table) /* its entries, and the skip bound's suffix maxima */
-		p->bias = sep_take(p, ape__cu_bias_bytes(l, p->skip));
+	if (l->bias_table) { /* the entries it reads, and the skip bound's suffix maxima */
+		p->tlen = ape__cu_bias_entries(l, positions);
+		p->bias = sep_take(p, ape__cu_bias_bytes(l, p->tlen, p->skip));
+	}
 }
 
 bool ape__cu_separable_applies(const struct ape_be_launch *l)
@@ -75,7 +79,7 @@ uint64_t ape__cu_separable_scratch(const struct ape_be_launch *l)
 
 	if (!sep_shape(l))
 		return 0;
-	sep_plan(l, &p);
+	sep_plan(l, false, &p);
 	return p.total;
 }
 
@@ -156,10 +160,10 @@ static int sep_run(struct ape_be_queue *q, const struct ape_be_launch *l, const 
 	a.vo = ape__cu_view(l, APE_BE_T_O);
 	a.vlse = ape__cu_view(l, APE_BE_T_LSE);
 	if (p->bias) {
-		ret = ape__cu_upload_bias(q, l, p->skip, scratch + p->bias);
+		ret = ape__cu_upload_bias(q, l, p->tlen, p->skip, scratch + p->bias);
 		if (ret)
 			return ret;
-		a.bias = ape__cu_bias_at(l, p->skip, scratch + p->bias);
+		a.bias = ape__cu_bias_at(l, p->tlen, p->skip, scratch + p->bias);
 	}
 	a.B = (int32_t)l->B;
 	a.H = (int32_t)l->H;
@@ -180,7 +184,7 @@ int ape__cu_separable(struct ape_be_queue *q, const struct ape_be_launch *l, boo
 	struct sep_plan p;
 	int ret, ret2;
 
-	sep_plan(l, &p);
+	sep_plan(l, true, &p);
 	ret = ape__cu_scratch_alloc(q, p.total, &scratch);
 	if (ret)
 		return ret;

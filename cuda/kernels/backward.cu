@@ -714,7 +714,7 @@ APE_DEV void bwd_dbias(const ape_cu_bwd_args &a)
 		return; /* the whole block */
 
 	const int tid = threadIdx.x;
-	const int64_t ht = blk / a.db_nm, m = a.db_m0 + blk % a.db_nm, M = a.bias.len;
+	const int64_t ht = blk / a.db_nm, m = a.db_m0 + blk % a.db_nm, M = a.db_len;
 	const int64_t nd = a.Lq + a.Lk - 1, BH = (int64_t)a.B * a.H;
 	/* the launch's distances: nmin (row 0, key Lk - 1) .. nmax (row Lq - 1, key 0), entry
 	 * n - nmin of a split's sums; both real pairs' distances, so they fit */

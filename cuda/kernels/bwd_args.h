@@ -91,7 +91,9 @@ struct ape_cu_bwd_args {
 	int64_t rel; /* q_start - k_start */
 	int64_t nqt; /* blocks of APE_BW_RED_ROWS query rows per (batch, head) */
 	int64_t nkt; /* key tiles of the fused sweep per (batch, kv head) */
-	int64_t db_m0, db_nm; /* ape_bwd_dbias: entries db_m0 .. db_m0 + db_nm - 1 of each row */
+	/* ape_bwd_dbias: entries db_m0 .. db_m0 + db_nm - 1 of each row of db_len (the table's
+	 * M; bias.len counts the entries uploaded) */
+	int64_t db_m0, db_nm, db_len;
 	double omega[128]; /* omega_p for p < D / 2, zeros after */
 	double scale;
 	int32_t B, H, Hkv, D;
