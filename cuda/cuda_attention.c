@@ -519,32 +519,9 @@ static size_t bias_rows(const struct ape_be_launch *l)
 	return l->bias_hstride ? (size_t)l->H : 1;
 }
 
-/* The largest |n| of lq rows against lk keys (both >= 1), (row 0, key 0) at distance rel: at
- * one of the corners, each a real pair's distance. */
-static int64_t max_dist(int64_t rel, int64_t lq, int64_t lk)
-{
-	const int64_t a = ape_abs_dist(rel - (lk - 1)), b = ape_abs_dist(rel + (lq - 1));
-
-	return a > b ? a : b;
-}
-
 int64_t ape__cu_bias_entries(const struct ape_be_launch *l, bool positions)
 {
-	int64_t amax = 0;
-
-	if (!positions)
-		return l->bias_len;
-	if (!l->segs && l->Lq > 0 && l->Lk > 0)
-		amax = max_dist(l->q_start - l->k_start, l->Lq, l->Lk);
-	for (int64_t s = 0; l->segs && s < l->nseg; s++) {
-		const struct ape_be_seg *g = &l->segs[s];
-		const int64_t a = g->lq > 0 && g->lk > 0
-					  ? max_dist(g->q_start - g->k_start, g->lq, g->lk)
-					  : 0;
-
-		amax = a > amax ? a : amax;
-	}
-	return amax < l->bias_len - 1 ? amax + 1 : l->bias_len;
+	return positions ? ape_be_bias_entries(l) : l->bias_len;
 }
 
 size_t ape__cu_bias_bytes(const struct ape_be_launch *l, int64_t n, bool smax)

@@ -90,17 +90,6 @@ static void bwd_abs_range(const struct ape_be_launch *f, int64_t *near, int64_t 
 	*far = ape_abs_dist(lo) > ape_abs_dist(hi) ? ape_abs_dist(lo) : ape_abs_dist(hi);
 }
 
-/* The entries of each distance-bias table row a launch reads (ape_bias_index() of its
- * distances), from 0: M, or fewer when every distance lies before the last entry (the same
- * lookups, min(|n|, M - 1) = |n| either way). */
-static int64_t bwd_table_len(const struct ape_be_launch *f)
-{
-	int64_t near, far;
-
-	bwd_abs_range(f, &near, &far);
-	return far < f->bias_len - 1 ? far + 1 : f->bias_len;
-}
-
 /* Rows of the table's gradient: one per head, or one shared */
 static int64_t bwd_table_rows(const struct ape_be_launch *f)
 {
@@ -144,7 +133,7 @@ static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, 
 							   : 0;
 	if (f->bias_table) { /* the table's rows as far as the launch reads, their suffix maxima
 			      * for the skip bound */
-		const size_t rows = (size_t)(bwd_table_rows(f) * bwd_table_len(f)) * sizeof(float);
+		const size_t rows = (size_t)(bwd_table_rows(f) * ape_be_bias_entries(f)) * sizeof(float);
 
 		s->bt = rows;
 		s->bsm = s->kmax ? rows : 0;
@@ -200,7 +189,7 @@ static cl_mem bwd_params(struct ape_be_queue *q, const struct ape_be_launch *f, 
 }
 
 /* Head rows of a distance-bias table (the table or its suffix maxima, rows hstride apart, 0 when
- * shared), each cut to its first bytes / (sizeof(float) rows) entries (bwd_table_len()), in
+ * shared), each cut to its first bytes / (sizeof(float) rows) entries (ape_be_bias_entries()), in
  * `bytes`. */
 static cl_mem bwd_table(struct ape_be_queue *q, const float *t, int64_t hstride, int64_t rows,
 			size_t bytes, uint64_t *held, cl_int *err)
@@ -396,7 +385,7 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	cl_mem none = NULL, kmax = NULL, dqp = NULL, rp = NULL, bt = NULL, bsm = NULL, dbp = NULL;
 	cl_mem dbd = NULL;
 	/* the distance-bias table: entries per row, rows apart (0: shared), rows */
-	const cl_long bM = f->bias_table ? bwd_table_len(f) : 0;
+	const cl_long bM = f->bias_table ? ape_be_bias_entries(f) : 0;
 	const cl_long bstride = f->bias_hstride ? bM : 0;
 	const cl_int brows = (cl_int)bwd_table_rows(f);
 	cl_float tol = 0;

@@ -221,45 +221,6 @@ cl_mem ape__ocl_fast_params(struct ape_be_queue *q, const struct ape_be_launch *
 	return mem;
 }
 
-/* The largest |n| of any (row, key) pair of launch l, saturated at INT64_MAX (explicit positions:
- * over every row's and key's, a bound): a distance-bias table's entries past it are never read. */
-static int64_t launch_reach(const struct ape_be_launch *l)
-{
-	int64_t r = 0;
-
-	if (l->pos_q) {
-		int64_t qlo = INT64_MAX, qhi = INT64_MIN, klo = INT64_MAX, khi = INT64_MIN;
-
-		if (l->Lq < 1 || l->Lk < 1)
-			return 0;
-		for (int64_t i = 0; i < l->Lq; i++) {
-			qlo = l->pos_q[i] < qlo ? l->pos_q[i] : qlo;
-			qhi = l->pos_q[i] > qhi ? l->pos_q[i] : qhi;
-		}
-		for (int64_t j = 0; j < l->Lk; j++) {
-			klo = l->pos_k[j] < klo ? l->pos_k[j] : klo;
-			khi = l->pos_k[j] > khi ? l->pos_k[j] : khi;
-		}
-		r = ape_abs_dist(ape_sat_sub(qhi, klo));
-		return ape_abs_dist(ape_sat_sub(qlo, khi)) > r ? ape_abs_dist(ape_sat_sub(qlo, khi)) : r;
-	}
-	for (int64_t s = 0; s < (l->segs ? l->nseg : 1); s++) {
-		const struct ape_be_seg g = l->segs ? l->segs[s]
-						    : (struct ape_be_seg){ 0, l->Lq, 0, l->Lk,
-									   l->q_start, l->k_start };
-		const int64_t rel = ape_sat_sub(g.q_start, g.k_start);
-		int64_t a, b;
-
-		if (g.lq < 1 || g.lk < 1)
-			continue;
-		a = ape_abs_dist(ape_sat_add(rel, g.lq - 1)); /* the last row, the first key */
-		b = ape_abs_dist(ape_sat_sub(rel, g.lk - 1)); /* the first row, the last key */
-		r = a > r ? a : r;
-		r = b > r ? b : r;
-	}
-	return r;
-}
-
 int ape__ocl_bias_upload(struct ape_be_queue *q, const struct ape_be_launch *l, bool smax,
 			 cl_mem tab[2], cl_long *len, cl_long *hs)
 {
@@ -267,8 +228,7 @@ int ape__ocl_bias_upload(struct ape_be_queue *q, const struct ape_be_launch *l, 
 	 * each, the entries up to the launch's farthest distance (a long table's tail, never
 	 * read, stays on the host: the kernels then clamp to the last entry uploaded, which the
 	 * distances they use never pass) */
-	const int64_t rows = l->bias_hstride ? l->H : 1, reach = l->bias_table ? launch_reach(l) : 0;
-	const int64_t M = reach < l->bias_len - 1 ? reach + 1 : l->bias_len;
+	const int64_t rows = l->bias_hstride ? l->H : 1, M = ape_be_bias_entries(l);
 	const size_t bytes = (size_t)(rows * M) * sizeof(float);
 	float *cut = NULL;
 	cl_int err = CL_SUCCESS;

@@ -368,6 +368,59 @@ static inline float ape_be_bias_smax_at(const struct ape_be_launch *l, int64_t h
 			     : 0.0f;
 }
 
+/* |a - b| of two positions, exact in 64 unsigned bits whatever their values. */
+static inline uint64_t ape_be_pos_gap(int64_t a, int64_t b)
+{
+	return a >= b ? (uint64_t)a - (uint64_t)b : (uint64_t)b - (uint64_t)a;
+}
+
+/*
+ * How many entries of each distance-bias table row launch l can read: ape_be_bias_index() of
+ * its farthest |n|, plus one, at most bias_len (0 without a table). A backend that uploads the
+ * table uploads these (a long table's tail, never read, stays on the host). The farthest |n|:
+ * of the dense problem's or each segment's corner pairs, or with explicit positions of the
+ * extreme positions (a bound: the farthest pair may be masked).
+ */
+static inline int64_t ape_be_bias_entries(const struct ape_be_launch *l)
+{
+	uint64_t far = 0, a, b;
+
+	if (!l->bias_table)
+		return 0;
+	if (l->pos_q && l->Lq > 0 && l->Lk > 0) {
+		int64_t qlo = INT64_MAX, qhi = INT64_MIN, klo = INT64_MAX, khi = INT64_MIN;
+
+		for (int64_t i = 0; i < l->Lq; i++) {
+			qlo = l->pos_q[i] < qlo ? l->pos_q[i] : qlo;
+			qhi = l->pos_q[i] > qhi ? l->pos_q[i] : qhi;
+		}
+		for (int64_t j = 0; j < l->Lk; j++) {
+			klo = l->pos_k[j] < klo ? l->pos_k[j] : klo;
+			khi = l->pos_k[j] > khi ? l->pos_k[j] : khi;
+		}
+		a = ape_be_pos_gap(qhi, klo);
+		b = ape_be_pos_gap(qlo, khi);
+		far = a > b ? a : b;
+	} else if (!l->pos_q) {
+		for (int64_t s = 0; s < (l->segs ? l->nseg : 1); s++) {
+			const int64_t lq = l->segs ? l->segs[s].lq : l->Lq;
+			const int64_t lk = l->segs ? l->segs[s].lk : l->Lk;
+			const int64_t q0 = l->segs ? l->segs[s].q_start : l->q_start;
+			const int64_t k0 = l->segs ? l->segs[s].k_start : l->k_start;
+
+			if (lq < 1 || lk < 1)
+				continue;
+			/* the last row against the first key, the first row against the last key
+			 * (positions validated to fit) */
+			a = ape_be_pos_gap(q0 + (lq - 1), k0);
+			b = ape_be_pos_gap(q0, k0 + (lk - 1));
+			far = a > far ? a : far;
+			far = b > far ? b : far;
+		}
+	}
+	return far < (uint64_t)(l->bias_len - 1) ? (int64_t)far + 1 : l->bias_len;
+}
+
 /* The segment of a ragged launch l that holds query row i (0 <= i < l->Lq): a binary search
  * over l->segs. */
 static inline const struct ape_be_seg *ape_be_launch_seg_of(const struct ape_be_launch *l, int64_t i)
