@@ -71,6 +71,37 @@ KFN float bwd_hsum(vf v)
 #endif
 }
 
+#if APE_RW == 16
+/*
+ * bwd_hsum() of the 16 vectors at v (v + 16 c for c = 0..15) at once, sum c in lane c, every sum
+ * formed by exactly bwd_hsum()'s additions: lanes l + l + 8, then + 4, then (0 + 1) + (2 + 3),
+ * each step on two vectors' halves side by side (15 vector adds and their shuffles for 16 sums,
+ * not 16 reductions of a vector each). The end of a sweep block sums each key's dK and dV
+ * lanes: one by one, that had a quarter of ape_bwd_fused's profile samples at 16-key blocks.
+ */
+KFN vf bwd_hsum16(const float *v)
+{
+	const uint16 h0 = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+	const uint16 h1 = h0 + 8;
+	const uint16 q0 = (uint16)(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+	const uint16 q1 = q0 + 4;
+	const uint16 e0 = (uint16)(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+	const uint16 e1 = e0 + 1;
+	vf t1[8], t2[4], t3[2];
+
+	for (int k = 0; k < 8; k++) {
+		const vf a = VL(v + 32 * k), b = VL(v + 32 * k + 16);
+
+		t1[k] = shuffle2(a, b, h0) + shuffle2(a, b, h1);
+	}
+	for (int k = 0; k < 4; k++)
+		t2[k] = shuffle2(t1[2 * k], t1[2 * k + 1], q0) + shuffle2(t1[2 * k], t1[2 * k + 1], q1);
+	for (int k = 0; k < 2; k++)
+		t3[k] = shuffle2(t2[2 * k], t2[2 * k + 1], e0) + shuffle2(t2[2 * k], t2[2 * k + 1], e1);
+	return shuffle2(t3[0], t3[1], e0) + shuffle2(t3[0], t3[1], e1);
+}
+#endif
+
 /*
  * Q with its dO, or K with its V, as the sweep reads them: float32, the pairs' first components
  * (npad of them, zero past P, so padded lanes add nothing), their second components, then the
@@ -925,16 +956,36 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 			const long kbase = (bkv * Lk + j0 + kt) * b.D;
 			const float *dka = dkacc + kt * b.D * APE_RW, *dva = dvacc + kt * b.D * APE_RW;
 
+			int c = 0;
+
+			/* component c of dK: pair c's first (c < P) or pair c - P's second */
+#if APE_RW == 16
 			if (flags & B_DK)
-				NOUNROLL for (int q = 0; q < b.P; q++) {
-					DK[kbase + (b.inter ? 2 * q : q)] +=
-						bwd_hsum(VL(dka + q * APE_RW));
-					DK[kbase + (b.inter ? 2 * q + 1 : q + b.P)] +=
-						bwd_hsum(VL(dka + (b.P + q) * APE_RW));
+				NOUNROLL for (; c + 16 <= b.D; c += 16) {
+					float sm[16];
+
+					VS(bwd_hsum16(dka + c * 16), sm);
+					for (int u = 0; u < 16; u++) {
+						const int cc = c + u;
+
+						DK[kbase + (!b.inter ? cc
+							   : cc < b.P ? 2 * cc : 2 * (cc - b.P) + 1)] += sm[u];
+					}
 				}
+#endif
+			if (flags & B_DK)
+				NOUNROLL for (; c < b.D; c++)
+					DK[kbase + (!b.inter ? c : c < b.P ? 2 * c : 2 * (c - b.P) + 1)] +=
+						bwd_hsum(VL(dka + c * APE_RW));
+			c = 0;
+#if APE_RW == 16
 			if (flags & B_DV)
-				NOUNROLL for (int d = 0; d < b.D; d++)
-					DV[kbase + d] += bwd_hsum(VL(dva + d * APE_RW));
+				NOUNROLL for (; c + 16 <= b.D; c += 16)
+					VS(VL(DV + kbase + c) + bwd_hsum16(dva + c * 16), DV + kbase + c);
+#endif
+			if (flags & B_DV)
+				NOUNROLL for (; c < b.D; c++)
+					DV[kbase + c] += bwd_hsum(VL(dva + c * APE_RW));
 		}
 	}
 }
