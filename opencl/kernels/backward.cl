@@ -458,8 +458,8 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
  * block it meets, so with skipping (on by default) the block, and the skip granule it divides
  * (B_GRANULE), bound the keys computed past those the bound needs: at D = 64, H = 6, causal,
  * the seed's parameters, 16 keys computed 24 % fewer pairs than 64 (430080 of 3148800 against
- * 568320 at L = 1024) and the sweep took 35-40 % less time at L = 1024 and 4096 (8 keys: fewer
- * pairs still, no faster); a dense launch took no longer. The block's dK and dV accumulators
+ * 568320 at L = 1024) and the sweep about 20 % less CPU time (8 keys: fewer pairs still, no
+ * faster); a dense launch took no longer. The block's dK and dV accumulators
  * are APE_RW lanes wide per component, so fewer keys for larger D. ocl_backward.c mirrors it. */
 #define BWD_KT (APE_DMAX <= 128 ? 16 : 8)
 
