@@ -37,7 +37,7 @@
  * of D (ocl_program.c: 64 and 128 specialised, every other D up to 256 generic) */
 static size_t bwd_kt(int64_t D)
 {
-	return D == 64 ? 64 : D == 128 ? 16 : 8;
+	return D == 64 || D == 128 ? 16 : 8;
 }
 
 /* Splits of each (batch, kv head)'s key blocks in the fused sweep: enough work-items for about

@@ -71,6 +71,37 @@ KFN float bwd_hsum(vf v)
 #endif
 }
 
+#if APE_RW == 16
+/*
+ * bwd_hsum() of the 16 vectors at v (v + 16 c for c = 0..15) at once, sum c in lane c, every sum
+ * formed by exactly bwd_hsum()'s additions: lanes l + l + 8, then + 4, then (0 + 1) + (2 + 3),
+ * each step on two vectors' halves side by side (15 vector adds and their shuffles for 16 sums,
+ * not 16 reductions of a vector each). The end of a sweep block sums each key's dK and dV
+ * lanes: one by one, that had a quarter of ape_bwd_fused's profile samples at 16-key blocks.
+ */
+KFN vf bwd_hsum16(const float *v)
+{
+	const uint16 h0 = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+	const uint16 h1 = h0 + 8;
+	const uint16 q0 = (uint16)(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+	const uint16 q1 = q0 + 4;
+	const uint16 e0 = (uint16)(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+	const uint16 e1 = e0 + 1;
+	vf t1[8], t2[4], t3[2];
+
+	for (int k = 0; k < 8; k++) {
+		const vf a = VL(v + 32 * k), b = VL(v + 32 * k + 16);
+
+		t1[k] = shuffle2(a, b, h0) + shuffle2(a, b, h1);
+	}
+	for (int k = 0; k < 4; k++)
+		t2[k] = shuffle2(t1[2 * k], t1[2 * k + 1], q0) + shuffle2(t1[2 * k], t1[2 * k + 1], q1);
+	for (int k = 0; k < 2; k++)
+		t3[k] = shuffle2(t2[2 * k], t2[2 * k + 1], e0) + shuffle2(t2[2 * k], t2[2 * k + 1], e1);
+	return shuffle2(t3[0], t3[1], e0) + shuffle2(t3[0], t3[1], e1);
+}
+#endif
+
 /*
  * Q with its dO, or K with its V, as the sweep reads them: float32, the pairs' first components
  * (npad of them, zero past P, so padded lanes add nothing), their second components, then the
@@ -233,10 +264,18 @@ KFN APE_REAL bwd_smax(__global const float *sm, long bM, long an)
  * backward bound proves negligible (ape_bwd_may_skip(), docs/kernels.md; with a table, its
  * suffix maximum at the granules' nearest distance, sm as bwd_smax()). Binary searches: only a
  * prefix or suffix that passed the test is left out.
+ *
+ * The row vector computes the union of its rows' ranges ([ulo, uhi) so far, ulo > uhi before the
+ * first row), so a row needs searching only where it could widen it: a row that passes the test
+ * for the prefix [0, ulo) (the suffix from uhi) cannot, and takes ulo (uhi) as its own bound (a
+ * part of a negligible prefix weighs less still: sound whatever the test's rounding); otherwise
+ * the search looks only below ulo (above uhi). One test per row instead of a search for most
+ * rows of a vector: the searches' float64 logs took most of ape_bwd_rows' time (at L = 4096,
+ * H = 6, D = 64, causal, the seed's parameters, 33 ms before, 14 ms after, on a loaded CPU).
  */
 KFN void bwd_row_range(__global const APE_REAL *hp, float scale, APE_REAL qn, APE_REAL km,
 		       APE_REAL lse, float tol, long diag, long Lk, long vend, int causal,
-		       __global const float *sm, long bM, long *jlo, long *jhi)
+		       __global const float *sm, long bM, long ulo, long uhi, long *jlo, long *jhi)
 {
 	const APE_REAL as = fabs((APE_REAL)scale);
 	/* without the causal mask both sides may be left out: they share tol */
@@ -247,6 +286,15 @@ KFN void bwd_row_range(__global const APE_REAL *hp, float scale, APE_REAL qn, AP
 	*jhi = vend;
 	/* prefix: granules m < M lie at n >= 1; lo passed (or is 0) */
 	hi = (e > 0 ? e / B_GRANULE : 0) + 1;
+	if (ulo <= uhi && ulo % B_GRANULE == 0 && ulo / B_GRANULE < hi) {
+		const long cnt = ulo, an = diag - (cnt - 1);
+
+		if (cnt == 0 || ape_bwd_may_skip(hp[3], hp[0], hp[1], hp[2], as, qn, km, (APE_REAL)an,
+						 (APE_REAL)cnt, lse - bwd_smax(sm, bM, an), t))
+			lo = hi = ulo / B_GRANULE; /* no wider than the union */
+		else
+			hi = ulo / B_GRANULE;
+	}
 	while (hi - lo > 1) {
 		const long mid = (lo + hi) / 2, cnt = mid * B_GRANULE, an = diag - (cnt - 1);
 
@@ -263,6 +311,19 @@ KFN void bwd_row_range(__global const APE_REAL *hp, float scale, APE_REAL qn, AP
 	m0 = (ape_visible_keys(diag, Lk, 1) + B_GRANULE - 1) / B_GRANULE;
 	hi = (Lk + B_GRANULE - 1) / B_GRANULE;
 	lo = m0 - 1;
+	if (ulo <= uhi && uhi >= Lk) { /* the union reaches the last key already */
+		*jhi = Lk;
+		return;
+	}
+	if (ulo <= uhi && uhi % B_GRANULE == 0 && uhi / B_GRANULE > lo && uhi / B_GRANULE < hi) {
+		const long s0 = uhi, an = ape_abs_dist(diag - s0);
+
+		if (ape_bwd_may_skip(hp[3], hp[0], hp[1], hp[2], as, qn, km, (APE_REAL)an,
+				     (APE_REAL)(Lk - s0), lse - bwd_smax(sm, bM, an), t))
+			lo = hi = uhi / B_GRANULE; /* no wider than the union */
+		else
+			lo = uhi / B_GRANULE;
+	}
 	while (hi - lo > 1) {
 		const long mid = (lo + hi) / 2, s0 = mid * B_GRANULE, an = ape_abs_dist(diag - s0);
 
@@ -290,8 +351,8 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 	__global APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
 	__global float *st = STEP + blk * 2 * npad * APE_RW;
 	const int causal = (flags & B_CAUSAL) != 0;
-	APE_REAL tm[APE_RW], tss[APE_RW], tia[APE_RW], tqq[APE_RW];
-	vr sum = (vr)0, ss = (vr)0, qq = (vr)0, mean;
+	APE_REAL tm[APE_RW], tss[APE_RW], tia[APE_RW], tqq[APE_RW], tdl[APE_RW];
+	vr sum = (vr)0, ss = (vr)0, qq = (vr)0, dlv = (vr)0, mean;
 	long vlo = LONG_MAX, vhi = 0;
 
 	if (ib >= nblk)
@@ -308,12 +369,24 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 		ss += x * x + y * y;
 		qq += xq * xq + yq * yq;
 	}
+	/* Dl_i = dO_i . O_i, every row's sum in component order as one by one (the float32
+	 * products are exact in float64: the same bits), the rows in the lanes (one row at a time,
+	 * a chain of dependent float64 adds, had 40 % of the kernel's profile samples) */
+	NOUNROLL for (int d = 0; d < BD(D); d++) {
+		float ot[APE_RW];
+
+		for (int l = 0; l < APE_RW; l++)
+			ot[l] = i0 + l < Lq ? ld(O, (bh * Lq + i0 + l) * BD(D) + d, B_DT_OUT(flags))
+					    : 0.0f;
+		dlv += TO_VR(VL(qt + (2 * npad + d) * APE_RW)) * TO_VR(VL(ot));
+	}
 	VS(mean, tm);
 	VS(ss, tss);
 	VS(qq, tqq);
+	VS(dlv, tdl);
 	NOUNROLL for (int l = 0; l < APE_RW; l++) {
 		const long i = i0 + l, row = bh * Lq + i;
-		APE_REAL sigma, dl = 0;
+		APE_REAL sigma;
 
 		if (i >= Lq) { /* padding lanes of the last row vector */
 			ri[RI_MEAN * APE_RW + l] = ri[RI_SIGMA * APE_RW + l] = 0;
@@ -323,16 +396,13 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 			continue;
 		}
 		sigma = ape_sigma(tss[l], BD(D));
-		NOUNROLL for (int d = 0; d < BD(D); d++)
-			dl += (APE_REAL)qt[(2 * npad + d) * APE_RW + l] *
-			      (APE_REAL)ld(O, row * BD(D) + d, B_DT_OUT(flags));
 		ri[RI_MEAN * APE_RW + l] = tm[l];
 		ri[RI_SIGMA * APE_RW + l] = sigma;
 		ri[RI_ALPHA * APE_RW + l] = ape_alpha(lambda, sigma);
 		tia[l] = (APE_REAL)1 / ri[RI_ALPHA * APE_RW + l];
 		ri[RI_LSE * APE_RW + l] = LSE[row];
 		ri[RI_DSUB * APE_RW + l] =
-			dl - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
+			tdl[l] - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
 		{ /* the keys it must compute; the row vector computes their union */
 			const long diag = rel + i;
 			const long vend = ape_visible_keys(diag, Lk, causal);
@@ -344,7 +414,8 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 					      (APE_REAL)as_float(kmax[bh / H * (H / group) +
 								      bh % H / group]),
 					      LSE[row], tol, diag, Lk, vend, causal,
-					      BSM ? BSM + bh % H * bstride : BSM, bM, &jlo, &jhi);
+					      BSM ? BSM + bh % H * bstride : BSM, bM, vlo, vhi,
+					      &jlo, &jhi);
 			if (vend > 0 && jlo < jhi) {
 				vlo = jlo < vlo ? jlo : vlo;
 				vhi = jhi > vhi ? jhi : vhi;
@@ -383,10 +454,14 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 		float scale, int flags
 
 /* Keys per block of the fused sweep: each row vector seeds its rotation once per block and
- * per block a row vector is loaded and set up once (64 keys at D = 64: about 10 % less time at
- * L = 4096 than 32); the block's dK and dV accumulators are APE_RW lanes wide per component
- * (512 KiB of them at D = 64 on PoCL), so fewer keys for larger D. ocl_backward.c mirrors it. */
-#define BWD_KT (APE_DMAX <= 64 ? 64 : APE_DMAX <= 128 ? 16 : 8)
+ * per block a row vector is loaded and set up once, but a row vector computes every key of a
+ * block it meets, so with skipping (on by default) the block, and the skip granule it divides
+ * (B_GRANULE), bound the keys computed past those the bound needs: at D = 64, H = 6, causal,
+ * the seed's parameters, 16 keys computed 24 % fewer pairs than 64 (430080 of 3148800 against
+ * 568320 at L = 1024) and the sweep about 20 % less CPU time (8 keys: fewer pairs still, no
+ * faster); a dense launch took no longer. The block's dK and dV accumulators
+ * are APE_RW lanes wide per component, so fewer keys for larger D. ocl_backward.c mirrors it. */
+#define BWD_KT (APE_DMAX <= 128 ? 16 : 8)
 
 /* Row vectors per group (their P and dS wait in private memory while the group's dK, dV and dQ
  * are added: the key accumulators are read and written once per group) and keys per
@@ -881,16 +956,36 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 			const long kbase = (bkv * Lk + j0 + kt) * b.D;
 			const float *dka = dkacc + kt * b.D * APE_RW, *dva = dvacc + kt * b.D * APE_RW;
 
+			int c = 0;
+
+			/* component c of dK: pair c's first (c < P) or pair c - P's second */
+#if APE_RW == 16
 			if (flags & B_DK)
-				NOUNROLL for (int q = 0; q < b.P; q++) {
-					DK[kbase + (b.inter ? 2 * q : q)] +=
-						bwd_hsum(VL(dka + q * APE_RW));
-					DK[kbase + (b.inter ? 2 * q + 1 : q + b.P)] +=
-						bwd_hsum(VL(dka + (b.P + q) * APE_RW));
+				NOUNROLL for (; c + 16 <= b.D; c += 16) {
+					float sm[16];
+
+					VS(bwd_hsum16(dka + c * 16), sm);
+					for (int u = 0; u < 16; u++) {
+						const int cc = c + u;
+
+						DK[kbase + (!b.inter ? cc
+							   : cc < b.P ? 2 * cc : 2 * (cc - b.P) + 1)] += sm[u];
+					}
 				}
+#endif
+			if (flags & B_DK)
+				NOUNROLL for (; c < b.D; c++)
+					DK[kbase + (!b.inter ? c : c < b.P ? 2 * c : 2 * (c - b.P) + 1)] +=
+						bwd_hsum(VL(dka + c * APE_RW));
+			c = 0;
+#if APE_RW == 16
 			if (flags & B_DV)
-				NOUNROLL for (int d = 0; d < b.D; d++)
-					DV[kbase + d] += bwd_hsum(VL(dva + d * APE_RW));
+				NOUNROLL for (; c + 16 <= b.D; c += 16)
+					VS(VL(DV + kbase + c) + bwd_hsum16(dva + c * 16), DV + kbase + c);
+#endif
+			if (flags & B_DV)
+				NOUNROLL for (; c < b.D; c++)
+					DV[kbase + c] += bwd_hsum(VL(dva + c * APE_RW));
 		}
 	}
 }

@@ -25,8 +25,9 @@
 #define B_DBIAS 32768 /* the distance-bias table's gradient: dS per distance, DBP */
 
 /* Keys per skip granule: a row vector's computed keys start and end at multiples of it (or at
- * the ends of its visible keys); the sweep's key blocks divide it. */
-#define B_GRANULE 64
+ * the ends of its visible keys); the sweep's key blocks (BWD_KT) divide it. Small, because a
+ * row vector computes every key of the granules it meets (kernels/backward.cl, BWD_KT). */
+#define B_GRANULE 16
 
 /* per-row values of ape_bwd_rows, RI_N of them per row, in APE_REAL, in blocks of APE_RW rows
  * (a row vector of the sweep) per (batch, head), field-major inside a block: value `field` of
