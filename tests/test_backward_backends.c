@@ -178,8 +178,8 @@ TEST_F(bwd, every_backend_edge_cases)
 
 /*
  * The borders of a backward that splits each (batch, kv head)'s key blocks among work-items and
- * sums the splits' partial dQ and row sums afterwards (OpenCL: ape_bwd_fused, 64 keys a block
- * at D = 64, 16 at D = 128, 8 otherwise, about four work-items per compute unit, so one kv head
+ * sums the splits' partial dQ and row sums afterwards (OpenCL: ape_bwd_fused, 16 keys a block
+ * at D = 64 and 128, 8 otherwise, about four work-items per compute unit, so one kv head
  * gets several splits): key counts not a multiple of the block nor of the split count, fewer
  * blocks than splits, fewer keys than a block, grouped heads, both layouts, causal or not, rows
  * that see no key. Against the reference; two runs bit for bit the same (the splits' sums meet
@@ -189,10 +189,10 @@ TEST_F(bwd, every_backend_edge_cases)
 TEST_F(bwd, every_backend_split_borders)
 {
 	static const test_problem_shape shapes[] = {
-		{ 1, 2, 1, 37, 200, 64 }, /* 4 blocks of 64, the last of 8 keys */
+		{ 1, 2, 1, 37, 200, 64 }, /* 13 blocks of 16, the last of 8 keys */
 		{ 1, 3, 1, 33, 70, 128 }, /* GQA, 5 blocks of 16, the last of 6 */
-		{ 1, 2, 2, 20, 100, 64 }, /* 2 blocks: fewer than the work-items wanted */
-		{ 2, 2, 1, 45, 19, 64 }, /* fewer keys than a block */
+		{ 1, 2, 2, 20, 40, 64 }, /* 3 blocks: fewer than the work-items wanted */
+		{ 2, 2, 1, 45, 13, 64 }, /* fewer keys than a block */
 		{ 1, 2, 1, 23, 97, 10 }, /* a D no kernel specialises: 13 blocks of 8 */
 	};
 	static const unsigned alone[] = { W_DQ, W_DK, W_DV, W_DP };
@@ -597,7 +597,7 @@ TEST_F(bwd, every_backend_bias_table)
 	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
 	static const test_problem_shape shapes[] = {
 		{ 1, 4, 2, 33, 47, 16 }, /* GQA */
-		{ 1, 2, 1, 37, 200, 64 }, /* 4 blocks of 64 keys: splits */
+		{ 1, 2, 1, 37, 200, 64 }, /* 13 blocks of 16 keys: splits */
 		{ 2, 3, 1, 20, 70, 128 }, /* MQA, blocks of 16 */
 		{ 1, 2, 2, 23, 97, 10 }, /* a D no kernel specialises */
 	};
