@@ -279,6 +279,7 @@ def _function(fwd, bwd, n_extra, doc):
             return out
 
         @staticmethod
+        @torch.autograd.function.once_differentiable  # as the custom op: no double backward
         def backward(ctx, do, dlse):
             return _grads(ctx, bwd, do, dlse, n_extra)
     Function.__doc__ = doc

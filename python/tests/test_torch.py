@@ -206,6 +206,16 @@ def test_eager_calls_take_the_function_with_the_custom_ops_gradients(loss):
     check_grads(grads[0], ref)
 
 
+def test_no_double_backward():
+    """The backward is differentiable once (as the custom op's, which has no autograd of its
+    own): a second backward through it raises instead of returning wrong gradients."""
+    args = [a.requires_grad_() for a in inputs(13)]
+    o = apet.attention(*args[:3], delta=args[3], beta=args[4], gamma=args[5], lam=args[6])
+    g, = torch.autograd.grad(o.square().sum(), args[0], create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()
+
+
 @pytest.mark.parametrize("which", ["q", "k", "v", "delta", "lam"])
 def test_plain_calls_refuse_tensors_that_record_gradients(which):
     """libape.attention() and attention_varlen() record no gradient: a tensor that requires grad
