@@ -49,7 +49,7 @@ from . import _core
 from ._core import SEED_BETA, SEED_DELTA, SEED_GAMMA, SEED_LAMBDA
 
 __all__ = ["attention", "attention_varlen", "APEAttention", "IMPLEMENTATION", "grad_device",
-           "TRAIN_SKIP_TOL"]
+           "TRAIN_SKIP_TOL", "omp_guard"]
 
 _HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op") and \
     hasattr(torch.library, "register_autograd")
@@ -214,21 +214,25 @@ def _save(ctx, inputs, output, n_extra):
     ctx.save_for_backward(q, k, v, o, lse, *_snapshot(delta, beta, gamma, lam),
                           *inputs[7:7 + n_extra], inputs[-1])
     ctx.args = tuple(inputs[7 + n_extra:-1])
+    # an output the loss does not use (LSE, mostly) reaches the backward as None, not as a
+    # tensor of zeros: no zero dLSE to allocate, fill and hand to the C call
+    ctx.set_materialize_grads(False)
 
 
-def _grads(ctx, bwd, do, dlse, n_extra, drop_zero_dlse=False):
+def _grads(ctx, bwd, do, dlse, n_extra):
     """The gradient of every input from the backward call `bwd` (wrt a tuple of names); None
-    for what needs none and for the extra tensors and plain arguments."""
+    for what needs none and for the extra tensors and plain arguments. do and dlse are None
+    for an output the loss does not use (_save: grads not materialised): dlse None is the C
+    call's "zeros"; do None (a loss of LSE alone) becomes zeros."""
     q, k, v, o, lse, *rest = ctx.saved_tensors
     params, extra, table = rest[:4], rest[4:4 + n_extra], rest[4 + n_extra]
     needs = ctx.needs_input_grad
     wrt = _wrt(needs)
-    if not wrt:
+    if not wrt or (do is None and dlse is None):
         return (None,) * len(needs)
-    if drop_zero_dlse and dlse is not None and not dlse.any():
-        dlse = None  # an unused LSE: its gradient is zeros, the default
-    dq, dk, dv, dp, db = bwd(q, k, v, o, lse, do.contiguous(), dlse, *params, *extra,
-                             *ctx.args, wrt, table)
+    do = torch.zeros_like(o) if do is None else do.contiguous()
+    dq, dk, dv, dp, db = bwd(q, k, v, o, lse, do, dlse, *params, *extra, *ctx.args, wrt,
+                             table)
     grads = [g if need else None for g, need in zip((dq, dk, dv), needs[:3])]
     dtable = db.to(dtype=table.dtype) if needs[-1] else None
     return tuple(grads) + tuple(_param_grads(dp, params, needs[3:7])) + \
@@ -275,8 +279,9 @@ def _function(fwd, bwd, n_extra, doc):
             return out
 
         @staticmethod
+        @torch.autograd.function.once_differentiable  # as the custom op: no double backward
         def backward(ctx, do, dlse):
-            return _grads(ctx, bwd, do, dlse, n_extra, drop_zero_dlse=True)
+            return _grads(ctx, bwd, do, dlse, n_extra)
     Function.__doc__ = doc
     return Function
 
@@ -352,6 +357,119 @@ _Function = _function(_forward, _backward, 0,
                       "attention for PyTorch before 2.4 (no torch.compile support).")
 _VarlenFunction = _function(_varlen_forward, _varlen_backward, 4,
                             "attention_varlen for PyTorch before 2.4 (no torch.compile support).")
+
+
+# ------------------------------------------------------------------ PyTorch's OpenMP threads
+#
+# PyTorch runs its CPU ops on libgomp's OpenMP threads, and libgomp keeps a thread that has
+# finished a parallel region busy-waiting for the next one before it sleeps: GOMP_SPINCOUNT,
+# 300000 PAUSE instructions when OMP_WAIT_POLICY is not set, 10-20 ms on a recent Xeon (PAUSE
+# takes about 140 cycles there). A libape call on the CPU right after a torch op (the backward,
+# right after the loss's gradient) then shares the cores with those spinning threads: PoCL's
+# worker threads get half a core where one spins, and the call takes 1.3-2x as long (docs/
+# python.md, "PyTorch's OpenMP threads"). libgomp reads its policy from the environment once,
+# when torch loads it, but it cuts every spin to its "throttled" count (100 PAUSEs) while it
+# manages more threads than the process may use CPUs; one more OpenMP thread pool makes it so:
+# a helper thread that runs one parallel torch op (libgomp gives each thread that starts a
+# parallel region a pool of its own) and then sleeps until stopped. Its pool's thread sleeps
+# too. torch's own parallel regions then wake their threads with a futex (tens of
+# microseconds), as with OMP_WAIT_POLICY=passive.
+
+_OMP_GUARD = None   # None: not decided yet; False: not wanted here; else (thread, stop event)
+_OMP_GUARD_LOCK = __import__("threading").Lock()
+
+
+def _omp_guard_wanted():
+    """Why the guard is not wanted (a string), or None: it is. Off with
+    LIBAPE_TORCH_OMP_GUARD=0, where the user chose libgomp's policy (OMP_WAIT_POLICY,
+    GOMP_SPINCOUNT), where torch's parallel backend is not OpenMP, or its OpenMP is not
+    libgomp (LLVM's and Intel's libomp spin for KMP_BLOCKTIME instead: set it to 0)."""
+    if os.environ.get("LIBAPE_TORCH_OMP_GUARD", "1") == "0":
+        return "LIBAPE_TORCH_OMP_GUARD=0"
+    for env in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        if os.environ.get(env):
+            return "%s is set" % env
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return "torch's parallel backend is not OpenMP"
+    try:
+        with open("/proc/self/maps") as maps:
+            if not any("libgomp" in line for line in maps):
+                return "torch's OpenMP runtime is not libgomp"
+    except OSError:
+        return "no /proc/self/maps: cannot tell torch's OpenMP runtime"
+    return None
+
+
+def _omp_keeper(ready, stop):
+    # a parallel region from this thread (more elements than at::parallel_for's grain, 32768):
+    # libgomp gives the thread its own pool, which it counts until the thread ends
+    torch.ones(1 << 17).mul_(2.0)
+    ready.set()
+    stop.wait()
+
+
+def omp_guard(enable=None):
+    """Whether the guard against PyTorch's spinning OpenMP threads is on (see above and
+    docs/python.md): libape.torch turns it on at its first call on CPU tensors made while
+    torch uses more than one thread, through libgomp, unless _omp_guard_wanted() says
+    otherwise. enable=True turns it on now (where wanted), False off for good (the helper
+    thread ends, libgomp frees its pool and spins again); None only asks."""
+    global _OMP_GUARD
+    with _OMP_GUARD_LOCK:
+        if enable is False:
+            if _OMP_GUARD:
+                thread, stop = _OMP_GUARD
+                stop.set()
+                thread.join()
+            _OMP_GUARD = False
+        elif enable and not _OMP_GUARD:
+            if _omp_guard_wanted() is None:
+                import threading
+                ready, stop = threading.Event(), threading.Event()
+                thread = threading.Thread(target=_omp_keeper, args=(ready, stop),
+                                          name="libape-omp-guard", daemon=True)
+                thread.start()
+                ready.wait()
+                _OMP_GUARD = (thread, stop)
+            else:
+                _OMP_GUARD = False
+        return bool(_OMP_GUARD)
+
+
+def _omp_check(q):
+    """The guard at a call on CPU tensors, decided once torch uses more than one thread."""
+    if _OMP_GUARD is None and not q.is_cuda and torch.get_num_threads() > 1:
+        omp_guard(True)
+
+
+# ------------------------------------------------------------------ which of the two runs a call
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _use_function(tensors):
+    """Whether a call runs through the autograd.Function rather than the custom op: always on
+    the fallback; else in plain eager mode. The custom op's Python dispatch (schema defaults,
+    the dynamo-disabled wrappers, its own autograd node) cost 0.2-0.3 ms a forward and as much
+    a backward, more than the C calls themselves at small sizes (python/examples/
+    fine_tune_ape.py), and both run the same _forward, _backward, _save and _grads. The custom
+    op stays where PyTorch needs an operator: torch.compile and torch.export (dynamo), tracing
+    (torch.jit.trace, make_fx), dispatch modes (FakeTensorMode, ...), functorch transforms and
+    tensor subclasses."""
+    if _FALLBACK:
+        return True
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or \
+            torch._C._are_functorch_transforms_active() or \
+            torch._C._len_torch_dispatch_stack() or _dispatch_mode():
+        return False
+    return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+try:
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode as _dispatch_mode
+except ImportError:  # a PyTorch without it: take the custom op, which works everywhere
+    def _dispatch_mode():
+        return True
 
 
 # ------------------------------------------------------------------ the public function
@@ -462,11 +580,12 @@ def attention(q, k, v, *, delta=SEED_DELTA, beta=SEED_BETA, gamma=SEED_GAMMA, la
     params = [_as_param(x) for x in (delta, beta, gamma, lam)]
     table = _as_table(bias_table)
     dev = _pick_device(device, (q, k, v, *params), table)
+    _omp_check(q)
     args = (q, k, v, *params, bool(causal), None if scale is None else float(scale),
             float(rope_base), float(rope_scale), layout,
             None if q_start is None else int(q_start), int(k_start), dev,
             None if skip_tol is None else float(skip_tol), table)
-    o, lse = _Function.apply(*args) if _FALLBACK else _op(*args)
+    o, lse = _Function.apply(*args) if _use_function(args[:7] + (table,)) else _op(*args)
     return (o, lse) if return_lse else o
 
 
@@ -493,12 +612,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, positions_q=None, p
     params = [_as_param(x) for x in (delta, beta, gamma, lam)]
     table = _as_table(bias_table)
     dev = _pick_device(device, (q, k, v, *params), table)
+    _omp_check(q)
     args = (q, k, v, *params, *(_index_tensor(x) for x in (cu_seqlens_q, cu_seqlens_k,
                                                            positions_q, positions_k)),
             bool(causal), None if scale is None else float(scale), float(rope_base),
             float(rope_scale), layout, dev, None if skip_tol is None else float(skip_tol),
             table)
-    o, lse = _VarlenFunction.apply(*args) if _FALLBACK else _op_varlen(*args)
+    o, lse = _VarlenFunction.apply(*args) if _use_function(args[:11] + (table,)) \
+        else _op_varlen(*args)
     return (o, lse) if return_lse else o
 
 

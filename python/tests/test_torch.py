@@ -175,6 +175,47 @@ def test_training_defaults_to_the_fastest_device_with_a_backward():
         assert not all(torch.equal(a, b) for a, b in zip(grads[None], grads["ref"]))
 
 
+@pytest.mark.skipif(apet.IMPLEMENTATION != "custom_op", reason="PyTorch before 2.4")
+@pytest.mark.parametrize("loss", ["o", "o+lse", "lse"])
+def test_eager_calls_take_the_function_with_the_custom_ops_gradients(loss):
+    """In eager mode libape.torch.attention runs through its autograd.Function (the custom
+    op's Python dispatch costs more than a small call), with gradients bit for bit those of
+    torch.ops.libape.attention, for a loss of O alone (no dLSE reaches the C call), of O and
+    LSE, and of LSE alone (dO zeros)."""
+    fn = {"o": lambda o, lse: (o * o).sum(), "o+lse": loss_o_and_lse,
+          "lse": lambda o, lse: (lse * lse).sum()}[loss]
+    grads = []
+    for direct in (False, True):
+        args = [a.requires_grad_() for a in inputs(12)]
+        if direct:
+            o, lse = torch.ops.libape.attention(*args, True, None, 300.0, 1.0, "half", 6, 3,
+                                                apet.grad_device(), None, None)
+            assert "Function" not in type(o.grad_fn).__name__
+        else:
+            o, lse = apet.attention(*args[:3], delta=args[3], beta=args[4], gamma=args[5],
+                                    lam=args[6], return_lse=True, rope_base=300.0, q_start=6,
+                                    k_start=3)
+            assert type(o.grad_fn).__name__ == "FunctionBackward", type(o.grad_fn).__name__
+        fn(o, lse).backward()
+        grads.append([a.grad for a in args])
+    for name, a, b in zip(NAMES, *grads):
+        assert torch.equal(a, b), name
+    ref = reference_grads(inputs(12), fn, rope_base=300.0, q_start=6, k_start=3)
+    ref = [torch.zeros_like(g, dtype=torch.float64) if r is None else r  # LSE has no dL/dv
+           for g, r in zip(grads[0], ref)]
+    check_grads(grads[0], ref)
+
+
+def test_no_double_backward():
+    """The backward is differentiable once (as the custom op's, which has no autograd of its
+    own): a second backward through it raises instead of returning wrong gradients."""
+    args = [a.requires_grad_() for a in inputs(13)]
+    o = apet.attention(*args[:3], delta=args[3], beta=args[4], gamma=args[5], lam=args[6])
+    g, = torch.autograd.grad(o.square().sum(), args[0], create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()
+
+
 @pytest.mark.parametrize("which", ["q", "k", "v", "delta", "lam"])
 def test_plain_calls_refuse_tensors_that_record_gradients(which):
     """libape.attention() and attention_varlen() record no gradient: a tensor that requires grad
@@ -518,8 +559,10 @@ def test_table_device_choice():
 # ------------------------------------------------------------------ the fallback and examples
 
 def run_python(code_or_path, env_extra=None, args=(), timeout=300):
+    """code_or_path in a new Python; env_extra's variables set, those given None unset."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, ".."), HERE]),
                **(env_extra or {}))
+    env = {k: v for k, v in env.items() if v is not None}
     cmd = [sys.executable] + (["-c", code_or_path] if "\n" in code_or_path else
                               [code_or_path]) + list(args)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -547,6 +590,40 @@ print("fallback ok")
 def test_autograd_function_fallback():
     r = run_python(FALLBACK_CHECK, {"LIBAPE_TORCH_FALLBACK": "1"})
     assert r.returncode == 0 and "fallback ok" in r.stdout, r.stdout + r.stderr
+
+
+OMP_GUARD_CHECK = """
+import threading, torch, libape.torch as apet
+import test_torch as t
+torch.set_num_threads(2)
+gomp = any("libgomp" in line for line in open("/proc/self/maps"))
+assert apet.omp_guard() is False  # not decided before a call
+args = [a.requires_grad_() for a in t.inputs(3)]
+apet.attention(*args[:3]).sum().backward()
+names = [th.name for th in threading.enumerate()]
+print("gomp", gomp, "guard", apet.omp_guard(), "thread", "libape-omp-guard" in names)
+apet.omp_guard(False)
+assert not apet.omp_guard() and "libape-omp-guard" not in [th.name for th in threading.enumerate()]
+apet.attention(*args[:3]).sum().backward()  # stays off
+assert not apet.omp_guard()
+if gomp and apet._omp_guard_wanted() is None:
+    assert apet.omp_guard(True)
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"LIBAPE_TORCH_OMP_GUARD": "0"},
+                                 {"OMP_WAIT_POLICY": "passive"}])
+def test_omp_guard(env):
+    """The guard against PyTorch's spinning OpenMP threads (docs/python.md): on after the first
+    call on CPU tensors where torch runs 2 threads through libgomp, its helper thread alive;
+    off with LIBAPE_TORCH_OMP_GUARD=0 or where the user set libgomp's wait policy; omp_guard(False)
+    ends it for good, omp_guard(True) starts it again."""
+    r = run_python(OMP_GUARD_CHECK, dict({"LIBAPE_TORCH_OMP_GUARD": None,
+                                          "OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None},
+                                         **env))
+    assert r.returncode == 0, r.stdout + r.stderr
+    on = "gomp True" in r.stdout and not env
+    assert ("guard %s thread %s" % (on, on)) in r.stdout, r.stdout
 
 
 def test_fine_tune_example_small():
