@@ -12,7 +12,10 @@
 - SDPA: torch.nn.functional.scaled_dot_product_attention (causal) on RoPE-rotated q and k, then
   backward: plain RoPE attention, what a user would pick instead (APE has no PyTorch kernel).
 
-B = 1, H = 6, D = 64, float32, causal. Each round times every candidate once per length
+B = 1, H = 6, D = 64, float32, causal. SDPA runs with libape.torch's OpenMP guard off (what a
+process that uses PyTorch alone has: docs/python.md, "PyTorch's OpenMP threads"), libape with it
+on (its default), switched before each candidate; --no-guard leaves it off for libape too.
+Each round times every candidate once per length
 (--repeats calls, the median), in turn, after one untimed call; prints each round and the
 median over rounds of each ratio to SDPA.
 
@@ -45,6 +48,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lam", type=float, default=None,
                     help="lambda's initial value (default: the seed's, 0.1; 0: the separable path)")
+    ap.add_argument("--no-guard", action="store_true",
+                    help="libape without its OpenMP guard (LIBAPE_TORCH_OMP_GUARD=0's effect)")
     ap.add_argument("--breakdown", action="store_true",
                     help="time the passes apart, and the C calls inside them (see above)")
     args = ap.parse_args()
@@ -60,9 +65,13 @@ def main():
     from torch_ape import rope_rotate
 
     torch.set_num_threads(args.threads)
+
+    def guard(peer):
+        """The OpenMP guard off for the peer, on for libape (unless --no-guard)."""
+        apet.omp_guard(not peer and not args.no_guard)
     H, D = 6, 64
-    print("libape.torch.grad_device(): %s; torch %s, %d threads" % (
-        apet.grad_device(), torch.__version__, args.threads))
+    print("libape.torch.grad_device(): %s; torch %s, %d threads; OpenMP guard for libape: %s" % (
+        apet.grad_device(), torch.__version__, args.threads, "off" if args.no_guard else "on"))
 
     def step_libape(L, device, skip_tol=None):
         g = torch.Generator().manual_seed(L)
@@ -98,7 +107,7 @@ def main():
         return statistics.median(t)
 
     if args.breakdown:
-        return breakdown(args, torch, libape, apet, rope_rotate, H, D)
+        return breakdown(args, torch, libape, apet, rope_rotate, H, D, guard)
     cands = {}
     for L in args.L:
         cands[L] = [("sdpa", step_sdpa(L)), ("libape default", step_libape(L, None)),
@@ -108,7 +117,10 @@ def main():
     ratios = {}
     for r in range(args.rounds):
         for L in args.L:
-            t = {name: median_ms(fn) for name, fn in cands[L]}
+            t = {}
+            for name, fn in cands[L]:
+                guard(name == "sdpa")
+                t[name] = median_ms(fn)
             print("round %d, L %d: " % (r, L) + ", ".join(
                 "%s %.1f ms" % (n, x) for n, x in t.items()), flush=True)
             for n, x in t.items():
@@ -148,7 +160,7 @@ class CallLog:
         return out
 
 
-def breakdown(args, torch, libape, apet, rope_rotate, H, D):
+def breakdown(args, torch, libape, apet, rope_rotate, H, D, guard):
     med = statistics.median
     for L in args.L:
         for lam in ((libape.SEED_LAMBDA, 0.0) if args.lam is None else (args.lam,)):
@@ -165,6 +177,7 @@ def breakdown(args, torch, libape, apet, rope_rotate, H, D):
                 rows.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
 
             for r in range(args.rounds + 1):  # the first round untimed
+                guard(False)
                 for _ in range(args.repeats):
                     with CallLog() as log:
                         box = {}
@@ -176,6 +189,8 @@ def breakdown(args, torch, libape, apet, rope_rotate, H, D):
                         for wall, kern in v_:
                             rows.setdefault(call + " wall", []).append(wall)
                             rows.setdefault(call + " kernels", []).append(kern)
+                guard(True)
+                for _ in range(args.repeats):
                     box = {}
                     timed("SDPA forward", lambda: box.setdefault(
                         "o", torch.nn.functional.scaled_dot_product_attention(
