@@ -111,6 +111,12 @@ static inline struct ape__ocl_device *ape__ocl_dev(const struct ape_device *dev)
 	return dev->priv;
 }
 
+/* Bytes of the programs' APE_REAL (ocl_program.c): float64 with cl_khr_fp64, else float32 */
+static inline size_t ape__ocl_real_size(const struct ape__ocl_device *od)
+{
+	return od->fp64 ? sizeof(cl_double) : sizeof(cl_float);
+}
+
 /* ---- ocl_errors.c */
 const char *ape__ocl_err_name(cl_int err);
 /* The libape code for an OpenCL error (ENOMEM, EBUILD, ENODEV or EBACKEND). */

@@ -21,9 +21,15 @@
  * gradient the sweep's dS sums by distance (nsplit slices of B H (Lq + Lk - 1) APE_REAL) and
  * their sum per table row: the size of the inputs, never O(Lq * Lk). bwd_scratch_size() sizes
  * every buffer;
- * the launch allocates exactly those sizes, and attention_backward_scratch reports their sum
- * (core/backend.h), which the core counts against the budget of streamed calls.
+ * APE_REAL is float64 with cl_khr_fp64, float32 without (ocl_program.c), and the sums (the
+ * per-row parameter sums, the split slices of the rows' sums and of dS by distance, and their
+ * sum per table row) take 8 bytes either way: a float64, or a compensated float32 pair
+ * (kernels/backward.cl, BSUM), whose per-head and per-entry totals the host finishes in
+ * float64 (bwd_host_add()). The launch allocates exactly those sizes, and
+ * attention_backward_scratch reports their sum (core/backend.h), which the core counts against
+ * the budget of streamed calls.
  */
+#include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,7 +108,7 @@ static int64_t bwd_table_rows(const struct ape_be_launch *f)
  * A launch with nothing to do allocates nothing.
  */
 static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, size_t rw,
-				 size_t nsplit, struct bwd_scratch *s)
+				 size_t nsplit, size_t real, struct bwd_scratch *s)
 {
 	const unsigned outs = APE_BE_BWD_DQ | APE_BE_BWD_DK | APE_BE_BWD_DV | APE_BE_BWD_DPARAMS |
 			      APE_BE_BWD_DBIAS;
@@ -114,14 +120,15 @@ static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, 
 	memset(s, 0, sizeof(*s));
 	if (!(parts & outs) || bh * (size_t)f->Lq == 0 || f->Lk == 0)
 		return 0;
-	/* omega_p padded to npad, then delta, beta, gamma, lambda per head, in float64 */
-	s->prm = (npad + 4 * (size_t)f->H) * sizeof(double);
+	/* omega_p padded to npad, then delta, beta, gamma, lambda per head, in APE_REAL (real
+	 * bytes); the sums in 8 bytes (a float64 or a compensated float32 pair) */
+	s->prm = (npad + 4 * (size_t)f->H) * real;
 	s->kmax = f->skip_tol > 0 && f->decay_nonneg ? bkv * sizeof(int) : 0;
-	s->rinfo = bh * qrows * RI_N * sizeof(double);
+	s->rinfo = bh * qrows * RI_N * real;
 	/* per row vector: cos, then sin, of each pair's step */
 	s->step = bh * qrows * 2 * npad * sizeof(float);
 	/* a row vector's load of the last distances reaches rw - 1 past them */
-	s->tab = ((size_t)f->H * (size_t)(f->Lq + f->Lk - 1) * TB_N + rw) * sizeof(double);
+	s->tab = ((size_t)f->H * (size_t)(f->Lq + f->Lk - 1) * TB_N + rw) * real;
 	s->part = parts & APE_BE_BWD_DPARAMS ? bh * (size_t)f->Lq * 4 * sizeof(double) : 0;
 	/* ape_bwd_prep's float32 rows: Q with dO in blocks of rw rows, K with V (and omega_p
 	 * times K's pairs) one by one */
@@ -152,9 +159,8 @@ uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
 {
 	struct bwd_scratch s;
 
-	if (!ape__ocl_dev(dev)->fp64) /* the launch fails before allocating */
-		return 0;
-	return bwd_scratch_size(&l->f, parts, BWD_RW_MAX, bwd_nsplit(dev, &l->f), &s);
+	return bwd_scratch_size(&l->f, parts, BWD_RW_MAX, bwd_nsplit(dev, &l->f),
+				ape__ocl_real_size(ape__ocl_dev(dev)), &s);
 }
 
 /* One scratch buffer of the launch, of a size bwd_scratch_size() gave, added to *held. */
@@ -168,21 +174,27 @@ static cl_mem bwd_take(struct ape_be_queue *q, size_t bytes, void *init, uint64_
 }
 
 /* omega_p (padded with zeros to npad, whole lane vectors), then delta, beta, gamma, lambda per
- * head, in float64 (the backward kernels exist only with cl_khr_fp64), in `bytes`. */
+ * head, in APE_REAL (real bytes: float64, or float32 without cl_khr_fp64), in `bytes`. */
 static cl_mem bwd_params(struct ape_be_queue *q, const struct ape_be_launch *f, int npad, size_t bytes,
-			 uint64_t *held, cl_int *err)
+			 size_t real, uint64_t *held, cl_int *err)
 {
-	const size_t n = bytes / sizeof(double);
-	double *host = ape_be_malloc(bytes);
+	const size_t n = bytes / real;
+	void *host = ape_be_malloc(bytes);
 	cl_mem mem;
 
 	if (!host) {
 		*err = CL_OUT_OF_HOST_MEMORY;
 		return NULL;
 	}
-	for (size_t i = 0; i < n; i++)
-		host[i] = i < (size_t)npad ? (i < (size_t)f->D / 2 ? f->omega[i] : 0.0)
-					   : (double)f->head_params[i - (size_t)npad];
+	for (size_t i = 0; i < n; i++) {
+		const double v = i < (size_t)npad ? (i < (size_t)f->D / 2 ? f->omega[i] : 0.0)
+						  : (double)f->head_params[i - (size_t)npad];
+
+		if (real == sizeof(double))
+			((double *)host)[i] = v;
+		else
+			((float *)host)[i] = (float)v;
+	}
 	mem = bwd_take(q, bytes, host, held, err);
 	free(host);
 	return mem;
@@ -323,10 +335,48 @@ static int bwd_prep(struct ape_be_queue *q, const struct ape__ocl_program *pr, c
 }
 
 /*
+ * Without float64 on the device: the totals a kernel left as compensated float32 pairs (sum,
+ * error term) in src, `rows` rows of n pairs, each added in float64 to the float64 accumulator
+ * dst[off + r stride + i] (dparams, dbias), as the float64 kernels add theirs. Blocking reads
+ * and writes on the launch's queue (in order: after the kernels): the host is the one place
+ * with float64 arithmetic. Deterministic: one owner per value, a fixed order.
+ */
+static int bwd_host_add(struct ape_be_queue *q, cl_mem src, size_t rows, size_t n, cl_mem dst,
+			size_t off, size_t stride)
+{
+	float *pr = ape_be_malloc(rows * n * 2 * sizeof(float));
+	double *acc = ape_be_malloc(n * sizeof(double));
+	cl_int err = pr && acc ? CL_SUCCESS : CL_OUT_OF_HOST_MEMORY;
+
+	if (err == CL_SUCCESS)
+		err = clEnqueueReadBuffer(q->cq, src, CL_TRUE, 0, rows * n * 2 * sizeof(float), pr,
+					  0, NULL, NULL);
+	for (size_t r = 0; r < rows && err == CL_SUCCESS; r++) {
+		const size_t at = (off + r * stride) * sizeof(double);
+
+		err = clEnqueueReadBuffer(q->cq, dst, CL_TRUE, at, n * sizeof(double), acc, 0, NULL,
+					  NULL);
+		for (size_t i = 0; i < n && err == CL_SUCCESS; i++) {
+			const double hi = pr[(r * n + i) * 2], lo = pr[(r * n + i) * 2 + 1];
+
+			/* an infinite or NaN sum is itself (its error term is NaN) */
+			acc[i] += isfinite(hi) ? hi + lo : hi;
+		}
+		if (err == CL_SUCCESS)
+			err = clEnqueueWriteBuffer(q->cq, dst, CL_TRUE, at, n * sizeof(double), acc,
+						   0, NULL, NULL);
+	}
+	free(pr);
+	free(acc);
+	return err == CL_SUCCESS ? 0 : ape__ocl_error(err, "the backward's float64 totals");
+}
+
+/*
  * The table's gradient from the sweep's per-split sums by distance (dbp; the distances nmin
  * onwards): per table row and distance over batch, heads and splits (ape_bwd_dbias_dist, into
  * dbd), then per entry over the distances that read it, added to l->dbias (ape_bwd_dbias): only
- * the entries the launch's distances reach.
+ * the entries the launch's distances reach. Without float64, ape_bwd_dbias leaves its pairs in
+ * dbp (done with, and at least as large: nm <= ndist) for bwd_host_add().
  */
 static int bwd_dbias(struct ape_be_queue *q, const struct ape__ocl_program *pr,
 		     const struct ape_be_bwd_launch *l, cl_int ns, size_t local, cl_long nmin,
@@ -364,8 +414,11 @@ static int bwd_dbias(struct ape_be_queue *q, const struct ape__ocl_program *pr,
 	ape__ocl_arg(&a, sizeof(M), &M);
 	ape__ocl_arg(&a, sizeof(m0), &m0);
 	ape__ocl_arg(&a, sizeof(nm), &nm);
-	ape__ocl_arg(&a, sizeof(cl_mem), &l->dbias->mem);
-	return bwd_run(q, &a, round_up((size_t)nm, local), local, brows, "ape_bwd_dbias");
+	ape__ocl_arg(&a, sizeof(cl_mem), ape__ocl_dev(q->dev)->fp64 ? &l->dbias->mem : &dbp);
+	ret = bwd_run(q, &a, round_up((size_t)nm, local), local, brows, "ape_bwd_dbias");
+	if (ret || ape__ocl_dev(q->dev)->fp64)
+		return ret;
+	return bwd_host_add(q, dbp, brows, (size_t)nm, l->dbias->mem, (size_t)m0, (size_t)M);
 }
 
 int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
@@ -399,10 +452,6 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	cl_int ns;
 	int ret;
 
-	if (!od->fp64)
-		return ape_be_error(APE_ENOTSUP, "the backward pass needs float64 (cl_khr_fp64, "
-					       "CL_DEVICE_DOUBLE_FP_CONFIG) for its parameter "
-					       "sums; this device has none");
 	if (!(l->dq || l->dk || l->dv || l->dparams || l->dbias) || rows == 0 || f->Lk == 0)
 		return 0;
 	ret = ape__ocl_program_get(q->dev, f->D, &pr);
@@ -414,7 +463,7 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	dpad = (cl_int)round_up((size_t)f->D, (size_t)rw);
 	nblk = ((size_t)Lq + (size_t)rw - 1) / (size_t)rw; /* row vectors per (batch, head) */
 	nsplit = bwd_nsplit(q->dev, f);
-	bwd_scratch_size(f, ape_be_bwd_parts(l), (size_t)rw, nsplit, &s);
+	bwd_scratch_size(f, ape_be_bwd_parts(l), (size_t)rw, nsplit, ape__ocl_real_size(od), &s);
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
 		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0) | (f->pairs ? B_PAIRS : 0) |
@@ -430,7 +479,7 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 		}
 	}
 
-	prm = bwd_params(q, f, npad, s.prm, &held, &err);
+	prm = bwd_params(q, f, npad, s.prm, ape__ocl_real_size(od), &held, &err);
 	if (prm)
 		rinfo = bwd_take(q, s.rinfo, NULL, &held, &err);
 	if (rinfo)
@@ -567,8 +616,12 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 		ape__ocl_arg(&a, sizeof(B), &B);
 		ape__ocl_arg(&a, sizeof(H), &H);
 		ape__ocl_arg(&a, sizeof(Lq), &Lq);
-		ape__ocl_arg(&a, sizeof(cl_mem), &l->dparams->mem);
+		/* without float64, the per-head pairs to rp (done with; 8 bytes per row and sum,
+		 * at least 5 H) for the host's float64 */
+		ape__ocl_arg(&a, sizeof(cl_mem), od->fp64 ? &l->dparams->mem : &rp);
 		ret = bwd_run(q, &a, (size_t)H, 0, 1, "ape_bwd_params");
+		if (!ret && !od->fp64)
+			ret = bwd_host_add(q, rp, 1, 4 * (size_t)H, l->dparams->mem, 0, 0);
 		if (ret)
 			goto out_release;
 	}
@@ -625,11 +678,10 @@ int ape__ocl_scratch_free(struct ape_be_queue *q, struct ape_be_buf *buf)
 	return 0;
 }
 
-/* kernels/backward.cl's ape_copy_view, from the program of the call's head size (built with
- * float64: the backward pass needs it, and the float64 sums are one of the sources). */
+/* kernels/backward.cl's ape_copy_view, from the program of the call's head size (float64 to
+ * float32 by the bits where the device has no float64). */
 int ape__ocl_copy_view(struct ape_be_queue *q, const struct ape_be_copy *c)
 {
-	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
 	const cl_int dt = c->dst_type, st = c->src_type;
 	const cl_long H = c->H, L = c->L, D = c->D;
 	const size_t rows = (size_t)(c->B * c->H * c->L);
@@ -637,9 +689,6 @@ int ape__ocl_copy_view(struct ape_be_queue *q, const struct ape_be_copy *c)
 	struct ape__ocl_args a;
 	int ret;
 
-	if (!od->fp64)
-		return ape_be_error(APE_ENOTSUP, "the backward pass needs float64 (cl_khr_fp64); "
-					       "this device has none");
 	if (!rows || !c->D)
 		return 0;
 	if ((ret = ape__ocl_program_get(q->dev, c->head_D, &pr)))

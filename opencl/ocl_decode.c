@@ -304,7 +304,7 @@ static int dec_wg_launch(struct ape_be_queue *q, struct ape__ocl_args *a, const 
 			 cl_int nsplit)
 {
 	const int64_t ks = dec_wg_streams(l->D);
-	const size_t real = ape__ocl_dev(q->dev)->fp64 ? sizeof(cl_double) : sizeof(cl_float);
+	const size_t real = ape__ocl_real_size(ape__ocl_dev(q->dev));
 	size_t kwg = 0;
 
 	/* asked of other devices only: PoCL compiles a work-group function to answer (seconds),

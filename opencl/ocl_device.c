@@ -211,6 +211,15 @@ static int ocl_add_device(struct ape_backend *be, cl_platform_id plat, cl_device
 	clGetDeviceInfo(id, CL_DEVICE_MAX_COMPUTE_UNITS, sizeof(cu), &cu, NULL);
 	clGetDeviceInfo(id, CL_DEVICE_GLOBAL_MEM_SIZE, sizeof(gmem), &gmem, NULL);
 	od->fp64 = ocl_has_ext(id, "cl_khr_fp64");
+	/* APE_OCL_FP64=0: build the programs as if the device had no cl_khr_fp64 (APE_REAL float,
+	 * the backward's compensated float32 sums), so that a device with float64 tests the path of
+	 * one without it; part of the programs' options (-DAPE_FP64), so of their cache key */
+	{
+		const char *e = getenv("APE_OCL_FP64");
+
+		if (e && strcmp(e, "0") == 0)
+			od->fp64 = 0;
+	}
 
 	if (shared) {
 		err = clRetainContext(shared);
@@ -253,9 +262,10 @@ static int ocl_add_device(struct ape_backend *be, cl_platform_id plat, cl_device
 			    /* ENT and MD behind F_DIAG (kernels/attention.cl), strided, each
 			     * optional */
 			    APE_BE_CAP_DIAG | APE_BE_CAP_DIAG_VIEWS |
-			    /* ocl_backward.c: its kernels, copy_view's included, are built with
-			     * float64; the resident backward also needs scratch and copy_view */
-			    (od->fp64 ? APE_BE_CAP_BACKWARD | APE_BE_CAP_RESIDENT_BACKWARD : 0) |
+			    /* ocl_backward.c: with float64 or, without it, compensated float32
+			     * sums finished in float64 on the host; the resident backward also
+			     * needs scratch and copy_view */
+			    APE_BE_CAP_BACKWARD | APE_BE_CAP_RESIDENT_BACKWARD |
 			    /* profiling queues (a wrapped queue may have none: ENOTSUP) */
 			    APE_BE_CAP_TIMESTAMPS |
 			    /* ragged launches: the general kernel's and the separable path's

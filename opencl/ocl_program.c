@@ -203,8 +203,7 @@ static int ocl_check_kernels(const struct ape__ocl_device *od, cl_program prog,
 					       "ape_bwd_rows", "ape_bwd_fused", "ape_bwd_reduce",
 					       "ape_bwd_params", "ape_copy_view" };
 
-	/* the backward kernels exist only with float64 (kernels/backward.cl) */
-	const size_t nk = od->fp64 ? sizeof(names) / sizeof(names[0]) : 5;
+	const size_t nk = sizeof(names) / sizeof(names[0]);
 
 	for (size_t i = 0; i < nk; i++) {
 		cl_int err;

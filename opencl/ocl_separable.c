@@ -453,7 +453,7 @@ int ape__ocl_separable(struct ape_be_queue *q, const struct ape_be_launch *l)
 	const cl_float scale = (cl_float)l->scale, tol = (cl_float)l->skip_tol;
 	cl_int flags = ape__ocl_fast_flags(l);
 	size_t sqr, skt, sqn, stiles, spre;
-	const size_t real = ape__ocl_dev(q->dev)->fp64 ? sizeof(cl_double) : sizeof(cl_float);
+	const size_t real = ape__ocl_real_size(ape__ocl_dev(q->dev));
 	cl_mem prm = NULL, qr = NULL, kt = NULL, vf = NULL, qn = NULL, tiles = NULL, pre = NULL;
 	cl_mem none = NULL;
 	cl_mem tab = NULL, sgb = NULL, ixb = NULL, trig = NULL, bias[2] = { NULL, NULL };

@@ -34,10 +34,37 @@
  * float32; the per-distance terms come from a table of ape_math.h's values in APE_REAL, one
  * vector load per key.
  *
- * Built only with APE_FP64: dparams are float64 sums, and the host refuses the backward pass
- * on a device without cl_khr_fp64 (ocl_backward.c).
+ * Without cl_khr_fp64 (APE_FP64 0, APE_REAL float) the same kernels run with the row and
+ * distance terms in float32 (exact seeds only for |n| < 2^12, as the forward's), and the sums
+ * that must keep their small terms (RP, PART, DBP, DBD and the per-head totals) as compensated
+ * float32 pairs (BWD_TWO_SUM); the host finishes the per-head and per-entry totals in float64
+ * (ocl_backward.c, bwd_host_add()).
+ */
+
+/*
+ * The sums over many terms (the rows' alpha and parameter sums over a split's key blocks and
+ * over the splits, RP; the per-row parameter sums, PART, and their per-head totals; dS by
+ * distance, DBP and DBD): APE_REAL where that is float64. Without float64 each is a pair, the
+ * float32 sum then its error term, BSUM = 2 APE_REAL where float64 takes one (the same 8 bytes:
+ * the host sizes both alike), every addition Knuth's TwoSum: t = s + x loses exactly
+ * (s - (t - b)) + (x - b), b = t - s, which goes to the error term. The pair's value is within
+ * about 2^-24 of the exact sum's magnitude plus n 2^-48 times the sum of the terms' magnitudes,
+ * where one float32 sum drifts by n 2^-24 times that. Deterministic: a fixed order, no
+ * reassociation (OpenCL C compiles without fast-math options, ocl_program.c).
  */
 #if APE_FP64
+#define BSUM 1
+#else
+#define BSUM 2
+#endif
+#define BWD_TWO_SUM(T, s, c, x)                                                                    \
+	do {                                                                                       \
+		const T t_ = (s) + (x), b_ = t_ - (s);                                             \
+		(c) += ((s) - (t_ - b_)) + ((x) - b_);                                             \
+		(s) = t_;                                                                          \
+	} while (0)
+/* a pair's value; an infinite or NaN sum is itself (its error term is NaN) */
+#define BWD_SUM_VALUE(s, c) select((s), (s) + (c), isfinite(s))
 
 /* Pair and component vectors: at most this many APE_RW-wide chunks (APE_DMAX, APE_PMAX are
  * multiples of 16 >= APE_RW) */
@@ -722,18 +749,27 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 					 * BWD_KT - nk (key nk - 1, lane 0), < ndist up to lane hi[g] - 1
 					 * (the lanes past it added zeros only) */
 					if (flags & B_DBIAS) {
-						const long e0 = DBP_AT(s, bh, nrv / b.nblk, b.ndist) + nl0[g] -
-								(BWD_KT - 1) - b.nmin;
+						const long e0 = DBP_AT(s, bh, nrv / b.nblk, b.ndist * BSUM) +
+								nl0[g] - (BWD_KT - 1) - b.nmin;
 
 						NOUNROLL for (int x = BWD_KT - nk; x < BWD_KT - 1 + hi[g]; x++) {
+#if APE_FP64
 							DBP[e0 + x] += (APE_REAL)dsd[x];
+#else /* the sum, its error term ndist after it */
+							APE_REAL sm = DBP[e0 + x], er = DBP[e0 + b.ndist + x];
+							const APE_REAL v = dsd[x];
+
+							BWD_TWO_SUM(APE_REAL, sm, er, v);
+							DBP[e0 + x] = sm;
+							DBP[e0 + b.ndist + x] = er;
+#endif
 							dsd[x] = 0.0f;
 						}
 					}
 					if (wrow) { /* the split's sums of these rows */
 						__global APE_REAL *rp =
-							RP + (s * nrv + blk) * RP_N * APE_RW;
-
+							RP + (s * nrv + blk) * RP_N * BSUM * APE_RW;
+#if APE_FP64
 						VS(VL(rp) + TO_VR(Ad), rp);
 						VS(VL(rp + APE_RW) + TO_VR(f0), rp + APE_RW);
 						VS(VL(rp + 2 * APE_RW) + TO_VR(f1), rp + 2 * APE_RW);
@@ -741,6 +777,21 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 						VS(VL(rp + 4 * APE_RW) +
 							   TO_VR(f3) * (APE_REAL)b.scale,
 						   rp + 4 * APE_RW);
+#else /* the RP_N sums, then their RP_N error terms */
+						const vr add[RP_N] = { TO_VR(Ad), TO_VR(f0), TO_VR(f1),
+								       TO_VR(f2),
+								       TO_VR(f3) * (APE_REAL)b.scale };
+
+#pragma unroll
+						for (int f = 0; f < RP_N; f++) {
+							vr sm = VL(rp + f * APE_RW),
+							   er = VL(rp + (RP_N + f) * APE_RW);
+
+							BWD_TWO_SUM(vr, sm, er, add[f]);
+							VS(sm, rp + f * APE_RW);
+							VS(er, rp + (RP_N + f) * APE_RW);
+						}
+#endif
 					}
 				}
 				/* dV: P times dO, KSB keys by 2 components in registers at a time */
@@ -1009,6 +1060,9 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 	__global const APE_REAL *hp = prm + npad + 4 * (bh % H);
 	__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
 	APE_REAL su[RP_N][APE_RW], coef[APE_RW], tx[APE_RW], ty[APE_RW];
+#if !APE_FP64
+	APE_REAL sh[RP_N][APE_RW], sl[RP_N][APE_RW]; /* the pairs; su their values */
+#endif
 	long cnt[APE_RW];
 	int hi;
 
@@ -1017,9 +1071,23 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 	hi = (int)(Lq - i0 < APE_RW ? Lq - i0 : APE_RW);
 	NOUNROLL for (int f = 0; f < RP_N; f++) {
 		vr acc = (vr)0;
-
+#if APE_FP64
 		NOUNROLL for (int sp = 0; sp < nsplit; sp++)
 			acc += VL(RP + ((sp * nrv + blk) * RP_N + f) * APE_RW);
+#else
+		vr err = (vr)0;
+
+		NOUNROLL for (int sp = 0; sp < nsplit; sp++) {
+			__global const APE_REAL *r = RP + (sp * nrv + blk) * RP_N * BSUM * APE_RW;
+			const vr x = VL(r + f * APE_RW);
+
+			BWD_TWO_SUM(vr, acc, err, x);
+			err += VL(r + (RP_N + f) * APE_RW);
+		}
+		VS(acc, sh[f]);
+		VS(err, sl[f]);
+		acc = BWD_SUM_VALUE(acc, err);
+#endif
 		VS(acc, su[f]);
 	}
 	NOUNROLL for (int l = 0; l < hi; l++) {
@@ -1034,12 +1102,25 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 			  ape_grad_dsigma_coef((APE_REAL)BD(D), sigma);
 		if (flags & B_DP) {
 			const int ok = cnt[l] > 0;
-
+#if APE_FP64
 			PART[row * 4 + 0] = ok ? su[1][l] : (APE_REAL)0;
 			PART[row * 4 + 1] = ok ? su[2][l] : (APE_REAL)0;
 			PART[row * 4 + 2] = ok ? su[3][l] : (APE_REAL)0;
 			/* d(alpha)/d(lambda) */
 			PART[row * 4 + 3] = ok ? su[4][l] + Ai * ape_grad_gate(sigma) : (APE_REAL)0;
+#else /* the pairs, sum then error term */
+			APE_REAL h3 = sh[4][l], l3 = sl[4][l];
+			const APE_REAL ga = Ai * ape_grad_gate(sigma);
+
+			/* d(alpha)/d(lambda) */
+			BWD_TWO_SUM(APE_REAL, h3, l3, ga);
+			for (int k = 0; k < 3; k++) {
+				PART[(row * 4 + k) * 2] = ok ? sh[k + 1][l] : (APE_REAL)0;
+				PART[(row * 4 + k) * 2 + 1] = ok ? sl[k + 1][l] : (APE_REAL)0;
+			}
+			PART[(row * 4 + 3) * 2] = ok ? h3 : (APE_REAL)0;
+			PART[(row * 4 + 3) * 2 + 1] = ok ? l3 : (APE_REAL)0;
+#endif
 		}
 	}
 	if (!(flags & B_DQ))
@@ -1072,21 +1153,45 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 }
 
 /* Per head h: the parameter sums of its rows, batch by batch, row by row, added to
- * dparams[h][4] (float64: the device has cl_khr_fp64, or the host does not launch this). */
+ * dparams[h][4] (float64). Without float64: the compensated pairs' totals to OUT[h][4][2]
+ * (sum, error term), which the host adds to dparams in float64 (ocl_backward.c). */
+#if APE_FP64
 __kernel void ape_bwd_params(__global const APE_REAL *PART, long B, int H, long Lq,
 			     __global double *dparams)
+#else
+__kernel void ape_bwd_params(__global const APE_REAL *PART, long B, int H, long Lq,
+			     __global float *OUT)
+#endif
 {
 	const int h = (int)get_global_id(0);
 	APE_REAL acc[4] = { 0, 0, 0, 0 };
+#if !APE_FP64
+	APE_REAL err[4] = { 0, 0, 0, 0 };
+#endif
 
 	if (h >= H)
 		return;
 	for (long b = 0; b < B; b++)
 		for (long i = 0; i < Lq; i++)
-			for (int k = 0; k < 4; k++)
+			for (int k = 0; k < 4; k++) {
+#if APE_FP64
 				acc[k] += PART[((b * H + h) * Lq + i) * 4 + k];
-	for (int k = 0; k < 4; k++)
+#else
+				const long at = (((b * H + h) * Lq + i) * 4 + k) * 2;
+				const APE_REAL x = PART[at];
+
+				BWD_TWO_SUM(APE_REAL, acc[k], err[k], x);
+				err[k] += PART[at + 1];
+#endif
+			}
+	for (int k = 0; k < 4; k++) {
+#if APE_FP64
 		dparams[4 * h + k] += (double)acc[k];
+#else
+		OUT[(4 * h + k) * 2] = acc[k];
+		OUT[(4 * h + k) * 2 + 1] = err[k];
+#endif
+	}
 }
 
 /*
@@ -1100,14 +1205,29 @@ __kernel void ape_bwd_dbias_dist(__global const APE_REAL *DBP, int nsplit, long 
 	const long idx = get_global_id(0), r = get_global_id(1);
 	const long h0 = shared ? 0 : r, h1 = shared ? H : r + 1;
 	APE_REAL acc = 0;
+#if !APE_FP64
+	APE_REAL err = 0;
+#endif
 
 	if (idx >= ndist)
 		return;
 	for (long b = 0; b < B; b++)
 		for (long h = h0; h < h1; h++)
-			for (int sp = 0; sp < nsplit; sp++)
-				acc += DBP[DBP_AT(sp, b * H + h, B * H, ndist) + idx];
-	DBD[r * ndist + idx] = acc;
+			for (int sp = 0; sp < nsplit; sp++) {
+				const long at = DBP_AT(sp, b * H + h, B * H, ndist * BSUM) + idx;
+#if APE_FP64
+				acc += DBP[at];
+#else /* pairs: the sums, then ndist on their error terms */
+				const APE_REAL x = DBP[at];
+
+				BWD_TWO_SUM(APE_REAL, acc, err, x);
+				err += DBP[at + ndist];
+#endif
+			}
+	DBD[r * ndist * BSUM + idx] = acc;
+#if !APE_FP64
+	DBD[r * ndist * BSUM + ndist + idx] = err;
+#endif
 }
 
 /*
@@ -1116,28 +1236,82 @@ __kernel void ape_bwd_dbias_dist(__global const APE_REAL *DBP, int nsplit, long 
  * whose ape_bias_index(|n|, M) is m, n = -m then n = m, or for the last entry every |n| >= M - 1
  * from the most negative n up; added to DBIAS[r][m] (float64, the call's accumulator).
  */
+#if APE_FP64
 __kernel void ape_bwd_dbias(__global const APE_REAL *DBD, long nmin, long ndist, long M, long m0,
 			    long nm, __global double *DBIAS)
+#define DB_ADD(k) (acc += d[k])
+#else /* the pairs' totals to OUT[r][m - m0][2] (sum, error term), added to DBIAS in float64 by
+       * the host (ocl_backward.c) */
+__kernel void ape_bwd_dbias(__global const APE_REAL *DBD, long nmin, long ndist, long M, long m0,
+			    long nm, __global float *OUT)
+#define DB_ADD(k)                                                                                 \
+	do {                                                                                       \
+		const APE_REAL x_ = d[k];                                                          \
+		BWD_TWO_SUM(APE_REAL, acc, err, x_);                                               \
+		err += d[ndist + (k)];                                                             \
+	} while (0)
+#endif
 {
 	const long m = m0 + get_global_id(0), r = get_global_id(1), nmax = nmin + ndist - 1;
-	__global const APE_REAL *d = DBD + r * ndist;
+	__global const APE_REAL *d = DBD + r * ndist * BSUM;
 	APE_REAL acc = 0;
+#if !APE_FP64
+	APE_REAL err = 0;
+#endif
 
 	if ((long)get_global_id(0) >= nm)
 		return;
 	if (m < M - 1) {
 		if (-m >= nmin && -m <= nmax)
-			acc += d[-m - nmin];
+			DB_ADD(-m - nmin);
 		if (m > 0 && m >= nmin && m <= nmax)
-			acc += d[m - nmin];
+			DB_ADD(m - nmin);
 	} else { /* n <= -m, then n >= m (n >= 1 when m is 0: n = 0 once) */
 		for (long n = nmin; n <= nmax && n <= -m; n++)
-			acc += d[n - nmin];
+			DB_ADD(n - nmin);
 		for (long n = max(max(m, 1L), nmin); n <= nmax; n++)
-			acc += d[n - nmin];
+			DB_ADD(n - nmin);
 	}
+#if APE_FP64
 	DBIAS[r * M + m] += (double)acc;
+#else
+	OUT[(r * nm + m - m0) * 2] = acc;
+	OUT[(r * nm + m - m0) * 2 + 1] = err;
+#endif
 }
+#undef DB_ADD
+
+#if !APE_FP64
+/* The float32 (bits) nearest a float64's bits, ties to even, as (float)x would give where the
+ * device has float64: copy_view's float64 accumulators (dparams) to float32 without it. */
+KFN uint bwd_f64_bits_to_f32(ulong u)
+{
+	const uint sign = (uint)(u >> 32) & 0x80000000u;
+	const int e = (int)(u >> 52) & 0x7ff;
+	const ulong m = u & 0xfffffffffffffUL;
+	int ef, sh;
+	ulong mm, rem, hf, r;
+
+	if (e == 0x7ff) /* Inf, or a quiet NaN keeping the payload's top bits */
+		return sign | 0x7f800000u | (m ? 0x400000u | (uint)(m >> 29) : 0u);
+	if (e == 0) /* zero or a float64 subnormal: below float32's least subnormal */
+		return sign;
+	ef = e - 1023 + 127;
+	if (ef >= 255)
+		return sign | 0x7f800000u;
+	mm = m | 0x10000000000000UL; /* the implicit bit */
+	sh = ef >= 1 ? 29 : 29 + 1 - ef; /* float32 subnormals keep fewer bits */
+	if (sh > 60)
+		return sign;
+	r = mm >> sh;
+	rem = mm & ((1UL << sh) - 1);
+	hf = 1UL << (sh - 1);
+	r += rem > hf || (rem == hf && (r & 1));
+	/* normal: the implicit bit lands on the exponent's lowest, so add (ef - 1) << 23; a
+	 * rounding carry moves up the exponent (to Inf past the largest float32) */
+	return sign | (uint)(ef >= 1 ? ((ulong)(ef - 1) << 23) + r : r);
+}
+#endif
 
 /*
  * copy_view (core/backend.h, struct ape_be_copy): element d of row r (r over B*H*L in b, h, i
@@ -1165,10 +1339,13 @@ __kernel void ape_copy_view(__global void *DST, int dt_dst, long doff, long dsb,
 		else
 			((__global ushort *)DST)[dof] = ((__global const ushort *)SRC)[so];
 	} else if (dt_src == 3) {
+#if APE_FP64
 		((__global float *)DST)[dof] = (float)((__global const double *)SRC)[so];
+#else
+		((__global uint *)DST)[dof] = bwd_f64_bits_to_f32(((__global const ulong *)SRC)[so]);
+#endif
 	} else {
 		st(DST, dof, ((__global const float *)SRC)[so], dt_dst);
 	}
 }
 
-#endif /* APE_FP64 */
