@@ -12,9 +12,9 @@
 - SDPA: torch.nn.functional.scaled_dot_product_attention (causal) on RoPE-rotated q and k, then
   backward: plain RoPE attention, what a user would pick instead (APE has no PyTorch kernel).
 
-B = 1, H = 6, D = 64, float32, causal. SDPA runs with libape.torch's OpenMP guard off (what a
-process that uses PyTorch alone has: docs/python.md, "PyTorch's OpenMP threads"), libape with it
-on (its default), switched before each candidate; --no-guard leaves it off for libape too.
+B = 1, H = 6, D = 64, float32, causal. libape.torch's OpenMP guard (docs/python.md, "PyTorch's
+OpenMP threads") is off for SDPA and, as by default, for libape; --guard turns it on for libape's
+candidates (switched before each).
 Each round times every candidate once per length
 (--repeats calls, the median), in turn, after one untimed call; prints each round and the
 median over rounds of each ratio to SDPA.
@@ -48,8 +48,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lam", type=float, default=None,
                     help="lambda's initial value (default: the seed's, 0.1; 0: the separable path)")
-    ap.add_argument("--no-guard", action="store_true",
-                    help="libape without its OpenMP guard (LIBAPE_TORCH_OMP_GUARD=0's effect)")
+    ap.add_argument("--guard", action="store_true",
+                    help="libape with its OpenMP guard on (libape.torch.omp_guard(True))")
     ap.add_argument("--breakdown", action="store_true",
                     help="time the passes apart, and the C calls inside them (see above)")
     args = ap.parse_args()
@@ -67,11 +67,11 @@ def main():
     torch.set_num_threads(args.threads)
 
     def guard(peer):
-        """The OpenMP guard off for the peer, on for libape (unless --no-guard)."""
-        apet.omp_guard(not peer and not args.no_guard)
+        """The OpenMP guard off for the peer, for libape as --guard says."""
+        apet.omp_guard(not peer and args.guard)
     H, D = 6, 64
     print("libape.torch.grad_device(): %s; torch %s, %d threads; OpenMP guard for libape: %s" % (
-        apet.grad_device(), torch.__version__, args.threads, "off" if args.no_guard else "on"))
+        apet.grad_device(), torch.__version__, args.threads, "on" if args.guard else "off"))
 
     def step_libape(L, device, skip_tol=None):
         g = torch.Generator().manual_seed(L)

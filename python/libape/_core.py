@@ -1837,9 +1837,9 @@ def attention_backward(q, k, v, o, lse, dout, *, dlse=None, delta=SEED_DELTA, be
     them, "bias_table" where a table is given); the others are None and cost
     nothing (frozen q, k, v with wrt=("params",) is one pass over the pairs). Arrays as for
     `attention()`; the gradients have q's kind and dtype. `device` as for `attention()`: the
-    reference, OpenCL and CUDA backends have a backward pass; a device without one (OpenCL
-    without float64) raises ApeError (APE_ENOTSUP) with libape's message naming it, and
-    nothing falls back. stats=True appends the C call's statistics as for attention().
+    reference, OpenCL (with or without float64: docs/kernels.md) and CUDA backends have a
+    backward pass; a device without one (a backend plugin that has none) raises ApeError
+    (APE_ENOTSUP) with libape's message naming it, and nothing falls back. stats=True appends the C call's statistics as for attention().
     skip_tol (default 0: every pair) lets the backward leave out keys its bound proves carry at
     most that share of each gradient (docs/kernels.md, "Skipping in the backward pass"); pass
     the forward's LSE computed under the same or a smaller skip_tol.

@@ -23,8 +23,9 @@ host memory: the backward on device tensors does not return a table's gradient).
 
 Devices. `device=None` (the default) runs the forward on the best device ("auto") when no
 gradient is wanted. When any input or parameter requires a gradient, forward and backward run
-on libape's OpenCL device if its backward pass runs there (probed once, with a tiny call: a
-device without cl_khr_fp64 has none), else on the reference backend ("ref": float64, exact, and
+on libape's OpenCL device if its backward pass runs there (probed once, with a tiny call;
+devices without cl_khr_fp64 have one too, with compensated float32 sums), else on the
+reference backend ("ref": float64, exact, and
 tens of times slower; one forward and backward at H = 6, D = 64, L = 1024 took 6.7 s there
 against 0.12 s on OpenCL on a 2-core Intel Xeon, bench/RESULTS.md). CUDA is used for CPU
 tensors only when asked for: its backward has not yet run on a GPU (emulator only).
@@ -373,14 +374,20 @@ _VarlenFunction = _function(_varlen_forward, _varlen_backward, 4,
 # a helper thread that runs one parallel torch op (libgomp gives each thread that starts a
 # parallel region a pool of its own) and then sleeps until stopped. Its pool's thread sleeps
 # too. torch's own parallel regions then wake their threads with a futex (tens of
-# microseconds), as with OMP_WAIT_POLICY=passive.
+# microseconds), as with OMP_WAIT_POLICY=passive. That wake-up is what the guard costs
+# PyTorch's own ops, and it can outweigh what it saves: measured on a quiet 2-core Xeon
+# (bench/RESULTS.md, 2026-12-06), a libape backward beside spinning threads took 1.12x its time
+# alone (1.01x with the guard), but a loop of small PyTorch ops ran 2.5x slower with the guard
+# and a two-block model's training step no faster (6% slower at L = 256); on a machine shared
+# with other work spinning threads cost far more (4.6x) and the guard pays. So it is opt-in:
+# LIBAPE_TORCH_OMP_GUARD=1 (at the first call on CPU tensors) or omp_guard(True).
 
 _OMP_GUARD = None   # None: not decided yet; False: not wanted here; else (thread, stop event)
 _OMP_GUARD_LOCK = __import__("threading").Lock()
 
 
 def _omp_guard_wanted():
-    """Why the guard is not wanted (a string), or None: it is. Off with
+    """Why the guard cannot or must not run (a string), or None: it may. Not with
     LIBAPE_TORCH_OMP_GUARD=0, where the user chose libgomp's policy (OMP_WAIT_POLICY,
     GOMP_SPINCOUNT), where torch's parallel backend is not OpenMP, or its OpenMP is not
     libgomp (LLVM's and Intel's libomp spin for KMP_BLOCKTIME instead: set it to 0)."""
@@ -410,10 +417,11 @@ def _omp_keeper(ready, stop):
 
 def omp_guard(enable=None):
     """Whether the guard against PyTorch's spinning OpenMP threads is on (see above and
-    docs/python.md): libape.torch turns it on at its first call on CPU tensors made while
-    torch uses more than one thread, through libgomp, unless _omp_guard_wanted() says
-    otherwise. enable=True turns it on now (where wanted), False off for good (the helper
-    thread ends, libgomp frees its pool and spins again); None only asks."""
+    docs/python.md). Off unless asked for: with LIBAPE_TORCH_OMP_GUARD=1, libape.torch turns
+    it on at its first call on CPU tensors made while torch uses more than one thread, through
+    libgomp, unless _omp_guard_wanted() says otherwise. enable=True turns it on now (where it
+    may run), False off for good (the helper thread ends, libgomp frees its pool and spins
+    again); None only asks."""
     global _OMP_GUARD
     with _OMP_GUARD_LOCK:
         if enable is False:
@@ -436,9 +444,17 @@ def omp_guard(enable=None):
         return bool(_OMP_GUARD)
 
 
+def _compiling():
+    """Whether dynamo is tracing the call (never on a PyTorch without torch.compiler)."""
+    return hasattr(torch, "compiler") and hasattr(torch.compiler, "is_compiling") and \
+        torch.compiler.is_compiling()
+
+
 def _omp_check(q):
-    """The guard at a call on CPU tensors, decided once torch uses more than one thread."""
-    if _OMP_GUARD is None and not q.is_cuda and torch.get_num_threads() > 1:
+    """The guard at a call on CPU tensors, decided once torch uses more than one thread: on
+    where LIBAPE_TORCH_OMP_GUARD=1 asks for it."""
+    if _OMP_GUARD is None and not _compiling() and not q.is_cuda and \
+            torch.get_num_threads() > 1 and os.environ.get("LIBAPE_TORCH_OMP_GUARD") == "1":
         omp_guard(True)
 
 
@@ -507,6 +523,10 @@ def _as_table(t):
 _GRAD_DEVICE = None
 
 
+# torch.compile runs it once, eagerly, and takes its answer as a constant: its probe (a tiny C
+# call through NumPy and ctypes) cannot be traced, and a process's first call may well be a
+# compiled one (a PyTorch without torch.compiler compiles nothing)
+@getattr(getattr(torch, "compiler", None), "assume_constant_result", lambda f: f)
 def grad_device():
     """The device that runs a call with gradients when none is given (see the module's doc):
     "opencl" when libape's OpenCL device runs the backward pass (probed once, with a tiny

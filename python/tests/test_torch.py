@@ -611,18 +611,20 @@ if gomp and apet._omp_guard_wanted() is None:
 """
 
 
-@pytest.mark.parametrize("env", [{}, {"LIBAPE_TORCH_OMP_GUARD": "0"},
-                                 {"OMP_WAIT_POLICY": "passive"}])
+@pytest.mark.parametrize("env", [{}, {"LIBAPE_TORCH_OMP_GUARD": "1"},
+                                 {"LIBAPE_TORCH_OMP_GUARD": "0"},
+                                 {"LIBAPE_TORCH_OMP_GUARD": "1", "OMP_WAIT_POLICY": "passive"}])
 def test_omp_guard(env):
-    """The guard against PyTorch's spinning OpenMP threads (docs/python.md): on after the first
-    call on CPU tensors where torch runs 2 threads through libgomp, its helper thread alive;
-    off with LIBAPE_TORCH_OMP_GUARD=0 or where the user set libgomp's wait policy; omp_guard(False)
-    ends it for good, omp_guard(True) starts it again."""
+    """The guard against PyTorch's spinning OpenMP threads (docs/python.md): opt-in; with
+    LIBAPE_TORCH_OMP_GUARD=1 on after the first call on CPU tensors where torch runs 2 threads
+    through libgomp, its helper thread alive; off by default, with LIBAPE_TORCH_OMP_GUARD=0 or
+    where the user set libgomp's wait policy; omp_guard(False) ends it for good,
+    omp_guard(True) starts it again (where it may run)."""
     r = run_python(OMP_GUARD_CHECK, dict({"LIBAPE_TORCH_OMP_GUARD": None,
                                           "OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None},
                                          **env))
     assert r.returncode == 0, r.stdout + r.stderr
-    on = "gomp True" in r.stdout and not env
+    on = "gomp True" in r.stdout and env == {"LIBAPE_TORCH_OMP_GUARD": "1"}
     assert ("guard %s thread %s" % (on, on)) in r.stdout, r.stdout
 
 
