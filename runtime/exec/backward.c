@@ -71,6 +71,7 @@ struct bwd_pass {
 	int64_t k0[APE__MAX_DEPTH]; /* per outer slot: its key chunk's first row */
 	int jobs[APE__MAX_DEPTH]; /* per outer slot: launches of its key chunk */
 	double *dq_acc; /* [B, H, Lq, D]: the sum of dQ over its key chunks */
+	float *dq32; /* instead, where every row gets one partial (one device, one key chunk): dQ */
 	double *dparams; /* [H][4] */
 	double *dbias; /* [rows][M]: the bias table's gradient (ape__bias_rows()) */
 	uint64_t pairs_computed;
@@ -329,12 +330,20 @@ static void consume(void *self, const struct ape__pass_job *j)
 	const uint64_t *pairs = j->host[B_PAIRS];
 	const int64_t D = p->D;
 
-	/* a query chunk's dQ partial ([B, H, nq, D] float) into the accumulator, in issue order */
-	for (int64_t bh = 0; part && bh < p->B * p->H; bh++)
-		for (int64_t i = 0; i < j->in; i++)
-			for (int64_t d = 0; d < D; d++)
-				b->dq_acc[(bh * p->Lq + j->i0 + i) * D + d] +=
-					part[(bh * j->in + i) * D + d];
+	/* a query chunk's dQ partial ([B, H, nq, D] float) into the accumulator, in issue order;
+	 * or, the only partial its rows get, as it is: the float32 rounding of 0 + x in float64
+	 * is x + 0.0f (-0 becoming +0 alike), so both give the same bits */
+	for (int64_t bh = 0; part && bh < p->B * p->H; bh++) {
+		const float *src = part + bh * j->in * D;
+		const size_t at = (size_t)((bh * p->Lq + j->i0) * D), n = (size_t)(j->in * D);
+
+		if (b->dq32)
+			for (size_t x = 0; x < n; x++)
+				b->dq32[at + x] = src[x] + 0.0f;
+		else
+			for (size_t x = 0; x < n; x++)
+				b->dq_acc[at + x] += src[x];
+	}
 	for (int64_t r = 0; pairs && r < p->B * p->H * j->in; r++)
 		b->pairs_computed += pairs[r];
 	b->pairs_counted |= pairs != NULL;
@@ -430,8 +439,16 @@ static int prepare(void *arg, const struct ape__plan *plan, int d)
 	run->call.nk = plan->no;
 	b->cq = plan->ci;
 	b->nq = plan->ni;
-	if ((r->dq && !(b->dq_acc = ape__calloc(qgrad, sizeof(double)))) ||
-	    (r->dparams && !(b->dparams = ape__calloc((size_t)(4 * p->H), sizeof(double)))) ||
+	/* one partial per row: dQ needs no float64 sum (half the memory, no conversion pass) */
+	if (r->dq && run->ndev == 1 && plan->no == 1) {
+		if (!(b->dq32 = ape__calloc(qgrad, sizeof(float))))
+			return ape__error(APE_ENOMEM, "%s: out of host memory staging the backward "
+					  "pass", r->fn);
+	} else if (r->dq && !(b->dq_acc = ape__calloc(qgrad, sizeof(double)))) {
+		return ape__error(APE_ENOMEM, "%s: out of host memory staging the backward pass",
+				  r->fn);
+	}
+	if ((r->dparams && !(b->dparams = ape__calloc((size_t)(4 * p->H), sizeof(double)))) ||
 	    (p->dbias_table &&
 	     !(b->dbias = ape__calloc((size_t)(ape__bias_rows(p) * p->bias_len), sizeof(double)))))
 		return ape__error(APE_ENOMEM, "%s: out of host memory staging the backward pass",
@@ -444,8 +461,8 @@ static int prepare(void *arg, const struct ape__plan *plan, int d)
  * converted for 16-bit tensors, into the caller's layout. Every conversion buffer is taken
  * before the first byte is written, so that running out of memory here writes nothing too.
  */
-static int write_outputs(const struct bwd_call *c, const double *dq_acc, const double *dparams,
-			 const double *dbias)
+static int write_outputs(const struct bwd_call *c, const double *dq_acc, const float *dq_f32,
+			 const double *dparams, const double *dbias)
 {
 	const struct ape__bwd_req *r = c->r;
 	const struct ape__problem *p = r->p;
@@ -457,7 +474,9 @@ static int write_outputs(const struct bwd_call *c, const double *dq_acc, const d
 	void *conv[3] = { NULL, NULL, NULL };
 	int ret = 0;
 
-	if (r->dq) {
+	if (r->dq && dq_f32) {
+		all[0] = dq_f32;
+	} else if (r->dq) {
 		dq32 = ape__malloc(nq * sizeof(float) + 1);
 		if (!dq32)
 			goto out_nomem;
@@ -520,7 +539,7 @@ static int finish(struct bwd_run *run)
 	}
 	if (!to)
 		to = &run->pass[0];
-	return write_outputs(&run->call, to->dq_acc, to->dparams, to->dbias);
+	return write_outputs(&run->call, to->dq_acc, to->dq32, to->dparams, to->dbias);
 }
 
 int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res)
@@ -603,6 +622,7 @@ int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res
 out_free:
 	for (int d = 0; d < r->ndev; d++) {
 		free(run->pass[d].dq_acc);
+		free(run->pass[d].dq32);
 		free(run->pass[d].dparams);
 		free(run->pass[d].dbias);
 	}
