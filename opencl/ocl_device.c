@@ -214,12 +214,11 @@ static int ocl_add_device(struct ape_backend *be, cl_platform_id plat, cl_device
 	/* APE_OCL_FP64=0: build the programs as if the device had no cl_khr_fp64 (APE_REAL float,
 	 * the backward's compensated float32 sums), so that a device with float64 tests the path of
 	 * one without it; part of the programs' options (-DAPE_FP64), so of their cache key */
-	{
-		const char *e = getenv("APE_OCL_FP64");
+	const char *fp64_env = getenv("APE_OCL_FP64");
+	const int fp64_off = fp64_env && strcmp(fp64_env, "0") == 0 && od->fp64;
 
-		if (e && strcmp(e, "0") == 0)
-			od->fp64 = 0;
-	}
+	if (fp64_off)
+		od->fp64 = 0;
 
 	if (shared) {
 		err = clRetainContext(shared);
@@ -252,9 +251,9 @@ static int ocl_add_device(struct ape_backend *be, cl_platform_id plat, cl_device
 		rank = OCL_RANK_ACCEL;
 	}
 	if (!od->fp64)
-		ape_be_warn("opencl %s: no float64 (cl_khr_fp64): rotation angles are exact only for "
-			  "distances |n| < 4096",
-			  od->name);
+		ape_be_warn("opencl %s: no float64 (cl_khr_fp64%s): rotation angles are exact only "
+			  "for distances |n| < 4096",
+			  od->name, fp64_off ? ", left unused: APE_OCL_FP64=0" : "");
 	caps = (struct ape_be_caps){
 		/* a CPU device's buffers can be host memory (CL_MEM_USE_HOST_PTR), which its
 		 * kernels read where it is (ape__ocl_buf_wrap) */
