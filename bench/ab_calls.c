@@ -6,10 +6,13 @@
  *   - the forward, ape_attention_forward() of L rows over L keys, causal, with LSE;
  *   - the backward, ape_attention_backward() of the same problem, every gradient.
  *
- * H = 6, D = 64, f32, the seed's parameters (lambda = 0.1).
+ * H = 6, D = 64 unless given, f32, the seed's parameters (lambda = 0.1).
  *
- *   ab_calls OLD/libape.so.0 NEW/libape.so.0 [backend [L [rounds [calls]]]]
- *                                      (defaults: opencl 1024 9 5)
+ *   ab_calls OLD/libape.so.0 NEW/libape.so.0 [backend [L [rounds [calls [H [D]]]]]]
+ *                                      (defaults: opencl 1024 9 5 6 64)
+ *
+ * (H 2, L 64, D 16: python/examples/fine_tune_ape.py's calls, where a call's fixed cost is
+ * most of its time.)
  *
  * Prints each round's median time per call of each build and their ratio (new / old), then the
  * median of the ratios. Built by `make bench-ab-calls`.
@@ -49,17 +52,18 @@ int main(int argc, char **argv)
 	struct build b[2] = { { .path = argc > 1 ? argv[1] : NULL },
 			      { .path = argc > 2 ? argv[2] : NULL } };
 	const char *backend = argc > 3 ? argv[3] : "opencl";
-	const int64_t L = argc > 4 ? atoll(argv[4]) : 1024, H = 6, D = 64;
+	const int64_t L = argc > 4 ? atoll(argv[4]) : 1024, H = argc > 7 ? atoll(argv[7]) : 6,
+		      D = argc > 8 ? atoll(argv[8]) : 64;
 	const int rounds = argc > 5 ? atoi(argv[5]) : 9, calls = argc > 6 ? atoi(argv[6]) : 5;
 	const size_t n = (size_t)(H * L * D);
-	float *x[8], *lse, dparams[4 * 6];
+	float *x[8], *lse, *dparams;
 	double ratio[2][MAXR], per[2][2][MAXR];
 	uint64_t state = 1;
 
 	if (!b[0].path || !b[1].path || rounds < 1 || rounds > MAXR || calls < 1 || calls > 64 ||
-	    L < 1) {
+	    L < 1 || H < 1 || H > 4096 || D < 2 || D > 256 || D % 2) {
 		fprintf(stderr, "usage: ab_calls OLD/libape.so.0 NEW/libape.so.0 [backend [L [rounds "
-				"[calls]]]] (rounds 1..%d, calls 1..64)\n",
+				"[calls [H [D]]]]]] (rounds 1..%d, calls 1..64, H 1..4096, D even 2..256)\n",
 			MAXR);
 		return 2;
 	}
@@ -67,6 +71,9 @@ int main(int argc, char **argv)
 		if (!(x[i] = bench_randn(n, &state)))
 			return 1;
 	lse = calloc((size_t)(H * L), sizeof(float));
+	dparams = calloc((size_t)(4 * H), sizeof(float));
+	if (!lse || !dparams)
+		return 1;
 	for (int i = 0; i < 2; i++)
 		load(&b[i], backend);
 	printf("backend %s: forward and backward of L = %lld, H = %lld, D = %lld, f32, causal, the "
@@ -101,5 +108,6 @@ int main(int argc, char **argv)
 	for (int i = 0; i < 8; i++)
 		free(x[i]);
 	free(lse);
+	free(dparams);
 	return 0;
 }

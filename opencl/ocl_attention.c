@@ -81,17 +81,6 @@ int ape__ocl_enqueue(struct ape_be_queue *q, cl_kernel k, size_t n0, size_t l0, 
 	return 0;
 }
 
-cl_mem ape__ocl_scratch(struct ape_be_queue *q, size_t bytes, void *init, cl_int *err)
-{
-	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
-
-	const cl_mem_flags flags =
-		init ? CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR : CL_MEM_READ_WRITE;
-
-	return clCreateBuffer(od->ctx, flags, bytes, init, err);
-}
-
-
 /* A view as the kernels take it: x = offset, y, z, w = the B, H, L strides. */
 static cl_long4 long4_of(struct ape_be_view v)
 {
@@ -375,11 +364,11 @@ static int ocl_prepass(struct ape_be_queue *q, const struct ape__ocl_program *pr
 		clReleaseKernel(a.k);
 out_release:
 	if (tiles)
-		clReleaseMemObject(tiles);
+		ape__ocl_scratch_put(q, tiles);
 	if (kt)
-		clReleaseMemObject(kt);
+		ape__ocl_scratch_put(q, kt);
 	if (st)
-		clReleaseMemObject(st);
+		ape__ocl_scratch_put(q, st);
 	return ret;
 }
 
@@ -566,23 +555,23 @@ int ape__ocl_attention(struct ape_be_queue *q, const struct ape_be_launch *launc
 		clReleaseKernel(a.k);
 out_release:
 	if (prm)
-		clReleaseMemObject(prm);
+		ape__ocl_scratch_put(q, prm);
 	if (segt)
-		clReleaseMemObject(segt);
+		ape__ocl_scratch_put(q, segt);
 	for (int i = 0; i < 3; i++)
 		if (posb[i])
-			clReleaseMemObject(posb[i]);
+			ape__ocl_scratch_put(q, posb[i]);
 	for (int i = 0; i < 2; i++)
 		if (bias[i])
-			clReleaseMemObject(bias[i]);
+			ape__ocl_scratch_put(q, bias[i]);
 	seg_tables_free(&sg);
 	if (kp)
-		clReleaseMemObject(kp);
+		ape__ocl_scratch_put(q, kp);
 	if (vf)
-		clReleaseMemObject(vf);
+		ape__ocl_scratch_put(q, vf);
 	if (pre)
-		clReleaseMemObject(pre);
+		ape__ocl_scratch_put(q, pre);
 	if (suf)
-		clReleaseMemObject(suf);
+		ape__ocl_scratch_put(q, suf);
 	return ret;
 }

@@ -254,7 +254,7 @@ static cl_mem bwd_zeros(struct ape_be_queue *q, size_t bytes, uint64_t *held, cl
 		return mem;
 	if (*err == CL_SUCCESS) /* the fill is done, but the tracking had no memory */
 		*err = CL_OUT_OF_HOST_MEMORY;
-	clReleaseMemObject(mem);
+	ape__ocl_scratch_put(q, mem);
 	*held -= bytes;
 	return NULL;
 }
@@ -634,33 +634,33 @@ out_release:
 	while (held > high && !atomic_compare_exchange_weak(&ape__ocl_bwd_scratch_high, &high, held))
 		;
 	if (prm)
-		clReleaseMemObject(prm);
+		ape__ocl_scratch_put(q, prm);
 	if (rinfo)
-		clReleaseMemObject(rinfo);
+		ape__ocl_scratch_put(q, rinfo);
 	if (step)
-		clReleaseMemObject(step);
+		ape__ocl_scratch_put(q, step);
 	if (kmax)
-		clReleaseMemObject(kmax);
+		ape__ocl_scratch_put(q, kmax);
 	if (part)
-		clReleaseMemObject(part);
+		ape__ocl_scratch_put(q, part);
 	if (dqp)
-		clReleaseMemObject(dqp);
+		ape__ocl_scratch_put(q, dqp);
 	if (rp)
-		clReleaseMemObject(rp);
+		ape__ocl_scratch_put(q, rp);
 	if (tab)
-		clReleaseMemObject(tab);
+		ape__ocl_scratch_put(q, tab);
 	if (qp)
-		clReleaseMemObject(qp);
+		ape__ocl_scratch_put(q, qp);
 	if (kp)
-		clReleaseMemObject(kp);
+		ape__ocl_scratch_put(q, kp);
 	if (bt)
-		clReleaseMemObject(bt);
+		ape__ocl_scratch_put(q, bt);
 	if (bsm)
-		clReleaseMemObject(bsm);
+		ape__ocl_scratch_put(q, bsm);
 	if (dbp)
-		clReleaseMemObject(dbp);
+		ape__ocl_scratch_put(q, dbp);
 	if (dbd)
-		clReleaseMemObject(dbd);
+		ape__ocl_scratch_put(q, dbd);
 	return ret;
 }
 

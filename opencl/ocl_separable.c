@@ -710,30 +710,30 @@ out:
 	if (at.k)
 		clReleaseKernel(at.k);
 	if (prm)
-		clReleaseMemObject(prm);
+		ape__ocl_scratch_put(q, prm);
 	if (sgb)
-		clReleaseMemObject(sgb);
+		ape__ocl_scratch_put(q, sgb);
 	if (ixb)
-		clReleaseMemObject(ixb);
+		ape__ocl_scratch_put(q, ixb);
 	if (trig)
-		clReleaseMemObject(trig);
+		ape__ocl_scratch_put(q, trig);
 	if (qr)
-		clReleaseMemObject(qr);
+		ape__ocl_scratch_put(q, qr);
 	if (kt)
-		clReleaseMemObject(kt);
+		ape__ocl_scratch_put(q, kt);
 	if (vf)
-		clReleaseMemObject(vf);
+		ape__ocl_scratch_put(q, vf);
 	if (qn)
-		clReleaseMemObject(qn);
+		ape__ocl_scratch_put(q, qn);
 	if (tiles)
-		clReleaseMemObject(tiles);
+		ape__ocl_scratch_put(q, tiles);
 	if (pre)
-		clReleaseMemObject(pre);
+		ape__ocl_scratch_put(q, pre);
 	if (tab)
-		clReleaseMemObject(tab);
+		ape__ocl_scratch_put(q, tab);
 	for (int i = 0; i < 2; i++)
 		if (bias[i])
-			clReleaseMemObject(bias[i]);
+			ape__ocl_scratch_put(q, bias[i]);
 	free(pl.sg);
 	free(pl.ix);
 	return ret;
