@@ -13,7 +13,9 @@
  *
  * Built by `make bench-bwd` ($(BUILD)/bench/bwd_time); float32, B = 1. With skip_tol > 0 both
  * calls may skip keys (the forward's and the backward's bounds); the pairs each computed are
- * printed.
+ * printed. The environment may set the parameters: DELTA, BETA, GAMMA, LAM (each a number;
+ * unset: the seed's delta = 2^(-4/3), beta = gamma = delta / 10, lambda = 0.1), e.g. LAM=0 for
+ * the separable backward (lambda = 0 on every head).
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +27,14 @@
 #include "bench_util.h"
 
 #define MAXREP 32
+
+/* The environment's value of name, or def when it is unset or empty */
+static double env_or(const char *name, double def)
+{
+	const char *e = getenv(name);
+
+	return e && *e ? atof(e) : def;
+}
 
 int main(int argc, char **argv)
 {
@@ -64,9 +74,10 @@ int main(int argc, char **argv)
 	ape_tensor_init(&tdk, dk, APE_F32, 1, H, L, D);
 	ape_tensor_init(&tdv, dv, APE_F32, 1, H, L, D);
 	ape_attn_desc_init(&desc);
-	desc.delta.value = (float)pow(2, -4.0 / 3);
-	desc.beta.value = desc.gamma.value = desc.delta.value / 10;
-	desc.lambda.value = 0.1f;
+	desc.delta.value = (float)env_or("DELTA", pow(2, -4.0 / 3));
+	desc.beta.value = (float)env_or("BETA", (float)pow(2, -4.0 / 3) / 10);
+	desc.gamma.value = (float)env_or("GAMMA", (float)pow(2, -4.0 / 3) / 10);
+	desc.lambda.value = (float)env_or("LAM", 0.1);
 	desc.causal = causal;
 	desc.skip_tol = skip_tol;
 	ape_exec_options_init(&eo);
@@ -110,9 +121,11 @@ int main(int argc, char **argv)
 	}
 	{
 		static const char *const names[3] = { "forward", "backward", "backward, dparams only" };
-		printf("%s, B=1 H=%lld L=%lld D=%lld f32 %s skip_tol=%g, median of %d\n",
+		printf("%s, B=1 H=%lld L=%lld D=%lld f32 %s skip_tol=%g delta=%g beta=%g gamma=%g "
+		       "lambda=%g, median of %d\n",
 		       sel.device ? backend : "?", (long long)H, (long long)L, (long long)D,
-		       causal ? "causal" : "non-causal", skip_tol, reps);
+		       causal ? "causal" : "non-causal", skip_tol, desc.delta.value, desc.beta.value,
+		       desc.gamma.value, desc.lambda.value, reps);
 		for (int x = 0; x < 3; x++) {
 			double km = bench_median(t[x][0], reps), tm = bench_median(t[x][1], reps);
 

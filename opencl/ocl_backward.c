@@ -9,6 +9,9 @@
  * The sweep computes only the wanted outputs; the reductions run only for dQ, dparams or dbias.
  * A distance-bias table (struct ape_be_launch.bias_table) enters the per-distance table's bias
  * term, so that it costs the sweep nothing per pair, and its suffix maxima the skip bound.
+ * Where every head has lambda = 0 (bwd_separable()) the separable sweep, ape_bwd_sep, runs
+ * instead of ape_bwd_fused, on Q and K rotated once by their positions (the rows kernel and
+ * K's prep); the other kernels are the same.
  *
  * Scratch, released right after it is enqueued (the commands keep it alive), like the
  * forward's: the parameters, float32 copies of Q+dO and K+V (Q's rows padded to whole row
@@ -96,6 +99,24 @@ static void bwd_abs_range(const struct ape_be_launch *f, int64_t *near, int64_t 
 	*far = ape_abs_dist(lo) > ape_abs_dist(hi) ? ape_abs_dist(lo) : ape_abs_dist(hi);
 }
 
+/*
+ * The separable sweep (kernels/backward.cl, ape_bwd_sep): every head of the launch has lambda =
+ * 0 exactly, so that Q and K are rotated once by their positions and the sweep turns nothing.
+ * APE_OCL_BWD_SEP=0 in the environment keeps such launches on the general sweep (for
+ * comparisons: docs/kernels.md). One home for the rule: the scratch's sizing and the launch.
+ */
+static bool bwd_separable(const struct ape_be_launch *f)
+{
+	const char *e = getenv("APE_OCL_BWD_SEP");
+
+	if (e && !strcmp(e, "0"))
+		return false;
+	for (int64_t h = 0; h < f->H; h++)
+		if (f->head_params[4 * h + 3] != 0)
+			return false;
+	return true;
+}
+
 /* Rows of the table's gradient: one per head, or one shared */
 static int64_t bwd_table_rows(const struct ape_be_launch *f)
 {
@@ -131,9 +152,9 @@ static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, 
 	s->tab = ((size_t)f->H * (size_t)(f->Lq + f->Lk - 1) * TB_N + rw) * real;
 	s->part = parts & APE_BE_BWD_DPARAMS ? bh * (size_t)f->Lq * 4 * sizeof(double) : 0;
 	/* ape_bwd_prep's float32 rows: Q with dO in blocks of rw rows, K with V (and omega_p
-	 * times K's pairs) one by one */
+	 * times K's pairs; separable: the cos and sin of each key's angles) one by one */
 	s->qp = bh * qrows * (2 * npad + dpad) * sizeof(float);
-	s->kp = bkv * (size_t)f->Lk * (4 * npad + dpad) * sizeof(float);
+	s->kp = bkv * (size_t)f->Lk * ((bwd_separable(f) ? 6 : 4) * npad + dpad) * sizeof(float);
 	/* ape_bwd_fused's per-split slices: dQ in row vectors, the rows' five sums */
 	s->dqp = parts & APE_BE_BWD_DQ ? nsplit * bh * qrows * (size_t)f->D * sizeof(float) : 0;
 	s->rp = parts & (APE_BE_BWD_DQ | APE_BE_BWD_DPARAMS) ? nsplit * bh * qrows * RP_N * sizeof(double)
@@ -302,12 +323,13 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 }
 
 /* One of ape_bwd_prep's float32 copies, of `bytes` (bwd_scratch_size()): pairs of a (first then
- * second components), then b (then, with om, omega_p times a's pairs), for nbh (batch, head)
+ * second components), then b (then, with om, omega_p times a's pairs; with rot as well, a's
+ * pairs rotated by their positions, and the angles' cos and sin after), for nbh (batch, head)
  * pairs of L rows each, in blocks of `lanes` rows (kernels/backward.cl). */
 static int bwd_prep(struct ape_be_queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
 		    cl_mem b, cl_int dt_b, size_t nbh, cl_long L, cl_int lanes, cl_int D,
 		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, cl_mem om,
-		    size_t bytes, uint64_t *held, cl_mem *out)
+		    cl_int rot, size_t bytes, uint64_t *held, cl_mem *out)
 {
 	const size_t padded = round_up((size_t)L, (size_t)lanes);
 	struct ape__ocl_args args = { 0 };
@@ -331,6 +353,7 @@ static int bwd_prep(struct ape_be_queue *q, const struct ape__ocl_program *pr, c
 	ape__ocl_arg(&args, sizeof(cl_mem), out);
 	ape__ocl_arg(&args, sizeof(cl_mem), &kmax);
 	ape__ocl_arg(&args, sizeof(cl_mem), &om);
+	ape__ocl_arg(&args, sizeof(rot), &rot);
 	return bwd_run(q, &args, round_up(padded, local), local, nbh, "ape_bwd_prep");
 }
 
@@ -445,6 +468,7 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	struct ape__ocl_args a;
 	struct bwd_sweep w;
 	struct bwd_scratch s;
+	const cl_int sep = bwd_separable(f);
 	cl_int npad, dpad, rw, err;
 	uint64_t held = 0, high;
 	size_t nblk, nsplit;
@@ -458,6 +482,9 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	if (ret)
 		return ret;
 	ape_be_path_note(f->path, APE_BE_PATH_BACKWARD, "the fused sweep, keys outer");
+	if (sep) /* the call's path: "separable+backward" */
+		ape_be_path_note(f->path, APE_BE_PATH_SEPARABLE,
+				 "lambda = 0 on every head: the backward sweep on rotated rows");
 	rw = (cl_int)pr->t.rw; /* query rows per row vector (APE_RW) */
 	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)rw);
 	dpad = (cl_int)round_up((size_t)f->D, (size_t)rw);
@@ -467,7 +494,7 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
 		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0) | (f->pairs ? B_PAIRS : 0) |
-		 (l->dbias ? B_DBIAS : 0);
+		 (l->dbias ? B_DBIAS : 0) | (sep ? B_SEP : 0);
 	/* the skip bound of docs/kernels.md: only with every decay >= 0 */
 	if (f->skip_tol > 0 && f->decay_nonneg) {
 		flags |= B_SKIP;
@@ -509,12 +536,12 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 		goto out_release;
 	}
 	ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem, (cl_int)l->dout_dtype,
-		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, none, s.qp,
+		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, none, 0, s.qp,
 		       &held, &qp);
 	if (!ret)
 		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
 			       (cl_int)f->in_dtype, (size_t)(B * f->Hkv), Lk, 1, D, npad, dpad,
-			       inter, local, kmax, prm, s.kp, &held, &kp);
+			       inter, local, kmax, prm, sep, s.kp, &held, &kp);
 	if (ret)
 		goto out_release;
 
@@ -571,7 +598,7 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	ns = (cl_int)nsplit;
 	nrv = (cl_long)((size_t)(B * H) * nblk);
 	memset(&a, 0, sizeof(a));
-	a.k = clCreateKernel(pr->prog, "ape_bwd_fused", &a.err);
+	a.k = clCreateKernel(pr->prog, sep ? "ape_bwd_sep" : "ape_bwd_fused", &a.err);
 	bwd_sweep_args(&a, &w);
 	ape__ocl_arg(&a, sizeof(cl_mem), l->dk ? &l->dk->mem : &none);
 	ape__ocl_arg(&a, sizeof(cl_mem), l->dv ? &l->dv->mem : &none);
@@ -580,7 +607,8 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	ape__ocl_arg(&a, sizeof(ns), &ns);
 	ape__ocl_arg(&a, sizeof(nrv), &nrv);
 	ape__ocl_arg(&a, sizeof(cl_mem), &dbp);
-	ret = bwd_run(q, &a, nsplit, 1, (size_t)(B * f->Hkv), "ape_bwd_fused");
+	ret = bwd_run(q, &a, nsplit, 1, (size_t)(B * f->Hkv),
+		      sep ? "ape_bwd_sep" : "ape_bwd_fused");
 	if (ret)
 		goto out_release;
 

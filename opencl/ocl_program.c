@@ -200,8 +200,8 @@ static int ocl_check_kernels(const struct ape__ocl_device *od, cl_program prog,
 {
 	static const char *const names[] = { "ape_attention", "ape_kmax", "ape_kscan",
 					       "ape_kv_prep", "ape_merge", "ape_bwd_prep", "ape_bwd_dist",
-					       "ape_bwd_rows", "ape_bwd_fused", "ape_bwd_reduce",
-					       "ape_bwd_params", "ape_copy_view" };
+					       "ape_bwd_rows", "ape_bwd_fused", "ape_bwd_sep",
+					       "ape_bwd_reduce", "ape_bwd_params", "ape_copy_view" };
 
 	const size_t nk = sizeof(names) / sizeof(names[0]);
 

@@ -246,6 +246,125 @@ TEST_F(bwd, every_backend_split_borders)
 }
 
 /*
+ * lambda = 0 on every head (per head or one value), the case the OpenCL backend sends to its
+ * separable sweep (kernels/backward.cl, ape_bwd_sep: Q and K rotated once by their positions,
+ * no turn per pair): GQA, a D no kernel specialises, D = 2, both layouts, causal or not, offsets
+ * (one of 2^40), rows that see no key, every storage type, random decays (negative ones too)
+ * and, with decays >= 0, skipping on. Against the reference at the spec's tolerances; two runs
+ * bit for bit the same; each output asked alone bit for bit as with all four; on OpenCL the
+ * call's path names the separable sweep ("separable+backward"), and with APE_OCL_BWD_SEP=0 the
+ * general sweep ("backward") gives the same gradients within the tolerances.
+ */
+TEST_F(bwd, every_backend_separable)
+{
+	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
+	static const test_problem_shape shapes[] = {
+		{ 1, 4, 2, 37, 53, 64 }, /* GQA, a specialised D, blocks of 16 */
+		{ 2, 3, 1, 20, 45, 128 }, /* MQA */
+		{ 1, 2, 1, 33, 70, 66 }, /* a D no kernel specialises: blocks of 8 */
+		{ 1, 2, 2, 9, 13, 2 }, /* D = 2 */
+	};
+	static const unsigned alone[] = { W_DQ, W_DK, W_DV, W_DP };
+	const bool ocl = strcmp(variant->backend, "opencl") == 0;
+	const int ncases = self->emu || ape_test_slow() ? 6 : 16;
+	ape_rng rng;
+
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_BACKWARD))
+		SKIP(return, "%s: no backward op (every_backend_against_the_reference checks that)",
+		     variant->backend);
+	ape_rng_init(&rng, "every_backend_separable");
+	for (int i = 0; i < ncases; i++) {
+		const test_problem_shape *sh = &shapes[i % 4];
+		const ape_dtype dt = types[i / 4 % 3];
+		const int64_t H = sh->H;
+		const bool skip = i % 3 == 0;
+		ape_stats st;
+		bcase c;
+		grads want, g, again, general;
+
+		ASSERT_EQ(0, bcase_make(&c, &rng, sh, dt, false, i % 2 == 0));
+		test_problem_random_params(&c.tp, &rng);
+		for (int64_t h = 0; h < H; h++) {
+			c.tp.params[3 * H + h] = 0; /* lambda, per head */
+			if (skip) /* decays >= 0: the skip bound applies */
+				for (int k = 0; k < 3; k++)
+					c.tp.params[k * H + h] = fabsf(c.tp.params[k * H + h]);
+		}
+		c.tp.desc.lambda = (ape_param){ 0, i % 2 ? c.tp.params + 3 * H : NULL };
+		if (skip) {
+			c.tp.desc.delta = (ape_param){ fabsf(c.tp.desc.delta.value),
+						       c.tp.desc.delta.per_head };
+			c.tp.desc.beta = (ape_param){ fabsf(c.tp.desc.beta.value),
+						      c.tp.desc.beta.per_head };
+			c.tp.desc.gamma = (ape_param){ fabsf(c.tp.desc.gamma.value),
+						       c.tp.desc.gamma.per_head };
+		}
+		c.tp.desc.layout = i & 1 ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+		c.tp.desc.causal = i % 4 != 3;
+		c.tp.desc.k_start = i % 5 == 2 ? ((int64_t)1 << 40) - i : 7 * i - 20;
+		/* causal: the first two rows see no key, or (i % 3 == 1) the queries end-aligned
+		 * but two */
+		c.tp.desc.q_start = c.tp.desc.k_start - 2 + (i % 3 == 1 ? sh->Lk - sh->Lq : 0);
+		c.tp.desc.q_start_set = true;
+		c.tp.desc.skip_tol = 0;
+		ASSERT_EQ(0, bcase_forward(&c, self->ref)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, grads_alloc(&want, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&g, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&again, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&general, &c, APE_F32));
+		ASSERT_EQ(0, run_backward(&c, self->ref, &want, W_ALL, NULL));
+		c.tp.desc.skip_tol = skip ? 1e-4f : 0;
+		ape_stats_init(&st);
+		EXPECT_EQ(0, run_backward(&c, self->dev, &g, W_ALL, &st))
+			TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, run_backward(&c, self->dev, &again, W_ALL, NULL));
+		if (ocl)
+			EXPECT_STREQ("separable+backward", st.path) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err(&g.dq.t, &want.dq.t), grads_tol(dt)) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err(&g.dk.t, &want.dk.t), grads_tol(dt)) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err(&g.dv.t, &want.dv.t), grads_tol(dt)) TH_LOG("case %d", i);
+		EXPECT_LE(grads_rel_err_params(g.dparams, want.dparams, H), grads_tol(dt))
+			TH_LOG("case %d", i);
+		EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: reruns differ", i);
+		for (int w = 0; w < 4; w++) {
+			grads one;
+
+			ASSERT_EQ(0, grads_alloc(&one, &c, APE_F32));
+			EXPECT_EQ(0, run_backward(&c, self->dev, &one, alone[w], NULL));
+			EXPECT_TRUE(same_grads(&one, &g, alone[w]))
+				TH_LOG("case %d: output 0x%x alone differs", i, alone[w]);
+			grads_free(&one);
+		}
+		if (c.tp.desc.causal && i % 3 != 1) /* rows 0 and 1 see no key */
+			for (int64_t d = 0; d < sh->D; d++) {
+				EXPECT_EQ(0.0, test_tensor_get(&g.dq.t, 0, 0, 0, d));
+				EXPECT_EQ(0.0, test_tensor_get(&g.dq.t, 0, H - 1, 1, d));
+			}
+		if (ocl) { /* the general sweep on the same case */
+			ASSERT_EQ(0, setenv("APE_OCL_BWD_SEP", "0", 1));
+			ape_stats_init(&st);
+			EXPECT_EQ(0, run_backward(&c, self->dev, &general, W_ALL, &st));
+			unsetenv("APE_OCL_BWD_SEP");
+			EXPECT_STREQ("backward", st.path) TH_LOG("case %d", i);
+			EXPECT_LE(grads_rel_err(&general.dq.t, &want.dq.t), grads_tol(dt));
+			EXPECT_LE(grads_rel_err(&general.dk.t, &want.dk.t), grads_tol(dt));
+			EXPECT_LE(grads_rel_err(&general.dv.t, &want.dv.t), grads_tol(dt));
+			EXPECT_LE(grads_rel_err_params(general.dparams, want.dparams, H),
+				  grads_tol(dt));
+		}
+		TH_LOG("case %d: errors dq %.2e dk %.2e dv %.2e dparams %.2e", i,
+		       grads_rel_err(&g.dq.t, &want.dq.t), grads_rel_err(&g.dk.t, &want.dk.t),
+		       grads_rel_err(&g.dv.t, &want.dv.t),
+		       grads_rel_err_params(g.dparams, want.dparams, H));
+		grads_free(&want);
+		grads_free(&g);
+		grads_free(&again);
+		grads_free(&general);
+		bcase_free(&c);
+	}
+}
+
+/*
  * Skipping in the backward pass (docs/kernels.md, "Skipping in the backward pass"): with the
  * seed's parameters (delta = 2^(-4/3), beta = gamma = delta / 10, lambda = 0.1) and skip_tol =
  * 1e-4, long enough rows that whole key tiles lie far behind (causal) or on both sides (the

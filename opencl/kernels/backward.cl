@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The APE backward pass (APE-SPEC.md, "Gradients"), OpenCL C 1.2, built after attention.cl in
- * the same program (it uses its loads, ld(), and its lane types). Nine kernels, enqueued in
- * order by ocl_backward.c:
+ * the same program (it uses its loads, ld(), and its lane types). Ten kernels (nine
+ * per launch, one sweep of the two), enqueued in order by ocl_backward.c:
  *
  *   ape_bwd_prep     Q with dO (in row vectors), and K with V (a row per key), as float32 in
  *                    the sweep's order; with skipping, each kv head's largest key norm;
@@ -17,6 +17,11 @@
  *                    them once, and adds the rows' dQ_i, alpha path A_i and parameter sums to
  *                    its split's slice of the partial buffers (and, for the table's gradient,
  *                    dS by distance);
+ *   ape_bwd_sep      instead of ape_bwd_fused where every head has lambda = 0 (B_SEP): the
+ *                    same sweep (bwd_sweep()) on rows and keys rotated once by their own
+ *                    positions (ape_bwd_rows rotates Q in place, ape_bwd_prep rotates K), so
+ *                    that no pair turns anything: dot and alpha sums as products, dK and dQ as
+ *                    plain sums turned back once per key and per row;
  *   ape_bwd_reduce   per row vector: the splits' slices summed in split order, the alpha path
  *                    applied to dQ_i, added to dQ; the rows' parameter sums;
  *   ape_bwd_params   per head: the rows' parameter sums in float64, in row order, added to
@@ -139,32 +144,59 @@ KFN vf bwd_hsum16(const float *v)
  * component; with lanes = 1 (K and V) a key is one contiguous row. Converting f16/bf16 and
  * de-interleaving once per row, not once per pair. With om (omega_p, K's call), each row also
  * gets omega_p times its first components, then minus omega_p times its second, after the rest
- * (rs = 4 npad + dpad): the alpha sums' factors, one broadcast load each in the sweep.
+ * (rs = 4 npad + dpad): the alpha sums' factors, one broadcast load each in the sweep. With rot
+ * as well (K's call for ape_bwd_sep, lanes 1), each key j is rotated by its own position,
+ * (u, w) -> (u cos - w sin, u sin + w cos) at the angle j omega_p (seeded exactly by
+ * ape_seed_sincos), before all of that, and the cos then the sin of each pair's angle follow
+ * the rest (rs = 6 npad + dpad), for turning dK back; the key norm stays the unrotated one's.
  */
 __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void *Bv, int dt_b,
 			   long L, int lanes, int D, int npad, int dpad, int inter,
-			   __global float *out, __global int *kmax, __global const APE_REAL *om)
+			   __global float *out, __global int *kmax, __global const APE_REAL *om,
+			   int rot)
 {
 	const long i = get_global_id(0), bh = get_global_id(1), base = (bh * L + i) * (long)BD(D);
 	const long nblk = (L + lanes - 1) / lanes;
-	const int P = BD(D) / 2, rs = 2 * npad + dpad + (om ? 2 * npad : 0), ok = i < L;
+	const int P = BD(D) / 2, ok = i < L;
+	const int rs = 2 * npad + dpad + (om ? 2 * npad : 0) + (om && rot ? 2 * npad : 0);
 	__global float *o = out + ((bh * nblk + i / lanes) * rs) * lanes + i % lanes;
 
 	if (i >= nblk * lanes)
 		return;
 	APE_REAL ss = 0;
 
-	for (int p = 0; p < npad; p++) {
-		const float x = ok && p < P ? ld(A, base + (inter ? 2 * p : p), dt_a) : 0.0f;
-		const float y = ok && p < P ? ld(A, base + (inter ? 2 * p + 1 : p + P), dt_a) : 0.0f;
+	/* pairs in chunks of APE_RW (npad is a multiple of it): one vector seed per chunk */
+	for (int p0 = 0; p0 < npad; p0 += APE_RW) {
+		float cs[APE_RW], sn[APE_RW];
 
-		o[p * lanes] = x;
-		o[(npad + p) * lanes] = y;
-		if (om) { /* as the sweep's float32 products */
-			o[(2 * npad + dpad + p) * lanes] = (float)om[p] * x;
-			o[(3 * npad + dpad + p) * lanes] = -((float)om[p] * y);
+		if (om && rot) {
+			vf c;
+			const vf s = ape_seed_sincos(VL(om + p0) * (APE_REAL)i, &c);
+
+			VS(c, cs);
+			VS(s, sn);
 		}
-		ss += (APE_REAL)x * x + (APE_REAL)y * y;
+		for (int p = p0; p < p0 + APE_RW; p++) {
+			float x = ok && p < P ? ld(A, base + (inter ? 2 * p : p), dt_a) : 0.0f;
+			float y = ok && p < P ? ld(A, base + (inter ? 2 * p + 1 : p + P), dt_a)
+					      : 0.0f;
+
+			ss += (APE_REAL)x * x + (APE_REAL)y * y;
+			if (om && rot) { /* as the general sweep's rotated query */
+				const float xr = x * cs[p - p0] - y * sn[p - p0];
+
+				y = x * sn[p - p0] + y * cs[p - p0];
+				x = xr;
+				o[(4 * npad + dpad + p) * lanes] = cs[p - p0];
+				o[(5 * npad + dpad + p) * lanes] = sn[p - p0];
+			}
+			o[p * lanes] = x;
+			o[(npad + p) * lanes] = y;
+			if (om) { /* as the sweep's float32 products */
+				o[(2 * npad + dpad + p) * lanes] = (float)om[p] * x;
+				o[(3 * npad + dpad + p) * lanes] = -((float)om[p] * y);
+			}
+		}
 	}
 	for (int d = 0; d < dpad; d++)
 		o[(2 * npad + d) * lanes] = ok && d < BD(D) ? ld(Bv, base + d, dt_b) : 0.0f;
@@ -231,7 +263,9 @@ KFN struct bwd bwd_init(int D, long Lq, long Lk, long rel, float scale, int flag
 	b.P = b.D / 2;
 	b.npad = (b.P + APE_RW - 1) / APE_RW * APE_RW;
 	b.rs = 2 * b.npad + (b.D + APE_RW - 1) / APE_RW * APE_RW; /* floats per prepared row */
-	b.krs = b.rs + 2 * b.npad; /* per prepared key: omega_p u_p, -omega_p w_p after */
+	/* per prepared key: omega_p u_p, -omega_p w_p after; with B_SEP, then the cos and sin of
+	 * its own angle (ape_bwd_prep) */
+	b.krs = b.rs + ((flags & B_SEP) ? 4 : 2) * b.npad;
 	b.inter = (flags & B_INTERLEAVED) != 0;
 	b.causal = (flags & B_CAUSAL) != 0;
 	b.Lq = Lq;
@@ -274,8 +308,11 @@ KFN vi bwd_lanes(int lo, int hi)
  * row's mean, sigma and alpha (sums in the forward's order: pair by pair), its saved LSE and
  * Dl_i - dLSE_i (Dl_i = dO_i . O_i), to the row table; and the cos and sin of each pair's
  * per-key step omega_p / alpha_i, to STEP (per row vector: cos for the npad pairs, then sin,
- * APE_RW lanes each), so that the sweep seeds only the rotation's start. BSM: the suffix maxima
- * of the distance-bias table (rows as ape_bwd_dist's BT), for the skip bound; NULL without one.
+ * APE_RW lanes each), so that the sweep seeds only the rotation's start. With B_SEP (lambda = 0,
+ * ape_bwd_sep) instead: the rows' pairs rotated in place by their positions rel + i, and the cos
+ * and sin of those angles (rel + i) omega_p to STEP, with which the sweep turns dQ back. BSM:
+ * the suffix maxima of the distance-bias table (rows as ape_bwd_dist's BT), for the skip bound;
+ * NULL without one.
  */
 /* The largest entry of a head's distance-bias table at distance an or beyond (sm: the head's
  * suffix maxima, bM of them; NULL without a table: 0): what the score bound of keys at
@@ -363,7 +400,7 @@ KFN void bwd_row_range(__global const APE_REAL *hp, float scale, APE_REAL qn, AP
 	*jhi = hi * B_GRANULE < Lk ? hi * B_GRANULE : Lk;
 }
 
-__kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
+__kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 			   __global const float *LSE, __global const float *DLSE,
 			   __global const APE_REAL *prm, int npad, int D, int H, long Lq, int flags,
 			   __global APE_REAL *rinfo, __global float *STEP, __global const int *kmax,
@@ -374,9 +411,11 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 	const long blk = bh * nblk + ib, i0 = ib * APE_RW;
 	const int P = BD(D) / 2, rs = 2 * npad + (BD(D) + APE_RW - 1) / APE_RW * APE_RW;
 	const APE_REAL lambda = prm[npad + 4 * (bh % H) + 3];
-	__global const float *qt = QP + blk * rs * APE_RW;
+	__global float *qt = QP + blk * rs * APE_RW;
 	__global APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
 	__global float *st = STEP + blk * 2 * npad * APE_RW;
+	/* B_SEP: the rows' positions rel + i (padding lanes: any) */
+	const vr pos = (APE_REAL)ape_sat_add(rel, i0) + TO_VR(IOTA);
 	const int causal = (flags & B_CAUSAL) != 0;
 	APE_REAL tm[APE_RW], tss[APE_RW], tia[APE_RW], tqq[APE_RW], tdl[APE_RW];
 	vr sum = (vr)0, ss = (vr)0, qq = (vr)0, dlv = (vr)0, mean;
@@ -464,8 +503,17 @@ __kernel void ape_bwd_rows(__global const float *QP, __global const void *O,
 	NOUNROLL for (int p = 0; p < npad; p++) {
 		vf c = (vf)1.0f, sn = (vf)0.0f;
 
-		if (p < P)
+		if (p < P && (flags & B_SEP)) {
+			/* the rows rotated by their own positions, in place (the sums above read
+			 * them unrotated); the cos and sin of the angle kept for turning dQ back */
+			const vf x = VL(qt + p * APE_RW), y = VL(qt + (npad + p) * APE_RW);
+
+			sn = ape_seed_sincos(prm[p] * pos, &c);
+			VS(x * c - y * sn, qt + p * APE_RW);
+			VS(x * sn + y * c, qt + (npad + p) * APE_RW);
+		} else if (p < P) {
 			sn = ape_seed_sincos(prm[p] * VL(tia), &c);
+		}
 		VS(c, st + p * APE_RW);
 		VS(sn, st + (npad + p) * APE_RW);
 	}
@@ -542,9 +590,9 @@ KFN void bwd_dq_add(__global float *dq, int p, int P, vf vx, vf vy, vf c0, vf s0
  * and NaN in a key only the rows that see it). Only the wanted outputs are computed, each the
  * same way whatever else is wanted.
  */
-__kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
-			    __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
-			    __global APE_REAL *DBP)
+KFN void bwd_sweep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV, __global float *DQP,
+		   __global APE_REAL *RP, int nsplit, long nrv, __global APE_REAL *DBP,
+		   const int sep)
 {
 	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
 	const long s = get_global_id(0), bkv = get_global_id(1), Hkv = H / group;
@@ -616,12 +664,21 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 					lse = VL(ri + RI_LSE * APE_RW);
 					dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
 					nv = ((APE_REAL)nl0[g] + TO_VR(IOTA)) * iav;
-					/* the queries rotated to key j0 (by +theta) */
+					/* the queries rotated to key j0 (by +theta); sep: rotated by
+					 * their positions already (ape_bwd_rows), STEP their angles */
 					NOUNROLL for (int p = 0; p < b.P; p++) {
 						const vf x = VL(qt + p * APE_RW),
 							 y = VL(qt + (b.npad + p) * APE_RW);
-						vf c, sn = ape_seed_sincos((vr)prm[p] * nv, &c);
+						vf c, sn;
 
+						if (sep) {
+							xs[p] = X0[g][p] = x;
+							ys[p] = Y0[g][p] = y;
+							C0[g][p] = VL(cw + p * APE_RW);
+							S0[g][p] = VL(sw + p * APE_RW);
+							continue;
+						}
+						sn = ape_seed_sincos((vr)prm[p] * nv, &c);
 						xs[p] = X0[g][p] = x * c - y * sn;
 						ys[p] = Y0[g][p] = x * sn + y * c;
 						C0[g][p] = c;
@@ -671,8 +728,10 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 										fma(y, (vf)k[b.rs + p],
 										    fma(x, (vf)k[b.rs + b.npad + p],
 											E[jj]))));
-								bwd_turn(&x, &y, c, sn);
-								bwd_turn(&x2, &y2, c2, sn2);
+								if (!sep) {
+									bwd_turn(&x, &y, c, sn);
+									bwd_turn(&x2, &y2, c2, sn2);
+								}
 							}
 							xs[p] = x;
 							ys[p] = y;
@@ -691,7 +750,8 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 								E[jj] = fma(y, (vf)kr[jj][b.rs + p],
 									    fma(x, (vf)kr[jj][b.rs + b.npad + p],
 										E[jj]));
-								bwd_turn(&x, &y, c, sn);
+								if (!sep)
+									bwd_turn(&x, &y, c, sn);
 							}
 							xs[p] = x;
 							ys[p] = y;
@@ -890,8 +950,11 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 											     fma(gv, x, ax[jj]));
 										ay[jj] = fma(gv2, y2,
 											     fma(gv, y, ay[jj]));
-										bwd_turn(&x, &y, c, sn);
-										bwd_turn(&x2, &y2, c2, sn2);
+										if (!sep) {
+											bwd_turn(&x, &y, c, sn);
+											bwd_turn(&x2, &y2, c2,
+												 sn2);
+										}
 									}
 									X[g + 1] = x2;
 									Y[g + 1] = y2;
@@ -918,7 +981,8 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 												(vf)0.0f,
 												Gm[g][kt] * y, ok);
 										}
-										bwd_turn(&x, &y, c, sn);
+										if (!sep)
+											bwd_turn(&x, &y, c, sn);
 									}
 								}
 								X[g] = x;
@@ -966,6 +1030,14 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 									const vf gv = Gm[g][kt], an = vx,
 										 an2 = vx2;
 
+									if (sep) { /* no turn: a sum */
+										vx = fma(gv, k[p], vx);
+										vy = fma(gv, k[b.npad + p], vy);
+										vx2 = fma(gv, k[p + 1], vx2);
+										vy2 = fma(gv, k[b.npad + p + 1],
+											  vy2);
+										continue;
+									}
 									vx = fma(vx, c, fma(vy, ns, gv * k[p]));
 									vy = fma(an, sn,
 										 fma(vy, c, gv * k[b.npad + p]));
@@ -994,6 +1066,11 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 									gu = APE_V_SELECT(gu, (vf)0.0f, gv == 0.0f);
 									gw = APE_V_SELECT(gw, (vf)0.0f, gv == 0.0f);
 								}
+								if (sep) { /* no turn: a sum */
+									vx += gu;
+									vy += gw;
+									continue;
+								}
 								vx = fma(vx, c, fma(vy, ns, gu));
 								vy = fma(an, sn, fma(vy, c, gw));
 							}
@@ -1009,25 +1086,32 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 
 			int c = 0;
 
-			/* component c of dK: pair c's first (c < P) or pair c - P's second */
+			/* component c of dK: pair c's first (c < P) or pair c - P's second; sep: the
+			 * sums turned back by the key's angle, dk = R(-theta_j) dKr */
+			if (flags & B_DK) {
+				float sm[APE_DMAX];
+
 #if APE_RW == 16
-			if (flags & B_DK)
-				NOUNROLL for (; c + 16 <= b.D; c += 16) {
-					float sm[16];
+				NOUNROLL for (; c + 16 <= b.D; c += 16)
+					VS(bwd_hsum16(dka + c * 16), sm + c);
+#endif
+				NOUNROLL for (; c < b.D; c++)
+					sm[c] = bwd_hsum(VL(dka + c * APE_RW));
+				if (sep) {
+					__global const float *kc = kp + kt * b.krs + b.rs + 2 * b.npad;
 
-					VS(bwd_hsum16(dka + c * 16), sm);
-					for (int u = 0; u < 16; u++) {
-						const int cc = c + u;
+					NOUNROLL for (int p = 0; p < b.P; p++) {
+						const float co = kc[p], si = kc[b.npad + p];
+						const float u = sm[p], w = sm[b.P + p];
 
-						DK[kbase + (!b.inter ? cc
-							   : cc < b.P ? 2 * cc : 2 * (cc - b.P) + 1)] += sm[u];
+						sm[p] = fma(u, co, w * si);
+						sm[b.P + p] = fma(w, co, -(u * si));
 					}
 				}
-#endif
-			if (flags & B_DK)
-				NOUNROLL for (; c < b.D; c++)
+				NOUNROLL for (c = 0; c < b.D; c++)
 					DK[kbase + (!b.inter ? c : c < b.P ? 2 * c : 2 * (c - b.P) + 1)] +=
-						bwd_hsum(VL(dka + c * APE_RW));
+						sm[c];
+			}
 			c = 0;
 #if APE_RW == 16
 			if (flags & B_DV)
@@ -1039,6 +1123,36 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 					DV[kbase + c] += bwd_hsum(VL(dva + c * APE_RW));
 		}
 	}
+}
+
+/* The general sweep (any lambda): bwd_sweep() turning each row's rotation per key */
+__kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
+			    __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
+			    __global APE_REAL *DBP)
+{
+	bwd_sweep(QP, KP, prm, npad, rinfo, STEP, tab, D, H, group, Lq, Lk, rel, scale, flags, DK,
+		  DV, DQP, RP, nsplit, nrv, DBP, 0);
+}
+
+/*
+ * The separable sweep (lambda = 0 on every head, B_SEP; docs/kernels.md): alpha_i = 1 and
+ * temp = 1, so theta_ij = (rel + i - j) omega_p splits into the row's angle and the key's, and
+ * dot_ij = Qr_i . Kr_j with Qr_i = R((rel + i) omega) q_i (ape_bwd_rows, in place) and
+ * Kr_j = R(j omega) k_j (ape_bwd_prep). bwd_sweep() with no turn anywhere: the alpha sum
+ * E_ij = sum_p omega_p (yr_p u_p - xr_p w_p) of the rotated query is the same sum over Qr_i and
+ * Kr_j (J R = R J, J the turn by -90 degrees: J R(theta_ij) q . k = J Qr . Kr), the prepared
+ * key's omega products as before; dKr_j = sum_i g_ij Qr_i and dQr_i = sum_j g_ij Kr_j are plain
+ * sums, turned back once: dk_j = R(-j omega) dKr_j at the block's end, dq_i =
+ * R(-(rel + i) omega) dQr_i by bwd_dq_add() with STEP's angles. Everything else (skipping, the
+ * splits and their order, the partial buffers, the row and parameter sums) is the general
+ * sweep's.
+ */
+__kernel void ape_bwd_sep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
+			  __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
+			  __global APE_REAL *DBP)
+{
+	bwd_sweep(QP, KP, prm, npad, rinfo, STEP, tab, D, H, group, Lq, Lk, rel, scale, flags, DK,
+		  DV, DQP, RP, nsplit, nrv, DBP, 1);
 }
 
 /*

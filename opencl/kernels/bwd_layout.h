@@ -23,6 +23,7 @@
 #define B_SKIP 8192 /* leave out key tiles the backward bound proves negligible (skip_tol) */
 #define B_PAIRS 16384 /* write each row's pairs computed */
 #define B_DBIAS 32768 /* the distance-bias table's gradient: dS per distance, DBP */
+#define B_SEP 65536 /* lambda = 0 on every head: ape_bwd_sep on rows and keys rotated once */
 
 /* Keys per skip granule: a row vector's computed keys start and end at multiples of it (or at
  * the ends of its visible keys); the sweep's key blocks (BWD_KT) divide it. Small, because a
