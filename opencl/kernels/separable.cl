@@ -12,11 +12,13 @@
  * distance-bias table added in, each tile taking its 31 distances relative to its own
  * reference, as the general kernel's tile tables do; the skip bound adds the caller's table's
  * suffix maximum).
- * ape_sep_attn gives one work-item a block of SEP_BQ = 16 query
- * rows (the lanes) and walks key tiles of SEP_BK = 16 keys: the 16 score vectors of a tile stay
- * in registers over the D loop (one Q vector load, 16 FMAs with a broadcast key element per
- * d), then the online softmax runs lane-wise (no horizontal reduction, one rescale per tile),
- * then P V in chunks of 16 output columns held in registers. Causal launches walk from the
+ * ape_sep_attn gives one work-item SEP_NB blocks of SEP_BQ = 16 query
+ * rows (the lanes) and walks steps of SEP_SK = 32 keys (two key tiles of SEP_BK = 16): the 16
+ * score vectors of a tile stay in registers over the D loop (one Q vector load, 16 FMAs with a
+ * broadcast key element per d; sep_tile(), without masks nor finiteness tests except on masked
+ * steps or after an infinite score), then the online softmax runs lane-wise (no horizontal
+ * reduction, one rescale per step, none where no lane's maximum moved), then P V in chunks of
+ * 16 output columns held in registers. Causal launches walk from the
  * diagonal backward and, when skipping is allowed, stop once every row of the block has proved
  * the rest negligible (ape_may_skip, with per-tile key norms from ape_sep_rot_k).
  * Built after attention.cl and decode.cl in one program (ld(), st(), dec_ld16(), dec_seed16()).
@@ -419,10 +421,10 @@ __kernel void ape_sep_kscan(__global const float *ktile, long ntk, long nseg,
  * s[0..15]; *mt and *mn take the lane-wise maximum and minimum ('>' and fmax ignore NaN).
  * careful (a constant at each call): a non-finite dot makes the score NaN, and when masked,
  * keys that a lane does not see (past Lk, past its diagonal) score -inf, vis[j] saying which
- * lanes see key j (*mn is left alone). Not careful: the scores as they come, no masks. The two
- * give the same scores unless one is infinite, which the caller sees in *mt or *mn (the
- * careful -inf of a non-finite dot or of a mask aside, no score is infinite, and NaN stays
- * NaN either way): it then redoes the step carefully.
+ * lanes see key j (*mn is left alone). Not careful: the scores as they come, without masks:
+ * the same as the careful ones unless a score is infinite (an infinite dot, or bias; a NaN
+ * stays NaN either way), which the caller sees in *mt or *mn and then redoes the step
+ * carefully.
  */
 KFN void sep_tile(__global const float *qt, __global const float *kr, int D,
 		  __global const APE_REAL *btb, long lkp, int tabbed, float delta, long i0, long kt,
