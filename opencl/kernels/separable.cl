@@ -630,6 +630,12 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 			__global const float *qt = Qt + (bh * Lqp + sg[SG_QP] + i0[g]) * DEC_DIM;
 			const int masked = len < SEP_SK ||
 					   (causal && k0 + SEP_SK - 1 > ape_sat_add(rel, i0[g]));
+			/* the step's tiles for this block: causal, not a tile past its last row's
+			 * diagonal (every score -inf, p 0: leaving it out changes no bit; such a
+			 * step is masked, and an unmasked one has all SEP_KS tiles) */
+			const int ntg = causal && k0 + SEP_BK > ape_sat_add(rel, i0[g] + nrow[g] - 1)
+						? 1
+						: nt;
 			float16 mt, mn, corr, lsum = (float16)0.0f;
 			int careful = masked;
 
@@ -641,7 +647,7 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 				mt = m[g];
 				mn = (float16)INFINITY;
 				if (careful) {
-					for (int u = 0; u < nt; u++)
+					for (int u = 0; u < ntg; u++)
 						sep_tile(qt, kr + (k0 + u * SEP_BK) * DEC_DIM, D, btb, lkp,
 							 tabbed, delta, i0[g], k0 + u * SEP_BK, rel, Lk,
 							 causal, crow[g], d0[g], iota, 1, masked,
@@ -664,7 +670,7 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 					     m[g] - mt < APE_EXP_CUTOFF),
 				      (float16)1.0f, m[g] == mt);
 			if (careful) {
-				for (int j = 0; j < nt * SEP_BK; j++) {
+				for (int j = 0; j < ntg * SEP_BK; j++) {
 					const float16 dd = p[j] - mt;
 
 					p[j] = select(dec_exp16(dd), (float16)0.0f,
@@ -682,7 +688,7 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 			}
 			l[g] = l[g] * corr + lsum;
 			m[g] = mt;
-			sep_pv(vf + k0 * DEC_DIM, D, nt * SEP_BK, masked, corr, p, vis, acc[g]);
+			sep_pv(vf + k0 * DEC_DIM, D, ntg * SEP_BK, masked, corr, p, vis, acc[g]);
 			tlo[g] = min(tlo[g], t);
 			thi[g] = max(thi[g], t);
 
