@@ -190,9 +190,12 @@ TEST(decode_random_cases_match_reference)
  * A NaN in V at key `key` (column 3) reaches exactly the rows that see it: rows i with
  * q_start + i >= key (causal, k_start 0, skipping off); elsewhere O within tolerance of the
  * reference. sep: every head separable (lambda = 0, delta 0.1), and the separable path takes it.
+ * kval (nan_case_k): instead K's column 3 at that key takes kval (an infinity: the rows that
+ * see it get a non-finite score there, so NaN in every column).
  */
-static void nan_case(struct __test_metadata *_metadata, const struct devs *d, const char *name,
-		     const test_problem_shape *sh, int64_t q_start, int64_t key, bool sep)
+static void nan_case_k(struct __test_metadata *_metadata, const struct devs *d, const char *name,
+		       const test_problem_shape *sh, int64_t q_start, int64_t key, bool sep,
+		       bool in_k, double kval)
 {
 	ape_rng rng;
 	test_problem tp, r;
@@ -207,7 +210,10 @@ static void nan_case(struct __test_metadata *_metadata, const struct devs *d, co
 	tp.desc.q_start_set = true;
 	tp.desc.k_start = 0;
 	tp.desc.q_start = q_start;
-	test_tensor_set(&tp.v.t, 0, 0, key, 3, NAN);
+	if (in_k)
+		test_tensor_set(&tp.k.t, 0, 0, key, 3, kval);
+	else
+		test_tensor_set(&tp.v.t, 0, 0, key, 3, NAN);
 	launch_of(&tp, hp, &l);
 	if (sep)
 		EXPECT_TRUE(ape__ocl_separable_applies(d->ocl, &l));
@@ -220,7 +226,7 @@ static void nan_case(struct __test_metadata *_metadata, const struct devs *d, co
 				const double a = test_tensor_get(&tp.o.t, 0, h, i, e);
 				const double w = test_tensor_get(&r.o.t, 0, h, i, e);
 
-				EXPECT_EQ(q_start + i >= key && e == 3, isnan(a) != 0)
+				EXPECT_EQ(q_start + i >= key && (in_k || e == 3), isnan(a) != 0)
 				TH_LOG("%s: head %lld row %lld column %lld", name, (long long)h,
 				       (long long)i, (long long)e);
 				if (!isnan(w))
@@ -228,6 +234,12 @@ static void nan_case(struct __test_metadata *_metadata, const struct devs *d, co
 			}
 	test_problem_free(&r);
 	test_problem_free(&tp);
+}
+
+static void nan_case(struct __test_metadata *_metadata, const struct devs *d, const char *name,
+		     const test_problem_shape *sh, int64_t q_start, int64_t key, bool sep)
+{
+	nan_case_k(_metadata, d, name, sh, q_start, key, sep, false, 0);
 }
 
 /* NaN and Inf in K or V reach exactly the rows that see them, in the decode's merge too; in the
@@ -532,6 +544,30 @@ TEST(separable_wg_shape_skips_deterministic)
 	}
 	ape_context_destroy(d.ctx);
 	unsetenv("APE_OCL_SEP_SHAPE");
+}
+
+/*
+ * The CPU shape (ape_sep_attn): a NaN in V, +inf or -inf in K, reach exactly the rows that see
+ * their key, whether the key lies in a step that the rows see whole (where the scores are taken
+ * without masks and an infinite one sends the step back to be redone carefully) or on their
+ * diagonal (masked). Rows 0..99 at 70..169: key 30 is far from every diagonal, key 107 on some.
+ */
+TEST(separable_nonfinite_reaches_its_rows)
+{
+	const test_problem_shape sh = { 1, 2, 1, 100, 170, 64 };
+	const int64_t keys[2] = { 30, 107 };
+	struct devs d;
+
+	devs_open(_metadata, &d);
+	for (int k = 0; k < 2; k++) {
+		nan_case_k(_metadata, &d, "separable_nonfinite_reaches_its_rows (V NaN)", &sh, 70,
+			   keys[k], true, false, 0);
+		nan_case_k(_metadata, &d, "separable_nonfinite_reaches_its_rows (K +inf)", &sh, 70,
+			   keys[k], true, true, INFINITY);
+		nan_case_k(_metadata, &d, "separable_nonfinite_reaches_its_rows (K -inf)", &sh, 70,
+			   keys[k], true, true, -INFINITY);
+	}
+	ape_context_destroy(d.ctx);
 }
 
 /* Under the work-group shape, a NaN in V reaches exactly the rows that see its key (the rows of

@@ -96,8 +96,10 @@ KFN float dec_hsum(float16 x)
  */
 KFN float16 dec_exp16(float16 x)
 {
-	/* n = rint(x log2 e) by the 1.5 * 2^23 shift (x >= -87 here; below, the caller's zero) */
-	const float16 t = fma(fmax(x, -100.0f), 1.44269504088896341f, 12582912.0f);
+	/* n = rint(x log2 e) by the 1.5 * 2^23 shift. For x >= APE_EXP_CUTOFF (-87) or NaN only:
+	 * every caller replaces the lanes below (-inf included) by zeros, so they go unclamped here
+	 * (their values are garbage), and a NaN propagates through the FMAs and the product. */
+	const float16 t = fma(x, 1.44269504088896341f, 12582912.0f);
 	const float16 n = t - 12582912.0f;
 	const float16 r = fma(n, -1.42860677e-6f, fma(n, -0.693145752f, x));
 	float16 p = fma(r, 1.0f / 720, 1.0f / 120);
@@ -108,8 +110,7 @@ KFN float16 dec_exp16(float16 x)
 	p = fma(p, r, 1.0f);
 	p = fma(p, r, 1.0f);
 	/* 2^n from the shifted value's low bits: as_int(t) - as_int(1.5 * 2^23) = n */
-	p *= as_float16((as_int16(t) - 0x4b400000 + 127) << 23);
-	return select(p, x, isnan(x));
+	return p * as_float16((as_int16(t) - 0x4b400000 + 127) << 23);
 }
 
 KFN float dec_hmax(float16 x) /* fmax: a NaN lane is ignored, as '>' is in attention.cl */

@@ -12,11 +12,13 @@
  * distance-bias table added in, each tile taking its 31 distances relative to its own
  * reference, as the general kernel's tile tables do; the skip bound adds the caller's table's
  * suffix maximum).
- * ape_sep_attn gives one work-item a block of SEP_BQ = 16 query
- * rows (the lanes) and walks key tiles of SEP_BK = 16 keys: the 16 score vectors of a tile stay
- * in registers over the D loop (one Q vector load, 16 FMAs with a broadcast key element per
- * d), then the online softmax runs lane-wise (no horizontal reduction, one rescale per tile),
- * then P V in chunks of 16 output columns held in registers. Causal launches walk from the
+ * ape_sep_attn gives one work-item SEP_NB blocks of SEP_BQ = 16 query
+ * rows (the lanes) and walks steps of SEP_SK = 32 keys (two key tiles of SEP_BK = 16): the 16
+ * score vectors of a tile stay in registers over the D loop (one Q vector load, 16 FMAs with a
+ * broadcast key element per d; sep_tile(), without masks nor finiteness tests except on masked
+ * steps or after an infinite score), then the online softmax runs lane-wise (no horizontal
+ * reduction, one rescale per step, none where no lane's maximum moved), then P V in chunks of
+ * 16 output columns held in registers. Causal launches walk from the
  * diagonal backward and, when skipping is allowed, stop once every row of the block has proved
  * the rest negligible (ape_may_skip, with per-tile key norms from ape_sep_rot_k).
  * Built after attention.cl and decode.cl in one program (ld(), st(), dec_ld16(), dec_seed16()).
@@ -37,6 +39,8 @@
 #define SEP_BQ 16 /* query rows per work-item (ocl_separable.c mirrors it) */
 #define SEP_BK 16 /* keys per tile: one float16 */
 #define SEP_NB 4 /* row blocks per work-item, sharing each key tile (ocl_separable.c) */
+#define SEP_KS 2 /* key tiles per step of ape_sep_attn (one online-softmax update) */
+#define SEP_SK (SEP_KS * SEP_BK) /* keys per step */
 
 #define FS_SKIP 256 /* ocl_fast.h */
 /* a head has beta or gamma != 0, or the launch a distance-bias table: the bias comes from
@@ -409,24 +413,111 @@ __kernel void ape_sep_kscan(__global const float *ktile, long ntk, long nseg,
 	}
 }
 
-/* acc[d] = acc[d] * corr + sum over the tile's keys j of p[j] V[j][d], 16 columns at a time in
- * registers. masked: lanes (rows) that do not see key j take nothing from it, not 0 * V (V may
+/*
+ * One key tile of a step of ape_sep_attn: the scores of a row block (its 16 rows i0 .. in the
+ * lanes; qt: its Qt block) against the tile's 16 keys kt .. kt + 15 (kr: theirs in the scratch),
+ * their bias (the per-distance table btb of the segment, lkp its padded keys, relative to the
+ * tile's own reference as the general kernel's tile tables; or -delta (|n| - |n_anchor|)), into
+ * s[0..15]; *mt and *mn take the lane-wise maximum and minimum ('>' and fmax ignore NaN).
+ * careful (a constant at each call): a non-finite dot makes the score NaN, and when masked,
+ * keys that a lane does not see (past Lk, past its diagonal) score -inf, vis[j] saying which
+ * lanes see key j (*mn is left alone). Not careful: the scores as they come, without masks:
+ * the same as the careful ones unless a score is infinite (an infinite dot, or bias; a NaN
+ * stays NaN either way), which the caller sees in *mt or *mn and then redoes the step
+ * carefully.
+ */
+KFN void sep_tile(__global const float *qt, __global const float *kr, int D,
+		  __global const APE_REAL *btb, long lkp, int tabbed, float delta, long i0, long kt,
+		  long rel, long Lk, int causal, const APE_REAL *crow, int16 d0, int16 iota,
+		  const int careful, int masked, float16 *s, int16 *vis, float16 *mt, float16 *mn)
+{
+	float16 S[SEP_BK], cr;
+	float bt[SEP_BQ + SEP_BK - 1];
+
+#pragma unroll
+	for (int j = 0; j < SEP_BK; j++)
+		S[j] = (float16)0.0f;
+	/* 16 rows (lanes) x 16 keys, one query vector per d */
+	NOUNROLL
+	for (int d = 0; d < DEC_DIM; d++) {
+		const float16 qv = vload16(0, qt + d * SEP_BQ);
+
+#pragma unroll
+		for (int j = 0; j < SEP_BK; j++)
+			S[j] = fma(qv, (float16)kr[j * DEC_DIM + d], S[j]);
+	}
+	/* the table's bias at the tile's 31 distances n = rel + i0 - kt + e - 15, relative to the
+	 * one at e = 15 (bref: the general kernel's frame for a block, float32 keeps the fine
+	 * differences), and bref - c_row per lane */
+	if (tabbed) {
+		__global const APE_REAL *tb = btb + (i0 - kt + lkp - 1) - (SEP_BK - 1);
+		const APE_REAL bref = tb[SEP_BK - 1];
+		float c[SEP_BQ];
+
+#pragma unroll
+		for (int e = 0; e < SEP_BQ + SEP_BK - 1; e++)
+			bt[e] = (float)(tb[e] - bref);
+#pragma unroll
+		for (int r = 0; r < SEP_BQ; r++)
+			c[r] = (float)(bref - crow[r]);
+		cr = vload16(0, c);
+	}
+#pragma unroll
+	for (int j = 0; j < SEP_BK; j++) {
+		float16 x = S[j];
+
+		if (tabbed) /* lane r: distance e = r - j + 15 */
+			x += vload16(0, bt + (SEP_BK - 1 - j)) + cr;
+		else if (delta != 0.0f) /* ape_bias_diff_f with beta = gamma = 0 */
+			x -= delta * convert_float16(abs(d0 - ((int)kt + j)));
+		if (careful) {
+			x = select((float16)NAN, x, isfinite(S[j]));
+			if (masked) {
+				/* lane r sees key kt + j iff rel + i0 + r >= kt + j */
+				const long need = kt + j - (rel + i0);
+				const int16 v = kt + j >= Lk		 ? (int16)0
+						: !causal || need <= 0 ? (int16)(-1)
+						: need < SEP_BQ	 ? iota >= (int16)(int)need
+								 : (int16)0;
+
+				vis[j] = v;
+				x = select((float16)(-INFINITY), x, v);
+			}
+		} else {
+			*mn = fmin(*mn, x);
+		}
+		s[j] = x;
+		*mt = fmax(*mt, x);
+	}
+}
+
+/* acc[d] = acc[d] * corr + sum over the nk keys j of p[j] V[j][d], 16 columns at a time in
+ * registers (acc not multiplied where corr is 1 in every lane: the same values, 64 multiplies
+ * fewer; once the rows' maxima settle, most tiles leave them unchanged). masked: lanes (rows) that do not see key j take nothing from it, not 0 * V (V may
  * hold a NaN); vis[j] says which do. V in the address space AS (sep_pv: the scratch, sep_pv_p: a
  * work-item's private copy). */
 #define SEP_PV(name, AS)                                                                           \
-KFN void name(AS const float *vf, int D, int masked, const float16 corr, const float16 *p,         \
+KFN void name(AS const float *vf, int D, int nk, int masked, const float16 corr, const float16 *p, \
 	      const int16 *vis, float16 *acc)                                                      \
 {                                                                                                  \
+	const int rescale = any(corr != (float16)1.0f);                                            \
+                                                                                                   \
 	NOUNROLL                                                                                   \
 	for (int c = 0; c < DEC_DIM; c += 16) {                                                    \
 		float16 a[16];                                                                     \
                                                                                                    \
+		if (rescale) {                                                                     \
 _Pragma("unroll")                                                                                  \
-		for (int dd = 0; dd < 16; dd++)                                                    \
-			a[dd] = acc[c + dd] * corr;                                                \
+			for (int dd = 0; dd < 16; dd++)                                            \
+				a[dd] = acc[c + dd] * corr;                                        \
+		} else {                                                                           \
+_Pragma("unroll")                                                                                  \
+			for (int dd = 0; dd < 16; dd++)                                            \
+				a[dd] = acc[c + dd];                                               \
+		}                                                                                  \
 		if (!masked) {                                                                     \
 			NOUNROLL                                                                   \
-			for (int j = 0; j < SEP_BK; j++) {                                         \
+			for (int j = 0; j < nk; j++) {                                             \
 				const float16 pj = p[j];                                           \
 				AS const float *v = vf + j * DEC_DIM + c;                          \
                                                                                                    \
@@ -436,7 +527,7 @@ _Pragma("unroll")                                                               
 			}                                                                          \
 		} else {                                                                           \
 			NOUNROLL                                                                   \
-			for (int j = 0; j < SEP_BK; j++) {                                         \
+			for (int j = 0; j < nk; j++) {                                             \
 				const float16 pj = p[j];                                           \
 				const int16 vj = vis[j];                                           \
 				AS const float *v = vf + j * DEC_DIM + c;                          \
@@ -492,8 +583,8 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 	long i0[SEP_NB], nrow[SEP_NB], tstart[SEP_NB], tlo[SEP_NB], thi[SEP_NB];
 	int done[SEP_NB];
 	APE_REAL crow[SEP_NB][SEP_BQ];
-	float16 p[SEP_BK];
-	int16 vis[SEP_BK];
+	float16 p[SEP_SK];
+	int16 vis[SEP_SK];
 	float ms[SEP_BQ], ls[SEP_BQ];
 	long tfirst = -1, tend;
 
@@ -512,12 +603,12 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 			acc[g][d] = (float16)0.0f;
 		m[g] = (float16)(-INFINITY);
 		l[g] = (float16)0.0f;
-		/* tiles: causal from the block's last diagonal backward, else all in order */
+		/* steps: causal from the block's last diagonal backward, else all in order */
 		if (causal) {
 			const long dl = ape_sat_add(rel, i0[g] + nrow[g] - 1);
 
 			tstart[g] = nrow[g] <= 0 || dl < 0 || Lk <= 0 ? -1
-								      : min(dl, Lk - 1) / SEP_BK;
+								      : min(dl, Lk - 1) / SEP_SK;
 		} else {
 			tstart[g] = nrow[g] <= 0 || Lk <= 0 ? -1 : 0;
 		}
@@ -525,99 +616,86 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 		done[g] = tstart[g] < 0;
 		tfirst = max(tfirst, tstart[g]);
 	}
-	/* every block of the work-item takes a key tile while it is in L1 (no tile at all when no
-	 * row sees a key: the outputs below are still written) */
-	tend = causal || tfirst < 0 ? -1 : ntk;
+	/* every block of the work-item takes a step's keys while they are in L1 (no step at all
+	 * when no row sees a key: the outputs below are still written) */
+	tend = causal || tfirst < 0 ? -1 : (ntk + SEP_KS - 1) / SEP_KS;
 	for (long t = tfirst < 0 ? -1 : causal ? tfirst : 0; t != tend; t += causal ? -1 : 1) {
-		const long k0 = t * SEP_BK;
-		const int len = (int)min((long)SEP_BK, Lk - k0);
+		const long k0 = t * SEP_SK;
+		const int len = (int)min((long)SEP_SK, Lk - k0);
+		/* the step's tiles in the scratch (the segment's last step may have one) */
+		const int nt = (int)min((long)SEP_KS, ntk - t * SEP_KS);
 		int all_done = 1;
 
 		for (int g = 0; g < SEP_NB; g++) {
 			__global const float *qt = Qt + (bh * Lqp + sg[SG_QP] + i0[g]) * DEC_DIM;
-			const int masked = len < SEP_BK ||
-					   (causal && k0 + SEP_BK - 1 > ape_sat_add(rel, i0[g]));
-			float16 S[SEP_BK], mt, corr, cr, lsum = (float16)0.0f;
-			float bt[SEP_BQ + SEP_BK - 1];
+			const int masked = len < SEP_SK ||
+					   (causal && k0 + SEP_SK - 1 > ape_sat_add(rel, i0[g]));
+			/* the step's tiles for this block: causal, not a tile past its last row's
+			 * diagonal (every score -inf, p 0: leaving it out changes no bit; such a
+			 * step is masked, and an unmasked one has all SEP_KS tiles) */
+			const int ntg = causal && k0 + SEP_BK > ape_sat_add(rel, i0[g] + nrow[g] - 1)
+						? 1
+						: nt;
+			float16 mt, mn, corr, lsum = (float16)0.0f;
+			int careful = masked;
 
 			if (done[g] || (causal && t > tstart[g]))
 				continue;
-#pragma unroll
-			for (int j = 0; j < SEP_BK; j++)
-				S[j] = (float16)0.0f;
-			/* the scores: 16 rows (lanes) x 16 keys, one query vector per d */
-			NOUNROLL
-			for (int d = 0; d < DEC_DIM; d++) {
-				const float16 qv = vload16(0, qt + d * SEP_BQ);
-
-#pragma unroll
-				for (int j = 0; j < SEP_BK; j++)
-					S[j] = fma(qv, (float16)kr[(k0 + j) * DEC_DIM + d], S[j]);
-			}
-			/* the table's bias at the tile's 31 distances n = rel + i0 - k0 + e - 15,
-			 * relative to the one at e = 15 (bref: the general kernel's frame for a
-			 * block, float32 keeps the fine differences), and bref - c_row per lane */
-			if (tabbed) {
-				__global const APE_REAL *tb =
-					btb + (i0[g] - k0 + lkp - 1) - (SEP_BK - 1);
-				const APE_REAL bref = tb[SEP_BK - 1];
-				float c[SEP_BQ];
-
-#pragma unroll
-				for (int e = 0; e < SEP_BQ + SEP_BK - 1; e++)
-					bt[e] = (float)(tb[e] - bref);
-#pragma unroll
-				for (int r = 0; r < SEP_BQ; r++)
-					c[r] = (float)(bref - crow[g][r]);
-				cr = vload16(0, c);
-			}
-			/* bias, masks, then one online-softmax update for the tile, lane-wise ('>'
-			 * and fmax ignore NaN, exp keeps it; a non-finite dot makes the score NaN) */
-			mt = m[g];
-#pragma unroll
-			for (int j = 0; j < SEP_BK; j++) {
-				float16 s = S[j];
-
-				if (tabbed) /* lane r: distance e = r - j + 15 */
-					s += vload16(0, bt + (SEP_BK - 1 - j)) + cr;
-				else if (delta != 0.0f) /* ape_bias_diff_f with beta = gamma = 0 */
-					s -= delta * convert_float16(abs(d0[g] - ((int)k0 + j)));
-				s = select((float16)NAN, s, isfinite(S[j]));
-				if (masked) {
-					/* lane r sees key k0 + j iff rel + i0 + r >= k0 + j */
-					const long need = k0 + j - (rel + i0[g]);
-					const int16 v = j >= len		   ? (int16)0
-							: !causal || need <= 0 ? (int16)(-1)
-							: need < SEP_BQ	   ? iota >= (int16)(int)need
-									   : (int16)0;
-
-					vis[j] = v;
-					s = select((float16)(-INFINITY), s, v);
+			/* the scores, their bias and masks: at once where no key is masked, again
+			 * carefully should an infinite score turn up (a NaN, an infinite dot or bias) */
+			for (;;) {
+				mt = m[g];
+				mn = (float16)INFINITY;
+				if (careful) {
+					for (int u = 0; u < ntg; u++)
+						sep_tile(qt, kr + (k0 + u * SEP_BK) * DEC_DIM, D, btb, lkp,
+							 tabbed, delta, i0[g], k0 + u * SEP_BK, rel, Lk,
+							 causal, crow[g], d0[g], iota, 1, masked,
+							 p + u * SEP_BK, vis + u * SEP_BK, &mt, &mn);
+					break;
 				}
-				S[j] = s;
-				mt = fmax(mt, s);
+#pragma unroll
+				for (int u = 0; u < SEP_KS; u++)
+					sep_tile(qt, kr + (k0 + u * SEP_BK) * DEC_DIM, D, btb, lkp, tabbed,
+						 delta, i0[g], k0 + u * SEP_BK, rel, Lk, causal, crow[g],
+						 d0[g], iota, 0, 0, p + u * SEP_BK, vis + u * SEP_BK, &mt,
+						 &mn);
+				if (!any(mt == (float16)INFINITY || mn == (float16)(-INFINITY)))
+					break;
+				careful = 1;
 			}
+			/* one online-softmax update for the step, lane-wise ('>' and fmax ignore NaN,
+			 * exp keeps it) */
 			corr = select(select(dec_exp16(m[g] - mt), (float16)0.0f,
 					     m[g] - mt < APE_EXP_CUTOFF),
 				      (float16)1.0f, m[g] == mt);
-#pragma unroll
-			for (int j = 0; j < SEP_BK; j++) {
-				const float16 dd = S[j] - mt;
+			if (careful) {
+				for (int j = 0; j < ntg * SEP_BK; j++) {
+					const float16 dd = p[j] - mt;
 
-				p[j] = select(dec_exp16(dd), (float16)0.0f,
-					      dd < APE_EXP_CUTOFF || S[j] == (float16)(-INFINITY));
-				lsum += p[j];
+					p[j] = select(dec_exp16(dd), (float16)0.0f,
+						      dd < APE_EXP_CUTOFF || p[j] == (float16)(-INFINITY));
+					lsum += p[j];
+				}
+			} else { /* no score is -inf */
+#pragma unroll
+				for (int j = 0; j < SEP_SK; j++) {
+					const float16 dd = p[j] - mt;
+
+					p[j] = select(dec_exp16(dd), (float16)0.0f, dd < APE_EXP_CUTOFF);
+					lsum += p[j];
+				}
 			}
 			l[g] = l[g] * corr + lsum;
 			m[g] = mt;
-			sep_pv(vf + k0 * DEC_DIM, D, masked, corr, p, vis, acc[g]);
+			sep_pv(vf + k0 * DEC_DIM, D, ntg * SEP_BK, masked, corr, p, vis, acc[g]);
 			tlo[g] = min(tlo[g], t);
 			thi[g] = max(thi[g], t);
 
 			/* far keys (causal, walking backward): the block stops once every row may
-			 * leave out the keys before this tile */
+			 * leave out the keys before this step */
 			if (skip && t > 0) {
-				const APE_REAL kb = kp[t];
+				const APE_REAL kb = kp[k0 / SEP_BK];
 				int stop = 1;
 
 				vstore16(m[g], 0, ms);
@@ -643,7 +721,6 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 		if (skip && all_done)
 			break;
 	}
-
 	/* outputs: O = acc / l (0 with no key), LSE = c_row + m + ln l, the pairs computed */
 	for (int g = 0; g < SEP_NB; g++) {
 		const float16 inv = select((float16)1.0f / l[g], (float16)0.0f, l[g] == (float16)0.0f);
@@ -667,8 +744,8 @@ __kernel void ape_sep_attn(__global const float *Qt, __global const float *Kr,
 					: ls[r] == 0.0f ? -INFINITY
 							: NAN;
 			if (flags & FD_PAIRS) {
-				const long jb = tstart[g] < 0 ? 0 : tlo[g] * SEP_BK;
-				const long je = tstart[g] < 0 ? 0 : min((thi[g] + 1) * SEP_BK, Lk);
+				const long jb = tstart[g] < 0 ? 0 : tlo[g] * SEP_SK;
+				const long je = tstart[g] < 0 ? 0 : min((thi[g] + 1) * SEP_SK, Lk);
 
 				PAIRS[bh * Lqa + q0 + i] =
 					(ulong)ape_row_visible_pairs(diag, jb, je, causal);
@@ -868,7 +945,7 @@ __kernel void ape_sep_small(__global const void *Q, __global const void *K, __gl
 				}
 				l = l * corr + lsum;
 				m = mt;
-				sep_pv_p(vv + gg * SEP_BK * DEC_DIM, D, masked, corr, p, vis, acc);
+				sep_pv_p(vv + gg * SEP_BK * DEC_DIM, D, SEP_BK, masked, corr, p, vis, acc);
 			}
 
 			/* outputs: O = acc / l (0 with no key; back to rows 16 columns at a time),
