@@ -44,20 +44,6 @@ struct ape__ocl_program {
 	bool cache_refused;
 };
 
-/* A buffer kept for reuse (ocl_pool.c): exactly `bytes`, CL_MEM_READ_WRITE. */
-struct ape__ocl_pooled {
-	cl_mem mem;
-	size_t bytes;
-};
-
-/* The device's idle scratch buffers (ocl_pool.c), under the device's lock. */
-struct ape__ocl_pool {
-	struct ape__ocl_pooled *e; /* oldest first */
-	size_t n, cap, bytes, limit; /* limit 0: no pool */
-	bool poison; /* APE_OCL_POOL_POISON=1 */
-	struct ape__ocl_debug_pool c; /* counters for the tests */
-};
-
 struct ape__ocl_device {
 	cl_platform_id platform;
 	cl_device_id id;
@@ -78,7 +64,6 @@ struct ape__ocl_device {
 	struct ape__ocl_debug_counters counters;
 	char kernels[1024]; /* the names of the kernels enqueued since the tests last read them */
 	atomic_bool kernels_on; /* a test asked for them (ape__ocl_debug_kernels()): recorded */
-	struct ape__ocl_pool pool; /* idle scratch (ocl_pool.c), under lock */
 };
 
 /*
@@ -108,10 +93,6 @@ struct ape_be_queue {
 	struct ape__ocl_timeline *tl;
 	bool wrapped; /* the caller's queue (queue_wrap): released without waiting */
 	bool timed; /* CL_QUEUE_PROFILING_ENABLE: event_elapsed and event_timestamp work */
-	/* scratch its launches gave back (ocl_pool.c): reusable by this queue's later commands,
-	 * by other queues once this one is idle; never on a wrapped queue */
-	struct ape__ocl_pooled *pend;
-	size_t npend, cappend, pend_bytes;
 };
 
 struct ape_be_event {
@@ -202,22 +183,8 @@ void ape__ocl_arg(struct ape__ocl_args *a, size_t size, const void *v);
  * splitting dimension 1 into chunks through the global offset; tracks each command. */
 int ape__ocl_enqueue(struct ape_be_queue *q, cl_kernel k, size_t n0, size_t l0, size_t n1,
 		     const char *what);
-
-/* ---- ocl_pool.c: a launch's scratch and the device's pool of idle buffers */
-/* A buffer of the launch's own: a read-only copy of init when init is not NULL (made new),
- * else read-write of exactly `bytes`, contents unspecified (reused when one is idle). NULL with
- * *err set on failure. The launch gives it back with ape__ocl_scratch_put() once its commands
- * are enqueued (whatever the outcome). */
+/* A buffer of the launch's own (read-only copy of init when init is not NULL). */
 cl_mem ape__ocl_scratch(struct ape_be_queue *q, size_t bytes, void *init, cl_int *err);
-/* Gives back a buffer of ape__ocl_scratch() (NULL: nothing): kept for reuse, or released. */
-void ape__ocl_scratch_put(struct ape_be_queue *q, cl_mem mem);
-/* q has finished every command: the buffers it kept join the device's pool. */
-void ape__ocl_pool_idle(struct ape_be_queue *q);
-/* Releases what q keeps (its commands hold their own references) and its list. */
-void ape__ocl_pool_queue_free(struct ape_be_queue *q);
-/* At device open, the limit from APE_OCL_POOL_MB (ocl_pool.c); at release, every idle buffer. */
-void ape__ocl_pool_init(struct ape__ocl_pool *p, cl_ulong global_mem);
-void ape__ocl_pool_free(struct ape__ocl_pool *p);
 
 /* ---- ocl_backward.c */
 int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l);

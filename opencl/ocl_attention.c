@@ -81,6 +81,17 @@ int ape__ocl_enqueue(struct ape_be_queue *q, cl_kernel k, size_t n0, size_t l0, 
 	return 0;
 }
 
+cl_mem ape__ocl_scratch(struct ape_be_queue *q, size_t bytes, void *init, cl_int *err)
+{
+	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
+
+	const cl_mem_flags flags =
+		init ? CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR : CL_MEM_READ_WRITE;
+
+	return clCreateBuffer(od->ctx, flags, bytes, init, err);
+}
+
+
 /* A view as the kernels take it: x = offset, y, z, w = the B, H, L strides. */
 static cl_long4 long4_of(struct ape_be_view v)
 {
@@ -364,11 +375,11 @@ static int ocl_prepass(struct ape_be_queue *q, const struct ape__ocl_program *pr
 		clReleaseKernel(a.k);
 out_release:
 	if (tiles)
-		ape__ocl_scratch_put(q, tiles);
+		clReleaseMemObject(tiles);
 	if (kt)
-		ape__ocl_scratch_put(q, kt);
+		clReleaseMemObject(kt);
 	if (st)
-		ape__ocl_scratch_put(q, st);
+		clReleaseMemObject(st);
 	return ret;
 }
 
@@ -555,23 +566,23 @@ int ape__ocl_attention(struct ape_be_queue *q, const struct ape_be_launch *launc
 		clReleaseKernel(a.k);
 out_release:
 	if (prm)
-		ape__ocl_scratch_put(q, prm);
+		clReleaseMemObject(prm);
 	if (segt)
-		ape__ocl_scratch_put(q, segt);
+		clReleaseMemObject(segt);
 	for (int i = 0; i < 3; i++)
 		if (posb[i])
-			ape__ocl_scratch_put(q, posb[i]);
+			clReleaseMemObject(posb[i]);
 	for (int i = 0; i < 2; i++)
 		if (bias[i])
-			ape__ocl_scratch_put(q, bias[i]);
+			clReleaseMemObject(bias[i]);
 	seg_tables_free(&sg);
 	if (kp)
-		ape__ocl_scratch_put(q, kp);
+		clReleaseMemObject(kp);
 	if (vf)
-		ape__ocl_scratch_put(q, vf);
+		clReleaseMemObject(vf);
 	if (pre)
-		ape__ocl_scratch_put(q, pre);
+		clReleaseMemObject(pre);
 	if (suf)
-		ape__ocl_scratch_put(q, suf);
+		clReleaseMemObject(suf);
 	return ret;
 }

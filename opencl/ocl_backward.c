@@ -275,7 +275,7 @@ static cl_mem bwd_zeros(struct ape_be_queue *q, size_t bytes, uint64_t *held, cl
 		return mem;
 	if (*err == CL_SUCCESS) /* the fill is done, but the tracking had no memory */
 		*err = CL_OUT_OF_HOST_MEMORY;
-	ape__ocl_scratch_put(q, mem);
+	clReleaseMemObject(mem);
 	*held -= bytes;
 	return NULL;
 }
@@ -662,33 +662,33 @@ out_release:
 	while (held > high && !atomic_compare_exchange_weak(&ape__ocl_bwd_scratch_high, &high, held))
 		;
 	if (prm)
-		ape__ocl_scratch_put(q, prm);
+		clReleaseMemObject(prm);
 	if (rinfo)
-		ape__ocl_scratch_put(q, rinfo);
+		clReleaseMemObject(rinfo);
 	if (step)
-		ape__ocl_scratch_put(q, step);
+		clReleaseMemObject(step);
 	if (kmax)
-		ape__ocl_scratch_put(q, kmax);
+		clReleaseMemObject(kmax);
 	if (part)
-		ape__ocl_scratch_put(q, part);
+		clReleaseMemObject(part);
 	if (dqp)
-		ape__ocl_scratch_put(q, dqp);
+		clReleaseMemObject(dqp);
 	if (rp)
-		ape__ocl_scratch_put(q, rp);
+		clReleaseMemObject(rp);
 	if (tab)
-		ape__ocl_scratch_put(q, tab);
+		clReleaseMemObject(tab);
 	if (qp)
-		ape__ocl_scratch_put(q, qp);
+		clReleaseMemObject(qp);
 	if (kp)
-		ape__ocl_scratch_put(q, kp);
+		clReleaseMemObject(kp);
 	if (bt)
-		ape__ocl_scratch_put(q, bt);
+		clReleaseMemObject(bt);
 	if (bsm)
-		ape__ocl_scratch_put(q, bsm);
+		clReleaseMemObject(bsm);
 	if (dbp)
-		ape__ocl_scratch_put(q, dbp);
+		clReleaseMemObject(dbp);
 	if (dbd)
-		ape__ocl_scratch_put(q, dbd);
+		clReleaseMemObject(dbd);
 	return ret;
 }
 

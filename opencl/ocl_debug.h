@@ -25,16 +25,6 @@ struct ape__ocl_debug_counters {
 	unsigned preloads; /* of cache_hits, those loaded at device open (ape_context_create) */
 };
 
-/* The device's scratch pool (ocl_pool.c) since the context was created. */
-struct ape__ocl_debug_pool {
-	unsigned long hits; /* scratch taken from the pool (or from the queue's own kept ones) */
-	unsigned long misses; /* scratch made new (pool on, nothing of that size idle) */
-	unsigned long released; /* idle buffers released (past the limit, or memory ran short) */
-	unsigned long idle_buffers, idle_bytes, limit; /* now; limit 0: no pool */
-};
-
-/* 0, or -1 when dev is not an OpenCL device. */
-int ape__ocl_debug_pool(const struct ape_device *dev, struct ape__ocl_debug_pool *out);
 /* 0, or -1 when dev is not an OpenCL device. */
 int ape__ocl_debug_counters(const struct ape_device *dev, struct ape__ocl_debug_counters *out);
 /* The kernels enqueued on dev since the last call, space-separated in order ("ape_kmax

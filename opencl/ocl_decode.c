@@ -249,7 +249,7 @@ int ape__ocl_bias_upload(struct ape_be_queue *q, const struct ape_be_launch *l, 
 	free(cut);
 	if (!tab[0] || (smax && !tab[1])) {
 		if (tab[0])
-			ape__ocl_scratch_put(q, tab[0]);
+			clReleaseMemObject(tab[0]);
 		tab[0] = NULL;
 		return ape__ocl_error(err, "clCreateBuffer (a distance-bias table of %lld entries)",
 				      (long long)M);
@@ -393,7 +393,7 @@ int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 		sg = ape__ocl_scratch(q, (size_t)l->nseg * 8 * sizeof(*t), t, &err);
 		free(t);
 		if (!sg) {
-			ape__ocl_scratch_put(q, part);
+			clReleaseMemObject(part);
 			part = NULL;
 		}
 	}
@@ -469,13 +469,13 @@ int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 				   nb * (size_t)l->H);
 out:
 	if (prm)
-		ape__ocl_scratch_put(q, prm);
+		clReleaseMemObject(prm);
 	if (part)
-		ape__ocl_scratch_put(q, part);
+		clReleaseMemObject(part);
 	if (sg)
-		ape__ocl_scratch_put(q, sg);
+		clReleaseMemObject(sg);
 	if (bias[0])
-		ape__ocl_scratch_put(q, bias[0]);
+		clReleaseMemObject(bias[0]);
 	return ret;
 }
 

@@ -130,7 +130,6 @@ static void ocl_pci_address(cl_device_id id, char *out, size_t cap)
 
 static void ocl_dev_free(struct ape__ocl_device *od)
 {
-	ape__ocl_pool_free(&od->pool);
 	for (int v = 0; v < APE__OCL_NVARIANTS; v++) {
 		if (od->progs[v].prog)
 			clReleaseProgram(od->progs[v].prog);
@@ -220,7 +219,6 @@ static int ocl_add_device(struct ape_backend *be, cl_platform_id plat, cl_device
 
 	if (fp64_off)
 		od->fp64 = 0;
-	ape__ocl_pool_init(&od->pool, gmem);
 
 	if (shared) {
 		err = clRetainContext(shared);

@@ -394,11 +394,8 @@ void ape__ocl_queue_destroy(struct ape_be_queue *q)
 {
 	if (!q)
 		return;
-	/* buffers may be freed right after: nothing may still use them; the scratch the queue kept
-	 * is idle then (a wrapped queue keeps none) */
-	if (!q->wrapped && clFinish(q->cq) == CL_SUCCESS)
-		ape__ocl_pool_idle(q);
-	ape__ocl_pool_queue_free(q);
+	if (!q->wrapped)
+		clFinish(q->cq); /* buffers may be freed right after: nothing may still use them */
 	clReleaseCommandQueue(q->cq);
 	tl_put(q->tl);
 	free(q);
@@ -567,7 +564,6 @@ int ape__ocl_synchronize(struct ape_be_queue *q)
 					      tl->dropped + tl->checked);
 	}
 	tl_prune(tl); /* everything completed: a queue without live events holds nothing */
-	ape__ocl_pool_idle(q); /* and the scratch it kept is idle */
 	return 0;
 }
 

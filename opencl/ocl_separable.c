@@ -710,30 +710,30 @@ out:
 	if (at.k)
 		clReleaseKernel(at.k);
 	if (prm)
-		ape__ocl_scratch_put(q, prm);
+		clReleaseMemObject(prm);
 	if (sgb)
-		ape__ocl_scratch_put(q, sgb);
+		clReleaseMemObject(sgb);
 	if (ixb)
-		ape__ocl_scratch_put(q, ixb);
+		clReleaseMemObject(ixb);
 	if (trig)
-		ape__ocl_scratch_put(q, trig);
+		clReleaseMemObject(trig);
 	if (qr)
-		ape__ocl_scratch_put(q, qr);
+		clReleaseMemObject(qr);
 	if (kt)
-		ape__ocl_scratch_put(q, kt);
+		clReleaseMemObject(kt);
 	if (vf)
-		ape__ocl_scratch_put(q, vf);
+		clReleaseMemObject(vf);
 	if (qn)
-		ape__ocl_scratch_put(q, qn);
+		clReleaseMemObject(qn);
 	if (tiles)
-		ape__ocl_scratch_put(q, tiles);
+		clReleaseMemObject(tiles);
 	if (pre)
-		ape__ocl_scratch_put(q, pre);
+		clReleaseMemObject(pre);
 	if (tab)
-		ape__ocl_scratch_put(q, tab);
+		clReleaseMemObject(tab);
 	for (int i = 0; i < 2; i++)
 		if (bias[i])
-			ape__ocl_scratch_put(q, bias[i]);
+			clReleaseMemObject(bias[i]);
 	free(pl.sg);
 	free(pl.ix);
 	return ret;
