@@ -414,6 +414,27 @@ __kernel void ape_sep_kscan(__global const float *ktile, long ntk, long nseg,
 }
 
 /*
+ * A row block's distance-bias table frame for one 16-key tile (ape_sep_attn's sep_tile() and
+ * ape_sep_small): tb points at the table entry of lane 0's distance to the tile's last key
+ * (the tile's 31 distances e = 0 .. 30 ahead of it), bref = tb[15] is the tile's reference (the
+ * general kernel's frame for a block: float32 keeps the fine differences); bt[e] gets tb[e] -
+ * bref, and the result is bref - crow[r] in lane r.
+ */
+KFN float16 sep_tab_frame(__global const APE_REAL *tb, const APE_REAL *crow, float *bt)
+{
+	const APE_REAL bref = tb[SEP_BK - 1];
+	float c[SEP_BQ];
+
+#pragma unroll
+	for (int e = 0; e < SEP_BQ + SEP_BK - 1; e++)
+		bt[e] = (float)(tb[e] - bref);
+#pragma unroll
+	for (int r = 0; r < SEP_BQ; r++)
+		c[r] = (float)(bref - crow[r]);
+	return vload16(0, c);
+}
+
+/*
  * One key tile of a step of ape_sep_attn: the scores of a row block (its 16 rows i0 .. in the
  * lanes; qt: its Qt block) against the tile's 16 keys kt .. kt + 15 (kr: theirs in the scratch),
  * their bias (the per-distance table btb of the segment, lkp its padded keys, relative to the
@@ -449,19 +470,8 @@ KFN void sep_tile(__global const float *qt, __global const float *kr, int D,
 	/* the table's bias at the tile's 31 distances n = rel + i0 - kt + e - 15, relative to the
 	 * one at e = 15 (bref: the general kernel's frame for a block, float32 keeps the fine
 	 * differences), and bref - c_row per lane */
-	if (tabbed) {
-		__global const APE_REAL *tb = btb + (i0 - kt + lkp - 1) - (SEP_BK - 1);
-		const APE_REAL bref = tb[SEP_BK - 1];
-		float c[SEP_BQ];
-
-#pragma unroll
-		for (int e = 0; e < SEP_BQ + SEP_BK - 1; e++)
-			bt[e] = (float)(tb[e] - bref);
-#pragma unroll
-		for (int r = 0; r < SEP_BQ; r++)
-			c[r] = (float)(bref - crow[r]);
-		cr = vload16(0, c);
-	}
+	if (tabbed)
+		cr = sep_tab_frame(btb + (i0 - kt + lkp - 1) - (SEP_BK - 1), crow, bt);
 #pragma unroll
 	for (int j = 0; j < SEP_BK; j++) {
 		float16 x = S[j];
@@ -896,19 +906,8 @@ __kernel void ape_sep_small(__global const void *Q, __global const void *K, __gl
 					for (int j = 0; j < SEP_BK; j++)
 						S[j] = fma(qv, (float16)kg[j * DEC_DIM + d], S[j]);
 				}
-				if (tabbed) {
-					__global const APE_REAL *tb = btab + h * ne + sg[SG_BE] + i0;
-					const APE_REAL bref = tb[SEP_BK - 1];
-					float c[SEP_BQ];
-
-#pragma unroll
-					for (int e = 0; e < SEP_BQ + SEP_BK - 1; e++)
-						bt[e] = (float)(tb[e] - bref);
-#pragma unroll
-					for (int r = 0; r < SEP_BQ; r++)
-						c[r] = (float)(bref - crow[r]);
-					cr = vload16(0, c);
-				}
+				if (tabbed)
+					cr = sep_tab_frame(btab + h * ne + sg[SG_BE] + i0, crow, bt);
 				mt = m;
 #pragma unroll
 				for (int j = 0; j < SEP_BK; j++) {
