@@ -799,7 +799,9 @@ typedef struct ape_stats {
 	/** The kernel paths the call's launches took, each once, joined by '+' in a fixed order:
 	 *  "reference", "general", "positions" (explicit positions), "ragged", "separable",
 	 *  "split" (heads of both kinds), "decode", "decode-in-place" (a KV cache's blocks or a KV
-	 *  pool's pages read where they are), "empty", "backward" (docs/profiling.md); "" when no kernel ran. */
+	 *  pool's pages read where they are), "empty", "backward" (a backward launch; with
+	 *  lambda = 0 on every head OpenCL's reads "separable+backward"; docs/profiling.md); ""
+	 *  when no kernel ran. */
 	char path[64];
 } ape_stats;
 
