@@ -13,6 +13,13 @@
 # usage: tests/run-tests.sh [--valgrind] BUILD_DIR TEST...
 #        (tests/run-tests.sh --run-one [--valgrind] BUILD_DIR TEST: one program, for the above)
 set -u
+# Programs built with AddressSanitizer (make sanitize, make faults-ci): ASan does not track the
+# dynamic TLS blocks handed out by __tls_get_addr. Tracking them, LeakSanitizer's leak check met
+# a dynamic-TLS entry with a garbage range ("DTLS 7 at 0x...e7e-0x...1f80") and its tracer
+# crashed ("Tracer caught signal 11") in test_kvpagedfail on an AMD EPYC VM, every run, on this
+# tree and on the one before (gcc 12's libasan, glibc 2.36); static TLS is still scanned, and
+# the leak checks pass. Programs built without ASan ignore the variable.
+export ASAN_OPTIONS="intercept_tls_get_addr=0${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 one=""
 if [ "${1:-}" = "--run-one" ]; then
 	one=1
