@@ -28,6 +28,18 @@ extern atomic_uint_fast64_t ape__cu_bwd_scratch_high;
 
 /* ---------------------------------------------------------------- every backend */
 
+/* Every gradient of g within the spec's tolerance for dt (grads_tol()) of the reference's want
+ * (H heads' parameters); `i` names the case in the log. */
+static void expect_grads_near(struct __test_metadata *_metadata, const grads *g,
+			      const grads *want, ape_dtype dt, int64_t H, int i)
+{
+	EXPECT_LE(grads_rel_err(&g->dq.t, &want->dq.t), grads_tol(dt)) TH_LOG("case %d", i);
+	EXPECT_LE(grads_rel_err(&g->dk.t, &want->dk.t), grads_tol(dt)) TH_LOG("case %d", i);
+	EXPECT_LE(grads_rel_err(&g->dv.t, &want->dv.t), grads_tol(dt)) TH_LOG("case %d", i);
+	EXPECT_LE(grads_rel_err_params(g->dparams, want->dparams, H), grads_tol(dt))
+		TH_LOG("case %d", i);
+}
+
 BACKEND_FIXTURE(bwd)
 
 /*
@@ -153,11 +165,7 @@ TEST_F(bwd, every_backend_edge_cases)
 		EXPECT_EQ(0, run_backward(&c, self->dev, &g, W_ALL, NULL)) TH_LOG("%s", ape_last_error());
 		EXPECT_EQ(0, run_backward(&c, self->dev, &again, W_ALL, NULL));
 		EXPECT_EQ(0, run_backward(&c, self->dev, &only, W_DP, NULL));
-		EXPECT_LE(grads_rel_err(&g.dq.t, &want.dq.t), grads_tol(dt)) TH_LOG("case %d", i);
-		EXPECT_LE(grads_rel_err(&g.dk.t, &want.dk.t), grads_tol(dt)) TH_LOG("case %d", i);
-		EXPECT_LE(grads_rel_err(&g.dv.t, &want.dv.t), grads_tol(dt)) TH_LOG("case %d", i);
-		EXPECT_LE(grads_rel_err_params(g.dparams, want.dparams, H), grads_tol(dt))
-			TH_LOG("case %d", i);
+		expect_grads_near(_metadata, &g, &want, dt, H, i);
 		EXPECT_LE(grads_rel_err_params(only.dparams, want.dparams, H), grads_tol(dt))
 			TH_LOG("case %d", i);
 		EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: reruns differ", i);
@@ -320,11 +328,7 @@ TEST_F(bwd, every_backend_separable)
 		EXPECT_EQ(0, run_backward(&c, self->dev, &again, W_ALL, NULL));
 		if (ocl)
 			EXPECT_STREQ("separable+backward", st.path) TH_LOG("case %d", i);
-		EXPECT_LE(grads_rel_err(&g.dq.t, &want.dq.t), grads_tol(dt)) TH_LOG("case %d", i);
-		EXPECT_LE(grads_rel_err(&g.dk.t, &want.dk.t), grads_tol(dt)) TH_LOG("case %d", i);
-		EXPECT_LE(grads_rel_err(&g.dv.t, &want.dv.t), grads_tol(dt)) TH_LOG("case %d", i);
-		EXPECT_LE(grads_rel_err_params(g.dparams, want.dparams, H), grads_tol(dt))
-			TH_LOG("case %d", i);
+		expect_grads_near(_metadata, &g, &want, dt, H, i);
 		EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: reruns differ", i);
 		for (int w = 0; w < 4; w++) {
 			grads one;
@@ -346,11 +350,7 @@ TEST_F(bwd, every_backend_separable)
 			EXPECT_EQ(0, run_backward(&c, self->dev, &general, W_ALL, &st));
 			unsetenv("APE_OCL_BWD_SEP");
 			EXPECT_STREQ("backward", st.path) TH_LOG("case %d", i);
-			EXPECT_LE(grads_rel_err(&general.dq.t, &want.dq.t), grads_tol(dt));
-			EXPECT_LE(grads_rel_err(&general.dk.t, &want.dk.t), grads_tol(dt));
-			EXPECT_LE(grads_rel_err(&general.dv.t, &want.dv.t), grads_tol(dt));
-			EXPECT_LE(grads_rel_err_params(general.dparams, want.dparams, H),
-				  grads_tol(dt));
+			expect_grads_near(_metadata, &general, &want, dt, H, i);
 		}
 		TH_LOG("case %d: errors dq %.2e dk %.2e dv %.2e dparams %.2e", i,
 		       grads_rel_err(&g.dq.t, &want.dq.t), grads_rel_err(&g.dk.t, &want.dk.t),
@@ -777,11 +777,7 @@ TEST_F(bwd, every_backend_bias_table)
 		EXPECT_EQ(0, run_table(&c, self->dev, &alone, 0, alone_db, 0, 0, NULL))
 			TH_LOG("%s", ape_last_error());
 		EXPECT_EQ(0, run_table(&c, self->dev, &nodb, W_ALL, NULL, 0, 0, NULL));
-		EXPECT_LE(grads_rel_err(&g.dq.t, &want.dq.t), grads_tol(dt)) TH_LOG("case %d", i);
-		EXPECT_LE(grads_rel_err(&g.dk.t, &want.dk.t), grads_tol(dt)) TH_LOG("case %d", i);
-		EXPECT_LE(grads_rel_err(&g.dv.t, &want.dv.t), grads_tol(dt)) TH_LOG("case %d", i);
-		EXPECT_LE(grads_rel_err_params(g.dparams, want.dparams, sh->H), grads_tol(dt))
-			TH_LOG("case %d", i);
+		expect_grads_near(_metadata, &g, &want, dt, sh->H, i);
 		EXPECT_LE(dbias_rel_err(&c, db, want_db), grads_tol(dt))
 			TH_LOG("case %d: dbias rel err %.3g (%lld rows of %lld)", i,
 			       dbias_rel_err(&c, db, want_db), (long long)c.tp.desc.bias_table_heads,
