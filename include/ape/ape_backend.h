@@ -100,7 +100,8 @@ extern "C" {
  * became this ABI (its numbers 1 to 14) is in docs/backends.md.
  */
 #define APE_BACKEND_ABI_MAJOR 1
-#define APE_BACKEND_ABI_MINOR 1 /* 1.1: the distance-bias table (APE_BE_CAP_BIAS_TABLE) */
+#define APE_BACKEND_ABI_MINOR 2 /* 1.1: the distance-bias table (APE_BE_CAP_BIAS_TABLE); 1.2:
+				* ragged backward launches (APE_BE_CAP_BWD_SEGMENTS) */
 
 /* The symbol a plugin exports, visible from its shared object whatever its default visibility. */
 #if defined(__GNUC__)
@@ -551,9 +552,21 @@ static inline int ape_be_launch_split_runs(struct ape_be_queue *q, const struct 
  * `f` holds what the forward launch held: shapes, dtypes, q, k, v, o (of f.out_dtype), the
  * parameters and positions; f.lse is required: the rows' final LSE over every key of the row,
  * not only those of this launch, so that P_ij = exp(s_ij - LSE_i) holds whatever subset of
- * keys a launch sees. f.pairs and f.lse_prior are NULL and f.skip_tol is 0 (no backward skip
- * bound exists yet); f.pos_q and f.pos_k are NULL (the backward pass reads no
- * explicit positions; a ragged backward runs as runs of consecutive positions).
+ * keys a launch sees. f.lse_prior is NULL; f.skip_tol is the launch's share of the backward
+ * bound's tolerance (docs/kernels.md, "Skipping in the backward pass"; 0 where the decays do
+ * not allow skipping); f.pairs, when set, gets each row's pairs computed; f.pos_q and f.pos_k
+ * are NULL (the backward pass reads no explicit positions: the core cuts a ragged batch with
+ * arbitrary positions into runs of consecutive positions).
+ *
+ * Ragged (ABI 1.2): f.segs NULL (f.nseg 0), or, only on a device whose capabilities say
+ * APE_BE_CAP_BWD_SEGMENTS, a ragged launch as a forward one (struct ape_be_launch.segs: B = 1,
+ * the segments partition the query rows in order, each row sees its own segment's keys at the
+ * segment's positions, a segment with lk 0 adds nothing), whose segments' key ranges
+ * [k0, k0 + lk) are moreover pairwise disjoint: a key belongs to one segment, so its dK and dV
+ * come from that segment's rows only. The gradients accumulate as in any launch; dparams and
+ * dbias sum over every segment. In what attention_backward_scratch is asked for a ragged call,
+ * f.segs is NULL and f.nseg is the most segments one launch of the call may have (>= 1), so
+ * that a backend can bound what depends on the segments (padding per segment, its tables).
  *
  * The gradient buffers are accumulators: the launch ADDS its contribution to what they hold,
  * so that an executor can zero them once and run a query chunk against several key chunks
@@ -1006,10 +1019,15 @@ enum ape_be_cap {
 	 * struct ape_be_bwd_launch.dbias) on every launch kind the device takes. Without it, a
 	 * call with a table fails with APE_ENOTSUP naming the device. */
 	APE_BE_CAP_BIAS_TABLE = 1u << 8,
+	/* (ABI 1.2; only with BACKWARD and SEGMENTS) attention_backward takes ragged launches
+	 * (struct ape_be_bwd_launch, "Ragged"): the gradients of a batch of many sequences in one
+	 * launch. Without it the core runs a ragged batch's backward as one launch per sequence
+	 * (and per run of consecutive positions). */
+	APE_BE_CAP_BWD_SEGMENTS = 1u << 9,
 };
 
 /* Every APE_BE_CAP_* bit of this ABI. */
-#define APE_BE_CAP_ALL ((uint64_t)0x1ff)
+#define APE_BE_CAP_ALL ((uint64_t)0x3ff)
 
 struct ape_be_caps {
 	uint64_t features; /* APE_BE_CAP_* bits */
@@ -1020,7 +1038,8 @@ struct ape_be_caps {
 };
 
 /* The name of capability bit `bit` ("host_memory", "diag", "diag_views", "backward",
- * "resident_backward", "timestamps", "segments", "positions", "bias_table"), or NULL for anything else (0, a
+ * "resident_backward", "timestamps", "segments", "positions", "bias_table", "bwd_segments"), or
+ * NULL for anything else (0, a
  * bit this library does not know, several bits). What ape-info prints; ape_device_capabilities()
  * (ape.h) gives a device's bits. */
 APE_API const char *ape_be_cap_name(uint64_t bit);

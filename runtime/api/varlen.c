@@ -29,6 +29,7 @@
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/verbose.h"
+#include "exec/launch.h"
 #include "exec/lse_merge.h"
 #include "exec/pack.h"
 #include "exec/problem.h"
@@ -589,30 +590,6 @@ static int positions_visible(const char *fn, const struct ape__problem *p,
 			return ape__error(r, "%s: out of host memory counting pairs", fn);
 		if (r || x > (UINT64_MAX - sum) / (uint64_t)p->H)
 			return ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", fn);
-		sum += x * (uint64_t)p->H;
-	}
-	*out = sum;
-	return 0;
-}
-
-int ape__segs_visible(const struct ape__problem *p, const struct ape_be_seg *sg,
-			    int64_t n, uint64_t *out)
-{
-	uint64_t sum = 0;
-
-	for (int64_t s = 0; s < n; s++) {
-		struct ape__problem one = *p;
-		uint64_t x;
-
-		if (!sg[s].lk)
-			continue;
-		one.segs = NULL;
-		one.Lq = sg[s].lq;
-		one.Lk = sg[s].lk;
-		one.q_start = sg[s].q_start;
-		one.k_start = sg[s].k_start;
-		if (ape__head_visible_pairs(&one, &x) || x > (UINT64_MAX - sum) / (uint64_t)p->H)
-			return -1;
 		sum += x * (uint64_t)p->H;
 	}
 	*out = sum;

@@ -99,11 +99,5 @@ void ape__varlen_report(const char *fn, ape_device *const *devs, int ndev,
 			const struct ape__problem *p, int ret, ape_stats *stats, ape_stats *sum,
 			bool have, double t0);
 
-/* The visible pairs of every segment of p (p's heads and mask, each segment's positions), all
- * heads summed into *out; -1 when the count overflows 64 bits (not for a validated batch). Also
- * the KV pool's (api/kvpool_attend.c). */
-int ape__segs_visible(const struct ape__problem *p, const struct ape_be_seg *sg, int64_t n,
-		      uint64_t *out);
-
 #pragma GCC visibility pop
 #endif

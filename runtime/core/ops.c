@@ -436,6 +436,8 @@ int ape__device_check(const struct ape_device *dev, char *why, size_t cap)
 		{ APE_BE_CAP_RESIDENT_BACKWARD,
 		  { "scratch_alloc, scratch_free and copy_view", t->scratch_alloc != NULL } },
 		{ APE_BE_CAP_TIMESTAMPS, OP(t, event_timestamp) },
+		{ APE_BE_CAP_BWD_SEGMENTS, { "backward", HAS(BACKWARD) } },
+		{ APE_BE_CAP_BWD_SEGMENTS, { "segments", HAS(SEGMENTS) } },
 	};
 
 #undef HAS

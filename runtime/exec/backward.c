@@ -59,6 +59,7 @@ struct bwd_call {
 	int64_t lse_s[4];
 	float *dk_all, *dv_all; /* [B, Hkv, Lk, D]: each device writes its key chunks' rows */
 	int64_t ck, nk; /* the chunking of the keys */
+	struct ape_be_seg *cost_segs; /* a ragged call: key_cost()'s clipped segments */
 };
 
 /* One device's backward pass. */
@@ -78,6 +79,10 @@ struct bwd_pass {
 	bool pairs_counted; /* the launches could skip keys and counted what they computed */
 	bool worked; /* it had key chunks */
 	struct ape_be_path_log paths; /* the kernel paths its launches took */
+	/* a ragged call (p->segs): the segments of one job, clipped to its rows and keys
+	 * (ape__segs_clip(); p->nseg at most), for its launch, its pair counts and the walk, all
+	 * on the device's one thread */
+	struct ape_be_seg *segs;
 };
 
 int ape__backward_supported(const char *fn, const struct ape_device *dev)
@@ -229,6 +234,8 @@ static uint64_t scratch(void *self, struct ape_device *dev, int64_t on, int64_t 
 	if (!dev->be->ops->attention_backward_scratch)
 		return 0;
 	ape__bwd_launch_shape(b->c->r->p, b->c->r->dout->dtype, key_chunks(b), &l, 0, in, 0, on);
+	/* a ragged call: segments not known yet, at most the call's (core/backend.h) */
+	l.f.nseg = b->c->r->p->segs ? b->c->r->p->nseg : 0;
 	return dev->be->ops->attention_backward_scratch(dev, &l, parts_of(b));
 }
 
@@ -240,6 +247,11 @@ static int launch(void *self, struct ape_be_queue *q, const struct ape__pass_job
 	/* outer: key rows [o0, o0 + on); inner: query rows [i0, i0 + in) */
 	ape__bwd_launch_shape(b->c->r->p, b->c->r->dout->dtype, key_chunks(b), &l, j->i0, j->in,
 			      j->o0, j->on);
+	if (b->c->r->p->segs) { /* a ragged call: the segments of the job's rows and keys */
+		l.f.segs = b->segs;
+		l.f.nseg = ape__segs_clip(b->c->r->p->segs, b->c->r->p->nseg, j->i0, j->in, j->o0,
+					  j->on, b->segs);
+	}
 	l.f.q = j->buf[B_Q];
 	l.f.k = j->buf[B_K];
 	l.f.v = j->buf[B_V];
@@ -270,6 +282,25 @@ static void job_input(void *self, const struct ape__pass_job *j, int t, void *ho
 
 	(void)t;
 	(void)bytes;
+	if (p->segs) { /* a ragged call: each row against its segment's keys in the job */
+		const int64_t n = ape__segs_clip(p->segs, p->nseg, j->i0, j->in, j->o0, j->on,
+						 b->segs);
+
+		for (int64_t s = 0; s < n; s++) {
+			const struct ape_be_seg *x = &b->segs[s];
+
+			for (int64_t i = 0; i < x->lq; i++) {
+				const uint64_t vis = x->lk ? (uint64_t)ape_visible_keys(
+								     x->q_start + i - x->k_start,
+								     x->lk, p->causal)
+							   : 0;
+
+				for (int64_t bh = 0; bh < p->H; bh++) /* B = 1 */
+					h[bh * j->in + x->q0 + i] = vis;
+			}
+		}
+		return;
+	}
 	for (int64_t bh = 0; bh < p->B * p->H; bh++)
 		for (int64_t i = 0; i < j->in; i++) {
 			/* the row's distance to the job's first key (validated to fit) */
@@ -293,11 +324,21 @@ static int outer_begin(void *self, int slot, int64_t oc, int64_t o0, int64_t n)
 	return 0;
 }
 
-/* Whether any query of rows [i0, i0 + nq) sees key row j0 or a later one... the first key. */
-static bool chunk_visible(const struct ape__problem *p, int64_t i0, int64_t nq, int64_t j0)
+/* Whether any query of rows [i0, i0 + nq) sees a key of the chunk from key row j0: the last
+ * query against the first key; in a ragged call, some segment's (seg: room for p->nseg). */
+static bool chunk_visible(const struct ape__problem *p, int64_t i0, int64_t nq, int64_t j0,
+			  int64_t nk, struct ape_be_seg *seg)
 {
-	/* the last query against the first key; distances are validated to fit */
-	return !p->causal || p->q_start + (i0 + nq - 1) - (p->k_start + j0) >= 0;
+	int64_t n;
+
+	if (!p->segs) /* distances are validated to fit */
+		return !p->causal || p->q_start + (i0 + nq - 1) - (p->k_start + j0) >= 0;
+	n = ape__segs_clip(p->segs, p->nseg, i0, nq, j0, nk, seg);
+	for (int64_t s = 0; s < n; s++)
+		if (seg[s].lk &&
+		    (!p->causal || seg[s].q_start + (seg[s].lq - 1) - seg[s].k_start >= 0))
+			return true;
+	return false;
 }
 
 static int next(void *self, int slot, int pending, int issued, int64_t *ic, int *dir)
@@ -305,11 +346,13 @@ static int next(void *self, int slot, int pending, int issued, int64_t *ic, int 
 	struct bwd_pass *b = self;
 	const struct ape__problem *p = b->c->r->p;
 
+	const int64_t j0 = b->k0[slot], nk = p->Lk - j0 < b->c->ck ? p->Lk - j0 : b->c->ck;
+
 	(void)pending;
 	for (int64_t qc = b->next_qc[slot]; qc < b->nq; qc++) {
 		const int64_t i0 = qc * b->cq, nq = p->Lq - i0 < b->cq ? p->Lq - i0 : b->cq;
 
-		if (chunk_visible(p, i0, nq, b->k0[slot])) {
+		if (chunk_visible(p, i0, nq, j0, nk, b->segs)) {
 			b->next_qc[slot] = qc + 1;
 			*ic = qc;
 			*dir = issued ? 1 : 0;
@@ -418,6 +461,14 @@ static double key_cost(void *arg, int64_t j0, int64_t n)
 	struct ape__problem sub = *p;
 	uint64_t pairs = 0;
 
+	if (p->segs) { /* a ragged call: every segment's pairs among these keys, all heads */
+		const int64_t ns = ape__segs_clip(p->segs, p->nseg, 0, p->Lq, j0, n,
+						  run->call.cost_segs);
+
+		if (ape__segs_visible(p, run->call.cost_segs, ns, &pairs))
+			return (double)p->Lq * (double)n;
+		return (double)pairs / (double)p->H + 1;
+	}
 	sub.k_start = p->k_start + j0;
 	sub.Lk = n;
 	if (ape__head_visible_pairs(&sub, &pairs))
@@ -439,6 +490,9 @@ static int prepare(void *arg, const struct ape__plan *plan, int d)
 	run->call.nk = plan->no;
 	b->cq = plan->ci;
 	b->nq = plan->ni;
+	if (p->segs && !(b->segs = ape__malloc((size_t)p->nseg * sizeof(*b->segs))))
+		return ape__error(APE_ENOMEM, "%s: out of host memory for %" PRId64 " segments",
+				  r->fn, p->nseg);
 	/* one partial per row: dQ needs no float64 sum (half the memory, no conversion pass) */
 	if (r->dq && run->ndev == 1 && plan->no == 1) {
 		if (!(b->dq32 = ape__calloc(qgrad, sizeof(float))))
@@ -552,19 +606,35 @@ int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res
 	int ret = 0;
 
 	memset(res, 0, sizeof(*res));
-	for (int d = 0; d < r->ndev; d++)
+	for (int d = 0; d < r->ndev; d++) {
 		if ((ret = ape__backward_supported(r->fn, r->devs[d])) ||
 		    (ret = ape__launch_supported(r->fn, r->devs[d], p)))
 			return ret;
+		if (p->segs && !ape_be_dev_has(r->devs[d], APE_BE_CAP_BWD_SEGMENTS))
+			return ape__error(APE_ENOTSUP, "%s: %s:%d %s: no ragged backward launches",
+					  r->fn, r->devs[d]->info.backend,
+					  r->devs[d]->info.backend_index, r->devs[d]->info.name);
+	}
 	run = ape__calloc(1, sizeof(*run));
 	if (!run)
 		return ape__error(APE_ENOMEM, "%s: out of host memory", r->fn);
 	run->call.r = r;
 	run->ndev = r->ndev;
-	/* LSE rows are a [B, H, Lq, 1] tensor to the packer */
+	/* LSE rows are a [B, H, Lq, 1] tensor to the packer, where r->lse_s says */
 	ape_tensor_init(&run->call.lse_t, (void *)r->lse, APE_F32, p->B, p->H, p->Lq, 1);
 	ape_tensor_init(&run->call.dlse_t, (void *)r->dlse, APE_F32, p->B, p->H, p->Lq, 1);
-	ape_tensor_strides(&run->call.lse_t, run->call.lse_s);
+	if (r->lse_s) {
+		memcpy(run->call.lse_s, r->lse_s, sizeof(run->call.lse_s));
+		memcpy(run->call.lse_t.strides, r->lse_s, sizeof(run->call.lse_t.strides));
+		memcpy(run->call.dlse_t.strides, r->lse_s, sizeof(run->call.dlse_t.strides));
+	} else {
+		ape_tensor_strides(&run->call.lse_t, run->call.lse_s);
+	}
+	if (p->segs && !(run->call.cost_segs = ape__malloc((size_t)p->nseg * sizeof(struct ape_be_seg)))) {
+		ret = ape__error(APE_ENOMEM, "%s: out of host memory for %" PRId64 " segments",
+				 r->fn, p->nseg);
+		goto out_free;
+	}
 	/* zeros: key rows no query sees get no launch */
 	if ((r->dk && !(run->call.dk_all = ape__calloc(kgrad + 1, sizeof(float)))) ||
 	    (r->dv && !(run->call.dv_all = ape__calloc(kgrad + 1, sizeof(float))))) {
@@ -625,7 +695,9 @@ out_free:
 		free(run->pass[d].dq32);
 		free(run->pass[d].dparams);
 		free(run->pass[d].dbias);
+		free(run->pass[d].segs);
 	}
+	free(run->call.cost_segs);
 	free(run->call.dk_all);
 	free(run->call.dv_all);
 	free(run);

@@ -31,6 +31,8 @@ struct ape__bwd_req {
 	const ape_tensor *q, *k, *v, *o, *dout;
 	const int64_t *dout_s; /* dout's element strides; q, k, v, o's are in p */
 	const float *lse, *dlse; /* dlse may be NULL */
+	const int64_t *lse_s; /* lse's and dlse's element strides as [B, H, Lq, 1]; NULL:
+			       * contiguous (a ragged call's [total_q, H] sets its own) */
 	ape_tensor *dq, *dk, *dv; /* NULL: not wanted */
 	const int64_t *dq_s, *dk_s, *dv_s;
 	float *dparams; /* NULL or 4*H */

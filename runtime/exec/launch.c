@@ -135,3 +135,27 @@ void ape__segs_keys(const struct ape_be_seg *segs, int64_t nseg, int64_t o0, int
 		*khi = segs[s].k0 + segs[s].lk > *khi ? segs[s].k0 + segs[s].lk : *khi;
 	}
 }
+
+int ape__segs_visible(const struct ape__problem *p, const struct ape_be_seg *sg,
+			    int64_t n, uint64_t *out)
+{
+	uint64_t sum = 0;
+
+	for (int64_t s = 0; s < n; s++) {
+		struct ape__problem one = *p;
+		uint64_t x;
+
+		if (!sg[s].lk)
+			continue;
+		one.segs = NULL;
+		one.Lq = sg[s].lq;
+		one.Lk = sg[s].lk;
+		one.q_start = sg[s].q_start;
+		one.k_start = sg[s].k_start;
+		if (ape__head_visible_pairs(&one, &x) || x > (UINT64_MAX - sum) / (uint64_t)p->H)
+			return -1;
+		sum += x * (uint64_t)p->H;
+	}
+	*out = sum;
+	return 0;
+}

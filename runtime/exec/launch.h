@@ -49,6 +49,13 @@ int64_t ape__segs_clip(const struct ape_be_seg *segs, int64_t nseg, int64_t o0, 
 void ape__segs_keys(const struct ape_be_seg *segs, int64_t nseg, int64_t o0, int64_t on,
 		    int64_t *klo, int64_t *khi);
 
+/* The visible pairs of segments sg[0 .. n-1] of p (p's heads and mask, each segment's
+ * positions), all heads summed into *out; -1 when the count overflows 64 bits (not for a
+ * validated batch). The ragged calls' (api/varlen.c, exec/backward.c) and the KV pool's
+ * (api/kvpool_attend.c). */
+int ape__segs_visible(const struct ape__problem *p, const struct ape_be_seg *sg, int64_t n,
+		      uint64_t *out);
+
 /* Backend scratch per launch: the backend's own figure, or a conservative estimate. */
 uint64_t ape__scratch_of(struct ape_device *dev, const struct ape_be_launch *l);
 

@@ -115,11 +115,42 @@ static void pair_eval(const struct bwd *c, int64_t row, const double *q, const d
 	pr->dS = pr->P * (dot_d(dout, v, c->D) - ri->Dl + ri->dlse);
 }
 
-/* Distance of (row, key j) and whether the mask lets it through. */
-static bool visible(const struct ape_be_launch *f, int64_t row, int64_t j, int64_t *n)
+/*
+ * The keys query row i (of every batch and head) may see, [*j0, *j1), and the positions of row i
+ * and of key *j0: the whole launch's keys, or in a ragged launch (core/backend.h, struct
+ * ape_be_bwd_launch, "Ragged") its segment's.
+ */
+static void row_keys(const struct ape_be_launch *f, int64_t i, int64_t *j0, int64_t *j1,
+		     int64_t *qpos, int64_t *kpos)
 {
-	*n = (f->q_start + row % f->Lq) - (f->k_start + j); /* validated: no overflow */
+	const struct ape_be_seg *sg = f->segs ? ape_be_launch_seg_of(f, i) : NULL;
+
+	*j0 = sg ? sg->k0 : 0;
+	*j1 = sg ? sg->k0 + sg->lk : f->Lk;
+	*qpos = sg ? sg->q_start + (i - sg->q0) : f->q_start + i;
+	*kpos = sg ? sg->k_start : f->k_start;
+}
+
+/* Distance of (row, key j) and whether the mask lets it through; qpos, kpos: row_keys()'s. */
+static bool visible(const struct ape_be_launch *f, int64_t qpos, int64_t kpos, int64_t j0,
+		    int64_t j, int64_t *n)
+{
+	*n = qpos - (kpos + (j - j0)); /* validated: no overflow */
 	return !f->causal || *n >= 0;
+}
+
+/* The query rows that see key j: every row, or in a ragged launch the rows of the one segment
+ * whose keys hold j (their key ranges are disjoint), [*i0, *i1) ([0, 0) when none). */
+static void key_rows(const struct ape_be_launch *f, int64_t j, int64_t *i0, int64_t *i1)
+{
+	*i0 = 0;
+	*i1 = f->segs ? 0 : f->Lq;
+	for (int64_t s = 0; f->segs && s < f->nseg; s++)
+		if (j >= f->segs[s].k0 && j < f->segs[s].k0 + f->segs[s].lk) {
+			*i0 = f->segs[s].q0;
+			*i1 = f->segs[s].q0 + f->segs[s].lq;
+			return;
+		}
 }
 
 /* Keys outer: dV_j = sum_i P_ij dO_i and dK_j = sum_i dS_ij t c d(dot)/d(k_j), over every row of
@@ -137,18 +168,23 @@ static void keys_pass(struct bwd *c)
 
 		for (int64_t j = 0; j < f->Lk; j++) {
 			const int64_t krow = bk * f->Lk + j;
+			int64_t i0, i1;
 
+			key_rows(f, j, &i0, &i1);
+			if (i0 == i1)
+				continue; /* a key no row sees: nothing to add */
 			load_row(k, c->k, f->in_dtype, krow, D);
 			load_row(v, c->v, f->in_dtype, krow, D);
 			memset(dk, 0, sizeof(dk));
 			memset(dv, 0, sizeof(dv));
 			for (int64_t h = kh * c->group; h < (kh + 1) * c->group; h++)
-				for (int64_t i = 0; i < f->Lq; i++) {
+				for (int64_t i = i0; i < i1; i++) {
 					const int64_t row = (b * f->H + h) * f->Lq + i;
+					int64_t j0, j1, qpos, kpos, n;
 					double g;
-					int64_t n;
 
-					if (!visible(f, row, j, &n))
+					row_keys(f, i, &j0, &j1, &qpos, &kpos);
+					if (!visible(f, qpos, kpos, j0, j, &n))
 						continue;
 					load_row(q, c->q, f->in_dtype, row, D);
 					load_row(dout, c->dout, c->l->dout_dtype, row, D);
@@ -189,15 +225,17 @@ static void rows_pass(struct bwd *c)
 		/* the table's gradient: dS into the row's entry for the pair's distance */
 		double *db = c->dbias ? c->dbias + (f->bias_hstride ? h * f->bias_len : 0) : NULL;
 		bool any = false;
+		int64_t j0, j1, qpos, kpos;
 
+		row_keys(f, row % f->Lq, &j0, &j1, &qpos, &kpos);
 		load_row(q, c->q, f->in_dtype, row, D);
 		load_row(dout, c->dout, c->l->dout_dtype, row, D);
 		memset(dq, 0, sizeof(dq));
-		for (int64_t j = 0; j < f->Lk; j++) {
+		for (int64_t j = j0; j < j1; j++) {
 			double g;
 			int64_t n;
 
-			if (!visible(f, row, j, &n))
+			if (!visible(f, qpos, kpos, j0, j, &n))
 				continue;
 			any = true;
 			load_row(k, c->k, f->in_dtype, kvbase + j, D);
