@@ -49,17 +49,16 @@ static size_t bwd_kt(int64_t D)
 	return D == 64 || D == 128 ? 16 : 8;
 }
 
-/* Splits of each (batch, kv head)'s key blocks in the fused sweep: enough work-items for about
+/* Splits of each (batch, kv head)'s nkb key blocks in the fused sweep: enough work-items for about
  * four per compute unit, at most one per key block and at most BWD_SPLITS_MAX (each split has
  * its own slice of the dQ and row-sum partials: nsplit (Lq D floats + 5 Lq APE_REAL) per
  * (batch, head)). The same device and shape always give the same count, so the same sums. */
 #define BWD_SPLITS_MAX 8
 
-static size_t bwd_nsplit(const struct ape_device *dev, const struct ape_be_launch *f)
+static size_t bwd_nsplit(const struct ape_device *dev, const struct ape_be_launch *f, size_t nkb)
 {
 	const size_t cu = dev->info.compute_units > 0 ? (size_t)dev->info.compute_units : 1;
 	const size_t bkv = (size_t)(f->B * f->Hkv) > 0 ? (size_t)(f->B * f->Hkv) : 1;
-	const size_t nkb = ((size_t)f->Lk + bwd_kt(f->D) - 1) / bwd_kt(f->D);
 	size_t n = (4 * cu + bkv - 1) / bkv;
 
 	if (n > BWD_SPLITS_MAX)
@@ -86,14 +85,74 @@ static size_t round_up(size_t n, size_t m)
 
 /* The bytes of each scratch buffer of one launch (0: not allocated). */
 struct bwd_scratch {
-	size_t prm, kmax, rinfo, step, tab, part, qp, kp, dqp, rp, bt, bsm, dbp, dbd;
+	size_t prm, kmax, rinfo, step, tab, part, qp, kp, dqp, rp, bt, bsm, dbp, dbd, sg, rvs, kbs;
 };
 
-/* The smallest and the largest |n| over a launch's distances n = rel + i - j */
-static void bwd_abs_range(const struct ape_be_launch *f, int64_t *near, int64_t *far)
+/*
+ * The row and key spaces of a launch (kernels/bwd_layout.h, SG_*) and its distance table's
+ * range: a dense launch's, a ragged launch's from its segments, or (f.segs NULL, f.nseg >= 1:
+ * what attention_backward_scratch is asked for a ragged call) a bound on those of any launch of
+ * up to nseg segments. A ragged launch's distance range is the hull of its segments' (those with
+ * keys), at most Lq + Lk - 1 long (ape__ocl_attention_backward() splits a launch whose hull is
+ * longer), so that the bound is the dense figure.
+ */
+struct bwd_space {
+	size_t qrows; /* query rows per (batch, head), padded to row vectors per segment */
+	size_t nkb; /* key blocks per (batch, kv head) */
+	int64_t nmin, ndist; /* the distances nmin .. nmin + ndist - 1 (ndist 0: no key) */
+	size_t nseg, nrv; /* a ragged launch's table: segments, row vectors (0: dense) */
+	bool bound; /* the bound for up to nseg segments */
+};
+
+static bool bwd_ragged(const struct ape_be_launch *f)
 {
-	const int64_t rel = f->q_start - f->k_start;
-	const int64_t lo = ape_sat_sub(rel, f->Lk - 1), hi = ape_sat_add(rel, f->Lq - 1);
+	return f->segs || f->nseg >= 1;
+}
+
+static void bwd_space(const struct ape_be_launch *f, size_t rw, struct bwd_space *sp)
+{
+	const size_t kt = bwd_kt(f->D), Lq = (size_t)f->Lq, Lk = (size_t)f->Lk;
+	int64_t nmax = INT64_MIN;
+
+	memset(sp, 0, sizeof(*sp));
+	sp->nmin = INT64_MAX;
+	if (!bwd_ragged(f)) {
+		sp->qrows = round_up(Lq, rw); /* whole row vectors */
+		sp->nkb = (Lk + kt - 1) / kt;
+		sp->nmin = ape_sat_sub(f->q_start - f->k_start, f->Lk - 1);
+		sp->ndist = f->Lq + f->Lk - 1;
+		return;
+	}
+	sp->nseg = (size_t)f->nseg;
+	if (!f->segs) { /* each segment adds at most rw - 1 rows of padding and one key block */
+		sp->bound = true;
+		sp->qrows = round_up(Lq + sp->nseg * (rw - 1), rw);
+		sp->nkb = (Lk + kt - 1) / kt + sp->nseg;
+		sp->nrv = Lq; /* at rw = 1 */
+		sp->ndist = f->Lq + f->Lk - 1;
+		return;
+	}
+	for (size_t s = 0; s < sp->nseg; s++) {
+		const struct ape_be_seg *g = &f->segs[s];
+		const int64_t rel = g->q_start - g->k_start;
+
+		sp->nrv += ((size_t)g->lq + rw - 1) / rw;
+		sp->nkb += ((size_t)g->lk + kt - 1) / kt;
+		if (g->lk > 0) {
+			sp->nmin = rel - (g->lk - 1) < sp->nmin ? rel - (g->lk - 1) : sp->nmin;
+			nmax = rel + g->lq - 1 > nmax ? rel + g->lq - 1 : nmax;
+		}
+	}
+	sp->qrows = sp->nrv * rw;
+	sp->ndist = nmax >= sp->nmin ? nmax - sp->nmin + 1 : 0;
+	if (!sp->ndist)
+		sp->nmin = 0;
+}
+
+/* The smallest and the largest |n| over the distances nmin .. nmin + ndist - 1 */
+static void bwd_abs_range(int64_t nmin, int64_t ndist, int64_t *near, int64_t *far)
+{
+	const int64_t lo = nmin, hi = ape_sat_add(nmin, ndist - 1);
 
 	*near = ape_min_abs(lo, hi);
 	*far = ape_abs_dist(lo) > ape_abs_dist(hi) ? ape_abs_dist(lo) : ape_abs_dist(hi);
@@ -129,18 +188,23 @@ static int64_t bwd_table_rows(const struct ape_be_launch *f)
  * A launch with nothing to do allocates nothing.
  */
 static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, size_t rw,
-				 size_t nsplit, size_t real, struct bwd_scratch *s)
+				 const struct bwd_space *sp, size_t nsplit, size_t real,
+				 struct bwd_scratch *s)
 {
 	const unsigned outs = APE_BE_BWD_DQ | APE_BE_BWD_DK | APE_BE_BWD_DV | APE_BE_BWD_DPARAMS |
 			      APE_BE_BWD_DBIAS;
 	const size_t bh = (size_t)(f->B * f->H), bkv = (size_t)(f->B * f->Hkv);
-	const size_t ndist = (size_t)(f->Lq + f->Lk - 1);
+	const size_t ndist = (size_t)sp->ndist;
 	const size_t npad = round_up((size_t)f->D / 2, rw), dpad = round_up((size_t)f->D, rw);
-	const size_t qrows = round_up((size_t)f->Lq, rw); /* whole row vectors */
+	const size_t qrows = sp->qrows; /* whole row vectors (per segment) */
 
 	memset(s, 0, sizeof(*s));
-	if (!(parts & outs) || bh * (size_t)f->Lq == 0 || f->Lk == 0)
+	if (!(parts & outs) || bh * (size_t)f->Lq == 0 || f->Lk == 0 || ndist == 0)
 		return 0;
+	/* a ragged launch's segments, the segment of each row vector and of each key block */
+	s->sg = sp->nseg * SG_N * sizeof(int64_t);
+	s->rvs = sp->nseg ? sp->nrv * sizeof(cl_int) : 0;
+	s->kbs = sp->nseg ? sp->nkb * sizeof(cl_int) : 0;
 	/* omega_p padded to npad, then delta, beta, gamma, lambda per head, in APE_REAL (real
 	 * bytes); the sums in 8 bytes (a float64 or a compensated float32 pair) */
 	s->prm = (npad + 4 * (size_t)f->H) * real;
@@ -149,7 +213,7 @@ static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, 
 	/* per row vector: cos, then sin, of each pair's step */
 	s->step = bh * qrows * 2 * npad * sizeof(float);
 	/* a row vector's load of the last distances reaches rw - 1 past them */
-	s->tab = ((size_t)f->H * (size_t)(f->Lq + f->Lk - 1) * TB_N + rw) * real;
+	s->tab = ((size_t)f->H * ndist * TB_N + rw) * real;
 	s->part = parts & APE_BE_BWD_DPARAMS ? bh * (size_t)f->Lq * 4 * sizeof(double) : 0;
 	/* ape_bwd_prep's float32 rows: Q with dO in blocks of rw rows, K with V (and omega_p
 	 * times K's pairs; separable: the cos and sin of each key's angles) one by one */
@@ -161,7 +225,9 @@ static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, 
 							   : 0;
 	if (f->bias_table) { /* the table's rows as far as the launch reads, their suffix maxima
 			      * for the skip bound */
-		const size_t rows = (size_t)(bwd_table_rows(f) * ape_be_bias_entries(f)) * sizeof(float);
+		/* (the bound: the whole table; a ragged launch's segments are not known) */
+		const int64_t ent = sp->bound ? f->bias_len : ape_be_bias_entries(f);
+		const size_t rows = (size_t)(bwd_table_rows(f) * ent) * sizeof(float);
 
 		s->bt = rows;
 		s->bsm = s->kmax ? rows : 0;
@@ -172,15 +238,17 @@ static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, 
 		s->dbd = (size_t)bwd_table_rows(f) * ndist * sizeof(double);
 	}
 	return (uint64_t)s->prm + s->kmax + s->rinfo + s->step + s->tab + s->part + s->qp + s->kp +
-	       s->dqp + s->rp + s->bt + s->bsm + s->dbp + s->dbd;
+	       s->dqp + s->rp + s->bt + s->bsm + s->dbp + s->dbd + s->sg + s->rvs + s->kbs;
 }
 
 uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
 					     const struct ape_be_bwd_launch *l, unsigned parts)
 {
 	struct bwd_scratch s;
+	struct bwd_space sp;
 
-	return bwd_scratch_size(&l->f, parts, BWD_RW_MAX, bwd_nsplit(dev, &l->f),
+	bwd_space(&l->f, BWD_RW_MAX, &sp);
+	return bwd_scratch_size(&l->f, parts, BWD_RW_MAX, &sp, bwd_nsplit(dev, &l->f, sp.nkb),
 				ape__ocl_real_size(ape__ocl_dev(dev)), &s);
 }
 
@@ -301,6 +369,8 @@ struct bwd_sweep {
 	cl_int npad, D, H, group, flags;
 	cl_long Lq, Lk, rel;
 	cl_float scale;
+	cl_long nmin, ndist, nblk, nkb;
+	cl_mem sg, kbs;
 };
 
 static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
@@ -320,18 +390,28 @@ static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 	ape__ocl_arg(a, sizeof(w->rel), &w->rel);
 	ape__ocl_arg(a, sizeof(w->scale), &w->scale);
 	ape__ocl_arg(a, sizeof(w->flags), &w->flags);
+	ape__ocl_arg(a, sizeof(w->nmin), &w->nmin);
+	ape__ocl_arg(a, sizeof(w->ndist), &w->ndist);
+	ape__ocl_arg(a, sizeof(w->nblk), &w->nblk);
+	ape__ocl_arg(a, sizeof(w->nkb), &w->nkb);
+	ape__ocl_arg(a, sizeof(cl_mem), &w->sg);
+	ape__ocl_arg(a, sizeof(cl_mem), &w->kbs);
 }
 
 /* One of ape_bwd_prep's float32 copies, of `bytes` (bwd_scratch_size()): pairs of a (first then
  * second components), then b (then, with om, omega_p times a's pairs; with rot as well, a's
  * pairs rotated by their positions, and the angles' cos and sin after), for nbh (batch, head)
- * pairs of L rows each, in blocks of `lanes` rows (kernels/backward.cl). */
+ * pairs of L rows each, in blocks of `lanes` rows (kernels/backward.cl); `padded` work-items per
+ * (batch, head): the rows rounded up to lanes, or in a ragged launch (sg) the padded row space
+ * (map: the segment of each row vector, unit = lanes) or the key blocks (map: the segment of
+ * each, unit = their keys). */
 static int bwd_prep(struct ape_be_queue *q, const struct ape__ocl_program *pr, cl_mem a, cl_int dt_a,
 		    cl_mem b, cl_int dt_b, size_t nbh, cl_long L, cl_int lanes, cl_int D,
 		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, cl_mem om,
-		    cl_int rot, size_t bytes, uint64_t *held, cl_mem *out)
+		    cl_int rot, size_t bytes, uint64_t *held, cl_mem *out, size_t padded, cl_mem sg,
+		    cl_mem map, cl_int unit)
 {
-	const size_t padded = round_up((size_t)L, (size_t)lanes);
+	const cl_long np = (cl_long)padded;
 	struct ape__ocl_args args = { 0 };
 	cl_int err;
 
@@ -354,7 +434,52 @@ static int bwd_prep(struct ape_be_queue *q, const struct ape__ocl_program *pr, c
 	ape__ocl_arg(&args, sizeof(cl_mem), &kmax);
 	ape__ocl_arg(&args, sizeof(cl_mem), &om);
 	ape__ocl_arg(&args, sizeof(rot), &rot);
+	ape__ocl_arg(&args, sizeof(np), &np);
+	ape__ocl_arg(&args, sizeof(cl_mem), &sg);
+	ape__ocl_arg(&args, sizeof(cl_mem), &map);
+	ape__ocl_arg(&args, sizeof(unit), &unit);
 	return bwd_run(q, &args, round_up(padded, local), local, nbh, "ape_bwd_prep");
+}
+
+/*
+ * A ragged launch's tables (kernels/bwd_layout.h, SG_*), of s's sizes: its segments, the segment
+ * of each row vector of rw rows and of each key block of kt keys, in order.
+ */
+static cl_int bwd_tables(struct ape_be_queue *q, const struct ape_be_launch *f, size_t rw,
+			 size_t kt, const struct bwd_scratch *s, uint64_t *held, cl_mem *sg,
+			 cl_mem *rvs, cl_mem *kbs)
+{
+	int64_t *tg = ape_be_malloc(s->sg);
+	cl_int *tr = ape_be_malloc(s->rvs), *tk = ape_be_malloc(s->kbs);
+	cl_int err = tg && tr && tk ? CL_SUCCESS : CL_OUT_OF_HOST_MEMORY;
+	size_t rv = 0, kb = 0;
+
+	for (int64_t i = 0; err == CL_SUCCESS && i < f->nseg; i++) {
+		const struct ape_be_seg *g = &f->segs[i];
+		int64_t *t = tg + i * SG_N;
+
+		t[SG_Q0] = g->q0;
+		t[SG_LQ] = g->lq;
+		t[SG_K0] = g->k0;
+		t[SG_LK] = g->lk;
+		t[SG_REL] = g->q_start - g->k_start;
+		t[SG_RV0] = (int64_t)rv;
+		t[SG_KB0] = (int64_t)kb;
+		for (size_t n = ((size_t)g->lq + rw - 1) / rw; n > 0; n--)
+			tr[rv++] = (cl_int)i;
+		for (size_t n = ((size_t)g->lk + kt - 1) / kt; n > 0; n--)
+			tk[kb++] = (cl_int)i;
+	}
+	if (err == CL_SUCCESS)
+		*sg = bwd_take(q, s->sg, tg, held, &err);
+	if (*sg)
+		*rvs = bwd_take(q, s->rvs, tr, held, &err);
+	if (*rvs)
+		*kbs = bwd_take(q, s->kbs, tk, held, &err);
+	free(tg);
+	free(tr);
+	free(tk);
+	return err;
 }
 
 /*
@@ -403,18 +528,18 @@ static int bwd_host_add(struct ape_be_queue *q, cl_mem src, size_t rows, size_t 
  */
 static int bwd_dbias(struct ape_be_queue *q, const struct ape__ocl_program *pr,
 		     const struct ape_be_bwd_launch *l, cl_int ns, size_t local, cl_long nmin,
-		     cl_mem dbp, cl_mem dbd)
+		     cl_long ndist, cl_mem dbp, cl_mem dbd)
 {
 	const struct ape_be_launch *f = &l->f;
 	const cl_int H = (cl_int)f->H, shared = f->bias_hstride == 0;
-	const cl_long B = f->B, ndist = f->Lq + f->Lk - 1, M = f->bias_len;
+	const cl_long B = f->B, M = f->bias_len;
 	const size_t brows = (size_t)bwd_table_rows(f);
 	struct ape__ocl_args a;
 	int64_t near, far;
 	cl_long m0, nm;
 	int ret;
 
-	bwd_abs_range(f, &near, &far);
+	bwd_abs_range(nmin, ndist, &near, &far);
 	m0 = ape_bias_index(near, M);
 	nm = ape_bias_index(far, M) - m0 + 1;
 	memset(&a, 0, sizeof(a));
@@ -444,7 +569,9 @@ static int bwd_dbias(struct ape_be_queue *q, const struct ape__ocl_program *pr,
 	return bwd_host_add(q, dbp, brows, (size_t)nm, l->dbias->mem, (size_t)m0, (size_t)M);
 }
 
-int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
+/* One launch (dense, or ragged with its segments' distances at most Lq + Lk - 1 apart:
+ * bwd_space()), in one set of kernel launches */
+static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 {
 	struct ape__ocl_device *od = ape__ocl_dev(q->dev);
 	const struct ape_be_launch *f = &l->f;
@@ -455,11 +582,16 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	const size_t rows = (size_t)(f->B * f->H * f->Lq);
 	const size_t local = od->max_wg >= BWD_LOCAL ? BWD_LOCAL : 1;
 	cl_int flags = B_DTYPES((cl_int)f->in_dtype, (cl_int)f->out_dtype, (cl_int)l->dout_dtype);
-	const cl_long nmin = rel - (Lk - 1), ndist = Lq + Lk - 1;
 	const cl_int inter = f->layout == APE_ROPE_INTERLEAVED;
 	cl_mem prm = NULL, rinfo = NULL, step = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL;
 	cl_mem none = NULL, kmax = NULL, dqp = NULL, rp = NULL, bt = NULL, bsm = NULL, dbp = NULL;
-	cl_mem dbd = NULL;
+	cl_mem dbd = NULL, sg = NULL, rvs = NULL, kbs = NULL;
+	/* a ragged launch's rows: the first and the count of its segments' (the params' sums) */
+	const cl_long r0 = f->segs ? f->segs[0].q0 : 0;
+	const cl_long nr = f->segs ? f->segs[f->nseg - 1].q0 + f->segs[f->nseg - 1].lq - r0 : Lq;
+	const cl_int kt = (cl_int)bwd_kt(f->D);
+	struct bwd_space sp;
+	cl_long nmin, ndist, nkb;
 	/* the distance-bias table: entries per row, rows apart (0: shared), rows */
 	const cl_long bM = f->bias_table ? ape_be_bias_entries(f) : 0;
 	const cl_long bstride = f->bias_hstride ? bM : 0;
@@ -472,7 +604,7 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	cl_int npad, dpad, rw, err;
 	uint64_t held = 0, high;
 	size_t nblk, nsplit;
-	cl_long nrv;
+	cl_long nrv, nb;
 	cl_int ns;
 	int ret;
 
@@ -481,16 +613,24 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	ret = ape__ocl_program_get(q->dev, f->D, &pr);
 	if (ret)
 		return ret;
+	rw = (cl_int)pr->t.rw; /* query rows per row vector (APE_RW) */
+	bwd_space(f, (size_t)rw, &sp);
+	if (sp.ndist == 0) /* a ragged launch whose rows see no key */
+		return 0;
+	nmin = sp.nmin;
+	ndist = sp.ndist;
+	nkb = (cl_long)sp.nkb;
 	ape_be_path_note(f->path, APE_BE_PATH_BACKWARD, "the fused sweep, keys outer");
 	if (sep) /* the call's path: "separable+backward" */
 		ape_be_path_note(f->path, APE_BE_PATH_SEPARABLE,
 				 "lambda = 0 on every head: the backward sweep on rotated rows");
-	rw = (cl_int)pr->t.rw; /* query rows per row vector (APE_RW) */
 	npad = (cl_int)round_up((size_t)f->D / 2, (size_t)rw);
 	dpad = (cl_int)round_up((size_t)f->D, (size_t)rw);
-	nblk = ((size_t)Lq + (size_t)rw - 1) / (size_t)rw; /* row vectors per (batch, head) */
-	nsplit = bwd_nsplit(q->dev, f);
-	bwd_scratch_size(f, ape_be_bwd_parts(l), (size_t)rw, nsplit, ape__ocl_real_size(od), &s);
+	nblk = sp.qrows / (size_t)rw; /* row vectors per (batch, head) */
+	nb = (cl_long)nblk;
+	nsplit = bwd_nsplit(q->dev, f, sp.nkb);
+	bwd_scratch_size(f, ape_be_bwd_parts(l), (size_t)rw, &sp, nsplit, ape__ocl_real_size(od),
+			 &s);
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
 		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0) | (f->pairs ? B_PAIRS : 0) |
@@ -506,6 +646,13 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 		}
 	}
 
+	if (f->segs) {
+		err = bwd_tables(q, f, (size_t)rw, (size_t)kt, &s, &held, &sg, &rvs, &kbs);
+		if (err != CL_SUCCESS) {
+			ret = ape__ocl_error(err, "clCreateBuffer (backward segment tables)");
+			goto out_release;
+		}
+	}
 	prm = bwd_params(q, f, npad, s.prm, ape__ocl_real_size(od), &held, &err);
 	if (prm)
 		rinfo = bwd_take(q, s.rinfo, NULL, &held, &err);
@@ -537,11 +684,12 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	}
 	ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem, (cl_int)l->dout_dtype,
 		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, none, 0, s.qp,
-		       &held, &qp);
-	if (!ret)
+		       &held, &qp, sp.qrows, sg, rvs, rw);
+	if (!ret) /* keys: one by one, or a ragged launch's key blocks */
 		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
 			       (cl_int)f->in_dtype, (size_t)(B * f->Hkv), Lk, 1, D, npad, dpad,
-			       inter, local, kmax, prm, sep, s.kp, &held, &kp);
+			       inter, local, kmax, prm, sep, s.kp, &held, &kp,
+			       f->segs ? sp.nkb * (size_t)kt : (size_t)Lk, sg, kbs, kt);
 	if (ret)
 		goto out_release;
 
@@ -584,6 +732,9 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	ape__ocl_arg(&a, sizeof(cl_mem), &bsm);
 	ape__ocl_arg(&a, sizeof(bstride), &bstride);
 	ape__ocl_arg(&a, sizeof(bM), &bM);
+	ape__ocl_arg(&a, sizeof(nb), &nb);
+	ape__ocl_arg(&a, sizeof(cl_mem), &sg);
+	ape__ocl_arg(&a, sizeof(cl_mem), &rvs);
 	/* one work-item per row vector */
 	ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H), "ape_bwd_rows");
 	if (ret)
@@ -592,7 +743,9 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	w = (struct bwd_sweep){ .qp = qp, .kp = kp, .prm = prm, .rinfo = rinfo, .step = step,
 				.tab = tab,
 				.npad = npad, .D = D, .H = H, .group = group, .flags = flags,
-				.Lq = Lq, .Lk = Lk, .rel = rel, .scale = scale };
+				.Lq = Lq, .Lk = Lk, .rel = rel, .scale = scale,
+				.nmin = nmin, .ndist = ndist, .nblk = nb, .nkb = nkb, .sg = sg,
+				.kbs = kbs };
 	/* one work-item per split of a (batch, kv head): its accumulators are large
 	 * (kernels/backward.cl) */
 	ns = (cl_int)nsplit;
@@ -631,6 +784,9 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 		ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dq ? &l->dq->mem : &none);
 		ape__ocl_arg(&a, sizeof(cl_mem), l->dparams ? &part : &none);
+		ape__ocl_arg(&a, sizeof(nb), &nb);
+		ape__ocl_arg(&a, sizeof(cl_mem), &sg);
+		ape__ocl_arg(&a, sizeof(cl_mem), &rvs);
 		/* one work-item per row vector */
 		ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H), "ape_bwd_reduce");
 		if (ret)
@@ -647,6 +803,8 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 		/* without float64, the per-head pairs to rp (done with; 8 bytes per row and sum,
 		 * at least 5 H) for the host's float64 */
 		ape__ocl_arg(&a, sizeof(cl_mem), od->fp64 ? &l->dparams->mem : &rp);
+		ape__ocl_arg(&a, sizeof(r0), &r0);
+		ape__ocl_arg(&a, sizeof(nr), &nr);
 		ret = bwd_run(q, &a, (size_t)H, 0, 1, "ape_bwd_params");
 		if (!ret && !od->fp64)
 			ret = bwd_host_add(q, rp, 1, 4 * (size_t)H, l->dparams->mem, 0, 0);
@@ -655,7 +813,7 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	}
 
 	if (l->dbias)
-		ret = bwd_dbias(q, pr, l, ns, local, nmin, dbp, dbd);
+		ret = bwd_dbias(q, pr, l, ns, local, nmin, ndist, dbp, dbd);
 out_release:
 	/* what this launch allocated, for the tests' comparison with the declared figure */
 	high = atomic_load(&ape__ocl_bwd_scratch_high);
@@ -689,7 +847,57 @@ out_release:
 		clReleaseMemObject(dbp);
 	if (dbd)
 		clReleaseMemObject(dbd);
+	if (sg)
+		clReleaseMemObject(sg);
+	if (rvs)
+		clReleaseMemObject(rvs);
+	if (kbs)
+		clReleaseMemObject(kbs);
 	return ret;
+}
+
+/*
+ * A launch, in one set of kernel launches; a ragged launch whose segments' distances lie more
+ * than Lq + Lk - 1 apart (positions far from each other: the distance table would outgrow the
+ * scratch declared, bwd_space()) in runs of consecutive segments that fit, one after the other.
+ */
+int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
+{
+	const struct ape_be_launch *f = &l->f;
+	const int64_t span = f->Lq + f->Lk - 1;
+	struct ape_be_bwd_launch part;
+	int64_t a = 0;
+
+	if (!f->segs)
+		return bwd_launch(q, l);
+	while (a < f->nseg) {
+		int64_t lo = INT64_MAX, hi = INT64_MIN, b = a;
+		int ret;
+
+		for (; b < f->nseg; b++) { /* the hull of a .. b, segments with keys */
+			const struct ape_be_seg *g = &f->segs[b];
+			const int64_t rel = g->q_start - g->k_start;
+			int64_t nlo = lo, nhi = hi;
+
+			if (g->lk > 0) {
+				nlo = rel - (g->lk - 1) < lo ? rel - (g->lk - 1) : lo;
+				nhi = rel + g->lq - 1 > hi ? rel + g->lq - 1 : hi;
+			}
+			/* (one segment's distances alone: lq + lk - 1 <= span) */
+			if (b > a && nhi >= nlo && (uint64_t)nhi - (uint64_t)nlo >= (uint64_t)span)
+				break;
+			lo = nlo;
+			hi = nhi;
+		}
+		part = *l;
+		part.f.segs = f->segs + a;
+		part.f.nseg = b - a;
+		ret = bwd_launch(q, &part);
+		if (ret)
+			return ret;
+		a = b;
+	}
+	return 0;
 }
 
 /* ------------------------------------------------------------------ the caller's memory */

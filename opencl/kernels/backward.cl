@@ -134,6 +134,34 @@ KFN vf bwd_hsum16(const float *v)
 }
 #endif
 
+/* One dense problem of a launch (kernels/bwd_layout.h, SG_*): segment s of a ragged launch's
+ * table SG, or without one (a dense launch) the launch itself. */
+struct bseg {
+	long q0, lq, k0, lk, rel, rv0, kb0;
+};
+
+KFN struct bseg bwd_seg(__global const long *SG, long s, long Lq, long Lk, long rel)
+{
+	struct bseg g;
+
+	if (!SG) {
+		g.q0 = g.k0 = g.rv0 = g.kb0 = 0;
+		g.lq = Lq;
+		g.lk = Lk;
+		g.rel = rel;
+		return g;
+	}
+	SG += s * SG_N;
+	g.q0 = SG[SG_Q0];
+	g.lq = SG[SG_LQ];
+	g.k0 = SG[SG_K0];
+	g.lk = SG[SG_LK];
+	g.rel = SG[SG_REL];
+	g.rv0 = SG[SG_RV0];
+	g.kb0 = SG[SG_KB0];
+	return g;
+}
+
 /*
  * Q with its dO, or K with its V, as the sweep reads them: float32, the pairs' first components
  * (npad of them, zero past P, so padded lanes add nothing), their second components, then the
@@ -149,20 +177,41 @@ KFN vf bwd_hsum16(const float *v)
  * (u, w) -> (u cos - w sin, u sin + w cos) at the angle j omega_p (seeded exactly by
  * ape_seed_sincos), before all of that, and the cos then the sin of each pair's angle follow
  * the rest (rs = 6 npad + dpad), for turning dK back; the key norm stays the unrotated one's.
+ *
+ * Work-item i of the np padded rows: row i of a dense launch (np = L rounded up to lanes). In a
+ * ragged launch (SG, kernels/bwd_layout.h; MAP the segment of each unit of `unit` padded rows):
+ * Q's call (om NULL) walks the padded row space, unit = lanes = APE_RW, padded row i is row
+ * i - RV0 APE_RW of its segment (zero past its lq), written at i; K's call walks the key blocks,
+ * unit = BWD_KT, and writes each segment key at its real row (its angle with rot: its index in
+ * its segment), the blocks' padding nowhere.
  */
 __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void *Bv, int dt_b,
 			   long L, int lanes, int D, int npad, int dpad, int inter,
 			   __global float *out, __global int *kmax, __global const APE_REAL *om,
-			   int rot)
+			   int rot, long np, __global const long *SG, __global const int *MAP,
+			   int unit)
 {
-	const long i = get_global_id(0), bh = get_global_id(1), base = (bh * L + i) * (long)BD(D);
-	const long nblk = (L + lanes - 1) / lanes;
-	const int P = BD(D) / 2, ok = i < L;
-	const int rs = 2 * npad + dpad + (om ? 2 * npad : 0) + (om && rot ? 2 * npad : 0);
-	__global float *o = out + ((bh * nblk + i / lanes) * rs) * lanes + i % lanes;
+	const long i = get_global_id(0), bh = get_global_id(1);
+	long r = i, at = i; /* the real row; the key's index for its angle */
+	int ok = i < L;
 
-	if (i >= nblk * lanes)
+	if (i >= np)
 		return;
+	if (MAP) {
+		const long u = i / unit;
+		const struct bseg g = bwd_seg(SG, MAP[u], L, L, 0);
+
+		at = (u - (om ? g.kb0 : g.rv0)) * unit + i % unit;
+		ok = at < (om ? g.lk : g.lq);
+		r = (om ? g.k0 : g.q0) + at;
+		if (om && !ok)
+			return; /* a key block's padding: no row */
+	}
+	const long base = (bh * L + r) * (long)BD(D), oi = om ? r : i;
+	const long nblk = om ? L : np / lanes;
+	const int P = BD(D) / 2;
+	const int rs = 2 * npad + dpad + (om ? 2 * npad : 0) + (om && rot ? 2 * npad : 0);
+	__global float *o = out + ((bh * nblk + oi / lanes) * rs) * lanes + oi % lanes;
 	APE_REAL ss = 0;
 
 	/* pairs in chunks of APE_RW (npad is a multiple of it): one vector seed per chunk */
@@ -171,7 +220,7 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 
 		if (om && rot) {
 			vf c;
-			const vf s = ape_seed_sincos(VL(om + p0) * (APE_REAL)i, &c);
+			const vf s = ape_seed_sincos(VL(om + p0) * (APE_REAL)at, &c);
 
 			VS(c, cs);
 			VS(s, sn);
@@ -248,14 +297,15 @@ KFN void bwd_turn(vf *x, vf *y, vf c, vf s)
 	*x = xn;
 }
 
-/* One launch's shape, as the kernels read it */
+/* One launch's shape, as the sweep reads it: the distance table's nmin and ndist, the row
+ * vectors per (batch, head) (ragged: of the padded row space) */
 struct bwd {
 	int D, P, npad, rs, krs, inter, causal;
-	long Lq, Lk, rel, nmin, ndist, nblk;
+	long nmin, ndist, nblk;
 	float scale;
 };
 
-KFN struct bwd bwd_init(int D, long Lq, long Lk, long rel, float scale, int flags)
+KFN struct bwd bwd_init(int D, long nmin, long ndist, long nblk, float scale, int flags)
 {
 	struct bwd b;
 
@@ -268,12 +318,9 @@ KFN struct bwd bwd_init(int D, long Lq, long Lk, long rel, float scale, int flag
 	b.krs = b.rs + ((flags & B_SEP) ? 4 : 2) * b.npad;
 	b.inter = (flags & B_INTERLEAVED) != 0;
 	b.causal = (flags & B_CAUSAL) != 0;
-	b.Lq = Lq;
-	b.Lk = Lk;
-	b.rel = rel;
-	b.nmin = rel - (Lk - 1);
-	b.ndist = Lq + Lk - 1;
-	b.nblk = (Lq + APE_RW - 1) / APE_RW;
+	b.nmin = nmin;
+	b.ndist = ndist;
+	b.nblk = nblk;
 	b.scale = scale;
 	return b;
 }
@@ -405,17 +452,20 @@ __kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 			   __global const APE_REAL *prm, int npad, int D, int H, long Lq, int flags,
 			   __global APE_REAL *rinfo, __global float *STEP, __global const int *kmax,
 			   int group, long Lk, long rel, float scale, float tol,
-			   __global ulong *PAIRS, __global const float *BSM, long bstride, long bM)
+			   __global ulong *PAIRS, __global const float *BSM, long bstride, long bM,
+			   long nblk, __global const long *SG, __global const int *RVS)
 {
-	const long ib = get_global_id(0), bh = get_global_id(1), nblk = (Lq + APE_RW - 1) / APE_RW;
-	const long blk = bh * nblk + ib, i0 = ib * APE_RW;
+	const long ib = get_global_id(0), bh = get_global_id(1);
+	/* the row vector's segment (a dense launch: the launch); rows from rb + i0 */
+	const struct bseg g = bwd_seg(SG, RVS && ib < nblk ? RVS[ib] : 0, Lq, Lk, rel);
+	const long blk = bh * nblk + ib, i0 = (ib - g.rv0) * APE_RW, rb = bh * Lq + g.q0;
 	const int P = BD(D) / 2, rs = 2 * npad + (BD(D) + APE_RW - 1) / APE_RW * APE_RW;
 	const APE_REAL lambda = prm[npad + 4 * (bh % H) + 3];
 	__global float *qt = QP + blk * rs * APE_RW;
 	__global APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
 	__global float *st = STEP + blk * 2 * npad * APE_RW;
 	/* B_SEP: the rows' positions rel + i (padding lanes: any) */
-	const vr pos = (APE_REAL)ape_sat_add(rel, i0) + TO_VR(IOTA);
+	const vr pos = (APE_REAL)ape_sat_add(g.rel, i0) + TO_VR(IOTA);
 	const int causal = (flags & B_CAUSAL) != 0;
 	APE_REAL tm[APE_RW], tss[APE_RW], tia[APE_RW], tqq[APE_RW], tdl[APE_RW];
 	vr sum = (vr)0, ss = (vr)0, qq = (vr)0, dlv = (vr)0, mean;
@@ -442,7 +492,7 @@ __kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 		float ot[APE_RW];
 
 		for (int l = 0; l < APE_RW; l++)
-			ot[l] = i0 + l < Lq ? ld(O, (bh * Lq + i0 + l) * BD(D) + d, B_DT_OUT(flags))
+			ot[l] = i0 + l < g.lq ? ld(O, (rb + i0 + l) * BD(D) + d, B_DT_OUT(flags))
 					    : 0.0f;
 		dlv += TO_VR(VL(qt + (2 * npad + d) * APE_RW)) * TO_VR(VL(ot));
 	}
@@ -451,10 +501,10 @@ __kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 	VS(qq, tqq);
 	VS(dlv, tdl);
 	NOUNROLL for (int l = 0; l < APE_RW; l++) {
-		const long i = i0 + l, row = bh * Lq + i;
+		const long i = i0 + l, row = rb + i;
 		APE_REAL sigma;
 
-		if (i >= Lq) { /* padding lanes of the last row vector */
+		if (i >= g.lq) { /* padding lanes of the last row vector */
 			ri[RI_MEAN * APE_RW + l] = ri[RI_SIGMA * APE_RW + l] = 0;
 			ri[RI_DSUB * APE_RW + l] = 0;
 			ri[RI_ALPHA * APE_RW + l] = tia[l] = 1;
@@ -470,8 +520,8 @@ __kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 		ri[RI_DSUB * APE_RW + l] =
 			tdl[l] - ((flags & B_DLSE) ? (APE_REAL)DLSE[row] : (APE_REAL)0);
 		{ /* the keys it must compute; the row vector computes their union */
-			const long diag = rel + i;
-			const long vend = ape_visible_keys(diag, Lk, causal);
+			const long diag = g.rel + i;
+			const long vend = ape_visible_keys(diag, g.lk, causal);
 			long jlo = 0, jhi = vend;
 
 			if ((flags & B_SKIP) && vend > 0)
@@ -479,7 +529,7 @@ __kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 					      ape_norm_bound(tqq[l]),
 					      (APE_REAL)as_float(kmax[bh / H * (H / group) +
 								      bh % H / group]),
-					      LSE[row], tol, diag, Lk, vend, causal,
+					      LSE[row], tol, diag, g.lk, vend, causal,
 					      BSM ? BSM + bh % H * bstride : BSM, bM, vlo, vhi,
 					      &jlo, &jhi);
 			if (vend > 0 && jlo < jhi) {
@@ -491,14 +541,14 @@ __kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 	if (vlo >= vhi)
 		vlo = vhi = 0;
 	NOUNROLL for (int l = 0; l < APE_RW; l++) {
-		const long i = i0 + l, diag = ape_sat_add(rel, i); /* padding lanes: any */
-		const long vend = ape_visible_keys(diag, Lk, causal);
+		const long i = i0 + l, diag = ape_sat_add(g.rel, i); /* padding lanes: any */
+		const long vend = ape_visible_keys(diag, g.lk, causal);
 		const long e = vhi < vend ? vhi : vend;
 
 		ri[RI_JLO * APE_RW + l] = (APE_REAL)vlo;
 		ri[RI_JHI * APE_RW + l] = (APE_REAL)vhi;
-		if ((flags & B_PAIRS) && i < Lq) /* visible pairs computed */
-			PAIRS[bh * Lq + i] = (ulong)(e > vlo ? e - vlo : 0);
+		if ((flags & B_PAIRS) && i < g.lq) /* visible pairs computed */
+			PAIRS[rb + i] = (ulong)(e > vlo ? e - vlo : 0);
 	}
 	NOUNROLL for (int p = 0; p < npad; p++) {
 		vf c = (vf)1.0f, sn = (vf)0.0f;
@@ -521,12 +571,18 @@ __kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 
 /* The arguments the sweep takes first (ocl_backward.c: bwd_sweep_args()): the prepared rows
  * (Q+dO in row vectors, K+V one row per key: ape_bwd_prep), omega and the heads' parameters,
- * the row and distance tables, the shape, the flags. */
+ * the row and distance tables, the shape, the flags; the distance table's range, the row
+ * vectors and key blocks per (batch, head), and a ragged launch's segments (SG, KBS the segment
+ * of each key block: kernels/bwd_layout.h; NULL: dense). */
 #define BWD_SWEEP_ARGS                                                                             \
 	__global const float *QP, __global const float *KP, __global const APE_REAL *prm,         \
 		int npad, __global const APE_REAL *rinfo, __global const float *STEP,              \
 		__global const APE_REAL *tab, int D, int H, int group, long Lq, long Lk, long rel, \
-		float scale, int flags
+		float scale, int flags, long nmin, long ndist, long nblk, long nkb,                \
+		__global const long *SG, __global const int *KBS
+#define BWD_SWEEP_PASS                                                                             \
+	QP, KP, prm, npad, rinfo, STEP, tab, D, H, group, Lq, Lk, rel, scale, flags, nmin, ndist,  \
+		nblk, nkb, SG, KBS
 
 /* Keys per block of the fused sweep: each row vector seeds its rotation once per block and
  * per block a row vector is loaded and set up once, but a row vector computes every key of a
@@ -594,9 +650,8 @@ KFN void bwd_sweep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV, __glo
 		   __global APE_REAL *RP, int nsplit, long nrv, __global APE_REAL *DBP,
 		   const int sep)
 {
-	const struct bwd b = bwd_init(D, Lq, Lk, rel, scale, flags);
+	const struct bwd b = bwd_init(D, nmin, ndist, nblk, scale, flags);
 	const long s = get_global_id(0), bkv = get_global_id(1), Hkv = H / group;
-	const long nkb = (Lk + BWD_KT - 1) / BWD_KT;
 	const int wrow = (flags & (B_DQ | B_DP)) != 0; /* the rows' sums are wanted */
 	/* per key kt, component c: lanes at ((kt * D) + c) * APE_RW */
 	float dkacc[BWD_KT * APE_DMAX * APE_RW], dvacc[BWD_KT * APE_DMAX * APE_RW];
@@ -615,9 +670,11 @@ KFN void bwd_sweep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV, __glo
 	for (int x = 0; x < BWD_KT + APE_RW - 1; x++)
 		dsd[x] = 0.0f;
 	for (long kb = s; kb < nkb; kb += nsplit) {
-		const long j0 = kb * BWD_KT;
-		const int nk = (int)(Lk - j0 < BWD_KT ? Lk - j0 : BWD_KT);
-		__global const float *kp = KP + (bkv * Lk + j0) * b.krs;
+		/* the block's segment (dense: the launch), its keys j0.. of it, rows 0..lq - 1 */
+		const struct bseg sg = bwd_seg(SG, KBS ? KBS[kb] : 0, Lq, Lk, rel);
+		const long j0 = (kb - sg.kb0) * BWD_KT, lq = sg.lq, srel = sg.rel;
+		const int nk = (int)(sg.lk - j0 < BWD_KT ? sg.lk - j0 : BWD_KT);
+		__global const float *kp = KP + (bkv * Lk + sg.k0 + j0) * b.krs;
 		long i0;
 		/* the accumulators hold nothing yet: the block's first group starts them from zero
 		 * instead of reading them (no clearing pass: with skipping, a block often meets a
@@ -625,18 +682,18 @@ KFN void bwd_sweep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV, __glo
 		int fresh = 1;
 
 		/* causal: row i sees key j when n = rel + i - j >= 0; from the row vector holding it */
-		i0 = b.causal ? ape_sat_sub(j0, rel) : 0;
+		i0 = b.causal ? ape_sat_sub(j0, srel) : 0;
 		i0 = (i0 < 0 ? 0 : i0) / APE_RW * APE_RW;
 		for (long h = bkv % Hkv * group; h < (bkv % Hkv + 1) * group; h++) {
 			const long bh = bkv / Hkv * H + h;
 			__global const APE_REAL *th = tab + TB_AT(h, 0, b.ndist);
 
-			for (long r0 = i0; r0 < Lq;) {
+			for (long r0 = i0; r0 < lq;) {
 				int nr = 0;
 
 				/* pass 1 for up to KR row vectors */
-				for (; r0 < Lq && nr < KR; r0 += APE_RW) {
-					const long blk = bh * b.nblk + r0 / APE_RW;
+				for (; r0 < lq && nr < KR; r0 += APE_RW) {
+					const long blk = bh * b.nblk + sg.rv0 + r0 / APE_RW;
 					__global const float *qt = QP + blk * b.rs * APE_RW;
 					__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
 					__global const float *cw = STEP + blk * 2 * b.npad * APE_RW,
@@ -656,8 +713,8 @@ KFN void bwd_sweep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV, __glo
 					cwg[g] = cw;
 					swg[g] = sw;
 					blkg[g] = blk;
-					nl0[g] = rel + r0 - j0;
-					hi[g] = (int)(Lq - r0 < APE_RW ? Lq - r0 : APE_RW);
+					nl0[g] = srel + r0 - j0;
+					hi[g] = (int)(lq - r0 < APE_RW ? lq - r0 : APE_RW);
 					full[g] = hi[g] == APE_RW &&
 						  (!b.causal || nl0[g] - (nk - 1) >= 0);
 					iav = (APE_REAL)1 / VL(ri + RI_ALPHA * APE_RW);
@@ -1081,7 +1138,7 @@ KFN void bwd_sweep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV, __glo
 		}
 		/* (a block no row sees adds nothing) */
 		for (int kt = 0; !fresh && kt < nk; kt++) {
-			const long kbase = (bkv * Lk + j0 + kt) * b.D;
+			const long kbase = (bkv * Lk + sg.k0 + j0 + kt) * b.D;
 			const float *dka = dkacc + kt * b.D * APE_RW, *dva = dvacc + kt * b.D * APE_RW;
 
 			int c = 0;
@@ -1130,8 +1187,7 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
 			    __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
 			    __global APE_REAL *DBP)
 {
-	bwd_sweep(QP, KP, prm, npad, rinfo, STEP, tab, D, H, group, Lq, Lk, rel, scale, flags, DK,
-		  DV, DQP, RP, nsplit, nrv, DBP, 0);
+	bwd_sweep(BWD_SWEEP_PASS, DK, DV, DQP, RP, nsplit, nrv, DBP, 0);
 }
 
 /*
@@ -1151,8 +1207,7 @@ __kernel void ape_bwd_sep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV
 			  __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
 			  __global APE_REAL *DBP)
 {
-	bwd_sweep(QP, KP, prm, npad, rinfo, STEP, tab, D, H, group, Lq, Lk, rel, scale, flags, DK,
-		  DV, DQP, RP, nsplit, nrv, DBP, 1);
+	bwd_sweep(BWD_SWEEP_PASS, DK, DV, DQP, RP, nsplit, nrv, DBP, 1);
 }
 
 /*
@@ -1165,10 +1220,13 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 			     __global const APE_REAL *rinfo, int D, int H, long Lq, long Lk,
 			     long rel, int flags, __global const float *DQP,
 			     __global const APE_REAL *RP, int nsplit, long nrv,
-			     __global const void *Q, __global float *DQ, __global APE_REAL *PART)
+			     __global const void *Q, __global float *DQ, __global APE_REAL *PART,
+			     long nblk, __global const long *SG, __global const int *RVS)
 {
-	const long ib = get_global_id(0), bh = get_global_id(1), nblk = (Lq + APE_RW - 1) / APE_RW;
-	const long blk = bh * nblk + ib, i0 = ib * APE_RW;
+	const long ib = get_global_id(0), bh = get_global_id(1);
+	/* the row vector's segment (a dense launch: the launch); rows from rb + i0 */
+	const struct bseg g = bwd_seg(SG, RVS && ib < nblk ? RVS[ib] : 0, Lq, Lk, rel);
+	const long blk = bh * nblk + ib, i0 = (ib - g.rv0) * APE_RW, rb = bh * Lq + g.q0;
 	const int P = BD(D) / 2, causal = (flags & B_CAUSAL) != 0;
 	const int inter = (flags & B_INTERLEAVED) != 0;
 	__global const APE_REAL *hp = prm + npad + 4 * (bh % H);
@@ -1182,7 +1240,7 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 
 	if (ib >= nblk)
 		return;
-	hi = (int)(Lq - i0 < APE_RW ? Lq - i0 : APE_RW);
+	hi = (int)(g.lq - i0 < APE_RW ? g.lq - i0 : APE_RW);
 	NOUNROLL for (int f = 0; f < RP_N; f++) {
 		vr acc = (vr)0;
 #if APE_FP64
@@ -1205,12 +1263,12 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 		VS(acc, su[f]);
 	}
 	NOUNROLL for (int l = 0; l < hi; l++) {
-		const long i = i0 + l, row = bh * Lq + i;
+		const long i = i0 + l, row = rb + i;
 		const APE_REAL sigma = ri[RI_SIGMA * APE_RW + l];
 		const APE_REAL Ai = su[0][l] / ri[RI_ALPHA * APE_RW + l];
 
 		/* keys this row sees (causal: j <= rel + i) */
-		cnt[l] = ape_visible_keys(rel + i, Lk, causal);
+		cnt[l] = ape_visible_keys(g.rel + i, g.lk, causal);
 		/* the path through alpha_i: A_i d(alpha)/d(sigma) d(sigma)/d(q) */
 		coef[l] = Ai * ape_grad_dalpha_dsigma(hp[3], sigma) *
 			  ape_grad_dsigma_coef((APE_REAL)BD(D), sigma);
@@ -1251,7 +1309,7 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 		VS(ax, tx);
 		VS(ay, ty);
 		NOUNROLL for (int l = 0; l < hi; l++) {
-			const long qb = (bh * Lq + i0 + l) * BD(D);
+			const long qb = (rb + i0 + l) * BD(D);
 			const long ia_ = qb + (inter ? 2 * p : p);
 			const long ib_ = qb + (inter ? 2 * p + 1 : p + P);
 			const APE_REAL mean = ri[RI_MEAN * APE_RW + l];
@@ -1266,15 +1324,16 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 	}
 }
 
-/* Per head h: the parameter sums of its rows, batch by batch, row by row, added to
- * dparams[h][4] (float64). Without float64: the compensated pairs' totals to OUT[h][4][2]
+/* Per head h: the parameter sums of its rows (rows r0 .. r0 + nr - 1 of each (batch, head): a
+ * ragged launch's part, ocl_backward.c), batch by batch, row by row, added to dparams[h][4]
+ * (float64). Without float64: the compensated pairs' totals to OUT[h][4][2]
  * (sum, error term), which the host adds to dparams in float64 (ocl_backward.c). */
 #if APE_FP64
 __kernel void ape_bwd_params(__global const APE_REAL *PART, long B, int H, long Lq,
-			     __global double *dparams)
+			     __global double *dparams, long r0, long nr)
 #else
 __kernel void ape_bwd_params(__global const APE_REAL *PART, long B, int H, long Lq,
-			     __global float *OUT)
+			     __global float *OUT, long r0, long nr)
 #endif
 {
 	const int h = (int)get_global_id(0);
@@ -1286,7 +1345,7 @@ __kernel void ape_bwd_params(__global const APE_REAL *PART, long B, int H, long 
 	if (h >= H)
 		return;
 	for (long b = 0; b < B; b++)
-		for (long i = 0; i < Lq; i++)
+		for (long i = r0; i < r0 + nr; i++)
 			for (int k = 0; k < 4; k++) {
 #if APE_FP64
 				acc[k] += PART[((b * H + h) * Lq + i) * 4 + k];

@@ -61,6 +61,26 @@
  * ((s * nrv + blk) * RP_N + field) * rw, nrv the row vectors of the launch */
 #define RP_N 5
 
+/*
+ * A ragged launch (struct ape_be_bwd_launch, "Ragged"): its segments in a table of SG_N int64
+ * values each (segment s at s * SG_N): the first query row and the rows, the first key and the
+ * keys, rel = q_start - k_start, its first row vector and its first key block. The kernels work
+ * in a padded row space: each segment's rows padded to whole row vectors of APE_RW rows
+ * (ceil(lq / APE_RW) of them from SG_RV0, NRV in all per head), so that a row vector never holds
+ * two segments' rows, and each segment's keys cut into key blocks of BWD_KT keys from its own
+ * first key (ceil(lk / BWD_KT) from SG_KB0, NKB in all). Alongside: the segment of each row
+ * vector (NRV ints) and of each key block (NKB ints). A dense launch has no table: one segment
+ * {0, Lq, 0, Lk, q_start - k_start, 0, 0} (kernels/backward.cl, bwd_seg()).
+ */
+#define SG_Q0 0
+#define SG_LQ 1
+#define SG_K0 2
+#define SG_LK 3
+#define SG_REL 4
+#define SG_RV0 5
+#define SG_KB0 6
+#define SG_N 7
+
 /* per (split, batch and head) dS sums of ape_bwd_fused by distance (B_DBIAS), in APE_REAL: the
  * sum at distance n = nmin + idx of slice s of (batch, head) bh at DBP_AT(s, bh, nbh, ndist) +
  * idx, nbh = B H; ape_bwd_dbias_dist sums the slices in a fixed order */
