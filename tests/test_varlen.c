@@ -18,6 +18,7 @@
 #include "core/backend.h"
 #include "core/error.h"
 #include "common/backend_fixture.h"
+#include "common/bwdcase.h"
 #include "common/naive.h"
 #include "common/positions.h"
 #include "common/testutil.h"
@@ -894,6 +895,145 @@ TEST_F(dev, backward_of_one_sequence_is_the_dense_backward)
 	batch_free(&b);
 	if (ret == APE_ENOTSUP)
 		SKIP(return, "%s", ape_last_error());
+}
+
+/*
+ * The gradients of batch b (forward already run on dev: b->o, b->lse) through
+ * ape_attention_backward_varlen_ex() on dev, against the reference backend's backward of each
+ * sequence on its own (a one-sequence batch over its rows), at the spec's tolerances for the
+ * storage type; *st gets dev's statistics. Returns false (after logging) where dev has no
+ * backward pass.
+ */
+static bool backward_checked(struct __test_metadata *_metadata, ape_device *dev, ape_device *ref,
+			     struct batch *b, enum pos_mode m, ape_rng *rng, ape_stats *st)
+{
+	test_tensor g[6], dout;
+	float dp[2][32], *dlse = malloc(sizeof(float) * (size_t)(b->tq * b->H + 1));
+	ape_varlen vl;
+	char what[256];
+	int ret;
+
+	describe(b, m, what, sizeof(what));
+	batch_varlen(b, &vl);
+	ASSERT_NE(NULL, dlse);
+	ASSERT_EQ(0, ape_attention_forward_varlen(dev, &b->desc, &vl, &b->q.t, &b->k.t, &b->v.t,
+						  &b->o.t, b->lse, NULL))
+	TH_LOG("%s: %s", what, ape_last_error());
+	ASSERT_EQ(0, test_tensor_random(&dout, rng, b->dt, 1, b->tq, b->H, b->D, 1.0));
+	ape_tensor_init_packed(&dout.t, dout.alloc, b->dt, b->tq, b->H, b->D);
+	for (int64_t i = 0; i < b->tq * b->H; i++)
+		dlse[i] = (float)ape_rng_normal(rng) * 0.25f;
+	for (int i = 0; i < 6; i++) {
+		const int64_t heads = i % 3 ? b->Hkv : b->H, rows = i % 3 ? b->tk : b->tq;
+
+		ASSERT_EQ(0, test_tensor_empty(&g[i], i < 3 ? b->dt : APE_F32, 1, rows, heads, b->D));
+		ape_tensor_init_packed(&g[i].t, g[i].alloc, i < 3 ? b->dt : APE_F32, rows, heads, b->D);
+	}
+	memset(dp, 0, sizeof(dp));
+	ape_stats_init(st);
+	ret = ape_attention_backward_varlen(&dev, 1, NULL, &b->desc, &vl, &b->q.t, &b->k.t,
+					       &b->v.t, &b->o.t, b->lse, &dout.t, dlse, &g[0].t,
+					       &g[1].t, &g[2].t, dp[0], st);
+	if (ret == APE_ENOTSUP) {
+		ksft_print_msg("%s\n", ape_last_error());
+	} else {
+		ASSERT_EQ(0, ret) TH_LOG("%s: %s", what, ape_last_error());
+		/* the oracle: the reference's backward of each sequence alone (zeros without
+		 * keys or rows), gathered into g[3..5] */
+		for (int i = 3; i < 6; i++)
+			memset(g[i].alloc, 0, g[i].alloc_bytes);
+		for (int64_t s = 0; s < b->S; s++) {
+			const int64_t q0 = b->cuq[s], lq = b->cuq[s + 1] - q0;
+			const int64_t k0 = b->cuk[s], lk = b->cuk[s + 1] - k0;
+			const int64_t cq[2] = { 0, lq }, ck[2] = { 0, lk };
+			ape_tensor q = test_rows(&b->q.t, q0, lq), k = test_rows(&b->k.t, k0, lk);
+			ape_tensor v = test_rows(&b->v.t, k0, lk), o = test_rows(&b->o.t, q0, lq);
+			ape_tensor dov = test_rows(&dout.t, q0, lq), dq = test_rows(&g[3].t, q0, lq);
+			ape_tensor dk = test_rows(&g[4].t, k0, lk), dv = test_rows(&g[5].t, k0, lk);
+			float one[32];
+			ape_varlen sv;
+
+			if (!lq || !lk)
+				continue;
+			ape_varlen_init(&sv);
+			sv.num_seqs = 1;
+			sv.cu_seqlens_q = cq;
+			sv.cu_seqlens_k = ck;
+			sv.pos_q = b->posq + q0;
+			sv.pos_k = b->posk + k0;
+			ASSERT_EQ(0, ape_attention_backward_varlen(
+					     &ref, 1, NULL, &b->desc, &sv, &q, &k, &v, &o,
+					     b->lse + q0 * b->H, &dov, dlse + q0 * b->H, &dq, &dk,
+					     &dv, one, NULL))
+			TH_LOG("%s: sequence %lld on the reference: %s", what, (long long)s,
+			       ape_last_error());
+			for (int i = 0; i < 4 * b->H; i++)
+				dp[1][i] += one[i];
+		}
+		for (int t = 0; t < 3; t++) {
+			EXPECT_LE(grads_rel_err(&g[t].t, &g[t + 3].t), grads_tol(b->dt))
+			TH_LOG("%s: gradient %d", what, t);
+		}
+		EXPECT_LE(grads_rel_err_params(dp[0], dp[1], b->H), grads_tol(b->dt))
+		TH_LOG("%s: dparams", what);
+	}
+	for (int i = 0; i < 6; i++)
+		test_tensor_free(&g[i]);
+	test_tensor_free(&dout);
+	free(dlse);
+	return ret != APE_ENOTSUP;
+}
+
+/*
+ * Ragged batches' gradients against the reference per sequence: every storage type and
+ * position mode, GQA, causal or not, empty sequences, decode rows; where the device takes
+ * ragged backward launches (APE_BE_CAP_BWD_SEGMENTS) and the positions are runs, a small batch
+ * is one launch however many sequences it has (the statistics' chunks), and thousands of tiny
+ * sequences take one launch per query chunk.
+ */
+TEST_F(dev, backward_of_a_ragged_batch_against_the_reference)
+{
+	const bool segs = ape_be_dev_has(self->dev, APE_BE_CAP_SEGMENTS | APE_BE_CAP_BWD_SEGMENTS);
+	ape_rng rng;
+	bool ran = false;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < (self->emu ? 4 : 12); c++) {
+		const enum pos_mode m = (enum pos_mode)(c % POS_MODES);
+		struct batch b;
+		ape_stats st;
+		char what[256];
+
+		ASSERT_EQ(0, batch_make(&b, &rng, ape_rng_range(&rng, 1, 9), 24, 30, m));
+		b.desc.skip_tol = c % 4 == 3 ? 1e-3 : 0; /* skipping within its bound, sometimes */
+		describe(&b, m, what, sizeof(what));
+		ran = backward_checked(_metadata, self->dev, self->ref, &b, m, &rng, &st);
+		if (ran && segs && (m == POS_DEFAULT || m == POS_SHIFTED) && b.tq && b.tk) {
+			EXPECT_EQ(1u, st.chunks) TH_LOG("%s: one ragged launch", what);
+		}
+		batch_free(&b);
+		if (!ran)
+			break;
+	}
+	if (ran && !self->emu) { /* thousands of tiny sequences, one launch */
+		struct batch b;
+		ape_stats st;
+
+		memset(&b, 0, sizeof(b));
+		do {
+			batch_free(&b);
+			ASSERT_EQ(0, batch_make(&b, &rng, 2000, 6, 6, POS_DEFAULT));
+		} while (!b.tq || !b.tk);
+		ran = backward_checked(_metadata, self->dev, self->ref, &b, POS_DEFAULT, &rng, &st);
+		if (segs) { /* a launch per query chunk, not per sequence */
+			EXPECT_EQ((uint64_t)((b.tq + st.chunk_q - 1) / st.chunk_q), st.chunks)
+			TH_LOG("2000 sequences, %lld rows, chunks of %lld", (long long)b.tq,
+			       (long long)st.chunk_q);
+		}
+		batch_free(&b);
+	}
+	if (!ran)
+		SKIP(return, "this device has no backward pass (the message above says why)");
 }
 
 /* ------------------------------------------------------------------ on device tensors */

@@ -1098,10 +1098,15 @@ APE_API int ape_attention_forward_varlen_ex(ape_device *const *devs, int ndev,
  *
  * Validated before any work like the forward (the batch, the tensors, the positions) and like
  * ape_attention_backward() (dout, dq shaped like q; dk, dv like k; each of q's storage type or
- * APE_F32; no output overlapping an input or another output). Each sequence's pieces are the
- * dense backward of their rows with the whole row's O and LSE, so the gradients are those of
- * the ragged call exactly (within the backward's tolerances), summed in a fixed order:
- * deterministic. Keys no query sees get zero gradients.
+ * APE_F32; no output overlapping an input or another output). Where every device takes ragged
+ * backward launches (ape_device_capabilities(): "bwd_segments"; the reference and OpenCL) and
+ * each run of consecutive query positions sees one run of keys of its own (default positions,
+ * position_ids restarting per document), the batch is one run of the backward executor, each
+ * launch serving every sequence of its rows (the statistics' chunks: one per query and key
+ * chunk, not per sequence). Otherwise each sequence's pieces are the dense backward of their
+ * rows with the whole row's O and LSE. Either way the gradients are those of the ragged call
+ * exactly (within the backward's tolerances), summed in a fixed order: deterministic. Keys no
+ * query sees get zero gradients.
  *
  * \param devs,ndev,opts as ape_attention_backward_ex()
  * \param desc,vl,q,k,v the forward call's; read only
@@ -1111,8 +1116,9 @@ APE_API int ape_attention_forward_varlen_ex(ape_device *const *devs, int ndev,
  * \param dlse NULL, or total_q * H floats `[total_q, H]`; read only
  * \param[out] dq,dk,dv,dparams as ape_attention_backward(): each NULL or overwritten on success
  *        (at least one wanted)
- * \param stats NULL, or the pieces' statistics summed
- * \return as ape_attention_backward(); the message of a failing piece names the sequence.
+ * \param stats NULL, or the call's statistics (the one run's, or the pieces' summed)
+ * \return as ape_attention_backward(); the message of a failing piece names the sequence, that
+ *         of the one run the number of sequences.
  * \note On failure nothing is written. The gradients are staged in float32 host memory.
  */
 APE_API int ape_attention_backward_varlen(ape_device *const *devs, int ndev,

@@ -131,6 +131,38 @@ static void write_zeros(const struct ape__problem *p, const struct bwd_args *a)
 		memset(p->dbias_table, 0, sizeof(float) * (size_t)(ape__bias_rows(p) * p->bias_len));
 }
 
+void ape__bwd_call_done(const char *fn, ape_device *const *devs, int ndev,
+			const struct ape__problem *p, int ret, const struct ape__bwd_result *res,
+			uint64_t pairs_visible, double t0, ape_stats *stats)
+{
+	/* in the executor's terms, for the one statistics builder (api/stats.c) */
+	struct ape__exec_result er;
+	const struct ape__call_report rep = {
+		.fn = fn, .p = p, .ret = ret, .res = &er, .devs = devs, .ndev = ndev,
+		.devices = res ? res->devices : 0, .pairs_visible = pairs_visible, .t0 = t0,
+	};
+
+	if (!stats && !ape__call_logs(devs, ndev))
+		return;
+	memset(&er, 0, sizeof(er));
+	if (res) {
+		/* counted by the launches when they could skip keys; else every visible pair */
+		er.pairs_computed = res->pairs_counted ? res->pairs_computed : pairs_visible;
+		er.st.kernel_ms = res->kernel_ms;
+		er.st.copy_ms = res->copy_ms;
+		er.st.h2d = res->h2d;
+		er.st.d2h = res->d2h;
+		er.st.chunks = res->launches;
+		er.st.peak_bytes = res->peak;
+		er.cq = res->cq;
+		er.ck = res->ck;
+		er.depth = res->depth;
+		er.budget = res->budget;
+		er.paths = res->paths;
+	}
+	ape__call_done(stats, &rep);
+}
+
 static int backward(const char *fn, ape_device *const *devs, int ndev,
 		    const ape_exec_options *opts, const ape_attn_desc *desc, const ape_tensor *q,
 		    const ape_tensor *k, const ape_tensor *v, const ape_tensor *o, const float *lse,
@@ -196,34 +228,8 @@ static int backward(const char *fn, ape_device *const *devs, int ndev,
 	} else {
 		write_zeros(&p, a);
 	}
-	if (stats || ape__call_logs(devs, ndev)) {
-		/* in the executor's terms, for the one statistics builder (api/stats.c) */
-		struct ape__exec_result er;
-		const struct ape__call_report rep = {
-			.fn = fn, .p = &p, .ret = ret,
-			.res = &er, .devs = devs, .ndev = ndev,
-			.devices = on_device ? res.devices : 0,
-			.pairs_visible = per_head * (uint64_t)(p.B * p.H), .t0 = t0,
-		};
-
-		memset(&er, 0, sizeof(er));
-		/* counted by the launches when they could skip keys; else every visible pair */
-		er.pairs_computed = !on_device	   ? 0
-				    : res.pairs_counted ? res.pairs_computed
-							: rep.pairs_visible;
-		er.st.kernel_ms = res.kernel_ms;
-		er.st.copy_ms = res.copy_ms;
-		er.st.h2d = res.h2d;
-		er.st.d2h = res.d2h;
-		er.st.chunks = res.launches;
-		er.st.peak_bytes = res.peak;
-		er.cq = res.cq;
-		er.ck = res.ck;
-		er.depth = res.depth;
-		er.budget = res.budget;
-		er.paths = res.paths;
-		ape__call_done(stats, &rep);
-	}
+	ape__bwd_call_done(fn, devs, ndev, &p, ret, on_device ? &res : NULL,
+			   per_head * (uint64_t)(p.B * p.H), t0, stats);
 out_fini:
 	ape__problem_fini(&p);
 	return ret;

@@ -33,5 +33,17 @@ int ape__check_backward_tensors(const char *fn, const struct ape__problem *p,
 				const ape_tensor *o, const struct ape__bwd_tensors *t,
 				struct ape__bwd_strides *s);
 
+struct ape__bwd_result;
+
+/*
+ * The statistics (stats, may be NULL) and the call log's line of a backward call, from what the
+ * executor reports (res; NULL: nothing ran on a device, no key or no query row), through the one
+ * statistics builder (api/stats.c): pairs_visible over every batch and head, t0 when the call
+ * began. The dense calls' (api/backward.c) and the ragged batch's one run (api/varlen_bwd.c).
+ */
+void ape__bwd_call_done(const char *fn, ape_device *const *devs, int ndev,
+			const struct ape__problem *p, int ret, const struct ape__bwd_result *res,
+			uint64_t pairs_visible, double t0, ape_stats *stats);
+
 #pragma GCC visibility pop
 #endif

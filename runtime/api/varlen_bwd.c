@@ -1,10 +1,18 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The gradients of a ragged batch (ape_attention_backward_varlen(), include/ape/ape.h). Each
- * sequence is cut into runs of consecutive positions as the forward cuts it (api/varlen.c);
- * a query run against a key run is the dense backward of those rows, given the rows' O and
- * LSE of the whole forward call (so P_ij = exp(s_ij - LSE_i) and D_i = dO_i . O_i are the
- * full row's, and every piece's gradients are exact parts of the whole). dQ sums over a query
+ * The gradients of a ragged batch (ape_attention_backward_varlen(), include/ape/ape.h).
+ *
+ * Where every device takes ragged backward launches (APE_BE_CAP_BWD_SEGMENTS) and every query
+ * run sees one key run of its own (default positions; position_ids restarting per document),
+ * the whole batch is one run of the backward executor over the packed tensors, one segment per
+ * query run (one_run()): the same planner, chunks, devices and merges as the dense call, each
+ * launch serving every sequence of its rows.
+ *
+ * Otherwise each sequence is cut into runs of consecutive positions as the forward cuts it
+ * (api/varlen.c); a query run against a key run is the dense backward of those rows, given
+ * the rows' O and LSE of the whole forward call (so P_ij = exp(s_ij - LSE_i) and
+ * D_i = dO_i . O_i are the full row's, and every piece's gradients are exact parts of the
+ * whole). dQ sums over a query
  * run's key runs, dK and dV over a key run's query runs, dparams over all, in a fixed order:
  * deterministic. Everything is staged in float32 host memory and written on success.
  */
@@ -17,6 +25,7 @@
 #include "core/error.h"
 #include "core/verbose.h"
 #include "exec/backward.h"
+#include "exec/launch.h"
 #include "exec/lse_merge.h"
 #include "api/backward.h"
 #include "api/forward.h"
@@ -219,18 +228,18 @@ static void publish(struct bcall *c, ape_tensor *dq, ape_tensor *dk, ape_tensor 
 		c->p->dbias_table[i] = (float)c->sdb[i];
 }
 
-/* The gradient tensors against the validated packed problem: LSE and dLSE [total_q, H]. */
+/* The gradient tensors against the validated packed problem: LSE and dLSE [total_q, H]; their
+ * strides into *s. */
 static int check_grads(const char *fn, const struct ape__problem *p, const ape_tensor *q,
 		       const ape_tensor *k, const ape_tensor *v, const ape_tensor *o,
 		       const float *lse, const ape_tensor *dout, const float *dlse,
 		       const ape_tensor *dq, const ape_tensor *dk, const ape_tensor *dv,
-		       float *dparams)
+		       float *dparams, struct ape__bwd_strides *s)
 {
 	ape_tensor lse_t, dlse_t, dp_t;
 	const struct ape__bwd_tensors t = { .lse = &lse_t, .dout = dout,
 					    .dlse = dlse ? &dlse_t : NULL, .dq = dq, .dk = dk,
 					    .dv = dv, .dparams = dparams ? &dp_t : NULL };
-	struct ape__bwd_strides s;
 
 	if (!dout)
 		return ape__error(APE_EINVAL, "%s: dout = NULL", fn);
@@ -243,7 +252,115 @@ static int check_grads(const char *fn, const struct ape__problem *p, const ape_t
 	dlse_t = lse_t;
 	dlse_t.data = (void *)dlse;
 	ape_tensor_init(&dp_t, dparams, APE_F32, 1, 1, p->H, 4);
-	return ape__check_backward_tensors(fn, p, q, k, v, o, &t, &s);
+	return ape__check_backward_tensors(fn, p, q, k, v, o, &t, s);
+}
+
+/* Whether the key ranges of the segments that have keys are pairwise disjoint (what a ragged
+ * backward launch requires: core/backend.h); -1 out of host memory (the message set). */
+static int keys_disjoint(const char *fn, const struct ape_be_seg *sg, int64_t n)
+{
+	int64_t (*r)[2] = ape__malloc((size_t)n * sizeof(*r) + 1), m = 0;
+	int ok = 1;
+
+	if (!r)
+		return ape__error(APE_ENOMEM, "%s: out of host memory for %" PRId64 " segments",
+				  fn, n);
+	for (int64_t s = 0; s < n; s++)
+		if (sg[s].lk) {
+			int64_t x = m++;
+
+			/* insertion by k0: the segments come in sequence order, so the keys are
+			 * nearly sorted already (only runs of one sequence can be out of order) */
+			for (; x > 0 && r[x - 1][0] > sg[s].k0; x--) {
+				r[x][0] = r[x - 1][0];
+				r[x][1] = r[x - 1][1];
+			}
+			r[x][0] = sg[s].k0;
+			r[x][1] = sg[s].k0 + sg[s].lk;
+		}
+	for (int64_t x = 1; x < m && ok; x++)
+		ok = r[x][0] >= r[x - 1][1];
+	free(r);
+	return ok;
+}
+
+/*
+ * The whole batch as one backward run of the executor over the packed tensors (exec/backward.c),
+ * its launches ragged (struct ape_be_bwd_launch, "Ragged"), where every device takes them and
+ * every query run sees one key run of its own (default positions, position_ids restarting per
+ * document): 1 done (or failed: *ret, nothing written), 0 not applicable (the pieces serve it).
+ * A batch of one sequence over every key is the dense problem itself, bit for bit the dense
+ * call's.
+ */
+static int one_run(struct bcall *c, const struct ape__bwd_strides *s, ape_tensor *dq,
+		   ape_tensor *dk, ape_tensor *dv, float *dparams, ape_stats *stats, double t0,
+		   int *ret)
+{
+	const struct ape__problem *p = c->p;
+	/* [total_q, H] as the executor's [1, H, total_q, 1] */
+	const int64_t lse_s[4] = { p->H * p->Lq, 1, p->H, 1 };
+	struct ape__problem pp = *p;
+	struct ape__bwd_result res;
+	struct ape_be_seg *sg = NULL;
+	int64_t n = 0;
+	uint64_t visible = 0;
+	int r;
+
+	*ret = 0;
+	for (int d = 0; d < c->ndev; d++)
+		if (!ape_be_dev_has(c->devs[d], APE_BE_CAP_SEGMENTS | APE_BE_CAP_BWD_SEGMENTS))
+			return 0;
+	if (p->Lq == 0 || p->Lk == 0)
+		return 0;
+	r = ape__varlen_segments(c->fn, c->vl, p->causal, &sg, &n);
+	if (r <= 0) { /* an error, or a query run that sees several key runs */
+		*ret = r;
+		return r < 0;
+	}
+	r = keys_disjoint(c->fn, sg, n);
+	if (r <= 0) { /* query runs of one sequence sharing keys: the pieces */
+		free(sg);
+		*ret = r;
+		return r < 0;
+	}
+	if (ape__segs_visible(p, sg, n, &visible)) {
+		free(sg);
+		*ret = ape__error(APE_EOVERFLOW, "%s: pair count overflows 64 bits", c->fn);
+		return 1;
+	}
+	if (n == 1 && sg[0].k0 == 0 && sg[0].lk == p->Lk) {
+		pp.q_start = sg[0].q_start;
+		pp.k_start = sg[0].k_start;
+	} else {
+		pp.segs = sg;
+		pp.nseg = n;
+	}
+	memset(&res, 0, sizeof(res));
+	{
+		const ape_exec_options *o = &c->opts;
+		const struct ape__bwd_req req = {
+			.fn = c->fn, .devs = c->devs, .ndev = c->ndev,
+			.weights = o->device_weights, .trace_path = o->trace_path,
+			.budget = o->max_device_bytes, .chunk_q = o->chunk_q,
+			/* a launch sees only its own sequences' keys: one key chunk of every key by
+			 * default (the planner halves it when the budget says so), as the forward */
+			.chunk_k = o->chunk_k ? o->chunk_k : pp.segs ? p->Lk : 0,
+			.depth = o->pipeline_depth,
+			.copy_inputs = (o->flags & APE_EXEC_COPY_INPUTS) != 0,
+			.p = &pp, .q = c->q, .k = c->k, .v = c->v, .o = c->o, .dout = c->dout,
+			.dout_s = s->dout, .lse = c->lse, .dlse = c->dlse, .lse_s = lse_s,
+			.dq = dq, .dk = dk, .dv = dv, .dq_s = s->dq, .dk_s = s->dk, .dv_s = s->dv,
+			.dparams = dparams,
+		};
+
+		*ret = ape__exec_backward(&req, &res);
+	}
+	if (*ret)
+		*ret = ape__error(*ret, "%s: %" PRId64 " sequences in ragged launches: %s", c->fn,
+				  c->vl->num_seqs, ape_last_error());
+	ape__bwd_call_done(c->fn, c->devs, c->ndev, p, *ret, &res, visible, t0, stats);
+	free(sg);
+	return 1;
 }
 
 int ape__attention_backward_varlen(const char *fn, ape_device *const *devs, int ndev,
@@ -254,6 +371,7 @@ int ape__attention_backward_varlen(const char *fn, ape_device *const *devs, int 
 				   ape_tensor *dk, ape_tensor *dv, float *dparams, ape_stats *stats)
 {
 	const double t0 = ape__now_ms();
+	struct ape__bwd_strides gs;
 	struct ape__problem p;
 	struct bcall c;
 	int ret;
@@ -271,7 +389,7 @@ int ape__attention_backward_varlen(const char *fn, ape_device *const *devs, int 
 				  fn);
 	if ((ret = ape__varlen_check(fn, desc, vl, opts, q, k, v, o, lse, &p)))
 		return ret;
-	if ((ret = check_grads(fn, &p, q, k, v, o, lse, dout, dlse, dq, dk, dv, dparams)))
+	if ((ret = check_grads(fn, &p, q, k, v, o, lse, dout, dlse, dq, dk, dv, dparams, &gs)))
 		goto out_fini;
 	for (int d = 0; d < ndev; d++)
 		if ((ret = ape__backward_supported(fn, devs[d])))
@@ -299,6 +417,8 @@ int ape__attention_backward_varlen(const char *fn, ape_device *const *devs, int 
 	c.want_dv = dv;
 	c.want_dp = dparams;
 	c.want_db = p.dbias_table;
+	if (one_run(&c, &gs, dq, dk, dv, dparams, stats, t0, &ret))
+		goto out_fini;
 	if ((ret = bcall_alloc(&c)))
 		goto out_fini;
 	for (int64_t s = 0; s < vl->num_seqs && !ret; s++) {

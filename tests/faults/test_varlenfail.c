@@ -5,7 +5,8 @@
  * (an empty one, default positions, and positions with gaps: the forward one ragged launch with
  * explicit positions, on device tensors too; the backward runs merged by LSE), on the
  * reference and on an OpenCL CPU device; and the same batch at its default positions (the
- * forward: one ragged run of the executor, struct ape_be_seg). Each host allocation of a clean
+ * forward, and the backward where the device takes ragged backward launches: one ragged run of
+ * the executor, struct ape_be_seg). Each host allocation of a clean
  * run fails in turn (a fault build), then each call of every device op, then the device is lost
  * from each point on: every broken run returns the injected code (or, where the library has a
  * fallback, succeeds with the clean result) with a message naming the call, leaves the inputs
@@ -328,6 +329,7 @@ static void every_case(struct __test_metadata *_metadata, ape_device *dev, void 
 	default_positions = true;
 	ksft_print_msg("default positions:\n");
 	vcase_sweep(_metadata, dev, V_FORWARD, sweep);
+	vcase_sweep(_metadata, dev, V_BACKWARD, sweep);
 	vcase_sweep(_metadata, dev, V_RESIDENT, sweep);
 	default_positions = false;
 }
