@@ -274,7 +274,10 @@ static int ocl_add_device(struct ape_backend *be, cl_platform_id plat, cl_device
 			    APE_BE_CAP_SEGMENTS | APE_BE_CAP_POSITIONS |
 			    /* distance-bias tables: every forward path (general, explicit
 			     * positions, ragged, separable, decode and pages) and the backward */
-			    APE_BE_CAP_BIAS_TABLE,
+			    APE_BE_CAP_BIAS_TABLE |
+			    /* ragged backward launches: the backward's segment tables
+			     * (ocl_backward.c, kernels/bwd_layout.h) */
+			    APE_BE_CAP_BWD_SEGMENTS,
 		.max_alloc = od->max_alloc, /* checked in buf_alloc: some drivers fail late */
 	};
 	/* the programs already in the cache, now rather than in the first call */
