@@ -11,7 +11,9 @@
  * term, so that it costs the sweep nothing per pair, and its suffix maxima the skip bound.
  * Where every head has lambda = 0 (bwd_separable()) the separable sweep, ape_bwd_sep, runs
  * instead of ape_bwd_fused, on Q and K rotated once by their positions (the rows kernel and
- * K's prep); the other kernels are the same.
+ * K's prep); the other kernels are the same. A ragged launch (ABI 1.2, f.segs) runs the same
+ * kernels once for all its segments, on its segment tables (bwd_space(), bwd_tables(),
+ * docs/kernels.md "The backward kernels").
  *
  * Scratch, released right after it is enqueued (the commands keep it alive), like the
  * forward's: the parameters, float32 copies of Q+dO and K+V (Q's rows padded to whole row
@@ -22,8 +24,8 @@
  * BWD_SPLITS_MAX), with skipping one key norm per (batch, kv head), with a table its rows (and
  * with skipping their suffix maxima) as far as the launch's distances reach, and for its
  * gradient the sweep's dS sums by distance (nsplit slices of B H (Lq + Lk - 1) APE_REAL) and
- * their sum per table row: the size of the inputs, never O(Lq * Lk). bwd_scratch_size() sizes
- * every buffer;
+ * their sum per table row, and for a ragged launch its segment tables (kernels/bwd_layout.h):
+ * the size of the inputs, never O(Lq * Lk). bwd_scratch_size() sizes every buffer;
  * APE_REAL is float64 with cl_khr_fp64, float32 without (ocl_program.c), and the sums (the
  * per-row parameter sums, the split slices of the rows' sums and of dS by distance, and their
  * sum per table row) take 8 bytes either way: a float64, or a compensated float32 pair

@@ -30,6 +30,12 @@
  *                    the table's gradient: per table row and distance the splits' dS sums,
  *                    then per entry the distances that read it, added to dbias.
  *
+ * A ragged launch (struct ape_be_bwd_launch, "Ragged"; the segment tables of
+ * kernels/bwd_layout.h) runs the same kernels over a padded row space (each segment's rows in
+ * whole row vectors of their own) and each segment's own key blocks: each row vector and key
+ * block takes its segment's rows, keys and rel (bwd_seg()), so that every segment is a dense
+ * problem of its own; a dense launch passes no table and is its own one segment.
+ *
  * No float atomics anywhere: every sum has one owner and a fixed order, so two runs are bit
  * for bit the same. The sweep recomputes P_ij = exp(s_ij - LSE_i) from q, k and the saved LSE;
  * nothing of size Lq * Lk exists (the partial buffers are nsplit times Lq * D). It uses the

@@ -32,8 +32,9 @@
 
 /* per-row values of ape_bwd_rows, RI_N of them per row, in APE_REAL, in blocks of APE_RW rows
  * (a row vector of the sweep) per (batch, head), field-major inside a block: value `field` of
- * row i of block blk (blk = bh * nblk + i / APE_RW, nblk = ceil(Lq / APE_RW)) sits at
- * RI_AT(blk, field, rw) + i % APE_RW. Rows past Lq get alpha 1, LSE +inf, the rest 0. */
+ * row i of block blk (blk = bh * nblk + i / APE_RW, nblk = ceil(Lq / APE_RW); a ragged launch:
+ * i in its padded row space, nblk its NRV, below) sits at RI_AT(blk, field, rw) + i % APE_RW.
+ * Rows past Lq (past their segment's lq) get alpha 1, LSE +inf, the rest 0. */
 #define RI_AT(blk, field, rw) (((blk) * RI_N + (field)) * (rw))
 #define RI_MEAN 0
 #define RI_SIGMA 1
