@@ -101,6 +101,7 @@ struct bwd_scratch {
 struct bwd_space {
 	size_t qrows; /* query rows per (batch, head), padded to row vectors per segment */
 	size_t nkb; /* key blocks per (batch, kv head) */
+	size_t nkp; /* prepared keys per (batch, kv head): Lk, or a ragged launch's blocks' */
 	int64_t nmin, ndist; /* the distances nmin .. nmin + ndist - 1 (ndist 0: no key) */
 	size_t nseg, nrv; /* a ragged launch's table: segments, row vectors (0: dense) */
 	bool bound; /* the bound for up to nseg segments */
@@ -121,6 +122,7 @@ static void bwd_space(const struct ape_be_launch *f, size_t rw, struct bwd_space
 	if (!bwd_ragged(f)) {
 		sp->qrows = round_up(Lq, rw); /* whole row vectors */
 		sp->nkb = (Lk + kt - 1) / kt;
+		sp->nkp = Lk;
 		sp->nmin = ape_sat_sub(f->q_start - f->k_start, f->Lk - 1);
 		sp->ndist = f->Lq + f->Lk - 1;
 		return;
@@ -130,6 +132,7 @@ static void bwd_space(const struct ape_be_launch *f, size_t rw, struct bwd_space
 		sp->bound = true;
 		sp->qrows = round_up(Lq + sp->nseg * (rw - 1), rw);
 		sp->nkb = (Lk + kt - 1) / kt + sp->nseg;
+		sp->nkp = Lk + sp->nseg * (kt - 1); /* the segments' keys are disjoint */
 		sp->nrv = Lq; /* at rw = 1 */
 		sp->ndist = f->Lq + f->Lk - 1;
 		return;
@@ -146,6 +149,7 @@ static void bwd_space(const struct ape_be_launch *f, size_t rw, struct bwd_space
 		}
 	}
 	sp->qrows = sp->nrv * rw;
+	sp->nkp = sp->nkb * kt;
 	sp->ndist = nmax >= sp->nmin ? nmax - sp->nmin + 1 : 0;
 	if (!sp->ndist)
 		sp->nmin = 0;
@@ -220,7 +224,7 @@ static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, 
 	/* ape_bwd_prep's float32 rows: Q with dO in blocks of rw rows, K with V (and omega_p
 	 * times K's pairs; separable: the cos and sin of each key's angles) one by one */
 	s->qp = bh * qrows * (2 * npad + dpad) * sizeof(float);
-	s->kp = bkv * (size_t)f->Lk * ((bwd_separable(f) ? 6 : 4) * npad + dpad) * sizeof(float);
+	s->kp = bkv * sp->nkp * ((bwd_separable(f) ? 6 : 4) * npad + dpad) * sizeof(float);
 	/* ape_bwd_fused's per-split slices: dQ in row vectors, the rows' five sums */
 	s->dqp = parts & APE_BE_BWD_DQ ? nsplit * bh * qrows * (size_t)f->D * sizeof(float) : 0;
 	s->rp = parts & (APE_BE_BWD_DQ | APE_BE_BWD_DPARAMS) ? nsplit * bh * qrows * RP_N * sizeof(double)
@@ -691,7 +695,7 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
 			       (cl_int)f->in_dtype, (size_t)(B * f->Hkv), Lk, 1, D, npad, dpad,
 			       inter, local, kmax, prm, sep, s.kp, &held, &kp,
-			       f->segs ? sp.nkb * (size_t)kt : (size_t)Lk, sg, kbs, kt);
+			       sp.nkp, sg, kbs, kt);
 	if (ret)
 		goto out_release;
 

@@ -184,12 +184,12 @@ KFN struct bseg bwd_seg(__global const long *SG, long s, long Lq, long Lk, long 
  * ape_seed_sincos), before all of that, and the cos then the sin of each pair's angle follow
  * the rest (rs = 6 npad + dpad), for turning dK back; the key norm stays the unrotated one's.
  *
- * Work-item i of the np padded rows: row i of a dense launch (np = L rounded up to lanes). In a
- * ragged launch (SG, kernels/bwd_layout.h; MAP the segment of each unit of `unit` padded rows):
- * Q's call (om NULL) walks the padded row space, unit = lanes = APE_RW, padded row i is row
- * i - RV0 APE_RW of its segment (zero past its lq), written at i; K's call walks the key blocks,
- * unit = BWD_KT, and writes each segment key at its real row (its angle with rot: its index in
- * its segment), the blocks' padding nowhere.
+ * Work-item i of the np padded rows, written at i: row i of a dense launch (np = L rounded up to
+ * lanes). In a ragged launch (SG, kernels/bwd_layout.h; MAP the segment of each unit of `unit`
+ * padded rows), its padded space: Q's call (om NULL) the padded row space, unit = lanes =
+ * APE_RW, padded row i being row i - RV0 APE_RW of its segment; K's call the key blocks, unit =
+ * BWD_KT, padded key i being key i - KB0 BWD_KT of its segment (its angle with rot: that index);
+ * zero past the segment's rows or keys (never read).
  */
 __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void *Bv, int dt_b,
 			   long L, int lanes, int D, int npad, int dpad, int inter,
@@ -210,11 +210,8 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 		at = (u - (om ? g.kb0 : g.rv0)) * unit + i % unit;
 		ok = at < (om ? g.lk : g.lq);
 		r = (om ? g.k0 : g.q0) + at;
-		if (om && !ok)
-			return; /* a key block's padding: no row */
 	}
-	const long base = (bh * L + r) * (long)BD(D), oi = om ? r : i;
-	const long nblk = om ? L : np / lanes;
+	const long base = (bh * L + r) * (long)BD(D), oi = i, nblk = np / lanes;
 	const int P = BD(D) / 2;
 	const int rs = 2 * npad + dpad + (om ? 2 * npad : 0) + (om && rot ? 2 * npad : 0);
 	__global float *o = out + ((bh * nblk + oi / lanes) * rs) * lanes + oi % lanes;
@@ -680,7 +677,8 @@ KFN void bwd_sweep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV, __glo
 		const struct bseg sg = bwd_seg(SG, KBS ? KBS[kb] : 0, Lq, Lk, rel);
 		const long j0 = (kb - sg.kb0) * BWD_KT, lq = sg.lq, srel = sg.rel;
 		const int nk = (int)(sg.lk - j0 < BWD_KT ? sg.lk - j0 : BWD_KT);
-		__global const float *kp = KP + (bkv * Lk + sg.k0 + j0) * b.krs;
+		/* the prepared keys: Lk per (batch, kv head), or a ragged launch's key blocks */
+		__global const float *kp = KP + (bkv * (SG ? nkb * BWD_KT : Lk) + kb * BWD_KT) * b.krs;
 		long i0;
 		/* the accumulators hold nothing yet: the block's first group starts them from zero
 		 * instead of reading them (no clearing pass: with skipping, a block often meets a
