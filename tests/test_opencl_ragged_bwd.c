@@ -7,9 +7,10 @@
  * owns, positions far apart), its gradients (dQ, dK, dV, dparams, the distance-bias table's)
  * against the reference backend's ragged launch (the oracle) at the spec's tolerances
  * (grads_tol()), and against the OpenCL backend's dense launches of each segment alone (the
- * same float32 terms: a tight tolerance). Also: keys outside every segment and rows that see no
- * key get exactly nothing, the pairs each row computed, and the scratch one launch allocated
- * within what attention_backward_scratch declared for a ragged call (f.segs NULL, f.nseg).
+ * same float32 terms: a tight tolerance, or with skipping the spec's). Also: keys outside every
+ * segment and rows that see no key get exactly nothing, the pairs each row computed, and the
+ * scratch one launch allocated within what attention_backward_scratch declared for a ragged call
+ * (f.segs NULL, f.nseg).
  * Every feature in ragged launches: GQA, both layouts, f32/f16/bf16, dLSE, pairs, skipping,
  * the distance-bias table (per head and shared) and its gradient, lambda 0 on every head (the
  * separable sweep), negative decays.
@@ -317,8 +318,8 @@ static void rows_copy(void *dst, const void *src, int64_t H, int64_t L, int64_t 
 		      size_t row)
 {
 	for (int64_t h = 0; h < H; h++)
-		memcpy((char *)dst + (size_t)(h * n) * row, (const char *)src + (size_t)(h * L + r0) * row,
-		       (size_t)n * row);
+		memcpy((char *)dst + (size_t)(h * n) * row,
+		       (const char *)src + (size_t)(h * L + r0) * row, (size_t)n * row);
 }
 
 static void rows_add(float *dst, const float *src, int64_t H, int64_t L, int64_t r0, int64_t n,
@@ -376,7 +377,8 @@ static int run_per_segment(ape_device *dev, struct rcase *c, struct rgrads *g)
 			for (int64_t i = 0; c->bias && i < Ht * c->M; i++)
 				g->db[i] += sg.db[i];
 			for (int64_t h = 0; c->pairs && h < c->H; h++)
-				memcpy(g->pairs + h * c->Lq + x->q0, sg.pairs + h * lq, (size_t)lq * 8);
+				memcpy(g->pairs + h * c->Lq + x->q0, sg.pairs + h * lq,
+				       (size_t)lq * 8);
 		}
 		rgrads_free(&sg);
 		free(sc.q);
@@ -466,7 +468,7 @@ static void check_case(struct __test_metadata *_metadata, ape_device *dev, ape_d
 {
 	const int64_t Ht = c->bias == 1 ? c->H : 1;
 	const size_t nq = (size_t)(c->H * c->Lq * c->D), nk = (size_t)(c->Hkv * c->Lk * c->D);
-	const double tol = grads_tol(c->dt);
+	const double tol = grads_tol(c->dt), dtol = l_skips(c) ? tol : 1e-4;
 	struct rgrads go, gr, gd;
 	void *t[X_N];
 	uint64_t declared = 0, high;
@@ -501,14 +503,16 @@ static void check_case(struct __test_metadata *_metadata, ape_device *dev, ape_d
 		EXPECT_LE(rel_d(go.db, gr.db, (size_t)(Ht * c->M)), tol)
 		TH_LOG("%s: dbias against the reference", what);
 	}
-	/* the same float32 terms as the dense launches, summed in another order */
-	EXPECT_LE(rel_f(go.dq, gd.dq, nq), 1e-4) TH_LOG("%s: dq against dense launches", what);
-	EXPECT_LE(rel_f(go.dk, gd.dk, nk), 1e-4) TH_LOG("%s: dk against dense launches", what);
-	EXPECT_LE(rel_f(go.dv, gd.dv, nk), 1e-4) TH_LOG("%s: dv against dense launches", what);
-	EXPECT_LE(rel_d(go.dp, gd.dp, (size_t)(4 * c->H)), 1e-4)
+	/* the same float32 terms as the dense launches, summed in another order (with skipping,
+	 * each within its bound of the exact gradients: the skip bound's key norm is the whole
+	 * launch's, not the segment's, so other keys may be left out) */
+	EXPECT_LE(rel_f(go.dq, gd.dq, nq), dtol) TH_LOG("%s: dq against dense launches", what);
+	EXPECT_LE(rel_f(go.dk, gd.dk, nk), dtol) TH_LOG("%s: dk against dense launches", what);
+	EXPECT_LE(rel_f(go.dv, gd.dv, nk), dtol) TH_LOG("%s: dv against dense launches", what);
+	EXPECT_LE(rel_d(go.dp, gd.dp, (size_t)(4 * c->H)), dtol)
 	TH_LOG("%s: dparams against dense launches", what);
 	if (c->bias) {
-		EXPECT_LE(rel_d(go.db, gd.db, (size_t)(Ht * c->M)), 1e-4)
+		EXPECT_LE(rel_d(go.db, gd.db, (size_t)(Ht * c->M)), dtol)
 		TH_LOG("%s: dbias against dense launches", what);
 	}
 	/* keys no segment owns: nothing; rows of a segment without keys: nothing, 0 pairs */
@@ -517,8 +521,8 @@ static void check_case(struct __test_metadata *_metadata, ape_device *dev, ape_d
 			for (int64_t d = 0; !key_owned(c, j) && d < c->D; d++) {
 				const size_t at = (size_t)((h * c->Lk + j) * c->D + d);
 
-				ASSERT_EQ(0.0f, go.dk[at]) TH_LOG("%s: key %lld owned by none", what,
-								  (long long)j);
+				ASSERT_EQ(0.0f, go.dk[at])
+				TH_LOG("%s: key %lld owned by none", what, (long long)j);
 				ASSERT_EQ(0.0f, go.dv[at]);
 			}
 	for (int64_t s = 0; s < c->nseg; s++) {
@@ -526,10 +530,9 @@ static void check_case(struct __test_metadata *_metadata, ape_device *dev, ape_d
 
 		for (int64_t h = 0; h < c->H; h++)
 			for (int64_t i = x->q0; i < x->q0 + x->lq; i++) {
-				const int64_t vis = x->lk ? ape_visible_keys(x->q_start + (i - x->q0) -
-										     x->k_start,
-									     x->lk, c->causal)
-							  : 0;
+				const int64_t n = x->q_start + (i - x->q0) - x->k_start;
+				const int64_t vis =
+					x->lk ? ape_visible_keys(n, x->lk, c->causal) : 0;
 
 				for (int64_t d = 0; !vis && d < c->D; d++)
 					ASSERT_EQ(0.0f, go.dq[(h * c->Lq + i) * c->D + d])
@@ -596,8 +599,8 @@ static void rcase_conf(struct rcase *c, int k)
 static void describe(const struct rcase *c, int k, char *buf, size_t n)
 {
 	snprintf(buf, n,
-		 "conf %d: H %lld/%lld D %lld dt %d %s %s dlse %d sep %d negdecay %d skip %g bias %d "
-		 "M %lld, %lld segments, Lq %lld Lk %lld",
+		 "conf %d: H %lld/%lld D %lld dt %d %s %s dlse %d sep %d negdecay %d skip %g "
+		 "bias %d M %lld, %lld segments, Lq %lld Lk %lld",
 		 k, (long long)c->H, (long long)c->Hkv, (long long)c->D, (int)c->dt,
 		 c->causal ? "causal" : "full", c->inter ? "interleaved" : "half", c->with_dlse,
 		 c->sep, c->negdecay, c->skip_tol, c->bias, (long long)c->M, (long long)c->nseg,
@@ -643,7 +646,7 @@ TEST_F(rb, random_segments_against_the_reference_and_dense_launches)
 
 			for (int s = 0; s < n; s++) {
 				lq[s] = ape_rng_range(&rng, 1, 40);
-				lk[s] = ape_rng_range(&rng, 0, 8) == 0 ? 0 : ape_rng_range(&rng, 1, 45);
+				lk[s] = ape_rng_range(&rng, 0, 8) ? ape_rng_range(&rng, 1, 45) : 0;
 				gap[s] = ape_rng_range(&rng, 0, 3);
 				off[s] = ape_rng_range(&rng, -3, 3);
 				base[s] = ape_rng_range(&rng, 0, 64);

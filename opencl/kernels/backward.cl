@@ -678,7 +678,8 @@ KFN void bwd_sweep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV, __glo
 		const long j0 = (kb - sg.kb0) * BWD_KT, lq = sg.lq, srel = sg.rel;
 		const int nk = (int)(sg.lk - j0 < BWD_KT ? sg.lk - j0 : BWD_KT);
 		/* the prepared keys: Lk per (batch, kv head), or a ragged launch's key blocks */
-		__global const float *kp = KP + (bkv * (SG ? nkb * BWD_KT : Lk) + kb * BWD_KT) * b.krs;
+		__global const float *kp =
+			KP + (bkv * (SG ? nkb * BWD_KT : Lk) + kb * BWD_KT) * b.krs;
 		long i0;
 		/* the accumulators hold nothing yet: the block's first group starts them from zero
 		 * instead of reading them (no clearing pass: with skipping, a block often meets a
