@@ -5,7 +5,9 @@
  * plugin fails with the loader's reason, the example plugin passes), the built-in backends
  * passing the same suite, and the distance-bias table cells: passed where a device states
  * bias_table, not claimed where it does not, failed on a plugin that states it and ignores the
- * table. tests/test_tools.c has the dense, backward and ragged cells.
+ * table; that plugin's refused backward fails its backward cells and its ragged cells' backward
+ * (never not claimed), and the example plugin's ragged cells measure the backward of each batch.
+ * tests/test_tools.c has the dense, backward and ragged cells.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -320,6 +322,10 @@ TEST(a_stated_capability_refused_fails)
 				"\"status\": \"fail\""))
 		TH_LOG("%s", out);
 	EXPECT_LT(0, count(out, "the device states backward, yet: ")) TH_LOG("%s", out);
+	/* the ragged cells' backward too: each fails, none is not claimed */
+	EXPECT_LT(0, cells_of(out, "ragged", "fail")) TH_LOG("%s", out);
+	EXPECT_EQ(cells_of(out, "ragged", "fail"), count(out, "\"bwd_status\": \"fail\""));
+	EXPECT_EQ(0, cells_of(out, "ragged", "not_claimed"));
 	EXPECT_EQ(0, count(out, "{\"group\": \"forward\", \"cell\": \"one_row_d64_f32\", "
 				"\"device\": \"liar:0\", \"status\": \"fail\""))
 		TH_LOG("%s", out);
@@ -366,6 +372,12 @@ TEST(example_plugin_passes)
 		EXPECT_EQ(1, count(out, key)) TH_LOG("%s: %s", table_cells[i], out);
 	}
 	EXPECT_EQ(NTABLE_CELLS, cells_of(out, "tables", "pass")) TH_LOG("%s", out);
+	/* its ragged cells: each batch's forward and backward (a dense backward per piece: it
+	 * takes no ragged launches), every gradient measured */
+	EXPECT_LT(0, cells_of(out, "ragged", "pass")) TH_LOG("%s", out);
+	EXPECT_EQ(cells_of(out, "ragged", "pass"), count(out, "\"bwd_status\": \"ok\""))
+		TH_LOG("%s", out);
+	EXPECT_EQ(cells_of(out, "ragged", "pass"), count(out, "\"bwd_max_err_dparams\": "));
 	if (!access(PYTHON, X_OK)) {
 		char path[] = "/tmp/ape-check-example-XXXXXX";
 		int fd = mkstemp(path);

@@ -388,10 +388,11 @@ TEST(check_has_backward_cells)
 }
 
 /* Ragged cells: each ragged case on every device against the reference's ragged call, every
- * row; one line per case in the table. */
+ * row, then the backward of the same batch, every gradient (passed, or not claimed by a device
+ * without a backward); one line per case in the table. */
 TEST(check_has_ragged_cells)
 {
-	int ndev = checked_devices();
+	int ndev = checked_devices(), bwd_ok;
 
 	ASSERT_LE(0, ndev);
 	if (!ndev)
@@ -400,8 +401,15 @@ TEST(check_has_ragged_cells)
 	EXPECT_EQ(1, count(out, "\"ragged\": [")) TH_LOG("%s", out);
 	EXPECT_EQ(RAGGED_QUICK * ndev, count(out, "\"launches\": ")) TH_LOG("%s", out);
 	EXPECT_EQ(0, count(out, "\"ok\": false")) TH_LOG("%s", out);
+	bwd_ok = count(out, "\"bwd_status\": \"ok\"");
+	EXPECT_EQ(RAGGED_QUICK * ndev, bwd_ok + count(out, "\"bwd_status\": \"not_claimed\""))
+		TH_LOG("%s", out);
+	EXPECT_EQ(bwd_ok, count(out, "\"bwd_max_err_dparams\": ")) TH_LOG("%s", out);
+	EXPECT_EQ(bwd_ok, count(out, "\"bwd_launches\": ")) TH_LOG("%s", out);
 	ASSERT_EQ(0, TOOL("ape-check", "--quick", "--seed", "5"));
-	EXPECT_NE(NULL, strstr(out, "ragged batches (ape_attention_forward_varlen")) TH_LOG("%s", out);
+	EXPECT_NE(NULL, strstr(out, "ragged batches (ape_attention_forward_varlen, then "
+				    "ape_attention_backward_varlen of the same batch"))
+		TH_LOG("%s", out);
 	EXPECT_EQ(RAGGED_QUICK, count(out, "\nragged_")) TH_LOG("%s", out);
 }
 

@@ -9,8 +9,9 @@
  * on every case small enough for the reference to recompute every gradient, a random dO (and
  * on every other case a random dLSE) through ape_attention_backward() into outputs of the
  * storage type, laid out like the inputs, each gradient against the reference's at the spec's
- * "Gradients" tolerances. Then the other groups (tools/check/): ragged batches, the
- * diagnostics, the KV cache, pool and caller's pages, the device-resident calls,
+ * "Gradients" tolerances. Then the other groups (tools/check/): ragged batches (the forward,
+ * then the backward of the same batch, every row and gradient against the reference's ragged
+ * calls), the diagnostics, the KV cache, pool and caller's pages, the device-resident calls,
  * distance-bias tables, determinism and failure behaviour. A call a backend does not do
  * (APE_ENOTSUP naming the device) is "not claimed", no failure, but for the dense forward,
  * which every backend must compute. Every cell is recorded (tools/check/report.c) for the
@@ -419,29 +420,77 @@ static void print_bwd_json(FILE *f, const struct cell *c)
 	fprintf(f, "}}");
 }
 
+/* A ragged cell's backward in the matrix: dQ/dK/dV/dP, each max error over tolerance. */
+static void vcell_bwd_text(const struct vcell *c, char *buf, size_t len)
+{
+	const double *g = c->max_err_grad, t = c->tol_grad;
+
+	if (c->bwd_not_claimed)
+		snprintf(buf, len, "bwd not claimed");
+	else if (c->bwd_err)
+		snprintf(buf, len, "bwd ERROR %s", ape_err_name(c->bwd_err));
+	else
+		snprintf(buf, len, "%.2g/%.2g/%.2g/%.2g", g[REFCHECK_DQ] / t, g[REFCHECK_DK] / t,
+			 g[REFCHECK_DV] / t, g[REFCHECK_DPARAMS] / t);
+}
+
 /* The ragged cells' matrix (tools/check/varlen.c). */
 static void print_vmatrix(int ndev, struct vcell (*v)[MAX_DEVICES], int nv)
 {
 	if (!nv)
 		return;
-	printf("\nragged batches (ape_attention_forward_varlen, every row against the reference's "
-	       "ragged call)\n");
+	printf("\nragged batches (ape_attention_forward_varlen, then ape_attention_backward_varlen of "
+	       "the same batch, every row and gradient against the reference's ragged calls)\n"
+	       "cells: O/LSE dQ/dK/dV/dP max error over the spec's tolerance (the gradients' "
+	       "relative to max |G_ref|), then the forward's + the backward's launches\n");
 	for (int i = 0; i < nv; i++) {
 		printf("%-34s %-5s", v[i][0].name, ape_dtype_name(v[i][0].dtype));
 		for (int d = 0; d < ndev; d++) {
 			const struct vcell *c = &v[i][d];
-			char buf[64];
+			char buf[128], bwd[48];
 
+			vcell_bwd_text(c, bwd, sizeof(bwd));
 			if (c->err)
 				snprintf(buf, sizeof(buf), "ERROR %s", ape_err_name(c->err));
+			else if (c->bwd_ran && !c->bwd_err)
+				snprintf(buf, sizeof(buf), "%.2g/%.2g %s %s (%" PRIu64 "+%" PRIu64
+					 " launches)", c->max_err_o / c->tol_o,
+					 c->max_err_lse / c->tol_lse, bwd, c->ok ? "ok" : "BAD",
+					 c->launches, c->bwd_launches);
 			else
-				snprintf(buf, sizeof(buf), "%.2f/%.2f %s (%" PRIu64 " launch%s)",
-					 c->max_err_o / c->tol_o, c->max_err_lse / c->tol_lse,
+				snprintf(buf, sizeof(buf), "%.2g/%.2g %s %s (%" PRIu64 " launch%s)",
+					 c->max_err_o / c->tol_o, c->max_err_lse / c->tol_lse, bwd,
 					 c->ok ? "ok" : "BAD", c->launches, c->launches == 1 ? "" : "es");
-			printf(" | %-30s", buf);
+			printf(" | %-58s", buf);
 		}
 		printf("\n");
 	}
+}
+
+/* The rest of a ragged cell's JSON object: its backward, fields prefixed bwd_ (status "ok",
+ * "bad", "fail", "not_claimed", or "not_run" after a failed forward). */
+static void print_vbwd_json(FILE *f, const struct vcell *c)
+{
+	static const char *const names[REFCHECK_NGRADS] = { "dq", "dk", "dv", "dparams" };
+	bool within = true;
+
+	for (int g = 0; g < REFCHECK_NGRADS; g++)
+		within &= c->max_err_grad[g] <= c->tol_grad;
+	fprintf(f, ", \"bwd_status\": \"%s\", \"bwd_error\": \"%s\", \"bwd_message\": ",
+		!c->bwd_ran	       ? "not_run"
+		: c->bwd_not_claimed ? "not_claimed"
+		: c->bwd_err	       ? "fail"
+		: within	       ? "ok"
+				       : "bad",
+		c->bwd_err ? ape_err_name(c->bwd_err) : "");
+	json_string(f, c->bwd_msg);
+	if (c->bwd_ran && !c->bwd_err) {
+		fprintf(f, ", \"bwd_tol\": %g", c->tol_grad);
+		for (int g = 0; g < REFCHECK_NGRADS; g++)
+			fprintf(f, ", \"bwd_max_err_%s\": %.6g", names[g], c->max_err_grad[g]);
+		fprintf(f, ", \"bwd_launches\": %" PRIu64, c->bwd_launches);
+	}
+	fprintf(f, "}");
 }
 
 static void print_vjson(FILE *f, int ndev, struct vcell (*v)[MAX_DEVICES], int nv)
@@ -455,10 +504,11 @@ static void print_vjson(FILE *f, int ndev, struct vcell (*v)[MAX_DEVICES], int n
 
 			fprintf(f, "%s{\"error\": \"%s\", \"rows_checked\": %" PRId64
 				", \"max_err_o\": %.6g, \"max_err_lse\": %.6g, \"tol_o\": %g, "
-				"\"tol_lse\": %g, \"launches\": %" PRIu64 ", \"ok\": %s}",
+				"\"tol_lse\": %g, \"launches\": %" PRIu64 ", \"ok\": %s",
 				d ? ", " : "", c->err ? ape_err_name(c->err) : "", c->rows,
 				c->max_err_o, c->max_err_lse, c->tol_o, c->tol_lse, c->launches,
 				c->ok ? "true" : "false");
+			print_vbwd_json(f, c);
 		}
 		fprintf(f, "]}");
 	}
@@ -598,7 +648,8 @@ static void usage(void)
 	       "the spec's tolerances, in groups: forward (every storage type, both rope layouts,\n"
 	       "GQA and MHA, causal or not, offsets, decode rows, lambda = 0 and not, skipping on\n"
 	       "and off, strided tensors), backward (every gradient, on the cases small enough for\n"
-	       "the reference to recompute them all), ragged batches, diagnostics, kv (a KV cache,\n"
+	       "the reference to recompute them all), ragged batches (the forward, then the\n"
+	       "backward's gradients of the same batch), diagnostics, kv (a KV cache,\n"
 	       "a KV pool's pages, the caller's pages), resident (calls on device tensors),\n"
 	       "tables (distance-bias tables: the forward, a KV cache, a ragged batch, the\n"
 	       "backward with the table's gradient; skipping with a table that rises far away),\n"

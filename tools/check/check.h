@@ -1,10 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * ape-check's pieces: tools/ape-check.c (main, the dense cases and their matrix),
- * tools/check/varlen.c (the ragged cells), tools/check/diag.c (the diagnostics),
- * tools/check/kv.c (the KV cache, the KV pool, the caller's pages), tools/check/resident.c
- * (device-resident calls), tools/check/tables.c (distance-bias tables), tools/check/conduct.c
- * (determinism and failure behaviour), tools/check/compare.c (comparisons against the reference) and tools/check/report.c (every
+ * tools/check/varlen.c (the ragged cells: the forward and the backward of each batch),
+ * tools/check/diag.c (the diagnostics), tools/check/kv.c (the KV cache, the KV pool, the
+ * caller's pages), tools/check/resident.c (device-resident calls), tools/check/tables.c
+ * (distance-bias tables), tools/check/conduct.c (determinism and failure behaviour),
+ * tools/check/compare.c (comparisons against the reference) and tools/check/report.c (every
  * cell's record, the summary, the JSON). Linked into ape-check alone.
  */
 #ifndef APE_TOOLS_CHECK_H
@@ -16,6 +17,7 @@
 #include <stdio.h>
 
 #include "ape/ape.h"
+#include "common/refcheck.h"
 #include "common/rng.h"
 
 #define CHECK_MAX_DEVICES 32
@@ -28,7 +30,7 @@ enum check_group {
 	CHECK_LOAD, /* --plugin: the plugin loads */
 	CHECK_FORWARD, /* ape_attention_forward() */
 	CHECK_BACKWARD, /* ape_attention_backward() */
-	CHECK_RAGGED, /* ape_attention_forward_varlen() */
+	CHECK_RAGGED, /* ape_attention_forward_varlen(), ape_attention_backward_varlen() */
 	CHECK_DIAG, /* ape_attention_forward_diag(), ape_kv_cache_attend_diag() */
 	CHECK_KV, /* ape_kv_cache_*, ape_kv_pool_*, ape_paged_kv_* */
 	CHECK_RESIDENT, /* ape_attention_enqueue*(), ape_attention_backward_enqueue() */
@@ -77,6 +79,11 @@ void check_add_error(enum check_group group, const char *name, int d, ape_device
  * passed when every one is within, with the errors over their tolerances as the message. */
 void check_add_errors(enum check_group group, const char *name, int d, int n,
 		      const char *const *labels, const double *err, const double *tol);
+/* As check_add_errors(), the message followed by "; " and `note` (NULL: none): what else the
+ * cell found that is no error, such as a part of it the device does not claim. */
+void check_add_errors_note(enum check_group group, const char *name, int d, int n,
+			   const char *const *labels, const double *err, const double *tol,
+			   const char *note);
 
 /* Whether `msg` names `dev`: its "backend:index" or its name, as the core's messages do. */
 bool check_names_device(const ape_device *dev, const char *msg);
@@ -109,6 +116,9 @@ double check_err_rel(const float *got, const float *want, size_t n);
  * the diagnostics' measure, entropy against its row's LSE, mean distance against its row's
  * largest distance. */
 double check_err_one(double got, double want, double scale);
+/* max |got - want| / max |want| over n values (the spec's "Gradients" measure, whose bound is
+ * refcheck_tol_grad()); max |want| at least 1e-30. */
+double check_err_grad(const float *got, const float *want, size_t n);
 /* max |x| over n values, at least 1e-30. */
 double check_max_abs(const float *x, size_t n);
 
@@ -143,23 +153,38 @@ float *check_nan_floats(size_t n);
 
 /* ---- The groups */
 
-/* One ragged cell: a case's batch on one device against the reference's. */
+/* One ragged cell: a case's batch on one device against the reference's, the forward, then
+ * the backward of the same batch. */
 struct vcell {
 	const char *name;
 	ape_dtype dtype;
-	int err; /* the device's call failed: its code */
+	int err; /* the device's forward failed: its code (and no backward run) */
 	int64_t rows; /* rows compared (every row of every sequence, all heads) */
-	uint64_t launches; /* the call's ape_stats.chunks */
+	uint64_t launches; /* the forward's ape_stats.chunks */
 	double max_err_o, max_err_lse, tol_o, tol_lse;
-	bool ok;
-	char msg[256]; /* the device's failure */
+	/* the backward (ape_attention_backward_varlen()) from the reference's O and LSE with a
+	 * random dO (of the storage type) and dLSE, the gradients of the storage type: bwd_ran
+	 * when the forward passed on to it */
+	bool bwd_ran;
+	int bwd_err; /* its code when it failed */
+	/* APE_ENOTSUP naming the device, which does not state APE_BE_CAP_BACKWARD: skipped, no
+	 * failure (bwd_msg says why) */
+	bool bwd_not_claimed;
+	uint64_t bwd_launches; /* the backward's ape_stats.chunks */
+	/* max |G - G_ref| / max |G_ref| per gradient (REFCHECK_DQ ... REFCHECK_DPARAMS, the
+	 * parameters' as one [H, 4] tensor), and refcheck_tol_grad() of the storage type */
+	double max_err_grad[REFCHECK_NGRADS], tol_grad;
+	bool ok; /* the forward within its tolerances, the backward within its or not claimed */
+	char msg[256]; /* the device's forward failure */
+	char bwd_msg[256]; /* the backward's failure, or why it is not claimed */
 };
 
 /*
- * Runs every ragged case (quick: the small ones) on the reference, then on each of devs,
- * into cells[case][device], and their count into *ncases, each also recorded (check_add(),
- * CHECK_RAGGED). Returns 0, or a negative code when the reference itself failed (message
- * printed). A device's failure is its cell's err.
+ * Runs every ragged case (quick: the small ones) on the reference, the forward and the
+ * backward, then on each of devs, into cells[case][device], and their count into *ncases, each
+ * also recorded (check_add(), CHECK_RAGGED: one cell of O, LSE, dQ, dK, dV, dP per case and
+ * device). Returns 0, or a negative code when the reference itself failed (message printed). A
+ * device's failure is its cell's err or bwd_err.
  */
 int check_varlen(ape_device **devs, int ndev, ape_device *ref, ape_rng *rng, bool quick,
 		 struct vcell (*cells)[CHECK_MAX_DEVICES], int *ncases);

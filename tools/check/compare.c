@@ -48,6 +48,11 @@ double check_err_one(double got, double want, double scale)
 	return diff(got, want) / fmax(1.0, isfinite(scale) ? fabs(scale) : 1);
 }
 
+double check_err_grad(const float *got, const float *want, size_t n)
+{
+	return check_err_abs(got, want, n, check_max_abs(want, n));
+}
+
 double check_max_abs(const float *x, size_t n)
 {
 	double m = 1e-30;

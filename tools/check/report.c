@@ -184,6 +184,13 @@ void check_add_error(enum check_group group, const char *name, int d, ape_device
 void check_add_errors(enum check_group group, const char *name, int d, int n,
 		      const char *const *labels, const double *err, const double *tol)
 {
+	check_add_errors_note(group, name, d, n, labels, err, tol, NULL);
+}
+
+void check_add_errors_note(enum check_group group, const char *name, int d, int n,
+			   const char *const *labels, const double *err, const double *tol,
+			   const char *note)
+{
 	char msg[sizeof(cells[0].msg)];
 	size_t len = 0;
 	int worst = 0;
@@ -199,7 +206,9 @@ void check_add_errors(enum check_group group, const char *name, int d, int n,
 						i ? " " : "", labels[i], err[i] / tol[i]);
 	}
 	if (len < sizeof(msg))
-		snprintf(msg + len, sizeof(msg) - len, " (max error / tolerance)");
+		len += (size_t)snprintf(msg + len, sizeof(msg) - len, " (max error / tolerance)");
+	if (note && len < sizeof(msg))
+		snprintf(msg + len, sizeof(msg) - len, "; %s", note);
 	check_add(group, name, d, ok ? CHECK_PASS : CHECK_FAIL, n ? err[worst] : NAN,
 		  n ? tol[worst] : NAN, "%s", msg);
 }

@@ -80,12 +80,6 @@ static void table_set(ape_attn_desc *desc, const float *t, int64_t rows, int64_t
 	desc->bias_table_heads = rows;
 }
 
-/* max |got - want| / max |want| over n values (the spec's "Gradients" measure). */
-static double grad_err(const float *got, const float *want, size_t n)
-{
-	return check_err_abs(got, want, n, check_max_abs(want, n));
-}
-
 /* ------------------------------------------------------------------ the dense forward */
 
 struct fcase {
@@ -547,7 +541,7 @@ static int backward_case(const struct check_env *env, const struct bcase *c)
 			check_add_error(CHECK_TABLES, c->name, d, env->devs[d], r, true);
 		} else {
 			for (int i = 0; i < NG; i++)
-				err[i] = grad_err(got.g[i], want.g[i], got.n[i]);
+				err[i] = check_err_grad(got.g[i], want.g[i], got.n[i]);
 			check_add_errors(CHECK_TABLES, c->name, d, NG, labels, err, tols);
 		}
 		if (!c->twice)

@@ -2,8 +2,16 @@
 /*
  * ape-check's ragged cells (tools/check/check.h): ragged batches
  * (ape_attention_forward_varlen()) on each device against the same batch on the reference,
- * whose own ragged call tests/test_varlen.c checks against an independent per-sequence oracle.
- * Fresh random data every run; every row of every sequence compared.
+ * whose own ragged call tests/test_varlen.c checks against an independent per-sequence oracle;
+ * then the backward of the same batch (ape_attention_backward_varlen()) on each device against
+ * the reference's, both from the reference's O and LSE with the same random dO (of the storage
+ * type) and dLSE: dQ, dK, dV (of the storage type) and dparams against the spec's "Gradients"
+ * tolerance (refcheck_tol_grad()), each relative to max |reference gradient|. Whichever way
+ * the backward runs the batch (one executor run with ragged launches where every device
+ * states bwd_segments, else a dense backward per piece), the cell is the same. A device that
+ * refuses the backward with APE_ENOTSUP naming it, and does not state APE_BE_CAP_BACKWARD, has
+ * it skipped (said in the cell's message), no failure. Fresh random data every run; every row
+ * of every sequence and every gradient value compared.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -11,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ape/ape_backend.h"
 #include "check/check.h"
 #include "common/refcheck.h"
 #include "common/seed.h"
@@ -43,6 +52,10 @@ struct vdata {
 	int64_t *cuq, *cuk, *posq, *posk;
 	void *q, *k, *v, *o, *oref;
 	float *lse, *lseref, *vf;
+	/* the backward: dO (storage type), dLSE; the device's gradients (storage type) and the
+	 * reference's (float32), dparams [H, 4] */
+	void *dout, *gq, *gk, *gv;
+	float *dlse, *gp, *rq, *rk, *rv, *rp;
 	ape_varlen vl;
 	ape_attn_desc desc;
 };
@@ -50,10 +63,35 @@ struct vdata {
 static void vdata_free(struct vdata *d)
 {
 	void *const p[] = { d->cuq, d->cuk, d->posq, d->posk, d->q, d->k, d->v, d->o,
-			    d->oref, d->lse, d->lseref, d->vf };
+			    d->oref, d->lse, d->lseref, d->vf, d->dout, d->gq, d->gk, d->gv,
+			    d->dlse, d->gp, d->rq, d->rk, d->rv, d->rp };
 
 	for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
 		free(p[i]);
+}
+
+/* The backward's inputs dO, dLSE (random) and its gradients' buffers. Returns 0 or -1. */
+static int vdata_make_bwd(const struct vcase *c, ape_rng *rng, struct vdata *d)
+{
+	const size_t nq = (size_t)(d->tq * c->H * c->D), nk = (size_t)(d->tk * c->Hkv * c->D);
+	const size_t esz = ape_dtype_size(c->dtype), rows = (size_t)(d->tq * c->H);
+
+	d->dout = ape_rng_array(rng, nq, c->dtype, NULL);
+	d->dlse = malloc(rows * sizeof(float) + 1);
+	d->gq = malloc(nq * esz + 1);
+	d->gk = malloc(nk * esz + 1);
+	d->gv = malloc(nk * esz + 1);
+	d->gp = malloc((size_t)(4 * c->H) * sizeof(float));
+	d->rq = malloc(nq * sizeof(float) + 1);
+	d->rk = malloc(nk * sizeof(float) + 1);
+	d->rv = malloc(nk * sizeof(float) + 1);
+	d->rp = malloc((size_t)(4 * c->H) * sizeof(float));
+	if (!d->dout || !d->dlse || !d->gq || !d->gk || !d->gv || !d->gp || !d->rq || !d->rk ||
+	    !d->rv || !d->rp)
+		return -1;
+	for (size_t i = 0; i < rows; i++)
+		d->dlse[i] = (float)ape_rng_normal(rng);
+	return 0;
 }
 
 static int vdata_make(const struct vcase *c, ape_rng *rng, struct vdata *d)
@@ -96,6 +134,8 @@ static int vdata_make(const struct vcase *c, ape_rng *rng, struct vdata *d)
 	d->lseref = malloc((size_t)(d->tq * c->H) * sizeof(float) + 1);
 	if (!d->q || !d->k || !d->v || !d->o || !d->oref || !d->lse || !d->lseref)
 		return APE_ENOMEM;
+	if (vdata_make_bwd(c, rng, d))
+		return APE_ENOMEM;
 	/* the stored V, for the error's scale */
 	ape_convert(d->vf, APE_F32, d->v, c->dtype, (size_t)(d->tk * c->Hkv * c->D));
 	ape_varlen_init(&d->vl);
@@ -127,6 +167,91 @@ static int vcall(ape_device *dev, const struct vcase *c, struct vdata *d, void *
 	ape_tensor_init_packed(&v, d->v, c->dtype, d->tk, c->Hkv, c->D);
 	ape_tensor_init_packed(&to, o, c->dtype, d->tq, c->H, c->D);
 	return ape_attention_forward_varlen(dev, &d->desc, &d->vl, &q, &k, &v, &to, lse, st);
+}
+
+/* The backward of the batch on dev from the reference's O and LSE, into gradients of type gt
+ * (the storage type, or float32 for the reference's own). */
+static int vbwd(ape_device *dev, const struct vcase *c, struct vdata *d, ape_dtype gt, void *gq,
+		void *gk, void *gv, float *gp, ape_stats *st)
+{
+	ape_tensor q, k, v, o, dout, dq, dk, dv;
+
+	ape_tensor_init_packed(&q, d->q, c->dtype, d->tq, c->H, c->D);
+	ape_tensor_init_packed(&k, d->k, c->dtype, d->tk, c->Hkv, c->D);
+	ape_tensor_init_packed(&v, d->v, c->dtype, d->tk, c->Hkv, c->D);
+	ape_tensor_init_packed(&o, d->oref, c->dtype, d->tq, c->H, c->D);
+	ape_tensor_init_packed(&dout, d->dout, c->dtype, d->tq, c->H, c->D);
+	ape_tensor_init_packed(&dq, gq, gt, d->tq, c->H, c->D);
+	ape_tensor_init_packed(&dk, gk, gt, d->tk, c->Hkv, c->D);
+	ape_tensor_init_packed(&dv, gv, gt, d->tk, c->Hkv, c->D);
+	return ape_attention_backward_varlen(&dev, 1, NULL, &d->desc, &d->vl, &q, &k, &v, &o,
+					     d->lseref, &dout, d->dlse, &dq, &dk, &dv, gp, st);
+}
+
+/* The device's gradients against the reference's, each over max |reference gradient|. */
+static void compare_bwd(const struct vcase *c, const struct vdata *d, struct vcell *cell)
+{
+	const size_t n[3] = { (size_t)(d->tq * c->H * c->D), (size_t)(d->tk * c->Hkv * c->D),
+			      (size_t)(d->tk * c->Hkv * c->D) };
+	const void *const got[3] = { d->gq, d->gk, d->gv };
+	const float *const want[3] = { d->rq, d->rk, d->rv };
+
+	cell->tol_grad = refcheck_tol_grad(c->dtype);
+	for (int g = 0; g < 3; g++) { /* REFCHECK_DQ, REFCHECK_DK, REFCHECK_DV */
+		float *x = check_to_f32(got[g], c->dtype, n[g]);
+
+		if (!x) {
+			cell->bwd_err = APE_ENOMEM;
+			snprintf(cell->bwd_msg, sizeof(cell->bwd_msg), "out of host memory");
+			return;
+		}
+		cell->max_err_grad[g] = check_err_grad(x, want[g], n[g]);
+		free(x);
+	}
+	cell->max_err_grad[REFCHECK_DPARAMS] = check_err_grad(d->gp, d->rp, (size_t)(4 * c->H));
+}
+
+/* n values of type t, every one NaN: a gradient the call leaves unwritten stays NaN, an
+ * infinite error, rather than the previous device's. */
+static void fill_nan(void *p, ape_dtype t, size_t n)
+{
+	const float x = NAN;
+	const size_t esz = ape_dtype_size(t);
+	char one[8];
+
+	ape_convert(one, t, &x, APE_F32, 1);
+	for (size_t i = 0; i < n; i++)
+		memcpy((char *)p + i * esz, one, esz);
+}
+
+/* The backward's part of a cell on dev whose forward passed on to it. */
+static void run_bwd(ape_device *dev, const struct vcase *c, struct vdata *d, struct vcell *cell)
+{
+	const size_t nq = (size_t)(d->tq * c->H * c->D), nk = (size_t)(d->tk * c->Hkv * c->D);
+	ape_stats st;
+
+	cell->bwd_ran = true;
+	fill_nan(d->gq, c->dtype, nq);
+	fill_nan(d->gk, c->dtype, nk);
+	fill_nan(d->gv, c->dtype, nk);
+	fill_nan(d->gp, APE_F32, (size_t)(4 * c->H));
+	ape_stats_init(&st);
+	cell->bwd_err = vbwd(dev, c, d, c->dtype, d->gq, d->gk, d->gv, d->gp, &st);
+	if (cell->bwd_err) {
+		const char *msg = ape_last_error();
+
+		cell->bwd_not_claimed = check_not_claimed(dev, cell->bwd_err, msg,
+							   APE_BE_CAP_BACKWARD);
+		/* not claimed but for the capability the device states: a failure, said so */
+		snprintf(cell->bwd_msg, sizeof(cell->bwd_msg), "%s%s",
+			 !cell->bwd_not_claimed && check_not_claimed(dev, cell->bwd_err, msg, 0)
+				 ? "the device states backward, yet: "
+				 : "",
+			 msg);
+		return;
+	}
+	cell->bwd_launches = st.chunks;
+	compare_bwd(c, d, cell);
 }
 
 /* Every row of d->o, d->lse against the reference's. */
@@ -168,26 +293,65 @@ static void compare(const struct vcase *c, const struct vdata *d, struct vcell *
 
 static bool vcell_ok(const struct vcell *c)
 {
-	return !c->err && c->max_err_o <= c->tol_o && c->max_err_lse <= c->tol_lse;
+	bool ok = !c->err && c->max_err_o <= c->tol_o && c->max_err_lse <= c->tol_lse;
+
+	if (!c->bwd_not_claimed) {
+		ok &= c->bwd_ran && !c->bwd_err;
+		for (int g = 0; g < REFCHECK_NGRADS; g++)
+			ok &= c->max_err_grad[g] <= c->tol_grad; /* NaN: not within */
+	}
+	return ok;
 }
 
-/* The cell's record: O and LSE against their tolerances. */
+/* The cell's record: O, LSE and the four gradients against their tolerances; a backward not
+ * claimed is said in the message, O and LSE alone measured. */
 static void record(const struct vcell *cell, int dv)
 {
-	static const char *const labels[] = { "O", "LSE" };
-	const double err[2] = { cell->max_err_o, cell->max_err_lse };
-	const double tol[2] = { cell->tol_o, cell->tol_lse };
+	static const char *const labels[] = { "O", "LSE", "dQ", "dK", "dV", "dP" };
+	const double *g = cell->max_err_grad, t = cell->tol_grad;
+	const double err[6] = { cell->max_err_o, cell->max_err_lse, g[0], g[1], g[2], g[3] };
+	const double tol[6] = { cell->tol_o, cell->tol_lse, t, t, t, t };
+	char note[sizeof(cell->bwd_msg) + 32];
 
-	if (cell->err) /* out of host memory in compare() */
+	if (cell->err) { /* out of host memory in compare() */
 		check_add(CHECK_RAGGED, cell->name, dv, CHECK_FAIL, NAN, NAN, "%s",
 			  ape_err_name(cell->err));
+	} else if (cell->bwd_not_claimed) {
+		snprintf(note, sizeof(note), "backward not claimed: %s", cell->bwd_msg);
+		check_add_errors_note(CHECK_RAGGED, cell->name, dv, 2, labels, err, tol, note);
+	} else if (cell->bwd_err) {
+		check_add(CHECK_RAGGED, cell->name, dv, CHECK_FAIL, NAN, NAN,
+			  "O %.2g LSE %.2g (max error / tolerance); backward: %s: %s",
+			  err[0] / tol[0], err[1] / tol[1], ape_err_name(cell->bwd_err),
+			  cell->bwd_msg);
+	} else {
+		snprintf(note, sizeof(note), "%" PRIu64 " forward, %" PRIu64 " backward launches",
+			 cell->launches, cell->bwd_launches);
+		check_add_errors_note(CHECK_RAGGED, cell->name, dv, 6, labels, err, tol, note);
+	}
+}
+
+/* A backward that failed, or is not claimed, said on stderr (not claimed: once per device). */
+static void say_bwd(ape_device *dev, const struct vcell *cell, bool *said)
+{
+	ape_device_info info;
+
+	if (!cell->bwd_err || (cell->bwd_not_claimed && *said))
+		return;
+	ape_device_get_info(dev, &info);
+	if (cell->bwd_not_claimed)
+		fprintf(stderr, "ape-check: ragged backward on %s:%d not claimed: %s\n",
+			info.backend, info.backend_index, cell->bwd_msg);
 	else
-		check_add_errors(CHECK_RAGGED, cell->name, dv, 2, labels, err, tol);
+		fprintf(stderr, "ape-check: %s: backward on %s:%d: %s\n", cell->name, info.backend,
+			info.backend_index, cell->bwd_msg);
+	*said |= cell->bwd_not_claimed;
 }
 
 int check_varlen(ape_device **devs, int ndev, ape_device *ref, ape_rng *rng, bool quick,
 		 struct vcell (*cells)[CHECK_MAX_DEVICES], int *ncases)
 {
+	bool said[CHECK_MAX_DEVICES] = { false };
 	int n = 0;
 
 	for (int i = 0; i < NVCASES; i++) {
@@ -200,6 +364,8 @@ int check_varlen(ape_device **devs, int ndev, ape_device *ref, ape_rng *rng, boo
 		ret = vdata_make(c, rng, &d);
 		if (!ret)
 			ret = vcall(ref, c, &d, d.oref, d.lseref, NULL);
+		if (!ret) /* the gradients every device's are measured against */
+			ret = vbwd(ref, c, &d, APE_F32, d.rq, d.rk, d.rv, d.rp, NULL);
 		if (ret) {
 			fprintf(stderr, "ape-check: %s on the reference: %s\n", c->name,
 				ret == APE_ENOMEM ? "out of memory" : ape_last_error());
@@ -223,6 +389,9 @@ int check_varlen(ape_device **devs, int ndev, ape_device *ref, ape_rng *rng, boo
 			}
 			cell->launches = st.chunks;
 			compare(c, &d, cell);
+			if (!cell->err)
+				run_bwd(devs[dv], c, &d, cell);
+			say_bwd(devs[dv], cell, &said[dv]);
 			cell->ok = vcell_ok(cell);
 			record(cell, dv);
 		}
