@@ -247,6 +247,10 @@ int ape__cu_prep_keys(struct ape_be_queue *q, const struct ape_be_launch *l,
 uint64_t ape__cu_attention_scratch(struct ape_device *dev, const struct ape_be_launch *l);
 /* attention_pages: the launches the decode reads in place (cuda_attention.c says which). */
 bool ape__cu_attention_pages(struct ape_device *dev, const struct ape_be_launch *l);
+/* Copies `bytes` of host memory at `copy` (ape_be_malloc()'ed: this takes it and frees it,
+ * whatever happens) to dst on q's stream, which frees it once the copy has run. */
+int ape__cu_upload_owned(struct ape_be_queue *q, CUdeviceptr dst, void *copy, size_t bytes,
+			 const char *what);
 /* More heads than an argument struct carries (APE_CU_INLINE_HEADS): l->head_params copied to
  * dst, on the queue, from a host copy the stream frees once the copy has run. */
 /* Where a launch's kernels find the heads' float32 parameters: in the call's table when the core

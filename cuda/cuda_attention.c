@@ -479,8 +479,8 @@ CUdeviceptr ape__cu_head_params_at(const struct ape_be_launch *l, CUdeviceptr sl
 
 /* Copies `bytes` of host memory at `copy` (ape_be_malloc()'ed: this takes it and frees it,
  * whatever happens) to dst on q's stream, which frees it once the copy has run. */
-static int upload_owned(struct ape_be_queue *q, CUdeviceptr dst, void *copy, size_t bytes,
-			const char *what)
+int ape__cu_upload_owned(struct ape_be_queue *q, CUdeviceptr dst, void *copy, size_t bytes,
+			 const char *what)
 {
 	const struct ape__cu_driver *drv = ape__cu_dev(q->dev)->drv;
 	CUresult r = drv->p_cuMemcpyHtoDAsync(dst, copy, bytes, q->s);
@@ -510,7 +510,7 @@ int ape__cu_upload_head_params(struct ape_be_queue *q, const struct ape_be_launc
 		return ape_be_error(APE_ENOMEM, "cuda: out of host memory for %lld heads' parameters",
 				  (long long)l->H);
 	memcpy(copy, l->head_params, bytes);
-	return upload_owned(q, dst, copy, bytes, "head parameters");
+	return ape__cu_upload_owned(q, dst, copy, bytes, "head parameters");
 }
 
 /* The rows of l's distance-bias table: one per head, or one shared by all. */
@@ -555,7 +555,7 @@ int ape__cu_upload_bias(struct ape_be_queue *q, const struct ape_be_launch *l, i
 			memcpy(copy + all + h * (size_t)n, l->bias_smax + h * (size_t)l->bias_hstride,
 			       (size_t)n * sizeof(float));
 	}
-	return upload_owned(q, dst, copy, bytes, "distance-bias table");
+	return ape__cu_upload_owned(q, dst, copy, bytes, "distance-bias table");
 }
 
 /* Sorts segment-table entries (APE_PF_SEGW values and their cost) by cost, largest first, then
@@ -603,7 +603,7 @@ static int upload_seg_table(struct ape_be_queue *q, const struct ape_be_launch *
 	qsort(t, n, w * sizeof(int64_t), seg_heavier);
 	for (size_t k = 1; k < n; k++) /* the costs dropped: APE_PF_SEGW values an entry */
 		memmove(t + k * APE_PF_SEGW, t + k * w, APE_PF_SEGW * sizeof(int64_t));
-	return upload_owned(q, dst, t, n * APE_PF_SEGW * sizeof(int64_t), "segment table");
+	return ape__cu_upload_owned(q, dst, t, n * APE_PF_SEGW * sizeof(int64_t), "segment table");
 }
 
 /* A ragged decode's segment table (kernels/args.h, APE_DC_SEGW) to dst: each segment's rows,
@@ -628,7 +628,7 @@ static int upload_decode_segs(struct ape_be_queue *q, const struct ape_be_launch
 		poff += l->H * g->lq * sp;
 		blk0 += sp * l->Hkv;
 	}
-	return upload_owned(q, dst, t, (size_t)l->nseg * APE_DC_SEGW * sizeof(int64_t),
+	return ape__cu_upload_owned(q, dst, t, (size_t)l->nseg * APE_DC_SEGW * sizeof(int64_t),
 			    "decode segment table");
 }
 

@@ -7,18 +7,24 @@
  * only when dQ or dparams is wanted) and the per-head float64 reduction of those sums
  * (ape_bwd_params; only with dparams), then the distance-bias table's gradient (ape_bwd_dbias;
  * only with dbias). Frozen Q, K, V with only dparams wanted ("tune APE only") runs the same
- * kernels with the dK, dV and dQ work left out; likewise with only dbias wanted.
+ * kernels with the dK, dV and dQ work left out; likewise with only dbias wanted. A ragged launch
+ * (ABI 1.2: f.segs, B = 1, disjoint key ranges) runs the same kernels once for all its
+ * segments, over a segment table (kernels/bwd_args.h, APE_BW_SEGW; upload_segs()): each
+ * segment's keys in key tiles of their own, the per-distance dS sums per segment; a dense launch
+ * is the one segment with no table.
  *
  * Scratch, one stream-ordered allocation freed in stream order after the last kernel: the row
  * table (24 bytes per query row), the splits' slices (with dQ, nsplit * Lq * D floats; with dQ
  * or dparams, nsplit * Lq * APE_BW_RP_N doubles, per (batch, head); nsplit <=
  * APE_BW_SPLITS_MAX), the per-block parameter sums (32 bytes per block of APE_BW_RED_ROWS query
  * rows, with dparams only), the splits' per-distance dS sums (with dbias only, nsplit * (Lq + Lk
- * - 1) doubles per (batch, head)), the distance-bias table (with one: its float entries,
- * uploaded per launch from the core's host copy) and, past APE_CU_INLINE_HEADS heads, their
- * parameters: O(nsplit * Lq * D), never O(Lq * Lk). bwd_scratch_size() sizes it, for the
- * launch and for attention_backward_scratch (core/backend.h), which the core counts against the
- * budget of streamed calls.
+ * - 1) doubles per (batch, head); ragged: the segments' lq + lk - 1 each, at most that), the
+ * distance-bias table (with one: its float entries, uploaded per launch from the core's host
+ * copy), a ragged launch's segment table (56 bytes per segment) and, past APE_CU_INLINE_HEADS
+ * heads, their parameters: O(nsplit * Lq * D), never O(Lq * Lk). bwd_scratch_size() sizes it,
+ * for the launch and for attention_backward_scratch (core/backend.h; for a ragged call, with
+ * f.nseg the bound of its segments), which the core counts against the budget of streamed
+ * calls.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -55,6 +61,11 @@ static int bwd_check(const struct ape_device *dev, const struct ape_be_bwd_launc
 				  "kernels take",
 				  dev->info.name, (long long)f->B, (long long)f->H, (long long)f->Hkv,
 				  (long long)f->Lq, (long long)f->Lk, (long long)f->D);
+	if (f->segs && (f->B != 1 || f->nseg < 1))
+		return ape_be_error(APE_EINVAL,
+				  "cuda %s: a ragged backward launch of B=%lld, %lld segments: it "
+				  "takes B = 1 and at least one segment",
+				  dev->info.name, (long long)f->B, (long long)f->nseg);
 	if (f->Lq > INT32_MAX || f->Lk > INT32_MAX || f->B * f->H > INT32_MAX)
 		return ape_be_error(APE_EINVAL,
 				  "cuda %s: Lq=%lld, Lk=%lld: more rows than one launch takes "
@@ -75,6 +86,37 @@ static int64_t bwd_row_blocks(int64_t Lq)
 	return (Lq + APE_BW_RED_ROWS - 1) / APE_BW_RED_ROWS;
 }
 
+/*
+ * The fused sweep's key tiles per (batch, kv head), *nkt, and the per-distance dS sums of a
+ * (split, batch, head), *nd (kernels/bwd_args.h): dense, ceil(Lk / kblk) and Lq + Lk - 1; a
+ * ragged launch (f->segs), its segments' ceil(lk / kblk) and lq + lk - 1 (those with keys); in
+ * what attention_backward_scratch is asked for a ragged call (segs NULL, nseg its bound), their
+ * bounds: at most one partial tile per segment, and sum (lq + lk - 1) <= Lq + Lk - 1.
+ */
+static void bwd_tiles(const struct ape_be_launch *f, int dmax, int64_t *nkt, int64_t *nd)
+{
+	*nkt = bwd_key_tiles(f->Lk, dmax);
+	*nd = f->Lq + f->Lk - 1;
+	if (!f->segs) {
+		if (f->nseg > 0)
+			*nkt += f->nseg;
+		return;
+	}
+	*nkt = *nd = 0;
+	for (int64_t e = 0; e < f->nseg; e++) {
+		const struct ape_be_seg *g = &f->segs[e];
+
+		*nkt += bwd_key_tiles(g->lk, dmax);
+		*nd += g->lk > 0 ? g->lq + g->lk - 1 : 0;
+	}
+}
+
+/* Is f ragged: its segments given, or (attention_backward_scratch) bounded */
+static bool bwd_ragged(const struct ape_be_launch *f)
+{
+	return f->segs || f->nseg > 0;
+}
+
 /* Splits of each (batch, kv head)'s key tiles in the fused sweep: enough blocks for about four
  * per multiprocessor, at most one per key tile and at most APE_BW_SPLITS_MAX (each split has its
  * own slices: nsplit (Lq D floats + APE_BW_RP_N Lq doubles) per (batch, head)). The same device
@@ -83,11 +125,11 @@ static int bwd_nsplit(const struct ape_device *dev, const struct ape_be_launch *
 {
 	const int64_t cu = dev->info.compute_units > 0 ? dev->info.compute_units : 1;
 	const int64_t bkv = f->B * f->Hkv > 0 ? f->B * f->Hkv : 1;
-	int64_t n = (4 * cu + bkv - 1) / bkv, nkt;
+	int64_t n = (4 * cu + bkv - 1) / bkv, nkt, nd;
 	int dmax;
 
 	bwd_variant(f->D, &dmax);
-	nkt = bwd_key_tiles(f->Lk, dmax);
+	bwd_tiles(f, dmax, &nkt, &nd);
 	if (n > APE_BW_SPLITS_MAX)
 		n = APE_BW_SPLITS_MAX;
 	if (n > nkt)
@@ -103,17 +145,33 @@ static uint64_t ptr_of(const struct ape_be_buf *b)
 /*
  * The entries of each row of the distance-bias table's gradient that some pair of launch f
  * reaches, *m0 .. *m0 + *nm - 1 (ape_bwd_dbias's blocks per row): the table entries of the
- * launch's distances |n|, n from rel - (Lk - 1) to rel + Lq - 1.
+ * launch's distances |n|, n from rel - (Lk - 1) to rel + Lq - 1 (ragged: of each segment with
+ * keys, its lq, lk and rel).
  */
 static void dbias_entries(const struct ape_be_launch *f, int64_t *m0, int64_t *nm)
 {
-	const int64_t rel = f->q_start - f->k_start;
-	/* real pairs' distances: they fit */
-	const int64_t nmin = rel - (f->Lk - 1), nmax = rel + (f->Lq - 1);
-	const int64_t lo = ape_min_abs(nmin, nmax);
-	const int64_t hi = ape_abs_dist(nmin) > ape_abs_dist(nmax) ? ape_abs_dist(nmin)
-								    : ape_abs_dist(nmax);
+	int64_t lo = INT64_MAX, hi = 0;
 
+	for (int64_t e = 0; e < (f->segs ? f->nseg : 1); e++) {
+		const int64_t lq = f->segs ? f->segs[e].lq : f->Lq;
+		const int64_t lk = f->segs ? f->segs[e].lk : f->Lk;
+		const int64_t rel = f->segs ? f->segs[e].q_start - f->segs[e].k_start
+					    : f->q_start - f->k_start;
+		/* real pairs' distances: they fit */
+		const int64_t nmin = rel - (lk - 1), nmax = rel + (lq - 1);
+		const int64_t a = ape_abs_dist(nmin), b = ape_abs_dist(nmax);
+
+		if (lk < 1 || lq < 1)
+			continue;
+		if (ape_min_abs(nmin, nmax) < lo)
+			lo = ape_min_abs(nmin, nmax);
+		if ((a > b ? a : b) > hi)
+			hi = a > b ? a : b;
+	}
+	if (lo > hi) { /* no pair (not launched: bwd_scratch_size() is 0 without keys) */
+		*m0 = *nm = 0;
+		return;
+	}
 	*m0 = ape_bias_index(lo, f->bias_len);
 	*nm = ape_bias_index(hi, f->bias_len) - *m0 + 1;
 }
@@ -129,8 +187,8 @@ static void bwd_args(const struct ape_be_bwd_launch *l, int dmax, int nsplit,
 		.lse = ptr_of(f->lse), .dout = ptr_of(l->dout), .dlse = ptr_of(l->dlse),
 		.dq = ptr_of(l->dq), .dk = ptr_of(l->dk), .dv = ptr_of(l->dv),
 		.dparams = ptr_of(l->dparams), .dbias = ptr_of(l->dbias),
-		.Lq = f->Lq, .Lk = f->Lk, .rel = f->q_start - f->k_start,
-		.nqt = bwd_row_blocks(f->Lq), .nkt = bwd_key_tiles(f->Lk, dmax),
+		.Lq = f->Lq, .Lk = f->Lk, .rel = f->segs ? 0 : f->q_start - f->k_start,
+		.nqt = bwd_row_blocks(f->Lq), .nseg = f->segs ? f->nseg : 0,
 		.scale = f->scale,
 		.B = (int32_t)f->B, .H = (int32_t)f->H, .Hkv = (int32_t)f->Hkv, .D = (int32_t)f->D,
 		.dt_in = (int32_t)f->in_dtype, .dt_out = (int32_t)f->out_dtype,
@@ -142,6 +200,7 @@ static void bwd_args(const struct ape_be_bwd_launch *l, int dmax, int nsplit,
 			 (l->dparams ? APE_BW_F_DP : 0) | (l->dbias ? APE_BW_F_DB : 0),
 		.nsplit = nsplit, .kblk = APE_BW_ROWS(dmax),
 	};
+	bwd_tiles(f, dmax, &a->nkt, &a->nd);
 	if (l->dbias) {
 		dbias_entries(f, &a->db_m0, &a->db_nm);
 		a->db_len = f->bias_len;
@@ -161,9 +220,10 @@ atomic_uint_fast64_t ape__cu_bwd_scratch_high;
 /* Where the pieces of a launch's scratch lie: the row table at 0, the splits' dQ slices at
  * dqp_off (with dQ), their row sums at rp_off (with dQ or dparams), the block sums at part_off
  * (with dparams), the splits' per-distance dS sums at dbp_off (with dbias), the distance-bias
- * table at bias_off (with one), the heads' parameters at hp_off (0: inline in the arguments). */
+ * table at bias_off (with one), a ragged launch's segment table at seg_off, the heads'
+ * parameters at hp_off (0: inline in the arguments). */
 struct bwd_scratch {
-	size_t dqp_off, rp_off, part_off, dbp_off, bias_off, hp_off, total;
+	size_t dqp_off, rp_off, part_off, dbp_off, bias_off, seg_off, hp_off, total;
 	int64_t tlen; /* the distance-bias table's entries per row uploaded */
 };
 
@@ -179,10 +239,14 @@ static size_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, in
 	const unsigned outs = APE_BE_BWD_DQ | APE_BE_BWD_DK | APE_BE_BWD_DV | APE_BE_BWD_DPARAMS |
 			      APE_BE_BWD_DBIAS;
 	const size_t bh = (size_t)(f->B * f->H), rows = bh * (size_t)f->Lq;
+	int64_t nkt, nd;
+	int dmax;
 
 	memset(s, 0, sizeof(*s));
 	if (!(parts & outs) || rows == 0 || f->Lk == 0)
 		return 0;
+	bwd_variant(f->D, &dmax);
+	bwd_tiles(f, dmax, &nkt, &nd);
 	s->dqp_off = align256(rows * APE_BW_RI_N * sizeof(double));
 	s->rp_off = s->dqp_off;
 	if (parts & APE_BE_BWD_DQ)
@@ -195,20 +259,49 @@ static size_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, in
 		s->dbp_off += align256(bh * (size_t)bwd_row_blocks(f->Lq) * 4 * sizeof(double));
 	s->bias_off = s->dbp_off;
 	if (parts & APE_BE_BWD_DBIAS)
-		s->bias_off += align256((size_t)nsplit * bh * (size_t)(f->Lq + f->Lk - 1) *
-					sizeof(double));
-	s->hp_off = s->bias_off;
+		s->bias_off += align256((size_t)nsplit * bh * (size_t)nd * sizeof(double));
+	s->seg_off = s->bias_off;
 	if (f->bias_table) { /* the entries it reads (nothing skips: no suffix maxima) */
 		s->tlen = ape__cu_bias_entries(f, positions);
-		s->hp_off += align256(ape__cu_bias_bytes(f, s->tlen, false));
+		s->seg_off += align256(ape__cu_bias_bytes(f, s->tlen, false));
 	}
+	s->hp_off = s->seg_off;
+	if (bwd_ragged(f))
+		s->hp_off += align256((size_t)f->nseg * APE_BW_SEGW * sizeof(int64_t));
 	s->total = s->hp_off + (f->H > APE_CU_INLINE_HEADS ? (size_t)f->H * 4 * sizeof(float) : 0);
 	if (f->H <= APE_CU_INLINE_HEADS)
 		s->hp_off = 0;
 	return s->total;
 }
 
-/* The four kernels, in order, on the queue; the scratch's pieces at s's offsets. */
+/* A ragged launch's segment table (kernels/bwd_args.h, APE_BW_SEGW) to dst, kblk keys a tile. */
+static int upload_segs(struct ape_be_queue *q, const struct ape_be_launch *f, int64_t kblk,
+		       CUdeviceptr dst)
+{
+	const size_t bytes = (size_t)f->nseg * APE_BW_SEGW * sizeof(int64_t);
+	int64_t *t = ape_be_malloc(bytes), kt0 = 0, db0 = 0;
+
+	if (!t)
+		return ape_be_error(APE_ENOMEM, "out of host memory for a table of %lld segments",
+				    (long long)f->nseg);
+	for (int64_t e = 0; e < f->nseg; e++) {
+		const struct ape_be_seg *g = &f->segs[e];
+		int64_t *r = t + e * APE_BW_SEGW;
+
+		r[APE_BW_SEG_Q0] = g->q0;
+		r[APE_BW_SEG_LQ] = g->lq;
+		r[APE_BW_SEG_K0] = g->k0;
+		r[APE_BW_SEG_LK] = g->lk;
+		r[APE_BW_SEG_REL] = g->lk > 0 ? g->q_start - g->k_start : 0;
+		r[APE_BW_SEG_KT0] = kt0;
+		r[APE_BW_SEG_DB0] = db0;
+		kt0 += (g->lk + kblk - 1) / kblk;
+		db0 += g->lk > 0 ? g->lq + g->lk - 1 : 0;
+	}
+	return ape__cu_upload_owned(q, dst, t, bytes, "backward segment table");
+}
+
+/* The kernels, in order, on the queue; the scratch's pieces at s's offsets. */
 static int bwd_run(struct ape_be_queue *q, const struct ape_be_bwd_launch *l, int variant, int dmax,
 		   struct ape_cu_bwd_args *a, CUdeviceptr scratch, const struct bwd_scratch *s)
 {
@@ -222,12 +315,15 @@ static int bwd_run(struct ape_be_queue *q, const struct ape_be_bwd_launch *l, in
 	a->rp = l->dq || l->dparams ? scratch + s->rp_off : 0;
 	a->hparams = s->hp_off ? ape__cu_head_params_at(f, scratch + s->hp_off) : 0;
 	a->dbp = l->dbias ? scratch + s->dbp_off : 0;
+	a->segt = f->segs ? scratch + s->seg_off : 0;
 	if (f->bias_table)
 		a->bias = ape__cu_bias_at(f, s->tlen, false, scratch + s->bias_off);
 	if (s->hp_off && !f->params[1])
 		ret = ape__cu_upload_head_params(q, f, scratch + s->hp_off);
 	if (!ret && f->bias_table)
 		ret = ape__cu_upload_bias(q, f, s->tlen, false, scratch + s->bias_off);
+	if (!ret && f->segs)
+		ret = upload_segs(q, f, a->kblk, scratch + s->seg_off);
 	if (!ret)
 		ret = ape__cu_launch(q, APE__CU_K_BWD_ROWS,
 				     (rows + APE_BW_ROWS_PER_BLOCK - 1) / APE_BW_ROWS_PER_BLOCK, 0, a,
@@ -243,7 +339,7 @@ static int bwd_run(struct ape_be_queue *q, const struct ape_be_bwd_launch *l, in
 		ret = ape__cu_launch(q, APE__CU_K_BWD_PARAMS,
 				     (f->H + APE_CU_THREADS - 1) / APE_CU_THREADS, 0, a,
 				     "ape_bwd_params");
-	if (!ret && l->dbias)
+	if (!ret && l->dbias && a->db_nm) /* (0: a ragged launch whose segments have no key) */
 		ret = ape__cu_launch(q, APE__CU_K_BWD_DBIAS,
 				     (f->bias_hstride ? f->H : 1) * a->db_nm, APE_BW_DB_SMEM, a,
 				     "ape_bwd_dbias");

@@ -109,10 +109,11 @@ static int cu_add_device(struct ape_backend *be, const struct ape__cu_driver *dr
 		 * segment table (cuda_attention.c); explicit positions not read: the core cuts
 		 * runs; no host memory: kernels read device memory only; distance-bias tables
 		 * on every forward launch (uploaded with their suffix maxima per launch) and
-		 * backward (their gradient by ape_bwd_dbias) */
+		 * backward (their gradient by ape_bwd_dbias); ragged backward launches: the
+		 * backward kernels' segment table (cuda_backward.c) */
 		.features = APE_BE_CAP_DIAG | APE_BE_CAP_DIAG_VIEWS | APE_BE_CAP_BACKWARD |
 			    APE_BE_CAP_RESIDENT_BACKWARD | APE_BE_CAP_TIMESTAMPS | APE_BE_CAP_SEGMENTS |
-			    APE_BE_CAP_BIAS_TABLE,
+			    APE_BE_CAP_BIAS_TABLE | APE_BE_CAP_BWD_SEGMENTS,
 		/* one buffer may take it all */
 		.max_alloc = cd->total_mem,
 	};

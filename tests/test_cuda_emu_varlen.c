@@ -8,6 +8,11 @@
  * 128 and generic ones; each batch ONE launch (ape_stats.chunks) on the CUDA device, O and LSE
  * within the storage type's tolerance of the reference's (and of what skipping may add), no more
  * pairs computed than visible; long sequences with a real decay skip far keys per segment.
+ * Ragged backward launches (ABI 1.2, APE_BE_CAP_BWD_SEGMENTS; cuda/kernels/backward.cu's
+ * segment table): ape_attention_backward_varlen() of a packed batch in ONE launch on the CUDA
+ * device, its dQ, dK, dV, dparams and distance-bias table gradient against the reference's
+ * backward of the same batch (grads_tol()), the scratch one launch allocated within what the
+ * backend declared for a ragged call.
  *
  * Fresh random inputs each run (APE_TEST_SEED replays one). Sizes are kept small for the
  * emulator's speed. With APE_TEST_CUDA_DEVICE=1 the same tests run on this machine's own driver
@@ -19,12 +24,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <stdatomic.h>
+
 #include "ape_test.h"
+#include "common/bwdcase.h"
 #include "common/problem.h"
 #include "common/testutil.h"
+#include "core/backend.h"
 
 #ifdef APE_HAVE_CUDA
 #include "cuda_emu_pair.h"
+
+extern atomic_uint_fast64_t ape__cu_bwd_scratch_high;
 
 /* One packed batch: q, k, v [total, H, D]; o and lse written by each device in turn. */
 struct rbatch {
@@ -386,6 +397,275 @@ TEST(tables_per_segment)
 		fails += rbatch_check(_metadata, &d, &b, pairs) != 0;
 		TH_LOG("case %d: %llu of %llu visible pairs computed", c,
 		       (unsigned long long)pairs[1], (unsigned long long)pairs[0]);
+		rbatch_free(&b);
+	}
+	EXPECT_EQ(0, fails);
+	ape_context_destroy(d.ctx);
+}
+
+/* ------------------------------------------------------------------ the backward */
+
+/* max |a - b| over n floats relative to max |b| (a NaN in a: infinite) */
+static double rel_err_f(const float *a, const float *b, size_t n)
+{
+	double m = 0, e = 0;
+
+	for (size_t i = 0; i < n; i++) {
+		m = fmax(m, fabs(b[i]));
+		e = isnan(a[i]) ? INFINITY : fmax(e, fabs((double)a[i] - b[i]));
+		if (isinf(e))
+			break;
+	}
+	return e / fmax(m, 1e-30);
+}
+
+/* The gradients of one backward run of a batch: float32 [tq][H][D], [tk][Hkv][D], dparams, the
+ * distance-bias table's (NULL without a table). */
+struct rgrads {
+	test_tensor dq, dk, dv;
+	float dp[4 * 8], *db;
+};
+
+/*
+ * The backward of b (its O and LSE the reference's forward) on dev with dout and dlse (NULL:
+ * none), the gradients `frozen` leaves (frozen: only dparams and the table's) into g. 0, or the
+ * call's code.
+ */
+static int rbatch_backward(const struct rbatch *b, ape_device *dev, const test_tensor *dout,
+			   const float *dlse, bool frozen, struct rgrads *g, ape_stats *st)
+{
+	const size_t tn = b->table ? (size_t)(b->desc.bias_table_heads * b->desc.bias_table_len) : 0;
+	ape_attn_desc desc = b->desc;
+	ape_varlen vl;
+
+	memset(g, 0, sizeof(*g));
+	if (test_tensor_empty(&g->dq, APE_F32, 1, b->tq, b->H, b->D) ||
+	    test_tensor_empty(&g->dk, APE_F32, 1, b->tk, b->Hkv, b->D) ||
+	    test_tensor_empty(&g->dv, APE_F32, 1, b->tk, b->Hkv, b->D) ||
+	    !(g->db = calloc(tn + 1, sizeof(float))))
+		return APE_ENOMEM;
+	ape_tensor_init_packed(&g->dq.t, g->dq.alloc, APE_F32, b->tq, b->H, b->D);
+	ape_tensor_init_packed(&g->dk.t, g->dk.alloc, APE_F32, b->tk, b->Hkv, b->D);
+	ape_tensor_init_packed(&g->dv.t, g->dv.alloc, APE_F32, b->tk, b->Hkv, b->D);
+	memset(g->dq.alloc, 0, g->dq.alloc_bytes);
+	memset(g->dk.alloc, 0, g->dk.alloc_bytes);
+	memset(g->dv.alloc, 0, g->dv.alloc_bytes);
+	desc.dbias_table = b->table ? g->db : NULL;
+	ape_varlen_init(&vl);
+	vl.num_seqs = b->S;
+	vl.cu_seqlens_q = b->cuq;
+	vl.cu_seqlens_k = b->cuk;
+	ape_stats_init(st);
+	return ape_attention_backward_varlen(&dev, 1, NULL, &desc, &vl, &b->q.t, &b->k.t, &b->v.t,
+					     &b->o.t, b->lse, &dout->t, dlse,
+					     frozen ? NULL : &g->dq.t, frozen ? NULL : &g->dk.t,
+					     frozen ? NULL : &g->dv.t, g->dp, st);
+}
+
+/* What the CUDA backend declares (attention_backward_scratch) for a ragged call's launch of b's
+ * rows and keys, of at most S segments (f.segs NULL, f.nseg S), its outputs wanted. */
+static uint64_t declared_scratch(ape_device *dev, const struct rbatch *b, bool frozen)
+{
+	struct ape_be_bwd_launch l;
+
+	memset(&l, 0, sizeof(l));
+	l.f.B = 1;
+	l.f.H = b->H;
+	l.f.Hkv = b->Hkv;
+	l.f.Lq = b->tq;
+	l.f.Lk = b->tk;
+	l.f.D = b->D;
+	l.f.in_dtype = l.dout_dtype = b->dt;
+	l.f.out_dtype = b->odt;
+	l.f.causal = b->desc.causal;
+	l.f.nseg = b->S;
+	if (b->table) {
+		l.f.bias_table = b->table;
+		l.f.bias_len = b->desc.bias_table_len;
+		l.f.bias_hstride = b->desc.bias_table_heads > 1 ? b->desc.bias_table_len : 0;
+	}
+	return dev->be->ops->attention_backward_scratch(
+		dev, &l,
+		APE_BE_BWD_DPARAMS | APE_BE_BWD_DLSE |
+			(frozen ? 0u : APE_BE_BWD_DQ | APE_BE_BWD_DK | APE_BE_BWD_DV) |
+			(b->table ? APE_BE_BWD_DBIAS : 0u));
+}
+
+static void rgrads_free(struct rgrads *g)
+{
+	test_tensor_free(&g->dq);
+	test_tensor_free(&g->dk);
+	test_tensor_free(&g->dv);
+	free(g->db);
+}
+
+/*
+ * The backward of b on both devices: the CUDA device in ONE launch (where some row sees a key;
+ * none where none does), its gradients within grads_tol() of the reference's, the same visible
+ * pairs, the scratch its launch allocated (ape__cu_bwd_scratch_high) within what the backend
+ * declares for a ragged call's launch of those rows and keys (declared_scratch()). dLSE given with `with_dlse`; `frozen`:
+ * only dparams (and the table's gradient) wanted. 0, or -1 with the reason logged.
+ */
+static int rbatch_bwd_check(struct __test_metadata *_metadata, const struct pair_of_devices *d,
+			    struct rbatch *b, ape_rng *r, bool with_dlse, bool frozen)
+{
+	const double tol = grads_tol(b->dt);
+	const size_t tn = b->table ? (size_t)(b->desc.bias_table_heads * b->desc.bias_table_len) : 0;
+	float *dlse = malloc(sizeof(float) * (size_t)(b->tq * b->H + 1));
+	double *o = NULL;
+	float *lse = NULL;
+	test_tensor dout;
+	struct rgrads gc, gr;
+	ape_stats sc, sr;
+	char what[300];
+	int ret = 0, rc;
+
+	describe(b, what, sizeof(what));
+	snprintf(what + strlen(what), sizeof(what) - strlen(what), ", %s%s%s",
+		 with_dlse ? "dlse" : "no dlse", frozen ? ", frozen inputs" : "",
+		 b->table ? ", table" : "");
+	if (!dlse || rbatch_run(b, d->ref, &o, &lse, &sr) ||
+	    test_tensor_random(&dout, r, b->dt, 1, b->tq, b->H, b->D, 1.0)) {
+		TH_LOG("%s: setup: %s", what, ape_last_error());
+		free(dlse);
+		free(o);
+		free(lse);
+		return -1;
+	}
+	ape_tensor_init_packed(&dout.t, dout.alloc, b->dt, b->tq, b->H, b->D);
+	for (int64_t i = 0; i < b->tq * b->H; i++)
+		dlse[i] = (float)ape_rng_normal(r) * 0.25f;
+	atomic_store(&ape__cu_bwd_scratch_high, 0);
+	rc = rbatch_backward(b, d->cuda, &dout, with_dlse ? dlse : NULL, frozen, &gc, &sc);
+	if (rc) {
+		TH_LOG("%s: cuda: %s", what, ape_last_error());
+		ret = -1;
+	} else if (rbatch_backward(b, d->ref, &dout, with_dlse ? dlse : NULL, frozen, &gr, &sr)) {
+		TH_LOG("%s: ref: %s", what, ape_last_error());
+		ret = -1;
+	}
+	if (!ret) {
+		const double e[5] = {
+			frozen ? 0 : grads_rel_err(&gc.dq.t, &gr.dq.t),
+			frozen ? 0 : grads_rel_err(&gc.dk.t, &gr.dk.t),
+			frozen ? 0 : grads_rel_err(&gc.dv.t, &gr.dv.t),
+			grads_rel_err_params(gc.dp, gr.dp, b->H),
+			tn ? rel_err_f(gc.db, gr.db, tn) : 0,
+		};
+
+		TH_LOG("%s: %llu launch(es), %llu pairs, scratch %llu of %llu declared; errors dq "
+		       "%.2g dk %.2g dv %.2g dparams %.2g dbias %.2g (tolerance %.2g)",
+		       what, (unsigned long long)sc.chunks, (unsigned long long)sc.pairs_visible,
+		       (unsigned long long)atomic_load(&ape__cu_bwd_scratch_high),
+		       (unsigned long long)declared_scratch(d->cuda, b, frozen), e[0], e[1], e[2],
+		       e[3], e[4], tol);
+		for (int t = 0; t < 5; t++)
+			if (!(e[t] <= tol)) {
+				TH_LOG("%s: gradient %d (dq, dk, dv, dparams, dbias): error %.3g, "
+				       "tolerance %.3g",
+				       what, t, e[t], tol);
+				ret = -1;
+			}
+		if (sc.pairs_visible && strcmp(sc.backend, "cuda")) {
+			TH_LOG("%s: ran on \"%s\"", what, sc.backend);
+			ret = -1;
+		}
+		if (sc.chunks != (sc.pairs_visible ? 1u : 0u)) {
+			TH_LOG("%s: %llu launches for %llu visible pairs", what,
+			       (unsigned long long)sc.chunks, (unsigned long long)sc.pairs_visible);
+			ret = -1;
+		}
+		if (sc.pairs_visible != sr.pairs_visible) {
+			TH_LOG("%s: pairs visible %llu (ref %llu)", what,
+			       (unsigned long long)sc.pairs_visible,
+			       (unsigned long long)sr.pairs_visible);
+			ret = -1;
+		}
+		/* (one launch: its rows and keys are the batch's) */
+		if (atomic_load(&ape__cu_bwd_scratch_high) > declared_scratch(d->cuda, b, frozen)) {
+			TH_LOG("%s: the launch allocated %llu bytes of scratch, over the %llu "
+			       "declared for a ragged call",
+			       what, (unsigned long long)atomic_load(&ape__cu_bwd_scratch_high),
+			       (unsigned long long)declared_scratch(d->cuda, b, frozen));
+			ret = -1;
+		}
+	}
+	if (!rc)
+		rgrads_free(&gr);
+	rgrads_free(&gc);
+	test_tensor_free(&dout);
+	free(dlse);
+	free(o);
+	free(lse);
+	return ret;
+}
+
+/*
+ * Ragged backward batches, each ONE launch on the CUDA device against the reference's backward
+ * of the same batch: the awkward lengths (1, 5, 17, 33), sequences without keys or without
+ * queries, Lq < Lk and Lq > Lk, GQA, the storage types, both layouts, causal or not, dLSE,
+ * D = 64, 40 (generic) and 130 (g256); frozen inputs (only dparams); distance-bias tables per
+ * head and shared, with their gradient; skipping within its bound; more key tiles than splits
+ * (a split's tiles in several segments, and several of one segment: its slices fresh at the
+ * first, added to at the next).
+ */
+static int bwd_case(struct rbatch *b, ape_rng *r, int c)
+{
+	static const int64_t lq[] = { 1, 5, 17, 0, 33, 3, 2 };
+	static const int64_t lk[] = { 4, 0, 17, 6, 40, 1, 9 };
+	static const int64_t dims[] = { 64, 40, 64, 130, 64, 64 };
+	int ret;
+
+	if (c >= 12) { /* more key tiles than splits (the emulated device's 4 multiprocessors
+			* give 16 splits at most): a split meets several segments, and (case 13)
+			* several tiles of one segment, 300 keys in tiles of 16 at D = 130 */
+		int64_t rq[24], rk[24];
+		const int64_t S = c == 12 ? 24 : 3;
+
+		for (int64_t s = 0; s < S; s++) {
+			rq[s] = c == 13 ? (s == 1 ? 300 : 1 + 4 * s) : ape_rng_range(r, 1, 40);
+			rk[s] = c == 13 ? (s == 1 ? 300 : 3 + 14 * s) : ape_rng_range(r, 0, 40);
+		}
+		ret = rbatch_make(b, r, S, rq, rk, 2, 1, 130, all_types[c % 3]);
+		for (int h = 0; c == 13 && h < 2; h++) /* a weak decay: far keys weigh */
+			for (int p = 0; p < 3; p++)
+				b->prm[p][h] *= 0.01f;
+	} else if (c % 2) { /* random lengths */
+		int64_t rq[12], rk[12];
+		const int64_t S = ape_rng_range(r, 2, 12);
+
+		for (int64_t s = 0; s < S; s++) {
+			rq[s] = ape_rng_range(r, 0, 6) ? ape_rng_range(r, 1, 36) : 0;
+			rk[s] = ape_rng_range(r, 0, 6) ? ape_rng_range(r, 1, 40) : 0;
+		}
+		ret = rbatch_make(b, r, S, rq, rk, 2, c % 4 == 1 ? 1 : 2, dims[c % 6],
+				  all_types[c % 3]);
+	} else {
+		ret = rbatch_make(b, r, 7, lq, lk, 2, c % 4 == 0 ? 1 : 2, dims[c % 6],
+				  all_types[c % 3]);
+	}
+	b->desc.causal = (c / 2) % 2 == 0;
+	b->desc.layout = (c / 3) % 2 ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+	if (!ret && (c % 3 == 2 || c == 13))
+		ret = rbatch_table(b, r, c % 2 ? 7 : 300, c % 4 == 2, 0);
+	if (c % 5 == 4)
+		b->desc.skip_tol = 1e-3;
+	return ret;
+}
+
+TEST(ragged_backward_in_one_launch)
+{
+	struct pair_of_devices d;
+	int fails = 0;
+	ape_rng rng;
+
+	open_devices(_metadata, &d);
+	ape_rng_init(&rng, "cuda_emu_varlen_bwd");
+	for (int c = 0; c < 14; c++) {
+		struct rbatch b;
+
+		ASSERT_EQ(0, bwd_case(&b, &rng, c));
+		fails += rbatch_bwd_check(_metadata, &d, &b, &rng, c % 3 != 1, c == 5) != 0;
 		rbatch_free(&b);
 	}
 	EXPECT_EQ(0, fails);

@@ -143,13 +143,63 @@ APE_DEV const float *bwd_head(const ape_cu_bwd_args &a, int64_t h)
 	return a.hparams ? reinterpret_cast<const float *>(a.hparams) + 4 * h : a.hp + 4 * h;
 }
 
-/* The first query row the fused sweep visits with key tile kt (causal: the first that sees its
- * first key, j0 <= rel + i; Lq or more: none). Every row visited with a later tile of a split
- * is visited with its first, so split s has written row i of its slices iff s < nkt and
- * i >= tile_row0(a, s): the sweep writes there and adds after, ape_bwd_reduce reads there. */
-APE_DEV int64_t tile_row0(const ape_cu_bwd_args &a, int64_t kt)
+/* One segment of a launch (bwd_args.h, APE_BW_SEGW): a dense launch is its one segment */
+struct BwSeg {
+	int64_t q0, lq, k0, lk, rel, kt0, db0;
+};
+
+APE_DEV BwSeg bw_seg(const ape_cu_bwd_args &a, int64_t e)
 {
-	return (a.flags & APE_CU_F_CAUSAL) ? imax(0, ape_sat_sub(kt * a.kblk, a.rel)) : 0;
+	if (!a.segt)
+		return BwSeg{ 0, a.Lq, 0, a.Lk, a.rel, 0, 0 };
+
+	const int64_t *t = reinterpret_cast<const int64_t *>(a.segt) + e * APE_BW_SEGW;
+
+	return BwSeg{ t[APE_BW_SEG_Q0], t[APE_BW_SEG_LQ],  t[APE_BW_SEG_K0], t[APE_BW_SEG_LK],
+		      t[APE_BW_SEG_REL], t[APE_BW_SEG_KT0], t[APE_BW_SEG_DB0] };
+}
+
+/* The last segment whose field f (APE_BW_SEG_Q0 or APE_BW_SEG_KT0, nondecreasing) is at most x:
+ * the segment of query row x, or of key tile x (segments without keys have no tile: the last of
+ * those sharing a kt0 is the one with tiles) */
+APE_DEV BwSeg bw_seg_of(const ape_cu_bwd_args &a, int f, int64_t x)
+{
+	const int64_t *t = reinterpret_cast<const int64_t *>(a.segt);
+	int64_t lo = 0, hi = a.nseg - 1;
+
+	if (!a.segt)
+		return bw_seg(a, 0);
+	while (lo < hi) {
+		const int64_t mid = lo + (hi - lo + 1) / 2;
+
+		if (t[mid * APE_BW_SEGW + f] <= x)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return bw_seg(a, lo);
+}
+
+/* The first query row of segment g (counted from its q0) the fused sweep visits with its key
+ * tile lt (counted from its kt0; causal: the first that sees the tile's first key, lt * kblk <=
+ * rel + i; lq or more: none). Every row visited with a later tile of the segment is visited
+ * with an earlier one, so split s has written row i of g to its slices iff it has a tile of g
+ * and i >= tile_row0() of its first (split_wrote()): the sweep writes there and adds after,
+ * ape_bwd_reduce reads there. */
+APE_DEV int64_t tile_row0(const ape_cu_bwd_args &a, const BwSeg &g, int64_t lt)
+{
+	return (a.flags & APE_CU_F_CAUSAL) ? imax(0, ape_sat_sub(lt * a.kblk, g.rel)) : 0;
+}
+
+/* Has split s written row i (counted from g's q0) of segment g to its slices: its first tile of
+ * g, g.kt0 + ((s - g.kt0) mod nsplit), is one of g's and visits row i. Dense: s < nkt and
+ * i >= tile_row0() of tile s. */
+APE_DEV bool split_wrote(const ape_cu_bwd_args &a, const BwSeg &g, int64_t s, int64_t i)
+{
+	const int64_t nt = (g.lk + a.kblk - 1) / a.kblk;
+	const int64_t lt = ((s - g.kt0) % a.nsplit + a.nsplit) % a.nsplit;
+
+	return lt < nt && i >= tile_row0(a, g, lt);
 }
 
 template <int DMAX, bool EXACT> struct Bwd {
@@ -247,14 +297,15 @@ template <int DMAX, bool EXACT> struct Bwd {
 	 * written to split s's slices at the split's first tile (fresh), added after.
 	 */
 	static APE_DEV void row_pass(const ape_cu_bwd_args &a, const unsigned char *sm, int64_t s,
-				     int64_t bh, int64_t i0, int nr, int64_t j0, int nk, bool fresh)
+				     const BwSeg &g, int64_t bh, int64_t i0, int nr, int64_t j0,
+				     int nk, bool fresh)
 	{
 		const int tid = threadIdx.x, r = tid / TPR2, c = tid % TPR2;
 		const int D = EXACT ? DMAX : a.D, P = D / 2;
 		const bool causal = a.flags & APE_CU_F_CAUSAL;
 		const bool want_dp = a.flags & APE_BW_F_DP;
 		const bool row_ok = r < nr;
-		const int64_t i = i0 + r, n0 = ape_sat_sub(ape_sat_add(a.rel, i), j0);
+		const int64_t i = i0 + r, n0 = ape_sat_sub(ape_sat_add(g.rel, i), j0);
 		/* keys of the tile the row sees: causal, j <= rel + i */
 		const int kend = !row_ok ? 0 : (int)ape_visible_keys(n0, nk, causal);
 		const float *Kt = reinterpret_cast<const float *>(sm + S::OFF_K) + c * PT2;
@@ -265,7 +316,7 @@ template <int DMAX, bool EXACT> struct Bwd {
 		const double *td = reinterpret_cast<const double *>(sm + S::OFF_TD);
 		const double *om = reinterpret_cast<const double *>(sm + S::OFF_OM) + c * PT2;
 		const double ia = row_ok ? reinterpret_cast<const double *>(sm + S::OFF_RIA)[r] : 1.0;
-		const int64_t row = bh * a.Lq + i;
+		const int64_t row = bh * a.Lq + g.q0 + i;
 		double rs[APE_BW_RP_N] = { 0.0, 0.0, 0.0, 0.0, 0.0 };
 
 		if (a.flags & APE_BW_F_DQ) {
@@ -349,7 +400,8 @@ template <int DMAX, bool EXACT> struct Bwd {
 	 * order, no atomics.
 	 */
 	static APE_DEV void dbias_pass(const ape_cu_bwd_args &a, const unsigned char *sm, int64_t s,
-				       int64_t bh, int64_t i0, int nr, int64_t j0, int nk)
+				       const BwSeg &g, int64_t bh, int64_t i0, int nr, int64_t j0,
+				       int nk)
 	{
 		const int e = threadIdx.x, d = e - (ROWS - 1); /* r - kk on the diagonal */
 		const int rlo = d > 0 ? d : 0, rhi = nr < nk + d ? nr : nk + d;
@@ -357,15 +409,15 @@ template <int DMAX, bool EXACT> struct Bwd {
 		if (e >= ROWS + STAGE - 1 || rlo >= rhi)
 			return;
 		/* causal: the diagonal's pairs (one distance) are all visible or none */
-		if ((a.flags & APE_CU_F_CAUSAL) && ape_sat_add(a.rel, i0 - j0 + d) < 0)
+		if ((a.flags & APE_CU_F_CAUSAL) && ape_sat_add(g.rel, i0 - j0 + d) < 0)
 			return;
 		const float *sds = reinterpret_cast<const float *>(sm + S::OFF_DS);
 		double sum = 0.0;
 
 		for (int r = rlo; r < rhi; r++)
 			sum += (double)sds[r * ROWS + r - d];
-		reinterpret_cast<double *>(a.dbp)[(s * a.B * a.H + bh) * (a.Lq + a.Lk - 1) + i0 - j0 +
-						   d + a.Lk - 1] += sum;
+		reinterpret_cast<double *>(a.dbp)[(s * a.B * a.H + bh) * a.nd + g.db0 + i0 - j0 + d +
+						   g.lk - 1] += sum;
 	}
 
 	/* ---------------------------------------------------------------- the fused sweep */
@@ -379,7 +431,6 @@ template <int DMAX, bool EXACT> struct Bwd {
 		unsigned char *sm = smem_base();
 		const int tid = threadIdx.x, kk = tid / TPR, c = tid % TPR;
 		const int64_t b = bkv / a.Hkv, kh = bkv % a.Hkv, group = a.H / a.Hkv;
-		const int64_t Lq = a.Lq, Lk = a.Lk, rel = a.rel;
 		const int D = EXACT ? DMAX : a.D;
 		const bool causal = a.flags & APE_CU_F_CAUSAL;
 		const bool inter = a.flags & APE_CU_F_INTERLEAVED;
@@ -404,22 +455,26 @@ template <int DMAX, bool EXACT> struct Bwd {
 
 		omegas(a, sm, D / 2);
 		if (want_db) { /* this split's per-distance sums of the kv head's query heads */
-			const int64_t nd = Lq + Lk - 1;
 			double *z = reinterpret_cast<double *>(a.dbp) +
-				    (s * a.B * a.H + b * a.H + kh * group) * nd;
+				    (s * a.B * a.H + b * a.H + kh * group) * a.nd;
 
-			for (int64_t x = tid; x < group * nd; x += S::NTH)
+			for (int64_t x = tid; x < group * a.nd; x += S::NTH)
 				z[x] = 0.0;
 		}
 		for (int64_t kt = s; kt < a.nkt; kt += a.nsplit) {
-			const int64_t j0 = kt * ROWS, j = j0 + kk;
+			/* the tile's segment (dense: the launch); rows and keys from its q0 and k0 */
+			const BwSeg g = bw_seg_of(a, APE_BW_SEG_KT0, kt);
+			const int64_t Lq = g.lq, Lk = g.lk, rel = g.rel, lt = kt - g.kt0;
+			const int64_t j0 = lt * ROWS, j = j0 + kk, kbase = bkv * a.Lk + g.k0;
 			const int nk = (int)imin(ROWS, Lk - j0);
 			const bool key_ok = j < Lk;
+			/* the split's first tile of the segment: its slices' rows are fresh */
+			const bool fresh = lt < a.nsplit;
 			float u[PT], w[PT], vx[PT], vy[PT], dku[PT], dkw[PT], dvx[PT], dvy[PT];
 
-			pairs(reinterpret_cast<const void *>(a.k), a.dt_in, bkv * Lk + j, key_ok, c, D,
+			pairs(reinterpret_cast<const void *>(a.k), a.dt_in, kbase + j, key_ok, c, D,
 			      inter, u, w);
-			pairs(reinterpret_cast<const void *>(a.v), a.dt_in, bkv * Lk + j, key_ok, c, D,
+			pairs(reinterpret_cast<const void *>(a.v), a.dt_in, kbase + j, key_ok, c, D,
 			      inter, vx, vy);
 			bar(); /* the previous tile's key tile is no longer read */
 #pragma unroll
@@ -435,18 +490,18 @@ template <int DMAX, bool EXACT> struct Bwd {
 				const int64_t bh = b * a.H + h;
 				const float *hp = bwd_head(a, h);
 
-				for (int64_t i0 = tile_row0(a, kt); i0 < Lq; i0 += STAGE) {
+				for (int64_t i0 = tile_row0(a, g, lt); i0 < Lq; i0 += STAGE) {
 					const int nr = (int)imin(STAGE, Lq - i0);
 
 					bar(); /* the previous stage is no longer read */
 					stage(sm, reinterpret_cast<const void *>(a.q), a.dt_in,
 					      reinterpret_cast<const void *>(a.dout), a.dt_do,
-					      bh * Lq + i0, nr, D, inter);
+					      bh * a.Lq + g.q0 + i0, nr, D, inter);
 					/* entry e = r - kk + ROWS - 1: n = rel + (i0 + r) - (j0 + kk) */
 					table(a, sm, ape_sat_sub(rel + i0 - j0, ROWS - 1), hp, h,
 					      a.flags & APE_BW_F_DP);
 					if (tid < nr) {
-						const int64_t row = bh * Lq + i0 + tid;
+						const int64_t row = bh * a.Lq + g.q0 + i0 + tid;
 						const double *ri = reinterpret_cast<const double *>(
 									   a.rinfo) +
 								   row * APE_BW_RI_N;
@@ -516,16 +571,16 @@ template <int DMAX, bool EXACT> struct Bwd {
 					if (wds)
 						bar(); /* the stage's dS, dot and alpha sums are in */
 					if (wrow)
-						row_pass(a, sm, s, bh, i0, nr, j0, nk, kt == s);
+						row_pass(a, sm, s, g, bh, i0, nr, j0, nk, fresh);
 					if (want_db)
-						dbias_pass(a, sm, s, bh, i0, nr, j0, nk);
+						dbias_pass(a, sm, s, g, bh, i0, nr, j0, nk);
 				}
 			}
 			if (!key_ok)
 				continue;
 
 			const int P = D / 2;
-			const int64_t kbase = (bkv * Lk + j) * D;
+			const int64_t kel = (kbase + j) * D;
 
 #pragma unroll
 			for (int p = 0; p < PT; p++) {
@@ -534,13 +589,13 @@ template <int DMAX, bool EXACT> struct Bwd {
 				if (!EXACT && pg >= P)
 					break;
 				if (a.dk) {
-					float *dk = reinterpret_cast<float *>(a.dk) + kbase;
+					float *dk = reinterpret_cast<float *>(a.dk) + kel;
 
 					dk[comp_x(pg, inter)] += dku[p];
 					dk[comp_y(pg, P, inter)] += dkw[p];
 				}
 				if (a.dv) {
-					float *dv = reinterpret_cast<float *>(a.dv) + kbase;
+					float *dv = reinterpret_cast<float *>(a.dv) + kel;
 
 					dv[comp_x(pg, inter)] += dvx[p];
 					dv[comp_y(pg, P, inter)] += dvy[p];
@@ -612,12 +667,15 @@ APE_DEV void bwd_reduce(const ape_cu_bwd_args &a)
 	const bool causal = a.flags & APE_CU_F_CAUSAL;
 	const bool inter = a.flags & APE_CU_F_INTERLEAVED;
 	const float *hp = bwd_head(a, bh % a.H);
-	const int64_t nrows = (int64_t)a.B * a.H * a.Lq, ns = imin(a.nsplit, a.nkt);
+	const int64_t nrows = (int64_t)a.B * a.H * a.Lq;
 	double *dps = reinterpret_cast<double *>(smem_base());
 
 	for (int rr = warp; rr < APE_BW_RED_ROWS; rr += APE_CU_THREADS / 32) {
 		const int64_t i = qt * APE_BW_RED_ROWS + rr, row = bh * a.Lq + i;
-		const bool any = i < a.Lq && ape_visible_keys(a.rel + i, a.Lk, causal) > 0;
+		/* the row's segment (dense: the launch), and the row counted from its q0 */
+		const BwSeg g = bw_seg_of(a, APE_BW_SEG_Q0, i < a.Lq ? i : 0);
+		const int64_t il = i - g.q0;
+		const bool any = i < a.Lq && ape_visible_keys(ape_sat_add(g.rel, il), g.lk, causal) > 0;
 		double su[APE_BW_RP_N] = { 0.0, 0.0, 0.0, 0.0, 0.0 };
 
 		if (!any) { /* no visible key here: the row adds nothing */
@@ -629,11 +687,14 @@ APE_DEV void bwd_reduce(const ape_cu_bwd_args &a)
 		const double sigma = ri[APE_BW_RI_SIGMA], mean = ri[APE_BW_RI_MEAN];
 		const double alpha = ape_alpha(hp[3], sigma);
 
-		for (int64_t s = 0; s < ns && i >= tile_row0(a, s); s++)
+		for (int64_t s = 0; s < a.nsplit; s++) {
+			if (!split_wrote(a, g, s, il))
+				continue;
 #pragma unroll
 			for (int k = 0; k < APE_BW_RP_N; k++)
 				su[k] += reinterpret_cast<const double *>(
 					a.rp)[(s * nrows + row) * APE_BW_RP_N + k];
+		}
 
 		const double A = su[0] / alpha;
 
@@ -654,7 +715,9 @@ APE_DEV void bwd_reduce(const ape_cu_bwd_args &a)
 			const int64_t ix = comp_x(p, inter), iy = comp_y(p, P, inter);
 			double sx = 0.0, sy = 0.0;
 
-			for (int64_t s = 0; s < ns && i >= tile_row0(a, s); s++) {
+			for (int64_t s = 0; s < a.nsplit; s++) {
+				if (!split_wrote(a, g, s, il))
+					continue;
 				const float *dqp = reinterpret_cast<const float *>(a.dqp) +
 						   (s * nrows + row) * D;
 
@@ -715,29 +778,38 @@ APE_DEV void bwd_dbias(const ape_cu_bwd_args &a)
 
 	const int tid = threadIdx.x;
 	const int64_t ht = blk / a.db_nm, m = a.db_m0 + blk % a.db_nm, M = a.db_len;
-	const int64_t nd = a.Lq + a.Lk - 1, BH = (int64_t)a.B * a.H;
-	/* the launch's distances: nmin (row 0, key Lk - 1) .. nmax (row Lq - 1, key 0), entry
-	 * n - nmin of a split's sums; both real pairs' distances, so they fit */
-	const int64_t nmin = a.rel - (a.Lk - 1), nmax = a.rel + (a.Lq - 1);
+	const int64_t BH = (int64_t)a.B * a.H;
 	const bool last = m == M - 1;
-	/* the distances of entry m: [a0, a1] (n >= 0) and [b0, b1] (n < 0), within the launch's */
-	const int64_t a0 = imax(nmin, m), a1 = imin(nmax, last ? nmax : m);
-	const int64_t b0 = imax(nmin, last ? nmin : -m), b1 = imin(nmax, -imax(m, 1));
-	const int64_t la = imax(0, a1 - a0 + 1), len = la + imax(0, b1 - b0 + 1);
 	/* the row's heads: its own, or every head for a shared table */
 	const int64_t nh = a.bias.hstride ? 1 : a.H, h0 = a.bias.hstride ? ht : 0;
-	const int64_t total = (int64_t)a.B * nh * a.nsplit * len;
 	const double *dbp = reinterpret_cast<const double *>(a.dbp);
 	double *red = reinterpret_cast<double *>(smem_base());
 	double sum = 0.0;
 
-	for (int64_t x = tid; x < total; x += APE_CU_THREADS) {
-		const int64_t k = x % len, cmb = x / len; /* (batch, head, split), split fastest */
-		const int64_t sp = cmb % a.nsplit, bhh = cmb / a.nsplit;
-		const int64_t bh = bhh / nh * a.H + h0 + bhh % nh;
-		const int64_t n = k < la ? a0 + k : b0 + (k - la);
+	/* segment by segment (dense: the launch), those with keys */
+	for (int64_t e = 0; e < (a.segt ? a.nseg : 1); e++) {
+		const BwSeg g = bw_seg(a, e);
 
-		sum += dbp[(sp * BH + bh) * nd + (n - nmin)];
+		if (g.lk < 1)
+			continue;
+		/* the segment's distances: nmin (row 0, key lk - 1) .. nmax (row lq - 1, key 0),
+		 * entry db0 + n - nmin of a split's sums; both real pairs' distances: they fit */
+		const int64_t nmin = g.rel - (g.lk - 1), nmax = g.rel + (g.lq - 1);
+		/* the distances of entry m: [a0, a1] (n >= 0) and [b0, b1] (n < 0), within those */
+		const int64_t a0 = imax(nmin, m), a1 = imin(nmax, last ? nmax : m);
+		const int64_t b0 = imax(nmin, last ? nmin : -m), b1 = imin(nmax, -imax(m, 1));
+		const int64_t la = imax(0, a1 - a0 + 1), len = la + imax(0, b1 - b0 + 1);
+		const int64_t total = (int64_t)a.B * nh * a.nsplit * len;
+
+		for (int64_t x = tid; x < total; x += APE_CU_THREADS) {
+			/* (batch, head, split), split fastest */
+			const int64_t k = x % len, cmb = x / len;
+			const int64_t sp = cmb % a.nsplit, bhh = cmb / a.nsplit;
+			const int64_t bh = bhh / nh * a.H + h0 + bhh % nh;
+			const int64_t n = k < la ? a0 + k : b0 + (k - la);
+
+			sum += dbp[(sp * BH + bh) * a.nd + g.db0 + (n - nmin)];
+		}
 	}
 	red[tid] = sum;
 	bar();

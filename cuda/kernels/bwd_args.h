@@ -69,6 +69,25 @@
 #define APE_BW_F_DP (1u << 12)
 #define APE_BW_F_DB (1u << 13) /* the distance-bias table's gradient */
 
+/*
+ * A ragged launch's segment table (struct ape_cu_bwd_args.segt): int64 [nseg][APE_BW_SEGW], per
+ * segment of the launch (core/backend.h, struct ape_be_seg), in the launch's order, its first
+ * query row q0 and rows lq, first key k0 and keys lk, rel = q_start - k_start (the distance of
+ * its row q0 and key k0; 0 without keys), its first key tile kt0 (the fused sweep's key tiles
+ * are each segment's ceil(lk / APE_BW_ROWS) tiles, segment after segment: no tile straddles two
+ * segments) and db0, where its per-distance dS sums start in a split's dbp slice (each segment
+ * with keys has lq + lk - 1 of them, segment after segment). A dense launch is the one segment
+ * {0, Lq, 0, Lk, q_start - k_start, 0, 0} and has no table.
+ */
+#define APE_BW_SEG_Q0 0
+#define APE_BW_SEG_LQ 1
+#define APE_BW_SEG_K0 2
+#define APE_BW_SEG_LK 3
+#define APE_BW_SEG_REL 4
+#define APE_BW_SEG_KT0 5
+#define APE_BW_SEG_DB0 6
+#define APE_BW_SEGW 7
+
 /* Threads of ape_bwd_dbias's blocks: its dynamic shared memory, their sums (float64) */
 #define APE_BW_DB_SMEM (APE_CU_THREADS * 8)
 
@@ -83,14 +102,19 @@ struct ape_cu_bwd_args {
 	uint64_t rp; /* scratch: double [nsplit][B*H*Lq][APE_BW_RP_N], the splits' row sums */
 	uint64_t hparams; /* H * 4 floats (delta, beta, gamma, lambda per head), or 0: inline */
 	uint64_t dbias; /* double [Ht][bias.len] accumulator (Ht: H, or 1 shared), 0: not wanted */
-	/* scratch (with dbias): double [nsplit][B*H][Lq + Lk - 1], each split's dS summed per
-	 * distance, entry i - j + Lk - 1 for the pairs of row i and key j */
+	/* scratch (with dbias): double [nsplit][B*H][nd], each split's dS summed per distance,
+	 * entry i - j + Lk - 1 for the pairs of row i and key j (ragged: db0 + i - j + lk - 1 of
+	 * the segment's, i and j counted from its q0 and k0) */
 	uint64_t dbp;
+	uint64_t segt; /* 0 (dense), or a ragged launch's segment table (APE_BW_SEGW above) */
 	struct ape_cu_bias bias; /* the distance-bias table (args.h; tab 0: none; smax unused) */
 	int64_t Lq, Lk;
 	int64_t rel; /* q_start - k_start */
 	int64_t nqt; /* blocks of APE_BW_RED_ROWS query rows per (batch, head) */
-	int64_t nkt; /* key tiles of the fused sweep per (batch, kv head) */
+	int64_t nkt; /* key tiles of the fused sweep per (batch, kv head) (ragged: all segments') */
+	int64_t nseg; /* segments of segt (0: dense) */
+	int64_t nd; /* per-distance sums of a (split, batch, head) in dbp: Lq + Lk - 1 (ragged: the
+		     * segments' lq + lk - 1, those with keys) */
 	/* ape_bwd_dbias: entries db_m0 .. db_m0 + db_nm - 1 of each row of db_len (the table's
 	 * M; bias.len counts the entries uploaded) */
 	int64_t db_m0, db_nm, db_len;

@@ -1099,7 +1099,8 @@ APE_API int ape_attention_forward_varlen_ex(ape_device *const *devs, int ndev,
  * Validated before any work like the forward (the batch, the tensors, the positions) and like
  * ape_attention_backward() (dout, dq shaped like q; dk, dv like k; each of q's storage type or
  * APE_F32; no output overlapping an input or another output). Where every device takes ragged
- * backward launches (ape_device_capabilities(): "bwd_segments"; the reference and OpenCL) and
+ * backward launches (ape_device_capabilities(): "bwd_segments"; the reference, OpenCL and
+ * CUDA) and
  * each run of consecutive query positions sees one run of keys of its own (default positions,
  * position_ids restarting per document), the batch is one run of the backward executor, each
  * launch serving every sequence of its rows (the statistics' chunks: one per query and key
