@@ -10,9 +10,11 @@
 
 /* The harness kills a test after TEST_TIMEOUT_DEFAULT seconds (30 upstream). Our tests scale
  * their sizes down under valgrind (see ape_test_slow()), but the reference backend is float64 and
- * unhurried: give every test a generous budget rather than flaky kills on a loaded machine. */
+ * unhurried, and a cold program cache has PoCL compile every kernel variant a test forces (the
+ * barrier shapes of test_opencl took over 600 s on a loaded 2-core machine): give every test a
+ * generous budget rather than flaky kills on a loaded machine. */
 #undef TEST_TIMEOUT_DEFAULT
-#define TEST_TIMEOUT_DEFAULT 600
+#define TEST_TIMEOUT_DEFAULT 1200
 
 #include "common/testutil.h"
 
