@@ -7,7 +7,8 @@
  * tolerance, since which device computes which chunk varies); 8 threads run backward calls on
  * one shared device at once, one-shot and streamed, each equal bit for bit to the serial run;
  * 8 threads run ragged batches (ape_attention_forward_varlen_ex()) on one shared device at
- * once, in one launch and in chunks, each equal bit for bit to the serial run; 8 threads each
+ * once, in one launch and in chunks, each equal bit for bit to the serial run, and so do 8
+ * threads of their backward (ape_attention_backward_varlen()); 8 threads each
  * drive a KV pool of their own on one shared device at once (tests/faults/kvpool_case.h:
  * create, appends, a fork, a batch append with a copy on write, a ragged attend, a decode, a
  * removal, destroy), each attend equal bit for bit to the thread's serial run; 8 threads each
@@ -226,6 +227,9 @@ struct vjob {
 	int64_t cu[9], tq;
 	float q[160 * 4 * 16], k[160 * 2 * 16], v[160 * 2 * 16], o[160 * 4 * 16], lse[160 * 4];
 	float so[160 * 4 * 16], slse[160 * 4];
+	/* the backward (vjob_backward()): dO, then dQ, dK, dV, dparams, and their serial run's */
+	float dout[160 * 4 * 16], g[160 * 4 * 16 + 2 * 160 * 2 * 16 + 16];
+	float sg[160 * 4 * 16 + 2 * 160 * 2 * 16 + 16];
 	ape_attn_desc desc;
 	ape_varlen vl;
 };
@@ -245,6 +249,25 @@ static int vjob_run(struct vjob *j)
 					       &o, j->lse, NULL);
 }
 
+/* The batch's gradients from its forward's o and lse (every gradient, into g; NaN first). */
+static int vjob_backward(struct vjob *j)
+{
+	float *dq = j->g, *dk = dq + 160 * 4 * 16, *dv = dk + 160 * 2 * 16, *dp = dv + 160 * 2 * 16;
+	ape_tensor q, k, v, o, dout, tq, tk, tv;
+
+	memset(j->g, 0xff, sizeof(j->g));
+	ape_tensor_init_packed(&q, j->q, APE_F32, j->tq, VH, VD);
+	ape_tensor_init_packed(&k, j->k, APE_F32, j->tq, VHKV, VD);
+	ape_tensor_init_packed(&v, j->v, APE_F32, j->tq, VHKV, VD);
+	ape_tensor_init_packed(&o, j->so, APE_F32, j->tq, VH, VD);
+	ape_tensor_init_packed(&dout, j->dout, APE_F32, j->tq, VH, VD);
+	ape_tensor_init_packed(&tq, dq, APE_F32, j->tq, VH, VD);
+	ape_tensor_init_packed(&tk, dk, APE_F32, j->tq, VHKV, VD);
+	ape_tensor_init_packed(&tv, dv, APE_F32, j->tq, VHKV, VD);
+	return ape_attention_backward_varlen(&j->dev, 1, &j->opts, &j->desc, &j->vl, &q, &k, &v,
+					     &o, j->slse, &dout, NULL, &tq, &tk, &tv, dp, NULL);
+}
+
 static void vjob_init(struct vjob *j, ape_device *dev, ape_rng *rng, int64_t chunk)
 {
 	memset(j, 0, sizeof(*j));
@@ -262,6 +285,8 @@ static void vjob_init(struct vjob *j, ape_device *dev, ape_rng *rng, int64_t chu
 		j->k[i] = (float)ape_rng_normal(rng);
 		j->v[i] = (float)ape_rng_normal(rng);
 	}
+	for (size_t i = 0; i < sizeof(j->dout) / sizeof(float); i++)
+		j->dout[i] = (float)ape_rng_normal(rng);
 	ape_attn_desc_init(&j->desc);
 	j->desc.delta.value = 0.2f;
 	j->desc.lambda.value = 0.1f;
@@ -305,6 +330,46 @@ TEST_F_TIMEOUT(th, shared_device_varlen, 300)
 		j[i] = (struct job){ .v = &v[i] };
 	}
 	run_threads(_metadata, j, NT, run_varlen_calls);
+}
+
+static void *run_varlen_backward(void *arg)
+{
+	struct job *j = arg;
+	struct vjob *v = j->v;
+
+	for (int r = 0; r < ROUNDS && !j->err[0]; r++) {
+		int ret = vjob_backward(v);
+
+		if (ret)
+			snprintf(j->err, sizeof(j->err), "round %d: %.400s", r, ape_last_error());
+		else if (memcmp(v->g, v->sg, sizeof(v->g)))
+			snprintf(j->err, sizeof(j->err), "round %d: not the serial gradients", r);
+	}
+	return NULL;
+}
+
+/* One context, one device, 8 threads of ragged batches' backward (one run of ragged backward
+ * launches where the device takes them); half in one launch, half in chunks of 7 x 11 rows,
+ * each equal bit for bit to its serial run. */
+TEST_F_TIMEOUT(th, shared_device_varlen_backward, 300)
+{
+	static struct vjob v[NT];
+	struct job j[NT];
+	ape_rng rng;
+
+	ape_rng_init(&rng, "shared_device_varlen_backward");
+	for (int i = 0; i < NT; i++) {
+		vjob_init(&v[i], self->dev[0], &rng, i % 2 ? 7 : 0);
+		if (i % 2)
+			v[i].opts.chunk_k = 11;
+		ASSERT_EQ(0, vjob_run(&v[i])) TH_LOG("%s", ape_last_error());
+		memcpy(v[i].so, v[i].o, sizeof(v[i].o));
+		memcpy(v[i].slse, v[i].lse, sizeof(v[i].lse));
+		ASSERT_EQ(0, vjob_backward(&v[i])) TH_LOG("%s", ape_last_error());
+		memcpy(v[i].sg, v[i].g, sizeof(v[i].g));
+		j[i] = (struct job){ .v = &v[i] };
+	}
+	run_threads(_metadata, j, NT, run_varlen_backward);
 }
 
 static void *run_pool_sessions(void *arg)
