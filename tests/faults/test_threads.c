@@ -311,27 +311,6 @@ static void *run_varlen_calls(void *arg)
 	return NULL;
 }
 
-/* One context, one device, 8 threads of ragged batches; half in one launch, half in chunks of
- * 7 x 11 rows (segments cut to every launch), each equal bit for bit to its serial run. */
-TEST_F_TIMEOUT(th, shared_device_varlen, 300)
-{
-	static struct vjob v[NT];
-	struct job j[NT];
-	ape_rng rng;
-
-	ape_rng_init(&rng, "shared_device_varlen");
-	for (int i = 0; i < NT; i++) {
-		vjob_init(&v[i], self->dev[0], &rng, i % 2 ? 7 : 0);
-		if (i % 2)
-			v[i].opts.chunk_k = 11;
-		ASSERT_EQ(0, vjob_run(&v[i])) TH_LOG("%s", ape_last_error());
-		memcpy(v[i].so, v[i].o, sizeof(v[i].o));
-		memcpy(v[i].slse, v[i].lse, sizeof(v[i].lse));
-		j[i] = (struct job){ .v = &v[i] };
-	}
-	run_threads(_metadata, j, NT, run_varlen_calls);
-}
-
 static void *run_varlen_backward(void *arg)
 {
 	struct job *j = arg;
@@ -348,28 +327,43 @@ static void *run_varlen_backward(void *arg)
 	return NULL;
 }
 
-/* One context, one device, 8 threads of ragged batches' backward (one run of ragged backward
- * launches where the device takes them); half in one launch, half in chunks of 7 x 11 rows,
- * each equal bit for bit to its serial run. */
-TEST_F_TIMEOUT(th, shared_device_varlen_backward, 300)
+/*
+ * One context, one device, 8 threads of ragged batches; half in one launch, half in chunks of
+ * 7 x 11 rows (segments cut to every launch), each equal bit for bit to its serial run: of the
+ * forward, or (bwd) of the backward (one run of ragged backward launches where the device takes
+ * them) from the serial forward's O and LSE.
+ */
+static void varlen_threads(struct __test_metadata *_metadata, ape_device *dev, bool bwd)
 {
 	static struct vjob v[NT];
 	struct job j[NT];
 	ape_rng rng;
 
-	ape_rng_init(&rng, "shared_device_varlen_backward");
+	ape_rng_init(&rng, bwd ? "shared_device_varlen_backward" : "shared_device_varlen");
 	for (int i = 0; i < NT; i++) {
-		vjob_init(&v[i], self->dev[0], &rng, i % 2 ? 7 : 0);
+		vjob_init(&v[i], dev, &rng, i % 2 ? 7 : 0);
 		if (i % 2)
 			v[i].opts.chunk_k = 11;
 		ASSERT_EQ(0, vjob_run(&v[i])) TH_LOG("%s", ape_last_error());
 		memcpy(v[i].so, v[i].o, sizeof(v[i].o));
 		memcpy(v[i].slse, v[i].lse, sizeof(v[i].lse));
-		ASSERT_EQ(0, vjob_backward(&v[i])) TH_LOG("%s", ape_last_error());
-		memcpy(v[i].sg, v[i].g, sizeof(v[i].g));
+		if (bwd) {
+			ASSERT_EQ(0, vjob_backward(&v[i])) TH_LOG("%s", ape_last_error());
+			memcpy(v[i].sg, v[i].g, sizeof(v[i].g));
+		}
 		j[i] = (struct job){ .v = &v[i] };
 	}
-	run_threads(_metadata, j, NT, run_varlen_backward);
+	run_threads(_metadata, j, NT, bwd ? run_varlen_backward : run_varlen_calls);
+}
+
+TEST_F_TIMEOUT(th, shared_device_varlen, 300)
+{
+	varlen_threads(_metadata, self->dev[0], false);
+}
+
+TEST_F_TIMEOUT(th, shared_device_varlen_backward, 300)
+{
+	varlen_threads(_metadata, self->dev[0], true);
 }
 
 static void *run_pool_sessions(void *arg)
