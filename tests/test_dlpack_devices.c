@@ -7,7 +7,7 @@
  * the tests for what runs where), and ape_attention_backward_dlpack() on them within the
  * spec's tolerance. The ragged forms on OpenCL: cl_mem tensors (packed, padded, QKV slices,
  * both queues) against the host ragged call within the tolerance, kDLCPU tensors bit for bit,
- * the device refusals (gapped keys, the backward). (kDLCPU tensors on the reference:
+ * the ragged backward on cl_mem tensors against the host call, its refusal of gapped keys. (kDLCPU tensors on the reference:
  * test_dlpack.c.)
  *
  * Fresh random inputs each run (APE_TEST_SEED replays one).
@@ -21,6 +21,7 @@
 
 #include "ape/ape_dlpack.h"
 #include "ape_test.h"
+#include "core/backend.h"
 #include "common/bwdcase.h"
 
 #ifdef APE_HAVE_OPENCL
@@ -350,42 +351,147 @@ TEST_F(ocl, varlen_cpu_tensors_on_opencl)
 	}
 }
 
-/* cl_mem tensors: the backward refused naming q->device (APE_ENOTSUP: no device-resident ragged
- * backward); nothing written. (Gapped key positions are computed on OpenCL, which reads explicit
- * positions: varlen_cl_mem_tensors.) */
-TEST_F(ocl, varlen_cl_mem_refusals)
+/*
+ * The ragged backward on cl_mem tensors (ape_attention_backward_varlen_dlpack() ->
+ * ape_attention_backward_enqueue_varlen()): q, k, v, o and lse as the forward's cl_mem tensors
+ * holding the host forward's O and LSE; dout (q's type), dlse, and float32 dq, dk, dv and
+ * dparams in one more cl_mem at their offsets; libape's queue and the caller's. Default and
+ * shifted positions: the host call ape_attention_backward_varlen() on the same device within
+ * the spec's tolerance. Gapped key positions: refused naming vl->pos_k (APE_ENOTSUP), nothing
+ * written.
+ */
+TEST_F(ocl, varlen_backward_cl_mem_tensors)
 {
 	cl_int err;
 	cl_command_queue cq;
-	struct rag x;
-	cl_mem m[3] = { NULL };
-	unsigned char *back;
 
 	if (!self->clctx)
 		SKIP(return, "no native cl_context: no cl_mem tensors");
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_RESIDENT_BACKWARD))
+		SKIP(return, "%s has no backward pass on device tensors (no float64)",
+		     self->dev->info.name);
 	cq = clCreateCommandQueue(self->clctx, self->cldev, 0, &err);
 	ASSERT_NE(NULL, cq);
-	do {
-		rag_make(&x, &self->rng, APE_F32, false, false, RAG_GAPS);
-		if (x.tk > 3 && x.tq > 0)
-			break;
+	for (int i = 0; i < 9; i++) {
+		const enum rag_pos pos = (enum rag_pos)(i % 3);
+		struct rag x;
+		cl_mem m[3] = { NULL }, gm;
+		int64_t H, G, D, tq, tk;
+		size_t nd, nq, nk, at[6], bytes;
+		unsigned char *g, *back;
+		float *ref;
+		DLTensor t[6]; /* dout, dlse, dq, dk, dv, dparams */
+		int64_t shp[6][3];
+		ape_tensor hq, hk, hv, hd, gq, gk, gv;
+		int ret;
+
+		do {
+			rag_make(&x, &self->rng, i % 4 == 3 ? APE_F16 : APE_F32, i % 3 == 1,
+				 i % 2 == 0, pos);
+			if (x.tq > 0 && x.tk > 0 && x.H <= 8)
+				break;
+			rag_free(&x);
+		} while (1);
+		H = x.H, G = x.G, D = x.D, tq = x.tq, tk = x.tk;
+		x.with_lse = true;
+		if (pos == RAG_GAPS)
+			x.desc.causal = false; /* every query sees its sequence's gapped keys */
+		ASSERT_EQ(0, rag_reference(self->dev, &x)) TH_LOG("%s", ape_last_error());
+		memcpy(x.out, x.out_ref, x.out_bytes); /* the forward's O and LSE, the inputs */
+		for (int64_t r = 0; r < tq; r++)
+			for (int64_t h = 0; h < H; h++)
+				*rag_lse_at(&x, r, h) = x.lse_ref[r * H + h];
+		/* one allocation: dout | dlse | dq | dk | dv | dparams, then the reference's */
+		nd = (size_t)(tq * H * D) * x.esz;
+		nq = (size_t)(tq * H * D) * 4;
+		nk = (size_t)(tk * G * D) * 4;
+		at[0] = 0;
+		at[1] = (nd + 15) & ~(size_t)15;
+		at[2] = at[1] + (size_t)(tq * H) * 4;
+		at[3] = at[2] + nq;
+		at[4] = at[3] + nk;
+		at[5] = at[4] + nk;
+		bytes = at[5] + (size_t)(4 * H) * 4;
+		g = malloc(bytes + 1);
+		back = malloc(bytes + 1);
+		ref = malloc(bytes + 1);
+		ASSERT_TRUE(g && back && ref);
+		memset(g, 0xff, bytes); /* NaN gradients until written */
+		fill(&self->rng, g, x.dt, (size_t)(tq * H * D));
+		fill(&self->rng, g + at[1], APE_F32, (size_t)(tq * H));
+		{
+			const int64_t d3[6][3] = { { tq, H, D }, { tq, H, -1 }, { tq, H, D },
+						   { tk, G, D }, { tk, G, D }, { H, 4, -1 } };
+
+			for (int k = 0; k < 6; k++) {
+				memcpy(shp[k], d3[k], sizeof(shp[k]));
+				t[k] = (DLTensor){ .device = { kDLCPU, 0 },
+						   .ndim = d3[k][2] < 0 ? 2 : 3,
+						   .dtype = test_dl_dtype(k == 0 ? x.dt : APE_F32),
+						   .shape = shp[k], .byte_offset = at[k] };
+			}
+		}
+		/* the host call on the same device, into ref's dq, dk, dv, dparams */
+		memcpy(ref, g, bytes);
+		ape_tensor_init_packed(&hd, g, x.dt, tq, H, D);
+		ape_tensor_init_packed(&hq, (unsigned char *)ref + at[2], APE_F32, tq, H, D);
+		ape_tensor_init_packed(&hk, (unsigned char *)ref + at[3], APE_F32, tk, G, D);
+		ape_tensor_init_packed(&hv, (unsigned char *)ref + at[4], APE_F32, tk, G, D);
+		if (pos != RAG_GAPS)
+			ASSERT_EQ(0, ape_attention_backward_varlen(
+					     &self->dev, 1, NULL, &x.desc, &x.vl, &x.h[0], &x.h[1],
+					     &x.h[2], &x.h[3], x.lse_ref, &hd,
+					     (float *)(g + at[1]), &hq, &hk, &hv,
+					     (float *)((unsigned char *)ref + at[5]), NULL))
+			TH_LOG("the host call: %s", ape_last_error());
+		ASSERT_EQ(0, rag_to_cl(self, &x, cq, m));
+		gm = cl_buffer_of(self->clctx, cq, g, bytes);
+		ASSERT_NE(NULL, gm);
+		{
+			ape_device_info info;
+
+			ape_device_get_info(self->dev, &info);
+			for (int k = 0; k < 6; k++) {
+				t[k].data = gm;
+				t[k].device = (DLDevice){ kDLOpenCL, info.backend_index };
+			}
+		}
+		ret = ape_attention_backward_varlen_dlpack(self->dev, &x.desc, &x.vl, &x.t[0],
+							   &x.t[1], &x.t[2], &x.t[3], &x.t[4],
+							   &t[0], &t[1], &t[2], &t[3], &t[4],
+							   &t[5], i % 2 ? cq : NULL);
+		ASSERT_EQ(CL_SUCCESS, clFinish(cq));
+		ASSERT_EQ(CL_SUCCESS,
+			  clEnqueueReadBuffer(cq, gm, CL_TRUE, 0, bytes, back, 0, NULL, NULL));
+		if (pos == RAG_GAPS) {
+			EXPECT_EQ(APE_ENOTSUP, ret) TH_LOG("%s", ape_last_error());
+			EXPECT_NE(NULL, strstr(ape_last_error(),
+					       "ape_attention_backward_varlen_dlpack: vl->pos_k"))
+			TH_LOG("%s", ape_last_error());
+			EXPECT_EQ(0, memcmp(back, g, bytes)) TH_LOG("case %d: written", i);
+		} else {
+			ASSERT_EQ(0, ret) TH_LOG("case %d: %s", i, ape_last_error());
+			ape_tensor_init_packed(&gq, back + at[2], APE_F32, tq, H, D);
+			ape_tensor_init_packed(&gk, back + at[3], APE_F32, tk, G, D);
+			ape_tensor_init_packed(&gv, back + at[4], APE_F32, tk, G, D);
+			EXPECT_LE(grads_rel_err(&gq, &hq), grads_tol(x.dt)) TH_LOG("case %d: dq", i);
+			EXPECT_LE(grads_rel_err(&gk, &hk), grads_tol(x.dt)) TH_LOG("case %d: dk", i);
+			EXPECT_LE(grads_rel_err(&gv, &hv), grads_tol(x.dt)) TH_LOG("case %d: dv", i);
+			EXPECT_LE(grads_rel_err_params((const float *)(back + at[5]),
+						       (const float *)((unsigned char *)ref + at[5]),
+						       H),
+				  grads_tol(x.dt))
+			TH_LOG("case %d: dparams", i);
+			/* dout and dlse are inputs: untouched */
+			EXPECT_EQ(0, memcmp(back, g, at[2])) TH_LOG("case %d: inputs written", i);
+		}
+		clReleaseMemObject(gm);
+		rag_cl_free(m);
+		free(g);
+		free(back);
+		free(ref);
 		rag_free(&x);
-	} while (1);
-	x.with_lse = true;
-	x.desc.causal = false; /* every query sees its sequence's gapped keys */
-	back = malloc(x.out_bytes);
-	ASSERT_EQ(0, rag_to_cl(self, &x, cq, m));
-	EXPECT_REFUSED_BY("ape_attention_backward_varlen_dlpack", APE_ENOTSUP, "q->device",
-			  ape_attention_backward_varlen_dlpack(self->dev, &x.desc, &x.vl, &x.t[0],
-							       &x.t[1], &x.t[2], &x.t[3], &x.t[4],
-							       &x.t[0], NULL, &x.t[3], NULL, NULL,
-							       NULL, NULL));
-	ASSERT_EQ(CL_SUCCESS, clEnqueueReadBuffer(cq, m[1], CL_TRUE, 0, x.out_bytes, back, 0, NULL,
-						  NULL));
-	EXPECT_EQ(0, memcmp(back, x.out, x.out_bytes)) TH_LOG("o written");
-	free(back);
-	rag_cl_free(m);
-	rag_free(&x);
+	}
 	clReleaseCommandQueue(cq);
 }
 #endif /* APE_HAVE_OPENCL */

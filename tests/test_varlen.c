@@ -7,7 +7,8 @@
  * each sequence against tests/common/naive.c's independent evaluation at its explicit
  * positions; a one-sequence batch against the dense call bit for bit; thousands of tiny
  * sequences; positions at the int64 ends; validation naming the argument, with the outputs
- * untouched.
+ * untouched. The backward of ragged batches (host tensors and device tensors) against the
+ * reference per sequence and against each other.
  */
 #include <math.h>
 #include <stdint.h>
@@ -17,6 +18,10 @@
 #include "ape_test.h"
 #include "core/backend.h"
 #include "core/error.h"
+#include "api/resident.h"
+#include "api/validate.h"
+#include "api/varlen.h"
+#include "exec/resident_bwd.h"
 #include "common/backend_fixture.h"
 #include "common/bwdcase.h"
 #include "common/naive.h"
@@ -1415,6 +1420,475 @@ TEST_F(dev, device_tensors_rows_split_into_launches)
 		       (unsigned long long)rows);
 		batch_free(&b);
 	}
+}
+
+/* ------------------------------------------------------------------ backward on device tensors */
+
+/* A ragged backward call's tensors on one device (enum ape__rb_tensor order), each in a buffer of
+ * its own: q, k, v, o (b's layouts), lse and dlse token-major [total_q, H], dout packed, the
+ * gradients packed [total, heads, D] and dparams [H, 4], NaN-poisoned. */
+struct rbx {
+	ape_queue *qu;
+	ape_buffer *buf[APE__RB_COUNT];
+	ape_dtensor d[APE__RB_COUNT];
+	const ape_dtensor *t[APE__RB_COUNT];
+	size_t bytes[APE__RB_COUNT];
+};
+
+static void rbx_free(struct rbx *x)
+{
+	for (int i = 0; i < APE__RB_COUNT; i++)
+		ape_buffer_free(x->buf[i]);
+	ape_queue_destroy(x->qu);
+	memset(x, 0, sizeof(*x));
+}
+
+/* Host memory of tensor i of the call (its bytes in *n): b's inputs, dout, dlse (NULL: not
+ * given), the gradients g[0..2] and dp (NULL: not wanted). */
+static const void *rbx_host(const struct batch *b, const test_tensor *dout, const float *dlse,
+			    test_tensor *const g[3], const float *dp, int i, size_t *n)
+{
+	const test_tensor *tt[APE__RB_COUNT] = { &b->q, &b->k,	&b->v, &b->o, NULL, dout,
+						 NULL,	g[0],	g[1],	g[2], NULL };
+
+	*n = tt[i] ? tt[i]->alloc_bytes : 0;
+	if (tt[i])
+		return tt[i]->alloc;
+	if (i == APE__RB_LSE || i == APE__RB_DLSE) {
+		*n = (size_t)(b->tq * b->H) * sizeof(float);
+		return i == APE__RB_LSE ? b->lse : dlse;
+	}
+	*n = (size_t)(4 * b->H) * sizeof(float);
+	return dp;
+}
+
+static int rbx_up(struct rbx *x, ape_device *dev, const struct batch *b, const test_tensor *dout,
+		  const float *dlse, test_tensor *const g[3], const float *dp)
+{
+	int ret;
+
+	memset(x, 0, sizeof(*x));
+	if ((ret = ape_queue_create(dev, &x->qu)))
+		return ret;
+	for (int i = 0; i < APE__RB_COUNT; i++) {
+		size_t n;
+		const void *h = rbx_host(b, dout, dlse, g, dp, i, &n);
+
+		if (!h)
+			continue;
+		x->bytes[i] = n;
+		if ((ret = ape_buffer_alloc(dev, n + 16, &x->buf[i])) ||
+		    (n && (ret = ape_buffer_write(x->qu, x->buf[i], 0, h, n))))
+			return ret;
+		if (i == APE__RB_LSE || i == APE__RB_DLSE) {
+			ape_dtensor_init(&x->d[i], x->buf[i], 0, APE_F32, 1, b->H, b->tq, 1);
+			x->d[i].strides[1] = 1; /* [total_q, H], token-major */
+			x->d[i].strides[2] = b->H;
+			x->d[i].strides[3] = 1;
+		} else if (i == APE__RB_DPARAMS) {
+			ape_dtensor_init(&x->d[i], x->buf[i], 0, APE_F32, 1, 1, b->H, 4);
+		} else {
+			const test_tensor *tt[APE__RB_COUNT] = { &b->q, &b->k, &b->v, &b->o, NULL,
+								 dout,	NULL,  g[0],  g[1],  g[2] };
+
+			as_dtensor(&x->d[i], x->buf[i], 0, tt[i]);
+		}
+		x->t[i] = &x->d[i];
+	}
+	return ape_queue_synchronize(x->qu);
+}
+
+/* The gradients back into g[0..2] and dp (those the call has). */
+static int rbx_down(struct rbx *x, const struct batch *b, test_tensor *const g[3], float *dp)
+{
+	int ret = 0;
+
+	for (int i = APE__RB_DQ; i < APE__RB_COUNT && !ret; i++) {
+		void *h = i == APE__RB_DPARAMS ? (void *)dp : g[i - APE__RB_DQ] ? g[i - APE__RB_DQ]->alloc : NULL;
+
+		if (x->buf[i] && h && x->bytes[i])
+			ret = ape_buffer_read(x->qu, h, x->buf[i], 0, x->bytes[i]);
+	}
+	(void)b;
+	return ret ? ret : ape_queue_synchronize(x->qu);
+}
+
+/* A ragged backward case: a batch (made by the caller) with its forward run on a device (b.o,
+ * b.lse), dout (b's storage type, packed), dlse (N(0, 1/16)) and six poisoned gradient tensors:
+ * g[0..2] dq, dk, dv of one call, g[3..5] of another. */
+struct rbcase {
+	struct batch b;
+	ape_varlen vl;
+	test_tensor g[6], dout;
+	float *dlse;
+};
+
+static void rbcase_ready(struct __test_metadata *_metadata, struct rbcase *c, ape_device *dev,
+			 ape_rng *rng)
+{
+	struct batch *b = &c->b;
+
+	batch_varlen(b, &c->vl);
+	c->dlse = malloc(sizeof(float) * (size_t)(b->tq * b->H + 1));
+	ASSERT_NE(NULL, c->dlse);
+	ASSERT_EQ(0, ape_attention_forward_varlen(dev, &b->desc, &c->vl, &b->q.t, &b->k.t, &b->v.t,
+						  &b->o.t, b->lse, NULL))
+	TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, test_tensor_random(&c->dout, rng, b->dt, 1, b->tq, b->H, b->D, 1.0));
+	ape_tensor_init_packed(&c->dout.t, c->dout.alloc, b->dt, b->tq, b->H, b->D);
+	for (int64_t i = 0; i < b->tq * b->H; i++)
+		c->dlse[i] = (float)ape_rng_normal(rng) * 0.25f;
+	for (int i = 0; i < 6; i++) {
+		const int64_t heads = i % 3 ? b->Hkv : b->H, rows = i % 3 ? b->tk : b->tq;
+
+		ASSERT_EQ(0, test_tensor_empty(&c->g[i], b->dt, 1, rows, heads, b->D));
+		ape_tensor_init_packed(&c->g[i].t, c->g[i].alloc, b->dt, rows, heads, b->D);
+		test_tensor_poison(&c->g[i].t);
+	}
+}
+
+static void rbcase_free(struct rbcase *c)
+{
+	for (int i = 0; i < 6; i++)
+		test_tensor_free(&c->g[i]);
+	test_tensor_free(&c->dout);
+	free(c->dlse);
+	batch_free(&c->b);
+	memset(c, 0, sizeof(*c));
+}
+
+/* ape_attention_backward_enqueue_varlen() of b (forward run: b->o, b->lse) into g[0..2] and dp;
+ * the backward launches it made into *launches (the wrapper counts them). */
+static int rb_device(ape_device *dev, const struct batch *b, const ape_varlen *vl,
+		     const test_tensor *dout, const float *dlse, test_tensor *const g[3], float *dp,
+		     uint64_t *launches)
+{
+	struct rbx x;
+	int ret;
+
+	wrap_install(dev, 0);
+	if (!(ret = rbx_up(&x, dev, b, dout, dlse, g, dp))) {
+		wrap_reset();
+		ret = ape_attention_backward_enqueue_varlen(x.qu, &b->desc, vl, x.t[0], x.t[1],
+							    x.t[2], x.t[3], x.t[4], x.t[5], x.t[6],
+							    x.t[7], x.t[8], x.t[9], x.t[10]);
+		*launches = wrap_get().calls[WRAP_ATTENTION_BACKWARD];
+		if (!ret) {
+			ret = rbx_down(&x, b, g, dp);
+		} else {
+			char msg[512];
+
+			snprintf(msg, sizeof(msg), "%s", ape_last_error());
+			rbx_down(&x, b, g, dp); /* what the device holds after a refusal */
+			ape__error(ret, "%s", msg);
+		}
+	}
+	rbx_free(&x);
+	wrap_remove();
+	return ret;
+}
+
+/*
+ * Random ragged batches (default and shifted positions: one key run per query run; every
+ * storage type, GQA, causal or not, empty sequences, decode rows, dLSE or not, dparams or not)
+ * through ape_attention_backward_enqueue_varlen(): equal to the host call
+ * ape_attention_backward_varlen() on the same device within the spec's tolerance (both are
+ * checked against the reference per sequence: backward_of_a_ragged_batch_against_the_reference),
+ * bit for bit on the reference; one backward launch for the batch.
+ */
+TEST_F(dev, backward_on_device_tensors_equals_the_host_call)
+{
+	const bool ref = !strcmp(variant->backend, "ref");
+	ape_rng rng;
+
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_RESIDENT_BACKWARD))
+		SKIP(return, "%s has no backward pass on device tensors", self->dev->info.name);
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < (self->emu ? 4 : 16); c++) {
+		const enum pos_mode m = c % 2 ? POS_SHIFTED : POS_DEFAULT;
+		const bool with_dlse = c % 3 != 1, with_dp = c % 4 != 2;
+		struct rbcase x;
+		struct batch *const b = &x.b;
+		test_tensor *const g = x.g, *gd[3] = { &x.g[3], &x.g[4], &x.g[5] };
+		float dp[2][32];
+		uint64_t launches = 0;
+		char what[256];
+
+		ASSERT_EQ(0, batch_make(b, &rng, ape_rng_range(&rng, 1, 8), 30, 40, m));
+		describe(b, m, what, sizeof(what));
+		rbcase_ready(_metadata, &x, self->dev, &rng);
+		for (int i = 0; i < 32; i++)
+			dp[0][i] = dp[1][i] = NAN;
+		ASSERT_EQ(0, ape_attention_backward_varlen(&self->dev, 1, NULL, &b->desc, &x.vl,
+							   &b->q.t, &b->k.t, &b->v.t, &b->o.t, b->lse,
+							   &x.dout.t, with_dlse ? x.dlse : NULL, &g[0].t,
+							   &g[1].t, &g[2].t, with_dp ? dp[0] : NULL, NULL))
+		TH_LOG("%s: the host call: %s", what, ape_last_error());
+		ASSERT_EQ(0, rb_device(self->dev, b, &x.vl, &x.dout, with_dlse ? x.dlse : NULL, gd,
+				       with_dp ? dp[1] : NULL, &launches))
+		TH_LOG("%s: %s", what, ape_last_error());
+		for (int t = 0; t < 3; t++) {
+			if (ref) {
+				EXPECT_TRUE(same_bits(&g[t], &g[t + 3])) TH_LOG("%s: gradient %d", what, t);
+			} else {
+				EXPECT_LE(grads_rel_err(&g[t + 3].t, &g[t].t), 2 * grads_tol(b->dt))
+				TH_LOG("%s: gradient %d", what, t);
+			}
+		}
+		if (with_dp) {
+			EXPECT_LE(grads_rel_err_params(dp[1], dp[0], b->H), ref ? 0 : 2 * grads_tol(b->dt))
+			TH_LOG("%s: dparams", what);
+		} else {
+			EXPECT_TRUE(isnan(dp[1][0])) TH_LOG("%s: dparams written", what);
+		}
+		if (ape_be_dev_has(self->dev, APE_BE_CAP_SEGMENTS | APE_BE_CAP_BWD_SEGMENTS) &&
+		    b->tq && b->tk) {
+			EXPECT_GE(1u, launches) TH_LOG("%s: launches", what);
+		}
+		rbcase_free(&x);
+	}
+}
+
+/* A one-sequence batch over every key is ape_attention_backward_enqueue() of the same tensors,
+ * bit for bit. */
+TEST_F(dev, backward_on_device_tensors_one_sequence_is_the_dense_call)
+{
+	ape_rng rng;
+
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_RESIDENT_BACKWARD))
+		SKIP(return, "%s has no backward pass on device tensors", self->dev->info.name);
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < 3; c++) {
+		struct rbcase y;
+		struct batch *const b = &y.b;
+		test_tensor *g0[3] = { &y.g[0], &y.g[1], &y.g[2] };
+		test_tensor *g1[3] = { &y.g[3], &y.g[4], &y.g[5] };
+		float dp[2][32];
+		uint64_t launches;
+		struct rbx x;
+
+		do {
+			ASSERT_EQ(0, batch_make(b, &rng, 1, 40, 50, POS_DEFAULT));
+		} while ((!b->tq || !b->tk) && (batch_free(b), 1));
+		rbcase_ready(_metadata, &y, self->dev, &rng);
+		ASSERT_EQ(0, rb_device(self->dev, b, &y.vl, &y.dout, y.dlse, g0, dp[0], &launches))
+		TH_LOG("%s", ape_last_error());
+		/* the dense call on the same [1, H, total, D] tensors, queries end-aligned */
+		ASSERT_EQ(0, rbx_up(&x, self->dev, b, &y.dout, y.dlse, g1, dp[1]));
+		ASSERT_EQ(0, ape_attention_backward_enqueue(x.qu, &b->desc, x.t[0], x.t[1], x.t[2],
+							    x.t[3], x.t[4], x.t[5], x.t[6], x.t[7],
+							    x.t[8], x.t[9], x.t[10]))
+		TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, rbx_down(&x, b, g1, dp[1]));
+		rbx_free(&x);
+		for (int t = 0; t < 3; t++) {
+			EXPECT_TRUE(same_bits(&y.g[t], &y.g[t + 3])) TH_LOG("gradient %d", t);
+		}
+		EXPECT_EQ(0, memcmp(dp[0], dp[1], sizeof(float) * (size_t)(4 * b->H)));
+		rbcase_free(&y);
+	}
+}
+
+/*
+ * Query rows split into launches of a few rows (the resident backward's executor driven with n
+ * rows a launch: exec/resident_bwd.h): each launch takes the segments of its rows, sequences
+ * straddling launches; the gradients within the spec's tolerance of one launch's and two runs
+ * bit for bit the same.
+ */
+TEST_F(dev, backward_on_device_tensors_rows_split_into_launches)
+{
+	ape_rng rng;
+
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_RESIDENT_BACKWARD) ||
+	    !ape_be_dev_has(self->dev, APE_BE_CAP_SEGMENTS | APE_BE_CAP_BWD_SEGMENTS))
+		SKIP(return, "%s has no ragged backward on device tensors", self->dev->info.name);
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < (self->emu ? 2 : 6); c++) {
+		const enum pos_mode m = c % 2 ? POS_SHIFTED : POS_DEFAULT;
+		struct rbcase y;
+		struct batch *const b = &y.b;
+		test_tensor *const g = y.g, again[3];
+		test_tensor *g0[3] = { &g[0], &g[1], &g[2] }, *g1[3] = { &g[3], &g[4], &g[5] };
+		test_tensor *g2[3] = { &again[0], &again[1], &again[2] };
+		float dp[3][32];
+		struct ape__resident_bwd_req r;
+		struct ape__problem p;
+		struct ape_be_seg *sg = NULL;
+		int64_t n = 0, rows = 0;
+		uint64_t launches;
+		char what[256];
+		struct rbx x;
+
+		do {
+			ASSERT_EQ(0, batch_make(b, &rng, ape_rng_range(&rng, 2, 6), 30, 40, m));
+		} while ((b->tq < 8 || !b->tk) && (batch_free(b), 1));
+		describe(b, m, what, sizeof(what));
+		rbcase_ready(_metadata, &y, self->dev, &rng);
+		for (int i = 0; i < 3; i++) {
+			ASSERT_EQ(0, test_tensor_empty(&again[i], b->dt, 1, i ? b->tk : b->tq,
+						       i ? b->Hkv : b->H, b->D));
+			ape_tensor_init_packed(&again[i].t, again[i].alloc, b->dt, i ? b->tk : b->tq,
+					       i ? b->Hkv : b->H, b->D);
+		}
+		ASSERT_EQ(0, rb_device(self->dev, b, &y.vl, &y.dout, y.dlse, g0, dp[0], &launches))
+		TH_LOG("%s: %s", what, ape_last_error());
+		/* the same call's problem and segments, run with n rows a launch */
+		ASSERT_EQ(0, rbx_up(&x, self->dev, b, &y.dout, y.dlse, g1, dp[1]));
+		memset(&r, 0, sizeof(r));
+		ASSERT_EQ(0, ape__check_resident_bwd("test", x.qu, &b->desc, x.t, &p, &r))
+		TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(1, ape__varlen_segments("test", &y.vl, p.causal, &sg, &n));
+		p.segs = sg;
+		p.nseg = n;
+		r.fn = "test";
+		r.dev = self->dev;
+		r.q = x.qu->q;
+		r.p = &p;
+		ASSERT_EQ(0, ape__resident_bwd_plan(&r, &rows));
+		EXPECT_EQ(b->tq, rows) TH_LOG("%s: a small batch is one launch", what);
+		for (int64_t per = 1; per < b->tq; per = per * 3 + 2) {
+			ASSERT_EQ(0, ape__resident_bwd_enqueue(&r, per)) TH_LOG("%s", ape_last_error());
+			ASSERT_EQ(0, rbx_down(&x, b, g1, dp[1]));
+			ASSERT_EQ(0, ape__resident_bwd_enqueue(&r, per)) TH_LOG("%s", ape_last_error());
+			ASSERT_EQ(0, rbx_down(&x, b, g2, dp[2]));
+			for (int t = 0; t < 3; t++) {
+				EXPECT_TRUE(same_bits(&g[t + 3], &again[t]))
+				TH_LOG("%s, %lld rows a launch: runs differ", what, (long long)per);
+				EXPECT_LE(grads_rel_err(&g[t + 3].t, &g[t].t), grads_tol(b->dt))
+				TH_LOG("%s, %lld rows a launch: gradient %d", what, (long long)per, t);
+			}
+			EXPECT_LE(grads_rel_err_params(dp[1], dp[0], b->H), grads_tol(b->dt))
+			TH_LOG("%s, %lld rows a launch: dparams", what, (long long)per);
+		}
+		p.segs = NULL;
+		p.nseg = 0;
+		free(sg);
+		ape__problem_fini(&p);
+		rbx_free(&x);
+		for (int i = 0; i < 3; i++)
+			test_tensor_free(&again[i]);
+		rbcase_free(&y);
+	}
+}
+
+/* Whether every element of g[0..2] ([1, heads, rows, D]) and dp[0 .. 4H) is still the NaN
+ * poison. */
+static bool rb_untouched(test_tensor *const g[3], const float *dp, int64_t H)
+{
+	for (int t = 0; t < 3; t++) {
+		const ape_tensor *x = &g[t]->t;
+
+		for (int64_t h = 0; h < x->shape[1]; h++)
+			for (int64_t i = 0; i < x->shape[2]; i++)
+				for (int64_t d = 0; d < x->shape[3]; d++)
+					if (!isnan(test_tensor_get(x, 0, h, i, d)))
+						return false;
+	}
+	for (int64_t i = 0; i < 4 * H; i++)
+		if (!isnan(dp[i]))
+			return false;
+	return true;
+}
+
+/* Refusals on device tensors name the argument and write nothing: the host call's batch
+ * checks, positions that need pieces (gaps among a sequence's keys; one sequence's query runs
+ * sharing keys), a device without ragged backward launches, desc->dbias_table, no LSE, no
+ * gradient wanted, no queue. */
+TEST_F(dev, backward_on_device_tensors_refusals_write_nothing)
+{
+	ape_rng rng;
+	struct rbcase y;
+	struct batch *const b = &y.b;
+	test_tensor *gd[3] = { &y.g[0], &y.g[1], &y.g[2] };
+	float dp[32], table[8];
+	uint64_t launches;
+	ape_varlen vl;
+	int64_t saved;
+
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_RESIDENT_BACKWARD))
+		SKIP(return, "%s has no backward pass on device tensors", self->dev->info.name);
+	ape_rng_init(&rng, _metadata->name);
+	do {
+		ASSERT_EQ(0, batch_make(b, &rng, 4, 20, 20, POS_DEFAULT));
+	} while ((b->cuq[1] < 2 || b->cuk[1] < 3 || b->H > 8) && (batch_free(b), 1));
+	/* O and LSE of a forward of the default positions: any values do for refusals */
+	rbcase_ready(_metadata, &y, self->dev, &rng);
+	b->explicit_pos = true;
+	batch_varlen(b, &vl);
+	for (int i = 0; i < 32; i++)
+		dp[i] = NAN;
+#define EXPECT_REFUSED(code, text)                                                                 \
+	do {                                                                                       \
+		EXPECT_EQ(code, rb_device(self->dev, b, &vl, &y.dout, y.dlse, gd, dp, &launches));    \
+		EXPECT_NE(NULL, strstr(ape_last_error(), text)) TH_LOG("%s", ape_last_error());   \
+		EXPECT_TRUE(rb_untouched(gd, dp, b->H));              \
+		EXPECT_EQ(0u, launches);                                                           \
+	} while (0)
+	/* gaps among every key run: the first sequence's queries see two runs */
+	for (int64_t s = 0; s < b->S; s++)
+		for (int64_t j = b->cuk[s]; j < b->cuk[s + 1]; j++)
+			b->posk[j] = 2 * (j - b->cuk[s]);
+	for (int64_t s = 0; s < b->S; s++)
+		for (int64_t i = b->cuq[s]; i < b->cuq[s + 1]; i++)
+			b->posq[i] = 4 * (b->cuk[s + 1] - b->cuk[s]) + (i - b->cuq[s]);
+	batch_varlen(b, &vl);
+	EXPECT_REFUSED(APE_ENOTSUP, "ape_attention_backward_enqueue_varlen: vl->pos_k: a query run");
+	/* keys in one run, the first sequence's queries in two runs that both see them */
+	for (int64_t s = 0; s < b->S; s++) {
+		for (int64_t j = b->cuk[s]; j < b->cuk[s + 1]; j++)
+			b->posk[j] = j - b->cuk[s];
+		for (int64_t i = b->cuq[s]; i < b->cuq[s + 1]; i++)
+			b->posq[i] = 100 + 2 * (i - b->cuq[s]);
+	}
+	EXPECT_REFUSED(APE_ENOTSUP, "vl->pos_q: two query runs of one sequence");
+	/* the host call's batch checks, the same messages */
+	vl.pos_q = vl.pos_k = NULL;
+	saved = b->cuq[1];
+	b->cuq[1] = b->cuq[2] + 1;
+	EXPECT_REFUSED(APE_EINVAL, "vl->cu_seqlens_q[2] = ");
+	b->cuq[1] = saved;
+	b->desc.k_start = 3;
+	EXPECT_REFUSED(APE_EINVAL, "desc->k_start = 3");
+	b->desc.k_start = 0;
+	b->desc.dbias_table = table;
+	EXPECT_REFUSED(APE_EINVAL, "desc->dbias_table");
+	b->desc.dbias_table = NULL;
+	/* several sequences on a device without ragged backward launches */
+	{
+		struct rbx x;
+
+		wrap_install(self->dev, WRAP_NO_BWD_SEGMENTS);
+		ASSERT_EQ(0, rbx_up(&x, self->dev, b, &y.dout, y.dlse, gd, dp));
+		EXPECT_EQ(APE_ENOTSUP, ape_attention_backward_enqueue_varlen(
+					       x.qu, &b->desc, &vl, x.t[0], x.t[1], x.t[2], x.t[3],
+					       x.t[4], x.t[5], x.t[6], x.t[7], x.t[8], x.t[9],
+					       x.t[10]));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "takes no ragged backward launches"))
+		TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(APE_EINVAL, ape_attention_backward_enqueue_varlen(
+					      x.qu, &b->desc, &vl, x.t[0], x.t[1], x.t[2], x.t[3],
+					      NULL, x.t[5], x.t[6], x.t[7], x.t[8], x.t[9], x.t[10]));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "lse = NULL")) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(APE_EINVAL, ape_attention_backward_enqueue_varlen(
+					      x.qu, &b->desc, &vl, x.t[0], x.t[1], x.t[2], x.t[3],
+					      x.t[4], x.t[5], x.t[6], NULL, NULL, NULL, NULL));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "no gradient is wanted"))
+		TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(APE_EINVAL, ape_attention_backward_enqueue_varlen(
+					      NULL, &b->desc, &vl, x.t[0], x.t[1], x.t[2], x.t[3],
+					      x.t[4], x.t[5], x.t[6], x.t[7], x.t[8], x.t[9], x.t[10]));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "queue = NULL"));
+		ASSERT_EQ(0, rbx_down(&x, b, gd, dp));
+		EXPECT_TRUE(rb_untouched(gd, dp, b->H));
+		rbx_free(&x);
+		wrap_remove();
+	}
+	/* and it works once the batch is right */
+	EXPECT_EQ(0, rb_device(self->dev, b, &vl, &y.dout, y.dlse, gd, dp, &launches))
+	TH_LOG("%s", ape_last_error());
+	EXPECT_FALSE(rb_untouched(gd, dp, b->H));
+#undef EXPECT_REFUSED
+	rbcase_free(&y);
 }
 
 TEST_HARNESS_MAIN

@@ -2039,6 +2039,59 @@ APE_API int ape_attention_backward_enqueue(ape_queue *queue, const ape_attn_desc
 					   const ape_dtensor *dlse, const ape_dtensor *dq,
 					   const ape_dtensor *dk, const ape_dtensor *dv,
 					   const ape_dtensor *dparams);
+
+/**
+ * \brief The gradients of a ragged batch (ape_attention_backward_varlen()) on device tensors,
+ * enqueued on \p queue: the device-resident twin of ape_attention_backward_varlen() (and the
+ * backward of ape_attention_enqueue_varlen()). Asynchronous: no copy to or from the host, no
+ * wait on the queue.
+ *
+ * Everything is checked before anything is enqueued: the batch and desc by the rules of
+ * ape_attention_backward_varlen() (the same messages), the tensors by those of
+ * ape_attention_backward_enqueue(). q, o, dout and dq are `[1, H, total_q, D]`, k, v, dk and
+ * dv `[1, Hkv, total_k, D]` device tensors, strides free (a packed `[total, H, D]` array has
+ * strides `{0, D, H * D, 1}`); lse (required) and dlse (NULL: dL/dLSE = 0) `[1, H, total_q,
+ * 1]` APE_F32, strides free (token-major `[total_q, H]`, as the forward writes it: strides
+ * `{0, 1, H, 1}`); dparams NULL or `[1, 1, H, 4]` APE_F32. dq, dk, dv, dparams each
+ * optional (all four NULL: APE_EINVAL). vl's arrays are host memory, read before the call
+ * returns.
+ *
+ * The batch is one run of ape_attention_backward_enqueue()'s path (the same gathers,
+ * accumulators and query-row launches split under the device's budget), each launch serving
+ * every sequence of its rows (ragged backward launches). Sequences without keys get zero
+ * gradients. Deterministic: two calls give the same bits; a one-sequence batch over every key
+ * is ape_attention_backward_enqueue() of the same tensors, bit for bit.
+ *
+ * Positions: the default ones, or explicit positions under which each query run of
+ * consecutive positions sees one run of consecutive key positions of its own (position_ids
+ * that restart per document, shifted sequences). Positions that give a query run several key
+ * runs (gaps or repeats among a sequence's keys), or two query runs of one sequence the same
+ * keys, need partial gradients summed across pieces, which only the host call does: they are
+ * refused with APE_ENOTSUP naming vl->pos_k (or vl->pos_q); ape_attention_backward_varlen()
+ * takes any positions. desc->dbias_table is refused (APE_EINVAL) as by
+ * ape_attention_backward_enqueue().
+ *
+ * \param queue a queue of the device to run on (it needs the backward pass on device tensors
+ *        and ragged backward launches: the reference, OpenCL with float64, CUDA)
+ * \param desc,vl as ape_attention_backward_varlen()
+ * \param q,k,v,o,lse,dout,dlse packed inputs; read by the work
+ * \param[out] dq,dk,dv,dparams each NULL, or written when the work completes (of q->dtype or
+ *        APE_F32; dparams float32 `[H, 4]`: per head the gradients of delta, beta, gamma,
+ *        lambda)
+ * \return 0 (enqueued); APE_EINVAL (naming the argument, the sequence and the value);
+ *         APE_EOVERFLOW; APE_ENOMEM; APE_ENOTSUP (positions as above; a device without ragged
+ *         backward launches or without the backward pass on device tensors, naming it);
+ *         device failures met while enqueueing.
+ * \note On an error found by the checks nothing is enqueued. After a device failure while
+ *       enqueueing, launches enqueued before it may run and the outputs hold unspecified
+ *       values, as for ape_attention_backward_enqueue(); a failure on the device is reported
+ *       by the next ape_queue_synchronize() on \p queue.
+ */
+APE_API int ape_attention_backward_enqueue_varlen(
+	ape_queue *queue, const ape_attn_desc *desc, const ape_varlen *vl, const ape_dtensor *q,
+	const ape_dtensor *k, const ape_dtensor *v, const ape_dtensor *o, const ape_dtensor *lse,
+	const ape_dtensor *dout, const ape_dtensor *dlse, const ape_dtensor *dq,
+	const ape_dtensor *dk, const ape_dtensor *dv, const ape_dtensor *dparams);
 /**@}*/
 
 #ifdef __cplusplus

@@ -139,14 +139,16 @@ APE_API int ape_attention_forward_varlen_dlpack(ape_device *dev, const ape_attn_
  * (required) and dlse (NULL: dL/dLSE = 0) 2-D `[total_q, H]` float32; dparams 2-D `[H, 4]`
  * float32. dq, dk, dv and dparams are each optional (NULL: not computed; all four NULL:
  * APE_EINVAL). Types, strides, shapes and memory sharing as for
- * ape_attention_forward_varlen_dlpack() and ape_attention_backward_dlpack(). The tensors must
- * be kDLCPU (\p stream NULL): the call is ape_attention_backward_varlen() on \p dev, any
- * positions, returning when the gradients are written (bit for bit the host call's); lse,
- * dlse and dparams not laid out row-major are staged. On any error nothing is written.
+ * ape_attention_forward_varlen_dlpack() and ape_attention_backward_dlpack(). kDLCPU tensors
+ * (\p stream NULL): the call is ape_attention_backward_varlen() on \p dev, any positions,
+ * returning when the gradients are written (bit for bit the host call's); lse, dlse and
+ * dparams not laid out row-major are staged. Device tensors (kDLOpenCL, kDLCUDA): the call is
+ * ape_attention_backward_enqueue_varlen() on a queue of \p stream as
+ * ape_attention_backward_dlpack() takes it (the positions it takes, its refusals). On any
+ * error found by the checks nothing is written.
  * \return as ape_attention_forward_varlen_dlpack(), with the errors of
- *         ape_attention_backward_varlen() prefixed with this function's name; APE_ENOTSUP
- *         naming q->device for kDLOpenCL and kDLCUDA tensors (after every other check of the
- *         tensors): no device-resident ragged backward exists yet.
+ *         ape_attention_backward_varlen() (kDLCPU) or ape_attention_backward_enqueue_varlen()
+ *         (device memory) prefixed with this function's name.
  */
 APE_API int ape_attention_backward_varlen_dlpack(ape_device *dev, const ape_attn_desc *desc,
 						 const ape_varlen *vl, const DLTensor *q,

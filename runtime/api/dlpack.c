@@ -22,8 +22,8 @@
  * which ape_dtensor axis each DLPack axis is), their shapes checked against each other in the
  * caller's axes; kDLCPU tensors then go to the host ragged calls as ape_tensor views (an LSE or
  * dparams not laid out row-major through a stage, checked for overlaps here since the host call
- * sees the stage), device tensors to ape__attention_enqueue_varlen() as above (the backward:
- * APE_ENOTSUP, no device-resident ragged backward exists).
+ * sees the stage), device tensors to ape__attention_enqueue_varlen() and
+ * ape__attention_backward_enqueue_varlen() as above.
  */
 #include <inttypes.h>
 #include <stdint.h>
@@ -735,13 +735,13 @@ int ape_attention_backward_varlen_dlpack(ape_device *dev, const ape_attn_desc *d
 	if ((ret = dl_read(&c, dev, t, names, forms, APE__RB_COUNT, stream, &kind)) ||
 	    (ret = check_ragged(&c, forms, want, APE__RB_COUNT)))
 		return ret;
-	if (kind != APE_BE_MEM_HOST)
-		return ape__error(APE_ENOTSUP,
-				  "%s: q->device = (%s, %d): the ragged backward pass takes kDLCPU "
-				  "tensors only (ape_attention_backward_varlen(); no device-resident "
-				  "ragged backward exists yet)",
-				  c.fn, devtype_name((int)q->device.device_type),
-				  q->device.device_id);
+	if (kind != APE_BE_MEM_HOST) {
+		ret = dl_wrap(&c, dev, APE__RB_COUNT, kind, stream);
+		if (!ret)
+			ret = view_axes_note(
+				ape__attention_backward_enqueue_varlen(c.fn, c.queue, desc, vl, c.dt));
+		return dl_release(&c, ret);
+	}
 	for (int i = 0; i < APE__RB_COUNT; i++) {
 		if (forms[i] == &F_THD)
 			host_tensor(&c.in[i], &h[i]);

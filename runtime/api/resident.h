@@ -127,5 +127,11 @@ int ape__check_resident_bwd(const char *fn, const struct ape_queue *queue,
 int ape__attention_backward_enqueue(const char *fn, ape_queue *queue, const ape_attn_desc *desc,
 				    const ape_dtensor *const t[APE__RB_COUNT]);
 
+/* ape_attention_backward_enqueue_varlen() (runtime/api/resident_varlen_bwd.c) with its messages
+ * starting with fn (the DLPack call's); t in enum ape__rb_tensor order. */
+int ape__attention_backward_enqueue_varlen(const char *fn, ape_queue *queue,
+					   const ape_attn_desc *desc, const ape_varlen *vl,
+					   const ape_dtensor *const t[APE__RB_COUNT]);
+
 #pragma GCC visibility pop
 #endif

@@ -522,6 +522,33 @@ int ape__varlen_segments(const char *fn, const ape_varlen *vl, bool causal,
 	return 1;
 }
 
+int ape__varlen_keys_disjoint(const char *fn, const struct ape_be_seg *sg, int64_t n)
+{
+	int64_t (*r)[2] = ape__malloc((size_t)n * sizeof(*r) + 1), m = 0;
+	int ok = 1;
+
+	if (!r)
+		return ape__error(APE_ENOMEM, "%s: out of host memory for %" PRId64 " segments",
+				  fn, n);
+	for (int64_t s = 0; s < n; s++)
+		if (sg[s].lk) {
+			int64_t x = m++;
+
+			/* insertion by k0: the segments come in sequence order, so the keys are
+			 * nearly sorted already (only runs of one sequence can be out of order) */
+			for (; x > 0 && r[x - 1][0] > sg[s].k0; x--) {
+				r[x][0] = r[x - 1][0];
+				r[x][1] = r[x - 1][1];
+			}
+			r[x][0] = sg[s].k0;
+			r[x][1] = sg[s].k0 + sg[s].lk;
+		}
+	for (int64_t x = 1; x < m && ok; x++)
+		ok = r[x][0] >= r[x - 1][1];
+	free(r);
+	return ok;
+}
+
 bool ape__varlen_devices_take(ape_device *const *devs, int ndev, bool positions)
 {
 	for (int d = 0; d < ndev; d++)

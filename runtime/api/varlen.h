@@ -65,6 +65,11 @@ bool ape__varlen_run_visible(const ape_varlen *vl, bool causal, int64_t s, int64
 int ape__varlen_segments(const char *fn, const ape_varlen *vl, bool causal,
 			 struct ape_be_seg **out, int64_t *nout);
 
+/* Whether the key ranges of segments sg[0 .. n-1] that have keys are pairwise disjoint (what a
+ * ragged backward launch requires: core/backend.h, struct ape_be_bwd_launch): 1 or 0; -1 out
+ * of host memory (the message names fn). */
+int ape__varlen_keys_disjoint(const char *fn, const struct ape_be_seg *sg, int64_t n);
+
 /* Do all of devs run a ragged batch in one launch (struct ape_be_ape_be_caps_have(&caps, APE_BE_CAP_SEGMENTS)), and with
  * `positions`, one whose positions are explicit (.positions)? */
 bool ape__varlen_devices_take(ape_device *const *devs, int ndev, bool positions);

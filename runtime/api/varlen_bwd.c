@@ -255,35 +255,6 @@ static int check_grads(const char *fn, const struct ape__problem *p, const ape_t
 	return ape__check_backward_tensors(fn, p, q, k, v, o, &t, s);
 }
 
-/* Whether the key ranges of the segments that have keys are pairwise disjoint (what a ragged
- * backward launch requires: core/backend.h); -1 out of host memory (the message set). */
-static int keys_disjoint(const char *fn, const struct ape_be_seg *sg, int64_t n)
-{
-	int64_t (*r)[2] = ape__malloc((size_t)n * sizeof(*r) + 1), m = 0;
-	int ok = 1;
-
-	if (!r)
-		return ape__error(APE_ENOMEM, "%s: out of host memory for %" PRId64 " segments",
-				  fn, n);
-	for (int64_t s = 0; s < n; s++)
-		if (sg[s].lk) {
-			int64_t x = m++;
-
-			/* insertion by k0: the segments come in sequence order, so the keys are
-			 * nearly sorted already (only runs of one sequence can be out of order) */
-			for (; x > 0 && r[x - 1][0] > sg[s].k0; x--) {
-				r[x][0] = r[x - 1][0];
-				r[x][1] = r[x - 1][1];
-			}
-			r[x][0] = sg[s].k0;
-			r[x][1] = sg[s].k0 + sg[s].lk;
-		}
-	for (int64_t x = 1; x < m && ok; x++)
-		ok = r[x][0] >= r[x - 1][1];
-	free(r);
-	return ok;
-}
-
 /*
  * The whole batch as one backward run of the executor over the packed tensors (exec/backward.c),
  * its launches ragged (struct ape_be_bwd_launch, "Ragged"), where every device takes them and
@@ -317,7 +288,7 @@ static int one_run(struct bcall *c, const struct ape__bwd_strides *s, ape_tensor
 		*ret = r;
 		return r < 0;
 	}
-	r = keys_disjoint(c->fn, sg, n);
+	r = ape__varlen_keys_disjoint(c->fn, sg, n);
 	if (r <= 0) { /* query runs of one sequence sharing keys: the pieces */
 		free(sg);
 		*ret = r;

@@ -18,12 +18,19 @@
  * order inside), so two calls give the same bits; with one launch the figures are those of
  * ape_attention_backward() (whose dQ, summed in float64 over one key chunk, rounds to the same
  * float32).
+ *
+ * A ragged problem (p->segs: ape_attention_backward_enqueue_varlen()) runs the same way over
+ * the packed tensors: each launch is given the segments of its rows, clipped to them
+ * (ape__segs_clip(), every key), their key ranges disjoint (the caller checked); a launch
+ * whose rows see no key is not made (their dQ rows stay the zeroed accumulator's).
  */
 #include "exec/resident_bwd.h"
 
 #include <inttypes.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "core/context.h"
 #include "core/error.h"
 #include "exec/backward.h"
@@ -158,6 +165,8 @@ static uint64_t plan_scratch(void *arg, int64_t co, int64_t ci)
 	if (!ops->attention_backward_scratch)
 		return 0;
 	launch_of(r, &l, 0, co);
+	/* a ragged call: each launch's segments not known yet, at most the call's */
+	l.f.nseg = r->p->segs ? r->p->nseg : 0;
 	return ops->attention_backward_scratch(r->dev, &l, parts_of(r));
 }
 
@@ -186,6 +195,7 @@ struct rb_run {
 	struct ape_be_buf *scratch[APE__RB_COUNT];
 	struct ape_be_buf *use[APE__RB_COUNT];
 	int64_t rows;
+	struct ape_be_seg *segs; /* a ragged call: one launch's segments (room for p->nseg) */
 };
 
 /* Copies rows [i0, i0 + n) of tensor t between the caller's view and the launch's buffer
@@ -251,6 +261,17 @@ static int launch(struct rb_run *x, int64_t i0, int64_t n)
 	if ((ret = zero_acc(x, APE__RB_DQ, n)))
 		return ret;
 	launch_of(x->r, &l, i0, n);
+	if (x->r->p->segs) { /* a ragged call: the segments of these rows, every key */
+		int64_t seen = 0;
+
+		l.f.segs = x->segs;
+		l.f.nseg = ape__segs_clip(x->r->p->segs, x->r->p->nseg, i0, n, 0, x->r->p->Lk,
+					  x->segs);
+		for (int64_t s = 0; s < l.f.nseg; s++)
+			seen |= l.f.segs[s].lk;
+		if (!seen) /* no row of the launch sees a key: dQ's rows are the zeros */
+			return move_rows(x, APE__RB_DQ, i0, n);
+	}
 	l.f.q = x->use[APE__RB_Q];
 	l.f.k = x->use[APE__RB_K];
 	l.f.v = x->use[APE__RB_V];
@@ -334,7 +355,11 @@ int ape__resident_bwd_enqueue(const struct ape__resident_bwd_req *r, int64_t row
 
 	if (r->p->B * r->p->H * r->p->Lq == 0 || r->p->Lk == 0)
 		return write_zeros(&x);
+	if (r->p->segs && !(x.segs = ape__malloc((size_t)r->p->nseg * sizeof(*x.segs))))
+		return ape__error(APE_ENOMEM, "%s: out of host memory for %" PRId64 " segments",
+				  r->fn, r->p->nseg);
 	ret = run(&x);
+	free(x.segs);
 	for (int t = 0; t < APE__RB_COUNT; t++) {
 		const int fret = x.scratch[t] ? x.ops->scratch_free(r->q, x.scratch[t]) : 0;
 

@@ -5,6 +5,9 @@
  * gathers of the inputs into contiguous queue-ordered scratch (core/backend.h: scratch_alloc,
  * copy_view), zeroed accumulators, the attention_backward launches, and copies of the
  * accumulators into the caller's outputs, converted to their types. No host copy, no wait.
+ * A ragged problem (p->segs, ape_attention_backward_enqueue_varlen(): the segments' key ranges
+ * disjoint, the device taking ragged backward launches) runs the same way, each launch given
+ * the segments of its rows.
  */
 #ifndef APE_RUNTIME_RESIDENT_BWD_H
 #define APE_RUNTIME_RESIDENT_BWD_H

@@ -534,6 +534,8 @@ static void caps_hide(unsigned flags)
 			d->caps.features &= ~(uint64_t)APE_BE_CAP_RESIDENT_BACKWARD;
 		if (flags & WRAP_NO_POSITIONS)
 			d->caps.features &= ~(uint64_t)APE_BE_CAP_POSITIONS;
+		if (flags & WRAP_NO_BWD_SEGMENTS)
+			d->caps.features &= ~(uint64_t)APE_BE_CAP_BWD_SEGMENTS;
 	}
 }
 

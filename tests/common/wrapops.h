@@ -42,6 +42,9 @@
 /* take the capability positions: the core's paths for a device that reads no explicit
  * positions (ragged batches with gaps or repeats decomposed, or refused on device tensors) */
 #define WRAP_NO_POSITIONS (1u << 11)
+/* take the capability bwd_segments: a device without ragged backward launches (the host call
+ * runs pieces; device tensors are refused) */
+#define WRAP_NO_BWD_SEGMENTS (1u << 12)
 
 /* The ops that can fail, as the wrapper counts and fails them. */
 enum wrap_op {

@@ -1,18 +1,20 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Ragged batches under failure (ape_attention_forward_varlen_ex(),
- * ape_attention_backward_varlen(), ape_attention_enqueue_varlen()): a batch of four sequences
+ * ape_attention_backward_varlen(), ape_attention_enqueue_varlen(),
+ * ape_attention_backward_enqueue_varlen()): a batch of four sequences
  * (an empty one, default positions, and positions with gaps: the forward one ragged launch with
  * explicit positions, on device tensors too; the backward runs merged by LSE), on the
  * reference and on an OpenCL CPU device; and the same batch at its default positions (the
  * forward, and the backward where the device takes ragged backward launches: one ragged run of
- * the executor, struct ape_be_seg). Each host allocation of a clean
+ * the executor, struct ape_be_seg; and the backward on device tensors, which takes default
+ * positions only). Each host allocation of a clean
  * run fails in turn (a fault build), then each call of every device op, then the device is lost
  * from each point on: every broken run returns the injected code (or, where the library has a
  * fallback, succeeds with the clean result) with a message naming the call, leaves the inputs
  * byte-identical and the outputs untouched (the host calls stage everything and publish only on
  * success), and the next run is clean. The device-resident run is the whole of a caller's use
- * (queue, buffers, writes, ape_attention_enqueue_varlen(), reads, synchronize): a failure of
+ * (queue, buffers, writes, the enqueue call, reads, synchronize): a failure of
  * the call itself names it, and leaves the device's input buffer as written (read back where
  * the device still answers); its outputs on the device are unspecified then (include/ape/ape.h),
  * so they are not read.
@@ -26,14 +28,15 @@
 
 enum { H = 2, HKV = 1, D = 8, TQ = 13, TK = 17, S = 4 };
 
-enum vmode { V_FORWARD, V_BACKWARD, V_RESIDENT };
+enum vmode { V_FORWARD, V_BACKWARD, V_RESIDENT, V_RESIDENT_BWD };
 
 struct vcase {
 	ape_device *dev;
 	enum vmode mode; /* what vcase_prepare_hook() sets up */
 	bool bwd;
-	bool resident; /* the forward through ape_attention_enqueue_varlen() (not with bwd) */
-	bool in_call; /* the last failed resident run failed in ape_attention_enqueue_varlen() */
+	/* through ape_attention_enqueue_varlen(), or with bwd ape_attention_backward_enqueue_varlen() */
+	bool resident;
+	bool in_call; /* the last failed resident run failed in the enqueue call */
 	bool moved; /* ... and its device input buffer read back different */
 	float q[TQ * H * D], k[TK * HKV * D], v[TK * HKV * D], dout[TQ * H * D];
 	float o[TQ * H * D], lse[TQ * H]; /* the forward's outputs (the backward's inputs) */
@@ -104,6 +107,18 @@ static void packed_dtensor(ape_dtensor *t, ape_buffer *buf, size_t off, int64_t 
 	t->strides[3] = 1;
 }
 
+/* After the enqueue call itself failed: its message kept, c->in_call set, and c->moved when the
+ * device's input buffer bi (its first nin bytes, read into back) differs from c->in (not read
+ * when the device no longer answers). */
+static void call_failed(struct vcase *c, ape_queue *qu, ape_buffer *bi, size_t nin,
+			unsigned char *back)
+{
+	c->in_call = true;
+	snprintf(c->msg, sizeof(c->msg), "%s", ape_last_error());
+	if (!ape_buffer_read(qu, back, bi, 0, nin) && !ape_queue_synchronize(qu))
+		c->moved = memcmp(back, c->in, nin) != 0;
+}
+
 /* The forward on device tensors, as a caller runs it: q, k, v in one buffer, o and lse
  * ([total_q, H]) in two more; on success O and LSE read back into c->o and c->lse. A failure
  * of the call itself sets c->in_call, and c->moved when the input buffer, read back, differs
@@ -135,10 +150,7 @@ static int resident_run(struct vcase *c)
 	l.strides[2] = H;
 	ret = ape_attention_enqueue_varlen(qu, &c->desc, &c->vl, &q, &k, &v, &o, &l);
 	if (ret) {
-		c->in_call = true;
-		snprintf(c->msg, sizeof(c->msg), "%s", ape_last_error());
-		if (!ape_buffer_read(qu, back, bi, 0, nin) && !ape_queue_synchronize(qu))
-			c->moved = memcmp(back, c->in, nin) != 0;
+		call_failed(c, qu, bi, nin, back);
 		goto out;
 	}
 	/* both read back, then published together: a failed read leaves c->o and c->lse alone */
@@ -159,6 +171,62 @@ out:
 	return ret;
 }
 
+/* The backward on device tensors, as a caller runs it: q, k, v, dout in one buffer, the clean
+ * forward's o and lse ([total_q, H]) in another, dq, dk, dv, dparams in a third; on success the
+ * gradients read back into c->g. Failures as resident_run(). */
+static int resident_bwd_run(struct vcase *c)
+{
+	const size_t nin = sizeof(c->in), nol = sizeof(c->o) + sizeof(c->lse);
+	const size_t nback = nin > sizeof(c->g) ? nin : sizeof(c->g);
+	const size_t gk = sizeof(float) * TQ * H * D, gv = gk + sizeof(float) * TK * HKV * D;
+	ape_buffer *bi = NULL, *bo = NULL, *bg = NULL;
+	ape_dtensor q, k, v, o, l, dout, dq, dk, dv, dp;
+	ape_queue *qu = NULL;
+	unsigned char *back = malloc(nback);
+	int ret;
+
+	c->in_call = c->moved = false;
+	if (!back)
+		return APE_ENOMEM;
+	if ((ret = ape_queue_create(c->dev, &qu)) || (ret = ape_buffer_alloc(c->dev, nin, &bi)) ||
+	    (ret = ape_buffer_alloc(c->dev, nol, &bo)) ||
+	    (ret = ape_buffer_alloc(c->dev, sizeof(c->g), &bg)) ||
+	    (ret = ape_buffer_write(qu, bi, 0, c->in, nin)) ||
+	    (ret = ape_buffer_write(qu, bo, 0, c->o, sizeof(c->o))) ||
+	    (ret = ape_buffer_write(qu, bo, sizeof(c->o), c->lse, sizeof(c->lse))))
+		goto out;
+	packed_dtensor(&q, bi, 0, TQ, H);
+	packed_dtensor(&k, bi, sizeof(c->q), TK, HKV);
+	packed_dtensor(&v, bi, sizeof(c->q) + sizeof(c->k), TK, HKV);
+	packed_dtensor(&dout, bi, sizeof(c->q) + sizeof(c->k) + sizeof(c->v), TQ, H);
+	packed_dtensor(&o, bo, 0, TQ, H);
+	ape_dtensor_init(&l, bo, sizeof(c->o), APE_F32, 1, H, TQ, 1);
+	l.strides[1] = 1; /* [total_q, H], token-major */
+	l.strides[2] = H;
+	packed_dtensor(&dq, bg, 0, TQ, H);
+	packed_dtensor(&dk, bg, gk, TK, HKV);
+	packed_dtensor(&dv, bg, gv, TK, HKV);
+	ape_dtensor_init(&dp, bg, gv + sizeof(float) * TK * HKV * D, APE_F32, 1, 1, H, 4);
+	ret = ape_attention_backward_enqueue_varlen(qu, &c->desc, &c->vl, &q, &k, &v, &o, &l,
+						    &dout, NULL, &dq, &dk, &dv, &dp);
+	if (ret) {
+		call_failed(c, qu, bi, nin, back);
+		goto out;
+	}
+	if (!(ret = ape_buffer_read(qu, back, bg, 0, sizeof(c->g))) &&
+	    !(ret = ape_queue_synchronize(qu)))
+		memcpy(c->g, back, sizeof(c->g));
+out:
+	if (ret && !c->in_call)
+		snprintf(c->msg, sizeof(c->msg), "%s", ape_last_error());
+	ape_queue_destroy(qu);
+	ape_buffer_free(bi);
+	ape_buffer_free(bo);
+	ape_buffer_free(bg);
+	free(back);
+	return ret;
+}
+
 /* The call, outputs poisoned first. The backward reads the forward's o and lse (computed once,
  * cleanly, before any injection) and writes g. */
 static int vcase_run(struct vcase *c)
@@ -167,9 +235,14 @@ static int vcase_run(struct vcase *c)
 	int ret;
 
 	if (c->resident) {
-		memset(c->o, 0x5a, sizeof(c->o));
-		memset(c->lse, 0x5a, sizeof(c->lse));
-		ret = resident_run(c);
+		if (c->bwd) {
+			memset(c->g, 0x5a, sizeof(c->g));
+			ret = resident_bwd_run(c);
+		} else {
+			memset(c->o, 0x5a, sizeof(c->o));
+			memset(c->lse, 0x5a, sizeof(c->lse));
+			ret = resident_run(c);
+		}
 		if (!ret)
 			c->msg[0] = 0;
 		return ret;
@@ -239,25 +312,27 @@ static const char *vcase_verify(const struct vcase *c, int ret)
 
 static int vcase_prepare(struct vcase *c, ape_device *dev, enum vmode mode)
 {
-	const bool bwd = mode == V_BACKWARD;
+	const bool bwd = mode == V_BACKWARD || mode == V_RESIDENT_BWD;
 	int ret;
 
 	vcase_init(c, dev, false);
 	c->mode = mode;
-	c->resident = mode == V_RESIDENT;
+	c->resident = mode == V_RESIDENT; /* the backward's forward: the host call's */
 	if ((ret = vcase_run(c)))
 		return ret;
 	keep_clean(c);
 	if (!bwd)
 		return 0;
 	c->bwd = true;
+	c->resident = mode == V_RESIDENT_BWD;
 	if ((ret = vcase_run(c)))
 		return ret;
 	keep_clean(c);
 	return 0;
 }
 
-static const char *const what[3] = { "forward", "backward", "enqueue_varlen" };
+static const char *const what[4] = { "forward", "backward", "enqueue_varlen",
+				     "backward_enqueue_varlen" };
 
 /* A failed run's message names the call: the ragged call's name, or for the resident run one
  * that failed before or after ape_attention_enqueue_varlen() (a buffer, a copy) its own. */
@@ -265,7 +340,8 @@ static bool names_the_call(const struct vcase *c, const char *call_word)
 {
 	if (!c->resident)
 		return strstr(c->msg, call_word) != NULL;
-	return c->in_call ? strstr(c->msg, "ape_attention_enqueue_varlen: ") != NULL
+	return c->in_call ? strstr(c->msg, c->bwd ? "ape_attention_backward_enqueue_varlen: "
+						  : "ape_attention_enqueue_varlen: ") != NULL
 			  : c->msg[0] != 0;
 }
 
@@ -308,7 +384,7 @@ static void vcase_sweep(struct __test_metadata *_metadata, ape_device *dev, enum
 	c->dev = dev;
 	c->mode = mode;
 	s.msg = c->msg;
-	s.in_call = mode == V_RESIDENT ? &c->in_call : NULL;
+	s.in_call = mode == V_RESIDENT || mode == V_RESIDENT_BWD ? &c->in_call : NULL;
 	sweep(_metadata, &s);
 	free(c);
 }
@@ -331,6 +407,8 @@ static void every_case(struct __test_metadata *_metadata, ape_device *dev, void 
 	vcase_sweep(_metadata, dev, V_FORWARD, sweep);
 	vcase_sweep(_metadata, dev, V_BACKWARD, sweep);
 	vcase_sweep(_metadata, dev, V_RESIDENT, sweep);
+	/* on device tensors the backward takes positions whose pieces have no sum to make */
+	vcase_sweep(_metadata, dev, V_RESIDENT_BWD, sweep);
 	default_positions = false;
 }
 

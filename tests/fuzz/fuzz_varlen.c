@@ -18,6 +18,11 @@
  * call takes), a refusal writes nothing, and an accepted call's O and LSE (token-major, as the
  * host call writes it) are the host call's bit for bit.
  *
+ * The backward goes through ape_attention_backward_enqueue_varlen() on the wrapped arrays too: the
+ * host backward's code (or APE_ENOTSUP naming vl->pos_k or vl->pos_q for explicit positions the
+ * device-tensor call leaves to the host call), a refusal writing nothing, accepted gradients
+ * the host call's bit for bit.
+ *
  * And through ape_attention_forward_varlen_dlpack() and ape_attention_backward_varlen_dlpack()
  * on kDLCPU DLTensors over the same arrays (packed [total, heads, D], LSE [total_q, H],
  * dparams [H, 4]): the host calls' codes, a refusal writing nothing and naming the DLPack
@@ -109,6 +114,67 @@ static void resident_same(const ape_attn_desc *desc, const ape_varlen *vl, int64
 		      "enqueue_varlen's LSE is the host call's, bit for bit");
 	}
 	for (int i = 0; i < 5; i++)
+		ape_buffer_free(b[i]);
+}
+
+/* The backward through ape_attention_backward_enqueue_varlen() on the host arrays (wrapped), dO = O,
+ * against the host backward's code bwd_ret and gradients g (dq, dk, dv, dparams at the offsets
+ * LLVMFuzzerTestOneInput() uses). */
+static void resident_bwd_same(const ape_attn_desc *desc, const ape_varlen *vl, int64_t tq,
+			      int64_t tk, float *q, float *k, float *v, size_t nq, size_t nk,
+			      float *o, float *lse, const float *g, int bwd_ret)
+{
+	static float g2[MAXT * H * D + 2 * MAXT * HKV * D + 4 * H];
+	float *const gk = g2 + MAXT * H * D, *const gv = gk + MAXT * HKV * D, *const gp = gv + MAXT * HKV * D;
+	static ape_queue *queue;
+	ape_buffer *b[6] = { NULL };
+	ape_dtensor tq_d, tk_d, tv_d, to_d, tl_d, dq_d, dk_d, dv_d, dp_d;
+	int ret;
+
+	if (!queue)
+		check(ape_queue_create(ref, &queue) == 0, "ape_queue_create(ref)");
+	memset(g2, 0x5a, sizeof(g2));
+	check(ape_buffer_wrap_host(ref, q, nq, &b[0]) == 0 &&
+		      ape_buffer_wrap_host(ref, k, nk, &b[1]) == 0 &&
+		      ape_buffer_wrap_host(ref, v, nk, &b[2]) == 0 &&
+		      ape_buffer_wrap_host(ref, o, nq, &b[3]) == 0 &&
+		      ape_buffer_wrap_host(ref, lse, MAXT * H * sizeof(float), &b[4]) == 0 &&
+		      ape_buffer_wrap_host(ref, g2, sizeof(g2), &b[5]) == 0,
+	      "ape_buffer_wrap_host(ref)");
+	packed_dtensor(&tq_d, b[0], tq, H);
+	packed_dtensor(&tk_d, b[1], tk, HKV);
+	packed_dtensor(&tv_d, b[2], tk, HKV);
+	packed_dtensor(&to_d, b[3], tq, H);
+	ape_dtensor_init(&tl_d, b[4], 0, APE_F32, 1, H, tq, 1);
+	tl_d.strides[0] = 0; /* [total_q, H], token-major */
+	tl_d.strides[1] = 1;
+	tl_d.strides[2] = H;
+	packed_dtensor(&dq_d, b[5], tq, H);
+	packed_dtensor(&dk_d, b[5], tk, HKV);
+	dk_d.byte_offset = (uint64_t)((char *)gk - (char *)g2);
+	packed_dtensor(&dv_d, b[5], tk, HKV);
+	dv_d.byte_offset = (uint64_t)((char *)gv - (char *)g2);
+	ape_dtensor_init(&dp_d, b[5], (uint64_t)((char *)gp - (char *)g2), APE_F32, 1, 1, H, 4);
+	ret = ape_attention_backward_enqueue_varlen(queue, desc, vl, &tq_d, &tk_d, &tv_d, &to_d,
+						    &tl_d, &to_d, NULL, &dq_d, &dk_d, &dv_d, &dp_d);
+	check(ret == bwd_ret ||
+		      (ret == APE_ENOTSUP && !bwd_ret && (vl->pos_q || vl->pos_k) &&
+		       (strstr(ape_last_error(), "vl->pos_k") || strstr(ape_last_error(), "vl->pos_q"))),
+	      "backward_enqueue_varlen returns what the host call returns (or leaves explicit "
+	      "positions to it, naming them)");
+	check(ape_queue_synchronize(queue) == 0, "and its work runs");
+	if (ret) {
+		for (size_t i = 0; i < sizeof(g2); i++)
+			check(((uint8_t *)g2)[i] == 0x5a, "a refused backward_enqueue_varlen writes nothing");
+	} else {
+		check(!memcmp(g2, g, (size_t)(tq * H * D) * sizeof(float)) &&
+			      !memcmp(gk, g + MAXT * H * D, (size_t)(tk * HKV * D) * sizeof(float)) &&
+			      !memcmp(gv, g + MAXT * H * D + MAXT * HKV * D,
+				      (size_t)(tk * HKV * D) * sizeof(float)) &&
+			      !memcmp(gp, g + MAXT * H * D + 2 * MAXT * HKV * D, 4 * H * sizeof(float)),
+		      "backward_enqueue_varlen's gradients are the host call's, bit for bit");
+	}
+	for (int i = 0; i < 6; i++)
 		ape_buffer_free(b[i]);
 }
 
@@ -256,6 +322,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 						     &to_t, lse, &to_t, NULL, &dq, &dk, &dv,
 						     g + MAXT * H * D + 2 * MAXT * HKV * D, NULL);
 		check(bret != 0, "the backward refuses what the forward refuses");
+		resident_bwd_same(&desc, &vl, tq, tk, q, k, v, sizeof(q), sizeof(k), o, lse, g, bret);
 		dlpack_same(&desc, &vl, tq, tk, q, k, v, o, lse, ret, g, bret);
 		return 0;
 	}
@@ -284,6 +351,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	for (int64_t i = 0; i < tk * HKV * D; i++)
 		check(isfinite(g[MAXT * H * D + i]) && isfinite(g[MAXT * H * D + MAXT * HKV * D + i]),
 		      "finite dK and dV");
+	resident_bwd_same(&desc, &vl, tq, tk, q, k, v, sizeof(q), sizeof(k), o, lse, g, 0);
 	dlpack_same(&desc, &vl, tq, tk, q, k, v, o, lse, 0, g, 0);
 	return 0;
 }
