@@ -9,15 +9,18 @@
  * attend over the same sequences where the pool leaves no key out; CSR, block table and every
  * layout the same bits; one plan run by two layers of different pages and parameters; the
  * decode of many sequences read in place on OpenCL; validation naming the argument, index and
- * value, with the outputs untouched.
+ * value, with the outputs untouched; ape_paged_kv_run_dlpack() over kDLCPU pages of every layout,
+ * the same bits as the run over device tensors, and its refusals.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "ape/ape_dlpack.h"
 #include "ape_test.h"
 #include "common/backend_fixture.h"
+#include "common/bwdcase.h"
 
 #include "kvpool_model.h"
 
@@ -34,12 +37,15 @@ struct cpages {
 	int64_t indptr[65], *indices, last[64], lens[64], kstart[64], *btab;
 	ape_buffer *buf;
 	ape_dtensor k, v;
+	char *img; /* the host image uploaded to buf */
+	size_t img_bytes;
 };
 
 static void cpages_free(struct cpages *c)
 {
 	free(c->indices);
 	free(c->btab);
+	free(c->img);
 	ape_buffer_free(c->buf);
 	memset(c, 0, sizeof(*c));
 }
@@ -155,7 +161,8 @@ static int cpages_make(struct cpages *c, const struct model *m, ape_device *dev,
 		}
 	}
 	free(perm);
-	free(img);
+	c->img = img;
+	c->img_bytes = (size_t)total * esz;
 	return ret;
 }
 
@@ -742,6 +749,141 @@ TEST_F(paged, validation_names_the_argument)
 	ape_buffer_free(small);
 	ape_paged_kv_destroy(pk);
 	ape_paged_kv_destroy(NULL);
+}
+
+/* The pages of c (layout l) as kDLCPU DLTensors [num_pages, page_tokens, Hkv, D] over its host
+ * image (shape and strides in sh, st: [2][4]). */
+static void dl_pages(const struct cpages *c, const struct model *m, enum layout l, DLTensor t[2],
+		     int64_t sh[2][4], int64_t st[2][4])
+{
+	const int64_t hd = m->Hkv * m->D;
+
+	for (int v = 0; v < 2; v++) {
+		sh[v][0] = c->np;
+		sh[v][1] = c->P;
+		sh[v][2] = m->Hkv;
+		sh[v][3] = m->D;
+		st[v][0] = l == L_HND ? hd * c->P : l == L_NHD ? c->P * hd : 2 * c->P * hd;
+		st[v][1] = l == L_HND ? m->D : hd;
+		st[v][2] = l == L_HND ? c->P * m->D : m->D;
+		st[v][3] = 1;
+		t[v] = (DLTensor){ .data = c->img, .device = { kDLCPU, 0 }, .ndim = 4,
+				   .dtype = test_dl_dtype(m->dt), .shape = sh[v], .strides = st[v],
+				   .byte_offset = (uint64_t)(elem_of(l, m, c->np, c->P, v, 0, 0, 0) *
+							     (int64_t)m->esz) };
+	}
+}
+
+/*
+ * ape_paged_kv_run_dlpack(): kDLCPU pages in every layout (HND as its permuted view,
+ * FlashInfer's halves slices of one memory), q, o, lse as [total_q, H, D] / [total_q, H]
+ * DLTensors: the same bits as ape_paged_kv_run() over the same pages on the device. Refusals
+ * name the tensor and write nothing: a page shape that is not the object's (named in the view's
+ * axes), strides that differ between K and V, queries on a device, no pk. (kDLCPU pages need a
+ * device that reads host memory: the reference and OpenCL CPU devices.)
+ */
+TEST_F(paged, dlpack_pages_equal_the_device_tensors)
+{
+	const int64_t P = 5, D = 16;
+	ape_kv_pool_options o;
+	ape_paged_kv_options po;
+	ape_paged_kv *pk = NULL;
+	struct model m;
+	struct mbatch b;
+	ape_rng rng;
+	int64_t idx[6], share[6], lq[6] = { 1, 3, 0, 1, 7, 2 };
+
+	if (!ape_be_caps_have(&self->dev->caps, APE_BE_CAP_HOST_MEMORY))
+		SKIP(return, "%s reads no host memory: kDLCPU pages are not its",
+		     self->dev->info.name);
+	ape_rng_init(&rng, _metadata->name);
+	ape_kv_pool_options_init(&o);
+	o.Hkv = 2;
+	o.H = 4;
+	o.D = D;
+	o.dtype = APE_F16;
+	o.page_tokens = P;
+	o.capacity_tokens = 600;
+	o.max_batch_tokens = 64;
+	ASSERT_EQ(0, model_init(&m, self->dev, &o)) TH_LOG("%s", ape_last_error());
+	make_sequences(_metadata, &m, &rng, 6, 60, P, idx, share);
+	ASSERT_EQ(0, mbatch_make(&b, &m, &rng, 6, idx, lq, POS_DEFAULT));
+	po = paged_options(&m, P, 600 / P + 20);
+	ASSERT_EQ(0, ape_paged_kv_create(self->dev, &po, &pk)) TH_LOG("%s", ape_last_error());
+	for (int l = 0; l < L_COUNT; l++) {
+		const size_t no = (size_t)(b.tq * 4 * D) * sizeof(float), nl = (size_t)(b.tq * 4) * 4;
+		struct cpages c;
+		test_tensor o1, o2;
+		float *lse1 = malloc(nl + 4), *lse2 = malloc(nl + 4);
+		int64_t sh[2][4], st[2][4], qs[3], os[3], ls[2];
+		DLTensor pg[2], q, od, ld;
+		ape_page_table pt;
+
+		ASSERT_TRUE(lse1 && lse2);
+		ASSERT_EQ(0, cpages_make(&c, &m, self->dev, &rng, (enum layout)l, P, po.num_pages, 6,
+					 idx, share))
+		TH_LOG("%s", ape_last_error());
+		pt = table_of(&c, l != 1);
+		ASSERT_EQ(0, test_tensor_random(&o1, &rng, APE_F32, 1, b.tq, 4, D, 1.0));
+		ASSERT_EQ(0, test_tensor_random(&o2, &rng, APE_F32, 1, b.tq, 4, D, 1.0));
+		ape_tensor_init_packed(&o1.t, o1.alloc, APE_F32, b.tq, 4, D);
+		ape_tensor_init_packed(&o2.t, o2.alloc, APE_F32, b.tq, 4, D);
+		memset(o2.alloc, 0x5a, no);
+		memset(lse2, 0x5a, nl);
+		ASSERT_EQ(0, ape_paged_kv_plan(pk, &pt, b.cu, NULL)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, ape_paged_kv_run(pk, &b.desc, &c.k, &c.v, &b.q.t, &o1.t, lse1, NULL))
+		TH_LOG("%s", ape_last_error());
+		dl_pages(&c, &m, (enum layout)l, pg, sh, st);
+		qs[0] = os[0] = b.tq;
+		qs[1] = os[1] = ls[1] = 4;
+		qs[2] = os[2] = D;
+		ls[0] = b.tq;
+		q = (DLTensor){ .data = b.q.t.data, .device = { kDLCPU, 0 }, .ndim = 3,
+				.dtype = test_dl_dtype(m.dt), .shape = qs };
+		od = (DLTensor){ .data = o2.alloc, .device = { kDLCPU, 0 }, .ndim = 3,
+				 .dtype = test_dl_dtype(APE_F32), .shape = os };
+		ld = (DLTensor){ .data = lse2, .device = { kDLCPU, 0 }, .ndim = 2,
+				 .dtype = test_dl_dtype(APE_F32), .shape = ls };
+		/* refusals first: nothing written */
+		sh[0][2] = 3; /* Hkv 3 */
+		EXPECT_EQ(APE_EINVAL, ape_paged_kv_run_dlpack(pk, &b.desc, &pg[0], &pg[1], &q, &od,
+							      &ld));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "ape_paged_kv_run_dlpack: k_pages->shape[1]"))
+		TH_LOG("%s", ape_last_error());
+		EXPECT_NE(NULL, strstr(ape_last_error(), "1 is Hkv")) TH_LOG("%s", ape_last_error());
+		sh[0][2] = m.Hkv;
+		st[1][0] += 1; /* V's pages apart by one more element than K's */
+		EXPECT_EQ(APE_EINVAL, ape_paged_kv_run_dlpack(pk, &b.desc, &pg[0], &pg[1], &q, &od,
+							      &ld));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "v_pages: strides")) TH_LOG("%s",
+										    ape_last_error());
+		st[1][0] -= 1;
+		q.device = (DLDevice){ kDLCUDA, 0 };
+		EXPECT_NE(0, ape_paged_kv_run_dlpack(pk, &b.desc, &pg[0], &pg[1], &q, &od, &ld));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "q->device")) TH_LOG("%s", ape_last_error());
+		q.device = (DLDevice){ kDLCPU, 0 };
+		EXPECT_EQ(APE_EINVAL, ape_paged_kv_run_dlpack(NULL, &b.desc, &pg[0], &pg[1], &q, &od,
+							      &ld));
+		EXPECT_NE(NULL, strstr(ape_last_error(), "pk = NULL"));
+		for (size_t i = 0; i < no; i++)
+			ASSERT_EQ(0x5a, ((unsigned char *)o2.alloc)[i]) TH_LOG("o written");
+		for (size_t i = 0; i < nl; i++)
+			ASSERT_EQ(0x5a, ((unsigned char *)lse2)[i]) TH_LOG("lse written");
+		/* and the run: the device tensors' bits */
+		ASSERT_EQ(0, ape_paged_kv_run_dlpack(pk, &b.desc, &pg[0], &pg[1], &q, &od, &ld))
+		TH_LOG("%s: %s", layout_names[l], ape_last_error());
+		EXPECT_EQ(0, memcmp(o1.alloc, o2.alloc, no)) TH_LOG("%s: O differs", layout_names[l]);
+		EXPECT_EQ(0, memcmp(lse1, lse2, nl)) TH_LOG("%s: LSE differs", layout_names[l]);
+		check_outputs(_metadata, &m, &b, &o2, lse2, layout_names[l]);
+		test_tensor_free(&o1);
+		test_tensor_free(&o2);
+		free(lse1);
+		free(lse2);
+		cpages_free(&c);
+	}
+	ape_paged_kv_destroy(pk);
+	mbatch_free(&b);
+	model_free(&m);
 }
 
 TEST_HARNESS_MAIN

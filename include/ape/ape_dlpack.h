@@ -158,6 +158,34 @@ APE_API int ape_attention_backward_varlen_dlpack(ape_device *dev, const ape_attn
 						 DLTensor *dq, DLTensor *dk, DLTensor *dv,
 						 DLTensor *dparams, void *stream);
 
+/**
+ * \brief ape_paged_kv_run() on DLPack tensors: one layer's attention over the caller's KV
+ *        pages (docs/serving.md, "The caller's pages").
+ *
+ * k_pages and v_pages are 4-D `[num_pages, page_tokens, Hkv, D]` (vLLM's order, as a
+ * framework's tensor of it holds them), strides free with D contiguous, both with the same
+ * strides: an HND buffer `[num_pages, Hkv, page_tokens, D]` is passed as its permuted view;
+ * FlashInfer's K and V halves of one `[num_pages, 2, page_tokens, Hkv, D]` buffer as two
+ * slices of it (one memory to libape). They are where the object's device reads them, by the
+ * rules of ape_attention_forward_dlpack() (kDLOpenCL, kDLCUDA, or kDLCPU on the reference and
+ * OpenCL CPU devices), of the object's dtype, and hold their keys when the call is made (the
+ * caller's writes to them completed: on a GPU, synchronise the stream that wrote them first);
+ * they are only read. q and o are 3-D `[total_q, H, D]` kDLCPU tensors (the plan's total_q;
+ * q of the object's dtype, o of it or float32), lse NULL or 2-D `[total_q, H]` float32 kDLCPU
+ * (staged when not row-major), as ape_paged_kv_run() takes its host q, o and lse. Returns when
+ * o and lse are written.
+ * \return 0; APE_EINVAL naming the tensor and what is wrong (as
+ *         ape_attention_forward_dlpack(); a message about an axis of the pages names it in the
+ *         `[num_pages, Hkv, page_tokens, D]` view and says so); APE_ENOTSUP naming q->device
+ *         for queries or outputs not in host memory; the errors of ape_paged_kv_run(),
+ *         prefixed with this function's name. On an error found by the checks nothing is
+ *         written.
+ * \note Used by one thread at a time, as the object is.
+ */
+APE_API int ape_paged_kv_run_dlpack(ape_paged_kv *pk, const ape_attn_desc *desc,
+				    const DLTensor *k_pages, const DLTensor *v_pages,
+				    const DLTensor *q, DLTensor *o, DLTensor *lse);
+
 #ifdef __cplusplus
 }
 #endif

@@ -36,6 +36,7 @@
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/verbose.h"
+#include "api/kvpool.h"
 #include "api/resident.h"
 #include "api/validate.h"
 #include "api/varlen.h"
@@ -117,16 +118,16 @@ static int check_dtype(const char *fn, const char *name, const DLTensor *t, ape_
 
 /* The device type and id every tensor must have to be computed on by dev (see the header). */
 static int check_device(const char *fn, const char *name, const DLTensor *t, const DLTensor *q,
-			const ape_device *dev)
+			const char *qname, const ape_device *dev)
 {
 	const char *be = dev->info.backend;
 	const int type = (int)t->device.device_type, id = t->device.device_id;
 	int want_id = 0;
 
 	if (t != q && (type != (int)q->device.device_type || id != q->device.device_id))
-		return ape__error(APE_EINVAL, "%s: %s->device = (%s, %d), q->device = (%s, %d): "
+		return ape__error(APE_EINVAL, "%s: %s->device = (%s, %d), %s->device = (%s, %d): "
 				  "every tensor must be on one device",
-				  fn, name, devtype_name(type), id,
+				  fn, name, devtype_name(type), id, qname,
 				  devtype_name((int)q->device.device_type), q->device.device_id);
 	if (!kind_of(type))
 		return ape__error(APE_EINVAL,
@@ -172,6 +173,9 @@ static const struct dl_form F_H4 = { 2, { 2, 3 }, "[H, 4]" }; /* [1, 1, H, 4] */
  * [1, H, total_q, 1] */
 static const struct dl_form F_THD = { 3, { 2, 1, 3 }, "[total, H, D]" };
 static const struct dl_form F_TH = { 2, { 2, 1 }, "[total_q, H]" };
+/* the caller's KV pages [num_pages, page_tokens, Hkv, D] (vLLM's order; any strides) as the
+ * [num_pages, Hkv, page_tokens, D] tensors ape_paged_kv_run() takes */
+static const struct dl_form F_PAGES = { 4, { 0, 2, 1, 3 }, "[num_pages, page_tokens, Hkv, D]" };
 
 /* Reads one DLTensor of form f into in->dt (without a buffer), its strides and byte span. */
 static int read_tensor(const char *fn, const char *name, const DLTensor *t,
@@ -364,7 +368,7 @@ static int dl_read(struct dl_call *c, ape_device *dev, const DLTensor *const *t,
 	for (int i = 0; i < n; i++) {
 		c->in[i].t = NULL;
 		c->in[i].name = names[i];
-		if (t[i] && ((ret = check_device(fn, names[i], t[i], q, dev)) ||
+		if (t[i] && ((ret = check_device(fn, names[i], t[i], q, names[0], dev)) ||
 			     (ret = read_tensor(fn, names[i], t[i], f[i], &c->in[i]))))
 			return ret;
 	}
@@ -375,23 +379,34 @@ static int dl_read(struct dl_call *c, ape_device *dev, const DLTensor *const *t,
 	return 0;
 }
 
-/* Wraps the n tensors dl_read() read (memory of that kind) for dev, and makes the queue
- * stream names (see the header). On failure the caller still calls dl_release(). */
-static int dl_wrap(struct dl_call *c, ape_device *dev, int n, int kind, void *stream)
+/* The n tensors' memory wrapped, tensors sharing memory one wrapper (c->dt: the device
+ * tensors); no queue. On failure the caller still calls dl_release(). */
+static int dl_wrap_mem(struct dl_call *c, ape_device *dev, int n, int kind)
 {
-	const char *fn = c->fn;
 	int ret = 0;
 
 	group_tensors(c->in, n, kind);
 	for (int i = 0; i < n && !ret; i++)
 		if (c->in[i].t && c->in[i].group == i)
-			ret = wrap_group(fn, dev, c->in, n, i, kind, &c->wrap[i]);
+			ret = wrap_group(c->fn, dev, c->in, n, i, kind, &c->wrap[i]);
 	if (ret)
 		return ret;
 	for (int i = 0; i < n; i++) {
 		c->in[i].dt.buf = c->wrap[c->in[i].group];
 		c->dt[i] = c->in[i].t ? &c->in[i].dt : NULL;
 	}
+	return 0;
+}
+
+/* Wraps the n tensors dl_read() read (memory of that kind) for dev (dl_wrap_mem()), and makes
+ * the queue stream names (see the header). On failure the caller still calls dl_release(). */
+static int dl_wrap(struct dl_call *c, ape_device *dev, int n, int kind, void *stream)
+{
+	const char *fn = c->fn;
+	int ret = dl_wrap_mem(c, dev, n, kind);
+
+	if (ret)
+		return ret;
 	if (kind == APE_BE_MEM_CUDA)
 		ret = ape__queue_wrap(fn, dev, "cuda", stream, &c->queue);
 	else if (kind == APE_BE_MEM_OPENCL && stream)
@@ -758,5 +773,76 @@ int ape_attention_backward_varlen_dlpack(ape_device *dev, const ape_attn_desc *d
 out:
 	for (int i = 0; i < APE__RB_COUNT; i++)
 		free(stage[i]);
+	return ret;
+}
+
+/* ------------------------------------------------------------------ the caller's KV pages */
+
+/* view_axes_note(), and for a message about the pages the axes of their view. */
+static int pages_axes_note(int ret)
+{
+	const char *m = ape_last_error();
+
+	if (ret == APE_EINVAL && (strstr(m, "k_pages->s") || strstr(m, "v_pages->s")))
+		return ape__error_suffix(ret, " (axes of the [num_pages, Hkv, page_tokens, D] view "
+					      "of the [num_pages, page_tokens, Hkv, D] tensor: 1 is "
+					      "Hkv, 2 is page_tokens)");
+	return view_axes_note(ret);
+}
+
+int ape_paged_kv_run_dlpack(ape_paged_kv *pk, const ape_attn_desc *desc,
+			    const DLTensor *k_pages, const DLTensor *v_pages, const DLTensor *q,
+			    DLTensor *o, DLTensor *lse)
+{
+	APE__API_CALL("ape_paged_kv_run_dlpack");
+	static const char *const pnames[2] = { "k_pages", "v_pages" };
+	static const char *const hnames[3] = { "q", "o", "lse" };
+	static const struct dl_form *const pforms[2] = { &F_PAGES, &F_PAGES };
+	static const struct dl_form *const hforms[3] = { &F_THD, &F_THD, &F_TH };
+	static const struct dl_dim want[3][3] = { { ANY, ANY, ANY }, LIKE_Q,
+						  { LIKE(0, 0), LIKE(0, 1) } };
+	const DLTensor *const pt[2] = { k_pages, v_pages }, *const ht[3] = { q, o, lse };
+	struct dl_call pc = { .fn = "ape_paged_kv_run_dlpack" };
+	struct dl_call hc = { .fn = "ape_paged_kv_run_dlpack" };
+	ape_device *dev;
+	ape_tensor hq, ho;
+	float *l = NULL, *stage = NULL;
+	int kind, ret;
+
+	if (!pk)
+		return ape__error(APE_EINVAL, "%s: pk = NULL", pc.fn);
+	for (int i = 0; i < 2; i++)
+		if (!pt[i])
+			return ape__error(APE_EINVAL, "%s: %s = NULL", pc.fn, pnames[i]);
+	for (int i = 0; i < 2; i++)
+		if (!ht[i])
+			return ape__error(APE_EINVAL, "%s: %s = NULL", pc.fn, hnames[i]);
+	dev = ape__paged_kv_device(pk);
+	/* the queries and outputs: host memory, as ape_paged_kv_run() takes them */
+	if ((ret = dl_read(&hc, dev, ht, hnames, hforms, 3, NULL, &kind)) ||
+	    (ret = check_ragged(&hc, hforms, want, 3)))
+		return ret;
+	if (kind != APE_BE_MEM_HOST)
+		return ape__error(APE_ENOTSUP,
+				  "%s: q->device = (%s, %d): the queries and outputs are host memory "
+				  "(kDLCPU); the pages may be device memory",
+				  hc.fn, devtype_name((int)q->device.device_type),
+				  q->device.device_id);
+	host_tensor(&hc.in[0], &hq);
+	host_tensor(&hc.in[1], &ho);
+	if (lse && (ret = host_floats(&hc, 3, 2, 1u << 1 | 1u << 2, &l, &stage)))
+		return ret;
+	/* the pages: wherever the object's device reads them (one wrapper where they share
+	 * memory: FlashInfer's K and V halves of one buffer) */
+	ret = dl_read(&pc, dev, pt, pnames, pforms, 2, NULL, &kind);
+	if (!ret) /* no queue: the run makes its own (the object's session) */
+		ret = dl_wrap_mem(&pc, dev, 2, kind);
+	if (!ret)
+		ret = pages_axes_note(ape__paged_kv_run(pk, pc.fn, desc, pc.dt[0], pc.dt[1], &hq,
+							 &ho, l));
+	ret = dl_release(&pc, ret);
+	if (!ret && lse)
+		host_floats_publish(&hc.in[2], stage);
+	free(stage);
 	return ret;
 }

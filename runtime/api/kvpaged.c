@@ -446,6 +446,20 @@ out:
 	return ret;
 }
 
+struct ape_device *ape__paged_kv_device(const ape_paged_kv *pk)
+{
+	return pk->pl.dev;
+}
+
+int ape__paged_kv_run(ape_paged_kv *pk, const char *fn, const ape_attn_desc *desc,
+		      const ape_dtensor *k_pages, const ape_dtensor *v_pages, const ape_tensor *q,
+		      ape_tensor *o, float *lse)
+{
+	static const struct ape__diag_req none = { NULL, NULL };
+
+	return run(pk, fn, desc, k_pages, v_pages, q, o, lse, &none, NULL);
+}
+
 int ape_paged_kv_run(ape_paged_kv *pk, const ape_attn_desc *desc, const ape_dtensor *k_pages,
 		     const ape_dtensor *v_pages, const ape_tensor *q, ape_tensor *o, float *lse,
 		     ape_stats *stats)

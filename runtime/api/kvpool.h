@@ -185,5 +185,12 @@ int ape__kvp_run(struct ape_kv_pool *pl, const char *fn, struct ape__problem *p,
 		 const ape_tensor *q, ape_tensor *o, float *lse, const struct ape__diag_req *dg,
 		 ape_stats *stats, double t0);
 
+/* The caller's pages (api/kvpaged.c): the object's device, and ape_paged_kv_run() with its
+ * messages starting with fn (the DLPack call's), no statistics. */
+struct ape_device *ape__paged_kv_device(const ape_paged_kv *pk);
+int ape__paged_kv_run(ape_paged_kv *pk, const char *fn, const ape_attn_desc *desc,
+		      const ape_dtensor *k_pages, const ape_dtensor *v_pages, const ape_tensor *q,
+		      ape_tensor *o, float *lse);
+
 #pragma GCC visibility pop
 #endif

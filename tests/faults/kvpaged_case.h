@@ -17,7 +17,9 @@
  * - plan B, a block table (stride 4, the rest of each row not read): the same pages read
  *   further (11, 6 and 4 tokens), one decode row each at explicit positions (after the keys,
  *   among them, past a gap);
- * - run B over layer 0; destroy.
+ * - run B over layer 0 through ape_paged_kv_run_dlpack(): its pages as kDLCPU DLTensors over
+ *   their host copies (vLLM's layout is DLPack's compact [num_pages, page_tokens, Hkv, D]),
+ *   the queries and outputs too; destroy.
  *
  * On OpenCL the decode-shaped sequences are read in place through the page table and the
  * others (5 rows) gathered; on the reference every key is gathered.
@@ -38,6 +40,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ape/ape_dlpack.h"
+#include "common/bwdcase.h"
 #include "common/naive.h"
 #include "common/positions.h"
 #include "common/testutil.h"
@@ -205,8 +209,28 @@ static void kcase_tables(ape_page_table *a, ape_page_table *b)
 	b->k_start = kc_ks_b;
 }
 
-/* Runs the plan in force over layer l, the queries q of `rows` rows; on success the outputs
- * into o and lse. */
+/* A kDLCPU DLTensor over p of `nd` axes sh (compact). */
+static DLTensor kcase_dl(void *p, ape_dtype dt, int nd, int64_t *sh)
+{
+	return (DLTensor){ .data = p, .device = { kDLCPU, 0 }, .ndim = nd,
+			   .dtype = test_dl_dtype(dt), .shape = sh };
+}
+
+/* Layer 0 through ape_paged_kv_run_dlpack(): its pages' host copies, q, o and lse as kDLCPU
+ * DLTensors. */
+static int kcase_dlpack(struct kcase *c, ape_paged_kv *pk, void *q, int64_t rows)
+{
+	int64_t ps[4] = { KC_NP, KC_P, KC_HKV, KC_D }, qs[3] = { rows, KC_H, KC_D };
+	int64_t ls[2] = { rows, KC_H };
+	DLTensor k = kcase_dl(c->host[0], c->dt, 4, ps), v = kcase_dl(c->host[1], c->dt, 4, ps);
+	DLTensor qt = kcase_dl(q, c->dt, 3, qs), ot = kcase_dl(c->o_run, APE_F32, 3, qs);
+	DLTensor lt = kcase_dl(c->l_run, APE_F32, 2, ls);
+
+	return ape_paged_kv_run_dlpack(pk, &c->desc, &k, &v, &qt, &ot, &lt);
+}
+
+/* Runs the plan in force over layer l (2: layer 0 through ape_paged_kv_run_dlpack()), the
+ * queries q of `rows` rows; on success the outputs into o and lse. */
 static int kcase_layer(struct kcase *c, ape_paged_kv *pk, int l, void *q, int64_t rows, float *o,
 		       float *lse)
 {
@@ -217,7 +241,9 @@ static int kcase_layer(struct kcase *c, ape_paged_kv *pk, int l, void *q, int64_
 	memset(c->l_run, 0xff, sizeof(c->l_run));
 	ape_tensor_init_packed(&qt, q, c->dt, rows, KC_H, KC_D);
 	ape_tensor_init_packed(&ot, c->o_run, APE_F32, rows, KC_H, KC_D);
-	if (l == 1) /* the second layer with its diagnostics */
+	if (l == 2)
+		ret = kcase_dlpack(c, pk, q, rows);
+	else if (l == 1) /* the second layer with its diagnostics */
 		ret = ape_paged_kv_run_diag(pk, &c->desc, &c->k[l], &c->v[l], &qt, &ot, c->l_run,
 					    c->e_run, c->m_run, NULL);
 	else
@@ -291,8 +317,8 @@ static int kcase_run(struct kcase *c)
 		   (void)0);
 	KCASE_CALL(c, "ape_paged_kv_plan", ape_paged_kv_plan(pk, &tb, kc_cu_b, kc_pos_b),
 		   kcase_no_plan(c, pk));
-	KCASE_CALL(c, "ape_paged_kv_run", kcase_layer(c, pk, 0, c->qb, KC_QB, c->ob, c->lb),
-		   (void)0);
+	KCASE_CALL(c, "ape_paged_kv_run_dlpack",
+		   kcase_layer(c, pk, 2, c->qb, KC_QB, c->ob, c->lb), (void)0);
 out:
 	if (c->ret && pk && !c->host_faults && ape_paged_kv_plan(pk, &tb, kc_cu_b, kc_pos_b))
 		kcase_bad(c, "ape_paged_kv_plan", "refused after a device failure (host memory only)");

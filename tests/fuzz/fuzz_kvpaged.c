@@ -21,6 +21,10 @@
  *   buffer a few bytes short of what the tensor addresses, NULL tensors and buffers; q with the
  *   plan's rows or not; O of the dtype or float32, LSE and stats wanted or not, a fuzzed desc
  *   (causal, decay, lambda, skip_tol, q_start_set, k_start, struct_size);
+ * - after each accepted run (without the diagnostics), ape_paged_kv_run_dlpack() of the same
+ *   tensors as kDLCPU DLTensors over the pages' host images ([num_pages, page_tokens, Hkv, D]
+ *   with the run's strides permuted), q, o and lse: accepted (where the device reads host
+ *   memory), O and LSE the run's bit for bit;
  * - the calls with NULL arguments.
  *
  * Promises checked:
@@ -52,6 +56,8 @@
 
 #include <math.h>
 #include <stdarg.h>
+
+#include "ape/ape_dlpack.h"
 #include <stdbool.h>
 #include <string.h>
 
@@ -808,6 +814,63 @@ static void take_layout(struct in *in, unsigned m, unsigned seed, struct layout 
 	l->voff = (int64_t)(v->byte_offset / esz);
 }
 
+/* A kDLCPU DLTensor over host memory p: `nd` axes sh, strides st (NULL: compact). */
+static DLTensor dl_host(void *p, uint64_t off, ape_dtype dt, int nd, int64_t *sh, int64_t *st)
+{
+	static const DLDataType types[3] = { { kDLFloat, 32, 1 }, { kDLFloat, 16, 1 },
+					     { kDLBfloat, 16, 1 } };
+
+	return (DLTensor){ .data = p, .device = { kDLCPU, 0 }, .ndim = nd, .dtype = types[dt],
+			   .shape = sh, .strides = st, .byte_offset = off };
+}
+
+/*
+ * An accepted run (its k, v over l's buffers, q, o, lse) again through
+ * ape_paged_kv_run_dlpack(): the pages as [num_pages, page_tokens, Hkv, D] DLTensors over l's
+ * host images (k's strides permuted; contiguous ones made explicit), q, o (a fresh block) and
+ * lse as [rows, H, D] and [rows, H]: accepted where the device reads host memory (APE_ENOTSUP
+ * elsewhere), its O and LSE the run's bit for bit.
+ */
+static void run_dlpack_same(ape_paged_kv *pk, const ape_attn_desc *desc, const struct layout *l,
+			    const ape_dtensor *k, const ape_dtensor *v, const ape_tensor *q,
+			    const ape_tensor *o, const float *lse, size_t ob_bytes,
+			    size_t lse_bytes)
+{
+	const int64_t rows = q->shape[2], H = opt.H, D = opt.D;
+	const ape_dtensor *t[2] = { k, v };
+	int64_t sh[2][4], st[2][4], qs[3] = { rows, H, D }, ls[2] = { rows, H };
+	uint8_t *o2 = malloc(ob_bytes + 1);
+	float *l2 = lse ? malloc(lse_bytes + 1) : NULL;
+	DLTensor pg[2], qt, ot, lt;
+	int ret;
+
+	check(o2 && (!lse || l2), "malloc");
+	memset(o2, 0x5a, ob_bytes + 1);
+	for (int i = 0; i < 2; i++) {
+		const int64_t *s = t[i]->strides, *n = t[i]->shape;
+		const bool compact = !s[0] && !s[1] && !s[2] && !s[3];
+		const int64_t c[4] = { n[1] * n[2] * n[3], n[2] * n[3], n[3], 1 };
+		const int64_t *e = compact ? c : s;
+
+		sh[i][0] = n[0], sh[i][1] = n[2], sh[i][2] = n[1], sh[i][3] = n[3];
+		st[i][0] = e[0], st[i][1] = e[2], st[i][2] = e[1], st[i][3] = e[3];
+		pg[i] = dl_host(l->host[i], t[i]->byte_offset, t[i]->dtype, 4, sh[i], st[i]);
+	}
+	qt = dl_host(q->data, 0, q->dtype, 3, qs, NULL);
+	ot = dl_host(o2, 0, o->dtype, 3, qs, NULL);
+	lt = dl_host(l2, 0, APE_F32, 2, ls, NULL);
+	ret = ape_paged_kv_run_dlpack(pk, desc, &pg[0], &pg[1], &qt, &ot, lse ? &lt : NULL);
+	trace("run_dlpack: %d %s", ret, ret ? ape_last_error() : "");
+	check(ret == 0 || (ret == APE_ENOTSUP && strstr(ape_last_error(), "ape_paged_kv_run_dlpack")),
+	      "the DLPack run of an accepted run's tensors is accepted");
+	if (!ret)
+		check(!memcmp(o2, o->data, ob_bytes) && o2[ob_bytes] == 0x5a &&
+			      (!lse || !memcmp(l2, lse, lse_bytes)),
+		      "the DLPack run's O and LSE are the run's, bit for bit");
+	free(o2);
+	free(l2);
+}
+
 /*
  * A run. Bytes: m (bits 0-2 the pages' layout: contiguous, vLLM, FlashInfer HND and NHD in one
  * buffer, padded, raw strides, v's strides other than k's, a raw shape entry; 8: a buffer
@@ -973,6 +1036,8 @@ static void op_run(struct in *in, ape_paged_kv *pk)
 		check(!(g & 64) || st.pairs_computed <= st.pairs_visible,
 		      "pairs computed are visible pairs");
 		check_rows(&l, &desc, &q, &o, lse);
+		if (!ent)
+			run_dlpack_same(pk, &desc, &l, &k, &v, &q, &o, lse, ob_bytes, lse_bytes);
 		for (int64_t i = 0; ent && i < rows * H; i++)
 			check(isfinite(ent[i]) && ent[i] >= -1e-3f && isfinite(md[i]) && md[i] >= 0,
 			      "the diagnostics are finite, entropy and distance >= 0");
