@@ -194,6 +194,8 @@ static bool bwd_separable(const struct ape_be_launch *f)
  */
 #define BWD_SHORT_ROWS 64
 #define BWD_SHORT_KEYS 64
+/* its note in the call's paths (the tests look for it) */
+#define BWD_SHORT_WHY "short segments: each whole in one work-item (ape_bwd_short)"
 
 static size_t bwd_short(const struct ape_be_launch *f, size_t rw)
 {
@@ -725,7 +727,9 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 	nmin = sp.nmin;
 	ndist = sp.ndist;
 	nkb = (cl_long)sp.nkb;
-	ape_be_path_note(f->path, APE_BE_PATH_BACKWARD, "the fused sweep, keys outer");
+	srv = bwd_short(f, (size_t)rw);
+	ape_be_path_note(f->path, APE_BE_PATH_BACKWARD,
+			 srv ? BWD_SHORT_WHY : "the fused sweep, keys outer");
 	if (sep) /* the call's path: "separable+backward" */
 		ape_be_path_note(f->path, APE_BE_PATH_SEPARABLE,
 				 "lambda = 0 on every head: the backward sweep on rotated rows");
@@ -736,7 +740,6 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 	nsplit = bwd_nsplit(q->dev, f, sp.nkb);
 	general = bwd_scratch_size(f, ape_be_bwd_parts(l), (size_t)rw, &sp, nsplit,
 				   ape__ocl_real_size(od), 0, &s);
-	srv = bwd_short(f, (size_t)rw);
 	if (srv) {
 		/* as many splits as the general kernels take, fewer where its slots would need
 		 * more scratch than they (the figure declared for a ragged call bounds theirs) */
@@ -748,8 +751,6 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 		nsplit = n;
 		bwd_scratch_size(f, ape_be_bwd_parts(l), (size_t)rw, &sp, nsplit,
 				 ape__ocl_real_size(od), srv, &s);
-		ape_be_path_note(f->path, APE_BE_PATH_BACKWARD,
-				 "short segments: one kernel per segment, no launch-sized scratch");
 	}
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
