@@ -13,7 +13,9 @@
  * instead of ape_bwd_fused, on Q and K rotated once by their positions (the rows kernel and
  * K's prep); the other kernels are the same. A ragged launch (ABI 1.2, f.segs) runs the same
  * kernels once for all its segments, on its segment tables (bwd_space(), bwd_tables(),
- * docs/kernels.md "The backward kernels").
+ * docs/kernels.md "The backward kernels"); one of short segments only (bwd_short()) runs
+ * ape_bwd_short (or _sep) instead of the preps, the rows kernel, the sweep and the reduction,
+ * each segment whole in one work-item's small slots (bwd_short_run()).
  *
  * Scratch, released right after it is enqueued (the commands keep it alive), like the
  * forward's: the parameters, float32 copies of Q+dO and K+V (Q's rows padded to whole row

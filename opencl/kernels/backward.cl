@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The APE backward pass (APE-SPEC.md, "Gradients"), OpenCL C 1.2, built after attention.cl in
- * the same program (it uses its loads, ld(), and its lane types). Ten kernels (nine
- * per launch, one sweep of the two), enqueued in order by ocl_backward.c:
+ * the same program (it uses its loads, ld(), and its lane types). Twelve kernels (per launch one
+ * of the four sweeps; the short ones stand in for the preps, rows and reduce as well), enqueued
+ * in order by ocl_backward.c:
  *
  *   ape_bwd_prep     Q with dO (in row vectors), and K with V (a row per key), as float32 in
  *                    the sweep's order; with skipping, each kv head's largest key norm;
@@ -22,6 +23,11 @@
  *                    positions (ape_bwd_rows rotates Q in place, ape_bwd_prep rotates K), so
  *                    that no pair turns anything: dot and alpha sums as products, dK and dQ as
  *                    plain sums turned back once per key and per row;
+ *   ape_bwd_short, ape_bwd_short_sep
+ *                    instead of the preps, ape_bwd_rows, the sweep and ape_bwd_reduce for a
+ *                    ragged launch of short segments (ocl_backward.c, bwd_short()): a
+ *                    work-item takes whole segments, preparing, tabling, sweeping and reducing
+ *                    each with those kernels' functions in its own small slots of scratch;
  *   ape_bwd_reduce   per row vector: the splits' slices summed in split order, the alpha path
  *                    applied to dQ_i, added to dQ; the rows' parameter sums;
  *   ape_bwd_params   per head: the rows' parameter sums in float64, in row order, added to
