@@ -13,7 +13,12 @@
  * (f.segs NULL, f.nseg).
  * Every feature in ragged launches: GQA, both layouts, f32/f16/bf16, dLSE, pairs, skipping,
  * the distance-bias table (per head and shared) and its gradient, lambda 0 on every head (the
- * separable sweep), negative decays.
+ * separable sweep), negative decays. Launches of short segments (at most 64 rows and keys each)
+ * take the short-segment kernel (ape_bwd_short); every case also runs on the general kernels
+ * (APE_OCL_BWD_SHORT=0), against the reference and against the first run: bit for bit where the
+ * two do the same operations in the same order (one key block per segment, keys in every
+ * segment, no skipping), else within float32 rounding (or the skip bound). Many short segments
+ * (lengths 1 to 33) in every configuration; a long segment keeps the general kernels.
  */
 #include <math.h>
 #include <stdatomic.h>
