@@ -13,7 +13,9 @@
  * instead of ape_bwd_fused, on Q and K rotated once by their positions (the rows kernel and
  * K's prep); the other kernels are the same. A ragged launch (ABI 1.2, f.segs) runs the same
  * kernels once for all its segments, on its segment tables (bwd_space(), bwd_tables(),
- * docs/kernels.md "The backward kernels").
+ * docs/kernels.md "The backward kernels"); one of short segments only (bwd_short()) runs
+ * ape_bwd_short (or _sep) instead of the preps, the rows kernel, the sweep and the reduction,
+ * each segment whole in one work-item's small slots (bwd_short_run()).
  *
  * Scratch, released right after it is enqueued (the commands keep it alive), like the
  * forward's: the parameters, float32 copies of Q+dO and K+V (Q's rows padded to whole row
@@ -182,6 +184,39 @@ static bool bwd_separable(const struct ape_be_launch *f)
 	return true;
 }
 
+/*
+ * The short-segment kernel (kernels/backward.cl, ape_bwd_short): a ragged launch whose every
+ * segment has at most BWD_SHORT_ROWS rows and BWD_SHORT_KEYS keys runs in one kernel that
+ * prepares, sweeps and reduces each segment whole in its work-item's own small slots, instead of
+ * the prep, rows, sweep and reduce kernels over launch-sized scratch (many short documents: with
+ * 16-token segments the scratch's fresh pages and the passes over it cost more than the sweep).
+ * Returns the row vectors of rw rows of the launch's largest segment (each work-item's slot per
+ * query head), or 0: the general kernels (a dense launch, a long segment, or APE_OCL_BWD_SHORT=0
+ * in the environment, for comparisons: docs/kernels.md).
+ */
+#define BWD_SHORT_ROWS 64
+#define BWD_SHORT_KEYS 64
+/* its note in the call's paths (the tests look for it) */
+#define BWD_SHORT_WHY "short segments: each whole in one work-item (ape_bwd_short)"
+
+static size_t bwd_short(const struct ape_be_launch *f, size_t rw)
+{
+	const char *e = getenv("APE_OCL_BWD_SHORT");
+	size_t m = 1;
+
+	if (!f->segs || (e && !strcmp(e, "0")))
+		return 0;
+	for (int64_t s = 0; s < f->nseg; s++) {
+		const struct ape_be_seg *g = &f->segs[s];
+		const size_t rv = ((size_t)g->lq + rw - 1) / rw;
+
+		if (g->lq > BWD_SHORT_ROWS || g->lk > BWD_SHORT_KEYS)
+			return 0;
+		m = rv > m ? rv : m;
+	}
+	return m;
+}
+
 /* Rows of the table's gradient: one per head, or one shared */
 static int64_t bwd_table_rows(const struct ape_be_launch *f)
 {
@@ -191,10 +226,13 @@ static int64_t bwd_table_rows(const struct ape_be_launch *f)
 /*
  * The one sizing of a launch's scratch, for the launch (rw of its program) and for
  * attention_backward_scratch (BWD_RW_MAX): fills s and returns the sum. parts: APE_BE_BWD_* bits.
- * A launch with nothing to do allocates nothing.
+ * A launch with nothing to do allocates nothing. srv: 0, or ape_bwd_short's slot row vectors per
+ * query head (bwd_short()): then the prepared rows, their tables and the partials are one slot
+ * per work-item (nsplit per (batch, kv head)) and query head of srv row vectors, the prepared keys
+ * one key block per work-item, one slice of the partials; no skipping.
  */
 static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, size_t rw,
-				 const struct bwd_space *sp, size_t nsplit, size_t real,
+				 const struct bwd_space *sp, size_t nsplit, size_t real, size_t srv,
 				 struct bwd_scratch *s)
 {
 	const unsigned outs = APE_BE_BWD_DQ | APE_BE_BWD_DK | APE_BE_BWD_DV | APE_BE_BWD_DPARAMS |
@@ -202,7 +240,9 @@ static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, 
 	const size_t bh = (size_t)(f->B * f->H), bkv = (size_t)(f->B * f->Hkv);
 	const size_t ndist = (size_t)sp->ndist;
 	const size_t npad = round_up((size_t)f->D / 2, rw), dpad = round_up((size_t)f->D, rw);
-	const size_t qrows = sp->qrows; /* whole row vectors (per segment) */
+	/* whole row vectors (per segment); ape_bwd_short: its slots' */
+	const size_t qrows = srv ? nsplit * srv * rw : sp->qrows;
+	const size_t nkp = srv ? nsplit * bwd_kt(f->D) : sp->nkp, nsl = srv ? 1 : nsplit;
 
 	memset(s, 0, sizeof(*s));
 	if (!(parts & outs) || bh * (size_t)f->Lq == 0 || f->Lk == 0 || ndist == 0)
@@ -214,7 +254,7 @@ static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, 
 	/* omega_p padded to npad, then delta, beta, gamma, lambda per head, in APE_REAL (real
 	 * bytes); the sums in 8 bytes (a float64 or a compensated float32 pair) */
 	s->prm = (npad + 4 * (size_t)f->H) * real;
-	s->kmax = f->skip_tol > 0 && f->decay_nonneg ? bkv * sizeof(int) : 0;
+	s->kmax = !srv && f->skip_tol > 0 && f->decay_nonneg ? bkv * sizeof(int) : 0;
 	s->rinfo = bh * qrows * RI_N * real;
 	/* per row vector: cos, then sin, of each pair's step */
 	s->step = bh * qrows * 2 * npad * sizeof(float);
@@ -224,10 +264,10 @@ static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, 
 	/* ape_bwd_prep's float32 rows: Q with dO in blocks of rw rows, K with V (and omega_p
 	 * times K's pairs; separable: the cos and sin of each key's angles) one by one */
 	s->qp = bh * qrows * (2 * npad + dpad) * sizeof(float);
-	s->kp = bkv * sp->nkp * ((bwd_separable(f) ? 6 : 4) * npad + dpad) * sizeof(float);
+	s->kp = bkv * nkp * ((bwd_separable(f) ? 6 : 4) * npad + dpad) * sizeof(float);
 	/* ape_bwd_fused's per-split slices: dQ in row vectors, the rows' five sums */
-	s->dqp = parts & APE_BE_BWD_DQ ? nsplit * bh * qrows * (size_t)f->D * sizeof(float) : 0;
-	s->rp = parts & (APE_BE_BWD_DQ | APE_BE_BWD_DPARAMS) ? nsplit * bh * qrows * RP_N * sizeof(double)
+	s->dqp = parts & APE_BE_BWD_DQ ? nsl * bh * qrows * (size_t)f->D * sizeof(float) : 0;
+	s->rp = parts & (APE_BE_BWD_DQ | APE_BE_BWD_DPARAMS) ? nsl * bh * qrows * RP_N * sizeof(double)
 							   : 0;
 	if (f->bias_table) { /* the table's rows as far as the launch reads, their suffix maxima
 			      * for the skip bound */
@@ -255,7 +295,7 @@ uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
 
 	bwd_space(&l->f, BWD_RW_MAX, &sp);
 	return bwd_scratch_size(&l->f, parts, BWD_RW_MAX, &sp, bwd_nsplit(dev, &l->f, sp.nkb),
-				ape__ocl_real_size(ape__ocl_dev(dev)), &s);
+				ape__ocl_real_size(ape__ocl_dev(dev)), 0, &s);
 }
 
 /* One scratch buffer of the launch, of a size bwd_scratch_size() gave, added to *held. */
@@ -575,6 +615,68 @@ static int bwd_dbias(struct ape_be_queue *q, const struct ape__ocl_program *pr,
 	return bwd_host_add(q, dbp, brows, (size_t)nm, l->dbias->mem, (size_t)m0, (size_t)M);
 }
 
+/* ape_bwd_short's slots of prepared rows and keys, of s's sizes (bwd_scratch_size()) */
+static int bwd_short_slots(struct ape_be_queue *q, const struct bwd_scratch *s, uint64_t *held,
+			   cl_mem *qp, cl_mem *kp)
+{
+	cl_int err;
+
+	*qp = bwd_take(q, s->qp, NULL, held, &err);
+	if (*qp)
+		*kp = bwd_take(q, s->kp, NULL, held, &err);
+	return *qp && *kp ? 0 : ape__ocl_error(err, "clCreateBuffer (backward slots)");
+}
+
+/* ape_bwd_short (or _sep) on a ragged launch of short segments (bwd_short(): srv row vectors per
+ * slot), nsplit work-items per (batch, kv head), on the buffers bwd_launch() made for it. */
+static int bwd_short_run(struct ape_be_queue *q, const struct ape__ocl_program *pr,
+			 const struct ape_be_bwd_launch *l, cl_int sep, size_t nsplit, size_t srv,
+			 cl_mem prm, cl_mem rinfo, cl_mem step, cl_mem tab, cl_mem qp, cl_mem kp,
+			 cl_mem dqp, cl_mem rp, cl_mem dbp, cl_mem part, cl_mem sg, cl_mem kbs,
+			 cl_long nmin, cl_long ndist, cl_int flags)
+{
+	const struct ape_be_launch *f = &l->f;
+	const cl_int ns = (cl_int)nsplit;
+	/* its DBP slices are per (batch, head) as the sweep's: nrv / nblk of them */
+	const cl_long nrv = f->B * f->H, nseg = f->nseg, nrvs = (cl_long)srv;
+	const char *name = sep ? "ape_bwd_short_sep" : "ape_bwd_short";
+	const cl_mem none = NULL;
+	struct ape__ocl_args a;
+	struct bwd_sweep w;
+
+	w = (struct bwd_sweep){ .qp = qp, .kp = kp, .prm = prm, .rinfo = rinfo, .step = step,
+				.tab = tab, .npad = (cl_int)round_up((size_t)f->D / 2, pr->t.rw),
+				.D = (cl_int)f->D, .H = (cl_int)f->H,
+				.group = (cl_int)(f->H / f->Hkv), .flags = flags, .Lq = f->Lq,
+				.Lk = f->Lk, .rel = f->q_start - f->k_start,
+				.scale = (cl_float)f->scale, .nmin = nmin, .ndist = ndist, .nblk = 1,
+				.nkb = 0, .sg = sg, .kbs = kbs };
+	memset(&a, 0, sizeof(a));
+	a.k = clCreateKernel(pr->prog, name, &a.err);
+	bwd_sweep_args(&a, &w);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->dk ? &l->dk->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->dv ? &l->dv->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), &dqp);
+	ape__ocl_arg(&a, sizeof(cl_mem), &rp);
+	ape__ocl_arg(&a, sizeof(ns), &ns);
+	ape__ocl_arg(&a, sizeof(nrv), &nrv);
+	ape__ocl_arg(&a, sizeof(cl_mem), &dbp);
+	ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &l->dout->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &f->k->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &f->v->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &f->o->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), &f->lse->mem);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->dlse ? &l->dlse->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), f->pairs ? &f->pairs->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->dq ? &l->dq->mem : &none);
+	ape__ocl_arg(&a, sizeof(cl_mem), l->dparams ? &part : &none);
+	ape__ocl_arg(&a, sizeof(nseg), &nseg);
+	ape__ocl_arg(&a, sizeof(nrvs), &nrvs);
+	/* one work-item per split of a (batch, kv head), as the sweep */
+	return bwd_run(q, &a, nsplit, 1, (size_t)(f->B * f->Hkv), name);
+}
+
 /* One launch (dense, or ragged with its segments' distances at most Lq + Lk - 1 apart:
  * bwd_space()), in one set of kernel launches */
 static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
@@ -608,10 +710,11 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 	struct bwd_scratch s;
 	const cl_int sep = bwd_separable(f);
 	cl_int npad, dpad, rw, err;
-	uint64_t held = 0, high;
+	uint64_t held = 0, high, general;
 	size_t nblk, nsplit;
 	cl_long nrv, nb;
 	cl_int ns;
+	size_t srv; /* ape_bwd_short: its slots' row vectors per query head (0: not short) */
 	int ret;
 
 	if (!(l->dq || l->dk || l->dv || l->dparams || l->dbias) || rows == 0 || f->Lk == 0)
@@ -626,7 +729,9 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 	nmin = sp.nmin;
 	ndist = sp.ndist;
 	nkb = (cl_long)sp.nkb;
-	ape_be_path_note(f->path, APE_BE_PATH_BACKWARD, "the fused sweep, keys outer");
+	srv = bwd_short(f, (size_t)rw);
+	ape_be_path_note(f->path, APE_BE_PATH_BACKWARD,
+			 srv ? BWD_SHORT_WHY : "the fused sweep, keys outer");
 	if (sep) /* the call's path: "separable+backward" */
 		ape_be_path_note(f->path, APE_BE_PATH_SEPARABLE,
 				 "lambda = 0 on every head: the backward sweep on rotated rows");
@@ -635,14 +740,26 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 	nblk = sp.qrows / (size_t)rw; /* row vectors per (batch, head) */
 	nb = (cl_long)nblk;
 	nsplit = bwd_nsplit(q->dev, f, sp.nkb);
-	bwd_scratch_size(f, ape_be_bwd_parts(l), (size_t)rw, &sp, nsplit, ape__ocl_real_size(od),
-			 &s);
+	general = bwd_scratch_size(f, ape_be_bwd_parts(l), (size_t)rw, &sp, nsplit,
+				   ape__ocl_real_size(od), 0, &s);
+	if (srv) {
+		/* as many splits as the general kernels take, fewer where its slots would need
+		 * more scratch than they (the figure declared for a ragged call bounds theirs) */
+		size_t n = bwd_nsplit(q->dev, f, (size_t)f->nseg);
+
+		while (n > 1 && bwd_scratch_size(f, ape_be_bwd_parts(l), (size_t)rw, &sp, n,
+						 ape__ocl_real_size(od), srv, &s) > general)
+			n--;
+		nsplit = n;
+		bwd_scratch_size(f, ape_be_bwd_parts(l), (size_t)rw, &sp, nsplit,
+				 ape__ocl_real_size(od), srv, &s);
+	}
 	flags |= (f->causal ? B_CAUSAL : 0) | (f->layout == APE_ROPE_INTERLEAVED ? B_INTERLEAVED : 0);
 	flags |= (l->dlse ? B_DLSE : 0) | (l->dq ? B_DQ : 0) | (l->dk ? B_DK : 0) |
 		 (l->dv ? B_DV : 0) | (l->dparams ? B_DP : 0) | (f->pairs ? B_PAIRS : 0) |
 		 (l->dbias ? B_DBIAS : 0) | (sep ? B_SEP : 0);
-	/* the skip bound of docs/kernels.md: only with every decay >= 0 */
-	if (f->skip_tol > 0 && f->decay_nonneg) {
+	/* the skip bound of docs/kernels.md: only with every decay >= 0 (not ape_bwd_short) */
+	if (!srv && f->skip_tol > 0 && f->decay_nonneg) {
 		flags |= B_SKIP;
 		tol = (cl_float)f->skip_tol;
 		kmax = bwd_kmax(od, s.kmax, &held, &err);
@@ -668,10 +785,11 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 		tab = bwd_take(q, s.tab, NULL, &held, &err);
 	if (tab && l->dparams)
 		part = bwd_take(q, s.part, NULL, &held, &err);
+	/* (ape_bwd_short clears its slots itself) */
 	if (tab && (!l->dparams || part) && s.dqp)
-		dqp = bwd_zeros(q, s.dqp, &held, &err);
+		dqp = srv ? bwd_take(q, s.dqp, NULL, &held, &err) : bwd_zeros(q, s.dqp, &held, &err);
 	if (tab && (!l->dparams || part) && (!s.dqp || dqp) && s.rp)
-		rp = bwd_zeros(q, s.rp, &held, &err);
+		rp = srv ? bwd_take(q, s.rp, NULL, &held, &err) : bwd_zeros(q, s.rp, &held, &err);
 	if (!tab || (l->dparams && !part) || (s.dqp && !dqp) || (s.rp && !rp)) {
 		ret = ape__ocl_error(err, "clCreateBuffer (backward scratch)");
 		goto out_release;
@@ -688,10 +806,13 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 		ret = ape__ocl_error(err, "clCreateBuffer (backward distance-bias table)");
 		goto out_release;
 	}
-	ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem, (cl_int)l->dout_dtype,
-		       (size_t)(B * H), Lq, rw, D, npad, dpad, inter, local, none, none, 0, s.qp,
-		       &held, &qp, sp.qrows, sg, rvs, rw);
-	if (!ret) /* keys: one by one, or a ragged launch's key blocks */
+	if (srv) /* ape_bwd_short's slots: it prepares the rows and keys itself */
+		ret = bwd_short_slots(q, &s, &held, &qp, &kp);
+	else
+		ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem,
+			       (cl_int)l->dout_dtype, (size_t)(B * H), Lq, rw, D, npad, dpad, inter,
+			       local, none, none, 0, s.qp, &held, &qp, sp.qrows, sg, rvs, rw);
+	if (!ret && !srv) /* keys: one by one, or a ragged launch's key blocks */
 		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
 			       (cl_int)f->in_dtype, (size_t)(B * f->Hkv), Lk, 1, D, npad, dpad,
 			       inter, local, kmax, prm, sep, s.kp, &held, &kp,
@@ -713,6 +834,14 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 	ret = bwd_run(q, &a, round_up((size_t)ndist, local), local, (size_t)H, "ape_bwd_dist");
 	if (ret)
 		goto out_release;
+	if (srv) {
+		ret = bwd_short_run(q, pr, l, sep, nsplit, srv, prm, rinfo, step, tab, qp, kp, dqp,
+				    rp, dbp, part, sg, kbs, nmin, ndist, flags);
+		if (ret)
+			goto out_release;
+		ns = (cl_int)nsplit;
+		goto out_rest;
+	}
 
 	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, "ape_bwd_rows", &a.err);
@@ -799,6 +928,7 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 			goto out_release;
 	}
 
+out_rest: /* the parameters' and the table's reductions */
 	if (l->dparams) {
 		memset(&a, 0, sizeof(a));
 		a.k = clCreateKernel(pr->prog, "ape_bwd_params", &a.err);

@@ -13,7 +13,12 @@
  * (f.segs NULL, f.nseg).
  * Every feature in ragged launches: GQA, both layouts, f32/f16/bf16, dLSE, pairs, skipping,
  * the distance-bias table (per head and shared) and its gradient, lambda 0 on every head (the
- * separable sweep), negative decays.
+ * separable sweep), negative decays. Launches of short segments (at most 64 rows and keys each)
+ * take the short-segment kernel (ape_bwd_short); every case also runs on the general kernels
+ * (APE_OCL_BWD_SHORT=0), against the reference and against the first run: bit for bit where the
+ * two do the same operations in the same order (one key block per segment, keys in every
+ * segment, no skipping), else within float32 rounding (or the skip bound). Many short segments
+ * (lengths 1 to 33) in every configuration; a long segment keeps the general kernels.
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -29,7 +34,7 @@
 
 extern atomic_uint_fast64_t ape__ocl_bwd_scratch_high;
 
-#define MAXSEG 16
+#define MAXSEG 64
 
 /* One ragged case: the shape, the features, the segments. */
 struct rcase {
@@ -39,7 +44,13 @@ struct rcase {
 	double skip_tol;
 	int bias; /* 0: none, 1: per head, 2: shared */
 	int64_t M;
+	/* the short-segment kernel (ape_bwd_short): 1 the launch must take it, 0 must not, -1
+	 * either; bitwise: its gradients the general kernels' bits (segments of one key block, no
+	 * skipping, no segment without keys: the same operations in the same order) */
+	int want_short;
+	bool bitwise;
 	struct ape_be_seg segs[MAXSEG];
+	struct ape_be_path_log path; /* the OpenCL backward's paths, per launch */
 	/* host data */
 	void *q, *k, *v, *o, *dout;
 	float *lse, *dlse, *hp, *bt, *bsm;
@@ -257,6 +268,8 @@ static int run_launch(ape_device *dev, struct rcase *c, const struct ape_be_seg 
 	l.f.skip_tol = c->negdecay ? 0 : c->skip_tol;
 	l.f.segs = segs;
 	l.f.nseg = segs ? nseg : 0;
+	memset(&c->path, 0, sizeof(c->path));
+	l.f.path = &c->path;
 	if (c->bias) {
 		l.f.bias_table = c->bt;
 		l.f.bias_smax = c->bsm;
@@ -460,8 +473,9 @@ FIXTURE_TEARDOWN(rb)
 
 /*
  * Case c (segments and features set) on both devices: the reference's forward for O and LSE,
- * its ragged backward (the oracle), the OpenCL ragged backward, the OpenCL dense backward per
- * segment; the comparisons of the file's comment.
+ * its ragged backward (the oracle), the OpenCL ragged backward, the same with the general kernels
+ * (APE_OCL_BWD_SHORT=0: a launch of short segments otherwise takes ape_bwd_short), the OpenCL
+ * dense backward per segment; the comparisons of the file's comment.
  */
 static void check_case(struct __test_metadata *_metadata, ape_device *dev, ape_device *ref,
 		       struct rcase *c, ape_rng *r, const char *what)
@@ -469,14 +483,16 @@ static void check_case(struct __test_metadata *_metadata, ape_device *dev, ape_d
 	const int64_t Ht = c->bias == 1 ? c->H : 1;
 	const size_t nq = (size_t)(c->H * c->Lq * c->D), nk = (size_t)(c->Hkv * c->Lk * c->D);
 	const double tol = grads_tol(c->dt), dtol = l_skips(c) ? tol : 1e-4;
-	struct rgrads go, gr, gd;
+	struct rgrads go, gr, gd, gg;
 	void *t[X_N];
 	uint64_t declared = 0, high;
+	bool short_taken;
 
 	ASSERT_EQ(0, rcase_data(c, r));
 	ASSERT_EQ(0, rgrads_alloc(&go, c));
 	ASSERT_EQ(0, rgrads_alloc(&gr, c));
 	ASSERT_EQ(0, rgrads_alloc(&gd, c));
+	ASSERT_EQ(0, rgrads_alloc(&gg, c));
 	tensors(c, NULL, t);
 	t[X_DO] = t[X_DLSE] = NULL;
 	ASSERT_EQ(0, run_launch(ref, c, c->segs, c->nseg, c->Lq, c->Lk, 0, 0, t, true, NULL))
@@ -491,6 +507,50 @@ static void check_case(struct __test_metadata *_metadata, ape_device *dev, ape_d
 	TH_LOG("%s: the OpenCL ragged backward: %s", what, ape_last_error());
 	high = atomic_exchange(&ape__ocl_bwd_scratch_high, 0);
 	EXPECT_LE(high, declared) TH_LOG("%s: scratch allocated beyond the declared figure", what);
+	short_taken = c->path.why[APE_BE_PATH_BACKWARD] &&
+		      strstr(c->path.why[APE_BE_PATH_BACKWARD], "ape_bwd_short");
+	if (c->want_short >= 0)
+		EXPECT_EQ(c->want_short, short_taken)
+	TH_LOG("%s: the short-segment kernel taken: %d", what, short_taken);
+	/* the general kernels on the same launch */
+	for (int64_t i = 0; i < c->H * c->Lq; i++)
+		gg.pairs[i] = UINT64_MAX;
+	tensors(c, &gg, t);
+	setenv("APE_OCL_BWD_SHORT", "0", 1);
+	ASSERT_EQ(0, run_launch(dev, c, c->segs, c->nseg, c->Lq, c->Lk, 0, 0, t, false, &declared))
+	TH_LOG("%s: the OpenCL ragged backward, general kernels: %s", what, ape_last_error());
+	unsetenv("APE_OCL_BWD_SHORT");
+	EXPECT_FALSE(c->path.why[APE_BE_PATH_BACKWARD] &&
+		     strstr(c->path.why[APE_BE_PATH_BACKWARD], "ape_bwd_short"));
+	high = atomic_exchange(&ape__ocl_bwd_scratch_high, 0);
+	EXPECT_LE(high, declared) TH_LOG("%s: general kernels' scratch beyond the declared", what);
+	EXPECT_LE(rel_f(gg.dq, gr.dq, nq), tol) TH_LOG("%s: general dq against the reference", what);
+	EXPECT_LE(rel_f(gg.dk, gr.dk, nk), tol) TH_LOG("%s: general dk against the reference", what);
+	EXPECT_LE(rel_f(gg.dv, gr.dv, nk), tol) TH_LOG("%s: general dv against the reference", what);
+	EXPECT_LE(rel_d(gg.dp, gr.dp, (size_t)(4 * c->H)), tol)
+	TH_LOG("%s: general dparams against the reference", what);
+	if (c->bitwise) { /* the same operations in the same order */
+		EXPECT_EQ(0, memcmp(go.dq, gg.dq, nq * sizeof(float))) TH_LOG("%s: dq bits", what);
+		EXPECT_EQ(0, memcmp(go.dk, gg.dk, nk * sizeof(float))) TH_LOG("%s: dk bits", what);
+		EXPECT_EQ(0, memcmp(go.dv, gg.dv, nk * sizeof(float))) TH_LOG("%s: dv bits", what);
+		EXPECT_EQ(0, memcmp(go.dp, gg.dp, (size_t)(4 * c->H) * sizeof(double)))
+		TH_LOG("%s: dparams bits", what);
+		EXPECT_EQ(0, memcmp(go.db, gg.db, (size_t)(Ht * c->M) * sizeof(double)))
+		TH_LOG("%s: dbias bits", what);
+	} else { /* the same float32 terms, summed in another order; or with skipping */
+		EXPECT_LE(rel_f(go.dq, gg.dq, nq), dtol) TH_LOG("%s: dq against general", what);
+		EXPECT_LE(rel_f(go.dk, gg.dk, nk), dtol) TH_LOG("%s: dk against general", what);
+		EXPECT_LE(rel_f(go.dv, gg.dv, nk), dtol) TH_LOG("%s: dv against general", what);
+		EXPECT_LE(rel_d(go.dp, gg.dp, (size_t)(4 * c->H)), dtol)
+		TH_LOG("%s: dparams against general", what);
+		if (c->bias) {
+			EXPECT_LE(rel_d(go.db, gg.db, (size_t)(Ht * c->M)), dtol)
+			TH_LOG("%s: dbias against general", what);
+		}
+	}
+	if (c->pairs && !l_skips(c))
+		EXPECT_EQ(0, memcmp(go.pairs, gg.pairs, (size_t)(c->H * c->Lq) * sizeof(uint64_t)))
+	TH_LOG("%s: pairs against general", what);
 	ASSERT_EQ(0, run_per_segment(dev, c, &gd))
 	TH_LOG("%s: the OpenCL dense backward per segment: %s", what, ape_last_error());
 
@@ -554,6 +614,7 @@ static void check_case(struct __test_metadata *_metadata, ape_device *dev, ape_d
 	rgrads_free(&go);
 	rgrads_free(&gr);
 	rgrads_free(&gd);
+	rgrads_free(&gg);
 	rcase_free(c);
 }
 
@@ -594,6 +655,7 @@ static void rcase_conf(struct rcase *c, int k)
 	c->skip_tol = conf[k].skip_tol;
 	c->bias = conf[k].bias;
 	c->M = conf[k].M;
+	c->want_short = -1;
 }
 
 static void describe(const struct rcase *c, int k, char *buf, size_t n)
@@ -680,6 +742,95 @@ TEST_F(rb, segments_far_apart)
 		describe(&c, k, what, sizeof(what));
 		check_case(_metadata, self->dev, self->ref, &c, &rng, what);
 	}
+}
+
+/*
+ * Many short segments (issue 25: packed training on short documents), lengths 1 to 33, in every
+ * configuration: ape_bwd_short computes the launch (segments of up to 64 rows and keys, several
+ * row vectors and key blocks among them), against the reference, the general kernels and dense
+ * launches; fewer rows than keys and more, offsets, gaps, segments without keys.
+ */
+TEST_F(rb, short_segments_against_the_reference_and_general_kernels)
+{
+	ape_rng rng;
+	char what[256];
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int k = 0; k < NCONF; k++) {
+		int64_t lq[MAXSEG], lk[MAXSEG], gap[MAXSEG], off[MAXSEG], base[MAXSEG];
+		const int n = (int)ape_rng_range(&rng, 30, 60);
+		struct rcase c;
+
+		for (int s = 0; s < n; s++) {
+			const int64_t len = ape_rng_range(&rng, 1, 33);
+
+			lq[s] = len;
+			/* packed documents (lq = lk, one position base) mostly; else other shapes */
+			lk[s] = !ape_rng_range(&rng, 0, 9)  ? 0
+				: ape_rng_range(&rng, 0, 3) ? len
+							    : ape_rng_range(&rng, 1, 33);
+			gap[s] = ape_rng_range(&rng, 0, 5) ? 0 : ape_rng_range(&rng, 1, 3);
+			off[s] = ape_rng_range(&rng, 0, 3) ? 0 : ape_rng_range(&rng, -3, 3);
+			base[s] = ape_rng_range(&rng, 0, 3) ? 0 : ape_rng_range(&rng, 0, 64);
+		}
+		rcase_conf(&c, k);
+		rcase_segs(&c, n, lq, lk, gap, off, base, ape_rng_range(&rng, 0, 3));
+		c.want_short = 1;
+		describe(&c, k, what, sizeof(what));
+		check_case(_metadata, self->dev, self->ref, &c, &rng, what);
+	}
+}
+
+/*
+ * Short segments of one key block each (at most 8 keys: a block of any program), no skipping, every
+ * segment with keys: ape_bwd_short runs the general kernels' operations in the same order, so
+ * its gradients (dQ, dK, dV, dparams, the table's) are the general kernels' bits.
+ */
+TEST_F(rb, short_segments_bit_for_bit_the_general_kernels)
+{
+	ape_rng rng;
+	char what[256];
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int k = 0; k < NCONF; k++) {
+		int64_t lq[MAXSEG], lk[MAXSEG], gap[MAXSEG], off[MAXSEG], base[MAXSEG];
+		const int n = (int)ape_rng_range(&rng, 20, 40);
+		struct rcase c;
+
+		for (int s = 0; s < n; s++) {
+			lq[s] = ape_rng_range(&rng, 1, 20);
+			lk[s] = ape_rng_range(&rng, 1, 8);
+			gap[s] = ape_rng_range(&rng, 0, 1);
+			off[s] = ape_rng_range(&rng, -2, 2);
+			base[s] = ape_rng_range(&rng, 0, 10);
+		}
+		rcase_conf(&c, k);
+		c.skip_tol = 0;
+		rcase_segs(&c, n, lq, lk, gap, off, base, 1);
+		c.want_short = 1;
+		c.bitwise = true;
+		describe(&c, k, what, sizeof(what));
+		check_case(_metadata, self->dev, self->ref, &c, &rng, what);
+	}
+}
+
+/* A launch with one segment past the short kernel's 64 rows or keys takes the general kernels
+ * for all its segments. */
+TEST_F(rb, a_long_segment_keeps_the_general_kernels)
+{
+	static const int64_t lq[] = { 5, 65, 3 };
+	static const int64_t lk[] = { 5, 20, 3 };
+	static const int64_t z[] = { 0, 0, 0 };
+	ape_rng rng;
+	char what[256];
+	struct rcase c;
+
+	ape_rng_init(&rng, _metadata->name);
+	rcase_conf(&c, 0);
+	rcase_segs(&c, 3, lq, lk, z, z, z, 0);
+	c.want_short = 0;
+	describe(&c, 0, what, sizeof(what));
+	check_case(_metadata, self->dev, self->ref, &c, &rng, what);
 }
 
 TEST_HARNESS_MAIN

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The APE backward pass (APE-SPEC.md, "Gradients"), OpenCL C 1.2, built after attention.cl in
- * the same program (it uses its loads, ld(), and its lane types). Ten kernels (nine
- * per launch, one sweep of the two), enqueued in order by ocl_backward.c:
+ * the same program (it uses its loads, ld(), and its lane types). Twelve kernels (per launch one
+ * of the four sweeps; the short ones stand in for the preps, rows and reduce as well), enqueued
+ * in order by ocl_backward.c:
  *
  *   ape_bwd_prep     Q with dO (in row vectors), and K with V (a row per key), as float32 in
  *                    the sweep's order; with skipping, each kv head's largest key norm;
@@ -22,6 +23,11 @@
  *                    positions (ape_bwd_rows rotates Q in place, ape_bwd_prep rotates K), so
  *                    that no pair turns anything: dot and alpha sums as products, dK and dQ as
  *                    plain sums turned back once per key and per row;
+ *   ape_bwd_short, ape_bwd_short_sep
+ *                    instead of the preps, ape_bwd_rows, the sweep and ape_bwd_reduce for a
+ *                    ragged launch of short segments (ocl_backward.c, bwd_short()): a
+ *                    work-item takes whole segments, preparing, tabling, sweeping and reducing
+ *                    each with those kernels' functions in its own small slots of scratch;
  *   ape_bwd_reduce   per row vector: the splits' slices summed in split order, the alpha path
  *                    applied to dQ_i, added to dQ; the rows' parameter sums;
  *   ape_bwd_params   per head: the rows' parameter sums in float64, in row order, added to
@@ -191,30 +197,16 @@ KFN struct bseg bwd_seg(__global const long *SG, long s, long Lq, long Lk, long 
  * BWD_KT, padded key i being key i - KB0 BWD_KT of its segment (its angle with rot: that index);
  * zero past the segment's rows or keys (never read).
  */
-__kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void *Bv, int dt_b,
-			   long L, int lanes, int D, int npad, int dpad, int inter,
-			   __global float *out, __global int *kmax, __global const APE_REAL *om,
-			   int rot, long np, __global const long *SG, __global const int *MAP,
-			   int unit)
+/*
+ * One row of ape_bwd_prep: row `base / D` of A (and B) to o (its first component's float; the
+ * components `lanes` apart), zero where !ok; `at` its angle's index (om and rot). Returns the
+ * row's squared norm (APE_REAL) for the skip bound. Also ape_bwd_short's, into its slots.
+ */
+KFN APE_REAL bwd_prep_row(__global const void *A, int dt_a, __global const void *Bv, int dt_b,
+			  long base, int lanes, int D, int npad, int dpad, int inter,
+			  __global float *o, __global const APE_REAL *om, int rot, long at, int ok)
 {
-	const long i = get_global_id(0), bh = get_global_id(1);
-	long r = i, at = i; /* the real row; the key's index for its angle */
-	int ok = i < L;
-
-	if (i >= np)
-		return;
-	if (MAP) {
-		const long u = i / unit;
-		const struct bseg g = bwd_seg(SG, MAP[u], L, L, 0);
-
-		at = (u - (om ? g.kb0 : g.rv0)) * unit + i % unit;
-		ok = at < (om ? g.lk : g.lq);
-		r = (om ? g.k0 : g.q0) + at;
-	}
-	const long base = (bh * L + r) * (long)BD(D), oi = i, nblk = np / lanes;
 	const int P = BD(D) / 2;
-	const int rs = 2 * npad + dpad + (om ? 2 * npad : 0) + (om && rot ? 2 * npad : 0);
-	__global float *o = out + ((bh * nblk + oi / lanes) * rs) * lanes + oi % lanes;
 	APE_REAL ss = 0;
 
 	/* pairs in chunks of APE_RW (npad is a multiple of it): one vector seed per chunk */
@@ -252,6 +244,35 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 	}
 	for (int d = 0; d < dpad; d++)
 		o[(2 * npad + d) * lanes] = ok && d < BD(D) ? ld(Bv, base + d, dt_b) : 0.0f;
+	return ss;
+}
+
+__kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void *Bv, int dt_b,
+			   long L, int lanes, int D, int npad, int dpad, int inter,
+			   __global float *out, __global int *kmax, __global const APE_REAL *om,
+			   int rot, long np, __global const long *SG, __global const int *MAP,
+			   int unit)
+{
+	const long i = get_global_id(0), bh = get_global_id(1);
+	long r = i, at = i; /* the real row; the key's index for its angle */
+	int ok = i < L;
+
+	if (i >= np)
+		return;
+	if (MAP) {
+		const long u = i / unit;
+		const struct bseg g = bwd_seg(SG, MAP[u], L, L, 0);
+
+		at = (u - (om ? g.kb0 : g.rv0)) * unit + i % unit;
+		ok = at < (om ? g.lk : g.lq);
+		r = (om ? g.k0 : g.q0) + at;
+	}
+	const long base = (bh * L + r) * (long)BD(D), oi = i, nblk = np / lanes;
+	const int rs = 2 * npad + dpad + (om ? 2 * npad : 0) + (om && rot ? 2 * npad : 0);
+	__global float *o = out + ((bh * nblk + oi / lanes) * rs) * lanes + oi % lanes;
+	const APE_REAL ss = bwd_prep_row(A, dt_a, Bv, dt_b, base, lanes, D, npad, dpad, inter, o,
+					 om, rot, at, ok);
+
 	/* kmax: the largest norm bound of a (batch, kv head)'s rows, for the skip bound, as float
 	 * bits (a non-negative float orders as its int); a NaN norm counts as +inf, so that no
 	 * key of that head is ever left out (a NaN's sign bit would make it the smallest int) */
@@ -450,23 +471,18 @@ KFN void bwd_row_range(__global const APE_REAL *hp, float scale, APE_REAL qn, AP
 	*jhi = hi * B_GRANULE < Lk ? hi * B_GRANULE : Lk;
 }
 
-__kernel void ape_bwd_rows(__global float *QP, __global const void *O,
-			   __global const float *LSE, __global const float *DLSE,
-			   __global const APE_REAL *prm, int npad, int D, int H, long Lq, int flags,
-			   __global APE_REAL *rinfo, __global float *STEP, __global const int *kmax,
-			   int group, long Lk, long rel, float scale, float tol,
-			   __global ulong *PAIRS, __global const float *BSM, long bstride, long bM,
-			   long nblk, __global const long *SG, __global const int *RVS)
+/* One row vector of ape_bwd_rows: rows rb + i0 .. of segment g (its lanes past g.lq padding) of
+ * (batch, head) bh, prepared at qt, its row table at ri and steps at st (ape_bwd_short: its
+ * slots). */
+KFN void bwd_rows_vec(__global float *qt, __global APE_REAL *ri, __global float *st,
+		      __global const void *O, __global const float *LSE, __global const float *DLSE,
+		      __global const APE_REAL *prm, int npad, int D, int H, int flags,
+		      __global const int *kmax, int group, float scale, float tol,
+		      __global ulong *PAIRS, __global const float *BSM, long bstride, long bM,
+		      const struct bseg g, long i0, long rb, long bh)
 {
-	const long ib = get_global_id(0), bh = get_global_id(1);
-	/* the row vector's segment (a dense launch: the launch); rows from rb + i0 */
-	const struct bseg g = bwd_seg(SG, RVS && ib < nblk ? RVS[ib] : 0, Lq, Lk, rel);
-	const long blk = bh * nblk + ib, i0 = (ib - g.rv0) * APE_RW, rb = bh * Lq + g.q0;
-	const int P = BD(D) / 2, rs = 2 * npad + (BD(D) + APE_RW - 1) / APE_RW * APE_RW;
+	const int P = BD(D) / 2;
 	const APE_REAL lambda = prm[npad + 4 * (bh % H) + 3];
-	__global float *qt = QP + blk * rs * APE_RW;
-	__global APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
-	__global float *st = STEP + blk * 2 * npad * APE_RW;
 	/* B_SEP: the rows' positions rel + i (padding lanes: any) */
 	const vr pos = (APE_REAL)ape_sat_add(g.rel, i0) + TO_VR(IOTA);
 	const int causal = (flags & B_CAUSAL) != 0;
@@ -474,8 +490,6 @@ __kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 	vr sum = (vr)0, ss = (vr)0, qq = (vr)0, dlv = (vr)0, mean;
 	long vlo = LONG_MAX, vhi = 0;
 
-	if (ib >= nblk)
-		return;
 	NOUNROLL for (int p = 0; p < P; p++)
 		sum += TO_VR(VL(qt + p * APE_RW)) + TO_VR(VL(qt + (npad + p) * APE_RW));
 	mean = sum / (APE_REAL)BD(D);
@@ -572,6 +586,27 @@ __kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 	}
 }
 
+__kernel void ape_bwd_rows(__global float *QP, __global const void *O,
+			   __global const float *LSE, __global const float *DLSE,
+			   __global const APE_REAL *prm, int npad, int D, int H, long Lq, int flags,
+			   __global APE_REAL *rinfo, __global float *STEP, __global const int *kmax,
+			   int group, long Lk, long rel, float scale, float tol,
+			   __global ulong *PAIRS, __global const float *BSM, long bstride, long bM,
+			   long nblk, __global const long *SG, __global const int *RVS)
+{
+	const long ib = get_global_id(0), bh = get_global_id(1);
+	/* the row vector's segment (a dense launch: the launch); rows from rb + i0 */
+	const struct bseg g = bwd_seg(SG, RVS && ib < nblk ? RVS[ib] : 0, Lq, Lk, rel);
+	const long blk = bh * nblk + ib, i0 = (ib - g.rv0) * APE_RW, rb = bh * Lq + g.q0;
+	const int rs = 2 * npad + (BD(D) + APE_RW - 1) / APE_RW * APE_RW;
+
+	if (ib >= nblk)
+		return;
+	bwd_rows_vec(QP + blk * rs * APE_RW, rinfo + RI_AT(blk, 0, APE_RW),
+		     STEP + blk * 2 * npad * APE_RW, O, LSE, DLSE, prm, npad, D, H, flags, kmax,
+		     group, scale, tol, PAIRS, BSM, bstride, bM, g, i0, rb, bh);
+}
+
 /* The arguments the sweep takes first (ocl_backward.c: bwd_sweep_args()): the prepared rows
  * (Q+dO in row vectors, K+V one row per key: ape_bwd_prep), omega and the heads' parameters,
  * the row and distance tables, the shape, the flags; the distance table's range, the row
@@ -649,593 +684,18 @@ KFN void bwd_dq_add(__global float *dq, int p, int P, vf vx, vf vy, vf c0, vf s0
  * and NaN in a key only the rows that see it). Only the wanted outputs are computed, each the
  * same way whatever else is wanted.
  */
-KFN void bwd_sweep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV, __global float *DQP,
-		   __global APE_REAL *RP, int nsplit, long nrv, __global APE_REAL *DBP,
-		   const int sep)
+/* One row vector of ape_bwd_reduce: rows rb + i0 .. of segment g of (batch, head) bh, its row
+ * table at ri, its nsplit slices of DQP from dq0 and of RP from rp0 (dstride and rstride apart;
+ * ape_bwd_short: its one slice, in its slots). */
+KFN void bwd_reduce_vec(__global const APE_REAL *prm, int npad, __global const APE_REAL *ri, int D,
+			int H, int flags, __global const float *dq0, long dstride,
+			__global const APE_REAL *rp0, long rstride, int nsplit,
+			__global const void *Q, __global float *DQ, __global APE_REAL *PART,
+			const struct bseg g, long i0, long rb, long bh)
 {
-	const struct bwd b = bwd_init(D, nmin, ndist, nblk, scale, flags);
-	const long s = get_global_id(0), bkv = get_global_id(1), Hkv = H / group;
-	const int wrow = (flags & (B_DQ | B_DP)) != 0; /* the rows' sums are wanted */
-	/* per key kt, component c: lanes at ((kt * D) + c) * APE_RW */
-	float dkacc[BWD_KT * APE_DMAX * APE_RW], dvacc[BWD_KT * APE_DMAX * APE_RW];
-	vf Pm[KR][BWD_KT], Gm[KR][BWD_KT], X0[KR][APE_PMAX], Y0[KR][APE_PMAX];
-	vf C0[KR][APE_PMAX], S0[KR][APE_PMAX];
-	vf xs[APE_PMAX], ys[APE_PMAX];
-	/* B_DBIAS: a row vector's dS of the block by distance, lane l of key kt at
-	 * BWD_KT - 1 - kt + l (distance nl0 - (BWD_KT - 1) + that) */
-	float dsd[BWD_KT + APE_RW - 1];
-	__global const float *qtg[KR], *cwg[KR], *swg[KR];
-	long nl0[KR], blkg[KR];
-	int hi[KR], full[KR];
-
-	if (s >= nsplit)
-		return;
-	for (int x = 0; x < BWD_KT + APE_RW - 1; x++)
-		dsd[x] = 0.0f;
-	for (long kb = s; kb < nkb; kb += nsplit) {
-		/* the block's segment (dense: the launch), its keys j0.. of it, rows 0..lq - 1 */
-		const struct bseg sg = bwd_seg(SG, KBS ? KBS[kb] : 0, Lq, Lk, rel);
-		const long j0 = (kb - sg.kb0) * BWD_KT, lq = sg.lq, srel = sg.rel;
-		const int nk = (int)(sg.lk - j0 < BWD_KT ? sg.lk - j0 : BWD_KT);
-		/* the prepared keys: Lk per (batch, kv head), or a ragged launch's key blocks */
-		__global const float *kp =
-			KP + (bkv * (SG ? nkb * BWD_KT : Lk) + kb * BWD_KT) * b.krs;
-		long i0;
-		/* the accumulators hold nothing yet: the block's first group starts them from zero
-		 * instead of reading them (no clearing pass: with skipping, a block often meets a
-		 * group or two) */
-		int fresh = 1;
-
-		/* causal: row i sees key j when n = rel + i - j >= 0; from the row vector holding it */
-		i0 = b.causal ? ape_sat_sub(j0, srel) : 0;
-		i0 = (i0 < 0 ? 0 : i0) / APE_RW * APE_RW;
-		for (long h = bkv % Hkv * group; h < (bkv % Hkv + 1) * group; h++) {
-			const long bh = bkv / Hkv * H + h;
-			__global const APE_REAL *th = tab + TB_AT(h, 0, b.ndist);
-
-			for (long r0 = i0; r0 < lq;) {
-				int nr = 0;
-
-				/* pass 1 for up to KR row vectors */
-				for (; r0 < lq && nr < KR; r0 += APE_RW) {
-					const long blk = bh * b.nblk + sg.rv0 + r0 / APE_RW;
-					__global const float *qt = QP + blk * b.rs * APE_RW;
-					__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
-					__global const float *cw = STEP + blk * 2 * b.npad * APE_RW,
-							     *sw = cw + b.npad * APE_RW;
-					vf Ad = (vf)0.0f, f0 = (vf)0.0f, f1 = (vf)0.0f, f2 = (vf)0.0f,
-					   f3 = (vf)0.0f;
-					vr iav, lse, nv;
-					vf dsub;
-					const int g = nr;
-
-					/* left out by the skip bound (or seen by no row of the vector) */
-					if (j0 + nk <= (long)ri[RI_JLO * APE_RW] ||
-					    j0 >= (long)ri[RI_JHI * APE_RW])
-						continue;
-					nr++;
-					qtg[g] = qt;
-					cwg[g] = cw;
-					swg[g] = sw;
-					blkg[g] = blk;
-					nl0[g] = srel + r0 - j0;
-					hi[g] = (int)(lq - r0 < APE_RW ? lq - r0 : APE_RW);
-					full[g] = hi[g] == APE_RW &&
-						  (!b.causal || nl0[g] - (nk - 1) >= 0);
-					iav = (APE_REAL)1 / VL(ri + RI_ALPHA * APE_RW);
-					lse = VL(ri + RI_LSE * APE_RW);
-					dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
-					nv = ((APE_REAL)nl0[g] + TO_VR(IOTA)) * iav;
-					/* the queries rotated to key j0 (by +theta); sep: rotated by
-					 * their positions already (ape_bwd_rows), STEP their angles */
-					NOUNROLL for (int p = 0; p < b.P; p++) {
-						const vf x = VL(qt + p * APE_RW),
-							 y = VL(qt + (b.npad + p) * APE_RW);
-						vf c, sn;
-
-						if (sep) {
-							xs[p] = X0[g][p] = x;
-							ys[p] = Y0[g][p] = y;
-							C0[g][p] = VL(cw + p * APE_RW);
-							S0[g][p] = VL(sw + p * APE_RW);
-							continue;
-						}
-						sn = ape_seed_sincos((vr)prm[p] * nv, &c);
-						xs[p] = X0[g][p] = x * c - y * sn;
-						ys[p] = Y0[g][p] = x * sn + y * c;
-						C0[g][p] = c;
-						S0[g][p] = sn;
-					}
-					NOUNROLL for (int sb = 0; sb < nk; sb += KSB) {
-						__global const float *kr[KSB];
-						vf S[KSB], E[KSB], DOV[KSB];
-
-#pragma unroll
-						for (int jj = 0; jj < KSB; jj++) {
-							kr[jj] = kp + (sb + jj < nk ? sb + jj : nk - 1) *
-									      b.krs;
-							S[jj] = E[jj] = DOV[jj] = (vf)0.0f;
-						}
-						/* dO_i . V_j of the sub-block's keys */
-						NOUNROLL for (int d = 0; d < b.D; d++) {
-							const vf o = VL(qt + (2 * b.npad + d) * APE_RW);
-
-#pragma unroll
-							for (int jj = 0; jj < KSB; jj++)
-								DOV[jj] = fma(o, (vf)kr[jj][2 * b.npad + d],
-									      DOV[jj]);
-						}
-						/* two pairs' walks interleaved (one alone waits on the
-						 * FMA latency), the sums in pair order as one by one */
-						int p = 0;
-
-						NOUNROLL for (; p + 1 < b.P; p += 2) {
-							vf x = xs[p], y = ys[p], x2 = xs[p + 1], y2 = ys[p + 1];
-							const vf c = VL(cw + p * APE_RW),
-								 sn = VL(sw + p * APE_RW);
-							const vf c2 = VL(cw + (p + 1) * APE_RW),
-								 sn2 = VL(sw + (p + 1) * APE_RW);
-
-#pragma unroll
-							for (int jj = 0; jj < KSB; jj++) {
-								__global const float *k = kr[jj];
-
-								S[jj] = fma(x2, (vf)k[p + 1],
-									    fma(y2, (vf)k[b.npad + p + 1],
-										fma(x, (vf)k[p],
-										    fma(y, (vf)k[b.npad + p],
-											S[jj]))));
-								E[jj] = fma(y2, (vf)k[b.rs + p + 1],
-									    fma(x2, (vf)k[b.rs + b.npad + p + 1],
-										fma(y, (vf)k[b.rs + p],
-										    fma(x, (vf)k[b.rs + b.npad + p],
-											E[jj]))));
-								if (!sep) {
-									bwd_turn(&x, &y, c, sn);
-									bwd_turn(&x2, &y2, c2, sn2);
-								}
-							}
-							xs[p] = x;
-							ys[p] = y;
-							xs[p + 1] = x2;
-							ys[p + 1] = y2;
-						}
-						NOUNROLL for (; p < b.P; p++) {
-							vf x = xs[p], y = ys[p];
-							const vf c = VL(cw + p * APE_RW),
-								 sn = VL(sw + p * APE_RW);
-
-#pragma unroll
-							for (int jj = 0; jj < KSB; jj++) {
-								S[jj] = fma(x, (vf)kr[jj][p],
-									    fma(y, (vf)kr[jj][b.npad + p], S[jj]));
-								E[jj] = fma(y, (vf)kr[jj][b.rs + p],
-									    fma(x, (vf)kr[jj][b.rs + b.npad + p],
-										E[jj]));
-								if (!sep)
-									bwd_turn(&x, &y, c, sn);
-							}
-							xs[p] = x;
-							ys[p] = y;
-						}
-#pragma unroll
-						for (int jj = 0; jj < KSB; jj++) {
-							const int kt = sb + jj;
-							/* lane 0's distance in the table */
-							const long e = nl0[g] - kt - b.nmin;
-							const vf dov = DOV[jj];
-							vf tsc, pv, ds, gv, dot = S[jj], ea = E[jj];
-
-							if (kt >= nk)
-								break;
-							pv = bwd_p(VL(th + TB_T * b.ndist + e),
-								   VL(th + TB_BIAS * b.ndist + e), lse, dot,
-								   b.scale, &tsc);
-							ds = pv * (dov - dsub);
-							if (!full[g]) {
-								const vi vis = KEYS_VIS(g, kt);
-
-								ds = APE_V_SELECT((vf)0.0f, ds, vis);
-								dot = APE_V_SELECT((vf)0.0f, dot, vis);
-								ea = APE_V_SELECT((vf)0.0f, ea, vis);
-							}
-							gv = ds * tsc;
-							Pm[g][kt] = pv;
-							Gm[g][kt] = gv;
-							if (flags & B_DBIAS) {
-								float dl[APE_RW];
-
-								VS(ds, dl);
-#pragma unroll
-								for (int l = 0; l < APE_RW; l++)
-									dsd[BWD_KT - 1 - kt + l] += dl[l];
-							}
-							if (!wrow)
-								continue;
-							Ad = fma(gv * TO_VF(((APE_REAL)(nl0[g] - kt) +
-									     TO_VR(IOTA)) *
-									    iav),
-								 ea, Ad);
-							f0 = fma(ds, TO_VF(VL(th + TB_DD * b.ndist + e)),
-								 f0);
-							f1 = fma(ds, TO_VF(VL(th + TB_DB * b.ndist + e)),
-								 f1);
-							f2 = fma(ds, TO_VF(VL(th + TB_DG * b.ndist + e)),
-								 f2);
-							f3 = fma(ds * dot,
-								 TO_VF(VL(th + TB_DTL * b.ndist + e)), f3);
-						}
-					}
-					/* dS by distance to the split's slice, cleared again: entry x at
-					 * distance index nl0 - (BWD_KT - 1) + x - nmin, >= 0 from x =
-					 * BWD_KT - nk (key nk - 1, lane 0), < ndist up to lane hi[g] - 1
-					 * (the lanes past it added zeros only) */
-					if (flags & B_DBIAS) {
-						const long e0 = DBP_AT(s, bh, nrv / b.nblk, b.ndist * BSUM) +
-								nl0[g] - (BWD_KT - 1) - b.nmin;
-
-						NOUNROLL for (int x = BWD_KT - nk; x < BWD_KT - 1 + hi[g]; x++) {
-#if APE_FP64
-							DBP[e0 + x] += (APE_REAL)dsd[x];
-#else /* the sum, its error term ndist after it */
-							APE_REAL sm = DBP[e0 + x], er = DBP[e0 + b.ndist + x];
-							const APE_REAL v = dsd[x];
-
-							BWD_TWO_SUM(APE_REAL, sm, er, v);
-							DBP[e0 + x] = sm;
-							DBP[e0 + b.ndist + x] = er;
-#endif
-							dsd[x] = 0.0f;
-						}
-					}
-					if (wrow) { /* the split's sums of these rows */
-						__global APE_REAL *rp =
-							RP + (s * nrv + blk) * RP_N * BSUM * APE_RW;
-#if APE_FP64
-						VS(VL(rp) + TO_VR(Ad), rp);
-						VS(VL(rp + APE_RW) + TO_VR(f0), rp + APE_RW);
-						VS(VL(rp + 2 * APE_RW) + TO_VR(f1), rp + 2 * APE_RW);
-						VS(VL(rp + 3 * APE_RW) + TO_VR(f2), rp + 3 * APE_RW);
-						VS(VL(rp + 4 * APE_RW) +
-							   TO_VR(f3) * (APE_REAL)b.scale,
-						   rp + 4 * APE_RW);
-#else /* the RP_N sums, then their RP_N error terms */
-						const vr add[RP_N] = { TO_VR(Ad), TO_VR(f0), TO_VR(f1),
-								       TO_VR(f2),
-								       TO_VR(f3) * (APE_REAL)b.scale };
-
-#pragma unroll
-						for (int f = 0; f < RP_N; f++) {
-							vr sm = VL(rp + f * APE_RW),
-							   er = VL(rp + (RP_N + f) * APE_RW);
-
-							BWD_TWO_SUM(vr, sm, er, add[f]);
-							VS(sm, rp + f * APE_RW);
-							VS(er, rp + (RP_N + f) * APE_RW);
-						}
-#endif
-					}
-				}
-				/* dV: P times dO, KSB keys by 2 components in registers at a time */
-				if (flags & B_DV)
-					NOUNROLL for (int kc = 0; kc < nk; kc += KSB)
-						NOUNROLL for (int d0 = 0; d0 < b.D; d0 += 2) {
-							vf a0[KSB], a1[KSB];
-
-#pragma unroll
-							for (int jj = 0; jj < KSB; jj++) {
-								const float *acc =
-									dvacc + ((kc + jj) * b.D + d0) * APE_RW;
-
-								a0[jj] = fresh ? (vf)0.0f : VL(acc);
-								a1[jj] = fresh ? (vf)0.0f : VL(acc + APE_RW);
-							}
-							NOUNROLL for (int g = 0; g < nr; g++) {
-								__global const float *o =
-									qtg[g] + (2 * b.npad + d0) * APE_RW;
-								const vf o0 = VL(o), o1 = VL(o + APE_RW);
-
-								if (full[g]) {
-#pragma unroll
-									for (int jj = 0; jj < KSB; jj++) {
-										const vf pv = Pm[g][kc + jj];
-
-										a0[jj] = fma(pv, o0, a0[jj]);
-										a1[jj] = fma(pv, o1, a1[jj]);
-									}
-								} else {
-#pragma unroll
-									for (int jj = 0; jj < KSB; jj++) {
-										const vf pv = Pm[g][kc + jj];
-										const vi ok = KEYS_VIS(g, kc + jj);
-
-										a0[jj] += APE_V_SELECT(
-											(vf)0.0f, pv * o0, ok);
-										a1[jj] += APE_V_SELECT(
-											(vf)0.0f, pv * o1, ok);
-									}
-								}
-							}
-#pragma unroll
-							for (int jj = 0; jj < KSB; jj++) {
-								float *acc =
-									dvacc + ((kc + jj) * b.D + d0) * APE_RW;
-
-								if (kc + jj >= nk)
-									break;
-								VS(a0[jj], acc);
-								VS(a1[jj], acc + APE_RW);
-							}
-						}
-				/* dK: g times the rotated query, turned again from the first key, KDC keys'
-				 * accumulators in registers at a time; where both row vectors see every
-				 * key, two row vectors' walks interleave (one alone waits on the FMA
-				 * latency), each key's sum in the same order as one by one */
-				if (flags & B_DK)
-					NOUNROLL for (int p = 0; p < b.P; p++) {
-						vf X[KR], Y[KR];
-
-						NOUNROLL for (int g = 0; g < nr; g++) {
-							X[g] = X0[g][p];
-							Y[g] = Y0[g][p];
-						}
-						NOUNROLL for (int kc = 0; kc < nk; kc += KDC) {
-							vf ax[KDC], ay[KDC];
-
-#pragma unroll
-							for (int jj = 0; jj < KDC; jj++) {
-								const int kt = kc + jj < nk ? kc + jj : nk - 1;
-
-								ax[jj] = fresh ? (vf)0.0f
-									       : VL(dkacc + (kt * b.D + p) * APE_RW);
-								ay[jj] = fresh ? (vf)0.0f
-									       : VL(dkacc + (kt * b.D + b.P + p) *
-											    APE_RW);
-							}
-							NOUNROLL for (int g = 0; g < nr; g++) {
-								vf x = X[g], y = Y[g];
-								const vf c = VL(cwg[g] + p * APE_RW);
-								const vf sn = VL(swg[g] + p * APE_RW);
-
-								if (kc + KDC <= nk && full[g] && g + 1 < nr &&
-								    full[g + 1]) {
-									vf x2 = X[g + 1], y2 = Y[g + 1];
-									const vf c2 = VL(cwg[g + 1] + p * APE_RW);
-									const vf sn2 = VL(swg[g + 1] + p * APE_RW);
-
-#pragma unroll
-									for (int jj = 0; jj < KDC; jj++) {
-										const vf gv = Gm[g][kc + jj];
-										const vf gv2 = Gm[g + 1][kc + jj];
-
-										ax[jj] = fma(gv2, x2,
-											     fma(gv, x, ax[jj]));
-										ay[jj] = fma(gv2, y2,
-											     fma(gv, y, ay[jj]));
-										if (!sep) {
-											bwd_turn(&x, &y, c, sn);
-											bwd_turn(&x2, &y2, c2,
-												 sn2);
-										}
-									}
-									X[g + 1] = x2;
-									Y[g + 1] = y2;
-								} else {
-#pragma unroll
-									for (int jj = 0; jj < KDC; jj++) {
-										const int kt = kc + jj;
-
-										if (kt >= nk)
-											break;
-										if (full[g]) {
-											ax[jj] = fma(Gm[g][kt], x,
-												     ax[jj]);
-											ay[jj] = fma(Gm[g][kt], y,
-												     ay[jj]);
-										} else {
-											const vi ok =
-												KEYS_VIS(g, kt);
-
-											ax[jj] += APE_V_SELECT(
-												(vf)0.0f,
-												Gm[g][kt] * x, ok);
-											ay[jj] += APE_V_SELECT(
-												(vf)0.0f,
-												Gm[g][kt] * y, ok);
-										}
-										if (!sep)
-											bwd_turn(&x, &y, c, sn);
-									}
-								}
-								X[g] = x;
-								Y[g] = y;
-								if (kc + KDC <= nk && full[g] && g + 1 < nr &&
-								    full[g + 1])
-									g++;
-							}
-#pragma unroll
-							for (int jj = 0; jj < KDC; jj++) {
-								const int kt = kc + jj;
-
-								if (kt >= nk)
-									break;
-								VS(ax[jj], dkacc + (kt * b.D + p) * APE_RW);
-								VS(ay[jj],
-								   dkacc + (kt * b.D + b.P + p) * APE_RW);
-							}
-						}
-					}
-				fresh = 0;
-				/* dQ: Horner's rule over the block's keys in reverse,
-				 * V = R(w) V + g k_j, then R(-theta_0) V to the split's slice; where
-				 * every lane sees every key two pairs' walks interleave (each step
-				 * waits on the last: one walk alone is bound by the FMA latency) */
-				if (flags & B_DQ)
-					NOUNROLL for (int g = 0; g < nr; g++) {
-						__global float *dq =
-							DQP + (s * nrv + blkg[g]) * b.D * APE_RW;
-						int p = 0;
-
-						if (full[g])
-							NOUNROLL for (; p + 1 < b.P; p += 2) {
-								const vf c = VL(cwg[g] + p * APE_RW);
-								const vf sn = VL(swg[g] + p * APE_RW), ns = -sn;
-								const vf c2 = VL(cwg[g] + (p + 1) * APE_RW);
-								const vf sn2 = VL(swg[g] + (p + 1) * APE_RW),
-									 ns2 = -sn2;
-								vf vx = (vf)0.0f, vy = (vf)0.0f, vx2 = (vf)0.0f,
-								   vy2 = (vf)0.0f;
-
-#pragma unroll 8
-								for (int kt = nk - 1; kt >= 0; kt--) {
-									__global const float *k = kp + kt * b.krs;
-									const vf gv = Gm[g][kt], an = vx,
-										 an2 = vx2;
-
-									if (sep) { /* no turn: a sum */
-										vx = fma(gv, k[p], vx);
-										vy = fma(gv, k[b.npad + p], vy);
-										vx2 = fma(gv, k[p + 1], vx2);
-										vy2 = fma(gv, k[b.npad + p + 1],
-											  vy2);
-										continue;
-									}
-									vx = fma(vx, c, fma(vy, ns, gv * k[p]));
-									vy = fma(an, sn,
-										 fma(vy, c, gv * k[b.npad + p]));
-									vx2 = fma(vx2, c2,
-										  fma(vy2, ns2, gv * k[p + 1]));
-									vy2 = fma(an2, sn2,
-										  fma(vy2, c2,
-										      gv * k[b.npad + p + 1]));
-								}
-								bwd_dq_add(dq, p, b.P, vx, vy, C0[g][p], S0[g][p]);
-								bwd_dq_add(dq, p + 1, b.P, vx2, vy2, C0[g][p + 1],
-									   S0[g][p + 1]);
-							}
-						NOUNROLL for (; p < b.P; p++) {
-							const vf c = VL(cwg[g] + p * APE_RW);
-							const vf sn = VL(swg[g] + p * APE_RW), ns = -sn;
-							vf vx = (vf)0.0f, vy = (vf)0.0f;
-
-							NOUNROLL for (int kt = nk - 1; kt >= 0; kt--) {
-								__global const float *k = kp + kt * b.krs;
-								const vf gv = Gm[g][kt], an = vx;
-								/* a hidden key's NaN must not reach the row */
-								vf gu = gv * k[p], gw = gv * k[b.npad + p];
-
-								if (!full[g]) {
-									gu = APE_V_SELECT(gu, (vf)0.0f, gv == 0.0f);
-									gw = APE_V_SELECT(gw, (vf)0.0f, gv == 0.0f);
-								}
-								if (sep) { /* no turn: a sum */
-									vx += gu;
-									vy += gw;
-									continue;
-								}
-								vx = fma(vx, c, fma(vy, ns, gu));
-								vy = fma(an, sn, fma(vy, c, gw));
-							}
-							bwd_dq_add(dq, p, b.P, vx, vy, C0[g][p], S0[g][p]);
-						}
-					}
-			}
-		}
-		/* (a block no row sees adds nothing) */
-		for (int kt = 0; !fresh && kt < nk; kt++) {
-			const long kbase = (bkv * Lk + sg.k0 + j0 + kt) * b.D;
-			const float *dka = dkacc + kt * b.D * APE_RW, *dva = dvacc + kt * b.D * APE_RW;
-
-			int c = 0;
-
-			/* component c of dK: pair c's first (c < P) or pair c - P's second; sep: the
-			 * sums turned back by the key's angle, dk = R(-theta_j) dKr */
-			if (flags & B_DK) {
-				float sm[APE_DMAX];
-
-#if APE_RW == 16
-				NOUNROLL for (; c + 16 <= b.D; c += 16)
-					VS(bwd_hsum16(dka + c * 16), sm + c);
-#endif
-				NOUNROLL for (; c < b.D; c++)
-					sm[c] = bwd_hsum(VL(dka + c * APE_RW));
-				if (sep) {
-					__global const float *kc = kp + kt * b.krs + b.rs + 2 * b.npad;
-
-					NOUNROLL for (int p = 0; p < b.P; p++) {
-						const float co = kc[p], si = kc[b.npad + p];
-						const float u = sm[p], w = sm[b.P + p];
-
-						sm[p] = fma(u, co, w * si);
-						sm[b.P + p] = fma(w, co, -(u * si));
-					}
-				}
-				NOUNROLL for (c = 0; c < b.D; c++)
-					DK[kbase + (!b.inter ? c : c < b.P ? 2 * c : 2 * (c - b.P) + 1)] +=
-						sm[c];
-			}
-			c = 0;
-#if APE_RW == 16
-			if (flags & B_DV)
-				NOUNROLL for (; c + 16 <= b.D; c += 16)
-					VS(VL(DV + kbase + c) + bwd_hsum16(dva + c * 16), DV + kbase + c);
-#endif
-			if (flags & B_DV)
-				NOUNROLL for (; c < b.D; c++)
-					DV[kbase + c] += bwd_hsum(VL(dva + c * APE_RW));
-		}
-	}
-}
-
-/* The general sweep (any lambda): bwd_sweep() turning each row's rotation per key */
-__kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
-			    __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
-			    __global APE_REAL *DBP)
-{
-	bwd_sweep(BWD_SWEEP_PASS, DK, DV, DQP, RP, nsplit, nrv, DBP, 0);
-}
-
-/*
- * The separable sweep (lambda = 0 on every head, B_SEP; docs/kernels.md): alpha_i = 1 and
- * temp = 1, so theta_ij = (rel + i - j) omega_p splits into the row's angle and the key's, and
- * dot_ij = Qr_i . Kr_j with Qr_i = R((rel + i) omega) q_i (ape_bwd_rows, in place) and
- * Kr_j = R(j omega) k_j (ape_bwd_prep). bwd_sweep() with no turn anywhere: the alpha sum
- * E_ij = sum_p omega_p (yr_p u_p - xr_p w_p) of the rotated query is the same sum over Qr_i and
- * Kr_j (J R = R J, J the turn by -90 degrees: J R(theta_ij) q . k = J Qr . Kr), the prepared
- * key's omega products as before; dKr_j = sum_i g_ij Qr_i and dQr_i = sum_j g_ij Kr_j are plain
- * sums, turned back once: dk_j = R(-j omega) dKr_j at the block's end, dq_i =
- * R(-(rel + i) omega) dQr_i by bwd_dq_add() with STEP's angles. Everything else (skipping, the
- * splits and their order, the partial buffers, the row and parameter sums) is the general
- * sweep's.
- */
-__kernel void ape_bwd_sep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
-			  __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
-			  __global APE_REAL *DBP)
-{
-	bwd_sweep(BWD_SWEEP_PASS, DK, DV, DQP, RP, nsplit, nrv, DBP, 1);
-}
-
-/*
- * Per row vector (one work-item): the splits' sums of ape_bwd_fused in split order: dQ_i, then
- * the alpha path A_i applied to it (A_i d(alpha)/d(sigma) d(sigma)/d(q)), added to DQ; the rows'
- * parameter sums (with d(alpha)/d(lambda)) to PART[row][4] (zero for a row that sees no key of
- * this launch), for ape_bwd_params.
- */
-__kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
-			     __global const APE_REAL *rinfo, int D, int H, long Lq, long Lk,
-			     long rel, int flags, __global const float *DQP,
-			     __global const APE_REAL *RP, int nsplit, long nrv,
-			     __global const void *Q, __global float *DQ, __global APE_REAL *PART,
-			     long nblk, __global const long *SG, __global const int *RVS)
-{
-	const long ib = get_global_id(0), bh = get_global_id(1);
-	/* the row vector's segment (a dense launch: the launch); rows from rb + i0 */
-	const struct bseg g = bwd_seg(SG, RVS && ib < nblk ? RVS[ib] : 0, Lq, Lk, rel);
-	const long blk = bh * nblk + ib, i0 = (ib - g.rv0) * APE_RW, rb = bh * Lq + g.q0;
 	const int P = BD(D) / 2, causal = (flags & B_CAUSAL) != 0;
 	const int inter = (flags & B_INTERLEAVED) != 0;
 	__global const APE_REAL *hp = prm + npad + 4 * (bh % H);
-	__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
 	APE_REAL su[RP_N][APE_RW], coef[APE_RW], tx[APE_RW], ty[APE_RW];
 #if !APE_FP64
 	APE_REAL sh[RP_N][APE_RW], sl[RP_N][APE_RW]; /* the pairs; su their values */
@@ -1243,19 +703,17 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 	long cnt[APE_RW];
 	int hi;
 
-	if (ib >= nblk)
-		return;
 	hi = (int)(g.lq - i0 < APE_RW ? g.lq - i0 : APE_RW);
 	NOUNROLL for (int f = 0; f < RP_N; f++) {
 		vr acc = (vr)0;
 #if APE_FP64
 		NOUNROLL for (int sp = 0; sp < nsplit; sp++)
-			acc += VL(RP + ((sp * nrv + blk) * RP_N + f) * APE_RW);
+			acc += VL(rp0 + sp * rstride + f * APE_RW);
 #else
 		vr err = (vr)0;
 
 		NOUNROLL for (int sp = 0; sp < nsplit; sp++) {
-			__global const APE_REAL *r = RP + (sp * nrv + blk) * RP_N * BSUM * APE_RW;
+			__global const APE_REAL *r = rp0 + sp * rstride;
 			const vr x = VL(r + f * APE_RW);
 
 			BWD_TWO_SUM(vr, acc, err, x);
@@ -1306,7 +764,7 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 		vr ax = (vr)0, ay = (vr)0;
 
 		NOUNROLL for (int sp = 0; sp < nsplit; sp++) {
-			__global const float *dq = DQP + (sp * nrv + blk) * BD(D) * APE_RW;
+			__global const float *dq = dq0 + sp * dstride;
 
 			ax += TO_VR(VL(dq + p * APE_RW));
 			ay += TO_VR(VL(dq + (P + p) * APE_RW));
@@ -1327,6 +785,710 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 							      mean));
 		}
 	}
+}
+
+/* ape_bwd_short's arguments past the sweep's (ocl_backward.c): the launch's inputs (Q with dO,
+ * K with V, O, LSE, dLSE) and the outputs the other kernels write (pairs, dQ, the rows' parameter
+ * sums); its segments, and the row vectors of each work-item's slot per query head (the most a
+ * segment has). NULL and 0 for the other sweeps. */
+#define BWD_SHORT_ARGS                                                                             \
+	__global const void *Q, __global const void *DO, __global const void *K,                   \
+		__global const void *V, __global const void *O, __global const float *LSE,         \
+		__global const float *DLSE, __global ulong *PAIRS, __global float *DQ,             \
+		__global APE_REAL *PART, long nseg, long nrvs
+#define BWD_SHORT_PASS Q, DO, K, V, O, LSE, DLSE, PAIRS, DQ, PART, nseg, nrvs
+#define BWD_SHORT_NONE NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0
+
+/*
+ * ape_bwd_short, per segment sg of work-item wi's (batch, kv head): before its key blocks, each
+ * row vector of each query head of the kv head as ape_bwd_prep and ape_bwd_rows make it (the
+ * same functions), into the work-item's slots of QP, rinfo and STEP (slot row vector
+ * (wi group + h - h0) nrvs + i0 / APE_RW), its one slice of DQP and RP cleared; after them
+ * (reduce), each as ape_bwd_reduce (the same function) from its one slice. No skipping (the
+ * host leaves B_SKIP out: the bound's key norm would come from a pass over every key).
+ */
+KFN void bwd_short_rows(BWD_SWEEP_ARGS, __global float *DQP, __global APE_REAL *RP, BWD_SHORT_ARGS,
+			long wi, const struct bseg sg, int reduce)
+{
+	const struct bwd b = bwd_init(D, nmin, ndist, nblk, scale, flags);
+	const long bkv = get_global_id(1), Hkv = H / group, h0 = bkv % Hkv * group;
+
+	for (long h = h0; h < h0 + group; h++) {
+		const long bh = bkv / Hkv * H + h, rb = bh * Lq + sg.q0;
+
+		for (long i0 = 0; i0 < sg.lq; i0 += APE_RW) {
+			const long blk = (wi * group + h - h0) * nrvs + i0 / APE_RW;
+			/* (the slots: written here, read by the sweep as its prepared rows) */
+			__global float *qt = (__global float *)QP + blk * b.rs * APE_RW;
+			__global APE_REAL *ri = (__global APE_REAL *)rinfo + RI_AT(blk, 0, APE_RW);
+			__global float *dq = DQP ? DQP + blk * b.D * APE_RW : DQP;
+			__global APE_REAL *rp = RP ? RP + blk * RP_N * BSUM * APE_RW : RP;
+
+			if (reduce) {
+				if (flags & (B_DQ | B_DP))
+					bwd_reduce_vec(prm, npad, ri, D, H, flags, dq, 0, rp, 0, 1, Q,
+						       DQ, PART, sg, i0, rb, bh);
+				continue;
+			}
+			for (int l = 0; l < APE_RW; l++)
+				bwd_prep_row(Q, B_DT_IN(flags), DO, B_DT_DO(flags),
+					     (rb + i0 + l) * b.D, APE_RW, D, b.npad, b.rs - 2 * b.npad,
+					     b.inter, qt + l, NULL, 0, i0 + l, i0 + l < sg.lq);
+			bwd_rows_vec(qt, ri, (__global float *)STEP + blk * 2 * b.npad * APE_RW, O, LSE,
+				     DLSE, prm, npad, D, H, flags, NULL, group, scale, 0.0f, PAIRS, NULL,
+				     0, 0, sg, i0, rb, bh);
+			for (int c = 0; dq && c < b.D * APE_RW; c++)
+				dq[c] = 0.0f;
+			for (int c = 0; rp && c < RP_N * BSUM * APE_RW; c++)
+				rp[c] = 0;
+		}
+	}
+}
+
+KFN void bwd_sweep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV, __global float *DQP,
+		   __global APE_REAL *RP, int nsplit, long nrv, __global APE_REAL *DBP,
+		   const int sep, BWD_SHORT_ARGS, const int shortm)
+{
+	const struct bwd b = bwd_init(D, nmin, ndist, nblk, scale, flags);
+	const long s = get_global_id(0), bkv = get_global_id(1), Hkv = H / group;
+	/* ape_bwd_short: the work-item's slots, its query heads from h0 */
+	const long wi = bkv * nsplit + s, h0 = bkv % Hkv * group;
+	const int wrow = (flags & (B_DQ | B_DP)) != 0; /* the rows' sums are wanted */
+	/* per key kt, component c: lanes at ((kt * D) + c) * APE_RW */
+	float dkacc[BWD_KT * APE_DMAX * APE_RW], dvacc[BWD_KT * APE_DMAX * APE_RW];
+	vf Pm[KR][BWD_KT], Gm[KR][BWD_KT], X0[KR][APE_PMAX], Y0[KR][APE_PMAX];
+	vf C0[KR][APE_PMAX], S0[KR][APE_PMAX];
+	vf xs[APE_PMAX], ys[APE_PMAX];
+	/* B_DBIAS: a row vector's dS of the block by distance, lane l of key kt at
+	 * BWD_KT - 1 - kt + l (distance nl0 - (BWD_KT - 1) + that) */
+	float dsd[BWD_KT + APE_RW - 1];
+	__global const float *qtg[KR], *cwg[KR], *swg[KR];
+	long nl0[KR], blkg[KR];
+	int hi[KR], full[KR];
+
+	if (s >= nsplit)
+		return;
+	for (int x = 0; x < BWD_KT + APE_RW - 1; x++)
+		dsd[x] = 0.0f;
+	for (long it = s; it < (shortm ? nseg : nkb); it += nsplit) {
+		/* the key blocks kb0 .. kb1 - 1 to walk: block it, or (ape_bwd_short) segment it's
+		 * blocks, its rows prepared before them and reduced after them */
+		long kb0 = it, kb1 = it + 1;
+
+		if (shortm) {
+			const struct bseg sg = bwd_seg(SG, it, Lq, Lk, rel);
+
+			bwd_short_rows(BWD_SWEEP_PASS, DQP, RP, BWD_SHORT_PASS, wi, sg, 0);
+			kb0 = sg.kb0;
+			kb1 = sg.kb0 + (sg.lk + BWD_KT - 1) / BWD_KT;
+		}
+		for (long kb = kb0; kb < kb1; kb++) {
+			/* the block's segment (dense: the launch), its keys j0.. of it, rows 0..lq - 1 */
+			const struct bseg sg = bwd_seg(SG, KBS ? KBS[kb] : 0, Lq, Lk, rel);
+			const long j0 = (kb - sg.kb0) * BWD_KT, lq = sg.lq, srel = sg.rel;
+			const int nk = (int)(sg.lk - j0 < BWD_KT ? sg.lk - j0 : BWD_KT);
+			/* the prepared keys: Lk per (batch, kv head), or a ragged launch's key blocks */
+			__global const float *kp =
+				shortm ? KP + wi * BWD_KT * b.krs
+				       : KP + (bkv * (SG ? nkb * BWD_KT : Lk) + kb * BWD_KT) * b.krs;
+			long i0;
+			/* the accumulators hold nothing yet: the block's first group starts them from zero
+			 * instead of reading them (no clearing pass: with skipping, a block often meets a
+			 * group or two) */
+			int fresh = 1;
+
+			if (shortm) /* ape_bwd_short: the block's keys to the work-item's slot */
+				for (int kt = 0; kt < BWD_KT; kt++)
+					bwd_prep_row(K, B_DT_IN(flags), V, B_DT_IN(flags),
+						     (bkv * Lk + sg.k0 + j0 + kt) * b.D, 1, D, b.npad,
+						     b.rs - 2 * b.npad, b.inter,
+						     (__global float *)kp + kt * b.krs, prm, sep, j0 + kt,
+						     j0 + kt < sg.lk);
+			/* causal: row i sees key j when n = rel + i - j >= 0; from the row vector holding it */
+			i0 = b.causal ? ape_sat_sub(j0, srel) : 0;
+			i0 = (i0 < 0 ? 0 : i0) / APE_RW * APE_RW;
+			for (long h = bkv % Hkv * group; h < (bkv % Hkv + 1) * group; h++) {
+				const long bh = bkv / Hkv * H + h;
+				__global const APE_REAL *th = tab + TB_AT(h, 0, b.ndist);
+
+				for (long r0 = i0; r0 < lq;) {
+					int nr = 0;
+
+					/* pass 1 for up to KR row vectors */
+					for (; r0 < lq && nr < KR; r0 += APE_RW) {
+						/* ape_bwd_short: the row vector's slots */
+						const long blk = shortm ? (wi * group + h - h0) * nrvs + r0 / APE_RW
+									: bh * b.nblk + sg.rv0 + r0 / APE_RW;
+						__global const float *qt = QP + blk * b.rs * APE_RW;
+						__global const APE_REAL *ri = rinfo + RI_AT(blk, 0, APE_RW);
+						__global const float *cw = STEP + blk * 2 * b.npad * APE_RW,
+								     *sw = cw + b.npad * APE_RW;
+						vf Ad = (vf)0.0f, f0 = (vf)0.0f, f1 = (vf)0.0f, f2 = (vf)0.0f,
+						   f3 = (vf)0.0f;
+						vr iav, lse, nv;
+						vf dsub;
+						const int g = nr;
+
+						/* left out by the skip bound (or seen by no row of the vector) */
+						if (j0 + nk <= (long)ri[RI_JLO * APE_RW] ||
+						    j0 >= (long)ri[RI_JHI * APE_RW])
+							continue;
+						nr++;
+						qtg[g] = qt;
+						cwg[g] = cw;
+						swg[g] = sw;
+						blkg[g] = blk;
+						nl0[g] = srel + r0 - j0;
+						hi[g] = (int)(lq - r0 < APE_RW ? lq - r0 : APE_RW);
+						full[g] = hi[g] == APE_RW &&
+							  (!b.causal || nl0[g] - (nk - 1) >= 0);
+						iav = (APE_REAL)1 / VL(ri + RI_ALPHA * APE_RW);
+						lse = VL(ri + RI_LSE * APE_RW);
+						dsub = TO_VF(VL(ri + RI_DSUB * APE_RW));
+						nv = ((APE_REAL)nl0[g] + TO_VR(IOTA)) * iav;
+						/* the queries rotated to key j0 (by +theta); sep: rotated by
+						 * their positions already (ape_bwd_rows), STEP their angles */
+						NOUNROLL for (int p = 0; p < b.P; p++) {
+							const vf x = VL(qt + p * APE_RW),
+								 y = VL(qt + (b.npad + p) * APE_RW);
+							vf c, sn;
+
+							if (sep) {
+								xs[p] = X0[g][p] = x;
+								ys[p] = Y0[g][p] = y;
+								C0[g][p] = VL(cw + p * APE_RW);
+								S0[g][p] = VL(sw + p * APE_RW);
+								continue;
+							}
+							sn = ape_seed_sincos((vr)prm[p] * nv, &c);
+							xs[p] = X0[g][p] = x * c - y * sn;
+							ys[p] = Y0[g][p] = x * sn + y * c;
+							C0[g][p] = c;
+							S0[g][p] = sn;
+						}
+						NOUNROLL for (int sb = 0; sb < nk; sb += KSB) {
+							__global const float *kr[KSB];
+							vf S[KSB], E[KSB], DOV[KSB];
+
+	#pragma unroll
+							for (int jj = 0; jj < KSB; jj++) {
+								kr[jj] = kp + (sb + jj < nk ? sb + jj : nk - 1) *
+										      b.krs;
+								S[jj] = E[jj] = DOV[jj] = (vf)0.0f;
+							}
+							/* dO_i . V_j of the sub-block's keys */
+							NOUNROLL for (int d = 0; d < b.D; d++) {
+								const vf o = VL(qt + (2 * b.npad + d) * APE_RW);
+
+	#pragma unroll
+								for (int jj = 0; jj < KSB; jj++)
+									DOV[jj] = fma(o, (vf)kr[jj][2 * b.npad + d],
+										      DOV[jj]);
+							}
+							/* two pairs' walks interleaved (one alone waits on the
+							 * FMA latency), the sums in pair order as one by one */
+							int p = 0;
+
+							NOUNROLL for (; p + 1 < b.P; p += 2) {
+								vf x = xs[p], y = ys[p], x2 = xs[p + 1], y2 = ys[p + 1];
+								const vf c = VL(cw + p * APE_RW),
+									 sn = VL(sw + p * APE_RW);
+								const vf c2 = VL(cw + (p + 1) * APE_RW),
+									 sn2 = VL(sw + (p + 1) * APE_RW);
+
+	#pragma unroll
+								for (int jj = 0; jj < KSB; jj++) {
+									__global const float *k = kr[jj];
+
+									S[jj] = fma(x2, (vf)k[p + 1],
+										    fma(y2, (vf)k[b.npad + p + 1],
+											fma(x, (vf)k[p],
+											    fma(y, (vf)k[b.npad + p],
+												S[jj]))));
+									E[jj] = fma(y2, (vf)k[b.rs + p + 1],
+										    fma(x2, (vf)k[b.rs + b.npad + p + 1],
+											fma(y, (vf)k[b.rs + p],
+											    fma(x, (vf)k[b.rs + b.npad + p],
+												E[jj]))));
+									if (!sep) {
+										bwd_turn(&x, &y, c, sn);
+										bwd_turn(&x2, &y2, c2, sn2);
+									}
+								}
+								xs[p] = x;
+								ys[p] = y;
+								xs[p + 1] = x2;
+								ys[p + 1] = y2;
+							}
+							NOUNROLL for (; p < b.P; p++) {
+								vf x = xs[p], y = ys[p];
+								const vf c = VL(cw + p * APE_RW),
+									 sn = VL(sw + p * APE_RW);
+
+	#pragma unroll
+								for (int jj = 0; jj < KSB; jj++) {
+									S[jj] = fma(x, (vf)kr[jj][p],
+										    fma(y, (vf)kr[jj][b.npad + p], S[jj]));
+									E[jj] = fma(y, (vf)kr[jj][b.rs + p],
+										    fma(x, (vf)kr[jj][b.rs + b.npad + p],
+											E[jj]));
+									if (!sep)
+										bwd_turn(&x, &y, c, sn);
+								}
+								xs[p] = x;
+								ys[p] = y;
+							}
+	#pragma unroll
+							for (int jj = 0; jj < KSB; jj++) {
+								const int kt = sb + jj;
+								/* lane 0's distance in the table */
+								const long e = nl0[g] - kt - b.nmin;
+								const vf dov = DOV[jj];
+								vf tsc, pv, ds, gv, dot = S[jj], ea = E[jj];
+
+								if (kt >= nk)
+									break;
+								pv = bwd_p(VL(th + TB_T * b.ndist + e),
+									   VL(th + TB_BIAS * b.ndist + e), lse, dot,
+									   b.scale, &tsc);
+								ds = pv * (dov - dsub);
+								if (!full[g]) {
+									const vi vis = KEYS_VIS(g, kt);
+
+									ds = APE_V_SELECT((vf)0.0f, ds, vis);
+									dot = APE_V_SELECT((vf)0.0f, dot, vis);
+									ea = APE_V_SELECT((vf)0.0f, ea, vis);
+								}
+								gv = ds * tsc;
+								Pm[g][kt] = pv;
+								Gm[g][kt] = gv;
+								if (flags & B_DBIAS) {
+									float dl[APE_RW];
+
+									VS(ds, dl);
+	#pragma unroll
+									for (int l = 0; l < APE_RW; l++)
+										dsd[BWD_KT - 1 - kt + l] += dl[l];
+								}
+								if (!wrow)
+									continue;
+								Ad = fma(gv * TO_VF(((APE_REAL)(nl0[g] - kt) +
+										     TO_VR(IOTA)) *
+										    iav),
+									 ea, Ad);
+								f0 = fma(ds, TO_VF(VL(th + TB_DD * b.ndist + e)),
+									 f0);
+								f1 = fma(ds, TO_VF(VL(th + TB_DB * b.ndist + e)),
+									 f1);
+								f2 = fma(ds, TO_VF(VL(th + TB_DG * b.ndist + e)),
+									 f2);
+								f3 = fma(ds * dot,
+									 TO_VF(VL(th + TB_DTL * b.ndist + e)), f3);
+							}
+						}
+						/* dS by distance to the split's slice, cleared again: entry x at
+						 * distance index nl0 - (BWD_KT - 1) + x - nmin, >= 0 from x =
+						 * BWD_KT - nk (key nk - 1, lane 0), < ndist up to lane hi[g] - 1
+						 * (the lanes past it added zeros only) */
+						if (flags & B_DBIAS) {
+							const long e0 = DBP_AT(s, bh, nrv / b.nblk, b.ndist * BSUM) +
+									nl0[g] - (BWD_KT - 1) - b.nmin;
+
+							NOUNROLL for (int x = BWD_KT - nk; x < BWD_KT - 1 + hi[g]; x++) {
+	#if APE_FP64
+								DBP[e0 + x] += (APE_REAL)dsd[x];
+	#else /* the sum, its error term ndist after it */
+								APE_REAL sm = DBP[e0 + x], er = DBP[e0 + b.ndist + x];
+								const APE_REAL v = dsd[x];
+
+								BWD_TWO_SUM(APE_REAL, sm, er, v);
+								DBP[e0 + x] = sm;
+								DBP[e0 + b.ndist + x] = er;
+	#endif
+								dsd[x] = 0.0f;
+							}
+						}
+						if (wrow) { /* the split's sums of these rows */
+							__global APE_REAL *rp =
+								RP + ((shortm ? 0 : s * nrv) + blk) * RP_N * BSUM * APE_RW;
+	#if APE_FP64
+							VS(VL(rp) + TO_VR(Ad), rp);
+							VS(VL(rp + APE_RW) + TO_VR(f0), rp + APE_RW);
+							VS(VL(rp + 2 * APE_RW) + TO_VR(f1), rp + 2 * APE_RW);
+							VS(VL(rp + 3 * APE_RW) + TO_VR(f2), rp + 3 * APE_RW);
+							VS(VL(rp + 4 * APE_RW) +
+								   TO_VR(f3) * (APE_REAL)b.scale,
+							   rp + 4 * APE_RW);
+	#else /* the RP_N sums, then their RP_N error terms */
+							const vr add[RP_N] = { TO_VR(Ad), TO_VR(f0), TO_VR(f1),
+									       TO_VR(f2),
+									       TO_VR(f3) * (APE_REAL)b.scale };
+
+	#pragma unroll
+							for (int f = 0; f < RP_N; f++) {
+								vr sm = VL(rp + f * APE_RW),
+								   er = VL(rp + (RP_N + f) * APE_RW);
+
+								BWD_TWO_SUM(vr, sm, er, add[f]);
+								VS(sm, rp + f * APE_RW);
+								VS(er, rp + (RP_N + f) * APE_RW);
+							}
+	#endif
+						}
+					}
+					/* dV: P times dO, KSB keys by 2 components in registers at a time */
+					if (flags & B_DV)
+						NOUNROLL for (int kc = 0; kc < nk; kc += KSB)
+							NOUNROLL for (int d0 = 0; d0 < b.D; d0 += 2) {
+								vf a0[KSB], a1[KSB];
+
+	#pragma unroll
+								for (int jj = 0; jj < KSB; jj++) {
+									const float *acc =
+										dvacc + ((kc + jj) * b.D + d0) * APE_RW;
+
+									a0[jj] = fresh ? (vf)0.0f : VL(acc);
+									a1[jj] = fresh ? (vf)0.0f : VL(acc + APE_RW);
+								}
+								NOUNROLL for (int g = 0; g < nr; g++) {
+									__global const float *o =
+										qtg[g] + (2 * b.npad + d0) * APE_RW;
+									const vf o0 = VL(o), o1 = VL(o + APE_RW);
+
+									if (full[g]) {
+	#pragma unroll
+										for (int jj = 0; jj < KSB; jj++) {
+											const vf pv = Pm[g][kc + jj];
+
+											a0[jj] = fma(pv, o0, a0[jj]);
+											a1[jj] = fma(pv, o1, a1[jj]);
+										}
+									} else {
+	#pragma unroll
+										for (int jj = 0; jj < KSB; jj++) {
+											const vf pv = Pm[g][kc + jj];
+											const vi ok = KEYS_VIS(g, kc + jj);
+
+											a0[jj] += APE_V_SELECT(
+												(vf)0.0f, pv * o0, ok);
+											a1[jj] += APE_V_SELECT(
+												(vf)0.0f, pv * o1, ok);
+										}
+									}
+								}
+	#pragma unroll
+								for (int jj = 0; jj < KSB; jj++) {
+									float *acc =
+										dvacc + ((kc + jj) * b.D + d0) * APE_RW;
+
+									if (kc + jj >= nk)
+										break;
+									VS(a0[jj], acc);
+									VS(a1[jj], acc + APE_RW);
+								}
+							}
+					/* dK: g times the rotated query, turned again from the first key, KDC keys'
+					 * accumulators in registers at a time; where both row vectors see every
+					 * key, two row vectors' walks interleave (one alone waits on the FMA
+					 * latency), each key's sum in the same order as one by one */
+					if (flags & B_DK)
+						NOUNROLL for (int p = 0; p < b.P; p++) {
+							vf X[KR], Y[KR];
+
+							NOUNROLL for (int g = 0; g < nr; g++) {
+								X[g] = X0[g][p];
+								Y[g] = Y0[g][p];
+							}
+							NOUNROLL for (int kc = 0; kc < nk; kc += KDC) {
+								vf ax[KDC], ay[KDC];
+
+	#pragma unroll
+								for (int jj = 0; jj < KDC; jj++) {
+									const int kt = kc + jj < nk ? kc + jj : nk - 1;
+
+									ax[jj] = fresh ? (vf)0.0f
+										       : VL(dkacc + (kt * b.D + p) * APE_RW);
+									ay[jj] = fresh ? (vf)0.0f
+										       : VL(dkacc + (kt * b.D + b.P + p) *
+												    APE_RW);
+								}
+								NOUNROLL for (int g = 0; g < nr; g++) {
+									vf x = X[g], y = Y[g];
+									const vf c = VL(cwg[g] + p * APE_RW);
+									const vf sn = VL(swg[g] + p * APE_RW);
+
+									if (kc + KDC <= nk && full[g] && g + 1 < nr &&
+									    full[g + 1]) {
+										vf x2 = X[g + 1], y2 = Y[g + 1];
+										const vf c2 = VL(cwg[g + 1] + p * APE_RW);
+										const vf sn2 = VL(swg[g + 1] + p * APE_RW);
+
+	#pragma unroll
+										for (int jj = 0; jj < KDC; jj++) {
+											const vf gv = Gm[g][kc + jj];
+											const vf gv2 = Gm[g + 1][kc + jj];
+
+											ax[jj] = fma(gv2, x2,
+												     fma(gv, x, ax[jj]));
+											ay[jj] = fma(gv2, y2,
+												     fma(gv, y, ay[jj]));
+											if (!sep) {
+												bwd_turn(&x, &y, c, sn);
+												bwd_turn(&x2, &y2, c2,
+													 sn2);
+											}
+										}
+										X[g + 1] = x2;
+										Y[g + 1] = y2;
+									} else {
+	#pragma unroll
+										for (int jj = 0; jj < KDC; jj++) {
+											const int kt = kc + jj;
+
+											if (kt >= nk)
+												break;
+											if (full[g]) {
+												ax[jj] = fma(Gm[g][kt], x,
+													     ax[jj]);
+												ay[jj] = fma(Gm[g][kt], y,
+													     ay[jj]);
+											} else {
+												const vi ok =
+													KEYS_VIS(g, kt);
+
+												ax[jj] += APE_V_SELECT(
+													(vf)0.0f,
+													Gm[g][kt] * x, ok);
+												ay[jj] += APE_V_SELECT(
+													(vf)0.0f,
+													Gm[g][kt] * y, ok);
+											}
+											if (!sep)
+												bwd_turn(&x, &y, c, sn);
+										}
+									}
+									X[g] = x;
+									Y[g] = y;
+									if (kc + KDC <= nk && full[g] && g + 1 < nr &&
+									    full[g + 1])
+										g++;
+								}
+	#pragma unroll
+								for (int jj = 0; jj < KDC; jj++) {
+									const int kt = kc + jj;
+
+									if (kt >= nk)
+										break;
+									VS(ax[jj], dkacc + (kt * b.D + p) * APE_RW);
+									VS(ay[jj],
+									   dkacc + (kt * b.D + b.P + p) * APE_RW);
+								}
+							}
+						}
+					fresh = 0;
+					/* dQ: Horner's rule over the block's keys in reverse,
+					 * V = R(w) V + g k_j, then R(-theta_0) V to the split's slice; where
+					 * every lane sees every key two pairs' walks interleave (each step
+					 * waits on the last: one walk alone is bound by the FMA latency) */
+					if (flags & B_DQ)
+						NOUNROLL for (int g = 0; g < nr; g++) {
+							__global float *dq =
+								DQP + ((shortm ? 0 : s * nrv) + blkg[g]) * b.D * APE_RW;
+							int p = 0;
+
+							if (full[g])
+								NOUNROLL for (; p + 1 < b.P; p += 2) {
+									const vf c = VL(cwg[g] + p * APE_RW);
+									const vf sn = VL(swg[g] + p * APE_RW), ns = -sn;
+									const vf c2 = VL(cwg[g] + (p + 1) * APE_RW);
+									const vf sn2 = VL(swg[g] + (p + 1) * APE_RW),
+										 ns2 = -sn2;
+									vf vx = (vf)0.0f, vy = (vf)0.0f, vx2 = (vf)0.0f,
+									   vy2 = (vf)0.0f;
+
+	#pragma unroll 8
+									for (int kt = nk - 1; kt >= 0; kt--) {
+										__global const float *k = kp + kt * b.krs;
+										const vf gv = Gm[g][kt], an = vx,
+											 an2 = vx2;
+
+										if (sep) { /* no turn: a sum */
+											vx = fma(gv, k[p], vx);
+											vy = fma(gv, k[b.npad + p], vy);
+											vx2 = fma(gv, k[p + 1], vx2);
+											vy2 = fma(gv, k[b.npad + p + 1],
+												  vy2);
+											continue;
+										}
+										vx = fma(vx, c, fma(vy, ns, gv * k[p]));
+										vy = fma(an, sn,
+											 fma(vy, c, gv * k[b.npad + p]));
+										vx2 = fma(vx2, c2,
+											  fma(vy2, ns2, gv * k[p + 1]));
+										vy2 = fma(an2, sn2,
+											  fma(vy2, c2,
+											      gv * k[b.npad + p + 1]));
+									}
+									bwd_dq_add(dq, p, b.P, vx, vy, C0[g][p], S0[g][p]);
+									bwd_dq_add(dq, p + 1, b.P, vx2, vy2, C0[g][p + 1],
+										   S0[g][p + 1]);
+								}
+							NOUNROLL for (; p < b.P; p++) {
+								const vf c = VL(cwg[g] + p * APE_RW);
+								const vf sn = VL(swg[g] + p * APE_RW), ns = -sn;
+								vf vx = (vf)0.0f, vy = (vf)0.0f;
+
+								NOUNROLL for (int kt = nk - 1; kt >= 0; kt--) {
+									__global const float *k = kp + kt * b.krs;
+									const vf gv = Gm[g][kt], an = vx;
+									/* a hidden key's NaN must not reach the row */
+									vf gu = gv * k[p], gw = gv * k[b.npad + p];
+
+									if (!full[g]) {
+										gu = APE_V_SELECT(gu, (vf)0.0f, gv == 0.0f);
+										gw = APE_V_SELECT(gw, (vf)0.0f, gv == 0.0f);
+									}
+									if (sep) { /* no turn: a sum */
+										vx += gu;
+										vy += gw;
+										continue;
+									}
+									vx = fma(vx, c, fma(vy, ns, gu));
+									vy = fma(an, sn, fma(vy, c, gw));
+								}
+								bwd_dq_add(dq, p, b.P, vx, vy, C0[g][p], S0[g][p]);
+							}
+						}
+				}
+			}
+			/* (a block no row sees adds nothing) */
+			for (int kt = 0; !fresh && kt < nk; kt++) {
+				const long kbase = (bkv * Lk + sg.k0 + j0 + kt) * b.D;
+				const float *dka = dkacc + kt * b.D * APE_RW, *dva = dvacc + kt * b.D * APE_RW;
+
+				int c = 0;
+
+				/* component c of dK: pair c's first (c < P) or pair c - P's second; sep: the
+				 * sums turned back by the key's angle, dk = R(-theta_j) dKr */
+				if (flags & B_DK) {
+					float sm[APE_DMAX];
+
+	#if APE_RW == 16
+					NOUNROLL for (; c + 16 <= b.D; c += 16)
+						VS(bwd_hsum16(dka + c * 16), sm + c);
+	#endif
+					NOUNROLL for (; c < b.D; c++)
+						sm[c] = bwd_hsum(VL(dka + c * APE_RW));
+					if (sep) {
+						__global const float *kc = kp + kt * b.krs + b.rs + 2 * b.npad;
+
+						NOUNROLL for (int p = 0; p < b.P; p++) {
+							const float co = kc[p], si = kc[b.npad + p];
+							const float u = sm[p], w = sm[b.P + p];
+
+							sm[p] = fma(u, co, w * si);
+							sm[b.P + p] = fma(w, co, -(u * si));
+						}
+					}
+					NOUNROLL for (c = 0; c < b.D; c++)
+						DK[kbase + (!b.inter ? c : c < b.P ? 2 * c : 2 * (c - b.P) + 1)] +=
+							sm[c];
+				}
+				c = 0;
+	#if APE_RW == 16
+				if (flags & B_DV)
+					NOUNROLL for (; c + 16 <= b.D; c += 16)
+						VS(VL(DV + kbase + c) + bwd_hsum16(dva + c * 16), DV + kbase + c);
+	#endif
+				if (flags & B_DV)
+					NOUNROLL for (; c < b.D; c++)
+						DV[kbase + c] += bwd_hsum(VL(dva + c * APE_RW));
+			}
+		}
+		if (shortm)
+			bwd_short_rows(BWD_SWEEP_PASS, DQP, RP, BWD_SHORT_PASS, wi,
+				       bwd_seg(SG, it, Lq, Lk, rel), 1);
+	}
+}
+
+/* The general sweep (any lambda): bwd_sweep() turning each row's rotation per key */
+__kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
+			    __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
+			    __global APE_REAL *DBP)
+{
+	bwd_sweep(BWD_SWEEP_PASS, DK, DV, DQP, RP, nsplit, nrv, DBP, 0, BWD_SHORT_NONE, 0);
+}
+
+/*
+ * The separable sweep (lambda = 0 on every head, B_SEP; docs/kernels.md): alpha_i = 1 and
+ * temp = 1, so theta_ij = (rel + i - j) omega_p splits into the row's angle and the key's, and
+ * dot_ij = Qr_i . Kr_j with Qr_i = R((rel + i) omega) q_i (ape_bwd_rows, in place) and
+ * Kr_j = R(j omega) k_j (ape_bwd_prep). bwd_sweep() with no turn anywhere: the alpha sum
+ * E_ij = sum_p omega_p (yr_p u_p - xr_p w_p) of the rotated query is the same sum over Qr_i and
+ * Kr_j (J R = R J, J the turn by -90 degrees: J R(theta_ij) q . k = J Qr . Kr), the prepared
+ * key's omega products as before; dKr_j = sum_i g_ij Qr_i and dQr_i = sum_j g_ij Kr_j are plain
+ * sums, turned back once: dk_j = R(-j omega) dKr_j at the block's end, dq_i =
+ * R(-(rel + i) omega) dQr_i by bwd_dq_add() with STEP's angles. Everything else (skipping, the
+ * splits and their order, the partial buffers, the row and parameter sums) is the general
+ * sweep's.
+ */
+__kernel void ape_bwd_sep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
+			  __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
+			  __global APE_REAL *DBP)
+{
+	bwd_sweep(BWD_SWEEP_PASS, DK, DV, DQP, RP, nsplit, nrv, DBP, 1, BWD_SHORT_NONE, 0);
+}
+
+/*
+ * A ragged launch of short segments (ocl_backward.c, bwd_short(): each at most a few row
+ * vectors and key blocks) in one kernel, without the launch-sized scratch: a work-item is split
+ * `s` of a (batch, kv head), as in the sweep, but owns whole segments (it, it + nsplit, ...).
+ * Per segment: its rows prepared and tabled (ape_bwd_prep's and ape_bwd_rows' functions) into
+ * the work-item's slots (QP, rinfo, STEP, one slice of DQP and RP, a key block of KP: each
+ * work-item's own, reused segment after segment, so they stay in cache); its key blocks, each
+ * prepared into the KP slot and swept by bwd_sweep()'s block (the same code: per block the same
+ * operations in the same order as the general launch's); then its rows reduced
+ * (ape_bwd_reduce's function) into DQ and PART. ape_bwd_dist before it, ape_bwd_params and the
+ * table's reductions after it, as for the other sweeps. _sep: lambda = 0 on every head (B_SEP).
+ */
+__kernel void ape_bwd_short(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
+			    __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
+			    __global APE_REAL *DBP, BWD_SHORT_ARGS)
+{
+	bwd_sweep(BWD_SWEEP_PASS, DK, DV, DQP, RP, nsplit, nrv, DBP, 0, BWD_SHORT_PASS, 1);
+}
+
+__kernel void ape_bwd_short_sep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
+				__global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
+				__global APE_REAL *DBP, BWD_SHORT_ARGS)
+{
+	bwd_sweep(BWD_SWEEP_PASS, DK, DV, DQP, RP, nsplit, nrv, DBP, 1, BWD_SHORT_PASS, 1);
+}
+
+/*
+ * Per row vector (one work-item): the splits' sums of ape_bwd_fused in split order: dQ_i, then
+ * the alpha path A_i applied to it (A_i d(alpha)/d(sigma) d(sigma)/d(q)), added to DQ; the rows'
+ * parameter sums (with d(alpha)/d(lambda)) to PART[row][4] (zero for a row that sees no key of
+ * this launch), for ape_bwd_params.
+ */
+__kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
+			     __global const APE_REAL *rinfo, int D, int H, long Lq, long Lk,
+			     long rel, int flags, __global const float *DQP,
+			     __global const APE_REAL *RP, int nsplit, long nrv,
+			     __global const void *Q, __global float *DQ, __global APE_REAL *PART,
+			     long nblk, __global const long *SG, __global const int *RVS)
+{
+	const long ib = get_global_id(0), bh = get_global_id(1);
+	/* the row vector's segment (a dense launch: the launch); rows from rb + i0 */
+	const struct bseg g = bwd_seg(SG, RVS && ib < nblk ? RVS[ib] : 0, Lq, Lk, rel);
+	const long blk = bh * nblk + ib, i0 = (ib - g.rv0) * APE_RW, rb = bh * Lq + g.q0;
+
+	if (ib >= nblk)
+		return;
+	bwd_reduce_vec(prm, npad, rinfo + RI_AT(blk, 0, APE_RW), D, H, flags,
+		       DQP + blk * BD(D) * APE_RW, nrv * BD(D) * APE_RW,
+		       RP + blk * RP_N * BSUM * APE_RW, nrv * RP_N * BSUM * APE_RW, nsplit, Q, DQ,
+		       PART, g, i0, rb, bh);
 }
 
 /* Per head h: the parameter sums of its rows (rows r0 .. r0 + nr - 1 of each (batch, head): a
