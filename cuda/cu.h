@@ -279,6 +279,10 @@ int ape__cu_upload_bias(struct ape_be_queue *q, const struct ape_be_launch *l, i
  * launch of that shape could take the path). o_scalar: O's element pairs are not aligned for
  * one 2-element store. The caller has entered the device and loaded the modules. */
 bool ape__cu_separable_applies(const struct ape_be_launch *l);
+/* Whether this path may take a launch of l's shape and heads, alone or in a split (some head
+ * with lambda = 0), whatever its lse_prior, diagnostics and pairs: attention_pages declines
+ * such a launch, since this path reads no pages. */
+bool ape__cu_separable_may_apply(const struct ape_be_launch *l);
 uint64_t ape__cu_separable_scratch(const struct ape_be_launch *l);
 int ape__cu_separable(struct ape_be_queue *q, const struct ape_be_launch *l, bool o_scalar);
 /* Launches mixing kv groups whose heads all have lambda = 0 with others (the separable path's

@@ -36,9 +36,11 @@
  * borders. Explicit positions (l->pos_q) are not read: the device does not say `positions`.
  *
  * Keys read in place (l->pages, attention_pages: ape__cu_attention_pages() below says which
- * launches): the decode, and for skipping ape_prep and ape_dwindow, address K and V rows through
- * the pages (struct ape_cu_pages in every argument struct's common part, key_at() and KeyWalk in
- * kernels/common.cuh) instead of the views; nothing else changes.
+ * launches): the decode, the prefill, ape_prep (the prefill's K conversion and V padding, the
+ * key norms for skipping) and ape_dwindow address K and V rows through the pages (struct
+ * ape_cu_pages in every argument struct's common part, key_at() and KeyWalk in
+ * kernels/common.cuh) instead of the views; nothing else changes. (The prefill in place runs on
+ * the CPU emulator in the tests; no GPU has run it yet.)
  *
  * Diagnostics (l->ent and l->md, docs/diagnostics.md): the same steps with the _diag twins of
  * the prefill, decode and merge kernels (a compile-time flag of the kernel templates, so that a
@@ -150,8 +152,9 @@ static bool pages_aligned(const struct ape_be_launch *l, bool buffers)
 /*
  * K and V rows that cp.async may read in place (see the top of this file), or not known. Keys
  * read through pages always take the kernels of the same keys gathered (contiguous, aligned):
- * where pages_aligned() cannot prove their rows aligned, the decode checks each row
- * (APE_CU_F_KV_CHECK) and copies a misaligned one with plain loads.
+ * where pages_aligned() cannot prove their rows aligned, the decode and the prefill check each
+ * row (APE_CU_F_KV_CHECK) and copy a misaligned one with plain loads (copy_row16() in
+ * kernels/common.cuh).
  */
 static void kv_aligned(const struct ape_be_launch *l, bool buffers, bool *k16, bool *v16)
 {
@@ -703,6 +706,10 @@ static int run_prefill(struct ape_be_queue *q, const struct ape_be_launch *l, co
 	a.vp = p->need_vp ? scratch + p->vp : l->v->ptr;
 	a.vkp = p->need_kp ? scratch_view(l, p) : ape__cu_view(l, APE_BE_T_K);
 	a.vvp = p->need_vp ? scratch_view(l, p) : ape__cu_view(l, APE_BE_T_V);
+	/* keys read in place: K and V rows the kernel reads itself, not ape_prep's copies of them
+	 * (which ape_prep made through the pages), lie where the pages put them */
+	if (l->pages)
+		a.paged = (p->need_kp ? 0 : APE_PF_K_PAGES) | (p->need_vp ? 0 : APE_PF_V_PAGES);
 	a.pre = p->skip ? scratch + p->pre : 0;
 	a.suf = p->skip ? scratch + p->suf : 0;
 	a.nqt = (l->Lq + bq - 1) / bq;
@@ -868,20 +875,27 @@ static int check_launch(const struct ape_device *dev, const struct ape_be_launch
 }
 
 /*
- * attention_pages (core/backend.h, ABI 9): the decode reads keys in place, through struct
- * ape_be_kv_pages (the ring of blocks, a page table of block numbers or of element offsets with
- * blocks of one token, any strides: kernels/args.h, struct ape_cu_pages), for
- *   - dense launches of 1 to APE_DC_MAX_LQ query rows, skipping as the same launch gathered
- *     would (ape_prep and ape_dwindow read the pages too), diagnostics or not;
+ * attention_pages (core/backend.h, ABI 9): the decode and the prefill read keys in place,
+ * through struct ape_be_kv_pages (the ring of blocks, a page table of block numbers or of
+ * element offsets with blocks of one token, any strides: kernels/args.h, struct ape_cu_pages),
+ * for
+ *   - dense launches of 1 to APE_DC_MAX_LQ query rows (the decode), skipping as the same
+ *     launch gathered would (ape_prep and ape_dwindow read the pages too), diagnostics or not;
+ *   - dense launches of more rows (the prefill: ape_prep converts K and pads V through the
+ *     pages where the gathered launch has it do so, the kernel reads the rest of K's and V's
+ *     rows through them, APE_PF_K_PAGES and APE_PF_V_PAGES), skipping and diagnostics as
+ *     gathered, unless the separable path may take the gathered launch (lambda = 0 on some
+ *     head: cuda_separable.c reads no pages);
  *   - ragged launches (l->segs known) whose every segment has 1 to APE_DC_MAX_LQ rows and whose
  *     partials stay within ragged_prows_max() (segments over disjoint keys always do): one
  *     launch, each segment split as a dense launch of it alone; a ragged decode skips nothing,
  *     gathered or in place;
  * with at least one key, no explicit positions, a shape check_launch() takes. These are the
- * launches the decode takes gathered too, and it runs the same kernel variant on them (D = 64
- * and 128: the cp.async kernels, each misaligned row copied with plain loads instead: the same
- * bytes), so a launch gives the same bits in place or gathered. Every other launch: false (the
- * core gathers). Reads the shape, segments, positions and options only.
+ * launches the decode and the prefill take gathered too, and they run the same kernel variant
+ * on them (the cp.async copies, each misaligned row copied with plain loads instead: the same
+ * bytes in shared memory), so a launch gives the same bits in place or gathered. Every other
+ * launch: false (the core gathers). Reads the shape, segments, positions, options and the
+ * heads' lambda only.
  */
 bool ape__cu_attention_pages(struct ape_device *dev, const struct ape_be_launch *l)
 {
@@ -896,7 +910,7 @@ bool ape__cu_attention_pages(struct ape_device *dev, const struct ape_be_launch 
 		return false;
 	if (l->segs || l->nseg)
 		return decode_ragged(ape__cu_dev(dev), l, &prows, &blocks);
-	return l->Lq <= APE_DC_MAX_LQ;
+	return l->Lq <= APE_DC_MAX_LQ || !ape__cu_separable_may_apply(l);
 }
 
 int ape__cu_attention(struct ape_be_queue *q, const struct ape_be_launch *l)
@@ -923,15 +937,16 @@ int ape__cu_attention(struct ape_be_queue *q, const struct ape_be_launch *l)
 		goto out_leave;
 	/* (the separable path keeps no diagnostics: sep_shape() turns launches with them away, and
 	 * they take the _diag kernels below; docs/diagnostics.md, "CUDA") */
-	/* (neither takes a decode's rows, hence never a launch with pages) */
-	if (l->Lk > 0 && ape__cu_separable_applies(l)) {
+	/* (neither takes a decode's rows, nor a launch with pages: ape__cu_attention_pages()) */
+	if (l->Lk > 0 && !l->pages && ape__cu_separable_applies(l)) {
 		ape_be_path_note(l->path, APE_BE_PATH_SEPARABLE, "lambda = 0 on every head");
 		ret = ape__cu_separable(q, l,
 					!view_aligned(l, APE_BE_T_O, l->o->ptr,
 						      2 * ape_dtype_size(l->out_dtype)));
 		goto out_leave;
 	}
-	if (l->Lk > 0 && ape__cu_split_applies(l)) { /* by runs of kv groups, each as above */
+	/* by runs of kv groups, each as above */
+	if (l->Lk > 0 && !l->pages && ape__cu_split_applies(l)) {
 		ape_be_path_note(l->path, APE_BE_PATH_SPLIT,
 			       "lambda = 0 on some heads only: runs of heads, each on its path");
 		ret = ape__cu_split(q, l);

@@ -73,6 +73,20 @@ bool ape__cu_separable_applies(const struct ape_be_launch *l)
 	return true;
 }
 
+bool ape__cu_separable_may_apply(const struct ape_be_launch *l)
+{
+	struct ape_be_launch x = *l;
+
+	x.lse_prior = NULL;
+	x.ent = x.md = NULL;
+	if (!sep_shape(&x))
+		return false;
+	for (int64_t h = 0; h < l->H; h++)
+		if (l->head_params[4 * h + 3] == 0)
+			return true;
+	return false;
+}
+
 uint64_t ape__cu_separable_scratch(const struct ape_be_launch *l)
 {
 	struct sep_plan p;

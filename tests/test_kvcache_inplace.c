@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The KV cache's decode attends in place (attention_pages) where the backend can: equal to the
- * reference, touching nothing outside the live keys and copying no key, over work-group shapes,
- * large slabs, after releases, and with blocks in several slabs gathered. (The rest of the
- * cache: test_kvcache.c.)
+ * The KV cache's decode attends in place (attention_pages) where the backend can, and on CUDA
+ * its prefill chunks too: equal to the reference, touching nothing outside the live keys,
+ * copying no key and bit for bit the attend gathered, over work-group shapes, large slabs,
+ * after releases, and with blocks in several slabs gathered. (The rest of the cache:
+ * test_kvcache.c.)
  */
 #include <math.h>
 #include <stdio.h>
@@ -53,25 +54,33 @@ static int poison_dead(ape_kv_cache *c)
 	return ret;
 }
 
-/* Whether the device's backend reads a decode of this shape in place: the OpenCL decode's
+/* Whether the device's backend reads an attend of this shape in place: the OpenCL decode's
  * rule (opencl/ocl_decode.c: CPU devices in its CPU shape, others in its work-group shape; D a
  * multiple of 32 up to 256, at most 8 query rows, at most 16 rows per kv head with D = 64 or
- * 128, else 8), or the CUDA decode's (cuda/cuda_attention.c, ape__cu_attention_pages(): at
- * most 16 query rows, any D). */
+ * 128, else 8), or CUDA's (cuda/cuda_attention.c, ape__cu_attention_pages(): the decode, at
+ * most 16 query rows, any D; the prefill, more rows, unless the separable path may take the
+ * launch: f16 or bf16, D = 64 or 128, some head with lambda = 0, cuda/cuda_separable.c). */
 static bool expect_in_place(const ape_device *dev, const test_problem *tp)
 {
 	const int64_t *s = tp->q.t.shape, group = s[1] / tp->k.t.shape[1];
 
-	if (dev->be->ops->attention_pages && !strcmp(dev->info.backend, "cuda"))
-		return s[2] <= 16;
+	if (dev->be->ops->attention_pages && !strcmp(dev->info.backend, "cuda")) {
+		bool lambda0 = false;
+
+		for (int64_t h = 0; h < s[1]; h++)
+			lambda0 |= tp->params[3 * s[1] + h] == 0;
+		return s[2] <= 16 || !(lambda0 && tp->q.t.dtype != APE_F32 &&
+				       (s[3] == 64 || s[3] == 128));
+	}
 	return dev->be->ops->attention_pages && !strcmp(dev->info.backend, "opencl") &&
 	       s[3] % 32 == 0 && s[2] <= 8 &&
 	       group * s[2] <= (s[3] == 64 || s[3] == 128 ? 16 : 8);
 }
 
-/* Whether the same attend gathered runs the decode kernel too (not the general one): on CUDA
- * always (its decode takes every launch of its rows, skipping in place as gathered); on OpenCL
- * with skipping off, or allowed with nothing to skip by (opencl/ocl_decode.c). */
+/* Whether the same attend gathered runs the kernel that reads it in place (not the general
+ * one): on CUDA always (its decode and its prefill take every launch of their rows, skipping in
+ * place as gathered); on OpenCL with skipping off, or allowed with nothing to skip by
+ * (opencl/ocl_decode.c). */
 static bool gathered_decodes(const ape_device *dev, const test_problem *tp)
 {
 	const int64_t H = tp->q.t.shape[1];
@@ -87,20 +96,22 @@ static bool gathered_decodes(const ape_device *dev, const test_problem *tp)
 }
 
 /*
- * Decode-shaped attends on random cases: awkward block sizes, many blocks, a partly filled
- * last block, GQA, both layouts, positions, every storage type, 1 .. max_queries rows,
- * skipping on and off, decays or none: equal to the reference on the live keys, with
- * everything outside them poisoned; a rerun gives the same bits; on a backend that reads
- * in place no key is copied.
+ * Decode-shaped attends on random cases (prefill: chunks of 17 to 40 rows instead, D = 64 and
+ * 128 mostly, the kernels that copy K and V rows with cp.async): awkward block sizes, many
+ * blocks, a partly filled last block, GQA, both layouts, positions, every storage type,
+ * 1 .. max_queries rows, skipping on and off, decays or none: equal to the reference on the
+ * live keys, with everything outside them poisoned; a rerun gives the same bits; on a backend
+ * that reads in place no key is copied, and the attend gathered gives the same bits.
  */
 static void in_place_cases(struct __test_metadata *_metadata, FIXTURE_DATA(kv) *self,
-			   const FIXTURE_VARIANT(kv) *variant)
+			   const FIXTURE_VARIANT(kv) *variant, bool prefill)
 {
 	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
 	static const int64_t dims[] = { 32, 64, 64, 96, 128, 256 };
+	static const int64_t pf_dims[] = { 64, 128, 64, 128, 96, 32 };
 	static const int64_t blocks[] = { 1, 5, 7, 16, 33, 100 };
-	const int cases = ape_test_slow() ? 4 : self->emu ? 8 : 24;
-	int in_place = 0;
+	const int cases = ape_test_slow() ? 4 : self->emu ? (prefill ? 6 : 8) : prefill ? 12 : 24;
+	int in_place = 0, compared = 0;
 	ape_rng rng;
 
 	ape_rng_init(&rng, _metadata->name);
@@ -119,15 +130,17 @@ static void in_place_cases(struct __test_metadata *_metadata, FIXTURE_DATA(kv) *
 		sh.Hkv = ape_rng_range(&rng, 1, 3);
 		group = (int64_t[]){ 1, 2, 3, 4 }[ape_rng_range(&rng, 0, 3)];
 		sh.H = sh.Hkv * group;
-		sh.D = dims[ape_rng_range(&rng, 0, 5)];
-		maxq = ape_rng_range(&rng, 1, 10);
-		sh.Lq = ape_rng_range(&rng, 1, maxq);
+		sh.D = (prefill ? pf_dims : dims)[ape_rng_range(&rng, 0, 5)];
+		maxq = prefill ? 40 : ape_rng_range(&rng, 1, 10);
+		sh.Lq = ape_rng_range(&rng, prefill ? 17 : 1, maxq);
 		bt = blocks[ape_rng_range(&rng, 0, 5)];
-		sh.Lk = ape_rng_range(&rng, 1, self->emu ? 120 : 400);
+		sh.Lk = ape_rng_range(&rng, prefill ? 17 : 1, self->emu ? 120 : 400);
 		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, types[ape_rng_range(&rng, 0, 2)],
 					       ape_rng_uniform(&rng) < 0.3));
 		test_problem_random_params(&tp, &rng);
-		if (ape_rng_uniform(&rng) < 0.4) /* plain RoPE: no decay, lambda 0 */
+		/* plain RoPE: no decay, lambda 0 (a prefill is then gathered on CUDA: its separable
+		 * path takes it) */
+		if (ape_rng_uniform(&rng) < (prefill ? 0.25 : 0.4))
 			test_problem_set_params(&tp, 0, 0, 0, 0);
 		tp.desc.skip_tol = ape_rng_uniform(&rng) < 0.5 ? 0 : 1e-3;
 		tp.desc.q_start_set = ape_rng_uniform(&rng) < 0.3;
@@ -205,21 +218,32 @@ static void in_place_cases(struct __test_metadata *_metadata, FIXTURE_DATA(kv) *
 			EXPECT_EQ(0, memcmp(tp.lse, lse2, tp.rows * sizeof(float))) TH_LOG("%s", what);
 			ape_kv_cache_destroy(cache);
 			wrap_remove();
+			compared++;
 		}
 		free(lse2);
 		test_tensor_free(&o2);
 		test_problem_free(&tp);
 		test_problem_free(&want);
 	}
-	ksft_print_msg("%d of %d cases read the blocks in place\n", in_place, cases);
+	ksft_print_msg("%d of %d cases read the blocks in place, %d compared with the attend "
+		       "gathered\n", in_place, cases, compared);
 	fflush(stdout);
-	if (!strcmp(variant->backend, "opencl") || !strcmp(variant->backend, "cuda"))
+	if ((!strcmp(variant->backend, "opencl") && !prefill) || !strcmp(variant->backend, "cuda"))
 		EXPECT_GT(in_place, 0);
+	if (!strcmp(variant->backend, "cuda")) /* every launch in place is compared there */
+		EXPECT_EQ(in_place, compared);
 }
 
 TEST_F(kv, decode_in_place_equals_reference)
 {
-	in_place_cases(_metadata, self, variant);
+	in_place_cases(_metadata, self, variant, false);
+}
+
+/* Prefill chunks: read in place on CUDA (its prefill kernel through the pages), gathered
+ * elsewhere; bit for bit the attend gathered where read in place. */
+TEST_F(kv, prefill_in_place_equals_reference_and_gathered)
+{
+	in_place_cases(_metadata, self, variant, true);
 }
 
 /* The same under APE_OCL_DEC_SHAPE=gpu: the OpenCL decode's work-group shape (GPU devices) on
@@ -229,7 +253,7 @@ TEST_F(kv, decode_in_place_wg_shape_equals_reference)
 	if (strcmp(variant->backend, "opencl"))
 		SKIP(return, "APE_OCL_DEC_SHAPE concerns the OpenCL backend only");
 	setenv("APE_OCL_DEC_SHAPE", "gpu", 1);
-	in_place_cases(_metadata, self, variant);
+	in_place_cases(_metadata, self, variant, false);
 	unsetenv("APE_OCL_DEC_SHAPE");
 }
 

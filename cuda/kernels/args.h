@@ -186,7 +186,8 @@ struct ape_cu_prefill_args {
 	uint64_t kp; /* float32 pair-ordered K rows of dmax floats (or K itself when it is so) */
 	uint64_t vp; /* V rows of dmax elements (V itself when D == dmax) */
 	struct ape_cu_view vkp, vvp; /* their rows: ape_prep's contiguous ones, or K's and V's own
-				      * (16-byte aligned: cp.async reads them) */
+				      * (16-byte aligned: cp.async reads them; keys read in place:
+				      * unless APE_CU_F_KV_CHECK, as in the decode) */
 	uint64_t pre, suf; /* skip pre-pass, or 0 */
 	int64_t nqt; /* query tiles per (batch, head); ragged: entries of segt */
 	int64_t ntk; /* key tiles (ragged: unused, each segment's own) */
@@ -196,9 +197,15 @@ struct ape_cu_prefill_args {
 	 * (row q0, key k0); 0 without keys) and i0 (the tile's first row within the segment),
 	 * heaviest first */
 	uint64_t segt;
+	/* APE_PF_K_PAGES, APE_PF_V_PAGES: kp (vp) is K (V) itself, read in place (keys read in
+	 * place, l->pages): its rows where c.pg puts them (key_at()), the views' sl their s_row */
+	uint32_t paged;
+	int32_t pad1;
 };
 
 #define APE_PF_SEGW 6
+#define APE_PF_K_PAGES 1u
+#define APE_PF_V_PAGES 2u
 
 /* ape_dwindow: per (batch, kv head) the key range [lo, hi) the decode kernel must read. */
 struct ape_cu_window_args {

@@ -317,6 +317,24 @@ struct KeyWalk {
 	}
 };
 
+/* 16 bytes of a K or V row at src into shared memory at dst (16-byte aligned) with cp.async, or
+ * zeros where !ok (cp.async of 0 bytes from base: 16-byte aligned, the buffer's start). check
+ * (keys read in place whose rows the host could not prove 16-byte aligned, APE_CU_F_KV_CHECK):
+ * a src that is not 16-byte aligned is copied with plain 2-byte loads instead (every element is
+ * at least 2-byte aligned): the same bytes. */
+APE_DEV void copy_row16(void *dst, const void *src, const void *base, bool ok, bool check)
+{
+	if (check && ok && (reinterpret_cast<uintptr_t>(src) & 15)) {
+		uint16_t *d = reinterpret_cast<uint16_t *>(dst);
+
+#pragma unroll
+		for (int e = 0; e < 8; e++)
+			d[e] = reinterpret_cast<const uint16_t *>(src)[e];
+		return;
+	}
+	cp_async16(dst, ok ? src : base, ok ? 16u : 0u);
+}
+
 /* One element of a global tensor of storage type dt, as float. */
 APE_DEV float load_el(const void *base, int64_t i, int dt)
 {

@@ -96,7 +96,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 	 * group; kb, vb: the element offsets of the kv head's base in K and V. With
 	 * APE_CU_F_KV_CHECK (keys read in place that the host could not prove aligned) a vector
 	 * whose source is not 16-byte aligned is copied with plain loads instead: the same bytes
-	 * in the ring. */
+	 * in the ring (copy_row16()). */
 	static APE_DEV void issue(const ape_cu_decode_args &a, unsigned char *ring, int st,
 				  int64_t kb, int64_t vb, KeyWalk &w, bool ok, int c, bool inter)
 	{
@@ -112,16 +112,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Decode {
 			const unsigned char *src =
 				isv ? V + (vr + vec_offset(v, c, inter)) * ESZ : K + (kr + vec_offset(v, c, inter)) * ESZ;
 
-			if (check && (reinterpret_cast<uintptr_t>(src) & 15)) {
-				uint16_t *dst = reinterpret_cast<uint16_t *>(slot(ring, st, v));
-
-				/* 2-byte units: every element is at least 2-byte aligned */
-#pragma unroll
-				for (int e = 0; e < 8; e++)
-					dst[e] = reinterpret_cast<const uint16_t *>(src)[e];
-				continue;
-			}
-			cp_async16(slot(ring, st, v), ok ? src : K, ok ? 16u : 0u);
+			copy_row16(slot(ring, st, v), src, K, ok, check);
 		}
 		cp_commit();
 	}

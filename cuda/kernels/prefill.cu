@@ -39,6 +39,12 @@
  * rows are one segment's query tile, its keys that segment's, its distances the segment's, and
  * the code is the dense one with those bases (a segment without keys writes O = 0, LSE = -inf).
  *
+ * Keys read in place (args.h, struct ape_cu_pages; cuda_attention.c): where the kernel reads K
+ * or V itself rather than ape_prep's copy (APE_PF_K_PAGES, APE_PF_V_PAGES), the tile copy finds
+ * each key's row through the pages (key_at()); rows the host could not prove 16-byte aligned
+ * are copied with plain loads where misaligned (copy_row16()). The tiles hold the same bytes as
+ * for the keys gathered, so everything after the copy is unchanged.
+ *
  * With skipping, a row may leave out every key of the launch before the walk when the LSE that
  * earlier launches found (lse_prior) already outweighs them all (ape_may_skip()); it then scores
  * nothing and holds no vote, and a block whose rows all may returns at once.
@@ -168,19 +174,36 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 	static constexpr int KPS = S::KPS, KPT = S::KPT, NVEC = S::NVEC, NTL = S::NTL;
 	static constexpr int PMAX = DMAX / 2;
 
+	/* The element offset of the row of key `key` (the kv head's, from its key 0) in kp or vp,
+	 * whose row stride is sl: key * sl, or where the pages put it when paged (K or V itself
+	 * read in place: APE_PF_K_PAGES, APE_PF_V_PAGES; key_at()). */
+	static APE_DEV int64_t row_at(const ape_cu_prefill_args &a, bool paged, int64_t sl,
+				      int64_t key)
+	{
+		return paged ? key_at(a.c.pg, sl, key) : key * sl;
+	}
+
 	/* Copies key tile t (K float32 pairs, V) into buffer buf; rows past Lk (the block's keys:
-	 * the launch's, or its segment's) become zeros. kb, vb: the element offsets of the kv
-	 * head's key 0 (the segment's first) in kp and vp. */
+	 * the launch's, or its segment's, from its key k0) become zeros. kb, vb: the element
+	 * offsets of the kv head's key 0 in kp and vp. K or V read in place through the pages
+	 * whose rows the host could not prove aligned (APE_CU_F_KV_CHECK): a misaligned row's
+	 * bytes copied with plain loads (copy_row16()). */
 	static APE_DEV void load_tile(const ape_cu_prefill_args &a, unsigned char *sm, int64_t kb,
-				      int64_t vb, int64_t t, int buf, int64_t Lk)
+				      int64_t vb, int64_t k0, int64_t t, int buf, int64_t Lk)
 	{
 		const int tid = threadIdx.x;
 		const int64_t j0 = t * BK;
 		const int len = (int)imin(BK, Lk - j0);
 		const int64_t ksl = a.vkp.sl, vsl = a.vvp.sl;
-		const float *kg = reinterpret_cast<const float *>(a.kp) + kb + j0 * ksl;
-		const unsigned char *vg = reinterpret_cast<const unsigned char *>(a.vp) +
-					  (vb + j0 * vsl) * M::VESZ;
+		const bool kpg = a.paged & APE_PF_K_PAGES, vpg = a.paged & APE_PF_V_PAGES;
+		const bool check = a.c.flags & APE_CU_F_KV_CHECK;
+		const float *kg = reinterpret_cast<const float *>(a.kp) + kb;
+		const unsigned char *vg =
+			reinterpret_cast<const unsigned char *>(a.vp) + vb * M::VESZ;
+		/* where a row past Lk reads its 0 bytes: the kv head's key 0 (aligned as every row
+		 * is), or the buffer's start where the pages may not be (as the decode) */
+		const void *kz = kpg ? reinterpret_cast<const void *>(a.kp) : kg;
+		const void *vz = vpg ? reinterpret_cast<const void *>(a.vp) : vg;
 		float *ks = reinterpret_cast<float *>(sm + M::OFF_K + buf * M::K_BYTES);
 		unsigned char *vs = sm + M::OFF_V + buf * M::V_BYTES;
 		constexpr int KV4 = DMAX / 4; /* 16-byte vectors per K row */
@@ -196,15 +219,16 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 			const int cc = p0 / PT;
 			const int k = (wpart ? NVEC / 2 : 0) + (p0 % PT) / 4;
 			float *dst = ks + j * DMAX + cc * 2 * PT + 4 * (k ^ (cc % NVEC));
+			const int64_t kr = j < len ? row_at(a, kpg, ksl, k0 + j0 + j) : 0;
 
-			cp_async16(dst, j < len ? kg + (int64_t)j * ksl + 4 * g : kg, j < len ? 16 : 0);
+			copy_row16(dst, kg + kr + 4 * g, kz, j < len, kpg && check);
 		}
 		for (int e = tid; e < BK * VV; e += S::NTH) {
 			const int j = e / VV, g = e % VV;
 			unsigned char *dst = vs + (j * M::VROW) * M::VESZ + 16 * g;
+			const int64_t vr = j < len ? row_at(a, vpg, vsl, k0 + j0 + j) : 0;
 
-			cp_async16(dst, j < len ? vg + ((int64_t)j * vsl) * M::VESZ + 16 * g : vg,
-				   j < len ? 16 : 0);
+			copy_row16(dst, vg + vr * M::VESZ + 16 * g, vz, j < len, vpg && check);
 		}
 		cp_commit();
 	}
@@ -377,7 +401,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 		const int64_t q0 = seg ? seg[0] : 0, k0 = seg ? seg[2] : 0;
 		const int64_t Lq = seg ? seg[1] : a.c.Lq, Lk = seg ? seg[3] : a.c.Lk;
 		const int64_t rel = seg ? seg[4] : a.c.rel, i0 = seg ? seg[5] : qt * BQ;
-		const int64_t kbase = vrow(a.vkp, b, kvh, k0), vbase = vrow(a.vvp, b, kvh, k0);
+		const int64_t kbase = vrow(a.vkp, b, kvh, 0), vbase = vrow(a.vvp, b, kvh, 0);
 		const int D = EXACT ? DMAX : a.c.D, P = D / 2;
 		const bool causal = a.c.flags & APE_CU_F_CAUSAL;
 		const bool inter = a.c.flags & APE_CU_F_INTERLEAVED;
@@ -483,14 +507,14 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 		if (tid == 0)
 			flags[0] = flags[1] = 0;
 		tables(a, sm, t, i0, hp, h, rel);
-		load_tile(a, sm, kbase, vbase, t, 0, Lk);
+		load_tile(a, sm, kbase, vbase, k0, t, 0, Lk);
 		int64_t pred = w.peek();
 
 		for (;;) {
 			cp_wait<0>();
 			bar(); /* S1: tile t and its tables are in shared memory */
 			if (pred >= 0)
-				load_tile(a, sm, kbase, vbase, pred, buf ^ 1, Lk);
+				load_tile(a, sm, kbase, vbase, k0, pred, buf ^ 1, Lk);
 
 			/* ---- scores, softmax, P */
 			const int64_t j0 = t * BK;
@@ -702,7 +726,7 @@ template <int DMAX, bool EXACT, int VT, bool DIAG> struct Prefill {
 				/* a side closed: the prefetched tile is not the next one */
 				cp_wait<0>();
 				bar();
-				load_tile(a, sm, kbase, vbase, next, buf ^ 1, Lk);
+				load_tile(a, sm, kbase, vbase, k0, next, buf ^ 1, Lk);
 			}
 			if (next < 0) {
 				cp_wait<0>(); /* nothing may land after the block is gone */

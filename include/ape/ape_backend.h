@@ -952,7 +952,8 @@ struct ape_backend_plugin {
 	 * may ask with them NULL, to size its key chunks). Cannot fail, sets no error; may be
 	 * called from any thread. (OpenCL CPU devices: the decode of ocl_decode.c, a few query
 	 * rows; CUDA: its decode, dense launches of at most 16 rows and ragged ones of at most 16
-	 * a segment, cuda_attention.c.)
+	 * a segment, and its prefill, dense launches of more rows that its separable path would
+	 * not take, cuda_attention.c.)
 	 */
 	bool (*attention_pages)(struct ape_device *dev, const struct ape_be_launch *l);
 
