@@ -276,12 +276,22 @@ assert _TENSOR.size == ctypes.sizeof(_capi.ApeTensor)
 
 
 def _torch():
-    import torch  # optional dependency: imported only for torch tensors
+    torch = sys.modules.get("torch")
+    if torch is None:
+        import torch  # optional dependency: imported only for torch tensors
     return torch
 
 
+_TORCH_DTYPES = None
+
+
 def _torch_dtypes(torch):
-    return {torch.float32: _capi.F32, torch.float16: _capi.F16, torch.bfloat16: _capi.BF16}
+    """torch's dtypes libape stores, to their ape_dtype codes (built once)."""
+    global _TORCH_DTYPES
+    if _TORCH_DTYPES is None:
+        _TORCH_DTYPES = {torch.float32: _capi.F32, torch.float16: _capi.F16,
+                         torch.bfloat16: _capi.BF16}
+    return _TORCH_DTYPES
 
 
 def _as_array(name, x):
@@ -320,20 +330,21 @@ def _needs_copy(strides, shape, isz=1):
 
 
 def _torch_array(name, x):
-    torch = _torch()
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         _bad("%s: a tensor on %s: this call takes CPU tensors (CUDA tensors go to libape's CUDA "
              "device through libape.attention's DLPack path, forward only for now); move it "
              "with .cpu()" % (name, x.device))
     if x.dim() != 4:
         _bad("%s: shape %s: must be 4-D [B, H, L, D]" % (name, tuple(x.shape)))
-    code = _torch_dtypes(torch).get(x.dtype)
+    code = (_TORCH_DTYPES or _torch_dtypes(_torch())).get(x.dtype)
     if code is None:
         _bad("%s: dtype %s: libape stores float32, float16 or bfloat16; convert it first"
              % (name, x.dtype))
-    if min(x.stride()) <= 0 and _needs_copy(x.stride(), x.shape):
+    st = x.stride()
+    if min(st) <= 0 and _needs_copy(st, x.shape):
         x = x.contiguous()
-    return _Array(x, "torch", x.dtype, x.data_ptr(), code, tuple(x.shape), x.stride())
+        st = x.stride()
+    return _Array(x, "torch", x.dtype, x.data_ptr(), code, tuple(x.shape), st)
 
 
 class _Tensors:
@@ -364,9 +375,11 @@ _I64x4 = ctypes.c_int64 * 4
 
 
 def _empty_like(a, shape):
-    """A new contiguous output of the inputs' kind and dtype."""
+    """A new contiguous output of the inputs' kind and dtype (shape a tuple)."""
     if a.kind == "torch":
-        return _as_array("o", _torch().empty(shape, dtype=a.np_dtype))
+        # new, contiguous, on the CPU, of a dtype a was checked to have: nothing to check
+        t = _torch().empty(shape, dtype=a.np_dtype)
+        return _Array(t, "torch", a.np_dtype, t.data_ptr(), a.fields[1], shape, t.stride())
     x = np.empty(shape, dtype=a.np_dtype)
     # strides all 0: libape's "contiguous row-major", right for empty shapes too
     return _Array(x, "numpy", a.np_dtype, x.ctypes.data, a.fields[1], shape, (0, 0, 0, 0))
@@ -401,12 +414,15 @@ def _param(name, value, H, keep):
 
 _SCALAR = (float, int)
 _desc_cache = {}
+_desc_base = {}
 
 
 def _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start, k_start,
           skip_tol, keep, rope_scale=1.0):
     """An ape_attn_desc; those of scalar parameters are cached (they never change once built,
-    and libape only reads them)."""
+    and libape only reads them). A new set of scalar values (a training step's) is a copy of
+    the cached descriptor of the same other arguments with the four values set: what
+    _build_desc() would make, without building it field by field."""
     key = None
     if (type(delta) in _SCALAR and type(beta) in _SCALAR and type(gamma) in _SCALAR and
             type(lam) in _SCALAR):
@@ -415,8 +431,19 @@ def _desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
         d = _desc_cache.get(key)
         if d is not None:
             return d
-    d = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
-                    k_start, skip_tol, keep, rope_scale)
+        base = _desc_base.get(key[4:])
+        if base is None:
+            base = _build_desc(H, 0.0, 0.0, 0.0, 0.0, causal, scale, rope_base, layout,
+                               q_start, k_start, skip_tol, keep, rope_scale)
+            if len(_desc_base) > 64:
+                _desc_base.clear()
+            _desc_base[key[4:]] = base
+        d = _capi.ApeAttnDesc.from_buffer_copy(base)
+        d.delta.value, d.beta.value = float(delta), float(beta)
+        d.gamma.value, d.lambda_.value = float(gamma), float(lam)
+    else:
+        d = _build_desc(H, delta, beta, gamma, lam, causal, scale, rope_base, layout, q_start,
+                        k_start, skip_tol, keep, rope_scale)
     if key is not None:
         if len(_desc_cache) > 256:
             _desc_cache.clear()

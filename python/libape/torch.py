@@ -196,8 +196,10 @@ def _param_grads(dparams, params, needs):
         if not need:
             out.append(None)
             continue
-        col = dparams[:, i]
-        out.append((col.sum() if p.dim() == 0 else col).to(device=p.device, dtype=p.dtype))
+        g = dparams[:, i].sum() if p.dim() == 0 else dparams[:, i]
+        if g.dtype != p.dtype or g.device != p.device:
+            g = g.to(device=p.device, dtype=p.dtype)
+        out.append(g)
     return out
 
 
@@ -453,8 +455,8 @@ def _compiling():
 def _omp_check(q):
     """The guard at a call on CPU tensors, decided once torch uses more than one thread: on
     where LIBAPE_TORCH_OMP_GUARD=1 asks for it."""
-    if _OMP_GUARD is None and not _compiling() and not q.is_cuda and \
-            torch.get_num_threads() > 1 and os.environ.get("LIBAPE_TORCH_OMP_GUARD") == "1":
+    if _OMP_GUARD is None and os.environ.get("LIBAPE_TORCH_OMP_GUARD") == "1" and \
+            not _compiling() and not q.is_cuda and torch.get_num_threads() > 1:
         omp_guard(True)
 
 

@@ -220,8 +220,11 @@ int ape__stream_ensure_call(struct ape__stream *s)
 
 		if ((x->role != APE__ROLE_CALL_ACC && x->role != APE__ROLE_CALL_IN) || !x->bytes)
 			continue;
+		/* on a device reading host memory the tables, and the accumulators read back,
+		 * lie in their host staging (stream_run.c, start_call) */
 		if (!s->call_buf[t] &&
-		    !(x->role == APE__ROLE_CALL_IN && s->c && s->c->host_tables))
+		    !((x->role == APE__ROLE_CALL_IN || tensor(s, t)->back) && s->c &&
+		      s->c->host_tables))
 			ret = ape__devmem_alloc(&s->mem, x->bytes, &s->call_buf[t], x->name);
 		if (x->role == APE__ROLE_CALL_IN)
 			in += x->bytes;

@@ -123,11 +123,14 @@ static void unplace(struct ape__stream *s)
 }
 
 /* The run's accumulators initialised and its inputs copied, before its first job (the
- * staging of the inputs is not reused before the run's last job is done, after the copy). */
+ * staging of the inputs is not reused before the run's last job is done, after the copy). On
+ * a device that reads host memory (host_tables) the accumulators read back are their host
+ * staging itself, wrapped: the kernels add there, and end_call() has nothing to copy (on a
+ * small call, a round trip to the device's threads saved). */
 static int start_call(struct ape__stream *s)
 {
 	const struct ape__pass *p = s->pass;
-	uint64_t off = 0;
+	uint64_t off = 0, back = 0;
 	int ret = ape__stream_ensure_call(s);
 
 	for (int t = 0; t < p->nt && !ret; t++) {
@@ -137,7 +140,19 @@ static int start_call(struct ape__stream *s)
 		if (s->at[t] == APE__AT_UNUSED)
 			continue;
 		if (x->role == APE__ROLE_CALL_ACC) {
-			ret = s->ops->fill(s->exec, s->call_buf[t], 0, x->init, (size_t)x->bytes);
+			struct ape_be_buf *acc = s->call_buf[t];
+			size_t got;
+
+			if (x->back && s->c->host_tables &&
+			    !(ret = s->ops->buf_wrap(s->dev, APE_BE_MEM_HOST,
+						     (char *)s->call_back.ptr + back,
+						     (size_t)x->bytes, &s->wrap[t], &got))) {
+				s->at[t] = APE__AT_WRAPPED;
+				acc = s->wrap[t];
+			}
+			back += x->back ? x->bytes : 0;
+			if (!ret)
+				ret = s->ops->fill(s->exec, acc, 0, x->init, (size_t)x->bytes);
 		} else if (x->role == APE__ROLE_CALL_IN) {
 			size_t got;
 
@@ -160,7 +175,7 @@ static int end_call(struct ape__stream *s)
 {
 	const struct ape__pass *p = s->pass;
 	const void *host[APE__PASS_MAX_T] = { 0 };
-	uint64_t off = 0;
+	uint64_t off = 0, copied = 0;
 	int ret = 0;
 
 	for (int t = 0; t < p->nt && !ret; t++) {
@@ -168,14 +183,18 @@ static int end_call(struct ape__stream *s)
 
 		if (x->role != APE__ROLE_CALL_ACC || !x->back || s->at[t] == APE__AT_UNUSED)
 			continue;
-		ret = s->ops->copy_d2h(s->exec, (char *)s->call_back.ptr + off, s->call_buf[t], 0,
-				       (size_t)x->bytes);
+		if (s->at[t] != APE__AT_WRAPPED) { /* wrapped: the kernels wrote it there */
+			ret = s->ops->copy_d2h(s->exec, (char *)s->call_back.ptr + off,
+					       s->call_buf[t], 0, (size_t)x->bytes);
+			copied += x->bytes;
+		}
 		host[t] = (char *)s->call_back.ptr + off;
 		off += x->bytes;
 	}
+	/* (with nothing copied, the queue is idle: every job retired) */
 	if (!ret && off)
 		ret = s->ops->synchronize(s->exec);
-	s->st->d2h += off;
+	s->st->d2h += copied;
 	if (!ret && p->ops->call_done)
 		p->ops->call_done(p->self, host);
 	return ret;
