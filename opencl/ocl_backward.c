@@ -419,6 +419,27 @@ struct bwd_sweep {
 	cl_mem sg, kbs;
 };
 
+/* What every sweep kernel writes, after the sweep's arguments (BWD_OUT_ARGS): dK and dV (NULL:
+ * not wanted), the per-row dQ partials and parameter sums, the splits, the row vectors, the
+ * bias table's partial sums. */
+struct bwd_out {
+	cl_mem dk, dv, dqp, rp;
+	cl_int ns;
+	cl_long nrv;
+	cl_mem dbp;
+};
+
+static void bwd_out_args(struct ape__ocl_args *a, const struct bwd_out *o)
+{
+	ape__ocl_arg(a, sizeof(cl_mem), &o->dk);
+	ape__ocl_arg(a, sizeof(cl_mem), &o->dv);
+	ape__ocl_arg(a, sizeof(cl_mem), &o->dqp);
+	ape__ocl_arg(a, sizeof(cl_mem), &o->rp);
+	ape__ocl_arg(a, sizeof(o->ns), &o->ns);
+	ape__ocl_arg(a, sizeof(o->nrv), &o->nrv);
+	ape__ocl_arg(a, sizeof(cl_mem), &o->dbp);
+}
+
 static void bwd_sweep_args(struct ape__ocl_args *a, const struct bwd_sweep *w)
 {
 	ape__ocl_arg(a, sizeof(cl_mem), &w->qp);
@@ -654,13 +675,9 @@ static int bwd_short_run(struct ape_be_queue *q, const struct ape__ocl_program *
 	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, name, &a.err);
 	bwd_sweep_args(&a, &w);
-	ape__ocl_arg(&a, sizeof(cl_mem), l->dk ? &l->dk->mem : &none);
-	ape__ocl_arg(&a, sizeof(cl_mem), l->dv ? &l->dv->mem : &none);
-	ape__ocl_arg(&a, sizeof(cl_mem), &dqp);
-	ape__ocl_arg(&a, sizeof(cl_mem), &rp);
-	ape__ocl_arg(&a, sizeof(ns), &ns);
-	ape__ocl_arg(&a, sizeof(nrv), &nrv);
-	ape__ocl_arg(&a, sizeof(cl_mem), &dbp);
+	bwd_out_args(&a, &(struct bwd_out){ .dk = l->dk ? l->dk->mem : none,
+					    .dv = l->dv ? l->dv->mem : none, .dqp = dqp, .rp = rp,
+					    .ns = ns, .nrv = nrv, .dbp = dbp });
 	ape__ocl_arg(&a, sizeof(cl_mem), &f->q->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), &l->dout->mem);
 	ape__ocl_arg(&a, sizeof(cl_mem), &f->k->mem);
@@ -888,13 +905,9 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 	memset(&a, 0, sizeof(a));
 	a.k = clCreateKernel(pr->prog, sep ? "ape_bwd_sep" : "ape_bwd_fused", &a.err);
 	bwd_sweep_args(&a, &w);
-	ape__ocl_arg(&a, sizeof(cl_mem), l->dk ? &l->dk->mem : &none);
-	ape__ocl_arg(&a, sizeof(cl_mem), l->dv ? &l->dv->mem : &none);
-	ape__ocl_arg(&a, sizeof(cl_mem), &dqp);
-	ape__ocl_arg(&a, sizeof(cl_mem), &rp);
-	ape__ocl_arg(&a, sizeof(ns), &ns);
-	ape__ocl_arg(&a, sizeof(nrv), &nrv);
-	ape__ocl_arg(&a, sizeof(cl_mem), &dbp);
+	bwd_out_args(&a, &(struct bwd_out){ .dk = l->dk ? l->dk->mem : none,
+					    .dv = l->dv ? l->dv->mem : none, .dqp = dqp, .rp = rp,
+					    .ns = ns, .nrv = nrv, .dbp = dbp });
 	ret = bwd_run(q, &a, nsplit, 1, (size_t)(B * f->Hkv),
 		      sep ? "ape_bwd_sep" : "ape_bwd_fused");
 	if (ret)

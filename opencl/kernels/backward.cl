@@ -621,6 +621,11 @@ __kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 #define BWD_SWEEP_PASS                                                                             \
 	QP, KP, prm, npad, rinfo, STEP, tab, D, H, group, Lq, Lk, rel, scale, flags, nmin, ndist,  \
 		nblk, nkb, SG, KBS
+/* What every sweep kernel writes, after BWD_SWEEP_ARGS (ocl_backward.c: struct bwd_out) */
+#define BWD_OUT_ARGS                                                                               \
+	__global float *DK, __global float *DV, __global float *DQP, __global APE_REAL *RP,        \
+		int nsplit, long nrv, __global APE_REAL *DBP
+#define BWD_OUT_PASS DK, DV, DQP, RP, nsplit, nrv, DBP
 
 /* Keys per block of the fused sweep: each row vector seeds its rotation once per block and
  * per block a row vector is loaded and set up once, but a row vector computes every key of a
@@ -1412,11 +1417,9 @@ KFN void bwd_sweep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV, __glo
 }
 
 /* The general sweep (any lambda): bwd_sweep() turning each row's rotation per key */
-__kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
-			    __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
-			    __global APE_REAL *DBP)
+__kernel void ape_bwd_fused(BWD_SWEEP_ARGS, BWD_OUT_ARGS)
 {
-	bwd_sweep(BWD_SWEEP_PASS, DK, DV, DQP, RP, nsplit, nrv, DBP, 0, BWD_SHORT_NONE, 0);
+	bwd_sweep(BWD_SWEEP_PASS, BWD_OUT_PASS, 0, BWD_SHORT_NONE, 0);
 }
 
 /*
@@ -1432,11 +1435,9 @@ __kernel void ape_bwd_fused(BWD_SWEEP_ARGS, __global float *DK, __global float *
  * splits and their order, the partial buffers, the row and parameter sums) is the general
  * sweep's.
  */
-__kernel void ape_bwd_sep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
-			  __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
-			  __global APE_REAL *DBP)
+__kernel void ape_bwd_sep(BWD_SWEEP_ARGS, BWD_OUT_ARGS)
 {
-	bwd_sweep(BWD_SWEEP_PASS, DK, DV, DQP, RP, nsplit, nrv, DBP, 1, BWD_SHORT_NONE, 0);
+	bwd_sweep(BWD_SWEEP_PASS, BWD_OUT_PASS, 1, BWD_SHORT_NONE, 0);
 }
 
 /*
@@ -1451,18 +1452,14 @@ __kernel void ape_bwd_sep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV
  * (ape_bwd_reduce's function) into DQ and PART. ape_bwd_dist before it, ape_bwd_params and the
  * table's reductions after it, as for the other sweeps. _sep: lambda = 0 on every head (B_SEP).
  */
-__kernel void ape_bwd_short(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
-			    __global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
-			    __global APE_REAL *DBP, BWD_SHORT_ARGS)
+__kernel void ape_bwd_short(BWD_SWEEP_ARGS, BWD_OUT_ARGS, BWD_SHORT_ARGS)
 {
-	bwd_sweep(BWD_SWEEP_PASS, DK, DV, DQP, RP, nsplit, nrv, DBP, 0, BWD_SHORT_PASS, 1);
+	bwd_sweep(BWD_SWEEP_PASS, BWD_OUT_PASS, 0, BWD_SHORT_PASS, 1);
 }
 
-__kernel void ape_bwd_short_sep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV,
-				__global float *DQP, __global APE_REAL *RP, int nsplit, long nrv,
-				__global APE_REAL *DBP, BWD_SHORT_ARGS)
+__kernel void ape_bwd_short_sep(BWD_SWEEP_ARGS, BWD_OUT_ARGS, BWD_SHORT_ARGS)
 {
-	bwd_sweep(BWD_SWEEP_PASS, DK, DV, DQP, RP, nsplit, nrv, DBP, 1, BWD_SHORT_PASS, 1);
+	bwd_sweep(BWD_SWEEP_PASS, BWD_OUT_PASS, 1, BWD_SHORT_PASS, 1);
 }
 
 /*
