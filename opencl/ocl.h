@@ -111,6 +111,19 @@ static inline struct ape__ocl_device *ape__ocl_dev(const struct ape_device *dev)
 	return dev->priv;
 }
 
+/* A view (struct ape_be_view) as the kernels take it (kernels/attention.cl, VIEW_ROW): x = the
+ * offset, y, z, w = the B, H, L strides, in elements. */
+static inline cl_long4 ape__ocl_view4(struct ape_be_view v)
+{
+	cl_long4 r;
+
+	r.s[0] = v.off;
+	r.s[1] = v.sb;
+	r.s[2] = v.sh;
+	r.s[3] = v.sl;
+	return r;
+}
+
 /* Bytes of the programs' APE_REAL (ocl_program.c): float64 with cl_khr_fp64, else float32 */
 static inline size_t ape__ocl_real_size(const struct ape__ocl_device *od)
 {

@@ -92,18 +92,6 @@ cl_mem ape__ocl_scratch(struct ape_be_queue *q, size_t bytes, void *init, cl_int
 }
 
 
-/* A view as the kernels take it: x = offset, y, z, w = the B, H, L strides. */
-static cl_long4 long4_of(struct ape_be_view v)
-{
-	cl_long4 r;
-
-	r.s[0] = v.off;
-	r.s[1] = v.sb;
-	r.s[2] = v.sh;
-	r.s[3] = v.sl;
-	return r;
-}
-
 /*
  * Where tensor t (enum ape_be_tensor) of l lies, as the kernels take it (kernels/attention.cl,
  * VIEW_ROW): offset and the B, H, L strides in elements. dense: where it would lie contiguous
@@ -121,13 +109,13 @@ static cl_long4 ocl_view(const struct ape_be_launch *l, int t, bool dense)
 	} else {
 		v = ape_be_launch_view(l, t);
 	}
-	return long4_of(v);
+	return ape__ocl_view4(v);
 }
 
 /* Where ent (which 0) or md (1) of l lies, as the kernel takes it (ape_be_launch_diag_view()). */
 static cl_long4 ocl_diag_view(const struct ape_be_launch *l, int which)
 {
-	return long4_of(ape_be_launch_diag_view(l, which));
+	return ape__ocl_view4(ape_be_launch_diag_view(l, which));
 }
 
 /*

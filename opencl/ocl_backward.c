@@ -476,8 +476,9 @@ static int bwd_prep(struct ape_be_queue *q, const struct ape__ocl_program *pr, c
 		    cl_mem b, cl_int dt_b, size_t nbh, cl_long L, cl_int lanes, cl_int D,
 		    cl_int npad, cl_int dpad, cl_int inter, size_t local, cl_mem kmax, cl_mem om,
 		    cl_int rot, size_t bytes, uint64_t *held, cl_mem *out, size_t padded, cl_mem sg,
-		    cl_mem map, cl_int unit)
+		    cl_mem map, cl_int unit, struct ape_be_view va, struct ape_be_view vb, cl_int nh)
 {
+	const cl_long4 va4 = ape__ocl_view4(va), vb4 = ape__ocl_view4(vb);
 	const cl_long np = (cl_long)padded;
 	struct ape__ocl_args args = { 0 };
 	cl_int err;
@@ -505,6 +506,9 @@ static int bwd_prep(struct ape_be_queue *q, const struct ape__ocl_program *pr, c
 	ape__ocl_arg(&args, sizeof(cl_mem), &sg);
 	ape__ocl_arg(&args, sizeof(cl_mem), &map);
 	ape__ocl_arg(&args, sizeof(unit), &unit);
+	ape__ocl_arg(&args, sizeof(va4), &va4);
+	ape__ocl_arg(&args, sizeof(vb4), &vb4);
+	ape__ocl_arg(&args, sizeof(nh), &nh);
 	return bwd_run(q, &args, round_up(padded, local), local, nbh, "ape_bwd_prep");
 }
 
@@ -661,6 +665,14 @@ static int bwd_short_run(struct ape_be_queue *q, const struct ape__ocl_program *
 	/* its DBP slices are per (batch, head) as the sweep's: nrv / nblk of them */
 	const cl_long nrv = f->B * f->H, nseg = f->nseg, nrvs = (cl_long)srv;
 	const char *name = sep ? "ape_bwd_short_sep" : "ape_bwd_short";
+	/* where the kernel reads Q, dO, K, V and O, in its arguments' order */
+	const cl_long4 views[5] = {
+		ape__ocl_view4(ape_be_launch_view(f, APE_BE_T_Q)),
+		ape__ocl_view4(ape_be_bwd_dout_view(l)),
+		ape__ocl_view4(ape_be_launch_view(f, APE_BE_T_K)),
+		ape__ocl_view4(ape_be_launch_view(f, APE_BE_T_V)),
+		ape__ocl_view4(ape_be_launch_view(f, APE_BE_T_O)),
+	};
 	const cl_mem none = NULL;
 	struct ape__ocl_args a;
 	struct bwd_sweep w;
@@ -690,6 +702,8 @@ static int bwd_short_run(struct ape_be_queue *q, const struct ape__ocl_program *
 	ape__ocl_arg(&a, sizeof(cl_mem), l->dparams ? &part : &none);
 	ape__ocl_arg(&a, sizeof(nseg), &nseg);
 	ape__ocl_arg(&a, sizeof(nrvs), &nrvs);
+	for (int t = 0; t < 5; t++)
+		ape__ocl_arg(&a, sizeof(views[t]), &views[t]);
 	/* one work-item per split of a (batch, kv head), as the sweep */
 	return bwd_run(q, &a, nsplit, 1, (size_t)(f->B * f->Hkv), name);
 }
@@ -707,6 +721,9 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 	const size_t rows = (size_t)(f->B * f->H * f->Lq);
 	const size_t local = od->max_wg >= BWD_LOCAL ? BWD_LOCAL : 1;
 	cl_int flags = B_DTYPES((cl_int)f->in_dtype, (cl_int)f->out_dtype, (cl_int)l->dout_dtype);
+	/* where ape_bwd_reduce reads Q and ape_bwd_rows O (strided: APE_BE_CAP_BWD_VIEWS) */
+	const cl_long4 vq = ape__ocl_view4(ape_be_launch_view(f, APE_BE_T_Q));
+	const cl_long4 vo = ape__ocl_view4(ape_be_launch_view(f, APE_BE_T_O));
 	const cl_int inter = f->layout == APE_ROPE_INTERLEAVED;
 	cl_mem prm = NULL, rinfo = NULL, step = NULL, part = NULL, tab = NULL, qp = NULL, kp = NULL;
 	cl_mem none = NULL, kmax = NULL, dqp = NULL, rp = NULL, bt = NULL, bsm = NULL, dbp = NULL;
@@ -828,12 +845,14 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 	else
 		ret = bwd_prep(q, pr, f->q->mem, (cl_int)f->in_dtype, l->dout->mem,
 			       (cl_int)l->dout_dtype, (size_t)(B * H), Lq, rw, D, npad, dpad, inter,
-			       local, none, none, 0, s.qp, &held, &qp, sp.qrows, sg, rvs, rw);
+			       local, none, none, 0, s.qp, &held, &qp, sp.qrows, sg, rvs, rw,
+			       ape_be_launch_view(f, APE_BE_T_Q), ape_be_bwd_dout_view(l), H);
 	if (!ret && !srv) /* keys: one by one, or a ragged launch's key blocks */
 		ret = bwd_prep(q, pr, f->k->mem, (cl_int)f->in_dtype, f->v->mem,
 			       (cl_int)f->in_dtype, (size_t)(B * f->Hkv), Lk, 1, D, npad, dpad,
 			       inter, local, kmax, prm, sep, s.kp, &held, &kp,
-			       sp.nkp, sg, kbs, kt);
+			       sp.nkp, sg, kbs, kt, ape_be_launch_view(f, APE_BE_T_K),
+			       ape_be_launch_view(f, APE_BE_T_V), (cl_int)f->Hkv);
 	if (ret)
 		goto out_release;
 
@@ -887,6 +906,7 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 	ape__ocl_arg(&a, sizeof(nb), &nb);
 	ape__ocl_arg(&a, sizeof(cl_mem), &sg);
 	ape__ocl_arg(&a, sizeof(cl_mem), &rvs);
+	ape__ocl_arg(&a, sizeof(vo), &vo);
 	/* one work-item per row vector */
 	ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H), "ape_bwd_rows");
 	if (ret)
@@ -935,6 +955,7 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 		ape__ocl_arg(&a, sizeof(nb), &nb);
 		ape__ocl_arg(&a, sizeof(cl_mem), &sg);
 		ape__ocl_arg(&a, sizeof(cl_mem), &rvs);
+		ape__ocl_arg(&a, sizeof(vq), &vq);
 		/* one work-item per row vector */
 		ret = bwd_run(q, &a, nblk, 1, (size_t)(B * H), "ape_bwd_reduce");
 		if (ret)

@@ -277,7 +277,10 @@ static int ocl_add_device(struct ape_backend *be, cl_platform_id plat, cl_device
 			    APE_BE_CAP_BIAS_TABLE |
 			    /* ragged backward launches: the backward's segment tables
 			     * (ocl_backward.c, kernels/bwd_layout.h) */
-			    APE_BE_CAP_BWD_SEGMENTS,
+			    APE_BE_CAP_BWD_SEGMENTS |
+			    /* strided backward launches: ape_bwd_prep, _rows, _reduce and
+			     * _short read Q, K, V, O and dO through their views (BWD_AT) */
+			    APE_BE_CAP_BWD_VIEWS,
 		.max_alloc = od->max_alloc, /* checked in buf_alloc: some drivers fail late */
 	};
 	/* the programs already in the cache, now rather than in the first call */

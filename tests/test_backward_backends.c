@@ -102,6 +102,86 @@ TEST_F(bwd, every_backend_against_the_reference)
 }
 
 /*
+ * A device that reads host memory and takes strided backward launches (APE_BE_CAP_BWD_VIEWS:
+ * OpenCL CPU devices) reads Q, K, V, O and dO where they lie: the same gradients bit for bit as
+ * with every input copied into packed chunk buffers (APE_EXEC_COPY_INPUTS: the same launches
+ * on copies), on every storage type, contiguous and padded [B, L, H, D] layouts (whose NaN
+ * padding a wrong stride would read), dO in float32 or in the storage type, GQA and MQA, both
+ * rope layouts, in one piece and in query and key chunks (views that start mid-tensor); and
+ * none of those five tensors' bytes copied to the device.
+ */
+TEST_F(bwd, strided_inputs_read_where_they_lie)
+{
+	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
+	static const test_problem_shape shapes[] = {
+		{ 2, 4, 2, 21, 37, 64 }, /* GQA, a specialised D */
+		{ 1, 3, 1, 9, 70, 10 }, /* MQA, a D no kernel specialises */
+	};
+	ape_rng rng;
+
+	if (!ape_be_dev_has(self->dev, APE_BE_CAP_BWD_VIEWS | APE_BE_CAP_HOST_MEMORY))
+		SKIP(return, "%s: no strided backward launches on host memory", variant->backend);
+	ape_rng_init(&rng, _metadata->name);
+	for (int i = 0; i < 12; i++) {
+		const test_problem_shape *sh = &shapes[i % 2];
+		const bool strided = i / 2 % 2, dout32 = i % 3 == 1;
+		const ape_dtype dt = types[i / 4];
+		const uint64_t esz = ape_dtype_size(dt);
+		/* Q, O, dO and K, V: what copying them moves at least */
+		const uint64_t in = (uint64_t)(sh->B * sh->D) *
+				    (uint64_t)(2 * sh->H * sh->Lq * esz + 2 * sh->Hkv * sh->Lk * esz +
+					       sh->H * sh->Lq * (dout32 ? 4 : esz));
+		ape_exec_options eo;
+		ape_stats st_in, st_copy;
+		bcase c;
+		grads g_in, g_copy;
+
+		ASSERT_EQ(0, bcase_make(&c, &rng, sh, dt, strided, i % 5 != 0));
+		test_problem_random_params(&c.tp, &rng);
+		c.tp.desc.layout = i % 3 == 0 ? APE_ROPE_INTERLEAVED : APE_ROPE_HALF;
+		c.tp.desc.causal = i % 4 != 3;
+		/* every row and key in some launch, none skipped: copies move every input */
+		c.tp.desc.q_start_set = false;
+		c.tp.desc.skip_tol = 0;
+		ASSERT_EQ(0, bcase_forward(&c, self->ref)) TH_LOG("%s", ape_last_error());
+		if (dout32 || strided) { /* dO widened, or laid out as the others */
+			test_tensor d;
+
+			if (dout32) {
+				ASSERT_EQ(0, grads_widen(&d, &c.dout));
+			} else {
+				ASSERT_EQ(0, test_tensor_relayout(&d, &c.dout, 3));
+			}
+			test_tensor_free(&c.dout);
+			c.dout = d;
+			if (dout32 && strided) {
+				ASSERT_EQ(0, test_tensor_relayout(&d, &c.dout, 5));
+				test_tensor_free(&c.dout);
+				c.dout = d;
+			}
+		}
+		ASSERT_EQ(0, grads_alloc(&g_in, &c, APE_F32));
+		ASSERT_EQ(0, grads_alloc(&g_copy, &c, APE_F32));
+		ape_stats_init(&st_in);
+		ape_stats_init(&st_copy);
+		eo = i % 4 >= 2 ? test_chunks(7, 16) : test_chunks(0, 0);
+		EXPECT_EQ(0, run_backward_ex(&c, self->dev, &g_in, &eo, &st_in))
+			TH_LOG("case %d: %s", i, ape_last_error());
+		eo.flags |= APE_EXEC_COPY_INPUTS;
+		EXPECT_EQ(0, run_backward_ex(&c, self->dev, &g_copy, &eo, &st_copy))
+			TH_LOG("case %d: %s", i, ape_last_error());
+		EXPECT_TRUE(same_grads(&g_in, &g_copy, W_ALL)) TH_LOG("case %d", i);
+		EXPECT_LE(st_in.bytes_to_device + in, st_copy.bytes_to_device)
+			TH_LOG("case %d: %llu bytes copied in place, %llu with copies, inputs %llu", i,
+			       (unsigned long long)st_in.bytes_to_device,
+			       (unsigned long long)st_copy.bytes_to_device, (unsigned long long)in);
+		grads_free(&g_in);
+		grads_free(&g_copy);
+		bcase_free(&c);
+	}
+}
+
+/*
  * Every backend with the op, on the named cases one after another against the reference:
  * GQA and MQA, D = 2, 64 and one that no kernel specialises, both layouts, causal or not,
  * offsets of 2^40, rows that see no key (their dQ exactly 0), a constant query row (sigma = 0)

@@ -943,6 +943,48 @@ static bool backward_checked(struct __test_metadata *_metadata, ape_device *dev,
 		ksft_print_msg("%s\n", ape_last_error());
 	} else {
 		ASSERT_EQ(0, ret) TH_LOG("%s: %s", what, ape_last_error());
+		if (ape_be_dev_has(dev, APE_BE_CAP_BWD_VIEWS | APE_BE_CAP_HOST_MEMORY)) {
+			/* it read the token-major tensors where they lie: the same bits as from
+			 * copies packed for it, and less copied; by at least their bytes where
+			 * every row is in a launch (one run per sequence, nothing skipped) */
+			const uint64_t esz = ape_dtype_size(b->dt), osz = ape_dtype_size(b->odt);
+			const uint64_t in = (uint64_t)b->D * ((uint64_t)(2 * b->tq * b->H) * esz +
+							      (uint64_t)(b->tq * b->H) * osz +
+							      (uint64_t)(2 * b->tk * b->Hkv) * esz);
+			const bool whole = b->desc.skip_tol == 0 &&
+					   (m == POS_DEFAULT || m == POS_SHIFTED);
+			test_tensor gc[3];
+			ape_exec_options eo;
+			ape_stats sc;
+
+			for (int i = 0; i < 3; i++) {
+				ASSERT_EQ(0, test_tensor_empty(&gc[i], b->dt, 1, g[i].t.shape[1],
+							       g[i].t.shape[2], b->D));
+				gc[i].t = g[i].t;
+				gc[i].t.data = gc[i].alloc;
+			}
+			ape_exec_options_init(&eo);
+			eo.flags = APE_EXEC_COPY_INPUTS;
+			ape_stats_init(&sc);
+			ASSERT_EQ(0, ape_attention_backward_varlen(
+					     &dev, 1, &eo, &b->desc, &vl, &b->q.t, &b->k.t, &b->v.t,
+					     &b->o.t, b->lse, &dout.t, dlse, &gc[0].t, &gc[1].t,
+					     &gc[2].t, dp[1], &sc))
+			TH_LOG("%s: %s", what, ape_last_error());
+			for (int x = 0; x < 3; x++) {
+				EXPECT_TRUE(same_bits(&g[x], &gc[x])) TH_LOG("%s: gradient %d", what, x);
+				test_tensor_free(&gc[x]);
+			}
+			EXPECT_EQ(0, memcmp(dp[0], dp[1], sizeof(float) * (size_t)(4 * b->H)))
+			TH_LOG("%s: dparams", what);
+			if (st->pairs_visible) { /* (no launch: nothing copied either way) */
+				EXPECT_LE(st->bytes_to_device + (whole ? in : 1), sc.bytes_to_device)
+				TH_LOG("%s: %llu bytes copied in place, %llu with copies", what,
+				       (unsigned long long)st->bytes_to_device,
+				       (unsigned long long)sc.bytes_to_device);
+			}
+			memset(dp[1], 0, sizeof(dp[1]));
+		}
 		/* the oracle: the reference's backward of each sequence alone (zeros without
 		 * keys or rows), gathered into g[3..5] */
 		for (int i = 3; i < 6; i++)

@@ -40,7 +40,8 @@
  * makes they are contiguous at offset 0 (the core packs and unpacks caller strides on the host);
  * in launches on the caller's memory (ape_attention_enqueue(), and host calls on devices that
  * read host memory in place) Q, K, V, O and LSE are strided views (struct ape_be_view below), and
- * the kernels read and write them where they are.
+ * the kernels read and write them where they are (a backward launch's Q, K, V, O and dO likewise,
+ * on a device that says APE_BE_CAP_BWD_VIEWS).
  *
  * Ordering model: a queue executes its commands in order; commands may run asynchronously from
  * the host. Host pointers handed to copy_h2d/copy_d2h must stay valid until the queue has been
@@ -100,8 +101,9 @@ extern "C" {
  * became this ABI (its numbers 1 to 14) is in docs/backends.md.
  */
 #define APE_BACKEND_ABI_MAJOR 1
-#define APE_BACKEND_ABI_MINOR 2 /* 1.1: the distance-bias table (APE_BE_CAP_BIAS_TABLE); 1.2:
-				* ragged backward launches (APE_BE_CAP_BWD_SEGMENTS) */
+#define APE_BACKEND_ABI_MINOR 3 /* 1.1: the distance-bias table (APE_BE_CAP_BIAS_TABLE); 1.2:
+				* ragged backward launches (APE_BE_CAP_BWD_SEGMENTS); 1.3: strided
+				* backward launches (APE_BE_CAP_BWD_VIEWS) */
 
 /* The symbol a plugin exports, visible from its shared object whatever its default visibility. */
 #if defined(__GNUC__)
@@ -255,7 +257,8 @@ struct ape_be_launch {
 	/*
 	 * false: q, k, v, o and lse are contiguous and start at offset 0 (view[] is ignored);
 	 * true: each lies where view[APE_BE_T_*] says. pairs and lse_prior are always contiguous.
-	 * Backends read it through ape_be_launch_view() only. Backward launches are never strided.
+	 * Backends read it through ape_be_launch_view() only. A backward launch is strided only on
+	 * a device whose capabilities say APE_BE_CAP_BWD_VIEWS (struct ape_be_bwd_launch).
 	 */
 	bool strided;
 	struct ape_be_view view[APE_BE_T_COUNT];
@@ -548,7 +551,8 @@ static inline int ape_be_launch_split_runs(struct ape_be_queue *q, const struct 
 }
 
 /*
- * One backward launch (APE-SPEC.md, "Gradients") on device buffers, contiguous, at offset 0.
+ * One backward launch (APE-SPEC.md, "Gradients") on device buffers, contiguous, at offset 0
+ * (its inputs strided only on a device that says APE_BE_CAP_BWD_VIEWS: dout_view below).
  * `f` holds what the forward launch held: shapes, dtypes, q, k, v, o (of f.out_dtype), the
  * parameters and positions; f.lse is required: the rows' final LSE over every key of the row,
  * not only those of this launch, so that P_ij = exp(s_ij - LSE_i) holds whatever subset of
@@ -595,7 +599,27 @@ struct ape_be_bwd_launch {
 	 * pairs add nothing; the backward bound covers them, each pair weighing 1 <= max(1, |n|)).
 	 */
 	struct ape_be_buf *dbias;
+	/* ---- ABI 1.3 */
+	/*
+	 * Only on a device whose capabilities say APE_BE_CAP_BWD_VIEWS, f.strided may be true:
+	 * then q, k, v and o lie where f.view[] says (ape_be_launch_view()) and dout where
+	 * dout_view says (in elements of dout_dtype; ape_be_bwd_dout_view()), read where they
+	 * are (a host call's tensors on a device that reads host memory, never copied); lse, dlse,
+	 * f.pairs and every gradient stay contiguous at offset 0 (f.view[APE_BE_T_LSE] is
+	 * ignored). Every other device gets f.strided false: all five contiguous at offset 0.
+	 */
+	struct ape_be_view dout_view;
 };
+
+/* Where dout of backward launch l lies: dout_view when l->f.strided, else contiguous at
+ * offset 0 ([B, H, Lq, D]). */
+static inline struct ape_be_view ape_be_bwd_dout_view(const struct ape_be_bwd_launch *l)
+{
+	const struct ape_be_launch *f = &l->f;
+	struct ape_be_view c = { 0, f->H * f->Lq * f->D, f->Lq * f->D, f->D };
+
+	return f->strided ? l->dout_view : c;
+}
 
 /*
  * The parts of a backward launch that may be absent, one bit each: what attention_backward_scratch
@@ -1025,10 +1049,15 @@ enum ape_be_cap {
 	 * launch. Without it the core runs a ragged batch's backward as one launch per sequence
 	 * (and per run of consecutive positions). */
 	APE_BE_CAP_BWD_SEGMENTS = 1u << 9,
+	/* (ABI 1.3; only with BACKWARD) attention_backward reads q, k, v, o and dout as strided
+	 * views (struct ape_be_bwd_launch, dout_view): on a device that also says HOST_MEMORY, a
+	 * host call's backward reads the caller's tensors where they lie. Without it the core
+	 * copies them into contiguous chunk buffers for every launch. */
+	APE_BE_CAP_BWD_VIEWS = 1u << 10,
 };
 
 /* Every APE_BE_CAP_* bit of this ABI. */
-#define APE_BE_CAP_ALL ((uint64_t)0x3ff)
+#define APE_BE_CAP_ALL ((uint64_t)0x7ff)
 
 struct ape_be_caps {
 	uint64_t features; /* APE_BE_CAP_* bits */

@@ -152,6 +152,11 @@ struct bseg {
 	long q0, lq, k0, lk, rel, rv0, kb0;
 };
 
+/* Element [row r, 0] of (batch, head) bh of an input Q, K, V, O or dO whose batches have nh
+ * heads: the launch's view of it (kernels/attention.cl's VIEW_ROW: x the offset, y, z, w the
+ * B, H and L strides; ocl_backward.c gives the contiguous one where the launch is not strided) */
+#define BWD_AT(v, bh, nh, r) (VIEW_ROW((v), (bh) / (nh), (bh) % (nh)) + (long)(r) * (v).w)
+
 KFN struct bseg bwd_seg(__global const long *SG, long s, long Lq, long Lk, long rel)
 {
 	struct bseg g;
@@ -198,12 +203,13 @@ KFN struct bseg bwd_seg(__global const long *SG, long s, long Lq, long Lk, long 
  * zero past the segment's rows or keys (never read).
  */
 /*
- * One row of ape_bwd_prep: row `base / D` of A (and B) to o (its first component's float; the
- * components `lanes` apart), zero where !ok; `at` its angle's index (om and rot). Returns the
- * row's squared norm (APE_REAL) for the skip bound. Also ape_bwd_short's, into its slots.
+ * One row of ape_bwd_prep: the row of A at element abase (and of B at bbase) to o (its first
+ * component's float; the components `lanes` apart), zero where !ok; `at` its angle's index (om
+ * and rot). Returns the row's squared norm (APE_REAL) for the skip bound. Also ape_bwd_short's,
+ * into its slots.
  */
 KFN APE_REAL bwd_prep_row(__global const void *A, int dt_a, __global const void *Bv, int dt_b,
-			  long base, int lanes, int D, int npad, int dpad, int inter,
+			  long abase, long bbase, int lanes, int D, int npad, int dpad, int inter,
 			  __global float *o, __global const APE_REAL *om, int rot, long at, int ok)
 {
 	const int P = BD(D) / 2;
@@ -221,8 +227,8 @@ KFN APE_REAL bwd_prep_row(__global const void *A, int dt_a, __global const void 
 			VS(s, sn);
 		}
 		for (int p = p0; p < p0 + APE_RW; p++) {
-			float x = ok && p < P ? ld(A, base + (inter ? 2 * p : p), dt_a) : 0.0f;
-			float y = ok && p < P ? ld(A, base + (inter ? 2 * p + 1 : p + P), dt_a)
+			float x = ok && p < P ? ld(A, abase + (inter ? 2 * p : p), dt_a) : 0.0f;
+			float y = ok && p < P ? ld(A, abase + (inter ? 2 * p + 1 : p + P), dt_a)
 					      : 0.0f;
 
 			ss += (APE_REAL)x * x + (APE_REAL)y * y;
@@ -243,7 +249,7 @@ KFN APE_REAL bwd_prep_row(__global const void *A, int dt_a, __global const void 
 		}
 	}
 	for (int d = 0; d < dpad; d++)
-		o[(2 * npad + d) * lanes] = ok && d < BD(D) ? ld(Bv, base + d, dt_b) : 0.0f;
+		o[(2 * npad + d) * lanes] = ok && d < BD(D) ? ld(Bv, bbase + d, dt_b) : 0.0f;
 	return ss;
 }
 
@@ -251,7 +257,7 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 			   long L, int lanes, int D, int npad, int dpad, int inter,
 			   __global float *out, __global int *kmax, __global const APE_REAL *om,
 			   int rot, long np, __global const long *SG, __global const int *MAP,
-			   int unit)
+			   int unit, long4 va, long4 vb, int nh)
 {
 	const long i = get_global_id(0), bh = get_global_id(1);
 	long r = i, at = i; /* the real row; the key's index for its angle */
@@ -267,11 +273,12 @@ __kernel void ape_bwd_prep(__global const void *A, int dt_a, __global const void
 		ok = at < (om ? g.lk : g.lq);
 		r = (om ? g.k0 : g.q0) + at;
 	}
-	const long base = (bh * L + r) * (long)BD(D), oi = i, nblk = np / lanes;
+	const long oi = i, nblk = np / lanes;
 	const int rs = 2 * npad + dpad + (om ? 2 * npad : 0) + (om && rot ? 2 * npad : 0);
 	__global float *o = out + ((bh * nblk + oi / lanes) * rs) * lanes + oi % lanes;
-	const APE_REAL ss = bwd_prep_row(A, dt_a, Bv, dt_b, base, lanes, D, npad, dpad, inter, o,
-					 om, rot, at, ok);
+	const APE_REAL ss = bwd_prep_row(A, dt_a, Bv, dt_b, BWD_AT(va, bh, nh, r),
+					 BWD_AT(vb, bh, nh, r), lanes, D, npad, dpad, inter, o, om,
+					 rot, at, ok);
 
 	/* kmax: the largest norm bound of a (batch, kv head)'s rows, for the skip bound, as float
 	 * bits (a non-negative float orders as its int); a NaN norm counts as +inf, so that no
@@ -479,7 +486,7 @@ KFN void bwd_rows_vec(__global float *qt, __global APE_REAL *ri, __global float 
 		      __global const APE_REAL *prm, int npad, int D, int H, int flags,
 		      __global const int *kmax, int group, float scale, float tol,
 		      __global ulong *PAIRS, __global const float *BSM, long bstride, long bM,
-		      const struct bseg g, long i0, long rb, long bh)
+		      const struct bseg g, long i0, long rb, long bh, long4 vo)
 {
 	const int P = BD(D) / 2;
 	const APE_REAL lambda = prm[npad + 4 * (bh % H) + 3];
@@ -509,7 +516,8 @@ KFN void bwd_rows_vec(__global float *qt, __global APE_REAL *ri, __global float 
 		float ot[APE_RW];
 
 		for (int l = 0; l < APE_RW; l++)
-			ot[l] = i0 + l < g.lq ? ld(O, (rb + i0 + l) * BD(D) + d, B_DT_OUT(flags))
+			ot[l] = i0 + l < g.lq ? ld(O, BWD_AT(vo, bh, H, g.q0 + i0 + l) + d,
+						   B_DT_OUT(flags))
 					    : 0.0f;
 		dlv += TO_VR(VL(qt + (2 * npad + d) * APE_RW)) * TO_VR(VL(ot));
 	}
@@ -592,7 +600,7 @@ __kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 			   __global APE_REAL *rinfo, __global float *STEP, __global const int *kmax,
 			   int group, long Lk, long rel, float scale, float tol,
 			   __global ulong *PAIRS, __global const float *BSM, long bstride, long bM,
-			   long nblk, __global const long *SG, __global const int *RVS)
+			   long nblk, __global const long *SG, __global const int *RVS, long4 vo)
 {
 	const long ib = get_global_id(0), bh = get_global_id(1);
 	/* the row vector's segment (a dense launch: the launch); rows from rb + i0 */
@@ -604,7 +612,7 @@ __kernel void ape_bwd_rows(__global float *QP, __global const void *O,
 		return;
 	bwd_rows_vec(QP + blk * rs * APE_RW, rinfo + RI_AT(blk, 0, APE_RW),
 		     STEP + blk * 2 * npad * APE_RW, O, LSE, DLSE, prm, npad, D, H, flags, kmax,
-		     group, scale, tol, PAIRS, BSM, bstride, bM, g, i0, rb, bh);
+		     group, scale, tol, PAIRS, BSM, bstride, bM, g, i0, rb, bh, vo);
 }
 
 /* The arguments the sweep takes first (ocl_backward.c: bwd_sweep_args()): the prepared rows
@@ -696,7 +704,7 @@ KFN void bwd_reduce_vec(__global const APE_REAL *prm, int npad, __global const A
 			int H, int flags, __global const float *dq0, long dstride,
 			__global const APE_REAL *rp0, long rstride, int nsplit,
 			__global const void *Q, __global float *DQ, __global APE_REAL *PART,
-			const struct bseg g, long i0, long rb, long bh)
+			const struct bseg g, long i0, long rb, long bh, long4 vq)
 {
 	const int P = BD(D) / 2, causal = (flags & B_CAUSAL) != 0;
 	const int inter = (flags & B_INTERLEAVED) != 0;
@@ -777,17 +785,19 @@ KFN void bwd_reduce_vec(__global const APE_REAL *prm, int npad, __global const A
 		VS(ax, tx);
 		VS(ay, ty);
 		NOUNROLL for (int l = 0; l < hi; l++) {
-			const long qb = (rb + i0 + l) * BD(D);
-			const long ia_ = qb + (inter ? 2 * p : p);
-			const long ib_ = qb + (inter ? 2 * p + 1 : p + P);
+			/* dQ's row (contiguous) and Q's (the launch's view) */
+			const long qb = (rb + i0 + l) * BD(D), qv = BWD_AT(vq, bh, H, g.q0 + i0 + l);
+			const int ca = inter ? 2 * p : p, cb = inter ? 2 * p + 1 : p + P;
 			const APE_REAL mean = ri[RI_MEAN * APE_RW + l];
 
 			if (cnt[l] <= 0)
 				continue; /* no visible key here: the row adds nothing */
-			DQ[ia_] += (float)(tx[l] + coef[l] * ((APE_REAL)ld(Q, ia_, B_DT_IN(flags)) -
-							      mean));
-			DQ[ib_] += (float)(ty[l] + coef[l] * ((APE_REAL)ld(Q, ib_, B_DT_IN(flags)) -
-							      mean));
+			DQ[qb + ca] += (float)(tx[l] + coef[l] * ((APE_REAL)ld(Q, qv + ca,
+									       B_DT_IN(flags)) -
+								  mean));
+			DQ[qb + cb] += (float)(ty[l] + coef[l] * ((APE_REAL)ld(Q, qv + cb,
+									       B_DT_IN(flags)) -
+								  mean));
 		}
 	}
 }
@@ -800,9 +810,12 @@ KFN void bwd_reduce_vec(__global const APE_REAL *prm, int npad, __global const A
 	__global const void *Q, __global const void *DO, __global const void *K,                   \
 		__global const void *V, __global const void *O, __global const float *LSE,         \
 		__global const float *DLSE, __global ulong *PAIRS, __global float *DQ,             \
-		__global APE_REAL *PART, long nseg, long nrvs
-#define BWD_SHORT_PASS Q, DO, K, V, O, LSE, DLSE, PAIRS, DQ, PART, nseg, nrvs
-#define BWD_SHORT_NONE NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0
+		__global APE_REAL *PART, long nseg, long nrvs, long4 vq, long4 vdo, long4 vk,      \
+		long4 vv, long4 vo
+#define BWD_SHORT_PASS Q, DO, K, V, O, LSE, DLSE, PAIRS, DQ, PART, nseg, nrvs, vq, vdo, vk, vv, vo
+#define BWD_SHORT_NONE                                                                             \
+	NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, (long4)(0), (long4)(0),  \
+		(long4)(0), (long4)(0), (long4)(0)
 
 /*
  * ape_bwd_short, per segment sg of work-item wi's (batch, kv head): before its key blocks, each
@@ -832,16 +845,18 @@ KFN void bwd_short_rows(BWD_SWEEP_ARGS, __global float *DQP, __global APE_REAL *
 			if (reduce) {
 				if (flags & (B_DQ | B_DP))
 					bwd_reduce_vec(prm, npad, ri, D, H, flags, dq, 0, rp, 0, 1, Q,
-						       DQ, PART, sg, i0, rb, bh);
+						       DQ, PART, sg, i0, rb, bh, vq);
 				continue;
 			}
 			for (int l = 0; l < APE_RW; l++)
 				bwd_prep_row(Q, B_DT_IN(flags), DO, B_DT_DO(flags),
-					     (rb + i0 + l) * b.D, APE_RW, D, b.npad, b.rs - 2 * b.npad,
+					     BWD_AT(vq, bh, H, sg.q0 + i0 + l),
+					     BWD_AT(vdo, bh, H, sg.q0 + i0 + l), APE_RW, D, b.npad,
+					     b.rs - 2 * b.npad,
 					     b.inter, qt + l, NULL, 0, i0 + l, i0 + l < sg.lq);
 			bwd_rows_vec(qt, ri, (__global float *)STEP + blk * 2 * b.npad * APE_RW, O, LSE,
 				     DLSE, prm, npad, D, H, flags, NULL, group, scale, 0.0f, PAIRS, NULL,
-				     0, 0, sg, i0, rb, bh);
+				     0, 0, sg, i0, rb, bh, vo);
 			for (int c = 0; dq && c < b.D * APE_RW; c++)
 				dq[c] = 0.0f;
 			for (int c = 0; rp && c < RP_N * BSUM * APE_RW; c++)
@@ -905,7 +920,8 @@ KFN void bwd_sweep(BWD_SWEEP_ARGS, __global float *DK, __global float *DV, __glo
 			if (shortm) /* ape_bwd_short: the block's keys to the work-item's slot */
 				for (int kt = 0; kt < BWD_KT; kt++)
 					bwd_prep_row(K, B_DT_IN(flags), V, B_DT_IN(flags),
-						     (bkv * Lk + sg.k0 + j0 + kt) * b.D, 1, D, b.npad,
+						     BWD_AT(vk, bkv, Hkv, sg.k0 + j0 + kt),
+						     BWD_AT(vv, bkv, Hkv, sg.k0 + j0 + kt), 1, D, b.npad,
 						     b.rs - 2 * b.npad, b.inter,
 						     (__global float *)kp + kt * b.krs, prm, sep, j0 + kt,
 						     j0 + kt < sg.lk);
@@ -1473,7 +1489,7 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 			     long rel, int flags, __global const float *DQP,
 			     __global const APE_REAL *RP, int nsplit, long nrv,
 			     __global const void *Q, __global float *DQ, __global APE_REAL *PART,
-			     long nblk, __global const long *SG, __global const int *RVS)
+			     long nblk, __global const long *SG, __global const int *RVS, long4 vq)
 {
 	const long ib = get_global_id(0), bh = get_global_id(1);
 	/* the row vector's segment (a dense launch: the launch); rows from rb + i0 */
@@ -1485,7 +1501,7 @@ __kernel void ape_bwd_reduce(__global const APE_REAL *prm, int npad,
 	bwd_reduce_vec(prm, npad, rinfo + RI_AT(blk, 0, APE_RW), D, H, flags,
 		       DQP + blk * BD(D) * APE_RW, nrv * BD(D) * APE_RW,
 		       RP + blk * RP_N * BSUM * APE_RW, nrv * RP_N * BSUM * APE_RW, nsplit, Q, DQ,
-		       PART, g, i0, rb, bh);
+		       PART, g, i0, rb, bh, vq);
 }
 
 /* Per head h: the parameter sums of its rows (rows r0 .. r0 + nr - 1 of each (batch, head): a

@@ -116,7 +116,7 @@ def test_devices_and_backends():
     assert libape.version() == "0.1.0" == libape.__version__
     # what each device states it can do: the reference, everything
     words = {"host_memory", "diag", "diag_views", "backward", "resident_backward", "timestamps",
-             "segments", "positions", "bias_table", "bwd_segments"}
+             "segments", "positions", "bias_table", "bwd_segments", "bwd_views"}
     assert set(devs[-1]["capabilities"]) == words
     for d in devs:
         assert set(d["capabilities"]) <= words

@@ -64,12 +64,14 @@ int ape_be_device_add(struct ape_backend *be, const struct ape_device_info *info
 	cd->dev.info = *info;
 	cd->dev.caps = *caps;
 	/* a bit newer than the backend's ABI minor is one it cannot mean (ABI 1.0 had no
-	 * bias_table, 1.1 no ragged backward launch): dropped, so that it never gets a launch
-	 * member, or a launch kind, its ABI lacks */
+	 * bias_table, 1.1 no ragged backward launch, 1.2 no strided one): dropped, so that it
+	 * never gets a launch member, or a launch kind, its ABI lacks */
 	if (be->raw && be->raw->abi_minor < 1)
 		cd->dev.caps.features &= ~(uint64_t)APE_BE_CAP_BIAS_TABLE;
 	if (be->raw && be->raw->abi_minor < 2)
 		cd->dev.caps.features &= ~(uint64_t)APE_BE_CAP_BWD_SEGMENTS;
+	if (be->raw && be->raw->abi_minor < 3)
+		cd->dev.caps.features &= ~(uint64_t)APE_BE_CAP_BWD_VIEWS;
 	if (!cd->dev.caps.max_alloc)
 		cd->dev.caps.max_alloc = UINT64_MAX; /* the contract's "no limit" either way */
 	snprintf(cd->dev.info.backend, sizeof(cd->dev.info.backend), "%s", be->ops->name);

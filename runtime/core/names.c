@@ -109,7 +109,7 @@ int ape_api_from_name(const char *name)
 /* APE_BE_CAP_* in bit order */
 static const char *const cap_names[] = {
 	"host_memory", "diag", "diag_views", "backward", "resident_backward", "timestamps",
-	"segments", "positions", "bias_table", "bwd_segments",
+	"segments", "positions", "bias_table", "bwd_segments", "bwd_views",
 };
 _Static_assert(APE_BE_CAP_ALL == (1u << COUNT(cap_names)) - 1,
 	       "a capability bit of ape/ape_backend.h without a name here");

@@ -438,6 +438,7 @@ int ape__device_check(const struct ape_device *dev, char *why, size_t cap)
 		{ APE_BE_CAP_TIMESTAMPS, OP(t, event_timestamp) },
 		{ APE_BE_CAP_BWD_SEGMENTS, { "backward", HAS(BACKWARD) } },
 		{ APE_BE_CAP_BWD_SEGMENTS, { "segments", HAS(SEGMENTS) } },
+		{ APE_BE_CAP_BWD_VIEWS, { "backward", HAS(BACKWARD) } },
 	};
 
 #undef HAS

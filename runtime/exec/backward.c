@@ -153,7 +153,6 @@ static void shape(void *self, struct ape_device *dev, int64_t no, int64_t ni)
 	const uint64_t bh = (uint64_t)(p->B * p->H), bkv = (uint64_t)(p->B * p->Hkv);
 	const uint64_t D = (uint64_t)p->D, esz = ape_dtype_size(p->in_dtype);
 
-	(void)dev;
 	(void)no;
 	(void)ni;
 	ps->nt = NBUF;
@@ -171,6 +170,17 @@ static void shape(void *self, struct ape_device *dev, int64_t no, int64_t ni)
 	set_in(ps, B_LSE, "lse", APE__ROLE_INNER_IN, APE__AXIS_Q, bh * 4, &c->lse_t, c->lse_s);
 	set_in(ps, B_DLSE, "dlse", APE__ROLE_INNER_IN, APE__AXIS_Q, bh * 4,
 	       r->dlse ? &c->dlse_t : NULL, c->lse_s);
+	/* a device that takes strided backward launches reads the inputs where they lie (on a
+	 * device that reads host memory) instead of in chunk buffers packed for it */
+	if (ape_be_dev_has(dev, APE_BE_CAP_BWD_VIEWS)) {
+		static const int viewed[] = { B_K, B_V, B_Q, B_O, B_DOUT };
+
+		for (size_t i = 0; i < sizeof(viewed) / sizeof(viewed[0]); i++) {
+			struct ape__pass_tensor *x = &ps->t[viewed[i]];
+
+			x->views = x->host && x->s[3] == 1; /* D contiguous */
+		}
+	}
 	set_out(ps, B_DQ, "dq", APE__ROLE_JOB_OUT, APE__AXIS_Q, bh * D * 4, r->dq != NULL);
 	/* each row's pairs: the visible ones in, the computed ones out, when launches may skip */
 	set_out(ps, B_PAIRS, "pair counts", APE__ROLE_JOB_IN, APE__AXIS_Q, bh * 8,
@@ -267,6 +277,21 @@ static int launch(void *self, struct ape_be_queue *q, const struct ape__pass_job
 	l.dbias = j->buf[B_DBIAS];
 	l.f.params[0] = j->buf[B_PRM64];
 	l.f.params[1] = j->buf[B_PRM32];
+	/* inputs in place (shape()), or packed ones wrapped whole, which are contiguous views: a
+	 * device without APE_BE_CAP_BWD_VIEWS is told nothing (they lie as it expects) */
+	l.f.strided = ape_be_dev_has(b->dev, APE_BE_CAP_BWD_VIEWS) &&
+		      (j->wrapped[B_Q] || j->wrapped[B_K] || j->wrapped[B_V] || j->wrapped[B_O] ||
+		       j->wrapped[B_DOUT]);
+	if (l.f.strided) {
+		const struct ape__pass *x = &b->pass;
+		const struct ape__problem *p = b->c->r->p;
+
+		l.f.view[APE_BE_T_Q] = ape__pass_view(x, j, B_Q, p->H, p->D);
+		l.f.view[APE_BE_T_K] = ape__pass_view(x, j, B_K, p->Hkv, p->D);
+		l.f.view[APE_BE_T_V] = ape__pass_view(x, j, B_V, p->Hkv, p->D);
+		l.f.view[APE_BE_T_O] = ape__pass_view(x, j, B_O, p->H, p->D);
+		l.dout_view = ape__pass_view(x, j, B_DOUT, p->H, p->D);
+	}
 	b->jobs[j->slot]++;
 	l.f.path = &b->paths;
 	return b->dev->be->ops->attention_backward(q, &l);

@@ -10,6 +10,7 @@
 #include "core/limits.h"
 #include "exec/launch.h"
 #include "exec/pack.h"
+#include "exec/stream.h"
 
 #define NEG_INF_F32 0xff800000u /* -inf as a fill pattern */
 
@@ -106,17 +107,6 @@ static void call_input(void *self, int t, void *host, size_t bytes)
 
 /* ------------------------------------------------------------------ launches */
 
-static struct ape_be_view view_of(const struct ape__pass_job *j, int t, int64_t heads, int64_t D,
-				const struct ape__pass_tensor *x)
-{
-	const int64_t r0 = x->axis == APE__AXIS_Q ? j->o0 : j->i0;
-	const int64_t n = x->axis == APE__AXIS_Q ? j->on : j->in;
-
-	if (j->wrapped[t])
-		return (struct ape_be_view){ r0 * x->s[2], x->s[0], x->s[1], x->s[2] };
-	return (struct ape_be_view){ 0, heads * n * D, n * D, D };
-}
-
 /* The launch of job j (without the merge), in *l. */
 static void launch_of(struct ape__fwd *f, const struct ape__pass_job *j,
 		      struct ape_be_launch *l)
@@ -151,9 +141,9 @@ static void launch_of(struct ape__fwd *f, const struct ape__pass_job *j,
 	l->params[1] = j->buf[APE__F_PRM32];
 	l->strided = j->wrapped[APE__F_Q] || j->wrapped[APE__F_K] || j->wrapped[APE__F_V];
 	if (l->strided) {
-		l->view[APE_BE_T_Q] = view_of(j, APE__F_Q, p->H, p->D, &x->t[APE__F_Q]);
-		l->view[APE_BE_T_K] = view_of(j, APE__F_K, p->Hkv, p->D, &x->t[APE__F_K]);
-		l->view[APE_BE_T_V] = view_of(j, APE__F_V, p->Hkv, p->D, &x->t[APE__F_V]);
+		l->view[APE_BE_T_Q] = ape__pass_view(x, j, APE__F_Q, p->H, p->D);
+		l->view[APE_BE_T_K] = ape__pass_view(x, j, APE__F_K, p->Hkv, p->D);
+		l->view[APE_BE_T_V] = ape__pass_view(x, j, APE__F_V, p->Hkv, p->D);
 		l->view[APE_BE_T_O] = (struct ape_be_view){ 0, p->H * j->on * p->D, j->on * p->D,
 							p->D };
 		l->view[APE_BE_T_LSE] = (struct ape_be_view){ 0, p->H * j->on, j->on, 1 };

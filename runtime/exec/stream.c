@@ -43,6 +43,18 @@ bool ape__pass_wraps(const struct ape__pass *p, int t, bool in_place, int64_t ro
 	}
 }
 
+struct ape_be_view ape__pass_view(const struct ape__pass *p, const struct ape__pass_job *j, int t,
+				  int64_t heads, int64_t D)
+{
+	const struct ape__pass_tensor *x = &p->t[t];
+	const bool outer = x->axis == p->outer;
+	const int64_t r0 = outer ? j->o0 : j->i0, n = outer ? j->on : j->in;
+
+	if (j->wrapped[t])
+		return (struct ape_be_view){ r0 * x->s[2], x->s[0], x->s[1], x->s[2] };
+	return (struct ape_be_view){ 0, heads * n * D, n * D, D };
+}
+
 void ape__pass_bytes(const struct ape__pass *p, bool in_place, int64_t Lo, int64_t Li,
 		     int64_t co, int64_t ci, struct ape__plan_bytes *b)
 {

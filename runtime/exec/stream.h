@@ -109,6 +109,11 @@ void ape__pass_bytes(const struct ape__pass *p, bool in_place, int64_t Lo, int64
 /* Whether tensor t of p is wrapped where it lies in a run with chunks of `rows` of its
  * `all` rows, on a device that reads host memory (in_place). */
 bool ape__pass_wraps(const struct ape__pass *p, int t, bool in_place, int64_t rows, int64_t all);
+/* Where input t of p (rows of `heads` heads of D elements) lies for job j's launch: in the
+ * caller's tensor at its host strides from the job's first row where j wraps it there, else
+ * packed [B, heads, rows, D] at offset 0 of its chunk buffer. */
+struct ape_be_view ape__pass_view(const struct ape__pass *p, const struct ape__pass_job *j, int t,
+				  int64_t heads, int64_t D);
 
 #pragma GCC visibility pop
 #endif

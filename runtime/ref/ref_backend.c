@@ -49,7 +49,7 @@ static int ref_probe(struct ape_backend *be, struct ape_be_probe_result *res)
 		.features = APE_BE_CAP_HOST_MEMORY | APE_BE_CAP_DIAG | APE_BE_CAP_DIAG_VIEWS |
 			    APE_BE_CAP_BACKWARD | APE_BE_CAP_RESIDENT_BACKWARD | APE_BE_CAP_TIMESTAMPS |
 			    APE_BE_CAP_SEGMENTS | APE_BE_CAP_POSITIONS | APE_BE_CAP_BIAS_TABLE |
-			    APE_BE_CAP_BWD_SEGMENTS,
+			    APE_BE_CAP_BWD_SEGMENTS | APE_BE_CAP_BWD_VIEWS,
 		.max_alloc = UINT64_MAX,
 	};
 	struct ape_device_info info;

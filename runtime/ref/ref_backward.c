@@ -29,6 +29,7 @@ struct row_info {
 struct bwd {
 	const struct ape_be_bwd_launch *l;
 	const void *q, *k, *v, *o, *dout;
+	struct ape_be_view vq, vk, vv, vo, vdo; /* where they lie (contiguous unless strided) */
 	const float *lse, *dlse;
 	float *dq, *dk, *dv;
 	double *dparams;
@@ -44,10 +45,30 @@ struct pair {
 	double dot, ddot_dalpha, an, t, P, dS;
 };
 
-static void load_row(double *dst, const void *base, ape_dtype t, int64_t row, int64_t D)
+/* Row `row` ((b * heads + h) * L + i) of a tensor of `heads` heads of L rows of D elements at
+ * base, where view v says it lies. */
+static void load_row(double *dst, const void *base, ape_dtype t, struct ape_be_view v,
+		     int64_t heads, int64_t L, int64_t row, int64_t D)
 {
+	const int64_t bh = row / L, at = v.off + bh / heads * v.sb + bh % heads * v.sh +
+					 row % L * v.sl;
+
 	for (int64_t d = 0; d < D; d++)
-		dst[d] = ape__ref_load(base, t, row * D + d);
+		dst[d] = ape__ref_load(base, t, at + d);
+}
+
+/* Query row `row` of Q, O or dO (tensor base of type t, view v) */
+static void query_row(const struct bwd *c, double *dst, const void *base, ape_dtype t,
+		      struct ape_be_view v, int64_t row)
+{
+	load_row(dst, base, t, v, c->l->f.H, c->l->f.Lq, row, c->D);
+}
+
+/* Key row `row` of K or V */
+static void key_row(const struct bwd *c, double *dst, const void *base, struct ape_be_view v,
+		    int64_t row)
+{
+	load_row(dst, base, c->l->f.in_dtype, v, c->l->f.Hkv, c->l->f.Lk, row, c->D);
 }
 
 static double dot_d(const double *a, const double *b, int64_t D)
@@ -66,9 +87,9 @@ static void row_info(struct bwd *c, int64_t row)
 	struct row_info *ri = &c->rows[row];
 	double q[APE_MAX_D], o[APE_MAX_D], dout[APE_MAX_D], ss = 0;
 
-	load_row(q, c->q, f->in_dtype, row, D);
-	load_row(o, c->o, f->out_dtype, row, D);
-	load_row(dout, c->dout, c->l->dout_dtype, row, D);
+	query_row(c, q, c->q, f->in_dtype, c->vq, row);
+	query_row(c, o, c->o, f->out_dtype, c->vo, row);
+	query_row(c, dout, c->dout, c->l->dout_dtype, c->vdo, row);
 	ri->mean = 0;
 	for (int64_t d = 0; d < D; d++)
 		ri->mean += q[d];
@@ -173,8 +194,8 @@ static void keys_pass(struct bwd *c)
 			key_rows(f, j, &i0, &i1);
 			if (i0 == i1)
 				continue; /* a key no row sees: nothing to add */
-			load_row(k, c->k, f->in_dtype, krow, D);
-			load_row(v, c->v, f->in_dtype, krow, D);
+			key_row(c, k, c->k, c->vk, krow);
+			key_row(c, v, c->v, c->vv, krow);
 			memset(dk, 0, sizeof(dk));
 			memset(dv, 0, sizeof(dv));
 			for (int64_t h = kh * c->group; h < (kh + 1) * c->group; h++)
@@ -186,8 +207,9 @@ static void keys_pass(struct bwd *c)
 					row_keys(f, i, &j0, &j1, &qpos, &kpos);
 					if (!visible(f, qpos, kpos, j0, j, &n))
 						continue;
-					load_row(q, c->q, f->in_dtype, row, D);
-					load_row(dout, c->dout, c->l->dout_dtype, row, D);
+					query_row(c, q, c->q, f->in_dtype, c->vq, row);
+					query_row(c, dout, c->dout, c->l->dout_dtype, c->vdo,
+						  row);
 					pair_eval(c, row, q, dout, k, v, n, false, &pr);
 					for (int64_t d = 0; d < D; d++)
 						dv[d] += pr.P * dout[d];
@@ -228,8 +250,8 @@ static void rows_pass(struct bwd *c)
 		int64_t j0, j1, qpos, kpos;
 
 		row_keys(f, row % f->Lq, &j0, &j1, &qpos, &kpos);
-		load_row(q, c->q, f->in_dtype, row, D);
-		load_row(dout, c->dout, c->l->dout_dtype, row, D);
+		query_row(c, q, c->q, f->in_dtype, c->vq, row);
+		query_row(c, dout, c->dout, c->l->dout_dtype, c->vdo, row);
 		memset(dq, 0, sizeof(dq));
 		for (int64_t j = j0; j < j1; j++) {
 			double g;
@@ -238,8 +260,8 @@ static void rows_pass(struct bwd *c)
 			if (!visible(f, qpos, kpos, j0, j, &n))
 				continue;
 			any = true;
-			load_row(k, c->k, f->in_dtype, kvbase + j, D);
-			load_row(v, c->v, f->in_dtype, kvbase + j, D);
+			key_row(c, k, c->k, c->vk, kvbase + j);
+			key_row(c, v, c->v, c->vv, kvbase + j);
 			pair_eval(c, row, q, dout, k, v, n, true, &pr);
 			g = pr.dS * pr.t * f->scale;
 			A += g * pr.ddot_dalpha;
@@ -282,6 +304,9 @@ int ape__ref_backward(const struct ape_be_bwd_launch *l, const struct ape__ref_b
 	struct bwd c = {
 		.l = l,
 		.q = io->q, .k = io->k, .v = io->v, .o = io->o, .dout = io->dout,
+		.vq = ape_be_launch_view(f, APE_BE_T_Q), .vk = ape_be_launch_view(f, APE_BE_T_K),
+		.vv = ape_be_launch_view(f, APE_BE_T_V), .vo = ape_be_launch_view(f, APE_BE_T_O),
+		.vdo = ape_be_bwd_dout_view(l),
 		.lse = io->lse, .dlse = io->dlse,
 		.dq = io->dq, .dk = io->dk, .dv = io->dv, .dparams = io->dparams,
 		.dbias = io->dbias,

@@ -153,17 +153,24 @@ bool same_grads(const grads *a, const grads *b, unsigned wanted)
 		!memcmp(a->dparams, b->dparams, sizeof(float) * (size_t)(4 * a->H)));
 }
 
-int run_chunked(bcase *c, ape_device *dev, grads *g, int64_t cq, int64_t ck, ape_stats *st)
+int run_backward_ex(bcase *c, ape_device *dev, grads *g, const ape_exec_options *eo,
+		    ape_stats *st)
 {
 	test_problem *tp = &c->tp;
+
+	return ape_attention_backward_ex(&dev, 1, eo, &tp->desc, &tp->q.t, &tp->k.t, &tp->v.t,
+					 &tp->o.t, tp->lse, &c->dout.t, c->dlse, &g->dq.t, &g->dk.t,
+					 &g->dv.t, g->dparams, st);
+}
+
+int run_chunked(bcase *c, ape_device *dev, grads *g, int64_t cq, int64_t ck, ape_stats *st)
+{
 	ape_exec_options eo;
 
 	ape_exec_options_init(&eo);
 	eo.chunk_q = cq;
 	eo.chunk_k = ck;
-	return ape_attention_backward_ex(&dev, 1, &eo, &tp->desc, &tp->q.t, &tp->k.t, &tp->v.t,
-					 &tp->o.t, tp->lse, &c->dout.t, c->dlse, &g->dq.t, &g->dk.t,
-					 &g->dv.t, g->dparams, st);
+	return run_backward_ex(c, dev, g, &eo, st);
 }
 
 /* The same values as a contiguous tensor's, stored as float32 (widening is exact). */

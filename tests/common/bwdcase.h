@@ -57,7 +57,10 @@ void grads_free(grads *g);
 
 /* ape_attention_backward() of case c into the outputs of g that `wanted` (W_*) names. */
 int run_backward(bcase *c, ape_device *dev, grads *g, unsigned wanted, ape_stats *st);
-/* ape_attention_backward_ex() on dev alone, chunk_q = cq and chunk_k = ck, every output. */
+/* ape_attention_backward_ex() on dev alone with options eo, every output. */
+int run_backward_ex(bcase *c, ape_device *dev, grads *g, const ape_exec_options *eo,
+		    ape_stats *st);
+/* run_backward_ex() with chunk_q = cq and chunk_k = ck. */
 int run_chunked(bcase *c, ape_device *dev, grads *g, int64_t cq, int64_t ck, ape_stats *st);
 
 /* The spec's accuracy of gradients for a storage type, times max |G_64| (APE-SPEC.md,
