@@ -74,14 +74,21 @@ int ape__ocl_track(struct ape_be_queue *q, cl_event ev)
 		size_t cap = tl->cap ? 2 * tl->cap : 16;
 		cl_event *e = ape_be_realloc(tl->ev, cap * sizeof(*e));
 
-		if (!e) {
+		if (e) {
+			tl->ev = e;
+			tl->cap = cap;
+		} else if (tl->cap && clFinish(q->cq) == CL_SUCCESS) {
+			/* no memory to track more: the queue drained, what completed is dropped (its
+			 * failures kept) and this command takes the room that leaves; the call goes on
+			 * (a failure here could come after it wrote some outputs) */
+			tl_prune(tl);
+		}
+		if (tl->n == tl->cap) {
 			/* keep the command's own reference alive until the queue is done */
 			clWaitForEvents(1, &ev);
 			clReleaseEvent(ev);
 			return ape_be_error(APE_ENOMEM, "out of memory tracking a command");
 		}
-		tl->ev = e;
-		tl->cap = cap;
 	}
 	tl->ev[tl->n++] = ev;
 	return 0;

@@ -27,6 +27,7 @@
 #include "api/resident.h"
 #include "api/validate.h"
 #include "exec/resident_bwd.h"
+#include "common/wrapops.h"
 
 BACKEND_FIXTURE(rbwd);
 
@@ -471,6 +472,71 @@ TEST_F(rbwd, query_rows_split_under_the_budget)
 	grads_free(&split);
 	grads_free(&again);
 	bcase_free(&c);
+}
+
+/*
+ * On a device that takes strided backward launches (bwd_views: the reference, OpenCL), Q, K, V,
+ * O and dO are read where they lie, never gathered: padded [B, L, H, D] inputs at byte offsets,
+ * every storage type, in one launch and in launches of 7 query rows (views moved along L), bit
+ * for bit the launches on gathered copies (the capability hidden by the wrapper), with at least
+ * the gathers of K and V and of each launch's Q and O (and dO, at an offset) fewer copy_view
+ * calls.
+ */
+TEST_F(rbwd, strided_inputs_read_where_they_lie)
+{
+	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
+	const test_problem_shape sh = { 2, 4, 2, self->emu ? 13 : 33, self->emu ? 17 : 47, 16 };
+	ape_rng rng;
+
+	if (!ape_be_dev_has(self->dev, APE_BE_CAP_BWD_VIEWS))
+		SKIP(return, "%s: no strided backward launches", variant->backend);
+	ape_rng_init(&rng, _metadata->name);
+	for (int i = 0; i < 6; i++) {
+		const ape_dtype dt = types[i % 3];
+		const int64_t rows = i < 3 ? sh.Lq : 7, launches = (sh.Lq + rows - 1) / rows;
+		const ape_dtensor *t[T_COUNT];
+		struct ape__resident_bwd_req r;
+		struct ape__problem p;
+		grads got[2];
+		uint64_t copies[2];
+		ape_queue *qu = NULL;
+		dcase x;
+		bcase c;
+
+		ASSERT_EQ(0, make_case(&c, &rng, &sh, dt, true, i % 2, i % 4 < 2, self->ref));
+		ASSERT_EQ(0, ape_queue_create(self->dev, &qu));
+		for (int w = 0; w < 2; w++) { /* w 0: views; w 1: gathered */
+			ASSERT_EQ(0, grads_alloc(&got[w], &c, dt));
+			ASSERT_EQ(0, dcase_up(&x, qu, &c, &got[w], (size_t)(i % 4) * 4));
+			for (int n = 0; n < T_COUNT; n++)
+				t[n] = n == T_DLSE && !c.dlse ? NULL : &x.d[n];
+			memset(&r, 0, sizeof(r));
+			ASSERT_EQ(0, ape__check_resident_bwd("test", qu, &c.tp.desc, t, &p, &r))
+			TH_LOG("%s", ape_last_error());
+			r.fn = "test";
+			r.dev = self->dev;
+			r.q = qu->q;
+			r.p = &p;
+			r.budget = UINT64_MAX;
+			wrap_install(self->dev, w ? WRAP_NO_BWD_VIEWS : 0);
+			wrap_reset();
+			EXPECT_EQ(0, ape__resident_bwd_enqueue(&r, rows)) TH_LOG("%s", ape_last_error());
+			EXPECT_EQ(0, dcase_down(&x, qu, &got[w]));
+			copies[w] = wrap_get().calls[WRAP_COPY_VIEW];
+			wrap_remove();
+			ape__problem_fini(&p);
+			dcase_free(&x);
+		}
+		EXPECT_TRUE(same_grads(&got[0], &got[1], W_ALL)) TH_LOG("case %d", i);
+		/* (dO, contiguous, is used in place without views too where it starts its buffer) */
+		EXPECT_LE(copies[0] + 2 + (i % 4 ? 3 : 2) * (uint64_t)launches, copies[1])
+		TH_LOG("case %d: %llu copies with views, %llu gathering", i,
+		       (unsigned long long)copies[0], (unsigned long long)copies[1]);
+		ape_queue_destroy(qu);
+		grads_free(&got[0]);
+		grads_free(&got[1]);
+		bcase_free(&c);
+	}
 }
 
 /* ---- refusals: each before anything is enqueued, its message naming the argument */

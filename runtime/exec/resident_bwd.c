@@ -6,8 +6,10 @@
  * storage type. So, on the caller's queue, in this order:
  *   1. queue-ordered scratch (scratch_alloc) for every tensor that is not already what the
  *      launch takes: an input dense at offset 0 (and, on the query side, a call of one launch)
- *      is used where it is, a float32 output likewise; the others get a contiguous copy
- *      (inputs, by copy_view) or an accumulator (outputs);
+ *      is used where it is, a float32 output likewise, and on a device that takes strided
+ *      backward launches (APE_BE_CAP_BWD_VIEWS) Q, K, V, O and dO are read through their views
+ *      whatever their strides; the others get a contiguous copy (inputs, by copy_view) or an
+ *      accumulator (outputs);
  *   2. the key side's accumulators zeroed (dK, dV, dparams), K and V gathered;
  *   3. per launch of `rows` query rows, in row order: Q, O, dO, LSE, dLSE of those rows
  *      gathered, dQ's accumulator zeroed, the launch against every key, dQ's rows copied out
@@ -89,6 +91,14 @@ static struct ape_be_view dense_view(const int64_t sh[4])
 	return (struct ape_be_view){ 0, sh[1] * sh[2] * sh[3], sh[2] * sh[3], sh[3] };
 }
 
+/* Whether the launches read input t through its view (struct ape_be_bwd_launch, ABI 1.3). */
+static bool viewed(const struct ape__resident_bwd_req *r, int t)
+{
+	return (t == APE__RB_Q || t == APE__RB_K || t == APE__RB_V || t == APE__RB_O ||
+		t == APE__RB_DOUT) &&
+	       ape_be_dev_has(r->dev, APE_BE_CAP_BWD_VIEWS);
+}
+
 /* Whether the caller's tensor t is already what a launch of `rows` query rows takes. */
 static bool direct(const struct ape__resident_bwd_req *r, int t, int64_t rows)
 {
@@ -96,6 +106,8 @@ static bool direct(const struct ape__resident_bwd_req *r, int t, int64_t rows)
 	int64_t sh[4];
 	struct ape_be_view c;
 
+	if (viewed(r, t))
+		return true;
 	if (query_side(t) && rows != r->p->Lq)
 		return false;
 	if (launch_type(r, t) != (int)r->dtype[t] || t == APE__RB_DPARAMS)
@@ -283,6 +295,19 @@ static int launch(struct rb_run *x, int64_t i0, int64_t n)
 	l.dk = x->use[APE__RB_DK];
 	l.dv = x->use[APE__RB_DV];
 	l.dparams = x->use[APE__RB_DPARAMS];
+	if (viewed(x->r, APE__RB_Q)) { /* every one of the five where it lies, rows from i0 */
+		const struct ape_be_view *v = x->r->view;
+
+		l.f.strided = true;
+		l.f.view[APE_BE_T_Q] = v[APE__RB_Q];
+		l.f.view[APE_BE_T_Q].off += i0 * v[APE__RB_Q].sl;
+		l.f.view[APE_BE_T_K] = v[APE__RB_K];
+		l.f.view[APE_BE_T_V] = v[APE__RB_V];
+		l.f.view[APE_BE_T_O] = v[APE__RB_O];
+		l.f.view[APE_BE_T_O].off += i0 * v[APE__RB_O].sl;
+		l.dout_view = v[APE__RB_DOUT];
+		l.dout_view.off += i0 * v[APE__RB_DOUT].sl;
+	}
 	l.f.path = x->r->paths;
 	if ((ret = x->ops->attention_backward(x->r->q, &l)))
 		return ret;

@@ -536,6 +536,8 @@ static void caps_hide(unsigned flags)
 			d->caps.features &= ~(uint64_t)APE_BE_CAP_POSITIONS;
 		if (flags & WRAP_NO_BWD_SEGMENTS)
 			d->caps.features &= ~(uint64_t)APE_BE_CAP_BWD_SEGMENTS;
+		if (flags & WRAP_NO_BWD_VIEWS)
+			d->caps.features &= ~(uint64_t)APE_BE_CAP_BWD_VIEWS;
 	}
 }
 

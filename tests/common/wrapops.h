@@ -45,6 +45,9 @@
 /* take the capability bwd_segments: a device without ragged backward launches (the host call
  * runs pieces; device tensors are refused) */
 #define WRAP_NO_BWD_SEGMENTS (1u << 12)
+/* hide the capability bwd_views: the backward's inputs copied into packed buffers, as on a
+ * device that cannot read them strided */
+#define WRAP_NO_BWD_VIEWS (1u << 13)
 
 /* The ops that can fail, as the wrapper counts and fails them. */
 enum wrap_op {
