@@ -517,7 +517,7 @@ TEST(registration_checks_the_table)
 		{ "host_register", "refused: host_register and host_unregister come both or "
 				   "neither: host_unregister is missing" },
 		{ "major", "refused: backend ABI 2.0: this libape takes major 1 only" },
-		{ "minor", "refused: backend ABI 1.3 is newer than this libape's 1.2" },
+		{ "minor", "refused: backend ABI 1.4 is newer than this libape's 1.3" },
 		{ "struct_size", "refused: struct_size 20 is shorter than the 24 bytes every table "
 				 "begins with" },
 		{ "older minor", NULL },
@@ -753,7 +753,8 @@ TEST(abi_1_0_backends_get_1_0_launches)
 	ASSERT_NE(NULL, old);
 	ASSERT_NE(NULL, ref);
 	EXPECT_EQ(0u, ape_device_capabilities(old) & APE_BE_CAP_BIAS_TABLE);
-	EXPECT_EQ(APE_BE_CAP_ALL & ~(uint64_t)(APE_BE_CAP_BIAS_TABLE | APE_BE_CAP_BWD_SEGMENTS),
+	EXPECT_EQ(APE_BE_CAP_ALL & ~(uint64_t)(APE_BE_CAP_BIAS_TABLE | APE_BE_CAP_BWD_SEGMENTS |
+					       APE_BE_CAP_BWD_VIEWS),
 		  ape_device_capabilities(old));
 	ape_rng_init(&rng, "abi_1_0_backends_get_1_0_launches");
 	/* end-aligned queries: every row sees keys, so the old backend launches */

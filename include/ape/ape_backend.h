@@ -895,7 +895,9 @@ struct ape_backend_plugin {
 	 * Optional; needed by a device whose capabilities say backward (without that capability
 	 * ape_attention_backward() on the device fails with APE_ENOTSUP naming it; the core never
 	 * falls back to another backend). Enqueues
-	 * the gradients of one launch (struct ape_be_bwd_launch above): for every row with a visible
+	 * the gradients of one launch (struct ape_be_bwd_launch above; its inputs read where
+	 * l->f.strided and its views say, on a device that states bwd_views, else contiguous at
+	 * offset 0): for every row with a visible
 	 * key among the launch's keys, ADDS to l->dq, l->dk, l->dv and l->dparams (each that is
 	 * not NULL; work for a NULL one is not done) this launch's contribution, the exact
 	 * derivatives of the spec, path through alpha included; rows without a visible key add
