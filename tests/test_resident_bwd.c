@@ -64,6 +64,28 @@ static void expect_like_host(struct __test_metadata *_metadata, const grads *got
 		TH_LOG("%s", what);
 }
 
+/* The resident executor's request for case c on x's device tensors (dLSE only where c has one),
+ * checked as the public call checks it, budget unlimited; p receives the problem. Returns the
+ * check's code. */
+static int request_of(struct ape__resident_bwd_req *r, struct ape__problem *p, ape_device *dev,
+		      ape_queue *qu, const bcase *c, dcase *x)
+{
+	const ape_dtensor *t[T_COUNT];
+	int ret;
+
+	for (int n = 0; n < T_COUNT; n++)
+		t[n] = n == T_DLSE && !c->dlse ? NULL : &x->d[n];
+	memset(r, 0, sizeof(*r));
+	if ((ret = ape__check_resident_bwd("test", qu, &c->tp.desc, t, p, r)))
+		return ret;
+	r->fn = "test";
+	r->dev = dev;
+	r->q = qu->q;
+	r->p = p;
+	r->budget = UINT64_MAX;
+	return 0;
+}
+
 /* ---- results */
 
 /*
@@ -419,7 +441,6 @@ TEST_F(rbwd, query_rows_split_under_the_budget)
 					       "dq", "dk", "dv", "dparams" };
 	struct ape__resident_bwd_req r;
 	struct ape__problem p;
-	const ape_dtensor *t[T_COUNT];
 	grads one, split, again;
 	ape_queue *qu = NULL;
 	int64_t rows = 0;
@@ -437,16 +458,7 @@ TEST_F(rbwd, query_rows_split_under_the_budget)
 
 	ASSERT_EQ(0, ape_queue_create(self->dev, &qu));
 	ASSERT_EQ(0, dcase_up(&x, qu, &c, &split, 0));
-	for (int i = 0; i < T_COUNT; i++)
-		t[i] = &x.d[i];
-	memset(&r, 0, sizeof(r));
-	ASSERT_EQ(0, ape__check_resident_bwd("test", qu, &c.tp.desc, t, &p, &r))
-	TH_LOG("%s", ape_last_error());
-	r.fn = "test";
-	r.dev = self->dev;
-	r.q = qu->q;
-	r.p = &p;
-	r.budget = UINT64_MAX;
+	ASSERT_EQ(0, request_of(&r, &p, self->dev, qu, &c, &x)) TH_LOG("%s", ape_last_error());
 	ASSERT_EQ(0, ape__resident_bwd_plan(&r, &rows));
 	EXPECT_EQ(sh.Lq, rows);
 	r.budget = 1; /* the gathered copies alone are more */
@@ -494,7 +506,6 @@ TEST_F(rbwd, strided_inputs_read_where_they_lie)
 	for (int i = 0; i < 6; i++) {
 		const ape_dtype dt = types[i % 3];
 		const int64_t rows = i < 3 ? sh.Lq : 7, launches = (sh.Lq + rows - 1) / rows;
-		const ape_dtensor *t[T_COUNT];
 		struct ape__resident_bwd_req r;
 		struct ape__problem p;
 		grads got[2];
@@ -508,16 +519,8 @@ TEST_F(rbwd, strided_inputs_read_where_they_lie)
 		for (int w = 0; w < 2; w++) { /* w 0: views; w 1: gathered */
 			ASSERT_EQ(0, grads_alloc(&got[w], &c, dt));
 			ASSERT_EQ(0, dcase_up(&x, qu, &c, &got[w], (size_t)(i % 4) * 4));
-			for (int n = 0; n < T_COUNT; n++)
-				t[n] = n == T_DLSE && !c.dlse ? NULL : &x.d[n];
-			memset(&r, 0, sizeof(r));
-			ASSERT_EQ(0, ape__check_resident_bwd("test", qu, &c.tp.desc, t, &p, &r))
+			ASSERT_EQ(0, request_of(&r, &p, self->dev, qu, &c, &x))
 			TH_LOG("%s", ape_last_error());
-			r.fn = "test";
-			r.dev = self->dev;
-			r.q = qu->q;
-			r.p = &p;
-			r.budget = UINT64_MAX;
 			wrap_install(self->dev, w ? WRAP_NO_BWD_VIEWS : 0);
 			wrap_reset();
 			EXPECT_EQ(0, ape__resident_bwd_enqueue(&r, rows)) TH_LOG("%s", ape_last_error());
