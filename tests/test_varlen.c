@@ -254,6 +254,43 @@ static void run_checked(struct __test_metadata *_metadata, ape_device *dev,
 	EXPECT_LE(el, test_tol_lse(b->dt) + test_skip_tol_lse(b->desc.skip_tol))
 	TH_LOG("%s: LSE error %g", what, el);
 	EXPECT_EQ(pairs, st->pairs_visible) TH_LOG("%s", what);
+	if (ape_be_dev_has(dev, APE_BE_CAP_HOST_MEMORY | APE_BE_CAP_SEGMENTS)) {
+		/* one run over the call's own staging, which the launches write in place
+		 * (exec/pass.h): the same bits as from launches whose outputs are copied back,
+		 * and O and LSE not copied (all of their rows, with one key chunk and one query
+		 * chunk: the default chunking of these small batches) */
+		const uint64_t back = (uint64_t)(b->tq * b->H) *
+				      ((uint64_t)b->D * ape_dtype_size(b->odt) + 4);
+		float *lc = malloc(sizeof(float) * (size_t)(b->tq * b->H + 1));
+		ape_exec_options xo;
+		test_tensor oc;
+		ape_stats sc;
+
+		ASSERT_NE(NULL, lc);
+		ASSERT_EQ(0, test_tensor_empty(&oc, b->odt, 1, b->tq, b->H, b->D));
+		oc.t = b->o.t;
+		oc.t.data = oc.alloc;
+		if (opts)
+			xo = *opts;
+		else
+			ape_exec_options_init(&xo);
+		xo.flags |= APE_EXEC_COPY_INPUTS;
+		ape_stats_init(&sc);
+		ASSERT_EQ(0, ape_attention_forward_varlen_ex(&dev, 1, &xo, &b->desc, &vl, &b->q.t,
+							     &b->k.t, &b->v.t, &oc.t, lc, &sc))
+		TH_LOG("%s: %s", what, ape_last_error());
+		EXPECT_TRUE(same_bits(&b->o, &oc)) TH_LOG("%s: O", what);
+		EXPECT_EQ(0, memcmp(b->lse, lc, sizeof(float) * (size_t)(b->tq * b->H)))
+		TH_LOG("%s: LSE", what);
+		if (!opts && st->pairs_visible)
+			EXPECT_EQ(back, sc.bytes_from_device - st->bytes_from_device)
+		TH_LOG("%s: %llu bytes back in place, %llu with copies", what,
+		       (unsigned long long)st->bytes_from_device,
+		       (unsigned long long)sc.bytes_from_device);
+		EXPECT_LE(st->bytes_from_device, sc.bytes_from_device) TH_LOG("%s", what);
+		test_tensor_free(&oc);
+		free(lc);
+	}
 }
 
 static void run_batches(struct __test_metadata *_metadata, ape_device *dev, int cases, int64_t S,

@@ -192,7 +192,7 @@ static int stage_outputs(const char *fn, const struct ape__problem *p, bool lse,
 int ape__forward_call(const char *fn, ape_device *const *devs, int ndev,
 		      const ape_exec_options *opts, const struct ape__problem *p,
 		      const ape_tensor *q, const ape_tensor *k, const ape_tensor *v, ape_tensor *o,
-		      float *lse, const struct ape__diag_req *dg, bool want_pairs,
+		      float *lse, const struct ape__diag_req *dg, bool want_pairs, bool staged,
 		      struct ape__exec_result *res)
 {
 	const bool atomic_out = opts && (opts->flags & APE_EXEC_ATOMIC_OUTPUTS);
@@ -217,11 +217,12 @@ int ape__forward_call(const char *fn, ape_device *const *devs, int ndev,
 		.ent = dg->ent,
 		.md = dg->md,
 		.want_pairs = want_pairs,
+		.staged = staged,
 	};
 	struct staged sg;
 	int ret;
 
-	if (!atomic_out)
+	if (!atomic_out || staged)
 		return ape__forward_run(&r, res);
 	ret = stage_outputs(fn, p, lse != NULL, dg, &sg);
 	if (ret)
@@ -288,7 +289,7 @@ static int forward(const char *fn, ape_device *const *devs, int ndev,
 		return ret;
 	} else {
 		ret = ape__forward_call(fn, devs, ndev, opts, &p, q, k, v, o, lse, dg,
-					stats != NULL, &res);
+					stats != NULL, false, &res);
 	}
 	if (stats || logs) {
 		const struct ape__call_report rep = {

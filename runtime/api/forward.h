@@ -35,14 +35,16 @@ int ape__diag_devices(const char *fn, ape_device *const *devs, int ndev, bool on
 /*
  * The executor's run of a validated problem p (Lq, Lk >= 1; a ragged one too, p->segs) on
  * devs, options opts checked: O through p->os into o, LSE [B, H, Lq] into lse (or NULL), the
- * diagnostics dg, the pair counts when want_pairs; APE_EXEC_ATOMIC_OUTPUTS staged here. The
- * executor's figures in *res. Returns 0 or a negative code with the message set.
+ * diagnostics dg, the pair counts when want_pairs; APE_EXEC_ATOMIC_OUTPUTS staged here.
+ * staged: o and lse are already the caller's own staging (a ragged call's), which the
+ * launches may write in place, partly, before the call succeeds. The executor's figures in
+ * *res. Returns 0 or a negative code with the message set.
  */
 struct ape__exec_result;
 int ape__forward_call(const char *fn, ape_device *const *devs, int ndev,
 		      const ape_exec_options *opts, const struct ape__problem *p,
 		      const ape_tensor *q, const ape_tensor *k, const ape_tensor *v, ape_tensor *o,
-		      float *lse, const struct ape__diag_req *dg, bool want_pairs,
+		      float *lse, const struct ape__diag_req *dg, bool want_pairs, bool staged,
 		      struct ape__exec_result *res);
 
 #pragma GCC visibility pop

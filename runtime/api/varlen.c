@@ -222,7 +222,7 @@ struct vcall {
 	const ape_varlen *vl;
 	const ape_tensor *q, *k, *v;
 	const struct ape__problem *p;
-	ape_tensor so; /* staged O, [1, H, total_q, D] contiguous, of o's type */
+	ape_tensor so; /* staged O, [1, H, total_q, D] token-major (packed), of o's type */
 	int64_t sos[4];
 	float *slse; /* staged LSE, [H, total_q] */
 	float *tlse; /* one piece's LSE, [H, rows] */
@@ -452,7 +452,8 @@ static int vcall_alloc(struct vcall *c)
 		return ape__error(APE_ENOMEM, "%s: out of host memory staging %" PRId64
 				  " rows of O and LSE", c->fn, p->Lq);
 	}
-	ape_tensor_init(&c->so, c->so.data, p->out_dtype, 1, p->H, p->Lq, p->D);
+	/* token-major, as packed outputs are: the publication is then one copy */
+	ape_tensor_init_packed(&c->so, c->so.data, p->out_dtype, p->Lq, p->H, p->D);
 	ape_tensor_strides(&c->so, c->sos);
 	for (size_t r = 0; r < rows; r++)
 		c->slse[r] = -INFINITY;
@@ -464,7 +465,7 @@ static void publish(struct vcall *c, ape_tensor *o, float *lse)
 {
 	const struct ape__problem *p = c->p;
 
-	ape__unpack_rows(c->so.data, o, p->os, 0, p->Lq);
+	ape__copy_rows(o, p->os, &c->so, c->sos, 0, p->Lq);
 	if (lse)
 		for (int64_t i = 0; i < p->Lq; i++)
 			for (int64_t h = 0; h < p->H; h++)
@@ -676,7 +677,7 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 		pp.segs = sg;
 		pp.nseg = n;
 	}
-	memcpy(pp.os, c->sos, sizeof(pp.os)); /* into the staging, contiguous */
+	memcpy(pp.os, c->sos, sizeof(pp.os)); /* into the staging */
 	memset(&res, 0, sizeof(res));
 	eo = c->opts;
 	if (pp.segs && !eo.chunk_k)
@@ -685,7 +686,7 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 		 * budget says so) rather than key chunks that cut through its sequences */
 		eo.chunk_k = p->Lk;
 	*ret = ape__forward_call(c->fn, c->devs, c->ndev, &eo, &pp, c->q, c->k, c->v, &c->so,
-				 c->slse, &none, stats != NULL, &res);
+				 c->slse, &none, stats != NULL, true, &res);
 	if (*ret)
 		*ret = ape__error(*ret, "%s: %" PRId64 " sequences in ragged launches: %s", c->fn,
 				  c->vl->num_seqs, ape_last_error());

@@ -85,6 +85,7 @@ int ape__forward_run(const struct ape__fwd_req *r, struct ape__exec_result *res)
 	x->call = (struct ape__fwd_call){
 		.p = p, .q = r->q, .k = r->k, .v = r->v, .o = r->o, .lse = r->lse,
 		.ent = r->ent, .md = r->md, .diag = r->ent || r->md, .want_pairs = r->want_pairs,
+		.staged = r->staged,
 	};
 	ape__skip_budget(p->skip_tol, p->causal, 2, false, &x->call.tol);
 	for (int d = 0; d < r->ndev; d++) {

@@ -33,7 +33,9 @@ struct ape__fwd_req {
 	 * them (the API checked), and then p->skip_tol <= APE_DIAG_SKIP_TOL */
 	float *ent, *md;
 	bool want_pairs;
-	bool staged; /* o and lse are the call's own staging (APE_EXEC_ATOMIC_OUTPUTS) */
+	/* o and lse are the call's own staging (APE_EXEC_ATOMIC_OUTPUTS, a ragged call's), which
+	 * launches may write in place before the call succeeds */
+	bool staged;
 };
 
 /*

@@ -89,6 +89,20 @@ static void shape(void *self, struct ape_device *dev, int64_t no, int64_t ni)
 	set(x, APE__F_AMD, "merged distances", APE__ROLE_OUTER_ACC, APE__AXIS_Q,
 	    dm && diag ? bh * 4 : 0, true);
 	x->t[APE__F_ALSE].init = NEG_INF_F32; /* nothing merged yet: the merge's identity */
+	if (mode == APE__FWD_DIRECT && c->staged) {
+		/* final rows, into the call's own staging: written in place where the device
+		 * reads host memory (exec/pass.h), O at its strides and LSE [B, H, Lq] */
+		if (c->o && p->os[3] == 1) {
+			x->t[APE__F_O].host = c->o;
+			x->t[APE__F_O].s = p->os;
+		}
+		if (c->lse) {
+			ape_tensor_init(&f->lse_t, c->lse, APE_F32, p->B, p->H, p->Lq, 1);
+			ape_tensor_strides(&f->lse_t, f->lse_s);
+			x->t[APE__F_LSE].host = &f->lse_t;
+			x->t[APE__F_LSE].s = f->lse_s;
+		}
+	}
 	for (int w = 0; w < 2; w++)
 		x->t[APE__F_PRM64 + w] = (struct ape__pass_tensor){
 			.name = w ? "parameters (float32)" : "parameters (float64)",
@@ -139,15 +153,17 @@ static void launch_of(struct ape__fwd *f, const struct ape__pass_job *j,
 	l->pages = j->pages;
 	l->params[0] = j->buf[APE__F_PRM64];
 	l->params[1] = j->buf[APE__F_PRM32];
-	l->strided = j->wrapped[APE__F_Q] || j->wrapped[APE__F_K] || j->wrapped[APE__F_V];
+	l->strided = j->wrapped[APE__F_Q] || j->wrapped[APE__F_K] || j->wrapped[APE__F_V] ||
+		     j->wrapped[APE__F_O] || j->wrapped[APE__F_LSE];
 	if (l->strided) {
 		l->view[APE_BE_T_Q] = ape__pass_view(x, j, APE__F_Q, p->H, p->D);
 		l->view[APE_BE_T_K] = ape__pass_view(x, j, APE__F_K, p->Hkv, p->D);
 		l->view[APE_BE_T_V] = ape__pass_view(x, j, APE__F_V, p->Hkv, p->D);
-		l->view[APE_BE_T_O] = (struct ape_be_view){ 0, p->H * j->on * p->D, j->on * p->D,
-							p->D };
-		l->view[APE_BE_T_LSE] = (struct ape_be_view){ 0, p->H * j->on, j->on, 1 };
-		l->diag_view[0] = l->diag_view[1] = l->view[APE_BE_T_LSE];
+		l->view[APE_BE_T_O] = ape__pass_view(x, j, APE__F_O, p->H, p->D);
+		l->view[APE_BE_T_LSE] = ape__pass_view(x, j, APE__F_LSE, p->H, 1);
+		/* the diagnostics are always the job's own buffers */
+		l->diag_view[0] = l->diag_view[1] =
+			(struct ape_be_view){ 0, p->H * j->on, j->on, 1 };
 	}
 	if (f->prior && j->nth > 0) {
 		/* the b-th chunk from the diagonal tests against 2^-b of its share: the whole
@@ -354,9 +370,11 @@ static void consume(void *self, const struct ape__pass_job *j)
 	const float *md = j->host[APE__F_MD];
 
 	switch (f->mode) {
-	case APE__FWD_DIRECT:
-		ape__unpack_rows(j->host[APE__F_O], c->o, c->p->os, j->o0, j->on);
-		put_rows(f, c->lse, lse, j->o0, j->on);
+	case APE__FWD_DIRECT: /* O and LSE wrapped: the kernels wrote them in place */
+		if (!j->wrapped[APE__F_O])
+			ape__unpack_rows(j->host[APE__F_O], c->o, c->p->os, j->o0, j->on);
+		if (!j->wrapped[APE__F_LSE])
+			put_rows(f, c->lse, lse, j->o0, j->on);
 		if (want_diag(c)) {
 			put_rows(f, c->ent, ent, j->o0, j->on);
 			put_rows(f, c->md, md, j->o0, j->on);

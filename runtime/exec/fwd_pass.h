@@ -35,6 +35,9 @@ struct ape__fwd_call {
 	const struct ape__kmax *kmax; /* NULL: no chunk-level skipping */
 	struct ape__skip_budget tol; /* the shares of skip_tol (exec/skip_budget.h) */
 	bool release; /* the call is a KV cache's that may release blocks (tol's release share) */
+	/* o and lse are the call's own host staging, not the caller's: on a device that reads
+	 * host memory, launches with one key chunk write their rows there in place */
+	bool staged;
 };
 
 enum ape__fwd_mode {
@@ -80,6 +83,9 @@ struct ape__fwd {
 	/* the pass's own figures */
 	uint64_t pairs_computed, chunks_skipped;
 	struct ape_be_path_log paths; /* the kernel paths its launches took */
+	/* the staged LSE ([B, H, Lq] floats) as a tensor, for writing it in place */
+	ape_tensor lse_t;
+	int64_t lse_s[4];
 };
 
 /* The pass of one device for call c, before any plan (its shape() serves the planner). */

@@ -67,6 +67,51 @@ void ape__unpack_rows(const void *src, ape_tensor *t, const int64_t s[4], int64_
 	move_rows((unsigned char *)src, t, s, l0, n, true);
 }
 
+/* Whether t's elements fill its span without gaps (strides as validation makes them: no
+ * element twice). */
+static bool dense(const ape_tensor *t, const int64_t s[4])
+{
+	uint64_t n = ape_dtype_size(t->dtype);
+
+	for (int d = 0; d < 4; d++)
+		n *= (uint64_t)t->shape[d];
+	return n && ape__tensor_span_bytes(t, s) == n;
+}
+
+void ape__copy_rows(ape_tensor *t, const int64_t s[4], const ape_tensor *src, const int64_t ss[4],
+		    int64_t l0, int64_t n)
+{
+	const size_t esz = ape_dtype_size(t->dtype);
+	const int64_t D = t->shape[3];
+
+	if (l0 == 0 && n == t->shape[2] && !memcmp(s, ss, 4 * sizeof(*s)) && dense(t, s)) {
+		memcpy(t->data, src->data, ape__tensor_span_bytes(t, s));
+		return;
+	}
+	for (int64_t b = 0; b < t->shape[0]; b++)
+		for (int64_t h = 0; h < t->shape[1]; h++)
+			for (int64_t l = l0; l < l0 + n; l++)
+				move_row(elem(t, s, b, h, l), s[3], elem(src, ss, b, h, l), D, esz,
+					 true);
+}
+
+void ape__fill_rows(const ape_tensor *t, const int64_t s[4], int64_t l0, int64_t n,
+		    uint32_t pattern)
+{
+	const size_t esz = ape_dtype_size(t->dtype);
+	unsigned char e[4];
+
+	memcpy(e, &pattern, sizeof(e));
+	for (int64_t b = 0; b < t->shape[0]; b++)
+		for (int64_t h = 0; h < t->shape[1]; h++)
+			for (int64_t l = l0; l < l0 + n; l++) {
+				unsigned char *r = elem(t, s, b, h, l);
+
+				for (int64_t d = 0; d < t->shape[3]; d++)
+					memcpy(r + (size_t)(d * s[3]) * esz, e, esz);
+			}
+}
+
 void ape__store_row(ape_tensor *t, const int64_t s[4], int64_t b, int64_t h, int64_t l,
 		    const void *row)
 {

@@ -21,6 +21,17 @@ void ape__pack_rows(void *dst, const ape_tensor *t, const int64_t s[4], int64_t 
 /* The reverse: src [B, H, n, D] of t's dtype into rows [l0, l0 + n) of t. */
 void ape__unpack_rows(const void *src, ape_tensor *t, const int64_t s[4], int64_t l0, int64_t n);
 
+/* Rows [l0, l0 + n) of every (b, h) of t from the same rows of src (t's shape and dtype,
+ * element strides ss, ss[3] == 1): one copy when both lie alike, densely, and the rows are all
+ * of them. */
+void ape__copy_rows(ape_tensor *t, const int64_t s[4], const ape_tensor *src, const int64_t ss[4],
+		    int64_t l0, int64_t n);
+
+/* Rows [l0, l0 + n) of every (b, h) of t, each element set to the first bytes of `pattern`
+ * (0x7fc07fc0: a quiet NaN in float32, float16 and bfloat16 alike). */
+void ape__fill_rows(const ape_tensor *t, const int64_t s[4], int64_t l0, int64_t n,
+		    uint32_t pattern);
+
 /* One row (D elements of t's dtype) into element (b, h, l, 0..D-1) of t. */
 void ape__store_row(ape_tensor *t, const int64_t s[4], int64_t b, int64_t h, int64_t l,
 		    const void *row);

@@ -37,8 +37,11 @@
  * input is not copied at all but wrapped where it lies, when the launches take it as a strided
  * view (`views`), or when one chunk covers all its rows in the layout the launch wants. An
  * accumulator with a `dest` (a packed host array of all its rows) accumulates there in place
- * when one chunk covers all of it. Outputs the caller sees are never written in place: a call
- * writes them only once the work they hold has succeeded.
+ * when one chunk covers all of it. A job's output with a `host` tensor (the call's own host
+ * staging of all its rows, at element strides s, never the caller's memory) is written there in
+ * place by each job, at its rows, and nothing comes back (consume() sees it wrapped, host NULL).
+ * Outputs the caller sees are never written in place: a call writes them only once the work
+ * they hold has succeeded.
  */
 #ifndef APE_RUNTIME_PASS_H
 #define APE_RUNTIME_PASS_H
@@ -74,7 +77,8 @@ struct ape__pass_tensor {
 	bool init_each; /* JOB_OUT: filled with init before each launch (an accumulating launch) */
 	bool back; /* OUTER_ACC, JOB_OUT, CALL_ACC: read back into host staging */
 	/* inputs from the caller's host tensor (NULL: INNER_IN filled by the loader, JOB_IN by the
-	 * pass): its rows, with element strides s */
+	 * pass): its rows, with element strides s; JOB_OUT: the call's own staging of all its rows
+	 * (NULL: none), which a device reading host memory writes in place */
 	const ape_tensor *host;
 	const int64_t *s;
 	bool views; /* inputs: every launch takes it as a strided view (struct ape_be_view) */

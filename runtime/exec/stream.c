@@ -38,6 +38,9 @@ bool ape__pass_wraps(const struct ape__pass *p, int t, bool in_place, int64_t ro
 		return x->host && (x->views || (rows == all && x->packed));
 	case APE__ROLE_OUTER_ACC:
 		return x->dest && rows == all;
+	case APE__ROLE_JOB_OUT:
+		/* the call's own staging, at every chunking (each job writes its own rows once) */
+		return x->host && !x->init_each;
 	default:
 		return false;
 	}

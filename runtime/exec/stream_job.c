@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "core/clock.h"
+#include "exec/pack.h"
 
 static void forget(struct ape_be_event **ref, const struct ape_be_event *e)
 {
@@ -228,6 +229,13 @@ static int fill_outputs(struct ape__stream *s, struct jslot *j)
 
 		if (x->role != APE__ROLE_JOB_OUT || s->at[t] == APE__AT_UNUSED)
 			continue;
+		if (s->at[t] == APE__AT_WRAPPED) {
+			/* the call's own host staging: no kernel of another job writes these rows */
+			if (s->c->poison)
+				ape__fill_rows(x->host, x->s, x->axis == p->outer ? j->pj.o0 : j->pj.i0,
+					       rows, 0x7fc07fc0u);
+			continue;
+		}
 		if (x->init_each || s->c->poison)
 			/* 0x7fc07fc0: a quiet NaN in f32, and two in f16 or bf16 */
 			ret = s->ops->fill(s->exec, j->buf[t], 0,
@@ -265,8 +273,8 @@ static int read_back(struct ape__stream *s, struct jslot *j)
 
 		j->pj.host[t] = NULL;
 		if ((x->role != APE__ROLE_JOB_OUT && x->role != APE__ROLE_JOB_IN) ||
-		    s->at[t] == APE__AT_UNUSED)
-			continue;
+		    s->at[t] == APE__AT_UNUSED || s->at[t] == APE__AT_WRAPPED)
+			continue; /* wrapped: a JOB_OUT written in place (JOB_IN is never wrapped) */
 		/* a JOB_IN tensor comes back over its own rows in the staging: they went out
 		 * before the kernels ran */
 		at = x->role == APE__ROLE_JOB_IN ? in_off : off;
