@@ -221,7 +221,7 @@ TEST_F(pool, a_full_pool_appends_nothing)
 }
 
 /* A sequence's rows come out the same bit for bit whatever other sequences share the batch
- * and in what order (batches of several sequences). */
+ * and in what order (batches of several sequences), and alone. */
 TEST_F(pool, results_do_not_depend_on_the_batch)
 {
 	ape_kv_pool_options o = pool_options(2, 4, 32, APE_F32, 16, 2048);
@@ -272,6 +272,33 @@ TEST_F(pool, results_do_not_depend_on_the_batch)
 					EXPECT_EQ(x.lse[(x.cu[j] + i) * 4 + h],
 						  y.lse[(y.cu[3 - j] + i) * 4 + h]);
 				}
+		/* and each sequence alone: a decode step of one sequence is the same launch (the
+		 * pages read through its page table rather than the group's slot table) */
+		for (int j = 0; j < 4; j++) {
+			struct mbatch z;
+
+			ASSERT_EQ(0, mbatch_make(&z, &m, &rng, 1, &idx[j], &lq[j], POS_DEFAULT));
+			z.desc = x.desc;
+			memcpy(z.prm, x.prm, sizeof(x.prm));
+			for (int64_t i = 0; i < lq[j]; i++)
+				for (int64_t h = 0; h < 4; h++)
+					for (int64_t d = 0; d < 32; d++)
+						test_tensor_set(&z.q.t, 0, h, i, d,
+								test_tensor_get(&x.q.t, 0, h,
+										x.cu[j] + i, d));
+			ASSERT_EQ(0, mbatch_attend(&m, &z, NULL)) TH_LOG("%s", ape_last_error());
+			for (int64_t i = 0; i < lq[j]; i++)
+				for (int64_t h = 0; h < 4; h++) {
+					EXPECT_EQ(0, memcmp((float *)x.o.t.data +
+								    ((x.cu[j] + i) * 4 + h) * 32,
+							    (float *)z.o.t.data + (i * 4 + h) * 32,
+							    32 * sizeof(float)))
+					TH_LOG("pass %d, sequence %d alone, row %lld, head %lld", pass,
+					       j, (long long)i, (long long)h);
+					EXPECT_EQ(x.lse[(x.cu[j] + i) * 4 + h], z.lse[i * 4 + h]);
+				}
+			mbatch_free(&z);
+		}
 		mbatch_free(&x);
 		mbatch_free(&y);
 	}

@@ -101,8 +101,9 @@ struct ape_kv_pool {
 	int64_t cur_kr, cur_nkr;
 	bool cur_ragged;
 	/* the table of the group read in place (struct ape_be_kv_pages.table), written to `tab`
-	 * before its first launch: a one-sequence group's pages from its logical page tab_first
-	 * on; a ragged group's slot of every key row (pages of one token); slots entries at most */
+	 * before its first launch: a group of one sequence's keys, its pages from its logical page
+	 * tab_first on (none written when they lie in one run of slots); a group of several
+	 * sequences, the slot of every key row (pages of one token); slots entries at most */
 	struct ape_be_buf *tab;
 	int64_t *tab_host, tab_first, tab_n;
 	bool tab_pending;

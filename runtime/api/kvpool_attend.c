@@ -120,10 +120,12 @@ static int pool_load(void *arg, struct ape_be_queue *q, int lane, int64_t j0, in
 	return ret;
 }
 
-/* In place: a one-sequence group's keys [j0, j0 + n). When their rows are one run, the page
- * buffers are one block read from the run's first row; else pages addressed through the
- * group's page table (run_group() made it, pool_wait() writes it before the launch). A ragged
- * group's table holds the element offset of every key row (blocks of one token). */
+/* In place: the keys [j0, j0 + n) of a group of one sequence's keys (the dense problem, or a
+ * ragged launch of its rows alone: a decode group of one). When their rows are one run, the
+ * page buffers are one block read from the run's first row; else pages addressed through the
+ * group's page table (run_group() made it, pool_wait() writes it before the launch). The table
+ * of a ragged group of several sequences holds the element offset of every key row (blocks of
+ * one token). */
 static bool pool_pages(void *arg, int64_t j0, int64_t n, struct ape_be_buf **k, struct ape_be_buf **v,
 		       struct ape_be_kv_pages *pg)
 {
@@ -138,7 +140,7 @@ static bool pool_pages(void *arg, int64_t j0, int64_t n, struct ape_be_buf **k, 
 	pg->v_off = pl->g.voff;
 	pg->s_h = pl->g.sh;
 	pg->s_row = pl->g.sr;
-	if (pl->cur_ragged) { /* the group's element offset of every key row */
+	if (pl->cur_ragged && pl->cur_nkr != 1) { /* the group's element offset of every key row */
 		pg->block_tokens = 1;
 		pg->nblocks = pl->nslots;
 		pg->first_block = j0;
@@ -388,24 +390,31 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 	if (pl->cur_ragged) {
 		g.segs = pl->segs + s0;
 		g.nseg = s1 - s0;
-		/* every key row's slot, for launches that read them in place */
+	} else { /* one sequence over all its keys: the dense problem, every fast path */
+		g.q_start = pl->segs[s0].q_start;
+		g.k_start = pl->segs[s0].k_start;
+	}
+	if (r1 - r0 == 1) {
+		/* one sequence's keys (the dense problem, or a ragged launch of its rows alone):
+		 * its page table from its window's first page, for a launch in place (pool_pages()
+		 * reads it, or one run of slots where the pages lie in order) */
+		const struct ape__kvp_krun *r = pl->kr + r0;
+
+		pl->tab_first = r->t0 / pl->P;
+		pl->tab_n = r->s->npages - pl->tab_first;
+		/* (none where its window lies in one run of slots: every launch reads that) */
+		pl->tab_pending = ape__kvp_contig(pl, r->s, r->t0, r->n) < r->n;
+		if (pl->tab_pending)
+			memcpy(pl->tab_host, r->s->pages + pl->tab_first,
+			       (size_t)pl->tab_n * sizeof(*pl->tab_host));
+	} else {
+		/* several sequences: every key row's slot, for launches that read them in place */
 		pl->tab_n = 0;
 		for (int64_t r = r0; pl->ops->attention_pages && r < r1; r++)
 			for (int64_t j = 0; j < pl->kr[r].n; j++)
 				pl->tab_host[pl->tab_n++] =
 					ape__kvp_elem(pl, pl->kr[r].s, pl->kr[r].t0 + j);
 		pl->tab_pending = pl->tab_n > 0;
-	} else { /* one sequence over all its keys: the dense problem, every fast path */
-		const struct ape__kvp_krun *r = pl->kr + r0;
-
-		g.q_start = pl->segs[s0].q_start;
-		g.k_start = pl->segs[s0].k_start;
-		/* its page table from its window's first page, for a launch in place */
-		pl->tab_first = r->t0 / pl->P;
-		pl->tab_n = r->s->npages - pl->tab_first;
-		memcpy(pl->tab_host, r->s->pages + pl->tab_first,
-		       (size_t)pl->tab_n * sizeof(*pl->tab_host));
-		pl->tab_pending = true;
 	}
 	run = (struct ape__kv_run){
 		.p = &g, .q = &qg, .o = &og, .lse = want_lse ? pl->lse_stage : NULL, .dg = &dgs,
