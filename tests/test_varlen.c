@@ -310,6 +310,65 @@ static void run_batches(struct __test_metadata *_metadata, ape_device *dev, int 
 	}
 }
 
+/*
+ * A staging or an input larger than the device's largest buffer (its caps' max_alloc, lowered
+ * by the test wrapper, whose buf_wrap then refuses more as OpenCL's does) is not wrapped where it
+ * lies but goes through chunk buffers: the call still succeeds, equals the oracle, and O comes
+ * back by copies.
+ */
+TEST_F(dev, tensors_past_the_largest_buffer_go_through_chunks)
+{
+	ape_rng rng;
+
+	if (!ape_be_dev_has(self->dev, APE_BE_CAP_HOST_MEMORY))
+		SKIP(return, "%s reads no host memory: nothing is wrapped", self->dev->info.name);
+	ape_rng_init(&rng, _metadata->name);
+	for (int c = 0; c < 6; c++) {
+		struct batch b;
+		ape_varlen vl;
+		ape_stats st, sw;
+		double eo, el;
+		uint64_t pairs, ospan, inspan, most;
+
+		ASSERT_EQ(0, batch_make(&b, &rng, ape_rng_range(&rng, 2, 6), 200, 250, POS_DEFAULT));
+		batch_varlen(&b, &vl);
+		ospan = (uint64_t)(b.tq * b.H * b.D) * ape_dtype_size(b.odt);
+		inspan = (uint64_t)(b.tq * b.H * b.D) * ape_dtype_size(b.dt);
+		/* below O's staging, every other case below q's span too; room for the chunk
+		 * buffers of a few rows either way */
+		most = c % 2 ? ospan - 1 : inspan / 2;
+		most = most > 8192 ? most : 8192;
+		ape_stats_init(&st);
+		ASSERT_EQ(0, ape_attention_forward_varlen_ex(&self->dev, 1, NULL, &b.desc, &vl,
+							     &b.q.t, &b.k.t, &b.v.t, &b.o.t, b.lse,
+							     &st))
+		TH_LOG("%s", ape_last_error());
+		wrap_install(self->dev, 0);
+		wrap_max_alloc(most);
+		ape_stats_init(&sw);
+		test_tensor_poison(&b.o.t);
+		ASSERT_EQ(0, ape_attention_forward_varlen_ex(&self->dev, 1, NULL, &b.desc, &vl,
+							     &b.q.t, &b.k.t, &b.v.t, &b.o.t, b.lse,
+							     &sw))
+		TH_LOG("case %d, largest buffer %llu: %s", c, (unsigned long long)most,
+		       ape_last_error());
+		wrap_remove();
+		ASSERT_EQ(0, batch_check(&b, &eo, &el, &pairs));
+		EXPECT_LE(eo, test_tol_o(b.dt) + test_skip_tol_o(b.desc.skip_tol))
+		TH_LOG("case %d: O error %g of max|V|", c, eo);
+		EXPECT_LE(el, test_tol_lse(b.dt) + test_skip_tol_lse(b.desc.skip_tol))
+		TH_LOG("case %d: LSE error %g", c, el);
+		if (st.pairs_visible && ospan > most)
+			EXPECT_LT(st.bytes_from_device, sw.bytes_from_device)
+			TH_LOG("case %d: %llu bytes back wrapped, %llu past the largest buffer", c,
+			       (unsigned long long)st.bytes_from_device,
+			       (unsigned long long)sw.bytes_from_device);
+		if (st.pairs_visible && inspan > most)
+			EXPECT_LT(st.bytes_to_device, sw.bytes_to_device) TH_LOG("case %d", c);
+		batch_free(&b);
+	}
+}
+
 /* Random batches of every kind, each sequence against the independent evaluation. */
 TEST_F(dev, every_sequence_equals_the_oracle_at_its_positions)
 {

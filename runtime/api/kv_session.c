@@ -64,7 +64,7 @@ static void shell_bytes(void *arg, int64_t co, int64_t ci, int64_t no, int64_t n
 	struct shell *sh = arg;
 
 	sh->f.pass.ops->shape(&sh->f, sh->dev, no, ni);
-	ape__pass_bytes(&sh->f.pass, false, sh->p.Lq, sh->p.Lk, co, ci, b);
+	ape__pass_bytes(&sh->f.pass, false, 0, sh->p.Lq, sh->p.Lk, co, ci, b);
 }
 
 static uint64_t shell_scratch(void *arg, int64_t co, int64_t ci)

@@ -51,8 +51,8 @@ static void plan_bytes(void *arg, int64_t co, int64_t ci, int64_t no, int64_t ni
 	const bool q_outer = a->pass->outer == APE__AXIS_Q;
 
 	a->pass->ops->shape(a->pass->self, a->dev, no, ni);
-	ape__pass_bytes(a->pass, a->in_place, q_outer ? a->r->Lq : a->r->Lk,
-			q_outer ? a->r->Lk : a->r->Lq, co, ci, b);
+	ape__pass_bytes(a->pass, a->in_place, a->dev->caps.max_alloc,
+			q_outer ? a->r->Lq : a->r->Lk, q_outer ? a->r->Lk : a->r->Lq, co, ci, b);
 }
 
 static uint64_t plan_scratch(void *arg, int64_t co, int64_t ci)

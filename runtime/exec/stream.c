@@ -13,6 +13,7 @@
 
 #include "core/alloc.h"
 #include "core/error.h"
+#include "exec/pack.h"
 
 /* ------------------------------------------------------------------ what a pass holds */
 
@@ -26,7 +27,8 @@ static int64_t chunk_rows(const struct ape__pass *p, int t, int64_t co, int64_t 
 	return x->axis == p->outer ? co : ci;
 }
 
-bool ape__pass_wraps(const struct ape__pass *p, int t, bool in_place, int64_t rows, int64_t all)
+bool ape__pass_wraps(const struct ape__pass *p, int t, bool in_place, uint64_t max_wrap,
+		     int64_t rows, int64_t all)
 {
 	const struct ape__pass_tensor *x = &p->t[t];
 
@@ -35,12 +37,14 @@ bool ape__pass_wraps(const struct ape__pass *p, int t, bool in_place, int64_t ro
 	switch (x->role) {
 	case APE__ROLE_OUTER_IN:
 	case APE__ROLE_INNER_IN:
-		return x->host && (x->views || (rows == all && x->packed));
+		return x->host && (x->views || (rows == all && x->packed)) &&
+		       ape__tensor_span_bytes(x->host, x->s) <= max_wrap;
 	case APE__ROLE_OUTER_ACC:
-		return x->dest && rows == all;
+		return x->dest && rows == all && x->row_bytes * (uint64_t)all <= max_wrap;
 	case APE__ROLE_JOB_OUT:
 		/* the call's own staging, at every chunking (each job writes its own rows once) */
-		return x->host && !x->init_each;
+		return x->host && !x->init_each &&
+		       ape__tensor_span_bytes(x->host, x->s) <= max_wrap;
 	default:
 		return false;
 	}
@@ -58,8 +62,8 @@ struct ape_be_view ape__pass_view(const struct ape__pass *p, const struct ape__p
 	return (struct ape_be_view){ 0, heads * n * D, n * D, D };
 }
 
-void ape__pass_bytes(const struct ape__pass *p, bool in_place, int64_t Lo, int64_t Li,
-		     int64_t co, int64_t ci, struct ape__plan_bytes *b)
+void ape__pass_bytes(const struct ape__pass *p, bool in_place, uint64_t max_wrap, int64_t Lo,
+		     int64_t Li, int64_t co, int64_t ci, struct ape__plan_bytes *b)
 {
 	memset(b, 0, sizeof(*b));
 	for (int t = 0; t < p->nt; t++) {
@@ -73,7 +77,7 @@ void ape__pass_bytes(const struct ape__pass *p, bool in_place, int64_t Lo, int64
 			b->largest = x->bytes > b->largest ? x->bytes : b->largest;
 			continue;
 		}
-		if (!x->row_bytes || ape__pass_wraps(p, t, in_place, rows, all))
+		if (!x->row_bytes || ape__pass_wraps(p, t, in_place, max_wrap, rows, all))
 			continue;
 		n = ape__sat_mul(x->row_bytes, (uint64_t)rows);
 		b->largest = n > b->largest ? n : b->largest;

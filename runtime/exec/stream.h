@@ -102,13 +102,16 @@ uint64_t ape__stream_device_bytes(const struct ape__stream *s);
 /*
  * The device bytes of a candidate chunking of pass p (the planner's bytes callback,
  * struct ape__plan_bytes), with inputs in place where `in_place` (the device reads host
- * memory) allows. Lo, Li: rows along the outer and inner axis.
+ * memory) and max_wrap (the largest buffer it wraps, struct ape_be_caps.max_alloc) allow. Lo,
+ * Li: rows along the outer and inner axis.
  */
-void ape__pass_bytes(const struct ape__pass *p, bool in_place, int64_t Lo, int64_t Li,
-		     int64_t co, int64_t ci, struct ape__plan_bytes *b);
+void ape__pass_bytes(const struct ape__pass *p, bool in_place, uint64_t max_wrap, int64_t Lo,
+		     int64_t Li, int64_t co, int64_t ci, struct ape__plan_bytes *b);
 /* Whether tensor t of p is wrapped where it lies in a run with chunks of `rows` of its
- * `all` rows, on a device that reads host memory (in_place). */
-bool ape__pass_wraps(const struct ape__pass *p, int t, bool in_place, int64_t rows, int64_t all);
+ * `all` rows, on a device that reads host memory (in_place) in buffers of up to max_wrap
+ * bytes (a larger tensor goes through chunk buffers). */
+bool ape__pass_wraps(const struct ape__pass *p, int t, bool in_place, uint64_t max_wrap,
+		     int64_t rows, int64_t all);
 /* Where input t of p (rows of `heads` heads of D elements) lies for job j's launch: in the
  * caller's tensor at its host strides from the job's first row where j wraps it there, else
  * packed [B, heads, rows, D] at offset 0 of its chunk buffer. */

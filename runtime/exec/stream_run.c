@@ -98,7 +98,7 @@ static int place_tensor(struct ape__stream *s, int t)
 		return 0;
 	}
 	s->at[t] = APE__AT_CHUNK;
-	if (!ape__pass_wraps(s->pass, t, c->in_place, rows, all))
+	if (!ape__pass_wraps(s->pass, t, c->in_place, s->dev->caps.max_alloc, rows, all))
 		return 0;
 	if (x->role == APE__ROLE_OUTER_ACC) {
 		ptr = x->dest;

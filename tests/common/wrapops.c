@@ -240,6 +240,12 @@ static int w_buf_wrap(struct ape_device *dev, int kind, void *handle, size_t byt
 {
 	int ret = inject(WRAP_BUF_WRAP);
 
+	if (!ret && kind == APE_BE_MEM_HOST && bytes > dev->caps.max_alloc)
+		/* as a backend refuses host memory past its largest buffer (OpenCL does), at the
+		 * figure wrap_max_alloc() set */
+		ret = ape_be_error(APE_EINVAL, "host memory of %zu bytes: more than the device's "
+				   "largest buffer (%llu bytes, the test wrapper's)", bytes,
+				   (unsigned long long)dev->caps.max_alloc);
 	if (ret) {
 		*out = NULL;
 		*bytes_out = 0;
