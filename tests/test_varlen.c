@@ -220,6 +220,23 @@ static int batch_check(const struct batch *b, double *eo, double *el, uint64_t *
 	return 0;
 }
 
+/* O and LSE, as the last call wrote them into b, against the oracle within the spec's
+ * tolerances for b's storage type and skip_tol (named `what` in the log); the visible pairs in
+ * *pairs. False when the oracle could not run (out of memory). */
+static bool oracle_checked(struct __test_metadata *_metadata, const struct batch *b,
+			   const char *what, uint64_t *pairs)
+{
+	double eo, el;
+
+	if (batch_check(b, &eo, &el, pairs))
+		return false;
+	EXPECT_LE(eo, test_tol_o(b->dt) + test_skip_tol_o(b->desc.skip_tol))
+	TH_LOG("%s: O error %g of max|V|", what, eo);
+	EXPECT_LE(el, test_tol_lse(b->dt) + test_skip_tol_lse(b->desc.skip_tol))
+	TH_LOG("%s: LSE error %g", what, el);
+	return true;
+}
+
 static void describe(const struct batch *b, enum pos_mode m, char *buf, size_t n)
 {
 	snprintf(buf, n,
@@ -239,7 +256,6 @@ static void run_checked(struct __test_metadata *_metadata, ape_device *dev,
 {
 	ape_varlen vl;
 	char what[256];
-	double eo, el;
 	uint64_t pairs;
 
 	describe(b, m, what, sizeof(what));
@@ -248,11 +264,7 @@ static void run_checked(struct __test_metadata *_metadata, ape_device *dev,
 	ASSERT_EQ(0, ape_attention_forward_varlen_ex(&dev, 1, opts, &b->desc, &vl, &b->q.t,
 						     &b->k.t, &b->v.t, &b->o.t, b->lse, st))
 	TH_LOG("%s: %s", what, ape_last_error());
-	ASSERT_EQ(0, batch_check(b, &eo, &el, &pairs));
-	EXPECT_LE(eo, test_tol_o(b->dt) + test_skip_tol_o(b->desc.skip_tol))
-	TH_LOG("%s: O error %g of max|V|", what, eo);
-	EXPECT_LE(el, test_tol_lse(b->dt) + test_skip_tol_lse(b->desc.skip_tol))
-	TH_LOG("%s: LSE error %g", what, el);
+	ASSERT_TRUE(oracle_checked(_metadata, b, what, &pairs));
 	EXPECT_EQ(pairs, st->pairs_visible) TH_LOG("%s", what);
 	if (ape_be_dev_has(dev, APE_BE_CAP_HOST_MEMORY | APE_BE_CAP_SEGMENTS)) {
 		/* one run over the call's own staging, which the launches write in place
@@ -327,7 +339,7 @@ TEST_F(dev, tensors_past_the_largest_buffer_go_through_chunks)
 		struct batch b;
 		ape_varlen vl;
 		ape_stats st, sw;
-		double eo, el;
+		char what[64];
 		uint64_t pairs, ospan, inspan, most;
 
 		ASSERT_EQ(0, batch_make(&b, &rng, ape_rng_range(&rng, 2, 6), 200, 250, POS_DEFAULT));
@@ -353,11 +365,9 @@ TEST_F(dev, tensors_past_the_largest_buffer_go_through_chunks)
 		TH_LOG("case %d, largest buffer %llu: %s", c, (unsigned long long)most,
 		       ape_last_error());
 		wrap_remove();
-		ASSERT_EQ(0, batch_check(&b, &eo, &el, &pairs));
-		EXPECT_LE(eo, test_tol_o(b.dt) + test_skip_tol_o(b.desc.skip_tol))
-		TH_LOG("case %d: O error %g of max|V|", c, eo);
-		EXPECT_LE(el, test_tol_lse(b.dt) + test_skip_tol_lse(b.desc.skip_tol))
-		TH_LOG("case %d: LSE error %g", c, el);
+		snprintf(what, sizeof(what), "case %d, largest buffer %llu", c,
+			 (unsigned long long)most);
+		ASSERT_TRUE(oracle_checked(_metadata, &b, what, &pairs));
 		if (st.pairs_visible && ospan > most)
 			EXPECT_LT(st.bytes_from_device, sw.bytes_from_device)
 			TH_LOG("case %d: %llu bytes back wrapped, %llu past the largest buffer", c,
@@ -452,7 +462,6 @@ TEST_F(dev, thousands_of_tiny_sequences)
 	struct batch b;
 	ape_varlen vl;
 	ape_stats st;
-	double eo, el;
 	uint64_t pairs;
 	int64_t with_keys = 0;
 	const int64_t S = self->emu ? 200 : 2000;
@@ -464,9 +473,7 @@ TEST_F(dev, thousands_of_tiny_sequences)
 	ASSERT_EQ(0, ape_attention_forward_varlen(self->dev, &b.desc, &vl, &b.q.t, &b.k.t, &b.v.t,
 						  &b.o.t, b.lse, &st))
 	TH_LOG("%s", ape_last_error());
-	ASSERT_EQ(0, batch_check(&b, &eo, &el, &pairs));
-	EXPECT_LE(eo, test_tol_o(b.dt) + test_skip_tol_o(b.desc.skip_tol));
-	EXPECT_LE(el, test_tol_lse(b.dt) + test_skip_tol_lse(b.desc.skip_tol));
+	ASSERT_TRUE(oracle_checked(_metadata, &b, "thousands of tiny sequences", &pairs));
 	EXPECT_EQ(pairs, st.pairs_visible);
 	for (int64_t s = 0; s < b.S; s++)
 		with_keys += b.cuq[s + 1] > b.cuq[s] && b.cuk[s + 1] > b.cuk[s];
@@ -1295,7 +1302,6 @@ TEST_F(dev, device_tensors_equal_the_oracle)
 		struct batch b;
 		ape_varlen vl;
 		char what[256];
-		double eo, el;
 		uint64_t pairs;
 		int64_t with_keys = 0;
 		bool moved;
@@ -1310,11 +1316,7 @@ TEST_F(dev, device_tensors_equal_the_oracle)
 		TH_LOG("%s: %s", what, ape_last_error());
 		wc = wrap_get();
 		wrap_remove();
-		ASSERT_EQ(0, batch_check(&b, &eo, &el, &pairs));
-		EXPECT_LE(eo, test_tol_o(b.dt) + test_skip_tol_o(b.desc.skip_tol))
-		TH_LOG("%s: O error %g of max|V|", what, eo);
-		EXPECT_LE(el, test_tol_lse(b.dt) + test_skip_tol_lse(b.desc.skip_tol))
-		TH_LOG("%s: LSE error %g", what, el);
+		ASSERT_TRUE(oracle_checked(_metadata, &b, what, &pairs));
 		for (int64_t s = 0; s < b.S; s++)
 			with_keys += b.cuq[s + 1] > b.cuq[s] && b.cuk[s + 1] > b.cuk[s];
 		if (ape_be_caps_have(&self->dev->caps, APE_BE_CAP_SEGMENTS) && b.tk > 0 && b.tq > 0) {

@@ -402,8 +402,10 @@ static int run_group(struct ape_kv_pool *pl, const char *fn, const struct ape__p
 
 		pl->tab_first = r->t0 / pl->P;
 		pl->tab_n = r->s->npages - pl->tab_first;
-		/* (none where its window lies in one run of slots: every launch reads that) */
-		pl->tab_pending = ape__kvp_contig(pl, r->s, r->t0, r->n) < r->n;
+		/* (none where its window lies in one run of slots: every launch reads that; none
+		 * for a backend that reads no pages in place) */
+		pl->tab_pending = pl->ops->attention_pages &&
+				  ape__kvp_contig(pl, r->s, r->t0, r->n) < r->n;
 		if (pl->tab_pending)
 			memcpy(pl->tab_host, r->s->pages + pl->tab_first,
 			       (size_t)pl->tab_n * sizeof(*pl->tab_host));
