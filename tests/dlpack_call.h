@@ -296,7 +296,9 @@ RAG_FN void rag_make(struct rag *x, ape_rng *r, ape_dtype dt, bool qkv, bool str
 			int64_t at = ape_rng_range(r, -100, 100);
 
 			for (int64_t j = 0; j < lk; j++) {
-				at += pos == RAG_GAPS ? ape_rng_range(r, 1, 5) : 1;
+				/* gaps: the second key always leaves one, so a sequence with two
+				 * keys has two runs of consecutive positions */
+				at += pos != RAG_GAPS ? 1 : ape_rng_range(r, j == 1 ? 2 : 1, 5);
 				x->posk[x->cuk[s] + j] = at;
 			}
 			for (int64_t i = 0; i < lq; i++)

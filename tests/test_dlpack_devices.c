@@ -388,7 +388,12 @@ TEST_F(ocl, varlen_backward_cl_mem_tensors)
 		do {
 			rag_make(&x, &self->rng, i % 4 == 3 ? APE_F16 : APE_F32, i % 3 == 1,
 				 i % 2 == 0, pos);
-			if (x.tq > 0 && x.tk > 0 && x.H <= 8)
+			bool gapped = pos != RAG_GAPS;
+
+			/* RAG_GAPS must give a query run that sees a gap: the call refuses it */
+			for (int64_t s = 0; s < x.S && !gapped; s++)
+				gapped = x.cuq[s + 1] > x.cuq[s] && x.cuk[s + 1] - x.cuk[s] >= 2;
+			if (x.tq > 0 && x.tk > 0 && x.H <= 8 && gapped)
 				break;
 			rag_free(&x);
 		} while (1);
