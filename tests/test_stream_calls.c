@@ -26,13 +26,21 @@
 BACKEND_FIXTURE(dev)
 /* ---- failures */
 
-/* A launch fails: finished query chunks are written, the others untouched, and the message
- * says how many; with APE_EXEC_ATOMIC_OUTPUTS nothing is written. */
-TEST_F(dev, failure_leaves_finished_chunks_or_nothing)
+/*
+ * Launch `at` fails (at = 1, 1 + step, ... up to `launches`), 4 query chunks of L / 4 rows and
+ * key chunks of ck rows: finished query chunks are written, the clean result bit for bit, and
+ * the message says how many; the others are untouched, except where the launches wrote O and
+ * LSE in place (one key chunk on a device that computes on host memory): their rows are then
+ * unspecified and the message says so. With APE_EXEC_ATOMIC_OUTPUTS nothing is written on any
+ * device, and a call that succeeds writes the same bits.
+ */
+static void failures_leave(struct __test_metadata *_metadata, ape_device *dev, bool emu,
+			   int64_t ck_div, uint64_t launches, uint64_t step)
 {
-	/* 4 x 4 chunks; the emulator: half the rows */
-	const int64_t L = self->emu ? 128 : 256, c = L / 4;
+	/* the emulator: half the rows */
+	const int64_t L = emu ? 128 : 256, c = L / 4, ck = L / ck_div;
 	const test_problem_shape sh = { 1, 2, 1, L, L, 16 };
+	const bool host = ape_be_caps_have(&dev->caps, APE_BE_CAP_HOST_MEMORY);
 	test_problem tp, want;
 	ape_rng rng;
 
@@ -41,57 +49,77 @@ TEST_F(dev, failure_leaves_finished_chunks_or_nothing)
 	test_problem_random_params(&tp, &rng);
 	tp.desc.causal = true;
 	tp.desc.q_start_set = false;
-	tp.desc.skip_tol = 0; /* 1 + 2 + 3 + 4 launches */
+	tp.desc.skip_tol = 0;
 	{
-		ape_exec_options o = chunks(c, c);
+		ape_exec_options o = chunks(c, ck);
 
 		ASSERT_EQ(0, test_problem_clone(&want, &tp));
-		ASSERT_EQ(0, run_ex(&want, &self->dev, 1, &o, NULL)) TH_LOG("%s", ape_last_error());
+		ASSERT_EQ(0, run_ex(&want, &dev, 1, &o, NULL)) TH_LOG("%s", ape_last_error());
 	}
-	wrap_install(self->dev, 0);
+	wrap_install(dev, 0);
 	for (int atomic_out = 0; atomic_out < 2; atomic_out++)
-		for (uint64_t at = 1; at <= 10; at += 3) {
-			ape_exec_options o = chunks(c, c);
+		for (uint64_t at = 1; at <= launches; at += step) {
+			ape_exec_options o = chunks(c, ck);
+			const bool in_place = host && ck == L && !atomic_out;
 			long long held = 0, of = 0;
 			const char *m;
 			int ret;
 
 			o.flags = atomic_out ? APE_EXEC_ATOMIC_OUTPUTS : 0;
 			wrap_fail_attention(at);
-			ret = run_ex(&tp, &self->dev, 1, &o, NULL);
+			ret = run_ex(&tp, &dev, 1, &o, NULL);
 			wrap_fail_attention(0);
-			EXPECT_EQ(APE_EDEVLOST, ret);
-			m = strstr(ape_last_error(), "O and LSE hold ");
+			ASSERT_EQ(APE_EDEVLOST, ret);
 			EXPECT_NE(NULL, strstr(ape_last_error(), "fails on purpose"));
+			EXPECT_EQ(in_place, strstr(ape_last_error(), "computed in place and are "
+								    "unspecified") != NULL)
+			TH_LOG("launch %d: %s", (int)at, ape_last_error());
+			m = strstr(ape_last_error(), "O and LSE hold ");
 			if (m)
 				EXPECT_EQ(2, sscanf(m, "O and LSE hold %lld of %lld", &held, &of));
 			if (atomic_out || at == 1)
 				EXPECT_EQ(NULL, m) TH_LOG("%s", ape_last_error());
+			EXPECT_LE(held, (long long)at - 1);
 			for (int64_t h = 0; h < 2; h++)
 				for (int64_t i = 0; i < L; i++) {
-					double got = test_tensor_get(&tp.o.t, 0, h, i, 0);
-					bool written = i < held * c;
+					const double got = test_tensor_get(&tp.o.t, 0, h, i, 0);
 
-					EXPECT_EQ(written, !isnan(got))
-						TH_LOG("launch %d fails: row %lld (%lld chunks held)",
-						       (int)at, (long long)i, held);
-					if (written)
-						EXPECT_EQ(test_tensor_get(&want.o.t, 0, h, i, 0), got);
-					if (!written || isnan(got))
-						break;
+					if (i < held * c) { /* held: the clean result */
+						ASSERT_EQ(test_tensor_get(&want.o.t, 0, h, i, 0), got)
+						TH_LOG("launch %d: head %d row %d", (int)at, (int)h,
+						       (int)i);
+					} else if (!in_place) { /* the rest untouched (poisoned: NaN) */
+						ASSERT_TRUE(isnan(got))
+						TH_LOG("launch %d: head %d row %d written (%lld held)",
+						       (int)at, (int)h, (int)i, held);
+					}
 				}
 		}
 	/* and with the flag, a successful call writes everything, the same bits */
 	{
-		ape_exec_options o = chunks(c, c);
+		ape_exec_options o = chunks(c, ck);
 
 		o.flags = APE_EXEC_ATOMIC_OUTPUTS;
-		EXPECT_EQ(0, run_ex(&tp, &self->dev, 1, &o, NULL)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, run_ex(&tp, &dev, 1, &o, NULL)) TH_LOG("%s", ape_last_error());
 		EXPECT_EQ(0, memcmp(want.o.alloc, tp.o.alloc, tp.o.alloc_bytes));
 		EXPECT_EQ(0, memcmp(want.lse, tp.lse, tp.rows * sizeof(float)));
 	}
 	test_problem_free(&tp);
 	test_problem_free(&want);
+}
+
+/* 4 x 4 chunks, merged: 1 + 2 + 3 + 4 launches; the rows come back once merged, never in
+ * place */
+TEST_F(dev, failure_leaves_finished_chunks_or_nothing)
+{
+	failures_leave(_metadata, self->dev, self->emu, 4, 10, 3);
+}
+
+/* 4 x 1 chunks: one launch per query chunk, writing in place where the device reads host
+ * memory */
+TEST_F(dev, launches_writing_in_place_say_so)
+{
+	failures_leave(_metadata, self->dev, self->emu, 1, 4, 1);
 }
 
 /* ---- the trace */
@@ -221,12 +249,15 @@ TEST_F(dev, inputs_in_place_where_the_device_reads_host_memory)
 }
 
 /*
- * ape.h: a call whose queries fit one chunk writes its outputs only when it succeeds, on every
- * path (inputs read in place on devices that read host memory, copied on the others): a device
- * lost at any point, or any one op failing, leaves O and LSE as they were.
+ * ape.h: a call whose queries fit one chunk writes its outputs only when it succeeds, except
+ * where its launch computed them in place (a device that reads host memory: the message then
+ * ends "computed in place and are unspecified"); with APE_EXEC_ATOMIC_OUTPUTS, on every path.
+ * A device lost at any point leaves O and LSE as they were unless the message says so.
  */
 TEST_F(dev, one_chunk_call_writes_nothing_when_it_fails)
 {
+	const bool host = ape_be_caps_have(&self->dev->caps, APE_BE_CAP_HOST_MEMORY);
+	ape_exec_options eo;
 	const test_problem_shape sh = { 1, 2, 1, 40, 60, 16 };
 	test_problem tp;
 	unsigned char *before;
@@ -245,23 +276,45 @@ TEST_F(dev, one_chunk_call_writes_nothing_when_it_fails)
 	for (int i = 0; i < 2 * 40; i++)
 		tp.lse[i] = lse_before[i] = (float)i;
 	wrap_install(self->dev, 0);
-	for (uint64_t k = 1; k < 64; k++) {
-		int ret;
+	ape_exec_options_init(&eo);
+	for (int atomic = 0; atomic < 2; atomic++) {
+		int said = 0;
 
-		wrap_lose_device(k);
-		ret = ape_attention_forward(self->dev, &tp.desc, &tp.q.t, &tp.k.t, &tp.v.t, &tp.o.t,
-					    tp.lse, NULL);
-		wrap_lose_device(0);
-		if (!ret)
-			break; /* k is past the call's last op */
-		failures++;
-		EXPECT_EQ(0, memcmp(before, tp.o.alloc, tp.o.alloc_bytes))
-			TH_LOG("device lost at op %llu: O was written (%s)", (unsigned long long)k,
-			       ape_last_error());
-		EXPECT_EQ(0, memcmp(lse_before, tp.lse, sizeof(lse_before)))
+		eo.flags = atomic ? APE_EXEC_ATOMIC_OUTPUTS : 0;
+		failures = 0;
+		for (uint64_t k = 1; k < 64; k++) {
+			int ret;
+
+			wrap_lose_device(k);
+			ret = ape_attention_forward_ex(&self->dev, 1, &eo, &tp.desc, &tp.q.t, &tp.k.t,
+						       &tp.v.t, &tp.o.t, tp.lse, NULL);
+			wrap_lose_device(0);
+			if (!ret)
+				break; /* k is past the call's last op */
+			failures++;
+			if (strstr(ape_last_error(), "computed in place and are unspecified")) {
+				EXPECT_TRUE(host && !atomic) TH_LOG("%s", ape_last_error());
+				said++;
+				memcpy(tp.o.alloc, before, tp.o.alloc_bytes);
+				memcpy(tp.lse, lse_before, sizeof(lse_before));
+				continue;
+			}
+			EXPECT_EQ(0, memcmp(before, tp.o.alloc, tp.o.alloc_bytes))
+			TH_LOG("device lost at op %llu: O was written (%s)",
+			       (unsigned long long)k, ape_last_error());
+			EXPECT_EQ(0, memcmp(lse_before, tp.lse, sizeof(lse_before)))
 			TH_LOG("device lost at op %llu: LSE was written", (unsigned long long)k);
+		}
+		EXPECT_GT(failures, 2);
+		/* in place exactly where the device reads host memory and the call is not atomic:
+		 * the launch and what follows it fail after O's rows were handed to the kernel */
+		EXPECT_EQ(host && !atomic, said > 0) TH_LOG("atomic %d: %d failures said so", atomic,
+							  said);
+		if (atomic)
+			break;
+		memcpy(tp.o.alloc, before, tp.o.alloc_bytes);
+		memcpy(tp.lse, lse_before, sizeof(lse_before));
 	}
-	EXPECT_GT(failures, 2);
 	/* ... and it does write them when nothing fails */
 	EXPECT_NE(0, memcmp(before, tp.o.alloc, tp.o.alloc_bytes));
 	free(before);

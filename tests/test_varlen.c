@@ -267,10 +267,10 @@ static void run_checked(struct __test_metadata *_metadata, ape_device *dev,
 	ASSERT_TRUE(oracle_checked(_metadata, b, what, &pairs));
 	EXPECT_EQ(pairs, st->pairs_visible) TH_LOG("%s", what);
 	if (ape_be_dev_has(dev, APE_BE_CAP_HOST_MEMORY | APE_BE_CAP_SEGMENTS)) {
-		/* one run over the call's own staging, which the launches write in place
-		 * (exec/pass.h): the same bits as from launches whose outputs are copied back,
-		 * and O and LSE not copied (all of their rows, with one key chunk and one query
-		 * chunk: the default chunking of these small batches) */
+		/* one run over the caller's O and the call's LSE staging, which the launches
+		 * write in place (exec/pass.h): the same bits as from launches whose outputs are
+		 * copied back, and O and LSE not copied (all of their rows, with one key chunk
+		 * and one query chunk: the default chunking of these small batches) */
 		const uint64_t back = (uint64_t)(b->tq * b->H) *
 				      ((uint64_t)b->D * ape_dtype_size(b->odt) + 4);
 		float *lc = malloc(sizeof(float) * (size_t)(b->tq * b->H + 1));
@@ -300,6 +300,18 @@ static void run_checked(struct __test_metadata *_metadata, ape_device *dev,
 		       (unsigned long long)st->bytes_from_device,
 		       (unsigned long long)sc.bytes_from_device);
 		EXPECT_LE(st->bytes_from_device, sc.bytes_from_device) TH_LOG("%s", what);
+		/* the caller's O written in place (above) and the staging published on success
+		 * (APE_EXEC_ATOMIC_OUTPUTS): the same bits, nothing more copied back */
+		xo.flags = (opts ? opts->flags : 0) | APE_EXEC_ATOMIC_OUTPUTS;
+		test_tensor_poison(&oc.t);
+		ape_stats_init(&sc);
+		ASSERT_EQ(0, ape_attention_forward_varlen_ex(&dev, 1, &xo, &b->desc, &vl, &b->q.t,
+							     &b->k.t, &b->v.t, &oc.t, lc, &sc))
+		TH_LOG("%s: %s", what, ape_last_error());
+		EXPECT_TRUE(same_bits(&b->o, &oc)) TH_LOG("%s: O (atomic)", what);
+		EXPECT_EQ(0, memcmp(b->lse, lc, sizeof(float) * (size_t)(b->tq * b->H)))
+		TH_LOG("%s: LSE (atomic)", what);
+		EXPECT_EQ(st->bytes_from_device, sc.bytes_from_device) TH_LOG("%s", what);
 		test_tensor_free(&oc);
 		free(lc);
 	}

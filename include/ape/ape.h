@@ -845,9 +845,11 @@ APE_API void ape_range_pop(void);
  *        APE_EINVAL when only one is set or with q_start_set or k_start != 0, APE_EOVERFLOW
  *        (naming desc->pos_q and desc->pos_k) when a pair's distance overflows int64
  * \param q,k,v inputs; read only
- * \param o output; written only when the call succeeds
- * \param lse NULL, or B*H*Lq floats (contiguous `[B,H,Lq]`), written only on success: ln of the
- *        softmax denominator per row; -inf for rows with no visible key
+ * \param o output; written only when the call succeeds, except on a device that computes on
+ *        host memory (below)
+ * \param lse NULL, or B*H*Lq floats (contiguous `[B,H,Lq]`), written only on success (the
+ *        same exception): ln of the softmax denominator per row; -inf for rows with no
+ *        visible key
  * \param stats NULL, or statistics of the call (initialise with ape_stats_init())
  * \return 0; APE_EINVAL (bad argument; outputs untouched); APE_EOVERFLOW (sizes or positions
  *         overflow 64 bits); APE_ENOMEM; APE_EBACKEND, APE_EDEVLOST, APE_EBUILD (device failures).
@@ -855,7 +857,12 @@ APE_API void ape_range_pop(void);
  * \note This is ape_attention_forward_ex() on one device with default options: a problem
  *       longer than 4096 queries or keys is streamed in chunks, and on a device failure the
  *       query chunks already finished may have been written (see there). A problem of at most
- *       4096 queries is one query chunk: its outputs are written only on success.
+ *       4096 queries is one query chunk: its outputs are written only on success, except on a
+ *       device that computes on host memory (the reference, OpenCL CPU devices: capability
+ *       host_memory), whose kernel writes O and LSE where they lie, nothing copied: a device
+ *       failure after the launch then leaves them unspecified, and the message ends
+ *       "computed in place and are unspecified". ape_attention_forward_ex() with
+ *       APE_EXEC_ATOMIC_OUTPUTS keeps them untouched.
  */
 APE_API int ape_attention_forward(ape_device *dev, const ape_attn_desc *desc, const ape_tensor *q,
 				  const ape_tensor *k, const ape_tensor *v, ape_tensor *o, float *lse,
@@ -901,7 +908,9 @@ typedef struct ape_exec_options {
 
 /** Keep the caller's outputs untouched unless the whole call succeeds, by staging all of O and
  *  LSE in host memory first (costs one more copy of O in memory). Without it, a streamed call
- *  writes each query chunk's rows as soon as they are final. */
+ *  writes each query chunk's rows as soon as they are final, and on a device that computes on
+ *  host memory its launches write them in place (a failure leaves the rows of unfinished
+ *  query chunks unspecified). */
 #define APE_EXEC_ATOMIC_OUTPUTS (1u << 0)
 
 /** Copy the inputs into device buffers even on a device whose kernels read host memory in place
@@ -946,8 +955,13 @@ APE_API void ape_exec_options_init(ape_exec_options *opts);
  *         (the trace file could not be written; outputs complete); device failures.
  * \note On a device failure, query chunks already finished have been written to o and lse,
  *       the others are untouched, and the message says how many were written ("O and LSE
- *       hold 3 of 8 query chunks"). Use APE_EXEC_ATOMIC_OUTPUTS to write nothing unless the
- *       call succeeds. A call whose queries fit in one chunk writes only on success anyway.
+ *       hold 3 of 8 query chunks, the rest untouched"). On a device that computes on host
+ *       memory (the reference, OpenCL CPU devices), launches that see every key of their
+ *       query chunk write O and LSE in place, nothing copied back, so the rows of unfinished
+ *       chunks are unspecified instead ("...the others were computed in place and are
+ *       unspecified"; with one query chunk: "O and LSE were computed in place and are
+ *       unspecified"). Use APE_EXEC_ATOMIC_OUTPUTS to write nothing unless the call succeeds
+ *       (on such a device, its staging is what the launches write in place).
  * \note Thread-safe like ape_attention_forward().
  */
 APE_API int ape_attention_forward_ex(ape_device *const *devs, int ndev,
@@ -1065,22 +1079,27 @@ APE_API void ape_tensor_init_packed(ape_tensor *t, void *data, ape_dtype dtype, 
  * equal a dense call per sequence within the spec's tolerance (bit for bit for a one-sequence
  * batch of default positions).
  *
- * \param devs,ndev,opts as ape_attention_forward_ex(); opts->trace_path must be NULL, and
- *        the outputs are always written only on success (as with APE_EXEC_ATOMIC_OUTPUTS);
+ * \param devs,ndev,opts as ape_attention_forward_ex(); opts->trace_path must be NULL;
  *        opts->chunk_k 0 means one key chunk of every key for ragged launches (no partial
- *        results to merge where a query chunk's sequences fit the budget)
+ *        results to merge where a query chunk's sequences fit the budget);
+ *        APE_EXEC_ATOMIC_OUTPUTS keeps o untouched on every failure (below)
  * \param desc the parameters; per-head values as for the dense call
  * \param vl the batch
  * \param q,k,v packed inputs; read only
- * \param o packed output `[1, H, total_q, D]`, q's storage type or APE_F32; written only on
- *        success (0 for rows that see no key)
+ * \param o packed output `[1, H, total_q, D]`, q's storage type or APE_F32 (0 for rows that
+ *        see no key); written only on success, except where the batch runs as ragged
+ *        launches on a device that computes on host memory (the reference, OpenCL CPU
+ *        devices) without APE_EXEC_ATOMIC_OUTPUTS: those write o in place, and a device
+ *        failure then leaves it unspecified ("computed in place and are unspecified")
  * \param lse NULL, or total_q * H floats, `[total_q, H]` (token-major, as the packed tensors),
  *        written only on success; -inf for rows that see no key
  * \param stats NULL, or the call's statistics (summed over its pieces when it has several;
  *        `chunks` counts launches: 1 for a batch that fits one launch)
  * \return 0; APE_EINVAL (naming the argument); APE_EOVERFLOW; APE_ENOMEM; device failures
- *         (the message names the sequence). On any failure o and lse are untouched.
- * \note The work is staged in host memory: one more copy of O and LSE.
+ *         (the message names the sequence). On any failure lse is untouched, and so is o
+ *         unless the message says it was computed in place (see o).
+ * \note LSE is staged in host memory, and so is O where the batch runs as dense calls per
+ *       run of positions, or with APE_EXEC_ATOMIC_OUTPUTS: one more copy of it.
  * \note Batches whose positions have gaps or repeats among a sequence's keys on devices that
  *       do not read explicit positions (CUDA), and batches on devices without ragged launches,
  *       cost a dense call per run of consecutive positions (docs/ape.md, "Ragged batches").

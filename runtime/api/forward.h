@@ -36,9 +36,10 @@ int ape__diag_devices(const char *fn, ape_device *const *devs, int ndev, bool on
  * The executor's run of a validated problem p (Lq, Lk >= 1; a ragged one too, p->segs) on
  * devs, options opts checked: O through p->os into o, LSE [B, H, Lq] into lse (or NULL), the
  * diagnostics dg, the pair counts when want_pairs; APE_EXEC_ATOMIC_OUTPUTS staged here.
- * staged: o and lse are already the caller's own staging (a ragged call's), which the
- * launches may write in place, partly, before the call succeeds. The executor's figures in
- * *res. Returns 0 or a negative code with the message set.
+ * staged: o and lse are already the caller's own staging (a ragged call's). On a device that
+ * reads host memory, launches with one key chunk write o and lse in place (a failure then
+ * leaves the rows of unfinished query chunks unspecified, and the message says so unless
+ * staged). The executor's figures in *res. Returns 0 or a negative code with the message set.
  */
 struct ape__exec_result;
 int ape__forward_call(const char *fn, ape_device *const *devs, int ndev,

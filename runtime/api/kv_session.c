@@ -208,7 +208,7 @@ int ape__kv_session_run(struct ape__kv_session *ks, const char *fn, const struct
 	ape__fwd_fini(&f);
 	if (ret) /* a lost device may fail the last step, after the rows were written */
 		ape__error_prefix(ape__error_written(ape__error_on(ret, ks->dev),
-						     res->st.outer_done, nq),
+						     res->st.outer_done, nq, res->st.in_place),
 				  fn);
 	return ret;
 }

@@ -221,7 +221,10 @@ struct vcall {
 	const ape_attn_desc *desc;
 	const ape_varlen *vl;
 	const ape_tensor *q, *k, *v;
+	ape_tensor *o; /* the caller's */
 	const struct ape__problem *p;
+	bool atomic; /* APE_EXEC_ATOMIC_OUTPUTS: o untouched unless the call succeeds */
+	bool o_done; /* one ragged run wrote o itself (in place, or from its buffers) */
 	ape_tensor so; /* staged O, [1, H, total_q, D] token-major (packed), of o's type */
 	int64_t sos[4];
 	float *slse; /* staged LSE, [H, total_q] */
@@ -441,22 +444,33 @@ static int vcall_alloc(struct vcall *c)
 	const size_t rows = (size_t)(p->H * p->Lq);
 
 	c->maxrows = longest_query_run(c->vl);
-	/* zero bits are 0.0 in every storage type: rows that see no key are ready */
-	c->so.data = ape__calloc(rows * (size_t)p->D + 1, ape_dtype_size(p->out_dtype));
 	c->slse = ape__malloc(rows * sizeof(float) + 1);
 	c->tlse = ape__malloc((size_t)(p->H * c->maxrows) * sizeof(float) + 1);
 	c->to = ape__malloc((size_t)(p->H * c->maxrows * p->D) * sizeof(float) + 1);
-	if (!c->so.data || !c->slse || !c->tlse || !c->to ||
+	if (!c->slse || !c->tlse || !c->to ||
 	    ape__acc_alloc(&c->acc, p->H * c->maxrows, p->D, false)) {
 		vcall_free(c);
 		return ape__error(APE_ENOMEM, "%s: out of host memory staging %" PRId64
-				  " rows of O and LSE", c->fn, p->Lq);
+				  " rows of LSE", c->fn, p->Lq);
 	}
+	for (size_t r = 0; r < rows; r++)
+		c->slse[r] = -INFINITY;
+	return 0;
+}
+
+/* The staging of O, when the call writes o only on success. */
+static int stage_o(struct vcall *c)
+{
+	const struct ape__problem *p = c->p;
+
+	/* zero bits are 0.0 in every storage type: rows that see no key are ready */
+	c->so.data = ape__calloc((size_t)(p->H * p->Lq * p->D) + 1, ape_dtype_size(p->out_dtype));
+	if (!c->so.data)
+		return ape__error(APE_ENOMEM, "%s: out of host memory staging %" PRId64
+				  " rows of O", c->fn, p->Lq);
 	/* token-major, as packed outputs are: the publication is then one copy */
 	ape_tensor_init_packed(&c->so, c->so.data, p->out_dtype, p->Lq, p->H, p->D);
 	ape_tensor_strides(&c->so, c->sos);
-	for (size_t r = 0; r < rows; r++)
-		c->slse[r] = -INFINITY;
 	return 0;
 }
 
@@ -465,7 +479,8 @@ static void publish(struct vcall *c, ape_tensor *o, float *lse)
 {
 	const struct ape__problem *p = c->p;
 
-	ape__copy_rows(o, p->os, &c->so, c->sos, 0, p->Lq);
+	if (!c->o_done)
+		ape__copy_rows(o, p->os, &c->so, c->sos, 0, p->Lq);
 	if (lse)
 		for (int64_t i = 0; i < p->Lq; i++)
 			for (int64_t h = 0; h < p->H; h++)
@@ -677,7 +692,14 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 		pp.segs = sg;
 		pp.nseg = n;
 	}
-	memcpy(pp.os, c->sos, sizeof(pp.os)); /* into the staging */
+	if (c->atomic) { /* into the staging */
+		if ((*ret = stage_o(c))) {
+			free(sg);
+			ape__varlen_pos_free(&pos);
+			return 1;
+		}
+		memcpy(pp.os, c->sos, sizeof(pp.os));
+	}
 	memset(&res, 0, sizeof(res));
 	eo = c->opts;
 	if (pp.segs && !eo.chunk_k)
@@ -685,8 +707,12 @@ static int one_run(struct vcall *c, struct ape__problem *p, ape_stats *stats, do
 		 * chunk of every key (no partial results to merge; the planner halves it when the
 		 * budget says so) rather than key chunks that cut through its sequences */
 		eo.chunk_k = p->Lk;
-	*ret = ape__forward_call(c->fn, c->devs, c->ndev, &eo, &pp, c->q, c->k, c->v, &c->so,
-				 c->slse, &none, stats != NULL, true, &res);
+	/* o itself unless atomic: on a device that reads host memory the launches write it in
+	 * place, every row (those that see no key too: zeros), and a failure says so */
+	*ret = ape__forward_call(c->fn, c->devs, c->ndev, &eo, &pp, c->q, c->k, c->v,
+				 c->atomic ? &c->so : c->o, c->slse, &none, stats != NULL,
+				 c->atomic, &res);
+	c->o_done = !c->atomic;
 	if (*ret)
 		*ret = ape__error(*ret, "%s: %" PRId64 " sequences in ragged launches: %s", c->fn,
 				  c->vl->num_seqs, ape_last_error());
@@ -726,18 +752,23 @@ int ape__attention_forward_varlen(const char *fn, ape_device *const *devs, int n
 		c.opts = *opts;
 	else
 		ape_exec_options_init(&c.opts);
-	c.opts.flags &= ~APE_EXEC_ATOMIC_OUTPUTS;
+	c.atomic = c.opts.flags & APE_EXEC_ATOMIC_OUTPUTS;
+	c.opts.flags &= ~APE_EXEC_ATOMIC_OUTPUTS; /* the staging, when there is one, is ours */
 	c.desc = desc;
 	c.vl = vl;
 	c.q = q;
 	c.k = k;
 	c.v = v;
+	c.o = o;
 	c.p = &p;
 	if (p.H * p.Lq == 0 || (ret = vcall_alloc(&c))) {
 		ape__problem_fini(&p);
 		return ret; /* 0: nothing to compute, nothing to write */
 	}
 	if (one_run(&c, &p, stats, t0, &ret))
+		goto out;
+	/* the pieces: each sequence's dense calls into the staging, published on success */
+	if (!c.so.data && (ret = stage_o(&c)))
 		goto out;
 	for (int64_t s = 0; s < vl->num_seqs && !ret; s++) {
 		const int64_t q1 = vl->cu_seqlens_q[s + 1];

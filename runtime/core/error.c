@@ -134,11 +134,21 @@ int ape__op_error(int err, const struct ape_device *dev, const char *op)
 	return ape__error_prefix(err, label);
 }
 
-int ape__error_written(int err, int64_t done, int64_t of)
+int ape__error_written(int err, int64_t done, int64_t of, bool in_place)
 {
 	size_t n = strlen(last_error);
 
-	if (done > 0)
+	if (of > 0 && done >= of)
+		snprintf(last_error + n, sizeof(last_error) - n,
+			 "; O and LSE hold %" PRId64 " of %" PRId64 " query chunks", done, of);
+	else if (in_place && done > 0)
+		snprintf(last_error + n, sizeof(last_error) - n,
+			 "; O and LSE hold %" PRId64 " of %" PRId64 " query chunks, the others were "
+			 "computed in place and are unspecified", done, of);
+	else if (in_place)
+		snprintf(last_error + n, sizeof(last_error) - n,
+			 "; O and LSE were computed in place and are unspecified");
+	else if (done > 0)
 		snprintf(last_error + n, sizeof(last_error) - n,
 			 "; O and LSE hold %" PRId64 " of %" PRId64 " query chunks, the rest untouched",
 			 done, of);

@@ -36,9 +36,12 @@ int ape__error_on(int err, const struct ape_device *dev);
  */
 int ape__op_error(int err, const struct ape_device *dev, const char *op);
 
-/* Appends to the current message how much of O and LSE a failed call had already written
- * ("; O and LSE hold 3 of 8 query chunks, the rest untouched"); nothing when done == 0. */
-int ape__error_written(int err, int64_t done, int64_t of);
+/* Appends to the current message how much of O and LSE a failed call of `of` query chunks
+ * had already written ("; O and LSE hold 3 of 8 query chunks, the rest untouched"; nothing
+ * when done == 0). in_place: launches wrote O or LSE where they lie, so the rows of chunks
+ * not done are unspecified ("...the others were computed in place and are unspecified").
+ * All done (a failure after the work, such as the trace file's): "...hold 8 of 8 query chunks". */
+int ape__error_written(int err, int64_t done, int64_t of, bool in_place);
 
 /* Appends `text` to the current message; returns err. */
 int ape__error_suffix(int err, const char *text);

@@ -85,7 +85,7 @@ int ape__forward_run(const struct ape__fwd_req *r, struct ape__exec_result *res)
 	x->call = (struct ape__fwd_call){
 		.p = p, .q = r->q, .k = r->k, .v = r->v, .o = r->o, .lse = r->lse,
 		.ent = r->ent, .md = r->md, .diag = r->ent || r->md, .want_pairs = r->want_pairs,
-		.staged = r->staged,
+		.in_place = true,
 	};
 	ape__skip_budget(p->skip_tol, p->causal, 2, false, &x->call.tol);
 	for (int d = 0; d < r->ndev; d++) {
@@ -113,8 +113,8 @@ int ape__forward_run(const struct ape__fwd_req *r, struct ape__exec_result *res)
 		ape__fwd_fini(&x->pass[d]);
 	}
 	res->devices = r->ndev;
-	if (ret && !r->staged && res->no)
-		ape__error_written(ret, res->st.outer_done, res->no);
+	if (ret && !r->staged)
+		ape__error_written(ret, res->st.outer_done, res->no, res->st.in_place);
 	ape__kmax_free(&x->km);
 	free(x);
 	return ret;

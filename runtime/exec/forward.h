@@ -33,8 +33,9 @@ struct ape__fwd_req {
 	 * them (the API checked), and then p->skip_tol <= APE_DIAG_SKIP_TOL */
 	float *ent, *md;
 	bool want_pairs;
-	/* o and lse are the call's own staging (APE_EXEC_ATOMIC_OUTPUTS, a ragged call's), which
-	 * launches may write in place before the call succeeds */
+	/* o and lse are the call's own staging (APE_EXEC_ATOMIC_OUTPUTS, a ragged call's), not
+	 * the caller's: a failure's message says nothing of what was written. Either way, on a
+	 * device that reads host memory, launches with one key chunk write o and lse in place */
 	bool staged;
 };
 

@@ -89,9 +89,9 @@ static void shape(void *self, struct ape_device *dev, int64_t no, int64_t ni)
 	set(x, APE__F_AMD, "merged distances", APE__ROLE_OUTER_ACC, APE__AXIS_Q,
 	    dm && diag ? bh * 4 : 0, true);
 	x->t[APE__F_ALSE].init = NEG_INF_F32; /* nothing merged yet: the merge's identity */
-	if (mode == APE__FWD_DIRECT && c->staged) {
-		/* final rows, into the call's own staging: written in place where the device
-		 * reads host memory (exec/pass.h), O at its strides and LSE [B, H, Lq] */
+	if (mode == APE__FWD_DIRECT && c->in_place) {
+		/* final rows, written in place where the device reads host memory (exec/pass.h),
+		 * O at its strides and LSE [B, H, Lq] */
 		if (c->o && p->os[3] == 1) {
 			x->t[APE__F_O].host = c->o;
 			x->t[APE__F_O].s = p->os;

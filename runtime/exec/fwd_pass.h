@@ -35,9 +35,10 @@ struct ape__fwd_call {
 	const struct ape__kmax *kmax; /* NULL: no chunk-level skipping */
 	struct ape__skip_budget tol; /* the shares of skip_tol (exec/skip_budget.h) */
 	bool release; /* the call is a KV cache's that may release blocks (tol's release share) */
-	/* o and lse are the call's own host staging, not the caller's: on a device that reads
-	 * host memory, launches with one key chunk write their rows there in place */
-	bool staged;
+	/* on a device that reads host memory, launches with one key chunk write their rows of o
+	 * and lse in place (the call's own staging, or the caller's outputs, which a failure then
+	 * leaves unspecified: struct ape__stream_stats.in_place says whether a job had them) */
+	bool in_place;
 };
 
 enum ape__fwd_mode {
@@ -83,7 +84,7 @@ struct ape__fwd {
 	/* the pass's own figures */
 	uint64_t pairs_computed, chunks_skipped;
 	struct ape_be_path_log paths; /* the kernel paths its launches took */
-	/* the staged LSE ([B, H, Lq] floats) as a tensor, for writing it in place */
+	/* the LSE ([B, H, Lq] floats) as a tensor, for writing it in place */
 	ape_tensor lse_t;
 	int64_t lse_s[4];
 };

@@ -241,6 +241,7 @@ static void sum_stats(struct ape__stream_stats *to, const struct ape__stream_sta
 	to->copy_ms += from->copy_ms;
 	to->overlap_ms += from->overlap_ms;
 	to->outer_done += from->outer_done;
+	to->in_place |= from->in_place;
 	if (from->peak_bytes > to->peak_bytes)
 		to->peak_bytes = from->peak_bytes;
 }

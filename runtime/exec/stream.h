@@ -78,6 +78,9 @@ struct ape__stream_stats {
 	uint64_t h2d, d2h, d2d; /* bytes */
 	double kernel_ms, copy_ms, overlap_ms;
 	int64_t outer_done; /* outer chunks whose results were taken in */
+	/* a job was handed an output's host memory where it lies (a JOB_OUT with a host tensor,
+	 * wrapped): poisoned or written before the run's end, so a failure leaves it unspecified */
+	bool in_place;
 	uint64_t peak_bytes;
 	bool device_clock; /* overlap_ms is measured (the backend timestamps events) */
 };

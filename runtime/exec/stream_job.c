@@ -230,7 +230,8 @@ static int fill_outputs(struct ape__stream *s, struct jslot *j)
 		if (x->role != APE__ROLE_JOB_OUT || s->at[t] == APE__AT_UNUSED)
 			continue;
 		if (s->at[t] == APE__AT_WRAPPED) {
-			/* the call's own host staging: no kernel of another job writes these rows */
+			/* the host output itself: no kernel of another job writes these rows */
+			s->st->in_place = true;
 			if (s->c->poison)
 				ape__fill_rows(x->host, x->s, x->axis == p->outer ? j->pj.o0 : j->pj.i0,
 					       rows, 0x7fc07fc0u);

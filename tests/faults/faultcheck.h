@@ -8,8 +8,9 @@
  * clean result and a copy of its inputs, and the check every broken run must pass: the inputs
  * are byte-identical, and the outputs hold either the clean result or, after a failure, exactly
  * what README's 'Outputs on failure' promises (whole query chunks, as many as the message says,
- * the rest untouched; for the resident and DLPack calls, whose outputs are unspecified after a
- * failure, only the inputs and the message are checked then).
+ * the rest untouched; where the message says the outputs were computed in place, at least the
+ * chunks it says are held; for the resident and DLPack calls, whose outputs are unspecified
+ * after a failure, only the inputs and the message are checked then).
  */
 #ifndef APE_TEST_FAULTCHECK_H
 #define APE_TEST_FAULTCHECK_H

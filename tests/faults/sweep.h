@@ -46,6 +46,8 @@ static __attribute__((unused)) const char *sweep_outputs_verify(const void *got,
 {
 	if (!ret)
 		return memcmp(got, clean, n) ? "not the clean result" : NULL;
+	if (strstr(ape_last_error(), "computed in place and are unspecified"))
+		return NULL; /* a forward's launch had them (a device reading host memory): said so */
 	for (size_t i = 0; i < n; i++)
 		if (((const unsigned char *)got)[i] != SWEEP_POISON)
 			return "a failed call wrote an output";
@@ -85,8 +87,8 @@ static __attribute__((unused)) void alloc_sweep(struct __test_metadata *_metadat
 		ret = s->run(s->c);
 		ape__fault_alloc_arm(0);
 		EXPECT_EQ(NULL, bad = s->verify(s->c, ret))
-		TH_LOG("%s: allocation %llu (returned %d): %s", s->what, (unsigned long long)n, ret,
-		       bad);
+		TH_LOG("%s: allocation %llu (returned %d): %s (%s)", s->what, (unsigned long long)n,
+		       ret, bad, s->msg);
 		if (!ret)
 			continue;
 		errors++;

@@ -282,6 +282,7 @@ static const char *vcase_verify(const struct vcase *c, int ret)
 {
 	const unsigned char *out = c->bwd ? (const void *)c->g : (const void *)c->o;
 	const size_t n = c->bwd ? sizeof(c->g) : sizeof(c->o);
+	bool in_place;
 
 	if (memcmp(c->in, c->q, sizeof(c->q)) ||
 	    memcmp(c->in + sizeof(c->q), c->k, sizeof(c->k)) ||
@@ -300,7 +301,10 @@ static const char *vcase_verify(const struct vcase *c, int ret)
 			       ? "not the clean result"
 			       : NULL;
 	}
-	for (size_t i = 0; i < n; i++)
+	/* a forward's ragged launches wrote O in place (a device reading host memory): said so,
+	 * and its LSE, staged, untouched all the same */
+	in_place = !c->bwd && strstr(ape_last_error(), "computed in place and are unspecified");
+	for (size_t i = 0; i < n && !in_place; i++)
 		if (out[i] != 0x5a)
 			return "a failed call wrote an output";
 	if (!c->bwd)
