@@ -70,10 +70,11 @@ static void shape(void *self, struct ape_device *dev, int64_t no, int64_t ni)
 	for (int t = APE__F_Q; t <= APE__F_V; t++)
 		x->t[t].views = x->t[t].host && x->t[t].s[3] == 1;
 	/* a launch's own outputs: back after it unless the device merges them, where only the
-	 * LSE comes back, and only for the host's chunk-level skip test */
+	 * LSE comes back, and only for the host's chunk-level skip test; final rows of an LSE
+	 * the caller does not want (DIRECT, lse NULL) stay on the device */
 	set(x, APE__F_O, "partial O", APE__ROLE_JOB_OUT, APE__AXIS_Q, bh * D * oesz, !dm);
 	set(x, APE__F_LSE, "partial LSE", APE__ROLE_JOB_OUT, APE__AXIS_Q, bh * 4,
-	    !dm || c->kmax);
+	    (mode == APE__FWD_DIRECT ? c->lse != NULL : !dm) || c->kmax);
 	set(x, APE__F_PAIRS, "pair counts", APE__ROLE_JOB_OUT, APE__AXIS_Q,
 	    c->want_pairs ? bh * 8 : 0, !dm);
 	set(x, APE__F_ENT, "entropies", APE__ROLE_JOB_OUT, APE__AXIS_Q, diag ? bh * 4 : 0, !dm);
