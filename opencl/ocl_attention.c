@@ -480,7 +480,7 @@ int ape__ocl_attention(struct ape_be_queue *q, const struct ape_be_launch *launc
 	/* both or neither, except on the resident call's launches (attention_diag_views) */
 	flags |= l->ent || l->md ? F_DIAG : 0;
 	/* the far-key bound needs decays >= 0; the core passes skip_tol = 0 otherwise */
-	if (l->skip_tol > 0 && l->decay_nonneg && tol > 0)
+	if (l->skip_tol > 0 && l->decay_nonneg && tol > 0 && (l->segs || pos || ntk > 1))
 		flags |= F_SKIP | (l->lse_prior && prior_tol > 0 ? F_PRIOR : 0);
 
 	prm = ape__ocl_fast_params(q, l, &err);

@@ -374,14 +374,36 @@ static cl_mem bwd_kmax(const struct ape__ocl_device *od, size_t bytes, uint64_t 
 	return mem;
 }
 
-/* A scratch buffer of `bytes` (bwd_scratch_size()) filled with zeros on the queue, added to
- * *held (the fused sweep's per-split partials: a split adds only to the rows it visits). */
+/* Scratch up to this size on a CPU device starts as a copy of host zeros: one command fewer
+ * than a fill on the queue, which costs a wake-up of the driver's threads (a few microseconds
+ * each; a backward call of a small problem ran six fills, bench/RESULTS.md). */
+#define BWD_ZEROS_COPIED ((size_t)1 << 20)
+
+/* A scratch buffer of `bytes` (bwd_scratch_size()) filled with zeros (on the queue, or copied
+ * at creation on a CPU device when small), added to *held (the fused sweep's per-split
+ * partials: a split adds only to the rows it visits). */
 static cl_mem bwd_zeros(struct ape_be_queue *q, size_t bytes, uint64_t *held, cl_int *err)
 {
+	const struct ape__ocl_device *od = ape__ocl_dev(q->dev);
 	const cl_uint zero = 0;
-	cl_mem mem = bwd_take(q, bytes, NULL, held, err);
+	cl_mem mem;
 	cl_event ev;
 
+	if ((od->type & CL_DEVICE_TYPE_CPU) && bytes <= BWD_ZEROS_COPIED) {
+		void *host = ape_be_calloc(bytes, 1);
+
+		if (!host) {
+			*err = CL_OUT_OF_HOST_MEMORY;
+			return NULL;
+		}
+		mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, bytes, host,
+				     err);
+		free(host);
+		if (mem)
+			*held += bytes;
+		return mem;
+	}
+	mem = bwd_take(q, bytes, NULL, held, err);
 	if (!mem)
 		return NULL;
 	*err = clEnqueueFillBuffer(q->cq, mem, &zero, sizeof(zero), 0, bytes, 0, NULL, &ev);

@@ -258,6 +258,129 @@ TEST(bad_numa_policy)
 	EXPECT_MSG("opts->numa = 7");
 }
 
+/* The staging cache: a buffer given back is handed out again for the same device when it holds
+ * the request without wasting much, counted like a fresh one; never to another device; at most
+ * APE__STAGING_CACHE_SLOTS kept (the oldest goes), none over APE__STAGING_CACHE_MAX; a failure
+ * point per buffer handed out (the fault sweeps); everything freed with the context (ASan's
+ * leak check). */
+TEST(staging_cache_reuses_within_bounds)
+{
+	ape_context *ctx = context(APE_NUMA_DEFAULT, NULL);
+	ape_device *devs[16];
+	struct ape__hostmem m, k[APE__STAGING_CACHE_SLOTS + 1];
+	void *first;
+	size_t held;
+	int nd;
+	uint64_t handed;
+
+	ASSERT_NE(NULL, ctx);
+	nd = ape_device_list(ctx, devs, 16);
+	ASSERT_LE(1, nd);
+	EXPECT_EQ(0, ape__staging_cache_held(ctx, NULL));
+	ASSERT_EQ(0, ape__host_alloc(devs[0], 8192, &m));
+	first = m.ptr;
+	memset(m.ptr, 1, 8192);
+	ape__host_free(devs[0], &m);
+	EXPECT_EQ(NULL, m.ptr) TH_LOG("zeroed when given back");
+	EXPECT_EQ(1, ape__staging_cache_held(ctx, &held));
+	EXPECT_EQ(8192u, held);
+	if (nd > 1) { /* another device's buffer is not this one's */
+		ASSERT_EQ(0, ape__host_alloc(devs[1], 4096, &m));
+		EXPECT_NE(first, m.ptr);
+		EXPECT_EQ(1, ape__staging_cache_held(ctx, NULL));
+		ape__host_free(devs[1], &m);
+		EXPECT_EQ(2, ape__staging_cache_held(ctx, NULL));
+	}
+	handed = atomic_load(&ctx->staging_placed) + atomic_load(&ctx->staging_plain);
+	ASSERT_EQ(0, ape__host_alloc(devs[0], 5000, &m));
+	EXPECT_EQ(first, m.ptr) TH_LOG("the kept 8 KiB buffer holds 5000 bytes");
+	EXPECT_EQ(8192u, m.bytes);
+	EXPECT_EQ(nd > 1 ? 1 : 0, ape__staging_cache_held(ctx, NULL)) TH_LOG("taken out of it");
+	EXPECT_EQ(handed + 1, atomic_load(&ctx->staging_placed) + atomic_load(&ctx->staging_plain))
+	TH_LOG("counted as handed out");
+	ape__host_free(devs[0], &m);
+
+	/* too small for 100 KiB; a 1 MiB one too wasteful for 4 KiB */
+	ASSERT_EQ(0, ape__host_alloc(devs[0], 100 << 10, &m));
+	EXPECT_NE(first, m.ptr);
+	ape__host_free(devs[0], &m);
+	ASSERT_EQ(0, ape__host_alloc(devs[0], 1 << 20, &m));
+	first = m.ptr;
+	ape__host_free(devs[0], &m);
+	ASSERT_EQ(0, ape__host_alloc(devs[0], 4096, &m));
+	EXPECT_NE(first, m.ptr);
+	EXPECT_GE((size_t)(64 << 10), m.bytes) TH_LOG("a small kept one or a fresh page");
+	ape__host_free(devs[0], &m);
+
+	/* over the largest kept size: freed at once */
+	nd = ape__staging_cache_held(ctx, &held);
+	ASSERT_EQ(0, ape__host_alloc(devs[0], APE__STAGING_CACHE_MAX + 4096, &m));
+	ape__host_free(devs[0], &m);
+	EXPECT_EQ(nd, ape__staging_cache_held(ctx, NULL));
+
+	/* full: the oldest makes room */
+	for (int i = 0; i <= APE__STAGING_CACHE_SLOTS; i++)
+		ASSERT_EQ(0, ape__host_alloc(devs[0], APE__STAGING_CACHE_MAX, &k[i]));
+	EXPECT_EQ(nd, ape__staging_cache_held(ctx, NULL)) TH_LOG("none of these fit a kept one");
+	for (int i = 0; i <= APE__STAGING_CACHE_SLOTS; i++)
+		ape__host_free(devs[0], &k[i]);
+	EXPECT_EQ(APE__STAGING_CACHE_SLOTS, ape__staging_cache_held(ctx, &held));
+	EXPECT_EQ((size_t)APE__STAGING_CACHE_SLOTS * APE__STAGING_CACHE_MAX, held)
+	TH_LOG("the last %d given back, the others freed", APE__STAGING_CACHE_SLOTS);
+	ape_context_destroy(ctx);
+}
+
+struct churn_arg {
+	ape_device *dev;
+	unsigned seed;
+	int bad;
+};
+
+static void *churn(void *p)
+{
+	struct churn_arg *a = p;
+
+	for (int i = 0; i < 2000; i++) {
+		struct ape__hostmem m;
+		const size_t bytes = 1 + (size_t)(rand_r(&a->seed) % (256 << 10));
+
+		if (ape__host_alloc(a->dev, bytes, &m) || m.bytes < bytes) {
+			a->bad++;
+			continue;
+		}
+		memset(m.ptr, (int)(a->seed & 0xff), bytes); /* a buffer handed out twice shows */
+		for (size_t j = 0; j < bytes; j += 4096)
+			if (((unsigned char *)m.ptr)[j] != (a->seed & 0xff))
+				a->bad++;
+		ape__host_free(a->dev, &m);
+	}
+	return NULL;
+}
+
+/* Threads taking and giving back buffers of one context at once (TSan's and ASan's case). */
+TEST(staging_cache_threads)
+{
+	ape_context *ctx = context(APE_NUMA_DEFAULT, NULL);
+	ape_device *devs[4];
+	struct churn_arg a[4];
+	pthread_t t[4];
+	int nd;
+
+	ASSERT_NE(NULL, ctx);
+	nd = ape_device_list(ctx, devs, 4);
+	ASSERT_LE(1, nd);
+	for (int i = 0; i < 4; i++) {
+		a[i] = (struct churn_arg){ devs[i % nd], 1234u + (unsigned)i, 0 };
+		ASSERT_EQ(0, pthread_create(&t[i], NULL, churn, &a[i]));
+	}
+	for (int i = 0; i < 4; i++) {
+		pthread_join(t[i], NULL);
+		EXPECT_EQ(0, a[i].bad) TH_LOG("thread %d", i);
+	}
+	EXPECT_GE(APE__STAGING_CACHE_SLOTS, ape__staging_cache_held(ctx, NULL));
+	ape_context_destroy(ctx);
+}
+
 /* Every chunk goes through staging buffers on the device's node: one for query rows, one for
  * key and value rows, one for what comes back (O, LSE and the pair counts). */
 TEST(forward_uses_placed_staging)

@@ -486,6 +486,23 @@ TEST(level_2_says_each_devices_share)
 	ASSERT_NE(NULL, p) TH_LOG("%s", text);
 	ASSERT_EQ(2, sscanf(p, "outer chunks per device: %lld + %lld", &a, &b)) TH_LOG("%s", p);
 	EXPECT_EQ(4, a + b) TH_LOG("64 query rows in chunks of 16: %s", text);
+	/* pairs not counted (no statistics asked for): none claimed left out */
+	EXPECT_NE(NULL, strstr(text, "the pairs left out inside the launches not counted"))
+	TH_LOG("%s", text);
+	{
+		ape_stats st;
+		char want[128];
+
+		ape_stats_init(&st);
+		capture_begin(&cap);
+		ret = ape_attention_forward_ex(two, 2, &eo, &tp.desc, &tp.q.t, &tp.k.t, &tp.v.t,
+					       &tp.o.t, NULL, &st);
+		text = capture_end(&cap);
+		ASSERT_EQ(0, ret) TH_LOG("%s", ape_last_error());
+		snprintf(want, sizeof(want), " %llu pairs left out inside the launches",
+			 (unsigned long long)(st.pairs_visible - st.pairs_computed));
+		EXPECT_NE(NULL, strstr(text, want)) TH_LOG("%s not in %s", want, text);
+	}
 	test_problem_free(&tp);
 	ape_context_destroy(ctx);
 }

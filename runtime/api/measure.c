@@ -70,8 +70,10 @@ static int alloc_source(ape_device *dev, int numa_node, size_t bytes, struct ape
 	return 0;
 }
 
-/* One warm-up copy, then `repeats` timed ones, each synchronised. */
-static int time_copies(ape_device *dev, const struct ape__hostmem *m, int repeats, double *ms)
+/* One warm-up copy of `bytes` from m (which may be larger: a cached staging buffer), then
+ * `repeats` timed ones, each synchronised. */
+static int time_copies(ape_device *dev, const struct ape__hostmem *m, size_t bytes, int repeats,
+		       double *ms)
 {
 	const struct ape_backend_plugin *ops = dev->be->ops;
 	struct ape_be_queue *q = NULL;
@@ -80,11 +82,11 @@ static int time_copies(ape_device *dev, const struct ape__hostmem *m, int repeat
 
 	ret = ops->queue_create(dev, &q);
 	if (!ret)
-		ret = ops->buf_alloc(dev, m->bytes, &buf);
+		ret = ops->buf_alloc(dev, bytes, &buf);
 	for (int i = -1; !ret && i < repeats; i++) {
 		double t0 = ape__now_ms();
 
-		ret = ops->copy_h2d(q, buf, 0, m->ptr, m->bytes);
+		ret = ops->copy_h2d(q, buf, 0, m->ptr, bytes);
 		if (!ret)
 			ret = ops->synchronize(q);
 		if (i >= 0)
@@ -114,7 +116,7 @@ int ape_device_measure_h2d(ape_device *dev, int numa_node, size_t bytes, int rep
 	if (ret)
 		goto out_free_ms;
 	memset(m.ptr, 0x5a, bytes); /* every page exists before the first copy */
-	ret = time_copies(dev, &m, repeats, ms);
+	ret = time_copies(dev, &m, bytes, repeats, ms);
 	if (ret)
 		goto out_free_buf;
 	qsort(ms, (size_t)repeats, sizeof(*ms), cmp_double);

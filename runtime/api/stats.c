@@ -257,7 +257,11 @@ static void log_text(const struct ape__call_log *r, int level)
 	for (int d = 0; r->shares && d < r->ndev; d++)
 		put(&l, "%s%lld", d ? " + " : "; outer chunks per device: ",
 		    (long long)r->shares[d]);
-	if (p)
+	if (p && r->pairs_uncounted) /* visible - 0 would claim every pair left out */
+		put(&l, "; skip_tol %g: %llu chunk pairs left out whole by the far-key bound, the "
+			"pairs left out inside the launches not counted",
+		    p->skip_tol, (unsigned long long)st->chunks_skipped);
+	else if (p)
 		put(&l, "; skip_tol %g: %llu chunk pairs left out whole by the far-key bound, %llu "
 			"pairs left out inside the launches",
 		    p->skip_tol, (unsigned long long)st->chunks_skipped,

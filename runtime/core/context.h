@@ -2,7 +2,8 @@
 /*
  * The context object every layer reads: its backends, its ordered device list and the topology.
  * api/context.c creates and destroys it; topo/physical.c builds its topology part; after
- * ape_context_create() returns, it is read-only but for the atomics.
+ * ape_context_create() returns, it is read-only but for the atomics and the staging cache
+ * (which has its own lock).
  */
 #ifndef APE_RUNTIME_CONTEXT_H
 #define APE_RUNTIME_CONTEXT_H
@@ -18,6 +19,7 @@
 
 struct ape__numa;
 struct ape__phys;
+struct ape__staging_cache;
 struct ape__plugin;
 
 struct ape__ctx_backend {
@@ -48,8 +50,12 @@ struct ape_context {
 
 	/* "Says so once": one warning per context and kind, from whichever thread gets there. */
 	atomic_bool warned_placement, warned_binding, warned_pinning;
-	/* Staging buffers placed as the policy says, and plain ones (read by tests). */
+	/* Staging buffers placed as the policy says, and plain ones (read by tests): counted each
+	 * time one is handed out, fresh or from the cache. */
 	atomic_uint_fast64_t staging_placed, staging_plain;
+	/* Staging buffers given back, kept for the next call (topo/placement.c; its own lock):
+	 * NULL until ape__physical_build() made it. */
+	struct ape__staging_cache *staging;
 };
 
 /* The device's speed in earlier streamed calls: visible pairs per second, as an exponential

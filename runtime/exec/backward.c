@@ -473,9 +473,9 @@ static const struct ape__pass_ops bwd_ops = {
 
 struct bwd_run {
 	struct bwd_call call;
-	struct bwd_pass pass[APE_MAX_DEVICES];
 	struct ape__pass *passes[APE_MAX_DEVICES];
 	int ndev;
+	struct bwd_pass pass[]; /* one per device of the call */
 };
 
 /* Cost of a key chunk for the split: its visible pairs. */
@@ -640,7 +640,7 @@ int ape__exec_backward(const struct ape__bwd_req *r, struct ape__bwd_result *res
 					  r->fn, r->devs[d]->info.backend,
 					  r->devs[d]->info.backend_index, r->devs[d]->info.name);
 	}
-	run = ape__calloc(1, sizeof(*run));
+	run = ape__calloc(1, sizeof(*run) + (size_t)r->ndev * sizeof(run->pass[0]));
 	if (!run)
 		return ape__error(APE_ENOMEM, "%s: out of host memory", r->fn);
 	run->call.r = r;

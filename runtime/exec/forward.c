@@ -20,8 +20,8 @@ struct fwd_run {
 	struct ape__fwd_call call;
 	struct ape__kmax km;
 	bool skipping; /* chunk-level skipping */
-	struct ape__fwd pass[APE_MAX_DEVICES];
 	struct ape__pass *passes[APE_MAX_DEVICES];
+	struct ape__fwd pass[]; /* one per device of the call (each a few KiB: not 64 zeroed) */
 };
 
 /* Cost of a query chunk: its visible pairs, or just its rows when skipping makes every row
@@ -69,7 +69,7 @@ static int prepare(void *arg, const struct ape__plan *plan, int d)
 int ape__forward_run(const struct ape__fwd_req *r, struct ape__exec_result *res)
 {
 	const struct ape__problem *p = r->p;
-	struct fwd_run *x = ape__calloc(1, sizeof(*x));
+	struct fwd_run *x = ape__calloc(1, sizeof(*x) + (size_t)r->ndev * sizeof(x->pass[0]));
 	char what[128];
 	int ret;
 

@@ -73,6 +73,9 @@ struct jslot {
 	int is; /* its inner slot; -1: inner inputs in place */
 	int lane; /* the job slot whose up queue copied its inner chunk */
 	bool loaded; /* it copied its inner chunk (load_e0, load_e1 are set) */
+	/* nothing to read back and the only job of its stream: nothing on its down queue, and
+	 * retiring it waits for the exec queue (three commands fewer on a call of one chunk) */
+	bool back_on_exec;
 	struct ape_be_kv_pages pages;
 	struct ape_be_event *load_e0, *load_e1; /* around the copy of its inner chunk */
 	struct ape_be_event *kernel_e0, *kernel_e1; /* around its kernels */

@@ -256,12 +256,21 @@ static int read_back(struct ape__stream *s, struct jslot *j)
 
 	uint64_t in_off = 0;
 
+	bool copies = false;
+
 	for (int t = 0; t < p->nt; t++) {
 		const struct ape__pass_tensor *x = &p->t[t];
 
 		if (x->role == APE__ROLE_JOB_IN && s->at[t] != APE__AT_UNUSED)
 			off += x->row_bytes * (uint64_t)(x->axis == p->outer ? j->pj.on : j->pj.in);
+		copies |= (x->role == APE__ROLE_JOB_OUT || x->role == APE__ROLE_JOB_IN) && x->back &&
+			  s->at[t] != APE__AT_UNUSED && s->at[t] != APE__AT_WRAPPED;
+		j->pj.host[t] = NULL;
 	}
+	/* the stream's one job, its outputs (if any) written in place: its kernels are the end */
+	j->back_on_exec = !copies && s->g.plan.no == 1 && s->g.plan.ni == 1;
+	if (j->back_on_exec)
+		return 0;
 	if ((ret = s->ops->event_wait(j->down, j->kernel_e1)) ||
 	    (ret = s->ops->event_record(j->down, &j->back_e0)))
 		return ret;
@@ -309,6 +318,7 @@ int ape__stream_issue(struct ape__stream *s, struct oslot *o, int64_t ic)
 	j->os = o;
 	j->is = -1;
 	j->loaded = false;
+	j->back_on_exec = false;
 	j->load_bytes = j->back_bytes = j->scratch = 0;
 	j->pj.oc = o->oc;
 	j->pj.ic = ic;
@@ -372,7 +382,7 @@ int ape__stream_retire(struct ape__stream *s)
 	int ret;
 
 	span_chunks(s, j->pj.oc, j->pj.ic, &qc, &kc);
-	ret = s->ops->synchronize(j->down);
+	ret = s->ops->synchronize(j->back_on_exec ? s->exec : j->down);
 	if (!ret && j->loaded)
 		ret = ape__stream_span(s, j->load_e0, j->load_e1,
 				       copy_lane(s, p->outer == APE__AXIS_Q ? APE__AXIS_K : APE__AXIS_Q,

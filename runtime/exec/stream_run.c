@@ -150,9 +150,17 @@ static int start_call(struct ape__stream *s)
 				s->at[t] = APE__AT_WRAPPED;
 				acc = s->wrap[t];
 			}
-			back += x->back ? x->bytes : 0;
-			if (!ret)
+			if (!ret && s->at[t] == APE__AT_WRAPPED) {
+				/* host memory nothing else touches yet: filled here, one command
+				 * fewer on the queue */
+				uint32_t *w = (uint32_t *)(void *)((char *)s->call_back.ptr + back);
+
+				for (uint64_t i = 0; i < x->bytes / sizeof(uint32_t); i++)
+					w[i] = x->init;
+			} else if (!ret) {
 				ret = s->ops->fill(s->exec, acc, 0, x->init, (size_t)x->bytes);
+			}
+			back += x->back ? x->bytes : 0;
 		} else if (x->role == APE__ROLE_CALL_IN) {
 			size_t got;
 

@@ -14,6 +14,7 @@
 #include "topo/drm_devices.h"
 #include "core/error.h"
 #include "topo/numa.h"
+#include "topo/placement.h"
 #include "topo/topology.h"
 
 static const char fn_create[] = "ape_context_create";
@@ -282,6 +283,8 @@ int ape__physical_build(struct ape_context *ctx, const struct ape__ctx_setup *su
 	atomic_init(&ctx->warned_pinning, false);
 	atomic_init(&ctx->staging_placed, 0);
 	atomic_init(&ctx->staging_plain, 0);
+	if ((ret = ape__staging_cache_create(ctx)))
+		return ape__error(ret, "%s: out of memory", fn_create);
 	ctx->numa_policy = su->numa;
 	ret = ape__numa_open(su->topology_xml, fn_create, &ctx->numa, note, sizeof(note));
 	if (ret && su->topology_xml)
@@ -316,6 +319,7 @@ out_free:
 
 void ape__physical_free(struct ape_context *ctx)
 {
+	ape__staging_cache_destroy(ctx); /* hwloc's buffers, and unpinning: devices live still */
 	free(ctx->phys);
 	ctx->phys = NULL;
 	ctx->nphys = 0;

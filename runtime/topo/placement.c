@@ -5,6 +5,7 @@
  * and the work goes on with plain memory and unbound threads.
  */
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,6 +100,125 @@ static const char *why_plain(const struct ape_device *dev, char *buf, size_t len
 	return buf;
 }
 
+struct ape__staging_cache {
+	pthread_mutex_t lock;
+	int n;
+	struct {
+		struct ape_device *dev;
+		struct ape__hostmem m;
+	} slot[APE__STAGING_CACHE_SLOTS]; /* [0, n), oldest first */
+};
+
+int ape__staging_cache_create(struct ape_context *ctx)
+{
+	struct ape__staging_cache *c = ape__calloc(1, sizeof(*c));
+
+	if (!c || pthread_mutex_init(&c->lock, NULL)) {
+		free(c);
+		return APE_ENOMEM;
+	}
+	ctx->staging = c;
+	return 0;
+}
+
+int ape__staging_cache_held(struct ape_context *ctx, size_t *bytes)
+{
+	struct ape__staging_cache *c = ctx->staging;
+	size_t sum = 0;
+	int n = 0;
+
+	if (c) {
+		pthread_mutex_lock(&c->lock);
+		n = c->n;
+		for (int i = 0; i < n; i++)
+			sum += c->slot[i].m.bytes;
+		pthread_mutex_unlock(&c->lock);
+	}
+	if (bytes)
+		*bytes = sum;
+	return n;
+}
+
+/* frees for good, whatever the cache would say */
+static void host_release(struct ape_device *dev, struct ape__hostmem *m)
+{
+	if (m->pin)
+		dev->be->ops->host_unregister(dev, m->pin);
+	if (m->hwloc)
+		ape__numa_free(dev->be->ctx->numa, m->ptr, m->bytes);
+	else
+		free(m->ptr);
+	memset(m, 0, sizeof(*m));
+}
+
+void ape__staging_cache_destroy(struct ape_context *ctx)
+{
+	struct ape__staging_cache *c = ctx->staging;
+
+	if (!c)
+		return;
+	for (int i = 0; i < c->n; i++)
+		host_release(c->slot[i].dev, &c->slot[i].m);
+	pthread_mutex_destroy(&c->lock);
+	free(c);
+	ctx->staging = NULL;
+}
+
+/* The smallest kept buffer of dev that holds `bytes` without wasting much (at most 4x, or any
+ * up to 64 KiB), taken out of the cache into *m; false when none. */
+static bool cache_take(struct ape_device *dev, size_t bytes, struct ape__hostmem *m)
+{
+	struct ape__staging_cache *c = dev->be->ctx->staging;
+	int best = -1;
+
+	if (!c)
+		return false;
+	pthread_mutex_lock(&c->lock);
+	for (int i = 0; i < c->n; i++) {
+		const size_t have = c->slot[i].m.bytes;
+
+		if (c->slot[i].dev == dev && have >= bytes &&
+		    (have / 4 <= bytes || have <= ((size_t)64 << 10)) &&
+		    (best < 0 || have < c->slot[best].m.bytes))
+			best = i;
+	}
+	if (best >= 0) {
+		*m = c->slot[best].m;
+		memmove(&c->slot[best], &c->slot[best + 1],
+			(size_t)(c->n - best - 1) * sizeof(c->slot[0]));
+		c->n--;
+	}
+	pthread_mutex_unlock(&c->lock);
+	return best >= 0;
+}
+
+/* Keeps *m for the next call (the oldest kept buffer makes room when the cache is full, freed
+ * outside the lock); false when it is not for keeping. */
+static bool cache_give(struct ape_device *dev, struct ape__hostmem *m)
+{
+	struct ape__staging_cache *c = dev->be->ctx->staging;
+	struct ape__hostmem old = { 0 };
+	struct ape_device *old_dev = NULL;
+
+	if (!c || !m->cacheable || m->bytes > APE__STAGING_CACHE_MAX)
+		return false;
+	pthread_mutex_lock(&c->lock);
+	if (c->n == APE__STAGING_CACHE_SLOTS) {
+		old = c->slot[0].m;
+		old_dev = c->slot[0].dev;
+		memmove(&c->slot[0], &c->slot[1], (size_t)(c->n - 1) * sizeof(c->slot[0]));
+		c->n--;
+	}
+	c->slot[c->n].dev = dev;
+	c->slot[c->n].m = *m;
+	c->n++;
+	pthread_mutex_unlock(&c->lock);
+	if (old_dev)
+		host_release(old_dev, &old);
+	memset(m, 0, sizeof(*m));
+	return true;
+}
+
 int ape__host_alloc(struct ape_device *dev, size_t bytes, struct ape__hostmem *m)
 {
 	struct ape_context *ctx = dev->be->ctx;
@@ -108,6 +228,17 @@ int ape__host_alloc(struct ape_device *dev, size_t bytes, struct ape__hostmem *m
 	int ret;
 
 	memset(m, 0, sizeof(*m));
+	if (cache_take(dev, bytes, m)) {
+		/* a failure point per buffer handed out, as for a fresh one */
+		if (ape__fault_alloc_hit()) {
+			cache_give(dev, m);
+			return ape__error(APE_ENOMEM,
+					  "out of host memory for a %zu-byte staging buffer", bytes);
+		}
+		atomic_fetch_add(m->placed == APE_NUMA_OFF ? &ctx->staging_plain
+							   : &ctx->staging_placed, 1);
+		return 0;
+	}
 	if (ctx->numa_policy != APE_NUMA_OFF && !why_plain(dev, why, sizeof(why))) {
 		/*
 		 * A placement the system refuses falls back to a plain allocation (below), so the
@@ -119,6 +250,7 @@ int ape__host_alloc(struct ape_device *dev, size_t bytes, struct ape__hostmem *m
 					  "out of host memory for a %zu-byte staging buffer", bytes);
 		ret = place(dev, bytes, p->info.staging_policy, p->info.staging_nodes, m);
 		if (!ret) {
+			m->cacheable = true;
 			atomic_fetch_add(&ctx->staging_placed, 1);
 			return 0;
 		}
@@ -139,6 +271,7 @@ int ape__host_alloc(struct ape_device *dev, size_t bytes, struct ape__hostmem *m
 	}
 	m->bytes = bytes;
 	m->placed = APE_NUMA_OFF;
+	m->cacheable = true;
 	atomic_fetch_add(&ctx->staging_plain, 1);
 	pin(dev, m);
 	return 0;
@@ -148,13 +281,8 @@ void ape__host_free(struct ape_device *dev, struct ape__hostmem *m)
 {
 	if (!m->ptr)
 		return;
-	if (m->pin)
-		dev->be->ops->host_unregister(dev, m->pin);
-	if (m->hwloc)
-		ape__numa_free(dev->be->ctx->numa, m->ptr, m->bytes);
-	else
-		free(m->ptr);
-	memset(m, 0, sizeof(*m));
+	if (!cache_give(dev, m))
+		host_release(dev, m);
 }
 
 int ape__bind_thread(struct ape_device *dev)

@@ -23,13 +23,16 @@ struct ape__hostmem {
 	char nodes[64]; /* the nodes it is bound to or spread over; "" when plain */
 	bool hwloc; /* freed through hwloc (placed), else free() */
 	void *pin; /* the backend's host_register handle, NULL when not pinned */
+	bool cacheable; /* from ape__host_alloc(): ape__host_free() may keep it for the next */
 };
 
 /*
  * `bytes` (> 0) of host memory for staging data to or from `dev`. Placement that cannot be done
  * (no topology, a topology of another machine, binding refused) is reported once per context and
  * gives a plain allocation: only APE_ENOMEM fails (message set). `m` is zeroed first, so
- * ape__host_free() may be called on it whatever happened.
+ * ape__host_free() may be called on it whatever happened. m->bytes may exceed `bytes`: the
+ * buffer may come from the context's staging cache, placed and pinned as before, holding what
+ * its last user left (never zeroed).
  */
 int ape__host_alloc(struct ape_device *dev, size_t bytes, struct ape__hostmem *m);
 /*
@@ -40,8 +43,28 @@ int ape__host_alloc(struct ape_device *dev, size_t bytes, struct ape__hostmem *m
  */
 int ape__host_alloc_placed(struct ape_device *dev, size_t bytes, ape_numa_policy policy,
 			   const char *nodes, struct ape__hostmem *m);
-/* Unpins and frees; accepts a zeroed or already freed `m`. */
+/*
+ * Unpins and frees, or keeps a buffer of ape__host_alloc() of at most APE__STAGING_CACHE_MAX
+ * bytes in the context's staging cache for the next call on the same device (a call of a few
+ * milliseconds otherwise pays a mapping, its page faults and the unmapping's TLB shootdown,
+ * and a pinning on devices that pin, for its few KiB of tables; bench/RESULTS.md). Accepts a
+ * zeroed or already freed `m`; zeroes it.
+ */
 void ape__host_free(struct ape_device *dev, struct ape__hostmem *m);
+
+/* The staging cache: at most APE__STAGING_CACHE_SLOTS buffers of at most
+ * APE__STAGING_CACHE_MAX bytes each, per context. */
+#define APE__STAGING_CACHE_SLOTS 8
+#define APE__STAGING_CACHE_MAX ((size_t)4 << 20)
+
+/* Makes the context's empty staging cache (ape__physical_build): 0 or APE_ENOMEM. */
+int ape__staging_cache_create(struct ape_context *ctx);
+/* What the cache keeps now: the number of buffers (and, in *bytes when not NULL, their sum).
+ * For tests and the call log. */
+int ape__staging_cache_held(struct ape_context *ctx, size_t *bytes);
+/* Frees every buffer the cache keeps, and the cache; before the devices and the topology go
+ * (ape__physical_free). Accepts a context without one. */
+void ape__staging_cache_destroy(struct ape_context *ctx);
 
 /*
  * Binds the calling thread to the local CPUs of `dev` when the context's policy is local, within
