@@ -287,12 +287,41 @@ static uint64_t bwd_scratch_size(const struct ape_be_launch *f, unsigned parts, 
 	       s->dqp + s->rp + s->bt + s->bsm + s->dbp + s->dbd + s->sg + s->rvs + s->kbs;
 }
 
+/*
+ * A dense launch of one short problem (B = 1, at most BWD_SHORT_ROWS rows and BWD_SHORT_KEYS
+ * keys: a training step of a small model, a fine-tune at L 64) as the one-segment ragged launch
+ * it is (its q_start and k_start the segment's), so that ape_bwd_short takes it whole: one
+ * kernel where the general path runs seven, each a hand-off to the driver's threads that costs
+ * more than such a problem's pairs (bench/RESULTS.md). Anything else, or APE_OCL_BWD_SHORT=0:
+ * l itself. x and one hold the copy.
+ */
+static const struct ape_be_bwd_launch *bwd_dense_short(const struct ape_be_bwd_launch *l,
+						       struct ape_be_bwd_launch *x,
+						       struct ape_be_seg *one)
+{
+	const struct ape_be_launch *f = &l->f;
+	const char *e = getenv("APE_OCL_BWD_SHORT");
+
+	if (f->segs || f->pos_q || f->B != 1 || f->Lq < 1 || f->Lq > BWD_SHORT_ROWS ||
+	    f->Lk < 1 || f->Lk > BWD_SHORT_KEYS || (e && !strcmp(e, "0")))
+		return l;
+	*one = (struct ape_be_seg){ .q0 = 0, .lq = f->Lq, .k0 = 0, .lk = f->Lk,
+				    .q_start = f->q_start, .k_start = f->k_start };
+	*x = *l;
+	x->f.segs = one;
+	x->f.nseg = 1;
+	return x;
+}
+
 uint64_t ape__ocl_attention_backward_scratch(struct ape_device *dev,
 					     const struct ape_be_bwd_launch *l, unsigned parts)
 {
 	struct bwd_scratch s;
 	struct bwd_space sp;
+	struct ape_be_bwd_launch x;
+	struct ape_be_seg one;
 
+	l = bwd_dense_short(l, &x, &one); /* as the launch will run it */
 	bwd_space(&l->f, BWD_RW_MAX, &sp);
 	return bwd_scratch_size(&l->f, parts, BWD_RW_MAX, &sp, bwd_nsplit(dev, &l->f, sp.nkb),
 				ape__ocl_real_size(ape__ocl_dev(dev)), 0, &s);
@@ -1060,8 +1089,11 @@ int ape__ocl_attention_backward(struct ape_be_queue *q, const struct ape_be_bwd_
 	struct ape_be_bwd_launch part;
 	int64_t a = 0;
 
-	if (!f->segs)
-		return bwd_launch(q, l);
+	if (!f->segs) {
+		struct ape_be_seg one;
+
+		return bwd_launch(q, bwd_dense_short(l, &part, &one));
+	}
 	while (a < f->nseg) {
 		int64_t lo = INT64_MAX, hi = INT64_MIN, b = a;
 		int ret;
