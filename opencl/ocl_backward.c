@@ -883,7 +883,7 @@ static int bwd_launch(struct ape_be_queue *q, const struct ape_be_bwd_launch *l)
 		bt = bwd_table(q, f->bias_table, f->bias_hstride, brows, s.bt, &held, &err);
 	if (s.bsm && bt)
 		bsm = bwd_table(q, f->bias_smax, f->bias_hstride, brows, s.bsm, &held, &err);
-	if (s.dbp && (!s.bsm || bsm))
+	if (s.dbp && (!s.bt || bt) && (!s.bsm || bsm)) /* (a failure before keeps its error) */
 		dbp = bwd_zeros(q, s.dbp, &held, &err);
 	if (s.dbd && dbp)
 		dbd = bwd_take(q, s.dbd, NULL, &held, &err);
