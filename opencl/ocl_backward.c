@@ -385,11 +385,12 @@ static cl_mem bwd_table(struct ape_be_queue *q, const float *t, int64_t hstride,
 	return mem;
 }
 
-/* Per (batch, kv head): the largest key norm bound, as float bits, zero until ape_bwd_prep
- * raises it (an atomic max: the result does not depend on the order), in `bytes`. */
-static cl_mem bwd_kmax(const struct ape__ocl_device *od, size_t bytes, uint64_t *held, cl_int *err)
+/* `bytes` of zeros made at creation as a copy of host zeros (no command on a queue), added to
+ * *held. */
+static cl_mem bwd_host_zeros(const struct ape__ocl_device *od, size_t bytes, uint64_t *held,
+			     cl_int *err)
 {
-	int *zero = ape_be_calloc(bytes, 1);
+	void *zero = ape_be_calloc(bytes, 1);
 	cl_mem mem;
 
 	if (!zero) {
@@ -401,6 +402,13 @@ static cl_mem bwd_kmax(const struct ape__ocl_device *od, size_t bytes, uint64_t 
 	if (mem)
 		*held += bytes;
 	return mem;
+}
+
+/* Per (batch, kv head): the largest key norm bound, as float bits, zero until ape_bwd_prep
+ * raises it (an atomic max: the result does not depend on the order), in `bytes`. */
+static cl_mem bwd_kmax(const struct ape__ocl_device *od, size_t bytes, uint64_t *held, cl_int *err)
+{
+	return bwd_host_zeros(od, bytes, held, err);
 }
 
 /* Scratch up to this size on a CPU device starts as a copy of host zeros: one command fewer
@@ -418,20 +426,8 @@ static cl_mem bwd_zeros(struct ape_be_queue *q, size_t bytes, uint64_t *held, cl
 	cl_mem mem;
 	cl_event ev;
 
-	if ((od->type & CL_DEVICE_TYPE_CPU) && bytes <= BWD_ZEROS_COPIED) {
-		void *host = ape_be_calloc(bytes, 1);
-
-		if (!host) {
-			*err = CL_OUT_OF_HOST_MEMORY;
-			return NULL;
-		}
-		mem = clCreateBuffer(od->ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, bytes, host,
-				     err);
-		free(host);
-		if (mem)
-			*held += bytes;
-		return mem;
-	}
+	if ((od->type & CL_DEVICE_TYPE_CPU) && bytes <= BWD_ZEROS_COPIED)
+		return bwd_host_zeros(od, bytes, held, err);
 	mem = bwd_take(q, bytes, NULL, held, err);
 	if (!mem)
 		return NULL;
