@@ -93,11 +93,16 @@ struct ape_be_queue {
 	struct ape__ocl_timeline *tl;
 	bool wrapped; /* the caller's queue (queue_wrap): released without waiting */
 	bool timed; /* CL_QUEUE_PROFILING_ENABLE: event_elapsed and event_timestamp work */
+	/* a barrier (event_wait) enqueued after the last tracked command: that command's event no
+	 * longer stands for the queue's end (ape__ocl_event_record) */
+	bool fenced;
 };
 
 struct ape_be_event {
 	struct ape_device *dev; /* first, likewise */
-	cl_event marker; /* for event_wait on other queues, and timing across queues */
+	/* for event_wait on other queues, and timing across queues: a marker, or the event of the
+	 * queue's last command where that stands for the same point (ape__ocl_event_record) */
+	cl_event marker;
 	struct ape__ocl_timeline *tl;
 	size_t idx; /* commands of tl enqueued before this event */
 	bool timed; /* recorded on a queue with profiling (struct ape_be_queue.timed) */

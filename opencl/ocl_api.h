@@ -25,7 +25,7 @@
 	X(clGetKernelWorkGroupInfo) X(clGetMemObjectInfo) X(clGetPlatformIDs) X(clGetPlatformInfo) \
 	X(clGetProgramBuildInfo) X(clGetProgramInfo) X(clReleaseCommandQueue) X(clReleaseContext)  \
 	X(clReleaseEvent) X(clReleaseKernel) X(clReleaseMemObject) X(clReleaseProgram)             \
-	X(clRetainCommandQueue) X(clRetainContext) X(clRetainMemObject)                            \
+	X(clRetainCommandQueue) X(clRetainContext) X(clRetainEvent) X(clRetainMemObject)          \
 	X(clSetKernelArg) X(clSetMemObjectDestructorCallback) X(clWaitForEvents)
 
 struct ape__ocl_api {
@@ -79,6 +79,7 @@ int ape__ocl_load(char *why, size_t cap);
 #define clReleaseProgram ape__ocl.clReleaseProgram
 #define clRetainCommandQueue ape__ocl.clRetainCommandQueue
 #define clRetainContext ape__ocl.clRetainContext
+#define clRetainEvent ape__ocl.clRetainEvent
 #define clRetainMemObject ape__ocl.clRetainMemObject
 #define clSetKernelArg ape__ocl.clSetKernelArg
 #define clSetMemObjectDestructorCallback ape__ocl.clSetMemObjectDestructorCallback

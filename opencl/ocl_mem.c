@@ -91,6 +91,7 @@ int ape__ocl_track(struct ape_be_queue *q, cl_event ev)
 		}
 	}
 	tl->ev[tl->n++] = ev;
+	q->fenced = false;
 	return 0;
 }
 
@@ -453,18 +454,37 @@ int ape__ocl_copy_d2d(struct ape_be_queue *q, struct ape_be_buf *dst, size_t dst
 	return ape__ocl_track(q, ev);
 }
 
+/*
+ * An event stands for the current end of q. Our queues are in order, so where the queue's last
+ * command is tracked (and no barrier came after it) that command's own event is the same point:
+ * it completes when everything before it has, and its end is when that was (what a marker's end
+ * would say, without a marker's own wait behind the work). Retaining it enqueues nothing, where
+ * a marker is one more command for the driver to allocate, schedule and retire (PoCL wakes its
+ * worker threads for each). A marker where that does not hold: nothing tracked (an idle queue),
+ * a barrier since, or the caller's queue (whose own commands libape does not see).
+ */
 int ape__ocl_event_record(struct ape_be_queue *q, struct ape_be_event **out)
 {
 	struct ape_be_event *e = ape_be_calloc(1, sizeof(*e));
+	const struct ape__ocl_timeline *tl = q->tl;
 	cl_int err;
 
 	*out = NULL;
 	if (!e)
 		return ape_be_error(APE_ENOMEM, "out of memory recording an event");
-	err = clEnqueueMarkerWithWaitList(q->cq, 0, NULL, &e->marker);
-	if (err != CL_SUCCESS) {
-		free(e);
-		return ape__ocl_error(err, "clEnqueueMarkerWithWaitList");
+	if (tl->n && !q->fenced && !q->wrapped) {
+		e->marker = tl->ev[tl->n - 1];
+		err = clRetainEvent(e->marker);
+		if (err != CL_SUCCESS) {
+			free(e);
+			return ape__ocl_error(err, "clRetainEvent");
+		}
+	} else {
+		err = clEnqueueMarkerWithWaitList(q->cq, 0, NULL, &e->marker);
+		if (err != CL_SUCCESS) {
+			free(e);
+			return ape__ocl_error(err, "clEnqueueMarkerWithWaitList");
+		}
 	}
 	e->dev = q->dev;
 	e->timed = q->timed;
@@ -474,12 +494,22 @@ int ape__ocl_event_record(struct ape_be_queue *q, struct ape_be_event **out)
 	return 0;
 }
 
+/* Nothing to enqueue where q already waits for e: an event of q itself (in order), or one that
+ * has completed. Else a barrier, after which q's last command no longer stands for its end. */
 int ape__ocl_event_wait(struct ape_be_queue *q, struct ape_be_event *e)
 {
-	cl_int err = clEnqueueBarrierWithWaitList(q->cq, 1, &e->marker, NULL);
+	cl_int st = CL_QUEUED, err;
 
+	if (e->tl == q->tl)
+		return 0;
+	if (clGetEventInfo(e->marker, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof(st), &st, NULL) ==
+		    CL_SUCCESS &&
+	    st == CL_COMPLETE)
+		return 0;
+	err = clEnqueueBarrierWithWaitList(q->cq, 1, &e->marker, NULL);
 	if (err != CL_SUCCESS)
 		return ape__ocl_error(err, "clEnqueueBarrierWithWaitList");
+	q->fenced = true;
 	return 0;
 }
 

@@ -8,6 +8,7 @@
  * allocation inside an op), injected ones for every op kind through the wrapper.
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ape_test.h"
@@ -119,6 +120,110 @@ TEST_F(be, rejected_copies_name_their_op)
 	self->ops->queue_destroy(q);
 	self->ops->buf_free(self->dev, other);
 	self->ops->buf_free(self->dev, buf);
+}
+
+/*
+ * Events order queues (the ordering model): work a queue waits for through an event has
+ * completed before the queue's later work starts, also where the event's queue itself waited on
+ * a third queue (an event stands for everything before it, waits included), and a wait on an
+ * event of the same queue or on one that has completed is harmless. OpenCL's event_record takes
+ * the last command's event where that stands for the same point (a barrier since it, or an idle
+ * queue, takes a marker): the second wait below fails if a record after a wait forgets it.
+ * Large copies and fills (tens of milliseconds on a CPU device), so that a missing wait shows as
+ * the old bytes read back.
+ */
+TEST_F(be, events_order_queues)
+{
+	const size_t n = (size_t)32 << 20, words = n / 4;
+	const struct ape_backend_plugin *ops = self->ops;
+	struct ape_be_buf *a = NULL, *b = NULL, *c = NULL;
+	struct ape_be_queue *qa = NULL, *qb = NULL, *qc = NULL;
+	struct ape_be_event *ea = NULL, *ec = NULL, *ea2 = NULL, *eb = NULL, *e0 = NULL;
+	uint32_t *src = malloc(n), *dst = malloc(n);
+	double ms = -1, t0 = 0, t1 = 0;
+	size_t bad = 0;
+
+	ASSERT_NE(NULL, src);
+	ASSERT_NE(NULL, dst);
+	for (size_t i = 0; i < words; i++)
+		src[i] = 0x9e3779b9u * (uint32_t)(i + 1);
+	ASSERT_EQ(0, ops->buf_alloc(self->dev, n, &a)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, ops->buf_alloc(self->dev, n, &b)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, ops->buf_alloc(self->dev, n, &c)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, ops->queue_create(self->dev, &qa));
+	ASSERT_EQ(0, ops->queue_create(self->dev, &qb));
+	ASSERT_EQ(0, ops->queue_create(self->dev, &qc));
+	ASSERT_EQ(0, ops->fill(qb, a, 0, 0, n));
+	ASSERT_EQ(0, ops->fill(qb, b, 0, 0, n));
+	ASSERT_EQ(0, ops->synchronize(qb));
+
+	/* 1. qb reads what qa wrote, waiting only for qa's event */
+	ASSERT_EQ(0, ops->event_record(qa, &e0)); /* an idle queue's point */
+	for (int i = 0; i < 6; i++) /* work ahead of the copy: a reader not waiting reads zeros */
+		ASSERT_EQ(0, ops->fill(qa, c, 0, (uint32_t)i, n));
+	ASSERT_EQ(0, ops->copy_h2d(qa, a, 0, src, n));
+	ASSERT_EQ(0, ops->event_record(qa, &ea)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, ops->event_wait(qb, ea)) TH_LOG("%s", ape_last_error());
+	ASSERT_EQ(0, ops->copy_d2h(qb, dst, a, 0, n));
+	ASSERT_EQ(0, ops->synchronize(qb)) TH_LOG("%s", ape_last_error());
+	for (size_t i = 0; i < words; i++)
+		bad += dst[i] != src[i];
+	EXPECT_EQ(0, bad) TH_LOG("a copy waited for through an event: %zu of %zu words stale",
+				 bad, words);
+
+	/* 2. through a queue that waited: qc fills b; qa waits for it and records; qb waits for
+	 * qa's point only */
+	for (int i = 0; i < 6; i++)
+		ASSERT_EQ(0, ops->fill(qc, c, 0, (uint32_t)i, n));
+	ASSERT_EQ(0, ops->fill(qc, b, 0, 0x5a5a5a5au, n));
+	ASSERT_EQ(0, ops->event_record(qc, &ec));
+	ASSERT_EQ(0, ops->event_wait(qa, ec));
+	ASSERT_EQ(0, ops->event_record(qa, &ea2));
+	ASSERT_EQ(0, ops->event_wait(qb, ea2));
+	ASSERT_EQ(0, ops->copy_d2h(qb, dst, b, 0, n));
+	ASSERT_EQ(0, ops->synchronize(qb)) TH_LOG("%s", ape_last_error());
+	bad = 0;
+	for (size_t i = 0; i < words; i++)
+		bad += dst[i] != 0x5a5a5a5au;
+	EXPECT_EQ(0, bad) TH_LOG("a fill waited for through a queue that waited on it: %zu of %zu "
+				 "words stale", bad, words);
+
+	/* 3. waits on the queue's own event and on completed ones: no effect, no failure */
+	ASSERT_EQ(0, ops->synchronize(qa));
+	ASSERT_EQ(0, ops->synchronize(qc));
+	ASSERT_EQ(0, ops->copy_h2d(qb, a, 0, src, 4096));
+	ASSERT_EQ(0, ops->event_record(qb, &eb));
+	EXPECT_EQ(0, ops->event_wait(qb, eb)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, ops->event_wait(qb, ea)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, ops->event_wait(qa, eb)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, ops->synchronize(qb)) TH_LOG("%s", ape_last_error());
+	EXPECT_EQ(0, ops->synchronize(qa)) TH_LOG("%s", ape_last_error());
+
+	/* 4. timing between the idle queue's point and the copy's: the fills' and the copy's
+	 * time, ordered */
+	EXPECT_EQ(0, ops->event_elapsed(e0, ea, &ms)) TH_LOG("%s", ape_last_error());
+	EXPECT_GT(ms, 0.0);
+	if (ops->event_timestamp) {
+		EXPECT_EQ(0, ops->event_timestamp(e0, &t0)) TH_LOG("%s", ape_last_error());
+		EXPECT_EQ(0, ops->event_timestamp(ea, &t1)) TH_LOG("%s", ape_last_error());
+		EXPECT_GE(t1 - t0, ms * 0.999) TH_LOG("the copy's %.3f ms between points %.3f ms "
+						       "apart", ms, t1 - t0);
+	}
+	/* events outlive their queues */
+	ops->queue_destroy(qa);
+	ops->queue_destroy(qb);
+	ops->queue_destroy(qc);
+	EXPECT_EQ(0, ops->event_elapsed(e0, ea, &ms)) TH_LOG("%s", ape_last_error());
+	ops->event_destroy(e0);
+	ops->event_destroy(ea);
+	ops->event_destroy(ea2);
+	ops->event_destroy(ec);
+	ops->event_destroy(eb);
+	ops->buf_free(self->dev, a);
+	ops->buf_free(self->dev, b);
+	ops->buf_free(self->dev, c);
+	free(src);
+	free(dst);
 }
 
 /* One copy_view (ABI 10) inside buf: 4 float32 from element 0 to element 16, for the program of

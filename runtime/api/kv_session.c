@@ -185,7 +185,11 @@ int ape__kv_session_run(struct ape__kv_session *ks, const char *fn, const struct
 		return ape__error_prefix(ret, fn);
 	call = (struct ape__stream_call){
 		.pass = &f.pass, .Lq = p->Lq, .Lk = p->Lk, .co = cq, .ci = ck, .no = nq, .ni = nk,
-		.loader = r->loader, .host_tables = ape_be_caps_have(&ks->dev->caps, APE_BE_CAP_HOST_MEMORY),
+		.loader = r->loader,
+		/* on a device that reads host memory, the attend's queries are read where they
+		 * lie (no copy in: one command fewer per decode step), as the per-run tables */
+		.in_place = ape_be_caps_have(&ks->dev->caps, APE_BE_CAP_HOST_MEMORY),
+		.host_tables = ape_be_caps_have(&ks->dev->caps, APE_BE_CAP_HOST_MEMORY),
 		.poison = ks->dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS,
 		.wq = ks->wq, .abort = &abort_flag,
 	};
