@@ -240,6 +240,93 @@ TEST_F(kv, decode_in_place_equals_reference)
 	in_place_cases(_metadata, self, variant, false);
 }
 
+/*
+ * An attend of one key chunk on a device that reads host memory, without statistics or
+ * diagnostics, writes the caller's O and LSE in place: no accumulator filled, no merge, nothing
+ * read back (kv_session.c); with statistics the same keys merge into the session's
+ * accumulators. Both give the same bits (a merge of one chunk into the empty result is exact):
+ * every storage type, LSE or none, O strided (D contiguous), GQA.
+ */
+TEST_F(kv, one_chunk_attend_writes_in_place)
+{
+	static const ape_dtype types[] = { APE_F32, APE_F16, APE_BF16 };
+	const bool host = ape_be_caps_have(&self->dev->caps, APE_BE_CAP_HOST_MEMORY);
+	int direct = 0;
+	ape_rng rng;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int cs = 0; cs < 9; cs++) {
+		const test_problem_shape sh = { 1, 2 * (1 + cs % 2), 2, 1 + cs % 3, 37 + 11 * cs, 64 };
+		const bool with_lse = cs % 2 == 0;
+		ape_kv_cache_options o;
+		test_problem tp;
+		ape_kv_cache *cache;
+		ape_stats st;
+		test_tensor o2;
+		struct wrap_counts merged, direct_c;
+		float *lse2;
+		char what[96];
+
+		snprintf(what, sizeof(what), "case %d: H %lld Lq %lld Lk %lld %s, %s", cs,
+			 (long long)sh.H, (long long)sh.Lq, (long long)sh.Lk,
+			 ape_dtype_name(types[cs % 3]), with_lse ? "LSE" : "no LSE");
+		ASSERT_EQ(0, test_problem_make(&tp, &rng, &sh, types[cs % 3], cs % 4 == 1));
+		test_problem_random_params(&tp, &rng);
+		tp.desc.skip_tol = 0;
+		o = cache_options(&tp, 16, sh.Lk + 16);
+		ASSERT_EQ(0, ape_kv_cache_create(self->dev, &o, &cache)) TH_LOG("%s", ape_last_error());
+		{
+			ape_tensor kt = test_rows(&tp.k.t, 0, sh.Lk), vt = test_rows(&tp.v.t, 0, sh.Lk);
+
+			ASSERT_EQ(0, ape_kv_cache_append(cache, &kt, &vt)) TH_LOG("%s", ape_last_error());
+		}
+		lse2 = malloc(tp.rows * sizeof(float) + 4);
+		ASSERT_NE(NULL, lse2);
+		ASSERT_EQ(0, test_tensor_empty(&o2, tp.o.t.dtype, sh.B, sh.H, sh.Lq, sh.D));
+		wrap_install(self->dev, 0);
+		ape_stats_init(&st);
+		ASSERT_EQ(0, ape_kv_cache_attend(cache, &tp.desc, &tp.q.t, &o2.t,
+						 with_lse ? lse2 : NULL, &st))
+			TH_LOG("%s: %s", what, ape_last_error());
+		merged = wrap_get();
+		wrap_reset();
+		ASSERT_EQ(0, ape_kv_cache_attend(cache, &tp.desc, &tp.q.t, &tp.o.t,
+						 with_lse ? tp.lse : NULL, NULL))
+			TH_LOG("%s: %s", what, ape_last_error());
+		direct_c = wrap_get();
+		wrap_remove();
+		EXPECT_TRUE(same_values(&tp.o.t, &o2.t)) TH_LOG("%s: O differs", what);
+		if (with_lse)
+			EXPECT_EQ(0, memcmp(tp.lse, lse2, tp.rows * sizeof(float))) TH_LOG("%s", what);
+		if (tp.strided)
+			EXPECT_EQ(0, test_problem_padding_intact(&tp)) TH_LOG("%s", what);
+		if (host && merged.calls[WRAP_ATTENTION] == 1) { /* one launch: one key chunk */
+			EXPECT_EQ(0u, direct_c.calls[WRAP_ATTENTION_MERGE]) TH_LOG("%s", what);
+			/* an LSE nobody wants stays on the device, poisoned first in a context
+			 * that poisons outputs (the tests' own) */
+			EXPECT_EQ(!with_lse && (self->dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS)
+					  ? 1u
+					  : 0u,
+				  direct_c.calls[WRAP_FILL])
+				TH_LOG("%s", what);
+			EXPECT_EQ(0u, direct_c.calls[WRAP_COPY_D2H]) TH_LOG("%s", what);
+			EXPECT_EQ(0u, direct_c.calls[WRAP_COPY_H2D]) TH_LOG("%s", what);
+			EXPECT_EQ(1u, direct_c.calls[WRAP_ATTENTION]) TH_LOG("%s", what);
+			if (self->dev->be->ops->attention_merge)
+				EXPECT_GT(merged.calls[WRAP_ATTENTION_MERGE], 0u) TH_LOG("%s", what);
+			direct++;
+		}
+		free(lse2);
+		test_tensor_free(&o2);
+		ape_kv_cache_destroy(cache);
+		test_problem_free(&tp);
+	}
+	ksft_print_msg("%d of 9 attends ran as one chunk written in place\n", direct);
+	fflush(stdout);
+	if (!strcmp(variant->backend, "opencl"))
+		EXPECT_EQ(9, direct);
+}
+
 /* Prefill chunks: read in place on CUDA (its prefill kernel through the pages), gathered
  * elsewhere; bit for bit the attend gathered where read in place. */
 TEST_F(kv, prefill_in_place_equals_reference_and_gathered)

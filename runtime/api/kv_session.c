@@ -148,6 +148,24 @@ static bool whole_in_place(const struct ape__kv_session *ks, const struct ape__k
 	return ks->dev->be->ops->attention_pages(ks->dev, &l);
 }
 
+/*
+ * Whether every output a launch of pass x brings back is written in place instead (each a
+ * JOB_OUT wrapped over the caller's memory): the session's staging was planned for the
+ * merged results of its geometry, not for a direct pass's rows coming back.
+ */
+static bool direct_in_place(const struct ape__pass *x, const struct ape_device *dev)
+{
+	for (int t = 0; t < x->nt; t++) {
+		const struct ape__pass_tensor *pt = &x->t[t];
+
+		if ((pt->role == APE__ROLE_JOB_OUT && pt->row_bytes && pt->back &&
+		     !ape__pass_wraps(x, t, true, dev->caps.max_alloc, 0, 0)) ||
+		    (pt->role == APE__ROLE_JOB_IN && pt->row_bytes))
+			return false;
+	}
+	return true;
+}
+
 int ape__kv_session_run(struct ape__kv_session *ks, const char *fn, const struct ape__kv_run *r,
 			struct ape__exec_result *res)
 {
@@ -162,6 +180,7 @@ int ape__kv_session_run(struct ape__kv_session *ks, const char *fn, const struct
 	struct ape__fwd f;
 	atomic_bool abort_flag;
 	const int64_t cq = ks->geom.plan.co, nq = (p->Lq + cq - 1) / cq;
+	const bool host = ape_be_caps_have(&ks->dev->caps, APE_BE_CAP_HOST_MEMORY);
 	int64_t ck = ks->geom.plan.ci, nk;
 	int ret;
 
@@ -180,16 +199,27 @@ int ape__kv_session_run(struct ape__kv_session *ks, const char *fn, const struct
 		ape__kmax_scan(&ks->km);
 		fc.kmax = &ks->km;
 	}
+	/* one key chunk on a device that reads host memory: the launches write the caller's O
+	 * (and LSE) in place, with no accumulators to fill, merge into and read back */
+	fc.in_place = host && nk == 1 && !fc.want_pairs && !fc.diag && p->os[3] == 1;
+	fc.force_merge = !fc.in_place;
 	ape__fwd_init(&f, &fc, ks->dev);
-	if ((ret = ape__fwd_prepare(&f, cq, ck, nq, nk, ks->geom.plan.o_slots)))
+	ret = ape__fwd_prepare(&f, cq, ck, nq, nk, ks->geom.plan.o_slots);
+	if (!ret && fc.in_place && !direct_in_place(&f.pass, ks->dev)) {
+		ape__fwd_fini(&f);
+		fc.in_place = false;
+		fc.force_merge = true;
+		ape__fwd_init(&f, &fc, ks->dev);
+		ret = ape__fwd_prepare(&f, cq, ck, nq, nk, ks->geom.plan.o_slots);
+	}
+	if (ret)
 		return ape__error_prefix(ret, fn);
 	call = (struct ape__stream_call){
 		.pass = &f.pass, .Lq = p->Lq, .Lk = p->Lk, .co = cq, .ci = ck, .no = nq, .ni = nk,
 		.loader = r->loader,
 		/* on a device that reads host memory, the attend's queries are read where they
 		 * lie (no copy in: one command fewer per decode step), as the per-run tables */
-		.in_place = ape_be_caps_have(&ks->dev->caps, APE_BE_CAP_HOST_MEMORY),
-		.host_tables = ape_be_caps_have(&ks->dev->caps, APE_BE_CAP_HOST_MEMORY),
+		.in_place = host, .host_tables = host,
 		.poison = ks->dev->be->ctx->flags & APE_CONTEXT_POISON_OUTPUTS,
 		.wq = ks->wq, .abort = &abort_flag,
 	};

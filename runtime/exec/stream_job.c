@@ -267,8 +267,8 @@ static int read_back(struct ape__stream *s, struct jslot *j)
 			  s->at[t] != APE__AT_UNUSED && s->at[t] != APE__AT_WRAPPED;
 		j->pj.host[t] = NULL;
 	}
-	/* the stream's one job, its outputs (if any) written in place: its kernels are the end */
-	j->back_on_exec = !copies && s->g.plan.no == 1 && s->g.plan.ni == 1;
+	/* the run's one job, its outputs (if any) written in place: its kernels are the end */
+	j->back_on_exec = !copies && s->c->no == 1 && s->c->ni == 1;
 	if (j->back_on_exec)
 		return 0;
 	if ((ret = s->ops->event_wait(j->down, j->kernel_e1)) ||
