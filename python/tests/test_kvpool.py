@@ -529,6 +529,27 @@ def test_stats_and_per_head_parameters():
         assert o.shape == (0, 4, 16) and lse.shape == (0, 4)  # an empty batch
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_statistics_change_no_bit(device, dtype):
+    """An attend without statistics (on a device that reads host memory, one key chunk: its
+    launch writes o and lse in place) and the same attend with them (merged into the session's
+    accumulators): the same bits, under decay with skipping, for one sequence and a batch."""
+    rng = np.random.default_rng(17)
+    H, Hkv, D = 4, 2, 32
+    with libape.KVPool(Hkv=Hkv, D=D, H=H, capacity_tokens=1024, page_tokens=16,
+                       dtype=dtype, device=device) as pool:
+        ids = [pool.add_sequence() for _ in range(3)]
+        for sid, n in zip(ids, (300, 17, 129)):
+            pool.append(sid, *(rng.standard_normal((n, Hkv, D)).astype(dtype) for _ in "kv"))
+        for seqs, cu in (([ids[0]], [0, 1]), (ids, [0, 1, 3, 6])):
+            q = rng.standard_normal((cu[-1], H, D)).astype(dtype)
+            o1, l1 = pool.attend(q, seqs, cu, return_lse=True, **PRM)
+            o2, l2, st = pool.attend(q, seqs, cu, return_lse=True, stats=True, **PRM)
+            assert st["pairs_computed"] > 0
+            assert np.array_equal(o1, o2) and np.array_equal(l1, l2)
+
+
 def test_exit_with_a_pool_open():
     """A pool still open at exit is closed before its context is destroyed."""
     code = ("import numpy as np, libape\n"
