@@ -8,7 +8,10 @@ Cases (H = Hkv = 6, D = 64, float32, one query row per sequence at the end of it
             against PyTorch SDPA called once per sequence on keys rotated once (as a cache
             holds them, kv_decode.py's way); with the K/V bytes a step reads
             (2 x keys x Hkv x D x 4) and the GB/s each achieves. The issue's case:
-            64 sequences of 256..32768 (the default).
+            64 sequences of 256..32768 (the default). With --membw auto, build/bench/membw
+            reads as many bytes as the step (so that no more of them fit in the machine's
+            last-level cache than of the step's) once in every round, and each round's step
+            is given as a share of that round's bandwidth (target: 80%).
   decay     APE decode with the seed's decay and the default skip_tol, one sequence of Lk
             keys in a KVPool (--decay-Lk), against SDPA's plain decode over the same Lk.
             Targets: 0.1x SDPA at Lk = 32768; the pool's step at 131072 within 1.3x of its
@@ -30,7 +33,7 @@ ratios.
 usage: build/venv/bin/python bench/pool_decode.py [--build build] [--device opencl]
        [--cases batch,decay,single,paged] [--seqs 64] [--max-len 32768] [--spread geometric]
        [--decay-Lk 4096,32768,131072] [--single-Lk 32768] [--page-tokens 16] [--rounds 5]
-       [--repeats 5] [--membw GBPS] [--quick]
+       [--repeats 5] [--membw GBPS|auto] [--quick]
 The defaults are the issue's cases (about a minute on 2 cores; --quick: seconds).
 LIBAPE_LIBRARY, when set, names the libape shared library to load (an A/B of two builds).
 """
@@ -57,15 +60,32 @@ def call_ms(fn):
     return (time.perf_counter() - t0) * 1e3
 
 
-def rounds(fns, nrounds, repeats):
+def rounds(fns, nrounds, repeats, between=None):
     """Each fn's median of `repeats` calls (after one untimed), the fns taking turns, for
-    `nrounds` rounds: per fn, the list of its round medians."""
+    `nrounds` rounds: per fn, the list of its round medians. `between`, if given, is called
+    once in every round after the fns (a measurement that takes the same turns)."""
     med = [[] for _ in fns]
     for _ in range(nrounds):
         for i, f in enumerate(fns):
             f()
             med[i].append(statistics.median(call_ms(f) for _ in range(repeats)))
+        if between:
+            between()
     return med
+
+
+def membw_gbps(build, nbytes, threads):
+    """build/bench/membw's median GB/s for a read of nbytes (rounded up to whole MiB: the
+    step's own size, so that the machine's last-level cache holds as much of it as of the
+    step) with `threads` threads, 5 rounds."""
+    exe = os.path.join(build, "bench", "membw")
+    if not os.access(exe, os.X_OK):
+        sys.exit("pool_decode.py: --membw auto needs %s (make bench-membw)" % exe)
+    mib = max(1, -(-nbytes // 2 ** 20))
+    out = subprocess.run([exe, str(mib), str(threads), "5"], check=True,
+                         stdout=subprocess.PIPE, universal_newlines=True).stdout
+    # "... median 13.95 ms (28.9 GB/s) [check ...]"
+    return float(out.split("median", 1)[1].split("(", 1)[1].split(" GB/s", 1)[0])
 
 
 def ratio(a, b):
@@ -112,10 +132,13 @@ class Ctx:
         self.rows = []
         self.targets = []
 
-    def gbps(self, nbytes, ms):
+    def gbps(self, nbytes, ms, membw=None):
+        """GB/s of nbytes in ms, and its share of the read bandwidth (membw if given, else
+        --membw's figure)."""
+        bw = membw or (self.args.membw if self.args.membw != "auto" else 0)
         s = "%.2f" % (nbytes / ms / 1e6)
-        if self.args.membw:
-            s += " (%.0f%%)" % (100 * nbytes / ms / 1e6 / self.args.membw)
+        if bw:
+            s += " (%.0f%% of %.1f)" % (100 * nbytes / ms / 1e6 / bw, bw)
         return s
 
     def keys(self, n, seed):
@@ -166,13 +189,25 @@ def case_batch(c):
     assert err < TOL, "batch: KVPool vs SDPA differ by %g" % err
     nbytes = c.kv_bytes(st)
     assert nbytes == 2 * total * H * D * 4, (nbytes, total)
-    tp, ts = rounds([att, sdpa_each], a.rounds, a.repeats)
+    bw = []
+    between = None
+    if a.membw == "auto":
+        def between():
+            bw.append(membw_gbps(a.build, nbytes, a.threads))
+    tp, ts = rounds([att, sdpa_each], a.rounds, a.repeats, between)
     mp, ms = statistics.median(tp), statistics.median(ts)
+    membw = statistics.median(bw) if bw else None
+    if membw:
+        c.targets.append("batch: build/bench/membw over the step's %.0f MiB, in every round: "
+                         "%s GB/s (median %.1f); the step's share of each round's: %s" % (
+                             nbytes / 2 ** 20, ", ".join("%.1f" % x for x in bw), membw,
+                             ", ".join("%.0f%%" % (100 * nbytes / t / 1e6 / x)
+                                       for t, x in zip(tp, bw))))
     c.rows.append(("batch", "plain decode, %d sequences of %d..%d keys (%s), %d keys in all, "
                    "pages of %d" % (len(lens), lens[0], lens[-1], a.spread, total,
                                     a.page_tokens),
                    "KVPool, one attend", mp, "SDPA once per sequence", ms, ratio(tp, ts),
-                   nbytes, c.gbps(nbytes, mp), c.gbps(nbytes, ms), "-", err))
+                   nbytes, c.gbps(nbytes, mp, membw), c.gbps(nbytes, ms, membw), "-", err))
     pool.close()
 
 
@@ -363,8 +398,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per round")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--membw", type=float, default=0.0, metavar="GBPS",
-                    help="memory read bandwidth (make bench-membw): GB/s also as a share of it")
+    ap.add_argument("--membw", default="0", metavar="GBPS|auto",
+                    help="memory read bandwidth (make bench-membw): GB/s also as a share of "
+                    "it; auto: build/bench/membw over the batch step's own bytes, run in "
+                    "every round of the batch case (0: none)")
     ap.add_argument("--quick", action="store_true",
                     help="small sizes, 3 rounds of 3: a smoke test")
     args = ap.parse_args()
@@ -379,8 +416,13 @@ def main():
             or args.single_Lk < 1 or args.rounds < 1 or args.repeats < 1:
         ap.error("--seqs, --min-len, --max-len, --page-tokens, --single-Lk, --rounds and "
                  "--repeats must be >= 1")
-    if not args.membw >= 0:
-        ap.error("--membw: must be > 0 (GB/s), or 0 for none")
+    if args.membw != "auto":
+        try:
+            args.membw = float(args.membw)
+        except ValueError:
+            args.membw = -1.0
+        if not args.membw >= 0:
+            ap.error("--membw: must be a figure in GB/s, auto, or 0 for none")
     os.environ.setdefault("LIBAPE_LIBRARY", os.path.join(args.build, "lib", "libape.so.0"))
     sys.path.insert(0, os.path.join(ROOT, "python"))
     import numpy as np
@@ -402,7 +444,7 @@ def main():
     print()
     print("| case | what | libape | ms | peer | ms | libape / peer | K/V MiB per step | "
           "libape GB/s%s | peer GB/s | target | max diff |" % (
-              " (of %g)" % args.membw if args.membw else ""))
+              " (share of the read bandwidth, GB/s)" if args.membw else ""))
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in c.rows:
         print("| %s | %s | %s | %.3f | %s | %.3f | %.3fx | %.4g | %s | %s | %s | %.1e |" % (

@@ -138,14 +138,17 @@ static int64_t dec_chunk(struct ape_device *dev, const struct ape_be_launch *l)
 /*
  * A ragged launch's segment table (kernels/decode.cl, dec_seg()) into t (8 per segment): each
  * segment cut into chunks as a dense launch of it alone (B = 1) would be, its partials after the
- * previous segment's. Returns the partial rows of all of them; *most the most chunks of one.
+ * previous segment's; then the nseg + 1 first work-items of the segments' chunks in the one
+ * dimension of the kernel's grid (dec_flat(); the last one the total, in *items). Returns the
+ * partial rows of all of them; *most the most chunks of one.
  */
 static int64_t dec_segs(struct ape_device *dev, const struct ape_be_launch *l, cl_long *t,
-			int64_t *most)
+			int64_t *most, int64_t *items)
 {
 	int64_t off = 0;
 
 	*most = 1;
+	*items = 0;
 	for (int64_t e = 0; e < l->nseg; e++) {
 		const struct ape_be_seg *g = &l->segs[e];
 		const int64_t chunk = dec_chunk_of(dev, l->D, l->Hkv, g->lk > 0 ? g->lk : 1);
@@ -160,10 +163,14 @@ static int64_t dec_segs(struct ape_device *dev, const struct ape_be_launch *l, c
 			t[8 * e + 5] = chunk;
 			t[8 * e + 6] = ns;
 			t[8 * e + 7] = off;
+			t[8 * l->nseg + e] = *items;
 		}
+		*items += l->Hkv * ns;
 		off += l->H * g->lq * ns;
 		*most = ns > *most ? ns : *most;
 	}
+	if (t)
+		t[9 * l->nseg] = *items;
 	return off;
 }
 
@@ -171,10 +178,10 @@ uint64_t ape__ocl_decode_scratch(struct ape_device *dev, const struct ape_be_lau
 {
 	const int64_t chunk = dec_chunk(dev, l), nsplit = (l->Lk + chunk - 1) / chunk;
 	const uint64_t fixed = 8 * (uint64_t)(l->D / 2 + 4 * l->H);
-	int64_t rows = l->B * l->H * l->Lq * nsplit, most;
+	int64_t rows = l->B * l->H * l->Lq * nsplit, most, items;
 
 	if (l->segs && l->nseg > 0) {
-		rows = dec_segs(dev, l, NULL, &most);
+		rows = dec_segs(dev, l, NULL, &most, &items);
 	} else if (l->nseg) {
 		/* a ragged launch, segments unknown: each segment's chunks are at most those of
 		 * a dense launch's split (s) and one per 256 keys, its rows at most DEC_MAX_ROWS */
@@ -332,7 +339,7 @@ int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 	const struct ape__ocl_program *pr;
 	const int64_t chunk = l->segs ? 0 : dec_chunk(q->dev, l);
 	const cl_int D = (cl_int)l->D, H = (cl_int)l->H, group = (cl_int)(l->H / l->Hkv);
-	int64_t seg_lq = l->Lq, seg_lk = l->Lk, prow_n = 0, most = 1;
+	int64_t seg_lq = l->Lq, seg_lk = l->Lk, prow_n = 0, most = 1, items = 0;
 	cl_int nsplit, flags = ape__ocl_fast_flags(l);
 	const cl_long Lq = l->Lq, Lk = l->Lk, rel = l->q_start - l->k_start, ch = chunk;
 	const cl_float scale = (cl_float)l->scale;
@@ -351,6 +358,9 @@ int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 	struct ape__ocl_args a = { 0 };
 	cl_mem prm, part = NULL, none = NULL, sg = NULL, bias[2] = { NULL, NULL };
 	cl_long blen = 0, bhs = 0;
+	/* a ragged launch's segments for the kernel's one-dimensional grid (0: dense, or the
+	 * work-group shape, which takes no ragged launch) */
+	const cl_long nseg = l->segs && !dec_wg(ape__ocl_dev(q->dev)) ? (cl_long)l->nseg : 0;
 	/* a ragged launch: a work-item row per segment and kv head, its segment's table */
 	const size_t nb = (size_t)(l->segs ? l->nseg : l->B);
 	int64_t nr;
@@ -359,9 +369,9 @@ int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 	cl_int err;
 	int ret;
 
-	if (l->segs) { /* grid: the most chunks of one segment; partials as dec_segs() lays them */
+	if (l->segs) { /* grid: every segment's chunks; partials as dec_segs() lays them */
 		dec_seg_max(l, &seg_lq, &seg_lk);
-		prow_n = dec_segs(q->dev, l, NULL, &most);
+		prow_n = dec_segs(q->dev, l, NULL, &most, &items);
 		nsplit = (cl_int)most;
 	} else {
 		nsplit = (cl_int)((l->Lk + chunk - 1) / chunk);
@@ -383,14 +393,15 @@ int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 						   (size_t)(D + 2) * sizeof(float),
 					NULL, &err);
 	if (part && l->segs) {
-		cl_long *t = ape_be_malloc((size_t)l->nseg * 8 * sizeof(*t));
+		const size_t n = (size_t)l->nseg * 9 + 1;
+		cl_long *t = ape_be_malloc(n * sizeof(*t));
 
 		if (!t) {
 			ret = ape_be_error(APE_ENOMEM, "out of host memory for the decode's segments");
 			goto out;
 		}
-		dec_segs(q->dev, l, t, &most);
-		sg = ape__ocl_scratch(q, (size_t)l->nseg * 8 * sizeof(*t), t, &err);
+		dec_segs(q->dev, l, t, &most, &items);
+		sg = ape__ocl_scratch(q, n * sizeof(*t), t, &err);
 		free(t);
 		if (!sg) {
 			clReleaseMemObject(part);
@@ -441,8 +452,12 @@ int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 	ape__ocl_arg(&a, sizeof(cl_mem), &bias[0]);
 	ape__ocl_arg(&a, sizeof(blen), &blen);
 	ape__ocl_arg(&a, sizeof(bhs), &bhs);
+	ape__ocl_arg(&a, sizeof(nseg), &nseg);
 	if (dec_wg(ape__ocl_dev(q->dev)))
 		ret = dec_wg_launch(q, &a, l, nsplit);
+	else if (l->segs) /* one dimension over every segment's chunks (dec_flat()) */
+		ret = ape__ocl_fast_launch(q, &a, "ape_decode", (size_t)(items > 0 ? items : 1), 1,
+					   1);
 	else
 		ret = ape__ocl_fast_launch(q, &a, "ape_decode", (size_t)nsplit, 1,
 					   nb * (size_t)l->Hkv);

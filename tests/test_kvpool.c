@@ -383,10 +383,12 @@ TEST_F(pool, one_sequence_decode_reads_pages_in_place)
 
 /* A decode step of many sequences is one ragged launch: on OpenCL and CUDA the decode kernel
  * reads every sequence's pages in place through the group's slot table (nothing gathered),
- * elsewhere the keys are gathered; every row against the oracle, pages scrambled by removals first. */
+ * elsewhere the keys are gathered; every row against the oracle, pages scrambled by removals
+ * first. Sequences of 1 to 1500 keys (up to 6 of the OpenCL decode's 256-key chunks: its grid
+ * maps work-items to segments of different chunk counts) and one without keys. */
 TEST_F(pool, a_decode_step_of_many_sequences_reads_pages_in_place)
 {
-	ape_kv_pool_options o = pool_options(2, 4, 32, APE_F16, 16, 4096);
+	ape_kv_pool_options o = pool_options(2, 4, 32, APE_F16, 16, 16384);
 	const char *shape = getenv("APE_OCL_DEC_SHAPE"); /* the GPU shape takes no ragged launch */
 	const bool in_place = self->dev->be->ops->attention_pages != NULL &&
 			      !(shape && !strcmp(shape, "gpu"));
@@ -394,15 +396,19 @@ TEST_F(pool, a_decode_step_of_many_sequences_reads_pages_in_place)
 	struct mbatch b;
 	ape_stats st;
 	ape_rng rng;
-	int64_t idx[24], lq[24], nb = 0;
+	int64_t idx[32], lq[32], nb = 0;
 	double eo, el;
 	int ret;
 
 	ape_rng_init(&rng, _metadata->name);
 	ASSERT_EQ(0, model_init(&m, self->dev, &o)) TH_LOG("%s", ape_last_error());
 	for (int i = 0; i < 36; i++) {
+		const int64_t n = self->emu      ? ape_rng_range(&rng, 1, 40)
+				  : i % 4 == 0 ? ape_rng_range(&rng, 300, 1500)
+					       : ape_rng_range(&rng, 1, 150);
+
 		ASSERT_LE(0, model_add(&m, ape_rng_range(&rng, -100, 100), &ret));
-		ASSERT_EQ(0, model_append(&m, &rng, i, ape_rng_range(&rng, 1, self->emu ? 40 : 150)));
+		ASSERT_EQ(0, model_append(&m, &rng, i, n));
 	}
 	for (int i = 0; i < 36; i++) { /* every third goes: the others' next pages scatter */
 		if (i % 3 == 1) {
@@ -415,6 +421,10 @@ TEST_F(pool, a_decode_step_of_many_sequences_reads_pages_in_place)
 		if (i % 3 != 1) {
 			idx[nb] = i;
 			lq[nb++] = 1 + (i % 5 == 0); /* decode rows, some two at once */
+			if (nb == 9) { /* a sequence without keys among them */
+				ASSERT_LE(0, (idx[nb] = model_add(&m, 0, &ret)));
+				lq[nb++] = 1;
+			}
 		}
 	ASSERT_EQ(0, mbatch_make(&b, &m, &rng, nb, idx, lq, POS_DEFAULT));
 	b.desc.skip_tol = 0;

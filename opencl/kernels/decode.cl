@@ -150,11 +150,11 @@ KFN float16 dec_seed16(__global const APE_REAL *omega, int c, APE_REAL n, APE_RE
 		long vsl, int D, long Lq, long Lk, int H, int group, long rel, float scale,       \
 		int flags, long chunk, int nsplit, long pbt, long pnb, long pfirst, long prow,     \
 		long pblk, __global const long *ptab, __global const long *sg,                     \
-		__global const float *BT, long blen, long bhs
+		__global const float *BT, long blen, long bhs, long nseg
 #define DEC_NAMES                                                                                  \
 	Q, K, V, prm, part, qoff, qsb, qsh, qsl, koff, ksb, ksh, ksl, voff, vsb, vsh, vsl, D, Lq,  \
 		Lk, H, group, rel, scale, flags, chunk, nsplit, pbt, pnb, pfirst, prow, pblk, ptab, \
-		sg, BT, blen, bhs
+		sg, BT, blen, bhs, nseg
 
 /*
  * Where keys bb .. bb + len - 1 start, relative to their (batch, kv head) base: j * ksl and
@@ -224,14 +224,48 @@ KFN void dec_touch(__global const void *X, long base, const long *off, int len, 
 }
 
 /*
- * A ragged launch (sg not NULL, the plain shape only): dimension 1 is segment e's kv heads
- * instead of the batch's, e's eight longs at sg + 8 e being its first query row q0, its rows
+ * ape_decode_<RM>'s ragged grid (nseg > 0 segments): one dimension over the chunks of every
+ * segment and kv head, no work-item idle (a 2-D grid of the most chunks of one segment by the
+ * segments' kv heads left most of its work-items nothing to do: a thousand tiny segments beside
+ * a long one, bench/RESULTS.md). The nseg + 1 longs after the segment table (sg + 8 nseg) are
+ * where each segment's work-items start (its kv heads' chunks, the last one the total): work-item
+ * g of segment e (the last start <= g, by bisection) is chunk (g - start) % nsplit of kv head
+ * (g - start) / nsplit, so consecutive work-items take a head's chunks in order as before.
+ * Returns 0 for a work-item past the total (a grid of one for none).
+ */
+KFN int dec_flat(__global const long *sg, long nseg, int Hkv, long *s, long *bkv)
+{
+	__global const long *st = sg + 8 * nseg;
+	const long g = *s;
+	long lo = 0, hi = nseg - 1; /* st[lo] <= g < st[hi + 1] */
+
+	if (g >= st[nseg]) /* past the last (the grid has at least one work-item) */
+		return 0;
+	while (lo < hi) {
+		const long mid = (lo + hi + 1) / 2;
+
+		if (st[mid] <= g)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	const long loc = g - st[lo], ns = sg[8 * lo + 6];
+
+	*bkv = lo * Hkv + loc / ns;
+	*s = loc % ns;
+	return 1;
+}
+
+/*
+ * A ragged launch (sg not NULL, the plain shape only): a work-item's segment e and kv head
+ * come from dec_flat() in ape_decode_<RM>, from dimension 1 in the merge (segment e's heads
+ * instead of the batch's); e's eight longs at sg + 8 e are its first query row q0, its rows
  * lq, its first key row k0, its keys lk, its rows' distance to its first key (q_start -
  * k_start), its chunk, its chunks (nsplit) and where its partials start (poff: row h * lq + i
  * of the segment at partial row poff + (h * lq + i) * nsplit). Each segment is cut into chunks
  * as a dense launch of it alone would be (the host chooses them so), so that its arithmetic is
- * the same, bit for bit, whatever other segments share its launch; work-items past a segment's
- * chunks do nothing. dec_seg() gives a work-item its segment's values.
+ * the same, bit for bit, whatever other segments share its launch. dec_seg() gives a
+ * work-item its segment's values.
  */
 KFN void dec_seg(__global const long *sg, long e, long *b, long *q0, long *lq, long *k0, long *lk,
 		 long *rel, long *chunk, int *nsplit, long *poff)
@@ -254,8 +288,12 @@ KFN void dec_body(DEC_ARGS, const int RM)
 {
 	const int P = DEC_DIM / 2, C = P / 16, dt = FD_DT_IN(flags);
 	const int inter = (flags & FD_INTERLEAVED) != 0, causal = (flags & FD_CAUSAL) != 0;
-	const long s = get_global_id(0), bkv = get_global_id(1);
-	const int Hkv = H / group, kvh = (int)(bkv % Hkv);
+	const int Hkv = H / group;
+	long s = get_global_id(0), bkv = get_global_id(1);
+
+	if (nseg > 0 && !dec_flat(sg, nseg, Hkv, &s, &bkv))
+		return;
+	const int kvh = (int)(bkv % Hkv);
 	long b = bkv / Hkv, q0 = 0, k0 = 0, Lqs = Lq, poff = -1;
 
 	dec_seg(sg, bkv / Hkv, &b, &q0, &Lqs, &k0, &Lk, &rel, &chunk, &nsplit, &poff);
