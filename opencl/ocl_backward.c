@@ -302,7 +302,9 @@ static const struct ape_be_bwd_launch *bwd_dense_short(const struct ape_be_bwd_l
 	const struct ape_be_launch *f = &l->f;
 	const char *e = getenv("APE_OCL_BWD_SHORT");
 
-	if (f->segs || f->pos_q || f->B != 1 || f->Lq < 1 || f->Lq > BWD_SHORT_ROWS ||
+	/* bwd_ragged(): a ragged launch, or the bound asked for a ragged call (segs NULL, nseg
+	 * >= 1: taken for a dense one, it declared one segment's scratch for a call of several) */
+	if (bwd_ragged(f) || f->pos_q || f->B != 1 || f->Lq < 1 || f->Lq > BWD_SHORT_ROWS ||
 	    f->Lk < 1 || f->Lk > BWD_SHORT_KEYS || (e && !strcmp(e, "0")))
 		return l;
 	*one = (struct ape_be_seg){ .q0 = 0, .lq = f->Lq, .k0 = 0, .lk = f->Lk,
