@@ -361,7 +361,7 @@ int ape__ocl_decode(struct ape_be_queue *q, const struct ape_be_launch *l)
 	/* a ragged launch's segments for the kernel's one-dimensional grid (0: dense, or the
 	 * work-group shape, which takes no ragged launch) */
 	const cl_long nseg = l->segs && !dec_wg(ape__ocl_dev(q->dev)) ? (cl_long)l->nseg : 0;
-	/* a ragged launch: a work-item row per segment and kv head, its segment's table */
+	/* the merge's grid: a row per segment (or batch) and head */
 	const size_t nb = (size_t)(l->segs ? l->nseg : l->B);
 	int64_t nr;
 	int rm = 1;
