@@ -336,12 +336,6 @@ static void run_batches(struct __test_metadata *_metadata, ape_device *dev, int 
 	}
 }
 
-/*
- * A staging or an input larger than the device's largest buffer (its caps' max_alloc, lowered
- * by the test wrapper, whose buf_wrap then refuses more as OpenCL's does) is not wrapped where it
- * lies but goes through chunk buffers: the call still succeeds, equals the oracle, and O comes
- * back by copies.
- */
 /* The query rows of a batch that see at least one key (positions shared by the heads). */
 static uint64_t rows_seeing_keys(const struct batch *b)
 {
@@ -357,6 +351,12 @@ static uint64_t rows_seeing_keys(const struct batch *b)
 	return n;
 }
 
+/*
+ * A staging or an input larger than the device's largest buffer (its caps' max_alloc, lowered
+ * by the test wrapper, whose buf_wrap then refuses more as OpenCL's does) is not wrapped where it
+ * lies but goes through chunk buffers: the call still succeeds, equals the oracle, and O comes
+ * back by copies.
+ */
 TEST_F(dev, tensors_past_the_largest_buffer_go_through_chunks)
 {
 	ape_rng rng;
