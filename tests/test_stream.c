@@ -155,6 +155,57 @@ TEST_F(dev, types_layouts_positions)
 	EXPECT_EQ(0, failed);
 }
 
+/*
+ * Rows whose every key is far away under a real decay: the bias of the nearest key enters the
+ * LSE (about -0.3 |n| here), and the chunks' float32 LSEs then set their weights to about
+ * 2^-24 |LSE| (docs/ape.md, "Storage and accuracy"). A streamed call stays within the
+ * table's tolerance plus test_merge_tol_o() of the one-shot reference at |LSE| up to 3e5
+ * (distances 10^3 to 10^6), queries before and after the keys, with and without lambda.
+ */
+TEST_F(dev, merged_chunks_of_rows_far_from_every_key)
+{
+	static const int64_t gaps[] = { 1000, 30000, 1000000 };
+	ape_rng rng;
+	int failed = 0;
+
+	ape_rng_init(&rng, _metadata->name);
+	for (int g = 0; g < 3; g++)
+		for (int v = 0; v < 2; v++) {
+			const ape_exec_options o = chunks(5, 9);
+			test_problem tp, want;
+			double eo, el, lmax = 0;
+			ape_stats st;
+
+			ASSERT_EQ(0, test_problem_make_dims(&tp, &rng, 1, 2, 1, 7, self->emu ? 20 : 40,
+							   16, APE_F32));
+			test_problem_set_params(&tp, 0.3, 0.05, 0.05, v ? 0.2 : 0);
+			tp.desc.causal = false;
+			tp.desc.k_start = ape_rng_range(&rng, 0, 1 << 20);
+			tp.desc.q_start = tp.desc.k_start + (v ? -gaps[g] : gaps[g] + 40);
+			tp.desc.q_start_set = true;
+			ASSERT_EQ(0, one_shot(&want, &tp, self->ref)) TH_LOG("%s", ape_last_error());
+			for (size_t r = 0; r < want.rows; r++)
+				lmax = fmax(lmax, fabs(want.lse[r]));
+			ape_stats_init(&st);
+			ASSERT_EQ(0, run_ex(&tp, &self->dev, 1, &o, &st)) TH_LOG("%s", ape_last_error());
+			EXPECT_GT(st.chunks, 4); /* merged: several key chunks per row */
+			errors(&tp, &want, &eo, &el);
+			TH_LOG("gap %lld, lambda %s: |LSE| up to %.3g, O error %.3g M (%.3g of "
+			       "2^-24 |LSE| M), LSE error %.3g", (long long)gaps[g], v ? "0.2" : "0",
+			       lmax, eo, eo / (0x1p-24 * lmax), el);
+			EXPECT_GT(lmax, 0.25 * (double)gaps[g]); /* the case is what it says */
+			if (eo > test_tol_o(APE_F32) + test_merge_tol_o(lmax) ||
+			    el > test_tol_lse(APE_F32)) {
+				TH_LOG("  over the tolerance %.3g", test_tol_o(APE_F32) +
+									  test_merge_tol_o(lmax));
+				failed++;
+			}
+			test_problem_free(&tp);
+			test_problem_free(&want);
+		}
+	EXPECT_EQ(0, failed);
+}
+
 /* The same chunks whatever the depth: copies and kernels back to back, or overlapped. */
 TEST_F(dev, pipeline_depths_agree_bit_for_bit)
 {

@@ -53,6 +53,15 @@ double test_tol_lse(ape_dtype storage); /* times max(1, |LSE|) */
  * 2 skip_tol / (1 + skip_tol) times max|V| and LSE by at most log(1 + skip_tol). */
 double test_skip_tol_o(double skip_tol);
 double test_skip_tol_lse(double skip_tol);
+/* What merging key chunks may add to O's error (docs/ape.md, "Storage and accuracy"): each
+ * chunk's LSE is float32, off by up to 2^-24 |LSE|, which moves the chunks' weights against
+ * each other; 2^-22 (|LSE| + 1) times max|V| bounds it with a factor of two to spare (|LSE|:
+ * the row's, from the reference). Negligible but where a row's nearest key lies far away
+ * under a strong decay. Static inline: the fuzzers use it without the tests' library. */
+static inline double test_merge_tol_o(double lse)
+{
+	return 0x1p-22 * ((lse < 0 ? -lse : lse) + 1);
+}
 /* Execution options with the given most rows per query and key chunk, the rest default. */
 ape_exec_options test_chunks(int64_t cq, int64_t ck);
 
