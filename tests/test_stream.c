@@ -157,10 +157,10 @@ TEST_F(dev, types_layouts_positions)
 
 /*
  * Rows whose every key is far away under a real decay: the bias of the nearest key enters the
- * LSE (about -0.3 |n| here), and the chunks' float32 LSEs then set their weights to about
- * 2^-24 |LSE| (docs/ape.md, "Storage and accuracy"). A streamed call stays within the
- * table's tolerance plus test_merge_tol_o() of the one-shot reference at |LSE| up to 3e5
- * (distances 10^3 to 10^6), queries before and after the keys, with and without lambda.
+ * LSE (about -0.3 |n| here), and the chunks' float32 LSEs then weigh the chunks with a relative
+ * error of up to about 2^-24 |LSE| (docs/ape.md, "Storage and accuracy"). A streamed call stays
+ * within the table's tolerance plus test_merge_tol_o() of the one-shot reference at |LSE| up to
+ * 3e5 (distances 10^3 to 10^6): queries after the keys with lambda 0, before them with 0.2.
  */
 TEST_F(dev, merged_chunks_of_rows_far_from_every_key)
 {
