@@ -747,19 +747,6 @@ static float *dbias_alloc(const bcase *c)
 	return g;
 }
 
-/* max |a - b| over a table's gradient, relative to max |b| (a NaN in a counts as infinite). */
-static double dbias_rel_err(const bcase *c, const float *a, const float *b)
-{
-	const size_t n = dbias_bytes(c) / sizeof(float);
-	double err = 0, m = 1e-30;
-
-	for (size_t i = 0; i < n; i++) {
-		err = fmax(err, isnan(a[i]) ? INFINITY : fabs((double)a[i] - b[i]));
-		m = fmax(m, fabs((double)b[i]));
-	}
-	return err / m;
-}
-
 /* run_backward() (run_chunked() when cq > 0) with the table's gradient into db (NULL: none). */
 static int run_table(bcase *c, ape_device *dev, grads *g, unsigned wanted, float *db, int64_t cq,
 		     int64_t ck, ape_stats *st)
@@ -858,18 +845,18 @@ TEST_F(bwd, every_backend_bias_table)
 			TH_LOG("%s", ape_last_error());
 		EXPECT_EQ(0, run_table(&c, self->dev, &nodb, W_ALL, NULL, 0, 0, NULL));
 		expect_grads_near(_metadata, &g, &want, dt, sh->H, i);
-		EXPECT_LE(dbias_rel_err(&c, db, want_db), grads_tol(dt))
+		EXPECT_LE(bcase_dbias_rel_err(&c, db, want_db), grads_tol(dt))
 			TH_LOG("case %d: dbias rel err %.3g (%lld rows of %lld)", i,
-			       dbias_rel_err(&c, db, want_db), (long long)c.tp.desc.bias_table_heads,
+			       bcase_dbias_rel_err(&c, db, want_db), (long long)c.tp.desc.bias_table_heads,
 			       (long long)c.tp.desc.bias_table_len);
 		EXPECT_LE(grads_rel_err(&chunked.dq.t, &want.dq.t), grads_tol(dt)) TH_LOG("case %d", i);
 		EXPECT_LE(grads_rel_err(&chunked.dk.t, &want.dk.t), grads_tol(dt)) TH_LOG("case %d", i);
 		EXPECT_LE(grads_rel_err(&chunked.dv.t, &want.dv.t), grads_tol(dt)) TH_LOG("case %d", i);
 		EXPECT_LE(grads_rel_err_params(chunked.dparams, want.dparams, sh->H), grads_tol(dt))
 			TH_LOG("case %d", i);
-		EXPECT_LE(dbias_rel_err(&c, chunked_db, want_db), grads_tol(dt))
+		EXPECT_LE(bcase_dbias_rel_err(&c, chunked_db, want_db), grads_tol(dt))
 			TH_LOG("case %d: chunked dbias rel err %.3g", i,
-			       dbias_rel_err(&c, chunked_db, want_db));
+			       bcase_dbias_rel_err(&c, chunked_db, want_db));
 		EXPECT_TRUE(same_grads(&g, &again, W_ALL)) TH_LOG("case %d: reruns differ", i);
 		EXPECT_EQ(0, memcmp(db, again_db, dbias_bytes(&c))) TH_LOG("case %d: reruns differ", i);
 		EXPECT_EQ(0, memcmp(db, alone_db, dbias_bytes(&c))) TH_LOG("case %d: alone differs", i);
@@ -962,19 +949,19 @@ TEST_F(bwd, every_backend_bias_table_skipping)
 		EXPECT_LE(grads_rel_err(&g.dv.t, &want.dv.t), grads_tol(APE_F32)) TH_LOG("kind %d", kind);
 		EXPECT_LE(grads_rel_err_params(g.dparams, want.dparams, sh.H), grads_tol(APE_F32))
 			TH_LOG("kind %d", kind);
-		EXPECT_LE(dbias_rel_err(&c, db, want_db), grads_tol(APE_F32)) TH_LOG("kind %d", kind);
+		EXPECT_LE(bcase_dbias_rel_err(&c, db, want_db), grads_tol(APE_F32)) TH_LOG("kind %d", kind);
 		EXPECT_LE(grads_rel_err(&chunked.dq.t, &want.dq.t), grads_tol(APE_F32));
 		EXPECT_LE(grads_rel_err(&chunked.dk.t, &want.dk.t), grads_tol(APE_F32));
 		EXPECT_LE(grads_rel_err(&chunked.dv.t, &want.dv.t), grads_tol(APE_F32));
 		EXPECT_LE(grads_rel_err_params(chunked.dparams, want.dparams, sh.H), grads_tol(APE_F32));
-		EXPECT_LE(dbias_rel_err(&c, chunked_db, want_db), grads_tol(APE_F32));
+		EXPECT_LE(bcase_dbias_rel_err(&c, chunked_db, want_db), grads_tol(APE_F32));
 		TH_LOG("kind %d: %llu of %llu visible pairs computed; errors dq %.2e dk %.2e dv %.2e "
 		       "dparams %.2e dbias %.2e",
 		       kind, (unsigned long long)st.pairs_computed, (unsigned long long)visible,
 		       grads_rel_err(&g.dq.t, &want.dq.t), grads_rel_err(&g.dk.t, &want.dk.t),
 		       grads_rel_err(&g.dv.t, &want.dv.t),
 		       grads_rel_err_params(g.dparams, want.dparams, sh.H),
-		       dbias_rel_err(&c, db, want_db));
+		       bcase_dbias_rel_err(&c, db, want_db));
 		free(want_db);
 		free(db);
 		free(chunked_db);

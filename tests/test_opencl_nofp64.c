@@ -70,17 +70,6 @@ static float *dbias_alloc(const bcase *c)
 	return g;
 }
 
-static double dbias_rel_err(const bcase *c, const float *a, const float *b)
-{
-	double err = 0, m = 1e-30;
-
-	for (size_t i = 0; i < dbias_len(c); i++) {
-		err = fmax(err, isnan(a[i]) ? INFINITY : fabs((double)a[i] - b[i]));
-		m = fmax(m, fabs((double)b[i]));
-	}
-	return err / m;
-}
-
 /*
  * dQ, dK, dV and dparams (and with `table` a distance-bias table's gradient) against the
  * reference on awkward shapes, every storage type, both layouts, causal or not, offsets; each
@@ -152,7 +141,7 @@ static void sweep(struct __test_metadata *_metadata, bool table)
 		e[1] = grads_rel_err(&g.dk.t, &want.dk.t);
 		e[2] = grads_rel_err(&g.dv.t, &want.dv.t);
 		e[3] = grads_rel_err_params(g.dparams, want.dparams, sh->H);
-		e[4] = table ? dbias_rel_err(&c, db, want_db) : 0;
+		e[4] = table ? bcase_dbias_rel_err(&c, db, want_db) : 0;
 		TH_LOG("case %d (%s, B %lld H %lld Hkv %lld Lq %lld Lk %lld D %lld, %s, %s): dq %.2e "
 		       "dk %.2e dv %.2e dparams %.2e dbias %.2e",
 		       i, dt == APE_F32 ? "f32" : dt == APE_F16 ? "f16" : "bf16", (long long)sh->B,

@@ -384,3 +384,28 @@ int dlbwd_run(ape_device *dev, const bcase *c, dlbwd *b, unsigned wanted,
 					     wanted & W_DV ? &b->t[9] : NULL,
 					     wanted & W_DP ? &b->t[10] : NULL, stream);
 }
+
+double bcase_dbias_rel_err(const bcase *c, const float *a, const float *b)
+{
+	const ape_attn_desc *d = &c->tp.desc;
+	const int64_t B = c->tp.q.t.shape[0], H = c->tp.q.t.shape[1], Lq = c->tp.q.t.shape[2];
+	const size_t n = (size_t)(d->bias_table_heads * d->bias_table_len);
+	double err = 0, m = 1e-30;
+
+	for (size_t i = 0; i < n; i++) {
+		err = fmax(err, isnan(a[i]) ? INFINITY : fabs((double)a[i] - b[i]));
+		m = fmax(m, fabs((double)b[i]));
+	}
+	if (d->bias_table_len == 1 && c->dlse) /* entry e: heads e (one row: every head) */
+		for (int64_t e = 0; e < d->bias_table_heads; e++) {
+			double s = 0;
+
+			for (int64_t x = 0; x < B; x++)
+				for (int64_t h = 0; h < H; h++)
+					for (int64_t i = 0; i < Lq && (d->bias_table_heads == 1 || h == e);
+					     i++)
+						s += fabs(c->dlse[(x * H + h) * Lq + i]);
+			m = fmax(m, s);
+		}
+	return err / m;
+}

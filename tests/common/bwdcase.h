@@ -36,6 +36,15 @@ typedef struct grads {
 int bcase_make(bcase *c, ape_rng *r, const test_problem_shape *sh, ape_dtype dt, bool strided,
 	       bool with_dlse);
 void bcase_free(bcase *c);
+/*
+ * max |a - b| over the gradient of c's distance-bias table (bias_table_heads x bias_table_len
+ * floats), relative to its scale (a NaN in a counts as infinite). The scale is max |b|, except
+ * for a table of one entry per head row: over every key of a row dS sums to dLSE_i, so such an
+ * entry is the sum of its rows' dLSE, which random signs cancel down to any size while each
+ * term keeps its float32 rounding; there the scale is at least the sum of those |dLSE_i|
+ * (c->dlse given; 2026-12-08: an entry of 0.076 from terms summing to 96 in absolute value).
+ */
+double bcase_dbias_rel_err(const bcase *c, const float *a, const float *b);
 /* The saved O and LSE, from the forward on dev; returns its code. */
 int bcase_forward(bcase *c, ape_device *dev);
 /* bcase_make(), random parameters (test_problem_random_params()), bcase_forward(). */
